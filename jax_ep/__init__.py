@@ -1,0 +1,21 @@
+"""jax_ep: expert-parallel dispatch/combine for Mixture-of-Experts models in JAX."""
+
+from jax_ep.config import EPConfig
+from jax_ep.ops import combine, dispatch, get_dispatch_layout
+from jax_ep.reference import dequantize_fp8
+from jax_ep.types import Dispatched, Handle, Layout
+from jax_ep.validation import EPValueError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EPConfig",
+    "Dispatched",
+    "EPValueError",
+    "Handle",
+    "Layout",
+    "combine",
+    "dequantize_fp8",
+    "dispatch",
+    "get_dispatch_layout",
+]

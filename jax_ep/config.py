@@ -1,0 +1,104 @@
+"""Static configuration of the expert-parallel ops (hashable, so it can be a jit static argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+DISPATCH_DTYPES = (None, "bfloat16", "float8_e4m3fn")
+BACKENDS = ("auto", "reference", "cuda")
+FP8_BLOCK = 128  # channels per FP8 scale (per token, per 128 channels)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+    """Everything the dispatch/combine ops need to know at trace time.
+
+    Attributes:
+      num_experts: experts across the whole EP group; must divide by the EP size.
+      num_topk: experts each token picks (K).
+      hidden: hidden size H of the tokens.
+      max_tokens_per_rank: the most tokens a rank passes to one dispatch call (T <= this).
+      axis_name: the mesh axis the experts are sharded over (the EP axis).
+      capacity: receive rows per rank (C). None = worst case: no row can ever be dropped.
+        A smaller capacity drops the overflowing rows deterministically and counts them.
+      expert_alignment: each expert's segment of the receive buffer is padded to a multiple of this.
+      dispatch_dtype: None keeps x's dtype on the wire; "bfloat16"; or "float8_e4m3fn" with
+        per-token, per-128-channel float32 scales (amax / 448).
+      num_sms: streaming multiprocessors the CUDA kernels may occupy (never all of them).
+      backend: "auto" (cuda when available, else reference), "reference" (pure JAX), "cuda".
+      checked: validate traced values (expert ids, dropped rows) at run time and raise on error.
+    """
+
+    num_experts: int
+    num_topk: int
+    hidden: int
+    max_tokens_per_rank: int
+    axis_name: str = "ep"
+    capacity: int | None = None
+    expert_alignment: int = 1
+    dispatch_dtype: str | None = None
+    num_sms: int = 24
+    backend: str = "auto"
+    checked: bool = False
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_topk", "hidden", "max_tokens_per_rank",
+                     "expert_alignment", "num_sms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EPConfig.{name} must be a positive int, got {value!r}")
+        if self.num_topk > self.num_experts:
+            raise ValueError(f"EPConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
+        if self.capacity is not None:
+            if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 1:
+                raise ValueError(f"EPConfig.capacity must be None or a positive int, got {self.capacity!r}")
+            if self.capacity % self.expert_alignment:
+                raise ValueError(
+                    f"EPConfig.capacity={self.capacity} must be a multiple of "
+                    f"expert_alignment={self.expert_alignment}")
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            raise ValueError(f"EPConfig.dispatch_dtype must be one of {DISPATCH_DTYPES}, "
+                             f"got {self.dispatch_dtype!r}")
+        if self.dispatch_dtype == "float8_e4m3fn" and self.hidden % FP8_BLOCK:
+            raise ValueError(f"EPConfig.hidden={self.hidden} must be a multiple of {FP8_BLOCK} "
+                             "for dispatch_dtype='float8_e4m3fn'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EPConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            raise ValueError(f"EPConfig.axis_name must be a non-empty str, got {self.axis_name!r}")
+
+    # ---- derived sizes (ep_size is the size of the mesh axis, known inside shard_map) ----
+    def check_ep_size(self, ep_size: int) -> None:
+        if self.num_experts % ep_size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the EP size "
+                             f"{ep_size} (mesh axis {self.axis_name!r})")
+
+    def num_local_experts(self, ep_size: int) -> int:
+        self.check_ep_size(ep_size)
+        return self.num_experts // ep_size
+
+    def worst_case_capacity(self, ep_size: int) -> int:
+        """Rows a rank can receive at most: every token of every rank picks min(K, E_local) of its
+        experts, and every expert segment carries up to alignment-1 rows of padding."""
+        local = self.num_local_experts(ep_size)
+        rows = ep_size * self.max_tokens_per_rank * min(self.num_topk, local)
+        rows += local * (self.expert_alignment - 1)
+        return _round_up(rows, self.expert_alignment)
+
+    def resolved_capacity(self, ep_size: int) -> int:
+        if self.capacity is None:
+            return self.worst_case_capacity(ep_size)
+        return self.capacity
+
+    @property
+    def num_scale_blocks(self) -> int:
+        return math.ceil(self.hidden / FP8_BLOCK)
+
+    def replace(self, **changes) -> EPConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

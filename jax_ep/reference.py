@@ -1,0 +1,192 @@
+"""The reference path: dispatch/combine in pure JAX. It defines the exact semantics.
+
+Everything here is a per-rank view, called inside ``shard_map`` over the EP mesh axis. Tokens travel
+with ``lax.all_to_all`` on capacity-padded buffers ``[R, T, ...]`` (slot t of the block for rank r
+holds token t if it goes to r, zeros otherwise), then each receiver expands what it got into
+expert-major rows. It runs on any platform (``ragged_all_to_all`` is not implemented on XLA:CPU) and
+is the baseline the CUDA path is measured against.
+
+Semantics (docs/api.md has the user-facing version):
+  * ``topk_idx`` is sanitised first: an id < 0 or >= num_experts is an unused slot (like -1), and a
+    slot naming an expert already named by an earlier slot of the same token is unused too. Checked
+    mode turns out-of-range ids into an error instead.
+  * Expert e lives on rank e // E_local. A token travels to a rank once, however many of that
+    rank's experts it picked.
+  * Receive rows are expert-major. Within a local expert, rows are ordered by (source rank, source
+    token). Expert segment e starts at offset_e = sum_{e'<e} round_up(count_e', alignment).
+  * Capacity: rows whose offset would reach C are dropped, in that order (the last experts' rows
+    first, and within an expert the last source ranks/tokens first); group_sizes stay aligned and
+    num_dropped counts the dropped rows. A dropped row contributes nothing to combine.
+  * combine: each receiver sums, in float32 and in top-k slot order, the weighted rows of each
+    (token, rank) pair, rounds the partial sum to y's dtype, sends it back; the source sums the
+    partial sums in float32 in rank order and rounds to y's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ep.config import FP8_BLOCK, FP8_MAX, EPConfig
+from jax_ep.types import Dispatched, Handle, Layout
+
+FP8_MIN_AMAX = 1e-4  # keeps the scale finite for all-zero blocks
+
+
+def sanitize_topk(topk_idx: jax.Array, num_experts: int) -> jax.Array:
+    """Out-of-range ids and repeated experts within a token become -1 (unused)."""
+    idx = jnp.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, -1).astype(jnp.int32)
+    k = idx.shape[1]
+    same = idx[:, :, None] == idx[:, None, :]                      # [T, k, j]
+    earlier = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]      # j < k
+    repeated = jnp.any(same & earlier[None], axis=2) & (idx >= 0)
+    return jnp.where(repeated, -1, idx)
+
+
+def layout(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
+    """Per-rank and per-expert token counts and token->rank membership (DeepEP's get_dispatch_layout)."""
+    idx = sanitize_topk(topk_idx, num_experts)
+    experts_per_rank = num_experts // ep_size
+    dest_rank = jnp.where(idx >= 0, idx // experts_per_rank, -1)
+    in_rank = jnp.any(dest_rank[:, :, None] == jnp.arange(ep_size)[None, None, :], axis=1)
+    per_expert = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(idx >= 0, idx, num_experts)].add(
+        1, mode="drop")
+    per_rank = jnp.sum(in_rank, axis=0, dtype=jnp.int32)
+    return Layout(per_rank, per_expert, in_rank)
+
+
+def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token, per-128-channel e4m3 quantisation: scale = amax / 448, q = x * (448 / amax)."""
+    t, h = x.shape
+    blocks = -(-h // FP8_BLOCK)
+    xf = x.astype(jnp.float32)
+    padded = jnp.pad(xf, ((0, 0), (0, blocks * FP8_BLOCK - h))).reshape(t, blocks, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(padded), axis=2), FP8_MIN_AMAX)
+    inv_scale = FP8_MAX / amax
+    q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
+    return q.astype(jnp.float8_e4m3fn), amax / FP8_MAX
+
+
+def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Inverse of quantize_fp8 (up to e4m3 rounding)."""
+    c, h = q.shape
+    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=1)[:, :h]
+    return (q.astype(jnp.float32) * per_channel).astype(dtype)
+
+
+def _all_to_all(send: jax.Array, axis_name: str) -> jax.Array:
+    """send[r] goes to rank r; result[s] came from rank s."""
+    return lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+
+
+def _round_up(x: jax.Array, multiple: int) -> jax.Array:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
+    """table[index] with zeros where index == -1."""
+    safe = jnp.where(index >= 0, index, table.shape[0])
+    return jnp.take(table, safe, axis=0, mode="fill", fill_value=0)
+
+
+def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
+    """Forward dispatch (no custom_vjp here: jax_ep.ops wraps it)."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    local_experts = cfg.num_local_experts(ep_size)
+    capacity = cfg.resolved_capacity(ep_size)
+    align = cfg.expert_alignment
+    num_tokens, topk = topk_idx.shape
+
+    idx = sanitize_topk(topk_idx, cfg.num_experts)
+    lay = layout(idx, cfg.num_experts, ep_size)
+    dest_rank = jnp.where(idx >= 0, idx // local_experts, -1)
+    local_expert = idx % local_experts
+
+    # --- the wire: every rank sends a [T, ...] block to every rank ---------------------------------
+    if cfg.dispatch_dtype == "float8_e4m3fn":
+        payload, scales = quantize_fp8(x)
+    else:
+        payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
+        scales = None
+    to_rank = lay.is_token_in_rank.T                                   # [R, T]
+    ranks = jnp.arange(ep_size)[:, None, None]
+    on_rank = dest_rank[None] == ranks                                 # [R, T, K]
+    recv_x = _all_to_all(jnp.where(to_rank[:, :, None], payload[None], 0), cfg.axis_name)
+    recv_expert = _all_to_all(jnp.where(on_rank, local_expert[None], -1), cfg.axis_name)
+    recv_weight = _all_to_all(jnp.where(on_rank, topk_weights.astype(jnp.float32)[None], 0.0),
+                              cfg.axis_name)
+    num_slots = ep_size * num_tokens
+    recv_x = recv_x.reshape(num_slots, -1)
+    recv_expert = recv_expert.reshape(num_slots, topk)
+    recv_weight = recv_weight.reshape(num_slots, topk)
+
+    # --- expansion into expert-major rows ------------------------------------------------------
+    picks = jnp.any(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :], axis=1)
+    picks_i = picks.astype(jnp.int32)                                   # [N, E_local]
+    counts = jnp.sum(picks_i, axis=0)
+    offsets = jnp.minimum(jnp.cumsum(_round_up(counts, align)) - _round_up(counts, align), capacity)
+    kept = jnp.minimum(counts, capacity - offsets)
+    group_sizes = _round_up(kept, align).astype(jnp.int32)
+    rank_in_expert = jnp.cumsum(picks_i, axis=0) - picks_i              # exclusive
+    keep = picks & (rank_in_expert < kept[None, :])
+    position = offsets[None, :] + rank_in_expert                        # [N, E_local]
+
+    slot_ids = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32)[:, None], picks.shape)
+    src_index = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, position, capacity)].set(
+        slot_ids, mode="drop")
+    expert_of_slot = jnp.maximum(recv_expert, 0)
+    slot_row = jnp.take_along_axis(position, expert_of_slot, axis=1)
+    slot_kept = jnp.take_along_axis(keep, expert_of_slot, axis=1) & (recv_expert >= 0)
+    token_rows = jnp.where(slot_kept, slot_row, -1).astype(jnp.int32)   # [N, K]
+    row_weights = jnp.zeros((capacity,), jnp.float32).at[jnp.where(slot_kept, slot_row, capacity)].set(
+        recv_weight, mode="drop")
+
+    rows = _take_rows(recv_x, src_index)
+    row_scales = None
+    if scales is not None:
+        recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
+        row_scales = _take_rows(recv_scales.reshape(num_slots, -1), src_index)
+    handle = Handle(src_index, token_rows, lay.is_token_in_rank, row_weights)
+    num_dropped = jnp.sum(counts - kept).astype(jnp.int32)
+    return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), row_weights, num_dropped,
+                      handle)
+
+
+def combine(y: jax.Array, row_weights: jax.Array | None, handle: Handle, cfg: EPConfig) -> jax.Array:
+    """Gate-weighted (or, with row_weights None, plain) sum of each token's rows, back at its source."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    num_slots, topk = handle.token_rows.shape
+    num_tokens = num_slots // ep_size
+    yf = y.astype(jnp.float32)
+    partial = jnp.zeros((num_slots, y.shape[1]), jnp.float32)
+    for k in range(topk):  # fixed summation order: top-k slot order
+        rows = handle.token_rows[:, k]
+        term = _take_rows(yf, rows)
+        if row_weights is not None:
+            term = term * _take_rows(row_weights, rows)[:, None]
+        partial = partial + term
+    partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, -1)
+    returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)
+    total = returned[0]
+    for r in range(1, ep_size):  # fixed summation order: rank order
+        total = total + returned[r]
+    return total.astype(y.dtype)
+
+
+def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+    """Send each token's row to the ranks it was dispatched to and place it on its receive rows
+    (dispatch with a known handle; no gate weights). Empty rows are zero."""
+    to_rank = handle.is_token_in_rank.T
+    recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
+    return _take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
+
+
+def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+    """For each source token and top-k slot, the value of its receive row ([C] -> [T, K]); 0 where
+    the slot has no row (unused, duplicate or dropped)."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    num_slots, topk = handle.token_rows.shape
+    per_slot = _take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)
+    returned = _all_to_all(per_slot, cfg.axis_name)
+    return jnp.sum(returned, axis=0)

@@ -1,0 +1,79 @@
+"""Argument checks. Static ones (shapes, dtypes, sizes) raise at trace time; value checks on traced
+arrays (expert ids, dropped rows) run in checked mode and raise when the computation runs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep.config import EPConfig
+
+
+class EPValueError(ValueError):
+    """A traced value was invalid (checked mode)."""
+
+
+def _shape_of(a) -> tuple:
+    return tuple(getattr(a, "shape", ()))
+
+
+def check_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig, ep_size: int) -> None:
+    cfg.check_ep_size(ep_size)
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"dispatch: x must be 2-D [tokens, hidden], got shape {_shape_of(x)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"dispatch: x must be floating point, got dtype {x.dtype}")
+    tokens, hidden = x.shape
+    if hidden != cfg.hidden:
+        raise ValueError(f"dispatch: x has hidden size {hidden} but cfg.hidden={cfg.hidden}")
+    if tokens > cfg.max_tokens_per_rank:
+        raise ValueError(f"dispatch: x has {tokens} tokens on this rank, more than "
+                         f"cfg.max_tokens_per_rank={cfg.max_tokens_per_rank}")
+    expected = (tokens, cfg.num_topk)
+    if _shape_of(topk_idx) != expected:
+        raise ValueError(f"dispatch: topk_idx must have shape {expected} (tokens, num_topk), "
+                         f"got {_shape_of(topk_idx)}")
+    if topk_idx.dtype != jnp.int32:
+        raise ValueError(f"dispatch: topk_idx must be int32, got dtype {topk_idx.dtype}")
+    if _shape_of(topk_weights) != expected:
+        raise ValueError(f"dispatch: topk_weights must have shape {expected} (tokens, num_topk), "
+                         f"got {_shape_of(topk_weights)}")
+    if topk_weights.dtype != jnp.float32:
+        raise ValueError(f"dispatch: topk_weights must be float32, got dtype {topk_weights.dtype}")
+
+
+def check_combine_args(y, handle, cfg: EPConfig) -> None:
+    capacity = handle.src_index.shape[0]
+    if getattr(y, "ndim", None) != 2 or y.shape[0] != capacity:
+        raise ValueError(f"combine: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
+    if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
+        raise ValueError(f"combine: y must be float32/bfloat16/float16, got dtype {y.dtype}")
+
+
+def check_topk_values(topk_idx: jax.Array, num_experts: int) -> None:
+    """Checked mode: every id must be -1 or in [0, num_experts)."""
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+
+    def _raise(num_bad, first_value):
+        if int(num_bad):
+            raise EPValueError(f"jax_ep: topk_idx has {int(num_bad)} ids outside [-1, {num_experts}); "
+                               f"first bad value {int(first_value)}")
+
+    first = jnp.where(jnp.any(bad), topk_idx.reshape(-1)[jnp.argmax(bad.reshape(-1))], 0)
+    jax.debug.callback(_raise, jnp.sum(bad), first)
+
+
+def check_no_drops(num_dropped: jax.Array, capacity: int) -> None:
+    """Checked mode: capacity overflow is an error naming the count."""
+
+    def _raise(dropped):
+        if int(dropped):
+            raise EPValueError(f"jax_ep: capacity {capacity} too small: {int(dropped)} rows dropped on "
+                               "this rank (raise EPConfig.capacity, or None for the worst case)")
+
+    jax.debug.callback(_raise, num_dropped)
+
+
+def float0_like(a) -> np.ndarray:
+    return np.zeros(np.shape(a), dtype=jax.dtypes.float0)
