@@ -1,0 +1,96 @@
+"""A small decoder-only language model with MoE FFN layers (used by the demo and the examples)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jax_ep.moe import MoE
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    vocab: int = 256            # bytes
+    hidden: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    ffn_hidden: int = 128
+    num_experts: int = 16
+    num_topk: int = 2
+    score_func: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int | None = None
+    shared_ffn_hidden: int = 0
+    bias_update_rate: float = 0.0
+    aux_loss_alpha: float = 0.0
+    backend: str = "auto"
+    dispatch_dtype: str | None = None
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LMConfig, mesh: Mesh | None, axis_name: str, *, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(cfg.hidden, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.hidden, decode=False, use_bias=False,
+                                           rngs=rngs)
+        self.ffn_norm = nnx.RMSNorm(cfg.hidden, rngs=rngs)
+        self.moe = MoE(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.num_topk, rngs=rngs, mesh=mesh,
+                       axis_name=axis_name, score_func=cfg.score_func, num_groups=cfg.num_groups,
+                       topk_groups=cfg.topk_groups, shared_ffn_hidden=cfg.shared_ffn_hidden,
+                       bias_update_rate=cfg.bias_update_rate, aux_loss_alpha=cfg.aux_loss_alpha,
+                       backend=cfg.backend, dispatch_dtype=cfg.dispatch_dtype)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.attn_norm(x), mask=mask)
+        return x + self.moe(self.ffn_norm(x))
+
+
+class MoETransformerLM(nnx.Module):
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None, axis_name: str = "ep"):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab, cfg.hidden, rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, mesh, axis_name, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = nnx.RMSNorm(cfg.hidden, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.embed.attend(self.norm(x))
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.moe for block in self.blocks]
+
+    def aux_loss(self) -> jax.Array:
+        return sum(layer.aux_loss for layer in self.moe_layers())
+
+
+def next_token_loss(model: MoETransformerLM, batch: jax.Array) -> jax.Array:
+    logits = model(batch[:, :-1])
+    labels = batch[:, 1:]
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), labels[..., None], -1)
+    return jnp.mean(ce) + model.aux_loss()
+
+
+def corpus_bytes() -> np.ndarray:
+    """Training text that ships with every Python: the source of a few standard-library modules."""
+    import json
+    import textwrap
+    import typing
+
+    text = "".join(pathlib.Path(m.__file__).read_text() for m in (textwrap, json.decoder, typing))
+    return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
+
+
+def batches(data: np.ndarray, batch: int, seq_len: int, seed: int = 0):
+    """Endless random windows of seq_len + 1 bytes."""
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(data) - seq_len - 1, batch)
+        yield np.stack([data[s:s + seq_len + 1] for s in starts])
