@@ -1,0 +1,190 @@
+"""Expert load balancing for MoE training: aux-loss-free bias updates, the sequence-wise aux loss, and
+load statistics.
+
+All functions are pure and framework-light (arrays in, arrays out): a Flax module keeps the state
+(selection bias, `LoadStats`) in non-trainable variables and calls these to update it.
+
+Formulas (DeepSeek-V3, arXiv:2412.19437, section 2.1.2), with E routed experts and K = top-k:
+
+* aux-loss-free balancing: after each step, `b_i <- b_i + rate * sign(mean_j(load_j) - load_i)`: experts
+  that received fewer tokens than average become more attractive to the selection (`gating.route` adds
+  `b` to the scores for selection only).
+* sequence-wise balance loss, per sequence of T tokens, averaged over sequences:
+      L = alpha * sum_i f_i * P_i
+      f_i = E / (K * T) * sum_t 1[expert i in top-k of token t]       (1 for every expert when balanced)
+      P_i = 1 / T * sum_t s'_{i,t},  s'_{i,t} = s_{i,t} / sum_j s_{j,t}  (normalised affinity scores)
+  Only P carries gradient (f counts discrete choices). A perfectly balanced sequence gives L = alpha.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+def _check_num_experts(name: str, array: jax.Array, num_experts: int) -> None:
+    if array.shape[-1] != num_experts:
+        raise ValueError(f"{name}.shape[-1]={array.shape[-1]} does not match num_experts={num_experts} "
+                         f"({name}.shape={array.shape})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-step expert loads
+# ---------------------------------------------------------------------------------------------------------
+def expert_counts(topk_idx: jax.Array, num_experts: int, *, token_mask: jax.Array | None = None,
+                  axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+    """Tokens routed to each expert: [E] int32 from topk_idx [..., K] (-1 = unused slot, not counted).
+
+    token_mask: optional [...] bool, False for padding tokens (not counted).
+    axis_name: mesh axis (or axes) to sum over inside shard_map/pmap, so every rank sees the global load.
+    """
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    valid = topk_idx >= 0
+    if token_mask is not None:
+        if token_mask.shape != topk_idx.shape[:-1]:
+            raise ValueError(f"token_mask.shape={token_mask.shape} must equal topk_idx.shape[:-1]="
+                             f"{topk_idx.shape[:-1]}")
+        valid = valid & token_mask[..., None]
+    # Integer scatter-add: exact and order-independent (deterministic), no [T, K, E] one-hot in memory.
+    # Invalid slots are sent out of bounds and dropped.
+    target = jnp.where(valid, topk_idx, num_experts).reshape(-1)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[target].add(1, mode="drop")
+    if axis_name is not None:
+        counts = jax.lax.psum(counts, axis_name)
+    return counts
+
+
+def gather_expert_counts(local_expert_counts: jax.Array, axis_name: str) -> jax.Array:
+    """Global [E] loads from each rank's `Dispatched.expert_counts` [E_local] (inside shard_map).
+
+    Uses the unpadded counts (`group_sizes` includes `expert_alignment` padding and would overstate loads).
+    Experts are laid out contiguously per rank, so a tiled all_gather puts them in global order.
+    """
+    return jax.lax.all_gather(local_expert_counts, axis_name, tiled=True)
+
+
+def imbalance(load: jax.Array) -> jax.Array:
+    """max(load) / mean(load) over the last axis (1 = perfectly balanced); 1 where nothing was routed."""
+    load = load.astype(jnp.float32)
+    mean = load.mean(axis=-1)
+    peak = load.max(axis=-1)
+    safe_mean = jnp.where(mean > 0, mean, 1.0)
+    return jnp.where(mean > 0, peak / safe_mean, 1.0)
+
+
+class LoadStats(NamedTuple):
+    """Running per-expert load statistics (all float32 so they can live in one non-trainable variable).
+
+    Totals are float32: exact up to 2**24 tokens per expert, then they round (the ratios stay meaningful).
+    """
+
+    last: jax.Array       # [E] load of the most recent step
+    total: jax.Array      # [E] load summed over all steps
+    ema: jax.Array        # [E] exponential moving average of the per-step load
+    num_steps: jax.Array  # [] float32 steps accumulated
+
+
+def init_load_stats(num_experts: int) -> LoadStats:
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    zeros = jnp.zeros((num_experts,), jnp.float32)
+    return LoadStats(zeros, zeros, zeros, jnp.zeros((), jnp.float32))
+
+
+def accumulate_load(stats: LoadStats, step_load: jax.Array, ema_decay: float = 0.99) -> LoadStats:
+    """Adds one step's [E] load. The EMA starts at the first step's load (no bias toward 0)."""
+    if not 0.0 <= ema_decay < 1.0:
+        raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
+    _check_num_experts("step_load", step_load, stats.last.shape[-1])
+    step_load = step_load.astype(jnp.float32)
+    ema = jnp.where(stats.num_steps > 0, ema_decay * stats.ema + (1.0 - ema_decay) * step_load, step_load)
+    return LoadStats(step_load, stats.total + step_load, ema, stats.num_steps + 1.0)
+
+
+def load_summary(stats: LoadStats) -> dict[str, jax.Array]:
+    """Scalars worth logging: imbalance (max/mean) of the last step, the EMA and the running total."""
+    return {"imbalance_last": imbalance(stats.last),
+            "imbalance_ema": imbalance(stats.ema),
+            "imbalance_total": imbalance(stats.total)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aux-loss-free balancing
+# ---------------------------------------------------------------------------------------------------------
+def update_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
+    """bias + rate * sign(mean(load) - load): raise the bias of underloaded experts, lower overloaded ones.
+
+    Use the global load (sum over data/EP ranks, e.g. `expert_counts(..., axis_name=...)`) so every rank
+    applies the same update. Returns float32; no gradient flows through it.
+    """
+    if bias.shape != expert_load.shape or bias.ndim != 1:
+        raise ValueError(f"bias.shape={bias.shape} and expert_load.shape={expert_load.shape} must be the "
+                         "same [E]")
+    load = jax.lax.stop_gradient(expert_load).astype(jnp.float32)
+    step = jnp.sign(load.mean() - load)
+    return jax.lax.stop_gradient(bias).astype(jnp.float32) + jnp.float32(rate) * step
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequence-wise auxiliary balance loss
+# ---------------------------------------------------------------------------------------------------------
+def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, alpha: float, *,
+                      token_mask: jax.Array | None = None, sequence_length: int | None = None) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss (formula in the module docstring), averaged over sequences.
+
+    Args:
+      scores: [B, S, E] router scores (softmax or sigmoid, before any bias); [S, E] is one sequence, or
+        [T, E] with `sequence_length` = S splits T into T // S sequences.
+      topk_idx: [B, S, K] (same leading shape as scores) chosen experts; -1 slots are ignored.
+      num_experts: E (checked against scores).
+      alpha: the loss coefficient (DeepSeek-V3 uses a very small one, e.g. 1e-4).
+      token_mask: optional [B, S] bool; padding tokens (False) count neither in f, P nor T.
+      sequence_length: see `scores`.
+
+    Returns:
+      scalar float32 loss; differentiable with respect to scores.
+    """
+    _check_num_experts("scores", scores, num_experts)
+    if scores.shape[:-1] != topk_idx.shape[:-1]:
+        raise ValueError(f"scores.shape={scores.shape} and topk_idx.shape={topk_idx.shape} must agree on the "
+                         "token axes")
+    if token_mask is not None and token_mask.shape != scores.shape[:-1]:
+        raise ValueError(f"token_mask.shape={token_mask.shape} must equal scores.shape[:-1]="
+                         f"{scores.shape[:-1]}")
+    num_topk = topk_idx.shape[-1]
+    if sequence_length is not None:
+        if scores.ndim != 2 or scores.shape[0] % sequence_length:
+            raise ValueError(f"sequence_length={sequence_length} needs scores of shape [T, E] with T a "
+                             f"multiple of it, got scores.shape={scores.shape}")
+        num_seq = scores.shape[0] // sequence_length
+        scores = scores.reshape(num_seq, sequence_length, num_experts)
+        topk_idx = topk_idx.reshape(num_seq, sequence_length, num_topk)
+        if token_mask is not None:
+            token_mask = token_mask.reshape(num_seq, sequence_length)
+    if scores.ndim == 2:
+        scores, topk_idx = scores[None], topk_idx[None]
+        token_mask = None if token_mask is None else token_mask[None]
+    if scores.ndim != 3:
+        raise ValueError(f"scores must be [S, E], [B, S, E] or [T, E] with sequence_length, "
+                         f"got {scores.shape}")
+
+    scores = scores.astype(jnp.float32)
+    mask = (jnp.ones(scores.shape[:-1], jnp.float32) if token_mask is None
+            else token_mask.astype(jnp.float32))                                  # [B, S]
+    num_tokens = jnp.maximum(mask.sum(axis=-1), 1.0)                              # [B] guards empty sequences
+
+    # Selections per (sequence, expert) by scatter-add: whole numbers, so the float sum is exact in any
+    # order. Unused slots (-1) and padding tokens are sent out of bounds and dropped.
+    num_seq = scores.shape[0]
+    valid = (topk_idx >= 0) & (mask[..., None] > 0)
+    target = jnp.where(valid, topk_idx, num_experts)
+    seq_of_slot = jnp.broadcast_to(jnp.arange(num_seq)[:, None, None], target.shape)
+    chosen = jnp.zeros((num_seq, num_experts), jnp.float32).at[seq_of_slot, target].add(1.0, mode="drop")
+    f = num_experts / (num_topk * num_tokens[:, None]) * chosen                            # [B, E]
+
+    normalised = scores / jnp.maximum(scores.sum(axis=-1, keepdims=True), 1e-20)
+    p = (normalised * mask[..., None]).sum(axis=1) / num_tokens[:, None]                   # [B, E]
+    return jnp.float32(alpha) * jnp.mean(jnp.sum(f * p, axis=-1))

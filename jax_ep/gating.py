@@ -1,0 +1,246 @@
+"""Top-k routing (gating) for MoE layers: scores, bias-based balancing, group- and rank-limited selection.
+
+`route` turns router logits into the `(topk_idx, topk_weights)` pair that `jax_ep.dispatch` consumes.
+It follows DeepSeek-V3:
+
+* scores = softmax(logits) or sigmoid(logits), in float32;
+* the experts are *selected* on `scores + bias` (the bias of auxiliary-loss-free balancing, see
+  `jax_ep.balancing.update_bias`), but the *weights* are the unbiased scores of the chosen experts;
+* group-limited routing: the experts form `num_groups` contiguous groups; each token keeps only the
+  `topk_groups` groups with the highest group score (sum of the group's top-2 selection scores);
+* rank cap (DeepSeek's node-limited routing, applied to EP ranks): expert e lives on rank
+  e // (num_experts // ep_size); each token keeps only the `max_ranks_per_token` ranks with the highest
+  rank score (sum of the rank's top-ceil(K / max_ranks_per_token) selection scores), so a token travels
+  to at most that many ranks and dispatch traffic per token is bounded;
+* weights are optionally renormalised over the K chosen experts, then multiplied by
+  `routed_scaling_factor`.
+
+Everything is pure JAX: `route` works under `jit`, `vmap` and `shard_map`, and differentiates with respect
+to the logits through the weights (the selection itself is piecewise constant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+# DeepSeek-V3 scores a group by the sum of its two best experts (robust to one outlier expert).
+GROUP_SCORE_TOPN = 2
+# Guards the renormalisation against an all-underflowed sigmoid row (as DeepSeek's reference code).
+_NORM_EPS = 1e-20
+
+
+class Routing(NamedTuple):
+    """Result of `route` for T tokens, E experts, K = num_topk."""
+
+    topk_idx: jax.Array      # [T, K] int32 chosen experts, best first (by selection score)
+    topk_weights: jax.Array  # [T, K] float32 gate weights of the chosen experts (bias never included)
+    scores: jax.Array        # [T, E] float32 softmax/sigmoid scores (no bias); feed to the aux loss
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Static routing configuration (hashable, so it can be a jit static argument).
+
+    Attributes:
+      num_experts: E, routed experts across the whole EP group.
+      num_topk: K, experts each token picks.
+      score_func: "softmax" (over all E experts) or "sigmoid" (independent per expert, DeepSeek-V3).
+      normalize_topk: renormalise the K chosen scores to sum to 1 before scaling.
+      routed_scaling_factor: multiplies the final weights (DeepSeek-V3 uses 2.5 with sigmoid scores).
+      num_groups: G contiguous expert groups for group-limited routing (1 = no groups).
+      topk_groups: groups each token may use; defaults to num_groups (no limit).
+      max_ranks_per_token: EP ranks one token may reach (None = no cap; a value >= ep_size is no cap).
+      ep_size: EP ranks the experts are spread over, contiguously (expert e on rank e // (E // ep_size));
+        only the rank cap uses it.
+    """
+
+    num_experts: int
+    num_topk: int
+    score_func: str = "softmax"
+    normalize_topk: bool = True
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int | None = None
+    max_ranks_per_token: int | None = None
+    ep_size: int = 1
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_topk", "num_groups", "ep_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"RouterConfig.{name} must be a positive int, got {value!r}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"RouterConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+        if not isinstance(self.normalize_topk, bool):
+            raise ValueError(f"RouterConfig.normalize_topk must be a bool, got {self.normalize_topk!r}")
+        factor = self.routed_scaling_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or factor <= 0:
+            raise ValueError(f"RouterConfig.routed_scaling_factor must be a positive finite number, "
+                             f"got {factor!r}")
+        if self.num_topk > self.num_experts:
+            raise ValueError(f"RouterConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"RouterConfig.num_experts={self.num_experts} is not divisible by "
+                             f"num_groups={self.num_groups}")
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"RouterConfig.num_experts={self.num_experts} is not divisible by "
+                             f"ep_size={self.ep_size}")
+        if self.topk_groups is None:
+            object.__setattr__(self, "topk_groups", self.num_groups)
+        if not _is_int(self.topk_groups) or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
+                             f"got {self.topk_groups!r}")
+        if self.max_ranks_per_token is not None and (
+                not _is_int(self.max_ranks_per_token) or self.max_ranks_per_token < 1):
+            raise ValueError(f"RouterConfig.max_ranks_per_token must be None or a positive int, "
+                             f"got {self.max_ranks_per_token!r}")
+        if self.group_limited and self.rank_limited and not (
+                self.experts_per_group % self.experts_per_rank == 0
+                or self.experts_per_rank % self.experts_per_group == 0):
+            # Nested partitions let the finer limit see only whole units (all or none of a unit's experts
+            # available), which is what makes the feasibility check below exact.
+            raise ValueError(
+                f"RouterConfig: group-limited routing (num_groups={self.num_groups}, topk_groups="
+                f"{self.topk_groups}) and the rank cap (ep_size={self.ep_size}, max_ranks_per_token="
+                f"{self.max_ranks_per_token}) together need nested layouts: experts per group "
+                f"({self.experts_per_group}) and experts per rank ({self.experts_per_rank}) must divide one "
+                "another")
+        available = self.max_selectable_experts
+        if self.num_topk > available:
+            raise ValueError(
+                f"RouterConfig.num_topk={self.num_topk} exceeds the {available} experts a token can still "
+                f"reach with topk_groups={self.topk_groups} of num_groups={self.num_groups} and "
+                f"max_ranks_per_token={self.max_ranks_per_token} of ep_size={self.ep_size}")
+
+    # ---- derived sizes ----
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.num_groups
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def group_limited(self) -> bool:
+        return self.topk_groups < self.num_groups
+
+    @property
+    def rank_limited(self) -> bool:
+        return self.max_ranks_per_token is not None and self.max_ranks_per_token < self.ep_size
+
+    @property
+    def rank_score_topn(self) -> int:
+        """Experts per rank whose selection scores sum to the rank score: ceil(K / max_ranks_per_token)."""
+        if not self.rank_limited:
+            return 0
+        return min(-(-self.num_topk // self.max_ranks_per_token), self.experts_per_rank)
+
+    @property
+    def max_selectable_experts(self) -> int:
+        """The fewest experts left to choose from after the group and rank limits, over all tokens."""
+        stages = self._limit_stages()
+        if not stages:
+            return self.num_experts
+        (_, coarse_keep, coarse_size, _), *fine = stages
+        if not fine:
+            return coarse_keep * coarse_size
+        _, fine_keep, fine_size, _ = fine[0]
+        return min(fine_keep, coarse_keep * coarse_size // fine_size) * fine_size
+
+    def _limit_stages(self) -> list[tuple[int, int, int, int]]:
+        """(num_units, units_kept, experts_per_unit, score_topn) per active limit, coarsest unit first."""
+        stages = []
+        if self.group_limited:
+            stages.append((self.num_groups, self.topk_groups, self.experts_per_group,
+                           min(GROUP_SCORE_TOPN, self.experts_per_group)))
+        if self.rank_limited:
+            stages.append((self.ep_size, self.max_ranks_per_token, self.experts_per_rank,
+                           self.rank_score_topn))
+        # Coarse first: then every fine unit is either wholly inside or wholly outside the kept coarse units.
+        stages.sort(key=lambda stage: -stage[2])
+        return stages
+
+
+def expert_scores(logits: jax.Array, score_func: str) -> jax.Array:
+    """softmax or sigmoid of `logits` over the last axis, in float32."""
+    logits = logits.astype(jnp.float32)
+    if score_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    if score_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+
+
+def _keep_top_units(selection: jax.Array, num_units: int, units_kept: int, score_topn: int) -> jax.Array:
+    """Masks (to -inf) every expert outside the `units_kept` best contiguous units of each row.
+
+    A unit's score is the sum of its `score_topn` best selection scores; already-masked experts count as
+    -inf, so a unit with a masked expert among its top-n ranks last (the stages are ordered so that this
+    only happens to wholly masked units). Ties keep the lower unit index, as `lax.top_k`.
+    """
+    num_tokens, num_experts = selection.shape
+    per_unit = selection.reshape(num_tokens, num_units, num_experts // num_units)
+    unit_scores = jax.lax.top_k(per_unit, score_topn)[0].sum(axis=-1)          # [T, U]
+    _, kept_units = jax.lax.top_k(unit_scores, units_kept)                      # [T, kept]
+    unit_mask = jnp.any(kept_units[:, :, None] == jnp.arange(num_units), axis=1)  # [T, U]
+    expert_mask = jnp.repeat(unit_mask, num_experts // num_units, axis=1)       # [T, E]
+    return jnp.where(expert_mask, selection, -jnp.inf)
+
+
+def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -> Routing:
+    """Picks K experts per token and their gate weights.
+
+    Args:
+      logits: [T, E] (or [..., E]) router logits, any float dtype.
+      cfg: the static routing configuration.
+      bias: optional [E] per-expert selection bias (aux-loss-free balancing). It shifts which experts are
+        chosen, never the weights, and receives no gradient.
+
+    Returns:
+      Routing(topk_idx [..., K] int32, topk_weights [..., K] float32, scores [..., E] float32).
+    """
+    if logits.shape[-1] != cfg.num_experts:
+        raise ValueError(f"logits.shape[-1]={logits.shape[-1]} does not match "
+                         f"RouterConfig.num_experts={cfg.num_experts} (logits.shape={logits.shape})")
+    if bias is not None and bias.shape != (cfg.num_experts,):
+        raise ValueError(f"bias must have shape ({cfg.num_experts},), got {bias.shape}")
+    lead_shape = logits.shape[:-1]
+    scores = expert_scores(logits.reshape(-1, cfg.num_experts), cfg.score_func)   # [T, E]
+
+    # Selection is piecewise constant in the logits: keep it out of the gradient on purpose.
+    selection = jax.lax.stop_gradient(scores)
+    if bias is not None:
+        selection = selection + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    for num_units, units_kept, _, score_topn in cfg._limit_stages():
+        selection = _keep_top_units(selection, num_units, units_kept, score_topn)
+    _, topk_idx = jax.lax.top_k(selection, cfg.num_topk)                       # [T, K]
+
+    weights = jnp.take_along_axis(scores, topk_idx, axis=-1)
+    if cfg.normalize_topk:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + _NORM_EPS)
+    weights = weights * jnp.float32(cfg.routed_scaling_factor)
+
+    k = cfg.num_topk
+    return Routing(topk_idx.astype(jnp.int32).reshape(*lead_shape, k),
+                   weights.astype(jnp.float32).reshape(*lead_shape, k),
+                   scores.reshape(*lead_shape, cfg.num_experts))
+
+
+def expert_to_rank(topk_idx: jax.Array, num_experts: int, ep_size: int) -> jax.Array:
+    """EP rank of each chosen expert under the contiguous layout; -1 (unused slot) stays -1."""
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+    ranks = topk_idx // (num_experts // ep_size)
+    return jnp.where(topk_idx < 0, -1, ranks).astype(jnp.int32)

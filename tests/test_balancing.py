@@ -1,0 +1,191 @@
+"""Load balancing helpers (jax_ep.balancing) against hand computations and NumPy references."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jax_ep.balancing import (
+    LoadStats,
+    accumulate_load,
+    expert_counts,
+    gather_expert_counts,
+    imbalance,
+    init_load_stats,
+    load_summary,
+    sequence_aux_loss,
+    update_bias,
+)
+from jax_ep.gating import RouterConfig, route
+
+
+def random_topk(rng, shape, num_experts, num_topk, unused_fraction=0.0):
+    """Distinct experts per token, some slots -1."""
+    idx = np.argsort(rng.random(shape + (num_experts,)), axis=-1)[..., :num_topk]
+    idx = np.where(rng.random(idx.shape) < unused_fraction, -1, idx)
+    return idx.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Counts and statistics
+# ---------------------------------------------------------------------------------------------------------
+def test_expert_counts_matches_bincount_and_skips_unused_and_padding():
+    rng = np.random.default_rng(0)
+    idx = random_topk(rng, (3, 20), 10, 4, unused_fraction=0.2)
+    mask = rng.random((3, 20)) < 0.7
+    counts = jax.jit(expert_counts, static_argnums=1)(jnp.asarray(idx), 10, token_mask=jnp.asarray(mask))
+    valid = idx[mask]
+    np.testing.assert_array_equal(counts, np.bincount(valid[valid >= 0], minlength=10))
+    assert counts.dtype == jnp.int32
+    unmasked = expert_counts(jnp.asarray(idx), 10)
+    np.testing.assert_array_equal(unmasked, np.bincount(idx[idx >= 0], minlength=10))
+
+
+def test_expert_counts_sums_over_an_axis():
+    rng = np.random.default_rng(1)
+    idx = random_topk(rng, (4, 16), 8, 2)           # 4 "ranks" of 16 tokens
+    per_rank = jax.vmap(functools.partial(expert_counts, num_experts=8, axis_name="ep"), axis_name="ep")
+    out = per_rank(jnp.asarray(idx))
+    for rank in range(4):
+        np.testing.assert_array_equal(out[rank], np.bincount(idx.reshape(-1), minlength=8))
+
+
+def test_gather_expert_counts_puts_local_experts_in_global_order():
+    # 4 ranks, E_local = 3
+    local = jnp.asarray(np.random.default_rng(2).integers(0, 50, size=(4, 3)), jnp.int32)
+    out = jax.vmap(lambda c: gather_expert_counts(c, "ep"), axis_name="ep")(local)
+    for rank in range(4):
+        np.testing.assert_array_equal(out[rank], np.asarray(local).reshape(-1))
+
+
+def test_imbalance_is_max_over_mean_and_guards_empty():
+    assert float(imbalance(jnp.array([1.0, 1.0, 1.0, 1.0]))) == 1.0
+    assert float(imbalance(jnp.array([4, 0, 0, 0], jnp.int32))) == 4.0
+    assert float(imbalance(jnp.zeros(6))) == 1.0
+    rng = np.random.default_rng(3)
+    loads = rng.integers(0, 100, size=(5, 7)).astype(np.float32)
+    np.testing.assert_allclose(imbalance(jnp.asarray(loads)), loads.max(-1) / loads.mean(-1), rtol=1e-6)
+
+
+def test_load_stats_accumulate():
+    rng = np.random.default_rng(4)
+    steps = rng.integers(0, 30, size=(5, 6)).astype(np.float32)
+    stats = init_load_stats(6)
+    assert isinstance(stats, LoadStats) and float(stats.num_steps) == 0
+    update = jax.jit(accumulate_load, static_argnums=2)
+    ema = None
+    for step in steps:
+        stats = update(stats, jnp.asarray(step), 0.9)
+        ema = step if ema is None else 0.9 * ema + 0.1 * step
+    np.testing.assert_array_equal(stats.last, steps[-1])
+    np.testing.assert_allclose(stats.total, steps.sum(0))
+    np.testing.assert_allclose(stats.ema, ema, rtol=1e-5)
+    assert float(stats.num_steps) == 5
+    summary = load_summary(stats)
+    totals = steps.sum(0)
+    np.testing.assert_allclose(summary["imbalance_total"], totals.max() / totals.mean(), rtol=1e-6)
+    with pytest.raises(ValueError, match="step_load.shape\\[-1\\]=5 does not match num_experts=6"):
+        accumulate_load(stats, jnp.ones(5))
+    with pytest.raises(ValueError, match="ema_decay must be in"):
+        accumulate_load(stats, jnp.ones(6), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aux-loss-free bias
+# ---------------------------------------------------------------------------------------------------------
+def test_update_bias_direction():
+    rng = np.random.default_rng(5)
+    bias = jnp.asarray(rng.normal(size=6), jnp.float32)
+    load = jnp.array([10, 30, 20, 20, 0, 40], jnp.int32)      # mean 20
+    new = update_bias(bias, load, 0.01)
+    np.testing.assert_allclose(np.asarray(new) - np.asarray(bias), [0.01, -0.01, 0, 0, 0.01, -0.01],
+                               atol=1e-7)
+    assert new.dtype == jnp.float32
+    with pytest.raises(ValueError, match="must be the same"):
+        update_bias(bias, jnp.ones(5), 0.01)
+
+
+def test_bias_updates_balance_a_skewed_router():
+    """Closed loop: route with the bias, count, update. The popular experts lose their pull."""
+    rng = np.random.default_rng(6)
+    cfg = RouterConfig(num_experts=8, num_topk=2, score_func="sigmoid")
+    skew = jnp.linspace(1.5, -1.5, 8)                       # expert 0 popular, expert 7 shunned
+    logits = jnp.asarray(rng.normal(size=(40, 256, 8)), jnp.float32) + skew
+
+    @jax.jit
+    def run(bias):
+        def step(bias, batch):
+            counts = expert_counts(route(batch, cfg, bias).topk_idx, 8)
+            return update_bias(bias, counts, 0.02), imbalance(counts)
+        return jax.lax.scan(step, bias, logits)
+
+    final_bias, history = run(jnp.zeros(8, jnp.float32))
+    assert float(history[0]) > 2.0
+    assert float(history[-10:].mean()) < 1.5           # started near 3
+    assert np.all(np.diff(np.asarray(final_bias)) > 0)     # bias rises toward the shunned experts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequence-wise aux loss
+# ---------------------------------------------------------------------------------------------------------
+def np_sequence_aux_loss(scores, idx, num_experts, alpha, mask=None):
+    losses = []
+    for b in range(scores.shape[0]):
+        keep = np.ones(scores.shape[1], bool) if mask is None else mask[b]
+        num_tokens = max(keep.sum(), 1)
+        chosen = np.zeros(num_experts)
+        for t in np.flatnonzero(keep):
+            for e in set(idx[b, t].tolist()) - {-1}:
+                chosen[e] += 1
+        f = num_experts / (idx.shape[-1] * num_tokens) * chosen
+        p = (scores[b, keep] / scores[b, keep].sum(-1, keepdims=True)).sum(0) / num_tokens
+        losses.append(alpha * (f * p).sum())
+    return np.mean(losses)
+
+
+def test_aux_loss_hand_computed():
+    # One sequence, T=2 tokens, E=4, K=1. Token 0 -> expert 0, token 1 -> expert 0.
+    scores = jnp.array([[0.4, 0.2, 0.2, 0.2], [0.1, 0.3, 0.3, 0.3]])  # rows already sum to 1
+    idx = jnp.array([[0], [0]], jnp.int32)
+    # f = [4/(1*2)*2, 0, 0, 0] = [4, 0, 0, 0]; P_0 = (0.4 + 0.1)/2 = 0.25; L = alpha * 4 * 0.25 = alpha
+    np.testing.assert_allclose(sequence_aux_loss(scores, idx, 4, alpha=0.5), 0.5, rtol=1e-6)
+    # Unnormalised sigmoid-like scores are normalised per token first: same loss.
+    np.testing.assert_allclose(sequence_aux_loss(3 * scores, idx, 4, alpha=0.5), 0.5, rtol=1e-6)
+    # Balanced choice with uniform scores gives exactly alpha.
+    balanced = sequence_aux_loss(jnp.full((4, 4), 0.25), jnp.array([[0], [1], [2], [3]]), 4, alpha=0.1)
+    np.testing.assert_allclose(balanced, 0.1, rtol=1e-6)
+
+
+def test_aux_loss_matches_reference_with_batch_mask_and_unused_slots():
+    rng = np.random.default_rng(7)
+    scores = rng.random((3, 12, 8)).astype(np.float32) + 0.05
+    idx = random_topk(rng, (3, 12), 8, 3, unused_fraction=0.15)
+    mask = rng.random((3, 12)) < 0.8
+    mask[2] = False                                          # an all-padding sequence contributes 0
+    got = jax.jit(sequence_aux_loss, static_argnums=(2, 3))(jnp.asarray(scores), jnp.asarray(idx), 8, 1e-2,
+                                                            token_mask=jnp.asarray(mask))
+    np.testing.assert_allclose(got, np_sequence_aux_loss(scores, idx, 8, 1e-2, mask), rtol=1e-5)
+    flat = sequence_aux_loss(jnp.asarray(scores).reshape(36, 8), jnp.asarray(idx).reshape(36, 3), 8, 1e-2,
+                             token_mask=jnp.asarray(mask).reshape(36), sequence_length=12)
+    np.testing.assert_allclose(flat, got, rtol=1e-6)
+
+
+def test_aux_loss_gradient_reaches_scores():
+    rng = np.random.default_rng(8)
+    scores = jnp.asarray(rng.random((2, 6, 5)) + 0.1, jnp.float32)
+    idx = jnp.asarray(random_topk(rng, (2, 6), 5, 2))
+    loss = lambda s: sequence_aux_loss(s, idx, 5, 1.0)
+    check_grads(loss, (scores,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+    assert np.abs(np.asarray(jax.grad(loss)(scores))).sum() > 0
+
+
+def test_aux_loss_errors():
+    with pytest.raises(ValueError, match="scores.shape\\[-1\\]=4 does not match num_experts=5"):
+        sequence_aux_loss(jnp.ones((3, 4)), jnp.zeros((3, 1), jnp.int32), 5, 1.0)
+    with pytest.raises(ValueError, match="sequence_length=4"):
+        sequence_aux_loss(jnp.ones((6, 4)), jnp.zeros((6, 1), jnp.int32), 4, 1.0, sequence_length=4)
+    with pytest.raises(ValueError, match="must agree on the token axes"):
+        sequence_aux_loss(jnp.ones((6, 4)), jnp.zeros((5, 1), jnp.int32), 4, 1.0)

@@ -1,0 +1,232 @@
+"""Expert replication planner (jax_ep.eplb): crafted optima, properties over random loads, apply_placement."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ep.eplb import (
+    Placement,
+    apply_placement,
+    balanced_packing,
+    identity_placement,
+    physical_to_rank,
+    plan_placement,
+    rank_loads,
+    replicate_experts,
+)
+
+
+def check_consistent(placement, num_experts, num_ranks, slots_per_rank):
+    """Structural invariants every placement must satisfy."""
+    p2l = np.asarray(placement.physical_to_logical)
+    counts = np.asarray(placement.replica_counts)
+    table = np.asarray(placement.logical_to_physical)
+    assert p2l.shape == (num_ranks * slots_per_rank,) and p2l.dtype == np.int32
+    assert counts.shape == (num_experts,) and counts.dtype == np.int32
+    assert np.all((p2l >= 0) & (p2l < num_experts))                     # every slot filled, valid expert
+    assert np.all(counts >= 1)                                           # every expert placed
+    assert counts.sum() == num_ranks * slots_per_rank
+    np.testing.assert_array_equal(counts, np.bincount(p2l, minlength=num_experts))
+    for expert in range(num_experts):
+        slots = table[expert][table[expert] >= 0]
+        assert len(slots) == counts[expert] and np.all(table[expert][counts[expert]:] == -1)
+        assert np.all(np.diff(slots) > 0) and np.all(p2l[slots] == expert)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Crafted cases with known answers
+# ---------------------------------------------------------------------------------------------------------
+def test_one_hot_expert_gets_replicas_on_every_rank():
+    loads = np.array([10.0, 1, 1, 1, 1, 1, 1, 1])
+    placement = plan_placement(loads, num_ranks=4, slots_per_rank=3)
+    check_consistent(placement, 8, 4, 3)
+    # Replication is optimal (largest per-replica load 2 with 4 extra slots: 10/5); then 12 slots of loads
+    # {2 x5, 1 x7}, 3 per rank: some rank holds two 2s plus one more item, so max 5 is optimal.
+    np.testing.assert_array_equal(placement.replica_counts, [5, 1, 1, 1, 1, 1, 1, 1])
+    assert rank_loads(placement, loads).max() == 5.0
+    assert rank_loads(identity_placement(8, 4, 3, loads), loads).max() == 11.0
+    assert set(np.asarray(physical_to_rank(placement.logical_to_physical[0, :5], placement)).tolist()) == \
+        {0, 1, 2, 3}
+
+
+def test_equal_loads_keep_the_identity_layout():
+    loads = np.full(16, 7.0)
+    placement = plan_placement(loads, num_ranks=4, slots_per_rank=4)
+    np.testing.assert_array_equal(placement.physical_to_logical, np.arange(16))
+    np.testing.assert_array_equal(placement.logical_to_physical[:, 0], np.arange(16))
+    redundant = plan_placement(loads, num_ranks=4, slots_per_rank=5)
+    check_consistent(redundant, 16, 4, 5)
+    np.testing.assert_allclose(rank_loads(redundant, loads), 28.0)        # perfectly balanced
+
+
+def test_lpt_trap_is_fixed_by_swaps():
+    # Plain LPT packs {5,3,3} | {4,4,1} (max 11); the optimum is {5,4,1} | {4,3,3} = 10 | 10.
+    item_loads = np.array([5.0, 4, 4, 3, 3, 1])
+    packs = balanced_packing(item_loads, 2)
+    assert np.bincount(packs).tolist() == [3, 3]
+    assert max(item_loads[packs == p].sum() for p in range(2)) == 10.0
+
+
+def test_replicate_experts_spreads_ties_round_robin():
+    np.testing.assert_array_equal(replicate_experts(np.zeros(4), 7), [2, 2, 2, 1])
+    # 9 -> 4.5 -> 3 per replica; then 3, 3, 3 tie and the expert with fewer replicas (1) wins.
+    np.testing.assert_array_equal(replicate_experts(np.array([9.0, 3, 3]), 6), [3, 2, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Properties over random loads
+# ---------------------------------------------------------------------------------------------------------
+CASES = [  # (num_experts, num_ranks, slots_per_rank)
+    (8, 2, 4), (8, 4, 3), (16, 4, 6), (32, 8, 5), (64, 8, 9), (12, 4, 3), (10, 4, 3),
+]
+
+
+@pytest.mark.parametrize("num_experts,num_ranks,slots_per_rank", CASES)
+def test_random_loads_properties(num_experts, num_ranks, slots_per_rank):
+    rng = np.random.default_rng(1000 + num_experts * num_ranks + slots_per_rank)
+    for trial in range(6):
+        # Zipf-like skew: a few hot experts, as real routers produce.
+        loads = rng.pareto(1.5, size=num_experts) * 100 + rng.integers(0, 5)
+        if trial == 0:
+            loads[rng.integers(num_experts)] = 0.0
+        placement = plan_placement(loads, num_ranks, slots_per_rank)
+        check_consistent(placement, num_experts, num_ranks, slots_per_rank)
+        per_rank = rank_loads(placement, loads)
+        np.testing.assert_allclose(per_rank.sum(), loads.sum())
+        counts = np.asarray(placement.replica_counts)
+        lower_bound = max(loads.sum() / num_ranks, (loads / counts).max())
+        assert per_rank.max() >= lower_bound * (1 - 1e-9)
+        if num_experts % num_ranks == 0:
+            identity_max = rank_loads(identity_placement(num_experts, num_ranks), loads).max()
+            assert per_rank.max() <= identity_max * (1 + 1e-9)
+        again = plan_placement(loads.copy(), num_ranks, slots_per_rank)
+        np.testing.assert_array_equal(again.physical_to_logical, placement.physical_to_logical)
+        np.testing.assert_array_equal(again.logical_to_physical, placement.logical_to_physical)
+
+
+def test_replication_helps_on_skewed_loads():
+    rng = np.random.default_rng(11)
+    loads = rng.pareto(1.0, size=32) * 100
+    plain = rank_loads(identity_placement(32, 8), loads).max()
+    no_extra = rank_loads(plan_placement(loads, 8, 4), loads).max()
+    with_extra = rank_loads(plan_placement(loads, 8, 6), loads).max()
+    assert with_extra <= no_extra <= plain
+    assert with_extra < 0.8 * plain
+
+
+def test_max_replicas_fixes_the_table_width():
+    loads = np.array([50.0, 1, 1, 1])
+    placement = plan_placement(loads, 2, 4, max_replicas=6)
+    assert placement.logical_to_physical.shape == (4, 6)
+    check_consistent(placement, 4, 2, 4)
+    with pytest.raises(ValueError, match="max_replicas=2 is smaller than the 5 replicas"):
+        plan_placement(loads, 2, 4, max_replicas=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hierarchical policy
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_experts,num_groups,num_nodes,num_ranks,slots_per_rank", [
+    (16, 4, 2, 8, 3), (32, 8, 2, 4, 10), (24, 6, 3, 6, 5),
+])
+def test_hierarchical_keeps_groups_inside_nodes(num_experts, num_groups, num_nodes, num_ranks,
+                                                slots_per_rank):
+    rng = np.random.default_rng(num_experts + num_groups)
+    group_size = num_experts // num_groups
+    slots_per_node = num_ranks // num_nodes * slots_per_rank
+    for _ in range(4):
+        loads = rng.pareto(1.2, size=num_experts) * 10
+        placement = plan_placement(loads, num_ranks, slots_per_rank, num_nodes=num_nodes,
+                                   num_groups=num_groups)
+        check_consistent(placement, num_experts, num_ranks, slots_per_rank)
+        node_experts = np.asarray(placement.physical_to_logical).reshape(num_nodes, slots_per_node)
+        node_of_group = {}
+        for node in range(num_nodes):
+            for group in set((node_experts[node] // group_size).tolist()):
+                assert node_of_group.setdefault(group, node) == node      # a group lives on one node only
+                members = set(range(group * group_size, (group + 1) * group_size))
+                assert members <= set(node_experts[node].tolist())        # ... with all its experts
+        assert sorted(node_of_group) == list(range(num_groups))
+        assert all(list(node_of_group.values()).count(n) == num_groups // num_nodes for n in range(num_nodes))
+        identity_max = rank_loads(identity_placement(num_experts, num_ranks), loads).max()
+        assert rank_loads(placement, loads).max() <= identity_max * (1 + 1e-9)
+
+
+def test_hierarchical_balances_nodes():
+    # Groups of 2 experts with loads 8, 1, 1, 8 (per group): nodes get {g0, g1} and {g2, g3}... or better,
+    # {g0, g3} vs {g1, g2} would be 16 vs 2. The planner must pair a heavy group with a light one.
+    loads = np.array([4.0, 4, 0.5, 0.5, 0.5, 0.5, 4, 4])
+    placement = plan_placement(loads, num_ranks=4, slots_per_rank=2, num_nodes=2, num_groups=4)
+    per_node = rank_loads(placement, loads).reshape(2, 2).sum(1)
+    np.testing.assert_allclose(per_node, [9.0, 9.0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# apply_placement
+# ---------------------------------------------------------------------------------------------------------
+def test_apply_placement_maps_into_replicas_and_spreads_tokens():
+    rng = np.random.default_rng(12)
+    loads = rng.pareto(1.0, size=16) * 50
+    placement = plan_placement(loads, num_ranks=4, slots_per_rank=6)
+    idx = np.argsort(rng.random((300, 16)), axis=-1)[:, :4].astype(np.int32)
+    idx[rng.random(idx.shape) < 0.1] = -1
+    physical = np.asarray(jax.jit(apply_placement)(jnp.asarray(idx), placement))
+    assert physical.dtype == np.int32
+    np.testing.assert_array_equal(physical < 0, idx < 0)
+    used = idx >= 0
+    np.testing.assert_array_equal(np.asarray(placement.physical_to_logical)[physical[used]], idx[used])
+    # Every replica of every expert receives tokens, evenly (token index mod replica count).
+    counts = np.asarray(placement.replica_counts)
+    per_slot = np.bincount(physical[used], minlength=24)
+    for expert in range(16):
+        slots = np.asarray(placement.logical_to_physical[expert, :counts[expert]])
+        received = per_slot[slots]
+        assert received.sum() == np.sum(idx == expert)
+        if received.sum() >= 3 * counts[expert]:
+            assert received.min() > 0 and received.max() - received.min() <= 0.5 * received.mean()
+
+
+def test_apply_placement_hot_expert_split_exactly():
+    placement = plan_placement(np.array([10.0, 1, 1, 1, 1, 1, 1, 1]), 4, 3)
+    idx = jnp.zeros((20, 1), jnp.int32)                     # all 20 tokens pick the hot expert
+    physical = np.asarray(apply_placement(idx, placement))
+    assert np.bincount(physical[:, 0], minlength=12)[placement.logical_to_physical[0, :5]].tolist() == [4] * 5
+    # Global token ids shift the replica choice.
+    shifted = apply_placement(idx, placement, token_ids=jnp.arange(20, dtype=jnp.int32) + 1)
+    np.testing.assert_array_equal(np.asarray(shifted)[:-1], physical[1:])
+
+
+def test_apply_placement_with_leading_dims_and_traced_placement():
+    placement = plan_placement(np.array([5.0, 1, 1, 3]), 2, 3)
+    idx = jnp.array([[[0, 1], [3, -1]], [[0, 3], [2, 0]]], jnp.int32)
+    out = jax.jit(lambda i, p: apply_placement(i, p))(idx, placement)
+    assert out.shape == (2, 2, 2)
+    p2l = np.asarray(placement.physical_to_logical)
+    got = np.asarray(out)
+    np.testing.assert_array_equal(np.where(got >= 0, p2l[np.maximum(got, 0)], -1), np.asarray(idx))
+    leaves = jax.tree_util.tree_leaves(placement)
+    assert len(leaves) == 3 and isinstance(placement, Placement)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,kwargs,message", [
+    ((np.ones(8), 4, 1), {}, "4 \\* 1 slots cannot hold 8 experts"),
+    ((np.ones(8), 0, 2), {}, "num_ranks must be a positive int, got 0"),
+    ((np.ones(8), 4, 2), dict(num_nodes=3), "num_ranks=4 is not divisible by num_nodes=3"),
+    ((np.ones(8), 4, 2), dict(num_nodes=2, num_groups=3), "num_experts=8 is not divisible by num_groups=3"),
+    ((np.ones(8), 4, 2), dict(num_nodes=4, num_groups=2), "num_groups=2 is not a multiple of num_nodes=4"),
+    ((np.array([1.0, -1, 1, 1]), 2, 2), {}, "loads must be finite and non-negative"),
+    ((np.ones((2, 4)), 2, 2), {}, "loads must be a non-empty 1-D array"),
+])
+def test_plan_errors(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_placement(*args, **kwargs)
+
+
+def test_apply_placement_token_ids_shape_error():
+    placement = plan_placement(np.ones(4), 2, 2)
+    with pytest.raises(ValueError, match="token_ids.shape=\\(3,\\) must equal"):
+        apply_placement(jnp.zeros((4, 2), jnp.int32), placement, token_ids=jnp.arange(3))

@@ -1,0 +1,262 @@
+"""Routing (jax_ep.gating) against small NumPy references on random inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jax_ep.gating import RouterConfig, Routing, expert_to_rank, route
+
+route_jit = jax.jit(route, static_argnums=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NumPy reference (independent re-statement of the documented rule, per token)
+# ---------------------------------------------------------------------------------------------------------
+def np_scores(logits, score_func):
+    logits = logits.astype(np.float64)
+    if score_func == "softmax":
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    return 1.0 / (1.0 + np.exp(-logits))
+
+
+def top_indices(values, n):
+    """Indices of the n largest values, best first, lower index on ties (as lax.top_k)."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:n]
+
+
+def ref_allowed_experts(selection, cfg):
+    """The set of experts one token may choose from: coarse limit first, then the finer one."""
+    allowed = set(range(cfg.num_experts))
+    stages = []
+    if cfg.topk_groups < cfg.num_groups:
+        per_group = cfg.num_experts // cfg.num_groups
+        stages.append((per_group, cfg.topk_groups, min(2, per_group)))
+    if cfg.max_ranks_per_token is not None and cfg.max_ranks_per_token < cfg.ep_size:
+        per_rank = cfg.num_experts // cfg.ep_size
+        topn = min(-(-cfg.num_topk // cfg.max_ranks_per_token), per_rank)
+        stages.append((per_rank, cfg.max_ranks_per_token, topn))
+    for unit_size, keep, topn in sorted(stages, key=lambda s: -s[0]):
+        unit_scores = []
+        for u in range(cfg.num_experts // unit_size):
+            members = range(u * unit_size, (u + 1) * unit_size)
+            vals = sorted((selection[e] if e in allowed else -np.inf for e in members), reverse=True)
+            unit_scores.append(np.float32(sum(np.float32(v) for v in vals[:topn])))
+        kept = top_indices(unit_scores, keep)
+        allowed &= {e for u in kept for e in range(u * unit_size, (u + 1) * unit_size)}
+    return allowed
+
+
+def ref_route(scores, cfg, bias=None):
+    """Reference selection + weights, given the (float32) scores route() returned."""
+    num_tokens = scores.shape[0]
+    idx = np.zeros((num_tokens, cfg.num_topk), np.int64)
+    weights = np.zeros((num_tokens, cfg.num_topk), np.float64)
+    for t in range(num_tokens):
+        selection = scores[t] + (0 if bias is None else bias)
+        allowed = ref_allowed_experts(selection, cfg)
+        masked = [selection[e] if e in allowed else -np.inf for e in range(cfg.num_experts)]
+        idx[t] = top_indices(masked, cfg.num_topk)
+        w = scores[t, idx[t]].astype(np.float64)
+        if cfg.normalize_topk:
+            w = w / w.sum()
+        weights[t] = w * cfg.routed_scaling_factor
+    return idx, weights
+
+
+def random_logits(rng, num_tokens, num_experts, scale=2.0):
+    return jnp.asarray(rng.normal(scale=scale, size=(num_tokens, num_experts)), jnp.float32)
+
+
+def check_against_reference(logits, cfg, bias=None):
+    out = route_jit(logits, cfg, bias)
+    assert isinstance(out, Routing)
+    assert out.topk_idx.dtype == jnp.int32 and out.topk_weights.dtype == jnp.float32
+    assert out.scores.dtype == jnp.float32
+    np.testing.assert_allclose(out.scores, np_scores(np.asarray(logits), cfg.score_func),
+                               rtol=1e-5, atol=1e-7)
+    ref_idx, ref_w = ref_route(np.asarray(out.scores), cfg, None if bias is None else np.asarray(bias))
+    np.testing.assert_array_equal(out.topk_idx, ref_idx)
+    np.testing.assert_allclose(out.topk_weights, ref_w, rtol=1e-5, atol=1e-7)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scores, normalisation, scaling
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_plain_topk_matches_reference(score_func, normalize):
+    rng = np.random.default_rng(10 + 2 * normalize + (score_func == "sigmoid"))
+    cfg = RouterConfig(num_experts=12, num_topk=3, score_func=score_func, normalize_topk=normalize,
+                       routed_scaling_factor=2.5)
+    out = check_against_reference(random_logits(rng, 33, 12), cfg)
+    sums = np.asarray(out.topk_weights).sum(-1)
+    if normalize:
+        np.testing.assert_allclose(sums, 2.5, rtol=1e-5)
+    else:
+        assert np.all(sums < 2.5 * (3 if score_func == "sigmoid" else 1))
+
+
+def test_weights_are_chosen_scores_in_selection_order():
+    rng = np.random.default_rng(1)
+    cfg = RouterConfig(num_experts=8, num_topk=4, normalize_topk=False)
+    out = route_jit(random_logits(rng, 16, 8), cfg)
+    np.testing.assert_array_equal(out.topk_weights, np.take_along_axis(np.asarray(out.scores),
+                                                                       np.asarray(out.topk_idx), -1))
+    assert np.all(np.diff(np.asarray(out.topk_weights), axis=-1) <= 0)   # best first
+    assert all(len(set(row)) == 4 for row in np.asarray(out.topk_idx).tolist())
+
+
+def test_ties_prefer_lower_index():
+    cfg = RouterConfig(num_experts=8, num_topk=3, num_groups=4, topk_groups=2)
+    out = route_jit(jnp.zeros((2, 8), jnp.float32) + jnp.float32(0.3), cfg)
+    np.testing.assert_array_equal(out.topk_idx, [[0, 1, 2]] * 2)
+
+
+def test_leading_dims_and_bf16_logits():
+    rng = np.random.default_rng(2)
+    cfg = RouterConfig(num_experts=8, num_topk=2, score_func="sigmoid")
+    logits = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.bfloat16)
+    out = route_jit(logits, cfg)
+    assert out.topk_idx.shape == (2, 5, 2) and out.scores.shape == (2, 5, 8)
+    flat = route_jit(logits.reshape(10, 8), cfg)
+    np.testing.assert_array_equal(out.topk_idx.reshape(10, 2), flat.topk_idx)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Group-limited routing and the rank cap
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_groups,topk_groups,num_topk", [(4, 2, 4), (8, 3, 6), (16, 4, 4)])
+def test_group_limited_matches_reference(num_groups, topk_groups, num_topk):
+    rng = np.random.default_rng(100 + num_groups)
+    cfg = RouterConfig(num_experts=16, num_topk=num_topk, score_func="sigmoid", num_groups=num_groups,
+                       topk_groups=topk_groups, routed_scaling_factor=2.5)
+    logits = random_logits(rng, 40, 16)
+    out = check_against_reference(logits, cfg)
+    # Brute force: the chosen groups are exactly among the top `topk_groups` by top-2 sum.
+    per_group = 16 // num_groups
+    scores = np.asarray(out.scores).reshape(40, num_groups, per_group)
+    group_score = np.sort(scores, -1)[..., ::-1][..., :min(2, per_group)].sum(-1)
+    for t in range(40):
+        kept = set(np.argsort(-group_score[t], kind="stable")[:topk_groups].tolist())
+        assert {int(e) // per_group for e in np.asarray(out.topk_idx[t])} <= kept
+
+
+@pytest.mark.parametrize("ep_size,max_ranks,num_topk", [(8, 2, 4), (4, 1, 3), (8, 4, 8), (16, 3, 5)])
+def test_rank_cap_respected_and_matches_reference(ep_size, max_ranks, num_topk):
+    rng = np.random.default_rng(200 + ep_size + max_ranks)
+    cfg = RouterConfig(num_experts=32, num_topk=num_topk, ep_size=ep_size, max_ranks_per_token=max_ranks)
+    out = check_against_reference(random_logits(rng, 48, 32), cfg)
+    ranks = np.asarray(expert_to_rank(out.topk_idx, 32, ep_size))
+    assert max(len(set(row)) for row in ranks.tolist()) <= max_ranks
+    # Uncapped routing of the same logits does cross more ranks (the cap is doing something).
+    free = route_jit(random_logits(np.random.default_rng(200 + ep_size + max_ranks), 48, 32),
+                     RouterConfig(num_experts=32, num_topk=num_topk, ep_size=ep_size))
+    free_ranks = np.asarray(expert_to_rank(free.topk_idx, 32, ep_size))
+    assert max(len(set(row)) for row in free_ranks.tolist()) > max_ranks
+
+
+@pytest.mark.parametrize("num_groups,topk_groups,ep_size,max_ranks", [
+    (4, 2, 8, 3),    # groups coarser than ranks: groups first, then ranks inside kept groups
+    (8, 2, 2, 1),    # ranks coarser than groups: ranks first, then groups on the kept rank
+    (4, 3, 4, 2),    # same partition
+])
+def test_group_limit_and_rank_cap_together(num_groups, topk_groups, ep_size, max_ranks):
+    rng = np.random.default_rng(300 + num_groups * ep_size)
+    cfg = RouterConfig(num_experts=32, num_topk=4, score_func="sigmoid", num_groups=num_groups,
+                       topk_groups=topk_groups, ep_size=ep_size, max_ranks_per_token=max_ranks)
+    bias = jnp.asarray(rng.normal(scale=0.1, size=32), jnp.float32)
+    out = check_against_reference(random_logits(rng, 40, 32), cfg, bias)
+    idx = np.asarray(out.topk_idx)
+    assert max(len(set((idx // (32 // ep_size)).tolist()[t])) for t in range(40)) <= max_ranks
+    assert max(len(set((idx // (32 // num_groups)).tolist()[t])) for t in range(40)) <= topk_groups
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bias (aux-loss-free balancing) and gradients
+# ---------------------------------------------------------------------------------------------------------
+def test_bias_changes_selection_not_weights():
+    rng = np.random.default_rng(3)
+    cfg = RouterConfig(num_experts=8, num_topk=2, score_func="sigmoid", routed_scaling_factor=1.5)
+    logits = random_logits(rng, 64, 8)
+    bias = jnp.zeros(8, jnp.float32).at[5].set(10.0)     # forces expert 5 into every token's top-2
+    out = check_against_reference(logits, cfg, bias)
+    assert np.all(np.asarray(out.topk_idx)[:, 0] == 5)
+    unbiased = route_jit(logits, cfg)
+    assert not np.array_equal(out.topk_idx, unbiased.topk_idx)
+    np.testing.assert_array_equal(out.scores, unbiased.scores)      # scores never see the bias
+    chosen = np.take_along_axis(np.asarray(out.scores), np.asarray(out.topk_idx), -1)
+    np.testing.assert_allclose(out.topk_weights, 1.5 * chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_bias_gets_no_gradient():
+    rng = np.random.default_rng(4)
+    cfg = RouterConfig(num_experts=8, num_topk=2, score_func="sigmoid")
+    logits = random_logits(rng, 8, 8)
+    bias = jnp.asarray(rng.normal(scale=0.2, size=8), jnp.float32)
+    grad = jax.grad(lambda b: route(logits, cfg, b).topk_weights.sum())(bias)
+    np.testing.assert_array_equal(grad, np.zeros(8))
+
+
+@pytest.mark.parametrize("cfg", [
+    RouterConfig(num_experts=8, num_topk=2),
+    RouterConfig(num_experts=8, num_topk=3, score_func="sigmoid", routed_scaling_factor=2.5, num_groups=4,
+                 topk_groups=2, ep_size=4, max_ranks_per_token=2),
+    RouterConfig(num_experts=8, num_topk=2, score_func="sigmoid", normalize_topk=False),
+], ids=["softmax", "sigmoid-limited", "sigmoid-raw"])
+def test_gradients_flow_to_logits(cfg):
+    rng = np.random.default_rng(5)
+    logits = random_logits(rng, 6, 8, scale=3.0)   # well separated: the eps steps never flip a choice
+    bias = jnp.asarray(rng.normal(scale=0.1, size=8), jnp.float32)
+    weights_of = lambda x: route(x, cfg, bias).topk_weights
+    check_grads(weights_of, (logits,), order=1, modes=("rev", "fwd"), atol=2e-2, rtol=2e-2)
+    grad = jax.grad(lambda x: (weights_of(x) * jnp.arange(1.0, cfg.num_topk + 1)).sum())(logits)
+    assert np.all(np.isfinite(grad)) and np.abs(np.asarray(grad)).sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config validation and helpers
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_experts=0, num_topk=1), "num_experts must be a positive int, got 0"),
+    (dict(num_experts=8, num_topk=9), "num_topk=9 exceeds num_experts=8"),
+    (dict(num_experts=8, num_topk=2, score_func="relu"), "score_func must be one of"),
+    (dict(num_experts=8, num_topk=2, routed_scaling_factor=0.0), "routed_scaling_factor"),
+    (dict(num_experts=8, num_topk=2, num_groups=3), "num_experts=8 is not divisible by num_groups=3"),
+    (dict(num_experts=8, num_topk=2, ep_size=3), "num_experts=8 is not divisible by ep_size=3"),
+    (dict(num_experts=8, num_topk=2, num_groups=4, topk_groups=5), "topk_groups must be an int in"),
+    (dict(num_experts=8, num_topk=5, num_groups=4, topk_groups=2), "num_topk=5 exceeds the 4 experts"),
+    (dict(num_experts=8, num_topk=3, ep_size=4, max_ranks_per_token=1), "num_topk=3 exceeds the 2 experts"),
+    (dict(num_experts=8, num_topk=2, ep_size=4, max_ranks_per_token=0), "max_ranks_per_token must be None"),
+    (dict(num_experts=24, num_topk=2, num_groups=4, topk_groups=2, ep_size=6, max_ranks_per_token=2),
+     "need nested layouts"),
+    (dict(num_experts=16, num_topk=5, num_groups=4, topk_groups=2, ep_size=8, max_ranks_per_token=2),
+     "num_topk=5 exceeds the 4 experts"),
+])
+def test_config_errors_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**kwargs)
+
+
+def test_config_defaults_and_hashable():
+    cfg = RouterConfig(num_experts=8, num_topk=2, num_groups=4)
+    assert cfg.topk_groups == 4 and not cfg.group_limited and not cfg.rank_limited
+    assert cfg == RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=4)
+    assert hash(cfg) == hash(RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=4))
+    assert not RouterConfig(num_experts=8, num_topk=2, ep_size=2, max_ranks_per_token=4).rank_limited
+
+
+def test_route_shape_errors():
+    cfg = RouterConfig(num_experts=8, num_topk=2)
+    with pytest.raises(ValueError, match="logits.shape\\[-1\\]=7"):
+        route(jnp.ones((3, 7)), cfg)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        route(jnp.ones((3, 8)), cfg, jnp.ones(7))
+
+
+def test_expert_to_rank_keeps_unused_slots():
+    idx = jnp.array([[0, 7, -1], [3, 4, 5]], jnp.int32)
+    np.testing.assert_array_equal(expert_to_rank(idx, 8, 4), [[0, 3, -1], [1, 2, 2]])
