@@ -73,7 +73,8 @@ def communication_time(mesh: Mesh, cfg: LMConfig, tokens_per_rank: int, backend:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=32, help="sequences per step (global)")
     parser.add_argument("--seq", type=int, default=64)
@@ -87,7 +88,8 @@ def main(argv=None) -> None:
         parser.error(f"--batch {args.batch} must be a multiple of the device count {len(devices)}")
     cfg = LMConfig(num_experts=2 * len(devices), backend=args.backend, bias_update_rate=1e-3)
     print(f"jax_ep demo: {len(devices)} x {devices[0].platform} devices, EP size {len(devices)}, "
-          f"{cfg.num_experts} experts, top-{cfg.num_topk}, {cfg.num_layers} MoE layers, backend={args.backend}")
+          f"{cfg.num_experts} experts, top-{cfg.num_topk}, {cfg.num_layers} MoE layers, "
+          f"backend={args.backend}")
 
     model = MoETransformerLM(cfg, rngs=nnx.Rngs(0), mesh=mesh)
     shard_model(model, mesh)

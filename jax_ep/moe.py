@@ -75,14 +75,13 @@ class MoE(nnx.Module):
         expert_spec = (axis_name, None, None)
         self.router = nnx.Param(init(rngs.params(), (hidden, num_experts), param_dtype))
         self.w_gate = nnx.Param(init(rngs.params(), (num_experts, hidden, ffn_hidden), param_dtype),
-                                sharding_names=expert_spec, eager_sharding=False)
+                                out_sharding=expert_spec, eager_sharding=False)
         self.w_up = nnx.Param(init(rngs.params(), (num_experts, hidden, ffn_hidden), param_dtype),
-                              sharding_names=expert_spec, eager_sharding=False)
+                              out_sharding=expert_spec, eager_sharding=False)
         self.w_down = nnx.Param(init(rngs.params(), (num_experts, ffn_hidden, hidden), param_dtype),
-                                sharding_names=expert_spec, eager_sharding=False)
-        self.shared = None
-        if shared_ffn_hidden:
-            self.shared = SwiGLU(hidden, shared_ffn_hidden, rngs=rngs, param_dtype=param_dtype)
+                                out_sharding=expert_spec, eager_sharding=False)
+        self.shared = nnx.data(SwiGLU(hidden, shared_ffn_hidden, rngs=rngs, param_dtype=param_dtype)
+                               if shared_ffn_hidden else None)
         self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32))
         self.last_load = ExpertLoad(jnp.zeros((num_experts,), jnp.int32))
         self.total_load = ExpertLoad(jnp.zeros((num_experts,), jnp.float32))
@@ -156,8 +155,8 @@ class MoE(nnx.Module):
 
         # statistics: every rank's counts placed at its experts, summed over all token shards
         rank = lax.axis_index(self.axis_name)
-        placed = jnp.zeros((self.num_experts,), jnp.int32).at[rank * local_experts
-                                                              + jnp.arange(local_experts)].set(d.expert_counts)
+        my_experts = rank * local_experts + jnp.arange(local_experts)
+        placed = jnp.zeros((self.num_experts,), jnp.int32).at[my_experts].set(d.expert_counts)
         load = lax.psum(placed, self.batch_axes)
         dropped = lax.psum(d.num_dropped, self.batch_axes)
         aux = jnp.zeros((), jnp.float32)
