@@ -47,7 +47,11 @@ def median_time(fn, *args, repeats: int = 5) -> float:
 
 
 def communication_time(mesh: Mesh, cfg: LMConfig, tokens_per_rank: int, backend: str) -> float:
-    """Seconds for one training step's dispatch+combine, forward and backward, in every MoE layer."""
+    """Seconds for one training step's dispatch+combine, forward and backward, in every MoE layer.
+
+    Tokens are split over every mesh axis (e.g. data x ep) and dispatched over the "ep" axis.
+    """
+    axes = tuple(mesh.axis_names)
     ep = EPConfig(num_experts=cfg.num_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
                   max_tokens_per_rank=tokens_per_rank, backend=backend,
                   dispatch_dtype=cfg.dispatch_dtype)
@@ -60,10 +64,10 @@ def communication_time(mesh: Mesh, cfg: LMConfig, tokens_per_rank: int, backend:
         total = 0.0
         for _ in range(cfg.num_layers):
             total = total + one_layer(x, idx, w)
-        return jax.lax.psum(total, "ep")
+        return jax.lax.psum(total, axes)
 
     grad = jax.jit(jax.shard_map(jax.grad(all_layers, argnums=(0, 2)), mesh=mesh,
-                                 in_specs=(P("ep"), P("ep"), P("ep")), out_specs=(P("ep"), P("ep"))))
+                                 in_specs=(P(axes), P(axes), P(axes)), out_specs=(P(axes), P(axes))))
     rng = np.random.default_rng(0)
     n = tokens_per_rank * mesh.size
     x = rng.standard_normal((n, cfg.hidden)).astype(np.float32)
@@ -94,6 +98,7 @@ def main(argv=None) -> None:
     model = MoETransformerLM(cfg, rngs=nnx.Rngs(0), mesh=mesh)
     shard_model(model, mesh)
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
+    shard_model(optimizer, mesh)  # its step count too: otherwise step 2 recompiles for a new sharding
 
     @nnx.jit
     def train_step(model, optimizer, batch):

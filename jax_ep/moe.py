@@ -8,7 +8,17 @@ Two ways to call it:
   * ``MoE(..., mesh=mesh)``: from a plain ``jax.jit`` model with global arrays; the layer enters
     ``shard_map`` itself (tokens sharded over the batch axes, experts over the EP axis).
   * ``MoE(..., mesh=None)``: from inside your own ``shard_map`` body (per-rank view); the expert
-    weights you pass in must be this rank's shard (``num_experts / ep_size`` experts).
+    weights you pass in must be this rank's shard (``num_experts / ep_size`` experts), or all
+    ``num_experts`` of them when the layer has a placement.
+
+Expert placement (``placement=jax_ep.eplb.Placement``, EPLB replication): the router still scores the
+``num_experts`` logical experts; each pick is mapped to one replica (``eplb.apply_placement`` with
+global token ids) and dispatch runs over the ``num_ranks * slots_per_rank`` physical slots. The
+parameters stay the logical experts ``[num_experts, ...]`` (same param tree, checkpoints and optimizer
+state with or without a placement; re-planning changes no parameter, and a replicated expert's
+gradient is the sum over its replicas, so replicas can never drift apart). Each step, every rank
+gathers the weights of its slots from them (``w[physical_to_logical[slots of this rank]]``): an
+all-gather of the expert weights forward and a reduction of their gradients backward.
 """
 
 from __future__ import annotations
@@ -19,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import balancing, gating
+from jax_ep import balancing, eplb, gating
 from jax_ep.config import EPConfig
 from jax_ep.ops import combine, dispatch
 from jax_ep.reference import dequantize_fp8
@@ -36,10 +46,16 @@ class ExpertLoad(nnx.Variable):
     """Load statistics: tokens per expert in the last step and accumulated over steps."""
 
 
+class ExpertPlacement(nnx.Variable):
+    """Expert placement tables (jax_ep.eplb.Placement arrays): not trained; replace with `set_placement`."""
+
+
 class MoEStats(NamedTuple):
-    expert_load: jax.Array   # [E] int32 rows each expert received this call (all ranks)
+    expert_load: jax.Array   # [E] int32 rows each logical expert received this call (all ranks, all replicas)
     num_dropped: jax.Array   # [] int32 rows dropped for lack of capacity (all ranks)
     aux_loss: jax.Array      # [] float32 sequence-wise auxiliary loss (0 when disabled)
+    slot_load: jax.Array     # [num_slots] int32 rows each physical slot received (= expert_load without
+    #                          a placement)
 
 
 class MoE(nnx.Module):
@@ -52,7 +68,7 @@ class MoE(nnx.Module):
                  capacity: int | None = None, expert_alignment: int = 1,
                  dispatch_dtype: str | None = None, num_sms: int = 24, backend: str = "auto",
                  checked: bool = False, bias_update_rate: float = 0.0, aux_loss_alpha: float = 0.0,
-                 param_dtype=jnp.float32):
+                 placement: eplb.Placement | None = None, param_dtype=jnp.float32):
         if mesh is not None and axis_name not in mesh.axis_names:
             raise ValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
@@ -71,8 +87,13 @@ class MoE(nnx.Module):
                                checked=checked)
         self.bias_update_rate, self.aux_loss_alpha = bias_update_rate, aux_loss_alpha
 
+        self._set_placement_tables(placement)
+
         init = nnx.initializers.lecun_normal()
-        expert_spec = (axis_name, None, None)
+        # Logical expert weights, sharded over the EP axis at rest. With a placement, each step gathers the
+        # slots' weights from all of them: inside your own shard_map (mesh=None) pass them whole.
+        shardable = mesh is not None and num_experts % mesh.shape[axis_name] == 0
+        expert_spec = (axis_name if placement is None or shardable else None, None, None)
         self.router = nnx.Param(init(rngs.params(), (hidden, num_experts), param_dtype))
         self.w_gate = nnx.Param(init(rngs.params(), (num_experts, hidden, ffn_hidden), param_dtype),
                                 out_sharding=expert_spec, eager_sharding=False)
@@ -85,8 +106,62 @@ class MoE(nnx.Module):
         self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32))
         self.last_load = ExpertLoad(jnp.zeros((num_experts,), jnp.int32))
         self.total_load = ExpertLoad(jnp.zeros((num_experts,), jnp.float32))
+        self._reset_slot_stats()
         self.last_dropped = ExpertLoad(jnp.zeros((), jnp.int32))
         self.last_aux_loss = ExpertLoad(jnp.zeros((), jnp.float32))
+
+    # ---------------------------------------------------------------------------------------------
+    # Placement
+    @property
+    def placement(self) -> eplb.Placement | None:
+        """The expert placement (None: expert e on rank e // (E / ep_size), one slot per expert)."""
+        if self.physical_to_logical is None:
+            return None
+        return eplb.Placement(self.physical_to_logical[...], self.replica_counts[...],
+                              self.logical_to_physical[...], self.placement_ranks, self.slots_per_rank)
+
+    @property
+    def num_slots(self) -> int:
+        """Physical expert slots the dispatch runs over (num_experts without a placement)."""
+        return self.num_experts if self.physical_to_logical is None else int(
+            self.physical_to_logical[...].shape[0])
+
+    def set_placement(self, placement: eplb.Placement | None) -> None:
+        """Re-plan (outside jit), e.g. `eplb.plan_placement(layer.total_load[...], R, S, max_replicas=M)`.
+
+        Parameters are untouched. A placement with the same sizes (and `max_replicas`) does not
+        recompile the step; the per-slot load statistics restart when the slot count changes.
+        """
+        old_slots = self.num_slots
+        self._set_placement_tables(placement)
+        if self.num_slots != old_slots:
+            self._reset_slot_stats()
+
+    def _set_placement_tables(self, placement: eplb.Placement | None) -> None:
+        if placement is None:
+            self.physical_to_logical = self.logical_to_physical = self.replica_counts = None
+            self.placement_ranks = self.slots_per_rank = None
+            return
+        if not isinstance(placement, eplb.Placement):
+            raise ValueError(f"MoE: placement must be a jax_ep.eplb.Placement or None, got "
+                             f"{type(placement).__name__}")
+        if placement.num_experts != self.num_experts:
+            raise ValueError(f"MoE: the placement is for {placement.num_experts} experts, the layer has "
+                             f"{self.num_experts}")
+        if self.mesh is not None and placement.num_ranks != self.mesh.shape[self.axis_name]:
+            raise ValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
+                             f"{self.axis_name!r} has {self.mesh.shape[self.axis_name]}")
+        # replicated over the mesh, as a jitted step returns them: re-planning then does not recompile
+        put = (lambda a: jnp.asarray(a, jnp.int32)) if self.mesh is None else (
+            lambda a: jax.device_put(jnp.asarray(a, jnp.int32), NamedSharding(self.mesh, P())))
+        self.physical_to_logical = ExpertPlacement(put(placement.physical_to_logical))
+        self.logical_to_physical = ExpertPlacement(put(placement.logical_to_physical))
+        self.replica_counts = ExpertPlacement(put(placement.replica_counts))
+        self.placement_ranks, self.slots_per_rank = placement.num_ranks, placement.slots_per_rank
+
+    def _reset_slot_stats(self) -> None:
+        self.last_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.int32))
+        self.total_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.float32))
 
     # ---------------------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, update_stats: bool = True) -> jax.Array:
@@ -97,19 +172,18 @@ class MoE(nnx.Module):
         tokens = x.reshape(-1, self.hidden)
         seq_len = lead[-1] if len(lead) >= 2 else None  # None: this rank's tokens are one sequence
         params = (self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
-                  self.expert_bias[...])
+                  self.expert_bias[...], self.placement)
         if self.mesh is None:
             out, stats = self._per_rank(tokens, *params, seq_len=seq_len)
-            stats = MoEStats(*stats)
         else:
             batch = P(self.batch_axes)
-            experts = P(self.axis_name)
+            # with a placement every rank gathers its slots' weights from all logical experts
+            experts = P(self.axis_name) if self.placement is None else P()
             body = jax.shard_map(
                 lambda *a: self._per_rank(*a, seq_len=seq_len), mesh=self.mesh,
-                in_specs=(batch, P(), experts, experts, experts, P()),
-                out_specs=(batch, (P(), P(), P())))
+                in_specs=(batch, P(), experts, experts, experts, P(), P()),
+                out_specs=(batch, MoEStats(P(), P(), P(), P())))
             out, stats = body(tokens, *params)
-            stats = MoEStats(*stats)
         if self.shared is not None:
             out = out + self.shared(tokens)
         if update_stats:
@@ -125,27 +199,53 @@ class MoE(nnx.Module):
     def _record(self, stats: MoEStats) -> None:
         self.last_load[...] = stats.expert_load
         self.total_load[...] = self.total_load[...] + stats.expert_load.astype(jnp.float32)
+        self.last_slot_load[...] = stats.slot_load
+        self.total_slot_load[...] = self.total_slot_load[...] + stats.slot_load.astype(jnp.float32)
         self.last_dropped[...] = stats.num_dropped
         self.last_aux_loss[...] = stats.aux_loss
         if self.bias_update_rate:
             self.expert_bias[...] = balancing.update_bias(
                 self.expert_bias[...], stats.expert_load.astype(jnp.float32), self.bias_update_rate)
 
-    def _per_rank(self, x, router, w_gate, w_up, w_down, bias, *, seq_len):
+    def _per_rank(self, x, router, w_gate, w_up, w_down, bias, placement, *, seq_len):
         ep_size = lax.axis_size(self.axis_name)
-        local_experts = self.num_experts // ep_size
-        if w_gate.shape[0] != local_experts:
-            raise ValueError(f"MoE: this rank holds {w_gate.shape[0]} experts but num_experts / ep_size = "
-                             f"{local_experts}; inside your own shard_map pass expert weights with "
-                             f"PartitionSpec({self.axis_name!r})")
-        cfg = EPConfig(num_experts=self.num_experts, num_topk=self.num_topk, hidden=self.hidden,
+        rank = lax.axis_index(self.axis_name)
+        if placement is None:
+            num_slots, local_slots = self.num_experts, self.num_experts // ep_size
+            if w_gate.shape[0] != local_slots:
+                raise ValueError(f"MoE: this rank holds {w_gate.shape[0]} experts but num_experts / ep_size "
+                                 f"= {local_slots}; inside your own shard_map pass expert weights with "
+                                 f"PartitionSpec({self.axis_name!r})")
+        else:
+            num_slots, local_slots = placement.num_slots, placement.slots_per_rank
+            if placement.num_ranks != ep_size:
+                raise ValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
+                                 f"{self.axis_name!r} has {ep_size}")
+            if w_gate.shape[0] != self.num_experts:
+                raise ValueError(f"MoE: with a placement every rank needs all {self.num_experts} logical "
+                                 f"experts' weights, got {w_gate.shape[0]}; inside your own shard_map pass "
+                                 "them with PartitionSpec()")
+            # this rank's slots hold these logical experts; gather their weights (gradients add up
+            # over the replicas of an expert)
+            slot_expert = lax.dynamic_slice_in_dim(placement.physical_to_logical, rank * local_slots,
+                                                   local_slots)
+            w_gate, w_up, w_down = w_gate[slot_expert], w_up[slot_expert], w_down[slot_expert]
+        cfg = EPConfig(num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden,
                        max_tokens_per_rank=x.shape[0], axis_name=self.axis_name, **self.ep_options)
-        router_cfg = gating.RouterConfig(self.num_experts, self.num_topk, ep_size=ep_size,
+        # ep_size only matters for the rank cap, which assumes the contiguous logical layout
+        capped = placement is None or self.router_options["max_ranks_per_token"] is not None
+        router_cfg = gating.RouterConfig(self.num_experts, self.num_topk, ep_size=ep_size if capped else 1,
                                          **self.router_options)
         logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
         routing = gating.route(logits, router_cfg, lax.stop_gradient(bias))
+        topk_idx = routing.topk_idx
+        if placement is not None:
+            # global token ids, so the replica choice does not repeat on every token shard
+            shard = lax.axis_index(self.batch_axes)
+            token_ids = shard * x.shape[0] + jnp.arange(x.shape[0], dtype=jnp.int32)
+            topk_idx = eplb.apply_placement(topk_idx, placement, token_ids)
 
-        d = dispatch(x, routing.topk_idx, routing.topk_weights, cfg)
+        d = dispatch(x, topk_idx, routing.topk_weights, cfg)
         rows = d.x if d.scales is None else dequantize_fp8(d.x, d.scales, x.dtype)
         rows = rows.astype(x.dtype)
         gate = lax.ragged_dot(rows, w_gate.astype(x.dtype), d.group_sizes)
@@ -153,18 +253,20 @@ class MoE(nnx.Module):
         y = lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes)
         out = combine(y.astype(x.dtype), d.handle, cfg)
 
-        # statistics: every rank's counts placed at its experts, summed over all token shards
-        rank = lax.axis_index(self.axis_name)
-        my_experts = rank * local_experts + jnp.arange(local_experts)
-        placed = jnp.zeros((self.num_experts,), jnp.int32).at[my_experts].set(d.expert_counts)
-        load = lax.psum(placed, self.batch_axes)
+        # statistics: every rank's counts placed at its slots, summed over all token shards; logical
+        # loads sum the replicas of each expert
+        my_slots = rank * local_slots + jnp.arange(local_slots)
+        placed = jnp.zeros((num_slots,), jnp.int32).at[my_slots].set(d.expert_counts)
+        slot_load = lax.psum(placed, self.batch_axes)
+        load = slot_load if placement is None else jnp.zeros((self.num_experts,), jnp.int32).at[
+            placement.physical_to_logical].add(slot_load)
         dropped = lax.psum(d.num_dropped, self.batch_axes)
         aux = jnp.zeros((), jnp.float32)
         if self.aux_loss_alpha:
             aux = balancing.sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
                                               self.aux_loss_alpha, sequence_length=seq_len)
             aux = lax.pmean(aux, self.batch_axes)
-        return out, (load, dropped, aux)
+        return out, MoEStats(load, dropped, aux, slot_load)
 
 
 class SwiGLU(nnx.Module):

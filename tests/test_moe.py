@@ -1,5 +1,6 @@
 """The Flax MoE layer: equals a dense single-device computation, from jit and from inside shard_map,
-on 1-D and 2-D (data x ep) meshes, with gradients; trains with falling loss."""
+on 1-D and 2-D (data x ep) meshes, with gradients, with and without an expert placement (replicas);
+trains with falling loss."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import gating
+from jax_ep import balancing, eplb, gating
 from jax_ep.models import LMConfig, MoETransformerLM, next_token_loss
 from jax_ep.moe import MoE
 
@@ -41,6 +42,16 @@ def random_tokens(seed, batch=8, seq=4):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((batch, seq, HIDDEN)), jnp.float32)
 
 
+HOT = 3
+
+
+def hot_expert_placement(num_ranks, slots_per_rank=3):
+    """EPLB plan for loads where expert HOT is 20x hotter than the others: it gets several replicas."""
+    loads = np.ones(EXPERTS)
+    loads[HOT] = 20.0
+    return eplb.plan_placement(loads, num_ranks, slots_per_rank)
+
+
 @pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((8,), ("ep",)), ((2, 4), ("data", "ep"))])
 @pytest.mark.parametrize("shared", [0, 8])
 def test_layer_matches_dense(shape, axes, shared):
@@ -53,12 +64,16 @@ def test_layer_matches_dense(shape, axes, shared):
     assert int(layer.last_dropped[...]) == 0
 
 
-@pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((2, 4), ("data", "ep"))])
-def test_gradients_match_dense(shape, axes):
+@pytest.mark.parametrize("shape,axes,placed", [((4,), ("ep",), False), ((2, 4), ("data", "ep"), False),
+                                               ((2, 4), ("data", "ep"), True)])
+def test_gradients_match_dense(shape, axes, placed):
     """Expert weights are sharded over ep and replicated over data: their gradients (and the router's)
-    must equal the single-device gradients."""
+    must equal the single-device gradients. With a placement, a replicated expert's gradient is the sum
+    over its replicas."""
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
-    layer = make_layer(mesh, seed=3)
+    layer = make_layer(mesh, seed=3, placement=hot_expert_placement(shape[-1]) if placed else None)
+    if placed:
+        layer.expert_bias[...] = jnp.zeros(EXPERTS).at[HOT].set(1.0)
     x = random_tokens(2)
     target = random_tokens(3)
 
@@ -136,3 +151,96 @@ def test_tiny_lm_trains():
 
     losses = [float(step(model, optimizer, batch)) for _ in range(8)]
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expert placement (EPLB replicas) in the layer
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((2, 4), ("data", "ep"))])
+def test_placement_replicas_receive_tokens_and_match_dense(shape, axes):
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+    placement = hot_expert_placement(shape[-1])
+    p2l = np.asarray(placement.physical_to_logical)
+    hot_slots = np.asarray(placement.logical_to_physical[HOT, :placement.replica_counts[HOT]])
+    assert len(set((hot_slots // placement.slots_per_rank).tolist())) >= 2   # replicas on several ranks
+    layer = make_layer(mesh, placement=placement, score_func="sigmoid")
+    layer.expert_bias[...] = jnp.zeros(EXPERTS).at[HOT].set(1.0)          # every token picks HOT
+    x = random_tokens(1)
+    out = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense_moe(layer, x)), rtol=2e-5, atol=2e-5)
+
+    num_tokens = x.shape[0] * x.shape[1]
+    slot_load = np.asarray(layer.last_slot_load[...])
+    load = np.asarray(layer.last_load[...])
+    assert slot_load.shape == (placement.num_slots,)
+    assert np.all(slot_load[hot_slots] > 0)                                # every replica got tokens
+    assert slot_load[hot_slots].max() - slot_load[hot_slots].min() <= 1    # ... an even share
+    np.testing.assert_array_equal(load, np.bincount(p2l, weights=slot_load, minlength=EXPERTS))
+    assert load[HOT] == num_tokens and load.sum() == num_tokens * TOPK
+    # the logical loads are the router's choices, counted on one device
+    rcfg = gating.RouterConfig(EXPERTS, TOPK, **layer.router_options)
+    routing = gating.route(x.reshape(-1, HIDDEN) @ layer.router[...], rcfg, layer.expert_bias[...])
+    np.testing.assert_array_equal(load, np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS)))
+    np.testing.assert_allclose(np.asarray(layer.total_slot_load[...]), slot_load)
+    assert int(layer.last_dropped[...]) == 0
+
+
+def test_placement_inside_user_shard_map_and_replan():
+    """mesh=None with a placement: every rank gets all logical experts' weights and gathers its slots;
+    set_placement re-plans without touching the parameters, and without recompiling for equal sizes."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    placement = hot_expert_placement(4)
+    global_layer = make_layer(mesh, seed=5, placement=placement)
+    per_rank_layer = make_layer(None, seed=5, placement=placement)
+    x = random_tokens(4).reshape(-1, HIDDEN)
+    graphdef, state = nnx.split(per_rank_layer)
+
+    def body(state, x):
+        return nnx.merge(graphdef, state)(x, update_stats=False)
+
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("ep")), out_specs=P("ep")))(state, x)
+    traces = []
+
+    @nnx.jit
+    def forward(m, x):
+        traces.append(1)
+        return m(x)
+
+    expected = forward(global_layer, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+    # re-plan from the measured loads with the same sizes: same outputs, same parameters, no new trace
+    forward(global_layer, x)                  # the state now has the shardings a jitted step returns
+    params = nnx.state(global_layer, nnx.Param)
+    width = placement.logical_to_physical.shape[1]
+    replanned = eplb.plan_placement(np.asarray(global_layer.total_load[...]), 4, 3, max_replicas=width)
+    assert not np.array_equal(replanned.physical_to_logical, placement.physical_to_logical)
+    global_layer.set_placement(replanned)
+    count = len(traces)
+    again = forward(global_layer, x)
+    assert len(traces) == count
+    np.testing.assert_allclose(np.asarray(again), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(global_layer, nnx.Param), params)
+    global_layer.set_placement(None)
+    assert global_layer.placement is None and global_layer.num_slots == EXPERTS
+    assert global_layer.last_slot_load[...].shape == (EXPERTS,)
+
+
+def test_placement_errors():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    with pytest.raises(ValueError, match="the placement is for 2 ranks, the mesh axis 'ep' has 4"):
+        make_layer(mesh, placement=hot_expert_placement(2, slots_per_rank=6))
+    with pytest.raises(ValueError, match="the placement is for 4 experts, the layer has 8"):
+        make_layer(mesh, placement=eplb.plan_placement(np.ones(4), 4, 2))
+    layer = make_layer(None, placement=hot_expert_placement(4))
+    graphdef, state = nnx.split(layer)
+    specs = jax.tree.map(lambda _: P(), nnx.state(layer))
+    for name in ("w_gate", "w_up", "w_down"):
+        specs[name] = P("ep")                      # the non-placement layout: a shard per rank
+
+    def body(state, x):
+        return nnx.merge(graphdef, state)(x, update_stats=False)
+
+    with pytest.raises(ValueError, match="with a placement every rank needs all 8 logical"):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))(
+            state, random_tokens(6).reshape(-1, HIDDEN))

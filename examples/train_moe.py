@@ -1,0 +1,275 @@
+"""Train a small MoE language model with expert parallelism, with and without load balancing.
+
+    python examples/train_moe.py [--steps 40] [--out train_moe_out] [--mesh 2,4] [--backend auto]
+
+A decoder-only byte-level LM (jax_ep.models: attention + MoE FFN layers) is trained on the source of a
+few standard-library modules, under jit, with the MoE layers entering shard_map over a data x ep mesh
+(tokens split over both axes, experts over "ep"). Without a GPU it runs on 8 virtual CPU devices.
+
+The same model (same seed, same batches) is trained twice: without balancing and with DeepSeek-V3's
+auxiliary-loss-free bias balancing (`MoE(bias_update_rate=...)`). Prints loss, tokens/s and the expert
+imbalance (max/mean load); writes OUT/metrics.json and OUT/train_moe.png: loss curves, imbalance
+curves, per-expert load heatmaps of both runs, and for each available backend the step time split into
+dispatch+combine (timed on their own, `jax_ep.demo.communication_time`) and the rest of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import time
+
+import jax
+
+# Before the first device query: 8 virtual CPU devices (a GPU, if present, stays the default backend).
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jax_ep.balancing import imbalance  # noqa: E402
+from jax_ep.demo import communication_time, shard_model  # noqa: E402
+from jax_ep.models import LMConfig, MoETransformerLM, batches, corpus_bytes, next_token_loss  # noqa: E402
+
+RUNS = {"no_balancing": "without balancing", "bias_balancing": "with bias balancing"}
+SHORT = {"no_balancing": "no balancing", "bias_balancing": "bias balancing"}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40, help="training steps per run (two runs)")
+    parser.add_argument("--out", default="train_moe_out", help="directory for metrics.json and the plot")
+    parser.add_argument("--mesh", default=None,
+                        help="data,ep sizes, e.g. 2,4 (default: 1,<all devices>)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--bias-rate", type=float, default=1e-2,
+                        help="bias update rate of the balanced run (softmax scores of 16 experts: ~0.06)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    num_devices = len(jax.devices())
+    if args.mesh is None:
+        args.mesh = (1, num_devices)
+    else:
+        try:
+            args.mesh = tuple(int(v) for v in args.mesh.split(","))
+        except ValueError:
+            parser.error(f"--mesh must be two integers data,ep, got {args.mesh!r}")
+        if len(args.mesh) != 2 or min(args.mesh) < 1:
+            parser.error(f"--mesh must be two positive integers data,ep, got {args.mesh}")
+    data, ep = args.mesh
+    if data * ep > num_devices:
+        parser.error(f"--mesh {data},{ep} needs {data * ep} devices, there are {num_devices}")
+    if args.batch % (data * ep):
+        parser.error(f"--batch {args.batch} must be a multiple of the mesh size {data * ep}")
+    if args.experts % ep:
+        parser.error(f"--experts {args.experts} must be a multiple of the EP size {ep}")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2")
+    return args
+
+
+def train(cfg: LMConfig, mesh: Mesh, args, label: str) -> dict:
+    """Trains one model; returns its per-step loss, step time and per-layer, per-expert loads."""
+    model = MoETransformerLM(cfg, rngs=nnx.Rngs(args.seed), mesh=mesh)
+    shard_model(model, mesh)
+    optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
+    shard_model(optimizer, mesh)  # its step count too: otherwise step 2 recompiles for a new sharding
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    data = batches(corpus_bytes(), args.batch, args.seq, seed=args.seed)
+    batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    losses, step_times, loads, dropped = [], [], [], []
+    for step in range(args.steps):
+        batch = jax.device_put(next(data), batch_sharding)
+        start = time.perf_counter()
+        loss = float(train_step(model, optimizer, batch))
+        step_times.append(time.perf_counter() - start)
+        losses.append(loss)
+        loads.append(np.stack([np.asarray(m.last_load[...]) for m in model.moe_layers()]))   # [L, E]
+        dropped.append(int(sum(int(m.last_dropped[...]) for m in model.moe_layers())))
+        if step % 10 == 0 or step == args.steps - 1:
+            per_layer = np.asarray(imbalance(jnp.asarray(loads[-1])))
+            print(f"[{label}] step {step:4d}  loss {loss:.3f}  imbalance (max/mean) per layer "
+                  + " ".join(f"{v:.2f}" for v in per_layer))
+    loads = np.stack(loads)                                                   # [steps, L, E]
+    per_step = np.asarray(imbalance(jnp.asarray(loads)))                      # [steps, L]
+    # imbalance of the load accumulated since step 0: what the bias (an integral controller) evens out
+    cumulative = np.asarray(imbalance(jnp.asarray(np.cumsum(loads, axis=0))))  # [steps, L]
+    step_time = float(np.median(step_times[len(step_times) // 2:]))          # past compilation
+    return {"loss": losses, "step_time_s": step_times, "median_step_time_s": step_time,
+            "tokens_per_s": args.batch * args.seq / step_time,
+            "expert_load": loads.tolist(), "imbalance": per_step.mean(axis=1).tolist(),
+            "imbalance_per_layer": per_step.tolist(), "mean_imbalance": float(per_step.mean()),
+            "imbalance_cumulative": cumulative.mean(axis=1).tolist(),
+            "imbalance_total": float(cumulative[-1].mean()), "dropped": dropped}
+
+
+def step_time_only(cfg: LMConfig, mesh: Mesh, args, steps: int = 6) -> float:
+    """Median step time of a short run (for a backend the training runs did not use)."""
+    short = argparse.Namespace(**{**vars(args), "steps": steps})
+    return train(cfg, mesh, short, f"timing {cfg.backend}")["median_step_time_s"]
+
+
+def communication_view(cfg: LMConfig, mesh: Mesh, args, trained_step_time: float) -> dict:
+    """Per available backend: step time of the model, and the part spent in dispatch+combine."""
+    tokens_per_rank = args.batch * args.seq // mesh.size
+    comm = {}
+    for backend in ("reference", "cuda"):
+        try:
+            comm[backend] = communication_time(mesh, cfg, tokens_per_rank, backend)
+        except (ImportError, RuntimeError, NotImplementedError) as e:
+            print(f"backend {backend!r}: not available here ({str(e).splitlines()[0][:120]})")
+    # "auto" trains on cuda kernels where they are available, the reference path otherwise
+    trained = args.backend if args.backend != "auto" else ("cuda" if "cuda" in comm else "reference")
+    result = {}
+    for backend, comm_s in comm.items():
+        try:
+            step = trained_step_time if backend == trained else step_time_only(
+                dataclasses.replace(cfg, backend=backend), mesh, args)
+        except (RuntimeError, NotImplementedError) as e:       # e.g. an op without a kernel
+            print(f"backend {backend!r}: the model does not run ({str(e).splitlines()[0][:120]})")
+            continue
+        result[backend] = {"dispatch_combine_s": comm_s, "step_time_s": step, "share": comm_s / step}
+        print(f"backend {backend!r}: step {1e3 * step:.1f} ms, dispatch+combine (fwd+bwd, "
+              f"{cfg.num_layers} layers) {1e3 * comm_s:.1f} ms = {100 * comm_s / step:.0f}% of the step")
+    return result
+
+
+def plot(metrics: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = metrics["runs"]
+    colors = {"no_balancing": "tab:red", "bias_balancing": "tab:blue"}
+    fig = plt.figure(figsize=(16, 10), layout="constrained")
+    grid = fig.add_gridspec(2, 6, height_ratios=[1, 1.15])
+    ax_loss, ax_imb, ax_comm = (fig.add_subplot(grid[0, 2 * i:2 * i + 2]) for i in range(3))
+    heat_axes = [fig.add_subplot(grid[1, 0:3]), fig.add_subplot(grid[1, 3:6])]
+
+    for name, run in runs.items():
+        steps = np.arange(len(run["loss"]))
+        ax_loss.plot(steps, run["loss"], color=colors[name], label=RUNS[name])
+        ax_imb.plot(steps, run["imbalance"], color=colors[name], alpha=0.5, lw=1,
+                    label=f"{SHORT[name]}: per step (mean {run['mean_imbalance']:.2f})")
+        ax_imb.plot(steps, run["imbalance_cumulative"], color=colors[name], lw=2.5,
+                    label=f"{SHORT[name]}: load summed since step 0")
+    ax_loss.set(title="Training loss", xlabel="step", ylabel="next-byte cross-entropy")
+    ax_imb.axhline(1.0, color="gray", ls=":", lw=1)
+    top = max(max(run["imbalance"]) for run in runs.values())
+    ax_imb.set(title="Expert load imbalance (1 = balanced)", xlabel="step",
+               ylabel="max / mean expert load (mean over layers)", ylim=(0, 1.6 * top))
+    ax_imb.legend(loc="upper center", fontsize="small")
+    ax_loss.legend()
+    for ax in (ax_loss, ax_imb):
+        ax.grid(alpha=0.3)
+
+    comm = metrics["communication"]
+    names = list(comm)
+    step_ms = np.array([1e3 * comm[b]["step_time_s"] for b in names])
+    comm_ms = np.array([1e3 * comm[b]["dispatch_combine_s"] for b in names])
+    rest_ms = np.maximum(step_ms - comm_ms, 0)
+    y = np.arange(len(names))
+    ax_comm.barh(y, comm_ms, height=0.5, color="tab:orange",
+                 label="dispatch + combine (fwd + bwd, timed alone)")
+    ax_comm.barh(y, rest_ms, height=0.5, left=comm_ms, color="tab:gray", alpha=0.6,
+                 label="rest of the step (= step without EP comm)")
+    for i, b in enumerate(names):
+        ax_comm.text(step_ms[i], y[i], f" {step_ms[i]:.0f} ms\n {100 * comm[b]['share']:.1f}% in\n"
+                     " dispatch+combine", va="center", ha="left")
+    ax_comm.set_yticks(y, names)
+    ax_comm.set_xlim(0, 1.45 * max(step_ms.max(initial=0.0), 1e-9))
+    ax_comm.set_ylim(-0.75, len(names) - 0.25 + 0.6)
+    ax_comm.set(title="Step time per backend, EP communication share", xlabel="ms per training step",
+                ylabel="backend")
+    ax_comm.legend(loc="upper right", fontsize="small")
+
+    loads = {name: np.asarray(run["expert_load"], np.float64) for name, run in runs.items()}   # [S, L, E]
+    rel = {name: load / np.maximum(load.mean(axis=-1, keepdims=True), 1e-9) for name, load in loads.items()}
+    # white = balanced (1), red = overloaded, blue = underloaded (0 = no tokens)
+    norm = matplotlib.colors.TwoSlopeNorm(vmin=0.0, vcenter=1.0,
+                                          vmax=max(2.0, max(float(r.max()) for r in rel.values())))
+    num_layers, num_experts = next(iter(loads.values())).shape[1:]
+    for ax, (name, r) in zip(heat_axes, rel.items(), strict=True):
+        image = r.reshape(r.shape[0], -1).T                                   # [L*E, steps]
+        im = ax.imshow(image, aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
+                       origin="upper")
+        for layer in range(1, num_layers):
+            ax.axhline(layer * num_experts - 0.5, color="black", lw=1.5)
+        ticks = [layer * num_experts + e for layer in range(num_layers) for e in range(0, num_experts, 4)]
+        ax.set_yticks(ticks, [f"L{t // num_experts} e{t % num_experts}" for t in ticks], fontsize="small")
+        ax.set(title=f"Per-expert load / mean, {RUNS[name]}", xlabel="step", ylabel="layer, expert")
+    fig.colorbar(im, ax=heat_axes, label="load / mean load (1 = balanced)", shrink=0.9)
+
+    cfg = metrics["config"]
+    fig.suptitle(f"jax_ep train_moe: {cfg['devices']}, mesh data x ep = {cfg['mesh'][0]} x {cfg['mesh'][1]}, "
+                 f"{cfg['model']['num_experts']} experts top-{cfg['model']['num_topk']}, "
+                 f"{cfg['model']['num_layers']} MoE layers, {cfg['steps']} steps x {cfg['tokens_per_step']} "
+                 f"tokens, bias rate {cfg['bias_rate']}", fontsize="large")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    data, ep = args.mesh
+    devices = jax.devices()[:data * ep]
+    mesh = Mesh(np.array(devices).reshape(data, ep), ("data", "ep"))
+    cfg = LMConfig(num_experts=args.experts, num_layers=args.layers, backend=args.backend)
+    tokens = args.batch * args.seq
+    print(f"train_moe: {len(devices)} x {devices[0].platform} devices, mesh data x ep = {data} x {ep}, "
+          f"{cfg.num_experts} experts top-{cfg.num_topk}, {cfg.num_layers} MoE layers, {tokens} tokens/step, "
+          f"backend={args.backend}")
+
+    runs = {}
+    for name, rate in (("no_balancing", 0.0), ("bias_balancing", args.bias_rate)):
+        start = time.perf_counter()
+        runs[name] = train(dataclasses.replace(cfg, bias_update_rate=rate), mesh, args, RUNS[name])
+        run = runs[name]
+        print(f"[{RUNS[name]}] loss {run['loss'][0]:.3f} -> {run['loss'][-1]:.3f}, "
+              f"{run['tokens_per_s']:,.0f} tokens/s, imbalance (max/mean) per step "
+              f"{run['mean_imbalance']:.2f}, of the run's total load {run['imbalance_total']:.2f}, "
+              f"{time.perf_counter() - start:.0f} s with compilation")
+    comm = communication_view(cfg, mesh, args, runs["bias_balancing"]["median_step_time_s"])
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = {
+        "config": {"devices": f"{len(devices)} x {devices[0].platform}", "mesh": [data, ep],
+                   "steps": args.steps, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
+                   "lr": args.lr, "bias_rate": args.bias_rate, "seed": args.seed, "backend": args.backend,
+                   "model": dataclasses.asdict(cfg)},
+        "runs": runs,
+        "communication": comm,
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    plot(metrics, out / "train_moe.png")
+    for key, what in (("mean_imbalance", "per step, mean over the run"),
+                      ("imbalance_total", "of the load summed over the run")):
+        print(f"expert imbalance (max/mean) {what}: {runs['no_balancing'][key]:.2f} without balancing, "
+              f"{runs['bias_balancing'][key]:.2f} with bias balancing")
+    print(f"wrote {out / 'metrics.json'} and {out / 'train_moe.png'}")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
