@@ -1,0 +1,132 @@
+// Device utilities shared by every kernel family: error checking, system-scope loads/stores,
+// bounded spin-waits that turn a hang into a named error, and the group barrier.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_state.h"
+
+// After a launch: report a bad launch configuration (or an earlier sticky error) to the caller.
+#define JAX_EP_CHECK_LAUNCH() JAX_EP_CUDA_RETURN(cudaGetLastError())
+
+namespace jax_ep {
+
+// Nanoseconds since an arbitrary epoch, the same clock on every SM of a GPU.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+// Acquire load at system scope: later reads of this thread see what the releasing peer wrote
+// before its release store (peers are other GPUs, hence .sys rather than .gpu).
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void store_release_sys(uint64_t* address, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(address), "l"(value) : "memory");
+}
+
+// Records the first fault of this device in host-mapped pinned memory (the host can read it even
+// after the trap has killed the context), prints a message naming op and ranks, and traps.
+// noinline: keeps the cold path out of the registers of the spin loops.
+static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, int32_t kind,
+                                                          int32_t op_id, int32_t rank,
+                                                          int32_t waited_rank,
+                                                          int32_t waited_ordinal,
+                                                          uint64_t expected, uint64_t observed,
+                                                          int64_t elapsed_ns) {
+  const DeviceTables& tables = state->tables;
+  if (atomicCAS(&state->sync.fault_claimed, 0, 1) == 0 && tables.fault_record != nullptr) {
+    volatile FaultRecord* record = tables.fault_record;
+    record->kind = kind;
+    record->op_id = op_id;
+    record->device_ordinal = tables.device_ordinal;
+    record->rank = rank;
+    record->waited_rank = waited_rank;
+    record->waited_ordinal = waited_ordinal;
+    record->expected = expected;
+    record->observed = observed;
+    record->elapsed_ns = elapsed_ns;
+    __threadfence_system();  // every field before the flag that tells the host to read them
+    record->valid = 1;
+    __threadfence_system();
+  }
+  if (kind == kFaultTimeout) {
+    printf("jax_ep: op %d on device %d (rank %d) timed out after %lld ns waiting for rank %d "
+           "(device %d): expected epoch %llu, saw %llu. A peer did not issue the same EP call; "
+           "trapping.\n",
+           op_id, tables.device_ordinal, rank, static_cast<long long>(elapsed_ns), waited_rank,
+           waited_ordinal, static_cast<unsigned long long>(expected),
+           static_cast<unsigned long long>(observed));
+  } else {
+    printf("jax_ep: op %d on device %d (rank %d) ran with a stale runtime: needs %llu bytes of "
+           "communication buffer, %llu available (shutdown() called, or the buffer is too "
+           "small); trapping.\n",
+           op_id, tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
+           static_cast<unsigned long long>(observed));
+  }
+  __trap();
+}
+
+// Spins until *flag >= target (flag written by a peer with a release store). Bounded: after
+// tables.timeout_ns the fault is recorded and the kernel traps instead of hanging the process.
+__device__ __forceinline__ void wait_at_least(const uint64_t* flag, uint64_t target,
+                                              DeviceState* state, int32_t op_id, int32_t rank,
+                                              int32_t waited_rank, int32_t waited_ordinal) {
+  uint64_t observed = load_acquire_sys(flag);
+  if (observed >= target) return;
+  const uint64_t start = global_timer_ns();
+  const uint64_t timeout_ns = state->tables.timeout_ns;
+  while (observed < target) {
+    const uint64_t elapsed = global_timer_ns() - start;
+    if (elapsed > timeout_ns) {
+      record_fault_and_trap(state, kFaultTimeout, op_id, rank, waited_rank, waited_ordinal,
+                            target, observed, static_cast<int64_t>(elapsed));
+    }
+    observed = load_acquire_sys(flag);
+  }
+}
+
+// A kernel about to use `needed` bytes of every communication buffer checks that the runtime is
+// still alive and large enough. The host checks the same before launching; this catches CUDA
+// graphs replayed after shutdown(). Call from one thread.
+__device__ __forceinline__ void require_comm_bytes(DeviceState* state, uint64_t needed,
+                                                   int32_t op_id, int32_t rank) {
+  const uint64_t available = state->tables.comm_bytes;
+  if (available < needed) {
+    record_fault_and_trap(state, kFaultStaleRuntime, op_id, rank, -1, -1, needed, available, 0);
+  }
+}
+
+// Barrier of one thread block with the same-numbered barrier of every other rank of the group.
+// Every thread of the block must call it; blockDim.x >= group.size. On return, whatever any rank's
+// block wrote (to any GPU) before its call is visible to every thread of this block.
+//
+// Epochs are counted on the device per pair of devices (never passed from the host), so a CUDA
+// graph replays correctly, and a device may alternate between groups without confusing them: a
+// pair's count advances exactly when both devices pass a barrier together.
+__device__ __forceinline__ void group_barrier_block(DeviceState* state, const PeerGroup& group,
+                                                   int32_t op_id) {
+  __syncthreads();  // this block's earlier writes are ordered before the release below
+  const int peer_rank = static_cast<int>(threadIdx.x);
+  if (peer_rank < group.size) {
+    const int peer = group.ordinals[peer_rank];
+    const int me = state->tables.device_ordinal;
+    const uint64_t epoch = state->sync.barriers_done[peer] + 1;  // only this thread owns the slot
+    state->sync.barriers_done[peer] = epoch;
+    __threadfence_system();
+    store_release_sys(&state->tables.peer_states[peer]->sync.arrived[me], epoch);
+    wait_at_least(&state->sync.arrived[peer], epoch, state, op_id, group.my_rank, peer_rank, peer);
+  }
+  __syncthreads();  // the acquires above are ordered before every thread's later reads
+}
+
+}  // namespace jax_ep

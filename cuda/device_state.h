@@ -1,0 +1,89 @@
+// Per-device runtime state shared by the host runtime (xla_ffi/) and the kernels (cuda/).
+//
+// Plain C++ (no CUDA syntax) so both g++ and nvcc compile it. One DeviceState lives in each GPU's
+// memory for the whole process lifetime: kernels receive its address as an argument, and XLA bakes
+// kernel arguments into CUDA graphs, so the address must never change. Everything that may change
+// (communication buffers after growth, peers joining) is read *through* it at run time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_ep {
+
+// Local GPU ordinals the runtime can manage (process model 1: one process drives all local GPUs).
+inline constexpr int kMaxDevices = 32;
+// Ranks in one NVLink group (a group is a set of local devices, so it cannot exceed kMaxDevices).
+inline constexpr int kMaxGroupRanks = kMaxDevices;
+
+// Names the op that hit a device-side fault, in FaultRecord::op_id.
+enum OpId : int32_t {
+  kOpNone = 0,
+  kOpPeerSmoke = 1,
+};
+
+// What went wrong, in FaultRecord::kind.
+enum FaultKind : int32_t {
+  kFaultNone = 0,
+  kFaultTimeout = 1,         // a spin-wait on a peer exceeded the timeout
+  kFaultStaleRuntime = 2,    // a kernel (e.g. a replayed CUDA graph) ran after shutdown or with a
+                             // communication buffer smaller than it needs
+};
+
+// The first device-side fault on a device, written by the kernel into host-mapped pinned memory
+// (readable by the host even after the __trap() has killed the CUDA context).
+struct FaultRecord {
+  int32_t valid;           // set last, after every other field is visible
+  int32_t kind;            // FaultKind
+  int32_t op_id;           // OpId
+  int32_t device_ordinal;  // device that faulted
+  int32_t rank;            // its rank in the group of the op
+  int32_t waited_rank;     // rank it was waiting on (-1 if none)
+  int32_t waited_ordinal;  // device ordinal of that rank (-1 if none)
+  uint64_t expected;       // value waited for (epoch) or bytes needed
+  uint64_t observed;       // value seen when it gave up, or bytes available
+  int64_t elapsed_ns;      // how long it waited
+};
+
+// Written by the host only (init / growth / shutdown), while no kernel of the library can run.
+struct DeviceTables {
+  uint8_t* comm_buffers[kMaxDevices];          // every device's communication buffer, by ordinal
+  struct DeviceState* peer_states[kMaxDevices];  // every device's DeviceState, by ordinal
+  uint64_t comm_bytes;                         // size of each communication buffer (0 = none)
+  uint64_t timeout_ns;                         // bound of every spin-wait
+  FaultRecord* fault_record;                   // device view of this device's pinned record
+  int32_t device_ordinal;                      // the device this state lives on
+  int32_t reserved;
+};
+
+// Written by kernels only; zeroed once when the state is created and never reset, so counters stay
+// consistent across calls, CUDA-graph replays and re-initialisation.
+struct SyncCounters {
+  // arrived[o]: how many group barriers device o has entered together with this device.
+  // Written by device o (a peer store), read here.
+  alignas(128) uint64_t arrived[kMaxDevices];
+  // barriers_done[o]: how many group barriers this device has entered together with device o.
+  // Local bookkeeping; its parity also selects the half of a double-buffered slot.
+  alignas(128) uint64_t barriers_done[kMaxDevices];
+  // 0 until the first fault on this device: the faulting thread that flips it owns the (host-mapped)
+  // FaultRecord. Kept in device memory because atomics on host-mapped memory need PCIe atomics.
+  int32_t fault_claimed;
+};
+
+struct DeviceState {
+  DeviceTables tables;
+  alignas(128) SyncCounters sync;
+};
+
+// The host rewrites only this prefix of a DeviceState (the sync counters must survive).
+inline constexpr size_t kDeviceTablesBytes = sizeof(DeviceTables);
+
+// Ranks taking part in one op, passed to kernels by value. Static for a given call site (derived
+// from the mesh at trace time), so baking it into a CUDA graph is correct.
+struct PeerGroup {
+  int32_t size;                       // R
+  int32_t my_rank;                    // this device's rank in the group
+  int32_t ordinals[kMaxGroupRanks];   // device ordinal of each rank
+};
+
+}  // namespace jax_ep

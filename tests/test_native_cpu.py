@@ -1,0 +1,121 @@
+"""The native part on a machine without GPU: the extension (when built) imports without touching
+CUDA, exports a handler capsule per FFI target, and the runtime reports why it is unavailable."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_ep import cuda_backend, runtime
+
+
+def _has_cuda_device() -> bool:
+    native = runtime.extension()
+    if native is None:
+        return False
+    try:
+        return native.device_count() > 0
+    except RuntimeError:
+        return False
+
+
+def test_extension_imports_or_says_why():
+    native = runtime.extension()
+    if native is None:
+        assert runtime.extension_error(), "jax_ep._C missing without an import error"
+        usable, reason = runtime.available()
+        assert not usable and "not built" in reason
+    else:
+        assert runtime.extension_error() is None
+        assert native.__name__ == "jax_ep._C"
+
+
+def test_handler_capsules_for_every_target():
+    native = runtime.extension()
+    if native is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    handlers = native.ffi_handlers()
+    assert set(handlers) == set(runtime.FFI_TARGETS)
+    for name, capsule in handlers.items():
+        assert type(capsule).__name__ == "PyCapsule", (name, type(capsule))
+    major, minor = native.FFI_API_VERSION
+    assert (major, minor) >= (0, 3)
+    stats = native.handler_stats()
+    assert set(stats) == set(runtime.FFI_TARGETS)
+    assert all(set(s) == {"calls", "captured_calls"} for s in stats.values())
+
+
+def test_runtime_queries_before_init():
+    native = runtime.extension()
+    if native is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    assert native.managed_devices() == []
+    assert native.buffer_bytes() == 0
+    assert native.faults() == []
+    assert runtime.faults() == []
+    runtime.check_errors()  # nothing recorded: no exception
+
+
+def test_unavailable_without_gpu_with_reason():
+    if _has_cuda_device():
+        pytest.skip("a CUDA device is present")
+    usable, reason = runtime.available()
+    assert usable is False
+    assert isinstance(reason, str) and reason
+    with pytest.raises(RuntimeError, match="unavailable"):
+        runtime.ensure_initialized(1 << 20)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cuda_backend.layout(jnp.zeros((4, 2), jnp.int32), 8, 2)
+
+
+def test_unavailable_reason_without_extension(monkeypatch):
+    monkeypatch.setattr(runtime, "_C", None)
+    monkeypatch.setattr(runtime, "_IMPORT_ERROR", "No module named 'jax_ep._C'")
+    runtime.available.cache_clear()
+    try:
+        usable, reason = runtime.available()
+        assert not usable and "jax_ep._C is not built" in reason
+        assert runtime.faults() == []
+    finally:
+        runtime.available.cache_clear()
+
+
+def test_layout_validates_arguments():
+    with pytest.raises(ValueError, match="multiple"):
+        cuda_backend.layout(jnp.zeros((4, 2), jnp.int32), 10, 4)
+    with pytest.raises(ValueError, match="int32"):
+        cuda_backend.layout(jnp.zeros((4, 2), jnp.float32), 8, 2)
+    with pytest.raises(ValueError, match="topk <= 64"):
+        cuda_backend.layout(jnp.zeros((4, 65), jnp.int32), 128, 2)
+
+
+def test_group_ordinals_put_the_ep_axis_last():
+    """The static group table of the peer ops: one row per EP group, columns = ranks."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def device(i, process=0):
+        return SimpleNamespace(id=i, process_index=process, local_hardware_id=10 + i)
+
+    grid = np.array([[device(0), device(1), device(2)],
+                     [device(3), device(4), device(5)]], dtype=object)  # mesh ("dp", "ep")
+    assert cuda_backend.group_ordinals(grid, 1, 0).tolist() == [10, 11, 12, 13, 14, 15]
+    assert cuda_backend.group_ordinals(grid, 0, 0).tolist() == [10, 13, 11, 14, 12, 15]
+    # groups of other processes are left out; a group split across processes is refused
+    two_hosts = np.array([[device(0), device(1)], [device(2, 1), device(3, 1)]], dtype=object)
+    assert cuda_backend.group_ordinals(two_hosts, 1, 1).tolist() == [12, 13]
+    with pytest.raises(NotImplementedError, match="spans processes"):
+        cuda_backend.group_ordinals(two_hosts, 0, 0)
+
+
+def test_peer_ops_refuse_non_gpu_meshes():
+    import numpy as np
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    with pytest.raises(ValueError, match="GPU"):
+        cuda_backend._local_group_ordinals(mesh, "ep")
+    with pytest.raises(ValueError, match="not an axis"):
+        cuda_backend._local_group_ordinals(mesh, "tp")

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# GPU machine check (no internet there): build the extension, record the topology, run the GPU
+# tests and, when present, the benchmark. Every log goes under $OUT (default ./out).
+# Idempotent: the CMake build dir (build/) is reused, so a second run only relinks what changed.
+#
+# Env: OUT     log folder (default ./out)
+#      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
+#      PYTEST_ARGS  extra pytest arguments (e.g. "-k smoke -x")
+#      SKIP_BENCH=1 skips the benchmark
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY="${PYTHON:-python3}"
+
+# NVLink multicast stays off on these machines (NCCL and NVSHMEM).
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+# XLA preallocates this share of GPU memory; jax_ep's communication buffers (cudaMalloc) live in
+# the rest.
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
+export PYTHONUNBUFFERED=1
+
+status=0
+step() { echo "== $*"; }
+
+step "environment" | tee "$OUT/summary.txt"
+{
+  nvidia-smi -L || true
+  "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" || true
+  nvcc --version | tail -1 || true
+  env | grep -E '^(NCCL_NVLS_ENABLE|NVSHMEM_DISABLE_NVLS|XLA_PYTHON_CLIENT_MEM_FRACTION|XLA_FLAGS|JAX_EP_)' || true
+} 2>&1 | tee -a "$OUT/summary.txt"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+step "topology (nvidia-smi topo -m)"
+nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt"
+
+step "build: pip install --no-build-isolation --no-deps -e ."
+start=$SECONDS
+pip_install() { "$PY" -m pip install --no-build-isolation --no-deps -e . "$@" >"$OUT/build.log" 2>&1; }
+if ! pip_install; then
+  if grep -q externally-managed-environment "$OUT/build.log"; then
+    pip_install --break-system-packages || status=1
+  else
+    status=1
+  fi
+fi
+if [ $status -ne 0 ]; then
+  tail -40 "$OUT/build.log"
+  echo "gpu_check: BUILD FAILED (log: $OUT/build.log)" | tee -a "$OUT/summary.txt"
+  exit 1
+fi
+echo "built in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+
+step "runtime"
+"$PY" - 2>&1 <<'PYEOF' | tee "$OUT/runtime.txt"
+from jax_ep import runtime
+
+native = runtime.extension()
+print("extension:", native.__file__ if native else runtime.extension_error())
+print("FFI API built against:", native.FFI_API_VERSION if native else None)
+print("available:", runtime.available())
+if native is not None and runtime.available()[0]:
+    ordinals = runtime.local_gpu_ordinals()
+    print("local GPU ordinals:", ordinals)
+    print("peer access matrix:", native.peer_access_matrix(ordinals))
+PYEOF
+
+step "GPU tests: pytest -m gpu tests/gpu"
+start=$SECONDS
+# shellcheck disable=SC2086
+"$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
+  ${PYTEST_ARGS:-} >"$OUT/gpu-tests.log" 2>&1
+tests_rc=$?
+tail -25 "$OUT/gpu-tests.log"
+echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log)" | tee -a "$OUT/summary.txt"
+[ $tests_rc -eq 0 ] || status=1
+"$PY" -c "from jax_ep import runtime; print('device faults:', runtime.faults())" 2>&1 | tee -a "$OUT/summary.txt"
+
+if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f jax_ep/bench.py ]; then
+  step "benchmark: python -m jax_ep.bench --out $OUT/bench.json"
+  start=$SECONDS
+  "$PY" -m jax_ep.bench --out "$OUT/bench.json" >"$OUT/bench.log" 2>&1
+  bench_rc=$?
+  tail -25 "$OUT/bench.log"
+  echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
+  [ $bench_rc -eq 0 ] || status=1
+fi
+
+echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT)" | tee -a "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,348 @@
+#include "xla_ffi/runtime.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <stdexcept>
+
+#include "cuda/cuda_check.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr double kDefaultTimeoutSeconds = 10.0;
+constexpr uint64_t kBufferGranularity = 2ull << 20;  // round buffers up to 2 MiB
+
+// Restores the calling thread's current device (init runs on the Python thread, which XLA or the
+// user may rely on).
+class CurrentDeviceGuard {
+ public:
+  CurrentDeviceGuard() { ok_ = cudaGetDevice(&device_) == cudaSuccess; }
+  ~CurrentDeviceGuard() {
+    if (ok_) cudaSetDevice(device_);
+  }
+  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
+  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
+
+ private:
+  int device_ = 0;
+  bool ok_ = false;
+};
+
+const char* OpName(int32_t op_id) {
+  switch (op_id) {
+    case kOpPeerSmoke:
+      return "peer_smoke";
+    default:
+      return "unknown";
+  }
+}
+
+void SynchronizeDevices(const std::vector<int>& ordinals) {
+  for (int ordinal : ordinals) {
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
+  }
+}
+
+}  // namespace
+
+uint64_t TimeoutNsFromEnv() {
+  const char* text = std::getenv("JAX_EP_TIMEOUT_S");
+  if (text == nullptr || *text == '\0') {
+    return static_cast<uint64_t>(kDefaultTimeoutSeconds * 1e9);
+  }
+  char* end = nullptr;
+  errno = 0;
+  const double seconds = std::strtod(text, &end);
+  if (errno != 0 || end == text || *end != '\0' || !std::isfinite(seconds) || seconds <= 0 ||
+      seconds > 1e6) {
+    throw std::invalid_argument(std::string("jax_ep: JAX_EP_TIMEOUT_S must be a positive number "
+                                            "of seconds, got '") + text + "'");
+  }
+  return static_cast<uint64_t>(seconds * 1e9);
+}
+
+Runtime& Runtime::Get() {
+  static Runtime* runtime = new Runtime();  // leaked on purpose, see header
+  return *runtime;
+}
+
+Runtime::Runtime() {
+  for (int i = 0; i < kMaxDevices; ++i) {
+    states_[i].store(nullptr, std::memory_order_relaxed);
+    managed_[i].store(false, std::memory_order_relaxed);
+  }
+}
+
+int Runtime::DeviceCount() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {  // the usual answer on machines without a GPU or driver
+    throw std::runtime_error(std::string("jax_ep: cudaGetDeviceCount: ") +
+                             cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
+  }
+  return count;
+}
+
+std::vector<std::vector<bool>> Runtime::PeerAccessMatrix(const std::vector<int>& ordinals) {
+  const int count = DeviceCount();
+  for (int ordinal : ordinals) {
+    if (ordinal < 0 || ordinal >= count) {
+      throw std::invalid_argument("jax_ep: device ordinal " + std::to_string(ordinal) +
+                                  " out of range (this process sees " + std::to_string(count) +
+                                  " CUDA devices)");
+    }
+  }
+  std::vector<std::vector<bool>> matrix(ordinals.size(), std::vector<bool>(ordinals.size(), true));
+  for (size_t a = 0; a < ordinals.size(); ++a) {
+    for (size_t b = 0; b < ordinals.size(); ++b) {
+      if (ordinals[a] == ordinals[b]) continue;
+      int can_access = 0;
+      JAX_EP_CUDA_THROW(cudaDeviceCanAccessPeer(&can_access, ordinals[a], ordinals[b]));
+      matrix[a][b] = can_access != 0;
+    }
+  }
+  return matrix;
+}
+
+DeviceState* Runtime::State(int ordinal) const {
+  if (ordinal < 0 || ordinal >= kMaxDevices || !managed_[ordinal].load(std::memory_order_acquire)) {
+    return nullptr;
+  }
+  return states_[ordinal].load(std::memory_order_acquire);
+}
+
+std::vector<int> Runtime::ManagedDevices() const {
+  std::vector<int> result;
+  for (int i = 0; i < kMaxDevices; ++i) {
+    if (managed_[i].load(std::memory_order_acquire)) result.push_back(i);
+  }
+  return result;
+}
+
+double Runtime::TimeoutSeconds() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<double>(timeout_ns_) * 1e-9;
+}
+
+void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+
+  // ---- validate, before touching any state ----
+  const int count = DeviceCount();
+  std::set<int> wanted(requested.begin(), requested.end());
+  if (wanted.size() != requested.size()) {
+    throw std::invalid_argument("jax_ep.init: device_ordinals contains duplicates");
+  }
+  for (int ordinal : wanted) {
+    if (ordinal < 0 || ordinal >= count) {
+      throw std::invalid_argument("jax_ep.init: device ordinal " + std::to_string(ordinal) +
+                                  " out of range (this process sees " + std::to_string(count) +
+                                  " CUDA devices)");
+    }
+    if (ordinal >= kMaxDevices) {
+      throw std::invalid_argument("jax_ep.init: device ordinal " + std::to_string(ordinal) +
+                                  " exceeds the supported maximum of " +
+                                  std::to_string(kMaxDevices - 1));
+    }
+  }
+  const std::vector<int> before = ManagedDevices();
+  std::set<int> all_set(before.begin(), before.end());
+  all_set.insert(wanted.begin(), wanted.end());
+  const std::vector<int> all(all_set.begin(), all_set.end());
+  for (int a : all) {
+    for (int b : all) {
+      if (a == b) continue;
+      int can_access = 0;
+      JAX_EP_CUDA_THROW(cudaDeviceCanAccessPeer(&can_access, a, b));
+      if (!can_access) {
+        throw std::runtime_error(
+            "jax_ep: GPU " + std::to_string(a) + " cannot access the memory of GPU " +
+            std::to_string(b) + " (cudaDeviceCanAccessPeer returned 0), so they cannot be in "
+            "one NVLink/P2P group. Use GPUs with peer access (see `nvidia-smi topo -m`), or "
+            "restrict the process to them with CUDA_VISIBLE_DEVICES.");
+      }
+    }
+  }
+  const uint64_t timeout_ns = TimeoutNsFromEnv();
+  const uint64_t old_bytes = comm_bytes_.load(std::memory_order_acquire);
+  uint64_t target_bytes = std::max(old_bytes, std::max<uint64_t>(buffer_bytes, 1));
+  target_bytes = (target_bytes + kBufferGranularity - 1) / kBufferGranularity * kBufferGranularity;
+
+  const bool grow = target_bytes > old_bytes;
+  std::vector<int> joining;
+  for (int ordinal : all) {
+    if (!managed_[ordinal].load(std::memory_order_acquire)) joining.push_back(ordinal);
+  }
+  if (!grow && joining.empty() && timeout_ns == timeout_ns_) return;  // nothing to do
+
+  CurrentDeviceGuard device_guard;
+
+  // Growing replaces buffers every kernel reads through the tables: wait until none runs.
+  if (grow && !before.empty()) SynchronizeDevices(before);
+
+  if (fault_records_ == nullptr) {
+    void* records = nullptr;
+    // Portable: one allocation visible to every device; mapped: kernels write it directly.
+    JAX_EP_CUDA_THROW(cudaHostAlloc(&records, sizeof(FaultRecord) * kMaxDevices,
+                                    cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(records, 0, sizeof(FaultRecord) * kMaxDevices);
+    fault_records_ = static_cast<FaultRecord*>(records);
+  }
+
+  for (int ordinal : joining) {
+    if (states_[ordinal].load(std::memory_order_acquire) != nullptr) continue;  // re-init
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    void* state = nullptr;
+    JAX_EP_CUDA_THROW(cudaMalloc(&state, sizeof(DeviceState)));
+    JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
+    states_[ordinal].store(static_cast<DeviceState*>(state), std::memory_order_release);
+  }
+
+  for (int a : all) {
+    for (int b : all) {
+      if (a == b || peer_enabled_[a][b]) continue;
+      JAX_EP_CUDA_THROW(cudaSetDevice(a));
+      const cudaError_t status = cudaDeviceEnablePeerAccess(b, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // XLA (or an earlier init) enabled it: fine, clear the error
+      } else {
+        JAX_EP_CUDA_THROW(status);
+      }
+      peer_enabled_[a][b] = true;
+    }
+  }
+
+  // New buffers first, old ones freed only after the tables point away from them; on failure
+  // the previous buffers (and tables) are untouched.
+  uint8_t* new_buffers[kMaxDevices] = {};
+  const std::vector<int>& need_buffer = grow ? all : joining;
+  try {
+    for (int ordinal : need_buffer) {
+      JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+      void* buffer = nullptr;
+      JAX_EP_CUDA_THROW(cudaMalloc(&buffer, target_bytes));
+      JAX_EP_CUDA_THROW(cudaMemset(buffer, 0, target_bytes));
+      new_buffers[ordinal] = static_cast<uint8_t*>(buffer);
+    }
+  } catch (const std::exception& error) {
+    for (int ordinal : need_buffer) {
+      if (new_buffers[ordinal] != nullptr) {
+        cudaSetDevice(ordinal);
+        cudaFree(new_buffers[ordinal]);
+      }
+    }
+    throw std::runtime_error(std::string(error.what()) + " (allocating " +
+                             std::to_string(target_bytes) + " bytes of communication buffer per "
+                             "GPU; XLA preallocates most GPU memory: lower "
+                             "XLA_PYTHON_CLIENT_MEM_FRACTION)");
+  }
+  uint8_t* old_buffers[kMaxDevices] = {};
+  for (int ordinal : need_buffer) {
+    old_buffers[ordinal] = comm_buffers_[ordinal];
+    comm_buffers_[ordinal] = new_buffers[ordinal];
+  }
+
+  // Rewrite the tables of every managed device (new peers, new buffers, timeout).
+  for (int ordinal : all) {
+    DeviceTables tables;
+    std::memset(&tables, 0, sizeof(tables));
+    for (int peer : all) {
+      tables.comm_buffers[peer] = comm_buffers_[peer];
+      tables.peer_states[peer] = states_[peer].load(std::memory_order_acquire);
+    }
+    tables.comm_bytes = target_bytes;
+    tables.timeout_ns = timeout_ns;
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    void* record_on_device = nullptr;
+    JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_[ordinal], 0));
+    tables.fault_record = static_cast<FaultRecord*>(record_on_device);
+    tables.device_ordinal = ordinal;
+    JAX_EP_CUDA_THROW(cudaMemcpy(states_[ordinal].load(std::memory_order_acquire), &tables,
+                                 kDeviceTablesBytes, cudaMemcpyHostToDevice));
+  }
+  for (int ordinal : need_buffer) {
+    if (old_buffers[ordinal] != nullptr) {
+      JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+      JAX_EP_CUDA_THROW(cudaFree(old_buffers[ordinal]));
+    }
+  }
+  SynchronizeDevices(all);  // tables visible before any handler can launch against them
+
+  timeout_ns_ = timeout_ns;
+  comm_bytes_.store(target_bytes, std::memory_order_release);
+  for (int ordinal : all) managed_[ordinal].store(true, std::memory_order_release);
+}
+
+void Runtime::Shutdown() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::vector<int> managed = ManagedDevices();
+  if (managed.empty()) return;
+  CurrentDeviceGuard device_guard;
+  // Handlers stop launching first, then whatever was launched drains.
+  for (int ordinal : managed) managed_[ordinal].store(false, std::memory_order_release);
+  comm_bytes_.store(0, std::memory_order_release);
+  SynchronizeDevices(managed);
+  for (int ordinal : managed) {
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    DeviceTables tables;
+    std::memset(&tables, 0, sizeof(tables));  // comm_bytes = 0: stale graph replays trap
+    tables.timeout_ns = timeout_ns_;
+    void* record_on_device = nullptr;
+    JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_[ordinal], 0));
+    tables.fault_record = static_cast<FaultRecord*>(record_on_device);
+    tables.device_ordinal = ordinal;
+    JAX_EP_CUDA_THROW(cudaMemcpy(states_[ordinal].load(std::memory_order_acquire), &tables,
+                                 kDeviceTablesBytes, cudaMemcpyHostToDevice));
+    if (comm_buffers_[ordinal] != nullptr) {
+      JAX_EP_CUDA_THROW(cudaFree(comm_buffers_[ordinal]));
+      comm_buffers_[ordinal] = nullptr;
+    }
+  }
+}
+
+std::vector<FaultInfo> Runtime::Faults() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<FaultInfo> faults;
+  if (fault_records_ == nullptr) return faults;
+  for (int ordinal = 0; ordinal < kMaxDevices; ++ordinal) {
+    // volatile: written by the GPU behind the compiler's back.
+    const volatile FaultRecord& record = fault_records_[ordinal];
+    if (record.valid == 0) continue;
+    FaultInfo info;
+    info.kind = record.kind == kFaultTimeout ? "timeout" : "stale_runtime";
+    info.op = OpName(record.op_id);
+    info.device_ordinal = record.device_ordinal;
+    info.rank = record.rank;
+    info.waited_rank = record.waited_rank;
+    info.waited_ordinal = record.waited_ordinal;
+    info.expected = record.expected;
+    info.observed = record.observed;
+    info.elapsed_ns = record.elapsed_ns;
+    if (record.kind == kFaultTimeout) {
+      info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
+                     " (rank " + std::to_string(info.rank) + ") timed out after " +
+                     std::to_string(static_cast<double>(info.elapsed_ns) * 1e-9) +
+                     " s waiting for rank " + std::to_string(info.waited_rank) + " (GPU " +
+                     std::to_string(info.waited_ordinal) + "): it expected barrier epoch " +
+                     std::to_string(info.expected) + " and saw " +
+                     std::to_string(info.observed) +
+                     ". Every rank must issue the same EP calls in the same order.";
+    } else {
+      info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
+                     " (rank " + std::to_string(info.rank) + ") ran after shutdown() or with a "
+                     "too small communication buffer: needs " + std::to_string(info.expected) +
+                     " bytes, " + std::to_string(info.observed) + " available.";
+    }
+    faults.push_back(std::move(info));
+  }
+  return faults;
+}
+
+}  // namespace jax_ep
