@@ -138,7 +138,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     expert_of_slot = jnp.maximum(recv_expert, 0)
     slot_row = jnp.take_along_axis(position, expert_of_slot, axis=1)
     slot_kept = jnp.take_along_axis(keep, expert_of_slot, axis=1) & (recv_expert >= 0)
-    token_rows = jnp.where(slot_kept, slot_row, -1).astype(jnp.int32)   # [N, K]
+    # -1: slot not routed to this rank (or unused); -2: routed here but dropped for lack of capacity
+    token_rows = jnp.where(slot_kept, slot_row, jnp.where(recv_expert >= 0, -2, -1)).astype(jnp.int32)
     row_weights = jnp.zeros((capacity,), jnp.float32).at[jnp.where(slot_kept, slot_row, capacity)].set(
         recv_weight, mode="drop")
 

@@ -26,7 +26,8 @@ class Handle(NamedTuple):
     """
 
     src_index: jax.Array         # [C] int32: slot n of the token each receive row holds; -1 = empty row
-    token_rows: jax.Array        # [R*T, K] int32: receive row of (slot n, top-k slot k); -1 = none here
+    token_rows: jax.Array        # [R*T, K] int32: receive row of (slot n, top-k slot k); -1 = not routed
+                                 # here, -2 = routed here but dropped for lack of capacity
     is_token_in_rank: jax.Array  # [T, R] bool: source side, token t was sent to rank r
     row_weights: jax.Array       # [C] float32: gate weight of each receive row (0 for empty rows)
 
