@@ -1,0 +1,150 @@
+"""Mesh / shard_map utilities for the CPU tests.
+
+Convention: every global input has a leading rank axis [R, ...]; rank r sees its block without that
+axis. Every per-rank output gets a leading rank axis back, so ``out[r]`` is rank r's view.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+AXIS = "ep"
+
+
+def require_devices(n: int) -> None:
+    import pytest
+
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+
+
+@functools.cache
+def mesh(ep_size: int, axis: str = AXIS) -> Mesh:
+    require_devices(ep_size)
+    return Mesh(np.array(jax.devices()[:ep_size]), (axis,))
+
+
+def per_rank(fn, ep_size: int, axis: str = AXIS, jit: bool = True):
+    """Wrap ``fn(*per_rank_args)`` into a function of global [R, ...] arrays (jitted by default)."""
+    m = mesh(ep_size, axis)
+
+    def body(*args):
+        out = fn(*(a[0] for a in args))
+        return jax.tree.map(lambda v: v[None], out)
+
+    def wrapped(*args):
+        return jax.shard_map(body, mesh=m, in_specs=(P(axis),) * len(args), out_specs=P(axis))(*args)
+
+    return jax.jit(wrapped) if jit else wrapped
+
+
+def to_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """A view of `a` as unsigned ints of the same width (bit-exact comparison, NaN-safe)."""
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def assert_bits_equal(got, want, what: str = "") -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    diff = bits(got) != bits(want)
+    if diff.any():
+        where = np.argwhere(diff)
+        first = tuple(int(i) for i in where[0])
+        raise AssertionError(f"{what}: {diff.sum()} of {diff.size} elements differ; first at {first}: "
+                             f"got {got[first]!r}, want {want[first]!r}")
+
+
+def random_routing(rng, ep_size: int, tokens: int, topk: int, num_experts: int, *,
+                   p_unused: float = 0.15, p_out_of_range: float = 0.1, p_repeat: float = 0.15):
+    """topk_idx [R, T, K] int32 with -1 slots, out-of-range ids (>= E and < -1) and repeated experts."""
+    idx = np.stack([np.stack([rng.permutation(num_experts)[:topk] for _ in range(tokens)])
+                    for _ in range(ep_size)]).astype(np.int32)
+    u = rng.random(idx.shape)
+    idx = np.where(u < p_unused, -1, idx)
+    bad = rng.choice(np.array([num_experts, num_experts + 3, -2, -7, 2**31 - 1, -(2**31)], np.int64),
+                     size=idx.shape)
+    idx = np.where((u >= p_unused) & (u < p_unused + p_out_of_range), bad, idx)
+    if topk > 1:  # copy an earlier slot's id into a later slot
+        rep = rng.random(idx.shape[:2]) < p_repeat
+        src = rng.integers(0, topk - 1, size=idx.shape[:2])
+        dst = np.minimum(src + 1 + rng.integers(0, topk - 1, size=idx.shape[:2]), topk - 1)
+        for r, t in zip(*np.nonzero(rep), strict=True):
+            idx[r, t, dst[r, t]] = idx[r, t, src[r, t]]
+    return idx.astype(np.int32)
+
+
+def random_inputs(rng, ep_size: int, tokens: int, hidden: int, topk: int, dtype=np.float32):
+    """x [R, T, H] nonzero (no exact zeros), weights [R, T, K] float32 in (0.1, 1.1)."""
+    x = rng.standard_normal((ep_size, tokens, hidden)).astype(np.float32)
+    x = np.where(np.abs(x) < 1e-3, 0.5, x).astype(dtype)
+    w = (rng.random((ep_size, tokens, topk)) + 0.1).astype(np.float32)
+    return x, w
+
+
+# ---- configuration and comparison against the NumPy model ----------------------------------------
+# The CPU suite runs the pure-JAX reference path; JAX_EP_TEST_BACKEND=auto|cuda points it elsewhere.
+BACKEND = os.environ.get("JAX_EP_TEST_BACKEND", "reference")
+
+
+def make_cfg(**kw):
+    import jax_ep
+
+    kw.setdefault("backend", BACKEND)
+    return jax_ep.EPConfig(**kw)
+
+
+def model_for(cfg, x, topk_idx, topk_weights):
+    import numpy_model as nm
+
+    return nm.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts, capacity=cfg.capacity,
+                       alignment=cfg.expert_alignment, dispatch_dtype=cfg.dispatch_dtype,
+                       max_tokens=cfg.max_tokens_per_rank)
+
+
+def assert_dispatch_matches(d, m, ep_size: int, scales_ulps: int = 0) -> None:
+    """d: Dispatched with a leading rank axis (numpy); m: numpy_model.ModelResult. Bit-exact (FP8
+    scales within `scales_ulps` float32 ulps)."""
+    assert d.x.shape[:2] == (ep_size, m.capacity), (d.x.shape, m.capacity)
+    assert d.num_dropped.shape == (ep_size,)
+    for r in range(ep_size):
+        mr = m.ranks[r]
+        assert_bits_equal(d.x[r], mr.rows, f"rank {r} rows")
+        if mr.scales is None:
+            assert d.scales is None
+        else:
+            if scales_ulps:
+                assert d.scales[r].shape == mr.scales.shape and d.scales.dtype == np.float32
+                apart = np.abs(bits(d.scales[r]).astype(np.int64) - bits(mr.scales).astype(np.int64))
+                assert apart.max() <= scales_ulps, f"rank {r} scales: {apart.max()} ulps apart"
+            else:
+                assert_bits_equal(d.scales[r], mr.scales, f"rank {r} scales")
+        assert_bits_equal(d.group_sizes[r], mr.group_sizes, f"rank {r} group_sizes")
+        assert_bits_equal(d.expert_counts[r], mr.expert_counts, f"rank {r} expert_counts")
+        assert_bits_equal(d.row_weights[r], mr.row_weights, f"rank {r} row_weights")
+        assert int(d.num_dropped[r]) == mr.num_dropped, f"rank {r} num_dropped"
+        assert_bits_equal(d.handle.src_index[r], mr.src, f"rank {r} handle.src_index")
+        assert_bits_equal(d.handle.token_rows[r], mr.token_rows, f"rank {r} handle.token_rows")
+        assert_bits_equal(d.handle.row_weights[r], mr.row_weights, f"rank {r} handle.row_weights")
+        assert_bits_equal(d.handle.is_token_in_rank[r], m.layouts[r].is_token_in_rank,
+                          f"rank {r} handle.is_token_in_rank")
+
+
+def assert_close_f(got, want, rtol: float, what: str = "") -> None:
+    """Elementwise |got - want| <= rtol * (|want| + max|want|) (float64 comparison)."""
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-30)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, err_msg=what)

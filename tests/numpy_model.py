@@ -1,0 +1,252 @@
+"""An independent pure-NumPy model of jax_ep's dispatch / combine / layout semantics.
+
+Written from the documented semantics (jax_ep.reference module docstring, jax_ep.types, jax_ep.config),
+not from the reference implementation. It works on global arrays for all R ranks:
+
+  x [R, T, H], topk_idx [R, T, K], topk_weights [R, T, K]
+
+and returns, per receiving rank, what dispatch must produce there. Plain Python loops: the shapes in
+the tests are small and clarity matters more than speed.
+
+Semantics modelled:
+  * sanitising: an id outside [0, E) is unused; a slot repeating an expert named by an earlier slot of
+    the same token is unused.
+  * expert e lives on rank e // E_local; receive rows are expert-major, within an expert ordered by
+    (source rank, source token); segment e starts at sum_{e' < e} round_up(count_e', alignment).
+  * capacity C: a row whose position reaches C is dropped; group_sizes = round_up(kept, alignment).
+  * a received token is named by slot n = src_rank * T + src_token; token_rows[n, k] is its receive
+    row, -1 where the slot is not routed to this rank, -2 where it is but was dropped.
+  * combine: per token, sum over its kept (token, expert) rows of weight * y_row.
+  * FP8: per token, per 128 channels: scale = max(amax, 1e-4) / 448, q = e4m3(x * (448 / amax_c)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+FP8_BLOCK = 128
+FP8_MAX = np.float32(448.0)
+FP8_MIN_AMAX = np.float32(1e-4)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def sanitize(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+    """[..., K] ids -> same shape; out-of-range and repeated (later) slots become -1."""
+    idx = np.asarray(topk_idx).astype(np.int64)
+    out = np.full(idx.shape, -1, np.int64)
+    flat_in = idx.reshape(-1, idx.shape[-1])
+    flat_out = out.reshape(-1, idx.shape[-1])
+    for i, row in enumerate(flat_in):
+        seen = set()
+        for k, e in enumerate(row):
+            e = int(e)
+            if 0 <= e < num_experts and e not in seen:
+                seen.add(e)
+                flat_out[i, k] = e
+    return out
+
+
+def worst_case_capacity(ep_size: int, max_tokens: int, topk: int, num_experts: int, alignment: int) -> int:
+    """Every token of every rank picks min(K, E_local) experts of one rank; each segment may carry up
+    to alignment - 1 padding rows."""
+    local = num_experts // ep_size
+    return round_up(ep_size * max_tokens * min(topk, local) + local * (alignment - 1), alignment)
+
+
+def quantize_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, H] -> (q [T, H] float8_e4m3fn, scales [T, ceil(H/128)] float32)."""
+    xf = np.asarray(x).astype(np.float32)
+    t, h = xf.shape
+    nb = -(-h // FP8_BLOCK)
+    padded = np.zeros((t, nb * FP8_BLOCK), np.float32)
+    padded[:, :h] = xf
+    blocks = padded.reshape(t, nb, FP8_BLOCK)
+    amax = np.maximum(np.abs(blocks).max(axis=2), FP8_MIN_AMAX).astype(np.float32)
+    inv = (FP8_MAX / amax).astype(np.float32)
+    scaled = (blocks * inv[:, :, None]).astype(np.float32).reshape(t, nb * FP8_BLOCK)[:, :h]
+    q = scaled.astype(ml_dtypes.float8_e4m3fn)
+    return q, (amax / FP8_MAX).astype(np.float32)
+
+
+def dequantize_fp8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    c, h = q.shape
+    return q.astype(np.float32) * np.repeat(scales, FP8_BLOCK, axis=1)[:, :h]
+
+
+@dataclasses.dataclass
+class RankLayout:
+    num_tokens_per_rank: np.ndarray   # [R] int32
+    num_tokens_per_expert: np.ndarray  # [E] int32
+    is_token_in_rank: np.ndarray      # [T, R] bool
+
+
+@dataclasses.dataclass
+class RankDispatch:
+    rows: np.ndarray          # [C, H] payload dtype; zeros where no row
+    scales: np.ndarray | None  # [C, nb] float32 (FP8 only)
+    src: np.ndarray           # [C] int32 slot n = src_rank * T + src_token; -1 = empty
+    group_sizes: np.ndarray   # [E_local] int32 (aligned)
+    expert_counts: np.ndarray  # [E_local] int32 rows kept per local expert (unpadded)
+    received: np.ndarray      # [E_local] int32 rows routed to each local expert (before capacity)
+    row_weights: np.ndarray   # [C] float32
+    num_dropped: int
+    token_rows: np.ndarray    # [R*T, K] int32 receive row of (slot n, top-k slot k); -1 = not routed
+    #                           here, -2 = routed here but dropped for lack of capacity
+    dropped: list             # [(src_rank, src_token, k, expert)] rows dropped on this rank, in order
+
+
+@dataclasses.dataclass
+class ModelResult:
+    ranks: list               # [R] RankDispatch
+    layouts: list             # [R] RankLayout (source side)
+    sanitized: np.ndarray     # [R, T, K]
+    kept: np.ndarray          # [R, T, K] bool: this (token, slot) has a receive row somewhere
+    capacity: int
+
+
+def layout(topk_idx_rank: np.ndarray, num_experts: int, ep_size: int) -> RankLayout:
+    """Layout of one source rank: topk_idx_rank [T, K]."""
+    idx = sanitize(topk_idx_rank, num_experts)
+    t = idx.shape[0]
+    local = num_experts // ep_size
+    in_rank = np.zeros((t, ep_size), bool)
+    per_expert = np.zeros(num_experts, np.int32)
+    for i in range(t):
+        for e in idx[i]:
+            if e >= 0:
+                in_rank[i, e // local] = True
+                per_expert[e] += 1
+    return RankLayout(in_rank.sum(axis=0).astype(np.int32), per_expert, in_rank)
+
+
+def payload_of(x_rank: np.ndarray, dispatch_dtype: str | None):
+    """What travels for each token of one rank: (rows, scales or None)."""
+    if dispatch_dtype is None:
+        return np.asarray(x_rank), None
+    if dispatch_dtype == "bfloat16":
+        return np.asarray(x_rank).astype(ml_dtypes.bfloat16), None
+    if dispatch_dtype == "float8_e4m3fn":
+        return quantize_fp8(x_rank)
+    raise ValueError(dispatch_dtype)
+
+
+def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int | None = None,
+             alignment: int = 1, dispatch_dtype: str | None = None,
+             max_tokens: int | None = None) -> ModelResult:
+    x = np.asarray(x)
+    topk_idx = np.asarray(topk_idx)
+    topk_weights = np.asarray(topk_weights, np.float32)
+    ep_size, tokens, topk = topk_idx.shape
+    hidden = x.shape[2]
+    local = num_experts // ep_size
+    assert local * ep_size == num_experts
+    if capacity is None:
+        capacity = worst_case_capacity(ep_size, max_tokens or tokens, topk, num_experts, alignment)
+    idx = sanitize(topk_idx, num_experts)
+    payloads = [payload_of(x[s], dispatch_dtype) for s in range(ep_size)]
+    row_dtype = payloads[0][0].dtype
+    kept_any = np.zeros(idx.shape, bool)
+
+    ranks = []
+    for d in range(ep_size):
+        rows = np.zeros((capacity, hidden), row_dtype)
+        scales = None if payloads[0][1] is None else np.zeros((capacity, payloads[0][1].shape[1]), np.float32)
+        src = np.full(capacity, -1, np.int32)
+        row_weights = np.zeros(capacity, np.float32)
+        token_rows = np.full((ep_size * tokens, topk), -1, np.int32)
+        group_sizes = np.zeros(local, np.int32)
+        expert_counts = np.zeros(local, np.int32)
+        received = np.zeros(local, np.int32)
+        dropped = []
+        offset = 0
+        for le in range(local):
+            expert = d * local + le
+            entries = [(s, t, k) for s in range(ep_size) for t in range(tokens) for k in range(topk)
+                       if idx[s, t, k] == expert]
+            kept = 0
+            for i, (s, t, k) in enumerate(entries):
+                pos = offset + i
+                if pos >= capacity:
+                    dropped.append((s, t, k, expert))
+                    token_rows[s * tokens + t, k] = -2
+                    continue
+                kept += 1
+                rows[pos] = payloads[s][0][t]
+                if scales is not None:
+                    scales[pos] = payloads[s][1][t]
+                src[pos] = s * tokens + t
+                row_weights[pos] = topk_weights[s, t, k]
+                token_rows[s * tokens + t, k] = pos
+                kept_any[s, t, k] = True
+            received[le] = len(entries)
+            expert_counts[le] = kept
+            group_sizes[le] = round_up(kept, alignment)
+            offset += round_up(len(entries), alignment)
+        ranks.append(RankDispatch(rows, scales, src, group_sizes, expert_counts, received, row_weights,
+                                  len(dropped), token_rows, dropped))
+    layouts = [layout(topk_idx[s], num_experts, ep_size) for s in range(ep_size)]
+    return ModelResult(ranks, layouts, idx, kept_any, capacity)
+
+
+def combine(y, model: ModelResult, row_weights=None) -> np.ndarray:
+    """y [R, C, H] (rank d's expert outputs) -> [R, T, H] float64: for each token, the sum over its kept
+    rows of weight * y_row (row_weights [R, C] overrides the dispatch weights)."""
+    y = np.asarray(y).astype(np.float64)
+    ep_size = len(model.ranks)
+    tokens = model.sanitized.shape[1]
+    out = np.zeros((ep_size, tokens, y.shape[2]), np.float64)
+    for d, rd in enumerate(model.ranks):
+        weights = rd.row_weights if row_weights is None else np.asarray(row_weights[d])
+        for j, n in enumerate(rd.src):
+            if n >= 0:
+                out[n // tokens, n % tokens] += np.float64(weights[j]) * y[d, j]
+    return out
+
+
+def combine_exact(y, model: ModelResult) -> np.ndarray:
+    """The documented summation order, emulated in float32: each receiver sums in float32 and in top-k
+    slot order the weighted rows of each (token, rank) pair and rounds to y's dtype; the source sums
+    those partial sums in float32 in rank order and rounds to y's dtype."""
+    y = np.asarray(y)
+    dtype = y.dtype
+    ep_size = len(model.ranks)
+    tokens = model.sanitized.shape[1]
+    topk = model.sanitized.shape[2]
+    yf = y.astype(np.float32)
+    out = np.zeros((ep_size, tokens, y.shape[2]), dtype)
+    for s in range(ep_size):
+        for t in range(tokens):
+            n = s * tokens + t
+            total = None
+            for d, rd in enumerate(model.ranks):
+                partial = np.zeros(y.shape[2], np.float32)
+                for k in range(topk):
+                    j = rd.token_rows[n, k]
+                    if j >= 0:
+                        partial = (partial + (yf[d, j] * rd.row_weights[j]).astype(np.float32)).astype(
+                            np.float32)
+                partial = partial.astype(dtype).astype(np.float32)
+                total = partial if total is None else (total + partial).astype(np.float32)
+            out[s, t] = total.astype(dtype)
+    return out
+
+
+def dense_moe(x, topk_idx, topk_weights, expert_w, num_experts: int, kept=None) -> np.ndarray:
+    """Naive per-token MoE in float64: out[t] = sum_k w_k * x[t] @ W[e_k] over sanitised slots (and,
+    if given, only slots with kept[..., k])."""
+    idx = sanitize(topk_idx, num_experts)
+    x = np.asarray(x, np.float64)
+    w = np.asarray(topk_weights, np.float64)
+    expert_w = np.asarray(expert_w, np.float64)
+    out = np.zeros(x.shape[:-1] + (expert_w.shape[-1],), np.float64)
+    for pos in np.ndindex(*idx.shape[:-1]):
+        for k, e in enumerate(idx[pos]):
+            if e >= 0 and (kept is None or kept[pos + (k,)]):
+                out[pos] += w[pos + (k,)] * (x[pos] @ expert_w[e])
+    return out

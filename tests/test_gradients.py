@@ -1,0 +1,291 @@
+"""Gradients of dispatch / combine (custom_vjp) on virtual CPU devices.
+
+* jax.test_util.check_grads (order 1, reverse mode) of dispatch -> ragged_dot -> combine;
+* gradients against autodiff of a naive dense MoE (no EP, no shard_map), with and without drops;
+* the VJPs of dispatch and of combine alone against the NumPy model;
+* FP8 dispatch is forward-only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import numpy_model as nm
+import pytest
+from helpers import (
+    assert_bits_equal,
+    assert_close_f,
+    make_cfg,
+    model_for,
+    per_rank,
+    random_inputs,
+    random_routing,
+    to_numpy,
+)
+from jax.test_util import check_grads
+
+import jax_ep
+
+E, K, H, HO, T = 8, 2, 16, 8, 4
+CFG = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+
+
+def _moe_per_rank(cfg, compute_dtype=None):
+    def f(x, idx, w, expert_w):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        rows = d.x if compute_dtype is None else d.x.astype(compute_dtype)
+        ew = expert_w if compute_dtype is None else expert_w.astype(compute_dtype)
+        y = jax.lax.ragged_dot(rows, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST)
+        return jax_ep.combine(y, d.handle, cfg)
+
+    return f
+
+
+@functools.cache
+def moe_fn(ep_size, cfg, compute_dtype=None):
+    return per_rank(_moe_per_rank(cfg, compute_dtype), ep_size)
+
+
+@functools.cache
+def moe_grad_fn(ep_size, cfg, compute_dtype=None):
+    """grad of sum(out * g) w.r.t. (x, topk_weights, expert weights), over the EP ops."""
+    f = per_rank(_moe_per_rank(cfg, compute_dtype), ep_size, jit=False)
+
+    def loss(x, w, expert_w, idx, g):
+        return jnp.sum(f(x, idx, w, expert_w).astype(jnp.float32) * g)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def dense_moe_jax(x, w, expert_w, idx, mask):
+    """Naive dense MoE, no EP: out[r, t] = sum_k mask * w * x[r, t] @ W[idx]. idx sanitised to >= 0."""
+    per_slot = jnp.einsum("rth,rtkho->rtko", x, expert_w[idx], precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(per_slot * (w * mask)[..., None], axis=2)
+
+
+@jax.jit
+def dense_grad(x, w, expert_w, idx, mask, g):
+    return jax.grad(lambda *a: jnp.sum(dense_moe_jax(*a, idx, mask) * g), argnums=(0, 1, 2))(x, w, expert_w)
+
+
+def _inputs(rng, ep_size, routing=random_routing):
+    x, w = random_inputs(rng, ep_size, T, H, K)
+    idx = routing(rng, ep_size, T, K, E)
+    expert_w = (rng.standard_normal((E, H, HO)) / np.sqrt(H)).astype(np.float32)
+    g = rng.standard_normal((ep_size, T, HO)).astype(np.float32)
+    return x, w, idx, expert_w, g
+
+
+def _compare_with_dense(cfg, ep_size, x, w, idx, expert_w, g, rtol=1e-5, compute_dtype=None):
+    local = E // ep_size
+    dx, dw, dew = to_numpy(moe_grad_fn(ep_size, cfg, compute_dtype)(
+        x, w, expert_w.reshape(ep_size, local, H, HO), idx, g))
+    m = model_for(cfg, x, idx, w)
+    mask = m.kept.astype(np.float32)
+    want = to_numpy(dense_grad(x, w, expert_w, np.maximum(m.sanitized, 0).astype(np.int32), mask, g))
+    assert_close_f(dx, want[0], rtol, "d x")
+    assert_close_f(dw, want[1], rtol, "d topk_weights")
+    assert_close_f(dew.reshape(E, H, HO), want[2], rtol, "d expert weights")
+    # slots without a row (unused, out of range, repeated, dropped) get exactly zero gradient
+    assert (dw[~m.kept] == 0).all()
+    return m, dx, dw, dew
+
+
+# ---- check_grads -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+def test_check_grads_moe(ep_size):
+    rng = np.random.default_rng(300 + ep_size)
+    x, w, idx, expert_w, _ = _inputs(rng, ep_size)
+    fn = moe_fn(ep_size, CFG)
+    ew = expert_w.reshape(ep_size, E // ep_size, H, HO)
+    check_grads(lambda x, w, ew: fn(x, idx, w, ew), (x, w, ew), order=1, modes=["rev"],
+                atol=1e-2, rtol=1e-2, eps=1e-3)
+
+
+def test_check_grads_moe_with_drops_and_alignment():
+    ep_size = 2
+    cfg = CFG.replace(capacity=4, expert_alignment=2)
+    rng = np.random.default_rng(311)
+    x, w, idx, expert_w, _ = _inputs(rng, ep_size)
+    idx[:, :, 0] = 0  # every token picks expert 0: 8 rows for a capacity of 4
+    m = model_for(cfg, x, idx, w)
+    assert sum(r.num_dropped for r in m.ranks) > 0
+    fn = moe_fn(ep_size, cfg)
+    ew = expert_w.reshape(ep_size, E // ep_size, H, HO)
+    check_grads(lambda x, w, ew: fn(x, idx, w, ew), (x, w, ew), order=1, modes=["rev"],
+                atol=1e-2, rtol=1e-2, eps=1e-3)
+
+
+# ---- against a dense implementation ---------------------------------------------------------------
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+def test_grads_match_dense(ep_size):
+    rng = np.random.default_rng(320 + ep_size)
+    for _ in range(2):
+        x, w, idx, expert_w, g = _inputs(rng, ep_size)
+        m, *_ = _compare_with_dense(CFG, ep_size, x, w, idx, expert_w, g)
+        assert (m.sanitized == -1).any() and m.kept.any()
+
+
+def _to_expert_zero(rng, ep_size, tokens, topk, num_experts):
+    """Slot 0 of every token picks expert 0 (overflowing small capacities), the rest random/-1."""
+    idx = random_routing(rng, ep_size, tokens, topk, num_experts, p_out_of_range=0.0, p_repeat=0.0)
+    idx[:, :, 0] = 0
+    idx[:, :, 1:] = np.where(idx[:, :, 1:] == 0, -1, idx[:, :, 1:])
+    idx[:, -1, 1:] = -1  # the last token of each rank picks expert 0 only
+    return idx
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_grads_with_capacity_drops(ep_size):
+    cfg = CFG.replace(capacity=6, expert_alignment=2)
+    rng = np.random.default_rng(330 + ep_size)
+    x, w, idx, expert_w, g = _inputs(rng, ep_size, routing=_to_expert_zero)
+    m, dx, dw, dew = _compare_with_dense(cfg, ep_size, x, w, idx, expert_w, g)
+    assert sum(r.num_dropped for r in m.ranks) > 0
+    dropped = [(s, t, k) for r in m.ranks for s, t, k, _ in r.dropped]
+    assert dropped
+    for s, t, k in dropped:
+        assert dw[s, t, k] == 0
+    # a token all of whose slots were dropped or unused gets no gradient at all
+    none_kept = ~m.kept.any(axis=2)
+    assert none_kept.any()
+    assert (dx[none_kept] == 0).all()
+
+
+def test_grads_bf16_dispatch_match_dense():
+    ep_size = 2
+    cfg = CFG.replace(dispatch_dtype="bfloat16")
+    rng = np.random.default_rng(340)
+    x, w, idx, expert_w, g = _inputs(rng, ep_size)
+    _compare_with_dense(cfg, ep_size, x, w, idx, expert_w, g, rtol=3e-2, compute_dtype=jnp.bfloat16)
+
+
+def test_grads_x64_inputs():
+    """With jax_enable_x64 on, float64 tokens and expert weights go through (weights stay float32)."""
+    ep_size = 2
+    rng = np.random.default_rng(350)
+    x, w, idx, expert_w, g = _inputs(rng, ep_size)
+    with jax.enable_x64(True):
+        x64, ew64 = x.astype(np.float64), expert_w.astype(np.float64)
+        out = np.asarray(moe_fn(ep_size, CFG)(x64, idx, w, ew64.reshape(ep_size, E // ep_size, H, HO)))
+        assert out.dtype == np.float64
+        assert_close_f(out, nm.dense_moe(x, idx, w, expert_w, E), 1e-5, "x64 forward")
+        m, dx, dw, dew = _compare_with_dense(CFG, ep_size, x64, w, idx, ew64, g)
+        assert dx.dtype == np.float64 and dw.dtype == np.float32 and dew.dtype == np.float64
+
+
+# ---- VJPs of the ops alone ------------------------------------------------------------------------------
+@functools.cache
+def dispatch_vjp_fn(ep_size, cfg):
+    f = per_rank(lambda x, idx, w: jax_ep.dispatch(x, idx, w, cfg), ep_size, jit=False)
+
+    def loss(x, w, idx, ct_rows, ct_rw, ct_hrw):
+        d = f(x, idx, w)
+        return (jnp.sum(d.x.astype(jnp.float32) * ct_rows) + jnp.sum(d.row_weights * ct_rw)
+                + jnp.sum(d.handle.row_weights * ct_hrw))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_dispatch_vjp_alone(ep_size):
+    """d x[s, t] = sum of the cotangents of token (s, t)'s rows; d w[s, t, k] = cotangent of the row
+    weight of that slot's row (from d.row_weights and from handle.row_weights alike)."""
+    cfg = CFG.replace(capacity=8) if ep_size == 4 else CFG
+    rng = np.random.default_rng(360 + ep_size)
+    x, w, idx, _, _ = _inputs(rng, ep_size, routing=_to_expert_zero if ep_size == 4 else random_routing)
+    m = model_for(cfg, x, idx, w)
+    ct_rows = rng.standard_normal((ep_size, m.capacity, H)).astype(np.float32)
+    ct_rw = rng.standard_normal((ep_size, m.capacity)).astype(np.float32)
+    ct_hrw = rng.standard_normal((ep_size, m.capacity)).astype(np.float32)
+    dx, dw = to_numpy(dispatch_vjp_fn(ep_size, cfg)(x, w, idx, ct_rows, ct_rw, ct_hrw))
+    want_dx = np.zeros((ep_size, T, H))
+    want_dw = np.zeros((ep_size, T, K), np.float32)
+    for d, rd in enumerate(m.ranks):
+        for j, n in enumerate(rd.src):
+            if n >= 0:
+                want_dx[n // T, n % T] += ct_rows[d, j]
+        for n, k in zip(*np.nonzero(rd.token_rows >= 0), strict=True):
+            want_dw[n // T, n % T, k] = ct_rw[d, rd.token_rows[n, k]] + ct_hrw[d, rd.token_rows[n, k]]
+    assert_close_f(dx, want_dx, 1e-6, "d x")
+    assert_bits_equal(dw, want_dw, "d topk_weights")
+    if ep_size == 4:
+        assert sum(r.num_dropped for r in m.ranks) > 0
+
+
+@functools.cache
+def combine_vjp_fn(ep_size, cfg):
+    def f(x, idx, w, y, rw, g):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        out, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg), y, rw)
+        return out, vjp(g)
+
+    return per_rank(f, ep_size)
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_combine_vjp_alone(ep_size):
+    """d y[row] = row_weight * g[token of row]; d row_weight[row] = <y[row], g[token of row]>; empty
+    (and dropped) rows get zero."""
+    cfg = CFG.replace(capacity=8, expert_alignment=2) if ep_size == 4 else CFG
+    rng = np.random.default_rng(370 + ep_size)
+    x, w, idx, _, g = _inputs(rng, ep_size)
+    g = rng.standard_normal((ep_size, T, H)).astype(np.float32)
+    m = model_for(cfg, x, idx, w)
+    y = rng.standard_normal((ep_size, m.capacity, H)).astype(np.float32)
+    rw = rng.standard_normal((ep_size, m.capacity)).astype(np.float32)
+    out, (dy, drw) = to_numpy(combine_vjp_fn(ep_size, cfg)(x, idx, w, y, rw, g))
+    assert_close_f(out, nm.combine(y, m, row_weights=rw), 1e-5, "combine with overridden weights")
+    want_dy = np.zeros_like(y)
+    want_drw = np.zeros(rw.shape)
+    for d, rd in enumerate(m.ranks):
+        for j, n in enumerate(rd.src):
+            if n >= 0:
+                gt = g[n // T, n % T]
+                want_dy[d, j] = gt * rw[d, j]
+                want_drw[d, j] = np.dot(y[d, j].astype(np.float64), gt)
+    np.testing.assert_array_equal(dy, want_dy, "d y")  # one f32 product per element: exact (+-0 alike)
+    assert_close_f(drw, want_drw, 1e-5, "d row_weights")
+    assert (drw[np.array([r.src for r in m.ranks]) < 0] == 0).all()
+
+
+# ---- FP8 -----------------------------------------------------------------------------------------------
+def test_fp8_dispatch_backward_not_implemented():
+    ep_size = 2
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=128, max_tokens_per_rank=T,
+                   dispatch_dtype="float8_e4m3fn")
+    rng = np.random.default_rng(380)
+    x, w = random_inputs(rng, ep_size, T, 128, K)
+    idx = random_routing(rng, ep_size, T, K, E)
+
+    def per(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        return jax_ep.dequantize_fp8(d.x, d.scales) * d.row_weights[:, None]
+
+    f = per_rank(per, ep_size, jit=False)
+    fwd = np.asarray(jax.jit(f)(x, idx, w))  # the forward pass works
+    assert np.isfinite(fwd).all() and (fwd != 0).any()
+    with pytest.raises(NotImplementedError, match=r"float8_e4m3fn.*forward-only"):
+        jax.jit(jax.grad(lambda x: jnp.sum(f(x, idx, w))))(x)
+    with pytest.raises(NotImplementedError, match=r"float8_e4m3fn"):
+        jax.jit(jax.grad(lambda w: jnp.sum(f(x, idx, w))))(w)
+
+
+def test_bf16_rows_cotangent_dtype():
+    """The gradient w.r.t. x has x's dtype even when rows travel as bfloat16."""
+    ep_size = 2
+    cfg = CFG.replace(dispatch_dtype="bfloat16")
+    rng = np.random.default_rng(390)
+    x, w = random_inputs(rng, ep_size, T, H, K)
+    idx = random_routing(rng, ep_size, T, K, E)
+    f = per_rank(lambda x, idx, w: jax_ep.dispatch(x, idx, w, cfg).x, ep_size, jit=False)
+    dx = np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(f(x, idx, w).astype(jnp.float32))))(x))
+    assert dx.dtype == np.float32
+    m = model_for(cfg, x, idx, w)
+    # each token's gradient = number of rows it has (ones are exact in bf16)
+    np.testing.assert_array_equal(dx, np.broadcast_to(m.kept.sum(axis=2)[..., None], dx.shape))
+    assert m.ranks[0].rows.dtype == ml_dtypes.bfloat16

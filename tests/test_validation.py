@@ -1,0 +1,374 @@
+"""Argument validation: clear errors naming the argument and the bad value / shape / dtype.
+
+Static checks raise while tracing (no compilation needed); checked mode (cfg.checked=True) raises when
+the computation runs, with the count / bad value in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import make_cfg, model_for, per_rank, random_inputs, random_routing, to_numpy
+
+import jax_ep
+
+E, K, H, T = 8, 3, 32, 6
+CFG = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+R = 2
+
+
+def _dispatch_fn(cfg, ep_size=R):
+    return per_rank(lambda x, idx, w: jax_ep.dispatch(x, idx, w, cfg).x, ep_size)
+
+
+def _good(rng, ep_size=R, tokens=T):
+    x, w = random_inputs(rng, ep_size, tokens, H, K)
+    return x, random_routing(rng, ep_size, tokens, K, E), w
+
+
+# ---- dispatch: shapes and dtypes (trace time) ---------------------------------------------------------
+@pytest.mark.parametrize("case,match", [
+    ("x_1d", r"x must be 2-D.*\(32,\)"),
+    ("x_3d", r"x must be 2-D.*\(6, 2, 16\)"),
+    ("x_int", r"x must be floating point.*int32"),
+    ("hidden", r"hidden size 16 but cfg\.hidden=32"),
+    ("too_many_tokens", r"8 tokens.*max_tokens_per_rank=6"),
+    ("idx_shape_k", r"topk_idx must have shape \(6, 3\).*got \(6, 4\)"),
+    ("idx_shape_t", r"topk_idx must have shape \(6, 3\).*got \(5, 3\)"),
+    ("idx_1d", r"topk_idx must have shape \(6, 3\).*got \(6,\)"),
+    ("idx_float", r"topk_idx must be int32.*float32"),
+    ("idx_uint8", r"topk_idx must be int32.*uint8"),
+    ("w_shape", r"topk_weights must have shape \(6, 3\).*got \(6, 2\)"),
+    ("w_float16", r"topk_weights must be float32.*float16"),
+    ("w_bf16", r"topk_weights must be float32.*bfloat16"),
+])
+def test_dispatch_bad_arguments(case, match):
+    rng = np.random.default_rng(400)
+    x, idx, w = _good(rng)
+    if case == "x_1d":
+        x = x[:, 0, :]
+    elif case == "x_3d":
+        x = x.reshape(R, T, 2, H // 2)
+    elif case == "x_int":
+        x = x.astype(np.int32)
+    elif case == "hidden":
+        x = x[:, :, :16]
+    elif case == "too_many_tokens":
+        x, idx, w = _good(rng, tokens=8)
+    elif case == "idx_shape_k":
+        idx = np.concatenate([idx, idx[:, :, :1]], axis=2)
+    elif case == "idx_shape_t":
+        idx = idx[:, :5]
+    elif case == "idx_1d":
+        idx = idx[:, :, 0]
+    elif case == "idx_float":
+        idx = idx.astype(np.float32)
+    elif case == "idx_uint8":
+        idx = np.abs(idx).astype(np.uint8)
+    elif case == "w_shape":
+        w = w[:, :, :2]
+    elif case == "w_float16":
+        w = w.astype(np.float16)
+    elif case == "w_bf16":
+        w = w.astype(ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        _dispatch_fn(CFG)(x, idx, w)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("idx_int64", r"topk_idx must be int32.*int64"),
+    ("w_float64", r"topk_weights must be float32.*float64"),
+])
+def test_dispatch_64bit_dtypes_rejected(case, match):
+    """With x64 enabled int64 ids / float64 weights reach the op and are rejected by name."""
+    rng = np.random.default_rng(401)
+    x, idx, w = _good(rng)
+    with jax.enable_x64(True):
+        if case == "idx_int64":
+            idx = idx.astype(np.int64)
+        else:
+            w = w.astype(np.float64)
+        with pytest.raises(ValueError, match=match):
+            _dispatch_fn(CFG)(x, idx, w)
+
+
+def test_num_experts_not_divisible_by_ep_size():
+    cfg = CFG.replace(num_experts=6)
+    rng = np.random.default_rng(402)
+    x, w = random_inputs(rng, 4, T, H, K)
+    idx = random_routing(rng, 4, T, K, 6)
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the EP size 4"):
+        _dispatch_fn(cfg, 4)(x, idx, w)
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the EP size 4"):
+        per_rank(lambda i: jax_ep.get_dispatch_layout(i, cfg), 4)(idx)
+
+
+# ---- outside shard_map / wrong axis --------------------------------------------------------------------
+def test_ops_outside_shard_map():
+    rng = np.random.default_rng(403)
+    x, idx, w = (a[0] for a in _good(rng))
+    msg = r"must run inside shard_map over the mesh axis 'ep'"
+    with pytest.raises(ValueError, match=r"jax_ep\.dispatch " + msg):
+        jax_ep.dispatch(x, idx, w, CFG)
+    with pytest.raises(ValueError, match=r"jax_ep\.dispatch " + msg):
+        jax.jit(lambda x, i, w: jax_ep.dispatch(x, i, w, CFG))(x, idx, w)
+    with pytest.raises(ValueError, match=r"jax_ep\.get_dispatch_layout " + msg):
+        jax.jit(lambda i: jax_ep.get_dispatch_layout(i, CFG))(idx)
+    c = CFG.resolved_capacity(1)
+    handle = jax_ep.Handle(np.full(c, -1, np.int32), np.full((T, K), -1, np.int32), np.zeros((T, 1), bool),
+                           np.zeros(c, np.float32))
+    with pytest.raises(ValueError, match=r"jax_ep\.combine " + msg):
+        jax.jit(lambda y: jax_ep.combine(y, handle, CFG))(np.ones((c, H), np.float32))
+
+
+def test_wrong_axis_name():
+    cfg = CFG.replace(axis_name="experts")
+    rng = np.random.default_rng(404)
+    x, idx, w = _good(rng)
+    with pytest.raises(ValueError, match=r"mesh axis 'experts' \(cfg\.axis_name\)"):
+        _dispatch_fn(cfg)(x, idx, w)
+
+
+# ---- combine and layout arguments ---------------------------------------------------------------------
+@pytest.mark.parametrize("case,match", [
+    ("rows", r"y must have shape \[capacity=36, hidden\].*\(35, 32\)"),
+    ("ndim", r"y must have shape \[capacity=36, hidden\].*\(36,\)"),
+    ("int", r"y must be float32/bfloat16/float16.*int32"),
+    ("fp8", r"y must be float32/bfloat16/float16.*float8_e4m3fn"),
+])
+def test_combine_bad_y(case, match):
+    rng = np.random.default_rng(405)
+    x, idx, w = _good(rng)
+    cap = CFG.resolved_capacity(R)
+    assert cap == 36
+
+    def f(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, CFG)
+        y = d.x
+        if case == "rows":
+            y = y[:-1]
+        elif case == "ndim":
+            y = y[:, 0]
+        elif case == "int":
+            y = y.astype(jnp.int32)
+        elif case == "fp8":
+            y = y.astype(jnp.float8_e4m3fn)
+        return jax_ep.combine(y, d.handle, CFG)
+
+    with pytest.raises(ValueError, match=match):
+        per_rank(f, R)(x, idx, w)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("shape", r"topk_idx must have shape \[tokens, 3\].*\(6, 2\)"),
+    ("dtype", r"topk_idx must be int32.*float32"),
+])
+def test_layout_bad_arguments(case, match):
+    idx = random_routing(np.random.default_rng(406), R, T, K, E)
+    idx = idx[:, :, :2] if case == "shape" else idx.astype(np.float32)
+    with pytest.raises(ValueError, match=match):
+        per_rank(lambda i: jax_ep.get_dispatch_layout(i, CFG), R)(idx)
+
+
+# ---- EPConfig --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("num_experts", 0), ("num_experts", -8), ("num_experts", 8.0), ("num_experts", True),
+    ("num_experts", "8"),
+    ("num_topk", 0), ("hidden", -1), ("max_tokens_per_rank", 0), ("expert_alignment", 0), ("num_sms", 0),
+    ("hidden", None),
+])
+def test_epconfig_positive_ints(field, value):
+    kw = dict(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+    kw[field] = value
+    match = rf"EPConfig\.{field} must be a positive int, got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=match):
+        jax_ep.EPConfig(**kw)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(num_topk=9), r"num_topk=9 exceeds num_experts=8"),
+    (dict(capacity=0), r"EPConfig\.capacity must be None or a positive int, got 0"),
+    (dict(capacity=-4), r"EPConfig\.capacity must be None or a positive int, got -4"),
+    (dict(capacity=16.0), r"EPConfig\.capacity must be None or a positive int, got 16\.0"),
+    (dict(capacity=10, expert_alignment=4), r"capacity=10 must be a multiple of expert_alignment=4"),
+    (dict(dispatch_dtype="float16"), r"dispatch_dtype must be one of .*got 'float16'"),
+    (dict(dispatch_dtype="float8_e4m3fn"), r"hidden=32 must be a multiple of 128"),
+    (dict(backend="tpu"), r"backend must be one of .*got 'tpu'"),
+    (dict(axis_name=""), r"axis_name must be a non-empty str, got ''"),
+    (dict(axis_name=None), r"axis_name must be a non-empty str, got None"),
+])
+def test_epconfig_bad_fields(changes, match):
+    kw = dict(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+    kw.update(changes)
+    with pytest.raises(ValueError, match=match):
+        jax_ep.EPConfig(**kw)
+
+
+def test_epconfig_is_static_and_hashable():
+    a = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+    b = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+    assert a == b and hash(a) == hash(b) and a != a.replace(capacity=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.num_experts = 16
+    assert a.worst_case_capacity(2) == 2 * T * K
+    assert a.replace(expert_alignment=4).worst_case_capacity(4) == 56  # 4*6*2 + 2*3 = 54, aligned to 4
+
+
+# ---- checked mode (run time) -------------------------------------------------------------------------
+CHECKED = CFG.replace(checked=True)
+
+
+@functools.cache
+def checked_fn(cfg, ep_size=R):
+    def f(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        return d.x, d.num_dropped, jax_ep.get_dispatch_layout(idx, cfg).num_tokens_per_expert
+
+    return per_rank(f, ep_size)
+
+
+def _run(fn, *args):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    return to_numpy(out)
+
+
+def _valid_idx(rng, ep_size=R):
+    """-1 slots and repeated experts are valid in checked mode; out-of-range ids are not."""
+    return random_routing(rng, ep_size, T, K, E, p_out_of_range=0.0, p_repeat=0.3)
+
+
+def test_checked_mode_passes_on_valid_input():
+    rng = np.random.default_rng(410)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = _valid_idx(rng)
+    assert (idx == -1).any()
+    rows, dropped, per_expert = _run(checked_fn(CHECKED), x, idx, w)
+    unchecked_rows, _, _ = _run(checked_fn(CFG), x, idx, w)
+    np.testing.assert_array_equal(rows, unchecked_rows)
+    np.testing.assert_array_equal(rows, np.stack([r.rows for r in model_for(CFG, x, idx, w).ranks]))
+    assert (dropped == 0).all()
+
+
+@pytest.mark.parametrize("bad,count", [(E, 1), (E + 3, 2), (-2, 1), (-(2**31), 3), (2**31 - 1, 1)])
+def test_checked_mode_rejects_out_of_range_ids(bad, count):
+    """Bad ids on every rank (each rank raises; see test_checked_mode_error_on_one_rank_only for the
+    case where only some ranks see an error)."""
+    rng = np.random.default_rng(411)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = _valid_idx(rng)
+    for r in range(R):
+        flat = idx[r].reshape(-1)
+        flat[rng.choice(flat.size, size=count, replace=False)] = bad
+        idx[r] = flat.reshape(T, K)
+    # the count may be this rank's or the EP group's total
+    with pytest.raises(Exception, match=rf"topk_idx has ({count}|{R * count}) ids outside \[-1, {E}\).*"
+                                        rf"first bad value {bad}"):
+        _run(checked_fn(CHECKED), x, idx, w)
+
+
+def test_checked_mode_rejects_out_of_range_ids_single_rank():
+    rng = np.random.default_rng(415)
+    x, w = random_inputs(rng, 1, T, H, K)
+    idx = _valid_idx(rng, 1)
+    idx[0, 3, 1] = -5
+    with pytest.raises(Exception, match=r"topk_idx has 1 ids outside \[-1, 8\).*first bad value -5"):
+        _run(checked_fn(CHECKED, 1), x, idx, w)
+
+
+def test_checked_layout_rejects_out_of_range_ids():
+    idx = _valid_idx(np.random.default_rng(412))
+    idx[:, 2, 0] = 100
+    fn = per_rank(lambda i: jax_ep.get_dispatch_layout(i, CHECKED), R)
+    np.testing.assert_array_equal(_run(fn, _valid_idx(np.random.default_rng(413))).num_tokens_per_rank.shape,
+                                  (R, R))
+    with pytest.raises(Exception, match=rf"topk_idx has {R} ids outside \[-1, 8\).*first bad value 100"):
+        _run(fn, idx)
+
+
+def test_checked_mode_capacity_too_small():
+    cfg = CHECKED.replace(capacity=4)
+    rng = np.random.default_rng(414)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = np.full((R, T, K), -1, np.int32)
+    idx[:, :, 0] = 0  # 12 rows for expert 0 on rank 0 and 12 for expert 4 on rank 1, capacity 4
+    idx[:, :, 1] = 4
+    assert [r.num_dropped for r in model_for(cfg, x, idx, w).ranks] == [8, 8]
+    with pytest.raises(Exception, match=r"capacity 4 too small: (8|16) rows dropped"):
+        _run(checked_fn(cfg), x, idx, w)
+    # the same config passes when everything fits
+    idx_ok = np.full((R, T, K), -1, np.int32)
+    idx_ok[:, :2, 0] = 0
+    idx_ok[:, :2, 1] = 4
+    _, dropped, _ = _run(checked_fn(cfg), x, idx_ok, w)
+    np.testing.assert_array_equal(dropped, [0, 0])
+
+
+# An error seen by some ranks only must still surface as an exception, not hang the ranks that wait in
+# the next collective (XLA:CPU aborts the whole process after 40 s). Run in subprocesses for that reason.
+_ONE_RANK_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np, jax, jax_ep
+from jax.sharding import Mesh, PartitionSpec as P
+case = sys.argv[1]
+cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=16, max_tokens_per_rank=4, checked=True,
+                      backend=sys.argv[2], capacity=4 if case == "capacity" else None)
+mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+def body(x, i, w):
+    d = jax_ep.dispatch(x, i, w, cfg)
+    return jax_ep.combine(d.x, d.handle, cfg)
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+x = np.ones((8, 16), np.float32)
+w = np.ones((8, 2), np.float32)
+idx = np.tile(np.array([[0, 5]], np.int32), (8, 1))   # experts 0 (rank 0) and 5 (rank 1): 8 rows each
+if case == "ids":
+    idx[1, 1] = 99                                    # one bad id, on rank 0 only
+else:
+    idx[:, 1] = -1                                    # rank 0 drops 4 of its 8 rows, rank 1 gets none
+try:
+    jax.block_until_ready(f(x, idx, w))
+    print("NO ERROR")
+except Exception as e:
+    print("RAISED", type(e).__name__, str(e).replace(chr(10), " "))
+"""
+
+
+def test_checked_mode_error_on_one_rank_only():
+    """Bad ids on rank 0 only / capacity overflow on rank 0 only, followed by combine: must raise."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from helpers import BACKEND
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(jax_ep.__file__)),
+                                                    env.get("PYTHONPATH")] if p)
+    procs = {case: subprocess.Popen([sys.executable, "-c", _ONE_RANK_SCRIPT, case, BACKEND], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for case in ("ids", "capacity")}
+    results = {}
+    deadline = time.monotonic() + 25
+    for case, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            results[case] = (proc.returncode, out)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            results[case] = (None, "hung: the ranks without an error wait forever in the next all_to_all")
+    expect = {"ids": r"RAISED .*topk_idx has 1 ids outside \[-1, 8\).*first bad value 99",
+              "capacity": r"RAISED .*capacity 4 too small: 4 rows dropped"}
+    bad = [f"{case}: rc={rc}: {out[-600:]}" for case, (rc, out) in results.items()
+           if not (rc == 0 and re.search(expect[case], out))]
+    assert not bad, "\n".join(bad)
