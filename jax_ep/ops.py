@@ -72,7 +72,7 @@ def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
     if topk_idx.dtype != jnp.int32:
         raise ValueError(f"get_dispatch_layout: topk_idx must be int32, got dtype {topk_idx.dtype}")
     if cfg.checked:
-        check_topk_values(topk_idx, cfg.num_experts)
+        check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
     return backend_for(cfg, "layout")(topk_idx, cfg.num_experts, ep_size)
 
 
@@ -91,10 +91,10 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     ep_size = _ep_size(cfg, "dispatch")
     check_dispatch_args(x, topk_idx, topk_weights, cfg, ep_size)
     if cfg.checked:
-        check_topk_values(topk_idx, cfg.num_experts)
+        check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
     out = _dispatch(x, topk_idx, topk_weights, cfg)
     if cfg.checked:
-        check_no_drops(out.num_dropped, cfg.resolved_capacity(ep_size))
+        check_no_drops(out.num_dropped, cfg.resolved_capacity(ep_size), cfg.axis_name)
     return out
 
 

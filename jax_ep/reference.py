@@ -65,7 +65,10 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     amax = jnp.maximum(jnp.max(jnp.abs(padded), axis=2), FP8_MIN_AMAX)
     inv_scale = FP8_MAX / amax
     q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
-    return q.astype(jnp.float8_e4m3fn), amax / FP8_MAX
+    # A true IEEE division: XLA rewrites division by a constant into a multiplication by its
+    # (inexact) reciprocal, which would make the scales differ by an ulp between platforms.
+    fp8_max = lax.optimization_barrier(jnp.full_like(amax, FP8_MAX))
+    return q.astype(jnp.float8_e4m3fn), amax / fp8_max
 
 
 def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:

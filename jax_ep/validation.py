@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_ep.config import EPConfig
 
@@ -51,28 +52,36 @@ def check_combine_args(y, handle, cfg: EPConfig) -> None:
         raise ValueError(f"combine: y must be float32/bfloat16/float16, got dtype {y.dtype}")
 
 
-def check_topk_values(topk_idx: jax.Array, num_experts: int) -> None:
-    """Checked mode: every id must be -1 or in [0, num_experts)."""
+def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str) -> None:
+    """Checked mode: every id must be -1 or in [0, num_experts). The count is summed over the EP
+    group so that every rank raises (a rank left waiting in a collective would hang instead)."""
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    local_first = jnp.where(jnp.any(bad), topk_idx.reshape(-1)[jnp.argmax(bad.reshape(-1))], 0)
+    num_bad = lax.psum(jnp.sum(bad, dtype=jnp.int32), axis_name)
+    # the bad value of the lowest rank that has one
+    rank = lax.axis_index(axis_name)
+    first_rank = lax.pmin(jnp.where(jnp.any(bad), rank, jnp.iinfo(jnp.int32).max), axis_name)
+    first = lax.psum(jnp.where(rank == first_rank, local_first, 0), axis_name)
 
     def _raise(num_bad, first_value):
         if int(num_bad):
-            raise EPValueError(f"jax_ep: topk_idx has {int(num_bad)} ids outside [-1, {num_experts}); "
-                               f"first bad value {int(first_value)}")
+            raise EPValueError(f"jax_ep: topk_idx has {int(num_bad)} ids outside [-1, {num_experts}) "
+                               f"across the EP group; first bad value {int(first_value)}")
 
-    first = jnp.where(jnp.any(bad), topk_idx.reshape(-1)[jnp.argmax(bad.reshape(-1))], 0)
-    jax.debug.callback(_raise, jnp.sum(bad), first)
+    jax.debug.callback(_raise, num_bad, first)
 
 
-def check_no_drops(num_dropped: jax.Array, capacity: int) -> None:
-    """Checked mode: capacity overflow is an error naming the count."""
+def check_no_drops(num_dropped: jax.Array, capacity: int, axis_name: str) -> None:
+    """Checked mode: capacity overflow is an error naming the count (summed over the EP group, so
+    that every rank raises)."""
+    total = lax.psum(num_dropped, axis_name)
 
     def _raise(dropped):
         if int(dropped):
-            raise EPValueError(f"jax_ep: capacity {capacity} too small: {int(dropped)} rows dropped on "
-                               "this rank (raise EPConfig.capacity, or None for the worst case)")
+            raise EPValueError(f"jax_ep: capacity {capacity} too small: {int(dropped)} rows dropped "
+                               "across the EP group (raise EPConfig.capacity, or None for the worst case)")
 
-    jax.debug.callback(_raise, num_dropped)
+    jax.debug.callback(_raise, total)
 
 
 def float0_like(a) -> np.ndarray:
