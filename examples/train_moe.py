@@ -28,14 +28,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_ep.balancing import imbalance  # noqa: E402
-from jax_ep.demo import communication_time, shard_model  # noqa: E402
-from jax_ep.models import LMConfig, MoETransformerLM, batches, corpus_bytes, next_token_loss  # noqa: E402
+from jax_ep.demo import communication_time  # noqa: E402
+from jax_ep.models import LMConfig, batches, build_training, corpus_bytes  # noqa: E402
 
 RUNS = {"no_balancing": "without balancing", "bias_balancing": "with bias balancing"}
 SHORT = {"no_balancing": "no balancing", "bias_balancing": "bias balancing"}
@@ -83,16 +81,7 @@ def parse_args(argv):
 
 def train(cfg: LMConfig, mesh: Mesh, args, label: str) -> dict:
     """Trains one model; returns its per-step loss, step time and per-layer, per-expert loads."""
-    model = MoETransformerLM(cfg, rngs=nnx.Rngs(args.seed), mesh=mesh)
-    shard_model(model, mesh)
-    optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
-    shard_model(optimizer, mesh)  # its step count too: otherwise step 2 recompiles for a new sharding
-
-    @nnx.jit
-    def train_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
-        optimizer.update(model, grads)
-        return loss
+    model, optimizer, train_step = build_training(cfg, mesh, args.lr, seed=args.seed)
 
     data = batches(corpus_bytes(), args.batch, args.seq, seed=args.seed)
     batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))

@@ -19,21 +19,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_ep.config import EPConfig  # noqa: E402
-from jax_ep.models import LMConfig, MoETransformerLM, batches, corpus_bytes, next_token_loss  # noqa: E402
+from jax_ep.models import LMConfig, batches, build_training, corpus_bytes  # noqa: E402
 from jax_ep.ops import combine, dispatch  # noqa: E402
-
-
-def shard_model(model: nnx.Module, mesh: Mesh) -> None:
-    """Place every parameter by its sharding metadata (experts over the EP axis, the rest replicated)."""
-    state = nnx.state(model)
-    specs = nnx.get_partition_spec(state)
-    nnx.update(model, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
 
 
 def median_time(fn, *args, repeats: int = 5) -> float:
@@ -95,16 +86,7 @@ def main(argv=None) -> None:
           f"{cfg.num_experts} experts, top-{cfg.num_topk}, {cfg.num_layers} MoE layers, "
           f"backend={args.backend}")
 
-    model = MoETransformerLM(cfg, rngs=nnx.Rngs(0), mesh=mesh)
-    shard_model(model, mesh)
-    optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
-    shard_model(optimizer, mesh)  # its step count too: otherwise step 2 recompiles for a new sharding
-
-    @nnx.jit
-    def train_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
-        optimizer.update(model, grads)
-        return loss
+    model, optimizer, train_step = build_training(cfg, mesh, args.lr)
 
     data = batches(corpus_bytes(), args.batch, args.seq)
     batch_sharding = NamedSharding(mesh, P("ep"))

@@ -8,8 +8,9 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jax_ep.moe import MoE
 
@@ -76,6 +77,29 @@ def next_token_loss(model: MoETransformerLM, batch: jax.Array) -> jax.Array:
     labels = batch[:, 1:]
     ce = -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), labels[..., None], -1)
     return jnp.mean(ce) + model.aux_loss()
+
+
+def shard_model(module: nnx.Module, mesh: Mesh) -> None:
+    """Place every variable by its sharding metadata (experts over the EP axis, the rest replicated)."""
+    state = nnx.state(module)
+    specs = nnx.get_partition_spec(state)
+    nnx.update(module, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
+
+
+def build_training(cfg: LMConfig, mesh: Mesh, lr: float, seed: int = 0):
+    """A sharded model, its AdamW optimizer and a jitted train step ``step(model, optimizer, batch)``."""
+    model = MoETransformerLM(cfg, rngs=nnx.Rngs(seed), mesh=mesh)
+    shard_model(model, mesh)
+    optimizer = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+    shard_model(optimizer, mesh)  # its step count too: otherwise step 2 recompiles for a new sharding
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return model, optimizer, train_step
 
 
 def corpus_bytes() -> np.ndarray:
