@@ -15,6 +15,14 @@
 
 namespace jax_ep {
 
+#ifndef JAX_EP_EMULATION
+// Kernel launch: JAX_EP_LAUNCH(kernel, grid, block, shared_bytes, stream)(args...). A macro so
+// that tools/kernel_emulator can run the kernels on the CPU.
+#define JAX_EP_LAUNCH(kernel, grid, block, shared_bytes, stream) \
+  kernel<<<(grid), (block), (shared_bytes), (stream)>>>
+// Dynamically sized shared memory of a kernel: JAX_EP_DYNAMIC_SHARED(type, name);
+#define JAX_EP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+
 // Nanoseconds since an arbitrary epoch, the same clock on every SM of a GPU.
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t now;
@@ -33,6 +41,7 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* address) {
 __device__ __forceinline__ void store_release_sys(uint64_t* address, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(address), "l"(value) : "memory");
 }
+#endif  // JAX_EP_EMULATION
 
 // Records the first fault of this device in host-mapped pinned memory (the host can read it even
 // after the trap has killed the context), prints a message naming op and ranks, and traps.
@@ -65,6 +74,11 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
            "trapping.\n",
            op_id, tables.device_ordinal, rank, static_cast<long long>(elapsed_ns), waited_rank,
            waited_ordinal, static_cast<unsigned long long>(expected),
+           static_cast<unsigned long long>(observed));
+  } else if (kind == kFaultBadArgument) {
+    printf("jax_ep: op %d on device %d got rank %d (group size %llu) / group %llu out of range; "
+           "trapping.\n",
+           op_id, tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
   } else {
     printf("jax_ep: op %d on device %d (rank %d) ran with a stale runtime: needs %llu bytes of "

@@ -15,11 +15,19 @@ namespace jax_ep {
 inline constexpr int kMaxDevices = 32;
 // Ranks in one NVLink group (a group is a set of local devices, so it cannot exceed kMaxDevices).
 inline constexpr int kMaxGroupRanks = kMaxDevices;
+// Group discovery (see SyncCounters::directory): EP groups of one mesh partition, and directory
+// slots for distinct EP mesh axes (an axis name hashes to a slot).
+inline constexpr int kMaxGroups = 64;
+inline constexpr int kDirectoryAxes = 4;
 
 // Names the op that hit a device-side fault, in FaultRecord::op_id.
 enum OpId : int32_t {
   kOpNone = 0,
   kOpPeerSmoke = 1,
+  kOpDispatch = 2,
+  kOpCombine = 3,
+  kOpBroadcast = 4,
+  kOpSlotValues = 5,
 };
 
 // What went wrong, in FaultRecord::kind.
@@ -28,6 +36,7 @@ enum FaultKind : int32_t {
   kFaultTimeout = 1,         // a spin-wait on a peer exceeded the timeout
   kFaultStaleRuntime = 2,    // a kernel (e.g. a replayed CUDA graph) ran after shutdown or with a
                              // communication buffer smaller than it needs
+  kFaultBadArgument = 3,     // a device-side argument (rank / group id) was out of range
 };
 
 // The first device-side fault on a device, written by the kernel into host-mapped pinned memory
@@ -68,6 +77,15 @@ struct SyncCounters {
   // 0 until the first fault on this device: the faulting thread that flips it owns the (host-mapped)
   // FaultRecord. Kept in device memory because atomics on host-mapped memory need PCIe atomics.
   int32_t fault_claimed;
+  // Group discovery of the EP ops (they know their rank and group only as device scalars).
+  // directory[a][g][r]: (epoch << 16) | device ordinal of rank r of group g of axis slot a, written
+  // (release, system scope) by that rank into the directory of EVERY managed device at the start
+  // of each op; a rank reads only its own directory. group_epoch[a][g]: how many EP ops this
+  // device has run as a member of group g of axis slot a (local bookkeeping, counted on the
+  // device, so CUDA-graph replays stay in step). Every member of a group runs the same ops in the
+  // same order, so their epochs agree.
+  alignas(128) uint64_t directory[kDirectoryAxes][kMaxGroups][kMaxGroupRanks];
+  alignas(128) uint64_t group_epoch[kDirectoryAxes][kMaxGroups];
 };
 
 struct DeviceState {

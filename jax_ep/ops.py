@@ -31,8 +31,10 @@ _OPS = ("layout", "dispatch", "combine", "broadcast", "slot_values")
 def backend_for(cfg: EPConfig, op: str):
     """The function implementing `op` for cfg.backend.
 
-    "auto" takes the CUDA kernel when the extension is loaded, the default platform is a GPU and
-    that op has a kernel; otherwise the reference. "cuda" never falls back: it raises with the reason.
+    "auto" takes the CUDA kernel when the extension is loaded, the default platform is a GPU and the
+    op is in ``cuda_backend.FASTER_THAN_REFERENCE`` (its kernel measured faster than the reference
+    path, docs/benchmarks.md); otherwise the reference. "cuda" takes every kernel there is and never
+    falls back: it raises with the reason.
     """
     assert op in _OPS, op
     if cfg.backend == "reference":
@@ -42,7 +44,7 @@ def backend_for(cfg: EPConfig, op: str):
     kernel = getattr(cuda_backend, op, None)
     usable, reason = runtime.available()
     if cfg.backend == "auto":
-        if usable and kernel is not None and jax.default_backend() == "gpu":
+        if usable and op in cuda_backend.FASTER_THAN_REFERENCE and jax.default_backend() == "gpu":
             return kernel
         return getattr(reference, op)
     if not usable:

@@ -23,7 +23,8 @@ except ImportError as e:  # pragma: no cover - depends on the build
     _IMPORT_ERROR = str(e)
 
 # Every FFI target the extension exports (names as registered with XLA).
-FFI_TARGETS = ("jax_ep_dispatch_layout", "jax_ep_peer_smoke")
+FFI_TARGETS = ("jax_ep_dispatch_layout", "jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine",
+               "jax_ep_broadcast", "jax_ep_slot_values")
 
 _lock = threading.Lock()
 _registered = False

@@ -6,7 +6,7 @@
 # Env: OUT     log folder (default ./out)
 #      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
 #      PYTEST_ARGS  extra pytest arguments (e.g. "-k smoke -x")
-#      SKIP_BENCH=1 skips the benchmark
+#      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m jax_ep.bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -81,7 +81,8 @@ echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f jax_ep/bench.py ]; then
   step "benchmark: python -m jax_ep.bench --out $OUT/bench.json"
   start=$SECONDS
-  "$PY" -m jax_ep.bench --out "$OUT/bench.json" >"$OUT/bench.log" 2>&1
+  # shellcheck disable=SC2086
+  "$PY" -m jax_ep.bench --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   bench_rc=$?
   tail -25 "$OUT/bench.log"
   echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"

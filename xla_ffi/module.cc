@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/device_state.h"
+#include "cuda/ep_layout.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/runtime.h"
@@ -53,10 +54,32 @@ NB_MODULE(_C, m) {
         nb::dict handlers;
         handlers[jax_ep::kDispatchLayoutTarget] = HandlerCapsule(JaxEpDispatchLayout);
         handlers[jax_ep::kPeerSmokeTarget] = HandlerCapsule(JaxEpPeerSmoke);
+        handlers[jax_ep::kDispatchTarget] = HandlerCapsule(JaxEpDispatch);
+        handlers[jax_ep::kCombineTarget] = HandlerCapsule(JaxEpCombine);
+        handlers[jax_ep::kBroadcastTarget] = HandlerCapsule(JaxEpBroadcast);
+        handlers[jax_ep::kSlotValuesTarget] = HandlerCapsule(JaxEpSlotValues);
         return handlers;
       },
       "{FFI target name: capsule of its XLA_FFI_Handler*} for jax.ffi.register_ffi_target "
       "(platform='CUDA').");
+
+  m.attr("MAX_TOPK") = jax_ep::kMaxTopk;
+  m.attr("MAX_EXPERTS") = jax_ep::kMaxExperts;
+  m.attr("MAX_GROUPS") = jax_ep::kMaxGroups;
+  m.attr("DIRECTORY_AXES") = jax_ep::kDirectoryAxes;
+
+  m.def(
+      "comm_bytes",
+      [](int64_t num_ranks, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+         uint64_t data_row_bytes, uint64_t scale_row_bytes) {
+        return jax_ep::make_comm_layout(num_ranks, num_tokens, num_topk, num_experts,
+                                        data_row_bytes, scale_row_bytes)
+            .total;
+      },
+      "num_ranks"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "data_row_bytes"_a,
+      "scale_row_bytes"_a,
+      "Bytes of communication buffer the EP ops need for these sizes (data_row_bytes: bytes of a "
+      "staged row; scale_row_bytes: FP8 scale bytes per row, 0 without FP8).");
 
   m.def(
       "init",

@@ -38,6 +38,14 @@ const char* OpName(int32_t op_id) {
   switch (op_id) {
     case kOpPeerSmoke:
       return "peer_smoke";
+    case kOpDispatch:
+      return "dispatch";
+    case kOpCombine:
+      return "combine";
+    case kOpBroadcast:
+      return "broadcast";
+    case kOpSlotValues:
+      return "slot_values";
     default:
       return "unknown";
   }
@@ -77,6 +85,7 @@ Runtime::Runtime() {
   for (int i = 0; i < kMaxDevices; ++i) {
     states_[i].store(nullptr, std::memory_order_relaxed);
     managed_[i].store(false, std::memory_order_relaxed);
+    sm_count_[i].store(0, std::memory_order_relaxed);
   }
 }
 
@@ -116,6 +125,11 @@ DeviceState* Runtime::State(int ordinal) const {
     return nullptr;
   }
   return states_[ordinal].load(std::memory_order_acquire);
+}
+
+int Runtime::SmCount(int ordinal) const {
+  if (ordinal < 0 || ordinal >= kMaxDevices) return 0;
+  return sm_count_[ordinal].load(std::memory_order_acquire);
 }
 
 std::vector<int> Runtime::ManagedDevices() const {
@@ -197,6 +211,9 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   }
 
   for (int ordinal : joining) {
+    int sm_count = 0;
+    JAX_EP_CUDA_THROW(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, ordinal));
+    sm_count_[ordinal].store(sm_count, std::memory_order_release);
     if (states_[ordinal].load(std::memory_order_acquire) != nullptr) continue;  // re-init
     JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
     void* state = nullptr;
@@ -316,7 +333,9 @@ std::vector<FaultInfo> Runtime::Faults() const {
     const volatile FaultRecord& record = fault_records_[ordinal];
     if (record.valid == 0) continue;
     FaultInfo info;
-    info.kind = record.kind == kFaultTimeout ? "timeout" : "stale_runtime";
+    info.kind = record.kind == kFaultTimeout       ? "timeout"
+                : record.kind == kFaultBadArgument ? "bad_argument"
+                                                   : "stale_runtime";
     info.op = OpName(record.op_id);
     info.device_ordinal = record.device_ordinal;
     info.rank = record.rank;
@@ -326,14 +345,23 @@ std::vector<FaultInfo> Runtime::Faults() const {
     info.observed = record.observed;
     info.elapsed_ns = record.elapsed_ns;
     if (record.kind == kFaultTimeout) {
+      const std::string waited_gpu = info.waited_ordinal >= 0
+                                         ? "GPU " + std::to_string(info.waited_ordinal)
+                                         : std::string("GPU not known yet: group discovery");
       info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
                      " (rank " + std::to_string(info.rank) + ") timed out after " +
                      std::to_string(static_cast<double>(info.elapsed_ns) * 1e-9) +
-                     " s waiting for rank " + std::to_string(info.waited_rank) + " (GPU " +
-                     std::to_string(info.waited_ordinal) + "): it expected barrier epoch " +
+                     " s waiting for rank " + std::to_string(info.waited_rank) + " (" +
+                     waited_gpu + "): it expected barrier epoch " +
                      std::to_string(info.expected) + " and saw " +
                      std::to_string(info.observed) +
                      ". Every rank must issue the same EP calls in the same order.";
+    } else if (record.kind == kFaultBadArgument) {
+      info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
+                     " got rank " + std::to_string(info.rank) + " / group " +
+                     std::to_string(info.observed) + " outside [0, " +
+                     std::to_string(info.expected) + ") / [0, " + std::to_string(kMaxGroups) +
+                     "): the op must run inside shard_map over its EP mesh axis.";
     } else {
       info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
                      " (rank " + std::to_string(info.rank) + ") ran after shutdown() or with a "

@@ -21,7 +21,7 @@ namespace jax_ep {
 
 // A fault a kernel recorded (see FaultRecord), as the host reads it back.
 struct FaultInfo {
-  std::string kind;   // "timeout" or "stale_runtime"
+  std::string kind;   // "timeout", "stale_runtime" or "bad_argument"
   std::string op;     // op name, e.g. "peer_smoke"
   int device_ordinal;
   int rank;
@@ -55,6 +55,8 @@ class Runtime {
   // The device's state, or nullptr if the device is not managed.
   DeviceState* State(int device_ordinal) const;
   uint64_t CommBytes() const { return comm_bytes_.load(std::memory_order_acquire); }
+  // Streaming multiprocessors of a managed device (0 if not managed).
+  int SmCount(int device_ordinal) const;
 
   // ---- queries ----
   std::vector<int> ManagedDevices() const;
@@ -71,6 +73,7 @@ class Runtime {
   std::atomic<DeviceState*> states_[kMaxDevices];
   std::atomic<bool> managed_[kMaxDevices];
   std::atomic<uint64_t> comm_bytes_{0};
+  std::atomic<int> sm_count_[kMaxDevices];
   uint8_t* comm_buffers_[kMaxDevices] = {};
   bool peer_enabled_[kMaxDevices][kMaxDevices] = {};
   FaultRecord* fault_records_ = nullptr;  // host view, kMaxDevices records, never freed

@@ -1,0 +1,562 @@
+// Throughput dispatch over NVLink (intra-node EP). Four kernels on XLA's stream, no host sync:
+//
+//  1. prep (rank-local): sanitises topk_idx, writes is_token_in_rank, counts this rank's tokens per
+//     expert and gives every (token, slot) its rank among this rank's tokens of that expert, in
+//     token order (warp bit masks + popc: deterministic, no atomics order).
+//  2. notify (one block): group discovery (the start barrier of the call), then every rank writes
+//     its counts [E] into counts[me] of every rank and raises a flag; once all are in, each rank
+//     computes, exactly like jax_ep.reference.dispatch, every expert's segment offset, kept rows
+//     and the receive row of each of its own (token, expert) pairs on every destination
+//     (base_row / limit tables), and its own group_sizes, expert_counts, num_dropped.
+//  3. rows: per (token, slot) the destination rank and receive row (-1 unused, -2 dropped).
+//  4. main (num_blocks blocks, warps split into senders and receivers):
+//     senders: per chunk of 8 tokens, every token routed to a remote rank crosses NVLink ONCE
+//       (TMA bulk copies through shared memory or 16-byte stores; BF16/FP8 conversion fused in
+//       registers) into that rank's staging [me][t], with its per-slot metadata (receive row or
+//       -1/-2, gate weight); metadata goes to every remote rank for every token. Then a release
+//       flag per (chunk, destination).
+//     receivers: zero the alignment-padding rows and write src_index/row_weights of the unused
+//       tail, expand this rank's own tokens straight from x, and expand each remote chunk as soon
+//       as its flag arrives (overlapping the transfer): one staged row read, written to each of its
+//       receive rows; token_rows, row_weights and src_index alongside.
+// The next call's start barrier protects the staging area from being overwritten early.
+#include <algorithm>
+
+#include "cuda/dispatch.h"
+#include "cuda/ep_device.cuh"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kPrepThreads = 1024;
+constexpr int kPrepWarps = kPrepThreads / 32;
+constexpr int kPrepMaxExperts = 128;  // experts per prep block (shared bit masks)
+constexpr int kNotifyThreads = 1024;
+constexpr int kRowsThreads = 256;
+constexpr int kTailRows = 8192;       // unused-tail rows per receiver work item
+
+enum Conversion : int {
+  kConvCopy = 0,       // rows keep x's dtype (bf16 -> bf16, f32 -> f32)
+  kConvF32ToBF16 = 1,
+  kConvBF16ToFP8 = 2,
+  kConvF32ToFP8 = 3,
+};
+
+__device__ __forceinline__ int64_t round_up_i64(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// ---- 1. prep -------------------------------------------------------------------------------
+// Block b owns experts [b * experts_per_block, ...); every block walks all tokens in tiles of 1024
+// (one token per thread) and, per tile, marks in masks[expert][warp] the lanes whose token picked
+// the expert. A token's rank within an expert = tokens of earlier tiles + tokens of earlier warps
+// of this tile + popc of the lower lanes of its warp: token order, independent of scheduling.
+__global__ void __launch_bounds__(kPrepThreads)
+    dispatch_prep_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
+                         int T, int K, int E, int R, int experts_per_block,
+                         bool* __restrict__ is_token_in_rank) {
+  __shared__ uint32_t masks[kPrepMaxExperts][kPrepWarps];
+  __shared__ int32_t prefix[kPrepMaxExperts][kPrepWarps];
+  __shared__ int32_t running[kPrepMaxExperts];
+  if (threadIdx.x == 0) require_comm_bytes(state, layout.total, kOpDispatch, -1);
+  const int e_lo = blockIdx.x * experts_per_block;
+  const int e_hi = min(E, e_lo + experts_per_block);
+  const int n_local = max(0, e_hi - e_lo);
+  const int experts_per_rank = E / R;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  for (int i = threadIdx.x; i < kPrepMaxExperts * kPrepWarps; i += blockDim.x) {
+    masks[i / kPrepWarps][i % kPrepWarps] = 0u;
+  }
+  for (int i = threadIdx.x; i < n_local; i += blockDim.x) running[i] = 0;
+  __syncthreads();  // also: nobody touches the buffer before the stale-runtime check passed
+
+  char* own = own_comm_buffer(state);
+  int32_t* slot_rank = reinterpret_cast<int32_t*>(own + layout.slot_rank);
+  const int tiles = (T + kPrepThreads - 1) / kPrepThreads;
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int t = tile * kPrepThreads + threadIdx.x;
+    const bool active = t < T;
+    const int32_t* row = topk_idx + static_cast<int64_t>(active ? t : 0) * K;
+    if (active) {
+      uint32_t ranks = 0u;
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = row[k];
+        if (e < 0 || e >= E) continue;
+        bool repeat = false;
+        for (int j = 0; j < k; ++j) repeat |= row[j] == e;
+        if (repeat) continue;
+        ranks |= 1u << (e / experts_per_rank);
+        if (e >= e_lo && e < e_hi) atomicOr(&masks[e - e_lo][warp], 1u << lane);
+      }
+      if (tile % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) {
+        bool* out = is_token_in_rank + static_cast<int64_t>(t) * R;
+        for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
+      int32_t run = running[i];
+      for (int w = 0; w < kPrepWarps; ++w) {
+        prefix[i][w] = run;
+        run += __popc(masks[i][w]);
+      }
+      running[i] = run;
+    }
+    __syncthreads();
+    if (active) {
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = row[k];
+        if (e < e_lo || e >= e_hi) continue;  // also skips ids outside [0, E)
+        bool repeat = false;
+        for (int j = 0; j < k; ++j) repeat |= row[j] == e;
+        if (repeat) continue;
+        slot_rank[static_cast<int64_t>(t) * K + k] =
+            prefix[e - e_lo][warp] + __popc(masks[e - e_lo][warp] & lanemask_lt());
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_local * kPrepWarps; i += blockDim.x) {
+      masks[i / kPrepWarps][i % kPrepWarps] = 0u;
+    }
+    __syncthreads();
+  }
+  int32_t* counts_local = reinterpret_cast<int32_t*>(own + layout.counts_local);
+  for (int i = threadIdx.x; i < n_local; i += blockDim.x) counts_local[e_lo + i] = running[i];
+}
+
+// ---- 2. notify -----------------------------------------------------------------------------
+__global__ void __launch_bounds__(kNotifyThreads)
+    dispatch_notify_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
+                           const int32_t* group_ptr, int R, int E, int C, int align,
+                           int axis_slot, int32_t* __restrict__ group_sizes,
+                           int32_t* __restrict__ expert_counts, int32_t* __restrict__ num_dropped) {
+  JAX_EP_DYNAMIC_SHARED(int32_t, rows_of_expert);  // [E]: rows for expert e over all source ranks
+  __shared__ OpInfo info;
+  __shared__ int32_t total_rows;
+  __shared__ unsigned long long dropped;
+  discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpDispatch, layout.total, &info);
+  const int me = info.rank;
+  char* own = own_comm_buffer(state);
+  const int32_t* counts_local = reinterpret_cast<const int32_t*>(own + layout.counts_local);
+
+  // My counts into counts[me][:] of every rank (mine included), then one flag per rank.
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
+    const int r = static_cast<int>(i / E);
+    const int e = static_cast<int>(i % E);
+    char* peer = comm_buffer_of(state, info.ordinals[r]);
+    reinterpret_cast<int32_t*>(peer + layout.counts)[static_cast<int64_t>(me) * E + e] =
+        __ldcg(counts_local + e);
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    char* peer = comm_buffer_of(state, info.ordinals[r]);
+    store_release_sys(reinterpret_cast<uint64_t*>(peer + layout.count_flags) + me, info.expected);
+    wait_flag_equal(reinterpret_cast<const uint64_t*>(own + layout.count_flags) + r,
+                    info.expected, state, kOpDispatch, me, r, info.ordinals[r]);
+  }
+  if (threadIdx.x == 0) {
+    total_rows = 0;
+    dropped = 0ull;
+  }
+  __syncthreads();
+
+  const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t n = 0;
+    for (int s = 0; s < R; ++s) n += __ldcg(counts + static_cast<int64_t>(s) * E + e);
+    rows_of_expert[e] = n;
+  }
+  __syncthreads();
+
+  // Segment of local expert j on rank d (as jax_ep.reference.dispatch):
+  //   offset_j = sum_{j'<j} round_up(n_j', align), offset'_j = min(offset_j, C),
+  //   kept_j = min(n_j, C - offset'_j); rows of source s start at offset'_j + sum_{s'<s} count.
+  const int experts_per_rank = E / R;
+  int32_t* base_row = reinterpret_cast<int32_t*>(own + layout.base_row);
+  int32_t* limit = reinterpret_cast<int32_t*>(own + layout.limit);
+  int32_t* seg_off = reinterpret_cast<int32_t*>(own + layout.seg_off);
+  int32_t* seg_kept = reinterpret_cast<int32_t*>(own + layout.seg_kept);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int d = e / experts_per_rank;
+    const int j = e % experts_per_rank;
+    int64_t offset = 0;
+    for (int i = d * experts_per_rank; i < e; ++i) offset += round_up_i64(rows_of_expert[i], align);
+    const int64_t offset_c = offset < C ? offset : C;
+    const int64_t n = rows_of_expert[e];
+    const int64_t kept = n < C - offset_c ? n : C - offset_c;
+    int64_t before = 0;  // rows of expert e from ranks before me
+    for (int s = 0; s < me; ++s) before += __ldcg(counts + static_cast<int64_t>(s) * E + e);
+    base_row[e] = static_cast<int32_t>(offset_c + before);
+    limit[e] = static_cast<int32_t>(kept - before);  // slot kept iff its rank < limit (may be < 0)
+    if (d == me) {
+      const int64_t size = round_up_i64(kept, align);
+      group_sizes[j] = static_cast<int32_t>(size);
+      expert_counts[j] = static_cast<int32_t>(kept);
+      seg_off[j] = static_cast<int32_t>(offset_c);
+      seg_kept[j] = static_cast<int32_t>(kept);
+      atomicAdd(&total_rows, static_cast<int32_t>(size));
+      atomicAdd(&dropped, static_cast<unsigned long long>(n - kept));
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *num_dropped = static_cast<int32_t>(dropped);
+    publish_op_info(state, layout, info, total_rows);
+  }
+}
+
+// ---- 3. rows ---------------------------------------------------------------------------------
+// Per (token, slot) of this rank: destination rank (-1: unused or repeated slot) and receive row
+// there (-2: dropped for capacity), in place of slot_rank. Slot-parallel; the main kernel then
+// reads two coalesced words per slot instead of a chain of dependent table loads.
+__global__ void __launch_bounds__(kRowsThreads)
+    dispatch_rows_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
+                         int T, int K, int E, int R) {
+  char* own = own_comm_buffer(state);
+  int32_t* slot_row = reinterpret_cast<int32_t*>(own + layout.slot_rank);
+  int32_t* slot_dest = reinterpret_cast<int32_t*>(own + layout.slot_dest);
+  const int32_t* base_row = reinterpret_cast<const int32_t*>(own + layout.base_row);
+  const int32_t* limit = reinterpret_cast<const int32_t*>(own + layout.limit);
+  const int experts_per_rank = E / R;
+  const int64_t slots = static_cast<int64_t>(T) * K;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < slots;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int k = static_cast<int>(i % K);
+    const int32_t* row = topk_idx + (i - k);
+    const int32_t e = row[k];
+    bool used = e >= 0 && e < E;
+    for (int j = 0; j < k && used; ++j) used = row[j] != e;
+    int32_t dest = -1, value = -1;
+    if (used) {
+      dest = e / experts_per_rank;
+      const int32_t rank_in_expert = __ldcg(slot_row + i);
+      value = rank_in_expert < __ldcg(limit + e) ? __ldcg(base_row + e) + rank_in_expert : -2;
+    }
+    slot_row[i] = value;
+    slot_dest[i] = dest;
+  }
+}
+
+// ---- 4. main -------------------------------------------------------------------------------
+struct MainArgs {
+  CommLayout layout;
+  const char* x;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  char* rows;
+  float* scales;
+  float* row_weights;
+  int32_t* src_index;
+  int32_t* token_rows;
+  int32_t T, K, E, C, H, align;
+  int32_t x_row_bytes;  // H * sizeof(x)
+  int32_t row_bytes;    // H * sizeof(row)
+  int32_t num_scales;   // per row (0 unless FP8)
+  int32_t send_warps;
+};
+
+template <int kConv>
+__device__ __forceinline__ void copy_token(const char* x_row, const MainArgs& a, uint32_t dst_mask,
+                                           char* my_dst, float* my_scales, int lane) {
+  if constexpr (kConv == kConvCopy) {
+    warp_copy_raw<8>(x_row, a.row_bytes, dst_mask, my_dst, lane);
+  } else if constexpr (kConv == kConvF32ToBF16) {
+    warp_copy_convert<true, kRowBF16, 4>(x_row, a.H, dst_mask, my_dst, my_scales, lane);
+  } else if constexpr (kConv == kConvBF16ToFP8) {
+    warp_copy_convert<false, kRowFP8, 4>(x_row, a.H, dst_mask, my_dst, my_scales, lane);
+  } else {
+    warp_copy_convert<true, kRowFP8, 2>(x_row, a.H, dst_mask, my_dst, my_scales, lane);
+  }
+}
+
+// Slot `lane` of this rank's token t: destination rank (-1: unused slot), receive row there (-2:
+// dropped for capacity), gate weight (from the rows kernel's tables).
+__device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, int64_t t, int lane,
+                                           int* dest, int* row, float* weight) {
+  const bool slot = lane < a.K;
+  const int64_t i = t * a.K + lane;
+  *dest = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_dest) + i) : -1;
+  *row = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_rank) + i) : -1;
+  *weight = slot ? __ldg(a.topk_weights + i) : 0.f;
+}
+
+template <int kConv, bool kTma>
+__global__ void __launch_bounds__(kDataThreads, 1)
+    dispatch_main_kernel(DeviceState* state, MainArgs a) {
+  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);  // TMA: per-warp barriers and buffers
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  TmaWarp tma{};
+  if constexpr (kTma) tma = tma_warp_setup(reinterpret_cast<char*>(dynamic_shared), warp, lane);
+  const CommLayout& L = a.layout;
+  char* own = own_comm_buffer(state);
+  OpInfo* info = reinterpret_cast<OpInfo*>(own + L.op_info);
+  const int me = info->rank;
+  const int R = info->size;
+  const uint64_t expected = info->expected;
+  const int64_t T = a.T;
+  const int experts_per_rank = a.E / R;
+  char* lane_peer = lane < R ? comm_buffer_of(state, info->ordinals[lane]) : nullptr;
+  // Raw row copies: bulk (TMA) or 16-byte register copies.
+  auto copy_raw = [&](const char* src, uint32_t dst_mask, char* my_dst) {
+    if constexpr (kTma) {
+      warp_copy_tma(tma, src, a.row_bytes, dst_mask, my_dst, lane);
+    } else {
+      warp_copy_raw<8>(src, a.row_bytes, dst_mask, my_dst, lane);
+    }
+  };
+  // A row of x into the row format: raw when the dtypes agree, else converted in registers.
+  auto copy_x = [&](const char* x_row, uint32_t dst_mask, char* my_dst, float* my_scales) {
+    if constexpr (kConv == kConvCopy) {
+      copy_raw(x_row, dst_mask, my_dst);
+    } else {
+      copy_token<kConv>(x_row, a, dst_mask, my_dst, my_scales, lane);
+    }
+  };
+
+  if (warp < a.send_warps) {
+    // ---- senders ----
+    for (;;) {
+      const int c = next_item(&info->work[0]);
+      if (c >= L.num_chunks) break;
+      const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
+      const int64_t t1 = t0 + kChunkTokens < T ? t0 + kChunkTokens : T;
+      for (int64_t t = t0; t < t1; ++t) {
+        int dest, row;
+        float weight;
+        token_slot(a, own, t, lane, &dest, &row, &weight);
+        const int64_t meta = (static_cast<int64_t>(me) * T + t) * a.K + lane;
+        for (int r = 0; r < R; ++r) {
+          char* peer = reinterpret_cast<char*>(
+              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(lane_peer), r));
+          if (r == me || lane >= a.K) continue;
+          reinterpret_cast<int32_t*>(peer + L.meta_rows)[meta] = dest == r ? row : -1;
+          reinterpret_cast<float*>(peer + L.meta_w)[meta] = weight;
+        }
+        const uint32_t ranks = __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u);
+        const uint32_t remote = ranks & ~(1u << me);
+        if (remote == 0u) continue;
+        const int64_t slot = static_cast<int64_t>(me) * T + t;
+        char* my_dst = nullptr;
+        float* my_scales = nullptr;
+        if (lane < R) {
+          my_dst = lane_peer + L.stage_data + slot * L.data_row_bytes;
+          my_scales = reinterpret_cast<float*>(lane_peer + L.stage_scales + slot * L.scale_row_bytes);
+        }
+        copy_x(a.x + t * a.x_row_bytes, remote, my_dst, my_scales);
+      }
+      if constexpr (kTma) {
+        if (lane == 0) {  // the bulk stores are complete before the flags
+          tma_store_wait_all();
+          fence_proxy_async_global();
+          __threadfence_system();
+        }
+      }
+      __syncwarp();  // the chunk's stores of every lane before the flag
+      if (lane < R && lane != me) {
+        store_release_sys(reinterpret_cast<uint64_t*>(lane_peer + L.chunk_flags) +
+                              (static_cast<int64_t>(me) * L.num_chunks + c),
+                          expected);
+      }
+    }
+    if constexpr (kTma) {
+      if (lane == 0) tma_store_wait_all();
+    }
+    return;
+  }
+
+  // ---- receivers ----
+  const int local_experts = experts_per_rank;
+  const int n_tail = (a.C + kTailRows - 1) / kTailRows;
+  const int n_self = L.num_chunks;
+  const int n_remote = L.num_chunks * (R - 1);
+  const int total_rows = info->total_rows;
+  for (;;) {
+    int item = next_item(&info->work[1]);
+    if (item >= local_experts + n_tail + n_self + n_remote) break;
+    if (item < local_experts) {  // alignment padding of one expert: zero rows
+      const int32_t off = __ldcg(reinterpret_cast<const int32_t*>(own + L.seg_off) + item);
+      const int32_t kept = __ldcg(reinterpret_cast<const int32_t*>(own + L.seg_kept) + item);
+      const int64_t end = off + round_up_i64(kept, a.align);
+      for (int64_t row = off + kept; row < end; ++row) {
+        warp_zero(a.rows + row * a.row_bytes, a.row_bytes, lane);
+        for (int i = lane; i < a.num_scales; i += 32) a.scales[row * a.num_scales + i] = 0.f;
+        if (lane == 0) {
+          a.src_index[row] = -1;
+          a.row_weights[row] = 0.f;
+        }
+      }
+      continue;
+    }
+    item -= local_experts;
+    if (item < n_tail) {  // unused tail: handle fields only (rows stay unspecified)
+      const int64_t lo = static_cast<int64_t>(item) * kTailRows;
+      const int64_t r0 = lo > total_rows ? lo : total_rows;
+      const int64_t r1 = lo + kTailRows < a.C ? lo + kTailRows : a.C;
+      for (int64_t row = r0 + lane; row < r1; row += 32) {
+        a.src_index[row] = -1;
+        a.row_weights[row] = 0.f;
+      }
+      continue;
+    }
+    item -= n_tail;
+    int s, c;
+    if (item < n_self) {
+      s = me;
+      c = item;
+    } else {
+      item -= n_self;
+      c = item / (R - 1);
+      const int other = item % (R - 1);
+      s = other < me ? other : other + 1;
+      if (lane == 0) {
+        wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
+                            (static_cast<int64_t>(s) * L.num_chunks + c),
+                        expected, state, kOpDispatch, me, s, info->ordinals[s]);
+        if constexpr (kTma) fence_proxy_async_global();  // bulk loads after the acquire
+      }
+      __syncwarp();
+    }
+    const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
+    const int64_t t1 = t0 + kChunkTokens < T ? t0 + kChunkTokens : T;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t slot = static_cast<int64_t>(s) * T + t;
+      int row;
+      float weight;
+      if (s == me) {
+        int dest;
+        token_slot(a, own, t, lane, &dest, &row, &weight);
+        if (dest != me) row = -1;
+      } else {
+        const int64_t meta = slot * a.K + lane;
+        row = lane < a.K ? __ldcg(reinterpret_cast<const int32_t*>(own + L.meta_rows) + meta) : -1;
+        weight = lane < a.K ? __ldcg(reinterpret_cast<const float*>(own + L.meta_w) + meta) : 0.f;
+      }
+      if (lane < a.K) a.token_rows[slot * a.K + lane] = row;
+      if (row >= 0) {
+        a.row_weights[row] = weight;
+        a.src_index[row] = static_cast<int32_t>(slot);
+      }
+      const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
+      if (kept == 0u) continue;
+      char* my_dst = row >= 0 ? a.rows + static_cast<int64_t>(row) * a.row_bytes : nullptr;
+      float* my_scales =
+          row >= 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;
+      if (s == me) {
+        copy_x(a.x + t * a.x_row_bytes, kept, my_dst, my_scales);
+      } else {
+        copy_raw(own + L.stage_data + slot * L.data_row_bytes, kept, my_dst);
+        if (a.num_scales > 0) {
+          const float* from =
+              reinterpret_cast<const float*>(own + L.stage_scales + slot * L.scale_row_bytes);
+          for (int i0 = 0; i0 < a.num_scales; i0 += 32) {  // uniform trip count (shuffles)
+            const int i = i0 + lane;
+            const float value = i < a.num_scales ? __ldcg(from + i) : 0.f;
+            for (uint32_t m = kept; m != 0u; m &= m - 1u) {
+              const int j = __ffs(m) - 1;
+              float* to = reinterpret_cast<float*>(
+                  __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scales), j));
+              if (i < a.num_scales) to[i] = value;
+            }
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kTma) {
+    if (lane == 0) tma_store_wait_all();
+  }
+}
+
+template <int kConv>
+cudaError_t launch_main(const DispatchLaunch& p, const MainArgs& args, cudaStream_t stream) {
+  if (p.use_tma) {
+    const auto kernel = dispatch_main_kernel<kConv, true>;
+    JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            kTmaSharedBytes));
+    JAX_EP_LAUNCH(kernel, p.num_blocks, kDataThreads, kTmaSharedBytes, stream)(p.state, args);
+  } else {
+    const auto kernel = dispatch_main_kernel<kConv, false>;
+    JAX_EP_LAUNCH(kernel, p.num_blocks, kDataThreads, 0, stream)(p.state, args);
+  }
+  JAX_EP_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
+  const bool fp8 = p.row_kind == kRowFP8;
+  if (p.state == nullptr || p.num_tokens < 0 || p.num_topk < 1 || p.num_topk > kMaxTopk ||
+      p.num_ranks < 1 || p.num_ranks > kMaxGroupRanks || p.num_experts < 1 ||
+      p.num_experts > kMaxExperts || p.num_experts % p.num_ranks != 0 || p.hidden < 8 ||
+      p.hidden % 8 != 0 || (fp8 && p.hidden % 128 != 0) || p.capacity < 1 || p.alignment < 1 ||
+      p.num_blocks < 1 || p.send_warps < 1 || p.send_warps >= kDataWarps || p.axis_slot < 0 ||
+      p.axis_slot >= kDirectoryAxes || (p.x_kind != kRowBF16 && p.x_kind != kRowF32)) {
+    return cudaErrorInvalidValue;
+  }
+  int conversion;
+  if (p.row_kind == p.x_kind) {
+    conversion = kConvCopy;
+  } else if (p.x_kind == kRowF32 && p.row_kind == kRowBF16) {
+    conversion = kConvF32ToBF16;
+  } else if (fp8) {
+    conversion = p.x_kind == kRowBF16 ? kConvBF16ToFP8 : kConvF32ToFP8;
+  } else {
+    return cudaErrorInvalidValue;
+  }
+
+  const int E = p.num_experts;
+  const int spread = std::min(p.num_blocks, E);
+  const int experts_per_block = std::min(kPrepMaxExperts, (E + spread - 1) / spread);
+  const int prep_blocks = (E + experts_per_block - 1) / experts_per_block;
+  JAX_EP_LAUNCH(dispatch_prep_kernel, prep_blocks, kPrepThreads, 0, stream)(
+      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks, experts_per_block,
+      p.is_token_in_rank);
+  JAX_EP_CHECK_LAUNCH();
+
+  JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(
+      p.state, p.layout, p.rank, p.group, p.num_ranks, E, p.capacity, p.alignment, p.axis_slot,
+      p.group_sizes, p.expert_counts, p.num_dropped);
+  JAX_EP_CHECK_LAUNCH();
+
+  JAX_EP_LAUNCH(dispatch_rows_kernel, p.num_blocks, kRowsThreads, 0, stream)(
+      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks);
+  JAX_EP_CHECK_LAUNCH();
+
+  MainArgs args;
+  args.layout = p.layout;
+  args.x = static_cast<const char*>(p.x);
+  args.topk_idx = p.topk_idx;
+  args.topk_weights = p.topk_weights;
+  args.rows = static_cast<char*>(p.rows);
+  args.scales = p.scales;
+  args.row_weights = p.row_weights;
+  args.src_index = p.src_index;
+  args.token_rows = p.token_rows;
+  args.T = p.num_tokens;
+  args.K = p.num_topk;
+  args.E = E;
+  args.C = p.capacity;
+  args.H = p.hidden;
+  args.align = p.alignment;
+  args.x_row_bytes = static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind));
+  args.row_bytes = static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.row_kind));
+  args.num_scales = fp8 ? p.hidden / 128 : 0;
+  args.send_warps = p.send_warps;
+  switch (conversion) {
+    case kConvCopy:
+      return launch_main<kConvCopy>(p, args, stream);
+    case kConvF32ToBF16:
+      return launch_main<kConvF32ToBF16>(p, args, stream);
+    case kConvBF16ToFP8:
+      return launch_main<kConvBF16ToFP8>(p, args, stream);
+    default:
+      return launch_main<kConvF32ToFP8>(p, args, stream);
+  }
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,442 @@
+// Device helpers of the EP data kernels (dispatch.cu, combine.cu): group discovery, ready flags,
+// warp-wide row copies with fused BF16/FP8 conversion.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/ep_layout.h"
+
+namespace jax_ep {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+// Threads of the data kernels: 16 warps, each warp a sender/reducer or a receiver/finaliser.
+constexpr int kDataThreads = 512;
+constexpr int kDataWarps = kDataThreads / 32;
+
+// Bulk (TMA) row copies: every warp owns one shared-memory staging buffer and one mbarrier at the
+// start of the kernel's dynamic shared memory: [kDataWarps mbarriers][kDataWarps x kTmaBufferBytes].
+constexpr int kTmaBufferBytes = 13312;  // 13 KiB per warp: a 7168-wide bf16 row in two pieces
+constexpr int kTmaBarrierBytes = 128;   // kDataWarps mbarriers of 8 bytes, padded to 128
+constexpr int kTmaSharedBytes = kTmaBarrierBytes + kDataWarps * kTmaBufferBytes;
+
+#ifndef JAX_EP_EMULATION
+__device__ __forceinline__ uint32_t lanemask_lt() {
+  uint32_t mask;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+  return mask;
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)),
+               "r"(count)
+               : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Bulk copy global -> shared (async proxy), completing `bytes` on the barrier.
+__device__ __forceinline__ void tma_load(void* shared_dst, const void* global_src, uint32_t bytes,
+                                         uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   shared_address(barrier)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(shared_address(shared_dst)),
+      "l"(global_src), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(shared_address(barrier)),
+      "r"(parity)
+      : "memory");
+}
+
+// Bulk copy shared -> global (async proxy; the destination may be a peer GPU's memory).
+__device__ __forceinline__ void tma_store(void* global_dst, const void* shared_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(global_dst),
+               "r"(shared_address(shared_src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// The shared source of every committed bulk store has been read (the buffer may be refilled).
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// Every committed bulk store has completed (its writes are performed).
+__device__ __forceinline__ void tma_store_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+// Orders this thread's generic-proxy and async-proxy accesses to global memory.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+#endif  // JAX_EP_EMULATION
+
+// Per-warp TMA state (meaningful in lane 0, which issues every bulk operation).
+struct TmaWarp {
+  char* buffer;
+  uint64_t* barrier;
+  uint32_t parity;
+};
+
+// Sets up this warp's buffer and mbarrier (every lane calls it).
+__device__ __forceinline__ TmaWarp tma_warp_setup(char* dynamic_shared, int warp, int lane) {
+  TmaWarp tma;
+  tma.barrier = reinterpret_cast<uint64_t*>(dynamic_shared) + warp;
+  tma.buffer = dynamic_shared + kTmaBarrierBytes + warp * kTmaBufferBytes;
+  tma.parity = 0;
+  if (lane == 0) mbarrier_init(tma.barrier, 1);
+  __syncwarp();
+  return tma;
+}
+
+// Copies `bytes` (a multiple of 16, 16-byte aligned) from src to every destination of dst_mask
+// (lane j holds destination j), through the warp's shared buffer: a bulk load per piece, then one
+// bulk store per destination. Lane 0 issues everything; the stores stay in flight (call
+// tma_store_wait_all before the data must be visible, and before the kernel exits).
+__device__ __forceinline__ void warp_copy_tma(TmaWarp& tma, const char* src, int64_t bytes,
+                                              uint32_t dst_mask, char* my_dst, int lane) {
+  for (int64_t offset = 0; offset < bytes; offset += kTmaBufferBytes) {
+    const uint32_t piece =
+        static_cast<uint32_t>(bytes - offset < kTmaBufferBytes ? bytes - offset : kTmaBufferBytes);
+    if (lane == 0) {
+      tma_store_wait_read();  // the previous piece's stores no longer read the buffer
+      tma_load(tma.buffer, src + offset, piece, tma.barrier);
+      mbarrier_wait(tma.barrier, tma.parity);
+      tma.parity ^= 1u;
+    }
+    for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
+      const int j = __ffs(m) - 1;
+      char* to = reinterpret_cast<char*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+      if (lane == 0) tma_store(to + offset, tma.buffer, piece);
+    }
+    if (lane == 0) tma_store_commit();
+  }
+}
+
+__device__ __forceinline__ char* comm_buffer_of(DeviceState* state, int ordinal) {
+  return reinterpret_cast<char*>(state->tables.comm_buffers[ordinal]);
+}
+
+__device__ __forceinline__ char* own_comm_buffer(DeviceState* state) {
+  return comm_buffer_of(state, state->tables.device_ordinal);
+}
+
+#ifndef JAX_EP_EMULATION
+// Relaxed (strong, system-scope) load: polling with it keeps the SM's L1 intact, whereas every
+// acquire load also invalidates L1, which slows down every other warp of the SM while one spins.
+__device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+// With a preceding relaxed load that observed a release store: an acquire pattern.
+__device__ __forceinline__ void fence_acquire_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+__device__ __forceinline__ void backoff_sleep(uint32_t ns) { __nanosleep(ns); }
+#endif
+
+// Spins until *flag == expected (a peer's release store), polling with relaxed loads and a short
+// exponential back-off, then acquires. Bounded: records a timeout naming the op and the rank
+// waited for, then traps. Flags carry (epoch << 16) | group key, so a value left by an earlier
+// call, or by a call of another group, never matches.
+static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64_t expected,
+                                                    DeviceState* state, int32_t op_id,
+                                                    int32_t rank, int32_t waited_rank,
+                                                    int32_t waited_ordinal) {
+  uint64_t observed = load_relaxed_sys(flag);
+  if (observed != expected) {
+    const uint64_t start = global_timer_ns();
+    const uint64_t timeout_ns = state->tables.timeout_ns;
+    uint32_t sleep_ns = 32;
+    while (observed != expected) {
+      backoff_sleep(sleep_ns);
+      if (sleep_ns < 256) sleep_ns *= 2;
+      const uint64_t elapsed = global_timer_ns() - start;
+      if (elapsed > timeout_ns) {
+        record_fault_and_trap(state, kFaultTimeout, op_id, rank, waited_rank, waited_ordinal,
+                              expected >> 16, observed >> 16, static_cast<int64_t>(elapsed));
+      }
+      observed = load_relaxed_sys(flag);
+    }
+  }
+  fence_acquire_sys();
+}
+
+// Group discovery, run by ONE block (every thread calls it; blockDim.x >= kMaxDevices).
+//
+// The op knows its rank and group only as device scalars (lax.axis_index), so the rank -> device
+// table is built on the device: this device bumps its epoch of (axis slot, group), publishes
+// {epoch, its ordinal} into directory[slot][group][rank] of EVERY managed device, and waits until
+// its own directory shows the current epoch for all R ranks of its group. Afterwards every peer of
+// the group has entered this call, i.e. finished all earlier calls (stream order), so its buffers
+// may be overwritten. Fills info (shared memory): rank, size, group, ordinals, expected.
+__device__ __forceinline__ void discover_group(DeviceState* state, const int32_t* rank_ptr,
+                                               const int32_t* group_ptr, int32_t group_size,
+                                               int32_t axis_slot, int32_t op_id,
+                                               uint64_t needed_bytes, OpInfo* info) {
+  if (threadIdx.x == 0) {
+    const int32_t rank = *rank_ptr;
+    const int32_t group = *group_ptr;
+    if (rank < 0 || rank >= group_size || group < 0 || group >= kMaxGroups || axis_slot < 0 ||
+        axis_slot >= kDirectoryAxes || group_size < 1 || group_size > kMaxGroupRanks) {
+      record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
+                            static_cast<uint64_t>(group_size), static_cast<uint64_t>(group), 0);
+    }
+    require_comm_bytes(state, needed_bytes, op_id, rank);
+    const uint64_t epoch = state->sync.group_epoch[axis_slot][group] + 1;
+    state->sync.group_epoch[axis_slot][group] = epoch;
+    info->expected = (epoch << 16) | static_cast<uint64_t>(axis_slot * kMaxGroups + group);
+    info->rank = rank;
+    info->size = group_size;
+    info->group = group;
+  }
+  __syncthreads();
+  const uint64_t epoch = info->expected >> 16;
+  const int group = info->group;
+  const int rank = info->rank;
+  const uint64_t entry = (epoch << 16) | static_cast<uint64_t>(state->tables.device_ordinal);
+  for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
+    DeviceState* device = state->tables.peer_states[o];
+    if (device != nullptr) {
+      store_release_sys(&device->sync.directory[axis_slot][group][rank], entry);
+    }
+  }
+  if (static_cast<int>(threadIdx.x) < group_size) {
+    const int peer = static_cast<int>(threadIdx.x);
+    const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
+    uint64_t seen = load_acquire_sys(slot);
+    if ((seen >> 16) < epoch) {
+      const uint64_t start = global_timer_ns();
+      const uint64_t timeout_ns = state->tables.timeout_ns;
+      while ((seen >> 16) < epoch) {
+        const uint64_t elapsed = global_timer_ns() - start;
+        if (elapsed > timeout_ns) {
+          record_fault_and_trap(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
+                                static_cast<int64_t>(elapsed));
+        }
+        seen = load_acquire_sys(slot);
+      }
+    }
+    info->ordinals[peer] = static_cast<int32_t>(seen & 0xFFFF);
+  }
+  __syncthreads();
+}
+
+// Writes the shared OpInfo of discover_group to the local region of the buffer for the op's later
+// kernels, with zeroed work counters. One thread.
+__device__ __forceinline__ void publish_op_info(DeviceState* state, const CommLayout& layout,
+                                                const OpInfo& info, int32_t total_rows) {
+  OpInfo* out = reinterpret_cast<OpInfo*>(own_comm_buffer(state) + layout.op_info);
+  out->expected = info.expected;
+  out->rank = info.rank;
+  out->size = info.size;
+  out->group = info.group;
+  out->total_rows = total_rows;
+  for (int i = 0; i < 4; ++i) out->work[i] = 0;
+  for (int r = 0; r < kMaxGroupRanks; ++r) out->ordinals[r] = r < info.size ? info.ordinals[r] : -1;
+}
+
+// Next work item of a warp from a dynamic counter (lane 0 takes it, the warp shares it).
+__device__ __forceinline__ int next_item(uint32_t* counter) {
+  int item = 0;
+  if ((threadIdx.x & 31) == 0) item = static_cast<int>(atomicAdd(counter, 1u));
+  return __shfl_sync(kFullMask, item, 0);
+}
+
+// Sanitised expert of slot `lane` of a token (lanes >= K: none): an id outside [0, E) or repeating
+// an expert of an earlier slot is unused (-1). Every lane of the warp must call it.
+__device__ __forceinline__ int32_t sanitized_expert(const int32_t* topk_row, int K, int E,
+                                                    int lane) {
+  const int32_t raw = lane < K ? __ldg(topk_row + lane) : -1;
+  const bool valid = lane < K && raw >= 0 && raw < E;
+  const int32_t key = valid ? raw : -1 - lane;  // distinct for every invalid lane
+  const uint32_t same = __match_any_sync(kFullMask, key);
+  const bool repeat = valid && (same & lanemask_lt()) != 0u;
+  return (valid && !repeat) ? raw : -1;
+}
+
+// ---- row copies -----------------------------------------------------------------------------
+// A warp copies one source row to up to 32 destinations: for every set bit j of dst_mask, lane j
+// holds destination j's pointer (lanes name ranks or top-k slots). Each lane issues U 16-byte
+// loads before the first store.
+
+template <int U>
+__device__ __forceinline__ void warp_copy_raw(const char* src, int64_t bytes, uint32_t dst_mask,
+                                              char* my_dst, int lane) {
+  const uint4* from = reinterpret_cast<const uint4*>(src);
+  const int64_t vectors = bytes / 16;
+  for (int64_t base = 0; base < vectors; base += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < vectors) v[u] = __ldcg(from + i);
+    }
+    for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
+      const int j = __ffs(m) - 1;
+      uint4* to = reinterpret_cast<uint4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < vectors) to[i] = v[u];
+      }
+    }
+  }
+}
+
+// Zeroes `bytes` (a multiple of 16) at dst, lane-strided.
+__device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
+  uint4* to = reinterpret_cast<uint4*>(dst);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int64_t i = lane; i < bytes / 16; i += 32) to[i] = zero;
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float f[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half)
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float f[8]) {
+  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                    pack_bf16x2(f[6], f[7]));
+}
+
+// 8 consecutive elements starting at element e0 of a bf16 or f32 row, as floats.
+template <bool kF32>
+__device__ __forceinline__ void load8(const char* row, int64_t e0, float f[8]) {
+  if constexpr (kF32) {
+    const float4* p = reinterpret_cast<const float4*>(row + e0 * 4);
+    const float4 a = __ldcg(p);
+    const float4 b = __ldcg(p + 1);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  } else {
+    unpack_bf16x8(__ldcg(reinterpret_cast<const uint4*>(row + e0 * 2)), f);
+  }
+}
+
+template <bool kF32>
+__device__ __forceinline__ void store8(char* row, int64_t e0, const float f[8]) {
+  if constexpr (kF32) {
+    float4* p = reinterpret_cast<float4*>(row + e0 * 4);
+    p[0] = make_float4(f[0], f[1], f[2], f[3]);
+    p[1] = make_float4(f[4], f[5], f[6], f[7]);
+  } else {
+    *reinterpret_cast<uint4*>(row + e0 * 2) = pack_bf16x8(f);
+  }
+}
+
+// FP8 e4m3 of 8 floats (round to nearest even, saturating), byte i = element i.
+__device__ __forceinline__ uint2 pack_fp8x8(const float f[8]) {
+  uint32_t w[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __nv_fp8x2_storage_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(f[4 * h], f[4 * h + 1]), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(f[4 * h + 2], f[4 * h + 3]), __NV_SATFINITE, __NV_E4M3);
+    w[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Copies one token row of x (bf16 or f32, H elements) to the destinations, converting it to the
+// wire/row format: kOut = kRowBF16 (round to nearest even) or kRowFP8 (per 128 channels:
+// amax = max(max|x|, 1e-4), q = e4m3(x * (448 / amax)), scale = amax / 448; bit-exact with
+// jax_ep.reference.quantize_fp8). Lane j holds destination j's row (my_dst) and, for FP8, its
+// scales (my_scales). Each lane handles 8 consecutive elements per step of 256; for FP8 a
+// half-warp covers one 128-channel block (H % 128 == 0), so the amax reduction stays inside it.
+template <bool kXF32, int kOut, int U>
+__device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint32_t dst_mask,
+                                                  char* my_dst, float* my_scales, int lane) {
+  static_assert(kOut == kRowBF16 || kOut == kRowFP8, "converting copy writes bf16 or fp8");
+  const int steps = (H + 255) / 256;
+  for (int s0 = 0; s0 < steps; s0 += U) {
+    float f[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e0 = (s0 + u) * 256 + lane * 8;
+      if (e0 < H) {
+        load8<kXF32>(x_row, e0, f[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[u][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e0 = (s0 + u) * 256 + lane * 8;
+      const bool in = e0 < H;
+      if constexpr (kOut == kRowFP8) {
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[u][i]));
+#pragma unroll
+        for (int offset = 8; offset >= 1; offset >>= 1) {
+          amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+        }
+        amax = fmaxf(amax, 1e-4f);
+        const float inv_scale = __fdiv_rn(448.0f, amax);
+        const float scale = __fdiv_rn(amax, 448.0f);
+        float q[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = __fmul_rn(f[u][i], inv_scale);
+        const uint2 packed = pack_fp8x8(q);
+        for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
+          const int j = __ffs(m) - 1;
+          char* to = reinterpret_cast<char*>(
+              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+          float* scales = reinterpret_cast<float*>(
+              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scales), j));
+          if (in) {
+            *reinterpret_cast<uint2*>(to + e0) = packed;
+            if ((lane & 15) == 0) scales[e0 / 128] = scale;
+          }
+        }
+      } else {
+        const uint4 packed = pack_bf16x8(f[u]);
+        for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
+          const int j = __ffs(m) - 1;
+          char* to = reinterpret_cast<char*>(
+              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+          if (in) *reinterpret_cast<uint4*>(to + static_cast<int64_t>(e0) * 2) = packed;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace jax_ep

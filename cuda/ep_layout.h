@@ -1,0 +1,112 @@
+// Layout of the communication buffer used by the EP ops (dispatch, combine, broadcast,
+// slot_values), shared by the host (sizing, launch) and the kernels. Plain C++.
+//
+// Every rank of a group computes the same layout from the same static shapes, so a rank can write
+// into a region of a peer's buffer at the offset it computes for its own. Regions marked "local"
+// are touched by the owning device only; the others are written by peers (NVLink stores).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/device_state.h"
+
+#ifndef JAX_EP_HOST_DEVICE
+#ifdef __CUDACC__
+#define JAX_EP_HOST_DEVICE __host__ __device__
+#else
+#define JAX_EP_HOST_DEVICE
+#endif
+#endif
+
+namespace jax_ep {
+
+// Tokens per chunk: the unit of work of the data kernels and of the per-chunk ready flags.
+inline constexpr int kChunkTokens = 8;
+// Largest top-k the EP kernels support (a warp holds a token's slots, one per lane).
+inline constexpr int kMaxTopk = 32;
+// Largest number of experts (the notify kernel keeps a count per expert in shared memory).
+inline constexpr int kMaxExperts = 8192;
+
+// Element kinds of rows (attribute values shared by handlers and kernels).
+enum RowKind : int32_t { kRowBF16 = 0, kRowF32 = 1, kRowFP8 = 2 };
+
+// Per-call bookkeeping in the local region of the buffer, written by the op's first kernel after
+// group discovery and read by its later kernels (stream order makes it visible).
+struct OpInfo {
+  uint64_t expected;     // value of every ready flag of this call: (epoch << 16) | group key
+  int32_t rank;          // this device's rank in the group
+  int32_t size;          // R
+  int32_t group;         // group id (0 on a 1-D mesh)
+  int32_t total_rows;    // dispatch: sum of group_sizes on this rank
+  uint32_t work[4];      // dynamic work counters of the data kernel (zeroed by the first kernel)
+  int32_t ordinals[kMaxGroupRanks];  // device ordinal of each rank
+};
+
+struct CommLayout {
+  // byte offsets from the start of a communication buffer
+  uint64_t op_info;       // local: OpInfo
+  uint64_t count_flags;   // uint64 [kMaxGroupRanks]: "counts of rank s are written" (dispatch)
+  uint64_t chunk_flags;   // uint64 [R][num_chunks]: "chunk c from/for rank s is written"
+  uint64_t counts;        // int32 [R][E]: tokens of rank s per expert (dispatch)
+  uint64_t slot_rank;     // local int32 [T][K]: rank of (token, slot) among this rank's tokens of
+                          //   its expert; then (rows kernel) its receive row, -1 / -2 (dispatch)
+  uint64_t slot_dest;     // local int32 [T][K]: destination rank of (token, slot), -1 unused
+  uint64_t counts_local;  // local int32 [E]: this rank's tokens per expert (dispatch)
+  uint64_t base_row;      // local int32 [E]: receive row of this rank's rank-0 token of expert e
+  uint64_t limit;         // local int32 [E]: a slot of expert e is kept iff slot_rank < limit[e]
+  uint64_t seg_off;       // local int32 [E_local]: first row of each local expert
+  uint64_t seg_kept;      // local int32 [E_local]: rows kept per local expert
+  uint64_t meta_rows;     // int32 [R][T][K]: receive row of (source s, token, slot) (dispatch);
+  uint64_t meta_w;        // float [R][T][K]: gate weights (dispatch) / slot values (slot_values)
+  uint64_t stage_scales;  // float [R][T][scale_row_bytes / 4]: FP8 scales (dispatch)
+  uint64_t stage_data;    // [R][T][data_row_bytes]: token rows (dispatch, broadcast) or partial
+                          //   sums (combine), block s written by rank s (combine: for rank s)
+  uint64_t total;         // bytes of the buffer this layout needs
+  uint64_t data_row_bytes;
+  uint64_t scale_row_bytes;
+  int32_t num_chunks;     // ceil(T / kChunkTokens)
+  int32_t reserved;
+};
+
+JAX_EP_HOST_DEVICE inline uint64_t align_up_u64(uint64_t value, uint64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// num_ranks R, num_tokens T (per rank), num_topk K, num_experts E (global); data_row_bytes: bytes
+// of one staged row (a multiple of 16); scale_row_bytes: FP8 scale bytes per row (0 without FP8).
+JAX_EP_HOST_DEVICE inline CommLayout make_comm_layout(int64_t num_ranks, int64_t num_tokens,
+                                                      int64_t num_topk, int64_t num_experts,
+                                                      uint64_t data_row_bytes,
+                                                      uint64_t scale_row_bytes) {
+  const uint64_t R = static_cast<uint64_t>(num_ranks);
+  const uint64_t T = static_cast<uint64_t>(num_tokens);
+  const uint64_t K = static_cast<uint64_t>(num_topk);
+  const uint64_t E = static_cast<uint64_t>(num_experts);
+  const uint64_t local_experts = num_ranks > 0 ? E / R : 0;
+  CommLayout layout{};
+  layout.num_chunks = static_cast<int32_t>((T + kChunkTokens - 1) / kChunkTokens);
+  layout.data_row_bytes = align_up_u64(data_row_bytes, 16);
+  layout.scale_row_bytes = scale_row_bytes;
+  uint64_t at = 0;
+  const uint64_t kAlign = 256;
+  layout.op_info = at;       at = align_up_u64(at + sizeof(OpInfo), kAlign);
+  layout.count_flags = at;   at = align_up_u64(at + kMaxGroupRanks * sizeof(uint64_t), kAlign);
+  layout.chunk_flags = at;
+  at = align_up_u64(at + R * static_cast<uint64_t>(layout.num_chunks) * sizeof(uint64_t), kAlign);
+  layout.counts = at;        at = align_up_u64(at + R * E * 4, kAlign);
+  layout.slot_rank = at;     at = align_up_u64(at + T * K * 4, kAlign);
+  layout.slot_dest = at;     at = align_up_u64(at + T * K * 4, kAlign);
+  layout.counts_local = at;  at = align_up_u64(at + E * 4, kAlign);
+  layout.base_row = at;      at = align_up_u64(at + E * 4, kAlign);
+  layout.limit = at;         at = align_up_u64(at + E * 4, kAlign);
+  layout.seg_off = at;       at = align_up_u64(at + local_experts * 4, kAlign);
+  layout.seg_kept = at;      at = align_up_u64(at + local_experts * 4, kAlign);
+  layout.meta_rows = at;     at = align_up_u64(at + R * T * K * 4, kAlign);
+  layout.meta_w = at;        at = align_up_u64(at + R * T * K * 4, kAlign);
+  layout.stage_scales = at;  at = align_up_u64(at + R * T * scale_row_bytes, kAlign);
+  layout.stage_data = at;    at = align_up_u64(at + R * T * layout.data_row_bytes, kAlign);
+  layout.total = at;
+  return layout;
+}
+
+}  // namespace jax_ep

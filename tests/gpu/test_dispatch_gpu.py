@@ -1,0 +1,402 @@
+"""The throughput dispatch / combine kernels (backend='cuda') against the reference path on 2 GPUs.
+
+Bit-exact: dispatched rows (first sum(group_sizes) rows), FP8 scales, group_sizes, expert_counts,
+row_weights, num_dropped and every handle field. Combine: within bf16 rounding (same summation
+order; XLA may contract the reference's multiply-adds differently). FP8: the same bits as an
+IEEE float32 NumPy quantisation. Gradients through dispatch -> ragged_dot -> combine, the Flax MoE
+layer's training step, a 20-step lax.scan captured as CUDA graphs, and a rank that skips the call
+(a timeout naming the op and the rank). Device memory is poisoned before each call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from gpu_helpers import GRAPH_OPTIONS, assert_captured, handler_stats, poison_device_memory
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+
+pytestmark = pytest.mark.gpu
+
+AXIS = "ep"
+R = 2
+
+
+@pytest.fixture(scope="module")
+def mesh(gpus):
+    if len(gpus) < R:
+        pytest.skip(f"needs {R} GPUs, have {len(gpus)}")
+    return Mesh(np.array(gpus[:R]), (AXIS,))
+
+
+def routing(rng, kind: str, n: int, topk: int, experts: int) -> np.ndarray:
+    if kind == "distinct":
+        return np.argsort(rng.random((n, experts)), axis=1)[:, :topk].astype(np.int32)
+    if kind == "messy":  # -1 / out-of-range slots and repeated experts
+        idx = rng.integers(0, experts, (n, topk))
+        idx = np.where(rng.random((n, topk)) < 0.2, rng.choice([-1, -3, experts], (n, topk)), idx)
+        if topk > 1:
+            repeat = rng.random((n, topk)) < 0.15
+            idx = np.where(repeat, np.take_along_axis(idx, rng.integers(0, topk, (n, topk)), 1), idx)
+        return idx.astype(np.int32)
+    if kind == "skewed":  # half of the tokens pick expert 0 first
+        idx = np.argsort(rng.random((n, experts)), axis=1)[:, :topk].astype(np.int32)
+        hot = rng.random(n) < 0.5
+        idx = np.where(hot[:, None] & (idx == 0), experts - 1, idx)
+        idx[:, 0] = np.where(hot, 0, idx[:, 0])
+        return idx.astype(np.int32)
+    raise ValueError(kind)
+
+
+def inputs(rng, tokens, hidden, topk, experts, kind, x_dtype=jnp.bfloat16):
+    n = R * tokens
+    x = (rng.standard_normal((n, hidden)) * 2).astype(np.float32).astype(x_dtype)
+    return x, routing(rng, kind, n, topk, experts), rng.random((n, topk)).astype(np.float32)
+
+
+def _cfg(backend, **kw):
+    return jax_ep.EPConfig(axis_name=AXIS, backend=backend, **kw)
+
+
+@functools.cache
+def dispatch_combine_fn(mesh, cfg):
+    """(x, idx, w, y) -> (Dispatched with a leading rank axis, combine(y) [R*T, H])."""
+
+    def body(x, idx, w, y):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        out = jax_ep.combine(y, d.handle, cfg)
+        return jax.tree.map(lambda a: a[None], d), out
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def put(mesh, *arrays):
+    return [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in arrays]
+
+
+def to_np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8).reshape(*a.shape, a.itemsize) if a.dtype != np.bool_ else a
+
+
+def assert_bits_equal(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"{what}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}")
+    diff = bits(got) != bits(want)
+    if diff.ndim > got.ndim:
+        diff = diff.any(-1)
+    if diff.any():
+        first = tuple(int(i) for i in np.argwhere(diff)[0])
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.size} differ; first at {first}: "
+                             f"got {got[first]!r}, want {want[first]!r}")
+
+
+def assert_dispatch_equal(got, want, what):
+    for r in range(R):
+        total = int(want.group_sizes[r].sum())
+        w = f"{what} rank {r}"
+        assert_bits_equal(got.group_sizes[r], want.group_sizes[r], f"{w} group_sizes")
+        assert_bits_equal(got.x[r][:total], want.x[r][:total], f"{w} rows")
+        if want.scales is not None:
+            assert_bits_equal(got.scales[r][:total], want.scales[r][:total], f"{w} scales")
+        for field in ("expert_counts", "row_weights", "num_dropped"):
+            assert_bits_equal(getattr(got, field)[r], getattr(want, field)[r], f"{w} {field}")
+        for field in ("src_index", "token_rows", "is_token_in_rank", "row_weights"):
+            assert_bits_equal(getattr(got.handle, field)[r], getattr(want.handle, field)[r],
+                              f"{w} handle.{field}")
+
+
+def assert_combine_close(got, want, what, steps=1):
+    """Within bf16 rounding: every element within `steps` bf16 steps of its row's largest value."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    scale = np.abs(want).max(axis=1, keepdims=True) + 1e-30
+    err = np.abs(got - want) / scale
+    exact = float(np.mean(got == want))
+    print(f"{what}: {100 * exact:.3f}% bit-exact, max error {err.max():.3g} of the row max")
+    assert err.max() <= steps * 2.0 ** -7, f"{what}: max error {err.max():.3g} of the row max"
+
+
+# (tokens, hidden, topk, experts, routing, extra config)
+CASES = {
+    "h2048_k8": (256, 2048, 8, 64, "distinct", {}),
+    "h4096_k6_messy_align8": (200, 4096, 6, 32, "messy", {"expert_alignment": 8}),
+    "h7168_k8_e256": (512, 7168, 8, 256, "distinct", {}),
+    "h2048_k1": (300, 2048, 1, 16, "distinct", {}),
+    "h2048_k2_skewed_overflow": (256, 2048, 2, 8, "skewed", {"capacity": 192,
+                                                             "expert_alignment": 4}),
+    "f32_x_bf16_rows_k4": (128, 1024, 4, 16, "messy", {"dispatch_dtype": "bfloat16"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dispatch_combine_match_reference(cuda_backend, mesh, case):
+    tokens, hidden, topk, experts, kind, extra = CASES[case]
+    x_dtype = jnp.float32 if case.startswith("f32") else jnp.bfloat16
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, **extra)
+    cuda_fn = dispatch_combine_fn(mesh, _cfg("cuda", **kw))
+    ref_fn = dispatch_combine_fn(mesh, _cfg("reference", **kw))
+    capacity = _cfg("cuda", **kw).resolved_capacity(R)
+    rng = np.random.default_rng(list(CASES).index(case))
+    for call in range(2):  # repeated calls of one compiled function, fresh data
+        x, idx, w = inputs(rng, tokens, hidden, topk, experts, kind, x_dtype)
+        y = rng.standard_normal((R * capacity, hidden)).astype(np.float32).astype(jnp.bfloat16)
+        args = put(mesh, x, idx, w, y)
+        want_d, want_out = to_np(ref_fn(*args))
+        poison_device_memory(mesh.devices.flat, 256 << 20)
+        got_d, got_out = to_np(cuda_fn(*args))
+        assert_dispatch_equal(got_d, want_d, f"{case} call {call}")
+        if "overflow" in case:
+            assert want_d.num_dropped.sum() > 0, "the case should overflow the capacity"
+        assert_combine_close(got_out, want_out, f"{case} call {call} combine")
+
+
+def quantize_fp8_numpy(x: np.ndarray):
+    """jax_ep.reference.quantize_fp8 in IEEE float32 NumPy arithmetic."""
+    xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
+    amax = np.maximum(np.abs(xf).max(axis=2), np.float32(1e-4))
+    q = (xf * (np.float32(448.0) / amax)[:, :, None]).reshape(x.shape)
+    return q.astype(ml_dtypes.float8_e4m3fn), (amax / np.float32(448.0)).astype(np.float32)
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_dispatch_matches_quantisation(cuda_backend, mesh, x_dtype):
+    tokens, hidden, topk, experts = 256, 7168, 8, 256
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+              dispatch_dtype="float8_e4m3fn")
+    cuda_fn = dispatch_combine_fn(mesh, _cfg("cuda", **kw))
+    ref_fn = dispatch_combine_fn(mesh, _cfg("reference", **kw))
+    capacity = _cfg("cuda", **kw).resolved_capacity(R)
+    rng = np.random.default_rng(17)
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy", x_dtype)
+    y = rng.standard_normal((R * capacity, hidden)).astype(np.float32).astype(jnp.bfloat16)
+    args = put(mesh, x, idx, w, y)
+    want_d, _ = to_np(ref_fn(*args))
+    poison_device_memory(mesh.devices.flat, 256 << 20)
+    got_d, _ = to_np(cuda_fn(*args))
+    q_all, s_all = quantize_fp8_numpy(np.asarray(x))
+    for r in range(R):
+        total = int(got_d.group_sizes[r].sum())
+        src = got_d.handle.src_index[r][:total]
+        filled = src >= 0
+        assert_bits_equal(got_d.x[r][:total][filled], q_all[src[filled]], f"rank {r} fp8 rows")
+        assert_bits_equal(got_d.scales[r][:total][filled], s_all[src[filled]], f"rank {r} scales")
+        assert not got_d.x[r][:total][~filled].astype(np.float32).any(), "padding rows not zero"
+        assert not got_d.scales[r][:total][~filled].any(), "padding scales not zero"
+        # the XLA reference on this GPU: same handle; rows equal where XLA divides exactly
+        for field in ("src_index", "token_rows", "row_weights"):
+            assert_bits_equal(getattr(got_d.handle, field)[r], getattr(want_d.handle, field)[r],
+                              f"rank {r} {field}")
+        same = np.mean(bits(got_d.x[r][:total]) == bits(want_d.x[r][:total]))
+        print(f"rank {r}: {100 * same:.4f}% of fp8 bytes equal to the XLA-GPU reference")
+        assert same > 0.999
+
+
+def test_scan_of_20_steps_as_cuda_graphs(cuda_backend, mesh):
+    """20 dispatch + combine calls in one lax.scan, captured into CUDA graphs: every step's outputs
+    equal the reference (epochs advance on the device, buffers are reused each step)."""
+    tokens, hidden, topk, experts, steps = 64, 512, 4, 16, 20
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
+    rng = np.random.default_rng(5)
+    xs, idxs, ws = zip(*[inputs(rng, tokens, hidden, topk, experts,
+                                "messy" if s % 2 else "distinct") for s in range(steps)], strict=True)
+    capacity = _cfg("cuda", **kw).resolved_capacity(R)
+    ys = rng.standard_normal((steps, R * capacity, hidden)).astype(np.float32).astype(jnp.bfloat16)
+    stacked = [np.stack(a) for a in (xs, idxs, ws)] + [ys]
+    args = [jax.device_put(a, NamedSharding(mesh, P(None, AXIS))) for a in stacked]
+
+    def make(backend):
+        cfg = _cfg(backend, **kw)
+
+        def body(x, idx, w, y):
+            def step(carry, xs):
+                d = jax_ep.dispatch(*xs[:3], cfg)
+                return carry, (jax.tree.map(lambda a: a[None], d), jax_ep.combine(xs[3], d.handle, cfg))
+            return lax.scan(step, 0, (x, idx, w, y))[1]
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P(None, AXIS), out_specs=P(None, AXIS))
+
+    options = GRAPH_OPTIONS["graphs"]
+    want_d, want_out = to_np(jax.jit(make("reference"))(*args))
+    compiled = jax.jit(make("cuda"), compiler_options=options).lower(*args).compile()
+    before = handler_stats("jax_ep_dispatch")
+    for run in range(2):  # the second run replays the graphs of the first
+        poison_device_memory(mesh.devices.flat, 128 << 20)
+        got_d, got_out = to_np(compiled(*args))
+        for s in range(steps):
+            pick = lambda t, s=s: jax.tree.map(lambda a: a[s], t)  # noqa: E731
+            assert_dispatch_equal(pick(got_d), pick(want_d), f"run {run} step {s}")
+            assert_combine_close(got_out[s], want_out[s], f"run {run} step {s} combine")
+    assert_captured("jax_ep_dispatch", before, "graphs", options)
+
+
+def test_gradients_match_reference(cuda_backend, mesh):
+    """jax.grad through dispatch -> ragged_dot -> combine: d x (combine without weights), d gate
+    weights (slot_values), d expert weights (broadcast of the output cotangent).
+
+    Tolerances are bf16 rounding, two steps: XLA keeps the reference's bf16 intermediates in
+    float32 where it can (xla_allow_excess_precision, on by default: the ragged_dot output feeding
+    the reference's float32 sums is not rounded to bf16), while the kernels read and write bf16
+    buffers (measured on 2x H200: rows, y, d topk_weights and d expert weights bit-identical; the
+    combine output within two bf16 steps of the row max)."""
+    tokens, hidden, topk, experts = 128, 1024, 4, 16
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
+    rng = np.random.default_rng(9)
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
+    wexp = (rng.standard_normal((experts, hidden, hidden)) / np.sqrt(hidden)).astype(jnp.bfloat16)
+    ct = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
+    args = put(mesh, x, w, wexp, idx, ct)
+
+    def make(backend):
+        cfg = _cfg(backend, **kw)
+
+        def loss(x, w, wexp, idx, ct):
+            d = jax_ep.dispatch(x, idx, w, cfg)
+            y = lax.ragged_dot(d.x, wexp, d.group_sizes)
+            out = jax_ep.combine(y.astype(x.dtype), d.handle, cfg)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+
+        def body(x, w, wexp, idx, ct):
+            (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+                x, w, wexp, idx, ct)
+            return (value[None], out) + grads
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+    want = to_np(make("reference")(*args))
+    poison_device_memory(mesh.devices.flat, 128 << 20)
+    got = to_np(make("cuda")(*args))
+    loss_got, out_got, dx_got, dw_got, dwexp_got = got
+    loss_want, out_want, dx_want, dw_want, dwexp_want = want
+    assert_combine_close(out_got, out_want, "forward combine", steps=2)
+    # the loss within the bf16 rounding of its terms
+    terms = np.abs(np.asarray(out_want, np.float32) * ct).reshape(R, -1).sum(axis=1)
+    err = np.abs(loss_got - loss_want)
+    print(f"loss {loss_got} vs {loss_want}: error {err} (bound {terms * 2.0 ** -7})")
+    assert (err <= terms * 2.0 ** -7).all()
+    for name, g, r in (("d x", dx_got, dx_want), ("d topk_weights", dw_got, dw_want),
+                       ("d expert weights", dwexp_got, dwexp_want)):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.isfinite(g).all(), name
+        rel = np.linalg.norm(g - r) / (np.linalg.norm(r) + 1e-30)
+        print(f"{name}: relative error {rel:.3g}")
+        assert rel < 1e-2, f"{name}: relative error {rel:.3g}"
+
+
+def test_moe_training_step_matches_reference(cuda_backend, mesh):
+    """The Flax MoE layer (float32) trains the same on backend='cuda' as on 'reference'."""
+    import optax
+    from flax import nnx
+
+    from jax_ep.moe import MoE
+
+    hidden, ffn, experts, topk = 64, 96, 8, 2
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8, hidden)), jnp.float32)
+    target = jnp.asarray(np.random.default_rng(1).standard_normal((16, 8, hidden)), jnp.float32)
+    losses = {}
+    for backend in ("reference", "cuda"):
+        layer = MoE(hidden, ffn, experts, topk, rngs=nnx.Rngs(0), mesh=mesh, backend=backend)
+        optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(layer, optimizer):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(layer)
+            optimizer.update(layer, grads)
+            return loss
+
+        losses[backend] = [float(step(layer, optimizer)) for _ in range(3)]
+    print("losses", losses)
+    np.testing.assert_allclose(losses["cuda"], losses["reference"], rtol=1e-4)
+    assert losses["cuda"][-1] < losses["cuda"][0]
+
+
+def test_unsupported_dtype_is_a_clear_error(cuda_backend, mesh):
+    cfg = _cfg("cuda", num_experts=8, num_topk=2, hidden=64, max_tokens_per_rank=8)
+    fn = jax.jit(jax.shard_map(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg).x, mesh=mesh,
+                               in_specs=P(AXIS), out_specs=P(AXIS)))
+    with pytest.raises(ValueError, match="float16.*backend='reference'"):
+        fn.lower(jnp.zeros((16, 64), jnp.float16), jnp.zeros((16, 2), jnp.int32),
+                 jnp.zeros((16, 2), jnp.float32))
+
+
+_TIMEOUT_CHILD = textwrap.dedent("""
+    import json, os, time
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    import jax_ep
+    from jax_ep import runtime
+
+    gpus = jax.local_devices(backend="gpu")[:2]
+    mesh = Mesh(np.array(gpus), ("ep",))
+    cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=32,
+                          backend="cuda")
+
+    def body(x, idx, w):
+        run = lambda: jax_ep.dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
+        skip = lambda: x.astype(jnp.float32).sum() * 0
+        # rank 1 skips the call: rank 0 waits for it (group discovery) until the timeout
+        return lax.cond(lax.axis_index("ep") == 0, run, skip)[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    x = jnp.ones((64, 256), jnp.bfloat16)
+    idx = jnp.tile(jnp.array([[0, 5]], jnp.int32), (64, 1))
+    w = jnp.ones((64, 2), jnp.float32)
+    start = time.time()
+    try:
+        jax.block_until_ready(fn(x, idx, w))
+        print("CALL_RETURNED", flush=True)
+    except Exception as e:
+        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        faults = runtime.faults()
+        if faults:
+            print("FAULTS=" + json.dumps(faults), flush=True)
+            print("SECONDS=%.2f" % (time.time() - start), flush=True)
+            try:
+                runtime.check_errors()
+            except runtime.DeviceFaultError as e:
+                print("CHECK_ERRORS=" + str(e), flush=True)
+            os._exit(0)
+        time.sleep(0.01)
+    print("NO_FAULT", flush=True)
+    os._exit(3)
+""")
+
+
+def test_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh):
+    env = dict(os.environ, JAX_EP_TIMEOUT_S="2", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    child = subprocess.run([sys.executable, "-c", _TIMEOUT_CHILD], env=env, capture_output=True,
+                           text=True, timeout=300)
+    output = child.stdout + child.stderr
+    lines = [line for line in child.stdout.splitlines() if line.startswith("FAULTS=")]
+    assert lines, f"child recorded no fault (rc={child.returncode}):\n{output[-4000:]}"
+    faults = json.loads(lines[0][len("FAULTS="):])
+    assert len(faults) == 1, faults
+    fault = faults[0]
+    assert fault["kind"] == "timeout" and fault["op"] == "dispatch", fault
+    assert fault["device_ordinal"] == mesh.devices.flat[0].local_hardware_id, fault
+    assert (fault["rank"], fault["waited_rank"]) == (0, 1), fault
+    assert 2.0 <= fault["elapsed_s"] < 30, fault
+    assert "CHECK_ERRORS=" in child.stdout and "dispatch" in child.stdout, output[-4000:]
+    assert "waiting for rank 1" in child.stdout, output[-4000:]

@@ -1,0 +1,231 @@
+// Runs jax_ep's dispatch / combine / broadcast / slot_values kernels on the CPU emulation
+// (emu_cuda.h): one process per rank, device memory shared between them. Inputs and outputs are
+// raw little-endian files in <dir> (written/read by run.py, which compares with
+// jax_ep.reference).
+//
+//   driver <dir> R T H K E C align x_kind row_kind y_kind num_blocks send_warps reps
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/combine.h"
+#include "cuda/dispatch.h"
+#include "cuda/ep_layout.h"
+
+using namespace jax_ep;
+
+namespace {
+
+std::string dir;
+
+std::vector<char> read_file(const std::string& name, size_t bytes) {
+  std::vector<char> data(bytes + 16);
+  FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
+  if (f == nullptr) {
+    std::fprintf(stderr, "missing %s\n", name.c_str());
+    std::exit(2);
+  }
+  if (std::fread(data.data(), 1, bytes, f) != bytes) {
+    std::fprintf(stderr, "short %s\n", name.c_str());
+    std::exit(2);
+  }
+  std::fclose(f);
+  return data;
+}
+
+void write_file(const std::string& name, const void* data, size_t bytes) {
+  FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
+  std::fwrite(data, 1, bytes, f);
+  std::fclose(f);
+}
+
+std::vector<char> poisoned(size_t bytes) { return std::vector<char>(bytes + 16, char(0xA5)); }
+
+int kind_bytes(int kind) { return kind == kRowF32 ? 4 : kind == kRowBF16 ? 2 : 1; }
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "%s failed: %d\n", what, status);
+    std::exit(3);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool use_tma = std::getenv("JAX_EP_TMA") == nullptr || std::getenv("JAX_EP_TMA")[0] != '0';
+  if (argc != 15) {
+    std::fprintf(stderr, "usage: driver dir R T H K E C align x_kind row_kind y_kind blocks "
+                         "send_warps reps\n");
+    return 1;
+  }
+  dir = argv[1];
+  const int R = std::atoi(argv[2]), T = std::atoi(argv[3]), H = std::atoi(argv[4]),
+            K = std::atoi(argv[5]), E = std::atoi(argv[6]), C = std::atoi(argv[7]),
+            align = std::atoi(argv[8]), x_kind = std::atoi(argv[9]),
+            row_kind = std::atoi(argv[10]), y_kind = std::atoi(argv[11]),
+            blocks = std::atoi(argv[12]), send_warps = std::atoi(argv[13]),
+            reps = std::atoi(argv[14]);
+  const bool fp8 = row_kind == kRowFP8;
+  const int num_scales = fp8 ? H / 128 : 0;
+  const CommLayout dispatch_layout =
+      make_comm_layout(R, T, K, E, dispatch_row_bytes(H, row_kind), num_scales * 4);
+  const CommLayout data_layout =
+      make_comm_layout(R, T, K, 0, static_cast<uint64_t>(H) * kind_bytes(y_kind), 0);
+  const CommLayout values_layout = make_comm_layout(R, T, K, 0, 0, 0);
+  const uint64_t buffer_bytes =
+      align_up_u64(std::max(dispatch_layout.total, data_layout.total), 4096);
+
+  // "device memory" of every rank, shared by the rank processes at the same address
+  const size_t state_bytes = align_up_u64(sizeof(DeviceState), 4096);
+  const size_t total = R * (state_bytes + buffer_bytes) + 4096;
+  char* shared = static_cast<char*>(
+      mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  if (shared == MAP_FAILED) return 4;
+  std::memset(shared, 0, total);
+  FaultRecord* faults = reinterpret_cast<FaultRecord*>(shared + total - 4096);
+  std::vector<DeviceState*> states(R);
+  std::vector<uint8_t*> buffers(R);
+  for (int r = 0; r < R; ++r) {
+    states[r] = reinterpret_cast<DeviceState*>(shared + r * state_bytes);
+    buffers[r] = reinterpret_cast<uint8_t*>(shared + R * state_bytes + r * buffer_bytes);
+    std::memset(buffers[r], 0x5A, buffer_bytes);  // garbage, like reused device memory
+  }
+  for (int r = 0; r < R; ++r) {
+    DeviceTables& t = states[r]->tables;
+    for (int p = 0; p < R; ++p) {
+      t.comm_buffers[p] = buffers[p];
+      t.peer_states[p] = states[p];
+    }
+    t.comm_bytes = buffer_bytes;
+    t.timeout_ns = 300ull * 1000000000ull;
+    t.fault_record = &faults[r];
+    t.device_ordinal = r;
+  }
+
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < R; ++rank) {
+    const pid_t pid = fork();
+    if (pid != 0) {
+      children.push_back(pid);
+      continue;
+    }
+    const std::string s = std::to_string(rank);
+    const int32_t rank_value = rank, group_value = 0;
+    auto x = read_file("x" + s + ".bin", size_t(T) * H * kind_bytes(x_kind));
+    auto idx = read_file("idx" + s + ".bin", size_t(T) * K * 4);
+    auto w = read_file("w" + s + ".bin", size_t(T) * K * 4);
+    auto y = read_file("y" + s + ".bin", size_t(C) * H * kind_bytes(y_kind));
+    auto g = read_file("g" + s + ".bin", size_t(T) * H * kind_bytes(y_kind));
+    auto v = read_file("v" + s + ".bin", size_t(C) * 4);
+    for (int rep = 0; rep < reps; ++rep) {
+      const std::string tag = s + "_" + std::to_string(rep);
+      auto rows = poisoned(size_t(C) * H * kind_bytes(row_kind));
+      auto scales = poisoned(size_t(C) * std::max(num_scales, 1) * 4);
+      auto group_sizes = poisoned(size_t(E / R) * 4);
+      auto expert_counts = poisoned(size_t(E / R) * 4);
+      auto row_weights = poisoned(size_t(C) * 4);
+      auto num_dropped = poisoned(4);
+      auto src_index = poisoned(size_t(C) * 4);
+      auto token_rows = poisoned(size_t(R) * T * K * 4);
+      auto in_rank = poisoned(size_t(T) * R);
+      DispatchLaunch d{};
+      d.state = states[rank];
+      d.layout = dispatch_layout;
+      d.x = x.data();
+      d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
+      d.topk_weights = reinterpret_cast<const float*>(w.data());
+      d.rank = &rank_value;
+      d.group = &group_value;
+      d.rows = rows.data();
+      d.scales = fp8 ? reinterpret_cast<float*>(scales.data()) : nullptr;
+      d.group_sizes = reinterpret_cast<int32_t*>(group_sizes.data());
+      d.expert_counts = reinterpret_cast<int32_t*>(expert_counts.data());
+      d.row_weights = reinterpret_cast<float*>(row_weights.data());
+      d.num_dropped = reinterpret_cast<int32_t*>(num_dropped.data());
+      d.src_index = reinterpret_cast<int32_t*>(src_index.data());
+      d.token_rows = reinterpret_cast<int32_t*>(token_rows.data());
+      d.is_token_in_rank = reinterpret_cast<bool*>(in_rank.data());
+      d.num_tokens = T;
+      d.num_topk = K;
+      d.num_experts = E;
+      d.num_ranks = R;
+      d.hidden = H;
+      d.capacity = C;
+      d.alignment = align;
+      d.x_kind = x_kind;
+      d.row_kind = row_kind;
+      d.num_blocks = blocks;
+      d.send_warps = send_warps;
+      d.axis_slot = 1;
+      d.use_tma = use_tma;
+      check(launch_dispatch(d, nullptr), "dispatch");
+      write_file("rows" + tag + ".bin", rows.data(), size_t(C) * H * kind_bytes(row_kind));
+      if (fp8) write_file("scales" + tag + ".bin", scales.data(), size_t(C) * num_scales * 4);
+      write_file("group_sizes" + tag + ".bin", group_sizes.data(), size_t(E / R) * 4);
+      write_file("expert_counts" + tag + ".bin", expert_counts.data(), size_t(E / R) * 4);
+      write_file("row_weights" + tag + ".bin", row_weights.data(), size_t(C) * 4);
+      write_file("num_dropped" + tag + ".bin", num_dropped.data(), 4);
+      write_file("src_index" + tag + ".bin", src_index.data(), size_t(C) * 4);
+      write_file("token_rows" + tag + ".bin", token_rows.data(), size_t(R) * T * K * 4);
+      write_file("in_rank" + tag + ".bin", in_rank.data(), size_t(T) * R);
+
+      GroupLaunch gl{};
+      gl.state = states[rank];
+      gl.layout = data_layout;
+      gl.rank = &rank_value;
+      gl.group = &group_value;
+      gl.num_ranks = R;
+      gl.num_tokens = T;
+      gl.num_topk = K;
+      gl.axis_slot = 1;
+      gl.num_blocks = blocks;
+      gl.send_warps = send_warps;
+      const size_t out_bytes = size_t(T) * H * kind_bytes(y_kind);
+      auto comb_w = poisoned(out_bytes);
+      check(launch_combine(gl, y.data(), d.row_weights, d.token_rows, d.is_token_in_rank, H,
+                           y_kind, comb_w.data(), nullptr),
+            "combine");
+      write_file("comb_w" + tag + ".bin", comb_w.data(), out_bytes);
+      auto comb_u = poisoned(out_bytes);
+      check(launch_combine(gl, y.data(), nullptr, d.token_rows, d.is_token_in_rank, H, y_kind,
+                           comb_u.data(), nullptr),
+            "combine unweighted");
+      write_file("comb_u" + tag + ".bin", comb_u.data(), out_bytes);
+      const size_t bcast_bytes = size_t(C) * H * kind_bytes(y_kind);
+      auto bcast = poisoned(bcast_bytes);
+      check(launch_broadcast(gl, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
+                             y_kind, use_tma, bcast.data(), nullptr),
+            "broadcast");
+      write_file("bcast" + tag + ".bin", bcast.data(), bcast_bytes);
+      GroupLaunch gv = gl;
+      gv.layout = values_layout;
+      auto slotv = poisoned(size_t(T) * K * 4);
+      check(launch_slot_values(gv, reinterpret_cast<const float*>(v.data()), d.token_rows,
+                               reinterpret_cast<float*>(slotv.data()), nullptr),
+            "slot_values");
+      write_file("slotv" + tag + ".bin", slotv.data(), size_t(T) * K * 4);
+    }
+    std::fflush(stdout);
+    _exit(0);
+  }
+  int failed = 0;
+  for (pid_t pid : children) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
+  }
+  for (int r = 0; r < R; ++r) {
+    if (faults[r].valid) {
+      std::printf("fault on rank %d: kind %d op %d waited %d\n", r, faults[r].kind, faults[r].op_id,
+                  faults[r].waited_rank);
+      failed = 1;
+    }
+  }
+  return failed;
+}

@@ -1,0 +1,284 @@
+// A CPU stand-in for the parts of CUDA the EP kernels use, so that cuda/dispatch.cu and
+// cuda/combine.cu can run (slowly) on a machine without a GPU: every CUDA thread is an OS thread,
+// blocks of a launch run one after the other, warp intrinsics exchange values through a per-warp
+// barrier, and each GPU is a process (driver.cc forks one per rank; device memory is a shared
+// mapping at the same address in all of them). It checks the kernels' logic (indices, tables,
+// flags, epochs, bit patterns), not their memory-model corner cases or their speed.
+#pragma once
+
+#define JAX_EP_EMULATION 1
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __shared__ static
+
+// ---- runtime API subset ----
+typedef int cudaError_t;
+enum : int { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+typedef void* cudaStream_t;
+inline const char* cudaGetErrorName(cudaError_t e) { return e ? "cudaErrorInvalidValue" : "cudaSuccess"; }
+inline const char* cudaGetErrorString(cudaError_t e) { return e ? "invalid argument" : "no error"; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+
+// ---- vector types ----
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned int x, y; };
+struct alignas(8) float2 { float x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+
+struct EmuDim3 { unsigned x, y, z; };
+inline thread_local EmuDim3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0}, blockDim{1, 1, 1},
+    gridDim{1, 1, 1};
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+
+namespace emu {
+struct WarpCtx {
+  std::barrier<> bar{32};
+  uint64_t slot[32];
+};
+struct BlockCtx {
+  explicit BlockCtx(unsigned threads) : bar(threads) {
+    for (unsigned w = 0; w < (threads + 31) / 32; ++w) warps.emplace_back(new WarpCtx);
+  }
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<WarpCtx>> warps;
+  std::vector<char> dynamic_shared;
+};
+inline thread_local BlockCtx* block = nullptr;
+inline WarpCtx& warp() { return *block->warps[threadIdx.x / 32]; }
+inline int lane() { return threadIdx.x & 31; }
+
+template <class T>
+T exchange(T value, int src) {
+  static_assert(sizeof(T) <= 8, "values of up to 8 bytes");
+  WarpCtx& w = warp();
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  w.slot[lane()] = bits;
+  w.bar.arrive_and_wait();
+  T out;
+  const uint64_t got = w.slot[src & 31];
+  std::memcpy(&out, &got, sizeof(T));
+  w.bar.arrive_and_wait();
+  return out;
+}
+inline uint64_t gather(uint64_t value, uint64_t all[32]) {
+  WarpCtx& w = warp();
+  w.slot[lane()] = value;
+  w.bar.arrive_and_wait();
+  for (int i = 0; i < 32; ++i) all[i] = w.slot[i];
+  w.bar.arrive_and_wait();
+  return 0;
+}
+
+// Runs kernel(args...) with `grid` blocks of `threads` threads, blocks one after the other.
+template <class Kernel>
+struct Launcher {
+  unsigned grid, threads;
+  size_t shared_bytes;
+  Kernel kernel;
+  template <class... Args>
+  void operator()(Args... args) const {
+    for (unsigned b = 0; b < grid; ++b) {
+      BlockCtx ctx(threads);
+      ctx.dynamic_shared.assign(shared_bytes + 16, 0);
+      std::vector<std::thread> pool;
+      pool.reserve(threads);
+      for (unsigned t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+          threadIdx = {t, 0, 0};
+          blockIdx = {b, 0, 0};
+          blockDim = {threads, 1, 1};
+          gridDim = {grid, 1, 1};
+          block = &ctx;
+          kernel(args...);
+          ctx.warps[t / 32]->bar.arrive_and_drop();
+          ctx.bar.arrive_and_drop();
+        });
+      }
+      for (auto& th : pool) th.join();
+    }
+  }
+};
+template <class Kernel>
+Launcher<Kernel> launch(unsigned grid, unsigned threads, size_t shared_bytes, Kernel kernel) {
+  return Launcher<Kernel>{grid, threads, shared_bytes, kernel};
+}
+}  // namespace emu
+
+#define JAX_EP_LAUNCH(kernel, grid, block, shared_bytes, stream) \
+  ::emu::launch((grid), (block), (shared_bytes), kernel)
+#define JAX_EP_DYNAMIC_SHARED(type, name) \
+  type* name = reinterpret_cast<type*>(::emu::block->dynamic_shared.data())
+
+// ---- sync and warp intrinsics ----
+inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <class T>
+T __shfl_sync(unsigned, T value, int src) { return emu::exchange(value, src); }
+template <class T>
+T __shfl_xor_sync(unsigned, T value, int offset) { return emu::exchange(value, emu::lane() ^ offset); }
+inline unsigned __ballot_sync(unsigned, int pred) {
+  uint64_t all[32];
+  emu::gather(pred ? 1 : 0, all);
+  unsigned out = 0;
+  for (int i = 0; i < 32; ++i) out |= (all[i] ? 1u : 0u) << i;
+  return out;
+}
+inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
+inline unsigned __match_any_sync(unsigned, int value) {
+  uint64_t all[32];
+  emu::gather(static_cast<uint32_t>(value), all);
+  unsigned out = 0;
+  for (int i = 0; i < 32; ++i) out |= (all[i] == static_cast<uint32_t>(value) ? 1u : 0u) << i;
+  return out;
+}
+inline unsigned __reduce_or_sync(unsigned, unsigned value) {
+  uint64_t all[32];
+  emu::gather(value, all);
+  unsigned out = 0;
+  for (int i = 0; i < 32; ++i) out |= static_cast<unsigned>(all[i]);
+  return out;
+}
+
+// ---- memory ----
+template <class T>
+T __ldg(const T* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
+template <class T>
+T __ldcg(const T* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
+template <class T>
+T __ldcv(const T* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicCAS(int* p, int expected, int desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
+}
+inline void __trap() {
+  std::fflush(stdout);
+  std::abort();
+}
+
+namespace jax_ep {
+inline uint64_t global_timer_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+inline uint64_t load_acquire_sys(const uint64_t* address) {
+  sched_yield();  // these loads spin on peers: let the other threads run
+  return __atomic_load_n(address, __ATOMIC_ACQUIRE);
+}
+inline uint64_t load_relaxed_sys(const uint64_t* address) {
+  sched_yield();
+  return __atomic_load_n(address, __ATOMIC_RELAXED);
+}
+inline void fence_acquire_sys() { std::atomic_thread_fence(std::memory_order_acquire); }
+inline void backoff_sleep(uint32_t) {}
+inline void store_release_sys(uint64_t* address, uint64_t value) {
+  __atomic_store_n(address, value, __ATOMIC_RELEASE);
+}
+inline uint32_t lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
+// Bulk copies complete immediately (memcpy); barriers and fences are no-ops.
+inline void mbarrier_init(uint64_t*, uint32_t) {}
+inline void tma_load(void* dst, const void* src, uint32_t bytes, uint64_t*) {
+  std::memcpy(dst, src, bytes);
+}
+inline void mbarrier_wait(uint64_t*, uint32_t) {}
+inline void tma_store(void* dst, const void* src, uint32_t bytes) { std::memcpy(dst, src, bytes); }
+inline void tma_store_commit() {}
+inline void tma_store_wait_read() {}
+inline void tma_store_wait_all() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void fence_proxy_async_global() {}
+}  // namespace jax_ep
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+template <class F>
+inline cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
+
+// ---- bit casts and integer intrinsics ----
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+
+// ---- bfloat16 ----
+struct __nv_bfloat16 { uint16_t bits; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline uint16_t emu_bf16_rn(float f) {
+  const unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return {emu_bf16_rn(f)}; }
+inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float(static_cast<unsigned>(b.bits) << 16); }
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+  return {{emu_bf16_rn(lo)}, {emu_bf16_rn(hi)}};
+}
+
+// ---- fp8 e4m3 (round to nearest even, saturate to +-448, NaN -> 0x7f) ----
+typedef unsigned short __nv_fp8x2_storage_t;
+enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
+enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
+inline uint8_t emu_e4m3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  const float a = std::fabs(f);
+  if (a >= 464.0f) return sign | 0x7e;  // beyond the rounding range of 448: saturate
+  if (a < 0.015625f) {                   // below 2^-6: subnormal, steps of 2^-9
+    const float q = std::nearbyint(a * 512.0f);
+    return sign | static_cast<uint8_t>(q);  // q == 8 is the smallest normal, same encoding
+  }
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int exponent = e - 1;               // a = (2m) * 2^exponent
+  float q = std::nearbyint(std::ldexp(a, 3 - exponent));  // in [8, 16]
+  if (q >= 16.0f) {
+    q = 8.0f;
+    exponent += 1;
+  }
+  const int code = ((exponent + 7) << 3) | (static_cast<int>(q) - 8);
+  if (code >= 0x7f) return sign | 0x7e;
+  return sign | static_cast<uint8_t>(code);
+}
+inline __nv_fp8x2_storage_t __nv_cvt_float2_to_fp8x2(float2 v, __nv_saturation_t,
+                                                       __nv_fp8_interpretation_t) {
+  return static_cast<__nv_fp8x2_storage_t>(emu_e4m3(v.x) | (emu_e4m3(v.y) << 8));
+}

@@ -1,0 +1,192 @@
+"""Runs the CUDA EP kernels on the CPU emulation (emu_cuda.h + driver.cc) and compares every
+output with jax_ep.reference (bit-exact; combine too: same summation order).
+
+    python tools/kernel_emulator/run.py [--quick]
+
+Needs g++ (C++20). Each GPU is a process, each CUDA thread an OS thread: keep shapes small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jax_ep import reference  # noqa: E402
+from jax_ep.config import EPConfig  # noqa: E402
+
+KIND = {"bfloat16": 0, "float32": 1, "float8_e4m3fn": 2}
+DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_driver")
+
+
+def build() -> str:
+    sources = [os.path.join(ROOT, p) for p in ("cuda/dispatch.cu", "cuda/combine.cu",
+                                                "tools/kernel_emulator/driver.cc")]
+    here = os.path.join(ROOT, "tools/kernel_emulator")
+    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
+           "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),
+           "-I" + ROOT]
+    for s in sources:
+        cmd += ["-x", "c++", s]
+    cmd += ["-o", DRIVER]
+    subprocess.run(cmd, check=True)
+    return DRIVER
+
+
+def routing(rng, kind, R, T, K, E):
+    shape = (R, T, K)
+    if kind == "distinct":
+        return np.argsort(rng.random((R, T, E)), axis=2)[:, :, :K].astype(np.int32)
+    if kind == "messy":
+        idx = rng.integers(0, E, shape)
+        u = rng.random(shape)
+        idx = np.where(u < 0.2, rng.choice([-1, -5, E, E + 7], size=shape), idx)
+        rep = rng.random(shape) < 0.2
+        src = rng.integers(0, K, shape)
+        idx = np.where(rep, np.take_along_axis(idx, src, axis=2), idx)
+        return idx.astype(np.int32)
+    if kind == "skewed":  # half the tokens to expert 0
+        idx = np.argsort(rng.random((R, T, E)), axis=2)[:, :, :K].astype(np.int32)
+        half = rng.random((R, T)) < 0.5
+        idx[:, :, 0] = np.where(half, 0, idx[:, :, 0])
+        idx = np.where((idx == 0) & (np.arange(K) > 0), -1, idx)
+        return idx.astype(np.int32)
+    raise ValueError(kind)
+
+
+def to_dtype(a, name):
+    return a.astype(getattr(ml_dtypes, name) if name != "float32" else np.float32)
+
+
+def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
+             y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0):
+    rng = np.random.default_rng(seed)
+    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, capacity=capacity,
+                   expert_alignment=align, dispatch_dtype=dispatch_dtype, backend="reference")
+    C = cfg.resolved_capacity(R)
+    row_dtype = dispatch_dtype or x_dtype
+    x = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32) * 3, x_dtype)
+    idx = routing(rng, kind, R, T, K, E)
+    w = rng.random((R, T, K)).astype(np.float32)
+    y = to_dtype(rng.standard_normal((R, C, H)).astype(np.float32), y_dtype)
+    g = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32), y_dtype)
+    v = rng.standard_normal((R, C)).astype(np.float32)
+
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+    def body(x, idx, w, y, g, v):
+        d = reference.dispatch(x[0], idx[0], w[0], cfg)
+        out = dict(rows=d.x, group_sizes=d.group_sizes, expert_counts=d.expert_counts,
+                   row_weights=d.row_weights, num_dropped=d.num_dropped, src_index=d.handle.src_index,
+                   token_rows=d.handle.token_rows, in_rank=d.handle.is_token_in_rank,
+                   comb_w=reference.combine(y[0], d.row_weights, d.handle, cfg),
+                   comb_u=reference.combine(y[0], None, d.handle, cfg),
+                   bcast=reference.broadcast(g[0], d.handle, cfg),
+                   slotv=reference.slot_values(v[0], d.handle, cfg))
+        if d.scales is not None:
+            out["scales"] = d.scales
+        return {k: a[None] for k, a in out.items()}
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v)]
+    want = {k: np.asarray(a) for k, a in fn(*args).items()}
+
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(R):
+            for nm, a in (("x", x), ("idx", idx), ("w", w), ("y", y), ("g", g), ("v", v)):
+                np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
+        cmd = [DRIVER, d, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype],
+               blocks, send_warps, reps]
+        start = time.time()
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+        took = time.time() - start
+        if proc.returncode != 0:
+            print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            return False
+        ok = True
+        for r in range(R):
+            for rep in range(reps):
+                ok &= compare_rank(name, d, r, rep, want)
+        rows = [int(s.sum()) for s in want["group_sizes"]]
+        print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
+              f"{want['num_dropped'].tolist()}, {took:.1f}s)")
+        return ok
+
+
+def compare_rank(name, d, r, rep, want) -> bool:
+    """Outputs of rank r, repetition rep, against the reference: bit-exact, except combine (float32
+    summation: within one step of the output dtype, relative to the row's largest value)."""
+    ok = True
+    total = int(want["group_sizes"][r].sum())
+    for field, ref in want.items():
+        ref = np.atleast_1d(ref[r])
+        got = np.fromfile(os.path.join(d, f"{field}{r}_{rep}.bin"), dtype=ref.dtype).reshape(ref.shape)
+        if field in ("rows", "scales"):  # rows past sum(group_sizes) are unspecified
+            ref, got = ref[:total], got[:total]
+        if field in ("comb_w", "comb_u"):
+            gf, rf = got.astype(np.float32), ref.astype(np.float32)
+            err = np.abs(gf - rf) / (np.abs(rf).max(axis=1, keepdims=True) + 1e-30)
+            step = 2.0 ** -7 if ref.dtype != np.float32 else 2.0 ** -22
+            if not (np.isfinite(gf).all() and err.max() <= step):
+                ok = False
+                print(f"  MISMATCH {name} rank {r} rep {rep} {field}: max error {err.max():.3g}")
+            continue
+        g2, r2 = got.reshape(len(got), -1), ref.reshape(len(ref), -1)
+        diff = (g2.view(np.uint8).reshape(*g2.shape, -1) != r2.view(np.uint8).reshape(*r2.shape, -1))
+        bad = np.argwhere(diff.any(-1))
+        if len(bad):
+            ok = False
+            first = tuple(int(i) for i in bad[0])
+            print(f"  MISMATCH {name} rank {r} rep {rep} {field}: {len(bad)} elements, first {first}: "
+                  f"got {g2[first]!r} want {r2[first]!r}")
+    return ok
+
+
+CASES = [
+    dict(name="bf16 basic", R=2, T=40, H=256, K=4, E=8),
+    dict(name="bf16 messy align4", R=2, T=37, H=264, K=6, E=16, align=4, kind="messy"),
+    dict(name="fp8 from bf16", R=2, T=24, H=384, K=4, E=8, dispatch_dtype="float8_e4m3fn"),
+    dict(name="fp8 from f32", R=2, T=20, H=256, K=3, E=8, x_dtype="float32",
+         dispatch_dtype="float8_e4m3fn", y_dtype="float32"),
+    dict(name="f32 -> bf16 rows", R=2, T=18, H=128, K=2, E=4, x_dtype="float32",
+         dispatch_dtype="bfloat16"),
+    dict(name="f32 rows, f32 y", R=2, T=16, H=64, K=2, E=4, x_dtype="float32", y_dtype="float32"),
+    dict(name="capacity overflow skewed", R=2, T=48, H=128, K=4, E=8, capacity=40, align=4,
+         kind="skewed"),
+    dict(name="3 ranks messy top1", R=3, T=30, H=96, K=1, E=9, kind="messy", capacity=24),
+    dict(name="4 ranks top8", R=4, T=17, H=128, K=8, E=16, kind="messy"),
+    dict(name="K > E_local, 3 blocks, 1 send warp", R=2, T=41, H=7168, K=6, E=8, blocks=3,
+         send_warps=1),
+    dict(name="fp8 odd blocks, 15 send warps", R=2, T=9, H=640, K=2, E=4,
+         dispatch_dtype="float8_e4m3fn", send_warps=15, reps=3),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("-k", default="")
+    args = parser.parse_args()
+    build()
+    cases = CASES[:3] if args.quick else CASES
+    results = [run_case(**c) for c in cases if args.k in c["name"]]
+    print(f"{sum(results)}/{len(results)} cases pass")
+    sys.exit(0 if all(results) else 1)
+
+
+if __name__ == "__main__":
+    main()
