@@ -49,16 +49,19 @@ def _routing(rng, n, experts, topk):
 
 
 def _time_loop(fn, args, iters: int, repeats: int) -> float:
-    """Median seconds per call of fn(*args) inside a jitted loop (an optimisation barrier ties each
-    call to the loop counter so nothing is hoisted, and keeps every output alive)."""
+    """Median seconds per call of fn(*args) inside a jitted loop.
+
+    The loop carries fn's output, and each call's inputs pass an optimisation barrier together with
+    the previous output and the loop counter: every call is computed in full (nothing is hoisted,
+    nothing is dead) and the calls run one after another."""
+    out_shape = jax.eval_shape(fn, *args)
 
     def looped(*a):
-        def body(i, acc):
-            ai, _ = lax.optimization_barrier((a, i))
-            out = fn(*ai)
-            acc, _ = lax.optimization_barrier((acc, out))
-            return acc + 1
-        return lax.fori_loop(0, iters, body, jnp.int32(0))
+        def body(i, prev):
+            ai, _, _ = lax.optimization_barrier((a, i, prev))
+            return fn(*ai)
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+        return lax.fori_loop(0, iters, body, init)
 
     run = jax.jit(looped)
     jax.block_until_ready(run(*args))
