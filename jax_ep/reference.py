@@ -44,12 +44,17 @@ def sanitize_topk(topk_idx: jax.Array, num_experts: int) -> jax.Array:
     return jnp.where(repeated, -1, idx)
 
 
+def _destinations(idx: jax.Array, num_experts: int, ep_size: int) -> tuple[jax.Array, jax.Array]:
+    """For sanitised ids: the rank of each slot's expert (-1 unused) and token->rank membership."""
+    dest_rank = jnp.where(idx >= 0, idx // (num_experts // ep_size), -1)
+    in_rank = jnp.any(dest_rank[:, :, None] == jnp.arange(ep_size)[None, None, :], axis=1)
+    return dest_rank, in_rank
+
+
 def layout(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
     """Per-rank and per-expert token counts and token->rank membership (DeepEP's get_dispatch_layout)."""
     idx = sanitize_topk(topk_idx, num_experts)
-    experts_per_rank = num_experts // ep_size
-    dest_rank = jnp.where(idx >= 0, idx // experts_per_rank, -1)
-    in_rank = jnp.any(dest_rank[:, :, None] == jnp.arange(ep_size)[None, None, :], axis=1)
+    _, in_rank = _destinations(idx, num_experts, ep_size)
     per_expert = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(idx >= 0, idx, num_experts)].add(
         1, mode="drop")
     per_rank = jnp.sum(in_rank, axis=0, dtype=jnp.int32)
@@ -102,8 +107,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     num_tokens, topk = topk_idx.shape
 
     idx = sanitize_topk(topk_idx, cfg.num_experts)
-    lay = layout(idx, cfg.num_experts, ep_size)
-    dest_rank = jnp.where(idx >= 0, idx // local_experts, -1)
+    dest_rank, is_token_in_rank = _destinations(idx, cfg.num_experts, ep_size)
     local_expert = idx % local_experts
 
     # --- the wire: every rank sends a [T, ...] block to every rank ---------------------------------
@@ -112,7 +116,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     else:
         payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
         scales = None
-    to_rank = lay.is_token_in_rank.T                                   # [R, T]
+    to_rank = is_token_in_rank.T                                       # [R, T]
     ranks = jnp.arange(ep_size)[:, None, None]
     on_rank = dest_rank[None] == ranks                                 # [R, T, K]
     recv_x = _all_to_all(jnp.where(to_rank[:, :, None], payload[None], 0), cfg.axis_name)
@@ -128,7 +132,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     picks = jnp.any(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :], axis=1)
     picks_i = picks.astype(jnp.int32)                                   # [N, E_local]
     counts = jnp.sum(picks_i, axis=0)
-    offsets = jnp.minimum(jnp.cumsum(_round_up(counts, align)) - _round_up(counts, align), capacity)
+    aligned = _round_up(counts, align)
+    offsets = jnp.minimum(jnp.cumsum(aligned) - aligned, capacity)
     kept = jnp.minimum(counts, capacity - offsets)
     group_sizes = _round_up(kept, align).astype(jnp.int32)
     rank_in_expert = jnp.cumsum(picks_i, axis=0) - picks_i              # exclusive
@@ -151,7 +156,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     if scales is not None:
         recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
         row_scales = _take_rows(recv_scales.reshape(num_slots, -1), src_index)
-    handle = Handle(src_index, token_rows, lay.is_token_in_rank, row_weights)
+    handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32)
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), row_weights, num_dropped,
                       handle)
