@@ -4,7 +4,9 @@
 
 Backends: ``reference`` (pure JAX, dense lax.all_to_all), ``ragged`` (MaxText-style
 lax.ragged_all_to_all, where the platform implements it), ``cuda`` (jax_ep's kernels, where built).
-Each time is the median over repeats of a jitted loop of ``--iters`` calls, divided by the calls.
+Each time is the median over ``--repeats`` chains of ``--iters`` back-to-back jitted calls, per call;
+each call returns its whole output (nothing dropped, nothing copied). ``--profile`` adds the device
+time of every kernel per call on GPU 0, from a jax.profiler trace.
 
 Bytes: ``logical`` counts one copy of each token's row per destination rank (self included) — what the
 op delivers; ``wire`` counts only the copies that leave the rank (what must cross NVLink). Both are
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import time
 
@@ -25,7 +28,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -48,29 +50,57 @@ def _routing(rng, n, experts, topk):
     return idx, w / w.sum(1, keepdims=True)
 
 
-def _time_loop(fn, args, iters: int, repeats: int) -> float:
-    """Median seconds per call of fn(*args) inside a jitted loop.
+def _time_calls(fn, args, iters: int, repeats: int) -> float:
+    """Median seconds per call of jit(fn)(*args), over `repeats` chains of `iters` calls.
 
-    The loop carries fn's output, and each call's inputs pass an optimisation barrier together with
-    the previous output and the loop counter: every call is computed in full (nothing is hoisted,
-    nothing is dead) and the calls run one after another."""
-    out_shape = jax.eval_shape(fn, *args)
-
-    def looped(*a):
-        def body(i, prev):
-            ai, _, _ = lax.optimization_barrier((a, i, prev))
-            return fn(*ai)
-        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-        return lax.fori_loop(0, iters, body, init)
-
-    run = jax.jit(looped)
+    Every call is a separate jitted call whose whole output is returned, so XLA can neither drop
+    nor hoist any of its work, and no output is copied. The host enqueues the calls asynchronously
+    (each returns before the device finishes), so the device runs them back to back and the chain's
+    wall time over `iters` is the device time per call once the calls take longer to run than to
+    enqueue (a few tens of µs)."""
+    run = jax.jit(fn)
     jax.block_until_ready(run(*args))
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
         jax.block_until_ready(run(*args))
+        start = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = run(*args)  # the previous output is freed here, stream-ordered
+        jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / iters)
     return float(np.median(times))
+
+
+def kernel_profile(fn, args, iters: int, device_index: int = 0) -> dict[str, float]:
+    """Device time per call of each GPU kernel / copy that jit(fn)(*args) runs on one device.
+
+    Traces `iters` calls with jax.profiler and sums the events of the device's streams by name.
+    For communicating kernels this includes the time spent waiting for peers."""
+    import glob
+    import tempfile
+
+    run = jax.jit(fn)
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            out = None
+            for _ in range(iters):
+                out = run(*args)
+            jax.block_until_ready(out)
+        paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    totals: dict[str, float] = {}
+    plane_name = f"/device:GPU:{device_index}"
+    for plane in data.planes:
+        if plane.name != plane_name:
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e3 / iters
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def measure_copy_peak(devices, nbytes: int = 1 << 30) -> float | None:
@@ -103,38 +133,47 @@ def _backends(requested: list[str], platform: str) -> list[str]:
     return usable
 
 
-def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng):
+def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,
+                profile=False, num_sms=None):
     ep_size = mesh.size
     n = tokens * ep_size
     x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
     idx, w = _routing(rng, n, experts, topk)
     spec = P("ep")
+    # on the devices up front, so that no call pays a host-to-device copy
+    idx_dev, w_dev = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (idx, w))
     records = []
     if backend == "ragged":
         disp = lambda x, i, w: baselines.ragged_dispatch(x, i, w, experts, "ep")  # noqa: E731
         d_fn = jax.shard_map(lambda x, i, w: disp(x, i, w)[0], mesh=mesh, in_specs=spec, out_specs=spec)
-        t_dispatch = _time_loop(d_fn, (x, idx, w), iters, repeats)
+        t_dispatch = _time_calls(d_fn, (x, idx_dev, w_dev), iters, repeats)
+        d_args = (x, idx_dev, w_dev)
 
         def round_trip(x, i, w):
             rows, _, handle = disp(x, i, w)
             return baselines.ragged_combine(rows, handle, "ep")
         rt = jax.shard_map(round_trip, mesh=mesh, in_specs=spec, out_specs=spec)
-        t_combine = _time_loop(rt, (x, idx, w), iters, repeats) - t_dispatch
+        t_combine = _time_calls(rt, (x, idx_dev, w_dev), iters, repeats) - t_dispatch
+        c_fn, c_args = rt, (x, idx_dev, w_dev)
         num_sms = None
     else:
         cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
-                       backend=backend, dispatch_dtype=dtype)
-        d_fn = jax.shard_map(lambda x, i, w: dispatch(x, i, w, cfg).x, mesh=mesh, in_specs=spec,
-                             out_specs=spec)
-        t_dispatch = _time_loop(d_fn, (x, idx, w), iters, repeats)
+                       backend=backend, dispatch_dtype=dtype,
+                       **({} if num_sms is None else {"num_sms": num_sms}))
+        # every output array of dispatch (scalars as [1]), so no part of the op is dead code
+        d_fn = jax.shard_map(lambda x, i, w: [a.reshape(-1) if a.ndim == 0 else a
+                                              for a in jax.tree.leaves(dispatch(x, i, w, cfg))],
+                             mesh=mesh, in_specs=spec, out_specs=spec)
+        t_dispatch = _time_calls(d_fn, (x, idx_dev, w_dev), iters, repeats)
         # combine is timed alone on a dispatched handle and bf16 expert outputs
         bf16_cfg = cfg.replace(dispatch_dtype="bfloat16")
         make = jax.jit(jax.shard_map(lambda x, i, w: dispatch(x, i, w, bf16_cfg)[::6], mesh=mesh,
                                      in_specs=spec, out_specs=spec))
-        rows, handle = make(x, idx, w)  # Dispatched fields 0 and 6: x and handle
+        rows, handle = make(x, idx_dev, w_dev)  # Dispatched fields 0 and 6: x and handle
         c_fn = jax.shard_map(lambda y, h: combine(y, h, bf16_cfg), mesh=mesh, in_specs=spec, out_specs=spec)
-        t_combine = _time_loop(c_fn, (rows, handle), iters, repeats)
+        t_combine = _time_calls(c_fn, (rows, handle), iters, repeats)
+        d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
         num_sms = cfg.num_sms if backend_for(cfg, "dispatch").__module__.endswith("cuda_backend") else None
     # bytes, from the routing actually used (host-side layout of every rank)
     per_rank_layout = [np.asarray(reference.layout(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
@@ -144,12 +183,18 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     remote = np.mean([lay.sum() - lay[r] for r, lay in enumerate(per_rank_layout)])
     row_bytes = {"dispatch": hidden * BYTES[dtype] + (4 * hidden // 128 if dtype != "bfloat16" else 0),
                  "combine": hidden * 2}
+    kernels = {}
+    if profile and mesh.devices.flat[0].platform == "gpu":
+        kernels = {"dispatch": kernel_profile(d_fn, d_args, iters),
+                   "combine": kernel_profile(c_fn, c_args, iters)}
     for op, seconds in (("dispatch", t_dispatch), ("combine", t_combine)):
         records.append(dict(op=op, backend=backend, dtype=dtype if op == "dispatch" else "bfloat16",
                             tokens_per_rank=tokens, hidden=hidden, topk=topk, num_experts=experts,
                             ep_size=ep_size, us=1e6 * seconds,
                             logical_gbps=pairs * row_bytes[op] / seconds / 1e9,
                             wire_gbps=remote * row_bytes[op] / seconds / 1e9, num_sms=num_sms))
+        if op in kernels:
+            records[-1]["kernels_us"] = {k: round(v, 1) for k, v in kernels[op].items()}
     return records
 
 
@@ -166,6 +211,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench.json")
+    parser.add_argument("--num-sms", default=None,
+                        help="comma-separated SM counts for the cuda kernels (default: EPConfig's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each kernel's device time per call (GPU, jax.profiler)")
     args = parser.parse_args(argv)
 
     devices = jax.devices()
@@ -189,10 +238,13 @@ def main(argv=None) -> list[dict]:
         for dtype in args.dtypes.split(","):
             if backend == "ragged" and dtype != "bfloat16":
                 continue
-            for tokens, hidden, topk, experts in shapes:
+            sm_counts = [None]
+            if backend == "cuda" and args.num_sms:
+                sm_counts = [int(n) for n in args.num_sms.split(",")]
+            for (tokens, hidden, topk, experts), num_sms in itertools.product(shapes, sm_counts):
                 try:
                     recs = bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts,
-                                       args.iters, args.repeats, rng)
+                                       args.iters, args.repeats, rng, args.profile, num_sms)
                 except Exception as e:  # one failing backend must not hide the others' numbers
                     print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
                     continue
@@ -201,13 +253,19 @@ def main(argv=None) -> list[dict]:
                              pct_of_peak=None if peak is None else 100 * r["wire_gbps"] / peak)
                 records.extend(recs)
     header = f"{'op':9}{'backend':11}{'dtype':15}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}" \
-             f"{'us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}"
+             f"{'SMs':>5}{'us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}"
     print(header)
     for r in records:
         pct = "" if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.0f}"
         print(f"{r['op']:9}{r['backend']:11}{r['dtype']:15}{r['tokens_per_rank']:>7}{r['hidden']:>6}"
-              f"{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}{r['us']:>11.1f}"
+              f"{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}{r['num_sms'] or '':>5}{r['us']:>11.1f}"
               f"{r['logical_gbps']:>14.1f}{r['wire_gbps']:>11.1f}{pct:>8}")
+    for r in records:
+        if r.get("kernels_us"):
+            print(f"kernels per call, GPU 0: {r['op']} {r['backend']} {r['dtype']} "
+                  f"T={r['tokens_per_rank']} E={r['num_experts']}")
+            for name, us in list(r["kernels_us"].items())[:8]:
+                print(f"  {us:>10.1f} us  {name[:90]}")
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
     print(f"wrote {len(records)} records to {args.out}")

@@ -6,6 +6,7 @@
 # Env: OUT     log folder (default ./out)
 #      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
 #      PYTEST_ARGS  extra pytest arguments (e.g. "-k smoke -x")
+#      SKIP_TESTS=1 skips the GPU tests
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m jax_ep.bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +68,7 @@ if native is not None and runtime.available()[0]:
     print("peer access matrix:", native.peer_access_matrix(ordinals))
 PYEOF
 
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step "GPU tests: pytest -m gpu tests/gpu"
 start=$SECONDS
 # shellcheck disable=SC2086
@@ -77,6 +79,7 @@ tail -25 "$OUT/gpu-tests.log"
 echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log)" | tee -a "$OUT/summary.txt"
 [ $tests_rc -eq 0 ] || status=1
 "$PY" -c "from jax_ep import runtime; print('device faults:', runtime.faults())" 2>&1 | tee -a "$OUT/summary.txt"
+fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f jax_ep/bench.py ]; then
   step "benchmark: python -m jax_ep.bench --out $OUT/bench.json"
@@ -84,7 +87,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f jax_ep/bench.py ]; then
   # shellcheck disable=SC2086
   "$PY" -m jax_ep.bench --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   bench_rc=$?
-  tail -25 "$OUT/bench.log"
+  tail -60 "$OUT/bench.log"
   echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
   [ $bench_rc -eq 0 ] || status=1
 fi

@@ -212,17 +212,28 @@ inline void store_release_sys(uint64_t* address, uint64_t value) {
   __atomic_store_n(address, value, __ATOMIC_RELEASE);
 }
 inline uint32_t lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
-// Bulk copies complete immediately (memcpy); barriers and fences are no-ops.
-inline void mbarrier_init(uint64_t*, uint32_t) {}
-inline void tma_load(void* dst, const void* src, uint32_t bytes, uint64_t*) {
+// Bulk copies complete immediately (memcpy); an mbarrier counts its completed phases (a load
+// completes one), and waiting on parity p returns once the phase of that parity is complete.
+// Fences are no-ops.
+inline void mbarrier_init(uint64_t* barrier, uint32_t) { __atomic_store_n(barrier, 0, __ATOMIC_RELEASE); }
+inline void tma_load(void* dst, const void* src, uint32_t bytes, uint64_t* barrier) {
   std::memcpy(dst, src, bytes);
+  __atomic_fetch_add(barrier, 1, __ATOMIC_RELEASE);
 }
-inline void mbarrier_wait(uint64_t*, uint32_t) {}
+inline void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+  while ((__atomic_load_n(barrier, __ATOMIC_ACQUIRE) & 1u) == parity) sched_yield();
+}
 inline void tma_store(void* dst, const void* src, uint32_t bytes) { std::memcpy(dst, src, bytes); }
 inline void tma_store_commit() {}
 inline void tma_store_wait_read() {}
 inline void tma_store_wait_all() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void fence_proxy_async_global() {}
+// cp.async copies complete immediately.
+inline void cp_async_16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+
 }  // namespace jax_ep
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 template <class F>
