@@ -212,13 +212,25 @@ inline void store_release_sys(uint64_t* address, uint64_t value) {
   __atomic_store_n(address, value, __ATOMIC_RELEASE);
 }
 inline uint32_t lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
-// Bulk copies complete immediately (memcpy); an mbarrier counts its completed phases (a load
-// completes one), and waiting on parity p returns once the phase of that parity is complete.
+// Bulk copies complete immediately (memcpy). An mbarrier word holds its expected arrivals (bits
+// 48..63), the arrivals of the current phase (32..47) and the completed phases (0..31); a bulk load
+// counts as one arrival. Waiting on parity p returns once the phase of that parity is complete.
 // Fences are no-ops.
-inline void mbarrier_init(uint64_t* barrier, uint32_t) { __atomic_store_n(barrier, 0, __ATOMIC_RELEASE); }
+inline void mbarrier_init(uint64_t* barrier, uint32_t count) {
+  __atomic_store_n(barrier, static_cast<uint64_t>(count) << 48, __ATOMIC_RELEASE);
+}
+inline void mbarrier_arrive(uint64_t* barrier) {
+  uint64_t old = __atomic_load_n(barrier, __ATOMIC_ACQUIRE);
+  for (;;) {
+    const uint64_t count = old >> 48, arrived = ((old >> 32) & 0xFFFF) + 1, phases = old & 0xFFFFFFFFu;
+    const uint64_t next = arrived == count ? (count << 48) | ((phases + 1) & 0xFFFFFFFFu)
+                                           : (count << 48) | (arrived << 32) | phases;
+    if (__atomic_compare_exchange_n(barrier, &old, next, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return;
+  }
+}
 inline void tma_load(void* dst, const void* src, uint32_t bytes, uint64_t* barrier) {
   std::memcpy(dst, src, bytes);
-  __atomic_fetch_add(barrier, 1, __ATOMIC_RELEASE);
+  mbarrier_arrive(barrier);
 }
 inline void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
   while ((__atomic_load_n(barrier, __ATOMIC_ACQUIRE) & 1u) == parity) sched_yield();

@@ -171,6 +171,8 @@ CASES = [
     dict(name="4 ranks top8", R=4, T=17, H=128, K=8, E=16, kind="messy"),
     dict(name="K > E_local, 3 blocks, 1 send warp", R=2, T=41, H=7168, K=6, E=8, blocks=3,
          send_warps=1),
+    dict(name="f32 y rows of 16 KiB (two combine pieces)", R=2, T=12, H=4096, K=4, E=8,
+         x_dtype="float32", y_dtype="float32"),
     dict(name="fp8 odd blocks, 15 send warps", R=2, T=9, H=640, K=2, E=4,
          dispatch_dtype="float8_e4m3fn", send_warps=15, reps=3),
 ]
