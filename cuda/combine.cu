@@ -37,15 +37,18 @@ __global__ void __launch_bounds__(kStartThreads)
 
 // ---- combine ---------------------------------------------------------------------------------
 // Each warp streams the rows it reduces through a per-lane ring of cp.async copies in shared
-// memory (cp.async): a piece is 1 KiB of one row (32 bytes per lane), and every lane always has
+// memory (cp.async): a piece is 1.5 KiB of one row (48 bytes per lane), and every lane always has
 // kCombineRing pieces in flight, so a warp keeps ~10 KiB of loads outstanding instead of waiting
-// for one short batch after another. The order of pieces is fixed (token, step of 1 KiB of the
+// for one short batch after another. The order of pieces is fixed (token, step of 1.5 KiB of the
 // row, then the token's rows in slot order, then for finalisers the staged partials of the other
 // ranks in rank order), and each lane reads back only the bytes it loaded itself, so the ring
-// needs no barrier: cp.async.wait_group suffices. (Bulk TMA copies of the same 1 KiB pieces, one
-// lane issuing and every lane waiting on an mbarrier per slot, measured 1.35x slower on H200.)
-constexpr int kCombineRing = 10;  // pieces in flight per lane
-constexpr int kStepBytes = 1024;  // a piece: one step of a row
+// needs no barrier: cp.async.wait_group suffices. The kernel is bound by instruction issue
+// (Nsight Compute on H100: IPC 1.9, DRAM 19%), so the per-piece bookkeeping is kept small and the
+// arithmetic is one conversion and one FMA per element and row. (Bulk TMA copies of 1 KiB pieces,
+// and a block-wide TMA pipeline of whole rows, both measured slower on H200 at 24 SMs.)
+constexpr int kCombineVecs = 3;                 // 16-byte vectors per lane and piece (4 spills)
+constexpr int kStepBytes = 512 * kCombineVecs;  // a piece: one step of a row (1.5 KiB)
+constexpr int kCombineRing = 7;                 // pieces in flight per lane
 
 struct CombineArgs {
   CommLayout layout;
@@ -68,7 +71,7 @@ __host__ __device__ constexpr int64_t combine_warp_shared_bytes(int list_stride,
 }
 
 struct CombineWarp {
-  char* ring;         // [kCombineRing][1 KiB]: lane l owns bytes [16 l, 16 l + 16) and +512
+  char* ring;         // [kCombineRing][1.5 KiB]: lane l owns bytes 16 l + 512 j, j < kCombineVecs
   int32_t* raw;       // [kChunkTokens][K]: token_rows of the chunk
   int32_t* entries;   // [kChunkTokens][stride]: y row (>= 0) or -1 - r (rank r's staged partial)
   float* weights;     // [kChunkTokens][stride]: gate weight of each y row
@@ -80,11 +83,12 @@ struct CombineWarp {
 
 template <bool kF32>
 struct Piece {
-  static constexpr int kElems = kF32 ? 8 : 16;  // elements per lane and piece
+  static constexpr int kPerVec = kF32 ? 4 : 8;             // elements per 16-byte vector
+  static constexpr int kElems = kCombineVecs * kPerVec;    // elements per lane and piece
 };
 
-// A lane's share of step s: the two 16-byte vectors at s * 1 KiB + lane * 16 and 512 bytes
-// further, so that each copy or store instruction of the warp covers 512 contiguous bytes.
+// A lane's share of step s: the 16-byte vectors at s * 1.5 KiB + lane * 16 + 512 j, so that each
+// copy or store instruction of the warp covers 512 contiguous bytes.
 __device__ __forceinline__ int64_t piece_offset(int s, int lane) {
   return static_cast<int64_t>(s) * kStepBytes + lane * 16;
 }
@@ -94,57 +98,56 @@ __device__ __forceinline__ int64_t piece_offset(int s, int lane) {
 __device__ __forceinline__ void issue_piece(const CombineWarp& w, uint32_t slot, const char* row,
                                             int64_t offset, int64_t row_bytes, int lane) {
   char* base = w.ring + slot * kStepBytes + lane * 16;
-  if (offset < row_bytes) cp_async_16(base, row + offset);
-  if (offset + 512 < row_bytes) cp_async_16(base + 512, row + offset + 512);
+#pragma unroll
+  for (int j = 0; j < kCombineVecs; ++j) {
+    if (offset + 512 * j < row_bytes) cp_async_16(base + 512 * j, row + offset + 512 * j);
+  }
 }
 
+// Vector j of this lane's share of ring slot `slot`, as floats.
 template <bool kF32>
-__device__ __forceinline__ void read_piece(const CombineWarp& w, int slot, int lane,
-                                           float f[Piece<kF32>::kElems]) {
-  const char* base = w.ring + static_cast<int64_t>(slot) * kStepBytes + lane * 16;
-  const uint4 a = *reinterpret_cast<const uint4*>(base);
-  const uint4 b = *reinterpret_cast<const uint4*>(base + 512);
+__device__ __forceinline__ void ring_vector(const CombineWarp& w, uint32_t slot, int lane, int j,
+                                            float f[Piece<kF32>::kPerVec]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(w.ring + slot * kStepBytes + lane * 16 + 512 * j);
   if constexpr (kF32) {
-    f[0] = __uint_as_float(a.x); f[1] = __uint_as_float(a.y);
-    f[2] = __uint_as_float(a.z); f[3] = __uint_as_float(a.w);
-    f[4] = __uint_as_float(b.x); f[5] = __uint_as_float(b.y);
-    f[6] = __uint_as_float(b.z); f[7] = __uint_as_float(b.w);
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
   } else {
-    unpack_bf16x8(a, f);
-    unpack_bf16x8(b, f + 8);
+    unpack_bf16x8(v, f);
   }
 }
 
 template <bool kF32>
 __device__ __forceinline__ void write_piece(char* row, int64_t offset, int64_t row_bytes,
                                             const float f[Piece<kF32>::kElems]) {
-  uint4 a, b;
-  if constexpr (kF32) {
-    a = make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
-                   __float_as_uint(f[3]));
-    b = make_uint4(__float_as_uint(f[4]), __float_as_uint(f[5]), __float_as_uint(f[6]),
-                   __float_as_uint(f[7]));
-  } else {
-    a = pack_bf16x8(f);
-    b = pack_bf16x8(f + 8);
+  constexpr int kP = Piece<kF32>::kPerVec;
+#pragma unroll
+  for (int j = 0; j < kCombineVecs; ++j) {
+    uint4 v;
+    if constexpr (kF32) {
+      v = make_uint4(__float_as_uint(f[kP * j]), __float_as_uint(f[kP * j + 1]),
+                     __float_as_uint(f[kP * j + 2]), __float_as_uint(f[kP * j + 3]));
+    } else {
+      v = pack_bf16x8(f + kP * j);
+    }
+    if (offset + 512 * j < row_bytes) *reinterpret_cast<uint4*>(row + offset + 512 * j) = v;
   }
-  if (offset < row_bytes) *reinterpret_cast<uint4*>(row + offset) = a;
-  if (offset + 512 < row_bytes) *reinterpret_cast<uint4*>(row + offset + 512) = b;
 }
 
 // The piece stream of one chunk: `issue` loads the next piece (token tt, step s, entry i) into the
 // ring and commits one cp.async group (empty once the stream is exhausted), so that exactly one
 // group per consumed piece keeps the count of outstanding groups fixed.
 struct PieceStream {
-  int tt, s, i;       // next piece to issue
-  uint32_t issued;    // pieces issued by this warp so far (all chunks: the barriers' phases)
-  uint32_t consumed;  // pieces consumed by this warp so far
+  int tt, s, i;           // next piece to issue
+  uint32_t issue_slot;    // ring slot of the next piece issued
+  uint32_t consume_slot;  // ring slot of the next piece consumed
 };
 
 template <bool kF32>
 __global__ void __launch_bounds__(kDataThreads, 1)
     combine_main_kernel(DeviceState* state, CombineArgs a) {
   constexpr int kE = Piece<kF32>::kElems;
+  constexpr int kP = Piece<kF32>::kPerVec;
   JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     w.active = w.in_mask + kChunkTokens;
   }
 
-  uint32_t issued = 0, consumed = 0;  // this lane's pieces, over all its chunks
+  uint32_t issue_slot = 0, consume_slot = 0;  // this lane's ring position, over all its chunks
 
   const int n_items = reducer ? L.num_chunks * (R - 1) : L.num_chunks;
   uint32_t* counter = &info->work[reducer ? 0 : 1];
@@ -249,7 +252,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     __syncwarp();
 
     // ---- the piece stream ----
-    PieceStream ps{0, 0, 0, issued, consumed};
+    PieceStream ps{0, 0, 0, issue_slot, consume_slot};
     while (ps.tt < n_tok && w.n_all[ps.tt] == 0) ++ps.tt;
     auto issue = [&]() {
       if (ps.tt < n_tok) {
@@ -258,8 +261,8 @@ __global__ void __launch_bounds__(kDataThreads, 1)
             e >= 0 ? a.y + static_cast<int64_t>(e) * row_bytes
                    : own + L.stage_data + (static_cast<int64_t>(-1 - e) * T + t0 + ps.tt) *
                                               L.data_row_bytes;
-        issue_piece(w, ps.issued % kCombineRing, row, piece_offset(ps.s, lane), row_bytes, lane);
-        ++ps.issued;
+        issue_piece(w, ps.issue_slot, row, piece_offset(ps.s, lane), row_bytes, lane);
+        ps.issue_slot = ps.issue_slot + 1 == kCombineRing ? 0 : ps.issue_slot + 1;
         if (++ps.i == w.n_all[ps.tt]) {
           ps.i = 0;
           if (++ps.s == steps) {
@@ -270,10 +273,11 @@ __global__ void __launch_bounds__(kDataThreads, 1)
       }
       cp_async_commit();
     };
-    auto pop = [&](float f[kE]) {
+    auto pop = [&]() {  // ring slot of the next piece, once it has landed
       cp_async_wait<kCombineRing - 1>();
-      read_piece<kF32>(w, ps.consumed % kCombineRing, lane, f);
-      ++ps.consumed;
+      const uint32_t slot = ps.consume_slot;
+      ps.consume_slot = slot + 1 == kCombineRing ? 0 : slot + 1;
+      return slot;
     };
     for (int k = 0; k < kCombineRing; ++k) issue();
 
@@ -288,17 +292,20 @@ __global__ void __launch_bounds__(kDataThreads, 1)
                                                    L.data_row_bytes
                           : a.out + (t0 + tt) * row_bytes;
       for (int s = 0; s < steps; ++s) {
-        // this rank's partial: sum over its rows in slot order of w * y (as the reference)
+        // this rank's partial: sum over its rows in slot order of w * y (as the reference; an
+        // unweighted sum has w = 1, and fma(f, 1, acc) is acc + f exactly)
         float acc[kE];
 #pragma unroll
         for (int i = 0; i < kE; ++i) acc[i] = 0.f;
         for (int j = 0; j < n_own; ++j) {  // (a finaliser's token not routed here has none)
-          float f[kE];
-          pop(f);
+          const uint32_t slot = pop();
           const float wj = weights[j];
 #pragma unroll
-          for (int i = 0; i < kE; ++i) {
-            acc[i] = weighted ? __fmaf_rn(f[i], wj, acc[i]) : __fadd_rn(acc[i], f[i]);
+          for (int v = 0; v < kCombineVecs; ++v) {
+            float f[kP];
+            ring_vector<kF32>(w, slot, lane, v, f);
+#pragma unroll
+            for (int i = 0; i < kP; ++i) acc[kP * v + i] = __fmaf_rn(f[i], wj, acc[kP * v + i]);
           }
           issue();
         }
@@ -314,25 +321,31 @@ __global__ void __launch_bounds__(kDataThreads, 1)
         }
         float total[kE];
         for (int r = 0; r < R; ++r) {
-          float v[kE];
           if (r == me) {
 #pragma unroll
-            for (int i = 0; i < kE; ++i) v[i] = acc[i];
+            for (int i = 0; i < kE; ++i) total[i] = r == 0 ? acc[i] : __fadd_rn(total[i], acc[i]);
           } else if ((mask >> r) & 1) {
-            pop(v);
+            const uint32_t slot = pop();
+#pragma unroll
+            for (int v = 0; v < kCombineVecs; ++v) {
+              float f[kP];
+              ring_vector<kF32>(w, slot, lane, v, f);
+#pragma unroll
+              for (int i = 0; i < kP; ++i) {
+                total[kP * v + i] = r == 0 ? f[i] : __fadd_rn(total[kP * v + i], f[i]);
+              }
+            }
             issue();
           } else {
 #pragma unroll
-            for (int i = 0; i < kE; ++i) v[i] = 0.f;
+            for (int i = 0; i < kE; ++i) total[i] = r == 0 ? 0.f : __fadd_rn(total[i], 0.f);
           }
-#pragma unroll
-          for (int i = 0; i < kE; ++i) total[i] = r == 0 ? v[i] : __fadd_rn(total[i], v[i]);
         }
         write_piece<kF32>(dst, offset, row_bytes, total);
       }
     }
-    issued = ps.issued;
-    consumed = ps.consumed;
+    issue_slot = ps.issue_slot;
+    consume_slot = ps.consume_slot;
     cp_async_wait<0>();
     __syncwarp();  // every lane's stores of the chunk are done
     if (reducer && lane == 0) {
