@@ -25,9 +25,10 @@ from jax_ep import runtime
 from jax_ep.config import EPConfig
 from jax_ep.types import Dispatched, Handle, Layout
 
-# Ops whose kernel beat the reference path on the benchmark (2x H200, docs/benchmarks.md): only these
-# are taken by backend="auto". dispatch/combine/broadcast/slot_values are correct but still slower
-# than the dense lax.all_to_all reference at the DeepSeek-V3 shape; backend="cuda" runs them.
+# Ops whose kernel beat the reference path on the benchmark (docs/benchmarks.md): only these are taken
+# by backend="auto". dispatch beat the dense lax.all_to_all reference at 4096 and 8192 tokens per rank
+# but not at 128-2048 (2x H200), combine is slower on 2x H200 and faster on 4x H200: backend="cuda"
+# runs them.
 FASTER_THAN_REFERENCE = ("layout",)
 
 LAYOUT_MAX_TOPK = 64  # the layout kernel keeps a token's ids in registers (cuda/layout.cu)

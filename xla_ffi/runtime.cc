@@ -277,12 +277,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
     tables.comm_bytes = target_bytes;
     tables.timeout_ns = timeout_ns;
     JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
-    void* record_on_device = nullptr;
-    JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_[ordinal], 0));
-    tables.fault_record = static_cast<FaultRecord*>(record_on_device);
-    tables.device_ordinal = ordinal;
-    JAX_EP_CUDA_THROW(cudaMemcpy(states_[ordinal].load(std::memory_order_acquire), &tables,
-                                 kDeviceTablesBytes, cudaMemcpyHostToDevice));
+    UploadTables(ordinal, tables);
   }
   for (int ordinal : need_buffer) {
     if (old_buffers[ordinal] != nullptr) {
@@ -295,6 +290,15 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   timeout_ns_ = timeout_ns;
   comm_bytes_.store(target_bytes, std::memory_order_release);
   for (int ordinal : all) managed_[ordinal].store(true, std::memory_order_release);
+}
+
+void Runtime::UploadTables(int ordinal, DeviceTables tables) {
+  void* record_on_device = nullptr;
+  JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_[ordinal], 0));
+  tables.fault_record = static_cast<FaultRecord*>(record_on_device);
+  tables.device_ordinal = ordinal;
+  JAX_EP_CUDA_THROW(cudaMemcpy(states_[ordinal].load(std::memory_order_acquire), &tables,
+                               kDeviceTablesBytes, cudaMemcpyHostToDevice));
 }
 
 void Runtime::Shutdown() {
@@ -311,12 +315,7 @@ void Runtime::Shutdown() {
     DeviceTables tables;
     std::memset(&tables, 0, sizeof(tables));  // comm_bytes = 0: stale graph replays trap
     tables.timeout_ns = timeout_ns_;
-    void* record_on_device = nullptr;
-    JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_[ordinal], 0));
-    tables.fault_record = static_cast<FaultRecord*>(record_on_device);
-    tables.device_ordinal = ordinal;
-    JAX_EP_CUDA_THROW(cudaMemcpy(states_[ordinal].load(std::memory_order_acquire), &tables,
-                                 kDeviceTablesBytes, cudaMemcpyHostToDevice));
+    UploadTables(ordinal, tables);
     if (comm_buffers_[ordinal] != nullptr) {
       JAX_EP_CUDA_THROW(cudaFree(comm_buffers_[ordinal]));
       comm_buffers_[ordinal] = nullptr;

@@ -68,6 +68,9 @@ class Runtime {
 
  private:
   Runtime();
+  // Sets the fields every table of `ordinal` carries (its fault record, its ordinal) and copies the
+  // tables into the device's state. The caller holds mutex_ and has selected the device.
+  void UploadTables(int ordinal, DeviceTables tables);
 
   mutable std::mutex mutex_;  // serialises Init/Shutdown/queries; never taken by handlers
   std::atomic<DeviceState*> states_[kMaxDevices];

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 
@@ -45,3 +50,38 @@ GRAPH_OPTIONS = {
     "graph_while": {"xla_gpu_graph_min_graph_size": 1,
                     "xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,WHILE"},
 }
+
+
+# Tail of a child script whose last op traps on the device: polls jax_ep.runtime.faults() and
+# prints them (and check_errors()'s message) for the parent; exits 3 if no fault appears.
+_POLL_FAULTS = """
+import json as _json, os as _os, time as _time
+from jax_ep import runtime as _runtime
+_deadline = _time.time() + 120
+while _time.time() < _deadline:
+    _faults = _runtime.faults()
+    if _faults:
+        print("FAULTS=" + _json.dumps(_faults), flush=True)
+        print("SECONDS=%.2f" % (_time.time() - _START), flush=True)
+        try:
+            _runtime.check_errors()
+        except _runtime.DeviceFaultError as _e:
+            print("CHECK_ERRORS=" + str(_e), flush=True)
+        _os._exit(0)
+    _time.sleep(0.01)
+print("NO_FAULT", flush=True)
+_os._exit(3)
+"""
+
+
+def faults_of_child(script: str, timeout_s: str = "2") -> tuple[list[dict], str]:
+    """Runs `script` (which must set _START = time.time() before its faulting call) in a child
+    process with JAX_EP_TIMEOUT_S=timeout_s, then waits for the device fault it provokes; returns
+    the fault records and the child's stdout (a trap kills the CUDA context, hence the child)."""
+    env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_s, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    child = subprocess.run([sys.executable, "-c", script + _POLL_FAULTS], env=env,
+                           capture_output=True, text=True, timeout=300)
+    output = child.stdout + child.stderr
+    lines = [line for line in child.stdout.splitlines() if line.startswith("FAULTS=")]
+    assert lines, f"child recorded no fault (rc={child.returncode}):\n{output[-4000:]}"
+    return json.loads(lines[0][len("FAULTS="):]), child.stdout

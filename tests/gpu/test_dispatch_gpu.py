@@ -11,10 +11,6 @@ layer's training step, a 20-step lax.scan captured as CUDA graphs, and a rank th
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_helpers import GRAPH_OPTIONS, assert_captured, handler_stats, poison_device_memory
+from gpu_helpers import GRAPH_OPTIONS, assert_captured, faults_of_child, handler_stats, poison_device_memory
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -338,13 +334,12 @@ def test_unsupported_dtype_is_a_clear_error(cuda_backend, mesh):
 
 
 _TIMEOUT_CHILD = textwrap.dedent("""
-    import json, os, time
+    import time
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
     import jax_ep
-    from jax_ep import runtime
 
     gpus = jax.local_devices(backend="gpu")[:2]
     mesh = Mesh(np.array(gpus), ("ep",))
@@ -361,42 +356,22 @@ _TIMEOUT_CHILD = textwrap.dedent("""
     x = jnp.ones((64, 256), jnp.bfloat16)
     idx = jnp.tile(jnp.array([[0, 5]], jnp.int32), (64, 1))
     w = jnp.ones((64, 2), jnp.float32)
-    start = time.time()
+    _START = time.time()
     try:
         jax.block_until_ready(fn(x, idx, w))
         print("CALL_RETURNED", flush=True)
     except Exception as e:
         print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        faults = runtime.faults()
-        if faults:
-            print("FAULTS=" + json.dumps(faults), flush=True)
-            print("SECONDS=%.2f" % (time.time() - start), flush=True)
-            try:
-                runtime.check_errors()
-            except runtime.DeviceFaultError as e:
-                print("CHECK_ERRORS=" + str(e), flush=True)
-            os._exit(0)
-        time.sleep(0.01)
-    print("NO_FAULT", flush=True)
-    os._exit(3)
 """)
 
 
 def test_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh):
-    env = dict(os.environ, JAX_EP_TIMEOUT_S="2", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    child = subprocess.run([sys.executable, "-c", _TIMEOUT_CHILD], env=env, capture_output=True,
-                           text=True, timeout=300)
-    output = child.stdout + child.stderr
-    lines = [line for line in child.stdout.splitlines() if line.startswith("FAULTS=")]
-    assert lines, f"child recorded no fault (rc={child.returncode}):\n{output[-4000:]}"
-    faults = json.loads(lines[0][len("FAULTS="):])
+    faults, stdout = faults_of_child(_TIMEOUT_CHILD)
     assert len(faults) == 1, faults
     fault = faults[0]
     assert fault["kind"] == "timeout" and fault["op"] == "dispatch", fault
     assert fault["device_ordinal"] == mesh.devices.flat[0].local_hardware_id, fault
     assert (fault["rank"], fault["waited_rank"]) == (0, 1), fault
     assert 2.0 <= fault["elapsed_s"] < 30, fault
-    assert "CHECK_ERRORS=" in child.stdout and "dispatch" in child.stdout, output[-4000:]
-    assert "waiting for rank 1" in child.stdout, output[-4000:]
+    assert "CHECK_ERRORS=" in stdout and "dispatch" in stdout, stdout[-4000:]
+    assert "waiting for rank 1" in stdout, stdout[-4000:]
