@@ -93,14 +93,12 @@ __device__ __forceinline__ int64_t piece_offset(int s, int lane) {
   return static_cast<int64_t>(s) * kStepBytes + lane * 16;
 }
 
-// Loads this lane's share of the piece at byte `offset` of `row` (offset = piece_offset) into ring
-// slot `slot`, only the bytes inside the row.
-__device__ __forceinline__ void issue_piece(const CombineWarp& w, uint32_t slot, const char* row,
-                                            int64_t offset, int64_t row_bytes, int lane) {
-  char* base = w.ring + slot * kStepBytes + lane * 16;
+// Loads a lane's share of a piece, `src` = row + piece_offset, into its place of a ring slot
+// (`dst` = slot + lane * 16); only the bytes inside the row (`left` = row_bytes - piece_offset).
+__device__ __forceinline__ void issue_piece(char* dst, const char* src, int64_t left) {
 #pragma unroll
   for (int j = 0; j < kCombineVecs; ++j) {
-    if (offset + 512 * j < row_bytes) cp_async_16(base + 512 * j, row + offset + 512 * j);
+    if (512 * j < left) cp_async_16(dst + 512 * j, src + 512 * j);
   }
 }
 
@@ -139,6 +137,8 @@ __device__ __forceinline__ void write_piece(char* row, int64_t offset, int64_t r
 // group per consumed piece keeps the count of outstanding groups fixed.
 struct PieceStream {
   int tt, s, i;           // next piece to issue
+  int n;                  // pieces per step of token tt (its rows and staged partials)
+  int64_t offset;         // piece_offset(s, lane)
   uint32_t issue_slot;    // ring slot of the next piece issued
   uint32_t consume_slot;  // ring slot of the next piece consumed
 };
@@ -252,22 +252,35 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     __syncwarp();
 
     // ---- the piece stream ----
-    PieceStream ps{0, 0, 0, issue_slot, consume_slot};
-    while (ps.tt < n_tok && w.n_all[ps.tt] == 0) ++ps.tt;
+    // The stream's cursor is kept in registers: an issue costs one shared load (the entry), the
+    // row address and the copies (the kernel is bound by instruction issue).
+    PieceStream ps{0, 0, 0, 0, piece_offset(0, lane), issue_slot, consume_slot};
+    auto next_token = [&](int tt) {
+      while (tt < n_tok && w.n_all[tt] == 0) ++tt;
+      ps.tt = tt;
+      ps.n = tt < n_tok ? w.n_all[tt] : 0;
+    };
+    next_token(0);
+    char* const ring_lane = w.ring + lane * 16;
     auto issue = [&]() {
       if (ps.tt < n_tok) {
         const int32_t e = w.entries[ps.tt * stride + ps.i];
-        const char* row =
-            e >= 0 ? a.y + static_cast<int64_t>(e) * row_bytes
-                   : own + L.stage_data + (static_cast<int64_t>(-1 - e) * T + t0 + ps.tt) *
-                                              L.data_row_bytes;
-        issue_piece(w, ps.issue_slot, row, piece_offset(ps.s, lane), row_bytes, lane);
+        const char* row;
+        if (e >= 0) {
+          row = a.y + static_cast<int64_t>(e) * row_bytes;
+        } else {
+          row = own + L.stage_data +
+                (static_cast<int64_t>(-1 - e) * T + t0 + ps.tt) * L.data_row_bytes;
+        }
+        issue_piece(ring_lane + ps.issue_slot * kStepBytes, row + ps.offset, row_bytes - ps.offset);
         ps.issue_slot = ps.issue_slot + 1 == kCombineRing ? 0 : ps.issue_slot + 1;
-        if (++ps.i == w.n_all[ps.tt]) {
+        if (++ps.i == ps.n) {
           ps.i = 0;
+          ps.offset += kStepBytes;
           if (++ps.s == steps) {
             ps.s = 0;
-            do { ++ps.tt; } while (ps.tt < n_tok && w.n_all[ps.tt] == 0);
+            ps.offset = piece_offset(0, lane);
+            next_token(ps.tt + 1);
           }
         }
       }
@@ -295,9 +308,22 @@ __global__ void __launch_bounds__(kDataThreads, 1)
         // this rank's partial: sum over its rows in slot order of w * y (as the reference; an
         // unweighted sum has w = 1, and fma(f, 1, acc) is acc + f exactly)
         float acc[kE];
+        if (n_own == 0) {  // (a finaliser's token not routed here)
 #pragma unroll
-        for (int i = 0; i < kE; ++i) acc[i] = 0.f;
-        for (int j = 0; j < n_own; ++j) {  // (a finaliser's token not routed here has none)
+          for (int i = 0; i < kE; ++i) acc[i] = 0.f;
+        } else {  // the first row: fma(f, w, +0), exactly as from acc = 0
+          const uint32_t slot = pop();
+          const float w0 = weights[0];
+#pragma unroll
+          for (int v = 0; v < kCombineVecs; ++v) {
+            float f[kP];
+            ring_vector<kF32>(w, slot, lane, v, f);
+#pragma unroll
+            for (int i = 0; i < kP; ++i) acc[kP * v + i] = __fmaf_rn(f[i], w0, 0.f);
+          }
+          issue();
+        }
+        for (int j = 1; j < n_own; ++j) {
           const uint32_t slot = pop();
           const float wj = weights[j];
 #pragma unroll
