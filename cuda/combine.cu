@@ -57,24 +57,29 @@ struct CombineArgs {
   const int32_t* token_rows;
   const bool* is_token_in_rank;
   char* out;
-  int32_t T, K, H;
-  int32_t row_bytes;     // H * sizeof(y)
+  int32_t T, K;
+  int32_t row_bytes;     // hidden * sizeof(y)
   int32_t reduce_warps;
   int32_t list_stride;   // entries per token list: K + R
 };
 
-// Shared memory of one warp: the ring, the chunk's token_rows and per-token lists.
+// Shared memory of one warp: the ring, the chunk's token_rows (then the rows' weights, in the same
+// place), the row lists and four per-token counts.
 __host__ __device__ constexpr int64_t combine_warp_shared_bytes(int list_stride, int topk) {
   return static_cast<int64_t>(kCombineRing) * kStepBytes +
          static_cast<int64_t>(kChunkTokens) * topk * 4 +
-         2 * static_cast<int64_t>(kChunkTokens) * list_stride * 4 + 4 * kChunkTokens * 4;
+         static_cast<int64_t>(kChunkTokens) * list_stride * 4 + 4 * kChunkTokens * 4;
 }
+// The largest top-k and group still fit an SM (227 KiB of shared memory per block on sm_90).
+static_assert(kDataWarps * combine_warp_shared_bytes(kMaxTopk + kMaxGroupRanks, kMaxTopk) <=
+                  232448,
+              "combine's shared memory must fit every supported top-k and group size");
 
 struct CombineWarp {
   char* ring;         // [kCombineRing][1.5 KiB]: lane l owns bytes 16 l + 512 j, j < kCombineVecs
-  int32_t* raw;       // [kChunkTokens][K]: token_rows of the chunk
+  int32_t* raw;       // [kChunkTokens][K]: token_rows of the chunk, until the lists are built
+  float* weights;     // [kChunkTokens][K]: then the gate weight of each y row (raw's place)
   int32_t* entries;   // [kChunkTokens][stride]: y row (>= 0) or -1 - r (rank r's staged partial)
-  float* weights;     // [kChunkTokens][stride]: gate weight of each y row
   int32_t* n_own;     // [kChunkTokens]: y rows of the token
   int32_t* n_all;     // [kChunkTokens]: y rows + staged partials
   int32_t* in_mask;   // [kChunkTokens]: ranks the token went to (finalisers)
@@ -140,7 +145,7 @@ struct PieceStream {
   int n;                  // pieces per step of token tt (its rows and staged partials)
   int64_t offset;         // piece_offset(s, lane)
   uint32_t issue_slot;    // ring slot of the next piece issued
-  uint32_t consume_slot;  // ring slot of the next piece consumed
+  uint32_t consume_slot;  // ring slot of the next piece consumed (each chunk drains the ring)
 };
 
 template <bool kF32>
@@ -172,15 +177,14 @@ __global__ void __launch_bounds__(kDataThreads, 1)
         reinterpret_cast<char*>(dynamic_shared) + warp * combine_warp_shared_bytes(stride, K);
     w.ring = base;
     w.raw = reinterpret_cast<int32_t*>(base + kCombineRing * kStepBytes);
+    w.weights = reinterpret_cast<float*>(w.raw);
     w.entries = w.raw + kChunkTokens * K;
-    w.weights = reinterpret_cast<float*>(w.entries + kChunkTokens * stride);
-    w.n_own = reinterpret_cast<int32_t*>(w.weights + kChunkTokens * stride);
+    w.n_own = w.entries + kChunkTokens * stride;
     w.n_all = w.n_own + kChunkTokens;
     w.in_mask = w.n_all + kChunkTokens;
     w.active = w.in_mask + kChunkTokens;
   }
 
-  uint32_t issue_slot = 0, consume_slot = 0;  // this lane's ring position, over all its chunks
 
   const int n_items = reducer ? L.num_chunks * (R - 1) : L.num_chunks;
   uint32_t* counter = &info->work[reducer ? 0 : 1];
@@ -190,14 +194,13 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     int c, s_rank;  // chunk; reducers: the rank whose tokens these are
     if (reducer) {
       c = item / (R - 1);
-      const int other = item % (R - 1);
-      s_rank = other < me ? other : other + 1;
+      s_rank = other_rank(item % (R - 1), me);
     } else {
       c = item;
       s_rank = me;
     }
     const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
-    const int n_tok = static_cast<int>(T - t0 < kChunkTokens ? T - t0 : kChunkTokens);
+    const int n_tok = static_cast<int>(chunk_end(c, T) - t0);
 
     // ---- the chunk's lists ----
     int32_t* raw = w.raw;
@@ -243,10 +246,11 @@ __global__ void __launch_bounds__(kDataThreads, 1)
       }
     }
     __syncwarp();
-    for (int f = lane; f < n_tok * stride; f += 32) {
-      const int tt = f / stride;
-      if (f - tt * stride < w.n_own[tt]) {
-        w.weights[f] = weighted ? __ldg(a.row_weights + w.entries[f]) : 1.f;
+    for (int f = lane; f < n_tok * K; f += 32) {  // token_rows are read: weights take their place
+      const int tt = f / K;
+      const int i = f - tt * K;
+      if (i < w.n_own[tt]) {
+        w.weights[f] = weighted ? __ldg(a.row_weights + w.entries[tt * stride + i]) : 1.f;
       }
     }
     __syncwarp();
@@ -254,7 +258,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     // ---- the piece stream ----
     // The stream's cursor is kept in registers: an issue costs one shared load (the entry), the
     // row address and the copies (the kernel is bound by instruction issue).
-    PieceStream ps{0, 0, 0, 0, piece_offset(0, lane), issue_slot, consume_slot};
+    PieceStream ps{0, 0, 0, 0, piece_offset(0, lane), 0, 0};
     auto next_token = [&](int tt) {
       while (tt < n_tok && w.n_all[tt] == 0) ++tt;
       ps.tt = tt;
@@ -298,7 +302,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
       if (!w.active[tt]) continue;
       const int n_own = w.n_own[tt];
       const int32_t mask = reducer ? 0 : w.in_mask[tt];
-      const float* weights = w.weights + tt * stride;
+      const float* weights = w.weights + tt * K;
       char* dst = reducer ? reinterpret_cast<char*>(__shfl_sync(
                                 kFullMask, reinterpret_cast<unsigned long long>(lane_peer), s_rank)) +
                                 L.stage_data + (static_cast<int64_t>(me) * T + t0 + tt) *
@@ -370,8 +374,6 @@ __global__ void __launch_bounds__(kDataThreads, 1)
         write_piece<kF32>(dst, offset, row_bytes, total);
       }
     }
-    issue_slot = ps.issue_slot;
-    consume_slot = ps.consume_slot;
     cp_async_wait<0>();
     __syncwarp();  // every lane's stores of the chunk are done
     if (reducer && lane == 0) {
@@ -424,9 +426,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     for (;;) {
       const int c = next_item(&info->work[0]);
       if (c >= L.num_chunks) break;
-      const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
-      const int64_t t1 = t0 + kChunkTokens < T ? t0 + kChunkTokens : T;
-      for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
         const bool to_peer = lane < R && lane != me && a.is_token_in_rank[t * R + lane];
         const uint32_t remote = __ballot_sync(kFullMask, to_peer);
         if (remote == 0u) continue;
@@ -435,19 +435,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
                                : nullptr;
         copy_raw(a.g + t * a.row_bytes, remote, my_dst);
       }
-      if constexpr (kTma) {
-        if (lane == 0) {  // the bulk stores are complete before the flags
-          tma_store_wait_all();
-          fence_proxy_async_global();
-          __threadfence_system();
-        }
-      }
-      __syncwarp();
-      if (lane < R && lane != me) {
-        store_release_sys(reinterpret_cast<uint64_t*>(lane_peer + L.chunk_flags) +
-                              (static_cast<int64_t>(me) * L.num_chunks + c),
-                          expected);
-      }
+      release_chunk<kTma>(L, lane_peer, c, me, R, expected, lane);
     }
     if constexpr (kTma) {
       if (lane == 0) tma_store_wait_all();
@@ -456,11 +444,10 @@ __global__ void __launch_bounds__(kDataThreads, 1)
   }
 
   const int n_zero = (a.C + kZeroRows - 1) / kZeroRows;
-  const int n_self = L.num_chunks;
-  const int n_remote = L.num_chunks * (R - 1);
+  const int n_chunk_items = L.num_chunks * R;  // own chunks, then (chunk, other rank) pairs
   for (;;) {
     int item = next_item(&info->work[1]);
-    if (item >= n_zero + n_self + n_remote) break;
+    if (item >= n_zero + n_chunk_items) break;
     if (item < n_zero) {  // rows no token landed on are zero
       const int64_t lo = static_cast<int64_t>(item) * kZeroRows;
       const int64_t hi = lo + kZeroRows < a.C ? lo + kZeroRows : a.C;
@@ -475,25 +462,8 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     }
     item -= n_zero;
     int s, c;
-    if (item < n_self) {
-      s = me;
-      c = item;
-    } else {
-      item -= n_self;
-      c = item / (R - 1);
-      const int other = item % (R - 1);
-      s = other < me ? other : other + 1;
-      if (lane == 0) {
-        wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
-                            (static_cast<int64_t>(s) * L.num_chunks + c),
-                        expected, state, kOpBroadcast, me, s, info->ordinals[s]);
-        if constexpr (kTma) fence_proxy_async_global();  // bulk loads after the acquire
-      }
-      __syncwarp();
-    }
-    const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
-    const int64_t t1 = t0 + kChunkTokens < T ? t0 + kChunkTokens : T;
-    for (int64_t t = t0; t < t1; ++t) {
+    receive_chunk_item<kTma>(item, state, L, info, own, kOpBroadcast, lane, &s, &c);
+    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
       const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
@@ -574,7 +544,6 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
   a.out = static_cast<char*>(out);
   a.T = g.num_tokens;
   a.K = g.num_topk;
-  a.H = hidden;
   a.row_bytes = hidden * (y_kind == kRowF32 ? 4 : 2);
   a.reduce_warps = g.send_warps;
   a.list_stride = g.num_topk + g.num_ranks;

@@ -322,9 +322,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     for (;;) {
       const int c = next_item(&info->work[0]);
       if (c >= L.num_chunks) break;
-      const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
-      const int64_t t1 = t0 + kChunkTokens < T ? t0 + kChunkTokens : T;
-      for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
         int dest, row;
         float weight;
         token_slot(a, own, t, lane, &dest, &row, &weight);
@@ -348,19 +346,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
         }
         copy_x(a.x + t * a.x_row_bytes, remote, my_dst, my_scales);
       }
-      if constexpr (kTma) {
-        if (lane == 0) {  // the bulk stores are complete before the flags
-          tma_store_wait_all();
-          fence_proxy_async_global();
-          __threadfence_system();
-        }
-      }
-      __syncwarp();  // the chunk's stores of every lane before the flag
-      if (lane < R && lane != me) {
-        store_release_sys(reinterpret_cast<uint64_t*>(lane_peer + L.chunk_flags) +
-                              (static_cast<int64_t>(me) * L.num_chunks + c),
-                          expected);
-      }
+      release_chunk<kTma>(L, lane_peer, c, me, R, expected, lane);
     }
     if constexpr (kTma) {
       if (lane == 0) tma_store_wait_all();
@@ -371,12 +357,11 @@ __global__ void __launch_bounds__(kDataThreads, 1)
   // ---- receivers ----
   const int local_experts = experts_per_rank;
   const int n_tail = (a.C + kTailRows - 1) / kTailRows;
-  const int n_self = L.num_chunks;
-  const int n_remote = L.num_chunks * (R - 1);
+  const int n_chunk_items = L.num_chunks * R;  // own chunks, then (chunk, other rank) pairs
   const int total_rows = info->total_rows;
   for (;;) {
     int item = next_item(&info->work[1]);
-    if (item >= local_experts + n_tail + n_self + n_remote) break;
+    if (item >= local_experts + n_tail + n_chunk_items) break;
     if (item < local_experts) {  // alignment padding of one expert: zero rows
       const int32_t off = __ldcg(reinterpret_cast<const int32_t*>(own + L.seg_off) + item);
       const int32_t kept = __ldcg(reinterpret_cast<const int32_t*>(own + L.seg_kept) + item);
@@ -404,25 +389,8 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     }
     item -= n_tail;
     int s, c;
-    if (item < n_self) {
-      s = me;
-      c = item;
-    } else {
-      item -= n_self;
-      c = item / (R - 1);
-      const int other = item % (R - 1);
-      s = other < me ? other : other + 1;
-      if (lane == 0) {
-        wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
-                            (static_cast<int64_t>(s) * L.num_chunks + c),
-                        expected, state, kOpDispatch, me, s, info->ordinals[s]);
-        if constexpr (kTma) fence_proxy_async_global();  // bulk loads after the acquire
-      }
-      __syncwarp();
-    }
-    const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
-    const int64_t t1 = t0 + kChunkTokens < T ? t0 + kChunkTokens : T;
-    for (int64_t t = t0; t < t1; ++t) {
+    receive_chunk_item<kTma>(item, state, L, info, own, kOpDispatch, lane, &s, &c);
+    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       int row;
       float weight;

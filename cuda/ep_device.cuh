@@ -281,6 +281,63 @@ __device__ __forceinline__ int next_item(uint32_t* counter) {
   return __shfl_sync(kFullMask, item, 0);
 }
 
+// ---- chunks: the unit of work of the data kernels and of the per-chunk ready flags ----------
+// One past the last token of chunk c (tokens [c * kChunkTokens, chunk_end(c, T))).
+__device__ __forceinline__ int64_t chunk_end(int c, int64_t T) {
+  const int64_t end = (static_cast<int64_t>(c) + 1) * kChunkTokens;
+  return end < T ? end : T;
+}
+
+// The index-th rank other than `me` (index in [0, R - 1)).
+__device__ __forceinline__ int other_rank(int index, int me) { return index < me ? index : index + 1; }
+
+// Sender side, after writing chunk c into every other rank's staging: the chunk's stores (bulk
+// stores completed first) are visible before its flag is raised on each of them. Lane r holds rank
+// r's buffer in lane_peer. Every lane calls it.
+template <bool kTma>
+__device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_peer, int c, int me,
+                                              int R, uint64_t expected, int lane) {
+  if constexpr (kTma) {
+    if (lane == 0) {
+      tma_store_wait_all();
+      fence_proxy_async_global();
+      __threadfence_system();
+    }
+  }
+  __syncwarp();
+  if (lane < R && lane != me) {
+    store_release_sys(reinterpret_cast<uint64_t*>(lane_peer + L.chunk_flags) +
+                          (static_cast<int64_t>(me) * L.num_chunks + c),
+                      expected);
+  }
+}
+
+// Receiver side: work item `item` over this rank's chunks, then (chunk, other rank) pairs. Sets the
+// source rank *s and chunk *c; for another rank's chunk, lane 0 waits for its flag (bounded, the
+// op named in a timeout), with bulk loads ordered after the acquire. Every lane calls it.
+template <bool kTma>
+__device__ __forceinline__ void receive_chunk_item(int item, DeviceState* state,
+                                                   const CommLayout& L, const OpInfo* info,
+                                                   const char* own, int32_t op_id, int lane,
+                                                   int* s, int* c) {
+  const int me = info->rank;
+  if (item < L.num_chunks) {
+    *s = me;
+    *c = item;
+    return;
+  }
+  item -= L.num_chunks;
+  *c = item / (info->size - 1);
+  *s = other_rank(item % (info->size - 1), me);
+  if (lane == 0) {
+    wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
+                        (static_cast<int64_t>(*s) * L.num_chunks + *c),
+                    info->expected, state, op_id, me, *s, info->ordinals[*s]);
+    if constexpr (kTma) fence_proxy_async_global();
+  }
+  __syncwarp();
+}
+
 // Sanitised expert of slot `lane` of a token (lanes >= K: none): an id outside [0, E) or repeating
 // an expert of an earlier slot is unused (-1). Every lane of the warp must call it.
 __device__ __forceinline__ int32_t sanitized_expert(const int32_t* topk_row, int K, int E,

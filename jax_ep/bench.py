@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import itertools
 import json
+import tempfile
 import time
 
 import jax
@@ -77,9 +79,6 @@ def kernel_profile(fn, args, iters: int, device_index: int = 0) -> dict[str, flo
 
     Traces `iters` calls with jax.profiler and sums the events of the device's streams by name.
     For communicating kernels this includes the time spent waiting for peers."""
-    import glob
-    import tempfile
-
     run = jax.jit(fn)
     jax.block_until_ready(run(*args))
     with tempfile.TemporaryDirectory() as log_dir:

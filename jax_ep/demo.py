@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from jax_ep.balancing import imbalance  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
 from jax_ep.models import LMConfig, batches, build_training, corpus_bytes  # noqa: E402
 from jax_ep.ops import combine, dispatch  # noqa: E402
@@ -98,10 +99,9 @@ def main(argv=None) -> None:
         step_times.append(time.perf_counter() - start)
         losses.append(loss)
         if step % 10 == 0 or step == args.steps - 1:
-            imbalance = [float(m.last_load[...].max() / max(m.last_load[...].mean(), 1e-9))
-                         for m in model.moe_layers()]
+            per_layer = imbalance(jnp.stack([m.last_load[...] for m in model.moe_layers()]))
             print(f"step {step:4d}  loss {loss:.3f}  expert imbalance (max/mean) "
-                  + " ".join(f"{v:.2f}" for v in imbalance))
+                  + " ".join(f"{float(v):.2f}" for v in per_layer))
 
     step_time = float(np.median(step_times[len(step_times) // 2:]))
     tokens = args.batch * args.seq
