@@ -1,0 +1,204 @@
+"""Grouped matrix multiplication for the expert FFN: ``grouped_matmul(x, w, group_sizes)``.
+
+Semantics are ``jax.lax.ragged_dot``'s: ``x [M, K]`` holds consecutive groups of rows
+(``group_sizes [G]``), group g is multiplied by ``w[g]`` (``w [G, K, N]``), and rows past
+``sum(group_sizes)`` (a dispatch buffer's capacity padding) come out as zeros. Differentiable in x and w
+(``custom_vjp``: dx is the same grouped GEMM against ``w[g].T``, dw the transposed grouped GEMM).
+
+Which implementation runs (decided at trace time, per pass: forward, dx, dw):
+  * ``"mosaic_gpu"``: Hopper kernels (``jax_ep.grouped_matmul_mgpu``, derived from JAX's Mosaic GPU
+    ragged_dot kernels) with a block configuration per shape from ``grouped_matmul_configs.json``
+    (written by ``python tools/tune_grouped_matmul.py`` on a GPU).
+  * ``"ragged_dot"``: ``jax.lax.ragged_dot`` (any platform; far from the tensor cores on GPUs in
+    jax 0.11, and it materialises [M, G, K] at large G).
+``backend="auto"`` takes the kernel wherever it can run and ``lax.ragged_dot`` elsewhere;
+``explain(x, w, group_sizes)`` says which and why (also logged at DEBUG on logger ``jax_ep``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ep.validation import float0_like
+
+BACKENDS = ("auto", "mosaic_gpu", "ragged_dot")
+_KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+_CONFIG_FILE = pathlib.Path(__file__).with_name("grouped_matmul_configs.json")
+_log = logging.getLogger("jax_ep")
+
+# The three passes: forward out = x @ w[g]; dx = dy @ w[g].T; dw[g] = x[g rows].T @ dy[g rows].
+PASSES = ("forward", "dx", "dw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one pass runs: ``impl`` "mosaic_gpu" with ``config``, or "ragged_dot" with ``reason``."""
+
+    impl: str
+    config: object = None
+    reason: str = ""
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto"
+                   ) -> jax.Array:
+    """``lax.ragged_dot(x, w, group_sizes)``, fast on Hopper GPUs.
+
+    Args:
+      x: [M, K] rows, grouped consecutively (bfloat16/float16 for the GPU kernel).
+      w: [G, K, N] one matrix per group, same dtype as x.
+      group_sizes: [G] int32 rows per group; rows past their sum come out as zeros.
+      backend: "auto", "mosaic_gpu" (raise if the kernel cannot run here) or "ragged_dot".
+    Returns: [M, N] in x's dtype (float32 accumulation).
+    """
+    _check_args(x, w, group_sizes, backend)
+    plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend)
+    return _grouped_matmul(x, w, group_sizes, plans)
+
+
+def explain(x, w, group_sizes=None, *, backend: str = "auto") -> dict[str, Plan]:
+    """Which implementation each pass (forward, dx, dw) would take for these shapes/dtypes, and why.
+    x and w may be arrays or jax.ShapeDtypeStruct."""
+    if group_sizes is not None:
+        _check_args(x, w, group_sizes, backend)
+    return dict(zip(PASSES, _plans(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, backend), strict=True))
+
+
+def _check_args(x, w, group_sizes, backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"grouped_matmul: backend must be one of {BACKENDS}, got {backend!r}")
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"grouped_matmul: x must be 2-D [M, K], got shape {getattr(x, 'shape', None)}")
+    if getattr(w, "ndim", None) != 3:
+        raise ValueError(f"grouped_matmul: w must be 3-D [G, K, N], got shape {getattr(w, 'shape', None)}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"grouped_matmul: x has K={x.shape[1]} but w has K={w.shape[1]} "
+                         f"(x {x.shape}, w {w.shape})")
+    if getattr(group_sizes, "shape", None) != (w.shape[0],):
+        raise ValueError(f"grouped_matmul: group_sizes must have shape ({w.shape[0]},) (one per group "
+                         f"of w), got {getattr(group_sizes, 'shape', None)}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"grouped_matmul: group_sizes must be integer, got dtype {group_sizes.dtype}")
+
+
+# ---- choosing an implementation -------------------------------------------------------------------
+def _kernel_platform() -> str:
+    """'' when the Mosaic GPU kernels can run on the default device, else why not."""
+    if jax.default_backend() != "gpu":
+        return f"the default platform is {jax.default_backend()!r}, not a GPU"
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability != "9.0":
+        return f"{device.device_kind} (compute capability {capability}) is not a Hopper GPU (9.0)"
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the jax build
+        return f"jax.experimental.pallas.mosaic_gpu is unavailable: {e}"
+    return ""
+
+
+def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str) -> tuple[Plan, ...]:
+    if backend == "ragged_dot":
+        return tuple(Plan("ragged_dot", reason="backend='ragged_dot'") for _ in PASSES)
+    why = _kernel_platform()
+    if not why and x_dtype != w_dtype:
+        why = f"x ({x_dtype}) and w ({w_dtype}) differ in dtype"
+    if not why and jnp.dtype(x_dtype) not in map(jnp.dtype, _KERNEL_DTYPES):
+        why = f"dtype {x_dtype} is not bfloat16/float16"
+    m, k = x_shape
+    g, _, n = w_shape
+    plans = []
+    for name in PASSES:
+        reason = why or _shape_reason(name, m, k, n)
+        if reason:
+            if backend == "mosaic_gpu":
+                raise ValueError(f"grouped_matmul: backend='mosaic_gpu' cannot run the {name} pass of "
+                                 f"x {tuple(x_shape)} @ w {tuple(w_shape)}: {reason}")
+            _log.debug("grouped_matmul %s pass of x %s @ w %s: lax.ragged_dot (%s)", name, x_shape,
+                       w_shape, reason)
+            plans.append(Plan("ragged_dot", reason=reason))
+        else:
+            plans.append(Plan("mosaic_gpu", config=block_config(name, m, k, n, g)))
+    return tuple(plans)
+
+
+def _shape_reason(name: str, m: int, k: int, n: int) -> str:
+    # forward: [M, K] @ [K, N]; dx: [M, N] @ [N, K]; dw: [M, K].T @ [M, N] -> [K, N]
+    inner, outer = {"forward": (k, n), "dx": (n, k), "dw": (None, None)}[name]
+    if name == "dw":
+        if k % 64 or n % 64:
+            return f"K={k} and N={n} must be multiples of 64 for the weight-gradient kernel"
+        return ""
+    if inner % 64:
+        return f"the contracted dimension {inner} is not a multiple of 64"
+    if outer % 64:
+        return f"the output width {outer} is not a multiple of 64"
+    return ""
+
+
+# ---- block configurations -------------------------------------------------------------------------
+@functools.cache
+def _tuned() -> dict:
+    if not _CONFIG_FILE.exists():
+        return {}
+    entries = json.loads(_CONFIG_FILE.read_text())["configs"]
+    return {(e["pass"], e["m"], e["k"], e["n"], e["g"]): tuple(e["config"]) for e in entries}
+
+
+def block_config(name: str, m: int, k: int, n: int, g: int):
+    """The block configuration of one pass: the tuned entry of the same (k, n) with the nearest
+    (m, g) in grouped_matmul_configs.json, else a default that fits every shape the kernel takes."""
+    from jax_ep.grouped_matmul_mgpu import BlockConfig
+
+    tuned = [(key, cfg) for key, cfg in _tuned().items() if key[0] == name and key[2:4] == (k, n)]
+    if tuned:
+        key, cfg = min(tuned, key=lambda kv: (abs(kv[0][1] - m) / m + abs(kv[0][4] - g) / g))
+        return BlockConfig(*cfg)
+    width = k if name == "dx" else n  # the output width of the pass
+    block_n = 256 if width % 256 == 0 else 128 if width % 128 == 0 else 64
+    return BlockConfig(64, block_n, 64, 4, 2 if (width // block_n) % 2 == 0 else 1)
+
+
+# ---- the op ---------------------------------------------------------------------------------------
+def _forward(x, w, group_sizes, plan: Plan, transpose_rhs: bool = False):
+    if plan.impl == "ragged_dot":
+        return lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
+    from jax_ep import grouped_matmul_mgpu as mgpu
+
+    schedule, num_tiles = mgpu.tile_schedule(group_sizes, x.shape[0], plan.config.block_m)
+    return mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_matmul(x, w, group_sizes, plans):
+    return _forward(x, w, group_sizes, plans[0])
+
+
+def _grouped_matmul_fwd(x, w, group_sizes, plans):
+    return _forward(x, w, group_sizes, plans[0]), (x, w, group_sizes)
+
+
+def _grouped_matmul_bwd(plans, residuals, dy):
+    x, w, group_sizes = residuals
+    dy = dy.astype(x.dtype)
+    dx = _forward(dy, w, group_sizes, plans[1], transpose_rhs=True)
+    if plans[2].impl == "ragged_dot":
+        dw = lax.ragged_dot_general(
+            x, dy, group_sizes,
+            lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[]))
+    else:
+        from jax_ep import grouped_matmul_mgpu as mgpu
+
+        dw = mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plans[2].config)
+    return dx.astype(x.dtype), dw.astype(w.dtype), float0_like(group_sizes)
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

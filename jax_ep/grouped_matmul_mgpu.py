@@ -1,0 +1,236 @@
+"""Hopper grouped GEMM kernels (Pallas Mosaic GPU), derived from JAX's own
+``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`` / ``transposed_ragged_dot_mgpu`` (Apache-2.0).
+
+What differs from JAX's kernels, and why:
+  * **A tile schedule computed once** (``tile_schedule``, a few vector ops over the groups) instead of
+    an unrolled loop over every group in every tile: at 128 groups that loop costs thousands of scalar
+    instructions per output tile.
+  * **Only live tiles are visited**: the persistent loop runs over the tiles that hold rows, so the
+    capacity padding of a dispatch buffer (often half of its rows) costs no matrix work.
+  * **Rows past ``sum(group_sizes)`` are written as zeros** (``lax.ragged_dot``'s semantics); JAX's
+    kernel leaves them unwritten (garbage).
+  * The transposed kernel (weight gradient) masks rows outside a group with a select, not a multiply,
+    so non-finite garbage in padding rows cannot leak into a gradient (0 * NaN = NaN).
+
+Semantics of both kernels are exactly those of ``lax.ragged_dot`` (f32 accumulation, output in the
+operands' dtype); ``jax_ep.grouped_matmul`` is the public entry point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# schedule rows (an int32 [4, tiles] array the kernel reads per tile)
+_GROUP, _BLOCK, _START, _SIZE = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Tile shape of one kernel launch: output tile block_m x block_n, K step block_k,
+    max_concurrent_steps TMA stages in flight, grid_block_n output tiles along N visited together
+    (L2 reuse of the rows)."""
+
+    block_m: int = 64
+    block_n: int = 256
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 2
+
+    def astuple(self):
+        return dataclasses.astuple(self)
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """Which rows each M tile of the persistent loop covers.
+
+    Rows [sum(group_sizes), m) form one extra "zero" group (id G) whose tiles store zeros. A tile
+    never spans two groups: a block of block_m rows that holds the end of one group and the start of
+    the next is visited once per group (the rows outside the group are computed but not stored).
+    Returns (schedule [4, cdiv(m, block_m) + G] int32: group, block, first row within the block, rows;
+    num_tiles [1] int32: how many leading tiles are live).
+    """
+    g = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])          # + the zero group
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    first = starts // block_m
+    tiles = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    tile_end = jnp.cumsum(tiles)                                           # inclusive
+    max_tiles = pl.cdiv(m, block_m) + g                                    # one extra per boundary
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g).astype(jnp.int32)
+    block = first[group] + t - (tile_end[group] - tiles[group])
+    lo = jnp.maximum(starts[group], block * block_m)
+    hi = jnp.minimum(ends[group], block * block_m + block_m)
+    live = t < tile_end[-1]
+    schedule = jnp.stack([group, jnp.where(live, block, 0), jnp.where(live, lo - block * block_m, 0),
+                          jnp.where(live, hi - lo, 0)]).astype(jnp.int32)
+    return schedule, tile_end[-1:].astype(jnp.int32)
+
+
+def _num_sms() -> int:
+    return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
+
+
+def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice):
+    """Store rows [start, start + size) of the tile o_smem to rows row0 + start.. of o_gmem.
+
+    A TMA store's box is static, so the rows go out as a ladder of power-of-two boxes (JAX's
+    ragged_dot_mgpu does the same)."""
+    rows = block_m
+    offset = start
+    while rows > 0:
+        @pl.when(size & rows != 0)
+        def _(offset=offset, rows=rows):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, rows)],
+                                    o_gmem.at[pl.ds(row0 + offset, rows), col_slice])
+        offset = offset + (size & rows)
+        rows //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool = False,
+               interpret=None):
+    """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
+    bm, bn, bk, stages, grid_block_n = config.astuple()
+    m, k = lhs.shape
+    g, k2, n = rhs.shape
+    if transpose_rhs:
+        k2, n = n, k2
+    assert k == k2 and k % bk == 0 and n % bn == 0 and bm & (bm - 1) == 0, (lhs.shape, rhs.shape, config)
+    grid_n = n // bn
+
+    def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        live_m = num_tiles_gmem[0]
+
+        @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
+        def _tile(loop_info: plgpu.NDLoopInfo):
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), 1, grid_block_n)
+            group = schedule_gmem[_GROUP, mi]
+            block = schedule_gmem[_BLOCK, mi]
+
+            def acc_scope(acc_ref):
+                @pl.when(group < g)  # the zero group (rows past the groups) skips the matmul
+                def _():
+                    plgpu.emit_pipeline(
+                        lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
+                            acc_ref, lhs_smem,
+                            plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem),
+                        grid=(k // bk,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1),
+                            plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn),
+                                            (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
+                                            delay_release=1),
+                        ],
+                        max_concurrent_steps=stages,
+                    )(lhs_gmem, rhs_gmem.at[group])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=o_gmem.dtype))
+            def _store(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                _store_rows(o_smem, o_gmem, block * bm, schedule_gmem[_START, mi],
+                            schedule_gmem[_SIZE, mi], min(bm, 1 << int(math.log2(m))),
+                            pl.ds(ni * bn, bn))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(_num_sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret)
+    return kernel(schedule, num_tiles, lhs, rhs)
+
+
+def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
+    """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
+    gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
+    bm, bn, bk, stages, grid_block_n = config.astuple()
+    rows, k = lhs.shape
+    rows2, n = rhs.shape
+    g = group_sizes.shape[0]
+    assert rows == rows2 and k % bm == 0 and n % bn == 0, (lhs.shape, rhs.shape, config)
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    block_starts = starts // bk * bk
+    num_blocks = jnp.where(ends > starts, -(ends // -bk) - starts // bk, 0)
+    info = jnp.stack([starts, ends, num_blocks, block_starts]).astype(jnp.int32)
+
+    swizzle = plgpu.find_swizzle(bk * jnp.dtype(lhs.dtype).itemsize * 8)
+    swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    grid_m, grid_n = k // bm, n // bn
+
+    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+        def _tile(loop_info: plgpu.NDLoopInfo):
+            gi = loop_info.index[0]
+            mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, grid_block_n)
+            start, end = info_gmem[0, gi], info_gmem[1, gi]
+            num_k = info_gmem[2, gi]
+            first_row = pl.multiple_of(info_gmem[3, gi], bk)
+
+            def mask_rows(ref, cond):
+                # rows of this K block outside the group -> 0 (select, so NaN garbage stays out)
+                reg = ref[...]
+                iota = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
+                ref[...] = jnp.where(cond(iota), reg, (iota < 0).astype(reg.dtype))
+
+            def acc_scope(acc_ref):
+                def step(idx, lhs_smem, rhs_smem):
+                    kb = idx[0]
+
+                    @pl.when((kb == 0) | (kb == num_k - 1))
+                    def _():
+                        row0 = first_row + kb * bk
+                        inside = lambda i: (i + row0 >= start) & (i + row0 < end)  # noqa: E731
+                        mask_rows(lhs_smem, inside)
+                        mask_rows(rhs_smem, inside)
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
+                    if stages == 1:
+                        plgpu.wgmma_wait(0)
+
+                @pl.when(num_k > 0)
+                def _():
+                    plgpu.emit_pipeline(
+                        step, grid=(num_k,),
+                        in_specs=[
+                            plgpu.BlockSpec((bk, bm), lambda kk: (kk, mi), transforms=transforms,
+                                            delay_release=1 if stages > 1 else 0),
+                            plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=transforms,
+                                            delay_release=1 if stages > 1 else 0),
+                        ],
+                        max_concurrent_steps=stages,
+                    # the slice may run past the end of the rows; the pipeline never reads past num_k
+                    )(lhs_gmem.at[pl.ds(first_row, rows)], rhs_gmem.at[pl.ds(first_row, rows)])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped,
+                               o_smem=plgpu.SMEM((bm, bn), dtype=o_gmem.dtype, transforms=transforms))
+            def _store(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[gi, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype), grid=(_num_sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret)
+    return kernel(info, lhs, rhs)

@@ -1,0 +1,182 @@
+"""Tune jax_ep's Hopper grouped GEMM: sweep block configurations per shape and pass, check the best
+against a dense per-group reference, write jax_ep/grouped_matmul_configs.json (what
+jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same FLOPs and to JAX's own
+Mosaic GPU kernel.
+
+    python tools/tune_grouped_matmul.py [--shapes layers|issue|all] [--out FILE] [--quick]
+
+Shapes are (M rows incl. padding, real rows, K, N, G): the MoE layer's per-rank GEMMs at EP2 (the
+dispatch buffer is twice the real rows, worst-case capacity) and the issue's reference shapes.
+Run on one Hopper GPU; the table is keyed by (pass, M, K, N, G) and looked up by nearest (M, G).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from jax_ep import grouped_matmul_mgpu as mgpu  # noqa: E402
+
+CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("grouped_matmul_configs.json")
+SHAPES = {
+    # (M incl. capacity padding, real rows, K, N, G)
+    "issue": [(32768, 32768, 7168, 2048, 128), (32768, 32768, 7168, 2048, 32),
+              (16384, 16384, 4096, 1408, 8)],
+    "layers": [(65536, 32768, 7168, 4096, 128), (65536, 32768, 2048, 7168, 128),   # DeepSeek-V3, EP2
+               (49152, 24576, 4096, 2816, 32), (49152, 24576, 1408, 4096, 32)],    # mid layer, EP2
+}
+
+
+def timed(f, *args, n=10, repeats=3) -> float:
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / n)
+    return best
+
+
+def group_sizes_for(real: int, g: int, rng, uniform: bool) -> np.ndarray:
+    if uniform:
+        return np.full(g, real // g, np.int32)
+    return rng.multinomial(real, rng.dirichlet(np.full(g, 8.0))).astype(np.int32)  # mild imbalance
+
+
+def grid_for(name: str, width: int, quick: bool):
+    tiles = [(64, 256), (64, 128), (128, 128)] if name != "dw" else [(64, 256), (128, 128), (64, 128)]
+    stages = (4,) if quick else (3, 4, 5)
+    for (bm, bn), st, gb in itertools.product(tiles, stages, (1, 2, 4)):
+        if width % (bn * gb) == 0:
+            yield mgpu.BlockConfig(bm, bn, 64, st, gb)
+
+
+def run_pass(name, cfg, x, w, dy, gs):
+    if name == "forward":
+        sched, nt = mgpu.tile_schedule(gs, x.shape[0], cfg.block_m)
+        return mgpu.ragged_dot(x, w, sched, nt, config=cfg)
+    if name == "dx":
+        sched, nt = mgpu.tile_schedule(gs, x.shape[0], cfg.block_m)
+        return mgpu.ragged_dot(dy, w, sched, nt, config=cfg, transpose_rhs=True)
+    return mgpu.transposed_ragged_dot(x, dy, gs, config=cfg)
+
+
+def check(name, out, x, w, dy, gs_host) -> float:
+    """Relative error of a few groups (first, largest, last non-empty) vs f32 dense dots, and the
+    padding rows must be exact zeros."""
+    ends = np.cumsum(gs_host)
+    starts = ends - gs_host
+    nonempty = np.flatnonzero(gs_host)
+    picks = sorted({int(nonempty[0]), int(np.argmax(gs_host)), int(nonempty[-1])})
+    errs = []
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    for gi in picks:
+        s, e = int(starts[gi]), int(ends[gi])
+        if name == "forward":
+            ref, got = f32(x[s:e]) @ f32(w[gi]), f32(out[s:e])
+        elif name == "dx":
+            ref, got = f32(dy[s:e]) @ f32(w[gi]).T, f32(out[s:e])
+        else:
+            ref, got = f32(x[s:e]).T @ f32(dy[s:e]), f32(out[gi])
+        errs.append(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+    if name != "dw" and ends[-1] < out.shape[0]:
+        pad = f32(out[int(ends[-1]):])
+        if not np.all(pad == 0):
+            return float("inf")
+    return float(max(errs))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="all", choices=["all", *SHAPES])
+    parser.add_argument("--passes", default="forward,dx,dw")
+    parser.add_argument("--out", default=str(CONFIG_FILE))
+    parser.add_argument("--report", default=None, help="also write every measurement here (JSON)")
+    parser.add_argument("--quick", action="store_true", help="4 stages only (a third of the sweep)")
+    parser.add_argument("--compare", action="store_true", help="also time JAX's ragged_dot_mgpu kernels")
+    args = parser.parse_args(argv)
+    shapes = [s for name, group in SHAPES.items() if args.shapes in ("all", name) for s in group]
+    device = jax.devices()[0].device_kind
+    rng = np.random.default_rng(0)
+    out_path = pathlib.Path(args.out)
+    table = json.loads(out_path.read_text())["configs"] if out_path.exists() else []
+    report = []
+    # dense dot of 32768x7168x2048 (bf16) as this GPU's matrix ceiling
+    a = jnp.asarray(rng.standard_normal((32768, 7168)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((7168, 2048)), jnp.bfloat16)
+    ceiling = 2 * 32768 * 7168 * 2048 / timed(jax.jit(jnp.dot), a, b) / 1e12
+    print(f"{device}: dense bf16 dot 32768x7168x2048 at {ceiling:.0f} TFLOP/s", flush=True)
+    for (m, real, k, n, g) in shapes:
+        uniform = real == m
+        gs_host = group_sizes_for(real, g, rng, uniform)
+        gs = jnp.asarray(gs_host)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+        flops = 2 * int(gs_host.sum()) * k * n
+        for name in args.passes.split(","):
+            width = k if name == "dx" else n
+            results = []
+            for cfg in grid_for(name, width, args.quick):
+                try:
+                    f = jax.jit(functools.partial(run_pass, name, cfg))
+                    t = timed(f, x, w, dy, gs)
+                except Exception as e:  # configs that do not fit shared memory etc.
+                    print(f"  {name} {cfg.astuple()}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                results.append((t, cfg))
+            if not results:
+                print(f"{name} M={m} K={k} N={n} G={g}: no config ran", flush=True)
+                continue
+            t, cfg = min(results, key=lambda r: r[0])
+            best = jax.jit(functools.partial(run_pass, name, cfg))(x, w, dy, gs)
+            err = check(name, best, x, w, dy, gs_host)
+            line = dict(op="grouped_matmul", **{"pass": name}, m=m, rows=int(gs_host.sum()), k=k, n=n, g=g,
+                        uniform=uniform, config=list(cfg.astuple()), ms=t * 1e3, tflops=flops / t / 1e12,
+                        rel_err=err, dense_tflops=ceiling, device=device,
+                        date=datetime.date.today().isoformat())
+            if args.compare and name != "dw" and uniform:
+                from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as jrd
+                bn = 256 if width % 512 == 0 else 128
+                jf = jax.jit(lambda x, w, dy, gs, tr=(name == "dx"), bn=bn: jrd.ragged_dot(
+                    dy if tr else x, w, group_sizes=gs, block_m=64, block_n=bn,
+                    block_k=64, max_concurrent_steps=4, grid_block_n=2, transpose_rhs=tr))
+                try:
+                    line["jax_kernel_tflops"] = flops / timed(jf, x, w, dy, gs) / 1e12
+                except Exception as e:
+                    print(f"  jax kernel: {type(e).__name__}: {str(e)[:160]}")
+            report.append(line)
+            print(f"{name:8} M={m:6} rows={line['rows']:6} K={k:5} N={n:5} G={g:4}: {t*1e3:7.3f} ms "
+                  f"{line['tflops']:5.0f} TFLOP/s ({100*line['tflops']/ceiling:3.0f}% of dense) "
+                  f"best {cfg.astuple()} err {err:.1e}"
+                  + (f" | JAX kernel {line['jax_kernel_tflops']:.0f}" if "jax_kernel_tflops" in line else ""),
+                  flush=True)
+            if err > 2e-2:
+                print(f"  WRONG RESULT: relative error {err}", flush=True)
+                continue
+            table = [e for e in table if (e["pass"], e["m"], e["k"], e["n"], e["g"]) != (name, m, k, n, g)]
+            table.append({"pass": name, "m": m, "k": k, "n": n, "g": g, "config": list(cfg.astuple()),
+                          "ms": round(t * 1e3, 4), "device": device})
+    table.sort(key=lambda e: (e["pass"], e["k"], e["n"], e["m"]))
+    out_path.write_text(json.dumps({"configs": table}, indent=1) + "\n")
+    if args.report:
+        pathlib.Path(args.report).write_text(json.dumps(report, indent=1))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
