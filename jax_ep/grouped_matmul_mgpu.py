@@ -35,14 +35,17 @@ _GROUP, _BLOCK, _START, _SIZE = range(4)
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Tile shape of one kernel launch: output tile block_m x block_n, K step block_k,
-    max_concurrent_steps TMA stages in flight, grid_block_n output tiles along N visited together
-    (L2 reuse of the rows)."""
+    max_concurrent_steps TMA stages in flight. The persistent loop visits the output tiles in strips
+    of grid_tile_width tiles along dimension grid_minor (0 = M, 1 = N), so that tiles running at the
+    same time share operands in L2: along M they share a weight panel (what matters when there are
+    many groups and each weight is used by few rows), along N they share the rows."""
 
     block_m: int = 64
     block_n: int = 256
     block_k: int = 64
     max_concurrent_steps: int = 4
-    grid_block_n: int = 2
+    grid_minor: int = 1
+    grid_tile_width: int = 2
 
     def astuple(self):
         return dataclasses.astuple(self)
@@ -101,7 +104,7 @@ def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice):
 def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool = False,
                interpret=None):
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
-    bm, bn, bk, stages, grid_block_n = config.astuple()
+    bm, bn, bk, stages, minor, width = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -114,7 +117,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 
         @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
         def _tile(loop_info: plgpu.NDLoopInfo):
-            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), 1, grid_block_n)
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
             group = schedule_gmem[_GROUP, mi]
             block = schedule_gmem[_BLOCK, mi]
 
@@ -156,7 +159,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
-    bm, bn, bk, stages, grid_block_n = config.astuple()
+    bm, bn, bk, stages, minor, width = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -177,7 +180,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
         @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
         def _tile(loop_info: plgpu.NDLoopInfo):
             gi = loop_info.index[0]
-            mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, grid_block_n)
+            mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), minor, width)
             start, end = info_gmem[0, gi], info_gmem[1, gi]
             num_k = info_gmem[2, gi]
             first_row = pl.multiple_of(info_gmem[3, gi], bk)

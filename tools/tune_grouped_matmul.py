@@ -57,11 +57,14 @@ def group_sizes_for(real: int, g: int, rng, uniform: bool) -> np.ndarray:
 
 
 def grid_for(name: str, width: int, quick: bool):
-    tiles = [(64, 256), (64, 128), (128, 128)] if name != "dw" else [(64, 256), (128, 128), (64, 128)]
+    """Block configurations to try. A single warpgroup holds the accumulator, so a tile has at most
+    128x128 or 64x256 f32 values (128 registers per thread)."""
+    tiles = [(128, 128), (64, 256)]
     stages = (4,) if quick else (3, 4, 5)
-    for (bm, bn), st, gb in itertools.product(tiles, stages, (1, 2, 4)):
-        if width % (bn * gb) == 0:
-            yield mgpu.BlockConfig(bm, bn, 64, st, gb)
+    orders = [(1, 2), (1, 4), (0, 2), (0, 4), (0, 8)]  # (grid_minor, grid_tile_width)
+    for (bm, bn), st, (minor, tw) in itertools.product(tiles, stages, orders):
+        if width % bn == 0:
+            yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw)
 
 
 def run_pass(name, cfg, x, w, dy, gs):
@@ -130,7 +133,7 @@ def main(argv=None):
         flops = 2 * int(gs_host.sum()) * k * n
         for name in args.passes.split(","):
             width = k if name == "dx" else n
-            results = []
+            results, sweep = [], []
             for cfg in grid_for(name, width, args.quick):
                 try:
                     f = jax.jit(functools.partial(run_pass, name, cfg))
@@ -139,6 +142,7 @@ def main(argv=None):
                     print(f"  {name} {cfg.astuple()}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
                 results.append((t, cfg))
+                sweep.append((list(cfg.astuple()), round(t * 1e3, 4)))
             if not results:
                 print(f"{name} M={m} K={k} N={n} G={g}: no config ran", flush=True)
                 continue
@@ -147,7 +151,7 @@ def main(argv=None):
             err = check(name, best, x, w, dy, gs_host)
             line = dict(op="grouped_matmul", **{"pass": name}, m=m, rows=int(gs_host.sum()), k=k, n=n, g=g,
                         uniform=uniform, config=list(cfg.astuple()), ms=t * 1e3, tflops=flops / t / 1e12,
-                        rel_err=err, dense_tflops=ceiling, device=device,
+                        rel_err=err, dense_tflops=ceiling, device=device, sweep_ms=sweep,
                         date=datetime.date.today().isoformat())
             if args.compare and name != "dw" and uniform:
                 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as jrd
