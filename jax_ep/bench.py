@@ -1,6 +1,8 @@
-"""Time dispatch and combine on the available devices, for every backend present.
+"""Time dispatch and combine on the available devices, for every backend present; with ``--layer``, the
+MoE layer's training step (``jax_ep.bench_layer``).
 
     python -m jax_ep.bench [--preset auto|small|deepseek|sparse] [--tokens 128,4096] [--out bench.json]
+    python -m jax_ep.bench --layer [--layer-shapes mid,deepseek] [--profile] [--out bench_layer.json]
 
 Backends: ``reference`` (pure JAX, dense lax.all_to_all), ``ragged`` (MaxText-style
 lax.ragged_all_to_all, where the platform implements it), ``cuda`` (jax_ep's kernels, where built).
@@ -33,7 +35,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_ep import baselines, reference  # noqa: E402
+from jax_ep import baselines, bench_layer, reference  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
 from jax_ep.ops import backend_for, combine, dispatch  # noqa: E402
 
@@ -214,7 +216,18 @@ def main(argv=None) -> list[dict]:
                         help="comma-separated SM counts for the cuda kernels (default: EPConfig's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's device time per call (GPU, jax.profiler)")
+    parser.add_argument("--layer", action="store_true",
+                        help="time the MoE layer's training step instead of the ops (jax_ep.bench_layer)")
+    parser.add_argument("--layer-shapes", default=None,
+                        help=f"comma-separated layer presets {sorted(bench_layer.LAYER_PRESETS)} "
+                             "(default: mid,deepseek on GPUs, small on CPU)")
     args = parser.parse_args(argv)
+    if args.layer:
+        records = bench_layer.main(args)
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.out}")
+        return records
 
     devices = jax.devices()
     platform = devices[0].platform

@@ -24,6 +24,7 @@ from jax import lax
 from jax_ep import runtime
 from jax_ep.config import EPConfig
 from jax_ep.types import Dispatched, Handle, Layout
+from jax_ep.vma import vary_like, vary_over, varying_axes
 
 # Ops whose kernel beat the reference path on the benchmark (docs/benchmarks.md): only these are taken
 # by backend="auto". dispatch beat the dense lax.all_to_all reference at 4096 and 8192 tokens per rank
@@ -71,7 +72,7 @@ def layout(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
         vmap_method="sequential",
     )
     outputs = call(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(ep_size))
-    return Layout(*_vary_like(outputs, topk_idx))
+    return Layout(*vary_like(outputs, topk_idx))
 
 
 def peer_smoke_buffer_bytes(ep_size: int, n: int) -> int:
@@ -106,33 +107,7 @@ def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
         jax.lax.axis_size(axis_name)
     except NameError:  # called outside shard_map (e.g. a single-device test): nothing to type
         return received, epochs
-    return _vary_over((received, epochs), (axis_name,))
-
-
-def _varying_axes(x) -> tuple:
-    """The manual mesh axes x varies over inside shard_map (empty outside, or without check_vma)."""
-    aval = jax.typeof(x)
-    for get in (lambda a: a.vma, lambda a: a.mat.varying):  # attribute name differs across jax versions
-        try:
-            return tuple(sorted(get(aval)))
-        except AttributeError:
-            continue
-    return ()
-
-
-def _vary_over(outputs, axes: tuple):
-    """ffi_call results are typed as invariant across manual axes; per-rank results vary."""
-    if not axes:
-        return outputs
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(outputs, axes, to="varying")
-    return jax.lax.pvary(outputs, axes)
-
-
-def _vary_like(outputs, like):
-    """Types rank-local outputs as varying over the same mesh axes as the input they derive from
-    (what the pure-JAX reference gets automatically)."""
-    return _vary_over(outputs, _varying_axes(like))
+    return vary_over((received, epochs), (axis_name,))
 
 
 def _local_group_ordinals(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
@@ -267,8 +242,8 @@ def _vary_all(outputs, axis_name: str, *inputs):
     varies over."""
     axes = {axis_name}
     for x in inputs:
-        axes.update(_varying_axes(x))
-    return _vary_over(outputs, tuple(sorted(axes)))
+        axes.update(varying_axes(x))
+    return vary_over(outputs, tuple(sorted(axes)))
 
 
 def use_tma() -> bool:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.validation import float0_like
+from jax_ep.vma import vary_jointly
 
 BACKENDS = ("auto", "mosaic_gpu", "ragged_dot")
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -60,7 +61,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
     """
     _check_args(x, w, group_sizes, backend)
     plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend)
-    return _grouped_matmul(x, w, group_sizes, plans)
+    return _grouped_matmul(*vary_jointly(x, w, group_sizes), plans)
 
 
 def explain(x, w, group_sizes=None, *, backend: str = "auto") -> dict[str, Plan]:

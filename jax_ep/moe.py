@@ -2,7 +2,9 @@
 
 Router (linear -> softmax/sigmoid -> top-k, optional DeepSeek-V3 group-limited selection and
 auxiliary-loss-free balancing bias), experts as stacked SwiGLU weights sharded along the EP axis and
-run with ``jax.lax.ragged_dot`` on the expert-major rows, optional shared expert.
+run with ``jax_ep.grouped_matmul`` on the expert-major rows (gate and up projections as one grouped GEMM
+of twice the width, then the down projection; Hopper kernels on H100/H200, ``lax.ragged_dot``
+elsewhere), optional shared expert.
 
 Two ways to call it:
   * ``MoE(..., mesh=mesh)``: from a plain ``jax.jit`` model with global arrays; the layer enters
@@ -34,8 +36,13 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import balancing, eplb, gating
 from jax_ep.config import EPConfig
+from jax_ep.grouped_matmul import grouped_matmul
 from jax_ep.ops import combine, dispatch
 from jax_ep.reference import dequantize_fp8
+
+# name scopes of the layer's parts (the layer benchmark attributes device time by them)
+SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_experts",
+          "combine": "moe_combine"}
 
 
 class ExpertBias(nnx.Variable):
@@ -68,7 +75,12 @@ class MoE(nnx.Module):
                  capacity: int | None = None, expert_alignment: int = 1,
                  dispatch_dtype: str | None = None, num_sms: int = 24, backend: str = "auto",
                  checked: bool = False, bias_update_rate: float = 0.0, aux_loss_alpha: float = 0.0,
-                 placement: eplb.Placement | None = None, param_dtype=jnp.float32):
+                 placement: eplb.Placement | None = None, param_dtype=jnp.float32, gemm: str = "auto"):
+        """Expert weights: ``w_gate_up [E, hidden, 2 * ffn_hidden]`` (gate columns, then up columns) and
+        ``w_down [E, ffn_hidden, hidden]``. ``gemm`` is the expert GEMM's backend
+        (``jax_ep.grouped_matmul``: "auto", "mosaic_gpu" or "ragged_dot"); the other keywords are the
+        router's (``gating.RouterConfig``), dispatch/combine's (``EPConfig``), balancing's and the
+        placement's, documented there."""
         if mesh is not None and axis_name not in mesh.axis_names:
             raise ValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
@@ -86,6 +98,10 @@ class MoE(nnx.Module):
                                dispatch_dtype=dispatch_dtype, num_sms=num_sms, backend=backend,
                                checked=checked)
         self.bias_update_rate, self.aux_loss_alpha = bias_update_rate, aux_loss_alpha
+        from jax_ep.grouped_matmul import BACKENDS as GEMM_BACKENDS
+        if gemm not in GEMM_BACKENDS:
+            raise ValueError(f"MoE: gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
+        self.gemm = gemm
 
         self._set_placement_tables(placement)
 
@@ -95,10 +111,11 @@ class MoE(nnx.Module):
         shardable = mesh is not None and num_experts % mesh.shape[axis_name] == 0
         expert_spec = (axis_name if placement is None or shardable else None, None, None)
         self.router = nnx.Param(init(rngs.params(), (hidden, num_experts), param_dtype))
-        self.w_gate = nnx.Param(init(rngs.params(), (num_experts, hidden, ffn_hidden), param_dtype),
-                                out_sharding=expert_spec, eager_sharding=False)
-        self.w_up = nnx.Param(init(rngs.params(), (num_experts, hidden, ffn_hidden), param_dtype),
-                              out_sharding=expert_spec, eager_sharding=False)
+        # gate and up projections side by side: one grouped GEMM of twice the width
+        w_gate, w_up = (init(key, (num_experts, hidden, ffn_hidden), param_dtype)
+                        for key in (rngs.params(), rngs.params()))
+        self.w_gate_up = nnx.Param(jnp.concatenate([w_gate, w_up], axis=2),
+                                   out_sharding=expert_spec, eager_sharding=False)
         self.w_down = nnx.Param(init(rngs.params(), (num_experts, ffn_hidden, hidden), param_dtype),
                                 out_sharding=expert_spec, eager_sharding=False)
         self.shared = nnx.data(SwiGLU(hidden, shared_ffn_hidden, rngs=rngs, param_dtype=param_dtype)
@@ -171,8 +188,8 @@ class MoE(nnx.Module):
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden)
         seq_len = lead[-1] if len(lead) >= 2 else None  # None: this rank's tokens are one sequence
-        params = (self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
-                  self.expert_bias[...], self.placement)
+        params = (self.router[...], self.w_gate_up[...], self.w_down[...], self.expert_bias[...],
+                  self.placement)
         if self.mesh is None:
             out, stats = self._per_rank(tokens, *params, seq_len=seq_len)
         else:
@@ -181,7 +198,7 @@ class MoE(nnx.Module):
             experts = P(self.axis_name) if self.placement is None else P()
             body = jax.shard_map(
                 lambda *a: self._per_rank(*a, seq_len=seq_len), mesh=self.mesh,
-                in_specs=(batch, P(), experts, experts, experts, P(), P()),
+                in_specs=(batch, P(), experts, experts, P(), P()),
                 out_specs=(batch, MoEStats(P(), P(), P(), P())))
             out, stats = body(tokens, *params)
         if self.shared is not None:
@@ -207,51 +224,57 @@ class MoE(nnx.Module):
             self.expert_bias[...] = balancing.update_bias(
                 self.expert_bias[...], stats.expert_load.astype(jnp.float32), self.bias_update_rate)
 
-    def _per_rank(self, x, router, w_gate, w_up, w_down, bias, placement, *, seq_len):
+    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, *, seq_len):
         ep_size = lax.axis_size(self.axis_name)
         rank = lax.axis_index(self.axis_name)
         if placement is None:
             num_slots, local_slots = self.num_experts, self.num_experts // ep_size
-            if w_gate.shape[0] != local_slots:
-                raise ValueError(f"MoE: this rank holds {w_gate.shape[0]} experts but num_experts / ep_size "
-                                 f"= {local_slots}; inside your own shard_map pass expert weights with "
-                                 f"PartitionSpec({self.axis_name!r})")
+            if w_gate_up.shape[0] != local_slots:
+                raise ValueError(f"MoE: this rank holds {w_gate_up.shape[0]} experts but num_experts / "
+                                 f"ep_size = {local_slots}; inside your own shard_map pass expert weights "
+                                 f"with PartitionSpec({self.axis_name!r})")
         else:
             num_slots, local_slots = placement.num_slots, placement.slots_per_rank
             if placement.num_ranks != ep_size:
                 raise ValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
                                  f"{self.axis_name!r} has {ep_size}")
-            if w_gate.shape[0] != self.num_experts:
+            if w_gate_up.shape[0] != self.num_experts:
                 raise ValueError(f"MoE: with a placement every rank needs all {self.num_experts} logical "
-                                 f"experts' weights, got {w_gate.shape[0]}; inside your own shard_map pass "
-                                 "them with PartitionSpec()")
+                                 f"experts' weights, got {w_gate_up.shape[0]}; inside your own shard_map "
+                                 "pass them with PartitionSpec()")
             # this rank's slots hold these logical experts; gather their weights (gradients add up
             # over the replicas of an expert)
             slot_expert = lax.dynamic_slice_in_dim(placement.physical_to_logical, rank * local_slots,
                                                    local_slots)
-            w_gate, w_up, w_down = w_gate[slot_expert], w_up[slot_expert], w_down[slot_expert]
+            w_gate_up, w_down = w_gate_up[slot_expert], w_down[slot_expert]
         cfg = EPConfig(num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden,
                        max_tokens_per_rank=x.shape[0], axis_name=self.axis_name, **self.ep_options)
         # ep_size only matters for the rank cap, which assumes the contiguous logical layout
         capped = placement is None or self.router_options["max_ranks_per_token"] is not None
         router_cfg = gating.RouterConfig(self.num_experts, self.num_topk, ep_size=ep_size if capped else 1,
                                          **self.router_options)
-        logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
-        routing = gating.route(logits, router_cfg, lax.stop_gradient(bias))
-        topk_idx = routing.topk_idx
-        if placement is not None:
-            # global token ids, so the replica choice does not repeat on every token shard
-            shard = lax.axis_index(self.batch_axes)
-            token_ids = shard * x.shape[0] + jnp.arange(x.shape[0], dtype=jnp.int32)
-            topk_idx = eplb.apply_placement(topk_idx, placement, token_ids)
+        # named scopes: the layer benchmark splits the step's device time by them (SCOPES)
+        with jax.named_scope(SCOPES["router"]):
+            logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+            routing = gating.route(logits, router_cfg, lax.stop_gradient(bias))
+            topk_idx = routing.topk_idx
+            if placement is not None:
+                # global token ids, so the replica choice does not repeat on every token shard
+                shard = lax.axis_index(self.batch_axes)
+                token_ids = shard * x.shape[0] + jnp.arange(x.shape[0], dtype=jnp.int32)
+                topk_idx = eplb.apply_placement(topk_idx, placement, token_ids)
 
-        d = dispatch(x, topk_idx, routing.topk_weights, cfg)
-        rows = d.x if d.scales is None else dequantize_fp8(d.x, d.scales, x.dtype)
-        rows = rows.astype(x.dtype)
-        gate = lax.ragged_dot(rows, w_gate.astype(x.dtype), d.group_sizes)
-        up = lax.ragged_dot(rows, w_up.astype(x.dtype), d.group_sizes)
-        y = lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes)
-        out = combine(y.astype(x.dtype), d.handle, cfg)
+        with jax.named_scope(SCOPES["dispatch"]):
+            d = dispatch(x, topk_idx, routing.topk_weights, cfg)
+        with jax.named_scope(SCOPES["experts"]):
+            rows = d.x if d.scales is None else dequantize_fp8(d.x, d.scales, x.dtype)
+            rows = rows.astype(x.dtype)
+            gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes,
+                                                backend=self.gemm), 2, axis=1)
+            y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes,
+                               backend=self.gemm)
+        with jax.named_scope(SCOPES["combine"]):
+            out = combine(y.astype(x.dtype), d.handle, cfg)
 
         # statistics: every rank's counts placed at its slots, summed over all token shards; logical
         # loads sum the replicas of each expert

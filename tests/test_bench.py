@@ -23,3 +23,20 @@ def test_bench_writes_records(tmp_path):
         assert r["us"] > 0 and r["logical_gbps"] > 0 and r["wire_gbps"] > 0
         assert r["logical_gbps"] >= r["wire_gbps"]  # wire counts only the rows that leave the rank
         assert r["ep_size"] == 8 and r["tokens_per_rank"] == 32
+
+
+LAYER_FIELDS = {"op", "step_ms", "roofline_ms", "gemm_tflops", "split_ms", "backend", "gemm", "hidden",
+                "ffn_hidden", "num_experts", "topk", "tokens_per_rank", "ep_size", "device", "date"}
+
+
+def test_layer_bench_writes_records(tmp_path):
+    out = tmp_path / "layer.json"
+    records = bench.main(["--layer", "--layer-shapes", "small", "--iters", "1", "--repeats", "1",
+                          "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(records))
+    assert [r["config"] for r in records] == ["jax_ep", "plain_jax"]
+    for r in records:
+        assert LAYER_FIELDS <= set(r), LAYER_FIELDS - set(r)
+        assert r["op"] == "moe_layer" and r["gemm"] == "ragged_dot"   # no Hopper GPU here
+        assert r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["ep_size"] == 8
+    assert records[1]["backend"] == "reference"

@@ -24,8 +24,7 @@ def dense_moe(layer: MoE, x):
     logits = tokens @ layer.router[...]
     rcfg = gating.RouterConfig(EXPERTS, TOPK, **layer.router_options)
     routing = gating.route(logits, rcfg, layer.expert_bias[...])
-    gate = jnp.einsum("th,ehf->tef", tokens, layer.w_gate[...])
-    up = jnp.einsum("th,ehf->tef", tokens, layer.w_up[...])
+    gate, up = jnp.split(jnp.einsum("th,ehf->tef", tokens, layer.w_gate_up[...]), 2, axis=2)
     y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, layer.w_down[...])    # [T, E, H]
     picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)      # [T, K, H]
     out = jnp.sum(picked * routing.topk_weights[:, :, None], axis=1)
@@ -85,7 +84,7 @@ def test_gradients_match_dense(shape, axes, placed):
 
     g_ep = nnx.jit(nnx.grad(loss_ep))(layer)
     g_dense = nnx.grad(loss_dense)(layer)
-    for name in ("router", "w_gate", "w_up", "w_down"):
+    for name in ("router", "w_gate_up", "w_down"):
         a, b = np.asarray(g_ep[name][...]), np.asarray(g_dense[name][...])
         assert np.abs(b).max() > 0
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
@@ -99,7 +98,7 @@ def test_inside_user_shard_map():
     x = random_tokens(4).reshape(-1, HIDDEN)
     graphdef, params, rest = nnx.split(per_rank_layer, nnx.Param, ...)
     specs = jax.tree.map(lambda _: P(), params)
-    for name in ("w_gate", "w_up", "w_down"):
+    for name in ("w_gate_up", "w_down"):
         specs[name] = P("ep")
 
     def body(params, x):
@@ -235,7 +234,7 @@ def test_placement_errors():
     layer = make_layer(None, placement=hot_expert_placement(4))
     graphdef, state = nnx.split(layer)
     specs = jax.tree.map(lambda _: P(), nnx.state(layer))
-    for name in ("w_gate", "w_up", "w_down"):
+    for name in ("w_gate_up", "w_down"):
         specs[name] = P("ep")                      # the non-placement layout: a shard per rank
 
     def body(state, x):

@@ -1,0 +1,194 @@
+"""MoE layer benchmark: one jitted training step (forward + backward) of ``jax_ep.moe.MoE`` alone on all
+local devices, next to its roofline and to what a JAX user has today.
+
+    python -m jax_ep.bench --layer [--layer-shapes deepseek,mid] [--out bench_layer.json]
+
+For each layer shape, two configurations, measured in the same run:
+  * ``jax_ep``: the defaults (``backend="auto"``, ``gemm="auto"``): Hopper grouped GEMM kernels, and the
+    EP kernels wherever they measured faster than the reference;
+  * ``plain_jax``: ``backend="reference"`` (dense ``lax.all_to_all``) + ``gemm="ragged_dot"``
+    (``lax.ragged_dot``), what the layer did before jax_ep had a grouped GEMM.
+The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
+plain dense dots of the same shapes on one device, timed in the same run. ``split_ms`` attributes the
+step's device time on device 0 (GPU, jax.profiler) to the layer's named scopes (moe.SCOPES).
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_ep import moe
+
+LAYER_PRESETS = {
+    # name: (hidden, ffn_hidden, experts, top-k, tokens per rank)
+    "deepseek": (7168, 2048, 256, 8, 4096),
+    "mid": (4096, 1408, 64, 6, 4096),
+    "small": (256, 128, 16, 2, 128),
+}
+CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
+           "plain_jax": dict(backend="reference", gemm="ragged_dot")}
+
+
+def _best_of(fn, *args, iters: int, repeats: int) -> float:
+    """Best (over repeats) mean seconds per call of a chain of `iters` calls."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeats: int) -> float:
+    """The expert GEMMs of one step as dense dots (gate|up, down; forward and backward) on one device."""
+    rng = np.random.default_rng(0)
+    put = lambda shape, scale: jax.device_put(  # noqa: E731
+        jnp.asarray(rng.standard_normal(shape) * scale, dtype), jax.devices()[0])
+    x, w1, w2, g = put((rows, hidden), 1.0), put((hidden, 2 * ffn), hidden ** -0.5), \
+        put((ffn, hidden), ffn ** -0.5), put((rows, hidden), 1.0)
+
+    @jax.jit
+    def dense_step(x, w1, w2, g):
+        def f(x, w1, w2):
+            h = jnp.dot(x, w1)
+            return jnp.dot(h[:, :ffn] * h[:, ffn:], w2)   # the FLOPs of SwiGLU's GEMMs, no activation
+        out, vjp = jax.vjp(f, x, w1, w2)
+        return out, vjp(g)
+
+    return _best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats)
+
+
+def hlo_scopes(compiled_text: str) -> dict[str, str]:
+    """{HLO instruction name: its op_name metadata (the jax name-scope path)} of a compiled module."""
+    scopes = {}
+    for match in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"', compiled_text,
+                              re.MULTILINE):
+        scopes[match.group(1)] = match.group(2)
+    return scopes
+
+
+def split_by_scope(step, args, iters: int) -> dict[str, float] | None:
+    """Device ms per step on device 0, attributed to the layer's named scopes (GPU only).
+
+    Each GPU event of a profiled chain of steps is matched to its HLO instruction (event name or the
+    event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest"."""
+    if jax.devices()[0].platform != "gpu":
+        return None
+    scopes = hlo_scopes(step.lower(*args).compile().as_text())
+    jax.block_until_ready(step(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(iters):
+                out = step(*args)
+            jax.block_until_ready(out)
+        paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    split = {name: 0.0 for name in (*moe.SCOPES, "rest")}
+    for plane in data.planes:
+        if plane.name != "/device:GPU:0":
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                words = [event.name, *(str(v) for _, v in getattr(event, "stats", ()))]
+                text = " ".join(words + [scopes.get(word, "") for word in words])
+                part = next((name for name, scope in moe.SCOPES.items() if scope in text), "rest")
+                split[part] += event.duration_ns / 1e6 / iters
+    return {k: round(v, 3) for k, v in split.items()}
+
+
+def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool) -> dict:
+    hidden, ffn, experts, topk, tokens = shape
+    ep = mesh.size
+    layer = moe.MoE(hidden, ffn, experts, topk, rngs=nnx.Rngs(0), mesh=mesh, param_dtype=jnp.bfloat16,
+                    **CONFIGS[config])
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
+                       NamedSharding(mesh, P("ep")))
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def step(params, x):
+        def loss(params):
+            out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
+            return jnp.mean(out.astype(jnp.float32) ** 2)
+        return jax.value_and_grad(loss)(params)
+
+    record = dict(op="moe_layer", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
+                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep)
+    plans = layer_gemm_plans(layer, mesh, x)
+    record["gemm"] = plans
+    try:
+        record["step_ms"] = 1e3 * _best_of(step, params, x, iters=iters, repeats=repeats)
+        record["split_ms"] = split_by_scope(step, (params, x), iters) if profile else None
+    except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
+        record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return record
+
+
+def layer_gemm_plans(layer, mesh, x) -> str:
+    """"mosaic_gpu" / "ragged_dot" (or "mixed") for the layer's expert GEMMs at this shape."""
+    from jax_ep.grouped_matmul import explain
+
+    local = layer.num_experts // mesh.size
+    rows = layer.ep_options["capacity"] or x.shape[0] * min(layer.num_topk, local)  # worst case
+    shapes = [((rows, layer.hidden), (local, layer.hidden, 2 * layer.ffn_hidden)),
+              ((rows, layer.ffn_hidden), (local, layer.ffn_hidden, layer.hidden))]
+    impls = {plan.impl for xs, ws in shapes
+             for plan in explain(jax.ShapeDtypeStruct(xs, x.dtype), jax.ShapeDtypeStruct(ws, x.dtype),
+                                 backend=layer.gemm).values()}
+    return impls.pop() if len(impls) == 1 else "mixed"
+
+
+def main(args) -> list[dict]:
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("ep",))
+    platform = devices[0].platform
+    names = args.layer_shapes.split(",") if args.layer_shapes else (
+        ["small"] if platform == "cpu" else ["mid", "deepseek"])
+    device = f"{len(devices)}x {devices[0].device_kind}"
+    today = datetime.date.today().isoformat()
+    records = []
+    for name in names:
+        shape = LAYER_PRESETS[name]
+        hidden, ffn, experts, topk, tokens = shape
+        rows = tokens * topk   # real rows per rank on average (uniform routing)
+        roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats)
+        gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
+        for config in CONFIGS:
+            r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
+            gemm_ms = (r["split_ms"] or {}).get("experts")
+            r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops,
+                     gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
+                     roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,
+                     device=device, date=today)
+            records.append(r)
+            print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"
+                  + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
+    base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
+    print(f"{'layer':9}{'config':11}{'gemm':12}{'EP':>3}{'step ms':>10}{'roofline':>10}{'x roof':>8}"
+          f"{'speedup':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)")
+    for r in records:
+        plain = base.get((r["shape"], "plain_jax"))
+        speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
+        split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values())
+        step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.2f}"
+        ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
+        tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
+        print(f"{r['shape']:9}{r['config']:11}{r['gemm']:12}{r['ep_size']:>3}{step:>10}"
+              f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{tflops:>11}  {split}")
+    return records

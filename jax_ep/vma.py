@@ -1,0 +1,45 @@
+"""Typing of per-rank values inside ``shard_map`` (which manual mesh axes an array varies over).
+
+JAX tracks, per array, the manual axes it varies over. Values a kernel computes per rank (an
+``ffi_call`` result, a ``custom_vjp`` cotangent) must carry the right type; these helpers set it and work
+across the jax versions we support (the attribute and the cast were renamed)."""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying_axes(x) -> tuple:
+    """The manual mesh axes x varies over inside shard_map (empty outside, or without check_vma)."""
+    aval = jax.typeof(x)
+    for get in (lambda a: a.vma, lambda a: a.mat.varying):  # attribute name differs across jax versions
+        try:
+            return tuple(sorted(get(aval)))
+        except AttributeError:
+            continue
+    return ()
+
+
+def vary_over(outputs, axes: tuple):
+    """Type `outputs` as varying over `axes` (their transpose sums over those axes)."""
+    if not axes:
+        return outputs
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(outputs, axes, to="varying")
+    return jax.lax.pvary(outputs, axes)
+
+
+def vary_like(outputs, like):
+    """Types rank-local outputs as varying over the same mesh axes as the input they derive from
+    (what a pure-JAX computation gets automatically)."""
+    return vary_over(outputs, varying_axes(like))
+
+
+def vary_jointly(*arrays):
+    """Cast every array to vary over the union of the arrays' axes, as JAX does implicitly for the
+    operands of one primitive: the transpose of that cast sums a cotangent over the added axes (e.g. a
+    weight replicated over a data axis gets the gradient summed over it)."""
+    axes = set()
+    for a in arrays:
+        axes.update(varying_axes(a))
+    return tuple(vary_over(a, tuple(sorted(axes - set(varying_axes(a))))) for a in arrays)

@@ -1,0 +1,124 @@
+"""grouped_matmul on CPU: lax.ragged_dot semantics (padding rows, empty groups), gradients, argument
+errors, the implementation choice, and the Hopper kernel's tile schedule and forward kernel run in
+Mosaic GPU's interpret mode (the GPU tests cover the compiled kernels and the transposed passes)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ep import grouped_matmul_mgpu as mgpu
+from jax_ep.grouped_matmul import explain, grouped_matmul
+
+
+def dense_reference(x, w, sizes):
+    """out[r] = x[r] @ w[group of r], zero past the groups (float64, NumPy)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, size in enumerate(np.asarray(sizes)):
+        end = min(start + int(size), x.shape[0])
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+def random_sizes(rng, groups, total):
+    """Random group sizes with zeros, summing to `total`."""
+    cuts = np.sort(rng.integers(0, total + 1, groups - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
+    sizes[rng.random(groups) < 0.3] = 0
+    return sizes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_forward_and_gradients_match_dense(seed):
+    rng = np.random.default_rng(seed)
+    m, k, n, g = 40, 12, 10, 5
+    sizes = random_sizes(rng, g, int(rng.integers(1, m)))        # rows past the sum are padding
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
+    dy = rng.standard_normal((m, n))
+    out = grouped_matmul(x, w, jnp.asarray(sizes))
+    np.testing.assert_allclose(out, dense_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[sizes.sum():] == 0)
+
+    dx, dw = jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, jnp.asarray(sizes)) * dy), (0, 1))(x, w)
+    rows = np.repeat(np.arange(g), sizes)                          # group of each real row
+    total = sizes.sum()
+    xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    expected_dx = np.zeros((m, k))
+    expected_dx[:total] = np.einsum("rn,rkn->rk", dy[:total], ws[rows])
+    expected_dw = np.zeros((g, k, n))
+    np.add.at(expected_dw, rows, np.einsum("rk,rn->rkn", xs[:total], dy[:total]))
+    np.testing.assert_allclose(dx, expected_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, expected_dw, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(dw)[sizes == 0] == 0)                # empty groups get zero gradients
+
+
+def test_argument_errors_name_the_argument():
+    x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        grouped_matmul(x[None], w, gs)
+    with pytest.raises(ValueError, match="w must be 3-D"):
+        grouped_matmul(x, w[0], gs)
+    with pytest.raises(ValueError, match="x has K=4 but w has K=5"):
+        grouped_matmul(x, jnp.ones((2, 5, 3)), gs)
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \(2,\)"):
+        grouped_matmul(x, w, jnp.array([8], jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes must be integer"):
+        grouped_matmul(x, w, jnp.array([4.0, 4.0]))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        grouped_matmul(x, w, gs, backend="cublas")
+
+
+def test_explain_says_why_the_kernel_is_not_used():
+    x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16)
+    plans = explain(x, w)
+    assert set(plans) == {"forward", "dx", "dw"}
+    for plan in plans.values():
+        assert plan.impl == "ragged_dot" and "not a GPU" in plan.reason
+    assert explain(x, w, backend="ragged_dot")["forward"].reason == "backend='ragged_dot'"
+    with pytest.raises(ValueError, match="backend='mosaic_gpu' cannot run the forward pass"):
+        grouped_matmul(jnp.ones((8, 64)), jnp.ones((2, 64, 64)), jnp.array([4, 4], jnp.int32),
+                       backend="mosaic_gpu")
+
+
+@pytest.mark.parametrize("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [64, 64, 64, 128], [300, 0, 0, 0],
+                                   [1, 1, 1, 300], [500, 0, 0, 0]])
+def test_tile_schedule_covers_every_row_once(sizes):
+    m, block_m = 320, 64
+    schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
+    schedule, num_tiles = np.asarray(schedule), np.asarray(num_tiles)
+    group, block, start, size = schedule[:, :int(num_tiles[0])]
+    assert np.all(size > 0) and np.all(schedule[3, int(num_tiles[0]):] == 0)
+    owner = np.full(m, -1)
+    for gi, b, s, n in zip(group, block, start, size, strict=True):
+        rows = np.arange(b * block_m + s, b * block_m + s + n)
+        assert np.all(owner[rows] == -1), "a row is covered twice"
+        owner[rows] = gi
+    ends = np.minimum(np.cumsum(sizes), m)
+    expected = np.searchsorted(ends, np.arange(m), side="right")    # group of each row; len(sizes) = zero
+    np.testing.assert_array_equal(owner, expected)
+
+
+@pytest.mark.parametrize("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [320, 0, 0, 0], [5, 200, 3, 1]])
+def test_kernel_interpret_mode(sizes):
+    """The compiled kernel's forward logic on CPU (Mosaic GPU interpret mode): ragged groups, empty
+    groups, one huge group; padding rows hold NaN and must come out as exact zeros."""
+    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+
+    rng = np.random.default_rng(sum(sizes))
+    m, k, n = 320, 128, 128
+    sizes = np.asarray(sizes, np.int32)
+    total = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16).at[total:].set(jnp.nan)
+    w = jnp.asarray(rng.standard_normal((4, k, n)) / np.sqrt(k), jnp.float16)
+    config = mgpu.BlockConfig(64, 64, 64, 2, 1, 1)
+    schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes), m, config.block_m)
+    out = np.asarray(mgpu.ragged_dot(x, w, schedule, num_tiles, config=config,
+                                     interpret=interpret_params.InterpretGPUParams()), np.float64)
+    ref = dense_reference(np.asarray(x)[:total], w, sizes)
+    np.testing.assert_allclose(out[:total], ref, rtol=2e-2, atol=2e-2)
+    assert np.all(out[total:] == 0)
