@@ -38,7 +38,10 @@ class BlockConfig:
     max_concurrent_steps TMA stages in flight. The persistent loop visits the output tiles in strips
     of grid_tile_width tiles along dimension grid_minor (0 = M, 1 = N), so that tiles running at the
     same time share operands in L2: along M they share a weight panel (what matters when there are
-    many groups and each weight is used by few rows), along N they share the rows."""
+    many groups and each weight is used by few rows), along N they share the rows. ctas_per_sm
+    persistent blocks share each SM (2 when their shared memory fits): one block's pipeline fill and
+    epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
+    gradient, whose K is a group's rows)."""
 
     block_m: int = 64
     block_n: int = 256
@@ -46,6 +49,7 @@ class BlockConfig:
     max_concurrent_steps: int = 4
     grid_minor: int = 1
     grid_tile_width: int = 2
+    ctas_per_sm: int = 1
 
     def astuple(self):
         return dataclasses.astuple(self)
@@ -104,7 +108,7 @@ def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice):
 def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool = False,
                interpret=None):
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
-    bm, bn, bk, stages, minor, width = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -150,7 +154,8 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
                             pl.ds(ni * bn, bn))
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(_num_sms(),), grid_names=("sm",),
+        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(ctas * _num_sms(),),
+        grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret)
     return kernel(schedule, num_tiles, lhs, rhs)
@@ -159,7 +164,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
-    bm, bn, bk, stages, minor, width = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -233,7 +238,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype), grid=(_num_sms(),), grid_names=("sm",),
+        body, out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype), grid=(ctas * _num_sms(),),
+        grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret)
     return kernel(info, lhs, rhs)

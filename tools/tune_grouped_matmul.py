@@ -58,13 +58,13 @@ def group_sizes_for(real: int, g: int, rng, uniform: bool) -> np.ndarray:
 
 def grid_for(name: str, width: int, quick: bool):
     """Block configurations to try. A single warpgroup holds the accumulator, so a tile has at most
-    128x128 or 64x256 f32 values (128 registers per thread)."""
+    128x128 or 64x256 f32 values (128 registers per thread); two blocks per SM fit with 2-3 stages."""
     tiles = [(128, 128), (64, 256)]
-    stages = (4,) if quick else (3, 4, 5)
-    orders = [(1, 2), (1, 4), (0, 2), (0, 4), (0, 8)]  # (grid_minor, grid_tile_width)
-    for (bm, bn), st, (minor, tw) in itertools.product(tiles, stages, orders):
+    orders = [(0, 4), (0, 8)] if quick else [(0, 2), (0, 4), (0, 8), (1, 2)]  # (grid_minor, tile width)
+    pipelines = [(1, 4), (2, 2), (2, 3)]                                      # (ctas per SM, stages)
+    for (bm, bn), (minor, tw), (ctas, st) in itertools.product(tiles, orders, pipelines):
         if width % bn == 0:
-            yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw)
+            yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, ctas)
 
 
 def run_pass(name, cfg, x, w, dy, gs):
