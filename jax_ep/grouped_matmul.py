@@ -35,6 +35,10 @@ _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 _CONFIG_FILE = pathlib.Path(__file__).with_name("grouped_matmul_configs.json")
 _log = logging.getLogger("jax_ep")
 
+# Groups whose sizes are multiples of this start on a kernel tile boundary: no tile is computed once
+# per group it touches (a ragged boundary costs a whole extra tile of matrix work).
+ROW_ALIGNMENT = 64
+
 # The three passes: forward out = x @ w[g]; dx = dy @ w[g].T; dw[g] = x[g rows].T @ dy[g rows].
 PASSES = ("forward", "dx", "dw")
 
@@ -70,6 +74,14 @@ def explain(x, w, group_sizes=None, *, backend: str = "auto") -> dict[str, Plan]
     if group_sizes is not None:
         _check_args(x, w, group_sizes, backend)
     return dict(zip(PASSES, _plans(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, backend), strict=True))
+
+
+def preferred_alignment(x, w, *, backend: str = "auto") -> int:
+    """The group-size alignment to ask of dispatch (``EPConfig.expert_alignment``) for rows feeding
+    this GEMM: ROW_ALIGNMENT where the forward pass runs the Mosaic GPU kernel, else 1 (no padding).
+    x and w may be arrays or jax.ShapeDtypeStruct."""
+    forward = _plans(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, backend)[0]
+    return ROW_ALIGNMENT if forward.impl == "mosaic_gpu" else 1
 
 
 def _check_args(x, w, group_sizes, backend: str) -> None:

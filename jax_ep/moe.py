@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ep import balancing, eplb, gating
 from jax_ep.config import EPConfig
 from jax_ep.grouped_matmul import grouped_matmul
+from jax_ep.grouped_matmul import preferred_alignment as grouped_matmul_alignment
 from jax_ep.ops import combine, dispatch
 from jax_ep.reference import dequantize_fp8
 
@@ -72,13 +73,16 @@ class MoE(nnx.Module):
                  score_func: str = "softmax", num_groups: int = 1, topk_groups: int | None = None,
                  max_ranks_per_token: int | None = None, routed_scaling_factor: float = 1.0,
                  normalize_topk: bool = True, shared_ffn_hidden: int = 0,
-                 capacity: int | None = None, expert_alignment: int = 1,
+                 capacity: int | None = None, expert_alignment: int | None = None,
                  dispatch_dtype: str | None = None, num_sms: int = 24, backend: str = "auto",
                  checked: bool = False, bias_update_rate: float = 0.0, aux_loss_alpha: float = 0.0,
                  placement: eplb.Placement | None = None, param_dtype=jnp.float32, gemm: str = "auto"):
         """Expert weights: ``w_gate_up [E, hidden, 2 * ffn_hidden]`` (gate columns, then up columns) and
         ``w_down [E, ffn_hidden, hidden]``. ``gemm`` is the expert GEMM's backend
-        (``jax_ep.grouped_matmul``: "auto", "mosaic_gpu" or "ragged_dot"); the other keywords are the
+        (``jax_ep.grouped_matmul``: "auto", "mosaic_gpu" or "ragged_dot"). ``expert_alignment=None`` pads
+        each expert's rows to what the GEMM prefers (``grouped_matmul.preferred_alignment``: 64 rows
+        for the Hopper kernel, so no kernel tile straddles two experts; none for lax.ragged_dot) when
+        ``capacity`` allows it (None or a multiple). The other keywords are the
         router's (``gating.RouterConfig``), dispatch/combine's (``EPConfig``), balancing's and the
         placement's, documented there."""
         if mesh is not None and axis_name not in mesh.axis_names:
@@ -247,8 +251,15 @@ class MoE(nnx.Module):
             slot_expert = lax.dynamic_slice_in_dim(placement.physical_to_logical, rank * local_slots,
                                                    local_slots)
             w_gate_up, w_down = w_gate_up[slot_expert], w_down[slot_expert]
+        ep_options = dict(self.ep_options)
+        if ep_options["expert_alignment"] is None:
+            w_in = jax.ShapeDtypeStruct((local_slots, *w_gate_up.shape[1:]), x.dtype)
+            align = grouped_matmul_alignment(jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in,
+                                             backend=self.gemm)
+            capacity = ep_options["capacity"]
+            ep_options["expert_alignment"] = align if capacity is None or capacity % align == 0 else 1
         cfg = EPConfig(num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden,
-                       max_tokens_per_rank=x.shape[0], axis_name=self.axis_name, **self.ep_options)
+                       max_tokens_per_rank=x.shape[0], axis_name=self.axis_name, **ep_options)
         # ep_size only matters for the rank cap, which assumes the contiguous logical layout
         capped = placement is None or self.router_options["max_ranks_per_token"] is not None
         router_cfg = gating.RouterConfig(self.num_experts, self.num_topk, ep_size=ep_size if capped else 1,

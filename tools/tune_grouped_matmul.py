@@ -5,8 +5,10 @@ Mosaic GPU kernel.
 
     python tools/tune_grouped_matmul.py [--shapes layers|issue|all] [--out FILE] [--quick]
 
-Shapes are (M rows incl. padding, real rows, K, N, G): the MoE layer's per-rank GEMMs at EP2 (the
-dispatch buffer is twice the real rows, worst-case capacity) and the issue's reference shapes.
+Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
+(the dispatch buffer's worst-case capacity is twice the real rows plus alignment padding; each group is
+padded to 64 rows as the layer asks of dispatch) and the issue's reference shapes (uniform groups).
+TFLOP/s count the real rows only: alignment padding and ragged tiles are overhead.
 Run on one Hopper GPU; the table is keyed by (pass, M, K, N, G) and looked up by nearest (M, G).
 """
 
@@ -31,10 +33,10 @@ from jax_ep import grouped_matmul_mgpu as mgpu  # noqa: E402
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("grouped_matmul_configs.json")
 SHAPES = {
     # (M incl. capacity padding, real rows, K, N, G)
-    "issue": [(32768, 32768, 7168, 2048, 128), (32768, 32768, 7168, 2048, 32),
-              (16384, 16384, 4096, 1408, 8)],
-    "layers": [(65536, 32768, 7168, 4096, 128), (65536, 32768, 2048, 7168, 128),   # DeepSeek-V3, EP2
-               (49152, 24576, 4096, 2816, 32), (49152, 24576, 1408, 4096, 32)],    # mid layer, EP2
+    "issue": [(32768, 32768, 7168, 2048, 128, 1), (32768, 32768, 7168, 2048, 32, 1),
+              (16384, 16384, 4096, 1408, 8, 1)],
+    "layers": [(73600, 32768, 7168, 4096, 128, 64), (73600, 32768, 2048, 7168, 128, 64),  # DeepSeek-V3
+               (51200, 24576, 4096, 2816, 32, 64), (51200, 24576, 1408, 4096, 32, 64)],   # mid layer
 }
 
 
@@ -50,10 +52,13 @@ def timed(f, *args, n=10, repeats=3) -> float:
     return best
 
 
-def group_sizes_for(real: int, g: int, rng, uniform: bool) -> np.ndarray:
+def group_sizes_for(real: int, g: int, rng, uniform: bool, align: int) -> tuple[np.ndarray, int]:
+    """(group sizes padded to `align`, real rows)."""
     if uniform:
-        return np.full(g, real // g, np.int32)
-    return rng.multinomial(real, rng.dirichlet(np.full(g, 8.0))).astype(np.int32)  # mild imbalance
+        sizes = np.full(g, real // g, np.int32)
+    else:
+        sizes = rng.multinomial(real, rng.dirichlet(np.full(g, 8.0))).astype(np.int32)  # mild imbalance
+    return (-(-sizes // align) * align).astype(np.int32), int(sizes.sum())
 
 
 def grid_for(name: str, width: int, quick: bool):
@@ -123,14 +128,14 @@ def main(argv=None):
     b = jnp.asarray(rng.standard_normal((7168, 2048)), jnp.bfloat16)
     ceiling = 2 * 32768 * 7168 * 2048 / timed(jax.jit(jnp.dot), a, b) / 1e12
     print(f"{device}: dense bf16 dot 32768x7168x2048 at {ceiling:.0f} TFLOP/s", flush=True)
-    for (m, real, k, n, g) in shapes:
+    for (m, real, k, n, g, align) in shapes:
         uniform = real == m
-        gs_host = group_sizes_for(real, g, rng, uniform)
+        gs_host, real = group_sizes_for(real, g, rng, uniform, align)
         gs = jnp.asarray(gs_host)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-        flops = 2 * int(gs_host.sum()) * k * n
+        flops = 2 * real * k * n
         for name in args.passes.split(","):
             width = k if name == "dx" else n
             results, sweep = [], []
@@ -149,7 +154,8 @@ def main(argv=None):
             t, cfg = min(results, key=lambda r: r[0])
             best = jax.jit(functools.partial(run_pass, name, cfg))(x, w, dy, gs)
             err = check(name, best, x, w, dy, gs_host)
-            line = dict(op="grouped_matmul", **{"pass": name}, m=m, rows=int(gs_host.sum()), k=k, n=n, g=g,
+            line = dict(op="grouped_matmul", **{"pass": name}, m=m, rows=real, padded_rows=int(gs_host.sum()),
+                        k=k, n=n, g=g, alignment=align,
                         uniform=uniform, config=list(cfg.astuple()), ms=t * 1e3, tflops=flops / t / 1e12,
                         rel_err=err, dense_tflops=ceiling, device=device, sweep_ms=sweep,
                         date=datetime.date.today().isoformat())
