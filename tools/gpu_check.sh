@@ -8,6 +8,7 @@
 #      PYTEST_ARGS  extra pytest arguments (e.g. "-k smoke -x")
 #      SKIP_TESTS=1 skips the GPU tests
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m jax_ep.bench
+#      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,6 +91,18 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f jax_ep/bench.py ]; then
   tail -60 "$OUT/bench.log"
   echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
   [ $bench_rc -eq 0 ] || status=1
+fi
+
+if [ "${SKIP_LAYER:-0}" != 1 ]; then
+  step "layer benchmark: python -m jax_ep.bench --layer --profile --out $OUT/bench_layer.json"
+  start=$SECONDS
+  # shellcheck disable=SC2086
+  "$PY" -m jax_ep.bench --layer --profile --out "$OUT/bench_layer.json" ${LAYER_ARGS:-} >"$OUT/bench_layer.log" 2>&1
+  layer_rc=$?
+  tail -12 "$OUT/bench_layer.log"
+  "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" || layer_rc=1
+  echo "layer bench: rc=$layer_rc in $((SECONDS - start)) s (log: $OUT/bench_layer.log)" | tee -a "$OUT/summary.txt"
+  [ $layer_rc -eq 0 ] || status=1
 fi
 
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT)" | tee -a "$OUT/summary.txt"
