@@ -1,6 +1,7 @@
 """jax_ep: expert-parallel dispatch/combine for Mixture-of-Experts models in JAX."""
 
 from jax_ep.config import EPConfig
+from jax_ep.gemm import grouped_matmul
 from jax_ep.ops import combine, dispatch, get_dispatch_layout
 from jax_ep.reference import dequantize_fp8
 from jax_ep.types import Dispatched, Handle, Layout
@@ -18,4 +19,5 @@ __all__ = [
     "dequantize_fp8",
     "dispatch",
     "get_dispatch_layout",
+    "grouped_matmul",
 ]

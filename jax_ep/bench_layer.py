@@ -142,7 +142,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
 
 def layer_gemm_plans(layer, mesh, x) -> str:
     """"mosaic_gpu" / "ragged_dot" (or "mixed") for the layer's expert GEMMs at this shape."""
-    from jax_ep.grouped_matmul import explain
+    from jax_ep.gemm import explain
 
     local = layer.num_experts // mesh.size
     rows = layer.ep_options["capacity"] or x.shape[0] * min(layer.num_topk, local)  # worst case

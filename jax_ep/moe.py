@@ -36,8 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import balancing, eplb, gating
 from jax_ep.config import EPConfig
-from jax_ep.grouped_matmul import grouped_matmul
-from jax_ep.grouped_matmul import preferred_alignment as grouped_matmul_alignment
+from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.ops import combine, dispatch
 from jax_ep.reference import dequantize_fp8
 
@@ -80,7 +79,7 @@ class MoE(nnx.Module):
         """Expert weights: ``w_gate_up [E, hidden, 2 * ffn_hidden]`` (gate columns, then up columns) and
         ``w_down [E, ffn_hidden, hidden]``. ``gemm`` is the expert GEMM's backend
         (``jax_ep.grouped_matmul``: "auto", "mosaic_gpu" or "ragged_dot"). ``expert_alignment=None`` pads
-        each expert's rows to what the GEMM prefers (``grouped_matmul.preferred_alignment``: 64 rows
+        each expert's rows to what the GEMM prefers (``jax_ep.gemm.preferred_alignment``: 64 rows
         for the Hopper kernel, so no kernel tile straddles two experts; none for lax.ragged_dot) when
         ``capacity`` allows it (None or a multiple). The other keywords are the
         router's (``gating.RouterConfig``), dispatch/combine's (``EPConfig``), balancing's and the
@@ -102,7 +101,7 @@ class MoE(nnx.Module):
                                dispatch_dtype=dispatch_dtype, num_sms=num_sms, backend=backend,
                                checked=checked)
         self.bias_update_rate, self.aux_loss_alpha = bias_update_rate, aux_loss_alpha
-        from jax_ep.grouped_matmul import BACKENDS as GEMM_BACKENDS
+        from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
         if gemm not in GEMM_BACKENDS:
             raise ValueError(f"MoE: gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
         self.gemm = gemm
@@ -254,8 +253,8 @@ class MoE(nnx.Module):
         ep_options = dict(self.ep_options)
         if ep_options["expert_alignment"] is None:
             w_in = jax.ShapeDtypeStruct((local_slots, *w_gate_up.shape[1:]), x.dtype)
-            align = grouped_matmul_alignment(jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in,
-                                             backend=self.gemm)
+            align = preferred_alignment(jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in,
+                                        backend=self.gemm)
             capacity = ep_options["capacity"]
             ep_options["expert_alignment"] = align if capacity is None or capacity % align == 0 else 1
         cfg = EPConfig(num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden,

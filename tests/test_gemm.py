@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ep import grouped_matmul_mgpu as mgpu
-from jax_ep.grouped_matmul import explain, grouped_matmul
+from jax_ep import gemm_mgpu as mgpu
+from jax_ep.gemm import explain, grouped_matmul
 
 
 def dense_reference(x, w, sizes):

@@ -13,7 +13,7 @@ What differs from JAX's kernels, and why:
     so non-finite garbage in padding rows cannot leak into a gradient (0 * NaN = NaN).
 
 Semantics of both kernels are exactly those of ``lax.ragged_dot`` (f32 accumulation, output in the
-operands' dtype); ``jax_ep.grouped_matmul`` is the public entry point.
+operands' dtype); ``jax_ep.grouped_matmul`` (module ``jax_ep.gemm``) is the public entry point.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.grouped_matmul import explain, grouped_matmul
+from jax_ep.gemm import explain, grouped_matmul
 from jax_ep.moe import MoE
 
 pytestmark = pytest.mark.gpu

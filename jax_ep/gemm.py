@@ -1,4 +1,4 @@
-"""Grouped matrix multiplication for the expert FFN: ``grouped_matmul(x, w, group_sizes)``.
+"""Grouped matrix multiplication for the expert FFN: ``jax_ep.grouped_matmul(x, w, group_sizes)``.
 
 Semantics are ``jax.lax.ragged_dot``'s: ``x [M, K]`` holds consecutive groups of rows
 (``group_sizes [G]``), group g is multiplied by ``w[g]`` (``w [G, K, N]``), and rows past
@@ -6,9 +6,9 @@ Semantics are ``jax.lax.ragged_dot``'s: ``x [M, K]`` holds consecutive groups of
 (``custom_vjp``: dx is the same grouped GEMM against ``w[g].T``, dw the transposed grouped GEMM).
 
 Which implementation runs (decided at trace time, per pass: forward, dx, dw):
-  * ``"mosaic_gpu"``: Hopper kernels (``jax_ep.grouped_matmul_mgpu``, derived from JAX's Mosaic GPU
-    ragged_dot kernels) with a block configuration per shape from ``grouped_matmul_configs.json``
-    (written by ``python tools/tune_grouped_matmul.py`` on a GPU).
+  * ``"mosaic_gpu"``: Hopper kernels (``jax_ep.gemm_mgpu``, derived from JAX's Mosaic GPU
+    ragged_dot kernels) with a block configuration per shape from ``gemm_configs.json``
+    (written by ``python tools/tune_gemm.py`` on a GPU).
   * ``"ragged_dot"``: ``jax.lax.ragged_dot`` (any platform; far from the tensor cores on GPUs in
     jax 0.11, and it materialises [M, G, K] at large G).
 ``backend="auto"`` takes the kernel wherever it can run and ``lax.ragged_dot`` elsewhere;
@@ -32,7 +32,7 @@ from jax_ep.vma import vary_jointly
 
 BACKENDS = ("auto", "mosaic_gpu", "ragged_dot")
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
-_CONFIG_FILE = pathlib.Path(__file__).with_name("grouped_matmul_configs.json")
+_CONFIG_FILE = pathlib.Path(__file__).with_name("gemm_configs.json")
 _log = logging.getLogger("jax_ep")
 
 # Groups whose sizes are multiples of this start on a kernel tile boundary: no tile is computed once
@@ -167,8 +167,8 @@ def _tuned() -> dict:
 
 def block_config(name: str, m: int, k: int, n: int, g: int):
     """The block configuration of one pass: the tuned entry of the same (k, n) with the nearest
-    (m, g) in grouped_matmul_configs.json, else a default that fits every shape the kernel takes."""
-    from jax_ep.grouped_matmul_mgpu import BlockConfig
+    (m, g) in gemm_configs.json, else a default that fits every shape the kernel takes."""
+    from jax_ep.gemm_mgpu import BlockConfig
 
     tuned = [(key, cfg) for key, cfg in _tuned().items() if key[0] == name and key[2:4] == (k, n)]
     if tuned:
@@ -183,7 +183,7 @@ def block_config(name: str, m: int, k: int, n: int, g: int):
 def _forward(x, w, group_sizes, plan: Plan, transpose_rhs: bool = False):
     if plan.impl == "ragged_dot":
         return lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
-    from jax_ep import grouped_matmul_mgpu as mgpu
+    from jax_ep import gemm_mgpu as mgpu
 
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, x.shape[0], plan.config.block_m)
     return mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs)
@@ -208,7 +208,7 @@ def _grouped_matmul_bwd(plans, residuals, dy):
             lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[]))
     else:
-        from jax_ep import grouped_matmul_mgpu as mgpu
+        from jax_ep import gemm_mgpu as mgpu
 
         dw = mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plans[2].config)
     return dx.astype(x.dtype), dw.astype(w.dtype), float0_like(group_sizes)

@@ -1,9 +1,9 @@
 """Tune jax_ep's Hopper grouped GEMM: sweep block configurations per shape and pass, check the best
-against a dense per-group reference, write jax_ep/grouped_matmul_configs.json (what
+against a dense per-group reference, write jax_ep/gemm_configs.json (what
 jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same FLOPs and to JAX's own
 Mosaic GPU kernel.
 
-    python tools/tune_grouped_matmul.py [--shapes layers|issue|all] [--out FILE] [--quick]
+    python tools/tune_gemm.py [--shapes layers|issue|all] [--out FILE] [--quick]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
 (the dispatch buffer's worst-case capacity is twice the real rows plus alignment padding; each group is
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jax_ep import grouped_matmul_mgpu as mgpu  # noqa: E402
+from jax_ep import gemm_mgpu as mgpu  # noqa: E402
 
-CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("grouped_matmul_configs.json")
+CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
 SHAPES = {
     # (M incl. capacity padding, real rows, K, N, G)
     "issue": [(32768, 32768, 7168, 2048, 128, 1), (32768, 32768, 7168, 2048, 32, 1),
