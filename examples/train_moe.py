@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_ep.balancing import imbalance  # noqa: E402
 from jax_ep.demo import communication_time  # noqa: E402
-from jax_ep.models import LMConfig, batches, build_training, corpus_bytes  # noqa: E402
+from jax_ep.models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype  # noqa: E402
 
 RUNS = {"no_balancing": "without balancing", "bias_balancing": "with bias balancing"}
 SHORT = {"no_balancing": "no balancing", "bias_balancing": "bias balancing"}
@@ -223,7 +223,8 @@ def main(argv=None) -> dict:
     data, ep = args.mesh
     devices = jax.devices()[:data * ep]
     mesh = Mesh(np.array(devices).reshape(data, ep), ("data", "ep"))
-    cfg = LMConfig(num_experts=args.experts, num_layers=args.layers, backend=args.backend)
+    cfg = LMConfig(num_experts=args.experts, num_layers=args.layers, backend=args.backend,
+                   moe_dtype=gpu_moe_dtype())
     tokens = args.batch * args.seq
     print(f"train_moe: {len(devices)} x {devices[0].platform} devices, mesh data x ep = {data} x {ep}, "
           f"{cfg.num_experts} experts top-{cfg.num_topk}, {cfg.num_layers} MoE layers, {tokens} tokens/step, "

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_ep.balancing import imbalance  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
-from jax_ep.models import LMConfig, batches, build_training, corpus_bytes  # noqa: E402
+from jax_ep.models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype  # noqa: E402
 from jax_ep.ops import combine, dispatch  # noqa: E402
 
 
@@ -82,7 +82,8 @@ def main(argv=None) -> None:
     mesh = Mesh(np.array(devices), ("ep",))
     if args.batch % len(devices):
         parser.error(f"--batch {args.batch} must be a multiple of the device count {len(devices)}")
-    cfg = LMConfig(num_experts=2 * len(devices), backend=args.backend, bias_update_rate=1e-3)
+    cfg = LMConfig(num_experts=2 * len(devices), backend=args.backend, bias_update_rate=1e-3,
+                   moe_dtype=gpu_moe_dtype())
     print(f"jax_ep demo: {len(devices)} x {devices[0].platform} devices, EP size {len(devices)}, "
           f"{cfg.num_experts} experts, top-{cfg.num_topk}, {cfg.num_layers} MoE layers, "
           f"backend={args.backend}")

@@ -32,6 +32,7 @@ class LMConfig:
     aux_loss_alpha: float = 0.0
     backend: str = "auto"
     dispatch_dtype: str | None = None
+    moe_dtype: str | None = None  # compute dtype of the routed experts (None: the model's float32)
 
 
 class Block(nnx.Module):
@@ -44,7 +45,7 @@ class Block(nnx.Module):
                        axis_name=axis_name, score_func=cfg.score_func, num_groups=cfg.num_groups,
                        topk_groups=cfg.topk_groups, shared_ffn_hidden=cfg.shared_ffn_hidden,
                        bias_update_rate=cfg.bias_update_rate, aux_loss_alpha=cfg.aux_loss_alpha,
-                       backend=cfg.backend, dispatch_dtype=cfg.dispatch_dtype)
+                       backend=cfg.backend, dispatch_dtype=cfg.dispatch_dtype, dtype=cfg.moe_dtype)
 
     def __call__(self, x, mask):
         x = x + self.attn(self.attn_norm(x), mask=mask)
@@ -84,6 +85,11 @@ def shard_model(module: nnx.Module, mesh: Mesh) -> None:
     state = nnx.state(module)
     specs = nnx.get_partition_spec(state)
     nnx.update(module, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
+
+
+def gpu_moe_dtype() -> str | None:
+    """bfloat16 experts on GPUs (the Hopper grouped GEMM takes bf16/fp16), the model's float32 elsewhere."""
+    return "bfloat16" if jax.default_backend() == "gpu" else None
 
 
 def build_training(cfg: LMConfig, mesh: Mesh, lr: float, seed: int = 0):

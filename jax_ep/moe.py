@@ -75,15 +75,18 @@ class MoE(nnx.Module):
                  capacity: int | None = None, expert_alignment: int | None = None,
                  dispatch_dtype: str | None = None, num_sms: int = 24, backend: str = "auto",
                  checked: bool = False, bias_update_rate: float = 0.0, aux_loss_alpha: float = 0.0,
-                 placement: eplb.Placement | None = None, param_dtype=jnp.float32, gemm: str = "auto"):
+                 placement: eplb.Placement | None = None, param_dtype=jnp.float32, gemm: str = "auto",
+                 dtype=None):
         """Expert weights: ``w_gate_up [E, hidden, 2 * ffn_hidden]`` (gate columns, then up columns) and
         ``w_down [E, ffn_hidden, hidden]``. ``gemm`` is the expert GEMM's backend
         (``jax_ep.grouped_matmul``: "auto", "mosaic_gpu" or "ragged_dot"). ``expert_alignment=None`` pads
         each expert's rows to what the GEMM prefers (``jax_ep.gemm.preferred_alignment``: 64 rows
         for the Hopper kernel, so no kernel tile straddles two experts; none for lax.ragged_dot) when
-        ``capacity`` allows it (None or a multiple). The other keywords are the
-        router's (``gating.RouterConfig``), dispatch/combine's (``EPConfig``), balancing's and the
-        placement's, documented there."""
+        ``capacity`` allows it (None or a multiple). ``dtype`` is the routed experts' compute dtype
+        (tokens are cast to it for dispatch and the expert GEMMs, the output back to x's dtype; None:
+        x's dtype): "bfloat16" puts a float32 model's experts on the Hopper kernels. The other keywords
+        are the router's (``gating.RouterConfig``), dispatch/combine's (``EPConfig``), balancing's and
+        the placement's, documented there."""
         if mesh is not None and axis_name not in mesh.axis_names:
             raise ValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
@@ -105,6 +108,7 @@ class MoE(nnx.Module):
         if gemm not in GEMM_BACKENDS:
             raise ValueError(f"MoE: gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
         self.gemm = gemm
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
 
         self._set_placement_tables(placement)
 
@@ -190,11 +194,12 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: x has hidden size {x.shape[-1]}, the layer expects {self.hidden}")
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden)
+        routed = tokens if self.dtype is None else tokens.astype(self.dtype)
         seq_len = lead[-1] if len(lead) >= 2 else None  # None: this rank's tokens are one sequence
         params = (self.router[...], self.w_gate_up[...], self.w_down[...], self.expert_bias[...],
                   self.placement)
         if self.mesh is None:
-            out, stats = self._per_rank(tokens, *params, seq_len=seq_len)
+            out, stats = self._per_rank(routed, *params, seq_len=seq_len)
         else:
             batch = P(self.batch_axes)
             # with a placement every rank gathers its slots' weights from all logical experts
@@ -203,7 +208,8 @@ class MoE(nnx.Module):
                 lambda *a: self._per_rank(*a, seq_len=seq_len), mesh=self.mesh,
                 in_specs=(batch, P(), experts, experts, P(), P()),
                 out_specs=(batch, MoEStats(P(), P(), P(), P())))
-            out, stats = body(tokens, *params)
+            out, stats = body(routed, *params)
+        out = out.astype(x.dtype)
         if self.shared is not None:
             out = out + self.shared(tokens)
         if update_stats:

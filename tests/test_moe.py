@@ -243,3 +243,19 @@ def test_placement_errors():
     with pytest.raises(ValueError, match="with a placement every rank needs all 8 logical"):
         jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))(
             state, random_tokens(6).reshape(-1, HIDDEN))
+
+
+def test_compute_dtype_and_gemm_choice():
+    """dtype=bfloat16 runs dispatch and the expert GEMMs in bf16 and returns x's dtype; the GEMM backend
+    is validated, and the Hopper kernel, asked for on a CPU, is an error naming why."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    x = random_tokens(4)
+    layer = make_layer(mesh, seed=2, dtype="bfloat16")
+    out = nnx.jit(lambda m, x: m(x, update_stats=False))(layer, x)
+    assert out.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense_moe(layer, x)), rtol=5e-2, atol=5e-2)
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        make_layer(mesh, gemm="cublas")
+    kernel_layer = make_layer(mesh, gemm="mosaic_gpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="backend='mosaic_gpu' cannot run .* not a GPU"):
+        kernel_layer(x, update_stats=False)
