@@ -176,7 +176,8 @@ def block_config(name: str, m: int, k: int, n: int, g: int):
         return BlockConfig(*cfg)
     width = k if name == "dx" else n  # the output width of the pass
     block_n = 256 if width % 256 == 0 else 128 if width % 128 == 0 else 64
-    return BlockConfig(64, block_n, 64, 4, 2 if (width // block_n) % 2 == 0 else 1)
+    # strips of 4 row tiles: tiles that run together share a weight panel (what won every tuned shape)
+    return BlockConfig(64, block_n, 64, 4, grid_minor=0, grid_tile_width=4)
 
 
 # ---- the op ---------------------------------------------------------------------------------------

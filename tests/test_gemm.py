@@ -122,3 +122,17 @@ def test_kernel_interpret_mode(sizes):
     ref = dense_reference(np.asarray(x)[:total], w, sizes)
     np.testing.assert_allclose(out[:total], ref, rtol=2e-2, atol=2e-2)
     assert np.all(out[total:] == 0)
+
+
+@pytest.mark.parametrize("name", ["forward", "dx", "dw"])
+@pytest.mark.parametrize("k,n", [(64, 64), (192, 320), (7168, 4096), (1408, 4096), (4096, 2816)])
+def test_block_configs_fit_the_shape(name, k, n):
+    """Every configuration the op would launch (tuned or default) divides the shape it is used for."""
+    from jax_ep.gemm import block_config
+
+    cfg = block_config(name, 4096, k, n, 8)
+    width = k if name == "dx" else n
+    assert width % cfg.block_n == 0 and cfg.block_k == 64 and cfg.grid_minor in (0, 1)
+    assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.ctas_per_sm in (1, 2)
+    if name == "dw":
+        assert k % cfg.block_m == 0
