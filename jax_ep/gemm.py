@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.validation import float0_like
-from jax_ep.vma import vary_jointly
+from jax_ep.vma import vary_as, vary_jointly
 
 BACKENDS = ("auto", "mosaic_gpu", "ragged_dot")
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -187,7 +187,8 @@ def _forward(x, w, group_sizes, plan: Plan, transpose_rhs: bool = False):
     from jax_ep import gemm_mgpu as mgpu
 
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, x.shape[0], plan.config.block_m)
-    return mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs)
+    out = mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs)
+    return vary_as(out, x, w)  # a kernel's result is typed invariant inside shard_map; it is per rank
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -211,7 +212,7 @@ def _grouped_matmul_bwd(plans, residuals, dy):
     else:
         from jax_ep import gemm_mgpu as mgpu
 
-        dw = mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plans[2].config)
+        dw = vary_as(mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plans[2].config), x, dy)
     return dx.astype(x.dtype), dw.astype(w.dtype), float0_like(group_sizes)
 
 

@@ -35,11 +35,17 @@ def vary_like(outputs, like):
     return vary_over(outputs, varying_axes(like))
 
 
+def vary_as(output, *likes):
+    """Type `output` (e.g. a Pallas kernel's result, typed invariant) as varying over every axis the
+    `likes` vary over that it does not already."""
+    axes = set()
+    for a in likes:
+        axes.update(varying_axes(a))
+    return vary_over(output, tuple(sorted(axes - set(varying_axes(output)))))
+
+
 def vary_jointly(*arrays):
     """Cast every array to vary over the union of the arrays' axes, as JAX does implicitly for the
     operands of one primitive: the transpose of that cast sums a cotangent over the added axes (e.g. a
     weight replicated over a data axis gets the gradient summed over it)."""
-    axes = set()
-    for a in arrays:
-        axes.update(varying_axes(a))
-    return tuple(vary_over(a, tuple(sorted(axes - set(varying_axes(a))))) for a in arrays)
+    return tuple(vary_as(a, *arrays) for a in arrays)

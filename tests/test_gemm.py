@@ -136,3 +136,58 @@ def test_block_configs_fit_the_shape(name, k, n):
     assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.ctas_per_sm in (1, 2)
     if name == "dw":
         assert k % cfg.block_m == 0
+
+
+def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
+    """The kernel path inside shard_map, gradients included, with the custom calls' results typed as JAX
+    types a kernel's (invariant): the forward kernel runs in interpret mode, the transposed passes are
+    stood in for by host callbacks (interpret mode cannot run them). Before the results were typed per
+    rank, combine's backward rejected the GEMM's output type on GPUs."""
+    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+    from jax_ep import gemm
+
+    kernel = mgpu.ragged_dot
+
+    def forward(x, w, schedule, num_tiles, *, config, transpose_rhs=False):
+        w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
+        return kernel(x, w, schedule, num_tiles, config=config,
+                      interpret=interpret_params.InterpretGPUParams())
+
+    def weight_grad(x, dy, sizes, *, config):
+        def host(x, dy, sizes):
+            ends = np.cumsum(sizes)
+            return np.stack([np.asarray(x[e - s:e], np.float32).T @ np.asarray(dy[e - s:e], np.float32)
+                             for s, e in zip(sizes, ends, strict=True)]).astype(x.dtype)
+        out = jax.ShapeDtypeStruct((sizes.shape[0], x.shape[1], dy.shape[1]), x.dtype)
+        return jax.pure_callback(host, out, x, dy, sizes)
+
+    monkeypatch.setattr(gemm, "_kernel_platform", lambda: "")
+    monkeypatch.setattr(mgpu, "ragged_dot", forward)
+    monkeypatch.setattr(mgpu, "transposed_ragged_dot", weight_grad)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    r, t, h, e, k = 2, 64, 64, 4, 2
+    cfg = jax_ep.EPConfig(num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t, backend="reference",
+                          expert_alignment=64)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((r * t, h)), jnp.float16)
+    idx = jnp.asarray(np.argsort(rng.random((r * t, e)), axis=1)[:, :k], jnp.int32)
+    wts = jnp.asarray(rng.random((r * t, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((e, h, h)) / 8, jnp.float16)
+
+    def run(backend):
+        def body(x, idx, wts, w):
+            d = jax_ep.dispatch(x, idx, wts, cfg)
+            return jax_ep.combine(grouped_matmul(d.x, w, d.group_sizes, backend=backend), d.handle, cfg)
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        loss = lambda x, w: jnp.sum(f(x, idx, wts, w).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+
+    assert gemm.explain(x, w)["dw"].impl == "mosaic_gpu"
+    (got, (gx, gw)), (ref, (rx, rw)) = run("mosaic_gpu"), run("ragged_dot")
+    np.testing.assert_allclose(float(got), float(ref), rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(rx, np.float32), rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(np.asarray(gw, np.float32), np.asarray(rw, np.float32), rtol=5e-2, atol=5e-2)
