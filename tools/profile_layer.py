@@ -1,0 +1,64 @@
+"""Diagnose how a profiled MoE layer step's GPU events map to the layer's named scopes: per device-0
+line, the total time and the top events with their stats (what bench_layer.split_by_scope relies on).
+
+    python tools/profile_layer.py [mid|deepseek|small]
+"""
+
+import collections
+import glob
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from jax_ep import bench_layer, moe  # noqa: E402
+
+name = sys.argv[1] if len(sys.argv) > 1 else "mid"
+hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[name]
+mesh = Mesh(np.array(jax.devices()), ("ep",))
+layer = moe.MoE(hidden, ffn, experts, topk, rngs=nnx.Rngs(0), mesh=mesh, param_dtype=jnp.bfloat16)
+x = jax.device_put(jax.random.normal(jax.random.key(1), (mesh.size * tokens, hidden), jnp.bfloat16),
+                   NamedSharding(mesh, P("ep")))
+graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+
+@jax.jit
+def step(params, x):
+    def loss(params):
+        return jnp.mean(nnx.merge(graphdef, params, rest)(x, update_stats=False).astype(jnp.float32) ** 2)
+    return jax.value_and_grad(loss)(params)
+
+
+scopes = bench_layer.hlo_scopes(step.lower(params, x).compile().as_text())
+n_experts = sum("moe_experts" in v for v in scopes.values())
+print("hlo instructions with op_name:", len(scopes), "in moe_experts:", n_experts)
+iters = 5
+jax.block_until_ready(step(params, x))
+with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+        for _ in range(iters):
+            out = step(params, x)
+        jax.block_until_ready(out)
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+for plane in data.planes:
+    if plane.name != "/device:GPU:0":
+        continue
+    for line in plane.lines:
+        events = list(line.events)
+        total = sum(e.duration_ns for e in events) / 1e6 / iters
+        print(f"LINE {line.name!r}: {len(events)} events, {total:.3f} ms per step")
+        by_name = collections.defaultdict(float)
+        example = {}
+        for e in events:
+            by_name[e.name] += e.duration_ns / 1e6 / iters
+            example.setdefault(e.name, e)
+        for ev_name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
+            stats = {k: str(v)[:80] for k, v in getattr(example[ev_name], "stats", ())}
+            print(f"   {ms:8.3f} ms  {ev_name[:70]}  {stats}")
