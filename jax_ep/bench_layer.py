@@ -9,8 +9,11 @@ For each layer shape, two configurations, measured in the same run:
   * ``plain_jax``: ``backend="reference"`` (dense ``lax.all_to_all``) + ``gemm="ragged_dot"``
     (``lax.ragged_dot``), what the layer did before jax_ep had a grouped GEMM.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
-plain dense dots of the same shapes on one device, timed in the same run. ``split_ms`` attributes the
-step's device time on device 0 (GPU, jax.profiler) to the layer's named scopes (moe.SCOPES).
+plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
+block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
+shapes; ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the device time of the GPU
+events of device 0 (all streams, so overlapping streams add up) by the layer's named scopes
+(moe.SCOPES); events the profile does not tie to an HLO instruction with a scope count as "rest".
 """
 
 from __future__ import annotations
@@ -70,6 +73,42 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
         return out, vjp(g)
 
     return _best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats)
+
+
+def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
+                        iters: int, repeats: int) -> float | None:
+    """The layer's expert block alone (gate|up GEMM, SwiGLU, down GEMM; forward and backward) on one
+    device, on a dispatch-like buffer: `capacity` rows of which `rows` are spread over the local experts
+    (mildly uneven), each expert padded to the alignment the layer asks of dispatch. None if it fails
+    (e.g. lax.ragged_dot out of memory)."""
+    from jax_ep.gemm import grouped_matmul, preferred_alignment
+
+    rng = np.random.default_rng(0)
+    dev = jax.devices()[0]
+    put = lambda a: jax.device_put(jnp.asarray(a), dev)  # noqa: E731
+    w1 = put((rng.standard_normal((local_experts, hidden, 2 * ffn)) * hidden ** -0.5).astype(jnp.bfloat16))
+    w2 = put((rng.standard_normal((local_experts, ffn, hidden)) * ffn ** -0.5).astype(jnp.bfloat16))
+    align = preferred_alignment(jax.ShapeDtypeStruct((capacity, hidden), jnp.bfloat16), w1, backend=gemm)
+    sizes = rng.multinomial(rows, rng.dirichlet(np.full(local_experts, 8.0)))
+    sizes = (-(-sizes // align) * align).astype(np.int32)
+    capacity = max(capacity, int(sizes.sum()))
+    x = put(rng.standard_normal((capacity, hidden)).astype(jnp.bfloat16))
+    g = put(rng.standard_normal((capacity, hidden)).astype(jnp.bfloat16))
+    group_sizes = put(sizes)
+
+    @jax.jit
+    def experts(x, w1, w2, g):
+        def f(x, w1, w2):
+            gate, up = jnp.split(grouped_matmul(x, w1, group_sizes, backend=gemm), 2, axis=1)
+            return grouped_matmul(jax.nn.silu(gate) * up, w2, group_sizes, backend=gemm)
+        out, vjp = jax.vjp(f, x, w1, w2)
+        return out, vjp(g)
+
+    try:
+        return _best_of(experts, x, w1, w2, g, iters=iters, repeats=repeats)
+    except Exception as e:  # noqa: BLE001 - a failing configuration is a result
+        print(f"  expert block alone ({gemm}): {type(e).__name__}: {str(e)[:160]}", flush=True)
+        return None
 
 
 def hlo_scopes(compiled_text: str) -> dict[str, str]:
@@ -169,10 +208,14 @@ def main(args) -> list[dict]:
         rows = tokens * topk   # real rows per rank on average (uniform routing)
         roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
+        local = experts // mesh.size
+        capacity = mesh.size * tokens * min(topk, local)   # dispatch's worst case, before alignment
         for config in CONFIGS:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
-            gemm_ms = (r["split_ms"] or {}).get("experts")
-            r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops,
+            seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
+                                          args.iters, args.repeats)
+            gemm_ms = None if seconds is None else 1e3 * seconds
+            r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
                      roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,
                      device=device, date=today)
@@ -181,7 +224,7 @@ def main(args) -> list[dict]:
                   + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     print(f"{'layer':9}{'config':11}{'gemm':12}{'EP':>3}{'step ms':>10}{'roofline':>10}{'x roof':>8}"
-          f"{'speedup':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)")
+          f"{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)")
     for r in records:
         plain = base.get((r["shape"], "plain_jax"))
         speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
@@ -189,6 +232,7 @@ def main(args) -> list[dict]:
         step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.2f}"
         ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
         tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
+        gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
         print(f"{r['shape']:9}{r['config']:11}{r['gemm']:12}{r['ep_size']:>3}{step:>10}"
-              f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{tflops:>11}  {split}")
+              f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}  {split}")
     return records
