@@ -43,7 +43,7 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "plain_jax": dict(backend="reference", gemm="ragged_dot")}
 
 
-def _best_of(fn, *args, iters: int, repeats: int) -> float:
+def best_of(fn, *args, iters: int, repeats: int) -> float:
     """Best (over repeats) mean seconds per call of a chain of `iters` calls."""
     jax.block_until_ready(fn(*args))
     best = float("inf")
@@ -72,7 +72,7 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
         out, vjp = jax.vjp(f, x, w1, w2)
         return out, vjp(g)
 
-    return _best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats)
+    return best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats)
 
 
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
@@ -105,7 +105,7 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
         return out, vjp(g)
 
     try:
-        return _best_of(experts, x, w1, w2, g, iters=iters, repeats=repeats)
+        return best_of(experts, x, w1, w2, g, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         print(f"  expert block alone ({gemm}): {type(e).__name__}: {str(e)[:160]}", flush=True)
         return None
@@ -172,7 +172,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     plans = layer_gemm_plans(layer, mesh, x)
     record["gemm"] = plans
     try:
-        record["step_ms"] = 1e3 * _best_of(step, params, x, iters=iters, repeats=repeats)
+        record["step_ms"] = 1e3 * best_of(step, params, x, iters=iters, repeats=repeats)
         record["split_ms"] = split_by_scope(step, (params, x), iters) if profile else None
     except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
         record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")

@@ -143,12 +143,13 @@ def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str) -> tuple[Plan, ...]
 
 
 def _shape_reason(name: str, m: int, k: int, n: int) -> str:
+    """Why the kernel cannot take this pass's shape ('' if it can). The kernels step K by 64 and tile
+    the output by multiples of 64."""
     # forward: [M, K] @ [K, N]; dx: [M, N] @ [N, K]; dw: [M, K].T @ [M, N] -> [K, N]
-    inner, outer = {"forward": (k, n), "dx": (n, k), "dw": (None, None)}[name]
     if name == "dw":
-        if k % 64 or n % 64:
-            return f"K={k} and N={n} must be multiples of 64 for the weight-gradient kernel"
-        return ""
+        return "" if k % 64 == 0 and n % 64 == 0 else (
+            f"K={k} and N={n} must be multiples of 64 for the weight-gradient kernel")
+    inner, outer = (k, n) if name == "forward" else (n, k)
     if inner % 64:
         return f"the contracted dimension {inner} is not a multiple of 64"
     if outer % 64:

@@ -25,8 +25,8 @@ def test_bench_writes_records(tmp_path):
         assert r["ep_size"] == 8 and r["tokens_per_rank"] == 32
 
 
-LAYER_FIELDS = {"op", "step_ms", "roofline_ms", "gemm_ms", "gemm_tflops", "split_ms", "backend", "gemm", "hidden",
-                "ffn_hidden", "num_experts", "topk", "tokens_per_rank", "ep_size", "device", "date"}
+LAYER_FIELDS = {"op", "step_ms", "roofline_ms", "gemm_ms", "gemm_tflops", "split_ms", "backend", "gemm",
+                "hidden", "ffn_hidden", "num_experts", "topk", "tokens_per_rank", "ep_size", "device", "date"}
 
 
 def test_layer_bench_writes_records(tmp_path):

@@ -21,7 +21,6 @@ import itertools
 import json
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
+from jax_ep.bench_layer import best_of  # noqa: E402
 
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
 SHAPES = {
@@ -38,18 +38,6 @@ SHAPES = {
     "layers": [(73600, 32768, 7168, 4096, 128, 64), (73600, 32768, 2048, 7168, 128, 64),  # DeepSeek-V3
                (51200, 24576, 4096, 2816, 32, 64), (51200, 24576, 1408, 4096, 32, 64)],   # mid layer
 }
-
-
-def timed(f, *args, n=10, repeats=3) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / n)
-    return best
 
 
 def group_sizes_for(real: int, g: int, rng, uniform: bool, align: int) -> tuple[np.ndarray, int]:
@@ -114,7 +102,8 @@ def main(argv=None):
     parser.add_argument("--passes", default="forward,dx,dw")
     parser.add_argument("--out", default=str(CONFIG_FILE))
     parser.add_argument("--report", default=None, help="also write every measurement here (JSON)")
-    parser.add_argument("--quick", action="store_true", help="4 stages only (a third of the sweep)")
+    parser.add_argument("--quick", action="store_true",
+                        help="two tile orders instead of four (half the sweep)")
     parser.add_argument("--compare", action="store_true", help="also time JAX's ragged_dot_mgpu kernels")
     args = parser.parse_args(argv)
     shapes = [s for name, group in SHAPES.items() if args.shapes in ("all", name) for s in group]
@@ -126,7 +115,7 @@ def main(argv=None):
     # dense dot of 32768x7168x2048 (bf16) as this GPU's matrix ceiling
     a = jnp.asarray(rng.standard_normal((32768, 7168)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((7168, 2048)), jnp.bfloat16)
-    ceiling = 2 * 32768 * 7168 * 2048 / timed(jax.jit(jnp.dot), a, b) / 1e12
+    ceiling = 2 * 32768 * 7168 * 2048 / best_of(jax.jit(jnp.dot), a, b) / 1e12
     print(f"{device}: dense bf16 dot 32768x7168x2048 at {ceiling:.0f} TFLOP/s", flush=True)
     for (m, real, k, n, g, align) in shapes:
         uniform = real == m
@@ -142,7 +131,7 @@ def main(argv=None):
             for cfg in grid_for(name, width, args.quick):
                 try:
                     f = jax.jit(functools.partial(run_pass, name, cfg))
-                    t = timed(f, x, w, dy, gs)
+                    t = best_of(f, x, w, dy, gs)
                 except Exception as e:  # configs that do not fit shared memory etc.
                     print(f"  {name} {cfg.astuple()}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
@@ -166,7 +155,7 @@ def main(argv=None):
                     dy if tr else x, w, group_sizes=gs, block_m=64, block_n=bn,
                     block_k=64, max_concurrent_steps=4, grid_block_n=2, transpose_rhs=tr))
                 try:
-                    line["jax_kernel_tflops"] = flops / timed(jf, x, w, dy, gs) / 1e12
+                    line["jax_kernel_tflops"] = flops / best_of(jf, x, w, dy, gs) / 1e12
                 except Exception as e:
                     print(f"  jax kernel: {type(e).__name__}: {str(e)[:160]}")
             report.append(line)
