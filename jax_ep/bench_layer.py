@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import moe
+from jax_ep.config import EPConfig
 
 LAYER_PRESETS = {
     # name: (hidden, ffn_hidden, experts, top-k, tokens per rank)
@@ -54,6 +55,17 @@ def best_of(fn, *args, iters: int, repeats: int) -> float:
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - start) / iters)
     return best
+
+
+def expert_group_sizes(rows: int, groups: int, rng, *, uniform: bool = False, align: int = 1
+                       ) -> np.ndarray:
+    """Group sizes of a dispatch buffer: `rows` real rows over `groups` experts (equal, or mildly uneven
+    as after balancing), each padded to `align` as dispatch pads them."""
+    if uniform:
+        sizes = np.full(groups, rows // groups)
+    else:
+        sizes = rng.multinomial(rows, rng.dirichlet(np.full(groups, 8.0)))
+    return (-(-sizes // align) * align).astype(np.int32)
 
 
 def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeats: int) -> float:
@@ -89,8 +101,7 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
     w1 = put((rng.standard_normal((local_experts, hidden, 2 * ffn)) * hidden ** -0.5).astype(jnp.bfloat16))
     w2 = put((rng.standard_normal((local_experts, ffn, hidden)) * ffn ** -0.5).astype(jnp.bfloat16))
     align = preferred_alignment(jax.ShapeDtypeStruct((capacity, hidden), jnp.bfloat16), w1, backend=gemm)
-    sizes = rng.multinomial(rows, rng.dirichlet(np.full(local_experts, 8.0)))
-    sizes = (-(-sizes // align) * align).astype(np.int32)
+    sizes = expert_group_sizes(rows, local_experts, rng, align=align)
     capacity = max(capacity, int(sizes.sum()))
     x = put(rng.standard_normal((capacity, hidden)).astype(jnp.bfloat16))
     g = put(rng.standard_normal((capacity, hidden)).astype(jnp.bfloat16))
@@ -180,11 +191,12 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
 
 
 def layer_gemm_plans(layer, mesh, x) -> str:
-    """"mosaic_gpu" / "ragged_dot" (or "mixed") for the layer's expert GEMMs at this shape."""
+    """"mosaic_gpu" / "ragged_dot" (or "mixed") for the layer's expert GEMMs at this shape (the choice
+    depends on the widths and dtypes, not on the number of rows)."""
     from jax_ep.gemm import explain
 
     local = layer.num_experts // mesh.size
-    rows = layer.ep_options["capacity"] or x.shape[0] * min(layer.num_topk, local)  # worst case
+    rows = x.shape[0]
     shapes = [((rows, layer.hidden), (local, layer.hidden, 2 * layer.ffn_hidden)),
               ((rows, layer.ffn_hidden), (local, layer.ffn_hidden, layer.hidden))]
     impls = {plan.impl for xs, ws in shapes
@@ -209,7 +221,7 @@ def main(args) -> list[dict]:
         roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
-        capacity = mesh.size * tokens * min(topk, local)   # dispatch's worst case, before alignment
+        capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
         for config in CONFIGS:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],

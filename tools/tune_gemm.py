@@ -28,25 +28,16 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
-from jax_ep.bench_layer import best_of  # noqa: E402
+from jax_ep.bench_layer import best_of, expert_group_sizes  # noqa: E402
 
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
 SHAPES = {
-    # (M incl. capacity padding, real rows, K, N, G)
+    # (M incl. capacity padding, real rows, K, N, G, alignment)
     "issue": [(32768, 32768, 7168, 2048, 128, 1), (32768, 32768, 7168, 2048, 32, 1),
               (16384, 16384, 4096, 1408, 8, 1)],
     "layers": [(73600, 32768, 7168, 4096, 128, 64), (73600, 32768, 2048, 7168, 128, 64),  # DeepSeek-V3
                (51200, 24576, 4096, 2816, 32, 64), (51200, 24576, 1408, 4096, 32, 64)],   # mid layer
 }
-
-
-def group_sizes_for(real: int, g: int, rng, uniform: bool, align: int) -> tuple[np.ndarray, int]:
-    """(group sizes padded to `align`, real rows)."""
-    if uniform:
-        sizes = np.full(g, real // g, np.int32)
-    else:
-        sizes = rng.multinomial(real, rng.dirichlet(np.full(g, 8.0))).astype(np.int32)  # mild imbalance
-    return (-(-sizes // align) * align).astype(np.int32), int(sizes.sum())
 
 
 def grid_for(name: str, width: int, quick: bool):
@@ -119,7 +110,7 @@ def main(argv=None):
     print(f"{device}: dense bf16 dot 32768x7168x2048 at {ceiling:.0f} TFLOP/s", flush=True)
     for (m, real, k, n, g, align) in shapes:
         uniform = real == m
-        gs_host, real = group_sizes_for(real, g, rng, uniform, align)
+        gs_host = expert_group_sizes(real, g, rng, uniform=uniform, align=align)
         gs = jnp.asarray(gs_host)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
