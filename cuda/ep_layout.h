@@ -26,6 +26,10 @@ inline constexpr int kChunkTokens = 8;
 inline constexpr int kMaxTopk = 32;
 // Largest number of experts (the notify kernel keeps a count per expert in shared memory).
 inline constexpr int kMaxExperts = 8192;
+// Warps of a data-kernel block (dispatch, combine, broadcast): the senders take 1..kBlockWarps-1.
+inline constexpr int kBlockWarps = 16;
+// Elements a row's width must be a multiple of (rows move as 16-byte vectors).
+inline constexpr int kRowAlignment = 8;
 
 // Element kinds of rows (attribute values shared by handlers and kernels).
 enum RowKind : int32_t { kRowBF16 = 0, kRowF32 = 1, kRowFP8 = 2 };

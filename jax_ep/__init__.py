@@ -1,6 +1,6 @@
 """jax_ep: expert-parallel dispatch/combine for Mixture-of-Experts models in JAX."""
 
-from jax_ep.config import EPConfig
+from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gemm import grouped_matmul
 from jax_ep.ops import combine, dispatch, get_dispatch_layout
 from jax_ep.reference import dequantize_fp8
@@ -14,6 +14,7 @@ __all__ = [
     "Dispatched",
     "EPValueError",
     "Handle",
+    "KernelConfig",
     "Layout",
     "combine",
     "dequantize_fp8",

@@ -1,4 +1,8 @@
-"""Static configuration of the expert-parallel ops (hashable, so it can be a jit static argument)."""
+"""Static configuration of the expert-parallel ops (hashable, so it can be a jit static argument).
+
+``EPConfig`` says what the ops compute; its ``kernel`` (``KernelConfig``) says how the CUDA kernels run
+(grid size, warp roles, copy engine). Both are frozen dataclasses: any change is a new jit cache key.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,47 @@ DISPATCH_DTYPES = (None, "bfloat16", "float8_e4m3fn")
 BACKENDS = ("auto", "reference", "cuda")
 FP8_BLOCK = 128  # channels per FP8 scale (per token, per 128 channels)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _check_positive_int(owner: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """How the CUDA kernels of dispatch/combine run (no effect on results, only on speed).
+
+    Attributes:
+      num_sms: blocks of the data kernels, one per SM (clamped below the device's SM count). XLA runs
+        the ops on its compute stream, so the SMs left free help only work that overlaps them.
+      dispatch_send_warps: warps of a dispatch block (of 16) that send; the others receive.
+      combine_send_warps: warps of a combine block (of 16) that reduce and send; the others receive.
+      broadcast_send_warps: warps of a broadcast block (of 16) that send; the others receive.
+      bulk_copy: dispatch and broadcast copy rows with bulk (TMA) copies through shared memory; False
+        uses 16-byte register copies.
+    Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
+    checked where the kernel is chosen, against the values the extension reports.
+    """
+
+    num_sms: int = 24
+    dispatch_send_warps: int = 6
+    combine_send_warps: int = 8
+    broadcast_send_warps: int = 6
+    bulk_copy: bool = True
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if field.name != "bulk_copy":
+                _check_positive_int("KernelConfig", field.name, getattr(self, field.name))
+        if not isinstance(self.bulk_copy, bool):
+            raise ValueError(f"KernelConfig.bulk_copy must be a bool, got {self.bulk_copy!r}")
+
+    def send_warps(self, op: str) -> int:
+        return getattr(self, f"{op}_send_warps")
+
+    def replace(self, **changes) -> KernelConfig:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +71,9 @@ class EPConfig:
       expert_alignment: each expert's segment of the receive buffer is padded to a multiple of this.
       dispatch_dtype: None keeps x's dtype on the wire; "bfloat16"; or "float8_e4m3fn" with
         per-token, per-128-channel float32 scales (amax / 448).
-      num_sms: streaming multiprocessors the CUDA kernels may occupy (never all of them).
       backend: "auto" (cuda when available, else reference), "reference" (pure JAX), "cuda".
       checked: validate traced values (expert ids, dropped rows) at run time and raise on error.
+      kernel: how the CUDA kernels run (KernelConfig: SMs, warp roles, bulk copies).
     """
 
     num_experts: int
@@ -39,16 +84,15 @@ class EPConfig:
     capacity: int | None = None
     expert_alignment: int = 1
     dispatch_dtype: str | None = None
-    num_sms: int = 24
     backend: str = "auto"
     checked: bool = False
+    kernel: KernelConfig = KernelConfig()
 
     def __post_init__(self):
-        for name in ("num_experts", "num_topk", "hidden", "max_tokens_per_rank",
-                     "expert_alignment", "num_sms"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EPConfig.{name} must be a positive int, got {value!r}")
+        for name in ("num_experts", "num_topk", "hidden", "max_tokens_per_rank", "expert_alignment"):
+            _check_positive_int("EPConfig", name, getattr(self, name))
+        if not isinstance(self.kernel, KernelConfig):
+            raise ValueError(f"EPConfig.kernel must be a KernelConfig, got {self.kernel!r}")
         if self.num_topk > self.num_experts:
             raise ValueError(f"EPConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
         if self.capacity is not None:
@@ -91,6 +135,11 @@ class EPConfig:
         if self.capacity is None:
             return self.worst_case_capacity(ep_size)
         return self.capacity
+
+    def wire_dtype(self, x_dtype):
+        """dtype of the dispatched rows for tokens of ``x_dtype``."""
+        import jax.numpy as jnp  # config stays importable without initialising JAX's numpy
+        return jnp.dtype(self.dispatch_dtype or x_dtype)
 
     @property
     def num_scale_blocks(self) -> int:

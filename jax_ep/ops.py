@@ -1,81 +1,120 @@
-"""Public ops: dispatch, combine and get_dispatch_layout, with custom_vjp.
+"""Public ops: get_dispatch_layout, dispatch and combine, with custom_vjp.
 
-Call them inside ``shard_map`` over ``cfg.axis_name`` (per-rank view). The backward passes reuse the
-forward machinery: the gradient of dispatch is a combine without gate weights (plus the gate-weight
-gradients sent back to their top-k slots); the gradient of combine is a dispatch of the cotangents
-through the same handle.
+Call them inside ``shard_map`` over ``cfg.axis_name`` (per-rank view). Each op is declared once, in
+``OPS`` below: its output types (``jax_ep.types``: the contract), its implementations (the same
+function in each backend module, ``Backend``), and whether ``backend="auto"`` takes its kernel. The
+backward passes reuse the forward machinery: the gradient of dispatch is a combine with unit weights
+(plus the gate-weight gradients sent back to their top-k slots, ``slot_values``); the gradient of
+combine is a ``broadcast`` of the cotangents through the same handle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import reference
+from jax_ep import reference, types
 from jax_ep.config import EPConfig
 from jax_ep.types import Dispatched, Handle, Layout
 from jax_ep.validation import (
     check_combine_args,
     check_dispatch_args,
+    check_layout_args,
     check_no_drops,
     check_topk_values,
     float0_like,
 )
 
-_OPS = ("layout", "dispatch", "combine", "broadcast", "slot_values")
+
+class Backend(Protocol):
+    """What a backend module implements: one function per op, same signatures, same results (the
+    output types of ``jax_ep.types``). ``jax_ep.reference`` defines the semantics; ``jax_ep.cuda_backend``
+    runs the CUDA kernels. Per-rank views, inside shard_map over cfg.axis_name."""
+
+    def layout(self, topk_idx: jax.Array, cfg: EPConfig) -> Layout: ...
+    def dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                 cfg: EPConfig) -> Dispatched: ...
+    def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
+    def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
+    def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
 
 
-def backend_for(cfg: EPConfig, op: str):
-    """The function implementing `op` for cfg.backend.
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op. ``kernel_by_default``: its CUDA kernel measured faster than the reference path
+    (docs/benchmarks.md), so ``backend="auto"`` takes it on GPUs."""
 
-    "auto" takes the CUDA kernel when the extension is loaded, the default platform is a GPU and the
-    op is in ``cuda_backend.FASTER_THAN_REFERENCE`` (its kernel measured faster than the reference
-    path, docs/benchmarks.md); otherwise the reference. "cuda" takes every kernel there is and never
-    falls back: it raises with the reason.
-    """
-    assert op in _OPS, op
-    if cfg.backend == "reference":
-        return getattr(reference, op)
-    from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
+    name: str
+    kernel_by_default: bool
 
-    kernel = getattr(cuda_backend, op, None)
-    usable, reason = runtime.available()
-    if cfg.backend == "auto":
-        if usable and op in cuda_backend.FASTER_THAN_REFERENCE and jax.default_backend() == "gpu":
-            return kernel
-        return getattr(reference, op)
-    if not usable:
-        raise RuntimeError(f"jax_ep: backend='cuda' is unavailable: {reason}. Use backend='reference' "
-                           "or 'auto'.")
-    if kernel is None:
-        raise NotImplementedError(f"jax_ep: the cuda backend has no kernel for {op!r} in this build; "
-                                  "use backend='reference' or 'auto' for it.")
-    return kernel
+    def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
+        """The function implementing this op for cfg.backend.
+
+        "reference": the pure-JAX path. "auto": the CUDA kernel when it is a default kernel, the
+        extension is loaded, the default platform is a GPU and the kernel supports the sizes; the
+        reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
+        """
+        if cfg.backend == "reference":
+            return getattr(reference, self.name)
+        from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
+
+        if cfg.backend == "auto":
+            if not (self.kernel_by_default and jax.default_backend() == "gpu" and runtime.available()[0]):
+                return getattr(reference, self.name)
+            if cuda_backend.unsupported(self.name, cfg, ep_size, dtype) is not None:
+                return getattr(reference, self.name)
+            return getattr(cuda_backend, self.name)
+        usable, reason = runtime.available()
+        if not usable:
+            raise RuntimeError(f"jax_ep: backend='cuda' is unavailable: {reason}. Use "
+                               "backend='reference' or 'auto'.")
+        why = cuda_backend.unsupported(self.name, cfg, ep_size, dtype)
+        if why is not None:
+            raise ValueError(f"jax_ep.{self.name} (backend='cuda'): {why}; use backend='reference' "
+                             "(or 'auto', which falls back to it)")
+        return getattr(cuda_backend, self.name)
 
 
-def _ep_size(cfg: EPConfig, op: str) -> int:
+OPS = {op.name: op for op in (
+    Op("layout", kernel_by_default=True),
+    # dispatch beat the dense lax.all_to_all reference at 4096 and 8192 tokens per rank but not at
+    # 128-2048 (2x H200); combine is slower on 2x H200 and faster on 4x H200: backend="cuda" runs them.
+    Op("dispatch", kernel_by_default=False),
+    Op("combine", kernel_by_default=False),
+    Op("broadcast", kernel_by_default=False),
+    Op("slot_values", kernel_by_default=False),
+)}
+
+
+def implementation(op: str, cfg: EPConfig, dtype=None):
+    """The function ``cfg.backend`` runs for ``op`` (inside shard_map over cfg.axis_name)."""
+    return OPS[op].implementation(cfg, ep_size(cfg, op), dtype)
+
+
+def ep_size(cfg: EPConfig, op: str) -> int:
+    """The size of the EP axis; a clear error outside shard_map."""
     try:
-        return lax.axis_size(cfg.axis_name)
+        size = lax.axis_size(cfg.axis_name)
     except NameError as e:
         raise ValueError(f"jax_ep.{op} must run inside shard_map over the mesh axis "
                          f"{cfg.axis_name!r} (cfg.axis_name); that axis is not bound here") from e
+    cfg.check_ep_size(size)
+    return size
 
 
+# ---- public ops -----------------------------------------------------------------------------------
 def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
     """Tokens of this rank per destination rank and per expert, and token->rank membership."""
-    ep_size = _ep_size(cfg, "get_dispatch_layout")
-    cfg.check_ep_size(ep_size)
-    if getattr(topk_idx, "ndim", None) != 2 or topk_idx.shape[1] != cfg.num_topk:
-        raise ValueError(f"get_dispatch_layout: topk_idx must have shape [tokens, {cfg.num_topk}], "
-                         f"got {getattr(topk_idx, 'shape', None)}")
-    if topk_idx.dtype != jnp.int32:
-        raise ValueError(f"get_dispatch_layout: topk_idx must be int32, got dtype {topk_idx.dtype}")
+    size = ep_size(cfg, "get_dispatch_layout")
+    check_layout_args(topk_idx, cfg)
     if cfg.checked:
         check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
-    return backend_for(cfg, "layout")(topk_idx, cfg.num_experts, ep_size)
+    return OPS["layout"].implementation(cfg, size)(topk_idx, cfg)
 
 
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
@@ -88,34 +127,34 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
       cfg: EPConfig (static).
     Returns:
       Dispatched: rows [C, H] (expert-major, one per (token, local expert) pair), scales for FP8,
-      group_sizes [E_local] (aligned), expert_counts, row_weights [C], num_dropped, handle.
+      group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it).
     """
-    ep_size = _ep_size(cfg, "dispatch")
-    check_dispatch_args(x, topk_idx, topk_weights, cfg, ep_size)
+    size = ep_size(cfg, "dispatch")
+    check_dispatch_args(x, topk_idx, topk_weights, cfg)
     if cfg.checked:
         check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
     out = _dispatch(x, topk_idx, topk_weights, cfg)
     if cfg.checked:
-        check_no_drops(out.num_dropped, cfg.resolved_capacity(ep_size), cfg.axis_name)
+        check_no_drops(out.num_dropped, cfg.resolved_capacity(size), cfg.axis_name)
     return out
 
 
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
-    """For each token of this rank, the gate-weighted sum of its expert outputs y ([C, H] -> [T, H])."""
-    _ep_size(cfg, "combine")
+    """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
+    y ([C, H] -> [T, H])."""
+    ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
-    return _combine(y, handle.row_weights, handle.src_index, handle.token_rows, handle.is_token_in_rank,
-                    cfg)
+    return _combine(y, handle, cfg)
 
 
-# ---- dispatch -------------------------------------------------------------------------------------
+# ---- dispatch: custom_vjp -------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, topk_idx, topk_weights, cfg):
-    return backend_for(cfg, "dispatch")(x, topk_idx, topk_weights, cfg)
+    return implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, cfg):
-    out = backend_for(cfg, "dispatch")(x, topk_idx, topk_weights, cfg)
+    out = implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
     dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
     return out, (out.handle, dtype_token, topk_idx)
 
@@ -127,36 +166,35 @@ def _dispatch_bwd(cfg, residuals, ct):
             "jax_ep: dispatch with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
             "prefill); differentiate through a bfloat16 dispatch instead")
     d_rows = ct.x
-    d_row_weights = ct.row_weights + ct.handle.row_weights
-    dx = backend_for(cfg, "combine")(d_rows, None, handle, cfg).astype(dtype_token.dtype)
-    d_topk_weights = backend_for(cfg, "slot_values")(d_row_weights, handle, cfg)
+    # unit weights: y * 1.0 is exact, so this is the plain sum of each token's row cotangents
+    unweighted = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
+    dx = implementation("combine", cfg, d_rows.dtype)(d_rows, unweighted, cfg).astype(dtype_token.dtype)
+    d_topk_weights = implementation("slot_values", cfg)(ct.handle.row_weights, handle, cfg)
     return dx, float0_like(topk_idx), d_topk_weights
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-# ---- combine --------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _combine(y, row_weights, src_index, token_rows, is_token_in_rank, cfg):
-    handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
-    return backend_for(cfg, "combine")(y, row_weights, handle, cfg)
+# ---- combine: custom_vjp --------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine(y, handle, cfg):
+    return implementation("combine", cfg, y.dtype)(y, handle, cfg)
 
 
-def _combine_fwd(y, row_weights, src_index, token_rows, is_token_in_rank, cfg):
-    handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
-    out = backend_for(cfg, "combine")(y, row_weights, handle, cfg)
-    return out, (y, row_weights, src_index, token_rows, is_token_in_rank)
+def _combine_fwd(y, handle, cfg):
+    return implementation("combine", cfg, y.dtype)(y, handle, cfg), (y, handle)
 
 
 def _combine_bwd(cfg, residuals, g):
-    y, row_weights, src_index, token_rows, is_token_in_rank = residuals
-    handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
-    g_rows = backend_for(cfg, "broadcast")(g, handle, cfg).astype(jnp.float32)
-    dy = (g_rows * row_weights[:, None]).astype(y.dtype)
+    y, handle = residuals
+    g_rows = implementation("broadcast", cfg, g.dtype)(g, handle, cfg).astype(jnp.float32)
+    dy = (g_rows * handle.row_weights[:, None]).astype(y.dtype)
     d_row_weights = jnp.sum(y.astype(jnp.float32) * g_rows, axis=1)
-    return (dy, d_row_weights, float0_like(src_index), float0_like(token_rows),
-            float0_like(is_token_in_rank))
+    d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
+                      float0_like(handle.is_token_in_rank), d_row_weights)
+    return dy, d_handle
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX, EPConfig
-from jax_ep.types import Dispatched, Handle, Layout
+from jax_ep.types import DROPPED, EMPTY_ROW, NOT_ROUTED, Dispatched, Handle, Layout
 
 FP8_MIN_AMAX = 1e-4  # keeps the scale finite for all-zero blocks
 
@@ -51,8 +51,13 @@ def _destinations(idx: jax.Array, num_experts: int, ep_size: int) -> tuple[jax.A
     return dest_rank, in_rank
 
 
-def layout(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
+def layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
     """Per-rank and per-expert token counts and token->rank membership (DeepEP's get_dispatch_layout)."""
+    return layout_of(topk_idx, cfg.num_experts, lax.axis_size(cfg.axis_name))
+
+
+def layout_of(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
+    """``layout`` for a given EP size: rank-local, needs no mesh axis (host-side statistics)."""
     idx = sanitize_topk(topk_idx, num_experts)
     _, in_rank = _destinations(idx, num_experts, ep_size)
     per_expert = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(idx >= 0, idx, num_experts)].add(
@@ -141,13 +146,13 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     position = offsets[None, :] + rank_in_expert                        # [N, E_local]
 
     slot_ids = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32)[:, None], picks.shape)
-    src_index = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, position, capacity)].set(
+    src_index = jnp.full((capacity,), EMPTY_ROW, jnp.int32).at[jnp.where(keep, position, capacity)].set(
         slot_ids, mode="drop")
     expert_of_slot = jnp.maximum(recv_expert, 0)
     slot_row = jnp.take_along_axis(position, expert_of_slot, axis=1)
     slot_kept = jnp.take_along_axis(keep, expert_of_slot, axis=1) & (recv_expert >= 0)
-    # -1: slot not routed to this rank (or unused); -2: routed here but dropped for lack of capacity
-    token_rows = jnp.where(slot_kept, slot_row, jnp.where(recv_expert >= 0, -2, -1)).astype(jnp.int32)
+    token_rows = jnp.where(slot_kept, slot_row,
+                           jnp.where(recv_expert >= 0, DROPPED, NOT_ROUTED)).astype(jnp.int32)
     row_weights = jnp.zeros((capacity,), jnp.float32).at[jnp.where(slot_kept, slot_row, capacity)].set(
         recv_weight, mode="drop")
 
@@ -158,12 +163,11 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
         row_scales = _take_rows(recv_scales.reshape(num_slots, -1), src_index)
     handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32)
-    return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), row_weights, num_dropped,
-                      handle)
+    return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle)
 
 
-def combine(y: jax.Array, row_weights: jax.Array | None, handle: Handle, cfg: EPConfig) -> jax.Array:
-    """Gate-weighted (or, with row_weights None, plain) sum of each token's rows, back at its source."""
+def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+    """Gate-weighted sum (handle.row_weights) of each token's rows, back at its source."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
     num_tokens = num_slots // ep_size
@@ -171,9 +175,7 @@ def combine(y: jax.Array, row_weights: jax.Array | None, handle: Handle, cfg: EP
     partial = jnp.zeros((num_slots, y.shape[1]), jnp.float32)
     for k in range(topk):  # fixed summation order: top-k slot order
         rows = handle.token_rows[:, k]
-        term = _take_rows(yf, rows)
-        if row_weights is not None:
-            term = term * _take_rows(row_weights, rows)[:, None]
+        term = _take_rows(yf, rows) * _take_rows(handle.row_weights, rows)[:, None]
         partial = partial + term
     partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, -1)
     returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)

@@ -1,16 +1,17 @@
-"""The native runtime: loads the optional CUDA extension ``jax_ep._C``, registers its XLA FFI
-targets, and bootstraps per-device memory (process model 1: this process drives all local GPUs).
+"""The native runtime: loads the optional CUDA extension ``jax_ep._C`` and registers its XLA FFI
+targets (process model 1: this process drives all local GPUs).
 
 Nothing here touches CUDA at import time. ``available()`` answers whether the CUDA backend can run
-(and why not); ``ensure_initialized()`` is called at trace time by ops that need communication
-buffers; ``check_errors()`` turns a device-side fault (e.g. a peer that never arrived at a barrier)
-into a Python exception with the op and ranks involved.
+(and why not); ``register_targets()`` is called at trace time by the CUDA ops and hands the runtime
+the local GPUs. The communication buffers are sized by the ops themselves: each call site's FFI
+*instantiate* handler (run when XLA instantiates the executable) reserves what its static shapes need
+and holds the runtime until the executable is destroyed. ``check_errors()`` turns a device-side fault
+(e.g. a peer that never arrived at a barrier) into a Python exception with the op and ranks involved.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import jax
@@ -26,9 +27,10 @@ except ImportError as e:  # pragma: no cover - depends on the build
 FFI_TARGETS = ("jax_ep_dispatch_layout", "jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine",
                "jax_ep_broadcast", "jax_ep_slot_values")
 
+STATE_TYPE = "jax_ep_op_state"  # the FFI state type of the communicating ops (instantiate stage)
+
 _lock = threading.Lock()
 _registered = False
-_initialized: tuple[tuple[int, ...], int] | None = None  # (ordinals, buffer bytes) of the last init
 
 
 class DeviceFaultError(RuntimeError):
@@ -89,67 +91,51 @@ def _require_available() -> None:
         raise RuntimeError(f"jax_ep: the CUDA backend is unavailable: {reason}")
 
 
+def limits() -> dict:
+    """The kernels' limits as the extension defines them (``jax_ep._C.LIMITS``: max_topk,
+    layout_max_topk, max_experts, max_ranks, max_groups, directory_axes, data_warps, row_alignment)."""
+    _require_available()
+    return dict(_C.LIMITS)
+
+
 def register_targets() -> None:
-    """Registers every FFI target with XLA (platform CUDA), once per process."""
+    """Registers every FFI target (and the ops' state type) with XLA, platform CUDA, once per
+    process, and hands the runtime the local GPUs (peer access, device tables). Cheap when done."""
     global _registered
-    if _registered:
-        return
     _require_available()
     with _lock:
-        if _registered:
-            return
-        handlers = _C.ffi_handlers()
-        missing = set(FFI_TARGETS) - set(handlers)
-        if missing:
-            raise RuntimeError(f"jax_ep._C lacks FFI targets {sorted(missing)}: stale build? "
-                               "Reinstall jax_ep.")
-        for name, capsule in handlers.items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-        _registered = True
-
-
-def _buffer_floor() -> int:
-    text = os.environ.get("JAX_EP_BUFFER_BYTES", "")
-    if not text:
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"JAX_EP_BUFFER_BYTES must be an integer number of bytes, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"JAX_EP_BUFFER_BYTES must be >= 0, got {value}")
-    return value
+        if not _registered:
+            handlers = _C.ffi_handlers()
+            missing = set(FFI_TARGETS) - set(handlers)
+            if missing:
+                raise RuntimeError(f"jax_ep._C lacks FFI targets {sorted(missing)}: stale build? "
+                                   "Reinstall jax_ep.")
+            jax.ffi.register_ffi_type(STATE_TYPE, _C.state_type(), platform="CUDA")
+            for name, stages in handlers.items():
+                jax.ffi.register_ffi_target(name, stages, platform="CUDA")
+            _registered = True
+        if not _C.managed_devices():
+            _C.init(local_gpu_ordinals(), 0)
 
 
 def ensure_initialized(buffer_bytes: int) -> None:
-    """Makes every local GPU's communication buffer at least ``buffer_bytes`` (or the
-    ``JAX_EP_BUFFER_BYTES`` floor) and the peer tables ready; registers the FFI targets.
-
-    Call at trace time, from Python. Cheap when nothing changes. Growing the buffers synchronises
-    every GPU, so size them once for the largest config (no EP computation may run meanwhile).
-    The timeout of device-side waits is read from ``JAX_EP_TIMEOUT_S`` (seconds, default 10) when
-    the runtime (re)initialises.
-    """
-    global _initialized
+    """Makes every local GPU's communication buffer at least ``buffer_bytes`` now (the ops reserve
+    what they need when XLA instantiates them; this only sizes the buffers up front, e.g. to
+    ``cuda_backend.comm_bytes(cfg, ep_size)`` of the largest config, so that no later instantiation
+    has to grow them: growing synchronises every GPU)."""
     register_targets()
-    wanted = max(int(buffer_bytes), _buffer_floor(), 1)
-    ordinals = tuple(local_gpu_ordinals())
     with _lock:
-        if _initialized is not None and _initialized[0] == ordinals and _initialized[1] >= wanted:
-            return
-        _C.init(list(ordinals), wanted)
-        _initialized = (ordinals, int(_C.buffer_bytes()))
+        _C.init(local_gpu_ordinals(), max(int(buffer_bytes), 0))
 
 
 def shutdown() -> None:
-    """Frees the communication buffers (after synchronising the GPUs). Compiled computations using
-    EP ops must not run again until ``ensure_initialized`` (they would trap with a clear message)."""
-    global _initialized
+    """Frees the communication buffers (after synchronising the GPUs). Refuses, with a RuntimeError,
+    while compiled computations that use EP ops are alive (they hold the runtime): delete them and
+    call ``jax.clear_caches()`` first. The next instantiation sets the runtime up again."""
     if _C is None:
         return
     with _lock:
         _C.shutdown()
-        _initialized = None
 
 
 def faults() -> list[dict]:

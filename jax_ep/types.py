@@ -1,7 +1,8 @@
-"""The arrays the ops exchange. All are per-rank views (inside shard_map over the EP axis).
+"""The arrays the ops exchange, and each op's output types (the contract every backend meets).
 
-Shapes: T tokens on this rank, K = num_topk, H = hidden, R = EP size, E = num_experts,
-E_local = E / R, C = capacity (receive rows on this rank).
+All are per-rank views (inside shard_map over the EP axis). Shapes: T tokens on this rank, K =
+num_topk, H = hidden, R = EP size, E = num_experts, E_local = E / R, C = capacity (receive rows on
+this rank). A received token is named by its *source slot* n = src_rank * T + src_token.
 """
 
 from __future__ import annotations
@@ -9,6 +10,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+from jax_ep.config import EPConfig
+
+# Sentinels in the handle's index arrays.
+EMPTY_ROW = -1    # src_index: the receive row holds no token (padding or past the last expert)
+NOT_ROUTED = -1   # token_rows: the top-k slot does not name an expert of this rank (or is unused)
+DROPPED = -2      # token_rows: the slot was routed here but its row was dropped for lack of capacity
 
 
 class Layout(NamedTuple):
@@ -20,25 +29,71 @@ class Layout(NamedTuple):
 
 
 class Handle(NamedTuple):
-    """What combine (and the backward passes) need from dispatch. Arrays only.
+    """What combine (and the backward passes) need from dispatch. Arrays only: a pytree that passes
+    whole through jit and custom_vjp (its integer fields get float0 cotangents)."""
 
-    A received token is named by its slot n = src_rank * T + src_token.
-    """
-
-    src_index: jax.Array         # [C] int32: slot n of the token each receive row holds; -1 = empty row
-    token_rows: jax.Array        # [R*T, K] int32: receive row of (slot n, top-k slot k); -1 = not routed
-                                 # here, -2 = routed here but dropped for lack of capacity
+    src_index: jax.Array         # [C] int32: source slot of the token each receive row holds, or EMPTY_ROW
+    token_rows: jax.Array        # [R*T, K] int32: receive row of (source slot n, top-k slot k), or
+                                 # NOT_ROUTED / DROPPED
     is_token_in_rank: jax.Array  # [T, R] bool: source side, token t was sent to rank r
     row_weights: jax.Array       # [C] float32: gate weight of each receive row (0 for empty rows)
 
 
 class Dispatched(NamedTuple):
-    """Result of dispatch on one rank: expert-major rows ready for jax.lax.ragged_dot."""
+    """Result of dispatch on one rank: expert-major rows ready for jax_ep.grouped_matmul."""
 
     x: jax.Array                  # [C, H] rows (x's dtype, bfloat16 or float8_e4m3fn)
     scales: jax.Array | None      # [C, ceil(H/128)] float32 for FP8 rows, else None
     group_sizes: jax.Array        # [E_local] int32 rows per local expert, padded to expert_alignment
     expert_counts: jax.Array      # [E_local] int32 rows per local expert actually received (unpadded)
-    row_weights: jax.Array        # [C] float32 gate weight per row (same array as handle.row_weights)
     num_dropped: jax.Array        # [] int32 rows this rank dropped for lack of capacity
     handle: Handle
+
+    @property
+    def row_weights(self) -> jax.Array:
+        """[C] float32 gate weight per receive row (the handle's)."""
+        return self.handle.row_weights
+
+
+# ---- output types of each op (the backends' contract) ----------------------------------------------
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def layout_types(num_tokens: int, num_experts: int, ep_size: int) -> Layout:
+    return Layout(_sds((ep_size,), jnp.int32), _sds((num_experts,), jnp.int32),
+                  _sds((num_tokens, ep_size), jnp.bool_))
+
+
+def handle_types(num_tokens: int, capacity: int, cfg: EPConfig, ep_size: int) -> Handle:
+    return Handle(_sds((capacity,), jnp.int32), _sds((ep_size * num_tokens, cfg.num_topk), jnp.int32),
+                  _sds((num_tokens, ep_size), jnp.bool_), _sds((capacity,), jnp.float32))
+
+
+def dispatch_types(num_tokens: int, x_dtype, cfg: EPConfig, ep_size: int) -> Dispatched:
+    capacity = cfg.resolved_capacity(ep_size)
+    local = cfg.num_local_experts(ep_size)
+    scales = (_sds((capacity, cfg.num_scale_blocks), jnp.float32)
+              if cfg.dispatch_dtype == "float8_e4m3fn" else None)
+    return Dispatched(_sds((capacity, cfg.hidden), cfg.wire_dtype(x_dtype)), scales,
+                      _sds((local,), jnp.int32), _sds((local,), jnp.int32), _sds((), jnp.int32),
+                      handle_types(num_tokens, capacity, cfg, ep_size))
+
+
+def num_source_tokens(handle: Handle, ep_size: int) -> int:
+    """T, the tokens per rank the handle was made for."""
+    return handle.token_rows.shape[0] // ep_size
+
+
+def combine_types(y, handle: Handle, ep_size: int) -> jax.ShapeDtypeStruct:
+    """[T, H'] of y's dtype, for expert outputs y [C, H'] (H' need not be cfg.hidden)."""
+    return _sds((num_source_tokens(handle, ep_size), y.shape[1]), y.dtype)
+
+
+def broadcast_types(g, handle: Handle) -> jax.ShapeDtypeStruct:
+    """[C, H'] of g's dtype, for per-token rows g [T, H']."""
+    return _sds((handle.src_index.shape[0], g.shape[1]), g.dtype)
+
+
+def slot_values_types(handle: Handle, cfg: EPConfig, ep_size: int) -> jax.ShapeDtypeStruct:
+    return _sds((num_source_tokens(handle, ep_size), cfg.num_topk), jnp.float32)

@@ -19,8 +19,15 @@ def _shape_of(a) -> tuple:
     return tuple(getattr(a, "shape", ()))
 
 
-def check_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig, ep_size: int) -> None:
-    cfg.check_ep_size(ep_size)
+def check_layout_args(topk_idx, cfg: EPConfig) -> None:
+    if getattr(topk_idx, "ndim", None) != 2 or topk_idx.shape[1] != cfg.num_topk:
+        raise ValueError(f"get_dispatch_layout: topk_idx must have shape [tokens, {cfg.num_topk}], "
+                         f"got {getattr(topk_idx, 'shape', None)}")
+    if topk_idx.dtype != jnp.int32:
+        raise ValueError(f"get_dispatch_layout: topk_idx must be int32, got dtype {topk_idx.dtype}")
+
+
+def check_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig) -> None:
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"dispatch: x must be 2-D [tokens, hidden], got shape {_shape_of(x)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -181,7 +181,7 @@ def test_layout_bad_arguments(case, match):
 @pytest.mark.parametrize("field,value", [
     ("num_experts", 0), ("num_experts", -8), ("num_experts", 8.0), ("num_experts", True),
     ("num_experts", "8"),
-    ("num_topk", 0), ("hidden", -1), ("max_tokens_per_rank", 0), ("expert_alignment", 0), ("num_sms", 0),
+    ("num_topk", 0), ("hidden", -1), ("max_tokens_per_rank", 0), ("expert_alignment", 0),
     ("hidden", None),
 ])
 def test_epconfig_positive_ints(field, value):
@@ -190,6 +190,26 @@ def test_epconfig_positive_ints(field, value):
     match = rf"EPConfig\.{field} must be a positive int, got {re.escape(repr(value))}"
     with pytest.raises(ValueError, match=match):
         jax_ep.EPConfig(**kw)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_sms", 0), ("dispatch_send_warps", -1), ("combine_send_warps", 2.0), ("broadcast_send_warps", None),
+])
+def test_kernel_config_positive_ints(field, value):
+    match = rf"KernelConfig\.{field} must be a positive int, got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=match):
+        jax_ep.KernelConfig(**{field: value})
+    with pytest.raises(ValueError, match=r"KernelConfig\.bulk_copy must be a bool, got 1"):
+        jax_ep.KernelConfig(bulk_copy=1)
+
+
+def test_kernel_config_is_part_of_the_jit_cache_key():
+    a = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+    b = a.replace(kernel=a.kernel.replace(num_sms=48))
+    assert a != b and hash(a) != hash(b)
+    assert a == a.replace(kernel=jax_ep.KernelConfig())
+    with pytest.raises(ValueError, match="EPConfig.kernel must be a KernelConfig"):
+        a.replace(kernel={"num_sms": 48})
 
 
 @pytest.mark.parametrize("changes,match", [

@@ -1,15 +1,24 @@
 // XLA FFI handlers, one per op. All are declared command-buffer compatible and keep it true: at
-// execute time they only validate static shapes/attributes on the host, read lock-free runtime
-// bookkeeping, and enqueue kernels on XLA's stream (no host sync, no allocation, no stream query,
-// no host read of device data).
+// execute time they only check buffer shapes against the attributes on the host, read lock-free
+// runtime bookkeeping, and enqueue kernels on XLA's stream (no host sync, no allocation, no stream
+// query, no host read of device data).
+//
+// The communicating ops (peer_smoke, dispatch, combine, broadcast, slot_values) have an
+// instantiate stage: when XLA instantiates an executable, each call site decodes its attributes
+// once (EPAttrs), computes its communication-buffer layout from them (make_comm_layout, the one
+// layout function), reserves that much buffer in the runtime and keeps an OpState holding the
+// runtime; the execute stage reads the OpState. Who checks what: user errors in Python (jax_ep),
+// buffer shapes against attributes here, internal invariants in the launchers/kernels.
 #include "xla_ffi/handlers.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <atomic>
-#include <initializer_list>
 #include <cstdint>
+#include <exception>
+#include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -111,6 +120,107 @@ ffi::Error DispatchLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_id
   return ffi::Error::Success();
 }
 
+bool IsShape(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
+  if (dims.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want) {
+    if (dims[i++] != w) return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// State of a communicating call site (instantiate stage)
+// ---------------------------------------------------------------------------------------------
+
+ffi::Error Invalid(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+// Reserves the call site's buffer and builds its state; runtime errors become FFI errors.
+ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& attrs,
+                                                 const CommLayout& layout,
+                                                 std::vector<int64_t> mesh_ordinals = {}) {
+  auto state = std::make_unique<OpState>();
+  try {
+    state->runtime = Runtime::Shared();
+    state->runtime->Reserve(layout.total);
+  } catch (const std::exception& error) {
+    return ffi::Unexpected(ffi::Error::Internal(std::string(op) + ": " + error.what()));
+  }
+  state->attrs = attrs;
+  state->layout = layout;
+  state->mesh_ordinals = std::move(mesh_ordinals);
+  return state;
+}
+
+// Attribute ranges of the data ops. Python builds them (jax_ep.cuda_backend._attrs) after checking
+// the user's config, so a failure here is a bug, reported before anything runs.
+ffi::Error CheckAttrs(const char* op, const EPAttrs& a) {
+  if (a.num_ranks < 1 || a.num_ranks > kMaxGroupRanks || a.num_topk < 1 || a.num_topk > kMaxTopk ||
+      a.num_tokens < 0 || a.num_ranks * a.num_tokens >= (int64_t{1} << 31) || a.axis_slot < 0 ||
+      a.axis_slot >= kDirectoryAxes || a.num_sms < 1 || a.send_warps < 1 ||
+      a.send_warps >= kBlockWarps || a.num_experts < 0 || a.num_experts > kMaxExperts ||
+      a.hidden < 0 || a.hidden % kRowAlignment != 0 || a.hidden >= (int64_t{1} << 28) ||
+      a.capacity < 0 || a.capacity >= (int64_t{1} << 31) || a.row_bytes < 0 || a.scale_bytes < 0) {
+    return Invalid(op, "attributes out of range: R=" + std::to_string(a.num_ranks) + " T=" +
+                           std::to_string(a.num_tokens) + " K=" + std::to_string(a.num_topk) +
+                           " E=" + std::to_string(a.num_experts) + " H=" +
+                           std::to_string(a.hidden) + " C=" + std::to_string(a.capacity) +
+                           " axis_slot=" + std::to_string(a.axis_slot) + " num_sms=" +
+                           std::to_string(a.num_sms) + " send_warps=" +
+                           std::to_string(a.send_warps));
+  }
+  return ffi::Error::Success();
+}
+
+template <const char* kOp>
+ffi::ErrorOr<std::unique_ptr<OpState>> DataOpInstantiate(EPAttrs attrs) {
+  if (ffi::Error error = CheckAttrs(kOp, attrs); !error.success()) return ffi::Unexpected(error);
+  const CommLayout layout =
+      make_comm_layout(attrs.num_ranks, attrs.num_tokens, attrs.num_topk, attrs.num_experts,
+                       static_cast<uint64_t>(attrs.row_bytes), static_cast<uint64_t>(attrs.scale_bytes));
+  return MakeState(kOp, attrs, layout);
+}
+
+// The launch fields every data op shares, from its state and the device it runs on.
+ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& state,
+                        ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                        GroupLaunch* launch) {
+  if (rank.element_count() != 1 || group.element_count() != 1) {
+    return Invalid(op, "rank and group must be int32 scalars");
+  }
+  const Runtime& runtime = *state.runtime;
+  DeviceState* device_state = runtime.State(device_ordinal);
+  if (device_state == nullptr) {
+    return ffi::Error::Internal(std::string(op) + ": GPU " + std::to_string(device_ordinal) +
+                                " is not managed by the jax_ep runtime (it was shut down, or JAX "
+                                "runs this executable on a GPU it was not given)");
+  }
+  if (state.layout.total > runtime.CommBytes()) {
+    return ffi::Error::Internal(std::string(op) + ": needs " + std::to_string(state.layout.total) +
+                                " bytes of communication buffer, the runtime has " +
+                                std::to_string(runtime.CommBytes()));
+  }
+  const int sms = runtime.SmCount(device_ordinal);
+  if (sms < 2) {
+    return ffi::Error::Internal(std::string(op) + ": unknown SM count of GPU " +
+                                std::to_string(device_ordinal));
+  }
+  const EPAttrs& a = state.attrs;
+  launch->state = device_state;
+  launch->layout = state.layout;
+  launch->rank = rank.typed_data();
+  launch->group = group.typed_data();
+  launch->num_ranks = static_cast<int32_t>(a.num_ranks);
+  launch->num_tokens = static_cast<int32_t>(a.num_tokens);
+  launch->num_topk = static_cast<int32_t>(a.num_topk);
+  launch->axis_slot = static_cast<int32_t>(a.axis_slot);
+  launch->num_blocks = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(a.num_sms, sms - 1)));
+  launch->send_warps = static_cast<int32_t>(a.send_warps);
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // jax_ep_peer_smoke
 // ---------------------------------------------------------------------------------------------
@@ -118,80 +228,81 @@ ffi::Error DispatchLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_id
 // `mesh_ordinals` is the mesh's device ordinals with the EP axis last, flattened: rows of
 // `group_size` ordinals, one row per EP group. The calling device finds its own row (its group)
 // and column (its rank): static information, so a CUDA graph may bake it.
-ffi::Error ResolveGroup(int32_t device_ordinal, ffi::Span<const int64_t> mesh_ordinals,
-                        int64_t group_size, const char* op, PeerGroup* group) {
+ffi::Error ResolveGroup(int32_t device_ordinal, const OpState& state, const char* op,
+                        PeerGroup* group) {
+  const std::vector<int64_t>& mesh_ordinals = state.mesh_ordinals;
+  const int64_t group_size = state.attrs.num_ranks;
   const int64_t total = static_cast<int64_t>(mesh_ordinals.size());
-  if (group_size < 1 || group_size > kMaxGroupRanks || total % group_size != 0) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": group_size=" +
-                                       std::to_string(group_size) + " must be in [1, " +
-                                       std::to_string(kMaxGroupRanks) + "] and divide the " +
-                                       std::to_string(total) + " mesh ordinals");
-  }
   int64_t position = -1;
   for (int64_t i = 0; i < total; ++i) {
     if (mesh_ordinals[i] == device_ordinal) {
       if (position >= 0) {
-        return ffi::Error::InvalidArgument(std::string(op) + ": device ordinal " +
-                                           std::to_string(device_ordinal) +
-                                           " appears twice in mesh_ordinals");
+        return Invalid(op, "device ordinal " + std::to_string(device_ordinal) +
+                               " appears twice in mesh_ordinals");
       }
       position = i;
     }
   }
   if (position < 0) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": device ordinal " +
-                                       std::to_string(device_ordinal) +
-                                       " is not in the mesh this op was traced for");
+    return Invalid(op, "device ordinal " + std::to_string(device_ordinal) +
+                           " is not in the mesh this op was traced for");
   }
   const int64_t row = position / group_size;
   group->size = static_cast<int32_t>(group_size);
   group->my_rank = static_cast<int32_t>(position % group_size);
-  Runtime& runtime = Runtime::Get();
   for (int64_t rank = 0; rank < group_size; ++rank) {
     const int64_t ordinal = mesh_ordinals[row * group_size + rank];
-    if (runtime.State(static_cast<int>(ordinal)) == nullptr) {
-      return ffi::Error::Internal(std::string(op) + ": GPU " + std::to_string(ordinal) +
-                                  " (rank " + std::to_string(rank) +
-                                  ") is not managed by the jax_ep runtime; call "
-                                  "jax_ep.runtime.ensure_initialized() before tracing");
+    if (state.runtime->State(static_cast<int>(ordinal)) == nullptr) {
+      return ffi::Error::Internal(std::string(op) + ": GPU " + std::to_string(ordinal) + " (rank " +
+                                  std::to_string(rank) + ") is not managed by the jax_ep runtime");
     }
     group->ordinals[rank] = static_cast<int32_t>(ordinal);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> tag,
-                         ffi::ResultBuffer<ffi::U32> received, ffi::ResultBuffer<ffi::U32> epochs,
-                         ffi::Span<const int64_t> mesh_ordinals, int64_t group_size) {
+ffi::ErrorOr<std::unique_ptr<OpState>> PeerSmokeInstantiate(ffi::Span<const int64_t> mesh_ordinals,
+                                                            int64_t group_size, int64_t n) {
+  constexpr const char* kOp = kPeerSmokeTarget;
+  const int64_t total = static_cast<int64_t>(mesh_ordinals.size());
+  if (group_size < 1 || group_size > kMaxGroupRanks || total % group_size != 0 || n < 0) {
+    return ffi::Unexpected(Invalid(kOp, "group_size=" + std::to_string(group_size) +
+                                            " must be in [1, " + std::to_string(kMaxGroupRanks) +
+                                            "] and divide the " + std::to_string(total) +
+                                            " mesh ordinals; n=" + std::to_string(n)));
+  }
+  EPAttrs attrs{};
+  attrs.num_ranks = group_size;
+  attrs.num_tokens = n;
+  CommLayout layout{};
+  layout.total = peer_smoke_comm_bytes(group_size, n);
+  return MakeState(kOp, attrs, layout,
+                   std::vector<int64_t>(mesh_ordinals.begin(), mesh_ordinals.end()));
+}
+
+ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                         ffi::Buffer<ffi::S32> tag, ffi::ResultBuffer<ffi::U32> received,
+                         ffi::ResultBuffer<ffi::U32> epochs) {
   constexpr const char* kOp = kPeerSmokeTarget;
   if (ffi::Error error = CountCall(peer_smoke_counters, stream, kOp); !error.success()) {
     return error;
   }
-  if (tag.element_count() != 1) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": tag must be a scalar");
+  const int64_t R = state->attrs.num_ranks, n = state->attrs.num_tokens;
+  if (tag.element_count() != 1 || !IsShape(received->dimensions(), {R, n}) ||
+      !IsShape(epochs->dimensions(), {R})) {
+    return Invalid(kOp, "tag, received, epochs must be [], [R, n], [R] with R=" +
+                            std::to_string(R) + ", n=" + std::to_string(n) + "; got received " +
+                            DimsToString(received->dimensions()));
   }
   PeerGroup group{};
-  if (ffi::Error error = ResolveGroup(device_ordinal, mesh_ordinals, group_size, kOp, &group);
-      !error.success()) {
+  if (ffi::Error error = ResolveGroup(device_ordinal, *state, kOp, &group); !error.success()) {
     return error;
   }
-  const auto received_dims = received->dimensions();
-  const auto epochs_dims = epochs->dimensions();
-  if (received_dims.size() != 2 || received_dims[0] != group_size || epochs_dims.size() != 1 ||
-      epochs_dims[0] != group_size) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": outputs " +
-                                       DimsToString(received_dims) + ", " +
-                                       DimsToString(epochs_dims) + " must be [R, n], [R] with R=" +
-                                       std::to_string(group_size));
-  }
-  const int64_t n = received_dims[1];
-  Runtime& runtime = Runtime::Get();
-  const uint64_t needed = peer_smoke_comm_bytes(group_size, n);
-  if (needed > runtime.CommBytes()) {
-    return ffi::Error::InvalidArgument(
-        std::string(kOp) + ": needs " + std::to_string(needed) + " bytes of communication "
-        "buffer, the runtime has " + std::to_string(runtime.CommBytes()) +
-        "; call jax_ep.runtime.ensure_initialized() with a larger buffer_bytes");
+  const Runtime& runtime = *state->runtime;
+  if (state->layout.total > runtime.CommBytes()) {
+    return ffi::Error::Internal(std::string(kOp) + ": needs " + std::to_string(state->layout.total) +
+                                " bytes of communication buffer, the runtime has " +
+                                std::to_string(runtime.CommBytes()));
   }
   const cudaError_t status =
       launch_peer_smoke(runtime.State(device_ordinal), group, tag.typed_data(), n,
@@ -200,18 +311,11 @@ ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffe
   return ffi::Error::Success();
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // EP data ops: jax_ep_dispatch, jax_ep_combine, jax_ep_broadcast, jax_ep_slot_values
 // ---------------------------------------------------------------------------------------------
 // Common to all four: the rank and the EP group arrive as int32 device scalars (lax.axis_index;
-// never read on the host): the kernels discover the group's devices themselves. Static attributes:
-// num_ranks (R), axis_slot (directory slot of the EP axis), and for the data kernels num_sms
-// (blocks, clamped to [1, SMs - 1]) and send_warps (warps per block that send/reduce, of 16).
-
-ffi::Error Invalid(const char* op, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
-}
+// never read on the host): the kernels discover the group's devices themselves.
 
 bool RowKindOf(ffi::DataType dtype, int32_t* kind) {
   switch (dtype) {
@@ -229,141 +333,71 @@ bool RowKindOf(ffi::DataType dtype, int32_t* kind) {
   }
 }
 
-bool IsShape(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
-  if (dims.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (dims[i++] != w) return false;
-  }
-  return true;
-}
+int64_t RowKindBytes(int32_t kind) { return kind == kRowF32 ? 4 : kind == kRowBF16 ? 2 : 1; }
 
-// Validates the group attributes and fills the fields of GroupLaunch every op shares.
-ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, ffi::Buffer<ffi::S32> rank,
-                        ffi::Buffer<ffi::S32> group, int64_t num_ranks, int64_t num_tokens,
-                        int64_t num_topk, int64_t axis_slot, int64_t num_sms, int64_t send_warps,
-                        const CommLayout& layout, GroupLaunch* launch) {
-  if (rank.element_count() != 1 || group.element_count() != 1) {
-    return Invalid(op, "rank and group must be int32 scalars");
+// The rows staged through the buffer must be what the layout was sized for.
+ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind) {
+  if (a.row_bytes != a.hidden * RowKindBytes(kind)) {
+    return Invalid(op, "row_bytes=" + std::to_string(a.row_bytes) + " does not match hidden=" +
+                           std::to_string(a.hidden) + " rows of " +
+                           std::to_string(RowKindBytes(kind)) + "-byte elements");
   }
-  if (num_ranks < 1 || num_ranks > kMaxGroupRanks) {
-    return Invalid(op, "num_ranks=" + std::to_string(num_ranks) + " must be in [1, " +
-                           std::to_string(kMaxGroupRanks) + "]");
-  }
-  if (num_topk < 1 || num_topk > kMaxTopk) {
-    return Invalid(op, "num_topk=" + std::to_string(num_topk) + " must be in [1, " +
-                           std::to_string(kMaxTopk) + "]");
-  }
-  if (num_tokens < 0 || num_ranks * num_tokens >= (int64_t{1} << 31)) {
-    return Invalid(op, "R * T = " + std::to_string(num_ranks * num_tokens) +
-                           " must fit in int32");
-  }
-  if (axis_slot < 0 || axis_slot >= kDirectoryAxes) {
-    return Invalid(op, "axis_slot=" + std::to_string(axis_slot) + " out of range");
-  }
-  Runtime& runtime = Runtime::Get();
-  DeviceState* state = runtime.State(device_ordinal);
-  if (state == nullptr) {
-    return ffi::Error::Internal(std::string(op) + ": GPU " + std::to_string(device_ordinal) +
-                                " is not managed by the jax_ep runtime; call "
-                                "jax_ep.runtime.ensure_initialized() before tracing");
-  }
-  if (layout.total > runtime.CommBytes()) {
-    return Invalid(op, "needs " + std::to_string(layout.total) + " bytes of communication "
-                       "buffer, the runtime has " + std::to_string(runtime.CommBytes()) +
-                       "; call jax_ep.runtime.ensure_initialized() with a larger buffer_bytes");
-  }
-  const int sms = runtime.SmCount(device_ordinal);
-  if (sms < 2) {
-    return ffi::Error::Internal(std::string(op) + ": unknown SM count of GPU " +
-                                std::to_string(device_ordinal));
-  }
-  launch->state = state;
-  launch->layout = layout;
-  launch->rank = rank.typed_data();
-  launch->group = group.typed_data();
-  launch->num_ranks = static_cast<int32_t>(num_ranks);
-  launch->num_tokens = static_cast<int32_t>(num_tokens);
-  launch->num_topk = static_cast<int32_t>(num_topk);
-  launch->axis_slot = static_cast<int32_t>(axis_slot);
-  launch->num_blocks = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(num_sms, sms - 1)));
-  launch->send_warps = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(send_warps, 15)));
   return ffi::Error::Success();
 }
 
-ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                        ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                        ffi::Result<ffi::AnyBuffer> rows, ffi::ResultBuffer<ffi::F32> scales,
-                        ffi::ResultBuffer<ffi::S32> group_sizes,
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                        ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank,
+                        ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
+                        ffi::ResultBuffer<ffi::F32> scales, ffi::ResultBuffer<ffi::S32> group_sizes,
                         ffi::ResultBuffer<ffi::S32> expert_counts,
-                        ffi::ResultBuffer<ffi::F32> row_weights,
                         ffi::ResultBuffer<ffi::S32> num_dropped,
                         ffi::ResultBuffer<ffi::S32> src_index,
                         ffi::ResultBuffer<ffi::S32> token_rows,
-                        ffi::ResultBuffer<ffi::PRED> is_token_in_rank, int64_t num_experts,
-                        int64_t num_ranks, int64_t capacity, int64_t alignment, int64_t num_sms,
-                        int64_t send_warps, int64_t axis_slot, int64_t tma) {
+                        ffi::ResultBuffer<ffi::PRED> is_token_in_rank,
+                        ffi::ResultBuffer<ffi::F32> row_weights) {
   constexpr const char* kOp = kDispatchTarget;
   if (ffi::Error error = CountCall(dispatch_counters, stream, kOp); !error.success()) return error;
-  const auto x_dims = x.dimensions();
-  const auto idx_dims = topk_idx.dimensions();
-  if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0] ||
-      !IsShape(topk_weights.dimensions(), {idx_dims[0], idx_dims[1]})) {
-    return Invalid(kOp, "x " + DimsToString(x_dims) + ", topk_idx " + DimsToString(idx_dims) +
-                            ", topk_weights " + DimsToString(topk_weights.dimensions()) +
-                            " must be [T, H], [T, K], [T, K]");
-  }
-  const int64_t T = x_dims[0], H = x_dims[1], K = idx_dims[1];
-  const int64_t R = num_ranks, E = num_experts, C = capacity;
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks,
+                E = a.num_experts, C = a.capacity;
   int32_t x_kind, row_kind;
-  if (!RowKindOf(x.element_type(), &x_kind) || x_kind == kRowFP8) {
-    return Invalid(kOp, "x must be bfloat16 or float32");
-  }
-  if (!RowKindOf(rows->element_type(), &row_kind) ||
+  if (!RowKindOf(x.element_type(), &x_kind) || x_kind == kRowFP8 ||
+      !RowKindOf(rows->element_type(), &row_kind) ||
       !(row_kind == x_kind || row_kind == kRowFP8 || (x_kind == kRowF32 && row_kind == kRowBF16))) {
-    return Invalid(kOp, "rows must have x's dtype, bfloat16 (from float32) or float8_e4m3fn");
+    return Invalid(kOp, "x must be bfloat16 or float32, rows x's dtype, bfloat16 or float8_e4m3fn");
   }
   const bool fp8 = row_kind == kRowFP8;
-  if (R < 1 || E < 1 || E % R != 0 || E > kMaxExperts) {
-    return Invalid(kOp, "num_experts=" + std::to_string(E) + " must be a multiple of num_ranks=" +
-                            std::to_string(R) + " and <= " + std::to_string(kMaxExperts));
-  }
-  if (H < 8 || H % 8 != 0 || (fp8 && H % 128 != 0)) {
-    return Invalid(kOp, "hidden=" + std::to_string(H) + " must be a multiple of 8 (of 128 for "
-                            "FP8)");
-  }
-  if (alignment < 1 || C < 1 || C % alignment != 0 || C >= (int64_t{1} << 31) ||
-      H >= (int64_t{1} << 28)) {
-    return Invalid(kOp, "capacity=" + std::to_string(C) + " must be a positive multiple of "
-                            "expert_alignment=" + std::to_string(alignment));
+  const int64_t num_scales = fp8 ? H / 128 : 0;
+  if (ffi::Error error = CheckRowBytes(kOp, a, row_kind); !error.success()) return error;
+  if (E < a.num_ranks || E % R != 0 || a.alignment < 1 || C < 1 || C % a.alignment != 0 ||
+      (fp8 && H % 128 != 0) || a.scale_bytes != num_scales * 4) {
+    return Invalid(kOp, "attributes E=" + std::to_string(E) + " C=" + std::to_string(C) +
+                            " alignment=" + std::to_string(a.alignment) + " scale_bytes=" +
+                            std::to_string(a.scale_bytes) + " inconsistent");
   }
   const int64_t local = E / R;
-  const int64_t num_scales = fp8 ? H / 128 : 0;
-  if (!IsShape(rows->dimensions(), {C, H}) ||
+  if (!IsShape(x.dimensions(), {T, H}) || !IsShape(topk_idx.dimensions(), {T, K}) ||
+      !IsShape(topk_weights.dimensions(), {T, K}) || !IsShape(rows->dimensions(), {C, H}) ||
       (fp8 ? !IsShape(scales->dimensions(), {C, num_scales}) : scales->element_count() != 0) ||
       !IsShape(group_sizes->dimensions(), {local}) ||
-      !IsShape(expert_counts->dimensions(), {local}) ||
-      !IsShape(row_weights->dimensions(), {C}) || num_dropped->element_count() != 1 ||
-      !IsShape(src_index->dimensions(), {C}) ||
-      !IsShape(token_rows->dimensions(), {R * T, K}) ||
-      !IsShape(is_token_in_rank->dimensions(), {T, R})) {
-    return Invalid(kOp, "output shapes do not match T=" + std::to_string(T) + ", H=" +
+      !IsShape(expert_counts->dimensions(), {local}) || num_dropped->element_count() != 1 ||
+      !IsShape(src_index->dimensions(), {C}) || !IsShape(token_rows->dimensions(), {R * T, K}) ||
+      !IsShape(is_token_in_rank->dimensions(), {T, R}) ||
+      !IsShape(row_weights->dimensions(), {C})) {
+    return Invalid(kOp, "buffer shapes do not match T=" + std::to_string(T) + ", H=" +
                             std::to_string(H) + ", K=" + std::to_string(K) + ", R=" +
                             std::to_string(R) + ", E=" + std::to_string(E) + ", C=" +
-                            std::to_string(C));
+                            std::to_string(C) + " (x " + DimsToString(x.dimensions()) + ")");
   }
-  const CommLayout layout = make_comm_layout(R, T, K, E, dispatch_row_bytes(H, row_kind),
-                                             static_cast<uint64_t>(num_scales) * 4);
   GroupLaunch group_launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, rank, group, R, T, K, axis_slot,
-                                      num_sms, send_warps, layout, &group_launch);
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &group_launch);
       !error.success()) {
     return error;
   }
   DispatchLaunch launch{};
   launch.state = group_launch.state;
-  launch.layout = layout;
+  launch.layout = state->layout;
   launch.x = x.untyped_data();
   launch.topk_idx = topk_idx.typed_data();
   launch.topk_weights = topk_weights.typed_data();
@@ -384,131 +418,113 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   launch.num_ranks = static_cast<int32_t>(R);
   launch.hidden = static_cast<int32_t>(H);
   launch.capacity = static_cast<int32_t>(C);
-  launch.alignment = static_cast<int32_t>(alignment);
+  launch.alignment = static_cast<int32_t>(a.alignment);
   launch.x_kind = x_kind;
   launch.row_kind = row_kind;
   launch.num_blocks = group_launch.num_blocks;
   launch.send_warps = group_launch.send_warps;
   launch.axis_slot = group_launch.axis_slot;
-  launch.use_tma = tma != 0;
+  launch.use_tma = a.bulk_copy != 0;
   const cudaError_t status = launch_dispatch(launch, stream);
   if (status != cudaSuccess) return CudaError(status, "dispatch kernel launch");
   return ffi::Error::Success();
 }
 
-ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer y,
-                       ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> token_rows,
-                       ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> rank,
-                       ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
-                       int64_t num_ranks, int64_t weighted, int64_t num_sms, int64_t send_warps,
-                       int64_t axis_slot) {
+ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                       ffi::AnyBuffer y, ffi::Buffer<ffi::F32> row_weights,
+                       ffi::Buffer<ffi::S32> token_rows, ffi::Buffer<ffi::PRED> is_token_in_rank,
+                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                       ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kCombineTarget;
   if (ffi::Error error = CountCall(combine_counters, stream, kOp); !error.success()) return error;
-  const auto y_dims = y.dimensions();
-  const auto out_dims = out->dimensions();
-  const auto rows_dims = token_rows.dimensions();
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks;
   int32_t y_kind;
   if (!RowKindOf(y.element_type(), &y_kind) || y_kind == kRowFP8 ||
       out->element_type() != y.element_type()) {
     return Invalid(kOp, "y must be bfloat16 or float32, and the output of the same dtype");
   }
-  if (y_dims.size() != 2 || out_dims.size() != 2 || rows_dims.size() != 2 ||
-      out_dims[1] != y_dims[1]) {
-    return Invalid(kOp, "y " + DimsToString(y_dims) + ", out " + DimsToString(out_dims) +
-                            ", token_rows " + DimsToString(rows_dims) +
-                            " must be [C, H], [T, H], [R * T, K]");
+  if (ffi::Error error = CheckRowBytes(kOp, a, y_kind); !error.success()) return error;
+  const auto y_dims = y.dimensions();
+  const int64_t C = y_dims.size() == 2 ? y_dims[0] : -1;
+  if (!IsShape(y_dims, {C, H}) || !IsShape(row_weights.dimensions(), {C}) ||
+      !IsShape(token_rows.dimensions(), {R * T, K}) ||
+      !IsShape(is_token_in_rank.dimensions(), {T, R}) || !IsShape(out->dimensions(), {T, H})) {
+    return Invalid(kOp, "y " + DimsToString(y_dims) + ", token_rows " +
+                            DimsToString(token_rows.dimensions()) + ", out " +
+                            DimsToString(out->dimensions()) + " do not match T=" +
+                            std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
+                            std::to_string(K) + ", R=" + std::to_string(R));
   }
-  const int64_t C = y_dims[0], H = y_dims[1], T = out_dims[0], K = rows_dims[1], R = num_ranks;
-  if (H < 8 || H % 8 != 0) return Invalid(kOp, "hidden=" + std::to_string(H) + " must be a multiple of 8");
-  if (!IsShape(rows_dims, {R * T, K}) || !IsShape(is_token_in_rank.dimensions(), {T, R}) ||
-      (weighted ? !IsShape(row_weights.dimensions(), {C}) : false)) {
-    return Invalid(kOp, "handle shapes do not match T=" + std::to_string(T) + ", R=" +
-                            std::to_string(R) + ", C=" + std::to_string(C));
-  }
-  const CommLayout layout =
-      make_comm_layout(R, T, K, 0, static_cast<uint64_t>(H) * (y_kind == kRowF32 ? 4 : 2), 0);
   GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, rank, group, R, T, K, axis_slot,
-                                      num_sms, send_warps, layout, &launch);
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
       !error.success()) {
     return error;
   }
   const cudaError_t status = launch_combine(
-      launch, y.untyped_data(), weighted ? row_weights.typed_data() : nullptr,
-      token_rows.typed_data(), is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind,
-      out->untyped_data(), stream);
+      launch, y.untyped_data(), row_weights.typed_data(), token_rows.typed_data(),
+      is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, out->untyped_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "combine kernel launch");
   return ffi::Error::Success();
 }
 
-ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer g,
-                         ffi::Buffer<ffi::S32> token_rows, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                         ffi::Buffer<ffi::S32> src_index, ffi::Buffer<ffi::S32> rank,
-                         ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
-                         int64_t num_ranks, int64_t num_sms, int64_t send_warps,
-                         int64_t axis_slot, int64_t tma) {
+ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                         ffi::AnyBuffer g, ffi::Buffer<ffi::S32> token_rows,
+                         ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> src_index,
+                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                         ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kBroadcastTarget;
   if (ffi::Error error = CountCall(broadcast_counters, stream, kOp); !error.success()) {
     return error;
   }
-  const auto g_dims = g.dimensions();
-  const auto out_dims = out->dimensions();
-  const auto rows_dims = token_rows.dimensions();
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks, C = a.capacity;
   int32_t g_kind;
   if (!RowKindOf(g.element_type(), &g_kind) || g_kind == kRowFP8 ||
       out->element_type() != g.element_type()) {
     return Invalid(kOp, "g must be bfloat16 or float32, and the output of the same dtype");
   }
-  if (g_dims.size() != 2 || out_dims.size() != 2 || rows_dims.size() != 2 ||
-      out_dims[1] != g_dims[1]) {
-    return Invalid(kOp, "g " + DimsToString(g_dims) + ", out " + DimsToString(out_dims) +
-                            ", token_rows " + DimsToString(rows_dims) +
-                            " must be [T, H], [C, H], [R * T, K]");
+  if (ffi::Error error = CheckRowBytes(kOp, a, g_kind); !error.success()) return error;
+  if (C < 1 || !IsShape(g.dimensions(), {T, H}) || !IsShape(token_rows.dimensions(), {R * T, K}) ||
+      !IsShape(is_token_in_rank.dimensions(), {T, R}) || !IsShape(src_index.dimensions(), {C}) ||
+      !IsShape(out->dimensions(), {C, H})) {
+    return Invalid(kOp, "g " + DimsToString(g.dimensions()) + ", out " +
+                            DimsToString(out->dimensions()) + " do not match T=" +
+                            std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
+                            std::to_string(K) + ", R=" + std::to_string(R) + ", C=" +
+                            std::to_string(C));
   }
-  const int64_t T = g_dims[0], H = g_dims[1], C = out_dims[0], K = rows_dims[1], R = num_ranks;
-  if (H < 8 || H % 8 != 0) return Invalid(kOp, "hidden=" + std::to_string(H) + " must be a multiple of 8");
-  if (C < 1 || C >= (int64_t{1} << 31) || !IsShape(rows_dims, {R * T, K}) ||
-      !IsShape(is_token_in_rank.dimensions(), {T, R}) || !IsShape(src_index.dimensions(), {C})) {
-    return Invalid(kOp, "handle shapes do not match T=" + std::to_string(T) + ", R=" +
-                            std::to_string(R) + ", C=" + std::to_string(C));
-  }
-  const CommLayout layout =
-      make_comm_layout(R, T, K, 0, static_cast<uint64_t>(H) * (g_kind == kRowF32 ? 4 : 2), 0);
   GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, rank, group, R, T, K, axis_slot,
-                                      num_sms, send_warps, layout, &launch);
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
       !error.success()) {
     return error;
   }
   const cudaError_t status = launch_broadcast(
       launch, g.untyped_data(), token_rows.typed_data(), is_token_in_rank.typed_data(),
-      src_index.typed_data(), static_cast<int32_t>(C), static_cast<int32_t>(H), g_kind, tma != 0,
-      out->untyped_data(), stream);
+      src_index.typed_data(), static_cast<int32_t>(C), static_cast<int32_t>(H), g_kind,
+      a.bulk_copy != 0, out->untyped_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "broadcast kernel launch");
   return ffi::Error::Success();
 }
 
-ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal,
+ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> token_rows,
                           ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                          ffi::ResultBuffer<ffi::F32> out, int64_t num_ranks, int64_t axis_slot) {
+                          ffi::ResultBuffer<ffi::F32> out) {
   constexpr const char* kOp = kSlotValuesTarget;
   if (ffi::Error error = CountCall(slot_values_counters, stream, kOp); !error.success()) {
     return error;
   }
-  const auto rows_dims = token_rows.dimensions();
-  const auto out_dims = out->dimensions();
-  if (values.dimensions().size() != 1 || rows_dims.size() != 2 || out_dims.size() != 2 ||
-      !IsShape(rows_dims, {num_ranks * out_dims[0], out_dims[1]})) {
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks;
+  if (values.dimensions().size() != 1 || !IsShape(token_rows.dimensions(), {R * T, K}) ||
+      !IsShape(out->dimensions(), {T, K})) {
     return Invalid(kOp, "values " + DimsToString(values.dimensions()) + ", token_rows " +
-                            DimsToString(rows_dims) + ", out " + DimsToString(out_dims) +
-                            " must be [C], [R * T, K], [T, K]");
+                            DimsToString(token_rows.dimensions()) + ", out " +
+                            DimsToString(out->dimensions()) + " must be [C], [R * T, K], [T, K]");
   }
-  const int64_t T = out_dims[0], K = out_dims[1], R = num_ranks;
-  const CommLayout layout = make_comm_layout(R, T, K, 0, 0, 0);
   GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, rank, group, R, T, K, axis_slot,
-                                      /*num_sms=*/1, /*send_warps=*/1, layout, &launch);
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
       !error.success()) {
     return error;
   }
@@ -519,6 +535,8 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal,
 }
 
 }  // namespace
+
+ffi::TypeId OpState::id = {};
 
 std::vector<HandlerStats> GetHandlerStats() {
   std::vector<HandlerStats> stats;
@@ -537,101 +555,107 @@ std::vector<HandlerStats> GetHandlerStats() {
 
 }  // namespace jax_ep
 
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_ep::EPAttrs, xla::ffi::StructMember<int64_t>("alignment"),
+    xla::ffi::StructMember<int64_t>("axis_slot"), xla::ffi::StructMember<int64_t>("bulk_copy"),
+    xla::ffi::StructMember<int64_t>("capacity"), xla::ffi::StructMember<int64_t>("hidden"),
+    xla::ffi::StructMember<int64_t>("num_experts"), xla::ffi::StructMember<int64_t>("num_ranks"),
+    xla::ffi::StructMember<int64_t>("num_sms"), xla::ffi::StructMember<int64_t>("num_tokens"),
+    xla::ffi::StructMember<int64_t>("num_topk"), xla::ffi::StructMember<int64_t>("row_bytes"),
+    xla::ffi::StructMember<int64_t>("scale_bytes"), xla::ffi::StructMember<int64_t>("send_warps"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchLayout, jax_ep::DispatchLayoutImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // topk_idx [T, K]
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // tokens_per_rank [R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // tokens_per_expert [E]
-                                  .Ret<ffi::Buffer<ffi::PRED>>()      // is_token_in_rank [T, R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("num_ranks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerSmokeInstantiate, jax_ep::PeerSmokeInstantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Attr<ffi::Span<const int64_t>>("mesh_ordinals")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("n"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerSmoke, jax_ep::PeerSmokeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // tag []
-                                  .Ret<ffi::Buffer<ffi::U32>>()       // received [R, n]
-                                  .Ret<ffi::Buffer<ffi::U32>>()       // epochs [R]
-                                  .Attr<ffi::Span<const int64_t>>("mesh_ordinals")
-                                  .Attr<int64_t>("group_size"),
+                                  .Ctx<ffi::State<jax_ep::OpState>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>(),
                               {ffi::Traits::kCmdBufferCompatible});
+
+#define JAX_EP_DATA_OP_INSTANTIATE(SYMBOL, TARGET)                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, jax_ep::DataOpInstantiate<jax_ep::TARGET>,     \
+                                ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>())
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchInstantiate, kDispatchTarget);
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineInstantiate, kCombineTarget);
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastInstantiate, kBroadcastTarget);
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpSlotValuesInstantiate, kSlotValuesTarget);
+#undef JAX_EP_DATA_OP_INSTANTIATE
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()              // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // topk_idx [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()       // topk_weights [T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // group []
-                                  .Ret<ffi::AnyBuffer>()              // rows [C, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // scales [C, H/128] or [0]
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // group_sizes [E_local]
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // expert_counts [E_local]
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // row_weights [C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // num_dropped []
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // src_index [C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // token_rows [R*T, K]
-                                  .Ret<ffi::Buffer<ffi::PRED>>()      // is_token_in_rank [T, R]
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("alignment")
-                                  .Attr<int64_t>("num_sms")
-                                  .Attr<int64_t>("send_warps")
-                                  .Attr<int64_t>("axis_slot")
-                                  .Attr<int64_t>("tma"),
+                                  .Ctx<ffi::State<jax_ep::OpState>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()              // y [C, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()       // row_weights [C] (or [0])
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // token_rows [R*T, K]
-                                  .Arg<ffi::Buffer<ffi::PRED>>()      // is_token_in_rank [T, R]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // group []
-                                  .Ret<ffi::AnyBuffer>()              // out [T, H]
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("weighted")
-                                  .Attr<int64_t>("num_sms")
-                                  .Attr<int64_t>("send_warps")
-                                  .Attr<int64_t>("axis_slot"),
+                                  .Ctx<ffi::State<jax_ep::OpState>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcast, jax_ep::BroadcastImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()              // g [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // token_rows [R*T, K]
-                                  .Arg<ffi::Buffer<ffi::PRED>>()      // is_token_in_rank [T, R]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // src_index [C]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // group []
-                                  .Ret<ffi::AnyBuffer>()              // out [C, H]
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_sms")
-                                  .Attr<int64_t>("send_warps")
-                                  .Attr<int64_t>("axis_slot")
-                                  .Attr<int64_t>("tma"),
+                                  .Ctx<ffi::State<jax_ep::OpState>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()       // values [C]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // token_rows [R*T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // group []
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // out [T, K]
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("axis_slot"),
+                                  .Ctx<ffi::State<jax_ep::OpState>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>(),
                               {ffi::Traits::kCmdBufferCompatible});

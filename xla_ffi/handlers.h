@@ -2,9 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
-#include "xla/ffi/api/c_api.h"
+#include "cuda/ep_layout.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/runtime.h"
 
 namespace jax_ep {
 
@@ -15,6 +18,36 @@ inline constexpr const char kDispatchTarget[] = "jax_ep_dispatch";
 inline constexpr const char kCombineTarget[] = "jax_ep_combine";
 inline constexpr const char kBroadcastTarget[] = "jax_ep_broadcast";
 inline constexpr const char kSlotValuesTarget[] = "jax_ep_slot_values";
+
+// Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values), one struct for
+// all four (fields an op does not use are 0); built by jax_ep.cuda_backend._attrs. Alphabetical:
+// the FFI decodes the attribute dictionary into the fields in this order.
+struct EPAttrs {
+  int64_t alignment;    // dispatch: expert_alignment
+  int64_t axis_slot;    // directory slot of the EP axis
+  int64_t bulk_copy;    // dispatch, broadcast: rows moved by bulk (TMA) copies
+  int64_t capacity;     // dispatch, broadcast: receive rows C
+  int64_t hidden;       // H
+  int64_t num_experts;  // dispatch: E
+  int64_t num_ranks;    // R
+  int64_t num_sms;      // blocks of the data kernel (clamped below the SM count)
+  int64_t num_tokens;   // T (tokens per rank)
+  int64_t num_topk;     // K
+  int64_t row_bytes;    // bytes of a row staged through the buffer
+  int64_t scale_bytes;  // dispatch FP8: scale bytes per row
+  int64_t send_warps;   // warps per block that send / reduce
+};
+
+// What an instantiated call site keeps (FFI state, instantiate stage; XLA deletes it with the
+// executable): its attributes, its buffer layout, and the runtime, held (Runtime::Shutdown refuses
+// while any OpState lives).
+struct OpState {
+  static xla::ffi::TypeId id;  // registered with jax.ffi.register_ffi_type
+  std::shared_ptr<Runtime> runtime;
+  EPAttrs attrs;
+  CommLayout layout;
+  std::vector<int64_t> mesh_ordinals;  // peer_smoke: the mesh's ordinals, EP axis last
+};
 
 // How often each handler ran, and how often XLA was capturing it into a CUDA graph (command
 // buffer) at the time. A graph replay does not run the handler, so calls stop growing once XLA
@@ -31,6 +64,11 @@ std::vector<HandlerStats> GetHandlerStats();
 extern "C" {
 XLA_FFI_Error* JaxEpDispatchLayout(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpPeerSmoke(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpPeerSmokeInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpCombineInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpBroadcastInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpSlotValuesInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpCombine(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpBroadcast(XLA_FFI_CallFrame* call_frame);

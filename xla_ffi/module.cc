@@ -11,7 +11,9 @@
 
 #include "cuda/device_state.h"
 #include "cuda/ep_layout.h"
+#include "cuda/layout.h"
 #include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/runtime.h"
 
@@ -20,10 +22,22 @@ using namespace nb::literals;
 
 namespace {
 
-nb::capsule HandlerCapsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
+using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+
+nb::capsule HandlerCapsule(Handler handler) {
   // Unnamed capsule around the XLA_FFI_Handler*, what jax.ffi.register_ffi_target expects.
   return nb::capsule(reinterpret_cast<void*>(handler));
 }
+
+// {"instantiate": ..., "execute": ...}: a handler bundle with an instantiate stage.
+nb::dict StatefulHandler(Handler instantiate, Handler execute) {
+  nb::dict stages;
+  stages["instantiate"] = HandlerCapsule(instantiate);
+  stages["execute"] = HandlerCapsule(execute);
+  return stages;
+}
+
+const XLA_FFI_TypeInfo kOpStateTypeInfo = xla::ffi::MakeTypeInfo<jax_ep::OpState>();
 
 nb::dict FaultToDict(const jax_ep::FaultInfo& fault) {
   nb::dict entry;
@@ -53,20 +67,42 @@ NB_MODULE(_C, m) {
       [] {
         nb::dict handlers;
         handlers[jax_ep::kDispatchLayoutTarget] = HandlerCapsule(JaxEpDispatchLayout);
-        handlers[jax_ep::kPeerSmokeTarget] = HandlerCapsule(JaxEpPeerSmoke);
-        handlers[jax_ep::kDispatchTarget] = HandlerCapsule(JaxEpDispatch);
-        handlers[jax_ep::kCombineTarget] = HandlerCapsule(JaxEpCombine);
-        handlers[jax_ep::kBroadcastTarget] = HandlerCapsule(JaxEpBroadcast);
-        handlers[jax_ep::kSlotValuesTarget] = HandlerCapsule(JaxEpSlotValues);
+        handlers[jax_ep::kPeerSmokeTarget] =
+            StatefulHandler(JaxEpPeerSmokeInstantiate, JaxEpPeerSmoke);
+        handlers[jax_ep::kDispatchTarget] = StatefulHandler(JaxEpDispatchInstantiate, JaxEpDispatch);
+        handlers[jax_ep::kCombineTarget] = StatefulHandler(JaxEpCombineInstantiate, JaxEpCombine);
+        handlers[jax_ep::kBroadcastTarget] =
+            StatefulHandler(JaxEpBroadcastInstantiate, JaxEpBroadcast);
+        handlers[jax_ep::kSlotValuesTarget] =
+            StatefulHandler(JaxEpSlotValuesInstantiate, JaxEpSlotValues);
         return handlers;
       },
-      "{FFI target name: capsule of its XLA_FFI_Handler*} for jax.ffi.register_ffi_target "
+      "{FFI target name: capsule of its XLA_FFI_Handler*, or {stage: capsule} for the ops with an "
+      "instantiate stage} for jax.ffi.register_ffi_target (platform='CUDA').");
+
+  m.def(
+      "state_type",
+      [] {
+        nb::dict registration;
+        registration["type_id"] = nb::capsule(reinterpret_cast<void*>(&jax_ep::OpState::id));
+        registration["type_info"] =
+            nb::capsule(reinterpret_cast<void*>(const_cast<XLA_FFI_TypeInfo*>(&kOpStateTypeInfo)));
+        return registration;
+      },
+      "The FFI state type of the communicating ops, for jax.ffi.register_ffi_type "
       "(platform='CUDA').");
 
-  m.attr("MAX_TOPK") = jax_ep::kMaxTopk;
-  m.attr("MAX_EXPERTS") = jax_ep::kMaxExperts;
-  m.attr("MAX_GROUPS") = jax_ep::kMaxGroups;
-  m.attr("DIRECTORY_AXES") = jax_ep::kDirectoryAxes;
+  // The kernels' limits; jax_ep.cuda_backend checks a user's config against these, never copies.
+  nb::dict limits;
+  limits["max_topk"] = jax_ep::kMaxTopk;
+  limits["layout_max_topk"] = jax_ep::dispatch_layout_max_topk();
+  limits["max_experts"] = jax_ep::kMaxExperts;
+  limits["max_ranks"] = jax_ep::kMaxGroupRanks;
+  limits["max_groups"] = jax_ep::kMaxGroups;
+  limits["directory_axes"] = jax_ep::kDirectoryAxes;
+  limits["data_warps"] = jax_ep::kBlockWarps;
+  limits["row_alignment"] = jax_ep::kRowAlignment;
+  m.attr("LIMITS") = limits;
 
   m.def(
       "comm_bytes",

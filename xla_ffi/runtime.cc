@@ -76,9 +76,26 @@ uint64_t TimeoutNsFromEnv() {
   return static_cast<uint64_t>(seconds * 1e9);
 }
 
-Runtime& Runtime::Get() {
-  static Runtime* runtime = new Runtime();  // leaked on purpose, see header
-  return *runtime;
+std::shared_ptr<Runtime>& Runtime::Holder() {
+  static auto* holder = new std::shared_ptr<Runtime>(new Runtime());  // leaked, see header
+  return *holder;
+}
+
+std::shared_ptr<Runtime> Runtime::Shared() { return Holder(); }
+
+Runtime& Runtime::Get() { return *Holder(); }
+
+void Runtime::Reserve(uint64_t buffer_bytes) {
+  std::vector<int> devices;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    devices = devices_;
+  }
+  if (devices.empty()) {
+    throw std::runtime_error("jax_ep: no GPU was handed to the runtime (jax_ep.runtime."
+                             "register_targets() does it when an EP op is traced)");
+  }
+  Init(devices, buffer_bytes);
 }
 
 Runtime::Runtime() {
@@ -290,6 +307,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   timeout_ns_ = timeout_ns;
   comm_bytes_.store(target_bytes, std::memory_order_release);
   for (int ordinal : all) managed_[ordinal].store(true, std::memory_order_release);
+  devices_ = all;  // every GPU ever given (all includes the managed ones)
 }
 
 void Runtime::UploadTables(int ordinal, DeviceTables tables) {
@@ -303,6 +321,13 @@ void Runtime::UploadTables(int ordinal, DeviceTables tables) {
 
 void Runtime::Shutdown() {
   std::lock_guard<std::mutex> lock(mutex_);
+  const long holders = Holder().use_count() - 1;
+  if (holders > 0) {
+    throw std::runtime_error(
+        "jax_ep: shutdown() refused: " + std::to_string(holders) + " instantiated EP call "
+        "site(s) of live executables hold the runtime. Delete the jitted functions that use EP "
+        "ops and call jax.clear_caches() first.");
+  }
   const std::vector<int> managed = ManagedDevices();
   if (managed.empty()) return;
   CurrentDeviceGuard device_guard;

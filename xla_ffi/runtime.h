@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -38,6 +39,9 @@ class Runtime {
   // The process-wide runtime. Intentionally leaked: no CUDA calls from static destructors (the
   // CUDA runtime may already be gone at exit).
   static Runtime& Get();
+  // The same runtime as a shared pointer: every instantiated EP call site (its FFI state) holds one,
+  // so Shutdown can refuse while compiled executables may still run EP kernels.
+  static std::shared_ptr<Runtime> Shared();
 
   // Manages `device_ordinals` (added to those already managed) with communication buffers of at
   // least `buffer_bytes`. Idempotent; enables peer access between every pair of managed devices
@@ -45,8 +49,14 @@ class Runtime {
   // device first: call it only while no EP computation is running (jax_ep does at trace time).
   void Init(const std::vector<int>& device_ordinals, uint64_t buffer_bytes);
 
-  // Synchronises every managed device, frees the communication buffers and marks the runtime
-  // uninitialised. DeviceStates and fault records stay allocated: a CUDA graph replayed after
+  // Buffers of at least `buffer_bytes` on the GPUs the runtime was given (by the last Init; kept
+  // across Shutdown, so an executable instantiated after a shutdown sets the runtime up again).
+  // Called by the FFI instantiate handlers. Throws when no GPU was ever given.
+  void Reserve(uint64_t buffer_bytes);
+
+  // Throws std::runtime_error while instantiated EP call sites hold the runtime (their executables
+  // are alive). Otherwise synchronises every managed device, frees the communication buffers and
+  // marks the runtime uninitialised. DeviceStates and fault records stay allocated: a CUDA graph replayed after
   // shutdown then traps with a clear message instead of touching freed memory. Peer access stays
   // enabled (XLA may rely on it).
   void Shutdown();
@@ -68,11 +78,13 @@ class Runtime {
 
  private:
   Runtime();
+  static std::shared_ptr<Runtime>& Holder();
   // Sets the fields every table of `ordinal` carries (its fault record, its ordinal) and copies the
   // tables into the device's state. The caller holds mutex_ and has selected the device.
   void UploadTables(int ordinal, DeviceTables tables);
 
   mutable std::mutex mutex_;  // serialises Init/Shutdown/queries; never taken by handlers
+  std::vector<int> devices_;  // every GPU Init was given (kept across Shutdown)
   std::atomic<DeviceState*> states_[kMaxDevices];
   std::atomic<bool> managed_[kMaxDevices];
   std::atomic<uint64_t> comm_bytes_{0};
