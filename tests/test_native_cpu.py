@@ -37,8 +37,16 @@ def test_handler_capsules_for_every_target():
         pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
     handlers = native.ffi_handlers()
     assert set(handlers) == set(runtime.FFI_TARGETS)
-    for name, capsule in handlers.items():
-        assert type(capsule).__name__ == "PyCapsule", (name, type(capsule))
+    stateful = {"jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_broadcast",
+                "jax_ep_slot_values"}
+    for name, entry in handlers.items():
+        capsules = entry.values() if name in stateful else [entry]
+        if name in stateful:  # the communicating ops keep state per call site (instantiate stage)
+            assert set(entry) == {"instantiate", "execute"}, (name, entry)
+        for capsule in capsules:
+            assert type(capsule).__name__ == "PyCapsule", (name, type(capsule))
+    state_type = native.state_type()
+    assert set(state_type) == {"type_id", "type_info"}
     major, minor = native.FFI_API_VERSION
     assert (major, minor) >= (0, 3)
     stats = native.handler_stats()
@@ -66,7 +74,9 @@ def test_unavailable_without_gpu_with_reason():
     with pytest.raises(RuntimeError, match="unavailable"):
         runtime.ensure_initialized(1 << 20)
     with pytest.raises(RuntimeError, match="unavailable"):
-        cuda_backend.layout(jnp.zeros((4, 2), jnp.int32), 8, 2)
+        cuda_backend.layout_of(jnp.zeros((4, 2), jnp.int32), 8, 2)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        runtime.limits()
 
 
 def test_unavailable_reason_without_extension(monkeypatch):
@@ -81,13 +91,38 @@ def test_unavailable_reason_without_extension(monkeypatch):
         runtime.available.cache_clear()
 
 
-def test_layout_validates_arguments():
-    with pytest.raises(ValueError, match="multiple"):
-        cuda_backend.layout(jnp.zeros((4, 2), jnp.int32), 10, 4)
-    with pytest.raises(ValueError, match="int32"):
-        cuda_backend.layout(jnp.zeros((4, 2), jnp.float32), 8, 2)
-    with pytest.raises(ValueError, match="topk <= 64"):
-        cuda_backend.layout(jnp.zeros((4, 65), jnp.int32), 128, 2)
+def test_limits_come_from_the_extension():
+    """The Python side never restates a kernel limit: it reads them from jax_ep._C.LIMITS, and these
+    are the values the kernels were built with (the headers' constants)."""
+    native = runtime.extension()
+    if native is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    assert native.LIMITS == {"max_topk": 32, "layout_max_topk": 64, "max_experts": 8192,
+                             "max_ranks": 32, "max_groups": 64, "directory_axes": 4, "data_warps": 16,
+                             "row_alignment": 8}
+
+
+def test_kernel_support_is_decided_from_the_limits(monkeypatch):
+    """What the cuda backend can run (its use-the-kernel check) follows the extension's limits."""
+    from jax_ep import EPConfig, KernelConfig
+
+    monkeypatch.setattr(runtime, "limits", lambda: {
+        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
+        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    cfg = EPConfig(num_experts=64, num_topk=8, hidden=256, max_tokens_per_rank=16)
+    for op in ("layout", "dispatch", "combine", "broadcast", "slot_values"):
+        assert cuda_backend.unsupported(op, cfg, 4, "bfloat16") is None, op
+    assert "num_topk=40 exceeds 32" in cuda_backend.unsupported(
+        "dispatch", cfg.replace(num_topk=40), 4)
+    assert cuda_backend.unsupported("layout", cfg.replace(num_topk=40), 4) is None
+    assert "num_topk=65 exceeds 64" in cuda_backend.unsupported(
+        "layout", cfg.replace(num_experts=128, num_topk=65), 4)
+    assert "hidden=260 must be a multiple of 8" in cuda_backend.unsupported(
+        "combine", cfg.replace(hidden=260), 4)
+    assert "EP size 64 exceeds 32" in cuda_backend.unsupported("slot_values", cfg, 64)
+    assert "dispatch_send_warps=16" in cuda_backend.unsupported(
+        "dispatch", cfg.replace(kernel=KernelConfig(dispatch_send_warps=16)), 4)
+    assert "float16" in cuda_backend.unsupported("broadcast", cfg, 4, "float16")
 
 
 def test_group_ordinals_put_the_ep_axis_last():

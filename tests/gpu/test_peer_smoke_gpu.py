@@ -146,8 +146,11 @@ def test_peer_smoke_on_2d_mesh(cuda_backend, two_or_more, arrangement):
 
 
 def test_runtime_growth_and_reinit(cuda_backend, two_or_more):
-    """A compiled smoke op keeps working after the buffers grow and after shutdown + re-init:
-    kernels reach buffers through the per-device state, whose address never changes."""
+    """A compiled smoke op keeps working after the buffers grow; shutdown refuses while its
+    executable holds the runtime, and once it is gone a new executable sets the runtime up again at
+    instantiation: kernels reach buffers through the per-device state, whose address never changes."""
+    import gc
+
     from jax_ep import runtime
 
     native = runtime.extension()
@@ -158,16 +161,25 @@ def test_runtime_growth_and_reinit(cuda_backend, two_or_more):
     assert sorted(native.managed_devices()) == sorted(ordinals)
     assert all(all(row) for row in native.peer_access_matrix(ordinals))
     assert native.timeout_seconds() > 0
+    # instantiation reserved what the call site needs: 2 * R * n uint32
+    assert native.buffer_bytes() >= 2 * len(two_or_more) * 2048 * 4
 
     size = native.buffer_bytes()
     runtime.ensure_initialized(size + (16 << 20))
     assert native.buffer_bytes() >= size + (16 << 20)
     check_smoke(*fn(np.int32(2)), 2, "after growth")
 
+    with pytest.raises(RuntimeError, match=r"shutdown\(\) refused: \d+ instantiated EP call site"):
+        runtime.shutdown()
+    assert native.buffer_bytes() >= size  # refused: nothing freed
+    del fn
+    jax.clear_caches()
+    gc.collect()
     runtime.shutdown()
     assert native.buffer_bytes() == 0 and native.managed_devices() == []
-    runtime.ensure_initialized(1 << 20)
-    check_smoke(*fn(np.int32(3)), 3, "after shutdown + re-init")
+    fn = jax.jit(smoke_fn(cuda_backend, mesh, 2048))  # a new executable: instantiation re-inits
+    check_smoke(*fn(np.int32(3)), 3, "after shutdown + re-instantiation")
+    assert sorted(native.managed_devices()) == sorted(ordinals)
     assert runtime.faults() == []
     runtime.check_errors()
 
