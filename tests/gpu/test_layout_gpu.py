@@ -105,7 +105,7 @@ KINDS = ["distinct", "messy", "skewed", "all_unused", "all_same"]
 
 @functools.cache
 def _single_device_fn(backend, num_experts: int, ep_size: int):
-    return jax.jit(lambda idx: tuple(backend.layout(idx, num_experts, ep_size)))
+    return jax.jit(lambda idx: tuple(backend.layout_of(idx, num_experts, ep_size)))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -126,7 +126,7 @@ def _sharded_layout(backend, mesh: Mesh, num_experts: int):
     ep_size = mesh.shape[AXIS]
 
     def body(idx):
-        out = backend.layout(idx[0], num_experts, ep_size)
+        out = backend.layout_of(idx[0], num_experts, ep_size)
         return tuple(v[None] for v in out)
 
     return jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
