@@ -1,5 +1,6 @@
-// Device utilities shared by every kernel family: error checking, system-scope loads/stores,
-// bounded spin-waits that turn a hang into a named error, and the group barrier.
+// Device utilities shared by every kernel family: error checking, the launch macro, system-scope
+// loads/stores, bounded spin-waits that turn a hang into a named error, top-k sanitising and the
+// group barrier.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -118,6 +119,19 @@ __device__ __forceinline__ void require_comm_bytes(DeviceState* state, uint64_t 
   if (available < needed) {
     record_fault_and_trap(state, kFaultStaleRuntime, op_id, rank, -1, -1, needed, available, 0);
   }
+}
+
+// Top-k sanitising, the one rule of every kernel (and of jax_ep.reference): slot k of a token names
+// expert ids[k] unless that id is outside [0, E) or an earlier slot of the token named the same
+// expert; then the slot is unused (-1). `ids` is the token's row (a pointer), or a register array
+// when k is a compile-time index (in an unrolled loop this loop unrolls too: no local memory).
+template <typename Ids>
+__device__ __forceinline__ int32_t sanitized_expert(const Ids& ids, int k, int E) {
+  const int32_t e = ids[k];
+  if (e < 0 || e >= E) return -1;
+  bool repeat = false;
+  for (int j = 0; j < k; ++j) repeat |= ids[j] == e;
+  return repeat ? -1 : e;
 }
 
 // Barrier of one thread block with the same-numbered barrier of every other rank of the group.

@@ -51,6 +51,29 @@ __device__ __forceinline__ int64_t round_up_i64(int64_t value, int64_t multiple)
 // (one token per thread) and, per tile, marks in masks[expert][warp] the lanes whose token picked
 // the expert. A token's rank within an expert = tokens of earlier tiles + tokens of earlier warps
 // of this tile + popc of the lower lanes of its warp: token order, independent of scheduling.
+
+// Token t (of tile `tile`, ids `row`): marks its lane in masks[e - e_lo][warp] for every expert
+// e in [e_lo, e_hi) it picked; the block the tile falls on writes its row of is_token_in_rank.
+__device__ __forceinline__ void prep_mark_token(const int32_t* row, int t, int tile, int K, int E,
+                                                int R, int e_lo, int e_hi,
+                                                uint32_t (*masks)[kPrepWarps],
+                                                bool* is_token_in_rank) {
+  const int experts_per_rank = E / R;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  uint32_t ranks = 0u;
+  for (int k = 0; k < K; ++k) {
+    const int32_t e = sanitized_expert(row, k, E);
+    if (e < 0) continue;
+    ranks |= 1u << (e / experts_per_rank);
+    if (e >= e_lo && e < e_hi) atomicOr(&masks[e - e_lo][warp], 1u << lane);
+  }
+  if (tile % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) {
+    bool* out = is_token_in_rank + static_cast<int64_t>(t) * R;
+    for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
+  }
+}
+
 __global__ void __launch_bounds__(kPrepThreads)
     dispatch_prep_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
                          int T, int K, int E, int R, int experts_per_block,
@@ -62,9 +85,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int e_lo = blockIdx.x * experts_per_block;
   const int e_hi = min(E, e_lo + experts_per_block);
   const int n_local = max(0, e_hi - e_lo);
-  const int experts_per_rank = E / R;
   const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
   for (int i = threadIdx.x; i < kPrepMaxExperts * kPrepWarps; i += blockDim.x) {
     masks[i / kPrepWarps][i % kPrepWarps] = 0u;
   }
@@ -78,22 +99,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     const int t = tile * kPrepThreads + threadIdx.x;
     const bool active = t < T;
     const int32_t* row = topk_idx + static_cast<int64_t>(active ? t : 0) * K;
-    if (active) {
-      uint32_t ranks = 0u;
-      for (int k = 0; k < K; ++k) {
-        const int32_t e = row[k];
-        if (e < 0 || e >= E) continue;
-        bool repeat = false;
-        for (int j = 0; j < k; ++j) repeat |= row[j] == e;
-        if (repeat) continue;
-        ranks |= 1u << (e / experts_per_rank);
-        if (e >= e_lo && e < e_hi) atomicOr(&masks[e - e_lo][warp], 1u << lane);
-      }
-      if (tile % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) {
-        bool* out = is_token_in_rank + static_cast<int64_t>(t) * R;
-        for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
-      }
-    }
+    if (active) prep_mark_token(row, t, tile, K, E, R, e_lo, e_hi, masks, is_token_in_rank);
     __syncthreads();
     for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
       int32_t run = running[i];
@@ -107,10 +113,8 @@ __global__ void __launch_bounds__(kPrepThreads)
     if (active) {
       for (int k = 0; k < K; ++k) {
         const int32_t e = row[k];
-        if (e < e_lo || e >= e_hi) continue;  // also skips ids outside [0, E)
-        bool repeat = false;
-        for (int j = 0; j < k; ++j) repeat |= row[j] == e;
-        if (repeat) continue;
+        // (the block's range first: most slots name another block's experts)
+        if (e < e_lo || e >= e_hi || sanitized_expert(row, k, E) < 0) continue;
         slot_rank[static_cast<int64_t>(t) * K + k] =
             prefix[e - e_lo][warp] + __popc(masks[e - e_lo][warp] & lanemask_lt());
       }
@@ -126,21 +130,13 @@ __global__ void __launch_bounds__(kPrepThreads)
 }
 
 // ---- 2. notify -----------------------------------------------------------------------------
-__global__ void __launch_bounds__(kNotifyThreads)
-    dispatch_notify_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
-                           const int32_t* group_ptr, int R, int E, int C, int align,
-                           int axis_slot, int32_t* __restrict__ group_sizes,
-                           int32_t* __restrict__ expert_counts, int32_t* __restrict__ num_dropped) {
-  JAX_EP_DYNAMIC_SHARED(int32_t, rows_of_expert);  // [E]: rows for expert e over all source ranks
-  __shared__ OpInfo info;
-  __shared__ int32_t total_rows;
-  __shared__ unsigned long long dropped;
-  discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpDispatch, layout.total, &info);
+// This rank's counts [E] into counts[me][:] of every rank (its own included), then one flag per
+// rank; on return (thread r < R) rank r's counts are here. Every thread calls it.
+__device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLayout& layout,
+                                                const OpInfo& info, int R, int E) {
   const int me = info.rank;
   char* own = own_comm_buffer(state);
   const int32_t* counts_local = reinterpret_cast<const int32_t*>(own + layout.counts_local);
-
-  // My counts into counts[me][:] of every rank (mine included), then one flag per rank.
   for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
     const int r = static_cast<int>(i / E);
     const int e = static_cast<int>(i % E);
@@ -157,24 +153,20 @@ __global__ void __launch_bounds__(kNotifyThreads)
     wait_flag_equal(reinterpret_cast<const uint64_t*>(own + layout.count_flags) + r,
                     info.expected, state, kOpDispatch, me, r, info.ordinals[r]);
   }
-  if (threadIdx.x == 0) {
-    total_rows = 0;
-    dropped = 0ull;
-  }
-  __syncthreads();
+}
 
-  const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int32_t n = 0;
-    for (int s = 0; s < R; ++s) n += __ldcg(counts + static_cast<int64_t>(s) * E + e);
-    rows_of_expert[e] = n;
-  }
-  __syncthreads();
-
-  // Segment of local expert j on rank d (as jax_ep.reference.dispatch):
-  //   offset_j = sum_{j'<j} round_up(n_j', align), offset'_j = min(offset_j, C),
-  //   kept_j = min(n_j, C - offset'_j); rows of source s start at offset'_j + sum_{s'<s} count.
+// Segment of local expert j on rank d (as jax_ep.reference.dispatch):
+//   offset_j = sum_{j'<j} round_up(n_j', align), offset'_j = min(offset_j, C),
+//   kept_j = min(n_j, C - offset'_j); rows of source s start at offset'_j + sum_{s'<s} count.
+// Writes the base_row / limit tables of every expert and, for this rank's own experts, the
+// segment tables and the outputs; adds to *total_rows and *dropped (shared). Thread-parallel.
+__device__ __forceinline__ void segment_tables(char* own, const CommLayout& layout,
+                                               const int32_t* rows_of_expert, int me, int R,
+                                               int E, int C, int align, int32_t* group_sizes,
+                                               int32_t* expert_counts, int32_t* total_rows,
+                                               unsigned long long* dropped) {
   const int experts_per_rank = E / R;
+  const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
   int32_t* base_row = reinterpret_cast<int32_t*>(own + layout.base_row);
   int32_t* limit = reinterpret_cast<int32_t*>(own + layout.limit);
   int32_t* seg_off = reinterpret_cast<int32_t*>(own + layout.seg_off);
@@ -197,10 +189,39 @@ __global__ void __launch_bounds__(kNotifyThreads)
       expert_counts[j] = static_cast<int32_t>(kept);
       seg_off[j] = static_cast<int32_t>(offset_c);
       seg_kept[j] = static_cast<int32_t>(kept);
-      atomicAdd(&total_rows, static_cast<int32_t>(size));
-      atomicAdd(&dropped, static_cast<unsigned long long>(n - kept));
+      atomicAdd(total_rows, static_cast<int32_t>(size));
+      atomicAdd(dropped, static_cast<unsigned long long>(n - kept));
     }
   }
+}
+
+__global__ void __launch_bounds__(kNotifyThreads)
+    dispatch_notify_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
+                           const int32_t* group_ptr, int R, int E, int C, int align,
+                           int axis_slot, int32_t* __restrict__ group_sizes,
+                           int32_t* __restrict__ expert_counts, int32_t* __restrict__ num_dropped) {
+  JAX_EP_DYNAMIC_SHARED(int32_t, rows_of_expert);  // [E]: rows for expert e over all source ranks
+  __shared__ OpInfo info;
+  __shared__ int32_t total_rows;
+  __shared__ unsigned long long dropped;
+  discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpDispatch, layout.total, &info);
+  char* own = own_comm_buffer(state);
+  exchange_counts(state, layout, info, R, E);
+  if (threadIdx.x == 0) {
+    total_rows = 0;
+    dropped = 0ull;
+  }
+  __syncthreads();
+
+  const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t n = 0;
+    for (int s = 0; s < R; ++s) n += __ldcg(counts + static_cast<int64_t>(s) * E + e);
+    rows_of_expert[e] = n;
+  }
+  __syncthreads();
+  segment_tables(own, layout, rows_of_expert, info.rank, R, E, C, align, group_sizes,
+                 expert_counts, &total_rows, &dropped);
   __syncthreads();
   if (threadIdx.x == 0) {
     *num_dropped = static_cast<int32_t>(dropped);
@@ -225,12 +246,9 @@ __global__ void __launch_bounds__(kRowsThreads)
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < slots;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int k = static_cast<int>(i % K);
-    const int32_t* row = topk_idx + (i - k);
-    const int32_t e = row[k];
-    bool used = e >= 0 && e < E;
-    for (int j = 0; j < k && used; ++j) used = row[j] != e;
+    const int32_t e = sanitized_expert(topk_idx + (i - k), k, E);
     int32_t dest = -1, value = -1;
-    if (used) {
+    if (e >= 0) {
       dest = e / experts_per_rank;
       const int32_t rank_in_expert = __ldcg(slot_row + i);
       value = rank_in_expert < __ldcg(limit + e) ? __ldcg(base_row + e) + rank_in_expert : -2;
@@ -258,11 +276,14 @@ struct MainArgs {
   int32_t send_warps;
 };
 
-template <int kConv>
-__device__ __forceinline__ void copy_token(const char* x_row, const MainArgs& a, uint32_t dst_mask,
-                                           char* my_dst, float* my_scales, int lane) {
+// A row of x into the row format of the destinations: raw when the dtypes agree, else converted
+// in registers.
+template <int kConv, bool kTma>
+__device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const char* x_row,
+                                       uint32_t dst_mask, char* my_dst, float* my_scales,
+                                       int lane) {
   if constexpr (kConv == kConvCopy) {
-    warp_copy_raw<8>(x_row, a.row_bytes, dst_mask, my_dst, lane);
+    warp_copy_row<kTma>(tma, x_row, a.row_bytes, dst_mask, my_dst, lane);
   } else if constexpr (kConv == kConvF32ToBF16) {
     warp_copy_convert<true, kRowBF16, 4>(x_row, a.H, dst_mask, my_dst, my_scales, lane);
   } else if constexpr (kConv == kConvBF16ToFP8) {
@@ -283,160 +304,176 @@ __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, i
   *weight = slot ? __ldg(a.topk_weights + i) : 0.f;
 }
 
+// Senders: per chunk, every token's slot metadata to every other rank, and each token routed to a
+// remote rank ONCE into that rank's staging [me][t]; then the chunk's flags.
 template <int kConv, bool kTma>
-__global__ void __launch_bounds__(kDataThreads, 1)
-    dispatch_main_kernel(DeviceState* state, MainArgs a) {
-  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);  // TMA: per-warp barriers and buffers
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  TmaWarp tma{};
-  if constexpr (kTma) tma = tma_warp_setup(reinterpret_cast<char*>(dynamic_shared), warp, lane);
+__device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp& d, TmaWarp& tma) {
   const CommLayout& L = a.layout;
-  char* own = own_comm_buffer(state);
-  OpInfo* info = reinterpret_cast<OpInfo*>(own + L.op_info);
-  const int me = info->rank;
-  const int R = info->size;
-  const uint64_t expected = info->expected;
   const int64_t T = a.T;
-  const int experts_per_rank = a.E / R;
-  char* lane_peer = lane < R ? comm_buffer_of(state, info->ordinals[lane]) : nullptr;
-  // Raw row copies: bulk (TMA) or 16-byte register copies.
-  auto copy_raw = [&](const char* src, uint32_t dst_mask, char* my_dst) {
-    if constexpr (kTma) {
-      warp_copy_tma(tma, src, a.row_bytes, dst_mask, my_dst, lane);
-    } else {
-      warp_copy_raw<8>(src, a.row_bytes, dst_mask, my_dst, lane);
-    }
-  };
-  // A row of x into the row format: raw when the dtypes agree, else converted in registers.
-  auto copy_x = [&](const char* x_row, uint32_t dst_mask, char* my_dst, float* my_scales) {
-    if constexpr (kConv == kConvCopy) {
-      copy_raw(x_row, dst_mask, my_dst);
-    } else {
-      copy_token<kConv>(x_row, a, dst_mask, my_dst, my_scales, lane);
-    }
-  };
-
-  if (warp < a.send_warps) {
-    // ---- senders ----
-    for (;;) {
-      const int c = next_item(&info->work[0]);
-      if (c >= L.num_chunks) break;
-      for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
-        int dest, row;
-        float weight;
-        token_slot(a, own, t, lane, &dest, &row, &weight);
-        const int64_t meta = (static_cast<int64_t>(me) * T + t) * a.K + lane;
-        for (int r = 0; r < R; ++r) {
-          char* peer = reinterpret_cast<char*>(
-              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(lane_peer), r));
-          if (r == me || lane >= a.K) continue;
-          reinterpret_cast<int32_t*>(peer + L.meta_rows)[meta] = dest == r ? row : -1;
-          reinterpret_cast<float*>(peer + L.meta_w)[meta] = weight;
-        }
-        const uint32_t ranks = __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u);
-        const uint32_t remote = ranks & ~(1u << me);
-        if (remote == 0u) continue;
-        const int64_t slot = static_cast<int64_t>(me) * T + t;
-        char* my_dst = nullptr;
-        float* my_scales = nullptr;
-        if (lane < R) {
-          my_dst = lane_peer + L.stage_data + slot * L.data_row_bytes;
-          my_scales = reinterpret_cast<float*>(lane_peer + L.stage_scales + slot * L.scale_row_bytes);
-        }
-        copy_x(a.x + t * a.x_row_bytes, remote, my_dst, my_scales);
-      }
-      release_chunk<kTma>(L, lane_peer, c, me, R, expected, lane);
-    }
-    if constexpr (kTma) {
-      if (lane == 0) tma_store_wait_all();
-    }
-    return;
-  }
-
-  // ---- receivers ----
-  const int local_experts = experts_per_rank;
-  const int n_tail = (a.C + kTailRows - 1) / kTailRows;
-  const int n_chunk_items = L.num_chunks * R;  // own chunks, then (chunk, other rank) pairs
-  const int total_rows = info->total_rows;
+  const int lane = d.lane;
+  const int me = d.me;
   for (;;) {
-    int item = next_item(&info->work[1]);
-    if (item >= local_experts + n_tail + n_chunk_items) break;
-    if (item < local_experts) {  // alignment padding of one expert: zero rows
-      const int32_t off = __ldcg(reinterpret_cast<const int32_t*>(own + L.seg_off) + item);
-      const int32_t kept = __ldcg(reinterpret_cast<const int32_t*>(own + L.seg_kept) + item);
-      const int64_t end = off + round_up_i64(kept, a.align);
-      for (int64_t row = off + kept; row < end; ++row) {
-        warp_zero(a.rows + row * a.row_bytes, a.row_bytes, lane);
-        for (int i = lane; i < a.num_scales; i += 32) a.scales[row * a.num_scales + i] = 0.f;
-        if (lane == 0) {
-          a.src_index[row] = -1;
-          a.row_weights[row] = 0.f;
-        }
+    const int c = next_item(&d.info->work[0]);
+    if (c >= L.num_chunks) break;
+    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
+      int dest, row;
+      float weight;
+      token_slot(a, d.own, t, lane, &dest, &row, &weight);
+      const int64_t meta = (static_cast<int64_t>(me) * T + t) * a.K + lane;
+      for (int r = 0; r < d.R; ++r) {
+        char* peer = reinterpret_cast<char*>(
+            __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
+        if (r == me || lane >= a.K) continue;
+        reinterpret_cast<int32_t*>(peer + L.meta_rows)[meta] = dest == r ? row : -1;
+        reinterpret_cast<float*>(peer + L.meta_w)[meta] = weight;
       }
+      const uint32_t ranks = __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u);
+      const uint32_t remote = ranks & ~(1u << me);
+      if (remote == 0u) continue;
+      const int64_t slot = static_cast<int64_t>(me) * T + t;
+      char* my_dst = nullptr;
+      float* my_scales = nullptr;
+      if (lane < d.R) {
+        my_dst = d.lane_peer + L.stage_data + slot * L.data_row_bytes;
+        my_scales =
+            reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
+      }
+      copy_x<kConv, kTma>(a, tma, a.x + t * a.x_row_bytes, remote, my_dst, my_scales, lane);
+    }
+    release_chunk<kTma>(L, d.lane_peer, c, me, d.R, d.expected, lane);
+  }
+}
+
+// Receiver work item: the alignment padding of local expert `expert` is zero rows.
+__device__ __forceinline__ void dispatch_zero_padding(const MainArgs& a, const DataWarp& d,
+                                                      int expert) {
+  const CommLayout& L = a.layout;
+  const int32_t off = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.seg_off) + expert);
+  const int32_t kept = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.seg_kept) + expert);
+  const int64_t end = off + round_up_i64(kept, a.align);
+  for (int64_t row = off + kept; row < end; ++row) {
+    warp_zero(a.rows + row * a.row_bytes, a.row_bytes, d.lane);
+    for (int i = d.lane; i < a.num_scales; i += 32) a.scales[row * a.num_scales + i] = 0.f;
+    if (d.lane == 0) {
+      a.src_index[row] = -1;
+      a.row_weights[row] = 0.f;
+    }
+  }
+}
+
+// Receiver work item: rows [item * kTailRows, ...) past total_rows (the unused tail) get their
+// handle fields only (the rows stay unspecified).
+__device__ __forceinline__ void dispatch_unused_tail(const MainArgs& a, int item, int total_rows,
+                                                     int lane) {
+  const int64_t lo = static_cast<int64_t>(item) * kTailRows;
+  const int64_t r0 = lo > total_rows ? lo : total_rows;
+  const int64_t r1 = lo + kTailRows < a.C ? lo + kTailRows : a.C;
+  for (int64_t row = r0 + lane; row < r1; row += 32) {
+    a.src_index[row] = -1;
+    a.row_weights[row] = 0.f;
+  }
+}
+
+// The FP8 scales of a staged row to each receive row in `kept` (lane j holds row j's scales).
+__device__ __forceinline__ void copy_staged_scales(const MainArgs& a, const float* from,
+                                                   uint32_t kept, float* my_scales, int lane) {
+  for (int i0 = 0; i0 < a.num_scales; i0 += 32) {  // uniform trip count (shuffles)
+    const int i = i0 + lane;
+    const float value = i < a.num_scales ? __ldcg(from + i) : 0.f;
+    for (uint32_t m = kept; m != 0u; m &= m - 1u) {
+      const int j = __ffs(m) - 1;
+      float* to = reinterpret_cast<float*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scales), j));
+      if (i < a.num_scales) to[i] = value;
+    }
+  }
+}
+
+// Token t of source rank s: its handle fields (token_rows, row_weights, src_index), and its row
+// (this rank's own tokens straight from x, the others' from the staging) to each receive row.
+template <int kConv, bool kTma>
+__device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const DataWarp& d,
+                                                       TmaWarp& tma, int s, int64_t t) {
+  const CommLayout& L = a.layout;
+  const int lane = d.lane;
+  const int64_t slot = static_cast<int64_t>(s) * a.T + t;
+  int row;
+  float weight;
+  if (s == d.me) {
+    int dest;
+    token_slot(a, d.own, t, lane, &dest, &row, &weight);
+    if (dest != d.me) row = -1;
+  } else {
+    const int64_t meta = slot * a.K + lane;
+    row = lane < a.K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
+    weight = lane < a.K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
+  }
+  if (lane < a.K) a.token_rows[slot * a.K + lane] = row;
+  if (row >= 0) {
+    a.row_weights[row] = weight;
+    a.src_index[row] = static_cast<int32_t>(slot);
+  }
+  const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
+  if (kept == 0u) return;
+  char* my_dst = row >= 0 ? a.rows + static_cast<int64_t>(row) * a.row_bytes : nullptr;
+  float* my_scales =
+      row >= 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;
+  if (s == d.me) {
+    copy_x<kConv, kTma>(a, tma, a.x + t * a.x_row_bytes, kept, my_dst, my_scales, lane);
+  } else {
+    warp_copy_row<kTma>(tma, d.own + L.stage_data + slot * L.data_row_bytes, a.row_bytes, kept,
+                        my_dst, lane);
+    if (a.num_scales > 0) {
+      copy_staged_scales(
+          a, reinterpret_cast<const float*>(d.own + L.stage_scales + slot * L.scale_row_bytes),
+          kept, my_scales, lane);
+    }
+  }
+}
+
+// Receivers (dynamic work list): the local experts' alignment padding, the unused tail, then the
+// chunks, this rank's own first, each remote one as soon as its flag arrives.
+template <int kConv, bool kTma>
+__device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWarp& d,
+                                                 TmaWarp& tma) {
+  const CommLayout& L = a.layout;
+  const int local_experts = a.E / d.R;
+  const int n_tail = (a.C + kTailRows - 1) / kTailRows;
+  const int n_chunk_items = L.num_chunks * d.R;  // own chunks, then (chunk, other rank) pairs
+  const int total_rows = d.info->total_rows;
+  for (;;) {
+    int item = next_item(&d.info->work[1]);
+    if (item >= local_experts + n_tail + n_chunk_items) break;
+    if (item < local_experts) {
+      dispatch_zero_padding(a, d, item);
       continue;
     }
     item -= local_experts;
-    if (item < n_tail) {  // unused tail: handle fields only (rows stay unspecified)
-      const int64_t lo = static_cast<int64_t>(item) * kTailRows;
-      const int64_t r0 = lo > total_rows ? lo : total_rows;
-      const int64_t r1 = lo + kTailRows < a.C ? lo + kTailRows : a.C;
-      for (int64_t row = r0 + lane; row < r1; row += 32) {
-        a.src_index[row] = -1;
-        a.row_weights[row] = 0.f;
-      }
+    if (item < n_tail) {
+      dispatch_unused_tail(a, item, total_rows, d.lane);
       continue;
     }
     item -= n_tail;
     int s, c;
-    receive_chunk_item<kTma>(item, state, L, info, own, kOpDispatch, lane, &s, &c);
-    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
-      const int64_t slot = static_cast<int64_t>(s) * T + t;
-      int row;
-      float weight;
-      if (s == me) {
-        int dest;
-        token_slot(a, own, t, lane, &dest, &row, &weight);
-        if (dest != me) row = -1;
-      } else {
-        const int64_t meta = slot * a.K + lane;
-        row = lane < a.K ? __ldcg(reinterpret_cast<const int32_t*>(own + L.meta_rows) + meta) : -1;
-        weight = lane < a.K ? __ldcg(reinterpret_cast<const float*>(own + L.meta_w) + meta) : 0.f;
-      }
-      if (lane < a.K) a.token_rows[slot * a.K + lane] = row;
-      if (row >= 0) {
-        a.row_weights[row] = weight;
-        a.src_index[row] = static_cast<int32_t>(slot);
-      }
-      const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
-      if (kept == 0u) continue;
-      char* my_dst = row >= 0 ? a.rows + static_cast<int64_t>(row) * a.row_bytes : nullptr;
-      float* my_scales =
-          row >= 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;
-      if (s == me) {
-        copy_x(a.x + t * a.x_row_bytes, kept, my_dst, my_scales);
-      } else {
-        copy_raw(own + L.stage_data + slot * L.data_row_bytes, kept, my_dst);
-        if (a.num_scales > 0) {
-          const float* from =
-              reinterpret_cast<const float*>(own + L.stage_scales + slot * L.scale_row_bytes);
-          for (int i0 = 0; i0 < a.num_scales; i0 += 32) {  // uniform trip count (shuffles)
-            const int i = i0 + lane;
-            const float value = i < a.num_scales ? __ldcg(from + i) : 0.f;
-            for (uint32_t m = kept; m != 0u; m &= m - 1u) {
-              const int j = __ffs(m) - 1;
-              float* to = reinterpret_cast<float*>(
-                  __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scales), j));
-              if (i < a.num_scales) to[i] = value;
-            }
-          }
-        }
-      }
+    receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c);
+    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, a.T); ++t) {
+      dispatch_receive_token<kConv, kTma>(a, d, tma, s, t);
     }
   }
-  if constexpr (kTma) {
-    if (lane == 0) tma_store_wait_all();
+}
+
+template <int kConv, bool kTma>
+__global__ void __launch_bounds__(kDataThreads, 1)
+    dispatch_main_kernel(DeviceState* state, MainArgs a) {
+  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);  // TMA: per-warp barriers and buffers
+  const DataWarp d = data_warp(state, a.layout);
+  TmaWarp tma = tma_warp_setup_if<kTma>(reinterpret_cast<char*>(dynamic_shared), d.warp, d.lane);
+  if (d.warp < a.send_warps) {
+    dispatch_send<kConv, kTma>(a, d, tma);
+  } else {
+    dispatch_receive<kConv, kTma>(a, d, tma);
   }
+  tma_drain<kTma>(d.lane);
 }
 
 template <int kConv>

@@ -1,5 +1,6 @@
-// Device helpers of the EP data kernels (dispatch.cu, combine.cu): group discovery, ready flags,
-// warp-wide row copies with fused BF16/FP8 conversion.
+// Device helpers of the EP kernels (dispatch.cu, combine.cu, broadcast.cu, slot_values.cu,
+// group.cu): group discovery, the data kernels' prologue, ready flags, warp-wide row copies with
+// fused BF16/FP8 conversion.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -150,6 +151,22 @@ __device__ __forceinline__ void warp_copy_tma(TmaWarp& tma, const char* src, int
   }
 }
 
+// This warp's TMA state when the kernel copies rows in bulk (kTma), else unused.
+template <bool kTma>
+__device__ __forceinline__ TmaWarp tma_warp_setup_if(char* dynamic_shared, int warp, int lane) {
+  TmaWarp tma{};
+  if constexpr (kTma) tma = tma_warp_setup(dynamic_shared, warp, lane);
+  return tma;
+}
+
+// Before a warp of a data kernel leaves: its bulk stores have completed.
+template <bool kTma>
+__device__ __forceinline__ void tma_drain(int lane) {
+  if constexpr (kTma) {
+    if (lane == 0) tma_store_wait_all();
+  }
+}
+
 __device__ __forceinline__ char* comm_buffer_of(DeviceState* state, int ordinal) {
   return reinterpret_cast<char*>(state->tables.comm_buffers[ordinal]);
 }
@@ -281,6 +298,34 @@ __device__ __forceinline__ int next_item(uint32_t* counter) {
   return __shfl_sync(kFullMask, item, 0);
 }
 
+// ---- the data kernels' prologue ------------------------------------------------------------
+// What every warp of a data kernel (the main kernels of dispatch, combine and broadcast) starts
+// from: the call's OpInfo, which the op's first kernel published after group discovery, and the
+// peer buffer each lane names.
+struct DataWarp {
+  DeviceState* state;
+  int warp, lane;
+  char* own;          // this device's communication buffer
+  OpInfo* info;       // the call: rank, group size, ordinals, work counters
+  int me, R;          // info->rank, info->size
+  uint64_t expected;  // value of this call's ready flags
+  char* lane_peer;    // lane r < R: rank r's communication buffer (shuffled to name a peer)
+};
+
+__device__ __forceinline__ DataWarp data_warp(DeviceState* state, const CommLayout& L) {
+  DataWarp d;
+  d.state = state;
+  d.warp = threadIdx.x >> 5;
+  d.lane = threadIdx.x & 31;
+  d.own = own_comm_buffer(state);
+  d.info = reinterpret_cast<OpInfo*>(d.own + L.op_info);
+  d.me = d.info->rank;
+  d.R = d.info->size;
+  d.expected = d.info->expected;
+  d.lane_peer = d.lane < d.R ? comm_buffer_of(state, d.info->ordinals[d.lane]) : nullptr;
+  return d;
+}
+
 // ---- chunks: the unit of work of the data kernels and of the per-chunk ready flags ----------
 // One past the last token of chunk c (tokens [c * kChunkTokens, chunk_end(c, T))).
 __device__ __forceinline__ int64_t chunk_end(int c, int64_t T) {
@@ -338,18 +383,6 @@ __device__ __forceinline__ void receive_chunk_item(int item, DeviceState* state,
   __syncwarp();
 }
 
-// Sanitised expert of slot `lane` of a token (lanes >= K: none): an id outside [0, E) or repeating
-// an expert of an earlier slot is unused (-1). Every lane of the warp must call it.
-__device__ __forceinline__ int32_t sanitized_expert(const int32_t* topk_row, int K, int E,
-                                                    int lane) {
-  const int32_t raw = lane < K ? __ldg(topk_row + lane) : -1;
-  const bool valid = lane < K && raw >= 0 && raw < E;
-  const int32_t key = valid ? raw : -1 - lane;  // distinct for every invalid lane
-  const uint32_t same = __match_any_sync(kFullMask, key);
-  const bool repeat = valid && (same & lanemask_lt()) != 0u;
-  return (valid && !repeat) ? raw : -1;
-}
-
 // ---- row copies -----------------------------------------------------------------------------
 // A warp copies one source row to up to 32 destinations: for every set bit j of dst_mask, lane j
 // holds destination j's pointer (lanes name ranks or top-k slots). Each lane issues U 16-byte
@@ -377,6 +410,18 @@ __device__ __forceinline__ void warp_copy_raw(const char* src, int64_t bytes, ui
         if (i < vectors) to[i] = v[u];
       }
     }
+  }
+}
+
+// A raw row copy of a data kernel: bulk (TMA) copies through the warp's shared buffer, or 16-byte
+// register copies.
+template <bool kTma>
+__device__ __forceinline__ void warp_copy_row(TmaWarp& tma, const char* src, int64_t bytes,
+                                              uint32_t dst_mask, char* my_dst, int lane) {
+  if constexpr (kTma) {
+    warp_copy_tma(tma, src, bytes, dst_mask, my_dst, lane);
+  } else {
+    warp_copy_raw<8>(src, bytes, dst_mask, my_dst, lane);
   }
 }
 

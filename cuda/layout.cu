@@ -1,12 +1,12 @@
 // Routing layout (DeepEP's get_dispatch_layout).
 //
 // Token-parallel: one thread per token keeps the token's K ids in registers, drops invalid ids and
-// repeats, writes the token's row of is_token_in_rank, and counts into block-level histograms in
-// shared memory, which each block adds to the outputs with one atomic per non-zero bin. The count
-// outputs are zeroed first with cudaMemsetAsync on the same stream (XLA output buffers are
-// uninitialised; memsets are stream-ordered and captured into CUDA graphs like kernels). Integer
-// atomics make the result independent of the order. The grid is at most kMaxLayoutBlocks blocks, so
-// XLA's own kernels keep most of the GPU.
+// repeats (sanitized_expert), writes the token's row of is_token_in_rank, and counts into
+// block-level histograms in shared memory, which each block adds to the outputs with one atomic
+// per non-zero bin. The count outputs are zeroed first with cudaMemsetAsync on the same stream
+// (XLA output buffers are uninitialised; memsets are stream-ordered and captured into CUDA graphs
+// like kernels). Integer atomics make the result independent of the order. The grid is at most
+// kMaxLayoutBlocks blocks, so XLA's own kernels keep most of the GPU.
 #include <algorithm>
 
 #include "cuda/common.cuh"
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
                            int32_t* __restrict__ tokens_per_rank,
                            int32_t* __restrict__ tokens_per_expert,
                            bool* __restrict__ is_token_in_rank) {
-  extern __shared__ int32_t bins[];
+  JAX_EP_DYNAMIC_SHARED(int32_t, bins);
   const int num_bins = num_experts + num_ranks;
   int32_t* expert_bins = shared_bins ? bins : tokens_per_expert;
   int32_t* rank_bins = shared_bins ? bins + num_experts : tokens_per_rank;
@@ -56,30 +56,25 @@ __global__ void __launch_bounds__(kLayoutThreads)
   for (int64_t token = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        token < num_tokens; token += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t* row = topk_idx + token * num_topk;
-    int32_t experts[kMaxTopk];  // -1 = unused slot
-    int32_t ranks[kMaxTopk];
+    int32_t ids[kMaxTopk];  // -1 past num_topk
+    int32_t ranks[kMaxTopk];  // of each id in [0, E), else -1
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
-      const int32_t expert = k < num_topk ? __ldg(row + k) : -1;
-      const bool valid = expert >= 0 && expert < num_experts;
-      experts[k] = valid ? expert : -1;
-      ranks[k] = valid ? expert / experts_per_rank : -1;
+      ids[k] = k < num_topk ? __ldg(row + k) : -1;
+      ranks[k] = ids[k] >= 0 && ids[k] < num_experts ? ids[k] / experts_per_rank : -1;
     }
     bool* in_rank_row = is_token_in_rank + token * num_ranks;
     clear_row(in_rank_row, num_ranks);
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
-      if (experts[k] < 0) continue;
-      bool first_of_expert = true;  // an expert repeated by a later slot counts once
-      bool first_of_rank = true;    // a token travels to a rank once
+      const int32_t expert = sanitized_expert(ids, k, num_experts);  // an expert counts once
+      if (expert < 0) continue;
+      bool first_of_rank = true;  // a token travels to a rank once
 #pragma unroll
       for (int j = 0; j < kMaxTopk; ++j) {
-        if (j < k) {
-          first_of_expert &= experts[j] != experts[k];
-          first_of_rank &= ranks[j] != ranks[k];
-        }
+        if (j < k) first_of_rank &= ranks[j] != ranks[k];
       }
-      if (first_of_expert) atomicAdd(&expert_bins[experts[k]], 1);
+      atomicAdd(&expert_bins[expert], 1);
       if (first_of_rank) {
         atomicAdd(&rank_bins[ranks[k]], 1);
         in_rank_row[ranks[k]] = true;  // after clear_row, by the same thread
@@ -108,7 +103,7 @@ cudaError_t launch(const int32_t* topk_idx, int64_t num_tokens, int num_topk, in
   const int grid = static_cast<int>(std::min<int64_t>(blocks_needed, kMaxLayoutBlocks));
   const bool shared_bins = num_experts + num_ranks <= kMaxSharedBins;
   const size_t shared_bytes = shared_bins ? (num_experts + num_ranks) * sizeof(int32_t) : 0;
-  dispatch_layout_kernel<kMaxTopk><<<grid, kLayoutThreads, shared_bytes, stream>>>(
+  JAX_EP_LAUNCH(dispatch_layout_kernel<kMaxTopk>, grid, kLayoutThreads, shared_bytes, stream)(
       topk_idx, num_tokens, num_topk, num_experts, num_ranks, shared_bins, tokens_per_rank,
       tokens_per_expert, is_token_in_rank);
   JAX_EP_CHECK_LAUNCH();

@@ -65,7 +65,8 @@ cudaError_t launch_peer_smoke(DeviceState* state, const PeerGroup& group, const 
       group.my_rank >= group.size || n < 0) {
     return cudaErrorInvalidValue;
   }
-  peer_smoke_kernel<<<1, kSmokeThreads, 0, stream>>>(state, group, tag, n, received, epochs);
+  JAX_EP_LAUNCH(peer_smoke_kernel, 1, kSmokeThreads, 0, stream)(state, group, tag, n, received,
+                                                               epochs);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
 }

@@ -22,11 +22,14 @@
 #include <string>
 #include <vector>
 
+#include "cuda/broadcast.h"
 #include "cuda/combine.h"
 #include "cuda/dispatch.h"
 #include "cuda/ep_layout.h"
+#include "cuda/group.h"
 #include "cuda/layout.h"
 #include "cuda/peer_smoke.h"
+#include "cuda/slot_values.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/runtime.h"
 

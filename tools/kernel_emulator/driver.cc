@@ -13,9 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "cuda/broadcast.h"
 #include "cuda/combine.h"
 #include "cuda/dispatch.h"
 #include "cuda/ep_layout.h"
+#include "cuda/group.h"
+#include "cuda/slot_values.h"
 
 using namespace jax_ep;
 

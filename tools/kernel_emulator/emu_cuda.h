@@ -1,9 +1,10 @@
-// A CPU stand-in for the parts of CUDA the EP kernels use, so that cuda/dispatch.cu and
-// cuda/combine.cu can run (slowly) on a machine without a GPU: every CUDA thread is an OS thread,
-// blocks of a launch run one after the other, warp intrinsics exchange values through a per-warp
-// barrier, and each GPU is a process (driver.cc forks one per rank; device memory is a shared
-// mapping at the same address in all of them). It checks the kernels' logic (indices, tables,
-// flags, epochs, bit patterns), not their memory-model corner cases or their speed.
+// A CPU stand-in for the parts of CUDA the EP kernels use, so that the EP kernel families
+// (cuda/{group,dispatch,combine,broadcast,slot_values}.cu) can run (slowly) on a machine without a
+// GPU: every CUDA thread is an OS thread, blocks of a launch run one after the other, warp
+// intrinsics exchange values through a per-warp barrier, and each GPU is a process (driver.cc
+// forks one per rank; device memory is a shared mapping at the same address in all of them). It
+// checks the kernels' logic (indices, tables, flags, epochs, bit patterns), not their
+// memory-model corner cases or their speed.
 #pragma once
 
 #define JAX_EP_EMULATION 1

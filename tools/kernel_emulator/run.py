@@ -34,8 +34,9 @@ DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_driver")
 
 
 def build() -> str:
-    sources = [os.path.join(ROOT, p) for p in ("cuda/dispatch.cu", "cuda/combine.cu",
-                                                "tools/kernel_emulator/driver.cc")]
+    sources = [os.path.join(ROOT, p) for p in (
+        "cuda/group.cu", "cuda/dispatch.cu", "cuda/combine.cu", "cuda/broadcast.cu",
+        "cuda/slot_values.cu", "tools/kernel_emulator/driver.cc")]
     here = os.path.join(ROOT, "tools/kernel_emulator")
     cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
            "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),

@@ -1,0 +1,36 @@
+// The start kernel of combine and broadcast (see group.h): one block discovers the group, which is
+// the start barrier of the call, and publishes the call's OpInfo for the data kernel after it.
+#include "cuda/ep_device.cuh"
+#include "cuda/group.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kStartThreads = 64;
+static_assert(kStartThreads >= kMaxDevices && kStartThreads >= kMaxGroupRanks, "discovery");
+
+__global__ void __launch_bounds__(kStartThreads)
+    ep_start_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
+                    const int32_t* group_ptr, int R, int axis_slot, int op_id) {
+  __shared__ OpInfo info;
+  discover_group(state, rank_ptr, group_ptr, R, axis_slot, op_id, layout.total, &info);
+  if (threadIdx.x == 0) publish_op_info(state, layout, info, 0);
+}
+
+}  // namespace
+
+bool group_launch_ok(const GroupLaunch& g) {
+  return g.state != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxGroupRanks &&
+         g.num_tokens >= 0 && g.num_topk >= 1 && g.num_topk <= kMaxTopk && g.axis_slot >= 0 &&
+         g.axis_slot < kDirectoryAxes && g.num_blocks >= 1 && g.send_warps >= 1 &&
+         g.send_warps < kDataWarps;
+}
+
+cudaError_t launch_start(const GroupLaunch& g, int op_id, cudaStream_t stream) {
+  JAX_EP_LAUNCH(ep_start_kernel, 1, kStartThreads, 0, stream)(g.state, g.layout, g.rank, g.group,
+                                                              g.num_ranks, g.axis_slot, op_id);
+  JAX_EP_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
+}  // namespace jax_ep

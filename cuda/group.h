@@ -1,0 +1,37 @@
+// The start of the EP ops that get their group as device scalars (combine, broadcast,
+// slot_values): the launch fields they share and the start kernel (group discovery = the start
+// barrier of the call). Host-side; kernel in group.cu. Dispatch discovers its group in its notify
+// kernel (dispatch.cu).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/device_state.h"
+#include "cuda/ep_layout.h"
+
+namespace jax_ep {
+
+// Fields common to the ops: the group (device scalars), the layout and the grid.
+struct GroupLaunch {
+  DeviceState* state;
+  CommLayout layout;
+  const int32_t* rank;   // [] index along the EP axis
+  const int32_t* group;  // [] EP group
+  int32_t num_ranks;     // R (static)
+  int32_t num_tokens;    // T
+  int32_t num_topk;      // K
+  int32_t axis_slot;
+  int32_t num_blocks;
+  int32_t send_warps;    // combine: reducer warps; broadcast: sender warps (per block, of 16)
+};
+
+// The fields are in range (the FFI handler validates them; this guards the kernels' arithmetic).
+bool group_launch_ok(const GroupLaunch& g);
+
+// Enqueues the one-block start kernel: discovers the group, then publishes the call's OpInfo
+// (rank, ordinals, epoch, zeroed work counters) for the op's data kernel.
+cudaError_t launch_start(const GroupLaunch& g, int op_id, cudaStream_t stream);
+
+}  // namespace jax_ep
