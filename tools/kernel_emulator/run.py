@@ -91,11 +91,13 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
 
     def body(x, idx, w, y, g, v):
         d = reference.dispatch(x[0], idx[0], w[0], cfg)
+        # the driver's unweighted combine (row_weights null) is the reference with weights 1
+        unweighted = d.handle._replace(row_weights=jax.numpy.ones_like(d.row_weights))
         out = dict(rows=d.x, group_sizes=d.group_sizes, expert_counts=d.expert_counts,
                    row_weights=d.row_weights, num_dropped=d.num_dropped, src_index=d.handle.src_index,
                    token_rows=d.handle.token_rows, in_rank=d.handle.is_token_in_rank,
-                   comb_w=reference.combine(y[0], d.row_weights, d.handle, cfg),
-                   comb_u=reference.combine(y[0], None, d.handle, cfg),
+                   comb_w=reference.combine(y[0], d.handle, cfg),
+                   comb_u=reference.combine(y[0], unweighted, cfg),
                    bcast=reference.broadcast(g[0], d.handle, cfg),
                    slotv=reference.slot_values(v[0], d.handle, cfg))
         if d.scales is not None:
