@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import reference, types
+from jax_ep import reference
 from jax_ep.config import EPConfig
 from jax_ep.types import Dispatched, Handle, Layout
 from jax_ep.validation import (
