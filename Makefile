@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt CMakeLists.txt
 	touch $@
 
 demo: install
-	$(PY) -m jax_ep.demo
+	$(PY) examples/demo.py
 
 test: install
 	$(PY) -m pytest -q

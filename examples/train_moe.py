@@ -2,15 +2,16 @@
 
     python examples/train_moe.py [--steps 40] [--out train_moe_out] [--mesh 2,4] [--backend auto]
 
-A decoder-only byte-level LM (jax_ep.models: attention + MoE FFN layers) is trained on the source of a
+A decoder-only byte-level LM (examples/models.py: attention + MoE FFN layers) is trained on the source of a
 few standard-library modules, under jit, with the MoE layers entering shard_map over a data x ep mesh
 (tokens split over both axes, experts over "ep"). Without a GPU it runs on 8 virtual CPU devices.
 
 The same model (same seed, same batches) is trained twice: without balancing and with DeepSeek-V3's
-auxiliary-loss-free bias balancing (`MoE(bias_update_rate=...)`). Prints loss, tokens/s and the expert
-imbalance (max/mean load); writes OUT/metrics.json and OUT/train_moe.png: loss curves, imbalance
-curves, per-expert load heatmaps of both runs, and for each available backend the step time split into
-dispatch+combine (timed on their own, `jax_ep.demo.communication_time`) and the rest of the step.
+auxiliary-loss-free bias balancing (`MoE(balancing=BalancingConfig(bias_update_rate=...))`). Prints loss,
+tokens/s and the expert imbalance (max/mean load); writes OUT/metrics.json and OUT/train_moe.png: loss
+curves, imbalance curves, per-expert load heatmaps of both runs, and for each available backend the step
+time split into dispatch+combine (timed on their own, `communication_time` of examples/demo.py) and the
+rest of the step.
 """
 
 from __future__ import annotations
@@ -22,18 +23,14 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from demo import communication_time, use_virtual_cpu_devices
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype
 
-# Before the first device query: 8 virtual CPU devices (a GPU, if present, stays the default backend).
-jax.config.update("jax_num_cpu_devices", 8)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jax_ep.balancing import imbalance  # noqa: E402
-from jax_ep.demo import communication_time  # noqa: E402
-from jax_ep.models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype  # noqa: E402
+from jax_ep.balancing import imbalance
 
 RUNS = {"no_balancing": "without balancing", "bias_balancing": "with bias balancing"}
 SHORT = {"no_balancing": "no balancing", "bias_balancing": "bias balancing"}
@@ -219,6 +216,7 @@ def plot(metrics: dict, path: pathlib.Path) -> None:
 
 
 def main(argv=None) -> dict:
+    use_virtual_cpu_devices()   # before the first device query (parse_args counts the devices)
     args = parse_args(argv)
     data, ep = args.mesh
     devices = jax.devices()[:data * ep]

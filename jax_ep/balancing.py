@@ -1,8 +1,8 @@
-"""Expert load balancing for MoE training: aux-loss-free bias updates, the sequence-wise aux loss, and
-load statistics.
+"""Expert load balancing for MoE training: expert counts, aux-loss-free bias updates and the sequence-wise
+aux loss, and `BalancingConfig`, the MoE layer's balancing settings.
 
 All functions are pure and framework-light (arrays in, arrays out): a Flax module keeps the state
-(selection bias, `LoadStats`) in non-trainable variables and calls these to update it.
+(selection bias, per-expert loads) in non-trainable variables and calls these to update it.
 
 Formulas (DeepSeek-V3, arXiv:2412.19437, section 2.1.2), with E routed experts and K = top-k:
 
@@ -18,10 +18,33 @@ Formulas (DeepSeek-V3, arXiv:2412.19437, section 2.1.2), with E routed experts a
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancingConfig:
+    """How an MoE layer balances its experts (hashable; both off by default).
+
+    Attributes:
+      bias_update_rate: step of the aux-loss-free bias update after each call (`update_bias`; DeepSeek-V3
+        uses 1e-3); 0 = no bias balancing.
+      aux_loss_alpha: coefficient of the sequence-wise aux loss (`sequence_aux_loss`; DeepSeek-V3 uses
+        1e-4); 0 = no aux loss.
+    """
+
+    bias_update_rate: float = 0.0
+    aux_loss_alpha: float = 0.0
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"BalancingConfig.{field.name} must be a finite number >= 0, got {value!r}")
 
 
 def _check_num_experts(name: str, array: jax.Array, num_experts: int) -> None:
@@ -73,42 +96,6 @@ def imbalance(load: jax.Array) -> jax.Array:
     peak = load.max(axis=-1)
     safe_mean = jnp.where(mean > 0, mean, 1.0)
     return jnp.where(mean > 0, peak / safe_mean, 1.0)
-
-
-class LoadStats(NamedTuple):
-    """Running per-expert load statistics (all float32 so they can live in one non-trainable variable).
-
-    Totals are float32: exact up to 2**24 tokens per expert, then they round (the ratios stay meaningful).
-    """
-
-    last: jax.Array       # [E] load of the most recent step
-    total: jax.Array      # [E] load summed over all steps
-    ema: jax.Array        # [E] exponential moving average of the per-step load
-    num_steps: jax.Array  # [] float32 steps accumulated
-
-
-def init_load_stats(num_experts: int) -> LoadStats:
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be positive, got {num_experts}")
-    zeros = jnp.zeros((num_experts,), jnp.float32)
-    return LoadStats(zeros, zeros, zeros, jnp.zeros((), jnp.float32))
-
-
-def accumulate_load(stats: LoadStats, step_load: jax.Array, ema_decay: float = 0.99) -> LoadStats:
-    """Adds one step's [E] load. The EMA starts at the first step's load (no bias toward 0)."""
-    if not 0.0 <= ema_decay < 1.0:
-        raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
-    _check_num_experts("step_load", step_load, stats.last.shape[-1])
-    step_load = step_load.astype(jnp.float32)
-    ema = jnp.where(stats.num_steps > 0, ema_decay * stats.ema + (1.0 - ema_decay) * step_load, step_load)
-    return LoadStats(step_load, stats.total + step_load, ema, stats.num_steps + 1.0)
-
-
-def load_summary(stats: LoadStats) -> dict[str, jax.Array]:
-    """Scalars worth logging: imbalance (max/mean) of the last step, the EMA and the running total."""
-    return {"imbalance_last": imbalance(stats.last),
-            "imbalance_ema": imbalance(stats.ema),
-            "imbalance_total": imbalance(stats.total)}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -206,7 +206,7 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
     """Replicates and places experts to balance the per-rank load.
 
     Args:
-      loads: [E] non-negative per-expert loads (e.g. `LoadStats.ema` or token counts).
+      loads: [E] non-negative per-expert loads (e.g. `MoE.total_load` or token counts).
       num_ranks: EP ranks (R).
       slots_per_rank: physical expert slots per rank (S); R * S >= E. R * S - E replicas are created.
       num_nodes: > 1 selects the hierarchical policy: R ranks form num_nodes equal nodes.

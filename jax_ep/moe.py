@@ -4,14 +4,7 @@ Router (linear -> softmax/sigmoid -> top-k, optional DeepSeek-V3 group-limited s
 auxiliary-loss-free balancing bias), experts as stacked SwiGLU weights sharded along the EP axis and
 run with ``jax_ep.grouped_matmul`` on the expert-major rows (gate and up projections as one grouped GEMM
 of twice the width, then the down projection; Hopper kernels on H100/H200, ``lax.ragged_dot``
-elsewhere), optional shared expert.
-
-Two ways to call it:
-  * ``MoE(..., mesh=mesh)``: from a plain ``jax.jit`` model with global arrays; the layer enters
-    ``shard_map`` itself (tokens sharded over the batch axes, experts over the EP axis).
-  * ``MoE(..., mesh=None)``: from inside your own ``shard_map`` body (per-rank view); the expert
-    weights you pass in must be this rank's shard (``num_experts / ep_size`` experts), or all
-    ``num_experts`` of them when the layer has a placement.
+elsewhere), optional shared expert. ``MoE``'s docstring says how to build and call it.
 
 Expert placement (``placement=jax_ep.eplb.Placement``, EPLB replication): the router still scores the
 ``num_experts`` logical experts; each pick is mapped to one replica (``eplb.apply_placement`` with
@@ -25,6 +18,7 @@ all-gather of the expert weights forward and a reduction of their gradients back
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -34,8 +28,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import balancing, eplb, gating
-from jax_ep.config import EPConfig
+from jax_ep import eplb
+from jax_ep.balancing import BalancingConfig, sequence_aux_loss, update_bias
+from jax_ep.config import FP8_BLOCK, EPConfig, KernelConfig
+from jax_ep.gating import RouterConfig, route
+from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.ops import combine, dispatch
 from jax_ep.reference import dequantize_fp8
@@ -43,6 +40,48 @@ from jax_ep.reference import dequantize_fp8
 # name scopes of the layer's parts (the layer benchmark attributes device time by them)
 SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_experts",
           "combine": "moe_combine"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EPOptions:
+    """How an MoE layer dispatches and combines: the ``jax_ep.EPConfig`` fields the layer cannot know
+    itself (it knows the sizes: experts, top-k, hidden, tokens per rank, and its EP axis).
+
+    Attributes:
+      capacity: receive rows per rank (``EPConfig.capacity``); None = worst case, nothing is dropped.
+      expert_alignment: pad each expert's rows to a multiple of this. None (default): what the expert
+        GEMM prefers (``jax_ep.gemm.preferred_alignment``: 64 rows for the Hopper kernel, so no kernel
+        tile straddles two experts; 1 for lax.ragged_dot) when ``capacity`` is None or a multiple of it,
+        1 otherwise.
+      dispatch_dtype: None (the experts' compute dtype), "bfloat16" or "float8_e4m3fn" (forward only;
+        the rows are dequantised to the compute dtype before the expert GEMMs).
+      backend: "auto", "reference" or "cuda" (``EPConfig.backend``).
+      checked: raise at run time on bad expert ids or dropped rows (``EPConfig.checked``).
+      kernel: how the CUDA kernels run (``jax_ep.KernelConfig``).
+    """
+
+    capacity: int | None = None
+    expert_alignment: int | None = None
+    dispatch_dtype: str | None = None
+    backend: str = "auto"
+    checked: bool = False
+    kernel: KernelConfig = KernelConfig()
+
+    def __post_init__(self):
+        # EPConfig's own checks of these fields, with placeholder sizes (the layer's sizes are checked
+        # when its EPConfig is made, at trace time)
+        self.ep_config(num_experts=1, num_topk=1, hidden=FP8_BLOCK, max_tokens_per_rank=1, axis_name="ep")
+
+    def ep_config(self, *, num_experts: int, num_topk: int, hidden: int, max_tokens_per_rank: int,
+                  axis_name: str, preferred_alignment: int = 1) -> EPConfig:
+        """The EPConfig for these sizes; ``preferred_alignment`` applies when ``expert_alignment`` is None."""
+        align = self.expert_alignment
+        if align is None:
+            fits = self.capacity is None or self.capacity % preferred_alignment == 0
+            align = preferred_alignment if fits else 1
+        return EPConfig(num_experts, num_topk, hidden, max_tokens_per_rank, axis_name=axis_name,
+                        capacity=self.capacity, expert_alignment=align, dispatch_dtype=self.dispatch_dtype,
+                        backend=self.backend, checked=self.checked, kernel=self.kernel)
 
 
 class ExpertBias(nnx.Variable):
@@ -66,52 +105,83 @@ class MoEStats(NamedTuple):
 
 
 class MoE(nnx.Module):
-    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, num_topk: int, *,
-                 rngs: nnx.Rngs, mesh: Mesh | None = None, axis_name: str = "ep",
-                 batch_axes: tuple[str, ...] | None = None,
-                 score_func: str = "softmax", num_groups: int = 1, topk_groups: int | None = None,
-                 max_ranks_per_token: int | None = None, routed_scaling_factor: float = 1.0,
-                 normalize_topk: bool = True, shared_ffn_hidden: int = 0,
-                 capacity: int | None = None, expert_alignment: int | None = None,
-                 dispatch_dtype: str | None = None, num_sms: int = 24, backend: str = "auto",
-                 checked: bool = False, bias_update_rate: float = 0.0, aux_loss_alpha: float = 0.0,
-                 placement: eplb.Placement | None = None, param_dtype=jnp.float32, gemm: str = "auto",
-                 dtype=None):
-        """Expert weights: ``w_gate_up [E, hidden, 2 * ffn_hidden]`` (gate columns, then up columns) and
-        ``w_down [E, ffn_hidden, hidden]``. ``gemm`` is the expert GEMM's backend
-        (``jax_ep.grouped_matmul``: "auto", "mosaic_gpu" or "ragged_dot"). ``expert_alignment=None`` pads
-        each expert's rows to what the GEMM prefers (``jax_ep.gemm.preferred_alignment``: 64 rows
-        for the Hopper kernel, so no kernel tile straddles two experts; none for lax.ragged_dot) when
-        ``capacity`` allows it (None or a multiple). ``dtype`` is the routed experts' compute dtype
-        (tokens are cast to it for dispatch and the expert GEMMs, the output back to x's dtype; None:
-        x's dtype): "bfloat16" puts a float32 model's experts on the Hopper kernels. The other keywords
-        are the router's (``gating.RouterConfig``), dispatch/combine's (``EPConfig``), balancing's and
-        the placement's, documented there."""
+    """Mixture-of-Experts FFN layer with expert parallelism (Flax NNX).
+
+    ``MoE(hidden, ffn_hidden, routing, rngs=..., mesh=...)``, e.g.
+    ``MoE(1024, 512, RouterConfig(num_experts=64, num_topk=6), rngs=nnx.Rngs(0), mesh=mesh)``.
+
+    Args:
+      hidden: H, the model width (last axis of the input and output).
+      ffn_hidden: width of each routed expert's SwiGLU.
+      routing: the router (``jax_ep.gating.RouterConfig``): number of experts E, top-k K, score function,
+        group limit, rank cap, weight scaling. Leave its ``ep_size`` at 1: the layer sets it to its EP size.
+      rngs: parameter initialisation.
+      mesh: the device mesh, to call the layer with global arrays (below); None to call it inside your
+        own ``shard_map``.
+      axis_name: the mesh axis the experts are sharded over (the EP axis).
+      batch_axes: mesh axes the tokens are sharded over (default: every axis of the mesh, e.g. data x ep;
+        with ``mesh=None``, ``(axis_name,)``). Statistics are summed over them.
+      ep: dispatch/combine options (``EPOptions``: capacity, expert alignment, dispatch dtype, backend,
+        checked mode, CUDA kernel configuration). None: ``EPOptions()``.
+      balancing: ``jax_ep.balancing.BalancingConfig`` (aux-loss-free bias update rate, sequence-wise aux
+        loss coefficient). None: ``BalancingConfig()``, no balancing.
+      shared_ffn_hidden: width of a dense SwiGLU shared expert every token runs (0 = none).
+      placement: expert placement (``jax_ep.eplb.Placement``, EPLB replicas of hot experts) or None
+        (expert e on rank e // (E / ep_size)); re-plan later with ``set_placement``.
+      gemm: the expert GEMM's backend (``jax_ep.grouped_matmul``): "auto", "mosaic_gpu" or "ragged_dot".
+      dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
+        the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
+        Hopper kernels.
+      param_dtype: dtype of the parameters.
+
+    Parameters: ``router [H, E]``, ``w_gate_up [E, H, 2 * ffn_hidden]`` (gate columns, then up columns),
+    ``w_down [E, ffn_hidden, H]`` (experts sharded over ``axis_name`` at rest), ``shared`` (or None).
+    State (non-trainable ``nnx.Variable``s, updated by each call unless ``update_stats=False``):
+    ``expert_bias [E]`` (the balancing bias), ``last_load`` / ``total_load [E]`` (rows per logical expert
+    in the last call / summed over calls), ``last_slot_load`` / ``total_slot_load [num_slots]`` (per
+    physical slot), ``last_dropped`` (rows dropped for capacity), ``last_aux_loss`` (also ``aux_loss``).
+
+    Calling: ``layer(x, update_stats=True)`` with ``x [..., H]`` returns ``[..., H]`` in x's dtype: for
+    each token the gate-weighted sum of its experts' outputs, plus the shared expert's. Two ways:
+
+      * ``mesh=mesh``: from a plain ``jax.jit`` (or ``nnx.jit``) model with global arrays; the layer
+        enters ``shard_map`` itself (tokens sharded over ``batch_axes``, experts over ``axis_name``).
+      * ``mesh=None``: from inside your own ``shard_map`` body over (at least) ``axis_name`` (per-rank
+        view): x is this rank's tokens, and the expert weights you pass in must be this rank's shard
+        (``E / ep_size`` experts, ``PartitionSpec(axis_name)``), or all E of them (``PartitionSpec()``)
+        when the layer has a placement.
+
+    A leading ``[B, S]`` of x makes each sequence of S tokens one sequence of the aux loss; a 1-D token
+    list is one sequence per rank.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, routing: RouterConfig, *, rngs: nnx.Rngs,
+                 mesh: Mesh | None = None, axis_name: str = "ep", batch_axes: tuple[str, ...] | None = None,
+                 ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
+                 shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
+                 dtype=None, param_dtype=jnp.float32):
+        ep = EPOptions() if ep is None else ep
+        balancing = BalancingConfig() if balancing is None else balancing
+        for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
+                                  ("balancing", balancing, BalancingConfig)):
+            if not isinstance(value, kind):
+                raise ValueError(f"MoE: {name} must be a {kind.__module__}.{kind.__name__}, got {value!r}")
         if mesh is not None and axis_name not in mesh.axis_names:
             raise ValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        if gemm not in GEMM_BACKENDS:
+            raise ValueError(f"MoE: gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
-        self.num_experts, self.num_topk = num_experts, num_topk
+        self.routing, self.ep, self.balancing = routing, ep, balancing
         self.mesh, self.axis_name = mesh, axis_name
         # tokens are split over every mesh axis by default (data x ep); experts over the EP axis only
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
-        self.router_options = dict(score_func=score_func, num_groups=num_groups, topk_groups=topk_groups,
-                                   max_ranks_per_token=max_ranks_per_token,
-                                   routed_scaling_factor=routed_scaling_factor,
-                                   normalize_topk=normalize_topk)
-        gating.RouterConfig(num_experts, num_topk, **self.router_options)  # validate early
-        self.ep_options = dict(capacity=capacity, expert_alignment=expert_alignment,
-                               dispatch_dtype=dispatch_dtype, num_sms=num_sms, backend=backend,
-                               checked=checked)
-        self.bias_update_rate, self.aux_loss_alpha = bias_update_rate, aux_loss_alpha
-        from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
-        if gemm not in GEMM_BACKENDS:
-            raise ValueError(f"MoE: gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
         self.gemm = gemm
         self.dtype = None if dtype is None else jnp.dtype(dtype)
 
         self._set_placement_tables(placement)
 
+        num_experts = routing.num_experts
         init = nnx.initializers.lecun_normal()
         # Logical expert weights, sharded over the EP axis at rest. With a placement, each step gathers the
         # slots' weights from all of them: inside your own shard_map (mesh=None) pass them whole.
@@ -133,6 +203,16 @@ class MoE(nnx.Module):
         self._reset_slot_stats()
         self.last_dropped = ExpertLoad(jnp.zeros((), jnp.int32))
         self.last_aux_loss = ExpertLoad(jnp.zeros((), jnp.float32))
+
+    @property
+    def num_experts(self) -> int:
+        """E, the logical experts (``routing.num_experts``)."""
+        return self.routing.num_experts
+
+    @property
+    def num_topk(self) -> int:
+        """K, the experts each token picks (``routing.num_topk``)."""
+        return self.routing.num_topk
 
     # ---------------------------------------------------------------------------------------------
     # Placement
@@ -172,9 +252,8 @@ class MoE(nnx.Module):
         if placement.num_experts != self.num_experts:
             raise ValueError(f"MoE: the placement is for {placement.num_experts} experts, the layer has "
                              f"{self.num_experts}")
-        if self.mesh is not None and placement.num_ranks != self.mesh.shape[self.axis_name]:
-            raise ValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
-                             f"{self.axis_name!r} has {self.mesh.shape[self.axis_name]}")
+        if self.mesh is not None:
+            self._check_placement_ranks(placement, self.mesh.shape[self.axis_name])
         # replicated over the mesh, as a jitted step returns them: re-planning then does not recompile
         put = (lambda a: jnp.asarray(a, jnp.int32)) if self.mesh is None else (
             lambda a: jax.device_put(jnp.asarray(a, jnp.int32), NamedSharding(self.mesh, P())))
@@ -183,13 +262,20 @@ class MoE(nnx.Module):
         self.replica_counts = ExpertPlacement(put(placement.replica_counts))
         self.placement_ranks, self.slots_per_rank = placement.num_ranks, placement.slots_per_rank
 
+    def _check_placement_ranks(self, placement: eplb.Placement, ep_size: int) -> None:
+        """At construction with a mesh, else when the layer runs (inside the caller's shard_map)."""
+        if placement.num_ranks != ep_size:
+            raise ValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
+                             f"{self.axis_name!r} has {ep_size}")
+
     def _reset_slot_stats(self) -> None:
         self.last_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.int32))
         self.total_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.float32))
 
     # ---------------------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, update_stats: bool = True) -> jax.Array:
-        """x: [..., hidden] (global if the layer has a mesh, this rank's tokens otherwise)."""
+        """x: [..., hidden] (global if the layer has a mesh, this rank's tokens otherwise) -> [..., hidden]
+        in x's dtype. ``update_stats=False`` leaves the state (loads, bias, aux loss) untouched."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"MoE: x has hidden size {x.shape[-1]}, the layer expects {self.hidden}")
         lead = x.shape[:-1]
@@ -218,7 +304,7 @@ class MoE(nnx.Module):
 
     @property
     def aux_loss(self) -> jax.Array:
-        """Sequence-wise auxiliary balance loss of the last call (0 unless aux_loss_alpha > 0).
+        """Sequence-wise auxiliary balance loss of the last call (0 unless balancing.aux_loss_alpha > 0).
         Add it to the training loss to use it instead of (or with) bias balancing."""
         return self.last_aux_loss[...]
 
@@ -229,9 +315,9 @@ class MoE(nnx.Module):
         self.total_slot_load[...] = self.total_slot_load[...] + stats.slot_load.astype(jnp.float32)
         self.last_dropped[...] = stats.num_dropped
         self.last_aux_loss[...] = stats.aux_loss
-        if self.bias_update_rate:
-            self.expert_bias[...] = balancing.update_bias(
-                self.expert_bias[...], stats.expert_load.astype(jnp.float32), self.bias_update_rate)
+        if self.balancing.bias_update_rate:
+            self.expert_bias[...] = update_bias(self.expert_bias[...], stats.expert_load.astype(jnp.float32),
+                                                self.balancing.bias_update_rate)
 
     def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, *, seq_len):
         ep_size = lax.axis_size(self.axis_name)
@@ -244,9 +330,7 @@ class MoE(nnx.Module):
                                  f"with PartitionSpec({self.axis_name!r})")
         else:
             num_slots, local_slots = placement.num_slots, placement.slots_per_rank
-            if placement.num_ranks != ep_size:
-                raise ValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
-                                 f"{self.axis_name!r} has {ep_size}")
+            self._check_placement_ranks(placement, ep_size)
             if w_gate_up.shape[0] != self.num_experts:
                 raise ValueError(f"MoE: with a placement every rank needs all {self.num_experts} logical "
                                  f"experts' weights, got {w_gate_up.shape[0]}; inside your own shard_map "
@@ -256,23 +340,21 @@ class MoE(nnx.Module):
             slot_expert = lax.dynamic_slice_in_dim(placement.physical_to_logical, rank * local_slots,
                                                    local_slots)
             w_gate_up, w_down = w_gate_up[slot_expert], w_down[slot_expert]
-        ep_options = dict(self.ep_options)
-        if ep_options["expert_alignment"] is None:
-            w_in = jax.ShapeDtypeStruct((local_slots, *w_gate_up.shape[1:]), x.dtype)
-            align = preferred_alignment(jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in,
-                                        backend=self.gemm)
-            capacity = ep_options["capacity"]
-            ep_options["expert_alignment"] = align if capacity is None or capacity % align == 0 else 1
-        cfg = EPConfig(num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden,
-                       max_tokens_per_rank=x.shape[0], axis_name=self.axis_name, **ep_options)
+        w_in = jax.ShapeDtypeStruct((local_slots, *w_gate_up.shape[1:]), x.dtype)
+        cfg = self.ep.ep_config(
+            num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden, max_tokens_per_rank=x.shape[0],
+            axis_name=self.axis_name, preferred_alignment=preferred_alignment(
+                jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in, backend=self.gemm))
+        if self.routing.ep_size not in (1, ep_size):
+            raise ValueError(f"MoE: routing.ep_size={self.routing.ep_size}, but the mesh axis "
+                             f"{self.axis_name!r} has {ep_size} ranks; leave it at 1 (the layer sets it)")
         # ep_size only matters for the rank cap, which assumes the contiguous logical layout
-        capped = placement is None or self.router_options["max_ranks_per_token"] is not None
-        router_cfg = gating.RouterConfig(self.num_experts, self.num_topk, ep_size=ep_size if capped else 1,
-                                         **self.router_options)
+        capped = placement is None or self.routing.max_ranks_per_token is not None
+        router_cfg = dataclasses.replace(self.routing, ep_size=ep_size if capped else 1)
         # named scopes: the layer benchmark splits the step's device time by them (SCOPES)
         with jax.named_scope(SCOPES["router"]):
             logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
-            routing = gating.route(logits, router_cfg, lax.stop_gradient(bias))
+            routing = route(logits, router_cfg, lax.stop_gradient(bias))
             topk_idx = routing.topk_idx
             if placement is not None:
                 # global token ids, so the replica choice does not repeat on every token shard
@@ -301,9 +383,9 @@ class MoE(nnx.Module):
             placement.physical_to_logical].add(slot_load)
         dropped = lax.psum(d.num_dropped, self.batch_axes)
         aux = jnp.zeros((), jnp.float32)
-        if self.aux_loss_alpha:
-            aux = balancing.sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
-                                              self.aux_loss_alpha, sequence_length=seq_len)
+        if self.balancing.aux_loss_alpha:
+            aux = sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
+                                    self.balancing.aux_loss_alpha, sequence_length=seq_len)
             aux = lax.pmean(aux, self.batch_axes)
         return out, MoEStats(load, dropped, aux, slot_load)
 

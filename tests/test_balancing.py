@@ -9,13 +9,10 @@ import pytest
 from jax.test_util import check_grads
 
 from jax_ep.balancing import (
-    LoadStats,
-    accumulate_load,
+    BalancingConfig,
     expert_counts,
     gather_expert_counts,
     imbalance,
-    init_load_stats,
-    load_summary,
     sequence_aux_loss,
     update_bias,
 )
@@ -70,27 +67,12 @@ def test_imbalance_is_max_over_mean_and_guards_empty():
     np.testing.assert_allclose(imbalance(jnp.asarray(loads)), loads.max(-1) / loads.mean(-1), rtol=1e-6)
 
 
-def test_load_stats_accumulate():
-    rng = np.random.default_rng(4)
-    steps = rng.integers(0, 30, size=(5, 6)).astype(np.float32)
-    stats = init_load_stats(6)
-    assert isinstance(stats, LoadStats) and float(stats.num_steps) == 0
-    update = jax.jit(accumulate_load, static_argnums=2)
-    ema = None
-    for step in steps:
-        stats = update(stats, jnp.asarray(step), 0.9)
-        ema = step if ema is None else 0.9 * ema + 0.1 * step
-    np.testing.assert_array_equal(stats.last, steps[-1])
-    np.testing.assert_allclose(stats.total, steps.sum(0))
-    np.testing.assert_allclose(stats.ema, ema, rtol=1e-5)
-    assert float(stats.num_steps) == 5
-    summary = load_summary(stats)
-    totals = steps.sum(0)
-    np.testing.assert_allclose(summary["imbalance_total"], totals.max() / totals.mean(), rtol=1e-6)
-    with pytest.raises(ValueError, match="step_load.shape\\[-1\\]=5 does not match num_experts=6"):
-        accumulate_load(stats, jnp.ones(5))
-    with pytest.raises(ValueError, match="ema_decay must be in"):
-        accumulate_load(stats, jnp.ones(6), 1.0)
+def test_balancing_config_validates():
+    assert BalancingConfig() == BalancingConfig(0.0, 0) and hash(BalancingConfig(1e-3, 1e-4))
+    for field, bad in (("bias_update_rate", -1e-3), ("aux_loss_alpha", float("nan")),
+                       ("bias_update_rate", True), ("aux_loss_alpha", "0.1"), ("bias_update_rate", None)):
+        with pytest.raises(ValueError, match=f"BalancingConfig.{field} must be a finite number >= 0"):
+            BalancingConfig(**{field: bad})
 
 
 # ---------------------------------------------------------------------------------------------------------

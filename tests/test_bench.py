@@ -1,8 +1,14 @@
-"""The benchmark CLI runs on CPU virtual devices and writes the documented record format."""
+"""The benchmark CLI (python -m benchmarks) runs on CPU virtual devices and writes the documented record
+format."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
-from jax_ep import bench
+from benchmarks import ops as bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FIELDS = {"op", "backend", "dtype", "tokens_per_rank", "hidden", "topk", "num_experts", "ep_size",
           "us", "logical_gbps", "wire_gbps", "pct_of_peak", "num_sms", "device", "date"}
@@ -40,3 +46,13 @@ def test_layer_bench_writes_records(tmp_path):
         assert r["op"] == "moe_layer" and r["gemm"] == "ragged_dot"   # no Hopper GPU here
         assert r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["ep_size"] == 8
     assert records[1]["backend"] == "reference"
+
+
+def test_cli_help():
+    """`python -m benchmarks --help` from the repository root lists the op and the layer options."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--preset", "--tokens", "--backends", "--num-sms", "--profile", "--layer", "--layer-shapes",
+                 "--out"):
+        assert flag in out.stdout, flag

@@ -1,5 +1,5 @@
 """The runnable examples: examples/train_moe.py (2-D data x ep mesh, with and without bias balancing)
-writes sane metrics and a plot, and the demo CLI trains with falling loss.
+writes sane metrics and a plot, and the demo (examples/demo.py, `make demo`) trains with falling loss.
 
 Both run as subprocesses (each sets jax_num_cpu_devices before JAX starts, which this process cannot
 do again), started together so that their compilations overlap.
@@ -30,7 +30,7 @@ def finished(tmp_path_factory):
     commands = {
         "train_moe": [sys.executable, str(ROOT / "examples" / "train_moe.py"), *TRAIN_ARGS,
                       "--out", str(tmp / "out")],
-        "demo": [sys.executable, "-c", "from jax_ep.demo import main; main(['--steps', '6'])"],
+        "demo": [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "6"],
     }
     procs, logs = {}, {}
     try:

@@ -10,10 +10,12 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from models import LMConfig, MoETransformerLM, next_token_loss  # examples/models.py
 
-from jax_ep import balancing, eplb, gating
-from jax_ep.models import LMConfig, MoETransformerLM, next_token_loss
-from jax_ep.moe import MoE
+from jax_ep import KernelConfig, balancing, eplb, gating
+from jax_ep.balancing import BalancingConfig
+from jax_ep.gating import RouterConfig
+from jax_ep.moe import EPOptions, MoE
 
 HIDDEN, FFN, EXPERTS, TOPK = 16, 24, 8, 2
 
@@ -22,8 +24,7 @@ def dense_moe(layer: MoE, x):
     """The same layer without EP: every token runs its chosen experts on one device."""
     tokens = x.reshape(-1, HIDDEN)
     logits = tokens @ layer.router[...]
-    rcfg = gating.RouterConfig(EXPERTS, TOPK, **layer.router_options)
-    routing = gating.route(logits, rcfg, layer.expert_bias[...])
+    routing = gating.route(logits, layer.routing, layer.expert_bias[...])
     gate, up = jnp.split(jnp.einsum("th,ehf->tef", tokens, layer.w_gate_up[...]), 2, axis=2)
     y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, layer.w_down[...])    # [T, E, H]
     picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)      # [T, K, H]
@@ -33,8 +34,9 @@ def dense_moe(layer: MoE, x):
     return out.reshape(x.shape)
 
 
-def make_layer(mesh, seed=0, **kw):
-    return MoE(HIDDEN, FFN, EXPERTS, TOPK, rngs=nnx.Rngs(seed), mesh=mesh, backend="reference", **kw)
+def make_layer(mesh, seed=0, routing=None, ep=None, **kw):
+    return MoE(HIDDEN, FFN, RouterConfig(EXPERTS, TOPK, **(routing or {})), rngs=nnx.Rngs(seed), mesh=mesh,
+               ep=EPOptions(backend="reference", **(ep or {})), **kw)
 
 
 def random_tokens(seed, batch=8, seq=4):
@@ -55,7 +57,8 @@ def hot_expert_placement(num_ranks, slots_per_rank=3):
 @pytest.mark.parametrize("shared", [0, 8])
 def test_layer_matches_dense(shape, axes, shared):
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
-    layer = make_layer(mesh, shared_ffn_hidden=shared, score_func="sigmoid", num_groups=4, topk_groups=2)
+    layer = make_layer(mesh, shared_ffn_hidden=shared,
+                       routing=dict(score_func="sigmoid", num_groups=4, topk_groups=2))
     x = random_tokens(1)
     out = nnx.jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense_moe(layer, x)), rtol=2e-5, atol=2e-5)
@@ -125,7 +128,7 @@ def test_wrong_expert_shard_inside_shard_map_is_an_error():
 
 def test_bias_balancing_and_aux_loss_state():
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
-    layer = make_layer(mesh, bias_update_rate=0.01, aux_loss_alpha=0.1)
+    layer = make_layer(mesh, balancing=BalancingConfig(bias_update_rate=0.01, aux_loss_alpha=0.1))
     x = random_tokens(7)
     nnx.jit(lambda m, x: m(x))(layer, x)
     load = np.asarray(layer.last_load[...])
@@ -133,6 +136,62 @@ def test_bias_balancing_and_aux_loss_state():
     np.testing.assert_allclose(bias, 0.01 * np.sign(load.mean() - load))
     assert float(layer.aux_loss) > 0
     np.testing.assert_allclose(np.asarray(layer.total_load[...]), load)
+    # the loads of the calls add up; update_stats=False leaves every statistic and the bias alone
+    nnx.jit(lambda m, x: m(x))(layer, random_tokens(8))
+    second = np.asarray(layer.last_load[...])
+    np.testing.assert_allclose(np.asarray(layer.total_load[...]), load + second)
+    np.testing.assert_allclose(np.asarray(layer.expert_bias[...]),
+                               bias + 0.01 * np.sign(second.mean() - second), atol=1e-7)
+    stats = lambda: jax.tree.map(np.asarray, nnx.state(layer, nnx.Not(nnx.Param)))  # noqa: E731
+    before = stats()
+    nnx.jit(lambda m, x: m(x, update_stats=False))(layer, random_tokens(9))
+    jax.tree.map(np.testing.assert_array_equal, stats(), before)
+
+
+def test_layer_configuration():
+    """The layer takes its router, EP and balancing settings as configs that validate themselves; the
+    sizes it knows (experts, top-k, hidden, tokens, EP size) it does not take twice."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    for name, bad in (("routing", 8), ("ep", {"backend": "reference"}), ("balancing", 0.01)):
+        args = {"routing": RouterConfig(EXPERTS, TOPK), name: bad}
+        with pytest.raises(ValueError, match=f"MoE: {name} must be a jax_ep"):
+            MoE(HIDDEN, FFN, args.pop("routing"), rngs=nnx.Rngs(0), mesh=mesh, **args)
+    with pytest.raises(ValueError, match="EPConfig.backend must be one of"):
+        EPOptions(backend="nccl")
+    with pytest.raises(ValueError, match="EPConfig.capacity=100 must be a multiple of expert_alignment=64"):
+        EPOptions(capacity=100, expert_alignment=64)
+    with pytest.raises(ValueError, match="EPConfig.expert_alignment must be a positive int"):
+        EPOptions(expert_alignment=0)
+    with pytest.raises(ValueError, match="EPConfig.kernel must be a KernelConfig"):
+        EPOptions(kernel={"num_sms": 8})
+    with pytest.raises(ValueError, match="axis_name='model' is not an axis of the mesh"):
+        make_layer(mesh, axis_name="model")
+
+    # expert_alignment=None: the GEMM's preferred alignment where the capacity allows it
+    sizes = dict(num_experts=8, num_topk=2, hidden=16, max_tokens_per_rank=32, axis_name="ep")
+    kernel = KernelConfig(num_sms=8)
+    for options, align in ((EPOptions(), 64), (EPOptions(capacity=128), 64), (EPOptions(capacity=100), 1),
+                           (EPOptions(expert_alignment=8), 8), (EPOptions(kernel=kernel), 64)):
+        cfg = options.ep_config(**sizes, preferred_alignment=64)
+        assert cfg.expert_alignment == align and cfg.capacity == options.capacity
+        assert cfg.kernel == options.kernel and cfg.backend == "auto"
+    assert EPOptions().ep_config(**sizes).expert_alignment == 1
+
+    # RouterConfig.ep_size is the layer's EP size: 1 (the layer sets it) or that size
+    x = random_tokens(1)
+    out = nnx.jit(lambda m, x: m(x))(make_layer(mesh, routing=dict(ep_size=4)), x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(nnx.jit(lambda m, x: m(x))(make_layer(mesh), x)))
+    with pytest.raises(ValueError, match="routing.ep_size=2, but the mesh axis 'ep' has 4 ranks"):
+        make_layer(mesh, routing=dict(ep_size=2))(x)
+    # the rank cap uses the EP size the layer knows: every token reaches at most one rank
+    capped = make_layer(mesh, routing=dict(max_ranks_per_token=1))
+    nnx.jit(lambda m, x: m(x))(capped, x)
+    routing = gating.route(x.reshape(-1, HIDDEN) @ capped.router[...],
+                           RouterConfig(EXPERTS, TOPK, max_ranks_per_token=1, ep_size=4))
+    ranks = np.asarray(routing.topk_idx) // (EXPERTS // 4)
+    assert np.all(ranks == ranks[:, :1])
+    np.testing.assert_array_equal(np.asarray(capped.last_load[...]),
+                                  np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS)))
 
 
 def test_tiny_lm_trains():
@@ -162,7 +221,7 @@ def test_placement_replicas_receive_tokens_and_match_dense(shape, axes):
     p2l = np.asarray(placement.physical_to_logical)
     hot_slots = np.asarray(placement.logical_to_physical[HOT, :placement.replica_counts[HOT]])
     assert len(set((hot_slots // placement.slots_per_rank).tolist())) >= 2   # replicas on several ranks
-    layer = make_layer(mesh, placement=placement, score_func="sigmoid")
+    layer = make_layer(mesh, placement=placement, routing=dict(score_func="sigmoid"))
     layer.expert_bias[...] = jnp.zeros(EXPERTS).at[HOT].set(1.0)          # every token picks HOT
     x = random_tokens(1)
     out = nnx.jit(lambda m, x: m(x))(layer, x)
@@ -177,8 +236,7 @@ def test_placement_replicas_receive_tokens_and_match_dense(shape, axes):
     np.testing.assert_array_equal(load, np.bincount(p2l, weights=slot_load, minlength=EXPERTS))
     assert load[HOT] == num_tokens and load.sum() == num_tokens * TOPK
     # the logical loads are the router's choices, counted on one device
-    rcfg = gating.RouterConfig(EXPERTS, TOPK, **layer.router_options)
-    routing = gating.route(x.reshape(-1, HIDDEN) @ layer.router[...], rcfg, layer.expert_bias[...])
+    routing = gating.route(x.reshape(-1, HIDDEN) @ layer.router[...], layer.routing, layer.expert_bias[...])
     np.testing.assert_array_equal(load, np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS)))
     np.testing.assert_allclose(np.asarray(layer.total_slot_load[...]), slot_load)
     assert int(layer.last_dropped[...]) == 0

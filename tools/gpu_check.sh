@@ -7,7 +7,7 @@
 #      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
 #      PYTEST_ARGS  extra pytest arguments (e.g. "-k smoke -x")
 #      SKIP_TESTS=1 skips the GPU tests
-#      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m jax_ep.bench
+#      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,11 +82,11 @@ echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log
 "$PY" -c "from jax_ep import runtime; print('device faults:', runtime.faults())" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 
-if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f jax_ep/bench.py ]; then
-  step "benchmark: python -m jax_ep.bench --out $OUT/bench.json"
+if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f benchmarks/ops.py ]; then
+  step "benchmark: python -m benchmarks --out $OUT/bench.json"
   start=$SECONDS
   # shellcheck disable=SC2086
-  "$PY" -m jax_ep.bench --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  "$PY" -m benchmarks --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   bench_rc=$?
   tail -60 "$OUT/bench.log"
   echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
@@ -94,10 +94,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f jax_ep/bench.py ]; then
 fi
 
 if [ "${SKIP_LAYER:-0}" != 1 ]; then
-  step "layer benchmark: python -m jax_ep.bench --layer --profile --out $OUT/bench_layer.json"
+  step "layer benchmark: python -m benchmarks --layer --profile --out $OUT/bench_layer.json"
   start=$SECONDS
   # shellcheck disable=SC2086
-  "$PY" -m jax_ep.bench --layer --profile --out "$OUT/bench_layer.json" ${LAYER_ARGS:-} >"$OUT/bench_layer.log" 2>&1
+  "$PY" -m benchmarks --layer --profile --out "$OUT/bench_layer.json" ${LAYER_ARGS:-} >"$OUT/bench_layer.log" 2>&1
   layer_rc=$?
   tail -12 "$OUT/bench_layer.log"
   "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" || layer_rc=1

@@ -1,4 +1,4 @@
-"""Plot a jax_ep.bench JSON file: time per call vs tokens per rank for each backend, or, for a
+"""Plot a `python -m benchmarks` JSON file: time per call vs tokens per rank for each backend, or, for a
 ``--layer`` file (records with op "moe_layer"), the MoE layer step split into its parts next to the
 roofline.
 

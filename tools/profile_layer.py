@@ -1,5 +1,5 @@
 """Diagnose how a profiled MoE layer step's GPU events map to the layer's named scopes: per device-0
-line, the total time and the top events with their stats (what bench_layer.split_by_scope relies on).
+line, the total time and the top events with their stats (what benchmarks.layer.split_by_scope relies on).
 
     python tools/profile_layer.py [mid|deepseek|small]
 """
@@ -18,12 +18,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jax_ep import bench_layer, moe  # noqa: E402
+from benchmarks import layer as bench_layer  # noqa: E402
+from jax_ep import moe  # noqa: E402
+from jax_ep.gating import RouterConfig  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "mid"
 hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[name]
 mesh = Mesh(np.array(jax.devices()), ("ep",))
-layer = moe.MoE(hidden, ffn, experts, topk, rngs=nnx.Rngs(0), mesh=mesh, param_dtype=jnp.bfloat16)
+layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
+                param_dtype=jnp.bfloat16)
 x = jax.device_put(jax.random.normal(jax.random.key(1), (mesh.size * tokens, hidden), jnp.bfloat16),
                    NamedSharding(mesh, P("ep")))
 graphdef, params, rest = nnx.split(layer, nnx.Param, ...)

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.layer import best_of, expert_group_sizes  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
-from jax_ep.bench_layer import best_of, expert_group_sizes  # noqa: E402
 
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
 SHAPES = {

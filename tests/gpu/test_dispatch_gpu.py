@@ -302,14 +302,16 @@ def test_moe_training_step_matches_reference(cuda_backend, mesh):
     import optax
     from flax import nnx
 
-    from jax_ep.moe import MoE
+    from jax_ep.gating import RouterConfig
+    from jax_ep.moe import EPOptions, MoE
 
     hidden, ffn, experts, topk = 64, 96, 8, 2
     x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8, hidden)), jnp.float32)
     target = jnp.asarray(np.random.default_rng(1).standard_normal((16, 8, hidden)), jnp.float32)
     losses = {}
     for backend in ("reference", "cuda"):
-        layer = MoE(hidden, ffn, experts, topk, rngs=nnx.Rngs(0), mesh=mesh, backend=backend)
+        layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
+                    ep=EPOptions(backend=backend))
         optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
 
         @nnx.jit

@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep.gating import RouterConfig
 from jax_ep.gemm import explain, grouped_matmul
 from jax_ep.moe import MoE
 
@@ -110,8 +111,8 @@ def test_moe_layer_kernel_matches_ragged_dot():
                        NamedSharding(mesh, P("ep")))
 
     def step(gemm):
-        layer = MoE(hidden, ffn, experts, topk, rngs=nnx.Rngs(0), mesh=mesh, gemm=gemm,
-                               param_dtype=jnp.bfloat16)
+        layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh, gemm=gemm,
+                    param_dtype=jnp.bfloat16)
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def loss(params):

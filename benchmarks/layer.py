@@ -1,12 +1,12 @@
 """MoE layer benchmark: one jitted training step (forward + backward) of ``jax_ep.moe.MoE`` alone on all
 local devices, next to its roofline and to what a JAX user has today.
 
-    python -m jax_ep.bench --layer [--layer-shapes deepseek,mid] [--out bench_layer.json]
+    python -m benchmarks --layer [--layer-shapes deepseek,mid] [--out bench_layer.json]
 
 For each layer shape, two configurations, measured in the same run:
-  * ``jax_ep``: the defaults (``backend="auto"``, ``gemm="auto"``): Hopper grouped GEMM kernels, and the
-    EP kernels wherever they measured faster than the reference;
-  * ``plain_jax``: ``backend="reference"`` (dense ``lax.all_to_all``) + ``gemm="ragged_dot"``
+  * ``jax_ep``: the defaults (``EPOptions(backend="auto")``, ``gemm="auto"``): Hopper grouped GEMM
+    kernels, and the EP kernels wherever they measured faster than the reference;
+  * ``plain_jax``: ``EPOptions(backend="reference")`` (dense ``lax.all_to_all``) + ``gemm="ragged_dot"``
     (``lax.ragged_dot``), what the layer did before jax_ep had a grouped GEMM.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import moe
 from jax_ep.config import EPConfig
+from jax_ep.gating import RouterConfig
 
 LAYER_PRESETS = {
     # name: (hidden, ffn_hidden, experts, top-k, tokens per rank)
@@ -165,8 +166,9 @@ def split_by_scope(step, args, iters: int) -> dict[str, float] | None:
 def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool) -> dict:
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
-    layer = moe.MoE(hidden, ffn, experts, topk, rngs=nnx.Rngs(0), mesh=mesh, param_dtype=jnp.bfloat16,
-                    **CONFIGS[config])
+    layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
+                    ep=moe.EPOptions(backend=CONFIGS[config]["backend"]), gemm=CONFIGS[config]["gemm"],
+                    param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)

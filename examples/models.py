@@ -1,4 +1,5 @@
-"""A small decoder-only language model with MoE FFN layers (used by the demo and the examples)."""
+"""A small decoder-only language model with MoE FFN layers (used by examples/demo.py, examples/train_moe.py
+and the tests; import it with examples/ on sys.path, as those scripts have)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jax_ep.moe import MoE
+from jax_ep.balancing import BalancingConfig
+from jax_ep.gating import RouterConfig
+from jax_ep.moe import EPOptions, MoE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +44,12 @@ class Block(nnx.Module):
         self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.hidden, decode=False, use_bias=False,
                                            rngs=rngs)
         self.ffn_norm = nnx.RMSNorm(cfg.hidden, rngs=rngs)
-        self.moe = MoE(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.num_topk, rngs=rngs, mesh=mesh,
-                       axis_name=axis_name, score_func=cfg.score_func, num_groups=cfg.num_groups,
-                       topk_groups=cfg.topk_groups, shared_ffn_hidden=cfg.shared_ffn_hidden,
-                       bias_update_rate=cfg.bias_update_rate, aux_loss_alpha=cfg.aux_loss_alpha,
-                       backend=cfg.backend, dispatch_dtype=cfg.dispatch_dtype, dtype=cfg.moe_dtype)
+        routing = RouterConfig(cfg.num_experts, cfg.num_topk, score_func=cfg.score_func,
+                               num_groups=cfg.num_groups, topk_groups=cfg.topk_groups)
+        self.moe = MoE(cfg.hidden, cfg.ffn_hidden, routing, rngs=rngs, mesh=mesh, axis_name=axis_name,
+                       ep=EPOptions(backend=cfg.backend, dispatch_dtype=cfg.dispatch_dtype),
+                       balancing=BalancingConfig(cfg.bias_update_rate, cfg.aux_loss_alpha),
+                       shared_ffn_hidden=cfg.shared_ffn_hidden, dtype=cfg.moe_dtype)
 
     def __call__(self, x, mask):
         x = x + self.attn(self.attn_norm(x), mask=mask)

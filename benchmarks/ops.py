@@ -1,8 +1,8 @@
 """Time dispatch and combine on the available devices, for every backend present; with ``--layer``, the
-MoE layer's training step (``jax_ep.bench_layer``).
+MoE layer's training step (``benchmarks.layer``). Run from the repository root:
 
-    python -m jax_ep.bench [--preset auto|small|deepseek|sparse] [--tokens 128,4096] [--out bench.json]
-    python -m jax_ep.bench --layer [--layer-shapes mid,deepseek] [--profile] [--out bench_layer.json]
+    python -m benchmarks [--preset auto|small|deepseek|sparse] [--tokens 128,4096] [--out bench.json]
+    python -m benchmarks --layer [--layer-shapes mid,deepseek] [--profile] [--out bench_layer.json]
 
 Backends: ``reference`` (pure JAX, dense lax.all_to_all), ``ragged`` (MaxText-style
 lax.ragged_all_to_all, where the platform implements it), ``cuda`` (jax_ep's kernels, where built).
@@ -27,17 +27,16 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jax_ep import baselines, bench_layer, reference  # noqa: E402
-from jax_ep.config import EPConfig  # noqa: E402
-from jax_ep.ops import backend_for, combine, dispatch  # noqa: E402
+from benchmarks import baselines
+from benchmarks import layer as bench_layer
+from jax_ep import reference
+from jax_ep.config import EPConfig, KernelConfig
+from jax_ep.ops import combine, dispatch, implementation
 
 PRESETS = {
     # name: (tokens per rank, hidden, top-k, experts)
@@ -134,8 +133,21 @@ def _backends(requested: list[str], platform: str) -> list[str]:
     return usable
 
 
+def use_virtual_cpu_devices(count: int = 8) -> None:
+    """Gives the CPU backend `count` virtual devices (a GPU, if present, stays the default backend).
+
+    Call it before the first device query; afterwards (JAX already running, e.g. under pytest) the
+    devices stay as they are."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # backends already initialised
+        pass
+
+
 def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,
-                profile=False, num_sms=None):
+                profile=False, kernel: KernelConfig | None = None):
+    """Records of dispatch and combine at one shape. ``kernel``: the CUDA kernels' configuration
+    (default: EPConfig's); ``num_sms`` in the records is its SM count when the CUDA dispatch ran."""
     ep_size = mesh.size
     n = tokens * ep_size
     x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
@@ -160,25 +172,32 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         num_sms = None
     else:
         cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
-                       backend=backend, dispatch_dtype=dtype,
-                       **({} if num_sms is None else {"num_sms": num_sms}))
-        # every output array of dispatch (scalars as [1]), so no part of the op is dead code
-        d_fn = jax.shard_map(lambda x, i, w: [a.reshape(-1) if a.ndim == 0 else a
-                                              for a in jax.tree.leaves(dispatch(x, i, w, cfg))],
-                             mesh=mesh, in_specs=spec, out_specs=spec)
+                       backend=backend, dispatch_dtype=dtype, kernel=kernel or KernelConfig())
+        dispatch_impl = []   # the module that ran dispatch, noted when d_fn is traced (inside shard_map)
+
+        def dispatch_outputs(x, i, w):
+            dispatch_impl.append(implementation("dispatch", cfg, x.dtype).__module__)
+            # every output array of dispatch (scalars as [1]), so no part of the op is dead code
+            return [a.reshape(-1) if a.ndim == 0 else a for a in jax.tree.leaves(dispatch(x, i, w, cfg))]
+
+        d_fn = jax.shard_map(dispatch_outputs, mesh=mesh, in_specs=spec, out_specs=spec)
         t_dispatch = _time_calls(d_fn, (x, idx_dev, w_dev), iters, repeats)
         # combine is timed alone on a dispatched handle and bf16 expert outputs
         bf16_cfg = cfg.replace(dispatch_dtype="bfloat16")
-        make = jax.jit(jax.shard_map(lambda x, i, w: dispatch(x, i, w, bf16_cfg)[::6], mesh=mesh,
-                                     in_specs=spec, out_specs=spec))
-        rows, handle = make(x, idx_dev, w_dev)  # Dispatched fields 0 and 6: x and handle
+
+        def rows_and_handle(x, i, w):
+            d = dispatch(x, i, w, bf16_cfg)
+            return d.x, d.handle
+
+        make = jax.jit(jax.shard_map(rows_and_handle, mesh=mesh, in_specs=spec, out_specs=spec))
+        rows, handle = make(x, idx_dev, w_dev)
         c_fn = jax.shard_map(lambda y, h: combine(y, h, bf16_cfg), mesh=mesh, in_specs=spec, out_specs=spec)
         t_combine = _time_calls(c_fn, (rows, handle), iters, repeats)
         d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
-        num_sms = cfg.num_sms if backend_for(cfg, "dispatch").__module__.endswith("cuda_backend") else None
+        num_sms = cfg.kernel.num_sms if dispatch_impl[-1].endswith("cuda_backend") else None
     # bytes, from the routing actually used (host-side layout of every rank)
-    per_rank_layout = [np.asarray(reference.layout(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
-                                                   experts, ep_size).num_tokens_per_rank)
+    per_rank_layout = [np.asarray(reference.layout_of(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
+                                                      experts, ep_size).num_tokens_per_rank)
                        for r in range(ep_size)]
     pairs = np.mean([lay.sum() for lay in per_rank_layout])
     remote = np.mean([lay.sum() - lay[r] for r, lay in enumerate(per_rank_layout)])
@@ -200,7 +219,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="auto", choices=["auto", *PRESETS])
     parser.add_argument("--tokens", default=None, help="comma-separated tokens per rank (overrides preset)")
@@ -213,15 +232,16 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench.json")
     parser.add_argument("--num-sms", default=None,
-                        help="comma-separated SM counts for the cuda kernels (default: EPConfig's)")
+                        help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's device time per call (GPU, jax.profiler)")
     parser.add_argument("--layer", action="store_true",
-                        help="time the MoE layer's training step instead of the ops (jax_ep.bench_layer)")
+                        help="time the MoE layer's training step instead of the ops (benchmarks.layer)")
     parser.add_argument("--layer-shapes", default=None,
                         help=f"comma-separated layer presets {sorted(bench_layer.LAYER_PRESETS)} "
                              "(default: mid,deepseek on GPUs, small on CPU)")
     args = parser.parse_args(argv)
+    use_virtual_cpu_devices()
     if args.layer:
         records = bench_layer.main(args)
         with open(args.out, "w") as f:
@@ -250,13 +270,13 @@ def main(argv=None) -> list[dict]:
         for dtype in args.dtypes.split(","):
             if backend == "ragged" and dtype != "bfloat16":
                 continue
-            sm_counts = [None]
+            kernels = [None]
             if backend == "cuda" and args.num_sms:
-                sm_counts = [int(n) for n in args.num_sms.split(",")]
-            for (tokens, hidden, topk, experts), num_sms in itertools.product(shapes, sm_counts):
+                kernels = [KernelConfig(num_sms=int(n)) for n in args.num_sms.split(",")]
+            for (tokens, hidden, topk, experts), kernel in itertools.product(shapes, kernels):
                 try:
                     recs = bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts,
-                                       args.iters, args.repeats, rng, args.profile, num_sms)
+                                       args.iters, args.repeats, rng, args.profile, kernel)
                 except Exception as e:  # one failing backend must not hide the others' numbers
                     print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
                     continue

@@ -1,6 +1,6 @@
-"""Train a tiny MoE language model with expert parallelism on whatever devices exist.
+"""Train a tiny MoE language model with expert parallelism on whatever devices exist (`make demo`).
 
-    python -m jax_ep.demo [--steps 40] [--backend auto]
+    python examples/demo.py [--steps 40] [--backend auto]
 
 Without a GPU it runs on 8 virtual CPU devices. Prints the loss, tokens/s and the share of the step
 time spent in dispatch/combine.
@@ -12,20 +12,26 @@ import argparse
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype
 
-# Must happen before the first device query: gives the CPU backend 8 virtual devices (a GPU, if
-# present, stays the default backend).
-jax.config.update("jax_num_cpu_devices", 8)
+from jax_ep.balancing import imbalance
+from jax_ep.config import EPConfig
+from jax_ep.ops import combine, dispatch
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_ep.balancing import imbalance  # noqa: E402
-from jax_ep.config import EPConfig  # noqa: E402
-from jax_ep.models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype  # noqa: E402
-from jax_ep.ops import combine, dispatch  # noqa: E402
+def use_virtual_cpu_devices(count: int = 8) -> None:
+    """Gives the CPU backend `count` virtual devices (a GPU, if present, stays the default backend).
+
+    Call it before the first device query; afterwards (JAX already running, e.g. under pytest) the
+    devices stay as they are."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # backends already initialised
+        pass
 
 
 def median_time(fn, *args, repeats: int = 5) -> float:
@@ -78,6 +84,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
 
+    use_virtual_cpu_devices()
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("ep",))
     if args.batch % len(devices):

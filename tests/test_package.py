@@ -1,0 +1,61 @@
+"""The library's boundary: importing jax_ep (every module of it) never reconfigures JAX, and the
+benchmarks, demo and example models live outside it."""
+
+import json
+import os
+import pathlib
+import pkgutil
+import subprocess
+import sys
+
+import jax_ep
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs in a fresh interpreter, before any JAX backend starts (where a jax.config.update would still take
+# effect silently): snapshot JAX's configuration and the environment, import every jax_ep module, compare.
+# The environment is snapshot after importing the libraries jax_ep imports: JAX's Mosaic GPU sets
+# MOSAIC_GPU_CUDA_ROOT when it is imported (jax/experimental/mosaic/gpu/core.py), which is not jax_ep's doing.
+_IMPORT_ALL = """
+import importlib, json, os, pkgutil, sys
+import jax
+
+def snapshot():
+    return {name: repr(value) for name, value in jax.config.values.items()}
+
+before_config = snapshot()
+import flax.nnx, jax.experimental.pallas.mosaic_gpu
+before_env = dict(os.environ)
+import jax_ep
+modules = ["jax_ep"] + [m.name for m in pkgutil.walk_packages(jax_ep.__path__, "jax_ep.")]
+for name in modules:
+    importlib.import_module(name)
+after_config = snapshot()
+changed = {k: (v, after_config[k]) for k, v in before_config.items() if after_config.get(k) != v}
+env_changed = sorted(k for k in set(before_env) | set(os.environ) if before_env.get(k) != os.environ.get(k))
+print(json.dumps({"modules": modules, "config": changed, "env": env_changed,
+                  "xla_flags": [before_env.get("XLA_FLAGS"), os.environ.get("XLA_FLAGS")]}))
+"""
+
+
+def test_importing_jax_ep_does_not_reconfigure_jax():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ALL], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"jax_ep.moe", "jax_ep.ops", "jax_ep.gemm", "jax_ep.runtime"} <= set(result["modules"])
+    assert result["config"] == {}, result["config"]
+    assert result["xla_flags"][0] == result["xla_flags"][1]
+    assert result["env"] == [], result["env"]
+
+
+def test_library_holds_no_benchmark_or_demo():
+    """The benchmark is the top-level `benchmarks` package, the demo and models are examples."""
+    names = {m.name for m in pkgutil.iter_modules(jax_ep.__path__)}
+    assert not names & {"bench", "bench_layer", "baselines", "demo", "models"}, names
+    assert {"ops", "moe", "gating", "balancing", "eplb", "gemm", "gemm_mgpu", "vma"} <= names
+    for path in ("benchmarks/__main__.py", "benchmarks/ops.py", "benchmarks/layer.py",
+                 "benchmarks/baselines.py", "examples/demo.py", "examples/models.py"):
+        assert (ROOT / path).is_file(), path
