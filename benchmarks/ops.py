@@ -36,6 +36,7 @@ from benchmarks import baselines
 from benchmarks import layer as bench_layer
 from jax_ep import reference
 from jax_ep.config import EPConfig, KernelConfig
+from jax_ep.devices import use_virtual_cpu_devices
 from jax_ep.ops import combine, dispatch, implementation
 
 PRESETS = {
@@ -131,17 +132,6 @@ def _backends(requested: list[str], platform: str) -> list[str]:
                 continue
         usable.append(name)
     return usable
-
-
-def use_virtual_cpu_devices(count: int = 8) -> None:
-    """Gives the CPU backend `count` virtual devices (a GPU, if present, stays the default backend).
-
-    Call it before the first device query; afterwards (JAX already running, e.g. under pytest) the
-    devices stay as they are."""
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # backends already initialised
-        pass
 
 
 def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,

@@ -20,18 +20,8 @@ from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtyp
 
 from jax_ep.balancing import imbalance
 from jax_ep.config import EPConfig
+from jax_ep.devices import use_virtual_cpu_devices
 from jax_ep.ops import combine, dispatch
-
-
-def use_virtual_cpu_devices(count: int = 8) -> None:
-    """Gives the CPU backend `count` virtual devices (a GPU, if present, stays the default backend).
-
-    Call it before the first device query; afterwards (JAX already running, e.g. under pytest) the
-    devices stay as they are."""
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # backends already initialised
-        pass
 
 
 def median_time(fn, *args, repeats: int = 5) -> float:

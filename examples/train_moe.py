@@ -25,12 +25,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from demo import communication_time, use_virtual_cpu_devices
+from demo import communication_time
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype
 
 from jax_ep.balancing import imbalance
+from jax_ep.devices import use_virtual_cpu_devices
 
 RUNS = {"no_balancing": "without balancing", "bias_balancing": "with bias balancing"}
 SHORT = {"no_balancing": "no balancing", "bias_balancing": "bias balancing"}
