@@ -186,6 +186,18 @@ ffi::ErrorOr<std::unique_ptr<OpState>> DataOpInstantiate(EPAttrs attrs) {
   return MakeState(kOp, attrs, layout);
 }
 
+// The buffer the call site reserved at instantiation is still there (a shutdown in between frees it;
+// then the runtime reports 0 bytes).
+ffi::Error CheckBuffer(const char* op, const OpState& state) {
+  const uint64_t have = state.runtime->CommBytes();
+  if (state.layout.total > have) {
+    return ffi::Error::Internal(std::string(op) + ": needs " + std::to_string(state.layout.total) +
+                                " bytes of communication buffer, the runtime has " +
+                                std::to_string(have));
+  }
+  return ffi::Error::Success();
+}
+
 // The launch fields every data op shares, from its state and the device it runs on.
 ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& state,
                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
@@ -200,11 +212,7 @@ ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& s
                                 " is not managed by the jax_ep runtime (it was shut down, or JAX "
                                 "runs this executable on a GPU it was not given)");
   }
-  if (state.layout.total > runtime.CommBytes()) {
-    return ffi::Error::Internal(std::string(op) + ": needs " + std::to_string(state.layout.total) +
-                                " bytes of communication buffer, the runtime has " +
-                                std::to_string(runtime.CommBytes()));
-  }
+  if (ffi::Error error = CheckBuffer(op, state); !error.success()) return error;
   const int sms = runtime.SmCount(device_ordinal);
   if (sms < 2) {
     return ffi::Error::Internal(std::string(op) + ": unknown SM count of GPU " +
@@ -301,12 +309,8 @@ ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
   if (ffi::Error error = ResolveGroup(device_ordinal, *state, kOp, &group); !error.success()) {
     return error;
   }
+  if (ffi::Error error = CheckBuffer(kOp, *state); !error.success()) return error;
   const Runtime& runtime = *state->runtime;
-  if (state->layout.total > runtime.CommBytes()) {
-    return ffi::Error::Internal(std::string(kOp) + ": needs " + std::to_string(state->layout.total) +
-                                " bytes of communication buffer, the runtime has " +
-                                std::to_string(runtime.CommBytes()));
-  }
   const cudaError_t status =
       launch_peer_smoke(runtime.State(device_ordinal), group, tag.typed_data(), n,
                         received->typed_data(), epochs->typed_data(), stream);
