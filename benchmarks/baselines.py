@@ -1,9 +1,14 @@
-"""What a JAX user writes today without jax_ep: a MaxText-style dispatch/combine on
-``jax.lax.ragged_all_to_all``. Used by the benchmark as a baseline; it is not part of the API.
+"""What a JAX user writes today without jax_ep. Used by the benchmark as baselines; not part of the API.
+Every function is a per-rank view, called inside ``shard_map`` over the EP axis.
 
-Per rank: expand every (token, top-k slot) pair, sort the pairs by expert, exchange the per-rank
-chunks with ``ragged_all_to_all``, then sort what arrived by local expert. Combine undoes it.
-``ragged_all_to_all`` has no XLA:CPU implementation, so this runs on GPU only.
+``ragged_dispatch`` / ``ragged_combine`` (backend ``ragged``): MaxText style, on
+``jax.lax.ragged_all_to_all``. Per rank: expand every (token, top-k slot) pair, sort the pairs by expert,
+exchange the per-rank chunks with ``ragged_all_to_all``, then sort what arrived by local expert
+(expert-major rows). Combine undoes it. ``ragged_all_to_all`` has no XLA:CPU implementation, so this
+runs on GPU only.
+
+``dense_dispatch`` / ``dense_combine`` (backend ``dense``): one dense ``lax.all_to_all`` of
+capacity-T blocks, rank-major rows (DeepEP V1's normal-mode output layout). Runs everywhere.
 """
 
 from __future__ import annotations
@@ -76,3 +81,84 @@ def ragged_combine(y, handle: RaggedHandle, axis_name: str):
     pairs = jnp.zeros_like(returned).at[handle.order].set(returned).reshape(tokens, topk, -1)
     weighted = pairs.astype(jnp.float32) * handle.weights[:, :, None]
     return jnp.sum(weighted, axis=1).astype(y.dtype)
+
+
+class DenseHandle(NamedTuple):
+    token_slot: jax.Array       # [T, R] row of token t in the block it sent to rank r, -1 if not sent
+
+
+class DenseDispatched(NamedTuple):
+    """Rank-major receive buffer of ``dense_dispatch``: block s (rows s·T … s·T+T-1) holds, packed at its
+    start, the tokens of source rank s that picked any expert on this rank, in source-token order;
+    rows past ``recv_counts[s]`` are zero and carry expert id -1 and weight 0."""
+
+    x: jax.Array                # [R*T, H] rows (the wire dtype: x's, bfloat16, or float8_e4m3fn)
+    scales: jax.Array | None    # [R*T, ceil(H/128)] float32 for FP8 rows, else None
+    local_experts: jax.Array    # [R*T, K] int32 the row's top-k ids on this rank (local ids), -1 elsewhere
+    weights: jax.Array          # [R*T, K] float32 the matching gate weights, 0 elsewhere
+    recv_counts: jax.Array      # [R] int32 rows received from each source rank
+    handle: DenseHandle
+
+
+def _take_rows(table, index):
+    """table[index] along axis 0, zeros where index < 0."""
+    safe = jnp.where(index >= 0, index, table.shape[0])
+    return jnp.take(table, safe, axis=0, mode="fill", fill_value=0)
+
+
+def dense_dispatch(x, topk_idx, topk_weights, num_experts: int, axis_name: str,
+                   dtype: str | None = None) -> DenseDispatched:
+    """Send each token once to every rank holding one of its experts, with its top-k ids and weights
+    on that rank. ``topk_idx``: [T, K] distinct expert ids per token (what a top-k router gives), -1 for
+    an unused slot. Capacity is T rows per (source, destination) pair, so nothing is ever dropped.
+    ``dtype``: the rows' dtype on the wire (None: x's); ``"float8_e4m3fn"`` quantises at the source
+    (jax_ep's per-token, per-128-channel rule, float32 scales)."""
+    from jax_ep.reference import quantize_fp8  # the same FP8 rounding as the other backends
+
+    ep_size = lax.axis_size(axis_name)
+    local = num_experts // ep_size
+    tokens, _ = topk_idx.shape
+    dest = jnp.where(topk_idx >= 0, topk_idx // local, -1)                      # [T, K]
+    on_rank = dest[None] == jnp.arange(ep_size)[:, None, None]                  # [R, T, K]
+    to_rank = jnp.any(on_rank, axis=2)                                          # [R, T]
+    to_rank_i = to_rank.astype(jnp.int32)
+    slot = jnp.cumsum(to_rank_i, axis=1) - to_rank_i                            # packed row, per rank
+    send_counts = jnp.sum(to_rank_i, axis=1)                                    # [R]
+    send_token = jnp.full((ep_size, tokens), -1, jnp.int32).at[
+        jnp.arange(ep_size)[:, None], jnp.where(to_rank, slot, tokens)].set(
+        jnp.arange(tokens, dtype=jnp.int32)[None], mode="drop")                 # [R, T] token per row
+
+    if dtype == "float8_e4m3fn":
+        payload, scales = quantize_fp8(x)
+    else:
+        payload, scales = (x if dtype is None else x.astype(dtype)), None
+    experts = jnp.where(on_rank, topk_idx % local, -1)                          # [R, T, K]
+    weights = jnp.where(on_rank, topk_weights.astype(jnp.float32)[None], 0.0)
+    safe = jnp.where(send_token >= 0, send_token, 0)[:, :, None]
+    sent = send_token[:, :, None] >= 0
+
+    def exchange(a):
+        return lax.all_to_all(a, axis_name, 0, 0, tiled=True).reshape(ep_size * tokens, *a.shape[2:])
+
+    rows = exchange(_take_rows(payload, send_token.reshape(-1)).reshape(ep_size, tokens, -1))
+    row_scales = None
+    if scales is not None:
+        row_scales = exchange(_take_rows(scales, send_token.reshape(-1)).reshape(ep_size, tokens, -1))
+    row_experts = exchange(jnp.where(sent, jnp.take_along_axis(experts, safe, axis=1), -1))
+    row_weights = exchange(jnp.where(sent, jnp.take_along_axis(weights, safe, axis=1), 0.0))
+    recv_counts = lax.all_to_all(send_counts, axis_name, 0, 0, tiled=True)
+    handle = DenseHandle(jnp.where(to_rank, slot, -1).T.astype(jnp.int32))
+    return DenseDispatched(rows, row_scales, row_experts, row_weights, recv_counts, handle)
+
+
+def dense_combine(y, handle: DenseHandle, axis_name: str):
+    """``y``: [R*T, H], row j of block s the already gate-weighted sum of this rank's experts for that
+    receive row (what comes back to source s). The reverse ``all_to_all``, then each source sums, in
+    float32 and in rank order, its token's rows; rows nobody sent are never read."""
+    ep_size = lax.axis_size(axis_name)
+    tokens = handle.token_slot.shape[0]
+    back = lax.all_to_all(y.reshape(ep_size, tokens, -1), axis_name, 0, 0, tiled=True)
+    total = jnp.zeros((tokens, y.shape[-1]), jnp.float32)
+    for r in range(ep_size):
+        total = total + _take_rows(back[r], handle.token_slot[:, r]).astype(jnp.float32)
+    return total.astype(y.dtype)

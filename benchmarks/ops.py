@@ -1,14 +1,24 @@
 """Time dispatch and combine on the available devices, for every backend present; with ``--layer``, the
 MoE layer's training step (``benchmarks.layer``). Run from the repository root:
 
-    python -m benchmarks [--preset auto|small|deepseek|sparse] [--tokens 128,4096] [--out bench.json]
+    python -m benchmarks [--preset auto|small|deepseek|sparse[,...]] [--tokens 128,4096] [--out bench.json]
+    python -m benchmarks --preset deepseek,sparse --tokens 128,512,2048,4096,8192   # a tokens sweep
     python -m benchmarks --layer [--layer-shapes mid,deepseek] [--profile] [--out bench_layer.json]
 
-Backends: ``reference`` (pure JAX, dense lax.all_to_all), ``ragged`` (MaxText-style
-lax.ragged_all_to_all, where the platform implements it), ``cuda`` (jax_ep's kernels, where built).
-Each time is the median over ``--repeats`` chains of ``--iters`` back-to-back jitted calls, per call;
-each call returns its whole output (nothing dropped, nothing copied). ``--profile`` adds the device
-time of every kernel per call on GPU 0, from a jax.profiler trace.
+Backends (``layout``: the order of the receive rows):
+  reference  jax_ep's pure-JAX path: dense lax.all_to_all, then expansion into expert-major rows
+  dense      the plain-JAX baseline (benchmarks.baselines): dense lax.all_to_all of rank-major rows
+             (capacity T per rank pair), combine = the reverse all_to_all and a sum per token
+  ragged     the MaxText-style lax.ragged_all_to_all baseline, expert-major (where the platform has it)
+  cuda       jax_ep's kernels, expert-major (where built)
+``--tokens`` replaces the tokens per rank of every preset shape. Each time is the median over
+``--repeats`` chains of ``--iters`` back-to-back jitted calls, per call; each call returns its whole
+output (nothing dropped, nothing copied). ``--profile`` adds the device time of every kernel per call
+on GPU 0, from a jax.profiler trace (``kernels_us``; their sum is ``device_us``).
+
+When the DeepSeek-V3 shape (4096 tokens per rank, hidden 7168, top-8, 256 experts) is in the run, the
+table and the records also carry DeepEP V1's published figures for it (2x H200, 24 SMs), with
+``measured: false``: they come from the design notes, not from this run.
 
 Bytes: ``logical`` counts one copy of each token's row per destination rank (self included) — what the
 op delivers; ``wire`` counts only the copies that leave the rank (what must cross NVLink). Both are
@@ -46,6 +56,14 @@ PRESETS = {
     "sparse": [(4096, 7168, 2, 8)],
 }
 BYTES = {"bfloat16": 2, "float8_e4m3fn": 1}
+LAYOUTS = {"reference": "expert_major", "cuda": "expert_major", "ragged": "expert_major",
+           "dense": "rank_major"}
+DEEPSEEK_V3 = PRESETS["deepseek"][0]
+# DeepEP V1 normal mode at the DeepSeek-V3 shape, 2x H200, 24 SMs (PyTorch), from ../shared/design.md
+# ("Targets measured on the same machine kind"): not measured by this benchmark.
+DEEPEP_V1 = {("dispatch", "bfloat16"): 343.0, ("dispatch", "float8_e4m3fn"): 244.0,
+             ("combine", "bfloat16"): 400.0}
+PUBLISHED_BACKEND = "deepep_v1 (published)"
 
 
 def _routing(rng, n, experts, topk):
@@ -118,6 +136,43 @@ def measure_copy_peak(devices, nbytes: int = 1 << 30) -> float | None:
     return nbytes / float(np.median(times)) / 1e9
 
 
+def resolve_shapes(preset: str, platform: str, tokens: str | None = None, hidden: int | None = None,
+                   topk: int | None = None, experts: int | None = None) -> list[tuple[int, int, int, int]]:
+    """The (tokens per rank, hidden, top-k, experts) shapes of a run. ``preset``: "auto" (small on CPU,
+    deepseek and sparse on GPUs) or comma-separated preset names; ``tokens`` (comma-separated) replaces
+    the tokens of every preset shape; hidden/topk/experts override theirs. Duplicates are run once."""
+    if preset == "auto":
+        names = ["small"] if platform == "cpu" else ["deepseek", "sparse"]
+    else:
+        names = preset.split(",")
+        unknown = [n for n in names if n not in PRESETS]
+        if unknown:
+            raise ValueError(f"unknown preset(s) {unknown}; choose from {sorted(PRESETS)} or auto")
+    shapes = [shape for name in names for shape in PRESETS[name]]
+    if tokens:
+        shapes = [(int(t), h, k, e) for _, h, k, e in shapes for t in tokens.split(",")]
+    shapes = [(t, hidden or h, topk or k, experts or e) for t, h, k, e in shapes]
+    return list(dict.fromkeys(shapes))
+
+
+def published_records(shapes, dtypes) -> list[dict]:
+    """DeepEP V1's published figures (``measured: false``) for the DeepSeek-V3 shape, when in ``shapes``."""
+    if DEEPSEEK_V3 not in shapes:
+        return []
+    tokens, hidden, topk, experts = DEEPSEEK_V3
+    records = []  # device_us: DeepEP's own tests time the kernels on the device
+    for (op, dtype), us in DEEPEP_V1.items():
+        if op == "dispatch" and dtype not in dtypes:
+            continue
+        records.append(dict(op=op, backend=PUBLISHED_BACKEND, layout="rank_major", dtype=dtype,
+                            tokens_per_rank=tokens, hidden=hidden, topk=topk, num_experts=experts,
+                            ep_size=2, us=us, device_us=us, logical_gbps=None, wire_gbps=None, num_sms=24,
+                            device="2x H200 (DeepEP V1, PyTorch)", date=None, peer_copy_gbps=None,
+                            pct_of_peak=None, measured=False,
+                            source="../shared/design.md: targets measured on 2x H200, not by this run"))
+    return records
+
+
 def _backends(requested: list[str], platform: str) -> list[str]:
     usable = []
     for name in requested:
@@ -160,6 +215,26 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         t_combine = _time_calls(rt, (x, idx_dev, w_dev), iters, repeats) - t_dispatch
         c_fn, c_args = rt, (x, idx_dev, w_dev)
         num_sms = None
+    elif backend == "dense":
+        def dense_outputs(x, i, w):
+            return jax.tree.leaves(baselines.dense_dispatch(x, i, w, experts, "ep", dtype))
+
+        d_fn = jax.shard_map(dense_outputs, mesh=mesh, in_specs=spec, out_specs=spec)
+        t_dispatch = _time_calls(d_fn, (x, idx_dev, w_dev), iters, repeats)
+
+        # combine is timed alone on dispatched bf16 rows (standing in for the gate-weighted expert
+        # outputs) and the handle
+        def rows_and_handle(x, i, w):
+            d = baselines.dense_dispatch(x, i, w, experts, "ep", "bfloat16")
+            return d.x, d.handle
+
+        make = jax.jit(jax.shard_map(rows_and_handle, mesh=mesh, in_specs=spec, out_specs=spec))
+        rows, handle = make(x, idx_dev, w_dev)
+        c_fn = jax.shard_map(lambda y, h: baselines.dense_combine(y, h, "ep"), mesh=mesh, in_specs=spec,
+                             out_specs=spec)
+        t_combine = _time_calls(c_fn, (rows, handle), iters, repeats)
+        d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
+        num_sms = None
     else:
         cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
                        backend=backend, dispatch_dtype=dtype, kernel=kernel or KernelConfig())
@@ -197,27 +272,52 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     if profile and mesh.devices.flat[0].platform == "gpu":
         kernels = {"dispatch": kernel_profile(d_fn, d_args, iters),
                    "combine": kernel_profile(c_fn, c_args, iters)}
+    device_us = {op: sum(k.values()) for op, k in kernels.items()}
+    if backend == "ragged" and kernels:  # its combine is profiled as a round trip
+        device_us["combine"] -= device_us["dispatch"]
     for op, seconds in (("dispatch", t_dispatch), ("combine", t_combine)):
-        records.append(dict(op=op, backend=backend, dtype=dtype if op == "dispatch" else "bfloat16",
+        records.append(dict(op=op, backend=backend, layout=LAYOUTS[backend],
+                            dtype=dtype if op == "dispatch" else "bfloat16",
                             tokens_per_rank=tokens, hidden=hidden, topk=topk, num_experts=experts,
-                            ep_size=ep_size, us=1e6 * seconds,
+                            ep_size=ep_size, us=1e6 * seconds, device_us=device_us.get(op),
                             logical_gbps=pairs * row_bytes[op] / seconds / 1e9,
-                            wire_gbps=remote * row_bytes[op] / seconds / 1e9, num_sms=num_sms))
+                            wire_gbps=remote * row_bytes[op] / seconds / 1e9, num_sms=num_sms, measured=True))
         if op in kernels:
             records[-1]["kernels_us"] = {k: round(v, 1) for k, v in kernels[op].items()}
     return records
 
 
+def print_table(records) -> None:
+    """One line per record; ``device us`` is the profiled kernels' sum (``--profile``)."""
+    def num(value, fmt):
+        return "" if value is None else format(value, fmt)
+
+    print(f"{'op':9}{'backend':23}{'layout':13}{'dtype':14}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}"
+          f"{'SMs':>5}{'us':>11}{'device us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}")
+    for r in records:
+        print(f"{r['op']:9}{r['backend']:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
+              f"{r['hidden']:>6}{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}"
+              f"{num(r['num_sms'], 'd'):>5}"
+              f"{r['us']:>11.1f}{num(r.get('device_us'), '.1f'):>11}{num(r['logical_gbps'], '.1f'):>14}"
+              f"{num(r['wire_gbps'], '.1f'):>11}{num(r['pct_of_peak'], '.0f'):>8}")
+    if any(not r["measured"] for r in records):
+        print(f"{PUBLISHED_BACKEND}: DeepEP V1's figures as published (2x H200, 24 SMs, rank-major output), "
+              "not measured in this run")
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="auto", choices=["auto", *PRESETS])
-    parser.add_argument("--tokens", default=None, help="comma-separated tokens per rank (overrides preset)")
+    parser.add_argument("--preset", default="auto",
+                        help=f"auto or comma-separated presets of {sorted(PRESETS)} (default: auto = small "
+                             "on CPU, deepseek,sparse on GPUs)")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated tokens per rank, replacing those of every preset shape")
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--topk", type=int, default=None)
     parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
-    parser.add_argument("--backends", default="reference,ragged,cuda")
+    parser.add_argument("--backends", default="reference,dense,ragged,cuda")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench.json")
@@ -242,13 +342,11 @@ def main(argv=None) -> list[dict]:
     devices = jax.devices()
     platform = devices[0].platform
     mesh = Mesh(np.array(devices), ("ep",))
-    preset = args.preset if args.preset != "auto" else ("small" if platform == "cpu" else "deepseek")
-    shapes = PRESETS[preset] if args.preset != "auto" or platform == "cpu" else (
-        PRESETS["deepseek"] + PRESETS["sparse"])
-    if args.tokens:
-        base = shapes[0]
-        shapes = [(int(t), base[1], base[2], base[3]) for t in args.tokens.split(",")]
-    shapes = [(t, args.hidden or h, args.topk or k, args.experts or e) for t, h, k, e in shapes]
+    try:
+        shapes = resolve_shapes(args.preset, platform, args.tokens, args.hidden, args.topk, args.experts)
+    except ValueError as e:
+        parser.error(str(e))
+    preset = args.preset if args.preset != "auto" else ("small" if platform == "cpu" else "deepseek,sparse")
     peak = measure_copy_peak(devices)
     device_name = f"{len(devices)}x {devices[0].device_kind}"
     today = datetime.date.today().isoformat()
@@ -274,14 +372,8 @@ def main(argv=None) -> list[dict]:
                     r.update(device=device_name, date=today, peer_copy_gbps=peak,
                              pct_of_peak=None if peak is None else 100 * r["wire_gbps"] / peak)
                 records.extend(recs)
-    header = f"{'op':9}{'backend':11}{'dtype':15}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}" \
-             f"{'SMs':>5}{'us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}"
-    print(header)
-    for r in records:
-        pct = "" if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.0f}"
-        print(f"{r['op']:9}{r['backend']:11}{r['dtype']:15}{r['tokens_per_rank']:>7}{r['hidden']:>6}"
-              f"{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}{r['num_sms'] or '':>5}{r['us']:>11.1f}"
-              f"{r['logical_gbps']:>14.1f}{r['wire_gbps']:>11.1f}{pct:>8}")
+    records.extend(published_records(shapes, args.dtypes.split(",")))
+    print_table(records)
     for r in records:
         if r.get("kernels_us"):
             print(f"kernels per call, GPU 0: {r['op']} {r['backend']} {r['dtype']} "

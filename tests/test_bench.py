@@ -6,12 +6,18 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
 from benchmarks import ops as bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-FIELDS = {"op", "backend", "dtype", "tokens_per_rank", "hidden", "topk", "num_experts", "ep_size",
-          "us", "logical_gbps", "wire_gbps", "pct_of_peak", "num_sms", "device", "date"}
+FIELDS = {"op", "backend", "layout", "dtype", "tokens_per_rank", "hidden", "topk", "num_experts", "ep_size",
+          "us", "device_us", "logical_gbps", "wire_gbps", "pct_of_peak", "num_sms", "device", "date",
+          "measured"}
 
 
 def test_bench_writes_records(tmp_path):
@@ -29,6 +35,7 @@ def test_bench_writes_records(tmp_path):
         assert r["us"] > 0 and r["logical_gbps"] > 0 and r["wire_gbps"] > 0
         assert r["logical_gbps"] >= r["wire_gbps"]  # wire counts only the rows that leave the rank
         assert r["ep_size"] == 8 and r["tokens_per_rank"] == 32
+        assert r["layout"] == "expert_major" and r["measured"] is True
 
 
 LAYER_FIELDS = {"op", "step_ms", "roofline_ms", "gemm_ms", "gemm_tflops", "split_ms", "backend", "gemm",
@@ -56,3 +63,156 @@ def test_cli_help():
     for flag in ("--preset", "--tokens", "--backends", "--num-sms", "--profile", "--layer", "--layer-shapes",
                  "--out"):
         assert flag in out.stdout, flag
+
+
+# ---- the dense (rank-major) baseline: benchmarks.baselines.dense_dispatch / dense_combine ---------------
+R, T, H, K, E = 8, 24, 256, 5, 16   # 2 experts per rank and top-5: tokens pick several experts on one rank
+
+
+def _dense_inputs(seed: int, dtype):
+    """x [R, T, H], distinct expert ids per token with unused (-1) slots and some unrouted tokens."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((R, T, H)).astype(np.float32).astype(dtype)
+    idx = np.argsort(rng.random((R, T, E)), axis=2)[:, :, :K].astype(np.int32)
+    idx = np.where(rng.random(idx.shape) < 0.2, -1, idx)
+    idx[:, :2] = -1                                          # tokens that go nowhere
+    w = (rng.random((R, T, K)) + 0.1).astype(np.float32)
+    return x, idx, w
+
+
+def _dense_model(payload, idx, w):
+    """NumPy: what each rank receives. payload [R, T, ...] (the wire rows)."""
+    local = E // R
+    rows = np.zeros((R, R * T, *payload.shape[2:]), payload.dtype)
+    experts = np.full((R, R * T, K), -1, np.int32)
+    weights = np.zeros((R, R * T, K), np.float32)
+    counts = np.zeros((R, R), np.int32)
+    token_slot = np.full((R, T, R), -1, np.int32)
+    for d in range(R):
+        for s in range(R):
+            j = 0
+            for t in range(T):
+                on_d = (idx[s, t] >= 0) & (idx[s, t] // local == d)
+                if not on_d.any():
+                    continue
+                rows[d, s * T + j] = payload[s, t]
+                experts[d, s * T + j] = np.where(on_d, idx[s, t] % local, -1)
+                weights[d, s * T + j] = np.where(on_d, w[s, t], 0.0)
+                token_slot[s, t, d] = j
+                j += 1
+            counts[d, s] = j
+    return rows, experts, weights, counts, token_slot
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_dense_dispatch_delivers_the_right_rows(dtype):
+    from helpers import assert_bits_equal, per_rank
+
+    from benchmarks import baselines
+    from jax_ep.reference import quantize_fp8
+
+    x, idx, w = _dense_inputs(1, np.float32 if dtype == "float8_e4m3fn" else jnp.dtype(dtype))
+    wire = None if dtype == "float32" else dtype
+    d = per_rank(lambda x, i, w: baselines.dense_dispatch(x, i, w, E, "ep", wire), R)(x, idx, w)
+    d = jax.tree.map(np.asarray, d)
+    if dtype == "float8_e4m3fn":
+        q, scales = jax.tree.map(np.asarray, jax.jit(quantize_fp8)(x.reshape(R * T, H)))
+        payload, want_scales = q.reshape(R, T, H), _dense_model(scales.reshape(R, T, -1), idx, w)[0]
+        assert_bits_equal(d.scales, want_scales, "scales")
+    else:
+        payload = x
+        assert d.scales is None
+    rows, experts, weights, counts, token_slot = _dense_model(payload, idx, w)
+    assert_bits_equal(d.x, rows, "rows")          # unused rows included: zeros
+    assert_bits_equal(d.local_experts, experts, "local expert ids")
+    assert_bits_equal(d.weights, weights, "weights")
+    assert_bits_equal(d.recv_counts, counts, "recv_counts")
+    assert_bits_equal(d.handle.token_slot, token_slot, "handle.token_slot")
+    assert counts.sum() > 0 and (counts < T).any()  # the inputs exercise packing and padding
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_dense_round_trip_matches_reference_combine(dtype, rtol):
+    """combine(dispatch(x)) with a per-row value (each rank's gate-weighted sum of expert-specific
+    scalings of the row, unused rows poisoned with NaN) equals jax_ep's reference combine of the same
+    expert outputs, and the exact result x · Σ_k w_k c[e_k]."""
+    from helpers import assert_close_f, per_rank
+
+    from benchmarks import baselines
+    from jax_ep.config import EPConfig
+    from jax_ep.ops import combine, dispatch
+
+    x, idx, w = _dense_inputs(2, jnp.dtype(dtype))
+    scale = np.linspace(0.5, 2.0, E).astype(np.float32)      # expert e multiplies its rows by scale[e]
+    local = E // R
+
+    def dense_round_trip(x, i, w):
+        d = baselines.dense_dispatch(x, i, w, E, "ep")
+        me = jax.lax.axis_index("ep")
+        ids = jnp.where(d.local_experts >= 0, me * local + d.local_experts, 0)
+        per_row = jnp.sum(d.weights * jnp.asarray(scale)[ids], axis=1)       # 0 for unused slots
+        y = (d.x.astype(jnp.float32) * per_row[:, None]).astype(x.dtype)
+        used = jnp.arange(T)[None, :] < d.recv_counts[:, None]                # [R_src, T]
+        y = jnp.where(used.reshape(-1)[:, None], y, jnp.nan)
+        return baselines.dense_combine(y, d.handle, "ep")
+
+    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="reference")
+
+    def reference_round_trip(x, i, w):
+        d = dispatch(x, i, w, cfg)
+        me = jax.lax.axis_index("ep")
+        row_expert = jnp.searchsorted(jnp.cumsum(d.group_sizes), jnp.arange(d.x.shape[0]), side="right")
+        row_scale = jnp.asarray(scale)[me * local + jnp.minimum(row_expert, local - 1)]
+        return combine((d.x.astype(jnp.float32) * row_scale[:, None]).astype(x.dtype), d.handle, cfg)
+
+    got = np.asarray(per_rank(dense_round_trip, R)(x, idx, w))
+    want = np.asarray(per_rank(reference_round_trip, R)(x, idx, w))
+    assert got.dtype == x.dtype and np.isfinite(got.astype(np.float32)).all()
+    assert_close_f(got, want, rtol, "dense vs reference combine")
+    gain = np.sum(np.where(idx >= 0, w * scale[np.maximum(idx, 0)], 0.0), axis=2)
+    exact = x.astype(np.float64) * gain[..., None]
+    assert_close_f(got, exact, rtol, "dense vs exact")
+    assert (got[:, :2] == 0).all()   # unrouted tokens come back as zeros
+
+
+def test_resolve_shapes_sweeps_every_preset():
+    shapes = bench.resolve_shapes("deepseek,sparse", "gpu", "128,512,2048,4096,8192")
+    assert shapes == [(t, 7168, 8, 256) for t in (128, 512, 2048, 4096, 8192)] + [
+        (t, 7168, 2, 8) for t in (128, 512, 2048, 4096, 8192)]
+    assert bench.resolve_shapes("auto", "gpu") == [(4096, 7168, 8, 256), (4096, 7168, 2, 8)]
+    assert bench.resolve_shapes("auto", "cpu", "64", experts=16) == [(64, 512, 4, 16)]
+    with pytest.raises(ValueError, match="unknown preset"):
+        bench.resolve_shapes("deepseek,nope", "gpu")
+
+
+def test_published_records_only_for_the_deepseek_shape():
+    assert bench.published_records([(4096, 7168, 2, 8), (2048, 7168, 8, 256)], ["bfloat16"]) == []
+    recs = bench.published_records([(4096, 7168, 8, 256)], ["bfloat16", "float8_e4m3fn"])
+    assert {(r["op"], r["dtype"], r["us"]) for r in recs} == {
+        ("dispatch", "bfloat16", 343.0), ("dispatch", "float8_e4m3fn", 244.0), ("combine", "bfloat16", 400.0)}
+    for r in recs:
+        assert FIELDS <= set(r) and r["measured"] is False and r["layout"] == "rank_major"
+        assert r["backend"] == bench.PUBLISHED_BACKEND and r["num_sms"] == 24 and r["ep_size"] == 2
+    bench.print_table(recs)   # prints with the empty GB/s columns
+
+
+def test_bench_dense_backend_and_plot(tmp_path, capsys):
+    """The dense backend runs on CPU, every record names its layout, and the plot tool draws the file."""
+    out = tmp_path / "bench.json"
+    records = bench.main(["--preset", "small", "--tokens", "16,32", "--dtypes", "bfloat16",
+                          "--backends", "reference,dense", "--iters", "1", "--repeats", "1",
+                          "--out", str(out)])
+    table = capsys.readouterr().out
+    assert {(r["backend"], r["layout"]) for r in records} == {("reference", "expert_major"),
+                                                               ("dense", "rank_major")}
+    assert all(r["measured"] and r["device_us"] is None for r in records)
+    assert "rank_major" in table and "expert_major" in table and "published" not in table
+    assert sorted({r["tokens_per_rank"] for r in records}) == [16, 32]
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import plot_bench
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    png = tmp_path / "bench.png"
+    plot_bench.main(str(out), str(png))
+    assert png.stat().st_size > 0

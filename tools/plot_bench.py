@@ -1,4 +1,5 @@
-"""Plot a `python -m benchmarks` JSON file: time per call vs tokens per rank for each backend, or, for a
+"""Plot a `python -m benchmarks` JSON file: time per call vs tokens per rank, one line per backend, layout
+and dtype (device µs where profiled, else wall µs), one row of panels per shape; or, for a
 ``--layer`` file (records with op "moe_layer"), the MoE layer step split into its parts next to the
 roofline.
 
@@ -54,35 +55,84 @@ def plot_layer(records, dst: str) -> None:
     fig.savefig(dst, dpi=110)
 
 
+def device_us(r, records) -> float | None:
+    """The record's device time per call: ``device_us``, or for files written before that field the sum
+    of ``kernels_us`` (ragged combine: its round trip minus the matching dispatch)."""
+    if r.get("device_us") is not None:
+        return r["device_us"]
+    if not r.get("kernels_us"):
+        return None
+    total = sum(r["kernels_us"].values())
+    if r["backend"] == "ragged" and r["op"] == "combine":
+        keys = ("run", "backend", "tokens_per_rank", "hidden", "topk", "num_experts", "ep_size")
+        disp = [d for d in records if d["op"] == "dispatch" and d.get("kernels_us")
+                and all(d.get(k) == r.get(k) for k in keys)]
+        if not disp:
+            return None
+        total -= sum(disp[-1]["kernels_us"].values())
+    return total
+
+
+MARKERS = {"cuda": "o", "reference": "s", "dense": "D", "ragged": "^"}
+
+
+def plot_ops(records, dst: str) -> None:
+    """Time per call over tokens per rank: one row of panels (dispatch, combine) per shape, one line per
+    backend, layout and dtype (solid: expert-major rows, dashed: rank-major). A line shows device µs
+    when every one of its points was profiled, else wall µs (the label says which). Published figures
+    (``measured: false``) are single stars."""
+    records = [r for r in records if r.get("run") != "sm_sweep"]   # older files: the SM tuning sweep
+    shapes = list(dict.fromkeys((r["hidden"], r["topk"], r["num_experts"]) for r in records
+                                if r.get("measured", True)))
+    if not shapes:
+        raise SystemExit("no measured records to plot")
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 4.4 * len(shapes)), squeeze=False)
+    for row, (hidden, topk, experts) in zip(axes, shapes, strict=True):
+        for ax, op in zip(row, ("dispatch", "combine"), strict=True):
+            panel = [r for r in records if r["op"] == op and (r["hidden"], r["topk"], r["num_experts"]) ==
+                     (hidden, topk, experts)]
+            lines = list(dict.fromkeys((r["backend"], r.get("layout", "expert_major"), r["dtype"])
+                                       for r in panel))
+            for i, (backend, layout, dtype) in enumerate(lines):
+                rows = [r for r in panel if (r["backend"], r.get("layout", "expert_major"), r["dtype"]) ==
+                        (backend, layout, dtype)]
+                short = {"float8_e4m3fn": "fp8", "bfloat16": "bf16"}.get(dtype, dtype)
+                label = f"{backend} {layout} {short}"
+                if not rows[0].get("measured", True):
+                    for r in rows:
+                        ax.plot(r["tokens_per_rank"], r["us"], "*", ms=14,
+                                color="k" if short == "bf16" else "0.5",
+                                label=f"{label} (EP{r['ep_size']}, {r['num_sms']} SMs, not measured here)")
+                    continue
+                sms = [r["num_sms"] for r in rows]
+                default = max(set(sms), key=sms.count)                 # one SM count per line
+                points = {r["tokens_per_rank"]: r for r in rows if r["num_sms"] == default}  # last wins
+                tokens = sorted(points)
+                device = [device_us(points[t], records) for t in tokens]
+                use_device = all(d is not None for d in device)
+                values = device if use_device else [points[t]["us"] for t in tokens]
+                ax.plot(tokens, values, marker=MARKERS.get(backend, "x"),
+                        ls="--" if layout == "rank_major" else "-", color=f"C{i}",
+                        label=f"{label} ({'device' if use_device else 'wall'})")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens per rank")
+            ax.set_ylabel("µs per call")
+            ax.set_title(f"{op}: hidden {hidden}, top-{topk}, {experts} experts", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    r0 = next(r for r in records if r.get("measured", True))
+    fig.suptitle(f"jax_ep on {r0['device']}, EP{r0['ep_size']} ({r0['date']}); device µs = profiled kernels, "
+                 "wall µs = median of chained calls", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
 def main(src: str, dst: str) -> None:
     records = json.load(open(src))
     if records and records[0]["op"] == "moe_layer":
         return plot_layer(records, dst)
-    sweep = [r for r in records if r.get("run") == "tokens_sweep"]
-    shape = {k: sweep[0][k] for k in ("hidden", "topk", "num_experts", "ep_size")}
-    # the sweep, plus the preset run's points of the same shape (bf16, default SMs)
-    records = sweep + [r for r in records if r.get("run") == "presets" and r["dtype"] == "bfloat16"
-                       and all(r[k] == v for k, v in shape.items())
-                       and r["tokens_per_rank"] not in {s["tokens_per_rank"] for s in sweep}]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, op in zip(axes, ("dispatch", "combine"), strict=True):
-        for backend, style in (("cuda", "o-"), ("reference", "s-"), ("ragged", "^-")):
-            rows = sorted((r["tokens_per_rank"], r["us"]) for r in records
-                          if r["op"] == op and r["backend"] == backend)
-            if rows:
-                ax.plot([t for t, _ in rows], [u / 1e3 for _, u in rows], style, label=backend)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens per rank")
-        ax.set_title(f"{op} (bf16)")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("ms per call (median wall time of a chain of calls)")
-    axes[0].legend()
-    r0 = records[0]
-    fig.suptitle(f"jax_ep on {r0['device']}, EP{r0['ep_size']}, hidden {r0['hidden']}, top-{r0['topk']}, "
-                 f"{r0['num_experts']} experts ({r0['date']})")
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
+    return plot_ops(records, dst)
 
 
 if __name__ == "__main__":
