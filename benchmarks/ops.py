@@ -42,12 +42,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import auto_table as bench_auto_table
 from benchmarks import baselines
 from benchmarks import layer as bench_layer
 from jax_ep import reference
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.devices import use_virtual_cpu_devices
-from jax_ep.ops import combine, dispatch, implementation
+from jax_ep.ops import combine, dispatch, get_dispatch_layout, implementation
 
 PRESETS = {
     # name: (tokens per rank, hidden, top-k, experts)
@@ -259,7 +260,10 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         c_fn = jax.shard_map(lambda y, h: combine(y, h, bf16_cfg), mesh=mesh, in_specs=spec, out_specs=spec)
         t_combine = _time_calls(c_fn, (rows, handle), iters, repeats)
         d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
-        num_sms = cfg.kernel.num_sms if dispatch_impl[-1].endswith("cuda_backend") else None
+        num_sms = _sm_count(mesh, cfg.kernel) if dispatch_impl[-1].endswith("cuda_backend") else None
+    extra = {}  # the layout and the backward ops, for the auto table (bf16 pass only)
+    if backend in ("cuda", "reference") and dtype == "bfloat16":
+        extra = _extra_ops(mesh, bf16_cfg, (idx_dev,), (x, handle), (rows[..., 0], handle), iters, repeats)
     # bytes, from the routing actually used (host-side layout of every rank)
     per_rank_layout = [np.asarray(reference.layout_of(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
                                                       experts, ep_size).num_tokens_per_rank)
@@ -268,23 +272,54 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     remote = np.mean([lay.sum() - lay[r] for r, lay in enumerate(per_rank_layout)])
     row_bytes = {"dispatch": hidden * BYTES[dtype] + (4 * hidden // 128 if dtype != "bfloat16" else 0),
                  "combine": hidden * 2}
+    row_bytes.update(broadcast=hidden * 2, layout=None, slot_values=None)
     kernels = {}
     if profile and mesh.devices.flat[0].platform == "gpu":
         kernels = {"dispatch": kernel_profile(d_fn, d_args, iters),
                    "combine": kernel_profile(c_fn, c_args, iters)}
+        kernels.update({op: kernel_profile(fn, args, iters) for op, (_, fn, args) in extra.items()})
     device_us = {op: sum(k.values()) for op, k in kernels.items()}
     if backend == "ragged" and kernels:  # its combine is profiled as a round trip
         device_us["combine"] -= device_us["dispatch"]
-    for op, seconds in (("dispatch", t_dispatch), ("combine", t_combine)):
+    timed = [("dispatch", t_dispatch), ("combine", t_combine)]
+    timed += [(op, seconds) for op, (seconds, _, _) in extra.items()]
+    for op, seconds in timed:
+        moved = row_bytes[op]
         records.append(dict(op=op, backend=backend, layout=LAYOUTS[backend],
                             dtype=dtype if op == "dispatch" else "bfloat16",
                             tokens_per_rank=tokens, hidden=hidden, topk=topk, num_experts=experts,
                             ep_size=ep_size, us=1e6 * seconds, device_us=device_us.get(op),
-                            logical_gbps=pairs * row_bytes[op] / seconds / 1e9,
-                            wire_gbps=remote * row_bytes[op] / seconds / 1e9, num_sms=num_sms, measured=True))
+                            logical_gbps=None if moved is None else pairs * moved / seconds / 1e9,
+                            wire_gbps=None if moved is None else remote * moved / seconds / 1e9,
+                            num_sms=num_sms, measured=True))
         if op in kernels:
             records[-1]["kernels_us"] = {k: round(v, 1) for k, v in kernels[op].items()}
     return records
+
+
+def _sm_count(mesh, kernel: KernelConfig) -> int:
+    """The data kernels' blocks: KernelConfig.num_sms, or every SM but one (None), as the handlers clamp."""
+    sms = getattr(mesh.devices.flat[0], "core_count", None) or 0
+    if kernel.num_sms is None:
+        return max(1, sms - 1)
+    return min(kernel.num_sms, sms - 1) if sms > 1 else kernel.num_sms
+
+
+def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats):
+    """{op: (seconds per call, fn, args)} of get_dispatch_layout, broadcast (combine's backward) and
+    slot_values (dispatch's backward, on a row vector) for cfg.backend."""
+    spec = P("ep")
+    fns = {
+        "layout": lambda i: jax.tree.leaves(get_dispatch_layout(i, cfg)),
+        "broadcast": lambda g, h: implementation("broadcast", cfg, g.dtype)(g, h, cfg),
+        "slot_values": lambda v, h: implementation("slot_values", cfg)(v.astype(jnp.float32), h, cfg),
+    }
+    args = {"layout": layout_args, "broadcast": broadcast_args, "slot_values": slot_args}
+    out = {}
+    for op, fn in fns.items():
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+        out[op] = (_time_calls(mapped, args[op], iters, repeats), mapped, args[op])
+    return out
 
 
 def print_table(records) -> None:
@@ -292,10 +327,10 @@ def print_table(records) -> None:
     def num(value, fmt):
         return "" if value is None else format(value, fmt)
 
-    print(f"{'op':9}{'backend':23}{'layout':13}{'dtype':14}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}"
+    print(f"{'op':12}{'backend':23}{'layout':13}{'dtype':14}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}"
           f"{'SMs':>5}{'us':>11}{'device us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}")
     for r in records:
-        print(f"{r['op']:9}{r['backend']:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
+        print(f"{r['op']:12}{r['backend']:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
               f"{r['hidden']:>6}{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}"
               f"{num(r['num_sms'], 'd'):>5}"
               f"{r['us']:>11.1f}{num(r.get('device_us'), '.1f'):>11}{num(r['logical_gbps'], '.1f'):>14}"
@@ -325,6 +360,9 @@ def main(argv=None) -> list[dict]:
                         help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's device time per call (GPU, jax.profiler)")
+    parser.add_argument("--write-auto-table", action="store_true",
+                        help="write jax_ep/auto_table.json (what backend='auto' takes) from this run's "
+                             "cuda and reference records")
     parser.add_argument("--layer", action="store_true",
                         help="time the MoE layer's training step instead of the ops (benchmarks.layer)")
     parser.add_argument("--layer-shapes", default=None,
@@ -370,7 +408,8 @@ def main(argv=None) -> list[dict]:
                     continue
                 for r in recs:
                     r.update(device=device_name, date=today, peer_copy_gbps=peak,
-                             pct_of_peak=None if peak is None else 100 * r["wire_gbps"] / peak)
+                             pct_of_peak=None if peak is None or r["wire_gbps"] is None
+                             else 100 * r["wire_gbps"] / peak)
                 records.extend(recs)
     records.extend(published_records(shapes, args.dtypes.split(",")))
     print_table(records)
@@ -383,6 +422,12 @@ def main(argv=None) -> list[dict]:
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
     print(f"wrote {len(records)} records to {args.out}")
+    if args.write_auto_table:
+        table = bench_auto_table.write(records)
+        for op, layouts in table["ops"].items():
+            for layout, entry in layouts.items():
+                print(f"auto table: {op} {layout}: kernel from {entry['min_tokens']} tokens per rank")
+        print(f"wrote {bench_auto_table.auto_table.TABLE_FILE}")
     return records
 
 

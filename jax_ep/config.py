@@ -25,8 +25,10 @@ class KernelConfig:
     """How the CUDA kernels of dispatch/combine run (no effect on results, only on speed).
 
     Attributes:
-      num_sms: blocks of the data kernels, one per SM (clamped below the device's SM count). XLA runs
-        the ops on its compute stream, so the SMs left free help only work that overlaps them.
+      num_sms: blocks of the data kernels, one per SM; None (default) = every SM of the device but one.
+        XLA runs the ops on its compute stream, serialised with the model's kernels, so SMs held back
+        help only work that overlaps the op; measured on 2x H200, 24 SMs make dispatch and combine
+        about 1.5x slower than all of them (docs/benchmarks.md).
       dispatch_send_warps: warps of a dispatch block (of 16) that send; the others receive.
       combine_send_warps: warps of a combine block (of 16) that reduce and send; the others receive.
       broadcast_send_warps: warps of a broadcast block (of 16) that send; the others receive.
@@ -36,7 +38,7 @@ class KernelConfig:
     checked where the kernel is chosen, against the values the extension reports.
     """
 
-    num_sms: int = 24
+    num_sms: int | None = None
     dispatch_send_warps: int = 6
     combine_send_warps: int = 8
     broadcast_send_warps: int = 6
@@ -44,6 +46,8 @@ class KernelConfig:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
+            if field.name == "num_sms" and self.num_sms is None:
+                continue
             if field.name != "bulk_copy":
                 _check_positive_int("KernelConfig", field.name, getattr(self, field.name))
         if not isinstance(self.bulk_copy, bool):

@@ -185,16 +185,21 @@ def _vary_all(outputs, axis_name: str, *inputs):
     return vary_over(outputs, tuple(sorted(axes)))
 
 
+ALL_SMS = 1 << 16
+
+
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
            row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0) -> dict:
     """The handlers' EPAttrs (xla_ffi/handlers.cc): every data op gets the same fields; those it does
     not use are 0. The sizes fix the communication-buffer layout at instantiation."""
     kernel = cfg.kernel
     data_kernel = op != "slot_values"
+    # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU
+    num_sms = kernel.num_sms if kernel.num_sms is not None else ALL_SMS
     values = dict(num_ranks=ep_size, num_tokens=num_tokens, num_topk=cfg.num_topk,
                   num_experts=num_experts, hidden=hidden, row_bytes=row_bytes, scale_bytes=scale_bytes,
                   capacity=capacity, alignment=cfg.expert_alignment if op == "dispatch" else 0,
-                  axis_slot=axis_slot, num_sms=kernel.num_sms if data_kernel else 1,
+                  axis_slot=axis_slot, num_sms=num_sms if data_kernel else 1,
                   send_warps=kernel.send_warps(op) if data_kernel else 1,
                   bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0)
     return {name: np.int64(value) for name, value in values.items()}

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import reference
+from jax_ep import auto_table, reference
 from jax_ep.config import EPConfig
 from jax_ep.types import Dispatched, Handle, Layout
 from jax_ep.validation import (
@@ -46,25 +46,30 @@ class Backend(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One op. ``kernel_by_default``: its CUDA kernel measured faster than the reference path
-    (docs/benchmarks.md), so ``backend="auto"`` takes it on GPUs."""
+    """One op and the output layout it produces (the key of its row in ``auto_table.json``)."""
 
     name: str
-    kernel_by_default: bool
+    layout: str = "expert_major"
+
+    def kernel_by_default(self, cfg: EPConfig) -> bool:
+        """Its CUDA kernel measured faster than the reference path at cfg's tokens per rank
+        (``jax_ep.auto_table``, written by the benchmark)."""
+        return auto_table.kernel_faster(self.name, self.layout, cfg.max_tokens_per_rank)
 
     def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
         """The function implementing this op for cfg.backend.
 
-        "reference": the pure-JAX path. "auto": the CUDA kernel when it is a default kernel, the
-        extension is loaded, the default platform is a GPU and the kernel supports the sizes; the
-        reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
+        "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
+        table), the extension is loaded, the default platform is a GPU and the kernel supports the
+        sizes; the reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
         """
         if cfg.backend == "reference":
             return getattr(reference, self.name)
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
         if cfg.backend == "auto":
-            if not (self.kernel_by_default and jax.default_backend() == "gpu" and runtime.available()[0]):
+            if not (self.kernel_by_default(cfg) and jax.default_backend() == "gpu"
+                    and runtime.available()[0]):
                 return getattr(reference, self.name)
             if cuda_backend.unsupported(self.name, cfg, ep_size, dtype) is not None:
                 return getattr(reference, self.name)
@@ -81,13 +86,7 @@ class Op:
 
 
 OPS = {op.name: op for op in (
-    Op("layout", kernel_by_default=True),
-    # dispatch beat the dense lax.all_to_all reference at 4096 and 8192 tokens per rank but not at
-    # 128-2048 (2x H200); combine is slower on 2x H200 and faster on 4x H200: backend="cuda" runs them.
-    Op("dispatch", kernel_by_default=False),
-    Op("combine", kernel_by_default=False),
-    Op("broadcast", kernel_by_default=False),
-    Op("slot_values", kernel_by_default=False),
+    Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
 )}
 
 
@@ -190,7 +189,7 @@ def _combine_bwd(cfg, residuals, g):
     y, handle = residuals
     g_rows = implementation("broadcast", cfg, g.dtype)(g, handle, cfg).astype(jnp.float32)
     dy = (g_rows * handle.row_weights[:, None]).astype(y.dtype)
-    d_row_weights = jnp.sum(y.astype(jnp.float32) * g_rows, axis=1)
+    d_row_weights = jnp.sum(reference.as_stored(y).astype(jnp.float32) * g_rows, axis=1)
     d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                       float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle

@@ -166,12 +166,19 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle)
 
 
+def as_stored(y: jax.Array) -> jax.Array:
+    """y exactly as its dtype stores it. XLA's excess precision (xla_allow_excess_precision, on by
+    default) may otherwise read the float32 value that a bf16 y was rounded from when y is widened
+    again; the documented combine and its gradients use the rounded y, as the kernels do."""
+    return lax.optimization_barrier(y)
+
+
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     """Gate-weighted sum (handle.row_weights) of each token's rows, back at its source."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
     num_tokens = num_slots // ep_size
-    yf = y.astype(jnp.float32)
+    yf = as_stored(y).astype(jnp.float32)
     partial = jnp.zeros((num_slots, y.shape[1]), jnp.float32)
     for k in range(topk):  # fixed summation order: top-k slot order
         rows = handle.token_rows[:, k]

@@ -28,11 +28,15 @@ def test_bench_writes_records(tmp_path):
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(records))
     assert sorted((r["op"], r["dtype"]) for r in saved) == [
-        ("combine", "bfloat16"), ("combine", "bfloat16"), ("dispatch", "bfloat16"),
-        ("dispatch", "float8_e4m3fn")]
+        ("broadcast", "bfloat16"), ("combine", "bfloat16"), ("combine", "bfloat16"), ("dispatch", "bfloat16"),
+        ("dispatch", "float8_e4m3fn"), ("layout", "bfloat16"), ("slot_values", "bfloat16")]
     for r in saved:
         assert FIELDS <= set(r), FIELDS - set(r)
-        assert r["us"] > 0 and r["logical_gbps"] > 0 and r["wire_gbps"] > 0
+        assert r["us"] > 0
+        if r["op"] in ("layout", "slot_values"):  # no rows move
+            assert r["logical_gbps"] is None and r["wire_gbps"] is None
+            continue
+        assert r["logical_gbps"] > 0 and r["wire_gbps"] > 0
         assert r["logical_gbps"] >= r["wire_gbps"]  # wire counts only the rows that leave the rank
         assert r["ep_size"] == 8 and r["tokens_per_rank"] == 32
         assert r["layout"] == "expert_major" and r["measured"] is True
@@ -216,3 +220,27 @@ def test_bench_dense_backend_and_plot(tmp_path, capsys):
     png = tmp_path / "bench.png"
     plot_bench.main(str(out), str(png))
     assert png.stat().st_size > 0
+
+
+def test_auto_table_from_records(tmp_path):
+    """The benchmark's auto table pairs cuda and reference records per op and decides from them."""
+    from benchmarks import auto_table as bench_auto_table
+
+    def rec(op, backend, tokens, us, dtype="bfloat16"):
+        return dict(op=op, backend=backend, layout="expert_major", dtype=dtype, tokens_per_rank=tokens,
+                    hidden=512, topk=4, num_experts=32, ep_size=2, us=us + 1000.0, device_us=us,
+                    device="2x H200", measured=True)
+
+    records = [rec("dispatch", "cuda", 128, 50), rec("dispatch", "reference", 128, 40),
+               rec("dispatch", "cuda", 4096, 300), rec("dispatch", "reference", 4096, 900),
+               rec("combine", "cuda", 128, 10), rec("combine", "reference", 128, 20),
+               rec("combine", "cuda", 4096, 100), rec("combine", "reference", 4096, 200),
+               rec("combine", "dense", 4096, 1)]  # other backends do not take part
+    path = tmp_path / "auto_table.json"
+    table = bench_auto_table.write(records, path)
+    assert json.loads(path.read_text()) == table
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == 4096
+    assert table["ops"]["combine"]["expert_major"]["min_tokens"] == 0
+    assert [p["kernel_us"] for p in table["ops"]["combine"]["expert_major"]["points"]] == [10, 100]
+    with pytest.raises(ValueError, match="nothing to decide"):
+        bench_auto_table.write([rec("combine", "cuda", 128, 10)], path)

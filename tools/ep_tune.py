@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--splits", default="4:8:0,2:6:1,4:8:1,6:10:1,8:12:1",
                         help="dispatch send warps:combine send warps:bulk copy (0/1), comma-separated")
     parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
-    parser.add_argument("--num-sms", type=int, default=KernelConfig.num_sms, help="KernelConfig.num_sms")
+    parser.add_argument("--num-sms", type=int, default=None, help="KernelConfig.num_sms (default: all SMs)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -45,7 +45,7 @@ def main() -> None:
                                         args.experts, args.iters, args.repeats, rng, kernel=kernel)
             for r in records:
                 rows.append((split, r["op"], r["dtype"], r["us"], r["wire_gbps"]))
-                print(f"sms {args.num_sms:3} split {split:8} {r['op']:9} {r['dtype']:15} "
+                print(f"sms {args.num_sms or 'all':>3} split {split:8} {r['op']:9} {r['dtype']:15} "
                       f"{r['us']:9.1f} us {r['wire_gbps']:7.1f} wire GB/s", flush=True)
     print("done", len(rows))
 

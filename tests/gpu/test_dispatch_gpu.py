@@ -297,6 +297,45 @@ def test_gradients_match_reference(cuda_backend, mesh):
         assert rel < 1e-2, f"{name}: relative error {rel:.3g}"
 
 
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_topk_weights_gradient_uses_rounded_expert_output(cuda_backend, mesh, backend):
+    """d topk_weights[t, k] = <g[t], y[row(t, k)]> with y as combine received it: rounded to bf16
+    (docs/api.md). The expert output is a float32 ragged_dot rounded to bf16 by the caller; XLA's
+    excess precision (on by default) may drop that rounding in the backward graph unless the op
+    pins it. Checked against NumPy on the forward's own bf16 y and the bf16 cotangent of the bf16
+    output, to float32 summation order."""
+    tokens, hidden, topk, experts = 128, 2560, 8, 16
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
+    rng = np.random.default_rng(12)
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "distinct")
+    wexp = (rng.standard_normal((experts, hidden, hidden)) / np.sqrt(hidden)).astype(jnp.bfloat16)
+    ct = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
+    cfg = _cfg(backend, **kw)
+
+    def loss(w, x, wexp, idx, ct):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        y = lax.ragged_dot(d.x, wexp, d.group_sizes, preferred_element_type=jnp.float32)
+        y = y.astype(jnp.bfloat16)
+        out = jax_ep.combine(y, d.handle, cfg)
+        return jnp.sum(out.astype(jnp.float32) * ct), (y, d.handle.token_rows)
+
+    def body(w, x, wexp, idx, ct):
+        (_, (y, token_rows)), dw = jax.value_and_grad(loss, has_aux=True)(w, x, wexp, idx, ct)
+        return dw, y[None], token_rows[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    dw, y, token_rows = to_np(fn(*put(mesh, w, x, wexp, idx, ct)))
+    g = ct.astype(jnp.bfloat16).astype(np.float64)  # the cotangent of the bf16 combine output
+    want = np.zeros_like(dw)
+    for p in range(R):  # the rank holding each (source token, slot)'s row
+        rows = token_rows[p]
+        s, k = np.nonzero(rows >= 0)
+        want[s, k] = np.einsum("nh,nh->n", y[p][rows[s, k]].astype(np.float64), g[s])
+    rel = np.abs(dw - want).max() / np.abs(want).max()
+    print(f"{backend}: d topk_weights max error {rel:.3g} of max |dW|")
+    assert rel < 1e-4, f"{backend}: d topk_weights max error {rel:.3g} of max |dW|"
+
+
 def test_moe_training_step_matches_reference(cuda_backend, mesh):
     """The Flax MoE layer (float32) trains the same on backend='cuda' as on 'reference'."""
     import optax

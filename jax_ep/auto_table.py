@@ -1,0 +1,52 @@
+"""What ``backend="auto"`` takes on GPUs: the CUDA kernel of an op where it measured faster than the
+reference path, read from ``auto_table.json``.
+
+The table is written by the benchmark (``python -m benchmarks --write-auto-table``), never by hand:
+for every op and output layout, the device time of the kernel and of the reference at each measured
+shape and token count, and the decision derived from them, ``min_tokens``: the kernel is taken from
+that many tokens per rank up (0: always; null: never). It holds for any CUDA GPU; it was measured on
+the device named in the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+TABLE_FILE = pathlib.Path(__file__).with_name("auto_table.json")
+LAYOUTS = ("expert_major", "rank_major")
+
+
+@functools.cache
+def table() -> dict:
+    """The table as written by the benchmark ({} when the file is absent: no kernel by default)."""
+    if not TABLE_FILE.exists():
+        return {}
+    return json.loads(TABLE_FILE.read_text())
+
+
+def kernel_faster(op: str, layout: str, tokens: int) -> bool:
+    """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    entry = table().get("ops", {}).get(op, {}).get(layout)
+    if entry is None or entry.get("min_tokens") is None:
+        return False
+    return tokens >= entry["min_tokens"]
+
+
+def min_tokens(points: list[dict]) -> int | None:
+    """The decision from measured points ({"tokens", "kernel_us", "reference_us"}, any shapes): the
+    smallest measured token count from which the kernel is at least as fast at every measured point
+    with as many tokens or more; 0 when that is every point, None when the kernel loses at the largest."""
+    counts = sorted({p["tokens"] for p in points})
+    best = None
+    for tokens in reversed(counts):
+        if all(p["kernel_us"] <= p["reference_us"] for p in points if p["tokens"] == tokens):
+            best = tokens
+        else:
+            break
+    if best is not None and best == counts[0]:
+        return 0
+    return best
