@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype
+from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype, timed_steps, warm_median
 
 from jax_ep.balancing import imbalance
 from jax_ep.config import EPConfig
@@ -90,18 +90,15 @@ def main(argv=None) -> None:
     data = batches(corpus_bytes(), args.batch, args.seq)
     batch_sharding = NamedSharding(mesh, P("ep"))
     losses, step_times = [], []
-    for step in range(args.steps):
-        batch = jax.device_put(next(data), batch_sharding)
-        start = time.perf_counter()
-        loss = float(train_step(model, optimizer, batch))
-        step_times.append(time.perf_counter() - start)
+    for step, loss, seconds in timed_steps(train_step, model, optimizer, data, batch_sharding, args.steps):
         losses.append(loss)
+        step_times.append(seconds)
         if step % 10 == 0 or step == args.steps - 1:
             per_layer = imbalance(jnp.stack([m.last_load[...] for m in model.moe_layers()]))
             print(f"step {step:4d}  loss {loss:.3f}  expert imbalance (max/mean) "
                   + " ".join(f"{float(v):.2f}" for v in per_layer))
 
-    step_time = float(np.median(step_times[len(step_times) // 2:]))
+    step_time = warm_median(step_times)
     tokens = args.batch * args.seq
     comm = communication_time(mesh, cfg, tokens // len(devices), args.backend)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps; "

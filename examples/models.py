@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +21,24 @@ from jax_ep.moe import EPOptions, MoE
 
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
+    # the transformer
     vocab: int = 256            # bytes
     hidden: int = 64
     num_heads: int = 4
     num_layers: int = 2
+    # each block's MoE FFN: expert sizes, then its RouterConfig, BalancingConfig and EPOptions
     ffn_hidden: int = 128
+    shared_ffn_hidden: int = 0
+    moe_dtype: str | None = None  # compute dtype of the routed experts (None: the model's float32)
     num_experts: int = 16
     num_topk: int = 2
     score_func: str = "softmax"
     num_groups: int = 1
     topk_groups: int | None = None
-    shared_ffn_hidden: int = 0
     bias_update_rate: float = 0.0
     aux_loss_alpha: float = 0.0
     backend: str = "auto"
     dispatch_dtype: str | None = None
-    moe_dtype: str | None = None  # compute dtype of the routed experts (None: the model's float32)
 
 
 class Block(nnx.Module):
@@ -110,6 +113,21 @@ def build_training(cfg: LMConfig, mesh: Mesh, lr: float, seed: int = 0):
         return loss
 
     return model, optimizer, train_step
+
+
+def timed_steps(train_step, model, optimizer, data, sharding: NamedSharding, steps: int):
+    """Runs ``steps`` train steps on the batches of ``data`` (put with ``sharding``); yields (step, loss,
+    seconds) for each, the seconds from the call of the step to its loss on the host."""
+    for step in range(steps):
+        batch = jax.device_put(next(data), sharding)
+        start = time.perf_counter()
+        loss = float(train_step(model, optimizer, batch))
+        yield step, loss, time.perf_counter() - start
+
+
+def warm_median(step_times: list[float]) -> float:
+    """The median of the second half of the step times: the step time once compiled."""
+    return float(np.median(step_times[len(step_times) // 2:]))
 
 
 def corpus_bytes() -> np.ndarray:

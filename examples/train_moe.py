@@ -28,7 +28,7 @@ import numpy as np
 from demo import communication_time
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype
+from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype, timed_steps, warm_median
 
 from jax_ep.balancing import imbalance
 from jax_ep.devices import use_virtual_cpu_devices
@@ -84,12 +84,9 @@ def train(cfg: LMConfig, mesh: Mesh, args, label: str) -> dict:
     data = batches(corpus_bytes(), args.batch, args.seq, seed=args.seed)
     batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     losses, step_times, loads, dropped = [], [], [], []
-    for step in range(args.steps):
-        batch = jax.device_put(next(data), batch_sharding)
-        start = time.perf_counter()
-        loss = float(train_step(model, optimizer, batch))
-        step_times.append(time.perf_counter() - start)
+    for step, loss, seconds in timed_steps(train_step, model, optimizer, data, batch_sharding, args.steps):
         losses.append(loss)
+        step_times.append(seconds)
         loads.append(np.stack([np.asarray(m.last_load[...]) for m in model.moe_layers()]))   # [L, E]
         dropped.append(int(sum(int(m.last_dropped[...]) for m in model.moe_layers())))
         if step % 10 == 0 or step == args.steps - 1:
@@ -100,7 +97,7 @@ def train(cfg: LMConfig, mesh: Mesh, args, label: str) -> dict:
     per_step = np.asarray(imbalance(jnp.asarray(loads)))                      # [steps, L]
     # imbalance of the load accumulated since step 0: what the bias (an integral controller) evens out
     cumulative = np.asarray(imbalance(jnp.asarray(np.cumsum(loads, axis=0))))  # [steps, L]
-    step_time = float(np.median(step_times[len(step_times) // 2:]))          # past compilation
+    step_time = warm_median(step_times)
     return {"loss": losses, "step_time_s": step_times, "median_step_time_s": step_time,
             "tokens_per_s": args.batch * args.seq / step_time,
             "expert_load": loads.tolist(), "imbalance": per_step.mean(axis=1).tolist(),

@@ -93,6 +93,13 @@ def random_inputs(rng, ep_size: int, tokens: int, hidden: int, topk: int, dtype=
     return x, w
 
 
+def random_tokens(rng, ep_size: int, tokens: int, cfg, dtype=np.float32, routing=random_routing):
+    """(x, topk_idx, topk_weights) for cfg's hidden size, top-k and experts: random_inputs, then
+    ``routing(rng, ep_size, tokens, topk, num_experts)`` (random_routing by default)."""
+    x, w = random_inputs(rng, ep_size, tokens, cfg.hidden, cfg.num_topk, dtype)
+    return x, routing(rng, ep_size, tokens, cfg.num_topk, cfg.num_experts), w
+
+
 # ---- configuration and comparison against the NumPy model ----------------------------------------
 # The CPU suite runs the pure-JAX reference path; JAX_EP_TEST_BACKEND=auto|cuda points it elsewhere.
 BACKEND = os.environ.get("JAX_EP_TEST_BACKEND", "reference")

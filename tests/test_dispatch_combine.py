@@ -22,6 +22,7 @@ from helpers import (
     per_rank,
     random_inputs,
     random_routing,
+    random_tokens,
     to_numpy,
 )
 
@@ -78,8 +79,7 @@ def test_dispatch_combine_random_routing(ep_size):
     rng = np.random.default_rng(100 + ep_size)
     saw = {"unused": False, "out_of_range": False, "repeat": False}
     for _ in range(3):
-        x, w = random_inputs(rng, ep_size, TMAX, H, K)
-        idx = random_routing(rng, ep_size, TMAX, K, E)
+        x, idx, w = random_tokens(rng, ep_size, TMAX, BASE)
         d, c, m, y = check_all(BASE, ep_size, x, idx, w, rng)
         san = m.sanitized
         saw["unused"] |= bool((idx == -1).any())
@@ -141,8 +141,7 @@ def test_dispatch_combine_patterns(ep_size, pattern):
 @pytest.mark.parametrize("ep_size", [2, 8])
 def test_repeated_calls_identical_bits(ep_size):
     rng = np.random.default_rng(5)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K)
-    idx = random_routing(rng, ep_size, TMAX, K, E)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, BASE)
     m = model_for(BASE, x, idx, w)
     y = rng.standard_normal((ep_size, m.capacity, H)).astype(np.float32)
     fn = dispatch_combine_fn(ep_size, BASE)
@@ -160,9 +159,8 @@ def test_rows_written_and_padding_zero(ep_size, align):
     (or is a zero padding row with src -1 and weight 0); everything past the groups is empty."""
     cfg = BASE if align == 1 else BASE.replace(expert_alignment=align)
     rng = np.random.default_rng(11 + ep_size + align)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, cfg)
     assert (x != 0).all()
-    idx = random_routing(rng, ep_size, TMAX, K, E)
     d, c, m, y = check_all(cfg, ep_size, x, idx, w, rng)
     san = m.sanitized
     local = E // ep_size
@@ -207,8 +205,7 @@ def test_capacity_drops_match_model(ep_size, align):
     rng = np.random.default_rng(21 + ep_size * align)
     total_dropped = 0
     for _ in range(3):
-        x, w = random_inputs(rng, ep_size, TMAX, H, K)
-        idx = _skewed_routing(rng, ep_size, TMAX, K, E)
+        x, idx, w = random_tokens(rng, ep_size, TMAX, cfg, routing=_skewed_routing)
         d, c, m, y = check_all(cfg, ep_size, x, idx, w, rng)
         assert d.x.shape[1] == capacity
         for r in range(ep_size):
@@ -266,8 +263,7 @@ def test_capacity_drop_order_by_hand():
 def test_expert_alignment(ep_size):
     cfg = BASE.replace(expert_alignment=4)
     rng = np.random.default_rng(31 + ep_size)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K)
-    idx = random_routing(rng, ep_size, TMAX, K, E)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, cfg)
     d, c, m, y = check_all(cfg, ep_size, x, idx, w, rng)
     assert (d.group_sizes % 4 == 0).all()
     assert d.x.shape[1] == nm.worst_case_capacity(ep_size, TMAX, K, E, 4) and d.x.shape[1] % 4 == 0
@@ -278,8 +274,7 @@ def test_expert_alignment(ep_size):
 def test_fewer_tokens_than_max(ep_size):
     tokens = 4
     rng = np.random.default_rng(41 + ep_size)
-    x, w = random_inputs(rng, ep_size, tokens, H, K)
-    idx = random_routing(rng, ep_size, tokens, K, E)
+    x, idx, w = random_tokens(rng, ep_size, tokens, BASE)
     d, c, m, y = check_all(BASE, ep_size, x, idx, w, rng)
     # capacity is sized for max_tokens_per_rank, the handle for the actual T
     assert d.x.shape[1] == nm.worst_case_capacity(ep_size, TMAX, K, E, 1)
@@ -339,8 +334,7 @@ def test_fp8_scales_exact(ep_size):
 def test_bf16_dispatch_and_combine(ep_size):
     cfg = BASE.replace(dispatch_dtype="bfloat16")
     rng = np.random.default_rng(61 + ep_size)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K)
-    idx = random_routing(rng, ep_size, TMAX, K, E)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, cfg)
     d, c, m, y = run(cfg, ep_size, x, idx, w, rng, y_dtype=ml_dtypes.bfloat16)
     assert d.x.dtype == ml_dtypes.bfloat16
     assert_dispatch_matches(d, m, ep_size)
@@ -356,8 +350,7 @@ def test_bf16_dispatch_and_combine(ep_size):
 def test_bf16_input_keeps_dtype():
     ep_size = 2
     rng = np.random.default_rng(71)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K, dtype=ml_dtypes.bfloat16)
-    idx = random_routing(rng, ep_size, TMAX, K, E)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, BASE, dtype=ml_dtypes.bfloat16)
     d, c, m, y = run(BASE, ep_size, x, idx, w, rng, y_dtype=ml_dtypes.bfloat16)
     assert d.x.dtype == ml_dtypes.bfloat16
     assert_dispatch_matches(d, m, ep_size)
@@ -369,8 +362,7 @@ def test_bf16_input_keeps_dtype():
 def test_dispatch_ragged_dot_combine_equals_dense(ep_size):
     h_out = 16
     rng = np.random.default_rng(81 + ep_size)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K)
-    idx = random_routing(rng, ep_size, TMAX, K, E)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, BASE)
     expert_w = (rng.standard_normal((E, H, h_out)) / np.sqrt(H)).astype(np.float32)
     local_w = expert_w.reshape(ep_size, E // ep_size, H, h_out)
     out, dropped = to_numpy(moe_fn(ep_size, BASE)(x, idx, w, local_w))
@@ -384,8 +376,7 @@ def test_dispatch_ragged_dot_combine_with_drops(ep_size):
     cfg = BASE.replace(capacity=8, expert_alignment=2)
     h_out = 16
     rng = np.random.default_rng(91)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K)
-    idx = _skewed_routing(rng, ep_size, TMAX, K, E)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, cfg, routing=_skewed_routing)
     expert_w = (rng.standard_normal((E, H, h_out)) / np.sqrt(H)).astype(np.float32)
     local_w = expert_w.reshape(ep_size, E // ep_size, H, h_out)
     out, dropped = to_numpy(moe_fn(ep_size, cfg)(x, idx, w, local_w))
@@ -398,11 +389,10 @@ def test_dispatch_ragged_dot_combine_with_drops(ep_size):
 def test_default_backend_on_cpu_matches_reference():
     """backend='auto' (the default) must fall back to the reference path on CPU, bit for bit."""
     ep_size = 2
-    rng = np.random.default_rng(101)
-    x, w = random_inputs(rng, ep_size, TMAX, H, K)
-    idx = random_routing(rng, ep_size, TMAX, K, E)
     auto = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=TMAX)
     assert auto.backend == "auto"
+    rng = np.random.default_rng(101)
+    x, idx, w = random_tokens(rng, ep_size, TMAX, auto)
     m = model_for(auto, x, idx, w)
     y = rng.standard_normal((ep_size, m.capacity, H)).astype(np.float32)
     d, c = to_numpy(dispatch_combine_fn(ep_size, auto)(x, idx, w, y))

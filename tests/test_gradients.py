@@ -22,8 +22,8 @@ from helpers import (
     make_cfg,
     model_for,
     per_rank,
-    random_inputs,
     random_routing,
+    random_tokens,
     to_numpy,
 )
 from jax.test_util import check_grads
@@ -73,8 +73,7 @@ def dense_grad(x, w, expert_w, idx, mask, g):
 
 
 def _inputs(rng, ep_size, routing=random_routing):
-    x, w = random_inputs(rng, ep_size, T, H, K)
-    idx = routing(rng, ep_size, T, K, E)
+    x, idx, w = random_tokens(rng, ep_size, T, CFG, routing=routing)
     expert_w = (rng.standard_normal((E, H, HO)) / np.sqrt(H)).astype(np.float32)
     g = rng.standard_normal((ep_size, T, HO)).astype(np.float32)
     return x, w, idx, expert_w, g
@@ -259,8 +258,7 @@ def test_fp8_dispatch_backward_not_implemented():
     cfg = make_cfg(num_experts=E, num_topk=K, hidden=128, max_tokens_per_rank=T,
                    dispatch_dtype="float8_e4m3fn")
     rng = np.random.default_rng(380)
-    x, w = random_inputs(rng, ep_size, T, 128, K)
-    idx = random_routing(rng, ep_size, T, K, E)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
 
     def per(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, cfg)
@@ -280,8 +278,7 @@ def test_bf16_rows_cotangent_dtype():
     ep_size = 2
     cfg = CFG.replace(dispatch_dtype="bfloat16")
     rng = np.random.default_rng(390)
-    x, w = random_inputs(rng, ep_size, T, H, K)
-    idx = random_routing(rng, ep_size, T, K, E)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
     f = per_rank(lambda x, idx, w: jax_ep.dispatch(x, idx, w, cfg).x, ep_size, jit=False)
     dx = np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(f(x, idx, w).astype(jnp.float32))))(x))
     assert dx.dtype == np.float32

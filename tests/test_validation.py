@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import make_cfg, model_for, per_rank, random_inputs, random_routing, to_numpy
+from helpers import make_cfg, model_for, per_rank, random_inputs, random_routing, random_tokens, to_numpy
 
 import jax_ep
 
@@ -29,8 +29,7 @@ def _dispatch_fn(cfg, ep_size=R):
 
 
 def _good(rng, ep_size=R, tokens=T):
-    x, w = random_inputs(rng, ep_size, tokens, H, K)
-    return x, random_routing(rng, ep_size, tokens, K, E), w
+    return random_tokens(rng, ep_size, tokens, CFG)
 
 
 # ---- dispatch: shapes and dtypes (trace time) ---------------------------------------------------------
@@ -102,8 +101,7 @@ def test_dispatch_64bit_dtypes_rejected(case, match):
 def test_num_experts_not_divisible_by_ep_size():
     cfg = CFG.replace(num_experts=6)
     rng = np.random.default_rng(402)
-    x, w = random_inputs(rng, 4, T, H, K)
-    idx = random_routing(rng, 4, T, K, 6)
+    x, idx, w = random_tokens(rng, 4, T, cfg)
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the EP size 4"):
         _dispatch_fn(cfg, 4)(x, idx, w)
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the EP size 4"):
@@ -137,30 +135,20 @@ def test_wrong_axis_name():
 
 
 # ---- combine and layout arguments ---------------------------------------------------------------------
-@pytest.mark.parametrize("case,match", [
-    ("rows", r"y must have shape \[capacity=36, hidden\].*\(35, 32\)"),
-    ("ndim", r"y must have shape \[capacity=36, hidden\].*\(36,\)"),
-    ("int", r"y must be float32/bfloat16/float16.*int32"),
-    ("fp8", r"y must be float32/bfloat16/float16.*float8_e4m3fn"),
-])
-def test_combine_bad_y(case, match):
-    rng = np.random.default_rng(405)
-    x, idx, w = _good(rng)
-    cap = CFG.resolved_capacity(R)
-    assert cap == 36
+@pytest.mark.parametrize("bad_y,match", [
+    (lambda y: y[:-1], r"y must have shape \[capacity=36, hidden\].*\(35, 32\)"),
+    (lambda y: y[:, 0], r"y must have shape \[capacity=36, hidden\].*\(36,\)"),
+    (lambda y: y.astype(jnp.int32), r"y must be float32/bfloat16/float16.*int32"),
+    (lambda y: y.astype(jnp.float8_e4m3fn), r"y must be float32/bfloat16/float16.*float8_e4m3fn"),
+], ids=["rows", "ndim", "int", "fp8"])
+def test_combine_bad_y(bad_y, match):
+    """bad_y turns the dispatched rows into a y that combine must reject."""
+    x, idx, w = _good(np.random.default_rng(405))
+    assert CFG.resolved_capacity(R) == 36
 
     def f(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, CFG)
-        y = d.x
-        if case == "rows":
-            y = y[:-1]
-        elif case == "ndim":
-            y = y[:, 0]
-        elif case == "int":
-            y = y.astype(jnp.int32)
-        elif case == "fp8":
-            y = y.astype(jnp.float8_e4m3fn)
-        return jax_ep.combine(y, d.handle, CFG)
+        return jax_ep.combine(bad_y(d.x), d.handle, CFG)
 
     with pytest.raises(ValueError, match=match):
         per_rank(f, R)(x, idx, w)

@@ -20,6 +20,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/broadcast.h"
@@ -541,6 +542,34 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
   return ffi::Error::Success();
 }
 
+// Appends .Arg<T>() for each of T, Ts... to the FFI binding `binding`. A Binding can only be
+// passed on as a temporary (its copy is deleted, its move private): no named intermediate.
+template <typename T, typename... Ts, typename B>
+auto WithArgs(B binding) {
+  if constexpr (sizeof...(Ts) == 0) {
+    return std::move(binding).template Arg<T>();
+  } else {
+    return WithArgs<Ts...>(std::move(binding).template Arg<T>());
+  }
+}
+
+// The execute-stage context every communicating op takes first: XLA's stream, the device ordinal
+// and the OpState its instantiate stage made.
+auto BindPeerOp() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::State<OpState>>();
+}
+
+// The execute-stage binding of a data op (dispatch, combine, broadcast, slot_values): the context,
+// the op's own inputs, then the rank and group buffers every data op takes last (PrepareGroup).
+// The handler definition adds the results with .Ret<>().
+template <typename... Inputs>
+auto BindDataOp() {
+  return WithArgs<Inputs..., ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>>(BindPeerOp());
+}
+
 }  // namespace
 
 ffi::TypeId OpState::id = {};
@@ -588,10 +617,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerSmokeInstantiate, jax_ep::PeerSmokeInstan
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("n"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerSmoke, jax_ep::PeerSmokeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::OpState>>()
+                              jax_ep::BindPeerOp()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>(),
@@ -606,63 +632,41 @@ JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastInstantiate, kBroadcastTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpSlotValuesInstantiate, kSlotValuesTarget);
 #undef JAX_EP_DATA_OP_INSTANTIATE
 
+// The data ops' bindings are parenthesised: the commas between their template arguments would
+// otherwise split the macro's arguments.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::OpState>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>(),
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
+                                                  ffi::Buffer<ffi::S32>,     // topk_idx
+                                                  ffi::Buffer<ffi::F32>>()   // topk_weights
+                                   .Ret<ffi::AnyBuffer>()                    // rows
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // scales
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // group_sizes
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // expert_counts
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // num_dropped
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // src_index
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // token_rows
+                                   .Ret<ffi::Buffer<ffi::PRED>>()            // is_token_in_rank
+                                   .Ret<ffi::Buffer<ffi::F32>>()),           // row_weights
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::OpState>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>(),
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
+                                                  ffi::Buffer<ffi::F32>,      // row_weights
+                                                  ffi::Buffer<ffi::S32>,      // token_rows
+                                                  ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                   .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcast, jax_ep::BroadcastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::OpState>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>(),
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
+                                                  ffi::Buffer<ffi::S32>,      // token_rows
+                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                  ffi::Buffer<ffi::S32>>()    // src_index
+                                   .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::OpState>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>(),
+                              (jax_ep::BindDataOp<ffi::Buffer<ffi::F32>,      // values
+                                                  ffi::Buffer<ffi::S32>>()    // token_rows
+                                   .Ret<ffi::Buffer<ffi::F32>>()),            // out
                               {ffi::Traits::kCmdBufferCompatible});

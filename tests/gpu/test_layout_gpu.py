@@ -82,23 +82,17 @@ def assert_layout_equal(got, want, what: str) -> None:
                                  f"first at {first}: got {g[first]!r}, want {w[first]!r}")
 
 
-# (tokens, topk, experts, ranks): register capacities 8/16/32/64 for the ids, E + R beyond the
-# shared-memory bins (global atomics), more blocks than the grid cap (grid-stride loop), row widths
-# that allow 16-, 4- and 1-byte clears of is_token_in_rank, E_local = 1, K > E, zero tokens.
+# (tokens, topk, experts, ranks), a line per what the kernel must get right: the register capacities
+# 8/16/32/64 for a token's ids, the 16-, 4- and 1-byte clears of an is_token_in_rank row (R % 16, R % 4,
+# other R), E + R beyond the shared-memory bins (global atomics), more blocks than the grid cap
+# (grid-stride loop), E_local = 1, K > E, zero tokens.
 SHAPES = [
-    (1, 1, 1, 1),
-    (7, 3, 8, 2),
-    (0, 4, 16, 4),
-    (5, 10, 4, 2),
-    (333, 6, 64, 16),
-    (1000, 8, 288, 8),
-    (513, 9, 72, 72),
-    (100, 20, 60, 3),
-    (64, 33, 40, 4),
-    (300, 4, 9000, 8),
-    (2048, 4, 1024, 64),
-    (4096, 8, 256, 2),
-    (20000, 8, 256, 32),
+    (1, 1, 1, 1), (0, 4, 16, 4), (7, 3, 8, 2),            # one token and E_local = 1, zero tokens, small
+    (5, 10, 4, 2), (100, 20, 60, 3), (64, 33, 40, 4),     # K in 16, 32, 64 registers (the first: K > E)
+    (333, 6, 64, 16), (2048, 4, 1024, 64),                # 16-byte row clears
+    (1000, 8, 288, 8), (513, 9, 72, 72),                  # 4-byte row clears (the second: E_local = 1)
+    (300, 4, 9000, 8),                                    # E + R = 9008 > 8192 bins: global atomics
+    (4096, 8, 256, 2), (20000, 8, 256, 32),               # 16 and 79 blocks of 256 tokens (grid cap: 64)
 ]
 KINDS = ["distinct", "messy", "skewed", "all_unused", "all_same"]
 
