@@ -33,7 +33,7 @@ __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const Dat
   for (;;) {
     const int c = next_item(&d.info->work[0]);
     if (c >= L.num_chunks) break;
-    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
+    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
       const bool to_peer = lane < d.R && lane != d.me && a.is_token_in_rank[t * d.R + lane];
       const uint32_t remote = __ballot_sync(kFullMask, to_peer);
       if (remote == 0u) continue;
@@ -77,7 +77,7 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     item -= n_zero;
     int s, c;
     receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpBroadcast, lane, &s, &c);
-    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
+    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
       const uint32_t kept = __ballot_sync(kFullMask, row >= 0);

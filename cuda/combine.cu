@@ -44,8 +44,8 @@ struct CombineArgs {
 // place), the row lists and four per-token counts.
 __host__ __device__ constexpr int64_t combine_warp_shared_bytes(int list_stride, int topk) {
   return static_cast<int64_t>(kCombineRing) * kStepBytes +
-         static_cast<int64_t>(kChunkTokens) * topk * 4 +
-         static_cast<int64_t>(kChunkTokens) * list_stride * 4 + 4 * kChunkTokens * 4;
+         static_cast<int64_t>(kMaxChunkTokens) * topk * 4 +
+         static_cast<int64_t>(kMaxChunkTokens) * list_stride * 4 + 4 * kMaxChunkTokens * 4;
 }
 // The largest top-k and group still fit an SM (227 KiB of shared memory per block on sm_90).
 static_assert(kDataWarps * combine_warp_shared_bytes(kMaxTopk + kMaxGroupRanks, kMaxTopk) <=
@@ -54,13 +54,13 @@ static_assert(kDataWarps * combine_warp_shared_bytes(kMaxTopk + kMaxGroupRanks, 
 
 struct CombineWarp {
   char* ring;         // [kCombineRing][1.5 KiB]: lane l owns bytes 16 l + 512 j, j < kCombineVecs
-  int32_t* raw;       // [kChunkTokens][K]: token_rows of the chunk, until the lists are built
-  float* weights;     // [kChunkTokens][K]: then the gate weight of each y row (raw's place)
-  int32_t* entries;   // [kChunkTokens][stride]: y row (>= 0) or -1 - r (rank r's staged partial)
-  int32_t* n_own;     // [kChunkTokens]: y rows of the token
-  int32_t* n_all;     // [kChunkTokens]: y rows + staged partials
-  int32_t* in_mask;   // [kChunkTokens]: ranks the token went to (finalisers)
-  int32_t* active;    // [kChunkTokens]: the token has an output row (reducers: sent here)
+  int32_t* raw;       // [kMaxChunkTokens][K]: token_rows of the chunk, until the lists are built
+  float* weights;     // [kMaxChunkTokens][K]: then the gate weight of each y row (raw's place)
+  int32_t* entries;   // [kMaxChunkTokens][stride]: y row (>= 0) or -1 - r (rank r's staged partial)
+  int32_t* n_own;     // [kMaxChunkTokens]: y rows of the token
+  int32_t* n_all;     // [kMaxChunkTokens]: y rows + staged partials
+  int32_t* in_mask;   // [kMaxChunkTokens]: ranks the token went to (finalisers)
+  int32_t* active;    // [kMaxChunkTokens]: the token has an output row (reducers: sent here)
 };
 
 template <bool kF32>
@@ -122,11 +122,11 @@ __device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int wa
   w.ring = base;
   w.raw = reinterpret_cast<int32_t*>(base + kCombineRing * kStepBytes);
   w.weights = reinterpret_cast<float*>(w.raw);
-  w.entries = w.raw + kChunkTokens * K;
-  w.n_own = w.entries + kChunkTokens * stride;
-  w.n_all = w.n_own + kChunkTokens;
-  w.in_mask = w.n_all + kChunkTokens;
-  w.active = w.in_mask + kChunkTokens;
+  w.entries = w.raw + kMaxChunkTokens * K;
+  w.n_own = w.entries + kMaxChunkTokens * stride;
+  w.n_all = w.n_own + kMaxChunkTokens;
+  w.in_mask = w.n_all + kMaxChunkTokens;
+  w.active = w.in_mask + kMaxChunkTokens;
   return w;
 }
 
@@ -400,8 +400,8 @@ __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWa
                                               const CombineWarp& w, bool reducer, int c,
                                               int s_rank) {
   const CommLayout& L = a.layout;
-  const int64_t t0 = static_cast<int64_t>(c) * kChunkTokens;
-  const int n_tok = static_cast<int>(chunk_end(c, a.T) - t0);
+  const int64_t t0 = chunk_begin(L, c);
+  const int n_tok = static_cast<int>(chunk_end(L, c, a.T) - t0);
   combine_chunk_lists(a, d, w, reducer, c, s_rank, t0, n_tok);
   combine_chunk_weights(a, w, n_tok, d.lane);
   PieceStream ps = piece_stream(a, d, w, t0, n_tok);

@@ -315,7 +315,7 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
   for (;;) {
     const int c = next_item(&d.info->work[0]);
     if (c >= L.num_chunks) break;
-    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, T); ++t) {
+    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
       int dest, row;
       float weight;
       token_slot(a, d.own, t, lane, &dest, &row, &weight);
@@ -456,7 +456,7 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
     item -= n_tail;
     int s, c;
     receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c);
-    for (int64_t t = static_cast<int64_t>(c) * kChunkTokens; t < chunk_end(c, a.T); ++t) {
+    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.T); ++t) {
       dispatch_receive_token<kConv, kTma>(a, d, tma, s, t);
     }
   }

@@ -327,9 +327,12 @@ __device__ __forceinline__ DataWarp data_warp(DeviceState* state, const CommLayo
 }
 
 // ---- chunks: the unit of work of the data kernels and of the per-chunk ready flags ----------
-// One past the last token of chunk c (tokens [c * kChunkTokens, chunk_end(c, T))).
-__device__ __forceinline__ int64_t chunk_end(int c, int64_t T) {
-  const int64_t end = (static_cast<int64_t>(c) + 1) * kChunkTokens;
+// Chunk c holds tokens [chunk_begin(L, c), chunk_end(L, c, T)).
+__device__ __forceinline__ int64_t chunk_begin(const CommLayout& L, int c) {
+  return static_cast<int64_t>(c) * L.chunk_tokens;
+}
+__device__ __forceinline__ int64_t chunk_end(const CommLayout& L, int c, int64_t T) {
+  const int64_t end = (static_cast<int64_t>(c) + 1) * L.chunk_tokens;
   return end < T ? end : T;
 }
 

@@ -20,8 +20,12 @@
 
 namespace jax_ep {
 
-// Tokens per chunk: the unit of work of the data kernels and of the per-chunk ready flags.
-inline constexpr int kChunkTokens = 8;
+// Most tokens per chunk (the unit of work of the data kernels and of the per-chunk ready flags).
+inline constexpr int kMaxChunkTokens = 8;
+// Chunks a call is cut into at least, down to one token per chunk: a chunk is one warp's serial chain
+// of row copies, so with few tokens, few chunks leave most warps idle (2x H200, 128 tokens per rank:
+// 8-token chunks made combine 200 µs).
+inline constexpr int kMinChunks = 512;
 // Largest top-k the EP kernels support (a warp holds a token's slots, one per lane).
 inline constexpr int kMaxTopk = 32;
 // Largest number of experts (the notify kernel keeps a count per expert in shared memory).
@@ -68,8 +72,8 @@ struct CommLayout {
   uint64_t total;         // bytes of the buffer this layout needs
   uint64_t data_row_bytes;
   uint64_t scale_row_bytes;
-  int32_t num_chunks;     // ceil(T / kChunkTokens)
-  int32_t reserved;
+  int32_t num_chunks;     // ceil(T / chunk_tokens)
+  int32_t chunk_tokens;   // tokens per chunk, in [1, kMaxChunkTokens]
 };
 
 JAX_EP_HOST_DEVICE inline uint64_t align_up_u64(uint64_t value, uint64_t multiple) {
@@ -88,7 +92,9 @@ JAX_EP_HOST_DEVICE inline CommLayout make_comm_layout(int64_t num_ranks, int64_t
   const uint64_t E = static_cast<uint64_t>(num_experts);
   const uint64_t local_experts = num_ranks > 0 ? E / R : 0;
   CommLayout layout{};
-  layout.num_chunks = static_cast<int32_t>((T + kChunkTokens - 1) / kChunkTokens);
+  const uint64_t chunk = T / kMinChunks;
+  layout.chunk_tokens = static_cast<int32_t>(chunk < 1 ? 1 : chunk > kMaxChunkTokens ? kMaxChunkTokens : chunk);
+  layout.num_chunks = static_cast<int32_t>((T + layout.chunk_tokens - 1) / layout.chunk_tokens);
   layout.data_row_bytes = align_up_u64(data_row_bytes, 16);
   layout.scale_row_bytes = scale_row_bytes;
   uint64_t at = 0;
