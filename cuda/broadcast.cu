@@ -28,22 +28,15 @@ template <bool kTma>
 __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const DataWarp& d,
                                                TmaWarp& tma) {
   const CommLayout& L = a.layout;
-  const int64_t T = a.T;
-  const int lane = d.lane;
-  for (;;) {
-    const int c = next_item(&d.info->work[0]);
-    if (c >= L.num_chunks) break;
-    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
-      const bool to_peer = lane < d.R && lane != d.me && a.is_token_in_rank[t * d.R + lane];
-      const uint32_t remote = __ballot_sync(kFullMask, to_peer);
-      if (remote == 0u) continue;
-      char* my_dst = to_peer ? d.lane_peer + L.stage_data +
-                                   (static_cast<int64_t>(d.me) * T + t) * L.data_row_bytes
-                             : nullptr;
-      warp_copy_row<kTma>(tma, a.g + t * a.row_bytes, a.row_bytes, remote, my_dst, lane);
-    }
-    release_chunk<kTma>(L, d.lane_peer, c, d.me, d.R, d.expected, lane);
-  }
+  send_chunks<kTma>(L, d, a.T, [&](int64_t t) {
+    const bool to_peer = d.lane < d.R && d.lane != d.me && a.is_token_in_rank[t * d.R + d.lane];
+    const uint32_t remote = __ballot_sync(kFullMask, to_peer);
+    if (remote == 0u) return;
+    char* my_dst = to_peer ? d.lane_peer + L.stage_data +
+                                 (static_cast<int64_t>(d.me) * a.T + t) * L.data_row_bytes
+                           : nullptr;
+    warp_copy_row<kTma>(tma, a.g + t * a.row_bytes, a.row_bytes, remote, my_dst, d.lane);
+  });
 }
 
 // Zero-fill work item `item`: rows no token landed on (src_index -1) are zero.
@@ -110,10 +103,8 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
                              const bool* is_token_in_rank, const int32_t* src_index,
                              int32_t capacity, int32_t hidden, int32_t g_kind, bool use_tma,
                              void* out, cudaStream_t stream) {
-  if (!group_launch_ok(g) || hidden < 8 || hidden % 8 != 0 || capacity < 1 ||
-      (g_kind != kRowBF16 && g_kind != kRowF32)) {
-    return cudaErrorInvalidValue;
-  }
+  const int32_t row_bytes = float_row_bytes(hidden, g_kind);
+  if (!group_launch_ok(g) || row_bytes == 0 || capacity < 1) return cudaErrorInvalidValue;
   JAX_EP_CUDA_RETURN(launch_start(g, kOpBroadcast, stream));
   BroadcastArgs a;
   a.layout = g.layout;
@@ -125,7 +116,7 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
   a.T = g.num_tokens;
   a.K = g.num_topk;
   a.C = capacity;
-  a.row_bytes = hidden * (g_kind == kRowF32 ? 4 : 2);
+  a.row_bytes = row_bytes;
   a.send_warps = g.send_warps;
   if (use_tma) {
     JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(broadcast_main_kernel<true>,

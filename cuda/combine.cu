@@ -449,10 +449,8 @@ __global__ void __launch_bounds__(kDataThreads, 1)
 cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row_weights,
                            const int32_t* token_rows, const bool* is_token_in_rank, int32_t hidden,
                            int32_t y_kind, void* out, cudaStream_t stream) {
-  if (!group_launch_ok(g) || hidden < 8 || hidden % 8 != 0 ||
-      (y_kind != kRowBF16 && y_kind != kRowF32)) {
-    return cudaErrorInvalidValue;
-  }
+  const int32_t row_bytes = float_row_bytes(hidden, y_kind);
+  if (!group_launch_ok(g) || row_bytes == 0) return cudaErrorInvalidValue;
   JAX_EP_CUDA_RETURN(launch_start(g, kOpCombine, stream));
   CombineArgs a;
   a.layout = g.layout;
@@ -463,7 +461,7 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
   a.out = static_cast<char*>(out);
   a.T = g.num_tokens;
   a.K = g.num_topk;
-  a.row_bytes = hidden * (y_kind == kRowF32 ? 4 : 2);
+  a.row_bytes = row_bytes;
   a.reduce_warps = g.send_warps;
   a.list_stride = g.num_topk + g.num_ranks;
   const int shared_bytes =

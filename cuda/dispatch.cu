@@ -309,39 +309,32 @@ __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, i
 template <int kConv, bool kTma>
 __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp& d, TmaWarp& tma) {
   const CommLayout& L = a.layout;
-  const int64_t T = a.T;
   const int lane = d.lane;
   const int me = d.me;
-  for (;;) {
-    const int c = next_item(&d.info->work[0]);
-    if (c >= L.num_chunks) break;
-    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
-      int dest, row;
-      float weight;
-      token_slot(a, d.own, t, lane, &dest, &row, &weight);
-      const int64_t meta = (static_cast<int64_t>(me) * T + t) * a.K + lane;
-      for (int r = 0; r < d.R; ++r) {
-        char* peer = reinterpret_cast<char*>(
-            __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
-        if (r == me || lane >= a.K) continue;
-        reinterpret_cast<int32_t*>(peer + L.meta_rows)[meta] = dest == r ? row : -1;
-        reinterpret_cast<float*>(peer + L.meta_w)[meta] = weight;
-      }
-      const uint32_t ranks = __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u);
-      const uint32_t remote = ranks & ~(1u << me);
-      if (remote == 0u) continue;
-      const int64_t slot = static_cast<int64_t>(me) * T + t;
-      char* my_dst = nullptr;
-      float* my_scales = nullptr;
-      if (lane < d.R) {
-        my_dst = d.lane_peer + L.stage_data + slot * L.data_row_bytes;
-        my_scales =
-            reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
-      }
-      copy_x<kConv, kTma>(a, tma, a.x + t * a.x_row_bytes, remote, my_dst, my_scales, lane);
+  send_chunks<kTma>(L, d, a.T, [&](int64_t t) {
+    int dest, row;
+    float weight;
+    token_slot(a, d.own, t, lane, &dest, &row, &weight);
+    const int64_t slot = static_cast<int64_t>(me) * a.T + t;
+    for (int r = 0; r < d.R; ++r) {
+      char* peer = reinterpret_cast<char*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
+      if (r == me || lane >= a.K) continue;
+      reinterpret_cast<int32_t*>(peer + L.meta_rows)[slot * a.K + lane] = dest == r ? row : -1;
+      reinterpret_cast<float*>(peer + L.meta_w)[slot * a.K + lane] = weight;
     }
-    release_chunk<kTma>(L, d.lane_peer, c, me, d.R, d.expected, lane);
-  }
+    const uint32_t ranks = __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u);
+    const uint32_t remote = ranks & ~(1u << me);
+    if (remote == 0u) return;
+    char* my_dst = nullptr;
+    float* my_scales = nullptr;
+    if (lane < d.R) {
+      my_dst = d.lane_peer + L.stage_data + slot * L.data_row_bytes;
+      my_scales =
+          reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
+    }
+    copy_x<kConv, kTma>(a, tma, a.x + t * a.x_row_bytes, remote, my_dst, my_scales, lane);
+  });
 }
 
 // Receiver work item: the alignment padding of local expert `expert` is zero rows.

@@ -360,6 +360,19 @@ __device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_pe
   }
 }
 
+// Senders' loop: chunks of this rank's tokens from the data kernel's first work list; send_token(t)
+// for each token of a chunk, then the chunk's flag on every other rank. Every lane calls it.
+template <bool kTma, typename SendToken>
+__device__ __forceinline__ void send_chunks(const CommLayout& L, const DataWarp& d, int64_t T,
+                                            SendToken send_token) {
+  for (;;) {
+    const int c = next_item(&d.info->work[0]);
+    if (c >= L.num_chunks) break;
+    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) send_token(t);
+    release_chunk<kTma>(L, d.lane_peer, c, d.me, d.R, d.expected, d.lane);
+  }
+}
+
 // Receiver side: work item `item` over this rank's chunks, then (chunk, other rank) pairs. Sets the
 // source rank *s and chunk *c; for another rank's chunk, lane 0 waits for its flag (bounded, the
 // op named in a timeout), with bulk loads ordered after the acquire. Every lane calls it.

@@ -19,6 +19,11 @@ __global__ void __launch_bounds__(kStartThreads)
 
 }  // namespace
 
+int32_t float_row_bytes(int32_t hidden, int32_t kind) {
+  if (hidden < 8 || hidden % 8 != 0 || (kind != kRowBF16 && kind != kRowF32)) return 0;
+  return hidden * (kind == kRowF32 ? 4 : 2);
+}
+
 bool group_launch_ok(const GroupLaunch& g) {
   return g.state != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxGroupRanks &&
          g.num_tokens >= 0 && g.num_topk >= 1 && g.num_topk <= kMaxTopk && g.axis_slot >= 0 &&

@@ -30,6 +30,10 @@ struct GroupLaunch {
 // The fields are in range (the FFI handler validates them; this guards the kernels' arithmetic).
 bool group_launch_ok(const GroupLaunch& g);
 
+// Bytes of a row of `hidden` elements of `kind` (kRowBF16 or kRowF32) that a data op moves as
+// 16-byte vectors; 0 when hidden (at least 8, a multiple of 8) or the kind is out of range.
+int32_t float_row_bytes(int32_t hidden, int32_t kind);
+
 // Enqueues the one-block start kernel: discovers the group, then publishes the call's OpInfo
 // (rank, ordinals, epoch, zeroed work counters) for the op's data kernel.
 cudaError_t launch_start(const GroupLaunch& g, int op_id, cudaStream_t stream);
