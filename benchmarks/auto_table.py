@@ -30,7 +30,7 @@ def build(records: list[dict]) -> dict:
     for (op, layout, dtype, tokens, hidden, topk, experts, ep_size), pair in sorted(keyed.items()):
         if len(pair) != 2:
             continue
-        devices.add((pair["cuda"].get("device"), ep_size))
+        devices.add(pair["cuda"].get("device"))
         points[(op, layout)].append(dict(
             tokens=tokens, dtype=dtype, hidden=hidden, topk=topk, num_experts=experts, ep_size=ep_size,
             kernel_us=round(_time(pair["cuda"]), 1), reference_us=round(_time(pair["reference"]), 1)))
@@ -40,7 +40,7 @@ def build(records: list[dict]) -> dict:
     return {
         "written_by": "python -m benchmarks --write-auto-table",
         "date": datetime.date.today().isoformat(),
-        "measured_on": sorted(f"{d} x{n}" for d, n in devices),
+        "measured_on": sorted(str(d) for d in devices),
         "time": "device µs per call (the sum of the op's kernels on GPU 0) where profiled, else wall",
         "ops": ops,
     }

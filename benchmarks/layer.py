@@ -42,6 +42,9 @@ LAYER_PRESETS = {
     "small": (256, 128, 16, 2, 128),
 }
 CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
+           # the same layer with the EP ops on one path each: what the EP kernels add to the step
+           "ep_reference": dict(backend="reference", gemm="auto"),
+           "ep_cuda": dict(backend="cuda", gemm="auto"),
            "plain_jax": dict(backend="reference", gemm="ragged_dot")}
 
 
@@ -224,7 +227,7 @@ def main(args) -> list[dict]:
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
-        for config in CONFIGS:
+        for config in [c for c in CONFIGS if platform == "gpu" or CONFIGS[c]["backend"] != "cuda"]:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
                                           args.iters, args.repeats)
