@@ -1,6 +1,15 @@
 """Writes ``jax_ep/auto_table.json`` (what ``backend="auto"`` takes) from benchmark records: per op
 and output layout, the device time of the CUDA kernel and of the reference at every shape and token
-count measured in the run, and the decision ``jax_ep.auto_table.min_tokens`` derives from them."""
+count measured in the run, and the decision ``jax_ep.auto_table.min_tokens`` derives from them.
+
+The op times are not the last word: users feel the MoE layer's step. Given the layer benchmark's
+records too, a layer shape where the step with the EP kernels (``ep_cuda``) is slower than with the
+reference EP ops (``ep_reference``) vetoes the communicating kernels (every op but the layout):
+inside a step, XLA overlaps the reference's NCCL collectives with compute, while the kernels hold
+its compute stream.
+
+    python -m benchmarks.auto_table bench.json [bench_layer.json]
+"""
 
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ def build(records: list[dict]) -> dict:
     for (op, layout), pts in sorted(points.items()):
         ops.setdefault(op, {})[layout] = {"min_tokens": auto_table.min_tokens(pts), "points": pts}
     return {
-        "written_by": "python -m benchmarks --write-auto-table",
+        "written_by": "python -m benchmarks.auto_table",
         "date": datetime.date.today().isoformat(),
         "measured_on": sorted(str(d) for d in devices),
         "time": "device µs per call (the sum of the op's kernels on GPU 0) where profiled, else wall",
@@ -46,9 +55,52 @@ def build(records: list[dict]) -> dict:
     }
 
 
-def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE) -> dict:
+def layer_veto(layer_records: list[dict]) -> str | None:
+    """Why the layer benchmark vetoes the communicating kernels, or None."""
+    steps = {(r["shape"], r["config"]): r.get("step_ms") for r in layer_records}
+    for (shape, config), cuda_ms in sorted(steps.items()):
+        reference_ms = steps.get((shape, "ep_reference"))
+        if config == "ep_cuda" and cuda_ms and reference_ms and cuda_ms > reference_ms:
+            return (f"layer step {shape}: {cuda_ms:.2f} ms with the EP kernels (ep_cuda) > "
+                    f"{reference_ms:.2f} ms with the reference EP ops (ep_reference)")
+    return None
+
+
+def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
+          layer_records: list[dict] | None = None) -> dict:
     table = build(records)
+    veto = layer_veto(layer_records or [])
+    if veto is not None:
+        table["vetoed"] = veto
+        for op, layouts in table["ops"].items():
+            for entry in layouts.values():
+                if op != "layout":
+                    entry["min_tokens_ops"] = entry["min_tokens"]
+                    entry["min_tokens"] = None
     if not table["ops"]:
         raise ValueError("no op has both a cuda and a reference record: nothing to decide")
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.auto_table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ops", help="records of python -m benchmarks --profile (cuda and reference)")
+    parser.add_argument("layer", nargs="?", help="records of python -m benchmarks --layer")
+    args = parser.parse_args(argv)
+    records = json.loads(pathlib.Path(args.ops).read_text())
+    layer = json.loads(pathlib.Path(args.layer).read_text()) if args.layer else None
+    table = write(records, layer_records=layer)
+    for op, layouts in table["ops"].items():
+        for layout, entry in layouts.items():
+            print(f"{op} {layout}: kernel from {entry['min_tokens']} tokens per rank")
+    if "vetoed" in table:
+        print(f"vetoed: {table['vetoed']}")
+    print(f"wrote {auto_table.TABLE_FILE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -42,7 +42,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import auto_table as bench_auto_table
 from benchmarks import baselines
 from benchmarks import layer as bench_layer
 from jax_ep import reference
@@ -360,9 +359,6 @@ def main(argv=None) -> list[dict]:
                         help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's device time per call (GPU, jax.profiler)")
-    parser.add_argument("--write-auto-table", action="store_true",
-                        help="write jax_ep/auto_table.json (what backend='auto' takes) from this run's "
-                             "cuda and reference records")
     parser.add_argument("--layer", action="store_true",
                         help="time the MoE layer's training step instead of the ops (benchmarks.layer)")
     parser.add_argument("--layer-shapes", default=None,
@@ -422,12 +418,6 @@ def main(argv=None) -> list[dict]:
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
     print(f"wrote {len(records)} records to {args.out}")
-    if args.write_auto_table:
-        table = bench_auto_table.write(records)
-        for op, layouts in table["ops"].items():
-            for layout, entry in layouts.items():
-                print(f"auto table: {op} {layout}: kernel from {entry['min_tokens']} tokens per rank")
-        print(f"wrote {bench_auto_table.auto_table.TABLE_FILE}")
     return records
 
 

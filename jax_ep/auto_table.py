@@ -1,11 +1,12 @@
 """What ``backend="auto"`` takes on GPUs: the CUDA kernel of an op where it measured faster than the
 reference path, read from ``auto_table.json``.
 
-The table is written by the benchmark (``python -m benchmarks --write-auto-table``), never by hand:
-for every op and output layout, the device time of the kernel and of the reference at each measured
-shape and token count, and the decision derived from them, ``min_tokens``: the kernel is taken from
-that many tokens per rank up (0: always; null: never). It holds for any CUDA GPU; it was measured on
-the device named in the file.
+The table is written from benchmark records (``python -m benchmarks.auto_table bench.json
+bench_layer.json``), never by hand: for every op and output layout, the device time of the kernel and
+of the reference at each measured shape and token count, and the decision derived from them,
+``min_tokens``: the kernel is taken from that many tokens per rank up (0: always; null: never). A
+layer step measured slower with the kernels vetoes the communicating ones ("vetoed" says why). It
+holds for any CUDA GPU; it was measured on the device named in the file.
 """
 
 from __future__ import annotations

@@ -244,3 +244,25 @@ def test_auto_table_from_records(tmp_path):
     assert [p["kernel_us"] for p in table["ops"]["combine"]["expert_major"]["points"]] == [10, 100]
     with pytest.raises(ValueError, match="nothing to decide"):
         bench_auto_table.write([rec("combine", "cuda", 128, 10)], path)
+
+
+def test_auto_table_layer_veto(tmp_path):
+    """A layer step slower with the EP kernels vetoes every communicating kernel, not the layout."""
+    from benchmarks import auto_table as bench_auto_table
+
+    def rec(op, backend, us):
+        return dict(op=op, backend=backend, layout="expert_major", dtype="bfloat16", tokens_per_rank=4096,
+                    hidden=512, topk=4, num_experts=32, ep_size=2, us=us, device_us=us, measured=True)
+
+    ops = [rec("dispatch", "cuda", 100), rec("dispatch", "reference", 200),
+           rec("layout", "cuda", 5), rec("layout", "reference", 20)]
+    faster = [dict(shape="mid", config="ep_reference", step_ms=9.0),
+              dict(shape="mid", config="ep_cuda", step_ms=8.0)]
+    table = bench_auto_table.write(ops, tmp_path / "a.json", layer_records=faster)
+    assert "vetoed" not in table and table["ops"]["dispatch"]["expert_major"]["min_tokens"] == 0
+    slower = [dict(faster[0]), dict(faster[1], step_ms=9.5)]
+    table = bench_auto_table.write(ops, tmp_path / "a.json", layer_records=slower)
+    assert "mid" in table["vetoed"] and "9.50 ms" in table["vetoed"]
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] is None
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens_ops"] == 0
+    assert table["ops"]["layout"]["expert_major"]["min_tokens"] == 0
