@@ -244,6 +244,16 @@ def test_scan_of_20_steps_as_cuda_graphs(cuda_backend, mesh):
     assert_captured("jax_ep_dispatch", before, "graphs", options)
 
 
+def grad_case(seed, tokens, hidden, topk, experts, kind):
+    """(config sizes, (x, topk_idx, topk_weights, expert weights [E, H, H] bf16, output cotangent))."""
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
+    rng = np.random.default_rng(seed)
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, kind)
+    wexp = (rng.standard_normal((experts, hidden, hidden)) / np.sqrt(hidden)).astype(jnp.bfloat16)
+    ct = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
+    return kw, (x, idx, w, wexp, ct)
+
+
 def test_gradients_match_reference(cuda_backend, mesh):
     """jax.grad through dispatch -> ragged_dot -> combine: d x (combine without weights), d gate
     weights (slot_values), d expert weights (broadcast of the output cotangent).
@@ -253,12 +263,7 @@ def test_gradients_match_reference(cuda_backend, mesh):
     the reference's float32 sums is not rounded to bf16), while the kernels read and write bf16
     buffers (measured on 2x H200: rows, y, d topk_weights and d expert weights bit-identical; the
     combine output within two bf16 steps of the row max)."""
-    tokens, hidden, topk, experts = 128, 1024, 4, 16
-    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
-    rng = np.random.default_rng(9)
-    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
-    wexp = (rng.standard_normal((experts, hidden, hidden)) / np.sqrt(hidden)).astype(jnp.bfloat16)
-    ct = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
+    kw, (x, idx, w, wexp, ct) = grad_case(9, 128, 1024, 4, 16, "messy")
     args = put(mesh, x, w, wexp, idx, ct)
 
     def make(backend):
@@ -304,12 +309,7 @@ def test_topk_weights_gradient_uses_rounded_expert_output(cuda_backend, mesh, ba
     excess precision (on by default) may drop that rounding in the backward graph unless the op
     pins it. Checked against NumPy on the forward's own bf16 y and the bf16 cotangent of the bf16
     output, to float32 summation order."""
-    tokens, hidden, topk, experts = 128, 2560, 8, 16
-    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
-    rng = np.random.default_rng(12)
-    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "distinct")
-    wexp = (rng.standard_normal((experts, hidden, hidden)) / np.sqrt(hidden)).astype(jnp.bfloat16)
-    ct = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
+    kw, (x, idx, w, wexp, ct) = grad_case(12, 128, 2560, 8, 16, "distinct")
     cfg = _cfg(backend, **kw)
 
     def loss(w, x, wexp, idx, ct):
