@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep.reference import quantize_fp8, take_rows  # the same FP8 rounding and row gather
+
 
 class RaggedHandle(NamedTuple):
     order: jax.Array          # [T*K] pair order after sorting by expert
@@ -100,12 +102,6 @@ class DenseDispatched(NamedTuple):
     handle: DenseHandle
 
 
-def _take_rows(table, index):
-    """table[index] along axis 0, zeros where index < 0."""
-    safe = jnp.where(index >= 0, index, table.shape[0])
-    return jnp.take(table, safe, axis=0, mode="fill", fill_value=0)
-
-
 def dense_dispatch(x, topk_idx, topk_weights, num_experts: int, axis_name: str,
                    dtype: str | None = None) -> DenseDispatched:
     """Send each token once to every rank holding one of its experts, with its top-k ids and weights
@@ -113,8 +109,6 @@ def dense_dispatch(x, topk_idx, topk_weights, num_experts: int, axis_name: str,
     an unused slot. Capacity is T rows per (source, destination) pair, so nothing is ever dropped.
     ``dtype``: the rows' dtype on the wire (None: x's); ``"float8_e4m3fn"`` quantises at the source
     (jax_ep's per-token, per-128-channel rule, float32 scales)."""
-    from jax_ep.reference import quantize_fp8  # the same FP8 rounding as the other backends
-
     ep_size = lax.axis_size(axis_name)
     local = num_experts // ep_size
     tokens, _ = topk_idx.shape
@@ -140,10 +134,10 @@ def dense_dispatch(x, topk_idx, topk_weights, num_experts: int, axis_name: str,
     def exchange(a):
         return lax.all_to_all(a, axis_name, 0, 0, tiled=True).reshape(ep_size * tokens, *a.shape[2:])
 
-    rows = exchange(_take_rows(payload, send_token.reshape(-1)).reshape(ep_size, tokens, -1))
+    rows = exchange(take_rows(payload, send_token.reshape(-1)).reshape(ep_size, tokens, -1))
     row_scales = None
     if scales is not None:
-        row_scales = exchange(_take_rows(scales, send_token.reshape(-1)).reshape(ep_size, tokens, -1))
+        row_scales = exchange(take_rows(scales, send_token.reshape(-1)).reshape(ep_size, tokens, -1))
     row_experts = exchange(jnp.where(sent, jnp.take_along_axis(experts, safe, axis=1), -1))
     row_weights = exchange(jnp.where(sent, jnp.take_along_axis(weights, safe, axis=1), 0.0))
     recv_counts = lax.all_to_all(send_counts, axis_name, 0, 0, tiled=True)
@@ -160,5 +154,5 @@ def dense_combine(y, handle: DenseHandle, axis_name: str):
     back = lax.all_to_all(y.reshape(ep_size, tokens, -1), axis_name, 0, 0, tiled=True)
     total = jnp.zeros((tokens, y.shape[-1]), jnp.float32)
     for r in range(ep_size):
-        total = total + _take_rows(back[r], handle.token_slot[:, r]).astype(jnp.float32)
+        total = total + take_rows(back[r], handle.token_slot[:, r]).astype(jnp.float32)
     return total.astype(y.dtype)

@@ -12,16 +12,13 @@ namespace {
 
 constexpr int kZeroRows = 256;  // rows per zero-fill work item
 
-struct BroadcastArgs {
-  CommLayout layout;
+struct BroadcastArgs : DataArgs {
   const char* g;
   const int32_t* token_rows;
   const bool* is_token_in_rank;
   const int32_t* src_index;
   char* out;
-  int32_t T, K, C;
-  int32_t row_bytes;
-  int32_t send_warps;
+  int32_t C;
 };
 
 template <bool kTma>
@@ -86,15 +83,10 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
 template <bool kTma>
 __global__ void __launch_bounds__(kDataThreads, 1)
     broadcast_main_kernel(DeviceState* state, BroadcastArgs a) {
-  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);  // TMA: per-warp barriers and buffers
-  const DataWarp d = data_warp(state, a.layout);
-  TmaWarp tma = tma_warp_setup_if<kTma>(reinterpret_cast<char*>(dynamic_shared), d.warp, d.lane);
-  if (d.warp < a.send_warps) {
-    broadcast_send<kTma>(a, d, tma);
-  } else {
-    broadcast_receive<kTma>(a, d, tma);
-  }
-  tma_drain<kTma>(d.lane);
+  run_data_warps<kTma>(
+      state, a.layout, a.send_warps,
+      [&](const DataWarp& d, TmaWarp& tma) { broadcast_send<kTma>(a, d, tma); },
+      [&](const DataWarp& d, TmaWarp& tma) { broadcast_receive<kTma>(a, d, tma); });
 }
 
 }  // namespace
@@ -106,18 +98,8 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
   const int32_t row_bytes = float_row_bytes(hidden, g_kind);
   if (!group_launch_ok(g) || row_bytes == 0 || capacity < 1) return cudaErrorInvalidValue;
   JAX_EP_CUDA_RETURN(launch_start(g, kOpBroadcast, stream));
-  BroadcastArgs a;
-  a.layout = g.layout;
-  a.g = static_cast<const char*>(grad);
-  a.token_rows = token_rows;
-  a.is_token_in_rank = is_token_in_rank;
-  a.src_index = src_index;
-  a.out = static_cast<char*>(out);
-  a.T = g.num_tokens;
-  a.K = g.num_topk;
-  a.C = capacity;
-  a.row_bytes = row_bytes;
-  a.send_warps = g.send_warps;
+  const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
+                        is_token_in_rank, src_index, static_cast<char*>(out), capacity};
   if (use_tma) {
     JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(broadcast_main_kernel<true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,

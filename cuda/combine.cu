@@ -27,16 +27,12 @@ constexpr int kCombineVecs = 3;                 // 16-byte vectors per lane and 
 constexpr int kStepBytes = 512 * kCombineVecs;  // a piece: one step of a row (1.5 KiB)
 constexpr int kCombineRing = 7;                 // pieces in flight per lane
 
-struct CombineArgs {
-  CommLayout layout;
+struct CombineArgs : DataArgs {
   const char* y;
   const float* row_weights;  // null: unweighted
   const int32_t* token_rows;
   const bool* is_token_in_rank;
   char* out;
-  int32_t T, K;
-  int32_t row_bytes;     // hidden * sizeof(y)
-  int32_t reduce_warps;
   int32_t list_stride;   // entries per token list: K + R
 };
 
@@ -426,7 +422,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
   const DataWarp d = data_warp(state, a.layout);
   const CombineWarp w =
       combine_warp(reinterpret_cast<char*>(dynamic_shared), d.warp, a.list_stride, a.K);
-  const bool reducer = d.warp < a.reduce_warps;
+  const bool reducer = d.warp < a.send_warps;
   const int n_items = reducer ? a.layout.num_chunks * (d.R - 1) : a.layout.num_chunks;
   uint32_t* counter = &d.info->work[reducer ? 0 : 1];
   for (;;) {
@@ -452,18 +448,9 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
   const int32_t row_bytes = float_row_bytes(hidden, y_kind);
   if (!group_launch_ok(g) || row_bytes == 0) return cudaErrorInvalidValue;
   JAX_EP_CUDA_RETURN(launch_start(g, kOpCombine, stream));
-  CombineArgs a;
-  a.layout = g.layout;
-  a.y = static_cast<const char*>(y);
-  a.row_weights = row_weights;
-  a.token_rows = token_rows;
-  a.is_token_in_rank = is_token_in_rank;
-  a.out = static_cast<char*>(out);
-  a.T = g.num_tokens;
-  a.K = g.num_topk;
-  a.row_bytes = row_bytes;
-  a.reduce_warps = g.send_warps;
-  a.list_stride = g.num_topk + g.num_ranks;
+  const CombineArgs a{data_args(g, row_bytes), static_cast<const char*>(y), row_weights,
+                      token_rows, is_token_in_rank, static_cast<char*>(out),
+                      g.num_topk + g.num_ranks};
   const int shared_bytes =
       static_cast<int>(kDataWarps * combine_warp_shared_bytes(a.list_stride, a.K));
   const auto kernel = y_kind == kRowF32 ? combine_main_kernel<true> : combine_main_kernel<false>;

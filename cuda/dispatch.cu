@@ -458,15 +458,10 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
 template <int kConv, bool kTma>
 __global__ void __launch_bounds__(kDataThreads, 1)
     dispatch_main_kernel(DeviceState* state, MainArgs a) {
-  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);  // TMA: per-warp barriers and buffers
-  const DataWarp d = data_warp(state, a.layout);
-  TmaWarp tma = tma_warp_setup_if<kTma>(reinterpret_cast<char*>(dynamic_shared), d.warp, d.lane);
-  if (d.warp < a.send_warps) {
-    dispatch_send<kConv, kTma>(a, d, tma);
-  } else {
-    dispatch_receive<kConv, kTma>(a, d, tma);
-  }
-  tma_drain<kTma>(d.lane);
+  run_data_warps<kTma>(
+      state, a.layout, a.send_warps,
+      [&](const DataWarp& d, TmaWarp& tma) { dispatch_send<kConv, kTma>(a, d, tma); },
+      [&](const DataWarp& d, TmaWarp& tma) { dispatch_receive<kConv, kTma>(a, d, tma); });
 }
 
 template <int kConv>

@@ -373,6 +373,22 @@ __device__ __forceinline__ void send_chunks(const CommLayout& L, const DataWarp&
   }
 }
 
+// The body of a data kernel whose warps copy rows (bulk copies when kTma): warps below send_warps
+// run send(d, tma), the others receive(d, tma); then each drains its bulk stores.
+template <bool kTma, typename Send, typename Receive>
+__device__ __forceinline__ void run_data_warps(DeviceState* state, const CommLayout& L,
+                                               int send_warps, Send send, Receive receive) {
+  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);  // TMA: per-warp barriers and buffers
+  const DataWarp d = data_warp(state, L);
+  TmaWarp tma = tma_warp_setup_if<kTma>(reinterpret_cast<char*>(dynamic_shared), d.warp, d.lane);
+  if (d.warp < send_warps) {
+    send(d, tma);
+  } else {
+    receive(d, tma);
+  }
+  tma_drain<kTma>(d.lane);
+}
+
 // Receiver side: work item `item` over this rank's chunks, then (chunk, other rank) pairs. Sets the
 // source rank *s and chunk *c; for another rank's chunk, lane 0 waits for its flag (bounded, the
 // op named in a timeout), with bulk loads ordered after the acquire. Every lane calls it.

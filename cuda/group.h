@@ -30,6 +30,18 @@ struct GroupLaunch {
 // The fields are in range (the FFI handler validates them; this guards the kernels' arithmetic).
 bool group_launch_ok(const GroupLaunch& g);
 
+// What every data kernel of a GroupLaunch op takes (combine's and broadcast's structs extend it).
+struct DataArgs {
+  CommLayout layout;
+  int32_t T, K;
+  int32_t row_bytes;
+  int32_t send_warps;  // combine: the reducers (they send the partial sums)
+};
+
+inline DataArgs data_args(const GroupLaunch& g, int32_t row_bytes) {
+  return DataArgs{g.layout, g.num_tokens, g.num_topk, row_bytes, g.send_warps};
+}
+
 // Bytes of a row of `hidden` elements of `kind` (kRowBF16 or kRowF32) that a data op moves as
 // 16-byte vectors; 0 when hidden (at least 8, a multiple of 8) or the kind is out of range.
 int32_t float_row_bytes(int32_t hidden, int32_t kind);

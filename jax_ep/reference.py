@@ -97,7 +97,7 @@ def _round_up(x: jax.Array, multiple: int) -> jax.Array:
     return (x + multiple - 1) // multiple * multiple
 
 
-def _take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
+def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
     """table[index] with zeros where index == -1."""
     safe = jnp.where(index >= 0, index, table.shape[0])
     return jnp.take(table, safe, axis=0, mode="fill", fill_value=0)
@@ -156,11 +156,11 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     row_weights = jnp.zeros((capacity,), jnp.float32).at[jnp.where(slot_kept, slot_row, capacity)].set(
         recv_weight, mode="drop")
 
-    rows = _take_rows(recv_x, src_index)
+    rows = take_rows(recv_x, src_index)
     row_scales = None
     if scales is not None:
         recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
-        row_scales = _take_rows(recv_scales.reshape(num_slots, -1), src_index)
+        row_scales = take_rows(recv_scales.reshape(num_slots, -1), src_index)
     handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32)
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle)
@@ -182,7 +182,7 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     partial = jnp.zeros((num_slots, y.shape[1]), jnp.float32)
     for k in range(topk):  # fixed summation order: top-k slot order
         rows = handle.token_rows[:, k]
-        term = _take_rows(yf, rows) * _take_rows(handle.row_weights, rows)[:, None]
+        term = take_rows(yf, rows) * take_rows(handle.row_weights, rows)[:, None]
         partial = partial + term
     partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, -1)
     returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)
@@ -197,7 +197,7 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     (dispatch with a known handle; no gate weights). Empty rows are zero."""
     to_rank = handle.is_token_in_rank.T
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
-    return _take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
+    return take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
 
 
 def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
@@ -205,6 +205,6 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     the slot has no row (unused, duplicate or dropped)."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
-    per_slot = _take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)
+    per_slot = take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)
     returned = _all_to_all(per_slot, cfg.axis_name)
     return jnp.sum(returned, axis=0)
