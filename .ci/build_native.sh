@@ -53,6 +53,8 @@ JAX_EP_PYTHON="$PY" tools/bazel_build.sh
 "$PY" - <<'PYEOF'
 import importlib.util
 
+import jax_ep.runtime  # noqa: F401  (loads the NVSHMEM wheel's host library, as for any jax_ep._C)
+
 spec = importlib.util.spec_from_file_location("jax_ep._C", "bazel-bin/jax_ep/_C.so")
 native = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(native)

@@ -26,6 +26,17 @@ cc_library(
     linkopts = ["-ldl", "-lpthread", "-lrt"],
 )
 
+# NVSHMEM's host library and headers from the nvidia-nvshmem-cu13 wheel (process model 2). The
+# rpath finds the library where the wheel is; jax_ep.runtime also loads it before the extension.
+cc_library(
+    name = "nvshmem_host",
+    srcs = ["nvshmem/lib/libnvshmem_host.so.3"],
+    hdrs = glob(["nvshmem/include/**/*.h", "nvshmem/include/**/*.cuh", "nvshmem/include/**/*.hpp"]),
+    includes = ["nvshmem/include"],
+    linkopts = ["-Wl,-rpath,%{NVSHMEM_LIB}"],
+    deps = [":cuda_headers"],
+)
+
 cc_library(
     name = "python_headers",
     hdrs = glob(["python_include/**/*.h"]),

@@ -1,8 +1,8 @@
 """Repository rule finding every native dependency of jax_ep on the local machine (no downloads).
 
 It runs the Python interpreter (JAX_EP_PYTHON, else PYTHON_BIN_PATH, else python3 on PATH) to
-locate the Python headers, jaxlib's XLA FFI headers (jax.ffi.include_dir()) and the nanobind pip
-package, and finds the CUDA toolkit through CUDA_HOME / CUDA_PATH, nvcc on PATH, or
+locate the Python headers, jaxlib's XLA FFI headers (jax.ffi.include_dir()), the nanobind pip
+package and the NVSHMEM wheel (nvidia-nvshmem-cu13), and finds the CUDA toolkit through CUDA_HOME / CUDA_PATH, nvcc on PATH, or
 /usr/local/cuda. The repository links to those directories and defines cc targets for them.
 """
 
@@ -15,7 +15,13 @@ except Exception:
     import jaxlib
     ffi_include = os.path.join(jaxlib.__path__[0], "include")
 import nanobind
+try:
+    import nvidia.nvshmem
+    nvshmem = list(nvidia.nvshmem.__path__)[0]
+except ImportError:
+    nvshmem = ""
 print(json.dumps({
+    "nvshmem": nvshmem,
     "python_include": sysconfig.get_paths()["include"],
     "ffi_include": ffi_include,
     "nanobind": os.path.dirname(nanobind.include_dir()),
@@ -78,11 +84,20 @@ def _jax_ep_local_deps_impl(ctx):
     _fail_unless_exists(ctx, paths["python_include"] + "/Python.h", "Python.h")
     _fail_unless_exists(ctx, paths["nanobind"] + "/src/nb_combined.cpp", "nanobind's sources")
 
+    if not paths["nvshmem"]:
+        fail("jax_ep_local_deps: %s has no NVSHMEM wheel (pip install nvidia-nvshmem-cu13)" % python)
+    _fail_unless_exists(ctx, paths["nvshmem"] + "/include/nvshmem_host.h", "NVSHMEM's headers")
+    _fail_unless_exists(ctx, paths["nvshmem"] + "/lib/libnvshmem_host.so.3", "libnvshmem_host.so.3")
+
     ctx.symlink(cuda, "cuda")
+    ctx.symlink(paths["nvshmem"], "nvshmem")
     ctx.symlink(paths["python_include"], "python_include")
     ctx.symlink(paths["ffi_include"], "ffi_include")
     ctx.symlink(paths["nanobind"], "nanobind")
-    ctx.template("BUILD.bazel", ctx.attr._build_template, {"%{CUDART_STATIC}": "cuda/" + cudart})
+    ctx.template("BUILD.bazel", ctx.attr._build_template, {
+        "%{CUDART_STATIC}": "cuda/" + cudart,
+        "%{NVSHMEM_LIB}": paths["nvshmem"] + "/lib",
+    })
     ctx.file("paths.txt", "python: %s\ncuda: %s\n%s\n" % (python, cuda, result.stdout))
 
 jax_ep_local_deps = repository_rule(

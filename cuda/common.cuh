@@ -147,7 +147,7 @@ __device__ __forceinline__ void group_barrier_block(DeviceState* state, const Pe
   const int peer_rank = static_cast<int>(threadIdx.x);
   if (peer_rank < group.size) {
     const int peer = group.ordinals[peer_rank];
-    const int me = state->tables.device_ordinal;
+    const int me = state->tables.slot;
     const uint64_t epoch = state->sync.barriers_done[peer] + 1;  // only this thread owns the slot
     state->sync.barriers_done[peer] = epoch;
     __threadfence_system();

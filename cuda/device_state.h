@@ -11,7 +11,9 @@
 
 namespace jax_ep {
 
-// Local GPU ordinals the runtime can manage (process model 1: one process drives all local GPUs).
+// Slots of the device tables. A GPU's *slot* is its index in every table below and in the group
+// records of the kernels: its CUDA ordinal in process model 1 (one process drives all local GPUs),
+// its NVSHMEM PE (= JAX process index) in process model 2 (one process per GPU).
 inline constexpr int kMaxDevices = 32;
 // Ranks in one NVLink group (a group is a set of local devices, so it cannot exceed kMaxDevices).
 inline constexpr int kMaxGroupRanks = kMaxDevices;
@@ -48,7 +50,7 @@ struct FaultRecord {
   int32_t device_ordinal;  // device that faulted
   int32_t rank;            // its rank in the group of the op
   int32_t waited_rank;     // rank it was waiting on (-1 if none)
-  int32_t waited_ordinal;  // device ordinal of that rank (-1 if none)
+  int32_t waited_ordinal;  // slot of that rank (-1 if none)
   uint64_t expected;       // value waited for (epoch) or bytes needed
   uint64_t observed;       // value seen when it gave up, or bytes available
   int64_t elapsed_ns;      // how long it waited
@@ -56,29 +58,31 @@ struct FaultRecord {
 
 // Written by the host only (init / growth / shutdown), while no kernel of the library can run.
 struct DeviceTables {
-  uint8_t* comm_buffers[kMaxDevices];          // every device's communication buffer, by ordinal
-  struct DeviceState* peer_states[kMaxDevices];  // every device's DeviceState, by ordinal
+  // Every reachable GPU's communication buffer and DeviceState, by slot (nullptr: no such GPU, or
+  // not reachable by loads/stores, e.g. on another node).
+  uint8_t* comm_buffers[kMaxDevices];
+  struct DeviceState* peer_states[kMaxDevices];
   uint64_t comm_bytes;                         // size of each communication buffer (0 = none)
   uint64_t timeout_ns;                         // bound of every spin-wait
   FaultRecord* fault_record;                   // device view of this device's pinned record
-  int32_t device_ordinal;                      // the device this state lives on
-  int32_t reserved;
+  int32_t device_ordinal;                      // CUDA ordinal of the device this state lives on
+  int32_t slot;                                // its slot in the tables
 };
 
 // Written by kernels only; zeroed once when the state is created and never reset, so counters stay
 // consistent across calls, CUDA-graph replays and re-initialisation.
 struct SyncCounters {
-  // arrived[o]: how many group barriers device o has entered together with this device.
-  // Written by device o (a peer store), read here.
+  // arrived[s]: how many group barriers the GPU of slot s has entered together with this device.
+  // Written by that GPU (a peer store), read here.
   alignas(128) uint64_t arrived[kMaxDevices];
-  // barriers_done[o]: how many group barriers this device has entered together with device o.
+  // barriers_done[s]: how many group barriers this device has entered together with slot s.
   // Local bookkeeping; its parity also selects the half of a double-buffered slot.
   alignas(128) uint64_t barriers_done[kMaxDevices];
   // 0 until the first fault on this device: the faulting thread that flips it owns the (host-mapped)
   // FaultRecord. Kept in device memory because atomics on host-mapped memory need PCIe atomics.
   int32_t fault_claimed;
   // Group discovery of the EP ops (they know their rank and group only as device scalars).
-  // directory[a][g][r]: (epoch << 16) | device ordinal of rank r of group g of axis slot a, written
+  // directory[a][g][r]: (epoch << 16) | slot of rank r of group g of axis slot a, written
   // (release, system scope) by that rank into the directory of EVERY managed device at the start
   // of each op; a rank reads only its own directory. group_epoch[a][g]: how many EP ops this
   // device has run as a member of group g of axis slot a (local bookkeeping, counted on the
@@ -101,7 +105,7 @@ inline constexpr size_t kDeviceTablesBytes = sizeof(DeviceTables);
 struct PeerGroup {
   int32_t size;                       // R
   int32_t my_rank;                    // this device's rank in the group
-  int32_t ordinals[kMaxGroupRanks];   // device ordinal of each rank
+  int32_t ordinals[kMaxGroupRanks];   // slot of each rank
 };
 
 }  // namespace jax_ep

@@ -172,7 +172,7 @@ __device__ __forceinline__ char* comm_buffer_of(DeviceState* state, int ordinal)
 }
 
 __device__ __forceinline__ char* own_comm_buffer(DeviceState* state) {
-  return comm_buffer_of(state, state->tables.device_ordinal);
+  return comm_buffer_of(state, state->tables.slot);
 }
 
 #ifndef JAX_EP_EMULATION
@@ -249,7 +249,7 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
   const uint64_t epoch = info->expected >> 16;
   const int group = info->group;
   const int rank = info->rank;
-  const uint64_t entry = (epoch << 16) | static_cast<uint64_t>(state->tables.device_ordinal);
+  const uint64_t entry = (epoch << 16) | static_cast<uint64_t>(state->tables.slot);
   for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
     DeviceState* device = state->tables.peer_states[o];
     if (device != nullptr) {

@@ -97,8 +97,8 @@ def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
     together with each rank, counted on the device).
     """
     group_size = int(mesh.shape[axis_name])
-    mesh_ordinals = _local_group_ordinals(mesh, axis_name)
     runtime.register_targets()
+    mesh_slots = _local_group_slots(mesh, axis_name)
     call = jax.ffi.ffi_call(
         "jax_ep_peer_smoke",
         (jax.ShapeDtypeStruct((group_size, int(n)), jnp.uint32),
@@ -106,7 +106,7 @@ def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
         has_side_effect=True,  # it communicates: never dropped, never merged with another call
         vmap_method="sequential",
     )
-    received, epochs = call(jnp.asarray(tag, jnp.int32).reshape(()), mesh_ordinals=mesh_ordinals,
+    received, epochs = call(jnp.asarray(tag, jnp.int32).reshape(()), mesh_slots=mesh_slots,
                             group_size=np.int64(group_size), n=np.int64(n))
     try:
         jax.lax.axis_size(axis_name)
@@ -115,23 +115,29 @@ def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
     return vary_over((received, epochs), (axis_name,))
 
 
-def _local_group_ordinals(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
-    """The CUDA ordinals of the mesh's EP groups that live in this process, flattened row-major as
-    [groups, R] (rank = position along ``axis_name``). Each device finds its row and column in it,
-    so the attribute is static and valid for every device of the program."""
+def _local_group_slots(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
+    """The slots (cuda/device_state.h) of the mesh's EP groups this process takes part in,
+    flattened row-major as [groups, R] (rank = position along ``axis_name``). Each device finds its
+    row and column in it, so the attribute is static and valid for every device of the program."""
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     devices = np.asarray(mesh.devices)
     if any(d.platform != "gpu" for d in devices.flat):
         raise ValueError("jax_ep CUDA ops need a mesh of GPU devices")
-    return group_ordinals(devices, mesh.axis_names.index(axis_name), jax.process_index())
+    return group_slots(devices, mesh.axis_names.index(axis_name), jax.process_index(),
+                       runtime.process_model())
 
 
-def group_ordinals(devices: np.ndarray, axis: int, process_index: int) -> np.ndarray:
-    """Rows of local_hardware_id along ``axis`` (one row per EP group) for the groups whose
-    devices all belong to ``process_index``, flattened. A group split across processes needs
-    process model 2 (NVSHMEM), which this build does not have."""
+def group_slots(devices: np.ndarray, axis: int, process_index: int,
+                model: str = "local_peers") -> np.ndarray:
+    """Rows of slots along ``axis`` (one row per EP group), flattened. Process model 1
+    (``local_peers``): the groups whose devices all belong to ``process_index``, by CUDA ordinal
+    (local_hardware_id); a group split across processes is an error. Model 2 (``process_per_gpu``):
+    every group, by process index (the NVSHMEM PE)."""
     groups = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+    if model == "process_per_gpu":
+        return np.asarray([[d.process_index for d in group] for group in groups],
+                          dtype=np.int64).reshape(-1)
     rows = []
     for group in groups:
         local = [d.process_index == process_index for d in group]
@@ -139,8 +145,8 @@ def group_ordinals(devices: np.ndarray, axis: int, process_index: int) -> np.nda
             rows.append([d.local_hardware_id for d in group])
         elif any(local):
             raise NotImplementedError(
-                f"jax_ep: the EP group {[d.id for d in group]} spans processes; the NVLink path "
-                "of this build needs every rank of a group in one process (process model 1)")
+                f"jax_ep: the EP group {[d.id for d in group]} spans processes that drive several "
+                "GPUs each; across processes jax_ep needs one GPU per process (process model 2)")
     return np.asarray(rows, dtype=np.int64).reshape(-1)
 
 
@@ -206,7 +212,11 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
 
 
 def _call(op: str, out_types, *args, **attrs):
-    runtime.register_targets()
+    # What the call site will reserve when instantiated (handlers.cc: DataOpInstantiate), grown
+    # now where growing is collective (process model 2).
+    runtime.reserve(runtime.extension().comm_bytes(
+        int(attrs["num_ranks"]), int(attrs["num_tokens"]), int(attrs["num_topk"]),
+        int(attrs["num_experts"]), int(attrs["row_bytes"]), int(attrs["scale_bytes"])))
     return jax.ffi.ffi_call(f"jax_ep_{op}", out_types, has_side_effect=True,
                             vmap_method="sequential")(*args, **attrs)
 

@@ -1,5 +1,10 @@
-"""The native runtime: loads the optional CUDA extension ``jax_ep._C`` and registers its XLA FFI
-targets (process model 1: this process drives all local GPUs).
+"""The native runtime: loads the optional CUDA extension ``jax_ep._C``, registers its XLA FFI
+targets and sets up the GPUs in one of two process models:
+
+1. ``local_peers``: this process drives all its local GPUs (CUDA peer access between them);
+2. ``process_per_gpu``: one process per GPU (``jax.distributed`` with several processes and one
+   local GPU each): NVSHMEM, bootstrapped through JAX's key-value store, holds the buffers on its
+   symmetric heap, and the kernels reach every GPU of the node through ``nvshmem_ptr`` addresses.
 
 Nothing here touches CUDA at import time. ``available()`` answers whether the CUDA backend can run
 (and why not); ``register_targets()`` is called at trace time by the CUDA ops and hands the runtime
@@ -11,17 +16,43 @@ and holds the runtime until the executable is destroyed. ``check_errors()`` turn
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import functools
+import os
 import threading
 
 import jax
 
+from jax_ep import distributed
+
+
+def _load_nvshmem() -> str | None:
+    """Loads the NVSHMEM host library of the ``nvidia-nvshmem-cu13`` wheel (the copy jax[cuda13]
+    uses) into the process, so that the extension and XLA share one NVSHMEM. None when loaded, else
+    why not."""
+    try:
+        import nvidia.nvshmem as wheel
+    except ImportError:
+        return "the NVSHMEM wheel is not installed (pip install nvidia-nvshmem-cu13)"
+    for folder in wheel.__path__:
+        path = os.path.join(folder, "lib", "libnvshmem_host.so.3")
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as e:
+                return f"cannot load {path}: {e}"
+            return None
+    return f"libnvshmem_host.so.3 not found under {list(wheel.__path__)}"
+
+
 try:  # the extension is optional: it exists only when the package was built with nvcc
+    _NVSHMEM_ERROR = _load_nvshmem()
     from jax_ep import _C
     _IMPORT_ERROR: str | None = None
 except ImportError as e:  # pragma: no cover - depends on the build
     _C = None
-    _IMPORT_ERROR = str(e)
+    _IMPORT_ERROR = str(e) + (f" ({_NVSHMEM_ERROR})" if _NVSHMEM_ERROR else "")
 
 # Every FFI target the extension exports (names as registered with XLA).
 FFI_TARGETS = ("jax_ep_dispatch_layout", "jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine",
@@ -31,6 +62,7 @@ STATE_TYPE = "jax_ep_op_state"  # the FFI state type of the communicating ops (i
 
 _lock = threading.Lock()
 _registered = False
+_collective_calls = 0  # process model 2: collective set-up calls made by this process
 
 
 class DeviceFaultError(RuntimeError):
@@ -51,6 +83,15 @@ def extension_error() -> str | None:
 def local_gpu_ordinals() -> list[int]:
     """CUDA ordinals of the GPUs JAX uses in this process, in JAX's device order."""
     return [d.local_hardware_id for d in jax.local_devices(backend="gpu")]
+
+
+def process_model() -> str:
+    """``"process_per_gpu"`` (process model 2, NVSHMEM) when this JAX program runs as several
+    processes with one local GPU each, else ``"local_peers"`` (model 1: EP groups live inside one
+    process)."""
+    if distributed.is_multiprocess() and len(local_gpu_ordinals()) == 1:
+        return "process_per_gpu"
+    return "local_peers"
 
 
 @functools.cache
@@ -115,7 +156,67 @@ def register_targets() -> None:
                 jax.ffi.register_ffi_target(name, stages, platform="CUDA")
             _registered = True
         if not _C.managed_devices():
-            _C.init(local_gpu_ordinals(), 0)
+            if process_model() == "process_per_gpu":
+                _init_process_group(0)
+            else:
+                _C.init(local_gpu_ordinals(), 0)
+
+
+def _init_process_group(buffer_bytes: int) -> None:
+    """Process model 2, collective (every process calls it in the same order): agrees on the buffer
+    size through the key-value store, bootstraps NVSHMEM on the first call (process 0's unique id
+    through the store), and grows the symmetric buffer when needed. Every wait is bounded and names
+    the processes that did not arrive. The caller holds _lock."""
+    global _collective_calls
+    me, count = jax.process_index(), jax.process_count()
+    call = _collective_calls
+    _collective_calls += 1
+    key = f"jax_ep/process_group/{call}"
+    distributed.kv_set_bytes(f"{key}/bytes/{me}", str(int(buffer_bytes)).encode())
+    wanted = max(int(distributed.kv_get_bytes(f"{key}/bytes/{p}", writer=f"process {p}"))
+                 for p in range(count))
+    first = _C.process_group()["model"] == "none"
+    unique_id = b""
+    if first:
+        if me == 0:
+            unique_id = _C.nvshmem_unique_id()
+            distributed.kv_set_bytes("jax_ep/nvshmem_unique_id", unique_id)
+        else:
+            unique_id = distributed.kv_get_bytes("jax_ep/nvshmem_unique_id", writer="process 0")
+        # NVSHMEM's own bootstrap waits without a bound: enter it only once every process is here.
+        distributed.barrier("jax_ep/nvshmem_init")
+    _C.init_process_group(local_gpu_ordinals()[0], unique_id, me, count, wanted)
+    if first:
+        atexit.register(_finalize_process_group)
+        group = _C.process_group()
+        unreachable = sorted(set(range(count)) - set(group["reachable_pes"]))
+        if unreachable:
+            raise NotImplementedError(
+                f"jax_ep: process {me} cannot reach the GPUs of processes {unreachable} by NVLink/"
+                "P2P loads and stores (other nodes); the inter-node (RDMA) path of process model 2 "
+                "is not built yet, so every process of the job must be on one node")
+
+
+def _finalize_process_group() -> None:
+    """At exit, process model 2: frees the symmetric buffers and finalises NVSHMEM, after a bounded
+    barrier (NVSHMEM's finalize is collective and would wait forever for a dead process)."""
+    try:
+        distributed.barrier("jax_ep/nvshmem_finalize", timeout_s=60)
+        jax.clear_caches()  # compiled EP calls hold the runtime
+        _C.finalize_process_group()
+    except Exception as e:  # noqa: BLE001 - at exit: report, never hang or mask the exit status
+        print(f"jax_ep: process model 2 teardown skipped: {e}")
+
+
+def reserve(buffer_bytes: int) -> None:
+    """Called when an EP op is traced with what it needs. Process model 2 grows the symmetric buffer
+    here, collectively (every process traces the same ops in the same order); model 1 needs nothing
+    (the op's instantiation reserves its buffer)."""
+    register_targets()
+    if _C.process_group()["model"] != "process_per_gpu" or buffer_bytes <= _C.buffer_bytes():
+        return
+    with _lock:
+        _init_process_group(buffer_bytes)
 
 
 def ensure_initialized(buffer_bytes: int) -> None:
@@ -125,13 +226,17 @@ def ensure_initialized(buffer_bytes: int) -> None:
     has to grow them: growing synchronises every GPU)."""
     register_targets()
     with _lock:
-        _C.init(local_gpu_ordinals(), max(int(buffer_bytes), 0))
+        if _C.process_group()["model"] == "process_per_gpu":
+            _init_process_group(max(int(buffer_bytes), 0))  # collective: call it on every process
+        else:
+            _C.init(local_gpu_ordinals(), max(int(buffer_bytes), 0))
 
 
 def shutdown() -> None:
     """Frees the communication buffers (after synchronising the GPUs). Refuses, with a RuntimeError,
     while compiled computations that use EP ops are alive (they hold the runtime): delete them and
-    call ``jax.clear_caches()`` first. The next instantiation sets the runtime up again."""
+    call ``jax.clear_caches()`` first. The next instantiation sets the runtime up again. In process
+    model 2 it is collective: call it on every process."""
     if _C is None:
         return
     with _lock:

@@ -125,7 +125,7 @@ def test_kernel_support_is_decided_from_the_limits(monkeypatch):
     assert "float16" in cuda_backend.unsupported("broadcast", cfg, 4, "float16")
 
 
-def test_group_ordinals_put_the_ep_axis_last():
+def test_group_slots_put_the_ep_axis_last():
     """The static group table of the peer ops: one row per EP group, columns = ranks."""
     from types import SimpleNamespace
 
@@ -136,13 +136,16 @@ def test_group_ordinals_put_the_ep_axis_last():
 
     grid = np.array([[device(0), device(1), device(2)],
                      [device(3), device(4), device(5)]], dtype=object)  # mesh ("dp", "ep")
-    assert cuda_backend.group_ordinals(grid, 1, 0).tolist() == [10, 11, 12, 13, 14, 15]
-    assert cuda_backend.group_ordinals(grid, 0, 0).tolist() == [10, 13, 11, 14, 12, 15]
+    assert cuda_backend.group_slots(grid, 1, 0).tolist() == [10, 11, 12, 13, 14, 15]
+    assert cuda_backend.group_slots(grid, 0, 0).tolist() == [10, 13, 11, 14, 12, 15]
     # groups of other processes are left out; a group split across processes is refused
     two_hosts = np.array([[device(0), device(1)], [device(2, 1), device(3, 1)]], dtype=object)
-    assert cuda_backend.group_ordinals(two_hosts, 1, 1).tolist() == [12, 13]
+    assert cuda_backend.group_slots(two_hosts, 1, 1).tolist() == [12, 13]
     with pytest.raises(NotImplementedError, match="spans processes"):
-        cuda_backend.group_ordinals(two_hosts, 0, 0)
+        cuda_backend.group_slots(two_hosts, 0, 0)
+    # process model 2: every group, each rank by its process (the NVSHMEM PE)
+    per_gpu = np.array([[device(0, 0), device(1, 1)], [device(2, 2), device(3, 3)]], dtype=object)
+    assert cuda_backend.group_slots(per_gpu, 0, 1, "process_per_gpu").tolist() == [0, 2, 1, 3]
 
 
 def test_peer_ops_refuse_non_gpu_meshes():
@@ -151,6 +154,6 @@ def test_peer_ops_refuse_non_gpu_meshes():
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
     with pytest.raises(ValueError, match="GPU"):
-        cuda_backend._local_group_ordinals(mesh, "ep")
+        cuda_backend._local_group_slots(mesh, "ep")
     with pytest.raises(ValueError, match="not an axis"):
-        cuda_backend._local_group_ordinals(mesh, "tp")
+        cuda_backend._local_group_slots(mesh, "tp")

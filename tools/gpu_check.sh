@@ -9,6 +9,7 @@
 #      SKIP_TESTS=1 skips the GPU tests
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
+#      PG_BENCH=1 runs the process-model-2 benchmark (2 processes x 1 GPU, NVSHMEM)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -103,6 +104,23 @@ if [ "${SKIP_LAYER:-0}" != 1 ]; then
   "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" || layer_rc=1
   echo "layer bench: rc=$layer_rc in $((SECONDS - start)) s (log: $OUT/bench_layer.log)" | tee -a "$OUT/summary.txt"
   [ $layer_rc -eq 0 ] || status=1
+fi
+
+if [ "${PG_BENCH:-0}" = 1 ]; then
+  step "process model 2 benchmark: 2 processes x 1 GPU (tests/gpu/process_group_worker.py --bench)"
+  start=$SECONDS
+  port=$(( 20000 + RANDOM % 20000 ))
+  pids=()
+  for p in 0 1; do
+    timeout 500 "$PY" tests/gpu/process_group_worker.py "127.0.0.1:$port" 2 $p --bench \
+      "$OUT/bench_pg.json" >"$OUT/pg_bench_$p.log" 2>&1 &
+    pids+=($!)
+  done
+  pg_rc=0
+  for pid in "${pids[@]}"; do wait "$pid" || pg_rc=1; done
+  grep -E "^bench|OK" "$OUT/pg_bench_0.log" "$OUT/pg_bench_1.log"
+  echo "process model 2 bench: rc=$pg_rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  [ $pg_rc -eq 0 ] || { status=1; tail -30 "$OUT/pg_bench_0.log" "$OUT/pg_bench_1.log"; }
 fi
 
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT)" | tee -a "$OUT/summary.txt"

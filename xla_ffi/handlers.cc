@@ -144,7 +144,7 @@ ffi::Error Invalid(const char* op, const std::string& what) {
 // Reserves the call site's buffer and builds its state; runtime errors become FFI errors.
 ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& attrs,
                                                  const CommLayout& layout,
-                                                 std::vector<int64_t> mesh_ordinals = {}) {
+                                                 std::vector<int64_t> mesh_slots = {}) {
   auto state = std::make_unique<OpState>();
   try {
     state->runtime = Runtime::Shared();
@@ -154,7 +154,7 @@ ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& 
   }
   state->attrs = attrs;
   state->layout = layout;
-  state->mesh_ordinals = std::move(mesh_ordinals);
+  state->mesh_slots = std::move(mesh_slots);
   return state;
 }
 
@@ -237,51 +237,56 @@ ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& s
 // jax_ep_peer_smoke
 // ---------------------------------------------------------------------------------------------
 
-// `mesh_ordinals` is the mesh's device ordinals with the EP axis last, flattened: rows of
-// `group_size` ordinals, one row per EP group. The calling device finds its own row (its group)
-// and column (its rank): static information, so a CUDA graph may bake it.
+// `mesh_slots` is the mesh's device slots (cuda/device_state.h) with the EP axis last, flattened:
+// rows of `group_size` slots, one row per EP group. The calling device finds its own row (its
+// group) and column (its rank): static information, so a CUDA graph may bake it.
 ffi::Error ResolveGroup(int32_t device_ordinal, const OpState& state, const char* op,
                         PeerGroup* group) {
-  const std::vector<int64_t>& mesh_ordinals = state.mesh_ordinals;
+  const std::vector<int64_t>& mesh_slots = state.mesh_slots;
   const int64_t group_size = state.attrs.num_ranks;
-  const int64_t total = static_cast<int64_t>(mesh_ordinals.size());
+  const int64_t total = static_cast<int64_t>(mesh_slots.size());
+  const int my_slot = state.runtime->Slot(device_ordinal);
+  if (my_slot < 0) {
+    return ffi::Error::Internal(std::string(op) + ": GPU " + std::to_string(device_ordinal) +
+                                " is not managed by the jax_ep runtime");
+  }
   int64_t position = -1;
   for (int64_t i = 0; i < total; ++i) {
-    if (mesh_ordinals[i] == device_ordinal) {
+    if (mesh_slots[i] == my_slot) {
       if (position >= 0) {
-        return Invalid(op, "device ordinal " + std::to_string(device_ordinal) +
-                               " appears twice in mesh_ordinals");
+        return Invalid(op, "slot " + std::to_string(my_slot) + " appears twice in mesh_slots");
       }
       position = i;
     }
   }
   if (position < 0) {
-    return Invalid(op, "device ordinal " + std::to_string(device_ordinal) +
-                           " is not in the mesh this op was traced for");
+    return Invalid(op, "GPU " + std::to_string(device_ordinal) + " (slot " +
+                           std::to_string(my_slot) + ") is not in the mesh this op was traced for");
   }
   const int64_t row = position / group_size;
   group->size = static_cast<int32_t>(group_size);
   group->my_rank = static_cast<int32_t>(position % group_size);
   for (int64_t rank = 0; rank < group_size; ++rank) {
-    const int64_t ordinal = mesh_ordinals[row * group_size + rank];
-    if (state.runtime->State(static_cast<int>(ordinal)) == nullptr) {
-      return ffi::Error::Internal(std::string(op) + ": GPU " + std::to_string(ordinal) + " (rank " +
-                                  std::to_string(rank) + ") is not managed by the jax_ep runtime");
+    const int64_t slot = mesh_slots[row * group_size + rank];
+    if (!state.runtime->SlotReachable(static_cast<int>(slot))) {
+      return ffi::Error::Internal(std::string(op) + ": the GPU of slot " + std::to_string(slot) +
+                                  " (rank " + std::to_string(rank) +
+                                  ") is not reachable through the jax_ep runtime");
     }
-    group->ordinals[rank] = static_cast<int32_t>(ordinal);
+    group->ordinals[rank] = static_cast<int32_t>(slot);
   }
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<std::unique_ptr<OpState>> PeerSmokeInstantiate(ffi::Span<const int64_t> mesh_ordinals,
+ffi::ErrorOr<std::unique_ptr<OpState>> PeerSmokeInstantiate(ffi::Span<const int64_t> mesh_slots,
                                                             int64_t group_size, int64_t n) {
   constexpr const char* kOp = kPeerSmokeTarget;
-  const int64_t total = static_cast<int64_t>(mesh_ordinals.size());
+  const int64_t total = static_cast<int64_t>(mesh_slots.size());
   if (group_size < 1 || group_size > kMaxGroupRanks || total % group_size != 0 || n < 0) {
     return ffi::Unexpected(Invalid(kOp, "group_size=" + std::to_string(group_size) +
                                             " must be in [1, " + std::to_string(kMaxGroupRanks) +
                                             "] and divide the " + std::to_string(total) +
-                                            " mesh ordinals; n=" + std::to_string(n)));
+                                            " mesh slots; n=" + std::to_string(n)));
   }
   EPAttrs attrs{};
   attrs.num_ranks = group_size;
@@ -289,7 +294,7 @@ ffi::ErrorOr<std::unique_ptr<OpState>> PeerSmokeInstantiate(ffi::Span<const int6
   CommLayout layout{};
   layout.total = peer_smoke_comm_bytes(group_size, n);
   return MakeState(kOp, attrs, layout,
-                   std::vector<int64_t>(mesh_ordinals.begin(), mesh_ordinals.end()));
+                   std::vector<int64_t>(mesh_slots.begin(), mesh_slots.end()));
 }
 
 ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -613,7 +618,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchLayout, jax_ep::DispatchLayoutImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerSmokeInstantiate, jax_ep::PeerSmokeInstantiate,
                               ffi::Ffi::BindInstantiate()
-                                  .Attr<ffi::Span<const int64_t>>("mesh_ordinals")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_slots")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("n"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerSmoke, jax_ep::PeerSmokeImpl,

@@ -46,7 +46,7 @@ struct OpState {
   std::shared_ptr<Runtime> runtime;
   EPAttrs attrs;
   CommLayout layout;
-  std::vector<int64_t> mesh_ordinals;  // peer_smoke: the mesh's ordinals, EP axis last
+  std::vector<int64_t> mesh_slots;  // peer_smoke: the mesh's slots, EP axis last
 };
 
 // How often each handler ran, and how often XLA was capturing it into a CUDA graph (command

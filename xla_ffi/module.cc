@@ -16,6 +16,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/runtime.h"
+#include "xla_ffi/symmetric_heap.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -128,6 +129,53 @@ NB_MODULE(_C, m) {
       "between all pairs, device-side peer tables. Idempotent; grows buffers only if needed "
       "(synchronising every managed GPU first). Raises RuntimeError naming the GPU pair when "
       "peer access is impossible. Reads JAX_EP_TIMEOUT_S (seconds, default 10).");
+
+  m.def(
+      "nvshmem_unique_id",
+      [] {
+        const std::vector<uint8_t> id = jax_ep::symmetric_heap::NewUniqueId();
+        return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+      },
+      "A fresh NVSHMEM unique id (process 0 of process model 2 makes it and publishes it).");
+
+  m.def(
+      "init_process_group",
+      [](int device_ordinal, nb::bytes unique_id, int rank, int nranks, uint64_t buffer_bytes) {
+        const auto* data = static_cast<const uint8_t*>(unique_id.data());
+        std::vector<uint8_t> id(data, data + unique_id.size());
+        nb::gil_scoped_release release;  // collective: waits for the other processes
+        jax_ep::Runtime::Get().InitProcessGroup(device_ordinal, id, rank, nranks, buffer_bytes);
+      },
+      "device_ordinal"_a, "unique_id"_a, "rank"_a, "nranks"_a, "buffer_bytes"_a,
+      "Process model 2 (collective, every process, same order and sizes): join NVSHMEM as PE "
+      "`rank` of `nranks` on GPU `device_ordinal`, put the state and a communication buffer of "
+      ">= buffer_bytes on the symmetric heap, tables of every PE reachable by loads/stores. A "
+      "later call grows the buffer if needed.");
+
+  m.def(
+      "finalize_process_group",
+      [] {
+        nb::gil_scoped_release release;
+        jax_ep::Runtime::Get().FinalizeProcessGroup();
+      },
+      "Process model 2 at exit (collective): free the symmetric buffers, finalise NVSHMEM if "
+      "jax_ep initialised it.");
+
+  m.def(
+      "process_group",
+      [] {
+        const jax_ep::Runtime& runtime = jax_ep::Runtime::Get();
+        nb::dict info;
+        const jax_ep::ProcessModel model = runtime.Model();
+        info["model"] = model == jax_ep::ProcessModel::kProcessPerGpu ? "process_per_gpu"
+                        : model == jax_ep::ProcessModel::kLocalPeers  ? "local_peers"
+                                                                      : "none";
+        info["pe"] = runtime.Pe();
+        info["num_pes"] = runtime.NumPes();
+        info["reachable_pes"] = runtime.ReachablePes();
+        return info;
+      },
+      "{'model': 'none' | 'local_peers' | 'process_per_gpu', 'pe', 'num_pes', 'reachable_pes'}.");
 
   m.def(
       "shutdown",

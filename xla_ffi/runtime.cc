@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "cuda/cuda_check.h"
+#include "xla_ffi/symmetric_heap.h"
 
 namespace jax_ep {
 namespace {
@@ -86,6 +87,18 @@ std::shared_ptr<Runtime> Runtime::Shared() { return Holder(); }
 Runtime& Runtime::Get() { return *Holder(); }
 
 void Runtime::Reserve(uint64_t buffer_bytes) {
+  if (Model() == ProcessModel::kProcessPerGpu) {
+    const uint64_t have = CommBytes();
+    if (buffer_bytes > have) {
+      throw std::runtime_error(
+          "the op needs " + std::to_string(buffer_bytes) + " bytes of communication buffer and "
+          "the symmetric buffer has " + std::to_string(have) + " (process model 2 grows it only "
+          "collectively: jax_ep does it when an EP op is traced; after shutdown(), or for an "
+          "executable loaded without tracing, call jax_ep.runtime.ensure_initialized(bytes) on "
+          "every process first)");
+    }
+    return;
+  }
   std::vector<int> devices;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -103,6 +116,8 @@ Runtime::Runtime() {
     states_[i].store(nullptr, std::memory_order_relaxed);
     managed_[i].store(false, std::memory_order_relaxed);
     sm_count_[i].store(0, std::memory_order_relaxed);
+    slot_[i].store(-1, std::memory_order_relaxed);
+    reachable_[i].store(false, std::memory_order_relaxed);
   }
 }
 
@@ -144,6 +159,27 @@ DeviceState* Runtime::State(int ordinal) const {
   return states_[ordinal].load(std::memory_order_acquire);
 }
 
+int Runtime::Slot(int ordinal) const {
+  if (State(ordinal) == nullptr) return -1;
+  return slot_[ordinal].load(std::memory_order_acquire);
+}
+
+bool Runtime::SlotReachable(int slot) const {
+  if (slot < 0 || slot >= kMaxDevices) return false;
+  if (Model() == ProcessModel::kProcessPerGpu) {
+    return reachable_[slot].load(std::memory_order_acquire) && CommBytes() > 0;
+  }
+  return State(slot) != nullptr;
+}
+
+std::vector<int> Runtime::ReachablePes() const {
+  std::vector<int> pes;
+  for (int pe = 0; pe < kMaxDevices; ++pe) {
+    if (reachable_[pe].load(std::memory_order_acquire)) pes.push_back(pe);
+  }
+  return pes;
+}
+
 int Runtime::SmCount(int ordinal) const {
   if (ordinal < 0 || ordinal >= kMaxDevices) return 0;
   return sm_count_[ordinal].load(std::memory_order_acquire);
@@ -164,6 +200,10 @@ double Runtime::TimeoutSeconds() const {
 
 void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (Model() == ProcessModel::kProcessPerGpu) {
+    throw std::runtime_error("jax_ep.init: this process already runs process model 2 (one process "
+                             "per GPU over NVSHMEM); the local-peer model cannot be mixed in");
+  }
 
   // ---- validate, before touching any state ----
   const int count = DeviceCount();
@@ -218,14 +258,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   // Growing replaces buffers every kernel reads through the tables: wait until none runs.
   if (grow && !before.empty()) SynchronizeDevices(before);
 
-  if (fault_records_ == nullptr) {
-    void* records = nullptr;
-    // Portable: one allocation visible to every device; mapped: kernels write it directly.
-    JAX_EP_CUDA_THROW(cudaHostAlloc(&records, sizeof(FaultRecord) * kMaxDevices,
-                                    cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(records, 0, sizeof(FaultRecord) * kMaxDevices);
-    fault_records_ = static_cast<FaultRecord*>(records);
-  }
+  EnsureFaultRecords();
 
   for (int ordinal : joining) {
     int sm_count = 0;
@@ -294,7 +327,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
     tables.comm_bytes = target_bytes;
     tables.timeout_ns = timeout_ns;
     JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
-    UploadTables(ordinal, tables);
+    UploadTables(ordinal, ordinal, tables);
   }
   for (int ordinal : need_buffer) {
     if (old_buffers[ordinal] != nullptr) {
@@ -306,15 +339,142 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
 
   timeout_ns_ = timeout_ns;
   comm_bytes_.store(target_bytes, std::memory_order_release);
-  for (int ordinal : all) managed_[ordinal].store(true, std::memory_order_release);
+  for (int ordinal : all) {
+    slot_[ordinal].store(ordinal, std::memory_order_release);
+    managed_[ordinal].store(true, std::memory_order_release);
+  }
   devices_ = all;  // every GPU ever given (all includes the managed ones)
+  model_.store(ProcessModel::kLocalPeers, std::memory_order_release);
 }
 
-void Runtime::UploadTables(int ordinal, DeviceTables tables) {
+void Runtime::EnsureFaultRecords() {
+  if (fault_records_ != nullptr) return;
+  void* records = nullptr;
+  // Portable: one allocation visible to every device; mapped: kernels write it directly.
+  JAX_EP_CUDA_THROW(cudaHostAlloc(&records, sizeof(FaultRecord) * kMaxDevices,
+                                  cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(records, 0, sizeof(FaultRecord) * kMaxDevices);
+  fault_records_ = static_cast<FaultRecord*>(records);
+}
+
+void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_id, int rank,
+                               int nranks, uint64_t buffer_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (Model() == ProcessModel::kLocalPeers) {
+    throw std::runtime_error("jax_ep: this process already drives its GPUs in process model 1 "
+                             "(local peers); process model 2 cannot be mixed in");
+  }
+  const int count = DeviceCount();
+  if (ordinal < 0 || ordinal >= count || ordinal >= kMaxDevices) {
+    throw std::invalid_argument("jax_ep: device ordinal " + std::to_string(ordinal) +
+                                " out of range (this process sees " + std::to_string(count) +
+                                " CUDA devices)");
+  }
+  if (nranks < 1 || nranks > kMaxDevices || rank < 0 || rank >= nranks) {
+    throw std::invalid_argument(
+        "jax_ep: process model 2 got rank " + std::to_string(rank) + " of " +
+        std::to_string(nranks) + " processes; this build supports 1 to " +
+        std::to_string(kMaxDevices) + " processes (the device tables have one slot per PE)");
+  }
+  if (Model() == ProcessModel::kProcessPerGpu &&
+      (ordinal != pg_ordinal_ || rank != pe_ || nranks != num_pes_)) {
+    throw std::runtime_error("jax_ep: process model 2 was set up as PE " + std::to_string(pe_) +
+                             " of " + std::to_string(num_pes_) + " on GPU " +
+                             std::to_string(pg_ordinal_) + "; got PE " + std::to_string(rank) +
+                             " of " + std::to_string(nranks) + " on GPU " +
+                             std::to_string(ordinal));
+  }
+  const uint64_t timeout_ns = TimeoutNsFromEnv();
+  uint64_t target = std::max(CommBytes(), std::max<uint64_t>(buffer_bytes, 1));
+  target = (target + kBufferGranularity - 1) / kBufferGranularity * kBufferGranularity;
+  const bool first = Model() == ProcessModel::kNone;
+  // Decided by sizes only, which agree on every process (the rebuild is collective).
+  if (!first && target <= CommBytes()) return;
+
+  CurrentDeviceGuard device_guard;
+  JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+  if (first) {
+    EnsureFaultRecords();
+    int sm_count = 0;
+    JAX_EP_CUDA_THROW(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, ordinal));
+    sm_count_[ordinal].store(sm_count, std::memory_order_release);
+    // Room for the state, the buffer and the growth of one more buffer of the same size.
+    const uint64_t heap = std::max<uint64_t>(1ull << 30, 2 * target + (64ull << 20));
+    symmetric_heap::Init(unique_id, rank, nranks, heap);
+    void* state = symmetric_heap::Allocate(sizeof(DeviceState));
+    JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
+    JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
+    symmetric_heap::BarrierAll();  // no peer writes into a state before its owner zeroed it
+    states_[ordinal].store(static_cast<DeviceState*>(state), std::memory_order_release);
+    pe_ = rank;
+    num_pes_ = nranks;
+    pg_ordinal_ = ordinal;
+    for (int pe = 0; pe < nranks; ++pe) {
+      reachable_[pe].store(symmetric_heap::PeerAddress(state, pe) != nullptr,
+                           std::memory_order_release);
+    }
+    model_.store(ProcessModel::kProcessPerGpu, std::memory_order_release);
+  }
+  if (first) timeout_ns_ = timeout_ns;  // read once: a rebuild must not depend on local settings
+  RebuildProcessGroupBuffer(target, timeout_ns_);
+  slot_[ordinal].store(rank, std::memory_order_release);
+  managed_[ordinal].store(true, std::memory_order_release);
+  devices_ = {ordinal};
+}
+
+void Runtime::RebuildProcessGroupBuffer(uint64_t bytes, uint64_t timeout_ns) {
+  const int ordinal = pg_ordinal_;
+  DeviceState* state = states_[ordinal].load(std::memory_order_acquire);
+  // Every kernel reading the old buffer (ours, and peers' writes into it) has finished once every
+  // PE has synchronised its GPU: the collective allocation below waits for all of them.
+  JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
+  uint8_t* old_buffer = comm_buffers_[ordinal];
+  uint8_t* buffer = bytes > 0 ? static_cast<uint8_t*>(symmetric_heap::Allocate(bytes)) : nullptr;
+  if (buffer != nullptr) JAX_EP_CUDA_THROW(cudaMemset(buffer, 0, bytes));
+  DeviceTables tables;
+  std::memset(&tables, 0, sizeof(tables));
+  for (int pe = 0; pe < num_pes_ && buffer != nullptr; ++pe) {
+    if (!reachable_[pe].load(std::memory_order_acquire)) continue;
+    tables.comm_buffers[pe] = static_cast<uint8_t*>(symmetric_heap::PeerAddress(buffer, pe));
+    tables.peer_states[pe] =
+        static_cast<DeviceState*>(symmetric_heap::PeerAddress(state, pe));
+  }
+  tables.comm_bytes = buffer != nullptr ? bytes : 0;  // 0: replays after shutdown trap
+  tables.timeout_ns = timeout_ns;
+  UploadTables(ordinal, pe_, tables);
+  if (old_buffer != nullptr) symmetric_heap::Free(old_buffer);
+  comm_buffers_[ordinal] = buffer;
+  JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
+  symmetric_heap::BarrierAll();  // tables of every PE are up to date before any op runs
+  comm_bytes_.store(tables.comm_bytes, std::memory_order_release);
+}
+
+void Runtime::FinalizeProcessGroup() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (Model() != ProcessModel::kProcessPerGpu) return;
+  if (Holder().use_count() > 1) {
+    throw std::runtime_error("jax_ep: finalize refused: instantiated EP call sites of live "
+                             "executables hold the runtime");
+  }
+  CurrentDeviceGuard device_guard;
+  JAX_EP_CUDA_THROW(cudaSetDevice(pg_ordinal_));
+  managed_[pg_ordinal_].store(false, std::memory_order_release);
+  comm_bytes_.store(0, std::memory_order_release);
+  RebuildProcessGroupBuffer(0, timeout_ns_);  // frees the buffer
+  DeviceState* state = states_[pg_ordinal_].exchange(nullptr, std::memory_order_acq_rel);
+  if (state != nullptr) symmetric_heap::Free(state);
+  symmetric_heap::Finalize();
+  for (int pe = 0; pe < kMaxDevices; ++pe) reachable_[pe].store(false, std::memory_order_release);
+  model_.store(ProcessModel::kNone, std::memory_order_release);
+  devices_.clear();
+}
+
+void Runtime::UploadTables(int ordinal, int slot, DeviceTables tables) {
   void* record_on_device = nullptr;
   JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_[ordinal], 0));
   tables.fault_record = static_cast<FaultRecord*>(record_on_device);
   tables.device_ordinal = ordinal;
+  tables.slot = slot;
   JAX_EP_CUDA_THROW(cudaMemcpy(states_[ordinal].load(std::memory_order_acquire), &tables,
                                kDeviceTablesBytes, cudaMemcpyHostToDevice));
 }
@@ -331,6 +491,13 @@ void Runtime::Shutdown() {
   const std::vector<int> managed = ManagedDevices();
   if (managed.empty()) return;
   CurrentDeviceGuard device_guard;
+  if (Model() == ProcessModel::kProcessPerGpu) {  // collective: every process shuts down
+    managed_[pg_ordinal_].store(false, std::memory_order_release);
+    comm_bytes_.store(0, std::memory_order_release);
+    JAX_EP_CUDA_THROW(cudaSetDevice(pg_ordinal_));
+    RebuildProcessGroupBuffer(0, timeout_ns_);
+    return;
+  }
   // Handlers stop launching first, then whatever was launched drains.
   for (int ordinal : managed) managed_[ordinal].store(false, std::memory_order_release);
   comm_bytes_.store(0, std::memory_order_release);
@@ -340,7 +507,7 @@ void Runtime::Shutdown() {
     DeviceTables tables;
     std::memset(&tables, 0, sizeof(tables));  // comm_bytes = 0: stale graph replays trap
     tables.timeout_ns = timeout_ns_;
-    UploadTables(ordinal, tables);
+    UploadTables(ordinal, ordinal, tables);
     if (comm_buffers_[ordinal] != nullptr) {
       JAX_EP_CUDA_THROW(cudaFree(comm_buffers_[ordinal]));
       comm_buffers_[ordinal] = nullptr;
@@ -369,9 +536,11 @@ std::vector<FaultInfo> Runtime::Faults() const {
     info.observed = record.observed;
     info.elapsed_ns = record.elapsed_ns;
     if (record.kind == kFaultTimeout) {
-      const std::string waited_gpu = info.waited_ordinal >= 0
-                                         ? "GPU " + std::to_string(info.waited_ordinal)
-                                         : std::string("GPU not known yet: group discovery");
+      const bool per_process = Model() == ProcessModel::kProcessPerGpu;
+      const std::string waited_gpu =
+          info.waited_ordinal < 0 ? std::string("GPU not known yet: group discovery")
+          : per_process           ? "process " + std::to_string(info.waited_ordinal)
+                                  : "GPU " + std::to_string(info.waited_ordinal);
       info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
                      " (rank " + std::to_string(info.rank) + ") timed out after " +
                      std::to_string(static_cast<double>(info.elapsed_ns) * 1e-9) +

@@ -1,8 +1,13 @@
-// Host side of the per-device runtime (process model 1: one process drives all local GPUs).
+// Host side of the per-device runtime, in either process model:
+//  1. one process drives all local GPUs (Init): DeviceStates and communication buffers from
+//     cudaMalloc, peer access between every pair, tables indexed by CUDA ordinal;
+//  2. one process per GPU (InitProcessGroup): both live on the NVSHMEM symmetric heap, the tables
+//     hold nvshmem_ptr addresses of every PE reachable by loads/stores, indexed by PE.
+// The kernels see only the tables (cuda/device_state.h: slots), so both models share them.
 //
-// Owns, per local device ordinal: a DeviceState in device memory (created once, never freed, so
-// its address can be baked into CUDA graphs), a communication buffer (cudaMalloc), peer access to
-// every other managed device, and a FaultRecord in host-mapped pinned memory.
+// Owns, per local device ordinal: a DeviceState (created once, never freed while the process runs,
+// so its address can be baked into CUDA graphs), a communication buffer, and a FaultRecord in
+// host-mapped pinned memory.
 //
 // Threading: init/shutdown run on the Python thread under a mutex. FFI handlers run on XLA's
 // threads, one per device, and read only atomics: they never block on the mutex, because a handler
@@ -34,6 +39,8 @@ struct FaultInfo {
   std::string message;
 };
 
+enum class ProcessModel { kNone, kLocalPeers, kProcessPerGpu };
+
 class Runtime {
  public:
   // The process-wide runtime. Intentionally leaked: no CUDA calls from static destructors (the
@@ -49,9 +56,22 @@ class Runtime {
   // device first: call it only while no EP computation is running (jax_ep does at trace time).
   void Init(const std::vector<int>& device_ordinals, uint64_t buffer_bytes);
 
-  // Buffers of at least `buffer_bytes` on the GPUs the runtime was given (by the last Init; kept
-  // across Shutdown, so an executable instantiated after a shutdown sets the runtime up again).
-  // Called by the FFI instantiate handlers. Throws when no GPU was ever given.
+  // Process model 2: this process drives the one GPU `device_ordinal` as NVSHMEM PE `rank` of
+  // `nranks` (its JAX process index and count), bootstrapped with `unique_id` (process 0 made it
+  // with symmetric_heap::NewUniqueId). Collective: every process calls it, in the same order, with
+  // the same rank/nranks and the same `buffer_bytes`. A second call grows the buffer (collectively)
+  // when `buffer_bytes` exceeds it, else does nothing. Throws when model 1 is in use.
+  void InitProcessGroup(int device_ordinal, const std::vector<uint8_t>& unique_id, int rank,
+                        int nranks, uint64_t buffer_bytes);
+
+  // Process model 2 at exit: frees the buffers and finalises NVSHMEM if jax_ep initialised it
+  // (collective). The runtime cannot be used afterwards.
+  void FinalizeProcessGroup();
+
+  // Buffers of at least `buffer_bytes` on the GPUs the runtime was given. Model 1: by the last Init
+  // (kept across Shutdown, so an executable instantiated after a shutdown sets the runtime up
+  // again). Model 2: only checks (growing is collective, see InitProcessGroup). Called by the FFI
+  // instantiate handlers. Throws when no GPU was ever given, or when model 2's buffer is too small.
   void Reserve(uint64_t buffer_bytes);
 
   // Throws std::runtime_error while instantiated EP call sites hold the runtime (their executables
@@ -64,12 +84,22 @@ class Runtime {
   // ---- lock-free, for FFI handlers ----
   // The device's state, or nullptr if the device is not managed.
   DeviceState* State(int device_ordinal) const;
+  // The slot of a managed local device in the tables (its ordinal in model 1, its PE in model 2),
+  // -1 if not managed.
+  int Slot(int device_ordinal) const;
+  // Whether the GPU of `slot` is in the tables (managed in model 1, reachable PE in model 2).
+  bool SlotReachable(int slot) const;
   uint64_t CommBytes() const { return comm_bytes_.load(std::memory_order_acquire); }
   // Streaming multiprocessors of a managed device (0 if not managed).
   int SmCount(int device_ordinal) const;
 
   // ---- queries ----
   std::vector<int> ManagedDevices() const;
+  ProcessModel Model() const { return model_.load(std::memory_order_acquire); }
+  // Model 2: this process's PE, the number of PEs, and the PEs reachable by loads/stores.
+  int Pe() const { return pe_; }
+  int NumPes() const { return num_pes_; }
+  std::vector<int> ReachablePes() const;
   double TimeoutSeconds() const;
   std::vector<FaultInfo> Faults() const;
 
@@ -81,7 +111,12 @@ class Runtime {
   static std::shared_ptr<Runtime>& Holder();
   // Sets the fields every table of `ordinal` carries (its fault record, its ordinal) and copies the
   // tables into the device's state. The caller holds mutex_ and has selected the device.
-  void UploadTables(int ordinal, DeviceTables tables);
+  void UploadTables(int ordinal, int slot, DeviceTables tables);
+  // Creates the pinned fault records once. The caller holds mutex_.
+  void EnsureFaultRecords();
+  // Model 2: new symmetric buffer of `bytes`, tables pointing at every reachable PE's copy, old
+  // buffer freed (collective). The caller holds mutex_ and has selected the device.
+  void RebuildProcessGroupBuffer(uint64_t bytes, uint64_t timeout_ns);
 
   mutable std::mutex mutex_;  // serialises Init/Shutdown/queries; never taken by handlers
   std::vector<int> devices_;  // every GPU Init was given (kept across Shutdown)
@@ -93,6 +128,13 @@ class Runtime {
   bool peer_enabled_[kMaxDevices][kMaxDevices] = {};
   FaultRecord* fault_records_ = nullptr;  // host view, kMaxDevices records, never freed
   uint64_t timeout_ns_ = 0;
+  std::atomic<ProcessModel> model_{ProcessModel::kNone};
+  std::atomic<int> slot_[kMaxDevices];
+  // Model 2 (set once by InitProcessGroup)
+  int pe_ = -1;
+  int num_pes_ = 0;
+  int pg_ordinal_ = -1;  // the one local GPU
+  std::atomic<bool> reachable_[kMaxDevices];
 };
 
 // Timeout of every device-side spin-wait, from JAX_EP_TIMEOUT_S (seconds, default 10).

@@ -109,6 +109,7 @@ int main(int argc, char** argv) {
     t.timeout_ns = 300ull * 1000000000ull;
     t.fault_record = &faults[r];
     t.device_ordinal = r;
+    t.slot = r;
   }
 
   std::vector<pid_t> children;

@@ -1,0 +1,151 @@
+"""One process of the process-model-2 GPU test (tests/gpu/test_process_group_gpu.py): one process
+per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
+
+    python tests/gpu/process_group_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID [--bench OUT.json]
+
+Checks, on this process's shard of every output (each process compares its own rank):
+dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
+within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine. With
+--bench, also times dispatch/combine at the DeepSeek-V3 shape (benchmarks.ops.bench_shape) and
+process 0 writes the records. Prints "process_group_worker OK <checks>" at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
+from gpu_helpers import poison_device_memory  # noqa: E402
+
+import jax_ep  # noqa: E402
+from jax_ep import runtime  # noqa: E402
+
+AXIS = model1.AXIS
+
+
+def local(tree):
+    """This process's shard of every output (the leading axis is the rank)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), tree)
+
+
+def assert_dispatch_equal(got, want, what):
+    total = int(want.group_sizes[0].sum())
+    eq = model1.assert_bits_equal
+    eq(got.group_sizes[0], want.group_sizes[0], f"{what} group_sizes")
+    eq(got.x[0][:total], want.x[0][:total], f"{what} rows")
+    if want.scales is not None:
+        eq(got.scales[0][:total], want.scales[0][:total], f"{what} scales")
+    for field in ("expert_counts", "row_weights", "num_dropped"):
+        eq(getattr(got, field)[0], getattr(want, field)[0], f"{what} {field}")
+    for field in ("src_index", "token_rows", "is_token_in_rank", "row_weights"):
+        eq(getattr(got.handle, field)[0], getattr(want.handle, field)[0], f"{what} handle.{field}")
+
+
+def check_cases(mesh, me) -> int:
+    checks = 0
+    for name, (tokens, hidden, topk, experts, kind, extra) in model1.CASES.items():
+        x_dtype = jnp.float32 if name.startswith("f32") else jnp.bfloat16
+        for dtype in ("bfloat16", "float8_e4m3fn") if name == "h7168_k8_e256" else (None,):
+            kw = dict(num_experts=experts, num_topk=topk, hidden=hidden,
+                      max_tokens_per_rank=tokens, **extra)
+            if dtype is not None:
+                kw["dispatch_dtype"] = dtype
+            cuda_fn = model1.dispatch_combine_fn(mesh, model1._cfg("cuda", **kw))
+            ref_fn = model1.dispatch_combine_fn(mesh, model1._cfg("reference", **kw))
+            capacity = model1._cfg("cuda", **kw).resolved_capacity(model1.R)
+            rng = np.random.default_rng(list(model1.CASES).index(name))  # same on every process
+            for call in range(2):
+                x, idx, w = model1.inputs(rng, tokens, hidden, topk, experts, kind, x_dtype)
+                y = rng.standard_normal((model1.R * capacity, hidden)).astype(np.float32)
+                args = model1.put(mesh, x, idx, w, y.astype(jnp.bfloat16))
+                want_d, want_out = local(ref_fn(*args))
+                poison_device_memory(jax.local_devices(), 256 << 20)
+                got_d, got_out = local(cuda_fn(*args))
+                what = f"process {me} {name} {dtype or ''} call {call}"
+                assert_dispatch_equal(got_d, want_d, what)
+                model1.assert_combine_close(got_out, want_out, f"{what} combine")
+                checks += 1
+    return checks
+
+
+def check_gradients(mesh) -> int:
+    """jax.grad through dispatch -> ragged_dot -> combine (model 1's test_gradients_match_reference
+    case): the forward output, d x, d topk_weights and d expert weights within two bf16 steps."""
+    kw, (x, idx, w, wexp, ct) = model1.grad_case(9, 128, 1024, 4, 16, "messy")
+    args = model1.put(mesh, x, w, wexp, idx, ct)
+
+    def make(backend):
+        cfg = model1._cfg(backend, **kw)
+
+        def loss(x, w, wexp, idx, ct):
+            d = jax_ep.dispatch(x, idx, w, cfg)
+            y = lax.ragged_dot(d.x, wexp, d.group_sizes)
+            out = jax_ep.combine(y.astype(x.dtype), d.handle, cfg)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+
+        def body(x, w, wexp, idx, ct):
+            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+                x, w, wexp, idx, ct)
+            return (out,) + grads
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+    want = local(make("reference")(*args))
+    poison_device_memory(jax.local_devices(), 128 << 20)
+    got = local(make("cuda")(*args))
+    for what, g, r in zip(("forward combine", "d x", "d topk_weights", "d expert weights"), got,
+                          want, strict=True):
+        model1.assert_combine_close(g.reshape(g.shape[0], -1), r.reshape(r.shape[0], -1), what,
+                                    steps=2)
+    return 1
+
+
+def bench(mesh, out_path: str) -> None:
+    from benchmarks import ops
+
+    records = []
+    rng = np.random.default_rng(0)
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        records += ops.bench_shape(mesh, "cuda", dtype, 4096, 7168, 8, 256, iters=20, repeats=3,
+                                   rng=rng, profile=True)
+    for r in records:
+        r["process_model"] = "process_per_gpu"
+    if jax.process_index() == 0:
+        with open(out_path, "w") as f:
+            json.dump(records, f, indent=1)
+        for r in records:
+            print(f"bench {r['op']:9s} {r['dtype']:14s} {r['us']:8.1f} us wall "
+                  f"{r.get('device_us') or 0:8.1f} us device")
+
+
+def main(argv) -> None:
+    coordinator, count, me = argv[0], int(argv[1]), int(argv[2])
+    jax.distributed.initialize(coordinator, num_processes=count, process_id=me,
+                               local_device_ids=[me])
+    assert runtime.process_model() == "process_per_gpu", runtime.process_model()
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    checks = check_cases(mesh, me)
+    group = runtime.extension().process_group()
+    assert group["model"] == "process_per_gpu" and group["pe"] == me, group
+    assert group["reachable_pes"] == list(range(count)), group
+    checks += check_gradients(mesh)
+    if "--bench" in argv:
+        bench(mesh, argv[argv.index("--bench") + 1])
+    print(f"process_group_worker OK {checks} (process {me}, buffer {runtime.extension().buffer_bytes()} "
+          f"bytes, faults {runtime.faults()})", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,55 @@
+"""Process model 2 on the GPUs of one host: one process per GPU (jax.distributed), NVSHMEM
+symmetric buffers and peer tables, the model-1 kernels. Each process runs
+tests/gpu/process_group_worker.py, which checks its rank's outputs against the reference path."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "process_group_worker.py")
+NUM_PROCESSES = 2
+TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(extra=()):
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.5", JAX_EP_TIMEOUT_S="30")
+    procs = [subprocess.Popen([sys.executable, WORKER, coordinator, str(NUM_PROCESSES), str(p),
+                               *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env)
+             for p in range(NUM_PROCESSES)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"process-model-2 workers did not finish within {TIMEOUT_S} s")
+    return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
+
+
+def test_process_per_gpu_matches_reference(cuda_backend):
+    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
+    extra = ("--bench", os.environ["JAX_EP_PG_BENCH"]) if os.environ.get("JAX_EP_PG_BENCH") else ()
+    results = run_workers(extra)
+    for p, (rc, out) in enumerate(results):
+        print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
+    for p, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
+        assert "process_group_worker OK" in out, f"process {p}: no OK line"

@@ -1,0 +1,108 @@
+#include "xla_ffi/symmetric_heap.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+// Host API only: the kernels never call NVSHMEM device functions (NVLink peers are plain
+// pointers), so no relocatable device code is needed.
+#include <nvshmem_host.h>
+
+namespace jax_ep::symmetric_heap {
+namespace {
+
+bool g_owned = false;  // jax_ep initialised NVSHMEM (and so finalises it)
+
+[[noreturn]] void Fail(const std::string& what, int status) {
+  throw std::runtime_error("jax_ep: NVSHMEM " + what + " failed (status " +
+                           std::to_string(status) +
+                           "; NVSHMEM_DEBUG=WARN prints NVSHMEM's own reason)");
+}
+
+}  // namespace
+
+size_t UniqueIdBytes() { return sizeof(nvshmemx_uniqueid_t); }
+
+std::vector<uint8_t> NewUniqueId() {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (const int status = nvshmemx_get_uniqueid(&id); status != 0) Fail("get_uniqueid", status);
+  std::vector<uint8_t> bytes(sizeof(id));
+  std::memcpy(bytes.data(), &id, sizeof(id));
+  return bytes;
+}
+
+Status Query() {
+  Status status{false, -1, 0};
+  if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
+    status.initialized = true;
+    status.my_pe = nvshmem_my_pe();
+    status.n_pes = nvshmem_n_pes();
+  }
+  return status;
+}
+
+void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t heap_bytes) {
+  const Status before = Query();
+  if (before.initialized) {  // XLA's NVSHMEM (or an earlier Init): one library, one job
+    if (before.my_pe != rank || before.n_pes != nranks) {
+      throw std::runtime_error("jax_ep: NVSHMEM is already initialised in this process as PE " +
+                               std::to_string(before.my_pe) + " of " +
+                               std::to_string(before.n_pes) + ", but this is JAX process " +
+                               std::to_string(rank) + " of " + std::to_string(nranks));
+    }
+    return;
+  }
+  if (unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
+    throw std::invalid_argument("jax_ep: unique_id has " + std::to_string(unique_id.size()) +
+                                " bytes, NVSHMEM's has " +
+                                std::to_string(sizeof(nvshmemx_uniqueid_t)));
+  }
+  // NVSHMEM reads its heap size from the environment; a value the user set wins.
+  const std::string heap = std::to_string(heap_bytes);
+  setenv("NVSHMEM_SYMMETRIC_SIZE", heap.c_str(), /*overwrite=*/0);
+
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, unique_id.data(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (const int status = nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr); status != 0) {
+    Fail("set_attr_uniqueid_args", status);
+  }
+  // The host library's own init (nvshmemx_init_attr also sets up the device library, which the
+  // kernels do not use, and exits the process on failure).
+  const int status = nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+  if (status != 0) Fail("init (unique-id bootstrap of " + std::to_string(nranks) + " PEs)", status);
+  g_owned = true;
+  const Status after = Query();
+  if (!after.initialized || after.my_pe != rank || after.n_pes != nranks) {
+    throw std::runtime_error("jax_ep: NVSHMEM initialised as PE " + std::to_string(after.my_pe) +
+                             " of " + std::to_string(after.n_pes) + ", expected " +
+                             std::to_string(rank) + " of " + std::to_string(nranks));
+  }
+}
+
+bool OwnedByJaxEp() { return g_owned; }
+
+void* Allocate(uint64_t bytes) {
+  void* pointer = nvshmem_malloc(bytes);
+  if (pointer == nullptr) {
+    throw std::runtime_error("jax_ep: nvshmem_malloc(" + std::to_string(bytes) +
+                             ") failed: the symmetric heap is too small (set "
+                             "NVSHMEM_SYMMETRIC_SIZE) or the GPU is out of memory (lower "
+                             "XLA_PYTHON_CLIENT_MEM_FRACTION)");
+  }
+  return pointer;
+}
+
+void Free(void* pointer) { nvshmem_free(pointer); }
+
+void* PeerAddress(const void* pointer, int pe) { return nvshmem_ptr(pointer, pe); }
+
+void BarrierAll() { nvshmem_barrier_all(); }
+
+void Finalize() {
+  if (!g_owned) return;
+  nvshmemx_hostlib_finalize();
+  g_owned = false;
+}
+
+}  // namespace jax_ep::symmetric_heap

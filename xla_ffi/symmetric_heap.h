@@ -1,0 +1,53 @@
+// NVSHMEM for process model 2 (one process per GPU): bootstrap with a unique id, the symmetric heap,
+// peer addresses. The only file that includes NVSHMEM headers; it uses NVSHMEM's host library only
+// (the kernels reach NVLink peers through plain pointers from PeerAddress).
+//
+// NVSHMEM is the copy the `nvidia-nvshmem-cu13` wheel installs (the one jax[cuda13] ships), loaded
+// once per process: jax_ep.runtime loads it before the extension, by the path XLA would use.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jax_ep::symmetric_heap {
+
+// Bytes of an NVSHMEM unique id (what process 0 publishes for the others).
+size_t UniqueIdBytes();
+
+// A fresh unique id (call on process 0 only, before Init).
+std::vector<uint8_t> NewUniqueId();
+
+// Where NVSHMEM stands in this process.
+struct Status {
+  bool initialized;  // by jax_ep or by someone else (XLA with --xla_gpu_experimental_enable_nvshmem)
+  int my_pe;         // -1 when not initialized
+  int n_pes;
+};
+Status Query();
+
+// Joins the NVSHMEM job of `nranks` processes as `rank` on the current CUDA device (collective:
+// returns when every process has joined). If NVSHMEM is already initialised (by XLA), uses it and
+// checks that its PE numbering is `rank` of `nranks`. `heap_bytes` sizes the symmetric heap when
+// NVSHMEM_SYMMETRIC_SIZE is not set. Throws std::runtime_error with NVSHMEM's status on failure.
+void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t heap_bytes);
+
+// Whether Init initialised NVSHMEM (then Finalize finalises it).
+bool OwnedByJaxEp();
+
+// Collective allocation / free on the symmetric heap (every PE, same sizes, same order).
+void* Allocate(uint64_t bytes);
+void Free(void* pointer);
+
+// The address through which this GPU loads/stores `pe`'s copy of the symmetric object `pointer`,
+// or nullptr when `pe` is not reachable by loads/stores (another node).
+void* PeerAddress(const void* pointer, int pe);
+
+// Waits until every PE reaches this point (host-side barrier of NVSHMEM, collective).
+void BarrierAll();
+
+// Finalises NVSHMEM if jax_ep initialised it (collective).
+void Finalize();
+
+}  // namespace jax_ep::symmetric_heap
