@@ -46,8 +46,7 @@ def run_workers(extra=()):
 def test_process_per_gpu_matches_reference(cuda_backend):
     if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
         pytest.skip(f"needs {NUM_PROCESSES} GPUs")
-    extra = ("--bench", os.environ["JAX_EP_PG_BENCH"]) if os.environ.get("JAX_EP_PG_BENCH") else ()
-    results = run_workers(extra)
+    results = run_workers()
     for p, (rc, out) in enumerate(results):
         print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
     for p, (rc, out) in enumerate(results):
