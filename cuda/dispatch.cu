@@ -259,21 +259,16 @@ __global__ void __launch_bounds__(kRowsThreads)
 }
 
 // ---- 4. main -------------------------------------------------------------------------------
-struct MainArgs {
-  CommLayout layout;
-  const char* x;
-  const int32_t* topk_idx;
-  const float* topk_weights;
-  char* rows;
-  float* scales;
-  float* row_weights;
-  int32_t* src_index;
-  int32_t* token_rows;
-  int32_t T, K, E, C, H, align;
+// The launch itself (passed by value) plus the row sizes derived from it.
+struct MainArgs : DispatchLaunch {
   int32_t x_row_bytes;  // H * sizeof(x)
   int32_t row_bytes;    // H * sizeof(row)
   int32_t num_scales;   // per row (0 unless FP8)
-  int32_t send_warps;
+
+  __device__ const char* x_row(int64_t t) const {
+    return static_cast<const char*>(x) + t * x_row_bytes;
+  }
+  __device__ char* row_at(int64_t r) const { return static_cast<char*>(rows) + r * row_bytes; }
 };
 
 // A row of x into the row format of the destinations: raw when the dtypes agree, else converted
@@ -285,11 +280,11 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
   if constexpr (kConv == kConvCopy) {
     warp_copy_row<kTma>(tma, x_row, a.row_bytes, dst_mask, my_dst, lane);
   } else if constexpr (kConv == kConvF32ToBF16) {
-    warp_copy_convert<true, kRowBF16, 4>(x_row, a.H, dst_mask, my_dst, my_scales, lane);
+    warp_copy_convert<true, kRowBF16, 4>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane);
   } else if constexpr (kConv == kConvBF16ToFP8) {
-    warp_copy_convert<false, kRowFP8, 4>(x_row, a.H, dst_mask, my_dst, my_scales, lane);
+    warp_copy_convert<false, kRowFP8, 4>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane);
   } else {
-    warp_copy_convert<true, kRowFP8, 2>(x_row, a.H, dst_mask, my_dst, my_scales, lane);
+    warp_copy_convert<true, kRowFP8, 2>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane);
   }
 }
 
@@ -297,8 +292,9 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
 // dropped for capacity), gate weight (from the rows kernel's tables).
 __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, int64_t t, int lane,
                                            int* dest, int* row, float* weight) {
-  const bool slot = lane < a.K;
-  const int64_t i = t * a.K + lane;
+  const int K = a.num_topk;
+  const bool slot = lane < K;
+  const int64_t i = t * K + lane;
   *dest = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_dest) + i) : -1;
   *row = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_rank) + i) : -1;
   *weight = slot ? __ldg(a.topk_weights + i) : 0.f;
@@ -311,17 +307,18 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
   const CommLayout& L = a.layout;
   const int lane = d.lane;
   const int me = d.me;
-  send_chunks<kTma>(L, d, a.T, [&](int64_t t) {
+  const int K = a.num_topk;
+  send_chunks<kTma>(L, d, a.num_tokens, [&](int64_t t) {
     int dest, row;
     float weight;
     token_slot(a, d.own, t, lane, &dest, &row, &weight);
-    const int64_t slot = static_cast<int64_t>(me) * a.T + t;
+    const int64_t slot = static_cast<int64_t>(me) * a.num_tokens + t;
     for (int r = 0; r < d.R; ++r) {
       char* peer = reinterpret_cast<char*>(
           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
-      if (r == me || lane >= a.K) continue;
-      reinterpret_cast<int32_t*>(peer + L.meta_rows)[slot * a.K + lane] = dest == r ? row : -1;
-      reinterpret_cast<float*>(peer + L.meta_w)[slot * a.K + lane] = weight;
+      if (r == me || lane >= K) continue;
+      reinterpret_cast<int32_t*>(peer + L.meta_rows)[slot * K + lane] = dest == r ? row : -1;
+      reinterpret_cast<float*>(peer + L.meta_w)[slot * K + lane] = weight;
     }
     const uint32_t ranks = __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u);
     const uint32_t remote = ranks & ~(1u << me);
@@ -333,7 +330,7 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
       my_scales =
           reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
     }
-    copy_x<kConv, kTma>(a, tma, a.x + t * a.x_row_bytes, remote, my_dst, my_scales, lane);
+    copy_x<kConv, kTma>(a, tma, a.x_row(t), remote, my_dst, my_scales, lane);
   });
 }
 
@@ -343,9 +340,9 @@ __device__ __forceinline__ void dispatch_zero_padding(const MainArgs& a, const D
   const CommLayout& L = a.layout;
   const int32_t off = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.seg_off) + expert);
   const int32_t kept = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.seg_kept) + expert);
-  const int64_t end = off + round_up_i64(kept, a.align);
+  const int64_t end = off + round_up_i64(kept, a.alignment);
   for (int64_t row = off + kept; row < end; ++row) {
-    warp_zero(a.rows + row * a.row_bytes, a.row_bytes, d.lane);
+    warp_zero(a.row_at(row), a.row_bytes, d.lane);
     for (int i = d.lane; i < a.num_scales; i += 32) a.scales[row * a.num_scales + i] = 0.f;
     if (d.lane == 0) {
       a.src_index[row] = -1;
@@ -360,7 +357,7 @@ __device__ __forceinline__ void dispatch_unused_tail(const MainArgs& a, int item
                                                      int lane) {
   const int64_t lo = static_cast<int64_t>(item) * kTailRows;
   const int64_t r0 = lo > total_rows ? lo : total_rows;
-  const int64_t r1 = lo + kTailRows < a.C ? lo + kTailRows : a.C;
+  const int64_t r1 = lo + kTailRows < a.capacity ? lo + kTailRows : a.capacity;
   for (int64_t row = r0 + lane; row < r1; row += 32) {
     a.src_index[row] = -1;
     a.row_weights[row] = 0.f;
@@ -389,7 +386,8 @@ __device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const 
                                                        TmaWarp& tma, int s, int64_t t) {
   const CommLayout& L = a.layout;
   const int lane = d.lane;
-  const int64_t slot = static_cast<int64_t>(s) * a.T + t;
+  const int K = a.num_topk;
+  const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
   int row;
   float weight;
   if (s == d.me) {
@@ -397,22 +395,22 @@ __device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const 
     token_slot(a, d.own, t, lane, &dest, &row, &weight);
     if (dest != d.me) row = -1;
   } else {
-    const int64_t meta = slot * a.K + lane;
-    row = lane < a.K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
-    weight = lane < a.K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
+    const int64_t meta = slot * K + lane;
+    row = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
+    weight = lane < K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
   }
-  if (lane < a.K) a.token_rows[slot * a.K + lane] = row;
+  if (lane < K) a.token_rows[slot * K + lane] = row;
   if (row >= 0) {
     a.row_weights[row] = weight;
     a.src_index[row] = static_cast<int32_t>(slot);
   }
   const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
   if (kept == 0u) return;
-  char* my_dst = row >= 0 ? a.rows + static_cast<int64_t>(row) * a.row_bytes : nullptr;
+  char* my_dst = row >= 0 ? a.row_at(row) : nullptr;
   float* my_scales =
       row >= 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;
   if (s == d.me) {
-    copy_x<kConv, kTma>(a, tma, a.x + t * a.x_row_bytes, kept, my_dst, my_scales, lane);
+    copy_x<kConv, kTma>(a, tma, a.x_row(t), kept, my_dst, my_scales, lane);
   } else {
     warp_copy_row<kTma>(tma, d.own + L.stage_data + slot * L.data_row_bytes, a.row_bytes, kept,
                         my_dst, lane);
@@ -430,8 +428,8 @@ template <int kConv, bool kTma>
 __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWarp& d,
                                                  TmaWarp& tma) {
   const CommLayout& L = a.layout;
-  const int local_experts = a.E / d.R;
-  const int n_tail = (a.C + kTailRows - 1) / kTailRows;
+  const int local_experts = a.num_experts / d.R;
+  const int n_tail = (a.capacity + kTailRows - 1) / kTailRows;
   const int n_chunk_items = L.num_chunks * d.R;  // own chunks, then (chunk, other rank) pairs
   const int total_rows = d.info->total_rows;
   for (;;) {
@@ -449,7 +447,7 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
     item -= n_tail;
     int s, c;
     receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c);
-    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.T); ++t) {
+    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
       dispatch_receive_token<kConv, kTma>(a, d, tma, s, t);
     }
   }
@@ -457,23 +455,23 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
 
 template <int kConv, bool kTma>
 __global__ void __launch_bounds__(kDataThreads, 1)
-    dispatch_main_kernel(DeviceState* state, MainArgs a) {
+    dispatch_main_kernel(MainArgs a) {
   run_data_warps<kTma>(
-      state, a.layout, a.send_warps,
+      a.state, a.layout, a.send_warps,
       [&](const DataWarp& d, TmaWarp& tma) { dispatch_send<kConv, kTma>(a, d, tma); },
       [&](const DataWarp& d, TmaWarp& tma) { dispatch_receive<kConv, kTma>(a, d, tma); });
 }
 
 template <int kConv>
-cudaError_t launch_main(const DispatchLaunch& p, const MainArgs& args, cudaStream_t stream) {
-  if (p.use_tma) {
+cudaError_t launch_main(const MainArgs& a, cudaStream_t stream) {
+  if (a.use_tma) {
     const auto kernel = dispatch_main_kernel<kConv, true>;
     JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             kTmaSharedBytes));
-    JAX_EP_LAUNCH(kernel, p.num_blocks, kDataThreads, kTmaSharedBytes, stream)(p.state, args);
+    JAX_EP_LAUNCH(kernel, a.num_blocks, kDataThreads, kTmaSharedBytes, stream)(a);
   } else {
     const auto kernel = dispatch_main_kernel<kConv, false>;
-    JAX_EP_LAUNCH(kernel, p.num_blocks, kDataThreads, 0, stream)(p.state, args);
+    JAX_EP_LAUNCH(kernel, a.num_blocks, kDataThreads, 0, stream)(a);
   }
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
@@ -520,35 +518,18 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
       p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks);
   JAX_EP_CHECK_LAUNCH();
 
-  MainArgs args;
-  args.layout = p.layout;
-  args.x = static_cast<const char*>(p.x);
-  args.topk_idx = p.topk_idx;
-  args.topk_weights = p.topk_weights;
-  args.rows = static_cast<char*>(p.rows);
-  args.scales = p.scales;
-  args.row_weights = p.row_weights;
-  args.src_index = p.src_index;
-  args.token_rows = p.token_rows;
-  args.T = p.num_tokens;
-  args.K = p.num_topk;
-  args.E = E;
-  args.C = p.capacity;
-  args.H = p.hidden;
-  args.align = p.alignment;
-  args.x_row_bytes = static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind));
-  args.row_bytes = static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.row_kind));
-  args.num_scales = fp8 ? p.hidden / 128 : 0;
-  args.send_warps = p.send_warps;
+  const MainArgs args{p, static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind)),
+                      static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.row_kind)),
+                      fp8 ? p.hidden / 128 : 0};
   switch (conversion) {
     case kConvCopy:
-      return launch_main<kConvCopy>(p, args, stream);
+      return launch_main<kConvCopy>(args, stream);
     case kConvF32ToBF16:
-      return launch_main<kConvF32ToBF16>(p, args, stream);
+      return launch_main<kConvF32ToBF16>(args, stream);
     case kConvBF16ToFP8:
-      return launch_main<kConvBF16ToFP8>(p, args, stream);
+      return launch_main<kConvBF16ToFP8>(args, stream);
     default:
-      return launch_main<kConvF32ToFP8>(p, args, stream);
+      return launch_main<kConvF32ToFP8>(args, stream);
   }
 }
 
