@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 
@@ -10,7 +12,10 @@ def use_virtual_cpu_devices(count: int = 8) -> None:
     GPU, if present, stays the default backend).
 
     Call it before the first device query; afterwards (JAX already running, e.g. under pytest) the
-    devices stay as they are."""
+    devices stay as they are. ``JAX_NUM_CPU_DEVICES`` in the environment wins (``python -m
+    jax_ep.launch`` sets it to the devices of each process)."""
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        return
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # backends already initialised

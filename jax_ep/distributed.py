@@ -1,5 +1,12 @@
 """The one place jax_ep touches JAX's distributed runtime (``jax.distributed.initialize``).
 
+Starting: ``initialize()`` calls ``jax.distributed.initialize`` with what ``python -m jax_ep.launch``
+put in the environment (``JAX_EP_NUM_PROCESSES``, ``JAX_EP_PROCESS_ID``; JAX itself reads
+``JAX_COORDINATOR_ADDRESS`` and ``JAX_LOCAL_DEVICE_IDS``, but has no variables for the process count
+and index), or lets JAX detect the cluster (SLURM, Open MPI, ...) when they are absent.
+``launched_by()`` says whether this process is one of several, so that scripts can call
+``initialize()`` only then and keep their single-process behaviour otherwise.
+
 Process model 2 (one process per GPU) bootstraps NVSHMEM by passing a unique id through JAX's
 key-value store. JAX exposes that store only through a private object
 (``jax._src.distributed.global_state.client``); every use goes through the functions here, so when
@@ -9,9 +16,112 @@ names what was waited for and the processes that did not arrive.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import jax
 
 DEFAULT_TIMEOUT_S = 120.0
+
+# set by python -m jax_ep.launch for each process it starts (JAX reads no variable for these two)
+ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
+# read by jax.distributed.initialize itself; the launcher sets them too
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
+LAUNCHER = "jax_ep.launch"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"jax_ep: environment variable {name} must be an integer, got {value!r}") from None
+
+
+def _launch_env() -> tuple[int, int] | None:
+    """(num_processes, process_id) set by jax_ep.launch, checked; None when neither is set."""
+    num, pid = _env_int(ENV_NUM_PROCESSES), _env_int(ENV_PROCESS_ID)
+    if num is None and pid is None:
+        return None
+    if num is None or pid is None:
+        have, missing = (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if pid is None else (ENV_PROCESS_ID,
+                                                                                ENV_NUM_PROCESSES)
+        raise ValueError(f"jax_ep: {have}={os.environ[have]!r} is set but {missing} is not: set both "
+                         f"(python -m {LAUNCHER} does) or neither")
+    if num < 1:
+        raise ValueError(f"jax_ep: {ENV_NUM_PROCESSES} must be at least 1, got {num}")
+    if not 0 <= pid < num:
+        raise ValueError(f"jax_ep: {ENV_PROCESS_ID} must be in [0, {ENV_NUM_PROCESSES}={num}), got {pid}")
+    return num, pid
+
+
+def _detected_cluster() -> tuple[str, int] | None:
+    """(name, process count) of the cluster JAX's auto-detection would use (SLURM, Open MPI, ...;
+    opt-in methods such as mpi4py excluded), or None. Uses JAX's private cluster registry."""
+    try:
+        from jax._src import clusters
+        kinds = clusters.ClusterEnv._cluster_types
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+        return None
+    for kind in kinds:
+        try:
+            if not kind.opt_in_only_method and kind.is_env_present():
+                return kind.name or kind.__name__, int(kind.get_process_count())
+        except Exception:  # noqa: BLE001 - a half-configured environment: not this cluster
+            continue
+    return None
+
+
+def launched_by() -> str | None:
+    """Who started this process as one of several: ``"jax_ep.launch"``, the name of the cluster
+    JAX detects with more than one process (e.g. ``"slurm"``, ``"ompi"``), or None (a single
+    process: no need for ``initialize()``)."""
+    if _launch_env() is not None:
+        return LAUNCHER
+    cluster = _detected_cluster()
+    return cluster[0] if cluster is not None and cluster[1] > 1 else None
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_ids: int | Sequence[int] | None = None, *,
+               initialization_timeout: int = 300, **kwargs) -> None:
+    """``jax.distributed.initialize`` for jax_ep programs; call it first, before any JAX computation.
+
+    Arguments given here win; then the environment of ``python -m jax_ep.launch``
+    (``JAX_EP_NUM_PROCESSES``, ``JAX_EP_PROCESS_ID``, ``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_LOCAL_DEVICE_IDS``); without it, JAX's own detection of the cluster (SLURM, Open MPI,
+    Kubernetes, Cloud TPU). ``kwargs`` go to ``jax.distributed.initialize``. On CPU, collectives
+    across processes use gloo unless ``jax_cpu_collectives_implementation`` is set. Does nothing
+    when jax.distributed is already initialised.
+
+    Raises ValueError naming the variable for a malformed launcher environment, RuntimeError when
+    nothing says how many processes there are (not launched, no cluster detected).
+    """
+    if jax.distributed.is_initialized():
+        return
+    launched = _launch_env()
+    if launched is not None:
+        if coordinator_address is None and not os.environ.get(ENV_COORDINATOR):
+            raise ValueError(f"jax_ep: {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} are set but "
+                             f"{ENV_COORDINATOR} is not (python -m {LAUNCHER} sets all three)")
+        num_processes = launched[0] if num_processes is None else num_processes
+        process_id = launched[1] if process_id is None else process_id
+    elif None in (coordinator_address, num_processes, process_id) and _detected_cluster() is None:
+        raise RuntimeError(
+            "jax_ep.distributed.initialize: no multi-process environment: not started by "
+            f"`python -m {LAUNCHER}` ({ENV_NUM_PROCESSES} is unset) and JAX detects no cluster "
+            "(SLURM, Open MPI, ...); pass coordinator_address, num_processes and process_id")
+    try:
+        if jax.config.jax_cpu_collectives_implementation is None:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # pragma: no cover - depends on the JAX version
+        pass
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
+                               initialization_timeout=initialization_timeout, **kwargs)
 
 
 def _client():
@@ -58,8 +168,9 @@ def kv_set_bytes(key: str, value: bytes) -> None:
 def kv_get_bytes(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, writer: str = "") -> bytes:
     """The value another process published under ``key``; TimeoutError after ``timeout_s``
     naming the key and ``writer`` (who was expected to publish it)."""
+    client = _client()   # not initialised: its RuntimeError, not a timeout
     try:
-        return bytes(_client().blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
+        return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
     except Exception as e:  # JAX raises XlaRuntimeError (DEADLINE_EXCEEDED) on timeout
         who = f" from {writer}" if writer else ""
         raise _missing(f"key {key!r}{who}", timeout_s, e) from e
@@ -68,8 +179,9 @@ def kv_get_bytes(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, writer: str 
 def barrier(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Waits until every process reaches the barrier ``name``; TimeoutError naming it (and the
     processes JAX sees as dead) after ``timeout_s``."""
+    client = _client()
     try:
-        _client().wait_at_barrier(name, int(timeout_s * 1000))
+        client.wait_at_barrier(name, int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - re-raised with the barrier's name
         raise _missing(f"barrier {name!r} (all {jax.process_count()} processes)", timeout_s,
                        e) from e
