@@ -1,0 +1,321 @@
+"""Start a JAX program as several processes on this host (``jax.distributed``, one process per GPU).
+
+    python -m jax_ep.launch --nproc N [--coordinator HOST:PORT] [--local-devices-per-process K]
+                            [--local-device-ids auto|none|I,J,...] [--timeout S] script.py [args...]
+
+Starts N processes of ``python script.py args...``. Process i gets the environment that
+``jax_ep.distributed.initialize()`` reads: ``JAX_COORDINATOR_ADDRESS`` (default: a free port on
+127.0.0.1), ``JAX_EP_NUM_PROCESSES=N`` and ``JAX_EP_PROCESS_ID=i`` (JAX has no variables for these
+two), and its devices:
+
+* GPUs (when the host has NVIDIA GPUs and ``JAX_PLATFORMS`` does not exclude them): process i uses
+  GPUs ``i*K .. i*K+K-1`` through ``JAX_LOCAL_DEVICE_IDS`` (``jax.distributed``'s local_device_ids),
+  not ``CUDA_VISIBLE_DEVICES``: every process still sees every GPU, as peer access needs.
+  ``--local-device-ids none`` leaves the device choice to JAX; ``--local-device-ids 4,5,6,7`` gives
+  the processes those GPUs, K each, in order.
+* CPU: K virtual CPU devices per process (``JAX_NUM_CPU_DEVICES``), on GPU hosts too.
+
+Every line a process writes (stdout and stderr) is printed with the prefix ``[pI]``. SIGINT and
+SIGTERM are passed on to the processes. When one process fails (non-zero exit or killed by a
+signal), the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the launcher exits with
+the failed process's code (128 + signal for a signal), naming it. ``--timeout`` bounds the whole run
+(exit code 124). The exit code is 0 when every process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import glob
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from jax_ep.distributed import (
+    ENV_COORDINATOR,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    LAUNCHER,
+)
+
+PREFIX = LAUNCHER + ":"
+TIMEOUT_EXIT_CODE = 124
+POLL_S = 0.05
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0:   # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
+    return number
+
+
+def _coordinator(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    ok = bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT with a port in 1..65535, got {value!r}")
+    return value
+
+
+def _device_ids(value: str) -> str | list[int]:
+    if value in ("auto", "none"):
+        return value
+    try:
+        ids = [int(v) for v in value.split(",")]
+    except ValueError:
+        ids = [-1]
+    if min(ids) < 0 or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(
+            f"must be auto, none or distinct GPU indices I,J,..., got {value!r}")
+    return ids
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {LAUNCHER}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--nproc", type=_positive_int, required=True, help="number of processes")
+    parser.add_argument("--coordinator", type=_coordinator, default=None,
+                        help="HOST:PORT of process 0's coordinator (default: a free port on 127.0.0.1)")
+    parser.add_argument("--local-devices-per-process", type=_positive_int, default=1, metavar="K",
+                        help="GPUs per process on GPU hosts; virtual CPU devices per process (default 1)")
+    parser.add_argument("--local-device-ids", type=_device_ids, default="auto",
+                        metavar="auto|none|I,J,...",
+                        help="GPUs of the processes (default auto: process i gets GPUs i*K..i*K+K-1 "
+                             "when the host has GPUs; none: JAX's default)")
+    parser.add_argument("--grace", type=_non_negative_float, default=10.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping the processes (default 10)")
+    parser.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="S",
+                        help="stop every process after S seconds and exit 124 (default 0: no limit)")
+    parser.add_argument("script", help="the Python script each process runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    args = parser.parse_args(argv)
+    if not pathlib.Path(args.script).is_file():
+        parser.error(f"argument script: no such file: {args.script!r}")
+    n, k = args.nproc, args.local_devices_per_process
+    if isinstance(args.local_device_ids, list) and len(args.local_device_ids) != n * k:
+        parser.error(f"argument --local-device-ids: {len(args.local_device_ids)} GPU indices "
+                     f"{','.join(map(str, args.local_device_ids))} for --nproc {n} x "
+                     f"--local-devices-per-process {k} = {n * k} devices")
+    return args
+
+
+def host_gpu_count() -> int:
+    """NVIDIA GPUs JAX could use here: 0 when JAX_PLATFORMS excludes CUDA, else those
+    CUDA_VISIBLE_DEVICES names, else the /dev/nvidiaN device files (no CUDA initialisation)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        names = [v for v in visible.split(",") if v.strip()]
+        return 0 if names[:1] == ["-1"] else len(names)
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_envs(args: argparse.Namespace, gpus: int) -> list[dict[str, str]]:
+    """The environment of each process (see the module docstring)."""
+    n, k = args.nproc, args.local_devices_per_process
+    common = dict(os.environ, PYTHONUNBUFFERED="1", JAX_NUM_CPU_DEVICES=str(k),
+                  **{ENV_NUM_PROCESSES: str(n)})
+    if args.coordinator is None:
+        port = free_port()
+        common[ENV_COORDINATOR] = f"127.0.0.1:{port}"
+        common["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"   # not every interface
+    else:
+        common[ENV_COORDINATOR] = args.coordinator
+    ids = args.local_device_ids
+    if ids == "auto":
+        if gpus and gpus < n * k:
+            raise SystemExit(f"{PREFIX} --nproc {n} x --local-devices-per-process {k} needs {n * k} "
+                             f"GPUs, this host has {gpus} (--local-device-ids none: JAX's default)")
+        ids = list(range(n * k)) if gpus else None
+    elif ids == "none":
+        ids = None
+    envs = []
+    for i in range(n):
+        env = dict(common, **{ENV_PROCESS_ID: str(i)})
+        if ids is not None:
+            env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in ids[i * k:(i + 1) * k])
+        envs.append(env)
+    return envs
+
+
+def _die_with_parent(parent: int, prctl) -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGTERM when the launcher dies (even by SIGKILL), so none is left over."""
+    prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:      # the launcher died before that
+        os._exit(1)
+
+
+def _child_setup():
+    """The preexec_fn of the processes (Linux: _die_with_parent), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):
+        return None
+    return functools.partial(_die_with_parent, os.getpid(), prctl)
+
+
+class Launcher:
+    """N processes, their prefixed output, and how they are stopped."""
+
+    def __init__(self, args: argparse.Namespace, envs: list[dict[str, str]]):
+        self.args, self.envs = args, envs
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.signal: int | None = None       # a signal the launcher received
+        self.stop_deadline: float | None = None
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            sys.stderr.write(f"{PREFIX} {message}\n")
+            sys.stderr.flush()
+
+    def _pump(self, index: int, pipe, out) -> None:
+        prefix = f"[p{index}] ".encode()
+        for line in iter(pipe.readline, b""):
+            with self.lock:
+                out.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
+                out.flush()
+        pipe.close()
+
+    def start(self) -> None:
+        command = [sys.executable, self.args.script, *self.args.args]
+        setup = _child_setup()
+        for env in self.envs:
+            self.procs.append(subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,   # a terminal's Ctrl-C reaches the launcher, which passes it on
+                preexec_fn=setup))
+        for i, proc in enumerate(self.procs):
+            for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                thread = threading.Thread(target=self._pump, args=(i, pipe, out), daemon=True)
+                thread.start()
+                self.threads.append(thread)
+
+    def send(self, sig: int) -> None:
+        """Sends ``sig`` to every running process (and what it started: its process group)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Sends ``sig`` now and SIGKILL ``--grace`` seconds later to the processes still running."""
+        self.send(sig)
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.args.grace
+
+    def on_signal(self, sig: int, frame) -> None:
+        if self.signal is not None:       # a second Ctrl-C: no more waiting
+            self.send(signal.SIGKILL)
+            return
+        self.signal = sig
+        self.say(f"got {signal.Signals(sig).name}, passing it on to the processes")
+        self.stop(sig)
+
+    def wait(self) -> int:
+        """Waits for the processes; returns the launcher's exit code."""
+        deadline = time.monotonic() + self.args.timeout if self.args.timeout else None
+        failed: tuple[int, int] | None = None        # (process index, exit code) of the first failure
+        timed_out = killed = False
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            running = [i for i, code in enumerate(codes) if code is None]
+            if not running:
+                break
+            if failed is None and self.signal is None and not timed_out:
+                failed = next(((i, code) for i, code in enumerate(codes) if code not in (None, 0)), None)
+                if failed is not None:
+                    i, code = failed
+                    self.say(f"process {i} (pid {self.procs[i].pid}) {describe(code)}; "
+                             f"stopping processes {running}")
+                    self.stop()
+            now = time.monotonic()
+            if deadline is not None and now > deadline and self.stop_deadline is None:
+                timed_out = True
+                self.say(f"--timeout {self.args.timeout:g} s reached; stopping processes {running}")
+                self.stop()
+            if self.stop_deadline is not None and now > self.stop_deadline and not killed:
+                self.say(f"processes {running} still running {self.args.grace:g} s after "
+                         "being told to stop: SIGKILL")
+                self.send(signal.SIGKILL)
+                killed = True
+            time.sleep(POLL_S)
+        for thread in self.threads:         # output still in the pipes; bounded: a grandchild may hold one
+            thread.join(timeout=2.0)
+        if failed is None:                  # the first failure found after the loop (same poll)
+            failed = next(((i, p.returncode) for i, p in enumerate(self.procs) if p.returncode), None)
+        if self.signal is not None:
+            return 128 + self.signal
+        if timed_out:
+            self.say(f"failed: --timeout {self.args.timeout:g} s")
+            return TIMEOUT_EXIT_CODE
+        if failed is None:
+            return 0
+        index, code = failed
+        self.say(f"failed: process {index} {describe(code)}")
+        return code if code > 0 else 128 - code
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    envs = process_envs(args, host_gpu_count())
+    launcher = Launcher(args, envs)
+    devices = (f"GPUs {[env[ENV_LOCAL_DEVICE_IDS] for env in envs]}" if ENV_LOCAL_DEVICE_IDS in envs[0]
+               else f"{args.local_devices_per_process} CPU device(s) each")
+    launcher.say(f"{args.nproc} processes of {args.script}, coordinator {envs[0][ENV_COORDINATOR]}, "
+                 f"{devices}")
+    previous = {sig: signal.signal(sig, launcher.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launcher.start()
+        return launcher.wait()
+    finally:
+        launcher.send(signal.SIGKILL)     # nothing outlives the launcher (no-op when all have exited)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
