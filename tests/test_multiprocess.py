@@ -1,0 +1,334 @@
+"""Process model 2 on CPU: the MoE layer run as 2 processes (jax.distributed, gloo collectives) equals the
+same computation in one process; the launcher (python -m jax_ep.launch) and jax_ep.distributed's errors.
+
+Every subprocess wait is bounded (a hang fails the test, naming what hung, with the logs).
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+from helpers import assert_bits_equal
+
+import jax_ep.distributed as dist
+from jax_ep import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multiprocess_worker.py"
+WAIT_S = 240          # the launcher stops its processes after WAIT_S - 30 s (--timeout)
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def run_logged(commands: dict[str, list[str]], env: dict[str, str], tmp: pathlib.Path) -> dict:
+    """Runs the commands at once (output to files: no pipe can fill up); {name: (code, log)}. Each wait
+    is bounded by WAIT_S; a command still running then is killed and the test fails naming it."""
+    procs, logs = {}, {}
+    try:
+        for name, command in commands.items():
+            logs[name] = open(tmp / f"{name}.log", "w")
+            procs[name] = subprocess.Popen(command, cwd=tmp, env=env, stdout=logs[name],
+                                           stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + WAIT_S
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} did not finish in {WAIT_S} s: {' '.join(commands[name])}\n"
+                            + (tmp / f"{name}.log").read_text()[-5000:])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        for log in logs.values():
+            log.close()
+    return {name: (proc.returncode, (tmp / f"{name}.log").read_text()) for name, proc in procs.items()}
+
+
+def child_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID, dist.ENV_COORDINATOR)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["JAX_PLATFORMS"] = "cpu"    # a CPU test, on GPU machines too
+    env.update(extra)
+    return env
+
+
+# ---- the MoE layer across processes ---------------------------------------------------------------
+
+# Floating-point values that are sums over the ranks, with a summation order that differs between one
+# process (XLA:CPU's in-process all-reduce) and two (gloo's all-reduce over TCP): the loss, the pmean-ed
+# aux loss and the gradients of the replicated parameters (router, shared expert), which the shard_map
+# transpose psums over the ranks. They agree to a few float32 ulps of the array's largest value
+# (measured: at most 1); a missing or doubled rank would be off by O(1). Everything else (the layer's
+# output, the input's gradient, the expert weights' gradients, loads, bias, parameters) is bit-exact.
+RANK_SUMS = ("['loss']", "['state']['last_aux_loss']", "['grads']['router']", "['grads']['shared']")
+RANK_SUM_ULPS = 32
+
+
+def test_moe_layer_two_processes_equal_one(tmp_path):
+    """2 processes x 2 CPU devices (jax_ep.launch, jax.distributed) vs 1 process x 4 devices: the MoE layer
+    (reference dispatch/combine through backend="auto") forward, gradients and statistics, on a 4-rank EP
+    mesh whose all_to_all crosses the processes."""
+    seed = int.from_bytes(os.urandom(4), "little") % 2**31     # fresh inputs, parameters and cotangent
+    worker = [str(WORKER), "--seed", str(seed), "--devices", "4"]
+    commands = {
+        "two_processes": [sys.executable, "-m", "jax_ep.launch", "--nproc", "2",
+                          "--local-devices-per-process", "2", "--timeout", str(WAIT_S - 30), "--grace", "5",
+                          *worker, "--out", str(tmp_path / "two.npz")],
+        "one_process": [sys.executable, *worker, "--out", str(tmp_path / "one.npz")],
+    }
+    env = child_env(JAX_NUM_CPU_DEVICES="4")    # the launcher sets 2 for each of its processes
+    start = time.perf_counter()
+    results = run_logged(commands, env, tmp_path)
+    seconds = time.perf_counter() - start
+    for name, (code, log) in results.items():
+        assert code == 0, f"{name} (seed {seed}) exited with {code}:\n{log[-5000:]}"
+    log2 = results["two_processes"][1]
+    assert "[p0] worker: process 0 of 2, 4 devices" in log2 and "[p1] worker: process 1 of 2" in log2, log2
+    assert "worker: process 0 of 1, 4 devices" in results["one_process"][1]
+
+    one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
+    assert sorted(one.files) == sorted(two.files)
+    assert {"['out']", "['grad_x']", "['grads']['w_gate_up']", "['grads']['router']",
+            "['state']['last_load']"} <= set(one.files)
+    for name in one.files:
+        want, got = one[name], two[name]
+        what = f"{name} (seed {seed})"
+        if name.startswith(RANK_SUMS):
+            assert got.shape == want.shape and got.dtype == want.dtype, what
+            atol = RANK_SUM_ULPS * EPS32 * float(np.abs(want).max())
+            np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=what)
+        else:
+            assert_bits_equal(got, want, what)
+    assert np.abs(one["['grads']['w_down']"]).max() > 0 and np.abs(one["['grads']['router']"]).max() > 0
+    print(f"seed {seed}: both runs (started together) took {seconds:.1f} s")
+
+
+# ---- the launcher ----------------------------------------------------------------------------------
+
+def script(tmp_path: pathlib.Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jax_ep.launch", *args]
+
+
+def alive(pid: int, marker: str) -> bool:
+    """Is process `pid` still the one running `marker` (not a reused pid)?"""
+    try:
+        return marker in pathlib.Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+def wait_for_files(paths, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            pytest.fail(f"not written within {timeout_s} s: {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.05)
+
+
+def test_launcher_environment_and_output(tmp_path):
+    child = script(tmp_path, "child.py", """
+        import os, sys
+        keys = ("JAX_EP_PROCESS_ID", "JAX_EP_NUM_PROCESSES", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_CPU_DEVICES",
+                "JAX_LOCAL_DEVICE_IDS")
+        print("env", *(os.environ.get(k, "-") for k in keys), *sys.argv[1:])
+        print("to stderr", file=sys.stderr)
+        sys.stdout.write("no newline at the end")
+        """)
+    proc = subprocess.run(launch_cmd("--nproc", "3", "--local-devices-per-process", "2", child, "--x", "-h"),
+                          capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    envs = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.split()[1:2] == ["env"])
+    assert [e[0] for e in envs] == ["env"] * 3
+    assert [e[1] for e in envs] == ["0", "1", "2"] and {e[2] for e in envs} == {"3"}
+    assert len({e[3] for e in envs}) == 1 and envs[0][3].startswith("127.0.0.1:")
+    assert {e[4] for e in envs} == {"2"} and {e[5] for e in envs} == {"-"}    # CPU: no GPU ids
+    assert all(e[6:] == ["--x", "-h"] for e in envs)                         # the script's arguments
+    for i in range(3):
+        assert f"[p{i}] env {i} 3" in proc.stdout and f"[p{i}] no newline at the end\n" in proc.stdout
+        assert f"[p{i}] to stderr" in proc.stderr
+
+
+def test_launcher_failure_stops_the_others(tmp_path):
+    """Process 1 exits with 3: the launcher stops process 0 (asleep for 10 minutes), exits with 3 and
+    names process 1."""
+    child = script(tmp_path, "fail_child.py", f"""
+        import os, pathlib, sys, time
+        me = os.environ["JAX_EP_PROCESS_ID"]
+        pathlib.Path({str(tmp_path)!r}, "pid" + me).write_text(str(os.getpid()))
+        if me == "1":
+            while not pathlib.Path({str(tmp_path)!r}, "pid0").exists():
+                time.sleep(0.01)
+            sys.exit(3)
+        time.sleep(600)
+        """)
+    start = time.monotonic()
+    proc = subprocess.run(launch_cmd("--nproc", "2", "--grace", "5", child), capture_output=True, text=True,
+                          timeout=60, env=child_env())
+    assert proc.returncode == 3, (proc.returncode, proc.stderr)
+    assert "process 1" in proc.stderr and "exited with code 3" in proc.stderr, proc.stderr
+    assert "failed: process 1 exited with code 3" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 30
+    assert not alive(int((tmp_path / "pid0").read_text()), "fail_child.py"), "process 0 still runs"
+
+
+def test_launcher_passes_signals_on_and_kills_after_grace(tmp_path):
+    """SIGTERM to the launcher reaches both processes; the one that ignores it is killed --grace s later;
+    the launcher exits with 128 + SIGTERM."""
+    child = script(tmp_path, "signal_child.py", f"""
+        import os, pathlib, signal, sys, time
+        me = os.environ["JAX_EP_PROCESS_ID"]
+        folder = pathlib.Path({str(tmp_path)!r})
+        if me == "0":
+            def on_term(sig, frame):
+                (folder / "term0").write_text("got SIGTERM")
+                sys.exit(0)
+            signal.signal(signal.SIGTERM, on_term)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        (folder / ("ready" + me)).write_text(str(os.getpid()))
+        time.sleep(600)
+        """)
+    proc = subprocess.Popen(launch_cmd("--nproc", "2", "--grace", "1", child), env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, stderr)
+    assert time.monotonic() - start < 15
+    assert (tmp_path / "term0").read_text() == "got SIGTERM"
+    assert "SIGKILL" in stderr, stderr
+    for i in range(2):
+        assert not alive(int((tmp_path / f"ready{i}").read_text()), "signal_child.py"), f"process {i} runs"
+
+
+def test_launcher_timeout(tmp_path):
+    child = script(tmp_path, "sleeper.py", "import time\ntime.sleep(600)\n")
+    proc = subprocess.run(launch_cmd("--nproc", "2", "--timeout", "1", "--grace", "1", child),
+                          capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == launch.TIMEOUT_EXIT_CODE, proc.stderr
+    assert "--timeout 1 s" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "0", "SCRIPT"], "argument --nproc: must be a positive integer, got '0'"),
+    (["--nproc", "two", "SCRIPT"], "argument --nproc: must be a positive integer, got 'two'"),
+    (["--nproc", "2", "--coordinator", "nohost", "SCRIPT"],
+     "argument --coordinator: must be HOST:PORT with a port in 1..65535, got 'nohost'"),
+    (["--nproc", "2", "--coordinator", "h:70000", "SCRIPT"], "argument --coordinator: must be HOST:PORT"),
+    (["--nproc", "2", "--local-devices-per-process", "-1", "SCRIPT"],
+     "argument --local-devices-per-process: must be a positive integer, got '-1'"),
+    (["--nproc", "2", "--local-device-ids", "0,x", "SCRIPT"],
+     "argument --local-device-ids: must be auto, none or distinct GPU indices I,J,..., got '0,x'"),
+    (["--nproc", "2", "--local-device-ids", "1,1", "SCRIPT"], "argument --local-device-ids: must be"),
+    (["--nproc", "2", "--local-device-ids", "0,1,2", "SCRIPT"],
+     "argument --local-device-ids: 3 GPU indices 0,1,2 for --nproc 2"),
+    (["--nproc", "2", "--grace", "-1", "SCRIPT"],
+     "argument --grace: must be a number of seconds >= 0, got '-1'"),
+    (["--nproc", "2", "--timeout", "soon", "SCRIPT"], "argument --timeout: must be a number of seconds"),
+    (["--nproc", "2", "missing_script.py"], "argument script: no such file: 'missing_script.py'"),
+    (["--nproc", "2"], "the following arguments are required: script"),
+    (["SCRIPT"], "the following arguments are required: --nproc"),
+])
+def test_launcher_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch.parse_args([__file__ if a == "SCRIPT" else a for a in argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_launcher_devices(monkeypatch):
+    args = launch.parse_args(["--nproc", "2", "--local-devices-per-process", "2", __file__])
+    gpu = launch.process_envs(args, gpus=4)
+    assert [env[dist.ENV_LOCAL_DEVICE_IDS] for env in gpu] == ["0,1", "2,3"]
+    assert [env[dist.ENV_PROCESS_ID] for env in gpu] == ["0", "1"]
+    assert all(env["JAX_NUM_CPU_DEVICES"] == "2" and env[dist.ENV_NUM_PROCESSES] == "2" for env in gpu)
+    assert all(env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES") for env in gpu)
+    assert all(dist.ENV_LOCAL_DEVICE_IDS not in env for env in launch.process_envs(args, gpus=0))
+    with pytest.raises(SystemExit, match="needs 4 GPUs, this host has 3"):
+        launch.process_envs(args, gpus=3)
+    explicit = launch.parse_args(["--nproc", "2", "--local-device-ids", "6,7,4,5",
+                                  "--local-devices-per-process", "2", "--coordinator", "node0:1234",
+                                  __file__])
+    envs = launch.process_envs(explicit, gpus=0)
+    assert [env[dist.ENV_LOCAL_DEVICE_IDS] for env in envs] == ["6,7", "4,5"]
+    assert {env[dist.ENV_COORDINATOR] for env in envs} == {"node0:1234"}
+    none = launch.parse_args(["--nproc", "2", "--local-device-ids", "none", __file__])
+    assert all(dist.ENV_LOCAL_DEVICE_IDS not in env for env in launch.process_envs(none, gpus=8))
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert launch.host_gpu_count() == 0
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert launch.host_gpu_count() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert launch.host_gpu_count() == 0
+
+
+# ---- jax_ep.distributed without a cluster ---------------------------------------------------------
+
+@pytest.fixture
+def no_launch_env(monkeypatch):
+    for name in (dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID, dist.ENV_COORDINATOR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(dist, "_detected_cluster", lambda: None)
+    return monkeypatch
+
+
+def test_distributed_not_initialised():
+    assert not jax.distributed.is_initialized() and not dist.is_multiprocess()
+    for call in (lambda: dist.kv_set_bytes("k", b"v"), lambda: dist.kv_get_bytes("k", 1.0),
+                 lambda: dist.barrier("b", 1.0)):
+        with pytest.raises(RuntimeError, match="jax.distributed is not initialised.*jax_ep.launch"):
+            call()
+
+
+def test_distributed_launched_by(no_launch_env):
+    assert dist.launched_by() is None
+    no_launch_env.setattr(dist, "_detected_cluster", lambda: ("slurm", 1))   # srun -n 1: one process
+    assert dist.launched_by() is None
+    no_launch_env.setattr(dist, "_detected_cluster", lambda: ("slurm", 8))
+    assert dist.launched_by() == "slurm"
+    no_launch_env.setenv(dist.ENV_NUM_PROCESSES, "2")
+    no_launch_env.setenv(dist.ENV_PROCESS_ID, "1")
+    assert dist.launched_by() == "jax_ep.launch"
+
+
+@pytest.mark.parametrize("env,error,message", [
+    ({"JAX_EP_NUM_PROCESSES": "two", "JAX_EP_PROCESS_ID": "0"}, ValueError,
+     "JAX_EP_NUM_PROCESSES must be an integer, got 'two'"),
+    ({"JAX_EP_NUM_PROCESSES": "2"}, ValueError,
+     "JAX_EP_NUM_PROCESSES='2' is set but JAX_EP_PROCESS_ID is not"),
+    ({"JAX_EP_PROCESS_ID": "0"}, ValueError, "JAX_EP_PROCESS_ID='0' is set but JAX_EP_NUM_PROCESSES is not"),
+    ({"JAX_EP_NUM_PROCESSES": "2", "JAX_EP_PROCESS_ID": "2"}, ValueError,
+     r"JAX_EP_PROCESS_ID must be in \[0, JAX_EP_NUM_PROCESSES=2\), got 2"),
+    ({"JAX_EP_NUM_PROCESSES": "0", "JAX_EP_PROCESS_ID": "0"}, ValueError, "must be at least 1, got 0"),
+    ({"JAX_EP_NUM_PROCESSES": "2", "JAX_EP_PROCESS_ID": "0"}, ValueError, "JAX_COORDINATOR_ADDRESS is not"),
+    ({}, RuntimeError, "no multi-process environment: not started by `python -m jax_ep.launch`"),
+])
+def test_distributed_initialize_errors(no_launch_env, env, error, message):
+    for name, value in env.items():
+        no_launch_env.setenv(name, value)
+    with pytest.raises(error, match=message):
+        dist.initialize()
+    assert not jax.distributed.is_initialized()
