@@ -27,7 +27,10 @@ def free_port() -> int:
 
 def run_workers(extra=()):
     coordinator = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.5", JAX_EP_TIMEOUT_S="30")
+    # This pytest process already holds most of both GPUs (XLA preallocates for the other tests):
+    # the workers allocate on demand.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_EP_TIMEOUT_S="30")
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
     procs = [subprocess.Popen([sys.executable, WORKER, coordinator, str(NUM_PROCESSES), str(p),
                                *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env)
