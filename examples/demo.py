@@ -1,9 +1,11 @@
 """Train a tiny MoE language model with expert parallelism on whatever devices exist (`make demo`).
 
     python examples/demo.py [--steps 40] [--backend auto]
+    python -m jax_ep.launch --nproc 2 --local-devices-per-process 4 examples/demo.py [...]
 
 Without a GPU it runs on 8 virtual CPU devices. Prints the loss, tokens/s and the share of the step
-time spent in dispatch/combine.
+time spent in dispatch/combine. Started as several processes (python -m jax_ep.launch, SLURM, mpirun),
+it runs on every process's devices and process 0 prints.
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype, timed_steps, warm_median
+from models import (
+    LMConfig,
+    batches,
+    build_training,
+    corpus_bytes,
+    gpu_moe_dtype,
+    say,
+    timed_steps,
+    warm_median,
+)
 
+import jax_ep.distributed
 from jax_ep.balancing import imbalance
 from jax_ep.config import EPConfig
 from jax_ep.devices import use_virtual_cpu_devices
@@ -74,16 +86,18 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
 
+    if jax_ep.distributed.launched_by():   # one of several processes: join them (jax.distributed)
+        jax_ep.distributed.initialize()
     use_virtual_cpu_devices()
-    devices = jax.devices()
+    devices = jax.devices()                 # every process's devices
     mesh = Mesh(np.array(devices), ("ep",))
     if args.batch % len(devices):
         parser.error(f"--batch {args.batch} must be a multiple of the device count {len(devices)}")
     cfg = LMConfig(num_experts=2 * len(devices), backend=args.backend, bias_update_rate=1e-3,
                    moe_dtype=gpu_moe_dtype())
-    print(f"jax_ep demo: {len(devices)} x {devices[0].platform} devices, EP size {len(devices)}, "
-          f"{cfg.num_experts} experts, top-{cfg.num_topk}, {cfg.num_layers} MoE layers, "
-          f"backend={args.backend}")
+    say(f"jax_ep demo: {len(devices)} x {devices[0].platform} devices, EP size {len(devices)}, "
+        f"{cfg.num_experts} experts, top-{cfg.num_topk}, {cfg.num_layers} MoE layers, "
+        f"backend={args.backend}")
 
     model, optimizer, train_step = build_training(cfg, mesh, args.lr)
 
@@ -95,16 +109,16 @@ def main(argv=None) -> None:
         step_times.append(seconds)
         if step % 10 == 0 or step == args.steps - 1:
             per_layer = imbalance(jnp.stack([m.last_load[...] for m in model.moe_layers()]))
-            print(f"step {step:4d}  loss {loss:.3f}  expert imbalance (max/mean) "
-                  + " ".join(f"{float(v):.2f}" for v in per_layer))
+            say(f"step {step:4d}  loss {loss:.3f}  expert imbalance (max/mean) "
+                + " ".join(f"{float(v):.2f}" for v in per_layer))
 
     step_time = warm_median(step_times)
     tokens = args.batch * args.seq
     comm = communication_time(mesh, cfg, tokens // len(devices), args.backend)
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps; "
-          f"{tokens / step_time:,.0f} tokens/s; step {1e3 * step_time:.1f} ms")
-    print(f"dispatch+combine (fwd+bwd, {cfg.num_layers} layers): {1e3 * comm:.1f} ms = "
-          f"{100 * comm / step_time:.0f}% of the step time")
+    say(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps; "
+        f"{tokens / step_time:,.0f} tokens/s; step {1e3 * step_time:.1f} ms")
+    say(f"dispatch+combine (fwd+bwd, {cfg.num_layers} layers): {1e3 * comm:.1f} ms = "
+        f"{100 * comm / step_time:.0f}% of the step time")
     if not losses[-1] < losses[0]:
         raise SystemExit("jax_ep demo: the loss did not fall")
 

@@ -87,6 +87,12 @@ def next_token_loss(model: MoETransformerLM, batch: jax.Array) -> jax.Array:
     return jnp.mean(ce) + model.aux_loss()
 
 
+def say(*args, **kwargs) -> None:
+    """print, on process 0 only (a script started as several processes by python -m jax_ep.launch)."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs, flush=True)
+
+
 def shard_model(module: nnx.Module, mesh: Mesh) -> None:
     """Place every variable by its sharding metadata (experts over the EP axis, the rest replicated)."""
     state = nnx.state(module)

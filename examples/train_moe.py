@@ -1,6 +1,7 @@
 """Train a small MoE language model with expert parallelism, with and without load balancing.
 
     python examples/train_moe.py [--steps 40] [--out train_moe_out] [--mesh 2,4] [--backend auto]
+    python -m jax_ep.launch --nproc 2 --local-devices-per-process 4 examples/train_moe.py [...]
 
 A decoder-only byte-level LM (examples/models.py: attention + MoE FFN layers) is trained on the source of a
 few standard-library modules, under jit, with the MoE layers entering shard_map over a data x ep mesh
@@ -12,6 +13,10 @@ tokens/s and the expert imbalance (max/mean load); writes OUT/metrics.json and O
 curves, imbalance curves, per-expert load heatmaps of both runs, and for each available backend the step
 time split into dispatch+combine (timed on their own, `communication_time` of examples/demo.py) and the
 rest of the step.
+
+Started as several processes (``python -m jax_ep.launch``, SLURM, mpirun), it joins them with
+``jax_ep.distributed.initialize()`` and builds the mesh over every process's devices; process 0 prints
+and writes the outputs.
 """
 
 from __future__ import annotations
@@ -28,8 +33,18 @@ import numpy as np
 from demo import communication_time
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import LMConfig, batches, build_training, corpus_bytes, gpu_moe_dtype, timed_steps, warm_median
+from models import (
+    LMConfig,
+    batches,
+    build_training,
+    corpus_bytes,
+    gpu_moe_dtype,
+    say,
+    timed_steps,
+    warm_median,
+)
 
+import jax_ep.distributed
 from jax_ep.balancing import imbalance
 from jax_ep.devices import use_virtual_cpu_devices
 
@@ -68,6 +83,9 @@ def parse_args(argv):
     data, ep = args.mesh
     if data * ep > num_devices:
         parser.error(f"--mesh {data},{ep} needs {data * ep} devices, there are {num_devices}")
+    if jax.process_count() > 1 and data * ep != num_devices:
+        parser.error(f"--mesh {data},{ep}: with {jax.process_count()} processes the mesh must hold every "
+                     f"device, {num_devices}")
     if args.batch % (data * ep):
         parser.error(f"--batch {args.batch} must be a multiple of the mesh size {data * ep}")
     if args.experts % ep:
@@ -91,8 +109,8 @@ def train(cfg: LMConfig, mesh: Mesh, args, label: str) -> dict:
         dropped.append(int(sum(int(m.last_dropped[...]) for m in model.moe_layers())))
         if step % 10 == 0 or step == args.steps - 1:
             per_layer = np.asarray(imbalance(jnp.asarray(loads[-1])))
-            print(f"[{label}] step {step:4d}  loss {loss:.3f}  imbalance (max/mean) per layer "
-                  + " ".join(f"{v:.2f}" for v in per_layer))
+            say(f"[{label}] step {step:4d}  loss {loss:.3f}  imbalance (max/mean) per layer "
+                + " ".join(f"{v:.2f}" for v in per_layer))
     loads = np.stack(loads)                                                   # [steps, L, E]
     per_step = np.asarray(imbalance(jnp.asarray(loads)))                      # [steps, L]
     # imbalance of the load accumulated since step 0: what the bias (an integral controller) evens out
@@ -120,7 +138,7 @@ def communication_view(cfg: LMConfig, mesh: Mesh, args, trained_step_time: float
         try:
             comm[backend] = communication_time(mesh, cfg, tokens_per_rank, backend)
         except (ImportError, RuntimeError, NotImplementedError) as e:
-            print(f"backend {backend!r}: not available here ({str(e).splitlines()[0][:120]})")
+            say(f"backend {backend!r}: not available here ({str(e).splitlines()[0][:120]})")
     # "auto" trains on cuda kernels where they are available, the reference path otherwise
     trained = args.backend if args.backend != "auto" else ("cuda" if "cuda" in comm else "reference")
     result = {}
@@ -129,11 +147,11 @@ def communication_view(cfg: LMConfig, mesh: Mesh, args, trained_step_time: float
             step = trained_step_time if backend == trained else step_time_only(
                 dataclasses.replace(cfg, backend=backend), mesh, args)
         except (RuntimeError, NotImplementedError) as e:       # e.g. an op without a kernel
-            print(f"backend {backend!r}: the model does not run ({str(e).splitlines()[0][:120]})")
+            say(f"backend {backend!r}: the model does not run ({str(e).splitlines()[0][:120]})")
             continue
         result[backend] = {"dispatch_combine_s": comm_s, "step_time_s": step, "share": comm_s / step}
-        print(f"backend {backend!r}: step {1e3 * step:.1f} ms, dispatch+combine (fwd+bwd, "
-              f"{cfg.num_layers} layers) {1e3 * comm_s:.1f} ms = {100 * comm_s / step:.0f}% of the step")
+        say(f"backend {backend!r}: step {1e3 * step:.1f} ms, dispatch+combine (fwd+bwd, "
+            f"{cfg.num_layers} layers) {1e3 * comm_s:.1f} ms = {100 * comm_s / step:.0f}% of the step")
     return result
 
 
@@ -214,31 +232,33 @@ def plot(metrics: dict, path: pathlib.Path) -> None:
 
 
 def main(argv=None) -> dict:
+    if jax_ep.distributed.launched_by():   # one of several processes: join them (jax.distributed)
+        jax_ep.distributed.initialize()
     use_virtual_cpu_devices()   # before the first device query (parse_args counts the devices)
     args = parse_args(argv)
     data, ep = args.mesh
-    devices = jax.devices()[:data * ep]
+    devices = jax.devices()[:data * ep]                 # every process's devices
     mesh = Mesh(np.array(devices).reshape(data, ep), ("data", "ep"))
     cfg = LMConfig(num_experts=args.experts, num_layers=args.layers, backend=args.backend,
                    moe_dtype=gpu_moe_dtype())
     tokens = args.batch * args.seq
-    print(f"train_moe: {len(devices)} x {devices[0].platform} devices, mesh data x ep = {data} x {ep}, "
-          f"{cfg.num_experts} experts top-{cfg.num_topk}, {cfg.num_layers} MoE layers, {tokens} tokens/step, "
-          f"backend={args.backend}")
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    say(f"train_moe: {len(devices)} x {devices[0].platform} devices{processes}, mesh data x ep = {data} x "
+        f"{ep}, {cfg.num_experts} experts top-{cfg.num_topk}, {cfg.num_layers} MoE layers, "
+        f"{tokens} tokens/step, backend={args.backend}")
 
     runs = {}
     for name, rate in (("no_balancing", 0.0), ("bias_balancing", args.bias_rate)):
         start = time.perf_counter()
         runs[name] = train(dataclasses.replace(cfg, bias_update_rate=rate), mesh, args, RUNS[name])
         run = runs[name]
-        print(f"[{RUNS[name]}] loss {run['loss'][0]:.3f} -> {run['loss'][-1]:.3f}, "
-              f"{run['tokens_per_s']:,.0f} tokens/s, imbalance (max/mean) per step "
-              f"{run['mean_imbalance']:.2f}, of the run's total load {run['imbalance_total']:.2f}, "
-              f"{time.perf_counter() - start:.0f} s with compilation")
+        say(f"[{RUNS[name]}] loss {run['loss'][0]:.3f} -> {run['loss'][-1]:.3f}, "
+            f"{run['tokens_per_s']:,.0f} tokens/s, imbalance (max/mean) per step "
+            f"{run['mean_imbalance']:.2f}, of the run's total load {run['imbalance_total']:.2f}, "
+            f"{time.perf_counter() - start:.0f} s with compilation")
     comm = communication_view(cfg, mesh, args, runs["bias_balancing"]["median_step_time_s"])
 
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     metrics = {
         "config": {"devices": f"{len(devices)} x {devices[0].platform}", "mesh": [data, ep],
                    "steps": args.steps, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
@@ -247,13 +267,15 @@ def main(argv=None) -> dict:
         "runs": runs,
         "communication": comm,
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    plot(metrics, out / "train_moe.png")
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        plot(metrics, out / "train_moe.png")
     for key, what in (("mean_imbalance", "per step, mean over the run"),
                       ("imbalance_total", "of the load summed over the run")):
-        print(f"expert imbalance (max/mean) {what}: {runs['no_balancing'][key]:.2f} without balancing, "
-              f"{runs['bias_balancing'][key]:.2f} with bias balancing")
-    print(f"wrote {out / 'metrics.json'} and {out / 'train_moe.png'}")
+        say(f"expert imbalance (max/mean) {what}: {runs['no_balancing'][key]:.2f} without balancing, "
+            f"{runs['bias_balancing'][key]:.2f} with bias balancing")
+    say(f"wrote {out / 'metrics.json'} and {out / 'train_moe.png'}")
     return metrics
 
 
