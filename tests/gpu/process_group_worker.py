@@ -19,9 +19,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -29,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
 from gpu_helpers import poison_device_memory  # noqa: E402
 
-import jax_ep  # noqa: E402
 from jax_ep import runtime  # noqa: E402
 
 AXIS = model1.AXIS
@@ -100,26 +97,9 @@ def check_gradients(mesh) -> int:
     case): the forward output, d x, d topk_weights and d expert weights within two bf16 steps."""
     kw, (x, idx, w, wexp, ct) = model1.grad_case(9, 128, 1024, 4, 16, "messy")
     args = model1.put(mesh, x, w, wexp, idx, ct)
-
-    def make(backend):
-        cfg = model1._cfg(backend, **kw)
-
-        def loss(x, w, wexp, idx, ct):
-            d = jax_ep.dispatch(x, idx, w, cfg)
-            y = lax.ragged_dot(d.x, wexp, d.group_sizes)
-            out = jax_ep.combine(y.astype(x.dtype), d.handle, cfg)
-            return jnp.sum(out.astype(jnp.float32) * ct), out
-
-        def body(x, w, wexp, idx, ct):
-            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-                x, w, wexp, idx, ct)
-            return (out,) + grads
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-
-    want = local(make("reference")(*args))
+    want = local(model1.gradient_fn(mesh, model1._cfg("reference", **kw))(*args))[1:]
     poison_device_memory(jax.local_devices(), 128 << 20)
-    got = local(make("cuda")(*args))
+    got = local(model1.gradient_fn(mesh, model1._cfg("cuda", **kw))(*args))[1:]
     for what, g, r in zip(("forward combine", "d x", "d topk_weights", "d expert weights"), got,
                           want, strict=True):
         model1.assert_combine_close(g.reshape(g.shape[0], -1), r.reshape(r.shape[0], -1), what,

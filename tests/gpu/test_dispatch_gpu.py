@@ -254,6 +254,24 @@ def grad_case(seed, tokens, hidden, topk, experts, kind):
     return kw, (x, idx, w, wexp, ct)
 
 
+def gradient_fn(mesh, cfg):
+    """(x, topk_weights, expert weights, topk_idx, cotangent) -> (loss [R], combine output, d x,
+    d topk_weights, d expert weights) of dispatch -> ragged_dot -> combine, per rank."""
+
+    def loss(x, w, wexp, idx, ct):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        y = lax.ragged_dot(d.x, wexp, d.group_sizes)
+        out = jax_ep.combine(y.astype(x.dtype), d.handle, cfg)
+        return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    def body(x, w, wexp, idx, ct):
+        (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            x, w, wexp, idx, ct)
+        return (value[None], out) + grads
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
 def test_gradients_match_reference(cuda_backend, mesh):
     """jax.grad through dispatch -> ragged_dot -> combine: d x (combine without weights), d gate
     weights (slot_values), d expert weights (broadcast of the output cotangent).
@@ -265,26 +283,9 @@ def test_gradients_match_reference(cuda_backend, mesh):
     combine output within two bf16 steps of the row max)."""
     kw, (x, idx, w, wexp, ct) = grad_case(9, 128, 1024, 4, 16, "messy")
     args = put(mesh, x, w, wexp, idx, ct)
-
-    def make(backend):
-        cfg = _cfg(backend, **kw)
-
-        def loss(x, w, wexp, idx, ct):
-            d = jax_ep.dispatch(x, idx, w, cfg)
-            y = lax.ragged_dot(d.x, wexp, d.group_sizes)
-            out = jax_ep.combine(y.astype(x.dtype), d.handle, cfg)
-            return jnp.sum(out.astype(jnp.float32) * ct), out
-
-        def body(x, w, wexp, idx, ct):
-            (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-                x, w, wexp, idx, ct)
-            return (value[None], out) + grads
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-
-    want = to_np(make("reference")(*args))
+    want = to_np(gradient_fn(mesh, _cfg("reference", **kw))(*args))
     poison_device_memory(mesh.devices.flat, 128 << 20)
-    got = to_np(make("cuda")(*args))
+    got = to_np(gradient_fn(mesh, _cfg("cuda", **kw))(*args))
     loss_got, out_got, dx_got, dw_got, dwexp_got = got
     loss_want, out_want, dx_want, dw_want, dwexp_want = want
     assert_combine_close(out_got, out_want, "forward combine", steps=2)
