@@ -303,8 +303,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     envs = process_envs(args, host_gpu_count())
     launcher = Launcher(args, envs)
-    devices = (f"GPUs {[env[ENV_LOCAL_DEVICE_IDS] for env in envs]}" if ENV_LOCAL_DEVICE_IDS in envs[0]
-               else f"{args.local_devices_per_process} CPU device(s) each")
+    devices = ("GPUs " + ", ".join(f"p{i}: {env[ENV_LOCAL_DEVICE_IDS]}" for i, env in enumerate(envs))
+               if ENV_LOCAL_DEVICE_IDS in envs[0] else f"{args.local_devices_per_process} CPU device(s) each")
     launcher.say(f"{args.nproc} processes of {args.script}, coordinator {envs[0][ENV_COORDINATOR]}, "
                  f"{devices}")
     previous = {sig: signal.signal(sig, launcher.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
