@@ -63,6 +63,9 @@ STATE_TYPE = "jax_ep_op_state"  # the FFI state type of the communicating ops (i
 _lock = threading.Lock()
 _registered = False
 _collective_calls = 0  # process model 2: collective set-up calls made by this process
+# Process model 2: how long a process waits for the others at a collective set-up step (they may
+# still be compiling) before it raises, naming the processes that did not arrive.
+BOOTSTRAP_TIMEOUT_S = 120.0
 
 
 class DeviceFaultError(RuntimeError):
@@ -172,8 +175,9 @@ def _init_process_group(buffer_bytes: int) -> None:
     call = _collective_calls
     _collective_calls += 1
     key = f"jax_ep/process_group/{call}"
+    timeout = BOOTSTRAP_TIMEOUT_S
     distributed.kv_set_bytes(f"{key}/bytes/{me}", str(int(buffer_bytes)).encode())
-    wanted = max(int(distributed.kv_get_bytes(f"{key}/bytes/{p}", writer=f"process {p}"))
+    wanted = max(int(distributed.kv_get_bytes(f"{key}/bytes/{p}", timeout, writer=f"process {p}"))
                  for p in range(count))
     first = _C.process_group()["model"] == "none"
     unique_id = b""
@@ -182,9 +186,10 @@ def _init_process_group(buffer_bytes: int) -> None:
             unique_id = _C.nvshmem_unique_id()
             distributed.kv_set_bytes("jax_ep/nvshmem_unique_id", unique_id)
         else:
-            unique_id = distributed.kv_get_bytes("jax_ep/nvshmem_unique_id", writer="process 0")
+            unique_id = distributed.kv_get_bytes("jax_ep/nvshmem_unique_id", timeout,
+                                                 writer="process 0")
         # NVSHMEM's own bootstrap waits without a bound: enter it only once every process is here.
-        distributed.barrier("jax_ep/nvshmem_init")
+        distributed.barrier("jax_ep/nvshmem_init", timeout)
     _C.init_process_group(local_gpu_ordinals()[0], unique_id, me, count, wanted)
     if first:
         atexit.register(_finalize_process_group)

@@ -2,12 +2,15 @@
 per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
 
     python tests/gpu/process_group_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID [--bench OUT.json]
+        [--absent P]
 
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
 within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine. With
 --bench, instead times dispatch/combine at the DeepSeek-V3 shape (benchmarks.ops.bench_shape) and
-process 0 writes the records. Prints "process_group_worker OK <checks>" at the end.
+process 0 writes the records. With --absent P, process P leaves right after jax.distributed is up
+and the others must fail the NVSHMEM bootstrap within a bounded time, naming process P. Prints
+"process_group_worker OK <checks>" at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +134,20 @@ def main(argv) -> None:
     jax.distributed.initialize(coordinator, num_processes=count, process_id=me,
                                local_device_ids=[me])
     assert runtime.process_model() == "process_per_gpu", runtime.process_model()
+    if "--absent" in argv:
+        absent = int(argv[argv.index("--absent") + 1])
+        if me == absent:
+            os._exit(0)  # gone without a word (no atexit, no distributed shutdown)
+        runtime.BOOTSTRAP_TIMEOUT_S = 10.0
+        start = time.monotonic()
+        try:
+            runtime.register_targets()  # the bootstrap: must not hang
+        except TimeoutError as e:
+            print(f"bootstrap failed after {time.monotonic() - start:.1f} s: {e}", flush=True)
+            assert f"process {absent}" in str(e), e
+            print(f"process_group_worker OK 1 (process {me}, absent process named)", flush=True)
+            os._exit(0)  # the coordinator would wait for the absent process at shutdown
+        raise AssertionError("the bootstrap succeeded without the absent process")
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     if "--bench" in argv:  # the benchmark only (the test runs the checks)
         bench(mesh, argv[argv.index("--bench") + 1])

@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(extra=()):
+def run_workers(extra=(), timeout_s=TIMEOUT_S):
     coordinator = f"127.0.0.1:{free_port()}"
     # This pytest process already holds most of both GPUs (XLA preallocates for the other tests):
     # the workers allocate on demand.
@@ -38,11 +38,11 @@ def run_workers(extra=()):
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            outputs.append(p.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"process-model-2 workers did not finish within {TIMEOUT_S} s")
+        pytest.fail(f"process-model-2 workers did not finish within {timeout_s} s")
     return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
 
 
@@ -55,3 +55,13 @@ def test_process_per_gpu_matches_reference(cuda_backend):
     for p, (rc, out) in enumerate(results):
         assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
         assert "process_group_worker OK" in out, f"process {p}: no OK line"
+
+
+def test_bootstrap_without_a_process_fails_in_bounded_time_naming_it(cuda_backend):
+    """Process 1 leaves before the NVSHMEM bootstrap: process 0 raises TimeoutError naming it
+    (runtime.BOOTSTRAP_TIMEOUT_S, set to 10 s by the worker) instead of waiting forever."""
+    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
+    (rc, out), _ = run_workers(("--absent", "1"), timeout_s=120)
+    print(out[-3000:])
+    assert rc == 0 and "absent process named" in out, out[-3000:]
