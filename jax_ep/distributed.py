@@ -59,15 +59,18 @@ def _launch_env() -> tuple[int, int] | None:
     return num, pid
 
 
-def _detected_cluster() -> tuple[str, int] | None:
+def _detected_cluster(only: tuple[str, ...] | None = None) -> tuple[str, int] | None:
     """(name, process count) of the cluster JAX's auto-detection would use (SLURM, Open MPI, ...;
-    opt-in methods such as mpi4py excluded), or None. Uses JAX's private cluster registry."""
+    opt-in methods such as mpi4py excluded; of the names ``only`` when given), or None. Uses JAX's
+    private cluster registry."""
     try:
         from jax._src import clusters
         kinds = clusters.ClusterEnv._cluster_types
     except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
         return None
     for kind in kinds:
+        if only is not None and kind.name not in only:
+            continue
         try:
             if not kind.opt_in_only_method and kind.is_env_present():
                 return kind.name or kind.__name__, int(kind.get_process_count())
@@ -77,12 +80,12 @@ def _detected_cluster() -> tuple[str, int] | None:
 
 
 def launched_by() -> str | None:
-    """Who started this process as one of several: ``"jax_ep.launch"``, the name of the cluster
-    JAX detects with more than one process (e.g. ``"slurm"``, ``"ompi"``), or None (a single
-    process: no need for ``initialize()``)."""
+    """Who started this process as one of several: ``"jax_ep.launch"``, ``"slurm"`` or ``"ompi"``
+    (Open MPI's mpirun) when that job has more than one process, or None (a single process: no need
+    for ``initialize()``). Reads environment variables only (JAX's SLURM and Open MPI detection)."""
     if _launch_env() is not None:
         return LAUNCHER
-    cluster = _detected_cluster()
+    cluster = _detected_cluster(only=("slurm", "ompi"))
     return cluster[0] if cluster is not None and cluster[1] > 1 else None
 
 

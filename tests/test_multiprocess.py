@@ -287,11 +287,14 @@ def test_launcher_devices(monkeypatch):
 
 # ---- jax_ep.distributed without a cluster ---------------------------------------------------------
 
+detected_cluster = dist._detected_cluster
+
+
 @pytest.fixture
 def no_launch_env(monkeypatch):
     for name in (dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID, dist.ENV_COORDINATOR):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(dist, "_detected_cluster", lambda: None)
+    monkeypatch.setattr(dist, "_detected_cluster", lambda only=None: None)
     return monkeypatch
 
 
@@ -305,9 +308,15 @@ def test_distributed_not_initialised():
 
 def test_distributed_launched_by(no_launch_env):
     assert dist.launched_by() is None
-    no_launch_env.setattr(dist, "_detected_cluster", lambda: ("slurm", 1))   # srun -n 1: one process
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
+        no_launch_env.setenv(name, "2" if name == "SLURM_NTASKS" else "0")
+    no_launch_env.setattr(dist, "_detected_cluster", detected_cluster)     # JAX's own SLURM detection
+    assert dist.launched_by() == "slurm"
+    no_launch_env.setenv("SLURM_NTASKS", "1")
     assert dist.launched_by() is None
-    no_launch_env.setattr(dist, "_detected_cluster", lambda: ("slurm", 8))
+    no_launch_env.setattr(dist, "_detected_cluster", lambda only=None: ("slurm", 1))   # srun -n 1
+    assert dist.launched_by() is None
+    no_launch_env.setattr(dist, "_detected_cluster", lambda only=None: ("slurm", 8))
     assert dist.launched_by() == "slurm"
     no_launch_env.setenv(dist.ENV_NUM_PROCESSES, "2")
     no_launch_env.setenv(dist.ENV_PROCESS_ID, "1")
