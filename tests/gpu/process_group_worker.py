@@ -1,7 +1,7 @@
 """One process of the process-model-2 GPU test (tests/gpu/test_process_group_gpu.py): one process
 per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
 
-    python tests/gpu/process_group_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID [--bench OUT.json]
+    python -m jax_ep.launch --nproc 2 tests/gpu/process_group_worker.py [--bench OUT.json]
         [--absent P]
 
 Checks, on this process's shard of every output (each process compares its own rank):
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
 from gpu_helpers import poison_device_memory  # noqa: E402
 
+import jax_ep.distributed  # noqa: E402
 from jax_ep import runtime  # noqa: E402
 
 AXIS = model1.AXIS
@@ -130,9 +131,8 @@ def bench(mesh, out_path: str) -> None:
 
 
 def main(argv) -> None:
-    coordinator, count, me = argv[0], int(argv[1]), int(argv[2])
-    jax.distributed.initialize(coordinator, num_processes=count, process_id=me,
-                               local_device_ids=[me])
+    jax_ep.distributed.initialize()  # from python -m jax_ep.launch: one GPU per process
+    me, count = jax.process_index(), jax.process_count()
     assert runtime.process_model() == "process_per_gpu", runtime.process_model()
     if "--absent" in argv:
         absent = int(argv[argv.index("--absent") + 1])

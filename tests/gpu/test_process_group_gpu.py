@@ -5,7 +5,6 @@ tests/gpu/process_group_worker.py, which checks its rank's outputs against the r
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,31 +18,22 @@ NUM_PROCESSES = 2
 TIMEOUT_S = 420
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(extra=(), timeout_s=TIMEOUT_S):
-    coordinator = f"127.0.0.1:{free_port()}"
+    """[(exit code, output)] of the launcher, which runs the worker as 2 processes x 1 GPU."""
     # This pytest process already holds most of both GPUs (XLA preallocates for the other tests):
     # the workers allocate on demand.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_EP_TIMEOUT_S="30")
     env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, coordinator, str(NUM_PROCESSES), str(p),
-                               *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env)
-             for p in range(NUM_PROCESSES)]
-    outputs = []
+    command = [sys.executable, "-m", "jax_ep.launch", "--nproc", str(NUM_PROCESSES), "--timeout",
+               str(timeout_s - 20), WORKER, *extra]
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout_s)[0])
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"process-model-2 workers did not finish within {timeout_s} s")
-    return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
+        pytest.fail(f"the launcher did not finish within {timeout_s} s")
+    out = done.stdout + done.stderr
+    return [(done.returncode, "\n".join(line for line in out.splitlines()
+                                        if line.startswith(f"[p{p}]")))
+            for p in range(NUM_PROCESSES)]
 
 
 def test_process_per_gpu_matches_reference(cuda_backend):
