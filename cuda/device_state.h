@@ -30,6 +30,9 @@ enum OpId : int32_t {
   kOpCombine = 3,
   kOpBroadcast = 4,
   kOpSlotValues = 5,
+  kOpRemoteSmoke = 6,
+  kOpLLDispatch = 7,
+  kOpLLCombine = 8,
 };
 
 // What went wrong, in FaultRecord::kind.
@@ -65,6 +68,10 @@ struct DeviceTables {
   uint64_t comm_bytes;                         // size of each communication buffer (0 = none)
   uint64_t timeout_ns;                         // bound of every spin-wait
   FaultRecord* fault_record;                   // device view of this device's pinned record
+  // Process model 2: this device's own communication buffer at its SYMMETRIC address (what
+  // nvshmem_malloc returned), the destination address NVSHMEM puts take (NVSHMEM maps it to the
+  // target PE's copy). nullptr in process model 1 (no NVSHMEM).
+  uint8_t* symmetric_buffer;
   int32_t device_ordinal;                      // CUDA ordinal of the device this state lives on
   int32_t slot;                                // its slot in the tables
 };
@@ -90,6 +97,13 @@ struct SyncCounters {
   // same order, so their epochs agree.
   alignas(128) uint64_t directory[kDirectoryAxes][kMaxGroups][kMaxGroupRanks];
   alignas(128) uint64_t group_epoch[kDirectoryAxes][kMaxGroups];
+  // Process model 2, remote_smoke (NVSHMEM puts + signals): remote_signal[s] is the signal word
+  // the GPU of slot s sets (NVSHMEM_SIGNAL_SET, after its data) to the number of remote_smoke
+  // calls it has made together with this device; remote_calls[s]: the same count, kept here
+  // (local bookkeeping). A DeviceState lives on the symmetric heap in model 2, so
+  // &remote_signal[s] of this device's own state is a symmetric address.
+  alignas(128) uint64_t remote_signal[kMaxDevices];
+  alignas(128) uint64_t remote_calls[kMaxDevices];
 };
 
 struct DeviceState {

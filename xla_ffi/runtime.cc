@@ -47,6 +47,8 @@ const char* OpName(int32_t op_id) {
       return "broadcast";
     case kOpSlotValues:
       return "slot_values";
+    case kOpRemoteSmoke:
+      return "remote_smoke";
     default:
       return "unknown";
   }
@@ -441,6 +443,7 @@ void Runtime::RebuildProcessGroupBuffer(uint64_t bytes, uint64_t timeout_ns) {
   }
   tables.comm_bytes = buffer != nullptr ? bytes : 0;  // 0: replays after shutdown trap
   tables.timeout_ns = timeout_ns;
+  tables.symmetric_buffer = buffer;  // the symmetric address NVSHMEM puts go to (remote.cu)
   UploadTables(ordinal, pe_, tables);
   if (old_buffer != nullptr) symmetric_heap::Free(old_buffer);
   comm_buffers_[ordinal] = buffer;

@@ -2,7 +2,8 @@
 //  1. one process drives all local GPUs (Init): DeviceStates and communication buffers from
 //     cudaMalloc, peer access between every pair, tables indexed by CUDA ordinal;
 //  2. one process per GPU (InitProcessGroup): both live on the NVSHMEM symmetric heap, the tables
-//     hold nvshmem_ptr addresses of every PE reachable by loads/stores, indexed by PE.
+//     hold nvshmem_ptr addresses of every PE reachable by loads/stores, indexed by PE, and this
+//     PE's own buffer at its symmetric address (tables.symmetric_buffer, where NVSHMEM puts go).
 // The kernels see only the tables (cuda/device_state.h: slots), so both models share them.
 //
 // Owns, per local device ordinal: a DeviceState (created once, never freed while the process runs,
