@@ -37,6 +37,26 @@ cc_library(
     deps = [":cuda_headers"],
 )
 
+# NVSHMEM's device library (libnvshmem_device.a of the same wheel): its device code goes into the
+# device link of the relocatable kernels (//:kernels_rdc), its host code (nvshmemi_init_thread,
+# which initialises the device state of that link) into the extension, after //:kernels_rdc.
+filegroup(
+    name = "nvshmem_device_archive",
+    srcs = ["nvshmem/lib/libnvshmem_device.a"],
+)
+
+cc_library(
+    name = "nvshmem_device",
+    srcs = ["nvshmem/lib/libnvshmem_device.a"],
+    deps = [":nvshmem_host"],
+)
+
+# NVSHMEM's headers as nvcc genrule inputs (the kernels of cuda/remote.cu include them).
+filegroup(
+    name = "nvshmem_headers",
+    srcs = glob(["nvshmem/include/**/*.h", "nvshmem/include/**/*.cuh", "nvshmem/include/**/*.hpp"]),
+)
+
 cc_library(
     name = "python_headers",
     hdrs = glob(["python_include/**/*.h"]),

@@ -88,6 +88,9 @@ def _jax_ep_local_deps_impl(ctx):
         fail("jax_ep_local_deps: %s has no NVSHMEM wheel (pip install nvidia-nvshmem-cu13)" % python)
     _fail_unless_exists(ctx, paths["nvshmem"] + "/include/nvshmem_host.h", "NVSHMEM's headers")
     _fail_unless_exists(ctx, paths["nvshmem"] + "/lib/libnvshmem_host.so.3", "libnvshmem_host.so.3")
+    _fail_unless_exists(ctx, paths["nvshmem"] + "/lib/libnvshmem_device.a", "libnvshmem_device.a")
+    _fail_unless_exists(ctx, cuda + "/include/cccl/cuda/std/version",
+                        "CUDA's CCCL headers (include/cccl, needed by NVSHMEM's device headers)")
 
     ctx.symlink(cuda, "cuda")
     ctx.symlink(paths["nvshmem"], "nvshmem")
