@@ -4,14 +4,31 @@
 #include <cstring>
 #include <stdexcept>
 
-// Host API only: the kernels never call NVSHMEM device functions (NVLink peers are plain
-// pointers), so no relocatable device code is needed.
+// The host API of NVSHMEM (libnvshmem_host.so.3), plus the two entry points of its device library
+// (libnvshmem_device.a, linked into this extension together with the device link of our
+// relocatable kernels, cuda/remote.cu): nvshmemi_init_thread and nvshmemi_finalize. They register
+// this module's nvshmemi_device_state_d with the host library, which fills it in, so that our
+// kernels' NVSHMEM device calls (puts, signals) work. The host library alone
+// (nvshmemx_hostlib_init_attr) would leave that state empty.
 #include <nvshmem_host.h>
 
 namespace jax_ep::symmetric_heap {
 namespace {
 
-bool g_owned = false;  // jax_ep initialised NVSHMEM (and so finalises it)
+bool g_owned = false;       // jax_ep initialised NVSHMEM (finalising ends the job)
+bool g_registered = false;  // this module's device state is registered with NVSHMEM
+
+// What the header's nvshmemx_init_attr does, without its exit() on failure: initialises NVSHMEM
+// if needed (bootstrap `flags`, `attr`), and registers the device state of the device library
+// linked into THIS extension (the call binds to our copy of libnvshmem_device.a: the host
+// library does not define nvshmemi_init_thread). On an NVSHMEM that is already initialised the
+// bootstrap arguments are ignored and only the registration happens (reference counted).
+int InitThread(unsigned int flags, nvshmemx_init_attr_t* attr) {
+  int provided = 0;
+  const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                      NVSHMEM_VENDOR_PATCH_VERSION};
+  return nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, flags, attr, version);
+}
 
 [[noreturn]] void Fail(const std::string& what, int status) {
   throw std::runtime_error("jax_ep: NVSHMEM " + what + " failed (status " +
@@ -50,6 +67,13 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
                                std::to_string(before.n_pes) + ", but this is JAX process " +
                                std::to_string(rank) + " of " + std::to_string(nranks));
     }
+    if (!g_registered) {  // our kernels need their device state filled in by this NVSHMEM too
+      if (const int status = InitThread(0, nullptr); status != 0) {
+        Fail("registration of jax_ep's device state (nvshmemi_init_thread on the running "
+             "NVSHMEM)", status);
+      }
+      g_registered = true;
+    }
     return;
   }
   if (unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
@@ -67,11 +91,11 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
   if (const int status = nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr); status != 0) {
     Fail("set_attr_uniqueid_args", status);
   }
-  // The host library's own init (nvshmemx_init_attr also sets up the device library, which the
-  // kernels do not use, and exits the process on failure).
-  const int status = nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+  nvshmemx_init_init_attr_ver_only(attr);  // as nvshmemx_init_attr does
+  const int status = InitThread(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
   if (status != 0) Fail("init (unique-id bootstrap of " + std::to_string(nranks) + " PEs)", status);
   g_owned = true;
+  g_registered = true;
   const Status after = Query();
   if (!after.initialized || after.my_pe != rank || after.n_pes != nranks) {
     throw std::runtime_error("jax_ep: NVSHMEM initialised as PE " + std::to_string(after.my_pe) +
@@ -100,8 +124,11 @@ void* PeerAddress(const void* pointer, int pe) { return nvshmem_ptr(pointer, pe)
 void BarrierAll() { nvshmem_barrier_all(); }
 
 void Finalize() {
-  if (!g_owned) return;
-  nvshmemx_hostlib_finalize();
+  if (!g_registered) return;
+  // Unregisters our device state; ends the job (collectively) when nobody else holds NVSHMEM,
+  // i.e. when jax_ep initialised it.
+  nvshmemi_finalize();
+  g_registered = false;
   g_owned = false;
 }
 

@@ -1,6 +1,8 @@
 // NVSHMEM for process model 2 (one process per GPU): bootstrap with a unique id, the symmetric heap,
-// peer addresses. The only file that includes NVSHMEM headers; it uses NVSHMEM's host library only
-// (the kernels reach NVLink peers through plain pointers from PeerAddress).
+// peer addresses. The only host file that includes NVSHMEM headers. The data kernels reach NVLink
+// peers through plain pointers from PeerAddress; the kernels of cuda/remote.cu call NVSHMEM device
+// functions, so Init initialises (or registers with) NVSHMEM through the device library linked
+// into this extension (nvshmemi_init_thread), which fills in our module's device state.
 //
 // NVSHMEM is the copy the `nvidia-nvshmem-cu13` wheel installs (the one jax[cuda13] ships), loaded
 // once per process: jax_ep.runtime loads it before the extension, by the path XLA would use.
@@ -28,8 +30,8 @@ struct Status {
 Status Query();
 
 // Joins the NVSHMEM job of `nranks` processes as `rank` on the current CUDA device (collective:
-// returns when every process has joined). If NVSHMEM is already initialised (by XLA), uses it and
-// checks that its PE numbering is `rank` of `nranks`. `heap_bytes` sizes the symmetric heap when
+// returns when every process has joined). If NVSHMEM is already initialised (by XLA), uses it,
+// checks that its PE numbering is `rank` of `nranks` and registers our device state with it. `heap_bytes` sizes the symmetric heap when
 // NVSHMEM_SYMMETRIC_SIZE is not set. Throws std::runtime_error with NVSHMEM's status on failure.
 void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t heap_bytes);
 
@@ -47,7 +49,7 @@ void* PeerAddress(const void* pointer, int pe);
 // Waits until every PE reaches this point (host-side barrier of NVSHMEM, collective).
 void BarrierAll();
 
-// Finalises NVSHMEM if jax_ep initialised it (collective).
+// Unregisters our device state; finalises NVSHMEM if jax_ep initialised it (then collective).
 void Finalize();
 
 }  // namespace jax_ep::symmetric_heap
