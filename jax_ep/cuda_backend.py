@@ -115,6 +115,41 @@ def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
     return vary_over((received, epochs), (axis_name,))
 
 
+def remote_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh, axis_name: str) -> jax.Array:
+    """Smoke test of the NVSHMEM put/signal transport (what the inter-node path uses), process model
+    2 only (one process per GPU under ``jax.distributed``). Call inside ``shard_map`` over
+    ``axis_name`` of ``mesh`` (the concrete mesh), like ``peer_smoke``.
+
+    Every rank puts ``pattern(tag, writer=me, reader=peer, i)`` (peer_smoke's pattern, see
+    ``tests/gpu/test_peer_smoke_gpu.py``) for i < n into slot ``me`` of every peer's communication
+    buffer with NVSHMEM device puts, each followed by a signal; it then waits (bounded by
+    ``JAX_EP_TIMEOUT_S``) for every peer's signal and returns ``received`` [R, n] uint32 (row w
+    from rank w). On one node NVSHMEM carries the puts over NVLink/P2P.
+    """
+    group_size = int(mesh.shape[axis_name])
+    runtime.register_targets()
+    if runtime.process_model() != "process_per_gpu":
+        raise NotImplementedError(
+            "jax_ep: remote_smoke needs process model 2 (NVSHMEM): one process per GPU under "
+            "jax.distributed; this process drives its GPUs in process model 1 (local peers)")
+    mesh_slots = _local_group_slots(mesh, axis_name)
+    # Growing the symmetric buffer is collective: done here, at trace time, on every process.
+    runtime.reserve(runtime.extension().remote_smoke_comm_bytes(group_size, int(n)))
+    call = jax.ffi.ffi_call(
+        "jax_ep_remote_smoke",
+        jax.ShapeDtypeStruct((group_size, int(n)), jnp.uint32),
+        has_side_effect=True,  # it communicates: never dropped, never merged with another call
+        vmap_method="sequential",
+    )
+    received = call(jnp.asarray(tag, jnp.int32).reshape(()), mesh_slots=mesh_slots,
+                    group_size=np.int64(group_size), n=np.int64(n))
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:  # called outside shard_map: nothing to type
+        return received
+    return vary_over(received, (axis_name,))
+
+
 def _local_group_slots(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
     """The slots (cuda/device_state.h) of the mesh's EP groups this process takes part in,
     flattened row-major as [groups, R] (rank = position along ``axis_name``). Each device finds its

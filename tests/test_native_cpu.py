@@ -38,7 +38,7 @@ def test_handler_capsules_for_every_target():
     handlers = native.ffi_handlers()
     assert set(handlers) == set(runtime.FFI_TARGETS)
     stateful = {"jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_broadcast",
-                "jax_ep_slot_values"}
+                "jax_ep_slot_values", "jax_ep_remote_smoke"}
     for name, entry in handlers.items():
         capsules = entry.values() if name in stateful else [entry]
         if name in stateful:  # the communicating ops keep state per call site (instantiate stage)
@@ -52,6 +52,33 @@ def test_handler_capsules_for_every_target():
     stats = native.handler_stats()
     assert set(stats) == set(runtime.FFI_TARGETS)
     assert all(set(s) == {"calls", "captured_calls"} for s in stats.values())
+
+
+def test_nvshmem_device_library_is_linked_in():
+    """The extension carries NVSHMEM's device library (linked with our relocatable kernels, one
+    device link): nvshmemi_init_thread, which initialises our module's device state, is defined
+    inside it (not imported), and it calls the host library's nvshmemid_hostlib_init_attr; the
+    host-only init of the host library is no longer used."""
+    import shutil
+    import subprocess
+
+    native = runtime.extension()
+    if native is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    if shutil.which("nm") is None:
+        pytest.skip("no nm (binutils)")
+    lines = subprocess.run(["nm", "-D", native.__file__], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    imported = {line.split()[-1].split("@")[0] for line in lines if line.split()[-2:-1] == ["U"]}
+    exported = {line.split()[-1] for line in lines if line.split()[-2:-1] != ["U"]}
+    assert "nvshmemid_hostlib_init_attr" in imported, sorted(n for n in imported if "nvshmem" in n)
+    assert "nvshmemid_hostlib_finalize" in imported
+    assert not {"_Z20nvshmemi_init_threadiPijP21nvshmemx_init_attr_v118nvshmemi_version_t",
+                "nvshmemi_finalize", "nvshmemx_hostlib_init_attr"} & imported
+    # Nothing of the device link is exported (another library built from the same NVSHMEM, e.g.
+    # DeepEP, must not interpose its registration functions).
+    assert not [n for n in exported if "cudaRegister" in n or "nvshmem" in n], exported
+    assert native.remote_smoke_comm_bytes(2, 1000) == 3 * 2 * 1000 * 4
 
 
 def test_runtime_queries_before_init():

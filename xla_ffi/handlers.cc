@@ -3,7 +3,7 @@
 // runtime bookkeeping, and enqueue kernels on XLA's stream (no host sync, no allocation, no stream
 // query, no host read of device data).
 //
-// The communicating ops (peer_smoke, dispatch, combine, broadcast, slot_values) have an
+// The communicating ops (peer_smoke, remote_smoke, dispatch, combine, broadcast, slot_values) have an
 // instantiate stage: when XLA instantiates an executable, each call site decodes its attributes
 // once (EPAttrs), computes its communication-buffer layout from them (make_comm_layout, the one
 // layout function), reserves that much buffer in the runtime and keeps an OpState holding the
@@ -30,6 +30,7 @@
 #include "cuda/group.h"
 #include "cuda/layout.h"
 #include "cuda/peer_smoke.h"
+#include "cuda/remote.h"
 #include "cuda/slot_values.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/runtime.h"
@@ -54,6 +55,7 @@ CallCounters dispatch_counters;
 CallCounters combine_counters;
 CallCounters broadcast_counters;
 CallCounters slot_values_counters;
+CallCounters remote_smoke_counters;
 
 // Counts the call, and whether `stream` is being captured into a CUDA graph right now
 // (cudaStreamIsCapturing is legal during capture; it does not query execution status).
@@ -325,6 +327,69 @@ ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
 }
 
 // ---------------------------------------------------------------------------------------------
+// jax_ep_remote_smoke (process model 2: NVSHMEM device puts + signals)
+// ---------------------------------------------------------------------------------------------
+
+// The op's kernel puts to symmetric addresses, which exist only on NVSHMEM's heap.
+ffi::Error RequireProcessPerGpu(const char* op, const Runtime& runtime) {
+  if (runtime.Model() != ProcessModel::kProcessPerGpu) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": remote_smoke needs process model 2 (NVSHMEM): one "
+                      "process per GPU under jax.distributed; this process drives its GPUs in "
+                      "process model 1 (local peers), which has no symmetric heap");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::unique_ptr<OpState>> RemoteSmokeInstantiate(ffi::Span<const int64_t> mesh_slots,
+                                                              int64_t group_size, int64_t n) {
+  constexpr const char* kOp = kRemoteSmokeTarget;
+  const int64_t total = static_cast<int64_t>(mesh_slots.size());
+  if (group_size < 1 || group_size > kMaxGroupRanks || total % group_size != 0 || n < 0) {
+    return ffi::Unexpected(Invalid(kOp, "group_size=" + std::to_string(group_size) +
+                                            " must be in [1, " + std::to_string(kMaxGroupRanks) +
+                                            "] and divide the " + std::to_string(total) +
+                                            " mesh slots; n=" + std::to_string(n)));
+  }
+  if (ffi::Error error = RequireProcessPerGpu(kOp, Runtime::Get()); !error.success()) {
+    return ffi::Unexpected(error);
+  }
+  EPAttrs attrs{};
+  attrs.num_ranks = group_size;
+  attrs.num_tokens = n;
+  CommLayout layout{};
+  layout.total = remote_smoke_comm_bytes(group_size, n);
+  return MakeState(kOp, attrs, layout,
+                   std::vector<int64_t>(mesh_slots.begin(), mesh_slots.end()));
+}
+
+ffi::Error RemoteSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                           ffi::Buffer<ffi::S32> tag, ffi::ResultBuffer<ffi::U32> received) {
+  constexpr const char* kOp = kRemoteSmokeTarget;
+  if (ffi::Error error = CountCall(remote_smoke_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const Runtime& runtime = *state->runtime;
+  if (ffi::Error error = RequireProcessPerGpu(kOp, runtime); !error.success()) return error;
+  const int64_t R = state->attrs.num_ranks, n = state->attrs.num_tokens;
+  if (tag.element_count() != 1 || !IsShape(received->dimensions(), {R, n})) {
+    return Invalid(kOp, "tag, received must be [], [R, n] with R=" + std::to_string(R) + ", n=" +
+                            std::to_string(n) + "; got received " +
+                            DimsToString(received->dimensions()));
+  }
+  PeerGroup group{};
+  if (ffi::Error error = ResolveGroup(device_ordinal, *state, kOp, &group); !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = CheckBuffer(kOp, *state); !error.success()) return error;
+  const cudaError_t status = launch_remote_smoke(runtime.State(device_ordinal), group,
+                                                 tag.typed_data(), n, received->typed_data(),
+                                                 stream);
+  if (status != cudaSuccess) return CudaError(status, "remote_smoke kernel launch");
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
 // EP data ops: jax_ep_dispatch, jax_ep_combine, jax_ep_broadcast, jax_ep_slot_values
 // ---------------------------------------------------------------------------------------------
 // Common to all four: the rank and the EP group arrive as int32 device scalars (lax.axis_index;
@@ -587,7 +652,8 @@ std::vector<HandlerStats> GetHandlerStats() {
         std::pair<const char*, CallCounters*>{kDispatchTarget, &dispatch_counters},
         std::pair<const char*, CallCounters*>{kCombineTarget, &combine_counters},
         std::pair<const char*, CallCounters*>{kBroadcastTarget, &broadcast_counters},
-        std::pair<const char*, CallCounters*>{kSlotValuesTarget, &slot_values_counters}}) {
+        std::pair<const char*, CallCounters*>{kSlotValuesTarget, &slot_values_counters},
+        std::pair<const char*, CallCounters*>{kRemoteSmokeTarget, &remote_smoke_counters}}) {
     stats.push_back({target, counters->calls.load(std::memory_order_relaxed),
                      counters->captured_calls.load(std::memory_order_relaxed)});
   }
@@ -625,6 +691,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerSmoke, jax_ep::PeerSmokeImpl,
                               jax_ep::BindPeerOp()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpRemoteSmokeInstantiate, jax_ep::RemoteSmokeInstantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Attr<ffi::Span<const int64_t>>("mesh_slots")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("n"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpRemoteSmoke, jax_ep::RemoteSmokeImpl,
+                              jax_ep::BindPeerOp()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -18,6 +18,7 @@ inline constexpr const char kDispatchTarget[] = "jax_ep_dispatch";
 inline constexpr const char kCombineTarget[] = "jax_ep_combine";
 inline constexpr const char kBroadcastTarget[] = "jax_ep_broadcast";
 inline constexpr const char kSlotValuesTarget[] = "jax_ep_slot_values";
+inline constexpr const char kRemoteSmokeTarget[] = "jax_ep_remote_smoke";
 
 // Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values), one struct for
 // all four (fields an op does not use are 0); built by jax_ep.cuda_backend._attrs. Alphabetical:
@@ -46,7 +47,7 @@ struct OpState {
   std::shared_ptr<Runtime> runtime;
   EPAttrs attrs;
   CommLayout layout;
-  std::vector<int64_t> mesh_slots;  // peer_smoke: the mesh's slots, EP axis last
+  std::vector<int64_t> mesh_slots;  // peer_smoke, remote_smoke: the mesh's slots, EP axis last
 };
 
 // How often each handler ran, and how often XLA was capturing it into a CUDA graph (command
@@ -65,6 +66,8 @@ extern "C" {
 XLA_FFI_Error* JaxEpDispatchLayout(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpPeerSmoke(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpPeerSmokeInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpRemoteSmoke(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpRemoteSmokeInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpCombineInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpBroadcastInstantiate(XLA_FFI_CallFrame* call_frame);

@@ -12,6 +12,7 @@
 #include "cuda/device_state.h"
 #include "cuda/ep_layout.h"
 #include "cuda/layout.h"
+#include "cuda/remote.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/handlers.h"
@@ -76,6 +77,8 @@ NB_MODULE(_C, m) {
             StatefulHandler(JaxEpBroadcastInstantiate, JaxEpBroadcast);
         handlers[jax_ep::kSlotValuesTarget] =
             StatefulHandler(JaxEpSlotValuesInstantiate, JaxEpSlotValues);
+        handlers[jax_ep::kRemoteSmokeTarget] =
+            StatefulHandler(JaxEpRemoteSmokeInstantiate, JaxEpRemoteSmoke);
         return handlers;
       },
       "{FFI target name: capsule of its XLA_FFI_Handler*, or {stage: capsule} for the ops with an "
@@ -117,6 +120,13 @@ NB_MODULE(_C, m) {
       "scale_row_bytes"_a,
       "Bytes of communication buffer the EP ops need for these sizes (data_row_bytes: bytes of a "
       "staged row; scale_row_bytes: FP8 scale bytes per row, 0 without FP8).");
+
+  m.def(
+      "remote_smoke_comm_bytes",
+      [](int64_t group_size, int64_t n) { return jax_ep::remote_smoke_comm_bytes(group_size, n); },
+      "group_size"_a, "n"_a,
+      "Bytes of communication buffer remote_smoke needs for a group of group_size ranks and n "
+      "values per rank (what its instantiation reserves).");
 
   m.def(
       "init",
