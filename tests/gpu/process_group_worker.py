@@ -2,15 +2,17 @@
 per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
 
     python -m jax_ep.launch --nproc 2 tests/gpu/process_group_worker.py [--bench OUT.json]
-        [--absent P]
+        [--absent P] [--remote]
 
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
-within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine. With
---bench, instead times dispatch/combine at the DeepSeek-V3 shape (benchmarks.ops.bench_shape) and
-process 0 writes the records. With --absent P, process P leaves right after jax.distributed is up
-and the others must fail the NVSHMEM bootstrap within a bounded time, naming process P. Prints
-"process_group_worker OK <checks>" at the end.
+within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine, and
+remote_smoke (NVSHMEM device puts + signals, the transport of the inter-node path, which NVSHMEM
+carries over P2P on one node) against peer_smoke's pattern. With --remote, the remote_smoke check
+only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
+(benchmarks.ops.bench_shape) and process 0 writes the records. With --absent P, process P leaves
+right after jax.distributed is up and the others must fail the NVSHMEM bootstrap within a bounded
+time, naming process P. Prints "process_group_worker OK <checks>" at the end.
 """
 
 from __future__ import annotations
@@ -23,16 +25,19 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
-from gpu_helpers import poison_device_memory  # noqa: E402
+from gpu_helpers import GRAPH_OPTIONS, poison_device_memory  # noqa: E402
+from test_peer_smoke_gpu import pattern  # noqa: E402  (peer_smoke_pattern of cuda/peer_smoke.h)
 
 import jax_ep.distributed  # noqa: E402
-from jax_ep import runtime  # noqa: E402
+from jax_ep import cuda_backend, runtime  # noqa: E402
 
 AXIS = model1.AXIS
 
@@ -112,6 +117,61 @@ def check_gradients(mesh) -> int:
     return 1
 
 
+def check_remote_smoke(mesh, me) -> int:
+    """remote_smoke: every rank puts peer_smoke's pattern into its slot of every peer's buffer with
+    NVSHMEM device puts + signals and returns what arrived, [R, n] per rank. This process checks its
+    own rows (reader = me) bit-exact against the pattern: single calls of several sizes (two tags
+    each: the second call uses the other receive half), then a lax.scan of back-to-back calls
+    captured as CUDA graphs and replayed (the call counts live on the device)."""
+    ranks = int(mesh.shape[AXIS])
+
+    def smoke(n):
+        def body(tag):
+            return cuda_backend.remote_smoke(tag, n, mesh=mesh, axis_name=AXIS)[None]
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(AXIS))
+
+    def replicated(tag):  # the same scalar on every process
+        return jax.device_put(np.int32(tag), NamedSharding(mesh, P()))
+
+    def check(received, tag, n, what):
+        assert received.shape == (ranks, n) and received.dtype == np.uint32, (what, received.shape)
+        for writer in range(ranks):
+            want = pattern(tag, writer, me, n)
+            bad = np.flatnonzero(received[writer] != want)
+            assert bad.size == 0, (f"{what}: process {me} holds wrong data from rank {writer} at "
+                                   f"{bad.size} of {n} elements; first i={bad[0]}: got "
+                                   f"{received[writer][bad[0]]:#x}, want {want[bad[0]]:#x}")
+
+    checks = 0
+    for n in (1, 1000, 1 << 16):
+        fn = jax.jit(smoke(n))
+        for tag in (12345, -7):
+            poison_device_memory(jax.local_devices(), 64 << 20)
+            check(local(fn(replicated(tag)))[0], tag, n, f"remote_smoke n={n} tag={tag}")
+        checks += 1
+
+    n, steps = 777, 6
+    step_fn = smoke(n)
+
+    def run(first_tag):
+        def step(tag, _):
+            return tag + 1, step_fn(tag)
+
+        return lax.scan(step, first_tag, None, length=steps)[1]
+
+    tag0 = replicated(1000)
+    compiled = jax.jit(run, compiler_options=GRAPH_OPTIONS["graphs"]).lower(tag0).compile()
+    for repeat in range(2):  # the second run replays the graphs of the first
+        poison_device_memory(jax.local_devices(), 64 << 20)
+        received = local(compiled(tag0))  # [steps, 1, R, n]
+        for s in range(steps):
+            check(received[s][0], 1000 + s, n, f"remote_smoke scan run {repeat} step {s}")
+    stats = runtime.extension().handler_stats()["jax_ep_remote_smoke"]
+    print(f"process {me}: remote_smoke OK, handler stats {stats}", flush=True)
+    return checks + 1
+
+
 def bench(mesh, out_path: str) -> None:
     from benchmarks import ops
 
@@ -152,12 +212,15 @@ def main(argv) -> None:
     if "--bench" in argv:  # the benchmark only (the test runs the checks)
         bench(mesh, argv[argv.index("--bench") + 1])
         checks = 0
+    elif "--remote" in argv:  # the NVSHMEM put/signal transport only
+        checks = check_remote_smoke(mesh, me)
     else:
         checks = check_cases(mesh, me)
         group = runtime.extension().process_group()
         assert group["model"] == "process_per_gpu" and group["pe"] == me, group
         assert group["reachable_pes"] == list(range(count)), group
         checks += check_gradients(mesh)
+        checks += check_remote_smoke(mesh, me)
     print(f"process_group_worker OK {checks} (process {me}, buffer {runtime.extension().buffer_bytes()} "
           f"bytes, faults {runtime.faults()})", flush=True)
 

@@ -214,3 +214,16 @@ def test_timeout_records_fault_naming_op_and_ranks(cuda_backend, two_or_more):
     assert (fault["waited_ordinal"], fault["waited_rank"]) == (ordinals[1], 1), fault
     assert fault["elapsed_s"] >= 2.0, fault
     assert "CHECK_ERRORS=" in stdout and "timed out" in stdout, stdout[-4000:]
+
+
+def test_remote_smoke_needs_process_model_2(cuda_backend, gpus):
+    """remote_smoke (NVSHMEM device puts) exists in process model 2 only (tests/gpu/
+    process_group_worker.py runs it there); in model 1 it is a clear error at trace time."""
+    mesh = Mesh(np.array(gpus), (AXIS,))
+
+    def body(tag):
+        return cuda_backend.remote_smoke(tag, 8, mesh=mesh, axis_name=AXIS)[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(AXIS)))
+    with pytest.raises(NotImplementedError, match="remote_smoke needs process model 2"):
+        fn(np.int32(1))

@@ -47,6 +47,19 @@ def test_process_per_gpu_matches_reference(cuda_backend):
         assert "process_group_worker OK" in out, f"process {p}: no OK line"
 
 
+def test_remote_smoke_puts_and_signals(cuda_backend):
+    """The NVSHMEM device put/signal transport alone (the worker's --remote): remote_smoke's rows
+    bit-exact on every process, single calls and a scan replayed as CUDA graphs."""
+    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
+    results = run_workers(("--remote",), timeout_s=240)
+    for p, (rc, out) in enumerate(results):
+        print(f"---- process {p} (rc {rc})\n{out[-3000:]}")
+    for p, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
+        assert "remote_smoke OK" in out and "process_group_worker OK" in out, out[-3000:]
+
+
 def test_bootstrap_without_a_process_fails_in_bounded_time_naming_it(cuda_backend):
     """Process 1 leaves before the NVSHMEM bootstrap: process 0 raises TimeoutError naming it
     (runtime.BOOTSTRAP_TIMEOUT_S, set to 10 s by the worker) instead of waiting forever."""
