@@ -2,9 +2,9 @@
 
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gemm import grouped_matmul
-from jax_ep.ops import combine, dispatch, get_dispatch_layout
+from jax_ep.ops import combine, dispatch, get_dispatch_layout, ll_combine, ll_dispatch
 from jax_ep.reference import dequantize_fp8
-from jax_ep.types import Dispatched, Handle, Layout
+from jax_ep.types import Dispatched, Handle, Layout, LLDispatched, LLHandle
 from jax_ep.validation import EPValueError
 
 __version__ = "0.1.0"
@@ -15,10 +15,14 @@ __all__ = [
     "EPValueError",
     "Handle",
     "KernelConfig",
+    "LLDispatched",
+    "LLHandle",
     "Layout",
     "combine",
     "dequantize_fp8",
     "dispatch",
     "get_dispatch_layout",
     "grouped_matmul",
+    "ll_combine",
+    "ll_dispatch",
 ]

@@ -1,11 +1,13 @@
-"""Public ops: get_dispatch_layout, dispatch and combine, with custom_vjp.
+"""Public ops: get_dispatch_layout, dispatch and combine, with custom_vjp; ll_dispatch and ll_combine
+(low-latency decode mode, forward-only).
 
 Call them inside ``shard_map`` over ``cfg.axis_name`` (per-rank view). Each op is declared once, in
 ``OPS`` below: its output types (``jax_ep.types``: the contract), its implementations (the same
 function in each backend module, ``Backend``), and whether ``backend="auto"`` takes its kernel. The
 backward passes reuse the forward machinery: the gradient of dispatch is a combine with unit weights
 (plus the gate-weight gradients sent back to their top-k slots, ``slot_values``); the gradient of
-combine is a ``broadcast`` of the cotangents through the same handle.
+combine is a ``broadcast`` of the cotangents through the same handle. The low-latency ops have no
+backward pass: differentiating through them raises ``NotImplementedError`` naming the op.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from jax import lax
 
 from jax_ep import auto_table, reference
 from jax_ep.config import EPConfig
-from jax_ep.types import Dispatched, Handle, Layout
+from jax_ep.types import Dispatched, Handle, Layout, LLDispatched, LLHandle
 from jax_ep.validation import (
     check_combine_args,
     check_dispatch_args,
     check_layout_args,
+    check_ll_combine_args,
+    check_ll_dispatch_args,
     check_no_drops,
     check_topk_values,
     float0_like,
@@ -42,6 +46,9 @@ class Backend(Protocol):
     def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
     def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
     def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
+    def ll_dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                    cfg: EPConfig) -> LLDispatched: ...
+    def ll_combine(self, y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +74,18 @@ class Op:
             return getattr(reference, self.name)
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
+        kernel = getattr(cuda_backend, self.name, None)
         if cfg.backend == "auto":
-            if not (self.kernel_by_default(cfg) and jax.default_backend() == "gpu"
-                    and runtime.available()[0]):
+            if kernel is None or not (self.kernel_by_default(cfg) and jax.default_backend() == "gpu"
+                                      and runtime.available()[0]):
                 return getattr(reference, self.name)
             if cuda_backend.unsupported(self.name, cfg, ep_size, dtype) is not None:
                 return getattr(reference, self.name)
-            return getattr(cuda_backend, self.name)
+            return kernel
+        if kernel is None:
+            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): this version of jax_ep has "
+                                      f"no CUDA kernel for it (jax_ep.cuda_backend.{self.name}); use "
+                                      "backend='reference' or 'auto'")
         usable, reason = runtime.available()
         if not usable:
             raise RuntimeError(f"jax_ep: backend='cuda' is unavailable: {reason}. Use "
@@ -82,11 +94,12 @@ class Op:
         if why is not None:
             raise ValueError(f"jax_ep.{self.name} (backend='cuda'): {why}; use backend='reference' "
                              "(or 'auto', which falls back to it)")
-        return getattr(cuda_backend, self.name)
+        return kernel
 
 
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
+    Op("ll_dispatch"), Op("ll_combine"),
 )}
 
 
@@ -197,3 +210,68 @@ def _combine_bwd(cfg, residuals, g):
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
+
+
+# ---- low-latency (decode) mode: forward-only ------------------------------------------------------
+def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> LLDispatched:
+    """Low-latency dispatch (decode): each token goes to fixed slots of its experts' ranks.
+
+    Args:
+      x: [T, H] bfloat16 (or float32, cast to the wire dtype) tokens of this rank.
+      topk_idx: [T, K] int32 expert ids; -1 (or any id outside [0, E), or a repeat within a token)
+        marks an unused slot.
+      topk_weights: [T, K] float32 gate weights.
+      cfg: EPConfig (static); dispatch_dtype "bfloat16" or "float8_e4m3fn" (None keeps bfloat16 x).
+    Returns:
+      LLDispatched: x [E_local, R*T, H] (slot (e, r*T + i): the i-th token of source rank r routed to
+      local expert e; slots past counts[e, r] unspecified), scales [E_local, R*T, ceil(H/128)] for
+      FP8, counts [E_local, R] int32, handle (LLHandle) for ll_combine. No capacity, no drops.
+    Forward-only: differentiating through it raises NotImplementedError.
+    """
+    ep_size(cfg, "ll_dispatch")
+    check_ll_dispatch_args(x, topk_idx, topk_weights, cfg)
+    if cfg.checked:
+        check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
+    return _ll_dispatch(x, topk_idx, topk_weights, cfg)
+
+
+def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
+    """Low-latency combine (decode): y [E_local, R*T, H] bfloat16, the expert outputs slot for slot
+    (unfilled slots may hold anything, NaN included) -> [T, H] bfloat16, per token of this rank the
+    sum over its top-k slots of nonzero weight, in slot order, of the float32 products w * y, rounded
+    once to bfloat16. Forward-only: differentiating through it raises NotImplementedError."""
+    size = ep_size(cfg, "ll_combine")
+    check_ll_combine_args(y, handle, cfg, size)
+    return _ll_combine(y, handle, cfg)
+
+
+def _forward_only(op: str):
+    def bwd(cfg, residuals, ct):
+        raise NotImplementedError(
+            f"jax_ep.{op} is forward-only (low-latency decode mode) and has no gradient; differentiate "
+            "through jax_ep.dispatch / jax_ep.combine instead")
+    return bwd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ll_dispatch(x, topk_idx, topk_weights, cfg):
+    return implementation("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+
+
+def _ll_dispatch_fwd(x, topk_idx, topk_weights, cfg):
+    return _ll_dispatch(x, topk_idx, topk_weights, cfg), None
+
+
+_ll_dispatch.defvjp(_ll_dispatch_fwd, _forward_only("ll_dispatch"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ll_combine(y, handle, cfg):
+    return implementation("ll_combine", cfg, y.dtype)(y, handle, cfg)
+
+
+def _ll_combine_fwd(y, handle, cfg):
+    return _ll_combine(y, handle, cfg), None
+
+
+_ll_combine.defvjp(_ll_combine_fwd, _forward_only("ll_combine"))

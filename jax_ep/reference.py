@@ -20,6 +20,17 @@ Semantics (docs/api.md has the user-facing version):
   * combine: each receiver sums, in float32 and in top-k slot order, the weighted rows of each
     (token, rank) pair, rounds the partial sum to y's dtype, sends it back; the source sums the
     partial sums in float32 in rank order and rounds to y's dtype.
+
+Low-latency (decode) mode, ``ll_dispatch`` / ``ll_combine`` (docs/api.md, "Low-latency mode"):
+  * Fixed receive slots: local expert e has R blocks of T slots; slot (e, r*T + i) holds the i-th
+    token (in token order) of source rank r among those routed to global expert r_me*E_local + e.
+    No capacity, no drops, no layout pass: a token's slot i(t, k) is known at the source (the number
+    of its earlier tokens routed to the same expert).
+  * combine: each filled slot's expert output goes back to its source (token, top-k slot); the source
+    sums, in top-k slot order, the float32 products w * y (each product rounded to float32, no fused
+    multiply-add) over the slots whose handle weight is nonzero, starting from +0.0, and rounds to
+    bfloat16. A slot of weight 0 (every unused slot) is skipped by a select: whatever y holds there,
+    NaN included, never reaches the sum.
 """
 
 from __future__ import annotations
@@ -29,7 +40,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX, EPConfig
-from jax_ep.types import DROPPED, EMPTY_ROW, NOT_ROUTED, Dispatched, Handle, Layout
+from jax_ep.types import (
+    DROPPED,
+    EMPTY_ROW,
+    EMPTY_SLOT,
+    NOT_ROUTED,
+    Dispatched,
+    Handle,
+    Layout,
+    LLDispatched,
+    LLHandle,
+)
 
 FP8_MIN_AMAX = 1e-4  # keeps the scale finite for all-zero blocks
 
@@ -208,3 +229,117 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     per_slot = take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)
     returned = _all_to_all(per_slot, cfg.axis_name)
     return jnp.sum(returned, axis=0)
+
+
+# ---- low-latency (decode) mode --------------------------------------------------------------------
+def _gather_rows(table: jax.Array, index: jax.Array) -> jax.Array:
+    """table[index] along axis 0, zeros where index is -1 (also when table has no rows)."""
+    if table.shape[0] == 0:
+        return jnp.zeros(index.shape + table.shape[1:], table.dtype)
+    safe = jnp.where(index >= 0, index, table.shape[0])
+    return jnp.take(table, safe, axis=0, mode="fill", fill_value=0)
+
+
+def _expert_blocks_to_ranks(a: jax.Array, ep_size: int) -> jax.Array:
+    """[E_local, R*T, ...] (receive slots) -> [R, E_local*T, ...] (block r for rank r)."""
+    local, slots = a.shape[:2]
+    tokens = slots // ep_size
+    a = a.reshape((local, ep_size, tokens) + a.shape[2:])
+    return jnp.swapaxes(a, 0, 1).reshape((ep_size, local * tokens) + a.shape[3:])
+
+
+def _rank_blocks_to_experts(a: jax.Array, local: int) -> jax.Array:
+    """[R, E_local*T, ...] (block r from rank r) -> [E_local, R*T, ...] (receive slots)."""
+    ep_size, n = a.shape[:2]
+    tokens = n // local
+    a = a.reshape((ep_size, local, tokens) + a.shape[2:])
+    return jnp.swapaxes(a, 0, 1).reshape((local, ep_size * tokens) + a.shape[3:])
+
+
+def _rounded(products: jax.Array, runtime_zero: jax.Array) -> jax.Array:
+    """The float32 products as stored, so that a later addition cannot fuse with the multiplication
+    into a fused multiply-add (XLA:CPU and XLA:GPU contract a*b + c within a fusion, and drop an
+    optimization_barrier or a no-op reduce_precision in between). OR-ing the bits with a zero known
+    only at run time keeps the multiply and the add apart."""
+    bits = lax.bitcast_convert_type(products, jnp.int32) | runtime_zero.astype(jnp.int32)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                cfg: EPConfig) -> LLDispatched:
+    """Low-latency dispatch into fixed slots [E_local, R*T] (no custom_vjp here: jax_ep.ops wraps it).
+
+    The source knows where each of its (token, top-k slot) pairs lands: global expert g = idx[t, k]
+    (rank g // E_local, local expert g % E_local), slot i(t, k) = number of its earlier tokens routed
+    to g. It fills a capacity block [R, E_local, T] (one row per (expert, slot), zeros elsewhere) and
+    one all_to_all delivers block r to rank r.
+    """
+    ep_size = lax.axis_size(cfg.axis_name)
+    local = cfg.num_local_experts(ep_size)
+    num_experts = cfg.num_experts
+    num_tokens, topk = topk_idx.shape
+
+    idx = sanitize_topk(topk_idx, num_experts)
+    used = idx >= 0
+    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
+
+    # i(t, k): this rank's earlier tokens routed to the same expert (exclusive cumsum over tokens)
+    picks = jnp.any(idx[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, None, :], axis=1)
+    picks_i = picks.astype(jnp.int32)                                   # [T, E]
+    earlier = jnp.cumsum(picks_i, axis=0) - picks_i
+    slot = jnp.take_along_axis(earlier, jnp.maximum(idx, 0), axis=1)    # [T, K]
+    # position in the send buffer [E*T] = [R, E_local, T] (expert-major, then slot)
+    position = jnp.where(used, idx * num_tokens + slot, num_experts * num_tokens).reshape(-1)
+    tk = jnp.arange(num_tokens * topk, dtype=jnp.int32)                 # t*K + k
+    send_src = jnp.full((num_experts * num_tokens,), EMPTY_SLOT, jnp.int32).at[position].set(
+        tk, mode="drop")
+    send_token = jnp.where(send_src >= 0, send_src // topk, -1)
+
+    if cfg.dispatch_dtype == "float8_e4m3fn":
+        payload, scales = quantize_fp8(x)
+    else:
+        payload, scales = x.astype(cfg.wire_dtype(x.dtype)), None
+
+    def deliver(per_token):  # [T, ...] -> [E_local, R*T, ...] on the receivers
+        send = _gather_rows(per_token, send_token).reshape((ep_size, local * num_tokens) +
+                                                           per_token.shape[1:])
+        return _rank_blocks_to_experts(_all_to_all(send, cfg.axis_name), local)
+
+    recv_x = deliver(payload)
+    recv_scales = None if scales is None else deliver(scales)
+    recv_src = _rank_blocks_to_experts(_all_to_all(send_src.reshape(ep_size, local * num_tokens),
+                                                   cfg.axis_name), local)  # [E_local, R*T]
+    counts = jnp.sum((recv_src >= 0).reshape(local, ep_size, num_tokens), axis=2, dtype=jnp.int32)
+    return LLDispatched(recv_x, recv_scales, counts, LLHandle(recv_src, weights))
+
+
+def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
+    """Low-latency combine: the expert output of every filled slot goes back to its source (token,
+    top-k slot); the source takes the weighted sum (module docstring)."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    local, _, hidden = y.shape
+    num_tokens, topk = handle.topk_weights.shape
+    num_pairs = num_tokens * topk
+
+    # receiver: block r = [T*K] rows for source rank r, row t*K + k holding that pair's output
+    src = _expert_blocks_to_ranks(handle.src_slot, ep_size)            # [R, E_local*T]
+    filled = src >= 0
+    ranks = jnp.arange(ep_size, dtype=jnp.int32)[:, None]
+    target = jnp.where(filled, ranks * num_pairs + src, ep_size * num_pairs).reshape(-1)
+    flat_slot = jnp.arange(ep_size * local * num_tokens, dtype=jnp.int32)   # in [R, E_local*T] order
+    row_of = jnp.full((ep_size * num_pairs,), -1, jnp.int32).at[target].set(flat_slot, mode="drop")
+    y_slots = _expert_blocks_to_ranks(y, ep_size).reshape(-1, hidden)  # unfilled slots never read
+    send = _gather_rows(y_slots, row_of).reshape(ep_size, num_pairs, hidden)
+    back = _all_to_all(send, cfg.axis_name)                              # [R (expert's rank), T*K, H]
+    came = _all_to_all((row_of >= 0).astype(jnp.int32).reshape(ep_size, num_pairs), cfg.axis_name)
+
+    # source: the one rank that sent each pair, then the weighted sum in top-k order
+    from_rank = jnp.argmax(came, axis=0)                                 # [T*K]
+    y_back = jnp.take_along_axis(back, from_rank[None, :, None], axis=0)[0]
+    w = handle.topk_weights
+    products = w[:, :, None] * y_back.astype(jnp.float32).reshape(num_tokens, topk, hidden)
+    products = _rounded(products, jnp.min(came, initial=0))  # came is 0/1: a zero XLA cannot see
+    total = jnp.zeros((num_tokens, hidden), jnp.float32)
+    for k in range(topk):  # fixed summation order: top-k slot order
+        total = jnp.where((w[:, k] != 0)[:, None], total + products[:, k], total)
+    return total.astype(jnp.bfloat16)

@@ -18,6 +18,7 @@ from jax_ep.config import EPConfig
 EMPTY_ROW = -1    # src_index: the receive row holds no token (padding or past the last expert)
 NOT_ROUTED = -1   # token_rows: the top-k slot does not name an expert of this rank (or is unused)
 DROPPED = -2      # token_rows: the slot was routed here but its row was dropped for lack of capacity
+EMPTY_SLOT = -1   # LLHandle.src_slot (low-latency mode): the receive slot holds no token
 
 
 class Layout(NamedTuple):
@@ -53,6 +54,26 @@ class Dispatched(NamedTuple):
     def row_weights(self) -> jax.Array:
         """[C] float32 gate weight per receive row (the handle's)."""
         return self.handle.row_weights
+
+
+# ---- low-latency (decode) mode: fixed receive slots per (local expert, source rank) ---------------
+class LLHandle(NamedTuple):
+    """What ll_combine needs from ll_dispatch (arrays only: a pytree that passes whole through jit)."""
+
+    src_slot: jax.Array      # [E_local, R*T] int32: t*K + k of the source (token, top-k slot) each
+                             # receive slot holds (source rank r = slot // T), or EMPTY_SLOT
+    topk_weights: jax.Array  # [T, K] float32: this rank's gate weights, 0 where the sanitised id is
+                             # unused (ll_combine skips every slot whose weight is 0)
+
+
+class LLDispatched(NamedTuple):
+    """Result of ll_dispatch on one rank: per local expert, R blocks of T fixed slots (block r holds
+    source rank r's tokens routed to that expert, in token order, then unspecified slots)."""
+
+    x: jax.Array              # [E_local, R*T, H] bfloat16 or float8_e4m3fn; slots past counts unspecified
+    scales: jax.Array | None  # [E_local, R*T, ceil(H/128)] float32 for FP8, else None
+    counts: jax.Array         # [E_local, R] int32 tokens received per (local expert, source rank)
+    handle: LLHandle
 
 
 # ---- output types of each op (the backends' contract) ----------------------------------------------
@@ -93,6 +114,23 @@ def combine_types(y, handle: Handle, ep_size: int) -> jax.ShapeDtypeStruct:
 def broadcast_types(g, handle: Handle) -> jax.ShapeDtypeStruct:
     """[C, H'] of g's dtype, for per-token rows g [T, H']."""
     return _sds((handle.src_index.shape[0], g.shape[1]), g.dtype)
+
+
+def ll_dispatch_types(num_tokens: int, x_dtype, cfg: EPConfig, ep_size: int) -> LLDispatched:
+    """ll_dispatch's outputs for T = num_tokens tokens of ``x_dtype`` per rank."""
+    local = cfg.num_local_experts(ep_size)
+    slots = ep_size * num_tokens
+    scales = (_sds((local, slots, cfg.num_scale_blocks), jnp.float32)
+              if cfg.dispatch_dtype == "float8_e4m3fn" else None)
+    return LLDispatched(_sds((local, slots, cfg.hidden), cfg.wire_dtype(x_dtype)), scales,
+                        _sds((local, ep_size), jnp.int32),
+                        LLHandle(_sds((local, slots), jnp.int32),
+                                 _sds((num_tokens, cfg.num_topk), jnp.float32)))
+
+
+def ll_combine_types(handle: LLHandle, cfg: EPConfig) -> jax.ShapeDtypeStruct:
+    """[T, H] bfloat16."""
+    return _sds((handle.topk_weights.shape[0], cfg.hidden), jnp.bfloat16)
 
 
 def slot_values_types(handle: Handle, cfg: EPConfig, ep_size: int) -> jax.ShapeDtypeStruct:

@@ -250,3 +250,81 @@ def dense_moe(x, topk_idx, topk_weights, expert_w, num_experts: int, kept=None) 
             if e >= 0 and (kept is None or kept[pos + (k,)]):
                 out[pos] += w[pos + (k,)] * (x[pos] @ expert_w[e])
     return out
+
+
+# ---- low-latency (decode) mode ---------------------------------------------------------------------
+# Fixed receive slots: on rank d, local expert e has R blocks of T slots; slot (e, s*T + i) holds the
+# i-th token (in token order) of source rank s among those whose sanitised ids name expert d*E_local + e.
+# combine: out[s, t] = bf16(sum over k in order, in float32, of float32(w * float32(y_back)) for the
+# slots whose (sanitised) weight is nonzero), starting from +0.0.
+@dataclasses.dataclass
+class LLRank:
+    x: np.ndarray              # [E_local, R*T, H] wire dtype; zeros in unfilled slots
+    scales: np.ndarray | None  # [E_local, R*T, nb] float32 (FP8 only)
+    counts: np.ndarray         # [E_local, R] int32
+    src_slot: np.ndarray       # [E_local, R*T] int32: t*K + k of the source pair, -1 unfilled
+    filled: np.ndarray         # [E_local, R*T] bool
+
+
+@dataclasses.dataclass
+class LLModel:
+    ranks: list                # [R] LLRank (receiver side)
+    weights: np.ndarray        # [R, T, K] float32: the handle's weights (0 where unused)
+    sanitized: np.ndarray      # [R, T, K]
+    placed: dict               # (s, t, k) -> (d, e, slot) for every valid pair
+
+
+def ll_dispatch(x, topk_idx, topk_weights, *, num_experts: int, dispatch_dtype: str | None) -> LLModel:
+    x = np.asarray(x)
+    topk_idx = np.asarray(topk_idx)
+    ep_size, tokens, topk = topk_idx.shape
+    hidden = x.shape[2]
+    local = num_experts // ep_size
+    idx = sanitize(topk_idx, num_experts)
+    weights = np.where(idx >= 0, np.asarray(topk_weights, np.float32), np.float32(0)).astype(np.float32)
+    payloads = [payload_of(x[s], dispatch_dtype) for s in range(ep_size)]
+    row_dtype = payloads[0][0].dtype if tokens else payload_of(np.zeros((1, hidden), x.dtype),
+                                                                 dispatch_dtype)[0].dtype
+    fp8 = dispatch_dtype == "float8_e4m3fn"
+    nb = -(-hidden // FP8_BLOCK)
+    ranks, placed = [], {}
+    for d in range(ep_size):
+        rx = np.zeros((local, ep_size * tokens, hidden), row_dtype)
+        rs = np.zeros((local, ep_size * tokens, nb), np.float32) if fp8 else None
+        counts = np.zeros((local, ep_size), np.int32)
+        src = np.full((local, ep_size * tokens), -1, np.int32)
+        for e in range(local):
+            expert = d * local + e
+            for s in range(ep_size):
+                i = 0
+                for t in range(tokens):
+                    for k in range(topk):
+                        if idx[s, t, k] == expert:
+                            slot = s * tokens + i
+                            rx[e, slot] = payloads[s][0][t]
+                            if fp8:
+                                rs[e, slot] = payloads[s][1][t]
+                            src[e, slot] = t * topk + k
+                            placed[(s, t, k)] = (d, e, slot)
+                            i += 1
+                counts[e, s] = i
+        ranks.append(LLRank(rx, rs, counts, src, src >= 0))
+    return LLModel(ranks, weights, idx, placed)
+
+
+def ll_combine(y, model: LLModel) -> np.ndarray:
+    """y [R, E_local, R*T, H] bfloat16 (rank d's expert outputs, slot for slot) -> [R, T, H] bfloat16."""
+    y = np.asarray(y)
+    ep_size, tokens, topk = model.weights.shape
+    out = np.zeros((ep_size, tokens, y.shape[3]), ml_dtypes.bfloat16)
+    for s in range(ep_size):
+        for t in range(tokens):
+            acc = np.zeros(y.shape[3], np.float32)
+            for k in range(topk):
+                w = model.weights[s, t, k]
+                if w != 0:
+                    d, e, slot = model.placed[(s, t, k)]
+                    product = (w * y[d, e, slot].astype(np.float32)).astype(np.float32)
+                    acc = (acc + product).astype(np.float32)
+            out[s, t] = acc.astype(ml_dtypes.bfloat16)
+    return out
