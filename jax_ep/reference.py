@@ -120,6 +120,8 @@ def _round_up(x: jax.Array, multiple: int) -> jax.Array:
 
 def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
     """table[index] with zeros where index == -1."""
+    if table.shape[0] == 0:  # no tokens anywhere (T = 0): every index is -1
+        return jnp.zeros(index.shape + table.shape[1:], table.dtype)
     safe = jnp.where(index >= 0, index, table.shape[0])
     return jnp.take(table, safe, axis=0, mode="fill", fill_value=0)
 
@@ -150,7 +152,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     recv_weight = _all_to_all(jnp.where(on_rank, topk_weights.astype(jnp.float32)[None], 0.0),
                               cfg.axis_name)
     num_slots = ep_size * num_tokens
-    recv_x = recv_x.reshape(num_slots, -1)
+    recv_x = recv_x.reshape(num_slots, payload.shape[1])  # explicit: T may be 0
     recv_expert = recv_expert.reshape(num_slots, topk)
     recv_weight = recv_weight.reshape(num_slots, topk)
 
@@ -181,7 +183,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     row_scales = None
     if scales is not None:
         recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
-        row_scales = take_rows(recv_scales.reshape(num_slots, -1), src_index)
+        row_scales = take_rows(recv_scales.reshape(num_slots, scales.shape[1]), src_index)
     handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32)
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle)
@@ -205,7 +207,7 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
         rows = handle.token_rows[:, k]
         term = take_rows(yf, rows) * take_rows(handle.row_weights, rows)[:, None]
         partial = partial + term
-    partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, -1)
+    partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1])
     returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)
     total = returned[0]
     for r in range(1, ep_size):  # fixed summation order: rank order
