@@ -1,9 +1,18 @@
 """Runs the CUDA EP kernels on the CPU emulation (emu_cuda.h + driver.cc) and compares every
 output with jax_ep.reference (bit-exact; combine too: same summation order).
 
-    python tools/kernel_emulator/run.py [--quick]
+    python tools/kernel_emulator/run.py [--quick] [-k NAME]
+    python tools/kernel_emulator/run.py --random N [--seed S]   # N random cases (a sweep)
 
 Needs g++ (C++20). Each GPU is a process, each CUDA thread an OS thread: keep shapes small.
+
+``--random N --seed S`` draws N cases (``random_case``): EP size 1-4, tokens per rank 0-24, hidden a
+multiple of 8 (of 128 for FP8), top-k 1-8, experts a multiple of the EP size, expert alignment 1/2/4/8,
+the worst-case capacity or a smaller one (drops), x / row / y dtypes, routing with -1, out-of-range ids
+(int32 extremes too), repeated experts and hot experts, kernel blocks, send warps, bulk copies on/off,
+repetitions on the same (poisoned) memory. Each is checked like the fixed cases. Case i of seed S is
+``random_case(np.random.default_rng([S, i]))``: a failure prints its parameters, and
+``--random N --seed S --only I`` runs that case alone.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from jax_ep.config import EPConfig  # noqa: E402
 
 KIND = {"bfloat16": 0, "float32": 1, "float8_e4m3fn": 2}
 DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_driver")
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def build() -> str:
@@ -66,7 +76,51 @@ def routing(rng, kind, R, T, K, E):
         idx[:, :, 0] = np.where(half, 0, idx[:, :, 0])
         idx = np.where((idx == 0) & (np.arange(K) > 0), -1, idx)
         return idx.astype(np.int32)
+    if kind == "fuzz":  # every kind of slot: valid (some hot experts), -1, out of range, repeats
+        hot = rng.integers(0, E, size=max(1, E // 4))
+        idx = np.where(rng.random(shape) < 0.4, rng.choice(hot, size=shape), rng.integers(0, E, shape))
+        u = rng.random(shape)
+        bad = rng.choice(np.array([-2, -5, E, E + 7, INT32_MAX, INT32_MIN], np.int64), size=shape)
+        idx = np.where(u < 0.15, -1, np.where(u < 0.3, bad, idx))
+        if K > 1:  # copy an earlier slot (maybe an unused or bad one) into a later one
+            rep = rng.random(shape) < 0.2
+            src = rng.integers(0, np.maximum(np.arange(K), 1), size=shape)
+            copied = np.take_along_axis(idx, src, axis=2)
+            idx = np.where(rep & (np.arange(K) > 0), copied, idx)
+        return idx.astype(np.int32)
     raise ValueError(kind)
+
+
+def random_case(rng) -> dict:
+    """One random case for run_case (the --random sweep): shapes, routing, capacity, alignment, dtypes
+    and kernel knobs drawn from rng."""
+    R = int(rng.choice([1, 2, 3, 4], p=[0.15, 0.45, 0.15, 0.25]))
+    E = R * int(rng.integers(1, 5))
+    K = int(rng.integers(1, min(E, 8) + 1))
+    T = int(rng.choice([0, 1, 2, 3, 5, 8, 13, 17, 24]))
+    max_tokens = max(T, 1) + int(rng.choice([0, 0, 3]))  # sometimes fewer tokens than the maximum
+    x_dtype = str(rng.choice(["bfloat16", "float32"]))
+    dispatch_dtype = rng.choice([None, "bfloat16", "float8_e4m3fn"], p=[0.5, 0.2, 0.3])
+    if dispatch_dtype == "bfloat16" and x_dtype == "bfloat16":
+        dispatch_dtype = None
+    if dispatch_dtype == "float8_e4m3fn":
+        H = 128 * int(rng.integers(1, 4))
+    elif rng.random() < 0.1:
+        H = 8 * int(rng.integers(256, 513))  # long rows (combine moves them in pieces)
+    else:
+        H = 8 * int(rng.integers(1, 49))
+    align = int(rng.choice([1, 2, 4, 8]))
+    worst = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens,
+                     expert_alignment=align).worst_case_capacity(R)
+    capacity = None
+    if rng.random() < 0.5:  # smaller than the worst case, biased to very small (many drops)
+        capacity = align * max(1, int(worst // align * rng.random() ** 2))
+    return dict(R=R, T=T, H=H, K=K, E=E, max_tokens=max_tokens, capacity=capacity, align=align,
+                x_dtype=x_dtype, dispatch_dtype=None if dispatch_dtype is None else str(dispatch_dtype),
+                y_dtype=str(rng.choice(["bfloat16", "float32"])), kind="fuzz",
+                blocks=int(rng.integers(1, 4)), send_warps=int(rng.integers(1, 16)),
+                reps=int(rng.integers(1, 3)), tma=bool(rng.random() < 0.7),
+                seed=int(rng.integers(0, 2**31)))
 
 
 def to_dtype(a, name):
@@ -74,10 +128,14 @@ def to_dtype(a, name):
 
 
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
-             y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0):
+             y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0,
+             max_tokens=None, tma=True):
+    """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
+    fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0."""
     rng = np.random.default_rng(seed)
-    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, capacity=capacity,
-                   expert_alignment=align, dispatch_dtype=dispatch_dtype, backend="reference")
+    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens or max(T, 1),
+                   capacity=capacity, expert_alignment=align, dispatch_dtype=dispatch_dtype,
+                   backend="reference")
     C = cfg.resolved_capacity(R)
     row_dtype = dispatch_dtype or x_dtype
     x = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32) * 3, x_dtype)
@@ -114,8 +172,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
                 np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
         cmd = [DRIVER, d, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype],
                blocks, send_warps, reps]
+        env = dict(os.environ, JAX_EP_TMA="1" if tma else "0")
         start = time.time()
-        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, env=env)
         took = time.time() - start
         if proc.returncode != 0:
             print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -144,12 +203,15 @@ def compare_rank(name, d, r, rep, want) -> bool:
             gf, rf = got.astype(np.float32), ref.astype(np.float32)
             err = np.abs(gf - rf) / (np.abs(rf).max(axis=1, keepdims=True) + 1e-30)
             step = 2.0 ** -7 if ref.dtype != np.float32 else 2.0 ** -22
-            if not (np.isfinite(gf).all() and err.max() <= step):
+            worst = float(err.max(initial=0.0))  # no tokens (T = 0): nothing to compare
+            if not (np.isfinite(gf).all() and worst <= step):
                 ok = False
-                print(f"  MISMATCH {name} rank {r} rep {rep} {field}: max error {err.max():.3g}")
+                print(f"  MISMATCH {name} rank {r} rep {rep} {field}: max error {worst:.3g}")
             continue
-        g2, r2 = got.reshape(len(got), -1), ref.reshape(len(ref), -1)
-        diff = (g2.view(np.uint8).reshape(*g2.shape, -1) != r2.view(np.uint8).reshape(*r2.shape, -1))
+        width = int(np.prod(ref.shape[1:]))  # explicit: no rows at all is fine (T = 0, no routes)
+        g2, r2 = got.reshape(len(got), width), ref.reshape(len(ref), width)
+        size = ref.dtype.itemsize
+        diff = (g2.view(np.uint8).reshape(*g2.shape, size) != r2.view(np.uint8).reshape(*r2.shape, size))
         bad = np.argwhere(diff.any(-1))
         if len(bad):
             ok = False
@@ -181,14 +243,50 @@ CASES = [
 ]
 
 
+def random_cases(n: int, seed: int) -> list[dict]:
+    """The --random sweep: case i is random_case(default_rng([seed, i])), named by seed and index."""
+    cases = []
+    for i in range(n):
+        c = random_case(np.random.default_rng([seed, i]))
+        short = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "fp8"}
+        rows = short[c["dispatch_dtype"] or c["x_dtype"]]
+        name = (f"random seed {seed} case {i}: R={c['R']} T={c['T']}/{c['max_tokens']} H={c['H']} "
+                f"K={c['K']} E={c['E']} align={c['align']} capacity={c['capacity']} "
+                f"{short[c['x_dtype']]}->{rows} y={short[c['y_dtype']]} blocks={c['blocks']} "
+                f"warps={c['send_warps']} tma={int(c['tma'])} reps={c['reps']}")
+        cases.append(dict(name=name, **c))
+    return cases
+
+
 def main():
+    global DRIVER
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("-k", default="")
+    parser.add_argument("--quick", action="store_true", help="the first 3 fixed cases")
+    parser.add_argument("-k", default="", help="only cases whose name contains this")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="run N random cases (random_case) instead of the fixed ones")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --random sweep (default 0)")
+    parser.add_argument("--only", type=int, default=None, metavar="I",
+                        help="with --random: run only case I of the sweep")
+    parser.add_argument("--driver", default=DRIVER, help=f"where to build the driver (default {DRIVER})")
     args = parser.parse_args()
+    DRIVER = args.driver
     build()
-    cases = CASES[:3] if args.quick else CASES
-    results = [run_case(**c) for c in cases if args.k in c["name"]]
+    if args.random:
+        cases = random_cases(args.random, args.seed)
+        if args.only is not None:
+            cases = [cases[args.only]]
+    else:
+        cases = CASES[:3] if args.quick else CASES
+    results = []
+    for c in cases:
+        if args.k not in c["name"]:
+            continue
+        ok = run_case(**c)
+        if not ok and args.random:
+            params = {k: v for k, v in c.items() if k != "name"}
+            print(f"  case parameters: {params}")
+        results.append(ok)
     print(f"{sum(results)}/{len(results)} cases pass")
     sys.exit(0 if all(results) else 1)
 

@@ -1,0 +1,45 @@
+"""The CUDA kernels on the CPU kernel emulator (tools/kernel_emulator): a seeded random sweep
+(``run.py --random N --seed S``) compared with the reference path like the fixed cases (bit-exact;
+combine within one step of its dtype). Needs g++ (C++20); in CI (CI=true) a missing g++ is a failure,
+elsewhere a skip. About a minute on 2 cores: g++ builds the driver once (~10 s), then ~3 s a case.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RUN = ROOT / "tools" / "kernel_emulator" / "run.py"
+SEED, CASES = 28, 16  # the sweep covers EP sizes 1-4, no tokens, FP8, f32 -> bf16, drops (asserted)
+
+
+def _need_gxx() -> None:
+    if shutil.which("g++") is None:
+        if os.environ.get("CI"):
+            pytest.fail("g++ is needed for the kernel emulator test and is missing on this CI machine")
+        pytest.skip("needs g++ (C++20) for tools/kernel_emulator")
+
+
+def test_kernel_emulator_random_sweep(tmp_path):
+    _need_gxx()
+    cmd = [sys.executable, str(RUN), "--random", str(CASES), "--seed", str(SEED),
+           "--driver", str(tmp_path / "driver")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    assert f"{CASES}/{CASES} cases pass" in out, out[-6000:]
+    cases = re.findall(r"^ok   random seed \d+ case \d+: R=(\d+) T=(\d+)/\d+ H=\d+ K=\d+ E=\d+ .*? "
+                       r"(\w+)->(\w+) .*dropped \[([\d, ]+)\]", out, flags=re.M)
+    assert len(cases) == CASES, out[-6000:]
+    # what the sweep exercised (a change to random_case that loses any of it shows here)
+    assert {int(c[0]) for c in cases} == {1, 2, 3, 4}
+    assert any(int(c[1]) == 0 for c in cases), "no case without tokens"
+    assert any(c[3] == "fp8" for c in cases) and any(c[2:4] == ("f32", "bf16") for c in cases)
+    assert sum(any(int(v) for v in c[4].split(",")) for c in cases) >= 2, "fewer than 2 cases drop rows"
