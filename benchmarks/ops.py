@@ -47,7 +47,7 @@ from benchmarks import layer as bench_layer
 from jax_ep import reference
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.devices import use_virtual_cpu_devices
-from jax_ep.ops import combine, dispatch, get_dispatch_layout, implementation
+from jax_ep.ops import combine, dispatch, get_dispatch_layout, implementation, ll_combine, ll_dispatch
 
 PRESETS = {
     # name: (tokens per rank, hidden, top-k, experts)
@@ -296,6 +296,57 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     return records
 
 
+# Low-latency (decode) shape of issue 14 and DeepEP V1's low-latency figures on 2x H200 (from
+# ../shared/design.md; not measured by this benchmark).
+LL_SHAPE = dict(hidden=7168, topk=8, experts=288)
+LL_TOKENS = "1,16,64,128,256"
+DEEPEP_V1_LL = {"ll_dispatch": 28.6, "ll_combine": 39.8, "ll_round_trip": 72.1}
+
+
+def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,
+                      profile=False) -> list[dict]:
+    """Records of ll_dispatch (``dtype`` on the wire), ll_combine (bf16) and their round trip."""
+    n = tokens * mesh.size
+    spec = P("ep")
+    x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
+                       NamedSharding(mesh, spec))
+    idx, w = (jax.device_put(a, NamedSharding(mesh, spec)) for a in _routing(rng, n, experts, topk))
+    cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+                   backend=backend, dispatch_dtype=dtype)
+
+    def d_body(x, i, w):
+        return [a for a in jax.tree.leaves(ll_dispatch(x, i, w, cfg))]
+
+    def round_trip(x, i, w):
+        d = ll_dispatch(x, i, w, cfg)
+        y = d.x.astype(jnp.bfloat16)  # stands in for the expert outputs
+        return ll_combine(y, d.handle, cfg)
+
+    def make_y(x, i, w):
+        d = ll_dispatch(x, i, w, cfg)
+        return d.x.astype(jnp.bfloat16), d.handle
+
+    d_fn = jax.shard_map(d_body, mesh=mesh, in_specs=spec, out_specs=spec)
+    rt_fn = jax.shard_map(round_trip, mesh=mesh, in_specs=spec, out_specs=spec)
+    y, handle = jax.jit(jax.shard_map(make_y, mesh=mesh, in_specs=spec, out_specs=spec))(x, idx, w)
+    c_fn = jax.shard_map(lambda y, h: ll_combine(y, h, cfg), mesh=mesh, in_specs=spec, out_specs=spec)
+    timed = {"ll_dispatch": (d_fn, (x, idx, w)), "ll_combine": (c_fn, (y, handle)),
+             "ll_round_trip": (rt_fn, (x, idx, w))}
+    records = []
+    on_gpu = mesh.devices.flat[0].platform == "gpu"
+    for op, (fn, args) in timed.items():
+        seconds = _time_calls(fn, args, iters, repeats)
+        kernels = kernel_profile(fn, args, iters) if profile and on_gpu else {}
+        records.append(dict(op=op, backend=backend, layout="fixed_slots",
+                            dtype=dtype if op != "ll_combine" else "bfloat16", tokens_per_rank=tokens,
+                            hidden=hidden, topk=topk, num_experts=experts, ep_size=mesh.size,
+                            us=1e6 * seconds, device_us=sum(kernels.values()) if kernels else None,
+                            logical_gbps=None, wire_gbps=None, num_sms=None, measured=True,
+                            **({"kernels_us": {k: round(v, 1) for k, v in kernels.items()}}
+                               if kernels else {})))
+    return records
+
+
 def _sm_count(mesh, kernel: KernelConfig) -> int:
     """The data kernels' blocks: KernelConfig.num_sms, or every SM but one (None), as the handlers clamp."""
     sms = getattr(mesh.devices.flat[0], "core_count", None) or 0
@@ -359,6 +410,9 @@ def main(argv=None) -> list[dict]:
                         help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's device time per call (GPU, jax.profiler)")
+    parser.add_argument("--low-latency", action="store_true",
+                        help="time ll_dispatch / ll_combine / their round trip (decode mode) at hidden "
+                             f"7168, top-8, 288 experts, tokens {LL_TOKENS} (or --tokens)")
     parser.add_argument("--layer", action="store_true",
                         help="time the MoE layer's training step instead of the ops (benchmarks.layer)")
     parser.add_argument("--layer-shapes", default=None,
@@ -388,6 +442,33 @@ def main(argv=None) -> list[dict]:
           f"{'n/a' if peak is None else f'{peak:.0f} GB/s'}")
     rng = np.random.default_rng(0)
     records = []
+    if args.low_latency:
+        for backend in [b for b in _backends(args.backends.split(","), platform)
+                        if b in ("reference", "cuda")]:
+            for dtype in args.dtypes.split(","):
+                for tokens in [int(t) for t in (args.tokens or LL_TOKENS).split(",")]:
+                    try:
+                        recs = bench_low_latency(mesh, backend, dtype, tokens, LL_SHAPE["hidden"],
+                                                 LL_SHAPE["topk"], LL_SHAPE["experts"], args.iters,
+                                                 args.repeats, rng, args.profile)
+                    except Exception as e:  # one failing backend must not hide the others' numbers
+                        print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    for r in recs:
+                        r.update(device=device_name, date=today)
+                    records.extend(recs)
+        for op, us in DEEPEP_V1_LL.items():
+            records.append(dict(op=op, backend=PUBLISHED_BACKEND, layout="fixed_slots",
+                                dtype="float8_e4m3fn" if op != "ll_combine" else "bfloat16",
+                                tokens_per_rank=128, ep_size=2, us=us, device_us=us, measured=False,
+                                **LL_SHAPE))
+        for r in records:
+            print(f"{r['op']:14s} {r['backend']:24s} {r['dtype']:14s} T={r['tokens_per_rank']:4d} "
+                  f"{r['us']:9.1f} us  device {r.get('device_us') or 0:9.1f} us")
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.out}")
+        return records
     for backend in _backends(args.backends.split(","), platform):
         for dtype in args.dtypes.split(","):
             if backend == "ragged" and dtype != "bfloat16":

@@ -19,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_ep import runtime, types
+from jax_ep import reference, runtime, types
 from jax_ep.config import EPConfig
-from jax_ep.types import Dispatched, Handle, Layout
+from jax_ep.types import Dispatched, Handle, Layout, LLDispatched, LLHandle
 from jax_ep.vma import vary_like, vary_over, varying_axes
 
 _ROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _DATA_OPS = ("dispatch", "combine", "broadcast", "slot_values")
+_LL_OPS = ("ll_dispatch", "ll_combine")
 
 
 def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
@@ -36,7 +37,19 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
         if cfg.num_topk > limits["layout_max_topk"]:
             return f"num_topk={cfg.num_topk} exceeds {limits['layout_max_topk']}"
         return None
-    assert op in _DATA_OPS, op
+    assert op in _DATA_OPS + _LL_OPS, op
+    if op in _LL_OPS:
+        if cfg.num_topk > 32:
+            return f"num_topk={cfg.num_topk} exceeds 32"
+        if ep_size > limits["max_ranks"]:
+            return f"EP size {ep_size} exceeds {limits['max_ranks']}"
+        if cfg.hidden % limits["row_alignment"]:
+            return f"hidden={cfg.hidden} must be a multiple of {limits['row_alignment']}"
+        if op == "ll_combine" and dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+            return f"y must be bfloat16, got dtype {jnp.dtype(dtype)}"
+        if op == "ll_dispatch" and dtype is not None and jnp.dtype(dtype) not in _ROW_DTYPES:
+            return f"x must be bfloat16 or float32, got dtype {jnp.dtype(dtype)}"
+        return None
     if cfg.num_topk > limits["max_topk"]:
         return f"num_topk={cfg.num_topk} exceeds {limits['max_topk']}"
     if ep_size > limits["max_ranks"]:
@@ -241,17 +254,23 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
                   num_experts=num_experts, hidden=hidden, row_bytes=row_bytes, scale_bytes=scale_bytes,
                   capacity=capacity, alignment=cfg.expert_alignment if op == "dispatch" else 0,
                   axis_slot=axis_slot, num_sms=num_sms if data_kernel else 1,
-                  send_warps=kernel.send_warps(op) if data_kernel else 1,
+                  # the low-latency kernels: every warp sends, then receives
+                  send_warps=kernel.send_warps(op) if op in _DATA_OPS[:3] else 1,
                   bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0)
     return {name: np.int64(value) for name, value in values.items()}
 
 
 def _call(op: str, out_types, *args, **attrs):
-    # What the call site will reserve when instantiated (handlers.cc: DataOpInstantiate), grown
-    # now where growing is collective (process model 2).
-    runtime.reserve(runtime.extension().comm_bytes(
-        int(attrs["num_ranks"]), int(attrs["num_tokens"]), int(attrs["num_topk"]),
-        int(attrs["num_experts"]), int(attrs["row_bytes"]), int(attrs["scale_bytes"])))
+    # What the call site will reserve when instantiated (handlers.cc: DataOpInstantiate /
+    # LLInstantiate), grown now where growing is collective (process model 2).
+    sizes = [int(attrs[k]) for k in ("num_ranks", "num_tokens", "num_topk", "num_experts")]
+    if op in _LL_OPS:
+        need = runtime.extension().ll_comm_bytes(*sizes, int(attrs["hidden"]),
+                                                 int(attrs["row_bytes"]), int(attrs["scale_bytes"]))
+    else:
+        need = runtime.extension().comm_bytes(*sizes, int(attrs["row_bytes"]),
+                                              int(attrs["scale_bytes"]))
+    runtime.reserve(need)
     return jax.ffi.ffi_call(f"jax_ep_{op}", out_types, has_side_effect=True,
                             vmap_method="sequential")(*args, **attrs)
 
@@ -313,3 +332,40 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     result = _call("slot_values", out, values.astype(jnp.float32), handle.token_rows, rank, group,
                    **_attrs("slot_values", cfg, ep_size, axis_slot, out.shape[0]))
     return _vary_all(result, axis, values, handle.token_rows)
+
+
+# ---- low-latency (decode) mode ------------------------------------------------------------------
+def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                cfg: EPConfig) -> LLDispatched:
+    """``jax_ep.reference.ll_dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    tokens, hidden = x.shape
+    out = types.ll_dispatch_types(tokens, x.dtype, cfg, ep_size)
+    fp8 = out.scales is not None
+    scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
+    rank, group, axis_slot = _group_of(axis)
+    outputs = _call("ll_dispatch", (out.x, scales, out.counts, out.handle.src_slot), x,
+                    topk_idx, rank, group,
+                    **_attrs("ll_dispatch", cfg, ep_size, axis_slot, tokens, hidden,
+                             row_bytes=hidden * out.x.dtype.itemsize,
+                             scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
+                             num_experts=cfg.num_experts))
+    rows, scales, counts, src_slot = _vary_all(outputs, axis, x, topk_idx)
+    # the handle's weights: 0 where the sanitised id is unused (ll_combine skips weight-0 slots)
+    used = reference.sanitize_topk(topk_idx, cfg.num_experts) >= 0
+    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
+    return LLDispatched(rows, scales if fp8 else None, counts, LLHandle(src_slot, weights))
+
+
+def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
+    """``jax_ep.reference.ll_combine`` on NVLink kernels (float32 sums in top-k order). Per-rank."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    out = types.ll_combine_types(handle, cfg)
+    tokens, hidden = out.shape
+    rank, group, axis_slot = _group_of(axis)
+    result = _call("ll_combine", out, y, handle.src_slot, handle.topk_weights, rank, group,
+                   **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
+                            row_bytes=hidden * 2, num_experts=cfg.num_experts))
+    return _vary_all(result, axis, y, *handle)

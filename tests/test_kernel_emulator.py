@@ -43,3 +43,16 @@ def test_kernel_emulator_random_sweep(tmp_path):
     assert any(int(c[1]) == 0 for c in cases), "no case without tokens"
     assert any(c[3] == "fp8" for c in cases) and any(c[2:4] == ("f32", "bf16") for c in cases)
     assert sum(any(int(v) for v in c[4].split(",")) for c in cases) >= 2, "fewer than 2 cases drop rows"
+
+
+def test_low_latency_kernels_on_the_emulator(tmp_path):
+    """cuda/low_latency.cu (tools/kernel_emulator/ll_run.py): the fixed cases and a seeded random
+    sweep, every output bit-exact against jax_ep.reference.ll_dispatch / ll_combine, NaN in every
+    unfilled slot of y (must not leak), two calls on the same poisoned memory."""
+    _need_gxx()
+    cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--random", "4",
+           "--seed", "7", "--driver", str(tmp_path / "ll_driver")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    assert "10/10 low-latency cases pass" in out, out[-6000:]

@@ -29,6 +29,7 @@
 #include "cuda/ep_layout.h"
 #include "cuda/group.h"
 #include "cuda/layout.h"
+#include "cuda/low_latency.h"
 #include "cuda/peer_smoke.h"
 #include "cuda/remote.h"
 #include "cuda/slot_values.h"
@@ -56,6 +57,8 @@ CallCounters combine_counters;
 CallCounters broadcast_counters;
 CallCounters slot_values_counters;
 CallCounters remote_smoke_counters;
+CallCounters ll_dispatch_counters;
+CallCounters ll_combine_counters;
 
 // Counts the call, and whether `stream` is being captured into a CUDA graph right now
 // (cudaStreamIsCapturing is legal during capture; it does not query execution status).
@@ -477,7 +480,6 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
   launch.state = group_launch.state;
   launch.layout = state->layout;
   launch.x = x.untyped_data();
-  launch.topk_idx = topk_idx.typed_data();
   launch.topk_weights = topk_weights.typed_data();
   launch.rank = rank.typed_data();
   launch.group = group.typed_data();
@@ -612,6 +614,125 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// jax_ep_ll_dispatch / jax_ep_ll_combine (low-latency mode: fixed slots per (expert, source rank))
+// ---------------------------------------------------------------------------------------------
+
+LLLayout LLLayoutOf(const EPAttrs& a) {
+  return make_ll_layout(a.num_ranks, a.num_tokens, a.num_topk, a.num_experts, a.hidden,
+                        static_cast<uint64_t>(a.row_bytes), static_cast<uint64_t>(a.scale_bytes));
+}
+
+template <const char* kOp>
+ffi::ErrorOr<std::unique_ptr<OpState>> LLInstantiate(EPAttrs attrs) {
+  if (ffi::Error error = CheckAttrs(kOp, attrs); !error.success()) return ffi::Unexpected(error);
+  if (attrs.num_experts < attrs.num_ranks || attrs.num_experts % attrs.num_ranks != 0) {
+    return ffi::Unexpected(Invalid(kOp, "num_experts=" + std::to_string(attrs.num_experts) +
+                                            " must be a positive multiple of R=" +
+                                            std::to_string(attrs.num_ranks)));
+  }
+  return MakeState(kOp, attrs, LLLayoutOf(attrs).base);
+}
+
+ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                          ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                          ffi::Result<ffi::AnyBuffer> rows, ffi::ResultBuffer<ffi::F32> scales,
+                          ffi::ResultBuffer<ffi::S32> counts,
+                          ffi::ResultBuffer<ffi::S32> src_slot) {
+  constexpr const char* kOp = kLLDispatchTarget;
+  if (ffi::Error error = CountCall(ll_dispatch_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks,
+                E = a.num_experts;
+  int32_t x_kind, row_kind;
+  if (!RowKindOf(x.element_type(), &x_kind) || x_kind == kRowFP8 ||
+      !RowKindOf(rows->element_type(), &row_kind) ||
+      !(row_kind == kRowBF16 || row_kind == kRowFP8)) {
+    return Invalid(kOp, "x must be bfloat16 or float32, rows bfloat16 or float8_e4m3fn");
+  }
+  const bool fp8 = row_kind == kRowFP8;
+  const int64_t num_scales = fp8 ? H / 128 : 0;
+  if (ffi::Error error = CheckRowBytes(kOp, a, row_kind); !error.success()) return error;
+  const int64_t local = E / R;
+  if ((fp8 && H % 128 != 0) || a.scale_bytes != num_scales * 4 ||
+      !IsShape(x.dimensions(), {T, H}) || !IsShape(topk_idx.dimensions(), {T, K}) ||
+      !IsShape(rows->dimensions(), {local, R * T, H}) ||
+      (fp8 ? !IsShape(scales->dimensions(), {local, R * T, num_scales})
+           : scales->element_count() != 0) ||
+      !IsShape(counts->dimensions(), {local, R}) ||
+      !IsShape(src_slot->dimensions(), {local, R * T})) {
+    return Invalid(kOp, "buffer shapes do not match T=" + std::to_string(T) + ", H=" +
+                            std::to_string(H) + ", K=" + std::to_string(K) + ", R=" +
+                            std::to_string(R) + ", E=" + std::to_string(E) + " (rows " +
+                            DimsToString(rows->dimensions()) + ")");
+  }
+  LLDispatchLaunch launch{};
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch.g);
+      !error.success()) {
+    return error;
+  }
+  launch.L = LLLayoutOf(a);
+  launch.x = x.untyped_data();
+  launch.topk_idx = topk_idx.typed_data();
+  launch.rows = rows->untyped_data();
+  launch.scales = fp8 ? scales->typed_data() : nullptr;
+  launch.counts = counts->typed_data();
+  launch.src_slot = src_slot->typed_data();
+  launch.num_experts = static_cast<int32_t>(E);
+  launch.hidden = static_cast<int32_t>(H);
+  launch.x_kind = x_kind;
+  launch.row_kind = row_kind;
+  const cudaError_t status = launch_ll_dispatch(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, "ll_dispatch kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                         ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_slot,
+                         ffi::Buffer<ffi::F32> topk_weights,
+                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kOp = kLLCombineTarget;
+  if (ffi::Error error = CountCall(ll_combine_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks,
+                E = a.num_experts;
+  const int64_t local = E / R;
+  if (y.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16) {
+    return Invalid(kOp, "y and the output must be bfloat16");
+  }
+  if (ffi::Error error = CheckRowBytes(kOp, a, kRowBF16); !error.success()) return error;
+  if (K > 32 || !IsShape(y.dimensions(), {local, R * T, H}) ||
+      !IsShape(src_slot.dimensions(), {local, R * T}) ||
+      !IsShape(topk_weights.dimensions(), {T, K}) || !IsShape(out->dimensions(), {T, H})) {
+    return Invalid(kOp, "y " + DimsToString(y.dimensions()) + ", out " +
+                            DimsToString(out->dimensions()) + " do not match T=" +
+                            std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
+                            std::to_string(K) + " (<= 32), R=" + std::to_string(R) + ", E=" +
+                            std::to_string(E));
+  }
+  LLCombineLaunch launch{};
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch.g);
+      !error.success()) {
+    return error;
+  }
+  launch.L = LLLayoutOf(a);
+  launch.y = y.untyped_data();
+  launch.src_slot = src_slot.typed_data();
+  launch.topk_weights = topk_weights.typed_data();
+  launch.out = out->untyped_data();
+  launch.num_experts = static_cast<int32_t>(E);
+  launch.hidden = static_cast<int32_t>(H);
+  const cudaError_t status = launch_ll_combine(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, "ll_combine kernel launch");
+  return ffi::Error::Success();
+}
+
 // Appends .Arg<T>() for each of T, Ts... to the FFI binding `binding`. A Binding can only be
 // passed on as a temporary (its copy is deleted, its move private): no named intermediate.
 template <typename T, typename... Ts, typename B>
@@ -653,7 +774,9 @@ std::vector<HandlerStats> GetHandlerStats() {
         std::pair<const char*, CallCounters*>{kCombineTarget, &combine_counters},
         std::pair<const char*, CallCounters*>{kBroadcastTarget, &broadcast_counters},
         std::pair<const char*, CallCounters*>{kSlotValuesTarget, &slot_values_counters},
-        std::pair<const char*, CallCounters*>{kRemoteSmokeTarget, &remote_smoke_counters}}) {
+        std::pair<const char*, CallCounters*>{kRemoteSmokeTarget, &remote_smoke_counters},
+        std::pair<const char*, CallCounters*>{kLLDispatchTarget, &ll_dispatch_counters},
+        std::pair<const char*, CallCounters*>{kLLCombineTarget, &ll_combine_counters}}) {
     stats.push_back({target, counters->calls.load(std::memory_order_relaxed),
                      counters->captured_calls.load(std::memory_order_relaxed)});
   }
@@ -751,4 +874,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
                               (jax_ep::BindDataOp<ffi::Buffer<ffi::F32>,      // values
                                                   ffi::Buffer<ffi::S32>>()    // token_rows
                                    .Ret<ffi::Buffer<ffi::F32>>()),            // out
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchInstantiate,
+                              jax_ep::LLInstantiate<jax_ep::kLLDispatchTarget>,
+                              ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineInstantiate,
+                              jax_ep::LLInstantiate<jax_ep::kLLCombineTarget>,
+                              ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
+                                                  ffi::Buffer<ffi::S32>>()   // topk_idx
+                                   .Ret<ffi::AnyBuffer>()                    // rows
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // scales
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // counts
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // src_slot
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::LLCombineImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
+                                                  ffi::Buffer<ffi::S32>,      // src_slot
+                                                  ffi::Buffer<ffi::F32>>()    // topk_weights
+                                   .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});

@@ -19,6 +19,8 @@ inline constexpr const char kCombineTarget[] = "jax_ep_combine";
 inline constexpr const char kBroadcastTarget[] = "jax_ep_broadcast";
 inline constexpr const char kSlotValuesTarget[] = "jax_ep_slot_values";
 inline constexpr const char kRemoteSmokeTarget[] = "jax_ep_remote_smoke";
+inline constexpr const char kLLDispatchTarget[] = "jax_ep_ll_dispatch";
+inline constexpr const char kLLCombineTarget[] = "jax_ep_ll_combine";
 
 // Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values), one struct for
 // all four (fields an op does not use are 0); built by jax_ep.cuda_backend._attrs. Alphabetical:
@@ -76,4 +78,8 @@ XLA_FFI_Error* JaxEpDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpCombine(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpBroadcast(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpSlotValues(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombineInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatch(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombine(XLA_FFI_CallFrame* call_frame);
 }

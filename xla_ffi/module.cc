@@ -12,6 +12,7 @@
 #include "cuda/device_state.h"
 #include "cuda/ep_layout.h"
 #include "cuda/layout.h"
+#include "cuda/low_latency.h"
 #include "cuda/remote.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
@@ -77,6 +78,10 @@ NB_MODULE(_C, m) {
             StatefulHandler(JaxEpBroadcastInstantiate, JaxEpBroadcast);
         handlers[jax_ep::kSlotValuesTarget] =
             StatefulHandler(JaxEpSlotValuesInstantiate, JaxEpSlotValues);
+        handlers[jax_ep::kLLDispatchTarget] =
+            StatefulHandler(JaxEpLLDispatchInstantiate, JaxEpLLDispatch);
+        handlers[jax_ep::kLLCombineTarget] =
+            StatefulHandler(JaxEpLLCombineInstantiate, JaxEpLLCombine);
         handlers[jax_ep::kRemoteSmokeTarget] =
             StatefulHandler(JaxEpRemoteSmokeInstantiate, JaxEpRemoteSmoke);
         return handlers;
@@ -120,6 +125,19 @@ NB_MODULE(_C, m) {
       "scale_row_bytes"_a,
       "Bytes of communication buffer the EP ops need for these sizes (data_row_bytes: bytes of a "
       "staged row; scale_row_bytes: FP8 scale bytes per row, 0 without FP8).");
+
+  m.def(
+      "ll_comm_bytes",
+      [](int64_t num_ranks, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+         int64_t hidden, uint64_t row_bytes, uint64_t scale_bytes) {
+        return jax_ep::make_ll_layout(num_ranks, num_tokens, num_topk, num_experts, hidden,
+                                      row_bytes, scale_bytes)
+            .base.total;
+      },
+      "num_ranks"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "hidden"_a, "row_bytes"_a,
+      "scale_bytes"_a,
+      "Bytes of communication buffer the low-latency ops need (row_bytes: a dispatched row; "
+      "scale_bytes: its FP8 scales, 0 for bf16).");
 
   m.def(
       "remote_smoke_comm_bytes",

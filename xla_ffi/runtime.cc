@@ -49,6 +49,10 @@ const char* OpName(int32_t op_id) {
       return "slot_values";
     case kOpRemoteSmoke:
       return "remote_smoke";
+    case kOpLLDispatch:
+      return "ll_dispatch";
+    case kOpLLCombine:
+      return "ll_combine";
     default:
       return "unknown";
   }
