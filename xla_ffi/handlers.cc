@@ -480,6 +480,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
   launch.state = group_launch.state;
   launch.layout = state->layout;
   launch.x = x.untyped_data();
+  launch.topk_idx = topk_idx.typed_data();
   launch.topk_weights = topk_weights.typed_data();
   launch.rank = rank.typed_data();
   launch.group = group.typed_data();
