@@ -17,11 +17,13 @@ names what was waited for and the processes that did not arrive.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
 
 DEFAULT_TIMEOUT_S = 120.0
+LIVENESS_WAIT_S = 2.0  # how long an error waits for JAX to say which processes are dead
 
 # set by python -m jax_ep.launch for each process it starts (JAX reads no variable for these two)
 ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
@@ -151,14 +153,23 @@ def is_multiprocess() -> bool:
 
 def _missing(what: str, timeout_s: float, error: Exception) -> TimeoutError:
     """The error of a wait that did not complete, naming the processes JAX sees as absent."""
-    absent = ""
-    try:
-        live = _client().get_live_nodes(list(range(jax.process_count())))
-        gone = sorted(set(range(jax.process_count())) - set(int(p) for p in live))
-        if gone:
-            absent = f"; processes not alive: {gone}"
-    except Exception:  # noqa: BLE001 - the liveness query is best effort, the timeout is the error
-        pass
+    found: list[str] = []
+
+    def query() -> None:
+        try:
+            live = _client().get_live_nodes(list(range(jax.process_count())))
+            gone = sorted(set(range(jax.process_count())) - set(int(p) for p in live))
+            if gone:
+                found.append(f"; processes not alive: {gone}")
+        except Exception:  # noqa: BLE001 - best effort: the timeout is the error
+            pass
+
+    # JAX's liveness query can block until the coordinator's heartbeat notices a dead process
+    # (~100 s, seen on 2x H200): ask it on the side and wait LIVENESS_WAIT_S at most.
+    asking = threading.Thread(target=query, daemon=True)
+    asking.start()
+    asking.join(LIVENESS_WAIT_S)
+    absent = found[0] if found else ""
     return TimeoutError(f"jax_ep: process {jax.process_index()} waited {timeout_s:g} s for {what} "
                         f"and gave up{absent} ({error})")
 
