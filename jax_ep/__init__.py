@@ -5,7 +5,7 @@ from jax_ep.gemm import grouped_matmul
 from jax_ep.ops import combine, dispatch, get_dispatch_layout, ll_combine, ll_dispatch
 from jax_ep.reference import dequantize_fp8
 from jax_ep.types import Dispatched, Handle, Layout, LLDispatched, LLHandle
-from jax_ep.validation import EPValueError
+from jax_ep.validation import EPValueError, ep_errors, run_checked
 
 __version__ = "0.1.0"
 
@@ -21,8 +21,10 @@ __all__ = [
     "combine",
     "dequantize_fp8",
     "dispatch",
+    "ep_errors",
     "get_dispatch_layout",
     "grouped_matmul",
     "ll_combine",
     "ll_dispatch",
+    "run_checked",
 ]

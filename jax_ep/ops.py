@@ -125,7 +125,7 @@ def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
     size = ep_size(cfg, "get_dispatch_layout")
     check_layout_args(topk_idx, cfg)
     if cfg.checked:
-        check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
+        topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "get_dispatch_layout")
     return OPS["layout"].implementation(cfg, size)(topk_idx, cfg)
 
 
@@ -144,10 +144,10 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     size = ep_size(cfg, "dispatch")
     check_dispatch_args(x, topk_idx, topk_weights, cfg)
     if cfg.checked:
-        check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
+        topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
     out = _dispatch(x, topk_idx, topk_weights, cfg)
     if cfg.checked:
-        check_no_drops(out.num_dropped, cfg.resolved_capacity(size), cfg.axis_name)
+        out = check_no_drops(out, topk_idx, cfg, size)
     return out
 
 
@@ -231,7 +231,7 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
     ep_size(cfg, "ll_dispatch")
     check_ll_dispatch_args(x, topk_idx, topk_weights, cfg)
     if cfg.checked:
-        check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name)
+        topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch")
     return _ll_dispatch(x, topk_idx, topk_weights, cfg)
 
 

@@ -3,6 +3,10 @@ arrays (expert ids, dropped rows) run in checked mode and raise when the computa
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +16,12 @@ from jax_ep.config import EPConfig
 
 
 class EPValueError(ValueError):
-    """A traced value was invalid (checked mode)."""
+    """A traced value was invalid (checked mode, ``EPConfig(checked=True)``). Raised as such by
+    ``jax_ep.run_checked`` / ``jax_ep.ep_errors``; without them JAX reports it as a
+    ``jax.errors.JaxRuntimeError`` whose text holds the message."""
+
+
+EPValueError.__module__ = "jax_ep"  # shown as jax_ep.EPValueError, the name users catch
 
 
 def _shape_of(a) -> tuple:
@@ -103,9 +112,85 @@ def check_ll_combine_args(y, handle, cfg: EPConfig, ep_size: int) -> None:
         raise ValueError(f"ll_combine: y must be bfloat16, got dtype {y.dtype}")
 
 
-def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str) -> None:
-    """Checked mode: every id must be -1 or in [0, num_experts). The count is summed over the EP
-    group so that every rank raises (a rank left waiting in a collective would hang instead)."""
+# ---- checked mode: run-time checks of traced values --------------------------------------------------
+# A failed check raises EPValueError inside a jax.pure_callback (no effect token, so nothing is left for
+# JAX's atexit barrier to re-raise); its zero result is tied to the op's outputs (``tie``) so that it
+# is never dead code. JAX surfaces it as a JaxRuntimeError whose text holds the message; ``ep_errors`` /
+# ``run_checked`` turn that back into one EPValueError. JAX's per-rank "callback failed" log records
+# (a traceback per rank) are filtered out for EPValueError only.
+class _QuietEPErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, EPValueError)
+
+
+logging.getLogger("jax._src.callback").addFilter(_QuietEPErrors())
+
+_MESSAGE = re.compile(r"EPValueError: (jax_ep[^\n]*)")
+
+
+@contextlib.contextmanager
+def ep_errors():
+    """Within the block, a checked-mode failure that JAX reports as a ``jax.errors.JaxRuntimeError``
+    is raised as one ``EPValueError`` with jax_ep's message (other errors pass unchanged). The error
+    surfaces where the result is waited for (``block_until_ready``, ``np.asarray``, ``.item()``):
+    keep that inside the block."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        found = _MESSAGE.findall(str(e))
+        if not found:
+            raise
+        _forget_failed_tokens()
+        raise EPValueError(found[-1]) from None
+
+
+def _forget_failed_tokens() -> None:
+    """JAX keeps each device's last runtime token of a computation with a host callback and waits for
+    them at exit, re-raising a failed callback's error there as "Exception ignored in atexit callback"
+    tracebacks. Forget the tokens that failed (the error has been reported); keep the others. Uses a
+    private JAX structure: skipped if it is not there."""
+    try:
+        from jax._src import dispatch
+
+        tokens = dispatch.runtime_tokens
+        for table in (tokens.output_runtime_tokens, tokens.current_tokens):
+            for key, token in list(table.items()):
+                try:
+                    token.block_until_ready()
+                except Exception:
+                    del table[key]
+    except (ImportError, AttributeError):
+        pass
+
+
+def run_checked(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, waited for (``jax.block_until_ready``); a checked-mode failure raises
+    one ``EPValueError``."""
+    with ep_errors():
+        return jax.block_until_ready(fn(*args, **kwargs))
+
+
+def _fail_if(message_fn, result_dtype=jnp.int32):
+    def callback(*values):
+        message = message_fn(*(np.asarray(v) for v in values))
+        if message is not None:
+            raise EPValueError(message)
+        return np.zeros((), result_dtype)
+
+    return callback
+
+
+def tie(zero: jax.Array, out):
+    """out, each array made to depend on the check result ``zero`` (a select, so that the check runs
+    whenever any part of out is used; JAX and XLA drop an optimization_barrier's unused operands)."""
+    return jax.tree.map(lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a)), out)
+
+
+def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op: str) -> jax.Array:
+    """Checked mode: every id must be -1 or in [0, num_experts). Returns topk_idx, tied to the check.
+    The count is summed over the EP group so that every rank raises (a rank left waiting in a
+    collective would hang instead)."""
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     local_first = jnp.where(jnp.any(bad), topk_idx.reshape(-1)[jnp.argmax(bad.reshape(-1))], 0)
     num_bad = lax.psum(jnp.sum(bad, dtype=jnp.int32), axis_name)
@@ -114,25 +199,45 @@ def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str) -> 
     first_rank = lax.pmin(jnp.where(jnp.any(bad), rank, jnp.iinfo(jnp.int32).max), axis_name)
     first = lax.psum(jnp.where(rank == first_rank, local_first, 0), axis_name)
 
-    def _raise(num_bad, first_value):
+    def message(num_bad, first_value):
         if int(num_bad):
-            raise EPValueError(f"jax_ep: topk_idx has {int(num_bad)} ids outside [-1, {num_experts}) "
-                               f"across the EP group; first bad value {int(first_value)}")
+            return (f"jax_ep.{op}: topk_idx has {int(num_bad)} ids outside [-1, {num_experts}) across "
+                    f"the EP group (-1 marks an unused slot); first bad value {int(first_value)}")
+        return None
 
-    jax.debug.callback(_raise, num_bad, first)
+    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), topk_idx.dtype), num_bad, first)
+    return topk_idx + zero
 
 
-def check_no_drops(num_dropped: jax.Array, capacity: int, axis_name: str) -> None:
-    """Checked mode: capacity overflow is an error naming the count (summed over the EP group, so
-    that every rank raises)."""
-    total = lax.psum(num_dropped, axis_name)
+def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int) -> jax.Array:
+    """The capacity no rank drops a row with: max over ranks of the rows it receives, each expert's
+    count rounded up to cfg.expert_alignment (as group_sizes are). The same on every rank."""
+    from jax_ep.reference import layout_of  # reference imports this module
 
-    def _raise(dropped):
+    per_expert = lax.psum(layout_of(topk_idx, cfg.num_experts, ep_size).num_tokens_per_expert,
+                          cfg.axis_name)
+    align = cfg.expert_alignment
+    aligned = (per_expert + align - 1) // align * align
+    return jnp.max(jnp.sum(aligned.reshape(ep_size, cfg.num_local_experts(ep_size)), axis=1))
+
+
+def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int):
+    """Checked mode: capacity overflow is an error naming the rows dropped (summed over the EP group,
+    so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check."""
+    capacity = cfg.resolved_capacity(ep_size)
+    total = lax.psum(out.num_dropped, cfg.axis_name)
+    needed = capacity_needed(topk_idx, cfg, ep_size)
+
+    def message(dropped, needed):
         if int(dropped):
-            raise EPValueError(f"jax_ep: capacity {capacity} too small: {int(dropped)} rows dropped "
-                               "across the EP group (raise EPConfig.capacity, or None for the worst case)")
+            return (f"jax_ep.dispatch: EPConfig.capacity={capacity} is too small: {int(dropped)} rows "
+                    f"dropped across the EP group; capacity needed: {int(needed)} (the most rows a rank "
+                    f"receives, each expert's count rounded up to expert_alignment={cfg.expert_alignment}"
+                    "); set EPConfig.capacity to at least that, or None for the worst case")
+        return None
 
-    jax.debug.callback(_raise, total)
+    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), total, needed)
+    return tie(zero, out)
 
 
 def float0_like(a) -> np.ndarray:

@@ -243,10 +243,7 @@ def checked_fn(cfg, ep_size=R):
 
 
 def _run(fn, *args):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    jax.effects_barrier()
-    return to_numpy(out)
+    return to_numpy(jax_ep.run_checked(fn, *args))
 
 
 def _valid_idx(rng, ep_size=R):
@@ -278,8 +275,8 @@ def test_checked_mode_rejects_out_of_range_ids(bad, count):
         flat[rng.choice(flat.size, size=count, replace=False)] = bad
         idx[r] = flat.reshape(T, K)
     # the count may be this rank's or the EP group's total
-    with pytest.raises(Exception, match=rf"topk_idx has ({count}|{R * count}) ids outside \[-1, {E}\).*"
-                                        rf"first bad value {bad}"):
+    with pytest.raises(jax_ep.EPValueError, match=rf"^jax_ep\.dispatch: topk_idx has {R * count} ids "
+                                                  rf"outside \[-1, {E}\).*first bad value {bad}$"):
         _run(checked_fn(CHECKED), x, idx, w)
 
 
@@ -288,7 +285,7 @@ def test_checked_mode_rejects_out_of_range_ids_single_rank():
     x, w = random_inputs(rng, 1, T, H, K)
     idx = _valid_idx(rng, 1)
     idx[0, 3, 1] = -5
-    with pytest.raises(Exception, match=r"topk_idx has 1 ids outside \[-1, 8\).*first bad value -5"):
+    with pytest.raises(jax_ep.EPValueError, match=r"topk_idx has 1 ids outside \[-1, 8\).*bad value -5"):
         _run(checked_fn(CHECKED, 1), x, idx, w)
 
 
@@ -298,7 +295,8 @@ def test_checked_layout_rejects_out_of_range_ids():
     fn = per_rank(lambda i: jax_ep.get_dispatch_layout(i, CHECKED), R)
     np.testing.assert_array_equal(_run(fn, _valid_idx(np.random.default_rng(413))).num_tokens_per_rank.shape,
                                   (R, R))
-    with pytest.raises(Exception, match=rf"topk_idx has {R} ids outside \[-1, 8\).*first bad value 100"):
+    with pytest.raises(jax_ep.EPValueError, match=rf"^jax_ep\.get_dispatch_layout: topk_idx has {R} ids "
+                                                  r"outside \[-1, 8\).*first bad value 100$"):
         _run(fn, idx)
 
 
@@ -310,7 +308,8 @@ def test_checked_mode_capacity_too_small():
     idx[:, :, 0] = 0  # 12 rows for expert 0 on rank 0 and 12 for expert 4 on rank 1, capacity 4
     idx[:, :, 1] = 4
     assert [r.num_dropped for r in model_for(cfg, x, idx, w).ranks] == [8, 8]
-    with pytest.raises(Exception, match=r"capacity 4 too small: (8|16) rows dropped"):
+    with pytest.raises(jax_ep.EPValueError, match=r"^jax_ep\.dispatch: EPConfig\.capacity=4 is too small: 16 "
+                                                  r"rows dropped across the EP group; capacity needed: 12 "):
         _run(checked_fn(cfg), x, idx, w)
     # the same config passes when everything fits
     idx_ok = np.full((R, T, K), -1, np.int32)
@@ -320,6 +319,65 @@ def test_checked_mode_capacity_too_small():
     np.testing.assert_array_equal(dropped, [0, 0])
 
 
+@pytest.mark.parametrize("align", [1, 4])
+def test_checked_mode_names_the_capacity_needed(align):
+    """The capacity in the message is the least one that drops nothing: the most rows a rank gets with
+    unlimited capacity, each expert's count aligned (the sum of its group_sizes); it passes, one less
+    (one alignment step less) fails."""
+    rng = np.random.default_rng(416)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = _valid_idx(rng)
+    idx[0, :, 0] = 1  # skew: rank 0's experts get more rows
+    unlimited = model_for(CHECKED.replace(expert_alignment=align), x, idx, w)
+    needed = max(int(np.sum(r.group_sizes)) for r in unlimited.ranks)
+    cfg = CHECKED.replace(expert_alignment=align, capacity=needed - align)
+    with pytest.raises(jax_ep.EPValueError, match=rf"capacity={needed - align} is too small: .*"
+                                                  rf"capacity needed: {needed} .*expert_alignment={align}"):
+        _run(checked_fn(cfg), x, idx, w)
+    _, dropped, _ = _run(checked_fn(cfg.replace(capacity=needed)), x, idx, w)
+    np.testing.assert_array_equal(dropped, [0, 0])
+
+
+@pytest.mark.parametrize("used", ["x", "group_sizes", "src_index", "combine"])
+def test_checked_mode_check_runs_whatever_output_is_used(used):
+    """The checks are tied to every output: using any one of them runs them (no dead-code removal)."""
+    cfg = CHECKED.replace(capacity=4)
+    rng = np.random.default_rng(417)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = np.full((R, T, K), -1, np.int32)
+    idx[:, :, 0] = 0
+
+    def f(x, i, w):
+        d = jax_ep.dispatch(x, i, w, cfg)
+        return {"x": d.x, "group_sizes": d.group_sizes, "src_index": d.handle.src_index,
+                "combine": jax_ep.combine(d.x, d.handle, cfg) if used == "combine" else None}[used]
+
+    with pytest.raises(jax_ep.EPValueError, match=r"capacity=4 is too small: 8 rows dropped"):
+        _run(per_rank(f, R), x, idx, w)
+
+
+def test_checked_mode_only_costs_when_on():
+    """No callback, no extra op in the unchecked program; the checked one has the callbacks."""
+    rng = np.random.default_rng(418)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = _valid_idx(rng)
+    plain = str(jax.make_jaxpr(checked_fn(CFG))(x, idx, w))
+    checked = str(jax.make_jaxpr(checked_fn(CHECKED))(x, idx, w))
+    assert "callback" not in plain
+    assert checked.count("pure_callback") >= 2
+
+
+def test_ep_errors_passes_other_errors_through():
+    with pytest.raises(ZeroDivisionError):
+        with jax_ep.ep_errors():
+            raise ZeroDivisionError
+    err = jax.errors.JaxRuntimeError("INTERNAL: something else")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        with jax_ep.ep_errors():
+            raise err
+    assert issubclass(jax_ep.EPValueError, ValueError)
+
+
 # An error seen by some ranks only must still surface as an exception, not hang the ranks that wait in
 # the next collective (XLA:CPU aborts the whole process after 40 s). Run in subprocesses for that reason.
 _ONE_RANK_SCRIPT = """
@@ -327,9 +385,9 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import numpy as np, jax, jax_ep
 from jax.sharding import Mesh, PartitionSpec as P
-case = sys.argv[1]
+case, backend, mode = sys.argv[1:4]
 cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=16, max_tokens_per_rank=4, checked=True,
-                      backend=sys.argv[2], capacity=4 if case == "capacity" else None)
+                      backend=backend, capacity=4 if case == "capacity" else None)
 mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
 def body(x, i, w):
     d = jax_ep.dispatch(x, i, w, cfg)
@@ -342,16 +400,18 @@ if case == "ids":
     idx[1, 1] = 99                                    # one bad id, on rank 0 only
 else:
     idx[:, 1] = -1                                    # rank 0 drops 4 of its 8 rows, rank 1 gets none
+if mode == "uncaught":
+    jax_ep.run_checked(f, x, idx, w)
 try:
-    jax.block_until_ready(f(x, idx, w))
+    jax_ep.run_checked(f, x, idx, w)
     print("NO ERROR")
-except Exception as e:
+except jax_ep.EPValueError as e:
     print("RAISED", type(e).__name__, str(e).replace(chr(10), " "))
 """
 
 
-def test_checked_mode_error_on_one_rank_only():
-    """Bad ids on rank 0 only / capacity overflow on rank 0 only, followed by combine: must raise."""
+def _run_scripts(modes):
+    """{(case, mode): (returncode, stdout, stderr)}; None for the returncode when it hung."""
     import os
     import subprocess
     import sys
@@ -362,21 +422,47 @@ def test_checked_mode_error_on_one_rank_only():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(jax_ep.__file__)),
                                                     env.get("PYTHONPATH")] if p)
-    procs = {case: subprocess.Popen([sys.executable, "-c", _ONE_RANK_SCRIPT, case, BACKEND], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for case in ("ids", "capacity")}
+    procs = {(case, mode): subprocess.Popen(
+        [sys.executable, "-c", _ONE_RANK_SCRIPT, case, BACKEND, mode], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for case in ("ids", "capacity") for mode in modes}
     results = {}
-    deadline = time.monotonic() + 25
-    for case, proc in procs.items():
+    deadline = time.monotonic() + 40
+    for key, proc in procs.items():
         try:
-            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-            results[case] = (proc.returncode, out)
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            results[key] = (proc.returncode, out, err)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            results[case] = (None, "hung: the ranks without an error wait forever in the next all_to_all")
-    expect = {"ids": r"RAISED .*topk_idx has 1 ids outside \[-1, 8\).*first bad value 99",
-              "capacity": r"RAISED .*capacity 4 too small: 4 rows dropped"}
-    bad = [f"{case}: rc={rc}: {out[-600:]}" for case, (rc, out) in results.items()
-           if not (rc == 0 and re.search(expect[case], out))]
+            results[key] = (None, "", "hung: the ranks without an error wait forever in the next all_to_all")
+    return results
+
+
+_EXPECT = {"ids": r"jax_ep\.dispatch: topk_idx has 1 ids outside \[-1, 8\).*first bad value 99",
+           "capacity": r"jax_ep\.dispatch: EPConfig\.capacity=4 is too small: 4 rows dropped across the EP "
+                       r"group; capacity needed: 8 "}
+
+
+def test_checked_mode_error_on_one_rank_only():
+    """Bad ids on rank 0 only / capacity overflow on rank 0 only, followed by combine: one EPValueError
+    that `except jax_ep.EPValueError` catches, and nothing on stderr (no per-rank callback tracebacks,
+    no atexit tracebacks)."""
+    results = _run_scripts(["caught"])
+    bad = [f"{case}: rc={rc}: {out[-600:]} / stderr: {err[-2000:]}"
+           for (case, _), (rc, out, err) in results.items()
+           if not (rc == 0 and re.search("RAISED EPValueError " + _EXPECT[case], out) and err.strip() == "")]
+    assert not bad, "\n".join(bad)
+
+
+def test_checked_mode_uncaught_error_is_one_short_traceback():
+    """Uncaught, the error is Python's one traceback ending in `jax_ep.EPValueError: <message>`: no
+    per-rank callback tracebacks, no JAX internals, no atexit tracebacks."""
+    results = _run_scripts(["uncaught"])
+    bad = []
+    for (case, _), (rc, out, err) in results.items():
+        lines = err.strip().splitlines()
+        if not (rc == 1 and out == "" and err.count("Traceback") == 1 and len(lines) <= 12
+                and re.fullmatch("jax_ep\\.EPValueError: " + _EXPECT[case] + ".*", lines[-1])
+                and "atexit" not in err and "callback" not in err):
+            bad.append(f"{case}: rc={rc}, {len(lines)} lines:\n{err[-3000:]}")
     assert not bad, "\n".join(bad)
