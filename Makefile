@@ -4,12 +4,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
+# After the install, one line: was the CUDA extension jax_ep._C built (and if not, why)?
+EXT_STATUS := import jax_ep.runtime as r; e = r.extension_error(); print('jax_ep: CUDA extension jax_ep._C built (backend cuda usable on NVIDIA GPUs)' if e is None else 'jax_ep: CUDA extension jax_ep._C not built (' + ' '.join(e.split()) + '): the pure-JAX reference backend runs')
+
 .PHONY: demo test lint install
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt CMakeLists.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@$(PY) -c "$(EXT_STATUS)"
 	touch $@
 
 demo: install

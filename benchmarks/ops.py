@@ -1,9 +1,13 @@
 """Time dispatch and combine on the available devices, for every backend present; with ``--layer``, the
 MoE layer's training step (``benchmarks.layer``). Run from the repository root:
 
-    python -m benchmarks [--preset auto|small|deepseek|sparse[,...]] [--tokens 128,4096] [--out bench.json]
+    python -m benchmarks [--preset auto|small|deepseek|sparse[,...]] [--tokens 128,4096] [--out FILE]
     python -m benchmarks --preset deepseek,sparse --tokens 128,512,2048,4096,8192   # a tokens sweep
-    python -m benchmarks --layer [--layer-shapes mid,deepseek] [--profile] [--out bench_layer.json]
+    python -m benchmarks --layer [--layer-shapes mid,deepseek] [--profile] [--out FILE]
+
+The JSON records go to ``out/bench.json`` (``out/bench_layer.json`` with ``--layer``,
+``out/bench_ll.json`` with ``--low-latency``) under the repository root, a git-ignored folder, unless
+``--out`` names another file.
 
 Backends (``layout``: the order of the receive rows):
   reference  jax_ep's pure-JAX path: dense lax.all_to_all, then expansion into expert-major rows
@@ -11,9 +15,12 @@ Backends (``layout``: the order of the receive rows):
              (capacity T per rank pair), combine = the reverse all_to_all and a sum per token
   ragged     the MaxText-style lax.ragged_all_to_all baseline, expert-major (where the platform has it)
   cuda       jax_ep's kernels, expert-major (where built)
-``--tokens`` replaces the tokens per rank of every preset shape. Each time is the median over
-``--repeats`` chains of ``--iters`` back-to-back jitted calls, per call; each call returns its whole
-output (nothing dropped, nothing copied). ``--profile`` adds the device time of every kernel per call
+``--tokens`` replaces the tokens per rank of every preset shape. Every dispatch dtype has its own
+dispatch record; combine has one record per shape and backend, timed on the handle and bf16 rows of a
+bf16 dispatch (``dispatch_dtype`` in its record), in the pass of the first of ``--dtypes`` when
+bfloat16 is not among them. Each time is the median over ``--repeats`` chains of ``--iters``
+back-to-back jitted calls, per call; each call returns its whole output (nothing dropped, nothing
+copied). ``--profile`` adds the device time of every kernel per call
 on GPU 0, from a jax.profiler trace (``kernels_us``; their sum is ``device_us``).
 
 When the DeepSeek-V3 shape (4096 tokens per rank, hidden 7168, top-8, 256 experts) is in the run, the
@@ -33,6 +40,7 @@ import datetime
 import glob
 import itertools
 import json
+import pathlib
 import tempfile
 import time
 
@@ -64,6 +72,9 @@ DEEPSEEK_V3 = PRESETS["deepseek"][0]
 DEEPEP_V1 = {("dispatch", "bfloat16"): 343.0, ("dispatch", "float8_e4m3fn"): 244.0,
              ("combine", "bfloat16"): 400.0}
 PUBLISHED_BACKEND = "deepep_v1 (published)"
+# Where the records go by default: out/ under the repository root (git-ignored), not the source tree.
+OUT_DIR = pathlib.Path(__file__).resolve().parents[1] / "out"
+DEFAULT_OUT = {"ops": "bench.json", "layer": "bench_layer.json", "low_latency": "bench_ll.json"}
 
 
 def _routing(rng, n, experts, topk):
@@ -190,9 +201,11 @@ def _backends(requested: list[str], platform: str) -> list[str]:
 
 
 def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,
-                profile=False, kernel: KernelConfig | None = None):
-    """Records of dispatch and combine at one shape. ``kernel``: the CUDA kernels' configuration
-    (default: EPConfig's); ``num_sms`` in the records is its SM count when the CUDA dispatch ran."""
+                profile=False, kernel: KernelConfig | None = None, with_combine: bool = True):
+    """Records of dispatch (``dtype`` on the wire) and, with ``with_combine``, of combine (on the
+    handle and bf16 rows of a bf16 dispatch; ``dispatch_dtype`` in its record) at one shape.
+    ``kernel``: the CUDA kernels' configuration (default: EPConfig's); ``num_sms`` in the records is
+    its SM count when the CUDA dispatch ran."""
     ep_size = mesh.size
     n = tokens * ep_size
     x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
@@ -212,7 +225,8 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
             rows, _, handle = disp(x, i, w)
             return baselines.ragged_combine(rows, handle, "ep")
         rt = jax.shard_map(round_trip, mesh=mesh, in_specs=spec, out_specs=spec)
-        t_combine = _time_calls(rt, (x, idx_dev, w_dev), iters, repeats) - t_dispatch
+        t_combine = (_time_calls(rt, (x, idx_dev, w_dev), iters, repeats) - t_dispatch
+                     if with_combine else None)
         c_fn, c_args = rt, (x, idx_dev, w_dev)
         num_sms = None
     elif backend == "dense":
@@ -232,7 +246,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         rows, handle = make(x, idx_dev, w_dev)
         c_fn = jax.shard_map(lambda y, h: baselines.dense_combine(y, h, "ep"), mesh=mesh, in_specs=spec,
                              out_specs=spec)
-        t_combine = _time_calls(c_fn, (rows, handle), iters, repeats)
+        t_combine = _time_calls(c_fn, (rows, handle), iters, repeats) if with_combine else None
         d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
         num_sms = None
     else:
@@ -257,11 +271,11 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         make = jax.jit(jax.shard_map(rows_and_handle, mesh=mesh, in_specs=spec, out_specs=spec))
         rows, handle = make(x, idx_dev, w_dev)
         c_fn = jax.shard_map(lambda y, h: combine(y, h, bf16_cfg), mesh=mesh, in_specs=spec, out_specs=spec)
-        t_combine = _time_calls(c_fn, (rows, handle), iters, repeats)
+        t_combine = _time_calls(c_fn, (rows, handle), iters, repeats) if with_combine else None
         d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
         num_sms = _sm_count(mesh, cfg.kernel) if dispatch_impl[-1].endswith("cuda_backend") else None
     extra = {}  # the layout and the backward ops, for the auto table (bf16 pass only)
-    if backend in ("cuda", "reference") and dtype == "bfloat16":
+    if backend in ("cuda", "reference") and dtype == "bfloat16" and with_combine:
         extra = _extra_ops(mesh, bf16_cfg, (idx_dev,), (x, handle), (rows[..., 0], handle), iters, repeats)
     # bytes, from the routing actually used (host-side layout of every rank)
     per_rank_layout = [np.asarray(reference.layout_of(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
@@ -274,13 +288,14 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     row_bytes.update(broadcast=hidden * 2, layout=None, slot_values=None)
     kernels = {}
     if profile and mesh.devices.flat[0].platform == "gpu":
-        kernels = {"dispatch": kernel_profile(d_fn, d_args, iters),
-                   "combine": kernel_profile(c_fn, c_args, iters)}
+        kernels = {"dispatch": kernel_profile(d_fn, d_args, iters)}
+        if with_combine:
+            kernels["combine"] = kernel_profile(c_fn, c_args, iters)
         kernels.update({op: kernel_profile(fn, args, iters) for op, (_, fn, args) in extra.items()})
     device_us = {op: sum(k.values()) for op, k in kernels.items()}
-    if backend == "ragged" and kernels:  # its combine is profiled as a round trip
+    if backend == "ragged" and "combine" in kernels:  # its combine is profiled as a round trip
         device_us["combine"] -= device_us["dispatch"]
-    timed = [("dispatch", t_dispatch), ("combine", t_combine)]
+    timed = [("dispatch", t_dispatch)] + ([("combine", t_combine)] if with_combine else [])
     timed += [(op, seconds) for op, (seconds, _, _) in extra.items()]
     for op, seconds in timed:
         moved = row_bytes[op]
@@ -291,6 +306,8 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                             logical_gbps=None if moved is None else pairs * moved / seconds / 1e9,
                             wire_gbps=None if moved is None else remote * moved / seconds / 1e9,
                             num_sms=num_sms, measured=True))
+        if op == "combine":  # which dispatch made its handle and rows
+            records[-1]["dispatch_dtype"] = "bfloat16"
         if op in kernels:
             records[-1]["kernels_us"] = {k: round(v, 1) for k, v in kernels[op].items()}
     return records
@@ -372,6 +389,24 @@ def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats
     return out
 
 
+def gbps(value) -> str:
+    """GB/s with 4 significant digits (CPU runs move well under 1 GB/s: 0.01234, not 0.0)."""
+    if value is None:
+        return ""
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default in its help (options whose
+    default is None say what it means themselves; flags are off by default)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def print_table(records) -> None:
     """One line per record; ``device us`` is the profiled kernels' sum (``--profile``)."""
     def num(value, fmt):
@@ -383,8 +418,8 @@ def print_table(records) -> None:
         print(f"{r['op']:12}{r['backend']:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
               f"{r['hidden']:>6}{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}"
               f"{num(r['num_sms'], 'd'):>5}"
-              f"{r['us']:>11.1f}{num(r.get('device_us'), '.1f'):>11}{num(r['logical_gbps'], '.1f'):>14}"
-              f"{num(r['wire_gbps'], '.1f'):>11}{num(r['pct_of_peak'], '.0f'):>8}")
+              f"{r['us']:>11.1f}{num(r.get('device_us'), '.1f'):>11}{gbps(r['logical_gbps']):>14}"
+              f"{gbps(r['wire_gbps']):>11}{num(r['pct_of_peak'], '.0f'):>8}")
     if any(not r["measured"] for r in records):
         print(f"{PUBLISHED_BACKEND}: DeepEP V1's figures as published (2x H200, 24 SMs, rank-major output), "
               "not measured in this run")
@@ -392,20 +427,26 @@ def print_table(records) -> None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--preset", default="auto",
-                        help=f"auto or comma-separated presets of {sorted(PRESETS)} (default: auto = small "
-                             "on CPU, deepseek,sparse on GPUs)")
+                        help=f"auto or comma-separated presets of {sorted(PRESETS)} (auto: small on CPU, "
+                             "deepseek,sparse on GPUs)")
     parser.add_argument("--tokens", default=None,
-                        help="comma-separated tokens per rank, replacing those of every preset shape")
-    parser.add_argument("--hidden", type=int, default=None)
-    parser.add_argument("--topk", type=int, default=None)
-    parser.add_argument("--experts", type=int, default=None)
-    parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
-    parser.add_argument("--backends", default="reference,dense,ragged,cuda")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="bench.json")
+                        help="comma-separated tokens per rank, replacing those of every preset shape "
+                             "(default: the presets')")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: the presets')")
+    parser.add_argument("--topk", type=int, default=None, help="experts per token (default: the presets')")
+    parser.add_argument("--experts", type=int, default=None, help="number of experts (default: the presets')")
+    parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn",
+                        help="comma-separated dispatch dtypes on the wire (combine: bf16, timed once)")
+    parser.add_argument("--backends", default="reference,dense,ragged,cuda",
+                        help="comma-separated backends; those this machine lacks are skipped")
+    parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timed chain")
+    parser.add_argument("--repeats", type=int, default=5, help="timed chains; the median is reported")
+    parser.add_argument("--out", default=None,
+                        help=f"JSON file of the records (default: {OUT_DIR}/{DEFAULT_OUT['ops']}, "
+                             f"{DEFAULT_OUT['layer']} with --layer, {DEFAULT_OUT['low_latency']} with "
+                             "--low-latency; out/ is git-ignored)")
     parser.add_argument("--num-sms", default=None,
                         help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
     parser.add_argument("--profile", action="store_true",
@@ -419,12 +460,13 @@ def main(argv=None) -> list[dict]:
                         help=f"comma-separated layer presets {sorted(bench_layer.LAYER_PRESETS)} "
                              "(default: mid,deepseek on GPUs, small on CPU)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        kind = "layer" if args.layer else "low_latency" if args.low_latency else "ops"
+        args.out = str(OUT_DIR / DEFAULT_OUT[kind])
     use_virtual_cpu_devices()
     if args.layer:
         records = bench_layer.main(args)
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.out}")
+        write_records(records, args.out)
         return records
 
     devices = jax.devices()
@@ -465,12 +507,12 @@ def main(argv=None) -> list[dict]:
         for r in records:
             print(f"{r['op']:14s} {r['backend']:24s} {r['dtype']:14s} T={r['tokens_per_rank']:4d} "
                   f"{r['us']:9.1f} us  device {r.get('device_us') or 0:9.1f} us")
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.out}")
+        write_records(records, args.out)
         return records
+    dtypes = args.dtypes.split(",")
+    combine_dtype = "bfloat16" if "bfloat16" in dtypes else dtypes[0]   # combine is timed in this pass
     for backend in _backends(args.backends.split(","), platform):
-        for dtype in args.dtypes.split(","):
+        for dtype in dtypes:
             if backend == "ragged" and dtype != "bfloat16":
                 continue
             kernels = [None]
@@ -479,7 +521,8 @@ def main(argv=None) -> list[dict]:
             for (tokens, hidden, topk, experts), kernel in itertools.product(shapes, kernels):
                 try:
                     recs = bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts,
-                                       args.iters, args.repeats, rng, args.profile, kernel)
+                                       args.iters, args.repeats, rng, args.profile, kernel,
+                                       with_combine=dtype == combine_dtype)
                 except Exception as e:  # one failing backend must not hide the others' numbers
                     print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
                     continue
@@ -488,7 +531,7 @@ def main(argv=None) -> list[dict]:
                              pct_of_peak=None if peak is None or r["wire_gbps"] is None
                              else 100 * r["wire_gbps"] / peak)
                 records.extend(recs)
-    records.extend(published_records(shapes, args.dtypes.split(",")))
+    records.extend(published_records(shapes, dtypes))
     print_table(records)
     for r in records:
         if r.get("kernels_us"):
@@ -496,10 +539,16 @@ def main(argv=None) -> list[dict]:
                   f"T={r['tokens_per_rank']} E={r['num_experts']}")
             for name, us in list(r["kernels_us"].items())[:8]:
                 print(f"  {us:>10.1f} us  {name[:90]}")
-    with open(args.out, "w") as f:
-        json.dump(records, f, indent=1)
-    print(f"wrote {len(records)} records to {args.out}")
+    write_records(records, args.out)
     return records
+
+
+def write_records(records, path) -> None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    print(f"wrote {len(records)} records to {path}")
 
 
 if __name__ == "__main__":

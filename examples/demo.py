@@ -4,8 +4,9 @@
     python -m jax_ep.launch --nproc 2 --local-devices-per-process 4 examples/demo.py [...]
 
 Without a GPU it runs on 8 virtual CPU devices. Prints the loss, tokens/s and the share of the step
-time spent in dispatch/combine. Started as several processes (python -m jax_ep.launch, SLURM, mpirun),
-it runs on every process's devices and process 0 prints.
+time spent in dispatch/combine, after the backend each op resolved to (``--backend auto``: the CUDA
+kernel or the pure-JAX reference, per op). Started as several processes (python -m jax_ep.launch,
+SLURM, mpirun), it runs on every process's devices and process 0 prints.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ import jax_ep.distributed
 from jax_ep.balancing import imbalance
 from jax_ep.config import EPConfig
 from jax_ep.devices import use_virtual_cpu_devices
-from jax_ep.ops import combine, dispatch
+from jax_ep.ops import OPS, combine, dispatch
+
+# The ops a training step runs: the forward ops and the backward ones (combine's backward broadcasts,
+# dispatch's backward combines and gathers the weights' gradients with slot_values).
+STEP_OPS = ("layout", "dispatch", "combine", "broadcast", "slot_values")
 
 
 def median_time(fn, *args, repeats: int = 5) -> float:
@@ -76,6 +81,20 @@ def communication_time(mesh: Mesh, cfg: LMConfig, tokens_per_rank: int, backend:
     return median_time(grad, x, idx, w)
 
 
+def resolved_backends(cfg: EPConfig, ep_size: int, dtype=None) -> dict[str, str]:
+    """{op: "reference" | "cuda" | "unavailable: <reason>"}: what ``cfg.backend`` runs for each op of a
+    training step at cfg's sizes on this machine (the choice jax_ep makes when the op is traced)."""
+    out = {}
+    for op in STEP_OPS:
+        try:
+            module = OPS[op].implementation(cfg, ep_size, dtype).__module__
+        except (ImportError, RuntimeError, NotImplementedError, ValueError) as e:
+            out[op] = f"unavailable: {e}"
+            continue
+        out[op] = {"jax_ep.reference": "reference", "jax_ep.cuda_backend": "cuda"}.get(module, module)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,6 +117,13 @@ def main(argv=None) -> None:
     say(f"jax_ep demo: {len(devices)} x {devices[0].platform} devices, EP size {len(devices)}, "
         f"{cfg.num_experts} experts, top-{cfg.num_topk}, {cfg.num_layers} MoE layers, "
         f"backend={args.backend}")
+
+    tokens_per_rank = args.batch * args.seq // len(devices)
+    ops_cfg = EPConfig(num_experts=cfg.num_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
+                       max_tokens_per_rank=tokens_per_rank, backend=args.backend,
+                       dispatch_dtype=cfg.dispatch_dtype)
+    say(f"backend {args.backend} resolved per op: " + ", ".join(
+        f"{op} -> {impl}" for op, impl in resolved_backends(ops_cfg, len(devices), cfg.moe_dtype).items()))
 
     model, optimizer, train_step = build_training(cfg, mesh, args.lr)
 

@@ -138,7 +138,7 @@ def communication_view(cfg: LMConfig, mesh: Mesh, args, trained_step_time: float
         try:
             comm[backend] = communication_time(mesh, cfg, tokens_per_rank, backend)
         except (ImportError, RuntimeError, NotImplementedError) as e:
-            say(f"backend {backend!r}: not available here ({str(e).splitlines()[0][:120]})")
+            say(f"backend {backend!r}: not available here: {' '.join(str(e).split())}")
     # "auto" trains on cuda kernels where they are available, the reference path otherwise
     trained = args.backend if args.backend != "auto" else ("cuda" if "cuda" in comm else "reference")
     result = {}
@@ -147,7 +147,7 @@ def communication_view(cfg: LMConfig, mesh: Mesh, args, trained_step_time: float
             step = trained_step_time if backend == trained else step_time_only(
                 dataclasses.replace(cfg, backend=backend), mesh, args)
         except (RuntimeError, NotImplementedError) as e:       # e.g. an op without a kernel
-            say(f"backend {backend!r}: the model does not run ({str(e).splitlines()[0][:120]})")
+            say(f"backend {backend!r}: the model does not run: {' '.join(str(e).split())}")
             continue
         result[backend] = {"dispatch_combine_s": comm_s, "step_time_s": step, "share": comm_s / step}
         say(f"backend {backend!r}: step {1e3 * step:.1f} ms, dispatch+combine (fwd+bwd, "
@@ -155,7 +155,8 @@ def communication_view(cfg: LMConfig, mesh: Mesh, args, trained_step_time: float
     return result
 
 
-def plot(metrics: dict, path: pathlib.Path) -> None:
+def plot(metrics: dict, path: pathlib.Path):
+    """Draws the figure into path; returns it (closed: for its axes: loss, imbalance, step time, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,6 +164,9 @@ def plot(metrics: dict, path: pathlib.Path) -> None:
 
     runs = metrics["runs"]
     colors = {"no_balancing": "tab:red", "bias_balancing": "tab:blue"}
+    # the two loss curves often lie on top of each other: a line style and markers tell them apart
+    styles = {"no_balancing": dict(ls="-", marker="o", lw=2.5, alpha=0.8),
+              "bias_balancing": dict(ls="--", marker="x", lw=1.5)}
     fig = plt.figure(figsize=(16, 10), layout="constrained")
     grid = fig.add_gridspec(2, 6, height_ratios=[1, 1.15])
     ax_loss, ax_imb, ax_comm = (fig.add_subplot(grid[0, 2 * i:2 * i + 2]) for i in range(3))
@@ -170,7 +174,8 @@ def plot(metrics: dict, path: pathlib.Path) -> None:
 
     for name, run in runs.items():
         steps = np.arange(len(run["loss"]))
-        ax_loss.plot(steps, run["loss"], color=colors[name], label=RUNS[name])
+        ax_loss.plot(steps, run["loss"], color=colors[name], label=RUNS[name], **styles[name],
+                     markevery=max(1, len(steps) // 12), ms=6)
         ax_imb.plot(steps, run["imbalance"], color=colors[name], alpha=0.5, lw=1,
                     label=f"{SHORT[name]}: per step (mean {run['mean_imbalance']:.2f})")
         ax_imb.plot(steps, run["imbalance_cumulative"], color=colors[name], lw=2.5,
@@ -195,15 +200,20 @@ def plot(metrics: dict, path: pathlib.Path) -> None:
                  label="dispatch + combine (fwd + bwd, timed alone)")
     ax_comm.barh(y, rest_ms, height=0.5, left=comm_ms, color="tab:gray", alpha=0.6,
                  label="rest of the step (= step without EP comm)")
+    longest = max(step_ms.max(initial=0.0), 1e-9)
     for i, b in enumerate(names):
-        ax_comm.text(step_ms[i], y[i], f" {step_ms[i]:.0f} ms\n {100 * comm[b]['share']:.1f}% in\n"
-                     " dispatch+combine", va="center", ha="left")
+        # inside a long bar (the axis needs no room beyond the longest one), after a short one
+        inside = step_ms[i] > 0.5 * longest
+        pad = "" if inside else " "
+        text = f"{pad}{step_ms[i]:.3g} ms, {100 * comm[b]['share']:.1f}% in\n{pad}dispatch+combine"
+        ax_comm.text(step_ms[i], y[i], text + (" " if inside else ""), va="center",
+                     ha="right" if inside else "left", fontsize="small")
     ax_comm.set_yticks(y, names)
-    ax_comm.set_xlim(0, 1.45 * max(step_ms.max(initial=0.0), 1e-9))
-    ax_comm.set_ylim(-0.75, len(names) - 0.25 + 0.6)
+    ax_comm.set_xlim(0, 1.05 * longest)
+    ax_comm.set_ylim(-0.5, len(names) - 0.5)
     ax_comm.set(title="Step time per backend, EP communication share", xlabel="ms per training step",
                 ylabel="backend")
-    ax_comm.legend(loc="upper right", fontsize="small")
+    ax_comm.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize="small")
 
     loads = {name: np.asarray(run["expert_load"], np.float64) for name, run in runs.items()}   # [S, L, E]
     rel = {name: load / np.maximum(load.mean(axis=-1, keepdims=True), 1e-9) for name, load in loads.items()}
@@ -229,6 +239,7 @@ def plot(metrics: dict, path: pathlib.Path) -> None:
                  f"tokens, bias rate {cfg['bias_rate']}", fontsize="large")
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> dict:

@@ -27,9 +27,11 @@ def test_bench_writes_records(tmp_path):
                           "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(records))
+    # one combine record per shape (timed on a bf16 dispatch's handle, which it names), a dispatch per dtype
     assert sorted((r["op"], r["dtype"]) for r in saved) == [
-        ("broadcast", "bfloat16"), ("combine", "bfloat16"), ("combine", "bfloat16"), ("dispatch", "bfloat16"),
+        ("broadcast", "bfloat16"), ("combine", "bfloat16"), ("dispatch", "bfloat16"),
         ("dispatch", "float8_e4m3fn"), ("layout", "bfloat16"), ("slot_values", "bfloat16")]
+    assert [r["dispatch_dtype"] for r in saved if r["op"] == "combine"] == ["bfloat16"]
     for r in saved:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["us"] > 0
@@ -60,13 +62,40 @@ def test_layer_bench_writes_records(tmp_path):
 
 
 def test_cli_help():
-    """`python -m benchmarks --help` from the repository root lists the op and the layer options."""
+    """`python -m benchmarks --help` from the repository root lists the op and the layer options, says
+    how to run it and gives every option's default."""
     out = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m benchmarks "), out.stdout[:200]
     for flag in ("--preset", "--tokens", "--backends", "--num-sms", "--profile", "--layer", "--layer-shapes",
                  "--out"):
         assert flag in out.stdout, flag
+    options = " ".join(out.stdout.split("options:", 1)[1].split())   # one line, single spaces
+    for default in ("(default: auto)", "(default: bfloat16,float8_e4m3fn)", "(default: reference,dense,",
+                    "(default: 10)", "(default: 5)", "(default: the presets')",
+                    f"(default: {bench.OUT_DIR}/"):
+        assert default in options, default
+
+
+def test_default_out_is_git_ignored(tmp_path):
+    """Without --out the records go to out/ under the repository root, which git ignores."""
+    for name in bench.DEFAULT_OUT.values():
+        path = bench.OUT_DIR / name
+        assert path.parent == ROOT / "out"
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=ROOT, timeout=60)
+        if ignored.returncode == 128:
+            pytest.skip("not a git checkout")
+        assert ignored.returncode == 0, f"{path} is not git-ignored"
+    # write_records makes the folder
+    bench.write_records([{"op": "x"}], tmp_path / "new" / "b.json")
+    assert json.loads((tmp_path / "new" / "b.json").read_text()) == [{"op": "x"}]
+
+
+def test_gbps_keeps_significant_digits():
+    assert bench.gbps(None) == ""
+    assert bench.gbps(0.012345) == "0.01235"        # CPU figures: not 0.0
+    assert bench.gbps(1.5) == "1.5" and bench.gbps(123.456) == "123.5" and bench.gbps(4321.7) == "4322"
 
 
 # ---- the dense (rank-major) baseline: benchmarks.baselines.dense_dispatch / dense_combine ---------------
@@ -212,6 +241,9 @@ def test_bench_dense_backend_and_plot(tmp_path, capsys):
     assert all(r["measured"] and r["device_us"] is None for r in records)
     assert "rank_major" in table and "expert_major" in table and "published" not in table
     assert sorted({r["tokens_per_rank"] for r in records}) == [16, 32]
+    for r in records:   # the GB/s columns print as in gbps(): 4 significant digits
+        if r["logical_gbps"] is not None:
+            assert bench.gbps(r["logical_gbps"]) in table and bench.gbps(r["wire_gbps"]) in table
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import plot_bench

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -86,6 +87,12 @@ def test_train_moe_metrics(finished):
     assert "reference" in comm
     for row in comm.values():
         assert 0 < row["dispatch_combine_s"] and 0 < row["share"] < 1
+    from jax_ep import runtime
+
+    usable, reason = runtime.available()
+    if "cuda" not in comm and not usable:   # the whole reason, on one line, not its first 120 characters
+        line = next(x for x in log.splitlines() if "backend 'cuda': not available here: " in x)
+        assert " ".join(reason.split()) in line, (reason, line)
 
 
 def test_train_moe_plot(finished):
@@ -105,6 +112,70 @@ def test_demo_runs(finished):
     code, log = finished[1]["demo"]
     assert code == 0, log          # the demo exits non-zero if its loss does not fall
     assert "dispatch+combine" in log and "tokens/s" in log, log
+    # which backend each op of the step resolved to
+    ops = ("layout", "dispatch", "combine", "broadcast", "slot_values")
+    pattern = "backend auto resolved per op: " + ", ".join(f"{op} -> (reference|cuda)" for op in ops) + "$"
+    assert re.search(pattern, log, re.M), log
+
+
+def test_demo_resolved_backends():
+    import demo
+
+    from jax_ep import runtime
+    from jax_ep.config import EPConfig
+
+    def cfg(backend):
+        return EPConfig(num_experts=16, num_topk=2, hidden=64, max_tokens_per_rank=128, backend=backend)
+
+    assert demo.resolved_backends(cfg("reference"), 8) == dict.fromkeys(demo.STEP_OPS, "reference")
+    assert set(demo.resolved_backends(cfg("auto"), 8).values()) <= {"reference", "cuda"}
+    usable, reason = runtime.available()
+    if not usable:   # backend="cuda" here: each op says why, in full
+        for op, impl in demo.resolved_backends(cfg("cuda"), 8).items():
+            assert impl.startswith("unavailable: ") and reason in impl, (op, impl)
+
+
+def _fake_metrics(steps=20, layers=1, experts=16):
+    """metrics.json as train_moe writes it: two runs with the same losses, two backends."""
+    rng = np.random.default_rng(0)
+
+    def run():
+        return dict(loss=list(5.8 - np.linspace(0, 3, steps)), imbalance=list(1.5 + rng.random(steps)),
+                    imbalance_cumulative=list(1.2 + rng.random(steps)), mean_imbalance=1.7,
+                    expert_load=rng.integers(10, 100, (steps, layers, experts)).tolist())
+
+    comm = dict(reference=dict(step_time_s=0.25, dispatch_combine_s=0.01, share=0.04),
+                cuda=dict(step_time_s=0.05, dispatch_combine_s=0.01, share=0.2))
+    model = dict(num_experts=experts, num_topk=2, num_layers=layers)
+    config = dict(devices="8 x cpu", mesh=[2, 4], model=model, steps=steps, tokens_per_step=512,
+                  bias_rate=0.05)
+    return dict(runs=dict(no_balancing=run(), bias_balancing=run()), communication=comm, config=config)
+
+
+def test_train_moe_plot_readable(tmp_path):
+    """Overlapping loss curves differ in line style and marker; the step-time panel's axis ends just past
+    the longest bar and its labels stay inside the panel."""
+    import train_moe
+
+    fig = train_moe.plot(_fake_metrics(), tmp_path / "p.png")
+    ax_loss, _, ax_comm = fig.axes[:3]
+    lines = ax_loss.get_lines()
+    assert len(lines) == 2 and np.array_equal(lines[0].get_ydata(), lines[1].get_ydata())
+    assert lines[0].get_linestyle() != lines[1].get_linestyle()
+    assert lines[0].get_marker() != lines[1].get_marker()
+    assert all(line.get_marker() not in (None, "None", "") for line in lines)
+    assert ax_comm.get_title().startswith("Step time")
+    left, right = ax_comm.get_xlim()
+    assert left == 0 and 250 <= right <= 1.1 * 250          # the longest step: 250 ms
+    bottom, top = ax_comm.get_ylim()
+    assert bottom <= -0.25 and top >= 1.25 and top - bottom <= 2.5   # two bars of height 0.5 at 0 and 1
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()   # the figure is closed: a canvas to measure on
+    box = ax_comm.get_window_extent(renderer)
+    for text in ax_comm.texts:
+        extent = text.get_window_extent(renderer)
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1, text.get_text()
 
 
 def test_train_moe_two_processes(finished):
