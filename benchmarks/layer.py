@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import moe
-from jax_ep.config import EPConfig
+from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig
 
 LAYER_PRESETS = {
@@ -45,6 +45,9 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the same layer with the EP ops on one path each: what the EP kernels add to the step
            "ep_reference": dict(backend="reference", gemm="auto"),
            "ep_cuda": dict(backend="cuda", gemm="auto"),
+           # the kernels as async ops on XLA stream 1, overlapping independent work (KernelConfig)
+           "ep_cuda_async": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1)),
+           "ep_cuda_async_48": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1, num_sms=48)),
            "plain_jax": dict(backend="reference", gemm="ragged_dot")}
 
 
@@ -170,7 +173,9 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                    ep=moe.EPOptions(backend=CONFIGS[config]["backend"]), gemm=CONFIGS[config]["gemm"],
+                    ep=moe.EPOptions(backend=CONFIGS[config]["backend"],
+                                     kernel=KernelConfig(**CONFIGS[config].get("kernel", {}))),
+                    gemm=CONFIGS[config]["gemm"],
                     param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))

@@ -34,6 +34,12 @@ class KernelConfig:
       broadcast_send_warps: warps of a broadcast block (of 16) that send; the others receive.
       bulk_copy: dispatch and broadcast copy rows with bulk (TMA) copies through shared memory; False
         uses 16-byte register copies.
+      async_stream: None (default): the communicating ops (dispatch, combine, broadcast,
+        slot_values) run on XLA's compute stream, in program order. An int N: each runs on XLA
+        execution stream N as an async op (``jax.experimental.compute_on.compute_on2`` with
+        ``"gpu_stream:N"``), which XLA's scheduler overlaps with work that does not depend on it
+        (the shared expert, the expert weights' gradients); then fewer ``num_sms`` leave the
+        overlapping kernels room.
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """
@@ -43,10 +49,11 @@ class KernelConfig:
     combine_send_warps: int = 8
     broadcast_send_warps: int = 6
     bulk_copy: bool = True
+    async_stream: int | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name == "num_sms" and self.num_sms is None:
+            if field.name in ("num_sms", "async_stream") and getattr(self, field.name) is None:
                 continue
             if field.name != "bulk_copy":
                 _check_positive_int("KernelConfig", field.name, getattr(self, field.name))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.compute_on import compute_on2
 
 from jax_ep import reference, runtime, types
 from jax_ep.config import EPConfig
@@ -260,7 +261,10 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     return {name: np.int64(value) for name, value in values.items()}
 
 
-def _call(op: str, out_types, *args, **attrs):
+def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
+    """The op's custom call. ``stream`` (``KernelConfig.async_stream``): run it on that XLA execution
+    stream as an async op (``compute_on("gpu_stream:N")``), which XLA's scheduler overlaps with
+    independent work on the compute stream; None: on the compute stream, in program order."""
     # What the call site will reserve when instantiated (handlers.cc: DataOpInstantiate /
     # LLInstantiate), grown now where growing is collective (process model 2).
     sizes = [int(attrs[k]) for k in ("num_ranks", "num_tokens", "num_topk", "num_experts")]
@@ -271,8 +275,11 @@ def _call(op: str, out_types, *args, **attrs):
         need = runtime.extension().comm_bytes(*sizes, int(attrs["row_bytes"]),
                                               int(attrs["scale_bytes"]))
     runtime.reserve(need)
-    return jax.ffi.ffi_call(f"jax_ep_{op}", out_types, has_side_effect=True,
-                            vmap_method="sequential")(*args, **attrs)
+    call = jax.ffi.ffi_call(f"jax_ep_{op}", out_types, has_side_effect=True, vmap_method="sequential")
+    if stream is None:
+        return call(*args, **attrs)
+    return compute_on2(lambda *a: call(*a, **attrs), compute_type=f"gpu_stream:{stream}",
+                       out_memory_spaces=jax.memory.Space.Device)(*args)
 
 
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
@@ -286,6 +293,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     flat = (out.x, scales, out.group_sizes, out.expert_counts, out.num_dropped, *out.handle)
     rank, group, axis_slot = _group_of(axis)
     outputs = _call("dispatch", flat, x, topk_idx, topk_weights, rank, group,
+                    stream=cfg.kernel.async_stream,
                     **_attrs("dispatch", cfg, ep_size, axis_slot, tokens, hidden,
                              row_bytes=hidden * out.x.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
@@ -303,8 +311,9 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
     result = _call("combine", out, y, handle.row_weights, handle.token_rows, handle.is_token_in_rank,
-                   rank, group, **_attrs("combine", cfg, ep_size, axis_slot, tokens, hidden,
-                                         row_bytes=hidden * y.dtype.itemsize))
+                   rank, group, stream=cfg.kernel.async_stream,
+                   **_attrs("combine", cfg, ep_size, axis_slot, tokens, hidden,
+                            row_bytes=hidden * y.dtype.itemsize))
     return _vary_all(result, axis, y, *handle)
 
 
@@ -317,8 +326,9 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     tokens, hidden = g.shape
     rank, group, axis_slot = _group_of(axis)
     result = _call("broadcast", out, g, handle.token_rows, handle.is_token_in_rank, handle.src_index,
-                   rank, group, **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
-                                         row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0]))
+                   rank, group, stream=cfg.kernel.async_stream,
+                   **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
+                            row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0]))
     return _vary_all(result, axis, g, handle.token_rows, handle.src_index)
 
 
@@ -330,6 +340,7 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     out = types.slot_values_types(handle, cfg, ep_size)
     rank, group, axis_slot = _group_of(axis)
     result = _call("slot_values", out, values.astype(jnp.float32), handle.token_rows, rank, group,
+                   stream=cfg.kernel.async_stream,
                    **_attrs("slot_values", cfg, ep_size, axis_slot, out.shape[0]))
     return _vary_all(result, axis, values, handle.token_rows)
 

@@ -303,6 +303,44 @@ def test_gradients_match_reference(cuda_backend, mesh):
         assert rel < 1e-2, f"{name}: relative error {rel:.3g}"
 
 
+def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
+    """KernelConfig(async_stream=1): the EP ops run as async ops on XLA stream 1 (compute_on), the
+    rest of the step on the compute stream. Forward and gradients bit-identical to the ops on the
+    compute stream, with an independent matmul chain XLA may run while they are in flight; the
+    compiled program really has the ops on stream 1."""
+    kw, (x, idx, w, wexp, ct) = grad_case(13, 256, 1024, 4, 16, "messy")
+
+    def make(cfg):
+        def loss(x, w, wexp, idx, ct):
+            d = jax_ep.dispatch(x, idx, w, cfg)
+            side = x.astype(jnp.float32)
+            for _ in range(4):  # independent of the EP ops: may overlap them
+                side = jnp.tanh(side @ wexp[0].astype(jnp.float32))
+            y = lax.ragged_dot(d.x, wexp, d.group_sizes)
+            out = jax_ep.combine(y.astype(x.dtype), d.handle, cfg)
+            return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(side), out
+
+        def body(x, w, wexp, idx, ct):
+            (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+                x, w, wexp, idx, ct)
+            return (value[None], out) + grads
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+    args = put(mesh, x, w, wexp, idx, ct)
+    sync = _cfg("cuda", **kw)
+    want = to_np(make(sync)(*args))
+    overlapped = make(_cfg("cuda", **kw, kernel=jax_ep.KernelConfig(async_stream=1)))
+    hlo = overlapped.lower(*args).compile().as_text()
+    assert '_xla_stream_annotation="1"' in hlo
+    for run in range(3):
+        poison_device_memory(mesh.devices.flat, 128 << 20)
+        got = to_np(overlapped(*args))
+        names = ("loss", "out", "d x", "d topk_weights", "d expert weights")
+        for name, g, r in zip(names, got, want, strict=True):
+            assert_bits_equal(np.asarray(g), np.asarray(r), f"run {run} {name}")
+
+
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
 def test_topk_weights_gradient_uses_rounded_expert_output(cuda_backend, mesh, backend):
     """d topk_weights[t, k] = <g[t], y[row(t, k)]> with y as combine received it: rounded to bf16
