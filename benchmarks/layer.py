@@ -232,7 +232,11 @@ def main(args) -> list[dict]:
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
-        for config in [c for c in CONFIGS if platform == "gpu" or CONFIGS[c]["backend"] != "cuda"]:
+        wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else list(CONFIGS)
+        unknown = sorted(set(wanted) - set(CONFIGS))
+        if unknown:
+            raise SystemExit(f"--layer-configs: unknown {unknown}; known: {list(CONFIGS)}")
+        for config in [c for c in wanted if platform == "gpu" or CONFIGS[c]["backend"] != "cuda"]:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
                                           args.iters, args.repeats)

@@ -459,6 +459,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--layer-shapes", default=None,
                         help=f"comma-separated layer presets {sorted(bench_layer.LAYER_PRESETS)} "
                              "(default: mid,deepseek on GPUs, small on CPU)")
+    parser.add_argument("--layer-configs", default=None,
+                        help=f"comma-separated layer configurations {list(bench_layer.CONFIGS)} "
+                             "(default: all that the platform runs)")
     args = parser.parse_args(argv)
     if args.out is None:
         kind = "layer" if args.layer else "low_latency" if args.low_latency else "ops"
