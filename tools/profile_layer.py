@@ -1,7 +1,10 @@
 """Diagnose how a profiled MoE layer step's GPU events map to the layer's named scopes: per device-0
 line, the total time and the top events with their stats (what benchmarks.layer.split_by_scope relies on).
 
-    python tools/profile_layer.py [mid|deepseek|small]
+    python tools/profile_layer.py [mid|deepseek|small] [layer config, e.g. ep_cuda_async]
+
+With a config whose EP ops run on an async stream, it also prints what the compiled schedule puts
+between each async op's start and done (the work XLA overlaps with it).
 """
 
 import collections
@@ -20,13 +23,16 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks import layer as bench_layer  # noqa: E402
 from jax_ep import moe  # noqa: E402
+from jax_ep.config import KernelConfig  # noqa: E402
 from jax_ep.gating import RouterConfig  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "mid"
+config = bench_layer.CONFIGS[sys.argv[2] if len(sys.argv) > 2 else "jax_ep"]
 hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[name]
 mesh = Mesh(np.array(jax.devices()), ("ep",))
 layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                param_dtype=jnp.bfloat16)
+                ep=moe.EPOptions(backend=config["backend"], kernel=KernelConfig(**config.get("kernel", {}))),
+                gemm=config["gemm"], param_dtype=jnp.bfloat16)
 x = jax.device_put(jax.random.normal(jax.random.key(1), (mesh.size * tokens, hidden), jnp.bfloat16),
                    NamedSharding(mesh, P("ep")))
 graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -39,7 +45,18 @@ def step(params, x):
     return jax.value_and_grad(loss)(params)
 
 
-scopes = bench_layer.hlo_scopes(step.lower(params, x).compile().as_text())
+hlo = step.lower(params, x).compile().as_text()
+scopes = bench_layer.hlo_scopes(hlo)
+# the entry computation's schedule: what runs between each async start and its done
+entry = hlo[hlo.index("\nENTRY"):]
+body = [line.strip() for line in entry.splitlines()[1:] if " = " in line]
+names = [line.split(" = ")[0].replace("ROOT ", "") for line in body]
+for i, line in enumerate(body):
+    if "async-start" in line or "-start(" in line:
+        done = next((j for j in range(i + 1, len(body)) if names[i] in body[j] and "-done" in body[j]), None)
+        between = [b.split(" = ")[1].split("(")[0].split()[-1] for b in body[i + 1:done or i + 1]]
+        print(f"ASYNC {names[i]}: {line[:90]}")
+        print(f"   {len(between)} instructions until its done: {collections.Counter(between).most_common(6)}")
 n_experts = sum("moe_experts" in v for v in scopes.values())
 print("hlo instructions with op_name:", len(scopes), "in moe_experts:", n_experts)
 iters = 5
