@@ -10,6 +10,7 @@ between each async op's start and done (the work XLA overlaps with it).
 import collections
 import glob
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -54,7 +55,8 @@ names = [line.split(" = ")[0].replace("ROOT ", "") for line in body]
 for i, line in enumerate(body):
     if "async-start" in line or "-start(" in line:
         done = next((j for j in range(i + 1, len(body)) if names[i] in body[j] and "-done" in body[j]), None)
-        between = [b.split(" = ")[1].split("(")[0].split()[-1] for b in body[i + 1:done or i + 1]]
+        between = [m.group(1) if (m := re.search(r" ([a-z][a-z0-9-]*)\(", b)) else "?"
+                   for b in body[i + 1:done or i + 1]]
         print(f"ASYNC {names[i]}: {line[:90]}")
         print(f"   {len(between)} instructions until its done: {collections.Counter(between).most_common(6)}")
 n_experts = sum("moe_experts" in v for v in scopes.values())
