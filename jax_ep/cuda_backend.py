@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.compute_on import compute_on2
+from jax.experimental import compute_on as _compute_on
 
 from jax_ep import reference, runtime, types
 from jax_ep.config import EPConfig
@@ -278,8 +278,10 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
     call = jax.ffi.ffi_call(f"jax_ep_{op}", out_types, has_side_effect=True, vmap_method="sequential")
     if stream is None:
         return call(*args, **attrs)
-    return compute_on2(lambda *a: call(*a, **attrs), compute_type=f"gpu_stream:{stream}",
-                       out_memory_spaces=jax.memory.Space.Device)(*args)
+    # the function form: compute_on2 up to jax 0.10, renamed compute_on in 0.11
+    on_stream = getattr(_compute_on, "compute_on2", _compute_on.compute_on)
+    return on_stream(lambda *a: call(*a, **attrs), compute_type=f"gpu_stream:{stream}",
+                     out_memory_spaces=jax.memory.Space.Device)(*args)
 
 
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
