@@ -6,6 +6,11 @@ run with ``jax_ep.grouped_matmul`` on the expert-major rows (gate and up project
 of twice the width, then the down projection; Hopper kernels on H100/H200, ``lax.ragged_dot``
 elsewhere), optional shared expert. ``MoE``'s docstring says how to build and call it.
 
+Decode (``layer(x, decode=True)``, or ``MoE(..., decode=True)``): the same router and experts on
+jax_ep's low-latency ops instead (``ll_dispatch`` into fixed slots ``[E_local, R*T, H]``, a batched
+SwiGLU over every slot of each expert, ``ll_combine``): for decode steps of a few tokens per rank,
+forward only. Tokens travel as bfloat16 (or FP8) and the experts' outputs return as bfloat16.
+
 Expert placement (``placement=jax_ep.eplb.Placement``, EPLB replication): the router still scores the
 ``num_experts`` logical experts; each pick is mapped to one replica (``eplb.apply_placement`` with
 global token ids) and dispatch runs over the ``num_ranks * slots_per_rank`` physical slots. The
@@ -34,7 +39,7 @@ from jax_ep.config import FP8_BLOCK, EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
-from jax_ep.ops import combine, dispatch
+from jax_ep.ops import combine, dispatch, ll_combine, ll_dispatch
 from jax_ep.reference import dequantize_fp8
 
 # name scopes of the layer's parts (the layer benchmark attributes device time by them)
@@ -58,6 +63,10 @@ class EPOptions:
       backend: "auto", "reference" or "cuda" (``EPConfig.backend``).
       checked: raise at run time on bad expert ids or dropped rows (``EPConfig.checked``).
       kernel: how the CUDA kernels run (``jax_ep.KernelConfig``).
+
+    The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
+    ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked`` and
+    ``kernel``; capacity and alignment play no part there (fixed slots, nothing is dropped).
     """
 
     capacity: int | None = None
@@ -133,6 +142,9 @@ class MoE(nnx.Module):
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
       param_dtype: dtype of the parameters.
+      decode: the default of ``__call__``'s ``decode``: False, the throughput ops (training, prefill);
+        True, the low-latency ops (decode steps, forward only). ``nnx.view(model, decode=True)`` sets it
+        (``set_view``), as it sets ``nnx.MultiHeadAttention``'s.
 
     Parameters: ``router [H, E]``, ``w_gate_up [E, H, 2 * ffn_hidden]`` (gate columns, then up columns),
     ``w_down [E, ffn_hidden, H]`` (experts sharded over ``axis_name`` at rest), ``shared`` (or None).
@@ -141,8 +153,8 @@ class MoE(nnx.Module):
     in the last call / summed over calls), ``last_slot_load`` / ``total_slot_load [num_slots]`` (per
     physical slot), ``last_dropped`` (rows dropped for capacity), ``last_aux_loss`` (also ``aux_loss``).
 
-    Calling: ``layer(x, update_stats=True)`` with ``x [..., H]`` returns ``[..., H]`` in x's dtype: for
-    each token the gate-weighted sum of its experts' outputs, plus the shared expert's. Two ways:
+    Calling: ``layer(x)`` with ``x [..., H]`` returns ``[..., H]`` in x's dtype: for each token the
+    gate-weighted sum of its experts' outputs, plus the shared expert's. Two ways:
 
       * ``mesh=mesh``: from a plain ``jax.jit`` (or ``nnx.jit``) model with global arrays; the layer
         enters ``shard_map`` itself (tokens sharded over ``batch_axes``, experts over ``axis_name``).
@@ -153,13 +165,23 @@ class MoE(nnx.Module):
 
     A leading ``[B, S]`` of x makes each sequence of S tokens one sequence of the aux loss; a 1-D token
     list is one sequence per rank.
+
+    Decoding: ``layer(x, decode=True)`` computes the same function with ``jax_ep.ll_dispatch`` /
+    ``ll_combine`` (low-latency mode: fixed slots per (local expert, source rank), no layout pass, no
+    capacity, no drops; the CUDA kernels where ``ep.backend`` resolves to them). The routed experts
+    run as one batched GEMM over every slot of each local expert (``[E_local, R*T, H]``, slots past
+    the received counts zeroed first; ``ll_combine`` never reads their outputs). Differences from the
+    throughput path: the tokens are rounded to bfloat16 (or FP8, ``ep.dispatch_dtype``) for the wire
+    and the routed output is rounded once to bfloat16 (``docs/api.md``); ``gemm`` plays no part;
+    forward only (``jax.grad`` raises). The statistics are the same (rows per expert; never dropped),
+    but are not recorded unless ``update_stats=True``: a decode step leaves the balancing bias alone.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, routing: RouterConfig, *, rngs: nnx.Rngs,
                  mesh: Mesh | None = None, axis_name: str = "ep", batch_axes: tuple[str, ...] | None = None,
                  ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
                  shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
-                 dtype=None, param_dtype=jnp.float32):
+                 dtype=None, param_dtype=jnp.float32, decode: bool = False):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
@@ -178,6 +200,7 @@ class MoE(nnx.Module):
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
         self.gemm = gemm
         self.dtype = None if dtype is None else jnp.dtype(dtype)
+        self.decode = bool(decode)
 
         self._set_placement_tables(placement)
 
@@ -272,10 +295,25 @@ class MoE(nnx.Module):
         self.last_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.int32))
         self.total_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.float32))
 
+    def set_view(self, decode: bool | None = None) -> None:
+        """``nnx.view(model, decode=True)`` / ``nnx.view(model, decode=False)``: the default path of
+        ``__call__`` (the low-latency ops for decode steps, or the throughput ops)."""
+        if decode is not None:
+            self.decode = bool(decode)
+
     # ---------------------------------------------------------------------------------------------
-    def __call__(self, x: jax.Array, *, update_stats: bool = True) -> jax.Array:
+    def __call__(self, x: jax.Array, *, decode: bool | None = None,
+                 update_stats: bool | None = None) -> jax.Array:
         """x: [..., hidden] (global if the layer has a mesh, this rank's tokens otherwise) -> [..., hidden]
-        in x's dtype. ``update_stats=False`` leaves the state (loads, bias, aux loss) untouched."""
+        in x's dtype.
+
+        ``decode``: None takes ``self.decode``; True runs the low-latency ops (decode steps, forward only),
+        False the throughput ops (training, prefill). ``update_stats``: record the loads, bias update and
+        aux loss in the layer's state; None (default) means True for the throughput path and False for
+        decode; False leaves the state untouched."""
+        decode = self.decode if decode is None else bool(decode)
+        if update_stats is None:
+            update_stats = not decode
         if x.shape[-1] != self.hidden:
             raise ValueError(f"MoE: x has hidden size {x.shape[-1]}, the layer expects {self.hidden}")
         lead = x.shape[:-1]
@@ -285,13 +323,13 @@ class MoE(nnx.Module):
         params = (self.router[...], self.w_gate_up[...], self.w_down[...], self.expert_bias[...],
                   self.placement)
         if self.mesh is None:
-            out, stats = self._per_rank(routed, *params, seq_len=seq_len)
+            out, stats = self._per_rank(routed, *params, seq_len=seq_len, decode=decode)
         else:
             batch = P(self.batch_axes)
             # with a placement every rank gathers its slots' weights from all logical experts
             experts = P(self.axis_name) if self.placement is None else P()
             body = jax.shard_map(
-                lambda *a: self._per_rank(*a, seq_len=seq_len), mesh=self.mesh,
+                lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode), mesh=self.mesh,
                 in_specs=(batch, P(), experts, experts, P(), P()),
                 out_specs=(batch, MoEStats(P(), P(), P(), P())))
             out, stats = body(routed, *params)
@@ -319,7 +357,7 @@ class MoE(nnx.Module):
             self.expert_bias[...] = update_bias(self.expert_bias[...], stats.expert_load.astype(jnp.float32),
                                                 self.balancing.bias_update_rate)
 
-    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, *, seq_len):
+    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, *, seq_len, decode=False):
         ep_size = lax.axis_size(self.axis_name)
         rank = lax.axis_index(self.axis_name)
         if placement is None:
@@ -362,32 +400,63 @@ class MoE(nnx.Module):
                 token_ids = shard * x.shape[0] + jnp.arange(x.shape[0], dtype=jnp.int32)
                 topk_idx = eplb.apply_placement(topk_idx, placement, token_ids)
 
-        with jax.named_scope(SCOPES["dispatch"]):
-            d = dispatch(x, topk_idx, routing.topk_weights, cfg)
-        with jax.named_scope(SCOPES["experts"]):
-            rows = d.x if d.scales is None else dequantize_fp8(d.x, d.scales, x.dtype)
-            rows = rows.astype(x.dtype)
-            gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes,
-                                                backend=self.gemm), 2, axis=1)
-            y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes,
-                               backend=self.gemm)
-        with jax.named_scope(SCOPES["combine"]):
-            out = combine(y.astype(x.dtype), d.handle, cfg)
+        if decode:
+            out, expert_counts, num_dropped = self._experts_low_latency(
+                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg)
+        else:
+            with jax.named_scope(SCOPES["dispatch"]):
+                d = dispatch(x, topk_idx, routing.topk_weights, cfg)
+            with jax.named_scope(SCOPES["experts"]):
+                rows = d.x if d.scales is None else dequantize_fp8(d.x, d.scales, x.dtype)
+                rows = rows.astype(x.dtype)
+                gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes,
+                                                    backend=self.gemm), 2, axis=1)
+                y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes,
+                                   backend=self.gemm)
+            with jax.named_scope(SCOPES["combine"]):
+                out = combine(y.astype(x.dtype), d.handle, cfg)
+            expert_counts, num_dropped = d.expert_counts, d.num_dropped
 
         # statistics: every rank's counts placed at its slots, summed over all token shards; logical
         # loads sum the replicas of each expert
         my_slots = rank * local_slots + jnp.arange(local_slots)
-        placed = jnp.zeros((num_slots,), jnp.int32).at[my_slots].set(d.expert_counts)
+        placed = jnp.zeros((num_slots,), jnp.int32).at[my_slots].set(expert_counts)
         slot_load = lax.psum(placed, self.batch_axes)
         load = slot_load if placement is None else jnp.zeros((self.num_experts,), jnp.int32).at[
             placement.physical_to_logical].add(slot_load)
-        dropped = lax.psum(d.num_dropped, self.batch_axes)
+        dropped = lax.psum(num_dropped, self.batch_axes)
         aux = jnp.zeros((), jnp.float32)
         if self.balancing.aux_loss_alpha:
             aux = sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
                                     self.balancing.aux_loss_alpha, sequence_length=seq_len)
             aux = lax.pmean(aux, self.batch_axes)
         return out, MoEStats(load, dropped, aux, slot_load)
+
+    def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig):
+        """The routed experts on the low-latency ops (per rank): ll_dispatch, a batched SwiGLU over each
+        local expert's fixed slots, ll_combine. Returns (out [T, H] bfloat16, rows per local expert [E_local],
+        rows dropped: 0)."""
+        # the wire: bfloat16 unless FP8 was asked for (the low-latency ops send nothing else)
+        ll_cfg = dataclasses.replace(cfg, dispatch_dtype=self.ep.dispatch_dtype or "bfloat16")
+        sent = x if x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.float32)
+        with jax.named_scope(SCOPES["dispatch"]):
+            d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg)
+        with jax.named_scope(SCOPES["experts"]):
+            local, num_slots, hidden = d.x.shape
+            slots = d.x if d.scales is None else dequantize_fp8(
+                d.x.reshape(-1, hidden), d.scales.reshape(local * num_slots, -1), x.dtype).reshape(d.x.shape)
+            # slot r*T + i of expert e holds a token iff i < counts[e, r]; the others are unspecified
+            # (whatever the CUDA path's buffer held, NaN included): zero them, so that every product
+            # of the GEMM is finite. ll_combine never reads their outputs either way.
+            ep_size = d.counts.shape[1]
+            slot_in_block = jnp.arange(num_slots // ep_size, dtype=jnp.int32)
+            filled = (slot_in_block[None, None, :] < d.counts[:, :, None]).reshape(local, num_slots)
+            slots = jnp.where(filled[:, :, None], slots.astype(x.dtype), jnp.zeros((), x.dtype))
+            gate, up = jnp.split(jnp.einsum("esh,ehf->esf", slots, w_gate_up.astype(x.dtype)), 2, axis=2)
+            y = jnp.einsum("esf,efh->esh", jax.nn.silu(gate) * up, w_down.astype(x.dtype))
+        with jax.named_scope(SCOPES["combine"]):
+            out = ll_combine(y.astype(jnp.bfloat16), d.handle, ll_cfg)
+        return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), jnp.zeros((), jnp.int32)
 
 
 class SwiGLU(nnx.Module):
