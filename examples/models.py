@@ -1,5 +1,11 @@
-"""A small decoder-only language model with MoE FFN layers (used by examples/demo.py, examples/train_moe.py
-and the tests; import it with examples/ on sys.path, as those scripts have)."""
+"""A small decoder-only language model with MoE FFN layers (used by examples/demo.py, examples/train_moe.py,
+examples/decode_moe.py and the tests; import it with examples/ on sys.path, as those scripts have).
+
+Training: ``model(tokens)`` on whole sequences. Decoding (greedy or sampled, one token per step):
+``model.init_cache(batch, max_length)``, then ``model.prefill(prompts)`` (one forward over the prompts
+that fills each attention layer's key/value cache) and ``model.decode_step(tokens[:, None])`` per new
+token (attention over the cache, Flax's ``MultiHeadAttention`` decode mode; the MoE layers on jax_ep's
+low-latency ops)."""
 
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_ep.balancing import BalancingConfig
 from jax_ep.gating import RouterConfig
@@ -58,6 +66,29 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), mask=mask)
         return x + self.moe(self.ffn_norm(x))
 
+    def prefill(self, x, mask):
+        """The forward of ``__call__`` on a whole prompt [B, S, H], writing its keys and values to the
+        cache (positions 0..S-1; the next decode step is position S). The MoE layer runs the throughput
+        ops and records no statistics (inference)."""
+        h = self.attn_norm(x)
+        attn = self.attn
+        if attn.cached_key is None:
+            raise ValueError("prefill: the key/value cache is not initialised; call init_cache first")
+        if h.shape[1] > attn.cached_key.shape[1]:
+            raise ValueError(f"prefill: a prompt of {h.shape[1]} tokens does not fit the cache's "
+                             f"max_length {attn.cached_key.shape[1]}")
+        for cache, proj in ((attn.cached_key, attn.key), (attn.cached_value, attn.value)):
+            cache[...] = lax.dynamic_update_slice(cache[...], proj(h).astype(cache[...].dtype), (0, 0, 0, 0))
+        attn.cache_index[...] = jnp.array(h.shape[1], jnp.int32)
+        x = x + attn(h, mask=mask)
+        return x + self.moe(self.ffn_norm(x), update_stats=False)
+
+    def decode_step(self, x, *, low_latency: bool = True):
+        """One new token per sequence, x [B, 1, H]: attention over the cache (which it extends by this
+        position), then the MoE layer on the low-latency ops (``low_latency=False``: the throughput ops)."""
+        x = x + self.attn(self.attn_norm(x), decode=True)
+        return x + self.moe(self.ffn_norm(x), decode=low_latency, update_stats=False)
+
 
 class MoETransformerLM(nnx.Module):
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None, axis_name: str = "ep"):
@@ -75,6 +106,38 @@ class MoETransformerLM(nnx.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [block.moe for block in self.blocks]
+
+    # ---- decoding with a key/value cache ----------------------------------------------------------
+    def init_cache(self, batch: int, max_length: int, *, mesh: Mesh | None = None, dtype=jnp.float32) -> None:
+        """An empty key/value cache [batch, max_length, heads, head_dim] in every attention layer (Flax's
+        ``MultiHeadAttention.init_cache``), split over every axis of ``mesh`` along the batch, as the
+        tokens are (None: where JAX puts it)."""
+        for block in self.blocks:
+            block.attn.init_cache((batch, max_length, self.cfg.hidden), dtype)
+            if mesh is not None:
+                attn = block.attn
+                batch_split = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+                for cache in (attn.cached_key, attn.cached_value):
+                    cache[...] = jax.device_put(cache[...], batch_split)
+                attn.cache_index[...] = jax.device_put(attn.cache_index[...], NamedSharding(mesh, P()))
+
+    def prefill(self, tokens: jax.Array) -> jax.Array:
+        """Logits [B, S, vocab] of the prompts tokens [B, S] (as ``__call__``), filling the key/value cache
+        with them: the next ``decode_step`` is position S. Needs ``init_cache`` first."""
+        x = self.embed(tokens)
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block.prefill(x, mask)
+        return self.embed.attend(self.norm(x))
+
+    def decode_step(self, tokens: jax.Array, *, low_latency: bool = True) -> jax.Array:
+        """Logits [B, 1, vocab] of one new token per sequence, tokens [B, 1], at the cache's position (then
+        one further). The MoE layers run jax_ep's low-latency ops (``low_latency=False``: the throughput
+        ops, as in training: the same logits as ``__call__`` on the whole sequence, to float32 rounding)."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block.decode_step(x, low_latency=low_latency)
+        return self.embed.attend(self.norm(x))
 
     def aux_loss(self) -> jax.Array:
         return sum(layer.aux_loss for layer in self.moe_layers())

@@ -1,0 +1,262 @@
+"""Decoding: the MoE layer's decode path (jax_ep.ll_dispatch / ll_combine) computes the function of its
+throughput path (dispatch / combine) within the roundings the low-latency ops add, unfilled slots never
+reach the output, decode leaves the layer's state alone; the example LM's key/value cache (prefill, then
+one token per step) gives the logits and greedy tokens of the full forward on the growing sequence.
+
+Tolerances, with u = 2^-8 (bfloat16's unit roundoff: round to nearest moves a value by at most u times
+its magnitude) and S_t = sum_k |w_k y_k| (token t's gate-weighted expert outputs, float64):
+
+* bf16 experts (``dtype="bfloat16"``, the GPU setting), decode against throughput: both run the same
+  bf16 tokens through the same bf16 SwiGLU; they differ in the combine only. The throughput combine
+  rounds each rank's partial sum p_r to bf16 and then the sum over ranks (error <= u sum_r |p_r| +
+  u |s|), ll_combine rounds the float32 sum once (<= u |s|): |decode - throughput| <= 3 u S_t. We
+  allow 4 u S_t (one more bf16 ulp for a GEMM that accumulates in another order).
+* float32 experts (``dtype=None``): the decode path rounds the tokens to bf16 for the wire and the
+  expert outputs to bf16 for ll_combine, so it is a different function of x; it equals, within
+  u S_t (outputs) + u |s| (the sum) <= 2 u S_t plus float32 noise, the float64 computation of the
+  same experts on the bf16-rounded tokens (routing on the float32 tokens, as the layer routes before
+  sending).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from models import LMConfig, MoETransformerLM, shard_model  # examples/models.py
+
+import jax_ep.balancing
+import jax_ep.moe
+from jax_ep import eplb, gating
+from jax_ep.gating import RouterConfig
+from jax_ep.moe import EPOptions, MoE
+from jax_ep.types import LLDispatched
+
+HIDDEN, FFN, EXPERTS, TOPK = 16, 24, 8, 2
+U = 2.0 ** -8  # bfloat16 unit roundoff
+
+
+def make_mesh(shape, axes):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+
+
+def make_layer(mesh, seed=0, ep=None, hidden=HIDDEN, **kw):
+    return MoE(hidden, FFN, RouterConfig(EXPERTS, TOPK, score_func="sigmoid"), rngs=nnx.Rngs(seed),
+               mesh=mesh, ep=EPOptions(backend="reference", **(ep or {})), **kw)
+
+
+def fresh_tokens(rng, batch, seq=1, hidden=HIDDEN):
+    """Fresh random decode tokens (one per sequence by default), scaled so that the experts see O(1)."""
+    return jnp.asarray(rng.standard_normal((batch, seq, hidden)) * rng.uniform(0.5, 2.0), jnp.float32)
+
+
+def to_bf16(x):
+    """x rounded to bfloat16 (to nearest even), as float32."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def routed_terms(layer: MoE, x, expert_tokens=None):
+    """float64 w_k * y_k [T, K, H] of every token's picks (routing on x, as the layer does; the experts
+    on expert_tokens, default x) and the shared expert's output [T, H] (0 without one)."""
+    tokens = np.asarray(x, np.float32).reshape(-1, layer.hidden)
+    routing = gating.route(jnp.asarray(tokens) @ layer.router[...], layer.routing, layer.expert_bias[...])
+    idx, w = np.asarray(routing.topk_idx), np.asarray(routing.topk_weights, np.float64)
+    xe = tokens if expert_tokens is None else np.asarray(expert_tokens, np.float32).reshape(tokens.shape)
+    xe = xe.astype(np.float64)
+    w_gate_up = np.asarray(layer.w_gate_up[...], np.float64)[idx]        # [T, K, H, 2F]
+    w_down = np.asarray(layer.w_down[...], np.float64)[idx]              # [T, K, F, H]
+    gate, up = np.split(np.einsum("th,tkhf->tkf", xe, w_gate_up), 2, axis=2)
+    y = np.einsum("tkf,tkfh->tkh", gate / (1 + np.exp(-gate)) * up, w_down)
+    shared = (np.asarray(layer.shared(jnp.asarray(tokens)), np.float64) if layer.shared is not None
+              else np.zeros_like(tokens, np.float64))
+    return w[:, :, None] * y, shared
+
+
+def assert_within(got, want, bound, what):
+    got, want = np.asarray(got, np.float64).reshape(want.shape), np.asarray(want, np.float64)
+    excess = np.abs(got - want) - bound
+    assert np.all(np.isfinite(got)), what
+    assert excess.max() <= 0, (f"{what}: |got - want| exceeds the bound by {excess.max():.3g} "
+                               f"(max |diff| {np.abs(got - want).max():.3g}, max bound {bound.max():.3g})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The layer's decode path
+# ---------------------------------------------------------------------------------------------------------
+CASES = {
+    "ep8": dict(shape=(8,), axes=("ep",)),
+    "data2_ep4_shared": dict(shape=(2, 4), axes=("data", "ep"), shared_ffn_hidden=8),
+    "ep4_fp8": dict(shape=(4,), axes=("ep",), ep=dict(dispatch_dtype="float8_e4m3fn"), hidden=128),
+    "ep4_placement": dict(shape=(4,), axes=("ep",), placement=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_matches_throughput_path_bf16_experts(case):
+    """dtype=bfloat16: decode (ll_dispatch / ll_combine) vs throughput (dispatch / combine) on the same
+    tokens, within 4 u S_t (module docstring). FP8: both paths quantise each token the same way
+    (per-token per-128-channel scales) and dequantise it to bf16 before the experts: same bound."""
+    spec = dict(CASES[case])
+    mesh = make_mesh(spec.pop("shape"), spec.pop("axes"))
+    placed = spec.pop("placement", False)
+    rng = np.random.default_rng([7, len(case)])
+    layer = make_layer(mesh, seed=int(rng.integers(1000)), dtype="bfloat16",
+                       placement=eplb.plan_placement(np.r_[20.0, np.ones(EXPERTS - 1)], 4, 3) if placed
+                       else None, **spec)
+    for batch in (mesh.size, 3 * mesh.size):                 # 1 and 3 tokens per rank
+        x = fresh_tokens(rng, batch, hidden=layer.hidden)
+        throughput = nnx.jit(lambda m, x: m(x, update_stats=False))(layer, x)
+        decoded = nnx.jit(lambda m, x: m(x, decode=True))(layer, x)
+        assert decoded.shape == x.shape and decoded.dtype == x.dtype
+        terms, _ = routed_terms(layer, to_bf16(x))    # a bf16 layer routes its bf16 tokens
+        bound = 4 * U * np.abs(terms).sum(axis=1) + 1e-6
+        assert_within(decoded, np.asarray(throughput, np.float64).reshape(bound.shape), bound, case)
+
+
+@pytest.mark.parametrize("shape,axes,shared", [((8,), ("ep",), 0), ((2, 4), ("data", "ep"), 8)])
+def test_decode_float32_experts_is_the_bf16_wire_function(shape, axes, shared):
+    """dtype=None (a float32 model): the decode path equals, within 2 u S_t, the float64 experts on the
+    bf16-rounded tokens; the throughput path stays float32 (its own tests: to 2e-5 of float64)."""
+    mesh = make_mesh(shape, axes)
+    rng = np.random.default_rng(11)
+    layer = make_layer(mesh, seed=3, shared_ffn_hidden=shared)
+    x = fresh_tokens(rng, 2 * mesh.size, seq=2)                # [B, S, H] works too
+    decoded = nnx.jit(lambda m, x: m(x, decode=True))(layer, x)
+    assert decoded.dtype == jnp.float32
+    terms, shared_out = routed_terms(layer, x, expert_tokens=to_bf16(x))
+    scale = np.abs(terms).sum(axis=1)
+    bound = 2 * U * scale + 1e-5 * (scale + np.abs(shared_out) + 1)
+    assert_within(decoded, terms.sum(axis=1) + shared_out, bound, "decode, float32 experts")
+    # and it is not the float32 function of x: the bf16 wire shows
+    exact_terms, _ = routed_terms(layer, x)
+    assert np.abs(np.asarray(decoded).reshape(-1, HIDDEN) - exact_terms.sum(1) - shared_out).max() > 1e-6
+
+
+def test_unfilled_slots_never_reach_the_output(monkeypatch):
+    """The CUDA ll_dispatch leaves unfilled slots as they were (NaN possible): the layer zeroes them
+    before the expert GEMM and ll_combine reads only filled slots. Poison them with NaN and Inf: the
+    output is bit for bit the unpoisoned one."""
+    mesh = make_mesh((4,), ("ep",))
+    layer = make_layer(mesh, seed=9, dtype="bfloat16")
+    x = fresh_tokens(np.random.default_rng(5), 8)
+    clean = np.asarray(nnx.jit(lambda m, x: m(x, decode=True))(layer, x))
+
+    real = jax_ep.moe.ll_dispatch
+    seen = {}
+
+    def poisoned(x, topk_idx, topk_weights, cfg):
+        d = real(x, topk_idx, topk_weights, cfg)
+        local, slots, _ = d.x.shape
+        ranks = d.counts.shape[1]
+        filled = (jnp.arange(slots // ranks)[None, None, :] < d.counts[:, :, None]).reshape(local, slots)
+        garbage = jnp.where(jnp.arange(d.x.shape[2]) % 2 == 0, jnp.nan, jnp.inf).astype(d.x.dtype)
+        seen["unfilled"] = slots * local - jnp.sum(d.counts)
+        return LLDispatched(jnp.where(filled[:, :, None], d.x, garbage), d.scales, d.counts, d.handle)
+
+    monkeypatch.setattr(jax_ep.moe, "ll_dispatch", poisoned)
+    dirty = np.asarray(nnx.jit(lambda m, x: m(x, decode=True))(layer, x))
+    np.testing.assert_array_equal(dirty, clean)
+    assert np.all(np.isfinite(dirty))
+    assert "unfilled" in seen   # the poisoned op ran (some slots are always unfilled: R*T*E_local > T*K)
+
+
+def test_decode_state_view_and_gradient():
+    """Decode records no statistics unless asked (update_stats=True: the same loads as the throughput
+    path, nothing dropped); nnx.view(decode=True) and MoE(decode=True) make decode the default; the
+    low-latency ops have no gradient."""
+    mesh = make_mesh((4,), ("ep",))
+    layer = make_layer(mesh, seed=4, balancing=jax_ep.balancing.BalancingConfig(bias_update_rate=0.1))
+    x = fresh_tokens(np.random.default_rng(6), 8)
+    stats = lambda: jax.tree.map(np.asarray, nnx.state(layer, nnx.Not(nnx.Param)))  # noqa: E731
+    before = stats()
+    decoded = nnx.jit(lambda m, x: m(x, decode=True))(layer, x)
+    jax.tree.map(np.testing.assert_array_equal, stats(), before)      # bias and loads untouched
+
+    nnx.jit(lambda m, x: m(x, decode=True, update_stats=True))(layer, x)
+    decode_load = np.asarray(layer.last_load[...])
+    assert decode_load.sum() == x.shape[0] * TOPK and int(layer.last_dropped[...]) == 0
+    assert not np.array_equal(np.asarray(layer.expert_bias[...]), before["expert_bias"][...])
+    nnx.update(layer, before)
+    nnx.jit(lambda m, x: m(x))(layer, x)                                # throughput, default: recorded
+    np.testing.assert_array_equal(np.asarray(layer.last_load[...]), decode_load)
+    nnx.update(layer, before)
+
+    view = nnx.view(layer, decode=True)
+    assert view.decode and not layer.decode
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(view, x)), np.asarray(decoded))
+    jax.tree.map(np.testing.assert_array_equal, stats(), before)
+    built = make_layer(mesh, seed=4, decode=True)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(built, x)), np.asarray(decoded))
+    assert nnx.view(built, decode=False).decode is False
+
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, decode=True))))(layer)
+
+
+def test_decode_inside_user_shard_map():
+    """mesh=None: decode on this rank's tokens and expert shard inside the caller's shard_map equals the
+    layer with a mesh."""
+    mesh = make_mesh((4,), ("ep",))
+    x = fresh_tokens(np.random.default_rng(8), 8).reshape(-1, HIDDEN)
+    expected = nnx.jit(lambda m, x: m(x, decode=True))(make_layer(mesh, seed=5), x)
+    graphdef, params, rest = nnx.split(make_layer(None, seed=5), nnx.Param, ...)
+    specs = jax.tree.map(lambda _: P(), params)
+    for name in ("w_gate_up", "w_down"):
+        specs[name] = P("ep")
+
+    def body(params, x):
+        return nnx.merge(graphdef, params, rest)(x, decode=True)
+
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))(params, x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The example LM: key/value cache
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,axes", [((8,), ("ep",)), ((2, 4), ("data", "ep"))])
+def test_kv_cache_decode_matches_full_forward(shape, axes):
+    """prefill + decode_step (one token per step, attention over the cache) against model(tokens) on
+    the growing sequence: with the throughput MoE ops the same logits to float32 rounding and the same
+    greedy tokens; with the low-latency ops (the default) logits within the bf16 roundings of the MoE
+    layers' wire and outputs (relative ~2^-8 of the MoE output, through the network), teacher-forced
+    on the same tokens."""
+    mesh = make_mesh(shape, axes)
+    cfg = LMConfig(hidden=32, num_heads=2, num_layers=2, ffn_hidden=32, num_experts=16, backend="reference")
+    model = MoETransformerLM(cfg, rngs=nnx.Rngs(1), mesh=mesh)
+    shard_model(model, mesh)
+    batch, prompt_len, steps = 8, 5, 4
+    prompts = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab, (batch, prompt_len)), jnp.int32)
+    model.init_cache(batch, prompt_len + steps, mesh=mesh)
+
+    full = nnx.jit(lambda m, t: m(t))
+    step = nnx.jit(lambda m, t, ll: m.decode_step(t[:, None], low_latency=ll), static_argnums=2)
+    prefill_logits = nnx.jit(lambda m, t: m.prefill(t))(model, prompts)
+    np.testing.assert_allclose(np.asarray(prefill_logits), np.asarray(full(model, prompts)), rtol=1e-5,
+                               atol=1e-5)
+    assert int(model.blocks[0].attn.cache_index[...]) == prompt_len
+
+    seq, token, agree = prompts, jnp.argmax(prefill_logits[:, -1], -1), []
+    for _ in range(steps):
+        seq = jnp.concatenate([seq, token[:, None]], axis=1)
+        want = np.asarray(full(model, seq)[:, -1])
+        graphdef, state = nnx.split(model)
+        twin = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))   # one step on each path from
+        #                                                                  the same cache
+        low_latency = np.asarray(step(twin, token, True)[:, 0])
+        exact = np.asarray(step(model, token, False)[:, 0])
+        np.testing.assert_allclose(exact, want, rtol=1e-5, atol=1e-5)
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(low_latency, want, rtol=0, atol=1e-2 * scale)
+        assert np.abs(low_latency - want).max() > 0        # the low-latency ops ran (bf16 roundings)
+        agree.append(np.argmax(low_latency, -1) == np.argmax(want, -1))
+        token = jnp.argmax(exact, -1)
+        np.testing.assert_array_equal(np.asarray(token), np.argmax(want, -1))
+    assert int(model.blocks[0].attn.cache_index[...]) == prompt_len + steps
+    assert np.mean(agree) >= 0.9, np.mean(agree)
+
+    with pytest.raises(ValueError, match="does not fit the cache"):
+        model.prefill(jnp.zeros((batch, prompt_len + steps + 1), jnp.int32))
