@@ -200,3 +200,56 @@ def test_train_moe_two_processes(finished):
         # measured 5e-7 after 8 steps)
         assert two[name]["expert_load"] == one[name]["expert_load"], name
         np.testing.assert_allclose(two[name]["loss"], one[name]["loss"], rtol=1e-5, err_msg=name)
+
+
+DECODE_ARGS = ["--batch", "8", "--prompt-len", "8", "--steps", "6", "--layers", "1", "--repeats", "3"]
+
+
+def test_decode_moe_runs():
+    """examples/decode_moe.py (issue 14 item 4), small: prefill + greedy decode on the low-latency ops;
+    prints the backends of the prefill and decode ops, the step latency (median, p90), the
+    dispatch/combine share and what it measured, and the check against the full forward passes."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "decode_moe.py"), *DECODE_ARGS],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log
+    assert re.search(r"^backend auto resolved per op: prefill \(throughput\) layout -> (reference|cuda), "
+                     r"dispatch -> (reference|cuda), combine -> (reference|cuda); decode \(low latency\) "
+                     r"ll_dispatch -> (reference|cuda), ll_combine -> (reference|cuda)$", log, re.M), log
+    devices = int(re.search(r"^jax_ep decode: (\d+) x \w+ devices", log, re.M).group(1))
+    latency = re.search(r"decode step latency over 6 steps \(8 tokens per step\): median ([\d.]+) ms, "
+                        r"p90 ([\d.]+) ms", log)
+    assert latency, log
+    median, p90 = float(latency.group(1)), float(latency.group(2))
+    assert 0 < median <= p90, log
+    share = re.search(r"^dispatch/combine: ([\d.]+) ms = (\d+)% of the median decode step \(measured: a "
+                      r"compiled program of only the step's 1 ll_dispatch \+ ll_combine pairs", log, re.M)
+    assert share and float(share.group(1)) > 0 and int(share.group(2)) > 0, log
+    check = re.search(r"^check: the full forward \(throughput ops, no cache\) picks (\d+) of the (\d+) "
+                      r"generated tokens$", log, re.M)
+    assert check and int(check.group(2)) == 8 * (6 + 1), log
+    assert int(check.group(1)) >= 0.9 * int(check.group(2)), log
+    assert f"8 sequences ({8 // devices} per device)" in log, log
+
+
+def test_decode_moe_help_and_bad_arguments():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    script = str(ROOT / "examples" / "decode_moe.py")
+    help_text = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=120).stdout
+    # every option's entry (from its line to the next option's) names its default
+    entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
+               for entry in re.split(r"\n  (?=-)", help_text.split("options:")[1])[1:]}
+    assert set(entries) >= {"--batch", "--prompt-len", "--steps", "--train-steps", "--backend",
+                            "--dispatch-dtype", "--experts", "--repeats", "--seed"}, help_text
+    for flag, entry in entries.items():
+        assert flag == "-h" or "(default: " in entry, entry
+    for flag, default in (("--prompt-len", "32"), ("--steps", "32"), ("--train-steps", "0"),
+                          ("--backend", "auto"), ("--dispatch-dtype", "bfloat16"), ("--repeats", "20")):
+        assert entries[flag].endswith(f"(default: {default})"), entries[flag]
+    bad = subprocess.run([sys.executable, script, "--batch", "3"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--batch 3 must be a positive multiple of the device count" in bad.stderr
