@@ -75,7 +75,7 @@ def parse_args(argv, num_devices: int):
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (one MoE layer each)")
     parser.add_argument("--hidden", type=int, default=64, help="model width")
     parser.add_argument("--ffn-hidden", type=int, default=128, help="width of each expert's SwiGLU")
-    parser.add_argument("--repeats", type=int, default=20,
+    parser.add_argument("--repeats", type=int, default=50,
                         help="timed runs of the dispatch/combine-only program (median)")
     parser.add_argument("--seed", type=int, default=0, help="weights, prompts and routing of the timing")
     args = parser.parse_args(argv)

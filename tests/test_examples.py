@@ -248,7 +248,7 @@ def test_decode_moe_help_and_bad_arguments():
     for flag, entry in entries.items():
         assert flag == "-h" or "(default: " in entry, entry
     for flag, default in (("--prompt-len", "32"), ("--steps", "32"), ("--train-steps", "0"),
-                          ("--backend", "auto"), ("--dispatch-dtype", "bfloat16"), ("--repeats", "20")):
+                          ("--backend", "auto"), ("--dispatch-dtype", "bfloat16"), ("--repeats", "50")):
         assert entries[flag].endswith(f"(default: {default})"), entries[flag]
     bad = subprocess.run([sys.executable, script, "--batch", "3"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
