@@ -1,5 +1,6 @@
-"""MoE layer benchmark: one jitted training step (forward + backward) of ``jax_ep.moe.MoE`` alone on all
-local devices, next to its roofline and to what a JAX user has today.
+"""MoE layer benchmark: one jitted training step (forward + backward: gradients of the parameters and
+of the input, as inside a model) of ``jax_ep.moe.MoE`` alone on all local devices, next to its
+roofline and to what a JAX user has today.
 
     python -m benchmarks --layer [--layer-shapes deepseek,mid] [--out bench_layer.json]
 
@@ -183,10 +184,12 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
 
     @jax.jit
     def step(params, x):
-        def loss(params):
+        # d x too: inside a model the layer's input gradient feeds the layers below (without it XLA
+        # drops the backward of dispatch and the expert GEMM feeding it)
+        def loss(params, x):
             out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
             return jnp.mean(out.astype(jnp.float32) ** 2)
-        return jax.value_and_grad(loss)(params)
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
     record = dict(op="moe_layer", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
                   ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep)

@@ -275,7 +275,10 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
         need = runtime.extension().comm_bytes(*sizes, int(attrs["row_bytes"]),
                                               int(attrs["scale_bytes"]))
     runtime.reserve(need)
-    call = jax.ffi.ffi_call(f"jax_ep_{op}", out_types, has_side_effect=True, vmap_method="sequential")
+    # No side effect: XLA may drop a call whose results are unused (e.g. the backward of dispatch when
+    # the loss needs no d x) or merge identical calls; every rank runs the same program, so every
+    # rank drops or merges the same calls and the ranks still issue the rest in the same order.
+    call = jax.ffi.ffi_call(f"jax_ep_{op}", out_types, vmap_method="sequential")
     if stream is None:
         return call(*args, **attrs)
     # the function form: compute_on2 up to jax 0.10, renamed compute_on in 0.11

@@ -41,9 +41,9 @@ graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
 @jax.jit
 def step(params, x):
-    def loss(params):
+    def loss(params, x):  # d x too, as benchmarks.layer
         return jnp.mean(nnx.merge(graphdef, params, rest)(x, update_stats=False).astype(jnp.float32) ** 2)
-    return jax.value_and_grad(loss)(params)
+    return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
 
 hlo = step.lower(params, x).compile().as_text()
