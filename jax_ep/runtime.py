@@ -12,6 +12,13 @@ the local GPUs. The communication buffers are sized by the ops themselves: each 
 *instantiate* handler (run when XLA instantiates the executable) reserves what its static shapes need
 and holds the runtime until the executable is destroyed. ``check_errors()`` turns a device-side fault
 (e.g. a peer that never arrived at a barrier) into a Python exception with the op and ranks involved.
+
+GPU memory: XLA preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75) of every GPU and the
+buffers live in the rest. A buffer that does not fit raises ``DeviceMemoryError`` naming the buffer,
+the bytes it needs, the GPU's free/total memory and what to do (its text:
+``jax_ep._C.device_memory_message``). Model 1 checks when an op is traced (``reserve``), so the
+error comes from the traced call; an instantiation that still cannot allocate fails in XLA with
+``RESOURCE_EXHAUSTED`` and the same text.
 """
 
 from __future__ import annotations
@@ -72,6 +79,17 @@ BOOTSTRAP_TIMEOUT_S = 120.0
 class DeviceFaultError(RuntimeError):
     """A jax_ep kernel recorded a fault (timeout, stale runtime) and trapped. The CUDA context of
     that GPU is dead: restart the process."""
+
+
+if _C is not None:
+    # A jax_ep buffer (communication buffer, device state, NVSHMEM symmetric heap) does not fit in a
+    # GPU's free memory beside XLA's preallocation; raised by the extension (a RuntimeError). The
+    # GPU stays usable.
+    DeviceMemoryError = _C.DeviceMemoryError
+else:  # pragma: no cover - depends on the build
+
+    class DeviceMemoryError(RuntimeError):
+        """A jax_ep buffer does not fit in a GPU's free memory beside XLA's preallocation."""
 
 
 def extension():
@@ -216,10 +234,14 @@ def _finalize_process_group() -> None:
 
 def reserve(buffer_bytes: int) -> None:
     """Called when an EP op is traced with what it needs. Process model 2 grows the symmetric buffer
-    here, collectively (every process traces the same ops in the same order); model 1 needs nothing
-    (the op's instantiation reserves its buffer)."""
+    here, collectively (every process traces the same ops in the same order); model 1 only checks
+    that the buffer will fit (DeviceMemoryError now rather than from XLA's instantiation, which
+    reserves the buffer)."""
     register_targets()
-    if _C.process_group()["model"] != "process_per_gpu" or buffer_bytes <= _C.buffer_bytes():
+    if _C.process_group()["model"] != "process_per_gpu":
+        _C.check_buffer_fits(int(buffer_bytes))
+        return
+    if buffer_bytes <= _C.buffer_bytes():
         return
     with _lock:
         _init_process_group(buffer_bytes)
@@ -229,7 +251,8 @@ def ensure_initialized(buffer_bytes: int) -> None:
     """Makes every local GPU's communication buffer at least ``buffer_bytes`` now (the ops reserve
     what they need when XLA instantiates them; this only sizes the buffers up front, e.g. to
     ``cuda_backend.comm_bytes(cfg, ep_size)`` of the largest config, so that no later instantiation
-    has to grow them: growing synchronises every GPU)."""
+    has to grow them: growing synchronises every GPU). Raises DeviceMemoryError when they do not fit
+    in a GPU's free memory."""
     register_targets()
     with _lock:
         if _C.process_group()["model"] == "process_per_gpu":

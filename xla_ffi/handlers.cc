@@ -34,6 +34,7 @@
 #include "cuda/remote.h"
 #include "cuda/slot_values.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/device_memory.h"
 #include "xla_ffi/runtime.h"
 
 namespace ffi = xla::ffi;
@@ -154,6 +155,9 @@ ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& 
   try {
     state->runtime = Runtime::Shared();
     state->runtime->Reserve(layout.total);
+  } catch (const DeviceMemoryError& error) {  // XLA reports it as RESOURCE_EXHAUSTED, like its own
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                                      std::string(op) + ": " + error.what()));
   } catch (const std::exception& error) {
     return ffi::Unexpected(ffi::Error::Internal(std::string(op) + ": " + error.what()));
   }

@@ -3,10 +3,14 @@
 // Importing the module makes no CUDA call (it must import on machines without a GPU); every CUDA
 // call happens inside the functions below.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cuda/device_state.h"
@@ -16,6 +20,7 @@
 #include "cuda/remote.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/device_memory.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/runtime.h"
 #include "xla_ffi/symmetric_heap.h"
@@ -64,6 +69,58 @@ NB_MODULE(_C, m) {
 
   m.attr("FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.attr("MAX_DEVICES") = jax_ep::kMaxDevices;
+
+  // Raised (by init, init_process_group, check_buffer_fits) when jax_ep's GPU memory does not fit
+  // beside XLA's; re-exported as jax_ep.runtime.DeviceMemoryError.
+  nb::exception<jax_ep::DeviceMemoryError>(m, "DeviceMemoryError", PyExc_RuntimeError);
+
+  m.def(
+      "device_memory_message",
+      [](const std::string& buffer, int device_ordinal, uint64_t bytes_needed, uint64_t free_bytes,
+         uint64_t total_bytes, uint64_t held_bytes, uint64_t heap_bytes, const std::string& kind,
+         const std::string& cause, const std::map<std::string, std::string>& env) {
+        jax_ep::DeviceMemoryReport report;
+        report.buffer = buffer;
+        if (kind == "cuda_malloc") {
+          report.kind = jax_ep::MemoryKind::kCudaMalloc;
+        } else if (kind == "symmetric_heap") {
+          report.kind = jax_ep::MemoryKind::kSymmetricHeap;
+        } else if (kind == "heap_reservation") {
+          report.kind = jax_ep::MemoryKind::kHeapReservation;
+        } else {
+          throw std::invalid_argument("kind must be 'cuda_malloc', 'symmetric_heap' or "
+                                      "'heap_reservation', got '" + kind + "'");
+        }
+        report.device_ordinal = device_ordinal;
+        report.bytes_needed = bytes_needed;
+        report.memory_known = true;
+        report.free_bytes = free_bytes;
+        report.total_bytes = total_bytes;
+        report.held_bytes = held_bytes;
+        report.heap_bytes = heap_bytes;
+        report.cause = cause;
+        report.env = env;
+        return jax_ep::DeviceMemoryMessage(report);
+      },
+      "buffer"_a, "device_ordinal"_a, "bytes_needed"_a, "free_bytes"_a, "total_bytes"_a,
+      "held_bytes"_a = 0, "heap_bytes"_a = 0, "kind"_a = "cuda_malloc", "cause"_a = "",
+      "env"_a = std::map<std::string, std::string>(),
+      "The text of DeviceMemoryError for these numbers (what the runtime raises with cudaMemGetInfo "
+      "and os.environ filled in). env: XLA_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_MEM_FRACTION, "
+      "XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_ALLOCATOR, NVSHMEM_SYMMETRIC_SIZE as set.");
+  m.def(
+      "memory_info",
+      [](int device_ordinal) {
+        const auto [free_bytes, total_bytes] = jax_ep::DeviceMemoryInfo(device_ordinal);
+        return nb::make_tuple(free_bytes, total_bytes);
+      },
+      "device_ordinal"_a,
+      "(free, total) bytes of a GPU (cudaMemGetInfo): the room jax_ep's buffers have beside XLA.");
+  m.def("format_bytes", &jax_ep::FormatBytes, "bytes"_a,
+        "'1.50 GiB (1610612736 bytes)': how jax_ep's messages write a size.");
+  m.def("nvshmem_size_bytes", &jax_ep::symmetric_heap::ParseSize, "text"_a,
+        "Bytes of an NVSHMEM size setting such as NVSHMEM_SYMMETRIC_SIZE ('2G', '512m', "
+        "'1073741824'); 0 when unreadable.");
 
   m.def(
       "ffi_handlers",
@@ -157,6 +214,17 @@ NB_MODULE(_C, m) {
       "between all pairs, device-side peer tables. Idempotent; grows buffers only if needed "
       "(synchronising every managed GPU first). Raises RuntimeError naming the GPU pair when "
       "peer access is impossible. Reads JAX_EP_TIMEOUT_S (seconds, default 10).");
+
+  m.def(
+      "check_buffer_fits",
+      [](uint64_t buffer_bytes) {
+        nb::gil_scoped_release release;
+        jax_ep::Runtime::Get().CheckBufferFits(buffer_bytes);
+      },
+      "buffer_bytes"_a,
+      "Process model 1: raise DeviceMemoryError if growing the communication buffers to "
+      "buffer_bytes cannot fit in a managed GPU's free memory now (allocates nothing). What "
+      "jax_ep.runtime.reserve checks when an op is traced.");
 
   m.def(
       "nvshmem_unique_id",

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "cuda/cuda_check.h"
+#include "xla_ffi/device_memory.h"
 #include "xla_ffi/symmetric_heap.h"
 
 namespace jax_ep {
@@ -18,6 +19,13 @@ namespace {
 
 constexpr double kDefaultTimeoutSeconds = 10.0;
 constexpr uint64_t kBufferGranularity = 2ull << 20;  // round buffers up to 2 MiB
+
+// The size a buffer of `have` bytes grows to when `wanted` are asked for (never shrinks; at least
+// one granule).
+uint64_t BufferTarget(uint64_t have, uint64_t wanted) {
+  const uint64_t target = std::max(have, std::max<uint64_t>(wanted, 1));
+  return (target + kBufferGranularity - 1) / kBufferGranularity * kBufferGranularity;
+}
 
 // Restores the calling thread's current device (init runs on the Python thread, which XLA or the
 // user may rely on).
@@ -115,6 +123,19 @@ void Runtime::Reserve(uint64_t buffer_bytes) {
                              "register_targets() does it when an EP op is traced)");
   }
   Init(devices, buffer_bytes);
+}
+
+void Runtime::CheckBufferFits(uint64_t buffer_bytes) {
+  if (Model() == ProcessModel::kProcessPerGpu) return;  // grown collectively at trace time
+  std::lock_guard<std::mutex> lock(mutex_);
+  const uint64_t have = CommBytes();
+  const uint64_t target = BufferTarget(have, buffer_bytes);
+  if (target <= have) return;
+  CurrentDeviceGuard device_guard;
+  for (int ordinal : devices_) {
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    RequireFreeMemory("communication buffer", target, comm_buffers_[ordinal] != nullptr ? have : 0);
+  }
 }
 
 Runtime::Runtime() {
@@ -249,8 +270,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   }
   const uint64_t timeout_ns = TimeoutNsFromEnv();
   const uint64_t old_bytes = comm_bytes_.load(std::memory_order_acquire);
-  uint64_t target_bytes = std::max(old_bytes, std::max<uint64_t>(buffer_bytes, 1));
-  target_bytes = (target_bytes + kBufferGranularity - 1) / kBufferGranularity * kBufferGranularity;
+  const uint64_t target_bytes = BufferTarget(old_bytes, buffer_bytes);
 
   const bool grow = target_bytes > old_bytes;
   std::vector<int> joining;
@@ -272,8 +292,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
     sm_count_[ordinal].store(sm_count, std::memory_order_release);
     if (states_[ordinal].load(std::memory_order_acquire) != nullptr) continue;  // re-init
     JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
-    void* state = nullptr;
-    JAX_EP_CUDA_THROW(cudaMalloc(&state, sizeof(DeviceState)));
+    void* state = DeviceMalloc("device state", sizeof(DeviceState), 0);
     JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
     states_[ordinal].store(static_cast<DeviceState*>(state), std::memory_order_release);
   }
@@ -293,28 +312,31 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   }
 
   // New buffers first, old ones freed only after the tables point away from them; on failure
-  // the previous buffers (and tables) are untouched.
+  // the previous buffers (and tables) are untouched. Every GPU's free memory is checked before
+  // any is allocated (DeviceMemoryError names the GPU that lacks room).
   uint8_t* new_buffers[kMaxDevices] = {};
   const std::vector<int>& need_buffer = grow ? all : joining;
+  for (int ordinal : need_buffer) {
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    RequireFreeMemory("communication buffer", target_bytes,
+                      comm_buffers_[ordinal] != nullptr ? old_bytes : 0);
+  }
   try {
     for (int ordinal : need_buffer) {
       JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
-      void* buffer = nullptr;
-      JAX_EP_CUDA_THROW(cudaMalloc(&buffer, target_bytes));
-      JAX_EP_CUDA_THROW(cudaMemset(buffer, 0, target_bytes));
+      void* buffer = DeviceMalloc("communication buffer", target_bytes,
+                                  comm_buffers_[ordinal] != nullptr ? old_bytes : 0);
       new_buffers[ordinal] = static_cast<uint8_t*>(buffer);
+      JAX_EP_CUDA_THROW(cudaMemset(buffer, 0, target_bytes));
     }
-  } catch (const std::exception& error) {
+  } catch (...) {
     for (int ordinal : need_buffer) {
-      if (new_buffers[ordinal] != nullptr) {
+      if (new_buffers[ordinal] != nullptr) {  // best effort: the first error is the one to report
         cudaSetDevice(ordinal);
         cudaFree(new_buffers[ordinal]);
       }
     }
-    throw std::runtime_error(std::string(error.what()) + " (allocating " +
-                             std::to_string(target_bytes) + " bytes of communication buffer per "
-                             "GPU; XLA preallocates most GPU memory: lower "
-                             "XLA_PYTHON_CLIENT_MEM_FRACTION)");
+    throw;
   }
   uint8_t* old_buffers[kMaxDevices] = {};
   for (int ordinal : need_buffer) {
@@ -391,8 +413,7 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
                              std::to_string(ordinal));
   }
   const uint64_t timeout_ns = TimeoutNsFromEnv();
-  uint64_t target = std::max(CommBytes(), std::max<uint64_t>(buffer_bytes, 1));
-  target = (target + kBufferGranularity - 1) / kBufferGranularity * kBufferGranularity;
+  const uint64_t target = BufferTarget(CommBytes(), buffer_bytes);
   const bool first = Model() == ProcessModel::kNone;
   // Decided by sizes only, which agree on every process (the rebuild is collective).
   if (!first && target <= CommBytes()) return;
@@ -407,7 +428,7 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
     // Room for the state, the buffer and the growth of one more buffer of the same size.
     const uint64_t heap = std::max<uint64_t>(1ull << 30, 2 * target + (64ull << 20));
     symmetric_heap::Init(unique_id, rank, nranks, heap);
-    void* state = symmetric_heap::Allocate(sizeof(DeviceState));
+    void* state = symmetric_heap::Allocate("device state", sizeof(DeviceState), 0);
     JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
     JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
     symmetric_heap::BarrierAll();  // no peer writes into a state before its owner zeroed it
@@ -435,7 +456,10 @@ void Runtime::RebuildProcessGroupBuffer(uint64_t bytes, uint64_t timeout_ns) {
   // PE has synchronised its GPU: the collective allocation below waits for all of them.
   JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
   uint8_t* old_buffer = comm_buffers_[ordinal];
-  uint8_t* buffer = bytes > 0 ? static_cast<uint8_t*>(symmetric_heap::Allocate(bytes)) : nullptr;
+  uint8_t* buffer =
+      bytes > 0 ? static_cast<uint8_t*>(symmetric_heap::Allocate(
+                      "communication buffer", bytes, old_buffer != nullptr ? CommBytes() : 0))
+                : nullptr;
   if (buffer != nullptr) JAX_EP_CUDA_THROW(cudaMemset(buffer, 0, bytes));
   DeviceTables tables;
   std::memset(&tables, 0, sizeof(tables));

@@ -55,6 +55,8 @@ class Runtime {
   // least `buffer_bytes`. Idempotent; enables peer access between every pair of managed devices
   // (throws naming the pair when impossible). Growing the buffers synchronises every managed
   // device first: call it only while no EP computation is running (jax_ep does at trace time).
+  // A buffer that does not fit in a GPU's free memory throws DeviceMemoryError before any GPU's
+  // buffer is replaced.
   void Init(const std::vector<int>& device_ordinals, uint64_t buffer_bytes);
 
   // Process model 2: this process drives the one GPU `device_ordinal` as NVSHMEM PE `rank` of
@@ -74,6 +76,12 @@ class Runtime {
   // again). Model 2: only checks (growing is collective, see InitProcessGroup). Called by the FFI
   // instantiate handlers. Throws when no GPU was ever given, or when model 2's buffer is too small.
   void Reserve(uint64_t buffer_bytes);
+
+  // Model 1, at trace time: throws DeviceMemoryError (xla_ffi/device_memory.h) when growing the
+  // buffers to `buffer_bytes` cannot fit in some GPU's free memory now, so that the error comes
+  // from the Python call that traces the op instead of from XLA's instantiation. Allocates nothing.
+  // Model 2 grows its buffer at trace time already: nothing to check.
+  void CheckBufferFits(uint64_t buffer_bytes);
 
   // Throws std::runtime_error while instantiated EP call sites hold the runtime (their executables
   // are alive). Otherwise synchronises every managed device, frees the communication buffers and

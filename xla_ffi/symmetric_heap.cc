@@ -1,8 +1,13 @@
 #include "xla_ffi/symmetric_heap.h"
 
+#include <cuda_runtime_api.h>
+
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+
+#include "xla_ffi/device_memory.h"
 
 // The host API of NVSHMEM (libnvshmem_host.so.3), plus the two entry points of its device library
 // (libnvshmem_device.a, linked into this extension together with the device link of our
@@ -17,6 +22,13 @@ namespace {
 
 bool g_owned = false;       // jax_ep initialised NVSHMEM (finalising ends the job)
 bool g_registered = false;  // this module's device state is registered with NVSHMEM
+uint64_t g_heap_bytes = 0;  // the heap's size as configured (HeapBytes)
+constexpr uint64_t kNvshmemDefaultHeap = 1ull << 30;  // NVSHMEM_SYMMETRIC_SIZE's default
+
+uint64_t ConfiguredHeapBytes() {
+  const char* text = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
+  return text == nullptr || *text == '\0' ? kNvshmemDefaultHeap : ParseSize(text);
+}
 
 // What the header's nvshmemx_init_attr does, without its exit() on failure: initialises NVSHMEM
 // if needed (bootstrap `flags`, `attr`), and registers the device state of the device library
@@ -37,6 +49,35 @@ int InitThread(unsigned int flags, nvshmemx_init_attr_t* attr) {
 }
 
 }  // namespace
+
+uint64_t ParseSize(const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || !std::isfinite(value) || value < 0) return 0;
+  double scale = 1;
+  switch (*end) {
+    case '\0':
+      break;
+    case 'k': case 'K':
+      scale = 0x1p10;
+      break;
+    case 'm': case 'M':
+      scale = 0x1p20;
+      break;
+    case 'g': case 'G':
+      scale = 0x1p30;
+      break;
+    case 't': case 'T':
+      scale = 0x1p40;
+      break;
+    default:
+      return 0;
+  }
+  const double bytes = std::ceil(value * scale);
+  return bytes < 0x1p64 ? static_cast<uint64_t>(bytes) : 0;
+}
+
+uint64_t HeapBytes() { return g_heap_bytes; }
 
 size_t UniqueIdBytes() { return sizeof(nvshmemx_uniqueid_t); }
 
@@ -67,6 +108,7 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
                                std::to_string(before.n_pes) + ", but this is JAX process " +
                                std::to_string(rank) + " of " + std::to_string(nranks));
     }
+    g_heap_bytes = ConfiguredHeapBytes();
     if (!g_registered) {  // our kernels need their device state filled in by this NVSHMEM too
       if (const int status = InitThread(0, nullptr); status != 0) {
         Fail("registration of jax_ep's device state (nvshmemi_init_thread on the running "
@@ -84,6 +126,7 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
   // NVSHMEM reads its heap size from the environment; a value the user set wins.
   const std::string heap = std::to_string(heap_bytes);
   setenv("NVSHMEM_SYMMETRIC_SIZE", heap.c_str(), /*overwrite=*/0);
+  g_heap_bytes = ConfiguredHeapBytes();
 
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, unique_id.data(), sizeof(id));
@@ -93,7 +136,19 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
   }
   nvshmemx_init_init_attr_ver_only(attr);  // as nvshmemx_init_attr does
   const int status = InitThread(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
-  if (status != 0) Fail("init (unique-id bootstrap of " + std::to_string(nranks) + " PEs)", status);
+  if (status != 0) {
+    // The usual reason beside XLA's preallocation: the GPU cannot hold the heap.
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      cudaGetLastError();  // no diagnosis then: NVSHMEM's status below is the error
+    } else if (free_bytes < g_heap_bytes) {
+      throw DeviceMemoryError(DeviceMemoryMessage(MeasureDeviceMemory(
+          "NVSHMEM symmetric heap", MemoryKind::kHeapReservation, g_heap_bytes, 0,
+          "NVSHMEM init failed with status " + std::to_string(status) +
+              "; NVSHMEM_DEBUG=WARN prints NVSHMEM's own reason")));
+    }
+    Fail("init (unique-id bootstrap of " + std::to_string(nranks) + " PEs)", status);
+  }
   g_owned = true;
   g_registered = true;
   const Status after = Query();
@@ -106,13 +161,13 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
 
 bool OwnedByJaxEp() { return g_owned; }
 
-void* Allocate(uint64_t bytes) {
+void* Allocate(const std::string& what, uint64_t bytes, uint64_t held_bytes) {
   void* pointer = nvshmem_malloc(bytes);
   if (pointer == nullptr) {
-    throw std::runtime_error("jax_ep: nvshmem_malloc(" + std::to_string(bytes) +
-                             ") failed: the symmetric heap is too small (set "
-                             "NVSHMEM_SYMMETRIC_SIZE) or the GPU is out of memory (lower "
-                             "XLA_PYTHON_CLIENT_MEM_FRACTION)");
+    DeviceMemoryReport report = MeasureDeviceMemory(what, MemoryKind::kSymmetricHeap, bytes,
+                                                    held_bytes, "nvshmem_malloc returned NULL");
+    report.heap_bytes = g_heap_bytes;
+    throw DeviceMemoryError(DeviceMemoryMessage(report));
   }
   return pointer;
 }

@@ -32,14 +32,26 @@ Status Query();
 // Joins the NVSHMEM job of `nranks` processes as `rank` on the current CUDA device (collective:
 // returns when every process has joined). If NVSHMEM is already initialised (by XLA), uses it,
 // checks that its PE numbering is `rank` of `nranks` and registers our device state with it. `heap_bytes` sizes the symmetric heap when
-// NVSHMEM_SYMMETRIC_SIZE is not set. Throws std::runtime_error with NVSHMEM's status on failure.
+// NVSHMEM_SYMMETRIC_SIZE is not set. Throws std::runtime_error with NVSHMEM's status on failure,
+// DeviceMemoryError when the GPU has less free memory than the heap then.
 void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t heap_bytes);
+
+// The symmetric heap's size as configured (NVSHMEM_SYMMETRIC_SIZE, NVSHMEM's default of 1 GiB
+// when unset); 0 when the value cannot be read.
+uint64_t HeapBytes();
+
+// Bytes of an NVSHMEM size setting ("1073741824", "2G", "1.5g", "512m": k/m/g/t multiply by
+// 2^10/20/30/40, later characters ignored, as NVSHMEM reads it); 0 when unreadable.
+uint64_t ParseSize(const std::string& text);
 
 // Whether Init initialised NVSHMEM (then Finalize finalises it).
 bool OwnedByJaxEp();
 
-// Collective allocation / free on the symmetric heap (every PE, same sizes, same order).
-void* Allocate(uint64_t bytes);
+// Collective allocation / free on the symmetric heap (every PE, same sizes, same order). A failed
+// allocation of `what` (nvshmem_malloc returns NULL) throws DeviceMemoryError
+// (xla_ffi/device_memory.h) with the GPU's free memory and the heap's size; `held_bytes`: what
+// jax_ep's buffer being replaced holds on the heap (freed after).
+void* Allocate(const std::string& what, uint64_t bytes, uint64_t held_bytes);
 void Free(void* pointer);
 
 // The address through which this GPU loads/stores `pe`'s copy of the symmetric object `pointer`,
