@@ -5,7 +5,7 @@
 #
 # Env: OUT     log folder (default ./out)
 #      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
-#      PYTEST_ARGS  extra pytest arguments (e.g. "-k smoke -x")
+#      PYTEST_ARGS  extra pytest arguments, split like a shell line (e.g. '-k "smoke or async" -x')
 #      SKIP_TESTS=1 skips the GPU tests
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
@@ -73,9 +73,10 @@ PYEOF
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step "GPU tests: pytest -m gpu tests/gpu"
 start=$SECONDS
-# shellcheck disable=SC2086
+# PYTEST_ARGS is split like a shell line, so quotes work: PYTEST_ARGS='-k "a or b"'
+eval "pytest_args=(${PYTEST_ARGS:-})"
 "$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
-  ${PYTEST_ARGS:-} >"$OUT/gpu-tests.log" 2>&1
+  "${pytest_args[@]}" >"$OUT/gpu-tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/gpu-tests.log"
 echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log)" | tee -a "$OUT/summary.txt"
