@@ -1,6 +1,7 @@
 """Train a small MoE language model with expert parallelism, with and without load balancing.
 
     python examples/train_moe.py [--steps 40] [--out train_moe_out] [--mesh 2,4] [--backend auto]
+                                 [--save DIR] [--restore DIR]
     python -m jax_ep.launch --nproc 2 --local-devices-per-process 4 examples/train_moe.py [...]
 
 A decoder-only byte-level LM (examples/models.py: attention + MoE FFN layers) is trained on the source of a
@@ -14,6 +15,12 @@ curves, imbalance curves, per-expert load heatmaps of both runs, and for each av
 time split into dispatch+combine (timed on their own, `communication_time` of examples/demo.py) and the
 rest of the step.
 
+Checkpoints (``jax_ep.checkpoint``, Orbax): ``--save DIR`` writes each run's model and optimizer at the
+end (DIR/no_balancing, DIR/bias_balancing) and the loss of each on a fixed check batch
+(DIR/train_moe.json); ``--restore DIR`` starts each run from them, on the devices and mesh of this run
+(another EP size works: the expert weights are resharded, placements re-planned), and prints the
+restored model's loss on the same check batch beside the saved one (equal to float32 rounding).
+
 Started as several processes (``python -m jax_ep.launch``, SLURM, mpirun), it joins them with
 ``jax_ep.distributed.initialize()`` and builds the mesh over every process's devices; process 0 prints
 and writes the outputs.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -31,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from demo import communication_time
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import (
@@ -39,17 +48,21 @@ from models import (
     build_training,
     corpus_bytes,
     gpu_moe_dtype,
+    next_token_loss,
     say,
     timed_steps,
     warm_median,
 )
 
+import jax_ep.checkpoint
 import jax_ep.distributed
 from jax_ep.balancing import imbalance
 from jax_ep.devices import use_virtual_cpu_devices
 
 RUNS = {"no_balancing": "without balancing", "bias_balancing": "with bias balancing"}
 SHORT = {"no_balancing": "no balancing", "bias_balancing": "bias balancing"}
+CHECK_SEED = 1234           # the batch of windows --save and --restore measure the loss on
+CHECK_FILE = "train_moe.json"
 
 
 def parse_args(argv):
@@ -68,6 +81,11 @@ def parse_args(argv):
     parser.add_argument("--bias-rate", type=float, default=1e-2,
                         help="bias update rate of the balanced run (softmax scores of 16 experts: ~0.06)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", metavar="DIR", default=None,
+                        help="save each run's model and optimizer at the end (Orbax, DIR/<run>, replaced "
+                             "if there)")
+    parser.add_argument("--restore", metavar="DIR", default=None,
+                        help="start each run from the checkpoint --save wrote (any mesh of this run)")
     args = parser.parse_args(argv)
 
     num_devices = len(jax.devices())
@@ -95,9 +113,44 @@ def parse_args(argv):
     return args
 
 
-def train(cfg: LMConfig, mesh: Mesh, args, label: str) -> dict:
-    """Trains one model; returns its per-step loss, step time and per-layer, per-expert loads."""
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_of_state(graphdef, state, batch):
+    return next_token_loss(nnx.merge(graphdef, state), batch)
+
+
+def check_loss(model, mesh: Mesh, args) -> float:
+    """The model's loss on the fixed check batch (CHECK_SEED), computed on a copy: the model's load
+    statistics and balancing bias stay as they are."""
+    batch = next(batches(corpus_bytes(), args.batch, args.seq, seed=CHECK_SEED))
+    batch = jax.device_put(batch, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+    graphdef, state = nnx.split(model)
+    return float(_loss_of_state(graphdef, state, batch))
+
+
+def restore_run(model, optimizer, mesh: Mesh, args, name: str) -> dict:
+    """Loads run `name` from --restore into the model and optimizer; its loss on the check batch, beside
+    the one measured when it was saved."""
+    directory = pathlib.Path(args.restore)
+    jax_ep.checkpoint.restore(directory / name, model, optimizer)
+    loss = check_loss(model, mesh, args)
+    saved = json.loads((directory / CHECK_FILE).read_text())
+    info = {"restored_from": str(directory / name), "check_loss": loss}
+    if (saved["batch"], saved["seq"]) == (args.batch, args.seq):
+        info["saved_check_loss"] = saved_loss = saved["check_loss"][name]
+        say(f"[{RUNS[name]}] restored from {directory / name} (saved on mesh data x ep = "
+            f"{saved['mesh'][0]} x {saved['mesh'][1]}): loss on the check batch {loss:.7f}, saved "
+            f"{saved_loss:.7f}, difference {loss - saved_loss:.2g}")
+    else:
+        say(f"[{RUNS[name]}] restored from {directory / name}: loss on the check batch {loss:.7f} (saved "
+            f"with --batch {saved['batch']} --seq {saved['seq']}: not comparable)")
+    return info
+
+
+def train(cfg: LMConfig, mesh: Mesh, args, label: str, name: str | None = None) -> dict:
+    """Trains one model; returns its per-step loss, step time and per-layer, per-expert loads. With a run
+    name, --restore loads the run before training and --save writes it after."""
     model, optimizer, train_step = build_training(cfg, mesh, args.lr, seed=args.seed)
+    restored = restore_run(model, optimizer, mesh, args, name) if name and args.restore else None
 
     data = batches(corpus_bytes(), args.batch, args.seq, seed=args.seed)
     batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
@@ -116,7 +169,15 @@ def train(cfg: LMConfig, mesh: Mesh, args, label: str) -> dict:
     # imbalance of the load accumulated since step 0: what the bias (an integral controller) evens out
     cumulative = np.asarray(imbalance(jnp.asarray(np.cumsum(loads, axis=0))))  # [steps, L]
     step_time = warm_median(step_times)
-    return {"loss": losses, "step_time_s": step_times, "median_step_time_s": step_time,
+    checkpoint = {}
+    if restored:
+        checkpoint["restored"] = restored
+    if name and args.save:
+        path = jax_ep.checkpoint.save(pathlib.Path(args.save) / name, model, optimizer, overwrite=True)
+        checkpoint["saved"] = {"path": path, "check_loss": check_loss(model, mesh, args)}
+        say(f"[{label}] saved to {path}: loss on the check batch {checkpoint['saved']['check_loss']:.7f}")
+    return {"checkpoint": checkpoint,
+            "loss": losses, "step_time_s": step_times, "median_step_time_s": step_time,
             "tokens_per_s": args.batch * args.seq / step_time,
             "expert_load": loads.tolist(), "imbalance": per_step.mean(axis=1).tolist(),
             "imbalance_per_layer": per_step.tolist(), "mean_imbalance": float(per_step.mean()),
@@ -261,7 +322,10 @@ def main(argv=None) -> dict:
     runs = {}
     for name, rate in (("no_balancing", 0.0), ("bias_balancing", args.bias_rate)):
         start = time.perf_counter()
-        runs[name] = train(dataclasses.replace(cfg, bias_update_rate=rate), mesh, args, RUNS[name])
+        try:
+            runs[name] = train(dataclasses.replace(cfg, bias_update_rate=rate), mesh, args, RUNS[name], name)
+        except jax_ep.checkpoint.CheckpointMismatchError as e:   # e.g. --restore with other --experts
+            raise SystemExit(f"train_moe.py: --restore: {e}") from None
         run = runs[name]
         say(f"[{RUNS[name]}] loss {run['loss'][0]:.3f} -> {run['loss'][-1]:.3f}, "
             f"{run['tokens_per_s']:,.0f} tokens/s, imbalance (max/mean) per step "
@@ -274,11 +338,16 @@ def main(argv=None) -> dict:
         "config": {"devices": f"{len(devices)} x {devices[0].platform}", "mesh": [data, ep],
                    "steps": args.steps, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
                    "lr": args.lr, "bias_rate": args.bias_rate, "seed": args.seed, "backend": args.backend,
+                   "save": args.save, "restore": args.restore,
                    "model": dataclasses.asdict(cfg)},
         "runs": runs,
         "communication": comm,
     }
     if jax.process_index() == 0:
+        if args.save:   # what --restore compares with
+            record = {"mesh": [data, ep], "batch": args.batch, "seq": args.seq, "check_seed": CHECK_SEED,
+                      "check_loss": {n: run["checkpoint"]["saved"]["check_loss"] for n, run in runs.items()}}
+            (pathlib.Path(args.save) / CHECK_FILE).write_text(json.dumps(record, indent=1))
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
         plot(metrics, out / "train_moe.png")

@@ -1,5 +1,6 @@
 """The runnable examples: examples/train_moe.py (2-D data x ep mesh, with and without bias balancing)
-writes sane metrics and a plot, and trains the same as 2 processes (python -m jax_ep.launch); the demo
+writes sane metrics and a plot, trains the same as 2 processes (python -m jax_ep.launch), and its
+checkpoint restores on 4 devices (another EP size) with the same loss; the demo
 (examples/demo.py, `make demo`) trains with falling loss.
 
 All run as subprocesses (each sets jax_num_cpu_devices before JAX starts, which this process cannot
@@ -31,7 +32,7 @@ def finished(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     commands = {
         "train_moe": [sys.executable, str(ROOT / "examples" / "train_moe.py"), *TRAIN_ARGS,
-                      "--out", str(tmp / "out")],
+                      "--out", str(tmp / "out"), "--save", str(tmp / "ckpt")],
         "demo": [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "6"],
         # the same training as 2 processes x 4 CPU devices (jax.distributed, gloo collectives)
         "train_moe_2proc": [sys.executable, "-m", "jax_ep.launch", "--nproc", "2",
@@ -253,3 +254,58 @@ def test_decode_moe_help_and_bad_arguments():
     bad = subprocess.run([sys.executable, script, "--batch", "3"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--batch 3 must be a positive multiple of the device count" in bad.stderr
+
+
+def test_train_moe_restore_on_four_devices(finished):
+    """train_moe --save DIR on 8 devices (mesh data x ep = 2 x 4), then --restore DIR in a process of 4
+    devices (mesh 2 x 2: EP 4 -> 2, expert weights resharded): each run's restored model has the saved
+    model's loss on the fixed check batch, to float32 rounding (each rank's expert GEMM accumulates over
+    its own number of local experts, the loss is a mean over other shards: measured 1 ulp), and trains
+    on. Restoring into a model of other sizes (--experts 8) exits naming the field and both values."""
+    tmp, results = finished
+    code, log = results["train_moe"]
+    assert code == 0, log
+    saved = json.loads((tmp / "ckpt" / "train_moe.json").read_text())
+    metrics = json.loads((tmp / "out" / "metrics.json").read_text())
+    if metrics["config"]["devices"] != "8 x cpu":
+        pytest.skip(f"the saving run used {metrics['config']['devices']}: nothing to compare on CPU")
+    assert saved["mesh"] == [2, 4] and set(saved["check_loss"]) == {"no_balancing", "bias_balancing"}
+    for name, run in metrics["runs"].items():
+        assert run["checkpoint"]["saved"]["check_loss"] == saved["check_loss"][name]
+        assert (tmp / "ckpt" / name).is_dir(), name
+        assert f"saved to {tmp / 'ckpt' / name}: loss on the check batch" in log, log
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    script = str(ROOT / "examples" / "train_moe.py")
+    same = ["--batch", str(BATCH), "--seq", str(SEQ), "--layers", str(LAYERS), "--bias-rate", "0.05",
+            "--mesh", "2,2", "--steps", "2", "--restore", str(tmp / "ckpt")]
+    commands = {"restore": [sys.executable, script, *same, "--experts", str(EXPERTS),
+                            "--out", str(tmp / "out_restored")],
+                "mismatch": [sys.executable, script, *same, "--experts", "8", "--out", str(tmp / "out_bad")]}
+    procs, logs = {}, {}
+    try:
+        for name, command in commands.items():
+            logs[name] = open(tmp / f"{name}.log", "w")
+            procs[name] = subprocess.Popen(command, cwd=tmp, env=env, stdout=logs[name],
+                                           stderr=subprocess.STDOUT)
+        codes = {name: proc.wait(timeout=400) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for file in logs.values():
+            file.close()
+    restore_log, bad_log = ((tmp / f"{name}.log").read_text() for name in ("restore", "mismatch"))
+    assert codes["restore"] == 0, restore_log
+    assert "train_moe: 4 x cpu devices, mesh data x ep = 2 x 2" in restore_log, restore_log
+    restored = json.loads((tmp / "out_restored" / "metrics.json").read_text())
+    for name, run in restored["runs"].items():
+        info = run["checkpoint"]["restored"]
+        assert info["saved_check_loss"] == saved["check_loss"][name]
+        np.testing.assert_allclose(info["check_loss"], saved["check_loss"][name], rtol=1e-6, err_msg=name)
+        assert f"restored from {tmp / 'ckpt' / name} (saved on mesh data x ep = 2 x 4)" in restore_log
+        assert all(math.isfinite(v) for v in run["loss"]) and len(run["loss"]) == 2, run["loss"]
+    assert codes["mismatch"] != 0, bad_log
+    assert "MoE layer 'blocks/0/moe': routing.num_experts is 16 in the checkpoint, 8 in the model" in bad_log
+    assert "Traceback" not in bad_log, bad_log
