@@ -76,6 +76,13 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
            op_id, tables.device_ordinal, rank, static_cast<long long>(elapsed_ns), waited_rank,
            waited_ordinal, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
+  } else if (kind == kFaultLLInFlight) {
+    printf("jax_ep: op %d on device %d (rank %d): low-latency double-buffering rule %d broken "
+           "(call %llu, found %llu): at most two two-phase calls of an op in flight, each "
+           "received once, no other EP op in between but low-latency calls of the same shape; "
+           "trapping.\n",
+           op_id, tables.device_ordinal, rank, waited_ordinal,
+           static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else if (kind == kFaultBadArgument) {
     printf("jax_ep: op %d on device %d got rank %d (group size %llu) / group %llu out of range; "
            "trapping.\n",

@@ -42,6 +42,20 @@ enum FaultKind : int32_t {
   kFaultStaleRuntime = 2,    // a kernel (e.g. a replayed CUDA graph) ran after shutdown or with a
                              // communication buffer smaller than it needs
   kFaultBadArgument = 3,     // a device-side argument (rank / group id) was out of range
+  kFaultLLInFlight = 4,      // a rule of the low-latency ops' double buffering was broken (the
+                             // kind of break in waited_ordinal, an LLFault; calls in expected /
+                             // observed)
+};
+
+// What kFaultLLInFlight means, in FaultRecord::waited_ordinal.
+enum LLFault : int32_t {
+  kLLFaultTooMany = 1,     // call `expected` of an op would reuse the receive half that holds call
+                           // `observed`, sent in two phases and not yet received
+  kLLFaultShape = 2,       // a low-latency call of another shape ran while calls were in flight
+  kLLFaultStaleHandle = 3, // a receive got the handle of call `expected`, not in flight (received
+                           // already, or its half reused: `observed` is the half's call)
+  kLLFaultThroughput = 4,  // a throughput EP op ran while `observed` low-latency halves were in
+                           // flight
 };
 
 // The first device-side fault on a device, written by the kernel into host-mapped pinned memory
@@ -104,6 +118,24 @@ struct SyncCounters {
   // &remote_signal[s] of this device's own state is a symmetric address.
   alignas(128) uint64_t remote_signal[kMaxDevices];
   alignas(128) uint64_t remote_calls[kMaxDevices];
+  // Low-latency ops (cuda/low_latency.cu), local bookkeeping written by the last block of each
+  // kernel. ll_calls[op][a][g]: calls of LL op `op` (0 ll_dispatch, 1 ll_combine) this device has
+  // sent as a member of group g of axis slot a; call n uses half n % 2 of the op's receive region.
+  alignas(128) uint64_t ll_calls[2][kDirectoryAxes][kMaxGroups];
+  // ll_half[op][h]: the call whose data half h of the op's region holds, and whether it is in
+  // flight (its two-phase send ran, its receive has not).
+  struct LLHalf {
+    uint64_t call;
+    uint64_t epoch;
+    uint32_t busy;
+    uint32_t unused;
+  };
+  alignas(128) LLHalf ll_half[2][2];
+  uint64_t ll_busy_shape;     // (T, K, H) of the halves in flight
+  uint64_t ll_busy_dispatch;  // (R, E, slot bytes) of the dispatch halves in flight
+  uint32_t ll_busy;           // halves in flight, both ops
+  uint32_t ll_busy_dispatches;
+  uint32_t ll_blocks_done;    // blocks of the running LL kernel that have finished
 };
 
 struct DeviceState {

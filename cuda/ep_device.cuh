@@ -238,6 +238,10 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
                             static_cast<uint64_t>(group_size), static_cast<uint64_t>(group), 0);
     }
     require_comm_bytes(state, needed_bytes, op_id, rank);
+    if (state->sync.ll_busy != 0) {  // the low-latency data in flight shares the buffer
+      record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, kLLFaultThroughput, 0,
+                            state->sync.ll_busy, 0);
+    }
     const uint64_t epoch = state->sync.group_epoch[axis_slot][group] + 1;
     state->sync.group_epoch[axis_slot][group] = epoch;
     info->expected = (epoch << 16) | static_cast<uint64_t>(axis_slot * kMaxGroups + group);

@@ -1,232 +1,765 @@
-// Low-latency dispatch / combine (see low_latency.h). After the start kernel (group discovery,
-// the call's start barrier), one data kernel per op:
-//  dispatch: warp w sends every token routed to expert e = w, w + W, ... (a ballot scan over the
-//    tokens in order gives each its slot) into the expert's rank's receive slots, converting to
-//    bf16/fp8 on the way, then raises that (expert, source rank) flag with the count; then warps
-//    take (local expert, source rank) pairs, wait for the flag and copy the slots to the outputs.
-//  combine: warps take (local expert, source rank) pairs and return each filled slot's row to its
-//    source's (token, top-k) slot, then raise the pair's flag there; then each block waits for
-//    every pair's flag and its warps sum each token's weighted rows in top-k order (float32).
-// Every warp sends before it waits, so the kernels cannot deadlock while all blocks are resident
-// (the grid is at most the SMs - 1).
+// Low-latency dispatch / combine (see low_latency.h). One kernel per op and phase; every block:
+//
+//  begin: thread 0 reads the group (rank, group: device scalars), the group epoch (+1: this call)
+//    and the op's call count n in the group (+1; half n % 2 of the receive regions), checks the
+//    double-buffering rules, then the block publishes this device's directory entry for the epoch
+//    (group discovery, as the throughput ops' start kernel does, without a kernel of its own).
+//  send (fused, kLLSend): before its first remote write a block waits until every rank of the group
+//    has published its entry for this epoch: the peers have entered the call, so every earlier
+//    kernel of theirs has finished, and the ordinals of the ranks are known. Then
+//    dispatch: every block builds the expert x token bit table of this rank's (sanitised) routing
+//      in shared memory; slot i of (expert e, this rank) is the i-th token routed to e in token
+//      order (a popcount of the table). Block b sends the counts of experts b, b + grid, ... (one
+//      64-bit flag each: epoch, key, count), then its tokens t = b, b + grid, ...: each warp loads
+//      its steps of the row once, casts them (bf16, or fp8 with the per-128-channel scale) and
+//      stores them to every destination slot of the token; after a block barrier, lane k of warp 0
+//      fences and raises the slot's flag on the destination.
+//    combine: warps take (slot, piece) items round-robin, slot index major over the (local expert,
+//      source rank) pairs, 32 at a time (lane j loads item j's src_slot entry); each filled slot's
+//      piece of the expert output is copied to its source's (token, top-k) row, then the lanes
+//      fence and raise the pieces' flags there.
+//  receive (fused, kLLRecv):
+//    dispatch: each block waits for the P = E_local * R count flags and prefix-sums them; warps
+//      take (filled slot, piece) items round-robin, wait for the slot's flag and copy the piece out
+//      (the first piece also the scales and src_slot); then one item per pair writes counts and -1
+//      into src_slot past the count. A slot is copied as soon as its own flag is up.
+//    combine: warps take (token, 256-element chunk) items; lanes k < K wait for the flags of the
+//      chunk's piece of the token's used slots (weight != 0), then every lane sums its 8 elements
+//      over k in top-k order in float32 (no FMA), skipping weight-0 slots, and stores bf16.
+//  end: the last block to finish publishes the call: group epoch, call count, the half's state.
+//
+// Flags carry the group epoch of their call (unique per call of the group, throughput ops
+// included) and the group key, so a flag left by an earlier call, another op or another group never
+// matches. Every wait is bounded (op and ranks named in the fault). Every block sends before it
+// waits, so the fused kernels cannot deadlock while all blocks are resident (the grid is at most the
+// SMs - 1); the send kernels never wait on their own device and the receive kernels only on
+// completed sends, so the two-phase form needs no residency at all.
 #include "cuda/ep_device.cuh"
 #include "cuda/low_latency.h"
 
 namespace jax_ep {
 namespace {
 
-constexpr int kLLThreads = 512;
-constexpr int kLLWarps = kLLThreads / 32;
+constexpr int kWarps = kLLThreads / 32;
+constexpr int kPieceVectors = static_cast<int>(kLLPieceBytes / 16);  // uint4 per piece
+static_assert(kPieceVectors % 32 == 0 && kLLPieceBytes % 512 == 0, "piece of whole warp steps");
+enum LLOp : int { kLLOpDispatch = 0, kLLOpCombine = 1 };
 
-__device__ __forceinline__ int global_warp() { return blockIdx.x * kLLWarps + (threadIdx.x >> 5); }
-__device__ __forceinline__ int total_warps() { return gridDim.x * kLLWarps; }
+// The call, in shared memory (written by thread 0 / the discovery threads, read by all).
+struct LLCall {
+  uint64_t epoch;  // group epoch of the call: its flags carry it
+  uint64_t call;   // n: the op's call count in the group
+  int32_t rank, group, key, half;
+  int32_t ordinals[kMaxGroupRanks];  // slot of each rank (after discovery)
+  char* peers[kMaxGroupRanks];       // rank r's communication buffer (after discovery)
+};
+constexpr int kCallBytes = 512;
+static_assert(sizeof(LLCall) <= kCallBytes, "LLCall fits its shared-memory slot");
 
-// The top-k slot of token t that names expert e (sanitised: the first such slot), or -1.
-__device__ __forceinline__ int slot_of_expert(const int32_t* topk_idx, int64_t t, int K, int e) {
-  for (int k = 0; k < K; ++k) {
-    if (__ldg(topk_idx + t * K + k) == e) return k;
+// The dynamic shared memory of a kernel (layout of ll_shared_bytes).
+struct LLShared {
+  LLCall* call;
+  int32_t* prefix;     // [P + 1]: exclusive prefix sums of per-pair counts
+  int32_t* warp_sums;  // [16]
+  uint32_t* bits;      // dispatch: [E][words] expert x token table
+};
+
+__device__ __forceinline__ LLShared ll_shared(int E) {
+  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);
+  char* base = reinterpret_cast<char*>(dynamic_shared);
+  LLShared s;
+  s.call = reinterpret_cast<LLCall*>(base);
+  s.prefix = reinterpret_cast<int32_t*>(base + kCallBytes);
+  s.warp_sums = s.prefix + (E + 1 + 3) / 4 * 4;
+  s.bits = reinterpret_cast<uint32_t*>(s.warp_sums + 16);
+  return s;
+}
+
+__device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31); }
+__device__ __forceinline__ int global_warp() { return blockIdx.x * kWarps + warp_id(); }
+__device__ __forceinline__ int total_warps() { return gridDim.x * kWarps; }
+
+__device__ __forceinline__ uint64_t call_tag(const LLCall* call) {
+  return (call->epoch << 16) | static_cast<uint64_t>(call->key);
+}
+
+// Shape keys of the double-buffering checks: combine's region depends on (T, K, H), dispatch's
+// on (R, E, slot bytes) besides.
+__device__ __forceinline__ uint64_t shape_key(const LLCommon& a) {
+  return static_cast<uint64_t>(a.num_tokens) | (static_cast<uint64_t>(a.num_topk) << 16) |
+         (static_cast<uint64_t>(a.hidden) << 24);
+}
+__device__ __forceinline__ uint64_t dispatch_key(const LLCommon& a) {
+  return static_cast<uint64_t>(a.num_ranks) | (static_cast<uint64_t>(a.num_experts) << 6) |
+         (a.L.slot_bytes << 20);
+}
+
+__device__ __forceinline__ void ll_fault(DeviceState* state, int32_t op_id, int32_t rank,
+                                         int32_t what, uint64_t expected, uint64_t observed) {
+  record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, what, expected, observed, 0);
+}
+
+// Every block, every thread: reads and checks the call (thread 0), then (sending kernels)
+// publishes this device's directory entry for the call's epoch on every managed device.
+template <int kOp>
+__device__ void ll_begin(const LLCommon& a, LLCall* call) {
+  DeviceState* state = a.state;
+  constexpr int32_t op_id = kOp == kLLOpDispatch ? kOpLLDispatch : kOpLLCombine;
+  if (threadIdx.x == 0) {
+    const int32_t rank = *a.rank;
+    const int32_t group = *a.group;
+    if (rank < 0 || rank >= a.num_ranks || group < 0 || group >= kMaxGroups) {
+      record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
+                            static_cast<uint64_t>(a.num_ranks), static_cast<uint64_t>(group), 0);
+    }
+    require_comm_bytes(state, a.L.base.total, op_id, rank);
+    SyncCounters& sync = state->sync;
+    uint64_t epoch, n;
+    if (a.mode == kLLRecv) {
+      epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
+      n = static_cast<uint64_t>(a.handle[2]) | (static_cast<uint64_t>(a.handle[3]) << 32);
+      const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
+      if (half.busy == 0 || half.call != n || half.epoch != epoch) {
+        ll_fault(state, op_id, rank, kLLFaultStaleHandle, n, half.call);
+      }
+    } else {
+      epoch = sync.group_epoch[a.axis_slot][group] + 1;
+      n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
+      const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
+      if (half.busy != 0) ll_fault(state, op_id, rank, kLLFaultTooMany, n, half.call);
+      if (sync.ll_busy != 0 && sync.ll_busy_shape != shape_key(a)) {
+        ll_fault(state, op_id, rank, kLLFaultShape, shape_key(a), sync.ll_busy_shape);
+      }
+      if (kOp == kLLOpDispatch && sync.ll_busy_dispatches != 0 &&
+          sync.ll_busy_dispatch != dispatch_key(a)) {
+        ll_fault(state, op_id, rank, kLLFaultShape, dispatch_key(a), sync.ll_busy_dispatch);
+      }
+    }
+    call->epoch = epoch;
+    call->call = n;
+    call->rank = rank;
+    call->group = group;
+    call->key = a.axis_slot * kMaxGroups + group;
+    call->half = static_cast<int32_t>(n & 1);
+  }
+  __syncthreads();
+  if (a.mode != kLLRecv) {
+    const uint64_t entry = (call->epoch << 16) | static_cast<uint64_t>(state->tables.slot);
+    for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
+      DeviceState* device = state->tables.peer_states[o];
+      if (device != nullptr) {
+        store_release_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
+      }
+    }
+  }
+}
+
+// Every thread: waits until every rank of the group has published its entry for this epoch (it
+// has entered this call), then knows their buffers. Bounded.
+template <int kOp>
+__device__ void ll_discover(const LLCommon& a, LLCall* call) {
+  DeviceState* state = a.state;
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < a.num_ranks) {
+    const uint64_t* slot = &state->sync.directory[a.axis_slot][call->group][peer];
+    uint64_t seen = load_acquire_sys(slot);
+    if ((seen >> 16) < call->epoch) {
+      const uint64_t start = global_timer_ns();
+      const uint64_t timeout_ns = state->tables.timeout_ns;
+      while ((seen >> 16) < call->epoch) {
+        const uint64_t elapsed = global_timer_ns() - start;
+        if (elapsed > timeout_ns) {
+          record_fault_and_trap(state, kFaultTimeout,
+                                kOp == kLLOpDispatch ? kOpLLDispatch : kOpLLCombine, call->rank,
+                                peer, -1, call->epoch, seen >> 16, static_cast<int64_t>(elapsed));
+        }
+        backoff_sleep(32);
+        seen = load_acquire_sys(slot);
+      }
+    }
+    const int ordinal = static_cast<int>(seen & 0xFFFF);
+    call->ordinals[peer] = ordinal;
+    call->peers[peer] = comm_buffer_of(state, ordinal);
+  }
+  __syncthreads();
+}
+
+// Where a wait reports a timeout (plain values: a noinline function taking the kernel's parameter
+// struct by reference would copy it to the stack).
+struct LLWaitSite {
+  DeviceState* state;
+  const LLCall* call;
+  int32_t op_id;
+  int32_t num_ranks;
+  int32_t axis_slot;
+  int32_t discovered;  // call->ordinals are known (not in a receive kernel)
+};
+
+__device__ __forceinline__ LLWaitSite wait_site(const LLCommon& a, const LLCall* call, int op_id) {
+  return LLWaitSite{a.state, call, op_id, a.num_ranks, a.axis_slot, a.mode != kLLRecv};
+}
+
+// The rank of the group that has not entered this call yet (its directory entry is older), or -1:
+// names the culprit of a timeout where the rank waited for is not known (combine's receive).
+__device__ __noinline__ int ll_missing_rank(const LLWaitSite& site) {
+  for (int r = 0; r < site.num_ranks; ++r) {
+    const uint64_t seen = load_acquire_sys(
+        &site.state->sync.directory[site.axis_slot][site.call->group][r]);
+    if ((seen >> 16) < site.call->epoch) return r;
   }
   return -1;
 }
 
-template <bool kXF32, int kRow>
-__global__ void __launch_bounds__(kLLThreads)
-    ll_dispatch_kernel(DeviceState* state, LLLayout L, const char* x, const int32_t* topk_idx,
-                       int T, int K, int E, int H, char* rows, float* scales, int32_t* counts,
-                       int32_t* src_slot) {
-  const int lane = threadIdx.x & 31;
-  char* own = own_comm_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.base.op_info);
-  const int me = info->rank, R = info->size;
-  const uint64_t expected = info->expected;
-  const int local = E / R;
-  const int64_t x_row_bytes = static_cast<int64_t>(H) * (kXF32 ? 4 : 2);
-
-  // ---- send: expert by expert, tokens in order ----
-  for (int e = global_warp(); e < E; e += total_warps()) {
-    const int dest = e / local, le = e % local;
-    char* peer = comm_buffer_of(state, info->ordinals[dest]);
-    const int64_t block = static_cast<int64_t>(le) * R + me;  // (local expert, source rank)
-    char* slots = peer + L.recv_rows + block * T * L.slot_bytes;
-    int32_t* slot_src = reinterpret_cast<int32_t*>(peer + L.recv_src) + block * T;
-    int n = 0;
-    for (int base = 0; base < T; base += 32) {
-      const int t = base + lane;
-      const int k = t < T ? slot_of_expert(topk_idx, t, K, e) : -1;
-      const uint32_t picked = __ballot_sync(kFullMask, k >= 0);
-      for (uint32_t m = picked; m != 0u; m &= m - 1u) {
-        const int j = __ffs(m) - 1;
-        const int64_t tj = base + j;
-        const int i = n + __popc(picked & ((1u << j) - 1u));
-        char* dst = slots + static_cast<int64_t>(i) * L.slot_bytes;
-        const char* src = x + tj * x_row_bytes;
-        if constexpr (kRow == kRowFP8 || (kXF32 && kRow == kRowBF16)) {
-          warp_copy_convert<kXF32, kRow, 2>(src, H, 1u, dst,
-                                            reinterpret_cast<float*>(dst + L.row_bytes), lane);
-        } else {
-          warp_copy_raw<4>(src, x_row_bytes, 1u, dst, lane);
-        }
-        const int kj = __shfl_sync(kFullMask, k, j);
-        if (lane == 0) slot_src[i] = static_cast<int32_t>(tj * K + kj);
+// Spins until (*flag >> shift) == want (a peer's release store), then acquires. Bounded: the fault
+// names the op, this rank and the rank waited for (-1: found from the directory).
+__device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, int shift,
+                                         LLWaitSite site, int waited_rank) {
+  uint64_t observed = load_relaxed_sys(flag);
+  if ((observed >> shift) != want) {
+    DeviceState* state = site.state;
+    const uint64_t start = global_timer_ns();
+    const uint64_t timeout_ns = state->tables.timeout_ns;
+    uint32_t sleep_ns = 32;
+    while ((observed >> shift) != want) {
+      backoff_sleep(sleep_ns);
+      if (sleep_ns < 256) sleep_ns *= 2;
+      const uint64_t elapsed = global_timer_ns() - start;
+      if (elapsed > timeout_ns) {
+        const int rank = waited_rank >= 0 ? waited_rank : ll_missing_rank(site);
+        const int ordinal = rank >= 0 && site.discovered ? site.call->ordinals[rank] : -1;
+        record_fault_and_trap(state, kFaultTimeout, site.op_id, site.call->rank, rank, ordinal,
+                              site.call->epoch, observed >> (shift == 16 ? 24 : 16),
+                              static_cast<int64_t>(elapsed));
       }
-      n += __popc(picked);
+      observed = load_relaxed_sys(flag);
     }
-    __syncwarp();
-    if (lane == 0) {
-      reinterpret_cast<int32_t*>(peer + L.recv_counts)[block] = n;
-      __threadfence_system();
-      store_release_sys(reinterpret_cast<uint64_t*>(peer + L.recv_flags) + block, expected);
-    }
-    __syncwarp();
   }
-
-  // ---- receive: (local expert, source rank) pairs ----
-  const int64_t out_row_bytes = static_cast<int64_t>(H) * (kRow == kRowFP8 ? 1 : 2);
-  const int num_scales = kRow == kRowFP8 ? H / 128 : 0;
-  for (int p = global_warp(); p < local * R; p += total_warps()) {
-    const int le = p / R, s = p % R;
-    if (lane == 0) {
-      wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.recv_flags) + p, expected, state,
-                      kOpLLDispatch, me, s, info->ordinals[s]);
-    }
-    __syncwarp();
-    const int n = __ldcg(reinterpret_cast<const int32_t*>(own + L.recv_counts) + p);
-    const char* slots = own + L.recv_rows + static_cast<int64_t>(p) * T * L.slot_bytes;
-    const int32_t* slot_src = reinterpret_cast<const int32_t*>(own + L.recv_src) + int64_t{p} * T;
-    const int64_t out_base = static_cast<int64_t>(le) * R * T + static_cast<int64_t>(s) * T;
-    for (int i = 0; i < n; ++i) {
-      const char* slot = slots + static_cast<int64_t>(i) * L.slot_bytes;
-      warp_copy_raw<4>(slot, out_row_bytes, 1u, rows + (out_base + i) * out_row_bytes, lane);
-      if constexpr (kRow == kRowFP8) {
-        const float* from = reinterpret_cast<const float*>(slot + L.row_bytes);
-        float* to = scales + (out_base + i) * num_scales;
-        for (int c = lane; c < num_scales; c += 32) to[c] = __ldcg(from + c);
-      }
-    }
-    for (int i = lane; i < T; i += 32) {
-      src_slot[out_base + i] = i < n ? __ldcg(slot_src + i) : -1;
-    }
-    if (lane == 0) counts[static_cast<int64_t>(le) * R + s] = n;
-  }
+  fence_acquire_sys();
+  return observed;
 }
 
-__global__ void __launch_bounds__(kLLThreads)
-    ll_combine_kernel(DeviceState* state, LLLayout L, const char* y, const int32_t* src_slot,
-                      const float* topk_weights, int T, int K, int E, int H, char* out) {
-  const int lane = threadIdx.x & 31;
-  char* own = own_comm_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.base.op_info);
-  const int me = info->rank, R = info->size;
-  const uint64_t expected = info->expected;
-  const int local = E / R;
-  const int64_t row_bytes = static_cast<int64_t>(H) * 2;
-
-  // ---- return: each filled slot's row to its source's (token, top-k) slot ----
-  for (int p = global_warp(); p < local * R; p += total_warps()) {
-    const int le = p / R, s = p % R;
-    char* peer = comm_buffer_of(state, info->ordinals[s]);
-    const int64_t base = static_cast<int64_t>(le) * R * T + static_cast<int64_t>(s) * T;
-    for (int i0 = 0; i0 < T; i0 += 32) {
-      const int i = i0 + lane;
-      const int32_t src = i < T ? __ldg(src_slot + base + i) : -1;
-      const uint32_t filled = __ballot_sync(kFullMask, src >= 0);
-      for (uint32_t m = filled; m != 0u; m &= m - 1u) {
-        const int j = __ffs(m) - 1;
-        const int32_t tk = __shfl_sync(kFullMask, src, j);
-        warp_copy_raw<4>(y + (base + i0 + j) * row_bytes, row_bytes, 1u,
-                         peer + L.ret_rows + static_cast<int64_t>(tk) * L.ret_row_bytes, lane);
+// Every thread, end of the kernel: the last block to finish publishes the call.
+template <int kOp>
+__device__ void ll_end(const LLCommon& a, const LLCall* call) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  SyncCounters& sync = a.state->sync;
+  __threadfence();
+  const unsigned done = atomicAdd(&sync.ll_blocks_done, 1u);
+  if (done + 1 != gridDim.x) return;
+  sync.ll_blocks_done = 0;
+  SyncCounters::LLHalf& half = sync.ll_half[kOp][call->half];
+  if (a.mode == kLLRecv) {
+    half.busy = 0;
+    sync.ll_busy -= 1;
+    if (kOp == kLLOpDispatch) sync.ll_busy_dispatches -= 1;
+  } else {
+    sync.group_epoch[a.axis_slot][call->group] = call->epoch;
+    sync.ll_calls[kOp][a.axis_slot][call->group] = call->call;
+    half.call = call->call;
+    half.epoch = call->epoch;
+    half.busy = a.mode == kLLSend ? 1u : 0u;
+    if (a.mode == kLLSend) {
+      sync.ll_busy += 1;
+      sync.ll_busy_shape = shape_key(a);
+      if (kOp == kLLOpDispatch) {
+        sync.ll_busy_dispatches += 1;
+        sync.ll_busy_dispatch = dispatch_key(a);
       }
-      if (filled != kFullMask) break;  // slots are filled from the front
     }
-    __syncwarp();
-    if (lane == 0) {
-      __threadfence_system();
-      store_release_sys(reinterpret_cast<uint64_t*>(peer + L.ret_flags) +
-                            (static_cast<int64_t>(me) * local + le),
-                        expected);
-    }
-    __syncwarp();
   }
+  __threadfence();
+}
 
-  // ---- reduce: every (rank, expert) pair has returned its rows (the block waits for all of
-  // them: the op ends with the last anyway), then per token the weighted rows in top-k order.
-  // A top-k slot with weight 0 (unused ids have 0 in the handle) is skipped: its row may be
-  // garbage, even NaN.
-  for (int f = threadIdx.x; f < R * local; f += blockDim.x) {
-    wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.ret_flags) + f, expected, state,
-                    kOpLLCombine, me, f / local, info->ordinals[f / local]);
+// Exclusive prefix sums of a[0, n) in place (shared memory), a[n] = the total, returned. Every
+// thread of the block calls it.
+__device__ int32_t block_exclusive_scan(int32_t* a, int n, int32_t* warp_sums) {
+  __syncthreads();
+  const int per = (n + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int begin = min(n, static_cast<int>(threadIdx.x) * per);
+  const int end = min(n, begin + per);
+  int32_t sum = 0;
+  for (int i = begin; i < end; ++i) sum += a[i];
+  const int lane = lane_id();
+  int32_t inclusive = sum;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t other = __shfl_sync(kFullMask, inclusive, lane >= d ? lane - d : 0);
+    if (lane >= d) inclusive += other;
+  }
+  if (lane == 31) warp_sums[warp_id()] = inclusive;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t running = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t v = warp_sums[w];
+      warp_sums[w] = running;
+      running += v;
+    }
+    a[n] = running;
   }
   __syncthreads();
-  const char* returned = own + L.ret_rows;
-  for (int64_t t = global_warp(); t < T; t += total_warps()) {
-    const float weight = lane < K ? __ldg(topk_weights + t * K + lane) : 0.f;
-    const uint32_t used_mask = __ballot_sync(kFullMask, weight != 0.f);
-    for (int step = 0; step < (H + 255) / 256; ++step) {  // warp-uniform: the shuffles need it
-      const int e0 = step * 256 + lane * 8;
-      const bool in = e0 < H;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k = 0; k < K; ++k) {
-        const float w = __shfl_sync(kFullMask, weight, k);
-        if (!in || !((used_mask >> k) & 1u)) continue;
-        float v[8];
-        load8<false>(returned + (t * K + k) * static_cast<int64_t>(L.ret_row_bytes), e0, v);
+  int32_t running = warp_sums[warp_id()] + inclusive - sum;
+  for (int i = begin; i < end; ++i) {
+    const int32_t v = a[i];
+    a[i] = running;
+    running += v;
+  }
+  __syncthreads();
+  return a[n];
+}
+
+// The pair p with prefix[p] <= f < prefix[p + 1] (prefix nondecreasing, prefix[0] = 0 <= f).
+__device__ __forceinline__ int find_pair(const int32_t* prefix, int num_pairs, int64_t f) {
+  int lo = 0, hi = num_pairs;  // prefix[lo] <= f < prefix[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (prefix[mid] <= f) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// A warp copies `bytes` (a multiple of 16, at most kLLPieceBytes) from src to dst, every load in
+// flight before the first store (L2 loads: the source may have been written by a peer).
+__device__ __forceinline__ void warp_copy_piece(const char* src, char* dst, int bytes, int lane) {
+  const uint4* from = reinterpret_cast<const uint4*>(src);
+  uint4* to = reinterpret_cast<uint4*>(dst);
+  const int vectors = bytes / 16;
+  uint4 v[kPieceVectors / 32];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
+  for (int u = 0; u < kPieceVectors / 32; ++u) {
+    const int i = u * 32 + lane;
+    if (i < vectors) v[u] = __ldcg(from + i);
+  }
+#pragma unroll
+  for (int u = 0; u < kPieceVectors / 32; ++u) {
+    const int i = u * 32 + lane;
+    if (i < vectors) to[i] = v[u];
+  }
+}
+
+// ---- dispatch ------------------------------------------------------------------------------
+
+// One warp step of a token row: loads it, converts it to the wire format and stores it to every
+// destination slot of dst_mask (lane j holds destination j's slot). FP8: 16 elements per lane
+// (512 per step), the 8 lanes of a 128-channel block reduce its amax; bf16: 8 per lane (256).
+template <bool kXF32, int kRow>
+__device__ __forceinline__ void send_step(const char* x_row, int H, int step, uint32_t dst_mask,
+                                          char* my_dst, uint64_t row_bytes, int lane) {
+  if constexpr (kRow == kRowFP8) {
+    const int e0 = step * 512 + lane * 16;
+    const bool in = e0 < H;
+    float f[16];
+    if (in) {
+      load8<kXF32>(x_row, e0, f);
+      load8<kXF32>(x_row, e0 + 8, f + 8);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) f[i] = 0.f;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+    for (int offset = 4; offset >= 1; offset >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    }
+    amax = fmaxf(amax, 1e-4f);
+    const float inv_scale = __fdiv_rn(448.0f, amax);
+    const float scale = __fdiv_rn(amax, 448.0f);
+    float q[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) q[i] = __fmul_rn(f[i], inv_scale);
+    const uint2 lo = pack_fp8x8(q);
+    const uint2 hi = pack_fp8x8(q + 8);
+    const uint4 packed = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
+      const int j = __ffs(m) - 1;
+      char* to = reinterpret_cast<char*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+      if (in) {
+        *reinterpret_cast<uint4*>(to + e0) = packed;
+        if ((lane & 7) == 0) *reinterpret_cast<float*>(to + row_bytes + (e0 / 128) * 4) = scale;
       }
-      if (in) store8<false>(out + t * row_bytes, e0, acc);
+    }
+  } else {
+    const int e0 = step * 256 + lane * 8;
+    const bool in = e0 < H;
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (in) {
+      if constexpr (kXF32) {
+        float f[8];
+        load8<true>(x_row, e0, f);
+        packed = pack_bf16x8(f);
+      } else {
+        packed = __ldg(reinterpret_cast<const uint4*>(x_row) + e0 / 8);
+      }
+    }
+    for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
+      const int j = __ffs(m) - 1;
+      char* to = reinterpret_cast<char*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+      if (in) *reinterpret_cast<uint4*>(to + static_cast<int64_t>(e0) * 2) = packed;
     }
   }
 }
 
-// Enough warps for one expert (dispatch) / token (combine) each, within the configured blocks.
-int ll_blocks(const GroupLaunch& g, int work) {
-  const int wanted = (work + kLLWarps - 1) / kLLWarps;
-  return wanted < 1 ? 1 : wanted < g.num_blocks ? wanted : g.num_blocks;
+template <bool kXF32, int kRow>
+__device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
+  const LLCommon& a = p.c;
+  const LLLayout& L = a.L;
+  LLCall* call = s.call;
+  const int T = a.num_tokens, K = a.num_topk, E = a.num_experts, R = a.num_ranks, H = a.hidden;
+  const int local = E / R;
+  const int words = (T + 31) / 32;
+  const int lane = lane_id(), warp = warp_id();
+  const uint64_t half = static_cast<uint64_t>(call->half) * L.disp_half_bytes;
+
+  // the expert x token table of this rank's sanitised routing
+  for (int i = threadIdx.x; i < E * words; i += blockDim.x) s.bits[i] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < T * K; i += blockDim.x) {
+    const int t = i / K;
+    const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, i % K, E);
+    if (e >= 0) atomicOr(&s.bits[e * words + t / 32], 1u << (t & 31));
+  }
+  ll_discover<kLLOpDispatch>(a, call);  // ends with a block barrier: the table is complete
+
+  const int me = call->rank;
+  const uint64_t tag = call_tag(call);
+  // counts: experts blockIdx.x + gridDim.x * i, one flag each on the expert's rank
+  for (int e = blockIdx.x + gridDim.x * threadIdx.x; e < E;
+       e += gridDim.x * blockDim.x) {
+    int count = 0;
+    for (int w = 0; w < words; ++w) count += __popc(s.bits[e * words + w]);
+    const int dest = e / local, le = e % local;
+    uint64_t* flag = reinterpret_cast<uint64_t*>(call->peers[dest] + L.count_flags + half) +
+                     (static_cast<int64_t>(le) * R + me);
+    store_release_sys(flag, (call->epoch << 24) | (static_cast<uint64_t>(call->key) << 16) |
+                                static_cast<uint64_t>(count));
+  }
+
+  // tokens blockIdx.x, + gridDim.x, ...: lane k of every warp holds the slot of top-k slot k
+  const int64_t x_row_bytes = static_cast<int64_t>(H) * (kXF32 ? 4 : 2);
+  const int steps = kRow == kRowFP8 ? (H + 511) / 512 : (H + 255) / 256;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    char* my_dst = nullptr;
+    int64_t block_slot = 0;
+    int dest = 0;
+    if (lane < K) {
+      const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
+      if (e >= 0) {
+        const uint32_t* row = s.bits + e * words;
+        int i = __popc(row[t / 32] & ((1u << (t & 31)) - 1u));
+        for (int w = 0; w < t / 32; ++w) i += __popc(row[w]);
+        dest = e / local;
+        block_slot = (static_cast<int64_t>(e % local) * R + me) * T + i;
+        my_dst = call->peers[dest] + L.slots + half + block_slot * L.slot_bytes;
+      }
+    }
+    const uint32_t dst_mask = __ballot_sync(kFullMask, my_dst != nullptr);
+    const char* x_row = static_cast<const char*>(p.x) + t * x_row_bytes;
+    for (int step = warp; step < steps; step += 2 * kWarps) {
+      send_step<kXF32, kRow>(x_row, H, step, dst_mask, my_dst, L.row_bytes, lane);
+      if (step + kWarps < steps) {
+        send_step<kXF32, kRow>(x_row, H, step + kWarps, dst_mask, my_dst, L.row_bytes, lane);
+      }
+    }
+    char* peer = my_dst != nullptr ? call->peers[dest] : nullptr;
+    if (warp == 0 && my_dst != nullptr) {
+      reinterpret_cast<int32_t*>(peer + L.slot_src + half)[block_slot] =
+          static_cast<int32_t>(static_cast<int64_t>(t) * K + lane);
+    }
+    __syncthreads();  // the block's stores of the token, then its flags
+    if (warp == 0 && my_dst != nullptr) {
+      __threadfence_system();
+      store_release_sys(reinterpret_cast<uint64_t*>(peer + L.slot_flags + half) + block_slot, tag);
+    }
+  }
 }
 
-bool ll_ok(const GroupLaunch& g, int E, int H) {
-  return group_launch_ok(g) && E >= g.num_ranks && E % g.num_ranks == 0 && H >= 8 && H % 8 == 0;
+template <int kRow>
+__device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
+  const LLCommon& a = p.c;
+  const LLLayout& L = a.L;
+  const LLCall* call = s.call;
+  const int T = a.num_tokens, R = a.num_ranks;
+  const int num_pairs = a.num_experts;  // E_local * R
+  const int lane = lane_id();
+  const uint64_t half = static_cast<uint64_t>(call->half) * L.disp_half_bytes;
+  const char* own = own_comm_buffer(a.state);
+  const uint64_t tag = call_tag(call);
+  const LLWaitSite site = wait_site(a, call, kOpLLDispatch);
+
+  // every pair's count (flag: (epoch << 24) | (key << 16) | count)
+  const uint64_t want = (call->epoch << 8) | static_cast<uint64_t>(call->key);
+  const uint64_t* count_flags = reinterpret_cast<const uint64_t*>(own + L.count_flags + half);
+  for (int q = threadIdx.x; q < num_pairs; q += blockDim.x) {
+    const uint64_t v = ll_wait(count_flags + q, want, 16, site, q % R);
+    s.prefix[q] = static_cast<int32_t>(v & 0xFFFF);
+  }
+  const int32_t total = block_exclusive_scan(s.prefix, num_pairs, s.warp_sums);
+
+  const int pieces = L.row_pieces;
+  const int num_scales = kRow == kRowFP8 ? a.hidden / 128 : 0;
+  const int64_t copies = static_cast<int64_t>(total) * pieces;
+  const uint64_t* slot_flags = reinterpret_cast<const uint64_t*>(own + L.slot_flags + half);
+  const int32_t* slot_src = reinterpret_cast<const int32_t*>(own + L.slot_src + half);
+  const char* slots = own + L.slots + half;
+  char* rows = static_cast<char*>(p.rows);
+  for (int64_t g = global_warp(); g < copies + num_pairs; g += total_warps()) {
+    if (g < copies) {
+      const int64_t f = g / pieces;
+      const int piece = static_cast<int>(g % pieces);
+      const int q = find_pair(s.prefix, num_pairs, f);
+      const int64_t slot = static_cast<int64_t>(q) * T + (f - s.prefix[q]);  // = output row
+      if (lane == 0) ll_wait(slot_flags + slot, tag, 0, site, q % R);
+      __syncwarp();
+      const char* from = slots + slot * L.slot_bytes;
+      const uint64_t offset = static_cast<uint64_t>(piece) * kLLPieceBytes;
+      const uint64_t rest = L.row_bytes - offset;
+      warp_copy_piece(from + offset, rows + slot * L.row_bytes + offset,
+                      static_cast<int>(rest < kLLPieceBytes ? rest : kLLPieceBytes), lane);
+      if (piece == 0) {
+        if constexpr (kRow == kRowFP8) {
+          const float* scales = reinterpret_cast<const float*>(from + L.row_bytes);
+          for (int c = lane; c < num_scales; c += 32) {
+            p.scales[slot * num_scales + c] = __ldcg(scales + c);
+          }
+        }
+        if (lane == 0) p.src_slot[slot] = __ldcg(slot_src + slot);
+      }
+    } else {
+      const int q = static_cast<int>(g - copies);
+      const int count = s.prefix[q + 1] - s.prefix[q];
+      if (lane == 0) p.counts[q] = count;
+      for (int i = count + lane; i < T; i += 32) p.src_slot[static_cast<int64_t>(q) * T + i] = -1;
+    }
+  }
+}
+
+template <bool kXF32, int kRow, int kMode>
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunch p) {
+  const LLShared s = ll_shared(p.c.num_experts);
+  ll_begin<kLLOpDispatch>(p.c, s.call);
+  if constexpr (kMode != kLLRecv) dispatch_send<kXF32, kRow>(p, s);
+  if constexpr (kMode == kLLSend) {
+    if (blockIdx.x == 0 && threadIdx.x < 4) {
+      const uint64_t v = threadIdx.x < 2 ? s.call->epoch : s.call->call;
+      p.c.handle[threadIdx.x] = static_cast<uint32_t>(v >> (32 * (threadIdx.x & 1)));
+    }
+  }
+  if constexpr (kMode != kLLSend) dispatch_recv<kRow>(p, s);
+  ll_end<kLLOpDispatch>(p.c, s.call);
+}
+
+// ---- combine -------------------------------------------------------------------------------
+
+__device__ void combine_send(const LLCombineLaunch& p, const LLShared& s) {
+  const LLCommon& a = p.c;
+  const LLLayout& L = a.L;
+  LLCall* call = s.call;
+  const int T = a.num_tokens, K = a.num_topk, R = a.num_ranks;
+  const int num_pairs = a.num_experts;  // E_local * R
+  const int lane = lane_id();
+  const uint64_t half = static_cast<uint64_t>(call->half) * L.ret_half_bytes;
+  const int pieces = L.ret_pieces;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  // Items (slot, piece), slot-index major over the pairs (item g: piece g % pieces of slot index
+  // i = f / P of pair f % P, f = g / pieces): the few filled slots of every pair spread over all
+  // warps without a count pass. Lane j of a warp examines the warp's (k0 + j)-th item.
+  const int64_t items = static_cast<int64_t>(num_pairs) * T * pieces;
+  const int64_t gw = global_warp(), W = total_warps();
+  auto examine = [&](int64_t k0, int32_t* tk, int64_t* slot, int* piece) {
+    const int64_t g = gw + (k0 + lane) * W;
+    *tk = -1;
+    if (g < items) {
+      const int64_t f = g / pieces;
+      *piece = static_cast<int>(g % pieces);
+      *slot = (f % num_pairs) * T + f / num_pairs;
+      *tk = __ldg(p.src_slot + *slot);
+    }
+  };
+  int32_t tk = -1;
+  int64_t slot = 0;
+  int piece = 0;
+  examine(0, &tk, &slot, &piece);  // the first loads overlap the discovery
+  ll_discover<kLLOpCombine>(a, call);
+
+  const uint64_t tag = call_tag(call);
+  for (int64_t k0 = 0; gw + k0 * W < items; k0 += 32) {
+    if (k0 > 0) examine(k0, &tk, &slot, &piece);
+    const char* from = nullptr;
+    char* to = nullptr;
+    uint64_t* flag = nullptr;
+    int bytes = 0;
+    if (tk >= 0 && tk < T * K) {  // filled (a bad handle must not write out of bounds)
+      const int64_t offset = static_cast<int64_t>(piece) * static_cast<int64_t>(kLLPieceBytes);
+      const int64_t rest = row_bytes - offset;
+      bytes = static_cast<int>(rest < static_cast<int64_t>(kLLPieceBytes) ? rest : kLLPieceBytes);
+      char* peer = call->peers[(slot / T) % R];
+      from = static_cast<const char*>(p.y) + slot * row_bytes + offset;
+      to = peer + L.ret_rows + half + static_cast<int64_t>(tk) * L.ret_row_bytes + offset;
+      flag = reinterpret_cast<uint64_t*>(peer + L.ret_flags + half) +
+             (static_cast<int64_t>(tk) * pieces + piece);
+    }
+    for (uint32_t m = __ballot_sync(kFullMask, to != nullptr); m != 0u; m &= m - 1u) {
+      const int j = __ffs(m) - 1;
+      warp_copy_piece(reinterpret_cast<const char*>(__shfl_sync(
+                          kFullMask, reinterpret_cast<unsigned long long>(from), j)),
+                      reinterpret_cast<char*>(__shfl_sync(
+                          kFullMask, reinterpret_cast<unsigned long long>(to), j)),
+                      __shfl_sync(kFullMask, bytes, j), lane);
+    }
+    __syncwarp();  // the warp's stores of every piece, then the pieces' flags
+    if (to != nullptr) {
+      __threadfence_system();
+      store_release_sys(flag, tag);
+    }
+  }
+}
+
+__device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
+  const LLCommon& a = p.c;
+  const LLLayout& L = a.L;
+  const LLCall* call = s.call;
+  const int T = a.num_tokens, K = a.num_topk, H = a.hidden;
+  const int lane = lane_id();
+  const uint64_t half = static_cast<uint64_t>(call->half) * L.ret_half_bytes;
+  const char* own = own_comm_buffer(a.state);
+  const uint64_t tag = call_tag(call);
+  const LLWaitSite site = wait_site(a, call, kOpLLCombine);
+  const int pieces = L.ret_pieces;
+  const int chunks = (H + 255) / 256;
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(own + L.ret_flags + half);
+  const char* returned = own + L.ret_rows + half;
+  char* out = static_cast<char*>(p.out);
+  for (int64_t g = global_warp(); g < static_cast<int64_t>(T) * chunks; g += total_warps()) {
+    const int64_t t = g / chunks;
+    const int c = static_cast<int>(g % chunks);
+    const int piece = static_cast<int>(static_cast<uint64_t>(c) * 512 / kLLPieceBytes);
+    // A top-k slot with weight 0 (unused ids have 0 in the handle) is skipped: its row may be
+    // garbage, even NaN, or still on its way.
+    const float weight = lane < K ? __ldg(p.topk_weights + t * K + lane) : 0.f;
+    if (weight != 0.f) {
+      ll_wait(flags + (t * K + lane) * pieces + piece, tag, 0, site, -1);
+    }
+    __syncwarp();  // lane k's acquire, then every lane's loads of row k
+    const uint32_t used_mask = __ballot_sync(kFullMask, weight != 0.f);
+    const int e0 = c * 256 + lane * 8;
+    const bool in = e0 < H;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k0 = 0; k0 < K; k0 += 8) {  // loads of 8 slots in flight, then sums in order
+      float v[8][8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int k = k0 + u;
+        if (in && k < K && ((used_mask >> k) & 1u)) {
+          load8<false>(returned + (t * K + k) * static_cast<int64_t>(L.ret_row_bytes), e0, v[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int k = k0 + u;
+        const float w = __shfl_sync(kFullMask, weight, k < K ? k : 0);
+        if (!in || k >= K || !((used_mask >> k) & 1u)) continue;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[u][i]));
+      }
+    }
+    if (in) store8<false>(out + t * static_cast<int64_t>(H) * 2, e0, acc);
+  }
+}
+
+template <int kMode>
+__global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineLaunch p) {
+  const LLShared s = ll_shared(p.c.num_experts);
+  ll_begin<kLLOpCombine>(p.c, s.call);
+  if constexpr (kMode != kLLRecv) combine_send(p, s);
+  if constexpr (kMode == kLLSend) {
+    if (blockIdx.x == 0 && threadIdx.x < 4) {
+      const uint64_t v = threadIdx.x < 2 ? s.call->epoch : s.call->call;
+      p.c.handle[threadIdx.x] = static_cast<uint32_t>(v >> (32 * (threadIdx.x & 1)));
+    }
+  }
+  if constexpr (kMode != kLLSend) combine_recv(p, s);
+  ll_end<kLLOpCombine>(p.c, s.call);
+}
+
+// ---- launch --------------------------------------------------------------------------------
+
+bool ll_ok(const LLCommon& c) {
+  return c.state != nullptr && c.num_ranks >= 1 && c.num_ranks <= kMaxGroupRanks &&
+         c.num_tokens >= 0 && c.num_tokens <= kLLMaxTokens && c.num_topk >= 1 &&
+         c.num_topk <= kMaxTopk && c.num_experts >= c.num_ranks &&
+         c.num_experts % c.num_ranks == 0 && c.num_experts <= kMaxExperts && c.hidden >= 8 &&
+         c.hidden % 8 == 0 && c.axis_slot >= 0 && c.axis_slot < kDirectoryAxes &&
+         c.num_blocks >= 1 && c.mode >= kLLFused && c.mode <= kLLRecv &&
+         (c.mode == kLLFused || c.handle != nullptr);
+}
+
+template <typename Kernel, typename Params>
+cudaError_t launch_ll(Kernel kernel, const Params& p, uint64_t shared_bytes, cudaStream_t stream) {
+  if (shared_bytes > 48 * 1024) {
+    JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(shared_bytes)));
+  }
+  JAX_EP_LAUNCH(kernel, p.c.num_blocks, kLLThreads, shared_bytes, stream)(p);
+  JAX_EP_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
+template <bool kXF32, int kRow>
+cudaError_t launch_dispatch_mode(const LLDispatchLaunch& p, uint64_t shared, cudaStream_t stream) {
+  switch (p.c.mode) {
+    case kLLSend:
+      return launch_ll(ll_dispatch_kernel<kXF32, kRow, kLLSend>, p, shared, stream);
+    case kLLRecv:
+      return launch_ll(ll_dispatch_kernel<false, kRow, kLLRecv>, p, shared, stream);
+    default:
+      return launch_ll(ll_dispatch_kernel<kXF32, kRow, kLLFused>, p, shared, stream);
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream) {
   const bool fp8 = p.row_kind == kRowFP8;
-  if (!ll_ok(p.g, p.num_experts, p.hidden) || (fp8 && p.hidden % 128 != 0) ||
+  const uint64_t shared =
+      ll_shared_bytes(true, p.c.num_ranks, p.c.num_tokens, p.c.num_experts);
+  if (!ll_ok(p.c) || (fp8 && p.c.hidden % 128 != 0) ||
       (p.x_kind != kRowBF16 && p.x_kind != kRowF32) ||
-      !(p.row_kind == kRowFP8 || p.row_kind == kRowBF16)) {
+      !(p.row_kind == kRowFP8 || p.row_kind == kRowBF16) || shared == 0 ||
+      shared > kLLMaxSharedBytes) {
     return cudaErrorInvalidValue;
   }
-  if (cudaError_t status = launch_start(p.g, kOpLLDispatch, stream); status != cudaSuccess) {
-    return status;
-  }
   const bool x_f32 = p.x_kind == kRowF32;
-  auto launch = [&](auto kernel) -> cudaError_t {
-    JAX_EP_LAUNCH(kernel, ll_blocks(p.g, p.num_experts), kLLThreads, 0, stream)(
-        p.g.state, p.L, static_cast<const char*>(p.x), p.topk_idx, p.g.num_tokens, p.g.num_topk,
-        p.num_experts, p.hidden, static_cast<char*>(p.rows), p.scales, p.counts, p.src_slot);
-    JAX_EP_CHECK_LAUNCH();
-    return cudaSuccess;
-  };
   if (fp8) {
-    return x_f32 ? launch(ll_dispatch_kernel<true, kRowFP8>)
-                 : launch(ll_dispatch_kernel<false, kRowFP8>);
+    return x_f32 ? launch_dispatch_mode<true, kRowFP8>(p, shared, stream)
+                 : launch_dispatch_mode<false, kRowFP8>(p, shared, stream);
   }
-  return x_f32 ? launch(ll_dispatch_kernel<true, kRowBF16>)
-               : launch(ll_dispatch_kernel<false, kRowBF16>);
+  return x_f32 ? launch_dispatch_mode<true, kRowBF16>(p, shared, stream)
+               : launch_dispatch_mode<false, kRowBF16>(p, shared, stream);
 }
 
 cudaError_t launch_ll_combine(const LLCombineLaunch& p, cudaStream_t stream) {
-  if (!ll_ok(p.g, p.num_experts, p.hidden) || p.g.num_topk > 32) return cudaErrorInvalidValue;
-  if (cudaError_t status = launch_start(p.g, kOpLLCombine, stream); status != cudaSuccess) {
-    return status;
+  const uint64_t shared =
+      ll_shared_bytes(false, p.c.num_ranks, p.c.num_tokens, p.c.num_experts);
+  if (!ll_ok(p.c) || p.c.num_topk > 32 || shared == 0 || shared > kLLMaxSharedBytes) {
+    return cudaErrorInvalidValue;
   }
-  const int work = p.num_experts > p.g.num_tokens ? p.num_experts : p.g.num_tokens;
-  JAX_EP_LAUNCH(ll_combine_kernel, ll_blocks(p.g, work), kLLThreads, 0, stream)(
-      p.g.state, p.L, static_cast<const char*>(p.y), p.src_slot, p.topk_weights,
-      p.g.num_tokens, p.g.num_topk, p.num_experts, p.hidden, static_cast<char*>(p.out));
-  JAX_EP_CHECK_LAUNCH();
-  return cudaSuccess;
+  switch (p.c.mode) {
+    case kLLSend:
+      return launch_ll(ll_combine_kernel<kLLSend>, p, shared, stream);
+    case kLLRecv:
+      return launch_ll(ll_combine_kernel<kLLRecv>, p, shared, stream);
+    default:
+      return launch_ll(ll_combine_kernel<kLLFused>, p, shared, stream);
+  }
 }
 
 }  // namespace jax_ep

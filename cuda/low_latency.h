@@ -1,6 +1,13 @@
 // Low-latency (decode) dispatch / combine over NVLink: fixed receive slots per (local expert,
-// source rank), no layout pass and no counts exchange before the data. Host-side launchers and the
-// buffer layout; kernels in low_latency.cu. Semantics: jax_ep.reference.ll_dispatch / ll_combine.
+// source rank), no layout pass, no counts exchange before the data and no separate start kernel.
+// Host-side launchers and the buffer layout; kernels in low_latency.cu. Semantics:
+// jax_ep.reference.ll_dispatch / ll_combine.
+//
+// Every op runs fused (one kernel: send, then receive) or in two phases (a send kernel that returns
+// once its writes are issued, and a receive kernel that waits and copies out; the send's handle,
+// a small device array, carries the call to the receive). The receive regions of each op are
+// double-buffered: call n of an op (counted per EP group on the device) uses half n % 2, so at most
+// two two-phase calls of an op may be in flight (sent, not yet received); the kernels check it.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -13,20 +20,40 @@
 
 namespace jax_ep {
 
-// Offsets in the communication buffer. `base` is what the start kernel and the runtime need (the
-// call's OpInfo at base.op_info, base.total bytes in all).
+// A row moves in pieces of at most this many bytes: the unit of one warp's copy (and of combine's
+// per-piece ready flags). A multiple of 512 (a warp step of 256 bf16 elements).
+inline constexpr uint64_t kLLPieceBytes = 8192;
+// Threads of the low-latency kernels (16 warps).
+inline constexpr int kLLThreads = 512;
+// Dynamic shared memory the kernels may take (the opt-in limit of sm_90 is 227 KiB).
+inline constexpr uint64_t kLLMaxSharedBytes = 200 * 1024;
+// Largest T (a count travels in 16 bits of its flag).
+inline constexpr int64_t kLLMaxTokens = 65535;
+
+// How a launch runs an op.
+enum LLMode : int32_t { kLLFused = 0, kLLSend = 1, kLLRecv = 2 };
+
+// Offsets in the communication buffer, for half 0; half h is at + h * (ret|disp)_half_bytes.
+// Combine's region comes first and depends on (T, K, H) only, so dispatch and combine call sites
+// of one shape agree on it whatever the dispatch wire dtype.
 struct LLLayout {
-  CommLayout base;
-  uint64_t recv_flags;   // uint64 [E_local][R]: "rank r's tokens for local expert e are written"
-  uint64_t recv_counts;  // int32 [E_local][R]: how many
-  uint64_t recv_src;     // int32 [E_local][R][T]: t * K + k of each slot's source (token, top-k)
-  uint64_t recv_rows;    // [E_local][R][T][slot_bytes]: row, then FP8 scales
-  uint64_t ret_flags;    // uint64 [R][E_local]: "rank r's outputs of its expert e are returned"
-  uint64_t ret_rows;     // [T][K][ret_row_bytes]: the expert output of each (token, top-k)
-  uint64_t row_bytes;    // dispatched row (bf16 or fp8)
-  uint64_t scale_bytes;  // FP8 scales of a row (0 for bf16)
-  uint64_t slot_bytes;   // row_bytes + scale_bytes, 16-byte aligned
-  uint64_t ret_row_bytes;  // combine's bf16 row
+  CommLayout base;        // base.total: bytes of the buffer the op needs (the rest unused)
+  // combine: what each expert rank returns to this (source) rank
+  uint64_t ret_flags;     // uint64 [T * K][ret_pieces]: piece q of (token, top-k) is written
+  uint64_t ret_rows;      // [T * K][ret_row_bytes]: the expert output of each (token, top-k)
+  uint64_t ret_half_bytes;
+  // dispatch: what each source rank sends to this rank's experts
+  uint64_t count_flags;   // uint64 [E_local][R]: (epoch << 24) | (key << 16) | count
+  uint64_t slot_flags;    // uint64 [E_local][R][T]: slot i of (expert, source rank) is written
+  uint64_t slot_src;      // int32 [E_local][R][T]: t * K + k of each slot's source (token, top-k)
+  uint64_t slots;         // [E_local][R][T][slot_bytes]: row, then FP8 scales
+  uint64_t disp_half_bytes;
+  uint64_t row_bytes;     // dispatched row (bf16 or fp8)
+  uint64_t scale_bytes;   // FP8 scales of a row (0 for bf16)
+  uint64_t slot_bytes;    // row_bytes + scale_bytes, 16-byte aligned
+  uint64_t ret_row_bytes; // combine's bf16 row
+  int32_t ret_pieces;     // pieces of a combine row (ceil(ret_row_bytes / kLLPieceBytes))
+  int32_t row_pieces;     // pieces of a dispatched row (ceil(row_bytes / kLLPieceBytes))
 };
 
 JAX_EP_HOST_DEVICE inline LLLayout make_ll_layout(int64_t num_ranks, int64_t num_tokens,
@@ -43,47 +70,78 @@ JAX_EP_HOST_DEVICE inline LLLayout make_ll_layout(int64_t num_ranks, int64_t num
   L.scale_bytes = scale_bytes;
   L.slot_bytes = align_up_u64(row_bytes + scale_bytes, 16);
   L.ret_row_bytes = align_up_u64(static_cast<uint64_t>(hidden) * 2, 16);
+  L.ret_pieces = static_cast<int32_t>((L.ret_row_bytes + kLLPieceBytes - 1) / kLLPieceBytes);
+  L.row_pieces = static_cast<int32_t>((row_bytes + kLLPieceBytes - 1) / kLLPieceBytes);
   uint64_t at = 0;
-  L.base.op_info = at;  at = align_up_u64(at + sizeof(OpInfo), kAlign);
-  L.recv_flags = at;    at = align_up_u64(at + local * R * 8, kAlign);
-  L.recv_counts = at;   at = align_up_u64(at + local * R * 4, kAlign);
-  L.recv_src = at;      at = align_up_u64(at + local * R * T * 4, kAlign);
-  L.recv_rows = at;     at = align_up_u64(at + local * R * T * L.slot_bytes, kAlign);
-  L.ret_flags = at;     at = align_up_u64(at + R * local * 8, kAlign);
-  L.ret_rows = at;      at = align_up_u64(at + T * K * L.ret_row_bytes, kAlign);
+  L.ret_flags = at;    at = align_up_u64(at + T * K * static_cast<uint64_t>(L.ret_pieces) * 8, kAlign);
+  L.ret_rows = at;     at = align_up_u64(at + T * K * L.ret_row_bytes, kAlign);
+  L.ret_half_bytes = at;
+  at *= 2;
+  const uint64_t dispatch_start = at;
+  L.count_flags = at;  at = align_up_u64(at + local * R * 8, kAlign);
+  L.slot_flags = at;   at = align_up_u64(at + local * R * T * 8, kAlign);
+  L.slot_src = at;     at = align_up_u64(at + local * R * T * 4, kAlign);
+  L.slots = at;        at = align_up_u64(at + local * R * T * L.slot_bytes, kAlign);
+  L.disp_half_bytes = at - dispatch_start;
+  at += L.disp_half_bytes;
   L.base.total = at;
   return L;
 }
 
+// Dynamic shared memory of an LL kernel (0 when the shape is out of range). Host and device.
+JAX_EP_HOST_DEVICE inline uint64_t ll_shared_bytes(bool dispatch, int64_t num_ranks,
+                                                   int64_t num_tokens, int64_t num_experts) {
+  if (num_ranks < 1 || num_tokens < 0 || num_experts < num_ranks) return 0;
+  const uint64_t E = static_cast<uint64_t>(num_experts);
+  const uint64_t words = (static_cast<uint64_t>(num_tokens) + 31) / 32;
+  // LLCall (512) + prefix [E_local * R + 1] + warp sums (16) + the expert x token bit table
+  uint64_t bytes = 512 + align_up_u64((E + 1) * 4, 16) + 64;
+  if (dispatch) bytes += align_up_u64(E * words * 4, 16);
+  return bytes;
+}
+
+// Fields of both ops: the group (device scalars), the layout and the grid.
+struct LLCommon {
+  DeviceState* state;
+  LLLayout L;
+  const int32_t* rank;    // [] index along the EP axis
+  const int32_t* group;   // [] EP group
+  uint32_t* handle;       // kLLSend: written ([4]: epoch, call, low then high words); kLLRecv: read
+  int32_t mode;           // LLMode
+  int32_t num_ranks;      // R
+  int32_t num_tokens;     // T
+  int32_t num_topk;       // K
+  int32_t num_experts;    // E
+  int32_t hidden;         // H
+  int32_t axis_slot;
+  int32_t num_blocks;     // the grid (at most the SMs - 1: the fused kernels need every block resident)
+};
+
 // ll_dispatch: x [T, H] (x_kind: bf16 or f32) -> rows [E_local, R * T, H] (row_kind: bf16 or
 // fp8), scales [E_local, R * T, H / 128] (fp8), counts [E_local, R], src_slot [E_local, R * T].
+// kLLSend reads x and topk_idx only; kLLRecv writes the outputs only.
 struct LLDispatchLaunch {
-  GroupLaunch g;  // g.layout: the start kernel's view (LLLayout::base)
-  LLLayout L;
+  LLCommon c;
   const void* x;
   const int32_t* topk_idx;  // [T, K]
   void* rows;
   float* scales;
   int32_t* counts;
   int32_t* src_slot;
-  int32_t num_experts;
-  int32_t hidden;
   int32_t x_kind;
   int32_t row_kind;
 };
 cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream);
 
-// ll_combine: y [E_local, R * T, H] bf16, src_slot [E_local, R * T], topk_weights [T, K] (0 =
-// skipped) -> out [T, H] bf16.
+// ll_combine: y [E_local, R * T, H] bf16, src_slot [E_local, R * T] (filled from the front),
+// topk_weights [T, K] (0 = skipped) -> out [T, H] bf16. kLLSend reads y and src_slot only; kLLRecv
+// reads topk_weights and writes out only.
 struct LLCombineLaunch {
-  GroupLaunch g;
-  LLLayout L;
+  LLCommon c;
   const void* y;
   const int32_t* src_slot;
   const float* topk_weights;
   void* out;
-  int32_t num_experts;
-  int32_t hidden;
 };
 cudaError_t launch_ll_combine(const LLCombineLaunch& p, cudaStream_t stream);
 

@@ -38,7 +38,9 @@ def test_handler_capsules_for_every_target():
     handlers = native.ffi_handlers()
     assert set(handlers) == set(runtime.FFI_TARGETS)
     stateful = {"jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_broadcast",
-                "jax_ep_slot_values", "jax_ep_remote_smoke", "jax_ep_ll_dispatch", "jax_ep_ll_combine"}
+                "jax_ep_slot_values", "jax_ep_remote_smoke", "jax_ep_ll_dispatch", "jax_ep_ll_combine",
+                "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
+                "jax_ep_ll_combine_recv"}
     for name, entry in handlers.items():
         capsules = entry.values() if name in stateful else [entry]
         if name in stateful:  # the communicating ops keep state per call site (instantiate stage)

@@ -60,6 +60,10 @@ CallCounters slot_values_counters;
 CallCounters remote_smoke_counters;
 CallCounters ll_dispatch_counters;
 CallCounters ll_combine_counters;
+CallCounters ll_dispatch_send_counters;
+CallCounters ll_dispatch_recv_counters;
+CallCounters ll_combine_send_counters;
+CallCounters ll_combine_recv_counters;
 
 // Counts the call, and whether `stream` is being captured into a CUDA graph right now
 // (cudaStreamIsCapturing is legal during capture; it does not query execution status).
@@ -620,7 +624,8 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// jax_ep_ll_dispatch / jax_ep_ll_combine (low-latency mode: fixed slots per (expert, source rank))
+// jax_ep_ll_dispatch / jax_ep_ll_combine (low-latency mode: fixed slots per (expert, source rank)),
+// fused or in two phases (_send returns a handle, _recv takes it)
 // ---------------------------------------------------------------------------------------------
 
 LLLayout LLLayoutOf(const EPAttrs& a) {
@@ -628,7 +633,7 @@ LLLayout LLLayoutOf(const EPAttrs& a) {
                         static_cast<uint64_t>(a.row_bytes), static_cast<uint64_t>(a.scale_bytes));
 }
 
-template <const char* kOp>
+template <const char* kOp, bool kDispatch>
 ffi::ErrorOr<std::unique_ptr<OpState>> LLInstantiate(EPAttrs attrs) {
   if (ffi::Error error = CheckAttrs(kOp, attrs); !error.success()) return ffi::Unexpected(error);
   if (attrs.num_experts < attrs.num_ranks || attrs.num_experts % attrs.num_ranks != 0) {
@@ -636,7 +641,115 @@ ffi::ErrorOr<std::unique_ptr<OpState>> LLInstantiate(EPAttrs attrs) {
                                             " must be a positive multiple of R=" +
                                             std::to_string(attrs.num_ranks)));
   }
+  const uint64_t shared =
+      ll_shared_bytes(kDispatch, attrs.num_ranks, attrs.num_tokens, attrs.num_experts);
+  if (attrs.num_tokens > kLLMaxTokens || shared == 0 || shared > kLLMaxSharedBytes) {
+    return ffi::Unexpected(Invalid(
+        kOp, "T=" + std::to_string(attrs.num_tokens) + " tokens and E=" +
+                 std::to_string(attrs.num_experts) + " experts are beyond the low-latency kernels "
+                 "(T <= " + std::to_string(kLLMaxTokens) + "; a routing table of E * ceil(T / 32) "
+                 "words in " + std::to_string(kLLMaxSharedBytes) + " bytes of shared memory: " +
+                 std::to_string(shared) + " needed); use dispatch / combine"));
+  }
   return MakeState(kOp, attrs, LLLayoutOf(attrs).base);
+}
+
+// The launch fields of both LL ops, from the state and the device.
+ffi::Error PrepareLL(const char* op, int32_t device_ordinal, const OpState& state,
+                     ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int32_t mode,
+                     uint32_t* handle, LLCommon* c) {
+  GroupLaunch g{};
+  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, &g);
+      !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state.attrs;
+  c->state = g.state;
+  c->L = LLLayoutOf(a);
+  c->rank = g.rank;
+  c->group = g.group;
+  c->handle = handle;
+  c->mode = mode;
+  c->num_ranks = g.num_ranks;
+  c->num_tokens = g.num_tokens;
+  c->num_topk = g.num_topk;
+  c->num_experts = static_cast<int32_t>(a.num_experts);
+  c->hidden = static_cast<int32_t>(a.hidden);
+  c->axis_slot = g.axis_slot;
+  c->num_blocks = g.num_blocks;
+  return ffi::Error::Success();
+}
+
+// The handle between a _send and its _recv: uint32 [4] (epoch, call; low then high words).
+ffi::Error CheckLLHandle(const char* op, ffi::Span<const int64_t> dims) {
+  if (!IsShape(dims, {4})) return Invalid(op, "the handle must be uint32[4], got " + DimsToString(dims));
+  return ffi::Error::Success();
+}
+
+// ll_dispatch's inputs x [T, H] (bf16 / f32) and topk_idx [T, K].
+ffi::Error CheckLLDispatchInputs(const char* op, const EPAttrs& a, ffi::AnyBuffer x,
+                                 ffi::Buffer<ffi::S32> topk_idx, int32_t* x_kind) {
+  if (!RowKindOf(x.element_type(), x_kind) || *x_kind == kRowFP8) {
+    return Invalid(op, "x must be bfloat16 or float32");
+  }
+  if (!IsShape(x.dimensions(), {a.num_tokens, a.hidden}) ||
+      !IsShape(topk_idx.dimensions(), {a.num_tokens, a.num_topk})) {
+    return Invalid(op, "x " + DimsToString(x.dimensions()) + ", topk_idx " +
+                           DimsToString(topk_idx.dimensions()) + " do not match T=" +
+                           std::to_string(a.num_tokens) + ", H=" + std::to_string(a.hidden) +
+                           ", K=" + std::to_string(a.num_topk));
+  }
+  return ffi::Error::Success();
+}
+
+// The wire row kind the attributes were sized for (fp8: H bytes + H / 128 scales; bf16: 2H).
+ffi::Error LLRowKindOfAttrs(const char* op, const EPAttrs& a, int32_t* row_kind) {
+  *row_kind = a.row_bytes == a.hidden ? kRowFP8 : kRowBF16;
+  if (ffi::Error error = CheckRowBytes(op, a, *row_kind); !error.success()) return error;
+  const bool fp8 = *row_kind == kRowFP8;
+  if ((fp8 && a.hidden % 128 != 0) || a.scale_bytes != (fp8 ? a.hidden / 128 * 4 : 0)) {
+    return Invalid(op, "scale_bytes=" + std::to_string(a.scale_bytes) + " does not match H=" +
+                           std::to_string(a.hidden) + (fp8 ? " (fp8)" : " (bf16)"));
+  }
+  return ffi::Error::Success();
+}
+
+// ll_dispatch's outputs rows [E_local, R * T, H], scales [E_local, R * T, H / 128] (fp8; else
+// empty), counts [E_local, R], src_slot [E_local, R * T]; sets the row kind.
+ffi::Error CheckLLDispatchOutputs(const char* op, const EPAttrs& a,
+                                  ffi::Result<ffi::AnyBuffer>& rows,
+                                  ffi::ResultBuffer<ffi::F32>& scales,
+                                  ffi::ResultBuffer<ffi::S32>& counts,
+                                  ffi::ResultBuffer<ffi::S32>& src_slot, int32_t* row_kind) {
+  if (!RowKindOf(rows->element_type(), row_kind) ||
+      !(*row_kind == kRowBF16 || *row_kind == kRowFP8)) {
+    return Invalid(op, "rows must be bfloat16 or float8_e4m3fn");
+  }
+  int32_t attr_kind;
+  if (ffi::Error error = LLRowKindOfAttrs(op, a, &attr_kind); !error.success()) return error;
+  if (attr_kind != *row_kind) return Invalid(op, "rows dtype does not match row_bytes");
+  const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
+  const bool fp8 = *row_kind == kRowFP8;
+  if (!IsShape(rows->dimensions(), {local, R * T, H}) ||
+      (fp8 ? !IsShape(scales->dimensions(), {local, R * T, H / 128})
+           : scales->element_count() != 0) ||
+      !IsShape(counts->dimensions(), {local, R}) ||
+      !IsShape(src_slot->dimensions(), {local, R * T})) {
+    return Invalid(op, "output shapes do not match T=" + std::to_string(T) + ", H=" +
+                           std::to_string(H) + ", R=" + std::to_string(R) + ", E=" +
+                           std::to_string(a.num_experts) + " (rows " +
+                           DimsToString(rows->dimensions()) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+void SetLLDispatchOutputs(LLDispatchLaunch* launch, bool fp8, ffi::Result<ffi::AnyBuffer>& rows,
+                          ffi::ResultBuffer<ffi::F32>& scales, ffi::ResultBuffer<ffi::S32>& counts,
+                          ffi::ResultBuffer<ffi::S32>& src_slot) {
+  launch->rows = rows->untyped_data();
+  launch->scales = fp8 ? scales->typed_data() : nullptr;
+  launch->counts = counts->typed_data();
+  launch->src_slot = src_slot->typed_data();
 }
 
 ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -650,48 +763,119 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
     return error;
   }
   const EPAttrs& a = state->attrs;
-  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks,
-                E = a.num_experts;
-  int32_t x_kind, row_kind;
-  if (!RowKindOf(x.element_type(), &x_kind) || x_kind == kRowFP8 ||
-      !RowKindOf(rows->element_type(), &row_kind) ||
-      !(row_kind == kRowBF16 || row_kind == kRowFP8)) {
-    return Invalid(kOp, "x must be bfloat16 or float32, rows bfloat16 or float8_e4m3fn");
-  }
-  const bool fp8 = row_kind == kRowFP8;
-  const int64_t num_scales = fp8 ? H / 128 : 0;
-  if (ffi::Error error = CheckRowBytes(kOp, a, row_kind); !error.success()) return error;
-  const int64_t local = E / R;
-  if ((fp8 && H % 128 != 0) || a.scale_bytes != num_scales * 4 ||
-      !IsShape(x.dimensions(), {T, H}) || !IsShape(topk_idx.dimensions(), {T, K}) ||
-      !IsShape(rows->dimensions(), {local, R * T, H}) ||
-      (fp8 ? !IsShape(scales->dimensions(), {local, R * T, num_scales})
-           : scales->element_count() != 0) ||
-      !IsShape(counts->dimensions(), {local, R}) ||
-      !IsShape(src_slot->dimensions(), {local, R * T})) {
-    return Invalid(kOp, "buffer shapes do not match T=" + std::to_string(T) + ", H=" +
-                            std::to_string(H) + ", K=" + std::to_string(K) + ", R=" +
-                            std::to_string(R) + ", E=" + std::to_string(E) + " (rows " +
-                            DimsToString(rows->dimensions()) + ")");
-  }
   LLDispatchLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch.g);
+  if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
       !error.success()) {
     return error;
   }
-  launch.L = LLLayoutOf(a);
+  if (ffi::Error error =
+          CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error =
+          PrepareLL(kOp, device_ordinal, *state, rank, group, kLLFused, nullptr, &launch.c);
+      !error.success()) {
+    return error;
+  }
   launch.x = x.untyped_data();
   launch.topk_idx = topk_idx.typed_data();
-  launch.rows = rows->untyped_data();
-  launch.scales = fp8 ? scales->typed_data() : nullptr;
-  launch.counts = counts->typed_data();
-  launch.src_slot = src_slot->typed_data();
-  launch.num_experts = static_cast<int32_t>(E);
-  launch.hidden = static_cast<int32_t>(H);
-  launch.x_kind = x_kind;
-  launch.row_kind = row_kind;
+  SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
   const cudaError_t status = launch_ll_dispatch(launch, stream);
   if (status != cudaSuccess) return CudaError(status, "ll_dispatch kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                              ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                              ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                              ffi::ResultBuffer<ffi::U32> handle) {
+  constexpr const char* kOp = kLLDispatchSendTarget;
+  if (ffi::Error error = CountCall(ll_dispatch_send_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  LLDispatchLaunch launch{};
+  if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = LLRowKindOfAttrs(kOp, a, &launch.row_kind); !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = CheckLLHandle(kOp, handle->dimensions()); !error.success()) return error;
+  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLSend,
+                                   handle->typed_data(), &launch.c);
+      !error.success()) {
+    return error;
+  }
+  launch.x = x.untyped_data();
+  launch.topk_idx = topk_idx.typed_data();
+  const cudaError_t status = launch_ll_dispatch(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, "ll_dispatch_send kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                              ffi::Buffer<ffi::U32> handle, ffi::Buffer<ffi::S32> rank,
+                              ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
+                              ffi::ResultBuffer<ffi::F32> scales,
+                              ffi::ResultBuffer<ffi::S32> counts,
+                              ffi::ResultBuffer<ffi::S32> src_slot) {
+  constexpr const char* kOp = kLLDispatchRecvTarget;
+  if (ffi::Error error = CountCall(ll_dispatch_recv_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  LLDispatchLaunch launch{};
+  launch.x_kind = kRowBF16;  // x is the send's
+  if (ffi::Error error =
+          CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = CheckLLHandle(kOp, handle.dimensions()); !error.success()) return error;
+  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLRecv,
+                                   const_cast<uint32_t*>(handle.typed_data()), &launch.c);
+      !error.success()) {
+    return error;
+  }
+  SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
+  const cudaError_t status = launch_ll_dispatch(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, "ll_dispatch_recv kernel launch");
+  return ffi::Error::Success();
+}
+
+// ll_combine's y [E_local, R * T, H] bf16 and src_slot [E_local, R * T].
+ffi::Error CheckLLCombineSendInputs(const char* op, const EPAttrs& a, ffi::AnyBuffer y,
+                                    ffi::Buffer<ffi::S32> src_slot) {
+  const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
+  if (y.element_type() != ffi::DataType::BF16) return Invalid(op, "y must be bfloat16");
+  if (ffi::Error error = CheckRowBytes(op, a, kRowBF16); !error.success()) return error;
+  if (!IsShape(y.dimensions(), {local, R * T, H}) ||
+      !IsShape(src_slot.dimensions(), {local, R * T})) {
+    return Invalid(op, "y " + DimsToString(y.dimensions()) + ", src_slot " +
+                           DimsToString(src_slot.dimensions()) + " do not match T=" +
+                           std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
+                           std::to_string(R) + ", E=" + std::to_string(a.num_experts));
+  }
+  return ffi::Error::Success();
+}
+
+// ll_combine's topk_weights [T, K] (K <= 32) and out [T, H] bf16.
+ffi::Error CheckLLCombineRecvArgs(const char* op, const EPAttrs& a,
+                                  ffi::Buffer<ffi::F32> topk_weights,
+                                  ffi::Result<ffi::AnyBuffer>& out) {
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk;
+  if (out->element_type() != ffi::DataType::BF16) return Invalid(op, "the output must be bfloat16");
+  if (ffi::Error error = CheckRowBytes(op, a, kRowBF16); !error.success()) return error;
+  if (K > 32 || !IsShape(topk_weights.dimensions(), {T, K}) ||
+      !IsShape(out->dimensions(), {T, H})) {
+    return Invalid(op, "topk_weights " + DimsToString(topk_weights.dimensions()) + ", out " +
+                           DimsToString(out->dimensions()) + " do not match T=" +
+                           std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
+                           std::to_string(K) + " (<= 32)");
+  }
   return ffi::Error::Success();
 }
 
@@ -705,36 +889,76 @@ ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
     return error;
   }
   const EPAttrs& a = state->attrs;
-  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks,
-                E = a.num_experts;
-  const int64_t local = E / R;
-  if (y.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16) {
-    return Invalid(kOp, "y and the output must be bfloat16");
+  if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
+    return error;
   }
-  if (ffi::Error error = CheckRowBytes(kOp, a, kRowBF16); !error.success()) return error;
-  if (K > 32 || !IsShape(y.dimensions(), {local, R * T, H}) ||
-      !IsShape(src_slot.dimensions(), {local, R * T}) ||
-      !IsShape(topk_weights.dimensions(), {T, K}) || !IsShape(out->dimensions(), {T, H})) {
-    return Invalid(kOp, "y " + DimsToString(y.dimensions()) + ", out " +
-                            DimsToString(out->dimensions()) + " do not match T=" +
-                            std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
-                            std::to_string(K) + " (<= 32), R=" + std::to_string(R) + ", E=" +
-                            std::to_string(E));
+  if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
+    return error;
   }
   LLCombineLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch.g);
+  if (ffi::Error error =
+          PrepareLL(kOp, device_ordinal, *state, rank, group, kLLFused, nullptr, &launch.c);
       !error.success()) {
     return error;
   }
-  launch.L = LLLayoutOf(a);
   launch.y = y.untyped_data();
   launch.src_slot = src_slot.typed_data();
   launch.topk_weights = topk_weights.typed_data();
   launch.out = out->untyped_data();
-  launch.num_experts = static_cast<int32_t>(E);
-  launch.hidden = static_cast<int32_t>(H);
   const cudaError_t status = launch_ll_combine(launch, stream);
   if (status != cudaSuccess) return CudaError(status, "ll_combine kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                             ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_slot,
+                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                             ffi::ResultBuffer<ffi::U32> handle) {
+  constexpr const char* kOp = kLLCombineSendTarget;
+  if (ffi::Error error = CountCall(ll_combine_send_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = CheckLLHandle(kOp, handle->dimensions()); !error.success()) return error;
+  LLCombineLaunch launch{};
+  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLSend,
+                                   handle->typed_data(), &launch.c);
+      !error.success()) {
+    return error;
+  }
+  launch.y = y.untyped_data();
+  launch.src_slot = src_slot.typed_data();
+  const cudaError_t status = launch_ll_combine(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, "ll_combine_send kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                             ffi::Buffer<ffi::U32> handle, ffi::Buffer<ffi::F32> topk_weights,
+                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                             ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kOp = kLLCombineRecvTarget;
+  if (ffi::Error error = CountCall(ll_combine_recv_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = CheckLLHandle(kOp, handle.dimensions()); !error.success()) return error;
+  LLCombineLaunch launch{};
+  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLRecv,
+                                   const_cast<uint32_t*>(handle.typed_data()), &launch.c);
+      !error.success()) {
+    return error;
+  }
+  launch.topk_weights = topk_weights.typed_data();
+  launch.out = out->untyped_data();
+  const cudaError_t status = launch_ll_combine(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, "ll_combine_recv kernel launch");
   return ffi::Error::Success();
 }
 
@@ -781,7 +1005,11 @@ std::vector<HandlerStats> GetHandlerStats() {
         std::pair<const char*, CallCounters*>{kSlotValuesTarget, &slot_values_counters},
         std::pair<const char*, CallCounters*>{kRemoteSmokeTarget, &remote_smoke_counters},
         std::pair<const char*, CallCounters*>{kLLDispatchTarget, &ll_dispatch_counters},
-        std::pair<const char*, CallCounters*>{kLLCombineTarget, &ll_combine_counters}}) {
+        std::pair<const char*, CallCounters*>{kLLCombineTarget, &ll_combine_counters},
+        std::pair<const char*, CallCounters*>{kLLDispatchSendTarget, &ll_dispatch_send_counters},
+        std::pair<const char*, CallCounters*>{kLLDispatchRecvTarget, &ll_dispatch_recv_counters},
+        std::pair<const char*, CallCounters*>{kLLCombineSendTarget, &ll_combine_send_counters},
+        std::pair<const char*, CallCounters*>{kLLCombineRecvTarget, &ll_combine_recv_counters}}) {
     stats.push_back({target, counters->calls.load(std::memory_order_relaxed),
                      counters->captured_calls.load(std::memory_order_relaxed)});
   }
@@ -881,12 +1109,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
                                    .Ret<ffi::Buffer<ffi::F32>>()),            // out
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchInstantiate,
-                              jax_ep::LLInstantiate<jax_ep::kLLDispatchTarget>,
-                              ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineInstantiate,
-                              jax_ep::LLInstantiate<jax_ep::kLLCombineTarget>,
-                              ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>());
+#define JAX_EP_LL_INSTANTIATE(SYMBOL, TARGET, DISPATCH)                                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, (jax_ep::LLInstantiate<jax_ep::TARGET, DISPATCH>),  \
+                                ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>())
+JAX_EP_LL_INSTANTIATE(JaxEpLLDispatchInstantiate, kLLDispatchTarget, true);
+JAX_EP_LL_INSTANTIATE(JaxEpLLCombineInstantiate, kLLCombineTarget, false);
+JAX_EP_LL_INSTANTIATE(JaxEpLLDispatchSendInstantiate, kLLDispatchSendTarget, true);
+JAX_EP_LL_INSTANTIATE(JaxEpLLDispatchRecvInstantiate, kLLDispatchRecvTarget, true);
+JAX_EP_LL_INSTANTIATE(JaxEpLLCombineSendInstantiate, kLLCombineSendTarget, false);
+JAX_EP_LL_INSTANTIATE(JaxEpLLCombineRecvInstantiate, kLLCombineRecvTarget, false);
+#undef JAX_EP_LL_INSTANTIATE
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
@@ -897,9 +1129,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
                                    .Ret<ffi::Buffer<ffi::S32>>()),           // src_slot
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::LLDispatchSendImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
+                                                  ffi::Buffer<ffi::S32>>()   // topk_idx
+                                   .Ret<ffi::Buffer<ffi::U32>>()),           // handle
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchRecv, jax_ep::LLDispatchRecvImpl,
+                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>>()   // handle
+                                   .Ret<ffi::AnyBuffer>()                    // rows
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // scales
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // counts
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // src_slot
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::LLCombineImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
                                                   ffi::Buffer<ffi::S32>,      // src_slot
+                                                  ffi::Buffer<ffi::F32>>()    // topk_weights
+                                   .Ret<ffi::AnyBuffer>()),                   // out
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::LLCombineSendImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
+                                                  ffi::Buffer<ffi::S32>>()    // src_slot
+                                   .Ret<ffi::Buffer<ffi::U32>>()),            // handle
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineRecv, jax_ep::LLCombineRecvImpl,
+                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,      // handle
                                                   ffi::Buffer<ffi::F32>>()    // topk_weights
                                    .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});

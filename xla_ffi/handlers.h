@@ -21,6 +21,10 @@ inline constexpr const char kSlotValuesTarget[] = "jax_ep_slot_values";
 inline constexpr const char kRemoteSmokeTarget[] = "jax_ep_remote_smoke";
 inline constexpr const char kLLDispatchTarget[] = "jax_ep_ll_dispatch";
 inline constexpr const char kLLCombineTarget[] = "jax_ep_ll_combine";
+inline constexpr const char kLLDispatchSendTarget[] = "jax_ep_ll_dispatch_send";
+inline constexpr const char kLLDispatchRecvTarget[] = "jax_ep_ll_dispatch_recv";
+inline constexpr const char kLLCombineSendTarget[] = "jax_ep_ll_combine_send";
+inline constexpr const char kLLCombineRecvTarget[] = "jax_ep_ll_combine_recv";
 
 // Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values), one struct for
 // all four (fields an op does not use are 0); built by jax_ep.cuda_backend._attrs. Alphabetical:
@@ -82,4 +86,12 @@ XLA_FFI_Error* JaxEpLLDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombineInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombine(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatchSendInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatchRecvInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombineSendInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombineRecvInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatchSend(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatchRecv(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombineSend(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombineRecv(XLA_FFI_CallFrame* call_frame);
 }

@@ -139,6 +139,14 @@ NB_MODULE(_C, m) {
             StatefulHandler(JaxEpLLDispatchInstantiate, JaxEpLLDispatch);
         handlers[jax_ep::kLLCombineTarget] =
             StatefulHandler(JaxEpLLCombineInstantiate, JaxEpLLCombine);
+        handlers[jax_ep::kLLDispatchSendTarget] =
+            StatefulHandler(JaxEpLLDispatchSendInstantiate, JaxEpLLDispatchSend);
+        handlers[jax_ep::kLLDispatchRecvTarget] =
+            StatefulHandler(JaxEpLLDispatchRecvInstantiate, JaxEpLLDispatchRecv);
+        handlers[jax_ep::kLLCombineSendTarget] =
+            StatefulHandler(JaxEpLLCombineSendInstantiate, JaxEpLLCombineSend);
+        handlers[jax_ep::kLLCombineRecvTarget] =
+            StatefulHandler(JaxEpLLCombineRecvInstantiate, JaxEpLLCombineRecv);
         handlers[jax_ep::kRemoteSmokeTarget] =
             StatefulHandler(JaxEpRemoteSmokeInstantiate, JaxEpRemoteSmoke);
         return handlers;

@@ -546,6 +546,34 @@ void Runtime::Shutdown() {
   }
 }
 
+namespace {
+
+// The message of a kFaultLLInFlight record (cuda/device_state.h, LLFault).
+std::string LLInFlightMessage(const std::string& op, int device, int rank, int what,
+                              uint64_t expected, uint64_t observed) {
+  const std::string where = "jax_ep: " + op + " on GPU " + std::to_string(device) + " (rank " +
+                            std::to_string(rank) + "): ";
+  switch (what) {
+    case kLLFaultTooMany:
+      return where + "call " + std::to_string(expected) + " would overwrite the receive buffer of "
+             "call " + std::to_string(observed) + ", sent in two phases and not received yet: at "
+             "most 2 two-phase calls of an op may be in flight (receive call n before sending "
+             "call n + 2).";
+    case kLLFaultShape:
+      return where + "a low-latency call of another shape ran while two-phase low-latency calls "
+             "were in flight (sent, not received): receive them first.";
+    case kLLFaultStaleHandle:
+      return where + "the receive of call " + std::to_string(expected) + " found it not in flight "
+             "(the receive buffer holds call " + std::to_string(observed) + "): each handle of a "
+             "_send must be received exactly once, before the call after next is sent.";
+    default:
+      return where + "a throughput EP op ran while " + std::to_string(observed) + " two-phase "
+             "low-latency calls were in flight (sent, not received): receive them first.";
+  }
+}
+
+}  // namespace
+
 std::vector<FaultInfo> Runtime::Faults() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<FaultInfo> faults;
@@ -557,6 +585,7 @@ std::vector<FaultInfo> Runtime::Faults() const {
     FaultInfo info;
     info.kind = record.kind == kFaultTimeout       ? "timeout"
                 : record.kind == kFaultBadArgument ? "bad_argument"
+                : record.kind == kFaultLLInFlight  ? "ll_in_flight"
                                                    : "stale_runtime";
     info.op = OpName(record.op_id);
     info.device_ordinal = record.device_ordinal;
@@ -580,6 +609,9 @@ std::vector<FaultInfo> Runtime::Faults() const {
                      std::to_string(info.expected) + " and saw " +
                      std::to_string(info.observed) +
                      ". Every rank must issue the same EP calls in the same order.";
+    } else if (record.kind == kFaultLLInFlight) {
+      info.message = LLInFlightMessage(info.op, info.device_ordinal, info.rank,
+                                       info.waited_ordinal, info.expected, info.observed);
     } else if (record.kind == kFaultBadArgument) {
       info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
                      " got rank " + std::to_string(info.rank) + " / group " +

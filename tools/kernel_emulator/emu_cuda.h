@@ -99,7 +99,11 @@ inline uint64_t gather(uint64_t value, uint64_t all[32]) {
   return 0;
 }
 
-// Runs kernel(args...) with `grid` blocks of `threads` threads, blocks one after the other.
+// Blocks of a launch run one after the other, unless concurrent_blocks is set: then all at once
+// (kernels whose blocks wait for each other, like the fused low-latency ones, need that).
+inline bool concurrent_blocks = false;
+
+// Runs kernel(args...) with `grid` blocks of `threads` threads.
 template <class Kernel>
 struct Launcher {
   unsigned grid, threads;
@@ -107,6 +111,32 @@ struct Launcher {
   Kernel kernel;
   template <class... Args>
   void operator()(Args... args) const {
+    if (concurrent_blocks) {
+      std::vector<std::unique_ptr<BlockCtx>> blocks;
+      std::vector<std::thread> pool;
+      pool.reserve(static_cast<size_t>(grid) * threads);
+      for (unsigned b = 0; b < grid; ++b) {
+        blocks.emplace_back(new BlockCtx(threads));
+        blocks.back()->dynamic_shared.assign(shared_bytes + 16, 0);
+      }
+      for (unsigned b = 0; b < grid; ++b) {
+        BlockCtx* ctx = blocks[b].get();
+        for (unsigned t = 0; t < threads; ++t) {
+          pool.emplace_back([&, ctx, b, t] {
+            threadIdx = {t, 0, 0};
+            blockIdx = {b, 0, 0};
+            blockDim = {threads, 1, 1};
+            gridDim = {grid, 1, 1};
+            block = ctx;
+            kernel(args...);
+            ctx->warps[t / 32]->bar.arrive_and_drop();
+            ctx->bar.arrive_and_drop();
+          });
+        }
+      }
+      for (auto& th : pool) th.join();
+      return;
+    }
     for (unsigned b = 0; b < grid; ++b) {
       BlockCtx ctx(threads);
       ctx.dynamic_shared.assign(shared_bytes + 16, 0);

@@ -1,8 +1,14 @@
 // Runs jax_ep's low-latency dispatch / combine kernels (cuda/low_latency.cu) on the CPU emulation
-// (emu_cuda.h), one process per rank, device memory shared between them. Inputs and outputs are raw
-// files in <dir>, written / read by ll_run.py, which compares them with jax_ep.reference.
+// (emu_cuda.h, blocks of a launch concurrently), one process per rank, device memory shared between
+// them. Inputs and outputs are raw files in <dir>, written / read by ll_run.py, which compares them
+// with jax_ep.reference.
 //
-//   ll_driver <dir> R T H K E x_kind row_kind reps
+//   ll_driver <dir> R T H K E x_kind row_kind reps blocks mode
+//
+// mode 0: each repetition fused ll_dispatch then fused ll_combine; 1: each in two phases (send,
+// receive); 2: two repetitions in flight at once (both sends, then both receives, per op);
+// 3: three two-phase dispatch sends in a row (must fault: at most two in flight);
+// 4: a two-phase dispatch received twice (must fault: stale handle).
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -49,14 +55,16 @@ void check(cudaError_t status, const char* what) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 10) {
-    std::fprintf(stderr, "usage: ll_driver dir R T H K E x_kind row_kind reps\n");
+  if (argc != 12) {
+    std::fprintf(stderr, "usage: ll_driver dir R T H K E x_kind row_kind reps blocks mode\n");
     return 1;
   }
   dir = argv[1];
   const int R = std::atoi(argv[2]), T = std::atoi(argv[3]), H = std::atoi(argv[4]),
             K = std::atoi(argv[5]), E = std::atoi(argv[6]), x_kind = std::atoi(argv[7]),
-            row_kind = std::atoi(argv[8]), reps = std::atoi(argv[9]);
+            row_kind = std::atoi(argv[8]), reps = std::atoi(argv[9]), blocks = std::atoi(argv[10]),
+            mode = std::atoi(argv[11]);
+  emu::concurrent_blocks = true;
   const bool fp8 = row_kind == kRowFP8;
   const int num_scales = fp8 ? H / 128 : 0;
   const int local = E / R;
@@ -89,7 +97,7 @@ int main(int argc, char** argv) {
       t.peer_states[p] = states[p];
     }
     t.comm_bytes = buffer_bytes;
-    t.timeout_ns = 300ull * 1000000000ull;
+    t.timeout_ns = (mode >= 3 ? 20ull : 300ull) * 1000000000ull;
     t.fault_record = &faults[r];
     t.device_ordinal = r;
     t.slot = r;
@@ -108,54 +116,93 @@ int main(int argc, char** argv) {
     auto idx = read_file("idx" + s + ".bin", size_t(T) * K * 4);
     auto w = read_file("w" + s + ".bin", size_t(T) * K * 4);
     auto y = read_file("y" + s + ".bin", size_t(local) * R * T * H * 2);
-    for (int rep = 0; rep < reps; ++rep) {
-      const std::string tag = s + "_" + std::to_string(rep);
-      const size_t slots = size_t(local) * R * T;
-      auto rows = poisoned(slots * H * row_bytes);
-      auto scales = poisoned(slots * std::max(num_scales, 1) * 4);
-      auto counts = poisoned(size_t(local) * R * 4);
-      auto src = poisoned(slots * 4);
+    const size_t slots = size_t(local) * R * T;
+    struct Rep {
+      std::vector<char> rows, scales, counts, src, out;
+      uint32_t dispatch_handle[4], combine_handle[4];
+    };
+    std::vector<Rep> out(reps);
+    for (Rep& o : out) {
+      o.rows = poisoned(slots * H * row_bytes);
+      o.scales = poisoned(slots * std::max(num_scales, 1) * 4);
+      o.counts = poisoned(size_t(local) * R * 4);
+      o.src = poisoned(slots * 4);
+      o.out = poisoned(size_t(T) * H * 2);
+    }
+    LLCommon common{};
+    common.state = states[rank];
+    common.rank = &rank_value;
+    common.group = &group_value;
+    common.num_ranks = R;
+    common.num_tokens = T;
+    common.num_topk = K;
+    common.num_experts = E;
+    common.hidden = H;
+    common.axis_slot = 2;
+    common.num_blocks = blocks;
+    auto dispatch = [&](Rep& o, int m, uint32_t* handle) {
       LLDispatchLaunch d{};
-      d.g.state = states[rank];
-      d.g.layout = dispatch_layout.base;
-      d.g.rank = &rank_value;
-      d.g.group = &group_value;
-      d.g.num_ranks = R;
-      d.g.num_tokens = T;
-      d.g.num_topk = K;
-      d.g.axis_slot = 2;
-      d.g.num_blocks = 8;
-      d.g.send_warps = 1;
-      d.L = dispatch_layout;
+      d.c = common;
+      d.c.L = dispatch_layout;
+      d.c.mode = m;
+      d.c.handle = handle;
       d.x = x.data();
       d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
-      d.rows = rows.data();
-      d.scales = fp8 ? reinterpret_cast<float*>(scales.data()) : nullptr;
-      d.counts = reinterpret_cast<int32_t*>(counts.data());
-      d.src_slot = reinterpret_cast<int32_t*>(src.data());
-      d.num_experts = E;
-      d.hidden = H;
+      d.rows = o.rows.data();
+      d.scales = fp8 ? reinterpret_cast<float*>(o.scales.data()) : nullptr;
+      d.counts = reinterpret_cast<int32_t*>(o.counts.data());
+      d.src_slot = reinterpret_cast<int32_t*>(o.src.data());
       d.x_kind = x_kind;
       d.row_kind = row_kind;
       check(launch_ll_dispatch(d, nullptr), "ll_dispatch");
-      write_file("rows" + tag + ".bin", rows.data(), slots * H * row_bytes);
-      if (fp8) write_file("scales" + tag + ".bin", scales.data(), slots * num_scales * 4);
-      write_file("counts" + tag + ".bin", counts.data(), size_t(local) * R * 4);
-      write_file("src" + tag + ".bin", src.data(), slots * 4);
-
+    };
+    auto combine = [&](Rep& o, int m, uint32_t* handle) {
       LLCombineLaunch c{};
-      c.g = d.g;
-      c.g.layout = combine_layout.base;
-      c.L = combine_layout;
+      c.c = common;
+      c.c.L = combine_layout;
+      c.c.mode = m;
+      c.c.handle = handle;
       c.y = y.data();
-      c.src_slot = d.src_slot;
+      c.src_slot = reinterpret_cast<const int32_t*>(o.src.data());
       c.topk_weights = reinterpret_cast<const float*>(w.data());
-      auto out = poisoned(size_t(T) * H * 2);
-      c.out = out.data();
-      c.num_experts = E;
-      c.hidden = H;
+      c.out = o.out.data();
       check(launch_ll_combine(c, nullptr), "ll_combine");
-      write_file("out" + tag + ".bin", out.data(), size_t(T) * H * 2);
+    };
+    if (mode == 3) {  // a third send while two are in flight
+      for (int i = 0; i < 3; ++i) dispatch(out[0], kLLSend, out[0].dispatch_handle);
+    } else if (mode == 4) {  // the same handle received twice
+      dispatch(out[0], kLLSend, out[0].dispatch_handle);
+      dispatch(out[0], kLLRecv, out[0].dispatch_handle);
+      dispatch(out[0], kLLRecv, out[0].dispatch_handle);
+    } else if (mode == 2) {
+      for (int base = 0; base < reps; base += 2) {
+        const int n = std::min(2, reps - base);
+        for (int i = 0; i < n; ++i) dispatch(out[base + i], kLLSend, out[base + i].dispatch_handle);
+        for (int i = 0; i < n; ++i) dispatch(out[base + i], kLLRecv, out[base + i].dispatch_handle);
+        for (int i = 0; i < n; ++i) combine(out[base + i], kLLSend, out[base + i].combine_handle);
+        for (int i = 0; i < n; ++i) combine(out[base + i], kLLRecv, out[base + i].combine_handle);
+      }
+    } else {
+      for (Rep& o : out) {
+        if (mode == 1) {
+          dispatch(o, kLLSend, o.dispatch_handle);
+          dispatch(o, kLLRecv, o.dispatch_handle);
+          combine(o, kLLSend, o.combine_handle);
+          combine(o, kLLRecv, o.combine_handle);
+        } else {
+          dispatch(o, kLLFused, nullptr);
+          combine(o, kLLFused, nullptr);
+        }
+      }
+    }
+    for (int rep = 0; rep < reps; ++rep) {
+      const std::string tag = s + "_" + std::to_string(rep);
+      const Rep& o = out[rep];
+      write_file("rows" + tag + ".bin", o.rows.data(), slots * H * row_bytes);
+      if (fp8) write_file("scales" + tag + ".bin", o.scales.data(), slots * num_scales * 4);
+      write_file("counts" + tag + ".bin", o.counts.data(), size_t(local) * R * 4);
+      write_file("src" + tag + ".bin", o.src.data(), slots * 4);
+      write_file("out" + tag + ".bin", o.out.data(), size_t(T) * H * 2);
     }
     std::fflush(stdout);
     _exit(0);
@@ -168,8 +215,10 @@ int main(int argc, char** argv) {
   }
   for (int r = 0; r < R; ++r) {
     if (faults[r].valid) {
-      std::printf("fault on rank %d: kind %d op %d waited %d\n", r, faults[r].kind,
-                  faults[r].op_id, faults[r].waited_rank);
+      std::printf("fault on rank %d: kind %d op %d waited %d what %d expected %llu observed %llu\n",
+                  r, faults[r].kind, faults[r].op_id, faults[r].waited_rank,
+                  faults[r].waited_ordinal, static_cast<unsigned long long>(faults[r].expected),
+                  static_cast<unsigned long long>(faults[r].observed));
       failed = 1;
     }
   }

@@ -1,12 +1,12 @@
 """Runs the low-latency CUDA kernels (cuda/low_latency.cu) on the CPU emulation (emu_cuda.h +
-ll_driver.cc) and compares them with jax_ep.reference.ll_dispatch / ll_combine: counts, src_slot
-and every filled slot's row (and FP8 scales) bit-exact; combine within one bf16 step of the row max
-(the kernel sums in top-k order in float32; XLA may order the reference's sum differently), with
-NaN in every unfilled slot of y (it must not leak).
+ll_driver.cc, the blocks of a launch concurrently) and compares them with
+jax_ep.reference.ll_dispatch / ll_combine: counts, src_slot and every filled slot's row (and FP8
+scales) bit-exact; combine bit-exact too (float32 sums in top-k order, no FMA, in both), with NaN in
+every unfilled slot of y (it must not leak). Each case runs the ops fused, in two phases, or with two
+calls in flight (mode 0 / 1 / 2); two more cases break the double-buffering rules and must fault
+(a third send in flight; a handle received twice).
 
     python tools/kernel_emulator/ll_run.py [--random N] [--seed S]
-
-Shapes stay small (one block per launch: the emulation runs a launch's blocks one after another).
 """
 
 from __future__ import annotations
@@ -35,14 +35,21 @@ DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_ll_driver")
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
           "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
 
-CASES = [  # R, T, H, K, E, x dtype, wire dtype, routing
-    (2, 7, 64, 3, 8, "bfloat16", "bfloat16", "messy"),
-    (2, 16, 256, 4, 8, "bfloat16", "float8_e4m3fn", "distinct"),
-    (3, 5, 128, 2, 6, "float32", "bfloat16", "messy"),
-    (4, 9, 128, 4, 16, "float32", "float8_e4m3fn", "messy"),
-    (1, 4, 24, 2, 4, "bfloat16", "bfloat16", "skewed"),
-    (2, 1, 520, 1, 2, "bfloat16", "bfloat16", "distinct"),
+CASES = [  # R, T, H, K, E, x dtype, wire dtype, routing, mode (0 fused, 1 two-phase, 2 two in flight)
+    (2, 7, 64, 3, 8, "bfloat16", "bfloat16", "messy", 0),
+    (2, 16, 256, 4, 8, "bfloat16", "float8_e4m3fn", "distinct", 0),
+    (3, 5, 128, 2, 6, "float32", "bfloat16", "messy", 1),
+    (4, 9, 128, 4, 16, "float32", "float8_e4m3fn", "messy", 2),
+    (1, 4, 24, 2, 4, "bfloat16", "bfloat16", "skewed", 0),
+    (2, 1, 520, 1, 2, "bfloat16", "bfloat16", "distinct", 1),
+    (2, 0, 128, 2, 4, "bfloat16", "float8_e4m3fn", "messy", 2),
+    (2, 3, 4224, 2, 4, "bfloat16", "bfloat16", "messy", 1),      # rows of 2 pieces (8448 bytes)
+    (2, 2, 8320, 2, 4, "float32", "float8_e4m3fn", "distinct", 0),  # fp8 rows of 2 pieces
 ]
+# Broken rules: (mode, LLFault the kernels must report): a third two-phase send while two are in
+# flight (kLLFaultTooMany), a handle received twice (kLLFaultStaleHandle).
+FAULTS = [(3, 1), (4, 3)]
+MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "received twice"}
 
 
 def build(path: str = DRIVER) -> str:
@@ -72,7 +79,27 @@ def reference_outputs(R, T, K, E, H, wire, x, idx, w, y):
     return jax.tree.map(np.asarray, fn(*args))
 
 
-def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, seed, reps=2) -> str:
+def run_fault(driver, mode, what) -> str:
+    """A case that breaks a double-buffering rule: every rank must fault with LLFault `what`."""
+    R, T, H, K, E = 2, 4, 128, 2, 4
+    rng = np.random.default_rng(mode)
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(R):
+            for name, a in (("x", rng.standard_normal((T, H)).astype(ml_dtypes.bfloat16)),
+                            ("idx", routing(rng, "messy", 1, T, K, E)[0]),
+                            ("w", rng.random((T, K)).astype(np.float32)),
+                            ("y", np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))):
+                np.ascontiguousarray(a).tofile(os.path.join(tmp, f"{name}{r}.bin"))
+        done = subprocess.run([driver, tmp, str(R), str(T), str(H), str(K), str(E),
+                               str(KIND["bfloat16"]), str(KIND["bfloat16"]), "1", "2", str(mode)],
+                              capture_output=True, text=True, timeout=600)
+    want = [f"fault on rank {r}: kind 4 op 7 waited -1 what {what} " for r in range(R)]
+    if done.returncode == 0 or not all(w in done.stdout for w in want):
+        return f"expected LLFault {what} on every rank, got rc={done.returncode}: {done.stdout[-2000:]}"
+    return ""
+
+
+def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blocks=3) -> str:
     rng = np.random.default_rng(seed)
     local = E // R
     x = (rng.standard_normal((R, T, H)) * 3).astype(np.float32).astype(DTYPES[x_dtype])
@@ -88,7 +115,8 @@ def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, seed, reps=2) -> str:
                             ("y", y[r])):
                 np.ascontiguousarray(a).tofile(os.path.join(tmp, f"{name}{r}.bin"))
         done = subprocess.run([driver, tmp, str(R), str(T), str(H), str(K), str(E),
-                               str(KIND[x_dtype]), str(KIND[wire]), str(reps)],
+                               str(KIND[x_dtype]), str(KIND[wire]), str(reps), str(blocks),
+                               str(mode)],
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             return f"driver failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
@@ -133,6 +161,7 @@ def main(argv=None) -> int:
     driver = build(args.driver)
     cases = list(CASES)
     rng = np.random.default_rng(args.seed)
+    blocks = [3] * len(cases)
     for _ in range(args.random):
         R = int(rng.integers(1, 5))
         E = R * int(rng.integers(1, 4))
@@ -140,13 +169,21 @@ def main(argv=None) -> int:
         wire = str(rng.choice(["bfloat16", "float8_e4m3fn"]))
         H = 128 * int(rng.integers(1, 3)) if wire != "bfloat16" else 8 * int(rng.integers(1, 40))
         cases.append((R, int(rng.integers(0, 12)), H, K, E, str(rng.choice(["bfloat16", "float32"])),
-                      wire, "messy"))
+                      wire, "messy", int(rng.integers(0, 3))))
+        blocks.append(int(rng.integers(1, 5)))
     failed = 0
     for i, case in enumerate(cases):
-        error = run_case(driver, *case, seed=[args.seed, i])
-        print(f"{'FAIL' if error else 'ok  '} {case} {error}", flush=True)
+        error = run_case(driver, *case, seed=[args.seed, i], blocks=blocks[i])
+        print(f"{'FAIL' if error else 'ok  '} {case} {MODES[case[-1]]}, {blocks[i]} blocks {error}",
+              flush=True)
         failed += bool(error)
-    print(f"{len(cases) - failed}/{len(cases)} low-latency cases pass")
+    for mode, what in FAULTS:
+        error = run_fault(driver, mode, what)
+        print(f"{'FAIL' if error else 'ok  '} {MODES[mode]}: faults with LLFault {what} {error}",
+              flush=True)
+        failed += bool(error)
+    total = len(cases) + len(FAULTS)
+    print(f"{total - failed}/{total} low-latency cases pass")
     return 1 if failed else 0
 
 
