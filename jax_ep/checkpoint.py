@@ -109,7 +109,7 @@ def layer_config(layer: MoE) -> dict[str, Any]:
 CHECKED_FIELDS = ("hidden", "ffn_hidden", "shared_ffn_hidden",
                   "routing.num_experts", "routing.num_topk", "routing.score_func", "routing.normalize_topk",
                   "routing.routed_scaling_factor", "routing.num_groups", "routing.topk_groups",
-                  "routing.max_ranks_per_token", "dtype")
+                  "routing.max_ranks_per_token", "routing.max_nodes_per_token", "dtype")
 
 
 def _layer_record(layer: MoE) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Top-k routing (gating) for MoE layers: scores, bias-based balancing, group- and rank-limited selection.
+"""Top-k routing (gating) for MoE layers: scores, bias-based balancing, group/node/rank-limited selection.
 
 `route` turns router logits into the `(topk_idx, topk_weights)` pair that `jax_ep.dispatch` consumes.
 It follows DeepSeek-V3:
@@ -8,10 +8,14 @@ It follows DeepSeek-V3:
   `jax_ep.balancing.update_bias`), but the *weights* are the unbiased scores of the chosen experts;
 * group-limited routing: the experts form `num_groups` contiguous groups; each token keeps only the
   `topk_groups` groups with the highest group score (sum of the group's top-2 selection scores);
-* rank cap (DeepSeek's node-limited routing, applied to EP ranks): expert e lives on rank
-  e // (num_experts // ep_size); each token keeps only the `max_ranks_per_token` ranks with the highest
-  rank score (sum of the rank's top-ceil(K / max_ranks_per_token) selection scores), so a token travels
-  to at most that many ranks and dispatch traffic per token is bounded;
+* node cap (DeepSeek-V3's node-limited routing): EP rank r lives on node r // ranks_per_node; each token
+  keeps only the `max_nodes_per_token` nodes with the highest node score (sum of the node's
+  top-ceil(K / max_nodes_per_token) selection scores), so a token crosses the inter-node network to at
+  most that many nodes;
+* rank cap (the same rule one level down, per EP rank): expert e lives on rank e // (num_experts // ep_size);
+  each token keeps only the `max_ranks_per_token` ranks with the highest rank score (sum of the rank's
+  top-ceil(K / max_ranks_per_token) selection scores), so a token travels to at most that many ranks and
+  dispatch traffic per token is bounded;
 * weights are optionally renormalised over the K chosen experts, then multiplied by
   `routed_scaling_factor`.
 
@@ -33,6 +37,18 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORE_TOPN = 2
 # Guards the renormalisation against an all-underflowed sigmoid row (as DeepSeek's reference code).
 _NORM_EPS = 1e-20
+
+
+# One limit of `route`: keep the `units_kept` best of `num_units` contiguous units of `unit_size` experts,
+# a unit scored by the sum of its `score_topn` best selection scores. `unit` ("group", "node", "rank") and
+# `fields` (the config fields that set it) are for error messages.
+class _Limit(NamedTuple):
+    unit: str
+    num_units: int
+    units_kept: int
+    unit_size: int
+    score_topn: int
+    fields: str
 
 
 class Routing(NamedTuple):
@@ -61,7 +77,14 @@ class RouterConfig:
       topk_groups: groups each token may use; defaults to num_groups (no limit).
       max_ranks_per_token: EP ranks one token may reach (None = no cap; a value >= ep_size is no cap).
       ep_size: EP ranks the experts are spread over, contiguously (expert e on rank e // (E // ep_size));
-        only the rank cap uses it.
+        only the rank and node caps use it. The MoE layer sets it to its EP size.
+      ranks_per_node: EP ranks per node (node n holds EP ranks n * ranks_per_node ... + ranks_per_node - 1),
+        a property of the cluster: `jax.local_device_count()` with one process driving a node's GPUs, the
+        number of processes per node with one process per GPU. ep_size and ranks_per_node must divide one
+        another (an EP group smaller than a node is one node). None: not known (one node); only the node
+        cap uses it.
+      max_nodes_per_token: nodes one token may reach (DeepSeek-V3's node-limited routing; None = no cap;
+        a value >= the number of nodes, ep_size / ranks_per_node, is no cap). Needs ranks_per_node.
     """
 
     num_experts: int
@@ -73,6 +96,8 @@ class RouterConfig:
     topk_groups: int | None = None
     max_ranks_per_token: int | None = None
     ep_size: int = 1
+    ranks_per_node: int | None = None
+    max_nodes_per_token: int | None = None
 
     def __post_init__(self):
         for name in ("num_experts", "num_topk", "num_groups", "ep_size"):
@@ -101,27 +126,32 @@ class RouterConfig:
         if not _is_int(self.topk_groups) or not 1 <= self.topk_groups <= self.num_groups:
             raise ValueError(f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
                              f"got {self.topk_groups!r}")
-        if self.max_ranks_per_token is not None and (
-                not _is_int(self.max_ranks_per_token) or self.max_ranks_per_token < 1):
-            raise ValueError(f"RouterConfig.max_ranks_per_token must be None or a positive int, "
-                             f"got {self.max_ranks_per_token!r}")
-        if self.group_limited and self.rank_limited and not (
-                self.experts_per_group % self.experts_per_rank == 0
-                or self.experts_per_rank % self.experts_per_group == 0):
-            # Nested partitions let the finer limit see only whole units (all or none of a unit's experts
-            # available), which is what makes the feasibility check below exact.
-            raise ValueError(
-                f"RouterConfig: group-limited routing (num_groups={self.num_groups}, topk_groups="
-                f"{self.topk_groups}) and the rank cap (ep_size={self.ep_size}, max_ranks_per_token="
-                f"{self.max_ranks_per_token}) together need nested layouts: experts per group "
-                f"({self.experts_per_group}) and experts per rank ({self.experts_per_rank}) must divide one "
-                "another")
+        for name in ("max_ranks_per_token", "ranks_per_node", "max_nodes_per_token"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"RouterConfig.{name} must be None or a positive int, got {value!r}")
+        if self.max_nodes_per_token is not None and self.ranks_per_node is None:
+            raise ValueError(f"RouterConfig.max_nodes_per_token={self.max_nodes_per_token} needs "
+                             "ranks_per_node (EP ranks per node, e.g. jax.local_device_count())")
+        if self.ranks_per_node is not None and (self.ep_size % self.ranks_per_node
+                                                and self.ranks_per_node % self.ep_size):
+            raise ValueError(f"RouterConfig: ep_size={self.ep_size} and ranks_per_node={self.ranks_per_node} "
+                             "must divide one another (the EP group spans whole nodes, or lies in one node)")
+        limits = self._limit_stages()
+        for coarse_i, coarse in enumerate(limits):
+            for fine in limits[coarse_i + 1:]:
+                if coarse.unit_size % fine.unit_size:
+                    # Nested partitions let a finer limit see only whole units (all or none of a unit's
+                    # experts available), which is what makes the feasibility check below exact.
+                    raise ValueError(
+                        f"RouterConfig: {coarse.fields} and {fine.fields} together need nested layouts: "
+                        f"experts per {coarse.unit} ({coarse.unit_size}) and experts per {fine.unit} "
+                        f"({fine.unit_size}) must divide one another")
         available = self.max_selectable_experts
         if self.num_topk > available:
             raise ValueError(
                 f"RouterConfig.num_topk={self.num_topk} exceeds the {available} experts a token can still "
-                f"reach with topk_groups={self.topk_groups} of num_groups={self.num_groups} and "
-                f"max_ranks_per_token={self.max_ranks_per_token} of ep_size={self.ep_size}")
+                f"reach with {' and '.join(limit.fields for limit in limits)}")
 
     # ---- derived sizes ----
     @property
@@ -133,6 +163,17 @@ class RouterConfig:
         return self.num_experts // self.ep_size
 
     @property
+    def num_nodes(self) -> int:
+        """Nodes the EP group spans: ep_size / ranks_per_node (1 if it fits in one node or is not known)."""
+        if self.ranks_per_node is None:
+            return 1
+        return max(1, self.ep_size // self.ranks_per_node)
+
+    @property
+    def experts_per_node(self) -> int:
+        return self.num_experts // self.num_nodes
+
+    @property
     def group_limited(self) -> bool:
         return self.topk_groups < self.num_groups
 
@@ -141,35 +182,55 @@ class RouterConfig:
         return self.max_ranks_per_token is not None and self.max_ranks_per_token < self.ep_size
 
     @property
+    def node_limited(self) -> bool:
+        return self.max_nodes_per_token is not None and self.max_nodes_per_token < self.num_nodes
+
+    def _cap_score_topn(self, cap: int, unit_size: int) -> int:
+        """DeepSeek-V3's node score: a unit's ceil(K / cap) best selection scores are summed."""
+        return min(-(-self.num_topk // cap), unit_size)
+
+    @property
     def rank_score_topn(self) -> int:
         """Experts per rank whose selection scores sum to the rank score: ceil(K / max_ranks_per_token)."""
         if not self.rank_limited:
             return 0
-        return min(-(-self.num_topk // self.max_ranks_per_token), self.experts_per_rank)
+        return self._cap_score_topn(self.max_ranks_per_token, self.experts_per_rank)
+
+    @property
+    def node_score_topn(self) -> int:
+        """Experts per node whose selection scores sum to the node score: ceil(K / max_nodes_per_token)."""
+        if not self.node_limited:
+            return 0
+        return self._cap_score_topn(self.max_nodes_per_token, self.experts_per_node)
 
     @property
     def max_selectable_experts(self) -> int:
-        """The fewest experts left to choose from after the group and rank limits, over all tokens."""
-        stages = self._limit_stages()
-        if not stages:
-            return self.num_experts
-        (_, coarse_keep, coarse_size, _), *fine = stages
-        if not fine:
-            return coarse_keep * coarse_size
-        _, fine_keep, fine_size, _ = fine[0]
-        return min(fine_keep, coarse_keep * coarse_size // fine_size) * fine_size
+        """The fewest experts left to choose from after the group, node and rank limits, over all tokens."""
+        available = self.num_experts
+        for limit in self._limit_stages():
+            # nested layouts: the experts still available form whole units of this limit
+            available = min(limit.units_kept, available // limit.unit_size) * limit.unit_size
+        return available
 
-    def _limit_stages(self) -> list[tuple[int, int, int, int]]:
-        """(num_units, units_kept, experts_per_unit, score_topn) per active limit, coarsest unit first."""
+    def _limit_stages(self) -> list[_Limit]:
+        """The active limits, coarsest unit first (one code path for groups, nodes and ranks)."""
         stages = []
         if self.group_limited:
-            stages.append((self.num_groups, self.topk_groups, self.experts_per_group,
-                           min(GROUP_SCORE_TOPN, self.experts_per_group)))
+            stages.append(_Limit("group", self.num_groups, self.topk_groups, self.experts_per_group,
+                                 min(GROUP_SCORE_TOPN, self.experts_per_group),
+                                 f"topk_groups={self.topk_groups} of num_groups={self.num_groups}"))
+        if self.node_limited:
+            stages.append(_Limit("node", self.num_nodes, self.max_nodes_per_token, self.experts_per_node,
+                                 self.node_score_topn,
+                                 f"max_nodes_per_token={self.max_nodes_per_token} of {self.num_nodes} nodes "
+                                 f"(ep_size={self.ep_size}, ranks_per_node={self.ranks_per_node})"))
         if self.rank_limited:
-            stages.append((self.ep_size, self.max_ranks_per_token, self.experts_per_rank,
-                           self.rank_score_topn))
-        # Coarse first: then every fine unit is either wholly inside or wholly outside the kept coarse units.
-        stages.sort(key=lambda stage: -stage[2])
+            stages.append(_Limit("rank", self.ep_size, self.max_ranks_per_token, self.experts_per_rank,
+                                 self.rank_score_topn,
+                                 f"max_ranks_per_token={self.max_ranks_per_token} of ep_size={self.ep_size}"))
+        # Coarse first (stable: group, node, rank on equal sizes): then every fine unit is either wholly
+        # inside or wholly outside the kept coarse units.
+        stages.sort(key=lambda stage: -stage.unit_size)
         return stages
 
 
@@ -223,8 +284,8 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
     selection = jax.lax.stop_gradient(scores)
     if bias is not None:
         selection = selection + jax.lax.stop_gradient(bias.astype(jnp.float32))
-    for num_units, units_kept, _, score_topn in cfg._limit_stages():
-        selection = _keep_top_units(selection, num_units, units_kept, score_topn)
+    for limit in cfg._limit_stages():
+        selection = _keep_top_units(selection, limit.num_units, limit.units_kept, limit.score_topn)
     _, topk_idx = jax.lax.top_k(selection, cfg.num_topk)                       # [T, K]
 
     weights = jnp.take_along_axis(scores, topk_idx, axis=-1)

@@ -123,7 +123,8 @@ class MoE(nnx.Module):
       hidden: H, the model width (last axis of the input and output).
       ffn_hidden: width of each routed expert's SwiGLU.
       routing: the router (``jax_ep.gating.RouterConfig``): number of experts E, top-k K, score function,
-        group limit, rank cap, weight scaling. Leave its ``ep_size`` at 1: the layer sets it to its EP size.
+        group limit, node cap (give its ``ranks_per_node``), rank cap, weight scaling. Leave its ``ep_size``
+        at 1: the layer sets it to its EP size.
       rngs: parameter initialisation.
       mesh: the device mesh, to call the layer with global arrays (below); None to call it inside your
         own ``shard_map``.
@@ -386,8 +387,9 @@ class MoE(nnx.Module):
         if self.routing.ep_size not in (1, ep_size):
             raise ValueError(f"MoE: routing.ep_size={self.routing.ep_size}, but the mesh axis "
                              f"{self.axis_name!r} has {ep_size} ranks; leave it at 1 (the layer sets it)")
-        # ep_size only matters for the rank cap, which assumes the contiguous logical layout
-        capped = placement is None or self.routing.max_ranks_per_token is not None
+        # ep_size only matters for the rank and node caps, which assume the contiguous logical layout
+        capped = placement is None or self.routing.max_ranks_per_token is not None \
+            or self.routing.max_nodes_per_token is not None
         router_cfg = dataclasses.replace(self.routing, ep_size=ep_size if capped else 1)
         # named scopes: the layer benchmark splits the step's device time by them (SCOPES)
         with jax.named_scope(SCOPES["router"]):

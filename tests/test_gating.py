@@ -1,5 +1,7 @@
 """Routing (jax_ep.gating) against small NumPy references on random inputs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,13 +29,22 @@ def top_indices(values, n):
     return sorted(range(len(values)), key=lambda i: (-values[i], i))[:n]
 
 
+def ref_num_nodes(cfg):
+    return 1 if cfg.ranks_per_node is None else max(1, cfg.ep_size // cfg.ranks_per_node)
+
+
 def ref_allowed_experts(selection, cfg):
-    """The set of experts one token may choose from: coarse limit first, then the finer one."""
+    """The set of experts one token may choose from: coarsest limit first, then the finer ones."""
     allowed = set(range(cfg.num_experts))
     stages = []
     if cfg.topk_groups < cfg.num_groups:
         per_group = cfg.num_experts // cfg.num_groups
         stages.append((per_group, cfg.topk_groups, min(2, per_group)))
+    num_nodes = ref_num_nodes(cfg)
+    if cfg.max_nodes_per_token is not None and cfg.max_nodes_per_token < num_nodes:
+        per_node = cfg.num_experts // num_nodes
+        topn = min(-(-cfg.num_topk // cfg.max_nodes_per_token), per_node)
+        stages.append((per_node, cfg.max_nodes_per_token, topn))
     if cfg.max_ranks_per_token is not None and cfg.max_ranks_per_token < cfg.ep_size:
         per_rank = cfg.num_experts // cfg.ep_size
         topn = min(-(-cfg.num_topk // cfg.max_ranks_per_token), per_rank)
@@ -176,6 +187,105 @@ def test_group_limit_and_rank_cap_together(num_groups, topk_groups, ep_size, max
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Node-limited routing (DeepSeek-V3): the node cap
+# ---------------------------------------------------------------------------------------------------------
+def node_of(idx, num_experts, ep_size, ranks_per_node):
+    """Node of each chosen expert, from the layout: expert -> EP rank (contiguous) -> node (contiguous)."""
+    return (np.asarray(idx) // (num_experts // ep_size)) // ranks_per_node
+
+
+def ref_node_scores(selection, num_experts, num_nodes, num_topk, max_nodes):
+    """DeepSeek-V3's node score: sum of the ceil(K / M) highest selection scores on the node, [T, nodes]."""
+    per_node = np.asarray(selection, np.float64).reshape(len(selection), num_nodes, num_experts // num_nodes)
+    topn = min(-(-num_topk // max_nodes), per_node.shape[-1])
+    return -np.sort(-per_node, axis=-1)[..., :topn].sum(-1)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("num_experts,ep_size,ranks_per_node,max_nodes,num_topk", [
+    (64, 32, 4, 4, 8),     # DeepSeek-V3 proportions: 8 nodes, at most 4 per token, top-8
+    (32, 8, 2, 1, 4),      # one node per token
+    (48, 16, 2, 3, 5),     # K not a multiple of M: node score = top-2 sum
+    (32, 16, 8, 1, 6),     # 2 nodes of 16 experts, each token on one
+])
+def test_node_cap_respected_and_picks_top_nodes(score_func, num_experts, ep_size, ranks_per_node, max_nodes,
+                                                num_topk):
+    seed = 400 + num_experts + ep_size + ranks_per_node + max_nodes + 7 * (score_func == "sigmoid")
+    rng = np.random.default_rng(seed)
+    cfg = RouterConfig(num_experts=num_experts, num_topk=num_topk, score_func=score_func, ep_size=ep_size,
+                       ranks_per_node=ranks_per_node, max_nodes_per_token=max_nodes)
+    num_nodes = ep_size // ranks_per_node
+    assert cfg.node_limited and cfg.num_nodes == num_nodes and not cfg.rank_limited
+    num_tokens = 64
+    logits = random_logits(rng, num_tokens, num_experts)
+    bias = jnp.asarray(rng.normal(scale=0.05, size=num_experts), jnp.float32)
+    out = check_against_reference(logits, cfg, bias)
+    nodes = node_of(out.topk_idx, num_experts, ep_size, ranks_per_node)
+    assert max(len(set(row)) for row in nodes.tolist()) <= max_nodes
+    # The nodes used are among the top-M nodes by the documented node score (selection = scores + bias).
+    node_score = ref_node_scores(np.asarray(out.scores) + np.asarray(bias), num_experts, num_nodes, num_topk,
+                                 max_nodes)
+    for t in range(num_tokens):
+        top_nodes = set(np.argsort(-node_score[t], kind="stable")[:max_nodes].tolist())
+        assert set(nodes[t].tolist()) <= top_nodes
+    # Inside the kept nodes it is plain top-k: the same as masking the other nodes' logits by hand.
+    keep = np.zeros((num_tokens, num_nodes), bool)
+    np.put_along_axis(keep, np.argsort(-node_score, axis=-1, kind="stable")[:, :max_nodes], True, axis=-1)
+    masked = np.where(np.repeat(keep, num_experts // num_nodes, axis=1),
+                      np.asarray(out.scores) + np.asarray(bias), -np.inf)
+    np.testing.assert_array_equal(out.topk_idx, np.argsort(-masked, axis=-1, kind="stable")[:, :num_topk])
+    # Uncapped routing of the same logits does cross more nodes (the cap is doing something).
+    free = route_jit(logits, RouterConfig(num_experts=num_experts, num_topk=num_topk, score_func=score_func),
+                     bias)
+    free_nodes = node_of(free.topk_idx, num_experts, ep_size, ranks_per_node)
+    assert max(len(set(row)) for row in free_nodes.tolist()) > max_nodes
+
+
+@pytest.mark.parametrize("ep_size,ranks_per_node,max_nodes", [
+    (8, 2, 4),      # cap == number of nodes
+    (8, 2, 7),      # cap > number of nodes
+    (8, 8, 1),      # one node
+    (4, 8, 1),      # the EP group inside one node
+    (1, 8, 2),      # ep_size left at 1 (the MoE layer sets it later)
+])
+def test_node_cap_at_or_above_node_count_is_uncapped_bit_for_bit(ep_size, ranks_per_node, max_nodes):
+    rng = np.random.default_rng(500 + ep_size + max_nodes)
+    logits = random_logits(rng, 40, 32)
+    bias = jnp.asarray(rng.normal(scale=0.1, size=32), jnp.float32)
+    for extra in ({}, dict(num_groups=4, topk_groups=2), dict(max_ranks_per_token=3)):
+        free_cfg = RouterConfig(num_experts=32, num_topk=4, score_func="sigmoid", ep_size=ep_size, **extra)
+        cfg = dataclasses.replace(free_cfg, ranks_per_node=ranks_per_node, max_nodes_per_token=max_nodes)
+        assert not cfg.node_limited and cfg._limit_stages() == free_cfg._limit_stages()
+        free, capped = route_jit(logits, free_cfg, bias), route_jit(logits, cfg, bias)
+        np.testing.assert_array_equal(capped.topk_idx, free.topk_idx)
+        np.testing.assert_array_equal(capped.topk_weights, free.topk_weights)
+        np.testing.assert_array_equal(capped.scores, free.scores)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(ep_size=16, ranks_per_node=4, max_nodes_per_token=2, max_ranks_per_token=3),  # nodes, then ranks
+    dict(ep_size=16, ranks_per_node=4, max_nodes_per_token=3, max_ranks_per_token=2),  # rank cap binds
+    dict(ep_size=8, ranks_per_node=1, max_nodes_per_token=3, max_ranks_per_token=2),   # node == rank
+    dict(ep_size=8, ranks_per_node=2, max_nodes_per_token=2, num_groups=8, topk_groups=3,
+         max_ranks_per_token=3),                                                         # groups = ranks
+    dict(ep_size=16, ranks_per_node=2, max_nodes_per_token=3, num_groups=2, topk_groups=1),  # groups first
+])
+def test_node_cap_with_rank_cap_and_groups(extra):
+    rng = np.random.default_rng(600 + sum(v for v in extra.values()))
+    cfg = RouterConfig(num_experts=64, num_topk=4, score_func="sigmoid", routed_scaling_factor=2.5, **extra)
+    assert cfg.node_limited
+    bias = jnp.asarray(rng.normal(scale=0.1, size=64), jnp.float32)
+    out = check_against_reference(random_logits(rng, 48, 64), cfg, bias)
+    idx = np.asarray(out.topk_idx)
+    ep = cfg.ep_size
+    nodes = node_of(idx, 64, ep, cfg.ranks_per_node)
+    assert max(len(set(row)) for row in nodes.tolist()) <= cfg.max_nodes_per_token
+    if cfg.max_ranks_per_token is not None:
+        assert max(len(set(row)) for row in (idx // (64 // ep)).tolist()) <= cfg.max_ranks_per_token
+    assert max(len(set(row)) for row in (idx // (64 // cfg.num_groups)).tolist()) <= cfg.topk_groups
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Bias (aux-loss-free balancing) and gradients
 # ---------------------------------------------------------------------------------------------------------
 def test_bias_changes_selection_not_weights():
@@ -206,7 +316,9 @@ def test_bias_gets_no_gradient():
     RouterConfig(num_experts=8, num_topk=3, score_func="sigmoid", routed_scaling_factor=2.5, num_groups=4,
                  topk_groups=2, ep_size=4, max_ranks_per_token=2),
     RouterConfig(num_experts=8, num_topk=2, score_func="sigmoid", normalize_topk=False),
-], ids=["softmax", "sigmoid-limited", "sigmoid-raw"])
+    RouterConfig(num_experts=8, num_topk=3, score_func="sigmoid", routed_scaling_factor=2.5, ep_size=4,
+                 ranks_per_node=2, max_nodes_per_token=1, max_ranks_per_token=2),
+], ids=["softmax", "sigmoid-limited", "sigmoid-raw", "sigmoid-node-cap"])
 def test_gradients_flow_to_logits(cfg):
     rng = np.random.default_rng(5)
     logits = random_logits(rng, 6, 8, scale=3.0)   # well separated: the eps steps never flip a choice
@@ -235,6 +347,28 @@ def test_gradients_flow_to_logits(cfg):
      "need nested layouts"),
     (dict(num_experts=16, num_topk=5, num_groups=4, topk_groups=2, ep_size=8, max_ranks_per_token=2),
      "num_topk=5 exceeds the 4 experts"),
+    (dict(num_experts=8, num_topk=2, ep_size=4, ranks_per_node=0),
+     "ranks_per_node must be None or a positive int, got 0"),
+    (dict(num_experts=8, num_topk=2, ep_size=4, ranks_per_node=2, max_nodes_per_token=0),
+     "max_nodes_per_token must be None or a positive int, got 0"),
+    (dict(num_experts=8, num_topk=2, ep_size=4, ranks_per_node=2, max_nodes_per_token=1.0),
+     "max_nodes_per_token must be None or a positive int, got 1.0"),
+    (dict(num_experts=8, num_topk=2, ep_size=4, max_nodes_per_token=1),
+     "max_nodes_per_token=1 needs ranks_per_node"),
+    (dict(num_experts=24, num_topk=2, ep_size=12, ranks_per_node=8, max_nodes_per_token=1),
+     "ep_size=12 and ranks_per_node=8 must divide one another"),
+    (dict(num_experts=24, num_topk=2, ep_size=3, ranks_per_node=2), "ep_size=3 and ranks_per_node=2"),
+    (dict(num_experts=32, num_topk=9, ep_size=8, ranks_per_node=2, max_nodes_per_token=1),
+     r"num_topk=9 exceeds the 8 experts a token can still reach with max_nodes_per_token=1 of 4 nodes "
+     r"\(ep_size=8, ranks_per_node=2\)"),
+    (dict(num_experts=32, num_topk=5, ep_size=8, ranks_per_node=4, max_nodes_per_token=1,
+          max_ranks_per_token=1),
+     r"num_topk=5 exceeds the 4 experts a token can still reach with max_nodes_per_token=1 of 2 nodes "
+     r"\(ep_size=8, ranks_per_node=4\) and max_ranks_per_token=1 of ep_size=8"),
+    (dict(num_experts=48, num_topk=2, num_groups=12, topk_groups=6, ep_size=16, ranks_per_node=2,
+          max_nodes_per_token=4),
+     r"max_nodes_per_token=4 of 8 nodes \(ep_size=16, ranks_per_node=2\) and topk_groups=6 of num_groups=12 "
+     r"together need nested layouts: experts per node \(6\) and experts per group \(4\)"),
 ])
 def test_config_errors_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -247,6 +381,12 @@ def test_config_defaults_and_hashable():
     assert cfg == RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=4)
     assert hash(cfg) == hash(RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=4))
     assert not RouterConfig(num_experts=8, num_topk=2, ep_size=2, max_ranks_per_token=4).rank_limited
+    assert cfg.ranks_per_node is None and cfg.max_nodes_per_token is None and cfg.num_nodes == 1
+    node_cfg = RouterConfig(num_experts=256, num_topk=8, ep_size=64, ranks_per_node=8, max_nodes_per_token=4)
+    assert (node_cfg.num_nodes, node_cfg.experts_per_node, node_cfg.node_score_topn) == (8, 32, 2)
+    assert node_cfg.node_limited and node_cfg.max_selectable_experts == 128
+    assert hash(node_cfg) == hash(dataclasses.replace(node_cfg))
+    assert RouterConfig(num_experts=8, num_topk=2, ranks_per_node=8, max_nodes_per_token=2).num_nodes == 1
 
 
 def test_route_shape_errors():

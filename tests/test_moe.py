@@ -2,6 +2,8 @@
 on 1-D and 2-D (data x ep) meshes, with gradients, with and without an expert placement (replicas);
 trains with falling loss."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,11 +22,12 @@ from jax_ep.moe import EPOptions, MoE
 HIDDEN, FFN, EXPERTS, TOPK = 16, 24, 8, 2
 
 
-def dense_moe(layer: MoE, x):
-    """The same layer without EP: every token runs its chosen experts on one device."""
+def dense_moe(layer: MoE, x, routing_cfg=None):
+    """The same layer without EP: every token runs its chosen experts on one device (routed with
+    `routing_cfg`, default the layer's)."""
     tokens = x.reshape(-1, HIDDEN)
     logits = tokens @ layer.router[...]
-    routing = gating.route(logits, layer.routing, layer.expert_bias[...])
+    routing = gating.route(logits, routing_cfg or layer.routing, layer.expert_bias[...])
     gate, up = jnp.split(jnp.einsum("th,ehf->tef", tokens, layer.w_gate_up[...]), 2, axis=2)
     y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, layer.w_down[...])    # [T, E, H]
     picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)      # [T, K, H]
@@ -90,6 +93,37 @@ def test_gradients_match_dense(shape, axes, placed):
     for name in ("router", "w_gate_up", "w_down"):
         a, b = np.asarray(g_ep[name][...]), np.asarray(g_dense[name][...])
         assert np.abs(b).max() > 0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_node_cap_in_layer():
+    """DeepSeek-V3's node-limited routing in the layer (RouterConfig ranks_per_node, max_nodes_per_token):
+    the layer supplies the EP size; every token's experts lie on one node; outputs and gradients (router
+    included) equal the dense computation routed with the same cap."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "ep"))
+    layer = make_layer(mesh, seed=7,
+                       routing=dict(score_func="sigmoid", ranks_per_node=2, max_nodes_per_token=1))
+    routing_cfg = dataclasses.replace(layer.routing, ep_size=4)      # what the layer routes with
+    assert routing_cfg.node_limited and routing_cfg.num_nodes == 2 and not layer.routing.node_limited
+    x, target = random_tokens(5), random_tokens(6)
+
+    out = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense_moe(layer, x, routing_cfg)), rtol=2e-5,
+                               atol=2e-5)
+    logits = x.reshape(-1, HIDDEN) @ layer.router[...]
+    routing = gating.route(logits, routing_cfg, layer.expert_bias[...])
+    nodes = np.asarray(routing.topk_idx) // (EXPERTS // 2)
+    assert np.all(nodes == nodes[:, :1])
+    np.testing.assert_array_equal(np.asarray(layer.last_load[...]),
+                                  np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS)))
+    free_nodes = np.asarray(gating.route(logits, RouterConfig(EXPERTS, TOPK, score_func="sigmoid")).topk_idx)
+    assert np.any(free_nodes // (EXPERTS // 2) != free_nodes[:, :1] // (EXPERTS // 2))   # the cap binds
+
+    g_ep = nnx.jit(nnx.grad(lambda m: jnp.mean((m(x) - target) ** 2)))(layer)
+    g_dense = nnx.grad(lambda m: jnp.mean((dense_moe(m, x, routing_cfg) - target) ** 2))(layer)
+    for name in ("router", "w_gate_up", "w_down"):
+        a, b = np.asarray(g_ep[name][...]), np.asarray(g_dense[name][...])
+        assert np.abs(b).max() > 0 and np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
