@@ -2,9 +2,27 @@
 
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gemm import grouped_matmul
-from jax_ep.ops import combine, dispatch, get_dispatch_layout, ll_combine, ll_dispatch
+from jax_ep.ops import (
+    combine,
+    dispatch,
+    get_dispatch_layout,
+    ll_combine,
+    ll_combine_recv,
+    ll_combine_send,
+    ll_dispatch,
+    ll_dispatch_recv,
+    ll_dispatch_send,
+)
 from jax_ep.reference import dequantize_fp8
-from jax_ep.types import Dispatched, Handle, Layout, LLDispatched, LLHandle
+from jax_ep.types import (
+    Dispatched,
+    Handle,
+    Layout,
+    LLCombinePending,
+    LLDispatched,
+    LLDispatchPending,
+    LLHandle,
+)
 from jax_ep.validation import EPValueError, ep_errors, run_checked
 
 __version__ = "0.1.0"
@@ -15,6 +33,8 @@ __all__ = [
     "EPValueError",
     "Handle",
     "KernelConfig",
+    "LLCombinePending",
+    "LLDispatchPending",
     "LLDispatched",
     "LLHandle",
     "Layout",
@@ -25,6 +45,10 @@ __all__ = [
     "get_dispatch_layout",
     "grouped_matmul",
     "ll_combine",
+    "ll_combine_recv",
+    "ll_combine_send",
     "ll_dispatch",
+    "ll_dispatch_recv",
+    "ll_dispatch_send",
     "run_checked",
 ]

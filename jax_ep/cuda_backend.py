@@ -22,12 +22,21 @@ from jax.experimental import compute_on as _compute_on
 
 from jax_ep import reference, runtime, types
 from jax_ep.config import EPConfig
-from jax_ep.types import Dispatched, Handle, Layout, LLDispatched, LLHandle
+from jax_ep.types import (
+    Dispatched,
+    Handle,
+    Layout,
+    LLCombinePending,
+    LLDispatched,
+    LLDispatchPending,
+    LLHandle,
+)
 from jax_ep.vma import vary_like, vary_over, varying_axes
 
 _ROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _DATA_OPS = ("dispatch", "combine", "broadcast", "slot_values")
-_LL_OPS = ("ll_dispatch", "ll_combine")
+_LL_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+           "ll_combine_recv")
 
 
 def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
@@ -385,3 +394,70 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
                    **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * 2, num_experts=cfg.num_experts))
     return _vary_all(result, axis, y, *handle)
+
+
+# ---- low-latency two-phase form: _send returns once its writes are issued, _recv waits -----------
+_LL_TOKEN = jax.ShapeDtypeStruct((4,), jnp.uint32)
+
+
+def _ll_dispatch_attrs(cfg: EPConfig, ep_size: int, axis_slot: int, tokens: int, wire) -> dict:
+    fp8 = jnp.dtype(wire) == jnp.float8_e4m3fn
+    return _attrs("ll_dispatch", cfg, ep_size, axis_slot, tokens, cfg.hidden,
+                  row_bytes=cfg.hidden * jnp.dtype(wire).itemsize,
+                  scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0, num_experts=cfg.num_experts)
+
+
+def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                     cfg: EPConfig) -> LLDispatchPending:
+    """ll_dispatch's send phase on NVLink kernels: the tokens are on their way when it returns."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    tokens = x.shape[0]
+    rank, group, axis_slot = _group_of(axis)
+    token = _call("ll_dispatch_send", _LL_TOKEN, x, topk_idx, rank, group,
+                  **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, cfg.wire_dtype(x.dtype)))
+    used = reference.sanitize_topk(topk_idx, cfg.num_experts) >= 0
+    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
+    return LLDispatchPending(_vary_all(token, axis, x, topk_idx), weights)
+
+
+def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
+    """ll_dispatch's receive phase: waits for the slots and copies them out (``ll_dispatch``'s
+    outputs, bit-exact)."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    tokens = pending.topk_weights.shape[0]
+    out = types.ll_dispatch_types(tokens, jnp.bfloat16, cfg, ep_size)  # the wire dtype of the send
+    fp8 = out.scales is not None
+    scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
+    rank, group, axis_slot = _group_of(axis)
+    outputs = _call("ll_dispatch_recv", (out.x, scales, out.counts, out.handle.src_slot),
+                    pending.token, rank, group,
+                    **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, out.x.dtype))
+    rows, scales, counts, src_slot = _vary_all(outputs, axis, pending.token)
+    return LLDispatched(rows, scales if fp8 else None, counts, LLHandle(src_slot, pending.topk_weights))
+
+
+def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> LLCombinePending:
+    """ll_combine's send phase: every filled slot's row is on its way back when it returns."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    tokens, hidden = handle.topk_weights.shape[0], cfg.hidden
+    rank, group, axis_slot = _group_of(axis)
+    token = _call("ll_combine_send", _LL_TOKEN, y, handle.src_slot, rank, group,
+                  **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
+                           row_bytes=hidden * 2, num_experts=cfg.num_experts))
+    return LLCombinePending(_vary_all(token, axis, y, handle.src_slot), handle.topk_weights)
+
+
+def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
+    """ll_combine's receive phase: waits for the rows and sums them (``ll_combine``'s output)."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    tokens, hidden = pending.topk_weights.shape[0], cfg.hidden
+    rank, group, axis_slot = _group_of(axis)
+    result = _call("ll_combine_recv", jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16),
+                   pending.token, pending.topk_weights, rank, group,
+                   **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
+                            row_bytes=hidden * 2, num_experts=cfg.num_experts))
+    return _vary_all(result, axis, pending.token, pending.topk_weights)

@@ -1,5 +1,6 @@
 """Public ops: get_dispatch_layout, dispatch and combine, with custom_vjp; ll_dispatch and ll_combine
-(low-latency decode mode, forward-only).
+(low-latency decode mode, forward-only), also in two phases (ll_dispatch_send / ll_dispatch_recv,
+ll_combine_send / ll_combine_recv).
 
 Call them inside ``shard_map`` over ``cfg.axis_name`` (per-rank view). Each op is declared once, in
 ``OPS`` below: its output types (``jax_ep.types``: the contract), its implementations (the same
@@ -22,7 +23,15 @@ from jax import lax
 
 from jax_ep import auto_table, reference
 from jax_ep.config import EPConfig
-from jax_ep.types import Dispatched, Handle, Layout, LLDispatched, LLHandle
+from jax_ep.types import (
+    Dispatched,
+    Handle,
+    Layout,
+    LLCombinePending,
+    LLDispatched,
+    LLDispatchPending,
+    LLHandle,
+)
 from jax_ep.validation import (
     check_combine_args,
     check_dispatch_args,
@@ -275,3 +284,113 @@ def _ll_combine_fwd(y, handle, cfg):
 
 
 _ll_combine.defvjp(_ll_combine_fwd, _forward_only("ll_combine"))
+
+
+# ---- low-latency two-phase form -----------------------------------------------------------------
+# The backend is chosen once, at the send (as for the fused op); the receive runs the same backend's
+# second phase, told by the pending value: the reference path keeps its inputs in it.
+def _ll_send_impl(op: str, cfg: EPConfig, dtype):
+    fused = implementation(op, cfg, dtype)
+    if fused is getattr(reference, op):
+        return getattr(reference, f"{op}_send")
+    from jax_ep import cuda_backend
+
+    return getattr(cuda_backend, f"{op}_send")
+
+
+def _ll_recv_impl(op: str, pending):
+    reference_path = (pending.x if op == "ll_dispatch" else pending.y) is not None
+    if reference_path:
+        return getattr(reference, f"{op}_recv")
+    from jax_ep import cuda_backend
+
+    return getattr(cuda_backend, f"{op}_recv")
+
+
+def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
+    if not isinstance(pending, kind):
+        raise ValueError(f"jax_ep.{op}: expected the {kind.__name__} of the matching _send, got "
+                         f"{type(pending).__name__}")
+    weights = pending.topk_weights
+    if getattr(weights, "ndim", None) != 2 or weights.shape[1] != cfg.num_topk:
+        raise ValueError(f"jax_ep.{op}: pending.topk_weights must have shape [tokens, {cfg.num_topk}], "
+                         f"got {getattr(weights, 'shape', None)}")
+    if getattr(pending.token, "shape", None) != (4,) or pending.token.dtype != jnp.uint32:
+        raise ValueError(f"jax_ep.{op}: pending.token must be uint32[4] (the _send's), got "
+                         f"{getattr(pending.token, 'dtype', None)}{getattr(pending.token, 'shape', None)}")
+
+
+def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                     cfg: EPConfig) -> LLDispatchPending:
+    """First phase of ll_dispatch: issues the writes of this rank's tokens and returns at once (on
+    the CUDA backend nothing waits for the data). Run independent work (attention, a shared expert),
+    then ``ll_dispatch_recv(pending, cfg)``: together they equal ``ll_dispatch(x, topk_idx,
+    topk_weights, cfg)``. Receive each pending value exactly once; at most two sends of ll_dispatch
+    may be pending at a time, and no other EP op but low-latency calls of the same shape may run
+    while one is (docs/api.md). Forward-only."""
+    ep_size(cfg, "ll_dispatch_send")
+    check_ll_dispatch_args(x, topk_idx, topk_weights, cfg, op="ll_dispatch_send")
+    if cfg.checked:
+        topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch_send")
+    return _ll_dispatch_send(x, topk_idx, topk_weights, cfg)
+
+
+def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
+    """Second phase of ll_dispatch: waits for the tokens routed to this rank's experts and returns
+    ``ll_dispatch``'s result (same bits). Forward-only."""
+    ep_size(cfg, "ll_dispatch_recv")
+    _check_pending(pending, LLDispatchPending, "ll_dispatch_recv", cfg)
+    return _ll_dispatch_recv(pending, cfg)
+
+
+def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> LLCombinePending:
+    """First phase of ll_combine: issues the writes of the expert outputs back to their sources and
+    returns at once. ``ll_combine_recv(pending, cfg)`` then equals ``ll_combine(y, handle, cfg)``.
+    Same rules as ll_dispatch_send. Forward-only."""
+    size = ep_size(cfg, "ll_combine_send")
+    check_ll_combine_args(y, handle, cfg, size, op="ll_combine_send")
+    return _ll_combine_send(y, handle, cfg)
+
+
+def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
+    """Second phase of ll_combine: waits for this rank's rows and returns ``ll_combine``'s [T, H]
+    bfloat16 result (same bits). Forward-only."""
+    ep_size(cfg, "ll_combine_recv")
+    _check_pending(pending, LLCombinePending, "ll_combine_recv", cfg)
+    return _ll_combine_recv(pending, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ll_dispatch_send(x, topk_idx, topk_weights, cfg):
+    return _ll_send_impl("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+
+
+_ll_dispatch_send.defvjp(lambda x, i, w, cfg: (_ll_dispatch_send(x, i, w, cfg), None),
+                         _forward_only("ll_dispatch_send"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ll_dispatch_recv(pending, cfg):
+    return _ll_recv_impl("ll_dispatch", pending)(pending, cfg)
+
+
+_ll_dispatch_recv.defvjp(lambda pending, cfg: (_ll_dispatch_recv(pending, cfg), None),
+                         _forward_only("ll_dispatch_recv"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ll_combine_send(y, handle, cfg):
+    return _ll_send_impl("ll_combine", cfg, y.dtype)(y, handle, cfg)
+
+
+_ll_combine_send.defvjp(lambda y, h, cfg: (_ll_combine_send(y, h, cfg), None),
+                        _forward_only("ll_combine_send"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ll_combine_recv(pending, cfg):
+    return _ll_recv_impl("ll_combine", pending)(pending, cfg)
+
+
+_ll_combine_recv.defvjp(lambda pending, cfg: (_ll_combine_recv(pending, cfg), None),
+                        _forward_only("ll_combine_recv"))

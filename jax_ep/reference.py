@@ -48,7 +48,9 @@ from jax_ep.types import (
     Dispatched,
     Handle,
     Layout,
+    LLCombinePending,
     LLDispatched,
+    LLDispatchPending,
     LLHandle,
 )
 
@@ -345,3 +347,27 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
     for k in range(topk):  # fixed summation order: top-k slot order
         total = jnp.where((w[:, k] != 0)[:, None], total + products[:, k], total)
     return total.astype(jnp.bfloat16)
+
+
+# ---- two-phase form: the send is bookkeeping here, the receive runs the op ----------------------
+def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                     cfg: EPConfig) -> LLDispatchPending:
+    """ll_dispatch's first phase: keeps the inputs (nothing moves until ll_dispatch_recv)."""
+    used = sanitize_topk(topk_idx, cfg.num_experts) >= 0
+    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
+    return LLDispatchPending(jnp.zeros((4,), jnp.uint32), weights, x, topk_idx)
+
+
+def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
+    """ll_dispatch's second phase: the op itself."""
+    return ll_dispatch(pending.x, pending.topk_idx, pending.topk_weights, cfg)
+
+
+def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> LLCombinePending:
+    """ll_combine's first phase: keeps the inputs."""
+    return LLCombinePending(jnp.zeros((4,), jnp.uint32), handle.topk_weights, y, handle.src_slot)
+
+
+def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
+    """ll_combine's second phase: the op itself."""
+    return ll_combine(pending.y, LLHandle(pending.src_slot, pending.topk_weights), cfg)

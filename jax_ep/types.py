@@ -76,6 +76,26 @@ class LLDispatched(NamedTuple):
     handle: LLHandle
 
 
+class LLDispatchPending(NamedTuple):
+    """What ll_dispatch_send hands to ll_dispatch_recv (a pytree of arrays). Pass it on unchanged and
+    receive it exactly once; at most two sends of an op may be pending at a time (see docs/api.md)."""
+
+    token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
+    topk_weights: jax.Array        # [T, K] float32: the LLHandle's (0 where the sanitised id is unused)
+    x: jax.Array | None = None     # reference path only: the tokens (its send is bookkeeping)
+    topk_idx: jax.Array | None = None
+
+
+class LLCombinePending(NamedTuple):
+    """What ll_combine_send hands to ll_combine_recv (a pytree of arrays); same rules as
+    LLDispatchPending."""
+
+    token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
+    topk_weights: jax.Array        # [T, K] float32: the LLHandle's
+    y: jax.Array | None = None     # reference path only: the expert outputs and the handle's slots
+    src_slot: jax.Array | None = None
+
+
 # ---- output types of each op (the backends' contract) ----------------------------------------------
 def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))

@@ -72,44 +72,44 @@ LL_X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 LL_WIRE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
 
 
-def check_ll_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig) -> None:
+def check_ll_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig, op: str = "ll_dispatch") -> None:
     """ll_dispatch: dispatch's checks, x bfloat16 or float32, and a bfloat16 or FP8 wire."""
-    check_dispatch_args(x, topk_idx, topk_weights, cfg, op="ll_dispatch")
+    check_dispatch_args(x, topk_idx, topk_weights, cfg, op=op)
     if x.dtype not in LL_X_DTYPES:
-        raise ValueError(f"ll_dispatch: x must be bfloat16 or float32, got dtype {x.dtype}")
+        raise ValueError(f"{op}: x must be bfloat16 or float32, got dtype {x.dtype}")
     wire = cfg.wire_dtype(x.dtype)
     if wire not in LL_WIRE_DTYPES:
-        raise ValueError(f"ll_dispatch: tokens travel as bfloat16 or float8_e4m3fn, but x is {x.dtype} "
+        raise ValueError(f"{op}: tokens travel as bfloat16 or float8_e4m3fn, but x is {x.dtype} "
                          f"and cfg.dispatch_dtype={cfg.dispatch_dtype!r} keeps it; set "
                          "EPConfig.dispatch_dtype='bfloat16' or 'float8_e4m3fn'")
 
 
-def check_ll_combine_args(y, handle, cfg: EPConfig, ep_size: int) -> None:
+def check_ll_combine_args(y, handle, cfg: EPConfig, ep_size: int, op: str = "ll_combine") -> None:
     """ll_combine: y [E_local, R*T, H] bfloat16 and a handle of ll_dispatch for this config."""
     local = cfg.num_local_experts(ep_size)
     weights = getattr(handle, "topk_weights", None)
     src_slot = getattr(handle, "src_slot", None)
     if weights is None or src_slot is None:
-        raise ValueError("ll_combine: handle must be the LLHandle of ll_dispatch, got "
+        raise ValueError(f"{op}: handle must be the LLHandle of ll_dispatch, got "
                          f"{type(handle).__name__}")
     if getattr(weights, "ndim", None) != 2 or weights.shape[1] != cfg.num_topk:
-        raise ValueError(f"ll_combine: handle.topk_weights must have shape [tokens, {cfg.num_topk}], "
+        raise ValueError(f"{op}: handle.topk_weights must have shape [tokens, {cfg.num_topk}], "
                          f"got {_shape_of(weights)}")
     if weights.dtype != jnp.float32:
-        raise ValueError(f"ll_combine: handle.topk_weights must be float32, got dtype {weights.dtype}")
+        raise ValueError(f"{op}: handle.topk_weights must be float32, got dtype {weights.dtype}")
     tokens = weights.shape[0]
     slots = (local, ep_size * tokens)
     if _shape_of(src_slot) != slots:
-        raise ValueError(f"ll_combine: handle.src_slot must have shape {slots} (E_local, R*T), "
+        raise ValueError(f"{op}: handle.src_slot must have shape {slots} (E_local, R*T), "
                          f"got {_shape_of(src_slot)}")
     if src_slot.dtype != jnp.int32:
-        raise ValueError(f"ll_combine: handle.src_slot must be int32, got dtype {src_slot.dtype}")
+        raise ValueError(f"{op}: handle.src_slot must be int32, got dtype {src_slot.dtype}")
     expected = slots + (cfg.hidden,)
     if _shape_of(y) != expected:
-        raise ValueError(f"ll_combine: y must have shape {expected} (E_local, R*T, cfg.hidden), "
+        raise ValueError(f"{op}: y must have shape {expected} (E_local, R*T, cfg.hidden), "
                          f"got {_shape_of(y)}")
     if y.dtype != jnp.bfloat16:
-        raise ValueError(f"ll_combine: y must be bfloat16, got dtype {y.dtype}")
+        raise ValueError(f"{op}: y must be bfloat16, got dtype {y.dtype}")
 
 
 # ---- checked mode: run-time checks of traced values --------------------------------------------------

@@ -466,3 +466,92 @@ def test_ll_outside_shard_map():
     x, idx, w = tokens_for(np.random.default_rng(7300), 1, 2)
     with pytest.raises(ValueError, match=r"jax_ep\.ll_dispatch must run inside shard_map"):
         jax_ep.ll_dispatch(x[0], idx[0], w[0], BF16)
+
+
+# ---- two-phase form: _send then _recv equals the fused op ---------------------------------------
+@functools.cache
+def two_phase_fn(ep_size, cfg, in_flight=1):
+    """(x, idx, w, y) -> (LLDispatched, ll_combine(y)) per rank through the two-phase ops; with
+    in_flight=2, two calls (the second on x * 2) are sent before either is received."""
+
+    def f(x, idx, w, y):
+        sends = [jax_ep.ll_dispatch_send(x * (i + 1), idx, w, cfg) for i in range(in_flight)]
+        ds = [jax_ep.ll_dispatch_recv(p, cfg) for p in sends]
+        combines = [jax_ep.ll_combine_send(y * (i + 1), d.handle, cfg) for i, d in enumerate(ds)]
+        return ds, [jax_ep.ll_combine_recv(p, cfg) for p in combines]
+
+    return per_rank(f, ep_size)
+
+
+@pytest.mark.parametrize("ep_size,dtype", [(1, "bfloat16"), (2, "float8_e4m3fn"), (4, "bfloat16")])
+def test_ll_two_phase_equals_fused(ep_size, dtype):
+    cfg = CFGS[dtype]
+    tokens = 9
+    rng = np.random.default_rng(7000 + ep_size)
+    x, idx, w = tokens_for(rng, ep_size, tokens, np.float32, scale_tokens=dtype != "bfloat16")
+    m = nm.ll_dispatch(x, idx, w, num_experts=E, dispatch_dtype=dtype)
+    y = poisoned_y(rng, m, ep_size, tokens)
+    want_d, want_c = to_numpy(ll_fn(ep_size, cfg)(x, idx, w, y))
+    (d,), (c,) = to_numpy(two_phase_fn(ep_size, cfg)(x, idx, w, y))
+    assert_ll_matches(d, m, ep_size, tokens, cfg)
+    for a, b in zip(jax.tree.leaves(d), jax.tree.leaves(want_d), strict=True):
+        assert_bits_equal(a, b, "two-phase dispatch")
+    assert_bits_equal(c, want_c, "two-phase combine")
+
+
+def test_ll_two_calls_in_flight():
+    """Two sends before either receive: each receive gets its own call's data."""
+    ep_size, tokens, cfg = 2, 6, FP8
+    rng = np.random.default_rng(7100)
+    x, idx, w = tokens_for(rng, ep_size, tokens)
+    m = nm.ll_dispatch(x, idx, w, num_experts=E, dispatch_dtype=cfg.dispatch_dtype)
+    y = poisoned_y(rng, m, ep_size, tokens)
+    ds, cs = to_numpy(two_phase_fn(ep_size, cfg, in_flight=2)(x, idx, w, y))
+    for i in range(2):
+        want_d, want_c = to_numpy(ll_fn(ep_size, cfg)((x.astype(np.float32) * (i + 1)).astype(x.dtype),
+                                                      idx, w, y * (i + 1)))
+        assert_bits_equal(ds[i].x, want_d.x, f"call {i} rows")
+        assert_bits_equal(ds[i].scales, want_d.scales, f"call {i} scales")
+        assert_bits_equal(cs[i], want_c, f"call {i} combine")
+
+
+def test_ll_two_phase_pending_types_and_errors():
+    ep_size, tokens, cfg = 2, 4, BF16
+    rng = np.random.default_rng(7200)
+    x, idx, w = tokens_for(rng, ep_size, tokens)
+
+    def f(x, idx, w):
+        p = jax_ep.ll_dispatch_send(x, idx, w, cfg)
+        assert isinstance(p, jax_ep.LLDispatchPending)
+        assert p.token.shape == (4,) and p.token.dtype == jnp.uint32
+        assert p.topk_weights.shape == (tokens, K)
+        d = jax_ep.ll_dispatch_recv(p, cfg)
+        q = jax_ep.ll_combine_send(d.x, d.handle, cfg)
+        assert isinstance(q, jax_ep.LLCombinePending)
+        return jax_ep.ll_combine_recv(q, cfg)
+
+    per_rank(f, ep_size)(x, idx, w)
+    with pytest.raises(ValueError, match=r"ll_dispatch_recv: expected the LLDispatchPending"):
+        per_rank(lambda x, idx, w: jax_ep.ll_dispatch_recv((x, idx), cfg).x, ep_size)(x, idx, w)
+    with pytest.raises(ValueError, match=r"ll_combine_recv: expected the LLCombinePending"):
+        per_rank(lambda x, idx, w: jax_ep.ll_combine_recv(
+            jax_ep.ll_dispatch_send(x, idx, w, cfg), cfg), ep_size)(x, idx, w)
+    with pytest.raises(ValueError, match=r"ll_dispatch_send: x must be bfloat16 or float32"):
+        per_rank(lambda x, idx, w: jax_ep.ll_dispatch_send(x.astype(jnp.float16), idx, w, cfg).token,
+                 ep_size)(x, idx, w)
+    with pytest.raises(ValueError, match=r"ll_dispatch_send must run inside shard_map"):
+        jax_ep.ll_dispatch_send(jnp.asarray(x[0]), jnp.asarray(idx[0]), jnp.asarray(w[0]), cfg)
+
+
+def test_ll_two_phase_grad_raises_naming_the_op():
+    ep_size, tokens = 2, 4
+    rng = np.random.default_rng(7300)
+    x, idx, w = tokens_for(rng, ep_size, tokens, np.float32)
+
+    def disp(x, idx, w):
+        d = jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, BF16), BF16)
+        return jnp.sum(d.x.astype(jnp.float32))
+
+    f = per_rank(disp, ep_size, jit=False)
+    with pytest.raises(NotImplementedError, match=r"jax_ep\.ll_dispatch_(send|recv) is forward-only"):
+        jax.jit(jax.grad(lambda x: jnp.sum(f(x, idx, w))))(x)

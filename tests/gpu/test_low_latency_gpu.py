@@ -1,18 +1,22 @@
 """The low-latency kernels (backend='cuda') against the reference path on 2 GPUs: counts, src_slot
 and every filled slot's row / FP8 scales bit-exact, combine bit-exact (float32 sums in top-k order,
-no FMA, in both), NaN in every unfilled slot of y never leaks; repeated calls in a 20-step lax.scan
-(captured as CUDA graphs) equal separate calls. Device memory is poisoned before each call."""
+no FMA, in both), NaN in every unfilled slot of y never leaks; the two-phase form (send, other work,
+receive; also two calls in flight) gives the fused form's bits; repeated calls in a 20-step lax.scan
+(captured as CUDA graphs) equal separate calls, fused and two-phase. Device memory is poisoned before
+each call. Broken rules fault with a clear record: a rank skipping the call (timeout naming the op
+and the rank), a third send in flight, a throughput op while a send is in flight."""
 
 from __future__ import annotations
 
 import functools
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_helpers import poison_device_memory
+from gpu_helpers import faults_of_child, poison_device_memory
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,6 +50,30 @@ def round_trip_fn(mesh, cfg):
         y = jnp.where((d.handle.src_slot >= 0)[..., None], y, jnp.nan).astype(jnp.bfloat16)
         out = jax_ep.ll_combine(y, d.handle, cfg)
         return jax.tree.map(lambda a: a[None], d), out
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+@functools.cache
+def two_phase_fn(mesh, cfg, in_flight=1):
+    """round_trip_fn through ll_dispatch_send / _recv and ll_combine_send / _recv, with a stand-in for
+    independent work between each send and its receive; in_flight=2: a second call (tokens x 2,
+    outputs y 2) is sent before the first is received (optimization barriers fix the order)."""
+    def body(x, idx, w, y):
+        pending = [jax_ep.ll_dispatch_send(x, idx, w, cfg)]
+        for i in range(1, in_flight):
+            xi, _ = lax.optimization_barrier((x * (i + 1), pending[-1].token))
+            pending.append(jax_ep.ll_dispatch_send(xi, idx, w, cfg))
+        work = jnp.tanh(x.astype(jnp.float32)).sum()  # "attention" while the tokens travel
+        ds = []
+        for p in pending:
+            p, _, _ = lax.optimization_barrier((p, pending[-1].token, work))
+            ds.append(jax_ep.ll_dispatch_recv(p, cfg))
+        ys = [jnp.where((d.handle.src_slot >= 0)[..., None], y[0] * (i + 1), jnp.nan).astype(
+            jnp.bfloat16) for i, d in enumerate(ds)]
+        sent = [jax_ep.ll_combine_send(yi, d.handle, cfg) for yi, d in zip(ys, ds, strict=True)]
+        outs = [jax_ep.ll_combine_recv(q, cfg) for q in sent]
+        return jax.tree.map(lambda a: a[None], ds), outs
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
@@ -92,6 +120,42 @@ def test_ll_matches_reference(cuda_backend, mesh, case):
             assert_bits_equal(got_d.scales[filled], s_all[source[filled]], f"{what} scales")
         assert np.isfinite(np.asarray(got_out, np.float32)).all(), f"{what}: unfilled slots leaked"
         assert_bits_equal(got_out, want_out, f"{what} combine")
+        # the two-phase form: the fused form's bits (filled slots, counts, handle, combine)
+        poison_device_memory(mesh.devices.flat, 256 << 20)
+        (two_d,), (two_out,) = jax.tree.map(np.asarray, two_phase_fn(mesh, _cfg("cuda", **kw))(*args))
+        assert_bits_equal(two_d.counts, got_d.counts, f"{what} two-phase counts")
+        assert_bits_equal(two_d.handle.src_slot, got_d.handle.src_slot, f"{what} two-phase src_slot")
+        assert_bits_equal(two_d.x[filled], got_d.x[filled], f"{what} two-phase rows")
+        if got_d.scales is not None:
+            assert_bits_equal(two_d.scales[filled], got_d.scales[filled], f"{what} two-phase scales")
+        assert_bits_equal(two_out, got_out, f"{what} two-phase combine")
+
+
+def test_ll_two_calls_in_flight(cuda_backend, mesh):
+    """Two sends of each op before their receives (both halves of the double buffer in use): each
+    receive gets its own call's data, as two fused calls do."""
+    tokens, hidden, topk, experts = 96, 2048, 8, 32
+    cfg = _cfg("cuda", num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+               dispatch_dtype="float8_e4m3fn")
+    rng = np.random.default_rng(11)
+    n = R * tokens
+    x = rng.standard_normal((n, hidden)).astype(ml_dtypes.bfloat16)
+    idx = routing(rng, "messy", n, topk, experts)
+    w = rng.random((n, topk)).astype(np.float32)
+    y = rng.standard_normal((R, experts // R, R * tokens, hidden)).astype(ml_dtypes.bfloat16)
+    args = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (x, idx, w, y)]
+    ds, outs = jax.tree.map(np.asarray, two_phase_fn(mesh, cfg, in_flight=2)(*args))
+    fused = round_trip_fn(mesh, cfg)
+    for i in range(2):
+        xi = (x.astype(np.float32) * (i + 1)).astype(ml_dtypes.bfloat16)
+        yi = (y.astype(np.float32) * (i + 1)).astype(ml_dtypes.bfloat16)
+        put = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (xi, idx, w, yi)]
+        want_d, want_out = jax.tree.map(np.asarray, fused(*put))
+        filled = want_d.handle.src_slot >= 0
+        assert_bits_equal(ds[i].counts, want_d.counts, f"call {i} counts")
+        assert_bits_equal(ds[i].x[filled], want_d.x[filled], f"call {i} rows")
+        assert_bits_equal(ds[i].scales[filled], want_d.scales[filled], f"call {i} scales")
+        assert_bits_equal(outs[i], want_out, f"call {i} combine")
 
 
 def test_ll_in_scan_matches_separate_calls(cuda_backend, mesh):
@@ -124,3 +188,150 @@ def test_ll_in_scan_matches_separate_calls(cuda_backend, mesh):
     for s in range(steps):
         want = np.asarray(run_step(put(xs[s], P(AXIS)), put(idx[s], P(AXIS)), put(w[s], P(AXIS))))
         assert_bits_equal(got[s], want, f"scan step {s}")
+
+
+def test_ll_two_phase_in_scan_matches_fused(cuda_backend, mesh):
+    """20 decode steps in a lax.scan through the two-phase ops (each step's receive after a stand-in
+    for independent work): the fused step's bits, every step."""
+    tokens, hidden, topk, experts = 64, 1024, 4, 16
+    cfg = _cfg("cuda", num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+               dispatch_dtype="float8_e4m3fn")
+    steps = 20
+    rng = np.random.default_rng(4)
+    n = R * tokens
+    xs = rng.standard_normal((steps, n, hidden)).astype(ml_dtypes.bfloat16)
+    idx = np.stack([routing(rng, "messy", n, topk, experts) for _ in range(steps)])
+    w = rng.random((steps, n, topk)).astype(np.float32)
+
+    def experts_of(d):
+        scale = jnp.repeat(d.scales, 128, axis=-1)
+        return (d.x.astype(jnp.float32) * scale).astype(jnp.bfloat16)  # identity experts
+
+    def fused(x, i, w):
+        d = jax_ep.ll_dispatch(x, i, w, cfg)
+        return jax_ep.ll_combine(experts_of(d), d.handle, cfg)
+
+    def two_phase(x, i, w):
+        p = jax_ep.ll_dispatch_send(x, i, w, cfg)
+        work = jnp.tanh(x.astype(jnp.float32)).sum()
+        p, _ = lax.optimization_barrier((p, work))
+        d = jax_ep.ll_dispatch_recv(p, cfg)
+        q = jax_ep.ll_combine_send(experts_of(d), d.handle, cfg)
+        return jax_ep.ll_combine_recv(q, cfg)
+
+    spec = P(None, AXIS)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    run_scan = jax.jit(jax.shard_map(
+        lambda xs, idx, w: lax.scan(lambda c, a: (c, two_phase(*a)), 0, (xs, idx, w))[1],
+        mesh=mesh, in_specs=spec, out_specs=spec))
+    run_step = jax.jit(jax.shard_map(fused, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    got = np.asarray(run_scan(put(xs, spec), put(idx, spec), put(w, spec)))
+    for s in range(steps):
+        want = np.asarray(run_step(put(xs[s], P(AXIS)), put(idx[s], P(AXIS)), put(w[s], P(AXIS))))
+        assert_bits_equal(got[s], want, f"two-phase scan step {s}")
+
+
+_CHILD_HEAD = """
+    import time
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    import jax_ep
+
+    gpus = jax.local_devices(backend="gpu")[:2]
+    mesh = Mesh(np.array(gpus), ("ep",))
+    cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=32,
+                          backend="cuda", dispatch_dtype="bfloat16")
+    x = jnp.ones((64, 256), jnp.bfloat16)
+    idx = jnp.tile(jnp.array([[0, 5]], jnp.int32), (64, 1))
+    w = jnp.ones((64, 2), jnp.float32)
+"""
+
+_SKIP_CHILD = textwrap.dedent(_CHILD_HEAD + """
+    def body(x, idx, w):
+        run = lambda: jax_ep.ll_dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
+        skip = lambda: x.astype(jnp.float32).sum() * 0
+        # rank 1 skips the call: rank 0 waits for it until the timeout
+        return lax.cond(lax.axis_index("ep") == 0, run, skip)[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    _START = time.time()
+    try:
+        jax.block_until_ready(fn(x, idx, w))
+        print("CALL_RETURNED", flush=True)
+    except Exception as e:
+        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
+""")
+
+
+def test_ll_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh):
+    faults, stdout = faults_of_child(_SKIP_CHILD)
+    assert len(faults) == 1, faults
+    fault = faults[0]
+    assert fault["kind"] == "timeout" and fault["op"] == "ll_dispatch", fault
+    assert fault["device_ordinal"] == mesh.devices.flat[0].local_hardware_id, fault
+    assert (fault["rank"], fault["waited_rank"]) == (0, 1), fault
+    assert 2.0 <= fault["elapsed_s"] < 30, fault
+    assert "waiting for rank 1" in stdout, stdout[-4000:]
+
+
+_THREE_IN_FLIGHT_CHILD = textwrap.dedent(_CHILD_HEAD + """
+    def body(x, idx, w):
+        pending = [jax_ep.ll_dispatch_send(x, idx, w, cfg)]
+        for i in range(2):  # two more sends, each after the previous one, before any receive
+            xi, _ = lax.optimization_barrier((x, pending[-1].token))
+            pending.append(jax_ep.ll_dispatch_send(xi, idx, w, cfg))
+        out = 0.0
+        for p in pending:
+            p, _ = lax.optimization_barrier((p, pending[-1].token))
+            out = out + jax_ep.ll_dispatch_recv(p, cfg).x.astype(jnp.float32).sum()
+        return out[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    _START = time.time()
+    try:
+        jax.block_until_ready(fn(x, idx, w))
+        print("CALL_RETURNED", flush=True)
+    except Exception as e:
+        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
+""")
+
+
+def test_ll_third_send_in_flight_is_a_clear_error(cuda_backend, mesh):
+    """At most two two-phase calls of an op in flight: the third send faults on the device before it
+    writes anything (never a silent overwrite), with a message saying the rule."""
+    faults, stdout = faults_of_child(_THREE_IN_FLIGHT_CHILD)
+    assert faults, stdout[-4000:]
+    for fault in faults:
+        assert fault["kind"] == "ll_in_flight" and fault["op"] == "ll_dispatch", fault
+        assert (fault["expected"], fault["observed"]) == (3, 1), fault
+        assert "at most 2 two-phase calls" in fault["message"], fault
+    assert "CHECK_ERRORS=" in stdout and "at most 2 two-phase calls" in stdout, stdout[-4000:]
+
+
+_THROUGHPUT_IN_FLIGHT_CHILD = textwrap.dedent(_CHILD_HEAD + """
+    def body(x, idx, w):
+        pending = jax_ep.ll_dispatch_send(x, idx, w, cfg)
+        xi, _ = lax.optimization_barrier((x, pending.token))
+        d = jax_ep.dispatch(xi, idx, w, cfg)  # a throughput op while the send is in flight
+        pending, _ = lax.optimization_barrier((pending, d.x))
+        return (jax_ep.ll_dispatch_recv(pending, cfg).x.astype(jnp.float32).sum() +
+                d.x.astype(jnp.float32).sum())[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    _START = time.time()
+    try:
+        jax.block_until_ready(fn(x, idx, w))
+        print("CALL_RETURNED", flush=True)
+    except Exception as e:
+        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
+""")
+
+
+def test_ll_throughput_op_while_in_flight_is_a_clear_error(cuda_backend, mesh):
+    faults, stdout = faults_of_child(_THROUGHPUT_IN_FLIGHT_CHILD)
+    assert faults, stdout[-4000:]
+    for fault in faults:
+        assert fault["kind"] == "ll_in_flight" and fault["op"] == "dispatch", fault
+        assert "throughput EP op ran while 1 two-phase" in fault["message"], fault
