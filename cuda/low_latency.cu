@@ -100,57 +100,59 @@ __device__ __forceinline__ void ll_fault(DeviceState* state, int32_t op_id, int3
   record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, what, expected, observed, 0);
 }
 
-// Every block, every thread: reads and checks the call (thread 0), then (sending kernels)
-// publishes this device's directory entry for the call's epoch on every managed device.
+// Thread 0 of every block: reads and checks the call (no barrier: the block's other threads work
+// meanwhile; a barrier must follow before anyone reads *call).
 template <int kOp>
-__device__ void ll_begin(const LLCommon& a, LLCall* call) {
+__device__ void ll_read_call(const LLCommon& a, LLCall* call) {
   DeviceState* state = a.state;
   constexpr int32_t op_id = kOp == kLLOpDispatch ? kOpLLDispatch : kOpLLCombine;
-  if (threadIdx.x == 0) {
-    const int32_t rank = *a.rank;
-    const int32_t group = *a.group;
-    if (rank < 0 || rank >= a.num_ranks || group < 0 || group >= kMaxGroups) {
-      record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
-                            static_cast<uint64_t>(a.num_ranks), static_cast<uint64_t>(group), 0);
-    }
-    require_comm_bytes(state, a.L.base.total, op_id, rank);
-    SyncCounters& sync = state->sync;
-    uint64_t epoch, n;
-    if (a.mode == kLLRecv) {
-      epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
-      n = static_cast<uint64_t>(a.handle[2]) | (static_cast<uint64_t>(a.handle[3]) << 32);
-      const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
-      if (half.busy == 0 || half.call != n || half.epoch != epoch) {
-        ll_fault(state, op_id, rank, kLLFaultStaleHandle, n, half.call);
-      }
-    } else {
-      epoch = sync.group_epoch[a.axis_slot][group] + 1;
-      n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
-      const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
-      if (half.busy != 0) ll_fault(state, op_id, rank, kLLFaultTooMany, n, half.call);
-      if (sync.ll_busy != 0 && sync.ll_busy_shape != shape_key(a)) {
-        ll_fault(state, op_id, rank, kLLFaultShape, shape_key(a), sync.ll_busy_shape);
-      }
-      if (kOp == kLLOpDispatch && sync.ll_busy_dispatches != 0 &&
-          sync.ll_busy_dispatch != dispatch_key(a)) {
-        ll_fault(state, op_id, rank, kLLFaultShape, dispatch_key(a), sync.ll_busy_dispatch);
-      }
-    }
-    call->epoch = epoch;
-    call->call = n;
-    call->rank = rank;
-    call->group = group;
-    call->key = a.axis_slot * kMaxGroups + group;
-    call->half = static_cast<int32_t>(n & 1);
+  const int32_t rank = *a.rank;
+  const int32_t group = *a.group;
+  if (rank < 0 || rank >= a.num_ranks || group < 0 || group >= kMaxGroups) {
+    record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
+                          static_cast<uint64_t>(a.num_ranks), static_cast<uint64_t>(group), 0);
   }
-  __syncthreads();
-  if (a.mode != kLLRecv) {
-    const uint64_t entry = (call->epoch << 16) | static_cast<uint64_t>(state->tables.slot);
-    for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
-      DeviceState* device = state->tables.peer_states[o];
-      if (device != nullptr) {
-        store_release_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
-      }
+  require_comm_bytes(state, a.L.base.total, op_id, rank);
+  SyncCounters& sync = state->sync;
+  uint64_t epoch, n;
+  if (a.mode == kLLRecv) {
+    epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
+    n = static_cast<uint64_t>(a.handle[2]) | (static_cast<uint64_t>(a.handle[3]) << 32);
+    const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
+    if (half.busy == 0 || half.call != n || half.epoch != epoch) {
+      ll_fault(state, op_id, rank, kLLFaultStaleHandle, n, half.call);
+    }
+  } else {
+    epoch = sync.group_epoch[a.axis_slot][group] + 1;
+    n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
+    const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
+    if (half.busy != 0) ll_fault(state, op_id, rank, kLLFaultTooMany, n, half.call);
+    if (sync.ll_busy != 0 && sync.ll_busy_shape != shape_key(a)) {
+      ll_fault(state, op_id, rank, kLLFaultShape, shape_key(a), sync.ll_busy_shape);
+    }
+    if (kOp == kLLOpDispatch && sync.ll_busy_dispatches != 0 &&
+        sync.ll_busy_dispatch != dispatch_key(a)) {
+      ll_fault(state, op_id, rank, kLLFaultShape, dispatch_key(a), sync.ll_busy_dispatch);
+    }
+  }
+  call->epoch = epoch;
+  call->call = n;
+  call->rank = rank;
+  call->group = group;
+  call->key = a.axis_slot * kMaxGroups + group;
+  call->half = static_cast<int32_t>(n & 1);
+}
+
+// Sending kernels, every thread, after the barrier that follows ll_read_call: publishes this
+// device's directory entry for the call's epoch on every managed device (every block does: a
+// peer may wait on it before this device's first block has run).
+__device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call) {
+  DeviceState* state = a.state;
+  const uint64_t entry = (call->epoch << 16) | static_cast<uint64_t>(state->tables.slot);
+  for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
+    DeviceState* device = state->tables.peer_states[o];
+    if (device != nullptr) {
+      store_release_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
     }
   }
 }
@@ -344,19 +346,26 @@ __device__ __forceinline__ void warp_copy_piece(const char* src, char* dst, int 
 
 // ---- dispatch ------------------------------------------------------------------------------
 
-// One warp step of a token row: loads it, converts it to the wire format and stores it to every
-// destination slot of dst_mask (lane j holds destination j's slot). FP8: 16 elements per lane
-// (512 per step), the 8 lanes of a 128-channel block reduce its amax; bf16: 8 per lane (256).
+// One warp step of a token row in the wire format, in registers: FP8 16 elements per lane (512
+// per step; the 8 lanes of a 128-channel block reduce its amax), bf16 8 per lane (256 per step).
+struct SendStep {
+  uint4 packed;  // this lane's 16 bytes of the wire row
+  float scale;   // FP8: the lane's 128-channel block's scale
+  int e0;        // first element of the lane
+  bool in;       // e0 < H
+};
+
 template <bool kXF32, int kRow>
-__device__ __forceinline__ void send_step(const char* x_row, int H, int step, uint32_t dst_mask,
-                                          char* my_dst, uint64_t row_bytes, int lane) {
+__device__ __forceinline__ SendStep prepare_step(const char* x_row, int H, int step, int lane) {
+  SendStep s;
+  s.scale = 0.f;
   if constexpr (kRow == kRowFP8) {
-    const int e0 = step * 512 + lane * 16;
-    const bool in = e0 < H;
+    s.e0 = step * 512 + lane * 16;
+    s.in = s.e0 < H;
     float f[16];
-    if (in) {
-      load8<kXF32>(x_row, e0, f);
-      load8<kXF32>(x_row, e0 + 8, f + 8);
+    if (s.in) {
+      load8<kXF32>(x_row, s.e0, f);
+      load8<kXF32>(x_row, s.e0 + 8, f + 8);
     } else {
 #pragma unroll
       for (int i = 0; i < 16; ++i) f[i] = 0.f;
@@ -370,44 +379,70 @@ __device__ __forceinline__ void send_step(const char* x_row, int H, int step, ui
     }
     amax = fmaxf(amax, 1e-4f);
     const float inv_scale = __fdiv_rn(448.0f, amax);
-    const float scale = __fdiv_rn(amax, 448.0f);
+    s.scale = __fdiv_rn(amax, 448.0f);
     float q[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) q[i] = __fmul_rn(f[i], inv_scale);
     const uint2 lo = pack_fp8x8(q);
     const uint2 hi = pack_fp8x8(q + 8);
-    const uint4 packed = make_uint4(lo.x, lo.y, hi.x, hi.y);
-    for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
-      const int j = __ffs(m) - 1;
-      char* to = reinterpret_cast<char*>(
-          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
-      if (in) {
-        *reinterpret_cast<uint4*>(to + e0) = packed;
-        if ((lane & 7) == 0) *reinterpret_cast<float*>(to + row_bytes + (e0 / 128) * 4) = scale;
-      }
-    }
+    s.packed = make_uint4(lo.x, lo.y, hi.x, hi.y);
   } else {
-    const int e0 = step * 256 + lane * 8;
-    const bool in = e0 < H;
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (in) {
+    s.e0 = step * 256 + lane * 8;
+    s.in = s.e0 < H;
+    s.packed = make_uint4(0, 0, 0, 0);
+    if (s.in) {
       if constexpr (kXF32) {
         float f[8];
-        load8<true>(x_row, e0, f);
-        packed = pack_bf16x8(f);
+        load8<true>(x_row, s.e0, f);
+        s.packed = pack_bf16x8(f);
       } else {
-        packed = __ldg(reinterpret_cast<const uint4*>(x_row) + e0 / 8);
+        s.packed = __ldg(reinterpret_cast<const uint4*>(x_row) + s.e0 / 8);
       }
     }
-    for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
-      const int j = __ffs(m) - 1;
-      char* to = reinterpret_cast<char*>(
-          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
-      if (in) *reinterpret_cast<uint4*>(to + static_cast<int64_t>(e0) * 2) = packed;
+  }
+  return s;
+}
+
+// Stores a prepared step to every destination slot of dst_mask (lane j holds destination j's slot).
+template <int kRow>
+__device__ __forceinline__ void store_step(const SendStep& s, uint32_t dst_mask, char* my_dst,
+                                           uint64_t row_bytes, int lane) {
+  constexpr int kElementBytes = kRow == kRowFP8 ? 1 : 2;
+  for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
+    const int j = __ffs(m) - 1;
+    char* to = reinterpret_cast<char*>(
+        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+    if (s.in) {
+      *reinterpret_cast<uint4*>(to + static_cast<int64_t>(s.e0) * kElementBytes) = s.packed;
+      if (kRow == kRowFP8 && (lane & 7) == 0) {
+        *reinterpret_cast<float*>(to + row_bytes + (s.e0 / 128) * 4) = s.scale;
+      }
     }
   }
 }
 
+// Zeroes the expert x token table (every thread; a barrier must follow).
+__device__ __forceinline__ void zero_table(const LLDispatchLaunch& p, const LLShared& s) {
+  const int words = (p.c.num_tokens + 31) / 32;
+  for (int i = threadIdx.x; i < p.c.num_experts * words; i += blockDim.x) s.bits[i] = 0u;
+}
+
+// Fills the table from this rank's sanitised routing: bit t of row e = token t routes to expert e.
+// Threads first..blockDim.x - 1 (thread 0 reads the call meanwhile); a barrier must follow.
+__device__ __forceinline__ void fill_table(const LLDispatchLaunch& p, const LLShared& s, int first) {
+  const int T = p.c.num_tokens, K = p.c.num_topk, E = p.c.num_experts;
+  const int words = (T + 31) / 32;
+  const int stride = static_cast<int>(blockDim.x) - first;
+  for (int i = static_cast<int>(threadIdx.x) - first; i >= 0 && i < T * K; i += stride) {
+    const int t = i / K;
+    const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, i % K, E);
+    if (e >= 0) atomicOr(&s.bits[e * words + t / 32], 1u << (t & 31));
+  }
+}
+
+// After the table and the call (a barrier since both): publishes the entry, prepares this warp's
+// first steps of the block's first token while the peers' entries arrive, then sends the counts and
+// the block's tokens.
 template <bool kXF32, int kRow>
 __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const LLCommon& a = p.c;
@@ -418,22 +453,28 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const int words = (T + 31) / 32;
   const int lane = lane_id(), warp = warp_id();
   const uint64_t half = static_cast<uint64_t>(call->half) * L.disp_half_bytes;
+  const int64_t x_row_bytes = static_cast<int64_t>(H) * (kXF32 ? 4 : 2);
+  const int steps = kRow == kRowFP8 ? (H + 511) / 512 : (H + 255) / 256;
+  const char* x = static_cast<const char*>(p.x);
 
-  // the expert x token table of this rank's sanitised routing
-  for (int i = threadIdx.x; i < E * words; i += blockDim.x) s.bits[i] = 0u;
-  __syncthreads();
-  for (int i = threadIdx.x; i < T * K; i += blockDim.x) {
-    const int t = i / K;
-    const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, i % K, E);
-    if (e >= 0) atomicOr(&s.bits[e * words + t / 32], 1u << (t & 31));
+  ll_publish(a, call);
+  // this warp's steps warp and warp + 16 of the first token, loaded and cast before the wait
+  SendStep first[2] = {};
+  const int t0 = blockIdx.x;
+  if (t0 < T) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (warp + u * kWarps < steps) {
+        first[u] = prepare_step<kXF32, kRow>(x + t0 * x_row_bytes, H, warp + u * kWarps, lane);
+      }
+    }
   }
-  ll_discover<kLLOpDispatch>(a, call);  // ends with a block barrier: the table is complete
+  ll_discover<kLLOpDispatch>(a, call);
 
   const int me = call->rank;
   const uint64_t tag = call_tag(call);
   // counts: experts blockIdx.x + gridDim.x * i, one flag each on the expert's rank
-  for (int e = blockIdx.x + gridDim.x * threadIdx.x; e < E;
-       e += gridDim.x * blockDim.x) {
+  for (int e = blockIdx.x + gridDim.x * threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
     int count = 0;
     for (int w = 0; w < words; ++w) count += __popc(s.bits[e * words + w]);
     const int dest = e / local, le = e % local;
@@ -444,9 +485,7 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   }
 
   // tokens blockIdx.x, + gridDim.x, ...: lane k of every warp holds the slot of top-k slot k
-  const int64_t x_row_bytes = static_cast<int64_t>(H) * (kXF32 ? 4 : 2);
-  const int steps = kRow == kRowFP8 ? (H + 511) / 512 : (H + 255) / 256;
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+  for (int t = t0; t < T; t += gridDim.x) {
     char* my_dst = nullptr;
     int64_t block_slot = 0;
     int dest = 0;
@@ -462,12 +501,18 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       }
     }
     const uint32_t dst_mask = __ballot_sync(kFullMask, my_dst != nullptr);
-    const char* x_row = static_cast<const char*>(p.x) + t * x_row_bytes;
-    for (int step = warp; step < steps; step += 2 * kWarps) {
-      send_step<kXF32, kRow>(x_row, H, step, dst_mask, my_dst, L.row_bytes, lane);
-      if (step + kWarps < steps) {
-        send_step<kXF32, kRow>(x_row, H, step + kWarps, dst_mask, my_dst, L.row_bytes, lane);
+    const char* x_row = x + t * x_row_bytes;
+    for (int s0 = warp; s0 < steps; s0 += 2 * kWarps) {
+      SendStep step[2];
+      if (t == t0 && s0 == warp) {
+        step[0] = first[0];
+        step[1] = first[1];
+      } else {
+        step[0] = prepare_step<kXF32, kRow>(x_row, H, s0, lane);
+        if (s0 + kWarps < steps) step[1] = prepare_step<kXF32, kRow>(x_row, H, s0 + kWarps, lane);
       }
+      store_step<kRow>(step[0], dst_mask, my_dst, L.row_bytes, lane);
+      if (s0 + kWarps < steps) store_step<kRow>(step[1], dst_mask, my_dst, L.row_bytes, lane);
     }
     char* peer = my_dst != nullptr ? call->peers[dest] : nullptr;
     if (warp == 0 && my_dst != nullptr) {
@@ -545,7 +590,13 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
 template <bool kXF32, int kRow, int kMode>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunch p) {
   const LLShared s = ll_shared(p.c.num_experts);
-  ll_begin<kLLOpDispatch>(p.c, s.call);
+  if constexpr (kMode != kLLRecv) {
+    zero_table(p, s);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) ll_read_call<kLLOpDispatch>(p.c, s.call);
+  if constexpr (kMode != kLLRecv) fill_table(p, s, 1);  // meanwhile
+  __syncthreads();
   if constexpr (kMode != kLLRecv) dispatch_send<kXF32, kRow>(p, s);
   if constexpr (kMode == kLLSend) {
     if (blockIdx.x == 0 && threadIdx.x < 4) {
@@ -559,53 +610,63 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
 
 // ---- combine -------------------------------------------------------------------------------
 
-__device__ void combine_send(const LLCombineLaunch& p, const LLShared& s) {
+// Lane j of a warp examines the warp's (k0 + j)-th (slot, piece) item of combine's send: items
+// are slot-index major over the (local expert, source rank) pairs (item g: piece g % pieces of slot
+// index i = f / P of pair f % P, f = g / pieces), so the few filled slots of every pair spread over
+// all warps without a count pass.
+struct CombineItem {
+  int64_t slot;  // receive slot = row of y: (pair) * T + i
+  int32_t tk;    // its src_slot entry (-1: unfilled or past the items)
+  int piece;
+};
+
+__device__ __forceinline__ CombineItem combine_item(const LLCombineLaunch& p, int64_t k0) {
+  const LLCommon& a = p.c;
+  const int pieces = a.L.ret_pieces;
+  const int64_t items = static_cast<int64_t>(a.num_experts) * a.num_tokens * pieces;
+  const int64_t g = global_warp() + (k0 + lane_id()) * static_cast<int64_t>(total_warps());
+  CombineItem item{0, -1, 0};
+  if (g < items) {
+    const int64_t f = g / pieces;
+    item.piece = static_cast<int>(g % pieces);
+    item.slot = (f % a.num_experts) * a.num_tokens + f / a.num_experts;
+    item.tk = __ldg(p.src_slot + item.slot);
+  }
+  return item;
+}
+
+// After the call (a barrier since): publishes the entry, waits for the peers', then returns every
+// filled slot's rows piece by piece. `first`: this lane's first item, loaded before the barrier.
+__device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, CombineItem item) {
   const LLCommon& a = p.c;
   const LLLayout& L = a.L;
   LLCall* call = s.call;
   const int T = a.num_tokens, K = a.num_topk, R = a.num_ranks;
-  const int num_pairs = a.num_experts;  // E_local * R
   const int lane = lane_id();
   const uint64_t half = static_cast<uint64_t>(call->half) * L.ret_half_bytes;
   const int pieces = L.ret_pieces;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
-  // Items (slot, piece), slot-index major over the pairs (item g: piece g % pieces of slot index
-  // i = f / P of pair f % P, f = g / pieces): the few filled slots of every pair spread over all
-  // warps without a count pass. Lane j of a warp examines the warp's (k0 + j)-th item.
-  const int64_t items = static_cast<int64_t>(num_pairs) * T * pieces;
+  const int64_t items = static_cast<int64_t>(a.num_experts) * T * pieces;
   const int64_t gw = global_warp(), W = total_warps();
-  auto examine = [&](int64_t k0, int32_t* tk, int64_t* slot, int* piece) {
-    const int64_t g = gw + (k0 + lane) * W;
-    *tk = -1;
-    if (g < items) {
-      const int64_t f = g / pieces;
-      *piece = static_cast<int>(g % pieces);
-      *slot = (f % num_pairs) * T + f / num_pairs;
-      *tk = __ldg(p.src_slot + *slot);
-    }
-  };
-  int32_t tk = -1;
-  int64_t slot = 0;
-  int piece = 0;
-  examine(0, &tk, &slot, &piece);  // the first loads overlap the discovery
+  ll_publish(a, call);
   ll_discover<kLLOpCombine>(a, call);
 
   const uint64_t tag = call_tag(call);
   for (int64_t k0 = 0; gw + k0 * W < items; k0 += 32) {
-    if (k0 > 0) examine(k0, &tk, &slot, &piece);
+    if (k0 > 0) item = combine_item(p, k0);
     const char* from = nullptr;
     char* to = nullptr;
     uint64_t* flag = nullptr;
     int bytes = 0;
-    if (tk >= 0 && tk < T * K) {  // filled (a bad handle must not write out of bounds)
-      const int64_t offset = static_cast<int64_t>(piece) * static_cast<int64_t>(kLLPieceBytes);
+    if (item.tk >= 0 && item.tk < T * K) {  // filled (a bad handle must not write out of bounds)
+      const int64_t offset = static_cast<int64_t>(item.piece) * static_cast<int64_t>(kLLPieceBytes);
       const int64_t rest = row_bytes - offset;
       bytes = static_cast<int>(rest < static_cast<int64_t>(kLLPieceBytes) ? rest : kLLPieceBytes);
-      char* peer = call->peers[(slot / T) % R];
-      from = static_cast<const char*>(p.y) + slot * row_bytes + offset;
-      to = peer + L.ret_rows + half + static_cast<int64_t>(tk) * L.ret_row_bytes + offset;
+      char* peer = call->peers[(item.slot / T) % R];
+      from = static_cast<const char*>(p.y) + item.slot * row_bytes + offset;
+      to = peer + L.ret_rows + half + static_cast<int64_t>(item.tk) * L.ret_row_bytes + offset;
       flag = reinterpret_cast<uint64_t*>(peer + L.ret_flags + half) +
-             (static_cast<int64_t>(tk) * pieces + piece);
+             (static_cast<int64_t>(item.tk) * pieces + item.piece);
     }
     for (uint32_t m = __ballot_sync(kFullMask, to != nullptr); m != 0u; m &= m - 1u) {
       const int j = __ffs(m) - 1;
@@ -623,6 +684,8 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s) {
   }
 }
 
+// Items (token, 512-element chunk): lanes k < K wait for the chunk's piece of the token's used
+// slots, then each lane sums its 16 elements over k in top-k order.
 __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
   const LLCommon& a = p.c;
   const LLLayout& L = a.L;
@@ -634,14 +697,14 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
   const uint64_t tag = call_tag(call);
   const LLWaitSite site = wait_site(a, call, kOpLLCombine);
   const int pieces = L.ret_pieces;
-  const int chunks = (H + 255) / 256;
+  const int chunks = (H + 511) / 512;
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(own + L.ret_flags + half);
   const char* returned = own + L.ret_rows + half;
   char* out = static_cast<char*>(p.out);
   for (int64_t g = global_warp(); g < static_cast<int64_t>(T) * chunks; g += total_warps()) {
     const int64_t t = g / chunks;
     const int c = static_cast<int>(g % chunks);
-    const int piece = static_cast<int>(static_cast<uint64_t>(c) * 512 / kLLPieceBytes);
+    const int piece = static_cast<int>(static_cast<uint64_t>(c) * 1024 / kLLPieceBytes);
     // A top-k slot with weight 0 (unused ids have 0 in the handle) is skipped: its row may be
     // garbage, even NaN, or still on its way.
     const float weight = lane < K ? __ldg(p.topk_weights + t * K + lane) : 0.f;
@@ -650,36 +713,55 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
     }
     __syncwarp();  // lane k's acquire, then every lane's loads of row k
     const uint32_t used_mask = __ballot_sync(kFullMask, weight != 0.f);
-    const int e0 = c * 256 + lane * 8;
-    const bool in = e0 < H;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int k0 = 0; k0 < K; k0 += 8) {  // loads of 8 slots in flight, then sums in order
-      float v[8][8];
+    float acc[16];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int k = k0 + u;
-        if (in && k < K && ((used_mask >> k) & 1u)) {
-          load8<false>(returned + (t * K + k) * static_cast<int64_t>(L.ret_row_bytes), e0, v[u]);
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the lane's two groups of 8: elements e0 and e0 + 256
+      const int e0 = c * 512 + h * 256 + lane * 8;
+      const bool in = e0 < H;
+      for (int k0 = 0; k0 < K; k0 += 8) {  // loads of 8 slots in flight, then sums in order
+        float v[8][8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int k = k0 + u;
+          if (in && k < K && ((used_mask >> k) & 1u)) {
+            load8<false>(returned + (t * K + k) * static_cast<int64_t>(L.ret_row_bytes), e0, v[u]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int k = k0 + u;
+          const float w = __shfl_sync(kFullMask, weight, k < K ? k : 0);  // every lane
+          if (!in || k >= K || !((used_mask >> k) & 1u)) continue;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            acc[h * 8 + i] = __fadd_rn(acc[h * 8 + i], __fmul_rn(w, v[u][i]));
+          }
         }
       }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int k = k0 + u;
-        const float w = __shfl_sync(kFullMask, weight, k < K ? k : 0);
-        if (!in || k >= K || !((used_mask >> k) & 1u)) continue;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[u][i]));
-      }
     }
-    if (in) store8<false>(out + t * static_cast<int64_t>(H) * 2, e0, acc);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e0 = c * 512 + h * 256 + lane * 8;
+      if (e0 < H) store8<false>(out + t * static_cast<int64_t>(H) * 2, e0, acc + h * 8);
+    }
   }
 }
 
 template <int kMode>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineLaunch p) {
   const LLShared s = ll_shared(p.c.num_experts);
-  ll_begin<kLLOpCombine>(p.c, s.call);
-  if constexpr (kMode != kLLRecv) combine_send(p, s);
+  CombineItem first{0, -1, 0};
+  if (threadIdx.x == 0) ll_read_call<kLLOpCombine>(p.c, s.call);
+  if constexpr (kMode != kLLRecv) {
+    if (threadIdx.x != 0) first = combine_item(p, 0);  // meanwhile
+  }
+  __syncthreads();
+  if constexpr (kMode != kLLRecv) {
+    if (threadIdx.x == 0) first = combine_item(p, 0);
+    combine_send(p, s, first);
+  }
   if constexpr (kMode == kLLSend) {
     if (blockIdx.x == 0 && threadIdx.x < 4) {
       const uint64_t v = threadIdx.x < 2 ? s.call->epoch : s.call->call;
