@@ -47,6 +47,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,7 +56,18 @@ from benchmarks import layer as bench_layer
 from jax_ep import reference
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.devices import use_virtual_cpu_devices
-from jax_ep.ops import combine, dispatch, get_dispatch_layout, implementation, ll_combine, ll_dispatch
+from jax_ep.ops import (
+    combine,
+    dispatch,
+    get_dispatch_layout,
+    implementation,
+    ll_combine,
+    ll_combine_recv,
+    ll_combine_send,
+    ll_dispatch,
+    ll_dispatch_recv,
+    ll_dispatch_send,
+)
 
 PRESETS = {
     # name: (tokens per rank, hidden, top-k, experts)
@@ -318,6 +330,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
 LL_SHAPE = dict(hidden=7168, topk=8, experts=288)
 LL_TOKENS = "1,16,64,128,256"
 DEEPEP_V1_LL = {"ll_dispatch": 28.6, "ll_combine": 39.8, "ll_round_trip": 72.1}
+# ll_two_phase: the round trip through ll_dispatch_send / _recv and ll_combine_send / _recv
 
 
 def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,
@@ -334,10 +347,17 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
     def d_body(x, i, w):
         return [a for a in jax.tree.leaves(ll_dispatch(x, i, w, cfg))]
 
-    def round_trip(x, i, w):
+    # The expert outputs of the round trips: fixed rows y, ordered after the dispatch by an
+    # optimization barrier (no kernel; an XLA convert of the whole slot buffer cost more than both ops)
+    def round_trip(x, i, w, y):
         d = ll_dispatch(x, i, w, cfg)
-        y = d.x.astype(jnp.bfloat16)  # stands in for the expert outputs
+        y, _ = lax.optimization_barrier((y, d.x))
         return ll_combine(y, d.handle, cfg)
+
+    def two_phase(x, i, w, y):  # the same through the send / receive phases, back to back
+        d = ll_dispatch_recv(ll_dispatch_send(x, i, w, cfg), cfg)
+        y, _ = lax.optimization_barrier((y, d.x))
+        return ll_combine_recv(ll_combine_send(y, d.handle, cfg), cfg)
 
     def make_y(x, i, w):
         d = ll_dispatch(x, i, w, cfg)
@@ -345,10 +365,11 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
 
     d_fn = jax.shard_map(d_body, mesh=mesh, in_specs=spec, out_specs=spec)
     rt_fn = jax.shard_map(round_trip, mesh=mesh, in_specs=spec, out_specs=spec)
+    two_fn = jax.shard_map(two_phase, mesh=mesh, in_specs=spec, out_specs=spec)
     y, handle = jax.jit(jax.shard_map(make_y, mesh=mesh, in_specs=spec, out_specs=spec))(x, idx, w)
     c_fn = jax.shard_map(lambda y, h: ll_combine(y, h, cfg), mesh=mesh, in_specs=spec, out_specs=spec)
     timed = {"ll_dispatch": (d_fn, (x, idx, w)), "ll_combine": (c_fn, (y, handle)),
-             "ll_round_trip": (rt_fn, (x, idx, w))}
+             "ll_round_trip": (rt_fn, (x, idx, w, y)), "ll_two_phase": (two_fn, (x, idx, w, y))}
     records = []
     on_gpu = mesh.devices.flat[0].platform == "gpu"
     for op, (fn, args) in timed.items():
@@ -452,8 +473,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's device time per call (GPU, jax.profiler)")
     parser.add_argument("--low-latency", action="store_true",
-                        help="time ll_dispatch / ll_combine / their round trip (decode mode) at hidden "
-                             f"7168, top-8, 288 experts, tokens {LL_TOKENS} (or --tokens)")
+                        help="time ll_dispatch / ll_combine / their round trip, fused and in two "
+                             f"phases (decode mode) at hidden 7168, top-8, 288 experts, tokens "
+                             f"{LL_TOKENS} (or --tokens)")
     parser.add_argument("--layer", action="store_true",
                         help="time the MoE layer's training step instead of the ops (benchmarks.layer)")
     parser.add_argument("--layer-shapes", default=None,
