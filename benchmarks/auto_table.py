@@ -19,6 +19,7 @@ import json
 import pathlib
 
 from jax_ep import auto_table
+from jax_ep.ops import OPS
 
 
 def _time(record) -> float | None:
@@ -30,7 +31,9 @@ def build(records: list[dict]) -> dict:
     dtype and shape pair up into points; unpaired records are ignored)."""
     keyed = {}
     for r in records:
-        if r.get("measured", True) and r["backend"] in ("cuda", "reference") and _time(r):
+        # only the ops that have an implementation choice (not e.g. the ll_round_trip composite)
+        if (r.get("measured", True) and r["backend"] in ("cuda", "reference") and _time(r)
+                and r["op"] in OPS):
             key = (r["op"], r.get("layout", "expert_major"), r["dtype"], r["tokens_per_rank"], r["hidden"],
                    r["topk"], r["num_experts"], r["ep_size"])
             keyed.setdefault(key, {})[r["backend"]] = r

@@ -16,7 +16,7 @@ import json
 import pathlib
 
 TABLE_FILE = pathlib.Path(__file__).with_name("auto_table.json")
-LAYOUTS = ("expert_major", "rank_major")
+LAYOUTS = ("expert_major", "rank_major", "fixed_slots")  # fixed_slots: the low-latency ops
 
 
 @functools.cache

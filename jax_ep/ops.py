@@ -108,7 +108,7 @@ class Op:
 
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
-    Op("ll_dispatch"), Op("ll_combine"),
+    Op("ll_dispatch", "fixed_slots"), Op("ll_combine", "fixed_slots"),
 )}
 
 

@@ -319,11 +319,9 @@ def test_ll_auto_backend_on_cpu_is_the_reference(monkeypatch, tmp_path):
     y = poisoned_y(rng, m, ep_size, tokens)
     want = to_numpy(ll_fn(ep_size, BF16.replace(backend="reference"))(x, idx, w, y))
     auto = BF16.replace(backend="auto")
-    assert not ops.OPS["ll_dispatch"].kernel_by_default(auto)  # nothing measured yet
-    assert not ops.OPS["ll_combine"].kernel_by_default(auto)
     path = tmp_path / "auto_table.json"
-    path.write_text('{"ops": {"ll_dispatch": {"expert_major": {"min_tokens": 0}},'
-                    ' "ll_combine": {"expert_major": {"min_tokens": 0}}}}')
+    path.write_text('{"ops": {"ll_dispatch": {"fixed_slots": {"min_tokens": 0}},'
+                    ' "ll_combine": {"fixed_slots": {"min_tokens": 0}}}}')
     monkeypatch.setattr(auto_table, "TABLE_FILE", path)
     auto_table.table.cache_clear()
     try:
