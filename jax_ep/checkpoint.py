@@ -344,12 +344,6 @@ def _rekey(saved: dict, like) -> dict:
 
 
 def _set_placement(layer: MoE, placement: eplb.Placement | None) -> None:
-    """``layer.set_placement``, also on a layer built without a placement: its placement attributes
-    are None there, which NNX records as static, and static attributes refuse variables (so
-    ``set_placement`` alone raises); marking them as data first lets the tables in."""
-    if layer.physical_to_logical is None:
-        for name in PLACEMENT_TABLES:
-            setattr(layer, name, nnx.data(None))
     layer.set_placement(placement)
 
 

@@ -267,7 +267,11 @@ class MoE(nnx.Module):
 
     def _set_placement_tables(self, placement: eplb.Placement | None) -> None:
         if placement is None:
-            self.physical_to_logical = self.logical_to_physical = self.replica_counts = None
+            # data, not static: a later set_placement puts variables here (NNX refuses variables in an
+            # attribute it recorded as static)
+            self.physical_to_logical = nnx.data(None)
+            self.logical_to_physical = nnx.data(None)
+            self.replica_counts = nnx.data(None)
             self.placement_ranks = self.slots_per_rank = None
             return
         if not isinstance(placement, eplb.Placement):

@@ -317,6 +317,20 @@ def test_placement_inside_user_shard_map_and_replan():
     assert global_layer.last_slot_load[...].shape == (EXPERTS,)
 
 
+def test_set_placement_on_a_layer_built_without_one():
+    """A layer built without a placement takes one later (and runs with it), and gives it back."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    layer = make_layer(mesh, seed=6)
+    x = random_tokens(4).reshape(-1, HIDDEN)
+    before = np.asarray(layer(x, update_stats=False))
+    layer.set_placement(hot_expert_placement(4))
+    assert layer.placement is not None and layer.num_slots == 12
+    with_placement = np.asarray(layer(x, update_stats=False))
+    np.testing.assert_allclose(with_placement, before, rtol=1e-5, atol=1e-6)  # same experts, other slots
+    layer.set_placement(None)
+    assert layer.placement is None
+
+
 def test_placement_errors():
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     with pytest.raises(ValueError, match="the placement is for 2 ranks, the mesh axis 'ep' has 4"):
