@@ -52,6 +52,7 @@ enum LLFault : int32_t {
   kLLFaultTooMany = 1,     // call `expected` of an op would reuse the receive half that holds call
                            // `observed`, sent in two phases and not yet received
   kLLFaultShape = 2,       // a low-latency call of another shape ran while calls were in flight
+                           // (or a receive's shape differs from its send's)
   kLLFaultStaleHandle = 3, // a receive got the handle of call `expected`, not in flight (received
                            // already, or its half reused: `observed` is the half's call)
   kLLFaultThroughput = 4,  // a throughput EP op ran while `observed` low-latency halves were in
@@ -128,7 +129,7 @@ struct SyncCounters {
     uint64_t call;
     uint64_t epoch;
     uint32_t busy;
-    uint32_t unused;
+    uint32_t shape;  // a hash of the sending call site's shape (its receive must match)
   };
   alignas(128) LLHalf ll_half[2][2];
   uint64_t ll_busy_shape;     // (T, K, H) of the halves in flight

@@ -95,6 +95,14 @@ __device__ __forceinline__ uint64_t dispatch_key(const LLCommon& a) {
          (a.L.slot_bytes << 20);
 }
 
+// What a receive checks against its send: the layout both use.
+template <int kOp>
+__device__ __forceinline__ uint32_t half_shape(const LLCommon& a) {
+  const uint64_t key = shape_key(a) * 0x9E3779B97F4A7C15ull ^
+                       (kOp == kLLOpDispatch ? dispatch_key(a) : 0ull);
+  return static_cast<uint32_t>(key ^ (key >> 32));
+}
+
 __device__ __forceinline__ void ll_fault(DeviceState* state, int32_t op_id, int32_t rank,
                                          int32_t what, uint64_t expected, uint64_t observed) {
   record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, what, expected, observed, 0);
@@ -121,6 +129,9 @@ __device__ void ll_read_call(const LLCommon& a, LLCall* call) {
     const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
     if (half.busy == 0 || half.call != n || half.epoch != epoch) {
       ll_fault(state, op_id, rank, kLLFaultStaleHandle, n, half.call);
+    }
+    if (half.shape != half_shape<kOp>(a)) {
+      ll_fault(state, op_id, rank, kLLFaultShape, half_shape<kOp>(a), half.shape);
     }
   } else {
     epoch = sync.group_epoch[a.axis_slot][group] + 1;
@@ -262,6 +273,7 @@ __device__ void ll_end(const LLCommon& a, const LLCall* call) {
     half.call = call->call;
     half.epoch = call->epoch;
     half.busy = a.mode == kLLSend ? 1u : 0u;
+    half.shape = half_shape<kOp>(a);
     if (a.mode == kLLSend) {
       sync.ll_busy += 1;
       sync.ll_busy_shape = shape_key(a);

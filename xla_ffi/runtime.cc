@@ -561,7 +561,8 @@ std::string LLInFlightMessage(const std::string& op, int device, int rank, int w
              "call n + 2).";
     case kLLFaultShape:
       return where + "a low-latency call of another shape ran while two-phase low-latency calls "
-             "were in flight (sent, not received): receive them first.";
+             "were in flight (sent, not received), or a receive got the pending value of a send of "
+             "another shape (its EPConfig must be the send's).";
     case kLLFaultStaleHandle:
       return where + "the receive of call " + std::to_string(expected) + " found it not in flight "
              "(the receive buffer holds call " + std::to_string(observed) + "): each handle of a "

@@ -8,7 +8,8 @@
 // mode 0: each repetition fused ll_dispatch then fused ll_combine; 1: each in two phases (send,
 // receive); 2: two repetitions in flight at once (both sends, then both receives, per op);
 // 3: three two-phase dispatch sends in a row (must fault: at most two in flight);
-// 4: a two-phase dispatch received twice (must fault: stale handle).
+// 4: a two-phase dispatch received twice (must fault: stale handle); 5: a two-phase dispatch
+// received by a call site of another shape (K - 1; must fault: shape).
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -140,9 +141,10 @@ int main(int argc, char** argv) {
     common.hidden = H;
     common.axis_slot = 2;
     common.num_blocks = blocks;
-    auto dispatch = [&](Rep& o, int m, uint32_t* handle) {
+    auto dispatch = [&](Rep& o, int m, uint32_t* handle, int topk_less = 0) {
       LLDispatchLaunch d{};
       d.c = common;
+      d.c.num_topk -= topk_less;
       d.c.L = dispatch_layout;
       d.c.mode = m;
       d.c.handle = handle;
@@ -174,6 +176,9 @@ int main(int argc, char** argv) {
       dispatch(out[0], kLLSend, out[0].dispatch_handle);
       dispatch(out[0], kLLRecv, out[0].dispatch_handle);
       dispatch(out[0], kLLRecv, out[0].dispatch_handle);
+    } else if (mode == 5) {  // received by a call site of another shape
+      dispatch(out[0], kLLSend, out[0].dispatch_handle);
+      dispatch(out[0], kLLRecv, out[0].dispatch_handle, 1);
     } else if (mode == 2) {
       for (int base = 0; base < reps; base += 2) {
         const int n = std::min(2, reps - base);

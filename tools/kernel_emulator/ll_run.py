@@ -3,8 +3,8 @@ ll_driver.cc, the blocks of a launch concurrently) and compares them with
 jax_ep.reference.ll_dispatch / ll_combine: counts, src_slot and every filled slot's row (and FP8
 scales) bit-exact; combine bit-exact too (float32 sums in top-k order, no FMA, in both), with NaN in
 every unfilled slot of y (it must not leak). Each case runs the ops fused, in two phases, or with two
-calls in flight (mode 0 / 1 / 2); two more cases break the double-buffering rules and must fault
-(a third send in flight; a handle received twice).
+calls in flight (mode 0 / 1 / 2); three more cases break the double-buffering rules and must fault
+(a third send in flight; a handle received twice; a receive of another shape).
 
     python tools/kernel_emulator/ll_run.py [--random N] [--seed S]
 """
@@ -48,8 +48,10 @@ CASES = [  # R, T, H, K, E, x dtype, wire dtype, routing, mode (0 fused, 1 two-p
 ]
 # Broken rules: (mode, LLFault the kernels must report): a third two-phase send while two are in
 # flight (kLLFaultTooMany), a handle received twice (kLLFaultStaleHandle).
-FAULTS = [(3, 1), (4, 3)]
-MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "received twice"}
+# A receive by a call site of another shape (kLLFaultShape).
+FAULTS = [(3, 1), (4, 3), (5, 2)]
+MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "received twice",
+         5: "received as another shape"}
 
 
 def build(path: str = DRIVER) -> str:
