@@ -4,7 +4,9 @@ from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gemm import grouped_matmul
 from jax_ep.ops import (
     combine,
+    combine_rank_major,
     dispatch,
+    dispatch_rank_major,
     get_dispatch_layout,
     ll_combine,
     ll_combine_recv,
@@ -22,6 +24,8 @@ from jax_ep.types import (
     LLDispatched,
     LLDispatchPending,
     LLHandle,
+    RankMajorDispatched,
+    RankMajorHandle,
 )
 from jax_ep.validation import EPValueError, ep_errors, run_checked
 
@@ -38,9 +42,13 @@ __all__ = [
     "LLDispatched",
     "LLHandle",
     "Layout",
+    "RankMajorDispatched",
+    "RankMajorHandle",
     "combine",
+    "combine_rank_major",
     "dequantize_fp8",
     "dispatch",
+    "dispatch_rank_major",
     "ep_errors",
     "get_dispatch_layout",
     "grouped_matmul",

@@ -1,13 +1,16 @@
 """Public ops: get_dispatch_layout, dispatch and combine, with custom_vjp; ll_dispatch and ll_combine
 (low-latency decode mode, forward-only), also in two phases (ll_dispatch_send / ll_dispatch_recv,
-ll_combine_send / ll_combine_recv).
+ll_combine_send / ll_combine_recv); dispatch_rank_major and combine_rank_major (DeepEP's rank-major
+contract, one row per (token, rank), with custom_vjp).
 
 Call them inside ``shard_map`` over ``cfg.axis_name`` (per-rank view). Each op is declared once, in
 ``OPS`` below: its output types (``jax_ep.types``: the contract), its implementations (the same
 function in each backend module, ``Backend``), and whether ``backend="auto"`` takes its kernel. The
 backward passes reuse the forward machinery: the gradient of dispatch is a combine with unit weights
 (plus the gate-weight gradients sent back to their top-k slots, ``slot_values``); the gradient of
-combine is a ``broadcast`` of the cotangents through the same handle. The low-latency ops have no
+combine is a ``broadcast`` of the cotangents through the same handle. The rank-major pair works
+the same way: combine_rank_major is the backward of dispatch_rank_major (rows and gate weights) and
+``broadcast_rank_major`` that of combine_rank_major. The low-latency ops have no
 backward pass: differentiating through them raises ``NotImplementedError`` naming the op.
 """
 
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import auto_table, reference
+from jax_ep import auto_table, reference, vma
 from jax_ep.config import EPConfig
 from jax_ep.types import (
     Dispatched,
@@ -31,9 +34,12 @@ from jax_ep.types import (
     LLDispatched,
     LLDispatchPending,
     LLHandle,
+    RankMajorDispatched,
+    RankMajorHandle,
 )
 from jax_ep.validation import (
     check_combine_args,
+    check_combine_rank_major_args,
     check_dispatch_args,
     check_layout_args,
     check_ll_combine_args,
@@ -62,10 +68,13 @@ class Backend(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One op and the output layout it produces (the key of its row in ``auto_table.json``)."""
+    """One op and the output layout it produces (the key of its row in ``auto_table.json``).
+    ``no_kernel``: why the op has no CUDA kernel (None: it has one); "auto" takes the reference path
+    then and "cuda" raises NotImplementedError with the reason."""
 
     name: str
     layout: str = "expert_major"
+    no_kernel: str | None = None
 
     def kernel_by_default(self, cfg: EPConfig) -> bool:
         """Its CUDA kernel measured faster than the reference path at cfg's tokens per rank
@@ -81,6 +90,11 @@ class Op:
         """
         if cfg.backend == "reference":
             return getattr(reference, self.name)
+        if self.no_kernel is not None:
+            if cfg.backend == "auto":
+                return getattr(reference, self.name)
+            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {self.no_kernel}; use "
+                                      "backend='reference' or 'auto' (which runs the reference path)")
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
         kernel = getattr(cuda_backend, self.name, None)
@@ -106,9 +120,14 @@ class Op:
         return kernel
 
 
+_NO_RANK_MAJOR_KERNEL = ("the rank-major CUDA kernel is not built yet (issue 12 item 2 delivers the "
+                         "API and the reference path; the kernel comes with the rank-major hop of item 1)")
+
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
     Op("ll_dispatch", "fixed_slots"), Op("ll_combine", "fixed_slots"),
+    *(Op(name, "rank_major", no_kernel=_NO_RANK_MAJOR_KERNEL)
+      for name in ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major")),
 )}
 
 
@@ -218,6 +237,91 @@ def _combine_bwd(cfg, residuals, g):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+# ---- rank-major mode (DeepEP's contract): custom_vjp ----------------------------------------------
+def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                        cfg: EPConfig) -> RankMajorDispatched:
+    """Send each token once to each rank that holds any of its top-k experts; return one row per
+    (token, this rank) pair, for expert kernels that permute (and weight) the rows themselves.
+
+    Args:
+      x: [T, H] tokens of this rank (T <= cfg.max_tokens_per_rank).
+      topk_idx: [T, K] int32 expert ids; -1 (or any id outside [0, E), or a repeat within a token)
+        marks an unused slot.
+      topk_weights: [T, K] float32 gate weights.
+      cfg: EPConfig (static); capacity and expert_alignment play no part (no drops).
+    Returns:
+      RankMajorDispatched: x [R*T, H] rows packed from row 0 (source rank major, token order within;
+      rows past sum(num_tokens_per_rank) are empty: zero), scales [R*T, ceil(H/128)] for FP8,
+      topk_idx [R*T, K] int32 local expert ids (-1 where the slot's expert is not on this rank, and
+      in empty rows), topk_weights [R*T, K] float32 (0 where topk_idx is -1), num_tokens_per_rank [R],
+      num_tokens_per_expert [E_local], handle (RankMajorHandle) for combine_rank_major.
+    Differentiable in x and topk_weights (bfloat16 / float32 wire; FP8 is forward-only).
+    """
+    ep_size(cfg, "dispatch_rank_major")
+    check_dispatch_args(x, topk_idx, topk_weights, cfg, op="dispatch_rank_major")
+    if cfg.checked:
+        topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch_rank_major")
+    # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
+    x, topk_weights = vma.vary_as(x, topk_idx, topk_weights), vma.vary_as(topk_weights, x, topk_idx)
+    return _dispatch_rank_major(x, topk_idx, topk_weights, cfg)
+
+
+def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+    """y [R*T, H'] (one output row per dispatched row; empty rows may hold anything, NaN included)
+    -> [T, H'] of y's dtype: per token of this rank, the sum over the ranks it went to of its rows,
+    in float32 in rank order, rounded once to y's dtype. No gate weights: the expert kernel applied
+    them (dispatch_rank_major's topk_weights)."""
+    size = ep_size(cfg, "combine_rank_major")
+    check_combine_rank_major_args(y, handle, cfg, size)
+    return _combine_rank_major(vma.vary_as(y, handle.src_index), handle, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch_rank_major(x, topk_idx, topk_weights, cfg):
+    return implementation("dispatch_rank_major", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+
+
+def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, cfg):
+    out = implementation("dispatch_rank_major", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+    dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
+    return out, (out.handle, out.topk_idx, dtype_token, topk_idx)
+
+
+def _dispatch_rank_major_bwd(cfg, residuals, ct):
+    handle, row_ids, dtype_token, topk_idx = residuals
+    if cfg.dispatch_dtype == "float8_e4m3fn":
+        raise NotImplementedError(
+            "jax_ep: dispatch_rank_major with dispatch_dtype='float8_e4m3fn' is forward-only "
+            "(inference and prefill); differentiate through a bfloat16 dispatch instead")
+    combine_impl = implementation("combine_rank_major", cfg, ct.x.dtype)
+    dx = combine_impl(ct.x, handle, cfg).astype(dtype_token.dtype)
+    # each (token, slot) weight lives on one rank's row: the rank sum adds zeros only, exactly
+    d_weights = jnp.where(row_ids >= 0, ct.topk_weights.astype(jnp.float32), 0.0)
+    d_topk_weights = combine_impl(d_weights, handle, cfg)
+    return dx, float0_like(topk_idx), d_topk_weights
+
+
+_dispatch_rank_major.defvjp(_dispatch_rank_major_fwd, _dispatch_rank_major_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine_rank_major(y, handle, cfg):
+    return implementation("combine_rank_major", cfg, y.dtype)(y, handle, cfg)
+
+
+def _combine_rank_major_fwd(y, handle, cfg):
+    return _combine_rank_major(y, handle, cfg), (handle, jnp.zeros((0,), y.dtype))
+
+
+def _combine_rank_major_bwd(cfg, residuals, g):
+    handle, dtype_token = residuals
+    dy = implementation("broadcast_rank_major", cfg, g.dtype)(g, handle, cfg).astype(dtype_token.dtype)
+    return dy, RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank))
+
+
+_combine_rank_major.defvjp(_combine_rank_major_fwd, _combine_rank_major_bwd)
 
 
 

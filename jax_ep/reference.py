@@ -21,6 +21,17 @@ Semantics (docs/api.md has the user-facing version):
     (token, rank) pair, rounds the partial sum to y's dtype, sends it back; the source sums the
     partial sums in float32 in rank order and rounds to y's dtype.
 
+Rank-major mode, ``dispatch_rank_major`` / ``combine_rank_major`` (DeepEP's contract; docs/api.md):
+  * One row per (source token, this rank) pair whose token picked any expert of this rank, packed
+    from row 0: source rank major, source token order within. The buffer has R*T rows (every token
+    of every rank may come here: no capacity, no drops); rows past the last are empty (x zero, ids
+    -1, weights 0, src_index EMPTY_ROW). Each row carries the token's K slots: the local expert id
+    where the slot's expert lives here, -1 elsewhere, and the slot's gate weight (0 where -1).
+  * combine_rank_major: each receiver returns row i to its source token unchanged (no weights: the
+    user's expert kernel applied them); the source sums the rows of the ranks its token went to in
+    float32 in rank order (a rank the token did not go to adds +0.0) and rounds once to y's dtype.
+    Empty rows never reach the sum, whatever they hold.
+
 Low-latency (decode) mode, ``ll_dispatch`` / ``ll_combine`` (docs/api.md, "Low-latency mode"):
   * Fixed receive slots: local expert e has R blocks of T slots; slot (e, r*T + i) holds the i-th
     token (in token order) of source rank r among those routed to global expert r_me*E_local + e.
@@ -52,6 +63,8 @@ from jax_ep.types import (
     LLDispatched,
     LLDispatchPending,
     LLHandle,
+    RankMajorDispatched,
+    RankMajorHandle,
 )
 
 FP8_MIN_AMAX = 1e-4  # keeps the scale finite for all-zero blocks
@@ -233,6 +246,81 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     per_slot = take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)
     returned = _all_to_all(per_slot, cfg.axis_name)
     return jnp.sum(returned, axis=0)
+
+
+# ---- rank-major mode (DeepEP's contract) -----------------------------------------------------------
+def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                        cfg: EPConfig) -> RankMajorDispatched:
+    """Forward rank-major dispatch (no custom_vjp here: jax_ep.ops wraps it). Same wire as
+    ``dispatch``; the receiver packs the received tokens in (source rank, source token) order."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    local_experts = cfg.num_local_experts(ep_size)
+    num_tokens, topk = topk_idx.shape
+    num_slots = ep_size * num_tokens
+
+    idx = sanitize_topk(topk_idx, cfg.num_experts)
+    dest_rank, is_token_in_rank = _destinations(idx, cfg.num_experts, ep_size)
+    local_expert = jnp.where(idx >= 0, idx % local_experts, -1)
+    if cfg.dispatch_dtype == "float8_e4m3fn":
+        payload, scales = quantize_fp8(x)
+    else:
+        payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
+        scales = None
+    to_rank = is_token_in_rank.T                                       # [R, T]
+    on_rank = dest_rank[None] == jnp.arange(ep_size)[:, None, None]    # [R, T, K]
+    recv_x = _all_to_all(jnp.where(to_rank[:, :, None], payload[None], 0), cfg.axis_name)
+    recv_expert = _all_to_all(jnp.where(on_rank, local_expert[None], -1), cfg.axis_name)
+    recv_weight = _all_to_all(jnp.where(on_rank, topk_weights.astype(jnp.float32)[None], 0.0),
+                              cfg.axis_name)
+    recv_x = recv_x.reshape(num_slots, payload.shape[1])
+    recv_expert = recv_expert.reshape(num_slots, topk)
+    recv_weight = recv_weight.reshape(num_slots, topk)
+
+    present = jnp.any(recv_expert >= 0, axis=1)                        # [R*T] slot n holds a token
+    present_i = present.astype(jnp.int32)
+    position = jnp.cumsum(present_i) - present_i                       # exclusive prefix sum
+    src_index = jnp.full((num_slots,), EMPTY_ROW, jnp.int32).at[
+        jnp.where(present, position, num_slots)].set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+    filled = src_index >= 0
+    rows = take_rows(recv_x, src_index)
+    row_ids = jnp.where(filled[:, None], take_rows(recv_expert, src_index), -1)
+    row_weights = jnp.where(row_ids >= 0, take_rows(recv_weight, src_index), 0.0)
+    row_scales = None
+    if scales is not None:
+        recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
+        row_scales = take_rows(recv_scales.reshape(num_slots, scales.shape[1]), src_index)
+    per_rank = jnp.sum(present_i.reshape(ep_size, num_tokens), axis=1, dtype=jnp.int32)
+    per_expert = jnp.sum(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :],
+                         axis=(0, 1), dtype=jnp.int32)
+    return RankMajorDispatched(rows, row_scales, row_ids.astype(jnp.int32), row_weights, per_rank,
+                               per_expert, RankMajorHandle(src_index, is_token_in_rank))
+
+
+def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+    """Each row back to its source token; per token the float32 sum over ranks in rank order of the
+    rows returned, rounded once to y's dtype. Empty rows are never read."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    num_slots = handle.src_index.shape[0]
+    num_tokens = num_slots // ep_size
+    src = handle.src_index
+    # scatter (not a product): whatever an empty row holds, NaN included, never reaches the sum
+    block = jnp.zeros((num_slots, y.shape[1]), y.dtype).at[jnp.where(src >= 0, src, num_slots)].set(
+        as_stored(y), mode="drop")
+    returned = _all_to_all(block.reshape(ep_size, num_tokens, y.shape[1]), cfg.axis_name)
+    returned = returned.astype(jnp.float32)
+    total = returned[0]
+    for r in range(1, ep_size):  # fixed summation order: rank order
+        total = total + returned[r]
+    return total.astype(y.dtype)
+
+
+def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+    """Each token's row g[t] to the rows it was dispatched to ([T, H'] -> [R*T, H']; empty rows zero):
+    dispatch_rank_major's data movement through a known handle (the backward of combine_rank_major)."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    to_rank = handle.is_token_in_rank.T
+    recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
+    return take_rows(recv.reshape(ep_size * g.shape[0], g.shape[1]), handle.src_index)
 
 
 # ---- low-latency (decode) mode --------------------------------------------------------------------

@@ -56,6 +56,31 @@ class Dispatched(NamedTuple):
         return self.handle.row_weights
 
 
+# ---- rank-major mode (DeepEP's contract): one row per (token, destination rank) ------------------
+class RankMajorHandle(NamedTuple):
+    """What combine_rank_major (and the backward passes) need from dispatch_rank_major. Arrays only:
+    a pytree that passes whole through jit and custom_vjp."""
+
+    src_index: jax.Array         # [R*T] int32: source slot n = src_rank*T + src_token of each row,
+                                 # or EMPTY_ROW (rows past the last received token)
+    is_token_in_rank: jax.Array  # [T, R] bool: source side, token t was sent to rank r
+
+
+class RankMajorDispatched(NamedTuple):
+    """Result of dispatch_rank_major on one rank: one row per (source token, this rank) pair whose
+    token picked any expert of this rank. Rows are packed from row 0: source rank major, token order
+    within; rows past sum(num_tokens_per_rank) are empty (x zero, ids -1, weights 0)."""
+
+    x: jax.Array                     # [R*T, H] rows (x's dtype, bfloat16 or float8_e4m3fn)
+    scales: jax.Array | None         # [R*T, ceil(H/128)] float32 for FP8 rows, else None
+    topk_idx: jax.Array              # [R*T, K] int32: the token's local expert id (0..E_local-1) in
+                                     # each top-k slot naming an expert of this rank, -1 elsewhere
+    topk_weights: jax.Array          # [R*T, K] float32: the slot's gate weight where topk_idx >= 0, else 0
+    num_tokens_per_rank: jax.Array   # [R] int32: rows received from each source rank
+    num_tokens_per_expert: jax.Array  # [E_local] int32: (token, local expert) pairs received per expert
+    handle: RankMajorHandle
+
+
 # ---- low-latency (decode) mode: fixed receive slots per (local expert, source rank) ---------------
 class LLHandle(NamedTuple):
     """What ll_combine needs from ll_dispatch (arrays only: a pytree that passes whole through jit)."""
@@ -155,3 +180,25 @@ def ll_combine_types(handle: LLHandle, cfg: EPConfig) -> jax.ShapeDtypeStruct:
 
 def slot_values_types(handle: Handle, cfg: EPConfig, ep_size: int) -> jax.ShapeDtypeStruct:
     return _sds((num_source_tokens(handle, ep_size), cfg.num_topk), jnp.float32)
+
+
+def rank_major_dispatch_types(num_tokens: int, x_dtype, cfg: EPConfig, ep_size: int) -> RankMajorDispatched:
+    """dispatch_rank_major's outputs for T = num_tokens tokens of ``x_dtype`` per rank."""
+    rows = ep_size * num_tokens
+    scales = (_sds((rows, cfg.num_scale_blocks), jnp.float32)
+              if cfg.dispatch_dtype == "float8_e4m3fn" else None)
+    local = cfg.num_local_experts(ep_size)
+    handle = RankMajorHandle(_sds((rows,), jnp.int32), _sds((num_tokens, ep_size), jnp.bool_))
+    return RankMajorDispatched(_sds((rows, cfg.hidden), cfg.wire_dtype(x_dtype)), scales,
+                               _sds((rows, cfg.num_topk), jnp.int32), _sds((rows, cfg.num_topk), jnp.float32),
+                               _sds((ep_size,), jnp.int32), _sds((local,), jnp.int32), handle)
+
+
+def rank_major_combine_types(y, handle: RankMajorHandle) -> jax.ShapeDtypeStruct:
+    """[T, H'] of y's dtype, for rows y [R*T, H']."""
+    return _sds((handle.is_token_in_rank.shape[0], y.shape[1]), y.dtype)
+
+
+def rank_major_broadcast_types(g, handle: RankMajorHandle) -> jax.ShapeDtypeStruct:
+    """[R*T, H'] of g's dtype, for per-token rows g [T, H']."""
+    return _sds((handle.src_index.shape[0], g.shape[1]), g.dtype)

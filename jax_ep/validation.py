@@ -68,6 +68,29 @@ def check_combine_args(y, handle, cfg: EPConfig) -> None:
         raise ValueError(f"combine: y must be float32/bfloat16/float16, got dtype {y.dtype}")
 
 
+def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
+                                  op: str = "combine_rank_major") -> None:
+    """combine_rank_major: a RankMajorHandle of dispatch_rank_major on this EP group and rows
+    y [R*T, H'] of a float dtype (not FP8)."""
+    src_index = getattr(handle, "src_index", None)
+    in_rank = getattr(handle, "is_token_in_rank", None)
+    if src_index is None or in_rank is None or hasattr(handle, "token_rows"):
+        raise ValueError(f"{op}: handle must be the RankMajorHandle of dispatch_rank_major, got "
+                         f"{type(handle).__name__}")
+    if getattr(in_rank, "ndim", None) != 2 or in_rank.shape[1] != ep_size or in_rank.dtype != jnp.bool_:
+        raise ValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, {ep_size}] (EP size), got "
+                         f"{getattr(in_rank, 'dtype', None)}{_shape_of(in_rank)}")
+    rows = ep_size * in_rank.shape[0]
+    if _shape_of(src_index) != (rows,) or src_index.dtype != jnp.int32:
+        raise ValueError(f"{op}: handle.src_index must be int32 [{rows}] (EP size x tokens), got "
+                         f"{getattr(src_index, 'dtype', None)}{_shape_of(src_index)}")
+    if getattr(y, "ndim", None) != 2 or y.shape[0] != rows:
+        raise ValueError(f"{op}: y must have shape [{rows}, hidden] (one row per dispatched row: EP size "
+                         f"{ep_size} x {in_rank.shape[0]} tokens), got {_shape_of(y)}")
+    if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
+        raise ValueError(f"{op}: y must be float32/bfloat16/float16, got dtype {y.dtype}")
+
+
 LL_X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 LL_WIRE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
 

@@ -328,3 +328,74 @@ def ll_combine(y, model: LLModel) -> np.ndarray:
                     acc = (acc + product).astype(np.float32)
             out[s, t] = acc.astype(ml_dtypes.bfloat16)
     return out
+
+
+# ---- rank-major mode (DeepEP's contract) -----------------------------------------------------------
+# One row per (source token, receiving rank) pair whose token picked any expert of that rank, packed
+# from row 0 in (source rank, source token) order; R*T rows, the rest empty (zero rows, ids -1,
+# weights 0, src -1). Each row: per top-k slot, the local expert id if the slot's (sanitised) expert
+# lives on the receiving rank, else -1; the weight where the id is not -1, else 0.
+@dataclasses.dataclass
+class RankMajorRank:
+    rows: np.ndarray               # [R*T, H] payload dtype
+    scales: np.ndarray | None      # [R*T, nb] float32 (FP8 only)
+    topk_idx: np.ndarray           # [R*T, K] int32
+    topk_weights: np.ndarray       # [R*T, K] float32
+    num_tokens_per_rank: np.ndarray  # [R] int32
+    num_tokens_per_expert: np.ndarray  # [E_local] int32
+    src: np.ndarray                # [R*T] int32 source slot s*T + t, or -1
+    is_token_in_rank: np.ndarray   # [T, R] bool (source side, this rank's tokens)
+
+
+def dispatch_rank_major(x, topk_idx, topk_weights, *, num_experts: int,
+                        dispatch_dtype: str | None = None) -> list:
+    """Global arrays [R, T, ...] -> [R] RankMajorRank."""
+    x = np.asarray(x)
+    topk_weights = np.asarray(topk_weights, np.float32)
+    idx = sanitize(topk_idx, num_experts)
+    ep_size, tokens, topk = idx.shape
+    local = num_experts // ep_size
+    payloads = [payload_of(x[s], dispatch_dtype) for s in range(ep_size)]
+    out = []
+    for d in range(ep_size):
+        n = ep_size * tokens
+        rows = np.zeros((n, x.shape[2]), payloads[0][0].dtype)
+        scales = None if payloads[0][1] is None else np.zeros((n, payloads[0][1].shape[1]), np.float32)
+        ids = np.full((n, topk), -1, np.int32)
+        weights = np.zeros((n, topk), np.float32)
+        per_rank = np.zeros(ep_size, np.int32)
+        per_expert = np.zeros(local, np.int32)
+        src = np.full(n, -1, np.int32)
+        row = 0
+        for s in range(ep_size):
+            for t in range(tokens):
+                here = [k for k in range(topk) if idx[s, t, k] >= 0 and idx[s, t, k] // local == d]
+                if not here:
+                    continue
+                rows[row] = payloads[s][0][t]
+                if scales is not None:
+                    scales[row] = payloads[s][1][t]
+                for k in here:
+                    ids[row, k] = idx[s, t, k] % local
+                    weights[row, k] = topk_weights[s, t, k]
+                    per_expert[idx[s, t, k] % local] += 1
+                src[row] = s * tokens + t
+                per_rank[s] += 1
+                row += 1
+        in_rank = layout(np.asarray(topk_idx)[d], num_experts, ep_size).is_token_in_rank
+        out.append(RankMajorRank(rows, scales, ids, weights, per_rank, per_expert, src, in_rank))
+    return out
+
+
+def combine_rank_major(y, model: list) -> np.ndarray:
+    """y [R, R*T, H] (rank d's output rows) -> [R, T, H] float64: per token, the sum of its rows over
+    the ranks it went to (empty rows are ignored, whatever they hold)."""
+    y = np.asarray(y).astype(np.float64)
+    ep_size = len(model)
+    tokens = y.shape[1] // ep_size
+    out = np.zeros((ep_size, tokens, y.shape[2]), np.float64)
+    for d, m in enumerate(model):
+        for row, n in enumerate(m.src):
+            if n >= 0:
+                out[n // tokens, n % tokens] += y[d, row]
+    return out
