@@ -347,3 +347,27 @@ def test_checked_mode_rejects_bad_ids():
     fn = per_rank(lambda x, i, w: jax_ep.dispatch_rank_major(x, i, w, cfg).x, 2)
     with pytest.raises(jax_ep.EPValueError, match=r"dispatch_rank_major: topk_idx has 1 ids outside"):
         jax_ep.run_checked(fn, x, idx, w)
+
+
+@pytest.mark.parametrize("dispatch_dtype", [None, "float8_e4m3fn"])
+def test_output_types(dispatch_dtype):
+    """The results have the types that jax_ep.types declares (the backends' contract), T = 0 too."""
+    from jax_ep import types
+
+    cfg = BASE.replace(hidden=128, dispatch_dtype=dispatch_dtype)
+    ep_size = 2
+    for tokens in (T, 0):
+        rng = np.random.default_rng(tokens)
+        if tokens:
+            x, idx, w = random_tokens(rng, ep_size, tokens, cfg)
+        else:
+            x, idx, w = (np.zeros((ep_size, 0, cfg.hidden), np.float32), np.zeros((ep_size, 0, K), np.int32),
+                         np.zeros((ep_size, 0, K), np.float32))
+        y = rng.standard_normal((ep_size, ep_size * tokens, HO)).astype(np.float32)
+        d, c, _ = to_numpy(roundtrip_fn(ep_size, cfg)(x, idx, w, y))
+        want = types.rank_major_dispatch_types(tokens, np.float32, cfg, ep_size)
+        got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), d)
+        assert got == want
+        assert c.shape[1:] == types.rank_major_combine_types(y[0], want.handle).shape
+        if tokens == 0:
+            assert c.shape == (ep_size, 0, HO) and (d.num_tokens_per_rank == 0).all()
