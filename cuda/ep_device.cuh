@@ -188,6 +188,15 @@ __device__ __forceinline__ void fence_acquire_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 __device__ __forceinline__ void backoff_sleep(uint32_t ns) { __nanosleep(ns); }
+// A release store without the sequentially consistent fence of __threadfence_system() (SASS:
+// MEMBAR.ALL.SYS + a strong store, where __threadfence_system() + st.release.sys is MEMBAR.SC.SYS,
+// MEMBAR.ALL.SYS and an L1 invalidation): writes before it (this thread's, and those ordered before
+// it by a barrier) are visible to whoever acquires the value.
+__device__ __forceinline__ void release_store_sys(uint64_t* address, uint64_t value) {
+  asm volatile("fence.acq_rel.sys;\n\tst.relaxed.sys.global.u64 [%0], %1;" ::"l"(address),
+               "l"(value)
+               : "memory");
+}
 #endif
 
 // Spins until *flag == expected (a peer's release store), polling with relaxed loads and a short

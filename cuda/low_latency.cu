@@ -13,21 +13,24 @@
 //      64-bit flag each: epoch, key, count), then its tokens t = b, b + grid, ...: each warp loads
 //      its steps of the row once, casts them (bf16, or fp8 with the per-128-channel scale) and
 //      stores them to every destination slot of the token; after a block barrier, lane k of warp 0
-//      fences and raises the slot's flag on the destination.
+//      raises the slot's flag on the destination with a release store.
 //    combine: warps take (slot, piece) items round-robin, slot index major over the (local expert,
 //      source rank) pairs, 32 at a time (lane j loads item j's src_slot entry); each filled slot's
 //      piece of the expert output is copied to its source's (token, top-k) row, then the lanes
-//      fence and raise the pieces' flags there.
+//      raise the pieces' flags there (release stores).
 //  receive (fused, kLLRecv):
-//    dispatch: each block waits for the P = E_local * R count flags and prefix-sums them; warps
-//      take (filled slot, piece) items round-robin, wait for the slot's flag and copy the piece out
-//      (the first piece also the scales and src_slot); then one item per pair writes counts and -1
-//      into src_slot past the count. A slot is copied as soon as its own flag is up.
-//    combine: warps take (token, 256-element chunk) items; lanes k < K wait for the flags of the
-//      chunk's piece of the token's used slots (weight != 0), then every lane sums its 8 elements
+//    dispatch: warps serve the P = E_local * R (local expert, source rank) pairs, about W / P warps
+//      each (W warps in all): lane 0 waits for the pair's count flag, then the warp copies its share
+//      of the pair's slots, each as soon as its own flag is up (rows, scales, src_slot); one warp per
+//      pair writes counts and -1 into src_slot past the count.
+//    combine: warps take (token, 512-element chunk) items; lanes k < K wait for the flags of the
+//      chunk's piece of the token's used slots (weight != 0), then every lane sums its 16 elements
 //      over k in top-k order in float32 (no FMA), skipping weight-0 slots, and stores bf16.
 //  end: the last block to finish publishes the call: group epoch, call count, the half's state.
 //
+// Flags are raised with release stores (fence.acq_rel.sys + a relaxed store: no sequentially
+// consistent MEMBAR.SC.SYS) and polled with relaxed loads, a growing pause between them, then one
+// acquire load (not fence.acq_rel, which would also wait for the poller's own stores in flight).
 // Flags carry the group epoch of their call (unique per call of the group, throughput ops
 // included) and the group key, so a flag left by an earlier call, another op or another group never
 // matches. Every wait is bounded (op and ranks named in the fault). Every block sends before it
@@ -59,19 +62,15 @@ static_assert(sizeof(LLCall) <= kCallBytes, "LLCall fits its shared-memory slot"
 // The dynamic shared memory of a kernel (layout of ll_shared_bytes).
 struct LLShared {
   LLCall* call;
-  int32_t* prefix;     // [P + 1]: exclusive prefix sums of per-pair counts
-  int32_t* warp_sums;  // [16]
-  uint32_t* bits;      // dispatch: [E][words] expert x token table
+  uint32_t* bits;  // dispatch: [E][words] expert x token table
 };
 
-__device__ __forceinline__ LLShared ll_shared(int E) {
+__device__ __forceinline__ LLShared ll_shared() {
   JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);
   char* base = reinterpret_cast<char*>(dynamic_shared);
   LLShared s;
   s.call = reinterpret_cast<LLCall*>(base);
-  s.prefix = reinterpret_cast<int32_t*>(base + kCallBytes);
-  s.warp_sums = s.prefix + (E + 1 + 3) / 4 * 4;
-  s.bits = reinterpret_cast<uint32_t*>(s.warp_sums + 16);
+  s.bits = reinterpret_cast<uint32_t*>(base + kCallBytes);
   return s;
 }
 
@@ -163,7 +162,7 @@ __device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call
   for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
     DeviceState* device = state->tables.peer_states[o];
     if (device != nullptr) {
-      store_release_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
+      release_store_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
     }
   }
 }
@@ -176,10 +175,13 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call) {
   const int peer = static_cast<int>(threadIdx.x);
   if (peer < a.num_ranks) {
     const uint64_t* slot = &state->sync.directory[a.axis_slot][call->group][peer];
-    uint64_t seen = load_acquire_sys(slot);
+    // Polled with relaxed loads (an acquire load also invalidates the SM's L1 each time), a
+    // growing pause between them (every block polls the same line), then one acquire.
+    uint64_t seen = load_relaxed_sys(slot);
     if ((seen >> 16) < call->epoch) {
       const uint64_t start = global_timer_ns();
       const uint64_t timeout_ns = state->tables.timeout_ns;
+      uint32_t sleep_ns = 64;
       while ((seen >> 16) < call->epoch) {
         const uint64_t elapsed = global_timer_ns() - start;
         if (elapsed > timeout_ns) {
@@ -187,10 +189,12 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call) {
                                 kOp == kLLOpDispatch ? kOpLLDispatch : kOpLLCombine, call->rank,
                                 peer, -1, call->epoch, seen >> 16, static_cast<int64_t>(elapsed));
         }
-        backoff_sleep(32);
-        seen = load_acquire_sys(slot);
+        backoff_sleep(sleep_ns);
+        if (sleep_ns < 512) sleep_ns *= 2;
+        seen = load_relaxed_sys(slot);
       }
     }
+    seen = load_acquire_sys(slot);
     const int ordinal = static_cast<int>(seen & 0xFFFF);
     call->ordinals[peer] = ordinal;
     call->peers[peer] = comm_buffer_of(state, ordinal);
@@ -236,7 +240,7 @@ __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, in
     uint32_t sleep_ns = 32;
     while ((observed >> shift) != want) {
       backoff_sleep(sleep_ns);
-      if (sleep_ns < 256) sleep_ns *= 2;
+      if (sleep_ns < 512) sleep_ns *= 2;
       const uint64_t elapsed = global_timer_ns() - start;
       if (elapsed > timeout_ns) {
         const int rank = waited_rank >= 0 ? waited_rank : ll_missing_rank(site);
@@ -248,8 +252,9 @@ __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, in
       observed = load_relaxed_sys(flag);
     }
   }
-  fence_acquire_sys();
-  return observed;
+  // an acquire load, not fence.acq_rel: the fence would also wait for this thread's own stores
+  // still on their way (a warp that just sent its rows)
+  return load_acquire_sys(flag);
 }
 
 // Every thread, end of the kernel: the last block to finish publishes the call.
@@ -284,57 +289,6 @@ __device__ void ll_end(const LLCommon& a, const LLCall* call) {
     }
   }
   __threadfence();
-}
-
-// Exclusive prefix sums of a[0, n) in place (shared memory), a[n] = the total, returned. Every
-// thread of the block calls it.
-__device__ int32_t block_exclusive_scan(int32_t* a, int n, int32_t* warp_sums) {
-  __syncthreads();
-  const int per = (n + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
-  const int begin = min(n, static_cast<int>(threadIdx.x) * per);
-  const int end = min(n, begin + per);
-  int32_t sum = 0;
-  for (int i = begin; i < end; ++i) sum += a[i];
-  const int lane = lane_id();
-  int32_t inclusive = sum;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int32_t other = __shfl_sync(kFullMask, inclusive, lane >= d ? lane - d : 0);
-    if (lane >= d) inclusive += other;
-  }
-  if (lane == 31) warp_sums[warp_id()] = inclusive;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t running = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      const int32_t v = warp_sums[w];
-      warp_sums[w] = running;
-      running += v;
-    }
-    a[n] = running;
-  }
-  __syncthreads();
-  int32_t running = warp_sums[warp_id()] + inclusive - sum;
-  for (int i = begin; i < end; ++i) {
-    const int32_t v = a[i];
-    a[i] = running;
-    running += v;
-  }
-  __syncthreads();
-  return a[n];
-}
-
-// The pair p with prefix[p] <= f < prefix[p + 1] (prefix nondecreasing, prefix[0] = 0 <= f).
-__device__ __forceinline__ int find_pair(const int32_t* prefix, int num_pairs, int64_t f) {
-  int lo = 0, hi = num_pairs;  // prefix[lo] <= f < prefix[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (prefix[mid] <= f) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
 }
 
 // A warp copies `bytes` (a multiple of 16, at most kLLPieceBytes) from src to dst, every load in
@@ -492,7 +446,7 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     const int dest = e / local, le = e % local;
     uint64_t* flag = reinterpret_cast<uint64_t*>(call->peers[dest] + L.count_flags + half) +
                      (static_cast<int64_t>(le) * R + me);
-    store_release_sys(flag, (call->epoch << 24) | (static_cast<uint64_t>(call->key) << 16) |
+    release_store_sys(flag, (call->epoch << 24) | (static_cast<uint64_t>(call->key) << 16) |
                                 static_cast<uint64_t>(count));
   }
 
@@ -533,12 +487,16 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     }
     __syncthreads();  // the block's stores of the token, then its flags
     if (warp == 0 && my_dst != nullptr) {
-      __threadfence_system();
-      store_release_sys(reinterpret_cast<uint64_t*>(peer + L.slot_flags + half) + block_slot, tag);
+      release_store_sys(reinterpret_cast<uint64_t*>(peer + L.slot_flags + half) + block_slot, tag);
     }
   }
 }
 
+// Receive: virtual warps v = gw, gw + W, ... < V = max(W, P) (W warps, P = E_local * R pairs);
+// virtual warp v serves pair q = v % P as the j-th (j = v / P) of the pair's J(q) = V / P +
+// (q < V % P) virtual warps: lane 0 waits for the pair's count (J(q) pollers per count flag, not a
+// block-wide wait), then the warp copies slots i = j, j + J, ... < count, each as soon as its own
+// flag is up; j == 0 also writes the count and -1 into src_slot past it.
 template <int kRow>
 __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
   const LLCommon& a = p.c;
@@ -551,48 +509,41 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
   const char* own = own_comm_buffer(a.state);
   const uint64_t tag = call_tag(call);
   const LLWaitSite site = wait_site(a, call, kOpLLDispatch);
-
-  // every pair's count (flag: (epoch << 24) | (key << 16) | count)
-  const uint64_t want = (call->epoch << 8) | static_cast<uint64_t>(call->key);
+  const uint64_t want = (call->epoch << 8) | static_cast<uint64_t>(call->key);  // count flag >> 16
   const uint64_t* count_flags = reinterpret_cast<const uint64_t*>(own + L.count_flags + half);
-  for (int q = threadIdx.x; q < num_pairs; q += blockDim.x) {
-    const uint64_t v = ll_wait(count_flags + q, want, 16, site, q % R);
-    s.prefix[q] = static_cast<int32_t>(v & 0xFFFF);
-  }
-  const int32_t total = block_exclusive_scan(s.prefix, num_pairs, s.warp_sums);
-
-  const int pieces = L.row_pieces;
-  const int num_scales = kRow == kRowFP8 ? a.hidden / 128 : 0;
-  const int64_t copies = static_cast<int64_t>(total) * pieces;
   const uint64_t* slot_flags = reinterpret_cast<const uint64_t*>(own + L.slot_flags + half);
   const int32_t* slot_src = reinterpret_cast<const int32_t*>(own + L.slot_src + half);
   const char* slots = own + L.slots + half;
   char* rows = static_cast<char*>(p.rows);
-  for (int64_t g = global_warp(); g < copies + num_pairs; g += total_warps()) {
-    if (g < copies) {
-      const int64_t f = g / pieces;
-      const int piece = static_cast<int>(g % pieces);
-      const int q = find_pair(s.prefix, num_pairs, f);
-      const int64_t slot = static_cast<int64_t>(q) * T + (f - s.prefix[q]);  // = output row
+  const int num_scales = kRow == kRowFP8 ? a.hidden / 128 : 0;
+  const int64_t W = total_warps();
+  const int64_t V = W > num_pairs ? W : num_pairs;
+  for (int64_t v = global_warp(); v < V; v += W) {
+    const int q = static_cast<int>(v % num_pairs);
+    const int j = static_cast<int>(v / num_pairs);
+    const int J = static_cast<int>(V / num_pairs) + (q < V % num_pairs ? 1 : 0);
+    unsigned long long count_flag = 0;
+    if (lane == 0) count_flag = ll_wait(count_flags + q, want, 16, site, q % R);
+    const int count = static_cast<int>(__shfl_sync(kFullMask, count_flag, 0) & 0xFFFFull);
+    for (int i = j; i < count; i += J) {
+      const int64_t slot = static_cast<int64_t>(q) * T + i;  // = the output row
       if (lane == 0) ll_wait(slot_flags + slot, tag, 0, site, q % R);
-      __syncwarp();
+      __syncwarp();  // lane 0's acquire, then every lane's loads
       const char* from = slots + slot * L.slot_bytes;
-      const uint64_t offset = static_cast<uint64_t>(piece) * kLLPieceBytes;
-      const uint64_t rest = L.row_bytes - offset;
-      warp_copy_piece(from + offset, rows + slot * L.row_bytes + offset,
-                      static_cast<int>(rest < kLLPieceBytes ? rest : kLLPieceBytes), lane);
-      if (piece == 0) {
-        if constexpr (kRow == kRowFP8) {
-          const float* scales = reinterpret_cast<const float*>(from + L.row_bytes);
-          for (int c = lane; c < num_scales; c += 32) {
-            p.scales[slot * num_scales + c] = __ldcg(scales + c);
-          }
-        }
-        if (lane == 0) p.src_slot[slot] = __ldcg(slot_src + slot);
+      for (uint64_t offset = 0; offset < L.row_bytes; offset += kLLPieceBytes) {
+        const uint64_t rest = L.row_bytes - offset;
+        warp_copy_piece(from + offset, rows + slot * L.row_bytes + offset,
+                        static_cast<int>(rest < kLLPieceBytes ? rest : kLLPieceBytes), lane);
       }
-    } else {
-      const int q = static_cast<int>(g - copies);
-      const int count = s.prefix[q + 1] - s.prefix[q];
+      if constexpr (kRow == kRowFP8) {
+        const float* scales = reinterpret_cast<const float*>(from + L.row_bytes);
+        for (int c = lane; c < num_scales; c += 32) {
+          p.scales[slot * num_scales + c] = __ldcg(scales + c);
+        }
+      }
+      if (lane == 0) p.src_slot[slot] = __ldcg(slot_src + slot);
+    }
+    if (j == 0) {
       if (lane == 0) p.counts[q] = count;
       for (int i = count + lane; i < T; i += 32) p.src_slot[static_cast<int64_t>(q) * T + i] = -1;
     }
@@ -601,7 +552,7 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
 
 template <bool kXF32, int kRow, int kMode>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunch p) {
-  const LLShared s = ll_shared(p.c.num_experts);
+  const LLShared s = ll_shared();
   if constexpr (kMode != kLLRecv) {
     zero_table(p, s);
     __syncthreads();
@@ -690,8 +641,7 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
     }
     __syncwarp();  // the warp's stores of every piece, then the pieces' flags
     if (to != nullptr) {
-      __threadfence_system();
-      store_release_sys(flag, tag);
+      release_store_sys(flag, tag);
     }
   }
 }
@@ -763,7 +713,7 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
 
 template <int kMode>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineLaunch p) {
-  const LLShared s = ll_shared(p.c.num_experts);
+  const LLShared s = ll_shared();
   CombineItem first{0, -1, 0};
   if (threadIdx.x == 0) ll_read_call<kLLOpCombine>(p.c, s.call);
   if constexpr (kMode != kLLRecv) {

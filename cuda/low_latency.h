@@ -94,10 +94,8 @@ JAX_EP_HOST_DEVICE inline uint64_t ll_shared_bytes(bool dispatch, int64_t num_ra
   if (num_ranks < 1 || num_tokens < 0 || num_experts < num_ranks) return 0;
   const uint64_t E = static_cast<uint64_t>(num_experts);
   const uint64_t words = (static_cast<uint64_t>(num_tokens) + 31) / 32;
-  // LLCall (512) + prefix [E_local * R + 1] + warp sums (16) + the expert x token bit table
-  uint64_t bytes = 512 + align_up_u64((E + 1) * 4, 16) + 64;
-  if (dispatch) bytes += align_up_u64(E * words * 4, 16);
-  return bytes;
+  // LLCall (512) + the expert x token bit table (dispatch)
+  return 512 + (dispatch ? align_up_u64(E * words * 4, 16) : 0);
 }
 
 // Fields of both ops: the group (device scalars), the layout and the grid.

@@ -242,6 +242,10 @@ inline void backoff_sleep(uint32_t) {}
 inline void store_release_sys(uint64_t* address, uint64_t value) {
   __atomic_store_n(address, value, __ATOMIC_RELEASE);
 }
+inline void release_store_sys(uint64_t* address, uint64_t value) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  __atomic_store_n(address, value, __ATOMIC_RELEASE);
+}
 inline uint32_t lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
 // Bulk copies complete immediately (memcpy). An mbarrier word holds its expected arrivals (bits
 // 48..63), the arrivals of the current phase (32..47) and the completed phases (0..31); a bulk load

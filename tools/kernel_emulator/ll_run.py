@@ -45,7 +45,9 @@ CASES = [  # R, T, H, K, E, x dtype, wire dtype, routing, mode (0 fused, 1 two-p
     (2, 0, 128, 2, 4, "bfloat16", "float8_e4m3fn", "messy", 2),
     (2, 3, 4224, 2, 4, "bfloat16", "bfloat16", "messy", 1),      # rows of 2 pieces (8448 bytes)
     (2, 2, 8320, 2, 4, "float32", "float8_e4m3fn", "distinct", 0),  # fp8 rows of 2 pieces
+    (2, 6, 128, 3, 64, "bfloat16", "float8_e4m3fn", "messy", 1),   # one block: 16 warps, 64 pairs
 ]
+BLOCKS = {9: 1}  # fixed cases run with 3 blocks but these
 # Broken rules: (mode, LLFault the kernels must report): a third two-phase send while two are in
 # flight (kLLFaultTooMany), a handle received twice (kLLFaultStaleHandle).
 # A receive by a call site of another shape (kLLFaultShape).
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
     driver = build(args.driver)
     cases = list(CASES)
     rng = np.random.default_rng(args.seed)
-    blocks = [3] * len(cases)
+    blocks = [BLOCKS.get(i, 3) for i in range(len(cases))]
     for _ in range(args.random):
         R = int(rng.integers(1, 5))
         E = R * int(rng.integers(1, 4))
