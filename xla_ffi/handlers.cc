@@ -752,6 +752,51 @@ void SetLLDispatchOutputs(LLDispatchLaunch* launch, bool fp8, ffi::Result<ffi::A
   launch->src_slot = src_slot->typed_data();
 }
 
+// Which part of a low-latency op a handler runs: fused, or a phase with the handle between the
+// _send and its _recv (the send writes it, the receive reads it).
+struct LLPhase {
+  int32_t mode;
+  uint32_t* handle;                       // nullptr when fused
+  ffi::Span<const int64_t> handle_dims;  // checked for a phase
+};
+LLPhase FusedPhase() { return {kLLFused, nullptr, {}}; }
+LLPhase SendPhase(ffi::ResultBuffer<ffi::U32>& handle) {
+  return {kLLSend, handle->typed_data(), handle->dimensions()};
+}
+LLPhase RecvPhase(ffi::Buffer<ffi::U32>& handle) {
+  return {kLLRecv, const_cast<uint32_t*>(handle.typed_data()), handle.dimensions()};
+}
+
+cudaError_t LaunchLLKernel(const LLDispatchLaunch& launch, cudaStream_t stream) {
+  return launch_ll_dispatch(launch, stream);
+}
+cudaError_t LaunchLLKernel(const LLCombineLaunch& launch, cudaStream_t stream) {
+  return launch_ll_combine(launch, stream);
+}
+
+// The steps every low-latency handler shares, in this order: count the call; the op's own checks
+// (`own`: its buffers against the attributes; it also fills its own fields of `launch`); for a
+// phase, the handle's shape; the common launch fields (PrepareLL); the launch. `what` names the
+// kernel in a launch error ("ll_dispatch_send").
+template <typename Launch, typename Own>
+ffi::Error RunLL(const char* op, const char* what, CallCounters& counters, cudaStream_t stream,
+                 int32_t device_ordinal, const OpState& state, ffi::Buffer<ffi::S32> rank,
+                 ffi::Buffer<ffi::S32> group, const LLPhase& phase, Launch& launch, Own own) {
+  if (ffi::Error error = CountCall(counters, stream, op); !error.success()) return error;
+  if (ffi::Error error = own(state.attrs); !error.success()) return error;
+  if (phase.mode != kLLFused) {
+    if (ffi::Error error = CheckLLHandle(op, phase.handle_dims); !error.success()) return error;
+  }
+  if (ffi::Error error = PrepareLL(op, device_ordinal, state, rank, group, phase.mode,
+                                   phase.handle, &launch.c);
+      !error.success()) {
+    return error;
+  }
+  const cudaError_t status = LaunchLLKernel(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, std::string(what) + " kernel launch");
+  return ffi::Error::Success();
+}
+
 ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                           ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                           ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
@@ -759,31 +804,24 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
                           ffi::ResultBuffer<ffi::S32> counts,
                           ffi::ResultBuffer<ffi::S32> src_slot) {
   constexpr const char* kOp = kLLDispatchTarget;
-  if (ffi::Error error = CountCall(ll_dispatch_counters, stream, kOp); !error.success()) {
-    return error;
-  }
-  const EPAttrs& a = state->attrs;
   LLDispatchLaunch launch{};
-  if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error =
-          CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error =
-          PrepareLL(kOp, device_ordinal, *state, rank, group, kLLFused, nullptr, &launch.c);
-      !error.success()) {
-    return error;
-  }
-  launch.x = x.untyped_data();
-  launch.topk_idx = topk_idx.typed_data();
-  SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
-  const cudaError_t status = launch_ll_dispatch(launch, stream);
-  if (status != cudaSuccess) return CudaError(status, "ll_dispatch kernel launch");
-  return ffi::Error::Success();
+  auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
+        !error.success()) {
+      return error;
+    }
+    if (ffi::Error error =
+            CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
+        !error.success()) {
+      return error;
+    }
+    launch.x = x.untyped_data();
+    launch.topk_idx = topk_idx.typed_data();
+    SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
+    return ffi::Error::Success();
+  };
+  return RunLL(kOp, "ll_dispatch", ll_dispatch_counters, stream, device_ordinal, *state, rank,
+               group, FusedPhase(), launch, own);
 }
 
 ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -791,29 +829,21 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
                               ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                               ffi::ResultBuffer<ffi::U32> handle) {
   constexpr const char* kOp = kLLDispatchSendTarget;
-  if (ffi::Error error = CountCall(ll_dispatch_send_counters, stream, kOp); !error.success()) {
-    return error;
-  }
-  const EPAttrs& a = state->attrs;
   LLDispatchLaunch launch{};
-  if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = LLRowKindOfAttrs(kOp, a, &launch.row_kind); !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckLLHandle(kOp, handle->dimensions()); !error.success()) return error;
-  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLSend,
-                                   handle->typed_data(), &launch.c);
-      !error.success()) {
-    return error;
-  }
-  launch.x = x.untyped_data();
-  launch.topk_idx = topk_idx.typed_data();
-  const cudaError_t status = launch_ll_dispatch(launch, stream);
-  if (status != cudaSuccess) return CudaError(status, "ll_dispatch_send kernel launch");
-  return ffi::Error::Success();
+  auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
+        !error.success()) {
+      return error;
+    }
+    if (ffi::Error error = LLRowKindOfAttrs(kOp, a, &launch.row_kind); !error.success()) {
+      return error;
+    }
+    launch.x = x.untyped_data();
+    launch.topk_idx = topk_idx.typed_data();
+    return ffi::Error::Success();
+  };
+  return RunLL(kOp, "ll_dispatch_send", ll_dispatch_send_counters, stream, device_ordinal, *state,
+               rank, group, SendPhase(handle), launch, own);
 }
 
 ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -823,27 +853,19 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
                               ffi::ResultBuffer<ffi::S32> counts,
                               ffi::ResultBuffer<ffi::S32> src_slot) {
   constexpr const char* kOp = kLLDispatchRecvTarget;
-  if (ffi::Error error = CountCall(ll_dispatch_recv_counters, stream, kOp); !error.success()) {
-    return error;
-  }
-  const EPAttrs& a = state->attrs;
   LLDispatchLaunch launch{};
   launch.x_kind = kRowBF16;  // x is the send's
-  if (ffi::Error error =
-          CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckLLHandle(kOp, handle.dimensions()); !error.success()) return error;
-  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLRecv,
-                                   const_cast<uint32_t*>(handle.typed_data()), &launch.c);
-      !error.success()) {
-    return error;
-  }
-  SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
-  const cudaError_t status = launch_ll_dispatch(launch, stream);
-  if (status != cudaSuccess) return CudaError(status, "ll_dispatch_recv kernel launch");
-  return ffi::Error::Success();
+  auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error =
+            CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
+        !error.success()) {
+      return error;
+    }
+    SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
+    return ffi::Error::Success();
+  };
+  return RunLL(kOp, "ll_dispatch_recv", ll_dispatch_recv_counters, stream, device_ordinal, *state,
+               rank, group, RecvPhase(handle), launch, own);
 }
 
 // ll_combine's y [E_local, R * T, H] bf16 and src_slot [E_local, R * T].
@@ -885,29 +907,22 @@ ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                          ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kLLCombineTarget;
-  if (ffi::Error error = CountCall(ll_combine_counters, stream, kOp); !error.success()) {
-    return error;
-  }
-  const EPAttrs& a = state->attrs;
-  if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
-    return error;
-  }
   LLCombineLaunch launch{};
-  if (ffi::Error error =
-          PrepareLL(kOp, device_ordinal, *state, rank, group, kLLFused, nullptr, &launch.c);
-      !error.success()) {
-    return error;
-  }
-  launch.y = y.untyped_data();
-  launch.src_slot = src_slot.typed_data();
-  launch.topk_weights = topk_weights.typed_data();
-  launch.out = out->untyped_data();
-  const cudaError_t status = launch_ll_combine(launch, stream);
-  if (status != cudaSuccess) return CudaError(status, "ll_combine kernel launch");
-  return ffi::Error::Success();
+  auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
+      return error;
+    }
+    if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
+      return error;
+    }
+    launch.y = y.untyped_data();
+    launch.src_slot = src_slot.typed_data();
+    launch.topk_weights = topk_weights.typed_data();
+    launch.out = out->untyped_data();
+    return ffi::Error::Success();
+  };
+  return RunLL(kOp, "ll_combine", ll_combine_counters, stream, device_ordinal, *state, rank,
+               group, FusedPhase(), launch, own);
 }
 
 ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -915,25 +930,17 @@ ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
                              ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                              ffi::ResultBuffer<ffi::U32> handle) {
   constexpr const char* kOp = kLLCombineSendTarget;
-  if (ffi::Error error = CountCall(ll_combine_send_counters, stream, kOp); !error.success()) {
-    return error;
-  }
-  const EPAttrs& a = state->attrs;
-  if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckLLHandle(kOp, handle->dimensions()); !error.success()) return error;
   LLCombineLaunch launch{};
-  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLSend,
-                                   handle->typed_data(), &launch.c);
-      !error.success()) {
-    return error;
-  }
-  launch.y = y.untyped_data();
-  launch.src_slot = src_slot.typed_data();
-  const cudaError_t status = launch_ll_combine(launch, stream);
-  if (status != cudaSuccess) return CudaError(status, "ll_combine_send kernel launch");
-  return ffi::Error::Success();
+  auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
+      return error;
+    }
+    launch.y = y.untyped_data();
+    launch.src_slot = src_slot.typed_data();
+    return ffi::Error::Success();
+  };
+  return RunLL(kOp, "ll_combine_send", ll_combine_send_counters, stream, device_ordinal, *state,
+               rank, group, SendPhase(handle), launch, own);
 }
 
 ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -941,25 +948,17 @@ ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
                              ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                              ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kLLCombineRecvTarget;
-  if (ffi::Error error = CountCall(ll_combine_recv_counters, stream, kOp); !error.success()) {
-    return error;
-  }
-  const EPAttrs& a = state->attrs;
-  if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckLLHandle(kOp, handle.dimensions()); !error.success()) return error;
   LLCombineLaunch launch{};
-  if (ffi::Error error = PrepareLL(kOp, device_ordinal, *state, rank, group, kLLRecv,
-                                   const_cast<uint32_t*>(handle.typed_data()), &launch.c);
-      !error.success()) {
-    return error;
-  }
-  launch.topk_weights = topk_weights.typed_data();
-  launch.out = out->untyped_data();
-  const cudaError_t status = launch_ll_combine(launch, stream);
-  if (status != cudaSuccess) return CudaError(status, "ll_combine_recv kernel launch");
-  return ffi::Error::Success();
+  auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
+      return error;
+    }
+    launch.topk_weights = topk_weights.typed_data();
+    launch.out = out->untyped_data();
+    return ffi::Error::Success();
+  };
+  return RunLL(kOp, "ll_combine_recv", ll_combine_recv_counters, stream, device_ordinal, *state,
+               rank, group, RecvPhase(handle), launch, own);
 }
 
 // Appends .Arg<T>() for each of T, Ts... to the FFI binding `binding`. A Binding can only be

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -85,3 +86,39 @@ def faults_of_child(script: str, timeout_s: str = "2") -> tuple[list[dict], str]
     lines = [line for line in child.stdout.splitlines() if line.startswith("FAULTS=")]
     assert lines, f"child recorded no fault (rc={child.returncode}):\n{output[-4000:]}"
     return json.loads(lines[0][len("FAULTS="):]), child.stdout
+
+
+# A child script for faults_of_child that runs one EP step over the first two GPUs (mesh axis "ep"):
+# `body` is the source of body(x, idx, w), the per-rank step, with x [64, 256] bf16 ones, every token
+# to experts 0 and 5 of 8 (num_topk=2) and unit weights; `cfg_args` are more EPConfig arguments.
+_EP_STEP_HEAD = """
+import time
+import jax, jax.numpy as jnp, numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+import jax_ep
+
+gpus = jax.local_devices(backend="gpu")[:2]
+mesh = Mesh(np.array(gpus), ("ep",))
+cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=32,
+                      backend="cuda"%s)
+x = jnp.ones((64, 256), jnp.bfloat16)
+idx = jnp.tile(jnp.array([[0, 5]], jnp.int32), (64, 1))
+w = jnp.ones((64, 2), jnp.float32)
+"""
+_EP_STEP_TAIL = """
+fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+_START = time.time()
+try:
+    jax.block_until_ready(fn(x, idx, w))
+    print("CALL_RETURNED", flush=True)
+except Exception as e:
+    print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
+"""
+
+
+def ep_step_child(body: str, **cfg_args) -> str:
+    """The script of a child that runs `body` (see _EP_STEP_HEAD) once under jit + shard_map."""
+    extra = "".join(f", {name}={value!r}" for name, value in cfg_args.items())
+    return _EP_STEP_HEAD % extra + textwrap.dedent(body) + _EP_STEP_TAIL

@@ -11,14 +11,20 @@ layer's training step, a 20-step lax.scan captured as CUDA graphs, and a rank th
 from __future__ import annotations
 
 import functools
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_helpers import GRAPH_OPTIONS, assert_captured, faults_of_child, handler_stats, poison_device_memory
+from gpu_helpers import (
+    GRAPH_OPTIONS,
+    assert_captured,
+    ep_step_child,
+    faults_of_child,
+    handler_stats,
+    poison_device_memory,
+)
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -413,35 +419,12 @@ def test_unsupported_dtype_is_a_clear_error(cuda_backend, mesh):
                  jnp.zeros((16, 2), jnp.float32))
 
 
-_TIMEOUT_CHILD = textwrap.dedent("""
-    import time
-    import jax, jax.numpy as jnp, numpy as np
-    from jax import lax
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-    import jax_ep
-
-    gpus = jax.local_devices(backend="gpu")[:2]
-    mesh = Mesh(np.array(gpus), ("ep",))
-    cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=32,
-                          backend="cuda")
-
+_TIMEOUT_CHILD = ep_step_child("""
     def body(x, idx, w):
         run = lambda: jax_ep.dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
         skip = lambda: x.astype(jnp.float32).sum() * 0
         # rank 1 skips the call: rank 0 waits for it (group discovery) until the timeout
         return lax.cond(lax.axis_index("ep") == 0, run, skip)[None]
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    x = jnp.ones((64, 256), jnp.bfloat16)
-    idx = jnp.tile(jnp.array([[0, 5]], jnp.int32), (64, 1))
-    w = jnp.ones((64, 2), jnp.float32)
-    _START = time.time()
-    try:
-        jax.block_until_ready(fn(x, idx, w))
-        print("CALL_RETURNED", flush=True)
-    except Exception as e:
-        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
 """)
 
 

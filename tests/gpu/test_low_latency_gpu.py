@@ -9,14 +9,13 @@ and the rank), a third send in flight, a throughput op while a send is in flight
 from __future__ import annotations
 
 import functools
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_helpers import faults_of_child, poison_device_memory
+from gpu_helpers import ep_step_child, faults_of_child, poison_device_memory
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -231,38 +230,13 @@ def test_ll_two_phase_in_scan_matches_fused(cuda_backend, mesh):
         assert_bits_equal(got[s], want, f"two-phase scan step {s}")
 
 
-_CHILD_HEAD = """
-    import time
-    import jax, jax.numpy as jnp, numpy as np
-    from jax import lax
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-    import jax_ep
-
-    gpus = jax.local_devices(backend="gpu")[:2]
-    mesh = Mesh(np.array(gpus), ("ep",))
-    cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=32,
-                          backend="cuda", dispatch_dtype="bfloat16")
-    x = jnp.ones((64, 256), jnp.bfloat16)
-    idx = jnp.tile(jnp.array([[0, 5]], jnp.int32), (64, 1))
-    w = jnp.ones((64, 2), jnp.float32)
-"""
-
-_SKIP_CHILD = textwrap.dedent(_CHILD_HEAD + """
+_SKIP_CHILD = ep_step_child("""
     def body(x, idx, w):
         run = lambda: jax_ep.ll_dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
         skip = lambda: x.astype(jnp.float32).sum() * 0
         # rank 1 skips the call: rank 0 waits for it until the timeout
         return lax.cond(lax.axis_index("ep") == 0, run, skip)[None]
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    _START = time.time()
-    try:
-        jax.block_until_ready(fn(x, idx, w))
-        print("CALL_RETURNED", flush=True)
-    except Exception as e:
-        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
-""")
+""", dispatch_dtype="bfloat16")
 
 
 def test_ll_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh):
@@ -276,7 +250,7 @@ def test_ll_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, me
     assert "waiting for rank 1" in stdout, stdout[-4000:]
 
 
-_THREE_IN_FLIGHT_CHILD = textwrap.dedent(_CHILD_HEAD + """
+_THREE_IN_FLIGHT_CHILD = ep_step_child("""
     def body(x, idx, w):
         pending = [jax_ep.ll_dispatch_send(x, idx, w, cfg)]
         for i in range(2):  # two more sends, each after the previous one, before any receive
@@ -287,15 +261,7 @@ _THREE_IN_FLIGHT_CHILD = textwrap.dedent(_CHILD_HEAD + """
             p, _ = lax.optimization_barrier((p, pending[-1].token))
             out = out + jax_ep.ll_dispatch_recv(p, cfg).x.astype(jnp.float32).sum()
         return out[None]
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    _START = time.time()
-    try:
-        jax.block_until_ready(fn(x, idx, w))
-        print("CALL_RETURNED", flush=True)
-    except Exception as e:
-        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
-""")
+""", dispatch_dtype="bfloat16")
 
 
 def test_ll_third_send_in_flight_is_a_clear_error(cuda_backend, mesh):
@@ -310,7 +276,7 @@ def test_ll_third_send_in_flight_is_a_clear_error(cuda_backend, mesh):
     assert "CHECK_ERRORS=" in stdout and "at most 2 two-phase calls" in stdout, stdout[-4000:]
 
 
-_THROUGHPUT_IN_FLIGHT_CHILD = textwrap.dedent(_CHILD_HEAD + """
+_THROUGHPUT_IN_FLIGHT_CHILD = ep_step_child("""
     def body(x, idx, w):
         pending = jax_ep.ll_dispatch_send(x, idx, w, cfg)
         xi, _ = lax.optimization_barrier((x, pending.token))
@@ -318,15 +284,7 @@ _THROUGHPUT_IN_FLIGHT_CHILD = textwrap.dedent(_CHILD_HEAD + """
         pending, _ = lax.optimization_barrier((pending, d.x))
         return (jax_ep.ll_dispatch_recv(pending, cfg).x.astype(jnp.float32).sum() +
                 d.x.astype(jnp.float32).sum())[None]
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    _START = time.time()
-    try:
-        jax.block_until_ready(fn(x, idx, w))
-        print("CALL_RETURNED", flush=True)
-    except Exception as e:
-        print("CALL_RAISED", type(e).__name__, str(e)[:300], flush=True)
-""")
+""", dispatch_dtype="bfloat16")
 
 
 def test_ll_throughput_op_while_in_flight_is_a_clear_error(cuda_backend, mesh):
