@@ -18,7 +18,9 @@ buffers live in the rest. A buffer that does not fit raises ``DeviceMemoryError`
 the bytes it needs, the GPU's free/total memory and what to do (its text:
 ``jax_ep._C.device_memory_message``). Model 1 checks when an op is traced (``reserve``), so the
 error comes from the traced call; an instantiation that still cannot allocate fails in XLA with
-``RESOURCE_EXHAUSTED`` and the same text.
+``RESOURCE_EXHAUSTED`` and the same text. Model 2 checks in the collective set-up step, before
+NVSHMEM is asked: every process publishes whether what NVSHMEM's heap would take fits its GPU, and
+when one does not, every process raises the same error, naming the processes that lack room.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import json
 import os
 import threading
 
@@ -75,6 +78,14 @@ _collective_calls = 0  # process model 2: collective set-up calls made by this p
 # Process model 2: how long a process waits for the others at a collective set-up step (they may
 # still be compiling) before it raises, naming the processes that did not arrive.
 BOOTSTRAP_TIMEOUT_S = 120.0
+# Process model 2: what a GPU must keep free beyond what NVSHMEM's heap would take in a set-up step,
+# or the step is refused on every process. cudaMemGetInfo's free memory is not all one allocation
+# can get, and the step allocates beside the heap: the driver's bookkeeping for the new physical
+# memory and for the mappings of every peer's new heap memory, NVSHMEM's own device memory and
+# module when it starts; after it, CUDA still allocates lazily (kernel local memory, the printf
+# buffer) and XLA's NCCL communicators live outside its pool. A GPU left with nothing free fails
+# there later, with errors far from the cause. 256 MiB is under 0.3% of an H100/H200.
+HEAP_ROOM_MARGIN_BYTES = 256 << 20
 
 
 class DeviceFaultError(RuntimeError):
@@ -185,11 +196,74 @@ def register_targets() -> None:
                 _C.init(local_gpu_ordinals(), 0)
 
 
+def _room_verdict(process: int, gpu: int, plan: dict, free: int, total: int,
+                 margin: int = HEAP_ROOM_MARGIN_BYTES) -> dict:
+    """Process model 2: one process's verdict on a set-up step, what it publishes for the others
+    (pure). ``plan``: ``_C.plan_process_group(agreed bytes)`` on that process (``heap_bytes``: what
+    NVSHMEM would take from its GPU); ``free``/``total``: its GPU (``_C.memory_info``). It fits when
+    nothing is taken or the GPU keeps ``margin`` bytes free beside it."""
+    heap = int(plan["heap_bytes"])
+    margin = int(margin) if heap > 0 else 0
+    return {"process": int(process), "gpu": int(gpu), "buffer": int(plan["buffer"]),
+            "held": int(plan["held"]), "heap_bytes": heap, "margin": margin, "free": int(free),
+            "total": int(total), "fits": heap == 0 or int(free) >= heap + margin,
+            "starting": bool(plan["nvshmem_starting"]), "dynamic": bool(plan["heap_dynamic"]),
+            "granularity": int(plan["heap_granularity"])}
+
+
+def _heap_room_error(verdicts: list[dict], env: dict[str, str] | None = None) -> str | None:
+    """Process model 2: the collective decision on a set-up step (pure): None when every process's
+    published verdict (``_room_verdict``) fits, else the DeviceMemoryError text naming the NVSHMEM
+    symmetric heap and every process that lacks room, with its numbers. Every process decides from
+    the same published verdicts, so all refuse or all go on. ``env``: the memory settings the advice
+    reads (default: this process's, ``_C.MEMORY_ENV_VARS``)."""
+    short = sorted((v for v in verdicts if not v["fits"]), key=lambda v: v["process"])
+    if not short:
+        return None
+    if env is None:
+        env = {name: os.environ[name] for name in _C.MEMORY_ENV_VARS if name in os.environ}
+    head = short[0]  # buffer, held and the heap's shape agree: the same step on every process
+    rooms = [{name: int(v[name]) for name in ("process", "gpu", "heap_bytes", "margin", "free", "total")}
+             for v in short]
+    return _C.device_memory_message(
+        "communication buffer", head["gpu"], head["buffer"], head["free"], head["total"],
+        held_bytes=head["held"], kind="heap_growth", env=dict(env), processes=rooms,
+        group_size=len(verdicts), heap_starting=head["starting"], heap_dynamic=head["dynamic"],
+        heap_granularity=head["granularity"])
+
+
+def _check_room(key: str, wanted: int, timeout: float) -> None:
+    """Process model 2, collective, before NVSHMEM is asked for anything: every process publishes
+    whether what the step would allocate on its GPU fits there (``_room_verdict``), reads every
+    verdict, and every process raises the same DeviceMemoryError when one lacks room. NVSHMEM 3.4.5
+    does not return NULL from nvshmem_malloc when its heap cannot grow: its job dies."""
+    me, count = jax.process_index(), jax.process_count()
+    try:
+        gpu = local_gpu_ordinals()[0]
+        free, total = _C.memory_info(gpu)
+        verdict = _room_verdict(me, gpu, _C.plan_process_group(wanted), free, total)
+    except Exception as e:  # noqa: BLE001 - published, so that no process waits for this one
+        verdict = {"process": me, "error": f"{type(e).__name__}: {e}"}
+    distributed.kv_set_bytes(f"{key}/room/{me}", json.dumps(verdict).encode())
+    verdicts = [json.loads(distributed.kv_get_bytes(f"{key}/room/{p}", timeout, writer=f"process {p}"))
+                for p in range(count)]
+    failed = [v for v in verdicts if "error" in v]
+    if failed:
+        raise RuntimeError("jax_ep: process model 2 set-up refused on every process: "
+                           + "; ".join(f"process {v['process']} could not check its GPU's free memory "
+                                       f"({v['error']})" for v in failed))
+    error = _heap_room_error(verdicts)
+    if error is not None:
+        raise DeviceMemoryError(error)
+
+
 def _init_process_group(buffer_bytes: int) -> None:
     """Process model 2, collective (every process calls it in the same order): agrees on the buffer
-    size through the key-value store, bootstraps NVSHMEM on the first call (process 0's unique id
-    through the store), and grows the symmetric buffer when needed. Every wait is bounded and names
-    the processes that did not arrive. The caller holds _lock."""
+    size through the key-value store, checks on every process that what NVSHMEM would allocate fits
+    its GPU (all raise DeviceMemoryError together when one lacks room, before NVSHMEM is asked),
+    bootstraps NVSHMEM on the first call (process 0's unique id through the store), and grows the
+    symmetric buffer when needed. Every wait is bounded and names the processes that did not
+    arrive. The caller holds _lock."""
     global _collective_calls
     me, count = jax.process_index(), jax.process_count()
     call = _collective_calls
@@ -199,6 +273,7 @@ def _init_process_group(buffer_bytes: int) -> None:
     distributed.kv_set_bytes(f"{key}/bytes/{me}", str(int(buffer_bytes)).encode())
     wanted = max(int(distributed.kv_get_bytes(f"{key}/bytes/{p}", timeout, writer=f"process {p}"))
                  for p in range(count))
+    _check_room(key, wanted, timeout)
     first = _C.process_group()["model"] == "none"
     unique_id = b""
     if first:

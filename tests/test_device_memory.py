@@ -5,6 +5,7 @@ is wired into runtime.reserve. tests/gpu/test_device_memory_gpu.py provokes it o
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -169,3 +170,239 @@ def test_reserve_checks_the_buffer_at_trace_time_in_process_model_1(monkeypatch)
     with pytest.raises(runtime.DeviceMemoryError, match=r"it needs 17\.00 GiB \(18253611008 bytes\)"):
         runtime.reserve(17 * GiB)
     assert calls == [MiB, 17 * GiB]
+
+
+# ---- process model 2: the collective room check before NVSHMEM's heap grows ----
+
+def test_heap_device_bytes_follow_nvshmem_heap_growth():
+    """What NVSHMEM 3.4's symmetric heap takes from the GPU for one set-up step (the pure function
+    behind runtime's check): the CUDA VMM heap grows by the allocation rounded up to whole steps of
+    NVSHMEM_CUMEM_GRANULARITY (512 MiB); when NVSHMEM starts, its own allocations take the first
+    step and a buffer that does not fit beside them adds its own steps; the static heap
+    (NVSHMEM_DISABLE_CUDA_VMM=1) is allocated whole at start and never grows; SYSMEM is host memory."""
+    heap = native.heap_device_bytes
+    step = 512 * MiB
+    assert heap(False, 64 * GiB) == 64 * GiB                    # a multiple of the step: as is
+    assert heap(False, 60 * GiB + 2 * MiB) == 60 * GiB + step   # rounded up to a whole step
+    assert heap(False, 2 * MiB) == step
+    assert heap(False, 0) == 0                                  # nothing allocated: nothing taken
+    assert heap(True, 2 * MiB) == step                          # start: one step holds it all
+    assert heap(True, 256 * MiB) == step
+    assert heap(True, 256 * MiB + 2 * MiB) == 2 * step          # does not fit beside NVSHMEM's own
+    assert heap(True, 3 * GiB) == step + 3 * GiB
+    assert heap(False, 60 * GiB + 2 * MiB, granularity=2 * MiB) == 60 * GiB + 2 * MiB
+    assert heap(True, 100 * MiB, granularity=2 * MiB) == 256 * MiB + 100 * MiB
+    assert heap(True, 64 * MiB, dynamic=False, static_heap_bytes=GiB) == GiB + step
+    assert heap(False, 64 * GiB, dynamic=False, static_heap_bytes=GiB) == 0
+    assert heap(True, 64 * GiB, on_device=False) == heap(False, 64 * GiB, on_device=False) == 0
+
+
+def plan(buffer, held=0, heap_bytes=None, starting=False, dynamic=True, granularity=512 * MiB):
+    if heap_bytes is None:
+        heap_bytes = native.heap_device_bytes(starting, buffer, dynamic=dynamic, granularity=granularity)
+    return {"first": starting, "nvshmem_starting": starting, "buffer": buffer, "held": held,
+            "heap_on_device": True, "heap_dynamic": dynamic, "heap_granularity": granularity,
+            "heap_bytes": heap_bytes}
+
+
+def test_room_verdict_keeps_a_margin_beside_the_heap():
+    grow = plan(60 * GiB + 2 * MiB, held=64 * MiB)  # the heap grows by 60.5 GiB
+    need = 60 * GiB + 512 * MiB + runtime.HEAP_ROOM_MARGIN_BYTES
+    fits = runtime._room_verdict(0, 0, grow, free=need, total=141 * GiB)
+    assert fits["fits"] and fits["heap_bytes"] == 60 * GiB + 512 * MiB
+    assert fits["margin"] == runtime.HEAP_ROOM_MARGIN_BYTES == 256 * MiB
+    assert not runtime._room_verdict(1, 1, grow, free=need - 1, total=141 * GiB)["fits"]
+    none = runtime._room_verdict(0, 0, plan(64 * MiB, held=64 * MiB, heap_bytes=0), free=0, total=GiB)
+    assert none["fits"] and none["margin"] == 0  # the step takes nothing: nothing to check
+    assert json.loads(json.dumps(fits)) == fits  # what goes through the key-value store
+
+
+def verdicts_for(frees, buffer=60 * GiB + 2 * MiB, held=64 * MiB, total=141 * GiB, **kw):
+    step = plan(buffer, held=held, **kw)
+    return [runtime._room_verdict(p, p, step, free, total) for p, free in enumerate(frees)]
+
+
+def test_heap_room_error_is_none_when_every_process_fits():
+    assert runtime._heap_room_error(verdicts_for([70 * GiB, 61 * GiB])) is None
+    assert runtime._heap_room_error([]) is None
+
+
+def test_heap_room_error_names_the_heap_and_the_processes_lacking_room():
+    verdicts = verdicts_for([70 * GiB, 35 * GiB, 70 * GiB, 20 * GiB])
+    text = runtime._heap_room_error(verdicts, env={})
+    first = text.splitlines()[0]
+    assert first.startswith("jax_ep: the communication buffer does not fit in the memory of every GPU of "
+                            "the process group: it needs 60.00 GiB (64426606592 bytes), beside the "
+                            "64.00 MiB (67108864 bytes) of jax_ep's current buffer"), first
+    assert "NVSHMEM symmetric heap (process model 2: one process per GPU), and 2 of 4 processes lack room:" \
+        in first
+    grows = ("the heap would grow by 60.50 GiB (64961380352 bytes), and jax_ep keeps 256.00 MiB "
+             "(268435456 bytes)")
+    assert f"\n  * process 1 (GPU 1): {grows} free beside it; the GPU has 35.00 GiB (37580963840 bytes) " \
+           "free of 141.00 GiB (151397597184 bytes)." in text
+    assert f"\n  * process 3 (GPU 3): {grows} free beside it; the GPU has 20.00 GiB" in text
+    assert "process 0 " not in text and "process 2 " not in text  # only those lacking room
+    assert "every process raises this error; nothing was allocated" in text
+    assert "NVSHMEM_CUMEM_GRANULARITY (512.00 MiB (536870912 bytes))" in text
+    # The advice holds for the tightest process: XLA must leave 60.75 - 20 GiB more on GPU 3.
+    fraction = suggested_fraction(text)
+    assert fraction is not None and (0.75 - fraction) * 141 * GiB >= (60.75 - 20) * GiB
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 (or lower) on every process" in text
+    assert "set XLA_PYTHON_CLIENT_PREALLOCATE=false on every process and call " \
+           "jax_ep.runtime.ensure_initialized(64426606592)" in text
+    assert "size the buffer once" in text and "max_tokens_per_rank" in text
+    assert "NVSHMEM_CUMEM_GRANULARITY=2m" not in text  # a finer step alone would not make room
+    # The decision and the text depend on the published verdicts only, not on their order.
+    assert runtime._heap_room_error(verdicts[::-1], env={}) == text
+
+
+def test_heap_room_error_advises_a_finer_step_when_the_rounding_is_short():
+    # 60 GiB + 2 MiB grows the heap by 60.5 GiB; 60.3 GiB free holds 60 GiB + 2 MiB + 256 MiB.
+    text = runtime._heap_room_error(verdicts_for([int(60.3 * GiB)] * 2), env={})
+    assert "2 of 2 processes lack room" in text
+    assert ("set NVSHMEM_CUMEM_GRANULARITY=2m on every process before NVSHMEM starts (jax_ep starts it "
+            "at the first EP op: restart the job)") in text
+
+
+def test_heap_room_error_when_nvshmem_starts_or_the_heap_is_static():
+    start = runtime._heap_room_error(verdicts_for([GiB, 100 * MiB], buffer=2 * MiB, held=0, starting=True),
+                                     env={})
+    assert "and 1 of 2 processes lacks room:" in start
+    assert "process 1 (GPU 1): NVSHMEM would take 512.00 MiB (536870912 bytes)" in start
+    assert "NVSHMEM starts in this step" in start and "beside the" not in start.splitlines()[0]
+    static = runtime._heap_room_error(
+        verdicts_for([GiB], buffer=64 * MiB, held=0, starting=True, dynamic=False,
+                     heap_bytes=GiB + 512 * MiB), env={"NVSHMEM_SYMMETRIC_SIZE": "1G"})
+    assert "NVSHMEM allocates its whole heap when it starts" in static
+    assert "NVSHMEM_SYMMETRIC_SIZE=1G" in static
+    assert "set a smaller NVSHMEM_SYMMETRIC_SIZE on every process" in static
+
+
+class FakeGroup:
+    """A process-model-2 extension and key-value store for simulated processes, one at a time."""
+
+    def __init__(self, frees, total=141 * GiB):
+        self.frees, self.total, self.me = frees, total, 0
+        self.store: dict[str, bytes] = {}
+        self.nvshmem_calls: list[str] = []
+        self.DeviceMemoryError = native.DeviceMemoryError
+        self.MEMORY_ENV_VARS = native.MEMORY_ENV_VARS
+        self.device_memory_message = native.device_memory_message
+
+    def process_group(self):
+        return {"model": "process_per_gpu", "reachable_pes": list(range(len(self.frees)))}
+
+    def plan_process_group(self, nbytes):
+        return plan(nbytes, held=64 * MiB)
+
+    def memory_info(self, gpu):
+        assert gpu == self.me
+        return self.frees[self.me], self.total
+
+    def init_process_group(self, *args):
+        self.nvshmem_calls.append("init_process_group")
+
+    def nvshmem_unique_id(self):
+        self.nvshmem_calls.append("nvshmem_unique_id")
+        return b"id"
+
+    def kv_set_bytes(self, key, value):
+        self.store[key] = bytes(value)
+
+    def kv_get_bytes(self, key, timeout_s=0, *, writer=""):
+        if key not in self.store:
+            raise TimeoutError(f"nothing under {key!r} from {writer}")
+        return self.store[key]
+
+
+def run_as(monkeypatch, group, process, nbytes):
+    group.me = process
+    monkeypatch.setattr(runtime, "_C", group)
+    monkeypatch.setattr(runtime, "_collective_calls", 0)
+    monkeypatch.setattr(runtime, "local_gpu_ordinals", lambda: [process])
+    monkeypatch.setattr(runtime.jax, "process_index", lambda: process)
+    monkeypatch.setattr(runtime.jax, "process_count", lambda: len(group.frees))
+    monkeypatch.setattr(runtime.distributed, "kv_set_bytes", group.kv_set_bytes)
+    monkeypatch.setattr(runtime.distributed, "kv_get_bytes", group.kv_get_bytes)
+    monkeypatch.setattr(runtime.distributed, "barrier", lambda *a, **k: None)
+    try:
+        runtime._init_process_group(nbytes)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return e
+    return None
+
+
+def publish_as(group, process, nbytes, agreed):
+    """What `process` publishes in call 0, as if it ran ahead: its size, then its verdict on the
+    size agreed on (the largest)."""
+    group.store[f"jax_ep/process_group/0/bytes/{process}"] = str(nbytes).encode()
+    verdict = runtime._room_verdict(process, process, group.plan_process_group(agreed),
+                                    group.frees[process], group.total)
+    group.store[f"jax_ep/process_group/0/room/{process}"] = json.dumps(verdict).encode()
+
+
+def test_every_process_refuses_the_growth_before_nvshmem_is_asked(monkeypatch):
+    """2 simulated processes, process 1's GPU lacks room; the larger request (process 0's) is the
+    agreed size: both raise DeviceMemoryError naming process 1, and neither calls NVSHMEM."""
+    group = FakeGroup([80 * GiB, 35 * GiB])
+    publish_as(group, 1, 60 * GiB, 60 * GiB + 2 * MiB)  # process 1 ran ahead, asking for less
+    errors = [run_as(monkeypatch, group, 0, 60 * GiB + 2 * MiB)]
+    errors.append(run_as(monkeypatch, group, 1, 60 * GiB))
+    assert group.nvshmem_calls == []
+    for error in errors:
+        assert isinstance(error, runtime.DeviceMemoryError), error
+        assert "process 1 (GPU 1): the heap would grow by 60.50 GiB" in str(error)
+        assert "1 of 2 processes lacks room" in str(error) and "process 0 " not in str(error)
+    assert str(errors[0]) == str(errors[1])
+    verdict = json.loads(group.store["jax_ep/process_group/0/room/0"])
+    assert verdict["fits"] and verdict["buffer"] == 60 * GiB + 2 * MiB  # judged at the agreed size
+
+
+def test_the_growth_goes_on_when_every_process_has_room(monkeypatch):
+    group = FakeGroup([80 * GiB, 80 * GiB])
+    publish_as(group, 1, 60 * GiB, 60 * GiB)
+    assert run_as(monkeypatch, group, 0, 60 * GiB) is None
+    assert group.nvshmem_calls == ["init_process_group"]
+
+
+def test_a_process_that_cannot_measure_stops_every_process(monkeypatch):
+    group = FakeGroup([80 * GiB, 80 * GiB])
+    group.store["jax_ep/process_group/0/bytes/1"] = b"1024"
+    group.store["jax_ep/process_group/0/room/1"] = json.dumps(
+        {"process": 1, "error": "RuntimeError: cudaMemGetInfo failed"}).encode()
+    error = run_as(monkeypatch, group, 0, 1024)
+    assert isinstance(error, RuntimeError) and not isinstance(error, runtime.DeviceMemoryError)
+    assert "process 1 could not check its GPU's free memory (RuntimeError: cudaMemGetInfo failed)" \
+        in str(error)
+    assert group.nvshmem_calls == []
+
+
+def test_plan_reads_the_heap_shape_as_nvshmem_would(monkeypatch):
+    """_C.plan_process_group before any set-up (no CUDA call): the first step starts NVSHMEM; the
+    heap's shape comes from NVSHMEM's variables, read as NVSHMEM reads them."""
+    if native.process_group()["model"] != "none":
+        pytest.skip("this process already set up the runtime")
+    for name in ("NVSHMEM_HEAP_KIND", "NVSHMEM_DISABLE_CUDA_VMM", "NVSHMEM_CUMEM_GRANULARITY",
+                 "NVSHMEM_SYMMETRIC_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    first = native.plan_process_group(100 * MiB + 1)
+    assert first["first"] and first["nvshmem_starting"] and first["held"] == 0
+    assert first["buffer"] == 102 * MiB  # rounded up to 2 MiB, as the runtime sizes buffers
+    assert first["heap_dynamic"] and first["heap_on_device"] and first["heap_granularity"] == 512 * MiB
+    assert first["heap_bytes"] == 512 * MiB  # NVSHMEM's first step holds its own and the buffer
+    monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", "1m")  # below CUDA's 2 MiB: NVSHMEM takes 2 MiB
+    assert native.plan_process_group(3 * GiB)["heap_granularity"] == 2 * MiB
+    monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", "4g")  # at most 2 GiB
+    assert native.plan_process_group(3 * GiB)["heap_granularity"] == 2 * GiB
+    monkeypatch.setenv("NVSHMEM_DISABLE_CUDA_VMM", "no")  # NVSHMEM: n/N/f/F/0 mean false
+    assert native.plan_process_group(3 * GiB)["heap_dynamic"]
+    monkeypatch.setenv("NVSHMEM_DISABLE_CUDA_VMM", "1")
+    monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", "512m")
+    static = native.plan_process_group(64 * MiB)
+    assert not static["heap_dynamic"]
+    assert static["heap_bytes"] == GiB + 512 * MiB  # jax_ep's 1 GiB heap + NVSHMEM's share, rounded
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "3G")  # the user's size wins
+    assert native.plan_process_group(64 * MiB)["heap_bytes"] == 3 * GiB + 512 * MiB
+    monkeypatch.setenv("NVSHMEM_HEAP_KIND", "sysmem")
+    sysmem = native.plan_process_group(64 * MiB)
+    assert not sysmem["heap_on_device"] and sysmem["heap_bytes"] == 0

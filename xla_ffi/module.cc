@@ -78,7 +78,9 @@ NB_MODULE(_C, m) {
       "device_memory_message",
       [](const std::string& buffer, int device_ordinal, uint64_t bytes_needed, uint64_t free_bytes,
          uint64_t total_bytes, uint64_t held_bytes, uint64_t heap_bytes, const std::string& kind,
-         const std::string& cause, const std::map<std::string, std::string>& env) {
+         const std::string& cause, const std::map<std::string, std::string>& env,
+         const std::vector<std::map<std::string, int64_t>>& processes, int group_size,
+         bool heap_starting, bool heap_dynamic, uint64_t heap_granularity) {
         jax_ep::DeviceMemoryReport report;
         report.buffer = buffer;
         if (kind == "cuda_malloc") {
@@ -87,10 +89,37 @@ NB_MODULE(_C, m) {
           report.kind = jax_ep::MemoryKind::kSymmetricHeap;
         } else if (kind == "heap_reservation") {
           report.kind = jax_ep::MemoryKind::kHeapReservation;
+        } else if (kind == "heap_growth") {
+          report.kind = jax_ep::MemoryKind::kHeapGrowth;
+          if (processes.empty()) {
+            throw std::invalid_argument("kind 'heap_growth' needs the processes that lack room");
+          }
         } else {
-          throw std::invalid_argument("kind must be 'cuda_malloc', 'symmetric_heap' or "
-                                      "'heap_reservation', got '" + kind + "'");
+          throw std::invalid_argument("kind must be 'cuda_malloc', 'symmetric_heap', "
+                                      "'heap_reservation' or 'heap_growth', got '" + kind + "'");
         }
+        for (const auto& entry : processes) {
+          const auto field = [&entry](const char* name) -> int64_t {
+            const auto found = entry.find(name);
+            if (found == entry.end() || found->second < 0) {
+              throw std::invalid_argument(std::string("each of processes needs a non-negative '") +
+                                          name + "'");
+            }
+            return found->second;
+          };
+          jax_ep::ProcessRoom room;
+          room.process = static_cast<int>(field("process"));
+          room.device_ordinal = static_cast<int>(field("gpu"));
+          room.heap_bytes = static_cast<uint64_t>(field("heap_bytes"));
+          room.margin_bytes = static_cast<uint64_t>(field("margin"));
+          room.free_bytes = static_cast<uint64_t>(field("free"));
+          room.total_bytes = static_cast<uint64_t>(field("total"));
+          report.processes.push_back(room);
+        }
+        report.group_size = group_size;
+        report.heap_starting = heap_starting;
+        report.heap_dynamic = heap_dynamic;
+        report.heap_granularity = heap_granularity;
         report.device_ordinal = device_ordinal;
         report.bytes_needed = bytes_needed;
         report.memory_known = true;
@@ -105,9 +134,34 @@ NB_MODULE(_C, m) {
       "buffer"_a, "device_ordinal"_a, "bytes_needed"_a, "free_bytes"_a, "total_bytes"_a,
       "held_bytes"_a = 0, "heap_bytes"_a = 0, "kind"_a = "cuda_malloc", "cause"_a = "",
       "env"_a = std::map<std::string, std::string>(),
+      "processes"_a = std::vector<std::map<std::string, int64_t>>(), "group_size"_a = 0,
+      "heap_starting"_a = false, "heap_dynamic"_a = true, "heap_granularity"_a = 0,
       "The text of DeviceMemoryError for these numbers (what the runtime raises with cudaMemGetInfo "
-      "and os.environ filled in). env: XLA_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_MEM_FRACTION, "
-      "XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_ALLOCATOR, NVSHMEM_SYMMETRIC_SIZE as set.");
+      "and os.environ filled in). env: MEMORY_ENV_VARS as set. kind='heap_growth' (process model "
+      "2, the collective check before NVSHMEM grows its heap): processes = [{process, gpu, "
+      "heap_bytes, margin, free, total}] of the processes lacking room, group_size, and how the "
+      "heap takes memory (heap_starting, heap_dynamic, heap_granularity); device_ordinal, "
+      "free_bytes and total_bytes are then not used.");
+  {
+    nb::list names;
+    for (const char* name : jax_ep::kMemoryEnvVars) names.append(name);
+    m.attr("MEMORY_ENV_VARS") = nb::tuple(names);
+  }
+  m.def(
+      "heap_device_bytes",
+      [](bool starting, uint64_t allocation_bytes, bool dynamic, uint64_t granularity,
+         uint64_t static_heap_bytes, bool on_device) {
+        jax_ep::HeapShape shape;
+        shape.on_device = on_device;
+        shape.dynamic = dynamic;
+        shape.granularity = granularity;
+        return jax_ep::HeapDeviceBytes(shape, starting, static_heap_bytes, allocation_bytes);
+      },
+      "starting"_a, "allocation_bytes"_a, "dynamic"_a = true, "granularity"_a = 512ull << 20,
+      "static_heap_bytes"_a = 0, "on_device"_a = true,
+      "Bytes NVSHMEM's symmetric heap takes from the GPU for one set-up step (pure; "
+      "xla_ffi/device_memory.h, HeapDeviceBytes): NVSHMEM `starting` in it or not, then an "
+      "allocation of allocation_bytes on the heap.");
   m.def(
       "memory_info",
       [](int device_ordinal) {
@@ -255,6 +309,28 @@ NB_MODULE(_C, m) {
       "`rank` of `nranks` on GPU `device_ordinal`, put the state and a communication buffer of "
       ">= buffer_bytes on the symmetric heap, tables of every PE reachable by loads/stores. A "
       "later call grows the buffer if needed.");
+
+  m.def(
+      "plan_process_group",
+      [](uint64_t buffer_bytes) {
+        const jax_ep::Runtime::ProcessGroupPlan plan =
+            jax_ep::Runtime::Get().PlanProcessGroup(buffer_bytes);
+        nb::dict out;
+        out["first"] = plan.first;
+        out["nvshmem_starting"] = plan.nvshmem_starting;
+        out["buffer"] = plan.buffer_bytes;
+        out["held"] = plan.held_bytes;
+        out["heap_on_device"] = plan.shape.on_device;
+        out["heap_dynamic"] = plan.shape.dynamic;
+        out["heap_granularity"] = plan.shape.granularity;
+        out["heap_bytes"] = plan.device_bytes;
+        return out;
+      },
+      "buffer_bytes"_a,
+      "Process model 2: what init_process_group(.., buffer_bytes) would do on this process, "
+      "without doing it (no CUDA call, nothing collective): {first, nvshmem_starting, buffer, "
+      "held, heap_on_device, heap_dynamic, heap_granularity, heap_bytes: what NVSHMEM would "
+      "take from the GPU's free memory (0: none)}.");
 
   m.def(
       "finalize_process_group",

@@ -27,6 +27,13 @@ uint64_t BufferTarget(uint64_t have, uint64_t wanted) {
   return (target + kBufferGranularity - 1) / kBufferGranularity * kBufferGranularity;
 }
 
+// Process model 2: the symmetric heap jax_ep proposes (NVSHMEM_SYMMETRIC_SIZE, unless set) for a
+// first buffer of `target` bytes: room for the state, the buffer and the growth of one more buffer
+// of the same size. (NVSHMEM's default CUDA VMM heap grows on demand and ignores it.)
+uint64_t ProcessGroupHeapBytes(uint64_t target) {
+  return std::max<uint64_t>(1ull << 30, 2 * target + (64ull << 20));
+}
+
 // Restores the calling thread's current device (init runs on the Python thread, which XLA or the
 // user may rely on).
 class CurrentDeviceGuard {
@@ -425,9 +432,7 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
     int sm_count = 0;
     JAX_EP_CUDA_THROW(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, ordinal));
     sm_count_[ordinal].store(sm_count, std::memory_order_release);
-    // Room for the state, the buffer and the growth of one more buffer of the same size.
-    const uint64_t heap = std::max<uint64_t>(1ull << 30, 2 * target + (64ull << 20));
-    symmetric_heap::Init(unique_id, rank, nranks, heap);
+    symmetric_heap::Init(unique_id, rank, nranks, ProcessGroupHeapBytes(target));
     void* state = symmetric_heap::Allocate("device state", sizeof(DeviceState), 0);
     JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
     JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
@@ -447,6 +452,28 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
   slot_[ordinal].store(rank, std::memory_order_release);
   managed_[ordinal].store(true, std::memory_order_release);
   devices_ = {ordinal};
+}
+
+Runtime::ProcessGroupPlan Runtime::PlanProcessGroup(uint64_t buffer_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ProcessGroupPlan plan;
+  const uint64_t have = CommBytes();
+  plan.first = Model() == ProcessModel::kNone;
+  plan.buffer_bytes = BufferTarget(have, buffer_bytes);
+  plan.held_bytes = plan.first ? 0 : have;
+  plan.shape = symmetric_heap::CurrentHeapShape();
+  if (!plan.first && plan.buffer_bytes <= have) return plan;  // InitProcessGroup does nothing
+  plan.nvshmem_starting = plan.first && !symmetric_heap::Query().initialized;
+  const uint64_t static_heap =
+      symmetric_heap::StaticHeapBytes(ProcessGroupHeapBytes(plan.buffer_bytes));
+  if (plan.first && !plan.nvshmem_starting) {  // NVSHMEM started by XLA: our state, then the buffer
+    plan.device_bytes = HeapDeviceBytes(plan.shape, false, 0, sizeof(DeviceState)) +
+                        HeapDeviceBytes(plan.shape, false, 0, plan.buffer_bytes);
+  } else {
+    plan.device_bytes =
+        HeapDeviceBytes(plan.shape, plan.nvshmem_starting, static_heap, plan.buffer_bytes);
+  }
+  return plan;
 }
 
 void Runtime::RebuildProcessGroupBuffer(uint64_t bytes, uint64_t timeout_ns) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cuda/device_state.h"
+#include "xla_ffi/device_memory.h"
 
 namespace jax_ep {
 
@@ -66,6 +67,19 @@ class Runtime {
   // when `buffer_bytes` exceeds it, else does nothing. Throws when model 1 is in use.
   void InitProcessGroup(int device_ordinal, const std::vector<uint8_t>& unique_id, int rank,
                         int nranks, uint64_t buffer_bytes);
+
+  // Process model 2, before the collective InitProcessGroup(.., buffer_bytes): what that step would
+  // allocate on this process's GPU (no CUDA call, nothing collective). jax_ep.runtime publishes
+  // it with the GPU's free memory so that every process refuses together when one lacks room.
+  struct ProcessGroupPlan {
+    bool first = false;             // the step sets the process group up (no model yet)
+    bool nvshmem_starting = false;  // NVSHMEM is not running yet: the step starts it
+    uint64_t buffer_bytes = 0;      // the communication buffer after the step
+    uint64_t held_bytes = 0;        // the buffer now (kept until the new one is in place)
+    HeapShape shape;                // how the heap takes GPU memory
+    uint64_t device_bytes = 0;      // what NVSHMEM would take from the GPU's free memory (0: none)
+  };
+  ProcessGroupPlan PlanProcessGroup(uint64_t buffer_bytes);
 
   // Process model 2 at exit: frees the buffers and finalises NVSHMEM if jax_ep initialised it
   // (collective). The runtime cannot be used afterwards.

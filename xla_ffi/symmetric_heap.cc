@@ -2,6 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <strings.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +26,8 @@ namespace {
 bool g_owned = false;       // jax_ep initialised NVSHMEM (finalising ends the job)
 bool g_registered = false;  // this module's device state is registered with NVSHMEM
 uint64_t g_heap_bytes = 0;  // the heap's size as configured (HeapBytes)
+bool g_shape_known = false;  // g_shape was read when NVSHMEM started (or was found started)
+HeapShape g_shape;
 constexpr uint64_t kNvshmemDefaultHeap = 1ull << 30;  // NVSHMEM_SYMMETRIC_SIZE's default
 
 uint64_t ConfiguredHeapBytes() {
@@ -48,7 +53,40 @@ int InitThread(unsigned int flags, nvshmemx_init_attr_t* attr) {
                            "; NVSHMEM_DEBUG=WARN prints NVSHMEM's own reason)");
 }
 
+// NVSHMEM's reading of a boolean variable: set and not starting with 0/n/N/f/F means true.
+bool EnvFlag(const char* name, bool unset) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return unset;
+  return text[0] == '\0' || std::strchr("0nNfF", text[0]) == nullptr;
+}
+
+HeapShape ReadHeapShape() {
+  HeapShape shape;
+  const char* kind = std::getenv("NVSHMEM_HEAP_KIND");
+  shape.on_device = kind == nullptr || strncasecmp(kind, "SYSMEM", 100) != 0;
+#if defined(__powerpc64__)
+  const bool vmm_off_by_default = true;  // as NVSHMEM: no VMM heap on POWER
+#else
+  const bool vmm_off_by_default = false;
+#endif
+  shape.dynamic = !EnvFlag("NVSHMEM_DISABLE_CUDA_VMM", vmm_off_by_default);
+  const char* step = std::getenv("NVSHMEM_CUMEM_GRANULARITY");
+  uint64_t granularity = step == nullptr ? (512ull << 20) : ParseSize(step);
+  if (granularity == 0) granularity = 512ull << 20;
+  constexpr uint64_t kMaxStep = 2ull << 30;  // NVSHMEMI_MAX_HANDLE_LENGTH
+  if (shape.dynamic) granularity = std::max(granularity, kGpuGranularity);
+  shape.granularity = std::min(granularity, kMaxStep);
+  return shape;
+}
+
 }  // namespace
+
+HeapShape CurrentHeapShape() { return g_shape_known ? g_shape : ReadHeapShape(); }
+
+uint64_t StaticHeapBytes(uint64_t heap_bytes) {
+  const char* text = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
+  return text == nullptr || *text == '\0' ? heap_bytes : ParseSize(text);
+}
 
 uint64_t ParseSize(const std::string& text) {
   char* end = nullptr;
@@ -109,6 +147,8 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
                                std::to_string(rank) + " of " + std::to_string(nranks));
     }
     g_heap_bytes = ConfiguredHeapBytes();
+    if (!g_shape_known) g_shape = ReadHeapShape();
+    g_shape_known = true;
     if (!g_registered) {  // our kernels need their device state filled in by this NVSHMEM too
       if (const int status = InitThread(0, nullptr); status != 0) {
         Fail("registration of jax_ep's device state (nvshmemi_init_thread on the running "
@@ -127,6 +167,8 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
   const std::string heap = std::to_string(heap_bytes);
   setenv("NVSHMEM_SYMMETRIC_SIZE", heap.c_str(), /*overwrite=*/0);
   g_heap_bytes = ConfiguredHeapBytes();
+  g_shape = ReadHeapShape();  // what NVSHMEM reads now
+  g_shape_known = true;
 
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, unique_id.data(), sizeof(id));

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "xla_ffi/device_memory.h"
+
 namespace jax_ep::symmetric_heap {
 
 // Bytes of an NVSHMEM unique id (what process 0 publishes for the others).
@@ -43,6 +45,16 @@ uint64_t HeapBytes();
 // Bytes of an NVSHMEM size setting ("1073741824", "2G", "1.5g", "512m": k/m/g/t multiply by
 // 2^10/20/30/40, later characters ignored, as NVSHMEM reads it); 0 when unreadable.
 uint64_t ParseSize(const std::string& text);
+
+// How NVSHMEM's heap takes GPU memory (xla_ffi/device_memory.h, HeapShape): after Init, the shape
+// read when NVSHMEM started; before, as NVSHMEM would read its environment (NVSHMEM_HEAP_KIND,
+// NVSHMEM_DISABLE_CUDA_VMM, NVSHMEM_CUMEM_GRANULARITY). No NVSHMEM call. A GPU without CUDA VMM
+// support makes NVSHMEM fall back to the static heap; the VMM shape is then the cautious answer.
+HeapShape CurrentHeapShape();
+
+// Bytes of the static heap Init would ask NVSHMEM for when jax_ep proposes `heap_bytes`
+// (NVSHMEM_SYMMETRIC_SIZE wins when set).
+uint64_t StaticHeapBytes(uint64_t heap_bytes);
 
 // Whether Init initialised NVSHMEM (then Finalize finalises it).
 bool OwnedByJaxEp();

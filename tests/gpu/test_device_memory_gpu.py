@@ -9,8 +9,9 @@ own XLA memory settings:
 * a traced dispatch whose buffer cannot fit: the error at trace time (jit(...).lower), from the call;
 * room gone between tracing and compiling (XLA_PYTHON_CLIENT_PREALLOCATE=false): XLA's instantiation
   of the op fails with RESOURCE_EXHAUSTED and the same text;
-* process model 2 (2 processes x 1 GPU, NVSHMEM): growing the symmetric buffer beyond the GPU fails
-  on every process with the symmetric heap named.
+* process model 2 (2 processes x 1 GPU, NVSHMEM): growing the symmetric buffer beyond the GPU is
+  refused on every process before NVSHMEM is asked (NVSHMEM 3.4.5 would kill the job), with the
+  symmetric heap and the processes lacking room named, and the process group still works after.
 
 The children need the GPUs' memory to themselves: the cases skip (saying so) when another process
 holds more than a tenth of GPU 0, e.g. when an earlier test of the same pytest run initialised JAX
@@ -166,14 +167,18 @@ jax.device_put(np.zeros(1, np.float32), d).block_until_ready()
 runtime.ensure_initialized(64 << 20)  # NVSHMEM up, its heap sized for a small buffer
 free, total = C.memory_info(d.local_hardware_id)
 need = (free + total) // 2 // (2 << 20) * (2 << 20)
+plan = C.plan_process_group(need)  # what this process expects NVSHMEM's heap to take
 error = None
 try:
     runtime.ensure_initialized(need)  # collective: every process asks (the largest need wins)
 except Exception as e:  # noqa: BLE001
     error = e
-result(total=total, free=free, need=need, error=type(error).__name__ if error else None,
+kept = C.buffer_bytes()
+runtime.ensure_initialized(128 << 20)  # collective again: the group still works after the refusal
+result(total=total, free=free, need=need, process=jax.process_index(), gpu=d.local_hardware_id,
+       heap_bytes=plan["heap_bytes"], error=type(error).__name__ if error else None,
        is_device_memory_error=isinstance(error, runtime.DeviceMemoryError),
-       message=str(error) if error else "", buffer=C.buffer_bytes())
+       message=str(error) if error else "", buffer=kept, after=C.buffer_bytes())
 """
 
 
@@ -280,8 +285,11 @@ def test_instantiation_without_room_is_resource_exhausted(native):
 
 
 def test_process_model_2_growth_beyond_the_gpu(native, tmp_path):
-    """2 processes x 1 GPU: growing the symmetric buffer past the free memory fails on every process
-    with DeviceMemoryError naming the NVSHMEM symmetric heap (nvshmem_malloc returned NULL)."""
+    """2 processes x 1 GPU: growing the symmetric buffer past the free memory is refused on every
+    process before NVSHMEM is asked (NVSHMEM 3.4.5 does not return NULL: its job dies): each raises
+    the same DeviceMemoryError naming the NVSHMEM symmetric heap and the processes lacking room
+    (here both: each asks for more than its GPU has free), nothing changes, and the next collective
+    step works."""
     if native.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     worker = tmp_path / "memory_worker.py"
@@ -291,13 +299,32 @@ def test_process_model_2_growth_beyond_the_gpu(native, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
     output = done.stdout + done.stderr
     print(output[-6000:])
+    assert "cuMemCreate failed" not in output and "illegal memory access" not in output, output[-5000:]
+    outs = []
     for p in range(2):
         lines = [line for line in output.splitlines() if line.startswith(f"[p{p}] RESULT=")]
         assert lines, f"process {p} gave no result (launcher rc {done.returncode}):\n{output[-5000:]}"
-        out = json.loads(lines[-1].split("RESULT=", 1)[1])
+        outs.append(json.loads(lines[-1].split("RESULT=", 1)[1]))
+    assert done.returncode == 0, output[-5000:]
+    texts = [out["message"] for out in outs]
+    assert texts[0] == texts[1], texts  # one decision from the same published verdicts
+    for out in outs:
         assert out["error"] == "DeviceMemoryError" and out["is_device_memory_error"], out
         text = out["message"]
-        assert "the communication buffer does not fit in the memory of GPU " in text, text
-        assert "[nvshmem_malloc returned NULL]" in text and "NVSHMEM symmetric heap" in text, text
-        assert "on every process" in text, text
-        assert out["buffer"] == 64 * MiB, out  # unchanged
+        assert text.startswith("jax_ep: the communication buffer does not fit in the memory of every GPU "
+                               "of the process group: it needs "), text
+        assert "NVSHMEM symmetric heap" in text and "2 of 2 processes lack room" in text, text
+        assert "every process raises this error; nothing was allocated" in text, text
+        assert "on every process" in text and suggested_fraction(text), text
+        assert out["buffer"] == 64 * MiB and out["after"] == 128 * MiB, out  # unchanged, then usable
+    # Each process is named with its GPU and its numbers.
+    agreed = max(out["need"] for out in outs)
+    for out in outs:
+        line = re.search(rf"\n  \* process {out['process']} \(GPU {out['gpu']}\): the heap would grow "
+                         r"by [^(]+\((\d+) bytes\), and jax_ep keeps [^(]+\((\d+) bytes\) free beside it; "
+                         r"the GPU has [^(]+\((\d+) bytes\) free of [^(]+\((\d+) bytes\)\.", texts[0])
+        assert line, texts[0]
+        grows, margin, free, total = (int(g) for g in line.groups())
+        assert grows >= agreed and grows % (2 * MiB) == 0 and margin == runtime.HEAP_ROOM_MARGIN_BYTES
+        assert free < grows + margin and total == out["total"], (line.group(0), out)
+        assert abs(free - out["free"]) < 256 * MiB, (free, out)
