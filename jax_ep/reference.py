@@ -46,6 +46,8 @@ Low-latency (decode) mode, ``ll_dispatch`` / ``ll_combine`` (docs/api.md, "Low-l
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -141,35 +143,56 @@ def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(table, safe, axis=0, mode="fill", fill_value=0)
 
 
-def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
-    """Forward dispatch (no custom_vjp here: jax_ep.ops wraps it)."""
+class _Received(NamedTuple):
+    """What a rank receives from the wire of dispatch (both layouts), slot n = src_rank * T + token."""
+
+    x: jax.Array             # [R*T, H] the token in the wire dtype (zero where it did not come here)
+    expert: jax.Array        # [R*T, K] local expert id of each top-k slot on this rank, else -1
+    weight: jax.Array        # [R*T, K] float32 gate weight where expert >= 0, else 0
+    scales: jax.Array | None  # [R*T, ceil(H/128)] FP8 scales, or None
+    is_token_in_rank: jax.Array  # [T, R] (this rank's tokens)
+
+
+def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> _Received:
+    """The wire of dispatch: every rank sends a [T, ...] block to every rank (the token where it
+    picked an expert of that rank), with the slots' local expert ids and weights."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
-    capacity = cfg.resolved_capacity(ep_size)
-    align = cfg.expert_alignment
     num_tokens, topk = topk_idx.shape
-
     idx = sanitize_topk(topk_idx, cfg.num_experts)
     dest_rank, is_token_in_rank = _destinations(idx, cfg.num_experts, ep_size)
-    local_expert = idx % local_experts
-
-    # --- the wire: every rank sends a [T, ...] block to every rank ---------------------------------
+    local_expert = jnp.where(idx >= 0, idx % local_experts, -1)
     if cfg.dispatch_dtype == "float8_e4m3fn":
         payload, scales = quantize_fp8(x)
     else:
         payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
         scales = None
     to_rank = is_token_in_rank.T                                       # [R, T]
-    ranks = jnp.arange(ep_size)[:, None, None]
-    on_rank = dest_rank[None] == ranks                                 # [R, T, K]
+    on_rank = dest_rank[None] == jnp.arange(ep_size)[:, None, None]    # [R, T, K]
+    num_slots = ep_size * num_tokens
+    # explicit reshapes: T may be 0
     recv_x = _all_to_all(jnp.where(to_rank[:, :, None], payload[None], 0), cfg.axis_name)
     recv_expert = _all_to_all(jnp.where(on_rank, local_expert[None], -1), cfg.axis_name)
     recv_weight = _all_to_all(jnp.where(on_rank, topk_weights.astype(jnp.float32)[None], 0.0),
                               cfg.axis_name)
+    recv_scales = None
+    if scales is not None:
+        recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
+        recv_scales = recv_scales.reshape(num_slots, scales.shape[1])
+    return _Received(recv_x.reshape(num_slots, payload.shape[1]), recv_expert.reshape(num_slots, topk),
+                     recv_weight.reshape(num_slots, topk), recv_scales, is_token_in_rank)
+
+
+def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
+    """Forward dispatch (no custom_vjp here: jax_ep.ops wraps it)."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    local_experts = cfg.num_local_experts(ep_size)
+    capacity = cfg.resolved_capacity(ep_size)
+    align = cfg.expert_alignment
+    num_tokens = topk_idx.shape[0]
     num_slots = ep_size * num_tokens
-    recv_x = recv_x.reshape(num_slots, payload.shape[1])  # explicit: T may be 0
-    recv_expert = recv_expert.reshape(num_slots, topk)
-    recv_weight = recv_weight.reshape(num_slots, topk)
+    recv_x, recv_expert, recv_weight, recv_scales, is_token_in_rank = _send_tokens(
+        x, topk_idx, topk_weights, cfg)
 
     # --- expansion into expert-major rows ------------------------------------------------------
     picks = jnp.any(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :], axis=1)
@@ -195,10 +218,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
         recv_weight, mode="drop")
 
     rows = take_rows(recv_x, src_index)
-    row_scales = None
-    if scales is not None:
-        recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
-        row_scales = take_rows(recv_scales.reshape(num_slots, scales.shape[1]), src_index)
+    row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
     handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32)
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle)
@@ -255,26 +275,10 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     ``dispatch``; the receiver packs the received tokens in (source rank, source token) order."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
-    num_tokens, topk = topk_idx.shape
+    num_tokens = topk_idx.shape[0]
     num_slots = ep_size * num_tokens
-
-    idx = sanitize_topk(topk_idx, cfg.num_experts)
-    dest_rank, is_token_in_rank = _destinations(idx, cfg.num_experts, ep_size)
-    local_expert = jnp.where(idx >= 0, idx % local_experts, -1)
-    if cfg.dispatch_dtype == "float8_e4m3fn":
-        payload, scales = quantize_fp8(x)
-    else:
-        payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
-        scales = None
-    to_rank = is_token_in_rank.T                                       # [R, T]
-    on_rank = dest_rank[None] == jnp.arange(ep_size)[:, None, None]    # [R, T, K]
-    recv_x = _all_to_all(jnp.where(to_rank[:, :, None], payload[None], 0), cfg.axis_name)
-    recv_expert = _all_to_all(jnp.where(on_rank, local_expert[None], -1), cfg.axis_name)
-    recv_weight = _all_to_all(jnp.where(on_rank, topk_weights.astype(jnp.float32)[None], 0.0),
-                              cfg.axis_name)
-    recv_x = recv_x.reshape(num_slots, payload.shape[1])
-    recv_expert = recv_expert.reshape(num_slots, topk)
-    recv_weight = recv_weight.reshape(num_slots, topk)
+    recv_x, recv_expert, recv_weight, recv_scales, is_token_in_rank = _send_tokens(
+        x, topk_idx, topk_weights, cfg)
 
     present = jnp.any(recv_expert >= 0, axis=1)                        # [R*T] slot n holds a token
     present_i = present.astype(jnp.int32)
@@ -285,10 +289,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     rows = take_rows(recv_x, src_index)
     row_ids = jnp.where(filled[:, None], take_rows(recv_expert, src_index), -1)
     row_weights = jnp.where(row_ids >= 0, take_rows(recv_weight, src_index), 0.0)
-    row_scales = None
-    if scales is not None:
-        recv_scales = _all_to_all(jnp.where(to_rank[:, :, None], scales[None], 0.0), cfg.axis_name)
-        row_scales = take_rows(recv_scales.reshape(num_slots, scales.shape[1]), src_index)
+    row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
     per_rank = jnp.sum(present_i.reshape(ep_size, num_tokens), axis=1, dtype=jnp.int32)
     per_expert = jnp.sum(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :],
                          axis=(0, 1), dtype=jnp.int32)
