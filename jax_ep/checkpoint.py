@@ -133,6 +133,10 @@ def save(path, model, optimizer=None, *, overwrite: bool = False) -> str:
     the metadata). ``overwrite=True`` replaces an existing checkpoint; otherwise an existing ``path`` is
     an error. Returns once the checkpoint is complete on disk.
     """
+    masked = [k for k, m in moe_layers(model).items() if m.rank_mask is not None]
+    if masked:
+        raise ValueError(f"jax_ep.checkpoint.save: MoE layer(s) {masked} have a rank mask (runtime fault "
+                         "state, not saved); call layer.clear_rank_mask() first")
     ocp = _orbax()
     path = _abs_path(path)
     record = {"format": FORMAT, "jax_ep_version": _version(), "optimizer": optimizer is not None,

@@ -105,6 +105,10 @@ class ExpertPlacement(nnx.Variable):
     """Expert placement tables (jax_ep.eplb.Placement arrays): not trained; replace with `set_placement`."""
 
 
+class RankMask(nnx.Variable):
+    """Active EP ranks of an MoE layer (bool[R]; ``MoE.set_rank_mask``)."""
+
+
 class MoEStats(NamedTuple):
     expert_load: jax.Array   # [E] int32 rows each logical expert received this call (all ranks, all replicas)
     num_dropped: jax.Array   # [] int32 rows dropped for lack of capacity (all ranks)
@@ -204,6 +208,7 @@ class MoE(nnx.Module):
         self.decode = bool(decode)
 
         self._set_placement_tables(placement)
+        self.rank_mask = nnx.data(None)  # None: every rank active (set_rank_mask / clear_rank_mask)
 
         num_experts = routing.num_experts
         init = nnx.initializers.lecun_normal()
@@ -300,6 +305,32 @@ class MoE(nnx.Module):
         self.last_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.int32))
         self.total_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.float32))
 
+    # ---------------------------------------------------------------------------------------------
+    # Rank masking (reference path; issue 15 item 1)
+    def set_rank_mask(self, mask) -> None:
+        """Mask EP ranks as destinations (outside jit): ``mask`` [R] bool or integer, nonzero = active.
+        Routing is unchanged; the slots of the tokens whose expert lives on a masked rank are dropped
+        (their gate weights are lost, as with capacity drops; counted in ``last_dropped``), a masked
+        rank receives nothing and contributes nothing. Runs the reference dispatch/combine (backend
+        "auto"; "cuda" raises NotImplementedError); the decode path refuses a mask. Setting a mask on a
+        layer without one (or clearing it) recompiles the step; changing its values does not."""
+        if not hasattr(mask, "dtype"):
+            mask = jnp.asarray(mask)
+        if mask.ndim != 1 or not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+            raise ValueError(f"MoE.set_rank_mask: mask must be a 1-D bool or integer array (one flag per EP "
+                             f"rank), got {mask.dtype}{list(mask.shape)}")
+        if self.mesh is not None and mask.shape[0] != self.mesh.shape[self.axis_name]:
+            raise ValueError(f"MoE.set_rank_mask: mask has {mask.shape[0]} flags, the mesh axis "
+                             f"{self.axis_name!r} has {self.mesh.shape[self.axis_name]} ranks")
+        active = jnp.asarray(mask) != 0
+        if self.mesh is not None:  # replicated, as a jitted step returns it: no recompile on a change
+            active = jax.device_put(active, NamedSharding(self.mesh, P()))
+        self.rank_mask = RankMask(active)
+
+    def clear_rank_mask(self) -> None:
+        """Every rank active again (the default)."""
+        self.rank_mask = nnx.data(None)
+
     def set_view(self, decode: bool | None = None) -> None:
         """``nnx.view(model, decode=True)`` / ``nnx.view(model, decode=False)``: the default path of
         ``__call__`` (the low-latency ops for decode steps, or the throughput ops)."""
@@ -326,7 +357,7 @@ class MoE(nnx.Module):
         routed = tokens if self.dtype is None else tokens.astype(self.dtype)
         seq_len = lead[-1] if len(lead) >= 2 else None  # None: this rank's tokens are one sequence
         params = (self.router[...], self.w_gate_up[...], self.w_down[...], self.expert_bias[...],
-                  self.placement)
+                  self.placement, None if self.rank_mask is None else self.rank_mask[...])
         if self.mesh is None:
             out, stats = self._per_rank(routed, *params, seq_len=seq_len, decode=decode)
         else:
@@ -335,7 +366,7 @@ class MoE(nnx.Module):
             experts = P(self.axis_name) if self.placement is None else P()
             body = jax.shard_map(
                 lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode), mesh=self.mesh,
-                in_specs=(batch, P(), experts, experts, P(), P()),
+                in_specs=(batch, P(), experts, experts, P(), P(), P()),
                 out_specs=(batch, MoEStats(P(), P(), P(), P())))
             out, stats = body(routed, *params)
         out = out.astype(x.dtype)
@@ -362,9 +393,17 @@ class MoE(nnx.Module):
             self.expert_bias[...] = update_bias(self.expert_bias[...], stats.expert_load.astype(jnp.float32),
                                                 self.balancing.bias_update_rate)
 
-    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, *, seq_len, decode=False):
+    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, *, seq_len, decode=False):
         ep_size = lax.axis_size(self.axis_name)
         rank = lax.axis_index(self.axis_name)
+        if rank_mask is not None:
+            if decode:
+                raise NotImplementedError("MoE: rank masking (set_rank_mask) is built for the throughput "
+                                          "path only, not for decode (ll_dispatch / ll_combine); call "
+                                          "clear_rank_mask() first or use decode=False")
+            if rank_mask.shape != (ep_size,):
+                raise ValueError(f"MoE: the rank mask has shape {rank_mask.shape}, the mesh axis "
+                                 f"{self.axis_name!r} has {ep_size} ranks")
         if placement is None:
             num_slots, local_slots = self.num_experts, self.num_experts // ep_size
             if w_gate_up.shape[0] != local_slots:
@@ -411,7 +450,7 @@ class MoE(nnx.Module):
                 x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg)
         else:
             with jax.named_scope(SCOPES["dispatch"]):
-                d = dispatch(x, topk_idx, routing.topk_weights, cfg)
+                d = dispatch(x, topk_idx, routing.topk_weights, cfg, rank_mask=rank_mask)
             with jax.named_scope(SCOPES["experts"]):
                 rows = d.x if d.scales is None else dequantize_fp8(d.x, d.scales, x.dtype)
                 rows = rows.astype(x.dtype)
@@ -420,7 +459,7 @@ class MoE(nnx.Module):
                 y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes,
                                    backend=self.gemm)
             with jax.named_scope(SCOPES["combine"]):
-                out = combine(y.astype(x.dtype), d.handle, cfg)
+                out = combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
             expert_counts, num_dropped = d.expert_counts, d.num_dropped
 
         # statistics: every rank's counts placed at its slots, summed over all token shards; logical

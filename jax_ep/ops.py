@@ -45,6 +45,7 @@ from jax_ep.validation import (
     check_ll_combine_args,
     check_ll_dispatch_args,
     check_no_drops,
+    check_rank_mask,
     check_topk_values,
     float0_like,
 )
@@ -81,15 +82,22 @@ class Op:
         (``jax_ep.auto_table``, written by the benchmark)."""
         return auto_table.kernel_faster(self.name, self.layout, cfg.max_tokens_per_rank)
 
-    def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
+    def implementation(self, cfg: EPConfig, ep_size: int, dtype=None, masked: bool = False):
         """The function implementing this op for cfg.backend.
 
         "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
         table), the extension is loaded, the default platform is a GPU and the kernel supports the
         sizes; the reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
+        ``masked``: a rank mask was given (rank masking is built on the reference path only).
         """
         if cfg.backend == "reference":
             return getattr(reference, self.name)
+        if masked:
+            if cfg.backend == "auto":
+                return getattr(reference, self.name)
+            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {_NO_MASK_KERNEL}; use "
+                                      "backend='reference' or 'auto' (which runs the reference path "
+                                      "when a rank_mask is given)")
         if self.no_kernel is not None:
             if cfg.backend == "auto":
                 return getattr(reference, self.name)
@@ -123,6 +131,10 @@ class Op:
 _NO_RANK_MAJOR_KERNEL = ("the rank-major CUDA kernel is not built yet (issue 12 item 2 delivers the "
                          "API and the reference path; the kernel comes with the rank-major hop of item 1)")
 
+_NO_MASK_KERNEL = ("rank masking (rank_mask) is not built in the CUDA kernels (issue 15 item 1 delivers "
+                   "the semantics on the reference path; marking a rank masked when a peer misses the "
+                   "bounded wait is not built)")
+
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
     Op("ll_dispatch", "fixed_slots"), Op("ll_combine", "fixed_slots"),
@@ -131,9 +143,17 @@ OPS = {op.name: op for op in (
 )}
 
 
-def implementation(op: str, cfg: EPConfig, dtype=None):
-    """The function ``cfg.backend`` runs for ``op`` (inside shard_map over cfg.axis_name)."""
-    return OPS[op].implementation(cfg, ep_size(cfg, op), dtype)
+def implementation(op: str, cfg: EPConfig, dtype=None, masked: bool = False):
+    """The function ``cfg.backend`` runs for ``op`` (inside shard_map over cfg.axis_name);
+    ``masked``: a rank mask was given (the reference path then, or an error for backend='cuda')."""
+    return OPS[op].implementation(cfg, ep_size(cfg, op), dtype, masked)
+
+
+def _masked(impl, rank_mask):
+    """impl called with rank_mask only when there is one (the CUDA functions take none)."""
+    if rank_mask is None:
+        return impl
+    return functools.partial(impl, rank_mask=rank_mask)
 
 
 def ep_size(cfg: EPConfig, op: str) -> int:
@@ -157,7 +177,8 @@ def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
     return OPS["layout"].implementation(cfg, size)(topk_idx, cfg)
 
 
-def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
+def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+             rank_mask: jax.Array | None = None) -> Dispatched:
     """Send each token to the ranks of its top-k experts; return expert-major rows on each rank.
 
     Args:
@@ -165,42 +186,51 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
       topk_idx: [T, K] int32 expert ids; -1 marks an unused slot.
       topk_weights: [T, K] float32 gate weights.
       cfg: EPConfig (static).
+      rank_mask: None (every rank active) or [R] bool / integer (nonzero: active), the same on every
+        rank, traced. Slots whose expert lives on a masked rank are dropped (counted in num_dropped
+        of that rank, marked DROPPED in its handle); a masked rank receives no rows. Reference path
+        only: backend="auto" runs the reference, "cuda" raises NotImplementedError.
     Returns:
       Dispatched: rows [C, H] (expert-major, one per (token, local expert) pair), scales for FP8,
       group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it).
     """
     size = ep_size(cfg, "dispatch")
     check_dispatch_args(x, topk_idx, topk_weights, cfg)
+    rank_mask = check_rank_mask(rank_mask, size, "dispatch")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
-    out = _dispatch(x, topk_idx, topk_weights, cfg)
+    out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
     if cfg.checked:
-        out = check_no_drops(out, topk_idx, cfg, size)
+        out = check_no_drops(out, topk_idx, cfg, size, rank_mask)
     return out
 
 
-def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
-    y ([C, H] -> [T, H])."""
-    ep_size(cfg, "combine")
+    y ([C, H] -> [T, H]). rank_mask (as for dispatch; pass the dispatch's): the sources ignore what
+    masked ranks return, and masked ranks' y gets a zero gradient."""
+    size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
-    return _combine(y, handle, cfg)
+    rank_mask = check_rank_mask(rank_mask, size, "combine")
+    return _combine(y, handle, rank_mask, cfg)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dispatch(x, topk_idx, topk_weights, cfg):
-    return implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
+    impl = implementation("dispatch", cfg, x.dtype, rank_mask is not None)
+    return _masked(impl, rank_mask)(x, topk_idx, topk_weights, cfg)
 
 
-def _dispatch_fwd(x, topk_idx, topk_weights, cfg):
-    out = implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
+    out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
     dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
-    return out, (out.handle, dtype_token, topk_idx)
+    return out, (out.handle, dtype_token, topk_idx, rank_mask)
 
 
 def _dispatch_bwd(cfg, residuals, ct):
-    handle, dtype_token, topk_idx = residuals
+    handle, dtype_token, topk_idx, rank_mask = residuals
+    masked = rank_mask is not None
     if cfg.dispatch_dtype == "float8_e4m3fn":
         raise NotImplementedError(
             "jax_ep: dispatch with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
@@ -208,32 +238,35 @@ def _dispatch_bwd(cfg, residuals, ct):
     d_rows = ct.x
     # unit weights: y * 1.0 is exact, so this is the plain sum of each token's row cotangents
     unweighted = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
-    dx = implementation("combine", cfg, d_rows.dtype)(d_rows, unweighted, cfg).astype(dtype_token.dtype)
-    d_topk_weights = implementation("slot_values", cfg)(ct.handle.row_weights, handle, cfg)
-    return dx, float0_like(topk_idx), d_topk_weights
+    dx = _masked(implementation("combine", cfg, d_rows.dtype, masked), rank_mask)(
+        d_rows, unweighted, cfg).astype(dtype_token.dtype)
+    # a masked slot is DROPPED in the handle: it has no row, its weight's gradient is 0
+    d_topk_weights = implementation("slot_values", cfg, None, masked)(ct.handle.row_weights, handle, cfg)
+    return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 # ---- combine: custom_vjp --------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _combine(y, handle, cfg):
-    return implementation("combine", cfg, y.dtype)(y, handle, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(y, handle, rank_mask, cfg):
+    return _masked(implementation("combine", cfg, y.dtype, rank_mask is not None), rank_mask)(y, handle, cfg)
 
 
-def _combine_fwd(y, handle, cfg):
-    return implementation("combine", cfg, y.dtype)(y, handle, cfg), (y, handle)
+def _combine_fwd(y, handle, rank_mask, cfg):
+    return _combine(y, handle, rank_mask, cfg), (y, handle, rank_mask)
 
 
 def _combine_bwd(cfg, residuals, g):
-    y, handle = residuals
-    g_rows = implementation("broadcast", cfg, g.dtype)(g, handle, cfg).astype(jnp.float32)
+    y, handle, rank_mask = residuals
+    broadcast = _masked(implementation("broadcast", cfg, g.dtype, rank_mask is not None), rank_mask)
+    g_rows = broadcast(g, handle, cfg).astype(jnp.float32)
     dy = (g_rows * handle.row_weights[:, None]).astype(y.dtype)
     d_row_weights = jnp.sum(reference.as_stored(y).astype(jnp.float32) * g_rows, axis=1)
     d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                       float0_like(handle.is_token_in_rank), d_row_weights)
-    return dy, d_handle
+    return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)

@@ -20,6 +20,12 @@ Semantics (docs/api.md has the user-facing version):
   * combine: each receiver sums, in float32 and in top-k slot order, the weighted rows of each
     (token, rank) pair, rounds the partial sum to y's dtype, sends it back; the source sums the
     partial sums in float32 in rank order and rounds to y's dtype.
+  * Rank masking (``rank_mask`` bool[R], optional, the same on every rank): a masked rank is masked
+    as a destination only. No token data goes to it and it keeps no rows (as if its capacity were
+    0): every (token, local expert) pair routed to it is dropped (its num_dropped, DROPPED in its
+    handle). combine with the mask: each source treats a masked rank's partial sums as +0.0;
+    broadcast (combine's backward) gives a masked rank zero rows. A masked rank's own tokens still
+    go to the active ranks. No mask and an all-active mask give the same bits.
 
 Rank-major mode, ``dispatch_rank_major`` / ``combine_rank_major`` (DeepEP's contract; docs/api.md):
   * One row per (source token, this rank) pair whose token picked any expert of this rank, packed
@@ -153,9 +159,11 @@ class _Received(NamedTuple):
     is_token_in_rank: jax.Array  # [T, R] (this rank's tokens)
 
 
-def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> _Received:
+def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+                 rank_mask: jax.Array | None = None) -> _Received:
     """The wire of dispatch: every rank sends a [T, ...] block to every rank (the token where it
-    picked an expert of that rank), with the slots' local expert ids and weights."""
+    picked an expert of that rank), with the slots' local expert ids and weights. No token data
+    goes to a masked rank (rank_mask False); the ids still do (its handle marks the slots DROPPED)."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
     num_tokens, topk = topk_idx.shape
@@ -168,6 +176,8 @@ def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg
         payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
         scales = None
     to_rank = is_token_in_rank.T                                       # [R, T]
+    if rank_mask is not None:
+        to_rank = to_rank & rank_mask[:, None]
     on_rank = dest_rank[None] == jnp.arange(ep_size)[:, None, None]    # [R, T, K]
     num_slots = ep_size * num_tokens
     # explicit reshapes: T may be 0
@@ -183,8 +193,10 @@ def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg
                      recv_weight.reshape(num_slots, topk), recv_scales, is_token_in_rank)
 
 
-def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
-    """Forward dispatch (no custom_vjp here: jax_ep.ops wraps it)."""
+def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+             rank_mask: jax.Array | None = None) -> Dispatched:
+    """Forward dispatch (no custom_vjp here: jax_ep.ops wraps it). rank_mask: bool[R] or None; a
+    masked rank keeps no rows (as with capacity 0): all its (token, expert) pairs are dropped."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
     capacity = cfg.resolved_capacity(ep_size)
@@ -192,7 +204,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     num_tokens = topk_idx.shape[0]
     num_slots = ep_size * num_tokens
     recv_x, recv_expert, recv_weight, recv_scales, is_token_in_rank = _send_tokens(
-        x, topk_idx, topk_weights, cfg)
+        x, topk_idx, topk_weights, cfg, rank_mask)
 
     # --- expansion into expert-major rows ------------------------------------------------------
     picks = jnp.any(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :], axis=1)
@@ -201,6 +213,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     aligned = _round_up(counts, align)
     offsets = jnp.minimum(jnp.cumsum(aligned) - aligned, capacity)
     kept = jnp.minimum(counts, capacity - offsets)
+    if rank_mask is not None:
+        kept = jnp.where(rank_mask[lax.axis_index(cfg.axis_name)], kept, 0)
     group_sizes = _round_up(kept, align).astype(jnp.int32)
     rank_in_expert = jnp.cumsum(picks_i, axis=0) - picks_i              # exclusive
     keep = picks & (rank_in_expert < kept[None, :])
@@ -231,8 +245,9 @@ def as_stored(y: jax.Array) -> jax.Array:
     return lax.optimization_barrier(y)
 
 
-def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
-    """Gate-weighted sum (handle.row_weights) of each token's rows, back at its source."""
+def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+    """Gate-weighted sum (handle.row_weights) of each token's rows, back at its source. rank_mask:
+    the source ignores what masked ranks return (their partial sums count as +0.0)."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
     num_tokens = num_slots // ep_size
@@ -244,16 +259,21 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
         partial = partial + term
     partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1])
     returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)
+    if rank_mask is not None:
+        returned = jnp.where(rank_mask[:, None, None], returned, 0.0)
     total = returned[0]
     for r in range(1, ep_size):  # fixed summation order: rank order
         total = total + returned[r]
     return total.astype(y.dtype)
 
 
-def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """Send each token's row to the ranks it was dispatched to and place it on its receive rows
-    (dispatch with a known handle; no gate weights). Empty rows are zero."""
+    (dispatch with a known handle; no gate weights). Empty rows are zero, and so is every row of a
+    masked rank (rank_mask)."""
     to_rank = handle.is_token_in_rank.T
+    if rank_mask is not None:
+        to_rank = to_rank & rank_mask[:, None]
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
     return take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
 

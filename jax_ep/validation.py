@@ -60,6 +60,21 @@ def check_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig, op: str = "dis
         raise ValueError(f"{op}: topk_weights must be float32, got dtype {topk_weights.dtype}")
 
 
+def check_rank_mask(rank_mask, ep_size: int, op: str):
+    """None, or the mask as bool[ep_size] (nonzero: active). Static checks: shape and dtype."""
+    if rank_mask is None:
+        return None
+    if not hasattr(rank_mask, "dtype"):
+        rank_mask = jnp.asarray(rank_mask)
+    if _shape_of(rank_mask) != (ep_size,):
+        raise ValueError(f"{op}: rank_mask must have shape [{ep_size}] (one flag per rank of the EP axis), "
+                         f"got {_shape_of(rank_mask)}")
+    if not (rank_mask.dtype == jnp.bool_ or jnp.issubdtype(rank_mask.dtype, jnp.integer)):
+        raise ValueError(f"{op}: rank_mask must be bool or integer (nonzero: active), got dtype "
+                         f"{rank_mask.dtype}")
+    return rank_mask if rank_mask.dtype == jnp.bool_ else rank_mask != 0
+
+
 def check_combine_args(y, handle, cfg: EPConfig) -> None:
     capacity = handle.src_index.shape[0]
     if getattr(y, "ndim", None) != 2 or y.shape[0] != capacity:
@@ -244,11 +259,16 @@ def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int) -> jax.Arr
     return jnp.max(jnp.sum(aligned.reshape(ep_size, cfg.num_local_experts(ep_size)), axis=1))
 
 
-def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int):
+def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None):
     """Checked mode: capacity overflow is an error naming the rows dropped (summed over the EP group,
-    so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check."""
+    so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check.
+    Rows dropped because their rank is masked (rank_mask) are no error: a masked rank drops all its
+    rows, an active one only for capacity."""
     capacity = cfg.resolved_capacity(ep_size)
-    total = lax.psum(out.num_dropped, cfg.axis_name)
+    dropped = out.num_dropped
+    if rank_mask is not None:
+        dropped = jnp.where(rank_mask[lax.axis_index(cfg.axis_name)], dropped, 0)
+    total = lax.psum(dropped, cfg.axis_name)
     needed = capacity_needed(topk_idx, cfg, ep_size)
 
     def message(dropped, needed):
