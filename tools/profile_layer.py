@@ -1,18 +1,24 @@
-"""Diagnose how a profiled MoE layer step's GPU events map to the layer's named scopes: per device-0
-line, the total time and the top events with their stats (what benchmarks.layer.split_by_scope relies on).
+"""Where a profiled MoE layer step's device time goes: every GPU kernel of device 0, summed per kernel
+name over a chain of steps, with the HLO instruction and jax name scope it came from.
 
-    python tools/profile_layer.py [mid|deepseek|small] [layer config, e.g. ep_cuda_async]
+    python tools/profile_layer.py [mid|deepseek|small] [layer config, e.g. ep_cuda] [--experts N]
+        [--top 40] [--hlo FILE]
 
-With a config whose EP ops run on an async stream, it also prints what the compiled schedule puts
-between each async op's start and done (the work XLA overlaps with it).
+``--experts N`` overrides the preset's expert count: ``deepseek ep_cuda --experts 128`` on one GPU runs
+the per-rank expert work of the DeepSeek-V3 layer at EP2 (no communication), at half the device cost.
+It prints the step time, the compiled program's memory, the busy time per stream, the kernels by total
+time (with their scopes) and the total per scope; with a config whose EP ops run on an async stream it
+also prints what the compiled schedule puts between each async op's start and done.
 """
 
+import argparse
 import collections
 import glob
 import pathlib
 import re
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +33,18 @@ from jax_ep import moe  # noqa: E402
 from jax_ep.config import KernelConfig  # noqa: E402
 from jax_ep.gating import RouterConfig  # noqa: E402
 
-name = sys.argv[1] if len(sys.argv) > 1 else "mid"
-config = bench_layer.CONFIGS[sys.argv[2] if len(sys.argv) > 2 else "jax_ep"]
-hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[name]
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("shape", nargs="?", default="mid", choices=sorted(bench_layer.LAYER_PRESETS))
+parser.add_argument("config", nargs="?", default="jax_ep", choices=sorted(bench_layer.CONFIGS))
+parser.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
+parser.add_argument("--top", type=int, default=40, help="kernels listed (default 40)")
+parser.add_argument("--iters", type=int, default=5, help="profiled steps (default 5)")
+parser.add_argument("--hlo", default=None, help="write the compiled HLO text here")
+args = parser.parse_args()
+
+config = bench_layer.CONFIGS[args.config]
+hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[args.shape]
+experts = args.experts or experts
 mesh = Mesh(np.array(jax.devices()), ("ep",))
 layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
                 ep=moe.EPOptions(backend=config["backend"], kernel=KernelConfig(**config.get("kernel", {}))),
@@ -46,7 +61,17 @@ def step(params, x):
     return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
 
-hlo = step.lower(params, x).compile().as_text()
+print(f"shape {args.shape} (hidden {hidden}, ffn {ffn}, experts {experts}, top-{topk}, "
+      f"{tokens} tokens/rank), config {args.config}, {mesh.size} device(s): {jax.devices()[0].device_kind}")
+compiled = step.lower(params, x).compile()
+hlo = compiled.as_text()
+if args.hlo:
+    pathlib.Path(args.hlo).write_text(hlo)
+memory = compiled.memory_analysis()
+if memory is not None:
+    print("memory (GiB): " + ", ".join(
+        f"{k} {getattr(memory, k + '_size_in_bytes') / 2**30:.2f}"
+        for k in ("argument", "output", "temp", "generated_code")))
 scopes = bench_layer.hlo_scopes(hlo)
 # the entry computation's schedule: what runs between each async start and its done
 entry = hlo[hlo.index("\nENTRY"):]
@@ -59,28 +84,60 @@ for i, line in enumerate(body):
                    for b in body[i + 1:done or i + 1]]
         print(f"ASYNC {names[i]}: {line[:90]}")
         print(f"   {len(between)} instructions until its done: {collections.Counter(between).most_common(6)}")
-n_experts = sum("moe_experts" in v for v in scopes.values())
-print("hlo instructions with op_name:", len(scopes), "in moe_experts:", n_experts)
-iters = 5
+
 jax.block_until_ready(step(params, x))
+t0 = time.perf_counter()
+for _ in range(args.iters):
+    out = step(params, x)
+jax.block_until_ready(out)
+print(f"step (wall, unprofiled): {1e3 * (time.perf_counter() - t0) / args.iters:.3f} ms")
+
 with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
-        for _ in range(iters):
+        for _ in range(args.iters):
             out = step(params, x)
         jax.block_until_ready(out)
     data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+
+
+def scope_of(event) -> tuple[str, str]:
+    """(HLO instruction, its jax scope path shortened) of a GPU event, or ('?', '')."""
+    words = [event.name, *(str(v) for _, v in getattr(event, "stats", ()))]
+    for word in words:
+        for token in re.split(r"[\s,;]+", word):
+            if token in scopes:
+                path = scopes[token]
+                keep = [p for p in path.split("/") if p.startswith("moe_") or p in ("transpose", "jvp")]
+                return token, "/".join(keep) or path[-60:]
+    return "?", ""
+
+
+by_kernel = collections.defaultdict(lambda: [0.0, 0, "", ""])
+by_scope = collections.defaultdict(float)
 for plane in data.planes:
     if plane.name != "/device:GPU:0":
         continue
     for line in plane.lines:
         events = list(line.events)
-        total = sum(e.duration_ns for e in events) / 1e6 / iters
-        print(f"LINE {line.name!r}: {len(events)} events, {total:.3f} ms per step")
-        by_name = collections.defaultdict(float)
-        example = {}
+        if not events:
+            continue
+        busy = sum(e.duration_ns for e in events) / 1e6 / args.iters
+        print(f"LINE {line.name!r}: {len(events)} events, {busy:.3f} ms busy per step")
+        if not line.name.startswith("Stream"):
+            continue
         for e in events:
-            by_name[e.name] += e.duration_ns / 1e6 / iters
-            example.setdefault(e.name, e)
-        for ev_name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
-            stats = {k: str(v)[:80] for k, v in getattr(example[ev_name], "stats", ())}
-            print(f"   {ms:8.3f} ms  {ev_name[:70]}  {stats}")
+            hlo_name, scope = scope_of(e)
+            entry = by_kernel[e.name[:90]]
+            entry[0] += e.duration_ns / 1e6 / args.iters
+            entry[1] += 1
+            entry[2] = entry[2] or hlo_name
+            entry[3] = entry[3] or scope
+            by_scope[scope or "?"] += e.duration_ns / 1e6 / args.iters
+total = sum(v[0] for v in by_kernel.values())
+print(f"\nkernels on device 0 streams: {total:.3f} ms per step; top {args.top}:")
+print(f"{'ms':>8} {'%':>5} {'calls':>5}  kernel | hlo | scope")
+for name, (ms, calls, hlo_name, scope) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]:
+    print(f"{ms:8.3f} {100 * ms / total:5.1f} {calls // args.iters:5d}  {name} | {hlo_name} | {scope}")
+print("\nper scope:")
+for scope, ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
+    print(f"{ms:8.3f} {100 * ms / total:5.1f}  {scope}")
