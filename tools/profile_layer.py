@@ -115,15 +115,17 @@ def scope_of(event) -> tuple[str, str]:
 by_kernel = collections.defaultdict(lambda: [0.0, 0, "", ""])
 by_scope = collections.defaultdict(float)
 for plane in data.planes:
-    if plane.name != "/device:GPU:0":
+    if not plane.name.startswith("/device:GPU:"):
         continue
     for line in plane.lines:
         events = list(line.events)
         if not events:
             continue
         busy = sum(e.duration_ns for e in events) / 1e6 / args.iters
-        print(f"LINE {line.name!r}: {len(events)} events, {busy:.3f} ms busy per step")
-        if not line.name.startswith("Stream"):
+        span = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) / 1e6 / args.iters
+        print(f"{plane.name} LINE {line.name!r}: {len(events)} events, {busy:.3f} ms busy, "
+              f"{span:.3f} ms first start to last end, per step")
+        if plane.name != "/device:GPU:0" or not line.name.startswith("Stream"):
             continue
         for e in events:
             hlo_name, scope = scope_of(e)
