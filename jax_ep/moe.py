@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -232,6 +233,22 @@ class MoE(nnx.Module):
         self._reset_slot_stats()
         self.last_dropped = ExpertLoad(jnp.zeros((), jnp.int32))
         self.last_aux_loss = ExpertLoad(jnp.zeros((), jnp.float32))
+        if mesh is not None:
+            # On the mesh from the start, as a jitted step returns them: expert weights over the EP axis,
+            # the rest replicated. Left on the default device, every call of a jitted step would copy
+            # them to the mesh again (measured: 35 of a 57 ms DeepSeek-V3 layer step on 2x H200).
+            state = nnx.state(self)
+            nnx.update(self, jax.tree.map(self._on_mesh, state, nnx.get_partition_spec(state)))
+
+    def _on_mesh(self, value, spec=None):
+        """``value`` placed on the layer's mesh with ``spec`` (a global array on every process)."""
+        sharding = NamedSharding(self.mesh, P() if spec is None else spec)
+        if isinstance(value, jax.core.Tracer):  # built inside a trace (nnx.jit, nnx.eval_shape)
+            return jax.lax.with_sharding_constraint(value, sharding)
+        if jax.process_count() == 1:
+            return jax.device_put(value, sharding)
+        host = np.asarray(value)  # each process made the same values (same seed): take its shards
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     @property
     def num_experts(self) -> int:
@@ -289,7 +306,7 @@ class MoE(nnx.Module):
             self._check_placement_ranks(placement, self.mesh.shape[self.axis_name])
         # replicated over the mesh, as a jitted step returns them: re-planning then does not recompile
         put = (lambda a: jnp.asarray(a, jnp.int32)) if self.mesh is None else (
-            lambda a: jax.device_put(jnp.asarray(a, jnp.int32), NamedSharding(self.mesh, P())))
+            lambda a: self._on_mesh(jnp.asarray(a, jnp.int32)))
         self.physical_to_logical = ExpertPlacement(put(placement.physical_to_logical))
         self.logical_to_physical = ExpertPlacement(put(placement.logical_to_physical))
         self.replica_counts = ExpertPlacement(put(placement.replica_counts))
@@ -324,7 +341,7 @@ class MoE(nnx.Module):
                              f"{self.axis_name!r} has {self.mesh.shape[self.axis_name]} ranks")
         active = jnp.asarray(mask) != 0
         if self.mesh is not None:  # replicated, as a jitted step returns it: no recompile on a change
-            active = jax.device_put(active, NamedSharding(self.mesh, P()))
+            active = self._on_mesh(active)
         self.rank_mask = RankMask(active)
 
     def clear_rank_mask(self) -> None:

@@ -54,10 +54,9 @@ def main(argv=None) -> None:
     layer = MoE(HIDDEN, FFN, RouterConfig(EXPERTS, TOPK, score_func="sigmoid", num_groups=4, topk_groups=2),
                 rngs=nnx.Rngs(args.seed), mesh=mesh, ep=EPOptions(backend="auto"), shared_ffn_hidden=SHARED,
                 balancing=BalancingConfig(bias_update_rate=1e-2, aux_loss_alpha=1e-2))
-    # every process made the same values (same seed); place them as global arrays: experts over "ep"
-    state = nnx.state(layer)
-    specs = nnx.get_partition_spec(state)
-    nnx.update(layer, jax.tree.map(lambda v, s: global_array(v, mesh, s), state, specs))
+    # every process made the same values (same seed); the layer placed them as global arrays (experts
+    # over "ep", the rest replicated)
+    assert all(v.sharding.device_set == set(devices) for v in jax.tree.leaves(nnx.state(layer)))
 
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((BATCH, SEQ, HIDDEN)).astype(np.float32)

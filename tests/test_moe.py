@@ -56,6 +56,43 @@ def hot_expert_placement(num_ranks, slots_per_rank=3):
     return eplb.plan_placement(loads, num_ranks, slots_per_rank)
 
 
+@pytest.mark.parametrize("placed", [False, True])
+def test_variables_start_on_the_mesh_as_a_step_returns_them(placed):
+    """With mesh=, every variable is on the mesh from construction (expert weights split over the EP axis,
+    the rest replicated), with the sharding a jitted step gives it back: a step never has to copy
+    them onto the mesh first (on GPUs that copy was most of a DeepSeek-V3 layer step)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "ep"))
+    layer = make_layer(mesh, seed=3, shared_ffn_hidden=8,
+                       placement=hot_expert_placement(4) if placed else None)
+    state = nnx.state(layer)
+    experts_split = not placed or EXPERTS % 4 == 0
+    for path, value in jax.tree_util.tree_leaves_with_path(state):
+        name = jax.tree_util.keystr(path)
+        assert value.sharding.mesh == mesh, name
+        expected = P("ep", None, None) if name.startswith(("['w_gate_up']", "['w_down']")) and experts_split \
+            else P()
+        assert value.sharding.spec == expected, (name, value.sharding.spec)
+        assert len(value.devices()) == 8, name
+        if expected == P("ep", None, None):  # each device holds E / 4 experts
+            assert value.addressable_shards[0].data.shape[0] == value.shape[0] // 4, name
+
+    @nnx.jit
+    def step(layer, x):
+        return nnx.grad(lambda layer, x: jnp.sum(layer(x) ** 2))(layer, x)
+
+    grads = step(layer, random_tokens(5))
+    # the gradients come back as the weights are stored (with a placement the step gathers every
+    # expert's weights, and XLA returns their gradients replicated)
+    pairs = zip(jax.tree_util.tree_leaves_with_path(nnx.state(layer, nnx.Param)),
+                jax.tree.leaves(nnx.state(grads, nnx.Param)), strict=True)
+    for (path, before), after in [] if placed else pairs:
+        assert after.sharding.is_equivalent_to(before.sharding, before.ndim), jax.tree_util.keystr(path)
+    after_step = nnx.state(layer)  # the statistics the step wrote back keep their placement
+    for (path, before), after in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(after_step),
+                                     strict=True):
+        assert after.sharding.is_equivalent_to(before.sharding, before.ndim), jax.tree_util.keystr(path)
+
+
 @pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((8,), ("ep",)), ((2, 4), ("data", "ep"))])
 @pytest.mark.parametrize("shared", [0, 8])
 def test_layer_matches_dense(shape, axes, shared):

@@ -135,6 +135,26 @@ for plane in data.planes:
             entry[2] = entry[2] or hlo_name
             entry[3] = entry[3] or scope
             by_scope[scope or "?"] += e.duration_ns / 1e6 / args.iters
+# copies: where they sit in the chain of steps and what they carry (the profiler's stats)
+t0_ns = min((e.start_ns for plane in data.planes if plane.name.startswith("/device:GPU:")
+            for line in plane.lines for e in line.events), default=0)
+for plane in data.planes:
+    if not plane.name.startswith("/device:GPU:"):
+        continue
+    copies = [e for line in plane.lines for e in line.events if e.name.startswith(("Memcpy", "Memset"))]
+    big = sorted(copies, key=lambda e: -e.duration_ns)[:8]
+    for e in sorted(big, key=lambda e: e.start_ns):
+        stats = {k: str(v)[:60] for k, v in getattr(e, "stats", ())}
+        print(f"COPY {plane.name} {e.name} at {(e.start_ns - t0_ns) / 1e6:9.3f} ms, "
+              f"{e.duration_ns / 1e6:7.3f} ms: {stats}")
+for plane in data.planes:  # what the host spent its time on (transfers, launches, waits)
+    if plane.name.startswith("/host"):
+        host = collections.defaultdict(float)
+        for line in plane.lines:
+            for e in line.events:
+                host[(line.name[:30], e.name[:70])] += e.duration_ns / 1e6 / args.iters
+        for (line_name, ev_name), ms in sorted(host.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"HOST {ms:9.3f} ms  {line_name} | {ev_name}")
 total = sum(v[0] for v in by_kernel.values())
 print(f"\nkernels on device 0 streams: {total:.3f} ms per step; top {args.top}:")
 print(f"{'ms':>8} {'%':>5} {'calls':>5}  kernel | hlo | scope")
