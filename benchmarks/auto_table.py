@@ -4,11 +4,11 @@ count measured in the run, and the decision ``jax_ep.auto_table.min_tokens`` der
 
 The op times are not the last word: users feel the MoE layer's step. Given the layer benchmark's
 records too, a layer shape where the step with the EP kernels (``ep_cuda``) is slower than with the
-reference EP ops (``ep_reference``) vetoes the communicating kernels (every op but the layout):
-inside a step, XLA overlaps the reference's NCCL collectives with compute, while the kernels hold
-its compute stream.
+reference EP ops (``ep_reference``) by more than ``LAYER_TIE`` (the run-to-run spread of a step)
+vetoes the communicating kernels (every op but the layout): inside a step, XLA overlaps the
+reference's NCCL collectives with compute, while the kernels hold its compute stream.
 
-    python -m benchmarks.auto_table bench.json [bench_layer.json]
+    python -m benchmarks.auto_table ops.json [more_ops.json ...] [--layer bench_layer.json]
 """
 
 from __future__ import annotations
@@ -58,12 +58,16 @@ def build(records: list[dict]) -> dict:
     }
 
 
+# A layer step differs by up to ~1.5% between repeats of one run (2x H200): a tie is no veto.
+LAYER_TIE = 0.02
+
+
 def layer_veto(layer_records: list[dict]) -> str | None:
     """Why the layer benchmark vetoes the communicating kernels, or None."""
     steps = {(r["shape"], r["config"]): r.get("step_ms") for r in layer_records}
     for (shape, config), cuda_ms in sorted(steps.items()):
         reference_ms = steps.get((shape, "ep_reference"))
-        if config == "ep_cuda" and cuda_ms and reference_ms and cuda_ms > reference_ms:
+        if config == "ep_cuda" and cuda_ms and reference_ms and cuda_ms > reference_ms * (1 + LAYER_TIE):
             return (f"layer step {shape}: {cuda_ms:.2f} ms with the EP kernels (ep_cuda) > "
                     f"{reference_ms:.2f} ms with the reference EP ops (ep_reference)")
     return None
@@ -91,10 +95,11 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.auto_table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ops", help="records of python -m benchmarks --profile (cuda and reference)")
-    parser.add_argument("layer", nargs="?", help="records of python -m benchmarks --layer")
+    parser.add_argument("ops", nargs="+", help="record files of python -m benchmarks --profile (cuda and "
+                        "reference), e.g. the sweep and the low-latency run")
+    parser.add_argument("--layer", help="records of python -m benchmarks --layer")
     args = parser.parse_args(argv)
-    records = json.loads(pathlib.Path(args.ops).read_text())
+    records = [r for f in args.ops for r in json.loads(pathlib.Path(f).read_text())]
     layer = json.loads(pathlib.Path(args.layer).read_text()) if args.layer else None
     table = write(records, layer_records=layer)
     for op, layouts in table["ops"].items():

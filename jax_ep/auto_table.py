@@ -1,7 +1,7 @@
 """What ``backend="auto"`` takes on GPUs: the CUDA kernel of an op where it measured faster than the
 reference path, read from ``auto_table.json``.
 
-The table is written from benchmark records (``python -m benchmarks.auto_table bench.json
+The table is written from benchmark records (``python -m benchmarks.auto_table ops.json --layer
 bench_layer.json``), never by hand: for every op and output layout, the device time of the kernel and
 of the reference at each measured shape and token count, and the decision derived from them,
 ``min_tokens``: the kernel is taken from that many tokens per rank up (0: always; null: never). A
