@@ -41,7 +41,11 @@ LAYER_PRESETS = {
     "deepseek": (7168, 2048, 256, 8, 4096),
     "mid": (4096, 1408, 64, 6, 4096),
     "small": (256, 128, 16, 2, 128),
+    # decode (the layer's low-latency path, forward only): issue 14's shape, 128 tokens per rank
+    "deepseek_decode": (7168, 2048, 288, 8, 128),
+    "small_decode": (256, 128, 16, 2, 16),
 }
+DECODE_SHAPES = ("deepseek_decode", "small_decode")
 CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the same layer with the EP ops on one path each: what the EP kernels add to the step
            "ep_reference": dict(backend="reference", gemm="auto"),
@@ -203,6 +207,77 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     return record
 
 
+def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> dict:
+    """One jitted forward of the layer's decode path (ll_dispatch, grouped GEMMs over the filled
+    slots, ll_combine), and its expert block alone on one device next to the batched einsum over every
+    fixed slot (what the decode path computed before, and what DeepEP's contract invites)."""
+    hidden, ffn, experts, topk, tokens = shape
+    ep = mesh.size
+    layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
+                    ep=moe.EPOptions(backend=CONFIGS[config]["backend"],
+                                     kernel=KernelConfig(**CONFIGS[config].get("kernel", {}))),
+                    gemm=CONFIGS[config]["gemm"], param_dtype=jnp.bfloat16, decode=True)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
+                       NamedSharding(mesh, P("ep")))
+    graphdef, state = nnx.split(layer)
+    step = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, decode=True, update_stats=False))
+    record = dict(op="moe_layer_decode", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
+                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep)
+    try:
+        record["step_ms"] = 1e3 * best_of(step, state, x, iters=iters, repeats=repeats)
+    except Exception as e:  # noqa: BLE001 - a failing configuration is a result
+        record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+    grouped, einsum, weight_bytes = decode_experts_seconds(hidden, ffn, experts, topk, tokens, ep,
+                                                           CONFIGS[config]["gemm"], iters, repeats)
+    record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes)
+    return record
+
+
+def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, tokens: int, ep: int, gemm: str,
+                           iters: int, repeats: int) -> tuple[float, float, int]:
+    """The decode layer's expert block on one device at the per-rank shapes, from uniform random routing
+    of `tokens` per rank on `ep` ranks: (grouped GEMMs over the filled slots, batched einsum over all
+    slots, bytes of this rank's expert weights: what either must read at least)."""
+    from jax_ep.gemm import grouped_matmul
+
+    local = experts // ep
+    rng = np.random.default_rng(0)
+    dev = jax.devices()[0]
+    put = lambda a: jax.device_put(jnp.asarray(a), dev)  # noqa: E731
+    counts = np.zeros((local, ep), np.int32)
+    for r in range(ep):
+        for _ in range(tokens):
+            picked = rng.choice(experts, size=topk, replace=False)
+            np.add.at(counts[:, r], picked[picked < local], 1)
+    w1 = put((rng.standard_normal((local, hidden, 2 * ffn)) * hidden ** -0.5).astype(jnp.bfloat16))
+    w2 = put((rng.standard_normal((local, ffn, hidden)) * ffn ** -0.5).astype(jnp.bfloat16))
+    slots = put(rng.standard_normal((local, ep * tokens, hidden)).astype(jnp.bfloat16))
+    counts = put(counts)
+
+    @jax.jit
+    def grouped(slots, counts, w1, w2):
+        slot, filled = moe.filled_slots(counts, slots.shape[1], min(topk, local))
+        flat = slots.reshape(-1, hidden)
+        rows = jnp.where(filled[:, None], flat[slot], jnp.zeros((), flat.dtype))
+        sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
+        gate, up = jnp.split(grouped_matmul(rows, w1, sizes, backend=gemm), 2, axis=1)
+        y = grouped_matmul(jax.nn.silu(gate) * up, w2, sizes, backend=gemm)
+        return jnp.zeros_like(flat).at[jnp.where(filled, slot, flat.shape[0])].set(y, mode="drop")
+
+    @jax.jit
+    def einsum(slots, counts, w1, w2):
+        block = jnp.arange(tokens, dtype=jnp.int32)
+        filled = (block[None, None, :] < counts[:, :, None]).reshape(local, -1)
+        slots = jnp.where(filled[:, :, None], slots, jnp.zeros((), slots.dtype))
+        gate, up = jnp.split(jnp.einsum("esh,ehf->esf", slots, w1), 2, axis=2)
+        return jnp.einsum("esf,efh->esh", jax.nn.silu(gate) * up, w2)
+
+    args = (slots, counts, w1, w2)
+    weight_bytes = int(w1.size + w2.size) * 2
+    return (best_of(grouped, *args, iters=iters, repeats=repeats),
+            best_of(einsum, *args, iters=iters, repeats=repeats), weight_bytes)
+
+
 def layer_gemm_plans(layer, mesh, x) -> str:
     """"mosaic_gpu" / "ragged_dot" (or "mixed") for the layer's expert GEMMs at this shape (the choice
     depends on the widths and dtypes, not on the number of rows)."""
@@ -227,6 +302,21 @@ def main(args) -> list[dict]:
     device = f"{len(devices)}x {devices[0].device_kind}"
     today = datetime.date.today().isoformat()
     records = []
+    wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else list(CONFIGS)
+    unknown = sorted(set(wanted) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"--layer-configs: unknown {unknown}; known: {list(CONFIGS)}")
+    wanted = [c for c in wanted if platform == "gpu" or CONFIGS[c]["backend"] != "cuda"]
+    for name in [n for n in names if n in DECODE_SHAPES]:
+        for config in [c for c in wanted if c != "plain_jax"]:  # the einsum is the plain-JAX baseline
+            r = bench_decode(mesh, LAYER_PRESETS[name], config, args.iters, args.repeats)
+            r.update(shape=name, device=device, date=today)
+            records.append(r)
+            step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms"
+            print(f"  {name} {config}: decode forward {step}; experts alone {r['experts_ms']:.3f} ms "
+                  f"over the filled slots, {r['experts_einsum_ms']:.3f} ms as an einsum over all slots "
+                  f"({r['expert_weight_bytes'] / 1e9:.2f} GB of expert weights per rank)", flush=True)
+    names = [n for n in names if n not in DECODE_SHAPES]
     for name in names:
         shape = LAYER_PRESETS[name]
         hidden, ffn, experts, topk, tokens = shape
@@ -235,11 +325,7 @@ def main(args) -> list[dict]:
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
-        wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else list(CONFIGS)
-        unknown = sorted(set(wanted) - set(CONFIGS))
-        if unknown:
-            raise SystemExit(f"--layer-configs: unknown {unknown}; known: {list(CONFIGS)}")
-        for config in [c for c in wanted if platform == "gpu" or CONFIGS[c]["backend"] != "cuda"]:
+        for config in wanted:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
                                           args.iters, args.repeats)
@@ -254,7 +340,7 @@ def main(args) -> list[dict]:
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     print(f"{'layer':9}{'config':11}{'gemm':12}{'EP':>3}{'step ms':>10}{'roofline':>10}{'x roof':>8}"
           f"{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)")
-    for r in records:
+    for r in [r for r in records if r["op"] == "moe_layer"]:
         plain = base.get((r["shape"], "plain_jax"))
         speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
         split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values())

@@ -495,30 +495,59 @@ class MoE(nnx.Module):
         return out, MoEStats(load, dropped, aux, slot_load)
 
     def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig):
-        """The routed experts on the low-latency ops (per rank): ll_dispatch, a batched SwiGLU over each
-        local expert's fixed slots, ll_combine. Returns (out [T, H] bfloat16, rows per local expert [E_local],
-        rows dropped: 0)."""
+        """The routed experts on the low-latency ops (per rank): ll_dispatch, the filled slots gathered
+        into rows grouped by local expert, the grouped SwiGLU GEMMs over them, the results put back in
+        their slots, ll_combine. Returns (out [T, H] bfloat16, rows per local expert [E_local], rows
+        dropped: 0)."""
         # the wire: bfloat16 unless FP8 was asked for (the low-latency ops send nothing else)
         ll_cfg = dataclasses.replace(cfg, dispatch_dtype=self.ep.dispatch_dtype or "bfloat16")
         sent = x if x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.float32)
         with jax.named_scope(SCOPES["dispatch"]):
             d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg)
         with jax.named_scope(SCOPES["experts"]):
-            local, num_slots, hidden = d.x.shape
-            slots = d.x if d.scales is None else dequantize_fp8(
-                d.x.reshape(-1, hidden), d.scales.reshape(local * num_slots, -1), x.dtype).reshape(d.x.shape)
-            # slot r*T + i of expert e holds a token iff i < counts[e, r]; the others are unspecified
-            # (whatever the CUDA path's buffer held, NaN included): zero them, so that every product
-            # of the GEMM is finite. ll_combine never reads their outputs either way.
-            ep_size = d.counts.shape[1]
-            slot_in_block = jnp.arange(num_slots // ep_size, dtype=jnp.int32)
-            filled = (slot_in_block[None, None, :] < d.counts[:, :, None]).reshape(local, num_slots)
-            slots = jnp.where(filled[:, :, None], slots.astype(x.dtype), jnp.zeros((), x.dtype))
-            gate, up = jnp.split(jnp.einsum("esh,ehf->esf", slots, w_gate_up.astype(x.dtype)), 2, axis=2)
-            y = jnp.einsum("esf,efh->esh", jax.nn.silu(gate) * up, w_down.astype(x.dtype))
+            # Only the filled slots are computed: at decode sizes they are a small share of the fixed
+            # slots (DeepSeek-V3, 128 tokens per rank, EP2: 2048 rows at most of 36,864 slots), and the
+            # GEMMs then read each expert's weights once for its few rows.
+            slot, filled = filled_slots(d.counts, d.x.shape[1], min(cfg.num_topk, d.x.shape[0]))
+            flat_x = d.x.reshape(-1, d.x.shape[2])
+            rows = flat_x[slot] if d.scales is None else dequantize_fp8(
+                flat_x[slot], d.scales.reshape(flat_x.shape[0], -1)[slot], x.dtype)
+            # rows past the filled ones are unspecified slots (NaN included on the CUDA path): zeros,
+            # so that every product of the GEMM is finite
+            rows = jnp.where(filled[:, None], rows.astype(x.dtype), jnp.zeros((), x.dtype))
+            group_sizes = jnp.sum(d.counts, axis=1, dtype=jnp.int32)
+            gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(x.dtype), group_sizes,
+                                                backend=self.gemm), 2, axis=1)
+            y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), group_sizes, backend=self.gemm)
+            # back into the slots ll_combine reads (it never reads the others)
+            slot = jnp.where(filled, slot, flat_x.shape[0])
+            y = jnp.zeros((flat_x.shape[0], y.shape[1]), jnp.bfloat16).at[slot].set(
+                y.astype(jnp.bfloat16), mode="drop", unique_indices=True).reshape(d.x.shape[:2] + y.shape[1:])
         with jax.named_scope(SCOPES["combine"]):
-            out = ll_combine(y.astype(jnp.bfloat16), d.handle, ll_cfg)
-        return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), jnp.zeros((), jnp.int32)
+            out = ll_combine(y, d.handle, ll_cfg)
+        return out, group_sizes, jnp.zeros((), jnp.int32)
+
+
+def filled_slots(counts: jax.Array, num_slots: int, max_experts_per_token: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The filled slots of a low-latency dispatch, as rows grouped by local expert.
+
+    Slot ``r * T_max + i`` of local expert ``e`` (``T_max = num_slots / R``) holds a token iff
+    ``i < counts[e, r]``. Returns (slot [N], filled [N]): row ``n`` of the compacted rows is flattened slot
+    ``slot[n]`` (``e * num_slots + r * T_max + i``, in (e, r, i) order, so each expert's rows are
+    consecutive: ``group_sizes = counts.sum(1)``), ``filled[n]`` False past the last filled one (its slot
+    is 0). ``N = R * T_max * max_experts_per_token``: a source rank's token fills at most that many
+    local experts' slots here, so no filled slot is left out."""
+    local, ep_size = counts.shape
+    per_block = num_slots // ep_size
+    n = min(local * num_slots, ep_size * per_block * max_experts_per_token)
+    ends = jnp.cumsum(counts.reshape(-1), dtype=jnp.int32)   # blocks (e, r) in order
+    row = jnp.arange(n, dtype=jnp.int32)
+    block = jnp.minimum(jnp.searchsorted(ends, row, side="right").astype(jnp.int32), local * ep_size - 1)
+    within = row - (ends[block] - counts.reshape(-1)[block])
+    filled = row < ends[-1]
+    slot = (block // ep_size) * num_slots + (block % ep_size) * per_block + within
+    return jnp.where(filled, slot, 0), filled
 
 
 class SwiGLU(nnx.Module):

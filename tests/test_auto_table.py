@@ -55,18 +55,3 @@ def test_shipped_table_names_known_ops():
             else:
                 assert entry["min_tokens"] == from_points, (op, layout)
 
-
-def test_layer_veto_only_beyond_the_spread_of_a_step():
-    from benchmarks import auto_table as writer
-
-    def records(cuda_ms, reference_ms=26.0):
-        return [dict(op="moe_layer", shape="deepseek", config="ep_cuda", step_ms=cuda_ms),
-                dict(op="moe_layer", shape="deepseek", config="ep_reference", step_ms=reference_ms),
-                dict(op="moe_layer", shape="mid", config="ep_cuda", step_ms=6.7),
-                dict(op="moe_layer", shape="mid", config="ep_reference", step_ms=6.8)]
-
-    assert writer.layer_veto(records(25.0)) is None
-    assert writer.layer_veto(records(26.0 * (1 + writer.LAYER_TIE) * 0.999)) is None  # a tie
-    veto = writer.layer_veto(records(26.0 * (1 + writer.LAYER_TIE) * 1.01))
-    assert veto is not None and "deepseek" in veto and "ep_cuda" in veto
-    assert writer.layer_veto(records(None)) is None  # a failed step decides nothing

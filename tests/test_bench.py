@@ -61,6 +61,15 @@ def test_layer_bench_writes_records(tmp_path):
     assert records[1]["backend"] == "reference"
 
 
+def test_decode_layer_bench_writes_records(tmp_path):
+    records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",
+                          "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "decode.json")])
+    [r] = records
+    assert r["op"] == "moe_layer_decode" and r["config"] == "ep_reference" and r["tokens_per_rank"] == 16
+    assert r["step_ms"] > 0 and r["experts_ms"] > 0 and r["experts_einsum_ms"] > 0
+    assert r["expert_weight_bytes"] == 2 * (16 // 8) * 3 * 256 * 128
+
+
 def test_cli_help():
     """`python -m benchmarks --help` from the repository root lists the op and the layer options, says
     how to run it and gives every option's default."""
@@ -298,3 +307,6 @@ def test_auto_table_layer_veto(tmp_path):
     assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] is None
     assert table["ops"]["dispatch"]["expert_major"]["min_tokens_ops"] == 0
     assert table["ops"]["layout"]["expert_major"]["min_tokens"] == 0
+    # within the run-to-run spread of a step (LAYER_TIE) it is a tie: no veto
+    tie = [dict(faster[0]), dict(faster[1], step_ms=9.0 * (1 + bench_auto_table.LAYER_TIE) * 0.999)]
+    assert "vetoed" not in bench_auto_table.write(ops, tmp_path / "a.json", layer_records=tie)

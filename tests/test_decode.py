@@ -260,3 +260,27 @@ def test_kv_cache_decode_matches_full_forward(shape, axes):
 
     with pytest.raises(ValueError, match="does not fit the cache"):
         model.prefill(jnp.zeros((batch, prompt_len + steps + 1), jnp.int32))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filled_slots_gathers_every_filled_slot_grouped_by_expert(seed):
+    """The decode path computes only the filled slots: filled_slots lists each exactly once, in (expert,
+    source rank, position) order, so that counts.sum(1) are the grouped GEMM's group sizes."""
+    rng = np.random.default_rng(seed)
+    local, ep_size, t_max = int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+    k = int(rng.integers(1, local + 2))
+    # counts a real dispatch can give: each source token fills at most min(k, local) of these experts
+    picks = np.zeros((local, ep_size), np.int32)
+    for r in range(ep_size):
+        for _ in range(int(rng.integers(0, t_max + 1))):
+            experts = rng.choice(local, size=int(rng.integers(0, min(k, local) + 1)), replace=False)
+            picks[experts, r] += 1
+    slot, filled = jax.jit(jax_ep.moe.filled_slots, static_argnums=(1, 2))(
+        jnp.asarray(picks), ep_size * t_max, min(k, local))
+    slot, filled = np.asarray(slot), np.asarray(filled)
+    want = [e * ep_size * t_max + r * t_max + i
+            for e in range(local) for r in range(ep_size) for i in range(picks[e, r])]
+    assert slot.shape == (min(local * ep_size * t_max, ep_size * t_max * min(k, local)),)
+    assert filled.sum() == len(want) and not filled[len(want):].any()
+    np.testing.assert_array_equal(slot[:len(want)], want)
+    np.testing.assert_array_equal(slot[len(want):], 0)
