@@ -35,11 +35,13 @@ class KernelConfig:
       bulk_copy: dispatch and broadcast copy rows with bulk (TMA) copies through shared memory; False
         uses 16-byte register copies.
       async_stream: None (default): the communicating ops (dispatch, combine, broadcast,
-        slot_values) run on XLA's compute stream, in program order. An int N: each runs on XLA
-        execution stream N as an async op (``jax.experimental.compute_on.compute_on2`` with
-        ``"gpu_stream:N"``), which XLA's scheduler overlaps with work that does not depend on it
-        (the shared expert, the expert weights' gradients); then fewer ``num_sms`` leave the
-        overlapping kernels room.
+        slot_values, and the send phases ``ll_dispatch_send`` / ``ll_combine_send``) run on XLA's
+        compute stream, in program order. An int N: each runs on XLA execution stream N as an async
+        op (``jax.experimental.compute_on.compute_on2`` with ``"gpu_stream:N"``), which XLA's
+        scheduler overlaps with work that does not depend on it (the shared expert, the expert
+        weights' gradients); then fewer ``num_sms`` leave the overlapping kernels room. Over NVLink
+        a low-latency send moves the data with its own warps, so the two-phase form overlaps work
+        placed between send and receive only this way.
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """

@@ -414,7 +414,8 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     ep_size = lax.axis_size(axis)
     tokens = x.shape[0]
     rank, group, axis_slot = _group_of(axis)
-    token = _call("ll_dispatch_send", _LL_TOKEN, x, topk_idx, rank, group,
+    # on NVLink the send's own warps move the data: it overlaps other work only from another stream
+    token = _call("ll_dispatch_send", _LL_TOKEN, x, topk_idx, rank, group, stream=cfg.kernel.async_stream,
                   **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, cfg.wire_dtype(x.dtype)))
     used = reference.sanitize_topk(topk_idx, cfg.num_experts) >= 0
     weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
@@ -445,6 +446,7 @@ def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> LLCombineP
     tokens, hidden = handle.topk_weights.shape[0], cfg.hidden
     rank, group, axis_slot = _group_of(axis)
     token = _call("ll_combine_send", _LL_TOKEN, y, handle.src_slot, rank, group,
+                  stream=cfg.kernel.async_stream,
                   **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                            row_bytes=hidden * 2, num_experts=cfg.num_experts))
     return LLCombinePending(_vary_all(token, axis, y, handle.src_slot), handle.topk_weights)

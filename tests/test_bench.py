@@ -310,3 +310,27 @@ def test_auto_table_layer_veto(tmp_path):
     # within the run-to-run spread of a step (LAYER_TIE) it is a tie: no veto
     tie = [dict(faster[0]), dict(faster[1], step_ms=9.0 * (1 + bench_auto_table.LAYER_TIE) * 0.999)]
     assert "vetoed" not in bench_auto_table.write(ops, tmp_path / "a.json", layer_records=tie)
+
+
+def test_ll_overlap_record_runs_on_the_reference_path():
+    """The two-phase overlap measurement (a GPU record) builds and runs its three programs; on CPU with
+    the reference ops, only that it runs and its fields are checked."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep.config import EPConfig
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    rng = np.random.default_rng(0)
+    tokens, hidden, topk, experts = 4, 256, 2, 8
+    cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+                   backend="reference", dispatch_dtype="bfloat16")
+    x = jax.device_put(rng.standard_normal((2 * tokens, hidden)).astype(np.float32).astype(jnp.bfloat16),
+                       NamedSharding(mesh, P("ep")))
+    idx, w = (jax.device_put(a, NamedSharding(mesh, P("ep")))
+              for a in bench._routing(rng, 2 * tokens, experts, topk))
+    r = bench.ll_overlap(mesh, cfg, (x, idx, w), 10.0, 1, 1, rng)
+    assert r["op"] == "ll_overlap" and r["dtype"] == "bfloat16"
+    assert r["shared_ffn"] == bench.LL_OVERLAP_FFN
+    assert r["us"] > 0 and r["us_serial"] > 0 and r["us_shared"] > 0
+    assert r["hidden_us"] == r["us_serial"] - r["us"] and r["hidden_share"] == r["hidden_us"] / 10.0

@@ -189,12 +189,14 @@ def test_ll_in_scan_matches_separate_calls(cuda_backend, mesh):
         assert_bits_equal(got[s], want, f"scan step {s}")
 
 
-def test_ll_two_phase_in_scan_matches_fused(cuda_backend, mesh):
+@pytest.mark.parametrize("async_stream", [None, 1])
+def test_ll_two_phase_in_scan_matches_fused(cuda_backend, mesh, async_stream):
     """20 decode steps in a lax.scan through the two-phase ops (each step's receive after a stand-in
-    for independent work): the fused step's bits, every step."""
+    for independent work; with async_stream the sends run on XLA stream 1 beside it): the fused step's
+    bits, every step."""
     tokens, hidden, topk, experts = 64, 1024, 4, 16
     cfg = _cfg("cuda", num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
-               dispatch_dtype="float8_e4m3fn")
+               dispatch_dtype="float8_e4m3fn", kernel=jax_ep.KernelConfig(async_stream=async_stream))
     steps = 20
     rng = np.random.default_rng(4)
     n = R * tokens
