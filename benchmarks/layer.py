@@ -109,15 +109,17 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
 
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
-    put = lambda a: jax.device_put(jnp.asarray(a), dev)  # noqa: E731
-    w1 = put((rng.standard_normal((local_experts, hidden, 2 * ffn)) * hidden ** -0.5).astype(jnp.bfloat16))
-    w2 = put((rng.standard_normal((local_experts, ffn, hidden)) * ffn ** -0.5).astype(jnp.bfloat16))
+    keys = jax.random.split(jax.random.key(0), 4)
+    with jax.default_device(dev):  # made on the device: NumPy takes minutes for DeepSeek-V3's 11 GB
+        w1 = jax.random.normal(keys[0], (local_experts, hidden, 2 * ffn), jnp.bfloat16) * hidden ** -0.5
+        w2 = jax.random.normal(keys[1], (local_experts, ffn, hidden), jnp.bfloat16) * ffn ** -0.5
     align = preferred_alignment(jax.ShapeDtypeStruct((capacity, hidden), jnp.bfloat16), w1, backend=gemm)
     sizes = expert_group_sizes(rows, local_experts, rng, align=align)
     capacity = max(capacity, int(sizes.sum()))
-    x = put(rng.standard_normal((capacity, hidden)).astype(jnp.bfloat16))
-    g = put(rng.standard_normal((capacity, hidden)).astype(jnp.bfloat16))
-    group_sizes = put(sizes)
+    with jax.default_device(dev):
+        x = jax.random.normal(keys[2], (capacity, hidden), jnp.bfloat16)
+        g = jax.random.normal(keys[3], (capacity, hidden), jnp.bfloat16)
+    group_sizes = jax.device_put(jnp.asarray(sizes), dev)
 
     @jax.jit
     def experts(x, w1, w2, g):
@@ -249,9 +251,12 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
         for _ in range(tokens):
             picked = rng.choice(experts, size=topk, replace=False)
             np.add.at(counts[:, r], picked[picked < local], 1)
-    w1 = put((rng.standard_normal((local, hidden, 2 * ffn)) * hidden ** -0.5).astype(jnp.bfloat16))
-    w2 = put((rng.standard_normal((local, ffn, hidden)) * ffn ** -0.5).astype(jnp.bfloat16))
-    slots = put(rng.standard_normal((local, ep * tokens, hidden)).astype(jnp.bfloat16))
+    # made on the device: at DeepSeek-V3 decode sizes the weights are 12.7 GB (NumPy takes minutes)
+    keys = jax.random.split(jax.random.key(0), 3)
+    with jax.default_device(dev):
+        w1 = jax.random.normal(keys[0], (local, hidden, 2 * ffn), jnp.bfloat16) * hidden ** -0.5
+        w2 = jax.random.normal(keys[1], (local, ffn, hidden), jnp.bfloat16) * ffn ** -0.5
+        slots = jax.random.normal(keys[2], (local, ep * tokens, hidden), jnp.bfloat16)
     counts = put(counts)
 
     @jax.jit
