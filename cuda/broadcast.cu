@@ -19,6 +19,7 @@ struct BroadcastArgs : DataArgs {
   const int32_t* src_index;
   char* out;
   int32_t C;
+  int32_t op_id;  // kOpBroadcast, or kOpBroadcastRankMajor (named in a timeout)
 };
 
 template <bool kTma>
@@ -66,7 +67,7 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     }
     item -= n_zero;
     int s, c;
-    receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpBroadcast, lane, &s, &c);
+    receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, lane, &s, &c);
     for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
@@ -94,12 +95,15 @@ __global__ void __launch_bounds__(kDataThreads, 1)
 cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32_t* token_rows,
                              const bool* is_token_in_rank, const int32_t* src_index,
                              int32_t capacity, int32_t hidden, int32_t g_kind, bool use_tma,
-                             void* out, cudaStream_t stream) {
+                             bool rank_major, void* out, cudaStream_t stream) {
   const int32_t row_bytes = float_row_bytes(hidden, g_kind);
-  if (!group_launch_ok(g) || row_bytes == 0 || capacity < 1) return cudaErrorInvalidValue;
-  JAX_EP_CUDA_RETURN(launch_start(g, kOpBroadcast, stream));
+  if (!group_launch_ok(g) || row_bytes == 0 || (rank_major ? g.num_topk != 1 : capacity < 1)) {
+    return cudaErrorInvalidValue;
+  }
+  const int32_t op_id = rank_major ? kOpBroadcastRankMajor : kOpBroadcast;
+  JAX_EP_CUDA_RETURN(launch_start(g, op_id, stream));
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
-                        is_token_in_rank, src_index, static_cast<char*>(out), capacity};
+                        is_token_in_rank, src_index, static_cast<char*>(out), capacity, op_id};
   if (use_tma) {
     JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(broadcast_main_kernel<true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -7,6 +7,8 @@
 //     out[t] = sum over ranks in rank order (float32) of the partial sums, this rank's own
 //     partial computed in place from y (never staged), rounded to y's dtype.
 // Exactly jax_ep.reference.combine's summation order.
+#include <algorithm>
+
 #include "cuda/combine.h"
 #include "cuda/ep_device.cuh"
 
@@ -34,6 +36,8 @@ struct CombineArgs : DataArgs {
   const bool* is_token_in_rank;
   char* out;
   int32_t list_stride;   // entries per token list: K + R
+  int32_t op_id;         // kOpCombine, or kOpCombineRankMajor (named in a timeout)
+  bool rows_as_is;       // combine_rank_major: a partial is its one row as it is (no +0.0 added)
 };
 
 // Shared memory of one warp: the ring, the chunk's token_rows (then the rows' weights, in the same
@@ -230,7 +234,7 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
     if (lane < R && lane != me) {  // the other ranks' partials of this chunk have arrived
       wait_flag_equal(reinterpret_cast<const uint64_t*>(d.own + L.chunk_flags) +
                           (static_cast<int64_t>(lane) * L.num_chunks + c),
-                      d.expected, d.state, kOpCombine, me, lane, d.info->ordinals[lane]);
+                      d.expected, d.state, a.op_id, me, lane, d.info->ordinals[lane]);
     }
     if (lane < n_tok) {
       int32_t mask = 0;
@@ -286,15 +290,22 @@ __device__ __forceinline__ void combine_chunk_weights(const CombineArgs& a, cons
 
 // This rank's partial of one step of a token: the sum over its n_own y rows in slot order of
 // w * y (as the reference; an unweighted sum has w = 1, and fma(f, 1, acc) is acc + f exactly).
+// rows_as_is (combine_rank_major, one row per token and rank): the row itself, -0.0 kept, where
+// +0.0 + row would make it +0.0.
 template <bool kF32>
 __device__ __forceinline__ void own_partial(const CombineWarp& w, PieceStream& ps,
-                                            const float* weights, int n_own, int lane,
-                                            float acc[Piece<kF32>::kElems]) {
+                                            const float* weights, int n_own, bool rows_as_is,
+                                            int lane, float acc[Piece<kF32>::kElems]) {
   constexpr int kE = Piece<kF32>::kElems;
   constexpr int kP = Piece<kF32>::kPerVec;
   if (n_own == 0) {  // (a finaliser's token not routed here)
 #pragma unroll
     for (int i = 0; i < kE; ++i) acc[i] = 0.f;
+  } else if (rows_as_is) {
+    const uint32_t slot = ps.pop();
+#pragma unroll
+    for (int v = 0; v < kCombineVecs; ++v) ring_vector<kF32>(w, slot, lane, v, acc + kP * v);
+    ps.issue();
   } else {  // the first row: fma(f, w, +0), exactly as from acc = 0
     const uint32_t slot = ps.pop();
     const float w0 = weights[0];
@@ -378,7 +389,7 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
                       : a.out + (t0 + tt) * row_bytes;
   for (int s = 0; s < steps; ++s) {
     float acc[kE];
-    own_partial<kF32>(w, ps, weights, n_own, d.lane, acc);
+    own_partial<kF32>(w, ps, weights, n_own, a.rows_as_is, d.lane, acc);
     const int64_t offset = piece_offset(s, d.lane);
     if (reducer) {
       write_piece<kF32>(dst, offset, row_bytes, acc);  // rounds to y's dtype
@@ -442,15 +453,45 @@ __global__ void __launch_bounds__(kDataThreads, 1)
 
 }  // namespace
 
+namespace {
+
+__global__ void __launch_bounds__(256)
+    rank_major_rows_kernel(const int32_t* __restrict__ src_index, int32_t n,
+                           int32_t* __restrict__ slot_rows) {
+  for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int32_t slot = __ldg(src_index + i);
+    if (slot >= 0 && slot < n) slot_rows[slot] = i;  // (a handle of dispatch_rank_major: unique)
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_rank_major_rows(const int32_t* src_index, int32_t num_rows, int32_t num_blocks,
+                                   int32_t* slot_rows, cudaStream_t stream) {
+  if (num_rows < 0 || num_blocks < 1) return cudaErrorInvalidValue;
+  if (num_rows == 0) return cudaSuccess;
+  // -1 everywhere first (0xFF bytes), so a slot no row names is "not here" whatever src_index holds
+  JAX_EP_CUDA_RETURN(cudaMemsetAsync(slot_rows, 0xFF, static_cast<size_t>(num_rows) * 4, stream));
+  const int blocks = std::min<int32_t>(num_blocks, (num_rows + 255) / 256);
+  JAX_EP_LAUNCH(rank_major_rows_kernel, blocks, 256, 0, stream)(src_index, num_rows, slot_rows);
+  JAX_EP_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
 cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row_weights,
                            const int32_t* token_rows, const bool* is_token_in_rank, int32_t hidden,
-                           int32_t y_kind, void* out, cudaStream_t stream) {
+                           int32_t y_kind, bool rank_major, void* out, cudaStream_t stream) {
   const int32_t row_bytes = float_row_bytes(hidden, y_kind);
-  if (!group_launch_ok(g) || row_bytes == 0) return cudaErrorInvalidValue;
-  JAX_EP_CUDA_RETURN(launch_start(g, kOpCombine, stream));
-  const CombineArgs a{data_args(g, row_bytes), static_cast<const char*>(y), row_weights,
-                      token_rows, is_token_in_rank, static_cast<char*>(out),
-                      g.num_topk + g.num_ranks};
+  if (!group_launch_ok(g) || row_bytes == 0 || (rank_major && (g.num_topk != 1 || row_weights))) {
+    return cudaErrorInvalidValue;
+  }
+  const int32_t op_id = rank_major ? kOpCombineRankMajor : kOpCombine;
+  JAX_EP_CUDA_RETURN(launch_start(g, op_id, stream));
+  const CombineArgs a{data_args(g, row_bytes),     static_cast<const char*>(y),
+                      row_weights,                 token_rows,
+                      is_token_in_rank,            static_cast<char*>(out),
+                      g.num_topk + g.num_ranks,    op_id,
+                      rank_major};
   const int shared_bytes =
       static_cast<int>(kDataWarps * combine_warp_shared_bytes(a.list_stride, a.K));
   const auto kernel = y_kind == kRowF32 ? combine_main_kernel<true> : combine_main_kernel<false>;

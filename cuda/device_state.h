@@ -33,6 +33,9 @@ enum OpId : int32_t {
   kOpRemoteSmoke = 6,
   kOpLLDispatch = 7,
   kOpLLCombine = 8,
+  kOpDispatchRankMajor = 9,
+  kOpCombineRankMajor = 10,
+  kOpBroadcastRankMajor = 11,
 };
 
 // What went wrong, in FaultRecord::kind.

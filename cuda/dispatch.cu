@@ -34,6 +34,7 @@ constexpr int kPrepMaxExperts = 128;  // experts per prep block (shared bit mask
 constexpr int kNotifyThreads = 1024;
 constexpr int kRowsThreads = 256;
 constexpr int kTailRows = 8192;       // unused-tail rows per receiver work item
+constexpr int kEmptyRows = 16;        // rank-major: empty rows (zeroed) per receiver work item
 
 enum Conversion : int {
   kConvCopy = 0,       // rows keep x's dtype (bf16 -> bf16, f32 -> f32)
@@ -47,15 +48,19 @@ __device__ __forceinline__ int64_t round_up_i64(int64_t value, int64_t multiple)
 }
 
 // ---- 1. prep -------------------------------------------------------------------------------
-// Block b owns experts [b * experts_per_block, ...); every block walks all tokens in tiles of 1024
-// (one token per thread) and, per tile, marks in masks[expert][warp] the lanes whose token picked
-// the expert. A token's rank within an expert = tokens of earlier tiles + tokens of earlier warps
-// of this tile + popc of the lower lanes of its warp: token order, independent of scheduling.
+// Block b owns keys [b * experts_per_block, ...) (experts; rank-major dispatch adds key E + r per
+// destination rank r); every block walks all tokens in tiles of 1024 (one token per thread) and,
+// per tile, marks in masks[key][warp] the lanes whose token has the key. A token's rank within a
+// key = tokens of earlier tiles + tokens of earlier warps of this tile + popc of the lower lanes
+// of its warp: token order, independent of scheduling. slot_rank gets, per (token, slot), its rank
+// among this rank's tokens of the slot's expert (expert-major) or of the slot's destination rank
+// (rank-major: the token's place in this rank's block of rows there).
 
-// Token t (of tile `tile`, ids `row`): marks its lane in masks[e - e_lo][warp] for every expert
-// e in [e_lo, e_hi) it picked; the block the tile falls on writes its row of is_token_in_rank.
+// Token t (of tile `tile`, ids `row`): marks its lane in masks[e - e_lo][warp] for every key e in
+// [e_lo, e_hi) it has: the experts it picked (keys < E) and, with rank_keys (rank-major dispatch),
+// the ranks it goes to (key E + r); the block the tile falls on writes its row of is_token_in_rank.
 __device__ __forceinline__ void prep_mark_token(const int32_t* row, int t, int tile, int K, int E,
-                                                int R, int e_lo, int e_hi,
+                                                int R, int e_lo, int e_hi, bool rank_keys,
                                                 uint32_t (*masks)[kPrepWarps],
                                                 bool* is_token_in_rank) {
   const int experts_per_rank = E / R;
@@ -68,6 +73,12 @@ __device__ __forceinline__ void prep_mark_token(const int32_t* row, int t, int t
     ranks |= 1u << (e / experts_per_rank);
     if (e >= e_lo && e < e_hi) atomicOr(&masks[e - e_lo][warp], 1u << lane);
   }
+  if (rank_keys) {
+    for (uint32_t m = ranks; m != 0u; m &= m - 1u) {
+      const int key = E + __ffs(m) - 1;
+      if (key >= e_lo && key < e_hi) atomicOr(&masks[key - e_lo][warp], 1u << lane);
+    }
+  }
   if (tile % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) {
     bool* out = is_token_in_rank + static_cast<int64_t>(t) * R;
     for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
@@ -76,14 +87,17 @@ __device__ __forceinline__ void prep_mark_token(const int32_t* row, int t, int t
 
 __global__ void __launch_bounds__(kPrepThreads)
     dispatch_prep_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
-                         int T, int K, int E, int R, int experts_per_block,
+                         int T, int K, int E, int R, int experts_per_block, bool rank_major,
                          bool* __restrict__ is_token_in_rank) {
   __shared__ uint32_t masks[kPrepMaxExperts][kPrepWarps];
   __shared__ int32_t prefix[kPrepMaxExperts][kPrepWarps];
   __shared__ int32_t running[kPrepMaxExperts];
-  if (threadIdx.x == 0) require_comm_bytes(state, layout.total, kOpDispatch, -1);
+  if (threadIdx.x == 0) {
+    require_comm_bytes(state, layout.total, rank_major ? kOpDispatchRankMajor : kOpDispatch, -1);
+  }
+  const int keys = rank_major ? E + R : E;
   const int e_lo = blockIdx.x * experts_per_block;
-  const int e_hi = min(E, e_lo + experts_per_block);
+  const int e_hi = min(keys, e_lo + experts_per_block);
   const int n_local = max(0, e_hi - e_lo);
   const int warp = threadIdx.x >> 5;
   for (int i = threadIdx.x; i < kPrepMaxExperts * kPrepWarps; i += blockDim.x) {
@@ -99,7 +113,9 @@ __global__ void __launch_bounds__(kPrepThreads)
     const int t = tile * kPrepThreads + threadIdx.x;
     const bool active = t < T;
     const int32_t* row = topk_idx + static_cast<int64_t>(active ? t : 0) * K;
-    if (active) prep_mark_token(row, t, tile, K, E, R, e_lo, e_hi, masks, is_token_in_rank);
+    if (active) {
+      prep_mark_token(row, t, tile, K, E, R, e_lo, e_hi, rank_major, masks, is_token_in_rank);
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
       int32_t run = running[i];
@@ -110,13 +126,22 @@ __global__ void __launch_bounds__(kPrepThreads)
       running[i] = run;
     }
     __syncthreads();
-    if (active) {
+    if (active && !rank_major) {
       for (int k = 0; k < K; ++k) {
         const int32_t e = row[k];
         // (the block's range first: most slots name another block's experts)
         if (e < e_lo || e >= e_hi || sanitized_expert(row, k, E) < 0) continue;
         slot_rank[static_cast<int64_t>(t) * K + k] =
             prefix[e - e_lo][warp] + __popc(masks[e - e_lo][warp] & lanemask_lt());
+      }
+    } else if (active && e_hi > E) {  // rank-major: this block holds destination-rank keys
+      const int experts_per_rank = E / R;
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = sanitized_expert(row, k, E);
+        const int key = E + e / experts_per_rank;
+        if (e < 0 || key < e_lo || key >= e_hi) continue;
+        slot_rank[static_cast<int64_t>(t) * K + k] =
+            prefix[key - e_lo][warp] + __popc(masks[key - e_lo][warp] & lanemask_lt());
       }
     }
     __syncthreads();
@@ -131,9 +156,10 @@ __global__ void __launch_bounds__(kPrepThreads)
 
 // ---- 2. notify -----------------------------------------------------------------------------
 // This rank's counts [E] into counts[me][:] of every rank (its own included), then one flag per
-// rank; on return (thread r < R) rank r's counts are here. Every thread calls it.
+// rank; on return (thread r < R) rank r's counts are here. Every thread calls it. (Rank-major
+// dispatch passes E + R: its per-destination token counts travel with the expert counts.)
 __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLayout& layout,
-                                                const OpInfo& info, int R, int E) {
+                                                const OpInfo& info, int R, int E, int32_t op_id) {
   const int me = info.rank;
   char* own = own_comm_buffer(state);
   const int32_t* counts_local = reinterpret_cast<const int32_t*>(own + layout.counts_local);
@@ -151,7 +177,7 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
     char* peer = comm_buffer_of(state, info.ordinals[r]);
     store_release_sys(reinterpret_cast<uint64_t*>(peer + layout.count_flags) + me, info.expected);
     wait_flag_equal(reinterpret_cast<const uint64_t*>(own + layout.count_flags) + r,
-                    info.expected, state, kOpDispatch, me, r, info.ordinals[r]);
+                    info.expected, state, op_id, me, r, info.ordinals[r]);
   }
 }
 
@@ -206,7 +232,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
   __shared__ unsigned long long dropped;
   discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpDispatch, layout.total, &info);
   char* own = own_comm_buffer(state);
-  exchange_counts(state, layout, info, R, E);
+  exchange_counts(state, layout, info, R, E, kOpDispatch);
   if (threadIdx.x == 0) {
     total_rows = 0;
     dropped = 0ull;
@@ -229,13 +255,55 @@ __global__ void __launch_bounds__(kNotifyThreads)
   }
 }
 
+// Rank-major notify: discovery and the same counts exchange, with each rank's tokens per
+// destination rank (keys E + r) after its expert counts; then, from the same [R][E + R] table on
+// every rank, the outputs tokens_per_rank (rows from each source) and tokens_per_expert (pairs
+// per local expert; nothing drops), this rank's first row on every destination (base_row[r]:
+// the rows of earlier source ranks there) and total_rows (rows received here).
+__global__ void __launch_bounds__(kNotifyThreads)
+    dispatch_rank_major_notify_kernel(DeviceState* state, CommLayout layout,
+                                      const int32_t* rank_ptr, const int32_t* group_ptr, int R,
+                                      int E, int axis_slot, int32_t* __restrict__ tokens_per_rank,
+                                      int32_t* __restrict__ tokens_per_expert) {
+  __shared__ OpInfo info;
+  discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpDispatchRankMajor, layout.total,
+                 &info);
+  char* own = own_comm_buffer(state);
+  const int keys = E + R;
+  exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor);
+  __syncthreads();  // every rank's counts are here (each thread r < R waited for rank r's)
+  const int me = info.rank;
+  const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
+  int32_t* base_row = reinterpret_cast<int32_t*>(own + layout.base_row);
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    tokens_per_rank[r] = __ldcg(counts + static_cast<int64_t>(r) * keys + E + me);
+    int32_t before = 0;
+    for (int s = 0; s < me; ++s) before += __ldcg(counts + static_cast<int64_t>(s) * keys + E + r);
+    base_row[r] = before;
+  }
+  const int local = E / R;
+  for (int j = threadIdx.x; j < local; j += blockDim.x) {
+    int32_t n = 0;
+    for (int s = 0; s < R; ++s) n += __ldcg(counts + static_cast<int64_t>(s) * keys + me * local + j);
+    tokens_per_expert[j] = n;
+  }
+  if (threadIdx.x == 0) {
+    int32_t total = 0;
+    for (int s = 0; s < R; ++s) total += __ldcg(counts + static_cast<int64_t>(s) * keys + E + me);
+    publish_op_info(state, layout, info, total);
+  }
+}
+
 // ---- 3. rows ---------------------------------------------------------------------------------
 // Per (token, slot) of this rank: destination rank (-1: unused or repeated slot) and receive row
 // there (-2: dropped for capacity), in place of slot_rank. Slot-parallel; the main kernel then
-// reads two coalesced words per slot instead of a chain of dependent table loads.
+// reads two coalesced words per slot instead of a chain of dependent table loads. Rank-major: the
+// token's row on the slot's destination (every slot of a destination has the same), and in
+// slot_dest the sanitised expert itself (the senders need its local id too).
 __global__ void __launch_bounds__(kRowsThreads)
     dispatch_rows_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
-                         int T, int K, int E, int R) {
+                         int T, int K, int E, int R, bool rank_major) {
   char* own = own_comm_buffer(state);
   int32_t* slot_row = reinterpret_cast<int32_t*>(own + layout.slot_rank);
   int32_t* slot_dest = reinterpret_cast<int32_t*>(own + layout.slot_dest);
@@ -248,7 +316,10 @@ __global__ void __launch_bounds__(kRowsThreads)
     const int k = static_cast<int>(i % K);
     const int32_t e = sanitized_expert(topk_idx + (i - k), k, E);
     int32_t dest = -1, value = -1;
-    if (e >= 0) {
+    if (e >= 0 && rank_major) {
+      dest = e;
+      value = __ldcg(base_row + e / experts_per_rank) + __ldcg(slot_row + i);
+    } else if (e >= 0) {
       dest = e / experts_per_rank;
       const int32_t rank_in_expert = __ldcg(slot_row + i);
       value = rank_in_expert < __ldcg(limit + e) ? __ldcg(base_row + e) + rank_in_expert : -2;
@@ -300,37 +371,58 @@ __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, i
   *weight = slot ? __ldg(a.topk_weights + i) : 0.f;
 }
 
-// Senders: per chunk, every token's slot metadata to every other rank, and each token routed to a
-// remote rank ONCE into that rank's staging [me][t]; then the chunk's flags.
+// This rank's token t into the staging [me][t] of every remote rank in `ranks`, ONCE each (the
+// row in the wire format, FP8 scales alongside). Every lane calls it.
 template <int kConv, bool kTma>
+__device__ __forceinline__ void stage_token(const MainArgs& a, const DataWarp& d, TmaWarp& tma,
+                                            int64_t t, uint32_t ranks) {
+  const CommLayout& L = a.layout;
+  const uint32_t remote = ranks & ~(1u << d.me);
+  if (remote == 0u) return;
+  const int64_t slot = static_cast<int64_t>(d.me) * a.num_tokens + t;
+  char* my_dst = nullptr;
+  float* my_scales = nullptr;
+  if (d.lane < d.R) {
+    my_dst = d.lane_peer + L.stage_data + slot * L.data_row_bytes;
+    my_scales = reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
+  }
+  copy_x<kConv, kTma>(a, tma, a.x_row(t), remote, my_dst, my_scales, d.lane);
+}
+
+// Senders: per chunk, every token's slot metadata to every other rank, and each token routed to a
+// remote rank ONCE into that rank's staging [me][t]; then the chunk's flags. Expert-major metadata:
+// per slot its receive row there (or -1 / -2) and gate weight. Rank-major: per slot the local
+// expert id there (or -1) and gate weight, and per token its row there (meta_pos, -1 none).
+template <int kConv, bool kTma, bool kRankMajor>
 __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp& d, TmaWarp& tma) {
   const CommLayout& L = a.layout;
   const int lane = d.lane;
   const int me = d.me;
   const int K = a.num_topk;
+  const int experts_per_rank = a.num_experts / d.R;
   send_chunks<kTma>(L, d, a.num_tokens, [&](int64_t t) {
     int dest, row;
     float weight;
     token_slot(a, d.own, t, lane, &dest, &row, &weight);
+    int value = row;  // what slot metadata carries for the slot's destination
+    if constexpr (kRankMajor) {  // the rows kernel left the slot's expert in dest
+      value = dest >= 0 ? dest % experts_per_rank : -1;
+      dest = dest >= 0 ? dest / experts_per_rank : -1;
+    }
     const int64_t slot = static_cast<int64_t>(me) * a.num_tokens + t;
     for (int r = 0; r < d.R; ++r) {
       char* peer = reinterpret_cast<char*>(
           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
+      if constexpr (kRankMajor) {  // the token's row on r: that of any of its slots there
+        const uint32_t on_r = __ballot_sync(kFullMask, dest == r);
+        const int row_r = on_r != 0u ? __shfl_sync(kFullMask, row, __ffs(on_r) - 1) : -1;
+        if (r != me && lane == 0) reinterpret_cast<int32_t*>(peer + L.meta_pos)[slot] = row_r;
+      }
       if (r == me || lane >= K) continue;
-      reinterpret_cast<int32_t*>(peer + L.meta_rows)[slot * K + lane] = dest == r ? row : -1;
+      reinterpret_cast<int32_t*>(peer + L.meta_rows)[slot * K + lane] = dest == r ? value : -1;
       reinterpret_cast<float*>(peer + L.meta_w)[slot * K + lane] = weight;
     }
-    const uint32_t ranks = __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u);
-    const uint32_t remote = ranks & ~(1u << me);
-    if (remote == 0u) return;
-    char* my_dst = nullptr;
-    float* my_scales = nullptr;
-    if (lane < d.R) {
-      my_dst = d.lane_peer + L.stage_data + slot * L.data_row_bytes;
-      my_scales =
-          reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
-    }
-    copy_x<kConv, kTma>(a, tma, a.x_row(t), remote, my_dst, my_scales, lane);
+    stage_token<kConv, kTma>(a, d, tma, t, __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u));
   });
 }
 
@@ -453,28 +545,132 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
   }
 }
 
+// ---- rank-major receivers ------------------------------------------------------------------
+// Receiver work item: rows [item * kEmptyRows, ...) past total_rows are empty: zero row and
+// scales, ids -1, weights 0, src_index -1 (every row of the R * T is written).
+__device__ __forceinline__ void dispatch_empty_rows(const MainArgs& a, int item, int total_rows,
+                                                    int lane) {
+  const int K = a.num_topk;
+  const int64_t lo = static_cast<int64_t>(item) * kEmptyRows;
+  const int64_t r0 = lo > total_rows ? lo : total_rows;
+  const int64_t r1 = lo + kEmptyRows < a.capacity ? lo + kEmptyRows : a.capacity;
+  for (int64_t row = r0; row < r1; ++row) {
+    warp_zero(a.row_at(row), a.row_bytes, lane);
+    for (int i = lane; i < a.num_scales; i += 32) a.scales[row * a.num_scales + i] = 0.f;
+    for (int k = lane; k < K; k += 32) {
+      a.row_ids[row * K + k] = -1;
+      a.row_topk_weights[row * K + k] = 0.f;
+    }
+    if (lane == 0) a.src_index[row] = -1;
+  }
+}
+
+// Token t of source rank s, if it came here: its row (this rank's own tokens straight from x, the
+// others' from the staging), local expert ids, gate weights and src_index.
 template <int kConv, bool kTma>
+__device__ __forceinline__ void dispatch_rank_major_token(const MainArgs& a, const DataWarp& d,
+                                                          TmaWarp& tma, int s, int64_t t) {
+  const CommLayout& L = a.layout;
+  const int lane = d.lane;
+  const int K = a.num_topk;
+  const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
+  int id, row;
+  float weight;
+  if (s == d.me) {
+    int expert;
+    token_slot(a, d.own, t, lane, &expert, &row, &weight);
+    const int experts_per_rank = a.num_experts / d.R;
+    const bool here = expert >= 0 && expert / experts_per_rank == d.me;
+    id = here ? expert % experts_per_rank : -1;
+    const uint32_t on_me = __ballot_sync(kFullMask, here);
+    row = on_me != 0u ? __shfl_sync(kFullMask, row, __ffs(on_me) - 1) : -1;
+  } else {
+    const int64_t meta = slot * K + lane;
+    id = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
+    weight = lane < K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
+    row = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_pos) + slot);
+  }
+  if (row < 0) return;  // (warp-uniform) the token did not come here
+  if (lane < K) {
+    a.row_ids[static_cast<int64_t>(row) * K + lane] = id;
+    a.row_topk_weights[static_cast<int64_t>(row) * K + lane] = id >= 0 ? weight : 0.f;
+  }
+  if (lane == 0) a.src_index[row] = static_cast<int32_t>(slot);
+  char* my_dst = lane == 0 ? a.row_at(row) : nullptr;  // one destination: lane 0 names it
+  float* my_scales =
+      lane == 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;
+  if (s == d.me) {
+    copy_x<kConv, kTma>(a, tma, a.x_row(t), 1u, my_dst, my_scales, lane);
+  } else {
+    warp_copy_row<kTma>(tma, d.own + L.stage_data + slot * L.data_row_bytes, a.row_bytes, 1u,
+                        my_dst, lane);
+    if (a.num_scales > 0) {
+      copy_staged_scales(
+          a, reinterpret_cast<const float*>(d.own + L.stage_scales + slot * L.scale_row_bytes),
+          1u, my_scales, lane);
+    }
+  }
+}
+
+// Rank-major receivers (dynamic work list): the empty rows past total_rows, then the chunks, this
+// rank's own first, each remote one as soon as its flag arrives.
+template <int kConv, bool kTma>
+__device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, const DataWarp& d,
+                                                            TmaWarp& tma) {
+  const CommLayout& L = a.layout;
+  const int n_empty = static_cast<int>((a.capacity + kEmptyRows - 1) / kEmptyRows);
+  const int n_chunk_items = L.num_chunks * d.R;  // own chunks, then (chunk, other rank) pairs
+  const int total_rows = d.info->total_rows;
+  for (;;) {
+    int item = next_item(&d.info->work[1]);
+    if (item >= n_empty + n_chunk_items) break;
+    if (item < n_empty) {
+      dispatch_empty_rows(a, item, total_rows, d.lane);
+      continue;
+    }
+    item -= n_empty;
+    int s, c;
+    receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor, d.lane, &s,
+                             &c);
+    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
+      dispatch_rank_major_token<kConv, kTma>(a, d, tma, s, t);
+    }
+  }
+}
+
+template <int kConv, bool kTma, bool kRankMajor>
 __global__ void __launch_bounds__(kDataThreads, 1)
     dispatch_main_kernel(MainArgs a) {
   run_data_warps<kTma>(
       a.state, a.layout, a.send_warps,
-      [&](const DataWarp& d, TmaWarp& tma) { dispatch_send<kConv, kTma>(a, d, tma); },
-      [&](const DataWarp& d, TmaWarp& tma) { dispatch_receive<kConv, kTma>(a, d, tma); });
+      [&](const DataWarp& d, TmaWarp& tma) { dispatch_send<kConv, kTma, kRankMajor>(a, d, tma); },
+      [&](const DataWarp& d, TmaWarp& tma) {
+        if constexpr (kRankMajor) {
+          dispatch_rank_major_receive<kConv, kTma>(a, d, tma);
+        } else {
+          dispatch_receive<kConv, kTma>(a, d, tma);
+        }
+      });
 }
 
-template <int kConv>
+template <int kConv, bool kRankMajor>
 cudaError_t launch_main(const MainArgs& a, cudaStream_t stream) {
   if (a.use_tma) {
-    const auto kernel = dispatch_main_kernel<kConv, true>;
+    const auto kernel = dispatch_main_kernel<kConv, true, kRankMajor>;
     JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             kTmaSharedBytes));
     JAX_EP_LAUNCH(kernel, a.num_blocks, kDataThreads, kTmaSharedBytes, stream)(a);
   } else {
-    const auto kernel = dispatch_main_kernel<kConv, false>;
+    const auto kernel = dispatch_main_kernel<kConv, false, kRankMajor>;
     JAX_EP_LAUNCH(kernel, a.num_blocks, kDataThreads, 0, stream)(a);
   }
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
+}
+
+template <int kConv>
+cudaError_t launch_main_mode(const MainArgs& a, cudaStream_t stream) {
+  return a.rank_major ? launch_main<kConv, true>(a, stream) : launch_main<kConv, false>(a, stream);
 }
 
 }  // namespace
@@ -484,7 +680,8 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   if (p.state == nullptr || p.num_tokens < 0 || p.num_topk < 1 || p.num_topk > kMaxTopk ||
       p.num_ranks < 1 || p.num_ranks > kMaxGroupRanks || p.num_experts < 1 ||
       p.num_experts > kMaxExperts || p.num_experts % p.num_ranks != 0 || p.hidden < 8 ||
-      p.hidden % 8 != 0 || (fp8 && p.hidden % 128 != 0) || p.capacity < 1 || p.alignment < 1 ||
+      p.hidden % 8 != 0 || (fp8 && p.hidden % 128 != 0) ||
+      (p.rank_major ? p.capacity != p.num_ranks * p.num_tokens : p.capacity < 1) || p.alignment < 1 ||
       p.num_blocks < 1 || p.send_warps < 1 || p.send_warps >= kDataWarps || p.axis_slot < 0 ||
       p.axis_slot >= kDirectoryAxes || (p.x_kind != kRowBF16 && p.x_kind != kRowF32)) {
     return cudaErrorInvalidValue;
@@ -501,21 +698,28 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   }
 
   const int E = p.num_experts;
-  const int spread = std::min(p.num_blocks, E);
-  const int experts_per_block = std::min(kPrepMaxExperts, (E + spread - 1) / spread);
-  const int prep_blocks = (E + experts_per_block - 1) / experts_per_block;
+  const int keys = p.rank_major ? E + p.num_ranks : E;  // prep keys: experts (+ destination ranks)
+  const int spread = std::min(p.num_blocks, keys);
+  const int experts_per_block = std::min(kPrepMaxExperts, (keys + spread - 1) / spread);
+  const int prep_blocks = (keys + experts_per_block - 1) / experts_per_block;
   JAX_EP_LAUNCH(dispatch_prep_kernel, prep_blocks, kPrepThreads, 0, stream)(
       p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks, experts_per_block,
-      p.is_token_in_rank);
+      p.rank_major, p.is_token_in_rank);
   JAX_EP_CHECK_LAUNCH();
 
-  JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(
-      p.state, p.layout, p.rank, p.group, p.num_ranks, E, p.capacity, p.alignment, p.axis_slot,
-      p.group_sizes, p.expert_counts, p.num_dropped);
+  if (p.rank_major) {
+    JAX_EP_LAUNCH(dispatch_rank_major_notify_kernel, 1, kNotifyThreads, 0, stream)(
+        p.state, p.layout, p.rank, p.group, p.num_ranks, E, p.axis_slot, p.tokens_per_rank,
+        p.expert_counts);
+  } else {
+    JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(
+        p.state, p.layout, p.rank, p.group, p.num_ranks, E, p.capacity, p.alignment, p.axis_slot,
+        p.group_sizes, p.expert_counts, p.num_dropped);
+  }
   JAX_EP_CHECK_LAUNCH();
 
   JAX_EP_LAUNCH(dispatch_rows_kernel, p.num_blocks, kRowsThreads, 0, stream)(
-      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks);
+      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks, p.rank_major);
   JAX_EP_CHECK_LAUNCH();
 
   const MainArgs args{p, static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind)),
@@ -523,13 +727,13 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
                       fp8 ? p.hidden / 128 : 0};
   switch (conversion) {
     case kConvCopy:
-      return launch_main<kConvCopy>(args, stream);
+      return launch_main_mode<kConvCopy>(args, stream);
     case kConvF32ToBF16:
-      return launch_main<kConvF32ToBF16>(args, stream);
+      return launch_main_mode<kConvF32ToBF16>(args, stream);
     case kConvBF16ToFP8:
-      return launch_main<kConvBF16ToFP8>(args, stream);
+      return launch_main_mode<kConvBF16ToFP8>(args, stream);
     default:
-      return launch_main<kConvF32ToFP8>(args, stream);
+      return launch_main_mode<kConvF32ToFP8>(args, stream);
   }
 }
 

@@ -12,6 +12,14 @@ namespace jax_ep {
 
 // Everything one rank's dispatch needs. Shapes are static (validated by the FFI handler); rank and
 // group are device scalars (lax.axis_index), resolved on the device by group discovery.
+//
+// rank_major: dispatch_rank_major (DeepEP's contract): the same prep / notify / rows / main kernels
+// and the same hop (each token crosses NVLink once per destination rank into its staging [me][t]),
+// but the receivers write one row per (source token, this rank), source-rank major, token order
+// within (R * T rows; rows past the last are zero / -1 / 0), with the token's local expert ids and
+// gate weights: rows, scales, row_ids, row_topk_weights, src_index, is_token_in_rank,
+// tokens_per_rank and expert_counts (= num_tokens_per_expert: nothing drops) are written;
+// capacity = R * T, alignment 1; group_sizes, row_weights, num_dropped, token_rows are unused.
 struct DispatchLaunch {
   DeviceState* state;
   CommLayout layout;  // make_comm_layout(R, T, K, E, row_bytes, num_scales * 4)
@@ -31,6 +39,10 @@ struct DispatchLaunch {
   int32_t* src_index;         // [C]
   int32_t* token_rows;        // [R * T, K]
   bool* is_token_in_rank;     // [T, R]
+  // rank-major outputs
+  int32_t* row_ids;           // [R * T, K] local expert id of each slot here, else -1
+  float* row_topk_weights;    // [R * T, K] gate weight where row_ids >= 0, else 0
+  int32_t* tokens_per_rank;   // [R] rows from each source rank
   // static sizes
   int32_t num_tokens;
   int32_t num_topk;
@@ -45,6 +57,7 @@ struct DispatchLaunch {
   int32_t send_warps;  // warps per block that send (the others receive), in [1, 15]
   int32_t axis_slot;   // directory slot of the EP axis, in [0, kDirectoryAxes)
   bool use_tma;        // raw row copies with bulk (TMA) copies through shared memory
+  bool rank_major;     // dispatch_rank_major (above)
 };
 
 // Bytes of a dispatched row for the row kind.

@@ -55,17 +55,22 @@ struct CommLayout {
   uint64_t op_info;       // local: OpInfo
   uint64_t count_flags;   // uint64 [kMaxGroupRanks]: "counts of rank s are written" (dispatch)
   uint64_t chunk_flags;   // uint64 [R][num_chunks]: "chunk c from/for rank s is written"
-  uint64_t counts;        // int32 [R][E]: tokens of rank s per expert (dispatch)
+  uint64_t counts;        // int32 [R][E + R]: tokens of rank s per expert (dispatch); rank-major
+                          //   dispatch adds, at [s][E + r], rank s's tokens that go to rank r
   uint64_t slot_rank;     // local int32 [T][K]: rank of (token, slot) among this rank's tokens of
                           //   its expert; then (rows kernel) its receive row, -1 / -2 (dispatch)
   uint64_t slot_dest;     // local int32 [T][K]: destination rank of (token, slot), -1 unused
-  uint64_t counts_local;  // local int32 [E]: this rank's tokens per expert (dispatch)
+                          //   (rank-major dispatch: the slot's sanitised expert, -1 unused)
+  uint64_t counts_local;  // local int32 [E + R]: this rank's tokens per expert, then (rank-major
+                          //   dispatch) per destination rank
   uint64_t base_row;      // local int32 [E]: receive row of this rank's rank-0 token of expert e
+                          //   (rank-major dispatch: [R], its first row on each destination)
   uint64_t limit;         // local int32 [E]: a slot of expert e is kept iff slot_rank < limit[e]
   uint64_t seg_off;       // local int32 [E_local]: first row of each local expert
   uint64_t seg_kept;      // local int32 [E_local]: rows kept per local expert
   uint64_t meta_rows;     // int32 [R][T][K]: receive row of (source s, token, slot) (dispatch);
   uint64_t meta_w;        // float [R][T][K]: gate weights (dispatch) / slot values (slot_values)
+  uint64_t meta_pos;      // int32 [R][T]: rank-major row of (source s, token) here, -1 none
   uint64_t stage_scales;  // float [R][T][scale_row_bytes / 4]: FP8 scales (dispatch)
   uint64_t stage_data;    // [R][T][data_row_bytes]: token rows (dispatch, broadcast) or partial
                           //   sums (combine), block s written by rank s (combine: for rank s)
@@ -103,16 +108,17 @@ JAX_EP_HOST_DEVICE inline CommLayout make_comm_layout(int64_t num_ranks, int64_t
   layout.count_flags = at;   at = align_up_u64(at + kMaxGroupRanks * sizeof(uint64_t), kAlign);
   layout.chunk_flags = at;
   at = align_up_u64(at + R * static_cast<uint64_t>(layout.num_chunks) * sizeof(uint64_t), kAlign);
-  layout.counts = at;        at = align_up_u64(at + R * E * 4, kAlign);
+  layout.counts = at;        at = align_up_u64(at + R * (E + R) * 4, kAlign);
   layout.slot_rank = at;     at = align_up_u64(at + T * K * 4, kAlign);
   layout.slot_dest = at;     at = align_up_u64(at + T * K * 4, kAlign);
-  layout.counts_local = at;  at = align_up_u64(at + E * 4, kAlign);
+  layout.counts_local = at;  at = align_up_u64(at + (E + R) * 4, kAlign);
   layout.base_row = at;      at = align_up_u64(at + E * 4, kAlign);
   layout.limit = at;         at = align_up_u64(at + E * 4, kAlign);
   layout.seg_off = at;       at = align_up_u64(at + local_experts * 4, kAlign);
   layout.seg_kept = at;      at = align_up_u64(at + local_experts * 4, kAlign);
   layout.meta_rows = at;     at = align_up_u64(at + R * T * K * 4, kAlign);
   layout.meta_w = at;        at = align_up_u64(at + R * T * K * 4, kAlign);
+  layout.meta_pos = at;      at = align_up_u64(at + R * T * 4, kAlign);
   layout.stage_scales = at;  at = align_up_u64(at + R * T * scale_row_bytes, kAlign);
   layout.stage_data = at;    at = align_up_u64(at + R * T * layout.data_row_bytes, kAlign);
   layout.total = at;

@@ -552,7 +552,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
   }
   const cudaError_t status = launch_combine(
       launch, y.untyped_data(), row_weights.typed_data(), token_rows.typed_data(),
-      is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, out->untyped_data(), stream);
+      is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, /*rank_major=*/false,
+      out->untyped_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "combine kernel launch");
   return ffi::Error::Success();
 }
@@ -591,7 +592,7 @@ ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
   const cudaError_t status = launch_broadcast(
       launch, g.untyped_data(), token_rows.typed_data(), is_token_in_rank.typed_data(),
       src_index.typed_data(), static_cast<int32_t>(C), static_cast<int32_t>(H), g_kind,
-      a.bulk_copy != 0, out->untyped_data(), stream);
+      a.bulk_copy != 0, /*rank_major=*/false, out->untyped_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "broadcast kernel launch");
   return ffi::Error::Success();
 }

@@ -68,6 +68,12 @@ const char* OpName(int32_t op_id) {
       return "ll_dispatch";
     case kOpLLCombine:
       return "ll_combine";
+    case kOpDispatchRankMajor:
+      return "dispatch_rank_major";
+    case kOpCombineRankMajor:
+      return "combine_rank_major";
+    case kOpBroadcastRankMajor:
+      return "broadcast_rank_major";
     default:
       return "unknown";
   }

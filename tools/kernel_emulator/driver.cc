@@ -1,4 +1,5 @@
-// Runs jax_ep's dispatch / combine / broadcast / slot_values kernels on the CPU emulation
+// Runs jax_ep's dispatch / combine / broadcast / slot_values kernels and their rank-major forms
+// (dispatch_rank_major, combine_rank_major, broadcast_rank_major) on the CPU emulation
 // (emu_cuda.h): one process per rank, device memory shared between them. Inputs and outputs are
 // raw little-endian files in <dir> (written/read by run.py, which compares with
 // jax_ep.reference).
@@ -81,6 +82,9 @@ int main(int argc, char** argv) {
   const CommLayout data_layout =
       make_comm_layout(R, T, K, 0, static_cast<uint64_t>(H) * kind_bytes(y_kind), 0);
   const CommLayout values_layout = make_comm_layout(R, T, K, 0, 0, 0);
+  // combine_rank_major / broadcast_rank_major: one row per (token, rank), K = 1
+  const CommLayout rm_layout =
+      make_comm_layout(R, T, 1, 0, static_cast<uint64_t>(H) * kind_bytes(y_kind), 0);
   const uint64_t buffer_bytes =
       align_up_u64(std::max(dispatch_layout.total, data_layout.total), 4096);
 
@@ -127,6 +131,8 @@ int main(int argc, char** argv) {
     auto y = read_file("y" + s + ".bin", size_t(C) * H * kind_bytes(y_kind));
     auto g = read_file("g" + s + ".bin", size_t(T) * H * kind_bytes(y_kind));
     auto v = read_file("v" + s + ".bin", size_t(C) * 4);
+    const size_t RT = size_t(R) * T;  // rank-major rows
+    auto yr = read_file("yr" + s + ".bin", RT * H * kind_bytes(y_kind));
     for (int rep = 0; rep < reps; ++rep) {
       const std::string tag = s + "_" + std::to_string(rep);
       auto rows = poisoned(size_t(C) * H * kind_bytes(row_kind));
@@ -193,18 +199,18 @@ int main(int argc, char** argv) {
       const size_t out_bytes = size_t(T) * H * kind_bytes(y_kind);
       auto comb_w = poisoned(out_bytes);
       check(launch_combine(gl, y.data(), d.row_weights, d.token_rows, d.is_token_in_rank, H,
-                           y_kind, comb_w.data(), nullptr),
+                           y_kind, false, comb_w.data(), nullptr),
             "combine");
       write_file("comb_w" + tag + ".bin", comb_w.data(), out_bytes);
       auto comb_u = poisoned(out_bytes);
       check(launch_combine(gl, y.data(), nullptr, d.token_rows, d.is_token_in_rank, H, y_kind,
-                           comb_u.data(), nullptr),
+                           false, comb_u.data(), nullptr),
             "combine unweighted");
       write_file("comb_u" + tag + ".bin", comb_u.data(), out_bytes);
       const size_t bcast_bytes = size_t(C) * H * kind_bytes(y_kind);
       auto bcast = poisoned(bcast_bytes);
       check(launch_broadcast(gl, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
-                             y_kind, use_tma, bcast.data(), nullptr),
+                             y_kind, use_tma, false, bcast.data(), nullptr),
             "broadcast");
       write_file("bcast" + tag + ".bin", bcast.data(), bcast_bytes);
       GroupLaunch gv = gl;
@@ -214,6 +220,61 @@ int main(int argc, char** argv) {
                                reinterpret_cast<float*>(slotv.data()), nullptr),
             "slot_values");
       write_file("slotv" + tag + ".bin", slotv.data(), size_t(T) * K * 4);
+
+      // rank-major: dispatch_rank_major, then combine_rank_major / broadcast_rank_major through
+      // its handle (the slot -> row table first, as the FFI handlers do)
+      auto rm_rows = poisoned(RT * H * kind_bytes(row_kind));
+      auto rm_scales = poisoned(RT * std::max(num_scales, 1) * 4);
+      auto rm_ids = poisoned(RT * K * 4);
+      auto rm_w = poisoned(RT * K * 4);
+      auto rm_per_rank = poisoned(size_t(R) * 4);
+      auto rm_per_expert = poisoned(size_t(E / R) * 4);
+      auto rm_src = poisoned(RT * 4);
+      auto rm_in_rank = poisoned(size_t(T) * R);
+      DispatchLaunch m = d;
+      m.rows = rm_rows.data();
+      m.scales = fp8 ? reinterpret_cast<float*>(rm_scales.data()) : nullptr;
+      m.group_sizes = nullptr;
+      m.row_weights = nullptr;
+      m.num_dropped = nullptr;
+      m.token_rows = nullptr;
+      m.expert_counts = reinterpret_cast<int32_t*>(rm_per_expert.data());
+      m.src_index = reinterpret_cast<int32_t*>(rm_src.data());
+      m.is_token_in_rank = reinterpret_cast<bool*>(rm_in_rank.data());
+      m.row_ids = reinterpret_cast<int32_t*>(rm_ids.data());
+      m.row_topk_weights = reinterpret_cast<float*>(rm_w.data());
+      m.tokens_per_rank = reinterpret_cast<int32_t*>(rm_per_rank.data());
+      m.capacity = R * T;
+      m.alignment = 1;
+      m.rank_major = true;
+      check(launch_dispatch(m, nullptr), "dispatch_rank_major");
+      write_file("rm_rows" + tag + ".bin", rm_rows.data(), RT * H * kind_bytes(row_kind));
+      if (fp8) write_file("rm_scales" + tag + ".bin", rm_scales.data(), RT * num_scales * 4);
+      write_file("rm_ids" + tag + ".bin", rm_ids.data(), RT * K * 4);
+      write_file("rm_w" + tag + ".bin", rm_w.data(), RT * K * 4);
+      write_file("rm_per_rank" + tag + ".bin", rm_per_rank.data(), size_t(R) * 4);
+      write_file("rm_per_expert" + tag + ".bin", rm_per_expert.data(), size_t(E / R) * 4);
+      write_file("rm_src" + tag + ".bin", rm_src.data(), RT * 4);
+      write_file("rm_in_rank" + tag + ".bin", rm_in_rank.data(), size_t(T) * R);
+
+      auto slot_rows = poisoned(RT * 4);
+      int32_t* table = reinterpret_cast<int32_t*>(slot_rows.data());
+      check(launch_rank_major_rows(m.src_index, static_cast<int32_t>(RT), blocks, table, nullptr),
+            "rank_major_rows");
+      GroupLaunch gr = gl;
+      gr.layout = rm_layout;
+      gr.num_topk = 1;
+      auto rm_comb = poisoned(out_bytes);
+      check(launch_combine(gr, yr.data(), nullptr, table, m.is_token_in_rank, H, y_kind, true,
+                           rm_comb.data(), nullptr),
+            "combine_rank_major");
+      write_file("rm_comb" + tag + ".bin", rm_comb.data(), out_bytes);
+      auto rm_bcast = poisoned(RT * H * kind_bytes(y_kind));
+      check(launch_broadcast(gr, g.data(), table, m.is_token_in_rank, m.src_index,
+                             static_cast<int32_t>(RT), H, y_kind, use_tma, true, rm_bcast.data(),
+                             nullptr),
+            "broadcast_rank_major");
+      write_file("rm_bcast" + tag + ".bin", rm_bcast.data(), RT * H * kind_bytes(y_kind));
     }
     std::fflush(stdout);
     _exit(0);

@@ -285,6 +285,12 @@ inline void cp_async_wait() {}
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 template <class F>
 inline cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
+// Stream-ordered like a kernel: launches run to completion, so a plain memset is in order.
+template <class S>
+inline cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, S) {
+  std::memset(dst, value, bytes);
+  return cudaSuccess;
+}
 
 // ---- bit casts and integer intrinsics ----
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }

@@ -1,5 +1,7 @@
 """Runs the CUDA EP kernels on the CPU emulation (emu_cuda.h + driver.cc) and compares every
-output with jax_ep.reference (bit-exact; combine too: same summation order).
+output with jax_ep.reference (bit-exact; combine too: same summation order). Every case runs the
+expert-major ops (dispatch, combine, broadcast, slot_values) and the rank-major ones
+(dispatch_rank_major, combine_rank_major with NaN in the empty rows and some -0.0, broadcast_rank_major).
 
     python tools/kernel_emulator/run.py [--quick] [-k NAME]
     python tools/kernel_emulator/run.py --random N [--seed S]   # N random cases (a sweep)
@@ -144,10 +146,12 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     y = to_dtype(rng.standard_normal((R, C, H)).astype(np.float32), y_dtype)
     g = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32), y_dtype)
     v = rng.standard_normal((R, C)).astype(np.float32)
+    yr = rng.standard_normal((R, R * T, H)).astype(np.float32)
+    yr = to_dtype(np.where(rng.random(yr.shape) < 0.05, np.float32(-0.0), yr), y_dtype)
 
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
 
-    def body(x, idx, w, y, g, v):
+    def body(x, idx, w, y, g, v, yr):
         d = reference.dispatch(x[0], idx[0], w[0], cfg)
         # the driver's unweighted combine (row_weights null) is the reference with weights 1
         unweighted = d.handle._replace(row_weights=jax.numpy.ones_like(d.row_weights))
@@ -160,15 +164,26 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
                    slotv=reference.slot_values(v[0], d.handle, cfg))
         if d.scales is not None:
             out["scales"] = d.scales
+        m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg)
+        # the expert kernel's rows: empty rows hold NaN (combine_rank_major never reads them)
+        yr_in = jax.numpy.where(m.handle.src_index[:, None] >= 0, yr[0], jax.numpy.nan).astype(yr.dtype)
+        out.update(rm_rows=m.x, rm_ids=m.topk_idx, rm_w=m.topk_weights,
+                   rm_per_rank=m.num_tokens_per_rank, rm_per_expert=m.num_tokens_per_expert,
+                   rm_src=m.handle.src_index, rm_in_rank=m.handle.is_token_in_rank,
+                   rm_comb=reference.combine_rank_major(yr_in, m.handle, cfg),
+                   rm_bcast=reference.broadcast_rank_major(g[0], m.handle, cfg), rm_y=yr_in)
+        if m.scales is not None:
+            out["rm_scales"] = m.scales
         return {k: a[None] for k, a in out.items()}
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v)]
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v, yr)]
     want = {k: np.asarray(a) for k, a in fn(*args).items()}
+    yr = want.pop("rm_y")
 
     with tempfile.TemporaryDirectory() as d:
         for r in range(R):
-            for nm, a in (("x", x), ("idx", idx), ("w", w), ("y", y), ("g", g), ("v", v)):
+            for nm, a in (("x", x), ("idx", idx), ("w", w), ("y", y), ("g", g), ("v", v), ("yr", yr)):
                 np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
         cmd = [DRIVER, d, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype],
                blocks, send_warps, reps]
@@ -184,14 +199,16 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             for rep in range(reps):
                 ok &= compare_rank(name, d, r, rep, want)
         rows = [int(s.sum()) for s in want["group_sizes"]]
+        rm_rows = [int(s.sum()) for s in want["rm_per_rank"]]
         print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
-              f"{want['num_dropped'].tolist()}, {took:.1f}s)")
+              f"{want['num_dropped'].tolist()}, rank-major rows {rm_rows}, {took:.1f}s)")
         return ok
 
 
 def compare_rank(name, d, r, rep, want) -> bool:
-    """Outputs of rank r, repetition rep, against the reference: bit-exact, except combine (float32
-    summation: within one step of the output dtype, relative to the row's largest value)."""
+    """Outputs of rank r, repetition rep, against the reference: bit-exact, except the expert-major
+    combine (float32 summation: within one step of the output dtype, relative to the row's largest
+    value). combine_rank_major (rm_comb) adds whole rows in rank order: bit-exact."""
     ok = True
     total = int(want["group_sizes"][r].sum())
     for field, ref in want.items():
