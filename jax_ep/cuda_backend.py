@@ -30,11 +30,16 @@ from jax_ep.types import (
     LLDispatched,
     LLDispatchPending,
     LLHandle,
+    RankMajorDispatched,
+    RankMajorHandle,
 )
 from jax_ep.vma import vary_like, vary_over, varying_axes
 
 _ROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _DATA_OPS = ("dispatch", "combine", "broadcast", "slot_values")
+# the rank-major ops run the kernels (and take the knobs) of these expert-major ones
+_RANK_MAJOR_OPS = {"dispatch_rank_major": "dispatch", "combine_rank_major": "combine",
+                   "broadcast_rank_major": "broadcast"}
 _LL_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
            "ll_combine_recv")
 
@@ -47,6 +52,7 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
         if cfg.num_topk > limits["layout_max_topk"]:
             return f"num_topk={cfg.num_topk} exceeds {limits['layout_max_topk']}"
         return None
+    op = _RANK_MAJOR_OPS.get(op, op)
     assert op in _DATA_OPS + _LL_OPS, op
     if op in _LL_OPS:
         if cfg.num_topk > 32:
@@ -253,16 +259,22 @@ ALL_SMS = 1 << 16
 
 
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
-           row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0) -> dict:
+           row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0,
+           num_topk: int | None = None) -> dict:
     """The handlers' EPAttrs (xla_ffi/handlers.cc): every data op gets the same fields; those it does
-    not use are 0. The sizes fix the communication-buffer layout at instantiation."""
+    not use are 0. The sizes fix the communication-buffer layout at instantiation. A rank-major op
+    takes the knobs of the expert-major op whose kernels it runs; num_topk: cfg's unless given."""
     kernel = cfg.kernel
+    rank_major = op in _RANK_MAJOR_OPS
+    op = _RANK_MAJOR_OPS.get(op, op)
     data_kernel = op != "slot_values"
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU
     num_sms = kernel.num_sms if kernel.num_sms is not None else ALL_SMS
-    values = dict(num_ranks=ep_size, num_tokens=num_tokens, num_topk=cfg.num_topk,
+    values = dict(num_ranks=ep_size, num_tokens=num_tokens,
+                  num_topk=cfg.num_topk if num_topk is None else num_topk,
                   num_experts=num_experts, hidden=hidden, row_bytes=row_bytes, scale_bytes=scale_bytes,
-                  capacity=capacity, alignment=cfg.expert_alignment if op == "dispatch" else 0,
+                  capacity=capacity,
+                  alignment=cfg.expert_alignment if op == "dispatch" and not rank_major else 0,
                   axis_slot=axis_slot, num_sms=num_sms if data_kernel else 1,
                   # the low-latency kernels: every warp sends, then receives
                   send_warps=kernel.send_warps(op) if op in _DATA_OPS[:3] else 1,
@@ -357,6 +369,69 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
                    stream=cfg.kernel.async_stream,
                    **_attrs("slot_values", cfg, ep_size, axis_slot, out.shape[0]))
     return _vary_all(result, axis, values, handle.token_rows)
+
+
+# ---- rank-major mode (DeepEP's contract) ---------------------------------------------------------
+def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                        cfg: EPConfig) -> RankMajorDispatched:
+    """``jax_ep.reference.dispatch_rank_major`` on NVLink kernels (the dispatch kernels in their
+    rank-major mode; bit-exact outputs). Per-rank view."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    tokens, hidden = x.shape
+    out = types.rank_major_dispatch_types(tokens, x.dtype, cfg, ep_size)
+    fp8 = out.scales is not None
+    scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
+    flat = (out.x, scales, out.topk_idx, out.topk_weights, out.num_tokens_per_rank,
+            out.num_tokens_per_expert, *out.handle)
+    rank, group, axis_slot = _group_of(axis)
+    outputs = _call("dispatch_rank_major", flat, x, topk_idx, topk_weights, rank, group,
+                    stream=cfg.kernel.async_stream,
+                    **_attrs("dispatch_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
+                             row_bytes=hidden * out.x.dtype.itemsize,
+                             scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
+                             capacity=out.x.shape[0], num_experts=cfg.num_experts))
+    rows, scales, ids, weights, per_rank, per_expert, src_index, in_rank = _vary_all(
+        outputs, axis, x, topk_idx, topk_weights)
+    return RankMajorDispatched(rows, scales if fp8 else None, ids, weights, per_rank, per_expert,
+                               RankMajorHandle(src_index, in_rank))
+
+
+def _slot_rows_type(handle: RankMajorHandle) -> jax.ShapeDtypeStruct:
+    """The second result of combine_rank_major / broadcast_rank_major: the handle's slot -> row table
+    (scratch the kernels read, dropped here)."""
+    return jax.ShapeDtypeStruct(handle.src_index.shape, jnp.int32)
+
+
+def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+    """``jax_ep.reference.combine_rank_major`` on NVLink kernels (the combine kernel with one row per
+    (token, rank), rows as they are; the same float32 rank-order sum, bit-exact). Per-rank view."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    out = types.rank_major_combine_types(y, handle)
+    tokens, hidden = out.shape
+    rank, group, axis_slot = _group_of(axis)
+    result, _ = _call("combine_rank_major", (out, _slot_rows_type(handle)), y, handle.src_index,
+                      handle.is_token_in_rank, rank, group, stream=cfg.kernel.async_stream,
+                      **_attrs("combine_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
+                               row_bytes=hidden * y.dtype.itemsize, num_topk=1))
+    return _vary_all(result, axis, y, *handle)
+
+
+def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+    """``jax_ep.reference.broadcast_rank_major`` (combine_rank_major's backward: each token's row to
+    its rows, empty rows zero) on NVLink kernels (the broadcast kernel, one row per (token, rank))."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    out = types.rank_major_broadcast_types(g, handle)
+    tokens, hidden = g.shape
+    rank, group, axis_slot = _group_of(axis)
+    result, _ = _call("broadcast_rank_major", (out, _slot_rows_type(handle)), g, handle.src_index,
+                      handle.is_token_in_rank, rank, group, stream=cfg.kernel.async_stream,
+                      **_attrs("broadcast_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
+                               row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0],
+                               num_topk=1))
+    return _vary_all(result, axis, g, *handle)
 
 
 # ---- low-latency (decode) mode ------------------------------------------------------------------

@@ -65,17 +65,18 @@ class Backend(Protocol):
     def ll_dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                     cfg: EPConfig) -> LLDispatched: ...
     def ll_combine(self, y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array: ...
+    def dispatch_rank_major(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                            cfg: EPConfig) -> RankMajorDispatched: ...
+    def combine_rank_major(self, y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array: ...
+    def broadcast_rank_major(self, g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One op and the output layout it produces (the key of its row in ``auto_table.json``).
-    ``no_kernel``: why the op has no CUDA kernel (None: it has one); "auto" takes the reference path
-    then and "cuda" raises NotImplementedError with the reason."""
+    """One op and the output layout it produces (the key of its row in ``auto_table.json``)."""
 
     name: str
     layout: str = "expert_major"
-    no_kernel: str | None = None
 
     def kernel_by_default(self, cfg: EPConfig) -> bool:
         """Its CUDA kernel measured faster than the reference path at cfg's tokens per rank
@@ -98,11 +99,6 @@ class Op:
             raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {_NO_MASK_KERNEL}; use "
                                       "backend='reference' or 'auto' (which runs the reference path "
                                       "when a rank_mask is given)")
-        if self.no_kernel is not None:
-            if cfg.backend == "auto":
-                return getattr(reference, self.name)
-            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {self.no_kernel}; use "
-                                      "backend='reference' or 'auto' (which runs the reference path)")
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
         kernel = getattr(cuda_backend, self.name, None)
@@ -128,9 +124,6 @@ class Op:
         return kernel
 
 
-_NO_RANK_MAJOR_KERNEL = ("the rank-major CUDA kernel is not built yet (issue 12 item 2 delivers the "
-                         "API and the reference path; the kernel comes with the rank-major hop of item 1)")
-
 _NO_MASK_KERNEL = ("rank masking (rank_mask) is not built in the CUDA kernels (issue 15 item 1 delivers "
                    "the semantics on the reference path; marking a rank masked when a peer misses the "
                    "bounded wait is not built)")
@@ -138,8 +131,8 @@ _NO_MASK_KERNEL = ("rank masking (rank_mask) is not built in the CUDA kernels (i
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
     Op("ll_dispatch", "fixed_slots"), Op("ll_combine", "fixed_slots"),
-    *(Op(name, "rank_major", no_kernel=_NO_RANK_MAJOR_KERNEL)
-      for name in ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major")),
+    *(Op(name, "rank_major") for name in ("dispatch_rank_major", "combine_rank_major",
+                                          "broadcast_rank_major")),
 )}
 
 

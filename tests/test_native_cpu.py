@@ -40,7 +40,8 @@ def test_handler_capsules_for_every_target():
     stateful = {"jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_broadcast",
                 "jax_ep_slot_values", "jax_ep_remote_smoke", "jax_ep_ll_dispatch", "jax_ep_ll_combine",
                 "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
-                "jax_ep_ll_combine_recv"}
+                "jax_ep_ll_combine_recv", "jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major",
+                "jax_ep_broadcast_rank_major"}
     for name, entry in handlers.items():
         capsules = entry.values() if name in stateful else [entry]
         if name in stateful:  # the communicating ops keep state per call site (instantiate stage)

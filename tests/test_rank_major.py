@@ -285,18 +285,53 @@ def test_fp8_is_forward_only():
 
 # ---- backends and argument checks ----------------------------------------------------------------
 def test_backends():
-    """No CUDA kernel yet: 'auto' takes the reference (no auto-table row), 'cuda' says why not."""
+    """The rank-major ops have CUDA kernels (cuda_backend, same names); 'auto' keeps the reference until
+    the auto table has measured rank_major rows (none yet: the benchmark writes them)."""
+    from jax_ep import cuda_backend
+
     for name in ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major"):
         op = ops.OPS[name]
         assert op.layout == "rank_major"
+        assert callable(getattr(cuda_backend, name))
+        assert not op.kernel_by_default(BASE.replace(backend="auto", max_tokens_per_rank=4096))
         assert op.implementation(BASE.replace(backend="auto"), 2) is getattr(reference, name)
-        with pytest.raises(NotImplementedError, match="rank-major CUDA kernel is not built"):
-            op.implementation(BASE.replace(backend="cuda"), 2)
-    rng = np.random.default_rng(1)
+        assert op.implementation(BASE.replace(backend="reference"), 2) is getattr(reference, name)
+
+
+def test_cuda_backend_lowers_to_the_rank_major_targets(monkeypatch):
+    """The CUDA functions trace on any machine (the FFI calls are only compiled on GPUs): each op is
+    one custom call of its own target, combine / broadcast with one row per (token, rank) (num_topk 1)
+    and a second result (the slot -> row table), capacity R*T for dispatch and broadcast."""
+    from jax_ep import cuda_backend, runtime
+
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "limits", lambda: {
+        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
+        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    cfg = BASE.replace(backend="cuda", expert_alignment=8)
+
+    def body(x, i, w, y, g):
+        d = cuda_backend.dispatch_rank_major(x, i, w, cfg)
+        return d, cuda_backend.combine_rank_major(y, d.handle, cfg), cuda_backend.broadcast_rank_major(
+            g, d.handle, cfg)
+
+    rng = np.random.default_rng(3)
     x, idx, w = random_tokens(rng, 2, T, BASE)
-    fn = per_rank(lambda x, i, w: jax_ep.dispatch_rank_major(x, i, w, BASE.replace(backend="cuda")), 2)
-    with pytest.raises(NotImplementedError, match=r"jax_ep.dispatch_rank_major \(backend='cuda'\)"):
-        fn(x, idx, w)
+    y = jnp.zeros((2, 2 * T, HO), jnp.bfloat16)  # [R, ...] global arrays
+    g = jnp.zeros((2, T, HO), jnp.float32)
+    text = per_rank(body, 2).lower(x, idx, w, y, g).as_text()
+    calls = {line.split("@")[1].split("(")[0]: line for line in text.splitlines()
+             if "stablehlo.custom_call @jax_ep" in line}
+    assert set(calls) == {"jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major",
+                          "jax_ep_broadcast_rank_major"}, calls
+    assert "%" in calls["jax_ep_dispatch_rank_major"].split("=")[0] and ":8 =" in calls[
+        "jax_ep_dispatch_rank_major"], "dispatch_rank_major has 8 results"
+    for name in ("jax_ep_combine_rank_major", "jax_ep_broadcast_rank_major"):
+        assert ":2 =" in calls[name] and "num_topk = 1 " in calls[name], calls[name]
+    assert f"capacity = {2 * T} " in calls["jax_ep_dispatch_rank_major"]
+    assert "alignment = 0 " in calls["jax_ep_dispatch_rank_major"]  # no expert segments here
+    assert f"capacity = {2 * T} " in calls["jax_ep_broadcast_rank_major"]
 
 
 def _combine_error(make_args, match, ep_size=2):

@@ -64,6 +64,9 @@ CallCounters ll_dispatch_send_counters;
 CallCounters ll_dispatch_recv_counters;
 CallCounters ll_combine_send_counters;
 CallCounters ll_combine_recv_counters;
+CallCounters dispatch_rank_major_counters;
+CallCounters combine_rank_major_counters;
+CallCounters broadcast_rank_major_counters;
 
 // Counts the call, and whether `stream` is being captured into a CUDA graph right now
 // (cudaStreamIsCapturing is legal during capture; it does not query execution status).
@@ -434,6 +437,71 @@ ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind) {
   return ffi::Error::Success();
 }
 
+// What dispatch and dispatch_rank_major share: x / rows dtypes, the attributes, the input shapes,
+// and the launch fields they both fill. `rows_count` is C (expert-major) or R * T (rank-major).
+ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState& state,
+                           ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                           ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank,
+                           ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer>& rows,
+                           ffi::ResultBuffer<ffi::F32>& scales, int64_t rows_count,
+                           ffi::ResultBuffer<ffi::PRED>& is_token_in_rank, DispatchLaunch* launch) {
+  const EPAttrs& a = state.attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks, E = a.num_experts;
+  int32_t x_kind, row_kind;
+  if (!RowKindOf(x.element_type(), &x_kind) || x_kind == kRowFP8 ||
+      !RowKindOf(rows->element_type(), &row_kind) ||
+      !(row_kind == x_kind || row_kind == kRowFP8 || (x_kind == kRowF32 && row_kind == kRowBF16))) {
+    return Invalid(op, "x must be bfloat16 or float32, rows x's dtype, bfloat16 or float8_e4m3fn");
+  }
+  const bool fp8 = row_kind == kRowFP8;
+  const int64_t num_scales = fp8 ? H / 128 : 0;
+  if (ffi::Error error = CheckRowBytes(op, a, row_kind); !error.success()) return error;
+  if (E < R || E % R != 0 || (fp8 && H % 128 != 0) || a.scale_bytes != num_scales * 4) {
+    return Invalid(op, "attributes E=" + std::to_string(E) + " R=" + std::to_string(R) +
+                           " scale_bytes=" + std::to_string(a.scale_bytes) + " inconsistent");
+  }
+  if (!IsShape(x.dimensions(), {T, H}) || !IsShape(topk_idx.dimensions(), {T, K}) ||
+      !IsShape(topk_weights.dimensions(), {T, K}) || !IsShape(rows->dimensions(), {rows_count, H}) ||
+      (fp8 ? !IsShape(scales->dimensions(), {rows_count, num_scales})
+           : scales->element_count() != 0) ||
+      !IsShape(is_token_in_rank->dimensions(), {T, R})) {
+    return Invalid(op, "x " + DimsToString(x.dimensions()) + ", topk_idx " +
+                           DimsToString(topk_idx.dimensions()) + ", rows " +
+                           DimsToString(rows->dimensions()) + " do not match T=" +
+                           std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
+                           std::to_string(K) + ", R=" + std::to_string(R) + ", rows " +
+                           std::to_string(rows_count));
+  }
+  GroupLaunch group_launch{};
+  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, &group_launch);
+      !error.success()) {
+    return error;
+  }
+  launch->state = group_launch.state;
+  launch->layout = state.layout;
+  launch->x = x.untyped_data();
+  launch->topk_idx = topk_idx.typed_data();
+  launch->topk_weights = topk_weights.typed_data();
+  launch->rank = rank.typed_data();
+  launch->group = group.typed_data();
+  launch->rows = rows->untyped_data();
+  launch->scales = fp8 ? scales->typed_data() : nullptr;
+  launch->is_token_in_rank = is_token_in_rank->typed_data();
+  launch->num_tokens = static_cast<int32_t>(T);
+  launch->num_topk = static_cast<int32_t>(K);
+  launch->num_experts = static_cast<int32_t>(E);
+  launch->num_ranks = static_cast<int32_t>(R);
+  launch->hidden = static_cast<int32_t>(H);
+  launch->capacity = static_cast<int32_t>(rows_count);
+  launch->x_kind = x_kind;
+  launch->row_kind = row_kind;
+  launch->num_blocks = group_launch.num_blocks;
+  launch->send_warps = group_launch.send_warps;
+  launch->axis_slot = group_launch.axis_slot;
+  launch->use_tma = a.bulk_copy != 0;
+  return ffi::Error::Success();
+}
+
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank,
@@ -448,74 +516,83 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
   constexpr const char* kOp = kDispatchTarget;
   if (ffi::Error error = CountCall(dispatch_counters, stream, kOp); !error.success()) return error;
   const EPAttrs& a = state->attrs;
-  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks,
-                E = a.num_experts, C = a.capacity;
-  int32_t x_kind, row_kind;
-  if (!RowKindOf(x.element_type(), &x_kind) || x_kind == kRowFP8 ||
-      !RowKindOf(rows->element_type(), &row_kind) ||
-      !(row_kind == x_kind || row_kind == kRowFP8 || (x_kind == kRowF32 && row_kind == kRowBF16))) {
-    return Invalid(kOp, "x must be bfloat16 or float32, rows x's dtype, bfloat16 or float8_e4m3fn");
+  const int64_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks, C = a.capacity;
+  if (a.alignment < 1 || C < 1 || C % a.alignment != 0) {
+    return Invalid(kOp, "attributes C=" + std::to_string(C) + " alignment=" +
+                            std::to_string(a.alignment) + " inconsistent");
   }
-  const bool fp8 = row_kind == kRowFP8;
-  const int64_t num_scales = fp8 ? H / 128 : 0;
-  if (ffi::Error error = CheckRowBytes(kOp, a, row_kind); !error.success()) return error;
-  if (E < a.num_ranks || E % R != 0 || a.alignment < 1 || C < 1 || C % a.alignment != 0 ||
-      (fp8 && H % 128 != 0) || a.scale_bytes != num_scales * 4) {
-    return Invalid(kOp, "attributes E=" + std::to_string(E) + " C=" + std::to_string(C) +
-                            " alignment=" + std::to_string(a.alignment) + " scale_bytes=" +
-                            std::to_string(a.scale_bytes) + " inconsistent");
-  }
-  const int64_t local = E / R;
-  if (!IsShape(x.dimensions(), {T, H}) || !IsShape(topk_idx.dimensions(), {T, K}) ||
-      !IsShape(topk_weights.dimensions(), {T, K}) || !IsShape(rows->dimensions(), {C, H}) ||
-      (fp8 ? !IsShape(scales->dimensions(), {C, num_scales}) : scales->element_count() != 0) ||
-      !IsShape(group_sizes->dimensions(), {local}) ||
-      !IsShape(expert_counts->dimensions(), {local}) || num_dropped->element_count() != 1 ||
-      !IsShape(src_index->dimensions(), {C}) || !IsShape(token_rows->dimensions(), {R * T, K}) ||
-      !IsShape(is_token_in_rank->dimensions(), {T, R}) ||
-      !IsShape(row_weights->dimensions(), {C})) {
-    return Invalid(kOp, "buffer shapes do not match T=" + std::to_string(T) + ", H=" +
-                            std::to_string(H) + ", K=" + std::to_string(K) + ", R=" +
-                            std::to_string(R) + ", E=" + std::to_string(E) + ", C=" +
-                            std::to_string(C) + " (x " + DimsToString(x.dimensions()) + ")");
-  }
-  GroupLaunch group_launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &group_launch);
+  DispatchLaunch launch{};
+  if (ffi::Error error = PrepareDispatch(kOp, device_ordinal, *state, x, topk_idx, topk_weights,
+                                         rank, group, rows, scales, C, is_token_in_rank, &launch);
       !error.success()) {
     return error;
   }
-  DispatchLaunch launch{};
-  launch.state = group_launch.state;
-  launch.layout = state->layout;
-  launch.x = x.untyped_data();
-  launch.topk_idx = topk_idx.typed_data();
-  launch.topk_weights = topk_weights.typed_data();
-  launch.rank = rank.typed_data();
-  launch.group = group.typed_data();
-  launch.rows = rows->untyped_data();
-  launch.scales = fp8 ? scales->typed_data() : nullptr;
+  const int64_t local = a.num_experts / R;
+  if (!IsShape(group_sizes->dimensions(), {local}) ||
+      !IsShape(expert_counts->dimensions(), {local}) || num_dropped->element_count() != 1 ||
+      !IsShape(src_index->dimensions(), {C}) || !IsShape(token_rows->dimensions(), {R * T, K}) ||
+      !IsShape(row_weights->dimensions(), {C})) {
+    return Invalid(kOp, "handle / count shapes do not match T=" + std::to_string(T) + ", K=" +
+                            std::to_string(K) + ", R=" + std::to_string(R) + ", E=" +
+                            std::to_string(a.num_experts) + ", C=" + std::to_string(C));
+  }
   launch.group_sizes = group_sizes->typed_data();
   launch.expert_counts = expert_counts->typed_data();
   launch.row_weights = row_weights->typed_data();
   launch.num_dropped = num_dropped->typed_data();
   launch.src_index = src_index->typed_data();
   launch.token_rows = token_rows->typed_data();
-  launch.is_token_in_rank = is_token_in_rank->typed_data();
-  launch.num_tokens = static_cast<int32_t>(T);
-  launch.num_topk = static_cast<int32_t>(K);
-  launch.num_experts = static_cast<int32_t>(E);
-  launch.num_ranks = static_cast<int32_t>(R);
-  launch.hidden = static_cast<int32_t>(H);
-  launch.capacity = static_cast<int32_t>(C);
   launch.alignment = static_cast<int32_t>(a.alignment);
-  launch.x_kind = x_kind;
-  launch.row_kind = row_kind;
-  launch.num_blocks = group_launch.num_blocks;
-  launch.send_warps = group_launch.send_warps;
-  launch.axis_slot = group_launch.axis_slot;
-  launch.use_tma = a.bulk_copy != 0;
   const cudaError_t status = launch_dispatch(launch, stream);
   if (status != cudaSuccess) return CudaError(status, "dispatch kernel launch");
+  return ffi::Error::Success();
+}
+
+// dispatch_rank_major: the dispatch kernels in their rank-major mode (cuda/dispatch.h), R * T rows.
+ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                                 ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                                 ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank,
+                                 ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
+                                 ffi::ResultBuffer<ffi::F32> scales,
+                                 ffi::ResultBuffer<ffi::S32> row_ids,
+                                 ffi::ResultBuffer<ffi::F32> row_topk_weights,
+                                 ffi::ResultBuffer<ffi::S32> tokens_per_rank,
+                                 ffi::ResultBuffer<ffi::S32> tokens_per_expert,
+                                 ffi::ResultBuffer<ffi::S32> src_index,
+                                 ffi::ResultBuffer<ffi::PRED> is_token_in_rank) {
+  constexpr const char* kOp = kDispatchRankMajorTarget;
+  if (ffi::Error error = CountCall(dispatch_rank_major_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks, N = R * T;
+  if (a.capacity != N) {
+    return Invalid(kOp, "capacity=" + std::to_string(a.capacity) + " must be R * T = " +
+                            std::to_string(N));
+  }
+  DispatchLaunch launch{};
+  if (ffi::Error error = PrepareDispatch(kOp, device_ordinal, *state, x, topk_idx, topk_weights,
+                                         rank, group, rows, scales, N, is_token_in_rank, &launch);
+      !error.success()) {
+    return error;
+  }
+  const int64_t local = a.num_experts / R;
+  if (!IsShape(row_ids->dimensions(), {N, K}) || !IsShape(row_topk_weights->dimensions(), {N, K}) ||
+      !IsShape(tokens_per_rank->dimensions(), {R}) ||
+      !IsShape(tokens_per_expert->dimensions(), {local}) || !IsShape(src_index->dimensions(), {N})) {
+    return Invalid(kOp, "topk_idx / topk_weights / count / src_index shapes do not match T=" +
+                            std::to_string(T) + ", K=" + std::to_string(K) + ", R=" +
+                            std::to_string(R) + ", E=" + std::to_string(a.num_experts));
+  }
+  launch.row_ids = row_ids->typed_data();
+  launch.row_topk_weights = row_topk_weights->typed_data();
+  launch.tokens_per_rank = tokens_per_rank->typed_data();
+  launch.expert_counts = tokens_per_expert->typed_data();
+  launch.src_index = src_index->typed_data();
+  launch.alignment = 1;
+  launch.rank_major = true;
+  const cudaError_t status = launch_dispatch(launch, stream);
+  if (status != cudaSuccess) return CudaError(status, "dispatch_rank_major kernel launch");
   return ffi::Error::Success();
 }
 
@@ -594,6 +671,114 @@ ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
       src_index.typed_data(), static_cast<int32_t>(C), static_cast<int32_t>(H), g_kind,
       a.bulk_copy != 0, /*rank_major=*/false, out->untyped_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "broadcast kernel launch");
+  return ffi::Error::Success();
+}
+
+// combine_rank_major / broadcast_rank_major: the handle's slot -> row table first (into the
+// op's second result, a scratch XLA allocates), then the expert-major kernels with K = 1.
+ffi::Error RankMajorTable(const char* op, const OpState& state, ffi::Buffer<ffi::S32> src_index,
+                          ffi::Buffer<ffi::PRED> is_token_in_rank,
+                          ffi::ResultBuffer<ffi::S32>& slot_rows, const GroupLaunch& launch,
+                          cudaStream_t stream) {
+  const EPAttrs& a = state.attrs;
+  const int64_t T = a.num_tokens, R = a.num_ranks;
+  if (a.num_topk != 1 || !IsShape(src_index.dimensions(), {R * T}) ||
+      !IsShape(slot_rows->dimensions(), {R * T}) ||
+      !IsShape(is_token_in_rank.dimensions(), {T, R})) {
+    return Invalid(op, "src_index " + DimsToString(src_index.dimensions()) + ", is_token_in_rank " +
+                           DimsToString(is_token_in_rank.dimensions()) + " do not match T=" +
+                           std::to_string(T) + ", R=" + std::to_string(R) + " (num_topk=" +
+                           std::to_string(a.num_topk) + ", must be 1)");
+  }
+  const cudaError_t status = launch_rank_major_rows(src_index.typed_data(),
+                                                    static_cast<int32_t>(R * T), launch.num_blocks,
+                                                    slot_rows->typed_data(), stream);
+  if (status != cudaSuccess) return CudaError(status, std::string(op) + " slot table");
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                                ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_index,
+                                ffi::Buffer<ffi::PRED> is_token_in_rank,
+                                ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::ResultBuffer<ffi::S32> slot_rows) {
+  constexpr const char* kOp = kCombineRankMajorTarget;
+  if (ffi::Error error = CountCall(combine_rank_major_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks;
+  int32_t y_kind;
+  if (!RowKindOf(y.element_type(), &y_kind) || y_kind == kRowFP8 ||
+      out->element_type() != y.element_type()) {
+    return Invalid(kOp, "y must be bfloat16 or float32, and the output of the same dtype");
+  }
+  if (ffi::Error error = CheckRowBytes(kOp, a, y_kind); !error.success()) return error;
+  if (!IsShape(y.dimensions(), {R * T, H}) || !IsShape(out->dimensions(), {T, H})) {
+    return Invalid(kOp, "y " + DimsToString(y.dimensions()) + ", out " +
+                            DimsToString(out->dimensions()) + " do not match [R * T, H], [T, H] " +
+                            "with T=" + std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
+                            std::to_string(R));
+  }
+  GroupLaunch launch{};
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error =
+          RankMajorTable(kOp, *state, src_index, is_token_in_rank, slot_rows, launch, stream);
+      !error.success()) {
+    return error;
+  }
+  const cudaError_t status = launch_combine(
+      launch, y.untyped_data(), /*row_weights=*/nullptr, slot_rows->typed_data(),
+      is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, /*rank_major=*/true,
+      out->untyped_data(), stream);
+  if (status != cudaSuccess) return CudaError(status, "combine_rank_major kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                                  ffi::AnyBuffer g, ffi::Buffer<ffi::S32> src_index,
+                                  ffi::Buffer<ffi::PRED> is_token_in_rank,
+                                  ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                                  ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::ResultBuffer<ffi::S32> slot_rows) {
+  constexpr const char* kOp = kBroadcastRankMajorTarget;
+  if (ffi::Error error = CountCall(broadcast_rank_major_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks;
+  int32_t g_kind;
+  if (!RowKindOf(g.element_type(), &g_kind) || g_kind == kRowFP8 ||
+      out->element_type() != g.element_type()) {
+    return Invalid(kOp, "g must be bfloat16 or float32, and the output of the same dtype");
+  }
+  if (ffi::Error error = CheckRowBytes(kOp, a, g_kind); !error.success()) return error;
+  if (a.capacity != R * T || !IsShape(g.dimensions(), {T, H}) ||
+      !IsShape(out->dimensions(), {R * T, H})) {
+    return Invalid(kOp, "g " + DimsToString(g.dimensions()) + ", out " +
+                            DimsToString(out->dimensions()) + " do not match [T, H], [R * T, H] " +
+                            "with T=" + std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
+                            std::to_string(R) + " (capacity " + std::to_string(a.capacity) + ")");
+  }
+  GroupLaunch launch{};
+  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error =
+          RankMajorTable(kOp, *state, src_index, is_token_in_rank, slot_rows, launch, stream);
+      !error.success()) {
+    return error;
+  }
+  const cudaError_t status = launch_broadcast(
+      launch, g.untyped_data(), slot_rows->typed_data(), is_token_in_rank.typed_data(),
+      src_index.typed_data(), static_cast<int32_t>(R * T), static_cast<int32_t>(H), g_kind,
+      a.bulk_copy != 0, /*rank_major=*/true, out->untyped_data(), stream);
+  if (status != cudaSuccess) return CudaError(status, "broadcast_rank_major kernel launch");
   return ffi::Error::Success();
 }
 
@@ -1009,7 +1194,13 @@ std::vector<HandlerStats> GetHandlerStats() {
         std::pair<const char*, CallCounters*>{kLLDispatchSendTarget, &ll_dispatch_send_counters},
         std::pair<const char*, CallCounters*>{kLLDispatchRecvTarget, &ll_dispatch_recv_counters},
         std::pair<const char*, CallCounters*>{kLLCombineSendTarget, &ll_combine_send_counters},
-        std::pair<const char*, CallCounters*>{kLLCombineRecvTarget, &ll_combine_recv_counters}}) {
+        std::pair<const char*, CallCounters*>{kLLCombineRecvTarget, &ll_combine_recv_counters},
+        std::pair<const char*, CallCounters*>{kDispatchRankMajorTarget,
+                                              &dispatch_rank_major_counters},
+        std::pair<const char*, CallCounters*>{kCombineRankMajorTarget,
+                                              &combine_rank_major_counters},
+        std::pair<const char*, CallCounters*>{kBroadcastRankMajorTarget,
+                                              &broadcast_rank_major_counters}}) {
     stats.push_back({target, counters->calls.load(std::memory_order_relaxed),
                      counters->captured_calls.load(std::memory_order_relaxed)});
   }
@@ -1068,6 +1259,9 @@ JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchInstantiate, kDispatchTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineInstantiate, kCombineTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastInstantiate, kBroadcastTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpSlotValuesInstantiate, kSlotValuesTarget);
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchRankMajorInstantiate, kDispatchRankMajorTarget);
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineRankMajorInstantiate, kCombineRankMajorTarget);
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastRankMajorInstantiate, kBroadcastRankMajorTarget);
 #undef JAX_EP_DATA_OP_INSTANTIATE
 
 // The data ops' bindings are parenthesised: the commas between their template arguments would
@@ -1107,6 +1301,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
                               (jax_ep::BindDataOp<ffi::Buffer<ffi::F32>,      // values
                                                   ffi::Buffer<ffi::S32>>()    // token_rows
                                    .Ret<ffi::Buffer<ffi::F32>>()),            // out
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRankMajor, jax_ep::DispatchRankMajorImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
+                                                  ffi::Buffer<ffi::S32>,     // topk_idx
+                                                  ffi::Buffer<ffi::F32>>()   // topk_weights
+                                   .Ret<ffi::AnyBuffer>()                    // rows
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // scales
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // topk_idx (local ids)
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // num_tokens_per_rank
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // num_tokens_per_expert
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // src_index
+                                   .Ret<ffi::Buffer<ffi::PRED>>()),          // is_token_in_rank
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineRankMajor, jax_ep::CombineRankMajorImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
+                                                  ffi::Buffer<ffi::S32>,      // src_index
+                                                  ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                   .Ret<ffi::AnyBuffer>()                     // out
+                                   .Ret<ffi::Buffer<ffi::S32>>()),            // slot_rows (scratch)
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcastRankMajor, jax_ep::BroadcastRankMajorImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
+                                                  ffi::Buffer<ffi::S32>,      // src_index
+                                                  ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                   .Ret<ffi::AnyBuffer>()                     // out
+                                   .Ret<ffi::Buffer<ffi::S32>>()),            // slot_rows (scratch)
                               {ffi::Traits::kCmdBufferCompatible});
 
 #define JAX_EP_LL_INSTANTIATE(SYMBOL, TARGET, DISPATCH)                                 \

@@ -25,10 +25,14 @@ inline constexpr const char kLLDispatchSendTarget[] = "jax_ep_ll_dispatch_send";
 inline constexpr const char kLLDispatchRecvTarget[] = "jax_ep_ll_dispatch_recv";
 inline constexpr const char kLLCombineSendTarget[] = "jax_ep_ll_combine_send";
 inline constexpr const char kLLCombineRecvTarget[] = "jax_ep_ll_combine_recv";
+inline constexpr const char kDispatchRankMajorTarget[] = "jax_ep_dispatch_rank_major";
+inline constexpr const char kCombineRankMajorTarget[] = "jax_ep_combine_rank_major";
+inline constexpr const char kBroadcastRankMajorTarget[] = "jax_ep_broadcast_rank_major";
 
-// Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values), one struct for
-// all four (fields an op does not use are 0); built by jax_ep.cuda_backend._attrs. Alphabetical:
-// the FFI decodes the attribute dictionary into the fields in this order.
+// Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values and the
+// rank-major ones; combine_rank_major / broadcast_rank_major have num_topk 1), one struct for all
+// (fields an op does not use are 0); built by jax_ep.cuda_backend._attrs. Alphabetical: the FFI
+// decodes the attribute dictionary into the fields in this order.
 struct EPAttrs {
   int64_t alignment;    // dispatch: expert_alignment
   int64_t axis_slot;    // directory slot of the EP axis
@@ -94,4 +98,10 @@ XLA_FFI_Error* JaxEpLLDispatchSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLDispatchRecv(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombineSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombineRecv(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpDispatchRankMajorInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpCombineRankMajorInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpBroadcastRankMajorInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpDispatchRankMajor(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpCombineRankMajor(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpBroadcastRankMajor(XLA_FFI_CallFrame* call_frame);
 }

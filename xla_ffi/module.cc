@@ -203,6 +203,12 @@ NB_MODULE(_C, m) {
             StatefulHandler(JaxEpLLCombineRecvInstantiate, JaxEpLLCombineRecv);
         handlers[jax_ep::kRemoteSmokeTarget] =
             StatefulHandler(JaxEpRemoteSmokeInstantiate, JaxEpRemoteSmoke);
+        handlers[jax_ep::kDispatchRankMajorTarget] =
+            StatefulHandler(JaxEpDispatchRankMajorInstantiate, JaxEpDispatchRankMajor);
+        handlers[jax_ep::kCombineRankMajorTarget] =
+            StatefulHandler(JaxEpCombineRankMajorInstantiate, JaxEpCombineRankMajor);
+        handlers[jax_ep::kBroadcastRankMajorTarget] =
+            StatefulHandler(JaxEpBroadcastRankMajorInstantiate, JaxEpBroadcastRankMajor);
         return handlers;
       },
       "{FFI target name: capsule of its XLA_FFI_Handler*, or {stage: capsule} for the ops with an "
