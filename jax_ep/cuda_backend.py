@@ -52,6 +52,7 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
         if cfg.num_topk > limits["layout_max_topk"]:
             return f"num_topk={cfg.num_topk} exceeds {limits['layout_max_topk']}"
         return None
+    pads_rows = op in ("combine_rank_major", "broadcast_rank_major")  # any width (_pad_rows)
     op = _RANK_MAJOR_OPS.get(op, op)
     assert op in _DATA_OPS + _LL_OPS, op
     if op in _LL_OPS:
@@ -74,7 +75,7 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
         return None
     if cfg.num_experts > limits["max_experts"]:
         return f"num_experts={cfg.num_experts} exceeds {limits['max_experts']}"
-    if cfg.hidden % limits["row_alignment"]:
+    if cfg.hidden % limits["row_alignment"] and not pads_rows:
         return (f"hidden={cfg.hidden} must be a multiple of {limits['row_alignment']} "
                 "(16-byte vectors)")
     warps = cfg.kernel.send_warps(op) if op != "slot_values" else 1
@@ -403,11 +404,20 @@ def _slot_rows_type(handle: RankMajorHandle) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(handle.src_index.shape, jnp.int32)
 
 
+def _pad_rows(a: jax.Array) -> jax.Array:
+    """Rows widened with zero columns to the kernels' 16-byte multiple (8 elements): the rank-major
+    backward passes combine [R*T, K] gate-weight cotangents, any K."""
+    pad = -a.shape[1] % runtime.limits()["row_alignment"]
+    return jnp.pad(a, ((0, 0), (0, pad))) if pad else a
+
+
 def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
     """``jax_ep.reference.combine_rank_major`` on NVLink kernels (the combine kernel with one row per
     (token, rank), rows as they are; the same float32 rank-order sum, bit-exact). Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
+    width = y.shape[1]
+    y = _pad_rows(y)  # (zero columns sum to zeros, cut off below)
     out = types.rank_major_combine_types(y, handle)
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
@@ -415,7 +425,7 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> 
                       handle.is_token_in_rank, rank, group, stream=cfg.kernel.async_stream,
                       **_attrs("combine_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
                                row_bytes=hidden * y.dtype.itemsize, num_topk=1))
-    return _vary_all(result, axis, y, *handle)
+    return _vary_all(result[:, :width], axis, y, *handle)
 
 
 def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
@@ -423,6 +433,8 @@ def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -
     its rows, empty rows zero) on NVLink kernels (the broadcast kernel, one row per (token, rank))."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
+    width = g.shape[1]
+    g = _pad_rows(g)
     out = types.rank_major_broadcast_types(g, handle)
     tokens, hidden = g.shape
     rank, group, axis_slot = _group_of(axis)
@@ -431,7 +443,7 @@ def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -
                       **_attrs("broadcast_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
                                row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0],
                                num_topk=1))
-    return _vary_all(result, axis, g, *handle)
+    return _vary_all(result[:, :width], axis, g, *handle)
 
 
 # ---- low-latency (decode) mode ------------------------------------------------------------------
