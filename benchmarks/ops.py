@@ -4,6 +4,7 @@ MoE layer's training step (``benchmarks.layer``). Run from the repository root:
     python -m benchmarks [--preset auto|small|deepseek|sparse[,...]] [--tokens 128,4096] [--out FILE]
     python -m benchmarks --preset deepseek,sparse --tokens 128,512,2048,4096,8192   # a tokens sweep
     python -m benchmarks --layer [--layer-shapes mid,deepseek] [--profile] [--out FILE]
+    python -m benchmarks --rank-major --preset deepseek --backends reference,dense,cuda --profile
 
 The JSON records go to ``out/bench.json`` (``out/bench_layer.json`` with ``--layer``,
 ``out/bench_ll.json`` with ``--low-latency``) under the repository root, a git-ignored folder, unless
@@ -15,6 +16,10 @@ Backends (``layout``: the order of the receive rows):
              (capacity T per rank pair), combine = the reverse all_to_all and a sum per token
   ragged     the MaxText-style lax.ragged_all_to_all baseline, expert-major (where the platform has it)
   cuda       jax_ep's kernels, expert-major (where built)
+``--rank-major``: reference and cuda time jax_ep's rank-major ops instead (dispatch_rank_major per
+dispatch dtype; combine_rank_major and broadcast_rank_major, its backward, on bf16 rows of a bf16
+dispatch), recorded under those op names with layout rank_major (the auto table's rank_major rows);
+dense, rank-major already, is the plain-JAX baseline to compare with.
 ``--tokens`` replaces the tokens per rank of every preset shape. Every dispatch dtype has its own
 dispatch record; combine has one record per shape and backend, timed on the handle and bf16 rows of a
 bf16 dispatch (``dispatch_dtype`` in its record), in the pass of the first of ``--dtypes`` when
@@ -59,7 +64,9 @@ from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.devices import use_virtual_cpu_devices
 from jax_ep.ops import (
     combine,
+    combine_rank_major,
     dispatch,
+    dispatch_rank_major,
     get_dispatch_layout,
     implementation,
     ll_combine,
@@ -214,11 +221,13 @@ def _backends(requested: list[str], platform: str) -> list[str]:
 
 
 def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,
-                profile=False, kernel: KernelConfig | None = None, with_combine: bool = True):
+                profile=False, kernel: KernelConfig | None = None, with_combine: bool = True,
+                rank_major: bool = False):
     """Records of dispatch (``dtype`` on the wire) and, with ``with_combine``, of combine (on the
     handle and bf16 rows of a bf16 dispatch; ``dispatch_dtype`` in its record) at one shape.
     ``kernel``: the CUDA kernels' configuration (default: EPConfig's); ``num_sms`` in the records is
-    its SM count when the CUDA dispatch ran."""
+    its SM count when the CUDA dispatch ran. ``rank_major`` (reference, cuda): the rank-major ops
+    (dispatch_rank_major, combine_rank_major and, bf16 pass, broadcast_rank_major) instead."""
     ep_size = mesh.size
     n = tokens * ep_size
     x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
@@ -266,11 +275,14 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
                        backend=backend, dispatch_dtype=dtype, kernel=kernel or KernelConfig())
         dispatch_impl = []   # the module that ran dispatch, noted when d_fn is traced (inside shard_map)
+        dispatch_op, combine_fn = ("dispatch_rank_major", combine_rank_major) if rank_major else (
+            "dispatch", combine)
+        dispatch_fn = dispatch_rank_major if rank_major else dispatch
 
         def dispatch_outputs(x, i, w):
-            dispatch_impl.append(implementation("dispatch", cfg, x.dtype).__module__)
+            dispatch_impl.append(implementation(dispatch_op, cfg, x.dtype).__module__)
             # every output array of dispatch (scalars as [1]), so no part of the op is dead code
-            return [a.reshape(-1) if a.ndim == 0 else a for a in jax.tree.leaves(dispatch(x, i, w, cfg))]
+            return [a.reshape(-1) if a.ndim == 0 else a for a in jax.tree.leaves(dispatch_fn(x, i, w, cfg))]
 
         d_fn = jax.shard_map(dispatch_outputs, mesh=mesh, in_specs=spec, out_specs=spec)
         t_dispatch = _time_calls(d_fn, (x, idx_dev, w_dev), iters, repeats)
@@ -278,17 +290,20 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         bf16_cfg = cfg.replace(dispatch_dtype="bfloat16")
 
         def rows_and_handle(x, i, w):
-            d = dispatch(x, i, w, bf16_cfg)
+            d = dispatch_fn(x, i, w, bf16_cfg)
             return d.x, d.handle
 
         make = jax.jit(jax.shard_map(rows_and_handle, mesh=mesh, in_specs=spec, out_specs=spec))
         rows, handle = make(x, idx_dev, w_dev)
-        c_fn = jax.shard_map(lambda y, h: combine(y, h, bf16_cfg), mesh=mesh, in_specs=spec, out_specs=spec)
+        c_fn = jax.shard_map(lambda y, h: combine_fn(y, h, bf16_cfg), mesh=mesh, in_specs=spec,
+                             out_specs=spec)
         t_combine = _time_calls(c_fn, (rows, handle), iters, repeats) if with_combine else None
         d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
         num_sms = _sm_count(mesh, cfg.kernel) if dispatch_impl[-1].endswith("cuda_backend") else None
     extra = {}  # the layout and the backward ops, for the auto table (bf16 pass only)
-    if backend in ("cuda", "reference") and dtype == "bfloat16" and with_combine:
+    if backend in ("cuda", "reference") and dtype == "bfloat16" and with_combine and rank_major:
+        extra = _extra_ops(mesh, bf16_cfg, None, (x, handle), None, iters, repeats, rank_major=True)
+    elif backend in ("cuda", "reference") and dtype == "bfloat16" and with_combine:
         extra = _extra_ops(mesh, bf16_cfg, (idx_dev,), (x, handle), (rows[..., 0], handle), iters, repeats)
     # bytes, from the routing actually used (host-side layout of every rank)
     per_rank_layout = [np.asarray(reference.layout_of(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
@@ -299,6 +314,9 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     row_bytes = {"dispatch": hidden * BYTES[dtype] + (4 * hidden // 128 if dtype != "bfloat16" else 0),
                  "combine": hidden * 2}
     row_bytes.update(broadcast=hidden * 2, layout=None, slot_values=None)
+    names = {"dispatch": "dispatch", "combine": "combine", "broadcast": "broadcast"}
+    if rank_major and backend in ("cuda", "reference"):
+        names = {op: f"{op}_rank_major" for op in names}
     kernels = {}
     if profile and mesh.devices.flat[0].platform == "gpu":
         kernels = {"dispatch": kernel_profile(d_fn, d_args, iters)}
@@ -312,7 +330,9 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     timed += [(op, seconds) for op, (seconds, _, _) in extra.items()]
     for op, seconds in timed:
         moved = row_bytes[op]
-        records.append(dict(op=op, backend=backend, layout=LAYOUTS[backend],
+        records.append(dict(op=names.get(op, op), backend=backend,
+                            layout="rank_major" if names.get(op, op).endswith("_rank_major")
+                            else LAYOUTS[backend],
                             dtype=dtype if op == "dispatch" else "bfloat16",
                             tokens_per_rank=tokens, hidden=hidden, topk=topk, num_experts=experts,
                             ep_size=ep_size, us=1e6 * seconds, device_us=device_us.get(op),
@@ -440,18 +460,22 @@ def _sm_count(mesh, kernel: KernelConfig) -> int:
     return min(kernel.num_sms, sms - 1) if sms > 1 else kernel.num_sms
 
 
-def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats):
+def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats, rank_major=False):
     """{op: (seconds per call, fn, args)} of get_dispatch_layout, broadcast (combine's backward) and
-    slot_values (dispatch's backward, on a row vector) for cfg.backend."""
+    slot_values (dispatch's backward, on a row vector) for cfg.backend; ``rank_major``: only
+    broadcast_rank_major (combine_rank_major's backward), under the key "broadcast"."""
     spec = P("ep")
-    fns = {
-        "layout": lambda i: jax.tree.leaves(get_dispatch_layout(i, cfg)),
-        "broadcast": lambda g, h: implementation("broadcast", cfg, g.dtype)(g, h, cfg),
-        "slot_values": lambda v, h: implementation("slot_values", cfg)(v.astype(jnp.float32), h, cfg),
-    }
+    if rank_major:
+        fns = {"broadcast": lambda g, h: implementation("broadcast_rank_major", cfg, g.dtype)(g, h, cfg)}
+    else:
+        fns = {
+            "layout": lambda i: jax.tree.leaves(get_dispatch_layout(i, cfg)),
+            "broadcast": lambda g, h: implementation("broadcast", cfg, g.dtype)(g, h, cfg),
+            "slot_values": lambda v, h: implementation("slot_values", cfg)(v.astype(jnp.float32), h, cfg),
+        }
     args = {"layout": layout_args, "broadcast": broadcast_args, "slot_values": slot_args}
     out = {}
-    for op, fn in fns.items():
+    for op, fn in fns.items():  # (fns decides which ops run: args has every op's)
         mapped = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
         out[op] = (_time_calls(mapped, args[op], iters, repeats), mapped, args[op])
     return out
@@ -480,10 +504,10 @@ def print_table(records) -> None:
     def num(value, fmt):
         return "" if value is None else format(value, fmt)
 
-    print(f"{'op':12}{'backend':23}{'layout':13}{'dtype':14}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}"
+    print(f"{'op':21}{'backend':23}{'layout':13}{'dtype':14}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}"
           f"{'SMs':>5}{'us':>11}{'device us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}")
     for r in records:
-        print(f"{r['op']:12}{r['backend']:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
+        print(f"{r['op']:21}{r['backend']:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
               f"{r['hidden']:>6}{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}"
               f"{num(r['num_sms'], 'd'):>5}"
               f"{r['us']:>11.1f}{num(r.get('device_us'), '.1f'):>11}{gbps(r['logical_gbps']):>14}"
@@ -523,6 +547,9 @@ def main(argv=None) -> list[dict]:
                         help="time ll_dispatch / ll_combine / their round trip, fused and in two "
                              f"phases (decode mode) at hidden 7168, top-8, 288 experts, tokens "
                              f"{LL_TOKENS} (or --tokens)")
+    parser.add_argument("--rank-major", action="store_true",
+                        help="reference and cuda time the rank-major ops (dispatch_rank_major, "
+                             "combine_rank_major, broadcast_rank_major) instead of the expert-major ones")
     parser.add_argument("--layer", action="store_true",
                         help="time the MoE layer's training step instead of the ops (benchmarks.layer)")
     parser.add_argument("--layer-shapes", default=None,
@@ -597,7 +624,8 @@ def main(argv=None) -> list[dict]:
                 try:
                     recs = bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts,
                                        args.iters, args.repeats, rng, args.profile, kernel,
-                                       with_combine=dtype == combine_dtype)
+                                       with_combine=dtype == combine_dtype,
+                                       rank_major=args.rank_major)
                 except Exception as e:  # one failing backend must not hide the others' numbers
                     print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
                     continue

@@ -334,3 +334,28 @@ def test_ll_overlap_record_runs_on_the_reference_path():
     assert r["shared_ffn"] == bench.LL_OVERLAP_FFN
     assert r["us"] > 0 and r["us_serial"] > 0 and r["us_shared"] > 0
     assert r["hidden_us"] == r["us_serial"] - r["us"] and r["hidden_share"] == r["hidden_us"] / 10.0
+
+
+def test_bench_rank_major_records_feed_the_auto_table(tmp_path):
+    """--rank-major: the reference (and cuda, where built) time dispatch_rank_major per dtype and
+    combine_rank_major / broadcast_rank_major, with layout rank_major; dense stays the rank-major
+    baseline. Paired with cuda records they become the auto table's rank_major rows."""
+    from benchmarks import auto_table as bench_auto_table
+
+    out = tmp_path / "bench.json"
+    records = bench.main(["--rank-major", "--preset", "small", "--tokens", "32", "--dtypes",
+                          "bfloat16,float8_e4m3fn", "--backends", "reference,dense", "--iters", "2",
+                          "--repeats", "1", "--out", str(out)])
+    mine = sorted((r["op"], r["dtype"], r["layout"]) for r in records if r["backend"] == "reference")
+    assert mine == [("broadcast_rank_major", "bfloat16", "rank_major"),
+                    ("combine_rank_major", "bfloat16", "rank_major"),
+                    ("dispatch_rank_major", "bfloat16", "rank_major"),
+                    ("dispatch_rank_major", "float8_e4m3fn", "rank_major")]
+    assert {(r["op"], r["layout"]) for r in records if r["backend"] == "dense"} == {
+        ("dispatch", "rank_major"), ("combine", "rank_major")}
+    for r in records:
+        assert FIELDS <= set(r) and r["us"] > 0 and r["wire_gbps"] > 0
+    fake_cuda = [dict(r, backend="cuda", device_us=1.0) for r in records if r["backend"] == "reference"]
+    table = bench_auto_table.write(records + fake_cuda, tmp_path / "auto_table.json")
+    for op in ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major"):
+        assert table["ops"][op]["rank_major"]["min_tokens"] == 0, table["ops"][op]
