@@ -4,6 +4,7 @@
 //     release flag per (chunk, rank);
 //   receivers: zero the rows whose src_index is -1 and copy each token (own tokens straight from
 //     g, remote ones when their chunk flag arrives) to each of its receive rows (token_rows).
+// broadcast_rank_major is this kernel with K = 1 (token_rows = the handle's slot -> row table).
 #include "cuda/broadcast.h"
 #include "cuda/ep_device.cuh"
 

@@ -6,7 +6,9 @@
 //   finalisers: per chunk of this rank's tokens, wait for the flags of every other rank, then
 //     out[t] = sum over ranks in rank order (float32) of the partial sums, this rank's own
 //     partial computed in place from y (never staged), rounded to y's dtype.
-// Exactly jax_ep.reference.combine's summation order.
+// Exactly jax_ep.reference.combine's summation order. combine_rank_major is this kernel with K = 1
+// (token_rows = the handle's slot -> row table, launch_rank_major_rows) and rows_as_is: a rank's
+// partial is its one row as it is, as jax_ep.reference.combine_rank_major.
 #include <algorithm>
 
 #include "cuda/combine.h"
@@ -451,10 +453,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
   }
 }
 
-}  // namespace
-
-namespace {
-
+// The slot -> row table of a rank-major handle (launch_rank_major_rows), after a memset to -1.
 __global__ void __launch_bounds__(256)
     rank_major_rows_kernel(const int32_t* __restrict__ src_index, int32_t n,
                            int32_t* __restrict__ slot_rows) {

@@ -2,6 +2,7 @@
 modes (``jax_ep.KernelConfig``: dispatch_send_warps, combine_send_warps, bulk_copy) and prints a table.
 
     python tools/ep_tune.py [--tokens 4096 --hidden 7168 --topk 8 --experts 256] [--num-sms 24]
+    python tools/ep_tune.py --rank-major ...   # dispatch_rank_major / combine_rank_major instead
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> None:
                         help="dispatch send warps:combine send warps:bulk copy (0/1), comma-separated")
     parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
     parser.add_argument("--num-sms", type=int, default=None, help="KernelConfig.num_sms (default: all SMs)")
+    parser.add_argument("--rank-major", action="store_true",
+                        help="time dispatch_rank_major / combine_rank_major / broadcast_rank_major")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -42,10 +45,11 @@ def main() -> None:
                               combine_send_warps=int(reduce), bulk_copy=bool(int(bulk)))
         for dtype in args.dtypes.split(","):
             records = bench.bench_shape(mesh, "cuda", dtype, args.tokens, args.hidden, args.topk,
-                                        args.experts, args.iters, args.repeats, rng, kernel=kernel)
+                                        args.experts, args.iters, args.repeats, rng, kernel=kernel,
+                                        rank_major=args.rank_major)
             for r in records:
                 rows.append((split, r["op"], r["dtype"], r["us"], r["wire_gbps"]))
-                print(f"sms {args.num_sms or 'all':>3} split {split:8} {r['op']:9} {r['dtype']:15} "
+                print(f"sms {args.num_sms or 'all':>3} split {split:8} {r['op']:20} {r['dtype']:15} "
                       f"{r['us']:9.1f} us {r['wire_gbps']:7.1f} wire GB/s", flush=True)
     print("done", len(rows))
 
