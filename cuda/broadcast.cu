@@ -102,7 +102,7 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
     return cudaErrorInvalidValue;
   }
   const int32_t op_id = rank_major ? kOpBroadcastRankMajor : kOpBroadcast;
-  JAX_EP_CUDA_RETURN(launch_start(g, op_id, stream));
+  JAX_EP_CUDA_RETURN(launch_start(g, group_fingerprint(g, op_id, hidden, g_kind), stream));
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
                         is_token_in_rank, src_index, static_cast<char*>(out), capacity, op_id};
   if (use_tma) {

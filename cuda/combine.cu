@@ -485,7 +485,7 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
     return cudaErrorInvalidValue;
   }
   const int32_t op_id = rank_major ? kOpCombineRankMajor : kOpCombine;
-  JAX_EP_CUDA_RETURN(launch_start(g, op_id, stream));
+  JAX_EP_CUDA_RETURN(launch_start(g, group_fingerprint(g, op_id, hidden, y_kind), stream));
   const CombineArgs a{data_args(g, row_bytes),     static_cast<const char*>(y),
                       row_weights,                 token_rows,
                       is_token_in_rank,            static_cast<char*>(out),

@@ -42,17 +42,30 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* address) {
 __device__ __forceinline__ void store_release_sys(uint64_t* address, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(address), "l"(value) : "memory");
 }
+
+// Relaxed (strong, system-scope) load: polling with it keeps the SM's L1 intact, whereas every
+// acquire load also invalidates L1, which slows down every other warp of the SM while one spins.
+__device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
+// Relaxed (strong, system-scope) store: no ordering with this thread's other accesses.
+__device__ __forceinline__ void store_relaxed_sys(uint64_t* address, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" : : "l"(address), "l"(value) : "memory");
+}
 #endif  // JAX_EP_EMULATION
 
 // Records the first fault of this device in host-mapped pinned memory (the host can read it even
-// after the trap has killed the context), prints a message naming op and ranks, and traps.
+// after the trap has killed the context) and prints a message naming op and ranks; the caller traps
+// (record_fault_and_trap, or every thread of a block after a barrier, see cuda/fingerprint.cuh).
 // noinline: keeps the cold path out of the registers of the spin loops.
-static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, int32_t kind,
-                                                          int32_t op_id, int32_t rank,
-                                                          int32_t waited_rank,
-                                                          int32_t waited_ordinal,
-                                                          uint64_t expected, uint64_t observed,
-                                                          int64_t elapsed_ns) {
+static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kind, int32_t op_id,
+                                                 int32_t rank, int32_t waited_rank,
+                                                 int32_t waited_ordinal, uint64_t expected,
+                                                 uint64_t observed, int64_t elapsed_ns,
+                                                 int32_t field) {
   const DeviceTables& tables = state->tables;
   if (atomicCAS(&state->sync.fault_claimed, 0, 1) == 0 && tables.fault_record != nullptr) {
     volatile FaultRecord* record = tables.fault_record;
@@ -65,6 +78,7 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
     record->expected = expected;
     record->observed = observed;
     record->elapsed_ns = elapsed_ns;
+    record->field = field;
     __threadfence_system();  // every field before the flag that tells the host to read them
     record->valid = 1;
     __threadfence_system();
@@ -76,6 +90,11 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
            op_id, tables.device_ordinal, rank, static_cast<long long>(elapsed_ns), waited_rank,
            waited_ordinal, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
+  } else if (kind == kFaultMismatch) {
+    printf("jax_ep: op %d on device %d (rank %d): rank %d (device %d) runs a call that does not "
+           "match: fingerprint field %d is %llu here, %llu there; trapping.\n",
+           op_id, tables.device_ordinal, rank, waited_rank, waited_ordinal, field,
+           static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else if (kind == kFaultLLInFlight) {
     printf("jax_ep: op %d on device %d (rank %d): low-latency double-buffering rule %d broken "
            "(call %llu, found %llu): at most two two-phase calls of an op in flight, each "
@@ -95,6 +114,17 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
            op_id, tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
   }
+}
+
+static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, int32_t kind,
+                                                          int32_t op_id, int32_t rank,
+                                                          int32_t waited_rank,
+                                                          int32_t waited_ordinal,
+                                                          uint64_t expected, uint64_t observed,
+                                                          int64_t elapsed_ns,
+                                                          int32_t field = kFieldNone) {
+  record_fault(state, kind, op_id, rank, waited_rank, waited_ordinal, expected, observed,
+               elapsed_ns, field);
   __trap();
 }
 

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/fingerprint.h"
+
 namespace jax_ep {
 
 // Slots of the device tables. A GPU's *slot* is its index in every table below and in the group
@@ -48,6 +50,9 @@ enum FaultKind : int32_t {
   kFaultLLInFlight = 4,      // a rule of the low-latency ops' double buffering was broken (the
                              // kind of break in waited_ordinal, an LLFault; calls in expected /
                              // observed)
+  kFaultMismatch = 5,        // a peer's call does not match this one (cuda/fingerprint.h): the
+                             // FingerprintField in field, this rank's value in expected, the
+                             // peer's (waited_rank) in observed
 };
 
 // What kFaultLLInFlight means, in FaultRecord::waited_ordinal.
@@ -75,6 +80,7 @@ struct FaultRecord {
   uint64_t expected;       // value waited for (epoch) or bytes needed
   uint64_t observed;       // value seen when it gave up, or bytes available
   int64_t elapsed_ns;      // how long it waited
+  int32_t field;           // FingerprintField the fault is about (kFieldNone if none)
 };
 
 // Written by the host only (init / growth / shutdown), while no kernel of the library can run.
@@ -115,6 +121,12 @@ struct SyncCounters {
   // same order, so their epochs agree.
   alignas(128) uint64_t directory[kDirectoryAxes][kMaxGroups][kMaxGroupRanks];
   alignas(128) uint64_t group_epoch[kDirectoryAxes][kMaxGroups];
+  // fingerprints[a][g][r][f]: word f of the OpFingerprint of rank r's current call in group g of
+  // axis slot a, (epoch << 32) | value, stored by that rank right AFTER its directory entry, into
+  // every managed device (cuda/fingerprint.cuh). Each word carries the call's epoch, so a reader
+  // needs no ordering between the entry and the words (a release would make the writer wait for
+  // its stores before the entry goes out): it polls until the words show the call.
+  alignas(128) uint64_t fingerprints[kDirectoryAxes][kMaxGroups][kMaxGroupRanks][kFingerprintWords];
   // Process model 2, remote_smoke (NVSHMEM puts + signals): remote_signal[s] is the signal word
   // the GPU of slot s sets (NVSHMEM_SIGNAL_SET, after its data) to the number of remote_smoke
   // calls it has made together with this device; remote_calls[s]: the same count, kept here

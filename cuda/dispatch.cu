@@ -223,14 +223,15 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
 
 __global__ void __launch_bounds__(kNotifyThreads)
     dispatch_notify_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
-                           const int32_t* group_ptr, int R, int E, int C, int align,
-                           int axis_slot, int32_t* __restrict__ group_sizes,
-                           int32_t* __restrict__ expert_counts, int32_t* __restrict__ num_dropped) {
+                           const int32_t* group_ptr, OpFingerprint fp, int axis_slot,
+                           int32_t* __restrict__ group_sizes, int32_t* __restrict__ expert_counts,
+                           int32_t* __restrict__ num_dropped) {
   JAX_EP_DYNAMIC_SHARED(int32_t, rows_of_expert);  // [E]: rows for expert e over all source ranks
   __shared__ OpInfo info;
   __shared__ int32_t total_rows;
   __shared__ unsigned long long dropped;
-  discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpDispatch, layout.total, &info);
+  const int R = fp.ranks, E = fp.experts, C = fp.capacity, align = fp.alignment;
+  discover_group(state, rank_ptr, group_ptr, axis_slot, layout.total, fp, &info);
   char* own = own_comm_buffer(state);
   exchange_counts(state, layout, info, R, E, kOpDispatch);
   if (threadIdx.x == 0) {
@@ -262,12 +263,13 @@ __global__ void __launch_bounds__(kNotifyThreads)
 // the rows of earlier source ranks there) and total_rows (rows received here).
 __global__ void __launch_bounds__(kNotifyThreads)
     dispatch_rank_major_notify_kernel(DeviceState* state, CommLayout layout,
-                                      const int32_t* rank_ptr, const int32_t* group_ptr, int R,
-                                      int E, int axis_slot, int32_t* __restrict__ tokens_per_rank,
+                                      const int32_t* rank_ptr, const int32_t* group_ptr,
+                                      OpFingerprint fp, int axis_slot,
+                                      int32_t* __restrict__ tokens_per_rank,
                                       int32_t* __restrict__ tokens_per_expert) {
   __shared__ OpInfo info;
-  discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpDispatchRankMajor, layout.total,
-                 &info);
+  const int R = fp.ranks, E = fp.experts;
+  discover_group(state, rank_ptr, group_ptr, axis_slot, layout.total, fp, &info);
   char* own = own_comm_buffer(state);
   const int keys = E + R;
   exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor);
@@ -709,12 +711,12 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
 
   if (p.rank_major) {
     JAX_EP_LAUNCH(dispatch_rank_major_notify_kernel, 1, kNotifyThreads, 0, stream)(
-        p.state, p.layout, p.rank, p.group, p.num_ranks, E, p.axis_slot, p.tokens_per_rank,
-        p.expert_counts);
+        p.state, p.layout, p.rank, p.group, dispatch_fingerprint(p), p.axis_slot,
+        p.tokens_per_rank, p.expert_counts);
   } else {
     JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(
-        p.state, p.layout, p.rank, p.group, p.num_ranks, E, p.capacity, p.alignment, p.axis_slot,
-        p.group_sizes, p.expert_counts, p.num_dropped);
+        p.state, p.layout, p.rank, p.group, dispatch_fingerprint(p), p.axis_slot, p.group_sizes,
+        p.expert_counts, p.num_dropped);
   }
   JAX_EP_CHECK_LAUNCH();
 

@@ -7,6 +7,7 @@
 
 #include "cuda/device_state.h"
 #include "cuda/ep_layout.h"
+#include "cuda/fingerprint.h"
 
 namespace jax_ep {
 
@@ -63,6 +64,24 @@ struct DispatchLaunch {
 // Bytes of a dispatched row for the row kind.
 inline int64_t dispatch_row_bytes(int64_t hidden, int32_t row_kind) {
   return hidden * (row_kind == kRowF32 ? 4 : row_kind == kRowBF16 ? 2 : 1);
+}
+
+// The fingerprint of a dispatch call (cuda/fingerprint.h): every static size of its layout and
+// protocol (the peers compute each other's segment offsets from E, C and the alignment; the
+// rank-major mode has neither capacity nor alignment), and the RowKind of the rows on the wire
+// (x's own dtype is this rank's business).
+inline OpFingerprint dispatch_fingerprint(const DispatchLaunch& p) {
+  OpFingerprint fp{};
+  fp.op = p.rank_major ? kOpDispatchRankMajor : kOpDispatch;
+  fp.ranks = p.num_ranks;
+  fp.tokens = p.num_tokens;
+  fp.hidden = p.hidden;
+  fp.topk = p.num_topk;
+  fp.experts = p.num_experts;
+  fp.capacity = p.rank_major ? 0 : p.capacity;
+  fp.alignment = p.rank_major ? 0 : p.alignment;
+  fp.dtype = p.row_kind;
+  return fp;
 }
 
 // Enqueues the dispatch kernels on `stream` (graph-capturable: kernels only).

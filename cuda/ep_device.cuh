@@ -11,6 +11,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/ep_layout.h"
+#include "cuda/fingerprint.cuh"
 
 namespace jax_ep {
 
@@ -176,13 +177,6 @@ __device__ __forceinline__ char* own_comm_buffer(DeviceState* state) {
 }
 
 #ifndef JAX_EP_EMULATION
-// Relaxed (strong, system-scope) load: polling with it keeps the SM's L1 intact, whereas every
-// acquire load also invalidates L1, which slows down every other warp of the SM while one spins.
-__device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* address) {
-  uint64_t value;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
-  return value;
-}
 // With a preceding relaxed load that observed a release store: an acquire pattern.
 __device__ __forceinline__ void fence_acquire_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
@@ -230,14 +224,19 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
 //
 // The op knows its rank and group only as device scalars (lax.axis_index), so the rank -> device
 // table is built on the device: this device bumps its epoch of (axis slot, group), publishes
-// {epoch, its ordinal} into directory[slot][group][rank] of EVERY managed device, and waits until
-// its own directory shows the current epoch for all R ranks of its group. Afterwards every peer of
-// the group has entered this call, i.e. finished all earlier calls (stream order), so its buffers
-// may be overwritten. Fills info (shared memory): rank, size, group, ordinals, expected.
+// {epoch, its ordinal} into directory[slot][group][rank] of EVERY managed device, followed by the
+// call's fingerprint (fp: the op, fp.ranks = the group size R, the sizes its peers must share), and
+// waits until its own directory shows the current epoch for all R ranks of its group. Afterwards
+// every peer of the group has entered this call, i.e. finished all earlier calls (stream order), so
+// its buffers may be overwritten, and runs the same call: a peer whose fingerprint differs, or
+// whose call count is more than one ahead, makes the block trap (a kFaultMismatch naming the field)
+// before the op writes anything. Fills info (shared memory): rank, size, group, ordinals, expected.
 __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t* rank_ptr,
-                                               const int32_t* group_ptr, int32_t group_size,
-                                               int32_t axis_slot, int32_t op_id,
-                                               uint64_t needed_bytes, OpInfo* info) {
+                                               const int32_t* group_ptr, int32_t axis_slot,
+                                               uint64_t needed_bytes, const OpFingerprint& fp,
+                                               OpInfo* info) {
+  const int32_t group_size = fp.ranks;
+  const int32_t op_id = fp.op;
   if (threadIdx.x == 0) {
     const int32_t rank = *rank_ptr;
     const int32_t group = *group_ptr;
@@ -267,8 +266,10 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
     DeviceState* device = state->tables.peer_states[o];
     if (device != nullptr) {
       store_release_sys(&device->sync.directory[axis_slot][group][rank], entry);
+      publish_fingerprint(device, axis_slot, group, rank, epoch, fp);
     }
   }
+  bool differs = false;
   if (static_cast<int>(threadIdx.x) < group_size) {
     const int peer = static_cast<int>(threadIdx.x);
     const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
@@ -278,16 +279,18 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
       const uint64_t timeout_ns = state->tables.timeout_ns;
       while ((seen >> 16) < epoch) {
         const uint64_t elapsed = global_timer_ns() - start;
-        if (elapsed > timeout_ns) {
+        if (elapsed > timeout_ns) {  // the peer's call count stays below this call's
           record_fault_and_trap(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
-                                static_cast<int64_t>(elapsed));
+                                static_cast<int64_t>(elapsed), kFieldSequence);
         }
         seen = load_acquire_sys(slot);
       }
     }
-    info->ordinals[peer] = static_cast<int32_t>(seen & 0xFFFF);
+    const int32_t ordinal = static_cast<int32_t>(seen & 0xFFFF);
+    info->ordinals[peer] = ordinal;
+    differs = peer_call_differs(state, axis_slot, group, rank, peer, ordinal, epoch, seen >> 16, fp);
   }
-  __syncthreads();
+  trap_if_any_differs(differs);  // a block barrier: info is complete after it
 }
 
 // Writes the shared OpInfo of discover_group to the local region of the buffer for the op's later

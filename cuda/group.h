@@ -10,6 +10,7 @@
 
 #include "cuda/device_state.h"
 #include "cuda/ep_layout.h"
+#include "cuda/fingerprint.h"
 
 namespace jax_ep {
 
@@ -46,8 +47,24 @@ inline DataArgs data_args(const GroupLaunch& g, int32_t row_bytes) {
 // 16-byte vectors; 0 when hidden (at least 8, a multiple of 8) or the kind is out of range.
 int32_t float_row_bytes(int32_t hidden, int32_t kind);
 
-// Enqueues the one-block start kernel: discovers the group, then publishes the call's OpInfo
-// (rank, ordinals, epoch, zeroed work counters) for the op's data kernel.
-cudaError_t launch_start(const GroupLaunch& g, int op_id, cudaStream_t stream);
+// The fingerprint of a GroupLaunch op (cuda/fingerprint.h): the op, R, T, K, and the hidden size and
+// RowKind of the rows it moves (0 for slot_values); E, C and the alignment play no part (its
+// peers read only the handle's rows of their own tokens).
+inline OpFingerprint group_fingerprint(const GroupLaunch& g, int32_t op_id, int32_t hidden,
+                                       int32_t row_kind) {
+  OpFingerprint fp{};
+  fp.op = op_id;
+  fp.ranks = g.num_ranks;
+  fp.tokens = g.num_tokens;
+  fp.topk = g.num_topk;
+  fp.hidden = hidden;
+  fp.dtype = row_kind;
+  return fp;
+}
+
+// Enqueues the one-block start kernel: discovers the group (checking the peers' fingerprints
+// against fp), then publishes the call's OpInfo (rank, ordinals, epoch, zeroed work counters) for
+// the op's data kernel.
+cudaError_t launch_start(const GroupLaunch& g, const OpFingerprint& fp, cudaStream_t stream);
 
 }  // namespace jax_ep

@@ -154,25 +154,29 @@ __device__ void ll_read_call(const LLCommon& a, LLCall* call) {
 }
 
 // Sending kernels, every thread, after the barrier that follows ll_read_call: publishes this
-// device's directory entry for the call's epoch on every managed device (every block does: a
-// peer may wait on it before this device's first block has run).
-__device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call) {
+// device's directory entry for the call's epoch, then the call's fingerprint, on every managed
+// device (every block does: a peer may wait on it before this device's first block has run).
+__device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call,
+                                           const OpFingerprint& fp) {
   DeviceState* state = a.state;
   const uint64_t entry = (call->epoch << 16) | static_cast<uint64_t>(state->tables.slot);
   for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
     DeviceState* device = state->tables.peer_states[o];
     if (device != nullptr) {
       release_store_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
+      publish_fingerprint(device, a.axis_slot, call->group, call->rank, call->epoch, fp);
     }
   }
 }
 
 // Every thread: waits until every rank of the group has published its entry for this epoch (it
-// has entered this call), then knows their buffers. Bounded.
+// has entered this call), then knows their buffers; a peer that runs another call (fingerprint or
+// call count) makes the block trap before it writes anything (cuda/fingerprint.cuh). Bounded.
 template <int kOp>
-__device__ void ll_discover(const LLCommon& a, LLCall* call) {
+__device__ void ll_discover(const LLCommon& a, LLCall* call, const OpFingerprint& fp) {
   DeviceState* state = a.state;
   const int peer = static_cast<int>(threadIdx.x);
+  bool differs = false;
   if (peer < a.num_ranks) {
     const uint64_t* slot = &state->sync.directory[a.axis_slot][call->group][peer];
     // Polled with relaxed loads (an acquire load also invalidates the SM's L1 each time), a
@@ -185,9 +189,8 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call) {
       while ((seen >> 16) < call->epoch) {
         const uint64_t elapsed = global_timer_ns() - start;
         if (elapsed > timeout_ns) {
-          record_fault_and_trap(state, kFaultTimeout,
-                                kOp == kLLOpDispatch ? kOpLLDispatch : kOpLLCombine, call->rank,
-                                peer, -1, call->epoch, seen >> 16, static_cast<int64_t>(elapsed));
+          record_fault_and_trap(state, kFaultTimeout, fp.op, call->rank, peer, -1, call->epoch,
+                                seen >> 16, static_cast<int64_t>(elapsed), kFieldSequence);
         }
         backoff_sleep(sleep_ns);
         if (sleep_ns < 512) sleep_ns *= 2;
@@ -198,8 +201,10 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call) {
     const int ordinal = static_cast<int>(seen & 0xFFFF);
     call->ordinals[peer] = ordinal;
     call->peers[peer] = comm_buffer_of(state, ordinal);
+    differs = peer_call_differs(state, a.axis_slot, call->group, call->rank, peer, ordinal,
+                                call->epoch, seen >> 16, fp);
   }
-  __syncthreads();
+  trap_if_any_differs(differs);  // a block barrier: call->ordinals / peers are complete after it
 }
 
 // Where a wait reports a timeout (plain values: a noinline function taking the kernel's parameter
@@ -423,7 +428,8 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const int steps = kRow == kRowFP8 ? (H + 511) / 512 : (H + 255) / 256;
   const char* x = static_cast<const char*>(p.x);
 
-  ll_publish(a, call);
+  const OpFingerprint fp = ll_fingerprint(a, kOpLLDispatch, kRow);
+  ll_publish(a, call, fp);
   // this warp's steps warp and warp + 16 of the first token, loaded and cast before the wait
   SendStep first[2] = {};
   const int t0 = blockIdx.x;
@@ -435,7 +441,7 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       }
     }
   }
-  ll_discover<kLLOpDispatch>(a, call);
+  ll_discover<kLLOpDispatch>(a, call, fp);
 
   const int me = call->rank;
   const uint64_t tag = call_tag(call);
@@ -611,8 +617,9 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int64_t items = static_cast<int64_t>(a.num_experts) * T * pieces;
   const int64_t gw = global_warp(), W = total_warps();
-  ll_publish(a, call);
-  ll_discover<kLLOpCombine>(a, call);
+  const OpFingerprint fp = ll_fingerprint(a, kOpLLCombine, kRowBF16);
+  ll_publish(a, call, fp);
+  ll_discover<kLLOpCombine>(a, call, fp);
 
   const uint64_t tag = call_tag(call);
   for (int64_t k0 = 0; gw + k0 * W < items; k0 += 32) {

@@ -16,6 +16,7 @@
 
 #include "cuda/device_state.h"
 #include "cuda/ep_layout.h"
+#include "cuda/fingerprint.h"
 #include "cuda/group.h"
 
 namespace jax_ep {
@@ -114,6 +115,21 @@ struct LLCommon {
   int32_t axis_slot;
   int32_t num_blocks;     // the grid (at most the SMs - 1: the fused kernels need every block resident)
 };
+
+// The fingerprint of a low-latency call (cuda/fingerprint.h): the op, R, T, H, K, E (the slot
+// layout depends on all of them) and the RowKind on the wire (ll_combine: bf16). Host and device.
+JAX_EP_HOST_DEVICE inline OpFingerprint ll_fingerprint(const LLCommon& c, int32_t op_id,
+                                                       int32_t row_kind) {
+  OpFingerprint fp{};
+  fp.op = op_id;
+  fp.ranks = c.num_ranks;
+  fp.tokens = c.num_tokens;
+  fp.hidden = c.hidden;
+  fp.topk = c.num_topk;
+  fp.experts = c.num_experts;
+  fp.dtype = row_kind;
+  return fp;
+}
 
 // ll_dispatch: x [T, H] (x_kind: bf16 or f32) -> rows [E_local, R * T, H] (row_kind: bf16 or
 // fp8), scales [E_local, R * T, H / 128] (fp8), counts [E_local, R], src_slot [E_local, R * T].

@@ -10,11 +10,12 @@ constexpr int kSlotValuesThreads = 1024;
 
 __global__ void __launch_bounds__(kSlotValuesThreads)
     slot_values_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
-                       const int32_t* group_ptr, int R, int axis_slot, const float* values,
-                       const int32_t* token_rows, int T, int K, float* out) {
+                       const int32_t* group_ptr, OpFingerprint fp, int axis_slot,
+                       const float* values, const int32_t* token_rows, int T, int K, float* out) {
   __shared__ OpInfo info;
   __shared__ PeerGroup group;
-  discover_group(state, rank_ptr, group_ptr, R, axis_slot, kOpSlotValues, layout.total, &info);
+  const int R = fp.ranks;
+  discover_group(state, rank_ptr, group_ptr, axis_slot, layout.total, fp, &info);
   const int me = info.rank;
   if (threadIdx.x == 0) {
     group.size = R;
@@ -46,8 +47,8 @@ cudaError_t launch_slot_values(const GroupLaunch& g, const float* values,
                                const int32_t* token_rows, float* out, cudaStream_t stream) {
   if (!group_launch_ok(g)) return cudaErrorInvalidValue;
   JAX_EP_LAUNCH(slot_values_kernel, 1, kSlotValuesThreads, 0, stream)(
-      g.state, g.layout, g.rank, g.group, g.num_ranks, g.axis_slot, values, token_rows,
-      g.num_tokens, g.num_topk, out);
+      g.state, g.layout, g.rank, g.group, group_fingerprint(g, kOpSlotValues, 0, kRowF32),
+      g.axis_slot, values, token_rows, g.num_tokens, g.num_topk, out);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
 }

@@ -21,6 +21,7 @@
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/device_memory.h"
+#include "xla_ffi/fault_message.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/runtime.h"
 #include "xla_ffi/symmetric_heap.h"
@@ -51,6 +52,7 @@ nb::dict FaultToDict(const jax_ep::FaultInfo& fault) {
   nb::dict entry;
   entry["kind"] = fault.kind;
   entry["op"] = fault.op;
+  entry["field"] = fault.field;
   entry["device_ordinal"] = fault.device_ordinal;
   entry["rank"] = fault.rank;
   entry["waited_rank"] = fault.waited_rank;
@@ -60,6 +62,15 @@ nb::dict FaultToDict(const jax_ep::FaultInfo& fault) {
   entry["elapsed_s"] = static_cast<double>(fault.elapsed_ns) * 1e-9;
   entry["message"] = fault.message;
   return entry;
+}
+
+// The id whose name(id) is `name`, among ids [0, count); throws naming `what` otherwise.
+int32_t IdOfName(const char* (*name)(int32_t), int32_t count, const std::string& wanted,
+                 const char* what) {
+  for (int32_t id = 0; id < count; ++id) {
+    if (wanted == name(id)) return id;
+  }
+  throw std::invalid_argument(std::string("unknown ") + what + " '" + wanted + "'");
 }
 
 }  // namespace
@@ -407,7 +418,32 @@ NB_MODULE(_C, m) {
         }
         return faults;
       },
-      "Device-side faults recorded by kernels (timeouts, stale runtime), one dict per GPU that "
-      "faulted: kind, op, device_ordinal, rank, waited_rank, waited_ordinal, expected, observed, "
-      "elapsed_s, message. Readable after the fault has killed the CUDA context.");
+      "Device-side faults recorded by kernels (timeouts, mismatches, stale runtime, ...), one dict "
+      "per GPU that faulted: kind, op, field, device_ordinal, rank, waited_rank, waited_ordinal, "
+      "expected, observed, elapsed_s, message. Readable after the fault has killed the CUDA "
+      "context.");
+
+  m.def(
+      "fault_message",
+      [](const std::string& kind, const std::string& op, int device_ordinal, int rank,
+         int waited_rank, int waited_ordinal, uint64_t expected, uint64_t observed,
+         double elapsed_s, const std::string& field, bool per_process) {
+        jax_ep::FaultRecord record{};
+        record.valid = 1;
+        record.kind = IdOfName(jax_ep::FaultKindName, 16, kind, "fault kind");
+        record.op_id = IdOfName(jax_ep::OpName, 16, op, "op");
+        record.field = field.empty() ? jax_ep::kFieldNone
+                                     : IdOfName(jax_ep::FingerprintFieldName, 16, field, "field");
+        record.device_ordinal = device_ordinal;
+        record.rank = rank;
+        record.waited_rank = waited_rank;
+        record.waited_ordinal = waited_ordinal;
+        record.expected = expected;
+        record.observed = observed;
+        record.elapsed_ns = static_cast<int64_t>(elapsed_s * 1e9);
+        return jax_ep::FaultMessage(record, per_process);
+      },
+      "kind"_a, "op"_a, "device_ordinal"_a, "rank"_a, "waited_rank"_a, "waited_ordinal"_a,
+      "expected"_a, "observed"_a, "elapsed_s"_a = 0.0, "field"_a = "", "per_process"_a = false,
+      "The message of a fault record with these fields (what faults() shows; names as there).");
 }

@@ -12,6 +12,7 @@
 
 #include "cuda/cuda_check.h"
 #include "xla_ffi/device_memory.h"
+#include "xla_ffi/fault_message.h"
 #include "xla_ffi/symmetric_heap.h"
 
 namespace jax_ep {
@@ -49,35 +50,6 @@ class CurrentDeviceGuard {
   int device_ = 0;
   bool ok_ = false;
 };
-
-const char* OpName(int32_t op_id) {
-  switch (op_id) {
-    case kOpPeerSmoke:
-      return "peer_smoke";
-    case kOpDispatch:
-      return "dispatch";
-    case kOpCombine:
-      return "combine";
-    case kOpBroadcast:
-      return "broadcast";
-    case kOpSlotValues:
-      return "slot_values";
-    case kOpRemoteSmoke:
-      return "remote_smoke";
-    case kOpLLDispatch:
-      return "ll_dispatch";
-    case kOpLLCombine:
-      return "ll_combine";
-    case kOpDispatchRankMajor:
-      return "dispatch_rank_major";
-    case kOpCombineRankMajor:
-      return "combine_rank_major";
-    case kOpBroadcastRankMajor:
-      return "broadcast_rank_major";
-    default:
-      return "unknown";
-  }
-}
 
 void SynchronizeDevices(const std::vector<int>& ordinals) {
   for (int ordinal : ordinals) {
@@ -579,35 +551,6 @@ void Runtime::Shutdown() {
   }
 }
 
-namespace {
-
-// The message of a kFaultLLInFlight record (cuda/device_state.h, LLFault).
-std::string LLInFlightMessage(const std::string& op, int device, int rank, int what,
-                              uint64_t expected, uint64_t observed) {
-  const std::string where = "jax_ep: " + op + " on GPU " + std::to_string(device) + " (rank " +
-                            std::to_string(rank) + "): ";
-  switch (what) {
-    case kLLFaultTooMany:
-      return where + "call " + std::to_string(expected) + " would overwrite the receive buffer of "
-             "call " + std::to_string(observed) + ", sent in two phases and not received yet: at "
-             "most 2 two-phase calls of an op may be in flight (receive call n before sending "
-             "call n + 2).";
-    case kLLFaultShape:
-      return where + "a low-latency call of another shape ran while two-phase low-latency calls "
-             "were in flight (sent, not received), or a receive got the pending value of a send of "
-             "another shape (its EPConfig must be the send's).";
-    case kLLFaultStaleHandle:
-      return where + "the receive of call " + std::to_string(expected) + " found it not in flight "
-             "(the receive buffer holds call " + std::to_string(observed) + "): each handle of a "
-             "_send must be received exactly once, before the call after next is sent.";
-    default:
-      return where + "a throughput EP op ran while " + std::to_string(observed) + " two-phase "
-             "low-latency calls were in flight (sent, not received): receive them first.";
-  }
-}
-
-}  // namespace
-
 std::vector<FaultInfo> Runtime::Faults() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<FaultInfo> faults;
@@ -616,48 +559,30 @@ std::vector<FaultInfo> Runtime::Faults() const {
     // volatile: written by the GPU behind the compiler's back.
     const volatile FaultRecord& record = fault_records_[ordinal];
     if (record.valid == 0) continue;
+    FaultRecord copy;
+    copy.valid = record.valid;
+    copy.kind = record.kind;
+    copy.op_id = record.op_id;
+    copy.device_ordinal = record.device_ordinal;
+    copy.rank = record.rank;
+    copy.waited_rank = record.waited_rank;
+    copy.waited_ordinal = record.waited_ordinal;
+    copy.expected = record.expected;
+    copy.observed = record.observed;
+    copy.elapsed_ns = record.elapsed_ns;
+    copy.field = record.field;
     FaultInfo info;
-    info.kind = record.kind == kFaultTimeout       ? "timeout"
-                : record.kind == kFaultBadArgument ? "bad_argument"
-                : record.kind == kFaultLLInFlight  ? "ll_in_flight"
-                                                   : "stale_runtime";
-    info.op = OpName(record.op_id);
-    info.device_ordinal = record.device_ordinal;
-    info.rank = record.rank;
-    info.waited_rank = record.waited_rank;
-    info.waited_ordinal = record.waited_ordinal;
-    info.expected = record.expected;
-    info.observed = record.observed;
-    info.elapsed_ns = record.elapsed_ns;
-    if (record.kind == kFaultTimeout) {
-      const bool per_process = Model() == ProcessModel::kProcessPerGpu;
-      const std::string waited_gpu =
-          info.waited_ordinal < 0 ? std::string("GPU not known yet: group discovery")
-          : per_process           ? "process " + std::to_string(info.waited_ordinal)
-                                  : "GPU " + std::to_string(info.waited_ordinal);
-      info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
-                     " (rank " + std::to_string(info.rank) + ") timed out after " +
-                     std::to_string(static_cast<double>(info.elapsed_ns) * 1e-9) +
-                     " s waiting for rank " + std::to_string(info.waited_rank) + " (" +
-                     waited_gpu + "): it expected barrier epoch " +
-                     std::to_string(info.expected) + " and saw " +
-                     std::to_string(info.observed) +
-                     ". Every rank must issue the same EP calls in the same order.";
-    } else if (record.kind == kFaultLLInFlight) {
-      info.message = LLInFlightMessage(info.op, info.device_ordinal, info.rank,
-                                       info.waited_ordinal, info.expected, info.observed);
-    } else if (record.kind == kFaultBadArgument) {
-      info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
-                     " got rank " + std::to_string(info.rank) + " / group " +
-                     std::to_string(info.observed) + " outside [0, " +
-                     std::to_string(info.expected) + ") / [0, " + std::to_string(kMaxGroups) +
-                     "): the op must run inside shard_map over its EP mesh axis.";
-    } else {
-      info.message = "jax_ep: " + info.op + " on GPU " + std::to_string(info.device_ordinal) +
-                     " (rank " + std::to_string(info.rank) + ") ran after shutdown() or with a "
-                     "too small communication buffer: needs " + std::to_string(info.expected) +
-                     " bytes, " + std::to_string(info.observed) + " available.";
-    }
+    info.kind = FaultKindName(copy.kind);
+    info.op = OpName(copy.op_id);
+    info.field = FingerprintFieldName(copy.field);
+    info.device_ordinal = copy.device_ordinal;
+    info.rank = copy.rank;
+    info.waited_rank = copy.waited_rank;
+    info.waited_ordinal = copy.waited_ordinal;
+    info.expected = copy.expected;
+    info.observed = copy.observed;
+    info.elapsed_ns = copy.elapsed_ns;
+    info.message = FaultMessage(copy, Model() == ProcessModel::kProcessPerGpu);
     faults.push_back(std::move(info));
   }
   return faults;

@@ -29,8 +29,9 @@ namespace jax_ep {
 
 // A fault a kernel recorded (see FaultRecord), as the host reads it back.
 struct FaultInfo {
-  std::string kind;   // "timeout", "stale_runtime" or "bad_argument"
+  std::string kind;   // FaultKindName: "timeout", "mismatch", "ll_in_flight", ...
   std::string op;     // op name, e.g. "peer_smoke"
+  std::string field;  // FingerprintFieldName of a mismatch (or a discovery timeout), else ""
   int device_ordinal;
   int rank;
   int waited_rank;

@@ -4,11 +4,19 @@
 // raw little-endian files in <dir> (written/read by run.py, which compares with
 // jax_ep.reference).
 //
-//   driver <dir> R T H K E C align x_kind row_kind y_kind num_blocks send_warps reps
+//   driver <dir> R T H K E C align x_kind row_kind y_kind num_blocks send_warps reps [mismatch]
+//
+// With `mismatch` (a FingerprintFieldName of cuda/fingerprint.h, or "behind"), no files are read:
+// every rank runs ONE call, the last rank with one field changed (num_ranks + 1, hidden + 8,
+// num_tokens + 1, num_topk - 1, num_experts + R, capacity + align, expert_alignment * 2, dtype:
+// rows of float32 instead of bfloat16 from float32 x, op: combine instead of dispatch), or its
+// call count in the group ahead (call_sequence: 5 calls, behind: 1 call). Every rank must fault (the kernels trap);
+// the driver prints each fault record and its message (xla_ffi/fault_message.cc).
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -20,6 +28,7 @@
 #include "cuda/ep_layout.h"
 #include "cuda/group.h"
 #include "cuda/slot_values.h"
+#include "xla_ffi/fault_message.h"
 
 using namespace jax_ep;
 
@@ -59,15 +68,104 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
+// One rank's sizes (the last rank's differ in a mismatch case).
+struct Sizes {
+  int R, T, H, K, E, C, align, x_kind, row_kind;
+};
+
+// The sizes the last rank runs with in mismatch case `field` (others: unchanged).
+Sizes changed(Sizes s, const std::string& field) {
+  if (field == "num_ranks") s.R += 1;  // it waits for a rank that is not there, then reports
+  if (field == "hidden") s.H += 8;
+  if (field == "num_tokens") s.T += 1;
+  if (field == "num_topk") s.K -= 1;
+  if (field == "num_experts") s.E += s.R;
+  if (field == "capacity") s.C += s.align;
+  if (field == "expert_alignment") s.align *= 2;
+  if (field == "dtype") s.row_kind = kRowF32;
+  return s;
+}
+
+CommLayout dispatch_layout_of(const Sizes& s) {
+  const int num_scales = s.row_kind == kRowFP8 ? s.H / 128 : 0;
+  return make_comm_layout(s.R, s.T, s.K, s.E, dispatch_row_bytes(s.H, s.row_kind), num_scales * 4);
+}
+
+// The one call of a mismatch case on `rank` (inputs zero: the call must trap before using them).
+void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, int blocks,
+                  int send_warps, uint64_t call_offset) {
+  const int R = s.R;
+  const int32_t rank_value = rank, group_value = 0;
+  const int axis_slot = 1;
+  state->sync.group_epoch[axis_slot][0] += call_offset;  // calls this rank ran alone before
+  std::vector<char> x(size_t(s.T) * s.H * 4 + 16), idx(size_t(s.T) * s.K * 4 + 16),
+      w(size_t(s.T) * s.K * 4 + 16), rows(size_t(s.C) * s.H * 4 + 16),
+      scales(size_t(s.C) * (s.H / 128 + 1) * 4 + 16), sizes(size_t(s.E) * 8 + 16),
+      counts(size_t(s.E) * 8 + 16), row_weights(size_t(s.C) * 4 + 16), dropped(16),
+      src_index(size_t(s.C) * 4 + 16), token_rows(size_t(R) * s.T * s.K * 4 + 16),
+      in_rank(size_t(s.T) * R + 16), out(size_t(s.T) * s.H * 4 + 16);
+  if (combine) {
+    GroupLaunch g{};
+    g.state = state;
+    g.layout = make_comm_layout(R, s.T, s.K, 0, static_cast<uint64_t>(s.H) * 2, 0);
+    g.rank = &rank_value;
+    g.group = &group_value;
+    g.num_ranks = R;
+    g.num_tokens = s.T;
+    g.num_topk = s.K;
+    g.axis_slot = axis_slot;
+    g.num_blocks = blocks;
+    g.send_warps = send_warps;
+    check(launch_combine(g, rows.data(), reinterpret_cast<const float*>(row_weights.data()),
+                         reinterpret_cast<const int32_t*>(token_rows.data()),
+                         reinterpret_cast<const bool*>(in_rank.data()), s.H, kRowBF16, false,
+                         out.data(), nullptr),
+          "combine");
+    return;
+  }
+  DispatchLaunch d{};
+  d.state = state;
+  d.layout = dispatch_layout_of(s);
+  d.x = x.data();
+  d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
+  d.topk_weights = reinterpret_cast<const float*>(w.data());
+  d.rank = &rank_value;
+  d.group = &group_value;
+  d.rows = rows.data();
+  d.scales = reinterpret_cast<float*>(scales.data());
+  d.group_sizes = reinterpret_cast<int32_t*>(sizes.data());
+  d.expert_counts = reinterpret_cast<int32_t*>(counts.data());
+  d.row_weights = reinterpret_cast<float*>(row_weights.data());
+  d.num_dropped = reinterpret_cast<int32_t*>(dropped.data());
+  d.src_index = reinterpret_cast<int32_t*>(src_index.data());
+  d.token_rows = reinterpret_cast<int32_t*>(token_rows.data());
+  d.is_token_in_rank = reinterpret_cast<bool*>(in_rank.data());
+  d.num_tokens = s.T;
+  d.num_topk = s.K;
+  d.num_experts = s.E;
+  d.num_ranks = R;
+  d.hidden = s.H;
+  d.capacity = s.C;
+  d.alignment = s.align;
+  d.x_kind = s.x_kind;
+  d.row_kind = s.row_kind;
+  d.num_blocks = blocks;
+  d.send_warps = send_warps;
+  d.axis_slot = axis_slot;
+  d.use_tma = true;
+  check(launch_dispatch(d, nullptr), "dispatch");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const bool use_tma = std::getenv("JAX_EP_TMA") == nullptr || std::getenv("JAX_EP_TMA")[0] != '0';
-  if (argc != 15) {
+  if (argc != 15 && argc != 16) {
     std::fprintf(stderr, "usage: driver dir R T H K E C align x_kind row_kind y_kind blocks "
-                         "send_warps reps\n");
+                         "send_warps reps [mismatch]\n");
     return 1;
   }
+  const std::string mismatch = argc == 16 ? argv[15] : "";
   dir = argv[1];
   const int R = std::atoi(argv[2]), T = std::atoi(argv[3]), H = std::atoi(argv[4]),
             K = std::atoi(argv[5]), E = std::atoi(argv[6]), C = std::atoi(argv[7]),
@@ -85,8 +183,12 @@ int main(int argc, char** argv) {
   // combine_rank_major / broadcast_rank_major: one row per (token, rank), K = 1
   const CommLayout rm_layout =
       make_comm_layout(R, T, 1, 0, static_cast<uint64_t>(H) * kind_bytes(y_kind), 0);
-  const uint64_t buffer_bytes =
-      align_up_u64(std::max(dispatch_layout.total, data_layout.total), 4096);
+  const Sizes sizes{R, T, H, K, E, C, align, x_kind, row_kind};
+  const Sizes last_sizes = changed(sizes, mismatch);
+  const uint64_t buffer_bytes = align_up_u64(
+      std::max({dispatch_layout.total, data_layout.total,
+                dispatch_layout_of(last_sizes).total}),
+      4096);
 
   // "device memory" of every rank, shared by the rank processes at the same address
   const size_t state_bytes = align_up_u64(sizeof(DeviceState), 4096);
@@ -110,7 +212,7 @@ int main(int argc, char** argv) {
       t.peer_states[p] = states[p];
     }
     t.comm_bytes = buffer_bytes;
-    t.timeout_ns = 300ull * 1000000000ull;
+    t.timeout_ns = (mismatch.empty() ? 300ull : 5ull) * 1000000000ull;
     t.fault_record = &faults[r];
     t.device_ordinal = r;
     t.slot = r;
@@ -122,6 +224,16 @@ int main(int argc, char** argv) {
     if (pid != 0) {
       children.push_back(pid);
       continue;
+    }
+    if (!mismatch.empty()) {
+      const bool last = rank == R - 1;
+      uint64_t ahead = 0;
+      if (last && mismatch == "call_sequence") ahead = 5;
+      if (last && mismatch == "behind") ahead = 1;
+      run_mismatch(states[rank], rank, last ? last_sizes : sizes, last && mismatch == "op", blocks,
+                   send_warps, ahead);
+      std::fflush(stdout);
+      _exit(0);  // the call should have trapped
     }
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
@@ -287,8 +399,12 @@ int main(int argc, char** argv) {
   }
   for (int r = 0; r < R; ++r) {
     if (faults[r].valid) {
-      std::printf("fault on rank %d: kind %d op %d waited %d\n", r, faults[r].kind, faults[r].op_id,
-                  faults[r].waited_rank);
+      std::printf("fault on rank %d: kind %d op %d waited %d field %d expected %llu observed "
+                  "%llu\n",
+                  r, faults[r].kind, faults[r].op_id, faults[r].waited_rank, faults[r].field,
+                  static_cast<unsigned long long>(faults[r].expected),
+                  static_cast<unsigned long long>(faults[r].observed));
+      std::printf("message of rank %d: %s\n", r, FaultMessage(faults[r], false).c_str());
       failed = 1;
     }
   }

@@ -71,6 +71,7 @@ struct BlockCtx {
   std::barrier<> bar;
   std::vector<std::unique_ptr<WarpCtx>> warps;
   std::vector<char> dynamic_shared;
+  std::atomic<int> any{0};  // __syncthreads_or
 };
 inline thread_local BlockCtx* block = nullptr;
 inline WarpCtx& warp() { return *block->warps[threadIdx.x / 32]; }
@@ -171,6 +172,16 @@ Launcher<Kernel> launch(unsigned grid, unsigned threads, size_t shared_bytes, Ke
 
 // ---- sync and warp intrinsics ----
 inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
+inline int __syncthreads_or(int pred) {
+  emu::BlockCtx& b = *emu::block;
+  if (pred) b.any.store(1);
+  b.bar.arrive_and_wait();
+  const int any = b.any.load();
+  b.bar.arrive_and_wait();  // everyone has read it
+  if (threadIdx.x == 0) b.any.store(0);
+  b.bar.arrive_and_wait();  // reset before anyone's next call
+  return any;
+}
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -241,6 +252,9 @@ inline void fence_acquire_sys() { std::atomic_thread_fence(std::memory_order_acq
 inline void backoff_sleep(uint32_t) {}
 inline void store_release_sys(uint64_t* address, uint64_t value) {
   __atomic_store_n(address, value, __ATOMIC_RELEASE);
+}
+inline void store_relaxed_sys(uint64_t* address, uint64_t value) {
+  __atomic_store_n(address, value, __ATOMIC_RELAXED);
 }
 inline void release_store_sys(uint64_t* address, uint64_t value) {
   std::atomic_thread_fence(std::memory_order_seq_cst);

@@ -3,23 +3,30 @@
 // them. Inputs and outputs are raw files in <dir>, written / read by ll_run.py, which compares them
 // with jax_ep.reference.
 //
-//   ll_driver <dir> R T H K E x_kind row_kind reps blocks mode
+//   ll_driver <dir> R T H K E x_kind row_kind reps blocks mode [mismatch]
 //
 // mode 0: each repetition fused ll_dispatch then fused ll_combine; 1: each in two phases (send,
 // receive); 2: two repetitions in flight at once (both sends, then both receives, per op);
 // 3: three two-phase dispatch sends in a row (must fault: at most two in flight);
 // 4: a two-phase dispatch received twice (must fault: stale handle); 5: a two-phase dispatch
 // received by a call site of another shape (K - 1; must fault: shape).
+// With `mismatch` (a FingerprintFieldName of cuda/fingerprint.h; mode ignored, no files read)
+// every rank runs ONE fused ll_dispatch, the last rank with one field changed (num_ranks + 1,
+// num_tokens + 1, hidden + 8, num_topk - 1, num_experts + R, dtype: an fp8 wire instead of bf16,
+// op: ll_combine instead of ll_dispatch) or its call count in the group 5 calls ahead
+// (call_sequence). Every rank must fault; the driver prints each record and its message.
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "cuda/low_latency.h"
+#include "xla_ffi/fault_message.h"
 
 using namespace jax_ep;
 
@@ -53,13 +60,84 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
+// One rank's sizes (the last rank's differ in a mismatch case).
+struct Sizes {
+  int R, T, H, K, E, row_kind;
+};
+
+Sizes changed(Sizes s, const std::string& field) {
+  if (field == "num_ranks") s.R += 1;  // it waits for a rank that is not there, then reports
+  if (field == "num_tokens") s.T += 1;
+  if (field == "hidden") s.H += 8;
+  if (field == "num_topk") s.K -= 1;
+  if (field == "num_experts") s.E += s.R;
+  if (field == "dtype") s.row_kind = kRowFP8;
+  return s;
+}
+
+LLLayout layout_of(const Sizes& s) {
+  const bool fp8 = s.row_kind == kRowFP8;
+  return make_ll_layout(s.R, s.T, s.K, s.E, s.H, uint64_t(s.H) * (fp8 ? 1 : 2),
+                        fp8 ? uint64_t(s.H / 128) * 4 : 0);
+}
+
+// The one fused call of a mismatch case on `rank` (inputs zero: it must trap before using them).
+void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, int blocks,
+                  uint64_t call_offset) {
+  const int32_t rank_value = rank, group_value = 0;
+  const int axis_slot = 2;
+  state->sync.group_epoch[axis_slot][0] += call_offset;  // calls this rank ran alone before
+  const size_t slots = size_t(s.E) * s.T;  // E_local * R * T
+  std::vector<char> x(size_t(s.T) * s.H * 2 + 16), idx(size_t(s.T) * s.K * 4 + 16),
+      w(size_t(s.T) * s.K * 4 + 16), rows(slots * s.H * 2 + 16),
+      scales(slots * (s.H / 128 + 1) * 4 + 16), counts(size_t(s.E) * 4 + 16),
+      src(slots * 4 + 16), out(size_t(s.T) * s.H * 2 + 16);
+  LLCommon c{};
+  c.state = state;
+  c.rank = &rank_value;
+  c.group = &group_value;
+  c.mode = kLLFused;
+  c.num_ranks = s.R;
+  c.num_tokens = s.T;
+  c.num_topk = s.K;
+  c.num_experts = s.E;
+  c.hidden = s.H;
+  c.axis_slot = axis_slot;
+  c.num_blocks = blocks;
+  if (combine) {
+    LLCombineLaunch p{};
+    p.c = c;
+    p.c.L = make_ll_layout(s.R, s.T, s.K, s.E, s.H, uint64_t(s.H) * 2, 0);
+    p.y = rows.data();
+    p.src_slot = reinterpret_cast<const int32_t*>(src.data());
+    p.topk_weights = reinterpret_cast<const float*>(w.data());
+    p.out = out.data();
+    check(launch_ll_combine(p, nullptr), "ll_combine");
+    return;
+  }
+  LLDispatchLaunch p{};
+  p.c = c;
+  p.c.L = layout_of(s);
+  p.x = x.data();
+  p.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
+  p.rows = rows.data();
+  p.scales = reinterpret_cast<float*>(scales.data());
+  p.counts = reinterpret_cast<int32_t*>(counts.data());
+  p.src_slot = reinterpret_cast<int32_t*>(src.data());
+  p.x_kind = kRowBF16;
+  p.row_kind = s.row_kind;
+  check(launch_ll_dispatch(p, nullptr), "ll_dispatch");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 12) {
-    std::fprintf(stderr, "usage: ll_driver dir R T H K E x_kind row_kind reps blocks mode\n");
+  if (argc != 12 && argc != 13) {
+    std::fprintf(stderr, "usage: ll_driver dir R T H K E x_kind row_kind reps blocks mode "
+                         "[mismatch]\n");
     return 1;
   }
+  const std::string mismatch = argc == 13 ? argv[12] : "";
   dir = argv[1];
   const int R = std::atoi(argv[2]), T = std::atoi(argv[3]), H = std::atoi(argv[4]),
             K = std::atoi(argv[5]), E = std::atoi(argv[6]), x_kind = std::atoi(argv[7]),
@@ -74,8 +152,12 @@ int main(int argc, char** argv) {
   const LLLayout dispatch_layout =
       make_ll_layout(R, T, K, E, H, uint64_t(H) * row_bytes, uint64_t(num_scales) * 4);
   const LLLayout combine_layout = make_ll_layout(R, T, K, E, H, uint64_t(H) * 2, 0);
-  const uint64_t buffer_bytes =
-      align_up_u64(std::max(dispatch_layout.base.total, combine_layout.base.total), 4096);
+  const Sizes sizes{R, T, H, K, E, row_kind};
+  const Sizes last_sizes = changed(sizes, mismatch);
+  const uint64_t buffer_bytes = align_up_u64(
+      std::max({dispatch_layout.base.total, combine_layout.base.total,
+                layout_of(last_sizes).base.total}),
+      4096);
 
   const size_t state_bytes = align_up_u64(sizeof(DeviceState), 4096);
   const size_t total = R * (state_bytes + buffer_bytes) + 4096;
@@ -98,7 +180,7 @@ int main(int argc, char** argv) {
       t.peer_states[p] = states[p];
     }
     t.comm_bytes = buffer_bytes;
-    t.timeout_ns = (mode >= 3 ? 20ull : 300ull) * 1000000000ull;
+    t.timeout_ns = (!mismatch.empty() ? 5ull : mode >= 3 ? 20ull : 300ull) * 1000000000ull;
     t.fault_record = &faults[r];
     t.device_ordinal = r;
     t.slot = r;
@@ -110,6 +192,13 @@ int main(int argc, char** argv) {
     if (pid != 0) {
       children.push_back(pid);
       continue;
+    }
+    if (!mismatch.empty()) {
+      const bool last = rank == R - 1;
+      run_mismatch(states[rank], rank, last ? last_sizes : sizes, last && mismatch == "op",
+                   blocks, last && mismatch == "call_sequence" ? 5 : 0);
+      std::fflush(stdout);
+      _exit(0);  // the call should have trapped
     }
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
@@ -220,10 +309,12 @@ int main(int argc, char** argv) {
   }
   for (int r = 0; r < R; ++r) {
     if (faults[r].valid) {
-      std::printf("fault on rank %d: kind %d op %d waited %d what %d expected %llu observed %llu\n",
+      std::printf("fault on rank %d: kind %d op %d waited %d what %d expected %llu observed %llu "
+                  "field %d\n",
                   r, faults[r].kind, faults[r].op_id, faults[r].waited_rank,
                   faults[r].waited_ordinal, static_cast<unsigned long long>(faults[r].expected),
-                  static_cast<unsigned long long>(faults[r].observed));
+                  static_cast<unsigned long long>(faults[r].observed), faults[r].field);
+      std::printf("message of rank %d: %s\n", r, FaultMessage(faults[r], false).c_str());
       failed = 1;
     }
   }

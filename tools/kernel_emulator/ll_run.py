@@ -4,7 +4,10 @@ jax_ep.reference.ll_dispatch / ll_combine: counts, src_slot and every filled slo
 scales) bit-exact; combine bit-exact too (float32 sums in top-k order, no FMA, in both), with NaN in
 every unfilled slot of y (it must not leak). Each case runs the ops fused, in two phases, or with two
 calls in flight (mode 0 / 1 / 2); three more cases break the double-buffering rules and must fault
-(a third send in flight; a handle received twice; a receive of another shape).
+(a third send in flight; a handle received twice; a receive of another shape), and the
+config-fingerprint cases (MISMATCHES) give the last rank's call another field of
+cuda/fingerprint.h (or a call count 5 calls ahead): every rank must fault naming the field and both
+values, in the record and in the host's message (xla_ffi/fault_message.cc).
 
     python tools/kernel_emulator/ll_run.py [--random N] [--seed S]
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,12 +60,62 @@ MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "re
          5: "received as another shape"}
 
 
+# Config-fingerprint cases (ll_driver.cc `mismatch`): rank 0 runs a fused ll_dispatch of
+# MISMATCH_SIZES, rank 1 the same call with one field changed: field -> (FingerprintField id, rank
+# 0's value, rank 1's), as the messages print them.
+MISMATCH_SIZES = (2, 4, 128, 2, 12)  # R, T, H, K, E; bf16 x and wire
+MISMATCHES = {
+    "op": (1, "ll_dispatch", "ll_combine"),
+    "num_ranks": (2, 2, 3),
+    "num_tokens": (3, 4, 5),
+    "hidden": (4, 128, 136),
+    "num_topk": (5, 2, 1),
+    "num_experts": (6, 12, 14),
+    "dtype": (9, "bfloat16", "float8_e4m3fn"),
+    "call_sequence": (10, None, None),  # rank 1 is 5 calls ahead
+}
+NUMBERS = {"ll_dispatch": 7, "ll_combine": 8, "bfloat16": 0, "float8_e4m3fn": 2}
+FAULT_LINE = (r"^fault on rank (\d): kind (\d+) op (\d+) waited (-?\d+) what -?\d+ expected (\d+) "
+              r"observed (\d+) field (\d+)$")
+
+
+def run_mismatch(driver, field) -> str:
+    """A config-fingerprint case: '' when both ranks reported what they must."""
+    R, T, H, K, E = MISMATCH_SIZES
+    done = subprocess.run([driver, tempfile.gettempdir(), str(R), str(T), str(H), str(K), str(E),
+                           str(KIND["bfloat16"]), str(KIND["bfloat16"]), "1", "2", "0", field],
+                          capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    records = {int(m[0]): [int(v) for v in m[1:]] for m in re.findall(FAULT_LINE, out, flags=re.M)}
+    messages = dict(re.findall(r"^message of rank (\d): (.*)$", out, flags=re.M))
+    if done.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != ["0", "1"]:
+        return f"expected a fault on both ranks, got rc={done.returncode}:\n{out[-3000:]}"
+    field_id, *values = MISMATCHES[field]
+    for rank, (kind, _op, waited, expected, observed, got_field) in records.items():
+        text = messages[str(rank)]
+        if field == "call_sequence":
+            want = (5, 10, 1, 6) if rank == 0 else (1, 10, 6, 1)
+            phrase = "out of step" if rank == 0 else "rank 0 has entered 1 (it is 5 calls behind"
+        else:
+            mine, theirs = values[rank], values[1 - rank]
+            want = (5, field_id, NUMBERS.get(mine, mine), NUMBERS.get(theirs, theirs))
+            phrase = f"{field} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"
+        if (kind, got_field, expected, observed) != want or waited != 1 - rank:
+            return f"rank {rank}: record {records[rank]}, want kind/field/expected/observed {want}"
+        op = "ll_combine" if field == "op" and rank == 1 else "ll_dispatch"
+        for part in (f"jax_ep: {op} on GPU {rank} (rank {rank})", phrase):
+            if part not in text:
+                return f"rank {rank}: message lacks {part!r}: {text}"
+    return ""
+
+
 def build(path: str = DRIVER) -> str:
     here = os.path.join(ROOT, "tools/kernel_emulator")
     cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
            "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),
            "-I" + ROOT]
-    for s in ("cuda/group.cu", "cuda/low_latency.cu", "tools/kernel_emulator/ll_driver.cc"):
+    for s in ("cuda/group.cu", "cuda/low_latency.cu", "xla_ffi/fault_message.cc",
+              "tools/kernel_emulator/ll_driver.cc"):
         cmd += ["-x", "c++", os.path.join(ROOT, s)]
     subprocess.run(cmd + ["-o", path], check=True)
     return path
@@ -186,7 +240,11 @@ def main(argv=None) -> int:
         print(f"{'FAIL' if error else 'ok  '} {MODES[mode]}: faults with LLFault {what} {error}",
               flush=True)
         failed += bool(error)
-    total = len(cases) + len(FAULTS)
+    for field in MISMATCHES:
+        error = run_mismatch(driver, field)
+        print(f"{'FAIL' if error else 'ok  '} mismatch {field}: faults naming it {error}", flush=True)
+        failed += bool(error)
+    total = len(cases) + len(FAULTS) + len(MISMATCHES)
     print(f"{total - failed}/{total} low-latency cases pass")
     return 1 if failed else 0
 

@@ -15,6 +15,12 @@ the worst-case capacity or a smaller one (drops), x / row / y dtypes, routing wi
 repetitions on the same (poisoned) memory. Each is checked like the fixed cases. Case i of seed S is
 ``random_case(np.random.default_rng([S, i]))``: a failure prints its parameters, and
 ``--random N --seed S --only I`` runs that case alone.
+
+``--mismatch`` runs the config-fingerprint cases instead (``MISMATCHES``): two ranks, one dispatch
+each, the last rank's call differing in one field of cuda/fingerprint.h (or its call count in the
+group ahead); every rank must trap with a fault record naming the field and both values, and the
+host's message (xla_ffi/fault_message.cc, printed by the driver) must name the op, the rank, the
+field and both values.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 def build() -> str:
     sources = [os.path.join(ROOT, p) for p in (
         "cuda/group.cu", "cuda/dispatch.cu", "cuda/combine.cu", "cuda/broadcast.cu",
-        "cuda/slot_values.cu", "tools/kernel_emulator/driver.cc")]
+        "cuda/slot_values.cu", "xla_ffi/fault_message.cc", "tools/kernel_emulator/driver.cc")]
     here = os.path.join(ROOT, "tools/kernel_emulator")
     cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
            "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),
@@ -260,6 +266,72 @@ CASES = [
 ]
 
 
+# Config-fingerprint cases (driver.cc, `mismatch`): rank 0 runs dispatch with MISMATCH_SIZES, rank 1
+# the same call with one field changed. field -> (id of FingerprintField, rank 0's value, rank 1's),
+# values as the messages print them.
+MISMATCH_SIZES = dict(R=2, T=4, H=256, K=2, E=12, C=16, align=1, x_kind=KIND["float32"],
+                      row_kind=KIND["bfloat16"], y_kind=KIND["bfloat16"])
+MISMATCHES = {
+    "op": (1, "dispatch", "combine"),
+    "num_ranks": (2, 2, 3),
+    "num_tokens": (3, 4, 5),
+    "hidden": (4, 256, 264),
+    "num_topk": (5, 2, 1),
+    "num_experts": (6, 12, 14),
+    "capacity": (7, 16, 17),
+    "expert_alignment": (8, 1, 2),
+    "dtype": (9, "bfloat16", "float32"),
+}
+OPS = {"dispatch": 2, "combine": 3}
+DTYPES = {"bfloat16": 0, "float32": 1}
+FAULT_LINE = (r"^fault on rank (\d): kind (\d+) op (\d+) waited (-?\d+) field (\d+) expected (\d+) "
+              r"observed (\d+)$")
+
+
+def run_mismatch(field: str) -> str:
+    """One config-fingerprint case (driver.cc `mismatch`); '' when every rank reported what it must."""
+    import re
+
+    z = MISMATCH_SIZES
+    cmd = [DRIVER, tempfile.gettempdir(), z["R"], z["T"], z["H"], z["K"], z["E"], z["C"], z["align"],
+           z["x_kind"], z["row_kind"], z["y_kind"], 1, 4, 1, field]
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    records = {int(m[0]): [int(v) for v in m[1:]] for m in re.findall(FAULT_LINE, out, flags=re.M)}
+    messages = dict(re.findall(r"^message of rank (\d): (.*)$", out, flags=re.M))
+    if proc.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != ["0", "1"]:
+        return f"expected a fault on both ranks, got rc={proc.returncode}:\n{out[-3000:]}"
+    for rank, (kind, op, waited, got_field, expected, observed) in records.items():
+        text = messages[str(rank)]
+        where = f"rank {rank}: {text}"
+        if field == "call_sequence":  # rank 1 is 5 calls ahead: rank 0 says so, rank 1 times out
+            want = (5, 10, 1, 6) if rank == 0 else (1, 10, 6, 1)
+            if (kind, got_field, expected, observed) != want or waited != 1 - rank:
+                return f"{where}: record {records[rank]}, want kind/field/expected/observed {want}"
+            phrase = "out of step" if rank == 0 else "rank 0 has entered 1 (it is 5 calls behind"
+            if phrase not in text or "call_sequence" not in text and rank == 0:
+                return f"{where}: message lacks {phrase!r}"
+            continue
+        if field == "behind":  # rank 1 is 1 call ahead: rank 0 times out in the data, rank 1 says why
+            if kind != 1 or waited != 1 - rank:
+                return f"{where}: record {records[rank]}, want a timeout waiting for rank {1 - rank}"
+            if rank == 1 and (got_field != 10 or "rank 0 has entered 1 (it is 1 call behind" not in text):
+                return f"{where}: rank 1's discovery timeout must say rank 0 is 1 call behind"
+            continue
+        field_id, *values = MISMATCHES[field]
+        mine, theirs = values[rank], values[1 - rank]
+        number = {"op": OPS, "dtype": DTYPES}.get(field, {})
+        want = (5, field_id, number.get(mine, mine), number.get(theirs, theirs))
+        if (kind, got_field, expected, observed) != want or waited != 1 - rank:
+            return f"{where}: record {records[rank]}, want kind/field/expected/observed {want}"
+        op_name = "combine" if field == "op" and rank == 1 else "dispatch"
+        for part in (f"jax_ep: {op_name} on GPU {rank} (rank {rank})", f"rank {1 - rank}",
+                     f"{field} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"):
+            if part not in text:
+                return f"{where}: message lacks {part!r}"
+    return ""
+
+
 def random_cases(n: int, seed: int) -> list[dict]:
     """The --random sweep: case i is random_case(default_rng([seed, i])), named by seed and index."""
     cases = []
@@ -286,9 +358,22 @@ def main():
     parser.add_argument("--only", type=int, default=None, metavar="I",
                         help="with --random: run only case I of the sweep")
     parser.add_argument("--driver", default=DRIVER, help=f"where to build the driver (default {DRIVER})")
+    parser.add_argument("--mismatch", action="store_true",
+                        help="run the config-fingerprint cases (MISMATCHES) instead")
     args = parser.parse_args()
     DRIVER = args.driver
     build()
+    if args.mismatch:
+        names = [n for n in [*MISMATCHES, "call_sequence", "behind"] if args.k in n]
+        failed = 0
+        for name in names:
+            start = time.time()
+            error = run_mismatch(name)
+            print(f"{'FAIL' if error else 'ok  '} mismatch {name} ({time.time() - start:.1f}s) {error}",
+                  flush=True)
+            failed += bool(error)
+        print(f"{len(names) - failed}/{len(names)} mismatch cases pass")
+        sys.exit(1 if failed else 0)
     if args.random:
         cases = random_cases(args.random, args.seed)
         if args.only is not None:

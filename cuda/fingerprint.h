@@ -1,0 +1,83 @@
+// The config fingerprint of an EP call: what must agree across the ranks of a group for a call to
+// exchange data (the op and the sizes its buffer layout and protocol depend on). Every EP op
+// publishes it with its directory entry at the start of each call, and every rank compares its
+// peers' with its own before it writes anything to them (cuda/fingerprint.cuh); a difference is a
+// kFaultMismatch naming the field and both values, never wrong rows or a hang. Plain C++ (host and
+// device).
+//
+// In process model 1 one program drives every GPU, so the fields agree by construction; in process
+// model 2 each process traces its own program, and a rank may run another config, another op, or
+// be out of step by whole calls.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_ep {
+
+// What a fingerprint fault is about, in FaultRecord::field. Fields 1..kFingerprintWords are the
+// published words (word field - 1); 0 for faults of other kinds.
+enum FingerprintField : int32_t {
+  kFieldNone = 0,
+  kFieldOp = 1,         // OpId
+  kFieldRanks = 2,      // R
+  kFieldTokens = 3,     // T (tokens per rank)
+  kFieldHidden = 4,     // H
+  kFieldTopk = 5,       // K
+  kFieldExperts = 6,    // E (0 where the op does not use it)
+  kFieldCapacity = 7,   // C (dispatch)
+  kFieldAlignment = 8,  // expert alignment (dispatch)
+  kFieldDtype = 9,      // RowKind of the rows that travel
+  // Not a published word: the call's sequence number in its group (its epoch, the count of EP
+  // calls of the group this device has entered). A kFaultMismatch with this field: the peer's
+  // directory entry is more than one call ahead. A kFaultTimeout of group discovery carries it
+  // too: expected / observed are then this rank's call and the last call the peer entered.
+  kFieldSequence = 10,
+};
+inline constexpr int kFingerprintWords = 9;
+
+// The fields of one call. Fields an op does not depend on are 0.
+struct OpFingerprint {
+  int32_t op;
+  int32_t ranks;
+  int32_t tokens;
+  int32_t hidden;
+  int32_t topk;
+  int32_t experts;
+  int32_t capacity;
+  int32_t alignment;
+  int32_t dtype;
+};
+
+#ifndef JAX_EP_HOST_DEVICE
+#ifdef __CUDACC__
+#define JAX_EP_HOST_DEVICE __host__ __device__
+#else
+#define JAX_EP_HOST_DEVICE
+#endif
+#endif
+
+// The value of published field `field` (kFieldOp .. kFieldDtype).
+JAX_EP_HOST_DEVICE inline uint32_t fingerprint_value(const OpFingerprint& f, int field) {
+  switch (field) {
+    case kFieldOp:
+      return static_cast<uint32_t>(f.op);
+    case kFieldRanks:
+      return static_cast<uint32_t>(f.ranks);
+    case kFieldTokens:
+      return static_cast<uint32_t>(f.tokens);
+    case kFieldHidden:
+      return static_cast<uint32_t>(f.hidden);
+    case kFieldTopk:
+      return static_cast<uint32_t>(f.topk);
+    case kFieldExperts:
+      return static_cast<uint32_t>(f.experts);
+    case kFieldCapacity:
+      return static_cast<uint32_t>(f.capacity);
+    case kFieldAlignment:
+      return static_cast<uint32_t>(f.alignment);
+    default:
+      return static_cast<uint32_t>(f.dtype);
+  }
+}
+
+}  // namespace jax_ep
