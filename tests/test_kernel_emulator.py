@@ -50,11 +50,30 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     sweep, fused, two-phase and with two calls in flight, every output bit-exact against
     jax_ep.reference.ll_dispatch / ll_combine, NaN in every unfilled slot of y (must not leak), two
     calls on the same poisoned memory; a third send in flight, a handle received twice and a
-    receive of another shape fault."""
+    receive of another shape fault; a peer whose call differs in a fingerprint field (or is 5 calls
+    ahead) makes both ranks fault naming the field."""
     _need_gxx()
     cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--random", "4",
            "--seed", "7", "--driver", str(tmp_path / "ll_driver")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
-    assert "17/17 low-latency cases pass" in out, out[-6000:]
+    assert "25/25 low-latency cases pass" in out, out[-6000:]
+    for field in ("op", "num_ranks", "num_tokens", "hidden", "num_topk", "num_experts", "dtype",
+                  "call_sequence"):
+        assert f"ok   mismatch {field}: faults naming it" in out, field
+
+
+def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
+    """The config fingerprint (cuda/fingerprint.h) in the throughput kernels (run.py --mismatch): the
+    last rank's dispatch differs in one field (op: it runs combine), or its call count in the group
+    is 5 calls ahead, or 1 call ahead; both ranks trap, each record names the field with this rank's
+    value and the peer's, and the host's message (xla_ffi/fault_message.cc) names the op, the rank,
+    the field and both values; an out-of-step peer is named as such, and a rank left waiting says
+    how many calls behind the other is. About 30 s (three cases wait for the 5 s timeout)."""
+    _need_gxx()
+    cmd = [sys.executable, str(RUN), "--mismatch", "--driver", str(tmp_path / "driver")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    assert "11/11 mismatch cases pass" in out, out[-6000:]

@@ -1,0 +1,85 @@
+"""The texts of the kernels' fault records (what jax_ep.runtime.faults() and check_errors() show), on the
+CPU: jax_ep._C.fault_message builds the text of a record with given fields through the one function
+that writes them (xla_ffi/fault_message.cc). The config fingerprint's records (cuda/fingerprint.h):
+a mismatch names the op, this rank, the peer, the field and both values; an out-of-step peer names
+the call counts. tools/kernel_emulator (tests/test_kernel_emulator.py) provokes them in the kernels,
+tests/gpu/test_fingerprint_gpu.py on GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_ep import runtime
+
+native = runtime.extension()
+pytestmark = pytest.mark.skipif(native is None, reason=f"jax_ep._C not built: {runtime.extension_error()}")
+
+FIELDS = ("op", "num_ranks", "num_tokens", "hidden", "num_topk", "num_experts", "capacity",
+          "expert_alignment", "dtype")
+
+
+def message(kind, op, rank=0, peer=1, peer_slot=1, expected=0, observed=0, **kw):
+    return native.fault_message(kind, op, rank, rank, peer, peer_slot, expected, observed, **kw)
+
+
+@pytest.mark.parametrize("field", FIELDS[1:-1])
+def test_mismatch_names_op_ranks_field_and_both_values(field):
+    text = message("mismatch", "dispatch", rank=1, peer=0, peer_slot=0, expected=512, observed=256,
+                   field=field)
+    assert text.startswith("jax_ep: dispatch on GPU 1 (rank 1): rank 0 (GPU 0) runs a different EP "
+                           "call at this point: ")
+    assert f"{field} is 512 on rank 1 and 256 on rank 0." in text
+    assert "same configuration, in the same order; nothing was exchanged" in text
+
+
+def test_mismatch_of_op_and_dtype_names_them():
+    text = message("mismatch", "dispatch", expected=2, observed=7, field="op")
+    assert "op is dispatch on rank 0 and ll_dispatch on rank 1" in text
+    text = message("mismatch", "ll_dispatch", expected=0, observed=2, field="dtype")
+    assert "dtype is bfloat16 on rank 0 and float8_e4m3fn on rank 1" in text
+    text = message("mismatch", "combine", expected=1, observed=0, field="dtype")
+    assert "dtype is float32 on rank 0 and bfloat16 on rank 1" in text
+
+
+def test_process_model_2_names_the_peer_process():
+    text = message("mismatch", "combine", rank=1, peer=0, peer_slot=0, expected=8, observed=4,
+                   field="num_topk", per_process=True)
+    assert "rank 0 (process 0) runs a different EP call" in text
+
+
+def test_sequence_mismatch_says_the_calls_are_out_of_step():
+    text = message("mismatch", "combine", expected=3, observed=7, field="call_sequence")
+    assert text.startswith("jax_ep: combine on GPU 0 (rank 0): the ranks' EP calls are out of step")
+    assert "this is EP call 3 of the group on rank 0, and rank 1 (GPU 1) has entered call 7" in text
+    assert "call_sequence 3 here, 7 on rank 1" in text
+
+
+def test_discovery_timeout_says_how_far_behind_the_peer_is():
+    text = message("timeout", "dispatch", peer_slot=-1, expected=5, observed=4, elapsed_s=2.0,
+                   field="call_sequence")
+    assert text.startswith("jax_ep: dispatch on GPU 0 (rank 0) timed out after 2.0")
+    assert "waiting for rank 1 (GPU not known yet: group discovery) to enter this call" in text
+    assert "rank 1 has entered 4 (it is 1 call behind: it has not issued this call" in text
+    assert "Every rank must issue the same EP calls in the same order." in text
+    # other waits keep the epoch wording
+    text = message("timeout", "combine", expected=5, observed=3, elapsed_s=1.0)
+    assert "waiting for rank 1 (GPU 1): it expected barrier epoch 5 and saw 3." in text
+
+
+def test_other_kinds_keep_their_texts():
+    assert "call 3 would overwrite the receive buffer of call 1" in message(
+        "ll_in_flight", "ll_dispatch", peer=-1, peer_slot=1, expected=3, observed=1)
+    assert message("stale_runtime", "combine", expected=10, observed=4) == (
+        "jax_ep: combine on GPU 0 (rank 0) ran after shutdown() or with a too small communication "
+        "buffer: needs 10 bytes, 4 available.")
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="unknown field 'width'"):
+        message("mismatch", "dispatch", field="width")
+    with pytest.raises(ValueError, match="unknown op 'gather'"):
+        message("mismatch", "gather", field="hidden")
+
+
+def test_faults_lists_no_fault_on_a_machine_without_one():
+    assert runtime.faults() == []
