@@ -18,14 +18,15 @@ NUM_PROCESSES = 2
 TIMEOUT_S = 420
 
 
-def run_workers(extra=(), timeout_s=TIMEOUT_S):
-    """[(exit code, output)] of the launcher, which runs the worker as 2 processes x 1 GPU."""
+def run_workers(extra=(), timeout_s=TIMEOUT_S, worker=WORKER, timeout_env="30"):
+    """[(exit code, output)] of the launcher, which runs `worker` as 2 processes x 1 GPU with
+    JAX_EP_TIMEOUT_S=timeout_env."""
     # This pytest process already holds most of both GPUs (XLA preallocates for the other tests):
     # the workers allocate on demand.
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_EP_TIMEOUT_S="30")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_EP_TIMEOUT_S=timeout_env)
     env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
     command = [sys.executable, "-m", "jax_ep.launch", "--nproc", str(NUM_PROCESSES), "--timeout",
-               str(timeout_s - 20), WORKER, *extra]
+               str(timeout_s - 20), worker, *extra]
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:

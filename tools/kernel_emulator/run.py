@@ -304,6 +304,9 @@ def run_mismatch(field: str) -> str:
     for rank, (kind, op, waited, got_field, expected, observed) in records.items():
         text = messages[str(rank)]
         where = f"rank {rank}: {text}"
+        op_name = "combine" if field == "op" and rank == 1 else "dispatch"
+        if op != OPS[op_name]:
+            return f"{where}: record {records[rank]} names op {op}, not {op_name}"
         if field == "call_sequence":  # rank 1 is 5 calls ahead: rank 0 says so, rank 1 times out
             want = (5, 10, 1, 6) if rank == 0 else (1, 10, 6, 1)
             if (kind, got_field, expected, observed) != want or waited != 1 - rank:
@@ -324,7 +327,6 @@ def run_mismatch(field: str) -> str:
         want = (5, field_id, number.get(mine, mine), number.get(theirs, theirs))
         if (kind, got_field, expected, observed) != want or waited != 1 - rank:
             return f"{where}: record {records[rank]}, want kind/field/expected/observed {want}"
-        op_name = "combine" if field == "op" and rank == 1 else "dispatch"
         for part in (f"jax_ep: {op_name} on GPU {rank} (rank {rank})", f"rank {1 - rank}",
                      f"{field} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"):
             if part not in text:
