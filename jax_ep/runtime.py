@@ -90,8 +90,8 @@ HEAP_ROOM_MARGIN_BYTES = 256 << 20
 
 
 class DeviceFaultError(RuntimeError):
-    """A jax_ep kernel recorded a fault (timeout, stale runtime) and trapped. The CUDA context of
-    that GPU is dead: restart the process."""
+    """A jax_ep kernel recorded a fault (a timeout, ranks running different EP calls, a stale
+    runtime, ...) and trapped. The CUDA context of that GPU is dead: restart the process."""
 
 
 if _C is not None:
@@ -356,7 +356,8 @@ def faults() -> list[dict]:
 
 def check_errors() -> None:
     """Raises DeviceFaultError if a jax_ep kernel recorded a fault (a timeout names the op, the
-    waiting rank and the rank it waited on). Call it when a computation failed with a CUDA error
+    waiting rank and the rank it waited on; a mismatch the op, the rank, the peer, the field of the
+    config fingerprint and both values). Call it when a computation failed with a CUDA error
     such as an illegal instruction / unspecified launch failure."""
     found = faults()
     if found:
