@@ -3,7 +3,8 @@
 //  1. prep (rank-local): sanitises topk_idx, writes is_token_in_rank, counts this rank's tokens per
 //     expert and gives every (token, slot) its rank among this rank's tokens of that expert, in
 //     token order (warp bit masks + popc: deterministic, no atomics order).
-//  2. notify (one block): group discovery (the start barrier of the call), then every rank writes
+//  2. notify (one block): group discovery (the start barrier of the call; the peers' config
+//     fingerprints are checked there, cuda/fingerprint.cuh), then every rank writes
 //     its counts [E] into counts[me] of every rank and raises a flag; once all are in, each rank
 //     computes, exactly like jax_ep.reference.dispatch, every expert's segment offset, kept rows
 //     and the receive row of each of its own (token, expert) pairs on every destination

@@ -1,5 +1,6 @@
 // The start kernel of combine and broadcast (see group.h): one block discovers the group, which is
-// the start barrier of the call, and publishes the call's OpInfo for the data kernel after it.
+// the start barrier of the call (and checks the peers' config fingerprints), and publishes the
+// call's OpInfo for the data kernel after it.
 #include "cuda/ep_device.cuh"
 #include "cuda/group.h"
 

@@ -3,10 +3,12 @@
 //  begin: thread 0 reads the group (rank, group: device scalars), the group epoch (+1: this call)
 //    and the op's call count n in the group (+1; half n % 2 of the receive regions), checks the
 //    double-buffering rules, then the block publishes this device's directory entry for the epoch
-//    (group discovery, as the throughput ops' start kernel does, without a kernel of its own).
+//    and the call's config fingerprint (group discovery, as the throughput ops' start kernel does,
+//    without a kernel of its own; cuda/fingerprint.cuh).
 //  send (fused, kLLSend): before its first remote write a block waits until every rank of the group
 //    has published its entry for this epoch: the peers have entered the call, so every earlier
-//    kernel of theirs has finished, and the ordinals of the ranks are known. Then
+//    kernel of theirs has finished, and the ordinals of the ranks are known; a peer whose
+//    fingerprint differs (or whose call count is more than one ahead) makes the block trap. Then
 //    dispatch: every block builds the expert x token bit table of this rank's (sanitised) routing
 //      in shared memory; slot i of (expert e, this rank) is the i-th token routed to e in token
 //      order (a popcount of the table). Block b sends the counts of experts b, b + grid, ... (one
