@@ -53,15 +53,16 @@ GRAPH_OPTIONS = {
 }
 
 
-# Tail of a child script whose last op traps on the device: polls jax_ep.runtime.faults() and
-# prints them (and check_errors()'s message) for the parent; exits 3 if no fault appears.
+# Tail of a child script whose last op traps on the device: polls jax_ep.runtime.faults() until
+# _WANT GPUs have faulted and prints them (and check_errors()'s message) for the parent; exits 3 if
+# no fault appears.
 _POLL_FAULTS = """
 import json as _json, os as _os, time as _time
 from jax_ep import runtime as _runtime
 _deadline = _time.time() + 120
 while _time.time() < _deadline:
     _faults = _runtime.faults()
-    if _faults:
+    if len(_faults) >= _WANT:
         print("FAULTS=" + _json.dumps(_faults), flush=True)
         print("SECONDS=%.2f" % (_time.time() - _START), flush=True)
         try:
@@ -75,12 +76,13 @@ _os._exit(3)
 """
 
 
-def faults_of_child(script: str, timeout_s: str = "2") -> tuple[list[dict], str]:
+def faults_of_child(script: str, timeout_s: str = "2", want: int = 1) -> tuple[list[dict], str]:
     """Runs `script` (which must set _START = time.time() before its faulting call) in a child
-    process with JAX_EP_TIMEOUT_S=timeout_s, then waits for the device fault it provokes; returns
-    the fault records and the child's stdout (a trap kills the CUDA context, hence the child)."""
+    process with JAX_EP_TIMEOUT_S=timeout_s, then waits until `want` GPUs have recorded the device
+    fault it provokes; returns the fault records and the child's stdout (a trap kills the CUDA
+    context, hence the child)."""
     env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_s, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    child = subprocess.run([sys.executable, "-c", script + _POLL_FAULTS], env=env,
+    child = subprocess.run([sys.executable, "-c", script + f"\n_WANT = {want}\n" + _POLL_FAULTS], env=env,
                            capture_output=True, text=True, timeout=300)
     output = child.stdout + child.stderr
     lines = [line for line in child.stdout.splitlines() if line.startswith("FAULTS=")]

@@ -1,8 +1,10 @@
-"""The config fingerprint (cuda/fingerprint.h) in process model 2: 2 processes x 1 GPU, each tracing
+"""The config fingerprint (cuda/fingerprint.h). Process model 2: 2 processes x 1 GPU, each tracing
 its own program (tests/gpu/fingerprint_worker.py). When the processes' EP calls do not match (another
 hidden size, another capacity, another op at the same point), both get an error naming the op, their
 rank and the field with both values, well before the spin timeout; a process one call behind makes
-the other's discovery time out saying so. Never a hang, never wrong rows."""
+the other's discovery time out saying so. Never a hang, never wrong rows. Process model 1 (one
+process, 2 GPUs): the ranks of one program run different branches of a lax.cond (another op, another
+hidden size): both GPUs' records name the field."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 
 import jax
 import pytest
+from gpu_helpers import ep_step_child, faults_of_child
 from test_process_group_gpu import NUM_PROCESSES, run_workers
 
 pytestmark = pytest.mark.gpu
@@ -40,3 +43,44 @@ def test_a_process_one_call_behind_is_named_by_the_timeout(cuda_backend):
     """Process 1 runs its dispatch twice, process 0 once: process 0's call returns, process 1's
     second call times out after JAX_EP_TIMEOUT_S (5 s here) saying rank 0 is 1 call behind."""
     run_case("behind", timeout_env="5")
+
+
+# Process model 1: rank 0 runs dispatch, rank 1 ll_dispatch at the same point of one program.
+_OP_CHILD = ep_step_child("""
+    def body(x, idx, w):
+        throughput = lambda: jax_ep.dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
+        low_latency = lambda: jax_ep.ll_dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
+        return lax.cond(lax.axis_index("ep") == 0, throughput, low_latency)[None]
+""", dispatch_dtype="bfloat16")
+
+# Process model 1: rank 1's dispatch has hidden 128 (its x cut to 128 columns), rank 0's 256.
+_HIDDEN_CHILD = ep_step_child("""
+    import dataclasses
+    narrow = dataclasses.replace(cfg, hidden=128)
+    def body(x, idx, w):
+        wide = lambda: jax_ep.dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
+        thin = lambda: jax_ep.dispatch(x[:, :128], idx, w, narrow).x.astype(jnp.float32).sum()
+        return lax.cond(lax.axis_index("ep") == 0, wide, thin)[None]
+""")
+
+
+@pytest.mark.parametrize("child, field, ops, values", [
+    (_OP_CHILD, "op", ("dispatch", "ll_dispatch"), (2, 7)),
+    (_HIDDEN_CHILD, "hidden", ("dispatch", "dispatch"), (256, 128)),
+], ids=["op", "hidden"])
+def test_model_1_ranks_in_different_branches_fault_naming_the_field(gpus, child, field, ops, values):
+    """One program, the two GPUs in different branches of a lax.cond: both GPUs record a mismatch of
+    `field` (this rank's value, the peer's), not a timeout (JAX_EP_TIMEOUT_S is 60 s here)."""
+    if len(gpus) < 2:
+        pytest.skip("needs 2 GPUs")
+    faults, stdout = faults_of_child(child, timeout_s="60", want=2)
+    by_rank = {f["rank"]: f for f in faults}
+    assert sorted(by_rank) == [0, 1], faults
+    for rank, f in by_rank.items():
+        other = 1 - rank
+        assert f["kind"] == "mismatch" and f["field"] == field, f
+        assert f["op"] == ops[rank] and f["waited_rank"] == other, f
+        assert (f["expected"], f["observed"]) == (values[rank], values[other]), f
+        assert f["device_ordinal"] == gpus[rank].local_hardware_id, f
+        assert f"(rank {rank}): rank {other} (GPU " in f["message"], f["message"]
+    assert "CHECK_ERRORS=" in stdout and f"{field} is " in stdout, stdout[-4000:]
