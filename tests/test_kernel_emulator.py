@@ -50,17 +50,18 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     sweep, fused, two-phase and with two calls in flight, every output bit-exact against
     jax_ep.reference.ll_dispatch / ll_combine, NaN in every unfilled slot of y (must not leak), two
     calls on the same poisoned memory; a third send in flight, a handle received twice and a
-    receive of another shape fault; a peer whose call differs in a fingerprint field (or is 5 calls
-    ahead) makes both ranks fault naming the field."""
+    receive of another shape fault; a peer whose call differs in a fingerprint field (ll_combine or
+    the throughput dispatch against ll_dispatch included; or is 5 calls ahead) makes both ranks fault
+    naming the field."""
     _need_gxx()
     cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--random", "4",
            "--seed", "7", "--driver", str(tmp_path / "ll_driver")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
-    assert "25/25 low-latency cases pass" in out, out[-6000:]
-    for field in ("op", "num_ranks", "num_tokens", "hidden", "num_topk", "num_experts", "dtype",
-                  "call_sequence"):
+    assert "26/26 low-latency cases pass" in out, out[-6000:]
+    for field in ("op", "op_throughput", "num_ranks", "num_tokens", "hidden", "num_topk",
+                  "num_experts", "dtype", "call_sequence"):
         assert f"ok   mismatch {field}: faults naming it" in out, field
 
 

@@ -13,8 +13,9 @@
 // With `mismatch` (a FingerprintFieldName of cuda/fingerprint.h; mode ignored, no files read)
 // every rank runs ONE fused ll_dispatch, the last rank with one field changed (num_ranks + 1,
 // num_tokens + 1, hidden + 8, num_topk - 1, num_experts + R, dtype: an fp8 wire instead of bf16,
-// op: ll_combine instead of ll_dispatch) or its call count in the group 5 calls ahead
-// (call_sequence). Every rank must fault; the driver prints each record and its message.
+// op: ll_combine instead of ll_dispatch; op_throughput: the throughput dispatch instead) or its
+// call count in the group 5 calls ahead (call_sequence). Every rank must fault; the driver prints
+// each record and its message.
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/dispatch.h"
 #include "cuda/low_latency.h"
 #include "xla_ffi/fault_message.h"
 
@@ -82,11 +84,57 @@ LLLayout layout_of(const Sizes& s) {
 }
 
 // The one fused call of a mismatch case on `rank` (inputs zero: it must trap before using them).
-void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, int blocks,
-                  uint64_t call_offset) {
+// The throughput dispatch of the same sizes (capacity: the worst case), on the same axis slot.
+void run_throughput_dispatch(DeviceState* state, const int32_t* rank, const int32_t* group,
+                             const Sizes& s, int axis_slot) {
+  const int C = s.R * s.T * s.K;
+  std::vector<char> x(size_t(s.T) * s.H * 2 + 16), idx(size_t(s.T) * s.K * 4 + 16),
+      w(size_t(s.T) * s.K * 4 + 16), rows(size_t(C) * s.H * 2 + 16), sizes(size_t(s.E) * 4 + 16),
+      counts(size_t(s.E) * 4 + 16), row_weights(size_t(C) * 4 + 16), dropped(16),
+      src_index(size_t(C) * 4 + 16), token_rows(size_t(s.R) * s.T * s.K * 4 + 16),
+      in_rank(size_t(s.T) * s.R + 16);
+  DispatchLaunch d{};
+  d.state = state;
+  d.layout = make_comm_layout(s.R, s.T, s.K, s.E, dispatch_row_bytes(s.H, kRowBF16), 0);
+  d.x = x.data();
+  d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
+  d.topk_weights = reinterpret_cast<const float*>(w.data());
+  d.rank = rank;
+  d.group = group;
+  d.rows = rows.data();
+  d.group_sizes = reinterpret_cast<int32_t*>(sizes.data());
+  d.expert_counts = reinterpret_cast<int32_t*>(counts.data());
+  d.row_weights = reinterpret_cast<float*>(row_weights.data());
+  d.num_dropped = reinterpret_cast<int32_t*>(dropped.data());
+  d.src_index = reinterpret_cast<int32_t*>(src_index.data());
+  d.token_rows = reinterpret_cast<int32_t*>(token_rows.data());
+  d.is_token_in_rank = reinterpret_cast<bool*>(in_rank.data());
+  d.num_tokens = s.T;
+  d.num_topk = s.K;
+  d.num_experts = s.E;
+  d.num_ranks = s.R;
+  d.hidden = s.H;
+  d.capacity = C;
+  d.alignment = 1;
+  d.x_kind = kRowBF16;
+  d.row_kind = kRowBF16;
+  d.num_blocks = 1;
+  d.send_warps = 4;
+  d.axis_slot = axis_slot;
+  d.use_tma = false;
+  check(launch_dispatch(d, nullptr), "dispatch");
+}
+
+void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, bool throughput,
+                  int blocks, uint64_t call_offset) {
   const int32_t rank_value = rank, group_value = 0;
   const int axis_slot = 2;
   state->sync.group_epoch[axis_slot][0] += call_offset;  // calls this rank ran alone before
+  if (throughput) {
+    emu::concurrent_blocks = false;
+    run_throughput_dispatch(state, &rank_value, &group_value, s, axis_slot);
+    return;
+  }
   const size_t slots = size_t(s.E) * s.T;  // E_local * R * T
   std::vector<char> x(size_t(s.T) * s.H * 2 + 16), idx(size_t(s.T) * s.K * 4 + 16),
       w(size_t(s.T) * s.K * 4 + 16), rows(slots * s.H * 2 + 16),
@@ -156,7 +204,8 @@ int main(int argc, char** argv) {
   const Sizes last_sizes = changed(sizes, mismatch);
   const uint64_t buffer_bytes = align_up_u64(
       std::max({dispatch_layout.base.total, combine_layout.base.total,
-                layout_of(last_sizes).base.total}),
+                layout_of(last_sizes).base.total,
+                make_comm_layout(R, T, K, E, dispatch_row_bytes(H, kRowBF16), 0).total}),
       4096);
 
   const size_t state_bytes = align_up_u64(sizeof(DeviceState), 4096);
@@ -196,7 +245,8 @@ int main(int argc, char** argv) {
     if (!mismatch.empty()) {
       const bool last = rank == R - 1;
       run_mismatch(states[rank], rank, last ? last_sizes : sizes, last && mismatch == "op",
-                   blocks, last && mismatch == "call_sequence" ? 5 : 0);
+                   last && mismatch == "op_throughput", blocks,
+                   last && mismatch == "call_sequence" ? 5 : 0);
       std::fflush(stdout);
       _exit(0);  // the call should have trapped
     }

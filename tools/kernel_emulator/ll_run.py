@@ -66,6 +66,7 @@ MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "re
 MISMATCH_SIZES = (2, 4, 128, 2, 12)  # R, T, H, K, E; bf16 x and wire
 MISMATCHES = {
     "op": (1, "ll_dispatch", "ll_combine"),
+    "op_throughput": (1, "ll_dispatch", "dispatch"),  # rank 1 runs the throughput dispatch
     "num_ranks": (2, 2, 3),
     "num_tokens": (3, 4, 5),
     "hidden": (4, 128, 136),
@@ -74,7 +75,7 @@ MISMATCHES = {
     "dtype": (9, "bfloat16", "float8_e4m3fn"),
     "call_sequence": (10, None, None),  # rank 1 is 5 calls ahead
 }
-NUMBERS = {"ll_dispatch": 7, "ll_combine": 8, "bfloat16": 0, "float8_e4m3fn": 2}
+NUMBERS = {"ll_dispatch": 7, "ll_combine": 8, "dispatch": 2, "bfloat16": 0, "float8_e4m3fn": 2}
 FAULT_LINE = (r"^fault on rank (\d): kind (\d+) op (\d+) waited (-?\d+) what -?\d+ expected (\d+) "
               r"observed (\d+) field (\d+)$")
 
@@ -99,10 +100,11 @@ def run_mismatch(driver, field) -> str:
         else:
             mine, theirs = values[rank], values[1 - rank]
             want = (5, field_id, NUMBERS.get(mine, mine), NUMBERS.get(theirs, theirs))
-            phrase = f"{field} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"
+            name = "op" if field == "op_throughput" else field
+            phrase = f"{name} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"
         if (kind, got_field, expected, observed) != want or waited != 1 - rank:
             return f"rank {rank}: record {records[rank]}, want kind/field/expected/observed {want}"
-        op = "ll_combine" if field == "op" and rank == 1 else "ll_dispatch"
+        op = values[1] if field.startswith("op") and rank == 1 else "ll_dispatch"
         for part in (f"jax_ep: {op} on GPU {rank} (rank {rank})", phrase):
             if part not in text:
                 return f"rank {rank}: message lacks {part!r}: {text}"
@@ -114,7 +116,7 @@ def build(path: str = DRIVER) -> str:
     cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
            "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),
            "-I" + ROOT]
-    for s in ("cuda/group.cu", "cuda/low_latency.cu", "xla_ffi/fault_message.cc",
+    for s in ("cuda/group.cu", "cuda/dispatch.cu", "cuda/low_latency.cu", "xla_ffi/fault_message.cc",
               "tools/kernel_emulator/ll_driver.cc"):
         cmd += ["-x", "c++", os.path.join(ROOT, s)]
     subprocess.run(cmd + ["-o", path], check=True)
