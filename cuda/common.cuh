@@ -121,10 +121,9 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
                                                           int32_t waited_rank,
                                                           int32_t waited_ordinal,
                                                           uint64_t expected, uint64_t observed,
-                                                          int64_t elapsed_ns,
-                                                          int32_t field = kFieldNone) {
+                                                          int64_t elapsed_ns) {
   record_fault(state, kind, op_id, rank, waited_rank, waited_ordinal, expected, observed,
-               elapsed_ns, field);
+               elapsed_ns, kFieldNone);
   __trap();
 }
 

@@ -279,16 +279,19 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
       const uint64_t timeout_ns = state->tables.timeout_ns;
       while ((seen >> 16) < epoch) {
         const uint64_t elapsed = global_timer_ns() - start;
-        if (elapsed > timeout_ns) {  // the peer's call count stays below this call's
-          record_fault_and_trap(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
-                                static_cast<int64_t>(elapsed), kFieldSequence);
+        if (elapsed > timeout_ns) {
+          // the peer's call count stays below this call's (field: expected / observed are counts)
+          record_fault(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
+                       static_cast<int64_t>(elapsed), kFieldSequence);
+          __trap();
         }
         seen = load_acquire_sys(slot);
       }
     }
     const int32_t ordinal = static_cast<int32_t>(seen & 0xFFFF);
     info->ordinals[peer] = ordinal;
-    differs = peer_call_differs(state, axis_slot, group, rank, peer, ordinal, epoch, seen >> 16, fp);
+    differs =
+        peer_call_differs(state, axis_slot, group, rank, peer, ordinal, epoch, seen >> 16, fp);
   }
   trap_if_any_differs(differs);  // a block barrier: info is complete after it
 }

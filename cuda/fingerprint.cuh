@@ -35,12 +35,13 @@ __device__ __forceinline__ void publish_fingerprint(DeviceState* device, int axi
 // with fp. On a difference records a kFaultMismatch (this rank's value in expected, the peer's in
 // observed) and returns true: the caller traps after a block barrier (every thread of the block has
 // published by then, so each peer sees this call and reports the mismatch on its side too), before
-// it writes anything to a peer. fp by value: by reference, a noinline function would copy it from
-// the parameter space to local memory.
+// it writes anything to a peer. noinline: the cold comparison stays out of the spin loops'
+// registers; fp by reference (one register at the call; the low-latency kernels keep it in shared
+// memory, where passing it by value spilled their live registers around the call).
 static __device__ __noinline__ bool peer_call_differs(DeviceState* state, int axis_slot,
                                                       int group, int rank, int peer,
                                                       int peer_ordinal, uint64_t epoch,
-                                                      uint64_t seen, OpFingerprint fp) {
+                                                      uint64_t seen, const OpFingerprint& fp) {
   if (peer == rank) return false;
   if (seen > epoch + 1) {
     record_fault(state, kFaultMismatch, fp.op, rank, peer, peer_ordinal, epoch, seen, 0,

@@ -55,6 +55,7 @@ struct LLCall {
   uint64_t epoch;  // group epoch of the call: its flags carry it
   uint64_t call;   // n: the op's call count in the group
   int32_t rank, group, key, half;
+  OpFingerprint fp;                  // the call's config fingerprint (ll_fingerprint)
   int32_t ordinals[kMaxGroupRanks];  // slot of each rank (after discovery)
   char* peers[kMaxGroupRanks];       // rank r's communication buffer (after discovery)
 };
@@ -112,7 +113,7 @@ __device__ __forceinline__ void ll_fault(DeviceState* state, int32_t op_id, int3
 // Thread 0 of every block: reads and checks the call (no barrier: the block's other threads work
 // meanwhile; a barrier must follow before anyone reads *call).
 template <int kOp>
-__device__ void ll_read_call(const LLCommon& a, LLCall* call) {
+__device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) {
   DeviceState* state = a.state;
   constexpr int32_t op_id = kOp == kLLOpDispatch ? kOpLLDispatch : kOpLLCombine;
   const int32_t rank = *a.rank;
@@ -153,20 +154,20 @@ __device__ void ll_read_call(const LLCommon& a, LLCall* call) {
   call->group = group;
   call->key = a.axis_slot * kMaxGroups + group;
   call->half = static_cast<int32_t>(n & 1);
+  call->fp = ll_fingerprint(a, op_id, row_kind);
 }
 
 // Sending kernels, every thread, after the barrier that follows ll_read_call: publishes this
 // device's directory entry for the call's epoch, then the call's fingerprint, on every managed
 // device (every block does: a peer may wait on it before this device's first block has run).
-__device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call,
-                                           const OpFingerprint& fp) {
+__device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call) {
   DeviceState* state = a.state;
   const uint64_t entry = (call->epoch << 16) | static_cast<uint64_t>(state->tables.slot);
   for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
     DeviceState* device = state->tables.peer_states[o];
     if (device != nullptr) {
       release_store_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
-      publish_fingerprint(device, a.axis_slot, call->group, call->rank, call->epoch, fp);
+      publish_fingerprint(device, a.axis_slot, call->group, call->rank, call->epoch, call->fp);
     }
   }
 }
@@ -174,8 +175,7 @@ __device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call
 // Every thread: waits until every rank of the group has published its entry for this epoch (it
 // has entered this call), then knows their buffers; a peer that runs another call (fingerprint or
 // call count) makes the block trap before it writes anything (cuda/fingerprint.cuh). Bounded.
-template <int kOp>
-__device__ void ll_discover(const LLCommon& a, LLCall* call, const OpFingerprint& fp) {
+__device__ void ll_discover(const LLCommon& a, LLCall* call) {
   DeviceState* state = a.state;
   const int peer = static_cast<int>(threadIdx.x);
   bool differs = false;
@@ -191,8 +191,10 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call, const OpFingerprint
       while ((seen >> 16) < call->epoch) {
         const uint64_t elapsed = global_timer_ns() - start;
         if (elapsed > timeout_ns) {
-          record_fault_and_trap(state, kFaultTimeout, fp.op, call->rank, peer, -1, call->epoch,
-                                seen >> 16, static_cast<int64_t>(elapsed), kFieldSequence);
+          // the peer's call count stays below this call's (field: expected / observed are counts)
+          record_fault(state, kFaultTimeout, call->fp.op, call->rank, peer, -1, call->epoch,
+                       seen >> 16, static_cast<int64_t>(elapsed), kFieldSequence);
+          __trap();
         }
         backoff_sleep(sleep_ns);
         if (sleep_ns < 512) sleep_ns *= 2;
@@ -204,7 +206,7 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call, const OpFingerprint
     call->ordinals[peer] = ordinal;
     call->peers[peer] = comm_buffer_of(state, ordinal);
     differs = peer_call_differs(state, a.axis_slot, call->group, call->rank, peer, ordinal,
-                                call->epoch, seen >> 16, fp);
+                                call->epoch, seen >> 16, call->fp);
   }
   trap_if_any_differs(differs);  // a block barrier: call->ordinals / peers are complete after it
 }
@@ -430,8 +432,7 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const int steps = kRow == kRowFP8 ? (H + 511) / 512 : (H + 255) / 256;
   const char* x = static_cast<const char*>(p.x);
 
-  const OpFingerprint fp = ll_fingerprint(a, kOpLLDispatch, kRow);
-  ll_publish(a, call, fp);
+  ll_publish(a, call);
   // this warp's steps warp and warp + 16 of the first token, loaded and cast before the wait
   SendStep first[2] = {};
   const int t0 = blockIdx.x;
@@ -443,7 +444,7 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       }
     }
   }
-  ll_discover<kLLOpDispatch>(a, call, fp);
+  ll_discover(a, call);
 
   const int me = call->rank;
   const uint64_t tag = call_tag(call);
@@ -565,7 +566,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
     zero_table(p, s);
     __syncthreads();
   }
-  if (threadIdx.x == 0) ll_read_call<kLLOpDispatch>(p.c, s.call);
+  if (threadIdx.x == 0) ll_read_call<kLLOpDispatch>(p.c, kRow, s.call);
   if constexpr (kMode != kLLRecv) fill_table(p, s, 1);  // meanwhile
   __syncthreads();
   if constexpr (kMode != kLLRecv) dispatch_send<kXF32, kRow>(p, s);
@@ -619,9 +620,8 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int64_t items = static_cast<int64_t>(a.num_experts) * T * pieces;
   const int64_t gw = global_warp(), W = total_warps();
-  const OpFingerprint fp = ll_fingerprint(a, kOpLLCombine, kRowBF16);
-  ll_publish(a, call, fp);
-  ll_discover<kLLOpCombine>(a, call, fp);
+  ll_publish(a, call);
+  ll_discover(a, call);
 
   const uint64_t tag = call_tag(call);
   for (int64_t k0 = 0; gw + k0 * W < items; k0 += 32) {
@@ -724,7 +724,7 @@ template <int kMode>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineLaunch p) {
   const LLShared s = ll_shared();
   CombineItem first{0, -1, 0};
-  if (threadIdx.x == 0) ll_read_call<kLLOpCombine>(p.c, s.call);
+  if (threadIdx.x == 0) ll_read_call<kLLOpCombine>(p.c, kRowBF16, s.call);
   if constexpr (kMode != kLLRecv) {
     if (threadIdx.x != 0) first = combine_item(p, 0);  // meanwhile
   }
