@@ -419,22 +419,23 @@ def test_unsupported_dtype_is_a_clear_error(cuda_backend, mesh):
                  jnp.zeros((16, 2), jnp.float32))
 
 
-_TIMEOUT_CHILD = ep_step_child("""
+_TIMEOUT_BODY = """
     def body(x, idx, w):
-        run = lambda: jax_ep.dispatch(x, idx, w, cfg).x.astype(jnp.float32).sum()
+        run = lambda: jax_ep.{op}(x, idx, w, cfg).x.astype(jnp.float32).sum()
         skip = lambda: x.astype(jnp.float32).sum() * 0
         # rank 1 skips the call: rank 0 waits for it (group discovery) until the timeout
         return lax.cond(lax.axis_index("ep") == 0, run, skip)[None]
-""")
+"""
 
 
-def test_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh):
-    faults, stdout = faults_of_child(_TIMEOUT_CHILD)
+@pytest.mark.parametrize("op", ["dispatch", "dispatch_rank_major"])
+def test_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh, op):
+    faults, stdout = faults_of_child(ep_step_child(_TIMEOUT_BODY.format(op=op)))
     assert len(faults) == 1, faults
     fault = faults[0]
-    assert fault["kind"] == "timeout" and fault["op"] == "dispatch", fault
+    assert fault["kind"] == "timeout" and fault["op"] == op, fault
     assert fault["device_ordinal"] == mesh.devices.flat[0].local_hardware_id, fault
     assert (fault["rank"], fault["waited_rank"]) == (0, 1), fault
     assert 2.0 <= fault["elapsed_s"] < 30, fault
-    assert "CHECK_ERRORS=" in stdout and "dispatch" in stdout, stdout[-4000:]
+    assert "CHECK_ERRORS=" in stdout and op in stdout, stdout[-4000:]
     assert "waiting for rank 1" in stdout, stdout[-4000:]
