@@ -28,6 +28,7 @@
 #include "cuda/ep_layout.h"
 #include "cuda/group.h"
 #include "cuda/slot_values.h"
+#include "tools/kernel_emulator/unread_dispatch.h"
 #include "xla_ffi/fault_message.h"
 
 using namespace jax_ep;
@@ -98,13 +99,11 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, in
   const int32_t rank_value = rank, group_value = 0;
   const int axis_slot = 1;
   state->sync.group_epoch[axis_slot][0] += call_offset;  // calls this rank ran alone before
-  std::vector<char> x(size_t(s.T) * s.H * 4 + 16), idx(size_t(s.T) * s.K * 4 + 16),
-      w(size_t(s.T) * s.K * 4 + 16), rows(size_t(s.C) * s.H * 4 + 16),
-      scales(size_t(s.C) * (s.H / 128 + 1) * 4 + 16), sizes(size_t(s.E) * 8 + 16),
-      counts(size_t(s.E) * 8 + 16), row_weights(size_t(s.C) * 4 + 16), dropped(16),
-      src_index(size_t(s.C) * 4 + 16), token_rows(size_t(R) * s.T * s.K * 4 + 16),
-      in_rank(size_t(s.T) * R + 16), out(size_t(s.T) * s.H * 4 + 16);
   if (combine) {
+    // sized for the call; it must trap before it reads or writes them
+    std::vector<char> rows(size_t(s.C) * s.H * 4 + 16), row_weights(size_t(s.C) * 4 + 16),
+        token_rows(size_t(R) * s.T * s.K * 4 + 16), in_rank(size_t(s.T) * R + 16),
+        out(size_t(s.T) * s.H * 4 + 16);
     GroupLaunch g{};
     g.state = state;
     g.layout = make_comm_layout(R, s.T, s.K, 0, static_cast<uint64_t>(s.H) * 2, 0);
@@ -126,20 +125,8 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, in
   DispatchLaunch d{};
   d.state = state;
   d.layout = dispatch_layout_of(s);
-  d.x = x.data();
-  d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
-  d.topk_weights = reinterpret_cast<const float*>(w.data());
   d.rank = &rank_value;
   d.group = &group_value;
-  d.rows = rows.data();
-  d.scales = reinterpret_cast<float*>(scales.data());
-  d.group_sizes = reinterpret_cast<int32_t*>(sizes.data());
-  d.expert_counts = reinterpret_cast<int32_t*>(counts.data());
-  d.row_weights = reinterpret_cast<float*>(row_weights.data());
-  d.num_dropped = reinterpret_cast<int32_t*>(dropped.data());
-  d.src_index = reinterpret_cast<int32_t*>(src_index.data());
-  d.token_rows = reinterpret_cast<int32_t*>(token_rows.data());
-  d.is_token_in_rank = reinterpret_cast<bool*>(in_rank.data());
   d.num_tokens = s.T;
   d.num_topk = s.K;
   d.num_experts = s.E;
@@ -153,7 +140,7 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, in
   d.send_warps = send_warps;
   d.axis_slot = axis_slot;
   d.use_tma = true;
-  check(launch_dispatch(d, nullptr), "dispatch");
+  check(launch_unread_dispatch(d), "dispatch");
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 
 #include "cuda/dispatch.h"
 #include "cuda/low_latency.h"
+#include "tools/kernel_emulator/unread_dispatch.h"
 #include "xla_ffi/fault_message.h"
 
 using namespace jax_ep;
@@ -87,34 +88,17 @@ LLLayout layout_of(const Sizes& s) {
 // The throughput dispatch of the same sizes (capacity: the worst case), on the same axis slot.
 void run_throughput_dispatch(DeviceState* state, const int32_t* rank, const int32_t* group,
                              const Sizes& s, int axis_slot) {
-  const int C = s.R * s.T * s.K;
-  std::vector<char> x(size_t(s.T) * s.H * 2 + 16), idx(size_t(s.T) * s.K * 4 + 16),
-      w(size_t(s.T) * s.K * 4 + 16), rows(size_t(C) * s.H * 2 + 16), sizes(size_t(s.E) * 4 + 16),
-      counts(size_t(s.E) * 4 + 16), row_weights(size_t(C) * 4 + 16), dropped(16),
-      src_index(size_t(C) * 4 + 16), token_rows(size_t(s.R) * s.T * s.K * 4 + 16),
-      in_rank(size_t(s.T) * s.R + 16);
   DispatchLaunch d{};
   d.state = state;
   d.layout = make_comm_layout(s.R, s.T, s.K, s.E, dispatch_row_bytes(s.H, kRowBF16), 0);
-  d.x = x.data();
-  d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
-  d.topk_weights = reinterpret_cast<const float*>(w.data());
   d.rank = rank;
   d.group = group;
-  d.rows = rows.data();
-  d.group_sizes = reinterpret_cast<int32_t*>(sizes.data());
-  d.expert_counts = reinterpret_cast<int32_t*>(counts.data());
-  d.row_weights = reinterpret_cast<float*>(row_weights.data());
-  d.num_dropped = reinterpret_cast<int32_t*>(dropped.data());
-  d.src_index = reinterpret_cast<int32_t*>(src_index.data());
-  d.token_rows = reinterpret_cast<int32_t*>(token_rows.data());
-  d.is_token_in_rank = reinterpret_cast<bool*>(in_rank.data());
   d.num_tokens = s.T;
   d.num_topk = s.K;
   d.num_experts = s.E;
   d.num_ranks = s.R;
   d.hidden = s.H;
-  d.capacity = C;
+  d.capacity = s.R * s.T * s.K;
   d.alignment = 1;
   d.x_kind = kRowBF16;
   d.row_kind = kRowBF16;
@@ -122,7 +106,7 @@ void run_throughput_dispatch(DeviceState* state, const int32_t* rank, const int3
   d.send_warps = 4;
   d.axis_slot = axis_slot;
   d.use_tma = false;
-  check(launch_dispatch(d, nullptr), "dispatch");
+  check(launch_unread_dispatch(d), "dispatch");
 }
 
 void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, bool throughput,
