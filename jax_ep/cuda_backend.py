@@ -309,25 +309,33 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
                      out_memory_spaces=jax.memory.Space.Device)(*args)
 
 
-def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
-    """``jax_ep.reference.dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view."""
+def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+                   rows: jax.ShapeDtypeStruct, scales: jax.ShapeDtypeStruct | None, rest) -> tuple:
+    """The custom call of dispatch / dispatch_rank_major (one kernel family): results rows, scales
+    (None: no FP8) and ``rest`` (the op's other output types, in order). Returns (rows, scales or None,
+    [the rest]), per rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     tokens, hidden = x.shape
-    out = types.dispatch_types(tokens, x.dtype, cfg, ep_size)
-    fp8 = out.scales is not None
-    scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
-    flat = (out.x, scales, out.group_sizes, out.expert_counts, out.num_dropped, *out.handle)
+    fp8 = scales is not None
     rank, group, axis_slot = _group_of(axis)
-    outputs = _call("dispatch", flat, x, topk_idx, topk_weights, rank, group,
-                    stream=cfg.kernel.async_stream,
-                    **_attrs("dispatch", cfg, ep_size, axis_slot, tokens, hidden,
-                             row_bytes=hidden * out.x.dtype.itemsize,
+    outputs = _call(op, (rows, scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32), *rest),
+                    x, topk_idx, topk_weights, rank, group, stream=cfg.kernel.async_stream,
+                    **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
+                             row_bytes=hidden * rows.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
-                             capacity=out.x.shape[0], num_experts=cfg.num_experts))
-    rows, scales, group_sizes, counts, dropped, *handle = _vary_all(outputs, axis, x, topk_idx,
-                                                                   topk_weights)
-    return Dispatched(rows, scales if fp8 else None, group_sizes, counts, dropped, Handle(*handle))
+                             capacity=rows.shape[0], num_experts=cfg.num_experts))
+    rows, scales, *rest = _vary_all(outputs, axis, x, topk_idx, topk_weights)
+    return rows, scales if fp8 else None, rest
+
+
+def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
+    """``jax_ep.reference.dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view."""
+    out = types.dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
+    rows, scales, (group_sizes, counts, dropped, *handle) = _dispatch_call(
+        "dispatch", x, topk_idx, topk_weights, cfg, out.x, out.scales,
+        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle))
+    return Dispatched(rows, scales, group_sizes, counts, dropped, Handle(*handle))
 
 
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
@@ -377,24 +385,11 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
                         cfg: EPConfig) -> RankMajorDispatched:
     """``jax_ep.reference.dispatch_rank_major`` on NVLink kernels (the dispatch kernels in their
     rank-major mode; bit-exact outputs). Per-rank view."""
-    axis = cfg.axis_name
-    ep_size = lax.axis_size(axis)
-    tokens, hidden = x.shape
-    out = types.rank_major_dispatch_types(tokens, x.dtype, cfg, ep_size)
-    fp8 = out.scales is not None
-    scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
-    flat = (out.x, scales, out.topk_idx, out.topk_weights, out.num_tokens_per_rank,
-            out.num_tokens_per_expert, *out.handle)
-    rank, group, axis_slot = _group_of(axis)
-    outputs = _call("dispatch_rank_major", flat, x, topk_idx, topk_weights, rank, group,
-                    stream=cfg.kernel.async_stream,
-                    **_attrs("dispatch_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
-                             row_bytes=hidden * out.x.dtype.itemsize,
-                             scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
-                             capacity=out.x.shape[0], num_experts=cfg.num_experts))
-    rows, scales, ids, weights, per_rank, per_expert, src_index, in_rank = _vary_all(
-        outputs, axis, x, topk_idx, topk_weights)
-    return RankMajorDispatched(rows, scales if fp8 else None, ids, weights, per_rank, per_expert,
+    out = types.rank_major_dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
+    rows, scales, (ids, weights, per_rank, per_expert, src_index, in_rank) = _dispatch_call(
+        "dispatch_rank_major", x, topk_idx, topk_weights, cfg, out.x, out.scales,
+        (out.topk_idx, out.topk_weights, out.num_tokens_per_rank, out.num_tokens_per_expert, *out.handle))
+    return RankMajorDispatched(rows, scales, ids, weights, per_rank, per_expert,
                                RankMajorHandle(src_index, in_rank))
 
 
