@@ -240,8 +240,6 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
     """The decode layer's expert block on one device at the per-rank shapes, from uniform random routing
     of `tokens` per rank on `ep` ranks: (grouped GEMMs over the filled slots, batched einsum over all
     slots, bytes of this rank's expert weights: what either must read at least)."""
-    from jax_ep.gemm import grouped_matmul
-
     local = experts // ep
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
@@ -260,14 +258,8 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
     counts = put(counts)
 
     @jax.jit
-    def grouped(slots, counts, w1, w2):
-        slot, filled = moe.filled_slots(counts, slots.shape[1], min(topk, local))
-        flat = slots.reshape(-1, hidden)
-        rows = jnp.where(filled[:, None], flat[slot], jnp.zeros((), flat.dtype))
-        sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
-        gate, up = jnp.split(grouped_matmul(rows, w1, sizes, backend=gemm), 2, axis=1)
-        y = grouped_matmul(jax.nn.silu(gate) * up, w2, sizes, backend=gemm)
-        return jnp.zeros_like(flat).at[jnp.where(filled, slot, flat.shape[0])].set(y, mode="drop")
+    def grouped(slots, counts, w1, w2):  # the decode layer's expert block
+        return moe.slot_experts(slots, None, counts, w1, w2, min(topk, local), jnp.bfloat16, gemm)
 
     @jax.jit
     def einsum(slots, counts, w1, w2):

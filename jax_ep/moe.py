@@ -505,27 +505,36 @@ class MoE(nnx.Module):
         with jax.named_scope(SCOPES["dispatch"]):
             d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg)
         with jax.named_scope(SCOPES["experts"]):
-            # Only the filled slots are computed: at decode sizes they are a small share of the fixed
-            # slots (DeepSeek-V3, 128 tokens per rank, EP2: 2048 rows at most of 36,864 slots), and the
-            # GEMMs then read each expert's weights once for its few rows.
-            slot, filled = filled_slots(d.counts, d.x.shape[1], min(cfg.num_topk, d.x.shape[0]))
-            flat_x = d.x.reshape(-1, d.x.shape[2])
-            rows = flat_x[slot] if d.scales is None else dequantize_fp8(
-                flat_x[slot], d.scales.reshape(flat_x.shape[0], -1)[slot], x.dtype)
-            # rows past the filled ones are unspecified slots (NaN included on the CUDA path): zeros,
-            # so that every product of the GEMM is finite
-            rows = jnp.where(filled[:, None], rows.astype(x.dtype), jnp.zeros((), x.dtype))
-            group_sizes = jnp.sum(d.counts, axis=1, dtype=jnp.int32)
-            gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(x.dtype), group_sizes,
-                                                backend=self.gemm), 2, axis=1)
-            y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), group_sizes, backend=self.gemm)
-            # back into the slots ll_combine reads (it never reads the others)
-            slot = jnp.where(filled, slot, flat_x.shape[0])
-            y = jnp.zeros((flat_x.shape[0], y.shape[1]), jnp.bfloat16).at[slot].set(
-                y.astype(jnp.bfloat16), mode="drop", unique_indices=True).reshape(d.x.shape[:2] + y.shape[1:])
+            y = slot_experts(d.x, d.scales, d.counts, w_gate_up, w_down, min(cfg.num_topk, d.x.shape[0]),
+                             x.dtype, self.gemm)
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg)
-        return out, group_sizes, jnp.zeros((), jnp.int32)
+        return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), jnp.zeros((), jnp.int32)
+
+
+def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,
+                 w_down: jax.Array, max_experts_per_token: int, dtype, gemm: str = "auto") -> jax.Array:
+    """The SwiGLU experts over a low-latency dispatch's output (``ll_dispatch``'s ``x``, ``scales``,
+    ``counts``): y [E_local, R * T_max, H] bfloat16, what ``ll_combine`` reads (unfilled slots 0).
+
+    Only the filled slots are computed: at decode sizes they are a small share of the fixed slots
+    (DeepSeek-V3, 128 tokens per rank, EP2: 2,048 rows at most of 36,864 slots), gathered into rows
+    grouped by local expert (``filled_slots``), so the grouped GEMMs (``gemm``: jax_ep.grouped_matmul's
+    backend, in ``dtype``) read each expert's weights once for its few rows."""
+    slot, filled = filled_slots(counts, slots.shape[1], max_experts_per_token)
+    flat = slots.reshape(-1, slots.shape[2])
+    rows = flat[slot] if scales is None else dequantize_fp8(
+        flat[slot], scales.reshape(flat.shape[0], -1)[slot], dtype)
+    # rows past the filled ones are unspecified slots (NaN included on the CUDA path): zeros, so that
+    # every product of the GEMM is finite
+    rows = jnp.where(filled[:, None], rows.astype(dtype), jnp.zeros((), dtype))
+    group_sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
+    gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(dtype), group_sizes, backend=gemm), 2, axis=1)
+    y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(dtype), group_sizes, backend=gemm)
+    # back into the slots ll_combine reads (it never reads the others)
+    slot = jnp.where(filled, slot, flat.shape[0])
+    return jnp.zeros((flat.shape[0], y.shape[1]), jnp.bfloat16).at[slot].set(
+        y.astype(jnp.bfloat16), mode="drop", unique_indices=True).reshape(slots.shape[:2] + y.shape[1:])
 
 
 def filled_slots(counts: jax.Array, num_slots: int, max_experts_per_token: int
