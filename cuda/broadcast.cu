@@ -28,7 +28,8 @@ __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const Dat
                                                TmaWarp& tma) {
   const CommLayout& L = a.layout;
   send_chunks<kTma>(L, d, a.T, [&](int64_t t) {
-    const bool to_peer = d.lane < d.R && d.lane != d.me && a.is_token_in_rank[t * d.R + d.lane];
+    const bool to_peer = d.lane_peer != nullptr && d.lane != d.me &&  // (null: masked)
+                         a.is_token_in_rank[t * d.R + d.lane];
     const uint32_t remote = __ballot_sync(kFullMask, to_peer);
     if (remote == 0u) return;
     char* my_dst = to_peer ? d.lane_peer + L.stage_data +
@@ -68,7 +69,8 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     }
     item -= n_zero;
     int s, c;
-    receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, lane, &s, &c);
+    // a masked source's tokens have no rows here (the masked dispatch's handle): skip it
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, lane, &s, &c)) continue;
     for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;

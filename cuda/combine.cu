@@ -233,7 +233,8 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
   const int32_t* rows_src = a.token_rows + (static_cast<int64_t>(s_rank) * a.T + t0) * K;
   for (int f = lane; f < n_tok * K; f += 32) raw[f] = __ldg(rows_src + f);
   if (!reducer) {
-    if (lane < R && lane != me) {  // the other ranks' partials of this chunk have arrived
+    // the other linked ranks' partials of this chunk have arrived (a masked rank's count as +0.0)
+    if (lane < R && lane != me && ((d.linked >> lane) & 1u) != 0u) {
       wait_flag_equal(reinterpret_cast<const uint64_t*>(d.own + L.chunk_flags) +
                           (static_cast<int64_t>(lane) * L.num_chunks + c),
                       d.expected, d.state, a.op_id, me, lane, d.info->ordinals[lane]);
@@ -241,7 +242,7 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
     if (lane < n_tok) {
       int32_t mask = 0;
       for (int r = 0; r < R; ++r) mask |= a.is_token_in_rank[(t0 + lane) * R + r] ? 1 << r : 0;
-      w.in_mask[lane] = mask;
+      w.in_mask[lane] = mask & static_cast<int32_t>(d.linked);
     }
   }
   __syncwarp();
@@ -445,6 +446,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     if (reducer) {
       c = item / (d.R - 1);
       s_rank = other_rank(item % (d.R - 1), d.me);
+      if (((d.linked >> s_rank) & 1u) == 0u) continue;  // a masked rank: nothing goes there
     } else {
       c = item;
       s_rank = d.me;

@@ -181,7 +181,7 @@ __device__ __forceinline__ void group_barrier_block(DeviceState* state, const Pe
                                                    int32_t op_id) {
   __syncthreads();  // this block's earlier writes are ordered before the release below
   const int peer_rank = static_cast<int>(threadIdx.x);
-  if (peer_rank < group.size) {
+  if (peer_rank < group.size && group.ordinals[peer_rank] >= 0) {  // (-1: a masked rank)
     const int peer = group.ordinals[peer_rank];
     const int me = state->tables.slot;
     const uint64_t epoch = state->sync.barriers_done[peer] + 1;  // only this thread owns the slot

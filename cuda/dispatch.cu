@@ -9,6 +9,8 @@
 //     computes, exactly like jax_ep.reference.dispatch, every expert's segment offset, kept rows
 //     and the receive row of each of its own (token, expert) pairs on every destination
 //     (base_row / limit tables), and its own group_sizes, expert_counts, num_dropped.
+//     Rank masking: only linked ranks (OpInfo::linked) exchange counts; a masked rank's tokens
+//     count as routed nowhere, and a masked destination keeps no rows (its pairs are dropped).
 //  3. rows: per (token, slot) the destination rank and receive row (-1 unused, -2 dropped).
 //  4. main (num_blocks blocks, warps split into senders and receivers):
 //     senders: per chunk of 8 tokens, every token routed to a remote rank crosses NVLink ONCE
@@ -156,9 +158,10 @@ __global__ void __launch_bounds__(kPrepThreads)
 }
 
 // ---- 2. notify -----------------------------------------------------------------------------
-// This rank's counts [E] into counts[me][:] of every rank (its own included), then one flag per
-// rank; on return (thread r < R) rank r's counts are here. Every thread calls it. (Rank-major
-// dispatch passes E + R: its per-destination token counts travel with the expert counts.)
+// This rank's counts [E] into counts[me][:] of every linked rank (its own included), then one flag
+// per linked rank; on return (thread r < R) rank r's counts are here, and zero for a rank that is
+// not linked (masked: its tokens go nowhere, and it is not waited for). Every thread calls it.
+// (Rank-major dispatch passes E + R: its per-destination token counts travel with the expert counts.)
 __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLayout& layout,
                                                 const OpInfo& info, int R, int E, int32_t op_id) {
   const int me = info.rank;
@@ -167,13 +170,17 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
   for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
     const int r = static_cast<int>(i / E);
     const int e = static_cast<int>(i % E);
+    if (((info.linked >> r) & 1u) == 0u) {  // row r of this rank's table: nothing from rank r
+      reinterpret_cast<int32_t*>(own + layout.counts)[i] = 0;
+      continue;
+    }
     char* peer = comm_buffer_of(state, info.ordinals[r]);
     reinterpret_cast<int32_t*>(peer + layout.counts)[static_cast<int64_t>(me) * E + e] =
         __ldcg(counts_local + e);
   }
   __threadfence_system();
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < R) {
+  if (static_cast<int>(threadIdx.x) < R && ((info.linked >> threadIdx.x) & 1u) != 0u) {
     const int r = threadIdx.x;
     char* peer = comm_buffer_of(state, info.ordinals[r]);
     store_release_sys(reinterpret_cast<uint64_t*>(peer + layout.count_flags) + me, info.expected);
@@ -186,9 +193,11 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
 //   offset_j = sum_{j'<j} round_up(n_j', align), offset'_j = min(offset_j, C),
 //   kept_j = min(n_j, C - offset'_j); rows of source s start at offset'_j + sum_{s'<s} count.
 // Writes the base_row / limit tables of every expert and, for this rank's own experts, the
-// segment tables and the outputs; adds to *total_rows and *dropped (shared). Thread-parallel.
+// segment tables and the outputs; adds to *total_rows and *dropped (shared). A rank not in
+// `active` (masked) keeps no rows, as with capacity 0. Thread-parallel.
 __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layout,
-                                               const int32_t* rows_of_expert, int me, int R,
+                                               const int32_t* rows_of_expert, uint32_t active,
+                                               int me, int R,
                                                int E, int C, int align, int32_t* group_sizes,
                                                int32_t* expert_counts, int32_t* total_rows,
                                                unsigned long long* dropped) {
@@ -205,7 +214,8 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
     for (int i = d * experts_per_rank; i < e; ++i) offset += round_up_i64(rows_of_expert[i], align);
     const int64_t offset_c = offset < C ? offset : C;
     const int64_t n = rows_of_expert[e];
-    const int64_t kept = n < C - offset_c ? n : C - offset_c;
+    const int64_t room = ((active >> d) & 1u) != 0u ? C - offset_c : 0;
+    const int64_t kept = n < room ? n : room;
     int64_t before = 0;  // rows of expert e from ranks before me
     for (int s = 0; s < me; ++s) before += __ldcg(counts + static_cast<int64_t>(s) * E + e);
     base_row[e] = static_cast<int32_t>(offset_c + before);
@@ -224,7 +234,8 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
 
 __global__ void __launch_bounds__(kNotifyThreads)
     dispatch_notify_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
-                           const int32_t* group_ptr, OpFingerprint fp, int axis_slot,
+                           const int32_t* group_ptr, const int32_t* rank_mask, OpFingerprint fp,
+                           int axis_slot,
                            int32_t* __restrict__ group_sizes, int32_t* __restrict__ expert_counts,
                            int32_t* __restrict__ num_dropped) {
   JAX_EP_DYNAMIC_SHARED(int32_t, rows_of_expert);  // [E]: rows for expert e over all source ranks
@@ -232,7 +243,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
   __shared__ int32_t total_rows;
   __shared__ unsigned long long dropped;
   const int R = fp.ranks, E = fp.experts, C = fp.capacity, align = fp.alignment;
-  discover_group(state, rank_ptr, group_ptr, axis_slot, layout.total, fp, &info);
+  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, &info);
   char* own = own_comm_buffer(state);
   exchange_counts(state, layout, info, R, E, kOpDispatch);
   if (threadIdx.x == 0) {
@@ -248,7 +259,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
     rows_of_expert[e] = n;
   }
   __syncthreads();
-  segment_tables(own, layout, rows_of_expert, info.rank, R, E, C, align, group_sizes,
+  segment_tables(own, layout, rows_of_expert, info.active, info.rank, R, E, C, align, group_sizes,
                  expert_counts, &total_rows, &dropped);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -270,7 +281,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
                                       int32_t* __restrict__ tokens_per_expert) {
   __shared__ OpInfo info;
   const int R = fp.ranks, E = fp.experts;
-  discover_group(state, rank_ptr, group_ptr, axis_slot, layout.total, fp, &info);
+  discover_group(state, rank_ptr, group_ptr, nullptr, axis_slot, layout.total, fp, &info);
   char* own = own_comm_buffer(state);
   const int keys = E + R;
   exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor);
@@ -375,12 +386,13 @@ __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, i
 }
 
 // This rank's token t into the staging [me][t] of every remote rank in `ranks`, ONCE each (the
-// row in the wire format, FP8 scales alongside). Every lane calls it.
+// row in the wire format, FP8 scales alongside); none to a rank that is not linked. Every lane
+// calls it.
 template <int kConv, bool kTma>
 __device__ __forceinline__ void stage_token(const MainArgs& a, const DataWarp& d, TmaWarp& tma,
                                             int64_t t, uint32_t ranks) {
   const CommLayout& L = a.layout;
-  const uint32_t remote = ranks & ~(1u << d.me);
+  const uint32_t remote = ranks & d.linked & ~(1u << d.me);
   if (remote == 0u) return;
   const int64_t slot = static_cast<int64_t>(d.me) * a.num_tokens + t;
   char* my_dst = nullptr;
@@ -416,6 +428,7 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
     for (int r = 0; r < d.R; ++r) {
       char* peer = reinterpret_cast<char*>(
           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
+      if (peer == nullptr) continue;  // (warp-uniform) rank r is masked: nothing goes there
       if constexpr (kRankMajor) {  // the token's row on r: that of any of its slots there
         const uint32_t on_r = __ballot_sync(kFullMask, dest == r);
         const int row_r = on_r != 0u ? __shfl_sync(kFullMask, row, __ffs(on_r) - 1) : -1;
@@ -541,7 +554,14 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
     }
     item -= n_tail;
     int s, c;
-    receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c);
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c)) {
+      // a masked source: none of its slots has a row here (NOT_ROUTED), as if it routed nothing
+      const int64_t base = static_cast<int64_t>(s) * a.num_tokens;
+      const int64_t lo = (base + chunk_begin(L, c)) * a.num_topk;
+      const int64_t hi = (base + chunk_end(L, c, a.num_tokens)) * a.num_topk;
+      for (int64_t i = lo + d.lane; i < hi; i += 32) a.token_rows[i] = -1;
+      continue;
+    }
     for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
       dispatch_receive_token<kConv, kTma>(a, d, tma, s, t);
     }
@@ -633,8 +653,10 @@ __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, c
     }
     item -= n_empty;
     int s, c;
-    receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor, d.lane, &s,
-                             &c);
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor, d.lane,
+                                  &s, &c)) {
+      continue;  // (never: rank-major dispatch takes no mask, every rank is linked)
+    }
     for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
       dispatch_rank_major_token<kConv, kTma>(a, d, tma, s, t);
     }
@@ -716,7 +738,8 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
         p.tokens_per_rank, p.expert_counts);
   } else {
     JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(
-        p.state, p.layout, p.rank, p.group, dispatch_fingerprint(p), p.axis_slot, p.group_sizes,
+        p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
+        p.group_sizes,
         p.expert_counts, p.num_dropped);
   }
   JAX_EP_CHECK_LAUNCH();

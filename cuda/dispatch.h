@@ -30,6 +30,7 @@ struct DispatchLaunch {
   const float* topk_weights;  // [T, K]
   const int32_t* rank;        // [] this device's index along the EP axis
   const int32_t* group;       // [] its EP group (index over the other manual mesh axes)
+  const int32_t* rank_mask;   // [R] nonzero = active (rank masking), or null: every rank active
   // outputs (every element written, except rows past sum(group_sizes), which stay unspecified)
   void* rows;                 // [C, H] row_kind
   float* scales;              // [C, H / 128] for FP8 rows, else unused

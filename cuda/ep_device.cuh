@@ -230,9 +230,17 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
 // every peer of the group has entered this call, i.e. finished all earlier calls (stream order), so
 // its buffers may be overwritten, and runs the same call: a peer whose fingerprint differs, or
 // whose call count is more than one ahead, makes the block trap (a kFaultMismatch naming the field)
-// before the op writes anything. Fills info (shared memory): rank, size, group, ordinals, expected.
+// before the op writes anything. Fills info (shared memory): rank, size, group, ordinals, expected,
+// active, linked.
+//
+// Rank masking (rank_mask [R] int32 on the device, nonzero = active; null = all active): only the
+// linked ranks (OpInfo::linked) are waited for and have their fingerprints checked, so a masked
+// peer may never enter the call (a lax.cond branch without it, a process that stopped calling). A
+// masked rank publishes only to itself; an active one still publishes its directory entry to every
+// managed device, since which device a masked rank is on is what discovery finds out.
 __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t* rank_ptr,
-                                               const int32_t* group_ptr, int32_t axis_slot,
+                                               const int32_t* group_ptr,
+                                               const int32_t* rank_mask, int32_t axis_slot,
                                                uint64_t needed_bytes, const OpFingerprint& fp,
                                                OpInfo* info) {
   const int32_t group_size = fp.ranks;
@@ -256,21 +264,31 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
     info->rank = rank;
     info->size = group_size;
     info->group = group;
+    uint32_t active = 0u;
+    for (int r = 0; r < group_size; ++r) {
+      if (rank_mask == nullptr || rank_mask[r] != 0) active |= 1u << r;
+    }
+    info->active = active;
+    info->linked = ((active >> rank) & 1u) != 0u ? active : 1u << rank;
   }
   __syncthreads();
   const uint64_t epoch = info->expected >> 16;
   const int group = info->group;
   const int rank = info->rank;
   const uint64_t entry = (epoch << 16) | static_cast<uint64_t>(state->tables.slot);
+  const bool masked = ((info->active >> rank) & 1u) == 0u;
   for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
     DeviceState* device = state->tables.peer_states[o];
-    if (device != nullptr) {
+    if (device != nullptr && (!masked || o == state->tables.slot)) {
       store_release_sys(&device->sync.directory[axis_slot][group][rank], entry);
       publish_fingerprint(device, axis_slot, group, rank, epoch, fp);
     }
   }
   bool differs = false;
-  if (static_cast<int>(threadIdx.x) < group_size) {
+  if (static_cast<int>(threadIdx.x) < group_size &&
+      ((info->linked >> threadIdx.x) & 1u) == 0u) {
+    info->ordinals[threadIdx.x] = -1;  // not linked: never waited for, never written to
+  } else if (static_cast<int>(threadIdx.x) < group_size) {
     const int peer = static_cast<int>(threadIdx.x);
     const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
     uint64_t seen = load_acquire_sys(slot);
@@ -306,6 +324,8 @@ __device__ __forceinline__ void publish_op_info(DeviceState* state, const CommLa
   out->size = info.size;
   out->group = info.group;
   out->total_rows = total_rows;
+  out->active = info.active;
+  out->linked = info.linked;
   for (int i = 0; i < 4; ++i) out->work[i] = 0;
   for (int r = 0; r < kMaxGroupRanks; ++r) out->ordinals[r] = r < info.size ? info.ordinals[r] : -1;
 }
@@ -328,7 +348,9 @@ struct DataWarp {
   OpInfo* info;       // the call: rank, group size, ordinals, work counters
   int me, R;          // info->rank, info->size
   uint64_t expected;  // value of this call's ready flags
-  char* lane_peer;    // lane r < R: rank r's communication buffer (shuffled to name a peer)
+  uint32_t linked;    // info->linked: the ranks this call exchanges data with
+  char* lane_peer;    // lane r < R, r linked: rank r's communication buffer (shuffled to name a
+                      // peer); null for a rank that is not linked (masked)
 };
 
 __device__ __forceinline__ DataWarp data_warp(DeviceState* state, const CommLayout& L) {
@@ -341,7 +363,10 @@ __device__ __forceinline__ DataWarp data_warp(DeviceState* state, const CommLayo
   d.me = d.info->rank;
   d.R = d.info->size;
   d.expected = d.info->expected;
-  d.lane_peer = d.lane < d.R ? comm_buffer_of(state, d.info->ordinals[d.lane]) : nullptr;
+  d.linked = d.info->linked;
+  d.lane_peer = d.lane < d.R && ((d.linked >> d.lane) & 1u) != 0u
+                    ? comm_buffer_of(state, d.info->ordinals[d.lane])
+                    : nullptr;
   return d;
 }
 
@@ -360,7 +385,7 @@ __device__ __forceinline__ int other_rank(int index, int me) { return index < me
 
 // Sender side, after writing chunk c into every other rank's staging: the chunk's stores (bulk
 // stores completed first) are visible before its flag is raised on each of them. Lane r holds rank
-// r's buffer in lane_peer. Every lane calls it.
+// r's buffer in lane_peer (null: rank r is not linked, nothing goes there). Every lane calls it.
 template <bool kTma>
 __device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_peer, int c, int me,
                                               int R, uint64_t expected, int lane) {
@@ -372,7 +397,7 @@ __device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_pe
     }
   }
   __syncwarp();
-  if (lane < R && lane != me) {
+  if (lane < R && lane != me && lane_peer != nullptr) {
     store_release_sys(reinterpret_cast<uint64_t*>(lane_peer + L.chunk_flags) +
                           (static_cast<int64_t>(me) * L.num_chunks + c),
                       expected);
@@ -410,9 +435,10 @@ __device__ __forceinline__ void run_data_warps(DeviceState* state, const CommLay
 
 // Receiver side: work item `item` over this rank's chunks, then (chunk, other rank) pairs. Sets the
 // source rank *s and chunk *c; for another rank's chunk, lane 0 waits for its flag (bounded, the
-// op named in a timeout), with bulk loads ordered after the acquire. Every lane calls it.
+// op named in a timeout), with bulk loads ordered after the acquire. Returns false (no wait) for a
+// rank that is not linked (masked): nothing came from it. Every lane calls it.
 template <bool kTma>
-__device__ __forceinline__ void receive_chunk_item(int item, DeviceState* state,
+__device__ __forceinline__ bool receive_chunk_item(int item, DeviceState* state,
                                                    const CommLayout& L, const OpInfo* info,
                                                    const char* own, int32_t op_id, int lane,
                                                    int* s, int* c) {
@@ -420,11 +446,12 @@ __device__ __forceinline__ void receive_chunk_item(int item, DeviceState* state,
   if (item < L.num_chunks) {
     *s = me;
     *c = item;
-    return;
+    return true;
   }
   item -= L.num_chunks;
   *c = item / (info->size - 1);
   *s = other_rank(item % (info->size - 1), me);
+  if (((info->linked >> *s) & 1u) == 0u) return false;
   if (lane == 0) {
     wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
                         (static_cast<int64_t>(*s) * L.num_chunks + *c),
@@ -432,6 +459,7 @@ __device__ __forceinline__ void receive_chunk_item(int item, DeviceState* state,
     if constexpr (kTma) fence_proxy_async_global();
   }
   __syncwarp();
+  return true;
 }
 
 // ---- row copies -----------------------------------------------------------------------------

@@ -47,7 +47,12 @@ struct OpInfo {
   int32_t group;         // group id (0 on a 1-D mesh)
   int32_t total_rows;    // dispatch: sum of group_sizes on this rank
   uint32_t work[4];      // dynamic work counters of the data kernel (zeroed by the first kernel)
-  int32_t ordinals[kMaxGroupRanks];  // device ordinal of each rank
+  int32_t ordinals[kMaxGroupRanks];  // device ordinal of each rank (-1: not linked)
+  // Rank masking: bit r of `active` = rank r is active (the call's rank_mask); bit r of `linked` =
+  // this call exchanges data with rank r (itself always; an active rank links the active ranks, a
+  // masked one only itself). Nothing is written to, or waited for from, a rank that is not linked.
+  uint32_t active;
+  uint32_t linked;
 };
 
 struct CommLayout {

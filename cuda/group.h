@@ -20,6 +20,7 @@ struct GroupLaunch {
   CommLayout layout;
   const int32_t* rank;   // [] index along the EP axis
   const int32_t* group;  // [] EP group
+  const int32_t* rank_mask;  // [R] nonzero = active (rank masking), or null: every rank active
   int32_t num_ranks;     // R (static)
   int32_t num_tokens;    // T
   int32_t num_topk;      // K

@@ -205,8 +205,26 @@ int main(int argc, char** argv) {
     t.slot = r;
   }
 
+  // Rank masking (run.py's masked cases): JAX_EP_EMU_MASK = one 0/1 per rank, passed to dispatch,
+  // combine, broadcast and slot_values (the rank-major ops take no mask and are skipped then);
+  // JAX_EP_EMU_ABSENT = ranks whose process never runs an op (a dead or non-calling masked peer).
+  std::vector<int32_t> rank_mask;
+  std::string absent;
+  if (const char* m = std::getenv("JAX_EP_EMU_MASK"); m != nullptr && m[0] != '\0') {
+    for (const char* c = m; *c != '\0'; ++c) {
+      if (*c == '0' || *c == '1') rank_mask.push_back(*c - '0');
+    }
+    if (static_cast<int>(rank_mask.size()) != R) {
+      std::fprintf(stderr, "JAX_EP_EMU_MASK needs %d entries\n", R);
+      return 1;
+    }
+  }
+  if (const char* a = std::getenv("JAX_EP_EMU_ABSENT"); a != nullptr) absent = a;
+  const bool masked = !rank_mask.empty();
+
   std::vector<pid_t> children;
   for (int rank = 0; rank < R; ++rank) {
+    if (absent.find(std::to_string(rank)) != std::string::npos) continue;  // never runs
     const pid_t pid = fork();
     if (pid != 0) {
       children.push_back(pid);
@@ -251,6 +269,7 @@ int main(int argc, char** argv) {
       d.topk_weights = reinterpret_cast<const float*>(w.data());
       d.rank = &rank_value;
       d.group = &group_value;
+      d.rank_mask = masked ? rank_mask.data() : nullptr;
       d.rows = rows.data();
       d.scales = fp8 ? reinterpret_cast<float*>(scales.data()) : nullptr;
       d.group_sizes = reinterpret_cast<int32_t*>(group_sizes.data());
@@ -289,6 +308,7 @@ int main(int argc, char** argv) {
       gl.layout = data_layout;
       gl.rank = &rank_value;
       gl.group = &group_value;
+      gl.rank_mask = d.rank_mask;
       gl.num_ranks = R;
       gl.num_tokens = T;
       gl.num_topk = K;
@@ -319,6 +339,7 @@ int main(int argc, char** argv) {
                                reinterpret_cast<float*>(slotv.data()), nullptr),
             "slot_values");
       write_file("slotv" + tag + ".bin", slotv.data(), size_t(T) * K * 4);
+      if (masked) continue;
 
       // rank-major: dispatch_rank_major, then combine_rank_major / broadcast_rank_major through
       // its handle (the slot -> row table first, as the FFI handlers do)

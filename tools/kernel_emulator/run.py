@@ -128,7 +128,20 @@ def random_case(rng) -> dict:
                 y_dtype=str(rng.choice(["bfloat16", "float32"])), kind="fuzz",
                 blocks=int(rng.integers(1, 4)), send_warps=int(rng.integers(1, 16)),
                 reps=int(rng.integers(1, 3)), tma=bool(rng.random() < 0.7),
-                seed=int(rng.integers(0, 2**31)))
+                seed=int(rng.integers(0, 2**31)), **random_mask(rng, R))
+
+
+def random_mask(rng, R) -> dict:
+    """A quarter of the random cases with R >= 2 mask ranks (drawn after everything else, so the
+    other parameters of case i are those of the sweep before rank masking): any mask, all-active
+    included, with at least one active rank; each masked rank runs no op with probability 1/2."""
+    if R < 2 or rng.random() >= 0.25:
+        return {}
+    mask = tuple(int(m) for m in rng.integers(0, 2, R))
+    if not any(mask):
+        mask = tuple(1 if r == int(rng.integers(0, R)) else 0 for r in range(R))
+    absent = tuple(r for r in range(R) if not mask[r] and rng.random() < 0.5)
+    return dict(mask=mask, absent=absent)
 
 
 def to_dtype(a, name):
@@ -137,9 +150,15 @@ def to_dtype(a, name):
 
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
              y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0,
-             max_tokens=None, tma=True):
+             max_tokens=None, tma=True, mask=None, absent=()):
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
-    fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0."""
+    fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
+
+    mask (one 0/1 per rank): rank masking for dispatch, combine, broadcast and slot_values (the
+    rank-major ops are skipped). The CUDA path leaves a masked rank out of the call both ways, so
+    the active ranks are compared with the reference under the mask for the same call in which the
+    masked ranks route nothing (their topk_idx all -1); the masked ranks' outputs are not compared.
+    absent: masked ranks whose process runs no op at all (the others must still finish)."""
     rng = np.random.default_rng(seed)
     cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens or max(T, 1),
                    capacity=capacity, expert_alignment=align, dispatch_dtype=dispatch_dtype,
@@ -156,20 +175,28 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     yr = to_dtype(np.where(rng.random(yr.shape) < 0.05, np.float32(-0.0), yr), y_dtype)
 
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    if mask is not None:
+        assert all(mask[r] == 0 for r in absent), "only a masked rank may be absent"
+        ref_idx = np.where(np.asarray(mask, bool)[:, None, None], idx, -1).astype(np.int32)
+        rank_mask = jax.numpy.asarray(mask, jax.numpy.int32)
+    else:
+        ref_idx, rank_mask = idx, None
 
     def body(x, idx, w, y, g, v, yr):
-        d = reference.dispatch(x[0], idx[0], w[0], cfg)
+        d = reference.dispatch(x[0], idx[0], w[0], cfg, rank_mask)
         # the driver's unweighted combine (row_weights null) is the reference with weights 1
         unweighted = d.handle._replace(row_weights=jax.numpy.ones_like(d.row_weights))
         out = dict(rows=d.x, group_sizes=d.group_sizes, expert_counts=d.expert_counts,
                    row_weights=d.row_weights, num_dropped=d.num_dropped, src_index=d.handle.src_index,
                    token_rows=d.handle.token_rows, in_rank=d.handle.is_token_in_rank,
-                   comb_w=reference.combine(y[0], d.handle, cfg),
-                   comb_u=reference.combine(y[0], unweighted, cfg),
-                   bcast=reference.broadcast(g[0], d.handle, cfg),
+                   comb_w=reference.combine(y[0], d.handle, cfg, rank_mask),
+                   comb_u=reference.combine(y[0], unweighted, cfg, rank_mask),
+                   bcast=reference.broadcast(g[0], d.handle, cfg, rank_mask),
                    slotv=reference.slot_values(v[0], d.handle, cfg))
         if d.scales is not None:
             out["scales"] = d.scales
+        if rank_mask is not None:  # (the rank-major ops take no mask)
+            return {k: a[None] for k, a in out.items()}
         m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg)
         # the expert kernel's rows: empty rows hold NaN (combine_rank_major never reads them)
         yr_in = jax.numpy.where(m.handle.src_index[:, None] >= 0, yr[0], jax.numpy.nan).astype(yr.dtype)
@@ -183,9 +210,10 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
         return {k: a[None] for k, a in out.items()}
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v, yr)]
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ref_idx, w, y, g, v, yr)]
     want = {k: np.asarray(a) for k, a in fn(*args).items()}
-    yr = want.pop("rm_y")
+    if mask is None:
+        yr = want.pop("rm_y")
 
     with tempfile.TemporaryDirectory() as d:
         for r in range(R):
@@ -193,7 +221,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
                 np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
         cmd = [DRIVER, d, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype],
                blocks, send_warps, reps]
-        env = dict(os.environ, JAX_EP_TMA="1" if tma else "0")
+        env = dict(os.environ, JAX_EP_TMA="1" if tma else "0",
+                   JAX_EP_EMU_MASK="" if mask is None else ",".join(str(int(m)) for m in mask),
+                   JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent))
         start = time.time()
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, env=env)
         took = time.time() - start
@@ -202,12 +232,15 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             return False
         ok = True
         for r in range(R):
+            if mask is not None and not mask[r]:
+                continue
             for rep in range(reps):
                 ok &= compare_rank(name, d, r, rep, want)
         rows = [int(s.sum()) for s in want["group_sizes"]]
-        rm_rows = [int(s.sum()) for s in want["rm_per_rank"]]
+        more = (f"mask {list(mask)}, absent {list(absent)}" if mask is not None else
+                f"rank-major rows {[int(s.sum()) for s in want['rm_per_rank']]}")
         print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
-              f"{want['num_dropped'].tolist()}, rank-major rows {rm_rows}, {took:.1f}s)")
+              f"{want['num_dropped'].tolist()}, {more}, {took:.1f}s)")
         return ok
 
 
@@ -263,6 +296,15 @@ CASES = [
          x_dtype="float32", y_dtype="float32"),
     dict(name="fp8 odd blocks, 15 send warps", R=2, T=9, H=640, K=2, E=4,
          dispatch_dtype="float8_e4m3fn", send_warps=15, reps=3),
+    # rank masking: all active (the same bits as no mask), masked ranks that run the ops, and masked
+    # ranks whose process runs none (the others must not wait for them)
+    dict(name="mask all active", R=3, T=20, H=128, K=4, E=9, kind="messy", mask=(1, 1, 1)),
+    dict(name="mask rank 1 runs", R=3, T=20, H=128, K=4, E=9, kind="messy", mask=(1, 0, 1),
+         capacity=30),
+    dict(name="mask rank 0 absent fp8", R=2, T=24, H=256, K=3, E=8, mask=(0, 1), absent=(0,),
+         dispatch_dtype="float8_e4m3fn"),
+    dict(name="mask ranks 1, 3 absent, f32 y", R=4, T=13, H=64, K=6, E=16, kind="messy",
+         mask=(1, 0, 1, 0), absent=(1, 3), x_dtype="float32", y_dtype="float32", align=4),
 ]
 
 
@@ -344,7 +386,8 @@ def random_cases(n: int, seed: int) -> list[dict]:
         name = (f"random seed {seed} case {i}: R={c['R']} T={c['T']}/{c['max_tokens']} H={c['H']} "
                 f"K={c['K']} E={c['E']} align={c['align']} capacity={c['capacity']} "
                 f"{short[c['x_dtype']]}->{rows} y={short[c['y_dtype']]} blocks={c['blocks']} "
-                f"warps={c['send_warps']} tma={int(c['tma'])} reps={c['reps']}")
+                f"warps={c['send_warps']} tma={int(c['tma'])} reps={c['reps']}"
+                + (f" mask={c['mask']} absent={c['absent']}" if "mask" in c else ""))
         cases.append(dict(name=name, **c))
     return cases
 
