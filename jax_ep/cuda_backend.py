@@ -309,18 +309,28 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
                      out_memory_spaces=jax.memory.Space.Device)(*args)
 
 
+def _mask_operand(rank_mask: jax.Array | None, ep_size: int) -> jax.Array:
+    """The int32 [R] rank-mask operand of dispatch, combine, broadcast and slot_values (nonzero =
+    active; all ones without a mask). The kernels never wait for, nor write to, a masked rank."""
+    if rank_mask is None:
+        return jnp.ones((ep_size,), jnp.int32)
+    return (rank_mask != 0).astype(jnp.int32)
+
+
 def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-                   rows: jax.ShapeDtypeStruct, scales: jax.ShapeDtypeStruct | None, rest) -> tuple:
+                   rows: jax.ShapeDtypeStruct, scales: jax.ShapeDtypeStruct | None, rest,
+                   mask: tuple = ()) -> tuple:
     """The custom call of dispatch / dispatch_rank_major (one kernel family): results rows, scales
-    (None: no FP8) and ``rest`` (the op's other output types, in order). Returns (rows, scales or None,
-    [the rest]), per rank."""
+    (None: no FP8) and ``rest`` (the op's other output types, in order); ``mask``: the rank-mask
+    operand where the op's handler takes one, else (). Returns (rows, scales or None, [the rest]),
+    per rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     tokens, hidden = x.shape
     fp8 = scales is not None
     rank, group, axis_slot = _group_of(axis)
     outputs = _call(op, (rows, scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32), *rest),
-                    x, topk_idx, topk_weights, rank, group, stream=cfg.kernel.async_stream,
+                    x, topk_idx, topk_weights, *mask, rank, group, stream=cfg.kernel.async_stream,
                     **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
                              row_bytes=hidden * rows.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
@@ -329,16 +339,19 @@ def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax
     return rows, scales if fp8 else None, rest
 
 
-def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> Dispatched:
-    """``jax_ep.reference.dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view."""
+def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+             rank_mask: jax.Array | None = None) -> Dispatched:
+    """``jax_ep.reference.dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view. With a
+    rank_mask, a masked rank is left out of the call both ways (docs/api.md, "Rank masking")."""
     out = types.dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
     rows, scales, (group_sizes, counts, dropped, *handle) = _dispatch_call(
         "dispatch", x, topk_idx, topk_weights, cfg, out.x, out.scales,
-        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle))
+        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle),
+        mask=(_mask_operand(rank_mask, lax.axis_size(cfg.axis_name)),))
     return Dispatched(rows, scales, group_sizes, counts, dropped, Handle(*handle))
 
 
-def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.combine`` on NVLink kernels (same float32 summation order). Per-rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
@@ -346,13 +359,13 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
     result = _call("combine", out, y, handle.row_weights, handle.token_rows, handle.is_token_in_rank,
-                   rank, group, stream=cfg.kernel.async_stream,
+                   _mask_operand(rank_mask, ep_size), rank, group, stream=cfg.kernel.async_stream,
                    **_attrs("combine", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * y.dtype.itemsize))
     return _vary_all(result, axis, y, *handle)
 
 
-def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.broadcast`` (dispatch through a known handle, no weights; rows no token
     landed on are zero) on NVLink kernels. Per-rank view."""
     axis = cfg.axis_name
@@ -361,20 +374,22 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
     tokens, hidden = g.shape
     rank, group, axis_slot = _group_of(axis)
     result = _call("broadcast", out, g, handle.token_rows, handle.is_token_in_rank, handle.src_index,
-                   rank, group, stream=cfg.kernel.async_stream,
+                   _mask_operand(rank_mask, ep_size), rank, group, stream=cfg.kernel.async_stream,
                    **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0]))
     return _vary_all(result, axis, g, handle.token_rows, handle.src_index)
 
 
-def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
+                rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.slot_values``: each source token's top-k slot gets the value of its
     receive row ([C] float32 -> [T, K]; 0 for unused, duplicate or dropped slots). Per-rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     out = types.slot_values_types(handle, cfg, ep_size)
     rank, group, axis_slot = _group_of(axis)
-    result = _call("slot_values", out, values.astype(jnp.float32), handle.token_rows, rank, group,
+    result = _call("slot_values", out, values.astype(jnp.float32), handle.token_rows,
+                   _mask_operand(rank_mask, ep_size), rank, group,
                    stream=cfg.kernel.async_stream,
                    **_attrs("slot_values", cfg, ep_size, axis_slot, out.shape[0]))
     return _vary_all(result, axis, values, handle.token_rows)

@@ -89,16 +89,18 @@ class Op:
         "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
         table), the extension is loaded, the default platform is a GPU and the kernel supports the
         sizes; the reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
-        ``masked``: a rank mask was given (rank masking is built on the reference path only).
+        ``masked``: a rank mask was given. "auto" then takes the reference: the CUDA path leaves a
+        masked rank out of the call both ways (its own tokens are not routed), the reference routes
+        them (docs/api.md, "Rank masking"). Ops without a mask operand refuse one on "cuda".
         """
         if cfg.backend == "reference":
             return getattr(reference, self.name)
         if masked:
             if cfg.backend == "auto":
                 return getattr(reference, self.name)
-            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {_NO_MASK_KERNEL}; use "
-                                      "backend='reference' or 'auto' (which runs the reference path "
-                                      "when a rank_mask is given)")
+            if self.name not in _MASK_KERNELS:
+                raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {_NO_MASK_KERNEL}; "
+                                          "use backend='reference' or 'auto'")
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
         kernel = getattr(cuda_backend, self.name, None)
@@ -124,9 +126,10 @@ class Op:
         return kernel
 
 
-_NO_MASK_KERNEL = ("rank masking (rank_mask) is not built in the CUDA kernels (issue 15 item 1 delivers "
-                   "the semantics on the reference path; marking a rank masked when a peer misses the "
-                   "bounded wait is not built)")
+# the CUDA kernels that take the rank-mask operand (jax_ep.cuda_backend._mask_operand)
+_MASK_KERNELS = ("dispatch", "combine", "broadcast", "slot_values")
+_NO_MASK_KERNEL = "this op's CUDA kernel takes no rank_mask"
+
 
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
@@ -143,7 +146,7 @@ def implementation(op: str, cfg: EPConfig, dtype=None, masked: bool = False):
 
 
 def _masked(impl, rank_mask):
-    """impl called with rank_mask only when there is one (the CUDA functions take none)."""
+    """impl called with rank_mask only when there is one."""
     if rank_mask is None:
         return impl
     return functools.partial(impl, rank_mask=rank_mask)
@@ -234,7 +237,8 @@ def _dispatch_bwd(cfg, residuals, ct):
     dx = _masked(implementation("combine", cfg, d_rows.dtype, masked), rank_mask)(
         d_rows, unweighted, cfg).astype(dtype_token.dtype)
     # a masked slot is DROPPED in the handle: it has no row, its weight's gradient is 0
-    d_topk_weights = implementation("slot_values", cfg, None, masked)(ct.handle.row_weights, handle, cfg)
+    d_topk_weights = _masked(implementation("slot_values", cfg, None, masked), rank_mask)(
+        ct.handle.row_weights, handle, cfg)
     return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 

@@ -278,9 +278,11 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array 
     return take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
 
 
-def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array:
+def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
+                rank_mask: jax.Array | None = None) -> jax.Array:
     """For each source token and top-k slot, the value of its receive row ([C] -> [T, K]); 0 where
-    the slot has no row (unused, duplicate or dropped)."""
+    the slot has no row (unused, duplicate or dropped). rank_mask changes nothing here (a masked
+    dispatch's handle gives a masked rank no rows); the CUDA kernel takes it to skip masked ranks."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
     per_slot = take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)

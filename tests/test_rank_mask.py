@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -261,21 +262,63 @@ def test_invalid_masks_name_the_argument(bad, what):
         per_rank(run_combine, ep_size)(x, idx, w)
 
 
-def test_cuda_backend_refuses_masking_and_auto_takes_the_reference():
+def test_auto_takes_the_reference_and_cuda_takes_the_mask_kernels():
+    """'auto' keeps the reference with a mask (the CUDA path leaves a masked rank's own tokens
+    unrouted); 'cuda' runs the mask-taking kernels; ops without a mask operand refuse one."""
+    from jax_ep import cuda_backend
+
     ep_size = 2
     rng = np.random.default_rng(1)
     x, idx, w = random_tokens(rng, ep_size, T, _cfg())
     m = _tiled([True, False], ep_size)
-    with pytest.raises(NotImplementedError, match=r"dispatch \(backend='cuda'\): rank masking"):
-        _dispatch_fn(ep_size, _cfg(backend="cuda"), True)(x, idx, w, m)
-    for name in ("dispatch", "combine", "broadcast", "slot_values"):
+    for name in ops._MASK_KERNELS:
         assert ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=True) is getattr(
             reference, name)
-        with pytest.raises(NotImplementedError, match="not built in the CUDA kernels"):
+        assert "rank_mask" in inspect.signature(getattr(cuda_backend, name)).parameters
+    for name in ("ll_dispatch", "ll_combine", "dispatch_rank_major", "combine_rank_major"):
+        with pytest.raises(NotImplementedError, match="takes no rank_mask"):
             ops.OPS[name].implementation(_cfg(backend="cuda"), ep_size, masked=True)
     got = to_numpy(_dispatch_fn(ep_size, _cfg(backend="auto"), True)(x, idx, w, m))
     _assert_tree_bits_equal(got, to_numpy(_dispatch_fn(ep_size, _cfg(), True)(x, idx, w, m)),
                             "auto = reference")
+
+
+def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
+    """backend='cuda' with a mask traces on any machine (the FFI calls compile on GPUs only): the
+    forward and backward custom calls of dispatch and combine (dispatch, combine, broadcast,
+    slot_values) each take the mask as an int32 [R] operand (traced: new values, same executable),
+    and without a mask an all-ones one."""
+    from jax_ep import cuda_backend, runtime
+
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "limits", lambda: {
+        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
+        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+    ep_size = 2
+    cfg = _cfg(backend="cuda", dispatch_dtype="bfloat16")
+
+    def loss(x, i, w, m):
+        d = jax_ep.dispatch(x, i, w, cfg, rank_mask=m)
+        return jnp.sum(jax_ep.combine(d.x, d.handle, cfg, rank_mask=m).astype(jnp.float32) ** 2)
+
+    def body(x, i, w, m):
+        return jax.grad(loss, argnums=(0, 2))(x, i, w, m)
+
+    rng = np.random.default_rng(4)
+    x, idx, w = random_tokens(rng, ep_size, T, _cfg())
+    text = per_rank(body, ep_size).lower(x.astype(jnp.bfloat16), idx, w,
+                                         _tiled([True, False], ep_size)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_ep" in line]
+    names = sorted(line.split("@")[1].split("(")[0] for line in calls)
+    assert names == ["jax_ep_broadcast", "jax_ep_combine", "jax_ep_combine", "jax_ep_dispatch",
+                     "jax_ep_slot_values"], names
+    for line in calls:  # operands ..., rank_mask, rank, group
+        operand_types = line.split(":")[-1].split("->")[0]
+        assert operand_types.rstrip(" )").endswith(
+            f"tensor<{ep_size}xi32>, tensor<i32>, tensor<i32>"), line
 
 
 # ---- the MoE layer: set_rank_mask / clear_rank_mask ----------------------------------------------
@@ -347,8 +390,9 @@ def test_moe_layer_rank_mask():
     on_cuda = _layer(2)
     on_cuda.ep = dataclasses.replace(on_cuda.ep, backend="cuda")
     on_cuda.set_rank_mask([True, False])
-    with pytest.raises(NotImplementedError, match="rank masking"):
-        on_cuda(x)
+    if jax.default_backend() != "gpu":  # the mask is no reason to refuse 'cuda' any more
+        with pytest.raises(RuntimeError, match="backend='cuda' is unavailable"):
+            on_cuda(x)
 
 
 def test_checkpoint_save_refuses_a_rank_mask(tmp_path):

@@ -437,6 +437,18 @@ ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind) {
   return ffi::Error::Success();
 }
 
+// The rank mask operand of dispatch, combine, broadcast and slot_values (int32 [R], nonzero =
+// active; traced, so a new mask reuses the executable): the kernels read it on the device.
+ffi::Error RankMaskOf(const char* op, const OpState& state, ffi::Buffer<ffi::S32> rank_mask,
+                      const int32_t** out) {
+  if (!IsShape(rank_mask.dimensions(), {state.attrs.num_ranks})) {
+    return Invalid(op, "rank_mask " + DimsToString(rank_mask.dimensions()) + " must be [R], R=" +
+                           std::to_string(state.attrs.num_ranks));
+  }
+  *out = rank_mask.typed_data();
+  return ffi::Error::Success();
+}
+
 // What dispatch and dispatch_rank_major share: x / rows dtypes, the attributes, the input shapes,
 // and the launch fields they both fill. `rows_count` is C (expert-major) or R * T (rank-major).
 ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState& state,
@@ -504,9 +516,10 @@ ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState
 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank,
-                        ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
-                        ffi::ResultBuffer<ffi::F32> scales, ffi::ResultBuffer<ffi::S32> group_sizes,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank_mask,
+                        ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                        ffi::Result<ffi::AnyBuffer> rows, ffi::ResultBuffer<ffi::F32> scales,
+                        ffi::ResultBuffer<ffi::S32> group_sizes,
                         ffi::ResultBuffer<ffi::S32> expert_counts,
                         ffi::ResultBuffer<ffi::S32> num_dropped,
                         ffi::ResultBuffer<ffi::S32> src_index,
@@ -540,6 +553,9 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
   launch.expert_counts = expert_counts->typed_data();
   launch.row_weights = row_weights->typed_data();
   launch.num_dropped = num_dropped->typed_data();
+  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask); !error.success()) {
+    return error;
+  }
   launch.src_index = src_index->typed_data();
   launch.token_rows = token_rows->typed_data();
   launch.alignment = static_cast<int32_t>(a.alignment);
@@ -599,8 +615,8 @@ ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, Op
 ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                        ffi::AnyBuffer y, ffi::Buffer<ffi::F32> row_weights,
                        ffi::Buffer<ffi::S32> token_rows, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                       ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                       ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kCombineTarget;
   if (ffi::Error error = CountCall(combine_counters, stream, kOp); !error.success()) return error;
   const EPAttrs& a = state->attrs;
@@ -627,6 +643,10 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
       !error.success()) {
     return error;
   }
+  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
+      !error.success()) {
+    return error;
+  }
   const cudaError_t status = launch_combine(
       launch, y.untyped_data(), row_weights.typed_data(), token_rows.typed_data(),
       is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, /*rank_major=*/false,
@@ -638,8 +658,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
 ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                          ffi::AnyBuffer g, ffi::Buffer<ffi::S32> token_rows,
                          ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> src_index,
-                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                         ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                         ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kBroadcastTarget;
   if (ffi::Error error = CountCall(broadcast_counters, stream, kOp); !error.success()) {
     return error;
@@ -663,6 +683,10 @@ ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
   }
   GroupLaunch launch{};
   if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
       !error.success()) {
     return error;
   }
@@ -784,8 +808,8 @@ ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, O
 
 ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> token_rows,
-                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                          ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::F32> out) {
   constexpr const char* kOp = kSlotValuesTarget;
   if (ffi::Error error = CountCall(slot_values_counters, stream, kOp); !error.success()) {
     return error;
@@ -800,6 +824,10 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
   }
   GroupLaunch launch{};
   if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
       !error.success()) {
     return error;
   }
@@ -1269,7 +1297,8 @@ JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastRankMajorInstantiate, kBroadcastRankMaj
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
                                                   ffi::Buffer<ffi::S32>,     // topk_idx
-                                                  ffi::Buffer<ffi::F32>>()   // topk_weights
+                                                  ffi::Buffer<ffi::F32>,     // topk_weights
+                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // group_sizes
@@ -1285,7 +1314,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
                                                   ffi::Buffer<ffi::F32>,      // row_weights
                                                   ffi::Buffer<ffi::S32>,      // token_rows
-                                                  ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -1293,13 +1323,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcast, jax_ep::BroadcastImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
                                                   ffi::Buffer<ffi::S32>,      // token_rows
                                                   ffi::Buffer<ffi::PRED>,     // is_token_in_rank
-                                                  ffi::Buffer<ffi::S32>>()    // src_index
+                                                  ffi::Buffer<ffi::S32>,      // src_index
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
                               (jax_ep::BindDataOp<ffi::Buffer<ffi::F32>,      // values
-                                                  ffi::Buffer<ffi::S32>>()    // token_rows
+                                                  ffi::Buffer<ffi::S32>,      // token_rows
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::Buffer<ffi::F32>>()),            // out
                               {ffi::Traits::kCmdBufferCompatible});
 
