@@ -43,6 +43,22 @@ def test_kernel_emulator_random_sweep(tmp_path):
     assert any(int(c[1]) == 0 for c in cases), "no case without tokens"
     assert any(c[3] == "fp8" for c in cases) and any(c[2:4] == ("f32", "bf16") for c in cases)
     assert sum(any(int(v) for v in c[4].split(",")) for c in cases) >= 2, "fewer than 2 cases drop rows"
+    masked = re.findall(r"^ok   random seed .* mask=\(([\d, ]+)\) absent=\(([\d, ]*)\)", out, flags=re.M)
+    assert any(a.strip() for _, a in masked) and any(not a.strip() for _, a in masked), (
+        "the sweep must mask ranks that run the ops and ranks that run none")
+
+
+def test_rank_masking_on_the_emulator(tmp_path):
+    """Rank masking (run.py's fixed 'mask' cases): an all-active mask, a masked rank that runs the
+    ops, masked ranks whose process runs none (the others finish without them); the active ranks'
+    dispatch, combine, broadcast and slot_values bit-exact against the reference under the mask with
+    the masked ranks' tokens unrouted. About 30 s."""
+    _need_gxx()
+    cmd = [sys.executable, str(RUN), "-k", "mask", "--driver", str(tmp_path / "driver")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    assert "4/4 cases pass" in out, out[-6000:]
 
 
 def test_low_latency_kernels_on_the_emulator(tmp_path):

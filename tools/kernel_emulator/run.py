@@ -139,7 +139,8 @@ def random_mask(rng, R) -> dict:
         return {}
     mask = tuple(int(m) for m in rng.integers(0, 2, R))
     if not any(mask):
-        mask = tuple(1 if r == int(rng.integers(0, R)) else 0 for r in range(R))
+        keep = int(rng.integers(0, R))
+        mask = tuple(int(r == keep) for r in range(R))
     absent = tuple(r for r in range(R) if not mask[r] and rng.random() < 0.5)
     return dict(mask=mask, absent=absent)
 
