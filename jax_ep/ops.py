@@ -184,8 +184,9 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
       cfg: EPConfig (static).
       rank_mask: None (every rank active) or [R] bool / integer (nonzero: active), the same on every
         rank, traced. Slots whose expert lives on a masked rank are dropped (counted in num_dropped
-        of that rank, marked DROPPED in its handle); a masked rank receives no rows. Reference path
-        only: backend="auto" runs the reference, "cuda" raises NotImplementedError.
+        of that rank, marked DROPPED in its handle); a masked rank receives no rows. backend="auto"
+        runs the reference; "cuda" leaves a masked rank out of the call both ways (its own tokens
+        are not routed; docs/api.md, "Rank masking").
     Returns:
       Dispatched: rows [C, H] (expert-major, one per (token, local expert) pair), scales for FP8,
       group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it).

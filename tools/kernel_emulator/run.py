@@ -2,6 +2,9 @@
 output with jax_ep.reference (bit-exact; combine too: same summation order). Every case runs the
 expert-major ops (dispatch, combine, broadcast, slot_values) and the rank-major ones
 (dispatch_rank_major, combine_rank_major with NaN in the empty rows and some -0.0, broadcast_rank_major).
+The cases with a rank mask (``mask=``, ``absent=``; ``-k mask`` runs the fixed ones) run the
+expert-major ops with the mask, some masked ranks' processes running no op at all, and compare the
+active ranks (see ``run_case``).
 
     python tools/kernel_emulator/run.py [--quick] [-k NAME]
     python tools/kernel_emulator/run.py --random N [--seed S]   # N random cases (a sweep)
@@ -12,7 +15,8 @@ Needs g++ (C++20). Each GPU is a process, each CUDA thread an OS thread: keep sh
 multiple of 8 (of 128 for FP8), top-k 1-8, experts a multiple of the EP size, expert alignment 1/2/4/8,
 the worst-case capacity or a smaller one (drops), x / row / y dtypes, routing with -1, out-of-range ids
 (int32 extremes too), repeated experts and hot experts, kernel blocks, send warps, bulk copies on/off,
-repetitions on the same (poisoned) memory. Each is checked like the fixed cases. Case i of seed S is
+repetitions on the same (poisoned) memory, and in a quarter of the cases with R >= 2 a rank mask
+(``random_mask``). Each is checked like the fixed cases. Case i of seed S is
 ``random_case(np.random.default_rng([S, i]))``: a failure prints its parameters, and
 ``--random N --seed S --only I`` runs that case alone.
 
