@@ -234,7 +234,7 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
   for (int f = lane; f < n_tok * K; f += 32) raw[f] = __ldg(rows_src + f);
   if (!reducer) {
     // the other linked ranks' partials of this chunk have arrived (a masked rank's count as +0.0)
-    if (lane < R && lane != me && ((d.linked >> lane) & 1u) != 0u) {
+    if (lane < R && lane != me && has_rank(d.linked, lane)) {
       wait_flag_equal(reinterpret_cast<const uint64_t*>(d.own + L.chunk_flags) +
                           (static_cast<int64_t>(lane) * L.num_chunks + c),
                       d.expected, d.state, a.op_id, me, lane, d.info->ordinals[lane]);
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     if (reducer) {
       c = item / (d.R - 1);
       s_rank = other_rank(item % (d.R - 1), d.me);
-      if (((d.linked >> s_rank) & 1u) == 0u) continue;  // a masked rank: nothing goes there
+      if (!has_rank(d.linked, s_rank)) continue;  // a masked rank: nothing goes there
     } else {
       c = item;
       s_rank = d.me;

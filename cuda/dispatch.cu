@@ -161,7 +161,8 @@ __global__ void __launch_bounds__(kPrepThreads)
 // This rank's counts [E] into counts[me][:] of every linked rank (its own included), then one flag
 // per linked rank; on return (thread r < R) rank r's counts are here, and zero for a rank that is
 // not linked (masked: its tokens go nowhere, and it is not waited for). Every thread calls it.
-// (Rank-major dispatch passes E + R: its per-destination token counts travel with the expert counts.)
+// (Rank-major dispatch passes E + R: its per-destination token counts travel with the expert
+// counts.)
 __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLayout& layout,
                                                 const OpInfo& info, int R, int E, int32_t op_id) {
   const int me = info.rank;
@@ -170,7 +171,7 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
   for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
     const int r = static_cast<int>(i / E);
     const int e = static_cast<int>(i % E);
-    if (((info.linked >> r) & 1u) == 0u) {  // row r of this rank's table: nothing from rank r
+    if (!has_rank(info.linked, r)) {  // row r of this rank's table: nothing from rank r
       reinterpret_cast<int32_t*>(own + layout.counts)[i] = 0;
       continue;
     }
@@ -180,7 +181,7 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
   }
   __threadfence_system();
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < R && ((info.linked >> threadIdx.x) & 1u) != 0u) {
+  if (static_cast<int>(threadIdx.x) < R && has_rank(info.linked, static_cast<int>(threadIdx.x))) {
     const int r = threadIdx.x;
     char* peer = comm_buffer_of(state, info.ordinals[r]);
     store_release_sys(reinterpret_cast<uint64_t*>(peer + layout.count_flags) + me, info.expected);
@@ -197,8 +198,8 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
 // `active` (masked) keeps no rows, as with capacity 0. Thread-parallel.
 __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layout,
                                                const int32_t* rows_of_expert, uint32_t active,
-                                               int me, int R,
-                                               int E, int C, int align, int32_t* group_sizes,
+                                               int me, int R, int E, int C, int align,
+                                               int32_t* group_sizes,
                                                int32_t* expert_counts, int32_t* total_rows,
                                                unsigned long long* dropped) {
   const int experts_per_rank = E / R;
@@ -214,7 +215,7 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
     for (int i = d * experts_per_rank; i < e; ++i) offset += round_up_i64(rows_of_expert[i], align);
     const int64_t offset_c = offset < C ? offset : C;
     const int64_t n = rows_of_expert[e];
-    const int64_t room = ((active >> d) & 1u) != 0u ? C - offset_c : 0;
+    const int64_t room = has_rank(active, d) ? C - offset_c : 0;
     const int64_t kept = n < room ? n : room;
     int64_t before = 0;  // rows of expert e from ranks before me
     for (int s = 0; s < me; ++s) before += __ldcg(counts + static_cast<int64_t>(s) * E + e);
@@ -428,7 +429,7 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
     for (int r = 0; r < d.R; ++r) {
       char* peer = reinterpret_cast<char*>(
           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
-      if (peer == nullptr) continue;  // (warp-uniform) rank r is masked: nothing goes there
+      if (peer == nullptr) continue;  // (warp-uniform) rank r is masked: nothing to it
       if constexpr (kRankMajor) {  // the token's row on r: that of any of its slots there
         const uint32_t on_r = __ballot_sync(kFullMask, dest == r);
         const int row_r = on_r != 0u ? __shfl_sync(kFullMask, row, __ffs(on_r) - 1) : -1;
@@ -739,8 +740,7 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   } else {
     JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(
         p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
-        p.group_sizes,
-        p.expert_counts, p.num_dropped);
+        p.group_sizes, p.expert_counts, p.num_dropped);
   }
   JAX_EP_CHECK_LAUNCH();
 

@@ -220,6 +220,9 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
   fence_acquire_sys();
 }
 
+// Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
+__device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
+
 // Group discovery, run by ONE block (every thread calls it; blockDim.x >= kMaxDevices).
 //
 // The op knows its rank and group only as device scalars (lax.axis_index), so the rank -> device
@@ -269,14 +272,14 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
       if (rank_mask == nullptr || rank_mask[r] != 0) active |= 1u << r;
     }
     info->active = active;
-    info->linked = ((active >> rank) & 1u) != 0u ? active : 1u << rank;
+    info->linked = has_rank(active, rank) ? active : 1u << rank;
   }
   __syncthreads();
   const uint64_t epoch = info->expected >> 16;
   const int group = info->group;
   const int rank = info->rank;
   const uint64_t entry = (epoch << 16) | static_cast<uint64_t>(state->tables.slot);
-  const bool masked = ((info->active >> rank) & 1u) == 0u;
+  const bool masked = !has_rank(info->active, rank);
   for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
     DeviceState* device = state->tables.peer_states[o];
     if (device != nullptr && (!masked || o == state->tables.slot)) {
@@ -285,11 +288,11 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
     }
   }
   bool differs = false;
-  if (static_cast<int>(threadIdx.x) < group_size &&
-      ((info->linked >> threadIdx.x) & 1u) == 0u) {
-    info->ordinals[threadIdx.x] = -1;  // not linked: never waited for, never written to
-  } else if (static_cast<int>(threadIdx.x) < group_size) {
-    const int peer = static_cast<int>(threadIdx.x);
+  const int peer_rank = static_cast<int>(threadIdx.x);
+  if (peer_rank < group_size && !has_rank(info->linked, peer_rank)) {
+    info->ordinals[peer_rank] = -1;  // not linked: never waited for, never written to
+  } else if (peer_rank < group_size) {
+    const int peer = peer_rank;
     const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
     uint64_t seen = load_acquire_sys(slot);
     if ((seen >> 16) < epoch) {
@@ -364,7 +367,7 @@ __device__ __forceinline__ DataWarp data_warp(DeviceState* state, const CommLayo
   d.R = d.info->size;
   d.expected = d.info->expected;
   d.linked = d.info->linked;
-  d.lane_peer = d.lane < d.R && ((d.linked >> d.lane) & 1u) != 0u
+  d.lane_peer = d.lane < d.R && has_rank(d.linked, d.lane)
                     ? comm_buffer_of(state, d.info->ordinals[d.lane])
                     : nullptr;
   return d;
@@ -385,7 +388,8 @@ __device__ __forceinline__ int other_rank(int index, int me) { return index < me
 
 // Sender side, after writing chunk c into every other rank's staging: the chunk's stores (bulk
 // stores completed first) are visible before its flag is raised on each of them. Lane r holds rank
-// r's buffer in lane_peer (null: rank r is not linked, nothing goes there). Every lane calls it.
+// r's buffer in lane_peer (null: rank r is not linked, nothing goes there). Every lane calls
+// it.
 template <bool kTma>
 __device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_peer, int c, int me,
                                               int R, uint64_t expected, int lane) {
@@ -451,7 +455,7 @@ __device__ __forceinline__ bool receive_chunk_item(int item, DeviceState* state,
   item -= L.num_chunks;
   *c = item / (info->size - 1);
   *s = other_rank(item % (info->size - 1), me);
-  if (((info->linked >> *s) & 1u) == 0u) return false;
+  if (!has_rank(info->linked, *s)) return false;
   if (lane == 0) {
     wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
                         (static_cast<int64_t>(*s) * L.num_chunks + *c),

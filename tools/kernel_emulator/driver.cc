@@ -207,18 +207,25 @@ int main(int argc, char** argv) {
 
   // Rank masking (run.py's masked cases): JAX_EP_EMU_MASK = one 0/1 per rank, passed to dispatch,
   // combine, broadcast and slot_values (the rank-major ops take no mask and are skipped then);
+  // JAX_EP_EMU_MASK_ODD = the mask of the odd repetitions (default: the same);
   // JAX_EP_EMU_ABSENT = ranks whose process never runs an op (a dead or non-calling masked peer).
-  std::vector<int32_t> rank_mask;
+  const auto mask_of = [R](const char* name) {
+    std::vector<int32_t> flags;
+    if (const char* m = std::getenv(name); m != nullptr) {
+      for (const char* c = m; *c != '\0'; ++c) {
+        if (*c == '0' || *c == '1') flags.push_back(*c - '0');
+      }
+    }
+    if (!flags.empty() && static_cast<int>(flags.size()) != R) {
+      std::fprintf(stderr, "%s needs %d entries\n", name, R);
+      std::exit(1);
+    }
+    return flags;
+  };
+  const std::vector<int32_t> rank_mask = mask_of("JAX_EP_EMU_MASK");
+  std::vector<int32_t> rank_mask_odd = mask_of("JAX_EP_EMU_MASK_ODD");
+  if (rank_mask_odd.empty()) rank_mask_odd = rank_mask;
   std::string absent;
-  if (const char* m = std::getenv("JAX_EP_EMU_MASK"); m != nullptr && m[0] != '\0') {
-    for (const char* c = m; *c != '\0'; ++c) {
-      if (*c == '0' || *c == '1') rank_mask.push_back(*c - '0');
-    }
-    if (static_cast<int>(rank_mask.size()) != R) {
-      std::fprintf(stderr, "JAX_EP_EMU_MASK needs %d entries\n", R);
-      return 1;
-    }
-  }
   if (const char* a = std::getenv("JAX_EP_EMU_ABSENT"); a != nullptr) absent = a;
   const bool masked = !rank_mask.empty();
 
@@ -269,7 +276,7 @@ int main(int argc, char** argv) {
       d.topk_weights = reinterpret_cast<const float*>(w.data());
       d.rank = &rank_value;
       d.group = &group_value;
-      d.rank_mask = masked ? rank_mask.data() : nullptr;
+      d.rank_mask = !masked ? nullptr : rep % 2 == 1 ? rank_mask_odd.data() : rank_mask.data();
       d.rows = rows.data();
       d.scales = fp8 ? reinterpret_cast<float*>(scales.data()) : nullptr;
       d.group_sizes = reinterpret_cast<int32_t*>(group_sizes.data());

@@ -155,7 +155,7 @@ def to_dtype(a, name):
 
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
              y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0,
-             max_tokens=None, tma=True, mask=None, absent=()):
+             max_tokens=None, tma=True, mask=None, absent=(), mask_odd=None):
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
     fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
 
@@ -163,7 +163,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     rank-major ops are skipped). The CUDA path leaves a masked rank out of the call both ways, so
     the active ranks are compared with the reference under the mask for the same call in which the
     masked ranks route nothing (their topk_idx all -1); the masked ranks' outputs are not compared.
-    absent: masked ranks whose process runs no op at all (the others must still finish)."""
+    absent: masked ranks whose process runs no op at all (the others must still finish).
+    mask_odd: the mask of the odd repetitions (default: mask), e.g. a rank masked in one call and
+    active in the next (it ran the masked call, so it is in step)."""
     rng = np.random.default_rng(seed)
     cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens or max(T, 1),
                    capacity=capacity, expert_alignment=align, dispatch_dtype=dispatch_dtype,
@@ -180,8 +182,51 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     yr = to_dtype(np.where(rng.random(yr.shape) < 0.05, np.float32(-0.0), yr), y_dtype)
 
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    masks = [mask, mask if mask_odd is None else mask_odd]  # per repetition parity
+    assert mask_odd is None or (mask is not None and not absent), "mask_odd: every rank runs"
+    for m in masks:
+        assert m is None or all(m[r] == 0 for r in absent), "only a masked rank may be absent"
+    want = reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr)
+    wants = [want, want if mask_odd is None else
+             reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr)]
+    if mask is None:
+        yr = want.pop("rm_y")
+
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(R):
+            for nm, a in (("x", x), ("idx", idx), ("w", w), ("y", y), ("g", g), ("v", v), ("yr", yr)):
+                np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
+        cmd = [DRIVER, d, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype],
+               blocks, send_warps, reps]
+        flags = ["" if m is None else ",".join(str(int(f)) for f in m) for m in masks]
+        env = dict(os.environ, JAX_EP_TMA="1" if tma else "0", JAX_EP_EMU_MASK=flags[0],
+                   JAX_EP_EMU_MASK_ODD=flags[1], JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent))
+        start = time.time()
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, env=env)
+        took = time.time() - start
+        if proc.returncode != 0:
+            print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            return False
+        ok = True
+        for r in range(R):
+            for rep in range(reps):
+                m = masks[rep % 2]
+                if m is None or m[r]:  # (a masked rank's outputs are not compared)
+                    ok &= compare_rank(name, d, r, rep, wants[rep % 2])
+        rows = [int(s.sum()) for s in want["group_sizes"]]
+        more = (f"mask {list(mask)}, absent {list(absent)}" if mask is not None else
+                f"rank-major rows {[int(s.sum()) for s in want['rm_per_rank']]}")
+        if mask_odd is not None:
+            more += f", odd calls mask {list(mask_odd)}"
+        print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
+              f"{want['num_dropped'].tolist()}, {more}, {took:.1f}s)")
+        return ok
+
+
+def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr) -> dict:
+    """What every rank's driver outputs must be ([R, ...] each). With a mask: the reference under it
+    for the masked ranks' tokens unrouted (their topk_idx all -1), expert-major ops only."""
     if mask is not None:
-        assert all(mask[r] == 0 for r in absent), "only a masked rank may be absent"
         ref_idx = np.where(np.asarray(mask, bool)[:, None, None], idx, -1).astype(np.int32)
         rank_mask = jax.numpy.asarray(mask, jax.numpy.int32)
     else:
@@ -216,37 +261,7 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ref_idx, w, y, g, v, yr)]
-    want = {k: np.asarray(a) for k, a in fn(*args).items()}
-    if mask is None:
-        yr = want.pop("rm_y")
-
-    with tempfile.TemporaryDirectory() as d:
-        for r in range(R):
-            for nm, a in (("x", x), ("idx", idx), ("w", w), ("y", y), ("g", g), ("v", v), ("yr", yr)):
-                np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
-        cmd = [DRIVER, d, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype],
-               blocks, send_warps, reps]
-        env = dict(os.environ, JAX_EP_TMA="1" if tma else "0",
-                   JAX_EP_EMU_MASK="" if mask is None else ",".join(str(int(m)) for m in mask),
-                   JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent))
-        start = time.time()
-        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, env=env)
-        took = time.time() - start
-        if proc.returncode != 0:
-            print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            return False
-        ok = True
-        for r in range(R):
-            if mask is not None and not mask[r]:
-                continue
-            for rep in range(reps):
-                ok &= compare_rank(name, d, r, rep, want)
-        rows = [int(s.sum()) for s in want["group_sizes"]]
-        more = (f"mask {list(mask)}, absent {list(absent)}" if mask is not None else
-                f"rank-major rows {[int(s.sum()) for s in want['rm_per_rank']]}")
-        print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
-              f"{want['num_dropped'].tolist()}, {more}, {took:.1f}s)")
-        return ok
+    return {k: np.asarray(a) for k, a in fn(*args).items()}
 
 
 def compare_rank(name, d, r, rep, want) -> bool:
@@ -310,6 +325,8 @@ CASES = [
          dispatch_dtype="float8_e4m3fn"),
     dict(name="mask ranks 1, 3 absent, f32 y", R=4, T=13, H=64, K=6, E=16, kind="messy",
          mask=(1, 0, 1, 0), absent=(1, 3), x_dtype="float32", y_dtype="float32", align=4),
+    dict(name="mask changes between calls", R=3, T=16, H=128, K=3, E=6, kind="messy", capacity=24,
+         mask=(0, 1, 1), mask_odd=(1, 1, 0), reps=4),
 ]
 
 
