@@ -5,7 +5,10 @@ A masked rank is masked as a destination: it receives no rows, every (token, exp
 it is dropped (its num_dropped, DROPPED in its handle), the sources ignore what it returns, and the
 gradients of the masked slots are zero. Checked against the unmasked run (active ranks' results
 unchanged, combine = the unmasked combine with the masked ranks' outputs zeroed), against jax.grad
-of a dense MoE without the masked experts, and all-active = no mask, bit for bit.
+of a dense MoE without the masked experts, and all-active = no mask, bit for bit. backend='cuda'
+(the kernels leave a masked rank out of the call both ways): the mask reaches the forward and
+backward custom calls as an int32 [R] operand (lowering test); the kernels themselves are checked on
+the emulator (tests/test_kernel_emulator.py) and on GPUs (tests/gpu/test_rank_mask_gpu.py).
 """
 
 from __future__ import annotations
