@@ -9,8 +9,9 @@
 //     computes, exactly like jax_ep.reference.dispatch, every expert's segment offset, kept rows
 //     and the receive row of each of its own (token, expert) pairs on every destination
 //     (base_row / limit tables), and its own group_sizes, expert_counts, num_dropped.
-//     Rank masking: only linked ranks (OpInfo::linked) exchange counts; a masked rank's tokens
-//     count as routed nowhere, and a masked destination keeps no rows (its pairs are dropped).
+//     Rank masking: only linked ranks (OpInfo::linked) exchange counts; rows come from active
+//     sources only and a masked destination keeps none. A pair with a masked source or destination
+//     goes nowhere and counts in its source's num_dropped (the only rank that knows it).
 //  3. rows: per (token, slot) the destination rank and receive row (-1 unused, -2 dropped).
 //  4. main (num_blocks blocks, warps split into senders and receivers):
 //     senders: per chunk of 8 tokens, every token routed to a remote rank crosses NVLink ONCE
@@ -195,7 +196,9 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
 //   kept_j = min(n_j, C - offset'_j); rows of source s start at offset'_j + sum_{s'<s} count.
 // Writes the base_row / limit tables of every expert and, for this rank's own experts, the
 // segment tables and the outputs; adds to *total_rows and *dropped (shared). A rank not in
-// `active` (masked) keeps no rows, as with capacity 0. Thread-parallel.
+// `active` (masked) keeps no rows, as with capacity 0. `rows_of_expert` counts active sources only.
+// *dropped also gets this rank's own pairs that go nowhere (masked source or destination): they
+// are counted at their source, since a masked rank hears from nobody. Thread-parallel.
 __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layout,
                                                const int32_t* rows_of_expert, uint32_t active,
                                                int me, int R, int E, int C, int align,
@@ -216,6 +219,10 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
     const int64_t offset_c = offset < C ? offset : C;
     const int64_t n = rows_of_expert[e];
     const int64_t room = has_rank(active, d) ? C - offset_c : 0;
+    if (!has_rank(active, me) || !has_rank(active, d)) {  // own pairs to expert e: nowhere
+      const int32_t own_pairs = __ldcg(counts + static_cast<int64_t>(me) * E + e);
+      atomicAdd(dropped, static_cast<unsigned long long>(own_pairs));
+    }
     const int64_t kept = n < room ? n : room;
     int64_t before = 0;  // rows of expert e from ranks before me
     for (int s = 0; s < me; ++s) before += __ldcg(counts + static_cast<int64_t>(s) * E + e);
@@ -255,8 +262,10 @@ __global__ void __launch_bounds__(kNotifyThreads)
 
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int32_t n = 0;
-    for (int s = 0; s < R; ++s) n += __ldcg(counts + static_cast<int64_t>(s) * E + e);
+    int32_t n = 0;  // a masked rank's own row is in its table, but its pairs go nowhere
+    for (int s = 0; s < R; ++s) {
+      if (has_rank(info.active, s)) n += __ldcg(counts + static_cast<int64_t>(s) * E + e);
+    }
     rows_of_expert[e] = n;
   }
   __syncthreads();
@@ -555,8 +564,10 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
     }
     item -= n_tail;
     int s, c;
-    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c)) {
-      // a masked source: none of its slots has a row here (NOT_ROUTED), as if it routed nothing
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c) ||
+        !has_rank(d.info->active, s)) {
+      // a masked source (this rank's own chunks too, when it is masked): none of its slots has a
+      // row here (NOT_ROUTED), as if it routed nothing
       const int64_t base = static_cast<int64_t>(s) * a.num_tokens;
       const int64_t lo = (base + chunk_begin(L, c)) * a.num_topk;
       const int64_t hi = (base + chunk_end(L, c, a.num_tokens)) * a.num_topk;

@@ -323,14 +323,15 @@ class MoE(nnx.Module):
         self.total_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.float32))
 
     # ---------------------------------------------------------------------------------------------
-    # Rank masking (reference path; issue 15 item 1)
+    # Rank masking (issue 15 item 1)
     def set_rank_mask(self, mask) -> None:
-        """Mask EP ranks as destinations (outside jit): ``mask`` [R] bool or integer, nonzero = active.
-        Routing is unchanged; the slots of the tokens whose expert lives on a masked rank are dropped
-        (their gate weights are lost, as with capacity drops; counted in ``last_dropped``), a masked
-        rank receives nothing and contributes nothing. Runs the reference dispatch/combine (backend
-        "auto"; "cuda" raises NotImplementedError); the decode path refuses a mask. Setting a mask on a
-        layer without one (or clearing it) recompiles the step; changing its values does not."""
+        """Mask EP ranks (outside jit): ``mask`` [R] bool or integer, nonzero = active. A masked rank
+        sends and receives nothing: its tokens get no routed-expert output, its experts no rows.
+        Routing is unchanged; slots that go nowhere (a masked rank's tokens, experts on masked ranks)
+        are dropped (their gate weights are lost, as with capacity drops; counted in
+        ``last_dropped``). Any backend (docs/api.md, "Rank masking"); the decode path refuses a mask.
+        Setting a mask on a layer without one (or clearing it) recompiles the step; changing its
+        values does not."""
         if not hasattr(mask, "dtype"):
             mask = jnp.asarray(mask)
         if mask.ndim != 1 or not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):

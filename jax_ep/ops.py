@@ -89,9 +89,8 @@ class Op:
         "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
         table), the extension is loaded, the default platform is a GPU and the kernel supports the
         sizes; the reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
-        ``masked``: a rank mask was given. "auto" then takes the reference: the CUDA path leaves a
-        masked rank out of the call both ways (its own tokens are not routed), the reference routes
-        them (docs/api.md, "Rank masking"). Ops without a mask operand refuse one on "cuda".
+        ``masked``: a rank mask was given. "auto" then takes the reference. Ops without a mask
+        operand refuse one on "cuda".
         """
         if cfg.backend == "reference":
             return getattr(reference, self.name)
@@ -183,10 +182,9 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
       topk_weights: [T, K] float32 gate weights.
       cfg: EPConfig (static).
       rank_mask: None (every rank active) or [R] bool / integer (nonzero: active), the same on every
-        rank, traced. Slots whose expert lives on a masked rank are dropped (counted in num_dropped
-        of that rank, marked DROPPED in its handle); a masked rank receives no rows. backend="auto"
-        runs the reference; "cuda" leaves a masked rank out of the call both ways (its own tokens
-        are not routed; docs/api.md, "Rank masking").
+        rank, traced. A masked rank sends and receives nothing: its own tokens are not routed, it
+        keeps no rows, and every pair that goes nowhere (masked source or destination) counts in
+        its source's num_dropped (docs/api.md, "Rank masking"). The same on every backend.
     Returns:
       Dispatched: rows [C, H] (expert-major, one per (token, local expert) pair), scales for FP8,
       group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it).
@@ -204,8 +202,9 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
 
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
-    y ([C, H] -> [T, H]). rank_mask (as for dispatch; pass the dispatch's): the sources ignore what
-    masked ranks return, and masked ranks' y gets a zero gradient."""
+    y ([C, H] -> [T, H]). rank_mask (as for dispatch; pass the dispatch's): an active source takes
+    partial sums from the active ranks only, a masked one from itself only; what a rank ignores
+    gets a zero gradient."""
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
     rank_mask = check_rank_mask(rank_mask, size, "combine")

@@ -20,12 +20,17 @@ Semantics (docs/api.md has the user-facing version):
   * combine: each receiver sums, in float32 and in top-k slot order, the weighted rows of each
     (token, rank) pair, rounds the partial sum to y's dtype, sends it back; the source sums the
     partial sums in float32 in rank order and rounds to y's dtype.
-  * Rank masking (``rank_mask`` bool[R], optional, the same on every rank): a masked rank is masked
-    as a destination only. No token data goes to it and it keeps no rows (as if its capacity were
-    0): every (token, local expert) pair routed to it is dropped (its num_dropped, DROPPED in its
-    handle). combine with the mask: each source treats a masked rank's partial sums as +0.0;
-    broadcast (combine's backward) gives a masked rank zero rows. A masked rank's own tokens still
-    go to the active ranks. No mask and an all-active mask give the same bits.
+  * Rank masking (``rank_mask`` bool[R], optional, the same on every rank): a masked rank sends and
+    receives nothing, as the CUDA kernels do (they can neither wait for nor write to a dead rank).
+    dispatch: only pairs from an active source to an active destination travel; a masked rank keeps
+    no rows, its handle has no rows and every slot NOT_ROUTED (its own included). A pair that goes
+    nowhere (masked source or destination) counts in its *source's* num_dropped (the only rank that
+    knows it): an active rank's num_dropped = its capacity drops + its own pairs to masked ranks'
+    experts, a masked rank's = all its own pairs. Over the group: kept + dropped = routed pairs.
+    is_token_in_rank is the source's routing, mask or not. combine / broadcast / slot_values: a rank
+    exchanges data only with the ranks linked to it (every active rank if it is active, itself only
+    if it is masked); another rank's partial sums count as +0.0, rows from it as zero. A masked
+    rank's own tokens thus combine to zero. No mask and an all-active mask give the same bits.
 
 Rank-major mode, ``dispatch_rank_major`` / ``combine_rank_major`` (DeepEP's contract; docs/api.md):
   * One row per (source token, this rank) pair whose token picked any expert of this rank, packed
@@ -159,11 +164,39 @@ class _Received(NamedTuple):
     is_token_in_rank: jax.Array  # [T, R] (this rank's tokens)
 
 
+def _linked(rank_mask: jax.Array, axis_name: str) -> jax.Array:
+    """[R] bool: the ranks this rank exchanges data with under rank_mask (the kernels'
+    OpInfo::linked): every active rank if this one is active, only itself if it is masked."""
+    me = lax.axis_index(axis_name)
+    return jnp.where(rank_mask[me], rank_mask, jnp.arange(rank_mask.shape[0]) == me)
+
+
+def _live(rank_mask: jax.Array | None, axis_name: str, ep_size: int) -> jax.Array:
+    """[R] bool: the destinations this rank's dispatch pairs reach: the active ranks if this one is
+    active, none if it is masked (all of them without a mask)."""
+    if rank_mask is None:
+        return jnp.ones((ep_size,), bool)
+    return rank_mask & rank_mask[lax.axis_index(axis_name)]
+
+
+def masked_pairs(topk_idx: jax.Array, cfg: EPConfig, rank_mask: jax.Array | None) -> jax.Array:
+    """int32: this rank's own (token, expert) pairs that go nowhere under rank_mask (every one on a
+    masked rank, those to masked ranks' experts on an active one; 0 without a mask). dispatch counts
+    them in this rank's num_dropped."""
+    if rank_mask is None:
+        return jnp.zeros((), jnp.int32)
+    ep_size = lax.axis_size(cfg.axis_name)
+    dest_rank, _ = _destinations(sanitize_topk(topk_idx, cfg.num_experts), cfg.num_experts, ep_size)
+    live = _live(rank_mask, cfg.axis_name, ep_size)
+    return jnp.sum((dest_rank >= 0) & ~live[jnp.maximum(dest_rank, 0)], dtype=jnp.int32)
+
+
 def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
                  rank_mask: jax.Array | None = None) -> _Received:
     """The wire of dispatch: every rank sends a [T, ...] block to every rank (the token where it
-    picked an expert of that rank), with the slots' local expert ids and weights. No token data
-    goes to a masked rank (rank_mask False); the ids still do (its handle marks the slots DROPPED)."""
+    picked an expert of that rank), with the slots' local expert ids and weights. With rank_mask,
+    only to the live destinations (``_live``): a masked rank sends nothing, not even to itself, and
+    is sent nothing."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
     num_tokens, topk = topk_idx.shape
@@ -175,10 +208,9 @@ def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg
     else:
         payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
         scales = None
-    to_rank = is_token_in_rank.T                                       # [R, T]
-    if rank_mask is not None:
-        to_rank = to_rank & rank_mask[:, None]
-    on_rank = dest_rank[None] == jnp.arange(ep_size)[:, None, None]    # [R, T, K]
+    live = _live(rank_mask, cfg.axis_name, ep_size)                    # [R]
+    to_rank = is_token_in_rank.T & live[:, None]                       # [R, T]
+    on_rank = (dest_rank[None] == jnp.arange(ep_size)[:, None, None]) & live[:, None, None]  # [R, T, K]
     num_slots = ep_size * num_tokens
     # explicit reshapes: T may be 0
     recv_x = _all_to_all(jnp.where(to_rank[:, :, None], payload[None], 0), cfg.axis_name)
@@ -196,7 +228,8 @@ def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
              rank_mask: jax.Array | None = None) -> Dispatched:
     """Forward dispatch (no custom_vjp here: jax_ep.ops wraps it). rank_mask: bool[R] or None; a
-    masked rank keeps no rows (as with capacity 0): all its (token, expert) pairs are dropped."""
+    masked rank sends and receives nothing, and each pair that goes nowhere counts in its source's
+    num_dropped (module docstring)."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
     capacity = cfg.resolved_capacity(ep_size)
@@ -212,9 +245,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     counts = jnp.sum(picks_i, axis=0)
     aligned = _round_up(counts, align)
     offsets = jnp.minimum(jnp.cumsum(aligned) - aligned, capacity)
-    kept = jnp.minimum(counts, capacity - offsets)
-    if rank_mask is not None:
-        kept = jnp.where(rank_mask[lax.axis_index(cfg.axis_name)], kept, 0)
+    kept = jnp.minimum(counts, capacity - offsets)  # (a masked rank: counts are 0)
     group_sizes = _round_up(kept, align).astype(jnp.int32)
     rank_in_expert = jnp.cumsum(picks_i, axis=0) - picks_i              # exclusive
     keep = picks & (rank_in_expert < kept[None, :])
@@ -234,7 +265,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     rows = take_rows(recv_x, src_index)
     row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
     handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
-    num_dropped = jnp.sum(counts - kept).astype(jnp.int32)
+    num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + masked_pairs(topk_idx, cfg, rank_mask)
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle)
 
 
@@ -247,7 +278,8 @@ def as_stored(y: jax.Array) -> jax.Array:
 
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """Gate-weighted sum (handle.row_weights) of each token's rows, back at its source. rank_mask:
-    the source ignores what masked ranks return (their partial sums count as +0.0)."""
+    the source takes partial sums only from the ranks linked to it (``_linked``; the others' count
+    as +0.0): a masked rank only its own."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
     num_tokens = num_slots // ep_size
@@ -260,7 +292,7 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
     partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1])
     returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)
     if rank_mask is not None:
-        returned = jnp.where(rank_mask[:, None, None], returned, 0.0)
+        returned = jnp.where(_linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
     total = returned[0]
     for r in range(1, ep_size):  # fixed summation order: rank order
         total = total + returned[r]
@@ -269,11 +301,11 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
 
 def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """Send each token's row to the ranks it was dispatched to and place it on its receive rows
-    (dispatch with a known handle; no gate weights). Empty rows are zero, and so is every row of a
-    masked rank (rank_mask)."""
+    (dispatch with a known handle; no gate weights). Empty rows are zero; with rank_mask, so are
+    the rows whose source is not linked to this rank (``_linked``)."""
     to_rank = handle.is_token_in_rank.T
     if rank_mask is not None:
-        to_rank = to_rank & rank_mask[:, None]
+        to_rank = to_rank & _linked(rank_mask, cfg.axis_name)[:, None]
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
     return take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
 
@@ -281,12 +313,14 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array 
 def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
                 rank_mask: jax.Array | None = None) -> jax.Array:
     """For each source token and top-k slot, the value of its receive row ([C] -> [T, K]); 0 where
-    the slot has no row (unused, duplicate or dropped). rank_mask changes nothing here (a masked
-    dispatch's handle gives a masked rank no rows); the CUDA kernel takes it to skip masked ranks."""
+    the slot has no row (unused, duplicate or dropped). rank_mask: values only from the ranks linked
+    to this rank (``_linked``); a masked dispatch's handle has no rows elsewhere anyway."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
     per_slot = take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)
     returned = _all_to_all(per_slot, cfg.axis_name)
+    if rank_mask is not None:
+        returned = jnp.where(_linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
     return jnp.sum(returned, axis=0)
 
 

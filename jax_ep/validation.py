@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from jax_ep.config import EPConfig
+from jax_ep.reference import masked_pairs
 
 
 class EPValueError(ValueError):
@@ -262,12 +263,10 @@ def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int) -> jax.Arr
 def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None):
     """Checked mode: capacity overflow is an error naming the rows dropped (summed over the EP group,
     so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check.
-    Rows dropped because their rank is masked (rank_mask) are no error: a masked rank drops all its
-    rows, an active one only for capacity."""
+    Pairs that a rank mask sends nowhere (counted in their source's num_dropped,
+    ``reference.masked_pairs``) are no error: only capacity drops are."""
     capacity = cfg.resolved_capacity(ep_size)
-    dropped = out.num_dropped
-    if rank_mask is not None:
-        dropped = jnp.where(rank_mask[lax.axis_index(cfg.axis_name)], dropped, 0)
+    dropped = out.num_dropped - masked_pairs(topk_idx, cfg, rank_mask)
     total = lax.psum(dropped, cfg.axis_name)
     needed = capacity_needed(topk_idx, cfg, ep_size)
 

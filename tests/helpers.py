@@ -112,12 +112,12 @@ def make_cfg(**kw):
     return jax_ep.EPConfig(**kw)
 
 
-def model_for(cfg, x, topk_idx, topk_weights):
+def model_for(cfg, x, topk_idx, topk_weights, rank_mask=None):
     import numpy_model as nm
 
     return nm.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts, capacity=cfg.capacity,
                        alignment=cfg.expert_alignment, dispatch_dtype=cfg.dispatch_dtype,
-                       max_tokens=cfg.max_tokens_per_rank)
+                       max_tokens=cfg.max_tokens_per_rank, rank_mask=rank_mask)
 
 
 def assert_dispatch_matches(d, m, ep_size: int, scales_ulps: int = 0) -> None:

@@ -17,6 +17,10 @@ Semantics modelled:
   * a received token is named by slot n = src_rank * T + src_token; token_rows[n, k] is its receive
     row, -1 where the slot is not routed to this rank, -2 where it is but was dropped.
   * combine: per token, sum over its kept (token, expert) rows of weight * y_row.
+  * rank masking (rank_mask [R] bool): a masked rank sends and receives nothing. Only pairs from an
+    active source to an expert of an active rank enter the segments above; every other valid pair
+    goes nowhere and counts in its source rank's num_dropped (nowhere: [(token, k, expert)]). A
+    masked rank's token_rows are all -1.
   * FP8: per token, per 128 channels: scale = max(amax, 1e-4) / 448, q = e4m3(x * (448 / amax_c)).
 """
 
@@ -99,6 +103,8 @@ class RankDispatch:
     token_rows: np.ndarray    # [R*T, K] int32 receive row of (slot n, top-k slot k); -1 = not routed
     #                           here, -2 = routed here but dropped for lack of capacity
     dropped: list             # [(src_rank, src_token, k, expert)] rows dropped on this rank, in order
+    nowhere: list             # [(token, k, expert)] this rank's own pairs a rank mask sends nowhere
+    #                           (num_dropped = len(dropped) + len(nowhere))
 
 
 @dataclasses.dataclass
@@ -138,7 +144,7 @@ def payload_of(x_rank: np.ndarray, dispatch_dtype: str | None):
 
 def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int | None = None,
              alignment: int = 1, dispatch_dtype: str | None = None,
-             max_tokens: int | None = None) -> ModelResult:
+             max_tokens: int | None = None, rank_mask=None) -> ModelResult:
     x = np.asarray(x)
     topk_idx = np.asarray(topk_idx)
     topk_weights = np.asarray(topk_weights, np.float32)
@@ -149,6 +155,10 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int | Non
     if capacity is None:
         capacity = worst_case_capacity(ep_size, max_tokens or tokens, topk, num_experts, alignment)
     idx = sanitize(topk_idx, num_experts)
+    active = np.ones(ep_size, bool) if rank_mask is None else np.asarray(rank_mask) != 0
+    nowhere = [[(t, k, int(idx[s, t, k])) for t in range(tokens) for k in range(topk)
+                if idx[s, t, k] >= 0 and not (active[s] and active[idx[s, t, k] // local])]
+               for s in range(ep_size)]
     payloads = [payload_of(x[s], dispatch_dtype) for s in range(ep_size)]
     row_dtype = payloads[0][0].dtype
     kept_any = np.zeros(idx.shape, bool)
@@ -168,7 +178,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int | Non
         for le in range(local):
             expert = d * local + le
             entries = [(s, t, k) for s in range(ep_size) for t in range(tokens) for k in range(topk)
-                       if idx[s, t, k] == expert]
+                       if idx[s, t, k] == expert and active[s] and active[d]]
             kept = 0
             for i, (s, t, k) in enumerate(entries):
                 pos = offset + i
@@ -189,7 +199,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int | Non
             group_sizes[le] = round_up(kept, alignment)
             offset += round_up(len(entries), alignment)
         ranks.append(RankDispatch(rows, scales, src, group_sizes, expert_counts, received, row_weights,
-                                  len(dropped), token_rows, dropped))
+                                  len(dropped) + len(nowhere[d]), token_rows, dropped, nowhere[d]))
     layouts = [layout(topk_idx[s], num_experts, ep_size) for s in range(ep_size)]
     return ModelResult(ranks, layouts, idx, kept_any, capacity)
 

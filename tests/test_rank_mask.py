@@ -1,14 +1,14 @@
-"""Rank masking on the reference path (issue 15 item 1): ``dispatch(..., rank_mask=)`` and
-``combine(..., rank_mask=)``.
+"""Rank masking (issue 15 item 1): ``dispatch(..., rank_mask=)`` and ``combine(..., rank_mask=)``.
 
-A masked rank is masked as a destination: it receives no rows, every (token, expert) pair routed to
-it is dropped (its num_dropped, DROPPED in its handle), the sources ignore what it returns, and the
-gradients of the masked slots are zero. Checked against the unmasked run (active ranks' results
-unchanged, combine = the unmasked combine with the masked ranks' outputs zeroed), against jax.grad
-of a dense MoE without the masked experts, and all-active = no mask, bit for bit. backend='cuda'
-(the kernels leave a masked rank out of the call both ways): the mask reaches the forward and
-backward custom calls as an int32 [R] operand (lowering test); the kernels themselves are checked on
-the emulator (tests/test_kernel_emulator.py) and on GPUs (tests/gpu/test_rank_mask_gpu.py).
+A masked rank sends and receives nothing (the CUDA kernels' semantics: a dead rank can be neither
+waited for nor written to): its own tokens are not routed, it keeps no rows, and every pair that
+goes nowhere counts in its source's num_dropped. Checked on the reference path against the NumPy
+model under the same mask (bit for bit, combine in the documented summation order), against the
+unmasked dispatch of the same routing without the masked ranks' tokens, against jax.grad of a dense
+MoE without the masked ranks' tokens and experts, and all-active = no mask, bit for bit.
+backend='cuda': the mask reaches the forward and backward custom calls as an int32 [R] operand
+(lowering test); the kernels are checked bit for bit against the reference under masks on the
+emulator (tests/test_kernel_emulator.py) and on GPUs (tests/gpu/test_rank_mask_gpu.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,22 @@ import inspect
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_model as nm
 import pytest
-from helpers import assert_bits_equal, make_cfg, per_rank, random_routing, random_tokens, to_numpy
+from helpers import (
+    assert_bits_equal,
+    assert_dispatch_matches,
+    make_cfg,
+    model_for,
+    per_rank,
+    random_routing,
+    random_tokens,
+    to_numpy,
+)
 
 import jax_ep
 from jax_ep import ops, reference
-from jax_ep.types import DROPPED
+from jax_ep.types import NOT_ROUTED
 
 E, K, H, HO, T = 8, 3, 16, 8, 6
 
@@ -54,64 +64,143 @@ def _dispatch_fn(ep_size, cfg, masked):
     return per_rank(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg), ep_size)
 
 
-def _routed_pairs(idx, ep_size):
-    """Per destination rank, the valid (token, expert) pairs routed to it (sanitised ids)."""
-    clean = np.asarray(reference.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E))
-    ranks = clean[clean >= 0] // (E // ep_size)
-    return np.bincount(ranks, minlength=ep_size)
+def _pairs(idx, ep_size):
+    """[R_src, R_dst]: the valid (token, expert) pairs of each source rank to each destination rank."""
+    clean = np.asarray(reference.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E)).reshape(ep_size, -1)
+    out = np.zeros((ep_size, ep_size), np.int64)
+    for s in range(ep_size):
+        out[s] = np.bincount(clean[s][clean[s] >= 0] // (E // ep_size), minlength=ep_size)
+    return out
 
 
 MASKS = [(2, (False, True)), (4, (True, False, True, True)), (4, (False, True, False, True)),
          (4, (True, True, True, False))]
 
 
+@pytest.mark.parametrize("capacity", [None, 6])
 @pytest.mark.parametrize("ep_size,mask", MASKS)
-def test_masked_rank_receives_nothing_and_counts_drops(ep_size, mask):
-    rng = np.random.default_rng(100 + ep_size + sum(mask))
-    cfg = _cfg()
+def test_masked_dispatch_matches_the_model_and_accounts_for_every_pair(ep_size, mask, capacity):
+    rng = np.random.default_rng(100 + ep_size + sum(mask) + (capacity or 0))
+    cfg = _cfg(capacity=capacity)
     x, idx, w = random_tokens(rng, ep_size, T, cfg)
     m = np.asarray(mask)
     got = to_numpy(_dispatch_fn(ep_size, cfg, True)(x, idx, w, _tiled(m, ep_size)))
-    ref = to_numpy(_dispatch_fn(ep_size, cfg, False)(x, idx, w))
-    routed = _routed_pairs(idx, ep_size)
+    model = model_for(cfg, x, idx, w, rank_mask=m)
+    assert_dispatch_matches(got, model, ep_size)
+
+    pairs = _pairs(idx, ep_size)
+    live = np.outer(m, m)  # source and destination active
+    capacity_drops = np.array([len(r.dropped) for r in model.ranks])
     for r in range(ep_size):
-        if m[r]:  # an active rank: same bits as without the mask
-            for name in ("x", "group_sizes", "expert_counts", "num_dropped"):
-                assert_bits_equal(getattr(got, name)[r], getattr(ref, name)[r], f"{name} rank {r}")
-            for name, a in got.handle._asdict().items():
-                if name != "is_token_in_rank":
-                    assert_bits_equal(a[r], getattr(ref.handle, name)[r], f"handle.{name} rank {r}")
-        else:  # a masked rank: no rows, everything routed to it dropped
-            assert not np.any(got.x[r]), f"rank {r} is masked but received rows"
+        # a pair that goes nowhere counts at its source: all of a masked rank's, an active rank's
+        # to masked ranks
+        nowhere = pairs[r].sum() if not m[r] else pairs[r][~m].sum()
+        assert int(got.num_dropped[r]) == capacity_drops[r] + nowhere, f"rank {r} num_dropped"
+        if not m[r]:  # a masked rank: no rows, nothing routed here, not even its own tokens
             assert not np.any(got.group_sizes[r]) and not np.any(got.expert_counts[r])
-            assert np.all(got.handle.src_index[r] < 0)
-            assert not np.any(got.handle.row_weights[r])
-            assert int(got.num_dropped[r]) == routed[r]
-            was_routed = ref.handle.token_rows[r] >= 0
-            assert np.all(got.handle.token_rows[r][was_routed] == DROPPED)
-            assert np.all(got.handle.token_rows[r][~was_routed] == ref.handle.token_rows[r][~was_routed])
-    # source side (layout): unchanged
-    assert_bits_equal(got.handle.is_token_in_rank, ref.handle.is_token_in_rank, "is_token_in_rank")
-    # kept + dropped = routed, over the group
-    assert int(got.expert_counts.sum() + got.num_dropped.sum()) == routed.sum()
-    assert int(got.num_dropped.sum()) == routed[~m].sum() + int(ref.num_dropped[m].sum())
+            assert np.all(got.handle.src_index[r] < 0) and not np.any(got.handle.row_weights[r])
+            assert np.all(got.handle.token_rows[r] == NOT_ROUTED)
+            assert capacity_drops[r] == 0
+            # its slots are NOT_ROUTED on every rank
+            assert np.all(got.handle.token_rows[:, r * T:(r + 1) * T] == NOT_ROUTED)
+    # over the group: kept + dropped = every routed pair (both ends active: kept or capacity-dropped)
+    assert int(got.expert_counts.sum() + got.num_dropped.sum()) == pairs.sum()
+    assert int(got.expert_counts.sum()) + capacity_drops.sum() == pairs[live].sum()
+    # the source side (routing layout) does not depend on the mask
+    plain = to_numpy(_dispatch_fn(ep_size, cfg, False)(x, idx, w))
+    assert_bits_equal(got.handle.is_token_in_rank, plain.handle.is_token_in_rank, "is_token_in_rank")
+    # the active ranks: those of the unmasked dispatch of the routing without the masked ranks' tokens
+    quiet = to_numpy(_dispatch_fn(ep_size, cfg, False)(x, np.where(m[:, None, None], idx, -1), w))
+    for r in np.flatnonzero(m):
+        for name in ("x", "group_sizes", "expert_counts"):
+            assert_bits_equal(getattr(got, name)[r], getattr(quiet, name)[r], f"{name} rank {r}")
+        for name in ("src_index", "token_rows", "row_weights"):
+            assert_bits_equal(getattr(got.handle, name)[r], getattr(quiet.handle, name)[r],
+                              f"handle.{name} rank {r}")
 
 
-@functools.cache
-def _moe_fns(ep_size, cfg):
-    def body(x, i, w, ew, m, masked_combine):
-        d = jax_ep.dispatch(x, i, w, cfg, rank_mask=m)
-        y = jax.lax.ragged_dot(d.x, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST)
+def test_masked_pairs_counts_the_pairs_that_go_nowhere():
+    ep_size, mask = 4, (True, False, True, False)
+    rng = np.random.default_rng(11)
+    cfg = _cfg()
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    fn = per_rank(lambda i, m: reference.masked_pairs(i, cfg, m)[None], ep_size)
+    got = np.asarray(fn(idx, _tiled(mask, ep_size))).reshape(-1)
+    pairs = _pairs(idx, ep_size)
+    m = np.asarray(mask)
+    np.testing.assert_array_equal(got, [pairs[r].sum() if not m[r] else pairs[r][~m].sum()
+                                        for r in range(ep_size)])
+    assert got.min() > 0
+
+
+def _combine_fn(ep_size, cfg, masked_dispatch, masked_combine):
+    def body(x, i, w, y, m):
+        d = jax_ep.dispatch(x, i, w, cfg, rank_mask=m if masked_dispatch else None)
         return jax_ep.combine(y, d.handle, cfg, rank_mask=m if masked_combine else None)
 
-    def zeroed(x, i, w, ew, m):  # the unmasked run with the masked ranks' expert outputs zeroed
-        d = jax_ep.dispatch(x, i, w, cfg)
-        y = jax.lax.ragged_dot(d.x, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST)
-        y = jnp.where(m[jax.lax.axis_index("ep")], y, 0.0)
-        return jax_ep.combine(y, d.handle, cfg)
+    return per_rank(body, ep_size)
 
-    return (per_rank(functools.partial(body, masked_combine=True), ep_size),
-            per_rank(functools.partial(body, masked_combine=False), ep_size), per_rank(zeroed, ep_size))
+
+@pytest.mark.parametrize("y_dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("ep_size,mask", MASKS)
+def test_masked_combine_matches_the_model(ep_size, mask, y_dtype):
+    """combine under a masked dispatch, with and without combine's mask: the model's summation order
+    over the masked handles, bit for bit (a masked rank's tokens come back zero)."""
+    rng = np.random.default_rng(200 + ep_size + sum(mask))
+    cfg = _cfg(capacity=8)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    m = np.asarray(mask)
+    C = cfg.resolved_capacity(ep_size)
+    y = jnp.asarray(rng.standard_normal((ep_size, C, H)).astype(np.float32)).astype(y_dtype)
+    want = nm.combine_exact(np.asarray(y), model_for(cfg, x, idx, w, rank_mask=m))
+    for masked_combine in (True, False):
+        got = to_numpy(_combine_fn(ep_size, cfg, True, masked_combine)(x, idx, w, y, _tiled(m, ep_size)))
+        assert_bits_equal(got, want, f"combine, masked_combine={masked_combine}")
+    assert not np.any(want[~m]) and np.any(want[m])
+
+
+def test_combine_mask_takes_only_linked_partial_sums():
+    """combine's rank_mask after an unmasked dispatch (a handle with rows everywhere): an active
+    source sums the active ranks' partial sums only, a masked source only its own; the rows a rank
+    ignores get a zero gradient."""
+    ep_size, mask = 4, (True, False, True, False)
+    rng = np.random.default_rng(7)
+    cfg = _cfg()
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    m = np.asarray(mask)
+    y = rng.standard_normal((ep_size, cfg.resolved_capacity(ep_size), H)).astype(np.float32)
+    model = model_for(cfg, x, idx, w)
+    got = to_numpy(_combine_fn(ep_size, cfg, False, True)(x, idx, w, y, _tiled(m, ep_size)))
+    for s in range(ep_size):  # the model over y with every rank not linked to s zeroed
+        linked = m & m[s] if m[s] else np.arange(ep_size) == s
+        want = nm.combine_exact(np.where(linked[:, None, None], y, 0.0), model)[s]
+        assert_bits_equal(got[s], want, f"source {s}")
+
+    g = rng.standard_normal((ep_size, T, H)).astype(np.float32)
+
+    def loss(y):
+        body = _combine_fn(ep_size, cfg, False, True)
+        return jnp.sum(body(x, idx, w, y, _tiled(m, ep_size)) * g)
+
+    dy = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(y)))
+    handle_rows = [model.ranks[d].src for d in range(ep_size)]
+    for d in range(ep_size):
+        srcs = handle_rows[d] // T
+        # row j of rank d reaches source srcs[j] iff they are linked
+        reaches = (handle_rows[d] >= 0) & ((m[d] & m[srcs]) | (srcs == d))
+        assert not np.any(dy[d][~reaches]), f"rank {d}: a row nobody reads got a gradient"
+        assert np.all(np.any(dy[d][reaches] != 0, axis=1)), f"rank {d}: a row read got no gradient"
+
+
+def _dense_moe(x, idx, w, ew_all, active, ep_size):
+    """No EP: out[t] = sum over valid slots of w * (x[t] @ W[e]), over the slots of tokens of active
+    ranks to experts of active ranks (x, idx, w: [R * T, ...], rank-major)."""
+    clean = reference.sanitize_topk(idx, E)
+    source_active = jnp.repeat(active, x.shape[0] // ep_size)
+    keep = (clean >= 0) & active[jnp.maximum(clean, 0) // (E // ep_size)] & source_active[:, None]
+    per_expert = jnp.einsum("th,eho->teo", x, ew_all, precision=jax.lax.Precision.HIGHEST)
+    picked = jnp.take_along_axis(per_expert, jnp.maximum(clean, 0)[:, :, None], axis=1)
+    return jnp.sum(jnp.where(keep[:, :, None], w[:, :, None] * picked, 0.0), axis=1)
 
 
 def _expert_weights(rng, ep_size):
@@ -119,57 +208,7 @@ def _expert_weights(rng, ep_size):
 
 
 @pytest.mark.parametrize("ep_size,mask", MASKS)
-def test_combine_excludes_masked_ranks(ep_size, mask):
-    rng = np.random.default_rng(200 + ep_size + sum(mask))
-    cfg = _cfg()
-    x, idx, w = random_tokens(rng, ep_size, T, cfg)
-    ew, m = _expert_weights(rng, ep_size), _tiled(mask, ep_size)
-    masked, handle_only, zeroed = _moe_fns(ep_size, cfg)
-    want = to_numpy(zeroed(x, idx, w, ew, m))
-    assert_bits_equal(to_numpy(masked(x, idx, w, ew, m)), want, "combine with rank_mask")
-    # the handle of a masked dispatch alone already excludes them (their slots are DROPPED)
-    assert_bits_equal(to_numpy(handle_only(x, idx, w, ew, m)), want, "combine without rank_mask")
-
-
-def test_combine_mask_ignores_what_masked_ranks_return():
-    """combine's rank_mask: the sources ignore masked ranks' rows even when their handle holds rows
-    (an unmasked dispatch), and the backward gives those rows a zero gradient."""
-    ep_size, mask = 4, (True, False, True, False)
-    rng = np.random.default_rng(7)
-    cfg = _cfg()
-    x, idx, w = random_tokens(rng, ep_size, T, cfg)
-    ew, m = _expert_weights(rng, ep_size), _tiled(mask, ep_size)
-
-    def f(x, i, w, ew, m, masked):
-        d = jax_ep.dispatch(x, i, w, cfg)
-        y = jax.lax.ragged_dot(d.x, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST)
-        if masked:
-            return jax_ep.combine(y, d.handle, cfg, rank_mask=m)
-        return jax_ep.combine(jnp.where(m[jax.lax.axis_index("ep")], y, 0.0), d.handle, cfg)
-
-    def loss(masked, ew):
-        out = per_rank(functools.partial(f, masked=masked), ep_size, jit=False)(x, idx, w, ew, m)
-        return jnp.sum(out * g)
-
-    g = rng.standard_normal((ep_size, T, HO)).astype(np.float32)
-    got_v, got_g = jax.jit(jax.value_and_grad(functools.partial(loss, True)))(ew)
-    want_v, want_g = jax.jit(jax.value_and_grad(functools.partial(loss, False)))(ew)
-    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-    assert_bits_equal(np.asarray(got_g), np.asarray(want_g), "d expert weights")
-    assert not np.any(np.asarray(got_g)[~np.asarray(mask)])
-
-
-def _dense_moe(x, idx, w, ew_all, active, ep_size):
-    """No EP: out[t] = sum over valid slots of active experts of w * (x[t] @ W[e])."""
-    clean = reference.sanitize_topk(idx, E)
-    keep = (clean >= 0) & active[jnp.maximum(clean, 0) // (E // ep_size)]
-    per_expert = jnp.einsum("th,eho->teo", x, ew_all, precision=jax.lax.Precision.HIGHEST)
-    picked = jnp.take_along_axis(per_expert, jnp.maximum(clean, 0)[:, :, None], axis=1)
-    return jnp.sum(jnp.where(keep[:, :, None], w[:, :, None] * picked, 0.0), axis=1)
-
-
-@pytest.mark.parametrize("ep_size,mask", MASKS)
-def test_gradients_match_dense_moe_without_masked_experts(ep_size, mask):
+def test_gradients_match_dense_moe_without_masked_ranks(ep_size, mask):
     rng = np.random.default_rng(300 + ep_size + sum(mask))
     cfg = _cfg()
     x, idx, w = random_tokens(rng, ep_size, T, cfg)
@@ -190,11 +229,14 @@ def test_gradients_match_dense_moe_without_masked_experts(ep_size, mask):
     for name, a, b in zip(("loss", "dx", "dw", "d expert weights"), jax.tree.leaves(got),
                           jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
-    dw = np.asarray(got[1][1]).reshape(-1, K)
-    clean = np.asarray(reference.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E))
-    on_masked = (clean >= 0) & ~np.asarray(mask)[np.maximum(clean, 0) // (E // ep_size)]
-    assert not np.any(dw[on_masked]), "a masked slot's gate weight got a gradient"
-    assert not np.any(np.asarray(got[1][2])[~np.asarray(mask)]), "a masked rank's experts got a gradient"
+    m1 = np.asarray(mask)
+    dx, dw = np.asarray(got[1][0]), np.asarray(got[1][1])
+    clean = np.asarray(reference.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E)).reshape(ep_size, T, K)
+    on_masked = (clean >= 0) & ~m1[np.maximum(clean, 0) // (E // ep_size)]
+    assert not np.any(dw[on_masked]), "a slot to a masked rank got a gradient"
+    assert not np.any(dw[~m1]) and not np.any(dx[~m1]), "a masked rank's tokens got a gradient"
+    assert np.any(dx[m1]), "no active token got a gradient"
+    assert not np.any(np.asarray(got[1][2])[~m1]), "a masked rank's experts got a gradient"
 
 
 def _moe_per_rank(cfg):
@@ -230,14 +272,26 @@ def test_all_active_mask_is_bit_identical_to_no_mask(ep_size, mask_dtype):
     _assert_tree_bits_equal(grads(_moe_per_rank(cfg)), grads(unmasked), "loss and grads")
 
 
-def test_checked_mode_does_not_count_masked_drops():
+def test_checked_mode_counts_only_capacity_drops():
+    """Checked mode: pairs a mask sends nowhere (in num_dropped) are no error; capacity drops among
+    the active ranks still are, and the message counts only those."""
     ep_size = 2
     rng = np.random.default_rng(5)
     cfg = _cfg(checked=True)
     x, idx, w = random_tokens(rng, ep_size, T, cfg, routing=functools.partial(
         random_routing, p_out_of_range=0.0))
-    out = jax_ep.run_checked(_dispatch_fn(ep_size, cfg, True), x, idx, w, _tiled([True, False], ep_size))
-    assert int(np.asarray(out.num_dropped)[1]) == _routed_pairs(idx, ep_size)[1] > 0
+    m = _tiled([True, False], ep_size)
+    out = jax_ep.run_checked(_dispatch_fn(ep_size, cfg, True), x, idx, w, m)
+    pairs = _pairs(idx, ep_size)
+    np.testing.assert_array_equal(np.asarray(out.num_dropped), [pairs[0, 1], pairs[1].sum()])
+    assert pairs[0, 1] > 0 and pairs[1].sum() > 0
+
+    small = _cfg(checked=True, capacity=2)
+    plain = to_numpy(_dispatch_fn(ep_size, _cfg(capacity=2), True)(x, idx, w, m))
+    capacity_drops = int(plain.num_dropped.sum()) - int(pairs[0, 1] + pairs[1].sum())
+    assert capacity_drops > 0
+    with pytest.raises(Exception, match=f"capacity=2 is too small: {capacity_drops} rows dropped"):
+        jax_ep.run_checked(_dispatch_fn(ep_size, small, True), x, idx, w, m)
 
 
 @pytest.mark.parametrize("bad,what", [
@@ -266,14 +320,11 @@ def test_invalid_masks_name_the_argument(bad, what):
 
 
 def test_auto_takes_the_reference_and_cuda_takes_the_mask_kernels():
-    """'auto' keeps the reference with a mask (the CUDA path leaves a masked rank's own tokens
-    unrouted); 'cuda' runs the mask-taking kernels; ops without a mask operand refuse one."""
+    """'auto' keeps the reference with a mask; 'cuda' runs the mask-taking kernels; ops without a
+    mask operand refuse one."""
     from jax_ep import cuda_backend
 
     ep_size = 2
-    rng = np.random.default_rng(1)
-    x, idx, w = random_tokens(rng, ep_size, T, _cfg())
-    m = _tiled([True, False], ep_size)
     for name in ops._MASK_KERNELS:
         assert ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=True) is getattr(
             reference, name)
@@ -281,6 +332,13 @@ def test_auto_takes_the_reference_and_cuda_takes_the_mask_kernels():
     for name in ("ll_dispatch", "ll_combine", "dispatch_rank_major", "combine_rank_major"):
         with pytest.raises(NotImplementedError, match="takes no rank_mask"):
             ops.OPS[name].implementation(_cfg(backend="cuda"), ep_size, masked=True)
+
+
+def test_auto_without_a_gpu_runs_the_reference():
+    ep_size = 2
+    rng = np.random.default_rng(1)
+    x, idx, w = random_tokens(rng, ep_size, T, _cfg())
+    m = _tiled([True, False], ep_size)
     got = to_numpy(_dispatch_fn(ep_size, _cfg(backend="auto"), True)(x, idx, w, m))
     _assert_tree_bits_equal(got, to_numpy(_dispatch_fn(ep_size, _cfg(), True)(x, idx, w, m)),
                             "auto = reference")
@@ -337,14 +395,16 @@ def _layer(ep_size, seed=0):
 
 
 def _dense_layer(layer, tokens, active):
-    """The layer without EP, the slots of experts on masked ranks dropped (routing unchanged)."""
+    """The layer without EP (tokens rank-major, as the layer shards them), the slots of masked
+    ranks' tokens and of experts on masked ranks dropped (routing unchanged)."""
     from jax_ep import gating
 
     routing = gating.route(tokens @ layer.router[...], layer.routing, layer.expert_bias[...])
     gate, up = jnp.split(jnp.einsum("th,ehf->tef", tokens, layer.w_gate_up[...]), 2, axis=2)
     y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, layer.w_down[...])
     picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)
-    keep = active[routing.topk_idx // (E // active.shape[0])]
+    source_active = jnp.repeat(active, tokens.shape[0] // active.shape[0])
+    keep = active[routing.topk_idx // (E // active.shape[0])] & source_active[:, None]
     out = jnp.sum(jnp.where(keep[:, :, None], picked * routing.topk_weights[:, :, None], 0.0), axis=1)
     return out, int(np.sum(~np.asarray(keep)))
 
@@ -365,6 +425,8 @@ def test_moe_layer_rank_mask():
     got = np.asarray(step(layer, x))
     want, dropped = _dense_layer(layer, x.reshape(-1, H), jnp.asarray(mask))
     np.testing.assert_allclose(got.reshape(-1, H), np.asarray(want), rtol=2e-5, atol=2e-5)
+    by_rank = got.reshape(ep_size, -1, H)
+    assert not np.any(by_rank[~mask]) and np.any(by_rank[mask]), "masked ranks' tokens"
     assert int(layer.last_dropped[...]) == dropped > 0
     load = np.asarray(layer.last_load[...]).reshape(ep_size, -1)
     assert not np.any(load[~mask]) and np.all(load.sum() + dropped == x.shape[0] * x.shape[1] * 2)

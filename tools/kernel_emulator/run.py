@@ -3,8 +3,8 @@ output with jax_ep.reference (bit-exact; combine too: same summation order). Eve
 expert-major ops (dispatch, combine, broadcast, slot_values) and the rank-major ones
 (dispatch_rank_major, combine_rank_major with NaN in the empty rows and some -0.0, broadcast_rank_major).
 The cases with a rank mask (``mask=``, ``absent=``; ``-k mask`` runs the fixed ones) run the
-expert-major ops with the mask, some masked ranks' processes running no op at all, and compare the
-active ranks (see ``run_case``).
+expert-major ops with the mask, some masked ranks' processes running no op at all, and compare every
+rank that runs them, masked ones included (see ``run_case``).
 
     python tools/kernel_emulator/run.py [--quick] [-k NAME]
     python tools/kernel_emulator/run.py --random N [--seed S]   # N random cases (a sweep)
@@ -160,10 +160,10 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
 
     mask (one 0/1 per rank): rank masking for dispatch, combine, broadcast and slot_values (the
-    rank-major ops are skipped). The CUDA path leaves a masked rank out of the call both ways, so
-    the active ranks are compared with the reference under the mask for the same call in which the
-    masked ranks route nothing (their topk_idx all -1); the masked ranks' outputs are not compared.
-    absent: masked ranks whose process runs no op at all (the others must still finish).
+    rank-major ops are skipped). Every rank that runs the ops, masked ones too, is compared with the
+    reference under the same mask and the same routing (a masked rank sends and receives nothing).
+    absent: masked ranks whose process runs no op at all (the others must still finish; nothing of
+    theirs is compared).
     mask_odd: the mask of the odd repetitions (default: mask), e.g. a rank masked in one call and
     active in the next (it ran the masked call, so it is in step)."""
     rng = np.random.default_rng(seed)
@@ -209,10 +209,10 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             return False
         ok = True
         for r in range(R):
+            if r in absent:  # (it ran nothing)
+                continue
             for rep in range(reps):
-                m = masks[rep % 2]
-                if m is None or m[r]:  # (a masked rank's outputs are not compared)
-                    ok &= compare_rank(name, d, r, rep, wants[rep % 2])
+                ok &= compare_rank(name, d, r, rep, wants[rep % 2])
         rows = [int(s.sum()) for s in want["group_sizes"]]
         more = (f"mask {list(mask)}, absent {list(absent)}" if mask is not None else
                 f"rank-major rows {[int(s.sum()) for s in want['rm_per_rank']]}")
@@ -224,13 +224,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
 
 
 def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr) -> dict:
-    """What every rank's driver outputs must be ([R, ...] each). With a mask: the reference under it
-    for the masked ranks' tokens unrouted (their topk_idx all -1), expert-major ops only."""
-    if mask is not None:
-        ref_idx = np.where(np.asarray(mask, bool)[:, None, None], idx, -1).astype(np.int32)
-        rank_mask = jax.numpy.asarray(mask, jax.numpy.int32)
-    else:
-        ref_idx, rank_mask = idx, None
+    """What every rank's driver outputs must be ([R, ...] each). With a mask: the reference under it,
+    expert-major ops only."""
+    rank_mask = None if mask is None else jax.numpy.asarray(mask, bool)
 
     def body(x, idx, w, y, g, v, yr):
         d = reference.dispatch(x[0], idx[0], w[0], cfg, rank_mask)
@@ -242,7 +238,7 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr) -> dict:
                    comb_w=reference.combine(y[0], d.handle, cfg, rank_mask),
                    comb_u=reference.combine(y[0], unweighted, cfg, rank_mask),
                    bcast=reference.broadcast(g[0], d.handle, cfg, rank_mask),
-                   slotv=reference.slot_values(v[0], d.handle, cfg))
+                   slotv=reference.slot_values(v[0], d.handle, cfg, rank_mask))
         if d.scales is not None:
             out["scales"] = d.scales
         if rank_mask is not None:  # (the rank-major ops take no mask)
@@ -260,7 +256,7 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr) -> dict:
         return {k: a[None] for k, a in out.items()}
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ref_idx, w, y, g, v, yr)]
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v, yr)]
     return {k: np.asarray(a) for k, a in fn(*args).items()}
 
 
