@@ -89,17 +89,18 @@ class Op:
         "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
         table), the extension is loaded, the default platform is a GPU and the kernel supports the
         sizes; the reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
-        ``masked``: a rank mask was given. "auto" then takes the reference. Ops without a mask
-        operand refuse one on "cuda".
+        ``masked``: a rank mask was given. The kernels that take one (``_MASK_KERNELS``) have the
+        reference's masked semantics bit for bit, so "auto" picks as without a mask (the table was
+        measured without one; the mask adds one [R] read); an op whose kernel takes no mask runs
+        the reference on "auto" and refuses on "cuda".
         """
         if cfg.backend == "reference":
             return getattr(reference, self.name)
-        if masked:
+        if masked and self.name not in _MASK_KERNELS:
             if cfg.backend == "auto":
                 return getattr(reference, self.name)
-            if self.name not in _MASK_KERNELS:
-                raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {_NO_MASK_KERNEL}; "
-                                          "use backend='reference' or 'auto'")
+            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {_NO_MASK_KERNEL}; "
+                                      "use backend='reference' or 'auto'")
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
         kernel = getattr(cuda_backend, self.name, None)
@@ -140,7 +141,8 @@ OPS = {op.name: op for op in (
 
 def implementation(op: str, cfg: EPConfig, dtype=None, masked: bool = False):
     """The function ``cfg.backend`` runs for ``op`` (inside shard_map over cfg.axis_name);
-    ``masked``: a rank mask was given (the reference path then, or an error for backend='cuda')."""
+    ``masked``: a rank mask was given (an op whose kernel takes none: the reference on 'auto', an
+    error on 'cuda')."""
     return OPS[op].implementation(cfg, ep_size(cfg, op), dtype, masked)
 
 

@@ -34,7 +34,7 @@ from helpers import (
 )
 
 import jax_ep
-from jax_ep import ops, reference
+from jax_ep import auto_table, ops, reference
 from jax_ep.types import NOT_ROUTED
 
 E, K, H, HO, T = 8, 3, 16, 8, 6
@@ -319,18 +319,30 @@ def test_invalid_masks_name_the_argument(bad, what):
         per_rank(run_combine, ep_size)(x, idx, w)
 
 
-def test_auto_takes_the_reference_and_cuda_takes_the_mask_kernels():
-    """'auto' keeps the reference with a mask; 'cuda' runs the mask-taking kernels; ops without a
-    mask operand refuse one."""
-    from jax_ep import cuda_backend
+def test_auto_picks_as_without_a_mask(monkeypatch):
+    """'auto' with a mask picks as without one (the kernels have the reference's masked semantics):
+    the kernel where the auto table has a measured win, the reference where it has none; an op
+    whose kernel takes no mask runs the reference on 'auto' and refuses on 'cuda'."""
+    from jax_ep import cuda_backend, runtime
 
     ep_size = 2
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
     for name in ops._MASK_KERNELS:
+        assert "rank_mask" in inspect.signature(getattr(cuda_backend, name)).parameters
+        for wins in (True, False):
+            monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, w=wins: w)
+            want = getattr(cuda_backend if wins else reference, name)
+            for masked in (False, True):
+                got = ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=masked)
+                assert got is want, (name, wins, masked)
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda *a: True)
+    for name in ("ll_dispatch", "ll_combine", "dispatch_rank_major", "combine_rank_major"):
+        assert name not in ops._MASK_KERNELS
         assert ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=True) is getattr(
             reference, name)
-        assert "rank_mask" in inspect.signature(getattr(cuda_backend, name)).parameters
-    for name in ("ll_dispatch", "ll_combine", "dispatch_rank_major", "combine_rank_major"):
-        with pytest.raises(NotImplementedError, match="takes no rank_mask"):
+        with pytest.raises(NotImplementedError, match=f"jax_ep.{name} .*takes no rank_mask"):
             ops.OPS[name].implementation(_cfg(backend="cuda"), ep_size, masked=True)
 
 
