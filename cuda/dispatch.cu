@@ -282,16 +282,18 @@ __global__ void __launch_bounds__(kNotifyThreads)
 // destination rank (keys E + r) after its expert counts; then, from the same [R][E + R] table on
 // every rank, the outputs tokens_per_rank (rows from each source) and tokens_per_expert (pairs
 // per local expert; nothing drops), this rank's first row on every destination (base_row[r]:
-// the rows of earlier source ranks there) and total_rows (rows received here).
+// the rows of earlier source ranks there) and total_rows (rows received here). Rank masking: all
+// of these count active sources only (a masked rank's own row is in its table: it receives
+// nothing, itself included).
 __global__ void __launch_bounds__(kNotifyThreads)
     dispatch_rank_major_notify_kernel(DeviceState* state, CommLayout layout,
                                       const int32_t* rank_ptr, const int32_t* group_ptr,
-                                      OpFingerprint fp, int axis_slot,
+                                      const int32_t* rank_mask, OpFingerprint fp, int axis_slot,
                                       int32_t* __restrict__ tokens_per_rank,
                                       int32_t* __restrict__ tokens_per_expert) {
   __shared__ OpInfo info;
   const int R = fp.ranks, E = fp.experts;
-  discover_group(state, rank_ptr, group_ptr, nullptr, axis_slot, layout.total, fp, &info);
+  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, &info);
   char* own = own_comm_buffer(state);
   const int keys = E + R;
   exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor);
@@ -299,22 +301,26 @@ __global__ void __launch_bounds__(kNotifyThreads)
   const int me = info.rank;
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
   int32_t* base_row = reinterpret_cast<int32_t*>(own + layout.base_row);
+  // source s's count of key k, 0 for a masked source
+  const auto count = [&](int s, int k) {
+    return has_rank(info.active, s) ? __ldcg(counts + static_cast<int64_t>(s) * keys + k) : 0;
+  };
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
-    tokens_per_rank[r] = __ldcg(counts + static_cast<int64_t>(r) * keys + E + me);
+    tokens_per_rank[r] = count(r, E + me);
     int32_t before = 0;
-    for (int s = 0; s < me; ++s) before += __ldcg(counts + static_cast<int64_t>(s) * keys + E + r);
+    for (int s = 0; s < me; ++s) before += count(s, E + r);
     base_row[r] = before;
   }
   const int local = E / R;
   for (int j = threadIdx.x; j < local; j += blockDim.x) {
     int32_t n = 0;
-    for (int s = 0; s < R; ++s) n += __ldcg(counts + static_cast<int64_t>(s) * keys + me * local + j);
+    for (int s = 0; s < R; ++s) n += count(s, me * local + j);
     tokens_per_expert[j] = n;
   }
   if (threadIdx.x == 0) {
     int32_t total = 0;
-    for (int s = 0; s < R; ++s) total += __ldcg(counts + static_cast<int64_t>(s) * keys + E + me);
+    for (int s = 0; s < R; ++s) total += count(s, E + me);
     publish_op_info(state, layout, info, total);
   }
 }
@@ -666,8 +672,9 @@ __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, c
     item -= n_empty;
     int s, c;
     if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor, d.lane,
-                                  &s, &c)) {
-      continue;  // (never: rank-major dispatch takes no mask, every rank is linked)
+                                  &s, &c) ||
+        !has_rank(d.info->active, s)) {
+      continue;  // a masked source (this rank's own chunks too, when it is masked): no rows here
     }
     for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
       dispatch_rank_major_token<kConv, kTma>(a, d, tma, s, t);
@@ -746,7 +753,7 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
 
   if (p.rank_major) {
     JAX_EP_LAUNCH(dispatch_rank_major_notify_kernel, 1, kNotifyThreads, 0, stream)(
-        p.state, p.layout, p.rank, p.group, dispatch_fingerprint(p), p.axis_slot,
+        p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
         p.tokens_per_rank, p.expert_counts);
   } else {
     JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(

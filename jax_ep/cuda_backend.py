@@ -310,7 +310,7 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
 
 
 def _mask_operand(rank_mask: jax.Array | None, ep_size: int) -> jax.Array:
-    """The int32 [R] rank-mask operand of dispatch, combine, broadcast and slot_values (nonzero =
+    """The int32 [R] rank-mask operand of the throughput ops, expert- and rank-major (nonzero =
     active; all ones without a mask). The kernels never wait for, nor write to, a masked rank."""
     if rank_mask is None:
         return jnp.ones((ep_size,), jnp.int32)
@@ -319,18 +319,18 @@ def _mask_operand(rank_mask: jax.Array | None, ep_size: int) -> jax.Array:
 
 def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
                    rows: jax.ShapeDtypeStruct, scales: jax.ShapeDtypeStruct | None, rest,
-                   mask: tuple = ()) -> tuple:
+                   rank_mask: jax.Array | None) -> tuple:
     """The custom call of dispatch / dispatch_rank_major (one kernel family): results rows, scales
-    (None: no FP8) and ``rest`` (the op's other output types, in order); ``mask``: the rank-mask
-    operand where the op's handler takes one, else (). Returns (rows, scales or None, [the rest]),
-    per rank."""
+    (None: no FP8) and ``rest`` (the op's other output types, in order); ``rank_mask`` becomes the
+    operand. Returns (rows, scales or None, [the rest]), per rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     tokens, hidden = x.shape
     fp8 = scales is not None
     rank, group, axis_slot = _group_of(axis)
     outputs = _call(op, (rows, scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32), *rest),
-                    x, topk_idx, topk_weights, *mask, rank, group, stream=cfg.kernel.async_stream,
+                    x, topk_idx, topk_weights, _mask_operand(rank_mask, ep_size), rank, group,
+                    stream=cfg.kernel.async_stream,
                     **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
                              row_bytes=hidden * rows.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
@@ -346,8 +346,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     out = types.dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
     rows, scales, (group_sizes, counts, dropped, *handle) = _dispatch_call(
         "dispatch", x, topk_idx, topk_weights, cfg, out.x, out.scales,
-        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle),
-        mask=(_mask_operand(rank_mask, lax.axis_size(cfg.axis_name)),))
+        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle), rank_mask)
     return Dispatched(rows, scales, group_sizes, counts, dropped, Handle(*handle))
 
 
@@ -396,14 +395,15 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
 
 
 # ---- rank-major mode (DeepEP's contract) ---------------------------------------------------------
-def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        cfg: EPConfig) -> RankMajorDispatched:
+def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+                        rank_mask: jax.Array | None = None) -> RankMajorDispatched:
     """``jax_ep.reference.dispatch_rank_major`` on NVLink kernels (the dispatch kernels in their
-    rank-major mode; bit-exact outputs). Per-rank view."""
+    rank-major mode; bit-exact outputs, rank mask included). Per-rank view."""
     out = types.rank_major_dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
     rows, scales, (ids, weights, per_rank, per_expert, src_index, in_rank) = _dispatch_call(
         "dispatch_rank_major", x, topk_idx, topk_weights, cfg, out.x, out.scales,
-        (out.topk_idx, out.topk_weights, out.num_tokens_per_rank, out.num_tokens_per_expert, *out.handle))
+        (out.topk_idx, out.topk_weights, out.num_tokens_per_rank, out.num_tokens_per_expert, *out.handle),
+        rank_mask)
     return RankMajorDispatched(rows, scales, ids, weights, per_rank, per_expert,
                                RankMajorHandle(src_index, in_rank))
 
@@ -421,7 +421,8 @@ def _pad_rows(a: jax.Array) -> jax.Array:
     return jnp.pad(a, ((0, 0), (0, pad))) if pad else a
 
 
-def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                       rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.combine_rank_major`` on NVLink kernels (the combine kernel with one row per
     (token, rank), rows as they are; the same float32 rank-order sum, bit-exact). Per-rank view."""
     axis = cfg.axis_name
@@ -432,13 +433,15 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> 
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
     result, _ = _call("combine_rank_major", (out, _slot_rows_type(handle)), y, handle.src_index,
-                      handle.is_token_in_rank, rank, group, stream=cfg.kernel.async_stream,
+                      handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,
+                      stream=cfg.kernel.async_stream,
                       **_attrs("combine_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
                                row_bytes=hidden * y.dtype.itemsize, num_topk=1))
     return _vary_all(result[:, :width], axis, y, *handle)
 
 
-def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                         rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.broadcast_rank_major`` (combine_rank_major's backward: each token's row to
     its rows, empty rows zero) on NVLink kernels (the broadcast kernel, one row per (token, rank))."""
     axis = cfg.axis_name
@@ -449,7 +452,8 @@ def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -
     tokens, hidden = g.shape
     rank, group, axis_slot = _group_of(axis)
     result, _ = _call("broadcast_rank_major", (out, _slot_rows_type(handle)), g, handle.src_index,
-                      handle.is_token_in_rank, rank, group, stream=cfg.kernel.async_stream,
+                      handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,
+                      stream=cfg.kernel.async_stream,
                       **_attrs("broadcast_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
                                row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0],
                                num_topk=1))

@@ -127,7 +127,8 @@ class Op:
 
 
 # the CUDA kernels that take the rank-mask operand (jax_ep.cuda_backend._mask_operand)
-_MASK_KERNELS = ("dispatch", "combine", "broadcast", "slot_values")
+_MASK_KERNELS = ("dispatch", "combine", "broadcast", "slot_values", "dispatch_rank_major",
+                 "combine_rank_major", "broadcast_rank_major")
 _NO_MASK_KERNEL = "this op's CUDA kernel takes no rank_mask"
 
 
@@ -272,8 +273,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 # ---- rank-major mode (DeepEP's contract): custom_vjp ----------------------------------------------
-def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        cfg: EPConfig) -> RankMajorDispatched:
+def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+                        rank_mask: jax.Array | None = None) -> RankMajorDispatched:
     """Send each token once to each rank that holds any of its top-k experts; return one row per
     (token, this rank) pair, for expert kernels that permute (and weight) the rows themselves.
 
@@ -283,6 +284,9 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
         marks an unused slot.
       topk_weights: [T, K] float32 gate weights.
       cfg: EPConfig (static); capacity and expert_alignment play no part (no drops).
+      rank_mask: as for dispatch: a masked rank sends and receives nothing (rows only from active
+        sources to active ranks; no output counts the pairs that go nowhere:
+        ``reference.masked_pairs``). Pass the same mask to combine_rank_major.
     Returns:
       RankMajorDispatched: x [R*T, H] rows packed from row 0 (source rank major, token order within;
       rows past sum(num_tokens_per_rank) are empty: zero), scales [R*T, ceil(H/128)] for FP8,
@@ -291,66 +295,76 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       num_tokens_per_expert [E_local], handle (RankMajorHandle) for combine_rank_major.
     Differentiable in x and topk_weights (bfloat16 / float32 wire; FP8 is forward-only).
     """
-    ep_size(cfg, "dispatch_rank_major")
+    size = ep_size(cfg, "dispatch_rank_major")
     check_dispatch_args(x, topk_idx, topk_weights, cfg, op="dispatch_rank_major")
+    rank_mask = check_rank_mask(rank_mask, size, "dispatch_rank_major")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch_rank_major")
     # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
     x, topk_weights = vma.vary_as(x, topk_idx, topk_weights), vma.vary_as(topk_weights, x, topk_idx)
-    return _dispatch_rank_major(x, topk_idx, topk_weights, cfg)
+    return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
-def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                       rank_mask: jax.Array | None = None) -> jax.Array:
     """y [R*T, H'] (one output row per dispatched row; empty rows may hold anything, NaN included)
     -> [T, H'] of y's dtype: per token of this rank, the sum over the ranks it went to of its rows,
     in float32 in rank order, rounded once to y's dtype. No gate weights: the expert kernel applied
-    them (dispatch_rank_major's topk_weights)."""
+    them (dispatch_rank_major's topk_weights). rank_mask (pass the dispatch's): rows only from the
+    ranks linked to this one (every active rank if it is active, itself only if masked)."""
     size = ep_size(cfg, "combine_rank_major")
     check_combine_rank_major_args(y, handle, cfg, size)
-    return _combine_rank_major(vma.vary_as(y, handle.src_index), handle, cfg)
+    rank_mask = check_rank_mask(rank_mask, size, "combine_rank_major")
+    return _combine_rank_major(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dispatch_rank_major(x, topk_idx, topk_weights, cfg):
-    return implementation("dispatch_rank_major", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
+    impl = implementation("dispatch_rank_major", cfg, x.dtype, rank_mask is not None)
+    return _masked(impl, rank_mask)(x, topk_idx, topk_weights, cfg)
 
 
-def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, cfg):
-    out = implementation("dispatch_rank_major", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
+    out = _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
     dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
-    return out, (out.handle, out.topk_idx, dtype_token, topk_idx)
+    return out, (out.handle, out.topk_idx, dtype_token, topk_idx, rank_mask)
 
 
 def _dispatch_rank_major_bwd(cfg, residuals, ct):
-    handle, row_ids, dtype_token, topk_idx = residuals
+    handle, row_ids, dtype_token, topk_idx, rank_mask = residuals
     if cfg.dispatch_dtype == "float8_e4m3fn":
         raise NotImplementedError(
             "jax_ep: dispatch_rank_major with dispatch_dtype='float8_e4m3fn' is forward-only "
             "(inference and prefill); differentiate through a bfloat16 dispatch instead")
-    combine_impl = implementation("combine_rank_major", cfg, ct.x.dtype)
+    masked = rank_mask is not None
+    combine_impl = _masked(implementation("combine_rank_major", cfg, ct.x.dtype, masked), rank_mask)
     dx = combine_impl(ct.x, handle, cfg).astype(dtype_token.dtype)
     # each (token, slot) weight lives on one rank's row: the rank sum adds zeros only, exactly
     d_weights = jnp.where(row_ids >= 0, ct.topk_weights.astype(jnp.float32), 0.0)
     d_topk_weights = combine_impl(d_weights, handle, cfg)
-    return dx, float0_like(topk_idx), d_topk_weights
+    return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 
 _dispatch_rank_major.defvjp(_dispatch_rank_major_fwd, _dispatch_rank_major_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _combine_rank_major(y, handle, cfg):
-    return implementation("combine_rank_major", cfg, y.dtype)(y, handle, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine_rank_major(y, handle, rank_mask, cfg):
+    impl = implementation("combine_rank_major", cfg, y.dtype, rank_mask is not None)
+    return _masked(impl, rank_mask)(y, handle, cfg)
 
 
-def _combine_rank_major_fwd(y, handle, cfg):
-    return _combine_rank_major(y, handle, cfg), (handle, jnp.zeros((0,), y.dtype))
+def _combine_rank_major_fwd(y, handle, rank_mask, cfg):
+    return _combine_rank_major(y, handle, rank_mask, cfg), (handle, jnp.zeros((0,), y.dtype), rank_mask)
 
 
 def _combine_rank_major_bwd(cfg, residuals, g):
-    handle, dtype_token = residuals
-    dy = implementation("broadcast_rank_major", cfg, g.dtype)(g, handle, cfg).astype(dtype_token.dtype)
-    return dy, RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank))
+    handle, dtype_token, rank_mask = residuals
+    broadcast = _masked(implementation("broadcast_rank_major", cfg, g.dtype, rank_mask is not None),
+                        rank_mask)
+    dy = broadcast(g, handle, cfg).astype(dtype_token.dtype)
+    return (dy, RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank)),
+            None if rank_mask is None else float0_like(rank_mask))
 
 
 _combine_rank_major.defvjp(_combine_rank_major_fwd, _combine_rank_major_bwd)

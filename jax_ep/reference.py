@@ -42,6 +42,11 @@ Rank-major mode, ``dispatch_rank_major`` / ``combine_rank_major`` (DeepEP's cont
     user's expert kernel applied them); the source sums the rows of the ranks its token went to in
     float32 in rank order (a rank the token did not go to adds +0.0) and rounds once to y's dtype.
     Empty rows never reach the sum, whatever they hold.
+  * Rank masking in rank-major mode: as above, a masked rank sends and receives nothing (rows only
+    from active sources to active ranks; a masked rank has no rows and num_tokens_per_rank /
+    num_tokens_per_expert 0); combine_rank_major / broadcast_rank_major use the linked ranks only.
+    No output counts the pairs that go nowhere (rank-major mode has no drop count):
+    ``masked_pairs`` at their source gives them.
 
 Low-latency (decode) mode, ``ll_dispatch`` / ``ll_combine`` (docs/api.md, "Low-latency mode"):
   * Fixed receive slots: local expert e has R blocks of T slots; slot (e, r*T + i) holds the i-th
@@ -325,16 +330,17 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
 
 
 # ---- rank-major mode (DeepEP's contract) -----------------------------------------------------------
-def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        cfg: EPConfig) -> RankMajorDispatched:
+def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+                        rank_mask: jax.Array | None = None) -> RankMajorDispatched:
     """Forward rank-major dispatch (no custom_vjp here: jax_ep.ops wraps it). Same wire as
-    ``dispatch``; the receiver packs the received tokens in (source rank, source token) order."""
+    ``dispatch`` (with rank_mask, only between active ranks); the receiver packs the received
+    tokens in (source rank, source token) order."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
     num_tokens = topk_idx.shape[0]
     num_slots = ep_size * num_tokens
     recv_x, recv_expert, recv_weight, recv_scales, is_token_in_rank = _send_tokens(
-        x, topk_idx, topk_weights, cfg)
+        x, topk_idx, topk_weights, cfg, rank_mask)
 
     present = jnp.any(recv_expert >= 0, axis=1)                        # [R*T] slot n holds a token
     present_i = present.astype(jnp.int32)
@@ -353,9 +359,11 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
                                per_expert, RankMajorHandle(src_index, is_token_in_rank))
 
 
-def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                       rank_mask: jax.Array | None = None) -> jax.Array:
     """Each row back to its source token; per token the float32 sum over ranks in rank order of the
-    rows returned, rounded once to y's dtype. Empty rows are never read."""
+    rows returned, rounded once to y's dtype. Empty rows are never read. rank_mask: rows only from
+    the ranks linked to this one (``_linked``); the others add +0.0."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots = handle.src_index.shape[0]
     num_tokens = num_slots // ep_size
@@ -365,17 +373,23 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> 
         as_stored(y), mode="drop")
     returned = _all_to_all(block.reshape(ep_size, num_tokens, y.shape[1]), cfg.axis_name)
     returned = returned.astype(jnp.float32)
+    if rank_mask is not None:
+        returned = jnp.where(_linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
     total = returned[0]
     for r in range(1, ep_size):  # fixed summation order: rank order
         total = total + returned[r]
     return total.astype(y.dtype)
 
 
-def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array:
+def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                         rank_mask: jax.Array | None = None) -> jax.Array:
     """Each token's row g[t] to the rows it was dispatched to ([T, H'] -> [R*T, H']; empty rows zero):
-    dispatch_rank_major's data movement through a known handle (the backward of combine_rank_major)."""
+    dispatch_rank_major's data movement through a known handle (the backward of combine_rank_major).
+    rank_mask: rows only between linked ranks (``_linked``), the others zero."""
     ep_size = lax.axis_size(cfg.axis_name)
     to_rank = handle.is_token_in_rank.T
+    if rank_mask is not None:
+        to_rank = to_rank & _linked(rank_mask, cfg.axis_name)[:, None]
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
     return take_rows(recv.reshape(ep_size * g.shape[0], g.shape[1]), handle.src_index)
 

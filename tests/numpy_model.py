@@ -358,13 +358,15 @@ class RankMajorRank:
 
 
 def dispatch_rank_major(x, topk_idx, topk_weights, *, num_experts: int,
-                        dispatch_dtype: str | None = None) -> list:
-    """Global arrays [R, T, ...] -> [R] RankMajorRank."""
+                        dispatch_dtype: str | None = None, rank_mask=None) -> list:
+    """Global arrays [R, T, ...] -> [R] RankMajorRank. rank_mask [R] bool: rows only from active
+    sources to active ranks (a masked rank sends and receives nothing)."""
     x = np.asarray(x)
     topk_weights = np.asarray(topk_weights, np.float32)
     idx = sanitize(topk_idx, num_experts)
     ep_size, tokens, topk = idx.shape
     local = num_experts // ep_size
+    active = np.ones(ep_size, bool) if rank_mask is None else np.asarray(rank_mask) != 0
     payloads = [payload_of(x[s], dispatch_dtype) for s in range(ep_size)]
     out = []
     for d in range(ep_size):
@@ -379,7 +381,8 @@ def dispatch_rank_major(x, topk_idx, topk_weights, *, num_experts: int,
         row = 0
         for s in range(ep_size):
             for t in range(tokens):
-                here = [k for k in range(topk) if idx[s, t, k] >= 0 and idx[s, t, k] // local == d]
+                here = [k for k in range(topk) if idx[s, t, k] >= 0 and idx[s, t, k] // local == d
+                        and active[s] and active[d]]
                 if not here:
                     continue
                 rows[row] = payloads[s][0][t]

@@ -51,9 +51,9 @@ def test_kernel_emulator_random_sweep(tmp_path):
 def test_rank_masking_on_the_emulator(tmp_path):
     """Rank masking (run.py's fixed 'mask' cases): an all-active mask, a masked rank that runs the
     ops, masked ranks whose process runs none (the others finish without them), a mask that changes
-    between calls (a rank masked in one call, active in the next); every running rank's dispatch,
-    combine, broadcast and slot_values (masked ranks' too) bit-exact against the reference under
-    the same mask and routing. About 30 s."""
+    between calls (a rank masked in one call, active in the next); every running rank's outputs of
+    every op, expert- and rank-major (masked ranks' too), bit-exact against the reference under the
+    same mask and routing. About 60 s."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "-k", "mask", "--driver", str(tmp_path / "driver")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)

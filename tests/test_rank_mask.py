@@ -338,7 +338,7 @@ def test_auto_picks_as_without_a_mask(monkeypatch):
                 got = ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=masked)
                 assert got is want, (name, wins, masked)
     monkeypatch.setattr(auto_table, "kernel_faster", lambda *a: True)
-    for name in ("ll_dispatch", "ll_combine", "dispatch_rank_major", "combine_rank_major"):
+    for name in ("ll_dispatch", "ll_combine"):
         assert name not in ops._MASK_KERNELS
         assert ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=True) is getattr(
             reference, name)
@@ -356,11 +356,95 @@ def test_auto_without_a_gpu_runs_the_reference():
                             "auto = reference")
 
 
+# ---- rank-major mode ------------------------------------------------------------------------------
+def _rank_major_fn(ep_size, cfg):
+    def body(x, i, w, y, m):
+        d = jax_ep.dispatch_rank_major(x, i, w, cfg, rank_mask=m)
+        return d, jax_ep.combine_rank_major(y, d.handle, cfg, rank_mask=m)
+
+    return per_rank(body, ep_size)
+
+
+@pytest.mark.parametrize("ep_size,mask", MASKS)
+def test_masked_rank_major_matches_the_model(ep_size, mask):
+    """dispatch_rank_major under a mask: the NumPy model under it, every field bit for bit (rows only
+    from active sources to active ranks; a masked rank has none); combine_rank_major: the float32
+    rank-order sum over the linked ranks' rows, bit for bit, NaN in the empty rows never read."""
+    from test_rank_major import assert_matches, poison_empty_rows, rank_order_sum
+
+    rng = np.random.default_rng(500 + ep_size + sum(mask))
+    cfg = _cfg()
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    m = np.asarray(mask)
+    model = nm.dispatch_rank_major(x, idx, w, num_experts=E, rank_mask=m)
+    y = poison_empty_rows(rng.standard_normal((ep_size, ep_size * T, H)).astype(np.float32), model)
+    d, out = to_numpy(_rank_major_fn(ep_size, cfg)(x, idx, w, y, _tiled(m, ep_size)))
+    assert_matches(d, model, ep_size)
+    assert_bits_equal(out, rank_order_sum(y, model, np.float32), "combine_rank_major")
+    pairs = _pairs(idx, ep_size)
+    for r in range(ep_size):  # rows per source: tokens, not pairs; none unless both ends are active
+        assert not np.any(d.num_tokens_per_rank[r][~m]) and (m[r] or not np.any(d.num_tokens_per_rank[r]))
+        assert int(d.num_tokens_per_expert[r].sum()) == (pairs[m, r].sum() if m[r] else 0)
+    assert not np.any(out[~m]) and np.any(out[m])
+
+
+@pytest.mark.parametrize("ep_size,mask", MASKS[:2])
+def test_masked_rank_major_gradients_match_dense_moe(ep_size, mask):
+    from test_rank_major import _expert_kernel
+
+    rng = np.random.default_rng(600 + ep_size + sum(mask))
+    cfg = _cfg()
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    ew, m = _expert_weights(rng, ep_size), _tiled(mask, ep_size)
+    g = rng.standard_normal((ep_size, T, HO)).astype(np.float32)
+
+    def f(x, i, w, ew, m):
+        d = jax_ep.dispatch_rank_major(x, i, w, cfg, rank_mask=m)
+        y = _expert_kernel(d.x, d.topk_idx, d.topk_weights, ew)
+        return jax_ep.combine_rank_major(y, d.handle, cfg, rank_mask=m)
+
+    fn = per_rank(f, ep_size, jit=False)
+
+    def ep_loss(x, w, ew):
+        return jnp.sum(fn(x, idx, w, ew, m) * g)
+
+    def dense_loss(x, w, ew):
+        out = _dense_moe(x.reshape(-1, H), jnp.asarray(idx).reshape(-1, K), w.reshape(-1, K),
+                         ew.reshape(E, H, HO), jnp.asarray(mask), ep_size)
+        return jnp.sum(out.reshape(ep_size, T, HO) * g)
+
+    got = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1, 2)))(x, w, ew)
+    want = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2)))(x, w, ew)
+    for name, a, b in zip(("loss", "dx", "dw", "d expert weights"), jax.tree.leaves(got),
+                          jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+    m1 = np.asarray(mask)
+    assert not np.any(np.asarray(got[1][0])[~m1]) and not np.any(np.asarray(got[1][1])[~m1])
+    assert np.any(np.asarray(got[1][0])[m1])
+
+
+def test_rank_major_all_active_mask_is_bit_identical_to_no_mask():
+    ep_size = 4
+    rng = np.random.default_rng(8)
+    cfg = _cfg()
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    y = rng.standard_normal((ep_size, ep_size * T, H)).astype(np.float32)
+
+    def plain(x, i, w, y):
+        d = jax_ep.dispatch_rank_major(x, i, w, cfg)
+        return d, jax_ep.combine_rank_major(y, d.handle, cfg)
+
+    _assert_tree_bits_equal(
+        to_numpy(_rank_major_fn(ep_size, cfg)(x, idx, w, y, _tiled(np.ones(ep_size, bool), ep_size))),
+        to_numpy(per_rank(plain, ep_size)(x, idx, w, y)), "rank-major")
+
+
 def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
     """backend='cuda' with a mask traces on any machine (the FFI calls compile on GPUs only): the
-    forward and backward custom calls of dispatch and combine (dispatch, combine, broadcast,
-    slot_values) each take the mask as an int32 [R] operand (traced: new values, same executable),
-    and without a mask an all-ones one."""
+    forward and backward custom calls of dispatch / combine (dispatch, combine, broadcast,
+    slot_values) and of the rank-major ops (dispatch_rank_major, combine_rank_major,
+    broadcast_rank_major) each take the mask as an int32 [R] operand (traced: new values, same
+    executable)."""
     from jax_ep import cuda_backend, runtime
 
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
@@ -375,7 +459,11 @@ def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
 
     def loss(x, i, w, m):
         d = jax_ep.dispatch(x, i, w, cfg, rank_mask=m)
-        return jnp.sum(jax_ep.combine(d.x, d.handle, cfg, rank_mask=m).astype(jnp.float32) ** 2)
+        out = jax_ep.combine(d.x, d.handle, cfg, rank_mask=m).astype(jnp.float32)
+        rm = jax_ep.dispatch_rank_major(x, i, w, cfg, rank_mask=m)
+        y = rm.x * jnp.sum(rm.topk_weights, axis=1, keepdims=True).astype(rm.x.dtype)
+        back = jax_ep.combine_rank_major(y, rm.handle, cfg, rank_mask=m).astype(jnp.float32)
+        return jnp.sum(out ** 2) + jnp.sum(back ** 2)
 
     def body(x, i, w, m):
         return jax.grad(loss, argnums=(0, 2))(x, i, w, m)
@@ -386,7 +474,9 @@ def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
                                          _tiled([True, False], ep_size)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_ep" in line]
     names = sorted(line.split("@")[1].split("(")[0] for line in calls)
-    assert names == ["jax_ep_broadcast", "jax_ep_combine", "jax_ep_combine", "jax_ep_dispatch",
+    assert names == ["jax_ep_broadcast", "jax_ep_broadcast_rank_major", "jax_ep_combine",
+                     "jax_ep_combine", "jax_ep_combine_rank_major", "jax_ep_combine_rank_major",
+                     "jax_ep_combine_rank_major", "jax_ep_dispatch", "jax_ep_dispatch_rank_major",
                      "jax_ep_slot_values"], names
     for line in calls:  # operands ..., rank_mask, rank, group
         operand_types = line.split(":")[-1].split("->")[0]

@@ -437,7 +437,7 @@ ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind) {
   return ffi::Error::Success();
 }
 
-// The rank mask operand of dispatch, combine, broadcast and slot_values (int32 [R], nonzero =
+// The rank mask operand of the throughput ops, expert- and rank-major (int32 [R], nonzero =
 // active; traced, so a new mask reuses the executable): the kernels read it on the device.
 ffi::Error RankMaskOf(const char* op, const OpState& state, ffi::Buffer<ffi::S32> rank_mask,
                       const int32_t** out) {
@@ -567,7 +567,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
 // dispatch_rank_major: the dispatch kernels in their rank-major mode (cuda/dispatch.h), R * T rows.
 ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                                  ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                                 ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank,
+                                 ffi::Buffer<ffi::F32> topk_weights,
+                                 ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
                                  ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
                                  ffi::ResultBuffer<ffi::F32> scales,
                                  ffi::ResultBuffer<ffi::S32> row_ids,
@@ -607,6 +608,9 @@ ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, Op
   launch.src_index = src_index->typed_data();
   launch.alignment = 1;
   launch.rank_major = true;
+  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask); !error.success()) {
+    return error;
+  }
   const cudaError_t status = launch_dispatch(launch, stream);
   if (status != cudaSuccess) return CudaError(status, "dispatch_rank_major kernel launch");
   return ffi::Error::Success();
@@ -724,8 +728,8 @@ ffi::Error RankMajorTable(const char* op, const OpState& state, ffi::Buffer<ffi:
 ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                                 ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_index,
                                 ffi::Buffer<ffi::PRED> is_token_in_rank,
-                                ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                                ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
                                 ffi::ResultBuffer<ffi::S32> slot_rows) {
   constexpr const char* kOp = kCombineRankMajorTarget;
   if (ffi::Error error = CountCall(combine_rank_major_counters, stream, kOp); !error.success()) {
@@ -755,6 +759,10 @@ ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpS
       !error.success()) {
     return error;
   }
+  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
+      !error.success()) {
+    return error;
+  }
   const cudaError_t status = launch_combine(
       launch, y.untyped_data(), /*row_weights=*/nullptr, slot_rows->typed_data(),
       is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, /*rank_major=*/true,
@@ -766,8 +774,8 @@ ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpS
 ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                                   ffi::AnyBuffer g, ffi::Buffer<ffi::S32> src_index,
                                   ffi::Buffer<ffi::PRED> is_token_in_rank,
-                                  ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                                  ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                                  ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
                                   ffi::ResultBuffer<ffi::S32> slot_rows) {
   constexpr const char* kOp = kBroadcastRankMajorTarget;
   if (ffi::Error error = CountCall(broadcast_rank_major_counters, stream, kOp); !error.success()) {
@@ -795,6 +803,10 @@ ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, O
   }
   if (ffi::Error error =
           RankMajorTable(kOp, *state, src_index, is_token_in_rank, slot_rows, launch, stream);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
       !error.success()) {
     return error;
   }
@@ -1338,7 +1350,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRankMajor, jax_ep::DispatchRankMajorImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
                                                   ffi::Buffer<ffi::S32>,     // topk_idx
-                                                  ffi::Buffer<ffi::F32>>()   // topk_weights
+                                                  ffi::Buffer<ffi::F32>,     // topk_weights
+                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // topk_idx (local ids)
@@ -1352,7 +1365,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRankMajor, jax_ep::DispatchRankMajorI
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineRankMajor, jax_ep::CombineRankMajorImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
                                                   ffi::Buffer<ffi::S32>,      // src_index
-                                                  ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::AnyBuffer>()                     // out
                                    .Ret<ffi::Buffer<ffi::S32>>()),            // slot_rows (scratch)
                               {ffi::Traits::kCmdBufferCompatible});
@@ -1360,7 +1374,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineRankMajor, jax_ep::CombineRankMajorImp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcastRankMajor, jax_ep::BroadcastRankMajorImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
                                                   ffi::Buffer<ffi::S32>,      // src_index
-                                                  ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::AnyBuffer>()                     // out
                                    .Ret<ffi::Buffer<ffi::S32>>()),            // slot_rows (scratch)
                               {ffi::Traits::kCmdBufferCompatible});

@@ -205,8 +205,8 @@ int main(int argc, char** argv) {
     t.slot = r;
   }
 
-  // Rank masking (run.py's masked cases): JAX_EP_EMU_MASK = one 0/1 per rank, passed to dispatch,
-  // combine, broadcast and slot_values (the rank-major ops take no mask and are skipped then);
+  // Rank masking (run.py's masked cases): JAX_EP_EMU_MASK = one 0/1 per rank, passed to every op
+  // (expert- and rank-major);
   // JAX_EP_EMU_MASK_ODD = the mask of the odd repetitions (default: the same);
   // JAX_EP_EMU_ABSENT = ranks whose process never runs an op (a dead or non-calling masked peer).
   const auto mask_of = [R](const char* name) {
@@ -346,10 +346,9 @@ int main(int argc, char** argv) {
                                reinterpret_cast<float*>(slotv.data()), nullptr),
             "slot_values");
       write_file("slotv" + tag + ".bin", slotv.data(), size_t(T) * K * 4);
-      if (masked) continue;
 
       // rank-major: dispatch_rank_major, then combine_rank_major / broadcast_rank_major through
-      // its handle (the slot -> row table first, as the FFI handlers do)
+      // its handle (the slot -> row table first, as the FFI handlers do); the same rank mask
       auto rm_rows = poisoned(RT * H * kind_bytes(row_kind));
       auto rm_scales = poisoned(RT * std::max(num_scales, 1) * 4);
       auto rm_ids = poisoned(RT * K * 4);

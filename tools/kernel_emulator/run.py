@@ -2,9 +2,9 @@
 output with jax_ep.reference (bit-exact; combine too: same summation order). Every case runs the
 expert-major ops (dispatch, combine, broadcast, slot_values) and the rank-major ones
 (dispatch_rank_major, combine_rank_major with NaN in the empty rows and some -0.0, broadcast_rank_major).
-The cases with a rank mask (``mask=``, ``absent=``; ``-k mask`` runs the fixed ones) run the
-expert-major ops with the mask, some masked ranks' processes running no op at all, and compare every
-rank that runs them, masked ones included (see ``run_case``).
+The cases with a rank mask (``mask=``, ``absent=``; ``-k mask`` runs the fixed ones) run every op
+with the mask, some masked ranks' processes running no op at all, and compare every rank that runs
+them, masked ones included (see ``run_case``).
 
     python tools/kernel_emulator/run.py [--quick] [-k NAME]
     python tools/kernel_emulator/run.py --random N [--seed S]   # N random cases (a sweep)
@@ -159,9 +159,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
     fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
 
-    mask (one 0/1 per rank): rank masking for dispatch, combine, broadcast and slot_values (the
-    rank-major ops are skipped). Every rank that runs the ops, masked ones too, is compared with the
-    reference under the same mask and the same routing (a masked rank sends and receives nothing).
+    mask (one 0/1 per rank): rank masking for every op, expert- and rank-major. Every rank that runs
+    the ops, masked ones too, is compared with the reference under the same mask and the same
+    routing (a masked rank sends and receives nothing).
     absent: masked ranks whose process runs no op at all (the others must still finish; nothing of
     theirs is compared).
     mask_odd: the mask of the odd repetitions (default: mask), e.g. a rank masked in one call and
@@ -187,10 +187,13 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     for m in masks:
         assert m is None or all(m[r] == 0 for r in absent), "only a masked rank may be absent"
     want = reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr)
-    wants = [want, want if mask_odd is None else
-             reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr)]
-    if mask is None:
-        yr = want.pop("rm_y")
+    wants = [want, want]
+    if mask_odd is not None:  # NaN only in the rank-major rows empty under both masks
+        odd = reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr)
+        keep = (want["rm_src"] >= 0) | (odd["rm_src"] >= 0)
+        wants = [reference_outputs(cfg, mesh, m, x, idx, w, y, g, v, yr, keep) for m in masks]
+        wants[1].pop("rm_y")
+    yr = wants[0].pop("rm_y")
 
     with tempfile.TemporaryDirectory() as d:
         for r in range(R):
@@ -214,8 +217,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             for rep in range(reps):
                 ok &= compare_rank(name, d, r, rep, wants[rep % 2])
         rows = [int(s.sum()) for s in want["group_sizes"]]
-        more = (f"mask {list(mask)}, absent {list(absent)}" if mask is not None else
-                f"rank-major rows {[int(s.sum()) for s in want['rm_per_rank']]}")
+        more = f"rank-major rows {[int(s.sum()) for s in want['rm_per_rank']]}"
+        if mask is not None:
+            more += f", mask {list(mask)}, absent {list(absent)}"
         if mask_odd is not None:
             more += f", odd calls mask {list(mask_odd)}"
         print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
@@ -223,12 +227,15 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
         return ok
 
 
-def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr) -> dict:
-    """What every rank's driver outputs must be ([R, ...] each). With a mask: the reference under it,
-    expert-major ops only."""
+def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, keep=None) -> dict:
+    """What every rank's driver outputs must be ([R, ...] each), under the mask (None: none).
+    rm_y: the rank-major y the driver gets, NaN in the empty rows (keep [R, R*T] bool: rows kept
+    even if empty)."""
     rank_mask = None if mask is None else jax.numpy.asarray(mask, bool)
+    if keep is None:
+        keep = np.zeros(yr.shape[:2], bool)
 
-    def body(x, idx, w, y, g, v, yr):
+    def body(x, idx, w, y, g, v, yr, keep):
         d = reference.dispatch(x[0], idx[0], w[0], cfg, rank_mask)
         # the driver's unweighted combine (row_weights null) is the reference with weights 1
         unweighted = d.handle._replace(row_weights=jax.numpy.ones_like(d.row_weights))
@@ -241,22 +248,21 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr) -> dict:
                    slotv=reference.slot_values(v[0], d.handle, cfg, rank_mask))
         if d.scales is not None:
             out["scales"] = d.scales
-        if rank_mask is not None:  # (the rank-major ops take no mask)
-            return {k: a[None] for k, a in out.items()}
-        m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg)
+        m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg, rank_mask)
         # the expert kernel's rows: empty rows hold NaN (combine_rank_major never reads them)
-        yr_in = jax.numpy.where(m.handle.src_index[:, None] >= 0, yr[0], jax.numpy.nan).astype(yr.dtype)
+        filled = (m.handle.src_index >= 0) | keep[0]
+        yr_in = jax.numpy.where(filled[:, None], yr[0], jax.numpy.nan).astype(yr.dtype)
         out.update(rm_rows=m.x, rm_ids=m.topk_idx, rm_w=m.topk_weights,
                    rm_per_rank=m.num_tokens_per_rank, rm_per_expert=m.num_tokens_per_expert,
                    rm_src=m.handle.src_index, rm_in_rank=m.handle.is_token_in_rank,
-                   rm_comb=reference.combine_rank_major(yr_in, m.handle, cfg),
-                   rm_bcast=reference.broadcast_rank_major(g[0], m.handle, cfg), rm_y=yr_in)
+                   rm_comb=reference.combine_rank_major(yr_in, m.handle, cfg, rank_mask),
+                   rm_bcast=reference.broadcast_rank_major(g[0], m.handle, cfg, rank_mask), rm_y=yr_in)
         if m.scales is not None:
             out["rm_scales"] = m.scales
         return {k: a[None] for k, a in out.items()}
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v, yr)]
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v, yr, keep)]
     return {k: np.asarray(a) for k, a in fn(*args).items()}
 
 
