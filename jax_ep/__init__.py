@@ -2,6 +2,12 @@
 
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gemm import grouped_matmul
+from jax_ep.hierarchical import (
+    HierarchicalDispatched,
+    HierarchicalHandle,
+    combine_hierarchical,
+    dispatch_hierarchical,
+)
 from jax_ep.ops import (
     combine,
     combine_rank_major,
@@ -36,6 +42,8 @@ __all__ = [
     "Dispatched",
     "EPValueError",
     "Handle",
+    "HierarchicalDispatched",
+    "HierarchicalHandle",
     "KernelConfig",
     "LLCombinePending",
     "LLDispatchPending",
@@ -45,9 +53,11 @@ __all__ = [
     "RankMajorDispatched",
     "RankMajorHandle",
     "combine",
+    "combine_hierarchical",
     "combine_rank_major",
     "dequantize_fp8",
     "dispatch",
+    "dispatch_hierarchical",
     "dispatch_rank_major",
     "ep_errors",
     "get_dispatch_layout",

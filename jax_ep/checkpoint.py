@@ -93,7 +93,7 @@ def _layer_paths(model) -> dict[str, tuple]:
 
 
 def _ep_size(layer: MoE) -> int | None:
-    return None if layer.mesh is None else int(layer.mesh.shape[layer.axis_name])
+    return layer.mesh_ep_size
 
 
 def layer_config(layer: MoE) -> dict[str, Any]:

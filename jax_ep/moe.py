@@ -40,8 +40,12 @@ from jax_ep.config import FP8_BLOCK, EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
+from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
 from jax_ep.ops import combine, dispatch, ll_combine, ll_dispatch
 from jax_ep.reference import dequantize_fp8
+
+_NO_HIERARCHICAL_DECODE = ("MoE: node_axis (hierarchical dispatch) has no decode path (the low-latency ops "
+                           "are flat); use decode=False or node_axis=None")
 
 # name scopes of the layer's parts (the layer benchmark attributes device time by them)
 SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_experts",
@@ -151,6 +155,12 @@ class MoE(nnx.Module):
       decode: the default of ``__call__``'s ``decode``: False, the throughput ops (training, prefill);
         True, the low-latency ops (decode steps, forward only). ``nnx.view(model, decode=True)`` sets it
         (``set_view``), as it sets ``nnx.MultiHeadAttention``'s.
+      node_axis: None (flat EP over ``axis_name``), or a second mesh axis, the nodes: the EP group is
+        then ``node_axis`` x ``axis_name`` (node-major; the expert weights sharded over both) and the
+        routed experts run through ``jax_ep.dispatch_hierarchical`` / ``combine_hierarchical`` (each
+        token crosses to each destination node once, then is forwarded inside the node). The router's
+        ``ranks_per_node`` is the size of ``axis_name`` (another value is an error). Not with a
+        placement, rank masks or the decode path.
 
     Parameters: ``router [H, E]``, ``w_gate_up [E, H, 2 * ffn_hidden]`` (gate columns, then up columns),
     ``w_down [E, ffn_hidden, H]`` (experts sharded over ``axis_name`` at rest), ``shared`` (or None).
@@ -187,7 +197,7 @@ class MoE(nnx.Module):
                  mesh: Mesh | None = None, axis_name: str = "ep", batch_axes: tuple[str, ...] | None = None,
                  ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
                  shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
-                 dtype=None, param_dtype=jnp.float32, decode: bool = False):
+                 dtype=None, param_dtype=jnp.float32, decode: bool = False, node_axis: str | None = None):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
@@ -198,9 +208,11 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         if gemm not in GEMM_BACKENDS:
             raise ValueError(f"MoE: gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
+        if node_axis is not None:
+            self._check_node_axis(node_axis, axis_name, mesh, routing, decode)
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.routing, self.ep, self.balancing = routing, ep, balancing
-        self.mesh, self.axis_name = mesh, axis_name
+        self.mesh, self.axis_name, self.node_axis = mesh, axis_name, node_axis
         # tokens are split over every mesh axis by default (data x ep); experts over the EP axis only
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
@@ -215,8 +227,8 @@ class MoE(nnx.Module):
         init = nnx.initializers.lecun_normal()
         # Logical expert weights, sharded over the EP axis at rest. With a placement, each step gathers the
         # slots' weights from all of them: inside your own shard_map (mesh=None) pass them whole.
-        shardable = mesh is not None and num_experts % mesh.shape[axis_name] == 0
-        expert_spec = (axis_name if placement is None or shardable else None, None, None)
+        shardable = mesh is not None and num_experts % self.mesh_ep_size == 0
+        expert_spec = (self.ep_axes if placement is None or shardable else None, None, None)
         self.router = nnx.Param(init(rngs.params(), (hidden, num_experts), param_dtype))
         # gate and up projections side by side: one grouped GEMM of twice the width
         w_gate, w_up = (init(key, (num_experts, hidden, ffn_hidden), param_dtype)
@@ -249,6 +261,37 @@ class MoE(nnx.Module):
             return jax.device_put(value, sharding)
         host = np.asarray(value)  # each process made the same values (same seed): take its shards
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    @property
+    def ep_axes(self) -> str | tuple[str, str]:
+        """The mesh axes the experts are sharded over: ``axis_name``, or ``(node_axis, axis_name)``
+        (node-major: global EP rank = node * L + local) for the hierarchical path."""
+        return self.axis_name if self.node_axis is None else (self.node_axis, self.axis_name)
+
+    @property
+    def mesh_ep_size(self) -> int | None:
+        """The EP size on the layer's mesh (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        axes = (self.axis_name,) if self.node_axis is None else (self.node_axis, self.axis_name)
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+    @staticmethod
+    def _check_node_axis(node_axis, axis_name, mesh, routing: RouterConfig, decode) -> None:
+        """The hierarchical path's static conditions (``node_axis``): a second mesh axis, a node cap
+        that names the mesh's node size, and what it does not build."""
+        if not isinstance(node_axis, str) or not node_axis or node_axis == axis_name:
+            raise ValueError(f"MoE: node_axis must be a mesh axis name other than axis_name={axis_name!r}, "
+                             f"got {node_axis!r}")
+        if mesh is not None and node_axis not in mesh.axis_names:
+            raise ValueError(f"MoE: node_axis={node_axis!r} is not an axis of the mesh {mesh.axis_names}")
+        if mesh is not None and routing.ranks_per_node not in (None, mesh.shape[axis_name]):
+            raise ValueError(f"MoE: routing.ranks_per_node={routing.ranks_per_node}, but with "
+                             f"node_axis={node_axis!r} a node is the mesh axis {axis_name!r} of "
+                             f"{mesh.shape[axis_name]} ranks; set ranks_per_node={mesh.shape[axis_name]} "
+                             "(or None: the layer takes it from the mesh)")
+        if decode:
+            raise NotImplementedError(_NO_HIERARCHICAL_DECODE)
 
     @property
     def num_experts(self) -> int:
@@ -302,6 +345,9 @@ class MoE(nnx.Module):
         if placement.num_experts != self.num_experts:
             raise ValueError(f"MoE: the placement is for {placement.num_experts} experts, the layer has "
                              f"{self.num_experts}")
+        if self.node_axis is not None:
+            raise NotImplementedError("MoE: node_axis (hierarchical dispatch) with an expert placement "
+                                      "is not built; use placement=None or node_axis=None")
         if self.mesh is not None:
             self._check_placement_ranks(placement, self.mesh.shape[self.axis_name])
         # replicated over the mesh, as a jitted step returns them: re-planning then does not recompile
@@ -332,6 +378,9 @@ class MoE(nnx.Module):
         ``last_dropped``). Any backend (docs/api.md, "Rank masking"); the decode path refuses a mask.
         Setting a mask on a layer without one (or clearing it) recompiles the step; changing its
         values does not."""
+        if self.node_axis is not None:
+            raise NotImplementedError("MoE.set_rank_mask: rank masking is not built for node_axis "
+                                      "(hierarchical dispatch)")
         if not hasattr(mask, "dtype"):
             mask = jnp.asarray(mask)
         if mask.ndim != 1 or not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
@@ -381,7 +430,7 @@ class MoE(nnx.Module):
         else:
             batch = P(self.batch_axes)
             # with a placement every rank gathers its slots' weights from all logical experts
-            experts = P(self.axis_name) if self.placement is None else P()
+            experts = P(self.ep_axes) if self.placement is None else P()
             body = jax.shard_map(
                 lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode), mesh=self.mesh,
                 in_specs=(batch, P(), experts, experts, P(), P(), P()),
@@ -412,8 +461,10 @@ class MoE(nnx.Module):
                                                 self.balancing.bias_update_rate)
 
     def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, *, seq_len, decode=False):
-        ep_size = lax.axis_size(self.axis_name)
-        rank = lax.axis_index(self.axis_name)
+        ep_size = lax.axis_size(self.ep_axes)
+        rank = lax.axis_index(self.ep_axes)  # node-major on the hierarchical path
+        if decode and self.node_axis is not None:
+            raise NotImplementedError(_NO_HIERARCHICAL_DECODE)
         if rank_mask is not None:
             if decode:
                 raise NotImplementedError("MoE: rank masking (set_rank_mask) is built for the throughput "
@@ -452,6 +503,9 @@ class MoE(nnx.Module):
         capped = placement is None or self.routing.max_ranks_per_token is not None \
             or self.routing.max_nodes_per_token is not None
         router_cfg = dataclasses.replace(self.routing, ep_size=ep_size if capped else 1)
+        if self.node_axis is not None:
+            router_cfg = dataclasses.replace(router_cfg, ep_size=ep_size,
+                                             ranks_per_node=self._ranks_per_node())
         # named scopes: the layer benchmark splits the step's device time by them (SCOPES)
         with jax.named_scope(SCOPES["router"]):
             logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
@@ -468,16 +522,22 @@ class MoE(nnx.Module):
                 x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg)
         else:
             with jax.named_scope(SCOPES["dispatch"]):
-                d = dispatch(x, topk_idx, routing.topk_weights, cfg, rank_mask=rank_mask)
+                if self.node_axis is None:
+                    d = dispatch(x, topk_idx, routing.topk_weights, cfg, rank_mask=rank_mask)
+                else:
+                    d = dispatch_hierarchical(x, topk_idx, routing.topk_weights, cfg, self.node_axis)
             with jax.named_scope(SCOPES["experts"]):
-                rows = d.x if d.scales is None else dequantize_fp8(d.x, d.scales, x.dtype)
+                rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
                 rows = rows.astype(x.dtype)
                 gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes,
                                                     backend=self.gemm), 2, axis=1)
                 y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes,
                                    backend=self.gemm)
             with jax.named_scope(SCOPES["combine"]):
-                out = combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
+                if self.node_axis is None:
+                    out = combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
+                else:
+                    out = combine_hierarchical(y.astype(x.dtype), d.handle, cfg, self.node_axis)
             expert_counts, num_dropped = d.expert_counts, d.num_dropped
 
         # statistics: every rank's counts placed at its slots, summed over all token shards; logical
@@ -494,6 +554,15 @@ class MoE(nnx.Module):
                                     self.balancing.aux_loss_alpha, sequence_length=seq_len)
             aux = lax.pmean(aux, self.batch_axes)
         return out, MoEStats(load, dropped, aux, slot_load)
+
+    def _ranks_per_node(self) -> int:
+        """Inside shard_map: the local axis's size, which routing.ranks_per_node must match."""
+        local = lax.axis_size(self.axis_name)
+        if self.routing.ranks_per_node not in (None, local):
+            raise ValueError(f"MoE: routing.ranks_per_node={self.routing.ranks_per_node}, but with "
+                             f"node_axis={self.node_axis!r} a node is the mesh axis {self.axis_name!r} of "
+                             f"{local} ranks; set ranks_per_node={local} (or None)")
+        return local
 
     def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig):
         """The routed experts on the low-latency ops (per rank): ll_dispatch, the filled slots gathered

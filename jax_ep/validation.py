@@ -260,19 +260,25 @@ def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int) -> jax.Arr
     return jnp.max(jnp.sum(aligned.reshape(ep_size, cfg.num_local_experts(ep_size)), axis=1))
 
 
-def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None):
+def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None, *,
+                   outer_axis: str | None = None, op: str = "dispatch"):
     """Checked mode: capacity overflow is an error naming the rows dropped (summed over the EP group,
     so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check.
     Pairs that a rank mask sends nowhere (counted in their source's num_dropped,
-    ``reference.masked_pairs``) are no error: only capacity drops are."""
+    ``reference.masked_pairs``) are no error: only capacity drops are. ``outer_axis``: a further mesh
+    axis of the EP group (the node axis of jax_ep.hierarchical, whose stage 2 is this dispatch): the
+    totals span it too."""
     capacity = cfg.resolved_capacity(ep_size)
     dropped = out.num_dropped - masked_pairs(topk_idx, cfg, rank_mask)
-    total = lax.psum(dropped, cfg.axis_name)
+    group = cfg.axis_name if outer_axis is None else (outer_axis, cfg.axis_name)
+    total = lax.psum(dropped, group)
     needed = capacity_needed(topk_idx, cfg, ep_size)
+    if outer_axis is not None:
+        needed = lax.pmax(needed, outer_axis)
 
     def message(dropped, needed):
         if int(dropped):
-            return (f"jax_ep.dispatch: EPConfig.capacity={capacity} is too small: {int(dropped)} rows "
+            return (f"jax_ep.{op}: EPConfig.capacity={capacity} is too small: {int(dropped)} rows "
                     f"dropped across the EP group; capacity needed: {int(needed)} (the most rows a rank "
                     f"receives, each expert's count rounded up to expert_alignment={cfg.expert_alignment}"
                     "); set EPConfig.capacity to at least that, or None for the worst case")

@@ -1,0 +1,494 @@
+"""Hierarchical (multi-node) dispatch / combine (jax_ep.hierarchical) on CPU virtual devices: meshes
+(node, local) of 2 x 4, 4 x 2 and 2 x 1.
+
+Checked against an independent NumPy model of the two stages (rows, handle, counts: exact), the
+documented rounding of combine_hierarchical (bit for bit), the flat EP dispatch / combine over the same
+N*L GPUs (counts equal, results within the documented bound), and the MoE layer's flat path (output and
+gradients)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import require_devices
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import moe
+from jax_ep.gating import RouterConfig, route
+
+MESHES = [(2, 4), (4, 2), (2, 1)]
+T, K, H = 5, 3, 16
+GROUP = ("node", "local")
+
+
+def mesh2d(nodes: int, local: int) -> Mesh:
+    require_devices(nodes * local)
+    return Mesh(np.array(jax.devices()[:nodes * local]).reshape(nodes, local), GROUP)
+
+
+def run(fn, nodes: int, local: int, *args):
+    """fn(per-GPU args) -> per-GPU pytree, over global [N*L, ...] arrays (GPU (n, l) = row n*L + l)."""
+    spec = P(GROUP)
+
+    def body(*a):
+        return jax.tree.map(lambda v: v[None], fn(*(v[0] for v in a)))
+
+    f = jax.shard_map(body, mesh=mesh2d(nodes, local), in_specs=(spec,) * len(args), out_specs=spec)
+    return jax.tree.map(np.asarray, jax.jit(f)(*args))
+
+
+def run_flat(fn, ranks: int, *args):
+    require_devices(ranks)
+    mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
+
+    def body(*a):
+        return jax.tree.map(lambda v: v[None], fn(*(v[0] for v in a)))
+
+    return jax.tree.map(np.asarray, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * len(args),
+                                                           out_specs=P("ep")))(*args))
+
+
+def random_inputs(rng, ranks: int, experts: int, dtype=jnp.float32, messy: bool = True):
+    """Tokens, ids (distinct per token, plus unused, out-of-range and repeated slots) and weights."""
+    x = rng.standard_normal((ranks, T, H)).astype(np.float32)
+    idx = np.stack([rng.choice(experts, K, replace=False) for _ in range(ranks * T)]).reshape(ranks, T, K)
+    if messy:
+        idx[0, 0, 1] = -1
+        idx[0, 1, 2] = experts + 3          # out of range: unused
+        idx[-1, 2, 2] = idx[-1, 2, 0]       # repeat: unused
+    w = rng.random((ranks, T, K)).astype(np.float32) + 0.1
+    return jnp.asarray(x, dtype), jnp.asarray(idx, jnp.int32), jnp.asarray(w)
+
+
+def sanitize(idx: np.ndarray, experts: int) -> np.ndarray:
+    out = np.full(idx.shape, -1, np.int64)
+    for pos in np.ndindex(idx.shape[:-1]):
+        seen = set()
+        for k, e in enumerate(idx[pos]):
+            if 0 <= e < experts and e not in seen:
+                seen.add(int(e))
+                out[pos + (k,)] = e
+    return out
+
+
+def model(x, idx, w, nodes, local, experts, capacity, align):
+    """The two stages in NumPy, per GPU g = n*L + l. Stage 1: GPU (n, l) holds, in (source node, token)
+    order, one row per token of GPUs (s, l) that picked an expert of node n. Stage 2: the expert-major
+    rows of GPU (n, l)'s experts from the stage-1 rows of GPUs (n, l_src), ordered by (l_src, stage-1
+    row); a row at position >= capacity is dropped."""
+    x, w = np.asarray(x), np.asarray(w)
+    idx = sanitize(np.asarray(idx), experts)
+    per_node, per_gpu = experts // nodes, experts // (nodes * local)
+    stage1 = {}   # (n, l) -> list of (s, t)
+    for n in range(nodes):
+        for l_ in range(local):
+            stage1[n, l_] = [(s, t) for s in range(nodes) for t in range(T)
+                             if any(e >= 0 and e // per_node == n for e in idx[s * local + l_, t])]
+    out = []
+    for n in range(nodes):
+        for l_ in range(local):
+            rows = np.zeros((capacity, H), x.dtype)
+            src = np.full(capacity, -1, np.int32)
+            weights = np.zeros(capacity, np.float32)
+            sizes, counts, dropped, offset = [], [], 0, 0
+            for le in range(per_gpu):
+                expert = n * per_node + l_ * per_gpu + le
+                entries = [(ls, i, s, t, k) for ls in range(local) for i, (s, t) in enumerate(stage1[n, ls])
+                           for k in range(K) if idx[s * local + ls, t, k] == expert]
+                kept = 0
+                for j, (ls, i, s, t, k) in enumerate(entries):
+                    pos = offset + j
+                    if pos >= capacity:
+                        dropped += 1
+                        continue
+                    kept += 1
+                    rows[pos] = x[s * local + ls, t]
+                    src[pos] = ls * nodes * T + i
+                    weights[pos] = w[s * local + ls, t, k]
+                counts.append(kept)
+                sizes.append(-(-kept // align) * align)
+                offset = min(offset + -(-len(entries) // align) * align, capacity)
+            stage1_src = np.full(nodes * T, -1, np.int32)
+            stage1_src[:len(stage1[n, l_])] = [s * T + t for s, t in stage1[n, l_]]
+            per_source = np.array([sum(s == src_node for s, _ in stage1[n, l_]) for src_node in range(nodes)])
+            out.append(dict(rows=rows, src=src, weights=weights, group_sizes=np.array(sizes),
+                            expert_counts=np.array(counts), num_dropped=dropped, stage1_src=stage1_src,
+                            num_tokens_per_node=per_source))
+    return out
+
+
+def hier_cfg(nodes, local, **kw):
+    kw = {"backend": "reference", **kw}
+    return jax_ep.EPConfig(8 * nodes * local // (2 if local > 1 else 1), K, H, T, axis_name="local", **kw)
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+@pytest.mark.parametrize("capacity,align", [(None, 1), (None, 4), ("tight", 2)])
+def test_rows_match_the_two_stage_model(nodes, local, capacity, align):
+    rng = np.random.default_rng(nodes * 10 + local + align)
+    cfg = hier_cfg(nodes, local, expert_alignment=align)
+    ranks, experts = nodes * local, cfg.num_experts
+    if capacity == "tight":   # about half the rows fit: every GPU drops some
+        capacity = -(-(T * ranks * K) // (2 * ranks) // align) * align
+    cfg = cfg.replace(capacity=capacity)
+    x, idx, w = random_inputs(rng, ranks, experts)
+
+    def f(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")
+        return d, d.row_weights
+
+    d, row_weights = run(f, nodes, local, x, idx, w)
+    cap = cfg.resolved_capacity(ranks)
+    assert d.x.shape == (ranks, cap, H)
+    # the same worst case as a flat dispatch over N*L ranks
+    assert cap == cfg.replace(axis_name="ep").resolved_capacity(ranks)
+    want = model(x, idx, w, nodes, local, experts, cap, align)
+    for g, m in enumerate(want):
+        np.testing.assert_array_equal(d.handle.local.src_index[g], m["src"], err_msg=f"GPU {g} src_index")
+        np.testing.assert_array_equal(d.x[g], m["rows"], err_msg=f"GPU {g} rows")
+        np.testing.assert_array_equal(row_weights[g], m["weights"], err_msg=f"GPU {g} row weights")
+        np.testing.assert_array_equal(d.group_sizes[g], m["group_sizes"])
+        np.testing.assert_array_equal(d.expert_counts[g], m["expert_counts"])
+        assert int(d.num_dropped[g]) == m["num_dropped"], g
+        np.testing.assert_array_equal(d.handle.node.src_index[g], m["stage1_src"], err_msg=f"GPU {g} stage 1")
+        np.testing.assert_array_equal(d.num_tokens_per_node[g], m["num_tokens_per_node"])
+    if capacity is not None:
+        assert d.num_dropped.sum() > 0
+
+    # counts equal the flat dispatch's over the same N*L ranks, GPU for GPU (the same pairs land there)
+    flat_cfg = cfg.replace(axis_name="ep")
+    flat = run_flat(lambda x, i, w: jax_ep.dispatch(x, i, w, flat_cfg), ranks, x, idx, w)
+    np.testing.assert_array_equal(d.group_sizes, flat.group_sizes)
+    np.testing.assert_array_equal(d.expert_counts, flat.expert_counts)
+    np.testing.assert_array_equal(d.num_dropped, flat.num_dropped)
+
+
+def emulate_combine(y, d, nodes, local):
+    """combine_hierarchical's documented rounding in NumPy, from the dispatch's handle: per (token,
+    GPU) the float32 sum in slot order rounded to y's dtype; per (token, node) the float32 sum over the
+    node's GPUs in local order, rounded; per token the float32 sum over nodes in node order, rounded."""
+    y = np.asarray(y)
+    dtype, yf = y.dtype, y.astype(np.float32)
+    stage1_rows = nodes * T
+    out = np.zeros((nodes * local, T, y.shape[2]), dtype)
+    # partial[(n, ls)][i]: row i of GPU (n, ls)'s stage-1 buffer, reduced over its node's GPUs
+    per_node_row = {}
+    for n in range(nodes):
+        for ls in range(local):
+            for i in range(stage1_rows):
+                total = np.zeros(y.shape[2], np.float32)
+                for ld in range(local):
+                    g = n * local + ld
+                    rows = d.handle.local.token_rows[g, ls * stage1_rows + i]
+                    partial = np.zeros(y.shape[2], np.float32)
+                    for k in range(K):
+                        if rows[k] >= 0:
+                            weight = d.handle.local.row_weights[g, rows[k]]
+                            term = (yf[g, rows[k]] * weight).astype(np.float32)
+                            partial = (partial + term).astype(np.float32)
+                    total = (total + partial.astype(dtype).astype(np.float32)).astype(np.float32)
+                per_node_row[n, ls, i] = total.astype(dtype).astype(np.float32)
+    for s in range(nodes):
+        for ls in range(local):
+            total = np.zeros((T, y.shape[2]), np.float32)
+            for n in range(nodes):
+                src = d.handle.node.src_index[n * local + ls]
+                add = np.zeros((T, y.shape[2]), np.float32)
+                for i, slot in enumerate(src):
+                    if slot >= 0 and slot // T == s:
+                        add[slot % T] = per_node_row[n, ls, i]
+                total = (total + add).astype(np.float32)
+            out[s * local + ls] = total.astype(dtype)
+    return out
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+def test_identity_experts_give_the_weighted_sum(nodes, local):
+    """dispatch -> identity experts -> combine: the gate-weighted sum of each token's kept slots, with
+    the documented rounding (bit for bit), and within 3.1 * 2^-8 * sum_k |w_k x| of the flat combine
+    (equal to it with one GPU per node)."""
+    rng = np.random.default_rng(7 + nodes)
+    cfg = hier_cfg(nodes, local, dispatch_dtype="bfloat16")
+    ranks = nodes * local
+    x, idx, w = random_inputs(rng, ranks, cfg.num_experts)
+
+    def f(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")
+        return d, jax_ep.combine_hierarchical(d.x, d.handle, cfg, "node")
+
+    d, out = run(f, nodes, local, x, idx, w)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out.view(np.uint16), emulate_combine(d.x, d, nodes, local).view(np.uint16))
+    xb = np.asarray(x.astype(jnp.bfloat16)).astype(np.float64)
+    used = sanitize(np.asarray(idx), cfg.num_experts) >= 0
+    wk = np.where(used, np.asarray(w), 0.0)
+    exact = xb * wk.sum(-1, keepdims=True)
+    scale = np.abs(xb) * np.abs(wk).sum(-1, keepdims=True)
+    bound = 3.1 * 2.0 ** -8 * scale
+    assert np.all(np.abs(out.astype(np.float64) - exact) <= bound)
+
+    flat_cfg = cfg.replace(axis_name="ep")
+
+    def flat_fn(x, i, w):
+        d = jax_ep.dispatch(x, i, w, flat_cfg)
+        return jax_ep.combine(d.x, d.handle, flat_cfg)
+
+    flat = run_flat(flat_fn, ranks, x, idx, w)
+    diff = np.abs(out.astype(np.float64) - flat.astype(np.float64))
+    assert np.all(diff <= bound)
+    if local > 1:
+        assert np.any(diff > 0), "the in-node rounding should show somewhere (else this test checks nothing)"
+    else:
+        np.testing.assert_array_equal(out.view(np.uint16), flat.view(np.uint16))
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+def test_gradients_match_the_flat_ops(nodes, local):
+    """jax.grad through dispatch_hierarchical -> weighted experts -> combine_hierarchical (float32)
+    against the flat ops over the same N*L ranks, in x and the gate weights."""
+    rng = np.random.default_rng(11 + local)
+    cfg = hier_cfg(nodes, local)
+    ranks = nodes * local
+    x, idx, w = random_inputs(rng, ranks, cfg.num_experts)
+    scale_rows = jnp.asarray(rng.standard_normal((ranks, H)), jnp.float32)
+
+    def loss(dispatch_fn, combine_fn):
+        def f(x, i, w, s):
+            d = dispatch_fn(x, i, w)
+            y = jnp.tanh(d.x * s)                         # a row-wise "expert"
+            out = combine_fn(y, d.handle)
+            return jnp.sum(out * out * s)
+        return f
+
+    hier = loss(lambda x, i, w: jax_ep.dispatch_hierarchical(x, i, w, cfg, "node"),
+                lambda y, h: jax_ep.combine_hierarchical(y, h, cfg, "node"))
+    flat_cfg = cfg.replace(axis_name="ep")
+    flat = loss(lambda x, i, w: jax_ep.dispatch(x, i, w, flat_cfg),
+                lambda y, h: jax_ep.combine(y, h, flat_cfg))
+    grad_h = run(lambda *a: jax.grad(hier, argnums=(0, 2))(*a), nodes, local, x, idx, w, scale_rows)
+    grad_f = run_flat(lambda *a: jax.grad(flat, argnums=(0, 2))(*a), ranks, x, idx, w, scale_rows)
+    for got, want, name in zip(grad_h, grad_f, ("x", "topk_weights"), strict=True):
+        assert np.any(want != 0), name
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)
+    # the gate weights of unused / repeated / out-of-range slots get no gradient
+    unused = sanitize(np.asarray(idx), cfg.num_experts) < 0
+    assert np.all(grad_h[1][unused] == 0)
+
+
+def test_checked_mode_and_drop_accounting():
+    nodes, local = 2, 4
+    rng = np.random.default_rng(5)
+    cfg = hier_cfg(nodes, local, checked=True)
+    ranks = nodes * local
+    x, idx, w = random_inputs(rng, ranks, cfg.num_experts, messy=False)
+    routed = int((np.asarray(idx) >= 0).sum())
+
+    def f(cfg):
+        def body(x, i, w):
+            d = jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")
+            return d.expert_counts, d.num_dropped
+        return body
+
+    counts, dropped = jax_ep.run_checked(lambda: run(f(cfg), nodes, local, x, idx, w))
+    assert counts.sum() == routed and dropped.sum() == 0
+    # the capacity a flat dispatch needs is the one named: the same pairs land on each GPU
+    flat_cfg = cfg.replace(axis_name="ep", checked=False, capacity=4)
+    flat_dropped = run_flat(lambda x, i, w: jax_ep.dispatch(x, i, w, flat_cfg).num_dropped, ranks, x, idx, w)
+    with pytest.raises(jax_ep.EPValueError) as e:
+        jax_ep.run_checked(lambda: run(f(cfg.replace(capacity=4)), nodes, local, x, idx, w))
+    needed = max(np.bincount(np.asarray(idx).reshape(-1) // (cfg.num_experts // ranks), minlength=ranks))
+    assert (f"jax_ep.dispatch_hierarchical: EPConfig.capacity=4 is too small: {flat_dropped.sum()} rows "
+            f"dropped across the EP group; capacity needed: {needed}") in str(e.value)
+    counts, dropped = run(f(cfg.replace(capacity=4, checked=False)), nodes, local, x, idx, w)
+    assert counts.sum() + dropped.sum() == routed and dropped.sum() == flat_dropped.sum()
+    bad = idx.at[3, 1, 0].set(cfg.num_experts + 5)
+    with pytest.raises(jax_ep.EPValueError, match=r"dispatch_hierarchical: topk_idx has 1 ids outside "
+                                                  rf"\[-1, {cfg.num_experts}\).*first bad value "
+                                                  rf"{cfg.num_experts + 5}"):
+        jax_ep.run_checked(lambda: run(f(cfg), nodes, local, x, bad, w))
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+def test_stage_one_sends_one_row_per_token_and_node(nodes, local):
+    """Counted from the handle: each token sends one stage-1 row per node holding any of its experts,
+    never more, so a node cap of 1 (gating's max_nodes_per_token) bounds it to one row; the flat
+    dispatch would send one per rank."""
+    rng = np.random.default_rng(3)
+    ranks, experts = nodes * local, 4 * nodes * local
+    cfg = jax_ep.EPConfig(experts, 4, H, T, axis_name="local", backend="reference")
+    router = RouterConfig(experts, 4, ep_size=ranks, ranks_per_node=local, max_nodes_per_token=1)
+    logits = jnp.asarray(rng.standard_normal((ranks, T, experts)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((ranks, T, H)), jnp.float32)
+    for cap in (router, dataclasses.replace(router, max_nodes_per_token=None)):
+        def f(x, logits, cap=cap):
+            r = route(logits, cap)
+            d = jax_ep.dispatch_hierarchical(x, r.topk_idx, r.topk_weights, cfg, "node")
+            return d.handle.node.is_token_in_rank, d.num_tokens_per_node, r.topk_idx
+
+        sent, received, idx = run(f, nodes, local, x, logits)
+        want = np.array([[len({int(e) // (experts // nodes) for e in idx[g, t]}) for t in range(T)]
+                         for g in range(ranks)])
+        np.testing.assert_array_equal(sent.sum(-1), want)
+        assert received.sum() == want.sum()   # what the GPUs received is what was sent
+        if cap.max_nodes_per_token == 1:
+            assert np.all(sent.sum(-1) == 1)
+        else:
+            assert np.any(sent.sum(-1) > 1)
+            per_rank = np.array([[len({int(e) // (experts // ranks) for e in idx[g, t]}) for t in range(T)]
+                                 for g in range(ranks)])
+            assert per_rank.sum() > want.sum()  # fewer rows cross the network than a flat dispatch sends
+
+
+def test_argument_errors():
+    nodes, local = 2, 2
+    rng = np.random.default_rng(0)
+    cfg = hier_cfg(nodes, local)
+    x, idx, w = random_inputs(rng, 4, cfg.num_experts)
+
+    def call(cfg, node_axis="node"):
+        return run(lambda x, i, w: jax_ep.dispatch_hierarchical(x, i, w, cfg, node_axis).x, nodes, local,
+                   x, idx, w)
+
+    with pytest.raises(ValueError, match="node_axis='local' must differ from cfg.axis_name 'local'"):
+        call(cfg, "local")
+    with pytest.raises(ValueError, match="node_axis='rack'"):
+        call(cfg, "rack")
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by the EP size 4"):
+        call(cfg.replace(num_experts=6))
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+        call(cfg.replace(dispatch_dtype="float8_e4m3fn", hidden=128))
+    with pytest.raises(ValueError, match="dispatch_hierarchical: x has hidden size 16 but cfg.hidden=32"):
+        call(cfg.replace(hidden=32))
+    with pytest.raises(ValueError, match="handle must be the HierarchicalHandle"):
+        run(lambda x, i, w: jax_ep.combine_hierarchical(
+            x, jax_ep.dispatch_hierarchical(x, i, w, cfg, "node").handle.local, cfg, "node"),
+            nodes, local, x, idx, w)
+
+
+# ---- the MoE layer ---------------------------------------------------------------------------------
+def layer_pair(nodes, local, **kw):
+    ranks = nodes * local
+    require_devices(ranks)
+    routing = RouterConfig(4 * ranks, 3, ranks_per_node=local, max_nodes_per_token=max(1, nodes - 1))
+    flat_mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
+    ep = moe.EPOptions(backend="reference")
+    flat = moe.MoE(H, 8, routing, rngs=nnx.Rngs(0), mesh=flat_mesh, ep=ep, **kw)
+    hier = moe.MoE(H, 8, routing, rngs=nnx.Rngs(0), mesh=mesh2d(nodes, local), axis_name="local",
+                   node_axis="node", ep=ep, **kw)
+    return flat, hier
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+def test_layer_matches_the_flat_layer(nodes, local):
+    """MoE(node_axis=...) on the (node, local) mesh against the flat layer on the same GPUs and
+    parameters (float32): output, loads, and gradients in x and every parameter, within float32
+    rounding (the hierarchical combine rounds the in-node partial sums once more; ~1e-7 relative)."""
+    flat, hier = layer_pair(nodes, local)
+    ranks = nodes * local
+    x = jax.random.normal(jax.random.key(nodes + 2 * local), (ranks * 2 * T, H), jnp.float32)
+
+    def value_and_grads(layer, spec):
+        xs = jax.device_put(x, NamedSharding(layer.mesh, spec))
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        @jax.jit
+        def step(params, x):
+            def loss(params, x):
+                out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
+                return jnp.sum(jnp.sin(out) * out), out
+            return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+        (g_params, g_x), out = step(params, xs)
+        nnx.jit(lambda m, x: m(x))(layer, xs)   # records the statistics (rows per expert)
+        return (np.asarray(out), np.asarray(g_x), jax.tree.map(np.asarray, g_params),
+                np.asarray(layer.last_load[...]))
+
+    out_f, gx_f, gp_f, load_f = value_and_grads(flat, P("ep"))
+    out_h, gx_h, gp_h, load_h = value_and_grads(hier, P(GROUP))
+    close = lambda got, want, what: np.testing.assert_allclose(  # noqa: E731
+        got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=what)
+    close(out_h, out_f, "output")
+    close(gx_h, gx_f, "d x")
+    for (path, got), (_, want) in zip(jax.tree_util.tree_leaves_with_path(gp_h),
+                                      jax.tree_util.tree_leaves_with_path(gp_f), strict=True):
+        close(got, want, jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(load_h, load_f)
+    assert load_h.sum() == x.shape[0] * 3
+
+
+def test_layer_validates_the_node_layout():
+    require_devices(8)
+    mesh = mesh2d(2, 4)
+    with pytest.raises(ValueError, match=r"routing.ranks_per_node=2, but with node_axis='node' a node is the "
+                                         r"mesh axis 'local' of 4 ranks; set ranks_per_node=4"):
+        moe.MoE(H, 8, RouterConfig(16, 2, ranks_per_node=2), rngs=nnx.Rngs(0), mesh=mesh,
+                axis_name="local", node_axis="node")
+    with pytest.raises(ValueError, match="node_axis='rack' is not an axis of the mesh"):
+        moe.MoE(H, 8, RouterConfig(16, 2), rngs=nnx.Rngs(0), mesh=mesh, axis_name="local", node_axis="rack")
+    with pytest.raises(ValueError, match="node_axis must be a mesh axis name other than axis_name='local'"):
+        moe.MoE(H, 8, RouterConfig(16, 2), rngs=nnx.Rngs(0), mesh=mesh, axis_name="local", node_axis="local")
+    with pytest.raises(NotImplementedError, match="no decode path"):
+        moe.MoE(H, 8, RouterConfig(16, 2), rngs=nnx.Rngs(0), mesh=mesh, axis_name="local", node_axis="node",
+                decode=True)
+    layer = moe.MoE(H, 8, RouterConfig(16, 2), rngs=nnx.Rngs(0), mesh=mesh, axis_name="local",
+                    node_axis="node")
+    assert layer.mesh_ep_size == 8 and layer.ep_axes == GROUP
+    assert layer.w_gate_up[...].sharding.spec[0] == GROUP   # experts over both axes, node-major
+    with pytest.raises(NotImplementedError, match="rank masking"):
+        layer.set_rank_mask(np.ones(8, bool))
+
+
+def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch):
+    """backend='cuda' traces on any machine: stage 1 is the rank-major custom calls over the node axis
+    (num_ranks = N), stage 2 the expert-major ones over the local axis (num_ranks = L, T = N*T), each
+    in its own directory slot; axis names that share a slot are refused."""
+    import zlib
+
+    from jax_ep import runtime
+
+    pytest.importorskip("jax_ep._C")
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    nodes, local = 2, 4
+    cfg = hier_cfg(nodes, local, backend="cuda")
+    x, idx, w = random_inputs(np.random.default_rng(1), 8, cfg.num_experts, dtype=jnp.bfloat16)
+    spec = P(GROUP)
+
+    def body(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x[0], i[0], w[0], cfg, "node")
+        return jax_ep.combine_hierarchical(d.x, d.handle, cfg, "node")[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh2d(nodes, local), in_specs=(spec,) * 3, out_specs=spec))
+    text = f.lower(x, idx, w).as_text()
+    calls = {}
+    for line in text.splitlines():
+        if "stablehlo.custom_call @jax_ep" in line:
+            calls.setdefault(line.split("@")[1].split("(")[0], []).append(line)
+    assert set(calls) == {"jax_ep_dispatch_rank_major", "jax_ep_dispatch", "jax_ep_combine",
+                          "jax_ep_combine_rank_major"}, sorted(calls)
+    slot = {a: zlib.crc32(a.encode()) % 4 for a in GROUP}
+    for name, ranks, slot_of, tokens in (("jax_ep_dispatch_rank_major", nodes, slot["node"], T),
+                                         ("jax_ep_combine_rank_major", nodes, slot["node"], T),
+                                         ("jax_ep_dispatch", local, slot["local"], nodes * T),
+                                         ("jax_ep_combine", local, slot["local"], nodes * T)):
+        line = calls[name][0]
+        assert f"num_ranks = {ranks} " in line and f"axis_slot = {slot_of} " in line, line
+        if "dispatch" in name:
+            assert f"num_tokens = {tokens} " in line, line
+    clash = next(f"a{i}" for i in range(100) if zlib.crc32(f"a{i}".encode()) % 4 == slot["local"])
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), (clash, "local"))
+
+    def clashing(x, i, w):
+        return jax_ep.dispatch_hierarchical(x[0], i[0], w[0], cfg, clash).x[None]
+
+    with pytest.raises(ValueError, match=f"share the CUDA kernels' directory slot {slot['local']}"):
+        jax.jit(jax.shard_map(clashing, mesh=mesh, in_specs=(P((clash, "local")),) * 3,
+                              out_specs=P((clash, "local")))).lower(x, idx, w)
