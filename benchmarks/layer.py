@@ -9,6 +9,10 @@ For each layer shape, two configurations, measured in the same run:
     kernels, and the EP kernels wherever they measured faster than the reference;
   * ``plain_jax``: ``EPOptions(backend="reference")`` (dense ``lax.all_to_all``) + ``gemm="ragged_dot"``
     (``lax.ragged_dot``), what the layer did before jax_ep had a grouped GEMM.
+With ``--layer-configs ep_hier_reference,ep_hier_cuda`` (only when named), the same layer with the
+hierarchical dispatch / combine (``MoE(node_axis=...)``), the local devices taken as 2 nodes of
+(devices / 2) GPUs: on one host the "node" hop runs over NVLink like the others, so this times the
+composition's extra stage, not a network.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -53,7 +57,11 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the kernels as async ops on XLA stream 1, overlapping independent work (KernelConfig)
            "ep_cuda_async": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1)),
            "ep_cuda_async_48": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1, num_sms=48)),
-           "plain_jax": dict(backend="reference", gemm="ragged_dot")}
+           "plain_jax": dict(backend="reference", gemm="ragged_dot"),
+           # hierarchical dispatch / combine (MoE(node_axis=...)): the local GPUs taken as `nodes` nodes
+           # of (GPUs / nodes) each; the node hop runs over the same NVLink (peer access), not a network
+           "ep_hier_reference": dict(backend="reference", gemm="auto", nodes=2),
+           "ep_hier_cuda": dict(backend="cuda", gemm="auto", nodes=2)}
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:
@@ -176,16 +184,41 @@ def split_by_scope(step, args, iters: int) -> dict[str, float] | None:
     return {k: round(v, 3) for k, v in split.items()}
 
 
+def layer_and_tokens(mesh: Mesh, shape, config: str):
+    """The layer a config benchmarks on the devices of `mesh` (bfloat16 parameters, seed 0) and its
+    input (tokens_per_rank bfloat16 tokens per device, sharded as the layer's batch). A config with
+    `nodes` takes them as that many nodes of (devices / nodes) GPUs each, node-major (GPU n * L + l
+    holds the experts a flat EP of N * L ranks puts there), with the hierarchical dispatch / combine."""
+    hidden, ffn, experts, topk, tokens = shape
+    ep, options = mesh.size, CONFIGS[config]
+    layout = dict(mesh=mesh, axis_name=mesh.axis_names[0])
+    if "nodes" in options:
+        nodes = options["nodes"]
+        if ep % nodes or experts % ep:
+            raise ValueError(f"{config} needs a multiple of {nodes} devices dividing {experts} experts, "
+                             f"got {ep}")
+        layout = dict(mesh=Mesh(np.array(mesh.devices).reshape(nodes, ep // nodes), ("node", "local")),
+                      axis_name="local", node_axis="node")
+    layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
+                    ep=moe.EPOptions(backend=options["backend"],
+                                     kernel=KernelConfig(**options.get("kernel", {}))),
+                    gemm=options["gemm"], param_dtype=jnp.bfloat16)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
+                       NamedSharding(layer.mesh, P(layer.batch_axes)))
+    return layer, x
+
+
 def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool) -> dict:
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
-    layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                    ep=moe.EPOptions(backend=CONFIGS[config]["backend"],
-                                     kernel=KernelConfig(**CONFIGS[config].get("kernel", {}))),
-                    gemm=CONFIGS[config]["gemm"],
-                    param_dtype=jnp.bfloat16)
-    x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
-                       NamedSharding(mesh, P("ep")))
+    record = dict(op="moe_layer", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
+                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep)
+    if "nodes" in CONFIGS[config]:
+        record["nodes"] = CONFIGS[config]["nodes"]
+    try:
+        layer, x = layer_and_tokens(mesh, shape, config)
+    except ValueError as e:  # a config this machine cannot form (e.g. GPUs not a multiple of nodes)
+        return dict(record, gemm="", step_ms=None, split_ms=None, error=str(e))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     @jax.jit
@@ -197,8 +230,6 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
             return jnp.mean(out.astype(jnp.float32) ** 2)
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
-    record = dict(op="moe_layer", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
-                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep)
     plans = layer_gemm_plans(layer, mesh, x)
     record["gemm"] = plans
     try:
@@ -299,13 +330,16 @@ def main(args) -> list[dict]:
     device = f"{len(devices)}x {devices[0].device_kind}"
     today = datetime.date.today().isoformat()
     records = []
-    wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else list(CONFIGS)
+    # the hierarchical configs only when named: they time the same layer on the same GPUs another way
+    wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else [
+        c for c in CONFIGS if "nodes" not in CONFIGS[c]]
     unknown = sorted(set(wanted) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"--layer-configs: unknown {unknown}; known: {list(CONFIGS)}")
     wanted = [c for c in wanted if platform == "gpu" or CONFIGS[c]["backend"] != "cuda"]
     for name in [n for n in names if n in DECODE_SHAPES]:
-        for config in [c for c in wanted if c != "plain_jax"]:  # the einsum is the plain-JAX baseline
+        # the einsum is the plain-JAX baseline; the hierarchical path has no decode ops
+        for config in [c for c in wanted if c != "plain_jax" and "nodes" not in CONFIGS[c]]:
             r = bench_decode(mesh, LAYER_PRESETS[name], config, args.iters, args.repeats)
             r.update(shape=name, device=device, date=today)
             records.append(r)
@@ -335,7 +369,7 @@ def main(args) -> list[dict]:
             print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"
                   + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
-    print(f"{'layer':9}{'config':11}{'gemm':12}{'EP':>3}{'step ms':>10}{'roofline':>10}{'x roof':>8}"
+    print(f"{'layer':9}{'config':18}{'gemm':12}{'EP':>3}{'step ms':>10}{'roofline':>10}{'x roof':>8}"
           f"{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)")
     for r in [r for r in records if r["op"] == "moe_layer"]:
         plain = base.get((r["shape"], "plain_jax"))
@@ -345,6 +379,6 @@ def main(args) -> list[dict]:
         ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
         tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
         gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
-        print(f"{r['shape']:9}{r['config']:11}{r['gemm']:12}{r['ep_size']:>3}{step:>10}"
+        print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{r['ep_size']:>3}{step:>10}"
               f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}  {split}")
     return records

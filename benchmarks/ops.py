@@ -557,7 +557,7 @@ def main(argv=None) -> list[dict]:
                              "(default: mid,deepseek on GPUs, small on CPU)")
     parser.add_argument("--layer-configs", default=None,
                         help=f"comma-separated layer configurations {list(bench_layer.CONFIGS)} "
-                             "(default: all that the platform runs)")
+                             "(default: all that the platform runs, except the hierarchical ep_hier_*)")
     args = parser.parse_args(argv)
     if args.out is None:
         kind = "layer" if args.layer else "low_latency" if args.low_latency else "ops"

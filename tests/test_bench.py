@@ -61,6 +61,15 @@ def test_layer_bench_writes_records(tmp_path):
     assert records[1]["backend"] == "reference"
 
 
+def test_hierarchical_layer_bench_runs_as_two_nodes(tmp_path):
+    """ep_hier_reference (named only): the 8 devices as 2 nodes of 4, MoE(node_axis=...)."""
+    records = bench.main(["--layer", "--layer-shapes", "small", "--layer-configs", "ep_hier_reference",
+                          "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "hier.json")])
+    [r] = records
+    assert r["config"] == "ep_hier_reference" and r["nodes"] == 2 and r["ep_size"] == 8
+    assert r["step_ms"] > 0 and "error" not in r
+
+
 def test_decode_layer_bench_writes_records(tmp_path):
     records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",
                           "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "decode.json")])

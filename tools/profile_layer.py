@@ -24,14 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks import layer as bench_layer  # noqa: E402
-from jax_ep import moe  # noqa: E402
-from jax_ep.config import KernelConfig  # noqa: E402
-from jax_ep.gating import RouterConfig  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("shape", nargs="?", default="mid", choices=sorted(bench_layer.LAYER_PRESETS))
@@ -42,15 +38,10 @@ parser.add_argument("--iters", type=int, default=5, help="profiled steps (defaul
 parser.add_argument("--hlo", default=None, help="write the compiled HLO text here")
 args = parser.parse_args()
 
-config = bench_layer.CONFIGS[args.config]
 hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[args.shape]
 experts = args.experts or experts
 mesh = Mesh(np.array(jax.devices()), ("ep",))
-layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                ep=moe.EPOptions(backend=config["backend"], kernel=KernelConfig(**config.get("kernel", {}))),
-                gemm=config["gemm"], param_dtype=jnp.bfloat16)
-x = jax.device_put(jax.random.normal(jax.random.key(1), (mesh.size * tokens, hidden), jnp.bfloat16),
-                   NamedSharding(mesh, P("ep")))
+layer, x = bench_layer.layer_and_tokens(mesh, (hidden, ffn, experts, topk, tokens), args.config)
 graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
 
