@@ -145,6 +145,8 @@ struct SyncCounters {
     uint64_t epoch;
     uint32_t busy;
     uint32_t shape;  // a hash of the sending call site's shape (its receive must match)
+    uint32_t active; // bit r: rank r took part in the send (its receive serves the same ranks)
+    uint32_t pad;
   };
   alignas(128) LLHalf ll_half[2][2];
   uint64_t ll_busy_shape;     // (T, K, H) of the halves in flight
@@ -152,6 +154,29 @@ struct SyncCounters {
   uint32_t ll_busy;           // halves in flight, both ops
   uint32_t ll_busy_dispatches;
   uint32_t ll_blocks_done;    // blocks of the running LL kernel that have finished
+  // Rank masking, the persistent part (one concept for every EP op; today the low-latency kernels
+  // set and read it, the throughput kernels do not yet). rank_masks[a][g].masked bit r: rank r of
+  // EP group g of axis slot a is masked on this device: every later EP call ANDs its own rank mask
+  // with the complement. Set (atomicOr) by a kernel running in shrink mode when rank r missed a
+  // bounded wait (events[r] says where); cleared only by the host (Runtime::ClearRankMasks), so a
+  // masked rank stays masked, as DeepEP assumes, until the user says it is back.
+  struct RankMaskEvent {
+    int32_t op;      // OpId of the call that masked the rank (0: the bit is clear)
+    int32_t during;  // 1: the rank had not entered the call (discovery); 2: it entered, then its
+                     // data did not come (a receive wait)
+    uint64_t epoch;  // the group epoch of that call
+  };
+  struct RankMaskState {
+    uint32_t masked;  // bit r: rank r masked
+    int32_t rank;     // this device's rank in the group (written with each event)
+    RankMaskEvent events[kMaxGroupRanks];
+  };
+  alignas(128) RankMaskState rank_masks[kDirectoryAxes][kMaxGroups];
+  // ll_decision[a][g]: (epoch mod 2^32) << 32 | active ranks of the running shrink-mode LL call,
+  // the view of its first block to finish discovery; the other blocks take it (they may have seen
+  // a late peer arrive that this block gave up on, or the reverse), so every block sends to and
+  // waits for the same ranks.
+  alignas(128) uint64_t ll_decision[kDirectoryAxes][kMaxGroups];
 };
 
 struct DeviceState {

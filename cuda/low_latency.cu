@@ -55,6 +55,8 @@ struct LLCall {
   uint64_t epoch;  // group epoch of the call: its flags carry it
   uint64_t call;   // n: the op's call count in the group
   int32_t rank, group, key, half;
+  uint32_t active;                   // bit r: rank r takes part (rank masking; kMaxGroupRanks 32)
+  uint32_t missed;                   // shrink mode: peers this block gave up waiting for
   OpFingerprint fp;                  // the call's config fingerprint (ll_fingerprint)
   int32_t ordinals[kMaxGroupRanks];  // slot of each rank (after discovery)
   char* peers[kMaxGroupRanks];       // rank r's communication buffer (after discovery)
@@ -81,6 +83,11 @@ __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31); }
 __device__ __forceinline__ int global_warp() { return blockIdx.x * kWarps + warp_id(); }
 __device__ __forceinline__ int total_warps() { return gridDim.x * kWarps; }
+
+// Rank r takes part in the call (not masked).
+__device__ __forceinline__ bool is_active(const LLCall* call, int r) {
+  return r >= 0 && r < 32 && ((call->active >> r) & 1u) != 0u;
+}
 
 __device__ __forceinline__ uint64_t call_tag(const LLCall* call) {
   return (call->epoch << 16) | static_cast<uint64_t>(call->key);
@@ -125,6 +132,7 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
   require_comm_bytes(state, a.L.base.total, op_id, rank);
   SyncCounters& sync = state->sync;
   uint64_t epoch, n;
+  uint32_t active = 0;
   if (a.mode == kLLRecv) {
     epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
     n = static_cast<uint64_t>(a.handle[2]) | (static_cast<uint64_t>(a.handle[3]) << 32);
@@ -135,7 +143,13 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
     if (half.shape != half_shape<kOp>(a)) {
       ll_fault(state, op_id, rank, kLLFaultShape, half_shape<kOp>(a), half.shape);
     }
+    active = half.active;  // the ranks its send served
   } else {
+    for (int r = 0; r < a.num_ranks; ++r) {
+      if (a.rank_mask == nullptr || a.rank_mask[r] != 0) active |= 1u << r;
+    }
+    // ranks masked by an earlier timeout (shrink mode) take no part until the host clears them
+    active &= ~*reinterpret_cast<volatile uint32_t*>(&sync.rank_masks[a.axis_slot][group].masked);
     epoch = sync.group_epoch[a.axis_slot][group] + 1;
     n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
     const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
@@ -154,6 +168,8 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
   call->group = group;
   call->key = a.axis_slot * kMaxGroups + group;
   call->half = static_cast<int32_t>(n & 1);
+  call->active = active;
+  call->missed = 0;
   call->fp = ll_fingerprint(a, op_id, row_kind);
 }
 
@@ -172,34 +188,107 @@ __device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call
   }
 }
 
-// Every thread: waits until every rank of the group has published its entry for this epoch (it
-// has entered this call), then knows their buffers; a peer that runs another call (fingerprint or
-// call count) makes the block trap before it writes anything (cuda/fingerprint.cuh). Bounded.
+// Shrink mode: masks `peer` persistently on this device (bit and event; the host reads them,
+// jax_ep.runtime.rank_masks) instead of failing the call. `during`: RankMaskEvent::during.
+__device__ __noinline__ void mask_peer(DeviceState* state, int axis_slot, int group, int rank,
+                                       int peer, int32_t op_id, int32_t during, uint64_t epoch) {
+  if (peer < 0 || peer >= kMaxGroupRanks) return;
+  SyncCounters::RankMaskState& m = state->sync.rank_masks[axis_slot][group];
+  const unsigned bit = 1u << peer;
+  if ((atomicOr(&m.masked, bit) & bit) != 0u) return;  // already masked: keep the first event
+  m.rank = rank;
+  m.events[peer].epoch = epoch;
+  m.events[peer].during = during;
+  m.events[peer].op = op_id;
+  __threadfence_system();
+}
+
+// Waits (bounded) until `slot` shows `epoch` or later; false when the timeout passed.
+__device__ __forceinline__ bool wait_entry(const uint64_t* slot, uint64_t epoch, uint64_t timeout_ns,
+                                           uint64_t* seen, uint64_t* elapsed) {
+  *seen = load_relaxed_sys(slot);
+  *elapsed = 0;
+  if ((*seen >> 16) >= epoch) return true;
+  const uint64_t start = global_timer_ns();
+  uint32_t sleep_ns = 64;
+  while ((*seen >> 16) < epoch) {
+    *elapsed = global_timer_ns() - start;
+    if (*elapsed > timeout_ns) return false;
+    backoff_sleep(sleep_ns);
+    if (sleep_ns < 512) sleep_ns *= 2;
+    *seen = load_relaxed_sys(slot);
+  }
+  return true;
+}
+
+// Shrink mode, every thread, after each peer thread's first wait: the blocks agree on the call's
+// ranks. The first block to get here publishes its view (the active ranks less those it gave up
+// on) in ll_decision and masks the given-up ranks persistently; every block takes that view
+// (a late peer one block gave up on may have been seen by another). After it, call->active is the
+// call's, and call->missed the decided ranks this block still has to wait for (they have arrived).
+__device__ void ll_agree(const LLCommon& a, LLCall* call) {
+  __syncthreads();  // every peer thread's missed bit
+  if (threadIdx.x == 0) {
+    const uint64_t tag = (call->epoch & 0xFFFFFFFFull) << 32;
+    const uint64_t mine = tag | (call->active & ~call->missed);
+    unsigned long long* decision =
+        reinterpret_cast<unsigned long long*>(&a.state->sync.ll_decision[a.axis_slot][call->group]);
+    unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(decision);
+    bool won = false;
+    while ((seen & ~0xFFFFFFFFull) != tag) {
+      const unsigned long long prev = atomicCAS(decision, seen, mine);
+      if (prev == seen) {
+        seen = mine;
+        won = true;
+      } else {
+        seen = prev;
+      }
+    }
+    const uint32_t decided = static_cast<uint32_t>(seen & 0xFFFFFFFFull);
+    if (won) {
+      for (int r = 0; r < a.num_ranks; ++r) {
+        if (is_active(call, r) && ((decided >> r) & 1u) == 0u) {
+          mask_peer(a.state, a.axis_slot, call->group, call->rank, r, call->fp.op, 1, call->epoch);
+        }
+      }
+    }
+    call->missed &= decided;
+    call->active = decided;
+  }
+  __syncthreads();
+}
+
+// Every thread: waits until every active rank of the group has published its entry for this epoch
+// (it has entered this call), then knows their buffers; a peer that runs another call (fingerprint
+// or call count) makes the block trap before it writes anything (cuda/fingerprint.cuh). Bounded: a
+// timeout traps naming the op, this rank and the peer, or in shrink mode masks the peer.
 __device__ void ll_discover(const LLCommon& a, LLCall* call) {
   DeviceState* state = a.state;
   const int peer = static_cast<int>(threadIdx.x);
+  const bool mine = peer < a.num_ranks && is_active(call, peer);
+  const uint64_t* slot = &state->sync.directory[a.axis_slot][call->group][peer < kMaxGroupRanks ? peer : 0];
+  // Polled with relaxed loads (an acquire load also invalidates the SM's L1 each time), a growing
+  // pause between them (every block polls the same line), then one acquire.
+  uint64_t seen = 0, elapsed = 0;
+  bool arrived = !mine || wait_entry(slot, call->epoch, state->tables.timeout_ns, &seen, &elapsed);
+  if (!arrived && a.shrink) atomicOr(&call->missed, 1u << peer);
+  if (a.shrink) {
+    ll_agree(a, call);
+    // a decided rank this block gave up on has arrived (the deciding block saw it): wait again
+    if (mine && is_active(call, peer) && !arrived) {
+      arrived = wait_entry(slot, call->epoch, state->tables.timeout_ns, &seen, &elapsed);
+    }
+  }
   bool differs = false;
-  if (peer < a.num_ranks) {
-    const uint64_t* slot = &state->sync.directory[a.axis_slot][call->group][peer];
-    // Polled with relaxed loads (an acquire load also invalidates the SM's L1 each time), a
-    // growing pause between them (every block polls the same line), then one acquire.
-    uint64_t seen = load_relaxed_sys(slot);
-    if ((seen >> 16) < call->epoch) {
-      const uint64_t start = global_timer_ns();
-      const uint64_t timeout_ns = state->tables.timeout_ns;
-      uint32_t sleep_ns = 64;
-      while ((seen >> 16) < call->epoch) {
-        const uint64_t elapsed = global_timer_ns() - start;
-        if (elapsed > timeout_ns) {
-          // the peer's call count stays below this call's (field: expected / observed are counts)
-          record_fault(state, kFaultTimeout, call->fp.op, call->rank, peer, -1, call->epoch,
-                       seen >> 16, static_cast<int64_t>(elapsed), kFieldSequence);
-          __trap();
-        }
-        backoff_sleep(sleep_ns);
-        if (sleep_ns < 512) sleep_ns *= 2;
-        seen = load_relaxed_sys(slot);
-      }
+  if (peer < a.num_ranks && !is_active(call, peer)) {
+    call->ordinals[peer] = -1;  // masked: never waited for, never written to
+    call->peers[peer] = nullptr;
+  } else if (peer < a.num_ranks) {
+    if (!arrived) {
+      // the peer's call count stays below this call's (field: expected / observed are counts)
+      record_fault(state, kFaultTimeout, call->fp.op, call->rank, peer, -1, call->epoch,
+                   seen >> 16, static_cast<int64_t>(elapsed), kFieldSequence);
+      __trap();
     }
     seen = load_acquire_sys(slot);
     const int ordinal = static_cast<int>(seen & 0xFFFF);
@@ -220,16 +309,22 @@ struct LLWaitSite {
   int32_t num_ranks;
   int32_t axis_slot;
   int32_t discovered;  // call->ordinals are known (not in a receive kernel)
+  int32_t shrink;      // a timeout masks the rank waited for instead of trapping
 };
 
 __device__ __forceinline__ LLWaitSite wait_site(const LLCommon& a, const LLCall* call, int op_id) {
-  return LLWaitSite{a.state, call, op_id, a.num_ranks, a.axis_slot, a.mode != kLLRecv};
+  return LLWaitSite{a.state, call, op_id, a.num_ranks, a.axis_slot, a.mode != kLLRecv, a.shrink};
 }
+
+// What ll_wait returns in shrink mode when the rank waited for missed the bound (no flag word of
+// the LL ops is all ones: its top bits are an epoch).
+constexpr uint64_t kLLMissed = ~0ull;
 
 // The rank of the group that has not entered this call yet (its directory entry is older), or -1:
 // names the culprit of a timeout where the rank waited for is not known (combine's receive).
 __device__ __noinline__ int ll_missing_rank(const LLWaitSite& site) {
   for (int r = 0; r < site.num_ranks; ++r) {
+    if (!is_active(site.call, r)) continue;  // masked: not waited for
     const uint64_t seen = load_acquire_sys(
         &site.state->sync.directory[site.axis_slot][site.call->group][r]);
     if ((seen >> 16) < site.call->epoch) return r;
@@ -238,7 +333,8 @@ __device__ __noinline__ int ll_missing_rank(const LLWaitSite& site) {
 }
 
 // Spins until (*flag >> shift) == want (a peer's release store), then acquires. Bounded: the fault
-// names the op, this rank and the rank waited for (-1: found from the directory).
+// names the op, this rank and the rank waited for (-1: found from the directory); in shrink mode
+// the rank is masked instead and kLLMissed returned (its data is treated as absent).
 __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, int shift,
                                          LLWaitSite site, int waited_rank) {
   uint64_t observed = load_relaxed_sys(flag);
@@ -253,6 +349,11 @@ __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, in
       const uint64_t elapsed = global_timer_ns() - start;
       if (elapsed > timeout_ns) {
         const int rank = waited_rank >= 0 ? waited_rank : ll_missing_rank(site);
+        if (site.shrink && rank >= 0) {
+          mask_peer(state, site.axis_slot, site.call->group, site.call->rank, rank, site.op_id, 2,
+                    site.call->epoch);
+          return kLLMissed;
+        }
         const int ordinal = rank >= 0 && site.discovered ? site.call->ordinals[rank] : -1;
         record_fault_and_trap(state, kFaultTimeout, site.op_id, site.call->rank, rank, ordinal,
                               site.call->epoch, observed >> (shift == 16 ? 24 : 16),
@@ -288,6 +389,7 @@ __device__ void ll_end(const LLCommon& a, const LLCall* call) {
     half.epoch = call->epoch;
     half.busy = a.mode == kLLSend ? 1u : 0u;
     half.shape = half_shape<kOp>(a);
+    half.active = call->active;
     if (a.mode == kLLSend) {
       sync.ll_busy += 1;
       sync.ll_busy_shape = shape_key(a);
@@ -444,15 +546,18 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       }
     }
   }
+  const int me = call->rank;
+  // A masked rank sends nothing (it needs no peer, so it waits for none).
+  if (!is_active(call, me)) return;
   ll_discover(a, call);
 
-  const int me = call->rank;
   const uint64_t tag = call_tag(call);
   // counts: experts blockIdx.x + gridDim.x * i, one flag each on the expert's rank
   for (int e = blockIdx.x + gridDim.x * threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+    const int dest = e / local, le = e % local;
+    if (!is_active(call, dest)) continue;  // a masked rank gets nothing: its pairs are dropped
     int count = 0;
     for (int w = 0; w < words; ++w) count += __popc(s.bits[e * words + w]);
-    const int dest = e / local, le = e % local;
     uint64_t* flag = reinterpret_cast<uint64_t*>(call->peers[dest] + L.count_flags + half) +
                      (static_cast<int64_t>(le) * R + me);
     release_store_sys(flag, (call->epoch << 24) | (static_cast<uint64_t>(call->key) << 16) |
@@ -466,7 +571,7 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     int dest = 0;
     if (lane < K) {
       const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
-      if (e >= 0) {
+      if (e >= 0 && is_active(call, e / local)) {  // a pair to a masked rank is dropped
         const uint32_t* row = s.bits + e * words;
         int i = __popc(row[t / 32] & ((1u << (t & 31)) - 1u));
         for (int w = 0; w < t / 32; ++w) i += __popc(row[w]);
@@ -531,12 +636,20 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
     const int q = static_cast<int>(v % num_pairs);
     const int j = static_cast<int>(v / num_pairs);
     const int J = static_cast<int>(V / num_pairs) + (q < V % num_pairs ? 1 : 0);
+    // a masked source sends nothing, and a masked rank receives nothing: count 0, no wait
+    const bool live = is_active(call, call->rank) && is_active(call, q % R);
     unsigned long long count_flag = 0;
-    if (lane == 0) count_flag = ll_wait(count_flags + q, want, 16, site, q % R);
+    if (lane == 0 && live) count_flag = ll_wait(count_flags + q, want, 16, site, q % R);
+    if (count_flag == kLLMissed) count_flag = 0;  // shrink: the source died in the call, nothing came
     const int count = static_cast<int>(__shfl_sync(kFullMask, count_flag, 0) & 0xFFFFull);
     for (int i = j; i < count; i += J) {
       const int64_t slot = static_cast<int64_t>(q) * T + i;  // = the output row
-      if (lane == 0) ll_wait(slot_flags + slot, tag, 0, site, q % R);
+      unsigned long long got = 0;
+      if (lane == 0) got = ll_wait(slot_flags + slot, tag, 0, site, q % R);
+      if (__shfl_sync(kFullMask, got, 0) == kLLMissed) {  // shrink: the slot never came: empty
+        if (lane == 0) p.src_slot[slot] = -1;
+        continue;
+      }
       __syncwarp();  // lane 0's acquire, then every lane's loads
       const char* from = slots + slot * L.slot_bytes;
       for (uint64_t offset = 0; offset < L.row_bytes; offset += kLLPieceBytes) {
@@ -556,6 +669,9 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
       if (lane == 0) p.counts[q] = count;
       for (int i = count + lane; i < T; i += 32) p.src_slot[static_cast<int64_t>(q) * T + i] = -1;
     }
+  }
+  if (blockIdx.x == 0) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x) p.active[r] = is_active(call, r) ? 1 : 0;
   }
 }
 
@@ -621,6 +737,7 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
   const int64_t items = static_cast<int64_t>(a.num_experts) * T * pieces;
   const int64_t gw = global_warp(), W = total_warps();
   ll_publish(a, call);
+  if (!is_active(call, call->rank)) return;  // a masked rank returns nothing
   ll_discover(a, call);
 
   const uint64_t tag = call_tag(call);
@@ -630,7 +747,8 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
     char* to = nullptr;
     uint64_t* flag = nullptr;
     int bytes = 0;
-    if (item.tk >= 0 && item.tk < T * K) {  // filled (a bad handle must not write out of bounds)
+    // filled (a bad handle must not write out of bounds), to a source that takes part
+    if (item.tk >= 0 && item.tk < T * K && is_active(call, static_cast<int>((item.slot / T) % R))) {
       const int64_t offset = static_cast<int64_t>(item.piece) * static_cast<int64_t>(kLLPieceBytes);
       const int64_t rest = row_bytes - offset;
       bytes = static_cast<int>(rest < static_cast<int64_t>(kLLPieceBytes) ? rest : kLLPieceBytes);
@@ -678,9 +796,18 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
     const int piece = static_cast<int>(static_cast<uint64_t>(c) * 1024 / kLLPieceBytes);
     // A top-k slot with weight 0 (unused ids have 0 in the handle) is skipped: its row may be
     // garbage, even NaN, or still on its way.
-    const float weight = lane < K ? __ldg(p.topk_weights + t * K + lane) : 0.f;
+    // So is a slot whose rank is masked in this call (it returned nothing: +0.0), and every slot
+    // of a masked rank (it received nothing).
+    float weight = 0.f;
+    const int dest = lane < K ? __ldg(p.dest_rank + t * K + lane) : -1;
+    if (lane < K && is_active(call, call->rank) && is_active(call, dest)) {
+      weight = __ldg(p.topk_weights + t * K + lane);
+    }
     if (weight != 0.f) {
-      ll_wait(flags + (t * K + lane) * pieces + piece, tag, 0, site, -1);
+      // shrink: a rank that died in the call returned nothing: +0.0 (the slot is skipped)
+      if (ll_wait(flags + (t * K + lane) * pieces + piece, tag, 0, site, dest) == kLLMissed) {
+        weight = 0.f;
+      }
     }
     __syncwarp();  // lane k's acquire, then every lane's loads of row k
     const uint32_t used_mask = __ballot_sync(kFullMask, weight != 0.f);
@@ -786,7 +913,8 @@ cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream) {
       ll_shared_bytes(true, p.c.num_ranks, p.c.num_tokens, p.c.num_experts);
   if (!ll_ok(p.c) || (fp8 && p.c.hidden % 128 != 0) ||
       (p.x_kind != kRowBF16 && p.x_kind != kRowF32) ||
-      !(p.row_kind == kRowFP8 || p.row_kind == kRowBF16) || shared == 0 ||
+      !(p.row_kind == kRowFP8 || p.row_kind == kRowBF16) ||
+      (p.c.mode != kLLSend && p.active == nullptr) || shared == 0 ||
       shared > kLLMaxSharedBytes) {
     return cudaErrorInvalidValue;
   }
@@ -802,7 +930,8 @@ cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream) {
 cudaError_t launch_ll_combine(const LLCombineLaunch& p, cudaStream_t stream) {
   const uint64_t shared =
       ll_shared_bytes(false, p.c.num_ranks, p.c.num_tokens, p.c.num_experts);
-  if (!ll_ok(p.c) || p.c.num_topk > 32 || shared == 0 || shared > kLLMaxSharedBytes) {
+  if (!ll_ok(p.c) || p.c.num_topk > 32 || (p.c.mode != kLLSend && p.dest_rank == nullptr) ||
+      shared == 0 || shared > kLLMaxSharedBytes) {
     return cudaErrorInvalidValue;
   }
   switch (p.c.mode) {

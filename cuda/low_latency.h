@@ -105,6 +105,10 @@ struct LLCommon {
   LLLayout L;
   const int32_t* rank;    // [] index along the EP axis
   const int32_t* group;   // [] EP group
+  // [R] int32, nonzero = rank r takes part (send / fused; a receive takes its send's, kept in the
+  // half). A masked rank is out of the call both ways: it sends and receives nothing, nobody waits
+  // for it or writes to it. nullptr: every rank active.
+  const int32_t* rank_mask;
   uint32_t* handle;       // kLLSend: written ([4]: epoch, call, low then high words); kLLRecv: read
   int32_t mode;           // LLMode
   int32_t num_ranks;      // R
@@ -114,6 +118,9 @@ struct LLCommon {
   int32_t hidden;         // H
   int32_t axis_slot;
   int32_t num_blocks;     // the grid (at most the SMs - 1: the fused kernels need every block resident)
+  // Shrink mode (EPConfig.shrink): a peer that misses a bounded wait is masked (persistently,
+  // SyncCounters::rank_masks) and the call finishes without it, instead of trapping.
+  int32_t shrink;
 };
 
 // The fingerprint of a low-latency call (cuda/fingerprint.h): the op, R, T, H, K, E (the slot
@@ -142,19 +149,22 @@ struct LLDispatchLaunch {
   float* scales;
   int32_t* counts;
   int32_t* src_slot;
+  int32_t* active;  // [R] (fused / recv): 1 where rank r took part in the call, else 0
   int32_t x_kind;
   int32_t row_kind;
 };
 cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream);
 
 // ll_combine: y [E_local, R * T, H] bf16, src_slot [E_local, R * T] (filled from the front),
-// topk_weights [T, K] (0 = skipped) -> out [T, H] bf16. kLLSend reads y and src_slot only; kLLRecv
-// reads topk_weights and writes out only.
+// topk_weights [T, K] (0 = skipped), dest_rank [T, K] (the rank each top-k slot went to, -1 =
+// skipped) -> out [T, H] bf16. kLLSend reads y and src_slot only; kLLRecv reads topk_weights and
+// dest_rank and writes out only. A slot whose rank is masked in this call adds nothing (+0.0).
 struct LLCombineLaunch {
   LLCommon c;
   const void* y;
   const int32_t* src_slot;
   const float* topk_weights;
+  const int32_t* dest_rank;
   void* out;
 };
 cudaError_t launch_ll_combine(const LLCombineLaunch& p, cudaStream_t stream);

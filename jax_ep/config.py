@@ -87,6 +87,10 @@ class EPConfig:
       backend: "auto" (cuda when available, else reference), "reference" (pure JAX), "cuda".
       checked: validate traced values (expert ids, dropped rows) at run time and raise on error.
       kernel: how the CUDA kernels run (KernelConfig: SMs, warp roles, bulk copies).
+      shrink: shrink mode of the low-latency CUDA kernels (backend "cuda"): a peer that misses a
+        bounded wait is masked, on this GPU, for this call and every later EP call of the group
+        (``jax_ep.runtime.rank_masks`` shows it, ``clear_rank_masks`` clears it), and the call
+        finishes without it instead of failing. Off: such a timeout is an error naming op and rank.
     """
 
     num_experts: int
@@ -100,10 +104,13 @@ class EPConfig:
     backend: str = "auto"
     checked: bool = False
     kernel: KernelConfig = KernelConfig()
+    shrink: bool = False
 
     def __post_init__(self):
         for name in ("num_experts", "num_topk", "hidden", "max_tokens_per_rank", "expert_alignment"):
             _check_positive_int("EPConfig", name, getattr(self, name))
+        if not isinstance(self.shrink, bool):
+            raise ValueError(f"EPConfig.shrink must be a bool, got {self.shrink!r}")
         if not isinstance(self.kernel, KernelConfig):
             raise ValueError(f"EPConfig.kernel must be a KernelConfig, got {self.kernel!r}")
         if self.num_topk > self.num_experts:

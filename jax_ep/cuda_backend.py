@@ -12,8 +12,6 @@ executable; nothing is allocated at trace time.
 
 from __future__ import annotations
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,7 +242,7 @@ def _group_of(axis_name: str) -> tuple[jax.Array, jax.Array, int]:
         raise NotImplementedError(f"jax_ep (backend='cuda'): {num_groups} EP groups in one mesh; "
                                   f"the CUDA backend supports up to {limits['max_groups']}")
     rank = lax.axis_index(axis_name).astype(jnp.int32)
-    return rank, group, zlib.crc32(axis_name.encode()) % limits["directory_axes"]
+    return rank, group, runtime.axis_slot(axis_name)
 
 
 def _vary_all(outputs, axis_name: str, *inputs):
@@ -279,7 +277,8 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
                   axis_slot=axis_slot, num_sms=num_sms if data_kernel else 1,
                   # the low-latency kernels: every warp sends, then receives
                   send_warps=kernel.send_warps(op) if op in _DATA_OPS[:3] else 1,
-                  bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0)
+                  bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0,
+                  shrink=int(cfg.shrink) if op in ("ll_dispatch", "ll_combine") else 0)
     return {name: np.int64(value) for name, value in values.items()}
 
 
@@ -461,8 +460,32 @@ def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
 
 
 # ---- low-latency (decode) mode ------------------------------------------------------------------
+def _ll_mask_operand(rank_mask, ep_size: int) -> jax.Array:
+    """The kernels' int32 [R] rank_mask operand (1 = active; all ones without a mask)."""
+    return reference.ll_active(rank_mask, ep_size).astype(jnp.int32)
+
+
+def _ll_used(topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig, ep_size: int):
+    """The send's view of the routing: weights (0 where unused) and each used slot's rank (-1)."""
+    idx = reference.sanitize_topk(topk_idx, cfg.num_experts)
+    weights = jnp.where(idx >= 0, topk_weights.astype(jnp.float32), 0.0)
+    dest = reference.ll_dest_rank(idx, jnp.ones((ep_size,), jnp.bool_), cfg.num_local_experts(ep_size), 0)
+    return weights, dest
+
+
+def _ll_dispatched(rows, scales, counts, src_slot, active, weights, dest, axis) -> LLDispatched:
+    """LLDispatched from the kernel's outputs: the handle keeps the slots the call sent (their ranks,
+    this one included, in the kernel's `active`), the others are dropped and counted."""
+    me = lax.axis_index(axis)
+    keep = (dest >= 0) & (active[jnp.maximum(dest, 0)] != 0) & (active[me] != 0)
+    dest_rank = jnp.where(keep, dest, -1)
+    num_dropped = jnp.sum((dest >= 0) & ~keep, dtype=jnp.int32)
+    return LLDispatched(rows, scales, counts, LLHandle(src_slot, jnp.where(keep, weights, 0.0), dest_rank),
+                        num_dropped, active)
+
+
 def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                cfg: EPConfig) -> LLDispatched:
+                cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatched:
     """``jax_ep.reference.ll_dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
@@ -471,30 +494,32 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     fp8 = out.scales is not None
     scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
     rank, group, axis_slot = _group_of(axis)
-    outputs = _call("ll_dispatch", (out.x, scales, out.counts, out.handle.src_slot), x,
-                    topk_idx, rank, group,
+    mask = _ll_mask_operand(rank_mask, ep_size)
+    outputs = _call("ll_dispatch", (out.x, scales, out.counts, out.handle.src_slot, out.rank_mask), x,
+                    topk_idx, mask, rank, group,
                     **_attrs("ll_dispatch", cfg, ep_size, axis_slot, tokens, hidden,
                              row_bytes=hidden * out.x.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
                              num_experts=cfg.num_experts))
-    rows, scales, counts, src_slot = _vary_all(outputs, axis, x, topk_idx)
-    # the handle's weights: 0 where the sanitised id is unused (ll_combine skips weight-0 slots)
-    used = reference.sanitize_topk(topk_idx, cfg.num_experts) >= 0
-    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
-    return LLDispatched(rows, scales if fp8 else None, counts, LLHandle(src_slot, weights))
+    rows, scales, counts, src_slot, active = _vary_all(outputs, axis, x, topk_idx, mask)
+    weights, dest = _ll_used(topk_idx, topk_weights, cfg, ep_size)
+    return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, weights, dest, axis)
 
 
-def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
+def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+               rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.ll_combine`` on NVLink kernels (float32 sums in top-k order). Per-rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     out = types.ll_combine_types(handle, cfg)
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
-    result = _call("ll_combine", out, y, handle.src_slot, handle.topk_weights, rank, group,
+    mask = _ll_mask_operand(rank_mask, ep_size)
+    result = _call("ll_combine", out, y, handle.src_slot, handle.topk_weights, handle.dest_rank, mask,
+                   rank, group,
                    **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * 2, num_experts=cfg.num_experts))
-    return _vary_all(result, axis, y, *handle)
+    return _vary_all(result, axis, y, *handle, mask)
 
 
 # ---- low-latency two-phase form: _send returns once its writes are issued, _recv waits -----------
@@ -509,18 +534,19 @@ def _ll_dispatch_attrs(cfg: EPConfig, ep_size: int, axis_slot: int, tokens: int,
 
 
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                     cfg: EPConfig) -> LLDispatchPending:
+                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatchPending:
     """ll_dispatch's send phase on NVLink kernels: the tokens are on their way when it returns."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     tokens = x.shape[0]
     rank, group, axis_slot = _group_of(axis)
+    mask = _ll_mask_operand(rank_mask, ep_size)
     # on NVLink the send's own warps move the data: it overlaps other work only from another stream
-    token = _call("ll_dispatch_send", _LL_TOKEN, x, topk_idx, rank, group, stream=cfg.kernel.async_stream,
+    token = _call("ll_dispatch_send", _LL_TOKEN, x, topk_idx, mask, rank, group,
+                  stream=cfg.kernel.async_stream,
                   **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, cfg.wire_dtype(x.dtype)))
-    used = reference.sanitize_topk(topk_idx, cfg.num_experts) >= 0
-    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
-    return LLDispatchPending(_vary_all(token, axis, x, topk_idx), weights)
+    weights, dest = _ll_used(topk_idx, topk_weights, cfg, ep_size)
+    return LLDispatchPending(_vary_all(token, axis, x, topk_idx, mask), weights, dest)
 
 
 def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
@@ -533,24 +559,28 @@ def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
     fp8 = out.scales is not None
     scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
     rank, group, axis_slot = _group_of(axis)
-    outputs = _call("ll_dispatch_recv", (out.x, scales, out.counts, out.handle.src_slot),
+    outputs = _call("ll_dispatch_recv", (out.x, scales, out.counts, out.handle.src_slot, out.rank_mask),
                     pending.token, rank, group,
                     **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, out.x.dtype))
-    rows, scales, counts, src_slot = _vary_all(outputs, axis, pending.token)
-    return LLDispatched(rows, scales if fp8 else None, counts, LLHandle(src_slot, pending.topk_weights))
+    rows, scales, counts, src_slot, active = _vary_all(outputs, axis, pending.token)
+    return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, pending.topk_weights,
+                          pending.dest_rank, axis)
 
 
-def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> LLCombinePending:
+def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+                    rank_mask: jax.Array | None = None) -> LLCombinePending:
     """ll_combine's send phase: every filled slot's row is on its way back when it returns."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     tokens, hidden = handle.topk_weights.shape[0], cfg.hidden
     rank, group, axis_slot = _group_of(axis)
-    token = _call("ll_combine_send", _LL_TOKEN, y, handle.src_slot, rank, group,
+    mask = _ll_mask_operand(rank_mask, ep_size)
+    token = _call("ll_combine_send", _LL_TOKEN, y, handle.src_slot, mask, rank, group,
                   stream=cfg.kernel.async_stream,
                   **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                            row_bytes=hidden * 2, num_experts=cfg.num_experts))
-    return LLCombinePending(_vary_all(token, axis, y, handle.src_slot), handle.topk_weights)
+    return LLCombinePending(_vary_all(token, axis, y, handle.src_slot, mask), handle.topk_weights,
+                            handle.dest_rank)
 
 
 def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
@@ -560,7 +590,7 @@ def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
     tokens, hidden = pending.topk_weights.shape[0], cfg.hidden
     rank, group, axis_slot = _group_of(axis)
     result = _call("ll_combine_recv", jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16),
-                   pending.token, pending.topk_weights, rank, group,
+                   pending.token, pending.topk_weights, pending.dest_rank, rank, group,
                    **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * 2, num_experts=cfg.num_experts))
-    return _vary_all(result, axis, pending.token, pending.topk_weights)
+    return _vary_all(result, axis, pending.token, pending.topk_weights, pending.dest_rank)

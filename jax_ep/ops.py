@@ -372,7 +372,8 @@ _combine_rank_major.defvjp(_combine_rank_major_fwd, _combine_rank_major_bwd)
 
 
 # ---- low-latency (decode) mode: forward-only ------------------------------------------------------
-def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig) -> LLDispatched:
+def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+                rank_mask: jax.Array | None = None) -> LLDispatched:
     """Low-latency dispatch (decode): each token goes to fixed slots of its experts' ranks.
 
     Args:
@@ -381,27 +382,35 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
         marks an unused slot.
       topk_weights: [T, K] float32 gate weights.
       cfg: EPConfig (static); dispatch_dtype "bfloat16" or "float8_e4m3fn" (None keeps bfloat16 x).
+      rank_mask: None (every rank active) or [R] bool / integer (nonzero: active), the same on every
+        rank: a masked rank sends and receives nothing; pairs to or of it are dropped and counted.
     Returns:
       LLDispatched: x [E_local, R*T, H] (slot (e, r*T + i): the i-th token of source rank r routed to
       local expert e; slots past counts[e, r] unspecified), scales [E_local, R*T, ceil(H/128)] for
-      FP8, counts [E_local, R] int32, handle (LLHandle) for ll_combine. No capacity, no drops.
+      FP8, counts [E_local, R] int32, handle (LLHandle) for ll_combine, num_dropped [] int32 (pairs
+      not sent: their rank masked), rank_mask [R] int32 (the ranks that took part). No capacity.
     Forward-only: differentiating through it raises NotImplementedError.
     """
-    ep_size(cfg, "ll_dispatch")
+    size = ep_size(cfg, "ll_dispatch")
     check_ll_dispatch_args(x, topk_idx, topk_weights, cfg)
+    rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch")
-    return _ll_dispatch(x, topk_idx, topk_weights, cfg)
+    return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
-def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
+def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+               rank_mask: jax.Array | None = None) -> jax.Array:
     """Low-latency combine (decode): y [E_local, R*T, H] bfloat16, the expert outputs slot for slot
     (unfilled slots may hold anything, NaN included) -> [T, H] bfloat16, per token of this rank the
     sum over its top-k slots of nonzero weight, in slot order, of the float32 products w * y, rounded
-    once to bfloat16. Forward-only: differentiating through it raises NotImplementedError."""
+    once to bfloat16. rank_mask (as for ll_dispatch; pass the dispatch's): a slot whose rank is masked
+    adds +0.0, a masked rank's output is +0.0. Forward-only: differentiating through it raises
+    NotImplementedError."""
     size = ep_size(cfg, "ll_combine")
     check_ll_combine_args(y, handle, cfg, size)
-    return _ll_combine(y, handle, cfg)
+    rank_mask = check_rank_mask(rank_mask, size, "ll_combine")
+    return _ll_combine(y, handle, rank_mask, cfg)
 
 
 def _forward_only(op: str):
@@ -412,25 +421,25 @@ def _forward_only(op: str):
     return bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ll_dispatch(x, topk_idx, topk_weights, cfg):
-    return implementation("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
+    return implementation("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
 
 
-def _ll_dispatch_fwd(x, topk_idx, topk_weights, cfg):
-    return _ll_dispatch(x, topk_idx, topk_weights, cfg), None
+def _ll_dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
+    return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg), None
 
 
 _ll_dispatch.defvjp(_ll_dispatch_fwd, _forward_only("ll_dispatch"))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _ll_combine(y, handle, cfg):
-    return implementation("ll_combine", cfg, y.dtype)(y, handle, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ll_combine(y, handle, rank_mask, cfg):
+    return implementation("ll_combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
 
 
-def _ll_combine_fwd(y, handle, cfg):
-    return _ll_combine(y, handle, cfg), None
+def _ll_combine_fwd(y, handle, rank_mask, cfg):
+    return _ll_combine(y, handle, rank_mask, cfg), None
 
 
 _ll_combine.defvjp(_ll_combine_fwd, _forward_only("ll_combine"))
@@ -471,18 +480,20 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
 
 
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                     cfg: EPConfig) -> LLDispatchPending:
+                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatchPending:
     """First phase of ll_dispatch: issues the writes of this rank's tokens and returns at once (on
     the CUDA backend nothing waits for the data). Run independent work (attention, a shared expert),
     then ``ll_dispatch_recv(pending, cfg)``: together they equal ``ll_dispatch(x, topk_idx,
     topk_weights, cfg)``. Receive each pending value exactly once; at most two sends of ll_dispatch
     may be pending at a time, and no other EP op but low-latency calls of the same shape may run
-    while one is (docs/api.md). Forward-only."""
-    ep_size(cfg, "ll_dispatch_send")
+    while one is (docs/api.md). rank_mask as for ll_dispatch (the receive serves the send's).
+    Forward-only."""
+    size = ep_size(cfg, "ll_dispatch_send")
     check_ll_dispatch_args(x, topk_idx, topk_weights, cfg, op="ll_dispatch_send")
+    rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch_send")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch_send")
-    return _ll_dispatch_send(x, topk_idx, topk_weights, cfg)
+    return _ll_dispatch_send(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
 def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
@@ -493,13 +504,15 @@ def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
     return _ll_dispatch_recv(pending, cfg)
 
 
-def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> LLCombinePending:
+def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+                    rank_mask: jax.Array | None = None) -> LLCombinePending:
     """First phase of ll_combine: issues the writes of the expert outputs back to their sources and
-    returns at once. ``ll_combine_recv(pending, cfg)`` then equals ``ll_combine(y, handle, cfg)``.
-    Same rules as ll_dispatch_send. Forward-only."""
+    returns at once. ``ll_combine_recv(pending, cfg)`` then equals ``ll_combine(y, handle, cfg,
+    rank_mask)``. Same rules as ll_dispatch_send. Forward-only."""
     size = ep_size(cfg, "ll_combine_send")
     check_ll_combine_args(y, handle, cfg, size, op="ll_combine_send")
-    return _ll_combine_send(y, handle, cfg)
+    rank_mask = check_rank_mask(rank_mask, size, "ll_combine_send")
+    return _ll_combine_send(y, handle, rank_mask, cfg)
 
 
 def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
@@ -510,12 +523,12 @@ def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
     return _ll_combine_recv(pending, cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ll_dispatch_send(x, topk_idx, topk_weights, cfg):
-    return _ll_send_impl("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ll_dispatch_send(x, topk_idx, topk_weights, rank_mask, cfg):
+    return _ll_send_impl("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
 
 
-_ll_dispatch_send.defvjp(lambda x, i, w, cfg: (_ll_dispatch_send(x, i, w, cfg), None),
+_ll_dispatch_send.defvjp(lambda x, i, w, m, cfg: (_ll_dispatch_send(x, i, w, m, cfg), None),
                          _forward_only("ll_dispatch_send"))
 
 
@@ -528,12 +541,12 @@ _ll_dispatch_recv.defvjp(lambda pending, cfg: (_ll_dispatch_recv(pending, cfg), 
                          _forward_only("ll_dispatch_recv"))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _ll_combine_send(y, handle, cfg):
-    return _ll_send_impl("ll_combine", cfg, y.dtype)(y, handle, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ll_combine_send(y, handle, rank_mask, cfg):
+    return _ll_send_impl("ll_combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
 
 
-_ll_combine_send.defvjp(lambda y, h, cfg: (_ll_combine_send(y, h, cfg), None),
+_ll_combine_send.defvjp(lambda y, h, m, cfg: (_ll_combine_send(y, h, m, cfg), None),
                         _forward_only("ll_combine_send"))
 
 

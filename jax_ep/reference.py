@@ -58,6 +58,13 @@ Low-latency (decode) mode, ``ll_dispatch`` / ``ll_combine`` (docs/api.md, "Low-l
     multiply-add) over the slots whose handle weight is nonzero, starting from +0.0, and rounds to
     bfloat16. A slot of weight 0 (every unused slot) is skipped by a select: whatever y holds there,
     NaN included, never reaches the sum.
+  * Rank masking (``rank_mask`` bool[R], optional, the same on every rank): a masked rank is out of
+    the call both ways (a dead rank can be neither waited for nor written to). It sends and receives
+    nothing: a (token, top-k slot) pair whose expert's rank is masked, and every pair of a masked
+    rank, is dropped (not sent; counted in num_dropped; weight 0 and dest_rank -1 in the handle);
+    counts from a masked source are 0 and its slots empty. ll_combine with a mask: a slot whose
+    rank is masked adds +0.0, and a masked rank's output is all +0.0. No mask and an all-active mask
+    give the same bits.
 """
 
 from __future__ import annotations
@@ -428,8 +435,23 @@ def _rounded(products: jax.Array, runtime_zero: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def ll_active(rank_mask: jax.Array | None, ep_size: int) -> jax.Array:
+    """bool [R]: the ranks taking part (rank_mask nonzero; every rank without one)."""
+    if rank_mask is None:
+        return jnp.ones((ep_size,), jnp.bool_)
+    return rank_mask.astype(jnp.bool_) if rank_mask.dtype != jnp.bool_ else rank_mask
+
+
+def ll_dest_rank(idx: jax.Array, active: jax.Array, local: int, me: jax.Array) -> jax.Array:
+    """[T, K] int32: the rank of each sanitised id's expert where the pair is sent (this rank and
+    the expert's rank active), -1 where unused or dropped."""
+    dest = jnp.where(idx >= 0, idx // local, 0)
+    sent = (idx >= 0) & active[dest] & active[me]
+    return jnp.where(sent, dest, -1).astype(jnp.int32)
+
+
 def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                cfg: EPConfig) -> LLDispatched:
+                cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatched:
     """Low-latency dispatch into fixed slots [E_local, R*T] (no custom_vjp here: jax_ep.ops wraps it).
 
     The source knows where each of its (token, top-k slot) pairs lands: global expert g = idx[t, k]
@@ -444,7 +466,10 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
 
     idx = sanitize_topk(topk_idx, num_experts)
     used = idx >= 0
-    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
+    active = ll_active(rank_mask, ep_size)
+    dest_rank = ll_dest_rank(idx, active, local, lax.axis_index(cfg.axis_name))
+    sent = dest_rank >= 0  # a pair to a masked rank, or of a masked rank, is dropped
+    weights = jnp.where(sent, topk_weights.astype(jnp.float32), 0.0)
 
     # i(t, k): this rank's earlier tokens routed to the same expert (exclusive cumsum over tokens)
     picks = jnp.any(idx[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, None, :], axis=1)
@@ -452,7 +477,7 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     earlier = jnp.cumsum(picks_i, axis=0) - picks_i
     slot = jnp.take_along_axis(earlier, jnp.maximum(idx, 0), axis=1)    # [T, K]
     # position in the send buffer [E*T] = [R, E_local, T] (expert-major, then slot)
-    position = jnp.where(used, idx * num_tokens + slot, num_experts * num_tokens).reshape(-1)
+    position = jnp.where(sent, idx * num_tokens + slot, num_experts * num_tokens).reshape(-1)
     tk = jnp.arange(num_tokens * topk, dtype=jnp.int32)                 # t*K + k
     send_src = jnp.full((num_experts * num_tokens,), EMPTY_SLOT, jnp.int32).at[position].set(
         tk, mode="drop")
@@ -473,21 +498,27 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     recv_src = _rank_blocks_to_experts(_all_to_all(send_src.reshape(ep_size, local * num_tokens),
                                                    cfg.axis_name), local)  # [E_local, R*T]
     counts = jnp.sum((recv_src >= 0).reshape(local, ep_size, num_tokens), axis=2, dtype=jnp.int32)
-    return LLDispatched(recv_x, recv_scales, counts, LLHandle(recv_src, weights))
+    num_dropped = jnp.sum(used & ~sent, dtype=jnp.int32)
+    return LLDispatched(recv_x, recv_scales, counts, LLHandle(recv_src, weights, dest_rank), num_dropped,
+                        active.astype(jnp.int32))
 
 
-def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
+def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+               rank_mask: jax.Array | None = None) -> jax.Array:
     """Low-latency combine: the expert output of every filled slot goes back to its source (token,
-    top-k slot); the source takes the weighted sum (module docstring)."""
+    top-k slot); the source takes the weighted sum (module docstring). rank_mask: a masked rank
+    returns nothing and gets nothing; its slots add +0.0."""
     ep_size = lax.axis_size(cfg.axis_name)
     local, _, hidden = y.shape
     num_tokens, topk = handle.topk_weights.shape
     num_pairs = num_tokens * topk
+    active = ll_active(rank_mask, ep_size)
+    me_active = active[lax.axis_index(cfg.axis_name)]
 
     # receiver: block r = [T*K] rows for source rank r, row t*K + k holding that pair's output
     src = _expert_blocks_to_ranks(handle.src_slot, ep_size)            # [R, E_local*T]
-    filled = src >= 0
     ranks = jnp.arange(ep_size, dtype=jnp.int32)[:, None]
+    filled = (src >= 0) & me_active & active[:, None]  # nothing to or from a masked rank
     target = jnp.where(filled, ranks * num_pairs + src, ep_size * num_pairs).reshape(-1)
     flat_slot = jnp.arange(ep_size * local * num_tokens, dtype=jnp.int32)   # in [R, E_local*T] order
     row_of = jnp.full((ep_size * num_pairs,), -1, jnp.int32).at[target].set(flat_slot, mode="drop")
@@ -499,7 +530,8 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
     # source: the one rank that sent each pair, then the weighted sum in top-k order
     from_rank = jnp.argmax(came, axis=0)                                 # [T*K]
     y_back = jnp.take_along_axis(back, from_rank[None, :, None], axis=0)[0]
-    w = handle.topk_weights
+    dest = handle.dest_rank
+    w = jnp.where((dest >= 0) & active[jnp.maximum(dest, 0)] & me_active, handle.topk_weights, 0.0)
     products = w[:, :, None] * y_back.astype(jnp.float32).reshape(num_tokens, topk, hidden)
     products = _rounded(products, jnp.min(came, initial=0))  # came is 0/1: a zero XLA cannot see
     total = jnp.zeros((num_tokens, hidden), jnp.float32)
@@ -510,23 +542,29 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array:
 
 # ---- two-phase form: the send is bookkeeping here, the receive runs the op ----------------------
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                     cfg: EPConfig) -> LLDispatchPending:
+                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatchPending:
     """ll_dispatch's first phase: keeps the inputs (nothing moves until ll_dispatch_recv)."""
-    used = sanitize_topk(topk_idx, cfg.num_experts) >= 0
-    weights = jnp.where(used, topk_weights.astype(jnp.float32), 0.0)
-    return LLDispatchPending(jnp.zeros((4,), jnp.uint32), weights, x, topk_idx)
+    ep_size = lax.axis_size(cfg.axis_name)
+    idx = sanitize_topk(topk_idx, cfg.num_experts)
+    weights = jnp.where(idx >= 0, topk_weights.astype(jnp.float32), 0.0)
+    dest = ll_dest_rank(idx, ll_active(None, ep_size), cfg.num_local_experts(ep_size), 0)
+    return LLDispatchPending(jnp.zeros((4,), jnp.uint32), weights, dest, x, topk_idx,
+                             ll_active(rank_mask, ep_size))
 
 
 def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
     """ll_dispatch's second phase: the op itself."""
-    return ll_dispatch(pending.x, pending.topk_idx, pending.topk_weights, cfg)
+    return ll_dispatch(pending.x, pending.topk_idx, pending.topk_weights, cfg, pending.rank_mask)
 
 
-def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig) -> LLCombinePending:
+def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+                    rank_mask: jax.Array | None = None) -> LLCombinePending:
     """ll_combine's first phase: keeps the inputs."""
-    return LLCombinePending(jnp.zeros((4,), jnp.uint32), handle.topk_weights, y, handle.src_slot)
+    return LLCombinePending(jnp.zeros((4,), jnp.uint32), handle.topk_weights, handle.dest_rank, y,
+                            handle.src_slot, ll_active(rank_mask, lax.axis_size(cfg.axis_name)))
 
 
 def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
     """ll_combine's second phase: the op itself."""
-    return ll_combine(pending.y, LLHandle(pending.src_slot, pending.topk_weights), cfg)
+    return ll_combine(pending.y, LLHandle(pending.src_slot, pending.topk_weights, pending.dest_rank), cfg,
+                      pending.rank_mask)

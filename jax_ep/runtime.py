@@ -31,6 +31,7 @@ import functools
 import json
 import os
 import threading
+import zlib
 
 import jax
 
@@ -352,6 +353,40 @@ def shutdown() -> None:
 def faults() -> list[dict]:
     """Device-side faults recorded by jax_ep kernels, one dict per GPU that faulted."""
     return [] if _C is None else list(_C.faults())
+
+
+def axis_slot(axis_name: str) -> int:
+    """The directory slot of an EP mesh axis name (what the kernels key an EP group's state by)."""
+    return zlib.crc32(axis_name.encode()) % limits()["directory_axes"]
+
+
+def rank_masks(axis_name: str | None = None, group: int | None = None) -> list[dict]:
+    """The persistent rank masks of the EP groups on this process's GPUs (shrink mode,
+    ``EPConfig(shrink=True)``): one dict per (GPU, EP group, masked rank) with ``device_ordinal``,
+    ``axis_slot``, ``group`` (the EP group's index over the other mesh axes), ``rank`` (the GPU's
+    own), ``masked_rank``, ``op`` (the call whose bounded wait it missed), ``during``
+    (``"discovery"``: it had not entered that call; ``"receive"``: it had, its data never came) and
+    ``epoch`` (that call's number in the group). Every later EP call of the group on that GPU
+    treats ``masked_rank`` as masked until ``clear_rank_masks``. ``axis_name`` / ``group``: only that
+    EP axis / group. Synchronises the GPUs; call it outside jit (between steps)."""
+    if _C is None:
+        return []
+    found = list(_C.rank_masks())
+    if axis_name is not None:
+        found = [m for m in found if m["axis_slot"] == axis_slot(axis_name)]
+    if group is not None:
+        found = [m for m in found if m["group"] == group]
+    return found
+
+
+def clear_rank_masks(axis_name: str | None = None, group: int | None = None) -> None:
+    """Clears the persistent rank masks (all, or of one EP axis / group) on this process's GPUs,
+    after synchronising them: the next EP calls wait for those ranks again. Call it on every rank
+    of the group, between steps, once the masked rank is back in step (it must have run the same
+    EP calls; otherwise the next call fails naming it, see docs/api.md)."""
+    if _C is None:
+        return
+    _C.clear_rank_masks(-1 if axis_name is None else axis_slot(axis_name), -1 if group is None else group)
 
 
 def check_errors() -> None:

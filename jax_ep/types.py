@@ -88,7 +88,9 @@ class LLHandle(NamedTuple):
     src_slot: jax.Array      # [E_local, R*T] int32: t*K + k of the source (token, top-k slot) each
                              # receive slot holds (source rank r = slot // T), or EMPTY_SLOT
     topk_weights: jax.Array  # [T, K] float32: this rank's gate weights, 0 where the sanitised id is
-                             # unused (ll_combine skips every slot whose weight is 0)
+                             # unused or the slot was dropped (ll_combine skips every weight-0 slot)
+    dest_rank: jax.Array     # [T, K] int32: the rank each top-k slot went to, -1 where unused or
+                             # dropped (its rank masked); ll_combine skips slots of masked ranks
 
 
 class LLDispatched(NamedTuple):
@@ -99,6 +101,9 @@ class LLDispatched(NamedTuple):
     scales: jax.Array | None  # [E_local, R*T, ceil(H/128)] float32 for FP8, else None
     counts: jax.Array         # [E_local, R] int32 tokens received per (local expert, source rank)
     handle: LLHandle
+    num_dropped: jax.Array    # [] int32: this rank's (token, top-k slot) pairs not sent because the
+                              # expert's rank (or this rank) is masked in the call
+    rank_mask: jax.Array      # [R] int32: the ranks that took part in the call (1) or were masked (0)
 
 
 class LLDispatchPending(NamedTuple):
@@ -106,9 +111,11 @@ class LLDispatchPending(NamedTuple):
     receive it exactly once; at most two sends of an op may be pending at a time (see docs/api.md)."""
 
     token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
-    topk_weights: jax.Array        # [T, K] float32: the LLHandle's (0 where the sanitised id is unused)
+    topk_weights: jax.Array        # [T, K] float32: 0 where the sanitised id is unused
+    dest_rank: jax.Array           # [T, K] int32: the rank of each used slot's expert, -1 where unused
     x: jax.Array | None = None     # reference path only: the tokens (its send is bookkeeping)
     topk_idx: jax.Array | None = None
+    rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
 
 
 class LLCombinePending(NamedTuple):
@@ -117,8 +124,10 @@ class LLCombinePending(NamedTuple):
 
     token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
     topk_weights: jax.Array        # [T, K] float32: the LLHandle's
+    dest_rank: jax.Array           # [T, K] int32: the LLHandle's
     y: jax.Array | None = None     # reference path only: the expert outputs and the handle's slots
     src_slot: jax.Array | None = None
+    rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
 
 
 # ---- output types of each op (the backends' contract) ----------------------------------------------
@@ -170,7 +179,9 @@ def ll_dispatch_types(num_tokens: int, x_dtype, cfg: EPConfig, ep_size: int) -> 
     return LLDispatched(_sds((local, slots, cfg.hidden), cfg.wire_dtype(x_dtype)), scales,
                         _sds((local, ep_size), jnp.int32),
                         LLHandle(_sds((local, slots), jnp.int32),
-                                 _sds((num_tokens, cfg.num_topk), jnp.float32)))
+                                 _sds((num_tokens, cfg.num_topk), jnp.float32),
+                                 _sds((num_tokens, cfg.num_topk), jnp.int32)),
+                        _sds((), jnp.int32), _sds((ep_size,), jnp.int32))
 
 
 def ll_combine_types(handle: LLHandle, cfg: EPConfig) -> jax.ShapeDtypeStruct:

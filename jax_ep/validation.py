@@ -143,6 +143,10 @@ def check_ll_combine_args(y, handle, cfg: EPConfig, ep_size: int, op: str = "ll_
                          f"got {_shape_of(src_slot)}")
     if src_slot.dtype != jnp.int32:
         raise ValueError(f"{op}: handle.src_slot must be int32, got dtype {src_slot.dtype}")
+    dest_rank = getattr(handle, "dest_rank", None)
+    if _shape_of(dest_rank) != weights.shape or dest_rank.dtype != jnp.int32:
+        raise ValueError(f"{op}: handle.dest_rank must be int32 {weights.shape} (as topk_weights), got "
+                         f"{getattr(dest_rank, 'dtype', None)}{_shape_of(dest_rank)}")
     expected = slots + (cfg.hidden,)
     if _shape_of(y) != expected:
         raise ValueError(f"{op}: y must have shape {expected} (E_local, R*T, cfg.hidden), "

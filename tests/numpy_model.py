@@ -279,19 +279,33 @@ class LLRank:
 @dataclasses.dataclass
 class LLModel:
     ranks: list                # [R] LLRank (receiver side)
-    weights: np.ndarray        # [R, T, K] float32: the handle's weights (0 where unused)
+    weights: np.ndarray        # [R, T, K] float32: the handle's weights (0 where unused or dropped)
     sanitized: np.ndarray      # [R, T, K]
-    placed: dict               # (s, t, k) -> (d, e, slot) for every valid pair
+    placed: dict               # (s, t, k) -> (d, e, slot) for every pair sent
+    dest_rank: np.ndarray      # [R, T, K] int32: the rank each sent pair went to, -1 elsewhere
+    num_dropped: np.ndarray    # [R] int32: valid pairs not sent (their rank, or their source, masked)
+    active: np.ndarray         # [R] bool: the rank mask of the call
 
 
-def ll_dispatch(x, topk_idx, topk_weights, *, num_experts: int, dispatch_dtype: str | None) -> LLModel:
+def ll_dispatch(x, topk_idx, topk_weights, *, num_experts: int, dispatch_dtype: str | None,
+                rank_mask=None) -> LLModel:
+    """rank_mask: None or [R] (nonzero = active). A masked rank sends and receives nothing: a pair
+    whose source or expert's rank is masked is dropped (weight 0, dest_rank -1, counted)."""
     x = np.asarray(x)
     topk_idx = np.asarray(topk_idx)
     ep_size, tokens, topk = topk_idx.shape
     hidden = x.shape[2]
     local = num_experts // ep_size
+    active = np.ones(ep_size, bool) if rank_mask is None else np.asarray(rank_mask) != 0
     idx = sanitize(topk_idx, num_experts)
-    weights = np.where(idx >= 0, np.asarray(topk_weights, np.float32), np.float32(0)).astype(np.float32)
+    sent = np.zeros(idx.shape, bool)
+    for s in range(ep_size):
+        for t in range(tokens):
+            for k in range(topk):
+                sent[s, t, k] = idx[s, t, k] >= 0 and active[s] and active[idx[s, t, k] // local]
+    dest_rank = np.where(sent, idx // local, -1).astype(np.int32)
+    num_dropped = ((idx >= 0) & ~sent).sum(axis=(1, 2)).astype(np.int32)
+    weights = np.where(sent, np.asarray(topk_weights, np.float32), np.float32(0)).astype(np.float32)
     payloads = [payload_of(x[s], dispatch_dtype) for s in range(ep_size)]
     row_dtype = payloads[0][0].dtype if tokens else payload_of(np.zeros((1, hidden), x.dtype),
                                                                  dispatch_dtype)[0].dtype
@@ -309,7 +323,7 @@ def ll_dispatch(x, topk_idx, topk_weights, *, num_experts: int, dispatch_dtype: 
                 i = 0
                 for t in range(tokens):
                     for k in range(topk):
-                        if idx[s, t, k] == expert:
+                        if idx[s, t, k] == expert and sent[s, t, k]:
                             slot = s * tokens + i
                             rx[e, slot] = payloads[s][0][t]
                             if fp8:
@@ -319,20 +333,22 @@ def ll_dispatch(x, topk_idx, topk_weights, *, num_experts: int, dispatch_dtype: 
                             i += 1
                 counts[e, s] = i
         ranks.append(LLRank(rx, rs, counts, src, src >= 0))
-    return LLModel(ranks, weights, idx, placed)
+    return LLModel(ranks, weights, idx, placed, dest_rank, num_dropped, active)
 
 
-def ll_combine(y, model: LLModel) -> np.ndarray:
-    """y [R, E_local, R*T, H] bfloat16 (rank d's expert outputs, slot for slot) -> [R, T, H] bfloat16."""
+def ll_combine(y, model: LLModel, rank_mask=None) -> np.ndarray:
+    """y [R, E_local, R*T, H] bfloat16 (rank d's expert outputs, slot for slot) -> [R, T, H] bfloat16.
+    rank_mask (the combine's): a masked rank returns nothing and gets nothing (+0.0)."""
     y = np.asarray(y)
     ep_size, tokens, topk = model.weights.shape
+    active = np.ones(ep_size, bool) if rank_mask is None else np.asarray(rank_mask) != 0
     out = np.zeros((ep_size, tokens, y.shape[3]), ml_dtypes.bfloat16)
     for s in range(ep_size):
         for t in range(tokens):
             acc = np.zeros(y.shape[3], np.float32)
             for k in range(topk):
                 w = model.weights[s, t, k]
-                if w != 0:
+                if w != 0 and active[s] and active[model.dest_rank[s, t, k]]:
                     d, e, slot = model.placed[(s, t, k)]
                     product = (w * y[d, e, slot].astype(np.float32)).astype(np.float32)
                     acc = (acc + product).astype(np.float32)

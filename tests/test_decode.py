@@ -33,7 +33,6 @@ import jax_ep.moe
 from jax_ep import eplb, gating
 from jax_ep.gating import RouterConfig
 from jax_ep.moe import EPOptions, MoE
-from jax_ep.types import LLDispatched
 
 HIDDEN, FFN, EXPERTS, TOPK = 16, 24, 8, 2
 U = 2.0 ** -8  # bfloat16 unit roundoff
@@ -154,7 +153,7 @@ def test_unfilled_slots_never_reach_the_output(monkeypatch):
         filled = (jnp.arange(slots // ranks)[None, None, :] < d.counts[:, :, None]).reshape(local, slots)
         garbage = jnp.where(jnp.arange(d.x.shape[2]) % 2 == 0, jnp.nan, jnp.inf).astype(d.x.dtype)
         seen["unfilled"] = slots * local - jnp.sum(d.counts)
-        return LLDispatched(jnp.where(filled[:, :, None], d.x, garbage), d.scales, d.counts, d.handle)
+        return d._replace(x=jnp.where(filled[:, :, None], d.x, garbage))
 
     monkeypatch.setattr(jax_ep.moe, "ll_dispatch", poisoned)
     dirty = np.asarray(nnx.jit(lambda m, x: m(x, decode=True))(layer, x))

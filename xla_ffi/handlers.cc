@@ -903,6 +903,34 @@ ffi::Error PrepareLL(const char* op, int32_t device_ordinal, const OpState& stat
   c->hidden = static_cast<int32_t>(a.hidden);
   c->axis_slot = g.axis_slot;
   c->num_blocks = g.num_blocks;
+  c->shrink = a.shrink != 0 ? 1 : 0;
+  return ffi::Error::Success();
+}
+
+// rank_mask int32 [R] of a sending LL kernel (nonzero = the rank takes part).
+ffi::Error CheckLLRankMask(const char* op, const EPAttrs& a, ffi::Buffer<ffi::S32> rank_mask) {
+  if (!IsShape(rank_mask.dimensions(), {a.num_ranks})) {
+    return Invalid(op, "rank_mask " + DimsToString(rank_mask.dimensions()) + " must be [R], R=" +
+                           std::to_string(a.num_ranks));
+  }
+  return ffi::Error::Success();
+}
+
+// active int32 [R] of ll_dispatch / ll_dispatch_recv: the ranks that took part in the call.
+ffi::Error CheckLLActive(const char* op, const EPAttrs& a, ffi::ResultBuffer<ffi::S32>& active) {
+  if (!IsShape(active->dimensions(), {a.num_ranks})) {
+    return Invalid(op, "the rank_mask output " + DimsToString(active->dimensions()) +
+                           " must be [R], R=" + std::to_string(a.num_ranks));
+  }
+  return ffi::Error::Success();
+}
+
+// dest_rank int32 [T, K] of a receiving ll_combine kernel.
+ffi::Error CheckLLDestRank(const char* op, const EPAttrs& a, ffi::Buffer<ffi::S32> dest_rank) {
+  if (!IsShape(dest_rank.dimensions(), {a.num_tokens, a.num_topk})) {
+    return Invalid(op, "dest_rank " + DimsToString(dest_rank.dimensions()) + " must be [T, K], T=" +
+                           std::to_string(a.num_tokens) + ", K=" + std::to_string(a.num_topk));
+  }
   return ffi::Error::Success();
 }
 
@@ -1025,10 +1053,11 @@ ffi::Error RunLL(const char* op, const char* what, CallCounters& counters, cudaS
 
 ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                           ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                          ffi::Result<ffi::AnyBuffer> rows, ffi::ResultBuffer<ffi::F32> scales,
-                          ffi::ResultBuffer<ffi::S32> counts,
-                          ffi::ResultBuffer<ffi::S32> src_slot) {
+                          ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                          ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
+                          ffi::ResultBuffer<ffi::F32> scales, ffi::ResultBuffer<ffi::S32> counts,
+                          ffi::ResultBuffer<ffi::S32> src_slot,
+                          ffi::ResultBuffer<ffi::S32> active) {
   constexpr const char* kOp = kLLDispatchTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
@@ -1041,19 +1070,23 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
         !error.success()) {
       return error;
     }
+    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
+    if (ffi::Error error = CheckLLActive(kOp, a, active); !error.success()) return error;
     launch.x = x.untyped_data();
     launch.topk_idx = topk_idx.typed_data();
     SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
+    launch.active = active->typed_data();
     return ffi::Error::Success();
   };
+  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_dispatch", ll_dispatch_counters, stream, device_ordinal, *state, rank,
                group, FusedPhase(), launch, own);
 }
 
 ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                               ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                              ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                              ffi::ResultBuffer<ffi::U32> handle) {
+                              ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                              ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> handle) {
   constexpr const char* kOp = kLLDispatchSendTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
@@ -1064,10 +1097,12 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
     if (ffi::Error error = LLRowKindOfAttrs(kOp, a, &launch.row_kind); !error.success()) {
       return error;
     }
+    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     launch.x = x.untyped_data();
     launch.topk_idx = topk_idx.typed_data();
     return ffi::Error::Success();
   };
+  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_dispatch_send", ll_dispatch_send_counters, stream, device_ordinal, *state,
                rank, group, SendPhase(handle), launch, own);
 }
@@ -1077,7 +1112,8 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
                               ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
                               ffi::ResultBuffer<ffi::F32> scales,
                               ffi::ResultBuffer<ffi::S32> counts,
-                              ffi::ResultBuffer<ffi::S32> src_slot) {
+                              ffi::ResultBuffer<ffi::S32> src_slot,
+                              ffi::ResultBuffer<ffi::S32> active) {
   constexpr const char* kOp = kLLDispatchRecvTarget;
   LLDispatchLaunch launch{};
   launch.x_kind = kRowBF16;  // x is the send's
@@ -1087,7 +1123,9 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
         !error.success()) {
       return error;
     }
+    if (ffi::Error error = CheckLLActive(kOp, a, active); !error.success()) return error;
     SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
+    launch.active = active->typed_data();
     return ffi::Error::Success();
   };
   return RunLL(kOp, "ll_dispatch_recv", ll_dispatch_recv_counters, stream, device_ordinal, *state,
@@ -1129,9 +1167,9 @@ ffi::Error CheckLLCombineRecvArgs(const char* op, const EPAttrs& a,
 
 ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                          ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_slot,
-                         ffi::Buffer<ffi::F32> topk_weights,
-                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                         ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> dest_rank,
+                         ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                         ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kLLCombineTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
@@ -1141,45 +1179,53 @@ ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
     if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
       return error;
     }
+    if (ffi::Error error = CheckLLDestRank(kOp, a, dest_rank); !error.success()) return error;
+    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     launch.y = y.untyped_data();
     launch.src_slot = src_slot.typed_data();
     launch.topk_weights = topk_weights.typed_data();
+    launch.dest_rank = dest_rank.typed_data();
     launch.out = out->untyped_data();
     return ffi::Error::Success();
   };
+  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_combine", ll_combine_counters, stream, device_ordinal, *state, rank,
                group, FusedPhase(), launch, own);
 }
 
 ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                              ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_slot,
-                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                             ffi::ResultBuffer<ffi::U32> handle) {
+                             ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                             ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> handle) {
   constexpr const char* kOp = kLLCombineSendTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
     if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
       return error;
     }
+    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     launch.y = y.untyped_data();
     launch.src_slot = src_slot.typed_data();
     return ffi::Error::Success();
   };
+  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_combine_send", ll_combine_send_counters, stream, device_ordinal, *state,
                rank, group, SendPhase(handle), launch, own);
 }
 
 ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                              ffi::Buffer<ffi::U32> handle, ffi::Buffer<ffi::F32> topk_weights,
-                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                             ffi::Result<ffi::AnyBuffer> out) {
+                             ffi::Buffer<ffi::S32> dest_rank, ffi::Buffer<ffi::S32> rank,
+                             ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kLLCombineRecvTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
     if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
       return error;
     }
+    if (ffi::Error error = CheckLLDestRank(kOp, a, dest_rank); !error.success()) return error;
     launch.topk_weights = topk_weights.typed_data();
+    launch.dest_rank = dest_rank.typed_data();
     launch.out = out->untyped_data();
     return ffi::Error::Success();
   };
@@ -1256,7 +1302,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("num_experts"), xla::ffi::StructMember<int64_t>("num_ranks"),
     xla::ffi::StructMember<int64_t>("num_sms"), xla::ffi::StructMember<int64_t>("num_tokens"),
     xla::ffi::StructMember<int64_t>("num_topk"), xla::ffi::StructMember<int64_t>("row_bytes"),
-    xla::ffi::StructMember<int64_t>("scale_bytes"), xla::ffi::StructMember<int64_t>("send_warps"));
+    xla::ffi::StructMember<int64_t>("scale_bytes"), xla::ffi::StructMember<int64_t>("send_warps"),
+    xla::ffi::StructMember<int64_t>("shrink"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchLayout, jax_ep::DispatchLayoutImpl,
                               ffi::Ffi::Bind()
@@ -1393,16 +1440,19 @@ JAX_EP_LL_INSTANTIATE(JaxEpLLCombineRecvInstantiate, kLLCombineRecvTarget, false
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
-                                                  ffi::Buffer<ffi::S32>>()   // topk_idx
+                                                  ffi::Buffer<ffi::S32>,     // topk_idx
+                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // counts
-                                   .Ret<ffi::Buffer<ffi::S32>>()),           // src_slot
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // src_slot
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // rank_mask (active)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::LLDispatchSendImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
-                                                  ffi::Buffer<ffi::S32>>()   // topk_idx
+                                                  ffi::Buffer<ffi::S32>,     // topk_idx
+                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
                                    .Ret<ffi::Buffer<ffi::U32>>()),           // handle
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -1411,24 +1461,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchRecv, jax_ep::LLDispatchRecvImpl,
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // counts
-                                   .Ret<ffi::Buffer<ffi::S32>>()),           // src_slot
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // src_slot
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // rank_mask (active)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::LLCombineImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
                                                   ffi::Buffer<ffi::S32>,      // src_slot
-                                                  ffi::Buffer<ffi::F32>>()    // topk_weights
+                                                  ffi::Buffer<ffi::F32>,      // topk_weights
+                                                  ffi::Buffer<ffi::S32>,      // dest_rank
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::LLCombineSendImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
-                                                  ffi::Buffer<ffi::S32>>()    // src_slot
+                                                  ffi::Buffer<ffi::S32>,      // src_slot
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::Buffer<ffi::U32>>()),            // handle
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineRecv, jax_ep::LLCombineRecvImpl,
                               (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,      // handle
-                                                  ffi::Buffer<ffi::F32>>()    // topk_weights
+                                                  ffi::Buffer<ffi::F32>,      // topk_weights
+                                                  ffi::Buffer<ffi::S32>>()    // dest_rank
                                    .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});

@@ -47,6 +47,7 @@ struct EPAttrs {
   int64_t row_bytes;    // bytes of a row staged through the buffer
   int64_t scale_bytes;  // dispatch FP8: scale bytes per row
   int64_t send_warps;   // warps per block that send / reduce
+  int64_t shrink;       // low-latency ops: mask a peer that misses a bounded wait (EPConfig.shrink)
 };
 
 // What an instantiated call site keeps (FFI state, instantiate stage; XLA deletes it with the

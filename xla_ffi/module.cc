@@ -410,6 +410,34 @@ NB_MODULE(_C, m) {
       "how often XLA was capturing it into a CUDA graph then (replays do not run handlers).");
 
   m.def(
+      "rank_masks",
+      [] {
+        nb::list masks;
+        for (const auto& info : jax_ep::Runtime::Get().RankMasks()) {
+          nb::dict entry;
+          entry["device_ordinal"] = info.device_ordinal;
+          entry["axis_slot"] = info.axis_slot;
+          entry["group"] = info.group;
+          entry["rank"] = info.rank;
+          entry["masked_rank"] = info.masked_rank;
+          entry["op"] = info.op;
+          entry["during"] = info.during;
+          entry["epoch"] = info.epoch;
+          masks.append(entry);
+        }
+        return masks;
+      },
+      "The persistent rank masks (shrink mode), one dict per (GPU, EP group, masked rank): "
+      "device_ordinal, axis_slot, group, rank (the GPU's own), masked_rank, op, during "
+      "('discovery' / 'receive'), epoch. Synchronises the GPUs first.");
+  m.def(
+      "clear_rank_masks",
+      [](int axis_slot, int group) { jax_ep::Runtime::Get().ClearRankMasks(axis_slot, group); },
+      "axis_slot"_a = -1, "group"_a = -1,
+      "Clears the persistent rank masks of one axis slot / group (-1: all) on every managed GPU, "
+      "after synchronising them.");
+
+  m.def(
       "faults",
       [] {
         nb::list faults;

@@ -551,6 +551,49 @@ void Runtime::Shutdown() {
   }
 }
 
+std::vector<RankMaskInfo> Runtime::RankMasks() const {
+  std::vector<RankMaskInfo> result;
+  for (int ordinal : ManagedDevices()) {
+    const DeviceState* state = State(ordinal);
+    if (state == nullptr) continue;
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    JAX_EP_CUDA_THROW(cudaDeviceSynchronize());  // no kernel may be setting a bit meanwhile
+    std::vector<SyncCounters::RankMaskState> masks(kDirectoryAxes * kMaxGroups);
+    JAX_EP_CUDA_THROW(cudaMemcpy(masks.data(), &state->sync.rank_masks[0][0],
+                                 masks.size() * sizeof(masks[0]), cudaMemcpyDeviceToHost));
+    for (int a = 0; a < kDirectoryAxes; ++a) {
+      for (int g = 0; g < kMaxGroups; ++g) {
+        const SyncCounters::RankMaskState& m = masks[a * kMaxGroups + g];
+        for (int r = 0; r < kMaxGroupRanks; ++r) {
+          if (((m.masked >> r) & 1u) == 0u) continue;
+          const SyncCounters::RankMaskEvent& e = m.events[r];
+          result.push_back(RankMaskInfo{ordinal, a, g, m.rank, r, OpName(e.op),
+                                        e.during == 1 ? "discovery" : "receive", e.epoch});
+        }
+      }
+    }
+  }
+  return result;
+}
+
+void Runtime::ClearRankMasks(int axis_slot, int group) const {
+  for (int ordinal : ManagedDevices()) {
+    DeviceState* state = State(ordinal);
+    if (state == nullptr) continue;
+    JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+    JAX_EP_CUDA_THROW(cudaDeviceSynchronize());  // no kernel may be setting a bit meanwhile
+    for (int a = 0; a < kDirectoryAxes; ++a) {
+      if (axis_slot >= 0 && a != axis_slot) continue;
+      for (int g = 0; g < kMaxGroups; ++g) {
+        if (group >= 0 && g != group) continue;
+        JAX_EP_CUDA_THROW(cudaMemset(&state->sync.rank_masks[a][g], 0,
+                                     sizeof(SyncCounters::RankMaskState)));
+      }
+    }
+    JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
+  }
+}
+
 std::vector<FaultInfo> Runtime::Faults() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<FaultInfo> faults;

@@ -42,6 +42,19 @@ struct FaultInfo {
   std::string message;
 };
 
+// A rank masked on a device (SyncCounters::rank_masks): which EP group, which rank, and the call
+// that masked it (shrink mode).
+struct RankMaskInfo {
+  int device_ordinal;
+  int axis_slot;
+  int group;
+  int rank;         // the device's own rank in the group
+  int masked_rank;  // the rank masked
+  std::string op;   // the op whose bounded wait it missed
+  std::string during;  // "discovery" (it had not entered the call) or "receive" (its data never came)
+  uint64_t epoch;   // the group epoch of that call
+};
+
 enum class ProcessModel { kNone, kLocalPeers, kProcessPerGpu };
 
 class Runtime {
@@ -126,6 +139,11 @@ class Runtime {
   std::vector<int> ReachablePes() const;
   double TimeoutSeconds() const;
   std::vector<FaultInfo> Faults() const;
+  // The persistent rank masks of every managed device (one entry per masked rank); synchronises
+  // the devices first. ClearRankMasks: clears those of axis slot `axis_slot` / group `group` (-1:
+  // every one) on every managed device, after synchronising them (call it between steps).
+  std::vector<RankMaskInfo> RankMasks() const;
+  void ClearRankMasks(int axis_slot, int group) const;
 
   static int DeviceCount();  // throws if CUDA has no usable device
   static std::vector<std::vector<bool>> PeerAccessMatrix(const std::vector<int>& device_ordinals);

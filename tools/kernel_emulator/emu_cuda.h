@@ -229,6 +229,11 @@ inline int atomicCAS(int* p, int expected, int desired) {
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   return expected;
 }
+inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long expected,
+                                    unsigned long long desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
+}
 inline void __trap() {
   std::fflush(stdout);
   std::abort();

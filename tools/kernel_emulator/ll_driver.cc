@@ -5,11 +5,20 @@
 //
 //   ll_driver <dir> R T H K E x_kind row_kind reps blocks mode [mismatch]
 //
+// Repetition i runs with the rank mask mask_<i>.bin (int32 [R]) and combines with the handle's
+// weights w<rank>_<i>.bin and ranks dest<rank>_<i>.bin (the reference's for that mask).
 // mode 0: each repetition fused ll_dispatch then fused ll_combine; 1: each in two phases (send,
 // receive); 2: two repetitions in flight at once (both sends, then both receives, per op);
 // 3: three two-phase dispatch sends in a row (must fault: at most two in flight);
 // 4: a two-phase dispatch received twice (must fault: stale handle); 5: a two-phase dispatch
 // received by a call site of another shape (K - 1; must fault: shape).
+// mode 6 / 7: shrink mode with the last rank absent (it never calls): the others run `reps`
+// repetitions fused (6) or in two phases (7); the first must time out once on the absent rank and
+// mask it, the later ones must not wait (the persistent mask). Then the host clears the persistent
+// mask (what Runtime::ClearRankMasks does) and they run one more fused repetition with the absent
+// rank in the explicit mask (mask_<reps>.bin). Per rank: masked<r>.bin (the persistent
+// RankMaskState after the repetitions), cleared<r>.bin (its mask word after the last one),
+// time<r>_<i>.bin (seconds each repetition took, double).
 // With `mismatch` (a FingerprintFieldName of cuda/fingerprint.h; mode ignored, no files read)
 // every rank runs ONE fused ll_dispatch, the last rank with one field changed (num_ranks + 1,
 // num_tokens + 1, hidden + 8, num_topk - 1, num_experts + R, dtype: an fp8 wire instead of bf16,
@@ -21,6 +30,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -123,7 +133,8 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, bo
   std::vector<char> x(size_t(s.T) * s.H * 2 + 16), idx(size_t(s.T) * s.K * 4 + 16),
       w(size_t(s.T) * s.K * 4 + 16), rows(slots * s.H * 2 + 16),
       scales(slots * (s.H / 128 + 1) * 4 + 16), counts(size_t(s.E) * 4 + 16),
-      src(slots * 4 + 16), out(size_t(s.T) * s.H * 2 + 16);
+      src(slots * 4 + 16), out(size_t(s.T) * s.H * 2 + 16), active(size_t(s.R) * 4 + 16),
+      dest(size_t(s.T) * s.K * 4 + 16);
   LLCommon c{};
   c.state = state;
   c.rank = &rank_value;
@@ -143,6 +154,7 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, bo
     p.y = rows.data();
     p.src_slot = reinterpret_cast<const int32_t*>(src.data());
     p.topk_weights = reinterpret_cast<const float*>(w.data());
+    p.dest_rank = reinterpret_cast<const int32_t*>(dest.data());
     p.out = out.data();
     check(launch_ll_combine(p, nullptr), "ll_combine");
     return;
@@ -156,6 +168,7 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, bo
   p.scales = reinterpret_cast<float*>(scales.data());
   p.counts = reinterpret_cast<int32_t*>(counts.data());
   p.src_slot = reinterpret_cast<int32_t*>(src.data());
+  p.active = reinterpret_cast<int32_t*>(active.data());
   p.x_kind = kRowBF16;
   p.row_kind = s.row_kind;
   check(launch_ll_dispatch(p, nullptr), "ll_dispatch");
@@ -213,7 +226,8 @@ int main(int argc, char** argv) {
       t.peer_states[p] = states[p];
     }
     t.comm_bytes = buffer_bytes;
-    t.timeout_ns = (!mismatch.empty() ? 5ull : mode >= 3 ? 20ull : 300ull) * 1000000000ull;
+    t.timeout_ns = (!mismatch.empty() ? 5ull : mode >= 6 ? 4ull : mode >= 3 ? 20ull : 300ull) *
+                   1000000000ull;
     t.fault_record = &faults[r];
     t.device_ordinal = r;
     t.slot = r;
@@ -234,19 +248,28 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       _exit(0);  // the call should have trapped
     }
+    const bool shrink = mode == 6 || mode == 7;
+    if (shrink && rank == R - 1) _exit(0);  // absent: never calls
+    const int runs = shrink ? reps + 1 : reps;  // shrink: one more repetition after the clear
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
     auto x = read_file("x" + s + ".bin", size_t(T) * H * x_bytes);
     auto idx = read_file("idx" + s + ".bin", size_t(T) * K * 4);
-    auto w = read_file("w" + s + ".bin", size_t(T) * K * 4);
     auto y = read_file("y" + s + ".bin", size_t(local) * R * T * H * 2);
     const size_t slots = size_t(local) * R * T;
     struct Rep {
-      std::vector<char> rows, scales, counts, src, out;
+      std::vector<char> rows, scales, counts, src, out, active;
+      std::vector<char> mask, w, dest;  // inputs of the repetition (the reference's handle)
       uint32_t dispatch_handle[4], combine_handle[4];
     };
-    std::vector<Rep> out(reps);
-    for (Rep& o : out) {
+    std::vector<Rep> out(runs);
+    for (int rep = 0; rep < runs; ++rep) {
+      Rep& o = out[rep];
+      const std::string tag = s + "_" + std::to_string(rep);
+      o.mask = read_file("mask_" + std::to_string(rep) + ".bin", size_t(R) * 4);
+      o.w = read_file("w" + tag + ".bin", size_t(T) * K * 4);
+      o.dest = read_file("dest" + tag + ".bin", size_t(T) * K * 4);
+      o.active = poisoned(size_t(R) * 4);
       o.rows = poisoned(slots * H * row_bytes);
       o.scales = poisoned(slots * std::max(num_scales, 1) * 4);
       o.counts = poisoned(size_t(local) * R * 4);
@@ -264,6 +287,7 @@ int main(int argc, char** argv) {
     common.hidden = H;
     common.axis_slot = 2;
     common.num_blocks = blocks;
+    common.shrink = shrink ? 1 : 0;
     auto dispatch = [&](Rep& o, int m, uint32_t* handle, int topk_less = 0) {
       LLDispatchLaunch d{};
       d.c = common;
@@ -277,6 +301,8 @@ int main(int argc, char** argv) {
       d.scales = fp8 ? reinterpret_cast<float*>(o.scales.data()) : nullptr;
       d.counts = reinterpret_cast<int32_t*>(o.counts.data());
       d.src_slot = reinterpret_cast<int32_t*>(o.src.data());
+      d.active = reinterpret_cast<int32_t*>(o.active.data());
+      d.c.rank_mask = reinterpret_cast<const int32_t*>(o.mask.data());
       d.x_kind = x_kind;
       d.row_kind = row_kind;
       check(launch_ll_dispatch(d, nullptr), "ll_dispatch");
@@ -289,7 +315,9 @@ int main(int argc, char** argv) {
       c.c.handle = handle;
       c.y = y.data();
       c.src_slot = reinterpret_cast<const int32_t*>(o.src.data());
-      c.topk_weights = reinterpret_cast<const float*>(w.data());
+      c.topk_weights = reinterpret_cast<const float*>(o.w.data());
+      c.dest_rank = reinterpret_cast<const int32_t*>(o.dest.data());
+      c.c.rank_mask = reinterpret_cast<const int32_t*>(o.mask.data());
       c.out = o.out.data();
       check(launch_ll_combine(c, nullptr), "ll_combine");
     };
@@ -310,6 +338,35 @@ int main(int argc, char** argv) {
         for (int i = 0; i < n; ++i) combine(out[base + i], kLLSend, out[base + i].combine_handle);
         for (int i = 0; i < n; ++i) combine(out[base + i], kLLRecv, out[base + i].combine_handle);
       }
+    } else if (shrink) {
+      SyncCounters::RankMaskState& persistent = states[rank]->sync.rank_masks[2][0];
+      auto timed = [&](int i, auto body) {
+        const auto start = std::chrono::steady_clock::now();
+        body(out[i]);
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        write_file("time" + s + "_" + std::to_string(i) + ".bin", &seconds, sizeof(seconds));
+      };
+      for (int i = 0; i < reps; ++i) {
+        timed(i, [&](Rep& o) {
+          if (mode == 7) {
+            dispatch(o, kLLSend, o.dispatch_handle);
+            dispatch(o, kLLRecv, o.dispatch_handle);
+            combine(o, kLLSend, o.combine_handle);
+            combine(o, kLLRecv, o.combine_handle);
+          } else {
+            dispatch(o, kLLFused, nullptr);
+            combine(o, kLLFused, nullptr);
+          }
+        });
+      }
+      write_file("masked" + s + ".bin", &persistent, sizeof(persistent));
+      std::memset(&persistent, 0, sizeof(persistent));  // the host's clear (no kernel running)
+      timed(reps, [&](Rep& o) {
+        dispatch(o, kLLFused, nullptr);
+        combine(o, kLLFused, nullptr);
+      });
+      write_file("cleared" + s + ".bin", &persistent.masked, sizeof(persistent.masked));
     } else {
       for (Rep& o : out) {
         if (mode == 1) {
@@ -323,7 +380,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    for (int rep = 0; rep < reps; ++rep) {
+    for (int rep = 0; rep < runs; ++rep) {
       const std::string tag = s + "_" + std::to_string(rep);
       const Rep& o = out[rep];
       write_file("rows" + tag + ".bin", o.rows.data(), slots * H * row_bytes);
@@ -331,6 +388,7 @@ int main(int argc, char** argv) {
       write_file("counts" + tag + ".bin", o.counts.data(), size_t(local) * R * 4);
       write_file("src" + tag + ".bin", o.src.data(), slots * 4);
       write_file("out" + tag + ".bin", o.out.data(), size_t(T) * H * 2);
+      write_file("active" + tag + ".bin", o.active.data(), size_t(R) * 4);
     }
     std::fflush(stdout);
     _exit(0);

@@ -52,12 +52,24 @@ CASES = [  # R, T, H, K, E, x dtype, wire dtype, routing, mode (0 fused, 1 two-p
     (2, 6, 128, 3, 64, "bfloat16", "float8_e4m3fn", "messy", 1),   # one block: 16 warps, 64 pairs
 ]
 BLOCKS = {9: 1}  # fixed cases run with 3 blocks but these
+# Rank masking: (case, the mask of each of the 2 repetitions). A masked rank sends and receives
+# nothing; the mask changes between the calls (and between the two calls in flight in mode 2).
+MASKED = [
+    ((3, 6, 128, 3, 9, "bfloat16", "bfloat16", "messy", 0), [[1, 0, 1], [1, 1, 0]]),
+    ((4, 9, 256, 4, 16, "float32", "float8_e4m3fn", "messy", 1), [[0, 1, 1, 1], [1, 1, 0, 1]]),
+    ((4, 5, 128, 3, 8, "bfloat16", "float8_e4m3fn", "skewed", 2), [[1, 0, 1, 1], [1, 1, 1, 0]]),
+    ((2, 4, 64, 2, 4, "bfloat16", "bfloat16", "distinct", 1), [[1, 0], [0, 1]]),
+    # shrink mode (EPConfig.shrink), the last rank never calls: explicit masks on top in the second
+    ((3, 5, 128, 3, 9, "bfloat16", "float8_e4m3fn", "messy", 6), [[1, 1, 1], [0, 1, 1]]),
+    ((4, 4, 64, 2, 8, "float32", "bfloat16", "messy", 7), [[1, 1, 1, 1], [1, 1, 1, 1]]),
+]
 # Broken rules: (mode, LLFault the kernels must report): a third two-phase send while two are in
 # flight (kLLFaultTooMany), a handle received twice (kLLFaultStaleHandle).
 # A receive by a call site of another shape (kLLFaultShape).
 FAULTS = [(3, 1), (4, 3), (5, 2)]
 MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "received twice",
-         5: "received as another shape"}
+         5: "received as another shape", 6: "shrink, last rank absent, fused",
+         7: "shrink, last rank absent, two-phase"}
 
 
 # Config-fingerprint cases (ll_driver.cc `mismatch`): rank 0 runs a fused ll_dispatch of
@@ -123,20 +135,30 @@ def build(path: str = DRIVER) -> str:
     return path
 
 
-def reference_outputs(R, T, K, E, H, wire, x, idx, w, y):
+def reference_outputs(R, T, K, E, H, wire, x, idx, w, y, mask=None):
+    """jax_ep.reference.ll_dispatch / ll_combine of every rank (mask: int32 [R], 1 = active)."""
     cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max(T, 1),
                    dispatch_dtype=wire,
                    axis_name="ep", backend="reference")
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    mask = np.ones(R, np.int32) if mask is None else np.asarray(mask, np.int32)
 
-    def body(x, idx, w, y):
-        d = reference.ll_dispatch(x[0], idx[0], w[0], cfg)
-        out = reference.ll_combine(y[0], d.handle, cfg)
+    def body(x, idx, w, y, mask):
+        d = reference.ll_dispatch(x[0], idx[0], w[0], cfg, rank_mask=mask)
+        out = reference.ll_combine(y[0], d.handle, cfg, rank_mask=mask)
         return jax.tree.map(lambda a: a[None], (d, out))
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4 + (P(),), out_specs=P("ep")))
     args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y)]
-    return jax.tree.map(np.asarray, fn(*args))
+    return jax.tree.map(np.asarray, fn(*args, jax.device_put(mask, NamedSharding(mesh, P()))))
+
+
+def write_rep_inputs(tmp, rep, mask, d) -> None:
+    """Repetition rep's mask and, per rank, the reference handle's weights and ranks."""
+    np.asarray(mask, np.int32).tofile(os.path.join(tmp, f"mask_{rep}.bin"))
+    for r in range(len(mask)):
+        np.ascontiguousarray(d.handle.topk_weights[r]).tofile(os.path.join(tmp, f"w{r}_{rep}.bin"))
+        np.ascontiguousarray(d.handle.dest_rank[r]).tofile(os.path.join(tmp, f"dest{r}_{rep}.bin"))
 
 
 def run_fault(driver, mode, what) -> str:
@@ -147,9 +169,13 @@ def run_fault(driver, mode, what) -> str:
         for r in range(R):
             for name, a in (("x", rng.standard_normal((T, H)).astype(ml_dtypes.bfloat16)),
                             ("idx", routing(rng, "messy", 1, T, K, E)[0]),
-                            ("w", rng.random((T, K)).astype(np.float32)),
+                            ("w0_", rng.random((T, K)).astype(np.float32)),
+                            ("dest0_", np.zeros((T, K), np.int32)),
                             ("y", np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))):
                 np.ascontiguousarray(a).tofile(os.path.join(tmp, f"{name}{r}.bin"))
+            os.replace(os.path.join(tmp, f"w0_{r}.bin"), os.path.join(tmp, f"w{r}_0.bin"))
+            os.replace(os.path.join(tmp, f"dest0_{r}.bin"), os.path.join(tmp, f"dest{r}_0.bin"))
+        np.ones(R, np.int32).tofile(os.path.join(tmp, "mask_0.bin"))
         done = subprocess.run([driver, tmp, str(R), str(T), str(H), str(K), str(E),
                                str(KIND["bfloat16"]), str(KIND["bfloat16"]), "1", "2", str(mode)],
                               capture_output=True, text=True, timeout=600)
@@ -159,30 +185,51 @@ def run_fault(driver, mode, what) -> str:
     return ""
 
 
-def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blocks=3) -> str:
+def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blocks=3,
+             masks=None) -> str:
+    """masks: the rank mask of each repetition (int32 [R], 1 = active); all active by default.
+    Modes 6 / 7 (shrink mode, the last rank absent; ll_driver.cc): the others' outputs must equal
+    the reference with that rank masked, the first repetition must have waited for the timeout and
+    the later ones not, the persistent mask must name the rank, and after the host's clear a
+    repetition with the rank in the explicit mask must neither wait nor set the mask again."""
     rng = np.random.default_rng(seed)
     local = E // R
+    shrink = mode in (6, 7)
+    masks = [np.ones(R, np.int32)] * reps if masks is None else [np.asarray(m, np.int32) for m in masks]
+    operand_masks = masks
+    if shrink:  # the kernels see all-ones masks, then the one after the clear; the reference the rank masked
+        absent_masked = np.ones(R, np.int32)
+        absent_masked[R - 1] = 0
+        operand_masks = masks + [absent_masked]
+        masks = [m & absent_masked for m in operand_masks]
     x = (rng.standard_normal((R, T, H)) * 3).astype(np.float32).astype(DTYPES[x_dtype])
     idx = routing(rng, kind, R, T, K, E)
     w = rng.random((R, T, K)).astype(np.float32)
     y = rng.standard_normal((R, local, R * T, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
-    (d, _) = reference_outputs(R, T, K, E, H, wire, x, idx, w, y)
-    y = np.where((d.handle.src_slot >= 0)[..., None], y, np.nan).astype(ml_dtypes.bfloat16)
-    d, want_out = reference_outputs(R, T, K, E, H, wire, x, idx, w, y)
+    filled = np.zeros((R, local, R * T), bool)
+    for m in {tuple(m) for m in masks}:
+        filled |= reference_outputs(R, T, K, E, H, wire, x, idx, w, y, m)[0].handle.src_slot >= 0
+    # NaN in every slot no repetition fills (unfilled and masked slots must not leak into combine)
+    y = np.where(filled[..., None], y, np.nan).astype(ml_dtypes.bfloat16)
+    wants = [reference_outputs(R, T, K, E, H, wire, x, idx, w, y, m) for m in masks]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(R):
-            for name, a in (("x", x[r]), ("idx", idx[r]), ("w", d.handle.topk_weights[r]),
-                            ("y", y[r])):
+            for name, a in (("x", x[r]), ("idx", idx[r]), ("y", y[r])):
                 np.ascontiguousarray(a).tofile(os.path.join(tmp, f"{name}{r}.bin"))
+        for rep_i, (m, (d_rep, _)) in enumerate(zip(operand_masks, wants, strict=True)):
+            write_rep_inputs(tmp, rep_i, m, d_rep)
         done = subprocess.run([driver, tmp, str(R), str(T), str(H), str(K), str(E),
                                str(KIND[x_dtype]), str(KIND[wire]), str(reps), str(blocks),
                                str(mode)],
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             return f"driver failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
-        for r in range(R):
-            for rep in range(reps):
+        if shrink and (error := check_shrink(tmp, R, reps)):
+            return error
+        for r in range(R - 1 if shrink else R):
+            for rep in range(len(masks)):
                 tag = f"{r}_{rep}"
+                d, want_out = wants[rep]
                 def load(n, dt, shape, tag=tag):
                     return np.fromfile(os.path.join(tmp, f"{n}{tag}.bin"), dtype=dt).reshape(shape)
 
@@ -191,6 +238,9 @@ def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blo
                 rows = load("rows", DTYPES[wire], (local, R * T, H))
                 out = load("out", ml_dtypes.bfloat16, (T, H))
                 where = f"rank {r} rep {rep}"
+                active = load("active", np.int32, (R,))
+                if not np.array_equal(active, d.rank_mask[r]):
+                    return f"{where}: active ranks {active.tolist()} != {d.rank_mask[r].tolist()}"
                 if not np.array_equal(counts, d.counts[r]):
                     return f"{where}: counts {counts.tolist()} != {d.counts[r].tolist()}"
                 if not np.array_equal(src, d.handle.src_slot[r]):
@@ -212,6 +262,32 @@ def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blo
     return ""
 
 
+TIMEOUT_S = 4.0  # ll_driver.cc's timeout in modes 6 / 7
+
+
+def check_shrink(tmp, R, reps) -> str:
+    """Modes 6 / 7: what each present rank's persistent mask and timings show."""
+    absent = R - 1
+    event = np.dtype([("op", np.int32), ("during", np.int32), ("epoch", np.uint64)])
+    state = np.dtype([("masked", np.uint32), ("rank", np.int32), ("events", event, (32,))])
+    for r in range(absent):
+        persistent = np.fromfile(os.path.join(tmp, f"masked{r}.bin"), dtype=state)[0]
+        ev = persistent["events"][absent]
+        if int(persistent["masked"]) != 1 << absent or int(persistent["rank"]) != r:
+            return f"rank {r}: persistent mask {int(persistent['masked']):#x} rank {persistent['rank']}"
+        if (int(ev["op"]), int(ev["during"]), int(ev["epoch"])) != (NUMBERS["ll_dispatch"], 1, 1):
+            return f"rank {r}: event {ev} (want ll_dispatch, during discovery, epoch 1)"
+        if any(int(e["op"]) for i, e in enumerate(persistent["events"]) if i != absent):
+            return f"rank {r}: events for ranks other than {absent}"
+        times = [float(np.fromfile(os.path.join(tmp, f"time{r}_{i}.bin"))[0]) for i in range(reps + 1)]
+        if times[0] < TIMEOUT_S or max(times[1:]) > 0.6 * TIMEOUT_S:
+            return f"rank {r}: repetition times {times}: the first must wait out the timeout, no other"
+        cleared = int(np.fromfile(os.path.join(tmp, f"cleared{r}.bin"), dtype=np.uint32)[0])
+        if cleared != 0:
+            return f"rank {r}: mask {cleared:#x} after the clear and an explicitly masked call"
+    return ""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--random", type=int, default=0, help="random cases besides the fixed ones")
@@ -222,6 +298,12 @@ def main(argv=None) -> int:
     cases = list(CASES)
     rng = np.random.default_rng(args.seed)
     blocks = [BLOCKS.get(i, 3) for i in range(len(cases))]
+    masks = [None] * len(cases)
+    for case, case_masks in MASKED:
+        cases.append(case)
+        blocks.append(2)
+        masks.append(case_masks)
+    mask_rng = np.random.default_rng([args.seed, 15])  # apart from rng: the unmasked draws stay as they were
     for _ in range(args.random):
         R = int(rng.integers(1, 5))
         E = R * int(rng.integers(1, 4))
@@ -231,10 +313,12 @@ def main(argv=None) -> int:
         cases.append((R, int(rng.integers(0, 12)), H, K, E, str(rng.choice(["bfloat16", "float32"])),
                       wire, "messy", int(rng.integers(0, 3))))
         blocks.append(int(rng.integers(1, 5)))
+        masks.append([(mask_rng.random(R) < 0.7).astype(np.int32) for _ in range(2)])  # all 0 possible
     failed = 0
     for i, case in enumerate(cases):
-        error = run_case(driver, *case, seed=[args.seed, i], blocks=blocks[i])
-        print(f"{'FAIL' if error else 'ok  '} {case} {MODES[case[-1]]}, {blocks[i]} blocks {error}",
+        error = run_case(driver, *case, seed=[args.seed, i], blocks=blocks[i], masks=masks[i])
+        shown = "" if masks[i] is None else f", masks {[list(map(int, m)) for m in masks[i]]}"
+        print(f"{'FAIL' if error else 'ok  '} {case} {MODES[case[-1]]}, {blocks[i]} blocks{shown} {error}",
               flush=True)
         failed += bool(error)
     for mode, what in FAULTS:

@@ -1,0 +1,133 @@
+"""Shrink mode of the low-latency kernels (EPConfig(shrink=True)) on 2 GPUs, process model 1: GPU 1
+stops calling (its rank takes the other branch of a lax.cond, so it never enters ll_dispatch /
+ll_combine). GPU 0's first call waits out the bounded wait once, masks rank 1 (the persistent mask,
+jax_ep.runtime.rank_masks, names it, the op and 'discovery') and finishes; its outputs equal the
+reference path's with rank_mask [1, 0], bit for bit. The next calls (fused and two-phase) do not
+wait; clear_rank_masks() empties the mask, and a call with rank 1 in the explicit mask neither waits
+nor masks it again. Runs in a child process (its own JAX_EP_TIMEOUT_S and runtime state).
+
+Written without a GPU (none was lent when it was written); the kernels' logic is checked on the CPU
+kernel emulator (tools/kernel_emulator/ll_run.py modes 6 and 7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+TIMEOUT_S = 4.0
+
+_CHILD = r"""
+import json, time
+import jax, jax.numpy as jnp, ml_dtypes, numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+import jax_ep
+from jax_ep import runtime
+
+TIMEOUT_S = %(timeout)r
+gpus = jax.local_devices(backend="gpu")[:2]
+mesh = Mesh(np.array(gpus), ("ep",))
+cfg = jax_ep.EPConfig(num_experts=8, num_topk=3, hidden=256, max_tokens_per_rank=16,
+                      dispatch_dtype=%(wire)r, backend="cuda", shrink=True)
+ref = cfg.replace(backend="reference", shrink=False)
+rng = np.random.default_rng(7)
+x = rng.standard_normal((2, 16, 256)).astype(ml_dtypes.bfloat16)
+idx = np.stack([np.stack([rng.permutation(8)[:3] for _ in range(16)]) for _ in range(2)]).astype(np.int32)
+idx[0, :, 0] = 5  # every token of rank 0 picks an expert of rank 1 first: those pairs are dropped
+w = rng.random((2, 16, 3)).astype(np.float32)
+y = rng.standard_normal((2, 4, 32, 256)).astype(ml_dtypes.bfloat16)
+MASK = np.array([[1, 0], [1, 0]], np.int32)  # rank 1 masked, one copy per rank
+
+
+def run(cfg, x, idx, w, y, mask, two_phase):
+    if two_phase:
+        d = jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, cfg, rank_mask=mask), cfg)
+    else:
+        d = jax_ep.ll_dispatch(x, idx, w, cfg, rank_mask=mask)
+    y = jnp.where((d.handle.src_slot >= 0)[..., None], y, jnp.nan).astype(jnp.bfloat16)
+    if two_phase:
+        out = jax_ep.ll_combine_recv(jax_ep.ll_combine_send(y, d.handle, cfg, rank_mask=mask), cfg)
+    else:
+        out = jax_ep.ll_combine(y, d.handle, cfg, rank_mask=mask)
+    return d, out
+
+
+def step_fn(cfg, absent, two_phase=False):
+    def body(x, idx, w, y, mask):
+        args = (cfg, x[0], idx[0], w[0], y[0], mask[0], two_phase)
+        if absent:  # rank 1 never enters the LL calls
+            shapes = jax.eval_shape(lambda: run(*args))
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            d, out = lax.cond(lax.axis_index("ep") == 1, zeros, lambda: run(*args))
+        else:
+            d, out = run(*args)
+        return jax.tree.map(lambda a: a[None], (d, out))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def rank0(tree):
+    return [np.asarray(a)[0] for a in jax.tree.leaves(tree)]
+
+
+ones = np.ones((2, 2), np.int32)
+want = rank0(step_fn(ref, False)(x, idx, w, y, MASK))
+report = {"calls": []}
+for name, fn, mask in (("first", step_fn(cfg, True), ones), ("second", step_fn(cfg, True), ones),
+                       ("two_phase", step_fn(cfg, True, True), ones)):
+    compiled = fn.lower(x, idx, w, y, mask).compile()  # the timing is the call's, not the compile's
+    start = time.time()
+    got = jax.block_until_ready(compiled(x, idx, w, y, mask))
+    seconds = time.time() - start
+    same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+               for a, b in zip(rank0(got), want))
+    report["calls"].append({"name": name, "seconds": seconds, "same": same,
+                            "rank_mask": np.asarray(got[0].rank_mask)[0].tolist(),
+                            "num_dropped": int(np.asarray(got[0].num_dropped)[0])})
+    if name == "first":
+        report["masks"] = runtime.rank_masks(axis_name="ep")
+runtime.clear_rank_masks(axis_name="ep")
+report["cleared"] = runtime.rank_masks()
+compiled = step_fn(cfg, True).lower(x, idx, w, y, MASK).compile()
+start = time.time()
+got = jax.block_until_ready(compiled(x, idx, w, y, MASK))
+report["explicit"] = {"seconds": time.time() - start,
+                      "same": all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+                                  for a, b in zip(rank0(got), want)),
+                      "masks": runtime.rank_masks()}
+report["faults"] = runtime.faults()
+print("REPORT=" + json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float8_e4m3fn"])
+def test_ll_shrink_masks_a_gpu_that_stops_calling(cuda_backend, wire):
+    if len(jax.local_devices(backend="gpu")) < 2:
+        pytest.skip("needs 2 GPUs")
+    env = dict(os.environ, JAX_EP_TIMEOUT_S=str(TIMEOUT_S), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    child = subprocess.run([sys.executable, "-c", _CHILD % {"timeout": TIMEOUT_S, "wire": wire}], env=env,
+                           capture_output=True, text=True, timeout=300)
+    lines = [line for line in child.stdout.splitlines() if line.startswith("REPORT=")]
+    assert child.returncode == 0 and lines, f"rc={child.returncode}:\n{(child.stdout + child.stderr)[-4000:]}"
+    report = json.loads(lines[0][len("REPORT="):])
+    print(report)
+    first, second, two_phase = report["calls"]
+    for call in report["calls"]:
+        assert call["same"], f"{call['name']}: rank 0's outputs differ from the reference with rank 1 masked"
+        assert call["rank_mask"] == [1, 0] and call["num_dropped"] >= 16, call
+    assert first["seconds"] >= TIMEOUT_S, "the first call must have waited for rank 1 once"
+    assert second["seconds"] < TIMEOUT_S / 2 and two_phase["seconds"] < TIMEOUT_S / 2, report["calls"]
+    assert [(m["device_ordinal"], m["rank"], m["masked_rank"], m["op"], m["during"])
+            for m in report["masks"]] == [(0, 0, 1, "ll_dispatch", "discovery")], report["masks"]
+    assert report["cleared"] == []
+    explicit = report["explicit"]
+    assert explicit["same"] and explicit["seconds"] < TIMEOUT_S / 2 and explicit["masks"] == [], explicit
+    assert report["faults"] == [], "shrink mode must not record a fault"
