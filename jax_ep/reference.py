@@ -51,8 +51,8 @@ Rank-major mode, ``dispatch_rank_major`` / ``combine_rank_major`` (DeepEP's cont
 Low-latency (decode) mode, ``ll_dispatch`` / ``ll_combine`` (docs/api.md, "Low-latency mode"):
   * Fixed receive slots: local expert e has R blocks of T slots; slot (e, r*T + i) holds the i-th
     token (in token order) of source rank r among those routed to global expert r_me*E_local + e.
-    No capacity, no drops, no layout pass: a token's slot i(t, k) is known at the source (the number
-    of its earlier tokens routed to the same expert).
+    No capacity, no drops (but rank masking, below), no layout pass: a token's slot i(t, k) is known
+    at the source (the number of its earlier tokens routed to the same expert).
   * combine: each filled slot's expert output goes back to its source (token, top-k slot); the source
     sums, in top-k slot order, the float32 products w * y (each product rounded to float32, no fused
     multiply-add) over the slots whose handle weight is nonzero, starting from +0.0, and rounds to

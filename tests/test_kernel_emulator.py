@@ -69,14 +69,25 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     calls on the same poisoned memory; a third send in flight, a handle received twice and a
     receive of another shape fault; a peer whose call differs in a fingerprint field (ll_combine or
     the throughput dispatch against ll_dispatch included; or is 5 calls ahead) makes both ranks fault
-    naming the field."""
+    naming the field. Rank masking: explicit masks (bf16 and FP8; fused, two-phase, two calls in
+    flight with different masks; random masks on the random cases) bit-exact against the reference
+    with the mask; shrink mode with the last rank absent (fused, two-phase): the others' outputs
+    equal the reference with it masked, the first call waits the timeout once and the later ones do
+    not (the persistent mask names the rank, the op and 'discovery'), the host's clear empties it
+    and an explicitly masked call after it neither waits nor masks again (~10 s of timeouts)."""
     _need_gxx()
     cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--random", "4",
            "--seed", "7", "--driver", str(tmp_path / "ll_driver")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
-    assert "26/26 low-latency cases pass" in out, out[-6000:]
+    assert "32/32 low-latency cases pass" in out, out[-6000:]
+    masked = re.findall(r"^ok   \(.*\) (.*), \d blocks, masks (\[.*\]) $", out, flags=re.M)
+    assert len(masked) == 10, out[-6000:]  # 4 fixed, 2 shrink, 4 random
+    assert {m[0] for m in masked} >= {"fused", "two-phase", "two in flight",
+                                      "shrink, last rank absent, fused",
+                                      "shrink, last rank absent, two-phase"}
+    assert any("0" in m[1] for m in masked[6:]), "the random masks masked nothing"
     for field in ("op", "op_throughput", "num_ranks", "num_tokens", "hidden", "num_topk",
                   "num_experts", "dtype", "call_sequence"):
         assert f"ok   mismatch {field}: faults naming it" in out, field

@@ -1,10 +1,11 @@
-"""Shrink mode of the low-latency kernels (EPConfig(shrink=True)) on 2 GPUs, process model 1: GPU 1
+"""Shrink mode of the low-latency kernels (EPConfig(shrink=True)) on 2 GPUs. Process model 1: GPU 1
 stops calling (its rank takes the other branch of a lax.cond, so it never enters ll_dispatch /
 ll_combine). GPU 0's first call waits out the bounded wait once, masks rank 1 (the persistent mask,
 jax_ep.runtime.rank_masks, names it, the op and 'discovery') and finishes; its outputs equal the
 reference path's with rank_mask [1, 0], bit for bit. The next calls (fused and two-phase) do not
 wait; clear_rank_masks() empties the mask, and a call with rank 1 in the explicit mask neither waits
-nor masks it again. Runs in a child process (its own JAX_EP_TIMEOUT_S and runtime state).
+nor masks it again. Runs in a child process (its own JAX_EP_TIMEOUT_S and runtime state). Process
+model 2: a process that stops calling (tests/gpu/ll_shrink_worker.py).
 
 Written without a GPU (none was lent when it was written); the kernels' logic is checked on the CPU
 kernel emulator (tools/kernel_emulator/ll_run.py modes 6 and 7).
@@ -131,3 +132,21 @@ def test_ll_shrink_masks_a_gpu_that_stops_calling(cuda_backend, wire):
     explicit = report["explicit"]
     assert explicit["same"] and explicit["seconds"] < TIMEOUT_S / 2 and explicit["masks"] == [], explicit
     assert report["faults"] == [], "shrink mode must not record a fault"
+
+
+def test_ll_shrink_a_process_that_stops_calling(cuda_backend):
+    """Process model 2 (tests/gpu/ll_shrink_worker.py): after one call together, process 1 stops
+    calling; process 0's next call waits out JAX_EP_TIMEOUT_S (5 s) once, masks rank 1 and returns
+    the NumPy model's outputs with rank 1 masked; the next fused and two-phase calls do not wait;
+    rank_masks() names rank 1, ll_dispatch, 'discovery'; clear_rank_masks() empties it."""
+    from test_process_group_gpu import NUM_PROCESSES, run_workers
+
+    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ll_shrink_worker.py")
+    results = run_workers((), timeout_s=240, worker=worker, timeout_env="5")
+    for p, (rc, out) in enumerate(results):
+        print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
+    for p, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
+        assert f"ll_shrink_worker OK process {p}" in out, f"process {p}: no OK line"
