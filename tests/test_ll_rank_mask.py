@@ -166,3 +166,51 @@ def test_ll_rank_mask_bad(mask, match):
     x, idx, w = inputs(rng, 4, 2, "bfloat16")
     with pytest.raises(ValueError, match=match):
         per_rank(f, 4)(x, idx, w)
+
+
+def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
+    """backend='cuda' traces on any machine (the FFI calls compile on GPUs only): the sending custom
+    calls (ll_dispatch, ll_dispatch_send, ll_combine, ll_combine_send) take the mask as an int32 [R]
+    operand before rank and group, ll_dispatch / ll_dispatch_recv return the call's ranks (int32
+    [R]), the receiving combine calls take dest_rank [T, K], and EPConfig.shrink reaches the LL
+    calls' attributes (shrink = 1)."""
+    from jax_ep import cuda_backend, runtime
+
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "limits", lambda: {
+        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
+        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+    ep_size, tokens = 2, 5
+    cfg = BF16.replace(backend="cuda", shrink=True)
+
+    def body(x, idx, w, m):
+        d = jax_ep.ll_dispatch(x, idx, w, cfg, rank_mask=m)
+        out = jax_ep.ll_combine(d.x, d.handle, cfg, rank_mask=m)
+        d2 = jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, cfg, rank_mask=m), cfg)
+        out2 = jax_ep.ll_combine_recv(jax_ep.ll_combine_send(d2.x, d2.handle, cfg, rank_mask=m), cfg)
+        return out, out2, d.num_dropped, d2.rank_mask
+
+    rng = np.random.default_rng(4)
+    x, idx, w = inputs(rng, ep_size, tokens, "bfloat16")
+    mask = np.tile(np.array([1, 0], np.int32), (ep_size, 1))
+    text = per_rank(body, ep_size).lower(x, idx, w, mask).as_text()
+    calls = {line.split("@")[1].split("(")[0]: line for line in text.splitlines()
+             if "stablehlo.custom_call @jax_ep" in line}
+    assert sorted(calls) == ["jax_ep_ll_combine", "jax_ep_ll_combine_recv", "jax_ep_ll_combine_send",
+                             "jax_ep_ll_dispatch", "jax_ep_ll_dispatch_recv", "jax_ep_ll_dispatch_send"]
+    group = f"tensor<{ep_size}xi32>, tensor<i32>, tensor<i32>"
+    for name in ("jax_ep_ll_dispatch", "jax_ep_ll_dispatch_send", "jax_ep_ll_combine_send"):
+        operands = calls[name].split(":")[-1].split("->")[0]
+        assert operands.rstrip(" )").endswith(group), calls[name]
+    assert calls["jax_ep_ll_combine"].split(":")[-1].split("->")[0].rstrip(" )").endswith(
+        f"tensor<{tokens}x{K}xi32>, {group}"), calls["jax_ep_ll_combine"]
+    assert calls["jax_ep_ll_combine_recv"].split(":")[-1].split("->")[0].rstrip(" )").endswith(
+        f"tensor<{tokens}x{K}xi32>, tensor<i32>, tensor<i32>"), calls["jax_ep_ll_combine_recv"]
+    for name in ("jax_ep_ll_dispatch", "jax_ep_ll_dispatch_recv"):
+        results = calls[name].split("->")[-1]
+        assert results.rstrip(" )").endswith(f"tensor<{ep_size}xi32>"), calls[name]
+    for line in calls.values():
+        assert "shrink = 1" in line, line
