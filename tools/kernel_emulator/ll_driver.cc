@@ -18,7 +18,9 @@
 // mask (what Runtime::ClearRankMasks does) and they run one more fused repetition with the absent
 // rank in the explicit mask (mask_<reps>.bin). Per rank: masked<r>.bin (the persistent
 // RankMaskState after the repetitions), cleared<r>.bin (its mask word after the last one),
-// time<r>_<i>.bin (seconds each repetition took, double).
+// time<r>_<i>.bin (seconds each repetition took, double). Mode 8: as 6, but the last rank runs the
+// first fused ll_dispatch with the others and then stops: their first ll_combine is the call that
+// times out (its rows for the absent rank's tokens never come back: +0.0).
 // With `mismatch` (a FingerprintFieldName of cuda/fingerprint.h; mode ignored, no files read)
 // every rank runs ONE fused ll_dispatch, the last rank with one field changed (num_ranks + 1,
 // num_tokens + 1, hidden + 8, num_topk - 1, num_experts + R, dtype: an fp8 wire instead of bf16,
@@ -226,7 +228,7 @@ int main(int argc, char** argv) {
       t.peer_states[p] = states[p];
     }
     t.comm_bytes = buffer_bytes;
-    t.timeout_ns = (!mismatch.empty() ? 5ull : mode >= 6 ? 4ull : mode >= 3 ? 20ull : 300ull) *
+    t.timeout_ns = (!mismatch.empty() ? 5ull : mode >= 6 && mode <= 8 ? 4ull : mode >= 3 ? 20ull : 300ull) *
                    1000000000ull;
     t.fault_record = &faults[r];
     t.device_ordinal = r;
@@ -248,8 +250,8 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       _exit(0);  // the call should have trapped
     }
-    const bool shrink = mode == 6 || mode == 7;
-    if (shrink && rank == R - 1) _exit(0);  // absent: never calls
+    const bool shrink = mode >= 6 && mode <= 8;
+    if (shrink && rank == R - 1 && mode != 8) _exit(0);  // absent: never calls
     const int runs = shrink ? reps + 1 : reps;  // shrink: one more repetition after the clear
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
@@ -338,6 +340,10 @@ int main(int argc, char** argv) {
         for (int i = 0; i < n; ++i) combine(out[base + i], kLLSend, out[base + i].combine_handle);
         for (int i = 0; i < n; ++i) combine(out[base + i], kLLRecv, out[base + i].combine_handle);
       }
+    } else if (shrink && rank == R - 1) {  // mode 8: one dispatch with the others, then absent
+      dispatch(out[0], kLLFused, nullptr);
+      std::fflush(stdout);
+      _exit(0);
     } else if (shrink) {
       SyncCounters::RankMaskState& persistent = states[rank]->sync.rank_masks[2][0];
       auto timed = [&](int i, auto body) {
