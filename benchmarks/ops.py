@@ -366,7 +366,7 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
                    backend=backend, dispatch_dtype=dtype)
 
     def d_body(x, i, w):
-        return [a for a in jax.tree.leaves(ll_dispatch(x, i, w, cfg))]
+        return _ll_leaves(ll_dispatch(x, i, w, cfg))
 
     # The expert outputs of the round trips: fixed rows y, ordered after the dispatch by an
     # optimization barrier (no kernel; an XLA convert of the whole slot buffer cost more than both ops)
@@ -409,6 +409,12 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
     return records
 
 
+def _ll_leaves(d) -> list:
+    """Every output of an ll_dispatch (all returned: XLA keeps the whole op), scalars (num_dropped)
+    as [1] so that out_specs P("ep") fits them."""
+    return [jnp.atleast_1d(a) for a in jax.tree.leaves(d)]
+
+
 # the shared expert placed between the send and the receive (DeepSeek-V3's: one SwiGLU of 2048)
 LL_OVERLAP_FFN = 2048
 
@@ -429,12 +435,12 @@ def ll_overlap(mesh, cfg: EPConfig, dispatch_args, dispatch_us: float, iters: in
         return jnp.dot(jax.nn.silu(h[:, :ffn]) * h[:, ffn:], w2)
 
     def serial(x, i, w, w1, w2):
-        return [*jax.tree.leaves(ll_dispatch(x, i, w, cfg)), shared(x, w1, w2)]
+        return [*_ll_leaves(ll_dispatch(x, i, w, cfg)), shared(x, w1, w2)]
 
     def overlapped(x, i, w, w1, w2):
         pending = ll_dispatch_send(x, i, w, async_cfg)
         out = shared(x, w1, w2)
-        return [*jax.tree.leaves(ll_dispatch_recv(pending, async_cfg)), out]
+        return [*_ll_leaves(ll_dispatch_recv(pending, async_cfg)), out]
 
     specs = (P("ep"), P("ep"), P("ep"), P(), P())
     args = (*dispatch_args, w1, w2)
