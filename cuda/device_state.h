@@ -134,6 +134,11 @@ struct SyncCounters {
   // &remote_signal[s] of this device's own state is a symmetric address.
   alignas(128) uint64_t remote_signal[kMaxDevices];
   alignas(128) uint64_t remote_calls[kMaxDevices];
+  // The put transport of the rank-major ops (cuda/remote_rank_major.cu): put_signal[s] is set by the
+  // GPU of slot s (NVSHMEM_SIGNAL_SET, delivered after its data) to the flag value of the call whose
+  // rows it put here, (epoch << 16) | group key; the receiver waits for equality. One word per
+  // source suffices: a source puts the next call's rows only after this device entered that call.
+  alignas(128) uint64_t put_signal[kMaxDevices];
   // Low-latency ops (cuda/low_latency.cu), local bookkeeping written by the last block of each
   // kernel. ll_calls[op][a][g]: calls of LL op `op` (0 ll_dispatch, 1 ll_combine) this device has
   // sent as a member of group g of axis slot a; call n uses half n % 2 of the op's receive region.

@@ -108,3 +108,22 @@ def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
     assert "11/11 mismatch cases pass" in out, out[-6000:]
+
+
+def test_rank_major_put_transport_on_the_emulator(tmp_path):
+    """The rank-major ops over NVSHMEM puts (cuda/remote_rank_major.cu, tools/kernel_emulator/
+    put_run.py): no PE has a load/store address of another, every byte crosses through the NVSHMEM
+    shim's putmem_signal; dispatch_rank_major (bf16, FP8 from bf16 and f32, f32 -> bf16 rows, 2-4
+    ranks, messy routing, a rank that receives nothing, no tokens), then combine_rank_major (NaN in
+    the empty rows, -0.0) and broadcast_rank_major through its handle, 1-3 consecutive calls on the
+    same buffers: every output bit-exact against jax_ep.reference. Then a PE that issues no call:
+    the other times out (3 s) in dispatch_rank_major naming it. About 30 s."""
+    _need_gxx()
+    cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "put_run.py"),
+           "--driver", str(tmp_path / "put_driver")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    assert "6/6 cases bit-exact" in out, out[-6000:]
+    assert "rank 1 receives nothing (rank-major rows [51, 0, 53]" in out, out[-6000:]
+    assert "ok   put missing peer -> timeout naming dispatch_rank_major" in out, out[-6000:]
