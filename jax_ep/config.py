@@ -20,6 +20,9 @@ def _check_positive_int(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
 
 
+TRANSPORTS = ("auto", "load_store", "put")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """How the CUDA kernels of dispatch/combine run (no effect on results, only on speed).
@@ -42,6 +45,15 @@ class KernelConfig:
         weights' gradients); then fewer ``num_sms`` leave the overlapping kernels room. Over NVLink
         a low-latency send moves the data with its own warps, so the two-phase form overlaps work
         placed between send and receive only this way.
+      transport: how the rank-major ops (dispatch_rank_major, combine_rank_major and the
+        broadcast_rank_major of their backward) reach their peers. "auto" (default): NVSHMEM puts
+        when, in process model 2, some process of the job cannot reach this one's GPU by loads /
+        stores (another node), else NVLink loads / stores. "put": always NVSHMEM puts + signals
+        (process model 2 only; e.g. to run the inter-node path on one node). "load_store": always
+        loads / stores (every peer of the EP group must be on this node; a peer that is not makes
+        the call time out naming it). The other EP ops have no put transport: in a job that spans
+        nodes they need transport="load_store" (an EP axis inside a node, e.g. the local axis of a
+        hierarchical mesh) and raise NotImplementedError otherwise.
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """
@@ -52,10 +64,15 @@ class KernelConfig:
     broadcast_send_warps: int = 6
     bulk_copy: bool = True
     async_stream: int | None = None
+    transport: str = "auto"
 
     def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"KernelConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         for field in dataclasses.fields(self):
             if field.name in ("num_sms", "async_stream") and getattr(self, field.name) is None:
+                continue
+            if field.name == "transport":
                 continue
             if field.name != "bulk_copy":
                 _check_positive_int("KernelConfig", field.name, getattr(self, field.name))

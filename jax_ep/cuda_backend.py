@@ -255,6 +255,41 @@ def _vary_all(outputs, axis_name: str, *inputs):
 
 
 ALL_SMS = 1 << 16
+TRANSPORT_LOAD_STORE, TRANSPORT_PUT = 0, 1  # EPAttrs::transport (xla_ffi/handlers.h)
+
+
+def _transport(op: str, cfg: EPConfig) -> int:
+    """How the call site reaches its peers (``KernelConfig.transport``): NVLink loads / stores, or
+    NVSHMEM puts + signals (cuda/remote_rank_major.cu), which only the rank-major ops have.
+    "auto" takes puts when, in process model 2, some process of the job cannot be reached by
+    loads / stores (the EP group is not known at trace time, only the job). Raises
+    NotImplementedError naming the op where neither transport can serve it."""
+    wanted = cfg.kernel.transport
+    if wanted == "load_store":
+        return TRANSPORT_LOAD_STORE
+    if wanted == "put" and op not in _RANK_MAJOR_OPS:
+        raise NotImplementedError(
+            f"jax_ep: {op} has no NVSHMEM put transport (KernelConfig(transport='put')): only "
+            "dispatch_rank_major, combine_rank_major and broadcast_rank_major have one")
+    runtime.register_targets()  # process model 2: bootstraps NVSHMEM (collective), once
+    model = runtime.process_model()
+    unreachable = runtime.unreachable_processes()
+    if op in _RANK_MAJOR_OPS:
+        if wanted == "put" and model != "process_per_gpu":
+            raise NotImplementedError(
+                f"jax_ep: {op} with KernelConfig(transport='put') needs process model 2 (one process "
+                "per GPU under jax.distributed: NVSHMEM's symmetric heap); this process drives its "
+                "GPUs in process model 1")
+        return TRANSPORT_PUT if wanted == "put" or unreachable else TRANSPORT_LOAD_STORE
+    if unreachable:
+        raise NotImplementedError(
+            f"jax_ep: {op} reaches its peers by NVLink / P2P loads and stores, and processes "
+            f"{unreachable} of this job are on other nodes (no load/store address); only the "
+            "rank-major ops (dispatch_rank_major, combine_rank_major) cross nodes, through NVSHMEM "
+            "puts. If this op's EP axis stays inside a node (e.g. the local axis of a hierarchical "
+            "mesh), pass KernelConfig(transport='load_store'): a peer that is not on this node then "
+            "makes the call time out naming it")
+    return TRANSPORT_LOAD_STORE
 
 
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
@@ -265,6 +300,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     takes the knobs of the expert-major op whose kernels it runs; num_topk: cfg's unless given."""
     kernel = cfg.kernel
     rank_major = op in _RANK_MAJOR_OPS
+    transport = _transport(op, cfg)
     op = _RANK_MAJOR_OPS.get(op, op)
     data_kernel = op != "slot_values"
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU
@@ -278,7 +314,8 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
                   # the low-latency kernels: every warp sends, then receives
                   send_warps=kernel.send_warps(op) if op in _DATA_OPS[:3] else 1,
                   bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0,
-                  shrink=int(cfg.shrink) if op in ("ll_dispatch", "ll_combine") else 0)
+                  shrink=int(cfg.shrink) if op in ("ll_dispatch", "ll_combine") else 0,
+                  transport=transport)
     return {name: np.int64(value) for name, value in values.items()}
 
 
@@ -289,7 +326,11 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
     # What the call site will reserve when instantiated (handlers.cc: DataOpInstantiate /
     # LLInstantiate), grown now where growing is collective (process model 2).
     sizes = [int(attrs[k]) for k in ("num_ranks", "num_tokens", "num_topk", "num_experts")]
-    if op in _LL_OPS:
+    if int(attrs["transport"]) == TRANSPORT_PUT:
+        need = runtime.extension().put_comm_bytes(sizes[0], sizes[1], sizes[2], int(attrs["row_bytes"]),
+                                                  int(attrs["scale_bytes"]),
+                                                  op == "dispatch_rank_major")
+    elif op in _LL_OPS:
         need = runtime.extension().ll_comm_bytes(*sizes, int(attrs["hidden"]),
                                                  int(attrs["row_bytes"]), int(attrs["scale_bytes"]))
     else:

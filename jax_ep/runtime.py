@@ -4,7 +4,9 @@ targets and sets up the GPUs in one of two process models:
 1. ``local_peers``: this process drives all its local GPUs (CUDA peer access between them);
 2. ``process_per_gpu``: one process per GPU (``jax.distributed`` with several processes and one
    local GPU each): NVSHMEM, bootstrapped through JAX's key-value store, holds the buffers on its
-   symmetric heap, and the kernels reach every GPU of the node through ``nvshmem_ptr`` addresses.
+   symmetric heap, and the kernels reach every GPU of the node through ``nvshmem_ptr`` addresses
+   (processes on other nodes: the rank-major ops only, through NVSHMEM puts; see
+   ``unreachable_processes``).
 
 Nothing here touches CUDA at import time. ``available()`` answers whether the CUDA backend can run
 (and why not); ``register_targets()`` is called at trace time by the CUDA ops and hands the runtime
@@ -290,13 +292,20 @@ def _init_process_group(buffer_bytes: int) -> None:
     _C.init_process_group(local_gpu_ordinals()[0], unique_id, me, count, wanted)
     if first:
         atexit.register(_finalize_process_group)
-        group = _C.process_group()
-        unreachable = sorted(set(range(count)) - set(group["reachable_pes"]))
-        if unreachable:
-            raise NotImplementedError(
-                f"jax_ep: process {me} cannot reach the GPUs of processes {unreachable} by NVLink/"
-                "P2P loads and stores (other nodes); the inter-node (RDMA) path of process model 2 "
-                "is not built yet, so every process of the job must be on one node")
+        # Processes on other nodes have no load/store address: only the rank-major ops reach them
+        # (their put transport); cuda_backend refuses the other ops over them at trace time.
+
+
+def unreachable_processes() -> list[int]:
+    """Process model 2: the processes whose GPU this process cannot reach by NVLink / P2P loads and
+    stores (on other nodes), once the process group is set up; [] otherwise. What
+    KernelConfig.transport="auto" decides on (cuda_backend._transport)."""
+    if _C is None:
+        return []
+    group = _C.process_group()
+    if group["model"] != "process_per_gpu":
+        return []
+    return sorted(set(range(int(group["num_pes"]))) - set(group["reachable_pes"]))
 
 
 def _finalize_process_group() -> None:

@@ -32,6 +32,7 @@
 #include "cuda/low_latency.h"
 #include "cuda/peer_smoke.h"
 #include "cuda/remote.h"
+#include "cuda/remote_rank_major.h"
 #include "cuda/slot_values.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/device_memory.h"
@@ -194,13 +195,69 @@ ffi::Error CheckAttrs(const char* op, const EPAttrs& a) {
   return ffi::Error::Success();
 }
 
+// The put transport (cuda/remote_rank_major.h) exists for the rank-major ops only, and needs the
+// symmetric heap of process model 2. Python picks it (cuda_backend._transport) and refuses the other
+// cases at trace time; this is the check behind it.
+ffi::Error CheckTransport(const char* op, const EPAttrs& a, const Runtime& runtime) {
+  if (a.transport == kTransportLoadStore) return ffi::Error::Success();
+  const std::string name(op);
+  const bool rank_major = name == kDispatchRankMajorTarget || name == kCombineRankMajorTarget ||
+                          name == kBroadcastRankMajorTarget;
+  if (a.transport != kTransportPut || !rank_major) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      name + ": transport=" + std::to_string(a.transport) + ": only the rank-major "
+                      "ops (dispatch_rank_major, combine_rank_major, broadcast_rank_major) have the "
+                      "NVSHMEM put transport (1)");
+  }
+  if (runtime.Model() != ProcessModel::kProcessPerGpu) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      name + ": the NVSHMEM put transport needs process model 2 (one process per "
+                      "GPU under jax.distributed, the symmetric heap); this process drives its GPUs "
+                      "in process model 1");
+  }
+  return ffi::Error::Success();
+}
+
 template <const char* kOp>
 ffi::ErrorOr<std::unique_ptr<OpState>> DataOpInstantiate(EPAttrs attrs) {
   if (ffi::Error error = CheckAttrs(kOp, attrs); !error.success()) return ffi::Unexpected(error);
-  const CommLayout layout =
+  CommLayout layout =
       make_comm_layout(attrs.num_ranks, attrs.num_tokens, attrs.num_topk, attrs.num_experts,
                        static_cast<uint64_t>(attrs.row_bytes), static_cast<uint64_t>(attrs.scale_bytes));
-  return MakeState(kOp, attrs, layout);
+  PutLayout put{};
+  if (attrs.transport != kTransportLoadStore) {
+    if (ffi::Error error = CheckTransport(kOp, attrs, Runtime::Get()); !error.success()) {
+      return ffi::Unexpected(error);
+    }
+    const bool dispatch = std::string(kOp) == kDispatchRankMajorTarget;
+    put = make_put_layout(attrs.num_ranks, attrs.num_tokens, dispatch ? attrs.num_topk : 0,
+                          static_cast<uint64_t>(attrs.row_bytes),
+                          static_cast<uint64_t>(attrs.scale_bytes), dispatch);
+    layout.total = put.total;  // what the call site reserves and CheckBuffer checks
+  }
+  auto state = MakeState(kOp, attrs, layout);
+  if (state.has_value()) (*state)->put_layout = put;
+  return state;
+}
+
+// The PutLaunch of a rank-major call site with the put transport, from its group launch fields.
+PutLaunch PutLaunchOf(const OpState& state, DeviceState* device_state, const int32_t* rank,
+                      const int32_t* group, int32_t num_blocks, int32_t row_kind) {
+  const EPAttrs& a = state.attrs;
+  PutLaunch p{};
+  p.state = device_state;
+  p.layout = state.put_layout;
+  p.rank = rank;
+  p.group = group;
+  p.num_ranks = static_cast<int32_t>(a.num_ranks);
+  p.num_tokens = static_cast<int32_t>(a.num_tokens);
+  p.num_topk = static_cast<int32_t>(a.num_topk);
+  p.num_experts = static_cast<int32_t>(a.num_experts);
+  p.hidden = static_cast<int32_t>(a.hidden);
+  p.axis_slot = static_cast<int32_t>(a.axis_slot);
+  p.num_blocks = num_blocks;
+  p.row_kind = row_kind;
+  return p;
 }
 
 // The buffer the call site reserved at instantiation is still there (a shutdown in between frees it;
@@ -611,6 +668,17 @@ ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, Op
   if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask); !error.success()) {
     return error;
   }
+  if (a.transport == kTransportPut) {
+    PutLaunch p = PutLaunchOf(*state, launch.state, launch.rank, launch.group, launch.num_blocks,
+                              launch.row_kind);
+    p.x_kind = launch.x_kind;
+    const cudaError_t status = launch_put_dispatch_rank_major(
+        p, launch.x, launch.topk_idx, launch.topk_weights, launch.rows, launch.scales,
+        launch.row_ids, launch.row_topk_weights, launch.tokens_per_rank, launch.expert_counts,
+        launch.src_index, launch.is_token_in_rank, stream);
+    if (status != cudaSuccess) return CudaError(status, "dispatch_rank_major (put) kernel launch");
+    return ffi::Error::Success();
+  }
   const cudaError_t status = launch_dispatch(launch, stream);
   if (status != cudaSuccess) return CudaError(status, "dispatch_rank_major kernel launch");
   return ffi::Error::Success();
@@ -725,6 +793,36 @@ ffi::Error RankMajorTable(const char* op, const OpState& state, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// combine_rank_major / broadcast_rank_major with the put transport (cuda/remote_rank_major.h). The
+// slot -> row table is not needed: its scratch result is filled with -1 (every output written).
+ffi::Error PutRowsOp(const char* op, const OpState& state, const GroupLaunch& launch,
+                     const void* data, ffi::Buffer<ffi::S32> src_index,
+                     ffi::Buffer<ffi::PRED> is_token_in_rank,
+                     void* out, ffi::ResultBuffer<ffi::S32>& slot_rows, int32_t kind,
+                     cudaStream_t stream) {
+  const EPAttrs& a = state.attrs;
+  const int64_t T = a.num_tokens, R = a.num_ranks;
+  if (a.num_topk != 1 || !IsShape(src_index.dimensions(), {R * T}) ||
+      !IsShape(slot_rows->dimensions(), {R * T}) ||
+      !IsShape(is_token_in_rank.dimensions(), {T, R})) {
+    return Invalid(op, "src_index " + DimsToString(src_index.dimensions()) + ", is_token_in_rank " +
+                           DimsToString(is_token_in_rank.dimensions()) + " do not match T=" +
+                           std::to_string(T) + ", R=" + std::to_string(R));
+  }
+  cudaError_t status = cudaMemsetAsync(slot_rows->typed_data(), 0xFF,
+                                       static_cast<size_t>(R * T) * sizeof(int32_t), stream);
+  if (status != cudaSuccess) return CudaError(status, std::string(op) + " (put) scratch");
+  const PutLaunch p =
+      PutLaunchOf(state, launch.state, launch.rank, launch.group, launch.num_blocks, kind);
+  status = std::string(op) == kCombineRankMajorTarget
+               ? launch_put_combine_rank_major(p, data, src_index.typed_data(),
+                                               is_token_in_rank.typed_data(), out, stream)
+               : launch_put_broadcast_rank_major(p, data, src_index.typed_data(),
+                                                 is_token_in_rank.typed_data(), out, stream);
+  if (status != cudaSuccess) return CudaError(status, std::string(op) + " (put) kernel launch");
+  return ffi::Error::Success();
+}
+
 ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                                 ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_index,
                                 ffi::Buffer<ffi::PRED> is_token_in_rank,
@@ -753,6 +851,10 @@ ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpS
   if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
       !error.success()) {
     return error;
+  }
+  if (a.transport == kTransportPut) {
+    return PutRowsOp(kOp, *state, launch, y.untyped_data(), src_index, is_token_in_rank,
+                     out->untyped_data(), slot_rows, y_kind, stream);
   }
   if (ffi::Error error =
           RankMajorTable(kOp, *state, src_index, is_token_in_rank, slot_rows, launch, stream);
@@ -800,6 +902,10 @@ ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, O
   if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
       !error.success()) {
     return error;
+  }
+  if (a.transport == kTransportPut) {
+    return PutRowsOp(kOp, *state, launch, g.untyped_data(), src_index, is_token_in_rank,
+                     out->untyped_data(), slot_rows, g_kind, stream);
   }
   if (ffi::Error error =
           RankMajorTable(kOp, *state, src_index, is_token_in_rank, slot_rows, launch, stream);
@@ -1303,7 +1409,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("num_sms"), xla::ffi::StructMember<int64_t>("num_tokens"),
     xla::ffi::StructMember<int64_t>("num_topk"), xla::ffi::StructMember<int64_t>("row_bytes"),
     xla::ffi::StructMember<int64_t>("scale_bytes"), xla::ffi::StructMember<int64_t>("send_warps"),
-    xla::ffi::StructMember<int64_t>("shrink"));
+    xla::ffi::StructMember<int64_t>("shrink"),
+    xla::ffi::StructMember<int64_t>("transport"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchLayout, jax_ep::DispatchLayoutImpl,
                               ffi::Ffi::Bind()

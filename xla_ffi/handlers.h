@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cuda/ep_layout.h"
+#include "cuda/remote_rank_major.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/runtime.h"
 
@@ -48,7 +49,12 @@ struct EPAttrs {
   int64_t scale_bytes;  // dispatch FP8: scale bytes per row
   int64_t send_warps;   // warps per block that send / reduce
   int64_t shrink;       // low-latency ops: mask a peer that misses a bounded wait (EPConfig.shrink)
+  int64_t transport;    // rank-major ops: 0 NVLink loads/stores, 1 NVSHMEM puts (kTransportPut)
 };
+
+// EPAttrs::transport values (jax_ep.cuda_backend._transport picks one per call site).
+inline constexpr int64_t kTransportLoadStore = 0;
+inline constexpr int64_t kTransportPut = 1;
 
 // What an instantiated call site keeps (FFI state, instantiate stage; XLA deletes it with the
 // executable): its attributes, its buffer layout, and the runtime, held (Runtime::Shutdown refuses
@@ -57,7 +63,8 @@ struct OpState {
   static xla::ffi::TypeId id;  // registered with jax.ffi.register_ffi_type
   std::shared_ptr<Runtime> runtime;
   EPAttrs attrs;
-  CommLayout layout;
+  CommLayout layout;   // layout.total: what the call site reserved (the put layout's, with puts)
+  PutLayout put_layout;  // transport == kTransportPut: the rank-major ops' put layout
   std::vector<int64_t> mesh_slots;  // peer_smoke, remote_smoke: the mesh's slots, EP axis last
 };
 

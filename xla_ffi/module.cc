@@ -18,6 +18,7 @@
 #include "cuda/layout.h"
 #include "cuda/low_latency.h"
 #include "cuda/remote.h"
+#include "cuda/remote_rank_major.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/device_memory.h"
@@ -261,6 +262,19 @@ NB_MODULE(_C, m) {
       "scale_row_bytes"_a,
       "Bytes of communication buffer the EP ops need for these sizes (data_row_bytes: bytes of a "
       "staged row; scale_row_bytes: FP8 scale bytes per row, 0 without FP8).");
+
+  m.def(
+      "put_comm_bytes",
+      [](int64_t num_ranks, int64_t num_tokens, int64_t num_topk, uint64_t row_bytes,
+         uint64_t scale_bytes, bool dispatch) {
+        return jax_ep::make_put_layout(num_ranks, num_tokens, dispatch ? num_topk : 0, row_bytes,
+                                       scale_bytes, dispatch)
+            .total;
+      },
+      "num_ranks"_a, "num_tokens"_a, "num_topk"_a, "row_bytes"_a, "scale_bytes"_a, "dispatch"_a,
+      "Bytes of communication buffer a rank-major op needs with the NVSHMEM put transport "
+      "(cuda/remote_rank_major.h; dispatch: dispatch_rank_major's records with ids, weights and "
+      "source slot, else combine_rank_major / broadcast_rank_major rows).");
 
   m.def(
       "ll_comm_bytes",

@@ -1,0 +1,81 @@
+"""KernelConfig.transport and how cuda_backend picks the transport of each op (CPU: the runtime's
+answers are simulated). The put kernels themselves run on the kernel emulator
+(tests/test_kernel_emulator.py) and on GPUs (tests/gpu/test_put_transport_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_ep import KernelConfig, cuda_backend, runtime
+from jax_ep.config import EPConfig
+
+RANK_MAJOR = ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major")
+OTHERS = ("dispatch", "combine", "broadcast", "slot_values", "ll_dispatch", "ll_combine")
+
+
+def cfg(transport: str) -> EPConfig:
+    return EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                    kernel=KernelConfig(transport=transport))
+
+
+@pytest.fixture
+def job(monkeypatch):
+    """Sets the simulated job: job(model, unreachable processes)."""
+
+    def set_job(model: str, unreachable: list[int]):
+        monkeypatch.setattr(runtime, "register_targets", lambda: None)
+        monkeypatch.setattr(runtime, "process_model", lambda: model)
+        monkeypatch.setattr(runtime, "unreachable_processes", lambda: list(unreachable))
+
+    return set_job
+
+
+def test_transport_values():
+    assert KernelConfig().transport == "auto"
+    with pytest.raises(ValueError, match="transport must be one of"):
+        KernelConfig(transport="rdma")
+
+
+@pytest.mark.parametrize("op", RANK_MAJOR)
+def test_rank_major_ops_take_puts_when_a_process_is_on_another_node(job, op):
+    job("process_per_gpu", [2, 3])
+    assert cuda_backend._transport(op, cfg("auto")) == cuda_backend.TRANSPORT_PUT
+    assert cuda_backend._transport(op, cfg("load_store")) == cuda_backend.TRANSPORT_LOAD_STORE
+
+
+@pytest.mark.parametrize("op", RANK_MAJOR)
+def test_rank_major_ops_on_one_node(job, op):
+    job("process_per_gpu", [])
+    assert cuda_backend._transport(op, cfg("auto")) == cuda_backend.TRANSPORT_LOAD_STORE
+    assert cuda_backend._transport(op, cfg("put")) == cuda_backend.TRANSPORT_PUT  # forced: test 3b
+
+
+@pytest.mark.parametrize("op", RANK_MAJOR)
+def test_forced_puts_need_process_model_2(job, op):
+    job("local_peers", [])
+    text = f"{op} with KernelConfig\\(transport='put'\\) needs process model 2"
+    with pytest.raises(NotImplementedError, match=text):
+        cuda_backend._transport(op, cfg("put"))
+
+
+@pytest.mark.parametrize("op", OTHERS)
+def test_other_ops_over_other_nodes_are_refused_naming_the_op(job, op):
+    job("process_per_gpu", [1])
+    text = f"jax_ep: {op} reaches its peers by NVLink.*processes \\[1\\]"
+    with pytest.raises(NotImplementedError, match=text):
+        cuda_backend._transport(op, cfg("auto"))
+    with pytest.raises(NotImplementedError, match=f"jax_ep: {op} has no NVSHMEM put transport"):
+        cuda_backend._transport(op, cfg("put"))
+    # an EP axis inside a node (hierarchical mesh): the caller says so
+    assert cuda_backend._transport(op, cfg("load_store")) == cuda_backend.TRANSPORT_LOAD_STORE
+
+
+def test_put_buffer_size_is_the_put_layout(job):
+    ext = pytest.importorskip("jax_ep._C")
+    # dispatch_rank_major, R=2, T=4096, H=7168 bf16, K=8: two [R] areas of 16 + T records
+    record = 7168 * 2 + 8 * 4 + 8 * 4 + 4
+    record += -record % 16
+    region = 16 + 4096 * record
+    region += -region % 256
+    total = ext.put_comm_bytes(2, 4096, 8, 7168 * 2, 0, True)
+    assert 2 * 2 * region <= total < 2 * 2 * region + (1 << 20)
