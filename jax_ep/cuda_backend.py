@@ -292,6 +292,16 @@ def _transport(op: str, cfg: EPConfig) -> int:
     return TRANSPORT_LOAD_STORE
 
 
+def _check_put_mask(op: str, cfg: EPConfig, rank_mask: jax.Array | None) -> None:
+    """The put kernels (cuda/remote_rank_major.cu) do not apply a rank mask: refuse one there rather
+    than ignore it."""
+    if rank_mask is not None and _transport(op, cfg) == TRANSPORT_PUT:
+        raise NotImplementedError(
+            f"jax_ep: {op} with a rank_mask over the NVSHMEM put transport is not built (the put "
+            "kernels exchange with every rank of the group); call it without a mask, or over "
+            "NVLink loads / stores")
+
+
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
            row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0,
            num_topk: int | None = None) -> dict:
@@ -439,6 +449,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
                         rank_mask: jax.Array | None = None) -> RankMajorDispatched:
     """``jax_ep.reference.dispatch_rank_major`` on NVLink kernels (the dispatch kernels in their
     rank-major mode; bit-exact outputs, rank mask included). Per-rank view."""
+    _check_put_mask("dispatch_rank_major", cfg, rank_mask)
     out = types.rank_major_dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
     rows, scales, (ids, weights, per_rank, per_expert, src_index, in_rank) = _dispatch_call(
         "dispatch_rank_major", x, topk_idx, topk_weights, cfg, out.x, out.scales,
@@ -471,6 +482,7 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
     y = _pad_rows(y)  # (zero columns sum to zeros, cut off below)
     out = types.rank_major_combine_types(y, handle)
     tokens, hidden = out.shape
+    _check_put_mask("combine_rank_major", cfg, rank_mask)
     rank, group, axis_slot = _group_of(axis)
     result, _ = _call("combine_rank_major", (out, _slot_rows_type(handle)), y, handle.src_index,
                       handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,
@@ -490,6 +502,7 @@ def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
     g = _pad_rows(g)
     out = types.rank_major_broadcast_types(g, handle)
     tokens, hidden = g.shape
+    _check_put_mask("broadcast_rank_major", cfg, rank_mask)
     rank, group, axis_slot = _group_of(axis)
     result, _ = _call("broadcast_rank_major", (out, _slot_rows_type(handle)), g, handle.src_index,
                       handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,

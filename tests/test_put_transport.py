@@ -79,3 +79,17 @@ def test_put_buffer_size_is_the_put_layout(job):
     region += -region % 256
     total = ext.put_comm_bytes(2, 4096, 8, 7168 * 2, 0, True)
     assert 2 * 2 * region <= total < 2 * 2 * region + (1 << 20)
+
+
+@pytest.mark.parametrize("op", RANK_MAJOR)
+def test_a_rank_mask_over_puts_is_refused_naming_the_op(job, op):
+    """The put kernels exchange with every rank: a mask there is refused, never ignored; over loads /
+    stores (or without a mask) the check passes."""
+    import jax.numpy as jnp
+
+    mask = jnp.array([1, 0, 1, 1], jnp.int32)
+    job("process_per_gpu", [1])
+    with pytest.raises(NotImplementedError, match=f"jax_ep: {op} with a rank_mask over the NVSHMEM put"):
+        cuda_backend._check_put_mask(op, cfg("auto"), mask)
+    cuda_backend._check_put_mask(op, cfg("auto"), None)
+    cuda_backend._check_put_mask(op, cfg("load_store"), mask)
