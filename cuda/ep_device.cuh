@@ -223,6 +223,31 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
 // Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
 __device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
 
+// Waits until rank `peer` of the group has published its directory entry for `epoch` (it has
+// entered this call) and returns the entry (acquired). Bounded: a peer whose call count stays below
+// this call's records a timeout fault naming the op, this rank and the peer (field: expected /
+// observed are counts), then traps. Every discovery (NVLink and put transports) waits through it.
+__device__ __forceinline__ uint64_t wait_directory_entry(DeviceState* state, int axis_slot, int group,
+                                                         int peer, uint64_t epoch, int32_t op_id,
+                                                         int32_t rank) {
+  const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
+  uint64_t seen = load_acquire_sys(slot);
+  if ((seen >> 16) < epoch) {
+    const uint64_t start = global_timer_ns();
+    const uint64_t timeout_ns = state->tables.timeout_ns;
+    while ((seen >> 16) < epoch) {
+      const uint64_t elapsed = global_timer_ns() - start;
+      if (elapsed > timeout_ns) {
+        record_fault(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
+                     static_cast<int64_t>(elapsed), kFieldSequence);
+        __trap();
+      }
+      seen = load_acquire_sys(slot);
+    }
+  }
+  return seen;
+}
+
 // Group discovery, run by ONE block (every thread calls it; blockDim.x >= kMaxDevices).
 //
 // The op knows its rank and group only as device scalars (lax.axis_index), so the rank -> device
@@ -293,22 +318,7 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
     info->ordinals[peer_rank] = -1;  // not linked: never waited for, never written to
   } else if (peer_rank < group_size) {
     const int peer = peer_rank;
-    const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
-    uint64_t seen = load_acquire_sys(slot);
-    if ((seen >> 16) < epoch) {
-      const uint64_t start = global_timer_ns();
-      const uint64_t timeout_ns = state->tables.timeout_ns;
-      while ((seen >> 16) < epoch) {
-        const uint64_t elapsed = global_timer_ns() - start;
-        if (elapsed > timeout_ns) {
-          // the peer's call count stays below this call's (field: expected / observed are counts)
-          record_fault(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
-                       static_cast<int64_t>(elapsed), kFieldSequence);
-          __trap();
-        }
-        seen = load_acquire_sys(slot);
-      }
-    }
+    const uint64_t seen = wait_directory_entry(state, axis_slot, group, peer, epoch, op_id, rank);
     const int32_t ordinal = static_cast<int32_t>(seen & 0xFFFF);
     info->ordinals[peer] = ordinal;
     differs =

@@ -110,21 +110,7 @@ __device__ __forceinline__ void discover_group_put(DeviceState* state, const int
   bool differs = false;
   if (static_cast<int>(threadIdx.x) < group_size) {
     const int peer = static_cast<int>(threadIdx.x);
-    const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
-    uint64_t seen = load_acquire_sys(slot);
-    if ((seen >> 16) < epoch) {
-      const uint64_t start = global_timer_ns();
-      const uint64_t timeout_ns = state->tables.timeout_ns;
-      while ((seen >> 16) < epoch) {
-        const uint64_t elapsed = global_timer_ns() - start;
-        if (elapsed > timeout_ns) {
-          record_fault(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
-                       static_cast<int64_t>(elapsed), kFieldSequence);
-          __trap();
-        }
-        seen = load_acquire_sys(slot);
-      }
-    }
+    const uint64_t seen = wait_directory_entry(state, axis_slot, group, peer, epoch, op_id, rank);
     const int32_t ordinal = static_cast<int32_t>(seen & 0xFFFF);
     info->ordinals[peer] = ordinal;
     differs =
