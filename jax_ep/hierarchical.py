@@ -16,6 +16,9 @@ axes:
 in-node reduction: one row per (token, node)), then ``combine_rank_major`` over the node axis (one row
 per (token, node) back, summed at the source). Gradients come from each op's custom_vjp.
 
+Transports (``KernelConfig.transport``, backend "cuda"): the node hop takes cfg's (over other nodes
+"auto" picks NVSHMEM puts; "put" forces them on one node), the local axis always NVLink loads / stores.
+
 Not built: FP8 dispatch (stage 2's expert-major dispatch takes no scales for rows that are already
 quantised) and rank masking.
 """
@@ -99,9 +102,12 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
         backend = "reference"  # "auto" only; "cuda" raised
     # the checks that need values run here over the whole group (both axes), not per stage
     node_cfg = cfg.replace(axis_name=node_axis, checked=False, backend=backend)
+    # The local axis stays inside a node (the mesh's contract): its ops reach their peers by NVLink
+    # loads / stores even in a job that spans nodes; the node hop keeps cfg's transport ("auto":
+    # NVSHMEM puts when a process of the job is on another node, "put": forced).
     local_cfg = cfg.replace(num_experts=cfg.num_experts // nodes,
                             max_tokens_per_rank=nodes * cfg.max_tokens_per_rank, checked=False,
-                            backend=backend)
+                            backend=backend, kernel=cfg.kernel.replace(transport="load_store"))
     return node_cfg, local_cfg
 
 

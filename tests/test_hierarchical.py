@@ -492,3 +492,35 @@ def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch):
     with pytest.raises(ValueError, match=f"share the CUDA kernels' directory slot {slot['local']}"):
         jax.jit(jax.shard_map(clashing, mesh=mesh, in_specs=(P((clash, "local")),) * 3,
                               out_specs=P((clash, "local")))).lower(x, idx, w)
+
+
+def test_node_hop_takes_cfg_transport_and_local_axis_loads_stores(monkeypatch):
+    """backend='cuda', KernelConfig(transport='put') (test 3b's forcing, process model 2 simulated):
+    the node hop's rank-major calls go over NVSHMEM puts (transport = 1), the local axis's expert-major
+    calls over loads / stores (transport = 0), which alone they have."""
+    from jax_ep import KernelConfig, runtime
+
+    pytest.importorskip("jax_ep._C")
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "process_model", lambda: "process_per_gpu")
+    monkeypatch.setattr(runtime, "unreachable_processes", lambda: [])
+    nodes, local = 2, 4
+    cfg = hier_cfg(nodes, local, backend="cuda").replace(kernel=KernelConfig(transport="put"))
+    x, idx, w = random_inputs(np.random.default_rng(2), 8, cfg.num_experts, dtype=jnp.bfloat16)
+    spec = P(GROUP)
+
+    def body(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x[0], i[0], w[0], cfg, "node")
+        return jax_ep.combine_hierarchical(d.x, d.handle, cfg, "node")[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh2d(nodes, local), in_specs=(spec,) * 3, out_specs=spec))
+    seen = {}
+    for line in f.lower(x, idx, w).as_text().splitlines():
+        if "stablehlo.custom_call @jax_ep" in line:
+            name = line.split("@")[1].split("(")[0]
+            seen[name] = "transport = 1 " in line
+            assert ("transport = 1 " in line) != ("transport = 0 " in line), line
+    assert seen == {"jax_ep_dispatch_rank_major": True, "jax_ep_combine_rank_major": True,
+                    "jax_ep_dispatch": False, "jax_ep_combine": False}, seen
