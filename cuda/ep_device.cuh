@@ -223,6 +223,38 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
 // Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
 __device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
 
+// Thread 0 at a call's start: the device scalars rank and group, and the sizes, are in range (a
+// kFaultBadArgument naming the op otherwise).
+__device__ __forceinline__ void check_call_args(DeviceState* state, int32_t rank, int32_t group,
+                                                int32_t group_size, int32_t axis_slot,
+                                                int32_t op_id) {
+  if (rank < 0 || rank >= group_size || group < 0 || group >= kMaxGroups || axis_slot < 0 ||
+      axis_slot >= kDirectoryAxes || group_size < 1 || group_size > kMaxGroupRanks) {
+    record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
+                          static_cast<uint64_t>(group_size), static_cast<uint64_t>(group), 0);
+  }
+}
+
+// Thread 0, after check_call_args: the buffer is large enough and holds no low-latency data in
+// flight; bumps this device's epoch of (axis slot, group) and fills info's rank, size, group and
+// expected (epoch << 16 | directory key). Every discovery (NVLink and put transports) starts here.
+__device__ __forceinline__ void begin_group_call(DeviceState* state, int32_t rank, int32_t group,
+                                                 int32_t group_size, int32_t axis_slot,
+                                                 uint64_t needed_bytes, int32_t op_id,
+                                                 OpInfo* info) {
+  require_comm_bytes(state, needed_bytes, op_id, rank);
+  if (state->sync.ll_busy != 0) {  // the low-latency data in flight shares the buffer
+    record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, kLLFaultThroughput, 0,
+                          state->sync.ll_busy, 0);
+  }
+  const uint64_t epoch = state->sync.group_epoch[axis_slot][group] + 1;
+  state->sync.group_epoch[axis_slot][group] = epoch;
+  info->expected = (epoch << 16) | static_cast<uint64_t>(axis_slot * kMaxGroups + group);
+  info->rank = rank;
+  info->size = group_size;
+  info->group = group;
+}
+
 // Waits until rank `peer` of the group has published its directory entry for `epoch` (it has
 // entered this call) and returns the entry (acquired). Bounded: a peer whose call count stays below
 // this call's records a timeout fault naming the op, this rank and the peer (field: expected /
@@ -276,22 +308,8 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
   if (threadIdx.x == 0) {
     const int32_t rank = *rank_ptr;
     const int32_t group = *group_ptr;
-    if (rank < 0 || rank >= group_size || group < 0 || group >= kMaxGroups || axis_slot < 0 ||
-        axis_slot >= kDirectoryAxes || group_size < 1 || group_size > kMaxGroupRanks) {
-      record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
-                            static_cast<uint64_t>(group_size), static_cast<uint64_t>(group), 0);
-    }
-    require_comm_bytes(state, needed_bytes, op_id, rank);
-    if (state->sync.ll_busy != 0) {  // the low-latency data in flight shares the buffer
-      record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, kLLFaultThroughput, 0,
-                            state->sync.ll_busy, 0);
-    }
-    const uint64_t epoch = state->sync.group_epoch[axis_slot][group] + 1;
-    state->sync.group_epoch[axis_slot][group] = epoch;
-    info->expected = (epoch << 16) | static_cast<uint64_t>(axis_slot * kMaxGroups + group);
-    info->rank = rank;
-    info->size = group_size;
-    info->group = group;
+    check_call_args(state, rank, group, group_size, axis_slot, op_id);
+    begin_group_call(state, rank, group, group_size, axis_slot, needed_bytes, op_id, info);
     uint32_t active = 0u;
     for (int r = 0; r < group_size; ++r) {
       if (rank_mask == nullptr || rank_mask[r] != 0) active |= 1u << r;

@@ -70,25 +70,11 @@ __device__ __forceinline__ void discover_group_put(DeviceState* state, const int
   if (threadIdx.x == 0) {
     const int32_t rank = *rank_ptr;
     const int32_t group = *group_ptr;
-    if (rank < 0 || rank >= group_size || group < 0 || group >= kMaxGroups || axis_slot < 0 ||
-        axis_slot >= kDirectoryAxes || group_size < 1 || group_size > kMaxGroupRanks) {
-      record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
-                            static_cast<uint64_t>(group_size), static_cast<uint64_t>(group), 0);
-    }
+    check_call_args(state, rank, group, group_size, axis_slot, op_id);
     if (state->tables.symmetric_buffer == nullptr) {  // model 1 (refused by the handler)
       record_fault_and_trap(state, kFaultStaleRuntime, op_id, rank, -1, -1, needed_bytes, 0, 0);
     }
-    require_comm_bytes(state, needed_bytes, op_id, rank);
-    if (state->sync.ll_busy != 0) {  // the low-latency data in flight shares the buffer
-      record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, kLLFaultThroughput, 0,
-                            state->sync.ll_busy, 0);
-    }
-    const uint64_t epoch = state->sync.group_epoch[axis_slot][group] + 1;
-    state->sync.group_epoch[axis_slot][group] = epoch;
-    info->expected = (epoch << 16) | static_cast<uint64_t>(axis_slot * kMaxGroups + group);
-    info->rank = rank;
-    info->size = group_size;
-    info->group = group;
+    begin_group_call(state, rank, group, group_size, axis_slot, needed_bytes, op_id, info);
   }
   __syncthreads();
   const uint64_t epoch = info->expected >> 16;
