@@ -13,3 +13,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "examples"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--ep-ranks", type=int, default=2, metavar="R",
+                     help="GPU tests: EP group size of the single-axis GPU suites (default 2; 1 runs the "
+                          "kernels on a one-GPU machine, each rank sending to itself)")
+
+
+def pytest_configure(config):
+    # read by tests/gpu/gpu_helpers.py at import (the GPU modules size their meshes from it)
+    os.environ["JAX_EP_TEST_EP_RANKS"] = str(config.getoption("--ep-ranks"))

@@ -10,6 +10,9 @@
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
 #      PG_BENCH=1 runs the process-model-2 benchmark (2 processes x 1 GPU, NVSHMEM)
+#      NCU=1 profiles the EP kernels' main kernels (ncu --set full, one launch each) at the
+#            DeepSeek-V3 shape over the local GPUs; NCU_ARGS extra arguments of tools/ep_tune.py;
+#            reports and their details pages tarred into $OUT/ncu.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -116,6 +119,34 @@ if [ "${PG_BENCH:-0}" = 1 ]; then
   grep -E "bench|OK" "$OUT/pg_bench.log"
   echo "process model 2 bench: rc=$pg_rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
   [ $pg_rc -eq 0 ] || { status=1; tail -40 "$OUT/pg_bench.log"; }
+fi
+
+if [ "${NCU:-0}" = 1 ]; then
+  step "ncu: the EP main kernels (tools/ep_tune.py under ncu)"
+  start=$SECONDS
+  mkdir -p "$OUT/ncu"
+  # name | kernels | launches | ep_tune arguments. bf16: each op's first calls (the warm-up, the
+  # timed chain and the handle's dispatch), so every main kernel is caught at least twice.
+  sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+--section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
+--section Occupancy"
+  for job in "expert_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16" \
+             "expert_major_fp8|dispatch_main|dispatch_main|dispatch_main|1|--dtypes float8_e4m3fn" \
+             "rank_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16 --rank-major"; do
+    IFS='|' read -r name k1 k2 k3 count extra <<<"$job"
+    # shellcheck disable=SC2086
+    timeout 240 ncu --clock-control none $sections -k "regex:${k1}|${k2}|${k3}" --launch-count "$count" \
+      -f -o "$OUT/ncu/$name" "$PY" tools/ep_tune.py --splits 6:8:1 --iters 1 --repeats 1 $extra \
+      ${NCU_ARGS:-} >"$OUT/ncu/$name.log" 2>&1
+    ncu_rc=$?
+    tail -5 "$OUT/ncu/$name.log"
+    ncu --import "$OUT/ncu/$name.ncu-rep" --page details --print-units base >"$OUT/ncu/$name.txt" 2>&1
+    grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L1/TEX Cache Throughput|Executed Ipc A|Compute \(SM\) Th" \
+      "$OUT/ncu/$name.txt" | tee -a "$OUT/summary.txt"
+    [ $ncu_rc -eq 0 ] || status=1
+  done
+  tar -C "$OUT" -czf "$OUT/ncu.tar.gz" ncu && rm -rf "$OUT/ncu"
+  echo "ncu: in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 fi
 
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT)" | tee -a "$OUT/summary.txt"

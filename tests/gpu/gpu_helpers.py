@@ -13,6 +13,18 @@ import numpy as np
 
 POISON_WORD = 0xA5A5A5A5
 
+# EP group size of the single-axis suites (pytest --ep-ranks, tests/conftest.py; default 2). At 1 the
+# kernels run on one GPU with every rank sending to itself: the local paths only.
+EP_RANKS = int(os.environ.get("JAX_EP_TEST_EP_RANKS", "2"))
+
+
+def needs_two_ranks(r: int) -> None:
+    """Skip a test that needs a peer (timeouts, ranks skipping a call) when the suite runs at one rank."""
+    import pytest
+
+    if r < 2:
+        pytest.skip("needs a peer rank (run with --ep-ranks 2 or more)")
+
 
 def poison_device_memory(devices, nbytes: int = 64 << 20) -> None:
     """Fills nbytes on each device with 0xA5 and frees it: XLA's allocator hands that memory out
@@ -90,7 +102,7 @@ def faults_of_child(script: str, timeout_s: str = "2", want: int = 1) -> tuple[l
     return json.loads(lines[0][len("FAULTS="):]), child.stdout
 
 
-# A child script for faults_of_child that runs one EP step over the first two GPUs (mesh axis "ep"):
+# A child script for faults_of_child that runs one EP step over the first EP_RANKS GPUs (mesh axis "ep"):
 # `body` is the source of body(x, idx, w), the per-rank step, with x [64, 256] bf16 ones, every token
 # to experts 0 and 5 of 8 (num_topk=2) and unit weights; `cfg_args` are more EPConfig arguments.
 _EP_STEP_HEAD = """
@@ -101,9 +113,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import jax_ep
 
-gpus = jax.local_devices(backend="gpu")[:2]
+gpus = jax.local_devices(backend="gpu")[:%d]
 mesh = Mesh(np.array(gpus), ("ep",))
-cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=32,
+cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=64 // len(gpus),
                       backend="cuda"%s)
 x = jnp.ones((64, 256), jnp.bfloat16)
 idx = jnp.tile(jnp.array([[0, 5]], jnp.int32), (64, 1))
@@ -123,4 +135,4 @@ except Exception as e:
 def ep_step_child(body: str, **cfg_args) -> str:
     """The script of a child that runs `body` (see _EP_STEP_HEAD) once under jit + shard_map."""
     extra = "".join(f", {name}={value!r}" for name, value in cfg_args.items())
-    return _EP_STEP_HEAD % extra + textwrap.dedent(body) + _EP_STEP_TAIL
+    return _EP_STEP_HEAD % (EP_RANKS, extra) + textwrap.dedent(body) + _EP_STEP_TAIL

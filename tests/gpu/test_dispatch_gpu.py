@@ -18,11 +18,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gpu_helpers import (
+    EP_RANKS,
     GRAPH_OPTIONS,
     assert_captured,
     ep_step_child,
     faults_of_child,
     handler_stats,
+    needs_two_ranks,
     poison_device_memory,
 )
 from jax import lax
@@ -34,7 +36,7 @@ import jax_ep
 pytestmark = pytest.mark.gpu
 
 AXIS = "ep"
-R = 2
+R = EP_RANKS
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +432,7 @@ _TIMEOUT_BODY = """
 
 @pytest.mark.parametrize("op", ["dispatch", "dispatch_rank_major"])
 def test_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh, op):
+    needs_two_ranks(R)
     faults, stdout = faults_of_child(ep_step_child(_TIMEOUT_BODY.format(op=op)))
     assert len(faults) == 1, faults
     fault = faults[0]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_helpers import ep_step_child, faults_of_child, poison_device_memory
+from gpu_helpers import EP_RANKS, ep_step_child, faults_of_child, needs_two_ranks, poison_device_memory
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -26,7 +26,7 @@ import jax_ep
 pytestmark = pytest.mark.gpu
 
 AXIS = "ep"
-R = 2
+R = EP_RANKS
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +242,7 @@ _SKIP_CHILD = ep_step_child("""
 
 
 def test_ll_rank_skipping_the_call_times_out_naming_op_and_rank(cuda_backend, mesh):
+    needs_two_ranks(R)
     faults, stdout = faults_of_child(_SKIP_CHILD)
     assert len(faults) == 1, faults
     fault = faults[0]
