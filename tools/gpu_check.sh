@@ -6,8 +6,9 @@
 # Env: OUT     log folder (default ./out)
 #      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
 #      PYTEST_ARGS  extra pytest arguments, split like a shell line (e.g. '-k "smoke or async" -x')
-#      SKIP_TESTS=1 skips the GPU tests
-#      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks
+#      SKIP_TESTS=1 skips the GPU tests; TESTS_TIMEOUT their limit in seconds (default 3000)
+#      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks;
+#               BENCH_TIMEOUT its limit in seconds (default 3000)
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
 #      PG_BENCH=1 runs the process-model-2 benchmark (2 processes x 1 GPU, NVSHMEM)
 #      NCU=1 profiles the EP kernels' main kernels (ncu --set full, one launch each) at the
@@ -78,7 +79,7 @@ step "GPU tests: pytest -m gpu tests/gpu"
 start=$SECONDS
 # PYTEST_ARGS is split like a shell line, so quotes work: PYTEST_ARGS='-k "a or b"'
 eval "pytest_args=(${PYTEST_ARGS:-})"
-"$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
+timeout "${TESTS_TIMEOUT:-3000}" "$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
   "${pytest_args[@]}" >"$OUT/gpu-tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/gpu-tests.log"
@@ -91,7 +92,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f benchmarks/ops.py ]; then
   step "benchmark: python -m benchmarks --out $OUT/bench.json"
   start=$SECONDS
   # shellcheck disable=SC2086
-  "$PY" -m benchmarks --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-3000}" "$PY" -m benchmarks --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   bench_rc=$?
   tail -60 "$OUT/bench.log"
   echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
