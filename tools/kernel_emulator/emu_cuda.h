@@ -188,6 +188,11 @@ inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_
 template <class T>
 T __shfl_sync(unsigned, T value, int src) { return emu::exchange(value, src); }
 template <class T>
+T __shfl_up_sync(unsigned, T value, unsigned delta) {
+  const int lane = emu::lane();
+  return emu::exchange(value, lane >= static_cast<int>(delta) ? lane - static_cast<int>(delta) : lane);
+}
+template <class T>
 T __shfl_xor_sync(unsigned, T value, int offset) { return emu::exchange(value, emu::lane() ^ offset); }
 inline unsigned __ballot_sync(unsigned, int pred) {
   uint64_t all[32];

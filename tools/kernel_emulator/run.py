@@ -318,6 +318,11 @@ CASES = [
          x_dtype="float32", y_dtype="float32"),
     dict(name="fp8 odd blocks, 15 send warps", R=2, T=9, H=640, K=2, E=4,
          dispatch_dtype="float8_e4m3fn", send_warps=15, reps=3),
+    # more than 32 experts per rank: notify's segment scan runs over several groups of 32 (with
+    # drops where the capacity cuts a segment)
+    dict(name="80 experts per rank, segment scan", R=2, T=40, H=64, K=6, E=160, align=4,
+         capacity=200, kind="messy"),
+    dict(name="70 experts on one rank, segment scan", R=1, T=30, H=64, K=8, E=70, align=2),
     # rank masking: all active (the same bits as no mask), masked ranks that run the ops, and masked
     # ranks whose process runs none (the others must not wait for them)
     dict(name="mask all active", R=3, T=20, H=128, K=4, E=9, kind="messy", mask=(1, 1, 1)),
