@@ -7,6 +7,7 @@ namespace jax_ep {
 namespace {
 
 constexpr int kSlotValuesThreads = 1024;
+constexpr int kBatch = 8;  // elements per thread in flight
 
 __global__ void __launch_bounds__(kSlotValuesThreads)
     slot_values_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
@@ -24,25 +25,56 @@ __global__ void __launch_bounds__(kSlotValuesThreads)
     for (int r = 0; r < kMaxGroupRanks; ++r) group.ordinals[r] = r < R ? info.ordinals[r] : -1;
   }
   const int64_t per_rank = static_cast<int64_t>(T) * K;
-  // token_rows is [R * T, K]: element i belongs to source rank i / (T * K).
-  for (int64_t i = threadIdx.x; i < R * per_rank; i += blockDim.x) {
-    const int s = static_cast<int>(i / per_rank);
+  // One block does it all (the barrier is a block's), so each thread keeps kBatch independent
+  // loads in flight instead of one dependent chain (token row, then value) per element.
+  // token_rows is [R * T, K]: rows [s * T, (s + 1) * T) belong to source rank s.
+  for (int s = 0; s < R; ++s) {
     if (info.ordinals[s] < 0) continue;  // a masked rank: nothing goes there
-    const int32_t row = __ldg(token_rows + i);
-    const float value = row >= 0 ? __ldg(values + row) : 0.f;
-    char* peer = comm_buffer_of(state, info.ordinals[s]);
-    reinterpret_cast<float*>(peer + layout.meta_w)[me * per_rank + (i - s * per_rank)] = value;
+    float* to = reinterpret_cast<float*>(comm_buffer_of(state, info.ordinals[s]) + layout.meta_w) +
+                me * per_rank;
+    const int32_t* rows = token_rows + s * per_rank;
+    for (int64_t j0 = threadIdx.x; j0 < per_rank; j0 += kBatch * blockDim.x) {
+      int32_t row[kBatch];
+      float value[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t j = j0 + b * blockDim.x;
+        row[b] = j < per_rank ? __ldg(rows + j) : -1;
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) value[b] = row[b] >= 0 ? __ldg(values + row[b]) : 0.f;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t j = j0 + b * blockDim.x;
+        if (j < per_rank) to[j] = value[b];
+      }
+    }
   }
   __threadfence_system();
   // with the linked ranks only (a masked rank's ordinal is -1)
   group_barrier_block(state, group, kOpSlotValues);  // starts with __syncthreads
   const float* staged = reinterpret_cast<const float*>(own_comm_buffer(state) + layout.meta_w);
-  for (int64_t j = threadIdx.x; j < per_rank; j += blockDim.x) {
-    float acc = 0.f;  // jnp.sum over ranks: 0 + v_0 + v_1 + ... (a masked rank's v is 0)
+  for (int64_t j0 = threadIdx.x; j0 < per_rank; j0 += kBatch * blockDim.x) {
+    float acc[kBatch];  // jnp.sum over ranks: 0 + v_0 + v_1 + ... (a masked rank's v is 0)
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) acc[b] = 0.f;
     for (int r = 0; r < R; ++r) {
-      acc = __fadd_rn(acc, group.ordinals[r] >= 0 ? __ldcg(staged + r * per_rank + j) : 0.f);
+      if (group.ordinals[r] < 0) {  // a masked rank adds +0.0, as the reference does
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) acc[b] = __fadd_rn(acc[b], 0.f);
+        continue;
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t j = j0 + b * blockDim.x;
+        acc[b] = __fadd_rn(acc[b], j < per_rank ? __ldcg(staged + r * per_rank + j) : 0.f);
+      }
     }
-    out[j] = acc;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t j = j0 + b * blockDim.x;
+      if (j < per_rank) out[j] = acc[b];
+    }
   }
 }
 
