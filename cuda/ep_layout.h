@@ -23,9 +23,12 @@ namespace jax_ep {
 // Most tokens per chunk (the unit of work of the data kernels and of the per-chunk ready flags).
 inline constexpr int kMaxChunkTokens = 8;
 // Chunks a call is cut into at least, down to one token per chunk: a chunk is one warp's serial chain
-// of row copies, so with few tokens, few chunks leave most warps idle (2x H200, 128 tokens per rank:
-// 8-token chunks made combine 200 µs).
-inline constexpr int kMinChunks = 512;
+// of row copies, so few chunks leave most warps idle (2x H200, 128 tokens per rank: 8-token chunks
+// made combine 200 µs), and big ones make a long tail. With every SM (131 blocks of 10 receiver
+// warps) 512 chunks of 8 tokens at T = 4096 kept the SMs active 59% of dispatch's main kernel (one
+// H200, ncu: SM active / elapsed cycles), each straggling warp copying 917 KB alone; 4096 chunks
+// give every receiver warp ~3 one-token items.
+inline constexpr int kMinChunks = 4096;
 // Largest top-k the EP kernels support (a warp holds a token's slots, one per lane).
 inline constexpr int kMaxTopk = 32;
 // Largest number of experts (the notify kernel keeps a count per expert in shared memory).
