@@ -12,7 +12,8 @@
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
 #      PG_BENCH=1 runs the process-model-2 benchmark (2 processes x 1 GPU, NVSHMEM)
 #      NCU=1 profiles the EP kernels' main kernels (ncu --set full, one launch each) at the
-#            DeepSeek-V3 shape over the local GPUs; NCU_ARGS extra arguments of tools/ep_tune.py;
+#            DeepSeek-V3 shape over the local GPUs; NCU_ARGS extra arguments of tools/ep_tune.py,
+#            NCU_SECTIONS ncu's section arguments, NCU_JOBS other kernels (see the step);
 #            reports and their details pages tarred into $OUT/ncu.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,12 +129,15 @@ if [ "${NCU:-0}" = 1 ]; then
   mkdir -p "$OUT/ncu"
   # name | kernels | launches | ep_tune arguments. bf16: each op's first calls (the warm-up, the
   # timed chain and the handle's dispatch), so every main kernel is caught at least twice.
-  sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+  sections="${NCU_SECTIONS:---section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
 --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
---section Occupancy"
-  for job in "expert_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16" \
-             "expert_major_fp8|dispatch_main|dispatch_main|dispatch_main|1|--dtypes float8_e4m3fn" \
-             "rank_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16 --rank-major"; do
+--section Occupancy}"
+  jobs=("expert_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16"
+        "expert_major_fp8|dispatch_main|dispatch_main|dispatch_main|1|--dtypes float8_e4m3fn"
+        "rank_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16 --rank-major")
+  # NCU_JOBS: other jobs, ';'-separated, in the same form (name|k1|k2|k3|launches|ep_tune args)
+  [ -n "${NCU_JOBS:-}" ] && IFS=';' read -r -a jobs <<<"$NCU_JOBS"
+  for job in "${jobs[@]}"; do
     IFS='|' read -r name k1 k2 k3 count extra <<<"$job"
     # shellcheck disable=SC2086
     timeout 240 ncu --clock-control none $sections -k "regex:${k1}|${k2}|${k3}" --launch-count "$count" \
@@ -142,6 +146,8 @@ if [ "${NCU:-0}" = 1 ]; then
     ncu_rc=$?
     tail -5 "$OUT/ncu/$name.log"
     ncu --import "$OUT/ncu/$name.ncu-rep" --page details --print-units base >"$OUT/ncu/$name.txt" 2>&1
+    ncu --import "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source cuda \
+      >"$OUT/ncu/$name.source.csv" 2>&1 || true
     grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L1/TEX Cache Throughput|Executed Ipc A|Compute \(SM\) Th" \
       "$OUT/ncu/$name.txt" | tee -a "$OUT/summary.txt"
     [ $ncu_rc -eq 0 ] || status=1
