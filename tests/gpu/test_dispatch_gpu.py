@@ -413,7 +413,8 @@ def test_moe_training_step_matches_reference(cuda_backend, mesh):
 
 
 def test_unsupported_dtype_is_a_clear_error(cuda_backend, mesh):
-    cfg = _cfg("cuda", num_experts=8, num_topk=2, hidden=64, max_tokens_per_rank=16 // R)  # 16 tokens over the group
+    # 16 tokens over the group
+    cfg = _cfg("cuda", num_experts=8, num_topk=2, hidden=64, max_tokens_per_rank=16 // R)
     fn = jax.jit(jax.shard_map(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg).x, mesh=mesh,
                                in_specs=P(AXIS), out_specs=P(AXIS)))
     with pytest.raises(ValueError, match="float16.*backend='reference'"):
