@@ -323,6 +323,7 @@ CASES = [
     dict(name="80 experts per rank, segment scan", R=2, T=40, H=64, K=6, E=160, align=4,
          capacity=200, kind="messy"),
     dict(name="70 experts on one rank, segment scan", R=1, T=30, H=64, K=8, E=70, align=2),
+    dict(name="top12 messy (prep's wide slot path)", R=2, T=20, H=64, K=12, E=16, kind="messy"),
     # rank masking: all active (the same bits as no mask), masked ranks that run the ops, and masked
     # ranks whose process runs none (the others must not wait for them)
     dict(name="mask all active", R=3, T=20, H=128, K=4, E=9, kind="messy", mask=(1, 1, 1)),
