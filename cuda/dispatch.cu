@@ -419,11 +419,14 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
   if constexpr (kConv == kConvCopy) {
     warp_copy_row<kTma>(tma, x_row, a.row_bytes, dst_mask, my_dst, lane);
   } else if constexpr (kConv == kConvF32ToBF16) {
-    warp_copy_convert<true, kRowBF16, 4>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane);
+    warp_copy_convert<true, kRowBF16, 4, kTma>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane,
+                                               &tma);
   } else if constexpr (kConv == kConvBF16ToFP8) {
-    warp_copy_convert<false, kRowFP8, 4>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane);
+    warp_copy_convert<false, kRowFP8, 4, kTma>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane,
+                                               &tma);
   } else {
-    warp_copy_convert<true, kRowFP8, 2>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane);
+    warp_copy_convert<true, kRowFP8, 2, kTma>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane,
+                                              &tma);
   }
 }
 

@@ -299,6 +299,7 @@ inline void tma_store_commit() {}
 inline void tma_store_wait_read() {}
 inline void tma_store_wait_all() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void fence_proxy_async_global() {}
+inline void fence_proxy_async_shared() {}
 // cp.async copies complete immediately.
 inline void cp_async_16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void cp_async_commit() {}

@@ -324,6 +324,12 @@ CASES = [
          capacity=200, kind="messy"),
     dict(name="70 experts on one rank, segment scan", R=1, T=30, H=64, K=8, E=70, align=2),
     dict(name="top12 messy (prep's wide slot path)", R=2, T=20, H=64, K=12, E=16, kind="messy"),
+    # converting bulk copies in more than one piece of the warp's shared buffer (26 BF16 / 52 FP8
+    # steps of 256 elements per piece)
+    dict(name="f32 -> bf16 rows in two bulk pieces", R=2, T=10, H=7168, K=4, E=8, x_dtype="float32",
+         dispatch_dtype="bfloat16"),
+    dict(name="fp8 rows in two bulk pieces", R=2, T=6, H=13440, K=3, E=4,
+         dispatch_dtype="float8_e4m3fn"),
     # rank masking: all active (the same bits as no mask), masked ranks that run the ops, and masked
     # ranks whose process runs none (the others must not wait for them)
     dict(name="mask all active", R=3, T=20, H=128, K=4, E=9, kind="messy", mask=(1, 1, 1)),
