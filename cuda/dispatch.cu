@@ -15,8 +15,8 @@
 //  3. rows: per (token, slot) the destination rank and receive row (-1 unused, -2 dropped).
 //  4. main (num_blocks blocks, warps split into senders and receivers):
 //     senders: per chunk (1-8 tokens, ep_layout.h), every token routed to a remote rank crosses
-//       NVLink ONCE (TMA bulk copies through shared memory or 16-byte stores; BF16/FP8 conversion fused in
-//       registers) into that rank's staging [me][t], with its per-slot metadata (receive row or
+//       NVLink ONCE (TMA bulk copies through shared memory or 16-byte stores; BF16/FP8 conversion
+//       fused) into that rank's staging [me][t], with its per-slot metadata (receive row or
 //       -1/-2, gate weight); metadata goes to every remote rank for every token. Then a release
 //       flag per (chunk, destination).
 //     receivers: zero the alignment-padding rows and write src_index/row_weights of the unused
