@@ -8,7 +8,8 @@ Call them inside ``shard_map`` over ``cfg.axis_name`` (per-rank view). Each op i
 function in each backend module, ``Backend``), and whether ``backend="auto"`` takes its kernel. The
 backward passes reuse the forward machinery: the gradient of dispatch is a combine with unit weights
 (plus the gate-weight gradients sent back to their top-k slots, ``slot_values``); the gradient of
-combine is a ``broadcast`` of the cotangents through the same handle. The rank-major pair works
+combine is a ``broadcast`` of the cotangents through the same handle, fused with the local part
+(d y and d row_weights) into one ``combine_bwd`` where its kernel is taken. The rank-major pair works
 the same way: combine_rank_major is the backward of dispatch_rank_major (rows and gate weights) and
 ``broadcast_rank_major`` that of combine_rank_major. The low-latency ops have no
 backward pass: differentiating through them raises ``NotImplementedError`` naming the op.
@@ -61,6 +62,8 @@ class Backend(Protocol):
                  cfg: EPConfig) -> Dispatched: ...
     def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
     def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
+    def combine_bwd(self, g: jax.Array, y: jax.Array, handle: Handle,
+                    cfg: EPConfig) -> tuple[jax.Array, jax.Array]: ...
     def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
     def ll_dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                     cfg: EPConfig) -> LLDispatched: ...
@@ -127,13 +130,13 @@ class Op:
 
 
 # the CUDA kernels that take the rank-mask operand (jax_ep.cuda_backend._mask_operand)
-_MASK_KERNELS = ("dispatch", "combine", "broadcast", "slot_values", "dispatch_rank_major",
+_MASK_KERNELS = ("dispatch", "combine", "broadcast", "combine_bwd", "slot_values", "dispatch_rank_major",
                  "combine_rank_major", "broadcast_rank_major")
 _NO_MASK_KERNEL = "this op's CUDA kernel takes no rank_mask"
 
 
 OPS = {op.name: op for op in (
-    Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("slot_values"),
+    Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("combine_bwd"), Op("slot_values"),
     Op("ll_dispatch", "fixed_slots"), Op("ll_combine", "fixed_slots"),
     *(Op(name, "rank_major") for name in ("dispatch_rank_major", "combine_rank_major",
                                           "broadcast_rank_major")),
@@ -260,10 +263,13 @@ def _combine_fwd(y, handle, rank_mask, cfg):
 
 def _combine_bwd(cfg, residuals, g):
     y, handle, rank_mask = residuals
-    broadcast = _masked(implementation("broadcast", cfg, g.dtype, rank_mask is not None), rank_mask)
-    g_rows = broadcast(g, handle, cfg).astype(jnp.float32)
-    dy = (g_rows * handle.row_weights[:, None]).astype(y.dtype)
-    d_row_weights = jnp.sum(reference.as_stored(y).astype(jnp.float32) * g_rows, axis=1)
+    masked = rank_mask is not None
+    fused = implementation("combine_bwd", cfg, y.dtype, masked)
+    if fused is reference.combine_bwd:  # unfused: the broadcast the backend picks, the rest in XLA
+        g_rows = _masked(implementation("broadcast", cfg, g.dtype, masked), rank_mask)(g, handle, cfg)
+        dy, d_row_weights = reference.combine_bwd_rows(g_rows, y, handle, cfg, rank_mask)
+    else:  # one kernel: g moved, y read and d y written once
+        dy, d_row_weights = _masked(fused, rank_mask)(g, y, handle, cfg)
     d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                       float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)

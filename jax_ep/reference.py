@@ -20,6 +20,10 @@ Semantics (docs/api.md has the user-facing version):
   * combine: each receiver sums, in float32 and in top-k slot order, the weighted rows of each
     (token, rank) pair, rounds the partial sum to y's dtype, sends it back; the source sums the
     partial sums in float32 in rank order and rounds to y's dtype.
+  * combine's backward (``combine_bwd``): for each receive row of a token (of a linked source),
+    d y = w * g[token] (one float32 product rounded to y's dtype) and d row_weight = the float32 dot
+    product of y's row as stored with g[token] in ``row_dot``'s fixed order; every other row gets +0.0
+    in both, whatever y holds there.
   * Rank masking (``rank_mask`` bool[R], optional, the same on every rank): a masked rank sends and
     receives nothing, as the CUDA kernels do (they can neither wait for nor write to a dead rank).
     dispatch: only pairs from an active source to an active destination travel; a masked rank keeps
@@ -75,6 +79,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep import types
 from jax_ep.config import FP8_BLOCK, FP8_MAX, EPConfig
 from jax_ep.types import (
     DROPPED,
@@ -320,6 +325,72 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array 
         to_rank = to_rank & _linked(rank_mask, cfg.axis_name)[:, None]
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
     return take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
+
+
+# The float32 dot product of a row in the kernels' order (cuda/broadcast.cu, combine_bwd): a warp walks
+# the row in steps of 256 elements, lane l taking the 8 consecutive elements at 256 s + 8 l.
+_DOT_LANES, _DOT_VECTOR = 32, 8
+_DOT_STEP = _DOT_LANES * _DOT_VECTOR
+
+
+def row_dot(a: jax.Array, b: jax.Array, runtime_zero: jax.Array) -> jax.Array:
+    """[N] float32: per row n, sum over h of a[n, h] * b[n, h] (float32 [N, H] each), in this order:
+    each product rounded to float32 (no fused multiply-add); the row padded with zeros to a multiple
+    of 256 and cut into steps of 256, element h = 256 s + 8 l + i (lane l < 32, i < 8); per (l, i)
+    the products of the steps summed in step order (starting from step 0's); then per lane its 8
+    sums pairwise (i with i + 4, then i + 2, then i + 1); then the 32 lanes' pairwise (l with l + 16,
+    then + 8, + 4, + 2, + 1). ``runtime_zero``: an int32 zero XLA cannot see (``_rounded``)."""
+    rows, width = a.shape
+    steps = -(-width // _DOT_STEP)
+    if steps == 0:
+        return jnp.zeros((rows,), jnp.float32)
+    pad = ((0, 0), (0, steps * _DOT_STEP - width))
+    products = _rounded(jnp.pad(a, pad) * jnp.pad(b, pad), runtime_zero)
+    products = products.reshape(rows, steps, _DOT_LANES, _DOT_VECTOR)
+    acc = products[:, 0]
+    for s in range(1, steps):  # fixed summation order: step order
+        acc = acc + products[:, s]
+    for half in (4, 2, 1):     # then within a lane, pairwise
+        acc = acc[..., :half] + acc[..., half:2 * half]
+    acc = acc[..., 0]
+    for half in (16, 8, 4, 2, 1):  # then across the lanes, pairwise (the warp's butterfly)
+        acc = acc[:, :half] + acc[:, half:2 * half]
+    return acc[:, 0]
+
+
+def live_rows(handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+    """[C] bool: the receive rows that hold a token of a source linked to this rank (``_linked``):
+    the rows combine reads and its backward writes. Empty rows are not; with rank_mask, neither
+    are the rows of the sources it does not link (combine's mask after an unmasked dispatch)."""
+    src = handle.src_index
+    live = src >= 0
+    if rank_mask is None:
+        return live
+    num_tokens = max(types.num_source_tokens(handle, lax.axis_size(cfg.axis_name)), 1)
+    return live & _linked(rank_mask, cfg.axis_name)[jnp.maximum(src, 0) // num_tokens]
+
+
+def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
+                rank_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """combine's backward at this rank: (d y [C, H] of y's dtype, d row_weights [C] float32) for the
+    output cotangent g [T, H] (y's dtype) of combine(y, handle, cfg, rank_mask). ``broadcast`` of g,
+    then ``combine_bwd_rows``."""
+    return combine_bwd_rows(broadcast(g, handle, cfg, rank_mask), y, handle, cfg, rank_mask)
+
+
+def combine_bwd_rows(g_rows: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
+                     rank_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """combine's backward from the broadcast cotangent rows g_rows [C, H] (the token's g on each of
+    its rows): per live row (``live_rows``) d y = w * g (one float32 product, rounded to y's dtype)
+    and d row_weight = ``row_dot`` of y's row as stored (``as_stored``: its dtype's value) and g;
+    every other row +0.0 in both, whatever y holds there (NaN included: the select drops it)."""
+    live = live_rows(handle, cfg, rank_mask)
+    gf = g_rows.astype(jnp.float32)
+    dy = jnp.where(live[:, None], gf * handle.row_weights[:, None], 0.0).astype(y.dtype)
+    # src_index >= -1 always: a zero XLA cannot see, keeping the products apart from the sums
+    runtime_zero = jnp.any(handle.src_index < EMPTY_ROW)
+    dots = row_dot(as_stored(y).astype(jnp.float32), gf, runtime_zero)
+    return dy, jnp.where(live, dots, 0.0)
 
 
 def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,

@@ -16,7 +16,8 @@ Semantics modelled:
   * capacity C: a row whose position reaches C is dropped; group_sizes = round_up(kept, alignment).
   * a received token is named by slot n = src_rank * T + src_token; token_rows[n, k] is its receive
     row, -1 where the slot is not routed to this rank, -2 where it is but was dropped.
-  * combine: per token, sum over its kept (token, expert) rows of weight * y_row.
+  * combine: per token, sum over its kept (token, expert) rows of weight * y_row; its backward's
+    d row_weights in the documented float32 order (dot_exact).
   * rank masking (rank_mask [R] bool): a masked rank sends and receives nothing. Only pairs from an
     active source to an expert of an active rank enter the segments above; every other valid pair
     goes nowhere and counts in its source rank's num_dropped (nowhere: [(token, k, expert)]). A
@@ -245,6 +246,29 @@ def combine_exact(y, model: ModelResult) -> np.ndarray:
                 total = partial if total is None else (total + partial).astype(np.float32)
             out[s, t] = total.astype(dtype)
     return out
+
+
+def dot_exact(a, b) -> np.float32:
+    """The documented float32 dot product of two rows (combine's d row_weights), emulated in float32:
+    each product rounded; the rows zero-padded to a multiple of 256 and cut into steps of 256 (element
+    256 s + 8 l + i: lane l < 32, i < 8); per (l, i) the steps summed in order, then each lane's 8 sums
+    pairwise (i + 4, i + 2, i + 1), then the 32 lanes' pairwise (l + 16, ..., l + 1)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    width = -(-len(a) // 256) * 256
+    if width == 0:
+        return np.float32(0.0)
+    products = np.zeros(width, np.float32)
+    products[:len(a)] = a * b
+    products = products.reshape(-1, 32, 8)
+    acc = products[0]
+    for step in products[1:]:
+        acc = acc + step
+    for half in (4, 2, 1):
+        acc = acc[:, :half] + acc[:, half:2 * half]
+    acc = acc[:, 0]
+    for half in (16, 8, 4, 2, 1):
+        acc = acc[:half] + acc[half:2 * half]
+    return acc[0]
 
 
 def dense_moe(x, topk_idx, topk_weights, expert_w, num_experts: int, kept=None) -> np.ndarray:

@@ -252,6 +252,54 @@ def test_combine_vjp_alone(ep_size):
     assert (drw[np.array([r.src for r in m.ranks]) < 0] == 0).all()
 
 
+@functools.cache
+def combine_bwd_fn(ep_size, cfg, masked):
+    """(x, idx, w, y, rw, g, mask) -> (d y, d row_weights) of combine over an unmasked dispatch's
+    handle with row_weights rw, the mask given to combine only (masked)."""
+    def f(x, idx, w, y, rw, g, mask):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        _, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg,
+                                                      rank_mask=mask if masked else None), y, rw)
+        return vjp(g)
+
+    return per_rank(f, ep_size)
+
+
+@pytest.mark.parametrize("ep_size, y_dtype, hidden, mask", [
+    (2, ml_dtypes.bfloat16, 264, None), (4, np.float32, 520, None), (4, ml_dtypes.bfloat16, 72, (1, 0, 1, 1)),
+    (2, np.float32, 256, (0, 1))])
+def test_combine_backward_bits_in_documented_order(ep_size, y_dtype, hidden, mask):
+    """combine's backward bit for bit (docs/api.md, "Gradients"): d row_weights[row] = the float32 dot
+    product of y's row as stored and its token's cotangent in the documented order (NumPy:
+    numpy_model.dot_exact), d y = w * g rounded once to y's dtype; rows with no token of a source
+    linked to the rank (empty rows; with combine's mask after an unmasked dispatch, the masked
+    sources' rows) get +0.0 in both although y holds NaN there. Row weights of both signs."""
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=hidden, max_tokens_per_rank=T, capacity=12,
+                   expert_alignment=2)
+    rng = np.random.default_rng(400 + ep_size + hidden)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    m = model_for(cfg, x, idx, w)
+    src = np.array([r.src for r in m.ranks])                       # [R, C]
+    active = np.ones(ep_size, bool) if mask is None else np.asarray(mask, bool)
+    source = np.maximum(src, 0) // T
+    linked = np.where(active[:, None], active[None, :], np.eye(ep_size, dtype=bool))  # [rank, source]
+    live = (src >= 0) & np.take_along_axis(linked, source, axis=1)
+    y = rng.standard_normal((ep_size, cfg.resolved_capacity(ep_size), hidden)).astype(np.float32)
+    y = np.where(live[..., None], y, np.nan).astype(y_dtype)
+    rw = rng.standard_normal(src.shape).astype(np.float32)
+    g = rng.standard_normal((ep_size, T, hidden)).astype(np.float32).astype(y_dtype)
+    mask_arg = np.tile(active, (ep_size, 1))
+    dy, drw = to_numpy(combine_bwd_fn(ep_size, cfg, mask is not None)(x, idx, w, y, rw, g, mask_arg))
+    want_dy, want_drw = np.zeros(y.shape, y_dtype), np.zeros(rw.shape, np.float32)
+    for d, j in zip(*np.nonzero(live), strict=True):
+        gt = g[src[d, j] // T, src[d, j] % T].astype(np.float32)
+        want_dy[d, j] = (gt * rw[d, j]).astype(y_dtype)
+        want_drw[d, j] = nm.dot_exact(y[d, j].astype(np.float32), gt)
+    assert live.any() and (~live & (src >= 0)).any() == (mask is not None)
+    assert_bits_equal(dy, want_dy, "d y")
+    assert_bits_equal(drw, want_drw, "d row_weights")
+
+
 # ---- FP8 -----------------------------------------------------------------------------------------------
 def test_fp8_dispatch_backward_not_implemented():
     ep_size = 2
