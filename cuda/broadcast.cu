@@ -2,9 +2,13 @@
 // kernel whose warps are either
 //   senders: copy g[t] once to every remote rank the token went to (its staging [me][t]), then a
 //     release flag per (chunk, rank);
-//   receivers: zero the rows whose src_index is -1 and copy each token (own tokens straight from
-//     g, remote ones when their chunk flag arrives) to each of its receive rows (token_rows).
+//   receivers: zero the rows that hold no token of a linked source (src_index -1, or a source the
+//     call's mask does not link) and copy each token (own tokens straight from g, remote ones when
+//     their chunk flag arrives) to each of its receive rows (token_rows).
 // broadcast_rank_major is this kernel with K = 1 (token_rows = the handle's slot -> row table).
+// combine_bwd is this kernel with a computing receiver: per receive row of a token it reads g[t]
+// and y's row and writes d y = w * g (rounded to y's dtype) and d row_weight = <y_row, g[t]> (float32,
+// the order of jax_ep.reference.row_dot); its senders join the receivers once their chunks are sent.
 #include "cuda/broadcast.h"
 #include "cuda/ep_device.cuh"
 
@@ -13,14 +17,21 @@ namespace {
 
 constexpr int kZeroRows = 256;  // rows per zero-fill work item
 
+// What the receivers do with a token's rows.
+enum class Rows { kCopy, kBackwardBF16, kBackwardF32 };
+
 struct BroadcastArgs : DataArgs {
   const char* g;
   const int32_t* token_rows;
   const bool* is_token_in_rank;
   const int32_t* src_index;
-  char* out;
+  char* out;      // broadcast: the rows; combine_bwd: d y
   int32_t C;
-  int32_t op_id;  // kOpBroadcast, or kOpBroadcastRankMajor (named in a timeout)
+  int32_t op_id;  // kOpBroadcast, kOpBroadcastRankMajor or kOpCombineBwd (named in a timeout)
+  // combine_bwd only (null otherwise)
+  const char* y;
+  const float* row_weights;
+  float* d_row_weights;
 };
 
 template <bool kTma>
@@ -39,20 +50,87 @@ __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const Dat
   });
 }
 
-// Zero-fill work item `item`: rows no token landed on (src_index -1) are zero.
-__device__ __forceinline__ void broadcast_zero_rows(const BroadcastArgs& a, int item, int lane) {
+// Zero-fill work item `item`: the rows no chunk item writes are zero (combine_bwd: d y and
+// d row_weights): those no token landed on (src_index -1) and those of a source this call does not
+// link (the receivers skip its chunks; a combine mask after an unmasked dispatch leaves such rows).
+__device__ __forceinline__ void broadcast_zero_rows(const BroadcastArgs& a, uint32_t linked,
+                                                    int item, int lane) {
   const int64_t lo = static_cast<int64_t>(item) * kZeroRows;
   const int64_t hi = lo + kZeroRows < a.C ? lo + kZeroRows : a.C;
   for (int64_t row0 = lo; row0 < hi; row0 += 32) {
     const int64_t row = row0 + lane;
-    const bool empty = row < hi && __ldg(a.src_index + row) < 0;
-    for (uint32_t m = __ballot_sync(kFullMask, empty); m != 0u; m &= m - 1u) {
+    const int32_t src = row < hi ? __ldg(a.src_index + row) : 0;
+    // (src >= 0: a token of source rank src / T, so T >= 1)
+    const bool dead = row < hi && (src < 0 || !has_rank(linked, src / a.T));
+    if (dead && a.d_row_weights != nullptr) a.d_row_weights[row] = 0.f;
+    for (uint32_t m = __ballot_sync(kFullMask, dead); m != 0u; m &= m - 1u) {
       warp_zero(a.out + (row0 + __ffs(m) - 1) * a.row_bytes, a.row_bytes, lane);
     }
   }
 }
 
-template <bool kTma>
+// Steps of a combine_bwd row a lane loads before it computes (16-byte loads in flight per operand).
+constexpr int kBackwardUnroll = 4;
+
+// combine_bwd of one token on this rank: for every kept row (bit j of `kept`: lane j holds it in
+// my_row), d y = w * g (one float32 product, rounded to the row dtype) and d row_weight = the
+// float32 dot product of y's row and g in jax_ep.reference.row_dot's order: lane l takes the 8
+// elements at 256 s + 8 l of step s (zeros past H), sums each element's products over the steps in
+// order (no FMA), then its 8 sums pairwise (i + 4, + 2, + 1), then the warp's butterfly over lanes
+// (l ^ 16, ..., l ^ 1). g is re-read per row (from L2); y is read and d y written once.
+template <bool kF32>
+__device__ __forceinline__ void combine_bwd_token(const BroadcastArgs& a, const char* g_row,
+                                                  uint32_t kept, int32_t my_row, int lane) {
+  const int H = a.row_bytes / (kF32 ? 4 : 2);
+  const int steps = (H + 255) / 256;
+  for (uint32_t m = kept; m != 0u; m &= m - 1u) {
+    const int64_t row = __shfl_sync(kFullMask, my_row, __ffs(m) - 1);
+    const float w = __ldg(a.row_weights + row);
+    const char* y_row = a.y + row * a.row_bytes;
+    char* dy_row = a.out + row * a.row_bytes;
+    float acc[8] = {};  // (step 0 sets it)
+    for (int s0 = 0; s0 < steps; s0 += kBackwardUnroll) {
+      float g[kBackwardUnroll][8], y[kBackwardUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kBackwardUnroll; ++u) {
+        const int e0 = (s0 + u) * 256 + lane * 8;
+        if (s0 + u < steps && e0 < H) {
+          load8<kF32>(g_row, e0, g[u]);
+          load8<kF32>(y_row, e0, y[u]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) g[u][i] = y[u][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBackwardUnroll; ++u) {
+        if (s0 + u >= steps) break;
+        const int e0 = (s0 + u) * 256 + lane * 8;
+        float dy[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          dy[i] = __fmul_rn(g[u][i], w);
+          const float p = __fmul_rn(y[u][i], g[u][i]);
+          acc[i] = s0 + u == 0 ? p : __fadd_rn(acc[i], p);
+        }
+        if (e0 < H) store8<kF32>(dy_row, e0, dy);
+      }
+    }
+#pragma unroll
+    for (int half = 4; half >= 1; half >>= 1) {
+#pragma unroll
+      for (int i = 0; i < half; ++i) acc[i] = __fadd_rn(acc[i], acc[i + half]);
+    }
+    float dot = acc[0];
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset >>= 1) {
+      dot = __fadd_rn(dot, __shfl_xor_sync(kFullMask, dot, offset));
+    }
+    if (lane == 0) a.d_row_weights[row] = dot;
+  }
+}
+
+template <bool kTma, Rows kRows>
 __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const DataWarp& d,
                                                   TmaWarp& tma) {
   const CommLayout& L = a.layout;
@@ -64,7 +142,7 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     int item = next_item(&d.info->work[1]);
     if (item >= n_zero + n_chunk_items) break;
     if (item < n_zero) {
-      broadcast_zero_rows(a, item, lane);
+      broadcast_zero_rows(a, d.linked, item, lane);
       continue;
     }
     item -= n_zero;
@@ -79,18 +157,44 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
       char* my_dst = row >= 0 ? a.out + static_cast<int64_t>(row) * a.row_bytes : nullptr;
       const char* src =
           s == d.me ? a.g + t * a.row_bytes : d.own + L.stage_data + slot * L.data_row_bytes;
-      warp_copy_row<kTma>(tma, src, a.row_bytes, kept, my_dst, lane);
+      if constexpr (kRows == Rows::kCopy) {
+        warp_copy_row<kTma>(tma, src, a.row_bytes, kept, my_dst, lane);
+      } else {
+        combine_bwd_token<kRows == Rows::kBackwardF32>(a, src, kept, row, lane);
+      }
     }
   }
 }
 
-template <bool kTma>
+template <bool kTma, Rows kRows>
 __global__ void __launch_bounds__(kDataThreads, 1)
     broadcast_main_kernel(DeviceState* state, BroadcastArgs a) {
   run_data_warps<kTma>(
       state, a.layout, a.send_warps,
-      [&](const DataWarp& d, TmaWarp& tma) { broadcast_send<kTma>(a, d, tma); },
-      [&](const DataWarp& d, TmaWarp& tma) { broadcast_receive<kTma>(a, d, tma); });
+      [&](const DataWarp& d, TmaWarp& tma) {
+        broadcast_send<kTma>(a, d, tma);
+        // combine_bwd: the receivers' work (y read, d y written) dwarfs the sends of g
+        if constexpr (kRows != Rows::kCopy) broadcast_receive<kTma, kRows>(a, d, tma);
+      },
+      [&](const DataWarp& d, TmaWarp& tma) { broadcast_receive<kTma, kRows>(a, d, tma); });
+}
+
+// The start kernel, then the data kernel (bulk-copy senders when use_tma).
+template <Rows kRows>
+cudaError_t launch_broadcast_kernels(const GroupLaunch& g, const BroadcastArgs& a, int32_t hidden,
+                                     int32_t kind, bool use_tma, cudaStream_t stream) {
+  JAX_EP_CUDA_RETURN(launch_start(g, group_fingerprint(g, a.op_id, hidden, kind), stream));
+  if (use_tma) {
+    const auto kernel = broadcast_main_kernel<true, kRows>;
+    JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            kTmaSharedBytes));
+    JAX_EP_LAUNCH(kernel, g.num_blocks, kDataThreads, kTmaSharedBytes, stream)(g.state, a);
+  } else {
+    const auto kernel = broadcast_main_kernel<false, kRows>;
+    JAX_EP_LAUNCH(kernel, g.num_blocks, kDataThreads, 0, stream)(g.state, a);
+  }
+  JAX_EP_CHECK_LAUNCH();
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -103,21 +207,29 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
   if (!group_launch_ok(g) || row_bytes == 0 || (rank_major ? g.num_topk != 1 : capacity < 1)) {
     return cudaErrorInvalidValue;
   }
-  const int32_t op_id = rank_major ? kOpBroadcastRankMajor : kOpBroadcast;
-  JAX_EP_CUDA_RETURN(launch_start(g, group_fingerprint(g, op_id, hidden, g_kind), stream));
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
-                        is_token_in_rank, src_index, static_cast<char*>(out), capacity, op_id};
-  if (use_tma) {
-    JAX_EP_CUDA_RETURN(cudaFuncSetAttribute(broadcast_main_kernel<true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            kTmaSharedBytes));
-    JAX_EP_LAUNCH(broadcast_main_kernel<true>, g.num_blocks, kDataThreads, kTmaSharedBytes,
-                  stream)(g.state, a);
-  } else {
-    JAX_EP_LAUNCH(broadcast_main_kernel<false>, g.num_blocks, kDataThreads, 0, stream)(g.state, a);
+                        is_token_in_rank, src_index, static_cast<char*>(out), capacity,
+                        rank_major ? kOpBroadcastRankMajor : kOpBroadcast, nullptr, nullptr,
+                        nullptr};
+  return launch_broadcast_kernels<Rows::kCopy>(g, a, hidden, g_kind, use_tma, stream);
+}
+
+cudaError_t launch_combine_bwd(const GroupLaunch& g, const void* grad, const void* y,
+                               const float* row_weights, const int32_t* token_rows,
+                               const bool* is_token_in_rank, const int32_t* src_index,
+                               int32_t capacity, int32_t hidden, int32_t kind, bool use_tma,
+                               void* dy, float* d_row_weights, cudaStream_t stream) {
+  const int32_t row_bytes = float_row_bytes(hidden, kind);
+  if (!group_launch_ok(g) || row_bytes == 0 || capacity < 1 || y == nullptr ||
+      row_weights == nullptr || d_row_weights == nullptr) {
+    return cudaErrorInvalidValue;
   }
-  JAX_EP_CHECK_LAUNCH();
-  return cudaSuccess;
+  const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
+                        is_token_in_rank, src_index, static_cast<char*>(dy), capacity,
+                        kOpCombineBwd, static_cast<const char*>(y), row_weights, d_row_weights};
+  return kind == kRowF32
+             ? launch_broadcast_kernels<Rows::kBackwardF32>(g, a, hidden, kind, use_tma, stream)
+             : launch_broadcast_kernels<Rows::kBackwardBF16>(g, a, hidden, kind, use_tma, stream);
 }
 
 }  // namespace jax_ep

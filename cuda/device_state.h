@@ -38,6 +38,7 @@ enum OpId : int32_t {
   kOpDispatchRankMajor = 9,
   kOpCombineRankMajor = 10,
   kOpBroadcastRankMajor = 11,
+  kOpCombineBwd = 12,
 };
 
 // What went wrong, in FaultRecord::kind.

@@ -34,12 +34,13 @@ class KernelConfig:
         about 1.5x slower than all of them (docs/benchmarks.md).
       dispatch_send_warps: warps of a dispatch block (of 16) that send; the others receive.
       combine_send_warps: warps of a combine block (of 16) that reduce and send; the others receive.
-      broadcast_send_warps: warps of a broadcast block (of 16) that send; the others receive.
-      bulk_copy: dispatch and broadcast copy rows with bulk (TMA) copies through shared memory; False
-        uses 16-byte register copies.
+      broadcast_send_warps: warps of a broadcast block (of 16) that send; the others receive. Also
+        combine's fused backward (combine_bwd, the broadcast kernel), whose senders then receive too.
+      bulk_copy: dispatch and broadcast (combine_bwd's senders too) copy rows with bulk (TMA) copies
+        through shared memory; False uses 16-byte register copies.
       async_stream: None (default): the communicating ops (dispatch, combine, broadcast,
-        slot_values, and the send phases ``ll_dispatch_send`` / ``ll_combine_send``) run on XLA's
-        compute stream, in program order. An int N: each runs on XLA execution stream N as an async
+        combine_bwd, slot_values, and the send phases ``ll_dispatch_send`` / ``ll_combine_send``)
+        run on XLA's compute stream, in program order. An int N: each runs on XLA execution stream N as an async
         op (``jax.experimental.compute_on.compute_on2`` with ``"gpu_stream:N"``), which XLA's
         scheduler overlaps with work that does not depend on it (the shared expert, the expert
         weights' gradients); then fewer ``num_sms`` leave the overlapping kernels room. Over NVLink

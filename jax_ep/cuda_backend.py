@@ -38,6 +38,8 @@ _DATA_OPS = ("dispatch", "combine", "broadcast", "slot_values")
 # the rank-major ops run the kernels (and take the knobs) of these expert-major ones
 _RANK_MAJOR_OPS = {"dispatch_rank_major": "dispatch", "combine_rank_major": "combine",
                    "broadcast_rank_major": "broadcast"}
+# combine's fused backward is the broadcast kernel with a computing receiver: broadcast's knobs
+_KERNEL_OF = {**_RANK_MAJOR_OPS, "combine_bwd": "broadcast"}
 _LL_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
            "ll_combine_recv")
 
@@ -51,7 +53,7 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
             return f"num_topk={cfg.num_topk} exceeds {limits['layout_max_topk']}"
         return None
     pads_rows = op in ("combine_rank_major", "broadcast_rank_major")  # any width (_pad_rows)
-    op = _RANK_MAJOR_OPS.get(op, op)
+    op = _KERNEL_OF.get(op, op)
     assert op in _DATA_OPS + _LL_OPS, op
     if op in _LL_OPS:
         if cfg.num_topk > 32:
@@ -311,7 +313,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     kernel = cfg.kernel
     rank_major = op in _RANK_MAJOR_OPS
     transport = _transport(op, cfg)
-    op = _RANK_MAJOR_OPS.get(op, op)
+    op = _KERNEL_OF.get(op, op)
     data_kernel = op != "slot_values"
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU
     num_sms = kernel.num_sms if kernel.num_sms is not None else ALL_SMS
@@ -427,6 +429,25 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array 
                    **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0]))
     return _vary_all(result, axis, g, handle.token_rows, handle.src_index)
+
+
+def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
+                rank_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``jax_ep.reference.combine_bwd`` (combine's backward: d y, d row_weights; bit-exact) in one
+    kernel of the broadcast family: g moves as broadcast moves it, y is read and d y written once.
+    Per-rank view."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    dy_type, drw_type = types.combine_bwd_types(y, handle)
+    tokens, hidden = g.shape
+    rank, group, axis_slot = _group_of(axis)
+    dy, d_row_weights = _call(
+        "combine_bwd", (dy_type, drw_type), g.astype(y.dtype), y, handle.row_weights, handle.token_rows,
+        handle.is_token_in_rank, handle.src_index, _mask_operand(rank_mask, ep_size), rank, group,
+        stream=cfg.kernel.async_stream,
+        **_attrs("combine_bwd", cfg, ep_size, axis_slot, tokens, hidden, row_bytes=hidden * y.dtype.itemsize,
+                 capacity=y.shape[0]))
+    return _vary_all((dy, d_row_weights), axis, g, y, *handle)
 
 
 def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,

@@ -69,7 +69,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 # Every FFI target the extension exports (names as registered with XLA).
 FFI_TARGETS = ("jax_ep_dispatch_layout", "jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine",
-               "jax_ep_broadcast", "jax_ep_slot_values", "jax_ep_remote_smoke",
+               "jax_ep_broadcast", "jax_ep_combine_bwd", "jax_ep_slot_values", "jax_ep_remote_smoke",
                "jax_ep_ll_dispatch", "jax_ep_ll_combine", "jax_ep_ll_dispatch_send",
                "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
                "jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major", "jax_ep_broadcast_rank_major")

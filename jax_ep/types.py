@@ -170,6 +170,11 @@ def broadcast_types(g, handle: Handle) -> jax.ShapeDtypeStruct:
     return _sds((handle.src_index.shape[0], g.shape[1]), g.dtype)
 
 
+def combine_bwd_types(y, handle: Handle) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """(d y [C, H'] of y's dtype, d row_weights [C] float32), for expert outputs y [C, H']."""
+    return _sds(y.shape, y.dtype), _sds(handle.row_weights.shape, jnp.float32)
+
+
 def ll_dispatch_types(num_tokens: int, x_dtype, cfg: EPConfig, ep_size: int) -> LLDispatched:
     """ll_dispatch's outputs for T = num_tokens tokens of ``x_dtype`` per rank."""
     local = cfg.num_local_experts(ep_size)

@@ -300,6 +300,63 @@ def test_combine_backward_bits_in_documented_order(ep_size, y_dtype, hidden, mas
     assert_bits_equal(drw, want_drw, "d row_weights")
 
 
+def _fake_extension(monkeypatch):
+    """The CUDA backend traces on any machine (its FFI calls compile on GPUs only)."""
+    from jax_ep import cuda_backend, runtime
+
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "limits", lambda: {
+        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
+        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+
+
+def _backward_calls(cfg, ep_size=2) -> dict:
+    """{custom call target: [its lines]} of jax.grad through combine (over a reference dispatch)."""
+    ref = cfg.replace(backend="reference")
+
+    def body(x, idx, w, y):
+        d = jax_ep.dispatch(x, idx, w, ref)
+        return jax.grad(lambda y, rw: jnp.sum(jax_ep.combine(
+            y, d.handle._replace(row_weights=rw), cfg).astype(jnp.float32) ** 2), argnums=(0, 1))(
+                y, d.row_weights)
+
+    rng = np.random.default_rng(5)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    y = jnp.ones((ep_size, cfg.resolved_capacity(ep_size), cfg.hidden), jnp.bfloat16)
+    text = per_rank(body, ep_size).lower(x, idx, w, y).as_text()
+    calls = {}
+    for line in text.splitlines():
+        if "stablehlo.custom_call @jax_ep" in line:
+            calls.setdefault(line.split("@")[1].split("(")[0], []).append(line)
+    return calls
+
+
+def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
+    """backend='cuda': combine's backward is one jax_ep_combine_bwd call (g, y, the handle; results
+    d y [C, H] of y's dtype and d row_weights [C] float32) with broadcast's knobs, no broadcast;
+    'auto' without a measured combine_bwd row in the auto table keeps the unfused path (the
+    broadcast the table picks: its kernel at 4096 tokens, here faked as measured)."""
+    from jax_ep import auto_table
+
+    _fake_extension(monkeypatch)
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="cuda")
+    calls = _backward_calls(cfg)
+    assert set(calls) == {"jax_ep_combine", "jax_ep_combine_bwd"}, calls
+    [line] = calls["jax_ep_combine_bwd"]
+    capacity = cfg.resolved_capacity(2)
+    assert f"capacity = {capacity} " in line and f"send_warps = {cfg.kernel.broadcast_send_warps} " in line
+    assert f"-> (tensor<{capacity}x{H}xbf16>, tensor<{capacity}xf32>)" in line, line
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens: op != "combine_bwd")
+    assert set(_backward_calls(cfg.replace(backend="auto"))) == {"jax_ep_combine", "jax_ep_broadcast"}
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens: True)
+    assert set(_backward_calls(cfg.replace(backend="auto"))) == {"jax_ep_combine", "jax_ep_combine_bwd"}
+
+
 # ---- FP8 -----------------------------------------------------------------------------------------------
 def test_fp8_dispatch_backward_not_implemented():
     ep_size = 2

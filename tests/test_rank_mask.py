@@ -441,7 +441,7 @@ def test_rank_major_all_active_mask_is_bit_identical_to_no_mask():
 
 def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
     """backend='cuda' with a mask traces on any machine (the FFI calls compile on GPUs only): the
-    forward and backward custom calls of dispatch / combine (dispatch, combine, broadcast,
+    forward and backward custom calls of dispatch / combine (dispatch, combine, combine_bwd,
     slot_values) and of the rank-major ops (dispatch_rank_major, combine_rank_major,
     broadcast_rank_major) each take the mask as an int32 [R] operand (traced: new values, same
     executable)."""
@@ -474,8 +474,8 @@ def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
                                          _tiled([True, False], ep_size)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_ep" in line]
     names = sorted(line.split("@")[1].split("(")[0] for line in calls)
-    assert names == ["jax_ep_broadcast", "jax_ep_broadcast_rank_major", "jax_ep_combine",
-                     "jax_ep_combine", "jax_ep_combine_rank_major", "jax_ep_combine_rank_major",
+    assert names == ["jax_ep_broadcast_rank_major", "jax_ep_combine", "jax_ep_combine",
+                     "jax_ep_combine_bwd", "jax_ep_combine_rank_major", "jax_ep_combine_rank_major",
                      "jax_ep_combine_rank_major", "jax_ep_dispatch", "jax_ep_dispatch_rank_major",
                      "jax_ep_slot_values"], names
     for line in calls:  # operands ..., rank_mask, rank, group

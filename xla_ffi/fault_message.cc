@@ -93,6 +93,8 @@ const char* OpName(int32_t op_id) {
       return "combine_rank_major";
     case kOpBroadcastRankMajor:
       return "broadcast_rank_major";
+    case kOpCombineBwd:
+      return "combine_bwd";
     default:
       return "unknown";
   }

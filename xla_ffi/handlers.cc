@@ -3,7 +3,8 @@
 // runtime bookkeeping, and enqueue kernels on XLA's stream (no host sync, no allocation, no stream
 // query, no host read of device data).
 //
-// The communicating ops (peer_smoke, remote_smoke, dispatch, combine, broadcast, slot_values) have an
+// The communicating ops (peer_smoke, remote_smoke, dispatch, combine, broadcast, combine_bwd,
+// slot_values) have an
 // instantiate stage: when XLA instantiates an executable, each call site decodes its attributes
 // once (EPAttrs), computes its communication-buffer layout from them (make_comm_layout, the one
 // layout function), reserves that much buffer in the runtime and keeps an OpState holding the
@@ -57,6 +58,7 @@ CallCounters peer_smoke_counters;
 CallCounters dispatch_counters;
 CallCounters combine_counters;
 CallCounters broadcast_counters;
+CallCounters combine_bwd_counters;
 CallCounters slot_values_counters;
 CallCounters remote_smoke_counters;
 CallCounters ll_dispatch_counters;
@@ -461,7 +463,8 @@ ffi::Error RemoteSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState*
 }
 
 // ---------------------------------------------------------------------------------------------
-// EP data ops: jax_ep_dispatch, jax_ep_combine, jax_ep_broadcast, jax_ep_slot_values
+// EP data ops: jax_ep_dispatch, jax_ep_combine, jax_ep_broadcast, jax_ep_combine_bwd,
+// jax_ep_slot_values
 // ---------------------------------------------------------------------------------------------
 // Common to all four: the rank and the EP group arrive as int32 device scalars (lax.axis_index;
 // never read on the host): the kernels discover the group's devices themselves.
@@ -727,6 +730,38 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
   return ffi::Error::Success();
 }
 
+// What broadcast and combine_bwd share: g's dtype (the rows' kind), the attributes, the handle's
+// shapes, and the group launch with the rank mask. `out` is broadcast's rows / combine_bwd's d y.
+ffi::Error PrepareBroadcast(const char* op, int32_t device_ordinal, const OpState& state,
+                            ffi::AnyBuffer g, ffi::Buffer<ffi::S32> token_rows,
+                            ffi::Buffer<ffi::PRED> is_token_in_rank,
+                            ffi::Buffer<ffi::S32> src_index, ffi::Buffer<ffi::S32> rank_mask,
+                            ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                            ffi::Result<ffi::AnyBuffer>& out, GroupLaunch* launch,
+                            int32_t* g_kind) {
+  const EPAttrs& a = state.attrs;
+  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks, C = a.capacity;
+  if (!RowKindOf(g.element_type(), g_kind) || *g_kind == kRowFP8 ||
+      out->element_type() != g.element_type()) {
+    return Invalid(op, "g must be bfloat16 or float32, and the output of the same dtype");
+  }
+  if (ffi::Error error = CheckRowBytes(op, a, *g_kind); !error.success()) return error;
+  if (C < 1 || !IsShape(g.dimensions(), {T, H}) || !IsShape(token_rows.dimensions(), {R * T, K}) ||
+      !IsShape(is_token_in_rank.dimensions(), {T, R}) || !IsShape(src_index.dimensions(), {C}) ||
+      !IsShape(out->dimensions(), {C, H})) {
+    return Invalid(op, "g " + DimsToString(g.dimensions()) + ", out " +
+                           DimsToString(out->dimensions()) + " do not match T=" +
+                           std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
+                           std::to_string(K) + ", R=" + std::to_string(R) + ", C=" +
+                           std::to_string(C));
+  }
+  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, launch);
+      !error.success()) {
+    return error;
+  }
+  return RankMaskOf(op, state, rank_mask, &launch->rank_mask);
+}
+
 ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                          ffi::AnyBuffer g, ffi::Buffer<ffi::S32> token_rows,
                          ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> src_index,
@@ -737,36 +772,56 @@ ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
     return error;
   }
   const EPAttrs& a = state->attrs;
-  const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks, C = a.capacity;
-  int32_t g_kind;
-  if (!RowKindOf(g.element_type(), &g_kind) || g_kind == kRowFP8 ||
-      out->element_type() != g.element_type()) {
-    return Invalid(kOp, "g must be bfloat16 or float32, and the output of the same dtype");
-  }
-  if (ffi::Error error = CheckRowBytes(kOp, a, g_kind); !error.success()) return error;
-  if (C < 1 || !IsShape(g.dimensions(), {T, H}) || !IsShape(token_rows.dimensions(), {R * T, K}) ||
-      !IsShape(is_token_in_rank.dimensions(), {T, R}) || !IsShape(src_index.dimensions(), {C}) ||
-      !IsShape(out->dimensions(), {C, H})) {
-    return Invalid(kOp, "g " + DimsToString(g.dimensions()) + ", out " +
-                            DimsToString(out->dimensions()) + " do not match T=" +
-                            std::to_string(T) + ", H=" + std::to_string(H) + ", K=" +
-                            std::to_string(K) + ", R=" + std::to_string(R) + ", C=" +
-                            std::to_string(C));
-  }
   GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
+  int32_t g_kind;
+  if (ffi::Error error = PrepareBroadcast(kOp, device_ordinal, *state, g, token_rows,
+                                          is_token_in_rank, src_index, rank_mask, rank, group, out,
+                                          &launch, &g_kind);
       !error.success()) {
     return error;
   }
   const cudaError_t status = launch_broadcast(
       launch, g.untyped_data(), token_rows.typed_data(), is_token_in_rank.typed_data(),
-      src_index.typed_data(), static_cast<int32_t>(C), static_cast<int32_t>(H), g_kind,
-      a.bulk_copy != 0, /*rank_major=*/false, out->untyped_data(), stream);
+      src_index.typed_data(), static_cast<int32_t>(a.capacity), static_cast<int32_t>(a.hidden),
+      g_kind, a.bulk_copy != 0, /*rank_major=*/false, out->untyped_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "broadcast kernel launch");
+  return ffi::Error::Success();
+}
+
+// combine_bwd: the broadcast of g fused with the rest of combine's backward (cuda/broadcast.h).
+ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                          ffi::AnyBuffer g, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> row_weights,
+                          ffi::Buffer<ffi::S32> token_rows, ffi::Buffer<ffi::PRED> is_token_in_rank,
+                          ffi::Buffer<ffi::S32> src_index, ffi::Buffer<ffi::S32> rank_mask,
+                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                          ffi::Result<ffi::AnyBuffer> dy,
+                          ffi::ResultBuffer<ffi::F32> d_row_weights) {
+  constexpr const char* kOp = kCombineBwdTarget;
+  if (ffi::Error error = CountCall(combine_bwd_counters, stream, kOp); !error.success()) {
+    return error;
+  }
+  const EPAttrs& a = state->attrs;
+  const int64_t C = a.capacity;
+  GroupLaunch launch{};
+  int32_t kind;
+  if (ffi::Error error = PrepareBroadcast(kOp, device_ordinal, *state, g, token_rows,
+                                          is_token_in_rank, src_index, rank_mask, rank, group, dy,
+                                          &launch, &kind);
+      !error.success()) {
+    return error;
+  }
+  if (y.element_type() != g.element_type() || !IsShape(y.dimensions(), {C, a.hidden}) ||
+      !IsShape(row_weights.dimensions(), {C}) || !IsShape(d_row_weights->dimensions(), {C})) {
+    return Invalid(kOp, "y " + DimsToString(y.dimensions()) + " must be [C, H] of g's dtype and "
+                            "row_weights, d_row_weights [C], C=" + std::to_string(C) + ", H=" +
+                            std::to_string(a.hidden));
+  }
+  const cudaError_t status = launch_combine_bwd(
+      launch, g.untyped_data(), y.untyped_data(), row_weights.typed_data(),
+      token_rows.typed_data(), is_token_in_rank.typed_data(), src_index.typed_data(),
+      static_cast<int32_t>(C), static_cast<int32_t>(a.hidden), kind, a.bulk_copy != 0,
+      dy->untyped_data(), d_row_weights->typed_data(), stream);
+  if (status != cudaSuccess) return CudaError(status, "combine_bwd kernel launch");
   return ffi::Error::Success();
 }
 
@@ -1379,6 +1434,7 @@ std::vector<HandlerStats> GetHandlerStats() {
         std::pair<const char*, CallCounters*>{kDispatchTarget, &dispatch_counters},
         std::pair<const char*, CallCounters*>{kCombineTarget, &combine_counters},
         std::pair<const char*, CallCounters*>{kBroadcastTarget, &broadcast_counters},
+        std::pair<const char*, CallCounters*>{kCombineBwdTarget, &combine_bwd_counters},
         std::pair<const char*, CallCounters*>{kSlotValuesTarget, &slot_values_counters},
         std::pair<const char*, CallCounters*>{kRemoteSmokeTarget, &remote_smoke_counters},
         std::pair<const char*, CallCounters*>{kLLDispatchTarget, &ll_dispatch_counters},
@@ -1452,6 +1508,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpRemoteSmoke, jax_ep::RemoteSmokeImpl,
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchInstantiate, kDispatchTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineInstantiate, kCombineTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastInstantiate, kBroadcastTarget);
+JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineBwdInstantiate, kCombineBwdTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpSlotValuesInstantiate, kSlotValuesTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchRankMajorInstantiate, kDispatchRankMajorTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineRankMajorInstantiate, kCombineRankMajorTarget);
@@ -1492,6 +1549,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcast, jax_ep::BroadcastImpl,
                                                   ffi::Buffer<ffi::S32>,      // src_index
                                                   ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::AnyBuffer>()),                   // out
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
+                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
+                                                  ffi::AnyBuffer,             // y
+                                                  ffi::Buffer<ffi::F32>,      // row_weights
+                                                  ffi::Buffer<ffi::S32>,      // token_rows
+                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                  ffi::Buffer<ffi::S32>,      // src_index
+                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
+                                   .Ret<ffi::AnyBuffer>()                     // d y
+                                   .Ret<ffi::Buffer<ffi::F32>>()),            // d row_weights
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,

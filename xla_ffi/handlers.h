@@ -18,6 +18,7 @@ inline constexpr const char kPeerSmokeTarget[] = "jax_ep_peer_smoke";
 inline constexpr const char kDispatchTarget[] = "jax_ep_dispatch";
 inline constexpr const char kCombineTarget[] = "jax_ep_combine";
 inline constexpr const char kBroadcastTarget[] = "jax_ep_broadcast";
+inline constexpr const char kCombineBwdTarget[] = "jax_ep_combine_bwd";
 inline constexpr const char kSlotValuesTarget[] = "jax_ep_slot_values";
 inline constexpr const char kRemoteSmokeTarget[] = "jax_ep_remote_smoke";
 inline constexpr const char kLLDispatchTarget[] = "jax_ep_ll_dispatch";
@@ -37,8 +38,8 @@ inline constexpr const char kBroadcastRankMajorTarget[] = "jax_ep_broadcast_rank
 struct EPAttrs {
   int64_t alignment;    // dispatch: expert_alignment
   int64_t axis_slot;    // directory slot of the EP axis
-  int64_t bulk_copy;    // dispatch, broadcast: rows moved by bulk (TMA) copies
-  int64_t capacity;     // dispatch, broadcast: receive rows C
+  int64_t bulk_copy;    // dispatch, broadcast, combine_bwd: rows moved by bulk (TMA) copies
+  int64_t capacity;     // dispatch, broadcast, combine_bwd: receive rows C
   int64_t hidden;       // H
   int64_t num_experts;  // dispatch: E
   int64_t num_ranks;    // R
@@ -89,10 +90,12 @@ XLA_FFI_Error* JaxEpRemoteSmokeInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpCombineInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpBroadcastInstantiate(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpCombineBwdInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpSlotValuesInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpCombine(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpBroadcast(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpCombineBwd(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpSlotValues(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombineInstantiate(XLA_FFI_CallFrame* call_frame);

@@ -199,6 +199,8 @@ NB_MODULE(_C, m) {
         handlers[jax_ep::kCombineTarget] = StatefulHandler(JaxEpCombineInstantiate, JaxEpCombine);
         handlers[jax_ep::kBroadcastTarget] =
             StatefulHandler(JaxEpBroadcastInstantiate, JaxEpBroadcast);
+        handlers[jax_ep::kCombineBwdTarget] =
+            StatefulHandler(JaxEpCombineBwdInstantiate, JaxEpCombineBwd);
         handlers[jax_ep::kSlotValuesTarget] =
             StatefulHandler(JaxEpSlotValuesInstantiate, JaxEpSlotValues);
         handlers[jax_ep::kLLDispatchTarget] =

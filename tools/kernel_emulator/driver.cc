@@ -1,5 +1,6 @@
-// Runs jax_ep's dispatch / combine / broadcast / slot_values kernels and their rank-major forms
-// (dispatch_rank_major, combine_rank_major, broadcast_rank_major) on the CPU emulation
+// Runs jax_ep's dispatch / combine / broadcast / combine_bwd / slot_values kernels and their
+// rank-major forms (dispatch_rank_major, combine_rank_major, broadcast_rank_major) on the CPU
+// emulation
 // (emu_cuda.h): one process per rank, device memory shared between them. Inputs and outputs are
 // raw little-endian files in <dir> (written/read by run.py, which compares with
 // jax_ep.reference).
@@ -339,6 +340,15 @@ int main(int argc, char** argv) {
                              y_kind, use_tma, false, bcast.data(), nullptr),
             "broadcast");
       write_file("bcast" + tag + ".bin", bcast.data(), bcast_bytes);
+      // combine_bwd of g and y through the same handle (y's empty rows hold NaN: never read)
+      auto bwd_dy = poisoned(bcast_bytes);
+      auto bwd_drw = poisoned(size_t(C) * 4);
+      check(launch_combine_bwd(gl, g.data(), y.data(), d.row_weights, d.token_rows,
+                               d.is_token_in_rank, d.src_index, C, H, y_kind, use_tma,
+                               bwd_dy.data(), reinterpret_cast<float*>(bwd_drw.data()), nullptr),
+            "combine_bwd");
+      write_file("bwd_dy" + tag + ".bin", bwd_dy.data(), bcast_bytes);
+      write_file("bwd_drw" + tag + ".bin", bwd_drw.data(), size_t(C) * 4);
       GroupLaunch gv = gl;
       gv.layout = values_layout;
       auto slotv = poisoned(size_t(T) * K * 4);

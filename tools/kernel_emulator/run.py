@@ -1,7 +1,8 @@
 """Runs the CUDA EP kernels on the CPU emulation (emu_cuda.h + driver.cc) and compares every
 output with jax_ep.reference (bit-exact; combine too: same summation order). Every case runs the
-expert-major ops (dispatch, combine, broadcast, slot_values) and the rank-major ones
-(dispatch_rank_major, combine_rank_major with NaN in the empty rows and some -0.0, broadcast_rank_major).
+expert-major ops (dispatch, combine and combine_bwd with NaN in y's empty rows, broadcast, slot_values)
+and the rank-major ones (dispatch_rank_major, combine_rank_major with NaN in the empty rows and some
+-0.0, broadcast_rank_major).
 The cases with a rank mask (``mask=``, ``absent=``; ``-k mask`` runs the fixed ones) run every op
 with the mask, some masked ranks' processes running no op at all, and compare every rank that runs
 them, masked ones included (see ``run_case``).
@@ -188,12 +189,13 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
         assert m is None or all(m[r] == 0 for r in absent), "only a masked rank may be absent"
     want = reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr)
     wants = [want, want]
-    if mask_odd is not None:  # NaN only in the rank-major rows empty under both masks
+    if mask_odd is not None:  # NaN only in the rows empty under both masks
         odd = reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr)
-        keep = (want["rm_src"] >= 0) | (odd["rm_src"] >= 0)
+        keep = ((want["src_index"] >= 0) | (odd["src_index"] >= 0),
+                (want["rm_src"] >= 0) | (odd["rm_src"] >= 0))
         wants = [reference_outputs(cfg, mesh, m, x, idx, w, y, g, v, yr, keep) for m in masks]
-        wants[1].pop("rm_y")
-    yr = wants[0].pop("rm_y")
+        wants[1].pop("y"), wants[1].pop("rm_y")
+    y, yr = wants[0].pop("y"), wants[0].pop("rm_y")
 
     with tempfile.TemporaryDirectory() as d:
         for r in range(R):
@@ -229,28 +231,33 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
 
 def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, keep=None) -> dict:
     """What every rank's driver outputs must be ([R, ...] each), under the mask (None: none).
-    rm_y: the rank-major y the driver gets, NaN in the empty rows (keep [R, R*T] bool: rows kept
-    even if empty)."""
+    y / rm_y: the expert-major / rank-major y the driver gets, NaN in the empty rows (keep: a pair
+    of [R, C] and [R, R*T] bool, rows kept even if empty)."""
     rank_mask = None if mask is None else jax.numpy.asarray(mask, bool)
     if keep is None:
-        keep = np.zeros(yr.shape[:2], bool)
+        keep = (np.zeros(y.shape[:2], bool), np.zeros(yr.shape[:2], bool))
 
-    def body(x, idx, w, y, g, v, yr, keep):
+    def body(x, idx, w, y, g, v, yr, keep, rm_keep):
         d = reference.dispatch(x[0], idx[0], w[0], cfg, rank_mask)
+        # the expert outputs: empty rows hold NaN (combine and combine_bwd never read them)
+        y_in = jax.numpy.where(((d.handle.src_index >= 0) | keep[0])[:, None], y[0],
+                               jax.numpy.nan).astype(y.dtype)
         # the driver's unweighted combine (row_weights null) is the reference with weights 1
         unweighted = d.handle._replace(row_weights=jax.numpy.ones_like(d.row_weights))
+        bwd_dy, bwd_drw = reference.combine_bwd(g[0], y_in, d.handle, cfg, rank_mask)
         out = dict(rows=d.x, group_sizes=d.group_sizes, expert_counts=d.expert_counts,
                    row_weights=d.row_weights, num_dropped=d.num_dropped, src_index=d.handle.src_index,
                    token_rows=d.handle.token_rows, in_rank=d.handle.is_token_in_rank,
-                   comb_w=reference.combine(y[0], d.handle, cfg, rank_mask),
-                   comb_u=reference.combine(y[0], unweighted, cfg, rank_mask),
+                   comb_w=reference.combine(y_in, d.handle, cfg, rank_mask),
+                   comb_u=reference.combine(y_in, unweighted, cfg, rank_mask),
                    bcast=reference.broadcast(g[0], d.handle, cfg, rank_mask),
+                   bwd_dy=bwd_dy, bwd_drw=bwd_drw, y=y_in,
                    slotv=reference.slot_values(v[0], d.handle, cfg, rank_mask))
         if d.scales is not None:
             out["scales"] = d.scales
         m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg, rank_mask)
         # the expert kernel's rows: empty rows hold NaN (combine_rank_major never reads them)
-        filled = (m.handle.src_index >= 0) | keep[0]
+        filled = (m.handle.src_index >= 0) | rm_keep[0]
         yr_in = jax.numpy.where(filled[:, None], yr[0], jax.numpy.nan).astype(yr.dtype)
         out.update(rm_rows=m.x, rm_ids=m.topk_idx, rm_w=m.topk_weights,
                    rm_per_rank=m.num_tokens_per_rank, rm_per_expert=m.num_tokens_per_expert,
@@ -262,7 +269,7 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, keep=None) -> dic
         return {k: a[None] for k, a in out.items()}
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v, yr, keep)]
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, idx, w, y, g, v, yr, *keep)]
     return {k: np.asarray(a) for k, a in fn(*args).items()}
 
 
