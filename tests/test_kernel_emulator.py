@@ -51,15 +51,18 @@ def test_kernel_emulator_random_sweep(tmp_path):
 def test_rank_masking_on_the_emulator(tmp_path):
     """Rank masking (run.py's fixed 'mask' cases): an all-active mask, a masked rank that runs the
     ops, masked ranks whose process runs none (the others finish without them), a mask that changes
-    between calls (a rank masked in one call, active in the next); every running rank's outputs of
-    every op, expert- and rank-major (masked ranks' too), bit-exact against the reference under the
-    same mask and routing. About 60 s."""
+    between calls (a rank masked in one call, active in the next), the mask on the ops through the
+    handles only (combine's mask after an unmasked dispatch: broadcast, broadcast_rank_major and
+    combine_bwd zero the rows of sources they do not link); every running rank's outputs of every
+    op, expert- and rank-major (masked ranks' too), bit-exact against the reference under the same
+    mask and routing. About 70 s."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "-k", "mask", "--driver", str(tmp_path / "driver")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
-    assert "5/5 cases pass" in out, out[-6000:]
+    assert "6/6 cases pass" in out, out[-6000:]
+    assert "dispatches unmasked" in out, out[-6000:]
 
 
 def test_low_latency_kernels_on_the_emulator(tmp_path):

@@ -37,8 +37,9 @@ def test_handler_capsules_for_every_target():
         pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
     handlers = native.ffi_handlers()
     assert set(handlers) == set(runtime.FFI_TARGETS)
-    stateful = {"jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_broadcast", "jax_ep_combine_bwd",
-                "jax_ep_slot_values", "jax_ep_remote_smoke", "jax_ep_ll_dispatch", "jax_ep_ll_combine",
+    stateful = {"jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_broadcast",
+                "jax_ep_combine_bwd", "jax_ep_slot_values", "jax_ep_remote_smoke", "jax_ep_ll_dispatch",
+                "jax_ep_ll_combine",
                 "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
                 "jax_ep_ll_combine_recv", "jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major",
                 "jax_ep_broadcast_rank_major"}

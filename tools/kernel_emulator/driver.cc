@@ -229,6 +229,10 @@ int main(int argc, char** argv) {
   std::string absent;
   if (const char* a = std::getenv("JAX_EP_EMU_ABSENT"); a != nullptr) absent = a;
   const bool masked = !rank_mask.empty();
+  // JAX_EP_EMU_UNMASKED_DISPATCH=1: both dispatches run without the mask, the ops through their
+  // handles with it (combine's mask after an unmasked dispatch: rows of sources it does not link)
+  const char* unmasked_env = std::getenv("JAX_EP_EMU_UNMASKED_DISPATCH");
+  const bool unmasked_dispatch = unmasked_env != nullptr && unmasked_env[0] == '1';
 
   std::vector<pid_t> children;
   for (int rank = 0; rank < R; ++rank) {
@@ -277,7 +281,9 @@ int main(int argc, char** argv) {
       d.topk_weights = reinterpret_cast<const float*>(w.data());
       d.rank = &rank_value;
       d.group = &group_value;
-      d.rank_mask = !masked ? nullptr : rep % 2 == 1 ? rank_mask_odd.data() : rank_mask.data();
+      const int32_t* mask_now =
+          !masked ? nullptr : rep % 2 == 1 ? rank_mask_odd.data() : rank_mask.data();
+      d.rank_mask = unmasked_dispatch ? nullptr : mask_now;
       d.rows = rows.data();
       d.scales = fp8 ? reinterpret_cast<float*>(scales.data()) : nullptr;
       d.group_sizes = reinterpret_cast<int32_t*>(group_sizes.data());
@@ -316,7 +322,7 @@ int main(int argc, char** argv) {
       gl.layout = data_layout;
       gl.rank = &rank_value;
       gl.group = &group_value;
-      gl.rank_mask = d.rank_mask;
+      gl.rank_mask = mask_now;
       gl.num_ranks = R;
       gl.num_tokens = T;
       gl.num_topk = K;

@@ -156,7 +156,7 @@ def to_dtype(a, name):
 
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
              y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0,
-             max_tokens=None, tma=True, mask=None, absent=(), mask_odd=None):
+             max_tokens=None, tma=True, mask=None, absent=(), mask_odd=None, unmasked_dispatch=False):
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
     fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
 
@@ -166,7 +166,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     absent: masked ranks whose process runs no op at all (the others must still finish; nothing of
     theirs is compared).
     mask_odd: the mask of the odd repetitions (default: mask), e.g. a rank masked in one call and
-    active in the next (it ran the masked call, so it is in step)."""
+    active in the next (it ran the masked call, so it is in step).
+    unmasked_dispatch: both dispatches run without the mask, the ops through their handles with it
+    (a combine mask after an unmasked dispatch: rows of sources the ops do not link)."""
     rng = np.random.default_rng(seed)
     cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens or max(T, 1),
                    capacity=capacity, expert_alignment=align, dispatch_dtype=dispatch_dtype,
@@ -185,15 +187,17 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
     masks = [mask, mask if mask_odd is None else mask_odd]  # per repetition parity
     assert mask_odd is None or (mask is not None and not absent), "mask_odd: every rank runs"
+    assert not unmasked_dispatch or (mask is not None and not absent), "unmasked_dispatch: every rank runs"
     for m in masks:
         assert m is None or all(m[r] == 0 for r in absent), "only a masked rank may be absent"
-    want = reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr)
+    want = reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch)
     wants = [want, want]
     if mask_odd is not None:  # NaN only in the rows empty under both masks
-        odd = reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr)
+        odd = reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr, unmasked_dispatch)
         keep = ((want["src_index"] >= 0) | (odd["src_index"] >= 0),
                 (want["rm_src"] >= 0) | (odd["rm_src"] >= 0))
-        wants = [reference_outputs(cfg, mesh, m, x, idx, w, y, g, v, yr, keep) for m in masks]
+        wants = [reference_outputs(cfg, mesh, m, x, idx, w, y, g, v, yr, unmasked_dispatch, keep)
+                 for m in masks]
         wants[1].pop("y"), wants[1].pop("rm_y")
     y, yr = wants[0].pop("y"), wants[0].pop("rm_y")
 
@@ -205,7 +209,8 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
                blocks, send_warps, reps]
         flags = ["" if m is None else ",".join(str(int(f)) for f in m) for m in masks]
         env = dict(os.environ, JAX_EP_TMA="1" if tma else "0", JAX_EP_EMU_MASK=flags[0],
-                   JAX_EP_EMU_MASK_ODD=flags[1], JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent))
+                   JAX_EP_EMU_MASK_ODD=flags[1], JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent),
+                   JAX_EP_EMU_UNMASKED_DISPATCH="1" if unmasked_dispatch else "0")
         start = time.time()
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, env=env)
         took = time.time() - start
@@ -224,21 +229,25 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             more += f", mask {list(mask)}, absent {list(absent)}"
         if mask_odd is not None:
             more += f", odd calls mask {list(mask_odd)}"
+        if unmasked_dispatch:
+            more += ", dispatches unmasked"
         print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
               f"{want['num_dropped'].tolist()}, {more}, {took:.1f}s)")
         return ok
 
 
-def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, keep=None) -> dict:
-    """What every rank's driver outputs must be ([R, ...] each), under the mask (None: none).
+def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch=False, keep=None) -> dict:
+    """What every rank's driver outputs must be ([R, ...] each), under the mask (None: none; with
+    unmasked_dispatch, the dispatches run without it).
     y / rm_y: the expert-major / rank-major y the driver gets, NaN in the empty rows (keep: a pair
     of [R, C] and [R, R*T] bool, rows kept even if empty)."""
     rank_mask = None if mask is None else jax.numpy.asarray(mask, bool)
+    dispatch_mask = None if unmasked_dispatch else rank_mask
     if keep is None:
         keep = (np.zeros(y.shape[:2], bool), np.zeros(yr.shape[:2], bool))
 
     def body(x, idx, w, y, g, v, yr, keep, rm_keep):
-        d = reference.dispatch(x[0], idx[0], w[0], cfg, rank_mask)
+        d = reference.dispatch(x[0], idx[0], w[0], cfg, dispatch_mask)
         # the expert outputs: empty rows hold NaN (combine and combine_bwd never read them)
         y_in = jax.numpy.where(((d.handle.src_index >= 0) | keep[0])[:, None], y[0],
                                jax.numpy.nan).astype(y.dtype)
@@ -255,7 +264,7 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, keep=None) -> dic
                    slotv=reference.slot_values(v[0], d.handle, cfg, rank_mask))
         if d.scales is not None:
             out["scales"] = d.scales
-        m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg, rank_mask)
+        m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg, dispatch_mask)
         # the expert kernel's rows: empty rows hold NaN (combine_rank_major never reads them)
         filled = (m.handle.src_index >= 0) | rm_keep[0]
         yr_in = jax.numpy.where(filled[:, None], yr[0], jax.numpy.nan).astype(yr.dtype)
@@ -348,6 +357,10 @@ CASES = [
          mask=(1, 0, 1, 0), absent=(1, 3), x_dtype="float32", y_dtype="float32", align=4),
     dict(name="mask changes between calls", R=3, T=16, H=128, K=3, E=6, kind="messy", capacity=24,
          mask=(0, 1, 1), mask_odd=(1, 1, 0), reps=4),
+    # the mask on the ops through the handle only (combine's mask after an unmasked dispatch): rows of
+    # sources a rank does not link get nothing (broadcast and combine_bwd zero them)
+    dict(name="mask after unmasked dispatch", R=3, T=14, H=264, K=4, E=9, kind="messy", mask=(1, 0, 1),
+         unmasked_dispatch=True, mask_odd=(1, 1, 0)),
 ]
 
 
