@@ -304,7 +304,8 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     if backend in ("cuda", "reference") and dtype == "bfloat16" and with_combine and rank_major:
         extra = _extra_ops(mesh, bf16_cfg, None, (x, handle), None, iters, repeats, rank_major=True)
     elif backend in ("cuda", "reference") and dtype == "bfloat16" and with_combine:
-        extra = _extra_ops(mesh, bf16_cfg, (idx_dev,), (x, handle), (rows[..., 0], handle), iters, repeats)
+        extra = _extra_ops(mesh, bf16_cfg, (idx_dev,), (x, handle), (rows[..., 0], handle), iters, repeats,
+                           combine_bwd_args=(x, rows, handle))
     # bytes, from the routing actually used (host-side layout of every rank)
     per_rank_layout = [np.asarray(reference.layout_of(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
                                                       experts, ep_size).num_tokens_per_rank)
@@ -313,7 +314,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     remote = np.mean([lay.sum() - lay[r] for r, lay in enumerate(per_rank_layout)])
     row_bytes = {"dispatch": hidden * BYTES[dtype] + (4 * hidden // 128 if dtype != "bfloat16" else 0),
                  "combine": hidden * 2}
-    row_bytes.update(broadcast=hidden * 2, layout=None, slot_values=None)
+    row_bytes.update(broadcast=hidden * 2, combine_bwd=hidden * 2, layout=None, slot_values=None)
     names = {"dispatch": "dispatch", "combine": "combine", "broadcast": "broadcast"}
     if rank_major and backend in ("cuda", "reference"):
         names = {op: f"{op}_rank_major" for op in names}
@@ -466,10 +467,13 @@ def _sm_count(mesh, kernel: KernelConfig) -> int:
     return min(kernel.num_sms, sms - 1) if sms > 1 else kernel.num_sms
 
 
-def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats, rank_major=False):
-    """{op: (seconds per call, fn, args)} of get_dispatch_layout, broadcast (combine's backward) and
-    slot_values (dispatch's backward, on a row vector) for cfg.backend; ``rank_major``: only
-    broadcast_rank_major (combine_rank_major's backward), under the key "broadcast"."""
+def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats, rank_major=False,
+               combine_bwd_args=None):
+    """{op: (seconds per call, fn, args)} of get_dispatch_layout, broadcast (the data movement of
+    combine's backward), combine_bwd (combine's whole backward: d y and d row_weights, on (g [T, H],
+    y [C, H], handle)) and slot_values (dispatch's backward, on a row vector) for cfg.backend;
+    ``rank_major``: only broadcast_rank_major (combine_rank_major's backward), under the key
+    "broadcast"."""
     spec = P("ep")
     if rank_major:
         fns = {"broadcast": lambda g, h: implementation("broadcast_rank_major", cfg, g.dtype)(g, h, cfg)}
@@ -477,9 +481,11 @@ def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats
         fns = {
             "layout": lambda i: jax.tree.leaves(get_dispatch_layout(i, cfg)),
             "broadcast": lambda g, h: implementation("broadcast", cfg, g.dtype)(g, h, cfg),
+            "combine_bwd": lambda g, y, h: implementation("combine_bwd", cfg, y.dtype)(g, y, h, cfg),
             "slot_values": lambda v, h: implementation("slot_values", cfg)(v.astype(jnp.float32), h, cfg),
         }
-    args = {"layout": layout_args, "broadcast": broadcast_args, "slot_values": slot_args}
+    args = {"layout": layout_args, "broadcast": broadcast_args, "slot_values": slot_args,
+            "combine_bwd": combine_bwd_args}
     out = {}
     for op, fn in fns.items():  # (fns decides which ops run: args has every op's)
         mapped = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)

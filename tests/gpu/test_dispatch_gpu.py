@@ -3,7 +3,8 @@
 Bit-exact: dispatched rows (first sum(group_sizes) rows), FP8 scales, group_sizes, expert_counts,
 row_weights, num_dropped and every handle field. Combine: within bf16 rounding (same summation
 order; XLA may contract the reference's multiply-adds differently). FP8: the same bits as an
-IEEE float32 NumPy quantisation. Gradients through dispatch -> ragged_dot -> combine, the Flax MoE
+IEEE float32 NumPy quantisation. Gradients through dispatch -> ragged_dot -> combine, combine's fused
+backward (d y, d row_weights) bit-exact against the reference, the Flax MoE
 layer's training step, a 20-step lax.scan captured as CUDA graphs, and a rank that skips the call
 (a timeout naming the op and the rank). Device memory is poisoned before each call.
 """
@@ -309,6 +310,60 @@ def test_gradients_match_reference(cuda_backend, mesh):
         rel = np.linalg.norm(g - r) / (np.linalg.norm(r) + 1e-30)
         print(f"{name}: relative error {rel:.3g}")
         assert rel < 1e-2, f"{name}: relative error {rel:.3g}"
+
+
+@functools.cache
+def combine_vjp_fn(mesh, cfg, masked):
+    """(x, idx, w, y, g, mask) -> (d y, d row_weights, handle.src_index) of combine's backward over
+    the handle of cfg's dispatch (the mask, if masked, on combine only: an unmasked dispatch)."""
+
+    def body(x, idx, w, y, g, mask):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        # NaN wherever no token landed: the backward must never read y there
+        y = jnp.where((d.handle.src_index >= 0)[:, None], y, jnp.nan).astype(y.dtype)
+        _, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg,
+                                                      rank_mask=mask if masked else None),
+                         y, d.handle.row_weights)
+        dy, drw = vjp(g)
+        return dy, drw, d.handle.src_index
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+@pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("mask", [None, (1, 0)])
+def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, mask):
+    """backend='cuda' runs combine's backward as one kernel (jax_ep_combine_bwd): d y and
+    d row_weights bit-exact against the reference (same float32 order, reference.row_dot), y's empty
+    rows NaN (never read: +0.0 in both), capacity drops, messy routing; with mask (1, 0) on combine
+    only (after an unmasked dispatch) each rank links only itself: the other rank's rows get +0.0.
+    Device memory poisoned; the fused call really ran (handler count)."""
+    tokens, hidden, topk, experts = 160, 2304, 6, 16
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+              capacity=640, expert_alignment=4)
+    rng = np.random.default_rng(31)
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
+    capacity = _cfg("cuda", **kw).resolved_capacity(R)
+    y = rng.standard_normal((R * capacity, hidden)).astype(np.float32).astype(y_dtype)
+    g = rng.standard_normal((R * tokens, hidden)).astype(np.float32).astype(y_dtype)
+    m = np.tile(np.asarray(mask or (1, 1), np.int32), R)
+    args = put(mesh, x, idx, w, y, g, m)
+    want = to_np(combine_vjp_fn(mesh, _cfg("reference", **kw), mask is not None)(*args))
+    before = handler_stats("jax_ep_combine_bwd")["calls"]
+    poison_device_memory(mesh.devices.flat, 128 << 20)
+    got = to_np(combine_vjp_fn(mesh, _cfg("cuda", **kw), mask is not None)(*args))
+    assert handler_stats("jax_ep_combine_bwd")["calls"] > before
+    dy, drw, src = got
+    assert_bits_equal(src, want[2], "handle.src_index")
+    assert_bits_equal(dy, want[0], "d y")
+    assert_bits_equal(drw, want[1], "d row_weights")
+    src = src.reshape(R, -1)
+    live = src >= 0
+    if mask is not None:  # each rank links only itself: rows of the other rank's tokens are dead
+        live &= (src // tokens) == np.arange(R)[:, None]
+    drw = drw.reshape(R, -1)
+    assert not np.any(drw[~live]) and np.isfinite(drw).all() and np.any(drw[live])
+    assert (src < 0).any() and (mask is None or (live != (src >= 0)).any())
 
 
 def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
