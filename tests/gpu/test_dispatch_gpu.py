@@ -331,13 +331,16 @@ def combine_vjp_fn(mesh, cfg, masked):
 
 
 @pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("mask", [None, (1, 0)])
-def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, mask):
+@pytest.mark.parametrize("masked", [False, True])
+def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, masked):
     """backend='cuda' runs combine's backward as one kernel (jax_ep_combine_bwd): d y and
     d row_weights bit-exact against the reference (same float32 order, reference.row_dot), y's empty
-    rows NaN (never read: +0.0 in both), capacity drops, messy routing; with mask (1, 0) on combine
-    only (after an unmasked dispatch) each rank links only itself: the other rank's rows get +0.0.
-    Device memory poisoned; the fused call really ran (handler count)."""
+    rows NaN (never read: +0.0 in both), capacity drops, messy routing; masked: rank 0 active, the
+    others masked, on combine only (after an unmasked dispatch), so each rank links only itself and
+    the other ranks' rows get +0.0. Device memory poisoned; the fused call really ran (handler count)."""
+    if masked:
+        needs_two_ranks(R)
+    mask = (1,) + (0,) * (R - 1) if masked else None
     tokens, hidden, topk, experts = 160, 2304, 6, 16
     kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
               capacity=640, expert_alignment=4)
@@ -346,7 +349,7 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     capacity = _cfg("cuda", **kw).resolved_capacity(R)
     y = rng.standard_normal((R * capacity, hidden)).astype(np.float32).astype(y_dtype)
     g = rng.standard_normal((R * tokens, hidden)).astype(np.float32).astype(y_dtype)
-    m = np.tile(np.asarray(mask or (1, 1), np.int32), R)
+    m = np.tile(np.asarray(mask or (1,) * R, np.int32), R)
     args = put(mesh, x, idx, w, y, g, m)
     want = to_np(combine_vjp_fn(mesh, _cfg("reference", **kw), mask is not None)(*args))
     before = handler_stats("jax_ep_combine_bwd")["calls"]
