@@ -167,7 +167,8 @@ class MoE(nnx.Module):
     State (non-trainable ``nnx.Variable``s, updated by each call unless ``update_stats=False``):
     ``expert_bias [E]`` (the balancing bias), ``last_load`` / ``total_load [E]`` (rows per logical expert
     in the last call / summed over calls), ``last_slot_load`` / ``total_slot_load [num_slots]`` (per
-    physical slot), ``last_dropped`` (rows dropped for capacity), ``last_aux_loss`` (also ``aux_loss``).
+    physical slot), ``last_dropped`` (rows dropped for capacity, and pairs a rank mask sends nowhere),
+    ``last_aux_loss`` (also ``aux_loss``).
 
     Calling: ``layer(x)`` with ``x [..., H]`` returns ``[..., H]`` in x's dtype: for each token the
     gate-weighted sum of its experts' outputs, plus the shared expert's. Two ways:
@@ -375,7 +376,7 @@ class MoE(nnx.Module):
         sends and receives nothing: its tokens get no routed-expert output, its experts no rows.
         Routing is unchanged; slots that go nowhere (a masked rank's tokens, experts on masked ranks)
         are dropped (their gate weights are lost, as with capacity drops; counted in
-        ``last_dropped``). Any backend (docs/api.md, "Rank masking"); the decode path refuses a mask.
+        ``last_dropped``). Any backend, the throughput and the decode path (docs/api.md, "Rank masking").
         Setting a mask on a layer without one (or clearing it) recompiles the step; changing its
         values does not."""
         if self.node_axis is not None:
@@ -466,10 +467,6 @@ class MoE(nnx.Module):
         if decode and self.node_axis is not None:
             raise NotImplementedError(_NO_HIERARCHICAL_DECODE)
         if rank_mask is not None:
-            if decode:
-                raise NotImplementedError("MoE: rank masking (set_rank_mask) is built for the throughput "
-                                          "path only, not for decode (ll_dispatch / ll_combine); call "
-                                          "clear_rank_mask() first or use decode=False")
             if rank_mask.shape != (ep_size,):
                 raise ValueError(f"MoE: the rank mask has shape {rank_mask.shape}, the mesh axis "
                                  f"{self.axis_name!r} has {ep_size} ranks")
@@ -519,7 +516,7 @@ class MoE(nnx.Module):
 
         if decode:
             out, expert_counts, num_dropped = self._experts_low_latency(
-                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg)
+                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask)
         else:
             with jax.named_scope(SCOPES["dispatch"]):
                 if self.node_axis is None:
@@ -564,22 +561,25 @@ class MoE(nnx.Module):
                              f"{local} ranks; set ranks_per_node={local} (or None)")
         return local
 
-    def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig):
+    def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig,
+                             rank_mask=None):
         """The routed experts on the low-latency ops (per rank): ll_dispatch, the filled slots gathered
         into rows grouped by local expert, the grouped SwiGLU GEMMs over them, the results put back in
-        their slots, ll_combine. Returns (out [T, H] bfloat16, rows per local expert [E_local], rows
-        dropped: 0)."""
+        their slots, ll_combine. rank_mask (bool [R] or None) goes to both ops, as on the throughput
+        path: a masked rank sends and receives nothing. Returns (out [T, H] bfloat16, rows per local
+        expert [E_local], this rank's pairs dropped: those the mask sends nowhere, 0 without one; the
+        low-latency ops drop nothing for capacity)."""
         # the wire: bfloat16 unless FP8 was asked for (the low-latency ops send nothing else)
         ll_cfg = dataclasses.replace(cfg, dispatch_dtype=self.ep.dispatch_dtype or "bfloat16")
         sent = x if x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.float32)
         with jax.named_scope(SCOPES["dispatch"]):
-            d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg)
+            d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg, rank_mask=rank_mask)
         with jax.named_scope(SCOPES["experts"]):
             y = slot_experts(d.x, d.scales, d.counts, w_gate_up, w_down, min(cfg.num_topk, d.x.shape[0]),
                              x.dtype, self.gemm)
         with jax.named_scope(SCOPES["combine"]):
-            out = ll_combine(y, d.handle, ll_cfg)
-        return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), jnp.zeros((), jnp.int32)
+            out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
+        return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

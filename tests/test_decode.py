@@ -146,8 +146,8 @@ def test_unfilled_slots_never_reach_the_output(monkeypatch):
     real = jax_ep.moe.ll_dispatch
     seen = {}
 
-    def poisoned(x, topk_idx, topk_weights, cfg):
-        d = real(x, topk_idx, topk_weights, cfg)
+    def poisoned(x, topk_idx, topk_weights, cfg, rank_mask=None):
+        d = real(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
         local, slots, _ = d.x.shape
         ranks = d.counts.shape[1]
         filled = (jnp.arange(slots // ranks)[None, None, :] < d.counts[:, :, None]).reshape(local, slots)
@@ -211,6 +211,54 @@ def test_decode_inside_user_shard_map():
 
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))(params, x)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+@pytest.mark.parametrize("shape,axes,mask,wire", [
+    ((4,), ("ep",), (1, 0, 1, 1), None),
+    ((2, 4), ("data", "ep"), (0, 1, 1, 0), None),
+    ((4,), ("ep",), (1, 1, 0, 1), "float8_e4m3fn"),
+])
+def test_decode_with_rank_mask(shape, axes, mask, wire):
+    """set_rank_mask on the decode path (ll_dispatch / ll_combine with the mask): a masked rank's
+    experts contribute nothing and its own tokens get no routed output; every other token gets exactly
+    the unmasked decode of the same layer with the masked ranks' experts zeroed (w_down = 0: their
+    rows are +0.0, which ll_combine adds as it adds a masked slot). last_dropped counts the pairs the
+    mask sends nowhere (a masked rank's own tokens, and the picks of masked ranks' experts)."""
+    mesh = make_mesh(shape, axes)
+    ep_size = mesh.shape["ep"]
+    rng = np.random.default_rng([21, *mask])
+    hidden = 128 if wire else HIDDEN
+    layer = make_layer(mesh, seed=int(rng.integers(1000)), hidden=hidden,
+                       ep=dict(dispatch_dtype=wire) if wire else None)
+    x = fresh_tokens(rng, 3 * mesh.size, hidden=hidden)
+    decode = nnx.jit(lambda m, x: m(x, decode=True))
+    plain = np.asarray(decode(layer, x))
+
+    active = np.asarray(mask, bool)
+    zeroed = nnx.clone(layer)
+    experts_on_rank = np.arange(EXPERTS) // (EXPERTS // ep_size)
+    zeroed.w_down[...] = jnp.where(jnp.asarray(active[experts_on_rank])[:, None, None],
+                                   zeroed.w_down[...], 0.0)
+    want = np.array(decode(zeroed, x)).reshape(mesh.size, -1, hidden)    # token shards, rank-major
+    shard_rank = np.arange(mesh.size) % ep_size                         # batch axes (data, ep)
+    want[~active[shard_rank]] = 0.0                                     # a masked rank's own tokens
+
+    layer.set_rank_mask(mask)
+    got = np.asarray(decode(layer, x)).reshape(want.shape)
+    assert np.array_equal(got, want), np.abs(got - want).max()
+    assert not np.any(got[~active[shard_rank]]) and np.any(got[active[shard_rank]])
+    assert not np.array_equal(got.reshape(plain.shape), plain), "the mask changed nothing"
+
+    # what the mask dropped: every pick of a masked rank's tokens, the picks of masked ranks' experts
+    tokens = np.asarray(x, np.float32).reshape(mesh.size, -1, hidden)
+    routing = gating.route(jnp.asarray(tokens.reshape(-1, hidden)) @ layer.router[...], layer.routing,
+                           layer.expert_bias[...])
+    idx = np.asarray(routing.topk_idx).reshape(mesh.size, -1, TOPK)
+    keep = active[experts_on_rank[idx]] & active[shard_rank][:, None, None]
+    nnx.jit(lambda m, x: m(x, decode=True, update_stats=True))(layer, x)
+    assert int(layer.last_dropped[...]) == int((~keep).sum()) > 0
+    load = np.asarray(layer.last_load[...])
+    assert load.sum() == keep.sum() and not np.any(load[~active[experts_on_rank]])
 
 
 # ---------------------------------------------------------------------------------------------------------

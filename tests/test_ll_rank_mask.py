@@ -168,12 +168,8 @@ def test_ll_rank_mask_bad(mask, match):
         per_rank(f, 4)(x, idx, w)
 
 
-def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
-    """backend='cuda' traces on any machine (the FFI calls compile on GPUs only): the sending custom
-    calls (ll_dispatch, ll_dispatch_send, ll_combine, ll_combine_send) take the mask as an int32 [R]
-    operand before rank and group, ll_dispatch / ll_dispatch_recv return the call's ranks (int32
-    [R]), the receiving combine calls take dest_rank [T, K], and EPConfig.shrink reaches the LL
-    calls' attributes (shrink = 1)."""
+def _stub_runtime(monkeypatch):
+    """backend='cuda' traces and lowers on any machine (the FFI calls compile on GPUs only)."""
     from jax_ep import cuda_backend, runtime
 
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
@@ -183,6 +179,15 @@ def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
         "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
         "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
     monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+
+
+def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
+    """backend='cuda' traces on any machine (the FFI calls compile on GPUs only): the sending custom
+    calls (ll_dispatch, ll_dispatch_send, ll_combine, ll_combine_send) take the mask as an int32 [R]
+    operand before rank and group, ll_dispatch / ll_dispatch_recv return the call's ranks (int32
+    [R]), the receiving combine calls take dest_rank [T, K], and EPConfig.shrink reaches the LL
+    calls' attributes (shrink = 1)."""
+    _stub_runtime(monkeypatch)
     ep_size, tokens = 2, 5
     cfg = BF16.replace(backend="cuda", shrink=True)
 
@@ -214,3 +219,41 @@ def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
         assert results.rstrip(" )").endswith(f"tensor<{ep_size}xi32>"), calls[name]
     for line in calls.values():
         assert "shrink = 1" in line, line
+
+
+def test_moe_decode_passes_the_mask_to_the_cuda_ops(monkeypatch):
+    """MoE(decode=True) with set_rank_mask and backend='cuda': the layer's mask reaches
+    cuda_backend.ll_dispatch and ll_combine (their rank_mask; how they lower it:
+    test_cuda_backend_lowers_the_mask_and_shrink), and both lower."""
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from jax_ep import cuda_backend
+    from jax_ep.gating import RouterConfig
+    from jax_ep.moe import EPOptions, MoE
+
+    _stub_runtime(monkeypatch)
+    seen = {}
+
+    def recording(name):
+        op = getattr(cuda_backend, name)
+
+        def record(*args, rank_mask=None, **kw):
+            seen[name] = rank_mask
+            return op(*args, rank_mask=rank_mask, **kw)
+
+        return record
+
+    for name in ("ll_dispatch", "ll_combine"):
+        monkeypatch.setattr(cuda_backend, name, recording(name))
+    ep_size = 2
+    mesh = Mesh(np.array(jax.devices()[:ep_size]), ("ep",))
+    layer = MoE(H, 24, RouterConfig(E, 2), rngs=nnx.Rngs(0), mesh=mesh, dtype="bfloat16",
+                ep=EPOptions(backend="cuda"), decode=True)
+    layer.set_rank_mask([True, False])
+    graphdef, state = nnx.split(layer)
+    x = jax.ShapeDtypeStruct((4 * ep_size, H), jax.numpy.bfloat16)
+    text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).as_text()
+    assert seen.keys() == {"ll_dispatch", "ll_combine"} and all(m is not None for m in seen.values())
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_ep_ll_" in line]
+    assert len(calls) == 2, calls  # ll_dispatch and ll_combine, lowered with the mask operand
