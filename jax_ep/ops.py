@@ -51,27 +51,34 @@ from jax_ep.validation import (
     float0_like,
 )
 
+Mask = jax.Array | None  # a data op's rank_mask: None (every rank active) or the checked [R] mask
+
 
 class Backend(Protocol):
     """What a backend module implements: one function per op, same signatures, same results (the
     output types of ``jax_ep.types``). ``jax_ep.reference`` defines the semantics; ``jax_ep.cuda_backend``
-    runs the CUDA kernels. Per-rank views, inside shard_map over cfg.axis_name."""
+    runs the CUDA kernels. Per-rank views, inside shard_map over cfg.axis_name. Every op but layout
+    takes ``rank_mask`` (the ops below always pass it, None without a mask)."""
 
     def layout(self, topk_idx: jax.Array, cfg: EPConfig) -> Layout: ...
     def dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                 cfg: EPConfig) -> Dispatched: ...
-    def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
-    def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
-    def combine_bwd(self, g: jax.Array, y: jax.Array, handle: Handle,
-                    cfg: EPConfig) -> tuple[jax.Array, jax.Array]: ...
-    def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig) -> jax.Array: ...
+                 cfg: EPConfig, rank_mask: Mask = None) -> Dispatched: ...
+    def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
+    def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
+    def combine_bwd(self, g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
+                    rank_mask: Mask = None) -> tuple[jax.Array, jax.Array]: ...
+    def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig,
+                    rank_mask: Mask = None) -> jax.Array: ...
     def ll_dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                    cfg: EPConfig) -> LLDispatched: ...
-    def ll_combine(self, y: jax.Array, handle: LLHandle, cfg: EPConfig) -> jax.Array: ...
+                    cfg: EPConfig, rank_mask: Mask = None) -> LLDispatched: ...
+    def ll_combine(self, y: jax.Array, handle: LLHandle, cfg: EPConfig,
+                   rank_mask: Mask = None) -> jax.Array: ...
     def dispatch_rank_major(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                            cfg: EPConfig) -> RankMajorDispatched: ...
-    def combine_rank_major(self, y: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array: ...
-    def broadcast_rank_major(self, g: jax.Array, handle: RankMajorHandle, cfg: EPConfig) -> jax.Array: ...
+                            cfg: EPConfig, rank_mask: Mask = None) -> RankMajorDispatched: ...
+    def combine_rank_major(self, y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                           rank_mask: Mask = None) -> jax.Array: ...
+    def broadcast_rank_major(self, g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                             rank_mask: Mask = None) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,24 +93,18 @@ class Op:
         (``jax_ep.auto_table``, written by the benchmark)."""
         return auto_table.kernel_faster(self.name, self.layout, cfg.max_tokens_per_rank)
 
-    def implementation(self, cfg: EPConfig, ep_size: int, dtype=None, masked: bool = False):
+    def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
         """The function implementing this op for cfg.backend.
 
         "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
         table), the extension is loaded, the default platform is a GPU and the kernel supports the
         sizes; the reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
-        ``masked``: a rank mask was given. The kernels that take one (``_MASK_KERNELS``) have the
-        reference's masked semantics bit for bit, so "auto" picks as without a mask (the table was
-        measured without one; the mask adds one [R] read); an op whose kernel takes no mask runs
-        the reference on "auto" and refuses on "cuda".
+        A rank mask plays no part in the choice: every kernel but layout's takes one, with the
+        reference's masked semantics bit for bit (the table was measured without one; the mask adds
+        one [R] read).
         """
         if cfg.backend == "reference":
             return getattr(reference, self.name)
-        if masked and self.name not in _MASK_KERNELS:
-            if cfg.backend == "auto":
-                return getattr(reference, self.name)
-            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): {_NO_MASK_KERNEL}; "
-                                      "use backend='reference' or 'auto'")
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
         kernel = getattr(cuda_backend, self.name, None)
@@ -129,12 +130,6 @@ class Op:
         return kernel
 
 
-# the CUDA kernels that take the rank-mask operand (jax_ep.cuda_backend._mask_operand)
-_MASK_KERNELS = ("dispatch", "combine", "broadcast", "combine_bwd", "slot_values", "dispatch_rank_major",
-                 "combine_rank_major", "broadcast_rank_major")
-_NO_MASK_KERNEL = "this op's CUDA kernel takes no rank_mask"
-
-
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("combine_bwd"), Op("slot_values"),
     Op("ll_dispatch", "fixed_slots"), Op("ll_combine", "fixed_slots"),
@@ -143,18 +138,9 @@ OPS = {op.name: op for op in (
 )}
 
 
-def implementation(op: str, cfg: EPConfig, dtype=None, masked: bool = False):
-    """The function ``cfg.backend`` runs for ``op`` (inside shard_map over cfg.axis_name);
-    ``masked``: a rank mask was given (an op whose kernel takes none: the reference on 'auto', an
-    error on 'cuda')."""
-    return OPS[op].implementation(cfg, ep_size(cfg, op), dtype, masked)
-
-
-def _masked(impl, rank_mask):
-    """impl called with rank_mask only when there is one."""
-    if rank_mask is None:
-        return impl
-    return functools.partial(impl, rank_mask=rank_mask)
+def implementation(op: str, cfg: EPConfig, dtype=None):
+    """The function ``cfg.backend`` runs for ``op`` (inside shard_map over cfg.axis_name)."""
+    return OPS[op].implementation(cfg, ep_size(cfg, op), dtype)
 
 
 def ep_size(cfg: EPConfig, op: str) -> int:
@@ -220,8 +206,7 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
-    impl = implementation("dispatch", cfg, x.dtype, rank_mask is not None)
-    return _masked(impl, rank_mask)(x, topk_idx, topk_weights, cfg)
+    return implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
@@ -232,7 +217,6 @@ def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
 
 def _dispatch_bwd(cfg, residuals, ct):
     handle, dtype_token, topk_idx, rank_mask = residuals
-    masked = rank_mask is not None
     if cfg.dispatch_dtype == "float8_e4m3fn":
         raise NotImplementedError(
             "jax_ep: dispatch with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
@@ -240,11 +224,11 @@ def _dispatch_bwd(cfg, residuals, ct):
     d_rows = ct.x
     # unit weights: y * 1.0 is exact, so this is the plain sum of each token's row cotangents
     unweighted = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
-    dx = _masked(implementation("combine", cfg, d_rows.dtype, masked), rank_mask)(
-        d_rows, unweighted, cfg).astype(dtype_token.dtype)
+    dx = implementation("combine", cfg, d_rows.dtype)(
+        d_rows, unweighted, cfg, rank_mask=rank_mask).astype(dtype_token.dtype)
     # a masked slot is DROPPED in the handle: it has no row, its weight's gradient is 0
-    d_topk_weights = _masked(implementation("slot_values", cfg, None, masked), rank_mask)(
-        ct.handle.row_weights, handle, cfg)
+    d_topk_weights = implementation("slot_values", cfg)(ct.handle.row_weights, handle, cfg,
+                                                        rank_mask=rank_mask)
     return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 
@@ -254,7 +238,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 # ---- combine: custom_vjp --------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _combine(y, handle, rank_mask, cfg):
-    return _masked(implementation("combine", cfg, y.dtype, rank_mask is not None), rank_mask)(y, handle, cfg)
+    return implementation("combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
 
 
 def _combine_fwd(y, handle, rank_mask, cfg):
@@ -263,13 +247,12 @@ def _combine_fwd(y, handle, rank_mask, cfg):
 
 def _combine_bwd(cfg, residuals, g):
     y, handle, rank_mask = residuals
-    masked = rank_mask is not None
-    fused = implementation("combine_bwd", cfg, y.dtype, masked)
+    fused = implementation("combine_bwd", cfg, y.dtype)
     if fused is reference.combine_bwd:  # unfused: the broadcast the backend picks, the rest in XLA
-        g_rows = _masked(implementation("broadcast", cfg, g.dtype, masked), rank_mask)(g, handle, cfg)
+        g_rows = implementation("broadcast", cfg, g.dtype)(g, handle, cfg, rank_mask=rank_mask)
         dy, d_row_weights = reference.combine_bwd_rows(g_rows, y, handle, cfg, rank_mask)
     else:  # one kernel: g moved, y read and d y written once
-        dy, d_row_weights = _masked(fused, rank_mask)(g, y, handle, cfg)
+        dy, d_row_weights = fused(g, y, handle, cfg, rank_mask=rank_mask)
     d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                       float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)
@@ -326,8 +309,8 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
-    impl = implementation("dispatch_rank_major", cfg, x.dtype, rank_mask is not None)
-    return _masked(impl, rank_mask)(x, topk_idx, topk_weights, cfg)
+    impl = implementation("dispatch_rank_major", cfg, x.dtype)
+    return impl(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
 
 
 def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
@@ -342,8 +325,8 @@ def _dispatch_rank_major_bwd(cfg, residuals, ct):
         raise NotImplementedError(
             "jax_ep: dispatch_rank_major with dispatch_dtype='float8_e4m3fn' is forward-only "
             "(inference and prefill); differentiate through a bfloat16 dispatch instead")
-    masked = rank_mask is not None
-    combine_impl = _masked(implementation("combine_rank_major", cfg, ct.x.dtype, masked), rank_mask)
+    combine_impl = functools.partial(implementation("combine_rank_major", cfg, ct.x.dtype),
+                                     rank_mask=rank_mask)
     dx = combine_impl(ct.x, handle, cfg).astype(dtype_token.dtype)
     # each (token, slot) weight lives on one rank's row: the rank sum adds zeros only, exactly
     d_weights = jnp.where(row_ids >= 0, ct.topk_weights.astype(jnp.float32), 0.0)
@@ -356,8 +339,7 @@ _dispatch_rank_major.defvjp(_dispatch_rank_major_fwd, _dispatch_rank_major_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _combine_rank_major(y, handle, rank_mask, cfg):
-    impl = implementation("combine_rank_major", cfg, y.dtype, rank_mask is not None)
-    return _masked(impl, rank_mask)(y, handle, cfg)
+    return implementation("combine_rank_major", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
 
 
 def _combine_rank_major_fwd(y, handle, rank_mask, cfg):
@@ -366,9 +348,8 @@ def _combine_rank_major_fwd(y, handle, rank_mask, cfg):
 
 def _combine_rank_major_bwd(cfg, residuals, g):
     handle, dtype_token, rank_mask = residuals
-    broadcast = _masked(implementation("broadcast_rank_major", cfg, g.dtype, rank_mask is not None),
-                        rank_mask)
-    dy = broadcast(g, handle, cfg).astype(dtype_token.dtype)
+    broadcast = implementation("broadcast_rank_major", cfg, g.dtype)
+    dy = broadcast(g, handle, cfg, rank_mask=rank_mask).astype(dtype_token.dtype)
     return (dy, RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank)),
             None if rank_mask is None else float0_like(rank_mask))
 

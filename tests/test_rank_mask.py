@@ -319,31 +319,75 @@ def test_invalid_masks_name_the_argument(bad, what):
         per_rank(run_combine, ep_size)(x, idx, w)
 
 
+DATA_OPS = [name for name in ops.OPS if name != "layout"]  # every op but layout takes a rank mask
+
+
 def test_auto_picks_as_without_a_mask(monkeypatch):
-    """'auto' with a mask picks as without one (the kernels have the reference's masked semantics):
-    the kernel where the auto table has a measured win, the reference where it has none; an op
-    whose kernel takes no mask runs the reference on 'auto' and refuses on 'cuda'."""
+    """Every data op's kernel takes a mask (with the reference's masked semantics), so the mask plays
+    no part in the choice: 'auto' takes the kernel where the auto table has a measured win, the
+    reference where it has none."""
     from jax_ep import cuda_backend, runtime
 
     ep_size = 2
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
     monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
-    for name in ops._MASK_KERNELS:
-        assert "rank_mask" in inspect.signature(getattr(cuda_backend, name)).parameters
+    for name in DATA_OPS:
+        for backend in (reference, cuda_backend):
+            assert "rank_mask" in inspect.signature(getattr(backend, name)).parameters, (backend, name)
         for wins in (True, False):
             monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, w=wins: w)
             want = getattr(cuda_backend if wins else reference, name)
-            for masked in (False, True):
-                got = ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=masked)
-                assert got is want, (name, wins, masked)
-    monkeypatch.setattr(auto_table, "kernel_faster", lambda *a: True)
-    for name in ("ll_dispatch", "ll_combine"):
-        assert name not in ops._MASK_KERNELS
-        assert ops.OPS[name].implementation(_cfg(backend="auto"), ep_size, masked=True) is getattr(
-            reference, name)
-        with pytest.raises(NotImplementedError, match=f"jax_ep.{name} .*takes no rank_mask"):
-            ops.OPS[name].implementation(_cfg(backend="cuda"), ep_size, masked=True)
+            assert ops.OPS[name].implementation(_cfg(backend="auto"), ep_size) is want, (name, wins)
+
+
+def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
+    """The ops pass rank_mask= to every data op's implementation, forward and backward, None without
+    a mask (one signature for both backends: jax_ep.ops.Backend)."""
+    seen, depth = {}, [0]
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            if depth[0] == 0:  # the ops' calls, not the reference ops' calls of each other
+                seen.setdefault(name, []).append(kwargs.get("rank_mask", "not passed"))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for name in DATA_OPS:
+        monkeypatch.setattr(reference, name, spy(name, getattr(reference, name)))
+    ep_size, cfg = 2, _cfg()
+    x, idx, w = random_tokens(np.random.default_rng(7), ep_size, T, cfg)
+
+    def loss(x, i, w):
+        d = jax_ep.dispatch(x, i, w, cfg)
+        r = jax_ep.dispatch_rank_major(x, i, w, cfg)
+        return (jnp.sum(jax_ep.combine(d.x, d.handle, cfg))
+                + jnp.sum(jax_ep.combine_rank_major(r.x, r.handle, cfg)))
+
+    def decode(x, i, w):
+        d = jax_ep.ll_dispatch(x.astype(jnp.bfloat16), i, w, cfg)
+        return jax_ep.ll_combine(d.x, d.handle, cfg)
+
+    def trace():
+        fn = per_rank(loss, ep_size, jit=False)
+        jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fn(x, idx, w)), argnums=(0, 1)))(x, w)
+        jax.make_jaxpr(per_rank(decode, ep_size, jit=False))(x, idx, w)
+
+    trace()  # combine's backward unfused, as on the reference path: broadcast, the rest in XLA
+    real = ops.Op.implementation
+
+    def fresh(self, *args, **kwargs):  # not the reference's own function: combine_bwd's fused branch
+        impl = real(self, *args, **kwargs)
+        return lambda *a, **kw: impl(*a, **kw)
+
+    monkeypatch.setattr(ops.Op, "implementation", fresh)
+    trace()
+    assert sorted(seen) == sorted(DATA_OPS)
+    assert all(mask is None for masks in seen.values() for mask in masks), seen
 
 
 def test_auto_without_a_gpu_runs_the_reference():
