@@ -35,18 +35,13 @@ constexpr int kStartThreads = 256;
 constexpr int kStartWarps = kStartThreads / 32;
 static_assert(kStartThreads >= kMaxDevices, "discovery needs one thread per slot");
 constexpr int kPutThreads = 512;
-constexpr int kPutWarps = kPutThreads / 32;
 
 enum PutOpKind : int32_t { kPutDispatch = 0, kPutCombine = 1, kPutBroadcast = 2 };
 
-struct PutStartArgs {
-  DeviceState* state;
-  PutLayout L;
-  const int32_t* rank;
-  const int32_t* group;
+// The arguments of each kernel (start, pack, receive): the launch itself (passed by value) plus
+// what that kernel adds.
+struct PutStartArgs : PutLaunch {
   OpFingerprint fp;
-  int32_t axis_slot;
-  int32_t T, K, E;
   int32_t kind;                    // PutOpKind
   const int32_t* topk_idx;         // dispatch
   bool* is_token_in_rank_out;      // dispatch: written here
@@ -109,10 +104,11 @@ __device__ __forceinline__ void discover_group_put(DeviceState* state, const int
 __device__ __forceinline__ uint32_t token_mask(const PutStartArgs& a, int64_t t, int R) {
   uint32_t mask = 0;
   if (a.kind == kPutDispatch) {
-    const int32_t* ids = a.topk_idx + t * a.K;
-    const int local = a.E / R;
-    for (int k = 0; k < a.K; ++k) {
-      const int32_t e = sanitized_expert(ids, k, a.E);
+    const int K = a.num_topk;
+    const int32_t* ids = a.topk_idx + t * K;
+    const int local = a.num_experts / R;
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = sanitized_expert(ids, k, a.num_experts);
       if (e >= 0) mask |= 1u << (e / local);
     }
     for (int r = 0; r < R; ++r) a.is_token_in_rank_out[t * R + r] = ((mask >> r) & 1u) != 0;
@@ -127,14 +123,15 @@ __global__ void __launch_bounds__(kStartThreads) put_start_kernel(PutStartArgs a
   __shared__ int32_t carry[kMaxGroupRanks];
   __shared__ int32_t warp_total[kStartWarps][kMaxGroupRanks];
   DeviceState* const state = a.state;
-  discover_group_put(state, a.rank, a.group, a.axis_slot, a.L.total, a.fp, &info);
+  const PutLayout& L = a.layout;
+  discover_group_put(state, a.rank, a.group, a.axis_slot, L.total, a.fp, &info);
   char* const own = own_buffer(state);
   const int R = info.size;
   const int me = info.rank;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
-    OpInfo* out = reinterpret_cast<OpInfo*>(own + a.L.op_info);
+    OpInfo* out = reinterpret_cast<OpInfo*>(own + L.op_info);
     out->expected = info.expected;
     out->rank = me;
     out->size = R;
@@ -148,8 +145,8 @@ __global__ void __launch_bounds__(kStartThreads) put_start_kernel(PutStartArgs a
 
   // positions[t][r]: token t's place among the tokens with bit r, in token order (ballot + popc
   // per warp, warp totals in shared memory, a running carry per rank across tiles).
-  int32_t* const positions = reinterpret_cast<int32_t*>(own + a.L.positions);
-  const int64_t T = a.T;
+  int32_t* const positions = reinterpret_cast<int32_t*>(own + L.positions);
+  const int64_t T = a.num_tokens;
   for (int64_t base = 0; base < T; base += kStartThreads) {
     const int64_t t = base + threadIdx.x;
     const uint32_t mask = t < T ? token_mask(a, t, R) : 0u;
@@ -176,8 +173,8 @@ __global__ void __launch_bounds__(kStartThreads) put_start_kernel(PutStartArgs a
     __syncthreads();
   }
 
-  int32_t* const counts = reinterpret_cast<int32_t*>(own + a.L.counts);
-  int32_t* const offsets = reinterpret_cast<int32_t*>(own + a.L.offsets);
+  int32_t* const counts = reinterpret_cast<int32_t*>(own + L.counts);
+  int32_t* const offsets = reinterpret_cast<int32_t*>(own + L.offsets);
   if (a.kind == kPutCombine) {
     // What goes back: this rank's rows of source s are y[offsets[s], + counts[s]) (the handle's
     // rows are source-rank major, token order within), returned in that order.
@@ -187,7 +184,7 @@ __global__ void __launch_bounds__(kStartThreads) put_start_kernel(PutStartArgs a
     const int64_t rows = static_cast<int64_t>(R) * T;
     for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
       const int32_t src = a.src_index[i];
-      if (src >= 0 && src / a.T < R) atomicAdd(&from_source[src / a.T], 1);
+      if (src >= 0 && src / T < R) atomicAdd(&from_source[src / T], 1);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -203,19 +200,15 @@ __global__ void __launch_bounds__(kStartThreads) put_start_kernel(PutStartArgs a
   }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < R) {
-    *reinterpret_cast<int32_t*>(own + a.L.send + threadIdx.x * a.L.region_bytes) =
+    *reinterpret_cast<int32_t*>(own + L.send + threadIdx.x * L.region_bytes) =
         counts[threadIdx.x];
   }
   (void)me;
 }
 
 // ---- pack ------------------------------------------------------------------------------------
-struct PutPackArgs {
-  DeviceState* state;
-  PutLayout L;
-  int32_t T, K, E, H;
+struct PutPackArgs : PutLaunch {
   int32_t kind;
-  int32_t x_kind, row_kind;
   const char* x;               // dispatch: x; broadcast: g; combine: y
   const int32_t* topk_idx;     // dispatch
   const float* topk_weights;   // dispatch
@@ -230,69 +223,73 @@ __device__ __forceinline__ void pack_converted(const char* x_row, int H, uint32_
 
 __global__ void __launch_bounds__(kPutThreads) put_pack_kernel(PutPackArgs a) {
   DeviceState* const state = a.state;
+  const PutLayout& L = a.layout;
+  const int64_t T = a.num_tokens;
+  const int K = a.num_topk;
   char* const own = own_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + a.L.op_info);
+  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.op_info);
   const int R = info->size;
   const int me = info->rank;
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int warps = (gridDim.x * blockDim.x) >> 5;
-  const int32_t* positions = reinterpret_cast<const int32_t*>(own + a.L.positions);
-  const int32_t* offsets = reinterpret_cast<const int32_t*>(own + a.L.offsets);
-  char* const send = own + a.L.send;
-  const uint64_t rec = a.L.record_bytes;
-  const int64_t row_bytes = static_cast<int64_t>(a.L.row_bytes);
+  const int32_t* positions = reinterpret_cast<const int32_t*>(own + L.positions);
+  const int32_t* offsets = reinterpret_cast<const int32_t*>(own + L.offsets);
+  char* const send = own + L.send;
+  const uint64_t rec = L.record_bytes;
+  const int64_t row_bytes = static_cast<int64_t>(L.row_bytes);
   if (a.kind == kPutCombine) {
     // row i of y goes back to its source s, at its place among s's rows here
-    const int64_t rows = static_cast<int64_t>(R) * a.T;
+    const int64_t rows = R * T;
     for (int64_t i = warp; i < rows; i += warps) {
       const int32_t src = a.src_index[i];
-      if (src < 0 || src / a.T >= R) continue;
-      const int s = src / a.T;
-      char* dst = send + s * a.L.region_bytes + kPutHeaderBytes + (i - offsets[s]) * rec;
+      if (src < 0 || src / T >= R) continue;
+      const int s = static_cast<int>(src / T);
+      char* dst = send + s * L.region_bytes + kPutHeaderBytes + (i - offsets[s]) * rec;
       warp_copy_raw<4>(a.x + i * row_bytes, row_bytes, 1u, dst, lane);
     }
     return;
   }
   // dispatch / broadcast: token t once per destination (lane r holds destination r's record)
-  const int local = a.E > 0 ? a.E / R : 0;
-  const int64_t x_row_bytes =
-      a.kind == kPutDispatch ? static_cast<int64_t>(a.H) * (a.x_kind == kRowF32 ? 4 : 2) : row_bytes;
-  for (int64_t t = warp; t < a.T; t += warps) {
+  const int local = a.num_experts > 0 ? a.num_experts / R : 0;
+  const int64_t x_row_bytes = a.kind == kPutDispatch
+                                  ? static_cast<int64_t>(a.hidden) * (a.x_kind == kRowF32 ? 4 : 2)
+                                  : row_bytes;
+  for (int64_t t = warp; t < T; t += warps) {
     const int32_t place = lane < R ? positions[t * R + lane] : -1;
     const uint32_t mask = __ballot_sync(kFullMask, place >= 0);
     if (mask == 0u) continue;
-    char* my_dst = place >= 0 ? send + lane * a.L.region_bytes + kPutHeaderBytes + place * rec
+    char* my_dst = place >= 0 ? send + lane * L.region_bytes + kPutHeaderBytes + place * rec
                               : nullptr;
     const char* x_row = a.x + t * x_row_bytes;
     if (a.kind == kPutBroadcast || a.x_kind == a.row_kind) {
       warp_copy_raw<4>(x_row, row_bytes, mask, my_dst, lane);
     } else {
       float* my_scales =
-          my_dst != nullptr ? reinterpret_cast<float*>(my_dst + a.L.scales_at) : nullptr;
+          my_dst != nullptr ? reinterpret_cast<float*>(my_dst + L.scales_at) : nullptr;
       const bool xf32 = a.x_kind == kRowF32;
       if (a.row_kind == kRowFP8) {
         if (xf32) {
-          pack_converted<true, kRowFP8>(x_row, a.H, mask, my_dst, my_scales, lane);
+          pack_converted<true, kRowFP8>(x_row, a.hidden, mask, my_dst, my_scales, lane);
         } else {
-          pack_converted<false, kRowFP8>(x_row, a.H, mask, my_dst, my_scales, lane);
+          pack_converted<false, kRowFP8>(x_row, a.hidden, mask, my_dst, my_scales, lane);
         }
       } else {  // f32 x, bf16 rows
-        pack_converted<true, kRowBF16>(x_row, a.H, mask, my_dst, my_scales, lane);
+        pack_converted<true, kRowBF16>(x_row, a.hidden, mask, my_dst, my_scales, lane);
       }
     }
     if (a.kind == kPutDispatch && my_dst != nullptr) {
       // lane r: the slots' local ids on rank r and their gate weights, and the source slot
-      int32_t* ids = reinterpret_cast<int32_t*>(my_dst + a.L.ids_at);
-      float* weights = reinterpret_cast<float*>(my_dst + a.L.weights_at);
-      const int32_t* token_ids = a.topk_idx + t * a.K;
-      for (int k = 0; k < a.K; ++k) {
-        const int32_t e = sanitized_expert(token_ids, k, a.E);
+      int32_t* ids = reinterpret_cast<int32_t*>(my_dst + L.ids_at);
+      float* weights = reinterpret_cast<float*>(my_dst + L.weights_at);
+      const int32_t* token_ids = a.topk_idx + t * K;
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = sanitized_expert(token_ids, k, a.num_experts);
         const bool here = e >= 0 && e / local == lane;
         ids[k] = here ? e - lane * local : -1;
-        weights[k] = here ? a.topk_weights[t * a.K + k] : 0.0f;
+        weights[k] = here ? a.topk_weights[t * K + k] : 0.0f;
       }
-      *reinterpret_cast<int32_t*>(my_dst + a.L.src_at) = static_cast<int32_t>(me * a.T + t);
+      *reinterpret_cast<int32_t*>(my_dst + L.src_at) = static_cast<int32_t>(me * T + t);
     }
   }
 }
@@ -315,15 +312,9 @@ __global__ void __launch_bounds__(kPutThreads) put_transfer_kernel(DeviceState* 
 }
 
 // ---- receive -----------------------------------------------------------------------------------
-struct PutReceiveArgs {
-  DeviceState* state;
-  PutLayout L;
-  int32_t T, K, H;
-  int32_t local_experts;
+struct PutReceiveArgs : PutLaunch {
   int32_t kind;
-  int32_t row_kind;
   int32_t op_id;
-  const bool* is_token_in_rank;  // combine: the handle's
   char* rows;                    // dispatch / broadcast: [R*T] rows; combine: out [T]
   float* scales;                 // dispatch FP8
   int32_t* row_ids;
@@ -337,15 +328,16 @@ template <bool kF32>
 __device__ __forceinline__ void combine_token(const PutReceiveArgs& a, const char* recv,
                                               const int32_t* positions, int R, int64_t t,
                                               int lane) {
-  const uint64_t rec = a.L.record_bytes;
-  char* out = a.rows + t * static_cast<int64_t>(a.L.row_bytes);
-  for (int64_t e0 = static_cast<int64_t>(lane) * 8; e0 < a.H; e0 += 256) {
+  const PutLayout& L = a.layout;
+  const uint64_t rec = L.record_bytes;
+  char* out = a.rows + t * static_cast<int64_t>(L.row_bytes);
+  for (int64_t e0 = static_cast<int64_t>(lane) * 8; e0 < a.hidden; e0 += 256) {
     float total[8];
     for (int r = 0; r < R; ++r) {
       const int32_t place = positions[t * R + r];
       float v[8];
       if (place >= 0) {
-        load8<kF32>(recv + r * a.L.region_bytes + kPutHeaderBytes + place * rec, e0, v);
+        load8<kF32>(recv + r * L.region_bytes + kPutHeaderBytes + place * rec, e0, v);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = 0.0f;  // a rank the token did not go to adds +0.0
@@ -361,12 +353,15 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
   __shared__ int32_t first_row[kMaxGroupRanks + 1];
   JAX_EP_DYNAMIC_SHARED(int32_t, expert_count);  // dispatch, block 0: [E_local]
   DeviceState* const state = a.state;
+  const PutLayout& L = a.layout;
+  const int64_t T = a.num_tokens;
+  const int K = a.num_topk;
   char* const own = own_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + a.L.op_info);
+  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.op_info);
   const int R = info->size;
   const int me = info->rank;
   const int lane = threadIdx.x & 31;
-  const char* const recv = own + a.L.recv;
+  const char* const recv = own + L.recv;
   if (static_cast<int>(threadIdx.x) < R) {
     const int source = threadIdx.x;
     const int32_t slot = info->ordinals[source];
@@ -378,19 +373,19 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
     int32_t at = 0;
     for (int s = 0; s < R; ++s) {
       first_row[s] = at;
-      at += __ldcv(reinterpret_cast<const int32_t*>(recv + s * a.L.region_bytes));
+      at += __ldcv(reinterpret_cast<const int32_t*>(recv + s * L.region_bytes));
     }
     first_row[R] = at;
   }
   __syncthreads();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int warps = (gridDim.x * blockDim.x) >> 5;
-  const uint64_t rec = a.L.record_bytes;
-  const int64_t row_bytes = static_cast<int64_t>(a.L.row_bytes);
+  const uint64_t rec = L.record_bytes;
+  const int64_t row_bytes = static_cast<int64_t>(L.row_bytes);
 
   if (a.kind == kPutCombine) {
-    const int32_t* positions = reinterpret_cast<const int32_t*>(own + a.L.positions);
-    for (int64_t t = warp; t < a.T; t += warps) {
+    const int32_t* positions = reinterpret_cast<const int32_t*>(own + L.positions);
+    for (int64_t t = warp; t < T; t += warps) {
       if (a.row_kind == kRowF32) {
         combine_token<true>(a, recv, positions, R, t, lane);
       } else {
@@ -401,10 +396,9 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
   }
 
   // dispatch / broadcast: output row o is record (o - first_row[s]) of source s, or empty
-  const int64_t rows = static_cast<int64_t>(R) * a.T;
+  const int64_t rows = R * T;
   const bool dispatch = a.kind == kPutDispatch;
-  const int64_t scale_bytes = static_cast<int64_t>(a.L.ids_at - a.L.scales_at);
-  const int num_scales = a.scales != nullptr ? static_cast<int>(a.H / 128) : 0;
+  const int num_scales = a.scales != nullptr ? static_cast<int>(a.hidden / 128) : 0;
   for (int64_t o = warp; o < rows; o += warps) {
     int s = 0;
     while (s < R && o >= first_row[s + 1]) ++s;
@@ -413,49 +407,47 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
       warp_zero(out, row_bytes, lane);
       if (dispatch) {
         for (int i = lane; i < num_scales; i += 32) a.scales[o * num_scales + i] = 0.0f;
-        for (int k = lane; k < a.K; k += 32) {
-          a.row_ids[o * a.K + k] = -1;
-          a.row_weights[o * a.K + k] = 0.0f;
+        for (int k = lane; k < K; k += 32) {
+          a.row_ids[o * K + k] = -1;
+          a.row_weights[o * K + k] = 0.0f;
         }
         if (lane == 0) a.src_index[o] = -1;
       }
       continue;
     }
-    const char* record =
-        recv + s * a.L.region_bytes + kPutHeaderBytes + (o - first_row[s]) * rec;
+    const char* record = recv + s * L.region_bytes + kPutHeaderBytes + (o - first_row[s]) * rec;
     warp_copy_raw<4>(record, row_bytes, 1u, out, lane);
     if (dispatch) {
-      const float* sc = reinterpret_cast<const float*>(record + a.L.scales_at);
+      const float* sc = reinterpret_cast<const float*>(record + L.scales_at);
       for (int i = lane; i < num_scales; i += 32) a.scales[o * num_scales + i] = sc[i];
-      const int32_t* ids = reinterpret_cast<const int32_t*>(record + a.L.ids_at);
-      const float* weights = reinterpret_cast<const float*>(record + a.L.weights_at);
-      for (int k = lane; k < a.K; k += 32) {
-        a.row_ids[o * a.K + k] = ids[k];
-        a.row_weights[o * a.K + k] = weights[k];
+      const int32_t* ids = reinterpret_cast<const int32_t*>(record + L.ids_at);
+      const float* weights = reinterpret_cast<const float*>(record + L.weights_at);
+      for (int k = lane; k < K; k += 32) {
+        a.row_ids[o * K + k] = ids[k];
+        a.row_weights[o * K + k] = weights[k];
       }
-      if (lane == 0) a.src_index[o] = *reinterpret_cast<const int32_t*>(record + a.L.src_at);
+      if (lane == 0) a.src_index[o] = *reinterpret_cast<const int32_t*>(record + L.src_at);
     }
   }
-  (void)scale_bytes;
   if (!dispatch || blockIdx.x != 0) return;
   // block 0: rows per source, and (token, local expert) pairs per local expert
   if (static_cast<int>(threadIdx.x) < R) {
     a.tokens_per_rank[threadIdx.x] = first_row[threadIdx.x + 1] - first_row[threadIdx.x];
   }
-  for (int e = threadIdx.x; e < a.local_experts; e += blockDim.x) expert_count[e] = 0;
+  const int local_experts = a.num_experts / a.num_ranks;
+  for (int e = threadIdx.x; e < local_experts; e += blockDim.x) expert_count[e] = 0;
   __syncthreads();
   const int64_t filled = first_row[R];
-  for (int64_t i = threadIdx.x; i < filled * a.K; i += blockDim.x) {
-    const int64_t o = i / a.K;
+  for (int64_t i = threadIdx.x; i < filled * K; i += blockDim.x) {
+    const int64_t o = i / K;
     int s = 0;
     while (s < R && o >= first_row[s + 1]) ++s;
-    const char* record =
-        recv + s * a.L.region_bytes + kPutHeaderBytes + (o - first_row[s]) * rec;
-    const int32_t id = reinterpret_cast<const int32_t*>(record + a.L.ids_at)[i % a.K];
-    if (id >= 0 && id < a.local_experts) atomicAdd(&expert_count[id], 1);
+    const char* record = recv + s * L.region_bytes + kPutHeaderBytes + (o - first_row[s]) * rec;
+    const int32_t id = reinterpret_cast<const int32_t*>(record + L.ids_at)[i % K];
+    if (id >= 0 && id < local_experts) atomicAdd(&expert_count[id], 1);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < a.local_experts; e += blockDim.x) {
+  for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {
     a.tokens_per_expert[e] = expert_count[e];
   }
 }
@@ -471,21 +463,7 @@ int blocks_for(const PutLaunch& p) { return p.num_blocks < 1 ? 1 : p.num_blocks;
 cudaError_t launch_start(const PutLaunch& p, int32_t kind, const OpFingerprint& fp,
                          const int32_t* topk_idx, bool* in_rank_out, const bool* in_rank,
                          const int32_t* src_index, cudaStream_t stream) {
-  PutStartArgs a{};
-  a.state = p.state;
-  a.L = p.layout;
-  a.rank = p.rank;
-  a.group = p.group;
-  a.fp = fp;
-  a.axis_slot = p.axis_slot;
-  a.T = p.num_tokens;
-  a.K = p.num_topk;
-  a.E = p.num_experts;
-  a.kind = kind;
-  a.topk_idx = topk_idx;
-  a.is_token_in_rank_out = in_rank_out;
-  a.is_token_in_rank = in_rank;
-  a.src_index = src_index;
+  const PutStartArgs a{p, fp, kind, topk_idx, in_rank_out, in_rank, src_index};
   JAX_EP_LAUNCH(put_start_kernel, 1, kStartThreads, 0, stream)(a);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
@@ -494,20 +472,7 @@ cudaError_t launch_start(const PutLaunch& p, int32_t kind, const OpFingerprint& 
 cudaError_t launch_pack_transfer(const PutLaunch& p, int32_t kind, const void* x,
                                  const int32_t* topk_idx, const float* topk_weights,
                                  const int32_t* src_index, cudaStream_t stream) {
-  PutPackArgs a{};
-  a.state = p.state;
-  a.L = p.layout;
-  a.T = p.num_tokens;
-  a.K = p.num_topk;
-  a.E = p.num_experts;
-  a.H = p.hidden;
-  a.kind = kind;
-  a.x_kind = p.x_kind;
-  a.row_kind = p.row_kind;
-  a.x = static_cast<const char*>(x);
-  a.topk_idx = topk_idx;
-  a.topk_weights = topk_weights;
-  a.src_index = src_index;
+  const PutPackArgs a{p, kind, static_cast<const char*>(x), topk_idx, topk_weights, src_index};
   JAX_EP_LAUNCH(put_pack_kernel, blocks_for(p), kPutThreads, 0, stream)(a);
   JAX_EP_CHECK_LAUNCH();
   JAX_EP_LAUNCH(put_transfer_kernel, p.num_ranks, kPutThreads, 0, stream)(p.state, p.layout);
@@ -547,24 +512,9 @@ cudaError_t launch_put_dispatch_rank_major(const PutLaunch& p, const void* x,
                                   nullptr, stream));
   JAX_EP_CUDA_RETURN(
       launch_pack_transfer(p, kPutDispatch, x, topk_idx, topk_weights, nullptr, stream));
-  PutReceiveArgs a{};
-  a.state = p.state;
-  a.L = p.layout;
-  a.T = p.num_tokens;
-  a.K = p.num_topk;
-  a.H = p.hidden;
-  a.local_experts = p.num_experts / p.num_ranks;
-  a.kind = kPutDispatch;
-  a.row_kind = p.row_kind;
-  a.op_id = kOpDispatchRankMajor;
-  a.rows = static_cast<char*>(rows);
-  a.scales = scales;
-  a.row_ids = row_ids;
-  a.row_weights = row_weights;
-  a.tokens_per_rank = tokens_per_rank;
-  a.tokens_per_expert = tokens_per_expert;
-  a.src_index = src_index;
-  const size_t shared = static_cast<size_t>(a.local_experts) * sizeof(int32_t);
+  const PutReceiveArgs a{p, kPutDispatch, kOpDispatchRankMajor, static_cast<char*>(rows), scales,
+                         row_ids, row_weights, tokens_per_rank, tokens_per_expert, src_index};
+  const size_t shared = static_cast<size_t>(p.num_experts / p.num_ranks) * sizeof(int32_t);
   JAX_EP_LAUNCH(put_receive_kernel, blocks_for(p), kPutThreads, shared, stream)(a);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
@@ -580,16 +530,9 @@ cudaError_t launch_rows_op(const PutLaunch& p, int32_t kind, int32_t op_id, cons
   const OpFingerprint fp = put_fingerprint(p, op_id, 1, 0);  // K = 1, as the NVLink forms
   JAX_EP_CUDA_RETURN(launch_start(p, kind, fp, nullptr, nullptr, in_rank, src_index, stream));
   JAX_EP_CUDA_RETURN(launch_pack_transfer(p, kind, data, nullptr, nullptr, src_index, stream));
-  PutReceiveArgs a{};
-  a.state = p.state;
-  a.L = p.layout;
-  a.T = p.num_tokens;
-  a.H = p.hidden;
-  a.kind = kind;
-  a.row_kind = p.row_kind;
-  a.op_id = op_id;
-  a.is_token_in_rank = in_rank;
-  a.rows = static_cast<char*>(out);
+  // the dispatch-only outputs stay null
+  const PutReceiveArgs a{p, kind, op_id, static_cast<char*>(out), nullptr, nullptr, nullptr,
+                         nullptr, nullptr, nullptr};
   JAX_EP_LAUNCH(put_receive_kernel, blocks_for(p), kPutThreads, 0, stream)(a);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
