@@ -13,10 +13,6 @@
 // rows of float32 instead of bfloat16 from float32 x, op: combine instead of dispatch), or its
 // call count in the group ahead (call_sequence: 5 calls, behind: 1 call). Every rank must fault (the kernels trap);
 // the driver prints each fault record and its message (xla_ffi/fault_message.cc).
-#include <sys/mman.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -29,46 +25,13 @@
 #include "cuda/ep_layout.h"
 #include "cuda/group.h"
 #include "cuda/slot_values.h"
+#include "tools/kernel_emulator/emu_driver.h"
 #include "tools/kernel_emulator/unread_dispatch.h"
-#include "xla_ffi/fault_message.h"
 
 using namespace jax_ep;
+using namespace emu_driver;
 
 namespace {
-
-std::string dir;
-
-std::vector<char> read_file(const std::string& name, size_t bytes) {
-  std::vector<char> data(bytes + 16);
-  FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
-  if (f == nullptr) {
-    std::fprintf(stderr, "missing %s\n", name.c_str());
-    std::exit(2);
-  }
-  if (std::fread(data.data(), 1, bytes, f) != bytes) {
-    std::fprintf(stderr, "short %s\n", name.c_str());
-    std::exit(2);
-  }
-  std::fclose(f);
-  return data;
-}
-
-void write_file(const std::string& name, const void* data, size_t bytes) {
-  FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
-  std::fwrite(data, 1, bytes, f);
-  std::fclose(f);
-}
-
-std::vector<char> poisoned(size_t bytes) { return std::vector<char>(bytes + 16, char(0xA5)); }
-
-int kind_bytes(int kind) { return kind == kRowF32 ? 4 : kind == kRowBF16 ? 2 : 1; }
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %d\n", what, status);
-    std::exit(3);
-  }
-}
 
 // One rank's sizes (the last rank's differ in a mismatch case).
 struct Sizes {
@@ -173,38 +136,10 @@ int main(int argc, char** argv) {
       make_comm_layout(R, T, 1, 0, static_cast<uint64_t>(H) * kind_bytes(y_kind), 0);
   const Sizes sizes{R, T, H, K, E, C, align, x_kind, row_kind};
   const Sizes last_sizes = changed(sizes, mismatch);
-  const uint64_t buffer_bytes = align_up_u64(
-      std::max({dispatch_layout.total, data_layout.total,
-                dispatch_layout_of(last_sizes).total}),
-      4096);
-
-  // "device memory" of every rank, shared by the rank processes at the same address
-  const size_t state_bytes = align_up_u64(sizeof(DeviceState), 4096);
-  const size_t total = R * (state_bytes + buffer_bytes) + 4096;
-  char* shared = static_cast<char*>(
-      mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  if (shared == MAP_FAILED) return 4;
-  std::memset(shared, 0, total);
-  FaultRecord* faults = reinterpret_cast<FaultRecord*>(shared + total - 4096);
-  std::vector<DeviceState*> states(R);
-  std::vector<uint8_t*> buffers(R);
-  for (int r = 0; r < R; ++r) {
-    states[r] = reinterpret_cast<DeviceState*>(shared + r * state_bytes);
-    buffers[r] = reinterpret_cast<uint8_t*>(shared + R * state_bytes + r * buffer_bytes);
-    std::memset(buffers[r], 0x5A, buffer_bytes);  // garbage, like reused device memory
-  }
-  for (int r = 0; r < R; ++r) {
-    DeviceTables& t = states[r]->tables;
-    for (int p = 0; p < R; ++p) {
-      t.comm_buffers[p] = buffers[p];
-      t.peer_states[p] = states[p];
-    }
-    t.comm_bytes = buffer_bytes;
-    t.timeout_ns = (mismatch.empty() ? 300ull : 5ull) * 1000000000ull;
-    t.fault_record = &faults[r];
-    t.device_ordinal = r;
-    t.slot = r;
-  }
+  const Devices devices = make_devices(
+      R, std::max({dispatch_layout.total, data_layout.total, dispatch_layout_of(last_sizes).total}),
+      mismatch.empty() ? 300 : 5, /*peers=*/true);
+  const std::vector<DeviceState*>& states = devices.states;
 
   // Rank masking (run.py's masked cases): JAX_EP_EMU_MASK = one 0/1 per rank, passed to every op
   // (expert- and rank-major);
@@ -234,14 +169,8 @@ int main(int argc, char** argv) {
   const char* unmasked_env = std::getenv("JAX_EP_EMU_UNMASKED_DISPATCH");
   const bool unmasked_dispatch = unmasked_env != nullptr && unmasked_env[0] == '1';
 
-  std::vector<pid_t> children;
-  for (int rank = 0; rank < R; ++rank) {
-    if (absent.find(std::to_string(rank)) != std::string::npos) continue;  // never runs
-    const pid_t pid = fork();
-    if (pid != 0) {
-      children.push_back(pid);
-      continue;
-    }
+  const int failed = run_ranks(R, [&](int rank) {
+    if (absent.find(std::to_string(rank)) != std::string::npos) return;  // never runs an op
     if (!mismatch.empty()) {
       const bool last = rank == R - 1;
       uint64_t ahead = 0;
@@ -249,8 +178,7 @@ int main(int argc, char** argv) {
       if (last && mismatch == "behind") ahead = 1;
       run_mismatch(states[rank], rank, last ? last_sizes : sizes, last && mismatch == "op", blocks,
                    send_warps, ahead);
-      std::fflush(stdout);
-      _exit(0);  // the call should have trapped
+      return;  // the call should have trapped
     }
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
@@ -365,39 +293,24 @@ int main(int argc, char** argv) {
 
       // rank-major: dispatch_rank_major, then combine_rank_major / broadcast_rank_major through
       // its handle (the slot -> row table first, as the FFI handlers do); the same rank mask
-      auto rm_rows = poisoned(RT * H * kind_bytes(row_kind));
-      auto rm_scales = poisoned(RT * std::max(num_scales, 1) * 4);
-      auto rm_ids = poisoned(RT * K * 4);
-      auto rm_w = poisoned(RT * K * 4);
-      auto rm_per_rank = poisoned(size_t(R) * 4);
-      auto rm_per_expert = poisoned(size_t(E / R) * 4);
-      auto rm_src = poisoned(RT * 4);
-      auto rm_in_rank = poisoned(size_t(T) * R);
+      RankMajorOutputs rm(R, T, H, K, E, row_kind, y_kind);
       DispatchLaunch m = d;
-      m.rows = rm_rows.data();
-      m.scales = fp8 ? reinterpret_cast<float*>(rm_scales.data()) : nullptr;
+      m.rows = rm.rows.data();
+      m.scales = rm.scales_or_null();
       m.group_sizes = nullptr;
       m.row_weights = nullptr;
       m.num_dropped = nullptr;
       m.token_rows = nullptr;
-      m.expert_counts = reinterpret_cast<int32_t*>(rm_per_expert.data());
-      m.src_index = reinterpret_cast<int32_t*>(rm_src.data());
-      m.is_token_in_rank = reinterpret_cast<bool*>(rm_in_rank.data());
-      m.row_ids = reinterpret_cast<int32_t*>(rm_ids.data());
-      m.row_topk_weights = reinterpret_cast<float*>(rm_w.data());
-      m.tokens_per_rank = reinterpret_cast<int32_t*>(rm_per_rank.data());
+      m.expert_counts = rm.i32(rm.per_expert);
+      m.src_index = rm.i32(rm.src);
+      m.is_token_in_rank = rm.in_rank_data();
+      m.row_ids = rm.i32(rm.ids);
+      m.row_topk_weights = rm.f32(rm.w);
+      m.tokens_per_rank = rm.i32(rm.per_rank);
       m.capacity = R * T;
       m.alignment = 1;
       m.rank_major = true;
       check(launch_dispatch(m, nullptr), "dispatch_rank_major");
-      write_file("rm_rows" + tag + ".bin", rm_rows.data(), RT * H * kind_bytes(row_kind));
-      if (fp8) write_file("rm_scales" + tag + ".bin", rm_scales.data(), RT * num_scales * 4);
-      write_file("rm_ids" + tag + ".bin", rm_ids.data(), RT * K * 4);
-      write_file("rm_w" + tag + ".bin", rm_w.data(), RT * K * 4);
-      write_file("rm_per_rank" + tag + ".bin", rm_per_rank.data(), size_t(R) * 4);
-      write_file("rm_per_expert" + tag + ".bin", rm_per_expert.data(), size_t(E / R) * 4);
-      write_file("rm_src" + tag + ".bin", rm_src.data(), RT * 4);
-      write_file("rm_in_rank" + tag + ".bin", rm_in_rank.data(), size_t(T) * R);
 
       auto slot_rows = poisoned(RT * 4);
       int32_t* table = reinterpret_cast<int32_t*>(slot_rows.data());
@@ -406,37 +319,15 @@ int main(int argc, char** argv) {
       GroupLaunch gr = gl;
       gr.layout = rm_layout;
       gr.num_topk = 1;
-      auto rm_comb = poisoned(out_bytes);
       check(launch_combine(gr, yr.data(), nullptr, table, m.is_token_in_rank, H, y_kind, true,
-                           rm_comb.data(), nullptr),
+                           rm.comb.data(), nullptr),
             "combine_rank_major");
-      write_file("rm_comb" + tag + ".bin", rm_comb.data(), out_bytes);
-      auto rm_bcast = poisoned(RT * H * kind_bytes(y_kind));
       check(launch_broadcast(gr, g.data(), table, m.is_token_in_rank, m.src_index,
-                             static_cast<int32_t>(RT), H, y_kind, use_tma, true, rm_bcast.data(),
+                             static_cast<int32_t>(RT), H, y_kind, use_tma, true, rm.bcast.data(),
                              nullptr),
             "broadcast_rank_major");
-      write_file("rm_bcast" + tag + ".bin", rm_bcast.data(), RT * H * kind_bytes(y_kind));
+      rm.write(tag);
     }
-    std::fflush(stdout);
-    _exit(0);
-  }
-  int failed = 0;
-  for (pid_t pid : children) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
-  }
-  for (int r = 0; r < R; ++r) {
-    if (faults[r].valid) {
-      std::printf("fault on rank %d: kind %d op %d waited %d field %d expected %llu observed "
-                  "%llu\n",
-                  r, faults[r].kind, faults[r].op_id, faults[r].waited_rank, faults[r].field,
-                  static_cast<unsigned long long>(faults[r].expected),
-                  static_cast<unsigned long long>(faults[r].observed));
-      std::printf("message of rank %d: %s\n", r, FaultMessage(faults[r], false).c_str());
-      failed = 1;
-    }
-  }
-  return failed;
+  });
+  return report_faults(devices, /*per_process=*/false) | failed;
 }

@@ -27,10 +27,6 @@
 // op: ll_combine instead of ll_dispatch; op_throughput: the throughput dispatch instead) or its
 // call count in the group 5 calls ahead (call_sequence). Every rank must fault; the driver prints
 // each record and its message.
-#include <sys/mman.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -40,40 +36,13 @@
 
 #include "cuda/dispatch.h"
 #include "cuda/low_latency.h"
+#include "tools/kernel_emulator/emu_driver.h"
 #include "tools/kernel_emulator/unread_dispatch.h"
-#include "xla_ffi/fault_message.h"
 
 using namespace jax_ep;
+using namespace emu_driver;
 
 namespace {
-
-std::string dir;
-
-std::vector<char> read_file(const std::string& name, size_t bytes) {
-  std::vector<char> data(bytes + 16);
-  FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
-  if (f == nullptr || std::fread(data.data(), 1, bytes, f) != bytes) {
-    std::fprintf(stderr, "cannot read %s\n", name.c_str());
-    std::exit(2);
-  }
-  std::fclose(f);
-  return data;
-}
-
-void write_file(const std::string& name, const void* data, size_t bytes) {
-  FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
-  std::fwrite(data, 1, bytes, f);
-  std::fclose(f);
-}
-
-std::vector<char> poisoned(size_t bytes) { return std::vector<char>(bytes + 16, char(0xA5)); }
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %d\n", what, status);
-    std::exit(3);
-  }
-}
 
 // One rank's sizes (the last rank's differ in a mismatch case).
 struct Sizes {
@@ -201,57 +170,26 @@ int main(int argc, char** argv) {
   const LLLayout combine_layout = make_ll_layout(R, T, K, E, H, uint64_t(H) * 2, 0);
   const Sizes sizes{R, T, H, K, E, row_kind};
   const Sizes last_sizes = changed(sizes, mismatch);
-  const uint64_t buffer_bytes = align_up_u64(
+  const uint64_t timeout_s =
+      !mismatch.empty() ? 5 : mode >= 6 && mode <= 8 ? 4 : mode >= 3 ? 20 : 300;
+  const Devices devices = make_devices(
+      R,
       std::max({dispatch_layout.base.total, combine_layout.base.total,
                 layout_of(last_sizes).base.total,
                 make_comm_layout(R, T, K, E, dispatch_row_bytes(H, kRowBF16), 0).total}),
-      4096);
+      timeout_s, /*peers=*/true);
+  const std::vector<DeviceState*>& states = devices.states;
 
-  const size_t state_bytes = align_up_u64(sizeof(DeviceState), 4096);
-  const size_t total = R * (state_bytes + buffer_bytes) + 4096;
-  char* shared = static_cast<char*>(
-      mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  if (shared == MAP_FAILED) return 4;
-  std::memset(shared, 0, total);
-  FaultRecord* faults = reinterpret_cast<FaultRecord*>(shared + total - 4096);
-  std::vector<DeviceState*> states(R);
-  std::vector<uint8_t*> buffers(R);
-  for (int r = 0; r < R; ++r) {
-    states[r] = reinterpret_cast<DeviceState*>(shared + r * state_bytes);
-    buffers[r] = reinterpret_cast<uint8_t*>(shared + R * state_bytes + r * buffer_bytes);
-    std::memset(buffers[r], 0x5A, buffer_bytes);  // garbage, like reused device memory
-  }
-  for (int r = 0; r < R; ++r) {
-    DeviceTables& t = states[r]->tables;
-    for (int p = 0; p < R; ++p) {
-      t.comm_buffers[p] = buffers[p];
-      t.peer_states[p] = states[p];
-    }
-    t.comm_bytes = buffer_bytes;
-    t.timeout_ns = (!mismatch.empty() ? 5ull : mode >= 6 && mode <= 8 ? 4ull : mode >= 3 ? 20ull : 300ull) *
-                   1000000000ull;
-    t.fault_record = &faults[r];
-    t.device_ordinal = r;
-    t.slot = r;
-  }
-
-  std::vector<pid_t> children;
-  for (int rank = 0; rank < R; ++rank) {
-    const pid_t pid = fork();
-    if (pid != 0) {
-      children.push_back(pid);
-      continue;
-    }
+  const int failed = run_ranks(R, [&](int rank) {
     if (!mismatch.empty()) {
       const bool last = rank == R - 1;
       run_mismatch(states[rank], rank, last ? last_sizes : sizes, last && mismatch == "op",
                    last && mismatch == "op_throughput", blocks,
                    last && mismatch == "call_sequence" ? 5 : 0);
-      std::fflush(stdout);
-      _exit(0);  // the call should have trapped
+      return;  // the call should have trapped
     }
     const bool shrink = mode >= 6 && mode <= 8;
-    if (shrink && rank == R - 1 && mode != 8) _exit(0);  // absent: never calls
+    if (shrink && rank == R - 1 && mode != 8) return;  // absent: never calls
     const int runs = shrink ? reps + 1 : reps;  // shrink: one more repetition after the clear
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
@@ -323,6 +261,18 @@ int main(int argc, char** argv) {
       c.out = o.out.data();
       check(launch_ll_combine(c, nullptr), "ll_combine");
     };
+    // one repetition: both ops fused, or each in two phases (send, then receive)
+    auto run_rep = [&](Rep& o, bool two_phase) {
+      if (two_phase) {
+        dispatch(o, kLLSend, o.dispatch_handle);
+        dispatch(o, kLLRecv, o.dispatch_handle);
+        combine(o, kLLSend, o.combine_handle);
+        combine(o, kLLRecv, o.combine_handle);
+      } else {
+        dispatch(o, kLLFused, nullptr);
+        combine(o, kLLFused, nullptr);
+      }
+    };
     if (mode == 3) {  // a third send while two are in flight
       for (int i = 0; i < 3; ++i) dispatch(out[0], kLLSend, out[0].dispatch_handle);
     } else if (mode == 4) {  // the same handle received twice
@@ -342,8 +292,7 @@ int main(int argc, char** argv) {
       }
     } else if (shrink && rank == R - 1) {  // mode 8: one dispatch with the others, then absent
       dispatch(out[0], kLLFused, nullptr);
-      std::fflush(stdout);
-      _exit(0);
+      return;  // writes no outputs
     } else if (shrink) {
       SyncCounters::RankMaskState& persistent = states[rank]->sync.rank_masks[2][0];
       auto timed = [&](int i, auto body) {
@@ -353,38 +302,13 @@ int main(int argc, char** argv) {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         write_file("time" + s + "_" + std::to_string(i) + ".bin", &seconds, sizeof(seconds));
       };
-      for (int i = 0; i < reps; ++i) {
-        timed(i, [&](Rep& o) {
-          if (mode == 7) {
-            dispatch(o, kLLSend, o.dispatch_handle);
-            dispatch(o, kLLRecv, o.dispatch_handle);
-            combine(o, kLLSend, o.combine_handle);
-            combine(o, kLLRecv, o.combine_handle);
-          } else {
-            dispatch(o, kLLFused, nullptr);
-            combine(o, kLLFused, nullptr);
-          }
-        });
-      }
+      for (int i = 0; i < reps; ++i) timed(i, [&](Rep& o) { run_rep(o, mode == 7); });
       write_file("masked" + s + ".bin", &persistent, sizeof(persistent));
       std::memset(&persistent, 0, sizeof(persistent));  // the host's clear (no kernel running)
-      timed(reps, [&](Rep& o) {
-        dispatch(o, kLLFused, nullptr);
-        combine(o, kLLFused, nullptr);
-      });
+      timed(reps, [&](Rep& o) { run_rep(o, false); });
       write_file("cleared" + s + ".bin", &persistent.masked, sizeof(persistent.masked));
     } else {
-      for (Rep& o : out) {
-        if (mode == 1) {
-          dispatch(o, kLLSend, o.dispatch_handle);
-          dispatch(o, kLLRecv, o.dispatch_handle);
-          combine(o, kLLSend, o.combine_handle);
-          combine(o, kLLRecv, o.combine_handle);
-        } else {
-          dispatch(o, kLLFused, nullptr);
-          combine(o, kLLFused, nullptr);
-        }
-      }
+      for (Rep& o : out) run_rep(o, mode == 1);
     }
     for (int rep = 0; rep < runs; ++rep) {
       const std::string tag = s + "_" + std::to_string(rep);
@@ -396,25 +320,6 @@ int main(int argc, char** argv) {
       write_file("out" + tag + ".bin", o.out.data(), size_t(T) * H * 2);
       write_file("active" + tag + ".bin", o.active.data(), size_t(R) * 4);
     }
-    std::fflush(stdout);
-    _exit(0);
-  }
-  int failed = 0;
-  for (pid_t pid : children) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
-  }
-  for (int r = 0; r < R; ++r) {
-    if (faults[r].valid) {
-      std::printf("fault on rank %d: kind %d op %d waited %d what %d expected %llu observed %llu "
-                  "field %d\n",
-                  r, faults[r].kind, faults[r].op_id, faults[r].waited_rank,
-                  faults[r].waited_ordinal, static_cast<unsigned long long>(faults[r].expected),
-                  static_cast<unsigned long long>(faults[r].observed), faults[r].field);
-      std::printf("message of rank %d: %s\n", r, FaultMessage(faults[r], false).c_str());
-      failed = 1;
-    }
-  }
-  return failed;
+  });
+  return report_faults(devices, /*per_process=*/false) | failed;
 }

@@ -21,26 +21,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from harness import KIND, build, faults_of, routing, write_inputs  # noqa: E402  (8 CPU devices)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from run import KIND, routing  # noqa: E402  (sets 8 virtual CPU devices)
 
 from jax_ep import reference  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
 
 DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_ll_driver")
+SOURCES = ("cuda/group.cu", "cuda/dispatch.cu", "cuda/low_latency.cu", "xla_ffi/fault_message.cc",
+           "tools/kernel_emulator/ll_driver.cc")
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
           "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
 
@@ -97,8 +95,6 @@ MISMATCHES = {
     "call_sequence": (10, None, None),  # rank 1 is 5 calls ahead
 }
 NUMBERS = {"ll_dispatch": 7, "ll_combine": 8, "dispatch": 2, "bfloat16": 0, "float8_e4m3fn": 2}
-FAULT_LINE = (r"^fault on rank (\d): kind (\d+) op (\d+) waited (-?\d+) what -?\d+ expected (\d+) "
-              r"observed (\d+) field (\d+)$")
 
 
 def run_mismatch(driver, field) -> str:
@@ -108,13 +104,12 @@ def run_mismatch(driver, field) -> str:
                            str(KIND["bfloat16"]), str(KIND["bfloat16"]), "1", "2", "0", field],
                           capture_output=True, text=True, timeout=300)
     out = done.stdout
-    records = {int(m[0]): [int(v) for v in m[1:]] for m in re.findall(FAULT_LINE, out, flags=re.M)}
-    messages = dict(re.findall(r"^message of rank (\d): (.*)$", out, flags=re.M))
-    if done.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != ["0", "1"]:
+    records, messages = faults_of(out)
+    if done.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != [0, 1]:
         return f"expected a fault on both ranks, got rc={done.returncode}:\n{out[-3000:]}"
     field_id, *values = MISMATCHES[field]
-    for rank, (kind, _op, waited, expected, observed, got_field) in records.items():
-        text = messages[str(rank)]
+    for rank, (kind, _op, waited, _what, got_field, expected, observed) in records.items():
+        text = messages[rank]
         if field == "call_sequence":
             want = (5, 10, 1, 6) if rank == 0 else (1, 10, 6, 1)
             phrase = "out of step" if rank == 0 else "rank 0 has entered 1 (it is 5 calls behind"
@@ -130,18 +125,6 @@ def run_mismatch(driver, field) -> str:
             if part not in text:
                 return f"rank {rank}: message lacks {part!r}: {text}"
     return ""
-
-
-def build(path: str = DRIVER) -> str:
-    here = os.path.join(ROOT, "tools/kernel_emulator")
-    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
-           "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),
-           "-I" + ROOT]
-    for s in ("cuda/group.cu", "cuda/dispatch.cu", "cuda/low_latency.cu", "xla_ffi/fault_message.cc",
-              "tools/kernel_emulator/ll_driver.cc"):
-        cmd += ["-x", "c++", os.path.join(ROOT, s)]
-    subprocess.run(cmd + ["-o", path], check=True)
-    return path
 
 
 def reference_outputs(R, T, K, E, H, wire, x, idx, w, y, mask=None, combine_mask=None):
@@ -191,8 +174,9 @@ def run_fault(driver, mode, what) -> str:
         done = subprocess.run([driver, tmp, str(R), str(T), str(H), str(K), str(E),
                                str(KIND["bfloat16"]), str(KIND["bfloat16"]), "1", "2", str(mode)],
                               capture_output=True, text=True, timeout=600)
-    want = [f"fault on rank {r}: kind 4 op 7 waited -1 what {what} " for r in range(R)]
-    if done.returncode == 0 or not all(w in done.stdout for w in want):
+    records, _ = faults_of(done.stdout)
+    faulted = [records.get(r, (None,) * 4)[:4] == (4, 7, -1, what) for r in range(R)]  # kind op waited what
+    if done.returncode == 0 or not all(faulted):
         return f"expected LLFault {what} on every rank, got rc={done.returncode}: {done.stdout[-2000:]}"
     return ""
 
@@ -227,9 +211,7 @@ def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blo
     if mode == 8:  # the first dispatch had every rank; its combine lost the last one
         wants[0] = reference_outputs(R, T, K, E, H, wire, x, idx, w, y, operand_masks[0], masks[0])
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(R):
-            for name, a in (("x", x[r]), ("idx", idx[r]), ("y", y[r])):
-                np.ascontiguousarray(a).tofile(os.path.join(tmp, f"{name}{r}.bin"))
+        write_inputs(tmp, dict(x=x, idx=idx, y=y))
         for rep_i, (m, (d_rep, _)) in enumerate(zip(operand_masks, wants, strict=True)):
             write_rep_inputs(tmp, rep_i, m, d_rep)
         done = subprocess.run([driver, tmp, str(R), str(T), str(H), str(K), str(E),
@@ -311,7 +293,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--driver", default=DRIVER, help="where to build the driver")
     args = parser.parse_args(argv)
-    driver = build(args.driver)
+    driver = build(SOURCES, args.driver)
     cases = list(CASES)
     rng = np.random.default_rng(args.seed)
     blocks = [BLOCKS.get(i, 3) for i in range(len(cases))]

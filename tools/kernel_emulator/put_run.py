@@ -15,38 +15,31 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from harness import (  # noqa: E402  (sets up jax with 8 CPU devices)
+    KIND,
+    build,
+    compare_rank,
+    faults_of,
+    rank_major_reference,
+    routing,
+    run_driver_case,
+    to_dtype,
+)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from run import KIND, ROOT, routing, to_dtype  # noqa: E402  (jax set up with 8 CPU devices)
 
-from jax_ep import reference  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
 
 DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_put_driver")
-
-
-def build() -> str:
-    """g++ builds the put driver (the kernels against emu_cuda.h and the NVSHMEM shim) at DRIVER."""
-    sources = [os.path.join(ROOT, p) for p in (
-        "cuda/remote_rank_major.cu", "xla_ffi/fault_message.cc", "tools/kernel_emulator/put_driver.cc")]
-    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
-           "-include", os.path.join(HERE, "emu_cuda.h"), "-I" + os.path.join(HERE, "include"),
-           "-I" + ROOT]
-    for s in sources:
-        cmd += ["-x", "c++", s]
-    subprocess.run(cmd + ["-o", DRIVER], check=True)
-    return DRIVER
+# the kernels against emu_cuda.h and the NVSHMEM shim (include/nvshmem*.h)
+SOURCES = ("cuda/remote_rank_major.cu", "xla_ffi/fault_message.cc", "tools/kernel_emulator/put_driver.cc")
 
 
 def reference_outputs(x, idx, w, g, yr, cfg, R):
@@ -54,15 +47,7 @@ def reference_outputs(x, idx, w, g, yr, cfg, R):
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
 
     def body(x, idx, w, g, yr):
-        m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg)
-        yr_in = jax.numpy.where(m.handle.src_index[:, None] >= 0, yr[0], jax.numpy.nan).astype(yr.dtype)
-        out = dict(rm_rows=m.x, rm_ids=m.topk_idx, rm_w=m.topk_weights,
-                   rm_per_rank=m.num_tokens_per_rank, rm_per_expert=m.num_tokens_per_expert,
-                   rm_src=m.handle.src_index, rm_in_rank=m.handle.is_token_in_rank,
-                   rm_comb=reference.combine_rank_major(yr_in, m.handle, cfg),
-                   rm_bcast=reference.broadcast_rank_major(g[0], m.handle, cfg), rm_y=yr_in)
-        if m.scales is not None:
-            out["rm_scales"] = m.scales
+        out = rank_major_reference(x[0], idx[0], w[0], g[0], yr[0], cfg)
         return {k: a[None] for k, a in out.items()}
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -89,42 +74,18 @@ def run_case(name, *, R, T, H, K, E, x_dtype="bfloat16", dispatch_dtype=None, y_
     yr = to_dtype(np.where(rng.random(yr.shape) < 0.05, np.float32(-0.0), yr), y_dtype)
     want = reference_outputs(x, idx, w, g, yr, cfg, R)
     yr = want.pop("rm_y")
-    with tempfile.TemporaryDirectory() as d:
-        for r in range(R):
-            for nm, a in (("x", x), ("idx", idx), ("w", w), ("g", g), ("yr", yr)):
-                np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
-        cmd = [DRIVER, d, R, T, H, K, E, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype], blocks, reps]
-        start = time.time()
-        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600)
-        took = time.time() - start
-        if proc.returncode != 0:
-            print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            return False
+
+    def check(d, took):
         ok = True
         for r in range(R):
             for rep in range(reps):
-                ok &= compare(name, d, r, rep, want)
+                ok &= compare_rank(name, d, r, rep, want)
         rows = [int(s.sum()) for s in want["rm_per_rank"]]
         print(f"{'ok  ' if ok else 'FAIL'} {name} (rank-major rows {rows}, {took:.1f}s)")
         return ok
 
-
-def compare(name, d, r, rep, want) -> bool:
-    ok = True
-    for field, ref in want.items():
-        ref = np.atleast_1d(ref[r])
-        got = np.fromfile(os.path.join(d, f"{field}{r}_{rep}.bin"), dtype=ref.dtype).reshape(ref.shape)
-        width = int(np.prod(ref.shape[1:]))
-        g2, r2 = got.reshape(len(got), width), ref.reshape(len(ref), width)
-        size = ref.dtype.itemsize
-        diff = g2.view(np.uint8).reshape(*g2.shape, size) != r2.view(np.uint8).reshape(*r2.shape, size)
-        bad = np.argwhere(diff.any(-1))
-        if len(bad):
-            ok = False
-            first = tuple(int(i) for i in bad[0])
-            print(f"  MISMATCH {name} rank {r} rep {rep} {field}: {len(bad)} elements, first {first}: "
-                  f"got {g2[first]!r} want {r2[first]!r}")
-    return ok
+    cmd = [DRIVER, R, T, H, K, E, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype], blocks, reps]
+    return run_driver_case(name, cmd, dict(x=x, idx=idx, w=w, g=g, yr=yr), check)
 
 
 CASES = [
@@ -158,22 +119,19 @@ def random_case(rng) -> dict:
                 seed=int(rng.integers(0, 2**31)), empty_ranks=empty)
 
 
-FAULT_LINE = r"^fault on rank (\d): kind (\d+) op (\d+) waited (-?\d+) field (\d+)"
-
-
 def run_missing() -> bool:
     """The last of 2 PEs issues no call: PE 0 must time out in dispatch_rank_major (op 9) waiting for
     rank 1, with a message naming both."""
     cmd = [DRIVER, tempfile.gettempdir(), 2, 4, 64, 2, 4, 0, 0, 0, 1, 1, "missing"]
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120)
-    records = {int(m[0]): [int(v) for v in m[1:]] for m in re.findall(FAULT_LINE, proc.stdout, flags=re.M)}
-    msg = re.search(r"^message of rank 0: (.*)$", proc.stdout, flags=re.M)
-    ok = (proc.returncode != 0 and records.get(0, [0])[:3] == [1, 9, 1] and msg is not None
-          and "dispatch_rank_major" in msg[1] and "timed out" in msg[1] and "rank 1" in msg[1])
+    records, messages = faults_of(proc.stdout)
+    msg = messages.get(0)
+    ok = (proc.returncode != 0 and records.get(0, (0,))[:3] == (1, 9, 1) and msg is not None
+          and "dispatch_rank_major" in msg and "timed out" in msg and "rank 1" in msg)
     print(f"{'ok  ' if ok else 'FAIL'} put missing peer -> timeout naming dispatch_rank_major"
           + ("" if ok else f"\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"))
     if ok:
-        print(f"     {msg[1]}")
+        print(f"     {msg}")
     return ok
 
 
@@ -188,7 +146,7 @@ def main():
     parser.add_argument("--driver", default=DRIVER, help=f"where to build the driver (default {DRIVER})")
     args = parser.parse_args()
     DRIVER = args.driver
-    build()
+    build(SOURCES, DRIVER)
     if args.missing:
         sys.exit(0 if run_missing() else 1)
     if args.random:

@@ -37,71 +37,29 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from harness import (  # noqa: E402  (sets up jax with 8 CPU devices)
+    KIND,
+    bits_equal,
+    build,
+    faults_of,
+    load_output,
+    rank_major_reference,
+    routing,
+    run_driver_case,
+    to_dtype,
+)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_ep import reference  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
 
-KIND = {"bfloat16": 0, "float32": 1, "float8_e4m3fn": 2}
 DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_driver")
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
-def build() -> str:
-    sources = [os.path.join(ROOT, p) for p in (
-        "cuda/group.cu", "cuda/dispatch.cu", "cuda/combine.cu", "cuda/broadcast.cu",
-        "cuda/slot_values.cu", "xla_ffi/fault_message.cc", "tools/kernel_emulator/driver.cc")]
-    here = os.path.join(ROOT, "tools/kernel_emulator")
-    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
-           "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),
-           "-I" + ROOT]
-    for s in sources:
-        cmd += ["-x", "c++", s]
-    cmd += ["-o", DRIVER]
-    subprocess.run(cmd, check=True)
-    return DRIVER
-
-
-def routing(rng, kind, R, T, K, E):
-    shape = (R, T, K)
-    if kind == "distinct":
-        return np.argsort(rng.random((R, T, E)), axis=2)[:, :, :K].astype(np.int32)
-    if kind == "messy":
-        idx = rng.integers(0, E, shape)
-        u = rng.random(shape)
-        idx = np.where(u < 0.2, rng.choice([-1, -5, E, E + 7], size=shape), idx)
-        rep = rng.random(shape) < 0.2
-        src = rng.integers(0, K, shape)
-        idx = np.where(rep, np.take_along_axis(idx, src, axis=2), idx)
-        return idx.astype(np.int32)
-    if kind == "skewed":  # half the tokens to expert 0
-        idx = np.argsort(rng.random((R, T, E)), axis=2)[:, :, :K].astype(np.int32)
-        half = rng.random((R, T)) < 0.5
-        idx[:, :, 0] = np.where(half, 0, idx[:, :, 0])
-        idx = np.where((idx == 0) & (np.arange(K) > 0), -1, idx)
-        return idx.astype(np.int32)
-    if kind == "fuzz":  # every kind of slot: valid (some hot experts), -1, out of range, repeats
-        hot = rng.integers(0, E, size=max(1, E // 4))
-        idx = np.where(rng.random(shape) < 0.4, rng.choice(hot, size=shape), rng.integers(0, E, shape))
-        u = rng.random(shape)
-        bad = rng.choice(np.array([-2, -5, E, E + 7, INT32_MAX, INT32_MIN], np.int64), size=shape)
-        idx = np.where(u < 0.15, -1, np.where(u < 0.3, bad, idx))
-        if K > 1:  # copy an earlier slot (maybe an unused or bad one) into a later one
-            rep = rng.random(shape) < 0.2
-            src = rng.integers(0, np.maximum(np.arange(K), 1), size=shape)
-            copied = np.take_along_axis(idx, src, axis=2)
-            idx = np.where(rep & (np.arange(K) > 0), copied, idx)
-        return idx.astype(np.int32)
-    raise ValueError(kind)
+SOURCES = ("cuda/group.cu", "cuda/dispatch.cu", "cuda/combine.cu", "cuda/broadcast.cu", "cuda/slot_values.cu",
+           "xla_ffi/fault_message.cc", "tools/kernel_emulator/driver.cc")
 
 
 def random_case(rng) -> dict:
@@ -148,10 +106,6 @@ def random_mask(rng, R) -> dict:
         mask = tuple(int(r == keep) for r in range(R))
     absent = tuple(r for r in range(R) if not mask[r] and rng.random() < 0.5)
     return dict(mask=mask, absent=absent)
-
-
-def to_dtype(a, name):
-    return a.astype(getattr(ml_dtypes, name) if name != "float32" else np.float32)
 
 
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
@@ -201,22 +155,14 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
         wants[1].pop("y"), wants[1].pop("rm_y")
     y, yr = wants[0].pop("y"), wants[0].pop("rm_y")
 
-    with tempfile.TemporaryDirectory() as d:
-        for r in range(R):
-            for nm, a in (("x", x), ("idx", idx), ("w", w), ("y", y), ("g", g), ("v", v), ("yr", yr)):
-                np.ascontiguousarray(a[r]).tofile(os.path.join(d, f"{nm}{r}.bin"))
-        cmd = [DRIVER, d, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype],
-               blocks, send_warps, reps]
-        flags = ["" if m is None else ",".join(str(int(f)) for f in m) for m in masks]
-        env = dict(os.environ, JAX_EP_TMA="1" if tma else "0", JAX_EP_EMU_MASK=flags[0],
-                   JAX_EP_EMU_MASK_ODD=flags[1], JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent),
-                   JAX_EP_EMU_UNMASKED_DISPATCH="1" if unmasked_dispatch else "0")
-        start = time.time()
-        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, env=env)
-        took = time.time() - start
-        if proc.returncode != 0:
-            print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            return False
+    cmd = [DRIVER, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype], blocks,
+           send_warps, reps]
+    flags = ["" if m is None else ",".join(str(int(f)) for f in m) for m in masks]
+    env = dict(os.environ, JAX_EP_TMA="1" if tma else "0", JAX_EP_EMU_MASK=flags[0],
+               JAX_EP_EMU_MASK_ODD=flags[1], JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent),
+               JAX_EP_EMU_UNMASKED_DISPATCH="1" if unmasked_dispatch else "0")
+
+    def check(d, took):
         ok = True
         for r in range(R):
             if r in absent:  # (it ran nothing)
@@ -234,6 +180,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
         print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
               f"{want['num_dropped'].tolist()}, {more}, {took:.1f}s)")
         return ok
+
+    inputs = dict(x=x, idx=idx, w=w, y=y, g=g, v=v, yr=yr)
+    return run_driver_case(name, cmd, inputs, check, env=env, timeout=900)
 
 
 def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch=False, keep=None) -> dict:
@@ -264,17 +213,8 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch
                    slotv=reference.slot_values(v[0], d.handle, cfg, rank_mask))
         if d.scales is not None:
             out["scales"] = d.scales
-        m = reference.dispatch_rank_major(x[0], idx[0], w[0], cfg, dispatch_mask)
-        # the expert kernel's rows: empty rows hold NaN (combine_rank_major never reads them)
-        filled = (m.handle.src_index >= 0) | rm_keep[0]
-        yr_in = jax.numpy.where(filled[:, None], yr[0], jax.numpy.nan).astype(yr.dtype)
-        out.update(rm_rows=m.x, rm_ids=m.topk_idx, rm_w=m.topk_weights,
-                   rm_per_rank=m.num_tokens_per_rank, rm_per_expert=m.num_tokens_per_expert,
-                   rm_src=m.handle.src_index, rm_in_rank=m.handle.is_token_in_rank,
-                   rm_comb=reference.combine_rank_major(yr_in, m.handle, cfg, rank_mask),
-                   rm_bcast=reference.broadcast_rank_major(g[0], m.handle, cfg, rank_mask), rm_y=yr_in)
-        if m.scales is not None:
-            out["rm_scales"] = m.scales
+        out.update(rank_major_reference(x[0], idx[0], w[0], g[0], yr[0], cfg, rank_mask, rm_keep[0],
+                                        unmasked_dispatch))
         return {k: a[None] for k, a in out.items()}
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -290,7 +230,7 @@ def compare_rank(name, d, r, rep, want) -> bool:
     total = int(want["group_sizes"][r].sum())
     for field, ref in want.items():
         ref = np.atleast_1d(ref[r])
-        got = np.fromfile(os.path.join(d, f"{field}{r}_{rep}.bin"), dtype=ref.dtype).reshape(ref.shape)
+        got = load_output(d, field, r, rep, ref)
         if field in ("rows", "scales"):  # rows past sum(group_sizes) are unspecified
             ref, got = ref[:total], got[:total]
         if field in ("comb_w", "comb_u"):
@@ -302,16 +242,7 @@ def compare_rank(name, d, r, rep, want) -> bool:
                 ok = False
                 print(f"  MISMATCH {name} rank {r} rep {rep} {field}: max error {worst:.3g}")
             continue
-        width = int(np.prod(ref.shape[1:]))  # explicit: no rows at all is fine (T = 0, no routes)
-        g2, r2 = got.reshape(len(got), width), ref.reshape(len(ref), width)
-        size = ref.dtype.itemsize
-        diff = (g2.view(np.uint8).reshape(*g2.shape, size) != r2.view(np.uint8).reshape(*r2.shape, size))
-        bad = np.argwhere(diff.any(-1))
-        if len(bad):
-            ok = False
-            first = tuple(int(i) for i in bad[0])
-            print(f"  MISMATCH {name} rank {r} rep {rep} {field}: {len(bad)} elements, first {first}: "
-                  f"got {g2[first]!r} want {r2[first]!r}")
+        ok &= bits_equal(f"{name} rank {r} rep {rep} {field}", got, ref)
     return ok
 
 
@@ -382,25 +313,20 @@ MISMATCHES = {
 }
 OPS = {"dispatch": 2, "combine": 3}
 DTYPES = {"bfloat16": 0, "float32": 1}
-FAULT_LINE = (r"^fault on rank (\d): kind (\d+) op (\d+) waited (-?\d+) field (\d+) expected (\d+) "
-              r"observed (\d+)$")
 
 
 def run_mismatch(field: str) -> str:
     """One config-fingerprint case (driver.cc `mismatch`); '' when every rank reported what it must."""
-    import re
-
     z = MISMATCH_SIZES
     cmd = [DRIVER, tempfile.gettempdir(), z["R"], z["T"], z["H"], z["K"], z["E"], z["C"], z["align"],
            z["x_kind"], z["row_kind"], z["y_kind"], 1, 4, 1, field]
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
     out = proc.stdout
-    records = {int(m[0]): [int(v) for v in m[1:]] for m in re.findall(FAULT_LINE, out, flags=re.M)}
-    messages = dict(re.findall(r"^message of rank (\d): (.*)$", out, flags=re.M))
-    if proc.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != ["0", "1"]:
+    records, messages = faults_of(out)
+    if proc.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != [0, 1]:
         return f"expected a fault on both ranks, got rc={proc.returncode}:\n{out[-3000:]}"
-    for rank, (kind, op, waited, got_field, expected, observed) in records.items():
-        text = messages[str(rank)]
+    for rank, (kind, op, waited, _what, got_field, expected, observed) in records.items():
+        text = messages[rank]
         where = f"rank {rank}: {text}"
         op_name = "combine" if field == "op" and rank == 1 else "dispatch"
         if op != OPS[op_name]:
@@ -463,7 +389,7 @@ def main():
                         help="run the config-fingerprint cases (MISMATCHES) instead")
     args = parser.parse_args()
     DRIVER = args.driver
-    build()
+    build(SOURCES, DRIVER)
     if args.mismatch:
         names = [n for n in [*MISMATCHES, "call_sequence", "behind"] if args.k in n]
         failed = 0
