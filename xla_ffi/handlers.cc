@@ -497,6 +497,21 @@ ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind) {
   return ffi::Error::Success();
 }
 
+// The start of combine / broadcast and their rank-major forms: the call counted (CountCall), then
+// their rows (`name`: y or g): bfloat16 or float32, the output of the same dtype, and rows of the
+// size the layout was made for.
+ffi::Error BeginRowsOp(const char* op, CallCounters& counters, cudaStream_t stream,
+                       const EPAttrs& a, const char* name, ffi::AnyBuffer data,
+                       ffi::DataType out_type, int32_t* kind) {
+  if (ffi::Error error = CountCall(counters, stream, op); !error.success()) return error;
+  if (!RowKindOf(data.element_type(), kind) || *kind == kRowFP8 ||
+      out_type != data.element_type()) {
+    return Invalid(op, std::string(name) + " must be bfloat16 or float32, and the output of the "
+                                           "same dtype");
+  }
+  return CheckRowBytes(op, a, *kind);
+}
+
 // The rank mask operand of the throughput ops, expert- and rank-major (int32 [R], nonzero =
 // active; traced, so a new mask reuses the executable): the kernels read it on the device.
 ffi::Error RankMaskOf(const char* op, const OpState& state, ffi::Buffer<ffi::S32> rank_mask,
@@ -507,6 +522,17 @@ ffi::Error RankMaskOf(const char* op, const OpState& state, ffi::Buffer<ffi::S32
   }
   *out = rank_mask.typed_data();
   return ffi::Error::Success();
+}
+
+// PrepareGroup, and the rank mask operand into the launch (combine, broadcast, slot_values).
+ffi::Error PrepareMaskedGroup(const char* op, int32_t device_ordinal, const OpState& state,
+                              ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                              ffi::Buffer<ffi::S32> group, GroupLaunch* launch) {
+  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, launch);
+      !error.success()) {
+    return error;
+  }
+  return RankMaskOf(op, state, rank_mask, &launch->rank_mask);
 }
 
 // What dispatch and dispatch_rank_major share: x / rows dtypes, the attributes, the input shapes,
@@ -693,15 +719,14 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
                        ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
                        ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kCombineTarget;
-  if (ffi::Error error = CountCall(combine_counters, stream, kOp); !error.success()) return error;
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks;
   int32_t y_kind;
-  if (!RowKindOf(y.element_type(), &y_kind) || y_kind == kRowFP8 ||
-      out->element_type() != y.element_type()) {
-    return Invalid(kOp, "y must be bfloat16 or float32, and the output of the same dtype");
+  if (ffi::Error error = BeginRowsOp(kOp, combine_counters, stream, a, "y", y,
+                                     out->element_type(), &y_kind);
+      !error.success()) {
+    return error;
   }
-  if (ffi::Error error = CheckRowBytes(kOp, a, y_kind); !error.success()) return error;
   const auto y_dims = y.dimensions();
   const int64_t C = y_dims.size() == 2 ? y_dims[0] : -1;
   if (!IsShape(y_dims, {C, H}) || !IsShape(row_weights.dimensions(), {C}) ||
@@ -714,11 +739,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
                             std::to_string(K) + ", R=" + std::to_string(R));
   }
   GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
+  if (ffi::Error error =
+          PrepareMaskedGroup(kOp, device_ordinal, *state, rank_mask, rank, group, &launch);
       !error.success()) {
     return error;
   }
@@ -730,10 +752,12 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
   return ffi::Error::Success();
 }
 
-// What broadcast and combine_bwd share: g's dtype (the rows' kind), the attributes, the handle's
-// shapes, and the group launch with the rank mask. `out` is broadcast's rows / combine_bwd's d y.
-ffi::Error PrepareBroadcast(const char* op, int32_t device_ordinal, const OpState& state,
-                            ffi::AnyBuffer g, ffi::Buffer<ffi::S32> token_rows,
+// What broadcast and combine_bwd share: the call count, g's dtype (the rows' kind), the
+// attributes, the handle's shapes, and the group launch with the rank mask. `out` is broadcast's
+// rows / combine_bwd's d y.
+ffi::Error PrepareBroadcast(const char* op, CallCounters& counters, cudaStream_t stream,
+                            int32_t device_ordinal, const OpState& state, ffi::AnyBuffer g,
+                            ffi::Buffer<ffi::S32> token_rows,
                             ffi::Buffer<ffi::PRED> is_token_in_rank,
                             ffi::Buffer<ffi::S32> src_index, ffi::Buffer<ffi::S32> rank_mask,
                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
@@ -741,11 +765,10 @@ ffi::Error PrepareBroadcast(const char* op, int32_t device_ordinal, const OpStat
                             int32_t* g_kind) {
   const EPAttrs& a = state.attrs;
   const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks, C = a.capacity;
-  if (!RowKindOf(g.element_type(), g_kind) || *g_kind == kRowFP8 ||
-      out->element_type() != g.element_type()) {
-    return Invalid(op, "g must be bfloat16 or float32, and the output of the same dtype");
+  if (ffi::Error error = BeginRowsOp(op, counters, stream, a, "g", g, out->element_type(), g_kind);
+      !error.success()) {
+    return error;
   }
-  if (ffi::Error error = CheckRowBytes(op, a, *g_kind); !error.success()) return error;
   if (C < 1 || !IsShape(g.dimensions(), {T, H}) || !IsShape(token_rows.dimensions(), {R * T, K}) ||
       !IsShape(is_token_in_rank.dimensions(), {T, R}) || !IsShape(src_index.dimensions(), {C}) ||
       !IsShape(out->dimensions(), {C, H})) {
@@ -755,11 +778,7 @@ ffi::Error PrepareBroadcast(const char* op, int32_t device_ordinal, const OpStat
                            std::to_string(K) + ", R=" + std::to_string(R) + ", C=" +
                            std::to_string(C));
   }
-  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, launch);
-      !error.success()) {
-    return error;
-  }
-  return RankMaskOf(op, state, rank_mask, &launch->rank_mask);
+  return PrepareMaskedGroup(op, device_ordinal, state, rank_mask, rank, group, launch);
 }
 
 ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -768,15 +787,12 @@ ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
                          ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
                          ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kBroadcastTarget;
-  if (ffi::Error error = CountCall(broadcast_counters, stream, kOp); !error.success()) {
-    return error;
-  }
   const EPAttrs& a = state->attrs;
   GroupLaunch launch{};
   int32_t g_kind;
-  if (ffi::Error error = PrepareBroadcast(kOp, device_ordinal, *state, g, token_rows,
-                                          is_token_in_rank, src_index, rank_mask, rank, group, out,
-                                          &launch, &g_kind);
+  if (ffi::Error error = PrepareBroadcast(kOp, broadcast_counters, stream, device_ordinal, *state, g,
+                                          token_rows, is_token_in_rank, src_index, rank_mask, rank,
+                                          group, out, &launch, &g_kind);
       !error.success()) {
     return error;
   }
@@ -797,16 +813,13 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
                           ffi::Result<ffi::AnyBuffer> dy,
                           ffi::ResultBuffer<ffi::F32> d_row_weights) {
   constexpr const char* kOp = kCombineBwdTarget;
-  if (ffi::Error error = CountCall(combine_bwd_counters, stream, kOp); !error.success()) {
-    return error;
-  }
   const EPAttrs& a = state->attrs;
   const int64_t C = a.capacity;
   GroupLaunch launch{};
   int32_t kind;
-  if (ffi::Error error = PrepareBroadcast(kOp, device_ordinal, *state, g, token_rows,
-                                          is_token_in_rank, src_index, rank_mask, rank, group, dy,
-                                          &launch, &kind);
+  if (ffi::Error error = PrepareBroadcast(kOp, combine_bwd_counters, stream, device_ordinal, *state,
+                                          g, token_rows, is_token_in_rank, src_index, rank_mask, rank,
+                                          group, dy, &launch, &kind);
       !error.success()) {
     return error;
   }
@@ -825,12 +838,12 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
   return ffi::Error::Success();
 }
 
-// combine_rank_major / broadcast_rank_major: the handle's slot -> row table first (into the
-// op's second result, a scratch XLA allocates), then the expert-major kernels with K = 1.
-ffi::Error RankMajorTable(const char* op, const OpState& state, ffi::Buffer<ffi::S32> src_index,
-                          ffi::Buffer<ffi::PRED> is_token_in_rank,
-                          ffi::ResultBuffer<ffi::S32>& slot_rows, const GroupLaunch& launch,
-                          cudaStream_t stream) {
+// combine_rank_major / broadcast_rank_major: the handle (src_index [R * T], is_token_in_rank
+// [T, R]) and the op's second result, the [R * T] scratch for its slot -> row table; K = 1.
+ffi::Error CheckRankMajorHandle(const char* op, const OpState& state,
+                                ffi::Buffer<ffi::S32> src_index,
+                                ffi::Buffer<ffi::PRED> is_token_in_rank,
+                                ffi::ResultBuffer<ffi::S32>& slot_rows) {
   const EPAttrs& a = state.attrs;
   const int64_t T = a.num_tokens, R = a.num_ranks;
   if (a.num_topk != 1 || !IsShape(src_index.dimensions(), {R * T}) ||
@@ -841,6 +854,15 @@ ffi::Error RankMajorTable(const char* op, const OpState& state, ffi::Buffer<ffi:
                            std::to_string(T) + ", R=" + std::to_string(R) + " (num_topk=" +
                            std::to_string(a.num_topk) + ", must be 1)");
   }
+  return ffi::Error::Success();
+}
+
+// The NVLink path: the handle's slot -> row table first (into the scratch), then the expert-major
+// kernels with K = 1.
+ffi::Error RankMajorTable(const char* op, const OpState& state, ffi::Buffer<ffi::S32> src_index,
+                          ffi::ResultBuffer<ffi::S32>& slot_rows, const GroupLaunch& launch,
+                          cudaStream_t stream) {
+  const int64_t T = state.attrs.num_tokens, R = state.attrs.num_ranks;
   const cudaError_t status = launch_rank_major_rows(src_index.typed_data(),
                                                     static_cast<int32_t>(R * T), launch.num_blocks,
                                                     slot_rows->typed_data(), stream);
@@ -855,15 +877,7 @@ ffi::Error PutRowsOp(const char* op, const OpState& state, const GroupLaunch& la
                      ffi::Buffer<ffi::PRED> is_token_in_rank,
                      void* out, ffi::ResultBuffer<ffi::S32>& slot_rows, int32_t kind,
                      cudaStream_t stream) {
-  const EPAttrs& a = state.attrs;
-  const int64_t T = a.num_tokens, R = a.num_ranks;
-  if (a.num_topk != 1 || !IsShape(src_index.dimensions(), {R * T}) ||
-      !IsShape(slot_rows->dimensions(), {R * T}) ||
-      !IsShape(is_token_in_rank.dimensions(), {T, R})) {
-    return Invalid(op, "src_index " + DimsToString(src_index.dimensions()) + ", is_token_in_rank " +
-                           DimsToString(is_token_in_rank.dimensions()) + " do not match T=" +
-                           std::to_string(T) + ", R=" + std::to_string(R));
-  }
+  const int64_t T = state.attrs.num_tokens, R = state.attrs.num_ranks;
   cudaError_t status = cudaMemsetAsync(slot_rows->typed_data(), 0xFF,
                                        static_cast<size_t>(R * T) * sizeof(int32_t), stream);
   if (status != cudaSuccess) return CudaError(status, std::string(op) + " (put) scratch");
@@ -878,6 +892,43 @@ ffi::Error PutRowsOp(const char* op, const OpState& state, const GroupLaunch& la
   return ffi::Error::Success();
 }
 
+// What combine_rank_major and broadcast_rank_major share once their shapes are checked: the group
+// launch, then the put transport, or the slot -> row table, the rank mask and the NVLink kernel
+// (kernel(launch, table) launches it; `what` names that launch in an error).
+template <class Kernel>
+ffi::Error RunRankMajorRows(const char* op, cudaStream_t stream, int32_t device_ordinal,
+                            const OpState& state, const void* data, int32_t kind,
+                            ffi::Buffer<ffi::S32> src_index,
+                            ffi::Buffer<ffi::PRED> is_token_in_rank,
+                            ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                            ffi::Buffer<ffi::S32> group, void* out,
+                            ffi::ResultBuffer<ffi::S32>& slot_rows, const char* what,
+                            Kernel kernel) {
+  GroupLaunch launch{};
+  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, &launch);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = CheckRankMajorHandle(op, state, src_index, is_token_in_rank, slot_rows);
+      !error.success()) {
+    return error;
+  }
+  if (state.attrs.transport == kTransportPut) {
+    return PutRowsOp(op, state, launch, data, src_index, is_token_in_rank, out, slot_rows, kind,
+                     stream);
+  }
+  if (ffi::Error error = RankMajorTable(op, state, src_index, slot_rows, launch, stream);
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = RankMaskOf(op, state, rank_mask, &launch.rank_mask); !error.success()) {
+    return error;
+  }
+  const cudaError_t status = kernel(launch, slot_rows->typed_data());
+  if (status != cudaSuccess) return CudaError(status, what);
+  return ffi::Error::Success();
+}
+
 ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                                 ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_index,
                                 ffi::Buffer<ffi::PRED> is_token_in_rank,
@@ -885,47 +936,28 @@ ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpS
                                 ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
                                 ffi::ResultBuffer<ffi::S32> slot_rows) {
   constexpr const char* kOp = kCombineRankMajorTarget;
-  if (ffi::Error error = CountCall(combine_rank_major_counters, stream, kOp); !error.success()) {
-    return error;
-  }
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks;
   int32_t y_kind;
-  if (!RowKindOf(y.element_type(), &y_kind) || y_kind == kRowFP8 ||
-      out->element_type() != y.element_type()) {
-    return Invalid(kOp, "y must be bfloat16 or float32, and the output of the same dtype");
+  if (ffi::Error error = BeginRowsOp(kOp, combine_rank_major_counters, stream, a, "y", y,
+                                     out->element_type(), &y_kind);
+      !error.success()) {
+    return error;
   }
-  if (ffi::Error error = CheckRowBytes(kOp, a, y_kind); !error.success()) return error;
   if (!IsShape(y.dimensions(), {R * T, H}) || !IsShape(out->dimensions(), {T, H})) {
     return Invalid(kOp, "y " + DimsToString(y.dimensions()) + ", out " +
                             DimsToString(out->dimensions()) + " do not match [R * T, H], [T, H] " +
                             "with T=" + std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
                             std::to_string(R));
   }
-  GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
-  if (a.transport == kTransportPut) {
-    return PutRowsOp(kOp, *state, launch, y.untyped_data(), src_index, is_token_in_rank,
-                     out->untyped_data(), slot_rows, y_kind, stream);
-  }
-  if (ffi::Error error =
-          RankMajorTable(kOp, *state, src_index, is_token_in_rank, slot_rows, launch, stream);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
-      !error.success()) {
-    return error;
-  }
-  const cudaError_t status = launch_combine(
-      launch, y.untyped_data(), /*row_weights=*/nullptr, slot_rows->typed_data(),
-      is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, /*rank_major=*/true,
-      out->untyped_data(), stream);
-  if (status != cudaSuccess) return CudaError(status, "combine_rank_major kernel launch");
-  return ffi::Error::Success();
+  return RunRankMajorRows(
+      kOp, stream, device_ordinal, *state, y.untyped_data(), y_kind, src_index, is_token_in_rank,
+      rank_mask, rank, group, out->untyped_data(), slot_rows, "combine_rank_major kernel launch",
+      [&](const GroupLaunch& launch, const int32_t* table) {
+        return launch_combine(launch, y.untyped_data(), /*row_weights=*/nullptr, table,
+                              is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind,
+                              /*rank_major=*/true, out->untyped_data(), stream);
+      });
 }
 
 ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -935,17 +967,14 @@ ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, O
                                   ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
                                   ffi::ResultBuffer<ffi::S32> slot_rows) {
   constexpr const char* kOp = kBroadcastRankMajorTarget;
-  if (ffi::Error error = CountCall(broadcast_rank_major_counters, stream, kOp); !error.success()) {
-    return error;
-  }
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks;
   int32_t g_kind;
-  if (!RowKindOf(g.element_type(), &g_kind) || g_kind == kRowFP8 ||
-      out->element_type() != g.element_type()) {
-    return Invalid(kOp, "g must be bfloat16 or float32, and the output of the same dtype");
+  if (ffi::Error error = BeginRowsOp(kOp, broadcast_rank_major_counters, stream, a, "g", g,
+                                     out->element_type(), &g_kind);
+      !error.success()) {
+    return error;
   }
-  if (ffi::Error error = CheckRowBytes(kOp, a, g_kind); !error.success()) return error;
   if (a.capacity != R * T || !IsShape(g.dimensions(), {T, H}) ||
       !IsShape(out->dimensions(), {R * T, H})) {
     return Invalid(kOp, "g " + DimsToString(g.dimensions()) + ", out " +
@@ -953,30 +982,15 @@ ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, O
                             "with T=" + std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
                             std::to_string(R) + " (capacity " + std::to_string(a.capacity) + ")");
   }
-  GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
-  if (a.transport == kTransportPut) {
-    return PutRowsOp(kOp, *state, launch, g.untyped_data(), src_index, is_token_in_rank,
-                     out->untyped_data(), slot_rows, g_kind, stream);
-  }
-  if (ffi::Error error =
-          RankMajorTable(kOp, *state, src_index, is_token_in_rank, slot_rows, launch, stream);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
-      !error.success()) {
-    return error;
-  }
-  const cudaError_t status = launch_broadcast(
-      launch, g.untyped_data(), slot_rows->typed_data(), is_token_in_rank.typed_data(),
-      src_index.typed_data(), static_cast<int32_t>(R * T), static_cast<int32_t>(H), g_kind,
-      a.bulk_copy != 0, /*rank_major=*/true, out->untyped_data(), stream);
-  if (status != cudaSuccess) return CudaError(status, "broadcast_rank_major kernel launch");
-  return ffi::Error::Success();
+  return RunRankMajorRows(
+      kOp, stream, device_ordinal, *state, g.untyped_data(), g_kind, src_index, is_token_in_rank,
+      rank_mask, rank, group, out->untyped_data(), slot_rows, "broadcast_rank_major kernel launch",
+      [&](const GroupLaunch& launch, const int32_t* table) {
+        return launch_broadcast(launch, g.untyped_data(), table, is_token_in_rank.typed_data(),
+                                src_index.typed_data(), static_cast<int32_t>(R * T),
+                                static_cast<int32_t>(H), g_kind, a.bulk_copy != 0,
+                                /*rank_major=*/true, out->untyped_data(), stream);
+      });
 }
 
 ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -996,11 +1010,8 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
                             DimsToString(out->dimensions()) + " must be [C], [R * T, K], [T, K]");
   }
   GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(kOp, device_ordinal, *state, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask);
+  if (ffi::Error error =
+          PrepareMaskedGroup(kOp, device_ordinal, *state, rank_mask, rank, group, &launch);
       !error.success()) {
     return error;
   }

@@ -54,13 +54,14 @@ nb::dict FaultToDict(const jax_ep::FaultInfo& fault) {
   entry["kind"] = fault.kind;
   entry["op"] = fault.op;
   entry["field"] = fault.field;
-  entry["device_ordinal"] = fault.device_ordinal;
-  entry["rank"] = fault.rank;
-  entry["waited_rank"] = fault.waited_rank;
-  entry["waited_ordinal"] = fault.waited_ordinal;
-  entry["expected"] = fault.expected;
-  entry["observed"] = fault.observed;
-  entry["elapsed_s"] = static_cast<double>(fault.elapsed_ns) * 1e-9;
+  const jax_ep::FaultRecord& r = fault.record;
+  entry["device_ordinal"] = r.device_ordinal;
+  entry["rank"] = r.rank;
+  entry["waited_rank"] = r.waited_rank;
+  entry["waited_ordinal"] = r.waited_ordinal;
+  entry["expected"] = r.expected;
+  entry["observed"] = r.observed;
+  entry["elapsed_s"] = static_cast<double>(r.elapsed_ns) * 1e-9;
   entry["message"] = fault.message;
   return entry;
 }

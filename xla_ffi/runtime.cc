@@ -18,6 +18,17 @@
 namespace jax_ep {
 namespace {
 
+// A fault record out of the pinned memory the GPU writes, byte by byte through volatile (no field
+// list to keep in step with FaultRecord). Complete once `valid` reads 1: the GPU writes it once,
+// every other field first.
+FaultRecord CopyFaultRecord(const volatile FaultRecord& record) {
+  FaultRecord copy;
+  const volatile unsigned char* from = reinterpret_cast<const volatile unsigned char*>(&record);
+  unsigned char* to = reinterpret_cast<unsigned char*>(&copy);
+  for (size_t i = 0; i < sizeof(copy); ++i) to[i] = from[i];
+  return copy;
+}
+
 constexpr double kDefaultTimeoutSeconds = 10.0;
 constexpr uint64_t kBufferGranularity = 2ull << 20;  // round buffers up to 2 MiB
 
@@ -602,30 +613,12 @@ std::vector<FaultInfo> Runtime::Faults() const {
     // volatile: written by the GPU behind the compiler's back.
     const volatile FaultRecord& record = fault_records_[ordinal];
     if (record.valid == 0) continue;
-    FaultRecord copy;
-    copy.valid = record.valid;
-    copy.kind = record.kind;
-    copy.op_id = record.op_id;
-    copy.device_ordinal = record.device_ordinal;
-    copy.rank = record.rank;
-    copy.waited_rank = record.waited_rank;
-    copy.waited_ordinal = record.waited_ordinal;
-    copy.expected = record.expected;
-    copy.observed = record.observed;
-    copy.elapsed_ns = record.elapsed_ns;
-    copy.field = record.field;
     FaultInfo info;
-    info.kind = FaultKindName(copy.kind);
-    info.op = OpName(copy.op_id);
-    info.field = FingerprintFieldName(copy.field);
-    info.device_ordinal = copy.device_ordinal;
-    info.rank = copy.rank;
-    info.waited_rank = copy.waited_rank;
-    info.waited_ordinal = copy.waited_ordinal;
-    info.expected = copy.expected;
-    info.observed = copy.observed;
-    info.elapsed_ns = copy.elapsed_ns;
-    info.message = FaultMessage(copy, Model() == ProcessModel::kProcessPerGpu);
+    info.record = CopyFaultRecord(record);
+    info.kind = FaultKindName(info.record.kind);
+    info.op = OpName(info.record.op_id);
+    info.field = FingerprintFieldName(info.record.field);
+    info.message = FaultMessage(info.record, Model() == ProcessModel::kProcessPerGpu);
     faults.push_back(std::move(info));
   }
   return faults;

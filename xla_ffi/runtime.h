@@ -27,18 +27,12 @@
 
 namespace jax_ep {
 
-// A fault a kernel recorded (see FaultRecord), as the host reads it back.
+// A fault a kernel recorded, as the host reads it back: the record and its names and message.
 struct FaultInfo {
+  FaultRecord record;
   std::string kind;   // FaultKindName: "timeout", "mismatch", "ll_in_flight", ...
   std::string op;     // op name, e.g. "peer_smoke"
   std::string field;  // FingerprintFieldName of a mismatch (or a discovery timeout), else ""
-  int device_ordinal;
-  int rank;
-  int waited_rank;
-  int waited_ordinal;
-  uint64_t expected;
-  uint64_t observed;
-  int64_t elapsed_ns;
   std::string message;
 };
 
