@@ -50,7 +50,7 @@ def main() -> None:
             for r in records:
                 rows.append((split, r["op"], r["dtype"], r["us"], r["wire_gbps"]))
                 print(f"sms {args.num_sms or 'all':>3} split {split:8} {r['op']:20} {r['dtype']:15} "
-                      f"{r['us']:9.1f} us {r['wire_gbps']:7.1f} wire GB/s", flush=True)
+                      f"{r['us']:9.1f} us {r['wire_gbps'] or 0:7.1f} wire GB/s", flush=True)  # None at EP1
     print("done", len(rows))
 
 

@@ -146,8 +146,11 @@ if [ "${NCU:-0}" = 1 ]; then
     ncu_rc=$?
     tail -5 "$OUT/ncu/$name.log"
     ncu --import "$OUT/ncu/$name.ncu-rep" --page details --print-units base >"$OUT/ncu/$name.txt" 2>&1
-    ncu --import "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source cuda \
-      >"$OUT/ncu/$name.source.csv" 2>&1 || true
+    # per-instruction samples (stall reasons): only with --section SourceCounters in NCU_SECTIONS
+    for view in sass cuda; do
+      ncu --import "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source "$view" \
+        >"$OUT/ncu/$name.source_$view.csv" 2>&1 || true
+    done
     grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L1/TEX Cache Throughput|Executed Ipc A|Compute \(SM\) Th" \
       "$OUT/ncu/$name.txt" | tee -a "$OUT/summary.txt"
     [ $ncu_rc -eq 0 ] || status=1
