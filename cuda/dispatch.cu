@@ -6,23 +6,25 @@
 //  2. notify (one block): group discovery (the start barrier of the call; the peers' config
 //     fingerprints are checked there, cuda/fingerprint.cuh), then every rank writes
 //     its counts [E] into counts[me] of every rank and raises a flag; once all are in, each rank
-//     computes, exactly like jax_ep.reference.dispatch, every expert's segment offset, kept rows
-//     and the receive row of each of its own (token, expert) pairs on every destination
-//     (base_row / limit tables), and its own group_sizes, expert_counts, num_dropped.
+//     computes, exactly like jax_ep.reference.dispatch, its local experts' segments (offset, kept
+//     rows) and, per source rank and local expert, the first row here and the rows kept
+//     (base_row / limit tables), and its own group_sizes, expert_counts, num_dropped. Every row is
+//     placed by its receiver from its own table: a sender's view of the counts never matters.
 //     Rank masking: only linked ranks (OpInfo::linked) exchange counts; rows come from active
 //     sources only and a masked destination keeps none. A pair with a masked source or destination
 //     goes nowhere and counts in its source's num_dropped (the only rank that knows it).
-//  3. rows: per (token, slot) the destination rank and receive row (-1 unused, -2 dropped).
+//  3. rows: per (token, slot) the sanitised expert (-1 unused).
 //  4. main (num_blocks blocks, warps split into senders and receivers):
 //     senders: per chunk (1-8 tokens, ep_layout.h), every token routed to a remote rank crosses
 //       NVLink ONCE (TMA bulk copies through shared memory or 16-byte stores; BF16/FP8 conversion
-//       fused) into that rank's staging [me][t], with its per-slot metadata (receive row or
-//       -1/-2, gate weight); metadata goes to every remote rank for every token. Then a release
-//       flag per (chunk, destination).
+//       fused) into that rank's staging [me][t], with its per-slot metadata (local expert there or
+//       -1, the slot's rank among this rank's tokens of that expert, gate weight); metadata goes
+//       to every remote rank for every token. Then a release flag per (chunk, destination).
 //     receivers: zero the alignment-padding rows and write src_index/row_weights of the unused
 //       tail, expand this rank's own tokens straight from x, and expand each remote chunk as soon
 //       as its flag arrives (overlapping the transfer): one staged row read, written to each of its
-//       receive rows; token_rows, row_weights and src_index alongside.
+//       receive rows (base_row + rank, or dropped past limit); token_rows, row_weights and
+//       src_index alongside.
 // The next call's start barrier protects the staging area from being overwritten early.
 #include <algorithm>
 
@@ -213,38 +215,41 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
   }
 }
 
-// Segment of local expert j on rank d (as jax_ep.reference.dispatch):
-//   offset_j = sum_{j'<j} round_up(n_j', align), offset'_j = min(offset_j, C),
-//   kept_j = min(n_j, C - offset'_j); rows of source s start at offset'_j + sum_{s'<s} count.
-// Writes the base_row / limit tables of every expert and, for this rank's own experts, the
-// segment tables and the outputs; adds to *total_rows and *dropped (shared). A rank not in
-// `active` (masked) keeps no rows, as with capacity 0. `rows_of_expert` counts active sources only.
-// *dropped also gets this rank's own pairs that go nowhere (masked source or destination): they
-// are counted at their source, since a masked rank hears from nobody.
-// One warp per destination rank d walks d's experts 32 at a time with a warp scan of the rounded
-// counts (each expert rounded once): O(E / R / 32) steps per warp, where a thread per expert summing
-// its predecessors took O(E / R) 64-bit divisions (~20 us per call at E = 256 on one rank).
+// This rank's segments (as jax_ep.reference.dispatch), from its own counts table: local expert j
+// gets n_j rows (from the active sources), offset_j = sum_{j'<j} round_up(n_j', align),
+// offset'_j = min(offset_j, C), kept_j = min(n_j, C - offset'_j) (0 on a masked rank); rows of
+// source s start at offset'_j + sum_{s'<s active} count. Writes the segment tables, the outputs,
+// and the receive-side tables base_row / limit [s][j] by which the receivers place every row
+// (a sender's view of the counts never matters here). Adds to *total_rows and *dropped (shared):
+// the capacity drops of the local experts, and this rank's own pairs that go nowhere (masked
+// source or destination), counted at their source, since a masked rank hears from nobody.
+// `n_local` [E_local] (shared): rows per local expert from the active sources. Every thread; warp 0
+// walks the local experts 32 at a time with a warp scan of the rounded counts (each expert rounded
+// once), where a thread per expert summing its predecessors took O(E_local) steps each.
 __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layout,
-                                               const int32_t* rows_of_expert, uint32_t active,
-                                               int me, int R, int E, int C, int align,
-                                               int32_t* group_sizes,
-                                               int32_t* expert_counts, int32_t* total_rows,
-                                               unsigned long long* dropped) {
-  const int experts_per_rank = E / R;
+                                               const int32_t* n_local, uint32_t active, int me,
+                                               int R, int E, int C, int align,
+                                               int32_t* group_sizes, int32_t* expert_counts,
+                                               int32_t* total_rows, unsigned long long* dropped) {
+  const int local = E / R;
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
   int32_t* base_row = reinterpret_cast<int32_t*>(own + layout.base_row);
   int32_t* limit = reinterpret_cast<int32_t*>(own + layout.limit);
   int32_t* seg_off = reinterpret_cast<int32_t*>(own + layout.seg_off);
   int32_t* seg_kept = reinterpret_cast<int32_t*>(own + layout.seg_kept);
-  const int lane = threadIdx.x & 31;
-  const int warps = blockDim.x >> 5;
-  for (int d = threadIdx.x >> 5; d < R; d += warps) {  // (warp-uniform)
-    int64_t carry = 0;  // rounded rows of d's experts before this group of 32
-    for (int j0 = 0; j0 < experts_per_rank; j0 += 32) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    if (!has_rank(active, me) || !has_rank(active, e / local)) {  // own pairs to expert e: nowhere
+      const int32_t own_pairs = __ldcg(counts + static_cast<int64_t>(me) * E + e);
+      atomicAdd(dropped, static_cast<unsigned long long>(own_pairs));
+    }
+  }
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int64_t carry = 0;  // rounded rows of the local experts before this group of 32
+    for (int j0 = 0; j0 < local; j0 += 32) {
       const int j = j0 + lane;
-      const int e = d * experts_per_rank + j;
-      const bool valid = j < experts_per_rank;
-      const int64_t n = valid ? rows_of_expert[e] : 0;
+      const bool valid = j < local;
+      const int64_t n = valid ? n_local[j] : 0;
       const int64_t rounded = round_up_i64(n, align);
       int64_t inclusive = rounded;
       for (int step = 1; step < 32; step <<= 1) {
@@ -255,26 +260,26 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
       carry += __shfl_sync(kFullMask, inclusive, 31);
       if (!valid) continue;
       const int64_t offset_c = offset < C ? offset : C;
-      const int64_t room = has_rank(active, d) ? C - offset_c : 0;
-      if (!has_rank(active, me) || !has_rank(active, d)) {  // own pairs to expert e: nowhere
-        const int32_t own_pairs = __ldcg(counts + static_cast<int64_t>(me) * E + e);
-        atomicAdd(dropped, static_cast<unsigned long long>(own_pairs));
-      }
+      const int64_t room = has_rank(active, me) ? C - offset_c : 0;
       const int64_t kept = n < room ? n : room;
-      int64_t before = 0;  // rows of expert e from ranks before me
-      for (int s = 0; s < me; ++s) before += __ldcg(counts + static_cast<int64_t>(s) * E + e);
-      base_row[e] = static_cast<int32_t>(offset_c + before);
-      limit[e] = static_cast<int32_t>(kept - before);  // slot kept iff its rank < limit (may be < 0)
-      if (d == me) {
-        const int64_t size = round_up_i64(kept, align);
-        group_sizes[j] = static_cast<int32_t>(size);
-        expert_counts[j] = static_cast<int32_t>(kept);
-        seg_off[j] = static_cast<int32_t>(offset_c);
-        seg_kept[j] = static_cast<int32_t>(kept);
-        atomicAdd(total_rows, static_cast<int32_t>(size));
-        atomicAdd(dropped, static_cast<unsigned long long>(n - kept));
-      }
+      const int64_t size = round_up_i64(kept, align);
+      group_sizes[j] = static_cast<int32_t>(size);
+      expert_counts[j] = static_cast<int32_t>(kept);
+      seg_off[j] = static_cast<int32_t>(offset_c);
+      seg_kept[j] = static_cast<int32_t>(kept);
+      atomicAdd(total_rows, static_cast<int32_t>(size));
+      atomicAdd(dropped, static_cast<unsigned long long>(n - kept));
     }
+  }
+  __syncthreads();  // seg_off / seg_kept
+  for (int i = threadIdx.x; i < R * local; i += blockDim.x) {
+    const int s = i / local, j = i % local;
+    int64_t before = 0;  // rows of local expert j from active sources before s
+    for (int r = 0; r < s; ++r) {
+      if (has_rank(active, r)) before += __ldcg(counts + static_cast<int64_t>(r) * E + me * local + j);
+    }
+    base_row[i] = static_cast<int32_t>(seg_off[j] + before);
+    limit[i] = static_cast<int32_t>(seg_kept[j] - before);  // kept iff rank < limit (may be < 0)
   }
 }
 
@@ -284,7 +289,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
                            int axis_slot,
                            int32_t* __restrict__ group_sizes, int32_t* __restrict__ expert_counts,
                            int32_t* __restrict__ num_dropped) {
-  JAX_EP_DYNAMIC_SHARED(int32_t, rows_of_expert);  // [E]: rows for expert e over all source ranks
+  JAX_EP_DYNAMIC_SHARED(int32_t, n_local);  // [E_local]: rows per local expert over the sources
   __shared__ OpInfo info;
   __shared__ int32_t total_rows;
   __shared__ unsigned long long dropped;
@@ -299,15 +304,18 @@ __global__ void __launch_bounds__(kNotifyThreads)
   __syncthreads();
 
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+  const int local = E / R;
+  for (int j = threadIdx.x; j < local; j += blockDim.x) {
     int32_t n = 0;  // a masked rank's own row is in its table, but its pairs go nowhere
     for (int s = 0; s < R; ++s) {
-      if (has_rank(info.active, s)) n += __ldcg(counts + static_cast<int64_t>(s) * E + e);
+      if (has_rank(info.active, s)) {
+        n += __ldcg(counts + static_cast<int64_t>(s) * E + info.rank * local + j);
+      }
     }
-    rows_of_expert[e] = n;
+    n_local[j] = n;
   }
   __syncthreads();
-  segment_tables(own, layout, rows_of_expert, info.active, info.rank, R, E, C, align, group_sizes,
+  segment_tables(own, layout, n_local, info.active, info.rank, R, E, C, align, group_sizes,
                  expert_counts, &total_rows, &dropped);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -317,12 +325,12 @@ __global__ void __launch_bounds__(kNotifyThreads)
 }
 
 // Rank-major notify: discovery and the same counts exchange, with each rank's tokens per
-// destination rank (keys E + r) after its expert counts; then, from the same [R][E + R] table on
-// every rank, the outputs tokens_per_rank (rows from each source) and tokens_per_expert (pairs
-// per local expert; nothing drops), this rank's first row on every destination (base_row[r]:
-// the rows of earlier source ranks there) and total_rows (rows received here). Rank masking: all
-// of these count active sources only (a masked rank's own row is in its table: it receives
-// nothing, itself included).
+// destination rank (keys E + r) after its expert counts; then, from its [R][E + R] table, the
+// outputs tokens_per_rank (rows from each source) and tokens_per_expert (pairs per local expert;
+// nothing drops), the first row here of every source (base_row[s]: the rows of earlier sources
+// here; the receivers place the rows) and total_rows (rows received here). Rank masking: all of
+// these count active sources only (a masked rank's own row is in its table: it receives nothing,
+// itself included).
 __global__ void __launch_bounds__(kNotifyThreads)
     dispatch_rank_major_notify_kernel(DeviceState* state, CommLayout layout,
                                       const int32_t* rank_ptr, const int32_t* group_ptr,
@@ -347,7 +355,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
     const int r = threadIdx.x;
     tokens_per_rank[r] = count(r, E + me);
     int32_t before = 0;
-    for (int s = 0; s < me; ++s) before += count(s, E + r);
+    for (int s = 0; s < r; ++s) before += count(s, E + me);
     base_row[r] = before;
   }
   const int local = E / R;
@@ -364,36 +372,22 @@ __global__ void __launch_bounds__(kNotifyThreads)
 }
 
 // ---- 3. rows ---------------------------------------------------------------------------------
-// Per (token, slot) of this rank: destination rank (-1: unused or repeated slot) and receive row
-// there (-2: dropped for capacity), in place of slot_rank. Slot-parallel; the main kernel then
-// reads two coalesced words per slot instead of a chain of dependent table loads. Rank-major: the
-// token's row on the slot's destination (every slot of a destination has the same), and in
-// slot_dest the sanitised expert itself (the senders need its local id too).
+// Per (token, slot) of this rank: its sanitised expert in slot_dest (-1: unused or repeated slot),
+// and -1 in slot_rank for an unused one (prep ranked the used ones). Slot-parallel; the main
+// kernel then reads two coalesced words per slot. Where a slot's row lands is for its receiver.
 __global__ void __launch_bounds__(kRowsThreads)
     dispatch_rows_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
-                         int T, int K, int E, int R, bool rank_major) {
+                         int T, int K, int E) {
   char* own = own_comm_buffer(state);
-  int32_t* slot_row = reinterpret_cast<int32_t*>(own + layout.slot_rank);
+  int32_t* slot_rank = reinterpret_cast<int32_t*>(own + layout.slot_rank);
   int32_t* slot_dest = reinterpret_cast<int32_t*>(own + layout.slot_dest);
-  const int32_t* base_row = reinterpret_cast<const int32_t*>(own + layout.base_row);
-  const int32_t* limit = reinterpret_cast<const int32_t*>(own + layout.limit);
-  const int experts_per_rank = E / R;
   const int64_t slots = static_cast<int64_t>(T) * K;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < slots;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int k = static_cast<int>(i % K);
     const int32_t e = sanitized_expert(topk_idx + (i - k), k, E);
-    int32_t dest = -1, value = -1;
-    if (e >= 0 && rank_major) {
-      dest = e;
-      value = __ldcg(base_row + e / experts_per_rank) + __ldcg(slot_row + i);
-    } else if (e >= 0) {
-      dest = e / experts_per_rank;
-      const int32_t rank_in_expert = __ldcg(slot_row + i);
-      value = rank_in_expert < __ldcg(limit + e) ? __ldcg(base_row + e) + rank_in_expert : -2;
-    }
-    slot_row[i] = value;
-    slot_dest[i] = dest;
+    if (e < 0) slot_rank[i] = -1;
+    slot_dest[i] = e;
   }
 }
 
@@ -430,16 +424,27 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
   }
 }
 
-// Slot `lane` of this rank's token t: destination rank (-1: unused slot), receive row there (-2:
-// dropped for capacity), gate weight (from the rows kernel's tables).
+// Slot `lane` of this rank's token t: its sanitised expert (-1: unused slot), its rank among this
+// rank's tokens of that expert (rank-major: of its destination rank) and its gate weight.
 __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, int64_t t, int lane,
-                                           int* dest, int* row, float* weight) {
+                                           int* expert, int* rank, float* weight) {
   const int K = a.num_topk;
   const bool slot = lane < K;
   const int64_t i = t * K + lane;
-  *dest = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_dest) + i) : -1;
-  *row = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_rank) + i) : -1;
+  *expert = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_dest) + i) : -1;
+  *rank = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_rank) + i) : -1;
   *weight = slot ? __ldg(a.topk_weights + i) : 0.f;
+}
+
+// Expert-major: the row here of source s's pair of local expert j (-1: none) whose rank among s's
+// tokens of that expert is `rank`, from this rank's own tables: DROPPED past the room s has.
+__device__ __forceinline__ int receive_row(const MainArgs& a, const char* own, int s, int j,
+                                           int rank) {
+  if (j < 0) return -1;
+  const int64_t i = static_cast<int64_t>(s) * (a.num_experts / a.num_ranks) + j;
+  const int32_t limit = __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.limit) + i);
+  return rank < limit ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.base_row) + i) + rank
+                      : -2;
 }
 
 // This rank's token t into the staging [me][t] of every remote rank in `ranks`, ONCE each (the
@@ -462,9 +467,10 @@ __device__ __forceinline__ void stage_token(const MainArgs& a, const DataWarp& d
 }
 
 // Senders: per chunk, every token's slot metadata to every other rank, and each token routed to a
-// remote rank ONCE into that rank's staging [me][t]; then the chunk's flags. Expert-major metadata:
-// per slot its receive row there (or -1 / -2) and gate weight. Rank-major: per slot the local
-// expert id there (or -1) and gate weight, and per token its row there (meta_pos, -1 none).
+// remote rank ONCE into that rank's staging [me][t]; then the chunk's flags. Metadata per slot: the
+// local expert there (or -1) and the gate weight; expert-major adds the slot's rank among this
+// rank's tokens of its expert, rank-major per token its rank among this rank's tokens sent there
+// (meta_pos, -1 none). The receiver places the rows from them.
 template <int kConv, bool kTma, bool kRankMajor>
 __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp& d, TmaWarp& tma) {
   const CommLayout& L = a.layout;
@@ -473,26 +479,26 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
   const int K = a.num_topk;
   const int experts_per_rank = a.num_experts / d.R;
   send_chunks<kTma>(L, d, a.num_tokens, [&](int64_t t) {
-    int dest, row;
+    int expert, rank;
     float weight;
-    token_slot(a, d.own, t, lane, &dest, &row, &weight);
-    int value = row;  // what slot metadata carries for the slot's destination
-    if constexpr (kRankMajor) {  // the rows kernel left the slot's expert in dest
-      value = dest >= 0 ? dest % experts_per_rank : -1;
-      dest = dest >= 0 ? dest / experts_per_rank : -1;
-    }
+    token_slot(a, d.own, t, lane, &expert, &rank, &weight);
+    const int local = expert >= 0 ? expert % experts_per_rank : -1;
+    const int dest = expert >= 0 ? expert / experts_per_rank : -1;
     const int64_t slot = static_cast<int64_t>(me) * a.num_tokens + t;
     for (int r = 0; r < d.R; ++r) {
       char* peer = reinterpret_cast<char*>(
           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
       if (peer == nullptr) continue;  // (warp-uniform) rank r is masked: nothing to it
-      if constexpr (kRankMajor) {  // the token's row on r: that of any of its slots there
+      if constexpr (kRankMajor) {  // the token's rank among those sent to r: any of its slots'
         const uint32_t on_r = __ballot_sync(kFullMask, dest == r);
-        const int row_r = on_r != 0u ? __shfl_sync(kFullMask, row, __ffs(on_r) - 1) : -1;
-        if (r != me && lane == 0) reinterpret_cast<int32_t*>(peer + L.meta_pos)[slot] = row_r;
+        const int rank_r = on_r != 0u ? __shfl_sync(kFullMask, rank, __ffs(on_r) - 1) : -1;
+        if (r != me && lane == 0) reinterpret_cast<int32_t*>(peer + L.meta_pos)[slot] = rank_r;
       }
       if (r == me || lane >= K) continue;
-      reinterpret_cast<int32_t*>(peer + L.meta_rows)[slot * K + lane] = dest == r ? value : -1;
+      reinterpret_cast<int32_t*>(peer + L.meta_rows)[slot * K + lane] = dest == r ? local : -1;
+      if (!kRankMajor && dest == r) {
+        reinterpret_cast<int32_t*>(peer + L.meta_rank)[slot * K + lane] = rank;
+      }
       reinterpret_cast<float*>(peer + L.meta_w)[slot * K + lane] = weight;
     }
     stage_token<kConv, kTma>(a, d, tma, t, __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u));
@@ -553,17 +559,20 @@ __device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const 
   const int lane = d.lane;
   const int K = a.num_topk;
   const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
-  int row;
+  int local, rank;  // the slot's local expert here (-1: not here) and its rank among s's tokens of it
   float weight;
   if (s == d.me) {
-    int dest;
-    token_slot(a, d.own, t, lane, &dest, &row, &weight);
-    if (dest != d.me) row = -1;
+    int expert;
+    token_slot(a, d.own, t, lane, &expert, &rank, &weight);
+    const int experts_per_rank = a.num_experts / d.R;
+    local = expert >= 0 && expert / experts_per_rank == d.me ? expert % experts_per_rank : -1;
   } else {
     const int64_t meta = slot * K + lane;
-    row = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
+    local = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
+    rank = local >= 0 ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rank) + meta) : -1;
     weight = lane < K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
   }
+  const int row = receive_row(a, d.own, s, local, rank);
   if (lane < K) a.token_rows[slot * K + lane] = row;
   if (row >= 0) {
     a.row_weights[row] = weight;
@@ -656,23 +665,24 @@ __device__ __forceinline__ void dispatch_rank_major_token(const MainArgs& a, con
   const int lane = d.lane;
   const int K = a.num_topk;
   const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
-  int id, row;
+  int id, rank;  // rank: the token's rank among s's tokens sent here (-1: it did not come here)
   float weight;
   if (s == d.me) {
     int expert;
-    token_slot(a, d.own, t, lane, &expert, &row, &weight);
+    token_slot(a, d.own, t, lane, &expert, &rank, &weight);
     const int experts_per_rank = a.num_experts / d.R;
     const bool here = expert >= 0 && expert / experts_per_rank == d.me;
     id = here ? expert % experts_per_rank : -1;
     const uint32_t on_me = __ballot_sync(kFullMask, here);
-    row = on_me != 0u ? __shfl_sync(kFullMask, row, __ffs(on_me) - 1) : -1;
+    rank = on_me != 0u ? __shfl_sync(kFullMask, rank, __ffs(on_me) - 1) : -1;
   } else {
     const int64_t meta = slot * K + lane;
     id = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
     weight = lane < K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
-    row = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_pos) + slot);
+    rank = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_pos) + slot);
   }
-  if (row < 0) return;  // (warp-uniform) the token did not come here
+  if (rank < 0) return;  // (warp-uniform) the token did not come here
+  const int row = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.base_row) + s) + rank;
   if (lane < K) {
     a.row_ids[static_cast<int64_t>(row) * K + lane] = id;
     a.row_topk_weights[static_cast<int64_t>(row) * K + lane] = id >= 0 ? weight : 0.f;
@@ -799,14 +809,15 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
         p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
         p.tokens_per_rank, p.expert_counts);
   } else {
-    JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E * sizeof(int32_t), stream)(
+    JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E / p.num_ranks * sizeof(int32_t),
+                  stream)(
         p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
         p.group_sizes, p.expert_counts, p.num_dropped);
   }
   JAX_EP_CHECK_LAUNCH();
 
   JAX_EP_LAUNCH(dispatch_rows_kernel, p.num_blocks, kRowsThreads, 0, stream)(
-      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks, p.rank_major);
+      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E);
   JAX_EP_CHECK_LAUNCH();
 
   const MainArgs args{p, static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind)),

@@ -66,19 +66,25 @@ struct CommLayout {
   uint64_t counts;        // int32 [R][E + R]: tokens of rank s per expert (dispatch); rank-major
                           //   dispatch adds, at [s][E + r], rank s's tokens that go to rank r
   uint64_t slot_rank;     // local int32 [T][K]: rank of (token, slot) among this rank's tokens of
-                          //   its expert; then (rows kernel) its receive row, -1 / -2 (dispatch)
-  uint64_t slot_dest;     // local int32 [T][K]: destination rank of (token, slot), -1 unused
-                          //   (rank-major dispatch: the slot's sanitised expert, -1 unused)
+                          //   its expert (rank-major dispatch: of its destination rank), -1 unused
+  uint64_t slot_dest;     // local int32 [T][K]: the slot's sanitised expert, -1 unused (dispatch)
   uint64_t counts_local;  // local int32 [E + R]: this rank's tokens per expert, then (rank-major
                           //   dispatch) per destination rank
-  uint64_t base_row;      // local int32 [E]: receive row of this rank's rank-0 token of expert e
-                          //   (rank-major dispatch: [R], its first row on each destination)
-  uint64_t limit;         // local int32 [E]: a slot of expert e is kept iff slot_rank < limit[e]
+  // Receive side: the receiver places every row itself, from its own counts table, so that its
+  // rows never depend on what a sender knows (a sender that missed a peer's counts, or lost one,
+  // cannot misplace rows here).
+  uint64_t base_row;      // local int32 [E] = [R][E_local]: row here of source s's rank-0 token of
+                          //   local expert j (rank-major dispatch: [R], source s's first row here)
+  uint64_t limit;         // local int32 [E] = [R][E_local]: source s's slot of local expert j is
+                          //   kept iff its rank < limit[s][j]
   uint64_t seg_off;       // local int32 [E_local]: first row of each local expert
   uint64_t seg_kept;      // local int32 [E_local]: rows kept per local expert
-  uint64_t meta_rows;     // int32 [R][T][K]: receive row of (source s, token, slot) (dispatch);
+  uint64_t meta_rows;     // int32 [R][T][K]: local expert here of (source s, token, slot), -1 not
+                          //   here (dispatch, both modes)
+  uint64_t meta_rank;     // int32 [R][T][K]: its rank among source s's tokens of that expert
   uint64_t meta_w;        // float [R][T][K]: gate weights (dispatch) / slot values (slot_values)
-  uint64_t meta_pos;      // int32 [R][T]: rank-major row of (source s, token) here, -1 none
+  uint64_t meta_pos;      // int32 [R][T]: rank-major dispatch: the token's rank among source s's
+                          //   tokens sent here, -1 none
   uint64_t stage_scales;  // float [R][T][scale_row_bytes / 4]: FP8 scales (dispatch)
   uint64_t stage_data;    // [R][T][data_row_bytes]: token rows (dispatch, broadcast) or partial
                           //   sums (combine), block s written by rank s (combine: for rank s)
@@ -125,6 +131,7 @@ JAX_EP_HOST_DEVICE inline CommLayout make_comm_layout(int64_t num_ranks, int64_t
   layout.seg_off = at;       at = align_up_u64(at + local_experts * 4, kAlign);
   layout.seg_kept = at;      at = align_up_u64(at + local_experts * 4, kAlign);
   layout.meta_rows = at;     at = align_up_u64(at + R * T * K * 4, kAlign);
+  layout.meta_rank = at;     at = align_up_u64(at + R * T * K * 4, kAlign);
   layout.meta_w = at;        at = align_up_u64(at + R * T * K * 4, kAlign);
   layout.meta_pos = at;      at = align_up_u64(at + R * T * 4, kAlign);
   layout.stage_scales = at;  at = align_up_u64(at + R * T * scale_row_bytes, kAlign);
