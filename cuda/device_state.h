@@ -160,8 +160,8 @@ struct SyncCounters {
   uint32_t ll_busy;           // halves in flight, both ops
   uint32_t ll_busy_dispatches;
   uint32_t ll_blocks_done;    // blocks of the running LL kernel that have finished
-  // Rank masking, the persistent part (one concept for every EP op; today the low-latency kernels
-  // set and read it, the throughput kernels do not yet). rank_masks[a][g].masked bit r: rank r of
+  // Rank masking, the persistent part (one concept for every EP op: every EP kernel reads it, the
+  // shrink-mode low-latency kernels set it). rank_masks[a][g].masked bit r: rank r of
   // EP group g of axis slot a is masked on this device: every later EP call ANDs its own rank mask
   // with the complement. Set (atomicOr) by a kernel running in shrink mode when rank r missed a
   // bounded wait (events[r] says where); cleared only by the host (Runtime::ClearRankMasks), so a

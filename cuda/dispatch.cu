@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
                            const int32_t* group_ptr, const int32_t* rank_mask, OpFingerprint fp,
                            int axis_slot,
                            int32_t* __restrict__ group_sizes, int32_t* __restrict__ expert_counts,
-                           int32_t* __restrict__ num_dropped) {
+                           int32_t* __restrict__ num_dropped, int32_t* __restrict__ active_out) {
   JAX_EP_DYNAMIC_SHARED(int32_t, n_local);  // [E_local]: rows per local expert over the sources
   __shared__ OpInfo info;
   __shared__ int32_t total_rows;
@@ -318,6 +318,9 @@ __global__ void __launch_bounds__(kNotifyThreads)
   segment_tables(own, layout, n_local, info.active, info.rank, R, E, C, align, group_sizes,
                  expert_counts, &total_rows, &dropped);
   __syncthreads();
+  if (active_out != nullptr && static_cast<int>(threadIdx.x) < R) {
+    active_out[threadIdx.x] = has_rank(info.active, static_cast<int>(threadIdx.x)) ? 1 : 0;
+  }
   if (threadIdx.x == 0) {
     *num_dropped = static_cast<int32_t>(dropped);
     publish_op_info(state, layout, info, total_rows);
@@ -812,7 +815,7 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
     JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E / p.num_ranks * sizeof(int32_t),
                   stream)(
         p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
-        p.group_sizes, p.expert_counts, p.num_dropped);
+        p.group_sizes, p.expert_counts, p.num_dropped, p.active);
   }
   JAX_EP_CHECK_LAUNCH();
 

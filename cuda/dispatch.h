@@ -38,6 +38,8 @@ struct DispatchLaunch {
   int32_t* expert_counts;     // [E_local]
   float* row_weights;         // [C]
   int32_t* num_dropped;       // []
+  int32_t* active;            // [R] 1 where rank r took part in the call (the rank_mask AND NOT
+                              //   the persistent mask), else 0; expert-major only (may be null)
   int32_t* src_index;         // [C]
   int32_t* token_rows;        // [R * T, K]
   bool* is_token_in_rank;     // [T, R]

@@ -224,6 +224,29 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
   fence_acquire_sys();
 }
 
+// ---- the persistent rank mask (SyncCounters::rank_masks, one per EP group of an axis slot) ---------
+// Every EP call ANDs its rank_mask operand with the complement (the low-latency kernels in
+// ll_read_call, the throughput ones in discover_group); shrink-mode kernels set it.
+__device__ __forceinline__ uint32_t persistent_mask(DeviceState* state, int axis_slot, int group) {
+  return *reinterpret_cast<volatile uint32_t*>(&state->sync.rank_masks[axis_slot][group].masked);
+}
+
+// Shrink mode: masks `peer` persistently on this device (bit and event; the host reads them,
+// jax_ep.runtime.rank_masks) instead of failing the call. `during`: RankMaskEvent::during.
+static __device__ __noinline__ void mask_peer(DeviceState* state, int axis_slot, int group,
+                                              int rank, int peer, int32_t op_id, int32_t during,
+                                              uint64_t epoch) {
+  if (peer < 0 || peer >= kMaxGroupRanks) return;
+  SyncCounters::RankMaskState& m = state->sync.rank_masks[axis_slot][group];
+  const unsigned bit = 1u << peer;
+  if ((atomicOr(&m.masked, bit) & bit) != 0u) return;  // already masked: keep the first event
+  m.rank = rank;
+  m.events[peer].epoch = epoch;
+  m.events[peer].during = during;
+  m.events[peer].op = op_id;
+  __threadfence_system();
+}
+
 // Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
 __device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
 
@@ -318,6 +341,8 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
     for (int r = 0; r < group_size; ++r) {
       if (rank_mask == nullptr || rank_mask[r] != 0) active |= 1u << r;
     }
+    // ranks masked by an earlier timeout (a shrink-mode call) take no part until the host clears them
+    active &= ~persistent_mask(state, axis_slot, group);
     info->active = active;
     info->linked = has_rank(active, rank) ? active : 1u << rank;
   }

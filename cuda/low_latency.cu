@@ -149,7 +149,7 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
       if (a.rank_mask == nullptr || a.rank_mask[r] != 0) active |= 1u << r;
     }
     // ranks masked by an earlier timeout (shrink mode) take no part until the host clears them
-    active &= ~*reinterpret_cast<volatile uint32_t*>(&sync.rank_masks[a.axis_slot][group].masked);
+    active &= ~persistent_mask(state, a.axis_slot, group);
     epoch = sync.group_epoch[a.axis_slot][group] + 1;
     n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
     const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
@@ -186,21 +186,6 @@ __device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call
       publish_fingerprint(device, a.axis_slot, call->group, call->rank, call->epoch, call->fp);
     }
   }
-}
-
-// Shrink mode: masks `peer` persistently on this device (bit and event; the host reads them,
-// jax_ep.runtime.rank_masks) instead of failing the call. `during`: RankMaskEvent::during.
-__device__ __noinline__ void mask_peer(DeviceState* state, int axis_slot, int group, int rank,
-                                       int peer, int32_t op_id, int32_t during, uint64_t epoch) {
-  if (peer < 0 || peer >= kMaxGroupRanks) return;
-  SyncCounters::RankMaskState& m = state->sync.rank_masks[axis_slot][group];
-  const unsigned bit = 1u << peer;
-  if ((atomicOr(&m.masked, bit) & bit) != 0u) return;  // already masked: keep the first event
-  m.rank = rank;
-  m.events[peer].epoch = epoch;
-  m.events[peer].during = during;
-  m.events[peer].op = op_id;
-  __threadfence_system();
 }
 
 // Waits (bounded) until `slot` shows `epoch` or later; false when the timeout passed.

@@ -394,12 +394,13 @@ def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
              rank_mask: jax.Array | None = None) -> Dispatched:
     """``jax_ep.reference.dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view. With a
-    rank_mask, a masked rank is left out of the call both ways (docs/api.md, "Rank masking")."""
+    rank_mask, a masked rank is left out of the call both ways (docs/api.md, "Rank masking"); the
+    kernels AND it with the persistent mask (shrink mode) and return the result as ``rank_mask``."""
     out = types.dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
-    rows, scales, (group_sizes, counts, dropped, *handle) = _dispatch_call(
+    rows, scales, (group_sizes, counts, dropped, *handle, active) = _dispatch_call(
         "dispatch", x, topk_idx, topk_weights, cfg, out.x, out.scales,
-        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle), rank_mask)
-    return Dispatched(rows, scales, group_sizes, counts, dropped, Handle(*handle))
+        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle, out.rank_mask), rank_mask)
+    return Dispatched(rows, scales, group_sizes, counts, dropped, Handle(*handle), active)
 
 
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:

@@ -179,7 +179,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
         its source's num_dropped (docs/api.md, "Rank masking"). The same on every backend.
     Returns:
       Dispatched: rows [C, H] (expert-major, one per (token, local expert) pair), scales for FP8,
-      group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it).
+      group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it),
+      rank_mask [R] int32 (the ranks this call ran with: the argument AND NOT the persistent mask).
     """
     size = ep_size(cfg, "dispatch")
     check_dispatch_args(x, topk_idx, topk_weights, cfg)
@@ -187,8 +188,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
     out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
-    if cfg.checked:
-        out = check_no_drops(out, topk_idx, cfg, size, rank_mask)
+    if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
+        out = check_no_drops(out, topk_idx, cfg, size, out.rank_mask != 0)
     return out
 
 

@@ -283,7 +283,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
     handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + masked_pairs(topk_idx, cfg, rank_mask)
-    return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle)
+    return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle,
+                      ll_active(rank_mask, ep_size).astype(jnp.int32))
 
 
 def as_stored(y: jax.Array) -> jax.Array:

@@ -47,8 +47,12 @@ class Dispatched(NamedTuple):
     scales: jax.Array | None      # [C, ceil(H/128)] float32 for FP8 rows, else None
     group_sizes: jax.Array        # [E_local] int32 rows per local expert, padded to expert_alignment
     expert_counts: jax.Array      # [E_local] int32 rows per local expert actually received (unpadded)
-    num_dropped: jax.Array        # [] int32 rows this rank dropped for lack of capacity
+    num_dropped: jax.Array        # [] int32 rows this rank dropped for lack of capacity, and its own
+                                  # pairs that went nowhere (a rank masked: docs/api.md "Rank masking")
     handle: Handle
+    rank_mask: jax.Array | None = None  # [R] int32: the ranks this rank's call ran with (1) or without
+                                        # (0): the rank_mask argument AND NOT the persistent mask
+                                        # (backend "cuda", shrink mode); all ones without a mask
 
     @property
     def row_weights(self) -> jax.Array:
@@ -152,7 +156,7 @@ def dispatch_types(num_tokens: int, x_dtype, cfg: EPConfig, ep_size: int) -> Dis
               if cfg.dispatch_dtype == "float8_e4m3fn" else None)
     return Dispatched(_sds((capacity, cfg.hidden), cfg.wire_dtype(x_dtype)), scales,
                       _sds((local,), jnp.int32), _sds((local,), jnp.int32), _sds((), jnp.int32),
-                      handle_types(num_tokens, capacity, cfg, ep_size))
+                      handle_types(num_tokens, capacity, cfg, ep_size), _sds((ep_size,), jnp.int32))
 
 
 def num_source_tokens(handle: Handle, ep_size: int) -> int:

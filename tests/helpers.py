@@ -141,6 +141,7 @@ def assert_dispatch_matches(d, m, ep_size: int, scales_ulps: int = 0) -> None:
         assert_bits_equal(d.expert_counts[r], mr.expert_counts, f"rank {r} expert_counts")
         assert_bits_equal(d.row_weights[r], mr.row_weights, f"rank {r} row_weights")
         assert int(d.num_dropped[r]) == mr.num_dropped, f"rank {r} num_dropped"
+        assert_bits_equal(d.rank_mask[r], m.active.astype(np.int32), f"rank {r} rank_mask")
         assert_bits_equal(d.handle.src_index[r], mr.src, f"rank {r} handle.src_index")
         assert_bits_equal(d.handle.token_rows[r], mr.token_rows, f"rank {r} handle.token_rows")
         assert_bits_equal(d.handle.row_weights[r], mr.row_weights, f"rank {r} handle.row_weights")

@@ -115,6 +115,7 @@ class ModelResult:
     sanitized: np.ndarray     # [R, T, K]
     kept: np.ndarray          # [R, T, K] bool: this (token, slot) has a receive row somewhere
     capacity: int
+    active: np.ndarray        # [R] bool: the ranks the call ran with (dispatch's rank_mask output)
 
 
 def layout(topk_idx_rank: np.ndarray, num_experts: int, ep_size: int) -> RankLayout:
@@ -202,7 +203,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int | Non
         ranks.append(RankDispatch(rows, scales, src, group_sizes, expert_counts, received, row_weights,
                                   len(dropped) + len(nowhere[d]), token_rows, dropped, nowhere[d]))
     layouts = [layout(topk_idx[s], num_experts, ep_size) for s in range(ep_size)]
-    return ModelResult(ranks, layouts, idx, kept_any, capacity)
+    return ModelResult(ranks, layouts, idx, kept_any, capacity, active)
 
 
 def combine(y, model: ModelResult, row_weights=None) -> np.ndarray:

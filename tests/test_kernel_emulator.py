@@ -53,15 +53,18 @@ def test_rank_masking_on_the_emulator(tmp_path):
     ops, masked ranks whose process runs none (the others finish without them), a mask that changes
     between calls (a rank masked in one call, active in the next), the mask on the ops through the
     handles only (combine's mask after an unmasked dispatch: broadcast, broadcast_rank_major and
-    combine_bwd zero the rows of sources they do not link); every running rank's outputs of every
-    op, expert- and rank-major (masked ranks' too), bit-exact against the reference under the same
-    mask and routing. About 70 s."""
+    combine_bwd zero the rows of sources they do not link), and the persistent mask (what a
+    shrink-mode call leaves: set on every running rank before the calls, a rank of it absent, with
+    an explicit mask too, or set between the dispatch and the ops through its handle); every
+    running rank's outputs of every op, expert- and rank-major (masked ranks' too, dispatch's
+    rank_mask output included), bit-exact against the reference under the equivalent explicit mask
+    and the same routing. About 100 s."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "-k", "mask", "--driver", str(tmp_path / "driver")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
-    assert "6/6 cases pass" in out, out[-6000:]
+    assert "9/9 cases pass" in out, out[-6000:]
     assert "dispatches unmasked" in out, out[-6000:]
 
 

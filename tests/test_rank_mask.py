@@ -294,6 +294,27 @@ def test_checked_mode_counts_only_capacity_drops():
         jax_ep.run_checked(_dispatch_fn(ep_size, small, True), x, idx, w, m)
 
 
+def test_checked_mode_takes_the_mask_the_call_ran_with(monkeypatch):
+    """Dispatched.rank_mask is the mask the call ran with: on 'cuda' the rank_mask argument AND NOT
+    the persistent mask (shrink mode), which the caller does not pass. Checked mode counts the pairs
+    to the ranks it ran without as masked, not as capacity drops. Simulated on the reference path: a
+    dispatch that runs with rank 1 masked although the caller passed no mask."""
+    ep_size = 2
+    rng = np.random.default_rng(6)
+    cfg = _cfg(checked=True)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg, routing=functools.partial(
+        random_routing, p_out_of_range=0.0))
+    real = reference.dispatch
+    ran_with = jnp.array([True, False])
+    monkeypatch.setattr(reference, "dispatch",
+                        lambda x, i, w, cfg, rank_mask=None: real(x, i, w, cfg, ran_with))
+    out = to_numpy(jax_ep.run_checked(_dispatch_fn(ep_size, cfg, False), x, idx, w))
+    pairs = _pairs(idx, ep_size)
+    np.testing.assert_array_equal(out.num_dropped, [pairs[0, 1], pairs[1].sum()])
+    np.testing.assert_array_equal(out.rank_mask, [[1, 0], [1, 0]])
+    assert pairs[0, 1] > 0
+
+
 @pytest.mark.parametrize("bad,what", [
     (np.ones(3, bool), r"rank_mask must have shape \[2\]"),
     (np.ones((2, 1), bool), r"rank_mask must have shape \[2\]"),

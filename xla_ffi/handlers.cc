@@ -611,7 +611,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
                         ffi::ResultBuffer<ffi::S32> src_index,
                         ffi::ResultBuffer<ffi::S32> token_rows,
                         ffi::ResultBuffer<ffi::PRED> is_token_in_rank,
-                        ffi::ResultBuffer<ffi::F32> row_weights) {
+                        ffi::ResultBuffer<ffi::F32> row_weights,
+                        ffi::ResultBuffer<ffi::S32> active) {
   constexpr const char* kOp = kDispatchTarget;
   if (ffi::Error error = CountCall(dispatch_counters, stream, kOp); !error.success()) return error;
   const EPAttrs& a = state->attrs;
@@ -630,8 +631,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
   if (!IsShape(group_sizes->dimensions(), {local}) ||
       !IsShape(expert_counts->dimensions(), {local}) || num_dropped->element_count() != 1 ||
       !IsShape(src_index->dimensions(), {C}) || !IsShape(token_rows->dimensions(), {R * T, K}) ||
-      !IsShape(row_weights->dimensions(), {C})) {
-    return Invalid(kOp, "handle / count shapes do not match T=" + std::to_string(T) + ", K=" +
+      !IsShape(row_weights->dimensions(), {C}) || !IsShape(active->dimensions(), {R})) {
+    return Invalid(kOp, "handle / count / rank_mask shapes do not match T=" + std::to_string(T) + ", K=" +
                             std::to_string(K) + ", R=" + std::to_string(R) + ", E=" +
                             std::to_string(a.num_experts) + ", C=" + std::to_string(C));
   }
@@ -639,6 +640,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
   launch.expert_counts = expert_counts->typed_data();
   launch.row_weights = row_weights->typed_data();
   launch.num_dropped = num_dropped->typed_data();
+  launch.active = active->typed_data();
   if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask); !error.success()) {
     return error;
   }
@@ -1541,7 +1543,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                                    .Ret<ffi::Buffer<ffi::S32>>()             // src_index
                                    .Ret<ffi::Buffer<ffi::S32>>()             // token_rows
                                    .Ret<ffi::Buffer<ffi::PRED>>()            // is_token_in_rank
-                                   .Ret<ffi::Buffer<ffi::F32>>()),           // row_weights
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // row_weights
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // rank_mask (active)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,

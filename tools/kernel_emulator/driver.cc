@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
   const Sizes last_sizes = changed(sizes, mismatch);
   const Devices devices = make_devices(
       R, std::max({dispatch_layout.total, data_layout.total, dispatch_layout_of(last_sizes).total}),
-      mismatch.empty() ? 300 : 5, /*peers=*/true);
+      timeout_s(mismatch.empty() ? 300 : 5), /*peers=*/true);
   const std::vector<DeviceState*>& states = devices.states;
 
   // Rank masking (run.py's masked cases): JAX_EP_EMU_MASK = one 0/1 per rank, passed to every op
@@ -168,6 +168,17 @@ int main(int argc, char** argv) {
   // handles with it (combine's mask after an unmasked dispatch: rows of sources it does not link)
   const char* unmasked_env = std::getenv("JAX_EP_EMU_UNMASKED_DISPATCH");
   const bool unmasked_dispatch = unmasked_env != nullptr && unmasked_env[0] == '1';
+  // JAX_EP_EMU_PERSISTENT = one 0/1 per rank, 0 = in the persistent mask of the group (what a
+  // shrink-mode call leaves), set on every running rank at the start of each repetition, or with
+  // JAX_EP_EMU_PERSISTENT_AT=dispatch right after its expert-major dispatch (cleared at the start).
+  const std::vector<int32_t> persistent = mask_of("JAX_EP_EMU_PERSISTENT");
+  uint32_t persistent_bits = 0;
+  for (int r = 0; r < static_cast<int>(persistent.size()); ++r) {
+    if (persistent[r] == 0) persistent_bits |= 1u << r;
+  }
+  const char* persistent_at = std::getenv("JAX_EP_EMU_PERSISTENT_AT");
+  const bool persistent_after_dispatch =
+      persistent_at != nullptr && std::string(persistent_at) == "dispatch";
 
   const int failed = run_ranks(R, [&](int rank) {
     if (absent.find(std::to_string(rank)) != std::string::npos) return;  // never runs an op
@@ -190,14 +201,20 @@ int main(int argc, char** argv) {
     auto v = read_file("v" + s + ".bin", size_t(C) * 4);
     const size_t RT = size_t(R) * T;  // rank-major rows
     auto yr = read_file("yr" + s + ".bin", RT * H * kind_bytes(y_kind));
+    SyncCounters::RankMaskState& rank_masks = states[rank]->sync.rank_masks[1][0];
     for (int rep = 0; rep < reps; ++rep) {
       const std::string tag = s + "_" + std::to_string(rep);
+      if (!persistent.empty()) {
+        std::memset(&rank_masks, 0, sizeof(rank_masks));  // the host's clear (no kernel running)
+        if (!persistent_after_dispatch) rank_masks.masked = persistent_bits;
+      }
       auto rows = poisoned(size_t(C) * H * kind_bytes(row_kind));
       auto scales = poisoned(size_t(C) * std::max(num_scales, 1) * 4);
       auto group_sizes = poisoned(size_t(E / R) * 4);
       auto expert_counts = poisoned(size_t(E / R) * 4);
       auto row_weights = poisoned(size_t(C) * 4);
       auto num_dropped = poisoned(4);
+      auto active = poisoned(size_t(R) * 4);
       auto src_index = poisoned(size_t(C) * 4);
       auto token_rows = poisoned(size_t(R) * T * K * 4);
       auto in_rank = poisoned(size_t(T) * R);
@@ -218,6 +235,7 @@ int main(int argc, char** argv) {
       d.expert_counts = reinterpret_cast<int32_t*>(expert_counts.data());
       d.row_weights = reinterpret_cast<float*>(row_weights.data());
       d.num_dropped = reinterpret_cast<int32_t*>(num_dropped.data());
+      d.active = reinterpret_cast<int32_t*>(active.data());
       d.src_index = reinterpret_cast<int32_t*>(src_index.data());
       d.token_rows = reinterpret_cast<int32_t*>(token_rows.data());
       d.is_token_in_rank = reinterpret_cast<bool*>(in_rank.data());
@@ -235,12 +253,14 @@ int main(int argc, char** argv) {
       d.axis_slot = 1;
       d.use_tma = use_tma;
       check(launch_dispatch(d, nullptr), "dispatch");
+      if (!persistent.empty()) rank_masks.masked = persistent_bits;
       write_file("rows" + tag + ".bin", rows.data(), size_t(C) * H * kind_bytes(row_kind));
       if (fp8) write_file("scales" + tag + ".bin", scales.data(), size_t(C) * num_scales * 4);
       write_file("group_sizes" + tag + ".bin", group_sizes.data(), size_t(E / R) * 4);
       write_file("expert_counts" + tag + ".bin", expert_counts.data(), size_t(E / R) * 4);
       write_file("row_weights" + tag + ".bin", row_weights.data(), size_t(C) * 4);
       write_file("num_dropped" + tag + ".bin", num_dropped.data(), 4);
+      write_file("rank_mask" + tag + ".bin", active.data(), size_t(R) * 4);
       write_file("src_index" + tag + ".bin", src_index.data(), size_t(C) * 4);
       write_file("token_rows" + tag + ".bin", token_rows.data(), size_t(R) * T * K * 4);
       write_file("in_rank" + tag + ".bin", in_rank.data(), size_t(T) * R);
@@ -300,6 +320,7 @@ int main(int argc, char** argv) {
       m.group_sizes = nullptr;
       m.row_weights = nullptr;
       m.num_dropped = nullptr;
+      m.active = nullptr;
       m.token_rows = nullptr;
       m.expert_counts = rm.i32(rm.per_expert);
       m.src_index = rm.i32(rm.src);

@@ -118,10 +118,17 @@ struct Devices {
   uint64_t buffer_bytes;
 };
 
+// The bound of every spin-wait: JAX_EP_EMU_TIMEOUT_S seconds (the shrink and dying-rank cases set
+// it), else `fallback`.
+inline double timeout_s(double fallback) {
+  const char* v = std::getenv("JAX_EP_EMU_TIMEOUT_S");
+  return v != nullptr && *v != '\0' ? std::atof(v) : fallback;
+}
+
 // R ranks with buffers of buffer_bytes (rounded up to 4 KiB) full of garbage, like reused device
 // memory. peers: every rank has every peer's buffer and state (NVLink); otherwise only its own,
 // as for peers on other nodes. Spin-waits time out after timeout_s seconds.
-inline Devices make_devices(int R, uint64_t buffer_bytes, uint64_t timeout_s, bool peers) {
+inline Devices make_devices(int R, uint64_t buffer_bytes, double timeout_s, bool peers) {
   Devices d;
   d.buffer_bytes = jax_ep::align_up_u64(buffer_bytes, 4096);
   const size_t state_bytes = jax_ep::align_up_u64(sizeof(DeviceState), 4096);
@@ -147,7 +154,7 @@ inline Devices make_devices(int R, uint64_t buffer_bytes, uint64_t timeout_s, bo
       t.peer_states[p] = d.states[p];
     }
     t.comm_bytes = d.buffer_bytes;
-    t.timeout_ns = timeout_s * 1000000000ull;
+    t.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
     t.fault_record = &d.faults[r];
     t.device_ordinal = r;
     t.slot = r;

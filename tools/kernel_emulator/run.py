@@ -110,7 +110,8 @@ def random_mask(rng, R) -> dict:
 
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
              y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0,
-             max_tokens=None, tma=True, mask=None, absent=(), mask_odd=None, unmasked_dispatch=False):
+             max_tokens=None, tma=True, mask=None, absent=(), mask_odd=None, unmasked_dispatch=False,
+             persistent=None, persistent_at="start"):
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
     fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
 
@@ -122,7 +123,13 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     mask_odd: the mask of the odd repetitions (default: mask), e.g. a rank masked in one call and
     active in the next (it ran the masked call, so it is in step).
     unmasked_dispatch: both dispatches run without the mask, the ops through their handles with it
-    (a combine mask after an unmasked dispatch: rows of sources the ops do not link)."""
+    (a combine mask after an unmasked dispatch: rows of sources the ops do not link).
+    persistent (one 0/1 per rank, 0 = masked): the persistent mask of the group (what a shrink-mode
+    call leaves, cuda/device_state.h rank_masks), set on every running rank at the start of each
+    repetition (persistent_at="start") or right after its expert-major dispatch ("dispatch": the
+    rest of the repetition runs with it). The kernels must AND it into their rank_mask: the
+    outputs equal the reference with the explicit mask mask AND persistent (from the op where it is
+    set on), the dispatch's rank_mask output included."""
     rng = np.random.default_rng(seed)
     cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens or max(T, 1),
                    capacity=capacity, expert_alignment=align, dispatch_dtype=dispatch_dtype,
@@ -142,9 +149,14 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     masks = [mask, mask if mask_odd is None else mask_odd]  # per repetition parity
     assert mask_odd is None or (mask is not None and not absent), "mask_odd: every rank runs"
     assert not unmasked_dispatch or (mask is not None and not absent), "unmasked_dispatch: every rank runs"
+    late = None
+    if persistent is not None:  # the explicit mask it amounts to
+        assert mask_odd is None and not unmasked_dispatch, "persistent: one mask for every call"
+        late = tuple(int(a) & int(b) for a, b in zip(mask or (1,) * R, persistent, strict=True))
+        masks = [late if persistent_at == "start" else mask] * 2
     for m in masks:
         assert m is None or all(m[r] == 0 for r in absent), "only a masked rank may be absent"
-    want = reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch)
+    want = reference_outputs(cfg, mesh, masks[0], x, idx, w, y, g, v, yr, unmasked_dispatch, late=late)
     wants = [want, want]
     if mask_odd is not None:  # NaN only in the rows empty under both masks
         odd = reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr, unmasked_dispatch)
@@ -158,9 +170,13 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     cmd = [DRIVER, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype], blocks,
            send_warps, reps]
     flags = ["" if m is None else ",".join(str(int(f)) for f in m) for m in masks]
+    if persistent is not None:  # the operand masks are the explicit ones only
+        flags = ["" if mask is None else ",".join(str(int(f)) for f in mask)] * 2
     env = dict(os.environ, JAX_EP_TMA="1" if tma else "0", JAX_EP_EMU_MASK=flags[0],
                JAX_EP_EMU_MASK_ODD=flags[1], JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent),
-               JAX_EP_EMU_UNMASKED_DISPATCH="1" if unmasked_dispatch else "0")
+               JAX_EP_EMU_UNMASKED_DISPATCH="1" if unmasked_dispatch else "0",
+               JAX_EP_EMU_PERSISTENT="" if persistent is None else ",".join(map(str, persistent)),
+               JAX_EP_EMU_PERSISTENT_AT=persistent_at)
 
     def check(d, took):
         ok = True
@@ -177,6 +193,8 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             more += f", odd calls mask {list(mask_odd)}"
         if unmasked_dispatch:
             more += ", dispatches unmasked"
+        if persistent is not None:
+            more += f", persistent {list(persistent)} from the {persistent_at}"
         print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
               f"{want['num_dropped'].tolist()}, {more}, {took:.1f}s)")
         return ok
@@ -185,13 +203,16 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     return run_driver_case(name, cmd, inputs, check, env=env, timeout=900)
 
 
-def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch=False, keep=None) -> dict:
+def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch=False, keep=None,
+                      late=None) -> dict:
     """What every rank's driver outputs must be ([R, ...] each), under the mask (None: none; with
     unmasked_dispatch, the dispatches run without it).
     y / rm_y: the expert-major / rank-major y the driver gets, NaN in the empty rows (keep: a pair
-    of [R, C] and [R, R*T] bool, rows kept even if empty)."""
+    of [R, C] and [R, R*T] bool, rows kept even if empty). late: the mask of every op after the
+    expert-major dispatch (default: mask), e.g. with a persistent mask set between them."""
     rank_mask = None if mask is None else jax.numpy.asarray(mask, bool)
     dispatch_mask = None if unmasked_dispatch else rank_mask
+    late_mask = rank_mask if late is None else jax.numpy.asarray(late, bool)
     if keep is None:
         keep = (np.zeros(y.shape[:2], bool), np.zeros(yr.shape[:2], bool))
 
@@ -202,18 +223,20 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch
                                jax.numpy.nan).astype(y.dtype)
         # the driver's unweighted combine (row_weights null) is the reference with weights 1
         unweighted = d.handle._replace(row_weights=jax.numpy.ones_like(d.row_weights))
-        bwd_dy, bwd_drw = reference.combine_bwd(g[0], y_in, d.handle, cfg, rank_mask)
+        bwd_dy, bwd_drw = reference.combine_bwd(g[0], y_in, d.handle, cfg, late_mask)
         out = dict(rows=d.x, group_sizes=d.group_sizes, expert_counts=d.expert_counts,
-                   row_weights=d.row_weights, num_dropped=d.num_dropped, src_index=d.handle.src_index,
+                   row_weights=d.row_weights, num_dropped=d.num_dropped, rank_mask=d.rank_mask,
+                   src_index=d.handle.src_index,
                    token_rows=d.handle.token_rows, in_rank=d.handle.is_token_in_rank,
-                   comb_w=reference.combine(y_in, d.handle, cfg, rank_mask),
-                   comb_u=reference.combine(y_in, unweighted, cfg, rank_mask),
-                   bcast=reference.broadcast(g[0], d.handle, cfg, rank_mask),
+                   comb_w=reference.combine(y_in, d.handle, cfg, late_mask),
+                   comb_u=reference.combine(y_in, unweighted, cfg, late_mask),
+                   bcast=reference.broadcast(g[0], d.handle, cfg, late_mask),
                    bwd_dy=bwd_dy, bwd_drw=bwd_drw, y=y_in,
-                   slotv=reference.slot_values(v[0], d.handle, cfg, rank_mask))
+                   slotv=reference.slot_values(v[0], d.handle, cfg, late_mask))
         if d.scales is not None:
             out["scales"] = d.scales
-        out.update(rank_major_reference(x[0], idx[0], w[0], g[0], yr[0], cfg, rank_mask, rm_keep[0],
+        # (the rank-major ops run after the expert-major ones: with the late mask)
+        out.update(rank_major_reference(x[0], idx[0], w[0], g[0], yr[0], cfg, late_mask, rm_keep[0],
                                         unmasked_dispatch))
         return {k: a[None] for k, a in out.items()}
 
@@ -292,6 +315,14 @@ CASES = [
     # sources a rank does not link get nothing (broadcast and combine_bwd zero them)
     dict(name="mask after unmasked dispatch", R=3, T=14, H=264, K=4, E=9, kind="messy", mask=(1, 0, 1),
          unmasked_dispatch=True, mask_odd=(1, 1, 0)),
+    # the persistent mask (a rank lost in an earlier shrink-mode call): ANDed into every op's mask,
+    # a rank of it absent (it died), or set between a dispatch and the ops through its handle
+    dict(name="mask persistent, rank 2 absent", R=3, T=20, H=128, K=4, E=9, kind="messy",
+         persistent=(1, 1, 0), absent=(2,), capacity=40),
+    dict(name="mask persistent and explicit, fp8", R=4, T=11, H=256, K=3, E=8, kind="messy",
+         mask=(1, 1, 0, 1), persistent=(0, 1, 1, 1), absent=(0, 2), dispatch_dtype="float8_e4m3fn"),
+    dict(name="mask persistent set after the dispatch", R=3, T=16, H=64, K=3, E=6, kind="messy",
+         persistent=(1, 0, 1), persistent_at="dispatch", y_dtype="float32"),
 ]
 
 
