@@ -69,6 +69,21 @@ __device__ __forceinline__ void broadcast_zero_rows(const BroadcastArgs& a, uint
   }
 }
 
+// Shrink mode: the rows of source s's tokens of chunk c are zero (combine_bwd: d y and
+// d row_weights), as a masked source's: its chunk never came (the handle names the rows).
+__device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, const CommLayout& L,
+                                                      int s, int c, int lane) {
+  for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.T); ++t) {
+    const int64_t slot = static_cast<int64_t>(s) * a.T + t;
+    const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
+    if (row >= 0 && a.d_row_weights != nullptr) a.d_row_weights[row] = 0.f;
+    for (uint32_t m = __ballot_sync(kFullMask, row >= 0); m != 0u; m &= m - 1u) {
+      const int64_t r = __shfl_sync(kFullMask, row, __ffs(m) - 1);
+      warp_zero(a.out + r * a.row_bytes, a.row_bytes, lane);
+    }
+  }
+}
+
 // Steps of a combine_bwd row a lane loads before it computes (16-byte loads in flight per operand).
 constexpr int kBackwardUnroll = 4;
 
@@ -147,8 +162,13 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     }
     item -= n_zero;
     int s, c;
-    // a masked source's tokens have no rows here (the masked dispatch's handle): skip it
-    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, lane, &s, &c)) continue;
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, a.shrink, lane, &s,
+                                  &c)) {
+      // a source not linked: its rows are the zero-fill's (broadcast_zero_rows); in shrink mode a
+      // linked one whose chunk never came: its tokens' rows are zero here, as a masked source's
+      if (has_rank(d.linked, s)) broadcast_zero_source(a, L, s, c, lane);
+      continue;
+    }
     for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;

@@ -233,16 +233,19 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
   const int32_t* rows_src = a.token_rows + (static_cast<int64_t>(s_rank) * a.T + t0) * K;
   for (int f = lane; f < n_tok * K; f += 32) raw[f] = __ldg(rows_src + f);
   if (!reducer) {
-    // the other linked ranks' partials of this chunk have arrived (a masked rank's count as +0.0)
+    // the other linked ranks' partials of this chunk have arrived (a masked rank's count as +0.0,
+    // and so, in shrink mode, does one whose partials never came: `lost`)
+    bool came = true;
     if (lane < R && lane != me && has_rank(d.linked, lane)) {
-      wait_flag_equal(reinterpret_cast<const uint64_t*>(d.own + L.chunk_flags) +
-                          (static_cast<int64_t>(lane) * L.num_chunks + c),
-                      d.expected, d.state, a.op_id, me, lane, d.info->ordinals[lane]);
+      came = wait_peer_flag(reinterpret_cast<const uint64_t*>(d.own + L.chunk_flags) +
+                                (static_cast<int64_t>(lane) * L.num_chunks + c),
+                            d.state, *d.info, a.op_id, lane, a.shrink ? &d.info->missed : nullptr, 2);
     }
+    const uint32_t lost = __ballot_sync(kFullMask, !came);
     if (lane < n_tok) {
       int32_t mask = 0;
       for (int r = 0; r < R; ++r) mask |= a.is_token_in_rank[(t0 + lane) * R + r] ? 1 << r : 0;
-      w.in_mask[lane] = mask & static_cast<int32_t>(d.linked);
+      w.in_mask[lane] = mask & static_cast<int32_t>(d.linked & ~lost);
     }
   }
   __syncwarp();

@@ -55,7 +55,98 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* address) {
 __device__ __forceinline__ void store_relaxed_sys(uint64_t* address, uint64_t value) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" : : "l"(address), "l"(value) : "memory");
 }
+
+// With a preceding relaxed load that observed a release store: an acquire pattern.
+__device__ __forceinline__ void fence_acquire_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+__device__ __forceinline__ void backoff_sleep(uint32_t ns) { __nanosleep(ns); }
 #endif  // JAX_EP_EMULATION
+
+// What a bounded wait watches besides its flag (poll_flag).
+struct PollBound {
+  uint64_t timeout_ns;     // the bound
+  uint32_t max_sleep_ns;   // the longest pause between two polls
+  const uint32_t* give_up = nullptr;  // give up at once when bit `bit` is set here (another warp of
+  uint32_t bit = 0u;                  //   the call gave up on that rank; null: never)
+  // Shrink mode (state non-null): the wait is on rank `peer` of group `group` of axis slot
+  // `axis_slot` in this device's call `epoch`. Every poll bumps this device's heartbeat, and past
+  // the bound the wait goes on while the peer is alive and not past this call: its heartbeat moved
+  // within the last quarter bound (it is sitting out a wait of its own, on a rank that died) and
+  // its latest call in the group (this device's directory) is not beyond this one; up to four
+  // bounds. A live rank that is late because it waited for a dead one is thus not taken for dead
+  // (and masked in turn), nor are two ranks that wait for each other's next call held forever.
+  DeviceState* state = nullptr;
+  int32_t axis_slot = 0, group = 0, peer = -1;
+  uint64_t epoch = 0;
+};
+
+// The peer of a shrink-mode wait past its bound: still worth waiting for (PollBound). `beat` /
+// `changed`: the peer's heartbeat last seen and when it last moved (this device's clock).
+__device__ __forceinline__ bool peer_alive(const PollBound& b, uint64_t now, uint64_t* beat,
+                                           uint64_t* changed) {
+  const uint64_t entry = *reinterpret_cast<const volatile uint64_t*>(
+      &b.state->sync.directory[b.axis_slot][b.group][b.peer]);
+  if ((entry >> 16) > b.epoch) return false;  // it has gone on to a later call: this one is over
+  if ((entry >> 16) == 0) return false;       // never seen: which GPU it is, is not known
+  const DeviceState* peer = b.state->tables.peer_states[entry & 0xFFFF];
+  if (peer == nullptr) return false;
+  const uint64_t now_beat = *reinterpret_cast<const volatile uint64_t*>(&peer->sync.heartbeat);
+  if (now_beat != *beat) {
+    *beat = now_beat;
+    *changed = now;
+  }
+  return now - *changed < b.timeout_ns / 4;
+}
+
+// The bounded poll of every spin-wait of the EP kernels: relaxed loads of *flag (an acquire load
+// would also invalidate the SM's L1 each time, slowing every other warp of the SM), a pause growing
+// from 32 ns to b.max_sleep_ns between them, until done(value). Returns true with the value in
+// *value; false once the bound has passed (the caller traps, naming the op and the rank waited for,
+// or in shrink mode masks that rank), or at once when the give-up bit is set (PollBound). *elapsed:
+// how long it waited. The caller acquires (a fence or an acquire load) before it reads what the
+// flag guards.
+template <typename Done>
+__device__ __forceinline__ bool poll_flag(const uint64_t* flag, Done done, const PollBound& b,
+                                          uint64_t* value, uint64_t* elapsed) {
+  uint64_t v = load_relaxed_sys(flag);
+  *elapsed = 0;
+  if (!done(v)) {
+    const uint64_t start = global_timer_ns();
+    uint64_t beat = 0, changed = start;
+    if (b.state != nullptr && b.peer >= 0) {
+      const uint64_t entry = *reinterpret_cast<const volatile uint64_t*>(
+          &b.state->sync.directory[b.axis_slot][b.group][b.peer]);
+      const DeviceState* peer = b.state->tables.peer_states[entry & 0xFFFF];
+      if (peer != nullptr) {
+        beat = *reinterpret_cast<const volatile uint64_t*>(&peer->sync.heartbeat);
+      }
+    }
+    uint32_t sleep_ns = 32;
+    while (!done(v)) {
+      if (b.give_up != nullptr &&
+          (*reinterpret_cast<const volatile uint32_t*>(b.give_up) & b.bit) != 0u) {
+        break;
+      }
+      backoff_sleep(sleep_ns);
+      if (sleep_ns < b.max_sleep_ns) sleep_ns *= 2;
+      const uint64_t now = global_timer_ns();
+      *elapsed = now - start;
+      if (b.state != nullptr) {  // (a plain increment: racing pollers still move it)
+        volatile uint64_t* own = &b.state->sync.heartbeat;
+        *own = *own + 1;
+      }
+      if (*elapsed > b.timeout_ns &&
+          (b.state == nullptr || b.peer < 0 || *elapsed > 4 * b.timeout_ns ||
+           !peer_alive(b, now, &beat, &changed))) {
+        break;
+      }
+      v = load_relaxed_sys(flag);
+    }
+  }
+  *value = v;
+  return done(v);
+}
 
 // Records the first fault of this device in host-mapped pinned memory (the host can read it even
 // after the trap has killed the context) and prints a message naming op and ranks; the caller traps
@@ -127,23 +218,25 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
   __trap();
 }
 
-// Spins until *flag >= target (flag written by a peer with a release store). Bounded: after
-// tables.timeout_ns the fault is recorded and the kernel traps instead of hanging the process.
-__device__ __forceinline__ void wait_at_least(const uint64_t* flag, uint64_t target,
+// Spins until *flag >= target (flag written by a peer with a release store), then acquires.
+// Bounded: after tables.timeout_ns the fault is recorded and the kernel traps instead of hanging
+// the process, or with `missed` (shrink mode) bit waited_rank is set there and false returned.
+__device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t target,
                                               DeviceState* state, int32_t op_id, int32_t rank,
-                                              int32_t waited_rank, int32_t waited_ordinal) {
-  uint64_t observed = load_acquire_sys(flag);
-  if (observed >= target) return;
-  const uint64_t start = global_timer_ns();
-  const uint64_t timeout_ns = state->tables.timeout_ns;
-  while (observed < target) {
-    const uint64_t elapsed = global_timer_ns() - start;
-    if (elapsed > timeout_ns) {
-      record_fault_and_trap(state, kFaultTimeout, op_id, rank, waited_rank, waited_ordinal,
-                            target, observed, static_cast<int64_t>(elapsed));
-    }
-    observed = load_acquire_sys(flag);
+                                              int32_t waited_rank, int32_t waited_ordinal,
+                                              uint32_t* missed = nullptr) {
+  uint64_t observed, elapsed;
+  if (poll_flag(flag, [target](uint64_t v) { return v >= target; },
+                PollBound{state->tables.timeout_ns, 256}, &observed, &elapsed)) {
+    fence_acquire_sys();
+    return true;
   }
+  if (missed == nullptr) {
+    record_fault_and_trap(state, kFaultTimeout, op_id, rank, waited_rank, waited_ordinal, target,
+                          observed, static_cast<int64_t>(elapsed));
+  }
+  atomicOr(missed, 1u << waited_rank);
+  return false;
 }
 
 // A kernel about to use `needed` bytes of every communication buffer checks that the runtime is
@@ -172,13 +265,15 @@ __device__ __forceinline__ int32_t sanitized_expert(const Ids& ids, int k, int E
 
 // Barrier of one thread block with the same-numbered barrier of every other rank of the group.
 // Every thread of the block must call it; blockDim.x >= group.size. On return, whatever any rank's
-// block wrote (to any GPU) before its call is visible to every thread of this block.
+// block wrote (to any GPU) before its call is visible to every thread of this block. With `missed`
+// (shared; shrink mode), a rank that does not arrive within the bound sets its bit there instead
+// of trapping (its writes may or may not be visible).
 //
 // Epochs are counted on the device per pair of devices (never passed from the host), so a CUDA
 // graph replays correctly, and a device may alternate between groups without confusing them: a
 // pair's count advances exactly when both devices pass a barrier together.
 __device__ __forceinline__ void group_barrier_block(DeviceState* state, const PeerGroup& group,
-                                                   int32_t op_id) {
+                                                   int32_t op_id, uint32_t* missed = nullptr) {
   __syncthreads();  // this block's earlier writes are ordered before the release below
   const int peer_rank = static_cast<int>(threadIdx.x);
   if (peer_rank < group.size && group.ordinals[peer_rank] >= 0) {  // (-1: a masked rank)
@@ -188,7 +283,8 @@ __device__ __forceinline__ void group_barrier_block(DeviceState* state, const Pe
     state->sync.barriers_done[peer] = epoch;
     __threadfence_system();
     store_release_sys(&state->tables.peer_states[peer]->sync.arrived[me], epoch);
-    wait_at_least(&state->sync.arrived[peer], epoch, state, op_id, group.my_rank, peer_rank, peer);
+    wait_at_least(&state->sync.arrived[peer], epoch, state, op_id, group.my_rank, peer_rank, peer,
+                  missed);
   }
   __syncthreads();  // the acquires above are ordered before every thread's later reads
 }

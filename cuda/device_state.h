@@ -178,6 +178,10 @@ struct SyncCounters {
     RankMaskEvent events[kMaxGroupRanks];
   };
   alignas(128) RankMaskState rank_masks[kDirectoryAxes][kMaxGroups];
+  // heartbeat: bumped by every poll of a shrink-mode wait of this device (any kernel, any group),
+  // read by peers: a rank that sits out a wait of its own is alive, however late (PollBound,
+  // cuda/common.cuh).
+  alignas(128) uint64_t heartbeat;
   // ll_decision[a][g]: (epoch mod 2^32) << 32 | active ranks of the running shrink-mode LL call,
   // the view of its first block to finish discovery; the other blocks take it (they may have seen
   // a late peer arrive that this block gave up on, or the reverse), so every block sends to and

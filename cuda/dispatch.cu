@@ -187,9 +187,11 @@ __global__ void __launch_bounds__(kPrepThreads)
 // per linked rank; on return (thread r < R) rank r's counts are here, and zero for a rank that is
 // not linked (masked: its tokens go nowhere, and it is not waited for). Every thread calls it.
 // (Rank-major dispatch passes E + R: its per-destination token counts travel with the expert
-// counts.)
+// counts.) Shrink mode: a linked rank whose counts do not come within the bound leaves the call
+// (drop_missed; it is then as masked for everything after: segments, data), instead of a trap.
 __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLayout& layout,
-                                                const OpInfo& info, int R, int E, int32_t op_id) {
+                                                OpInfo& info, int R, int E, int32_t op_id,
+                                                bool shrink) {
   const int me = info.rank;
   char* own = own_comm_buffer(state);
   const int32_t* counts_local = reinterpret_cast<const int32_t*>(own + layout.counts_local);
@@ -210,8 +212,12 @@ __device__ __forceinline__ void exchange_counts(DeviceState* state, const CommLa
     const int r = threadIdx.x;
     char* peer = comm_buffer_of(state, info.ordinals[r]);
     store_release_sys(reinterpret_cast<uint64_t*>(peer + layout.count_flags) + me, info.expected);
-    wait_flag_equal(reinterpret_cast<const uint64_t*>(own + layout.count_flags) + r,
-                    info.expected, state, op_id, me, r, info.ordinals[r]);
+    wait_peer_flag(reinterpret_cast<const uint64_t*>(own + layout.count_flags) + r, state, info,
+                   op_id, r, shrink ? &info.missed : nullptr, 2);
+  }
+  if (shrink) {
+    __syncthreads();  // every wait is over
+    if (threadIdx.x == 0) drop_missed(state, &info, op_id, 2);
   }
 }
 
@@ -288,15 +294,16 @@ __global__ void __launch_bounds__(kNotifyThreads)
                            const int32_t* group_ptr, const int32_t* rank_mask, OpFingerprint fp,
                            int axis_slot,
                            int32_t* __restrict__ group_sizes, int32_t* __restrict__ expert_counts,
-                           int32_t* __restrict__ num_dropped, int32_t* __restrict__ active_out) {
+                           int32_t* __restrict__ num_dropped, int32_t* __restrict__ active_out,
+                           bool shrink) {
   JAX_EP_DYNAMIC_SHARED(int32_t, n_local);  // [E_local]: rows per local expert over the sources
   __shared__ OpInfo info;
   __shared__ int32_t total_rows;
   __shared__ unsigned long long dropped;
   const int R = fp.ranks, E = fp.experts, C = fp.capacity, align = fp.alignment;
-  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, &info);
+  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, shrink, &info);
   char* own = own_comm_buffer(state);
-  exchange_counts(state, layout, info, R, E, kOpDispatch);
+  exchange_counts(state, layout, info, R, E, kOpDispatch, shrink);
   if (threadIdx.x == 0) {
     total_rows = 0;
     dropped = 0ull;
@@ -339,13 +346,13 @@ __global__ void __launch_bounds__(kNotifyThreads)
                                       const int32_t* rank_ptr, const int32_t* group_ptr,
                                       const int32_t* rank_mask, OpFingerprint fp, int axis_slot,
                                       int32_t* __restrict__ tokens_per_rank,
-                                      int32_t* __restrict__ tokens_per_expert) {
+                                      int32_t* __restrict__ tokens_per_expert, bool shrink) {
   __shared__ OpInfo info;
   const int R = fp.ranks, E = fp.experts;
-  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, &info);
+  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, shrink, &info);
   char* own = own_comm_buffer(state);
   const int keys = E + R;
-  exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor);
+  exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor, shrink);
   __syncthreads();  // every rank's counts are here (each thread r < R waited for rank r's)
   const int me = info.rank;
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
@@ -375,13 +382,25 @@ __global__ void __launch_bounds__(kNotifyThreads)
 }
 
 // ---- 3. rows ---------------------------------------------------------------------------------
+// A row that no chunk has filled yet (shrink mode: src_index of every received row starts as this,
+// so that the fixup kernel finds the rows of a source whose chunks never came).
+constexpr int32_t kPendingRow = -3;
+
 // Per (token, slot) of this rank: its sanitised expert in slot_dest (-1: unused or repeated slot),
 // and -1 in slot_rank for an unused one (prep ranked the used ones). Slot-parallel; the main
 // kernel then reads two coalesced words per slot. Where a slot's row lands is for its receiver.
+// Shrink mode: src_index of the received rows (below total_rows) is kPendingRow.
 __global__ void __launch_bounds__(kRowsThreads)
     dispatch_rows_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
-                         int T, int K, int E) {
+                         int T, int K, int E, bool shrink, int32_t* __restrict__ src_index) {
   char* own = own_comm_buffer(state);
+  if (shrink) {
+    const int32_t total = reinterpret_cast<const OpInfo*>(own + layout.op_info)->total_rows;
+    for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < total;
+         r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      src_index[r] = kPendingRow;
+    }
+  }
   int32_t* slot_rank = reinterpret_cast<int32_t*>(own + layout.slot_rank);
   int32_t* slot_dest = reinterpret_cast<int32_t*>(own + layout.slot_dest);
   const int64_t slots = static_cast<int64_t>(T) * K;
@@ -623,10 +642,12 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
     }
     item -= n_tail;
     int s, c;
-    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, d.lane, &s, &c) ||
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, a.shrink != 0,
+                                  d.lane, &s, &c) ||
         !has_rank(d.info->active, s)) {
-      // a masked source (this rank's own chunks too, when it is masked): none of its slots has a
-      // row here (NOT_ROUTED), as if it routed nothing
+      // a masked source (this rank's own chunks too, when it is masked), or in shrink mode one
+      // whose chunk never came: none of its slots has a row here (NOT_ROUTED), as if it routed
+      // nothing (the rows kept for them stay kPendingRow: the fixup kernel empties them)
       const int64_t base = static_cast<int64_t>(s) * a.num_tokens;
       const int64_t lo = (base + chunk_begin(L, c)) * a.num_topk;
       const int64_t hi = (base + chunk_end(L, c, a.num_tokens)) * a.num_topk;
@@ -725,10 +746,12 @@ __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, c
     }
     item -= n_empty;
     int s, c;
-    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor, d.lane,
-                                  &s, &c) ||
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor,
+                                  a.shrink != 0, d.lane, &s, &c) ||
         !has_rank(d.info->active, s)) {
-      continue;  // a masked source (this rank's own chunks too, when it is masked): no rows here
+      // a masked source (this rank's own chunks too, when it is masked): no rows here; in shrink
+      // mode one whose chunk never came: its rows stay kPendingRow (the fixup kernel empties them)
+      continue;
     }
     for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
       dispatch_rank_major_token<kConv, kTma>(a, d, tma, s, t);
@@ -751,6 +774,81 @@ __global__ void __launch_bounds__(kDataThreads, 1)
       });
 }
 
+// ---- 5. fixup (shrink mode only) -------------------------------------------------------------
+// After the main kernel, when it gave up on sources (OpInfo::missed: their chunks did not all
+// come): the rows kept for what never came (still kPendingRow) become empty rows (zero rows and
+// scales, src_index -1, weight 0; rank-major: ids -1) and leave the counts (expert_counts;
+// rank-major: tokens_per_rank, tokens_per_expert recounted), the call's rank_mask output loses
+// those sources, and num_dropped gets this rank's own pairs to them (they went to a rank that
+// died). The lost source's own pairs are not counted here: lost with it, as a masked rank's.
+// Grid-stride over the received rows, one warp per row.
+__global__ void __launch_bounds__(kRowsThreads) dispatch_fixup_kernel(MainArgs a) {
+  char* own = own_comm_buffer(a.state);
+  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + a.layout.op_info);
+  const uint32_t lost = *reinterpret_cast<const volatile uint32_t*>(&info->missed);
+  if (lost == 0u) return;
+  const int R = a.num_ranks, E = a.num_experts, K = a.num_topk, me = info->rank;
+  const int local = E / R;
+  const int total = info->total_rows;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int32_t* counts = reinterpret_cast<const int32_t*>(own + a.layout.counts);
+  const int32_t* base_row = reinterpret_cast<const int32_t*>(own + a.layout.base_row);
+  for (int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + (threadIdx.x >> 5);
+       row < total; row += warps) {
+    // one load for the warp (lane 0 rewrites src_index below, while other lanes may still read)
+    const int32_t src = __shfl_sync(kFullMask, lane == 0 ? __ldcg(a.src_index + row) : 0, 0);
+    if (src != kPendingRow) continue;
+    warp_zero(a.row_at(row), a.row_bytes, lane);
+    for (int i = lane; i < a.num_scales; i += 32) a.scales[row * a.num_scales + i] = 0.f;
+    if (a.rank_major) {
+      for (int k = lane; k < K; k += 32) {
+        a.row_ids[row * K + k] = -1;
+        a.row_topk_weights[row * K + k] = 0.f;
+      }
+    }
+    if (lane != 0) continue;
+    a.src_index[row] = -1;
+    if (a.rank_major) {  // the source whose rows these are: base_row[s] <= row < base_row[s] + n_s
+      for (int s = R - 1; s >= 0; --s) {
+        const int32_t n = has_rank(info->active, s) ? __ldcg(counts + s * (E + R) + E + me) : 0;
+        if (n > 0 && __ldcg(base_row + s) <= row) {
+          atomicAdd(a.tokens_per_rank + s, -1);
+          break;
+        }
+      }
+    } else {  // the local expert whose segment holds the row
+      a.row_weights[row] = 0.f;
+      const int32_t* seg_off = reinterpret_cast<const int32_t*>(own + a.layout.seg_off);
+      for (int j = local - 1; j >= 0; --j) {
+        if (__ldcg(seg_off + j) <= row) {
+          atomicAdd(a.expert_counts + j, -1);
+          break;
+        }
+      }
+    }
+  }
+  if (blockIdx.x != 0) return;
+  if (a.rank_major) {  // pairs per local expert over the rows that came (a hole's ids are unknown)
+    for (int j = threadIdx.x; j < local; j += blockDim.x) a.expert_counts[j] = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(total) * K; i += blockDim.x) {
+      const int32_t id = __ldcg(a.row_ids + i);
+      if (__ldcg(a.src_index + i / K) >= 0 && id >= 0 && id < local) atomicAdd(a.expert_counts + id, 1);
+    }
+  } else if (threadIdx.x == 0) {
+    const int32_t* counts_local = reinterpret_cast<const int32_t*>(own + a.layout.counts_local);
+    int32_t pairs = 0;  // this rank's own pairs to the lost ranks' experts
+    for (int e = 0; e < E; ++e) pairs += has_rank(lost, e / local) ? __ldcg(counts_local + e) : 0;
+    atomicAdd(a.num_dropped, pairs);
+    if (a.active != nullptr) {
+      for (int r = 0; r < R; ++r) {
+        if (has_rank(lost, r)) a.active[r] = 0;
+      }
+    }
+  }
+}
+
 template <int kConv, bool kRankMajor>
 cudaError_t launch_main(const MainArgs& a, cudaStream_t stream) {
   if (a.use_tma) {
@@ -768,7 +866,14 @@ cudaError_t launch_main(const MainArgs& a, cudaStream_t stream) {
 
 template <int kConv>
 cudaError_t launch_main_mode(const MainArgs& a, cudaStream_t stream) {
-  return a.rank_major ? launch_main<kConv, true>(a, stream) : launch_main<kConv, false>(a, stream);
+  const cudaError_t status =
+      a.rank_major ? launch_main<kConv, true>(a, stream) : launch_main<kConv, false>(a, stream);
+  JAX_EP_CUDA_RETURN(status);
+  if (a.shrink != 0) {
+    JAX_EP_LAUNCH(dispatch_fixup_kernel, a.num_blocks, kRowsThreads, 0, stream)(a);
+    JAX_EP_CHECK_LAUNCH();
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -807,20 +912,21 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
       p.rank_major, p.is_token_in_rank);
   JAX_EP_CHECK_LAUNCH();
 
+  const bool shrink = p.shrink != 0;
   if (p.rank_major) {
     JAX_EP_LAUNCH(dispatch_rank_major_notify_kernel, 1, kNotifyThreads, 0, stream)(
         p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
-        p.tokens_per_rank, p.expert_counts);
+        p.tokens_per_rank, p.expert_counts, shrink);
   } else {
     JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E / p.num_ranks * sizeof(int32_t),
                   stream)(
         p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
-        p.group_sizes, p.expert_counts, p.num_dropped, p.active);
+        p.group_sizes, p.expert_counts, p.num_dropped, p.active, shrink);
   }
   JAX_EP_CHECK_LAUNCH();
 
   JAX_EP_LAUNCH(dispatch_rows_kernel, p.num_blocks, kRowsThreads, 0, stream)(
-      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E);
+      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, shrink, p.src_index);
   JAX_EP_CHECK_LAUNCH();
 
   const MainArgs args{p, static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind)),

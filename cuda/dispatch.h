@@ -62,6 +62,10 @@ struct DispatchLaunch {
   int32_t axis_slot;   // directory slot of the EP axis, in [0, kDirectoryAxes)
   bool use_tma;        // raw row copies with bulk (TMA) copies through shared memory
   bool rank_major;     // dispatch_rank_major (above)
+  // Shrink mode (EPConfig.shrink): a peer that misses a bounded wait leaves the call (masked
+  // persistently) instead of making it trap; a fifth kernel empties the rows of a source whose data
+  // never came (dispatch.cu, "fixup").
+  int32_t shrink;
 };
 
 // Bytes of a dispatched row for the row kind.

@@ -181,11 +181,6 @@ __device__ __forceinline__ char* own_comm_buffer(DeviceState* state) {
 }
 
 #ifndef JAX_EP_EMULATION
-// With a preceding relaxed load that observed a release store: an acquire pattern.
-__device__ __forceinline__ void fence_acquire_sys() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-}
-__device__ __forceinline__ void backoff_sleep(uint32_t ns) { __nanosleep(ns); }
 // A release store without the sequentially consistent fence of __threadfence_system() (SASS:
 // MEMBAR.ALL.SYS + a strong store, where __threadfence_system() + st.release.sys is MEMBAR.SC.SYS,
 // MEMBAR.ALL.SYS and an L1 invalidation): writes before it (this thread's, and those ordered before
@@ -198,31 +193,24 @@ __device__ __forceinline__ void release_store_sys(uint64_t* address, uint64_t va
 #endif
 
 // Spins until *flag == expected (a peer's release store), polling with relaxed loads and a short
-// exponential back-off, then acquires. Bounded: records a timeout naming the op and the rank
-// waited for, then traps. Flags carry (epoch << 16) | group key, so a value left by an earlier
+// exponential back-off (poll_flag), then acquires. Bounded: records a timeout naming the op and the
+// rank waited for, then traps. Flags carry (epoch << 16) | group key, so a value left by an earlier
 // call, or by a call of another group, never matches.
 static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64_t expected,
                                                     DeviceState* state, int32_t op_id,
                                                     int32_t rank, int32_t waited_rank,
                                                     int32_t waited_ordinal) {
-  uint64_t observed = load_relaxed_sys(flag);
-  if (observed != expected) {
-    const uint64_t start = global_timer_ns();
-    const uint64_t timeout_ns = state->tables.timeout_ns;
-    uint32_t sleep_ns = 32;
-    while (observed != expected) {
-      backoff_sleep(sleep_ns);
-      if (sleep_ns < 256) sleep_ns *= 2;
-      const uint64_t elapsed = global_timer_ns() - start;
-      if (elapsed > timeout_ns) {
-        record_fault_and_trap(state, kFaultTimeout, op_id, rank, waited_rank, waited_ordinal,
-                              expected >> 16, observed >> 16, static_cast<int64_t>(elapsed));
-      }
-      observed = load_relaxed_sys(flag);
-    }
+  uint64_t observed, elapsed;
+  if (!poll_flag(flag, [expected](uint64_t v) { return v == expected; },
+                 PollBound{state->tables.timeout_ns, 256}, &observed, &elapsed)) {
+    record_fault_and_trap(state, kFaultTimeout, op_id, rank, waited_rank, waited_ordinal,
+                          expected >> 16, observed >> 16, static_cast<int64_t>(elapsed));
   }
   fence_acquire_sys();
 }
+
+// Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
+__device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
 
 // ---- the persistent rank mask (SyncCounters::rank_masks, one per EP group of an axis slot) ---------
 // Every EP call ANDs its rank_mask operand with the complement (the low-latency kernels in
@@ -246,9 +234,6 @@ static __device__ __noinline__ void mask_peer(DeviceState* state, int axis_slot,
   m.events[peer].op = op_id;
   __threadfence_system();
 }
-
-// Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
-__device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
 
 // Thread 0 at a call's start: the device scalars rank and group, and the sizes, are in range (a
 // kFaultBadArgument naming the op otherwise).
@@ -283,28 +268,89 @@ __device__ __forceinline__ void begin_group_call(DeviceState* state, int32_t ran
 }
 
 // Waits until rank `peer` of the group has published its directory entry for `epoch` (it has
-// entered this call) and returns the entry (acquired). Bounded: a peer whose call count stays below
-// this call's records a timeout fault naming the op, this rank and the peer (field: expected /
-// observed are counts), then traps. Every discovery (NVLink and put transports) waits through it.
-__device__ __forceinline__ uint64_t wait_directory_entry(DeviceState* state, int axis_slot, int group,
-                                                         int peer, uint64_t epoch, int32_t op_id,
-                                                         int32_t rank) {
+// entered this call) and returns the entry (acquired) in *seen. Bounded: a peer whose call count
+// stays below this call's records a timeout fault naming the op, this rank and the peer (field:
+// expected / observed are counts), then traps; or in shrink mode returns false, after twice the
+// bound: a live peer can come one bound late (the wait it sat out in the previous call, on a rank
+// that died there and that this rank did not wait for: not every rank waits for every peer), and
+// giving up on it would mask a live rank. Every discovery (NVLink and put transports, the
+// low-latency kernels) waits through it.
+__device__ __forceinline__ bool wait_directory_entry(DeviceState* state, int axis_slot, int group,
+                                                     int peer, uint64_t epoch, int32_t op_id,
+                                                     int32_t rank, bool shrink, uint64_t* seen) {
   const uint64_t* slot = &state->sync.directory[axis_slot][group][peer];
-  uint64_t seen = load_acquire_sys(slot);
-  if ((seen >> 16) < epoch) {
-    const uint64_t start = global_timer_ns();
-    const uint64_t timeout_ns = state->tables.timeout_ns;
-    while ((seen >> 16) < epoch) {
-      const uint64_t elapsed = global_timer_ns() - start;
-      if (elapsed > timeout_ns) {
-        record_fault(state, kFaultTimeout, op_id, rank, peer, -1, epoch, seen >> 16,
-                     static_cast<int64_t>(elapsed), kFieldSequence);
-        __trap();
-      }
-      seen = load_acquire_sys(slot);
-    }
+  uint64_t elapsed;
+  PollBound bound{state->tables.timeout_ns, 512};
+  if (shrink) {
+    bound.timeout_ns *= 2;
+    bound.state = state;
+    bound.axis_slot = axis_slot;
+    bound.group = group;
+    bound.peer = peer;
+    bound.epoch = epoch;
   }
-  return seen;
+  if (!poll_flag(slot, [epoch](uint64_t v) { return (v >> 16) >= epoch; }, bound, seen,
+                 &elapsed)) {
+    if (shrink) return false;
+    record_fault(state, kFaultTimeout, op_id, rank, peer, -1, epoch, *seen >> 16,
+                 static_cast<int64_t>(elapsed), kFieldSequence);
+    __trap();
+  }
+  *seen = load_acquire_sys(slot);
+  return true;
+}
+
+// The key of a call's flags (OpInfo::expected) names its axis slot and group.
+__device__ __forceinline__ int axis_slot_of(const OpInfo& info) {
+  return static_cast<int>((info.expected & 0xFFFF) / kMaxGroups);
+}
+
+// A wait of a throughput call on rank `peer`'s flag (its data for this call): wait_flag_equal, or
+// in shrink mode (missed != null) a timeout masks the peer persistently (`during`:
+// RankMaskEvent::during), sets its bit in *missed and returns false, and a wait that finds the bit
+// set already (another warp gave up on that peer) gives up at once. true: the flag came (acquired).
+static __device__ __noinline__ bool wait_peer_flag(const uint64_t* flag, DeviceState* state,
+                                                   const OpInfo& info, int32_t op_id, int peer,
+                                                   uint32_t* missed, int32_t during) {
+  if (missed == nullptr) {
+    wait_flag_equal(flag, info.expected, state, op_id, info.rank, peer, info.ordinals[peer]);
+    return true;
+  }
+  uint64_t observed, elapsed;
+  const uint64_t expected = info.expected;
+  PollBound bound{state->tables.timeout_ns, 256, missed, 1u << peer};
+  bound.state = state;
+  bound.axis_slot = axis_slot_of(info);
+  bound.group = info.group;
+  bound.peer = peer;
+  bound.epoch = info.expected >> 16;
+  if (poll_flag(flag, [expected](uint64_t v) { return v == expected; }, bound, &observed, &elapsed)) {
+    fence_acquire_sys();
+    return true;
+  }
+  if ((atomicOr(missed, 1u << peer) & (1u << peer)) == 0u) {
+    mask_peer(state, axis_slot_of(info), info.group, info.rank, peer, op_id, during,
+              info.expected >> 16);
+  }
+  return false;
+}
+
+// Thread 0, shrink mode, after a barrier that follows the waits of a one-block phase (discovery,
+// the counts exchange): the ranks in info->missed leave the call (and are masked persistently,
+// `during`: RankMaskEvent::during); what the rest of the call does depends on `active` /
+// `linked` only.
+__device__ __forceinline__ void drop_missed(DeviceState* state, OpInfo* info, int32_t op_id,
+                                            int32_t during) {
+  const uint32_t missed = info->missed;
+  if (missed == 0u) return;
+  for (int r = 0; r < info->size; ++r) {
+    if (!has_rank(missed, r)) continue;
+    mask_peer(state, axis_slot_of(*info), info->group, info->rank, r, op_id, during,
+              info->expected >> 16);
+    info->ordinals[r] = -1;
+  }
+  info->active &= ~missed;
+  info->linked = has_rank(info->active, info->rank) ? info->active : 1u << info->rank;
 }
 
 // Group discovery, run by ONE block (every thread calls it; blockDim.x >= kMaxDevices).
@@ -324,12 +370,18 @@ __device__ __forceinline__ uint64_t wait_directory_entry(DeviceState* state, int
 // linked ranks (OpInfo::linked) are waited for and have their fingerprints checked, so a masked
 // peer may never enter the call (a lax.cond branch without it, a process that stopped calling). A
 // masked rank publishes only to itself; an active one still publishes its directory entry to every
-// managed device, since which device a masked rank is on is what discovery finds out.
+// managed device, since which device a masked rank is on is what discovery finds out. The
+// operand is ANDed with the persistent mask (shrink mode).
+//
+// Shrink mode: a linked peer that has not entered the call within the bound leaves it (drop_missed:
+// masked persistently, event `discovery`) instead of trapping. One block decides, so the call's
+// kernels all see the same ranks; another rank may decide otherwise (the peer came in between):
+// each rank's outputs follow its own set (the receivers place every row, cuda/dispatch.cu).
 __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t* rank_ptr,
                                                const int32_t* group_ptr,
                                                const int32_t* rank_mask, int32_t axis_slot,
                                                uint64_t needed_bytes, const OpFingerprint& fp,
-                                               OpInfo* info) {
+                                               bool shrink, OpInfo* info) {
   const int32_t group_size = fp.ranks;
   const int32_t op_id = fp.op;
   if (threadIdx.x == 0) {
@@ -345,6 +397,7 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
     active &= ~persistent_mask(state, axis_slot, group);
     info->active = active;
     info->linked = has_rank(active, rank) ? active : 1u << rank;
+    info->missed = 0u;
   }
   __syncthreads();
   const uint64_t epoch = info->expected >> 16;
@@ -365,13 +418,21 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
     info->ordinals[peer_rank] = -1;  // not linked: never waited for, never written to
   } else if (peer_rank < group_size) {
     const int peer = peer_rank;
-    const uint64_t seen = wait_directory_entry(state, axis_slot, group, peer, epoch, op_id, rank);
-    const int32_t ordinal = static_cast<int32_t>(seen & 0xFFFF);
-    info->ordinals[peer] = ordinal;
-    differs =
-        peer_call_differs(state, axis_slot, group, rank, peer, ordinal, epoch, seen >> 16, fp);
+    uint64_t seen;
+    if (wait_directory_entry(state, axis_slot, group, peer, epoch, op_id, rank, shrink, &seen)) {
+      const int32_t ordinal = static_cast<int32_t>(seen & 0xFFFF);
+      info->ordinals[peer] = ordinal;
+      differs =
+          peer_call_differs(state, axis_slot, group, rank, peer, ordinal, epoch, seen >> 16, fp);
+    } else {
+      atomicOr(&info->missed, 1u << peer);  // shrink mode: it has not entered the call
+    }
   }
   trap_if_any_differs(differs);  // a block barrier: info is complete after it
+  if (shrink) {
+    if (threadIdx.x == 0) drop_missed(state, info, op_id, 1);
+    __syncthreads();
+  }
 }
 
 // Writes the shared OpInfo of discover_group to the local region of the buffer for the op's later
@@ -386,6 +447,7 @@ __device__ __forceinline__ void publish_op_info(DeviceState* state, const CommLa
   out->total_rows = total_rows;
   out->active = info.active;
   out->linked = info.linked;
+  out->missed = 0u;
   for (int i = 0; i < 4; ++i) out->work[i] = 0;
   for (int r = 0; r < kMaxGroupRanks; ++r) out->ordinals[r] = r < info.size ? info.ordinals[r] : -1;
 }
@@ -497,12 +559,13 @@ __device__ __forceinline__ void run_data_warps(DeviceState* state, const CommLay
 // Receiver side: work item `item` over this rank's chunks, then (chunk, other rank) pairs. Sets the
 // source rank *s and chunk *c; for another rank's chunk, lane 0 waits for its flag (bounded, the
 // op named in a timeout), with bulk loads ordered after the acquire. Returns false (no wait) for a
-// rank that is not linked (masked): nothing came from it. Every lane calls it.
+// rank that is not linked (masked): nothing came from it; in shrink mode also for a source this
+// call gave up on (wait_peer_flag: its chunk never came). Every lane calls it.
 template <bool kTma>
 __device__ __forceinline__ bool receive_chunk_item(int item, DeviceState* state,
-                                                   const CommLayout& L, const OpInfo* info,
-                                                   const char* own, int32_t op_id, int lane,
-                                                   int* s, int* c) {
+                                                   const CommLayout& L, OpInfo* info,
+                                                   const char* own, int32_t op_id, bool shrink,
+                                                   int lane, int* s, int* c) {
   const int me = info->rank;
   if (item < L.num_chunks) {
     *s = me;
@@ -513,14 +576,14 @@ __device__ __forceinline__ bool receive_chunk_item(int item, DeviceState* state,
   *c = item / (info->size - 1);
   *s = other_rank(item % (info->size - 1), me);
   if (!has_rank(info->linked, *s)) return false;
+  bool came = true;
   if (lane == 0) {
-    wait_flag_equal(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
-                        (static_cast<int64_t>(*s) * L.num_chunks + *c),
-                    info->expected, state, op_id, me, *s, info->ordinals[*s]);
+    came = wait_peer_flag(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
+                              (static_cast<int64_t>(*s) * L.num_chunks + *c),
+                          state, *info, op_id, *s, shrink ? &info->missed : nullptr, 2);
     if constexpr (kTma) fence_proxy_async_global();
   }
-  __syncwarp();
-  return true;
+  return __shfl_sync(kFullMask, came ? 1 : 0, 0) != 0;  // (also orders lane 0's acquire first)
 }
 
 // ---- row copies -----------------------------------------------------------------------------

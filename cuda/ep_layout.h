@@ -56,6 +56,11 @@ struct OpInfo {
   // masked one only itself). Nothing is written to, or waited for from, a rank that is not linked.
   uint32_t active;
   uint32_t linked;
+  // Shrink mode: the ranks this call gave up on (a bounded wait on them timed out). In discovery
+  // and the counts exchange (one block) they leave `active` / `linked` before anything depends on
+  // them; in the data kernels a warp sets the bit (atomicOr, every block sees it) and every later
+  // wait on that rank gives up at once. Zeroed when the OpInfo is published.
+  uint32_t missed;
 };
 
 struct CommLayout {

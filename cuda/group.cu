@@ -13,9 +13,9 @@ static_assert(kStartThreads >= kMaxDevices && kStartThreads >= kMaxGroupRanks, "
 __global__ void __launch_bounds__(kStartThreads)
     ep_start_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
                     const int32_t* group_ptr, const int32_t* rank_mask, int axis_slot,
-                    OpFingerprint fp) {
+                    OpFingerprint fp, bool shrink) {
   __shared__ OpInfo info;
-  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, &info);
+  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, shrink, &info);
   if (threadIdx.x == 0) publish_op_info(state, layout, info, 0);
 }
 
@@ -36,7 +36,8 @@ bool group_launch_ok(const GroupLaunch& g) {
 cudaError_t launch_start(const GroupLaunch& g, const OpFingerprint& fp, cudaStream_t stream) {
   if (fp.ranks != g.num_ranks) return cudaErrorInvalidValue;
   JAX_EP_LAUNCH(ep_start_kernel, 1, kStartThreads, 0, stream)(g.state, g.layout, g.rank, g.group,
-                                                              g.rank_mask, g.axis_slot, fp);
+                                                              g.rank_mask, g.axis_slot, fp,
+                                                              g.shrink != 0);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
 }

@@ -27,6 +27,9 @@ struct GroupLaunch {
   int32_t axis_slot;
   int32_t num_blocks;
   int32_t send_warps;    // combine: reducer warps; broadcast: sender warps (per block, of 16)
+  // Shrink mode (EPConfig.shrink): a peer that misses a bounded wait leaves the call (masked
+  // persistently, SyncCounters::rank_masks) instead of making it trap (docs/native.md).
+  int32_t shrink;
 };
 
 // The fields are in range (the FFI handler validates them; this guards the kernels' arithmetic).
@@ -38,10 +41,11 @@ struct DataArgs {
   int32_t T, K;
   int32_t row_bytes;
   int32_t send_warps;  // combine: the reducers (they send the partial sums)
+  bool shrink;         // GroupLaunch::shrink
 };
 
 inline DataArgs data_args(const GroupLaunch& g, int32_t row_bytes) {
-  return DataArgs{g.layout, g.num_tokens, g.num_topk, row_bytes, g.send_warps};
+  return DataArgs{g.layout, g.num_tokens, g.num_topk, row_bytes, g.send_warps, g.shrink != 0};
 }
 
 // Bytes of a row of `hidden` elements of `kind` (kRowBF16 or kRowF32) that a data op moves as

@@ -188,24 +188,6 @@ __device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call
   }
 }
 
-// Waits (bounded) until `slot` shows `epoch` or later; false when the timeout passed.
-__device__ __forceinline__ bool wait_entry(const uint64_t* slot, uint64_t epoch, uint64_t timeout_ns,
-                                           uint64_t* seen, uint64_t* elapsed) {
-  *seen = load_relaxed_sys(slot);
-  *elapsed = 0;
-  if ((*seen >> 16) >= epoch) return true;
-  const uint64_t start = global_timer_ns();
-  uint32_t sleep_ns = 64;
-  while ((*seen >> 16) < epoch) {
-    *elapsed = global_timer_ns() - start;
-    if (*elapsed > timeout_ns) return false;
-    backoff_sleep(sleep_ns);
-    if (sleep_ns < 512) sleep_ns *= 2;
-    *seen = load_relaxed_sys(slot);
-  }
-  return true;
-}
-
 // Shrink mode, every thread, after each peer thread's first wait: the blocks agree on the call's
 // ranks. The first block to get here publishes its view (the active ranks less those it gave up
 // on) in ll_decision and masks the given-up ranks persistently; every block takes that view
@@ -251,17 +233,17 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call) {
   DeviceState* state = a.state;
   const int peer = static_cast<int>(threadIdx.x);
   const bool mine = peer < a.num_ranks && is_active(call, peer);
-  const uint64_t* slot = &state->sync.directory[a.axis_slot][call->group][peer < kMaxGroupRanks ? peer : 0];
-  // Polled with relaxed loads (an acquire load also invalidates the SM's L1 each time), a growing
-  // pause between them (every block polls the same line), then one acquire.
-  uint64_t seen = 0, elapsed = 0;
-  bool arrived = !mine || wait_entry(slot, call->epoch, state->tables.timeout_ns, &seen, &elapsed);
-  if (!arrived && a.shrink) atomicOr(&call->missed, 1u << peer);
+  // (wait_directory_entry: relaxed polls with a growing pause, as every block polls the same line)
+  uint64_t seen = 0;
+  bool arrived = !mine || wait_directory_entry(state, a.axis_slot, call->group, peer, call->epoch,
+                                               call->fp.op, call->rank, a.shrink != 0, &seen);
+  if (!arrived) atomicOr(&call->missed, 1u << peer);  // (shrink mode: else it trapped)
   if (a.shrink) {
     ll_agree(a, call);
     // a decided rank this block gave up on has arrived (the deciding block saw it): wait again
     if (mine && is_active(call, peer) && !arrived) {
-      arrived = wait_entry(slot, call->epoch, state->tables.timeout_ns, &seen, &elapsed);
+      wait_directory_entry(state, a.axis_slot, call->group, peer, call->epoch, call->fp.op,
+                           call->rank, false, &seen);
     }
   }
   bool differs = false;
@@ -269,13 +251,6 @@ __device__ void ll_discover(const LLCommon& a, LLCall* call) {
     call->ordinals[peer] = -1;  // masked: never waited for, never written to
     call->peers[peer] = nullptr;
   } else if (peer < a.num_ranks) {
-    if (!arrived) {
-      // the peer's call count stays below this call's (field: expected / observed are counts)
-      record_fault(state, kFaultTimeout, call->fp.op, call->rank, peer, -1, call->epoch,
-                   seen >> 16, static_cast<int64_t>(elapsed), kFieldSequence);
-      __trap();
-    }
-    seen = load_acquire_sys(slot);
     const int ordinal = static_cast<int>(seen & 0xFFFF);
     call->ordinals[peer] = ordinal;
     call->peers[peer] = comm_buffer_of(state, ordinal);
@@ -319,33 +294,34 @@ __device__ __noinline__ int ll_missing_rank(const LLWaitSite& site) {
 
 // Spins until (*flag >> shift) == want (a peer's release store), then acquires. Bounded: the fault
 // names the op, this rank and the rank waited for (-1: found from the directory); in shrink mode
-// the rank is masked instead and kLLMissed returned (its data is treated as absent).
+// the rank is masked instead and kLLMissed returned (its data is treated as absent), and once it is
+// masked every other wait on it gives up at once (the persistent mask is poll_flag's give-up word).
 __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, int shift,
                                          LLWaitSite site, int waited_rank) {
-  uint64_t observed = load_relaxed_sys(flag);
-  if ((observed >> shift) != want) {
-    DeviceState* state = site.state;
-    const uint64_t start = global_timer_ns();
-    const uint64_t timeout_ns = state->tables.timeout_ns;
-    uint32_t sleep_ns = 32;
-    while ((observed >> shift) != want) {
-      backoff_sleep(sleep_ns);
-      if (sleep_ns < 512) sleep_ns *= 2;
-      const uint64_t elapsed = global_timer_ns() - start;
-      if (elapsed > timeout_ns) {
-        const int rank = waited_rank >= 0 ? waited_rank : ll_missing_rank(site);
-        if (site.shrink && rank >= 0) {
-          mask_peer(state, site.axis_slot, site.call->group, site.call->rank, rank, site.op_id, 2,
-                    site.call->epoch);
-          return kLLMissed;
-        }
-        const int ordinal = rank >= 0 && site.discovered ? site.call->ordinals[rank] : -1;
-        record_fault_and_trap(state, kFaultTimeout, site.op_id, site.call->rank, rank, ordinal,
-                              site.call->epoch, observed >> (shift == 16 ? 24 : 16),
-                              static_cast<int64_t>(elapsed));
-      }
-      observed = load_relaxed_sys(flag);
+  DeviceState* state = site.state;
+  PollBound bound{state->tables.timeout_ns, 512};
+  if (site.shrink && waited_rank >= 0) {
+    bound.give_up = &state->sync.rank_masks[site.axis_slot][site.call->group].masked;
+    bound.bit = 1u << waited_rank;
+    bound.state = state;
+    bound.axis_slot = site.axis_slot;
+    bound.group = site.call->group;
+    bound.peer = waited_rank;
+    bound.epoch = site.call->epoch;
+  }
+  uint64_t observed, elapsed;
+  if (!poll_flag(flag, [want, shift](uint64_t v) { return (v >> shift) == want; }, bound,
+                 &observed, &elapsed)) {
+    const int rank = waited_rank >= 0 ? waited_rank : ll_missing_rank(site);
+    if (site.shrink && rank >= 0) {
+      mask_peer(state, site.axis_slot, site.call->group, site.call->rank, rank, site.op_id, 2,
+                site.call->epoch);
+      return kLLMissed;
     }
+    const int ordinal = rank >= 0 && site.discovered ? site.call->ordinals[rank] : -1;
+    record_fault_and_trap(state, kFaultTimeout, site.op_id, site.call->rank, rank, ordinal,
+                          site.call->epoch, observed >> (shift == 16 ? 24 : 16),
+                          static_cast<int64_t>(elapsed));
   }
   // an acquire load, not fence.acq_rel: the fence would also wait for this thread's own stores
   // still on their way (a warp that just sent its rows)

@@ -91,7 +91,8 @@ __device__ __forceinline__ void discover_group_put(DeviceState* state, const int
   bool differs = false;
   if (static_cast<int>(threadIdx.x) < group_size) {
     const int peer = static_cast<int>(threadIdx.x);
-    const uint64_t seen = wait_directory_entry(state, axis_slot, group, peer, epoch, op_id, rank);
+    uint64_t seen;  // (no shrink mode over puts: a timeout traps)
+    wait_directory_entry(state, axis_slot, group, peer, epoch, op_id, rank, false, &seen);
     const int32_t ordinal = static_cast<int32_t>(seen & 0xFFFF);
     info->ordinals[peer] = ordinal;
     differs =

@@ -12,12 +12,12 @@ constexpr int kBatch = 8;  // elements per thread in flight
 __global__ void __launch_bounds__(kSlotValuesThreads)
     slot_values_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
                        const int32_t* group_ptr, const int32_t* rank_mask, OpFingerprint fp,
-                       int axis_slot,
+                       int axis_slot, bool shrink,
                        const float* values, const int32_t* token_rows, int T, int K, float* out) {
   __shared__ OpInfo info;
   __shared__ PeerGroup group;
   const int R = fp.ranks;
-  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, &info);
+  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, shrink, &info);
   const int me = info.rank;
   if (threadIdx.x == 0) {
     group.size = R;
@@ -51,8 +51,16 @@ __global__ void __launch_bounds__(kSlotValuesThreads)
     }
   }
   __threadfence_system();
-  // with the linked ranks only (a masked rank's ordinal is -1)
-  group_barrier_block(state, group, kOpSlotValues);  // starts with __syncthreads
+  // with the linked ranks only (a masked rank's ordinal is -1); in shrink mode a rank that does not
+  // arrive leaves the call (its values count as 0, as a masked rank's)
+  group_barrier_block(state, group, kOpSlotValues, shrink ? &info.missed : nullptr);
+  if (shrink) {  // (info.missed is complete: the barrier ends with __syncthreads)
+    if (threadIdx.x == 0) {
+      drop_missed(state, &info, kOpSlotValues, 2);
+      for (int r = 0; r < R; ++r) group.ordinals[r] = info.ordinals[r];
+    }
+    __syncthreads();
+  }
   const float* staged = reinterpret_cast<const float*>(own_comm_buffer(state) + layout.meta_w);
   for (int64_t j0 = threadIdx.x; j0 < per_rank; j0 += kBatch * blockDim.x) {
     float acc[kBatch];  // jnp.sum over ranks: 0 + v_0 + v_1 + ... (a masked rank's v is 0)
@@ -85,7 +93,7 @@ cudaError_t launch_slot_values(const GroupLaunch& g, const float* values,
   if (!group_launch_ok(g)) return cudaErrorInvalidValue;
   JAX_EP_LAUNCH(slot_values_kernel, 1, kSlotValuesThreads, 0, stream)(
       g.state, g.layout, g.rank, g.group, g.rank_mask, group_fingerprint(g, kOpSlotValues, 0, kRowF32),
-      g.axis_slot, values, token_rows, g.num_tokens, g.num_topk, out);
+      g.axis_slot, g.shrink != 0, values, token_rows, g.num_tokens, g.num_topk, out);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
 }

@@ -105,10 +105,11 @@ class EPConfig:
       backend: "auto" (cuda when available, else reference), "reference" (pure JAX), "cuda".
       checked: validate traced values (expert ids, dropped rows) at run time and raise on error.
       kernel: how the CUDA kernels run (KernelConfig: SMs, warp roles, bulk copies).
-      shrink: shrink mode of the low-latency CUDA kernels (backend "cuda"): a peer that misses a
-        bounded wait is masked, on this GPU, for this call and every later EP call of the group
-        (``jax_ep.runtime.rank_masks`` shows it, ``clear_rank_masks`` clears it), and the call
-        finishes without it instead of failing. Off: such a timeout is an error naming op and rank.
+      shrink: shrink mode of the CUDA kernels (backend "cuda"; every EP op but the rank-major ones
+        over NVSHMEM puts, which refuse it): a peer that misses a bounded wait is masked, on this
+        GPU, for this call and every later EP call of the group (``jax_ep.runtime.rank_masks``
+        shows it, ``clear_rank_masks`` clears it), and the call finishes without it instead of
+        failing (docs/api.md "Shrink mode"). Off: such a timeout is an error naming op and rank.
     """
 
     num_experts: int

@@ -295,13 +295,14 @@ def _transport(op: str, cfg: EPConfig) -> int:
 
 
 def _check_put_mask(op: str, cfg: EPConfig, rank_mask: jax.Array | None) -> None:
-    """The put kernels (cuda/remote_rank_major.cu) do not apply a rank mask: refuse one there rather
-    than ignore it."""
-    if rank_mask is not None and _transport(op, cfg) == TRANSPORT_PUT:
+    """The put kernels (cuda/remote_rank_major.cu) apply no rank mask and have no shrink mode:
+    refuse either there rather than ignore it."""
+    if (rank_mask is not None or cfg.shrink) and _transport(op, cfg) == TRANSPORT_PUT:
+        what = "a rank_mask" if rank_mask is not None else "EPConfig(shrink=True)"
         raise NotImplementedError(
-            f"jax_ep: {op} with a rank_mask over the NVSHMEM put transport is not built (the put "
-            "kernels exchange with every rank of the group); call it without a mask, or over "
-            "NVLink loads / stores")
+            f"jax_ep: {op} with {what} over the NVSHMEM put transport is not built (the put "
+            "kernels exchange with every rank of the group); call it without, or over NVLink "
+            "loads / stores")
 
 
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
@@ -326,7 +327,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
                   # the low-latency kernels: every warp sends, then receives
                   send_warps=kernel.send_warps(op) if op in _DATA_OPS[:3] else 1,
                   bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0,
-                  shrink=int(cfg.shrink) if op in ("ll_dispatch", "ll_combine") else 0,
+                  shrink=int(cfg.shrink),
                   transport=transport)
     return {name: np.int64(value) for name, value in values.items()}
 

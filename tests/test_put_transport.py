@@ -93,3 +93,8 @@ def test_a_rank_mask_over_puts_is_refused_naming_the_op(job, op):
         cuda_backend._check_put_mask(op, cfg("auto"), mask)
     cuda_backend._check_put_mask(op, cfg("auto"), None)
     cuda_backend._check_put_mask(op, cfg("load_store"), mask)
+    # nor shrink mode (the put kernels trap on a timeout)
+    shrink = cfg("auto").replace(shrink=True)
+    with pytest.raises(NotImplementedError, match=rf"jax_ep: {op} with EPConfig\(shrink=True\) over"):
+        cuda_backend._check_put_mask(op, shrink, None)
+    cuda_backend._check_put_mask(op, cfg("load_store").replace(shrink=True), None)

@@ -504,12 +504,14 @@ def test_rank_major_all_active_mask_is_bit_identical_to_no_mask():
         to_numpy(per_rank(plain, ep_size)(x, idx, w, y)), "rank-major")
 
 
-def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
+@pytest.mark.parametrize("shrink", [False, True])
+def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch, shrink):
     """backend='cuda' with a mask traces on any machine (the FFI calls compile on GPUs only): the
     forward and backward custom calls of dispatch / combine (dispatch, combine, combine_bwd,
     slot_values) and of the rank-major ops (dispatch_rank_major, combine_rank_major,
     broadcast_rank_major) each take the mask as an int32 [R] operand (traced: new values, same
-    executable)."""
+    executable); dispatch returns the mask it ran with (int32 [R], last); EPConfig.shrink reaches
+    every call's attributes (shrink mode of the throughput kernels)."""
     from jax_ep import cuda_backend, runtime
 
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
@@ -520,7 +522,7 @@ def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
         "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
     monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
     ep_size = 2
-    cfg = _cfg(backend="cuda", dispatch_dtype="bfloat16")
+    cfg = _cfg(backend="cuda", dispatch_dtype="bfloat16", shrink=shrink)
 
     def loss(x, i, w, m):
         d = jax_ep.dispatch(x, i, w, cfg, rank_mask=m)
@@ -547,6 +549,9 @@ def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch):
         operand_types = line.split(":")[-1].split("->")[0]
         assert operand_types.rstrip(" )").endswith(
             f"tensor<{ep_size}xi32>, tensor<i32>, tensor<i32>"), line
+        assert f"shrink = {int(shrink)} : i64" in line, line
+        if "@jax_ep_dispatch(" in line:
+            assert line.split("->")[-1].rstrip(" )").endswith(f"tensor<{ep_size}xi32>"), line
 
 
 # ---- the MoE layer: set_rank_mask / clear_rank_mask ----------------------------------------------

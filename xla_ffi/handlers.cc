@@ -305,6 +305,7 @@ ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& s
   launch->axis_slot = static_cast<int32_t>(a.axis_slot);
   launch->num_blocks = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(a.num_sms, sms - 1)));
   launch->send_warps = static_cast<int32_t>(a.send_warps);
+  launch->shrink = a.shrink != 0 ? 1 : 0;
   return ffi::Error::Success();
 }
 
@@ -597,6 +598,7 @@ ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState
   launch->send_warps = group_launch.send_warps;
   launch->axis_slot = group_launch.axis_slot;
   launch->use_tma = a.bulk_copy != 0;
+  launch->shrink = group_launch.shrink;
   return ffi::Error::Success();
 }
 

@@ -49,7 +49,7 @@ struct EPAttrs {
   int64_t row_bytes;    // bytes of a row staged through the buffer
   int64_t scale_bytes;  // dispatch FP8: scale bytes per row
   int64_t send_warps;   // warps per block that send / reduce
-  int64_t shrink;       // low-latency ops: mask a peer that misses a bounded wait (EPConfig.shrink)
+  int64_t shrink;       // mask a peer that misses a bounded wait (EPConfig.shrink; not over puts)
   int64_t transport;    // rank-major ops: 0 NVLink loads/stores, 1 NVSHMEM puts (kTransportPut)
 };
 

@@ -14,6 +14,7 @@
 // call count in the group ahead (call_sequence: 5 calls, behind: 1 call). Every rank must fault (the kernels trap);
 // the driver prints each fault record and its message (xla_ffi/fault_message.cc).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -179,6 +180,18 @@ int main(int argc, char** argv) {
   const char* persistent_at = std::getenv("JAX_EP_EMU_PERSISTENT_AT");
   const bool persistent_after_dispatch =
       persistent_at != nullptr && std::string(persistent_at) == "dispatch";
+  // Faults (the shrink and dying-rank cases): JAX_EP_EMU_SHRINK=1 runs every op in shrink mode;
+  // JAX_EP_EMU_STOP=rank,n: that rank's process stops calling after n repetitions;
+  // JAX_EP_EMU_DIE: it dies mid-call (arm_death; a repetition's launches are prep, notify, rows,
+  // main[, fixup] of dispatch, then the other ops'). Per rank and repetition: masked<r>_<i>.bin (the
+  // persistent RankMaskState after it), time<r>_<i>.bin (seconds its dispatch took, double).
+  const char* shrink_env = std::getenv("JAX_EP_EMU_SHRINK");
+  const int shrink = shrink_env != nullptr && shrink_env[0] == '1' ? 1 : 0;
+  long stop_rank = -1, stop_reps = 0;
+  if (const char* v = std::getenv("JAX_EP_EMU_STOP");
+      v == nullptr || std::sscanf(v, "%ld,%ld", &stop_rank, &stop_reps) != 2) {
+    stop_rank = -1;
+  }
 
   const int failed = run_ranks(R, [&](int rank) {
     if (absent.find(std::to_string(rank)) != std::string::npos) return;  // never runs an op
@@ -191,6 +204,7 @@ int main(int argc, char** argv) {
                    send_warps, ahead);
       return;  // the call should have trapped
     }
+    arm_death(rank, devices.buffers, devices.buffer_bytes);
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
     auto x = read_file("x" + s + ".bin", size_t(T) * H * kind_bytes(x_kind));
@@ -203,6 +217,7 @@ int main(int argc, char** argv) {
     auto yr = read_file("yr" + s + ".bin", RT * H * kind_bytes(y_kind));
     SyncCounters::RankMaskState& rank_masks = states[rank]->sync.rank_masks[1][0];
     for (int rep = 0; rep < reps; ++rep) {
+      if (rank == stop_rank && rep == stop_reps) break;  // stops calling
       const std::string tag = s + "_" + std::to_string(rep);
       if (!persistent.empty()) {
         std::memset(&rank_masks, 0, sizeof(rank_masks));  // the host's clear (no kernel running)
@@ -252,7 +267,12 @@ int main(int argc, char** argv) {
       d.send_warps = send_warps;
       d.axis_slot = 1;
       d.use_tma = use_tma;
+      d.shrink = shrink;
+      const auto start = std::chrono::steady_clock::now();
       check(launch_dispatch(d, nullptr), "dispatch");
+      const double seconds =  // (how long the dispatch took: whether it waited for a timeout)
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      write_file("time" + tag + ".bin", &seconds, sizeof(seconds));
       if (!persistent.empty()) rank_masks.masked = persistent_bits;
       write_file("rows" + tag + ".bin", rows.data(), size_t(C) * H * kind_bytes(row_kind));
       if (fp8) write_file("scales" + tag + ".bin", scales.data(), size_t(C) * num_scales * 4);
@@ -277,6 +297,7 @@ int main(int argc, char** argv) {
       gl.axis_slot = 1;
       gl.num_blocks = blocks;
       gl.send_warps = send_warps;
+      gl.shrink = shrink;
       const size_t out_bytes = size_t(T) * H * kind_bytes(y_kind);
       auto comb_w = poisoned(out_bytes);
       check(launch_combine(gl, y.data(), d.row_weights, d.token_rows, d.is_token_in_rank, H,
@@ -348,6 +369,7 @@ int main(int argc, char** argv) {
                              nullptr),
             "broadcast_rank_major");
       rm.write(tag);
+      write_file("masked" + tag + ".bin", &rank_masks, sizeof(rank_masks));
     }
   });
   return report_faults(devices, /*per_process=*/false) | failed;

@@ -10,6 +10,7 @@
 #define JAX_EP_EMULATION 1
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -104,6 +105,34 @@ inline uint64_t gather(uint64_t value, uint64_t all[32]) {
 // (kernels whose blocks wait for each other, like the fused low-latency ones, need that).
 inline bool concurrent_blocks = false;
 
+// A GPU that dies mid-call (the drivers' JAX_EP_EMU_DIE): this process exits (_exit, every thread
+// at once, as a killed process) in its kernel launch number die_launch (counted from 0 over the
+// process), at its start when die_flags < 0, else at the (die_flags + 1)-th flag store (release
+// stores) into [die_lo, die_hi), the communication buffers, or at the launch's end.
+inline long die_launch = -1;
+inline long die_flags = -1;
+inline const char* die_lo = nullptr;
+inline const char* die_hi = nullptr;
+inline std::atomic<long> launches{0};
+inline std::atomic<long> flags_left{-1};  // >= 0: counting down in the dying launch
+inline void die() {
+  std::fflush(stdout);
+  _exit(0);
+}
+inline void flag_store(const void* address) {
+  const char* p = static_cast<const char*>(address);
+  if (p < die_lo || p >= die_hi || flags_left.load() < 0) return;
+  if (flags_left.fetch_sub(1) == 0) die();
+}
+// Every launch calls it first: true when this launch is the one the process dies in.
+inline bool launch_begins() {
+  const long n = launches.fetch_add(1);
+  if (n != die_launch) return false;
+  if (die_flags < 0) die();
+  flags_left.store(die_flags);
+  return true;
+}
+
 // Runs kernel(args...) with `grid` blocks of `threads` threads.
 template <class Kernel>
 struct Launcher {
@@ -112,6 +141,12 @@ struct Launcher {
   Kernel kernel;
   template <class... Args>
   void operator()(Args... args) const {
+    const bool dies = launch_begins();
+    run(args...);
+    if (dies) die();  // the launch ended before its flag stores ran out
+  }
+  template <class... Args>
+  void run(Args... args) const {
     if (concurrent_blocks) {
       std::vector<std::unique_ptr<BlockCtx>> blocks;
       std::vector<std::thread> pool;
@@ -261,12 +296,14 @@ inline uint64_t load_relaxed_sys(const uint64_t* address) {
 inline void fence_acquire_sys() { std::atomic_thread_fence(std::memory_order_acquire); }
 inline void backoff_sleep(uint32_t) {}
 inline void store_release_sys(uint64_t* address, uint64_t value) {
+  emu::flag_store(address);
   __atomic_store_n(address, value, __ATOMIC_RELEASE);
 }
 inline void store_relaxed_sys(uint64_t* address, uint64_t value) {
   __atomic_store_n(address, value, __ATOMIC_RELAXED);
 }
 inline void release_store_sys(uint64_t* address, uint64_t value) {
+  emu::flag_store(address);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   __atomic_store_n(address, value, __ATOMIC_RELEASE);
 }

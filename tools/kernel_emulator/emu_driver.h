@@ -125,6 +125,22 @@ inline double timeout_s(double fallback) {
   return v != nullptr && *v != '\0' ? std::atof(v) : fallback;
 }
 
+// JAX_EP_EMU_DIE = rank,launch,flags (the run scripts' dying-rank cases): in `rank`'s process,
+// arms emu::die for its kernel launch number `launch` (0-based over the process), at its start
+// (flags -1) or after `flags` flag stores into the communication buffers (`buffers`).
+inline void arm_death(int rank, const std::vector<uint8_t*>& buffers, uint64_t buffer_bytes) {
+  long die_rank = -1, launch = -1, flags = -1;
+  const char* v = std::getenv("JAX_EP_EMU_DIE");
+  if (v == nullptr || std::sscanf(v, "%ld,%ld,%ld", &die_rank, &launch, &flags) < 2 ||
+      die_rank != rank) {
+    return;
+  }
+  emu::die_launch = launch;
+  emu::die_flags = flags;
+  emu::die_lo = reinterpret_cast<const char*>(buffers.front());
+  emu::die_hi = emu::die_lo + buffers.size() * buffer_bytes;
+}
+
 // R ranks with buffers of buffer_bytes (rounded up to 4 KiB) full of garbage, like reused device
 // memory. peers: every rank has every peer's buffer and state (NVLink); otherwise only its own,
 // as for peers on other nodes. Spin-waits time out after timeout_s seconds.

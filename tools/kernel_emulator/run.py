@@ -108,10 +108,31 @@ def random_mask(rng, R) -> dict:
     return dict(mask=mask, absent=absent)
 
 
+def case_inputs(seed, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
+                y_dtype="bfloat16", kind="distinct", max_tokens=None):
+    """A case's EPConfig (reference backend), capacity C, row dtype and global inputs [R, ...]: x,
+    idx, w, y (expert outputs [R, C, H]), g (per-token rows), v (row values), yr (rank-major expert
+    rows [R, R*T, H], some -0.0)."""
+    rng = np.random.default_rng(seed)
+    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens or max(T, 1),
+                   capacity=capacity, expert_alignment=align, dispatch_dtype=dispatch_dtype,
+                   backend="reference")
+    C = cfg.resolved_capacity(R)
+    x = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32) * 3, x_dtype)
+    idx = routing(rng, kind, R, T, K, E)
+    w = rng.random((R, T, K)).astype(np.float32)
+    y = to_dtype(rng.standard_normal((R, C, H)).astype(np.float32), y_dtype)
+    g = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32), y_dtype)
+    v = rng.standard_normal((R, C)).astype(np.float32)
+    yr = rng.standard_normal((R, R * T, H)).astype(np.float32)
+    yr = to_dtype(np.where(rng.random(yr.shape) < 0.05, np.float32(-0.0), yr), y_dtype)
+    return cfg, C, dispatch_dtype or x_dtype, (x, idx, w, y, g, v, yr)
+
+
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
              y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0,
              max_tokens=None, tma=True, mask=None, absent=(), mask_odd=None, unmasked_dispatch=False,
-             persistent=None, persistent_at="start"):
+             persistent=None, persistent_at="start", stop=None, timeout_s=None):
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
     fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
 
@@ -129,43 +150,48 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
     repetition (persistent_at="start") or right after its expert-major dispatch ("dispatch": the
     rest of the repetition runs with it). The kernels must AND it into their rank_mask: the
     outputs equal the reference with the explicit mask mask AND persistent (from the op where it is
-    set on), the dispatch's rank_mask output included."""
-    rng = np.random.default_rng(seed)
-    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=max_tokens or max(T, 1),
-                   capacity=capacity, expert_alignment=align, dispatch_dtype=dispatch_dtype,
-                   backend="reference")
-    C = cfg.resolved_capacity(R)
-    row_dtype = dispatch_dtype or x_dtype
-    x = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32) * 3, x_dtype)
-    idx = routing(rng, kind, R, T, K, E)
-    w = rng.random((R, T, K)).astype(np.float32)
-    y = to_dtype(rng.standard_normal((R, C, H)).astype(np.float32), y_dtype)
-    g = to_dtype(rng.standard_normal((R, T, H)).astype(np.float32), y_dtype)
-    v = rng.standard_normal((R, C)).astype(np.float32)
-    yr = rng.standard_normal((R, R * T, H)).astype(np.float32)
-    yr = to_dtype(np.where(rng.random(yr.shape) < 0.05, np.float32(-0.0), yr), y_dtype)
-
+    set on), the dispatch's rank_mask output included.
+    stop (rank, n): shrink mode (EPConfig.shrink) with that rank's process stopping after n
+    repetitions (n = 0: it never calls). The others' repetitions before it equal the reference,
+    those from it on the reference with that rank masked; check_stop: the first call of
+    repetition n (the dispatch) waits out the timeout (timeout_s) once and masks it persistently
+    (event: dispatch, discovery), no later repetition waits."""
+    cfg, C, row_dtype, (x, idx, w, y, g, v, yr) = case_inputs(
+        seed, R, T, H, K, E, capacity, align, x_dtype, dispatch_dtype, y_dtype, kind, max_tokens)
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
-    masks = [mask, mask if mask_odd is None else mask_odd]  # per repetition parity
     assert mask_odd is None or (mask is not None and not absent), "mask_odd: every rank runs"
     assert not unmasked_dispatch or (mask is not None and not absent), "unmasked_dispatch: every rank runs"
-    late = None
+    # per repetition: the mask of the expert-major dispatch, and of the ops after it
+    plans = [(mask if rep % 2 == 0 or mask_odd is None else mask_odd,) * 2 for rep in range(reps)]
     if persistent is not None:  # the explicit mask it amounts to
         assert mask_odd is None and not unmasked_dispatch, "persistent: one mask for every call"
         late = tuple(int(a) & int(b) for a, b in zip(mask or (1,) * R, persistent, strict=True))
-        masks = [late if persistent_at == "start" else mask] * 2
-    for m in masks:
+        plans = [(late if persistent_at == "start" else mask, late)] * reps
+    if stop is not None:  # from repetition n on, the stopped rank is masked
+        lost = tuple(int(a) & int(r != stop[0]) for r, a in enumerate(mask or (1,) * R))
+        plans = [plan if rep < stop[1] else (lost, lost) for rep, plan in enumerate(plans)]
+    for m, _ in plans:
         assert m is None or all(m[r] == 0 for r in absent), "only a masked rank may be absent"
-    want = reference_outputs(cfg, mesh, masks[0], x, idx, w, y, g, v, yr, unmasked_dispatch, late=late)
-    wants = [want, want]
-    if mask_odd is not None:  # NaN only in the rows empty under both masks
-        odd = reference_outputs(cfg, mesh, mask_odd, x, idx, w, y, g, v, yr, unmasked_dispatch)
-        keep = ((want["src_index"] >= 0) | (odd["src_index"] >= 0),
-                (want["rm_src"] >= 0) | (odd["rm_src"] >= 0))
-        wants = [reference_outputs(cfg, mesh, m, x, idx, w, y, g, v, yr, unmasked_dispatch, keep)
-                 for m in masks]
-        wants[1].pop("y"), wants[1].pop("rm_y")
-    y, yr = wants[0].pop("y"), wants[0].pop("rm_y")
+    distinct = list(dict.fromkeys(plans))
+
+    def refs(keep=None):
+        return {p: reference_outputs(cfg, mesh, p[0], x, idx, w, y, g, v, yr, unmasked_dispatch, keep,
+                                     late=None if p[1] == p[0] else p[1]) for p in distinct}
+
+    found = refs()
+    if len(distinct) > 1:  # NaN only in the rows empty under every mask
+        found = refs((np.any([found[p]["src_index"] >= 0 for p in distinct], axis=0),
+                      np.any([found[p]["rm_src"] >= 0 for p in distinct], axis=0)))
+    y, yr = found[distinct[0]]["y"], found[distinct[0]]["rm_y"]
+    for p in distinct:
+        found[p].pop("y"), found[p].pop("rm_y")
+    if stop is not None and mask is not None:  # an explicitly masked rank waits for nobody: it does
+        for p in distinct:                     # not see the stopped one go (its rank_mask output)
+            found[p]["rank_mask"] = found[p]["rank_mask"].copy()
+            found[p]["rank_mask"][np.asarray(mask) == 0] = np.asarray(mask, np.int32)
+    wants = [found[p] for p in plans]
+    want = wants[0]
+    masks = [mask, mask if mask_odd is None else mask_odd]
 
     cmd = [DRIVER, R, T, H, K, E, C, align, KIND[x_dtype], KIND[row_dtype], KIND[y_dtype], blocks,
            send_warps, reps]
@@ -176,7 +202,9 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
                JAX_EP_EMU_MASK_ODD=flags[1], JAX_EP_EMU_ABSENT=",".join(str(r) for r in absent),
                JAX_EP_EMU_UNMASKED_DISPATCH="1" if unmasked_dispatch else "0",
                JAX_EP_EMU_PERSISTENT="" if persistent is None else ",".join(map(str, persistent)),
-               JAX_EP_EMU_PERSISTENT_AT=persistent_at)
+               JAX_EP_EMU_PERSISTENT_AT=persistent_at, JAX_EP_EMU_SHRINK="1" if stop else "0",
+               JAX_EP_EMU_STOP="" if stop is None else f"{stop[0]},{stop[1]}",
+               JAX_EP_EMU_TIMEOUT_S="" if timeout_s is None else str(timeout_s))
 
     def check(d, took):
         ok = True
@@ -184,7 +212,11 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             if r in absent:  # (it ran nothing)
                 continue
             for rep in range(reps):
-                ok &= compare_rank(name, d, r, rep, wants[rep % 2])
+                if stop is None or r != stop[0] or rep < stop[1]:
+                    ok &= compare_rank(name, d, r, rep, wants[rep])
+        if stop is not None and (error := check_stop(d, R, reps, stop, timeout_s, mask)):
+            print(f"  {error}")
+            ok = False
         rows = [int(s.sum()) for s in want["group_sizes"]]
         more = f"rank-major rows {[int(s.sum()) for s in want['rm_per_rank']]}"
         if mask is not None:
@@ -195,12 +227,46 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
             more += ", dispatches unmasked"
         if persistent is not None:
             more += f", persistent {list(persistent)} from the {persistent_at}"
+        if stop is not None:
+            more += f", shrink, rank {stop[0]} stops after {stop[1]} repetitions"
         print(f"{'ok  ' if ok else 'FAIL'} {name} (C={C}, rows {rows}, dropped "
               f"{want['num_dropped'].tolist()}, {more}, {took:.1f}s)")
         return ok
 
     inputs = dict(x=x, idx=idx, w=w, y=y, g=g, v=v, yr=yr)
     return run_driver_case(name, cmd, inputs, check, env=env, timeout=900)
+
+
+# The persistent mask state of a group (cuda/device_state.h SyncCounters::RankMaskState).
+RANK_MASK_EVENT = np.dtype([("op", np.int32), ("during", np.int32), ("epoch", np.uint64)])
+RANK_MASK_STATE = np.dtype([("masked", np.uint32), ("rank", np.int32), ("events", RANK_MASK_EVENT, (32,))])
+OPS_PER_REP = 9  # EP calls of a repetition (driver.cc): each bumps the group's epoch
+
+
+def check_stop(d, R, reps, stop, timeout_s, mask=None) -> str:
+    """A `stop` case (shrink mode): each other active rank's persistent mask after each repetition,
+    and how long its dispatch took: the rank is masked from repetition n on (event: dispatch during
+    discovery, in that repetition's dispatch), only repetition n's dispatch waited for it ('' when
+    so). A rank masked by `mask` waits for nobody."""
+    lost, n = stop
+    for r in range(R):
+        if r == lost or (mask is not None and not mask[r]):
+            continue
+        for rep in range(reps):
+            state = np.fromfile(os.path.join(d, f"masked{r}_{rep}.bin"), dtype=RANK_MASK_STATE)[0]
+            took = float(np.fromfile(os.path.join(d, f"time{r}_{rep}.bin"))[0])
+            want = 0 if rep < n else 1 << lost
+            if int(state["masked"]) != want:
+                return f"rank {r} rep {rep}: persistent mask {int(state['masked']):#x}, want {want:#x}"
+            if rep >= n:
+                ev = state["events"][lost]
+                got = (int(ev["op"]), int(ev["during"]), int(ev["epoch"]))
+                if got != (OPS["dispatch"], 1, OPS_PER_REP * n + 1):
+                    return f"rank {r}: event {got}, want (dispatch, discovery, epoch {OPS_PER_REP * n + 1})"
+            if rep >= n and (took >= timeout_s) != (rep == n):
+                return (f"rank {r}: the dispatch of repetition {rep} took {took:.1f}s: that of "
+                        f"repetition {n}, no later one, must wait the {timeout_s}s timeout")
+    return ""
 
 
 def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch=False, keep=None,
@@ -250,11 +316,11 @@ def compare_rank(name, d, r, rep, want) -> bool:
     combine (float32 summation: within one step of the output dtype, relative to the row's largest
     value). combine_rank_major (rm_comb) adds whole rows in rank order: bit-exact."""
     ok = True
-    total = int(want["group_sizes"][r].sum())
+    total = int(want["group_sizes"][r].sum()) if "group_sizes" in want else None
     for field, ref in want.items():
         ref = np.atleast_1d(ref[r])
         got = load_output(d, field, r, rep, ref)
-        if field in ("rows", "scales"):  # rows past sum(group_sizes) are unspecified
+        if field in ("rows", "scales") and total is not None:  # rows past sum(group_sizes): unspecified
             ref, got = ref[:total], got[:total]
         if field in ("comb_w", "comb_u"):
             gf, rf = got.astype(np.float32), ref.astype(np.float32)
@@ -323,6 +389,13 @@ CASES = [
          mask=(1, 1, 0, 1), persistent=(0, 1, 1, 1), absent=(0, 2), dispatch_dtype="float8_e4m3fn"),
     dict(name="mask persistent set after the dispatch", R=3, T=16, H=64, K=3, E=6, kind="messy",
          persistent=(1, 0, 1), persistent_at="dispatch", y_dtype="float32"),
+    # shrink mode (EPConfig.shrink): a rank whose process stops calling is masked by the first call
+    # that times out on it (once) and by every later one (the persistent mask)
+    dict(name="mask shrink, rank 1 stops calling", R=3, T=14, H=128, K=3, E=6, kind="messy",
+         stop=(1, 1), reps=3, timeout_s=3),
+    dict(name="mask shrink, rank 0 never calls, explicit mask, fp8", R=4, T=9, H=256, K=4, E=8,
+         kind="messy", mask=(1, 1, 0, 1), stop=(0, 0), reps=2, timeout_s=3,
+         dispatch_dtype="float8_e4m3fn"),
 ]
 
 
