@@ -328,9 +328,12 @@ __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, in
   return load_acquire_sys(flag);
 }
 
-// Every thread, end of the kernel: the last block to finish publishes the call.
+// Every thread, end of the kernel: the last block to finish publishes the call, and (a receiving
+// dispatch) writes `active` [R]: the ranks that took part, less those masked persistently by now
+// (shrink mode: a source that died in this call, whose data did not all come; the handle then
+// drops the pairs sent to it, and num_dropped counts them, as if it had been masked).
 template <int kOp>
-__device__ void ll_end(const LLCommon& a, const LLCall* call) {
+__device__ void ll_end(const LLCommon& a, const LLCall* call, int32_t* active = nullptr) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   SyncCounters& sync = a.state->sync;
@@ -338,6 +341,10 @@ __device__ void ll_end(const LLCommon& a, const LLCall* call) {
   const unsigned done = atomicAdd(&sync.ll_blocks_done, 1u);
   if (done + 1 != gridDim.x) return;
   sync.ll_blocks_done = 0;
+  if (active != nullptr) {  // every block's masking is done (each fenced before its atomicAdd)
+    const uint32_t lost = persistent_mask(a.state, a.axis_slot, call->group);
+    for (int r = 0; r < a.num_ranks; ++r) active[r] = is_active(call, r) && !has_rank(lost, r) ? 1 : 0;
+  }
   SyncCounters::LLHalf& half = sync.ll_half[kOp][call->half];
   if (a.mode == kLLRecv) {
     half.busy = 0;
@@ -631,9 +638,6 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
       for (int i = count + lane; i < T; i += 32) p.src_slot[static_cast<int64_t>(q) * T + i] = -1;
     }
   }
-  if (blockIdx.x == 0) {
-    for (int r = threadIdx.x; r < R; r += blockDim.x) p.active[r] = is_active(call, r) ? 1 : 0;
-  }
 }
 
 template <bool kXF32, int kRow, int kMode>
@@ -654,7 +658,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
     }
   }
   if constexpr (kMode != kLLSend) dispatch_recv<kRow>(p, s);
-  ll_end<kLLOpDispatch>(p.c, s.call);
+  ll_end<kLLOpDispatch>(p.c, s.call, kMode != kLLSend ? p.active : nullptr);
 }
 
 // ---- combine -------------------------------------------------------------------------------

@@ -149,7 +149,8 @@ struct LLDispatchLaunch {
   float* scales;
   int32_t* counts;
   int32_t* src_slot;
-  int32_t* active;  // [R] (fused / recv): 1 where rank r took part in the call, else 0
+  int32_t* active;  // [R] (fused / recv): 1 where rank r took part in the call, else 0 (0 also
+                    // for a rank masked during it: shrink mode, its data did not all come)
   int32_t x_kind;
   int32_t row_kind;
 };

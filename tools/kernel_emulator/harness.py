@@ -69,10 +69,11 @@ def routing(rng, kind, R, T, K, E):
 
 
 # ---- the driver ----------------------------------------------------------------------------------
-def build(sources, path: str) -> str:
+def build(sources, path: str, opt: str = "-O1 -g") -> str:
     """g++ builds a driver from `sources` (paths from the repository root: kernels, drivers) against
-    the CUDA emulation (emu_cuda.h, include/) at `path`."""
-    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
+    the CUDA emulation (emu_cuda.h, include/) at `path`; opt: optimisation / debug flags
+    (fault_run.py takes -O0: a third of the compile time, for its few small cases)."""
+    cmd = ["g++", "-std=c++20", *opt.split(), "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
            "-include", os.path.join(HERE, "emu_cuda.h"), "-I" + os.path.join(HERE, "include"),
            "-I" + ROOT]
     for s in sources:

@@ -21,6 +21,10 @@
 // time<r>_<i>.bin (seconds each repetition took, double). Mode 8: as 6, but the last rank runs the
 // first fused ll_dispatch with the others and then stops: their first ll_combine is the call that
 // times out (its rows for the absent rank's tokens never come back: +0.0).
+// Mode 9: fused repetitions, every rank calling, with a rank that dies mid-call (JAX_EP_EMU_DIE =
+// rank,launch,flags: emu_driver.h arm_death; a repetition is 2 launches, ll_dispatch then
+// ll_combine) and shrink mode when JAX_EP_EMU_SHRINK=1 (timeouts: JAX_EP_EMU_TIMEOUT_S). Per
+// rank and repetition also masked<r>_<i>.bin (the persistent RankMaskState after it).
 // With `mismatch` (a FingerprintFieldName of cuda/fingerprint.h; mode ignored, no files read)
 // every rank runs ONE fused ll_dispatch, the last rank with one field changed (num_ranks + 1,
 // num_tokens + 1, hidden + 8, num_topk - 1, num_experts + R, dtype: an fp8 wire instead of bf16,
@@ -170,14 +174,14 @@ int main(int argc, char** argv) {
   const LLLayout combine_layout = make_ll_layout(R, T, K, E, H, uint64_t(H) * 2, 0);
   const Sizes sizes{R, T, H, K, E, row_kind};
   const Sizes last_sizes = changed(sizes, mismatch);
-  const uint64_t timeout_s =
-      !mismatch.empty() ? 5 : mode >= 6 && mode <= 8 ? 4 : mode >= 3 ? 20 : 300;
+  const double bound_s = timeout_s(
+      !mismatch.empty() ? 5 : mode >= 6 && mode <= 8 ? 4 : mode >= 3 && mode != 9 ? 20 : 300);
   const Devices devices = make_devices(
       R,
       std::max({dispatch_layout.base.total, combine_layout.base.total,
                 layout_of(last_sizes).base.total,
                 make_comm_layout(R, T, K, E, dispatch_row_bytes(H, kRowBF16), 0).total}),
-      timeout_s, /*peers=*/true);
+      bound_s, /*peers=*/true);
   const std::vector<DeviceState*>& states = devices.states;
 
   const int failed = run_ranks(R, [&](int rank) {
@@ -188,9 +192,12 @@ int main(int argc, char** argv) {
                    last && mismatch == "call_sequence" ? 5 : 0);
       return;  // the call should have trapped
     }
-    const bool shrink = mode >= 6 && mode <= 8;
-    if (shrink && rank == R - 1 && mode != 8) return;  // absent: never calls
-    const int runs = shrink ? reps + 1 : reps;  // shrink: one more repetition after the clear
+    const char* shrink_env = std::getenv("JAX_EP_EMU_SHRINK");
+    const bool shrink =
+        (mode >= 6 && mode <= 8) || (mode == 9 && shrink_env != nullptr && shrink_env[0] == '1');
+    if (mode == 9) arm_death(rank, devices.buffers, devices.buffer_bytes);
+    if (shrink && rank == R - 1 && mode >= 6 && mode <= 7) return;  // absent: never calls
+    const int runs = mode >= 6 && mode <= 8 ? reps + 1 : reps;  // one more after the clear
     const std::string s = std::to_string(rank);
     const int32_t rank_value = rank, group_value = 0;
     auto x = read_file("x" + s + ".bin", size_t(T) * H * x_bytes);
@@ -289,6 +296,13 @@ int main(int argc, char** argv) {
         for (int i = 0; i < n; ++i) dispatch(out[base + i], kLLRecv, out[base + i].dispatch_handle);
         for (int i = 0; i < n; ++i) combine(out[base + i], kLLSend, out[base + i].combine_handle);
         for (int i = 0; i < n; ++i) combine(out[base + i], kLLRecv, out[base + i].combine_handle);
+      }
+    } else if (mode == 9) {  // fused repetitions; the dying rank's process ends in one of them
+      for (int i = 0; i < reps; ++i) {
+        dispatch(out[i], kLLFused, nullptr);
+        combine(out[i], kLLFused, nullptr);
+        write_file("masked" + s + "_" + std::to_string(i) + ".bin",
+                   &states[rank]->sync.rank_masks[2][0], sizeof(SyncCounters::RankMaskState));
       }
     } else if (shrink && rank == R - 1) {  // mode 8: one dispatch with the others, then absent
       dispatch(out[0], kLLFused, nullptr);
