@@ -1,4 +1,5 @@
-// Throughput dispatch over NVLink (intra-node EP). Four kernels on XLA's stream, no host sync:
+// Throughput dispatch over NVLink (intra-node EP). Four kernels on XLA's stream (a fifth in shrink
+// mode: 5. fixup, below), no host sync:
 //
 //  1. prep (rank-local): sanitises topk_idx, writes is_token_in_rank, counts this rank's tokens per
 //     expert and gives every (token, slot) its rank among this rank's tokens of that expert, in
