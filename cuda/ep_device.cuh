@@ -583,7 +583,8 @@ __device__ __forceinline__ bool receive_chunk_item(int item, DeviceState* state,
                           state, *info, op_id, *s, shrink ? &info->missed : nullptr, 2);
     if constexpr (kTma) fence_proxy_async_global();
   }
-  return __shfl_sync(kFullMask, came ? 1 : 0, 0) != 0;  // (also orders lane 0's acquire first)
+  __syncwarp();  // lane 0's acquire before every lane's reads (a shuffle gives no memory order)
+  return __shfl_sync(kFullMask, came ? 1 : 0, 0) != 0;
 }
 
 // ---- row copies -----------------------------------------------------------------------------
