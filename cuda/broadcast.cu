@@ -38,7 +38,7 @@ template <bool kTma>
 __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const DataWarp& d,
                                                TmaWarp& tma) {
   const CommLayout& L = a.layout;
-  send_chunks<kTma>(L, d, a.T, [&](int64_t t) {
+  send_chunks<kTma>(L, d, a.T, false, [&](int64_t t, const ChunkSlices&) {
     const bool to_peer = d.lane_peer != nullptr && d.lane != d.me &&  // (null: masked)
                          a.is_token_in_rank[t * d.R + d.lane];
     const uint32_t remote = __ballot_sync(kFullMask, to_peer);
@@ -152,7 +152,7 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
   const int64_t T = a.T;
   const int lane = d.lane;
   const int n_zero = (a.C + kZeroRows - 1) / kZeroRows;
-  const int n_chunk_items = L.num_chunks * d.R;  // own chunks, then (chunk, other rank) pairs
+  const int n_chunk_items = chunk_items(L, false) * d.R;  // own chunks, then (chunk, other rank)
   for (;;) {
     int item = next_item(&d.info->work[1]);
     if (item >= n_zero + n_chunk_items) break;
@@ -161,15 +161,16 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
       continue;
     }
     item -= n_zero;
-    int s, c;
-    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, a.shrink, lane, &s,
-                                  &c)) {
+    int s;
+    ChunkSlices it;
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, a.shrink, false, lane,
+                                  &s, &it)) {
       // a source not linked: its rows are the zero-fill's (broadcast_zero_rows); in shrink mode a
       // linked one whose chunk never came: its tokens' rows are zero here, as a masked source's
-      if (has_rank(d.linked, s)) broadcast_zero_source(a, L, s, c, lane);
+      if (has_rank(d.linked, s)) broadcast_zero_source(a, L, s, it.c, lane);
       continue;
     }
-    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) {
+    for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
       const uint32_t kept = __ballot_sync(kFullMask, row >= 0);

@@ -2,10 +2,12 @@
 // kernel whose warps stream their rows through a cp.async ring (see below) and are either
 //   reducers: for every token another rank s sent here, the float32 sum over its top-k slots (in
 //     slot order) of w * y[row], rounded to y's dtype, written ONCE into rank s's staging
-//     [me][t] over NVLink (16-byte stores); a release flag per (chunk, rank s);
-//   finalisers: per chunk of this rank's tokens, wait for the flags of every other rank, then
-//     out[t] = sum over ranks in rank order (float32) of the partial sums, this rank's own
+//     [me][t] over NVLink (16-byte stores); a release flag per (chunk, slice, rank s);
+//   finalisers: per chunk of this rank's tokens and slice, wait for the flags of every other rank,
+//     then out[t] = sum over ranks in rank order (float32) of the partial sums, this rank's own
 //     partial computed in place from y (never staged), rounded to y's dtype.
+// A work item is one slice (CommLayout::num_slices: a whole number of combine's 1.5 KiB pieces) of
+// a chunk's rows: elements are summed independently, so the slices change no element's order.
 // Exactly jax_ep.reference.combine's summation order. combine_rank_major is this kernel with K = 1
 // (token_rows = the handle's slot -> row table, launch_rank_major_rows) and rows_as_is: a rank's
 // partial is its one row as it is, as jax_ep.reference.combine_rank_major.
@@ -18,7 +20,8 @@ namespace jax_ep {
 namespace {
 
 // Each warp streams the rows it reduces through a per-lane ring of cp.async copies in shared
-// memory (cp.async): a piece is 1.5 KiB of one row (48 bytes per lane), and every lane always has
+// memory (cp.async): a piece is 1.5 KiB of one row (48 bytes per lane; kSliceBytes, so a slice of
+// the row is a range of pieces), and every lane always has
 // kCombineRing pieces in flight, so a warp keeps ~10 KiB of loads outstanding instead of waiting
 // for one short batch after another. The order of pieces is fixed (token, step of 1.5 KiB of the
 // row, then the token's rows in slot order, then for finalisers the staged partials of the other
@@ -30,6 +33,7 @@ namespace {
 constexpr int kCombineVecs = 3;                 // 16-byte vectors per lane and piece (4 spills)
 constexpr int kStepBytes = 512 * kCombineVecs;  // a piece: one step of a row (1.5 KiB)
 constexpr int kCombineRing = 7;                 // pieces in flight per lane
+static_assert(kSliceBytes % kStepBytes == 0, "a slice of a row is a whole number of pieces");
 
 struct CombineArgs : DataArgs {
   const char* y;
@@ -147,7 +151,8 @@ struct PieceStream {
   int64_t T, t0;
   int64_t row_bytes;
   uint64_t data_row_bytes;  // of the staging
-  int stride, steps, n_tok, lane;
+  int stride, n_tok, lane;
+  int s_begin, s_end;       // the item's steps of a row (its slices)
   // the cursor
   int tt, s, i;             // next piece to issue
   int n;                    // pieces per step of token tt (its rows and staged partials)
@@ -175,9 +180,9 @@ struct PieceStream {
       if (++i == n) {
         i = 0;
         offset += kStepBytes;
-        if (++s == steps) {
-          s = 0;
-          offset = piece_offset(0, lane);
+        if (++s == s_end) {
+          s = s_begin;
+          offset = piece_offset(s_begin, lane);
           next_token(tt + 1);
         }
       }
@@ -193,9 +198,11 @@ struct PieceStream {
   }
 };
 
-// The stream of chunk [t0, t0 + n_tok), at its first piece (nothing issued yet).
+// The stream of slices [it.k0, it.k1) of chunk [t0, t0 + n_tok), at its first piece (nothing issued
+// yet).
 __device__ __forceinline__ PieceStream piece_stream(const CombineArgs& a, const DataWarp& d,
-                                                    const CombineWarp& w, int64_t t0, int n_tok) {
+                                                    const CombineWarp& w, const ChunkSlices& it,
+                                                    int64_t t0, int n_tok) {
   PieceStream ps;
   ps.entries = w.entries;
   ps.n_all = w.n_all;
@@ -207,11 +214,14 @@ __device__ __forceinline__ PieceStream piece_stream(const CombineArgs& a, const 
   ps.row_bytes = a.row_bytes;
   ps.data_row_bytes = a.layout.data_row_bytes;
   ps.stride = a.list_stride;
-  ps.steps = static_cast<int>((ps.row_bytes + kStepBytes - 1) / kStepBytes);
+  ps.s_begin = static_cast<int>(slice_begin(a.layout, it.k0) / kStepBytes);
+  ps.s_end = static_cast<int>((slice_end(a.layout, it.k1, ps.row_bytes) + kStepBytes - 1) /
+                              kStepBytes);
   ps.n_tok = n_tok;
   ps.lane = d.lane;
-  ps.tt = ps.s = ps.i = ps.n = 0;
-  ps.offset = piece_offset(0, d.lane);
+  ps.tt = ps.i = ps.n = 0;
+  ps.s = ps.s_begin;
+  ps.offset = piece_offset(ps.s_begin, d.lane);
   ps.issue_slot = ps.consume_slot = 0;
   ps.next_token(0);
   return ps;
@@ -219,10 +229,11 @@ __device__ __forceinline__ PieceStream piece_stream(const CombineArgs& a, const 
 
 // The chunk's lists: per token its y rows in slot order (entries >= 0) and, for finalisers, the
 // other ranks whose partials it adds (-1 - r, rank order), with the counts. Finalisers first wait
-// for the other ranks' partials of the chunk.
+// for the other ranks' partials of the item (wait_chunk_flags).
 __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const DataWarp& d,
-                                                    const CombineWarp& w, bool reducer, int c,
-                                                    int s_rank, int64_t t0, int n_tok) {
+                                                    const CombineWarp& w, bool reducer,
+                                                    const ChunkSlices& it, int s_rank, int64_t t0,
+                                                    int n_tok) {
   const CommLayout& L = a.layout;
   const int K = a.K;
   const int stride = a.list_stride;
@@ -237,9 +248,7 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
     // and so, in shrink mode, does one whose partials never came: `lost`)
     bool came = true;
     if (lane < R && lane != me && has_rank(d.linked, lane)) {
-      came = wait_peer_flag(reinterpret_cast<const uint64_t*>(d.own + L.chunk_flags) +
-                                (static_cast<int64_t>(lane) * L.num_chunks + c),
-                            d.state, *d.info, a.op_id, lane, a.shrink ? &d.info->missed : nullptr, 2);
+      came = wait_chunk_flags(d.own, L, d.state, d.info, a.op_id, a.shrink, lane, it);
     }
     const uint32_t lost = __ballot_sync(kFullMask, !came);
     if (lane < n_tok) {
@@ -384,7 +393,6 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
   constexpr int kE = Piece<kF32>::kElems;
   const CommLayout& L = a.layout;
   const int64_t row_bytes = a.row_bytes;
-  const int steps = ps.steps;
   const int n_own = w.n_own[tt];
   const int32_t mask = reducer ? 0 : w.in_mask[tt];
   const float* weights = w.weights + tt * a.K;
@@ -393,7 +401,7 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
                             L.stage_data + (static_cast<int64_t>(d.me) * a.T + t0 + tt) *
                                                L.data_row_bytes
                       : a.out + (t0 + tt) * row_bytes;
-  for (int s = 0; s < steps; ++s) {
+  for (int s = ps.s_begin; s < ps.s_end; ++s) {
     float acc[kE];
     own_partial<kF32>(w, ps, weights, n_own, a.rows_as_is, d.lane, acc);
     const int64_t offset = piece_offset(s, d.lane);
@@ -407,17 +415,18 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
   }
 }
 
-// One work item: chunk c of rank s_rank's tokens (reducers) or of this rank's (finalisers).
+// One work item: slices [it.k0, it.k1) of chunk it.c of rank s_rank's tokens (reducers) or of this
+// rank's (finalisers).
 template <bool kF32>
 __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWarp& d,
-                                              const CombineWarp& w, bool reducer, int c,
-                                              int s_rank) {
+                                              const CombineWarp& w, bool reducer,
+                                              const ChunkSlices& it, int s_rank) {
   const CommLayout& L = a.layout;
-  const int64_t t0 = chunk_begin(L, c);
-  const int n_tok = static_cast<int>(chunk_end(L, c, a.T) - t0);
-  combine_chunk_lists(a, d, w, reducer, c, s_rank, t0, n_tok);
+  const int64_t t0 = chunk_begin(L, it.c);
+  const int n_tok = static_cast<int>(chunk_end(L, it.c, a.T) - t0);
+  combine_chunk_lists(a, d, w, reducer, it, s_rank, t0, n_tok);
   combine_chunk_weights(a, w, n_tok, d.lane);
-  PieceStream ps = piece_stream(a, d, w, t0, n_tok);
+  PieceStream ps = piece_stream(a, d, w, it, t0, n_tok);
   for (int k = 0; k < kCombineRing; ++k) ps.issue();
   for (int tt = 0; tt < n_tok; ++tt) {
     if (w.active[tt]) combine_token<kF32>(a, d, w, ps, reducer, s_rank, t0, tt);
@@ -426,9 +435,9 @@ __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWa
   __syncwarp();  // every lane's stores of the chunk are done
   if (reducer && d.lane == 0) {
     char* peer = comm_buffer_of(d.state, d.info->ordinals[s_rank]);
-    store_release_sys(reinterpret_cast<uint64_t*>(peer + L.chunk_flags) +
-                          (static_cast<int64_t>(d.me) * L.num_chunks + c),
-                      d.expected);
+    for (int k = it.k0; k < it.k1; ++k) {
+      store_release_sys(chunk_flag(peer, L, d.me, it.c, k), d.expected);
+    }
   }
 }
 
@@ -440,21 +449,23 @@ __global__ void __launch_bounds__(kDataThreads, 1)
   const CombineWarp w =
       combine_warp(reinterpret_cast<char*>(dynamic_shared), d.warp, a.list_stride, a.K);
   const bool reducer = d.warp < a.send_warps;
-  const int n_items = reducer ? a.layout.num_chunks * (d.R - 1) : a.layout.num_chunks;
+  // (chunk, slice) items (chunk_item), reducers' per other rank
+  const int per_rank = chunk_items(a.layout, true);
+  const int n_items = reducer ? per_rank * (d.R - 1) : per_rank;
   uint32_t* counter = &d.info->work[reducer ? 0 : 1];
   for (;;) {
     const int item = next_item(counter);
     if (item >= n_items) break;
-    int c, s_rank;  // chunk; reducers: the rank whose tokens these are
+    int s_rank = d.me;  // reducers: the rank whose tokens these are
+    ChunkSlices it;
     if (reducer) {
-      c = item / (d.R - 1);
+      it = chunk_item(a.layout, item / (d.R - 1), true);
       s_rank = other_rank(item % (d.R - 1), d.me);
       if (!has_rank(d.linked, s_rank)) continue;  // a masked rank: nothing goes there
     } else {
-      c = item;
-      s_rank = d.me;
+      it = chunk_item(a.layout, item, true);
     }
-    combine_chunk<kF32>(a, d, w, reducer, c, s_rank);
+    combine_chunk<kF32>(a, d, w, reducer, it, s_rank);
   }
 }
 

@@ -501,7 +501,7 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
   const int me = d.me;
   const int K = a.num_topk;
   const int experts_per_rank = a.num_experts / d.R;
-  send_chunks<kTma>(L, d, a.num_tokens, [&](int64_t t) {
+  send_chunks<kTma>(L, d, a.num_tokens, false, [&](int64_t t, const ChunkSlices&) {
     int expert, rank;
     float weight;
     token_slot(a, d.own, t, lane, &expert, &rank, &weight);
@@ -627,7 +627,7 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
   const CommLayout& L = a.layout;
   const int local_experts = a.num_experts / d.R;
   const int n_tail = (a.capacity + kTailRows - 1) / kTailRows;
-  const int n_chunk_items = L.num_chunks * d.R;  // own chunks, then (chunk, other rank) pairs
+  const int n_chunk_items = chunk_items(L, false) * d.R;  // own chunks, then (chunk, other rank)
   const int total_rows = d.info->total_rows;
   for (;;) {
     int item = next_item(&d.info->work[1]);
@@ -642,20 +642,21 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
       continue;
     }
     item -= n_tail;
-    int s, c;
+    int s;
+    ChunkSlices it;
     if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, a.shrink != 0,
-                                  d.lane, &s, &c) ||
+                                  false, d.lane, &s, &it) ||
         !has_rank(d.info->active, s)) {
       // a masked source (this rank's own chunks too, when it is masked), or in shrink mode one
       // whose chunk never came: none of its slots has a row here (NOT_ROUTED), as if it routed
       // nothing (the rows kept for them stay kPendingRow: the fixup kernel empties them)
       const int64_t base = static_cast<int64_t>(s) * a.num_tokens;
-      const int64_t lo = (base + chunk_begin(L, c)) * a.num_topk;
-      const int64_t hi = (base + chunk_end(L, c, a.num_tokens)) * a.num_topk;
+      const int64_t lo = (base + chunk_begin(L, it.c)) * a.num_topk;
+      const int64_t hi = (base + chunk_end(L, it.c, a.num_tokens)) * a.num_topk;
       for (int64_t i = lo + d.lane; i < hi; i += 32) a.token_rows[i] = -1;
       continue;
     }
-    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
+    for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, a.num_tokens); ++t) {
       dispatch_receive_token<kConv, kTma>(a, d, tma, s, t);
     }
   }
@@ -736,7 +737,7 @@ __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, c
                                                             TmaWarp& tma) {
   const CommLayout& L = a.layout;
   const int n_empty = static_cast<int>((a.capacity + kEmptyRows - 1) / kEmptyRows);
-  const int n_chunk_items = L.num_chunks * d.R;  // own chunks, then (chunk, other rank) pairs
+  const int n_chunk_items = chunk_items(L, false) * d.R;  // own chunks, then (chunk, other rank)
   const int total_rows = d.info->total_rows;
   for (;;) {
     int item = next_item(&d.info->work[1]);
@@ -746,15 +747,16 @@ __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, c
       continue;
     }
     item -= n_empty;
-    int s, c;
+    int s;
+    ChunkSlices it;
     if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor,
-                                  a.shrink != 0, d.lane, &s, &c) ||
+                                  a.shrink != 0, false, d.lane, &s, &it) ||
         !has_rank(d.info->active, s)) {
       // a masked source (this rank's own chunks too, when it is masked): no rows here; in shrink
       // mode one whose chunk never came: its rows stay kPendingRow (the fixup kernel empties them)
       continue;
     }
-    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.num_tokens); ++t) {
+    for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, a.num_tokens); ++t) {
       dispatch_rank_major_token<kConv, kTma>(a, d, tma, s, t);
     }
   }

@@ -502,16 +502,67 @@ __device__ __forceinline__ int64_t chunk_end(const CommLayout& L, int c, int64_t
   return end < T ? end : T;
 }
 
+// ---- slices: columns of a chunk's rows (CommLayout::num_slices), the rest of a work item -----
+// Slices [k0, k1) of a row cover its bytes [slice_begin(L, k0), slice_end(L, k1, row_bytes)) (bytes
+// of the staged row, or of a row of the same element size; the last slice runs to the row's end).
+__device__ __forceinline__ int64_t slice_begin(const CommLayout& L, int k) {
+  return static_cast<int64_t>(k) * static_cast<int64_t>(L.slice_bytes);
+}
+__device__ __forceinline__ int64_t slice_end(const CommLayout& L, int k1, int64_t row_bytes) {
+  if (k1 >= L.num_slices) return row_bytes;
+  const int64_t end = slice_begin(L, k1);
+  return end < row_bytes ? end : row_bytes;
+}
+
+// A work item of a data kernel: slices [k0, k1) of the rows of chunk c's tokens.
+struct ChunkSlices {
+  int c, k0, k1;
+};
+
+// Per-chunk items of a kernel that moves row slices (sliced: one item per (chunk, slice), chunk
+// major, so that a chunk's slices are taken together) or whole rows (one per chunk, every slice).
+__device__ __forceinline__ int chunk_items(const CommLayout& L, bool sliced) {
+  return L.num_chunks * (sliced ? L.num_slices : 1);
+}
+__device__ __forceinline__ ChunkSlices chunk_item(const CommLayout& L, int item, bool sliced) {
+  if (!sliced) return ChunkSlices{item, 0, L.num_slices};
+  const int k = item % L.num_slices;
+  return ChunkSlices{item / L.num_slices, k, k + 1};
+}
+
+// The ready flag of slice k of chunk c from (or for) rank s in `buffer`'s chunk_flags.
+__device__ __forceinline__ uint64_t* chunk_flag(char* buffer, const CommLayout& L, int s, int c,
+                                                int k) {
+  return reinterpret_cast<uint64_t*>(buffer + L.chunk_flags) +
+         (static_cast<int64_t>(s) * L.num_chunks + c) * L.num_slices + k;
+}
+
+// One lane waits for rank s's flags of item `it` in this rank's buffer (wait_peer_flag); in shrink
+// mode for every slice of the chunk, so that a token has all of a source's slices or none of them
+// (a source whose slices stopped midway is treated alike by every item of the chunk). true: they
+// came (acquired).
+__device__ __forceinline__ bool wait_chunk_flags(char* own, const CommLayout& L, DeviceState* state,
+                                                 OpInfo* info, int32_t op_id, bool shrink, int s,
+                                                 const ChunkSlices& it) {
+  const int k1 = shrink ? L.num_slices : it.k1;
+  bool came = true;
+  for (int k = shrink ? 0 : it.k0; k < k1 && came; ++k) {
+    came = wait_peer_flag(chunk_flag(own, L, s, it.c, k), state, *info, op_id, s,
+                          shrink ? &info->missed : nullptr, 2);
+  }
+  return came;
+}
+
 // The index-th rank other than `me` (index in [0, R - 1)).
 __device__ __forceinline__ int other_rank(int index, int me) { return index < me ? index : index + 1; }
 
-// Sender side, after writing chunk c into every other rank's staging: the chunk's stores (bulk
-// stores completed first) are visible before its flag is raised on each of them. Lane r holds rank
-// r's buffer in lane_peer (null: rank r is not linked, nothing goes there). Every lane calls
-// it.
+// Sender side, after writing item `it` into every other rank's staging: its stores (bulk stores
+// completed first) are visible before its flags are raised on each of them. Lane r holds rank r's
+// buffer in lane_peer (null: rank r is not linked, nothing goes there). Every lane calls it.
 template <bool kTma>
-__device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_peer, int c, int me,
-                                              int R, uint64_t expected, int lane) {
+__device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_peer,
+                                              const ChunkSlices& it, int me, int R,
+                                              uint64_t expected, int lane) {
   if constexpr (kTma) {
     if (lane == 0) {
       tma_store_wait_all();
@@ -521,22 +572,25 @@ __device__ __forceinline__ void release_chunk(const CommLayout& L, char* lane_pe
   }
   __syncwarp();
   if (lane < R && lane != me && lane_peer != nullptr) {
-    store_release_sys(reinterpret_cast<uint64_t*>(lane_peer + L.chunk_flags) +
-                          (static_cast<int64_t>(me) * L.num_chunks + c),
-                      expected);
+    for (int k = it.k0; k < it.k1; ++k) {
+      store_release_sys(chunk_flag(lane_peer, L, me, it.c, k), expected);
+    }
   }
 }
 
-// Senders' loop: chunks of this rank's tokens from the data kernel's first work list; send_token(t)
-// for each token of a chunk, then the chunk's flag on every other rank. Every lane calls it.
+// Senders' loop: items of this rank's chunks (chunk_item) from the data kernel's first work list;
+// send_token(t, it) for each token of the item's chunk, then its flags on every other rank. Every
+// lane calls it.
 template <bool kTma, typename SendToken>
 __device__ __forceinline__ void send_chunks(const CommLayout& L, const DataWarp& d, int64_t T,
-                                            SendToken send_token) {
+                                            bool sliced, SendToken send_token) {
+  const int n_items = chunk_items(L, sliced);
   for (;;) {
-    const int c = next_item(&d.info->work[0]);
-    if (c >= L.num_chunks) break;
-    for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, T); ++t) send_token(t);
-    release_chunk<kTma>(L, d.lane_peer, c, d.me, d.R, d.expected, d.lane);
+    const int item = next_item(&d.info->work[0]);
+    if (item >= n_items) break;
+    const ChunkSlices it = chunk_item(L, item, sliced);
+    for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, T); ++t) send_token(t, it);
+    release_chunk<kTma>(L, d.lane_peer, it, d.me, d.R, d.expected, d.lane);
   }
 }
 
@@ -556,31 +610,31 @@ __device__ __forceinline__ void run_data_warps(DeviceState* state, const CommLay
   tma_drain<kTma>(d.lane);
 }
 
-// Receiver side: work item `item` over this rank's chunks, then (chunk, other rank) pairs. Sets the
-// source rank *s and chunk *c; for another rank's chunk, lane 0 waits for its flag (bounded, the
-// op named in a timeout), with bulk loads ordered after the acquire. Returns false (no wait) for a
-// rank that is not linked (masked): nothing came from it; in shrink mode also for a source this
-// call gave up on (wait_peer_flag: its chunk never came). Every lane calls it.
+// Receiver side: work item `item` over this rank's chunk items (chunk_item), then (chunk item,
+// other rank) pairs: chunk_items(L, sliced) * R items. Sets the source rank *s and the item *it;
+// for another rank's chunk, lane 0 waits for its flags (wait_chunk_flags: bounded, the op named in
+// a timeout), with bulk loads ordered after the acquire. Returns false (no wait) for a rank that is
+// not linked (masked): nothing came from it; in shrink mode also for a source this call gave up on
+// (its chunk never came). Every lane calls it.
 template <bool kTma>
 __device__ __forceinline__ bool receive_chunk_item(int item, DeviceState* state,
-                                                   const CommLayout& L, OpInfo* info,
-                                                   const char* own, int32_t op_id, bool shrink,
-                                                   int lane, int* s, int* c) {
+                                                   const CommLayout& L, OpInfo* info, char* own,
+                                                   int32_t op_id, bool shrink, bool sliced,
+                                                   int lane, int* s, ChunkSlices* it) {
   const int me = info->rank;
-  if (item < L.num_chunks) {
+  const int per_rank = chunk_items(L, sliced);
+  if (item < per_rank) {
     *s = me;
-    *c = item;
+    *it = chunk_item(L, item, sliced);
     return true;
   }
-  item -= L.num_chunks;
-  *c = item / (info->size - 1);
+  item -= per_rank;
+  *it = chunk_item(L, item / (info->size - 1), sliced);
   *s = other_rank(item % (info->size - 1), me);
   if (!has_rank(info->linked, *s)) return false;
   bool came = true;
   if (lane == 0) {
-    came = wait_peer_flag(reinterpret_cast<const uint64_t*>(own + L.chunk_flags) +
-                              (static_cast<int64_t>(*s) * L.num_chunks + *c),
-                          state, *info, op_id, *s, shrink ? &info->missed : nullptr, 2);
+    came = wait_chunk_flags(own, L, state, info, op_id, shrink, *s, *it);
     if constexpr (kTma) fence_proxy_async_global();
   }
   __syncwarp();  // lane 0's acquire before every lane's reads (a shuffle gives no memory order)

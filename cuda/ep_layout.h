@@ -29,6 +29,14 @@ inline constexpr int kMaxChunkTokens = 8;
 // H200, ncu: SM active / elapsed cycles), each straggling warp copying 917 KB alone; 4096 chunks
 // give every receiver warp ~3 one-token items.
 inline constexpr int kMinChunks = 4096;
+// A chunk's rows are also cut into column slices when T alone gives fewer than kMinChunks chunks:
+// a work item is then (chunk, slice), and at T = 128 (128 one-token chunks) a row of 14 KiB is 10
+// items instead of one warp's serial chain (combine, broadcast and dispatch were latency-bound
+// there, at ~1/6 of HBM bandwidth). A slice is a whole number of kSliceBytes of the staged row
+// (data_row_bytes): combine's piece (1.5 KiB) and so, for every row kind, a multiple of 16 bytes
+// (bulk copies), of 256 elements (the converting copies' step) and of 128 FP8 channels (a slice
+// holds whole scale groups). The last slice runs to the row's end.
+inline constexpr int kSliceBytes = 1536;
 // Largest top-k the EP kernels support (a warp holds a token's slots, one per lane).
 inline constexpr int kMaxTopk = 32;
 // Largest number of experts (the notify kernel keeps a count per expert in shared memory).
@@ -67,7 +75,8 @@ struct CommLayout {
   // byte offsets from the start of a communication buffer
   uint64_t op_info;       // local: OpInfo
   uint64_t count_flags;   // uint64 [kMaxGroupRanks]: "counts of rank s are written" (dispatch)
-  uint64_t chunk_flags;   // uint64 [R][num_chunks]: "chunk c from/for rank s is written"
+  uint64_t chunk_flags;   // uint64 [R][num_chunks][num_slices]: "slice k of chunk c from/for rank s
+                          //   is written"
   uint64_t counts;        // int32 [R][E + R]: tokens of rank s per expert (dispatch); rank-major
                           //   dispatch adds, at [s][E + r], rank s's tokens that go to rank r
   uint64_t slot_rank;     // local int32 [T][K]: rank of (token, slot) among this rank's tokens of
@@ -98,6 +107,10 @@ struct CommLayout {
   uint64_t scale_row_bytes;
   int32_t num_chunks;     // ceil(T / chunk_tokens)
   int32_t chunk_tokens;   // tokens per chunk, in [1, kMaxChunkTokens]
+  int32_t num_slices;     // column slices per row: clamp(ceil(kMinChunks / num_chunks), 1, units),
+                          //   units = ceil(data_row_bytes / kSliceBytes), then merged into
+                          //   slice_bytes = ceil(units / slices) units each
+  uint64_t slice_bytes;   // bytes of a slice of the staged row (a multiple of kSliceBytes)
 };
 
 JAX_EP_HOST_DEVICE inline uint64_t align_up_u64(uint64_t value, uint64_t multiple) {
@@ -121,12 +134,23 @@ JAX_EP_HOST_DEVICE inline CommLayout make_comm_layout(int64_t num_ranks, int64_t
   layout.num_chunks = static_cast<int32_t>((T + layout.chunk_tokens - 1) / layout.chunk_tokens);
   layout.data_row_bytes = align_up_u64(data_row_bytes, 16);
   layout.scale_row_bytes = scale_row_bytes;
+  {
+    const uint64_t chunks = static_cast<uint64_t>(layout.num_chunks);
+    const uint64_t units = (layout.data_row_bytes + kSliceBytes - 1) / kSliceBytes;
+    const uint64_t want = chunks > 0 ? (kMinChunks + chunks - 1) / chunks : 1;
+    const uint64_t slices = units < 1 ? 1 : want < units ? want : units;
+    const uint64_t per = units < 1 ? 1 : (units + slices - 1) / slices;  // units per slice
+    layout.num_slices = static_cast<int32_t>(units < 1 ? 1 : (units + per - 1) / per);
+    layout.slice_bytes = per * kSliceBytes;
+  }
   uint64_t at = 0;
   const uint64_t kAlign = 256;
   layout.op_info = at;       at = align_up_u64(at + sizeof(OpInfo), kAlign);
   layout.count_flags = at;   at = align_up_u64(at + kMaxGroupRanks * sizeof(uint64_t), kAlign);
   layout.chunk_flags = at;
-  at = align_up_u64(at + R * static_cast<uint64_t>(layout.num_chunks) * sizeof(uint64_t), kAlign);
+  at = align_up_u64(at + R * static_cast<uint64_t>(layout.num_chunks) *
+                            static_cast<uint64_t>(layout.num_slices) * sizeof(uint64_t),
+                    kAlign);
   layout.counts = at;        at = align_up_u64(at + R * (E + R) * 4, kAlign);
   layout.slot_rank = at;     at = align_up_u64(at + T * K * 4, kAlign);
   layout.slot_dest = at;     at = align_up_u64(at + T * K * 4, kAlign);

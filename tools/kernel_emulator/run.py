@@ -366,6 +366,21 @@ CASES = [
          dispatch_dtype="bfloat16"),
     dict(name="fp8 rows in two bulk pieces", R=2, T=6, H=13440, K=3, E=4,
          dispatch_dtype="float8_e4m3fn"),
+    # column slices (CommLayout::num_slices, cuda/ep_layout.h): few tokens per rank cut each row into
+    # slices of whole 1.5 KiB pieces as extra work items (one ready flag per chunk and slice), the
+    # last one shorter: T = 5 and 14 KiB bf16 rows, 10 slices; FP8 rows of 3.5 KiB in 3 slices
+    # (whole 128-channel scale groups) beside 5 of bf16 y; f32 y of exactly 6 slices; R = 4
+    dict(name="slices bf16, 10 per row", R=2, T=5, H=7168, K=4, E=8, kind="messy", send_warps=3),
+    dict(name="slices fp8 rows, R=4", R=4, T=6, H=3584, K=3, E=8, kind="messy",
+         dispatch_dtype="float8_e4m3fn", blocks=3),
+    dict(name="slices f32 y, R=4", R=4, T=3, H=2304, K=4, E=16, x_dtype="float32",
+         dispatch_dtype="bfloat16", y_dtype="float32", tma=False),
+    # slices of several pieces: T = 512 wants 8 slices of a 10-piece row, so 5 of 2 pieces
+    dict(name="slices of two pieces, T=512", R=2, T=512, H=7168, K=2, E=4, blocks=3, reps=1),
+    dict(name="mask rank 1 absent, slices", R=3, T=4, H=4096, K=3, E=9, kind="messy", mask=(1, 0, 1),
+         absent=(1,)),
+    dict(name="mask shrink, rank 2 stops calling, slices", R=3, T=3, H=4096, K=3, E=6, kind="messy",
+         stop=(2, 1), reps=2, timeout_s=3),
     # rank masking: all active (the same bits as no mask), masked ranks that run the ops, and masked
     # ranks whose process runs none (the others must not wait for them)
     dict(name="mask all active", R=3, T=20, H=128, K=4, E=9, kind="messy", mask=(1, 1, 1)),
