@@ -1,10 +1,13 @@
 // Broadcast (combine's backward; see broadcast.h): the start kernel (group.cu), then one data
 // kernel whose warps are either
 //   senders: copy g[t] once to every remote rank the token went to (its staging [me][t]), then a
-//     release flag per (chunk, rank);
+//     release flag per (chunk, slice, rank);
 //   receivers: zero the rows that hold no token of a linked source (src_index -1, or a source the
 //     call's mask does not link) and copy each token (own tokens straight from g, remote ones when
 //     their chunk flag arrives) to each of its receive rows (token_rows).
+// A work item is one slice of a chunk's rows (CommLayout::num_slices), except combine_bwd's
+// receivers: a row's dot product runs over the whole row in order, so they take whole chunks (and
+// wait for every slice's flag).
 // broadcast_rank_major is this kernel with K = 1 (token_rows = the handle's slot -> row table).
 // combine_bwd is this kernel with a computing receiver: per receive row of a token it reads g[t]
 // and y's row and writes d y = w * g (rounded to y's dtype) and d row_weight = <y_row, g[t]> (float32,
@@ -38,15 +41,17 @@ template <bool kTma>
 __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const DataWarp& d,
                                                TmaWarp& tma) {
   const CommLayout& L = a.layout;
-  send_chunks<kTma>(L, d, a.T, false, [&](int64_t t, const ChunkSlices&) {
+  send_chunks<kTma>(L, d, a.T, true, [&](int64_t t, const ChunkSlices& it) {
     const bool to_peer = d.lane_peer != nullptr && d.lane != d.me &&  // (null: masked)
                          a.is_token_in_rank[t * d.R + d.lane];
     const uint32_t remote = __ballot_sync(kFullMask, to_peer);
     if (remote == 0u) return;
+    const int64_t lo = slice_begin(L, it.k0);
     char* my_dst = to_peer ? d.lane_peer + L.stage_data +
-                                 (static_cast<int64_t>(d.me) * a.T + t) * L.data_row_bytes
+                                 (static_cast<int64_t>(d.me) * a.T + t) * L.data_row_bytes + lo
                            : nullptr;
-    warp_copy_row<kTma>(tma, a.g + t * a.row_bytes, a.row_bytes, remote, my_dst, d.lane);
+    warp_copy_row<kTma>(tma, a.g + t * a.row_bytes + lo, slice_end(L, it.k1, a.row_bytes) - lo,
+                        remote, my_dst, d.lane);
   });
 }
 
@@ -69,17 +74,20 @@ __device__ __forceinline__ void broadcast_zero_rows(const BroadcastArgs& a, uint
   }
 }
 
-// Shrink mode: the rows of source s's tokens of chunk c are zero (combine_bwd: d y and
-// d row_weights), as a masked source's: its chunk never came (the handle names the rows).
+// Shrink mode: the item's slices of the rows of source s's tokens are zero (combine_bwd: whole
+// rows, d y and d row_weights), as a masked source's: its chunk never came (the handle names the
+// rows).
 __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, const CommLayout& L,
-                                                      int s, int c, int lane) {
-  for (int64_t t = chunk_begin(L, c); t < chunk_end(L, c, a.T); ++t) {
+                                                      int s, const ChunkSlices& it, int lane) {
+  const int64_t lo = slice_begin(L, it.k0);
+  const int64_t hi = slice_end(L, it.k1, a.row_bytes);
+  for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, a.T); ++t) {
     const int64_t slot = static_cast<int64_t>(s) * a.T + t;
     const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
     if (row >= 0 && a.d_row_weights != nullptr) a.d_row_weights[row] = 0.f;
     for (uint32_t m = __ballot_sync(kFullMask, row >= 0); m != 0u; m &= m - 1u) {
       const int64_t r = __shfl_sync(kFullMask, row, __ffs(m) - 1);
-      warp_zero(a.out + r * a.row_bytes, a.row_bytes, lane);
+      warp_zero(a.out + r * a.row_bytes + lo, hi - lo, lane);
     }
   }
 }
@@ -152,7 +160,8 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
   const int64_t T = a.T;
   const int lane = d.lane;
   const int n_zero = (a.C + kZeroRows - 1) / kZeroRows;
-  const int n_chunk_items = chunk_items(L, false) * d.R;  // own chunks, then (chunk, other rank)
+  constexpr bool kSliced = kRows == Rows::kCopy;  // (combine_bwd: whole rows, see the top)
+  const int n_chunk_items = chunk_items(L, kSliced) * d.R;  // own items, then (item, other rank)
   for (;;) {
     int item = next_item(&d.info->work[1]);
     if (item >= n_zero + n_chunk_items) break;
@@ -163,13 +172,15 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     item -= n_zero;
     int s;
     ChunkSlices it;
-    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, a.shrink, false, lane,
-                                  &s, &it)) {
+    if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, a.shrink, kSliced,
+                                  lane, &s, &it)) {
       // a source not linked: its rows are the zero-fill's (broadcast_zero_rows); in shrink mode a
       // linked one whose chunk never came: its tokens' rows are zero here, as a masked source's
-      if (has_rank(d.linked, s)) broadcast_zero_source(a, L, s, it.c, lane);
+      if (has_rank(d.linked, s)) broadcast_zero_source(a, L, s, it, lane);
       continue;
     }
+    const int64_t lo = slice_begin(L, it.k0);  // the item's bytes of each row
+    const int64_t bytes = slice_end(L, it.k1, a.row_bytes) - lo;
     for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
@@ -179,7 +190,8 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
       const char* src =
           s == d.me ? a.g + t * a.row_bytes : d.own + L.stage_data + slot * L.data_row_bytes;
       if constexpr (kRows == Rows::kCopy) {
-        warp_copy_row<kTma>(tma, src, a.row_bytes, kept, my_dst, lane);
+        warp_copy_row<kTma>(tma, src + lo, bytes, kept, my_dst == nullptr ? nullptr : my_dst + lo,
+                            lane);
       } else {
         combine_bwd_token<kRows == Rows::kBackwardF32>(a, src, kept, row, lane);
       }
