@@ -427,23 +427,40 @@ struct MainArgs : DispatchLaunch {
   __device__ char* row_at(int64_t r) const { return static_cast<char*>(rows) + r * row_bytes; }
 };
 
-// A row of x into the row format of the destinations: raw when the dtypes agree, else converted
-// in registers.
+// The part of a row a work item moves: slices [it.k0, it.k1) of the row (CommLayout::num_slices),
+// bytes [lo, hi) of the row format, its elements [e0, e0 + n) and, for FP8, its scales
+// [e0 / 128, + n / 128) (a slice is a whole number of kSliceBytes: of 128-channel groups).
+struct RowSlice {
+  int64_t lo, hi;
+  int e0, n;
+};
+__device__ __forceinline__ RowSlice row_slice(const MainArgs& a, const ChunkSlices& it) {
+  const int row_elem = a.row_bytes / a.hidden;  // bytes per element of the rows
+  RowSlice rs;
+  rs.lo = slice_begin(a.layout, it.k0);
+  rs.hi = slice_end(a.layout, it.k1, a.row_bytes);
+  rs.e0 = static_cast<int>(rs.lo / row_elem);
+  rs.n = static_cast<int>((rs.hi - rs.lo) / row_elem);
+  return rs;
+}
+
+// Slice rs of a row of x into the row format of the destinations: raw when the dtypes agree, else
+// converted in registers. my_dst / my_scales: lane j's destination row and its scales (whole).
 template <int kConv, bool kTma>
 __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const char* x_row,
-                                       uint32_t dst_mask, char* my_dst, float* my_scales,
-                                       int lane) {
+                                       const RowSlice& rs, uint32_t dst_mask, char* my_dst,
+                                       float* my_scales, int lane) {
+  char* dst = my_dst != nullptr ? my_dst + rs.lo : nullptr;
+  float* scales = my_scales != nullptr ? my_scales + rs.e0 / 128 : nullptr;
+  const char* src = x_row + static_cast<int64_t>(rs.e0) * (a.x_row_bytes / a.hidden);
   if constexpr (kConv == kConvCopy) {
-    warp_copy_row<kTma>(tma, x_row, a.row_bytes, dst_mask, my_dst, lane);
+    warp_copy_row<kTma>(tma, src, rs.hi - rs.lo, dst_mask, dst, lane);
   } else if constexpr (kConv == kConvF32ToBF16) {
-    warp_copy_convert<true, kRowBF16, 4, kTma>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane,
-                                               &tma);
+    warp_copy_convert<true, kRowBF16, 4, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
   } else if constexpr (kConv == kConvBF16ToFP8) {
-    warp_copy_convert<false, kRowFP8, 4, kTma>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane,
-                                               &tma);
+    warp_copy_convert<false, kRowFP8, 4, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
   } else {
-    warp_copy_convert<true, kRowFP8, 2, kTma>(x_row, a.hidden, dst_mask, my_dst, my_scales, lane,
-                                              &tma);
+    warp_copy_convert<true, kRowFP8, 2, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
   }
 }
 
@@ -475,7 +492,7 @@ __device__ __forceinline__ int receive_row(const MainArgs& a, const char* own, i
 // calls it.
 template <int kConv, bool kTma>
 __device__ __forceinline__ void stage_token(const MainArgs& a, const DataWarp& d, TmaWarp& tma,
-                                            int64_t t, uint32_t ranks) {
+                                            int64_t t, const RowSlice& rs, uint32_t ranks) {
   const CommLayout& L = a.layout;
   const uint32_t remote = ranks & d.linked & ~(1u << d.me);
   if (remote == 0u) return;
@@ -486,11 +503,12 @@ __device__ __forceinline__ void stage_token(const MainArgs& a, const DataWarp& d
     my_dst = d.lane_peer + L.stage_data + slot * L.data_row_bytes;
     my_scales = reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
   }
-  copy_x<kConv, kTma>(a, tma, a.x_row(t), remote, my_dst, my_scales, d.lane);
+  copy_x<kConv, kTma>(a, tma, a.x_row(t), rs, remote, my_dst, my_scales, d.lane);
 }
 
-// Senders: per chunk, every token's slot metadata to every other rank, and each token routed to a
-// remote rank ONCE into that rank's staging [me][t]; then the chunk's flags. Metadata per slot: the
+// Senders: per (chunk, slice) item, every token's slot metadata to every other rank (the same
+// values from each slice's item, so that any one slice's flag covers them), and the slice of each
+// token routed to a remote rank ONCE into that rank's staging [me][t]; then the item's flags. Metadata per slot: the
 // local expert there (or -1) and the gate weight; expert-major adds the slot's rank among this
 // rank's tokens of its expert, rank-major per token its rank among this rank's tokens sent there
 // (meta_pos, -1 none). The receiver places the rows from them.
@@ -501,7 +519,7 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
   const int me = d.me;
   const int K = a.num_topk;
   const int experts_per_rank = a.num_experts / d.R;
-  send_chunks<kTma>(L, d, a.num_tokens, false, [&](int64_t t, const ChunkSlices&) {
+  send_chunks<kTma>(L, d, a.num_tokens, true, [&](int64_t t, const ChunkSlices& it) {
     int expert, rank;
     float weight;
     token_slot(a, d.own, t, lane, &expert, &rank, &weight);
@@ -524,7 +542,8 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
       }
       reinterpret_cast<float*>(peer + L.meta_w)[slot * K + lane] = weight;
     }
-    stage_token<kConv, kTma>(a, d, tma, t, __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u));
+    stage_token<kConv, kTma>(a, d, tma, t, row_slice(a, it),
+                             __reduce_or_sync(kFullMask, dest >= 0 ? 1u << dest : 0u));
   });
 }
 
@@ -558,26 +577,52 @@ __device__ __forceinline__ void dispatch_unused_tail(const MainArgs& a, int item
   }
 }
 
-// The FP8 scales of a staged row to each receive row in `kept` (lane j holds row j's scales).
-__device__ __forceinline__ void copy_staged_scales(const MainArgs& a, const float* from,
+// The FP8 scales of slice rs of a staged row to each receive row in `kept` (lane j holds row j's
+// scales).
+__device__ __forceinline__ void copy_staged_scales(const float* from, const RowSlice& rs,
                                                    uint32_t kept, float* my_scales, int lane) {
-  for (int i0 = 0; i0 < a.num_scales; i0 += 32) {  // uniform trip count (shuffles)
+  const int first = rs.e0 / 128;
+  const int end = first + rs.n / 128;
+  for (int i0 = first; i0 < end; i0 += 32) {  // uniform trip count (shuffles)
     const int i = i0 + lane;
-    const float value = i < a.num_scales ? __ldcg(from + i) : 0.f;
+    const float value = i < end ? __ldcg(from + i) : 0.f;
     for (uint32_t m = kept; m != 0u; m &= m - 1u) {
       const int j = __ffs(m) - 1;
       float* to = reinterpret_cast<float*>(
           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scales), j));
-      if (i < a.num_scales) to[i] = value;
+      if (i < end) to[i] = value;
     }
   }
 }
 
-// Token t of source rank s: its handle fields (token_rows, row_weights, src_index), and its row
-// (this rank's own tokens straight from x, the others' from the staging) to each receive row.
+// Slice rs of source s's token t to each receive row in `kept` (lane j holds row j and its scales):
+// this rank's own tokens straight from x, the others' from the staging.
+template <int kConv, bool kTma>
+__device__ __forceinline__ void receive_token_row(const MainArgs& a, const DataWarp& d,
+                                                  TmaWarp& tma, int s, int64_t t,
+                                                  const RowSlice& rs, uint32_t kept, char* my_dst,
+                                                  float* my_scales) {
+  const CommLayout& L = a.layout;
+  if (s == d.me) {
+    copy_x<kConv, kTma>(a, tma, a.x_row(t), rs, kept, my_dst, my_scales, d.lane);
+    return;
+  }
+  const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
+  warp_copy_row<kTma>(tma, d.own + L.stage_data + slot * L.data_row_bytes + rs.lo, rs.hi - rs.lo,
+                      kept, my_dst != nullptr ? my_dst + rs.lo : nullptr, d.lane);
+  if (a.num_scales > 0) {
+    copy_staged_scales(
+        reinterpret_cast<const float*>(d.own + L.stage_scales + slot * L.scale_row_bytes), rs,
+        kept, my_scales, d.lane);
+  }
+}
+
+// Token t of source rank s: its handle fields (token_rows, row_weights, src_index: the item of the
+// first slice writes them), and slice rs of its row to each receive row.
 template <int kConv, bool kTma>
 __device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const DataWarp& d,
-                                                       TmaWarp& tma, int s, int64_t t) {
+                                                       TmaWarp& tma, int s, int64_t t,
+                                                       const RowSlice& rs) {
   const CommLayout& L = a.layout;
   const int lane = d.lane;
   const int K = a.num_topk;
@@ -596,27 +641,19 @@ __device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const 
     weight = lane < K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
   }
   const int row = receive_row(a, d.own, s, local, rank);
-  if (lane < K) a.token_rows[slot * K + lane] = row;
-  if (row >= 0) {
-    a.row_weights[row] = weight;
-    a.src_index[row] = static_cast<int32_t>(slot);
+  if (rs.lo == 0) {
+    if (lane < K) a.token_rows[slot * K + lane] = row;
+    if (row >= 0) {
+      a.row_weights[row] = weight;
+      a.src_index[row] = static_cast<int32_t>(slot);
+    }
   }
   const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
   if (kept == 0u) return;
   char* my_dst = row >= 0 ? a.row_at(row) : nullptr;
   float* my_scales =
       row >= 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;
-  if (s == d.me) {
-    copy_x<kConv, kTma>(a, tma, a.x_row(t), kept, my_dst, my_scales, lane);
-  } else {
-    warp_copy_row<kTma>(tma, d.own + L.stage_data + slot * L.data_row_bytes, a.row_bytes, kept,
-                        my_dst, lane);
-    if (a.num_scales > 0) {
-      copy_staged_scales(
-          a, reinterpret_cast<const float*>(d.own + L.stage_scales + slot * L.scale_row_bytes),
-          kept, my_scales, lane);
-    }
-  }
+  receive_token_row<kConv, kTma>(a, d, tma, s, t, rs, kept, my_dst, my_scales);
 }
 
 // Receivers (dynamic work list): the local experts' alignment padding, the unused tail, then the
@@ -627,7 +664,7 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
   const CommLayout& L = a.layout;
   const int local_experts = a.num_experts / d.R;
   const int n_tail = (a.capacity + kTailRows - 1) / kTailRows;
-  const int n_chunk_items = chunk_items(L, false) * d.R;  // own chunks, then (chunk, other rank)
+  const int n_chunk_items = chunk_items(L, true) * d.R;  // own items, then (item, other rank)
   const int total_rows = d.info->total_rows;
   for (;;) {
     int item = next_item(&d.info->work[1]);
@@ -645,11 +682,13 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
     int s;
     ChunkSlices it;
     if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatch, a.shrink != 0,
-                                  false, d.lane, &s, &it) ||
+                                  true, d.lane, &s, &it) ||
         !has_rank(d.info->active, s)) {
       // a masked source (this rank's own chunks too, when it is masked), or in shrink mode one
       // whose chunk never came: none of its slots has a row here (NOT_ROUTED), as if it routed
-      // nothing (the rows kept for them stay kPendingRow: the fixup kernel empties them)
+      // nothing (the rows kept for them stay kPendingRow: the fixup kernel empties them); the
+      // chunk's first slice's item writes it
+      if (it.k0 != 0) continue;
       const int64_t base = static_cast<int64_t>(s) * a.num_tokens;
       const int64_t lo = (base + chunk_begin(L, it.c)) * a.num_topk;
       const int64_t hi = (base + chunk_end(L, it.c, a.num_tokens)) * a.num_topk;
@@ -657,7 +696,7 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
       continue;
     }
     for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, a.num_tokens); ++t) {
-      dispatch_receive_token<kConv, kTma>(a, d, tma, s, t);
+      dispatch_receive_token<kConv, kTma>(a, d, tma, s, t, row_slice(a, it));
     }
   }
 }
@@ -682,11 +721,13 @@ __device__ __forceinline__ void dispatch_empty_rows(const MainArgs& a, int item,
   }
 }
 
-// Token t of source rank s, if it came here: its row (this rank's own tokens straight from x, the
-// others' from the staging), local expert ids, gate weights and src_index.
+// Token t of source rank s, if it came here: slice rs of its row (this rank's own tokens straight
+// from x, the others' from the staging), and (the item of the first slice) its local expert ids,
+// gate weights and src_index.
 template <int kConv, bool kTma>
 __device__ __forceinline__ void dispatch_rank_major_token(const MainArgs& a, const DataWarp& d,
-                                                          TmaWarp& tma, int s, int64_t t) {
+                                                          TmaWarp& tma, int s, int64_t t,
+                                                          const RowSlice& rs) {
   const CommLayout& L = a.layout;
   const int lane = d.lane;
   const int K = a.num_topk;
@@ -709,25 +750,15 @@ __device__ __forceinline__ void dispatch_rank_major_token(const MainArgs& a, con
   }
   if (rank < 0) return;  // (warp-uniform) the token did not come here
   const int row = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.base_row) + s) + rank;
-  if (lane < K) {
+  if (rs.lo == 0 && lane < K) {
     a.row_ids[static_cast<int64_t>(row) * K + lane] = id;
     a.row_topk_weights[static_cast<int64_t>(row) * K + lane] = id >= 0 ? weight : 0.f;
   }
-  if (lane == 0) a.src_index[row] = static_cast<int32_t>(slot);
+  if (rs.lo == 0 && lane == 0) a.src_index[row] = static_cast<int32_t>(slot);
   char* my_dst = lane == 0 ? a.row_at(row) : nullptr;  // one destination: lane 0 names it
   float* my_scales =
       lane == 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;
-  if (s == d.me) {
-    copy_x<kConv, kTma>(a, tma, a.x_row(t), 1u, my_dst, my_scales, lane);
-  } else {
-    warp_copy_row<kTma>(tma, d.own + L.stage_data + slot * L.data_row_bytes, a.row_bytes, 1u,
-                        my_dst, lane);
-    if (a.num_scales > 0) {
-      copy_staged_scales(
-          a, reinterpret_cast<const float*>(d.own + L.stage_scales + slot * L.scale_row_bytes),
-          1u, my_scales, lane);
-    }
-  }
+  receive_token_row<kConv, kTma>(a, d, tma, s, t, rs, 1u, my_dst, my_scales);
 }
 
 // Rank-major receivers (dynamic work list): the empty rows past total_rows, then the chunks, this
@@ -737,7 +768,7 @@ __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, c
                                                             TmaWarp& tma) {
   const CommLayout& L = a.layout;
   const int n_empty = static_cast<int>((a.capacity + kEmptyRows - 1) / kEmptyRows);
-  const int n_chunk_items = chunk_items(L, false) * d.R;  // own chunks, then (chunk, other rank)
+  const int n_chunk_items = chunk_items(L, true) * d.R;  // own items, then (item, other rank)
   const int total_rows = d.info->total_rows;
   for (;;) {
     int item = next_item(&d.info->work[1]);
@@ -750,14 +781,14 @@ __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, c
     int s;
     ChunkSlices it;
     if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, kOpDispatchRankMajor,
-                                  a.shrink != 0, false, d.lane, &s, &it) ||
+                                  a.shrink != 0, true, d.lane, &s, &it) ||
         !has_rank(d.info->active, s)) {
       // a masked source (this rank's own chunks too, when it is masked): no rows here; in shrink
       // mode one whose chunk never came: its rows stay kPendingRow (the fixup kernel empties them)
       continue;
     }
     for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, a.num_tokens); ++t) {
-      dispatch_rank_major_token<kConv, kTma>(a, d, tma, s, t);
+      dispatch_rank_major_token<kConv, kTma>(a, d, tma, s, t, row_slice(a, it));
     }
   }
 }
