@@ -246,11 +246,8 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
   if (!reducer) {
     // the other linked ranks' partials of this chunk have arrived (a masked rank's count as +0.0,
     // and so, in shrink mode, does one whose partials never came: `lost`)
-    bool came = true;
-    if (lane < R && lane != me && has_rank(d.linked, lane)) {
-      came = wait_chunk_flags(d.own, L, d.state, d.info, a.op_id, a.shrink, lane, it);
-    }
-    const uint32_t lost = __ballot_sync(kFullMask, !came);
+    const uint32_t lost = wait_chunk_flags(d.own, L, d.state, d.info, a.op_id, a.shrink,
+                                           d.linked & ~(1u << me), it, lane);
     if (lane < n_tok) {
       int32_t mask = 0;
       for (int r = 0; r < R; ++r) mask |= a.is_token_in_rank[(t0 + lane) * R + r] ? 1 << r : 0;

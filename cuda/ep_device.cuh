@@ -537,20 +537,30 @@ __device__ __forceinline__ uint64_t* chunk_flag(char* buffer, const CommLayout& 
          (static_cast<int64_t>(s) * L.num_chunks + c) * L.num_slices + k;
 }
 
-// One lane waits for rank s's flags of item `it` in this rank's buffer (wait_peer_flag); in shrink
-// mode for every slice of the chunk, so that a token has all of a source's slices or none of them
-// (a source whose slices stopped midway is treated alike by every item of the chunk). true: they
-// came (acquired).
-__device__ __forceinline__ bool wait_chunk_flags(char* own, const CommLayout& L, DeviceState* state,
-                                                 OpInfo* info, int32_t op_id, bool shrink, int s,
-                                                 const ChunkSlices& it) {
-  const int k1 = shrink ? L.num_slices : it.k1;
-  bool came = true;
-  for (int k = shrink ? 0 : it.k0; k < k1 && came; ++k) {
-    came = wait_peer_flag(chunk_flag(own, L, s, it.c, k), state, *info, op_id, s,
-                          shrink ? &info->missed : nullptr, 2);
+// The warp waits for the flags of item `it` from each rank in `ranks` (wait_peer_flag), in this
+// rank's buffer: lanes take the (rank, slice) flags in parallel, so a whole-row item (every slice)
+// costs one poll round, not one per slice. In shrink mode every slice of the chunk is waited for,
+// so that a token has all of a source's slices or none of them (a source whose slices stopped
+// midway is treated alike by every item of the chunk). Returns the ranks whose flags did not all
+// come (shrink mode only: otherwise a timeout traps); the others' are acquired, and a warp barrier
+// orders the lanes' acquires before every lane's later reads. Every lane calls it.
+__device__ __forceinline__ uint32_t wait_chunk_flags(char* own, const CommLayout& L,
+                                                     DeviceState* state, OpInfo* info,
+                                                     int32_t op_id, bool shrink, uint32_t ranks,
+                                                     const ChunkSlices& it, int lane) {
+  const int k0 = shrink ? 0 : it.k0;
+  const int n = (shrink ? L.num_slices : it.k1) - k0;  // flags per rank
+  uint32_t lost = 0u;
+  for (int j = lane; j < info->size * n; j += 32) {
+    const int r = j / n;
+    if (!has_rank(ranks, r) || has_rank(lost, r)) continue;
+    if (!wait_peer_flag(chunk_flag(own, L, r, it.c, k0 + j % n), state, *info, op_id, r,
+                        shrink ? &info->missed : nullptr, 2)) {
+      lost |= 1u << r;
+    }
   }
-  return came;
+  __syncwarp();  // (a shuffle or reduction gives no memory order)
+  return __reduce_or_sync(kFullMask, lost);
 }
 
 // The index-th rank other than `me` (index in [0, R - 1)).
@@ -612,8 +622,8 @@ __device__ __forceinline__ void run_data_warps(DeviceState* state, const CommLay
 
 // Receiver side: work item `item` over this rank's chunk items (chunk_item), then (chunk item,
 // other rank) pairs: chunk_items(L, sliced) * R items. Sets the source rank *s and the item *it;
-// for another rank's chunk, lane 0 waits for its flags (wait_chunk_flags: bounded, the op named in
-// a timeout), with bulk loads ordered after the acquire. Returns false (no wait) for a rank that is
+// for another rank's chunk, the warp waits for its flags (wait_chunk_flags: bounded, the op named
+// in a timeout), with bulk loads ordered after the acquires. Returns false (no wait) for a rank that is
 // not linked (masked): nothing came from it; in shrink mode also for a source this call gave up on
 // (its chunk never came). Every lane calls it.
 template <bool kTma>
@@ -632,13 +642,11 @@ __device__ __forceinline__ bool receive_chunk_item(int item, DeviceState* state,
   *it = chunk_item(L, item / (info->size - 1), sliced);
   *s = other_rank(item % (info->size - 1), me);
   if (!has_rank(info->linked, *s)) return false;
-  bool came = true;
-  if (lane == 0) {
-    came = wait_chunk_flags(own, L, state, info, op_id, shrink, *s, *it);
-    if constexpr (kTma) fence_proxy_async_global();
+  const uint32_t lost = wait_chunk_flags(own, L, state, info, op_id, shrink, 1u << *s, *it, lane);
+  if constexpr (kTma) {
+    if (lane == 0) fence_proxy_async_global();  // (after the warp barrier of wait_chunk_flags)
   }
-  __syncwarp();  // lane 0's acquire before every lane's reads (a shuffle gives no memory order)
-  return __shfl_sync(kFullMask, came ? 1 : 0, 0) != 0;
+  return lost == 0u;
 }
 
 // ---- row copies -----------------------------------------------------------------------------

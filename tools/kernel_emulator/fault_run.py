@@ -310,6 +310,10 @@ CASES = [
     ("dispatch dies during data, shrink, fp8", throughput_case,
      dict(R=3, T=40, H=256, K=3, E=6, dead=0, launch=3, flags=2, shrink=True, expect="either",
           dispatch_dtype="float8_e4m3fn", seed=3)),
+    # rows in 3 column slices (cuda/ep_layout.h num_slices), one flag each: it dies with some
+    # chunks' slices flagged and others not; a token must come whole or not at all
+    ("dispatch dies during data, shrink, slices", throughput_case,
+     dict(R=3, T=6, H=2304, K=3, E=6, dead=0, launch=3, flags=5, shrink=True, expect="either", seed=7)),
     ("dispatch dies in the counts exchange, shrink", throughput_case,
      dict(R=4, T=10, H=64, K=2, E=8, dead=2, launch=1, flags=1, shrink=True, expect="either", seed=5)),
     ("ll_dispatch dies before data, no shrink", ll_case,
