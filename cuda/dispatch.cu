@@ -244,15 +244,23 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
   int32_t* limit = reinterpret_cast<int32_t*>(own + layout.limit);
   int32_t* seg_off = reinterpret_cast<int32_t*>(own + layout.seg_off);
   int32_t* seg_kept = reinterpret_cast<int32_t*>(own + layout.seg_kept);
+  // Sums in registers, one shared atomic per warp: 64-bit shared atomicAdd is a CAS loop
+  // (ATOMS.CAST.SPIN.64) in which the 32 lanes of a warp on one address serialise. Sums mod 2^64
+  // (and total_rows mod 2^32) in any order: the results are those of the per-lane atomics.
+  unsigned long long own_dropped = 0ull;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     if (!has_rank(active, me) || !has_rank(active, e / local)) {  // own pairs to expert e: nowhere
       const int32_t own_pairs = __ldcg(counts + static_cast<int64_t>(me) * E + e);
-      atomicAdd(dropped, static_cast<unsigned long long>(own_pairs));
+      own_dropped += static_cast<unsigned long long>(own_pairs);
     }
   }
+  own_dropped = warp_sum(own_dropped);  // (warp-uniform: the skip below is too)
+  if ((threadIdx.x & 31) == 0 && own_dropped != 0ull) atomicAdd(dropped, own_dropped);
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int64_t carry = 0;  // rounded rows of the local experts before this group of 32
+    unsigned long long lane_dropped = 0ull;  // this lane's capacity drops and rows
+    uint32_t lane_rows = 0u;
     for (int j0 = 0; j0 < local; j0 += 32) {
       const int j = j0 + lane;
       const bool valid = j < local;
@@ -274,8 +282,14 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
       expert_counts[j] = static_cast<int32_t>(kept);
       seg_off[j] = static_cast<int32_t>(offset_c);
       seg_kept[j] = static_cast<int32_t>(kept);
-      atomicAdd(total_rows, static_cast<int32_t>(size));
-      atomicAdd(dropped, static_cast<unsigned long long>(n - kept));
+      lane_rows += static_cast<uint32_t>(size);
+      lane_dropped += static_cast<unsigned long long>(n - kept);
+    }
+    lane_rows = warp_sum(lane_rows);
+    lane_dropped = warp_sum(lane_dropped);
+    if (lane == 0) {
+      atomicAdd(total_rows, static_cast<int32_t>(lane_rows));
+      atomicAdd(dropped, lane_dropped);
     }
   }
   __syncthreads();  // seg_off / seg_kept

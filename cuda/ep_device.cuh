@@ -209,6 +209,15 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
   fence_acquire_sys();
 }
 
+// The sum of v over the 32 lanes of the warp, in every lane (every lane calls it). Integer sums
+// only (wrap-around, so the order does not matter).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
 // Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
 __device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
 
