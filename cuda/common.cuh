@@ -242,12 +242,17 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t tar
 // A kernel about to use `needed` bytes of every communication buffer checks that the runtime is
 // still alive and large enough. The host checks the same before launching; this catches CUDA
 // graphs replayed after shutdown(). Call from one thread.
-__device__ __forceinline__ void require_comm_bytes(DeviceState* state, uint64_t needed,
-                                                   int32_t op_id, int32_t rank) {
-  const uint64_t available = state->tables.comm_bytes;
+// check_comm_bytes: the same with `available` (state->tables.comm_bytes) loaded by the caller, in
+// flight with the other words of its prologue.
+__device__ __forceinline__ void check_comm_bytes(DeviceState* state, uint64_t available,
+                                                 uint64_t needed, int32_t op_id, int32_t rank) {
   if (available < needed) {
     record_fault_and_trap(state, kFaultStaleRuntime, op_id, rank, -1, -1, needed, available, 0);
   }
+}
+__device__ __forceinline__ void require_comm_bytes(DeviceState* state, uint64_t needed,
+                                                   int32_t op_id, int32_t rank) {
+  check_comm_bytes(state, state->tables.comm_bytes, needed, op_id, rank);
 }
 
 // Top-k sanitising, the one rule of every kernel (and of jax_ep.reference): slot k of a token names

@@ -244,6 +244,45 @@ static __device__ __noinline__ void mask_peer(DeviceState* state, int axis_slot,
   __threadfence_system();
 }
 
+// Bit r (r < n, r < kMaxGroupRanks): rank_mask[r] != 0, every rank when rank_mask is null. Every
+// load is issued before the first is tested (predicated, unrolled: in flight together, where a
+// test per load made a chain of them).
+__device__ __forceinline__ uint32_t requested_ranks(const int32_t* rank_mask, int n) {
+  if (rank_mask == nullptr) return n >= kMaxGroupRanks ? ~0u : n <= 0 ? 0u : (1u << n) - 1u;
+  int32_t v[kMaxGroupRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupRanks; ++r) v[r] = r < n ? rank_mask[r] : 0;
+  uint32_t bits = 0u;
+#pragma unroll
+  for (int r = 0; r < kMaxGroupRanks; ++r) bits |= v[r] != 0 ? 1u << r : 0u;
+  return bits;
+}
+
+// The prologue of a call (thread 0) reads a chain of words, each followed by a check that may trap;
+// nothing is hoisted past such a branch, so checking each word as it is loaded costs a round trip
+// per word. Instead every word whose address is valid before any check is loaded first (all in
+// flight together), the group-indexed ones after check_call_args (a second level), and then the
+// checks run in their usual order, with the same faults.
+struct CallStart {
+  int32_t rank, group;  // the device scalars
+  uint64_t comm_bytes;  // state->tables.comm_bytes
+  uint32_t ll_busy;     // state->sync.ll_busy
+  uint32_t requested;   // requested_ranks(rank_mask, group_size)
+};
+
+__device__ __forceinline__ CallStart load_call_start(DeviceState* state, const int32_t* rank_ptr,
+                                                     const int32_t* group_ptr,
+                                                     const int32_t* rank_mask,
+                                                     int32_t group_size) {
+  CallStart s;
+  s.rank = *rank_ptr;
+  s.group = *group_ptr;
+  s.comm_bytes = state->tables.comm_bytes;
+  s.ll_busy = state->sync.ll_busy;
+  s.requested = requested_ranks(rank_mask, group_size);
+  return s;
+}
+
 // Thread 0 at a call's start: the device scalars rank and group, and the sizes, are in range (a
 // kFaultBadArgument naming the op otherwise).
 __device__ __forceinline__ void check_call_args(DeviceState* state, int32_t rank, int32_t group,
@@ -256,24 +295,25 @@ __device__ __forceinline__ void check_call_args(DeviceState* state, int32_t rank
   }
 }
 
-// Thread 0, after check_call_args: the buffer is large enough and holds no low-latency data in
-// flight; bumps this device's epoch of (axis slot, group) and fills info's rank, size, group and
-// expected (epoch << 16 | directory key). Every discovery (NVLink and put transports) starts here.
-__device__ __forceinline__ void begin_group_call(DeviceState* state, int32_t rank, int32_t group,
+// Thread 0, after check_call_args (group and axis slot in range): the buffer is large enough and
+// holds no low-latency data in flight; bumps this device's epoch of (axis slot, group) and fills
+// info's rank, size, group and expected (epoch << 16 | directory key). The epoch is loaded before
+// the checks (CallStart). Every discovery (NVLink and put transports) starts here.
+__device__ __forceinline__ void begin_group_call(DeviceState* state, const CallStart& s,
                                                  int32_t group_size, int32_t axis_slot,
                                                  uint64_t needed_bytes, int32_t op_id,
                                                  OpInfo* info) {
-  require_comm_bytes(state, needed_bytes, op_id, rank);
-  if (state->sync.ll_busy != 0) {  // the low-latency data in flight shares the buffer
-    record_fault_and_trap(state, kFaultLLInFlight, op_id, rank, -1, kLLFaultThroughput, 0,
-                          state->sync.ll_busy, 0);
+  const uint64_t epoch = state->sync.group_epoch[axis_slot][s.group] + 1;
+  check_comm_bytes(state, s.comm_bytes, needed_bytes, op_id, s.rank);
+  if (s.ll_busy != 0) {  // the low-latency data in flight shares the buffer
+    record_fault_and_trap(state, kFaultLLInFlight, op_id, s.rank, -1, kLLFaultThroughput, 0,
+                          s.ll_busy, 0);
   }
-  const uint64_t epoch = state->sync.group_epoch[axis_slot][group] + 1;
-  state->sync.group_epoch[axis_slot][group] = epoch;
-  info->expected = (epoch << 16) | static_cast<uint64_t>(axis_slot * kMaxGroups + group);
-  info->rank = rank;
+  state->sync.group_epoch[axis_slot][s.group] = epoch;
+  info->expected = (epoch << 16) | static_cast<uint64_t>(axis_slot * kMaxGroups + s.group);
+  info->rank = s.rank;
   info->size = group_size;
-  info->group = group;
+  info->group = s.group;
 }
 
 // Waits until rank `peer` of the group has published its directory entry for `epoch` (it has
@@ -394,18 +434,15 @@ __device__ __forceinline__ void discover_group(DeviceState* state, const int32_t
   const int32_t group_size = fp.ranks;
   const int32_t op_id = fp.op;
   if (threadIdx.x == 0) {
-    const int32_t rank = *rank_ptr;
-    const int32_t group = *group_ptr;
-    check_call_args(state, rank, group, group_size, axis_slot, op_id);
-    begin_group_call(state, rank, group, group_size, axis_slot, needed_bytes, op_id, info);
-    uint32_t active = 0u;
-    for (int r = 0; r < group_size; ++r) {
-      if (rank_mask == nullptr || rank_mask[r] != 0) active |= 1u << r;
-    }
-    // ranks masked by an earlier timeout (a shrink-mode call) take no part until the host clears them
-    active &= ~persistent_mask(state, axis_slot, group);
+    const CallStart s = load_call_start(state, rank_ptr, group_ptr, rank_mask, group_size);
+    check_call_args(state, s.rank, s.group, group_size, axis_slot, op_id);
+    // ranks masked by an earlier timeout (a shrink-mode call) take no part until the host clears
+    // them (loaded here: in flight with begin_group_call's epoch, before its checks)
+    const uint32_t lost = persistent_mask(state, axis_slot, s.group);
+    begin_group_call(state, s, group_size, axis_slot, needed_bytes, op_id, info);
+    const uint32_t active = s.requested & ~lost;
     info->active = active;
-    info->linked = has_rank(active, rank) ? active : 1u << rank;
+    info->linked = has_rank(active, s.rank) ? active : 1u << s.rank;
     info->missed = 0u;
   }
   __syncthreads();

@@ -118,25 +118,45 @@ __device__ __forceinline__ void ll_fault(DeviceState* state, int32_t op_id, int3
 }
 
 // Thread 0 of every block: reads and checks the call (no barrier: the block's other threads work
-// meanwhile; a barrier must follow before anyone reads *call).
+// meanwhile; a barrier must follow before anyone reads *call). As discover_group (CallStart): the
+// words at fixed addresses first, all in flight together (both halves' state: which one is the
+// call's is known only from n), the group-indexed ones after the range check, then the checks in
+// order; a chain of two or three loads instead of one per check.
 template <int kOp>
 __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) {
   DeviceState* state = a.state;
   constexpr int32_t op_id = kOp == kLLOpDispatch ? kOpLLDispatch : kOpLLCombine;
+  SyncCounters& sync = state->sync;
+  const bool recv = a.mode == kLLRecv;
+  // level 1: fixed addresses
   const int32_t rank = *a.rank;
   const int32_t group = *a.group;
+  const uint64_t comm_bytes = state->tables.comm_bytes;
+  const SyncCounters::LLHalf halves[2] = {sync.ll_half[kOp][0], sync.ll_half[kOp][1]};
+  const uint32_t busy = sync.ll_busy;
+  const uint64_t busy_shape = sync.ll_busy_shape;
+  const uint32_t busy_dispatches = sync.ll_busy_dispatches;
+  const uint64_t busy_dispatch = sync.ll_busy_dispatch;
+  uint64_t epoch = 0, n = 0;
+  if (recv) {
+    epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
+    n = static_cast<uint64_t>(a.handle[2]) | (static_cast<uint64_t>(a.handle[3]) << 32);
+  }
+  const uint32_t requested = recv ? 0u : requested_ranks(a.rank_mask, a.num_ranks);
   if (rank < 0 || rank >= a.num_ranks || group < 0 || group >= kMaxGroups) {
     record_fault_and_trap(state, kFaultBadArgument, op_id, rank, -1, -1,
                           static_cast<uint64_t>(a.num_ranks), static_cast<uint64_t>(group), 0);
   }
-  require_comm_bytes(state, a.L.base.total, op_id, rank);
-  SyncCounters& sync = state->sync;
-  uint64_t epoch, n;
   uint32_t active = 0;
-  if (a.mode == kLLRecv) {
-    epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
-    n = static_cast<uint64_t>(a.handle[2]) | (static_cast<uint64_t>(a.handle[3]) << 32);
-    const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
+  if (!recv) {  // level 2: indexed by the group (in range now)
+    // ranks masked by an earlier timeout (shrink mode) take no part until the host clears them
+    active = requested & ~persistent_mask(state, a.axis_slot, group);
+    epoch = sync.group_epoch[a.axis_slot][group] + 1;
+    n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
+  }
+  check_comm_bytes(state, comm_bytes, a.L.base.total, op_id, rank);
+  const SyncCounters::LLHalf half = (n & 1) != 0 ? halves[1] : halves[0];
+  if (recv) {
     if (half.busy == 0 || half.call != n || half.epoch != epoch) {
       ll_fault(state, op_id, rank, kLLFaultStaleHandle, n, half.call);
     }
@@ -145,21 +165,12 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
     }
     active = half.active;  // the ranks its send served
   } else {
-    for (int r = 0; r < a.num_ranks; ++r) {
-      if (a.rank_mask == nullptr || a.rank_mask[r] != 0) active |= 1u << r;
-    }
-    // ranks masked by an earlier timeout (shrink mode) take no part until the host clears them
-    active &= ~persistent_mask(state, a.axis_slot, group);
-    epoch = sync.group_epoch[a.axis_slot][group] + 1;
-    n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
-    const SyncCounters::LLHalf& half = sync.ll_half[kOp][n & 1];
     if (half.busy != 0) ll_fault(state, op_id, rank, kLLFaultTooMany, n, half.call);
-    if (sync.ll_busy != 0 && sync.ll_busy_shape != shape_key(a)) {
-      ll_fault(state, op_id, rank, kLLFaultShape, shape_key(a), sync.ll_busy_shape);
+    if (busy != 0 && busy_shape != shape_key(a)) {
+      ll_fault(state, op_id, rank, kLLFaultShape, shape_key(a), busy_shape);
     }
-    if (kOp == kLLOpDispatch && sync.ll_busy_dispatches != 0 &&
-        sync.ll_busy_dispatch != dispatch_key(a)) {
-      ll_fault(state, op_id, rank, kLLFaultShape, dispatch_key(a), sync.ll_busy_dispatch);
+    if (kOp == kLLOpDispatch && busy_dispatches != 0 && busy_dispatch != dispatch_key(a)) {
+      ll_fault(state, op_id, rank, kLLFaultShape, dispatch_key(a), busy_dispatch);
     }
   }
   call->epoch = epoch;

@@ -63,13 +63,12 @@ __device__ __forceinline__ void discover_group_put(DeviceState* state, const int
   const int32_t group_size = fp.ranks;
   const int32_t op_id = fp.op;
   if (threadIdx.x == 0) {
-    const int32_t rank = *rank_ptr;
-    const int32_t group = *group_ptr;
-    check_call_args(state, rank, group, group_size, axis_slot, op_id);
+    const CallStart s = load_call_start(state, rank_ptr, group_ptr, nullptr, group_size);
+    check_call_args(state, s.rank, s.group, group_size, axis_slot, op_id);
     if (state->tables.symmetric_buffer == nullptr) {  // model 1 (refused by the handler)
-      record_fault_and_trap(state, kFaultStaleRuntime, op_id, rank, -1, -1, needed_bytes, 0, 0);
+      record_fault_and_trap(state, kFaultStaleRuntime, op_id, s.rank, -1, -1, needed_bytes, 0, 0);
     }
-    begin_group_call(state, rank, group, group_size, axis_slot, needed_bytes, op_id, info);
+    begin_group_call(state, s, group_size, axis_slot, needed_bytes, op_id, info);
   }
   __syncthreads();
   const uint64_t epoch = info->expected >> 16;
