@@ -378,7 +378,8 @@ __device__ void ll_end(const LLCommon& a, const LLCall* call, int32_t* active = 
       }
     }
   }
-  __threadfence();
+  // (no fence after these stores: nothing follows them in this thread for a fence to order them
+  // before, and they are read only by later kernels, which the kernel boundary orders after them)
 }
 
 // A warp copies `bytes` (a multiple of 16, at most kLLPieceBytes) from src to dst, every load in
