@@ -28,7 +28,12 @@
 //    combine: warps take (token, 512-element chunk) items; lanes k < K wait for the flags of the
 //      chunk's piece of the token's used slots (weight != 0), then every lane sums its 16 elements
 //      over k in top-k order in float32 (no FMA), skipping weight-0 slots, and stores bf16.
-//  end: the last block to finish publishes the call: group epoch, call count, the half's state.
+//    dispatch's handle slots (topk_weights, dest_rank [T, K], num_dropped): lanes k < K of warp 0
+//      write them for the block's tokens as the call's ranks keep them (the receive of a two-phase
+//      call copies its send's), the blocks' dropped counts add up in SyncCounters::ll_dropped.
+//  end: the last block to finish publishes the call: group epoch, call count, the half's state;
+//    for dispatch also `active`, num_dropped, and, only where a rank was masked during the call
+//    (shrink mode), the handle slots of the pairs to it dropped (one pass of the block).
 //
 // Flags are raised with release stores (fence.acq_rel.sys + a relaxed store: no sequentially
 // consistent MEMBAR.SC.SYS) and polled with relaxed loads, a growing pause between them, then one
@@ -57,6 +62,9 @@ struct LLCall {
   int32_t rank, group, key, half;
   uint32_t active;                   // bit r: rank r takes part (rank masking; kMaxGroupRanks 32)
   uint32_t missed;                   // shrink mode: peers this block gave up waiting for
+  int32_t last;                      // ll_end: this block is the last to finish
+  uint32_t lost;                     // ll_end, last block: ranks masked during the call
+  int32_t dropped;                   // ll_end, last block: the call's dropped pairs
   OpFingerprint fp;                  // the call's config fingerprint (ll_fingerprint)
   int32_t ordinals[kMaxGroupRanks];  // slot of each rank (after discovery)
   char* peers[kMaxGroupRanks];       // rank r's communication buffer (after discovery)
@@ -339,23 +347,71 @@ __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, in
   return load_acquire_sys(flag);
 }
 
+// The last block of a dispatch (fused / recv), every thread, where ranks were masked during the
+// call (call->lost): the pairs kept so far (`kept`: this kernel's dest_rank, or its send's) whose
+// rank, or this rank, is among them are dropped after all; counted in call->dropped.
+__device__ void ll_drop_lost(const LLDispatchLaunch& d, LLCall* call, const int32_t* kept) {
+  const int pairs = d.c.num_tokens * d.c.num_topk;
+  const bool all = has_rank(call->lost, call->rank);
+  int dropped = 0;
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int32_t dest = __ldcg(kept + i);  // (L2: written by other blocks, fenced)
+    if (dest >= 0 && (all || has_rank(call->lost, dest))) {
+      d.weights[i] = 0.f;
+      d.dest_rank[i] = -1;
+      ++dropped;
+    }
+  }
+  if (dropped != 0) atomicAdd(&call->dropped, dropped);
+  __syncthreads();
+}
+
 // Every thread, end of the kernel: the last block to finish publishes the call, and (a receiving
 // dispatch) writes `active` [R]: the ranks that took part, less those masked persistently by now
 // (shrink mode: a source that died in this call, whose data did not all come; the handle then
-// drops the pairs sent to it, and num_dropped counts them, as if it had been masked).
+// drops the pairs sent to it, and num_dropped counts them, as if it had been masked). A dispatch
+// (`d`) adds this block's `dropped` pairs (thread 0's) to the call's; its last block writes
+// num_dropped, after correcting the handle's slots where a rank was masked during the call.
 template <int kOp>
-__device__ void ll_end(const LLCommon& a, const LLCall* call, int32_t* active = nullptr) {
+__device__ void ll_end(const LLCommon& a, LLCall* call, const LLDispatchLaunch* d = nullptr,
+                       int dropped = 0) {
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  SyncCounters& sync = a.state->sync;
-  __threadfence();
-  const unsigned done = atomicAdd(&sync.ll_blocks_done, 1u);
-  if (done + 1 != gridDim.x) return;
-  sync.ll_blocks_done = 0;
-  if (active != nullptr) {  // every block's masking is done (each fenced before its atomicAdd)
-    const uint32_t lost = persistent_mask(a.state, a.axis_slot, call->group);
-    for (int r = 0; r < a.num_ranks; ++r) active[r] = is_active(call, r) && !has_rank(lost, r) ? 1 : 0;
+  if (threadIdx.x == 0) {
+    SyncCounters& sync = a.state->sync;
+    if (d != nullptr && dropped != 0) atomicAdd(&sync.ll_dropped, static_cast<uint32_t>(dropped));
+    __threadfence();
+    const unsigned done = atomicAdd(&sync.ll_blocks_done, 1u);
+    call->last = done + 1 == gridDim.x ? 1 : 0;
+    if (call->last) {
+      sync.ll_blocks_done = 0;
+      __threadfence();  // (the other blocks' slots before this block's reads of them)
+      if (d != nullptr) {
+        // every block's masking and adds are done (each fenced before its atomicAdd); the count
+        // is read at L2 (an atomic) and cleared for the next call, as ll_blocks_done
+        call->dropped = a.mode == kLLRecv ? __ldg(d->sent_dropped)
+                                          : static_cast<int32_t>(atomicAdd(&sync.ll_dropped, 0u));
+        sync.ll_dropped = 0;
+        const uint32_t lost = persistent_mask(a.state, a.axis_slot, call->group);
+        call->lost = a.mode == kLLSend ? 0u : call->active & lost;
+        if (a.mode != kLLSend) {
+          for (int r = 0; r < a.num_ranks; ++r) {
+            d->active[r] = is_active(call, r) && !has_rank(lost, r) ? 1 : 0;
+          }
+        }
+      }
+    }
   }
+  if (d == nullptr) {  // (combine: uniform over the block, no barrier needed before returning)
+    if (threadIdx.x != 0) return;
+  } else {
+    __syncthreads();
+    if (!call->last) return;
+    if (call->lost != 0u) ll_drop_lost(*d, call, a.mode == kLLRecv ? d->sent_dest : d->dest_rank);
+    if (threadIdx.x != 0) return;
+    *d->num_dropped = call->dropped;
+  }
+  if (!call->last) return;
+  SyncCounters& sync = a.state->sync;
   SyncCounters::LLHalf& half = sync.ll_half[kOp][call->half];
   if (a.mode == kLLRecv) {
     half.busy = 0;
@@ -497,11 +553,30 @@ __device__ __forceinline__ void fill_table(const LLDispatchLaunch& p, const LLSh
   }
 }
 
+// Lane k < K of warp 0, for token t of its block: the handle's slot (t, k) as the call's ranks
+// keep it (dest: the expert's rank where the pair is sent, else -1; e: the sanitised id). Returns
+// 1 where a used pair is dropped.
+__device__ __forceinline__ int write_handle_slot(const LLDispatchLaunch& p, int t, int k, int32_t e,
+                                                 int dest) {
+  const int64_t i = static_cast<int64_t>(t) * p.c.num_topk + k;
+  p.weights[i] = dest >= 0 ? __ldg(p.topk_weights + i) : 0.f;
+  p.dest_rank[i] = dest;
+  return e >= 0 && dest < 0 ? 1 : 0;
+}
+
+// Warp 0: the sum of its lanes' counts, in every lane.
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
 // After the table and the call (a barrier since both): publishes the entry, prepares this warp's
 // first steps of the block's first token while the peers' entries arrive, then sends the counts and
-// the block's tokens.
+// the block's tokens, and writes their handle slots (lanes k < K of warp 0). Returns the block's
+// dropped pairs (warp 0's lanes; 0 elsewhere).
 template <bool kXF32, int kRow>
-__device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
+__device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const LLCommon& a = p.c;
   const LLLayout& L = a.L;
   LLCall* call = s.call;
@@ -527,8 +602,18 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     }
   }
   const int me = call->rank;
-  // A masked rank sends nothing (it needs no peer, so it waits for none).
-  if (!is_active(call, me)) return;
+  int dropped = 0;
+  // A masked rank sends nothing (it needs no peer, so it waits for none): every used pair dropped.
+  if (!is_active(call, me)) {
+    if (warp != 0) return 0;
+    for (int t = t0; t < T; t += gridDim.x) {
+      if (lane < K) {
+        const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
+        dropped += write_handle_slot(p, t, lane, e, -1);
+      }
+    }
+    return warp_sum(dropped);
+  }
   ll_discover(a, call);
 
   const uint64_t tag = call_tag(call);
@@ -549,8 +634,9 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     char* my_dst = nullptr;
     int64_t block_slot = 0;
     int dest = 0;
+    int32_t e = -1;
     if (lane < K) {
-      const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
+      e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
       if (e >= 0 && is_active(call, e / local)) {  // a pair to a masked rank is dropped
         const uint32_t* row = s.bits + e * words;
         int i = __popc(row[t / 32] & ((1u << (t & 31)) - 1u));
@@ -561,6 +647,9 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       }
     }
     const uint32_t dst_mask = __ballot_sync(kFullMask, my_dst != nullptr);
+    if (warp == 0 && lane < K) {
+      dropped += write_handle_slot(p, t, lane, e, my_dst != nullptr ? dest : -1);
+    }
     const char* x_row = x + t * x_row_bytes;
     for (int s0 = warp; s0 < steps; s0 += 2 * kWarps) {
       SendStep step[2];
@@ -584,6 +673,7 @@ __device__ void dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       release_store_sys(reinterpret_cast<uint64_t*>(peer + L.slot_flags + half) + block_slot, tag);
     }
   }
+  return warp == 0 ? warp_sum(dropped) : 0;
 }
 
 // Receive: virtual warps v = gw, gw + W, ... < V = max(W, P) (W warps, P = E_local * R pairs);
@@ -662,7 +752,16 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
   if (threadIdx.x == 0) ll_read_call<kLLOpDispatch>(p.c, kRow, s.call);
   if constexpr (kMode != kLLRecv) fill_table(p, s, 1);  // meanwhile
   __syncthreads();
-  if constexpr (kMode != kLLRecv) dispatch_send<kXF32, kRow>(p, s);
+  int dropped = 0;
+  if constexpr (kMode != kLLRecv) {
+    dropped = dispatch_send<kXF32, kRow>(p, s);
+  } else {  // the handle's slots as the send wrote them (the last block corrects them if need be)
+    const int pairs = p.c.num_tokens * p.c.num_topk;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x) {
+      p.weights[i] = __ldg(p.sent_weights + i);
+      p.dest_rank[i] = __ldg(p.sent_dest + i);
+    }
+  }
   if constexpr (kMode == kLLSend) {
     if (blockIdx.x == 0 && threadIdx.x < 4) {
       const uint64_t v = threadIdx.x < 2 ? s.call->epoch : s.call->call;
@@ -670,7 +769,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
     }
   }
   if constexpr (kMode != kLLSend) dispatch_recv<kRow>(p, s);
-  ll_end<kLLOpDispatch>(p.c, s.call, kMode != kLLSend ? p.active : nullptr);
+  ll_end<kLLOpDispatch>(p.c, s.call, &p, dropped);
 }
 
 // ---- combine -------------------------------------------------------------------------------

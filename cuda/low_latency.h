@@ -140,17 +140,32 @@ JAX_EP_HOST_DEVICE inline OpFingerprint ll_fingerprint(const LLCommon& c, int32_
 
 // ll_dispatch: x [T, H] (x_kind: bf16 or f32) -> rows [E_local, R * T, H] (row_kind: bf16 or
 // fp8), scales [E_local, R * T, H / 128] (fp8), counts [E_local, R], src_slot [E_local, R * T].
-// kLLSend reads x and topk_idx only; kLLRecv writes the outputs only.
+// kLLSend reads x, topk_idx and topk_weights and writes the handle's slots as it sees them;
+// kLLRecv reads those (sent_*) and writes the outputs.
+//
+// The handle's slots (every mode): weights [T, K] float32 (topk_weights where the pair is kept,
+// else +0), dest_rank [T, K] (the expert's rank where kept, else -1), num_dropped [] (the used
+// pairs not kept). A pair is kept when its sanitised id is used and its rank and this rank are in
+// `active` as the call ends (reference.ll_dispatch). The blocks that send a token write its slots
+// with the call's ranks (after the shrink agreement); the last block corrects them only where a
+// rank was masked during the call (shrink mode: rare), so the common case adds no pass.
 struct LLDispatchLaunch {
   LLCommon c;
   const void* x;
-  const int32_t* topk_idx;  // [T, K]
+  const int32_t* topk_idx;     // [T, K]
+  const float* topk_weights;   // [T, K] (fused / send)
+  const float* sent_weights;   // [T, K] (recv): its send's weights, dest_rank and num_dropped
+  const int32_t* sent_dest;    // [T, K] (recv)
+  const int32_t* sent_dropped; // [] (recv)
   void* rows;
   float* scales;
   int32_t* counts;
   int32_t* src_slot;
   int32_t* active;  // [R] (fused / recv): 1 where rank r took part in the call, else 0 (0 also
                     // for a rank masked during it: shrink mode, its data did not all come)
+  float* weights;          // [T, K] (every mode): the handle's slots, above
+  int32_t* dest_rank;      // [T, K]
+  int32_t* num_dropped;    // []
   int32_t x_kind;
   int32_t row_kind;
 };

@@ -542,23 +542,15 @@ def _ll_mask_operand(rank_mask, ep_size: int) -> jax.Array:
     return reference.ll_active(rank_mask, ep_size).astype(jnp.int32)
 
 
-def _ll_used(topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig, ep_size: int):
-    """The send's view of the routing: weights (0 where unused) and each used slot's rank (-1)."""
-    idx = reference.sanitize_topk(topk_idx, cfg.num_experts)
-    weights = jnp.where(idx >= 0, topk_weights.astype(jnp.float32), 0.0)
-    dest = reference.ll_dest_rank(idx, jnp.ones((ep_size,), jnp.bool_), cfg.num_local_experts(ep_size), 0)
-    return weights, dest
+def _ll_slot_types(out: LLDispatched) -> tuple:
+    """The handle's slots every ll_dispatch kernel writes: topk_weights, dest_rank, num_dropped."""
+    return out.handle.topk_weights, out.handle.dest_rank, out.num_dropped
 
 
-def _ll_dispatched(rows, scales, counts, src_slot, active, weights, dest, axis) -> LLDispatched:
-    """LLDispatched from the kernel's outputs: the handle keeps the slots the call sent (their ranks,
-    this one included, in the kernel's `active`), the others are dropped and counted."""
-    me = lax.axis_index(axis)
-    keep = (dest >= 0) & (active[jnp.maximum(dest, 0)] != 0) & (active[me] != 0)
-    dest_rank = jnp.where(keep, dest, -1)
-    num_dropped = jnp.sum((dest >= 0) & ~keep, dtype=jnp.int32)
-    return LLDispatched(rows, scales, counts, LLHandle(src_slot, jnp.where(keep, weights, 0.0), dest_rank),
-                        num_dropped, active)
+def _ll_dispatched(rows, scales, counts, src_slot, active, weights, dest, dropped) -> LLDispatched:
+    """LLDispatched from a receiving kernel's outputs (it writes the handle's slots itself: the
+    pairs it kept, their weights, and the dropped ones counted, as reference.ll_dispatch)."""
+    return LLDispatched(rows, scales, counts, LLHandle(src_slot, weights, dest), dropped, active)
 
 
 def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
@@ -572,15 +564,15 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
     rank, group, axis_slot = _group_of(axis)
     mask = _ll_mask_operand(rank_mask, ep_size)
-    outputs = _call("ll_dispatch", (out.x, scales, out.counts, out.handle.src_slot, out.rank_mask), x,
-                    topk_idx, mask, rank, group,
+    weights = topk_weights.astype(jnp.float32)  # (a no-op for float32 weights)
+    outputs = _call("ll_dispatch", (out.x, scales, out.counts, out.handle.src_slot, out.rank_mask,
+                                    *_ll_slot_types(out)), x, topk_idx, weights, mask, rank, group,
                     **_attrs("ll_dispatch", cfg, ep_size, axis_slot, tokens, hidden,
                              row_bytes=hidden * out.x.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
                              num_experts=cfg.num_experts))
-    rows, scales, counts, src_slot, active = _vary_all(outputs, axis, x, topk_idx, mask)
-    weights, dest = _ll_used(topk_idx, topk_weights, cfg, ep_size)
-    return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, weights, dest, axis)
+    rows, scales, counts, src_slot, active, *slots = _vary_all(outputs, axis, x, topk_idx, weights, mask)
+    return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, *slots)
 
 
 def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
@@ -618,12 +610,16 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     tokens = x.shape[0]
     rank, group, axis_slot = _group_of(axis)
     mask = _ll_mask_operand(rank_mask, ep_size)
-    # on NVLink the send's own warps move the data: it overlaps other work only from another stream
-    token = _call("ll_dispatch_send", _LL_TOKEN, x, topk_idx, mask, rank, group,
-                  stream=cfg.kernel.async_stream,
-                  **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, cfg.wire_dtype(x.dtype)))
-    weights, dest = _ll_used(topk_idx, topk_weights, cfg, ep_size)
-    return LLDispatchPending(_vary_all(token, axis, x, topk_idx, mask), weights, dest)
+    weights = topk_weights.astype(jnp.float32)  # (a no-op for float32 weights)
+    out = types.ll_dispatch_types(tokens, x.dtype, cfg, ep_size)
+    # on NVLink the send's own warps move the data: it overlaps other work only from another stream;
+    # it also writes the handle's slots as its ranks keep them (the receive drops those of a rank
+    # masked in between)
+    outputs = _call("ll_dispatch_send", (_LL_TOKEN, *_ll_slot_types(out)), x, topk_idx, weights, mask,
+                    rank, group, stream=cfg.kernel.async_stream,
+                    **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, cfg.wire_dtype(x.dtype)))
+    token, sent_weights, sent_dest, sent_dropped = _vary_all(outputs, axis, x, topk_idx, weights, mask)
+    return LLDispatchPending(token, sent_weights, sent_dest, sent_dropped)
 
 
 def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
@@ -636,12 +632,12 @@ def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
     fp8 = out.scales is not None
     scales = out.scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32)
     rank, group, axis_slot = _group_of(axis)
-    outputs = _call("ll_dispatch_recv", (out.x, scales, out.counts, out.handle.src_slot, out.rank_mask),
-                    pending.token, rank, group,
+    sent = (pending.token, pending.topk_weights, pending.dest_rank, pending.num_dropped)
+    outputs = _call("ll_dispatch_recv", (out.x, scales, out.counts, out.handle.src_slot, out.rank_mask,
+                                         *_ll_slot_types(out)), *sent, rank, group,
                     **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, out.x.dtype))
-    rows, scales, counts, src_slot, active = _vary_all(outputs, axis, pending.token)
-    return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, pending.topk_weights,
-                          pending.dest_rank, axis)
+    rows, scales, counts, src_slot, active, *slots = _vary_all(outputs, axis, *sent)
+    return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, *slots)
 
 
 def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,

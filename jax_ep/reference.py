@@ -618,10 +618,11 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     """ll_dispatch's first phase: keeps the inputs (nothing moves until ll_dispatch_recv)."""
     ep_size = lax.axis_size(cfg.axis_name)
     idx = sanitize_topk(topk_idx, cfg.num_experts)
-    weights = jnp.where(idx >= 0, topk_weights.astype(jnp.float32), 0.0)
-    dest = ll_dest_rank(idx, ll_active(None, ep_size), cfg.num_local_experts(ep_size), 0)
-    return LLDispatchPending(jnp.zeros((4,), jnp.uint32), weights, dest, x, topk_idx,
-                             ll_active(rank_mask, ep_size))
+    active = ll_active(rank_mask, ep_size)
+    dest = ll_dest_rank(idx, active, cfg.num_local_experts(ep_size), lax.axis_index(cfg.axis_name))
+    weights = jnp.where(dest >= 0, topk_weights.astype(jnp.float32), 0.0)
+    dropped = jnp.sum((idx >= 0) & (dest < 0), dtype=jnp.int32)
+    return LLDispatchPending(jnp.zeros((4,), jnp.uint32), weights, dest, dropped, x, topk_idx, active)
 
 
 def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:

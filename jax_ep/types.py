@@ -115,8 +115,11 @@ class LLDispatchPending(NamedTuple):
     receive it exactly once; at most two sends of an op may be pending at a time (see docs/api.md)."""
 
     token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
-    topk_weights: jax.Array        # [T, K] float32: 0 where the sanitised id is unused
-    dest_rank: jax.Array           # [T, K] int32: the rank of each used slot's expert, -1 where unused
+    # the handle's slots as the send keeps them (its rank mask; the receive also drops the pairs of a
+    # rank masked during the call, shrink mode): as LLHandle's, and LLDispatched's num_dropped
+    topk_weights: jax.Array        # [T, K] float32: 0 where the pair is not sent
+    dest_rank: jax.Array           # [T, K] int32: the rank of each sent pair's expert, -1 elsewhere
+    num_dropped: jax.Array         # [] int32: the used pairs not sent
     x: jax.Array | None = None     # reference path only: the tokens (its send is bookkeeping)
     topk_idx: jax.Array | None = None
     rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])

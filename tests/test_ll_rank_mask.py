@@ -214,11 +214,39 @@ def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
         f"tensor<{tokens}x{K}xi32>, {group}"), calls["jax_ep_ll_combine"]
     assert calls["jax_ep_ll_combine_recv"].split(":")[-1].split("->")[0].rstrip(" )").endswith(
         f"tensor<{tokens}x{K}xi32>, tensor<i32>, tensor<i32>"), calls["jax_ep_ll_combine_recv"]
-    for name in ("jax_ep_ll_dispatch", "jax_ep_ll_dispatch_recv"):
+    for name in ("jax_ep_ll_dispatch", "jax_ep_ll_dispatch_recv"):  # active, then the handle's slots
         results = calls[name].split("->")[-1]
-        assert results.rstrip(" )").endswith(f"tensor<{ep_size}xi32>"), calls[name]
+        slots = f"tensor<{tokens}x{K}xf32>, tensor<{tokens}x{K}xi32>, tensor<i32>"
+        assert results.rstrip(" )").endswith(f"tensor<{ep_size}xi32>, {slots}"), calls[name]
     for line in calls.values():
         assert "shrink = 1" in line, line
+
+
+def test_cuda_ll_dispatch_is_only_its_custom_call(monkeypatch):
+    """backend='cuda': the kernels write the handle's topk_weights, dest_rank and num_dropped, so
+    ll_dispatch (fused, and send + recv) lowers to its custom calls and nothing that computes them
+    (no select, reduce or compare: the sanitised routing, the keep mask and the dropped count), and
+    the send hands its slots and count to the receive."""
+    _stub_runtime(monkeypatch)
+    ep_size, tokens = 2, 5
+    cfg = BF16.replace(backend="cuda")
+
+    def body(x, idx, w):
+        d = jax_ep.ll_dispatch(x, idx, w, cfg)
+        d2 = jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, cfg), cfg)
+        return d.handle.topk_weights, d.handle.dest_rank, d.num_dropped, d2.handle.topk_weights, \
+            d2.handle.dest_rank, d2.num_dropped
+
+    rng = np.random.default_rng(5)
+    x, idx, w = inputs(rng, ep_size, tokens, "bfloat16")
+    text = per_rank(body, ep_size).lower(x, idx, w.astype(np.float32)).as_text()
+    for op in ("stablehlo.select", "stablehlo.reduce", "stablehlo.compare"):
+        assert op not in text, [line for line in text.splitlines() if op in line][:3]
+    calls = {line.split("@")[1].split("(")[0]: line for line in text.splitlines()
+             if "stablehlo.custom_call @jax_ep" in line}
+    slots = f"tensor<{tokens}x{K}xf32>, tensor<{tokens}x{K}xi32>, tensor<i32>"
+    assert calls["jax_ep_ll_dispatch_send"].split("->")[-1].rstrip(" )").endswith(slots)
+    assert f"tensor<4xui32>, {slots}" in calls["jax_ep_ll_dispatch_recv"].split("->")[0]
 
 
 def test_moe_decode_passes_the_mask_to_the_cuda_ops(monkeypatch):

@@ -1110,15 +1110,56 @@ ffi::Error CheckLLDestRank(const char* op, const EPAttrs& a, ffi::Buffer<ffi::S3
   return ffi::Error::Success();
 }
 
+// An ll_dispatch call's [T, K] routing operand or handle slot array (`what` names it).
+ffi::Error CheckLLPairs(const char* op, const EPAttrs& a, const char* what,
+                        ffi::Span<const int64_t> dims) {
+  if (!IsShape(dims, {a.num_tokens, a.num_topk})) {
+    return Invalid(op, std::string(what) + " " + DimsToString(dims) + " must be [T, K], T=" +
+                           std::to_string(a.num_tokens) + ", K=" + std::to_string(a.num_topk));
+  }
+  return ffi::Error::Success();
+}
+
+// The handle slots every ll_dispatch kernel writes: weights f32 [T, K], dest_rank s32 [T, K],
+// num_dropped s32 [].
+ffi::Error SetLLHandleSlots(const char* op, const EPAttrs& a, LLDispatchLaunch* launch,
+                            ffi::ResultBuffer<ffi::F32>& weights,
+                            ffi::ResultBuffer<ffi::S32>& dest_rank,
+                            ffi::ResultBuffer<ffi::S32>& num_dropped) {
+  if (ffi::Error error = CheckLLPairs(op, a, "the topk_weights output", weights->dimensions());
+      !error.success()) {
+    return error;
+  }
+  if (ffi::Error error = CheckLLPairs(op, a, "the dest_rank output", dest_rank->dimensions());
+      !error.success()) {
+    return error;
+  }
+  if (num_dropped->element_count() != 1) return Invalid(op, "num_dropped must be a scalar");
+  launch->weights = weights->typed_data();
+  launch->dest_rank = dest_rank->typed_data();
+  launch->num_dropped = num_dropped->typed_data();
+  return ffi::Error::Success();
+}
+
 // The handle between a _send and its _recv: uint32 [4] (epoch, call; low then high words).
 ffi::Error CheckLLHandle(const char* op, ffi::Span<const int64_t> dims) {
   if (!IsShape(dims, {4})) return Invalid(op, "the handle must be uint32[4], got " + DimsToString(dims));
   return ffi::Error::Success();
 }
 
-// ll_dispatch's inputs x [T, H] (bf16 / f32) and topk_idx [T, K].
+// ll_dispatch's inputs x [T, H] (bf16 / f32), topk_idx [T, K] and topk_weights f32 [T, K]; sets
+// their launch fields.
 ffi::Error CheckLLDispatchInputs(const char* op, const EPAttrs& a, ffi::AnyBuffer x,
-                                 ffi::Buffer<ffi::S32> topk_idx, int32_t* x_kind) {
+                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                 LLDispatchLaunch* launch) {
+  if (ffi::Error error = CheckLLPairs(op, a, "topk_weights", topk_weights.dimensions());
+      !error.success()) {
+    return error;
+  }
+  launch->x = x.untyped_data();
+  launch->topk_idx = topk_idx.typed_data();
+  launch->topk_weights = topk_weights.typed_data();
+  int32_t* x_kind = &launch->x_kind;
   if (!RowKindOf(x.element_type(), x_kind) || *x_kind == kRowFP8) {
     return Invalid(op, "x must be bfloat16 or float32");
   }
@@ -1229,15 +1270,21 @@ ffi::Error RunLL(const char* op, const char* what, CallCounters& counters, cudaS
 
 ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                           ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                          ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                          ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
-                          ffi::ResultBuffer<ffi::F32> scales, ffi::ResultBuffer<ffi::S32> counts,
-                          ffi::ResultBuffer<ffi::S32> src_slot,
-                          ffi::ResultBuffer<ffi::S32> active) {
+                          ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank_mask,
+                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                          ffi::Result<ffi::AnyBuffer> rows, ffi::ResultBuffer<ffi::F32> scales,
+                          ffi::ResultBuffer<ffi::S32> counts, ffi::ResultBuffer<ffi::S32> src_slot,
+                          ffi::ResultBuffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> weights,
+                          ffi::ResultBuffer<ffi::S32> dest_rank,
+                          ffi::ResultBuffer<ffi::S32> num_dropped) {
   constexpr const char* kOp = kLLDispatchTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
+    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, topk_weights, &launch);
+        !error.success()) {
+      return error;
+    }
+    if (ffi::Error error = SetLLHandleSlots(kOp, a, &launch, weights, dest_rank, num_dropped);
         !error.success()) {
       return error;
     }
@@ -1248,8 +1295,6 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
     }
     if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     if (ffi::Error error = CheckLLActive(kOp, a, active); !error.success()) return error;
-    launch.x = x.untyped_data();
-    launch.topk_idx = topk_idx.typed_data();
     SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
     launch.active = active->typed_data();
     return ffi::Error::Success();
@@ -1261,12 +1306,20 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
 
 ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                               ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                              ffi::Buffer<ffi::F32> topk_weights,
                               ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                              ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> handle) {
+                              ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> handle,
+                              ffi::ResultBuffer<ffi::F32> weights,
+                              ffi::ResultBuffer<ffi::S32> dest_rank,
+                              ffi::ResultBuffer<ffi::S32> num_dropped) {
   constexpr const char* kOp = kLLDispatchSendTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, &launch.x_kind);
+    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, topk_weights, &launch);
+        !error.success()) {
+      return error;
+    }
+    if (ffi::Error error = SetLLHandleSlots(kOp, a, &launch, weights, dest_rank, num_dropped);
         !error.success()) {
       return error;
     }
@@ -1274,8 +1327,6 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
       return error;
     }
     if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
-    launch.x = x.untyped_data();
-    launch.topk_idx = topk_idx.typed_data();
     return ffi::Error::Success();
   };
   launch.c.rank_mask = rank_mask.typed_data();
@@ -1284,16 +1335,37 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
 }
 
 ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
-                              ffi::Buffer<ffi::U32> handle, ffi::Buffer<ffi::S32> rank,
-                              ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> rows,
+                              ffi::Buffer<ffi::U32> handle, ffi::Buffer<ffi::F32> sent_weights,
+                              ffi::Buffer<ffi::S32> sent_dest, ffi::Buffer<ffi::S32> sent_dropped,
+                              ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                              ffi::Result<ffi::AnyBuffer> rows,
                               ffi::ResultBuffer<ffi::F32> scales,
                               ffi::ResultBuffer<ffi::S32> counts,
                               ffi::ResultBuffer<ffi::S32> src_slot,
-                              ffi::ResultBuffer<ffi::S32> active) {
+                              ffi::ResultBuffer<ffi::S32> active,
+                              ffi::ResultBuffer<ffi::F32> weights,
+                              ffi::ResultBuffer<ffi::S32> dest_rank,
+                              ffi::ResultBuffer<ffi::S32> num_dropped) {
   constexpr const char* kOp = kLLDispatchRecvTarget;
   LLDispatchLaunch launch{};
   launch.x_kind = kRowBF16;  // x is the send's
   auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error = CheckLLPairs(kOp, a, "the send's topk_weights", sent_weights.dimensions());
+        !error.success()) {
+      return error;
+    }
+    if (ffi::Error error = CheckLLPairs(kOp, a, "the send's dest_rank", sent_dest.dimensions());
+        !error.success()) {
+      return error;
+    }
+    if (sent_dropped.element_count() != 1) return Invalid(kOp, "the send's num_dropped must be a scalar");
+    launch.sent_weights = sent_weights.typed_data();
+    launch.sent_dest = sent_dest.typed_data();
+    launch.sent_dropped = sent_dropped.typed_data();
+    if (ffi::Error error = SetLLHandleSlots(kOp, a, &launch, weights, dest_rank, num_dropped);
+        !error.success()) {
+      return error;
+    }
     if (ffi::Error error =
             CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
         !error.success()) {
@@ -1633,28 +1705,42 @@ JAX_EP_LL_INSTANTIATE(JaxEpLLCombineRecvInstantiate, kLLCombineRecvTarget, false
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
                                                   ffi::Buffer<ffi::S32>,     // topk_idx
+                                                  ffi::Buffer<ffi::F32>,     // topk_weights
                                                   ffi::Buffer<ffi::S32>>()   // rank_mask
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // counts
                                    .Ret<ffi::Buffer<ffi::S32>>()             // src_slot
-                                   .Ret<ffi::Buffer<ffi::S32>>()),           // rank_mask (active)
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // rank_mask (active)
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights (handle)
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // dest_rank
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // num_dropped
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::LLDispatchSendImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
                                                   ffi::Buffer<ffi::S32>,     // topk_idx
+                                                  ffi::Buffer<ffi::F32>,     // topk_weights
                                                   ffi::Buffer<ffi::S32>>()   // rank_mask
-                                   .Ret<ffi::Buffer<ffi::U32>>()),           // handle
+                                   .Ret<ffi::Buffer<ffi::U32>>()             // handle
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights (sent)
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // dest_rank (sent)
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // num_dropped (sent)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchRecv, jax_ep::LLDispatchRecvImpl,
-                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>>()   // handle
+                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,     // handle
+                                                  ffi::Buffer<ffi::F32>,     // topk_weights (sent)
+                                                  ffi::Buffer<ffi::S32>,     // dest_rank (sent)
+                                                  ffi::Buffer<ffi::S32>>()   // num_dropped (sent)
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // counts
                                    .Ret<ffi::Buffer<ffi::S32>>()             // src_slot
-                                   .Ret<ffi::Buffer<ffi::S32>>()),           // rank_mask (active)
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // rank_mask (active)
+                                   .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights
+                                   .Ret<ffi::Buffer<ffi::S32>>()             // dest_rank
+                                   .Ret<ffi::Buffer<ffi::S32>>()),           // num_dropped
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::LLCombineImpl,

@@ -246,7 +246,7 @@ def ll_case(name, *, R, T, H, K, E, dead, shrink, expect, timeout_s=2.0, reps=2,
         d_ref, out_ref = ll_run.reference_outputs(R, T, K, E, H, wire, x, idx, w, y, lost)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(R):
-            for nm, a in (("x", x[r]), ("idx", idx[r]), ("y", y[r])):
+            for nm, a in (("x", x[r]), ("idx", idx[r]), ("tw", w[r]), ("y", y[r])):
                 np.ascontiguousarray(a).tofile(os.path.join(tmp, f"{nm}{r}.bin"))
         for rep in range(reps):  # the kernels see all-ones masks; the combine the masked handle
             ll_run.write_rep_inputs(tmp, rep, np.ones(R, np.int32), d_ref)
@@ -285,6 +285,11 @@ def ll_case(name, *, R, T, H, K, E, dead, shrink, expect, timeout_s=2.0, reps=2,
                                            np.asarray(d_ref.x[r])[filled].view(np.uint8)),
                     "ll_combine": np.array_equal(got("out", ml_dtypes.bfloat16, (T, H)).view(np.uint16),
                                                  np.asarray(out_ref[r]).view(np.uint16)),
+                    # the handle's slots: the pairs sent to the rank that died in the call dropped
+                    "topk_weights": np.array_equal(got("hw", np.float32, (T, K)).view(np.uint32),
+                                                   np.asarray(d_ref.handle.topk_weights[r]).view(np.uint32)),
+                    "dest_rank": np.array_equal(got("hdest", np.int32, (T, K)), d_ref.handle.dest_rank[r]),
+                    "num_dropped": int(got("hdropped", np.int32, ())[()]) == int(d_ref.num_dropped[r]),
                 }
                 if not all(checks.values()):
                     print(f"  MISMATCH {name} rank {r} rep {rep}: {[k for k, v in checks.items() if not v]}")

@@ -5,8 +5,10 @@
 //
 //   ll_driver <dir> R T H K E x_kind row_kind reps blocks mode [mismatch]
 //
-// Repetition i runs with the rank mask mask_<i>.bin (int32 [R]) and combines with the handle's
-// weights w<rank>_<i>.bin and ranks dest<rank>_<i>.bin (the reference's for that mask).
+// Repetition i runs with the rank mask mask_<i>.bin (int32 [R]), dispatches with the routing
+// idx<rank>.bin and weights tw<rank>.bin, and combines with the handle's weights w<rank>_<i>.bin and
+// ranks dest<rank>_<i>.bin (the reference's for that mask). The dispatch's own handle slots are
+// written to hw / hdest / hdropped<rank>_<i>.bin (a two-phase send's go to its receive).
 // mode 0: each repetition fused ll_dispatch then fused ll_combine; 1: each in two phases (send,
 // receive); 2: two repetitions in flight at once (both sends, then both receives, per op);
 // 3: three two-phase dispatch sends in a row (must fault: at most two in flight);
@@ -109,7 +111,7 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, bo
       w(size_t(s.T) * s.K * 4 + 16), rows(slots * s.H * 2 + 16),
       scales(slots * (s.H / 128 + 1) * 4 + 16), counts(size_t(s.E) * 4 + 16),
       src(slots * 4 + 16), out(size_t(s.T) * s.H * 2 + 16), active(size_t(s.R) * 4 + 16),
-      dest(size_t(s.T) * s.K * 4 + 16);
+      dest(size_t(s.T) * s.K * 4 + 16), handle_w(size_t(s.T) * s.K * 4 + 16), dropped(16);
   LLCommon c{};
   c.state = state;
   c.rank = &rank_value;
@@ -144,6 +146,10 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, bo
   p.counts = reinterpret_cast<int32_t*>(counts.data());
   p.src_slot = reinterpret_cast<int32_t*>(src.data());
   p.active = reinterpret_cast<int32_t*>(active.data());
+  p.topk_weights = reinterpret_cast<const float*>(w.data());
+  p.weights = reinterpret_cast<float*>(handle_w.data());
+  p.dest_rank = reinterpret_cast<int32_t*>(dest.data());
+  p.num_dropped = reinterpret_cast<int32_t*>(dropped.data());
   p.x_kind = kRowBF16;
   p.row_kind = s.row_kind;
   check(launch_ll_dispatch(p, nullptr), "ll_dispatch");
@@ -202,11 +208,14 @@ int main(int argc, char** argv) {
     const int32_t rank_value = rank, group_value = 0;
     auto x = read_file("x" + s + ".bin", size_t(T) * H * x_bytes);
     auto idx = read_file("idx" + s + ".bin", size_t(T) * K * 4);
+    auto topk_w = read_file("tw" + s + ".bin", size_t(T) * K * 4);
     auto y = read_file("y" + s + ".bin", size_t(local) * R * T * H * 2);
     const size_t slots = size_t(local) * R * T;
     struct Rep {
       std::vector<char> rows, scales, counts, src, out, active;
       std::vector<char> mask, w, dest;  // inputs of the repetition (the reference's handle)
+      std::vector<char> hw, hdest, hdropped;  // the dispatch's handle slots
+      std::vector<char> sw, sdest, sdropped;  // a two-phase send's, for its receive
       uint32_t dispatch_handle[4], combine_handle[4];
     };
     std::vector<Rep> out(runs);
@@ -222,6 +231,12 @@ int main(int argc, char** argv) {
       o.counts = poisoned(size_t(local) * R * 4);
       o.src = poisoned(slots * 4);
       o.out = poisoned(size_t(T) * H * 2);
+      o.hw = poisoned(size_t(T) * K * 4);
+      o.hdest = poisoned(size_t(T) * K * 4);
+      o.hdropped = poisoned(4);
+      o.sw = poisoned(size_t(T) * K * 4);
+      o.sdest = poisoned(size_t(T) * K * 4);
+      o.sdropped = poisoned(4);
     }
     LLCommon common{};
     common.state = states[rank];
@@ -249,6 +264,14 @@ int main(int argc, char** argv) {
       d.counts = reinterpret_cast<int32_t*>(o.counts.data());
       d.src_slot = reinterpret_cast<int32_t*>(o.src.data());
       d.active = reinterpret_cast<int32_t*>(o.active.data());
+      d.topk_weights = reinterpret_cast<const float*>(topk_w.data());
+      const bool send = m == kLLSend;
+      d.weights = reinterpret_cast<float*>((send ? o.sw : o.hw).data());
+      d.dest_rank = reinterpret_cast<int32_t*>((send ? o.sdest : o.hdest).data());
+      d.num_dropped = reinterpret_cast<int32_t*>((send ? o.sdropped : o.hdropped).data());
+      d.sent_weights = reinterpret_cast<const float*>(o.sw.data());
+      d.sent_dest = reinterpret_cast<const int32_t*>(o.sdest.data());
+      d.sent_dropped = reinterpret_cast<const int32_t*>(o.sdropped.data());
       d.c.rank_mask = reinterpret_cast<const int32_t*>(o.mask.data());
       d.x_kind = x_kind;
       d.row_kind = row_kind;
@@ -333,6 +356,9 @@ int main(int argc, char** argv) {
       write_file("src" + tag + ".bin", o.src.data(), slots * 4);
       write_file("out" + tag + ".bin", o.out.data(), size_t(T) * H * 2);
       write_file("active" + tag + ".bin", o.active.data(), size_t(R) * 4);
+      write_file("hw" + tag + ".bin", o.hw.data(), size_t(T) * K * 4);
+      write_file("hdest" + tag + ".bin", o.hdest.data(), size_t(T) * K * 4);
+      write_file("hdropped" + tag + ".bin", o.hdropped.data(), 4);
     }
   });
   return report_faults(devices, /*per_process=*/false) | failed;

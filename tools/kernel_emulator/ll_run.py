@@ -164,6 +164,7 @@ def run_fault(driver, mode, what) -> str:
         for r in range(R):
             for name, a in (("x", rng.standard_normal((T, H)).astype(ml_dtypes.bfloat16)),
                             ("idx", routing(rng, "messy", 1, T, K, E)[0]),
+                            ("tw", rng.random((T, K)).astype(np.float32)),
                             ("w0_", rng.random((T, K)).astype(np.float32)),
                             ("dest0_", np.zeros((T, K), np.int32)),
                             ("y", np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))):
@@ -211,7 +212,7 @@ def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blo
     if mode == 8:  # the first dispatch had every rank; its combine lost the last one
         wants[0] = reference_outputs(R, T, K, E, H, wire, x, idx, w, y, operand_masks[0], masks[0])
     with tempfile.TemporaryDirectory() as tmp:
-        write_inputs(tmp, dict(x=x, idx=idx, y=y))
+        write_inputs(tmp, dict(x=x, idx=idx, tw=w, y=y))
         for rep_i, (m, (d_rep, _)) in enumerate(zip(operand_masks, wants, strict=True)):
             write_rep_inputs(tmp, rep_i, m, d_rep)
         done = subprocess.run([driver, tmp, str(R), str(T), str(H), str(K), str(E),
@@ -237,6 +238,15 @@ def run_case(driver, R, T, H, K, E, x_dtype, wire, kind, mode, seed, reps=2, blo
                 active = load("active", np.int32, (R,))
                 if not np.array_equal(active, d.rank_mask[r]):
                     return f"{where}: active ranks {active.tolist()} != {d.rank_mask[r].tolist()}"
+                # the handle's slots the kernel writes itself: bit-exact (weights as bits)
+                handle_w = load("hw", np.float32, (T, K))
+                if not np.array_equal(handle_w.view(np.uint32), d.handle.topk_weights[r].view(np.uint32)):
+                    return f"{where}: handle topk_weights differ"
+                if not np.array_equal(load("hdest", np.int32, (T, K)), d.handle.dest_rank[r]):
+                    return f"{where}: handle dest_rank differs"
+                dropped = int(load("hdropped", np.int32, ())[()])
+                if dropped != int(d.num_dropped[r]):
+                    return f"{where}: num_dropped {dropped} != {int(d.num_dropped[r])}"
                 if not np.array_equal(counts, d.counts[r]):
                     return f"{where}: counts {counts.tolist()} != {d.counts[r].tolist()}"
                 if not np.array_equal(src, d.handle.src_slot[r]):
