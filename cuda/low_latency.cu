@@ -554,12 +554,13 @@ __device__ __forceinline__ void fill_table(const LLDispatchLaunch& p, const LLSh
 }
 
 // Lane k < K of warp 0, for token t of its block: the handle's slot (t, k) as the call's ranks
-// keep it (dest: the expert's rank where the pair is sent, else -1; e: the sanitised id). Returns
-// 1 where a used pair is dropped.
+// keep it (dest: the expert's rank where the pair is sent, else -1; e: the sanitised id; weight:
+// topk_weights[t, k], loaded early by the caller so no store waits for it). Returns 1 where a used
+// pair is dropped.
 __device__ __forceinline__ int write_handle_slot(const LLDispatchLaunch& p, int t, int k, int32_t e,
-                                                 int dest) {
+                                                 int dest, float weight) {
   const int64_t i = static_cast<int64_t>(t) * p.c.num_topk + k;
-  p.weights[i] = dest >= 0 ? __ldg(p.topk_weights + i) : 0.f;
+  p.weights[i] = dest >= 0 ? weight : 0.f;
   p.dest_rank[i] = dest;
   return e >= 0 && dest < 0 ? 1 : 0;
 }
@@ -609,7 +610,7 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     for (int t = t0; t < T; t += gridDim.x) {
       if (lane < K) {
         const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
-        dropped += write_handle_slot(p, t, lane, e, -1);
+        dropped += write_handle_slot(p, t, lane, e, -1, 0.f);
       }
     }
     return warp_sum(dropped);
@@ -635,7 +636,9 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     int64_t block_slot = 0;
     int dest = 0;
     int32_t e = -1;
+    float weight = 0.f;  // warp 0: its handle slot's, in flight while the row goes out
     if (lane < K) {
+      if (warp == 0) weight = __ldg(p.topk_weights + static_cast<int64_t>(t) * K + lane);
       e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
       if (e >= 0 && is_active(call, e / local)) {  // a pair to a masked rank is dropped
         const uint32_t* row = s.bits + e * words;
@@ -647,9 +650,6 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       }
     }
     const uint32_t dst_mask = __ballot_sync(kFullMask, my_dst != nullptr);
-    if (warp == 0 && lane < K) {
-      dropped += write_handle_slot(p, t, lane, e, my_dst != nullptr ? dest : -1);
-    }
     const char* x_row = x + t * x_row_bytes;
     for (int s0 = warp; s0 < steps; s0 += 2 * kWarps) {
       SendStep step[2];
@@ -671,6 +671,10 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     __syncthreads();  // the block's stores of the token, then its flags
     if (warp == 0 && my_dst != nullptr) {
       release_store_sys(reinterpret_cast<uint64_t*>(peer + L.slot_flags + half) + block_slot, tag);
+    }
+    // after the token's flags: off the path to the peers
+    if (warp == 0 && lane < K) {
+      dropped += write_handle_slot(p, t, lane, e, my_dst != nullptr ? dest : -1, weight);
     }
   }
   return warp == 0 ? warp_sum(dropped) : 0;

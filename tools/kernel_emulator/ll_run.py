@@ -1,8 +1,10 @@
 """Runs the low-latency CUDA kernels (cuda/low_latency.cu) on the CPU emulation (emu_cuda.h +
 ll_driver.cc, the blocks of a launch concurrently) and compares them with
-jax_ep.reference.ll_dispatch / ll_combine: counts, src_slot and every filled slot's row (and FP8
-scales) bit-exact; combine bit-exact too (float32 sums in top-k order, no FMA, in both), with NaN in
-every unfilled slot of y (it must not leak). Each case runs the ops fused, in two phases, or with two
+jax_ep.reference.ll_dispatch / ll_combine: counts, src_slot, every filled slot's row (and FP8
+scales), the `active` ranks and the handle's slots the kernel writes (topk_weights as bits,
+dest_rank, num_dropped; a two-phase send's pass through its receive) bit-exact; combine
+bit-exact too (float32 sums in top-k order, no FMA, in both), with NaN in every unfilled slot of
+y (it must not leak). Each case runs the ops fused, in two phases, or with two
 calls in flight (mode 0 / 1 / 2); three more cases break the double-buffering rules and must fault
 (a third send in flight; a handle received twice; a receive of another shape), and the
 config-fingerprint cases (MISMATCHES) give the last rank's call another field of
