@@ -88,6 +88,19 @@ _os._exit(3)
 """
 
 
+def report_of_child(script: str, timeout_s: int) -> dict:
+    """Runs `script` in a fresh Python (jax_ep's wait bound timeout_s, no preallocation) and returns
+    the JSON it printed on its "REPORT=" line; the child must exit 0."""
+    env = dict(os.environ, JAX_EP_TIMEOUT_S=str(timeout_s), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           timeout=300)
+    lines = [line for line in child.stdout.splitlines() if line.startswith("REPORT=")]
+    assert child.returncode == 0 and lines, f"rc={child.returncode}:\n{(child.stdout + child.stderr)[-4000:]}"
+    report = json.loads(lines[0][len("REPORT="):])
+    print(report)
+    return report
+
+
 def faults_of_child(script: str, timeout_s: str = "2", want: int = 1) -> tuple[list[dict], str]:
     """Runs `script` (which must set _START = time.time() before its faulting call) in a child
     process with JAX_EP_TIMEOUT_S=timeout_s, then waits until `want` GPUs have recorded the device

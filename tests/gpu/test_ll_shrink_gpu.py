@@ -13,13 +13,11 @@ kernel emulator (tools/kernel_emulator/ll_run.py modes 6 and 7).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
+from gpu_helpers import report_of_child
 
 pytestmark = pytest.mark.gpu
 
@@ -120,13 +118,7 @@ print("REPORT=" + json.dumps(report), flush=True)
 def test_ll_shrink_masks_a_gpu_that_stops_calling(cuda_backend, wire):
     if len(jax.local_devices(backend="gpu")) < 2:
         pytest.skip("needs 2 GPUs")
-    env = dict(os.environ, JAX_EP_TIMEOUT_S=str(TIMEOUT_S), XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    child = subprocess.run([sys.executable, "-c", _CHILD % {"timeout": TIMEOUT_S, "wire": wire}], env=env,
-                           capture_output=True, text=True, timeout=300)
-    lines = [line for line in child.stdout.splitlines() if line.startswith("REPORT=")]
-    assert child.returncode == 0 and lines, f"rc={child.returncode}:\n{(child.stdout + child.stderr)[-4000:]}"
-    report = json.loads(lines[0][len("REPORT="):])
-    print(report)
+    report = report_of_child(_CHILD % {"timeout": TIMEOUT_S, "wire": wire}, TIMEOUT_S)
     first, second, two_phase = report["calls"]
     for call in report["calls"]:
         assert call["same"], f"{call['name']}: rank 0's outputs differ from the reference with rank 1 masked"

@@ -20,13 +20,9 @@ fault_run.py).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import pytest
+from gpu_helpers import report_of_child
 
 pytestmark = pytest.mark.gpu
 
@@ -135,14 +131,7 @@ print("REPORT=" + json.dumps(report), flush=True)
 
 
 def _child(shrink: bool, via_ll: bool) -> dict:
-    env = dict(os.environ, JAX_EP_TIMEOUT_S=str(TIMEOUT_S), XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    child = subprocess.run([sys.executable, "-c", _CHILD % {"shrink": shrink, "via_ll": via_ll}], env=env,
-                           capture_output=True, text=True, timeout=300)
-    lines = [line for line in child.stdout.splitlines() if line.startswith("REPORT=")]
-    assert child.returncode == 0 and lines, f"rc={child.returncode}:\n{(child.stdout + child.stderr)[-4000:]}"
-    report = json.loads(lines[0][len("REPORT="):])
-    print(report)
-    return report
+    return report_of_child(_CHILD % {"shrink": shrink, "via_ll": via_ll}, TIMEOUT_S)
 
 
 def _check_explicit(report) -> None:

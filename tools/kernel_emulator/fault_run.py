@@ -59,6 +59,19 @@ DISPATCH_FIELDS = ("rows", "scales", "group_sizes", "expert_counts", "row_weight
 RECEIVE = 2  # RankMaskEvent::during: the rank entered the call, then its data did not come
 
 
+def others_fault(name, proc, op_name, op_number, dead, others, took, check_messages=False) -> bool:
+    """A case without shrink mode: the driver failed and every other rank recorded a timeout (kind 1)
+    naming the op and the dead rank (and, check_messages, said so in its message). Prints the verdict."""
+    faults = {r: (f.kind, f.op, f.waited) for r, f in harness.faults_of(proc.stdout)[0].items()}
+    ok = proc.returncode != 0 and faults == {r: (1, op_number, dead) for r in others}
+    if check_messages:
+        ok &= all(f"waiting for rank {dead}" in line for line in proc.stdout.splitlines()
+                  if line.startswith("message of rank"))
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: every other rank faults naming {op_name} and rank "
+          f"{dead} ({took:.1f}s){'' if ok else chr(10) + proc.stdout[-3000:]}")
+    return ok
+
+
 def through_handle(cfg, mesh, mask, handle, y, g, v) -> dict:
     """The ops through a dispatch's handle (per-rank arrays [R, ...]) under the mask, on every rank:
     what driver.cc runs after its dispatch (combine weighted and not, broadcast, combine_bwd,
@@ -179,13 +192,8 @@ def throughput_case(name, *, R, T, H, K, E, dead, launch, flags, shrink, expect,
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, env=env)
         took = time.time() - start
         if expect == "fault":
-            faults = {r: (f.kind, f.op, f.waited) for r, f in harness.faults_of(proc.stdout)[0].items()}
-            ok = proc.returncode != 0 and faults == {r: (1, run.OPS["dispatch"], dead) for r in others}
-            ok &= all(f"waiting for rank {dead}" in line for line in proc.stdout.splitlines()
-                      if line.startswith("message of rank"))
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: every other rank faults naming dispatch and rank "
-                  f"{dead} ({took:.1f}s){'' if ok else chr(10) + proc.stdout[-3000:]}")
-            return ok
+            return others_fault(name, proc, "dispatch", run.OPS["dispatch"], dead, others, took,
+                                check_messages=True)
         if proc.returncode != 0:
             print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
             return False
@@ -259,12 +267,7 @@ def ll_case(name, *, R, T, H, K, E, dead, shrink, expect, timeout_s=2.0, reps=2,
         took = time.time() - start
         others = [r for r in range(R) if r != dead]
         if expect == "fault":
-            faults = {r: (f.kind, f.op, f.waited) for r, f in harness.faults_of(proc.stdout)[0].items()}
-            ok = proc.returncode != 0 and faults == {r: (1, ll_run.NUMBERS["ll_dispatch"], dead)
-                                                     for r in others}
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: every other rank faults naming ll_dispatch and rank "
-                  f"{dead} ({took:.1f}s){'' if ok else chr(10) + proc.stdout[-3000:]}")
-            return ok
+            return others_fault(name, proc, "ll_dispatch", ll_run.NUMBERS["ll_dispatch"], dead, others, took)
         if proc.returncode != 0:
             print(f"FAIL {name}: driver rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
             return False
