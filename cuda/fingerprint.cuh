@@ -1,7 +1,10 @@
 // Device side of the config fingerprint (cuda/fingerprint.h): each call publishes its fingerprint
 // with its directory entry, and every rank checks each peer's before it writes anything to that
 // peer. Used by the group discovery of the throughput ops (ep_device.cuh: discover_group) and of
-// the low-latency kernels (low_latency.cu: ll_publish / ll_discover).
+// the low-latency kernels (low_latency.cu: ll_publish / ll_discover); the put transport
+// (remote_rank_major.cu: discover_group_put) publishes the same words into the same
+// SyncCounters::fingerprints with nvshmem_uint64_p and compares them here, so a rank-major call
+// whose ranks resolved different transports is a kFieldTransport mismatch on both sides.
 #pragma once
 
 #include <cstdint>

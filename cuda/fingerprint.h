@@ -1,5 +1,8 @@
 // The config fingerprint of an EP call: what must agree across the ranks of a group for a call to
-// exchange data (the op and the sizes its buffer layout and protocol depend on). Every EP op
+// exchange data (the op, the sizes its buffer layout and protocol depend on, and the transport its
+// data crosses by: the two transports of the rank-major ops lay out and signal their data
+// differently, so a put rank and a load/store rank would each wait for what the other never
+// sends, with the load/store rank's stores landing in the put rank's layout). Every EP op
 // publishes it with its directory entry at the start of each call, and every rank compares its
 // peers' with its own before it writes anything to them (cuda/fingerprint.cuh); a difference is a
 // kFaultMismatch naming the field and both values, never wrong rows or a hang. Plain C++ (host and
@@ -14,6 +17,14 @@
 
 namespace jax_ep {
 
+// How a call's data crosses to its peers (KernelConfig.transport as the call site resolved it;
+// EPAttrs::transport): NVLink / P2P loads and stores through the peer tables (every EP op), or
+// NVSHMEM puts + signals (the rank-major ops only, cuda/remote_rank_major.h).
+enum Transport : int32_t {
+  kTransportLoadStore = 0,  // 0: the value-initialised OpFingerprint of every load/store op
+  kTransportPut = 1,
+};
+
 // What a fingerprint fault is about, in FaultRecord::field. Fields 1..kFingerprintWords are the
 // published words (word field - 1); 0 for faults of other kinds.
 enum FingerprintField : int32_t {
@@ -27,13 +38,14 @@ enum FingerprintField : int32_t {
   kFieldCapacity = 7,   // C (dispatch)
   kFieldAlignment = 8,  // expert alignment (dispatch)
   kFieldDtype = 9,      // RowKind of the rows that travel
+  kFieldTransport = 10,  // Transport
   // Not a published word: the call's sequence number in its group (its epoch, the count of EP
   // calls of the group this device has entered). A kFaultMismatch with this field: the peer's
   // directory entry is more than one call ahead. A kFaultTimeout of group discovery carries it
   // too: expected / observed are then this rank's call and the last call the peer entered.
-  kFieldSequence = 10,
+  kFieldSequence = 11,
 };
-inline constexpr int kFingerprintWords = 9;
+inline constexpr int kFingerprintWords = 10;
 
 // The fields of one call. Fields an op does not depend on are 0.
 struct OpFingerprint {
@@ -46,6 +58,7 @@ struct OpFingerprint {
   int32_t capacity;
   int32_t alignment;
   int32_t dtype;
+  int32_t transport;  // Transport
 };
 
 #ifndef JAX_EP_HOST_DEVICE
@@ -56,7 +69,7 @@ struct OpFingerprint {
 #endif
 #endif
 
-// The value of published field `field` (kFieldOp .. kFieldDtype).
+// The value of published field `field` (kFieldOp .. kFieldTransport).
 JAX_EP_HOST_DEVICE inline uint32_t fingerprint_value(const OpFingerprint& f, int field) {
   switch (field) {
     case kFieldOp:
@@ -75,8 +88,10 @@ JAX_EP_HOST_DEVICE inline uint32_t fingerprint_value(const OpFingerprint& f, int
       return static_cast<uint32_t>(f.capacity);
     case kFieldAlignment:
       return static_cast<uint32_t>(f.alignment);
-    default:
+    case kFieldDtype:
       return static_cast<uint32_t>(f.dtype);
+    default:
+      return static_cast<uint32_t>(f.transport);
   }
 }
 

@@ -489,6 +489,7 @@ OpFingerprint put_fingerprint(const PutLaunch& p, int32_t op, int32_t topk, int3
   fp.topk = topk;
   fp.experts = experts;
   fp.dtype = p.row_kind;
+  fp.transport = kTransportPut;  // the NVLink forms publish kTransportLoadStore (cuda/fingerprint.h)
   return fp;
 }
 

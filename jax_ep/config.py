@@ -52,9 +52,11 @@ class KernelConfig:
         stores (another node), else NVLink loads / stores. "put": always NVSHMEM puts + signals
         (process model 2 only; e.g. to run the inter-node path on one node). "load_store": always
         loads / stores (every peer of the EP group must be on this node; a peer that is not makes
-        the call time out naming it). The other EP ops have no put transport: in a job that spans
-        nodes they need transport="load_store" (an EP axis inside a node, e.g. the local axis of a
-        hierarchical mesh) and raise NotImplementedError otherwise.
+        the call time out naming it). Every process must resolve the same transport for a call: one
+        that differs fails on every rank with a fingerprint mismatch, field "transport". The other
+        EP ops have no put transport: in a job that spans nodes they need transport="load_store"
+        (an EP axis inside a node, e.g. the local axis of a hierarchical mesh) and raise
+        NotImplementedError otherwise.
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """

@@ -257,7 +257,7 @@ def _vary_all(outputs, axis_name: str, *inputs):
 
 
 ALL_SMS = 1 << 16
-TRANSPORT_LOAD_STORE, TRANSPORT_PUT = 0, 1  # EPAttrs::transport (xla_ffi/handlers.h)
+TRANSPORT_LOAD_STORE, TRANSPORT_PUT = 0, 1  # EPAttrs::transport: cuda/fingerprint.h Transport
 
 
 def _transport(op: str, cfg: EPConfig) -> int:

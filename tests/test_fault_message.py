@@ -1,7 +1,8 @@
 """The texts of the kernels' fault records (what jax_ep.runtime.faults() and check_errors() show), on the
 CPU: jax_ep._C.fault_message builds the text of a record with given fields through the one function
 that writes them (xla_ffi/fault_message.cc). The config fingerprint's records (cuda/fingerprint.h):
-a mismatch names the op, this rank, the peer, the field and both values; an out-of-step peer names
+a mismatch names the op, this rank, the peer, the field and both values (op, dtype and transport by
+name); an out-of-step peer names
 the call counts. tools/kernel_emulator (tests/test_kernel_emulator.py) provokes them in the kernels,
 tests/gpu/test_fingerprint_gpu.py on GPUs."""
 
@@ -39,6 +40,19 @@ def test_mismatch_of_op_and_dtype_names_them():
     assert "dtype is bfloat16 on rank 0 and float8_e4m3fn on rank 1" in text
     text = message("mismatch", "combine", expected=1, observed=0, field="dtype")
     assert "dtype is float32 on rank 0 and bfloat16 on rank 1" in text
+
+
+def test_mismatch_of_transport_names_both_and_the_knob():
+    # a rank-major call over NVSHMEM puts here and over loads / stores on the peer (process model 2)
+    text = message("mismatch", "dispatch_rank_major", expected=1, observed=0, field="transport",
+                   per_process=True)
+    assert text.startswith("jax_ep: dispatch_rank_major on GPU 0 (rank 0): rank 1 (process 1) runs a "
+                           "different EP call at this point: transport is put on rank 0 and load_store "
+                           "on rank 1.")
+    assert "KernelConfig.transport" in text
+    text = message("mismatch", "combine_rank_major", rank=1, peer=0, peer_slot=0, expected=0,
+                   observed=1, field="transport")
+    assert "transport is load_store on rank 1 and put on rank 0." in text
 
 
 def test_process_model_2_names_the_peer_process():

@@ -10,9 +10,15 @@ namespace {
 
 std::string Str(uint64_t value) { return std::to_string(value); }
 
-// A fingerprint field's value as the user knows it: op and dtype by name.
+// A fingerprint field's value as the user knows it: op, dtype and transport by name (the
+// transport as KernelConfig.transport spells it).
 std::string FieldValue(int32_t field, uint64_t value) {
   if (field == kFieldOp) return OpName(static_cast<int32_t>(value));
+  if (field == kFieldTransport) {
+    return value == kTransportLoadStore ? "load_store"
+           : value == kTransportPut     ? "put"
+                                        : "transport " + Str(value);
+  }
   if (field == kFieldDtype) {
     switch (value) {
       case kRowBF16:
@@ -120,6 +126,8 @@ const char* FingerprintFieldName(int32_t field) {
       return "expert_alignment";
     case kFieldDtype:
       return "dtype";
+    case kFieldTransport:
+      return "transport";
     case kFieldSequence:
       return "call_sequence";
     default:
@@ -170,7 +178,12 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
              FingerprintFieldName(r.field) + " is " + FieldValue(r.field, r.expected) + " on " +
              me + " and " + FieldValue(r.field, r.observed) + " on " + peer + ". Every rank "
              "must issue the same EP calls, with the same configuration, in the same order; "
-             "nothing was exchanged.";
+             "nothing was exchanged." +
+             (r.field == kFieldTransport
+                  ? " (KernelConfig.transport: \"auto\" picks puts in a process that some "
+                    "process of the job cannot reach by loads / stores; give every process the "
+                    "same explicit transport.)"
+                  : "");
     case kFaultLLInFlight:
       return LLInFlightMessage(where, r.waited_ordinal, r.expected, r.observed);
     case kFaultBadArgument:

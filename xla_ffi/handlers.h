@@ -50,12 +50,9 @@ struct EPAttrs {
   int64_t scale_bytes;  // dispatch FP8: scale bytes per row
   int64_t send_warps;   // warps per block that send / reduce
   int64_t shrink;       // mask a peer that misses a bounded wait (EPConfig.shrink; not over puts)
-  int64_t transport;    // rank-major ops: 0 NVLink loads/stores, 1 NVSHMEM puts (kTransportPut)
+  int64_t transport;    // a Transport (cuda/fingerprint.h; cuda_backend._transport picks it per
+                        // call site): kTransportPut for the rank-major ops only
 };
-
-// EPAttrs::transport values (jax_ep.cuda_backend._transport picks one per call site).
-inline constexpr int64_t kTransportLoadStore = 0;
-inline constexpr int64_t kTransportPut = 1;
 
 // What an instantiated call site keeps (FFI state, instantiate stage; XLA deletes it with the
 // executable): its attributes, its buffer layout, and the runtime, held (Runtime::Shutdown refuses

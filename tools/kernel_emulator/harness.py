@@ -26,6 +26,11 @@ import numpy as np  # noqa: E402
 from jax_ep import reference  # noqa: E402
 
 KIND = {"bfloat16": 0, "float32": 1, "float8_e4m3fn": 2}  # cuda/ep_layout.h RowKind
+# cuda/fingerprint.h FingerprintField by name (FingerprintFieldName): the kFingerprintWords published
+# words from 1, then call_sequence (not published: the call count)
+FIELD_ID = {name: i + 1 for i, name in enumerate((
+    "op", "num_ranks", "num_tokens", "hidden", "num_topk", "num_experts", "capacity", "expert_alignment",
+    "dtype", "transport", "call_sequence"))}
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import KIND, build, faults_of, routing, write_inputs  # noqa: E402  (8 CPU devices)
+from harness import FIELD_ID, KIND, build, faults_of, routing, write_inputs  # noqa: E402  (8 CPU devices)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -86,15 +86,15 @@ MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "re
 # 0's value, rank 1's), as the messages print them.
 MISMATCH_SIZES = (2, 4, 128, 2, 12)  # R, T, H, K, E; bf16 x and wire
 MISMATCHES = {
-    "op": (1, "ll_dispatch", "ll_combine"),
-    "op_throughput": (1, "ll_dispatch", "dispatch"),  # rank 1 runs the throughput dispatch
-    "num_ranks": (2, 2, 3),
-    "num_tokens": (3, 4, 5),
-    "hidden": (4, 128, 136),
-    "num_topk": (5, 2, 1),
-    "num_experts": (6, 12, 14),
-    "dtype": (9, "bfloat16", "float8_e4m3fn"),
-    "call_sequence": (10, None, None),  # rank 1 is 5 calls ahead
+    "op": (FIELD_ID["op"], "ll_dispatch", "ll_combine"),
+    "op_throughput": (FIELD_ID["op"], "ll_dispatch", "dispatch"),  # rank 1 runs the throughput dispatch
+    "num_ranks": (FIELD_ID["num_ranks"], 2, 3),
+    "num_tokens": (FIELD_ID["num_tokens"], 4, 5),
+    "hidden": (FIELD_ID["hidden"], 128, 136),
+    "num_topk": (FIELD_ID["num_topk"], 2, 1),
+    "num_experts": (FIELD_ID["num_experts"], 12, 14),
+    "dtype": (FIELD_ID["dtype"], "bfloat16", "float8_e4m3fn"),
+    "call_sequence": (FIELD_ID["call_sequence"], None, None),  # rank 1 is 5 calls ahead
 }
 NUMBERS = {"ll_dispatch": 7, "ll_combine": 8, "dispatch": 2, "bfloat16": 0, "float8_e4m3fn": 2}
 
@@ -113,7 +113,7 @@ def run_mismatch(driver, field) -> str:
     for rank, (kind, _op, waited, _what, got_field, expected, observed) in records.items():
         text = messages[rank]
         if field == "call_sequence":
-            want = (5, 10, 1, 6) if rank == 0 else (1, 10, 6, 1)
+            want = (5, field_id, 1, 6) if rank == 0 else (1, field_id, 6, 1)
             phrase = "out of step" if rank == 0 else "rank 0 has entered 1 (it is 5 calls behind"
         else:
             mine, theirs = values[rank], values[1 - rank]

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from harness import (  # noqa: E402  (sets up jax with 8 CPU devices)
+    FIELD_ID,
     KIND,
     bits_equal,
     build,
@@ -415,23 +416,24 @@ CASES = [
 
 
 # Config-fingerprint cases (driver.cc, `mismatch`): rank 0 runs dispatch with MISMATCH_SIZES, rank 1
-# the same call with one field changed. field -> (id of FingerprintField, rank 0's value, rank 1's),
-# values as the messages print them.
+# the same call with one field changed. field -> (rank 0's value, rank 1's), as the messages print
+# them.
 MISMATCH_SIZES = dict(R=2, T=4, H=256, K=2, E=12, C=16, align=1, x_kind=KIND["float32"],
                       row_kind=KIND["bfloat16"], y_kind=KIND["bfloat16"])
 MISMATCHES = {
-    "op": (1, "dispatch", "combine"),
-    "num_ranks": (2, 2, 3),
-    "num_tokens": (3, 4, 5),
-    "hidden": (4, 256, 264),
-    "num_topk": (5, 2, 1),
-    "num_experts": (6, 12, 14),
-    "capacity": (7, 16, 17),
-    "expert_alignment": (8, 1, 2),
-    "dtype": (9, "bfloat16", "float32"),
+    "op": ("dispatch", "combine"),
+    "num_ranks": (2, 3),
+    "num_tokens": (4, 5),
+    "hidden": (256, 264),
+    "num_topk": (2, 1),
+    "num_experts": (12, 14),
+    "capacity": (16, 17),
+    "expert_alignment": (1, 2),
+    "dtype": ("bfloat16", "float32"),
 }
 OPS = {"dispatch": 2, "combine": 3}
-DTYPES = {"bfloat16": 0, "float32": 1}
+# the values of the fields the messages print by name (cuda/ep_layout.h RowKind)
+NUMBERS = {"op": OPS, "dtype": {"bfloat16": 0, "float32": 1}}
 
 
 def run_mismatch(field: str) -> str:
@@ -444,6 +446,7 @@ def run_mismatch(field: str) -> str:
     records, messages = faults_of(out)
     if proc.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != [0, 1]:
         return f"expected a fault on both ranks, got rc={proc.returncode}:\n{out[-3000:]}"
+    sequence = FIELD_ID["call_sequence"]
     for rank, (kind, op, waited, _what, got_field, expected, observed) in records.items():
         text = messages[rank]
         where = f"rank {rank}: {text}"
@@ -451,7 +454,7 @@ def run_mismatch(field: str) -> str:
         if op != OPS[op_name]:
             return f"{where}: record {records[rank]} names op {op}, not {op_name}"
         if field == "call_sequence":  # rank 1 is 5 calls ahead: rank 0 says so, rank 1 times out
-            want = (5, 10, 1, 6) if rank == 0 else (1, 10, 6, 1)
+            want = (5, sequence, 1, 6) if rank == 0 else (1, sequence, 6, 1)
             if (kind, got_field, expected, observed) != want or waited != 1 - rank:
                 return f"{where}: record {records[rank]}, want kind/field/expected/observed {want}"
             phrase = "out of step" if rank == 0 else "rank 0 has entered 1 (it is 5 calls behind"
@@ -461,13 +464,14 @@ def run_mismatch(field: str) -> str:
         if field == "behind":  # rank 1 is 1 call ahead: rank 0 times out in the data, rank 1 says why
             if kind != 1 or waited != 1 - rank:
                 return f"{where}: record {records[rank]}, want a timeout waiting for rank {1 - rank}"
-            if rank == 1 and (got_field != 10 or "rank 0 has entered 1 (it is 1 call behind" not in text):
+            behind = "rank 0 has entered 1 (it is 1 call behind"
+            if rank == 1 and (got_field != sequence or behind not in text):
                 return f"{where}: rank 1's discovery timeout must say rank 0 is 1 call behind"
             continue
-        field_id, *values = MISMATCHES[field]
+        values = MISMATCHES[field]
         mine, theirs = values[rank], values[1 - rank]
-        number = {"op": OPS, "dtype": DTYPES}.get(field, {})
-        want = (5, field_id, number.get(mine, mine), number.get(theirs, theirs))
+        number = NUMBERS.get(field, {})
+        want = (5, FIELD_ID[field], number.get(mine, mine), number.get(theirs, theirs))
         if (kind, got_field, expected, observed) != want or waited != 1 - rank:
             return f"{where}: record {records[rank]}, want kind/field/expected/observed {want}"
         for part in (f"jax_ep: {op_name} on GPU {rank} (rank {rank})", f"rank {1 - rank}",
