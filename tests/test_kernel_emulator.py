@@ -108,16 +108,21 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
 def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
     """The config fingerprint (cuda/fingerprint.h) in the throughput kernels (run.py --mismatch): the
     last rank's dispatch differs in one field (op: it runs combine), or its call count in the group
-    is 5 calls ahead, or 1 call ahead; both ranks trap, each record names the field with this rank's
-    value and the peer's, and the host's message (xla_ffi/fault_message.cc) names the op, the rank,
-    the field and both values; an out-of-step peer is named as such, and a rank left waiting says
-    how many calls behind the other is. About 30 s (three cases wait for the 5 s timeout)."""
+    is 5 calls ahead, or 1 call ahead; or dispatch_rank_major runs over NVSHMEM puts on rank 0
+    (cuda/remote_rank_major.cu) and over loads / stores on rank 1 (transport); both ranks trap,
+    each record names the field with this rank's value and the peer's, and the host's message
+    (xla_ffi/fault_message.cc) names the op, the rank, the field and both values; an out-of-step
+    peer is named as such, and a rank left waiting says how many calls behind the other is. About
+    30 s (three cases wait for the 5 s timeout; the transport one must not)."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "--mismatch", "--driver", str(tmp_path / "driver")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
-    assert "11/11 mismatch cases pass" in out, out[-6000:]
+    assert "12/12 mismatch cases pass" in out, out[-6000:]
+    # a mixed-transport pair is told apart in discovery, not after the 5 s bound
+    took = re.search(r"^ok   mismatch transport \(([\d.]+)s\)", out, flags=re.M)
+    assert took is not None and float(took[1]) < 4, out[-6000:]
 
 
 def test_rank_major_put_transport_on_the_emulator(tmp_path):

@@ -11,8 +11,12 @@
 // every rank runs ONE call, the last rank with one field changed (num_ranks + 1, hidden + 8,
 // num_tokens + 1, num_topk - 1, num_experts + R, capacity + align, expert_alignment * 2, dtype:
 // rows of float32 instead of bfloat16 from float32 x, op: combine instead of dispatch), or its
-// call count in the group ahead (call_sequence: 5 calls, behind: 1 call). Every rank must fault (the kernels trap);
-// the driver prints each fault record and its message (xla_ffi/fault_message.cc).
+// call count in the group ahead (call_sequence: 5 calls, behind: 1 call); with `transport` every
+// rank runs dispatch_rank_major, rank 0 over NVSHMEM puts (cuda/remote_rank_major.cu, through the
+// shim include/nvshmem*.h: every buffer and DeviceState is a symmetric object), the others over
+// loads / stores (process model 2, where each process picks its KernelConfig.transport). Every
+// rank must fault (the kernels trap); the driver prints each fault record and its message
+// (xla_ffi/fault_message.cc).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -25,8 +29,10 @@
 #include "cuda/dispatch.h"
 #include "cuda/ep_layout.h"
 #include "cuda/group.h"
+#include "cuda/remote_rank_major.h"
 #include "cuda/slot_values.h"
 #include "tools/kernel_emulator/emu_driver.h"
+#include "tools/kernel_emulator/include/nvshmem.h"
 #include "tools/kernel_emulator/unread_dispatch.h"
 
 using namespace jax_ep;
@@ -57,14 +63,49 @@ CommLayout dispatch_layout_of(const Sizes& s) {
   return make_comm_layout(s.R, s.T, s.K, s.E, dispatch_row_bytes(s.H, s.row_kind), num_scales * 4);
 }
 
+// The put layout of dispatch_rank_major for the sizes (cuda/remote_rank_major.h).
+PutLayout put_layout_of(const Sizes& s) {
+  const int num_scales = s.row_kind == kRowFP8 ? s.H / 128 : 0;
+  return make_put_layout(s.R, s.T, s.K, dispatch_row_bytes(s.H, s.row_kind), num_scales * 4, true);
+}
+
+// What the one call of a mismatch case is.
+enum class MismatchCall { kDispatch, kCombine, kRankMajor, kRankMajorPut };
+
 // The one call of a mismatch case on `rank` (inputs zero: the call must trap before using them).
-void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, int blocks,
+void run_mismatch(DeviceState* state, int rank, const Sizes& s, MismatchCall call, int blocks,
                   int send_warps, uint64_t call_offset) {
   const int R = s.R;
   const int32_t rank_value = rank, group_value = 0;
   const int axis_slot = 1;
   state->sync.group_epoch[axis_slot][0] += call_offset;  // calls this rank ran alone before
-  if (combine) {
+  if (call == MismatchCall::kRankMajorPut) {
+    std::vector<char> x(size_t(s.T) * s.H * 4 + 16), idx(size_t(s.T) * s.K * 4 + 16),
+        w(size_t(s.T) * s.K * 4 + 16);
+    RankMajorOutputs rm(R, s.T, s.H, s.K, s.E, s.row_kind, kRowBF16);
+    PutLaunch p{};
+    p.state = state;
+    p.layout = put_layout_of(s);
+    p.rank = &rank_value;
+    p.group = &group_value;
+    p.num_ranks = R;
+    p.num_tokens = s.T;
+    p.num_topk = s.K;
+    p.num_experts = s.E;
+    p.hidden = s.H;
+    p.axis_slot = axis_slot;
+    p.num_blocks = blocks;
+    p.x_kind = s.x_kind;
+    p.row_kind = s.row_kind;
+    check(launch_put_dispatch_rank_major(
+              p, x.data(), reinterpret_cast<const int32_t*>(idx.data()),
+              reinterpret_cast<const float*>(w.data()), rm.rows.data(), rm.scales_or_null(),
+              rm.i32(rm.ids), rm.f32(rm.w), rm.i32(rm.per_rank), rm.i32(rm.per_expert),
+              rm.i32(rm.src), rm.in_rank_data(), nullptr),
+          "put dispatch_rank_major");
+    return;
+  }
+  if (call == MismatchCall::kCombine) {
     // sized for the call; it must trap before it reads or writes them
     std::vector<char> rows(size_t(s.C) * s.H * 4 + 16), row_weights(size_t(s.C) * 4 + 16),
         token_rows(size_t(R) * s.T * s.K * 4 + 16), in_rank(size_t(s.T) * R + 16),
@@ -105,6 +146,11 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, bool combine, in
   d.send_warps = send_warps;
   d.axis_slot = axis_slot;
   d.use_tma = true;
+  if (call == MismatchCall::kRankMajor) {
+    d.rank_major = true;
+    d.capacity = R * s.T;
+    d.alignment = 1;
+  }
   check(launch_unread_dispatch(d), "dispatch");
 }
 
@@ -138,9 +184,18 @@ int main(int argc, char** argv) {
   const Sizes sizes{R, T, H, K, E, C, align, x_kind, row_kind};
   const Sizes last_sizes = changed(sizes, mismatch);
   const Devices devices = make_devices(
-      R, std::max({dispatch_layout.total, data_layout.total, dispatch_layout_of(last_sizes).total}),
+      R, std::max({dispatch_layout.total, data_layout.total, dispatch_layout_of(last_sizes).total,
+                   put_layout_of(sizes).total}),
       timeout_s(mismatch.empty() ? 300 : 5), /*peers=*/true);
   const std::vector<DeviceState*>& states = devices.states;
+  // the put transport (mismatch `transport`): every rank's buffer and DeviceState are symmetric
+  // objects of the NVSHMEM shim; the loads / stores of the other ops use the same memory
+  emu_nvshmem::n_pes = R;
+  for (int r = 0; r < R; ++r) {
+    emu_nvshmem::register_object(0, r, devices.buffers[r], devices.buffer_bytes);
+    emu_nvshmem::register_object(1, r, states[r], sizeof(DeviceState));
+    states[r]->tables.symmetric_buffer = devices.buffers[r];
+  }
 
   // Rank masking (run.py's masked cases): JAX_EP_EMU_MASK = one 0/1 per rank, passed to every op
   // (expert- and rank-major);
@@ -194,14 +249,18 @@ int main(int argc, char** argv) {
   }
 
   const int failed = run_ranks(R, [&](int rank) {
+    emu_nvshmem::my_pe = rank;
     if (absent.find(std::to_string(rank)) != std::string::npos) return;  // never runs an op
     if (!mismatch.empty()) {
       const bool last = rank == R - 1;
       uint64_t ahead = 0;
       if (last && mismatch == "call_sequence") ahead = 5;
       if (last && mismatch == "behind") ahead = 1;
-      run_mismatch(states[rank], rank, last ? last_sizes : sizes, last && mismatch == "op", blocks,
-                   send_warps, ahead);
+      MismatchCall call = last && mismatch == "op" ? MismatchCall::kCombine : MismatchCall::kDispatch;
+      if (mismatch == "transport") {
+        call = rank == 0 ? MismatchCall::kRankMajorPut : MismatchCall::kRankMajor;
+      }
+      run_mismatch(states[rank], rank, last ? last_sizes : sizes, call, blocks, send_warps, ahead);
       return;  // the call should have trapped
     }
     arm_death(rank, devices.buffers, devices.buffer_bytes);

@@ -23,9 +23,10 @@ repetitions on the same (poisoned) memory, and in a quarter of the cases with R 
 
 ``--mismatch`` runs the config-fingerprint cases instead (``MISMATCHES``): two ranks, one dispatch
 each, the last rank's call differing in one field of cuda/fingerprint.h (or its call count in the
-group ahead); every rank must trap with a fault record naming the field and both values, and the
-host's message (xla_ffi/fault_message.cc, printed by the driver) must name the op, the rank, the
-field and both values.
+group ahead; or, case ``transport``, a dispatch_rank_major over NVSHMEM puts on rank 0 and over
+loads / stores on rank 1); every rank must trap with a fault record naming the field and both
+values, and the host's message (xla_ffi/fault_message.cc, printed by the driver) must name the op,
+the rank, the field and both values.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from jax_ep.config import EPConfig  # noqa: E402
 
 DRIVER = os.path.join(tempfile.gettempdir(), "jax_ep_emu_driver")
 SOURCES = ("cuda/group.cu", "cuda/dispatch.cu", "cuda/combine.cu", "cuda/broadcast.cu", "cuda/slot_values.cu",
-           "xla_ffi/fault_message.cc", "tools/kernel_emulator/driver.cc")
+           "cuda/remote_rank_major.cu", "xla_ffi/fault_message.cc", "tools/kernel_emulator/driver.cc")
 
 
 def random_case(rng) -> dict:
@@ -417,7 +418,8 @@ CASES = [
 
 # Config-fingerprint cases (driver.cc, `mismatch`): rank 0 runs dispatch with MISMATCH_SIZES, rank 1
 # the same call with one field changed. field -> (rank 0's value, rank 1's), as the messages print
-# them.
+# them. transport: both run dispatch_rank_major, rank 0 over NVSHMEM puts, rank 1 over loads /
+# stores (each process of model 2 resolves its own KernelConfig.transport).
 MISMATCH_SIZES = dict(R=2, T=4, H=256, K=2, E=12, C=16, align=1, x_kind=KIND["float32"],
                       row_kind=KIND["bfloat16"], y_kind=KIND["bfloat16"])
 MISMATCHES = {
@@ -430,10 +432,12 @@ MISMATCHES = {
     "capacity": (16, 17),
     "expert_alignment": (1, 2),
     "dtype": ("bfloat16", "float32"),
+    "transport": ("put", "load_store"),
 }
-OPS = {"dispatch": 2, "combine": 3}
-# the values of the fields the messages print by name (cuda/ep_layout.h RowKind)
-NUMBERS = {"op": OPS, "dtype": {"bfloat16": 0, "float32": 1}}
+OPS = {"dispatch": 2, "combine": 3, "dispatch_rank_major": 9}
+# the values of the fields the messages print by name (cuda/ep_layout.h RowKind, cuda/fingerprint.h
+# Transport)
+NUMBERS = {"op": OPS, "dtype": {"bfloat16": 0, "float32": 1}, "transport": {"load_store": 0, "put": 1}}
 
 
 def run_mismatch(field: str) -> str:
@@ -450,7 +454,8 @@ def run_mismatch(field: str) -> str:
     for rank, (kind, op, waited, _what, got_field, expected, observed) in records.items():
         text = messages[rank]
         where = f"rank {rank}: {text}"
-        op_name = "combine" if field == "op" and rank == 1 else "dispatch"
+        op_name = ("combine" if field == "op" and rank == 1
+                   else "dispatch_rank_major" if field == "transport" else "dispatch")
         if op != OPS[op_name]:
             return f"{where}: record {records[rank]} names op {op}, not {op_name}"
         if field == "call_sequence":  # rank 1 is 5 calls ahead: rank 0 says so, rank 1 times out
@@ -474,8 +479,11 @@ def run_mismatch(field: str) -> str:
         want = (5, FIELD_ID[field], number.get(mine, mine), number.get(theirs, theirs))
         if (kind, got_field, expected, observed) != want or waited != 1 - rank:
             return f"{where}: record {records[rank]}, want kind/field/expected/observed {want}"
-        for part in (f"jax_ep: {op_name} on GPU {rank} (rank {rank})", f"rank {1 - rank}",
-                     f"{field} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"):
+        parts = [f"jax_ep: {op_name} on GPU {rank} (rank {rank})", f"rank {1 - rank}",
+                 f"{field} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"]
+        if field == "transport":
+            parts.append("KernelConfig.transport")
+        for part in parts:
             if part not in text:
                 return f"{where}: message lacks {part!r}"
     return ""

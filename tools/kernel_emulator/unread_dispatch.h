@@ -1,6 +1,7 @@
-// The throughput dispatch of the emulator's config-fingerprint cases (driver.cc, ll_driver.cc): it
-// runs on zero inputs and must trap in its group discovery (a peer runs another call), so nobody
-// reads its outputs. One place that points a DispatchLaunch at buffers large enough for any row kind.
+// The throughput dispatch of the emulator's config-fingerprint cases (driver.cc, ll_driver.cc),
+// expert- or rank-major (d.rank_major): it runs on zero inputs and must trap in its group discovery
+// (a peer runs another call), so nobody reads its outputs. One place that points a DispatchLaunch
+// at buffers large enough for any row kind.
 #pragma once
 
 #include <cstddef>
@@ -18,7 +19,7 @@ inline cudaError_t launch_unread_dispatch(DispatchLaunch d) {
   std::vector<char> x(T * H * 4 + 16), idx(T * K * 4 + 16), w(T * K * 4 + 16), rows(C * H * 4 + 16),
       scales(C * (H / 128 + 1) * 4 + 16), sizes(E * 4 + 16), counts(E * 4 + 16),
       row_weights(C * 4 + 16), dropped(16), src_index(C * 4 + 16), token_rows(R * T * K * 4 + 16),
-      in_rank(T * R + 16);
+      in_rank(T * R + 16), row_ids(C * K * 4 + 16), row_w(C * K * 4 + 16), per_rank(R * 4 + 16);
   d.x = x.data();
   d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
   d.topk_weights = reinterpret_cast<const float*>(w.data());
@@ -31,6 +32,15 @@ inline cudaError_t launch_unread_dispatch(DispatchLaunch d) {
   d.src_index = reinterpret_cast<int32_t*>(src_index.data());
   d.token_rows = reinterpret_cast<int32_t*>(token_rows.data());
   d.is_token_in_rank = reinterpret_cast<bool*>(in_rank.data());
+  if (d.rank_major) {  // C = R * T rows; no expert-major outputs
+    d.group_sizes = nullptr;
+    d.row_weights = nullptr;
+    d.num_dropped = nullptr;
+    d.token_rows = nullptr;
+    d.row_ids = reinterpret_cast<int32_t*>(row_ids.data());
+    d.row_topk_weights = reinterpret_cast<float*>(row_w.data());
+    d.tokens_per_rank = reinterpret_cast<int32_t*>(per_rank.data());
+  }
   return launch_dispatch(d, nullptr);
 }
 
