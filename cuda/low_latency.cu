@@ -541,7 +541,9 @@ __device__ __forceinline__ void zero_table(const LLDispatchLaunch& p, const LLSh
 }
 
 // Fills the table from this rank's sanitised routing: bit t of row e = token t routes to expert e.
-// Threads first..blockDim.x - 1 (thread 0 reads the call meanwhile); a barrier must follow.
+// Threads first..blockDim.x - 1; a barrier must follow. The kernels pass first = 32: thread 0 reads
+// the call meanwhile, and the lanes of its warp would run the two chains of cold loads one after the
+// other (divergent paths of a warp), so warp 0 takes no part.
 __device__ __forceinline__ void fill_table(const LLDispatchLaunch& p, const LLShared& s, int first) {
   const int T = p.c.num_tokens, K = p.c.num_topk, E = p.c.num_experts;
   const int words = (T + 31) / 32;
@@ -754,7 +756,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
     __syncthreads();
   }
   if (threadIdx.x == 0) ll_read_call<kLLOpDispatch>(p.c, kRow, s.call);
-  if constexpr (kMode != kLLRecv) fill_table(p, s, 1);  // meanwhile
+  if constexpr (kMode != kLLRecv) fill_table(p, s, 32);  // meanwhile, warps 1..
   __syncthreads();
   int dropped = 0;
   if constexpr (kMode != kLLRecv) {
