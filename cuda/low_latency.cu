@@ -35,8 +35,9 @@
 //    for dispatch also `active`, num_dropped, and, only where a rank was masked during the call
 //    (shrink mode), the handle slots of the pairs to it dropped (one pass of the block).
 //
-// Flags are raised with release stores (fence.acq_rel.sys + a relaxed store: no sequentially
-// consistent MEMBAR.SC.SYS) and polled with relaxed loads, a growing pause between them, then one
+// Flags that guard data are raised with release stores (fence.acq_rel.sys + a relaxed store: no
+// sequentially consistent MEMBAR.SC.SYS; dispatch's count flags, whose word is their whole message,
+// with relaxed stores) and polled with relaxed loads, a growing pause between them, then one
 // acquire load (not fence.acq_rel, which would also wait for the poller's own stores in flight).
 // Flags carry the group epoch of their call (unique per call of the group, throughput ops
 // included) and the group key, so a flag left by an earlier call, another op or another group never
@@ -628,7 +629,9 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     for (int w = 0; w < words; ++w) count += __popc(s.bits[e * words + w]);
     uint64_t* flag = reinterpret_cast<uint64_t*>(call->peers[dest] + L.count_flags + half) +
                      (static_cast<int64_t>(le) * R + me);
-    release_store_sys(flag, (call->epoch << 24) | (static_cast<uint64_t>(call->key) << 16) |
+    // relaxed: the flag word is the whole message (no data goes before it), and the slots it
+    // counts have flags of their own (a release fence here cost ~1 us on every block's path)
+    store_relaxed_sys(flag, (call->epoch << 24) | (static_cast<uint64_t>(call->key) << 16) |
                                 static_cast<uint64_t>(count));
   }
 
