@@ -731,18 +731,34 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
       }
       __syncwarp();  // lane 0's acquire, then every lane's loads
       const char* from = slots + slot * L.slot_bytes;
+      // the slot's scales and source entry are loaded with its first piece (in flight together),
+      // not after the row: each dependent round trip to L2 is ~0.5 us here
+      const float* scales = reinterpret_cast<const float*>(from + L.row_bytes);
+      float scale[2];  // hidden up to 8192 (64 scales); any further ones are copied after the row
+      if constexpr (kRow == kRowFP8) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int c = lane + 32 * u;
+          if (c < num_scales) scale[u] = __ldcg(scales + c);
+        }
+      }
+      const int32_t src = lane == 0 ? __ldcg(slot_src + slot) : 0;
       for (uint64_t offset = 0; offset < L.row_bytes; offset += kLLPieceBytes) {
         const uint64_t rest = L.row_bytes - offset;
         warp_copy_piece(from + offset, rows + slot * L.row_bytes + offset,
                         static_cast<int>(rest < kLLPieceBytes ? rest : kLLPieceBytes), lane);
       }
       if constexpr (kRow == kRowFP8) {
-        const float* scales = reinterpret_cast<const float*>(from + L.row_bytes);
-        for (int c = lane; c < num_scales; c += 32) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int c = lane + 32 * u;
+          if (c < num_scales) p.scales[slot * num_scales + c] = scale[u];
+        }
+        for (int c = lane + 64; c < num_scales; c += 32) {
           p.scales[slot * num_scales + c] = __ldcg(scales + c);
         }
       }
-      if (lane == 0) p.src_slot[slot] = __ldcg(slot_src + slot);
+      if (lane == 0) p.src_slot[slot] = src;
     }
     if (j == 0) {
       if (lane == 0) p.counts[q] = count;
