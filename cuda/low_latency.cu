@@ -129,8 +129,9 @@ __device__ __forceinline__ void ll_fault(DeviceState* state, int32_t op_id, int3
 // Thread 0 of every block: reads and checks the call (no barrier: the block's other threads work
 // meanwhile; a barrier must follow before anyone reads *call). As discover_group (CallStart): the
 // words at fixed addresses first, all in flight together (both halves' state: which one is the
-// call's is known only from n), the group-indexed ones after the range check, then the checks in
-// order; a chain of two or three loads instead of one per check.
+// call's is known only from n) with the group-indexed ones of group 0 (loaded again after the range
+// check for another group), then the checks in order; one round of loads for group 0 instead of
+// one per check.
 template <int kOp>
 __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) {
   DeviceState* state = a.state;
@@ -146,6 +147,15 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
   const uint64_t busy_shape = sync.ll_busy_shape;
   const uint32_t busy_dispatches = sync.ll_busy_dispatches;
   const uint64_t busy_dispatch = sync.ll_busy_dispatch;
+  // level 2 speculated for group 0 (the usual one: one EP group per device set), in flight with
+  // level 1; reloaded below for another group
+  uint32_t masked = 0;
+  uint64_t last_epoch = 0, last_call = 0;
+  if (!recv) {
+    masked = persistent_mask(state, a.axis_slot, 0);
+    last_epoch = sync.group_epoch[a.axis_slot][0];
+    last_call = sync.ll_calls[kOp][a.axis_slot][0];
+  }
   uint64_t epoch = 0, n = 0;
   if (recv) {
     epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
@@ -158,10 +168,15 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
   }
   uint32_t active = 0;
   if (!recv) {  // level 2: indexed by the group (in range now)
+    if (group != 0) {
+      masked = persistent_mask(state, a.axis_slot, group);
+      last_epoch = sync.group_epoch[a.axis_slot][group];
+      last_call = sync.ll_calls[kOp][a.axis_slot][group];
+    }
     // ranks masked by an earlier timeout (shrink mode) take no part until the host clears them
-    active = requested & ~persistent_mask(state, a.axis_slot, group);
-    epoch = sync.group_epoch[a.axis_slot][group] + 1;
-    n = sync.ll_calls[kOp][a.axis_slot][group] + 1;
+    active = requested & ~masked;
+    epoch = last_epoch + 1;
+    n = last_call + 1;
   }
   check_comm_bytes(state, comm_bytes, a.L.base.total, op_id, rank);
   const SyncCounters::LLHalf half = (n & 1) != 0 ? halves[1] : halves[0];
