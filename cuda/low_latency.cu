@@ -333,6 +333,10 @@ __device__ __noinline__ int ll_missing_rank(const LLWaitSite& site) {
 // masked every other wait on it gives up at once (the persistent mask is poll_flag's give-up word).
 __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, int shift,
                                          LLWaitSite site, int waited_rank) {
+  // A flag that is up already (a wait begun after the sender's store) costs one acquire load, where
+  // a relaxed poll and then the acquire took two round trips on the receive's critical path.
+  const uint64_t first = load_acquire_sys(flag);
+  if ((first >> shift) == want) return first;
   DeviceState* state = site.state;
   PollBound bound{state->tables.timeout_ns, 512};
   if (site.shrink && waited_rank >= 0) {
