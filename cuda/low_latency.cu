@@ -12,10 +12,11 @@
 //    dispatch: every block builds the expert x token bit table of this rank's (sanitised) routing
 //      in shared memory; slot i of (expert e, this rank) is the i-th token routed to e in token
 //      order (a popcount of the table). Block b sends the counts of experts b, b + grid, ... (one
-//      64-bit flag each: epoch, key, count), then its tokens t = b, b + grid, ...: each warp loads
-//      its steps of the row once, casts them (bf16, or fp8 with the per-128-channel scale) and
-//      stores them to every destination slot of the token; after a block barrier, lane k of warp 0
-//      raises the slot's flag on the destination with a release store.
+//      64-bit flag each: epoch, key, count), then its items b, b + grid, ... (token, part: with
+//      fewer tokens than blocks a token's top-k slots are split over up to K parts): each warp
+//      loads its steps of the row once, casts them (bf16, or fp8 with the per-128-channel scale)
+//      and stores them to every destination slot of the part; after a block barrier, lane k of
+//      warp 0 raises the slot's flag on the destination with a release store.
 //    combine: warps take (slot, piece) items round-robin, slot index major over the (local expert,
 //      source rank) pairs, 32 at a time (lane j loads item j's src_slot entry); each filled slot's
 //      piece of the expert output is copied to its source's (token, top-k) row, then the lanes
@@ -369,9 +370,12 @@ __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, in
 
 // The last block of a dispatch (fused / recv), every thread, where ranks were masked during the
 // call (call->lost): the pairs kept so far (`kept`: this kernel's dest_rank, or its send's) whose
-// rank, or this rank, is among them are dropped after all; counted in call->dropped.
+// rank, or this rank, is among them are dropped after all; counted in call->dropped. On the
+// receiving side the (local expert, source) pairs of such a source are emptied (count 0, src_slot
+// -1), as if it had been masked: it may have sent its counts, and some slots, before it died.
 __device__ void ll_drop_lost(const LLDispatchLaunch& d, LLCall* call, const int32_t* kept) {
-  const int pairs = d.c.num_tokens * d.c.num_topk;
+  const int T = d.c.num_tokens, R = d.c.num_ranks;
+  const int pairs = T * d.c.num_topk;
   const bool all = has_rank(call->lost, call->rank);
   int dropped = 0;
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
@@ -381,6 +385,13 @@ __device__ void ll_drop_lost(const LLDispatchLaunch& d, LLCall* call, const int3
       d.dest_rank[i] = -1;
       ++dropped;
     }
+  }
+  const int sources = d.c.num_experts;  // (local expert, source rank) pairs q: source q % R
+  for (int q = threadIdx.x; q < sources; q += blockDim.x) {
+    if (all || has_rank(call->lost, q % R)) d.counts[q] = 0;
+  }
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(sources) * T; i += blockDim.x) {
+    if (all || has_rank(call->lost, static_cast<int>((i / T) % R))) d.src_slot[i] = -1;
   }
   if (dropped != 0) atomicAdd(&call->dropped, dropped);
   __syncthreads();
@@ -561,17 +572,28 @@ __device__ __forceinline__ void zero_table(const LLDispatchLaunch& p, const LLSh
 }
 
 // Fills the table from this rank's sanitised routing: bit t of row e = token t routes to expert e.
-// Threads first..blockDim.x - 1; a barrier must follow. The kernels pass first = 32: thread 0 reads
-// the call meanwhile, and the lanes of its warp would run the two chains of cold loads one after the
-// other (divergent paths of a warp), so warp 0 takes no part.
-__device__ __forceinline__ void fill_table(const LLDispatchLaunch& p, const LLShared& s, int first) {
+// Warps first_warp.. (the kernels pass 1: thread 0 reads the call meanwhile, and the lanes of its
+// warp would run the two chains of cold loads one after the other); a barrier must follow. A warp
+// takes 32 consecutive (token, top-k) pairs per round: one coalesced load, and the earlier slots of
+// a token (sanitized_expert's rule: a slot naming an expert an earlier slot named is unused) come
+// from the lanes holding them, or, for a token that began in the previous round, from memory.
+__device__ __forceinline__ void fill_table(const LLDispatchLaunch& p, const LLShared& s,
+                                           int first_warp) {
   const int T = p.c.num_tokens, K = p.c.num_topk, E = p.c.num_experts;
   const int words = (T + 31) / 32;
-  const int stride = static_cast<int>(blockDim.x) - first;
-  for (int i = static_cast<int>(threadIdx.x) - first; i >= 0 && i < T * K; i += stride) {
-    const int t = i / K;
-    const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, i % K, E);
-    if (e >= 0) atomicOr(&s.bits[e * words + t / 32], 1u << (t & 31));
+  const int pairs = T * K;
+  const int lane = lane_id(), warp = warp_id();
+  const int step = (static_cast<int>(blockDim.x) / 32 - first_warp) * 32;
+  for (int i0 = (warp - first_warp) * 32; warp >= first_warp && i0 < pairs; i0 += step) {
+    const int i = i0 + lane;
+    const int32_t id = i < pairs ? __ldg(p.topk_idx + i) : -1;
+    const int k = i % K;
+    bool used = id >= 0 && id < E;
+    for (int j = 1; j < K; ++j) {  // slot k - j of the same token (every lane shuffles)
+      const int32_t earlier = __shfl_up_sync(kFullMask, id, j);
+      if (j <= k) used &= (lane >= j ? earlier : __ldg(p.topk_idx + i - j)) != id;
+    }
+    if (used) atomicOr(&s.bits[id * words + (i / K) / 32], 1u << ((i / K) & 31));
   }
 }
 
@@ -585,6 +607,13 @@ __device__ __forceinline__ int write_handle_slot(const LLDispatchLaunch& p, int 
   p.weights[i] = dest >= 0 ? weight : 0.f;
   p.dest_rank[i] = dest;
   return e >= 0 && dest < 0 ? 1 : 0;
+}
+
+// The parts each token's send is split into (dispatch_send's items): as many as the blocks allow,
+// at most one per top-k slot.
+__device__ __forceinline__ int parts_per_token(int T, int K) {
+  const int g = T > 0 ? static_cast<int>(gridDim.x) / T : 1;
+  return g < 1 ? 1 : (g > K ? K : g);
 }
 
 // Warp 0: the sum of its lanes' counts, in every lane.
@@ -613,10 +642,15 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const char* x = static_cast<const char*>(p.x);
 
   ll_publish(a, call);
-  // this warp's steps warp and warp + 16 of the first token, loaded and cast before the wait
+  // Work items (token, part): part g of a token sends its top-k slots k with k % G == g. G > 1 when
+  // the tokens are fewer than the blocks, so a small batch's rows leave from up to K SMs at once
+  // instead of one per token (one SM's stores of a token's K copies took ~2.8 us at T=1).
+  const int G = parts_per_token(T, K);
+  const int items = T * G;
+  // this warp's steps warp and warp + 16 of the first item's token, loaded and cast before the wait
   SendStep first[2] = {};
-  const int t0 = blockIdx.x;
-  if (t0 < T) {
+  const int t0 = static_cast<int>(blockIdx.x) / G;
+  if (static_cast<int>(blockIdx.x) < items) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       if (warp + u * kWarps < steps) {
@@ -629,8 +663,9 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   // A masked rank sends nothing (it needs no peer, so it waits for none): every used pair dropped.
   if (!is_active(call, me)) {
     if (warp != 0) return 0;
-    for (int t = t0; t < T; t += gridDim.x) {
-      if (lane < K) {
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int t = item / G;
+      if (lane < K && lane % G == item % G) {
         const int32_t e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
         dropped += write_handle_slot(p, t, lane, e, -1, 0.f);
       }
@@ -654,14 +689,17 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
                                 static_cast<uint64_t>(count));
   }
 
-  // tokens blockIdx.x, + gridDim.x, ...: lane k of every warp holds the slot of top-k slot k
-  for (int t = t0; t < T; t += gridDim.x) {
+  // items blockIdx.x, + gridDim.x, ...: lane k of every warp holds the slot of top-k slot k if the
+  // item's part sends it
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int t = item / G;
+    const bool mine = lane < K && lane % G == item % G;
     char* my_dst = nullptr;
     int64_t block_slot = 0;
     int dest = 0;
     int32_t e = -1;
     float weight = 0.f;  // warp 0: its handle slot's, in flight while the row goes out
-    if (lane < K) {
+    if (mine) {
       if (warp == 0) weight = __ldg(p.topk_weights + static_cast<int64_t>(t) * K + lane);
       e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
       if (e >= 0 && is_active(call, e / local)) {  // a pair to a masked rank is dropped
@@ -677,7 +715,7 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     const char* x_row = x + t * x_row_bytes;
     for (int s0 = warp; s0 < steps; s0 += 2 * kWarps) {
       SendStep step[2];
-      if (t == t0 && s0 == warp) {
+      if (item == static_cast<int>(blockIdx.x) && s0 == warp) {
         step[0] = first[0];
         step[1] = first[1];
       } else {
@@ -697,7 +735,7 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       release_store_sys(reinterpret_cast<uint64_t*>(peer + L.slot_flags + half) + block_slot, tag);
     }
     // after the token's flags: off the path to the peers
-    if (warp == 0 && lane < K) {
+    if (warp == 0 && mine) {
       dropped += write_handle_slot(p, t, lane, e, my_dst != nullptr ? dest : -1, weight);
     }
   }
@@ -794,7 +832,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
     __syncthreads();
   }
   if (threadIdx.x == 0) ll_read_call<kLLOpDispatch>(p.c, kRow, s.call);
-  if constexpr (kMode != kLLRecv) fill_table(p, s, 32);  // meanwhile, warps 1..
+  if constexpr (kMode != kLLRecv) fill_table(p, s, 1);  // meanwhile, warps 1..
   __syncthreads();
   int dropped = 0;
   if constexpr (kMode != kLLRecv) {

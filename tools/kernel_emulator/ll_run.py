@@ -5,7 +5,8 @@ scales), the `active` ranks and the handle's slots the kernel writes (topk_weigh
 dest_rank, num_dropped; a two-phase send's pass through its receive) bit-exact; combine
 bit-exact too (float32 sums in top-k order, no FMA, in both), with NaN in every unfilled slot of
 y (it must not leak). Each case runs the ops fused, in two phases, or with two
-calls in flight (mode 0 / 1 / 2); three more cases break the double-buffering rules and must fault
+calls in flight (mode 0 / 1 / 2), some with more blocks than tokens (a token's slots sent as parts
+from several blocks); three more cases break the double-buffering rules and must fault
 (a third send in flight; a handle received twice; a receive of another shape), and the
 config-fingerprint cases (MISMATCHES) give the last rank's call another field of
 cuda/fingerprint.h (or a call count 5 calls ahead): every rank must fault naming the field and both
@@ -55,8 +56,11 @@ CASES = [  # R, T, H, K, E, x dtype, wire dtype, routing, mode (0 fused, 1 two-p
     (2, 3, 4224, 2, 4, "bfloat16", "bfloat16", "messy", 1),      # rows of 2 pieces (8448 bytes)
     (2, 2, 8320, 2, 4, "float32", "float8_e4m3fn", "distinct", 0),  # fp8 rows of 2 pieces
     (2, 6, 128, 3, 64, "bfloat16", "float8_e4m3fn", "messy", 1),   # one block: 16 warps, 64 pairs
+    # fewer tokens than blocks: each token's slots are sent as G parts from G blocks
+    (3, 2, 256, 4, 12, "bfloat16", "float8_e4m3fn", "messy", 0),   # 8 blocks: G = 4
+    (2, 3, 136, 3, 6, "float32", "bfloat16", "messy", 1),          # 7 blocks: G = 2 (slots 0, 2 | 1)
 ]
-BLOCKS = {9: 1}  # fixed cases run with 3 blocks but these
+BLOCKS = {9: 1, 10: 8, 11: 7}  # fixed cases run with 3 blocks but these
 # Rank masking: (case, the mask of each of the 2 repetitions). A masked rank sends and receives
 # nothing; the mask changes between the calls (and between the two calls in flight in mode 2).
 MASKED = [
@@ -64,6 +68,7 @@ MASKED = [
     ((4, 9, 256, 4, 16, "float32", "float8_e4m3fn", "messy", 1), [[0, 1, 1, 1], [1, 1, 0, 1]]),
     ((4, 5, 128, 3, 8, "bfloat16", "float8_e4m3fn", "skewed", 2), [[1, 0, 1, 1], [1, 1, 1, 0]]),
     ((2, 4, 64, 2, 4, "bfloat16", "bfloat16", "distinct", 1), [[1, 0], [0, 1]]),
+    ((3, 1, 128, 2, 6, "bfloat16", "bfloat16", "messy", 0), [[1, 0, 1], [0, 1, 1]]),  # 2 parts per token
     # shrink mode (EPConfig.shrink), the last rank never calls: explicit masks on top in the second
     ((3, 5, 128, 3, 9, "bfloat16", "float8_e4m3fn", "messy", 6), [[1, 1, 1], [0, 1, 1]]),
     ((4, 4, 64, 2, 8, "float32", "bfloat16", "messy", 7), [[1, 1, 1, 1], [1, 1, 1, 1]]),
