@@ -2,9 +2,9 @@
 //
 //  begin: thread 0 reads the group (rank, group: device scalars), the group epoch (+1: this call)
 //    and the op's call count n in the group (+1; half n % 2 of the receive regions), checks the
-//    double-buffering rules, then the block publishes this device's directory entry for the epoch
-//    and the call's config fingerprint (group discovery, as the throughput ops' start kernel does,
-//    without a kernel of its own; cuda/fingerprint.cuh).
+//    double-buffering rules, then the lanes of warp 0 publish this device's directory entry for the
+//    epoch and the call's config fingerprint (group discovery, as the throughput ops' start kernel
+//    does, without a kernel of its own; cuda/fingerprint.cuh) while the other warps fill tables.
 //  send (fused, kLLSend): before its first remote write a block waits until every rank of the group
 //    has published its entry for this epoch: the peers have entered the call, so every earlier
 //    kernel of theirs has finished, and the ordinals of the ranks are known; a peer whose
@@ -209,13 +209,16 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
   call->fp = ll_fingerprint(a, op_id, row_kind);
 }
 
-// Sending kernels, every thread, after the barrier that follows ll_read_call: publishes this
-// device's directory entry for the call's epoch, then the call's fingerprint, on every managed
-// device (every block does: a peer may wait on it before this device's first block has run).
+// Sending kernels, the lanes of warp 0 right after thread 0's ll_read_call (a __syncwarp between):
+// publishes this device's directory entry for the call's epoch, then the call's fingerprint, on
+// every managed device (lane o: device o), while the other warps still fill the block's tables;
+// the block barrier after it is then off the handshake's path. Every block does: a peer may wait
+// on it before this device's first block has run.
 __device__ __forceinline__ void ll_publish(const LLCommon& a, const LLCall* call) {
+  static_assert(kMaxDevices <= 32, "one lane of warp 0 per managed device");
   DeviceState* state = a.state;
   const uint64_t entry = (call->epoch << 16) | static_cast<uint64_t>(state->tables.slot);
-  for (int o = threadIdx.x; o < kMaxDevices; o += blockDim.x) {
+  for (int o = lane_id(); o < kMaxDevices; o += 32) {
     DeviceState* device = state->tables.peer_states[o];
     if (device != nullptr) {
       release_store_sys(&device->sync.directory[a.axis_slot][call->group][call->rank], entry);
@@ -623,7 +626,7 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
-// After the table and the call (a barrier since both): publishes the entry, prepares this warp's
+// After the table and the call (a barrier since both; the entry is published): prepares this warp's
 // first steps of the block's first token while the peers' entries arrive, then sends the counts and
 // the block's tokens, and writes their handle slots (lanes k < K of warp 0). Returns the block's
 // dropped pairs (warp 0's lanes; 0 elsewhere).
@@ -641,7 +644,6 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const int steps = kRow == kRowFP8 ? (H + 511) / 512 : (H + 255) / 256;
   const char* x = static_cast<const char*>(p.x);
 
-  ll_publish(a, call);
   // Work items (token, part): part g of a token sends its top-k slots k with k % G == g. G > 1 when
   // the tokens are fewer than the blocks, so a small batch's rows leave from up to K SMs at once
   // instead of one per token (one SM's stores of a token's K copies took ~2.8 us at T=1).
@@ -832,7 +834,13 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
     __syncthreads();
   }
   if (threadIdx.x == 0) ll_read_call<kLLOpDispatch>(p.c, kRow, s.call);
-  if constexpr (kMode != kLLRecv) fill_table(p, s, 1);  // meanwhile, warps 1..
+  if constexpr (kMode != kLLRecv) {
+    if (warp_id() == 0) {
+      __syncwarp();  // thread 0's call
+      ll_publish(p.c, s.call);
+    }
+    fill_table(p, s, 1);  // meanwhile, warps 1..
+  }
   __syncthreads();
   int dropped = 0;
   if constexpr (kMode != kLLRecv) {
@@ -881,7 +889,7 @@ __device__ __forceinline__ CombineItem combine_item(const LLCombineLaunch& p, in
   return item;
 }
 
-// After the call (a barrier since): publishes the entry, waits for the peers', then returns every
+// After the call (a barrier since; the entry is published): waits for the peers', then returns every
 // filled slot's rows piece by piece. `first`: this lane's first item, loaded before the barrier.
 __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, CombineItem item) {
   const LLCommon& a = p.c;
@@ -894,7 +902,6 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int64_t items = static_cast<int64_t>(a.num_experts) * T * pieces;
   const int64_t gw = global_warp(), W = total_warps();
-  ll_publish(a, call);
   if (!is_active(call, call->rank)) return;  // a masked rank returns nothing
   ll_discover(a, call);
 
@@ -1012,6 +1019,10 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineLaunch 
   if (threadIdx.x == 0) ll_read_call<kLLOpCombine>(p.c, kRowBF16, s.call);
   if constexpr (kMode != kLLRecv) {
     if (threadIdx.x != 0) first = combine_item(p, 0);  // meanwhile
+    if (warp_id() == 0) {
+      __syncwarp();  // thread 0's call
+      ll_publish(p.c, s.call);
+    }
   }
   __syncthreads();
   if constexpr (kMode != kLLRecv) {
