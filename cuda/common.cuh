@@ -56,6 +56,18 @@ __device__ __forceinline__ void store_relaxed_sys(uint64_t* address, uint64_t va
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" : : "l"(address), "l"(value) : "memory");
 }
 
+// Atomic add at device scope with acquire and release semantics: a block's last-one-out counter in
+// one instruction (what it did before is ordered before the add; the last block sees it all after
+// the add), where a fence and a relaxed atomic took two round trips.
+__device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t* address, uint32_t value) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(address), "r"(value)
+               : "memory");
+  return old;
+}
+
 // With a preceding relaxed load that observed a release store: an acquire pattern.
 __device__ __forceinline__ void fence_acquire_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");

@@ -413,14 +413,14 @@ __device__ void ll_end(const LLCommon& a, LLCall* call, const LLDispatchLaunch* 
   if (threadIdx.x == 0) {
     SyncCounters& sync = a.state->sync;
     if (d != nullptr && dropped != 0) atomicAdd(&sync.ll_dropped, static_cast<uint32_t>(dropped));
-    __threadfence();
-    const unsigned done = atomicAdd(&sync.ll_blocks_done, 1u);
+    // release: this block's writes (its threads' before the barrier) before the count; acquire,
+    // for the last block: every other block's before its reads below
+    const uint32_t done = atomic_add_acq_rel_gpu(&sync.ll_blocks_done, 1u);
     call->last = done + 1 == gridDim.x ? 1 : 0;
     if (call->last) {
       sync.ll_blocks_done = 0;
-      __threadfence();  // (the other blocks' slots before this block's reads of them)
       if (d != nullptr) {
-        // every block's masking and adds are done (each fenced before its atomicAdd); the count
+        // every block's masking and adds are done (each released by its count); the count
         // is read at L2 (an atomic) and cleared for the next call, as ll_blocks_done
         call->dropped = a.mode == kLLRecv ? __ldg(d->sent_dropped)
                                           : static_cast<int32_t>(atomicAdd(&sync.ll_dropped, 0u));
@@ -955,7 +955,10 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(own + L.ret_flags + half);
   const char* returned = own + L.ret_rows + half;
   char* out = static_cast<char*>(p.out);
-  for (int64_t g = global_warp(); g < static_cast<int64_t>(T) * chunks; g += total_warps()) {
+  // items go to warp g / grid of block g % grid: a small batch's few items land on as many SMs,
+  // one warp each, not all in block 0
+  const int64_t first = static_cast<int64_t>(warp_id()) * gridDim.x + blockIdx.x;
+  for (int64_t g = first; g < static_cast<int64_t>(T) * chunks; g += total_warps()) {
     const int64_t t = g / chunks;
     const int c = static_cast<int>(g % chunks);
     const int piece = static_cast<int>(static_cast<uint64_t>(c) * 1024 / kLLPieceBytes);

@@ -294,6 +294,9 @@ inline uint64_t load_relaxed_sys(const uint64_t* address) {
   return __atomic_load_n(address, __ATOMIC_RELAXED);
 }
 inline void fence_acquire_sys() { std::atomic_thread_fence(std::memory_order_acquire); }
+inline uint32_t atomic_add_acq_rel_gpu(uint32_t* address, uint32_t value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_ACQ_REL);
+}
 inline void backoff_sleep(uint32_t) {}
 inline void store_release_sys(uint64_t* address, uint64_t value) {
   emu::flag_store(address);
