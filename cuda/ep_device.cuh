@@ -806,28 +806,39 @@ __device__ __forceinline__ uint2 pack_fp8x8(const float f[8]) {
   return make_uint2(w[0], w[1]);
 }
 
+// FP8 e4m3 of one 128-channel block held by 128 / kN aligned consecutive lanes, kN elements each
+// (consecutive channels): amax = max(max|x|, 1e-4) over the block, q = e4m3(x * (448 / amax)),
+// scale = amax / 448; bit-exact with jax_ep.reference.quantize_fp8. Writes this lane's kN bytes to
+// fp8 (8 per uint2, element order) and returns the block's scale. The xor shuffles stay inside the
+// block's lanes; every lane of the warp calls it.
+template <int kN>
+__device__ __forceinline__ float quantize_fp8_block(const float* f, uint2* fp8) {
+  static_assert(kN % 8 == 0 && 128 % kN == 0, "a block is whole lanes of whole uint2s");
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+  for (int offset = 128 / kN / 2; offset >= 1; offset >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+  }
+  amax = fmaxf(amax, 1e-4f);
+  const float inv_scale = __fdiv_rn(448.0f, amax);
+  const float scale = __fdiv_rn(amax, 448.0f);
+  float q[kN];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) q[i] = __fmul_rn(f[i], inv_scale);
+#pragma unroll
+  for (int k = 0; k < kN / 8; ++k) fp8[k] = pack_fp8x8(q + 8 * k);
+  return scale;
+}
+
 // This lane's 8 elements of one 256-element step, converted: kOut = kRowBF16 (round to nearest
-// even) into *bf16, or kRowFP8 (per 128 channels: amax = max(max|x|, 1e-4), q = e4m3(x * (448 /
-// amax)), scale = amax / 448; bit-exact with jax_ep.reference.quantize_fp8) into *fp8 and *scale.
-// For FP8 a half-warp covers one 128-channel block, so the amax reduction stays inside it; every
-// lane of the warp calls it (shuffles).
+// even) into *bf16, or kRowFP8 (quantize_fp8_block; a half-warp covers one 128-channel block) into
+// *fp8 and *scale. Every lane of the warp calls it (FP8 shuffles).
 template <int kOut>
 __device__ __forceinline__ void convert8(const float f[8], uint4* bf16, uint2* fp8, float* scale) {
   if constexpr (kOut == kRowFP8) {
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-    for (int offset = 8; offset >= 1; offset >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-    }
-    amax = fmaxf(amax, 1e-4f);
-    const float inv_scale = __fdiv_rn(448.0f, amax);
-    *scale = __fdiv_rn(amax, 448.0f);
-    float q[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = __fmul_rn(f[i], inv_scale);
-    *fp8 = pack_fp8x8(q);
+    *scale = quantize_fp8_block<8>(f, fp8);
   } else {
     *bf16 = pack_bf16x8(f);
   }

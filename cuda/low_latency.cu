@@ -517,22 +517,9 @@ __device__ __forceinline__ SendStep prepare_step(const char* x_row, int H, int s
 #pragma unroll
       for (int i = 0; i < 16; ++i) f[i] = 0.f;
     }
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-    for (int offset = 4; offset >= 1; offset >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-    }
-    amax = fmaxf(amax, 1e-4f);
-    const float inv_scale = __fdiv_rn(448.0f, amax);
-    s.scale = __fdiv_rn(amax, 448.0f);
-    float q[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) q[i] = __fmul_rn(f[i], inv_scale);
-    const uint2 lo = pack_fp8x8(q);
-    const uint2 hi = pack_fp8x8(q + 8);
-    s.packed = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    uint2 fp8[2];
+    s.scale = quantize_fp8_block<16>(f, fp8);
+    s.packed = make_uint4(fp8[0].x, fp8[0].y, fp8[1].x, fp8[1].y);
   } else {
     s.e0 = step * 256 + lane * 8;
     s.in = s.e0 < H;
