@@ -1,5 +1,5 @@
-// Throughput dispatch over NVLink (intra-node EP). Four kernels on XLA's stream (a fifth in shrink
-// mode: 5. fixup, below), no host sync:
+// Throughput dispatch over NVLink (intra-node EP). Three kernels on XLA's stream (two more in shrink
+// mode: 3. pending and 5. fixup, below), no host sync:
 //
 //  1. prep (rank-local): sanitises topk_idx, writes is_token_in_rank, counts this rank's tokens per
 //     expert and gives every (token, slot) its rank among this rank's tokens of that expert, in
@@ -14,7 +14,7 @@
 //     Rank masking: only linked ranks (OpInfo::linked) exchange counts; rows come from active
 //     sources only and a masked destination keeps none. A pair with a masked source or destination
 //     goes nowhere and counts in its source's num_dropped (the only rank that knows it).
-//  3. rows: per (token, slot) the sanitised expert (-1 unused).
+//  3. pending (shrink mode only): src_index of the received rows starts as kPendingRow.
 //  4. main (num_blocks blocks, warps split into senders and receivers):
 //     senders: per chunk (1-8 tokens, ep_layout.h), every token routed to a remote rank crosses
 //       NVLink ONCE (TMA bulk copies through shared memory or 16-byte stores; BF16/FP8 conversion
@@ -39,7 +39,7 @@ constexpr int kPrepThreads = 1024;
 constexpr int kPrepWarps = kPrepThreads / 32;
 constexpr int kPrepMaxExperts = 128;  // experts per prep block (shared bit masks)
 constexpr int kNotifyThreads = 1024;
-constexpr int kRowsThreads = 256;
+constexpr int kRowsThreads = 256;     // pending and fixup
 constexpr int kTailRows = 8192;       // unused-tail rows per receiver work item
 constexpr int kEmptyRows = 16;        // rank-major: empty rows (zeroed) per receiver work item
 
@@ -403,35 +403,20 @@ __global__ void __launch_bounds__(kNotifyThreads)
   }
 }
 
-// ---- 3. rows ---------------------------------------------------------------------------------
+// ---- 3. pending (shrink mode only) ------------------------------------------------------------
 // A row that no chunk has filled yet (shrink mode: src_index of every received row starts as this,
 // so that the fixup kernel finds the rows of a source whose chunks never came).
 constexpr int32_t kPendingRow = -3;
 
-// Per (token, slot) of this rank: its sanitised expert in slot_dest (-1: unused or repeated slot),
-// and -1 in slot_rank for an unused one (prep ranked the used ones). Slot-parallel; the main
-// kernel then reads two coalesced words per slot. Where a slot's row lands is for its receiver.
-// Shrink mode: src_index of the received rows (below total_rows) is kPendingRow.
+// src_index of the received rows (below total_rows) is kPendingRow. A kernel of its own between
+// notify (total_rows) and main (whose receivers overwrite it row by row, in any block).
 __global__ void __launch_bounds__(kRowsThreads)
-    dispatch_rows_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
-                         int T, int K, int E, bool shrink, int32_t* __restrict__ src_index) {
-  char* own = own_comm_buffer(state);
-  if (shrink) {
-    const int32_t total = reinterpret_cast<const OpInfo*>(own + layout.op_info)->total_rows;
-    for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < total;
-         r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      src_index[r] = kPendingRow;
-    }
-  }
-  int32_t* slot_rank = reinterpret_cast<int32_t*>(own + layout.slot_rank);
-  int32_t* slot_dest = reinterpret_cast<int32_t*>(own + layout.slot_dest);
-  const int64_t slots = static_cast<int64_t>(T) * K;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < slots;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int k = static_cast<int>(i % K);
-    const int32_t e = sanitized_expert(topk_idx + (i - k), k, E);
-    if (e < 0) slot_rank[i] = -1;
-    slot_dest[i] = e;
+    dispatch_pending_kernel(DeviceState* state, CommLayout layout, int32_t* __restrict__ src_index) {
+  const char* own = own_comm_buffer(state);
+  const int32_t total = reinterpret_cast<const OpInfo*>(own + layout.op_info)->total_rows;
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < total;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    src_index[r] = kPendingRow;
   }
 }
 
@@ -485,16 +470,18 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
   }
 }
 
-// Slot `lane` of this rank's token t: its sanitised expert (-1: unused slot), its rank among this
-// rank's tokens of that expert (rank-major: of its destination rank) and its gate weight.
+// Slot `lane` of this rank's token t: its sanitised expert (-1: unused slot; sanitised here, from
+// topk_idx), its rank among this rank's tokens of that expert (rank-major: of its destination
+// rank; prep's slot_rank, meaningful for a used slot only) and its gate weight. Every lane calls it.
 __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, int64_t t, int lane,
                                            int* expert, int* rank, float* weight) {
   const int K = a.num_topk;
   const bool slot = lane < K;
   const int64_t i = t * K + lane;
-  *expert = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_dest) + i) : -1;
+  const int32_t id = slot ? __ldg(a.topk_idx + i) : -1;
   *rank = slot ? __ldcg(reinterpret_cast<const int32_t*>(own + a.layout.slot_rank) + i) : -1;
   *weight = slot ? __ldg(a.topk_weights + i) : 0.f;
+  *expert = sanitized_expert_warp(id, a.num_experts);
 }
 
 // Expert-major: the row here of source s's pair of local expert j (-1: none) whose rank among s's
@@ -980,9 +967,11 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   }
   JAX_EP_CHECK_LAUNCH();
 
-  JAX_EP_LAUNCH(dispatch_rows_kernel, p.num_blocks, kRowsThreads, 0, stream)(
-      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, shrink, p.src_index);
-  JAX_EP_CHECK_LAUNCH();
+  if (shrink) {
+    JAX_EP_LAUNCH(dispatch_pending_kernel, p.num_blocks, kRowsThreads, 0, stream)(
+        p.state, p.layout, p.src_index);
+    JAX_EP_CHECK_LAUNCH();
+  }
 
   const MainArgs args{p, static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind)),
                       static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.row_kind)),

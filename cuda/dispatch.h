@@ -14,7 +14,7 @@ namespace jax_ep {
 // Everything one rank's dispatch needs. Shapes are static (validated by the FFI handler); rank and
 // group are device scalars (lax.axis_index), resolved on the device by group discovery.
 //
-// rank_major: dispatch_rank_major (DeepEP's contract): the same prep / notify / rows / main kernels
+// rank_major: dispatch_rank_major (DeepEP's contract): the same prep / notify / main kernels
 // and the same hop (each token crosses NVLink once per destination rank into its staging [me][t]),
 // but the receivers write one row per (source token, this rank), source-rank major, token order
 // within (R * T rows; rows past the last are zero / -1 / 0), with the token's local expert ids and
@@ -63,8 +63,8 @@ struct DispatchLaunch {
   bool use_tma;        // raw row copies with bulk (TMA) copies through shared memory
   bool rank_major;     // dispatch_rank_major (above)
   // Shrink mode (EPConfig.shrink): a peer that misses a bounded wait leaves the call (masked
-  // persistently) instead of making it trap; a fifth kernel empties the rows of a source whose data
-  // never came (dispatch.cu, "fixup").
+  // persistently) instead of making it trap; a kernel after the main one empties the rows of a
+  // source whose data never came (dispatch.cu, "pending" and "fixup").
   int32_t shrink;
 };
 

@@ -218,6 +218,15 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// sanitized_expert (cuda/common.cuh) with a token's slots in a warp's lanes: lane k holds slot k's
+// id (a lane past the token's K slots holds any id outside [0, E), e.g. -1) and gets its slot's
+// expert, -1 for an unused one: out of range, or the id of a lower lane (an earlier slot). One
+// match across the lanes instead of k loads per lane. Every lane calls it.
+__device__ __forceinline__ int32_t sanitized_expert_warp(int32_t id, int E) {
+  const uint32_t same = __match_any_sync(kFullMask, id);
+  return id >= 0 && id < E && (same & lanemask_lt()) == 0u ? id : -1;
+}
+
 // Rank r is in `ranks`, a call's bit set of ranks (OpInfo::active, OpInfo::linked).
 __device__ __forceinline__ bool has_rank(uint32_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
 

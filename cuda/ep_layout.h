@@ -80,8 +80,8 @@ struct CommLayout {
   uint64_t counts;        // int32 [R][E + R]: tokens of rank s per expert (dispatch); rank-major
                           //   dispatch adds, at [s][E + r], rank s's tokens that go to rank r
   uint64_t slot_rank;     // local int32 [T][K]: rank of (token, slot) among this rank's tokens of
-                          //   its expert (rank-major dispatch: of its destination rank), -1 unused
-  uint64_t slot_dest;     // local int32 [T][K]: the slot's sanitised expert, -1 unused (dispatch)
+                          //   its expert (rank-major dispatch: of its destination rank); unused
+                          //   slots: unspecified
   uint64_t counts_local;  // local int32 [E + R]: this rank's tokens per expert, then (rank-major
                           //   dispatch) per destination rank
   // Receive side: the receiver places every row itself, from its own counts table, so that its
@@ -153,7 +153,6 @@ JAX_EP_HOST_DEVICE inline CommLayout make_comm_layout(int64_t num_ranks, int64_t
                     kAlign);
   layout.counts = at;        at = align_up_u64(at + R * (E + R) * 4, kAlign);
   layout.slot_rank = at;     at = align_up_u64(at + T * K * 4, kAlign);
-  layout.slot_dest = at;     at = align_up_u64(at + T * K * 4, kAlign);
   layout.counts_local = at;  at = align_up_u64(at + (E + R) * 4, kAlign);
   layout.base_row = at;      at = align_up_u64(at + E * 4, kAlign);
   layout.limit = at;         at = align_up_u64(at + E * 4, kAlign);

@@ -160,11 +160,17 @@ def dispatch_lost(name, d, r, unmasked, dead, T, E, idx, exact) -> tuple[bool, d
     return compare(name, d, r, 0, want), want
 
 
-def throughput_case(name, *, R, T, H, K, E, dead, launch, flags, shrink, expect, timeout_s=2.0,
+def dispatch_launch(kernel, shrink) -> int:
+    """The launch number (over the process, emu_cuda.h) of dispatch kernel `kernel` of the first
+    repetition: driver.cc's first launches are that dispatch's kernels (cuda/dispatch.cu)."""
+    return ["prep", "notify", *(["pending"] if shrink else []), "main"].index(kernel)
+
+
+def throughput_case(name, *, R, T, H, K, E, dead, kernel, flags, shrink, expect, timeout_s=2.0,
                     reps=2, seed=0, kind="messy", dispatch_dtype=None, x_dtype="bfloat16",
                     y_dtype="bfloat16") -> bool:
-    """Rank `dead` dies in its kernel launch `launch` (3: the dispatch main kernel of the first
-    repetition, 1: its notify kernel) after `flags` flag stores. expect: "fault" (no shrink: every
+    """Rank `dead` dies in its kernel `kernel` ("main" or "notify") of the first repetition's dispatch
+    after `flags` flag stores. expect: "fault" (no shrink: every
     other rank faults naming dispatch and it), "exact" (it sent no data: each other rank's dispatch
     is the unmasked one with all its rows emptied) or "either" (some of it came: each other rank's
     dispatch is the reference with it masked, or the unmasked one with what never came emptied)."""
@@ -187,7 +193,8 @@ def throughput_case(name, *, R, T, H, K, E, dead, launch, flags, shrink, expect,
         cmd = [run.DRIVER, d, R, T, H, K, E, C, 1, harness.KIND[x_dtype], harness.KIND[row_dtype],
                harness.KIND[y_dtype], 2, 4, reps]
         env = dict(os.environ, JAX_EP_EMU_SHRINK="1" if shrink else "0",
-                   JAX_EP_EMU_DIE=f"{dead},{launch},{flags}", JAX_EP_EMU_TIMEOUT_S=str(timeout_s))
+                   JAX_EP_EMU_DIE=f"{dead},{dispatch_launch(kernel, shrink)},{flags}",
+                   JAX_EP_EMU_TIMEOUT_S=str(timeout_s))
         start = time.time()
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, env=env)
         took = time.time() - start
@@ -312,18 +319,18 @@ def ll_case(name, *, R, T, H, K, E, dead, shrink, expect, timeout_s=2.0, reps=2,
 
 CASES = [
     ("dispatch dies before data, no shrink", throughput_case,
-     dict(R=3, T=12, H=128, K=3, E=6, dead=1, launch=3, flags=0, shrink=False, expect="fault")),
+     dict(R=3, T=12, H=128, K=3, E=6, dead=1, kernel="main", flags=0, shrink=False, expect="fault")),
     ("dispatch dies before data, shrink", throughput_case,
-     dict(R=3, T=12, H=128, K=3, E=6, dead=1, launch=3, flags=0, shrink=True, expect="exact")),
+     dict(R=3, T=12, H=128, K=3, E=6, dead=1, kernel="main", flags=0, shrink=True, expect="exact")),
     ("dispatch dies during data, shrink, fp8", throughput_case,
-     dict(R=3, T=40, H=256, K=3, E=6, dead=0, launch=3, flags=2, shrink=True, expect="either",
+     dict(R=3, T=40, H=256, K=3, E=6, dead=0, kernel="main", flags=2, shrink=True, expect="either",
           dispatch_dtype="float8_e4m3fn", seed=3)),
     # rows in 3 column slices (cuda/ep_layout.h num_slices), one flag each: it dies with some
     # chunks' slices flagged and others not; a token must come whole or not at all
     ("dispatch dies during data, shrink, slices", throughput_case,
-     dict(R=3, T=6, H=2304, K=3, E=6, dead=0, launch=3, flags=5, shrink=True, expect="either", seed=7)),
+     dict(R=3, T=6, H=2304, K=3, E=6, dead=0, kernel="main", flags=5, shrink=True, expect="either", seed=7)),
     ("dispatch dies in the counts exchange, shrink", throughput_case,
-     dict(R=4, T=10, H=64, K=2, E=8, dead=2, launch=1, flags=1, shrink=True, expect="either", seed=5)),
+     dict(R=4, T=10, H=64, K=2, E=8, dead=2, kernel="notify", flags=1, shrink=True, expect="either", seed=5)),
     ("ll_dispatch dies before data, no shrink", ll_case,
      dict(R=3, T=6, H=128, K=3, E=6, dead=2, shrink=False, expect="fault")),
     ("ll_dispatch dies before data, shrink", ll_case,
