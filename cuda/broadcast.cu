@@ -6,8 +6,8 @@
 //     call's mask does not link) and copy each token (own tokens straight from g, remote ones when
 //     their chunk flag arrives) to each of its receive rows (token_rows).
 // A work item is one slice of a chunk's rows (CommLayout::num_slices), except combine_bwd's
-// receivers: a row's dot product runs over the whole row in order, so they take whole chunks (and
-// wait for every slice's flag).
+// receivers: a row's dot product runs over the whole row in order, so they take whole rows (and
+// wait for every slice's flag), one slot of the chunk's tokens per item (K items a chunk).
 // broadcast_rank_major is this kernel with K = 1 (token_rows = the handle's slot -> row table).
 // combine_bwd is this kernel with a computing receiver: per receive row of a token it reads g[t]
 // and y's row and writes d y = w * g (rounded to y's dtype) and d row_weight = <y_row, g[t]> (float32,
@@ -92,65 +92,95 @@ __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, co
   }
 }
 
-// Steps of a combine_bwd row a lane loads before it computes (16-byte loads in flight per operand).
-constexpr int kBackwardUnroll = 4;
-
-// combine_bwd of one token on this rank: for every kept row (bit j of `kept`: lane j holds it in
-// my_row), d y = w * g (one float32 product, rounded to the row dtype) and d row_weight = the
-// float32 dot product of y's row and g in jax_ep.reference.row_dot's order: lane l takes the 8
-// elements at 256 s + 8 l of step s (zeros past H), sums each element's products over the steps in
-// order (no FMA), then its 8 sums pairwise (i + 4, + 2, + 1), then the warp's butterfly over lanes
-// (l ^ 16, ..., l ^ 1). g is re-read per row (from L2); y is read and d y written once.
+// A lane's 8 elements of one step of a combine_bwd row as loaded (bf16: one 16-byte word, float32:
+// two), converted only when used: twice the loads in flight for the registers of floats.
 template <bool kF32>
-__device__ __forceinline__ void combine_bwd_token(const BroadcastArgs& a, const char* g_row,
-                                                  uint32_t kept, int32_t my_row, int lane) {
+struct Raw8 {
+  uint4 v[kF32 ? 2 : 1];
+};
+
+template <bool kF32>
+__device__ __forceinline__ Raw8<kF32> load_raw8(const char* row, int64_t e0) {
+  const uint4* p = reinterpret_cast<const uint4*>(row + e0 * (kF32 ? 4 : 2));
+  Raw8<kF32> r;
+  r.v[0] = __ldcg(p);
+  if constexpr (kF32) r.v[1] = __ldcg(p + 1);
+  return r;
+}
+
+template <bool kF32>
+__device__ __forceinline__ void unpack8(const Raw8<kF32>& r, float f[8]) {
+  if constexpr (kF32) {
+    const uint32_t w[8] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w,
+                           r.v[1].x, r.v[1].y, r.v[1].z, r.v[1].w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __uint_as_float(w[i]);
+  } else {
+    unpack_bf16x8(r.v[0], f);
+  }
+}
+
+// Steps of a combine_bwd row a lane loads before it computes: a row is one warp's chain of
+// steps / kBackwardUnroll dependent rounds of loads (the latency floor of a row), 64 registers of
+// loads in flight per lane either way.
+template <bool kF32>
+constexpr int kBackwardUnroll = kF32 ? 4 : 8;
+
+// combine_bwd of one receive row (row >= 0), a token's on this rank: d y = w * g (one float32
+// product, rounded to the row dtype) and d row_weight = the float32 dot product of y's row and g in
+// jax_ep.reference.row_dot's order: lane l takes the 8 elements at 256 s + 8 l of step s (zeros past
+// H), sums each element's products over the steps in order (no FMA), then its 8 sums pairwise
+// (i + 4, + 2, + 1), then the warp's butterfly over lanes (l ^ 16, ..., l ^ 1). g is re-read per row
+// (from L2); y is read and d y written once. Every lane calls it.
+template <bool kF32>
+__device__ __forceinline__ void combine_bwd_row(const BroadcastArgs& a, const char* g_row,
+                                                int64_t row, int lane) {
+  constexpr int kU = kBackwardUnroll<kF32>;
   const int H = a.row_bytes / (kF32 ? 4 : 2);
   const int steps = (H + 255) / 256;
-  for (uint32_t m = kept; m != 0u; m &= m - 1u) {
-    const int64_t row = __shfl_sync(kFullMask, my_row, __ffs(m) - 1);
-    const float w = __ldg(a.row_weights + row);
-    const char* y_row = a.y + row * a.row_bytes;
-    char* dy_row = a.out + row * a.row_bytes;
-    float acc[8] = {};  // (step 0 sets it)
-    for (int s0 = 0; s0 < steps; s0 += kBackwardUnroll) {
-      float g[kBackwardUnroll][8], y[kBackwardUnroll][8];
+  const float w = __ldg(a.row_weights + row);
+  const char* y_row = a.y + row * a.row_bytes;
+  char* dy_row = a.out + row * a.row_bytes;
+  float acc[8] = {};  // (step 0 sets it)
+  for (int s0 = 0; s0 < steps; s0 += kU) {
+    Raw8<kF32> g[kU], y[kU];
 #pragma unroll
-      for (int u = 0; u < kBackwardUnroll; ++u) {
-        const int e0 = (s0 + u) * 256 + lane * 8;
-        if (s0 + u < steps && e0 < H) {
-          load8<kF32>(g_row, e0, g[u]);
-          load8<kF32>(y_row, e0, y[u]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) g[u][i] = y[u][i] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBackwardUnroll; ++u) {
-        if (s0 + u >= steps) break;
-        const int e0 = (s0 + u) * 256 + lane * 8;
-        float dy[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          dy[i] = __fmul_rn(g[u][i], w);
-          const float p = __fmul_rn(y[u][i], g[u][i]);
-          acc[i] = s0 + u == 0 ? p : __fadd_rn(acc[i], p);
-        }
-        if (e0 < H) store8<kF32>(dy_row, e0, dy);
+    for (int u = 0; u < kU; ++u) {
+      const int e0 = (s0 + u) * 256 + lane * 8;
+      if (s0 + u < steps && e0 < H) {
+        g[u] = load_raw8<kF32>(g_row, e0);
+        y[u] = load_raw8<kF32>(y_row, e0);
+      } else {
+        g[u] = y[u] = Raw8<kF32>{};  // (zeros: bits 0 are 0.f in both dtypes)
       }
     }
 #pragma unroll
-    for (int half = 4; half >= 1; half >>= 1) {
+    for (int u = 0; u < kU; ++u) {
+      if (s0 + u >= steps) break;
+      const int e0 = (s0 + u) * 256 + lane * 8;
+      float gf[8], yf[8], dy[8];
+      unpack8<kF32>(g[u], gf);
+      unpack8<kF32>(y[u], yf);
 #pragma unroll
-      for (int i = 0; i < half; ++i) acc[i] = __fadd_rn(acc[i], acc[i + half]);
+      for (int i = 0; i < 8; ++i) {
+        dy[i] = __fmul_rn(gf[i], w);
+        const float p = __fmul_rn(yf[i], gf[i]);
+        acc[i] = s0 + u == 0 ? p : __fadd_rn(acc[i], p);
+      }
+      if (e0 < H) store8<kF32>(dy_row, e0, dy);
     }
-    float dot = acc[0];
-#pragma unroll
-    for (int offset = 16; offset >= 1; offset >>= 1) {
-      dot = __fadd_rn(dot, __shfl_xor_sync(kFullMask, dot, offset));
-    }
-    if (lane == 0) a.d_row_weights[row] = dot;
   }
+#pragma unroll
+  for (int half = 4; half >= 1; half >>= 1) {
+#pragma unroll
+    for (int i = 0; i < half; ++i) acc[i] = __fadd_rn(acc[i], acc[i + half]);
+  }
+  float dot = acc[0];
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset >>= 1) {
+    dot = __fadd_rn(dot, __shfl_xor_sync(kFullMask, dot, offset));
+  }
+  if (lane == 0) a.d_row_weights[row] = dot;
 }
 
 template <bool kTma, Rows kRows>
@@ -161,7 +191,13 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
   const int lane = d.lane;
   const int n_zero = (a.C + kZeroRows - 1) / kZeroRows;
   constexpr bool kSliced = kRows == Rows::kCopy;  // (combine_bwd: whole rows, see the top)
-  const int n_chunk_items = chunk_items(L, kSliced) * d.R;  // own items, then (item, other rank)
+  // combine_bwd: `parts` items per chunk, part j taking slot j's row of each token, so that a
+  // token's rows run on K warps at once (a row is a chain of dependent loads: one warp per token
+  // was ~100 us at 128 tokens). In shrink mode one part: every row of a token from a source, or
+  // none (wait_chunk_flags).
+  const int parts = kSliced || a.shrink ? 1 : a.K;
+  // own items, then (item, other rank); a chunk's parts next to each other
+  const int n_chunk_items = chunk_items(L, kSliced) * d.R * parts;
   for (;;) {
     int item = next_item(&d.info->work[1]);
     if (item >= n_zero + n_chunk_items) break;
@@ -170,30 +206,34 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
       continue;
     }
     item -= n_zero;
+    const int part = item % parts;
+    item /= parts;
     int s;
     ChunkSlices it;
     if (!receive_chunk_item<kTma>(item, d.state, L, d.info, d.own, a.op_id, a.shrink, kSliced,
                                   lane, &s, &it)) {
       // a source not linked: its rows are the zero-fill's (broadcast_zero_rows); in shrink mode a
       // linked one whose chunk never came: its tokens' rows are zero here, as a masked source's
-      if (has_rank(d.linked, s)) broadcast_zero_source(a, L, s, it, lane);
+      if (has_rank(d.linked, s)) broadcast_zero_source(a, L, s, it, lane);  // (parts == 1)
       continue;
     }
     const int64_t lo = slice_begin(L, it.k0);  // the item's bytes of each row
     const int64_t bytes = slice_end(L, it.k1, a.row_bytes) - lo;
     for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
-      const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
-      const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
-      if (kept == 0u) continue;
-      char* my_dst = row >= 0 ? a.out + static_cast<int64_t>(row) * a.row_bytes : nullptr;
       const char* src =
           s == d.me ? a.g + t * a.row_bytes : d.own + L.stage_data + slot * L.data_row_bytes;
       if constexpr (kRows == Rows::kCopy) {
-        warp_copy_row<kTma>(tma, src + lo, bytes, kept, my_dst == nullptr ? nullptr : my_dst + lo,
-                            lane);
+        const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
+        const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
+        if (kept == 0u) continue;
+        char* my_dst = row >= 0 ? a.out + static_cast<int64_t>(row) * a.row_bytes + lo : nullptr;
+        warp_copy_row<kTma>(tma, src + lo, bytes, kept, my_dst, lane);
       } else {
-        combine_bwd_token<kRows == Rows::kBackwardF32>(a, src, kept, row, lane);
+        for (int j = part; j < a.K; j += parts) {  // (the same row in every lane)
+          const int32_t row = __ldg(a.token_rows + slot * a.K + j);
+          if (row >= 0) combine_bwd_row<kRows == Rows::kBackwardF32>(a, src, row, lane);
+        }
       }
     }
   }
