@@ -1,14 +1,16 @@
 """Writes ``jax_ep/auto_table.json`` (what ``backend="auto"`` takes) from benchmark records: per op
-and output layout, the device time of the CUDA kernel and of the reference at every shape and token
-count measured in the run, and the decision ``jax_ep.auto_table.min_tokens`` derives from them.
+and output layout, the device time of the CUDA kernel and of the reference at every shape, token
+count and EP size measured, and the decision ``jax_ep.auto_table.min_tokens`` derives from them for
+each EP size. A run replaces the points of the EP sizes it measured and keeps the table's others
+(``--replace``: only this run's), so a one-GPU run and a two-GPU run each keep their own decisions.
 
 The op times are not the last word: users feel the MoE layer's step. Given the layer benchmark's
 records too, a layer shape where the step with the EP kernels (``ep_cuda``) is slower than with the
 reference EP ops (``ep_reference``) by more than ``LAYER_TIE`` (the run-to-run spread of a step)
-vetoes the communicating kernels (every op but the layout): inside a step, XLA overlaps the
-reference's NCCL collectives with compute, while the kernels hold its compute stream.
+vetoes the communicating kernels (every op but the layout) at that EP size: inside a step, XLA
+overlaps the reference's NCCL collectives with compute, while the kernels hold its compute stream.
 
-    python -m benchmarks.auto_table ops.json [more_ops.json ...] [--layer bench_layer.json]
+    python -m benchmarks.auto_table ops.json [more_ops.json ...] [--layer bench_layer.json] [--replace]
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ def _time(record) -> float | None:
     return record.get("device_us") or record.get("us")
 
 
-def build(records: list[dict]) -> dict:
-    """The table from the records of one run (cuda and reference records of the same op, layout,
-    dtype and shape pair up into points; unpaired records are ignored)."""
+def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """{(op, layout): points} of the records of one run: cuda and reference records of the same op,
+    layout, dtype, shape and EP size pair up into a point; unpaired records are ignored."""
     keyed = {}
     for r in records:
         # only the ops that have an implementation choice (not e.g. the ll_round_trip composite)
@@ -38,21 +40,43 @@ def build(records: list[dict]) -> dict:
                    r["topk"], r["num_experts"], r["ep_size"])
             keyed.setdefault(key, {})[r["backend"]] = r
     points = collections.defaultdict(list)
-    devices = set()
     for (op, layout, dtype, tokens, hidden, topk, experts, ep_size), pair in sorted(keyed.items()):
         if len(pair) != 2:
             continue
-        devices.add(pair["cuda"].get("device"))
         points[(op, layout)].append(dict(
             tokens=tokens, dtype=dtype, hidden=hidden, topk=topk, num_experts=experts, ep_size=ep_size,
-            kernel_us=round(_time(pair["cuda"]), 1), reference_us=round(_time(pair["reference"]), 1)))
+            kernel_us=round(_time(pair["cuda"]), 1), reference_us=round(_time(pair["reference"]), 1),
+            device=pair["cuda"].get("device"), date=pair["cuda"].get("date")))
+    return points
+
+
+def build(records: list[dict], old: dict | None = None) -> dict:
+    """The table from the records of one run, keeping `old`'s points of the EP sizes the run did not
+    measure (any op)."""
+    points = points_of(records)
+    measured = {p["ep_size"] for pts in points.values() for p in pts}
+    for op, layouts in (old or {}).get("ops", {}).items():
+        for layout, entry in layouts.items():
+            points[(op, layout)] += [p for p in entry["points"] if p["ep_size"] not in measured]
     ops = {}
     for (op, layout), pts in sorted(points.items()):
-        ops.setdefault(op, {})[layout] = {"min_tokens": auto_table.min_tokens(pts), "points": pts}
+        if not pts:
+            continue
+        pts.sort(key=lambda p: (p["ep_size"], p["tokens"], p["dtype"], p["num_experts"]))
+        sizes = sorted({p["ep_size"] for p in pts})
+        ops.setdefault(op, {})[layout] = {
+            "min_tokens": {str(e): auto_table.min_tokens([p for p in pts if p["ep_size"] == e])
+                           for e in sizes},
+            "points": pts}
+    measured_on = collections.defaultdict(set)
+    for layouts in ops.values():
+        for entry in layouts.values():
+            for p in entry["points"]:
+                measured_on[str(p["ep_size"])].add(f"{p.get('device')} ({p.get('date')})")
     return {
         "written_by": "python -m benchmarks.auto_table",
         "date": datetime.date.today().isoformat(),
-        "measured_on": sorted(str(d) for d in devices),
+        "measured_on": {e: sorted(d) for e, d in sorted(measured_on.items())},
         "time": "device µs per call (the sum of the op's kernels on GPU 0) where profiled, else wall",
         "ops": ops,
     }
@@ -62,30 +86,40 @@ def build(records: list[dict]) -> dict:
 LAYER_TIE = 0.02
 
 
-def layer_veto(layer_records: list[dict]) -> str | None:
-    """Why the layer benchmark vetoes the communicating kernels, or None."""
-    steps = {(r["shape"], r["config"]): r.get("step_ms") for r in layer_records}
-    for (shape, config), cuda_ms in sorted(steps.items()):
-        reference_ms = steps.get((shape, "ep_reference"))
+def layer_vetoes(layer_records: list[dict]) -> dict[str, str]:
+    """{EP size: why the layer benchmark vetoes the communicating kernels there}."""
+    steps = {(r["shape"], r["config"], r["ep_size"]): r.get("step_ms") for r in layer_records
+             if r.get("op") != "moe_layer_decode"}
+    vetoes = {}
+    for (shape, config, ep_size), cuda_ms in sorted(steps.items()):
+        reference_ms = steps.get((shape, "ep_reference", ep_size))
         if config == "ep_cuda" and cuda_ms and reference_ms and cuda_ms > reference_ms * (1 + LAYER_TIE):
-            return (f"layer step {shape}: {cuda_ms:.2f} ms with the EP kernels (ep_cuda) > "
-                    f"{reference_ms:.2f} ms with the reference EP ops (ep_reference)")
-    return None
+            vetoes.setdefault(str(ep_size), (
+                f"layer step {shape}, EP{ep_size}: {cuda_ms:.2f} ms with the EP kernels (ep_cuda) > "
+                f"{reference_ms:.2f} ms with the reference EP ops (ep_reference)"))
+    return vetoes
 
 
 def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
-          layer_records: list[dict] | None = None) -> dict:
-    table = build(records)
-    veto = layer_veto(layer_records or [])
-    if veto is not None:
-        table["vetoed"] = veto
+          layer_records: list[dict] | None = None, replace: bool = False) -> dict:
+    measured = {str(p["ep_size"]) for pts in points_of(records).values() for p in pts}
+    if not measured:
+        raise ValueError("no op has both a cuda and a reference record: nothing to decide")
+    old = None if replace or not path.exists() else json.loads(path.read_text())
+    table = build(records, old)
+    vetoes = layer_vetoes(layer_records or [])
+    # a veto of an EP size this run did not measure again stays
+    for ep, why in (old or {}).get("vetoed", {}).items():
+        if ep not in measured:
+            vetoes.setdefault(ep, why)
+    if vetoes:
+        table["vetoed"] = vetoes
         for op, layouts in table["ops"].items():
             for entry in layouts.values():
-                if op != "layout":
-                    entry["min_tokens_ops"] = entry["min_tokens"]
-                    entry["min_tokens"] = None
-    if not table["ops"]:
-        raise ValueError("no op has both a cuda and a reference record: nothing to decide")
+                for ep in vetoes:
+                    if op != "layout" and ep in entry["min_tokens"]:
+                        entry.setdefault("min_tokens_ops", {})[ep] = entry["min_tokens"][ep]
+                        entry["min_tokens"][ep] = None
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
 
@@ -98,13 +132,16 @@ def main(argv=None) -> None:
     parser.add_argument("ops", nargs="+", help="record files of python -m benchmarks --profile (cuda and "
                         "reference), e.g. the sweep and the low-latency run")
     parser.add_argument("--layer", help="records of python -m benchmarks --layer")
+    parser.add_argument("--replace", action="store_true",
+                        help="drop the table's points of EP sizes this run did not measure")
     args = parser.parse_args(argv)
     records = [r for f in args.ops for r in json.loads(pathlib.Path(f).read_text())]
     layer = json.loads(pathlib.Path(args.layer).read_text()) if args.layer else None
-    table = write(records, layer_records=layer)
+    table = write(records, layer_records=layer, replace=args.replace)
     for op, layouts in table["ops"].items():
         for layout, entry in layouts.items():
-            print(f"{op} {layout}: kernel from {entry['min_tokens']} tokens per rank")
+            for ep, tokens in entry["min_tokens"].items():
+                print(f"{op} {layout} EP{ep}: kernel from {tokens} tokens per rank")
     if "vetoed" in table:
         print(f"vetoed: {table['vetoed']}")
     print(f"wrote {auto_table.TABLE_FILE}")

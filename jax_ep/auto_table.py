@@ -3,10 +3,13 @@ reference path, read from ``auto_table.json``.
 
 The table is written from benchmark records (``python -m benchmarks.auto_table ops.json --layer
 bench_layer.json``), never by hand: for every op and output layout, the device time of the kernel and
-of the reference at each measured shape and token count, and the decision derived from them,
-``min_tokens``: the kernel is taken from that many tokens per rank up (0: always; null: never). A
-layer step measured slower with the kernels vetoes the communicating ones ("vetoed" says why). It
-holds for any CUDA GPU; it was measured on the device named in the file.
+of the reference at each measured shape, token count and EP size, and the decisions derived from
+them per measured EP size, ``min_tokens``: the kernel is taken from that many tokens per rank up (0:
+always; null: never). A layer step measured slower with the kernels vetoes the communicating ones at
+that EP size ("vetoed" says why). A call on an EP size the table has no decision for takes that of
+the nearest measured multi-GPU size (the largest below it, else the smallest above); one GPU (EP1,
+nothing to exchange) only ever takes EP1's own, since a multi-GPU measurement says nothing about a
+local permute. It holds for any CUDA GPU; it was measured on the devices named in the file.
 """
 
 from __future__ import annotations
@@ -27,20 +30,37 @@ def table() -> dict:
     return json.loads(TABLE_FILE.read_text())
 
 
-def kernel_faster(op: str, layout: str, tokens: int) -> bool:
-    """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank."""
+def decision_ep_size(measured: list[int], ep_size: int) -> int | None:
+    """Which measured EP size's decision a call on `ep_size` GPUs takes (see the module docstring)."""
+    if ep_size in measured:
+        return ep_size
+    if ep_size < 2:
+        return None
+    multi = sorted(m for m in measured if m >= 2)
+    below = [m for m in multi if m < ep_size]
+    return below[-1] if below else (multi[0] if multi else None)
+
+
+def kernel_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
+    """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank on
+    `ep_size` GPUs (or the EP size whose decision stands for it: decision_ep_size)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     entry = table().get("ops", {}).get(op, {}).get(layout)
-    if entry is None or entry.get("min_tokens") is None:
+    if entry is None:
         return False
-    return tokens >= entry["min_tokens"]
+    decisions = {int(k): v for k, v in entry["min_tokens"].items()}
+    size = decision_ep_size(sorted(decisions), ep_size)
+    if size is None or decisions[size] is None:
+        return False
+    return tokens >= decisions[size]
 
 
 def min_tokens(points: list[dict]) -> int | None:
-    """The decision from measured points ({"tokens", "kernel_us", "reference_us"}, any shapes): the
-    smallest measured token count from which the kernel is at least as fast at every measured point
-    with as many tokens or more; 0 when that is every point, None when the kernel loses at the largest."""
+    """The decision from measured points ({"tokens", "kernel_us", "reference_us"}, any shapes, one EP
+    size): the smallest measured token count from which the kernel is at least as fast at every
+    measured point with as many tokens or more; 0 when that is every point, None when the kernel
+    loses at the largest."""
     counts = sorted({p["tokens"] for p in points})
     best = None
     for tokens in reversed(counts):

@@ -88,10 +88,10 @@ class Op:
     name: str
     layout: str = "expert_major"
 
-    def kernel_by_default(self, cfg: EPConfig) -> bool:
-        """Its CUDA kernel measured faster than the reference path at cfg's tokens per rank
-        (``jax_ep.auto_table``, written by the benchmark)."""
-        return auto_table.kernel_faster(self.name, self.layout, cfg.max_tokens_per_rank)
+    def kernel_by_default(self, cfg: EPConfig, ep_size: int) -> bool:
+        """Its CUDA kernel measured faster than the reference path at cfg's tokens per rank on
+        `ep_size` GPUs (``jax_ep.auto_table``, written by the benchmark)."""
+        return auto_table.kernel_faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size)
 
     def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
         """The function implementing this op for cfg.backend.
@@ -109,7 +109,7 @@ class Op:
 
         kernel = getattr(cuda_backend, self.name, None)
         if cfg.backend == "auto":
-            if kernel is None or not (self.kernel_by_default(cfg) and jax.default_backend() == "gpu"
+            if kernel is None or not (self.kernel_by_default(cfg, ep_size) and jax.default_backend() == "gpu"
                                       and runtime.available()[0]):
                 return getattr(reference, self.name)
             if cuda_backend.unsupported(self.name, cfg, ep_size, dtype) is not None:

@@ -26,19 +26,69 @@ def test_min_tokens(rows, want):
 
 def test_lookup(monkeypatch, tmp_path):
     path = tmp_path / "auto_table.json"
-    path.write_text(json.dumps({"ops": {"dispatch": {"expert_major": {"min_tokens": 512}},
-                                        "combine": {"expert_major": {"min_tokens": None}}}}))
+    path.write_text(json.dumps({"ops": {
+        "dispatch": {"expert_major": {"min_tokens": {"1": 0, "2": 512, "8": 4096}}},
+        "combine": {"expert_major": {"min_tokens": {"2": None}}},
+        "broadcast": {"expert_major": {"min_tokens": {"1": 128}}}}}))
     monkeypatch.setattr(auto_table, "TABLE_FILE", path)
     auto_table.table.cache_clear()
     try:
-        assert not auto_table.kernel_faster("dispatch", "expert_major", 256)
-        assert auto_table.kernel_faster("dispatch", "expert_major", 512)
-        assert not auto_table.kernel_faster("combine", "expert_major", 8192)
-        assert not auto_table.kernel_faster("broadcast", "expert_major", 8192)  # not measured
+        assert not auto_table.kernel_faster("dispatch", "expert_major", 256, 2)
+        assert auto_table.kernel_faster("dispatch", "expert_major", 512, 2)
+        assert auto_table.kernel_faster("dispatch", "expert_major", 128, 1)       # EP1's own row
+        assert auto_table.kernel_faster("dispatch", "expert_major", 512, 4)       # EP2's: the largest below
+        assert not auto_table.kernel_faster("dispatch", "expert_major", 2048, 8)  # EP8's own
+        assert not auto_table.kernel_faster("dispatch", "expert_major", 2048, 16)  # EP8's
+        assert not auto_table.kernel_faster("combine", "expert_major", 8192, 2)
+        assert not auto_table.kernel_faster("combine", "expert_major", 8192, 1)   # no EP1 row
+        assert auto_table.kernel_faster("broadcast", "expert_major", 128, 1)
+        assert not auto_table.kernel_faster("broadcast", "expert_major", 8192, 2)  # EP1 never stands in
+        assert not auto_table.kernel_faster("slot_values", "expert_major", 8192, 2)  # not measured
         with pytest.raises(ValueError, match="layout must be one of"):
-            auto_table.kernel_faster("dispatch", "token_major", 512)
+            auto_table.kernel_faster("dispatch", "token_major", 512, 2)
     finally:
         auto_table.table.cache_clear()
+
+
+@pytest.mark.parametrize("measured,ep_size,want", [
+    ([1, 2], 1, 1), ([2], 1, None), ([2], 2, 2), ([2], 8, 2), ([2, 8], 4, 2), ([2, 8], 16, 8),
+    ([4, 8], 2, 4), ([1], 2, None), ([], 2, None),
+])
+def test_decision_ep_size(measured, ep_size, want):
+    assert auto_table.decision_ep_size(measured, ep_size) == want
+
+
+def _record(op, backend, tokens, us, ep_size, **kw):
+    return dict(op=op, backend=backend, layout="expert_major", dtype="bfloat16", tokens_per_rank=tokens,
+                hidden=256, topk=2, num_experts=8, ep_size=ep_size, device_us=us,
+                device=f"{ep_size}x GPU", date="2026-11-24", **kw)
+
+
+def test_writer_keeps_other_ep_sizes_and_vetoes_per_ep_size(tmp_path):
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    ep2 = [_record("dispatch", "cuda", 128, 30.0, 2), _record("dispatch", "reference", 128, 20.0, 2),
+           _record("dispatch", "cuda", 4096, 100.0, 2), _record("dispatch", "reference", 4096, 300.0, 2),
+           _record("combine", "cuda", 4096, 100.0, 2), _record("combine", "reference", 4096, 90.0, 2)]
+    table = writer.write(ep2, path)
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"2": 4096}
+    assert table["ops"]["combine"]["expert_major"]["min_tokens"] == {"2": None}
+    ep1 = [_record("dispatch", "cuda", 128, 10.0, 1), _record("dispatch", "reference", 128, 20.0, 1),
+           _record("combine", "cuda", 128, 5.0, 1), _record("combine", "reference", 128, 9.0, 1)]
+    layer = [dict(op="moe_layer", shape="mid", config=c, ep_size=1, step_ms=ms)
+             for c, ms in (("ep_cuda", 7.0), ("ep_reference", 6.0))]
+    table = writer.write(ep1, path, layer_records=layer)
+    dispatch = table["ops"]["dispatch"]["expert_major"]
+    assert dispatch["min_tokens"] == {"1": None, "2": 4096}          # EP1 vetoed by its layer step
+    assert dispatch["min_tokens_ops"] == {"1": 0}
+    assert set(table["vetoed"]) == {"1"} and "EP1" in table["vetoed"]["1"]
+    assert {p["ep_size"] for p in dispatch["points"]} == {1, 2}
+    assert table["measured_on"] == {"1": ["1x GPU (2026-11-24)"], "2": ["2x GPU (2026-11-24)"]}
+    table = writer.write(ep1, path)                                  # the EP1 veto goes with a new EP1 run
+    assert "vetoed" not in table and table["ops"]["dispatch"]["expert_major"]["min_tokens"]["1"] == 0
+    table = writer.write(ep1, path, replace=True)                    # only this run's EP size
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"1": 0}
 
 
 def test_shipped_table_names_known_ops():
@@ -47,11 +97,11 @@ def test_shipped_table_names_known_ops():
         assert op in OPS, op
         for layout, entry in layouts.items():
             assert layout in auto_table.LAYOUTS
-            assert entry["min_tokens"] is None or entry["min_tokens"] >= 0
-            from_points = auto_table.min_tokens(entry["points"])
-            if "min_tokens_ops" in entry:  # vetoed by the layer step
-                assert "vetoed" in shipped and entry["min_tokens"] is None
-                assert entry["min_tokens_ops"] == from_points, (op, layout)
-            else:
-                assert entry["min_tokens"] == from_points, (op, layout)
-
+            for ep, decision in entry["min_tokens"].items():
+                assert decision is None or decision >= 0
+                from_points = auto_table.min_tokens([p for p in entry["points"] if str(p["ep_size"]) == ep])
+                if ep in entry.get("min_tokens_ops", {}):  # vetoed by the layer step
+                    assert ep in shipped["vetoed"] and decision is None
+                    assert entry["min_tokens_ops"][ep] == from_points, (op, layout, ep)
+                else:
+                    assert decision == from_points, (op, layout, ep)

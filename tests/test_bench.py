@@ -290,8 +290,8 @@ def test_auto_table_from_records(tmp_path):
     path = tmp_path / "auto_table.json"
     table = bench_auto_table.write(records, path)
     assert json.loads(path.read_text()) == table
-    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == 4096
-    assert table["ops"]["combine"]["expert_major"]["min_tokens"] == 0
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"2": 4096}
+    assert table["ops"]["combine"]["expert_major"]["min_tokens"] == {"2": 0}
     assert [p["kernel_us"] for p in table["ops"]["combine"]["expert_major"]["points"]] == [10, 100]
     with pytest.raises(ValueError, match="nothing to decide"):
         bench_auto_table.write([rec("combine", "cuda", 128, 10)], path)
@@ -307,16 +307,16 @@ def test_auto_table_layer_veto(tmp_path):
 
     ops = [rec("dispatch", "cuda", 100), rec("dispatch", "reference", 200),
            rec("layout", "cuda", 5), rec("layout", "reference", 20)]
-    faster = [dict(shape="mid", config="ep_reference", step_ms=9.0),
-              dict(shape="mid", config="ep_cuda", step_ms=8.0)]
+    faster = [dict(op="moe_layer", shape="mid", config="ep_reference", ep_size=2, step_ms=9.0),
+              dict(op="moe_layer", shape="mid", config="ep_cuda", ep_size=2, step_ms=8.0)]
     table = bench_auto_table.write(ops, tmp_path / "a.json", layer_records=faster)
-    assert "vetoed" not in table and table["ops"]["dispatch"]["expert_major"]["min_tokens"] == 0
+    assert "vetoed" not in table and table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"2": 0}
     slower = [dict(faster[0]), dict(faster[1], step_ms=9.5)]
     table = bench_auto_table.write(ops, tmp_path / "a.json", layer_records=slower)
-    assert "mid" in table["vetoed"] and "9.50 ms" in table["vetoed"]
-    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] is None
-    assert table["ops"]["dispatch"]["expert_major"]["min_tokens_ops"] == 0
-    assert table["ops"]["layout"]["expert_major"]["min_tokens"] == 0
+    assert "mid" in table["vetoed"]["2"] and "9.50 ms" in table["vetoed"]["2"]
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"2": None}
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens_ops"] == {"2": 0}
+    assert table["ops"]["layout"]["expert_major"]["min_tokens"] == {"2": 0}
     # within the run-to-run spread of a step (LAYER_TIE) it is a tie: no veto
     tie = [dict(faster[0]), dict(faster[1], step_ms=9.0 * (1 + bench_auto_table.LAYER_TIE) * 0.999)]
     assert "vetoed" not in bench_auto_table.write(ops, tmp_path / "a.json", layer_records=tie)
@@ -368,4 +368,4 @@ def test_bench_rank_major_records_feed_the_auto_table(tmp_path):
     fake_cuda = [dict(r, backend="cuda", device_us=1.0) for r in records if r["backend"] == "reference"]
     table = bench_auto_table.write(records + fake_cuda, tmp_path / "auto_table.json")
     for op in ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major"):
-        assert table["ops"][op]["rank_major"]["min_tokens"] == 0, table["ops"][op]
+        assert table["ops"][op]["rank_major"]["min_tokens"] == {"8": 0}, table["ops"][op]

@@ -351,9 +351,9 @@ def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
     assert f"-> (tensor<{capacity}x{H}xbf16>, tensor<{capacity}xf32>)" in line, line
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens: op != "combine_bwd")
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep: op != "combine_bwd")
     assert set(_backward_calls(cfg.replace(backend="auto"))) == {"jax_ep_combine", "jax_ep_broadcast"}
-    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens: True)
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep: True)
     assert set(_backward_calls(cfg.replace(backend="auto"))) == {"jax_ep_combine", "jax_ep_combine_bwd"}
 
 

@@ -320,13 +320,13 @@ def test_ll_auto_backend_on_cpu_is_the_reference(monkeypatch, tmp_path):
     want = to_numpy(ll_fn(ep_size, BF16.replace(backend="reference"))(x, idx, w, y))
     auto = BF16.replace(backend="auto")
     path = tmp_path / "auto_table.json"
-    path.write_text('{"ops": {"ll_dispatch": {"fixed_slots": {"min_tokens": 0}},'
-                    ' "ll_combine": {"fixed_slots": {"min_tokens": 0}}}}')
+    path.write_text('{"ops": {"ll_dispatch": {"fixed_slots": {"min_tokens": {"2": 0}}},'
+                    ' "ll_combine": {"fixed_slots": {"min_tokens": {"2": 0}}}}}')
     monkeypatch.setattr(auto_table, "TABLE_FILE", path)
     auto_table.table.cache_clear()
     try:
-        assert ops.OPS["ll_dispatch"].kernel_by_default(auto)
-        assert ops.OPS["ll_combine"].kernel_by_default(auto)
+        assert ops.OPS["ll_dispatch"].kernel_by_default(auto, ep_size)
+        assert ops.OPS["ll_combine"].kernel_by_default(auto, ep_size)
         got = to_numpy(ll_fn.__wrapped__(ep_size, auto)(x, idx, w, y))  # traced under this table
     finally:
         auto_table.table.cache_clear()

@@ -293,7 +293,7 @@ def test_backends():
         op = ops.OPS[name]
         assert op.layout == "rank_major"
         assert callable(getattr(cuda_backend, name))
-        assert not op.kernel_by_default(BASE.replace(backend="auto", max_tokens_per_rank=4096))
+        assert not op.kernel_by_default(BASE.replace(backend="auto", max_tokens_per_rank=4096), 2)
         assert op.implementation(BASE.replace(backend="auto"), 2) is getattr(reference, name)
         assert op.implementation(BASE.replace(backend="reference"), 2) is getattr(reference, name)
 
