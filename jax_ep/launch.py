@@ -1,7 +1,8 @@
 """Start a JAX program as several processes on this host (``jax.distributed``, one process per GPU).
 
     python -m jax_ep.launch --nproc N [--coordinator HOST:PORT] [--local-devices-per-process K]
-                            [--local-device-ids auto|none|I,J,...] [--timeout S] script.py [args...]
+                            [--local-device-ids auto|none|I,J,...] [--share-gpus] [--timeout S]
+                            script.py [args...]
 
 Starts N processes of ``python script.py args...``. Process i gets the environment that
 ``jax_ep.distributed.initialize()`` reads: ``JAX_COORDINATOR_ADDRESS`` (default: a free port on
@@ -14,6 +15,18 @@ two), and its devices:
   ``--local-device-ids none`` leaves the device choice to JAX; ``--local-device-ids 4,5,6,7`` gives
   the processes those GPUs, K each, in order.
 * CPU: K virtual CPU devices per process (``JAX_NUM_CPU_DEVICES``), on GPU hosts too.
+
+``--share-gpus`` (development and testing only) lets several processes use one GPU: repeated indices
+in ``--local-device-ids`` (e.g. ``0,0``), and ``auto`` assigns the GPUs round-robin when the host has
+fewer than N*K (``--nproc 2`` on a one-GPU host: both processes on GPU 0). A process still never gets
+one GPU twice. Processes sharing a GPU must run their kernels at the same time (jax_ep's kernels
+spin-wait on each other's), which needs CUDA MPS: the launcher refuses to start when a GPU is shared
+and MPS's control pipe (``$CUDA_MPS_PIPE_DIRECTORY/control``, default ``/tmp/nvidia-mps/control``)
+does not exist, and gives each process ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 // (processes per
+GPU) unless it is set, so the persistent kernels of every process fit on the GPU beside the others'.
+No XLA collective may run across processes sharing a GPU (NCCL refuses two ranks on one GPU:
+"Duplicate GPU detected"); only jax_ep's own ops communicate. The processes split one GPU's SMs,
+memory and bandwidth, and "remote" traffic never leaves it: timings are not those of separate GPUs.
 
 Every line a process writes (stdout and stderr) is printed with the prefix ``[pI]``. SIGINT and
 SIGTERM are passed on to the processes. When one process fails (non-zero exit or killed by a
@@ -47,6 +60,7 @@ from jax_ep.distributed import (
 
 PREFIX = LAUNCHER + ":"
 TIMEOUT_EXIT_CODE = 124
+MPS_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 POLL_S = 0.05
 
 
@@ -78,16 +92,19 @@ def _coordinator(value: str) -> str:
     return value
 
 
+DEVICE_IDS_FORM = "auto, none or distinct GPU indices I,J,..."
+
+
 def _device_ids(value: str) -> str | list[int]:
+    """auto, none or GPU indices (repeats are checked in parse_args: --share-gpus allows them)."""
     if value in ("auto", "none"):
         return value
     try:
         ids = [int(v) for v in value.split(",")]
     except ValueError:
         ids = [-1]
-    if min(ids) < 0 or len(set(ids)) != len(ids):
-        raise argparse.ArgumentTypeError(
-            f"must be auto, none or distinct GPU indices I,J,..., got {value!r}")
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"must be {DEVICE_IDS_FORM}, got {value!r}")
     return ids
 
 
@@ -104,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         metavar="auto|none|I,J,...",
                         help="GPUs of the processes (default auto: process i gets GPUs i*K..i*K+K-1 "
                              "when the host has GPUs; none: JAX's default)")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="development/testing: let processes share a GPU (repeated indices in "
+                             "--local-device-ids; auto assigns round-robin when the host has too few "
+                             "GPUs); needs CUDA MPS running; timings are not those of separate GPUs")
     parser.add_argument("--grace", type=_non_negative_float, default=10.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when stopping the processes (default 10)")
     parser.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="S",
@@ -113,11 +134,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not pathlib.Path(args.script).is_file():
         parser.error(f"argument script: no such file: {args.script!r}")
-    n, k = args.nproc, args.local_devices_per_process
-    if isinstance(args.local_device_ids, list) and len(args.local_device_ids) != n * k:
-        parser.error(f"argument --local-device-ids: {len(args.local_device_ids)} GPU indices "
-                     f"{','.join(map(str, args.local_device_ids))} for --nproc {n} x "
-                     f"--local-devices-per-process {k} = {n * k} devices")
+    n, k, ids = args.nproc, args.local_devices_per_process, args.local_device_ids
+    if isinstance(ids, list):
+        text = ",".join(map(str, ids))
+        if len(ids) != n * k:
+            parser.error(f"argument --local-device-ids: {len(ids)} GPU indices {text} for --nproc {n} x "
+                         f"--local-devices-per-process {k} = {n * k} devices")
+        if len(set(ids)) != len(ids) and not args.share_gpus:
+            parser.error(f"argument --local-device-ids: must be {DEVICE_IDS_FORM}, got {text!r} "
+                         "(processes sharing a GPU: --share-gpus)")
+        twice = next((i for i in range(n) if len(set(ids[i * k:(i + 1) * k])) != k), None)
+        if twice is not None:
+            parser.error(f"argument --local-device-ids: process {twice} would get GPUs "
+                         f"{ids[twice * k:(twice + 1) * k]}: a process cannot use one GPU twice")
     return args
 
 
@@ -132,6 +161,19 @@ def host_gpu_count() -> int:
         names = [v for v in visible.split(",") if v.strip()]
         return 0 if names[:1] == ["-1"] else len(names)
     return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def mps_control_pipe() -> pathlib.Path:
+    """The control pipe of the CUDA MPS daemon this user's CUDA processes would connect to."""
+    return pathlib.Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
+
+
+def shared_gpus(ids: list[int], k: int) -> dict[int, list[int]]:
+    """{GPU: the processes using it} for the GPUs that more than one process uses."""
+    users: dict[int, list[int]] = {}
+    for position, gpu in enumerate(ids):
+        users.setdefault(gpu, []).append(position // k)
+    return {gpu: procs for gpu, procs in users.items() if len(procs) > 1}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -153,17 +195,36 @@ def process_envs(args: argparse.Namespace, gpus: int) -> list[dict[str, str]]:
         common[ENV_COORDINATOR] = args.coordinator
     ids = args.local_device_ids
     if ids == "auto":
-        if gpus and gpus < n * k:
+        if gpus and gpus < n * k and not args.share_gpus:
             raise SystemExit(f"{PREFIX} --nproc {n} x --local-devices-per-process {k} needs {n * k} "
-                             f"GPUs, this host has {gpus} (--local-device-ids none: JAX's default)")
-        ids = list(range(n * k)) if gpus else None
+                             f"GPUs, this host has {gpus} (--local-device-ids none: JAX's default; "
+                             "--share-gpus: processes sharing GPUs, for testing)")
+        if gpus and k > gpus:
+            raise SystemExit(f"{PREFIX} --local-devices-per-process {k}: this host has {gpus} GPUs, and a "
+                             "process cannot use one GPU twice")
+        ids = [d % gpus for d in range(n * k)] if gpus else None   # round-robin: only with --share-gpus
     elif ids == "none":
         ids = None
+    shared = shared_gpus(ids, k) if ids is not None else {}
+    if shared:
+        pipe = mps_control_pipe()
+        if not pipe.exists():
+            gpu, procs = next(iter(shared.items()))
+            raise SystemExit(
+                f"{PREFIX} --share-gpus: GPU {gpu} would be shared by processes {procs}, but CUDA MPS is "
+                f"not running (no control pipe {pipe}). Processes sharing a GPU must run their kernels "
+                "at the same time (jax_ep's kernels wait on each other's), which needs MPS: start it "
+                "with `nvidia-cuda-mps-control -d` (with the same CUDA_MPS_PIPE_DIRECTORY as here) and "
+                "stop it with `echo quit | nvidia-cuda-mps-control`")
     envs = []
     for i in range(n):
         env = dict(common, **{ENV_PROCESS_ID: str(i)})
         if ids is not None:
-            env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in ids[i * k:(i + 1) * k])
+            mine = ids[i * k:(i + 1) * k]
+            env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in mine)
+            sharing = max(len(shared.get(d, ())) for d in mine)
+            if sharing > 1 and not env.get(MPS_PERCENTAGE):   # each process's persistent kernels fit
+                env[MPS_PERCENTAGE] = str(100 // sharing)
         envs.append(env)
     return envs
 
@@ -305,6 +366,11 @@ def main(argv=None) -> int:
     launcher = Launcher(args, envs)
     devices = ("GPUs " + ", ".join(f"p{i}: {env[ENV_LOCAL_DEVICE_IDS]}" for i, env in enumerate(envs))
                if ENV_LOCAL_DEVICE_IDS in envs[0] else f"{args.local_devices_per_process} CPU device(s) each")
+    used = [d for env in envs for d in env.get(ENV_LOCAL_DEVICE_IDS, "").split(",") if d]
+    if len(set(used)) < len(used):
+        devices += (" shared through CUDA MPS (" + ", ".join(
+            f"p{i}: {env.get(MPS_PERCENTAGE, 100)}%" for i, env in enumerate(envs))
+            + " of the SMs; timings are not those of separate GPUs)")
     launcher.say(f"{args.nproc} processes of {args.script}, coordinator {envs[0][ENV_COORDINATOR]}, "
                  f"{devices}")
     previous = {sig: signal.signal(sig, launcher.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -240,7 +240,12 @@ def test_launcher_timeout(tmp_path):
      "argument --local-devices-per-process: must be a positive integer, got '-1'"),
     (["--nproc", "2", "--local-device-ids", "0,x", "SCRIPT"],
      "argument --local-device-ids: must be auto, none or distinct GPU indices I,J,..., got '0,x'"),
-    (["--nproc", "2", "--local-device-ids", "1,1", "SCRIPT"], "argument --local-device-ids: must be"),
+    (["--nproc", "2", "--local-device-ids", "1,1", "SCRIPT"],
+     "argument --local-device-ids: must be auto, none or distinct GPU indices I,J,..., got '1,1' "
+     "(processes sharing a GPU: --share-gpus)"),
+    (["--nproc", "2", "--local-devices-per-process", "2", "--local-device-ids", "0,0,1,1", "--share-gpus",
+      "SCRIPT"], "argument --local-device-ids: process 0 would get GPUs [0, 0]: a process cannot use one "
+                 "GPU twice"),
     (["--nproc", "2", "--local-device-ids", "0,1,2", "SCRIPT"],
      "argument --local-device-ids: 3 GPU indices 0,1,2 for --nproc 2"),
     (["--nproc", "2", "--grace", "-1", "SCRIPT"],
@@ -283,6 +288,104 @@ def test_launcher_devices(monkeypatch):
     assert launch.host_gpu_count() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert launch.host_gpu_count() == 0
+
+
+@pytest.fixture
+def mps(monkeypatch, tmp_path):
+    """CUDA_MPS_PIPE_DIRECTORY set to an empty folder (MPS not running); mps.start() makes its control
+    pipe (a FIFO, as the daemon's), as if MPS were running. No CUDA_MPS_ACTIVE_THREAD_PERCENTAGE."""
+    folder = tmp_path / "mps_pipe"
+    folder.mkdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(folder))
+    monkeypatch.delenv(launch.MPS_PERCENTAGE, raising=False)
+
+    class Mps:
+        pipe = folder / "control"
+
+        @staticmethod
+        def start():
+            os.mkfifo(folder / "control")
+
+    return Mps
+
+
+def share_args(*argv: str):
+    return launch.parse_args(["--share-gpus", *argv, __file__])
+
+
+def shared(*argv: str, gpus: int) -> list[tuple[str, str | None]]:
+    """(JAX_LOCAL_DEVICE_IDS, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) of each process of --share-gpus argv."""
+    return [(env[dist.ENV_LOCAL_DEVICE_IDS], env.get(launch.MPS_PERCENTAGE))
+            for env in launch.process_envs(share_args(*argv), gpus=gpus)]
+
+
+def test_launcher_share_gpus_needs_mps(mps, monkeypatch):
+    """A shared GPU without MPS's control pipe: a clear error naming the GPU, the processes and the pipe;
+    no error when --share-gpus shares nothing; the default control pipe is /tmp/nvidia-mps/control."""
+    for args, gpus in ((share_args("--nproc", "2", "--local-device-ids", "0,0"), 8),
+                       (share_args("--nproc", "2"), 1)):
+        with pytest.raises(SystemExit) as exc:
+            launch.process_envs(args, gpus=gpus)
+        text = str(exc.value.code)
+        assert text.startswith(f"{launch.PREFIX} --share-gpus: GPU 0 would be shared by processes [0, 1], "
+                               f"but CUDA MPS is not running (no control pipe {mps.pipe})"), text
+        assert "nvidia-cuda-mps-control -d" in text and "wait on each other's" in text, text
+    # enough GPUs: nothing is shared, nothing to check
+    assert shared("--nproc", "2", gpus=2) == [("0", None), ("1", None)]
+    assert launch.mps_control_pipe() == mps.pipe
+    mps.start()
+    assert launch.process_envs(share_args("--nproc", "2"), gpus=1)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    assert launch.mps_control_pipe() == pathlib.Path("/tmp/nvidia-mps/control")
+
+
+def test_launcher_share_gpus_devices(mps, monkeypatch):
+    mps.start()
+    # explicit repeats; auto round-robin when the host has fewer GPUs than processes x K
+    assert shared("--nproc", "2", "--local-device-ids", "0,0", gpus=0) == [("0", "50"), ("0", "50")]
+    assert shared("--nproc", "2", gpus=1) == [("0", "50"), ("0", "50")]
+    assert shared("--nproc", "4", gpus=1) == [("0", "25")] * 4
+    assert shared("--nproc", "4", gpus=2) == [
+        ("0", "50"), ("1", "50"), ("0", "50"), ("1", "50")]
+    assert shared("--nproc", "3", gpus=2) == [
+        ("0", "50"), ("1", None), ("0", "50")]        # GPU 1 has one process: all of it
+    assert shared("--nproc", "3", "--local-devices-per-process", "2", gpus=4) == [
+        ("0,1", "50"), ("2,3", None), ("0,1", "50")]
+    # GPU 0 is p0's alone, but GPU 1 is shared: p0 gets half of every GPU it uses
+    assert shared("--nproc", "2", "--local-devices-per-process", "2", "--local-device-ids", "0,1,1,2",
+                  gpus=4) == [("0,1", "50"), ("1,2", "50")]
+    assert shared("--nproc", "2", gpus=8) == [("0", None), ("1", None)]
+    with pytest.raises(SystemExit, match="--local-devices-per-process 2: this host has 1 GPUs, and a "
+                                         "process cannot use one GPU twice"):
+        launch.process_envs(share_args("--nproc", "2", "--local-devices-per-process", "2"), gpus=1)
+    # a percentage already set is kept
+    monkeypatch.setenv(launch.MPS_PERCENTAGE, "30")
+    assert shared("--nproc", "2", gpus=1) == [("0", "30"), ("0", "30")]
+    # without the flag the errors stay
+    with pytest.raises(SystemExit, match="needs 2 GPUs, this host has 1 .*--share-gpus"):
+        launch.process_envs(launch.parse_args(["--nproc", "2", __file__]), gpus=1)
+    # CPU processes: the flag changes nothing
+    cpu = launch.process_envs(share_args("--nproc", "2"), gpus=0)
+    assert all(dist.ENV_LOCAL_DEVICE_IDS not in env and env[launch.MPS_PERCENTAGE] == "30" for env in cpu)
+
+
+def test_launcher_share_gpus_end_to_end(tmp_path, mps):
+    """python -m jax_ep.launch --share-gpus --local-device-ids 0,0: both processes get GPU 0 and half
+    the SMs, the launcher says so; without MPS it exits 1 before starting anything."""
+    child = script(tmp_path, "child.py", """
+        import os
+        print("env", os.environ["JAX_LOCAL_DEVICE_IDS"], os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"])
+        """)
+    command = launch_cmd("--nproc", "2", "--share-gpus", "--local-device-ids", "0,0", child)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == 1 and "CUDA MPS is not running" in proc.stderr, proc.stderr
+    assert "[p0]" not in proc.stdout
+    mps.start()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "[p0] env 0 50" in proc.stdout and "[p1] env 0 50" in proc.stdout, proc.stdout
+    assert ("GPUs p0: 0, p1: 0 shared through CUDA MPS (p0: 50%, p1: 50% of the SMs; timings are not those "
+            "of separate GPUs)") in proc.stderr, proc.stderr
 
 
 # ---- jax_ep.distributed without a cluster ---------------------------------------------------------
