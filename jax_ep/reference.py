@@ -142,8 +142,11 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     inv_scale = FP8_MAX / amax
     q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
     # A true IEEE division: XLA rewrites division by a constant into a multiplication by its
-    # (inexact) reciprocal, which would make the scales differ by an ulp between platforms.
-    fp8_max = lax.optimization_barrier(jnp.full_like(amax, FP8_MAX))
+    # (inexact) reciprocal, which would make the scales differ by an ulp between platforms. The
+    # divisor is 448 computed from amax (amax < 0 never holds, NaN included), not a constant: under
+    # jax.vmap a constant stays unbatched and gets broadcast, and XLA rewrites A / broadcast(B) into
+    # A * broadcast(1 / B) even behind the barrier (tests/test_reference_vmap.py).
+    fp8_max = lax.optimization_barrier(jnp.where(amax < 0, amax, FP8_MAX))
     return q.astype(jnp.float8_e4m3fn), amax / fp8_max
 
 

@@ -19,8 +19,14 @@ def pytest_addoption(parser):
     parser.addoption("--ep-ranks", type=int, default=2, metavar="R",
                      help="GPU tests: EP group size of the single-axis GPU suites (default 2; 1 runs the "
                           "kernels on a one-GPU machine, each rank sending to itself)")
+    parser.addoption("--share-gpu", action="store_true",
+                     help="GPU tests: run the process-model-2 tests (marker process_group) as 2 processes on "
+                          "GPU 0 (python -m jax_ep.launch --share-gpus; needs CUDA MPS running) instead of "
+                          "one GPU each; run them alone: pytest -m 'gpu and process_group' --share-gpu "
+                          "tests/gpu (docs/api.md, 'Processes sharing a GPU')")
 
 
 def pytest_configure(config):
     # read by tests/gpu/gpu_helpers.py at import (the GPU modules size their meshes from it)
     os.environ["JAX_EP_TEST_EP_RANKS"] = str(config.getoption("--ep-ranks"))
+    os.environ["JAX_EP_TEST_SHARE_GPU"] = "1" if config.getoption("--share-gpu") else "0"

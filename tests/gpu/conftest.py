@@ -1,5 +1,7 @@
 """Fixtures of the GPU tests (marker `gpu`): they skip cleanly when the CUDA backend is unavailable
-(no extension, no GPU, no peer access)."""
+(no extension, no GPU, no peer access). The process-model-2 tests (marker `process_group`) take the
+`process_group` fixture instead: 2 GPUs, or with pytest --share-gpu one GPU that both processes
+share under CUDA MPS (gpu_helpers.process_group_skip_reason)."""
 
 from __future__ import annotations
 
@@ -22,3 +24,12 @@ def cuda_backend():
 @pytest.fixture(scope="session")
 def gpus(cuda_backend):
     return jax.local_devices(backend="gpu")
+
+
+@pytest.fixture(scope="session")
+def process_group():
+    from gpu_helpers import process_group_skip_reason
+
+    reason = process_group_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)

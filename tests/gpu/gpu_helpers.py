@@ -10,12 +10,20 @@ import textwrap
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 POISON_WORD = 0xA5A5A5A5
 
 # EP group size of the single-axis suites (pytest --ep-ranks, tests/conftest.py; default 2). At 1 the
 # kernels run on one GPU with every rank sending to itself: the local paths only.
 EP_RANKS = int(os.environ.get("JAX_EP_TEST_EP_RANKS", "2"))
+
+
+# pytest --share-gpu (tests/conftest.py): the process-model-2 tests run their processes on GPU 0 together
+# (python -m jax_ep.launch --share-gpus, under CUDA MPS) instead of one GPU each.
+SHARE_GPU = os.environ.get("JAX_EP_TEST_SHARE_GPU") == "1"
+NUM_PROCESSES = 2  # the process-model-2 tests: 2 processes x 1 GPU (or both on GPU 0 with --share-gpu)
 
 
 def needs_two_ranks(r: int) -> None:
@@ -149,3 +157,128 @@ def ep_step_child(body: str, **cfg_args) -> str:
     """The script of a child that runs `body` (see _EP_STEP_HEAD) once under jit + shard_map."""
     extra = "".join(f", {name}={value!r}" for name, value in cfg_args.items())
     return _EP_STEP_HEAD % (EP_RANKS, extra) + textwrap.dedent(body) + _EP_STEP_TAIL
+
+
+# ---- process model 2: the launcher, inputs and the reference without cross-process collectives --------
+def process_group_skip_reason() -> str | None:
+    """Why this machine cannot run the process-model-2 tests (None: it can). Without --share-gpu: the
+    CUDA backend and NUM_PROCESSES GPUs (this initialises JAX on the GPUs here, as the other tests
+    do). With --share-gpu: the extension and one CUDA device, without creating a CUDA context in this
+    process: under MPS a device fault in any client (the fingerprint tests trap on purpose) ends every
+    client on that GPU, this pytest process included, and the MPS server then takes no new client
+    until they have all exited."""
+    from jax_ep import runtime
+
+    if not SHARE_GPU:
+        usable, reason = runtime.available()
+        if not usable:
+            return f"jax_ep CUDA backend unavailable: {reason}"
+        if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
+            return f"needs {NUM_PROCESSES} GPUs (or --share-gpu with CUDA MPS running)"
+        return None
+    native = runtime.extension()
+    if native is None:
+        return f"jax_ep._C not built: {runtime.extension_error()}"
+    try:
+        count = native.device_count()
+    except RuntimeError as e:
+        return f"no usable CUDA device ({e})"
+    return None if count else "no CUDA device"
+
+
+def launch_command(worker, extra=(), timeout_s: int = 420) -> list[str]:
+    """python -m jax_ep.launch running `worker` as NUM_PROCESSES processes: one GPU each, or all on GPU 0
+    (--share-gpus) with --share-gpu. The launcher stops them after timeout_s - 20 s."""
+    command = [sys.executable, "-m", "jax_ep.launch", "--nproc", str(NUM_PROCESSES),
+               "--timeout", str(timeout_s - 20)]
+    if SHARE_GPU:
+        command += ["--share-gpus", "--local-device-ids", ",".join(["0"] * NUM_PROCESSES)]
+    return command + [str(worker), *extra]
+
+
+def launch_env(timeout_env: str = "30", **changes) -> dict:
+    """The workers' environment: JAX_EP_TIMEOUT_S=timeout_env, the EP size of test_dispatch_gpu (which
+    the workers import) = NUM_PROCESSES whatever --ep-ranks says, and `changes` (None removes)."""
+    env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_env, JAX_EP_TEST_EP_RANKS=str(NUM_PROCESSES))
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def run_process_group(worker, extra=(), timeout_s: int = 420, timeout_env: str = "30", env=None):
+    """Runs `worker` through launch_command; (launcher exit code, its whole output, [each process's
+    lines]). By default the workers allocate on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false: this
+    pytest process may hold most of the GPUs, and with --share-gpu the processes share one)."""
+    import pytest
+
+    if env is None:
+        env = launch_env(timeout_env, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                         XLA_PYTHON_CLIENT_MEM_FRACTION=None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        done = subprocess.run(launch_command(worker, extra, timeout_s), capture_output=True, text=True,
+                              env=env, timeout=timeout_s, cwd=root)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher did not finish within {timeout_s} s")
+    out = done.stdout + done.stderr
+    per_process = ["\n".join(line for line in out.splitlines() if line.startswith(f"[p{p}]"))
+                   for p in range(NUM_PROCESSES)]
+    return done.returncode, out, per_process
+
+
+def run_workers(worker, extra=(), timeout_s: int = 420, timeout_env: str = "30"):
+    """[(launcher exit code, process p's lines)] for p < NUM_PROCESSES (run_process_group)."""
+    rc, _, per_process = run_process_group(worker, extra, timeout_s, timeout_env)
+    return [(rc, out) for out in per_process]
+
+
+def put_global(mesh, *arrays, axis: str = "ep"):
+    """Global arrays sharded over `axis` on their leading dimension from the same host arrays on every
+    process: each process puts its own shards (jax.make_array_from_callback). jax.device_put of host
+    data to a sharding over several processes runs a jitted identity whose XLA collective goes through
+    NCCL, which refuses two processes on one GPU ("Duplicate GPU detected")."""
+    sharding = NamedSharding(mesh, P(axis))
+    return [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for a in arrays]
+
+
+def local(tree):
+    """This process's shard of every output of a jit(shard_map) over the process group (one device per
+    process, the rank on the leading axis)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), tree)
+
+
+def reference_by_vmap(body, ranks: int, axis_name: str = "ep", device=None):
+    """fn(*host arrays) = jax.jit(jax.shard_map(body, mesh, in_specs=P(axis_name),
+    out_specs=P(axis_name)))(*arrays) over `ranks` ranks, computed in this process alone on `device`
+    (default: its first local device): the ranks as a leading axis of size `ranks` under
+    jax.vmap(axis_name=axis_name), whose batching of lax.all_to_all / psum / axis_index / axis_size
+    stands in for the collectives. Every input is split [R * n, ...] -> [R, n, ...], every output
+    merged back [R, m, ...] -> [R * m, ...], the global layout of the shard_map version, so that rank
+    r's part of an output is rows r * m .. (r + 1) * m - 1 (rank_rows). The process-model-2 workers
+    compute their reference with it: no XLA collective across the processes (NCCL refuses two
+    processes on one GPU). tests/test_reference_vmap.py checks it gives the shard_map reference's
+    bits on 8 CPU devices."""
+
+    def split(a):
+        return a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
+
+    def merge(a):
+        return a.reshape(ranks * a.shape[1], *a.shape[2:])
+
+    fn = jax.jit(lambda *args: jax.tree.map(
+        merge, jax.vmap(body, axis_name=axis_name, axis_size=ranks)(*jax.tree.map(split, args))))
+
+    def run(*arrays):
+        target = device if device is not None else jax.local_devices()[0]
+        return fn(*jax.device_put(arrays, target))
+
+    return run
+
+
+def rank_rows(tree, rank: int, ranks: int):
+    """Rank `rank`'s part of every (global) output of reference_by_vmap, as NumPy: what `local` gives
+    of the shard_map version on that rank's process."""
+    return jax.tree.map(lambda a: np.asarray(a).reshape(ranks, -1, *a.shape[1:])[rank], tree)

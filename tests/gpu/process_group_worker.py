@@ -13,6 +13,11 @@ only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
 (benchmarks.ops.bench_shape) and process 0 writes the records. With --absent P, process P leaves
 right after jax.distributed is up and the others must fail the NVSHMEM bootstrap within a bounded
 time, naming process P. Prints "process_group_worker OK <checks>" at the end.
+
+No XLA collective runs across the processes (they may share one GPU: pytest --share-gpu, and NCCL
+refuses two processes on one GPU): the inputs are built from the same seed on every process, which
+puts its own shards (gpu_helpers.put_global); the reference runs in each process alone, every rank
+under jax.vmap (gpu_helpers.reference_by_vmap); only jax_ep's own ops communicate.
 """
 
 from __future__ import annotations
@@ -33,18 +38,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
-from gpu_helpers import GRAPH_OPTIONS, poison_device_memory  # noqa: E402
+from gpu_helpers import (  # noqa: E402
+    GRAPH_OPTIONS,
+    local,
+    poison_device_memory,
+    put_global,
+    rank_rows,
+    reference_by_vmap,
+)
 from test_peer_smoke_gpu import pattern  # noqa: E402  (peer_smoke_pattern of cuda/peer_smoke.h)
 
 import jax_ep.distributed  # noqa: E402
 from jax_ep import cuda_backend, runtime  # noqa: E402
 
-AXIS = model1.AXIS
-
-
-def local(tree):
-    """This process's shard of every output (the leading axis is the rank)."""
-    return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), tree)
+AXIS, R = model1.AXIS, model1.R
 
 
 def assert_dispatch_equal(got, want, what):
@@ -82,14 +89,15 @@ def check_cases(mesh, me) -> int:
             if dtype is not None:
                 kw["dispatch_dtype"] = dtype
             cuda_fn = model1.dispatch_combine_fn(mesh, model1._cfg("cuda", **kw))
-            ref_fn = model1.dispatch_combine_fn(mesh, model1._cfg("reference", **kw))
-            capacity = model1._cfg("cuda", **kw).resolved_capacity(model1.R)
+            ref_fn = reference_by_vmap(model1.dispatch_combine_body(model1._cfg("reference", **kw)), R)
+            capacity = model1._cfg("cuda", **kw).resolved_capacity(R)
             rng = np.random.default_rng(list(model1.CASES).index(name))  # same on every process
             for call in range(2):
                 x, idx, w = model1.inputs(rng, tokens, hidden, topk, experts, kind, x_dtype)
-                y = rng.standard_normal((model1.R * capacity, hidden)).astype(np.float32)
-                args = model1.put(mesh, x, idx, w, y.astype(jnp.bfloat16))
-                want_d, want_out = local(ref_fn(*args))
+                y = rng.standard_normal((R * capacity, hidden)).astype(np.float32)
+                host = (x, idx, w, y.astype(jnp.bfloat16))
+                want_d, want_out = rank_rows(ref_fn(*host), me, R)
+                args = put_global(mesh, *host)
                 poison_device_memory(jax.local_devices(), 256 << 20)
                 got_d, got_out = local(cuda_fn(*args))
                 what = f"process {me} {name} {dtype or ''} call {call}"
@@ -102,12 +110,14 @@ def check_cases(mesh, me) -> int:
     return checks
 
 
-def check_gradients(mesh) -> int:
+def check_gradients(mesh, me) -> int:
     """jax.grad through dispatch -> ragged_dot -> combine (model 1's test_gradients_match_reference
     case): the forward output, d x, d topk_weights and d expert weights within two bf16 steps."""
     kw, (x, idx, w, wexp, ct) = model1.grad_case(9, 128, 1024, 4, 16, "messy")
-    args = model1.put(mesh, x, w, wexp, idx, ct)
-    want = local(model1.gradient_fn(mesh, model1._cfg("reference", **kw))(*args))[1:]
+    host = (x, w, wexp, idx, ct)
+    want = rank_rows(reference_by_vmap(model1.gradient_body(model1._cfg("reference", **kw)), R)(*host),
+                     me, R)[1:]
+    args = put_global(mesh, *host)
     poison_device_memory(jax.local_devices(), 128 << 20)
     got = local(model1.gradient_fn(mesh, model1._cfg("cuda", **kw))(*args))[1:]
     for what, g, r in zip(("forward combine", "d x", "d topk_weights", "d expert weights"), got,
@@ -131,8 +141,8 @@ def check_remote_smoke(mesh, me) -> int:
 
         return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(AXIS))
 
-    def replicated(tag):  # the same scalar on every process
-        return jax.device_put(np.int32(tag), NamedSharding(mesh, P()))
+    def replicated(tag):  # the same scalar on every process (no collective: each puts its own copy)
+        return jax.make_array_from_callback((), NamedSharding(mesh, P()), lambda _: np.int32(tag))
 
     def check(received, tag, n, what):
         assert received.shape == (ranks, n) and received.dtype == np.uint32, (what, received.shape)
@@ -215,11 +225,12 @@ def main(argv) -> None:
     elif "--remote" in argv:  # the NVSHMEM put/signal transport only
         checks = check_remote_smoke(mesh, me)
     else:
+        assert R == count, f"test_dispatch_gpu's EP size {R} (JAX_EP_TEST_EP_RANKS) is not {count} processes"
         checks = check_cases(mesh, me)
         group = runtime.extension().process_group()
         assert group["model"] == "process_per_gpu" and group["pe"] == me, group
         assert group["reachable_pes"] == list(range(count)), group
-        checks += check_gradients(mesh)
+        checks += check_gradients(mesh, me)
         checks += check_remote_smoke(mesh, me)
     print(f"process_group_worker OK {checks} (process {me}, buffer {runtime.extension().buffer_bytes()} "
           f"bytes, faults {runtime.faults()})", flush=True)

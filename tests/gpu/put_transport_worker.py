@@ -11,6 +11,11 @@ output and handle field; FP8 rows and scales against an IEEE NumPy quantisation)
 poisoned memory; a 10-step lax.scan captured as CUDA graphs; jax.grad through dispatch_rank_major ->
 a per-row scale by the row's gate weights -> combine_rank_major (d x and d topk_weights). Prints
 "put_transport_worker OK <checks>" at the end.
+
+No XLA collective runs across the processes (they may share one GPU: pytest --share-gpu, and NCCL
+refuses two processes on one GPU): inputs from the same seed on every process, each putting its own
+shards (gpu_helpers.put_global), and the reference in each process alone, every rank under jax.vmap
+(gpu_helpers.reference_by_vmap).
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import test_dispatch_gpu as model1  # noqa: E402  (inputs, put, bit comparisons)
-from gpu_helpers import GRAPH_OPTIONS, poison_device_memory  # noqa: E402
+from gpu_helpers import (  # noqa: E402
+    GRAPH_OPTIONS,
+    local,
+    poison_device_memory,
+    put_global,
+    rank_rows,
+    reference_by_vmap,
+)
 
 import jax_ep  # noqa: E402
 import jax_ep.distributed  # noqa: E402
@@ -39,16 +51,11 @@ AXIS, R = model1.AXIS, model1.R
 PUT = jax_ep.KernelConfig(transport="put")
 
 
-def local(tree):
-    """This process's shard of every output (the leading axis is the rank)."""
-    return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), tree)
-
-
 def cfg(backend, **kw):
     return model1._cfg(backend, kernel=PUT, **kw) if backend == "cuda" else model1._cfg(backend, **kw)
 
 
-def round_trip_fn(mesh, c):
+def round_trip_body(c):
     def body(x, idx, w, y, g):
         d = jax_ep.dispatch_rank_major(x, idx, w, c)
         y = jnp.where(d.handle.src_index[:, None] >= 0, y, jnp.nan).astype(y.dtype)
@@ -56,7 +63,11 @@ def round_trip_fn(mesh, c):
         back = ops.implementation("broadcast_rank_major", c, g.dtype)(g, d.handle, c)
         return jax.tree.map(lambda a: a[None], d), out, back
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    return body
+
+
+def round_trip_fn(mesh, c):
+    return jax.jit(jax.shard_map(round_trip_body(c), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
 def assert_dispatch_equal(got, want, what, rows=True):
@@ -88,7 +99,7 @@ def check_cases(mesh, me) -> int:
     for name, (tokens, hidden, topk, experts, kind, x_dtype, y_dtype, extra) in CASES.items():
         kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, **extra)
         cuda_fn = round_trip_fn(mesh, cfg("cuda", **kw))
-        ref_fn = round_trip_fn(mesh, cfg("reference", **kw))
+        ref_fn = reference_by_vmap(round_trip_body(cfg("reference", **kw)), R)
         rng = np.random.default_rng(list(CASES).index(name))  # the same on every process
         fp8 = extra.get("dispatch_dtype") == "float8_e4m3fn"
         for call in range(2):
@@ -96,8 +107,9 @@ def check_cases(mesh, me) -> int:
             y = rng.standard_normal((R * R * tokens, hidden)).astype(np.float32)
             y = np.where(rng.random(y.shape) < 0.01, np.float32(-0.0), y).astype(y_dtype)
             g = rng.standard_normal((R * tokens, hidden)).astype(np.float32).astype(y_dtype)
-            args = model1.put(mesh, x, idx, w, y, g)
-            want_d, want_out, want_back = local(ref_fn(*args))
+            host = (x, idx, w, y, g)
+            want_d, want_out, want_back = rank_rows(ref_fn(*host), me, R)
+            args = put_global(mesh, *host)
             poison_device_memory(jax.local_devices(), 256 << 20)
             got_d, got_out, got_back = local(cuda_fn(*args))
             what = f"process {me} {name} call {call}"
@@ -123,7 +135,7 @@ def check_scan(mesh, me) -> int:
     tokens, hidden, topk, experts = 128, 1024, 4, 16
     kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
 
-    def make(backend):
+    def scan_body(backend):
         c = cfg(backend, **kw)
 
         def body(x, idx, w):
@@ -134,14 +146,14 @@ def check_scan(mesh, me) -> int:
 
             return lax.scan(step, x, None, length=10)[0]
 
-        fn = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-        return jax.jit(fn).lower(*args).compile(GRAPH_OPTIONS["graphs"]) if backend == "cuda" else jax.jit(fn)
+        return body
 
     rng = np.random.default_rng(5)
     x, idx, w = model1.inputs(rng, tokens, hidden, topk, experts, "messy")
-    args = model1.put(mesh, x, idx, w)
-    want = local(make("reference")(*args))
-    got = local(make("cuda")(*args))
+    want = rank_rows(reference_by_vmap(scan_body("reference"), R)(x, idx, w), me, R)
+    args = put_global(mesh, x, idx, w)
+    fn = jax.shard_map(scan_body("cuda"), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    got = local(jax.jit(fn).lower(*args).compile(GRAPH_OPTIONS["graphs"])(*args))
     model1.assert_bits_equal(got, want, f"process {me} scan of 10 steps")
     return 1
 
@@ -154,7 +166,7 @@ def check_gradients(mesh, me) -> int:
     tokens, hidden, topk, experts = 128, 512, 4, 16
     kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
 
-    def make(backend):
+    def grad_body(backend):
         c = cfg(backend, **kw)
 
         def loss(x, w, idx, ct):
@@ -164,19 +176,21 @@ def check_gradients(mesh, me) -> int:
             out = jax_ep.combine_rank_major(y, d.handle, c)
             return jnp.sum(out.astype(jnp.float32) * ct)
 
-        def body(x, w, idx, ct):
+        def grads(x, w, idx, ct):
             value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w, idx, ct)
             return (value[None], *grads)
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        return grads
 
     rng = np.random.default_rng(41)
     x, idx, w = model1.inputs(rng, tokens, hidden, topk, experts, "messy")
     ct = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
-    args = model1.put(mesh, x, w, idx, ct)
-    want = local(make("reference")(*args))
+    host = (x, w, idx, ct)
+    want = rank_rows(reference_by_vmap(grad_body("reference"), R)(*host), me, R)
+    args = put_global(mesh, *host)
     poison_device_memory(jax.local_devices(), 128 << 20)
-    got = local(make("cuda")(*args))
+    fn = jax.shard_map(grad_body("cuda"), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    got = local(jax.jit(fn)(*args))
     for name, g, r in zip(("d x", "d topk_weights"), got[1:], want[1:], strict=True):
         model1.assert_bits_equal(g, r, f"process {me} gradient {name}")
     return 1
@@ -187,6 +201,7 @@ def main() -> None:
     me = jax.process_index()
     assert runtime.process_model() == "process_per_gpu", runtime.process_model()
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    assert R == jax.process_count(), f"test_dispatch_gpu's EP size {R} (JAX_EP_TEST_EP_RANKS) != processes"
     checks = check_cases(mesh, me)
     checks += check_scan(mesh, me)
     checks += check_gradients(mesh, me)

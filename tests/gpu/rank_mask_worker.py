@@ -13,6 +13,10 @@ combine, slot_values), all with the mask. A masked rank sends and receives nothi
 so rank 0 is compared with the reference under the same mask and inputs: dispatch outputs and
 handle fields bit-exact (num_dropped includes rank 0's pairs to rank 1's experts), combine and the
 gradients within bf16 rounding. Prints "rank_mask_worker OK <model> ..." at the end.
+
+Model 2 runs no XLA collective across the processes (they may share one GPU: pytest --share-gpu, and
+NCCL refuses two processes on one GPU): its reference runs in each process alone, every rank under
+jax.vmap (gpu_helpers.reference_by_vmap).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from gpu_helpers import local, rank_rows, reference_by_vmap  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep.vma import varying_axes  # noqa: E402
@@ -92,6 +99,16 @@ def step(mesh, cfg, skip_masked: bool):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
+def reference_step(cfg):
+    """The step of every rank in this process (reference_by_vmap; global [R * ...] in and out, as
+    `step`'s), without `step`'s typing for lax.cond (there is no cond, and vmap has no mesh axes)."""
+
+    def body(x, idx, w, m):
+        return {k: v[None] for k, v in step_outputs(x, idx, w, m, cfg).items()}
+
+    return reference_by_vmap(body, R, AXIS)
+
+
 def mask_rows(mask):
     return np.tile(np.asarray(mask, np.int32), (R, 1)).reshape(-1)
 
@@ -150,14 +167,11 @@ def model2() -> str:
         rows = a.shape[0] // R
         return jax.make_array_from_process_local_data(sharding, a[me * rows:(me + 1) * rows])
 
-    def local(tree):
-        return {k: np.asarray(v.addressable_shards[0].data) for k, v in tree.items()}
-
     x, idx, w = inputs()
-    ref_cfg = dataclasses.replace(CFG, backend="reference")
-    # together: the masked reference, and the CUDA step all active (= the reference without a mask)
-    want = local(step(mesh, ref_cfg, False)(put(x), put(idx), put(w), put(mask_rows(MASK))))
-    plain = local(step(mesh, ref_cfg, False)(put(x), put(idx), put(w), put(mask_rows((1, 1)))))
+    reference = reference_step(dataclasses.replace(CFG, backend="reference"))
+    # the masked reference, the reference without a mask, and the CUDA step all active (= the latter)
+    want = rank_rows(reference(x, idx, w, mask_rows(MASK)), me, R)
+    plain = rank_rows(reference(x, idx, w, mask_rows((1, 1))), me, R)
     fn = step(mesh, CFG, False)
     all_active = local(fn(put(x), put(idx), put(w), put(mask_rows((1, 1)))))
     compare(all_active, plain, f"model 2 all active, process {me}")

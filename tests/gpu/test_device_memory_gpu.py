@@ -9,9 +9,10 @@ own XLA memory settings:
 * a traced dispatch whose buffer cannot fit: the error at trace time (jit(...).lower), from the call;
 * room gone between tracing and compiling (XLA_PYTHON_CLIENT_PREALLOCATE=false): XLA's instantiation
   of the op fails with RESOURCE_EXHAUSTED and the same text;
-* process model 2 (2 processes x 1 GPU, NVSHMEM): growing the symmetric buffer beyond the GPU is
-  refused on every process before NVSHMEM is asked (NVSHMEM 3.4.5 would kill the job), with the
-  symmetric heap and the processes lacking room named, and the process group still works after.
+* process model 2 (2 processes x 1 GPU, NVSHMEM; with pytest --share-gpu both on GPU 0 under MPS):
+  growing the symmetric buffer beyond the GPU is refused on every process before NVSHMEM is asked
+  (NVSHMEM 3.4.5 would kill the job), with the symmetric heap and the processes lacking room named,
+  and the process group still works after.
 
 The children need the GPUs' memory to themselves: the cases skip (saying so) when another process
 holds more than a tenth of GPU 0, e.g. when an earlier test of the same pytest run initialised JAX
@@ -28,6 +29,7 @@ import subprocess
 import sys
 
 import pytest
+from gpu_helpers import NUM_PROCESSES, SHARE_GPU, run_process_group
 
 from jax_ep import runtime
 
@@ -284,28 +286,29 @@ def test_instantiation_without_room_is_resource_exhausted(native):
     assert "XLA does not preallocate here (XLA_PYTHON_CLIENT_PREALLOCATE=false)" in text, text
 
 
+@pytest.mark.process_group
 def test_process_model_2_growth_beyond_the_gpu(native, tmp_path):
     """2 processes x 1 GPU: growing the symmetric buffer past the free memory is refused on every
     process before NVSHMEM is asked (NVSHMEM 3.4.5 does not return NULL: its job dies): each raises
     the same DeviceMemoryError naming the NVSHMEM symmetric heap and the processes lacking room
     (here both: each asks for more than its GPU has free), nothing changes, and the next collective
-    step works."""
-    if native.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    step works. With pytest --share-gpu both processes are on GPU 0 (under MPS), each preallocating
+    0.75 / 2 of it for XLA."""
+    if not SHARE_GPU and native.device_count() < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs (or --share-gpu with CUDA MPS running)")
     worker = tmp_path / "memory_worker.py"
     worker.write_text(PROCESS_GROUP)
-    env = _env(XLA_PYTHON_CLIENT_MEM_FRACTION="0.75")
-    command = [sys.executable, "-m", "jax_ep.launch", "--nproc", "2", "--timeout", "200", str(worker)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
-    output = done.stdout + done.stderr
+    fraction = 0.75 / NUM_PROCESSES if SHARE_GPU else 0.75   # XLA's pools of the processes of one GPU
+    env = _env(XLA_PYTHON_CLIENT_MEM_FRACTION=f"{fraction:g}")
+    returncode, output, _ = run_process_group(worker, timeout_s=240, env=env)
     print(output[-6000:])
     assert "cuMemCreate failed" not in output and "illegal memory access" not in output, output[-5000:]
     outs = []
     for p in range(2):
         lines = [line for line in output.splitlines() if line.startswith(f"[p{p}] RESULT=")]
-        assert lines, f"process {p} gave no result (launcher rc {done.returncode}):\n{output[-5000:]}"
+        assert lines, f"process {p} gave no result (launcher rc {returncode}):\n{output[-5000:]}"
         outs.append(json.loads(lines[-1].split("RESULT=", 1)[1]))
-    assert done.returncode == 0, output[-5000:]
+    assert returncode == 0, output[-5000:]
     texts = [out["message"] for out in outs]
     assert texts[0] == texts[1], texts  # one decision from the same published verdicts
     for out in outs:

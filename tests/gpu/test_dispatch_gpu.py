@@ -76,16 +76,22 @@ def _cfg(backend, **kw):
     return jax_ep.EPConfig(axis_name=AXIS, backend=backend, **kw)
 
 
-@functools.cache
-def dispatch_combine_fn(mesh, cfg):
-    """(x, idx, w, y) -> (Dispatched with a leading rank axis, combine(y) [R*T, H])."""
+def dispatch_combine_body(cfg):
+    """The per-rank body of dispatch_combine_fn (the process-model-2 workers run it under vmap for
+    their reference: gpu_helpers.reference_by_vmap)."""
 
     def body(x, idx, w, y):
         d = jax_ep.dispatch(x, idx, w, cfg)
         out = jax_ep.combine(y, d.handle, cfg)
         return jax.tree.map(lambda a: a[None], d), out
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    return body
+
+
+@functools.cache
+def dispatch_combine_fn(mesh, cfg):
+    """(x, idx, w, y) -> (Dispatched with a leading rank axis, combine(y) [R*T, H])."""
+    return jax.jit(jax.shard_map(dispatch_combine_body(cfg), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
 def put(mesh, *arrays):
@@ -263,9 +269,8 @@ def grad_case(seed, tokens, hidden, topk, experts, kind):
     return kw, (x, idx, w, wexp, ct)
 
 
-def gradient_fn(mesh, cfg):
-    """(x, topk_weights, expert weights, topk_idx, cotangent) -> (loss [R], combine output, d x,
-    d topk_weights, d expert weights) of dispatch -> ragged_dot -> combine, per rank."""
+def gradient_body(cfg):
+    """The per-rank body of gradient_fn."""
 
     def loss(x, w, wexp, idx, ct):
         d = jax_ep.dispatch(x, idx, w, cfg)
@@ -278,7 +283,13 @@ def gradient_fn(mesh, cfg):
             x, w, wexp, idx, ct)
         return (value[None], out) + grads
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    return body
+
+
+def gradient_fn(mesh, cfg):
+    """(x, topk_weights, expert weights, topk_idx, cotangent) -> (loss [R], combine output, d x,
+    d topk_weights, d expert weights) of dispatch -> ragged_dot -> combine, per rank."""
+    return jax.jit(jax.shard_map(gradient_body(cfg), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
 def test_gradients_match_reference(cuda_backend, mesh):

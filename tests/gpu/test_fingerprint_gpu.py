@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import os
 
-import jax
 import pytest
-from gpu_helpers import ep_step_child, faults_of_child
-from test_process_group_gpu import NUM_PROCESSES, run_workers
+from gpu_helpers import ep_step_child, faults_of_child, run_workers
 
 pytestmark = pytest.mark.gpu
 
@@ -21,9 +19,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprint_w
 
 
 def run_case(case: str, timeout_env: str = "30"):
-    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
-        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
-    results = run_workers((case,), timeout_s=240, worker=WORKER, timeout_env=timeout_env)
+    results = run_workers(WORKER, (case,), timeout_s=240, timeout_env=timeout_env)
     for p, (rc, out) in enumerate(results):
         print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
     for p, (rc, out) in enumerate(results):
@@ -31,15 +27,17 @@ def run_case(case: str, timeout_env: str = "30"):
         assert f"fingerprint_worker OK {case} process {p}" in out, f"process {p}: no OK line"
 
 
+@pytest.mark.process_group
 @pytest.mark.parametrize("case", ["hidden", "capacity", "op"])
-def test_mismatched_calls_fail_on_both_processes_naming_op_rank_and_field(cuda_backend, case):
+def test_mismatched_calls_fail_on_both_processes_naming_op_rank_and_field(process_group, case):
     """hidden 256 vs 512, capacity 128 vs 192, dispatch vs ll_dispatch: both processes' records are
     kind 'mismatch' with that field, their own value and the peer's, and the message names the op,
     the rank, the peer process, the field and both values, in less than half of JAX_EP_TIMEOUT_S."""
     run_case(case)
 
 
-def test_a_process_one_call_behind_is_named_by_the_timeout(cuda_backend):
+@pytest.mark.process_group
+def test_a_process_one_call_behind_is_named_by_the_timeout(process_group):
     """Process 1 runs its dispatch twice, process 0 once: process 0's call returns, process 1's
     second call times out after JAX_EP_TIMEOUT_S (5 s here) saying rank 0 is 1 call behind."""
     run_case("behind", timeout_env="5")

@@ -17,7 +17,7 @@ import os
 
 import jax
 import pytest
-from gpu_helpers import report_of_child
+from gpu_helpers import report_of_child, run_workers
 
 pytestmark = pytest.mark.gpu
 
@@ -133,17 +133,14 @@ def test_ll_shrink_masks_a_gpu_that_stops_calling(cuda_backend, wire):
     assert report["faults"] == [], "shrink mode must not record a fault"
 
 
-def test_ll_shrink_a_process_that_stops_calling(cuda_backend):
+@pytest.mark.process_group
+def test_ll_shrink_a_process_that_stops_calling(process_group):
     """Process model 2 (tests/gpu/ll_shrink_worker.py): after one call together, process 1 stops
     calling; process 0's next call waits out JAX_EP_TIMEOUT_S (5 s) once, masks rank 1 and returns
     the NumPy model's outputs with rank 1 masked; the next fused and two-phase calls do not wait;
     rank_masks() names rank 1, ll_dispatch, 'discovery'; clear_rank_masks() empties it."""
-    from test_process_group_gpu import NUM_PROCESSES, run_workers
-
-    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
-        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ll_shrink_worker.py")
-    results = run_workers((), timeout_s=240, worker=worker, timeout_env="5")
+    results = run_workers(worker, (), timeout_s=240, timeout_env="5")
     for p, (rc, out) in enumerate(results):
         print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
     for p, (rc, out) in enumerate(results):

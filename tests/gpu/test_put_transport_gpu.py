@@ -2,25 +2,22 @@
 issue's test 3b ("2 nodes of 1 GPU" on one machine, KernelConfig(transport="put") forcing the
 inter-node path). Each process runs tests/gpu/put_transport_worker.py and checks its rank bit-exact
 against the reference path (dispatch_rank_major, combine_rank_major, broadcast_rank_major, a scan
-captured as CUDA graphs, gradients)."""
+captured as CUDA graphs, gradients). With pytest --share-gpu, both processes on GPU 0 under CUDA MPS."""
 
 from __future__ import annotations
 
 import os
 
-import jax
 import pytest
-from test_process_group_gpu import NUM_PROCESSES, run_workers
+from gpu_helpers import run_workers
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.process_group]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "put_transport_worker.py")
 
 
-def test_rank_major_ops_over_puts_match_reference(cuda_backend):
-    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
-        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
-    results = run_workers(worker=WORKER, timeout_s=480)
+def test_rank_major_ops_over_puts_match_reference(process_group):
+    results = run_workers(WORKER, timeout_s=480)
     for p, (rc, out) in enumerate(results):
         print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
     for p, (rc, out) in enumerate(results):

@@ -11,7 +11,7 @@ import sys
 
 import jax
 import pytest
-from test_process_group_gpu import NUM_PROCESSES, run_workers
+from gpu_helpers import run_workers
 
 pytestmark = pytest.mark.gpu
 
@@ -33,13 +33,12 @@ def test_model_1_masked_gpu_skips_the_calls(cuda_backend):
     assert child.returncode == 0 and "rank_mask_worker OK model1" in out, out[-4000:]
 
 
-def test_model_2_a_process_that_stops_calling(cuda_backend):
+@pytest.mark.process_group
+def test_model_2_a_process_that_stops_calling(process_group):
     """Process 1 masked and no longer calling (waiting at a distributed barrier): process 0's 3
     masked steps return and match the reference; the all-active step before matches the reference
     without a mask on both processes."""
-    if len(jax.local_devices(backend="gpu")) < NUM_PROCESSES:
-        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
-    results = run_workers(("model2",), timeout_s=300, worker=WORKER, timeout_env="20")
+    results = run_workers(WORKER, ("model2",), timeout_s=300, timeout_env="20")
     for p, (rc, out) in enumerate(results):
         print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
     for p, (rc, out) in enumerate(results):

@@ -1,0 +1,257 @@
+"""The process-model-2 GPU workers' reference (tests/gpu/gpu_helpers.reference_by_vmap): the reference
+path's per-rank function run for every rank in one process, on one device, under
+jax.vmap(axis_name=...) instead of shard_map over a mesh of R devices, so that processes sharing a GPU
+need no XLA collective (NCCL refuses two processes on one GPU). It must give the shard_map reference's
+bits, every output leaf in full, at R = 2 and 4 (8 virtual CPU devices, tests/conftest.py), for what
+the workers compare: dispatch + combine (bf16, FP8, float32 x on a bf16 wire, overflowing capacity),
+gradients through dispatch -> ragged_dot -> combine, the rank-major ops (round trip with broadcast,
+a scan of 10 steps, gradients), the rank-mask step (dispatch, combine and their gradients under a
+mask), and the low-latency ops (fused and two-phase, masked too).
+"""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+
+GPU_TESTS = pathlib.Path(__file__).resolve().parent / "gpu"
+if str(GPU_TESTS) not in sys.path:
+    sys.path.insert(0, str(GPU_TESTS))
+
+from gpu_helpers import rank_rows, reference_by_vmap  # noqa: E402
+from put_transport_worker import round_trip_body  # noqa: E402
+from rank_mask_worker import step_outputs  # noqa: E402
+from test_dispatch_gpu import (  # noqa: E402
+    assert_combine_close,
+    dispatch_combine_body,
+    gradient_body,
+    routing,
+)
+
+AXIS = "ep"
+RANKS = [2, 4]
+
+
+def cfg(**kw):
+    return jax_ep.EPConfig(axis_name=AXIS, backend="reference", **kw)
+
+
+def by_shard_map(body, ranks):
+    mesh = Mesh(np.array(jax.devices()[:ranks]), (AXIS,))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def assert_same_bits(body, ranks, *host, close=(), steps=1):
+    """reference_by_vmap(body) on one device == jit(shard_map(body)) over `ranks` devices: every leaf
+    bit for bit (NaN payloads and signed zeros included), except the top-level outputs in `close`
+    (indices of a tuple output, keys of a dict), which the workers compare within bf16 rounding
+    (test_dispatch_gpu.assert_combine_close, `steps` bf16 steps of the row's largest value) and so
+    are compared here the same way; rank_rows gives each rank's rows of the global outputs."""
+    want = by_shard_map(body, ranks)(*host)
+    got = reference_by_vmap(body, ranks, AXIS, device=jax.devices()[0])(*host)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    if isinstance(want, dict):
+        parts = list(want)
+    elif isinstance(want, tuple) and not hasattr(want, "_fields"):
+        parts = list(range(len(want)))
+    else:
+        parts = [None]
+    for part in parts:
+        pick = (lambda t: t) if part is None else (lambda t, part=part: t[part])  # noqa: E731
+        for i, (g, w) in enumerate(zip(jax.tree.leaves(pick(got)), jax.tree.leaves(pick(want)), strict=True)):
+            g, w = np.asarray(g), np.asarray(w)
+            what = f"output {part} leaf {i} {w.dtype}{list(w.shape)}"
+            assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, g.dtype)
+            if part in close:
+                assert_combine_close(g.reshape(g.shape[0], -1), w.reshape(w.shape[0], -1), what, steps)
+                continue
+            bytes_g = g.reshape(-1).view(np.uint8).reshape(g.size, -1)
+            bytes_w = w.reshape(-1).view(np.uint8).reshape(w.size, -1)
+            differ = (bytes_g != bytes_w).any(-1)
+            assert not differ.any(), f"{what}: {int(differ.sum())} elements differ"
+    leaves = jax.tree.leaves(got)
+    for rank in range(ranks):  # each rank's part: what `local` gives of the shard_map output on its process
+        for leaf, whole in zip(jax.tree.leaves(rank_rows(got, rank, ranks)), leaves, strict=True):
+            rows = whole.shape[0] // ranks
+            assert np.array_equal(np.asarray(leaf).view(np.uint8),
+                                  np.asarray(whole)[rank * rows:(rank + 1) * rows].view(np.uint8))
+    return got
+
+
+def token_inputs(rng, ranks, tokens, hidden, topk, experts, kind, x_dtype=jnp.bfloat16):
+    n = ranks * tokens
+    x = (rng.standard_normal((n, hidden)) * 2).astype(np.float32).astype(x_dtype)
+    return x, routing(rng, kind, n, topk, experts), rng.random((n, topk)).astype(np.float32)
+
+
+# (tokens, hidden, topk, experts, routing, x dtype, extra config)
+EXPERT_MAJOR = {
+    "bf16 messy align8": (48, 256, 6, 16, "messy", jnp.bfloat16, {"expert_alignment": 8}),
+    "bf16 skewed overflow": (64, 256, 2, 8, "skewed", jnp.bfloat16, {"capacity": 48, "expert_alignment": 4}),
+    "fp8": (40, 384, 4, 16, "messy", jnp.bfloat16, {"dispatch_dtype": "float8_e4m3fn"}),
+    "fp8 from f32": (40, 256, 3, 8, "distinct", jnp.float32, {"dispatch_dtype": "float8_e4m3fn"}),
+    "f32 x bf16 wire": (32, 256, 4, 16, "messy", jnp.float32, {"dispatch_dtype": "bfloat16"}),
+}
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("case", list(EXPERT_MAJOR))
+def test_dispatch_combine(ranks, case):
+    """The body of process_group_worker.check_cases (test_dispatch_gpu.dispatch_combine_body)."""
+    tokens, hidden, topk, experts, kind, x_dtype, extra = EXPERT_MAJOR[case]
+    c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, **extra)
+    rng = np.random.default_rng([ranks, list(EXPERT_MAJOR).index(case)])
+    x, idx, w = token_inputs(rng, ranks, tokens, hidden, topk, experts, kind, x_dtype)
+    y = rng.standard_normal((ranks * c.resolved_capacity(ranks), hidden)).astype(jnp.bfloat16)
+    # combine within bf16 rounding, as the worker compares it: XLA contracts its multiply-adds (not
+    # rounded apart, unlike ll_combine's) differently in the two programs (seen: 1 element of
+    # 80 x 384, 1 bf16 ulp, in the fp8 case at R=2)
+    d, _ = assert_same_bits(dispatch_combine_body(c), ranks, x, idx, w, y, close={1})
+    if "overflow" in case:
+        assert np.asarray(d.num_dropped).sum() > 0, "the case should overflow the capacity"
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_gradients(ranks):
+    """process_group_worker.check_gradients' body (test_dispatch_gpu.gradient_body): dispatch ->
+    lax.ragged_dot -> combine, value and gradients wrt x, topk_weights and the expert weights."""
+    tokens, hidden, topk, experts = 32, 128, 4, 16
+    c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
+    rng = np.random.default_rng([ranks, 9])
+    x, idx, w = token_inputs(rng, ranks, tokens, hidden, topk, experts, "messy")
+    wexp = (rng.standard_normal((experts, hidden, hidden)) / np.sqrt(hidden)).astype(jnp.bfloat16)
+    ct = rng.standard_normal((ranks * tokens, hidden)).astype(np.float32)
+    # compared as the worker does: within two bf16 steps (it does not compare the loss)
+    assert_same_bits(gradient_body(c), ranks, x, w, wexp, idx, ct, close={0, 1, 2, 3, 4}, steps=2)
+
+
+RANK_MAJOR = {
+    "bf16 messy": (48, 256, 6, 16, "messy", jnp.bfloat16, jnp.bfloat16, {}),
+    "skewed top2": (40, 128, 2, 8, "skewed", jnp.bfloat16, jnp.bfloat16, {}),
+    "f32 x, bf16 wire, f32 y": (32, 256, 4, 16, "messy", jnp.float32, jnp.float32,
+                                {"dispatch_dtype": "bfloat16"}),
+    "fp8": (40, 256, 4, 16, "messy", jnp.bfloat16, jnp.bfloat16, {"dispatch_dtype": "float8_e4m3fn"}),
+}
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("case", list(RANK_MAJOR))
+def test_rank_major_round_trip(ranks, case):
+    """put_transport_worker.check_cases' body (round_trip_body): dispatch_rank_major, combine_rank_major
+    of y with NaN in the empty rows and -0.0 here and there, broadcast_rank_major."""
+    tokens, hidden, topk, experts, kind, x_dtype, y_dtype, extra = RANK_MAJOR[case]
+    c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, **extra)
+    rng = np.random.default_rng([ranks, 100 + list(RANK_MAJOR).index(case)])
+    x, idx, w = token_inputs(rng, ranks, tokens, hidden, topk, experts, kind, x_dtype)
+    y = rng.standard_normal((ranks * ranks * tokens, hidden)).astype(np.float32)
+    y = np.where(rng.random(y.shape) < 0.01, np.float32(-0.0), y).astype(y_dtype)
+    g = rng.standard_normal((ranks * tokens, hidden)).astype(np.float32).astype(y_dtype)
+    assert_same_bits(round_trip_body(c), ranks, x, idx, w, y, g)
+
+
+def rank_major_scan_body(c):
+    """put_transport_worker.check_scan's body."""
+
+    def body(x, idx, w):
+        def step(carry, _):
+            d = jax_ep.dispatch_rank_major(carry, idx, w, c)
+            out = jax_ep.combine_rank_major(d.x, d.handle, c)
+            return (out * 0.5).astype(carry.dtype), None
+
+        return lax.scan(step, x, None, length=10)[0]
+
+    return body
+
+
+def rank_major_grad_body(c):
+    """put_transport_worker.check_gradients' body."""
+
+    def loss(x, w, idx, ct):
+        d = jax_ep.dispatch_rank_major(x, idx, w, c)
+        scale = jnp.sum(d.topk_weights, axis=1, keepdims=True)
+        y = (d.x.astype(jnp.float32) * scale).astype(x.dtype)
+        out = jax_ep.combine_rank_major(y, d.handle, c)
+        return jnp.sum(out.astype(jnp.float32) * ct)
+
+    def grads(x, w, idx, ct):
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w, idx, ct)
+        return (value[None], *grads)
+
+    return grads
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_rank_major_scan_and_gradients(ranks):
+    tokens, hidden, topk, experts = 32, 256, 4, 16
+    c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
+    rng = np.random.default_rng([ranks, 5])
+    x, idx, w = token_inputs(rng, ranks, tokens, hidden, topk, experts, "messy")
+    assert_same_bits(rank_major_scan_body(c), ranks, x, idx, w)
+    ct = rng.standard_normal((ranks * tokens, hidden)).astype(np.float32)
+    assert_same_bits(rank_major_grad_body(c), ranks, x, w, idx, ct)
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("mask", ["all active", "last masked"])
+def test_rank_mask_step(ranks, mask):
+    """rank_mask_worker's reference (reference_step: step_outputs, with capacity drops): dispatch,
+    combine and the gradients wrt x and topk_weights, with a rank mask."""
+    tokens, hidden, topk, experts = 32, 128, 2, 8
+    c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, capacity=24)
+    rng = np.random.default_rng([ranks, 15])
+    x, idx, w = token_inputs(rng, ranks, tokens, hidden, topk, experts, "distinct")
+    active = np.ones(ranks, np.int32)
+    if mask == "last masked":
+        active[-1] = 0
+    masks = np.tile(active, (ranks, 1)).reshape(-1)
+
+    def body(x, idx, w, m):
+        return {k: v[None] for k, v in step_outputs(x, idx, w, m, c).items()}
+
+    # combine and the gradients within a bf16 step, as the worker compares them (rank_mask_worker.compare)
+    assert_same_bits(body, ranks, x, idx, w, masks, close={"out", "gx", "gw"})
+
+
+def ll_body(c, two_phase, masked):
+    def body(x, idx, w, y, m):
+        mask = m if masked else None
+        if two_phase:
+            d = jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, c, rank_mask=mask), c)
+        else:
+            d = jax_ep.ll_dispatch(x, idx, w, c, rank_mask=mask)
+        yy = jnp.where((d.handle.src_slot >= 0)[..., None], y, jnp.nan).astype(jnp.bfloat16)
+        if two_phase:
+            out = jax_ep.ll_combine_recv(jax_ep.ll_combine_send(yy, d.handle, c, rank_mask=mask), c)
+        else:
+            out = jax_ep.ll_combine(yy, d.handle, c, rank_mask=mask)
+        return jax.tree.map(lambda a: a[None], d), out
+
+    return body
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("wire", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("form", ["fused", "two-phase", "masked"])
+def test_low_latency(ranks, wire, form):
+    tokens, hidden, topk, experts = 16, 256, 3, 8
+    c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+            dispatch_dtype=wire)
+    rng = np.random.default_rng([ranks, 3])
+    x = rng.standard_normal((ranks * tokens, hidden)).astype(ml_dtypes.bfloat16)
+    idx = routing(rng, "messy", ranks * tokens, topk, experts)
+    w = rng.random((ranks * tokens, topk)).astype(np.float32)
+    local = experts // ranks
+    y = rng.standard_normal((ranks * local, ranks * tokens, hidden)).astype(ml_dtypes.bfloat16)
+    active = np.ones(ranks, np.int32)
+    active[0] = 0
+    masks = np.tile(active, (ranks, 1)).reshape(-1)
+    assert_same_bits(ll_body(c, form == "two-phase", form == "masked"), ranks, x, idx, w, y, masks)
