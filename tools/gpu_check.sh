@@ -7,6 +7,12 @@
 #      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
 #      PYTEST_ARGS  extra pytest arguments, split like a shell line (e.g. '-k "smoke or async" -x')
 #      SKIP_TESTS=1 skips the GPU tests; TESTS_TIMEOUT their limit in seconds (default 3000)
+#      SHARE_GPU=1 then runs the process-model-2 tests (marker process_group) as 2 processes on GPU 0
+#               under CUDA MPS (pytest --share-gpu; for one-GPU machines: without it they skip there):
+#               starts the MPS daemon (pipes in $MPS_PIPE_DIR, default /tmp/jax_ep_mps_pipe; logs in
+#               $OUT/mps_log) unless one is running there, and stops it after; SHARE_PYTEST_ARGS extra
+#               pytest arguments; SHARE_TIMEOUT the limit in seconds (default 2400). Runs with
+#               SKIP_TESTS=1 too. Timings under MPS are not those of separate GPUs.
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks;
 #               BENCH_TIMEOUT its limit in seconds (default 3000)
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
@@ -87,6 +93,40 @@ tail -25 "$OUT/gpu-tests.log"
 echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log)" | tee -a "$OUT/summary.txt"
 [ $tests_rc -eq 0 ] || status=1
 "$PY" -c "from jax_ep import runtime; print('device faults:', runtime.faults())" 2>&1 | tee -a "$OUT/summary.txt"
+fi
+
+if [ "${SHARE_GPU:-0}" = 1 ]; then
+  step "process-model-2 tests, 2 processes on GPU 0 under CUDA MPS: pytest -m 'gpu and process_group' --share-gpu"
+  start=$SECONDS
+  # After the other GPU tests, in its own pytest: under MPS a device fault of one client (these tests
+  # provoke some) ends every client of the GPU, and MPS takes no new client until they have all exited.
+  export CUDA_MPS_PIPE_DIRECTORY="${MPS_PIPE_DIR:-/tmp/jax_ep_mps_pipe}" CUDA_MPS_LOG_DIRECTORY="$OUT/mps_log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  started_mps=0
+  if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    echo "CUDA MPS already running (pipes in $CUDA_MPS_PIPE_DIRECTORY): using it"
+  elif nvidia-cuda-mps-control -d; then
+    started_mps=1
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT   # stopped even if this script is interrupted
+    for _ in $(seq 50); do [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] && break; sleep 0.2; done
+  fi
+  if [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    echo "gpu_check: could not start CUDA MPS (nvidia-cuda-mps-control -d; logs in $CUDA_MPS_LOG_DIRECTORY)" | tee -a "$OUT/summary.txt"
+    status=1
+  else
+    eval "share_args=(${SHARE_PYTEST_ARGS:-})"
+    timeout "${SHARE_TIMEOUT:-2400}" "$PY" -m pytest -m "gpu and process_group" --share-gpu tests/gpu -v -rs \
+      --durations=10 --junitxml="$OUT/gpu-tests-shared.xml" "${share_args[@]}" >"$OUT/gpu-tests-shared.log" 2>&1
+    share_rc=$?
+    tail -25 "$OUT/gpu-tests-shared.log"
+    echo "process-model-2 tests on one GPU (MPS): rc=$share_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests-shared.log)" | tee -a "$OUT/summary.txt"
+    [ $share_rc -eq 0 ] || status=1
+  fi
+  if [ $started_mps = 1 ]; then
+    echo quit | nvidia-cuda-mps-control
+    trap - EXIT
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f benchmarks/ops.py ]; then
