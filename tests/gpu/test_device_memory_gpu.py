@@ -318,7 +318,9 @@ def test_process_model_2_growth_beyond_the_gpu(native, tmp_path):
                                "of the process group: it needs "), text
         assert "NVSHMEM symmetric heap" in text and "2 of 2 processes lack room" in text, text
         assert "every process raises this error; nothing was allocated" in text, text
-        assert "on every process" in text and suggested_fraction(text), text
+        # A smaller XLA fraction is advised only when it would leave room: with the 2 processes on one
+        # GPU each heap needs most of it (2 x 85 GiB > 140 GiB), so no fraction can, and none is advised.
+        assert "on every process" in text and (SHARE_GPU or suggested_fraction(text)), text
         assert out["buffer"] == 64 * MiB and out["after"] == 128 * MiB, out  # unchanged, then usable
     # Each process is named with its GPU and its numbers.
     agreed = max(out["need"] for out in outs)
