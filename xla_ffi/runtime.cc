@@ -1,5 +1,6 @@
 #include "xla_ffi/runtime.h"
 
+#include <cuda.h>  // types of cuCtxGetExecAffinity only (reached through the runtime, no libcuda link)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -61,6 +62,34 @@ class CurrentDeviceGuard {
   int device_ = 0;
   bool ok_ = false;
 };
+
+// SMs this process's kernels may use on `ordinal`: the device's, or the share CUDA MPS provisions
+// this client (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: processes sharing a GPU, jax_ep.launch
+// --share-gpus), which cuCtxGetExecAffinity reports. The fused low-latency kernels need every block
+// resident at once, so their grid must fit the share, not the device. A driver without the query
+// (before CUDA 11.4) has no such share: the device's count stands.
+int UsableSmCount(int ordinal) {
+  int sm_count = 0;
+  JAX_EP_CUDA_THROW(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, ordinal));
+  CurrentDeviceGuard device_guard;
+  JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
+  JAX_EP_CUDA_THROW(cudaFree(nullptr));  // the device's primary context is current
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  JAX_EP_CUDA_THROW(cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &entry, 11040,
+                                                     cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || entry == nullptr) return sm_count;
+  using GetExecAffinity = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
+  CUexecAffinityParam affinity{};
+  const CUresult status =
+      reinterpret_cast<GetExecAffinity>(entry)(&affinity, CU_EXEC_AFFINITY_TYPE_SM_COUNT);
+  if (status != CUDA_SUCCESS) {
+    throw std::runtime_error("jax_ep: cuCtxGetExecAffinity(SM_COUNT) failed on GPU " +
+                             std::to_string(ordinal) + " (CUresult " + std::to_string(status) + ")");
+  }
+  const int share = static_cast<int>(affinity.param.smCount.val);
+  return share > 0 && share < sm_count ? share : sm_count;
+}
 
 void SynchronizeDevices(const std::vector<int>& ordinals) {
   for (int ordinal : ordinals) {
@@ -283,9 +312,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   EnsureFaultRecords();
 
   for (int ordinal : joining) {
-    int sm_count = 0;
-    JAX_EP_CUDA_THROW(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, ordinal));
-    sm_count_[ordinal].store(sm_count, std::memory_order_release);
+    sm_count_[ordinal].store(UsableSmCount(ordinal), std::memory_order_release);
     if (states_[ordinal].load(std::memory_order_acquire) != nullptr) continue;  // re-init
     JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
     void* state = DeviceMalloc("device state", sizeof(DeviceState), 0);
@@ -418,9 +445,7 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
   JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
   if (first) {
     EnsureFaultRecords();
-    int sm_count = 0;
-    JAX_EP_CUDA_THROW(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, ordinal));
-    sm_count_[ordinal].store(sm_count, std::memory_order_release);
+    sm_count_[ordinal].store(UsableSmCount(ordinal), std::memory_order_release);
     symmetric_heap::Init(unique_id, rank, nranks, ProcessGroupHeapBytes(target));
     void* state = symmetric_heap::Allocate("device state", sizeof(DeviceState), 0);
     JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
