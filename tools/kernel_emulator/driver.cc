@@ -97,12 +97,7 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, MismatchCall cal
     p.num_blocks = blocks;
     p.x_kind = s.x_kind;
     p.row_kind = s.row_kind;
-    check(launch_put_dispatch_rank_major(
-              p, x.data(), reinterpret_cast<const int32_t*>(idx.data()),
-              reinterpret_cast<const float*>(w.data()), rm.rows.data(), rm.scales_or_null(),
-              rm.i32(rm.ids), rm.f32(rm.w), rm.i32(rm.per_rank), rm.i32(rm.per_expert),
-              rm.i32(rm.src), rm.in_rank_data(), nullptr),
-          "put dispatch_rank_major");
+    rm.put_dispatch(p, x, idx, w);
     return;
   }
   if (call == MismatchCall::kCombine) {

@@ -91,6 +91,21 @@ struct RankMajorOutputs {
   static float* f32(std::vector<char>& v) { return reinterpret_cast<float*>(v.data()); }
   bool* in_rank_data() { return reinterpret_cast<bool*>(in_rank.data()); }
 
+  // dispatch_rank_major over the put transport (launch_put_dispatch_rank_major, declared in
+  // cuda/remote_rank_major.h, which the caller includes) of the raw inputs x, topk_idx and
+  // topk_weights into these outputs; exits on an error. A template on the launch type so that the
+  // call binds where it is used (argument-dependent lookup): ll_driver.cc, which includes this
+  // header but does not link cuda/remote_rank_major.cu, never references it.
+  template <class PutLaunch>
+  void put_dispatch(const PutLaunch& p, const std::vector<char>& x,
+                    const std::vector<char>& topk_idx, const std::vector<char>& topk_weights) {
+    check(launch_put_dispatch_rank_major(
+              p, x.data(), reinterpret_cast<const int32_t*>(topk_idx.data()),
+              reinterpret_cast<const float*>(topk_weights.data()), rows.data(), scales_or_null(),
+              i32(ids), f32(w), i32(per_rank), i32(per_expert), i32(src), in_rank_data(), nullptr),
+          "put dispatch_rank_major");
+  }
+
   // As the run scripts read them: rm_<name><tag>.bin (without the poison's 16 spare bytes).
   void write(const std::string& tag) const {
     const auto out = [&](const char* name, const std::vector<char>& data) {

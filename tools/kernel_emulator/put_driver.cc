@@ -86,12 +86,7 @@ int main(int argc, char** argv) {
     for (int rep = 0; rep < reps; ++rep) {
       const std::string tag = s + "_" + std::to_string(rep);
       RankMajorOutputs rm(R, T, H, K, E, row_kind, y_kind);
-      check(launch_put_dispatch_rank_major(
-                p, x.data(), reinterpret_cast<const int32_t*>(idx.data()),
-                reinterpret_cast<const float*>(w.data()), rm.rows.data(), rm.scales_or_null(),
-                rm.i32(rm.ids), rm.f32(rm.w), rm.i32(rm.per_rank), rm.i32(rm.per_expert),
-                rm.i32(rm.src), rm.in_rank_data(), nullptr),
-            "put dispatch_rank_major");
+      rm.put_dispatch(p, x, idx, w);
 
       PutLaunch q = p;
       q.layout = rows_layout;
