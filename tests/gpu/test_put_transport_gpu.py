@@ -22,4 +22,5 @@ def test_rank_major_ops_over_puts_match_reference(process_group):
         print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
     for p, (rc, out) in enumerate(results):
         assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        assert "put_transport_worker OK 12" in out, f"process {p}: no OK line"  # 5 cases x 2 calls, scan, grads
+        # 12 checks: 5 cases x 2 calls, the scan, the gradients
+        assert "put_transport_worker OK 12" in out, f"process {p}: no OK line"
