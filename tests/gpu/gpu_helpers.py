@@ -250,26 +250,34 @@ def local(tree):
     return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), tree)
 
 
-def reference_by_vmap(body, ranks: int, axis_name: str = "ep", device=None):
+def reference_by_vmap(body, ranks, axis_name="ep", device=None):
     """fn(*host arrays) = jax.jit(jax.shard_map(body, mesh, in_specs=P(axis_name),
     out_specs=P(axis_name)))(*arrays) over `ranks` ranks, computed in this process alone on `device`
     (default: its first local device): the ranks as a leading axis of size `ranks` under
     jax.vmap(axis_name=axis_name), whose batching of lax.all_to_all / psum / axis_index / axis_size
     stands in for the collectives. Every input is split [R * n, ...] -> [R, n, ...], every output
     merged back [R, m, ...] -> [R * m, ...], the global layout of the shard_map version, so that rank
-    r's part of an output is rows r * m .. (r + 1) * m - 1 (rank_rows). The process-model-2 workers
+    r's part of an output is rows r * m .. (r + 1) * m - 1 (rank_rows). A mesh of several axes (the
+    hierarchical ops' (node, local)): `ranks` and `axis_name` are tuples, outermost first, and rank r
+    is the row-major index over them, as P((node, local)) lays them out. The process-model-2 workers
     compute their reference with it: no XLA collective across the processes (NCCL refuses two
     processes on one GPU). tests/test_reference_vmap.py checks it gives the shard_map reference's
     bits on 8 CPU devices."""
+    sizes = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    assert len(sizes) == len(names), (ranks, axis_name)
+    total = int(np.prod(sizes))
 
     def split(a):
-        return a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
+        return a.reshape(*sizes, a.shape[0] // total, *a.shape[1:])
 
     def merge(a):
-        return a.reshape(ranks * a.shape[1], *a.shape[2:])
+        return a.reshape(total * a.shape[len(sizes)], *a.shape[len(sizes) + 1:])
 
-    fn = jax.jit(lambda *args: jax.tree.map(
-        merge, jax.vmap(body, axis_name=axis_name, axis_size=ranks)(*jax.tree.map(split, args))))
+    per_rank = body
+    for name, size in reversed(list(zip(names, sizes, strict=True))):  # innermost axis first
+        per_rank = jax.vmap(per_rank, axis_name=name, axis_size=size)
+    fn = jax.jit(lambda *args: jax.tree.map(merge, per_rank(*jax.tree.map(split, args))))
 
     def run(*arrays):
         target = device if device is not None else jax.local_devices()[0]

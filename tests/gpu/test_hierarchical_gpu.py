@@ -1,0 +1,26 @@
+"""The hierarchical dispatch / combine on 2 processes x 1 GPU, the machine taken as "2 nodes of 1 GPU"
+(issue 13's test 3b): a (node, local) mesh of 2 x 1, the node hop over NVSHMEM puts
+(KernelConfig(transport="put")). Each process runs tests/gpu/hierarchical_worker.py and checks its GPU
+against the reference path (rows, counts and handles bit-exact; combine within two bf16 steps;
+gradients). With pytest --share-gpu, both processes on GPU 0 under CUDA MPS."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from gpu_helpers import run_workers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.process_group]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hierarchical_worker.py")
+
+
+def test_hierarchical_over_puts_matches_reference(process_group):
+    results = run_workers(WORKER, timeout_s=420)
+    for p, (rc, out) in enumerate(results):
+        print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
+    for p, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
+        # 9 checks: 4 cases x 2 calls, the gradients
+        assert "hierarchical_worker OK 9" in out, f"process {p}: no OK line"
