@@ -32,7 +32,14 @@ Every line a process writes (stdout and stderr) is printed with the prefix ``[pI
 SIGTERM are passed on to the processes. When one process fails (non-zero exit or killed by a
 signal), the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the launcher exits with
 the failed process's code (128 + signal for a signal), naming it. ``--timeout`` bounds the whole run
-(exit code 124). The exit code is 0 when every process exits 0.
+(exit code 124); a run that reaches it prints where each process was: the processes run with
+``PYTHONFAULTHANDLER=1`` (unless that variable is set already), so the SIGABRT the launcher sends them
+first makes each print the Python stack of every thread (``faulthandler``) on its stderr, prefixed
+``[pI]``; after min(``--grace``, 5) seconds the processes still running get SIGTERM, then SIGKILL after
+``--grace``. Before the SIGABRT the launcher sets the processes' core file size limit to 0 (Linux), so
+the abort leaves no core file (processes they started keep theirs). Only ``--timeout`` sends SIGABRT: a
+failed process and SIGINT/SIGTERM stop the others with SIGTERM as above. The exit code is 0 when every
+process exits 0.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import functools
 import glob
 import os
 import pathlib
+import resource
 import signal
 import socket
 import subprocess
@@ -62,6 +70,7 @@ PREFIX = LAUNCHER + ":"
 TIMEOUT_EXIT_CODE = 124
 MPS_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 POLL_S = 0.05
+ABORT_WAIT_S = 5.0    # --timeout: at most this long (and --grace) between SIGABRT and SIGTERM
 
 
 def _positive_int(value: str) -> int:
@@ -187,6 +196,7 @@ def process_envs(args: argparse.Namespace, gpus: int) -> list[dict[str, str]]:
     n, k = args.nproc, args.local_devices_per_process
     common = dict(os.environ, PYTHONUNBUFFERED="1", JAX_NUM_CPU_DEVICES=str(k),
                   **{ENV_NUM_PROCESSES: str(n)})
+    common.setdefault("PYTHONFAULTHANDLER", "1")   # --timeout's SIGABRT prints every thread's stack
     if args.coordinator is None:
         port = free_port()
         common[ENV_COORDINATOR] = f"127.0.0.1:{port}"
@@ -294,6 +304,16 @@ class Launcher:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
 
+    def abort(self) -> None:
+        """SIGABRT to every running process (and its process group): faulthandler prints each Python
+        thread's stack. Core files off first, for these processes only: the abort is no crash."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError, AttributeError, ValueError):   # exited; not Linux
+                    _, hard = resource.prlimit(proc.pid, resource.RLIMIT_CORE)
+                    resource.prlimit(proc.pid, resource.RLIMIT_CORE, (0, hard))
+        self.send(signal.SIGABRT)
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Sends ``sig`` now and SIGKILL ``--grace`` seconds later to the processes still running."""
         self.send(sig)
@@ -313,6 +333,7 @@ class Launcher:
         deadline = time.monotonic() + self.args.timeout if self.args.timeout else None
         failed: tuple[int, int] | None = None        # (process index, exit code) of the first failure
         timed_out = killed = False
+        abort_deadline: float | None = None           # --timeout: SIGTERM after the stacks are printed
         while True:
             codes = [proc.poll() for proc in self.procs]
             running = [i for i, code in enumerate(codes) if code is None]
@@ -326,9 +347,15 @@ class Launcher:
                              f"stopping processes {running}")
                     self.stop()
             now = time.monotonic()
-            if deadline is not None and now > deadline and self.stop_deadline is None:
+            if deadline is not None and now > deadline and not timed_out and self.stop_deadline is None:
                 timed_out = True
-                self.say(f"--timeout {self.args.timeout:g} s reached; stopping processes {running}")
+                wait_s = min(self.args.grace, ABORT_WAIT_S)
+                self.say(f"--timeout {self.args.timeout:g} s reached; SIGABRT to processes {running} "
+                         f"(their Python stacks), SIGTERM to those left after {wait_s:g} s")
+                self.abort()
+                abort_deadline = now + wait_s
+            if abort_deadline is not None and now > abort_deadline and self.stop_deadline is None:
+                self.say(f"processes {running} still running: SIGTERM")
                 self.stop()
             if self.stop_deadline is not None and now > self.stop_deadline and not killed:
                 self.say(f"processes {running} still running {self.args.grace:g} s after "

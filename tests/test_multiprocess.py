@@ -230,6 +230,60 @@ def test_launcher_timeout(tmp_path):
     assert "--timeout 1 s" in proc.stderr, proc.stderr
 
 
+def plain_core_files() -> bool:
+    """Does a crash here write a core file into its working directory (core_pattern a plain name)?"""
+    try:
+        pattern = pathlib.Path("/proc/sys/kernel/core_pattern").read_text().strip()
+    except OSError:
+        return False
+    return bool(pattern) and not pattern.startswith("|") and "/" not in pattern
+
+
+def test_launcher_timeout_prints_stacks(tmp_path):
+    """--timeout: every process prints the Python stack of each of its threads ([pI]-prefixed) before it
+    is stopped, the launcher exits 124 well before --grace would matter, and the SIGABRT leaves no
+    core file although the processes allow one (checked where core_pattern writes into the cwd)."""
+    child = script(tmp_path, "hung_child.py", """
+        import resource, threading, time
+        _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))   # a crash would write a core file
+
+        def background_heartbeat():
+            time.sleep(600)
+
+        def waiting_for_peer():
+            time.sleep(600)
+
+        threading.Thread(target=background_heartbeat, daemon=True).start()
+        print("ready", flush=True)
+        waiting_for_peer()
+        """)
+    env = child_env()
+    env.pop("PYTHONFAULTHANDLER", None)          # the launcher sets it
+    start = time.monotonic()
+    proc = subprocess.run(launch_cmd("--nproc", "2", "--timeout", "3", "--grace", "20", child),
+                          capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    seconds = time.monotonic() - start
+    assert proc.returncode == launch.TIMEOUT_EXIT_CODE, (proc.returncode, proc.stderr)
+    assert seconds < 15, f"{seconds:.1f} s: the aborted processes were waited on for --grace"
+    for i in range(2):
+        assert f"[p{i}] ready" in proc.stdout, proc.stdout
+        for function in ("waiting_for_peer", "background_heartbeat"):   # every thread's stack
+            assert any(line.startswith(f"[p{i}] ") and line.endswith(f" in {function}")
+                       for line in proc.stderr.splitlines()), (i, function, proc.stderr)
+    assert "SIGABRT to processes [0, 1]" in proc.stderr, proc.stderr
+    if plain_core_files():
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("core")]
+
+
+def test_launcher_keeps_the_users_faulthandler_setting(monkeypatch):
+    args = launch.parse_args(["--nproc", "2", __file__])
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
+    assert {env["PYTHONFAULTHANDLER"] for env in launch.process_envs(args, gpus=0)} == {"1"}
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "")     # off, as the user asked
+    assert {env["PYTHONFAULTHANDLER"] for env in launch.process_envs(args, gpus=0)} == {""}
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--nproc", "0", "SCRIPT"], "argument --nproc: must be a positive integer, got '0'"),
     (["--nproc", "two", "SCRIPT"], "argument --nproc: must be a positive integer, got 'two'"),
