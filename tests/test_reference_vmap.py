@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -28,8 +27,8 @@ if str(GPU_TESTS) not in sys.path:
     sys.path.insert(0, str(GPU_TESTS))
 
 from gpu_helpers import rank_rows, reference_by_vmap  # noqa: E402
-from put_transport_worker import round_trip_body  # noqa: E402
-from rank_mask_worker import step_outputs  # noqa: E402
+from put_transport_worker import grad_body, round_trip_body, scan_body  # noqa: E402
+from rank_mask_worker import reference_body  # noqa: E402
 from test_dispatch_gpu import (  # noqa: E402
     assert_combine_close,
     dispatch_combine_body,
@@ -164,53 +163,23 @@ def test_rank_major_round_trip(ranks, case):
     assert_same_bits(round_trip_body(c), ranks, x, idx, w, y, g)
 
 
-def rank_major_scan_body(c):
-    """put_transport_worker.check_scan's body."""
-
-    def body(x, idx, w):
-        def step(carry, _):
-            d = jax_ep.dispatch_rank_major(carry, idx, w, c)
-            out = jax_ep.combine_rank_major(d.x, d.handle, c)
-            return (out * 0.5).astype(carry.dtype), None
-
-        return lax.scan(step, x, None, length=10)[0]
-
-    return body
-
-
-def rank_major_grad_body(c):
-    """put_transport_worker.check_gradients' body."""
-
-    def loss(x, w, idx, ct):
-        d = jax_ep.dispatch_rank_major(x, idx, w, c)
-        scale = jnp.sum(d.topk_weights, axis=1, keepdims=True)
-        y = (d.x.astype(jnp.float32) * scale).astype(x.dtype)
-        out = jax_ep.combine_rank_major(y, d.handle, c)
-        return jnp.sum(out.astype(jnp.float32) * ct)
-
-    def grads(x, w, idx, ct):
-        value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w, idx, ct)
-        return (value[None], *grads)
-
-    return grads
-
-
 @pytest.mark.parametrize("ranks", RANKS)
 def test_rank_major_scan_and_gradients(ranks):
+    """put_transport_worker.check_scan's and check_gradients' bodies (scan_body, grad_body)."""
     tokens, hidden, topk, experts = 32, 256, 4, 16
     c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
     rng = np.random.default_rng([ranks, 5])
     x, idx, w = token_inputs(rng, ranks, tokens, hidden, topk, experts, "messy")
-    assert_same_bits(rank_major_scan_body(c), ranks, x, idx, w)
+    assert_same_bits(scan_body(c), ranks, x, idx, w)
     ct = rng.standard_normal((ranks * tokens, hidden)).astype(np.float32)
-    assert_same_bits(rank_major_grad_body(c), ranks, x, w, idx, ct)
+    assert_same_bits(grad_body(c), ranks, x, w, idx, ct)
 
 
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("mask", ["all active", "last masked"])
 def test_rank_mask_step(ranks, mask):
-    """rank_mask_worker's reference (reference_step: step_outputs, with capacity drops): dispatch,
-    combine and the gradients wrt x and topk_weights, with a rank mask."""
+    """rank_mask_worker's reference (reference_step's body, reference_body: step_outputs, with capacity
+    drops): dispatch, combine and the gradients wrt x and topk_weights, with a rank mask."""
     tokens, hidden, topk, experts = 32, 128, 2, 8
     c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, capacity=24)
     rng = np.random.default_rng([ranks, 15])
@@ -219,12 +188,8 @@ def test_rank_mask_step(ranks, mask):
     if mask == "last masked":
         active[-1] = 0
     masks = np.tile(active, (ranks, 1)).reshape(-1)
-
-    def body(x, idx, w, m):
-        return {k: v[None] for k, v in step_outputs(x, idx, w, m, c).items()}
-
     # combine and the gradients within a bf16 step, as the worker compares them (rank_mask_worker.compare)
-    assert_same_bits(body, ranks, x, idx, w, masks, close={"out", "gx", "gw"})
+    assert_same_bits(reference_body(c), ranks, x, idx, w, masks, close={"out", "gx", "gw"})
 
 
 def ll_body(c, two_phase, masked):

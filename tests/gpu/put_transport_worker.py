@@ -70,6 +70,39 @@ def round_trip_fn(mesh, c):
     return jax.jit(jax.shard_map(round_trip_body(c), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
+def scan_body(c):
+    """check_scan's per-rank body: 10 steps of dispatch_rank_major -> combine_rank_major in a
+    lax.scan, the carry out (tests/test_reference_vmap.py checks its reference_by_vmap on CPU)."""
+
+    def body(x, idx, w):
+        def step(carry, _):
+            d = jax_ep.dispatch_rank_major(carry, idx, w, c)
+            out = jax_ep.combine_rank_major(d.x, d.handle, c)
+            return (out * 0.5).astype(carry.dtype), None
+
+        return lax.scan(step, x, None, length=10)[0]
+
+    return body
+
+
+def grad_body(c):
+    """check_gradients' per-rank body: the loss through dispatch_rank_major -> each row scaled by the
+    sum of its gate weights -> combine_rank_major; (loss[None], d x, d topk_weights)."""
+
+    def loss(x, w, idx, ct):
+        d = jax_ep.dispatch_rank_major(x, idx, w, c)
+        scale = jnp.sum(d.topk_weights, axis=1, keepdims=True)
+        y = (d.x.astype(jnp.float32) * scale).astype(x.dtype)
+        out = jax_ep.combine_rank_major(y, d.handle, c)
+        return jnp.sum(out.astype(jnp.float32) * ct)
+
+    def grads(x, w, idx, ct):
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w, idx, ct)
+        return (value[None], *grads)
+
+    return grads
+
+
 def assert_dispatch_equal(got, want, what, rows=True):
     eq = model1.assert_bits_equal
     if rows:
@@ -134,25 +167,11 @@ def check_scan(mesh, me) -> int:
     captures the calls into CUDA graphs: the carry after the scan bit-exact with the reference."""
     tokens, hidden, topk, experts = 128, 1024, 4, 16
     kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
-
-    def scan_body(backend):
-        c = cfg(backend, **kw)
-
-        def body(x, idx, w):
-            def step(carry, _):
-                d = jax_ep.dispatch_rank_major(carry, idx, w, c)
-                out = jax_ep.combine_rank_major(d.x, d.handle, c)
-                return (out * 0.5).astype(carry.dtype), None
-
-            return lax.scan(step, x, None, length=10)[0]
-
-        return body
-
     rng = np.random.default_rng(5)
     x, idx, w = model1.inputs(rng, tokens, hidden, topk, experts, "messy")
-    want = rank_rows(reference_by_vmap(scan_body("reference"), R)(x, idx, w), me, R)
+    want = rank_rows(reference_by_vmap(scan_body(cfg("reference", **kw)), R)(x, idx, w), me, R)
     args = put_global(mesh, x, idx, w)
-    fn = jax.shard_map(scan_body("cuda"), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    fn = jax.shard_map(scan_body(cfg("cuda", **kw)), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
     got = local(jax.jit(fn).lower(*args).compile(GRAPH_OPTIONS["graphs"])(*args))
     model1.assert_bits_equal(got, want, f"process {me} scan of 10 steps")
     return 1
@@ -165,31 +184,14 @@ def check_gradients(mesh, me) -> int:
     d topk_weights are bit-exact with the reference."""
     tokens, hidden, topk, experts = 128, 512, 4, 16
     kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
-
-    def grad_body(backend):
-        c = cfg(backend, **kw)
-
-        def loss(x, w, idx, ct):
-            d = jax_ep.dispatch_rank_major(x, idx, w, c)
-            scale = jnp.sum(d.topk_weights, axis=1, keepdims=True)
-            y = (d.x.astype(jnp.float32) * scale).astype(x.dtype)
-            out = jax_ep.combine_rank_major(y, d.handle, c)
-            return jnp.sum(out.astype(jnp.float32) * ct)
-
-        def grads(x, w, idx, ct):
-            value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w, idx, ct)
-            return (value[None], *grads)
-
-        return grads
-
     rng = np.random.default_rng(41)
     x, idx, w = model1.inputs(rng, tokens, hidden, topk, experts, "messy")
     ct = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
     host = (x, w, idx, ct)
-    want = rank_rows(reference_by_vmap(grad_body("reference"), R)(*host), me, R)
+    want = rank_rows(reference_by_vmap(grad_body(cfg("reference", **kw)), R)(*host), me, R)
     args = put_global(mesh, *host)
     poison_device_memory(jax.local_devices(), 128 << 20)
-    fn = jax.shard_map(grad_body("cuda"), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    fn = jax.shard_map(grad_body(cfg("cuda", **kw)), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
     got = local(jax.jit(fn)(*args))
     for name, g, r in zip(("d x", "d topk_weights"), got[1:], want[1:], strict=True):
         model1.assert_bits_equal(g, r, f"process {me} gradient {name}")

@@ -99,14 +99,20 @@ def step(mesh, cfg, skip_masked: bool):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
-def reference_step(cfg):
-    """The step of every rank in this process (reference_by_vmap; global [R * ...] in and out, as
-    `step`'s), without `step`'s typing for lax.cond (there is no cond, and vmap has no mesh axes)."""
+def reference_body(cfg):
+    """The per-rank body of reference_step: `step`'s without its typing for lax.cond (there is no
+    cond, and vmap has no mesh axes). tests/test_reference_vmap.py checks its reference_by_vmap on CPU."""
 
     def body(x, idx, w, m):
         return {k: v[None] for k, v in step_outputs(x, idx, w, m, cfg).items()}
 
-    return reference_by_vmap(body, R, AXIS)
+    return body
+
+
+def reference_step(cfg):
+    """The step of every rank in this process (reference_by_vmap; global [R * ...] in and out, as
+    `step`'s)."""
+    return reference_by_vmap(reference_body(cfg), R, AXIS)
 
 
 def mask_rows(mask):
