@@ -50,10 +50,9 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return points
 
 
-def build(records: list[dict], old: dict | None = None) -> dict:
-    """The table from the records of one run, keeping `old`'s points of the EP sizes the run did not
-    measure (any op)."""
-    points = points_of(records)
+def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) -> dict:
+    """The table from the points of one run (points_of; extended in place), keeping `old`'s points of
+    the EP sizes the run did not measure (any op)."""
     measured = {p["ep_size"] for pts in points.values() for p in pts}
     for op, layouts in (old or {}).get("ops", {}).items():
         for layout, entry in layouts.items():
@@ -102,11 +101,12 @@ def layer_vetoes(layer_records: list[dict]) -> dict[str, str]:
 
 def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
           layer_records: list[dict] | None = None, replace: bool = False) -> dict:
-    measured = {str(p["ep_size"]) for pts in points_of(records).values() for p in pts}
+    points = points_of(records)
+    measured = {str(p["ep_size"]) for pts in points.values() for p in pts}
     if not measured:
         raise ValueError("no op has both a cuda and a reference record: nothing to decide")
     old = None if replace or not path.exists() else json.loads(path.read_text())
-    table = build(records, old)
+    table = build(points, old)
     vetoes = layer_vetoes(layer_records or [])
     # a veto of an EP size this run did not measure again stays
     for ep, why in (old or {}).get("vetoed", {}).items():
