@@ -200,6 +200,11 @@ def launch_env(timeout_env: str = "30", **changes) -> dict:
     """The workers' environment: JAX_EP_TIMEOUT_S=timeout_env, the EP size of test_dispatch_gpu (which
     the workers import) = NUM_PROCESSES whatever --ep-ranks says, and `changes` (None removes)."""
     env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_env, JAX_EP_TEST_EP_RANKS=str(NUM_PROCESSES))
+    # XLA's sharded autotuning (on by default with several processes) makes every compilation wait for
+    # the other processes' share of the results: a program one process compiles alone (after its peer
+    # stopped calling: ll_shrink_worker; a per-process program on purpose: fingerprint_worker) waited
+    # forever in backend_compile_and_load (seen on one H200 under MPS, 2026-11-24). docs/api.md.
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_gpu_shard_autotuning=false"]).strip()
     for name, value in changes.items():
         if value is None:
             env.pop(name, None)
