@@ -187,6 +187,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     rank_mask = check_rank_mask(rank_mask, size, "dispatch")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
+    # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
+    x, topk_weights = vma.vary_as(x, topk_idx, topk_weights), vma.vary_as(topk_weights, x, topk_idx)
     out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
         out = check_no_drops(out, topk_idx, cfg, size, out.rank_mask != 0)
@@ -201,7 +203,7 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
     rank_mask = check_rank_mask(rank_mask, size, "combine")
-    return _combine(y, handle, rank_mask, cfg)
+    return _combine(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------

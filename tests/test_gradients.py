@@ -391,3 +391,43 @@ def test_bf16_rows_cotangent_dtype():
     # each token's gradient = number of rows it has (ones are exact in bf16)
     np.testing.assert_array_equal(dx, np.broadcast_to(m.kept.sum(axis=2)[..., None], dx.shape))
     assert m.ranks[0].rows.dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_inputs_invariant_over_the_mesh_get_summed_cotangents(layout):
+    """x and y replicated over the EP axis (in_specs P()), as one primitive's operands would be: their
+    gradient is the sum over the ranks of each rank's, the same as with per-rank copies of them summed
+    afterwards (before: the combine's custom_vjp returned a rank-varying d y for an invariant y, which
+    JAX refuses: "the manual axis types do not match")."""
+    from helpers import mesh as make_mesh
+    from jax.sharding import PartitionSpec as P
+
+    ep = 2
+    rng = np.random.default_rng(611)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    idx = random_routing(rng, ep, T, K, E)
+    w = rng.random((ep, T, K)).astype(np.float32)
+    ct = rng.standard_normal((ep, T, H)).astype(np.float32)
+    rows = ep * T if layout == "rank_major" else CFG.resolved_capacity(ep)
+    y = rng.standard_normal((rows, H)).astype(np.float32)
+    dispatch, combine = ((jax_ep.dispatch_rank_major, jax_ep.combine_rank_major) if layout == "rank_major"
+                         else (jax_ep.dispatch, jax_ep.combine))
+
+    def loss(x, y, idx, w, ct):
+        d = dispatch(x, idx, w, CFG)
+        return jnp.sum(combine(y + d.x, d.handle, CFG) * ct)
+
+    def per_rank_grads(x, y, idx, w, ct):  # per_rank passes each rank's slice
+        return jax.grad(loss, argnums=(0, 1))(x, y, idx, w, ct)
+
+    m = make_mesh(ep)
+    def invariant_grads(x, y, idx, w, ct):
+        return jax.grad(loss, argnums=(0, 1))(x, y, idx[0], w[0], ct[0])
+
+    invariant = jax.jit(jax.shard_map(invariant_grads, mesh=m, in_specs=(P(), P(), P("ep"), P("ep"), P("ep")),
+                                      out_specs=P()))
+    got = to_numpy(invariant(x, y, idx, w, ct))
+    copies = to_numpy(per_rank(per_rank_grads, ep)(np.stack([x] * ep), np.stack([y] * ep), idx, w, ct))
+    for name, g, c in zip(("d x", "d y"), got, copies, strict=True):
+        assert_close_f(g, c.sum(0), 1e-5, name)
+        assert np.abs(c[0] - c[1]).max() > 0, f"{name}: the ranks' cotangents should differ"
