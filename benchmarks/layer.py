@@ -18,7 +18,9 @@ plain dense dots of the same shapes on one device, timed in the same run. ``gemm
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
 shapes; ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the device time of the GPU
 events of device 0 (all streams, so overlapping streams add up) by the layer's named scopes
-(moe.SCOPES); events the profile does not tie to an HLO instruction with a scope count as "rest".
+(moe.SCOPES), each with its backward (dispatch's backward is a combine kernel, combine's a broadcast);
+events the profile does not tie to an HLO instruction with a scope count as "rest". The split runs the
+step without XLA's command buffers (split_by_scope says why).
 """
 
 from __future__ import annotations
@@ -157,15 +159,19 @@ def split_by_scope(step, args, iters: int) -> dict[str, float] | None:
     """Device ms per step on device 0, attributed to the layer's named scopes (GPU only).
 
     Each GPU event of a profiled chain of steps is matched to its HLO instruction (event name or the
-    event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest"."""
+    event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest". The
+    step is compiled here without XLA's command buffers: a kernel replayed from a CUDA graph carries no
+    HLO instruction in the trace (seen on one H200, 2026-11-24: everything in "rest"), so the split is
+    of the step run kernel by kernel (``step_ms`` is timed with the default options)."""
     if jax.devices()[0].platform != "gpu":
         return None
-    scopes = hlo_scopes(step.lower(*args).compile().as_text())
-    jax.block_until_ready(step(*args))
+    compiled = step.lower(*args).compile({"xla_gpu_enable_command_buffer": ""})
+    scopes = hlo_scopes(compiled.as_text())
+    jax.block_until_ready(compiled(*args))
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             for _ in range(iters):
-                out = step(*args)
+                out = compiled(*args)
             jax.block_until_ready(out)
         paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(paths[0])
