@@ -156,9 +156,21 @@ def check_gradients(mesh, me, shape) -> int:
     poison_device_memory(jax.local_devices(), 128 << 20)
     fn = jax.shard_map(gradient_body(cfg("cuda", **kw)), mesh=mesh, in_specs=P(GROUP), out_specs=P(GROUP))
     got = local(jax.jit(fn)(*args))
-    for what, g, r in zip(("d x", "d topk_weights"), got[1:], want[1:], strict=True):
-        assert_combine_close(np.asarray(g).reshape(g.shape[0], -1), np.asarray(r).reshape(r.shape[0], -1),
-                             f"process {me} gradient {what}", steps=3)
+    assert_combine_close(got[1], want[1], f"process {me} gradient d x", steps=3)
+    # d topk_weights[t, k] are dot products over the hidden size (<d out_t, y_row> plus the y path's
+    # w * <d out_t, x_t>) whose terms cancel: a row's largest value is no scale for their rounding (seen:
+    # 0.96 left of terms ~2, off by 0.19 of the reference on CPU against a float64 model: bf16 roundings
+    # the two programs place differently). The scale is the root-sum-square of the terms
+    # sqrt(sum_h (ct_th x_th)^2) * (1 + max_k w_tk), within which a missing or doubled term (~w * scale)
+    # still shows.
+    tokens_here = slice(me * tokens, (me + 1) * tokens)
+    terms = ct[tokens_here] * np.asarray(x[tokens_here], np.float32)
+    scale = np.sqrt((terms.astype(np.float64) ** 2).sum(1)) * (1 + w[tokens_here].max(1))
+    err = np.abs(np.asarray(got[2], np.float64) - np.asarray(want[2], np.float64)) / scale[:, None]
+    print(f"process {me} gradient d topk_weights: {100 * np.mean(got[2] == want[2]):.1f}% bit-exact, max "
+          f"error {err.max():.3g} of the terms' root-sum-square", flush=True)
+    assert np.isfinite(got[2]).all(), f"process {me} d topk_weights: non-finite values"
+    assert err.max() <= 2.0 ** -5, f"process {me} d topk_weights: max error {err.max():.3g}"
     return 1
 
 
