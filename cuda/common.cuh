@@ -21,6 +21,10 @@ namespace jax_ep {
 // that tools/kernel_emulator can run the kernels on the CPU.
 #define JAX_EP_LAUNCH(kernel, grid, block, shared_bytes, stream) \
   kernel<<<(grid), (block), (shared_bytes), (stream)>>>
+// The same for a kernel whose block 0 waits for its other blocks (which wait for nothing): the
+// emulator then runs block 0 alongside the others (tools/kernel_emulator/emu_cuda.h).
+#define JAX_EP_LAUNCH_BLOCK0_WAITS(kernel, grid, block, shared_bytes, stream) \
+  kernel<<<(grid), (block), (shared_bytes), (stream)>>>
 // Dynamically sized shared memory of a kernel: JAX_EP_DYNAMIC_SHARED(type, name);
 #define JAX_EP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 
@@ -64,6 +68,15 @@ __device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t* address, ui
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
                : "=r"(old)
                : "l"(address), "r"(value)
+               : "memory");
+  return old;
+}
+// 64-bit: a counter that a bounded wait (poll_flag) watches.
+__device__ __forceinline__ uint64_t atomic_add_acq_rel_gpu(uint64_t* address, uint64_t value) {
+  uint64_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;"
+               : "=l"(old)
+               : "l"(address), "l"(value)
                : "memory");
   return old;
 }

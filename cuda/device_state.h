@@ -162,6 +162,9 @@ struct SyncCounters {
   uint32_t ll_blocks_done;    // blocks of the running LL kernel that have finished
   uint32_t ll_dropped;        // pairs the finished blocks of a dispatch dropped (its last block
                               // reads and clears it)
+  // Blocks of the running dispatch notify kernel that finished their prep work (cuda/dispatch.cu:
+  // each adds 1, acq_rel; its block 0 waits for all of them, then clears it for the next call).
+  uint64_t prep_blocks_done;
   // Rank masking, the persistent part (one concept for every EP op: every EP kernel reads it, the
   // shrink-mode low-latency kernels set it). rank_masks[a][g].masked bit r: rank r of
   // EP group g of axis slot a is masked on this device: every later EP call ANDs its own rank mask

@@ -1,11 +1,13 @@
-// Throughput dispatch over NVLink (intra-node EP). Three kernels on XLA's stream (two more in shrink
-// mode: 3. pending and 5. fixup, below), no host sync:
+// Throughput dispatch over NVLink (intra-node EP). Two kernels on XLA's stream (two more in shrink
+// mode: 3. pending and 5. fixup, below), no host sync; 1 and 2 are one kernel, the notify kernel
+// (its block 0 notifies while blocks 1.. prep; dispatch_notify_kernel says why that is safe):
 //
-//  1. prep (rank-local): sanitises topk_idx, writes is_token_in_rank, counts this rank's tokens per
-//     expert and gives every (token, slot) its rank among this rank's tokens of that expert, in
-//     token order (warp bit masks + popc: deterministic, no atomics order).
-//  2. notify (one block): group discovery (the start barrier of the call; the peers' config
-//     fingerprints are checked there, cuda/fingerprint.cuh), then every rank writes
+//  1. prep (rank-local, blocks 1..): sanitises topk_idx, writes is_token_in_rank, counts this
+//     rank's tokens per expert and gives every (token, slot) its rank among this rank's tokens of
+//     that expert, in token order (warp bit masks + popc: deterministic, no atomics order).
+//  2. notify (block 0): group discovery (the start barrier of the call; the peers' config
+//     fingerprints are checked there, cuda/fingerprint.cuh), overlapping prep; then, once every
+//     prep block has arrived (a counter: wait_prep_blocks), every rank writes
 //     its counts [E] into counts[me] of every rank and raises a flag; once all are in, each rank
 //     computes, exactly like jax_ep.reference.dispatch, its local experts' segments (offset, kept
 //     rows) and, per source rank and local expert, the first row here and the rows kept
@@ -38,7 +40,7 @@ namespace {
 constexpr int kPrepThreads = 1024;
 constexpr int kPrepWarps = kPrepThreads / 32;
 constexpr int kPrepMaxExperts = 128;  // experts per prep block (shared bit masks)
-constexpr int kNotifyThreads = 1024;
+constexpr int kNotifyThreads = kPrepThreads;  // one kernel: the notify block and the prep blocks
 constexpr int kRowsThreads = 256;     // pending and fixup
 constexpr int kTailRows = 8192;       // unused-tail rows per receiver work item
 constexpr int kEmptyRows = 16;        // rank-major: empty rows (zeroed) per receiver work item
@@ -54,8 +56,8 @@ __device__ __forceinline__ int64_t round_up_i64(int64_t value, int64_t multiple)
   return (value + multiple - 1) / multiple * multiple;
 }
 
-// ---- 1. prep -------------------------------------------------------------------------------
-// Block b owns keys [b * experts_per_block, ...) (experts; rank-major dispatch adds key E + r per
+// ---- 1. prep (blocks 1.. of the notify kernel) ------------------------------------------------
+// Prep block b owns keys [b * experts_per_block, ...) (experts; rank-major dispatch adds key E + r per
 // destination rank r); every block walks all tokens in tiles of 1024 (one token per thread) and,
 // per tile, marks in masks[key][warp] the lanes whose token has the key. A token's rank within a
 // key = tokens of earlier tiles + tokens of earlier warps of this tile + popc of the lower lanes
@@ -85,11 +87,12 @@ __device__ __forceinline__ void load_sanitized_ids(const int32_t* __restrict__ r
 
 // Token t (of tile `tile`, sanitised ids `ids`): marks its lane in masks[e - e_lo][warp] for every
 // key e in [e_lo, e_hi) it has: the experts it picked (keys < E) and, with rank_keys (rank-major
-// dispatch), the ranks it goes to (key E + r); the block the tile falls on writes its row of
-// is_token_in_rank.
+// dispatch), the ranks it goes to (key E + r); the block the tile falls on (prep block `block` of
+// `blocks`) writes its row of is_token_in_rank.
 template <int kSlots>
 __device__ __forceinline__ void prep_mark_token(const int32_t (&ids)[kSlots], int t, int tile,
-                                                int E, int R, int e_lo, int e_hi, bool rank_keys,
+                                                int block, int blocks, int E, int R, int e_lo,
+                                                int e_hi, bool rank_keys,
                                                 uint32_t (*masks)[kPrepWarps],
                                                 bool* is_token_in_rank) {
   const int warp = threadIdx.x >> 5;
@@ -99,7 +102,7 @@ __device__ __forceinline__ void prep_mark_token(const int32_t (&ids)[kSlots], in
     const int32_t e = ids[k];
     if (e >= e_lo && e < e_hi) atomicOr(&masks[e - e_lo][warp], 1u << lane);  // (-1 is below)
   }
-  const bool writes_row = tile % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x);
+  const bool writes_row = tile % blocks == block;
   if (!rank_keys && !writes_row) return;  // most blocks: no use for the token's ranks
   const int experts_per_rank = E / R;
   uint32_t ranks = 0u;
@@ -119,20 +122,30 @@ __device__ __forceinline__ void prep_mark_token(const int32_t (&ids)[kSlots], in
   }
 }
 
-// kSlots: register slots per token, >= K (8 or kMaxTopk).
+// The shared memory of a prep block (dynamic: the notify block's lies over it).
+struct PrepShared {
+  uint32_t masks[kPrepMaxExperts][kPrepWarps];
+  int32_t prefix[kPrepMaxExperts][kPrepWarps];
+  int32_t running[kPrepMaxExperts];
+};
+
+// Prep block `block` of `blocks` (blocks 1.. of the notify kernel). kSlots: register slots per
+// token, >= K (8 or kMaxTopk). Ends with the block's arrival on SyncCounters::prep_blocks_done
+// (the notify block waits for all of them before it reads counts_local).
 template <int kSlots>
-__global__ void __launch_bounds__(kPrepThreads)
-    dispatch_prep_kernel(DeviceState* state, CommLayout layout, const int32_t* __restrict__ topk_idx,
-                         int T, int K, int E, int R, int experts_per_block, bool rank_major,
-                         bool* __restrict__ is_token_in_rank) {
-  __shared__ uint32_t masks[kPrepMaxExperts][kPrepWarps];
-  __shared__ int32_t prefix[kPrepMaxExperts][kPrepWarps];
-  __shared__ int32_t running[kPrepMaxExperts];
+__device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout& layout,
+                                           const int32_t* __restrict__ topk_idx, int T, int K,
+                                           int E, int R, int experts_per_block, bool rank_major,
+                                           bool* __restrict__ is_token_in_rank, int block,
+                                           int blocks, PrepShared& sh) {
+  uint32_t (*masks)[kPrepWarps] = sh.masks;
+  int32_t (*prefix)[kPrepWarps] = sh.prefix;
+  int32_t* running = sh.running;
   if (threadIdx.x == 0) {
     require_comm_bytes(state, layout.total, rank_major ? kOpDispatchRankMajor : kOpDispatch, -1);
   }
   const int keys = rank_major ? E + R : E;
-  const int e_lo = blockIdx.x * experts_per_block;
+  const int e_lo = block * experts_per_block;
   const int e_hi = min(keys, e_lo + experts_per_block);
   const int n_local = max(0, e_hi - e_lo);
   const int warp = threadIdx.x >> 5;
@@ -152,8 +165,8 @@ __global__ void __launch_bounds__(kPrepThreads)
     int32_t ids[kSlots];
     load_sanitized_ids<kSlots>(topk_idx + static_cast<int64_t>(active ? t : 0) * K, active ? K : 0,
                                E, ids);
-    if (active) prep_mark_token<kSlots>(ids, t, tile, E, R, e_lo, e_hi, rank_major, masks,
-                                        is_token_in_rank);
+    if (active) prep_mark_token<kSlots>(ids, t, tile, block, blocks, E, R, e_lo, e_hi,
+                                        rank_major, masks, is_token_in_rank);
     __syncthreads();
     for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
       int32_t run = running[i];
@@ -181,9 +194,14 @@ __global__ void __launch_bounds__(kPrepThreads)
   }
   int32_t* counts_local = reinterpret_cast<int32_t*>(own + layout.counts_local);
   for (int i = threadIdx.x; i < n_local; i += blockDim.x) counts_local[e_lo + i] = running[i];
+  // Arrival: the barrier orders every thread's writes above (counts_local, slot_rank,
+  // is_token_in_rank) before thread 0's add in causality order, and the add's release is
+  // cumulative, so the notify block, which acquires after seeing the count, sees them all.
+  __syncthreads();
+  if (threadIdx.x == 0) atomic_add_acq_rel_gpu(&state->sync.prep_blocks_done, uint64_t{1});
 }
 
-// ---- 2. notify -----------------------------------------------------------------------------
+// ---- 2. notify (block 0 of the notify kernel) ------------------------------------------------
 // This rank's counts [E] into counts[me][:] of every linked rank (its own included), then one flag
 // per linked rank; on return (thread r < R) rank r's counts are here, and zero for a rank that is
 // not linked (masked: its tokens go nowhere, and it is not waited for). Every thread calls it.
@@ -311,24 +329,66 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
   }
 }
 
-__global__ void __launch_bounds__(kNotifyThreads)
-    dispatch_notify_kernel(DeviceState* state, CommLayout layout, const int32_t* rank_ptr,
-                           const int32_t* group_ptr, const int32_t* rank_mask, OpFingerprint fp,
-                           int axis_slot,
-                           int32_t* __restrict__ group_sizes, int32_t* __restrict__ expert_counts,
-                           int32_t* __restrict__ num_dropped, int32_t* __restrict__ active_out,
-                           bool shrink) {
-  JAX_EP_DYNAMIC_SHARED(int32_t, n_local);  // [E_local]: rows per local expert over the sources
-  __shared__ OpInfo info;
-  __shared__ int32_t total_rows;
-  __shared__ unsigned long long dropped;
+// The arguments of the notify kernel: the launch itself (passed by value) plus what it adds.
+struct NotifyArgs : DispatchLaunch {
+  OpFingerprint fp;
+  int32_t experts_per_block;  // prep: keys per prep block
+};
+
+// The shared memory of the notify block (dynamic, over a prep block's): the call, the sums of
+// segment_tables, then n_local [E_local] (expert-major).
+struct NotifyShared {
+  OpInfo info;
+  unsigned long long dropped;
+  int32_t total_rows;
+};
+constexpr size_t kNotifySharedBytes = (sizeof(NotifyShared) + 15) / 16 * 16;  // n_local from here
+static_assert(sizeof(PrepShared) <= 48 * 1024 &&
+                  kNotifySharedBytes + kMaxExperts * sizeof(int32_t) <= 48 * 1024,
+              "the notify kernel's dynamic shared memory needs no opt-in");
+
+// The notify block (every thread), after discovery: waits until the `blocks` prep blocks have
+// arrived (SyncCounters::prep_blocks_done), acquires what they wrote (counts_local), and clears
+// the counter for the next call: every prep block's add is in (the count says so) and the next
+// dispatch's kernel runs after this one (stream order). Bounded like every wait: past the bound the
+// fault names the op and this rank (waited for itself: its own prep blocks never came, e.g. a GPU
+// shared with a kernel that holds every SM), with `blocks` expected and the count seen, then traps.
+__device__ __forceinline__ void wait_prep_blocks(DeviceState* state, uint64_t blocks,
+                                                 int32_t op_id, int32_t rank) {
+  if (threadIdx.x == 0) {
+    uint64_t* done = &state->sync.prep_blocks_done;
+    uint64_t observed, elapsed;
+    if (!poll_flag(done, [blocks](uint64_t v) { return v >= blocks; },
+                   PollBound{state->tables.timeout_ns, 256}, &observed, &elapsed)) {
+      record_fault_and_trap(state, kFaultTimeout, op_id, rank, rank, state->tables.slot, blocks,
+                            observed, static_cast<int64_t>(elapsed));
+    }
+    fence_acquire_sys();
+    store_relaxed_sys(done, 0);
+  }
+  __syncthreads();  // thread 0's acquire is ordered before every thread's reads
+}
+
+// Expert-major notify (block 0): discovery, the counts exchange, then this rank's segments and
+// tables (segment_tables), group_sizes, expert_counts, num_dropped, active, and the OpInfo of the
+// later kernels.
+__device__ __forceinline__ void notify_expert_major(const NotifyArgs& a, char* shared, int blocks) {
+  NotifyShared& sh = *reinterpret_cast<NotifyShared*>(shared);
+  int32_t* n_local = reinterpret_cast<int32_t*>(shared + kNotifySharedBytes);  // [E_local]: rows
+  OpInfo& info = sh.info;                     // per local expert over the sources
+  const OpFingerprint fp = a.fp;  // (a copy: a reference into the kernel's parameters would
+                                  // copy all of them to local memory, for peer_call_differs)
   const int R = fp.ranks, E = fp.experts, C = fp.capacity, align = fp.alignment;
-  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, shrink, &info);
+  const bool shrink = a.shrink != 0;
+  DeviceState* state = a.state;
+  const CommLayout& layout = a.layout;
+  discover_group(state, a.rank, a.group, a.rank_mask, a.axis_slot, layout.total, fp, shrink, &info);
+  wait_prep_blocks(state, blocks, kOpDispatch, info.rank);
   char* own = own_comm_buffer(state);
   exchange_counts(state, layout, info, R, E, kOpDispatch, shrink);
   if (threadIdx.x == 0) {
-    total_rows = 0;
-    dropped = 0ull;
+    sh.total_rows = 0;
+    sh.dropped = 0ull;
   }
   __syncthreads();
 
@@ -344,37 +404,38 @@ __global__ void __launch_bounds__(kNotifyThreads)
     n_local[j] = n;
   }
   __syncthreads();
-  segment_tables(own, layout, n_local, info.active, info.rank, R, E, C, align, group_sizes,
-                 expert_counts, &total_rows, &dropped);
+  segment_tables(own, layout, n_local, info.active, info.rank, R, E, C, align, a.group_sizes,
+                 a.expert_counts, &sh.total_rows, &sh.dropped);
   __syncthreads();
-  if (active_out != nullptr && static_cast<int>(threadIdx.x) < R) {
-    active_out[threadIdx.x] = has_rank(info.active, static_cast<int>(threadIdx.x)) ? 1 : 0;
+  if (a.active != nullptr && static_cast<int>(threadIdx.x) < R) {
+    a.active[threadIdx.x] = has_rank(info.active, static_cast<int>(threadIdx.x)) ? 1 : 0;
   }
   if (threadIdx.x == 0) {
-    *num_dropped = static_cast<int32_t>(dropped);
-    publish_op_info(state, layout, info, total_rows);
+    *a.num_dropped = static_cast<int32_t>(sh.dropped);
+    publish_op_info(state, layout, info, sh.total_rows);
   }
 }
 
-// Rank-major notify: discovery and the same counts exchange, with each rank's tokens per
+// Rank-major notify (block 0): discovery and the same counts exchange, with each rank's tokens per
 // destination rank (keys E + r) after its expert counts; then, from its [R][E + R] table, the
 // outputs tokens_per_rank (rows from each source) and tokens_per_expert (pairs per local expert;
 // nothing drops), the first row here of every source (base_row[s]: the rows of earlier sources
 // here; the receivers place the rows) and total_rows (rows received here). Rank masking: all of
 // these count active sources only (a masked rank's own row is in its table: it receives nothing,
 // itself included).
-__global__ void __launch_bounds__(kNotifyThreads)
-    dispatch_rank_major_notify_kernel(DeviceState* state, CommLayout layout,
-                                      const int32_t* rank_ptr, const int32_t* group_ptr,
-                                      const int32_t* rank_mask, OpFingerprint fp, int axis_slot,
-                                      int32_t* __restrict__ tokens_per_rank,
-                                      int32_t* __restrict__ tokens_per_expert, bool shrink) {
-  __shared__ OpInfo info;
+__device__ __forceinline__ void notify_rank_major(const NotifyArgs& a, char* shared, int blocks) {
+  OpInfo& info = reinterpret_cast<NotifyShared*>(shared)->info;
+  const OpFingerprint fp = a.fp;  // (a copy: a reference into the kernel's parameters would
+                                  // copy all of them to local memory, for peer_call_differs)
   const int R = fp.ranks, E = fp.experts;
-  discover_group(state, rank_ptr, group_ptr, rank_mask, axis_slot, layout.total, fp, shrink, &info);
+  DeviceState* state = a.state;
+  const CommLayout& layout = a.layout;
+  discover_group(state, a.rank, a.group, a.rank_mask, a.axis_slot, layout.total, fp,
+                 a.shrink != 0, &info);
+  wait_prep_blocks(state, blocks, kOpDispatchRankMajor, info.rank);
   char* own = own_comm_buffer(state);
   const int keys = E + R;
-  exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor, shrink);
+  exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor, a.shrink != 0);
   __syncthreads();  // every rank's counts are here (each thread r < R waited for rank r's)
   const int me = info.rank;
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + layout.counts);
@@ -385,7 +446,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
   };
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
-    tokens_per_rank[r] = count(r, E + me);
+    a.tokens_per_rank[r] = count(r, E + me);
     int32_t before = 0;
     for (int s = 0; s < r; ++s) before += count(s, E + me);
     base_row[r] = before;
@@ -394,12 +455,43 @@ __global__ void __launch_bounds__(kNotifyThreads)
   for (int j = threadIdx.x; j < local; j += blockDim.x) {
     int32_t n = 0;
     for (int s = 0; s < R; ++s) n += count(s, me * local + j);
-    tokens_per_expert[j] = n;
+    a.expert_counts[j] = n;  // tokens_per_expert
   }
   if (threadIdx.x == 0) {
     int32_t total = 0;
     for (int s = 0; s < R; ++s) total += count(s, E + me);
     publish_op_info(state, layout, info, total);
+  }
+}
+
+// The notify kernel: block 0 is the notify block (above), blocks 1.. are the prep blocks (one
+// launch where prep and notify were two: ~2-4 us of launch gap and ramp at small batches, and the
+// discovery, the call's start barrier, overlaps prep). Only block 0 waits for other blocks of the
+// kernel (after its discovery, for the prep blocks' arrivals); the prep blocks wait for nothing.
+// Why that cannot deadlock without co-residency (no cooperative launch, which CUDA graphs and
+// XLA's stream would have to allow): a prep block, once resident, finishes in bounded time
+// whatever else runs, and frees its SM; block 0 holds one block's worth of one SM, and the grid is
+// at most num_blocks + 1 <= the SMs (DispatchLaunch::num_blocks < SMs), so the SMs other than
+// block 0's take prep blocks as they come, and every prep block is eventually scheduled (one after
+// the other at worst: no prep block needs another to be resident). Whether block 0 starts first or last does not
+// matter: its wait only counts arrivals. Only other work holding every other SM indefinitely could
+// starve the prep blocks (as it would starve any later kernel of the op); the wait is bounded
+// (wait_prep_blocks), so that is a named fault, not a hang. The emulator runs block 0 alongside the prep blocks run one at a time
+// (JAX_EP_LAUNCH_BLOCK0_WAITS), the weakest of these schedules.
+template <int kSlots, bool kRankMajor>
+__global__ void __launch_bounds__(kNotifyThreads) dispatch_notify_kernel(NotifyArgs a) {
+  JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);
+  char* shared = reinterpret_cast<char*>(dynamic_shared);
+  const int blocks = static_cast<int>(gridDim.x) - 1;  // prep blocks
+  if (blockIdx.x != 0) {
+    prep_block<kSlots>(a.state, a.layout, a.topk_idx, a.num_tokens, a.num_topk, a.num_experts,
+                       a.num_ranks, a.experts_per_block, kRankMajor, a.is_token_in_rank,
+                       static_cast<int>(blockIdx.x) - 1, blocks,
+                       *reinterpret_cast<PrepShared*>(shared));
+  } else if constexpr (kRankMajor) {
+    notify_rank_major(a, shared, blocks);
+  } else {
+    notify_expert_major(a, shared, blocks);
   }
 }
 
@@ -947,24 +1039,20 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   const int spread = std::min(p.num_blocks, keys);
   const int experts_per_block = std::min(kPrepMaxExperts, (keys + spread - 1) / spread);
   const int prep_blocks = (keys + experts_per_block - 1) / experts_per_block;
-  // 8 register slots cover the usual top-k (DeepSeek-V3: 8); larger K takes kMaxTopk
-  const auto prep = p.num_topk <= 8 ? dispatch_prep_kernel<8> : dispatch_prep_kernel<kMaxTopk>;
-  JAX_EP_LAUNCH(prep, prep_blocks, kPrepThreads, 0, stream)(
-      p.state, p.layout, p.topk_idx, p.num_tokens, p.num_topk, E, p.num_ranks, experts_per_block,
-      p.rank_major, p.is_token_in_rank);
-  JAX_EP_CHECK_LAUNCH();
-
   const bool shrink = p.shrink != 0;
-  if (p.rank_major) {
-    JAX_EP_LAUNCH(dispatch_rank_major_notify_kernel, 1, kNotifyThreads, 0, stream)(
-        p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
-        p.tokens_per_rank, p.expert_counts, shrink);
-  } else {
-    JAX_EP_LAUNCH(dispatch_notify_kernel, 1, kNotifyThreads, E / p.num_ranks * sizeof(int32_t),
-                  stream)(
-        p.state, p.layout, p.rank, p.group, p.rank_mask, dispatch_fingerprint(p), p.axis_slot,
-        p.group_sizes, p.expert_counts, p.num_dropped, p.active, shrink);
-  }
+  NotifyArgs notify{p, dispatch_fingerprint(p), experts_per_block};
+  // dynamic shared memory: a prep block's, or the notify block's (n_local: expert-major only)
+  const size_t shared_bytes = std::max(
+      sizeof(PrepShared),
+      kNotifySharedBytes + (p.rank_major ? 0 : E / p.num_ranks * sizeof(int32_t)));
+  // 8 register slots cover the usual top-k (DeepSeek-V3: 8); larger K takes kMaxTopk
+  const bool wide = p.num_topk > 8;
+  const auto kernel = p.rank_major ? (wide ? dispatch_notify_kernel<kMaxTopk, true>
+                                           : dispatch_notify_kernel<8, true>)
+                                   : (wide ? dispatch_notify_kernel<kMaxTopk, false>
+                                           : dispatch_notify_kernel<8, false>);
+  // block 0 notifies, blocks 1.. prep (dispatch_notify_kernel)
+  JAX_EP_LAUNCH_BLOCK0_WAITS(kernel, prep_blocks + 1, kNotifyThreads, shared_bytes, stream)(notify);
   JAX_EP_CHECK_LAUNCH();
 
   if (shrink) {

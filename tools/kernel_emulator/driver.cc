@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
       persistent_at != nullptr && std::string(persistent_at) == "dispatch";
   // Faults (the shrink and dying-rank cases): JAX_EP_EMU_SHRINK=1 runs every op in shrink mode;
   // JAX_EP_EMU_STOP=rank,n: that rank's process stops calling after n repetitions;
-  // JAX_EP_EMU_DIE: it dies mid-call (arm_death; a repetition's launches are prep, notify,
+  // JAX_EP_EMU_DIE: it dies mid-call (arm_death; a repetition's launches are notify (with prep),
   // [pending,] main[, fixup] of dispatch (the bracketed ones in shrink mode), then the other ops').
   // Per rank and repetition: masked<r>_<i>.bin (the
   // persistent RankMaskState after it), time<r>_<i>.bin (seconds its dispatch took, double).

@@ -1,6 +1,7 @@
 // A CPU stand-in for the parts of CUDA the EP kernels use, so that the EP kernel families
 // (cuda/{group,dispatch,combine,broadcast,slot_values}.cu) can run (slowly) on a machine without a
-// GPU: every CUDA thread is an OS thread, blocks of a launch run one after the other, warp
+// GPU: every CUDA thread is an OS thread, blocks of a launch run one after the other (a kernel
+// whose block 0 waits for the others: block 0 alongside them, see Launcher), warp
 // intrinsics exchange values through a per-warp barrier, and each GPU is a process (driver.cc
 // forks one per rank; device memory is a shared mapping at the same address in all of them). It
 // checks the kernels' logic (indices, tables, flags, epochs, bit patterns), not their
@@ -133,12 +134,17 @@ inline bool launch_begins() {
   return true;
 }
 
-// Runs kernel(args...) with `grid` blocks of `threads` threads.
+// Runs kernel(args...) with `grid` blocks of `threads` threads. block0_waits
+// (JAX_EP_LAUNCH_BLOCK0_WAITS: block 0 waits for the other blocks, which wait for nothing): block 0
+// starts first and runs alongside the others, which run one after the other, so its wait really
+// waits (on blocks not yet run, or running) and it holds while no other block is resident with it,
+// the weakest schedule a GPU may give (no co-residency of the other blocks).
 template <class Kernel>
 struct Launcher {
   unsigned grid, threads;
   size_t shared_bytes;
   Kernel kernel;
+  bool block0_waits = false;
   template <class... Args>
   void operator()(Args... args) const {
     const bool dies = launch_begins();
@@ -173,35 +179,49 @@ struct Launcher {
       for (auto& th : pool) th.join();
       return;
     }
-    for (unsigned b = 0; b < grid; ++b) {
-      BlockCtx ctx(threads);
-      ctx.dynamic_shared.assign(shared_bytes + 16, 0);
-      std::vector<std::thread> pool;
+    // starts block b's threads into `pool` (its context: `ctx`)
+    const auto start = [&](unsigned b, BlockCtx* ctx, std::vector<std::thread>& pool) {
+      ctx->dynamic_shared.assign(shared_bytes + 16, 0);
       pool.reserve(threads);
       for (unsigned t = 0; t < threads; ++t) {
-        pool.emplace_back([&, t] {
+        pool.emplace_back([&, ctx, b, t] {
           threadIdx = {t, 0, 0};
           blockIdx = {b, 0, 0};
           blockDim = {threads, 1, 1};
           gridDim = {grid, 1, 1};
-          block = &ctx;
+          block = ctx;
           kernel(args...);
-          ctx.warps[t / 32]->bar.arrive_and_drop();
-          ctx.bar.arrive_and_drop();
+          ctx->warps[t / 32]->bar.arrive_and_drop();
+          ctx->bar.arrive_and_drop();
         });
       }
+    };
+    std::unique_ptr<BlockCtx> first;
+    std::vector<std::thread> first_pool;
+    if (block0_waits && grid > 1) {
+      first.reset(new BlockCtx(threads));
+      start(0, first.get(), first_pool);
+    }
+    for (unsigned b = first ? 1 : 0; b < grid; ++b) {
+      BlockCtx ctx(threads);
+      std::vector<std::thread> pool;
+      start(b, &ctx, pool);
       for (auto& th : pool) th.join();
     }
+    for (auto& th : first_pool) th.join();
   }
 };
 template <class Kernel>
-Launcher<Kernel> launch(unsigned grid, unsigned threads, size_t shared_bytes, Kernel kernel) {
-  return Launcher<Kernel>{grid, threads, shared_bytes, kernel};
+Launcher<Kernel> launch(unsigned grid, unsigned threads, size_t shared_bytes, Kernel kernel,
+                        bool block0_waits = false) {
+  return Launcher<Kernel>{grid, threads, shared_bytes, kernel, block0_waits};
 }
 }  // namespace emu
 
 #define JAX_EP_LAUNCH(kernel, grid, block, shared_bytes, stream) \
   ::emu::launch((grid), (block), (shared_bytes), kernel)
+#define JAX_EP_LAUNCH_BLOCK0_WAITS(kernel, grid, block, shared_bytes, stream) \
+  ::emu::launch((grid), (block), (shared_bytes), kernel, true)
 #define JAX_EP_DYNAMIC_SHARED(type, name) \
   type* name = reinterpret_cast<type*>(::emu::block->dynamic_shared.data())
 
@@ -295,6 +315,9 @@ inline uint64_t load_relaxed_sys(const uint64_t* address) {
 }
 inline void fence_acquire_sys() { std::atomic_thread_fence(std::memory_order_acquire); }
 inline uint32_t atomic_add_acq_rel_gpu(uint32_t* address, uint32_t value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_ACQ_REL);
+}
+inline uint64_t atomic_add_acq_rel_gpu(uint64_t* address, uint64_t value) {
   return __atomic_fetch_add(address, value, __ATOMIC_ACQ_REL);
 }
 inline void backoff_sleep(uint32_t) {}
