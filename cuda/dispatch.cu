@@ -350,18 +350,29 @@ static_assert(sizeof(PrepShared) <= 48 * 1024 &&
 // The notify block (every thread), after discovery: waits until the `blocks` prep blocks have
 // arrived (SyncCounters::prep_blocks_done), acquires what they wrote (counts_local), and clears
 // the counter for the next call: every prep block's add is in (the count says so) and the next
-// dispatch's kernel runs after this one (stream order). Bounded like every wait: past the bound the
-// fault names the op and this rank (waited for itself: its own prep blocks never came, e.g. a GPU
-// shared with a kernel that holds every SM), with `blocks` expected and the count seen, then traps.
+// dispatch's kernel runs after this one (stream order). Bounded like every wait: when no prep block
+// arrives within the bound, the fault names the op and this rank (waited for itself: its own prep
+// blocks did not come, e.g. a GPU shared with a kernel that holds every SM), with `blocks` expected
+// and the count seen, then traps. The bound is 4x the peers', and restarts at each arrival: nothing
+// but scheduling delays this device's own blocks, and a false fault would kill a healthy call (on
+// the emulator's loaded CPUs, where the prep blocks run one after the other, one took over 3 s). In
+// shrink mode every poll bumps this device's heartbeat, as a shrink-mode wait on a peer does, so a
+// peer that waits for this rank's counts meanwhile takes it for alive (PollBound).
 __device__ __forceinline__ void wait_prep_blocks(DeviceState* state, uint64_t blocks,
-                                                 int32_t op_id, int32_t rank) {
+                                                 int32_t op_id, int32_t rank, bool shrink) {
   if (threadIdx.x == 0) {
     uint64_t* done = &state->sync.prep_blocks_done;
-    uint64_t observed, elapsed;
-    if (!poll_flag(done, [blocks](uint64_t v) { return v >= blocks; },
-                   PollBound{state->tables.timeout_ns, 256}, &observed, &elapsed)) {
-      record_fault_and_trap(state, kFaultTimeout, op_id, rank, rank, state->tables.slot, blocks,
-                            observed, static_cast<int64_t>(elapsed));
+    PollBound bound{4 * state->tables.timeout_ns, 256};
+    if (shrink) bound.state = state;  // (peer -1: the heartbeat only, no liveness check)
+    for (uint64_t seen = 0;;) {  // seen: arrivals so far; each poll ends at the next arrival
+      uint64_t observed, elapsed;
+      if (!poll_flag(done, [blocks, seen](uint64_t v) { return v >= blocks || v > seen; }, bound,
+                     &observed, &elapsed)) {
+        record_fault_and_trap(state, kFaultTimeout, op_id, rank, rank, state->tables.slot, blocks,
+                              observed, static_cast<int64_t>(elapsed));
+      }
+      if (observed >= blocks) break;
+      seen = observed;
     }
     fence_acquire_sys();
     store_relaxed_sys(done, 0);
@@ -374,8 +385,9 @@ __device__ __forceinline__ void wait_prep_blocks(DeviceState* state, uint64_t bl
 // later kernels.
 __device__ __forceinline__ void notify_expert_major(const NotifyArgs& a, char* shared, int blocks) {
   NotifyShared& sh = *reinterpret_cast<NotifyShared*>(shared);
-  int32_t* n_local = reinterpret_cast<int32_t*>(shared + kNotifySharedBytes);  // [E_local]: rows
-  OpInfo& info = sh.info;                     // per local expert over the sources
+  // [E_local]: rows per local expert over the sources
+  int32_t* n_local = reinterpret_cast<int32_t*>(shared + kNotifySharedBytes);
+  OpInfo& info = sh.info;
   const OpFingerprint fp = a.fp;  // (a copy: a reference into the kernel's parameters would
                                   // copy all of them to local memory, for peer_call_differs)
   const int R = fp.ranks, E = fp.experts, C = fp.capacity, align = fp.alignment;
@@ -383,7 +395,7 @@ __device__ __forceinline__ void notify_expert_major(const NotifyArgs& a, char* s
   DeviceState* state = a.state;
   const CommLayout& layout = a.layout;
   discover_group(state, a.rank, a.group, a.rank_mask, a.axis_slot, layout.total, fp, shrink, &info);
-  wait_prep_blocks(state, blocks, kOpDispatch, info.rank);
+  wait_prep_blocks(state, blocks, kOpDispatch, info.rank, shrink);
   char* own = own_comm_buffer(state);
   exchange_counts(state, layout, info, R, E, kOpDispatch, shrink);
   if (threadIdx.x == 0) {
@@ -432,7 +444,7 @@ __device__ __forceinline__ void notify_rank_major(const NotifyArgs& a, char* sha
   const CommLayout& layout = a.layout;
   discover_group(state, a.rank, a.group, a.rank_mask, a.axis_slot, layout.total, fp,
                  a.shrink != 0, &info);
-  wait_prep_blocks(state, blocks, kOpDispatchRankMajor, info.rank);
+  wait_prep_blocks(state, blocks, kOpDispatchRankMajor, info.rank, a.shrink != 0);
   char* own = own_comm_buffer(state);
   const int keys = E + R;
   exchange_counts(state, layout, info, R, keys, kOpDispatchRankMajor, a.shrink != 0);
