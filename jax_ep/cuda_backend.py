@@ -12,6 +12,11 @@ executable; nothing is allocated at trace time.
 
 from __future__ import annotations
 
+import functools
+import os
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -305,6 +310,32 @@ def _check_put_mask(op: str, cfg: EPConfig, rank_mask: jax.Array | None) -> None
             "loads / stores")
 
 
+def shard_autotuning_hazard(xla_flags: str, process_count: int) -> str | None:
+    """Why shrink mode over several processes can hang at compile time, or None. XLA shards its GPU
+    autotuning across the processes (--xla_gpu_shard_autotuning, on by default) and each compilation
+    waits for every process's share: after a process died, a program the survivors compile (a new
+    shape, a function's first call) never finishes compiling (docs/api.md, "Every process must compile
+    the same programs")."""
+    if process_count < 2:
+        return None
+    settings = re.findall(r"--xla_gpu_shard_autotuning(?:=(\S*))?", xla_flags or "")
+    if settings and settings[-1].lower() in ("false", "0"):
+        return None
+    return ("jax_ep: EPConfig(shrink=True) over several processes with XLA's sharded autotuning on: a "
+            "program compiled after a process died waits for that process forever (XLA waits for every "
+            "process's share of the autotuning results). Compile what the survivors run beforehand, or "
+            "set XLA_FLAGS=--xla_gpu_shard_autotuning=false before JAX starts (docs/api.md, \"Every "
+            "process must compile the same programs\").")
+
+
+@functools.cache
+def _warn_shard_autotuning() -> None:
+    """Once per process: shard_autotuning_hazard's warning, if it applies."""
+    why = shard_autotuning_hazard(os.environ.get("XLA_FLAGS", ""), jax.process_count())
+    if why:
+        warnings.warn(why, RuntimeWarning, stacklevel=4)
+
+
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
            row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0,
            num_topk: int | None = None) -> dict:
@@ -312,6 +343,8 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     not use are 0. The sizes fix the communication-buffer layout at instantiation. A rank-major op
     takes the knobs of the expert-major op whose kernels it runs; num_topk: cfg's unless given."""
     kernel = cfg.kernel
+    if cfg.shrink:
+        _warn_shard_autotuning()
     rank_major = op in _RANK_MAJOR_OPS
     transport = _transport(op, cfg)
     op = _KERNEL_OF.get(op, op)

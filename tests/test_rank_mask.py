@@ -639,3 +639,22 @@ def test_checkpoint_save_refuses_a_rank_mask(tmp_path):
     layer.set_rank_mask([True, False])
     with pytest.raises(ValueError, match=r"rank mask .*clear_rank_mask\(\) first"):
         ckpt.save(tmp_path / "ckpt", layer)
+
+
+@pytest.mark.parametrize("flags, processes, hazard", [
+    ("", 2, True),
+    ("--xla_gpu_shard_autotuning=false", 2, False),
+    ("--xla_foo=1 --xla_gpu_shard_autotuning=0", 4, False),
+    ("--xla_gpu_shard_autotuning=false --xla_gpu_shard_autotuning=true", 2, True),  # the last one wins
+    ("--xla_gpu_shard_autotuning", 2, True),
+    ("", 1, False),
+])
+def test_shrink_over_processes_warns_of_sharded_autotuning(flags, processes, hazard):
+    """Shrink mode over several processes with XLA's sharded autotuning on: a program compiled after a
+    process died waits forever (seen on one H200, 2026-11-24), so the first shrink-mode op warns."""
+    from jax_ep import cuda_backend
+
+    why = cuda_backend.shard_autotuning_hazard(flags, processes)
+    assert (why is not None) == hazard, why
+    if why:
+        assert "--xla_gpu_shard_autotuning=false" in why and "shrink=True" in why
