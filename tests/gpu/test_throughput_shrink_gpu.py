@@ -9,6 +9,8 @@ calls.
   (Dispatched.rank_mask [1, 0] included) equals the reference path's with rank_mask [1, 0], bit for
   bit (rows up to sum(group_sizes)); the next call waits for nobody; clear_rank_masks() empties the
   mask, and a call with rank 1 in the explicit mask neither waits nor masks it again. No fault.
+* test_throughput_shrink_a_process_that_stops_calling: the same in process model 2 (one process per GPU,
+  or both on one GPU under MPS with pytest --share-gpu): tests/gpu/throughput_shrink_worker.py.
 * test_a_rank_lost_in_a_low_latency_call_drops_out_of_the_throughput_ops: an ll_dispatch in shrink
   mode masks rank 1; a throughput dispatch + combine afterwards, without shrink and without a mask,
   does not wait for it and equals the reference with rank_mask [1, 0].
@@ -20,9 +22,11 @@ fault_run.py).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import pytest
-from gpu_helpers import report_of_child
+from gpu_helpers import report_of_child, run_workers
 
 pytestmark = pytest.mark.gpu
 
@@ -167,3 +171,18 @@ def test_a_rank_lost_in_a_low_latency_call_drops_out_of_the_throughput_ops(cuda_
     assert after["same"] and after["rank_mask"] == [1, 0], after
     assert after["seconds"] < TIMEOUT_S / 2, "the throughput ops must not wait for a masked rank"
     _check_explicit(report)
+
+
+@pytest.mark.process_group
+def test_throughput_shrink_a_process_that_stops_calling(process_group):
+    """Process model 2 (tests/gpu/throughput_shrink_worker.py): after one call together, process 1 stops
+    calling; process 0's next call waits out JAX_EP_TIMEOUT_S (5 s) once, masks rank 1 and returns the
+    reference's outputs with rank_mask [1, 0]; the next call does not wait; rank_masks() names rank 1,
+    dispatch, 'discovery'; clear_rank_masks() empties it; an explicit mask neither waits nor masks."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_shrink_worker.py")
+    results = run_workers(worker, (), timeout_s=240, timeout_env="5")
+    for p, (rc, out) in enumerate(results):
+        print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
+    for p, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
+        assert f"throughput_shrink_worker OK process {p}" in out, f"process {p}: no OK line"

@@ -1,0 +1,157 @@
+"""One process of tests/gpu/test_throughput_shrink_gpu.py::test_throughput_shrink_a_process_that_stops_calling
+(process model 2: one process per GPU): shrink mode of the throughput ops (EPConfig(shrink=True)) when a
+process stops calling.
+
+    python -m jax_ep.launch --nproc 2 tests/gpu/throughput_shrink_worker.py
+
+Both processes compile every step first and run one (dispatch, combine, dispatch_rank_major,
+combine_rank_major) together, unmasked, checked against the reference. Then process 1 stops calling EP
+ops (it stays alive, waiting on the key-value store) while process 0 runs: a first call (it waits out
+the bounded wait once, masks rank 1, and returns the reference's outputs with rank_mask [1, 0]), a
+second call (no wait: the persistent mask), then jax_ep.runtime.rank_masks() must name rank 1,
+dispatch and 'discovery'; clear_rank_masks() empties it, and a call with rank 1 in the explicit mask
+neither waits nor masks it again. Dispatch outputs and handles bit-exact (rows up to
+sum(group_sizes)); the combines within bf16 rounding. Prints "throughput_shrink_worker OK process N".
+
+No XLA collective runs across the processes (they may share one GPU: pytest --share-gpu): the
+reference runs in each process alone, both ranks under jax.vmap (gpu_helpers.reference_by_vmap).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from gpu_helpers import local, rank_rows, reference_by_vmap  # noqa: E402
+from test_dispatch_gpu import assert_bits_equal, assert_combine_close  # noqa: E402
+
+import jax_ep  # noqa: E402
+import jax_ep.distributed  # noqa: E402
+from jax_ep import runtime  # noqa: E402
+
+AXIS = "ep"
+T, H, K, E = 32, 256, 3, 8
+ONES = np.ones((2, 2), np.int32)
+MASK = np.array([[1, 0], [1, 0]], np.int32)  # rank 1 masked, one copy per rank
+
+
+def body(cfg, masked: bool):
+    def per_rank(x, idx, w, y, mask):
+        m = mask[0] if masked else None
+        d = jax_ep.dispatch(x, idx, w, cfg, rank_mask=m)
+        out = jax_ep.combine(y, d.handle, cfg, rank_mask=m)
+        rm = jax_ep.dispatch_rank_major(x, idx, w, cfg, rank_mask=m)
+        back = jax_ep.combine_rank_major(rm.x, rm.handle, cfg, rank_mask=m)
+        return jax.tree.map(lambda a: a[None], (d, rm)), out, back
+
+    return per_rank
+
+
+def inputs(cfg):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2 * T, H)).astype(ml_dtypes.bfloat16)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(2 * T)]).astype(np.int32)
+    w = rng.random((2 * T, K)).astype(np.float32)
+    y = rng.standard_normal((2 * cfg.resolved_capacity(2), H)).astype(ml_dtypes.bfloat16)
+    return x, idx, w, y
+
+
+def compare(got, want, what: str) -> None:
+    """Rank 0's outputs: dispatch (rows up to sum(group_sizes)) and rank-major dispatch bit for bit,
+    the combines within bf16 rounding."""
+    (d, rm), out, back = got
+    (dw, rmw), out_w, back_w = want
+    total = int(dw.group_sizes[0].sum())
+    assert_bits_equal(d.x[0][:total], dw.x[0][:total], f"{what} dispatch rows")
+    for field in ("group_sizes", "expert_counts", "num_dropped", "rank_mask"):
+        if getattr(dw, field) is not None:
+            assert_bits_equal(getattr(d, field)[0], getattr(dw, field)[0], f"{what} dispatch {field}")
+    for field in ("src_index", "token_rows", "is_token_in_rank", "row_weights"):
+        assert_bits_equal(getattr(d.handle, field)[0], getattr(dw.handle, field)[0], f"{what} handle.{field}")
+    filled = rmw.handle.src_index[0] >= 0
+    assert_bits_equal(rm.x[0][filled], rmw.x[0][filled], f"{what} rank-major rows")
+    for field in ("topk_idx", "topk_weights", "num_tokens_per_rank", "num_tokens_per_expert"):
+        assert_bits_equal(getattr(rm, field)[0], getattr(rmw, field)[0], f"{what} rank-major {field}")
+    for field in ("src_index", "is_token_in_rank"):
+        assert_bits_equal(getattr(rm.handle, field)[0], getattr(rmw.handle, field)[0],
+                          f"{what} rank-major handle.{field}")
+    assert_combine_close(out, out_w, f"{what} combine")
+    assert_combine_close(back, back_w, f"{what} combine_rank_major")
+
+
+def run(me: int, mesh) -> str:
+    cfg = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, axis_name=AXIS,
+                          backend="cuda", shrink=True)
+    ref = cfg.replace(backend="reference", shrink=False)
+    x, idx, w, y = inputs(cfg)
+    sharding = NamedSharding(mesh, P(AXIS))
+
+    def put(a):  # this process's half of a global [2 * n, ...] array
+        n = len(a) // 2
+        return jax.make_array_from_process_local_data(sharding, a[me * n:(me + 1) * n])
+
+    args = [put(a) for a in (x, idx, w, y)]
+    steps = {masked: jax.jit(jax.shard_map(body(cfg, masked), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+             for masked in (False, True)}
+    compiled = {masked: fn.lower(*args, put(ONES)).compile() for masked, fn in steps.items()}
+    want_all = rank_rows(reference_by_vmap(body(ref, False), 2)(x, idx, w, y, ONES), me, 2)
+    want_masked = rank_rows(reference_by_vmap(body(ref, True), 2)(x, idx, w, y, MASK), 0, 2)
+    jax_ep.distributed.barrier("throughput_shrink_compiled", 180)
+    together = jax.block_until_ready(compiled[False](*args, put(ONES)))
+    compare(local(together), want_all, f"process {me} together")
+    if me == 1:  # stops calling; stays alive until process 0 is done
+        jax_ep.distributed.barrier("throughput_shrink_done", 600)
+        return "stopped calling after one call"
+    timeout_s = float(os.environ["JAX_EP_TIMEOUT_S"])
+    times = []
+    for name in ("first", "second"):
+        start = time.monotonic()
+        got = jax.block_until_ready(compiled[False](*args, put(ONES)))
+        times.append(time.monotonic() - start)
+        compare(local(got), want_masked, f"process 0 {name} call alone")
+        if name == "first":
+            masks = runtime.rank_masks(axis_name=AXIS)
+    assert times[0] >= timeout_s and times[1] < timeout_s / 2, times
+    assert [(m["rank"], m["masked_rank"], m["op"], m["during"]) for m in masks] == [
+        (0, 1, "dispatch", "discovery")], masks
+    runtime.clear_rank_masks(axis_name=AXIS)
+    assert runtime.rank_masks() == []
+    start = time.monotonic()
+    got = jax.block_until_ready(compiled[True](*args, put(MASK)))
+    explicit_s = time.monotonic() - start
+    compare(local(got), want_masked, "process 0 explicit mask")
+    assert explicit_s < timeout_s / 2 and runtime.rank_masks() == [], (explicit_s, runtime.rank_masks())
+    assert runtime.faults() == [], runtime.faults()
+    jax_ep.distributed.barrier("throughput_shrink_done", 600)
+    return f"call times {[round(t, 2) for t in times]} s, explicit {explicit_s:.2f} s, masks {masks}"
+
+
+def main() -> None:
+    jax_ep.distributed.initialize()
+    me = jax.process_index()
+    assert runtime.process_model() == "process_per_gpu", runtime.process_model()
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    try:
+        report = run(me, mesh)
+    except BaseException:  # noqa: BLE001  (exit now: a peer may be waiting on the barrier)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    print(f"throughput_shrink_worker OK process {me}: {report}", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
