@@ -155,8 +155,10 @@ def test_throughput_shrink_masks_a_gpu_that_stops_calling(cuda_backend):
         assert call["rank_mask"] == [1, 0], call
     assert first["seconds"] >= TIMEOUT_S, "the first call must have waited for rank 1 once"
     assert second["seconds"] < TIMEOUT_S / 2, report["calls"]
-    assert [(m["device_ordinal"], m["rank"], m["masked_rank"], m["op"], m["during"])
-            for m in report["masks"]] == [(0, 0, 1, "dispatch", "discovery")], report["masks"]
+    # the step's two dispatches are independent: XLA runs either first, and that one masks rank 1
+    assert [(m["device_ordinal"], m["rank"], m["masked_rank"], m["during"])
+            for m in report["masks"]] == [(0, 0, 1, "discovery")], report["masks"]
+    assert report["masks"][0]["op"] in ("dispatch", "dispatch_rank_major"), report["masks"]
     _check_explicit(report)
 
 

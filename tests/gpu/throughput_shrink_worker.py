@@ -9,8 +9,8 @@ combine_rank_major) together, unmasked, checked against the reference. Then proc
 ops (it stays alive, waiting on the key-value store) while process 0 runs: a first call (it waits out
 the bounded wait once, masks rank 1, and returns the reference's outputs with rank_mask [1, 0]), a
 second call (no wait: the persistent mask), then jax_ep.runtime.rank_masks() must name rank 1,
-dispatch and 'discovery'; clear_rank_masks() empties it, and a call with rank 1 in the explicit mask
-neither waits nor masks it again. Dispatch outputs and handles bit-exact (rows up to
+the dispatch XLA ran first and 'discovery'; clear_rank_masks() empties it, and a call with rank 1 in
+the explicit mask neither waits nor masks it again. Dispatch outputs and handles bit-exact (rows up to
 sum(group_sizes)); the combines within bf16 rounding. Prints "throughput_shrink_worker OK process N".
 
 No XLA collective runs across the processes (they may share one GPU: pytest --share-gpu): the
@@ -123,8 +123,10 @@ def run(me: int, mesh) -> str:
         if name == "first":
             masks = runtime.rank_masks(axis_name=AXIS)
     assert times[0] >= timeout_s and times[1] < timeout_s / 2, times
-    assert [(m["rank"], m["masked_rank"], m["op"], m["during"]) for m in masks] == [
-        (0, 1, "dispatch", "discovery")], masks
+    # the step's two dispatches are independent: XLA runs either first, and that one masks rank 1 (seen:
+    # dispatch_rank_major, one H200 under MPS)
+    assert [(m["rank"], m["masked_rank"], m["during"]) for m in masks] == [(0, 1, "discovery")], masks
+    assert masks[0]["op"] in ("dispatch", "dispatch_rank_major"), masks
     runtime.clear_rank_masks(axis_name=AXIS)
     assert runtime.rank_masks() == []
     start = time.monotonic()
