@@ -240,6 +240,45 @@ def run_workers(worker, extra=(), timeout_s: int = 420, timeout_env: str = "30")
     return [(rc, out) for out in per_process]
 
 
+def assert_workers_ok(worker, ok_line: str, extra=(), timeout_s: int = 240, timeout_env: str = "30"):
+    """Runs `worker` (run_workers), prints each process's output, and asserts every process exited 0
+    and printed `ok_line` with {p} replaced by its index. Returns [(rc, lines)] for more checks."""
+    results = run_workers(worker, extra, timeout_s=timeout_s, timeout_env=timeout_env)
+    for p, (rc, out) in enumerate(results):
+        print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
+    for p, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
+        assert ok_line.format(p=p) in out, f"process {p}: no line {ok_line.format(p=p)!r}"
+    return results
+
+
+def worker_main(run, name: str, axis: str = "ep") -> None:
+    """The main of a process-model-2 worker whose processes stop at different points (one stops
+    calling): jax_ep.distributed.initialize(), a mesh of every process's device over `axis`, then
+    run(process index, mesh) -> report; prints "<name> OK process N: <report>" and exits at once
+    (os._exit: no teardown that would wait for a peer), 1 with the traceback on any error."""
+    import traceback
+
+    from jax.sharding import Mesh
+
+    import jax_ep.distributed
+    from jax_ep import runtime
+
+    jax_ep.distributed.initialize()
+    me = jax.process_index()
+    assert runtime.process_model() == "process_per_gpu", runtime.process_model()
+    mesh = Mesh(np.array(jax.devices()), (axis,))
+    try:
+        report = run(me, mesh)
+    except BaseException:  # noqa: BLE001  (exit now: a peer may be waiting on the barrier)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    print(f"{name} OK process {me}: {report}", flush=True)
+    os._exit(0)
+
+
 def put_global(mesh, *arrays, axis: str = "ep"):
     """Global arrays sharded over `axis` on their leading dimension from the same host arrays on every
     process: each process puts its own shards (jax.make_array_from_callback). jax.device_put of host

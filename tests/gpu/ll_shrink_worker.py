@@ -19,13 +19,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: numpy_model
 
 import numpy_model as nm  # noqa: E402
+from gpu_helpers import worker_main  # noqa: E402
 
 import jax_ep  # noqa: E402
 import jax_ep.distributed  # noqa: E402
@@ -117,19 +117,7 @@ def run(me: int, mesh) -> str:
 
 
 def main() -> None:
-    jax_ep.distributed.initialize()
-    me = jax.process_index()
-    assert runtime.process_model() == "process_per_gpu", runtime.process_model()
-    mesh = Mesh(np.array(jax.devices()), (AXIS,))
-    try:
-        report = run(me, mesh)
-    except BaseException:  # noqa: BLE001  (exit now: a peer may be waiting on the barrier)
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    print(f"ll_shrink_worker OK process {me}: {report}", flush=True)
-    os._exit(0)
+    worker_main(run, "ll_shrink_worker", AXIS)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from gpu_helpers import ep_step_child, faults_of_child, run_workers
+from gpu_helpers import assert_workers_ok, ep_step_child, faults_of_child
 
 pytestmark = pytest.mark.gpu
 
@@ -19,12 +19,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprint_w
 
 
 def run_case(case: str, timeout_env: str = "30"):
-    results = run_workers(WORKER, (case,), timeout_s=240, timeout_env=timeout_env)
-    for p, (rc, out) in enumerate(results):
-        print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
-    for p, (rc, out) in enumerate(results):
-        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        assert f"fingerprint_worker OK {case} process {p}" in out, f"process {p}: no OK line"
+    assert_workers_ok(WORKER, f"fingerprint_worker OK {case} process {{p}}", (case,), timeout_env=timeout_env)
 
 
 @pytest.mark.process_group

@@ -17,7 +17,7 @@ import os
 
 import jax
 import pytest
-from gpu_helpers import report_of_child, run_workers
+from gpu_helpers import assert_workers_ok, report_of_child
 
 pytestmark = pytest.mark.gpu
 
@@ -140,9 +140,4 @@ def test_ll_shrink_a_process_that_stops_calling(process_group):
     the NumPy model's outputs with rank 1 masked; the next fused and two-phase calls do not wait;
     rank_masks() names rank 1, ll_dispatch, 'discovery'; clear_rank_masks() empties it."""
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ll_shrink_worker.py")
-    results = run_workers(worker, (), timeout_s=240, timeout_env="5")
-    for p, (rc, out) in enumerate(results):
-        print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
-    for p, (rc, out) in enumerate(results):
-        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        assert f"ll_shrink_worker OK process {p}" in out, f"process {p}: no OK line"
+    assert_workers_ok(worker, "ll_shrink_worker OK process {p}", timeout_env="5")

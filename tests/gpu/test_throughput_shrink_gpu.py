@@ -26,7 +26,7 @@ import os
 
 import jax
 import pytest
-from gpu_helpers import report_of_child, run_workers
+from gpu_helpers import assert_workers_ok, report_of_child
 
 pytestmark = pytest.mark.gpu
 
@@ -182,9 +182,4 @@ def test_throughput_shrink_a_process_that_stops_calling(process_group):
     reference's outputs with rank_mask [1, 0]; the next call does not wait; rank_masks() names rank 1,
     dispatch, 'discovery'; clear_rank_masks() empties it; an explicit mask neither waits nor masks."""
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_shrink_worker.py")
-    results = run_workers(worker, (), timeout_s=240, timeout_env="5")
-    for p, (rc, out) in enumerate(results):
-        print(f"---- process {p} (rc {rc})\n{out[-4000:]}")
-    for p, (rc, out) in enumerate(results):
-        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        assert f"throughput_shrink_worker OK process {p}" in out, f"process {p}: no OK line"
+    assert_workers_ok(worker, "throughput_shrink_worker OK process {p}", timeout_env="5")

@@ -22,18 +22,17 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from gpu_helpers import local, rank_rows, reference_by_vmap  # noqa: E402
+from gpu_helpers import local, rank_rows, reference_by_vmap, worker_main  # noqa: E402
 from test_dispatch_gpu import assert_bits_equal, assert_combine_close  # noqa: E402
 
 import jax_ep  # noqa: E402
@@ -140,19 +139,7 @@ def run(me: int, mesh) -> str:
 
 
 def main() -> None:
-    jax_ep.distributed.initialize()
-    me = jax.process_index()
-    assert runtime.process_model() == "process_per_gpu", runtime.process_model()
-    mesh = Mesh(np.array(jax.devices()), (AXIS,))
-    try:
-        report = run(me, mesh)
-    except BaseException:  # noqa: BLE001  (exit now: a peer may be waiting on the barrier)
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    print(f"throughput_shrink_worker OK process {me}: {report}", flush=True)
-    os._exit(0)
+    worker_main(run, "throughput_shrink_worker", AXIS)
 
 
 if __name__ == "__main__":
