@@ -19,20 +19,34 @@ per (token, node) back, summed at the source). Gradients come from each op's cus
 Transports (``KernelConfig.transport``, backend "cuda"): the node hop takes cfg's (over other nodes
 "auto" picks NVSHMEM puts; "put" forces them on one node), the local axis always NVLink loads / stores.
 
-Not built: FP8 dispatch (stage 2's expert-major dispatch takes no scales for rows that are already
-quantised) and rank masking.
+FP8 (``dispatch_dtype="float8_e4m3fn"``, forward-only): stage 1 quantises each token once at its
+source (per token, per 128 channels, amax / 448: ``reference.quantize_fp8``, the flat FP8 dispatch's
+quantisation) and sends FP8 rows + float32 scales over the network. Stage 2's expert-major dispatch
+takes no scales for rows already quantised, so it forwards each stage-1 row as one opaque row: its H
+FP8 bytes, then its H/128 scales' bytes, zero-padded to a multiple of 32 bytes and read as float32
+words (``fp8_packed_width``), dispatched with dispatch_dtype None (a plain copy of the bits:
+``_fp8_stages``); the received rows are unpacked into FP8 rows [C, H] and scales [C, H/128]. Rows
+and scales are thus the flat FP8 dispatch's bit for bit, in the hierarchical row order. Cost: the
+pack (over the N*T stage-1 rows) and the unpack (over the C rows) are two more passes over the rows
+in XLA, each reading and writing about 1.03 H bytes a row; both hops carry FP8's bytes (+ up to 28
+bytes of padding a row in stage 2; none for H a multiple of 1024). Differentiating through it raises
+NotImplementedError, as the flat FP8 dispatch does.
+
+Not built: rank masking.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jax_ep import ops
-from jax_ep.config import EPConfig
+from jax_ep.config import FP8_BLOCK, EPConfig
 from jax_ep.types import Handle, RankMajorHandle
 from jax_ep.validation import check_dispatch_args, check_no_drops, check_topk_values
 
@@ -54,12 +68,14 @@ class HierarchicalHandle(NamedTuple):
 class HierarchicalDispatched(NamedTuple):
     """Result of ``dispatch_hierarchical`` on one GPU: expert-major rows of its E_local experts."""
 
-    x: jax.Array                    # [C, H] rows (x's dtype, or bfloat16)
+    x: jax.Array                    # [C, H] rows (x's dtype, bfloat16 or float8_e4m3fn)
     group_sizes: jax.Array          # [E_local] int32 rows per local expert, padded to expert_alignment
     expert_counts: jax.Array        # [E_local] int32 rows actually received per local expert
     num_dropped: jax.Array          # [] int32 rows this GPU dropped for lack of capacity
     num_tokens_per_node: jax.Array  # [N] int32 stage-1 rows this GPU received from each node
     handle: HierarchicalHandle
+    scales: jax.Array | None = None  # [C, H/128] float32 for FP8 rows, else None (last: positional
+    #                                  constructions of the six fields above stay valid)
 
     @property
     def row_weights(self) -> jax.Array:
@@ -80,17 +96,14 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
     """(stage 1 config over the node axis, stage 2 config over the local axis) for ``cfg`` (whose
     ``axis_name`` is the local axis), inside shard_map over both. Stage 2's tokens are the N*T stage-1
     rows and its experts the E / N of one node, so its worst-case capacity equals a flat dispatch's over
-    the N*L ranks: each GPU receives the same (token, expert) pairs as there."""
+    the N*L ranks: each GPU receives the same (token, expert) pairs as there. With FP8 both keep
+    cfg's dispatch_dtype: stage 1 quantises; stage 2's dispatch runs on packed rows
+    (``_packed_config``), its combine on the expert outputs as ever."""
     if not isinstance(node_axis, str) or not node_axis:
         raise ValueError(f"jax_ep.{op}: node_axis must be a non-empty str (a mesh axis), got {node_axis!r}")
     if node_axis == cfg.axis_name:
         raise ValueError(f"jax_ep.{op}: node_axis={node_axis!r} must differ from cfg.axis_name "
                          f"{cfg.axis_name!r} (the local axis)")
-    if cfg.dispatch_dtype == "float8_e4m3fn":
-        raise NotImplementedError(
-            f"jax_ep.{op}: dispatch_dtype='float8_e4m3fn' is not built for the hierarchical path (its "
-            "intra-node stage, an expert-major dispatch, takes no scales for rows already quantised); "
-            "use 'bfloat16' or None")
     nodes = _axis_size(node_axis, "node_axis", op)
     local = _axis_size(cfg.axis_name, "cfg.axis_name", op)
     if cfg.num_experts % (nodes * local):
@@ -143,7 +156,9 @@ def dispatch_hierarchical(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.A
     Returns:
       HierarchicalDispatched: rows [C, H] expert-major; within an expert ordered by (source local rank,
       source node, source token) (flat dispatch: (source node, source local rank, source token)), then
-      group_sizes, expert_counts, num_dropped, num_tokens_per_node [N], handle.
+      group_sizes, expert_counts, num_dropped, num_tokens_per_node [N], handle, and scales
+      [C, H/128] float32 for FP8 (None otherwise). FP8 rows and scales are bit for bit those of a
+      flat FP8 dispatch of the same tokens (module docstring); FP8 is forward-only.
     """
     op = "dispatch_hierarchical"
     node_cfg, local_cfg = stage_configs(cfg, node_axis, op)
@@ -151,13 +166,101 @@ def dispatch_hierarchical(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.A
     group = (node_axis, cfg.axis_name)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, group, op)
-    d1 = ops.dispatch_rank_major(x, topk_idx, topk_weights, node_cfg)
-    d2 = ops.dispatch(d1.x, d1.topk_idx, d1.topk_weights, local_cfg)
+    if cfg.dispatch_dtype == "float8_e4m3fn":
+        d1, d2 = _fp8_stages(x, topk_idx, topk_weights, node_cfg, local_cfg)
+    else:
+        d1 = ops.dispatch_rank_major(x, topk_idx, topk_weights, node_cfg)
+        d2 = ops.dispatch(d1.x, d1.topk_idx, d1.topk_weights, local_cfg)
     if cfg.checked:
         d2 = check_no_drops(d2, d1.topk_idx, local_cfg.replace(checked=True), lax.axis_size(cfg.axis_name),
                             outer_axis=node_axis, op=op)
     return HierarchicalDispatched(d2.x, d2.group_sizes, d2.expert_counts, d2.num_dropped,
-                                  d1.num_tokens_per_rank, HierarchicalHandle(d1.handle, d2.handle))
+                                  d1.num_tokens_per_rank, HierarchicalHandle(d1.handle, d2.handle), d2.scales)
+
+
+# ---- FP8: stage 2 forwards the quantised rows as opaque packed rows ----------------------------------
+# Packed rows travel as float32 words, not bfloat16 pairs: XLA:CPU computes a bfloat16 select in
+# float32 and rounds back, which turns every NaN payload into the canonical NaN (seen: jnp.where on
+# bfloat16 0x7F81 gives 0x7FC0), and the scales' low bytes read as bfloat16 make such payloads
+# routinely. float32 selects, gathers and all_to_all keep every bit (tests/test_hierarchical.py).
+_PACK_DTYPE = jnp.float32
+# The kernels move rows of whole 8-element vectors (cuda_backend.unsupported: hidden a multiple of
+# row_alignment = 8 elements): 32 bytes of float32. The packed rows are padded to that on every backend.
+_PACK_ALIGN_BYTES = 32
+
+
+def fp8_packed_width(hidden: int) -> int:
+    """float32 elements of a packed stage-2 row for FP8 rows of ``hidden`` channels: the row's
+    ``hidden`` FP8 bytes, then its hidden/128 float32 scales (4 bytes each), zero-padded to a multiple
+    of 32 bytes. Any hidden that is a multiple of 128 packs (e.g. 7168 -> 1848: 7392 bytes, no
+    padding; 128 -> 40: 132 bytes + 28 of padding)."""
+    if not isinstance(hidden, int) or hidden < FP8_BLOCK or hidden % FP8_BLOCK:
+        raise ValueError(f"jax_ep.dispatch_hierarchical: FP8 rows of hidden={hidden!r} cannot be packed for "
+                         f"stage 2: hidden must be a positive multiple of {FP8_BLOCK}")
+    data = hidden + 4 * (hidden // FP8_BLOCK)
+    return -(-data // _PACK_ALIGN_BYTES) * _PACK_ALIGN_BYTES // 4
+
+
+def _packed_config(local_cfg: EPConfig) -> EPConfig:
+    """Stage 2's dispatch config for packed FP8 rows: float32 rows of fp8_packed_width(H), kept as
+    they are on the wire (dispatch_dtype None). Capacity, alignment and experts are local_cfg's."""
+    return local_cfg.replace(hidden=fp8_packed_width(local_cfg.hidden), dispatch_dtype=None)
+
+
+def _pack_fp8_rows(rows: jax.Array, scales: jax.Array) -> jax.Array:
+    """FP8 rows [M, H] + float32 scales [M, H/128] -> [M, fp8_packed_width(H)] float32 words (bitcasts
+    and a concatenation: no arithmetic, every bit kept)."""
+    m, hidden = rows.shape
+    width = fp8_packed_width(hidden)
+    parts = [lax.bitcast_convert_type(rows, jnp.uint8),
+             lax.bitcast_convert_type(scales, jnp.uint8).reshape(m, 4 * scales.shape[1])]
+    pad = 4 * width - hidden - 4 * scales.shape[1]
+    if pad:
+        parts.append(jnp.zeros((m, pad), jnp.uint8))
+    return lax.bitcast_convert_type(jnp.concatenate(parts, axis=1).reshape(m, width, 4), _PACK_DTYPE)
+
+
+def _unpack_fp8_rows(packed: jax.Array, hidden: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of _pack_fp8_rows: [C, fp8_packed_width(H)] float32 words -> (FP8 rows [C, H], float32
+    scales [C, H/128]). An empty row (all zero bytes) gives +0 rows and +0.0 scales, as the flat
+    dispatch's empty rows."""
+    c, width = packed.shape
+    blocks = hidden // FP8_BLOCK
+    raw = lax.bitcast_convert_type(packed, jnp.uint8).reshape(c, 4 * width)
+    rows = lax.bitcast_convert_type(raw[:, :hidden], jnp.float8_e4m3fn)
+    scales = lax.bitcast_convert_type(raw[:, hidden:hidden + 4 * blocks].reshape(c, blocks, 4), jnp.float32)
+    return rows, scales
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_stages(x, topk_idx, topk_weights, node_cfg: EPConfig, local_cfg: EPConfig):
+    """(stage 1's RankMajorDispatched, stage 2's Dispatched with FP8 rows and their scales).
+
+    Stage 2 copies the packed rows bit for bit: a dispatch with dispatch_dtype None keeps x's dtype
+    and only moves rows. The reference (jax_ep.reference._send_tokens / dispatch) moves them with
+    float32 selects against zero, all_to_all and gathers, no arithmetic on the values; the CUDA
+    kernels take the kConvCopy path (cuda/dispatch.cu: rows of x's dtype), raw 16-byte vector or TMA
+    bulk copies (warp_copy_row), and zero the padding rows. So any word (NaN payloads, subnormals,
+    -0.0: FP8 bytes read as float32 make subnormals routinely) survives (tests/test_hierarchical.py
+    sends such words through it)."""
+    d1 = ops.dispatch_rank_major(x, topk_idx, topk_weights, node_cfg)
+    packed = _pack_fp8_rows(d1.x, d1.scales)
+    d2 = ops.dispatch(packed, d1.topk_idx, d1.topk_weights, _packed_config(local_cfg))
+    rows, scales = _unpack_fp8_rows(d2.x, local_cfg.hidden)
+    return d1, d2._replace(x=rows, scales=scales)
+
+
+def _fp8_stages_fwd(x, topk_idx, topk_weights, node_cfg, local_cfg):
+    return _fp8_stages(x, topk_idx, topk_weights, node_cfg, local_cfg), None
+
+
+def _fp8_stages_bwd(node_cfg, local_cfg, residuals, ct):
+    raise NotImplementedError(
+        "jax_ep: dispatch_hierarchical with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
+        "prefill); differentiate through a bfloat16 dispatch instead")
+
+
+_fp8_stages.defvjp(_fp8_stages_fwd, _fp8_stages_bwd)
 
 
 def combine_hierarchical(y: jax.Array, handle: HierarchicalHandle, cfg: EPConfig,
@@ -177,4 +280,4 @@ def combine_hierarchical(y: jax.Array, handle: HierarchicalHandle, cfg: EPConfig
 
 
 __all__ = ["HierarchicalDispatched", "HierarchicalHandle", "combine_hierarchical", "dispatch_hierarchical",
-           "stage_configs"]
+           "fp8_packed_width", "stage_configs"]

@@ -12,7 +12,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+import numpy_model as nm
 import pytest
 from flax import nnx
 from helpers import require_devices
@@ -20,8 +22,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import moe
+from jax_ep import hierarchical, moe
 from jax_ep.gating import RouterConfig, route
+from jax_ep.hierarchical import fp8_packed_width
 
 MESHES = [(2, 4), (4, 2), (2, 1)]
 T, K, H = 5, 3, 16
@@ -125,8 +128,9 @@ def model(x, idx, w, nodes, local, experts, capacity, align):
 
 
 def hier_cfg(nodes, local, **kw):
-    kw = {"backend": "reference", **kw}
-    return jax_ep.EPConfig(8 * nodes * local // (2 if local > 1 else 1), K, H, T, axis_name="local", **kw)
+    kw = {"backend": "reference", "hidden": H, **kw}
+    return jax_ep.EPConfig(8 * nodes * local // (2 if local > 1 else 1), K, max_tokens_per_rank=T,
+                           axis_name="local", **kw)
 
 
 @pytest.mark.parametrize("nodes,local", MESHES)
@@ -362,8 +366,9 @@ def test_argument_errors():
         call(cfg, "rack")
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by the EP size 4"):
         call(cfg.replace(num_experts=6))
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-        call(cfg.replace(dispatch_dtype="float8_e4m3fn", hidden=128))
+    with pytest.raises(ValueError, match=r"FP8 rows of hidden=100 cannot be packed for stage 2: hidden must "
+                                         r"be a positive multiple of 128"):
+        fp8_packed_width(100)
     with pytest.raises(ValueError, match="dispatch_hierarchical: x has hidden size 16 but cfg.hidden=32"):
         call(cfg.replace(hidden=32))
     with pytest.raises(ValueError, match="handle must be the HierarchicalHandle"):
@@ -372,15 +377,210 @@ def test_argument_errors():
             nodes, local, x, idx, w)
 
 
+# ---- FP8 ------------------------------------------------------------------------------------------
+FP8 = "float8_e4m3fn"
+
+
+def fp8_tokens(rng, ranks: int, hidden: int) -> np.ndarray:
+    """[R, T, hidden] float32 tokens with the quantisation's edge cases: an all-zero block (scale
+    1e-4 / 448), a block whose amax sits on one large channel, -0.0."""
+    spread = rng.choice([0.01, 1.0, 30.0], (ranks, T, 1))
+    x = (rng.standard_normal((ranks, T, hidden)) * spread).astype(np.float32)
+    x[0, 1, :128] = 0.0
+    x[-1, -1, 5] = 448.0 * 4
+    x[0, 2, 7] = -0.0
+    return x
+
+
+def row_sources(d, nodes: int, local: int) -> np.ndarray:
+    """[N*L, C] global source token (GPU g_src * T + t) of each expert-major row, -1 for empty rows, from
+    both handles: row -> stage-2 slot l_src * N*T + i -> stage-1 row i of GPU (n, l_src) -> its source
+    slot s * T + t -> GPU s * L + l_src."""
+    src = d.handle.local.src_index
+    out = np.full(src.shape, -1, np.int64)
+    for g in range(nodes * local):
+        n = g // local
+        for r, slot in enumerate(src[g]):
+            if slot < 0:
+                continue
+            l_src, i = divmod(int(slot), nodes * T)
+            stage1 = int(d.handle.node.src_index[n * local + l_src, i])
+            s, t = divmod(stage1, T)
+            out[g, r] = (s * local + l_src) * T + t
+    return out
+
+
+def rows_by_pair(x, scales, group_sizes, sources) -> dict:
+    """{(source token, local expert): (row bytes, scale bytes)} of one GPU's filled rows."""
+    ends = np.cumsum(group_sizes)
+    return {(int(src), int(np.searchsorted(ends, r, side="right"))):
+            (x[r].view(np.uint8).tobytes(), scales[r].view(np.uint8).tobytes())
+            for r, src in enumerate(sources) if src >= 0}
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+@pytest.mark.parametrize("hidden,align", [(384, 4), (1024, 1)])
+def test_fp8_rows_and_scales_are_the_flat_fp8_dispatch(nodes, local, hidden, align):
+    """FP8 rows and scales bit for bit: each row is its source token's NumPy quantisation (per token,
+    per 128 channels, amax / 448), the (token, expert) pairs on each GPU are the flat FP8 dispatch's
+    with the same bytes, only their order differs; handles and counts are the bfloat16 path's; empty
+    rows are zero. hidden 384 packs with 20 bytes of padding a row, 1024 with none."""
+    rng = np.random.default_rng(100 + 10 * nodes + local + hidden)
+    cfg = hier_cfg(nodes, local, hidden=hidden, expert_alignment=align, dispatch_dtype=FP8)
+    ranks, experts = nodes * local, cfg.num_experts
+    _, idx, w = random_inputs(rng, ranks, experts)           # messy: -1, out of range, a repeat
+    x = jnp.asarray(fp8_tokens(rng, ranks, hidden))
+    assert fp8_packed_width(hidden) * 4 - (hidden + hidden // 32) == (20 if hidden == 384 else 0)
+
+    d = run(lambda x, i, w: jax_ep.dispatch_hierarchical(x, i, w, cfg, "node"), nodes, local, x, idx, w)
+    cap = cfg.resolved_capacity(ranks)
+    assert d.x.dtype == ml_dtypes.float8_e4m3fn and d.x.shape == (ranks, cap, hidden)
+    assert d.scales.dtype == np.float32 and d.scales.shape == (ranks, cap, hidden // 128)
+
+    # the same routing on a bfloat16 wire: handles and counts unchanged by FP8
+    bf16 = run(lambda x, i, w: jax_ep.dispatch_hierarchical(x, i, w, cfg.replace(dispatch_dtype="bfloat16"),
+                                                            "node"), nodes, local, x, idx, w)
+    for a, b in zip(jax.tree.leaves((d.handle, d.group_sizes, d.expert_counts, d.num_dropped,
+                                     d.num_tokens_per_node)),
+                    jax.tree.leaves((bf16.handle, bf16.group_sizes, bf16.expert_counts, bf16.num_dropped,
+                                     bf16.num_tokens_per_node)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    q, s = nm.quantize_fp8(np.asarray(x).reshape(ranks * T, hidden))
+    sources = row_sources(d, nodes, local)
+    filled = sources >= 0
+    assert filled.sum() == int((sanitize(np.asarray(idx), experts) >= 0).sum())
+    np.testing.assert_array_equal(d.x[filled].view(np.uint8), q[sources[filled]].view(np.uint8))
+    np.testing.assert_array_equal(d.scales[filled].view(np.uint32), s[sources[filled]].view(np.uint32))
+    assert not d.x[~filled].view(np.uint8).any() and not d.scales[~filled].view(np.uint32).any()
+
+    flat_cfg = cfg.replace(axis_name="ep")
+    flat = run_flat(lambda x, i, w: jax_ep.dispatch(x, i, w, flat_cfg), ranks, x, idx, w)
+    np.testing.assert_array_equal(d.group_sizes, flat.group_sizes)
+    flat_src = np.where(flat.handle.src_index >= 0, flat.handle.src_index, -1)  # slot s * T + t, s global
+    for g in range(ranks):
+        got = rows_by_pair(d.x[g], d.scales[g], d.group_sizes[g], sources[g])
+        want = rows_by_pair(flat.x[g], flat.scales[g], flat.group_sizes[g], flat_src[g])
+        assert got == want, f"GPU {g}: FP8 rows / scales differ from the flat FP8 dispatch's"
+    if local > 1:  # the row order is the hierarchical one (else this compares nothing order-dependent)
+        assert any(not np.array_equal(sources[g][filled[g]], flat_src[g][flat_src[g] >= 0])
+                   for g in range(ranks))
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+def test_fp8_then_combine(nodes, local):
+    """combine_hierarchical after an FP8 dispatch, on bfloat16 expert outputs (the dequantised rows
+    scaled per row): the documented rounding bit for bit; checked mode passes with no drops."""
+    rng = np.random.default_rng(200 + nodes)
+    hidden = 256
+    cfg = hier_cfg(nodes, local, hidden=hidden, expert_alignment=2, dispatch_dtype=FP8, checked=True)
+    ranks = nodes * local
+    _, idx, w = random_inputs(rng, ranks, cfg.num_experts)
+    idx = jnp.where(idx >= cfg.num_experts, -1, idx)         # checked mode: -1 and repeats only
+    x = jnp.asarray(fp8_tokens(rng, ranks, hidden))
+
+    def f(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")
+        y = (jax_ep.dequantize_fp8(d.x, d.scales) * (1.0 + d.row_weights[:, None])).astype(jnp.bfloat16)
+        return d, y, jax_ep.combine_hierarchical(y, d.handle, cfg, "node")
+
+    d, y, out = jax_ep.run_checked(lambda: run(f, nodes, local, x, idx, w))
+    assert out.dtype == jnp.bfloat16 and out.shape == (ranks, T, hidden)
+    np.testing.assert_array_equal(out.view(np.uint16), emulate_combine(y, d, nodes, local).view(np.uint16))
+    routed = sanitize(np.asarray(idx), cfg.num_experts) >= 0
+    assert np.all((np.abs(out.astype(np.float32)).sum(-1) > 0) == routed.any(-1))
+
+
+def test_fp8_is_forward_only():
+    """jax.grad through an FP8 dispatch_hierarchical raises the flat FP8 dispatch's error, naming the
+    op (in x and in the gate weights); the forward pass runs."""
+    nodes, local, hidden = 2, 2, 128
+    rng = np.random.default_rng(9)
+    cfg = hier_cfg(nodes, local, hidden=hidden, dispatch_dtype=FP8)
+    _, idx, w = random_inputs(rng, nodes * local, cfg.num_experts)
+    x = jnp.asarray(fp8_tokens(rng, nodes * local, hidden))
+
+    def per_gpu(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")
+        return jnp.sum(jax_ep.dequantize_fp8(d.x, d.scales) * d.row_weights[:, None])
+
+    assert np.isfinite(run(per_gpu, nodes, local, x, idx, w)).all()
+    for argnum in (0, 2):
+        with pytest.raises(NotImplementedError, match=r"jax_ep: dispatch_hierarchical with "
+                                                      r"dispatch_dtype='float8_e4m3fn' is forward-only"):
+            run(lambda *a, argnum=argnum: jax.grad(per_gpu, argnums=argnum)(*a), nodes, local, x, idx, w)
+    flat_cfg = cfg.replace(axis_name="ep")   # the flat op's error, for the same call
+    with pytest.raises(NotImplementedError, match=r"jax_ep: dispatch with dispatch_dtype='float8_e4m3fn' is "
+                                                  r"forward-only \(inference and prefill\); differentiate"):
+        run_flat(lambda x, i, w: jax.grad(lambda x: jnp.sum(jax_ep.dequantize_fp8(
+            *(lambda d: (d.x, d.scales))(jax_ep.dispatch(x, i, w, flat_cfg)))))(x), nodes * local, x, idx, w)
+
+
+def special_words(rng, n: int) -> np.ndarray:
+    """n uint32 words, most of them what XLA could alter if it computed on them: NaNs with payloads
+    (either sign, quiet and signalling), subnormals, infinities, -0.0; the rest random."""
+    words = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+    kind = rng.integers(0, 4, n)
+    words = np.where(kind == 0, words | np.uint32(0x7F800000), words)    # NaN (or inf: zero payload)
+    words = np.where(kind == 1, words & np.uint32(0x807FFFFF), words)    # subnormal (or +-0.0)
+    words[:4] = [0x7F800001, 0xFF800000, 0x80000000, 0x7FC00001]
+    return words
+
+
+def test_stage_two_copies_every_bit_pattern():
+    """The premise of the packed FP8 rows: a dispatch with dispatch_dtype None moves float32 rows
+    without arithmetic, so NaN payloads, subnormals, infinities and -0.0 arrive unchanged; pack /
+    unpack are inverse on arbitrary bytes; and the whole packed stage 2 (pack, dispatch, unpack)
+    returns arbitrary FP8 bytes and scale words bit for bit."""
+    rng = np.random.default_rng(4)
+    ranks, tokens, width = 2, 16, 1024
+    words = special_words(rng, ranks * tokens * width).reshape(ranks, tokens, width)
+    x = jnp.asarray(words.view(np.float32))
+    idx = jnp.asarray(np.tile([[0, 1]], (ranks, tokens, 1)).astype(np.int32))  # every token to both ranks
+    w = jnp.ones((ranks, tokens, 2), jnp.float32)
+    cfg = jax_ep.EPConfig(2, 2, width, tokens, backend="reference")
+    d = run_flat(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg), ranks, x, idx, w)
+    for r in range(ranks):
+        src = d.handle.src_index[r]
+        assert (src >= 0).sum() == ranks * tokens
+        np.testing.assert_array_equal(d.x[r][src >= 0].view(np.uint32),
+                                      words.reshape(ranks * tokens, width)[src[src >= 0]])
+
+    hidden = 384
+    raw = rng.integers(0, 256, (ranks, tokens, hidden), dtype=np.uint8)
+    scale_words = special_words(rng, ranks * tokens * 3).reshape(ranks, tokens, 3)
+    q, s = raw.view(ml_dtypes.float8_e4m3fn), scale_words.view(np.float32)
+    packed = hierarchical._pack_fp8_rows(jnp.asarray(q[0]), jnp.asarray(s[0]))
+    assert packed.dtype == jnp.float32 and packed.shape == (tokens, fp8_packed_width(hidden)) == (tokens, 104)
+    assert not np.asarray(packed).view(np.uint8)[:, hidden + 12:].any()   # 20 bytes of zero padding
+    q2, s2 = hierarchical._unpack_fp8_rows(packed, hidden)
+    np.testing.assert_array_equal(np.asarray(q2).view(np.uint8), raw[0])
+    np.testing.assert_array_equal(np.asarray(s2).view(np.uint32), scale_words[0])
+
+    local_cfg = jax_ep.EPConfig(2, 2, hidden, tokens, backend="reference", dispatch_dtype=FP8)
+
+    def stage_two(q, s, i, w):
+        d = jax_ep.dispatch(hierarchical._pack_fp8_rows(q, s), i, w, hierarchical._packed_config(local_cfg))
+        return d.handle.src_index, *hierarchical._unpack_fp8_rows(d.x, hidden)
+
+    src, q_got, s_got = run_flat(stage_two, ranks, jnp.asarray(q), jnp.asarray(s), idx, w)
+    for r in range(ranks):
+        filled = src[r] >= 0
+        np.testing.assert_array_equal(q_got[r][filled].view(np.uint8),
+                                      raw.reshape(-1, hidden)[src[r][filled]])
+        np.testing.assert_array_equal(s_got[r][filled].view(np.uint32),
+                                      scale_words.reshape(-1, 3)[src[r][filled]])
+
+
 # ---- the MoE layer ---------------------------------------------------------------------------------
-def layer_pair(nodes, local, **kw):
+def layer_pair(nodes, local, hidden=H, ep=None, **kw):
     ranks = nodes * local
     require_devices(ranks)
     routing = RouterConfig(4 * ranks, 3, ranks_per_node=local, max_nodes_per_token=max(1, nodes - 1))
     flat_mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
-    ep = moe.EPOptions(backend="reference")
-    flat = moe.MoE(H, 8, routing, rngs=nnx.Rngs(0), mesh=flat_mesh, ep=ep, **kw)
-    hier = moe.MoE(H, 8, routing, rngs=nnx.Rngs(0), mesh=mesh2d(nodes, local), axis_name="local",
+    ep = moe.EPOptions(backend="reference") if ep is None else ep
+    flat = moe.MoE(hidden, 8, routing, rngs=nnx.Rngs(0), mesh=flat_mesh, ep=ep, **kw)
+    hier = moe.MoE(hidden, 8, routing, rngs=nnx.Rngs(0), mesh=mesh2d(nodes, local), axis_name="local",
                    node_axis="node", ep=ep, **kw)
     return flat, hier
 
@@ -423,6 +623,33 @@ def test_layer_matches_the_flat_layer(nodes, local):
     assert load_h.sum() == x.shape[0] * 3
 
 
+@pytest.mark.parametrize("nodes,local", [(2, 4), (2, 1)])
+def test_layer_fp8_forward_matches_the_flat_fp8_layer(nodes, local):
+    """MoE(node_axis=..., ep=EPOptions(dispatch_dtype=FP8)): the forward pass gives the flat FP8
+    layer's output (the same dequantised rows reach the same experts; within float32 rounding of the
+    in-node partial sums) and loads; jax.grad raises the FP8 forward-only error, as the flat layer."""
+    hidden = 128
+    flat, hier = layer_pair(nodes, local, hidden, moe.EPOptions(backend="reference", dispatch_dtype=FP8))
+    ranks = nodes * local
+    x = jax.random.normal(jax.random.key(5 + nodes + local), (ranks * 2 * T, hidden), jnp.float32)
+
+    def forward(layer, spec):
+        xs = jax.device_put(x, NamedSharding(layer.mesh, spec))
+        out = nnx.jit(lambda m, x: m(x))(layer, xs)
+        return np.asarray(out), np.asarray(layer.last_load[...])
+
+    out_f, load_f = forward(flat, P("ep"))
+    out_h, load_h = forward(hier, P(GROUP))
+    assert np.abs(out_f).max() > 0
+    np.testing.assert_allclose(out_h, out_f, rtol=0, atol=1e-5 * np.abs(out_f).max())
+    np.testing.assert_array_equal(load_h, load_f)
+    for layer, spec in ((flat, P("ep")), (hier, P(GROUP))):
+        xs = jax.device_put(x, NamedSharding(layer.mesh, spec))
+        with pytest.raises(NotImplementedError, match=r"dispatch(_hierarchical)? with "
+                                                      r"dispatch_dtype='float8_e4m3fn' is forward-only"):
+            nnx.jit(lambda m, x: jax.grad(lambda x: jnp.sum(m(x, update_stats=False)))(x))(layer, xs)
+
+
 def test_layer_validates_the_node_layout():
     require_devices(8)
     mesh = mesh2d(2, 4)
@@ -445,10 +672,13 @@ def test_layer_validates_the_node_layout():
         layer.set_rank_mask(np.ones(8, bool))
 
 
-def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch):
+@pytest.mark.parametrize("wire", [None, FP8])
+def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch, wire):
     """backend='cuda' traces on any machine: stage 1 is the rank-major custom calls over the node axis
     (num_ranks = N), stage 2 the expert-major ones over the local axis (num_ranks = L, T = N*T), each
-    in its own directory slot; axis names that share a slot are refused."""
+    in its own directory slot; axis names that share a slot are refused. FP8: stage 1 carries FP8 rows
+    and their scales (row_bytes H, scale_bytes 4 H/128), stage 2 the packed float32 rows
+    (row_bytes 4 * fp8_packed_width(H), no scales)."""
     import zlib
 
     from jax_ep import runtime
@@ -458,13 +688,16 @@ def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch):
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     nodes, local = 2, 4
-    cfg = hier_cfg(nodes, local, backend="cuda")
-    x, idx, w = random_inputs(np.random.default_rng(1), 8, cfg.num_experts, dtype=jnp.bfloat16)
+    hidden = H if wire is None else 256
+    cfg = hier_cfg(nodes, local, backend="cuda", hidden=hidden, dispatch_dtype=wire)
+    _, idx, w = random_inputs(np.random.default_rng(1), 8, cfg.num_experts)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, T, hidden)), jnp.bfloat16)
     spec = P(GROUP)
 
     def body(x, i, w):
         d = jax_ep.dispatch_hierarchical(x[0], i[0], w[0], cfg, "node")
-        return jax_ep.combine_hierarchical(d.x, d.handle, cfg, "node")[None]
+        y = d.x if wire is None else jax_ep.dequantize_fp8(d.x, d.scales, jnp.bfloat16)
+        return jax_ep.combine_hierarchical(y, d.handle, cfg, "node")[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh2d(nodes, local), in_specs=(spec,) * 3, out_specs=spec))
     text = f.lower(x, idx, w).as_text()
@@ -483,6 +716,13 @@ def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch):
         assert f"num_ranks = {ranks} " in line and f"axis_slot = {slot_of} " in line, line
         if "dispatch" in name:
             assert f"num_tokens = {tokens} " in line, line
+    bytes_of = {"jax_ep_dispatch_rank_major": (2 * hidden, 0), "jax_ep_dispatch": (2 * hidden, 0)}
+    if wire == FP8:
+        bytes_of = {"jax_ep_dispatch_rank_major": (hidden, 4 * hidden // 128),
+                    "jax_ep_dispatch": (4 * fp8_packed_width(hidden), 0)}
+    for name, (row_bytes, scale_bytes) in bytes_of.items():
+        line = calls[name][0]
+        assert f"row_bytes = {row_bytes} " in line and f"scale_bytes = {scale_bytes} " in line, line
     clash = next(f"a{i}" for i in range(100) if zlib.crc32(f"a{i}".encode()) % 4 == slot["local"])
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), (clash, "local"))
 
