@@ -229,10 +229,12 @@ def test_low_latency(ranks, wire, form):
 
 
 @pytest.mark.parametrize("shape", [(2, 1), (2, 2)])
-@pytest.mark.parametrize("case", ["messy top6 align8", "skewed top2 overflow", "f32 x, bf16 wire, f32 y"])
+@pytest.mark.parametrize("case", ["messy top6 align8", "skewed top2 overflow", "f32 x, bf16 wire, f32 y",
+                                  "fp8 deepseek"])
 def test_hierarchical_round_trip(shape, case):
     """hierarchical_worker.check_cases' body on a (node, local) mesh: reference_by_vmap over two axes
-    (nested vmaps, rank = node * L + local) == shard_map over P((node, local))."""
+    (nested vmaps, rank = node * L + local) == shard_map over P((node, local)). FP8: the worker's
+    check of each GPU's rows and scales (hierarchical_worker.assert_fp8_rows) holds on the reference."""
     import hierarchical_worker as hw
 
     tokens, hidden, topk, experts, kind, x_dtype, y_dtype, extra = hw.CASES[case]
@@ -244,7 +246,12 @@ def test_hierarchical_round_trip(shape, case):
     x, idx, w = hw.inputs(rng, ranks, tokens, hidden, topk, experts, kind, x_dtype)
     rows = hw.y_rows(tokens, topk, experts, extra.get("expert_alignment", 1), ranks)
     y = rng.standard_normal((ranks * rows, hidden)).astype(y_dtype)
-    assert_same_bits(hw.round_trip_body(c), shape, x, idx, w, y, close={1}, axes=hw.GROUP)
+    got = assert_same_bits(hw.round_trip_body(c), shape, x, idx, w, y, close={1}, axes=hw.GROUP)
+    if extra.get("dispatch_dtype") == "float8_e4m3fn":
+        for me in range(ranks):
+            d = rank_rows(got, me, ranks)[0]
+            assert int(d.group_sizes[0].sum()) > 0
+            hw.assert_fp8_rows(d, got[0], x, me, shape, tokens, f"GPU {me}")
 
 
 @pytest.mark.parametrize("shape", [(2, 1), (2, 2)])

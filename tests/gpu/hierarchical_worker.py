@@ -9,10 +9,13 @@ expert-major dispatch / combine over a local axis of one GPU.
     python -m jax_ep.launch --nproc 2 tests/gpu/hierarchical_worker.py
 
 Each process checks its own GPU against the reference path run through the same composition:
-dispatch_hierarchical's rows, counts and both handles bit-exact, combine_hierarchical within two bf16
-steps (XLA contracts the reference's multiply-adds its own way), two calls of each compiled function
-on poisoned memory; jax.grad through dispatch_hierarchical -> a per-row scale by the gate weight ->
-combine_hierarchical (d x, d topk_weights). Prints "hierarchical_worker OK <checks>" at the end.
+dispatch_hierarchical's rows, counts and both handles bit-exact (FP8: rows and scales against NumPy's
+IEEE quantisation of each row's source token, matched through both handles, as XLA's GPU division may
+round the reference's differently; the packed stage-2 rows must arrive bit for bit), combine_hierarchical
+within two bf16 steps (XLA contracts the reference's multiply-adds its own way), two calls of each
+compiled function on poisoned memory; jax.grad through dispatch_hierarchical -> a per-row scale by the
+gate weight -> combine_hierarchical (d x, d topk_weights). Prints "hierarchical_worker OK <checks>" at
+the end.
 
 No XLA collective runs across the processes (they may share one GPU: pytest --share-gpu, and NCCL
 refuses two processes on one GPU): inputs from the same seed on every process, each putting its own
@@ -35,7 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from gpu_helpers import local, poison_device_memory, put_global, rank_rows, reference_by_vmap  # noqa: E402
-from test_dispatch_gpu import assert_bits_equal, assert_combine_close, routing  # noqa: E402
+from test_dispatch_gpu import (  # noqa: E402
+    assert_bits_equal,
+    assert_combine_close,
+    quantize_fp8_numpy,
+    routing,
+)
 
 import jax_ep  # noqa: E402
 import jax_ep.distributed  # noqa: E402
@@ -53,6 +61,9 @@ CASES = {
                              {"capacity": 192, "expert_alignment": 4}),
     "f32 x, bf16 wire, f32 y": (128, 4096, 4, 16, "messy", jnp.float32, jnp.float32,
                                 {"dispatch_dtype": "bfloat16"}),
+    # stage 1 FP8 + scales over the puts, stage 2 the packed float32 rows (7168 packs with no padding)
+    "fp8 deepseek": (256, 7168, 8, 256, "distinct", jnp.bfloat16, jnp.bfloat16,
+                     {"dispatch_dtype": "float8_e4m3fn"}),
 }
 
 
@@ -95,10 +106,11 @@ def gradient_body(c):
     return grads
 
 
-def assert_dispatch_equal(got, want, what):
+def assert_dispatch_equal(got, want, what, rows=True):
     total = int(want.group_sizes[0].sum())
     assert_bits_equal(got.group_sizes[0], want.group_sizes[0], f"{what} group_sizes")
-    assert_bits_equal(got.x[0][:total], want.x[0][:total], f"{what} rows")
+    if rows:
+        assert_bits_equal(got.x[0][:total], want.x[0][:total], f"{what} rows")
     for field in ("expert_counts", "num_dropped", "num_tokens_per_node"):
         assert_bits_equal(getattr(got, field)[0], getattr(want, field)[0], f"{what} {field}")
     for field in ("src_index", "is_token_in_rank"):
@@ -107,6 +119,32 @@ def assert_dispatch_equal(got, want, what):
     for field in ("src_index", "token_rows", "is_token_in_rank", "row_weights"):
         assert_bits_equal(getattr(got.handle.local, field)[0], getattr(want.handle.local, field)[0],
                           f"{what} handle.local.{field}")
+
+
+def row_sources(d, me, shape, tokens) -> np.ndarray:
+    """[C] global source token (GPU g * T + t) of each expert-major row of GPU `me`, -1 for empty rows,
+    from both handles of the whole group's `d` (leading GPU axis): row -> stage-2 slot l_src * N*T + i
+    -> stage-1 row i of GPU (n, l_src) -> its source slot s * T + t -> GPU s * L + l_src."""
+    nodes, local_size = shape
+    n = me // local_size
+    src = np.asarray(d.handle.local.src_index[me])
+    l_src, i = np.divmod(np.maximum(src, 0), nodes * tokens)
+    stage1 = np.asarray(d.handle.node.src_index)[n * local_size + l_src, i]
+    s, t = np.divmod(stage1, tokens)
+    return np.where(src >= 0, (s * local_size + l_src) * tokens + t, -1)
+
+
+def assert_fp8_rows(got, full_want, x, me, shape, tokens, what):
+    """FP8 rows and scales of GPU `me` bit for bit NumPy's quantisation of each row's source token;
+    the alignment-padding rows (empty, before sum(group_sizes)) zero."""
+    total = int(got.group_sizes[0].sum())
+    src = row_sources(full_want, me, shape, tokens)[:total]
+    filled = src >= 0
+    q_all, s_all = quantize_fp8_numpy(np.asarray(x))
+    assert_bits_equal(got.x[0][:total][filled], q_all[src[filled]], f"{what} fp8 rows")
+    assert_bits_equal(got.scales[0][:total][filled], s_all[src[filled]], f"{what} scales")
+    assert not got.x[0][:total][~filled].view(np.uint8).any(), f"{what}: padding rows not zero"
+    assert not got.scales[0][:total][~filled].view(np.uint32).any(), f"{what}: padding scales not zero"
 
 
 def inputs(rng, ranks, tokens, hidden, topk, experts, kind, x_dtype):
@@ -130,12 +168,16 @@ def check_cases(mesh, me, shape) -> int:
             y = rng.standard_normal((ranks * rows, hidden)).astype(np.float32)
             y = np.where(rng.random(y.shape) < 0.01, np.float32(-0.0), y).astype(y_dtype)
             host = (x, idx, w, y)
-            want_d, want_out = rank_rows(ref_fn(*host), me, ranks)
+            full = ref_fn(*host)
+            want_d, want_out = rank_rows(full, me, ranks)
             args = put_global(mesh, *host, axis=GROUP)
             poison_device_memory(jax.local_devices(), 256 << 20)
             got_d, got_out = local(cuda_fn(*args))
             what = f"process {me} {name} call {call}"
-            assert_dispatch_equal(got_d, want_d, what)
+            fp8 = extra.get("dispatch_dtype") == "float8_e4m3fn"
+            assert_dispatch_equal(got_d, want_d, what, rows=not fp8)
+            if fp8:  # XLA's GPU division may round the reference's differently: NumPy's IEEE bits
+                assert_fp8_rows(got_d, full[0], x, me, shape, tokens, what)
             assert_combine_close(got_out, want_out, f"{what} combine_hierarchical", steps=2)
             print(f"{what}: {int(want_d.group_sizes[0].sum())} rows here, {int(want_d.num_dropped[0])} "
                   f"dropped, {int(want_d.num_tokens_per_node[0].sum())} (token, node) rows sent", flush=True)

@@ -1,8 +1,9 @@
 """The hierarchical dispatch / combine on 2 processes x 1 GPU, the machine taken as "2 nodes of 1 GPU"
 (issue 13's test 3b): a (node, local) mesh of 2 x 1, the node hop over NVSHMEM puts
 (KernelConfig(transport="put")). Each process runs tests/gpu/hierarchical_worker.py and checks its GPU
-against the reference path (rows, counts and handles bit-exact; combine within two bf16 steps;
-gradients). With pytest --share-gpu, both processes on GPU 0 under CUDA MPS."""
+against the reference path (rows, counts and handles bit-exact; FP8 rows and scales against NumPy's
+quantisation; combine within two bf16 steps; gradients). With pytest --share-gpu, both processes on
+GPU 0 under CUDA MPS."""
 
 from __future__ import annotations
 
@@ -22,5 +23,5 @@ def test_hierarchical_over_puts_matches_reference(process_group):
         print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
     for p, (rc, out) in enumerate(results):
         assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        # 9 checks: 4 cases x 2 calls, the gradients
-        assert "hierarchical_worker OK 9" in out, f"process {p}: no OK line"
+        # 11 checks: 5 cases x 2 calls (FP8 among them), the gradients
+        assert "hierarchical_worker OK 11" in out, f"process {p}: no OK line"
