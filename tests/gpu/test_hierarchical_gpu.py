@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from gpu_helpers import run_workers
+from gpu_helpers import assert_workers_ok
 
 pytestmark = [pytest.mark.gpu, pytest.mark.process_group]
 
@@ -18,10 +18,5 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hierarchical_
 
 
 def test_hierarchical_over_puts_matches_reference(process_group):
-    results = run_workers(WORKER, timeout_s=420)
-    for p, (rc, out) in enumerate(results):
-        print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
-    for p, (rc, out) in enumerate(results):
-        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        # 11 checks: 5 cases x 2 calls (FP8 among them), the gradients
-        assert "hierarchical_worker OK 11" in out, f"process {p}: no OK line"
+    # 11 checks: 5 cases x 2 calls (FP8 among them), the gradients
+    assert_workers_ok(WORKER, "hierarchical_worker OK 11", timeout_s=420)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from gpu_helpers import run_workers
+from gpu_helpers import assert_workers_ok
 
 pytestmark = [pytest.mark.gpu, pytest.mark.process_group]
 
@@ -17,10 +17,5 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "put_transport
 
 
 def test_rank_major_ops_over_puts_match_reference(process_group):
-    results = run_workers(WORKER, timeout_s=480)
-    for p, (rc, out) in enumerate(results):
-        print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
-    for p, (rc, out) in enumerate(results):
-        assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        # 12 checks: 5 cases x 2 calls, the scan, the gradients
-        assert "put_transport_worker OK 12" in out, f"process {p}: no OK line"
+    # 12 checks: 5 cases x 2 calls, the scan, the gradients
+    assert_workers_ok(WORKER, "put_transport_worker OK 12", timeout_s=480)
