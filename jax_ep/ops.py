@@ -188,7 +188,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
     # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
-    x, topk_weights = vma.vary_as(x, topk_idx, topk_weights), vma.vary_as(topk_weights, x, topk_idx)
+    x, topk_weights, _ = vma.vary_jointly(x, topk_weights, topk_idx)
     out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
         out = check_no_drops(out, topk_idx, cfg, size, out.rank_mask != 0)
@@ -293,7 +293,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch_rank_major")
     # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
-    x, topk_weights = vma.vary_as(x, topk_idx, topk_weights), vma.vary_as(topk_weights, x, topk_idx)
+    x, topk_weights, _ = vma.vary_jointly(x, topk_weights, topk_idx)
     return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
