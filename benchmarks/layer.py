@@ -327,7 +327,8 @@ def layer_gemm_plans(layer, mesh, x) -> str:
     return impls.pop() if len(impls) == 1 else "mixed"
 
 
-def main(args) -> list[dict]:
+def main(args, save=lambda records: None) -> list[dict]:
+    """Times the layer shapes and configs of ``args``; ``save(records)`` after every record."""
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("ep",))
     platform = devices[0].platform
@@ -349,6 +350,7 @@ def main(args) -> list[dict]:
             r = bench_decode(mesh, LAYER_PRESETS[name], config, args.iters, args.repeats)
             r.update(shape=name, device=device, date=today)
             records.append(r)
+            save(records)
             step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms"
             print(f"  {name} {config}: decode forward {step}; experts alone {r['experts_ms']:.3f} ms "
                   f"over the filled slots, {r['experts_einsum_ms']:.3f} ms as an einsum over all slots "
@@ -372,6 +374,7 @@ def main(args) -> list[dict]:
                      roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,
                      device=device, date=today)
             records.append(r)
+            save(records)
             print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"
                   + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}

@@ -576,7 +576,7 @@ def main(argv=None) -> list[dict]:
         args.out = str(OUT_DIR / DEFAULT_OUT[kind])
     use_virtual_cpu_devices()
     if args.layer:
-        records = bench_layer.main(args)
+        records = bench_layer.main(args, save=lambda recs: write_records(recs, args.out, quiet=True))
         write_records(records, args.out)
         return records
 
@@ -610,6 +610,7 @@ def main(argv=None) -> list[dict]:
                     for r in recs:
                         r.update(device=device_name, date=today)
                     records.extend(recs)
+                    write_records(records, args.out, quiet=True)
         for op, us in DEEPEP_V1_LL.items():
             records.append(dict(op=op, backend=PUBLISHED_BACKEND, layout="fixed_slots",
                                 dtype="float8_e4m3fn" if op != "ll_combine" else "bfloat16",
@@ -646,6 +647,7 @@ def main(argv=None) -> list[dict]:
                              pct_of_peak=None if peak is None or r["wire_gbps"] is None
                              else 100 * r["wire_gbps"] / peak)
                 records.extend(recs)
+                write_records(records, args.out, quiet=True)
     records.extend(published_records(shapes, dtypes))
     print_table(records)
     for r in records:
@@ -658,12 +660,15 @@ def main(argv=None) -> list[dict]:
     return records
 
 
-def write_records(records, path) -> None:
+def write_records(records, path, quiet: bool = False) -> None:
+    """Writes the records (again after every measured point, so a run stopped by a time limit keeps
+    what it measured)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
-    print(f"wrote {len(records)} records to {path}")
+    if not quiet:
+        print(f"wrote {len(records)} records to {path}")
 
 
 if __name__ == "__main__":
