@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import runtime
+from jax_ep.vma import vary_as
 
 TIMEOUT_S = %(timeout)r
 gpus = jax.local_devices(backend="gpu")[:2]
@@ -60,13 +61,18 @@ def run(cfg, x, idx, w, y, mask, two_phase):
     return d, out
 
 
+def per_rank(branch, like):
+    # lax.cond's branches must agree on the mesh axes each output varies over: type them all per rank
+    return lambda: jax.tree.map(lambda a: vary_as(a, like), branch())
+
+
 def step_fn(cfg, absent, two_phase=False):
     def body(x, idx, w, y, mask):
         args = (cfg, x[0], idx[0], w[0], y[0], mask[0], two_phase)
         if absent:  # rank 1 never enters the LL calls
             shapes = jax.eval_shape(lambda: run(*args))
             zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            d, out = lax.cond(lax.axis_index("ep") == 1, zeros, lambda: run(*args))
+            d, out = lax.cond(lax.axis_index("ep") == 1, per_rank(zeros, x), per_rank(lambda: run(*args), x))
         else:
             d, out = run(*args)
         return jax.tree.map(lambda a: a[None], (d, out))

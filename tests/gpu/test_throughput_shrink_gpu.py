@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import runtime
+from jax_ep.vma import vary_as
 
 gpus = jax.local_devices(backend="gpu")[:2]
 mesh = Mesh(np.array(gpus), ("ep",))
@@ -67,13 +68,18 @@ def run(cfg, x, idx, w, y, mask, masked):
     return d, out, rm, back
 
 
+def per_rank(branch, like):
+    # lax.cond's branches must agree on the mesh axes each output varies over: type them all per rank
+    return lambda: jax.tree.map(lambda a: vary_as(a, like), branch())
+
+
 def step_fn(cfg, absent, masked=True):
     def body(x, idx, w, y, mask):
         args = (cfg, x[0], idx[0], w[0], y[0], mask[0], masked)
         if absent:  # rank 1 never enters the EP calls
             shapes = jax.eval_shape(lambda: run(*args))
             zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            res = lax.cond(lax.axis_index("ep") == 1, zeros, lambda: run(*args))
+            res = lax.cond(lax.axis_index("ep") == 1, per_rank(zeros, x), per_rank(lambda: run(*args), x))
         else:
             res = run(*args)
         return jax.tree.map(lambda a: a[None], res)
@@ -85,7 +91,8 @@ def ll_fn():
         def call():
             return jax_ep.ll_dispatch(x[0], idx[0], w[0], ll_cfg).counts
         shape = jax.eval_shape(call)
-        counts = lax.cond(lax.axis_index("ep") == 1, lambda: jnp.zeros(shape.shape, shape.dtype), call)
+        counts = lax.cond(lax.axis_index("ep") == 1, per_rank(lambda: jnp.zeros(shape.shape, shape.dtype), x),
+                          per_rank(call, x))
         return counts[None]
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
