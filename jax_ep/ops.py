@@ -250,12 +250,11 @@ def _combine_fwd(y, handle, rank_mask, cfg):
 
 def _combine_bwd(cfg, residuals, g):
     y, handle, rank_mask = residuals
-    fused = implementation("combine_bwd", cfg, y.dtype)
-    if fused is reference.combine_bwd:  # unfused: the broadcast the backend picks, the rest in XLA
-        g_rows = implementation("broadcast", cfg, g.dtype)(g, handle, cfg, rank_mask=rank_mask)
-        dy, d_row_weights = reference.combine_bwd_rows(g_rows, y, handle, cfg, rank_mask)
-    else:  # one kernel: g moved, y read and d y written once
-        dy, d_row_weights = fused(g, y, handle, cfg, rank_mask=rank_mask)
+    # The kernel: g moved, y read and d y written once. Otherwise the whole reference backward, its
+    # broadcast included even where the broadcast kernel is faster alone: XLA fuses the reference's
+    # gather into the rows' products, while a kernel's [C, H] rows must be written and read back
+    # (2x H200, DeepSeek-V3 layer: 2 ms more per step with the kernel there, docs/benchmarks.md).
+    dy, d_row_weights = implementation("combine_bwd", cfg, y.dtype)(g, y, handle, cfg, rank_mask=rank_mask)
     d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                       float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)

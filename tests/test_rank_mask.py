@@ -398,16 +398,10 @@ def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
         jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fn(x, idx, w)), argnums=(0, 1)))(x, w)
         jax.make_jaxpr(per_rank(decode, ep_size, jit=False))(x, idx, w)
 
-    trace()  # combine's backward unfused, as on the reference path: broadcast, the rest in XLA
-    real = ops.Op.implementation
-
-    def fresh(self, *args, **kwargs):  # not the reference's own function: combine_bwd's fused branch
-        impl = real(self, *args, **kwargs)
-        return lambda *a, **kw: impl(*a, **kw)
-
-    monkeypatch.setattr(ops.Op, "implementation", fresh)
     trace()
-    assert sorted(seen) == sorted(DATA_OPS)
+    # broadcast is combine's backward's transport: the ops call combine_bwd (the kernel or the whole
+    # reference backward, which calls broadcast itself with the mask it was given)
+    assert sorted(seen) == sorted(name for name in DATA_OPS if name != "broadcast")
     assert all(mask is None for masks in seen.values() for mask in masks), seen
 
 
