@@ -89,8 +89,9 @@ def plot_ops(records, dst: str) -> None:
     fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 4.4 * len(shapes)), squeeze=False)
     for row, (hidden, topk, experts) in zip(axes, shapes, strict=True):
         for ax, op in zip(row, ("dispatch", "combine"), strict=True):
-            panel = [r for r in records if r["op"] == op and (r["hidden"], r["topk"], r["num_experts"]) ==
-                     (hidden, topk, experts)]
+            # jax_ep's rank-major ops (python -m benchmarks --rank-major) join their expert-major panel
+            panel = [r for r in records if r["op"] in (op, f"{op}_rank_major")
+                     and (r["hidden"], r["topk"], r["num_experts"]) == (hidden, topk, experts)]
             lines = list(dict.fromkeys((r["backend"], r.get("layout", "expert_major"), r["dtype"])
                                        for r in panel))
             for i, (backend, layout, dtype) in enumerate(lines):
