@@ -26,7 +26,9 @@ bf16 dispatch (``dispatch_dtype`` in its record), in the pass of the first of ``
 bfloat16 is not among them. Each time is the median over ``--repeats`` chains of ``--iters``
 back-to-back jitted calls, per call; each call returns its whole output (nothing dropped, nothing
 copied). ``--profile`` adds the device time of every kernel per call
-on GPU 0, from a jax.profiler trace (``kernels_us``; their sum is ``device_us``).
+on GPU 0, from a jax.profiler trace (``kernels_us``; their sum is ``device_us``); on several GPUs
+each profiled call first lines the GPUs up (a large GEMM and an all-reduce, as DeepEP's benchmarks
+do; ``aligned`` in the record), so that launch skew between them is not charged to the op.
 
 When the DeepSeek-V3 shape (4096 tokens per rank, hidden 7168, top-8, 256 experts) is in the run, the
 table and the records also carry DeepEP V1's published figures for it (2x H200, 24 SMs), with
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import glob
 import itertools
 import json
@@ -125,18 +128,14 @@ def _time_calls(fn, args, iters: int, repeats: int) -> float:
     return float(np.median(times))
 
 
-def kernel_profile(fn, args, iters: int, device_index: int = 0) -> dict[str, float]:
-    """Device time per call of each GPU kernel / copy that jit(fn)(*args) runs on one device.
-
-    Traces `iters` calls with jax.profiler and sums the events of the device's streams by name.
-    For communicating kernels this includes the time spent waiting for peers."""
-    run = jax.jit(fn)
-    jax.block_until_ready(run(*args))
+def _trace_totals(calls, iters: int, device_index: int = 0) -> dict[str, float]:
+    """Device time per iteration of each GPU kernel / copy on one device while `calls()` runs `iters`
+    times under jax.profiler: the events of the device's streams summed by name."""
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             out = None
             for _ in range(iters):
-                out = run(*args)
+                out = calls()
             jax.block_until_ready(out)
         paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(paths[0])
@@ -150,6 +149,53 @@ def kernel_profile(fn, args, iters: int, device_index: int = 0) -> dict[str, flo
                 continue
             for event in line.events:
                 totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e3 / iters
+    return totals
+
+
+ALIGN_GEMM = 8192  # the aligning GEMM: ~1.5 ms on an H200, longer than the host takes to enqueue a call
+
+
+@functools.cache
+def _aligner(mesh):
+    """A step that lines the GPUs up before a profiled call, as DeepEP's benchmarks do
+    (``barrier_comm_profiling``: a large GEMM, then an all-reduce): while the GEMM runs the host
+    enqueues the next call, and the all-reduce ends on every GPU at about the same time, so the call
+    starts together everywhere. Without it a host-bound chain of calls (each GPU starting a call when
+    the host reaches it) charges the launch skew between the GPUs to the op's first group-sync kernel.
+    Returns (fn, args, the step's own kernel times per call on GPU 0)."""
+    spec = P()
+    a = jax.device_put(jnp.ones((ALIGN_GEMM, ALIGN_GEMM), jnp.bfloat16), NamedSharding(mesh, spec))
+    axis = mesh.axis_names[0]
+    step = jax.jit(jax.shard_map(lambda a: lax.psum(jnp.dot(a, a), axis), mesh=mesh, in_specs=spec,
+                                 out_specs=spec))
+    jax.block_until_ready(step(a))
+    return step, a, _trace_totals(lambda: step(a), 3)
+
+
+def kernel_profile(fn, args, iters: int, mesh=None) -> dict[str, float]:
+    """Device time per call of each GPU kernel / copy that jit(fn)(*args) runs on GPU 0.
+
+    Traces `iters` calls with jax.profiler and sums the events of the device's streams by name.
+    For communicating kernels this includes the time spent waiting for peers. With a `mesh` of
+    several GPUs each call follows the aligning step of ``_aligner`` (its own kernels taken out of
+    the sums: by name, or where the call runs a kernel of the same name, by the step's time alone)."""
+    run = jax.jit(fn)
+    jax.block_until_ready(run(*args))
+    if mesh is None or mesh.size < 2:
+        totals = _trace_totals(lambda: run(*args), iters)
+    else:
+        step, a, own = _aligner(mesh)
+
+        def aligned():
+            step(a)
+            return run(*args)
+        alone = _trace_totals(lambda: run(*args), 2)
+        totals = _trace_totals(aligned, iters)
+        for name, us in own.items():
+            if name in alone:   # the call's too: keep the call's share
+                totals[name] = max(0.0, totals.get(name, 0.0) - us)
+            else:
+                totals.pop(name, None)
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
@@ -320,10 +366,10 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         names = {op: f"{op}_rank_major" for op in names}
     kernels = {}
     if profile and mesh.devices.flat[0].platform == "gpu":
-        kernels = {"dispatch": kernel_profile(d_fn, d_args, iters)}
+        kernels = {"dispatch": kernel_profile(d_fn, d_args, iters, mesh)}
         if with_combine:
-            kernels["combine"] = kernel_profile(c_fn, c_args, iters)
-        kernels.update({op: kernel_profile(fn, args, iters) for op, (_, fn, args) in extra.items()})
+            kernels["combine"] = kernel_profile(c_fn, c_args, iters, mesh)
+        kernels.update({op: kernel_profile(fn, args, iters, mesh) for op, (_, fn, args) in extra.items()})
     device_us = {op: sum(k.values()) for op, k in kernels.items()}
     if backend == "ragged" and "combine" in kernels:  # its combine is profiled as a round trip
         device_us["combine"] -= device_us["dispatch"]
@@ -342,8 +388,9 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                             num_sms=num_sms, measured=True))
         if op == "combine":  # which dispatch made its handle and rows
             records[-1]["dispatch_dtype"] = "bfloat16"
-        if op in kernels:
-            records[-1]["kernels_us"] = {k: round(v, 1) for k, v in kernels[op].items()}
+        if op in kernels:  # aligned: each profiled call followed _aligner's step (several GPUs)
+            records[-1].update(kernels_us={k: round(v, 1) for k, v in kernels[op].items()},
+                               aligned=ep_size > 1)
     return records
 
 
@@ -396,14 +443,14 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
     on_gpu = mesh.devices.flat[0].platform == "gpu"
     for op, (fn, args) in timed.items():
         seconds = _time_calls(fn, args, iters, repeats)
-        kernels = kernel_profile(fn, args, iters) if profile and on_gpu else {}
+        kernels = kernel_profile(fn, args, iters, mesh) if profile and on_gpu else {}
         records.append(dict(op=op, backend=backend, layout="fixed_slots",
                             dtype=dtype if op != "ll_combine" else "bfloat16", tokens_per_rank=tokens,
                             hidden=hidden, topk=topk, num_experts=experts, ep_size=mesh.size,
                             us=1e6 * seconds, device_us=sum(kernels.values()) if kernels else None,
                             logical_gbps=None, wire_gbps=None, num_sms=None, measured=True,
-                            **({"kernels_us": {k: round(v, 1) for k, v in kernels.items()}}
-                               if kernels else {})))
+                            **({"kernels_us": {k: round(v, 1) for k, v in kernels.items()},
+                                  "aligned": mesh.size > 1} if kernels else {})))
     if backend == "cuda" and on_gpu:
         dispatch_us = next(r["us"] for r in records if r["op"] == "ll_dispatch")
         records.append(ll_overlap(mesh, cfg, (x, idx, w), dispatch_us, iters, repeats, rng))
