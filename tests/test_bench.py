@@ -369,3 +369,38 @@ def test_bench_rank_major_records_feed_the_auto_table(tmp_path):
     table = bench_auto_table.write(records + fake_cuda, tmp_path / "auto_table.json")
     for op in ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major"):
         assert table["ops"][op]["rank_major"]["min_tokens"] == {"8": 0}, table["ops"][op]
+
+
+def test_aligned_profile_takes_out_the_aligning_steps_kernels(monkeypatch):
+    """On several GPUs each profiled call follows _aligner's step; its kernels leave the sums: a name
+    only it runs is dropped, a name the call runs too keeps the call's share (the traces are faked:
+    no GPU here). One GPU: no step."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
+    step_alone = {"gemm": 1500.0, "ncclAllReduce": 600.0, "loop_convert_fusion": 2.0}
+    call_alone = {"notify": 20.0, "main": 200.0, "loop_convert_fusion": 1.0}
+    steps, traces = [], []
+
+    def fake_trace(calls, iters):
+        before = len(steps)
+        calls()
+        traces.append(len(steps) - before)   # aligning steps the traced calls ran
+        if traces[-1] == 0:
+            return dict(call_alone)
+        aligned = {name: step_alone.get(name, 0.0) + call_alone.get(name, 0.0)
+                   for name in {*step_alone, *call_alone}}
+        aligned["notify"] = 15.0   # aligned: less waiting for the peer
+        return aligned
+
+    monkeypatch.setattr(bench, "_trace_totals", fake_trace)
+    monkeypatch.setattr(bench, "_aligner", lambda m: (lambda a: steps.append(a), "a", step_alone))
+    spec = jax.sharding.PartitionSpec("ep")
+    fn = jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=spec, out_specs=spec)
+    got = bench.kernel_profile(fn, (jnp.ones((2, 4)),), 5, mesh)
+    assert got == {"main": 200.0, "notify": 15.0, "loop_convert_fusion": 1.0}
+    assert list(got) == ["main", "notify", "loop_convert_fusion"]   # slowest first
+    assert traces == [0, 1] and steps == ["a"]   # the call alone, then aligned calls
+    traces.clear()
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("ep",))
+    assert bench.kernel_profile(fn, (jnp.ones((2, 4)),), 5, one) == {"main": 200.0, "notify": 20.0,
+                                                                        "loop_convert_fusion": 1.0}
+    assert traces == [0]
