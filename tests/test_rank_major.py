@@ -285,15 +285,18 @@ def test_fp8_is_forward_only():
 
 # ---- backends and argument checks ----------------------------------------------------------------
 def test_backends():
-    """The rank-major ops have CUDA kernels (cuda_backend, same names); 'auto' keeps the reference until
-    the auto table has measured rank_major rows (none yet: the benchmark writes them)."""
-    from jax_ep import cuda_backend
+    """The rank-major ops have CUDA kernels (cuda_backend, same names); 'auto' takes them where the auto
+    table's measured rank_major rows say so (both EP sizes measured), and the reference without a GPU."""
+    from jax_ep import auto_table, cuda_backend
 
     for name in ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major"):
         op = ops.OPS[name]
         assert op.layout == "rank_major"
         assert callable(getattr(cuda_backend, name))
-        assert not op.kernel_by_default(BASE.replace(backend="auto", max_tokens_per_rank=4096), 2)
+        assert set(auto_table.table()["ops"][name]["rank_major"]["min_tokens"]) == {"1", "2"}
+        for tokens in (128, 4096):
+            cfg = BASE.replace(backend="auto", max_tokens_per_rank=tokens)
+            assert op.kernel_by_default(cfg, 2) == auto_table.kernel_faster(name, "rank_major", tokens, 2)
         assert op.implementation(BASE.replace(backend="auto"), 2) is getattr(reference, name)
         assert op.implementation(BASE.replace(backend="reference"), 2) is getattr(reference, name)
 
