@@ -99,14 +99,12 @@ static_assert(static_cast<int64_t>(kMaxExperts) * kMaxExperts < (int64_t{1} << 3
               "divide_by_magic needs n * d < 2^32 for an expert id n and experts per rank d");
 
 // Token t (of tile `tile`, sanitised ids `ids`): marks its lane in masks[e - e_lo][warp] for every
-// key e in [e_lo, e_hi) it has: the experts it picked (keys < E) and, with rank_keys (rank-major
-// dispatch), the ranks it goes to (key E + r); the block the tile falls on (prep block `block` of
-// `blocks`) writes its row of is_token_in_rank.
+// expert e in [e_lo, e_hi) it picked; the block the tile falls on (prep block `block` of `blocks`)
+// writes its row of is_token_in_rank. (Rank-major's rank keys E + r: prep_mark_ranks.)
 template <int kSlots>
 __device__ __forceinline__ void prep_mark_token(const int32_t (&ids)[kSlots], int t, int tile,
-                                                int block, int blocks, int E, int R, int e_lo,
-                                                int e_hi, bool rank_keys, uint64_t rank_magic,
-                                                uint32_t (*masks)[kPrepWarps],
+                                                int block, int blocks, int R, int e_lo, int e_hi,
+                                                uint64_t rank_magic, uint32_t (*masks)[kPrepWarps],
                                                 bool* is_token_in_rank) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -115,22 +113,34 @@ __device__ __forceinline__ void prep_mark_token(const int32_t (&ids)[kSlots], in
     const int32_t e = ids[k];
     if (e >= e_lo && e < e_hi) atomicOr(&masks[e - e_lo][warp], 1u << lane);  // (-1 is below)
   }
-  const bool writes_row = tile % blocks == block;
-  if (!rank_keys && !writes_row) return;  // most blocks: no use for the token's ranks
+  if (tile % blocks != block) return;  // most blocks: no use for the token's ranks
   uint32_t ranks = 0u;
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
     if (ids[k] >= 0) ranks |= 1u << divide_by_magic(ids[k], rank_magic);
   }
-  if (rank_keys) {
-    for (uint32_t m = ranks; m != 0u; m &= m - 1u) {
-      const int key = E + __ffs(m) - 1;
-      if (key >= e_lo && key < e_hi) atomicOr(&masks[key - e_lo][warp], 1u << lane);
-    }
+  bool* out = is_token_in_rank + static_cast<int64_t>(t) * R;
+  for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
+}
+
+// Rank-major, a block holding rank keys: each warp's mask of tokens going to rank r (key E + r),
+// one ballot per rank, where a shared atomicOr per token hit the same word from every lane (most
+// tokens go to most ranks). Every thread calls it (ballots); slots of an inactive thread are -1.
+template <int kSlots>
+__device__ __forceinline__ void prep_mark_ranks(const int32_t (&ids)[kSlots], int E, int R,
+                                                int e_lo, int e_hi, uint64_t rank_magic,
+                                                uint32_t (*masks)[kPrepWarps]) {
+  uint32_t ranks = 0u;
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    if (ids[k] >= 0) ranks |= 1u << divide_by_magic(ids[k], rank_magic);
   }
-  if (writes_row) {
-    bool* out = is_token_in_rank + static_cast<int64_t>(t) * R;
-    for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
+  for (int r = 0; r < R; ++r) {
+    const uint32_t voters = __ballot_sync(kFullMask, ((ranks >> r) & 1u) != 0u);
+    const int key = E + r;
+    if ((threadIdx.x & 31) == 0 && key >= e_lo && key < e_hi) {
+      masks[key - e_lo][threadIdx.x >> 5] = voters;  // its only writer (cleared each tile)
+    }
   }
 }
 
@@ -172,6 +182,9 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
   const uint64_t rank_magic = divisor_magic(static_cast<uint32_t>(E / R));  // expert -> its rank
   // rank-major: only the block(s) of the rank keys (E + r) mark tokens' ranks and place slots
   const bool rank_keys = rank_major && e_hi > E;
+  // ... all of them, with K a multiple of 4 (slot_rank rows of 16-byte multiples; the buffer's
+  // tables are 256-byte aligned): the slot ranks of a token are written as vectors
+  const bool all_rank_keys = rank_keys && e_lo <= E && e_hi >= E + R && K % 4 == 0;
   const int tiles = (T + kPrepThreads - 1) / kPrepThreads;
   for (int tile = 0; tile < tiles; ++tile) {
     const int t = tile * kPrepThreads + threadIdx.x;
@@ -179,8 +192,9 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
     int32_t ids[kSlots];
     load_sanitized_ids<kSlots>(topk_idx + static_cast<int64_t>(active ? t : 0) * K, active ? K : 0,
                                E, ids);
-    if (active) prep_mark_token<kSlots>(ids, t, tile, block, blocks, E, R, e_lo, e_hi,
-                                        rank_keys, rank_magic, masks, is_token_in_rank);
+    if (active) prep_mark_token<kSlots>(ids, t, tile, block, blocks, R, e_lo, e_hi, rank_magic,
+                                        masks, is_token_in_rank);
+    if (rank_keys) prep_mark_ranks<kSlots>(ids, E, R, e_lo, e_hi, rank_magic, masks);
     __syncthreads();
     for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
       int32_t run = running[i];
@@ -191,14 +205,34 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
       running[i] = run;
     }
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kSlots; ++k) {
-      if (ids[k] < 0 || (rank_major && !rank_keys)) continue;  // (every slot of an inactive thread)
-      // expert-major: the slot's expert; rank-major: its destination rank's key
+    // the slot's rank under its key (expert-major: its expert; rank-major: E + its destination)
+    const auto slot_value = [&](int k) {
       const int key = rank_major ? E + divide_by_magic(ids[k], rank_magic) : ids[k];
-      if (key < e_lo || key >= e_hi) continue;  // most slots name another block's keys
-      slot_rank[static_cast<int64_t>(t) * K + k] =
-          prefix[key - e_lo][warp] + __popc(masks[key - e_lo][warp] & lanemask_lt());
+      return prefix[key - e_lo][warp] + __popc(masks[key - e_lo][warp] & lanemask_lt());
+    };
+    if (all_rank_keys) {
+      // every slot of the token is this block's: its K values as 16-byte stores (a warp's stores
+      // of one slot index each touched 32 sectors: the one block writing all T * K of them was
+      // bound by its store traffic). An unused slot gets -1 (read only for a used slot).
+      if (active) {
+#pragma unroll
+        for (int k0 = 0; k0 < kSlots; k0 += 4) {
+          if (k0 >= K) break;
+          const auto value = [&](int k) {  // (int32 bits)
+            return static_cast<uint32_t>(ids[k] >= 0 ? slot_value(k) : -1);
+          };
+          *reinterpret_cast<uint4*>(slot_rank + static_cast<int64_t>(t) * K + k0) =
+              make_uint4(value(k0), value(k0 + 1), value(k0 + 2), value(k0 + 3));
+        }
+      }
+    } else if (!rank_major || rank_keys) {
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        if (ids[k] < 0) continue;  // (also every slot of an inactive thread)
+        const int key = rank_major ? E + divide_by_magic(ids[k], rank_magic) : ids[k];
+        if (key < e_lo || key >= e_hi) continue;  // most slots name another block's keys
+        slot_rank[static_cast<int64_t>(t) * K + k] = slot_value(k);
+      }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < n_local * kPrepWarps; i += blockDim.x) {
