@@ -163,11 +163,12 @@ def _aligner(mesh):
     starts together everywhere. Without it a host-bound chain of calls (each GPU starting a call when
     the host reaches it) charges the launch skew between the GPUs to the op's first group-sync kernel.
     Returns (fn, args, the step's own kernel times per call on GPU 0)."""
-    spec = P()
-    a = jax.device_put(jnp.ones((ALIGN_GEMM, ALIGN_GEMM), jnp.bfloat16), NamedSharding(mesh, spec))
     axis = mesh.axis_names[0]
-    step = jax.jit(jax.shard_map(lambda a: lax.psum(jnp.dot(a, a), axis), mesh=mesh, in_specs=spec,
-                                 out_specs=spec))
+    # one matrix per GPU (varying over the axis: the all-reduce sums values that differ per GPU)
+    a = jax.device_put(jnp.ones((mesh.size, ALIGN_GEMM, ALIGN_GEMM), jnp.bfloat16),
+                       NamedSharding(mesh, P(axis)))
+    step = jax.jit(jax.shard_map(lambda a: lax.psum(jnp.dot(a[0], a[0]), axis), mesh=mesh,
+                                 in_specs=P(axis), out_specs=P()))
     jax.block_until_ready(step(a))
     return step, a, _trace_totals(lambda: step(a), 3)
 
