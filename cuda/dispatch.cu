@@ -87,8 +87,7 @@ __device__ __forceinline__ void load_sanitized_ids(const int32_t* __restrict__ r
 
 // n / d by a multiply-high with m = divisor_magic(d) = ceil(2^32 / d): exact for 0 <= n, n * d < 2^32
 // (here n < E <= kMaxExperts, d <= E). Prep is bound by instruction issue, and a division by a
-// runtime divisor costs ~25 instructions: two per slot (the slot's destination rank) made
-// rank-major prep 2.2x slower than expert-major (41.6 vs 18.5 us at T=4096, K=8, one H200).
+// runtime divisor costs ~25 instructions (the slot's destination rank, per slot).
 __device__ __forceinline__ uint64_t divisor_magic(uint32_t d) {
   return ((uint64_t{1} << 32) + d - 1) / d;
 }
@@ -97,6 +96,17 @@ __device__ __forceinline__ int divide_by_magic(int n, uint64_t magic) {
 }
 static_assert(static_cast<int64_t>(kMaxExperts) * kMaxExperts < (int64_t{1} << 32),
               "divide_by_magic needs n * d < 2^32 for an expert id n and experts per rank d");
+
+// The ranks a token's sanitised slots go to, as a bit mask (rank_magic: divisor_magic(E / R)).
+template <int kSlots>
+__device__ __forceinline__ uint32_t token_ranks(const int32_t (&ids)[kSlots], uint64_t rank_magic) {
+  uint32_t ranks = 0u;
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    if (ids[k] >= 0) ranks |= 1u << divide_by_magic(ids[k], rank_magic);
+  }
+  return ranks;
+}
 
 // Token t (of tile `tile`, sanitised ids `ids`): marks its lane in masks[e - e_lo][warp] for every
 // expert e in [e_lo, e_hi) it picked; the block the tile falls on (prep block `block` of `blocks`)
@@ -114,11 +124,7 @@ __device__ __forceinline__ void prep_mark_token(const int32_t (&ids)[kSlots], in
     if (e >= e_lo && e < e_hi) atomicOr(&masks[e - e_lo][warp], 1u << lane);  // (-1 is below)
   }
   if (tile % blocks != block) return;  // most blocks: no use for the token's ranks
-  uint32_t ranks = 0u;
-#pragma unroll
-  for (int k = 0; k < kSlots; ++k) {
-    if (ids[k] >= 0) ranks |= 1u << divide_by_magic(ids[k], rank_magic);
-  }
+  const uint32_t ranks = token_ranks(ids, rank_magic);
   bool* out = is_token_in_rank + static_cast<int64_t>(t) * R;
   for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
 }
@@ -130,11 +136,7 @@ template <int kSlots>
 __device__ __forceinline__ void prep_mark_ranks(const int32_t (&ids)[kSlots], int E, int R,
                                                 int e_lo, int e_hi, uint64_t rank_magic,
                                                 uint32_t (*masks)[kPrepWarps]) {
-  uint32_t ranks = 0u;
-#pragma unroll
-  for (int k = 0; k < kSlots; ++k) {
-    if (ids[k] >= 0) ranks |= 1u << divide_by_magic(ids[k], rank_magic);
-  }
+  const uint32_t ranks = token_ranks(ids, rank_magic);
   for (int r = 0; r < R; ++r) {
     const uint32_t voters = __ballot_sync(kFullMask, ((ranks >> r) & 1u) != 0u);
     const int key = E + r;
@@ -205,9 +207,12 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
       running[i] = run;
     }
     __syncthreads();
-    // the slot's rank under its key (expert-major: its expert; rank-major: E + its destination)
-    const auto slot_value = [&](int k) {
-      const int key = rank_major ? E + divide_by_magic(ids[k], rank_magic) : ids[k];
+    // a used slot's key (expert-major: its expert; rank-major: E + its destination), and a token's
+    // rank under a key of this block
+    const auto key_of = [&](int k) {
+      return rank_major ? E + divide_by_magic(ids[k], rank_magic) : ids[k];
+    };
+    const auto rank_under = [&](int key) {
       return prefix[key - e_lo][warp] + __popc(masks[key - e_lo][warp] & lanemask_lt());
     };
     if (all_rank_keys) {
@@ -219,7 +224,7 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
         for (int k0 = 0; k0 < kSlots; k0 += 4) {
           if (k0 >= K) break;
           const auto value = [&](int k) {  // (int32 bits)
-            return static_cast<uint32_t>(ids[k] >= 0 ? slot_value(k) : -1);
+            return static_cast<uint32_t>(ids[k] >= 0 ? rank_under(key_of(k)) : -1);
           };
           *reinterpret_cast<uint4*>(slot_rank + static_cast<int64_t>(t) * K + k0) =
               make_uint4(value(k0), value(k0 + 1), value(k0 + 2), value(k0 + 3));
@@ -229,9 +234,9 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         if (ids[k] < 0) continue;  // (also every slot of an inactive thread)
-        const int key = rank_major ? E + divide_by_magic(ids[k], rank_magic) : ids[k];
+        const int key = key_of(k);
         if (key < e_lo || key >= e_hi) continue;  // most slots name another block's keys
-        slot_rank[static_cast<int64_t>(t) * K + k] = slot_value(k);
+        slot_rank[static_cast<int64_t>(t) * K + k] = rank_under(key);
       }
     }
     __syncthreads();
