@@ -377,19 +377,13 @@ def live_rows(handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None)
 def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
                 rank_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """combine's backward at this rank: (d y [C, H] of y's dtype, d row_weights [C] float32) for the
-    output cotangent g [T, H] (y's dtype) of combine(y, handle, cfg, rank_mask). ``broadcast`` of g,
-    then ``combine_bwd_rows``."""
-    return combine_bwd_rows(broadcast(g, handle, cfg, rank_mask), y, handle, cfg, rank_mask)
-
-
-def combine_bwd_rows(g_rows: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
-                     rank_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """combine's backward from the broadcast cotangent rows g_rows [C, H] (the token's g on each of
-    its rows): per live row (``live_rows``) d y = w * g (one float32 product, rounded to y's dtype)
-    and d row_weight = ``row_dot`` of y's row as stored (``as_stored``: its dtype's value) and g;
-    every other row +0.0 in both, whatever y holds there (NaN included: the select drops it)."""
+    output cotangent g [T, H] (y's dtype) of combine(y, handle, cfg, rank_mask). With g's rows g_r =
+    ``broadcast`` of g (the token's g on each of its rows): per live row (``live_rows``) d y = w * g_r
+    (one float32 product, rounded to y's dtype) and d row_weight = ``row_dot`` of y's row as stored
+    (``as_stored``: its dtype's value) and g_r; every other row +0.0 in both, whatever y holds there
+    (NaN included: the select drops it)."""
     live = live_rows(handle, cfg, rank_mask)
-    gf = g_rows.astype(jnp.float32)
+    gf = broadcast(g, handle, cfg, rank_mask).astype(jnp.float32)
     dy = jnp.where(live[:, None], gf * handle.row_weights[:, None], 0.0).astype(y.dtype)
     # src_index >= -1 always: a zero XLA cannot see, keeping the products apart from the sums
     runtime_zero = jnp.any(handle.src_index < EMPTY_ROW)

@@ -393,12 +393,9 @@ def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
         d = jax_ep.ll_dispatch(x.astype(jnp.bfloat16), i, w, cfg)
         return jax_ep.ll_combine(d.x, d.handle, cfg)
 
-    def trace():
-        fn = per_rank(loss, ep_size, jit=False)
-        jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fn(x, idx, w)), argnums=(0, 1)))(x, w)
-        jax.make_jaxpr(per_rank(decode, ep_size, jit=False))(x, idx, w)
-
-    trace()
+    fn = per_rank(loss, ep_size, jit=False)
+    jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fn(x, idx, w)), argnums=(0, 1)))(x, w)
+    jax.make_jaxpr(per_rank(decode, ep_size, jit=False))(x, idx, w)
     # broadcast is combine's backward's transport: the ops call combine_bwd (the kernel or the whole
     # reference backward, which calls broadcast itself with the mask it was given)
     assert sorted(seen) == sorted(name for name in DATA_OPS if name != "broadcast")
