@@ -23,6 +23,9 @@ constexpr int kDataWarps = kDataThreads / 32;
 // Bulk (TMA) row copies: every warp owns one shared-memory staging buffer and one mbarrier at the
 // start of the kernel's dynamic shared memory: [kDataWarps mbarriers][kDataWarps x kTmaBufferBytes].
 constexpr int kTmaBufferBytes = 13312;  // 13 KiB per warp: a 7168-wide bf16 row in two pieces
+// The end of the buffer that holds a piece's FP8 scales when a converting copy goes through it
+// (warp_copy_convert): 50 steps of 256 elements, 2 scales each.
+constexpr int kTmaScaleBytes = 512;
 constexpr int kTmaBarrierBytes = 128;   // kDataWarps mbarriers of 8 bytes, padded to 128
 constexpr int kTmaSharedBytes = kTmaBarrierBytes + kDataWarps * kTmaBufferBytes;
 
@@ -862,14 +865,22 @@ __device__ __forceinline__ void convert8(const float f[8], uint4* bf16, uint2* f
 // lane 0 bulk-stores each piece to every destination (stores left in flight, as warp_copy_tma);
 // without it every lane stores its 8 elements to every destination itself, which made the FP8
 // dispatch bound by instruction issue (2x H200: no faster than BF16; one H200: 123 us at T=4096,
-// top-8, against 148 for the raw BF16 bulk copies). The FP8 scales are stored directly either way.
+// top-8, against 148 for the raw BF16 bulk copies). With kTma the FP8 scales of a piece also
+// collect in the buffer's last kTmaScaleBytes and go to each destination once per piece, 32 per
+// store (stored per step and destination, 2 lanes of 32 active, they were half the instructions of
+// an expert-major FP8 row with 8 receive rows); without it they are stored per step.
 template <bool kXF32, int kOut, int U, bool kTma = false>
 __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint32_t dst_mask,
                                                   char* my_dst, float* my_scales, int lane,
                                                   TmaWarp* tma = nullptr) {
   static_assert(kOut == kRowBF16 || kOut == kRowFP8, "converting copy writes bf16 or fp8");
   constexpr int kOutBytes = kOut == kRowFP8 ? 1 : 2;
-  constexpr int kPieceSteps = kTmaBufferBytes / (256 * kOutBytes);  // FP8: 52, BF16: 26
+  constexpr bool kSharedScales = kTma && kOut == kRowFP8;
+  constexpr int kPieceSteps =  // FP8: 50, BF16: 26
+      (kTmaBufferBytes - (kSharedScales ? kTmaScaleBytes : 0)) / (256 * kOutBytes);
+  static_assert(!kSharedScales || kPieceSteps * 2 * 4 <= kTmaScaleBytes, "a piece's scales fit");
+  float* piece_scales =
+      kSharedScales ? reinterpret_cast<float*>(tma->buffer + kPieceSteps * 256) : nullptr;
   const int steps = (H + 255) / 256;
   for (int p0 = 0; p0 < steps; p0 += kTma ? kPieceSteps : steps) {
     const int p1 = kTma ? min(steps, p0 + kPieceSteps) : steps;
@@ -901,15 +912,15 @@ __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint
           char* at = tma->buffer + static_cast<int64_t>(e0 - p0 * 256) * kOutBytes;
           if (in && kOut == kRowFP8) *reinterpret_cast<uint2*>(at) = fp8;
           if (in && kOut == kRowBF16) *reinterpret_cast<uint4*>(at) = bf16;
+          if (kSharedScales && in && (lane & 15) == 0) {
+            piece_scales[(s0 + u - p0) * 2 + (lane >> 4)] = scale;
+          }
         }
-        if (!kTma || kOut == kRowFP8) {
+        if constexpr (!kTma) {
           for (uint32_t m = dst_mask; m != 0u; m &= m - 1u) {
             const int j = __ffs(m) - 1;
-            char* to = nullptr;
-            if constexpr (!kTma) {
-              to = reinterpret_cast<char*>(
-                  __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
-            }
+            char* to = reinterpret_cast<char*>(
+                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
             float* scales = nullptr;
             if constexpr (kOut == kRowFP8) {
               scales = reinterpret_cast<float*>(
@@ -918,7 +929,7 @@ __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint
             if (!in) continue;
             if constexpr (kOut == kRowFP8) {
               if ((lane & 15) == 0) scales[e0 / 128] = scale;
-              if constexpr (!kTma) *reinterpret_cast<uint2*>(to + e0) = fp8;
+              *reinterpret_cast<uint2*>(to + e0) = fp8;
             } else {
               *reinterpret_cast<uint4*>(to + static_cast<int64_t>(e0) * 2) = bf16;
             }
@@ -936,6 +947,12 @@ __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint
         char* to = reinterpret_cast<char*>(
             __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
         if (lane == 0) tma_store(to + begin, tma->buffer, static_cast<uint32_t>(end - begin));
+        if constexpr (kSharedScales) {  // the piece's scales [2 * p0, ...), 32 per store
+          float* scales = reinterpret_cast<float*>(
+              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scales), j));
+          const int n = static_cast<int>((end - begin) / 128);
+          for (int i = lane; i < n; i += 32) scales[2 * p0 + i] = piece_scales[i];
+        }
       }
       if (lane == 0) tma_store_commit();
     }

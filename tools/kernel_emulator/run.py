@@ -362,7 +362,7 @@ CASES = [
          capacity=200, kind="messy"),
     dict(name="70 experts on one rank, segment scan", R=1, T=30, H=64, K=8, E=70, align=2),
     dict(name="top12 messy (prep's wide slot path)", R=2, T=20, H=64, K=12, E=16, kind="messy"),
-    # converting bulk copies in more than one piece of the warp's shared buffer (26 BF16 / 52 FP8
+    # converting bulk copies in more than one piece of the warp's shared buffer (26 BF16 / 50 FP8
     # steps of 256 elements per piece)
     dict(name="f32 -> bf16 rows in two bulk pieces", R=2, T=10, H=7168, K=4, E=8, x_dtype="float32",
          dispatch_dtype="bfloat16"),
