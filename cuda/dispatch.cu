@@ -621,7 +621,10 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
   } else if constexpr (kConv == kConvF32ToBF16) {
     warp_copy_convert<true, kRowBF16, 4, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
   } else if constexpr (kConv == kConvBF16ToFP8) {
-    warp_copy_convert<false, kRowFP8, 4, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
+    // bulk: 8 steps' loads in flight (the conversion waited on loads at 10 warps per SM; without
+    // bulk copies 8 spill at the 128 registers of a 512-thread block)
+    warp_copy_convert<false, kRowFP8, kTma ? 8 : 4, kTma>(src, rs.n, dst_mask, dst, scales, lane,
+                                                          &tma);
   } else {
     warp_copy_convert<true, kRowFP8, 2, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
   }
