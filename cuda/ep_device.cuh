@@ -826,16 +826,31 @@ __device__ __forceinline__ uint2 pack_fp8x8(const float f[8]) {
 template <int kN>
 __device__ __forceinline__ float quantize_fp8_block(const float* f, uint2* fp8) {
   static_assert(kN % 8 == 0 && 128 % kN == 0, "a block is whole lanes of whole uint2s");
-  float amax = 0.f;
+  const int lane = threadIdx.x & 31;
+  float amax = 0.f;  // fmaxf drops NaN: never NaN, never negative
 #pragma unroll
   for (int i = 0; i < kN; ++i) amax = fmaxf(amax, fabsf(f[i]));
+  if constexpr (kN == 8) {
+    // two half-warp blocks: one max reduction each over the whole warp (a non-negative float's
+    // bits order as unsigned), in place of 4 dependent shuffle + max rounds
+    const unsigned bits = __float_as_uint(amax);
+    const unsigned lo = __reduce_max_sync(kFullMask, lane < 16 ? bits : 0u);
+    const unsigned hi = __reduce_max_sync(kFullMask, lane < 16 ? 0u : bits);
+    amax = __uint_as_float(lane < 16 ? lo : hi);
+  } else {
 #pragma unroll
-  for (int offset = 128 / kN / 2; offset >= 1; offset >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    for (int offset = 128 / kN / 2; offset >= 1; offset >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    }
   }
   amax = fmaxf(amax, 1e-4f);
-  const float inv_scale = __fdiv_rn(448.0f, amax);
-  const float scale = __fdiv_rn(amax, 448.0f);
+  // one IEEE division per lane: even lanes 448 / amax, odd lanes amax / 448, swapped in pairs
+  // (a block is at least 2 lanes)
+  const bool odd = (lane & 1) != 0;
+  const float mine = __fdiv_rn(odd ? amax : 448.0f, odd ? 448.0f : amax);
+  const float other = __shfl_xor_sync(kFullMask, mine, 1);
+  const float inv_scale = odd ? other : mine;
+  const float scale = odd ? mine : other;
   float q[kN];
 #pragma unroll
   for (int i = 0; i < kN; ++i) q[i] = __fmul_rn(f[i], inv_scale);

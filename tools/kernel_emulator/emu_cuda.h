@@ -264,6 +264,13 @@ inline unsigned __match_any_sync(unsigned, int value) {
   for (int i = 0; i < 32; ++i) out |= (all[i] == static_cast<uint32_t>(value) ? 1u : 0u) << i;
   return out;
 }
+inline unsigned __reduce_max_sync(unsigned, unsigned value) {
+  uint64_t all[32];
+  emu::gather(value, all);
+  unsigned out = 0;
+  for (int i = 0; i < 32; ++i) out = std::max(out, static_cast<unsigned>(all[i]));
+  return out;
+}
 inline unsigned __reduce_or_sync(unsigned, unsigned value) {
   uint64_t all[32];
   emu::gather(value, all);
