@@ -339,11 +339,14 @@ def test_ll_overlap_record_runs_on_the_reference_path():
                        NamedSharding(mesh, P("ep")))
     idx, w = (jax.device_put(a, NamedSharding(mesh, P("ep")))
               for a in bench._routing(rng, 2 * tokens, experts, topk))
-    r = bench.ll_overlap(mesh, cfg, (x, idx, w), 10.0, 1, 1, rng)
-    assert r["op"] == "ll_overlap" and r["dtype"] == "bfloat16"
-    assert r["shared_ffn"] == bench.LL_OVERLAP_FFN
+    r = bench.ll_overlap(mesh, cfg, (x, idx, w), 1, 1, rng)
+    assert r["op"] == "ll_overlap" and r["dtype"] == "bfloat16" and r["backend"] == "reference"
+    assert r["shared_ffn"] == bench.LL_OVERLAP_FFN and r["layers"] == bench.LL_OVERLAP_LAYERS
     assert r["us"] > 0 and r["us_serial"] > 0 and r["us_shared"] > 0
-    assert r["hidden_us"] == r["us_serial"] - r["us"] and r["hidden_share"] == r["hidden_us"] / 10.0
+    assert r["hidden_us"] == r["us_serial"] - r["us"]
+    assert r["dispatch_in_step_us"] == r["us_serial"] - r["us_shared"]
+    if r["dispatch_in_step_us"] > 0:
+        assert r["hidden_share"] == r["hidden_us"] / r["dispatch_in_step_us"]
 
 
 def test_bench_rank_major_records_feed_the_auto_table(tmp_path):
