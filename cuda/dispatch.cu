@@ -619,12 +619,12 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
   if constexpr (kConv == kConvCopy) {
     warp_copy_row<kTma>(tma, src, rs.hi - rs.lo, dst_mask, dst, lane);
   } else if constexpr (kConv == kConvF32ToBF16) {
-    warp_copy_convert<true, kRowBF16, 4, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
-  } else if constexpr (kConv == kConvBF16ToFP8) {
-    // bulk: 8 steps' loads in flight (the conversion waited on loads at 10 warps per SM; without
-    // bulk copies 8 spill at the 128 registers of a 512-thread block)
-    warp_copy_convert<false, kRowFP8, kTma ? 8 : 4, kTma>(src, rs.n, dst_mask, dst, scales, lane,
+    // register copies: 2 steps per batch (4 spill there, two batches being alive)
+    warp_copy_convert<true, kRowBF16, kTma ? 4 : 2, kTma>(src, rs.n, dst_mask, dst, scales, lane,
                                                           &tma);
+  } else if constexpr (kConv == kConvBF16ToFP8) {
+    // 4 steps per batch, the next batch's loads in flight meanwhile (warp_copy_convert)
+    warp_copy_convert<false, kRowFP8, 4, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
   } else {
     warp_copy_convert<true, kRowFP8, 2, kTma>(src, rs.n, dst_mask, dst, scales, lane, &tma);
   }

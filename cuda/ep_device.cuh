@@ -793,6 +793,35 @@ __device__ __forceinline__ void load8(const char* row, int64_t e0, float f[8]) {
   }
 }
 
+// 8 consecutive elements of a bf16 or f32 row as loaded (16 or 32 bytes; unpack8 makes them
+// floats): a batch of loads in flight costs 4 (bf16) or 8 (f32) registers per step, not 8 floats.
+template <bool kF32>
+struct Raw8 {
+  uint4 v[kF32 ? 2 : 1];
+};
+template <bool kF32>
+__device__ __forceinline__ Raw8<kF32> load_raw8(const char* row, int64_t e0) {
+  const uint4* p = reinterpret_cast<const uint4*>(row + e0 * (kF32 ? 4 : 2));
+  Raw8<kF32> raw;
+  raw.v[0] = __ldcg(p);
+  if constexpr (kF32) raw.v[1] = __ldcg(p + 1);
+  return raw;
+}
+template <bool kF32>
+__device__ __forceinline__ void unpack8(const Raw8<kF32>& raw, float f[8]) {
+  if constexpr (kF32) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      f[4 * h] = __uint_as_float(raw.v[h].x);
+      f[4 * h + 1] = __uint_as_float(raw.v[h].y);
+      f[4 * h + 2] = __uint_as_float(raw.v[h].z);
+      f[4 * h + 3] = __uint_as_float(raw.v[h].w);
+    }
+  } else {
+    unpack_bf16x8(raw.v[0], f);
+  }
+}
+
 template <bool kF32>
 __device__ __forceinline__ void store8(char* row, int64_t e0, const float f[8]) {
   if constexpr (kF32) {
@@ -897,32 +926,42 @@ __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint
   float* piece_scales =
       kSharedScales ? reinterpret_cast<float*>(tma->buffer + kPieceSteps * 256) : nullptr;
   const int steps = (H + 255) / 256;
+  // U steps' loads, raw (this lane's 8 elements of each), zero past the piece's end p1 or H
+  auto load_batch = [&](Raw8<kXF32>(&batch)[U], int s0, int p1) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e0 = (s0 + u) * 256 + lane * 8;
+      batch[u] = s0 + u < p1 && e0 < H ? load_raw8<kXF32>(x_row, e0) : Raw8<kXF32>{};
+    }
+  };
   for (int p0 = 0; p0 < steps; p0 += kTma ? kPieceSteps : steps) {
     const int p1 = kTma ? min(steps, p0 + kPieceSteps) : steps;
-    if constexpr (kTma) {
-      if (lane == 0) tma_store_wait_read();  // the previous piece's stores no longer read it
-      __syncwarp();
-    }
+    // software pipeline: the next batch's loads are in flight while this one converts
+    Raw8<kXF32> next[U];
+    load_batch(next, p0, p1);
     for (int s0 = p0; s0 < p1; s0 += U) {
-      float f[U][8];
+      Raw8<kXF32> batch[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int e0 = (s0 + u) * 256 + lane * 8;
-        if (s0 + u < p1 && e0 < H) {
-          load8<kXF32>(x_row, e0, f[u]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) f[u][i] = 0.f;
+      for (int u = 0; u < U; ++u) batch[u] = next[u];
+      if (s0 + U < p1) load_batch(next, s0 + U, p1);
+      if constexpr (kTma) {
+        // the previous piece's bulk stores (to a peer: NVLink's pace) must have read the buffer
+        // before it is rewritten; waited for once this piece's first loads are in flight
+        if (s0 == p0) {
+          if (lane == 0) tma_store_wait_read();
+          __syncwarp();
         }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int e0 = (s0 + u) * 256 + lane * 8;
         const bool in = s0 + u < p1 && e0 < H;
+        float f[8];
+        unpack8<kXF32>(batch[u], f);
         uint4 bf16;
         uint2 fp8;
         float scale = 0.f;
-        convert8<kOut>(f[u], &bf16, &fp8, &scale);
+        convert8<kOut>(f, &bf16, &fp8, &scale);
         if constexpr (kTma) {
           char* at = tma->buffer + static_cast<int64_t>(e0 - p0 * 256) * kOutBytes;
           if (in && kOut == kRowFP8) *reinterpret_cast<uint2*>(at) = fp8;
