@@ -43,7 +43,6 @@ same run (GPUs only).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import glob
@@ -453,7 +452,7 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
                             **({"kernels_us": {k: round(v, 1) for k, v in kernels.items()},
                                   "aligned": mesh.size > 1} if kernels else {})))
     if backend == "cuda" and on_gpu:
-        records.append(ll_overlap(mesh, cfg, (x, idx, w), iters, repeats, rng))
+        records.append(ll_overlap(mesh, cfg, (x, idx, w), iters, repeats, rng, profile=profile))
     return records
 
 
@@ -469,7 +468,8 @@ LL_OVERLAP_FFN = 2048
 LL_OVERLAP_LAYERS = 16
 
 
-def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng) -> dict:
+def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng,
+               profile: bool = False) -> dict:
     """How much of ll_dispatch the two-phase form hides behind real work, in a decode-like loop of
     LL_OVERLAP_LAYERS layers per call (one jitted call, so the device sets the pace, not the host).
     Each layer runs, on XLA's compute stream: ``serial``: ll_dispatch, then a shared expert (SwiGLU
@@ -479,7 +479,8 @@ def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng
     overlapped; ``dispatch_in_step_us`` = serial - shared (what the dispatch adds to the layer);
     ``hidden_share`` = hidden_us / dispatch_in_step_us. Over NVLink the send's own warps move the
     data, so what can hide is the receive's wait for the peers (their skew and the transfer's
-    latency), not the copying."""
+    latency), not the copying. ``profile`` (GPU): the kernels of both forms per layer
+    (``kernels_us`` / ``serial_kernels_us``; ``device_us`` / ``serial_device_us`` their sums)."""
     hidden, ffn = cfg.hidden, LL_OVERLAP_FFN
     replicated = NamedSharding(mesh, P())
     w1, w2 = (jax.device_put((rng.standard_normal(shape) * shape[0] ** -0.5).astype(jnp.bfloat16), replicated)
@@ -516,14 +517,23 @@ def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng
           for name, fn in (("serial", serial), ("overlapped", overlapped), ("shared", shared_only))}
     hidden_us = us["serial"] - us["overlapped"]
     dispatch_in_step_us = us["serial"] - us["shared"]
+    kernels = {}
+    if profile and mesh.devices.flat[0].platform == "gpu":
+        for name, fn in (("serial", serial), ("overlapped", overlapped)):
+            per_call = kernel_profile(layers(fn), args, iters, mesh)
+            kernels[name] = {k: round(v / LL_OVERLAP_LAYERS, 2) for k, v in per_call.items()}
+    profiled = dict(kernels_us=kernels["overlapped"], serial_kernels_us=kernels["serial"],
+                    serial_device_us=sum(kernels["serial"].values()),
+                    aligned=mesh.size > 1) if kernels else {}
     return dict(op="ll_overlap", backend=cfg.backend, layout="fixed_slots",
                 dtype=str(jnp.dtype(cfg.wire_dtype(jnp.bfloat16))), tokens_per_rank=cfg.max_tokens_per_rank,
                 hidden=hidden, topk=cfg.num_topk,
                 num_experts=cfg.num_experts, ep_size=mesh.size, us=us["overlapped"], us_serial=us["serial"],
                 us_shared=us["shared"], dispatch_in_step_us=dispatch_in_step_us, hidden_us=hidden_us,
                 hidden_share=hidden_us / dispatch_in_step_us if dispatch_in_step_us > 0 else None,
-                shared_ffn=ffn, layers=LL_OVERLAP_LAYERS, device_us=None, logical_gbps=None,
-                wire_gbps=None, num_sms=None, measured=True)
+                shared_ffn=ffn, layers=LL_OVERLAP_LAYERS,
+                device_us=sum(kernels["overlapped"].values()) if kernels else None, logical_gbps=None,
+                wire_gbps=None, num_sms=None, measured=True, **profiled)
 
 
 def _sm_count(mesh, kernel: KernelConfig) -> int:
