@@ -493,8 +493,13 @@ def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng
     def next_x(s, d):  # the next layer's tokens: the shared expert's output and one received row
         return (s + 1e-3 * d.x[0, :1].astype(jnp.float32)).astype(jnp.bfloat16)
 
+    # both forms through the same two optimization barriers, so that XLA fuses the rest alike
     def serial(x, i, w, w1, w2):
-        return next_x(shared(x, w1, w2), ll_dispatch(x, i, w, cfg))
+        d = ll_dispatch(x, i, w, cfg)
+        x, d = lax.optimization_barrier((x, d))
+        s = shared(x, w1, w2)
+        s, d = lax.optimization_barrier((s, d))
+        return next_x(s, d)
 
     def overlapped(x, i, w, w1, w2):
         pending = ll_dispatch_send(x, i, w, cfg)
