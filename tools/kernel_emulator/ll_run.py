@@ -59,6 +59,7 @@ CASES = [  # R, T, H, K, E, x dtype, wire dtype, routing, mode (0 fused, 1 two-p
     # fewer tokens than blocks: each token's slots are sent as G parts from G blocks
     (3, 2, 256, 4, 12, "bfloat16", "float8_e4m3fn", "messy", 0),   # 8 blocks: G = 4
     (2, 3, 136, 3, 6, "float32", "bfloat16", "messy", 1),          # 7 blocks: G = 2 (slots 0, 2 | 1)
+    (8, 5, 256, 8, 16, "bfloat16", "float8_e4m3fn", "messy", 1),   # EP8 (issue 16: no 8-GPU machine)
 ]
 BLOCKS = {9: 1, 10: 8, 11: 7}  # fixed cases run with 3 blocks but these
 # Rank masking: (case, the mask of each of the 2 repetitions). A masked rank sends and receives

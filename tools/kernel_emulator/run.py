@@ -350,6 +350,11 @@ CASES = [
          kind="skewed"),
     dict(name="3 ranks messy top1", R=3, T=30, H=96, K=1, E=9, kind="messy", capacity=24),
     dict(name="4 ranks top8", R=4, T=17, H=128, K=8, E=16, kind="messy"),
+    # EP8, as inside one 8-GPU node (no such machine has been lent: these are the EP8 checks)
+    dict(name="8 ranks top8 fp8", R=8, T=6, H=256, K=8, E=16, kind="messy",
+         dispatch_dtype="float8_e4m3fn", blocks=1, reps=1),
+    dict(name="8 ranks top6 bf16 align8", R=8, T=9, H=128, K=6, E=32, kind="messy", align=8, blocks=1,
+         reps=1),
     dict(name="K > E_local, 3 blocks, 1 send warp", R=2, T=41, H=7168, K=6, E=8, blocks=3,
          send_warps=1),
     dict(name="f32 y rows of 16 KiB (two combine pieces)", R=2, T=12, H=4096, K=4, E=8,
