@@ -849,12 +849,15 @@ __device__ __forceinline__ uint2 pack_fp8x8(const float f[8]) {
 
 // FP8 e4m3 of one 128-channel block held by 128 / kN aligned consecutive lanes, kN elements each
 // (consecutive channels): amax = max(max|x|, 1e-4) over the block, q = e4m3(x * (448 / amax)),
-// scale = amax / 448; bit-exact with jax_ep.reference.quantize_fp8. Writes this lane's kN bytes to
-// fp8 (8 per uint2, element order) and returns the block's scale. The xor shuffles stay inside the
-// block's lanes; every lane of the warp calls it.
+// scale = amax / 448; bit-exact with jax_ep.reference.quantize_fp8 for NaN-free x (fmaxf drops a
+// NaN from the amax, jnp.max keeps it). Writes this lane's kN bytes to fp8 (8 per uint2, element
+// order) and returns the block's scale. Every lane of the warp calls it, converged, in a
+// one-dimensional thread block (the lane is threadIdx.x & 31; kN = 8: lanes 0-15 and 16-31 are the
+// two blocks); the exchanges stay inside a block's lanes.
 template <int kN>
 __device__ __forceinline__ float quantize_fp8_block(const float* f, uint2* fp8) {
   static_assert(kN % 8 == 0 && 128 % kN == 0, "a block is whole lanes of whole uint2s");
+  static_assert(kN <= 64, "a block of at least 2 lanes (the division is shared by lane pairs)");
   const int lane = threadIdx.x & 31;
   float amax = 0.f;  // fmaxf drops NaN: never NaN, never negative
 #pragma unroll
@@ -1008,6 +1011,9 @@ __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint
           for (int i = lane; i < n; i += 32) scales[2 * p0 + i] = piece_scales[i];
         }
       }
+      // every lane's reads of piece_scales before anything (this warp's next piece, call or
+      // bulk load) writes the buffer again
+      if constexpr (kSharedScales) __syncwarp();
       if (lane == 0) tma_store_commit();
     }
   }
