@@ -92,34 +92,6 @@ __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, co
   }
 }
 
-// A lane's 8 elements of one step of a combine_bwd row as loaded (bf16: one 16-byte word, float32:
-// two), converted only when used: twice the loads in flight for the registers of floats.
-template <bool kF32>
-struct Raw8 {
-  uint4 v[kF32 ? 2 : 1];
-};
-
-template <bool kF32>
-__device__ __forceinline__ Raw8<kF32> load_raw8(const char* row, int64_t e0) {
-  const uint4* p = reinterpret_cast<const uint4*>(row + e0 * (kF32 ? 4 : 2));
-  Raw8<kF32> r;
-  r.v[0] = __ldcg(p);
-  if constexpr (kF32) r.v[1] = __ldcg(p + 1);
-  return r;
-}
-
-template <bool kF32>
-__device__ __forceinline__ void unpack8(const Raw8<kF32>& r, float f[8]) {
-  if constexpr (kF32) {
-    const uint32_t w[8] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w,
-                           r.v[1].x, r.v[1].y, r.v[1].z, r.v[1].w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = __uint_as_float(w[i]);
-  } else {
-    unpack_bf16x8(r.v[0], f);
-  }
-}
-
 // Steps of a combine_bwd row a lane loads before it computes: a row is one warp's chain of
 // steps / kBackwardUnroll dependent rounds of loads (the latency floor of a row), 64 registers of
 // loads in flight per lane either way.

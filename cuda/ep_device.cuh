@@ -794,7 +794,8 @@ __device__ __forceinline__ void load8(const char* row, int64_t e0, float f[8]) {
 }
 
 // 8 consecutive elements of a bf16 or f32 row as loaded (16 or 32 bytes; unpack8 makes them
-// floats): a batch of loads in flight costs 4 (bf16) or 8 (f32) registers per step, not 8 floats.
+// floats): a batch of loads in flight costs 4 (bf16) or 8 (f32) registers per step, not 8 floats
+// (warp_copy_convert; combine_bwd in cuda/broadcast.cu).
 template <bool kF32>
 struct Raw8 {
   uint4 v[kF32 ? 2 : 1];
