@@ -779,20 +779,6 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float f[8]) {
                     pack_bf16x2(f[6], f[7]));
 }
 
-// 8 consecutive elements starting at element e0 of a bf16 or f32 row, as floats.
-template <bool kF32>
-__device__ __forceinline__ void load8(const char* row, int64_t e0, float f[8]) {
-  if constexpr (kF32) {
-    const float4* p = reinterpret_cast<const float4*>(row + e0 * 4);
-    const float4 a = __ldcg(p);
-    const float4 b = __ldcg(p + 1);
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-  } else {
-    unpack_bf16x8(__ldcg(reinterpret_cast<const uint4*>(row + e0 * 2)), f);
-  }
-}
-
 // 8 consecutive elements of a bf16 or f32 row as loaded (16 or 32 bytes; unpack8 makes them
 // floats): a batch of loads in flight costs 4 (bf16) or 8 (f32) registers per step, not 8 floats
 // (warp_copy_convert; combine_bwd in cuda/broadcast.cu).
@@ -821,6 +807,12 @@ __device__ __forceinline__ void unpack8(const Raw8<kF32>& raw, float f[8]) {
   } else {
     unpack_bf16x8(raw.v[0], f);
   }
+}
+
+// 8 consecutive elements starting at element e0 of a bf16 or f32 row, as floats.
+template <bool kF32>
+__device__ __forceinline__ void load8(const char* row, int64_t e0, float f[8]) {
+  unpack8<kF32>(load_raw8<kF32>(row, e0), f);
 }
 
 template <bool kF32>
