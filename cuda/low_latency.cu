@@ -13,10 +13,12 @@
 //      in shared memory; slot i of (expert e, this rank) is the i-th token routed to e in token
 //      order (a popcount of the table). Block b sends the counts of experts b, b + grid, ... (one
 //      64-bit flag each: epoch, key, count), then its items b, b + grid, ... (token, part: with
-//      fewer tokens than blocks a token's top-k slots are split over up to K parts): each warp
-//      loads its steps of the row once, casts them (bf16, or fp8 with the per-128-channel scale)
-//      and stores them to every destination slot of the part; after a block barrier, lane k of
-//      warp 0 raises the slot's flag on the destination with a release store.
+//      fewer tokens than blocks a token's destination ranks are split over up to K parts): each
+//      warp loads its steps of the row once, casts them (bf16, or fp8 with the per-128-channel
+//      scale) and stores them once to every destination rank of the part (the token's record
+//      there, however many of its experts the rank has); after a block barrier, lane k of warp 0
+//      raises the flag of slot k's receive slot on the destination with a release store; the flag
+//      carries the slot's source (token, top-k).
 //    combine: warps take (slot, piece) items round-robin, slot index major over the (local expert,
 //      source rank) pairs, 32 at a time (lane j loads item j's src_slot entry); each filled slot's
 //      piece of the expert output is copied to its source's (token, top-k) row, then the lanes
@@ -24,8 +26,9 @@
 //  receive (fused, kLLRecv):
 //    dispatch: warps serve the P = E_local * R (local expert, source rank) pairs, about W / P warps
 //      each (W warps in all): lane 0 waits for the pair's count flag, then the warp copies its share
-//      of the pair's slots, each as soon as its own flag is up (rows, scales, src_slot); one warp per
-//      pair writes counts and -1 into src_slot past the count.
+//      of the pair's slots, each as soon as its own flag is up (the source token's record: row and
+//      scales; src_slot from the flag); one warp per pair writes counts and -1 into src_slot past
+//      the count.
 //    combine: warps take (token, 512-element chunk) items; lanes k < K wait for the flags of the
 //      chunk's piece of the token's used slots (weight != 0), then every lane sums its 16 elements
 //      over k in top-k order in float32 (no FMA), skipping weight-0 slots, and stores bf16.
@@ -363,7 +366,7 @@ __device__ __noinline__ uint64_t ll_wait(const uint64_t* flag, uint64_t want, in
     }
     const int ordinal = rank >= 0 && site.discovered ? site.call->ordinals[rank] : -1;
     record_fault_and_trap(state, kFaultTimeout, site.op_id, site.call->rank, rank, ordinal,
-                          site.call->epoch, observed >> (shift == 16 ? 24 : 16),
+                          site.call->epoch, observed >> (shift == 0 ? 16 : shift + 8),
                           static_cast<int64_t>(elapsed));
   }
   // an acquire load, not fence.acq_rel: the fence would also wait for this thread's own stores
@@ -663,7 +666,6 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   }
   ll_discover(a, call);
 
-  const uint64_t tag = call_tag(call);
   // counts: experts blockIdx.x + gridDim.x * i, one flag each on the expert's rank
   for (int e = blockIdx.x + gridDim.x * threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
     const int dest = e / local, le = e % local;
@@ -678,31 +680,40 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
                                 static_cast<uint64_t>(count));
   }
 
-  // items blockIdx.x, + gridDim.x, ...: lane k of every warp holds the slot of top-k slot k if the
-  // item's part sends it
+  // items blockIdx.x, + gridDim.x, ...: lane k of every warp holds top-k slot k. A token's pairs to
+  // one rank belong to one part (the rank's: rank % G), which stores the token's record there once
+  // and then raises those pairs' slot flags; a pair sent nowhere belongs to part k % G (its handle
+  // slot).
+  const uint64_t slot_tag = (call->epoch << 32) | (static_cast<uint64_t>(call->key) << 24);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int t = item / G;
-    const bool mine = lane < K && lane % G == item % G;
-    char* my_dst = nullptr;
-    int64_t block_slot = 0;
-    int dest = 0;
-    int32_t e = -1;
     float weight = 0.f;  // warp 0: its handle slot's, in flight while the row goes out
-    if (mine) {
-      if (warp == 0) weight = __ldg(p.topk_weights + static_cast<int64_t>(t) * K + lane);
+    if (warp == 0 && lane < K) weight = __ldg(p.topk_weights + static_cast<int64_t>(t) * K + lane);
+    int32_t e = -1;
+    int dest = -1;  // the pair's rank where it is sent (a pair to a masked rank is dropped)
+    if (lane < K) {
       e = sanitized_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane, E);
-      if (e >= 0 && is_active(call, e / local)) {  // a pair to a masked rank is dropped
-        const uint32_t* row = s.bits + e * words;
-        int i = __popc(row[t / 32] & ((1u << (t & 31)) - 1u));
-        for (int w = 0; w < t / 32; ++w) i += __popc(row[w]);
-        dest = e / local;
-        block_slot = (static_cast<int64_t>(e % local) * R + me) * T + i;
-        my_dst = call->peers[dest] + L.slots + half + block_slot * L.slot_bytes;
-      }
+      if (e >= 0 && is_active(call, e / local)) dest = e / local;
+    }
+    const bool mine = lane < K && (dest >= 0 ? dest : lane) % G == item % G;
+    const bool sent = mine && dest >= 0;
+    int64_t block_slot = 0;
+    if (sent) {
+      const uint32_t* row = s.bits + e * words;
+      int i = __popc(row[t / 32] & ((1u << (t & 31)) - 1u));
+      for (int w = 0; w < t / 32; ++w) i += __popc(row[w]);
+      block_slot = (static_cast<int64_t>(e % local) * R + me) * T + i;
+    }
+    // the first sent lane of each rank stores the record
+    const uint32_t same = __match_any_sync(kFullMask, sent ? dest : -1 - lane);
+    char* my_dst = nullptr;
+    if (sent && __ffs(same) - 1 == lane) {
+      my_dst = call->peers[dest] + L.records + half +
+               (static_cast<int64_t>(me) * T + t) * static_cast<int64_t>(L.slot_bytes);
     }
     const uint32_t dst_mask = __ballot_sync(kFullMask, my_dst != nullptr);
     const char* x_row = x + t * x_row_bytes;
-    for (int s0 = warp; s0 < steps; s0 += 2 * kWarps) {
+    for (int s0 = warp; dst_mask != 0u && s0 < steps; s0 += 2 * kWarps) {
       SendStep step[2];
       if (item == static_cast<int>(blockIdx.x) && s0 == warp) {
         step[0] = first[0];
@@ -714,19 +725,14 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
       store_step<kRow>(step[0], dst_mask, my_dst, L.row_bytes, lane);
       if (s0 + kWarps < steps) store_step<kRow>(step[1], dst_mask, my_dst, L.row_bytes, lane);
     }
-    char* peer = my_dst != nullptr ? call->peers[dest] : nullptr;
-    if (warp == 0 && my_dst != nullptr) {
-      reinterpret_cast<int32_t*>(peer + L.slot_src + half)[block_slot] =
-          static_cast<int32_t>(static_cast<int64_t>(t) * K + lane);
-    }
-    __syncthreads();  // the block's stores of the token, then its flags
-    if (warp == 0 && my_dst != nullptr) {
-      release_store_sys(reinterpret_cast<uint64_t*>(peer + L.slot_flags + half) + block_slot, tag);
+    __syncthreads();  // the block's stores of the records, then the slots' flags
+    if (warp == 0 && sent) {  // the flag carries the slot's source (token, top-k)
+      release_store_sys(reinterpret_cast<uint64_t*>(call->peers[dest] + L.slot_flags + half) +
+                            block_slot,
+                        slot_tag | static_cast<uint64_t>(static_cast<int64_t>(t) * K + lane));
     }
     // after the token's flags: off the path to the peers
-    if (warp == 0 && mine) {
-      dropped += write_handle_slot(p, t, lane, e, my_dst != nullptr ? dest : -1, weight);
-    }
+    if (warp == 0 && mine) dropped += write_handle_slot(p, t, lane, e, dest, weight);
   }
   return warp == 0 ? warp_sum(dropped) : 0;
 }
@@ -741,18 +747,18 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
   const LLCommon& a = p.c;
   const LLLayout& L = a.L;
   const LLCall* call = s.call;
-  const int T = a.num_tokens, R = a.num_ranks;
+  const int T = a.num_tokens, R = a.num_ranks, K = a.num_topk;
   const int num_pairs = a.num_experts;  // E_local * R
   const int lane = lane_id();
   const uint64_t half = static_cast<uint64_t>(call->half) * L.disp_half_bytes;
   const char* own = own_comm_buffer(a.state);
-  const uint64_t tag = call_tag(call);
   const LLWaitSite site = wait_site(a, call, kOpLLDispatch);
   const uint64_t want = (call->epoch << 8) | static_cast<uint64_t>(call->key);  // count flag >> 16
   const uint64_t* count_flags = reinterpret_cast<const uint64_t*>(own + L.count_flags + half);
+  // slot flag >> 24 (the epoch's low 32 bits, the key)
+  const uint64_t slot_want = ((call->epoch & 0xFFFFFFFFull) << 8) | static_cast<uint64_t>(call->key);
   const uint64_t* slot_flags = reinterpret_cast<const uint64_t*>(own + L.slot_flags + half);
-  const int32_t* slot_src = reinterpret_cast<const int32_t*>(own + L.slot_src + half);
-  const char* slots = own + L.slots + half;
+  const char* records = own + L.records + half;
   char* rows = static_cast<char*>(p.rows);
   const int num_scales = kRow == kRowFP8 ? a.hidden / 128 : 0;
   const int64_t W = total_warps();
@@ -770,15 +776,19 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
     for (int i = j; i < count; i += J) {
       const int64_t slot = static_cast<int64_t>(q) * T + i;  // = the output row
       unsigned long long got = 0;
-      if (lane == 0) got = ll_wait(slot_flags + slot, tag, 0, site, q % R);
-      if (__shfl_sync(kFullMask, got, 0) == kLLMissed) {  // shrink: the slot never came: empty
+      if (lane == 0) got = ll_wait(slot_flags + slot, slot_want, 24, site, q % R);
+      got = __shfl_sync(kFullMask, got, 0);
+      if (got == kLLMissed) {  // shrink: the slot never came: empty
         if (lane == 0) p.src_slot[slot] = -1;
         continue;
       }
       __syncwarp();  // lane 0's acquire, then every lane's loads
-      const char* from = slots + slot * L.slot_bytes;
-      // the slot's scales and source entry are loaded with its first piece (in flight together),
-      // not after the row: each dependent round trip to L2 is ~0.5 us here
+      // the flag names the slot's source (token, top-k): no load between the flag and the row
+      const int32_t src = static_cast<int32_t>(got & 0xFFFFFFull);
+      const char* from =
+          records + (static_cast<int64_t>(q % R) * T + src / K) * static_cast<int64_t>(L.slot_bytes);
+      // the slot's scales are loaded with its first piece (in flight together), not after the
+      // row: each dependent round trip to L2 is ~0.5 us here
       const float* scales = reinterpret_cast<const float*>(from + L.row_bytes);
       float scale[2];  // hidden up to 8192 (64 scales); any further ones are copied after the row
       if constexpr (kRow == kRowFP8) {
@@ -788,7 +798,6 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
           if (c < num_scales) scale[u] = __ldcg(scales + c);
         }
       }
-      const int32_t src = lane == 0 ? __ldcg(slot_src + slot) : 0;
       for (uint64_t offset = 0; offset < L.row_bytes; offset += kLLPieceBytes) {
         const uint64_t rest = L.row_bytes - offset;
         warp_copy_piece(from + offset, rows + slot * L.row_bytes + offset,

@@ -43,11 +43,13 @@ struct LLLayout {
   uint64_t ret_flags;     // uint64 [T * K][ret_pieces]: piece q of (token, top-k) is written
   uint64_t ret_rows;      // [T * K][ret_row_bytes]: the expert output of each (token, top-k)
   uint64_t ret_half_bytes;
-  // dispatch: what each source rank sends to this rank's experts
+  // dispatch: what each source rank sends to this rank's experts. A token travels once per
+  // destination rank (its record), however many of that rank's experts it picked; the receiver
+  // copies the record into each of its expert slots.
   uint64_t count_flags;   // uint64 [E_local][R]: (epoch << 24) | (key << 16) | count
-  uint64_t slot_flags;    // uint64 [E_local][R][T]: slot i of (expert, source rank) is written
-  uint64_t slot_src;      // int32 [E_local][R][T]: t * K + k of each slot's source (token, top-k)
-  uint64_t slots;         // [E_local][R][T][slot_bytes]: row, then FP8 scales
+  uint64_t slot_flags;    // uint64 [E_local][R][T]: slot i of (expert, source rank) is filled:
+                          // (epoch << 32) | (key << 24) | t * K + k, its source (token, top-k)
+  uint64_t records;       // [R][T][slot_bytes]: token t of source rank r, row then FP8 scales
   uint64_t disp_half_bytes;
   uint64_t row_bytes;     // dispatched row (bf16 or fp8)
   uint64_t scale_bytes;   // FP8 scales of a row (0 for bf16)
@@ -81,8 +83,7 @@ JAX_EP_HOST_DEVICE inline LLLayout make_ll_layout(int64_t num_ranks, int64_t num
   const uint64_t dispatch_start = at;
   L.count_flags = at;  at = align_up_u64(at + local * R * 8, kAlign);
   L.slot_flags = at;   at = align_up_u64(at + local * R * T * 8, kAlign);
-  L.slot_src = at;     at = align_up_u64(at + local * R * T * 4, kAlign);
-  L.slots = at;        at = align_up_u64(at + local * R * T * L.slot_bytes, kAlign);
+  L.records = at;      at = align_up_u64(at + R * T * L.slot_bytes, kAlign);
   L.disp_half_bytes = at - dispatch_start;
   at += L.disp_half_bytes;
   L.base.total = at;
