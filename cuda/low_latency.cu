@@ -22,7 +22,8 @@
 //    combine: warps take (slot, piece) items round-robin, slot index major over the (local expert,
 //      source rank) pairs, 32 at a time (lane j loads item j's src_slot entry); each filled slot's
 //      piece of the expert output is copied to its source's (token, top-k) row, then the lanes
-//      raise the pieces' flags there (release stores).
+//      raise the pieces' flags there (release stores). A slot of this rank's own tokens is not
+//      copied: its row index goes to ret_local, under its piece-0 flag.
 //  receive (fused, kLLRecv):
 //    dispatch: warps serve the P = E_local * R (local expert, source rank) pairs, about W / P warps
 //      each (W warps in all): lane 0 waits for the pair's count flag, then the warp copies its share
@@ -30,7 +31,8 @@
 //      scales; src_slot from the flag); one warp per pair writes counts and -1 into src_slot past
 //      the count.
 //    combine: warps take (token, 512-element chunk) items; lanes k < K wait for the flags of the
-//      chunk's piece of the token's used slots (weight != 0), then every lane sums its 16 elements
+//      chunk's piece of the token's used slots (weight != 0; a slot on this rank: its ret_local
+//      entry, and the row is read from y), then every lane sums its 16 elements
 //      over k in top-k order in float32 (no FMA), skipping weight-0 slots, and stores bf16.
 //    dispatch's handle slots (topk_weights, dest_rank [T, K], num_dropped): lanes k < K of warp 0
 //      write them for the block's tokens as the call's ranks keep them (the receive of a two-phase
@@ -908,12 +910,24 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
     char* to = nullptr;
     uint64_t* flag = nullptr;
     int bytes = 0;
-    // filled (a bad handle must not write out of bounds), to a source that takes part
-    if (item.tk >= 0 && item.tk < T * K && is_active(call, static_cast<int>((item.slot / T) % R))) {
+    const int source = static_cast<int>((item.slot / T) % R);
+    // a slot of this rank's own tokens is not copied: its row's index goes to the receive, which
+    // reads y there (piece 0's item; its flag covers the entry)
+    if (item.tk >= 0 && item.tk < T * K && source == call->rank && item.piece == 0 &&
+        is_active(call, source)) {
+      char* peer = call->peers[source];
+      reinterpret_cast<int32_t*>(peer + L.ret_local + half)[item.tk] =
+          static_cast<int32_t>(item.slot);
+      release_store_sys(reinterpret_cast<uint64_t*>(peer + L.ret_flags + half) +
+                            static_cast<int64_t>(item.tk) * pieces,
+                        tag);
+    }
+    // filled (a bad handle must not write out of bounds), to another source that takes part
+    if (item.tk >= 0 && item.tk < T * K && source != call->rank && is_active(call, source)) {
       const int64_t offset = static_cast<int64_t>(item.piece) * static_cast<int64_t>(kLLPieceBytes);
       const int64_t rest = row_bytes - offset;
       bytes = static_cast<int>(rest < static_cast<int64_t>(kLLPieceBytes) ? rest : kLLPieceBytes);
-      char* peer = call->peers[(item.slot / T) % R];
+      char* peer = call->peers[source];
       from = static_cast<const char*>(p.y) + item.slot * row_bytes + offset;
       to = peer + L.ret_rows + half + static_cast<int64_t>(item.tk) * L.ret_row_bytes + offset;
       flag = reinterpret_cast<uint64_t*>(peer + L.ret_flags + half) +
@@ -967,10 +981,18 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
     if (lane < K && is_active(call, call->rank) && is_active(call, dest)) {
       weight = __ldg(p.topk_weights + t * K + lane);
     }
+    // lane k: where row k is (returned by its rank, or this rank's own row of y)
+    const char* row = returned + (t * K + lane) * static_cast<int64_t>(L.ret_row_bytes);
     if (weight != 0.f) {
+      const bool local = dest == call->rank;
       // shrink: a rank that died in the call returned nothing: +0.0 (the slot is skipped)
-      if (ll_wait(flags + (t * K + lane) * pieces + piece, tag, 0, site, dest) == kLLMissed) {
+      if (ll_wait(flags + (t * K + lane) * pieces + (local ? 0 : piece), tag, 0, site, dest) ==
+          kLLMissed) {
         weight = 0.f;
+      } else if (local) {
+        const int32_t y_row = __ldcg(reinterpret_cast<const int32_t*>(own + L.ret_local + half) +
+                                     t * K + lane);
+        row = static_cast<const char*>(p.y) + static_cast<int64_t>(y_row) * H * 2;
       }
     }
     __syncwarp();  // lane k's acquire, then every lane's loads of row k
@@ -987,9 +1009,9 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int k = k0 + u;
-          if (in && k < K && ((used_mask >> k) & 1u)) {
-            load8<false>(returned + (t * K + k) * static_cast<int64_t>(L.ret_row_bytes), e0, v[u]);
-          }
+          const char* from = reinterpret_cast<const char*>(__shfl_sync(
+              kFullMask, reinterpret_cast<unsigned long long>(row), k < K ? k : 0));
+          if (in && k < K && ((used_mask >> k) & 1u)) load8<false>(from, e0, v[u]);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {

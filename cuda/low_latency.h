@@ -42,6 +42,8 @@ struct LLLayout {
   // combine: what each expert rank returns to this (source) rank
   uint64_t ret_flags;     // uint64 [T * K][ret_pieces]: piece q of (token, top-k) is written
   uint64_t ret_rows;      // [T * K][ret_row_bytes]: the expert output of each (token, top-k)
+  uint64_t ret_local;     // int32 [T * K]: the row of y of a (token, top-k) whose expert is on this
+                          // rank: it is read there, not copied (its piece-0 flag covers the entry)
   uint64_t ret_half_bytes;
   // dispatch: what each source rank sends to this rank's experts. A token travels once per
   // destination rank (its record), however many of that rank's experts it picked; the receiver
@@ -78,6 +80,7 @@ JAX_EP_HOST_DEVICE inline LLLayout make_ll_layout(int64_t num_ranks, int64_t num
   uint64_t at = 0;
   L.ret_flags = at;    at = align_up_u64(at + T * K * static_cast<uint64_t>(L.ret_pieces) * 8, kAlign);
   L.ret_rows = at;     at = align_up_u64(at + T * K * L.ret_row_bytes, kAlign);
+  L.ret_local = at;    at = align_up_u64(at + T * K * 4, kAlign);
   L.ret_half_bytes = at;
   at *= 2;
   const uint64_t dispatch_start = at;
@@ -178,7 +181,7 @@ cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream);
 // dest_rank and writes out only. A slot whose rank is masked in this call adds nothing (+0.0).
 struct LLCombineLaunch {
   LLCommon c;
-  const void* y;
+  const void* y;  // every mode: a receive reads the rows of its own rank's experts from it
   const int32_t* src_slot;
   const float* topk_weights;
   const int32_t* dest_rank;

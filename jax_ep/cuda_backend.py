@@ -685,8 +685,9 @@ def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
                   stream=cfg.kernel.async_stream,
                   **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                            row_bytes=hidden * 2, num_experts=cfg.num_experts))
+    # the receive reads this rank's own rows from y (they are not copied): y travels with the call
     return LLCombinePending(_vary_all(token, axis, y, handle.src_slot, mask), handle.topk_weights,
-                            handle.dest_rank)
+                            handle.dest_rank, y=y)
 
 
 def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
@@ -696,7 +697,7 @@ def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
     tokens, hidden = pending.topk_weights.shape[0], cfg.hidden
     rank, group, axis_slot = _group_of(axis)
     result = _call("ll_combine_recv", jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16),
-                   pending.token, pending.topk_weights, pending.dest_rank, rank, group,
+                   pending.token, pending.y, pending.topk_weights, pending.dest_rank, rank, group,
                    **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * 2, num_experts=cfg.num_experts))
-    return _vary_all(result, axis, pending.token, pending.topk_weights, pending.dest_rank)
+    return _vary_all(result, axis, pending.token, pending.y, pending.topk_weights, pending.dest_rank)

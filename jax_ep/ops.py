@@ -436,7 +436,8 @@ _ll_combine.defvjp(_ll_combine_fwd, _forward_only("ll_combine"))
 
 # ---- low-latency two-phase form -----------------------------------------------------------------
 # The backend is chosen once, at the send (as for the fused op); the receive runs the same backend's
-# second phase, told by the pending value: the reference path keeps its inputs in it.
+# second phase, told by the pending value: the reference path keeps its inputs in it (for combine
+# the handle's src_slot: both paths carry y).
 def _ll_send_impl(op: str, cfg: EPConfig, dtype):
     fused = implementation(op, cfg, dtype)
     if fused is getattr(reference, op):
@@ -447,7 +448,7 @@ def _ll_send_impl(op: str, cfg: EPConfig, dtype):
 
 
 def _ll_recv_impl(op: str, pending):
-    reference_path = (pending.x if op == "ll_dispatch" else pending.y) is not None
+    reference_path = (pending.x if op == "ll_dispatch" else pending.src_slot) is not None
     if reference_path:
         return getattr(reference, f"{op}_recv")
     from jax_ep import cuda_backend

@@ -132,8 +132,8 @@ class LLCombinePending(NamedTuple):
     token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
     topk_weights: jax.Array        # [T, K] float32: the LLHandle's
     dest_rank: jax.Array           # [T, K] int32: the LLHandle's
-    y: jax.Array | None = None     # reference path only: the expert outputs and the handle's slots
-    src_slot: jax.Array | None = None
+    y: jax.Array | None = None     # the expert outputs (the CUDA receive reads its own rank's rows)
+    src_slot: jax.Array | None = None  # reference path only: the handle's slots
     rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
 
 

@@ -1380,14 +1380,25 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
                rank, group, RecvPhase(handle), launch, own);
 }
 
-// ll_combine's y [E_local, R * T, H] bf16 and src_slot [E_local, R * T].
-ffi::Error CheckLLCombineSendInputs(const char* op, const EPAttrs& a, ffi::AnyBuffer y,
-                                    ffi::Buffer<ffi::S32> src_slot) {
+// ll_combine's y [E_local, R * T, H] bf16 (every phase: the receive reads its own rank's rows).
+ffi::Error CheckLLCombineY(const char* op, const EPAttrs& a, ffi::AnyBuffer y) {
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
   if (y.element_type() != ffi::DataType::BF16) return Invalid(op, "y must be bfloat16");
   if (ffi::Error error = CheckRowBytes(op, a, kRowBF16); !error.success()) return error;
-  if (!IsShape(y.dimensions(), {local, R * T, H}) ||
-      !IsShape(src_slot.dimensions(), {local, R * T})) {
+  if (!IsShape(y.dimensions(), {local, R * T, H})) {
+    return Invalid(op, "y " + DimsToString(y.dimensions()) + " does not match [E_local, R*T, H] = [" +
+                           std::to_string(local) + ", " + std::to_string(R * T) + ", " +
+                           std::to_string(H) + "]");
+  }
+  return ffi::Error::Success();
+}
+
+// ll_combine's y and src_slot [E_local, R * T].
+ffi::Error CheckLLCombineSendInputs(const char* op, const EPAttrs& a, ffi::AnyBuffer y,
+                                    ffi::Buffer<ffi::S32> src_slot) {
+  const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
+  if (ffi::Error error = CheckLLCombineY(op, a, y); !error.success()) return error;
+  if (!IsShape(src_slot.dimensions(), {local, R * T})) {
     return Invalid(op, "y " + DimsToString(y.dimensions()) + ", src_slot " +
                            DimsToString(src_slot.dimensions()) + " do not match T=" +
                            std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
@@ -1462,16 +1473,19 @@ ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
 }
 
 ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
-                             ffi::Buffer<ffi::U32> handle, ffi::Buffer<ffi::F32> topk_weights,
-                             ffi::Buffer<ffi::S32> dest_rank, ffi::Buffer<ffi::S32> rank,
-                             ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
+                             ffi::Buffer<ffi::U32> handle, ffi::AnyBuffer y,
+                             ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> dest_rank,
+                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                             ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kLLCombineRecvTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
+    if (ffi::Error error = CheckLLCombineY(kOp, a, y); !error.success()) return error;
     if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
       return error;
     }
     if (ffi::Error error = CheckLLDestRank(kOp, a, dest_rank); !error.success()) return error;
+    launch.y = y.untyped_data();
     launch.topk_weights = topk_weights.typed_data();
     launch.dest_rank = dest_rank.typed_data();
     launch.out = out->untyped_data();
@@ -1761,6 +1775,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::LLCombineSendImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineRecv, jax_ep::LLCombineRecvImpl,
                               (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,      // handle
+                                                  ffi::AnyBuffer,             // y
                                                   ffi::Buffer<ffi::F32>,      // topk_weights
                                                   ffi::Buffer<ffi::S32>>()    // dest_rank
                                    .Ret<ffi::AnyBuffer>()),                   // out
