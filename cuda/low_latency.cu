@@ -107,6 +107,15 @@ __device__ __forceinline__ bool is_active(const LLCall* call, int r) {
 __device__ __forceinline__ uint64_t call_tag(const LLCall* call) {
   return (call->epoch << 16) | static_cast<uint64_t>(call->key);
 }
+// combine: the piece-0 flag of a (token, top-k) whose row stays on this rank (its ret_local entry
+// is set) carries this bit besides the tag, so a flag a peer raised never satisfies a wait for a
+// local row (an inconsistent handle then times out, naming the op, instead of reading a stale entry)
+constexpr uint64_t kLLLocalRow = uint64_t{1} << 63;
+
+// Flag fields: the slot flags' source (t * K + k) takes 24 bits and the group key 8.
+static_assert(static_cast<int64_t>(kLLMaxTokens) * kMaxTopk <= (int64_t{1} << 24),
+              "a slot flag's source fits 24 bits");
+static_assert(kDirectoryAxes * kMaxGroups <= 256, "the group key fits 8 bits of the flags");
 
 // Shape keys of the double-buffering checks: combine's region depends on (T, K, H), dispatch's
 // on (R, E, slot bytes) besides.
@@ -605,10 +614,11 @@ __device__ __forceinline__ int write_handle_slot(const LLDispatchLaunch& p, int 
 }
 
 // The parts each token's send is split into (dispatch_send's items): as many as the blocks allow,
-// at most one per top-k slot.
-__device__ __forceinline__ int parts_per_token(int T, int K) {
+// at most one per destination rank a token can have (min(K, R)).
+__device__ __forceinline__ int parts_per_token(int T, int K, int R) {
+  const int most = K < R ? K : R;
   const int g = T > 0 ? static_cast<int>(gridDim.x) / T : 1;
-  return g < 1 ? 1 : (g > K ? K : g);
+  return g < 1 ? 1 : (g > most ? most : g);
 }
 
 // Warp 0: the sum of its lanes' counts, in every lane.
@@ -636,10 +646,10 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   const int steps = kRow == kRowFP8 ? (H + 511) / 512 : (H + 255) / 256;
   const char* x = static_cast<const char*>(p.x);
 
-  // Work items (token, part): part g of a token sends its top-k slots k with k % G == g. G > 1 when
-  // the tokens are fewer than the blocks, so a small batch's rows leave from up to K SMs at once
-  // instead of one per token (one SM's stores of a token's K copies took ~2.8 us at T=1).
-  const int G = parts_per_token(T, K);
+  // Work items (token, part): part g of a token sends it to its ranks r with r % G == g (below). G > 1
+  // when the tokens are fewer than the blocks, so a small batch's records leave from up to
+  // min(K, R) SMs at once instead of one per token.
+  const int G = parts_per_token(T, K, R);
   const int items = T * G;
   // this warp's steps warp and warp + 16 of the first item's token, loaded and cast before the wait
   SendStep first[2] = {};
@@ -920,7 +930,7 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
           static_cast<int32_t>(item.slot);
       release_store_sys(reinterpret_cast<uint64_t*>(peer + L.ret_flags + half) +
                             static_cast<int64_t>(item.tk) * pieces,
-                        tag);
+                        tag | kLLLocalRow);
     }
     // filled (a bad handle must not write out of bounds), to another source that takes part
     if (item.tk >= 0 && item.tk < T * K && source != call->rank && is_active(call, source)) {
@@ -986,8 +996,8 @@ __device__ void combine_recv(const LLCombineLaunch& p, const LLShared& s) {
     if (weight != 0.f) {
       const bool local = dest == call->rank;
       // shrink: a rank that died in the call returned nothing: +0.0 (the slot is skipped)
-      if (ll_wait(flags + (t * K + lane) * pieces + (local ? 0 : piece), tag, 0, site, dest) ==
-          kLLMissed) {
+      if (ll_wait(flags + (t * K + lane) * pieces + (local ? 0 : piece),
+                  local ? tag | kLLLocalRow : tag, 0, site, dest) == kLLMissed) {
         weight = 0.f;
       } else if (local) {
         const int32_t y_row = __ldcg(reinterpret_cast<const int32_t*>(own + L.ret_local + half) +

@@ -467,6 +467,9 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if getattr(pending.token, "shape", None) != (4,) or pending.token.dtype != jnp.uint32:
         raise ValueError(f"jax_ep.{op}: pending.token must be uint32[4] (the _send's), got "
                          f"{getattr(pending.token, 'dtype', None)}{getattr(pending.token, 'shape', None)}")
+    if kind is LLCombinePending and pending.y is None:
+        raise ValueError(f"jax_ep.{op}: pending.y is None: the receive reads the expert outputs y "
+                         "(ll_combine_send's pending carries them)")
 
 
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
