@@ -40,6 +40,7 @@ namespace {
 constexpr int kPrepThreads = 1024;
 constexpr int kPrepWarps = kPrepThreads / 32;
 constexpr int kPrepMaxExperts = 128;  // experts per prep block (shared bit masks)
+static_assert(kPrepWarps == 32, "the prefix scan of a key: lane w holds warp w");
 constexpr int kNotifyThreads = kPrepThreads;  // one kernel: the notify block and the prep blocks
 constexpr int kRowsThreads = 256;     // pending and fixup
 constexpr int kTailRows = 8192;       // unused-tail rows per receiver work item
@@ -70,12 +71,16 @@ __device__ __forceinline__ int64_t round_up_i64(int64_t value, int64_t multiple)
 // ids are loaded and checked once per token and block, not once per use (with them reloaded and
 // re-checked per slot, prep ran ~1,150 instructions per token: 40 us at T=4096, K=8 on one H200,
 // bound by instruction issue).
+// Loaded a tile ahead (prep_block), so the walk over the tiles does not wait for each tile's loads.
 template <int kSlots>
-__device__ __forceinline__ void load_sanitized_ids(const int32_t* __restrict__ row, int K, int E,
-                                                   int32_t (&ids)[kSlots]) {
-  int32_t raw[kSlots];
+__device__ __forceinline__ void load_raw_ids(const int32_t* __restrict__ row, int K,
+                                             int32_t (&raw)[kSlots]) {
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) raw[k] = k < K ? __ldg(row + k) : -1;
+}
+template <int kSlots>
+__device__ __forceinline__ void sanitize_ids(const int32_t (&raw)[kSlots], int E,
+                                             int32_t (&ids)[kSlots]) {
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
     bool keep = raw[k] >= 0 && raw[k] < E;
@@ -188,23 +193,43 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
   // tables are 256-byte aligned): the slot ranks of a token are written as vectors
   const bool all_rank_keys = rank_keys && e_lo <= E && e_hi >= E + R && K % 4 == 0;
   const int tiles = (T + kPrepThreads - 1) / kPrepThreads;
+  const auto load_tile = [&](int tile, int32_t(&raw)[kSlots]) {
+    const int t = tile * kPrepThreads + threadIdx.x;
+    load_raw_ids<kSlots>(topk_idx + static_cast<int64_t>(t < T ? t : 0) * K, t < T ? K : 0, raw);
+  };
+  // the next tile's ids in flight while this one is walked (not with 32 register slots: they spill)
+  constexpr bool kPrefetch = kSlots <= 8;
+  int32_t next[kSlots];
+  if constexpr (kPrefetch) load_tile(0, next);
   for (int tile = 0; tile < tiles; ++tile) {
     const int t = tile * kPrepThreads + threadIdx.x;
     const bool active = t < T;
     int32_t ids[kSlots];
-    load_sanitized_ids<kSlots>(topk_idx + static_cast<int64_t>(active ? t : 0) * K, active ? K : 0,
-                               E, ids);
+    if constexpr (kPrefetch) {
+      sanitize_ids<kSlots>(next, E, ids);
+      if (tile + 1 < tiles) load_tile(tile + 1, next);
+    } else {
+      load_tile(tile, next);
+      sanitize_ids<kSlots>(next, E, ids);
+    }
     if (active) prep_mark_token<kSlots>(ids, t, tile, block, blocks, R, e_lo, e_hi, rank_magic,
                                         masks, is_token_in_rank);
     if (rank_keys) prep_mark_ranks<kSlots>(ids, E, R, e_lo, e_hi, rank_magic, masks);
     __syncthreads();
-    for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
-      int32_t run = running[i];
-      for (int w = 0; w < kPrepWarps; ++w) {
-        prefix[i][w] = run;
-        run += __popc(masks[i][w]);
+    // per key, a warp scans its warps' counts (lane w: warp w), where one thread summing the 32 in
+    // turn took ~0.7 us a tile
+    for (int i = warp; i < n_local; i += kPrepWarps) {
+      const int lane = threadIdx.x & 31;
+      const int count = __popc(masks[i][lane]);
+      int inclusive = count;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, inclusive, d);
+        if (lane >= d) inclusive += v;
       }
-      running[i] = run;
+      const int32_t run = __shfl_sync(kFullMask, lane == 0 ? running[i] : 0, 0);
+      prefix[i][lane] = run + inclusive - count;
+      if (lane == 31) running[i] = run + inclusive;
     }
     __syncthreads();
     // a used slot's key (expert-major: its expert; rank-major: E + its destination), and a token's

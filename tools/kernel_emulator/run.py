@@ -384,6 +384,10 @@ CASES = [
          dispatch_dtype="bfloat16", y_dtype="float32", tma=False),
     # slices of several pieces: T = 512 wants 8 slices of a 10-piece row, so 5 of 2 pieces
     dict(name="slices of two pieces, T=512", R=2, T=512, H=7168, K=2, E=4, blocks=3, reps=1),
+    # prep walks the tokens in tiles of 1024, the next tile's ids loaded a tile ahead (8 slots)
+    dict(name="prep over 3 tiles, top8", R=2, T=2100, H=64, K=8, E=16, kind="messy", reps=1),
+    dict(name="prep over 2 tiles, top12 (wide slots)", R=2, T=1100, H=64, K=12, E=16, kind="messy",
+         reps=1),
     dict(name="mask rank 1 absent, slices", R=3, T=4, H=4096, K=3, E=9, kind="messy", mask=(1, 0, 1),
          absent=(1,)),
     dict(name="mask shrink, rank 2 stops calling, slices", R=3, T=3, H=4096, K=3, E=6, kind="messy",
