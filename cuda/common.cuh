@@ -55,6 +55,22 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* address) {
   return value;
 }
 
+// Plain (weak, coherent) global loads that stay where the program issues them: ptxas may sink
+// non-coherent loads (__ldg) past barriers to their first use, which undoes a load issued early
+// to overlap its latency with other work (dispatch's prep loads the next tile's ids that way).
+__device__ __forceinline__ int32_t load_early(const int32_t* address) {
+  int32_t value;
+  asm volatile("ld.global.b32 %0, [%1];" : "=r"(value) : "l"(address));
+  return value;
+}
+__device__ __forceinline__ int4 load_early4(const int32_t* address) {  // 16-byte aligned
+  int4 v;
+  asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
+}
+
 // Relaxed (strong, system-scope) store: no ordering with this thread's other accesses.
 __device__ __forceinline__ void store_relaxed_sys(uint64_t* address, uint64_t value) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" : : "l"(address), "l"(value) : "memory");

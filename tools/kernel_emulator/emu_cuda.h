@@ -45,6 +45,7 @@ inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 // ---- vector types ----
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
 struct alignas(8) uint2 { unsigned int x, y; };
 struct alignas(8) float2 { float x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -321,6 +322,10 @@ inline uint64_t load_relaxed_sys(const uint64_t* address) {
   return __atomic_load_n(address, __ATOMIC_RELAXED);
 }
 inline void fence_acquire_sys() { std::atomic_thread_fence(std::memory_order_acquire); }
+inline int32_t load_early(const int32_t* address) { return *address; }
+inline int4 load_early4(const int32_t* address) {
+  return int4{address[0], address[1], address[2], address[3]};
+}
 inline uint32_t atomic_add_acq_rel_gpu(uint32_t* address, uint32_t value) {
   return __atomic_fetch_add(address, value, __ATOMIC_ACQ_REL);
 }
