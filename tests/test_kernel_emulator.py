@@ -27,13 +27,19 @@ def _need_gxx() -> None:
         pytest.skip("needs g++ (C++20) for tools/kernel_emulator")
 
 
+def _run(cmd: list[str]) -> str:
+    """Runs an emulator script; its output (stdout + stderr), after asserting it succeeded."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
 def test_kernel_emulator_random_sweep(tmp_path):
     _need_gxx()
     cmd = [sys.executable, str(RUN), "--random", str(CASES), "--seed", str(SEED),
            "--driver", str(tmp_path / "driver")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    out = _run(cmd)
     assert f"{CASES}/{CASES} cases pass" in out, out[-6000:]
     cases = re.findall(r"^ok   random seed \d+ case \d+: R=(\d+) T=(\d+)/\d+ H=\d+ K=\d+ E=\d+ .*? "
                        r"(\w+)->(\w+) .*dropped \[([\d, ]+)\]", out, flags=re.M)
@@ -65,9 +71,7 @@ def test_rank_masking_on_the_emulator(tmp_path):
     a rank that stops calling in shrink mode). About 2 min."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "-k", "mask", "--driver", str(tmp_path / "driver")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    out = _run(cmd)
     assert "13/13 cases pass" in out, out[-6000:]
     assert "dispatches unmasked" in out, out[-6000:]
 
@@ -79,9 +83,7 @@ def test_prep_over_several_token_tiles_on_the_emulator(tmp_path):
     other cases have fewer than 1024 tokens. About 3 min."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "-k", "tiles", "--driver", str(tmp_path / "driver")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    out = _run(cmd)
     assert "2/2 cases pass" in out, out[-6000:]
 
 
@@ -102,9 +104,7 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     _need_gxx()
     cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--random", "4",
            "--seed", "7", "--driver", str(tmp_path / "ll_driver")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    out = _run(cmd)
     assert "37/37 low-latency cases pass" in out, out[-6000:]
     masked = re.findall(r"^ok   \(.*\) (.*), \d blocks, masks (\[.*\]) $", out, flags=re.M)
     assert len(masked) == 12, out[-6000:]  # 5 fixed, 3 shrink, 4 random
@@ -129,9 +129,7 @@ def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
     30 s (three cases wait for the 5 s timeout; the transport one must not)."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "--mismatch", "--driver", str(tmp_path / "driver")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    out = _run(cmd)
     assert "12/12 mismatch cases pass" in out, out[-6000:]
     # a mixed-transport pair is told apart in discovery, not after the 5 s bound
     took = re.search(r"^ok   mismatch transport \(([\d.]+)s\)", out, flags=re.M)
@@ -149,9 +147,7 @@ def test_rank_major_put_transport_on_the_emulator(tmp_path):
     _need_gxx()
     cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "put_run.py"),
            "--driver", str(tmp_path / "put_driver")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    out = _run(cmd)
     assert "6/6 cases bit-exact" in out, out[-6000:]
     assert "rank 1 receives nothing (rank-major rows [51, 0, 53]" in out, out[-6000:]
     assert "ok   put missing peer -> timeout naming dispatch_rank_major" in out, out[-6000:]
