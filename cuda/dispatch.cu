@@ -58,13 +58,17 @@ __device__ __forceinline__ int64_t round_up_i64(int64_t value, int64_t multiple)
 }
 
 // ---- 1. prep (blocks 1.. of the notify kernel) ------------------------------------------------
-// Prep block b owns keys [b * experts_per_block, ...) (experts; rank-major dispatch adds key E + r per
-// destination rank r); every block walks all tokens in tiles of 1024 (one token per thread) and,
-// per tile, marks in masks[key][warp] the lanes whose token has the key. A token's rank within a
+// Prep block b owns experts [b * experts_per_block, ...); rank-major dispatch adds the R keys
+// E + r (destination rank r) to every block, after its experts: each block walks all tokens in tiles
+// of 1024 (one token per thread) and, per tile, marks in masks[key][warp] the lanes whose token has
+// the key. A token's rank within a
 // key = tokens of earlier tiles + tokens of earlier warps of this tile + popc of the lower lanes
 // of its warp: token order, independent of scheduling. slot_rank gets, per (token, slot), its rank
 // among this rank's tokens of the slot's expert (expert-major) or of the slot's destination rank
-// (rank-major: the token's place in this rank's block of rows there).
+// (rank-major: the token's place in this rank's block of rows there). Rank-major's slot ranks of a
+// tile are written by one block (tile % blocks), as is_token_in_rank: one block holding the rank
+// keys and writing all T * K of them was prep's long pole (at T=8192 on one H200 its ballots, slot
+// values and stores made ~19 us of notify's 43: docs/benchmarks.md, session 12).
 
 // A token's K expert ids, sanitised (sanitized_expert: -1 for an unused, out-of-range or
 // repeated slot) into registers: slots past K are -1. Every prep block walks every token, so the
@@ -148,28 +152,29 @@ __device__ __forceinline__ void prep_mark_token(const int32_t (&ids)[kSlots], in
   for (int r = 0; r < R; ++r) out[r] = ((ranks >> r) & 1u) != 0u;
 }
 
-// Rank-major, a block holding rank keys: each warp's mask of tokens going to rank r (key E + r),
-// one ballot per rank, where a shared atomicOr per token hit the same word from every lane (most
-// tokens go to most ranks). Every thread calls it (ballots); slots of an inactive thread are -1.
+// Rank-major, every block: each warp's mask of tokens going to rank r (key E + r, in row r of
+// `rank_masks`), one ballot per rank, where a shared atomicOr per token hit the same word from
+// every lane (most tokens go to most ranks). Every thread calls it (ballots); slots of an inactive
+// thread are -1.
 template <int kSlots>
-__device__ __forceinline__ void prep_mark_ranks(const int32_t (&ids)[kSlots], int E, int R,
-                                                int e_lo, int e_hi, uint64_t rank_magic,
-                                                uint32_t (*masks)[kPrepWarps]) {
+__device__ __forceinline__ void prep_mark_ranks(const int32_t (&ids)[kSlots], int R,
+                                                uint64_t rank_magic,
+                                                uint32_t (*rank_masks)[kPrepWarps]) {
   const uint32_t ranks = token_ranks(ids, rank_magic);
   for (int r = 0; r < R; ++r) {
     const uint32_t voters = __ballot_sync(kFullMask, ((ranks >> r) & 1u) != 0u);
-    const int key = E + r;
-    if ((threadIdx.x & 31) == 0 && key >= e_lo && key < e_hi) {
-      masks[key - e_lo][threadIdx.x >> 5] = voters;  // its only writer (cleared each tile)
+    if ((threadIdx.x & 31) == 0) {
+      rank_masks[r][threadIdx.x >> 5] = voters;  // its only writer (cleared each tile)
     }
   }
 }
 
 // The shared memory of a prep block (dynamic: the notify block's lies over it).
-struct PrepShared {
-  uint32_t masks[kPrepMaxExperts][kPrepWarps];
-  int32_t prefix[kPrepMaxExperts][kPrepWarps];
-  int32_t running[kPrepMaxExperts];
+struct PrepShared {  // keys: the block's experts, then (rank-major) the R rank keys
+  static constexpr int kKeys = kPrepMaxExperts + kMaxGroupRanks;
+  uint32_t masks[kKeys][kPrepWarps];
+  int32_t prefix[kKeys][kPrepWarps];
+  int32_t running[kKeys];
 };
 
 // Prep block `block` of `blocks` (blocks 1.. of the notify kernel). kSlots: register slots per
@@ -187,25 +192,24 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
   if (threadIdx.x == 0) {
     require_comm_bytes(state, layout.total, rank_major ? kOpDispatchRankMajor : kOpDispatch, -1);
   }
-  const int keys = rank_major ? E + R : E;
   const int e_lo = block * experts_per_block;
-  const int e_hi = min(keys, e_lo + experts_per_block);
+  const int e_hi = min(E, e_lo + experts_per_block);
   const int n_local = max(0, e_hi - e_lo);
+  // rows n_local.. of masks / prefix / running: the rank keys E + r (rank-major)
+  const int n_keys = n_local + (rank_major ? R : 0);
   const int warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < kPrepMaxExperts * kPrepWarps; i += blockDim.x) {
+  for (int i = threadIdx.x; i < PrepShared::kKeys * kPrepWarps; i += blockDim.x) {
     masks[i / kPrepWarps][i % kPrepWarps] = 0u;
   }
-  for (int i = threadIdx.x; i < n_local; i += blockDim.x) running[i] = 0;
+  for (int i = threadIdx.x; i < n_keys; i += blockDim.x) running[i] = 0;
   __syncthreads();  // also: nobody touches the buffer before the stale-runtime check passed
 
   char* own = own_comm_buffer(state);
   int32_t* slot_rank = reinterpret_cast<int32_t*>(own + layout.slot_rank);
   const uint64_t rank_magic = divisor_magic(static_cast<uint32_t>(E / R));  // expert -> its rank
-  // rank-major: only the block(s) of the rank keys (E + r) mark tokens' ranks and place slots
-  const bool rank_keys = rank_major && e_hi > E;
-  // ... all of them, with K a multiple of 4 (slot_rank rows of 16-byte multiples; the buffer's
-  // tables are 256-byte aligned): the slot ranks of a token are written as vectors
-  const bool all_rank_keys = rank_keys && e_lo <= E && e_hi >= E + R && K % 4 == 0;
+  // rank-major with K a multiple of 4 (slot_rank rows of 16-byte multiples; the buffer's tables are
+  // 256-byte aligned): a token's slot ranks are written as vectors
+  const bool vector_slots = rank_major && K % 4 == 0;
   const int tiles = (T + kPrepThreads - 1) / kPrepThreads;
   const auto load_tile = [&](int tile, int32_t(&raw)[kSlots]) {
     const int t = tile * kPrepThreads + threadIdx.x;
@@ -228,10 +232,10 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
     }
     if (active) prep_mark_token<kSlots>(ids, t, tile, block, blocks, R, e_lo, e_hi, rank_magic,
                                         masks, is_token_in_rank);
-    if (rank_keys) prep_mark_ranks<kSlots>(ids, E, R, e_lo, e_hi, rank_magic, masks);
+    if (rank_major) prep_mark_ranks<kSlots>(ids, R, rank_magic, masks + n_local);
     __syncthreads();
     // per key, a warp scans its warps' counts (lane w: warp w): one thread summed the 32 in turn
-    for (int i = warp; i < n_local; i += kPrepWarps) {
+    for (int i = warp; i < n_keys; i += kPrepWarps) {
       const int lane = threadIdx.x & 31;
       const int count = __popc(masks[i][lane]);
       int inclusive = count;
@@ -245,46 +249,53 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
       if (lane == 31) running[i] = run + inclusive;
     }
     __syncthreads();
-    // a used slot's key (expert-major: its expert; rank-major: E + its destination), and a token's
-    // rank under a key of this block
-    const auto key_of = [&](int k) {
-      return rank_major ? E + divide_by_magic(ids[k], rank_magic) : ids[k];
+    // a token's rank under the key in row `row` of this block
+    const auto rank_under = [&](int row) {
+      return prefix[row][warp] + __popc(masks[row][warp] & lanemask_lt());
     };
-    const auto rank_under = [&](int key) {
-      return prefix[key - e_lo][warp] + __popc(masks[key - e_lo][warp] & lanemask_lt());
-    };
-    if (all_rank_keys) {
-      // every slot of the token is this block's: its K values as 16-byte stores (a warp's stores
-      // of one slot index each touched 32 sectors: the one block writing all T * K of them was
-      // bound by its store traffic). An unused slot gets -1 (read only for a used slot).
-      if (active) {
+    if (rank_major) {
+      // the tile's slots, all of them, from the block the tile falls on; slot k's row: its
+      // destination's rank key. An unused slot gets -1 (read only for a used slot).
+      const auto value = [&](int k) {  // (int32 bits)
+        return static_cast<uint32_t>(
+            ids[k] >= 0 ? rank_under(n_local + divide_by_magic(ids[k], rank_magic)) : -1);
+      };
+      if (active && tile % blocks == block) {
+        if (vector_slots) {  // a warp's stores of one slot index each touched 32 sectors
 #pragma unroll
-        for (int k0 = 0; k0 < kSlots; k0 += 4) {
-          if (k0 >= K) break;
-          const auto value = [&](int k) {  // (int32 bits)
-            return static_cast<uint32_t>(ids[k] >= 0 ? rank_under(key_of(k)) : -1);
-          };
-          *reinterpret_cast<uint4*>(slot_rank + static_cast<int64_t>(t) * K + k0) =
-              make_uint4(value(k0), value(k0 + 1), value(k0 + 2), value(k0 + 3));
+          for (int k0 = 0; k0 < kSlots; k0 += 4) {
+            if (k0 >= K) break;
+            *reinterpret_cast<uint4*>(slot_rank + static_cast<int64_t>(t) * K + k0) =
+                make_uint4(value(k0), value(k0 + 1), value(k0 + 2), value(k0 + 3));
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kSlots; ++k) {
+            if (k < K) slot_rank[static_cast<int64_t>(t) * K + k] = static_cast<int32_t>(value(k));
+          }
         }
       }
-    } else if (!rank_major || rank_keys) {
+    } else {
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         if (ids[k] < 0) continue;  // (also every slot of an inactive thread)
-        const int key = key_of(k);
-        if (key < e_lo || key >= e_hi) continue;  // most slots name another block's keys
-        slot_rank[static_cast<int64_t>(t) * K + k] = rank_under(key);
+        const int key = ids[k];
+        if (key < e_lo || key >= e_hi) continue;  // most slots name another block's experts
+        slot_rank[static_cast<int64_t>(t) * K + k] = rank_under(key - e_lo);
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < n_local * kPrepWarps; i += blockDim.x) {
+    for (int i = threadIdx.x; i < n_keys * kPrepWarps; i += blockDim.x) {
       masks[i / kPrepWarps][i % kPrepWarps] = 0u;
     }
     __syncthreads();
   }
   int32_t* counts_local = reinterpret_cast<int32_t*>(own + layout.counts_local);
   for (int i = threadIdx.x; i < n_local; i += blockDim.x) counts_local[e_lo + i] = running[i];
+  // the rank keys' counts (every block has them): from block 0
+  if (rank_major && block == 0) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x) counts_local[E + r] = running[n_local + r];
+  }
   // Arrival: the barrier orders every thread's writes above (counts_local, slot_rank,
   // is_token_in_rank) before thread 0's add in causality order, and the add's release is
   // cumulative, so the notify block, which acquires after seeing the count, sees them all.
@@ -423,7 +434,7 @@ __device__ __forceinline__ void segment_tables(char* own, const CommLayout& layo
 // The arguments of the notify kernel: the launch itself (passed by value) plus what it adds.
 struct NotifyArgs : DispatchLaunch {
   OpFingerprint fp;
-  int32_t experts_per_block;  // prep: keys per prep block
+  int32_t experts_per_block;  // prep: experts per prep block
 };
 
 // The shared memory of the notify block (dynamic, over a prep block's): the call, the sums of
@@ -1141,10 +1152,10 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   }
 
   const int E = p.num_experts;
-  const int keys = p.rank_major ? E + p.num_ranks : E;  // prep keys: experts (+ destination ranks)
-  const int spread = std::min(p.num_blocks, keys);
-  const int experts_per_block = std::min(kPrepMaxExperts, (keys + spread - 1) / spread);
-  const int prep_blocks = (keys + experts_per_block - 1) / experts_per_block;
+  // prep: the experts spread over the blocks (rank-major's rank keys are in every block)
+  const int spread = std::min(p.num_blocks, E);
+  const int experts_per_block = std::min(kPrepMaxExperts, (E + spread - 1) / spread);
+  const int prep_blocks = (E + experts_per_block - 1) / experts_per_block;
   const bool shrink = p.shrink != 0;
   NotifyArgs notify{p, dispatch_fingerprint(p), experts_per_block};
   // dynamic shared memory: a prep block's, or the notify block's (n_local: expert-major only)
