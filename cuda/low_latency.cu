@@ -112,6 +112,15 @@ __device__ __forceinline__ uint64_t call_tag(const LLCall* call) {
 // local row (an inconsistent handle then times out, naming the op, instead of reading a stale entry)
 constexpr uint64_t kLLLocalRow = uint64_t{1} << 63;
 
+// dispatch's slot flags: (epoch << 32) | (key << 24) | the slot's source t * K + k (what a sender
+// stores; the receiver waits for slot_flag_want == flag >> 24: the epoch's low 32 bits, the key)
+__device__ __forceinline__ uint64_t slot_flag(const LLCall* call, int64_t source) {
+  return (call->epoch << 32) | (static_cast<uint64_t>(call->key) << 24) |
+         static_cast<uint64_t>(source);
+}
+__device__ __forceinline__ uint64_t slot_flag_want(const LLCall* call) {
+  return ((call->epoch & 0xFFFFFFFFull) << 8) | static_cast<uint64_t>(call->key);
+}
 // Flag fields: the slot flags' source (t * K + k) takes 24 bits and the group key 8.
 static_assert(static_cast<int64_t>(kLLMaxTokens) * kMaxTopk <= (int64_t{1} << 24),
               "a slot flag's source fits 24 bits");
@@ -696,7 +705,6 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
   // one rank belong to one part (the rank's: rank % G), which stores the token's record there once
   // and then raises those pairs' slot flags; a pair sent nowhere belongs to part k % G (its handle
   // slot).
-  const uint64_t slot_tag = (call->epoch << 32) | (static_cast<uint64_t>(call->key) << 24);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int t = item / G;
     float weight = 0.f;  // warp 0: its handle slot's, in flight while the row goes out
@@ -741,7 +749,7 @@ __device__ int dispatch_send(const LLDispatchLaunch& p, const LLShared& s) {
     if (warp == 0 && sent) {  // the flag carries the slot's source (token, top-k)
       release_store_sys(reinterpret_cast<uint64_t*>(call->peers[dest] + L.slot_flags + half) +
                             block_slot,
-                        slot_tag | static_cast<uint64_t>(static_cast<int64_t>(t) * K + lane));
+                        slot_flag(call, static_cast<int64_t>(t) * K + lane));
     }
     // after the token's flags: off the path to the peers
     if (warp == 0 && mine) dropped += write_handle_slot(p, t, lane, e, dest, weight);
@@ -767,8 +775,7 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
   const LLWaitSite site = wait_site(a, call, kOpLLDispatch);
   const uint64_t want = (call->epoch << 8) | static_cast<uint64_t>(call->key);  // count flag >> 16
   const uint64_t* count_flags = reinterpret_cast<const uint64_t*>(own + L.count_flags + half);
-  // slot flag >> 24 (the epoch's low 32 bits, the key)
-  const uint64_t slot_want = ((call->epoch & 0xFFFFFFFFull) << 8) | static_cast<uint64_t>(call->key);
+  const uint64_t slot_want = slot_flag_want(call);
   const uint64_t* slot_flags = reinterpret_cast<const uint64_t*>(own + L.slot_flags + half);
   const char* records = own + L.records + half;
   char* rows = static_cast<char*>(p.rows);
@@ -921,19 +928,20 @@ __device__ void combine_send(const LLCombineLaunch& p, const LLShared& s, Combin
     uint64_t* flag = nullptr;
     int bytes = 0;
     const int source = static_cast<int>((item.slot / T) % R);
-    // a slot of this rank's own tokens is not copied: its row's index goes to the receive, which
-    // reads y there (piece 0's item; its flag covers the entry)
-    if (item.tk >= 0 && item.tk < T * K && source == call->rank && item.piece == 0 &&
-        is_active(call, source)) {
-      char* peer = call->peers[source];
-      reinterpret_cast<int32_t*>(peer + L.ret_local + half)[item.tk] =
-          static_cast<int32_t>(item.slot);
-      release_store_sys(reinterpret_cast<uint64_t*>(peer + L.ret_flags + half) +
-                            static_cast<int64_t>(item.tk) * pieces,
-                        tag | kLLLocalRow);
-    }
-    // filled (a bad handle must not write out of bounds), to another source that takes part
-    if (item.tk >= 0 && item.tk < T * K && source != call->rank && is_active(call, source)) {
+    // filled (a bad handle must not write out of bounds), to a source that takes part
+    const bool filled = item.tk >= 0 && item.tk < T * K && is_active(call, source);
+    if (filled && source == call->rank) {
+      // a slot of this rank's own tokens is not copied: its row's index goes to the receive,
+      // which reads y there (piece 0's item; its flag covers the entry)
+      if (item.piece == 0) {
+        char* peer = call->peers[source];
+        reinterpret_cast<int32_t*>(peer + L.ret_local + half)[item.tk] =
+            static_cast<int32_t>(item.slot);
+        release_store_sys(reinterpret_cast<uint64_t*>(peer + L.ret_flags + half) +
+                              static_cast<int64_t>(item.tk) * pieces,
+                          tag | kLLLocalRow);
+      }
+    } else if (filled) {
       const int64_t offset = static_cast<int64_t>(item.piece) * static_cast<int64_t>(kLLPieceBytes);
       const int64_t rest = row_bytes - offset;
       bytes = static_cast<int>(rest < static_cast<int64_t>(kLLPieceBytes) ? rest : kLLPieceBytes);
