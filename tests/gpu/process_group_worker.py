@@ -6,7 +6,8 @@ per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process
 
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
-within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine, and
+within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine, the
+low-latency ops' round trip (fused and two-phase, model 1's cases, bit-exact), and
 remote_smoke (NVSHMEM device puts + signals, the transport of the inter-node path, which NVSHMEM
 carries over P2P on one node) against peer_smoke's pattern. With --remote, the remote_smoke check
 only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
+import test_low_latency_gpu as ll_model1  # noqa: E402  (the low-latency cases and comparisons)
 from gpu_helpers import (  # noqa: E402
     GRAPH_OPTIONS,
     local,
@@ -125,6 +127,31 @@ def check_gradients(mesh, me) -> int:
         model1.assert_combine_close(g.reshape(g.shape[0], -1), r.reshape(r.shape[0], -1), what,
                                     steps=2)
     return 1
+
+
+def check_low_latency(mesh, me) -> int:
+    """The low-latency ops (model 1's test_ll_matches_reference cases: decode shape fp8 and bf16,
+    -1 and repeated slots, float32 tokens, one token): fused and two-phase round trips, two calls
+    each, on this process's rank against the reference, bit-exact."""
+    checks = 0
+    for case, (tokens, hidden, topk, experts, _, _, wire) in ll_model1.CASES.items():
+        kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+                  dispatch_dtype=wire)
+        cuda_cfg = ll_model1._cfg("cuda", **kw)
+        ref_fn = reference_by_vmap(ll_model1.round_trip_body(ll_model1._cfg("reference", **kw)), R)
+        rng = np.random.default_rng(list(ll_model1.CASES).index(case))  # same on every process
+        for call in range(2):
+            host = ll_model1.ll_case_inputs(rng, case, R)
+            want = rank_rows(ref_fn(*host), me, R)
+            args = put_global(mesh, *host)
+            poison_device_memory(jax.local_devices(), 256 << 20)
+            got = local(ll_model1.round_trip_fn(mesh, cuda_cfg)(*args))
+            poison_device_memory(jax.local_devices(), 256 << 20)
+            two = local(ll_model1.two_phase_fn(mesh, cuda_cfg)(*args))
+            ll_model1.assert_ll_equal(got, want, two, host[0], tokens, topk,
+                                      f"process {me} low-latency {case} call {call}")
+            checks += 1
+    return checks
 
 
 def check_remote_smoke(mesh, me) -> int:
@@ -231,6 +258,7 @@ def main(argv) -> None:
         assert group["model"] == "process_per_gpu" and group["pe"] == me, group
         assert group["reachable_pes"] == list(range(count)), group
         checks += check_gradients(mesh, me)
+        checks += check_low_latency(mesh, me)
         checks += check_remote_smoke(mesh, me)
     print(f"process_group_worker OK {checks} (process {me}, buffer {runtime.extension().buffer_bytes()} "
           f"bytes, faults {runtime.faults()})", flush=True)

@@ -40,8 +40,8 @@ def _cfg(backend, **kw):
     return jax_ep.EPConfig(axis_name=AXIS, backend=backend, **kw)
 
 
-@functools.cache
-def round_trip_fn(mesh, cfg):
+def round_trip_body(cfg):
+    """One rank's ll_dispatch -> ll_combine (y: [1, E_local, R*T, H], this rank's expert outputs)."""
     def body(x, idx, w, y):
         d = jax_ep.ll_dispatch(x, idx, w, cfg)
         y = y[0]
@@ -50,13 +50,17 @@ def round_trip_fn(mesh, cfg):
         out = jax_ep.ll_combine(y, d.handle, cfg)
         return jax.tree.map(lambda a: a[None], d), out
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    return body
 
 
 @functools.cache
-def two_phase_fn(mesh, cfg, in_flight=1):
-    """round_trip_fn through ll_dispatch_send / _recv and ll_combine_send / _recv, with a stand-in for
-    independent work between each send and its receive; in_flight=2: a second call (tokens x 2,
+def round_trip_fn(mesh, cfg):
+    return jax.jit(jax.shard_map(round_trip_body(cfg), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def two_phase_body(cfg, in_flight=1):
+    """round_trip_body through ll_dispatch_send / _recv and ll_combine_send / _recv, with a stand-in
+    for independent work between each send and its receive; in_flight=2: a second call (tokens x 2,
     outputs y 2) is sent before the first is received (optimization barriers fix the order)."""
     def body(x, idx, w, y):
         pending = [jax_ep.ll_dispatch_send(x, idx, w, cfg)]
@@ -74,7 +78,13 @@ def two_phase_fn(mesh, cfg, in_flight=1):
         outs = [jax_ep.ll_combine_recv(q, cfg) for q in sent]
         return jax.tree.map(lambda a: a[None], ds), outs
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    return body
+
+
+@functools.cache
+def two_phase_fn(mesh, cfg, in_flight=1):
+    return jax.jit(jax.shard_map(two_phase_body(cfg, in_flight), mesh=mesh, in_specs=P(AXIS),
+                                 out_specs=P(AXIS)))
 
 
 CASES = {  # tokens, hidden, topk, experts, routing, x dtype, wire dtype
@@ -92,42 +102,57 @@ def test_ll_matches_reference(cuda_backend, mesh, case):
               dispatch_dtype=wire)
     cuda_fn, ref_fn = round_trip_fn(mesh, _cfg("cuda", **kw)), round_trip_fn(mesh, _cfg("reference", **kw))
     rng = np.random.default_rng(list(CASES).index(case))
-    local = experts // R
     for call in range(2):
-        n = R * tokens
-        x = (rng.standard_normal((n, hidden)) * 2).astype(np.float32).astype(x_dtype)
-        idx = routing(rng, kind, n, topk, experts)
-        w = rng.random((n, topk)).astype(np.float32)
-        y = rng.standard_normal((R, local, R * tokens, hidden)).astype(ml_dtypes.bfloat16)
+        x, idx, w, y = ll_case_inputs(rng, case, R)
         args = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (x, idx, w, y)]
         want_d, want_out = jax.tree.map(np.asarray, ref_fn(*args))
         poison_device_memory(mesh.devices.flat, 256 << 20)
         got_d, got_out = jax.tree.map(np.asarray, cuda_fn(*args))
-        what = f"{case} call {call}"
-        assert_bits_equal(got_d.counts, want_d.counts, f"{what} counts")
-        assert_bits_equal(got_d.handle.src_slot, want_d.handle.src_slot, f"{what} src_slot")
-        assert_bits_equal(got_d.handle.topk_weights, want_d.handle.topk_weights, f"{what} weights")
-        filled = want_d.handle.src_slot >= 0
-        assert filled.sum() == want_d.counts.sum() > 0
-        if want_d.scales is None:
-            assert_bits_equal(got_d.x[filled], want_d.x[filled], f"{what} rows")
-        else:  # XLA's GPU division may round an fp8 differently: NumPy's IEEE bits, as in model 1
-            q_all, s_all = quantize_fp8_numpy(np.asarray(x))
-            slot = np.broadcast_to(np.arange(R * tokens), filled.shape)
-            source = (slot // tokens) * tokens + want_d.handle.src_slot // topk  # global token
-            assert_bits_equal(got_d.x[filled], q_all[source[filled]], f"{what} fp8 rows")
-            assert_bits_equal(got_d.scales[filled], s_all[source[filled]], f"{what} scales")
-        assert np.isfinite(np.asarray(got_out, np.float32)).all(), f"{what}: unfilled slots leaked"
-        assert_bits_equal(got_out, want_out, f"{what} combine")
-        # the two-phase form: the fused form's bits (filled slots, counts, handle, combine)
         poison_device_memory(mesh.devices.flat, 256 << 20)
-        (two_d,), (two_out,) = jax.tree.map(np.asarray, two_phase_fn(mesh, _cfg("cuda", **kw))(*args))
-        assert_bits_equal(two_d.counts, got_d.counts, f"{what} two-phase counts")
-        assert_bits_equal(two_d.handle.src_slot, got_d.handle.src_slot, f"{what} two-phase src_slot")
-        assert_bits_equal(two_d.x[filled], got_d.x[filled], f"{what} two-phase rows")
-        if got_d.scales is not None:
-            assert_bits_equal(two_d.scales[filled], got_d.scales[filled], f"{what} two-phase scales")
-        assert_bits_equal(two_out, got_out, f"{what} two-phase combine")
+        two = jax.tree.map(np.asarray, two_phase_fn(mesh, _cfg("cuda", **kw))(*args))
+        assert_ll_equal((got_d, got_out), (want_d, want_out), two, x, tokens, topk, f"{case} call {call}")
+
+
+def ll_case_inputs(rng, case, ranks):
+    """A case's global inputs (x, topk_idx, topk_weights, y) for `ranks` ranks from `rng`."""
+    tokens, hidden, topk, experts, kind, x_dtype, _ = CASES[case]
+    n = ranks * tokens
+    x = (rng.standard_normal((n, hidden)) * 2).astype(np.float32).astype(x_dtype)
+    idx = routing(rng, kind, n, topk, experts)
+    w = rng.random((n, topk)).astype(np.float32)
+    y = rng.standard_normal((ranks, experts // ranks, ranks * tokens, hidden)).astype(ml_dtypes.bfloat16)
+    return x, idx, w, y
+
+
+def assert_ll_equal(got, want, two, x, tokens, topk, what):
+    """The kernels' round trip `got` = (LLDispatchResult, combined) against the reference's `want`
+    (counts, src_slot, weights, every filled slot's row / FP8 scales and combine bit-exact; no NaN of
+    an unfilled slot leaks), and the two-phase form's `two` = ([result], [combined]) against `got`.
+    Every array has the ranks it holds on its leading axis (all of them in process model 1, this
+    process's in model 2); x is the global input."""
+    (got_d, got_out), (want_d, want_out), ((two_d,), (two_out,)) = got, want, two
+    assert_bits_equal(got_d.counts, want_d.counts, f"{what} counts")
+    assert_bits_equal(got_d.handle.src_slot, want_d.handle.src_slot, f"{what} src_slot")
+    assert_bits_equal(got_d.handle.topk_weights, want_d.handle.topk_weights, f"{what} weights")
+    filled = want_d.handle.src_slot >= 0
+    assert filled.sum() == want_d.counts.sum() > 0
+    if want_d.scales is None:
+        assert_bits_equal(got_d.x[filled], want_d.x[filled], f"{what} rows")
+    else:  # XLA's GPU division may round an fp8 differently: NumPy's IEEE bits, as in model 1
+        q_all, s_all = quantize_fp8_numpy(np.asarray(x))
+        slot = np.broadcast_to(np.arange(filled.shape[-1]), filled.shape)
+        source = (slot // tokens) * tokens + want_d.handle.src_slot // topk  # global token
+        assert_bits_equal(got_d.x[filled], q_all[source[filled]], f"{what} fp8 rows")
+        assert_bits_equal(got_d.scales[filled], s_all[source[filled]], f"{what} scales")
+    assert np.isfinite(np.asarray(got_out, np.float32)).all(), f"{what}: unfilled slots leaked"
+    assert_bits_equal(got_out, want_out, f"{what} combine")
+    # the two-phase form: the fused form's bits (filled slots, counts, handle, combine)
+    assert_bits_equal(two_d.counts, got_d.counts, f"{what} two-phase counts")
+    assert_bits_equal(two_d.handle.src_slot, got_d.handle.src_slot, f"{what} two-phase src_slot")
+    assert_bits_equal(two_d.x[filled], got_d.x[filled], f"{what} two-phase rows")
+    if got_d.scales is not None:
+        assert_bits_equal(two_d.scales[filled], got_d.scales[filled], f"{what} two-phase scales")
+    assert_bits_equal(two_out, got_out, f"{what} two-phase combine")
 
 
 def test_ll_two_calls_in_flight(cuda_backend, mesh):
