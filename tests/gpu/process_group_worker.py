@@ -7,7 +7,8 @@ per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
 within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine, the
-low-latency ops' round trip (fused and two-phase, model 1's cases, bit-exact), and
+rank-major ops (put_transport_worker's cases over the NVLink kernels, bit-exact), the low-latency
+ops' round trip (fused and two-phase, model 1's cases, bit-exact), and
 remote_smoke (NVSHMEM device puts + signals, the transport of the inter-node path, which NVSHMEM
 carries over P2P on one node) against peer_smoke's pattern. With --remote, the remote_smoke check
 only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import put_transport_worker as rank_major_model2  # noqa: E402  (the rank-major cases, any transport)
 import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
 import test_low_latency_gpu as ll_model1  # noqa: E402  (the low-latency cases and comparisons)
 from gpu_helpers import (  # noqa: E402
@@ -258,6 +260,7 @@ def main(argv) -> None:
         assert group["model"] == "process_per_gpu" and group["pe"] == me, group
         assert group["reachable_pes"] == list(range(count)), group
         checks += check_gradients(mesh, me)
+        checks += rank_major_model2.check_cases(mesh, me, transport="load_store")
         checks += check_low_latency(mesh, me)
         checks += check_remote_smoke(mesh, me)
     print(f"process_group_worker OK {checks} (process {me}, buffer {runtime.extension().buffer_bytes()} "
