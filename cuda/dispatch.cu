@@ -178,7 +178,7 @@ struct PrepShared {  // keys: the block's experts, then (rank-major) the R rank 
 };
 
 // Prep block `block` of `blocks` (blocks 1.. of the notify kernel). kSlots: register slots per
-// token, >= K (8 or kMaxTopk). Ends with the block's arrival on SyncCounters::prep_blocks_done
+// token, >= K (8, 16 or kMaxTopk). Ends with the block's arrival on SyncCounters::prep_blocks_done
 // (the notify block waits for all of them before it reads counts_local).
 template <int kSlots>
 __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout& layout,
@@ -215,7 +215,7 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
     const int t = tile * kPrepThreads + threadIdx.x;
     load_raw_ids<kSlots>(topk_idx + static_cast<int64_t>(t < T ? t : 0) * K, t < T ? K : 0, raw);
   };
-  // the next tile's ids in flight while this one is walked (not with 32 register slots: they spill)
+  // the next tile's ids in flight while this one is walked (8 slots only: with 16 they spill)
   constexpr bool kPrefetch = kSlots <= 8;
   int32_t next[kSlots];
   if constexpr (kPrefetch) load_tile(0, next);
@@ -1162,12 +1162,15 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   const size_t shared_bytes = std::max(
       sizeof(PrepShared),
       kNotifySharedBytes + (p.rank_major ? 0 : E / p.num_ranks * sizeof(int32_t)));
-  // 8 register slots cover the usual top-k (DeepSeek-V3: 8); larger K takes kMaxTopk
-  const bool wide = p.num_topk > 8;
-  const auto kernel = p.rank_major ? (wide ? dispatch_notify_kernel<kMaxTopk, true>
-                                           : dispatch_notify_kernel<8, true>)
-                                   : (wide ? dispatch_notify_kernel<kMaxTopk, false>
-                                           : dispatch_notify_kernel<8, false>);
+  // register slots per token: 8 cover the usual top-k (DeepSeek-V3: 8), 16 the wider ones without
+  // spills (1024 threads leave 64 registers each; kMaxTopk spills)
+  const int slots = p.num_topk <= 8 ? 8 : p.num_topk <= 16 ? 16 : kMaxTopk;
+  const auto pick = [&](auto s8, auto s16, auto sw) { return slots == 8 ? s8 : slots == 16 ? s16 : sw; };
+  const auto kernel = p.rank_major
+                          ? pick(dispatch_notify_kernel<8, true>, dispatch_notify_kernel<16, true>,
+                                 dispatch_notify_kernel<kMaxTopk, true>)
+                          : pick(dispatch_notify_kernel<8, false>, dispatch_notify_kernel<16, false>,
+                                 dispatch_notify_kernel<kMaxTopk, false>);
   // block 0 notifies, blocks 1.. prep (dispatch_notify_kernel)
   JAX_EP_LAUNCH_BLOCK0_WAITS(kernel, prep_blocks + 1, kNotifyThreads, shared_bytes, stream)(notify);
   JAX_EP_CHECK_LAUNCH();

@@ -76,15 +76,16 @@ def test_rank_masking_on_the_emulator(tmp_path):
     assert "dispatches unmasked" in out, out[-6000:]
 
 
-def test_prep_over_several_token_tiles_on_the_emulator(tmp_path):
+def test_prep_over_several_token_tiles_and_slot_widths_on_the_emulator(tmp_path):
     """Dispatch's prep walks the tokens in tiles of 1024, loading the next tile's ids while it walks
-    one (8 register slots; 32 for top-k above 8 load in the tile): run.py's 'tiles' cases (T = 2100
-    top-8, T = 1100 top-12), every output of both layouts bit-exact against the reference. The
-    other cases have fewer than 1024 tokens. About 3 min."""
+    one, a token's ids in 8, 16 or kMaxTopk register slots by top-k: run.py's 'slots' cases (T = 2100
+    top-8, T = 1100 top-12 and T = 1030 top-16 over several tiles; top-12 and top-20 in one), every
+    output of both layouts bit-exact against the reference. The other cases have fewer than 1024
+    tokens and top-k <= 8. About 4 min."""
     _need_gxx()
-    cmd = [sys.executable, str(RUN), "-k", "tiles", "--driver", str(tmp_path / "driver")]
+    cmd = [sys.executable, str(RUN), "-k", "slots", "--driver", str(tmp_path / "driver")]
     out = _run(cmd)
-    assert "2/2 cases pass" in out, out[-6000:]
+    assert "5/5 cases pass" in out, out[-6000:]
 
 
 def test_low_latency_kernels_on_the_emulator(tmp_path):

@@ -366,7 +366,9 @@ CASES = [
     dict(name="80 experts per rank, segment scan", R=2, T=40, H=64, K=6, E=160, align=4,
          capacity=200, kind="messy"),
     dict(name="70 experts on one rank, segment scan", R=1, T=30, H=64, K=8, E=70, align=2),
-    dict(name="top12 messy (prep's wide slot path)", R=2, T=20, H=64, K=12, E=16, kind="messy"),
+    # prep's register slots per token: 8 (K <= 8), 16 (K <= 16), kMaxTopk (wider)
+    dict(name="top12 messy (prep's 16 slots)", R=2, T=20, H=64, K=12, E=16, kind="messy"),
+    dict(name="top20 messy (prep's kMaxTopk slots)", R=2, T=24, H=64, K=20, E=32, kind="messy"),
     # converting bulk copies in more than one piece of the warp's shared buffer (26 BF16 / 50 FP8
     # steps of 256 elements per piece)
     dict(name="f32 -> bf16 rows in two bulk pieces", R=2, T=10, H=7168, K=4, E=8, x_dtype="float32",
@@ -385,8 +387,10 @@ CASES = [
     # slices of several pieces: T = 512 wants 8 slices of a 10-piece row, so 5 of 2 pieces
     dict(name="slices of two pieces, T=512", R=2, T=512, H=7168, K=2, E=4, blocks=3, reps=1),
     # prep walks the tokens in tiles of 1024, the next tile's ids loaded a tile ahead (8 slots)
-    dict(name="prep over 3 tiles, top8", R=2, T=2100, H=64, K=8, E=16, kind="messy", reps=1),
-    dict(name="prep over 2 tiles, top12 (wide slots)", R=2, T=1100, H=64, K=12, E=16, kind="messy",
+    dict(name="prep over 3 tiles, top8 (8 slots)", R=2, T=2100, H=64, K=8, E=16, kind="messy", reps=1),
+    dict(name="prep over 2 tiles, top12 (16 slots)", R=2, T=1100, H=64, K=12, E=16, kind="messy",
+         reps=1),
+    dict(name="prep over 2 tiles, top16 (16 slots)", R=2, T=1030, H=64, K=16, E=32, kind="messy",
          reps=1),
     dict(name="mask rank 1 absent, slices", R=3, T=4, H=4096, K=3, E=9, kind="messy", mask=(1, 0, 1),
          absent=(1,)),
