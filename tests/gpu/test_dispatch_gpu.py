@@ -155,6 +155,9 @@ CASES = {
     "h2048_k2_skewed_overflow": (256, 2048, 2, 8, "skewed", {"capacity": 192,
                                                              "expert_alignment": 4}),
     "f32_x_bf16_rows_k4": (128, 1024, 4, 16, "messy", {"dispatch_dtype": "bfloat16"}),
+    # top-k above 8: prep's 16 register slots per token, then kMaxTopk's over two token tiles
+    "h1024_k12_messy": (300, 1024, 12, 32, "messy", {}),
+    "h512_k20_two_tiles": (1100, 512, 20, 64, "distinct", {}),
 }
 
 
