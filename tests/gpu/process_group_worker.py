@@ -8,7 +8,8 @@ Checks, on this process's shard of every output (each process compares its own r
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
 within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine, the
 rank-major ops (put_transport_worker's cases over the NVLink kernels, bit-exact), the low-latency
-ops' round trip (fused and two-phase, model 1's cases, bit-exact), and
+ops' round trip (fused and two-phase, model 1's cases, bit-exact) and 20 two-phase steps in a
+lax.scan as CUDA graphs (each step's bits those of the fused step), and
 remote_smoke (NVSHMEM device puts + signals, the transport of the inter-node path, which NVSHMEM
 carries over P2P on one node) against peer_smoke's pattern. With --remote, the remote_smoke check
 only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
@@ -156,6 +157,31 @@ def check_low_latency(mesh, me) -> int:
     return checks
 
 
+def check_low_latency_scan(mesh, me) -> int:
+    """Model 1's test_ll_two_phase_in_scan_matches_fused: 20 decode steps in a lax.scan through the
+    two-phase ops, captured as CUDA graphs (each call's buffer half and epoch from the device), with
+    and without the sends on XLA stream 1: every step's combine on this process's rank equals that
+    step run alone through the fused ops, bit for bit."""
+    xs, idx, w = ll_model1.scan_inputs(np.random.default_rng(4), R)  # same on every process
+    steps_spec = NamedSharding(mesh, P(None, AXIS))
+    scan_args = [jax.make_array_from_callback(a.shape, steps_spec, lambda i, a=a: a[i]) for a in (xs, idx, w)]
+    checks = 0
+    for async_stream in (None, 1):
+        cfg = ll_model1.scan_cfg(async_stream)
+        fn = jax.shard_map(ll_model1.two_phase_scan_body(cfg), mesh=mesh, in_specs=P(None, AXIS),
+                           out_specs=P(None, AXIS))
+        poison_device_memory(jax.local_devices(), 64 << 20)
+        got = local(jax.jit(fn).lower(*scan_args).compile(GRAPH_OPTIONS["graphs"])(*scan_args))
+        step = jax.jit(jax.shard_map(ll_model1.fused_step_body(cfg), mesh=mesh, in_specs=P(AXIS),
+                                     out_specs=P(AXIS)))
+        for s in range(len(xs)):
+            want = local(step(*put_global(mesh, xs[s], idx[s], w[s])))
+            model1.assert_bits_equal(got[s], want, f"process {me} two-phase scan step {s}, "
+                                                   f"async_stream {async_stream}")
+        checks += 1
+    return checks
+
+
 def check_remote_smoke(mesh, me) -> int:
     """remote_smoke: every rank puts peer_smoke's pattern into its slot of every peer's buffer with
     NVSHMEM device puts + signals and returns what arrived, [R, n] per rank. This process checks its
@@ -262,6 +288,7 @@ def main(argv) -> None:
         checks += check_gradients(mesh, me)
         checks += rank_major_model2.check_cases(mesh, me, transport="load_store")
         checks += check_low_latency(mesh, me)
+        checks += check_low_latency_scan(mesh, me)
         checks += check_remote_smoke(mesh, me)
     print(f"process_group_worker OK {checks} (process {me}, buffer {runtime.extension().buffer_bytes()} "
           f"bytes, faults {runtime.faults()})", flush=True)

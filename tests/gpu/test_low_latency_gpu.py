@@ -214,45 +214,68 @@ def test_ll_in_scan_matches_separate_calls(cuda_backend, mesh):
         assert_bits_equal(got[s], want, f"scan step {s}")
 
 
-@pytest.mark.parametrize("async_stream", [None, 1])
-def test_ll_two_phase_in_scan_matches_fused(cuda_backend, mesh, async_stream):
-    """20 decode steps in a lax.scan through the two-phase ops (each step's receive after a stand-in
-    for independent work; with async_stream the sends run on XLA stream 1 beside it): the fused step's
-    bits, every step."""
-    tokens, hidden, topk, experts = 64, 1024, 4, 16
-    cfg = _cfg("cuda", num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
-               dispatch_dtype="float8_e4m3fn", kernel=jax_ep.KernelConfig(async_stream=async_stream))
-    steps = 20
-    rng = np.random.default_rng(4)
-    n = R * tokens
+SCAN_SHAPE = dict(tokens=64, hidden=1024, topk=4, experts=16, steps=20)
+
+
+def scan_inputs(rng, ranks):
+    """SCAN_SHAPE's inputs for `ranks` ranks: xs [steps, R*T, H], idx and w [steps, R*T, K]."""
+    tokens, hidden, topk, experts, steps = (SCAN_SHAPE[k] for k in ("tokens", "hidden", "topk", "experts",
+                                                                   "steps"))
+    n = ranks * tokens
     xs = rng.standard_normal((steps, n, hidden)).astype(ml_dtypes.bfloat16)
     idx = np.stack([routing(rng, "messy", n, topk, experts) for _ in range(steps)])
     w = rng.random((steps, n, topk)).astype(np.float32)
+    return xs, idx, w
 
-    def experts_of(d):
-        scale = jnp.repeat(d.scales, 128, axis=-1)
-        return (d.x.astype(jnp.float32) * scale).astype(jnp.bfloat16)  # identity experts
 
-    def fused(x, i, w):
+def scan_cfg(async_stream=None):
+    s = SCAN_SHAPE
+    return _cfg("cuda", num_experts=s["experts"], num_topk=s["topk"], hidden=s["hidden"],
+                max_tokens_per_rank=s["tokens"], dispatch_dtype="float8_e4m3fn",
+                kernel=jax_ep.KernelConfig(async_stream=async_stream))
+
+
+def fused_step_body(cfg):
+    """One decode step, fused ops, identity experts: (x, idx, w) -> combined [T, H]."""
+    def body(x, i, w):
         d = jax_ep.ll_dispatch(x, i, w, cfg)
-        return jax_ep.ll_combine(experts_of(d), d.handle, cfg)
+        return jax_ep.ll_combine(_identity_experts(d), d.handle, cfg)
 
+    return body
+
+
+def two_phase_scan_body(cfg):
+    """The step of fused_step_body through the two-phase ops (each receive after a stand-in for
+    independent work), `steps` of them in a lax.scan: (xs, idx, w) [steps, T, ...] -> [steps, T, H]."""
     def two_phase(x, i, w):
         p = jax_ep.ll_dispatch_send(x, i, w, cfg)
         work = jnp.tanh(x.astype(jnp.float32)).sum()
         p, _ = lax.optimization_barrier((p, work))
         d = jax_ep.ll_dispatch_recv(p, cfg)
-        q = jax_ep.ll_combine_send(experts_of(d), d.handle, cfg)
+        q = jax_ep.ll_combine_send(_identity_experts(d), d.handle, cfg)
         return jax_ep.ll_combine_recv(q, cfg)
 
+    return lambda xs, idx, w: lax.scan(lambda c, a: (c, two_phase(*a)), 0, (xs, idx, w))[1]
+
+
+def _identity_experts(d):
+    scale = jnp.repeat(d.scales, 128, axis=-1)
+    return (d.x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("async_stream", [None, 1])
+def test_ll_two_phase_in_scan_matches_fused(cuda_backend, mesh, async_stream):
+    """20 decode steps in a lax.scan through the two-phase ops (each step's receive after a stand-in
+    for independent work; with async_stream the sends run on XLA stream 1 beside it): the fused step's
+    bits, every step."""
+    cfg = scan_cfg(async_stream)
+    xs, idx, w = scan_inputs(np.random.default_rng(4), R)
     spec = P(None, AXIS)
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
-    run_scan = jax.jit(jax.shard_map(
-        lambda xs, idx, w: lax.scan(lambda c, a: (c, two_phase(*a)), 0, (xs, idx, w))[1],
-        mesh=mesh, in_specs=spec, out_specs=spec))
-    run_step = jax.jit(jax.shard_map(fused, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    run_scan = jax.jit(jax.shard_map(two_phase_scan_body(cfg), mesh=mesh, in_specs=spec, out_specs=spec))
+    run_step = jax.jit(jax.shard_map(fused_step_body(cfg), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
     got = np.asarray(run_scan(put(xs, spec), put(idx, spec), put(w, spec)))
-    for s in range(steps):
+    for s in range(len(xs)):
         want = np.asarray(run_step(put(xs[s], P(AXIS)), put(idx[s], P(AXIS)), put(w[s], P(AXIS))))
         assert_bits_equal(got[s], want, f"two-phase scan step {s}")
 
