@@ -15,7 +15,7 @@ carries over P2P on one node) against peer_smoke's pattern. With --remote, the r
 only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
 (benchmarks.ops.bench_shape) and process 0 writes the records. With --absent P, process P leaves
 right after jax.distributed is up and the others must fail the NVSHMEM bootstrap within a bounded
-time, naming process P. Prints "process_group_worker OK <checks>" at the end.
+time, naming process P. Prints "process_group_worker OK <checks> <checks per group, JSON>" at the end.
 
 No XLA collective runs across the processes (they may share one GPU: pytest --share-gpu, and NCCL
 refuses two processes on one GPU): the inputs are built from the same seed on every process, which
@@ -276,23 +276,23 @@ def main(argv) -> None:
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     if "--bench" in argv:  # the benchmark only (the test runs the checks)
         bench(mesh, argv[argv.index("--bench") + 1])
-        checks = 0
+        counts = {}
     elif "--remote" in argv:  # the NVSHMEM put/signal transport only
-        checks = check_remote_smoke(mesh, me)
+        counts = {"remote_smoke": check_remote_smoke(mesh, me)}
     else:
         assert R == count, f"test_dispatch_gpu's EP size {R} (JAX_EP_TEST_EP_RANKS) is not {count} processes"
-        checks = check_cases(mesh, me)
+        counts = {"dispatch_combine": check_cases(mesh, me)}
         group = runtime.extension().process_group()
         assert group["model"] == "process_per_gpu" and group["pe"] == me, group
         assert group["reachable_pes"] == list(range(count)), group
-        checks += check_gradients(mesh, me)
-        checks += rank_major_model2.check_cases(mesh, me, transport="load_store")
-        checks += check_low_latency(mesh, me)
-        checks += check_low_latency_scan(mesh, me)
-        checks += check_remote_smoke(mesh, me)
-    print(f"process_group_worker OK {checks} (process {me}, buffer {runtime.extension().buffer_bytes()} "
-          f"bytes, faults {runtime.faults()})", flush=True)
-
+        counts["gradients"] = check_gradients(mesh, me)
+        counts["rank_major"] = rank_major_model2.check_cases(mesh, me, transport="load_store")
+        counts["low_latency"] = check_low_latency(mesh, me)
+        counts["low_latency_scan"] = check_low_latency_scan(mesh, me)
+        counts["remote_smoke"] = check_remote_smoke(mesh, me)
+    # the checks per group, as JSON: the test asserts each group it expects ran
+    print(f"process_group_worker OK {sum(counts.values())} {json.dumps(counts)} (process {me}, buffer "
+          f"{runtime.extension().buffer_bytes()} bytes, faults {runtime.faults()})", flush=True)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -5,7 +5,9 @@ With pytest --share-gpu, both processes on GPU 0 under CUDA MPS (gpu_helpers.lau
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import pytest
 from gpu_helpers import run_workers
@@ -14,6 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.process_group]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "process_group_worker.py")
 TIMEOUT_S = 420
+# process_group_worker's check groups: each must have run at least once on every process
+CHECK_GROUPS = ("dispatch_combine", "gradients", "rank_major", "low_latency", "low_latency_scan",
+                "remote_smoke")
 
 
 def test_process_per_gpu_matches_reference(process_group):
@@ -22,7 +27,11 @@ def test_process_per_gpu_matches_reference(process_group):
         print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
     for p, (rc, out) in enumerate(results):
         assert rc == 0, f"process {p} failed (rc {rc}):\n{out[-4000:]}"
-        assert "process_group_worker OK" in out, f"process {p}: no OK line"
+        ok = re.search(r"process_group_worker OK \d+ (\{.*?\})", out)
+        assert ok, f"process {p}: no OK line"
+        counts = json.loads(ok.group(1))
+        missing = [g for g in CHECK_GROUPS if counts.get(g, 0) < 1]
+        assert not missing, f"process {p}: no check of {missing} ran ({counts})"
 
 
 def test_remote_smoke_puts_and_signals(process_group):
