@@ -294,5 +294,6 @@ def main(argv) -> None:
     print(f"process_group_worker OK {sum(counts.values())} {json.dumps(counts)} (process {me}, buffer "
           f"{runtime.extension().buffer_bytes()} bytes, faults {runtime.faults()})", flush=True)
 
+
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -48,6 +48,8 @@ import jax_ep.distributed  # noqa: E402
 from jax_ep import ops, runtime  # noqa: E402
 
 AXIS, R = model1.AXIS, model1.R
+
+
 def cfg(backend, transport="put", **kw):
     if backend != "cuda":
         return model1._cfg(backend, **kw)
