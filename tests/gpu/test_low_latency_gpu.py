@@ -91,7 +91,7 @@ CASES = {  # tokens, hidden, topk, experts, routing, x dtype, wire dtype
     "decode_fp8": (128, 7168, 8, 288, "distinct", jnp.bfloat16, "float8_e4m3fn"),
     "decode_bf16": (128, 7168, 8, 288, "messy", jnp.bfloat16, "bfloat16"),
     "small_f32_fp8": (5, 256, 3, 8, "messy", jnp.float32, "float8_e4m3fn"),
-    "one_token": (1, 2048, 2, 4, "distinct", jnp.bfloat16, "bfloat16"),
+    "one_token": (1, 2048, 2, 8, "distinct", jnp.bfloat16, "bfloat16"),
 }
 
 

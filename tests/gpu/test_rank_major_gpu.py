@@ -92,7 +92,7 @@ CASES = {
     "skewed top2": (256, 1024, 2, 8, "skewed", {}),
     "f32 x, bf16 wire": (128, 4096, 4, 16, "messy", {"dispatch_dtype": "bfloat16"}),
     "f32 rows": (96, 1024, 4, 16, "distinct", {}),
-    "top1 no bulk copies": (200, 1024, 1, 4, "messy", {"kernel": jax_ep.KernelConfig(bulk_copy=False)}),
+    "top1 no bulk copies": (200, 1024, 1, 8, "messy", {"kernel": jax_ep.KernelConfig(bulk_copy=False)}),
     "24 SMs, 2 send warps": (1024, 7168, 8, 256, "distinct",
                              {"kernel": jax_ep.KernelConfig(num_sms=24, dispatch_send_warps=2)}),
     # top-k above 8: prep's 16 register slots per token, then kMaxTopk's over two token tiles
