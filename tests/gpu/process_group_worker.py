@@ -281,9 +281,6 @@ def main(argv) -> None:
         counts = {"remote_smoke": check_remote_smoke(mesh, me)}
     else:
         assert R == count, f"test_dispatch_gpu's EP size {R} (JAX_EP_TEST_EP_RANKS) is not {count} processes"
-        group = runtime.extension().process_group()
-        assert group["model"] == "process_per_gpu" and group["pe"] == me, group
-        assert group["reachable_pes"] == list(range(count)), group
         checks = {"dispatch_combine": check_cases, "gradients": check_gradients,
                   "rank_major": lambda m, p: rank_major_model2.check_cases(m, p, transport="load_store"),
                   "low_latency": check_low_latency, "low_latency_scan": check_low_latency_scan,
@@ -301,6 +298,9 @@ def main(argv) -> None:
                     time.sleep(0.1)
                 print(f"process {me}: check {name} failed; jax_ep faults: {runtime.faults()}", flush=True)
                 raise
+        group = runtime.extension().process_group()  # (set up by the first EP op)
+        assert group["model"] == "process_per_gpu" and group["pe"] == me, group
+        assert group["reachable_pes"] == list(range(count)), group
     # the checks per group, as JSON: the test asserts each group it expects ran
     print(f"process_group_worker OK {sum(counts.values())} {json.dumps(counts)} (process {me}, buffer "
           f"{runtime.extension().buffer_bytes()} bytes, faults {runtime.faults()})", flush=True)
