@@ -110,6 +110,7 @@ def test_ll_matches_reference(cuda_backend, mesh, case):
         got_d, got_out = jax.tree.map(np.asarray, cuda_fn(*args))
         poison_device_memory(mesh.devices.flat, 256 << 20)
         two = jax.tree.map(np.asarray, two_phase_fn(mesh, _cfg("cuda", **kw))(*args))
+        assert want_d.counts.sum() > 0, "no token went anywhere"
         assert_ll_equal((got_d, got_out), (want_d, want_out), two, x, tokens, topk, f"{case} call {call}")
 
 
@@ -135,7 +136,7 @@ def assert_ll_equal(got, want, two, x, tokens, topk, what):
     assert_bits_equal(got_d.handle.src_slot, want_d.handle.src_slot, f"{what} src_slot")
     assert_bits_equal(got_d.handle.topk_weights, want_d.handle.topk_weights, f"{what} weights")
     filled = want_d.handle.src_slot >= 0
-    assert filled.sum() == want_d.counts.sum() > 0
+    assert filled.sum() == want_d.counts.sum()  # (a rank of many may receive no token: one_token)
     if want_d.scales is None:
         assert_bits_equal(got_d.x[filled], want_d.x[filled], f"{what} rows")
     else:  # XLA's GPU division may round an fp8 differently: NumPy's IEEE bits, as in model 1
