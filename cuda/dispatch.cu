@@ -1164,8 +1164,9 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
       kNotifySharedBytes + (p.rank_major ? 0 : E / p.num_ranks * sizeof(int32_t)));
   // register slots per token: 8 cover the usual top-k (DeepSeek-V3: 8), 16 the wider ones without
   // spills (1024 threads leave 64 registers each; kMaxTopk spills)
-  const int slots = p.num_topk <= 8 ? 8 : p.num_topk <= 16 ? 16 : kMaxTopk;
-  const auto pick = [&](auto s8, auto s16, auto sw) { return slots == 8 ? s8 : slots == 16 ? s16 : sw; };
+  const auto pick = [&](auto s8, auto s16, auto sw) {
+    return p.num_topk <= 8 ? s8 : p.num_topk <= 16 ? s16 : sw;
+  };
   const auto kernel = p.rank_major
                           ? pick(dispatch_notify_kernel<8, true>, dispatch_notify_kernel<16, true>,
                                  dispatch_notify_kernel<kMaxTopk, true>)

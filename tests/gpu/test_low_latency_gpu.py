@@ -186,21 +186,9 @@ def test_ll_two_calls_in_flight(cuda_backend, mesh):
 def test_ll_in_scan_matches_separate_calls(cuda_backend, mesh):
     """20 decode steps in one jitted lax.scan (XLA captures the loop body as a CUDA graph): each
     step's combine equals that step run alone."""
-    tokens, hidden, topk, experts = 64, 1024, 4, 16
-    cfg = _cfg("cuda", num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
-               dispatch_dtype="float8_e4m3fn")
-    steps = 20
-    rng = np.random.default_rng(3)
-    n = R * tokens
-    xs = rng.standard_normal((steps, n, hidden)).astype(ml_dtypes.bfloat16)
-    idx = np.stack([routing(rng, "messy", n, topk, experts) for _ in range(steps)])
-    w = rng.random((steps, n, topk)).astype(np.float32)
-
-    def step(x, i, w):
-        d = jax_ep.ll_dispatch(x, i, w, cfg)
-        scale = jnp.repeat(d.scales, 128, axis=-1)
-        y = (d.x.astype(jnp.float32) * scale).astype(jnp.bfloat16)  # identity experts
-        return jax_ep.ll_combine(y, d.handle, cfg)
+    cfg = scan_cfg()
+    xs, idx, w = scan_inputs(np.random.default_rng(3), R)
+    step = fused_step_body(cfg)
 
     def scanned(xs, idx, w):
         return lax.scan(lambda c, a: (c, step(*a)), 0, (xs, idx, w))[1]
@@ -210,7 +198,7 @@ def test_ll_in_scan_matches_separate_calls(cuda_backend, mesh):
     run_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     got = np.asarray(run_scan(put(xs, spec), put(idx, spec), put(w, spec)))
-    for s in range(steps):
+    for s in range(len(xs)):
         want = np.asarray(run_step(put(xs[s], P(AXIS)), put(idx[s], P(AXIS)), put(w[s], P(AXIS))))
         assert_bits_equal(got[s], want, f"scan step {s}")
 
