@@ -22,6 +22,20 @@
 #            DeepSeek-V3 shape over the local GPUs; NCU_ARGS extra arguments of tools/ep_tune.py,
 #            NCU_SECTIONS ncu's section arguments, NCU_JOBS other kernels (see the step);
 #            reports and their details pages tarred into $OUT/ncu.tar.gz
+#      SWEEP=PARTS  the multi-GPU sweep (issues 12, 14, 16) after the rest, one program per part, in the
+#               order given (comma-separated; records $OUT/sweep_<part>.json, logs $OUT/sweep_<part>.log):
+#                 em     expert-major ops: backends cuda, dense, reference, ragged; bf16 and fp8
+#                 rm     rank-major ops (--rank-major): cuda and reference
+#                 ll     low-latency ops (--low-latency, tokens 1 and 128): cuda and reference
+#                 layer  the MoE layer step: shapes mid and deepseek, configs ep_reference, ep_cuda, jax_ep
+#                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py)
+#               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
+#               128,512,2048,4096,8192); every part runs with --profile. SWEEP_PART_TIMEOUT bounds each
+#               (default 900 s). Use SKIP_BENCH=1 SKIP_LAYER=1 with it, unless the default runs are wanted too.
+#      DEADLINE=S  every bounded step ends by S seconds after the start (a step with less than 20 s left
+#               is skipped and says so): for a machine whose calls are cut off at a fixed time
+#      TAR_OUT=1  at the end, everything under $OUT but summary.txt goes into $OUT/gpu_check.tar.gz
+#               (machines that return only a few files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +53,27 @@ export PYTHONUNBUFFERED=1
 
 status=0
 step() { echo "== $*"; }
+# bounded LIMIT: LIMIT, or less so that the step ends by DEADLINE; 0 when under 20 s are left
+bounded() {
+  local lim=$1
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS - 15))
+    [ "$left" -lt "$lim" ] && lim=$left
+    [ "$lim" -lt 20 ] && lim=0
+  fi
+  echo "$lim"
+}
+# bounded_run LIMIT CMD...: CMD under timeout; when DEADLINE leaves no time, skipped (rc 124)
+bounded_run() {
+  local lim
+  lim=$(bounded "$1")
+  shift
+  if [ "$lim" = 0 ]; then
+    echo "SKIPPED: DEADLINE ($DEADLINE s) reached: $*"
+    return 124
+  fi
+  timeout -k 5 "$lim" "$@"
+}
 
 step "environment" | tee "$OUT/summary.txt"
 {
@@ -87,7 +122,7 @@ step "GPU tests: pytest -m gpu tests/gpu"
 start=$SECONDS
 # PYTEST_ARGS is split like a shell line, so quotes work: PYTEST_ARGS='-k "a or b"'
 eval "pytest_args=(${PYTEST_ARGS:-})"
-timeout "${TESTS_TIMEOUT:-3000}" "$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
+bounded_run "${TESTS_TIMEOUT:-3000}" "$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
   "${pytest_args[@]}" >"$OUT/gpu-tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/gpu-tests.log"
@@ -122,7 +157,7 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     share_rc=0
     for file in $(grep -l "process_group" tests/gpu/test_*.py); do
       echo "---- $file" >>"$OUT/gpu-tests-shared.log"
-      timeout "${SHARE_FILE_TIMEOUT:-400}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
+      bounded_run "${SHARE_FILE_TIMEOUT:-400}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
         --durations=5 "${share_args[@]}" >>"$OUT/gpu-tests-shared.log" 2>&1
       rc=$?
       [ $rc -eq 5 ] && rc=0   # no test of the marker in that file
@@ -145,7 +180,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f benchmarks/ops.py ]; then
   step "benchmark: python -m benchmarks --out $OUT/bench.json"
   start=$SECONDS
   # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-3000}" "$PY" -m benchmarks --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  bounded_run "${BENCH_TIMEOUT:-3000}" "$PY" -m benchmarks --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   bench_rc=$?
   tail -60 "$OUT/bench.log"
   echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
@@ -156,7 +191,7 @@ if [ "${SKIP_LAYER:-0}" != 1 ]; then
   step "layer benchmark: python -m benchmarks --layer --profile --out $OUT/bench_layer.json"
   start=$SECONDS
   # shellcheck disable=SC2086
-  "$PY" -m benchmarks --layer --profile --out "$OUT/bench_layer.json" ${LAYER_ARGS:-} >"$OUT/bench_layer.log" 2>&1
+  bounded_run 3000 "$PY" -m benchmarks --layer --profile --out "$OUT/bench_layer.json" ${LAYER_ARGS:-} >"$OUT/bench_layer.log" 2>&1
   layer_rc=$?
   tail -12 "$OUT/bench_layer.log"
   "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" || layer_rc=1
@@ -167,7 +202,7 @@ fi
 if [ "${PG_BENCH:-0}" = 1 ]; then
   step "process model 2 benchmark: 2 processes x 1 GPU (tests/gpu/process_group_worker.py --bench)"
   start=$SECONDS
-  timeout 500 "$PY" -m jax_ep.launch --nproc 2 --timeout 480 tests/gpu/process_group_worker.py \
+  bounded_run 500 "$PY" -m jax_ep.launch --nproc 2 --timeout 480 tests/gpu/process_group_worker.py \
     --bench "$OUT/bench_pg.json" >"$OUT/pg_bench.log" 2>&1
   pg_rc=$?
   grep -E "bench|OK" "$OUT/pg_bench.log"
@@ -211,5 +246,41 @@ if [ "${NCU:-0}" = 1 ]; then
   echo "ncu: in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 fi
 
+if [ -n "${SWEEP:-}" ]; then
+  gpus=$(nvidia-smi -L | grep -c "^GPU")
+  tokens="--tokens ${SWEEP_TOKENS:-128,512,2048,4096,8192}"
+  presets="--preset ${SWEEP_PRESETS:-deepseek,sparse}"
+  timing="--profile --iters 5 --repeats 2"
+  IFS=',' read -r -a parts <<<"$SWEEP"
+  for part in "${parts[@]}"; do
+    lim=$(bounded "${SWEEP_PART_TIMEOUT:-900}")
+    case $part in
+      em) cmd=("$PY" -m benchmarks $presets $tokens $timing --backends cuda,dense,reference,ragged) ;;
+      rm) cmd=("$PY" -m benchmarks --rank-major $presets $tokens $timing --backends cuda,reference) ;;
+      ll) cmd=("$PY" -m benchmarks --low-latency --tokens 1,128 $timing --backends cuda,reference) ;;
+      layer) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes mid,deepseek
+                  --layer-configs ep_reference,ep_cuda,jax_ep) ;;
+      pg) cmd=(env JAX_EP_TEST_EP_RANKS="$gpus" "$PY" -m jax_ep.launch --nproc "$gpus"
+               --timeout $((lim > 30 ? lim - 10 : 20)) tests/gpu/process_group_worker.py) ;;
+      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, pg)" | tee -a "$OUT/summary.txt"
+         status=1; continue ;;
+    esac
+    [ "$part" = pg ] || cmd+=(--out "$OUT/sweep_$part.json")
+    step "sweep $part on $gpus GPUs: ${cmd[*]}"
+    start=$SECONDS
+    bounded_run "${SWEEP_PART_TIMEOUT:-900}" "${cmd[@]}" >"$OUT/sweep_$part.log" 2>&1
+    rc=$?
+    if [ "$part" = pg ]; then grep -E "worker OK|FAILED|Error" "$OUT/sweep_$part.log" | cut -c1-300
+    else tail -30 "$OUT/sweep_$part.log"; fi
+    echo "sweep $part: rc=$rc in $((SECONDS - start)) s (log: $OUT/sweep_$part.log)" | tee -a "$OUT/summary.txt"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT)" | tee -a "$OUT/summary.txt"
+if [ "${TAR_OUT:-0}" = 1 ]; then
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name gpu_check.tar.gz -printf '%P\n' \
+     | tar -czf gpu_check.tar.gz -T - && find . -mindepth 1 -maxdepth 1 ! -name summary.txt \
+     ! -name gpu_check.tar.gz -exec rm -rf {} +)
+fi
 exit $status
