@@ -28,7 +28,8 @@
 #                 rm     rank-major ops (--rank-major): cuda and reference
 #                 ll     low-latency ops (--low-latency, tokens 1 and 128): cuda and reference
 #                 layer  the MoE layer step: shapes mid and deepseek, configs ep_reference, ep_cuda, jax_ep
-#                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py)
+#                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
+#                        2 or more GPUs)
 #               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
 #               128,512,2048,4096,8192); every part runs with --profile. SWEEP_PART_TIMEOUT bounds each
 #               (default 900 s). Use SKIP_BENCH=1 SKIP_LAYER=1 with it, unless the default runs are wanted too.
@@ -265,6 +266,10 @@ if [ -n "${SWEEP:-}" ]; then
       *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, pg)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
+    if [ "$part" = pg ] && [ "$gpus" -lt 2 ]; then  # one process alone is process model 1
+      echo "sweep pg: not run: needs 2 or more GPUs (on one GPU: SHARE_GPU=1)" | tee -a "$OUT/summary.txt"
+      status=1; continue
+    fi
     [ "$part" = pg ] || cmd+=(--out "$OUT/sweep_$part.json")
     step "sweep $part on $gpus GPUs: ${cmd[*]}"
     start=$SECONDS
