@@ -332,5 +332,18 @@ def reference_by_vmap(body, ranks, axis_name="ep", device=None):
 
 def rank_rows(tree, rank: int, ranks: int):
     """Rank `rank`'s part of every (global) output of reference_by_vmap, as NumPy: what `local` gives
-    of the shard_map version on that rank's process."""
-    return jax.tree.map(lambda a: np.asarray(a).reshape(ranks, -1, *a.shape[1:])[rank], tree)
+    of the shard_map version on that rank's process. Cut on the device: only that part is copied to
+    the host (at EP8 the whole outputs of the DeepSeek-V3 case are several GB per process)."""
+    return jax.tree.map(lambda a: np.asarray(a.reshape(ranks, -1, *a.shape[1:])[rank]), tree)
+
+
+def random_normal(rng, shape, dtype) -> np.ndarray:
+    """Standard normal values of `dtype`, drawn in float32 a block of rows at a time: the expert outputs
+    `y` are [R * C, H] with C growing with R, and a float64 draw of them at EP8 (the DeepSeek-V3 case:
+    15 GB per process) ran the host out of memory with 8 processes on one machine."""
+    out = np.empty(shape, dtype)
+    step = max(1, (64 << 20) // (4 * max(1, int(np.prod(shape[1:])))))
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        out[i:i + n] = rng.standard_normal((n, *shape[1:]), dtype=np.float32).astype(dtype)
+    return out

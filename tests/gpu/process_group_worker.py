@@ -48,6 +48,7 @@ from gpu_helpers import (  # noqa: E402
     local,
     poison_device_memory,
     put_global,
+    random_normal,
     rank_rows,
     reference_by_vmap,
 )
@@ -99,8 +100,7 @@ def check_cases(mesh, me) -> int:
             rng = np.random.default_rng(list(model1.CASES).index(name))  # same on every process
             for call in range(2):
                 x, idx, w = model1.inputs(rng, tokens, hidden, topk, experts, kind, x_dtype)
-                y = rng.standard_normal((R * capacity, hidden)).astype(np.float32)
-                host = (x, idx, w, y.astype(jnp.bfloat16))
+                host = (x, idx, w, random_normal(rng, (R * capacity, hidden), jnp.bfloat16))
                 want_d, want_out = rank_rows(ref_fn(*host), me, R)
                 args = put_global(mesh, *host)
                 poison_device_memory(jax.local_devices(), 256 << 20)

@@ -27,6 +27,7 @@ from gpu_helpers import (
     handler_stats,
     needs_two_ranks,
     poison_device_memory,
+    random_normal,
 )
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -172,7 +173,7 @@ def test_dispatch_combine_match_reference(cuda_backend, mesh, case):
     rng = np.random.default_rng(list(CASES).index(case))
     for call in range(2):  # repeated calls of one compiled function, fresh data
         x, idx, w = inputs(rng, tokens, hidden, topk, experts, kind, x_dtype)
-        y = rng.standard_normal((R * capacity, hidden)).astype(np.float32).astype(jnp.bfloat16)
+        y = random_normal(rng, (R * capacity, hidden), jnp.bfloat16)
         args = put(mesh, x, idx, w, y)
         want_d, want_out = to_np(ref_fn(*args))
         poison_device_memory(mesh.devices.flat, 256 << 20)
@@ -201,7 +202,7 @@ def test_fp8_dispatch_matches_quantisation(cuda_backend, mesh, x_dtype):
     capacity = _cfg("cuda", **kw).resolved_capacity(R)
     rng = np.random.default_rng(17)
     x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy", x_dtype)
-    y = rng.standard_normal((R * capacity, hidden)).astype(np.float32).astype(jnp.bfloat16)
+    y = random_normal(rng, (R * capacity, hidden), jnp.bfloat16)
     args = put(mesh, x, idx, w, y)
     want_d, _ = to_np(ref_fn(*args))
     poison_device_memory(mesh.devices.flat, 256 << 20)
@@ -233,7 +234,7 @@ def test_scan_of_20_steps_as_cuda_graphs(cuda_backend, mesh):
     xs, idxs, ws = zip(*[inputs(rng, tokens, hidden, topk, experts,
                                 "messy" if s % 2 else "distinct") for s in range(steps)], strict=True)
     capacity = _cfg("cuda", **kw).resolved_capacity(R)
-    ys = rng.standard_normal((steps, R * capacity, hidden)).astype(np.float32).astype(jnp.bfloat16)
+    ys = random_normal(rng, (steps, R * capacity, hidden), jnp.bfloat16)
     stacked = [np.stack(a) for a in (xs, idxs, ws)] + [ys]
     args = [jax.device_put(a, NamedSharding(mesh, P(None, AXIS))) for a in stacked]
 
@@ -361,8 +362,8 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     rng = np.random.default_rng(31)
     x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
     capacity = _cfg("cuda", **kw).resolved_capacity(R)
-    y = rng.standard_normal((R * capacity, hidden)).astype(np.float32).astype(y_dtype)
-    g = rng.standard_normal((R * tokens, hidden)).astype(np.float32).astype(y_dtype)
+    y = random_normal(rng, (R * capacity, hidden), y_dtype)
+    g = random_normal(rng, (R * tokens, hidden), y_dtype)
     m = np.tile(np.asarray(mask or (1,) * R, np.int32), R)
     args = put(mesh, x, idx, w, y, g, m)
     want = to_np(combine_vjp_fn(mesh, _cfg("reference", **kw), mask is not None)(*args))
