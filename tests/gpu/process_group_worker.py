@@ -2,7 +2,7 @@
 per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
 
     python -m jax_ep.launch --nproc 2 tests/gpu/process_group_worker.py [--bench OUT.json]
-        [--absent P] [--remote] [--checks GROUP,...]
+        [--absent P] [--remote] [--checks GROUP,...] [--ll-num-sms N]
 
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
@@ -132,6 +132,15 @@ def check_gradients(mesh, me) -> int:
     return 1
 
 
+# --ll-num-sms N: the low-latency kernels' grid (KernelConfig.num_sms). The fused ones need every block
+# resident; with more than 2 processes sharing one GPU under MPS the default grid is not (jax_ep/launch.py).
+LL_NUM_SMS = None
+
+
+def ll_grid(cfg):
+    return cfg if LL_NUM_SMS is None else cfg.replace(kernel=cfg.kernel.replace(num_sms=LL_NUM_SMS))
+
+
 def check_low_latency(mesh, me) -> int:
     """The low-latency ops (model 1's test_ll_matches_reference cases: decode shape fp8 and bf16,
     -1 and repeated slots, float32 tokens, one token): fused and two-phase round trips, two calls
@@ -140,7 +149,7 @@ def check_low_latency(mesh, me) -> int:
     for case, (tokens, hidden, topk, experts, _, _, wire) in ll_model1.CASES.items():
         kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
                   dispatch_dtype=wire)
-        cuda_cfg = ll_model1._cfg("cuda", **kw)
+        cuda_cfg = ll_grid(ll_model1._cfg("cuda", **kw))
         ref_fn = reference_by_vmap(ll_model1.round_trip_body(ll_model1._cfg("reference", **kw)), R)
         rng = np.random.default_rng(list(ll_model1.CASES).index(case))  # same on every process
         for call in range(2):
@@ -167,7 +176,7 @@ def check_low_latency_scan(mesh, me) -> int:
     scan_args = [jax.make_array_from_callback(a.shape, steps_spec, lambda i, a=a: a[i]) for a in (xs, idx, w)]
     checks = 0
     for async_stream in (None, 1):
-        cfg = ll_model1.scan_cfg(async_stream)
+        cfg = ll_grid(ll_model1.scan_cfg(async_stream))
         fn = jax.shard_map(ll_model1.two_phase_scan_body(cfg), mesh=mesh, in_specs=P(None, AXIS),
                            out_specs=P(None, AXIS))
         poison_device_memory(jax.local_devices(), 64 << 20)
@@ -274,6 +283,9 @@ def main(argv) -> None:
             os._exit(0)  # the coordinator would wait for the absent process at shutdown
         raise AssertionError("the bootstrap succeeded without the absent process")
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    if "--ll-num-sms" in argv:
+        global LL_NUM_SMS
+        LL_NUM_SMS = int(argv[argv.index("--ll-num-sms") + 1])
     if "--bench" in argv:  # the benchmark only (the test runs the checks)
         bench(mesh, argv[argv.index("--bench") + 1])
         counts = {}
