@@ -339,8 +339,9 @@ def rank_rows(tree, rank: int, ranks: int):
 
 def random_normal(rng, shape, dtype) -> np.ndarray:
     """Standard normal values of `dtype`, drawn in float32 a block of rows at a time: the expert outputs
-    `y` are [R * C, H] with C growing with R, and a float64 draw of them at EP8 (the DeepSeek-V3 case:
-    15 GB per process) ran the host out of memory with 8 processes on one machine."""
+    `y` grow with R² ([R * C, H] with C growing with R; the low-latency [R, E / R, R * T, H]), and a
+    float64 draw of them at EP8 (15-17 GB per process for the DeepSeek-V3 cases) ran the host out of
+    memory with 8 processes on one machine."""
     out = np.empty(shape, dtype)
     step = max(1, (64 << 20) // (4 * max(1, int(np.prod(shape[1:])))))
     for i in range(0, shape[0], step):

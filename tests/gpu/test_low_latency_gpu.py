@@ -15,7 +15,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_helpers import EP_RANKS, ep_step_child, faults_of_child, needs_two_ranks, poison_device_memory
+from gpu_helpers import (
+    EP_RANKS,
+    ep_step_child,
+    faults_of_child,
+    needs_two_ranks,
+    poison_device_memory,
+    random_normal,
+)
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -121,7 +128,7 @@ def ll_case_inputs(rng, case, ranks):
     x = (rng.standard_normal((n, hidden)) * 2).astype(np.float32).astype(x_dtype)
     idx = routing(rng, kind, n, topk, experts)
     w = rng.random((n, topk)).astype(np.float32)
-    y = rng.standard_normal((ranks, experts // ranks, ranks * tokens, hidden)).astype(ml_dtypes.bfloat16)
+    y = random_normal(rng, (ranks, experts // ranks, ranks * tokens, hidden), ml_dtypes.bfloat16)
     return x, idx, w, y
 
 
@@ -167,7 +174,7 @@ def test_ll_two_calls_in_flight(cuda_backend, mesh):
     x = rng.standard_normal((n, hidden)).astype(ml_dtypes.bfloat16)
     idx = routing(rng, "messy", n, topk, experts)
     w = rng.random((n, topk)).astype(np.float32)
-    y = rng.standard_normal((R, experts // R, R * tokens, hidden)).astype(ml_dtypes.bfloat16)
+    y = random_normal(rng, (R, experts // R, R * tokens, hidden), ml_dtypes.bfloat16)
     args = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (x, idx, w, y)]
     ds, outs = jax.tree.map(np.asarray, two_phase_fn(mesh, cfg, in_flight=2)(*args))
     fused = round_trip_fn(mesh, cfg)
