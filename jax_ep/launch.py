@@ -26,7 +26,8 @@ does not exist, and gives each process ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 1
 GPU) unless it is set, so the persistent kernels of every process fit on the GPU beside the others'.
 That held for 2 processes per GPU; with 3 and 4 (one H100, 2026-11-24) the fused low-latency ops
 waited out their timeout in ll_combine at the default grid, and passed with
-``KernelConfig(num_sms=8)`` or ``16``: give the ops a smaller grid when more than 2 processes share a GPU.
+``KernelConfig(num_sms=8)`` or ``16`` (8 processes on one H200 too, with 8): give the low-latency ops
+a smaller grid when more than 2 processes share a GPU.
 No XLA collective may run across processes sharing a GPU (NCCL refuses two ranks on one GPU:
 "Duplicate GPU detected"); only jax_ep's own ops communicate. The processes split one GPU's SMs,
 memory and bandwidth, and "remote" traffic never leaves it: timings are not those of separate GPUs.
