@@ -24,9 +24,13 @@ def pytest_addoption(parser):
                           "GPU 0 (python -m jax_ep.launch --share-gpus; needs CUDA MPS running) instead of "
                           "one GPU each; run them alone: pytest -m 'gpu and process_group' --share-gpu "
                           "tests/gpu (docs/api.md, 'Processes sharing a GPU')")
+    parser.addoption("--processes", type=int, default=2, metavar="N",
+                     help="GPU tests: processes of the process-model-2 tests (marker process_group; default "
+                          "2): one GPU each, or with --share-gpu all N on GPU 0")
 
 
 def pytest_configure(config):
     # read by tests/gpu/gpu_helpers.py at import (the GPU modules size their meshes from it)
     os.environ["JAX_EP_TEST_EP_RANKS"] = str(config.getoption("--ep-ranks"))
     os.environ["JAX_EP_TEST_SHARE_GPU"] = "1" if config.getoption("--share-gpu") else "0"
+    os.environ["JAX_EP_TEST_PROCESSES"] = str(config.getoption("--processes"))

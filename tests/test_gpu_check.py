@@ -28,6 +28,9 @@ def run_check(tmp_path: Path, gpus: int, **env) -> tuple[int, str, Path, list[st
         echo "stub python $*"
         """))
     (bin_dir / "nvcc").write_text("#!/bin/bash\necho stub-nvcc\n")
+    # MPS: -d "starts" the daemon (its control pipe appears); "quit" on stdin stops it
+    (bin_dir / "nvidia-cuda-mps-control").write_text(
+        '#!/bin/bash\n[ "$1" = -d ] && touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     out = tmp_path / "out"
@@ -83,3 +86,15 @@ def test_tar_out_leaves_the_summary_and_one_archive(tmp_path):
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         names = tar.getnames()
     assert "sweep_ll.log" in names and "build.log" in names and "summary.txt" not in names
+
+
+def test_share_gpu_runs_the_chosen_files_with_the_process_count(tmp_path):
+    rc, output, out, calls = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="rank_mask,ll_shrink",
+                                       SHARE_PYTEST_ARGS="--processes 4", MPS_PIPE_DIR=str(tmp_path / "mps"))
+    assert rc == 0, output
+    runs = [c for c in calls if "pytest" in c]
+    assert len(runs) == 2, runs
+    for run, name in zip(runs, ("rank_mask", "ll_shrink"), strict=True):
+        assert f"tests/gpu/test_{name}_gpu.py" in run and "--share-gpu" in run and "--processes 4" in run
+    summary = (out / "summary.txt").read_text()
+    assert "tests/gpu/test_rank_mask_gpu.py: rc=0" in summary and "gpu_check: OK" in summary, summary

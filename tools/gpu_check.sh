@@ -8,6 +8,7 @@
 #      PYTEST_ARGS  extra pytest arguments, split like a shell line (e.g. '-k "smoke or async" -x')
 #      SKIP_TESTS=1 skips the GPU tests; TESTS_TIMEOUT their limit in seconds (default 3000)
 #      SHARE_GPU=1 then runs the process-model-2 tests (marker process_group) as 2 processes on GPU 0
+#               (N with SHARE_PYTEST_ARGS='--processes N'; SHARE_FILES=a,b only tests/gpu/test_{a,b}_gpu.py)
 #               under CUDA MPS (pytest --share-gpu; for one-GPU machines: without it they skip there):
 #               starts the MPS daemon (pipes in $MPS_PIPE_DIR, default /tmp/jax_ep_mps_pipe; logs in
 #               $OUT/mps_log) unless one is running there, and stops it after; one pytest per test file
@@ -133,7 +134,7 @@ echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log
 fi
 
 if [ "${SHARE_GPU:-0}" = 1 ]; then
-  step "process-model-2 tests, 2 processes on GPU 0 under CUDA MPS: pytest -m 'gpu and process_group' --share-gpu"
+  step "process-model-2 tests, processes on GPU 0 under CUDA MPS: pytest -m 'gpu and process_group' --share-gpu ${SHARE_PYTEST_ARGS:-}"
   start=$SECONDS
   # After the other GPU tests, in its own pytest: under MPS a device fault of one client (these tests
   # provoke some) ends every client of the GPU, and MPS takes no new client until they have all exited.
@@ -156,7 +157,12 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     # output would be lost with the killed pytest)
     : >"$OUT/gpu-tests-shared.log"
     share_rc=0
-    for file in $(grep -l "process_group" tests/gpu/test_*.py); do
+    if [ -n "${SHARE_FILES:-}" ]; then
+      share_files=$(echo "$SHARE_FILES" | tr ',' '\n' | sed 's|.*|tests/gpu/test_&_gpu.py|')
+    else
+      share_files=$(grep -l "process_group" tests/gpu/test_*.py)
+    fi
+    for file in $share_files; do
       echo "---- $file" >>"$OUT/gpu-tests-shared.log"
       bounded_run "${SHARE_FILE_TIMEOUT:-400}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
         --durations=5 "${share_args[@]}" >>"$OUT/gpu-tests-shared.log" 2>&1

@@ -24,7 +24,23 @@ EP_RANKS = int(os.environ.get("JAX_EP_TEST_EP_RANKS", "2"))
 # pytest --share-gpu (tests/conftest.py): the process-model-2 tests run their processes on GPU 0 together
 # (python -m jax_ep.launch --share-gpus, under CUDA MPS) instead of one GPU each.
 SHARE_GPU = os.environ.get("JAX_EP_TEST_SHARE_GPU") == "1"
-NUM_PROCESSES = 2  # the process-model-2 tests: 2 processes x 1 GPU (or both on GPU 0 with --share-gpu)
+# pytest --processes N (default 2): the process-model-2 tests run N processes x 1 GPU (or all N on GPU 0
+# with --share-gpu). Their workers take the EP size from jax.process_count().
+NUM_PROCESSES = int(os.environ.get("JAX_EP_TEST_PROCESSES", "2"))
+# The fused low-latency kernels need every block of their grid resident at once. With more than 2
+# processes sharing one GPU under MPS the default grids (the SMs - 1 each) are not (session 13:
+# timeouts at 3 and 4 clients), so those workers get a grid of 8 (KernelConfig.num_sms; --ll-num-sms).
+LL_NUM_SMS_SHARED = 8
+
+
+def ll_grid_args() -> list[str]:
+    """The worker arguments that set the low-latency kernels' grid for this run ([] = the default)."""
+    return ["--ll-num-sms", str(LL_NUM_SMS_SHARED)] if SHARE_GPU and NUM_PROCESSES > 2 else []
+
+
+def ll_num_sms(argv) -> int | None:
+    """A worker's --ll-num-sms G (None without it)."""
+    return int(argv[argv.index("--ll-num-sms") + 1]) if "--ll-num-sms" in argv else None
 
 
 def needs_two_ranks(r: int) -> None:

@@ -2,15 +2,16 @@
 (process model 2: one process per GPU): shrink mode (EPConfig(shrink=True)) when a process stops
 calling.
 
-    python -m jax_ep.launch --nproc 2 tests/gpu/ll_shrink_worker.py
+    python -m jax_ep.launch --nproc N tests/gpu/ll_shrink_worker.py [--ll-num-sms G]
 
-Both processes run one ll_dispatch + ll_combine together (it sets the runtime up, collectively, and
+The processes run one ll_dispatch + ll_combine together (it sets the runtime up, collectively, and
 must be correct unmasked). Then process 1 stops calling EP ops (it stays alive, waiting on the
-key-value store) while process 0 runs: a fused call (it waits out JAX_EP_TIMEOUT_S once, masks rank
-1, and returns the reference's outputs with rank 1 masked, bit for bit), a second fused call and a
+key-value store) while every other process runs: a fused call (it waits out JAX_EP_TIMEOUT_S once, masks
+rank 1, and returns the reference's outputs with rank 1 masked, bit for bit), a second fused call and a
 two-phase call (no wait: the persistent mask), then jax_ep.runtime.rank_masks() must name rank 1,
 ll_dispatch and 'discovery', and clear_rank_masks() must empty it. The expected outputs come from
-the NumPy model (tests/numpy_model.py), so process 0 needs no peer to compute them. Prints
+the NumPy model (tests/numpy_model.py), so a process needs no peer to compute them. --ll-num-sms G:
+the kernels' grid (gpu_helpers.ll_grid_args: more than 2 processes sharing a GPU). Prints
 "ll_shrink_worker OK process N" at the end.
 """
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: numpy_model
 
 import numpy_model as nm  # noqa: E402
-from gpu_helpers import worker_main  # noqa: E402
+from gpu_helpers import ll_num_sms, worker_main  # noqa: E402
 
 import jax_ep  # noqa: E402
 import jax_ep.distributed  # noqa: E402
@@ -58,12 +59,13 @@ def step(mesh, cfg, two_phase: bool):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
-def inputs():
+def inputs(ranks: int):
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, T, H)).astype(ml_dtypes.bfloat16)
-    idx = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(2)]).astype(np.int32)
-    w = rng.random((2, T, K)).astype(np.float32)
-    y = rng.standard_normal((2, E // 2, 2 * T, H)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((ranks, T, H)).astype(ml_dtypes.bfloat16)
+    idx = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)])
+                    for _ in range(ranks)]).astype(np.int32)
+    w = rng.random((ranks, T, K)).astype(np.float32)
+    y = rng.standard_normal((ranks, E // ranks, ranks * T, H)).astype(ml_dtypes.bfloat16)
     return x, idx, w, y
 
 
@@ -87,13 +89,17 @@ def check_rank(got, me, mask, x, idx, w, y) -> None:
 def run(me: int, mesh) -> str:
     cfg = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, axis_name=AXIS,
                           dispatch_dtype="bfloat16", backend="cuda", shrink=True)
+    if ll_num_sms(sys.argv) is not None:
+        cfg = cfg.replace(kernel=cfg.kernel.replace(num_sms=ll_num_sms(sys.argv)))
+    ranks = jax.process_count()
+    everyone, without_1 = [1] * ranks, [0 if r == 1 else 1 for r in range(ranks)]
     sharding = NamedSharding(mesh, P(AXIS))
-    x, idx, w, y = inputs()
+    x, idx, w, y = inputs(ranks)
     args = [jax.make_array_from_process_local_data(sharding, a[me:me + 1]) for a in (x, idx, w, y)]
     fused = step(mesh, cfg, False).lower(*args).compile()
     jax_ep.distributed.barrier("ll_shrink_compiled", 180)
-    check_rank(jax.block_until_ready(fused(*args)), me, [1, 1], x, idx, w, y)  # together, unmasked
-    if me == 1:  # stops calling; stays alive until process 0 is done
+    check_rank(jax.block_until_ready(fused(*args)), me, everyone, x, idx, w, y)  # together, unmasked
+    if me == 1:  # stops calling; stays alive until the others are done
         jax_ep.distributed.barrier("ll_shrink_done", 600)
         return "stopped calling after one call"
     timeout_s = float(os.environ["JAX_EP_TIMEOUT_S"])
@@ -103,12 +109,12 @@ def run(me: int, mesh) -> str:
         start = time.monotonic()
         got = jax.block_until_ready(fn(*args))
         times.append(time.monotonic() - start)
-        check_rank(got, 0, [1, 0], x, idx, w, y)
+        check_rank(got, me, without_1, x, idx, w, y)
         if len(times) == 1:
             masks = runtime.rank_masks(axis_name=AXIS)
     assert times[0] >= timeout_s and max(times[1:]) < timeout_s / 2, times
     assert [(m["rank"], m["masked_rank"], m["op"], m["during"]) for m in masks] == [
-        (0, 1, "ll_dispatch", "discovery")], masks
+        (me, 1, "ll_dispatch", "discovery")], masks
     assert runtime.faults() == [], runtime.faults()
     runtime.clear_rank_masks(axis_name=AXIS)
     assert runtime.rank_masks() == []

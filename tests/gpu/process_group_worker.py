@@ -45,6 +45,7 @@ import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons
 import test_low_latency_gpu as ll_model1  # noqa: E402  (the low-latency cases and comparisons)
 from gpu_helpers import (  # noqa: E402
     GRAPH_OPTIONS,
+    ll_num_sms,
     local,
     poison_device_memory,
     put_global,
@@ -283,9 +284,8 @@ def main(argv) -> None:
             os._exit(0)  # the coordinator would wait for the absent process at shutdown
         raise AssertionError("the bootstrap succeeded without the absent process")
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
-    if "--ll-num-sms" in argv:
-        global LL_NUM_SMS
-        LL_NUM_SMS = int(argv[argv.index("--ll-num-sms") + 1])
+    global LL_NUM_SMS
+    LL_NUM_SMS = ll_num_sms(argv)
     if "--bench" in argv:  # the benchmark only (the test runs the checks)
         bench(mesh, argv[argv.index("--bench") + 1])
         counts = {}

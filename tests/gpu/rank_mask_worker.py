@@ -1,17 +1,18 @@
 """Rank masking on the CUDA kernels with a masked rank that never enters the call
-(tests/gpu/test_rank_mask_gpu.py). Two GPUs, EP size 2, rank 1 masked (rank_mask [1, 0]).
+(tests/gpu/test_rank_mask_gpu.py). Rank 1 masked (rank_mask [1, 0] on two GPUs; with N processes
+every rank but 1 active).
 
     python tests/gpu/rank_mask_worker.py model1
         one process drives both GPUs; rank 1's GPU skips the EP calls (a lax.cond on
         lax.axis_index): rank 0 must finish and match the reference
-    python -m jax_ep.launch --nproc 2 tests/gpu/rank_mask_worker.py model2
+    python -m jax_ep.launch --nproc N tests/gpu/rank_mask_worker.py model2
         one process per GPU; after a first all-active step together, process 1 stops calling (it
-        waits at a distributed barrier) and process 0 runs the masked step 3 times alone
+        waits at a distributed barrier) and the others run the masked step 3 times without it
 
 The step: dispatch, combine, and their gradients (combine's backward: broadcast; dispatch's:
 combine, slot_values), all with the mask. A masked rank sends and receives nothing on every backend,
-so rank 0 is compared with the reference under the same mask and inputs: dispatch outputs and
-handle fields bit-exact (num_dropped includes rank 0's pairs to rank 1's experts), combine and the
+so each active rank is compared with the reference under the same mask and inputs: dispatch outputs
+and handle fields bit-exact (num_dropped includes its pairs to rank 1's experts), combine and the
 gradients within bf16 rounding. Prints "rank_mask_worker OK <model> ..." at the end.
 
 Model 2 runs no XLA collective across the processes (they may share one GPU: pytest --share-gpu, and
@@ -43,15 +44,19 @@ import jax_ep  # noqa: E402
 from jax_ep.vma import varying_axes  # noqa: E402
 
 AXIS = "ep"
-R, T, H, K, E = 2, 64, 256, 2, 8
-MASK = (1, 0)
+T, H, K, E = 64, 256, 2, 8
 CFG = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, axis_name=AXIS,
                       capacity=48, backend="cuda")  # rank 0 drops for capacity too
 EXACT = ("rows", "group_sizes", "expert_counts", "num_dropped", "src_index", "token_rows",
          "is_token_in_rank", "row_weights")
 
 
-def inputs():
+def rank1_masked(ranks: int) -> tuple[int, ...]:
+    """The mask of `ranks` ranks with rank 1 masked."""
+    return tuple(0 if r == 1 else 1 for r in range(ranks))
+
+
+def inputs(R: int):
     """[R * T, ...] global inputs (the same on every process)."""
     rng = np.random.default_rng(15)
     x = rng.standard_normal((R * T, H)).astype(jnp.bfloat16)
@@ -109,18 +114,19 @@ def reference_body(cfg):
     return body
 
 
-def reference_step(cfg):
+def reference_step(cfg, R: int):
     """The step of every rank in this process (reference_by_vmap; global [R * ...] in and out, as
     `step`'s)."""
     return reference_by_vmap(reference_body(cfg), R, AXIS)
 
 
 def mask_rows(mask):
-    return np.tile(np.asarray(mask, np.int32), (R, 1)).reshape(-1)
+    """[R * R]: each rank's copy of the [R] mask."""
+    return np.tile(np.asarray(mask, np.int32), (len(mask), 1)).reshape(-1)
 
 
 def compare(got: dict, want: dict, what: str) -> None:
-    """Rank 0's outputs ([0] of each): exact fields bit for bit (rows up to sum(group_sizes)),
+    """One rank's outputs ([0] of each): exact fields bit for bit (rows up to sum(group_sizes)),
     combine and the gradients within a bf16 step of their row's largest value."""
     total = int(np.asarray(want["group_sizes"][0]).sum())
     for k in EXACT:
@@ -139,9 +145,10 @@ def compare(got: dict, want: dict, what: str) -> None:
 
 
 def model1() -> str:
+    R, MASK = 2, rank1_masked(2)
     gpus = jax.local_devices(backend="gpu")[:R]
     mesh = Mesh(np.array(gpus), (AXIS,))
-    x, idx, w = inputs()
+    x, idx, w = inputs(R)
     ref_cfg = dataclasses.replace(CFG, backend="reference")
     want = step(mesh, ref_cfg, False)(x, idx, w, mask_rows(MASK))
     fn = step(mesh, CFG, True)
@@ -164,7 +171,8 @@ def model2() -> str:
     from jax_ep import runtime
 
     jax_ep.distributed.initialize()  # from python -m jax_ep.launch: one GPU per process
-    me = jax.process_index()
+    me, R = jax.process_index(), jax.process_count()
+    MASK = rank1_masked(R)
     assert runtime.process_model() == "process_per_gpu", runtime.process_model()
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     sharding = NamedSharding(mesh, P(AXIS))
@@ -173,23 +181,23 @@ def model2() -> str:
         rows = a.shape[0] // R
         return jax.make_array_from_process_local_data(sharding, a[me * rows:(me + 1) * rows])
 
-    x, idx, w = inputs()
-    reference = reference_step(dataclasses.replace(CFG, backend="reference"))
+    x, idx, w = inputs(R)
+    reference = reference_step(dataclasses.replace(CFG, backend="reference"), R)
     # the masked reference, the reference without a mask, and the CUDA step all active (= the latter)
     want = rank_rows(reference(x, idx, w, mask_rows(MASK)), me, R)
-    plain = rank_rows(reference(x, idx, w, mask_rows((1, 1))), me, R)
+    plain = rank_rows(reference(x, idx, w, mask_rows((1,) * R)), me, R)
     fn = step(mesh, CFG, False)
-    all_active = local(fn(put(x), put(idx), put(w), put(mask_rows((1, 1)))))
+    all_active = local(fn(put(x), put(idx), put(w), put(mask_rows((1,) * R))))
     compare(all_active, plain, f"model 2 all active, process {me}")
     args = (put(x), put(idx), put(w), put(mask_rows(MASK)))
     compiled = fn.lower(*args).compile()
     jax_ep.distributed.barrier("rank_mask_worker_compiled", 180)
-    if me == 1:  # stops calling until process 0 is done
+    if me == 1:  # stops calling until the others are done
         jax_ep.distributed.barrier("rank_mask_worker_done", 300)
-        return "stopped calling; process 0 finished without it"
+        return "stopped calling; the others finished without it"
     start = time.monotonic()
     for call in range(3):
-        compare(local(compiled(*args)), want, f"model 2 call {call}")
+        compare(local(compiled(*args)), want, f"model 2 process {me} call {call}")
     seconds = time.monotonic() - start
     assert not runtime.faults(), runtime.faults()
     jax_ep.distributed.barrier("rank_mask_worker_done", 300)

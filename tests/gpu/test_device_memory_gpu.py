@@ -288,12 +288,12 @@ def test_instantiation_without_room_is_resource_exhausted(native):
 
 @pytest.mark.process_group
 def test_process_model_2_growth_beyond_the_gpu(native, tmp_path):
-    """2 processes x 1 GPU: growing the symmetric buffer past the free memory is refused on every
-    process before NVSHMEM is asked (NVSHMEM 3.4.5 does not return NULL: its job dies): each raises
-    the same DeviceMemoryError naming the NVSHMEM symmetric heap and the processes lacking room
-    (here both: each asks for more than its GPU has free), nothing changes, and the next collective
-    step works. With pytest --share-gpu both processes are on GPU 0 (under MPS), each preallocating
-    0.75 / 2 of it for XLA."""
+    """N processes x 1 GPU (pytest --processes, default 2): growing the symmetric buffer past the free
+    memory is refused on every process before NVSHMEM is asked (NVSHMEM 3.4.5 does not return NULL:
+    its job dies): each raises the same DeviceMemoryError naming the NVSHMEM symmetric heap and the
+    processes lacking room (here all: each asks for more than its GPU has free), nothing changes, and
+    the next collective step works. With pytest --share-gpu all processes are on GPU 0 (under MPS),
+    each preallocating 0.75 / N of it for XLA."""
     if not SHARE_GPU and native.device_count() < NUM_PROCESSES:
         pytest.skip(f"needs {NUM_PROCESSES} GPUs (or --share-gpu with CUDA MPS running)")
     worker = tmp_path / "memory_worker.py"
@@ -304,22 +304,23 @@ def test_process_model_2_growth_beyond_the_gpu(native, tmp_path):
     print(output[-6000:])
     assert "cuMemCreate failed" not in output and "illegal memory access" not in output, output[-5000:]
     outs = []
-    for p in range(2):
+    for p in range(NUM_PROCESSES):
         lines = [line for line in output.splitlines() if line.startswith(f"[p{p}] RESULT=")]
         assert lines, f"process {p} gave no result (launcher rc {returncode}):\n{output[-5000:]}"
         outs.append(json.loads(lines[-1].split("RESULT=", 1)[1]))
     assert returncode == 0, output[-5000:]
     texts = [out["message"] for out in outs]
-    assert texts[0] == texts[1], texts  # one decision from the same published verdicts
+    assert all(text == texts[0] for text in texts), texts  # one decision from the same published verdicts
     for out in outs:
         assert out["error"] == "DeviceMemoryError" and out["is_device_memory_error"], out
         text = out["message"]
         assert text.startswith("jax_ep: the communication buffer does not fit in the memory of every GPU "
                                "of the process group: it needs "), text
-        assert "NVSHMEM symmetric heap" in text and "2 of 2 processes lack room" in text, text
+        assert "NVSHMEM symmetric heap" in text, text
+        assert f"{NUM_PROCESSES} of {NUM_PROCESSES} processes lack room" in text, text
         assert "every process raises this error; nothing was allocated" in text, text
-        # A smaller XLA fraction is advised only when it would leave room: with the 2 processes on one
-        # GPU each heap needs most of it (2 x 85 GiB > 140 GiB), so no fraction can, and none is advised.
+        # A smaller XLA fraction is advised only when it would leave room: with the processes on one
+        # GPU each heap needs most of it (e.g. 2 x 85 GiB > 140 GiB), so no fraction can, and none is advised.
         assert "on every process" in text and (SHARE_GPU or suggested_fraction(text)), text
         assert out["buffer"] == 64 * MiB and out["after"] == 128 * MiB, out  # unchanged, then usable
     # Each process is named with its GPU and its numbers.

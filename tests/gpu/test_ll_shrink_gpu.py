@@ -17,7 +17,7 @@ import os
 
 import jax
 import pytest
-from gpu_helpers import assert_workers_ok, report_of_child
+from gpu_helpers import assert_workers_ok, ll_grid_args, report_of_child
 
 pytestmark = pytest.mark.gpu
 
@@ -142,8 +142,8 @@ def test_ll_shrink_masks_a_gpu_that_stops_calling(cuda_backend, wire):
 @pytest.mark.process_group
 def test_ll_shrink_a_process_that_stops_calling(process_group):
     """Process model 2 (tests/gpu/ll_shrink_worker.py): after one call together, process 1 stops
-    calling; process 0's next call waits out JAX_EP_TIMEOUT_S (5 s) once, masks rank 1 and returns
-    the NumPy model's outputs with rank 1 masked; the next fused and two-phase calls do not wait;
-    rank_masks() names rank 1, ll_dispatch, 'discovery'; clear_rank_masks() empties it."""
+    calling; each other process's next call waits out JAX_EP_TIMEOUT_S (5 s) once, masks rank 1 and
+    returns the NumPy model's outputs with rank 1 masked; the next fused and two-phase calls do not
+    wait; rank_masks() names rank 1, ll_dispatch, 'discovery'; clear_rank_masks() empties it."""
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ll_shrink_worker.py")
-    assert_workers_ok(worker, "ll_shrink_worker OK process {p}", timeout_env="5")
+    assert_workers_ok(worker, "ll_shrink_worker OK process {p}", tuple(ll_grid_args()), timeout_env="5")

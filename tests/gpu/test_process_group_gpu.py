@@ -1,7 +1,8 @@
 """Process model 2 on the GPUs of one host: one process per GPU (jax.distributed), NVSHMEM
 symmetric buffers and peer tables, the model-1 kernels. Each process runs
 tests/gpu/process_group_worker.py, which checks its rank's outputs against the reference path.
-With pytest --share-gpu, both processes on GPU 0 under CUDA MPS (gpu_helpers.launch_command)."""
+pytest --processes N runs N processes (default 2); with --share-gpu all on GPU 0 under CUDA MPS
+(gpu_helpers.launch_command)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import re
 
 import pytest
-from gpu_helpers import run_workers
+from gpu_helpers import ll_grid_args, run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.process_group]
 
@@ -22,7 +23,7 @@ CHECK_GROUPS = ("dispatch_combine", "gradients", "rank_major", "low_latency", "l
 
 
 def test_process_per_gpu_matches_reference(process_group):
-    results = run_workers(WORKER, timeout_s=TIMEOUT_S)
+    results = run_workers(WORKER, tuple(ll_grid_args()), timeout_s=TIMEOUT_S)
     for p, (rc, out) in enumerate(results):
         print(f"---- process {p} (rc {rc})\n{out[-6000:]}")
     for p, (rc, out) in enumerate(results):

@@ -1,7 +1,8 @@
 """Rank masking on the CUDA kernels (issue 15 item 1), with the masked rank never entering the EP
 calls (tests/gpu/rank_mask_worker.py): the active rank must finish, without waiting for it, and match
 the reference. Process model 1: one process, 2 GPUs, rank 1's GPU in the other branch of a lax.cond.
-Process model 2: 2 processes x 1 GPU, process 1 stops calling after a first all-active step."""
+Process model 2: N processes x 1 GPU (pytest --processes, default 2), process 1 stops calling after a
+first all-active step."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ def test_model_1_masked_gpu_skips_the_calls(cuda_backend):
 
 @pytest.mark.process_group
 def test_model_2_a_process_that_stops_calling(process_group):
-    """Process 1 masked and no longer calling (waiting at a distributed barrier): process 0's 3
-    masked steps return and match the reference; the all-active step before matches the reference
-    without a mask on both processes."""
+    """Process 1 masked and no longer calling (waiting at a distributed barrier): the other processes'
+    3 masked steps return and match the reference; the all-active step before matches the reference
+    without a mask on every process (pytest --processes N: N processes)."""
     results = run_workers(WORKER, ("model2",), timeout_s=300, timeout_env="20")
     for p, (rc, out) in enumerate(results):
         print(f"---- process {p} (rc {rc})\n{out[-4000:]}")

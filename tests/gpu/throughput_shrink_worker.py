@@ -2,19 +2,19 @@
 (process model 2: one process per GPU): shrink mode of the throughput ops (EPConfig(shrink=True)) when a
 process stops calling.
 
-    python -m jax_ep.launch --nproc 2 tests/gpu/throughput_shrink_worker.py
+    python -m jax_ep.launch --nproc N tests/gpu/throughput_shrink_worker.py
 
-Both processes compile every step first and run one (dispatch, combine, dispatch_rank_major,
+The processes compile every step first and run one (dispatch, combine, dispatch_rank_major,
 combine_rank_major) together, unmasked, checked against the reference. Then process 1 stops calling EP
-ops (it stays alive, waiting on the key-value store) while process 0 runs: a first call (it waits out
-the bounded wait once, masks rank 1, and returns the reference's outputs with rank_mask [1, 0]), a
+ops (it stays alive, waiting on the key-value store) while every other process runs: a first call (it
+waits out the bounded wait once, masks rank 1, and returns the reference's outputs with rank 1 masked), a
 second call (no wait: the persistent mask), then jax_ep.runtime.rank_masks() must name rank 1,
 the dispatch XLA ran first and 'discovery'; clear_rank_masks() empties it, and a call with rank 1 in
 the explicit mask neither waits nor masks it again. Dispatch outputs and handles bit-exact (rows up to
 sum(group_sizes)); the combines within bf16 rounding. Prints "throughput_shrink_worker OK process N".
 
 No XLA collective runs across the processes (they may share one GPU: pytest --share-gpu): the
-reference runs in each process alone, both ranks under jax.vmap (gpu_helpers.reference_by_vmap).
+reference runs in each process alone, every rank under jax.vmap (gpu_helpers.reference_by_vmap).
 """
 
 from __future__ import annotations
@@ -41,8 +41,14 @@ from jax_ep import runtime  # noqa: E402
 
 AXIS = "ep"
 T, H, K, E = 32, 256, 3, 8
-ONES = np.ones((2, 2), np.int32)
-MASK = np.array([[1, 0], [1, 0]], np.int32)  # rank 1 masked, one copy per rank
+
+
+def masks(ranks: int):
+    """[R, R] masks, one copy per rank: every rank active, and rank 1 masked."""
+    ones = np.ones((ranks, ranks), np.int32)
+    masked = ones.copy()
+    masked[:, 1] = 0
+    return ones, masked
 
 
 def body(cfg, masked: bool):
@@ -57,17 +63,17 @@ def body(cfg, masked: bool):
     return per_rank
 
 
-def inputs(cfg):
+def inputs(cfg, ranks: int):
     rng = np.random.default_rng(11)
-    x = rng.standard_normal((2 * T, H)).astype(ml_dtypes.bfloat16)
-    idx = np.stack([rng.permutation(E)[:K] for _ in range(2 * T)]).astype(np.int32)
-    w = rng.random((2 * T, K)).astype(np.float32)
-    y = rng.standard_normal((2 * cfg.resolved_capacity(2), H)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((ranks * T, H)).astype(ml_dtypes.bfloat16)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(ranks * T)]).astype(np.int32)
+    w = rng.random((ranks * T, K)).astype(np.float32)
+    y = rng.standard_normal((ranks * cfg.resolved_capacity(ranks), H)).astype(ml_dtypes.bfloat16)
     return x, idx, w, y
 
 
 def compare(got, want, what: str) -> None:
-    """Rank 0's outputs: dispatch (rows up to sum(group_sizes)) and rank-major dispatch bit for bit,
+    """One rank's outputs: dispatch (rows up to sum(group_sizes)) and rank-major dispatch bit for bit,
     the combines within bf16 rounding."""
     (d, rm), out, back = got
     (dw, rmw), out_w, back_w = want
@@ -93,49 +99,51 @@ def run(me: int, mesh) -> str:
     cfg = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, axis_name=AXIS,
                           backend="cuda", shrink=True)
     ref = cfg.replace(backend="reference", shrink=False)
-    x, idx, w, y = inputs(cfg)
+    ranks = jax.process_count()
+    ones, masked = masks(ranks)
+    x, idx, w, y = inputs(cfg, ranks)
     sharding = NamedSharding(mesh, P(AXIS))
 
-    def put(a):  # this process's half of a global [2 * n, ...] array
-        n = len(a) // 2
+    def put(a):  # this process's part of a global [ranks * n, ...] array
+        n = len(a) // ranks
         return jax.make_array_from_process_local_data(sharding, a[me * n:(me + 1) * n])
 
     args = [put(a) for a in (x, idx, w, y)]
-    steps = {masked: jax.jit(jax.shard_map(body(cfg, masked), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-             for masked in (False, True)}
-    compiled = {masked: fn.lower(*args, put(ONES)).compile() for masked, fn in steps.items()}
-    want_all = rank_rows(reference_by_vmap(body(ref, False), 2)(x, idx, w, y, ONES), me, 2)
-    want_masked = rank_rows(reference_by_vmap(body(ref, True), 2)(x, idx, w, y, MASK), 0, 2)
+    steps = {m: jax.jit(jax.shard_map(body(cfg, m), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+             for m in (False, True)}
+    compiled = {m: fn.lower(*args, put(ones)).compile() for m, fn in steps.items()}
+    want_all = rank_rows(reference_by_vmap(body(ref, False), ranks)(x, idx, w, y, ones), me, ranks)
+    want_masked = rank_rows(reference_by_vmap(body(ref, True), ranks)(x, idx, w, y, masked), me, ranks)
     jax_ep.distributed.barrier("throughput_shrink_compiled", 180)
-    together = jax.block_until_ready(compiled[False](*args, put(ONES)))
+    together = jax.block_until_ready(compiled[False](*args, put(ones)))
     compare(local(together), want_all, f"process {me} together")
-    if me == 1:  # stops calling; stays alive until process 0 is done
+    if me == 1:  # stops calling; stays alive until the others are done
         jax_ep.distributed.barrier("throughput_shrink_done", 600)
         return "stopped calling after one call"
     timeout_s = float(os.environ["JAX_EP_TIMEOUT_S"])
     times = []
     for name in ("first", "second"):
         start = time.monotonic()
-        got = jax.block_until_ready(compiled[False](*args, put(ONES)))
+        got = jax.block_until_ready(compiled[False](*args, put(ones)))
         times.append(time.monotonic() - start)
-        compare(local(got), want_masked, f"process 0 {name} call alone")
+        compare(local(got), want_masked, f"process {me} {name} call without rank 1")
         if name == "first":
-            masks = runtime.rank_masks(axis_name=AXIS)
+            found = runtime.rank_masks(axis_name=AXIS)
     assert times[0] >= timeout_s and times[1] < timeout_s / 2, times
     # the step's two dispatches are independent: XLA runs either first, and that one masks rank 1 (seen:
     # dispatch_rank_major, one H200 under MPS)
-    assert [(m["rank"], m["masked_rank"], m["during"]) for m in masks] == [(0, 1, "discovery")], masks
-    assert masks[0]["op"] in ("dispatch", "dispatch_rank_major"), masks
+    assert [(m["rank"], m["masked_rank"], m["during"]) for m in found] == [(me, 1, "discovery")], found
+    assert found[0]["op"] in ("dispatch", "dispatch_rank_major"), found
     runtime.clear_rank_masks(axis_name=AXIS)
     assert runtime.rank_masks() == []
     start = time.monotonic()
-    got = jax.block_until_ready(compiled[True](*args, put(MASK)))
+    got = jax.block_until_ready(compiled[True](*args, put(masked)))
     explicit_s = time.monotonic() - start
-    compare(local(got), want_masked, "process 0 explicit mask")
+    compare(local(got), want_masked, f"process {me} explicit mask")
     assert explicit_s < timeout_s / 2 and runtime.rank_masks() == [], (explicit_s, runtime.rank_masks())
     assert runtime.faults() == [], runtime.faults()
     jax_ep.distributed.barrier("throughput_shrink_done", 600)
-    return f"call times {[round(t, 2) for t in times]} s, explicit {explicit_s:.2f} s, masks {masks}"
+    return f"call times {[round(t, 2) for t in times]} s, explicit {explicit_s:.2f} s, masks {found}"
 
 
 def main() -> None:
