@@ -118,10 +118,31 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
     # The local axis stays inside a node (the mesh's contract): its ops reach their peers by NVLink
     # loads / stores even in a job that spans nodes; the node hop keeps cfg's transport ("auto":
     # NVSHMEM puts when a process of the job is on another node, "put": forced).
+    # A stage-1 row holds at most E / N used slots (distinct experts of one node): with fewer experts
+    # per node than K (e.g. 8 experts, top-2, over 8 nodes) stage 2 takes E / N slots (_stage_two_slots).
     local_cfg = cfg.replace(num_experts=cfg.num_experts // nodes,
+                            num_topk=min(cfg.num_topk, cfg.num_experts // nodes),
                             max_tokens_per_rank=nodes * cfg.max_tokens_per_rank, checked=False,
                             backend=backend, kernel=cfg.kernel.replace(transport="load_store"))
     return node_cfg, local_cfg
+
+
+def _stage_two_slots(topk_idx: jax.Array, topk_weights: jax.Array, slots: int
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Stage 1's [M, K] node-local ids and weights -> stage 2's [M, slots]: each row's used slots
+    (id >= 0, not a repeat of an earlier slot) first, in slot order, then unused ones. The identity
+    when slots == K. A row has at most E / N used slots, so none is lost, and the order of the used
+    ones (combine's float32 summation order) is kept: the results are those of K slots."""
+    k = topk_idx.shape[-1]
+    if slots >= k:
+        return topk_idx, topk_weights
+    used = topk_idx >= 0
+    for j in range(1, k):
+        for i in range(j):
+            used = used.at[:, j].set(used[:, j] & (topk_idx[:, j] != topk_idx[:, i]))
+    order = jnp.argsort(~used, axis=-1, stable=True)[:, :slots]
+    idx = jnp.take_along_axis(jnp.where(used, topk_idx, -1), order, axis=-1)
+    return idx, jnp.take_along_axis(topk_weights, order, axis=-1)
 
 
 def _directory_slots_collide(node_axis: str, local_axis: str, backend: str, op: str) -> bool:
@@ -170,9 +191,11 @@ def dispatch_hierarchical(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.A
         d1, d2 = _fp8_stages(x, topk_idx, topk_weights, node_cfg, local_cfg)
     else:
         d1 = ops.dispatch_rank_major(x, topk_idx, topk_weights, node_cfg)
-        d2 = ops.dispatch(d1.x, d1.topk_idx, d1.topk_weights, local_cfg)
+        idx2, w2 = _stage_two_slots(d1.topk_idx, d1.topk_weights, local_cfg.num_topk)
+        d2 = ops.dispatch(d1.x, idx2, w2, local_cfg)
     if cfg.checked:
-        d2 = check_no_drops(d2, d1.topk_idx, local_cfg.replace(checked=True), lax.axis_size(cfg.axis_name),
+        stage_two_idx = _stage_two_slots(d1.topk_idx, d1.topk_weights, local_cfg.num_topk)[0]
+        d2 = check_no_drops(d2, stage_two_idx, local_cfg.replace(checked=True), lax.axis_size(cfg.axis_name),
                             outer_axis=node_axis, op=op)
     return HierarchicalDispatched(d2.x, d2.group_sizes, d2.expert_counts, d2.num_dropped,
                                   d1.num_tokens_per_rank, HierarchicalHandle(d1.handle, d2.handle), d2.scales)
@@ -245,7 +268,8 @@ def _fp8_stages(x, topk_idx, topk_weights, node_cfg: EPConfig, local_cfg: EPConf
     sends such words through it)."""
     d1 = ops.dispatch_rank_major(x, topk_idx, topk_weights, node_cfg)
     packed = _pack_fp8_rows(d1.x, d1.scales)
-    d2 = ops.dispatch(packed, d1.topk_idx, d1.topk_weights, _packed_config(local_cfg))
+    d2 = ops.dispatch(packed, *_stage_two_slots(d1.topk_idx, d1.topk_weights, local_cfg.num_topk),
+                      _packed_config(local_cfg))
     rows, scales = _unpack_fp8_rows(d2.x, local_cfg.hidden)
     return d1, d2._replace(x=rows, scales=scales)
 

@@ -192,7 +192,7 @@ def emulate_combine(y, d, nodes, local):
                     g = n * local + ld
                     rows = d.handle.local.token_rows[g, ls * stage1_rows + i]
                     partial = np.zeros(y.shape[2], np.float32)
-                    for k in range(K):
+                    for k in range(rows.shape[0]):   # stage 2's slots: min(K, E / N)
                         if rows[k] >= 0:
                             weight = d.handle.local.row_weights[g, rows[k]]
                             term = (yf[g, rows[k]] * weight).astype(np.float32)
@@ -284,6 +284,74 @@ def test_gradients_match_the_flat_ops(nodes, local):
     # the gate weights of unused / repeated / out-of-range slots get no gradient
     unused = sanitize(np.asarray(idx), cfg.num_experts) < 0
     assert np.all(grad_h[1][unused] == 0)
+
+
+@pytest.mark.parametrize("nodes,local", [(4, 2), (8, 1)])
+def test_fewer_experts_per_node_than_topk(nodes, local):
+    """8 experts over 4 or 8 nodes with top-3: a node has 2 or 1 experts, fewer than K, so stage 2 takes
+    E / N slots per stage-1 row (at most that many are used). Rows, handle and counts as the two-stage
+    model; combine with the documented rounding and within the bound of the flat combine; gradients as
+    the flat ops'; FP8 rows as the flat FP8 dispatch's."""
+    rng = np.random.default_rng(31 + nodes)
+    cfg = jax_ep.EPConfig(8, K, H, T, axis_name="local", backend="reference", dispatch_dtype="bfloat16")
+    ranks, experts = nodes * local, cfg.num_experts
+    x, idx, w = random_inputs(rng, ranks, experts)
+
+    def f(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")
+        return d, d.row_weights, jax_ep.combine_hierarchical(d.x, d.handle, cfg, "node")
+
+    d, row_weights, out = run(f, nodes, local, x, idx, w)
+    assert d.handle.local.token_rows.shape[-1] == min(K, experts // nodes)
+    want = model(x.astype(jnp.bfloat16), idx, w, nodes, local, experts, cfg.resolved_capacity(ranks), 1)
+    for g, m in enumerate(want):
+        np.testing.assert_array_equal(d.handle.local.src_index[g], m["src"], err_msg=f"GPU {g} src_index")
+        np.testing.assert_array_equal(d.x[g].view(np.uint16), m["rows"].view(np.uint16), err_msg=f"GPU {g}")
+        np.testing.assert_array_equal(row_weights[g], m["weights"], err_msg=f"GPU {g} row weights")
+        np.testing.assert_array_equal(d.expert_counts[g], m["expert_counts"])
+    np.testing.assert_array_equal(out.view(np.uint16), emulate_combine(d.x, d, nodes, local).view(np.uint16))
+    flat_cfg = cfg.replace(axis_name="ep")
+
+    def flat_fn(x, i, w):
+        fd = jax_ep.dispatch(x, i, w, flat_cfg)
+        return fd, jax_ep.combine(fd.x, fd.handle, flat_cfg)
+
+    flat_d, flat = run_flat(flat_fn, ranks, x, idx, w)
+    np.testing.assert_array_equal(d.expert_counts, flat_d.expert_counts)
+    xb = np.asarray(x.astype(jnp.bfloat16)).astype(np.float64)
+    wk = np.where(sanitize(np.asarray(idx), experts) >= 0, np.asarray(w), 0.0)
+    bound = 3.1 * 2.0 ** -8 * np.abs(xb) * np.abs(wk).sum(-1, keepdims=True)
+    assert np.all(np.abs(out.astype(np.float64) - flat.astype(np.float64)) <= bound)
+
+    scale_rows = jnp.asarray(rng.standard_normal((ranks, H)), jnp.float32)
+    f32 = cfg.replace(dispatch_dtype=None)
+
+    def loss(dispatch_fn, combine_fn):
+        def g(x, i, w, s):
+            dd = dispatch_fn(x, i, w)
+            return jnp.sum(combine_fn(jnp.tanh(dd.x * s), dd.handle) ** 2 * s)
+        return g
+
+    hier = loss(lambda x, i, w: jax_ep.dispatch_hierarchical(x, i, w, f32, "node"),
+                lambda y, h: jax_ep.combine_hierarchical(y, h, f32, "node"))
+    flat32 = f32.replace(axis_name="ep")
+    flat_loss = loss(lambda x, i, w: jax_ep.dispatch(x, i, w, flat32),
+                     lambda y, h: jax_ep.combine(y, h, flat32))
+    grad_h = run(lambda *a: jax.grad(hier, argnums=(0, 2))(*a), nodes, local, x, idx, w, scale_rows)
+    grad_f = run_flat(lambda *a: jax.grad(flat_loss, argnums=(0, 2))(*a), ranks, x, idx, w, scale_rows)
+    for got, want_g, name in zip(grad_h, grad_f, ("x", "topk_weights"), strict=True):
+        assert np.any(want_g != 0), name
+        np.testing.assert_allclose(got, want_g, rtol=0, atol=1e-5 * np.abs(want_g).max(), err_msg=name)
+
+    fp8 = cfg.replace(dispatch_dtype=FP8, hidden=128)
+    x8 = jnp.asarray(fp8_tokens(rng, ranks, 128))
+    hd = run(lambda x, i, w: jax_ep.dispatch_hierarchical(x, i, w, fp8, "node"), nodes, local, x8, idx, w)
+    fd = run_flat(lambda x, i, w: jax_ep.dispatch(x, i, w, fp8.replace(axis_name="ep")), ranks, x8, idx, w)
+    sources = row_sources(hd, nodes, local)
+    flat_src = np.where(fd.handle.src_index >= 0, fd.handle.src_index, -1)
+    for g in range(ranks):
+        got = rows_by_pair(hd.x[g], hd.scales[g], hd.group_sizes[g], sources[g])
+        assert got == rows_by_pair(fd.x[g], fd.scales[g], fd.group_sizes[g], flat_src[g]), f"GPU {g} FP8"
 
 
 def test_checked_mode_and_drop_accounting():

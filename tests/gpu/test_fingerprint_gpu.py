@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from gpu_helpers import assert_workers_ok, ep_step_child, faults_of_child
+from gpu_helpers import NUM_PROCESSES, SHARE_GPU, assert_workers_ok, ep_step_child, faults_of_child
 
 pytestmark = pytest.mark.gpu
 
@@ -19,6 +19,11 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprint_w
 
 
 def run_case(case: str, timeout_env: str = "30"):
+    if SHARE_GPU and NUM_PROCESSES > 2:
+        # Under MPS one process's trap ends every process of the GPU, maybe before the others have
+        # recorded their fault. At 4 processes on one H100 the first case did not finish in 120 s
+        # (2026-11-24); on separate GPUs each process has its own context.
+        pytest.skip("more than 2 processes sharing a GPU: one process's trap ends the others (MPS)")
     assert_workers_ok(WORKER, f"fingerprint_worker OK {case} process {{p}}", (case,), timeout_env=timeout_env)
 
 
