@@ -259,8 +259,17 @@ def test_gradients_match_the_flat_ops(nodes, local):
     against the flat ops over the same N*L ranks, in x and the gate weights."""
     rng = np.random.default_rng(11 + local)
     cfg = hier_cfg(nodes, local)
+    x, idx, w = random_inputs(rng, nodes * local, cfg.num_experts)
+    grad_h = assert_gradients_match_flat(cfg, nodes, local, x, idx, w, rng)
+    # the gate weights of unused / repeated / out-of-range slots get no gradient
+    unused = sanitize(np.asarray(idx), cfg.num_experts) < 0
+    assert np.all(grad_h[1][unused] == 0)
+
+
+def assert_gradients_match_flat(cfg, nodes, local, x, idx, w, rng):
+    """jax.grad in x and the gate weights through dispatch_hierarchical -> a row-wise "expert" ->
+    combine_hierarchical, against the flat ops over the same N*L ranks; returns the hierarchical ones."""
     ranks = nodes * local
-    x, idx, w = random_inputs(rng, ranks, cfg.num_experts)
     scale_rows = jnp.asarray(rng.standard_normal((ranks, H)), jnp.float32)
 
     def loss(dispatch_fn, combine_fn):
@@ -281,9 +290,7 @@ def test_gradients_match_the_flat_ops(nodes, local):
     for got, want, name in zip(grad_h, grad_f, ("x", "topk_weights"), strict=True):
         assert np.any(want != 0), name
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)
-    # the gate weights of unused / repeated / out-of-range slots get no gradient
-    unused = sanitize(np.asarray(idx), cfg.num_experts) < 0
-    assert np.all(grad_h[1][unused] == 0)
+    return grad_h
 
 
 @pytest.mark.parametrize("nodes,local", [(4, 2), (8, 1)])
@@ -323,25 +330,7 @@ def test_fewer_experts_per_node_than_topk(nodes, local):
     bound = 3.1 * 2.0 ** -8 * np.abs(xb) * np.abs(wk).sum(-1, keepdims=True)
     assert np.all(np.abs(out.astype(np.float64) - flat.astype(np.float64)) <= bound)
 
-    scale_rows = jnp.asarray(rng.standard_normal((ranks, H)), jnp.float32)
-    f32 = cfg.replace(dispatch_dtype=None)
-
-    def loss(dispatch_fn, combine_fn):
-        def g(x, i, w, s):
-            dd = dispatch_fn(x, i, w)
-            return jnp.sum(combine_fn(jnp.tanh(dd.x * s), dd.handle) ** 2 * s)
-        return g
-
-    hier = loss(lambda x, i, w: jax_ep.dispatch_hierarchical(x, i, w, f32, "node"),
-                lambda y, h: jax_ep.combine_hierarchical(y, h, f32, "node"))
-    flat32 = f32.replace(axis_name="ep")
-    flat_loss = loss(lambda x, i, w: jax_ep.dispatch(x, i, w, flat32),
-                     lambda y, h: jax_ep.combine(y, h, flat32))
-    grad_h = run(lambda *a: jax.grad(hier, argnums=(0, 2))(*a), nodes, local, x, idx, w, scale_rows)
-    grad_f = run_flat(lambda *a: jax.grad(flat_loss, argnums=(0, 2))(*a), ranks, x, idx, w, scale_rows)
-    for got, want_g, name in zip(grad_h, grad_f, ("x", "topk_weights"), strict=True):
-        assert np.any(want_g != 0), name
-        np.testing.assert_allclose(got, want_g, rtol=0, atol=1e-5 * np.abs(want_g).max(), err_msg=name)
+    assert_gradients_match_flat(cfg.replace(dispatch_dtype=None), nodes, local, x, idx, w, rng)
 
     fp8 = cfg.replace(dispatch_dtype=FP8, hidden=128)
     x8 = jnp.asarray(fp8_tokens(rng, ranks, 128))
