@@ -38,9 +38,18 @@ def ll_grid_args() -> list[str]:
     return ["--ll-num-sms", str(LL_NUM_SMS_SHARED)] if SHARE_GPU and NUM_PROCESSES > 2 else []
 
 
-def ll_num_sms(argv) -> int | None:
-    """A worker's --ll-num-sms G (None without it)."""
-    return int(argv[argv.index("--ll-num-sms") + 1]) if "--ll-num-sms" in argv else None
+def ll_grid(cfg, argv=None):
+    """A worker's config with the low-latency kernels' grid of its --ll-num-sms G (ll_grid_args; argv:
+    sys.argv by default); unchanged without it."""
+    argv = sys.argv if argv is None else argv
+    if "--ll-num-sms" not in argv:
+        return cfg
+    return cfg.replace(kernel=cfg.kernel.replace(num_sms=int(argv[argv.index("--ll-num-sms") + 1])))
+
+
+def rank1_masked(ranks: int) -> tuple[int, ...]:
+    """The rank mask of the process-model-2 tests' stopped process: every rank active but rank 1."""
+    return tuple(0 if r == 1 else 1 for r in range(ranks))
 
 
 def needs_two_ranks(r: int) -> None:

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: numpy_model
 
 import numpy_model as nm  # noqa: E402
-from gpu_helpers import ll_num_sms, worker_main  # noqa: E402
+from gpu_helpers import ll_grid, rank1_masked, worker_main  # noqa: E402
 
 import jax_ep  # noqa: E402
 import jax_ep.distributed  # noqa: E402
@@ -87,12 +87,10 @@ def check_rank(got, me, mask, x, idx, w, y) -> None:
 
 
 def run(me: int, mesh) -> str:
-    cfg = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, axis_name=AXIS,
-                          dispatch_dtype="bfloat16", backend="cuda", shrink=True)
-    if ll_num_sms(sys.argv) is not None:
-        cfg = cfg.replace(kernel=cfg.kernel.replace(num_sms=ll_num_sms(sys.argv)))
+    cfg = ll_grid(jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, axis_name=AXIS,
+                                  dispatch_dtype="bfloat16", backend="cuda", shrink=True))
     ranks = jax.process_count()
-    everyone, without_1 = [1] * ranks, [0 if r == 1 else 1 for r in range(ranks)]
+    everyone, without_1 = [1] * ranks, list(rank1_masked(ranks))
     sharding = NamedSharding(mesh, P(AXIS))
     x, idx, w, y = inputs(ranks)
     args = [jax.make_array_from_process_local_data(sharding, a[me:me + 1]) for a in (x, idx, w, y)]

@@ -45,7 +45,7 @@ import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons
 import test_low_latency_gpu as ll_model1  # noqa: E402  (the low-latency cases and comparisons)
 from gpu_helpers import (  # noqa: E402
     GRAPH_OPTIONS,
-    ll_num_sms,
+    ll_grid,
     local,
     poison_device_memory,
     put_global,
@@ -131,15 +131,6 @@ def check_gradients(mesh, me) -> int:
         model1.assert_combine_close(g.reshape(g.shape[0], -1), r.reshape(r.shape[0], -1), what,
                                     steps=2)
     return 1
-
-
-# --ll-num-sms N: the low-latency kernels' grid (KernelConfig.num_sms). The fused ones need every block
-# resident; with more than 2 processes sharing one GPU under MPS the default grid is not (jax_ep/launch.py).
-LL_NUM_SMS = None
-
-
-def ll_grid(cfg):
-    return cfg if LL_NUM_SMS is None else cfg.replace(kernel=cfg.kernel.replace(num_sms=LL_NUM_SMS))
 
 
 def check_low_latency(mesh, me) -> int:
@@ -284,8 +275,6 @@ def main(argv) -> None:
             os._exit(0)  # the coordinator would wait for the absent process at shutdown
         raise AssertionError("the bootstrap succeeded without the absent process")
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
-    global LL_NUM_SMS
-    LL_NUM_SMS = ll_num_sms(argv)
     if "--bench" in argv:  # the benchmark only (the test runs the checks)
         bench(mesh, argv[argv.index("--bench") + 1])
         counts = {}

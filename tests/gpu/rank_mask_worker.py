@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from gpu_helpers import local, rank_rows, reference_by_vmap  # noqa: E402
+from gpu_helpers import local, rank1_masked, rank_rows, reference_by_vmap  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep.vma import varying_axes  # noqa: E402
@@ -49,11 +49,6 @@ CFG = jax_ep.EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T
                       capacity=48, backend="cuda")  # rank 0 drops for capacity too
 EXACT = ("rows", "group_sizes", "expert_counts", "num_dropped", "src_index", "token_rows",
          "is_token_in_rank", "row_weights")
-
-
-def rank1_masked(ranks: int) -> tuple[int, ...]:
-    """The mask of `ranks` ranks with rank 1 masked."""
-    return tuple(0 if r == 1 else 1 for r in range(ranks))
 
 
 def inputs(R: int):

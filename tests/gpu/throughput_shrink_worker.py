@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from gpu_helpers import local, rank_rows, reference_by_vmap, worker_main  # noqa: E402
+from gpu_helpers import local, rank1_masked, rank_rows, reference_by_vmap, worker_main  # noqa: E402
 from test_dispatch_gpu import assert_bits_equal, assert_combine_close  # noqa: E402
 
 import jax_ep  # noqa: E402
@@ -45,10 +45,7 @@ T, H, K, E = 32, 256, 3, 8
 
 def masks(ranks: int):
     """[R, R] masks, one copy per rank: every rank active, and rank 1 masked."""
-    ones = np.ones((ranks, ranks), np.int32)
-    masked = ones.copy()
-    masked[:, 1] = 0
-    return ones, masked
+    return np.ones((ranks, ranks), np.int32), np.tile(np.array(rank1_masked(ranks), np.int32), (ranks, 1))
 
 
 def body(cfg, masked: bool):
