@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import compute_on as _compute_on
 
-from jax_ep import reference, runtime, types
+from jax_ep import ordering, reference, runtime, types
 from jax_ep.config import EPConfig
 from jax_ep.types import (
     Dispatched,
@@ -138,11 +138,11 @@ def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
         "jax_ep_peer_smoke",
         (jax.ShapeDtypeStruct((group_size, int(n)), jnp.uint32),
          jax.ShapeDtypeStruct((group_size,), jnp.uint32)),
-        has_side_effect=True,  # it communicates: never dropped, never merged with another call
         vmap_method="sequential",
     )
-    received, epochs = call(jnp.asarray(tag, jnp.int32).reshape(()), mesh_slots=mesh_slots,
-                            group_size=np.int64(group_size), n=np.int64(n))
+    received, epochs = ordering.ordered_call(
+        lambda t: call(t, mesh_slots=mesh_slots, group_size=np.int64(group_size), n=np.int64(n)),
+        jnp.asarray(tag, jnp.int32).reshape(()), name="jax_ep_peer_smoke")
     try:
         jax.lax.axis_size(axis_name)
     except NameError:  # called outside shard_map (e.g. a single-device test): nothing to type
@@ -173,11 +173,11 @@ def remote_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh, axis_name: 
     call = jax.ffi.ffi_call(
         "jax_ep_remote_smoke",
         jax.ShapeDtypeStruct((group_size, int(n)), jnp.uint32),
-        has_side_effect=True,  # it communicates: never dropped, never merged with another call
         vmap_method="sequential",
     )
-    received = call(jnp.asarray(tag, jnp.int32).reshape(()), mesh_slots=mesh_slots,
-                    group_size=np.int64(group_size), n=np.int64(n))
+    received = ordering.ordered_call(
+        lambda t: call(t, mesh_slots=mesh_slots, group_size=np.int64(group_size), n=np.int64(n)),
+        jnp.asarray(tag, jnp.int32).reshape(()), name="jax_ep_remote_smoke")
     try:
         jax.lax.axis_size(axis_name)
     except NameError:  # called outside shard_map: nothing to type
@@ -383,16 +383,16 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
         need = runtime.extension().comm_bytes(*sizes, int(attrs["row_bytes"]),
                                               int(attrs["scale_bytes"]))
     runtime.reserve(need)
-    # No side effect: XLA may drop a call whose results are unused (e.g. the backward of dispatch when
-    # the loss needs no d x) or merge identical calls; every rank runs the same program, so every
-    # rank drops or merges the same calls and the ranks still issue the rest in the same order.
+    # One order in every process (jax_ep.ordering): the call is bound with the ordered effect, so it
+    # runs after every EP call before it in program order, whatever each process's XLA schedules.
     call = jax.ffi.ffi_call(f"jax_ep_{op}", out_types, vmap_method="sequential")
     if stream is None:
-        return call(*args, **attrs)
+        return ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=f"jax_ep_{op}")
     # the function form: compute_on2 up to jax 0.10, renamed compute_on in 0.11
     on_stream = getattr(_compute_on, "compute_on2", _compute_on.compute_on)
-    return on_stream(lambda *a: call(*a, **attrs), compute_type=f"gpu_stream:{stream}",
-                     out_memory_spaces=jax.memory.Space.Device)(*args)
+    issue = on_stream(lambda *a: call(*a, **attrs), compute_type=f"gpu_stream:{stream}",
+                      out_memory_spaces=jax.memory.Space.Device)
+    return ordering.ordered_call(issue, *args, name=f"jax_ep_{op}")
 
 
 def _mask_operand(rank_mask: jax.Array | None, ep_size: int) -> jax.Array:

@@ -1,0 +1,283 @@
+"""One order of EP calls in every process (jax_ep.ordering).
+
+Every communicating custom call must be issued in the same order on every process, whatever each
+process's XLA schedules (process model 2 compiles one executable per process). The guarantee is a data
+dependency from each EP call to the next in the program that XLA receives: these tests lower real
+programs through the CUDA backend for the 'cuda' platform (no GPU needed to lower) and check, on the
+StableHLO dataflow graph, that the jax_ep custom calls form one chain in program order. Before the
+ordering token, the backward of dispatch issued its combine (d x) and its slot_values (d topk_weights)
+with no dependency between them: the failure seen on 4 H200s (2026-11-28), where process 3 ran combine
+while processes 0-2 ran slot_values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import ordering, runtime
+from jax_ep.config import EPConfig
+
+R, T, H, E, K = 4, 16, 128, 8, 2
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """Trace the CUDA backend on this CPU machine: what only a GPU process does at trace time (register
+    the targets, size the buffers) is skipped; lowering needs neither."""
+    if runtime.extension() is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "unreachable_processes", lambda: [])
+    monkeypatch.setattr(runtime, "process_model", lambda: "local_peers")
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+
+def _inputs(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(k[0], (R * T, H), jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(k[1], (R * T, E)), axis=1)[:, :K].astype(jnp.int32)
+    wts = jax.random.uniform(k[2], (R * T, K), jnp.float32)
+    w = (jax.random.normal(k[3], (E, H, H)) / H**0.5).astype(jnp.bfloat16)
+    return x, idx, wts, w
+
+
+def _cfg(**kw):
+    return EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="cuda", **kw)
+
+
+def _expert_major_loss(cfg):
+    def loss(x, idx, wts, w):
+        d = jax_ep.dispatch(x, idx, wts, cfg)
+        y = jax_ep.grouped_matmul(d.x, w, d.group_sizes)
+        return jnp.sum(jax_ep.combine(y, d.handle, cfg).astype(jnp.float32) ** 2)
+    return loss
+
+
+def _rank_major_loss(cfg):
+    def loss(x, idx, wts, w):
+        d = jax_ep.dispatch_rank_major(x, idx, wts, cfg)
+        y = d.x * w[0, 0, 0]
+        return jnp.sum(jax_ep.combine_rank_major(y, d.handle, cfg).astype(jnp.float32) ** 2)
+    return loss
+
+
+def _two_layers(cfg):
+    one = _expert_major_loss(cfg)
+
+    def loss(x, idx, wts, w):  # two MoE layers: the second's routing independent of the first's
+        d = jax_ep.dispatch(x, idx, wts, cfg)
+        y = jax_ep.combine(jax_ep.grouped_matmul(d.x, w, d.group_sizes), d.handle, cfg)
+        return one(y.astype(x.dtype), jnp.flip(idx, axis=1), wts, w) + jnp.sum(y.astype(jnp.float32))
+    return loss
+
+
+PROGRAMS = {
+    "expert_major": _expert_major_loss,
+    "rank_major": _rank_major_loss,
+    "two_layers": _two_layers,
+}
+
+
+def _grad_program(loss):
+    return jax.shard_map(jax.grad(loss, argnums=(0, 2, 3)), mesh=_mesh(),
+                         in_specs=P("ep"), out_specs=P("ep"))
+
+
+# ---- the StableHLO dataflow graph ---------------------------------------------------------------
+def _walk(op):
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation  # an OpView's .name can be its symbol's name
+                yield inner
+                yield from _walk(inner)
+
+
+class Dataflow:
+    """Which jax_ep custom calls each one (transitively) depends on, in a lowered module. Precise for
+    what these programs contain: func.call (followed per call site), sdy.manual_computation (block
+    argument i is operand i, result i is the terminator's operand i); a loop or branch is refused."""
+
+    def __init__(self, module):
+        from jax._src.lib.mlir import ir
+
+        self.ir = ir
+        top = module.operation
+        self.funcs = {str(f.attributes["sym_name"]).strip('"'): f for f in _walk(top)
+                      if f.name == "func.func"}
+        self.calls = [o for o in _walk(top) if o.name == "stablehlo.custom_call"
+                      and str(o.attributes["call_target_name"]).strip('"').startswith("jax_ep_")]
+        self.memo = {}
+
+    def name(self, call) -> str:
+        return str(call.attributes["call_target_name"]).strip('"')
+
+    def ancestors(self, call) -> set[int]:
+        """Indices (in self.calls) of the EP calls that `call` depends on."""
+        found, seen = set(), set()
+        stack = [(v, ()) for v in call.operands]
+        while stack:
+            value, sites = stack.pop()
+            key = (value, sites)
+            if key in seen:
+                continue
+            seen.add(key)
+            stack.extend(self._sources(value, sites, found))
+        return found
+
+    def _sources(self, value, sites, found):
+        ir = self.ir
+        if isinstance(value, ir.BlockArgument):
+            parent = value.owner.owner
+            parent = getattr(parent, "operation", parent)
+            if parent.name == "func.func":
+                return [(sites[-1].operands[value.arg_number], sites[:-1])] if sites else []
+            if parent.name == "sdy.manual_computation":
+                return [(parent.operands[value.arg_number], sites)]
+            raise AssertionError(f"unhandled region owner {parent.name}")
+        op = value.owner
+        op = getattr(op, "operation", op)
+        if op.name == "func.call":
+            callee = self.funcs[str(op.attributes["callee"]).lstrip("@").strip('"')]
+            ret = list(callee.regions[0].blocks[0].operations)[-1].operation
+            return [(ret.operands[value.result_number], sites + (op,))]
+        if op.name == "sdy.manual_computation":
+            ret = list(op.regions[0].blocks[0].operations)[-1].operation
+            return [(ret.operands[value.result_number], sites)]
+        if len(op.regions):
+            raise AssertionError(f"unhandled op with regions {op.name}")
+        for i, call in enumerate(self.calls):
+            if call == op:
+                found.add(i)
+        return [(v, sites) for v in op.operands]
+
+
+def _lowered(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program):
+    fn = _grad_program(PROGRAMS[program](_cfg()))
+    args = _inputs()
+    expected = ordering.ep_calls(jax.make_jaxpr(fn)(*args))
+    flow = Dataflow(_lowered(fn, *args))
+    names = [flow.name(c) for c in flow.calls]
+    assert len(names) >= 5 and sorted(names) == sorted(expected), (names, expected)
+    # a total order: each call depends on every call before it in the jaxpr's order
+    order = sorted(range(len(flow.calls)), key=lambda i: len(flow.ancestors(flow.calls[i])))
+    for rank, i in enumerate(order):
+        ancestors = flow.ancestors(flow.calls[i])
+        assert ancestors == set(order[:rank]), (
+            f"{program}: EP call {names[i]} depends on {sorted(names[a] for a in ancestors)}, not on "
+            f"every earlier call {[names[a] for a in order[:rank]]}: XLA may issue it in another order "
+            "on another process")
+    assert [names[i] for i in order] == expected
+
+
+def test_the_backward_of_dispatch_issues_its_two_calls_in_one_order(cuda_lowering):
+    """The case seen on 4 GPUs: combine (d x) and slot_values (d topk_weights), both in dispatch's
+    backward, neither using the other's result."""
+    fn = _grad_program(_expert_major_loss(_cfg()))
+    flow = Dataflow(_lowered(fn, *_inputs()))
+    names = [flow.name(c) for c in flow.calls]
+    slot = names.index("jax_ep_slot_values")
+    last_combine = max(i for i, n in enumerate(names) if n == "jax_ep_combine")
+    assert (last_combine in flow.ancestors(flow.calls[slot])
+            or slot in flow.ancestors(flow.calls[last_combine]))
+
+
+def test_every_ep_custom_call_is_inside_an_ordered_call(cuda_lowering):
+    fn = _grad_program(_two_layers(_cfg()))
+    jaxpr = jax.make_jaxpr(fn)(*_inputs())
+    bare = []
+
+    def walk(j, inside):
+        for eqn in getattr(j, "jaxpr", j).eqns:
+            target = eqn.params.get("target_name", "")
+            if eqn.primitive.name == "ffi_call" and target.startswith("jax_ep_") and not inside:
+                if target != "jax_ep_dispatch_layout":  # local: it does not communicate
+                    bare.append(target)
+            for sub in _subjaxprs(eqn.params):
+                walk(sub, inside or eqn.primitive is ordering.ep_call_p)
+
+    walk(jaxpr, False)
+    assert not bare, f"EP custom calls outside jax_ep.ordering: {bare}"
+    assert ordering.EP_ORDER in jaxpr.effects
+
+
+def _subjaxprs(params):
+    from jax._src import core
+
+    return core.jaxprs_in_params(params)
+
+
+# ---- the mechanism on CPU, executed -------------------------------------------------------------
+def _stand_in(x, name):
+    return ordering.ordered_call(lambda a: jnp.sin(a) * 2.0, x, name=name)
+
+
+def test_ordered_call_computes_what_its_function_computes_under_every_transformation():
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    x = jax.random.normal(jax.random.key(1), (R * 3, 5))
+
+    @jax.custom_vjp
+    def op(v):
+        return _stand_in(v, "f")
+
+    def bwd(v, g):  # two independent ordered calls, as dispatch's backward has
+        cos = ordering.ordered_call(lambda a: jnp.cos(a) * 2.0, v, name="a")
+        gg = ordering.ordered_call(lambda a: a * 1.0, g, name="b")
+        return (cos * gg,)
+
+    op.defvjp(lambda v: (_stand_in(v, "f"), v), bwd)
+
+    def step(v):
+        def body(c, _):
+            return jax.checkpoint(lambda u: op(op(u) * 3.0))(c), None
+        y, _ = jax.lax.scan(body, v, None, length=2)
+        y = jax.lax.cond(jnp.sum(y) > 0, lambda u: op(u), lambda u: u, y)
+        return jnp.sum(y ** 2)
+
+    def plain(v):
+        def body(c, _):
+            return jnp.sin(jnp.sin(c) * 2.0 * 3.0) * 2.0, None
+        y, _ = jax.lax.scan(body, v, None, length=2)
+        y = jnp.where(jnp.sum(y) > 0, jnp.sin(y) * 2.0, y)
+        return jnp.sum(y ** 2)
+
+    got = jax.jit(jax.shard_map(jax.value_and_grad(step), mesh=mesh, in_specs=P("ep"),
+                                out_specs=(P(), P("ep")), check_vma=False))(x)
+    want = jax.jit(jax.shard_map(jax.value_and_grad(plain), mesh=mesh, in_specs=P("ep"),
+                                 out_specs=(P(), P("ep")), check_vma=False))(x)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(jax.vmap(lambda v: _stand_in(v, "v"))(x)),
+                               np.asarray(jnp.sin(x) * 2.0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(_stand_in(x, "eager")), np.asarray(jnp.sin(x) * 2.0), rtol=1e-6)
+
+
+def test_differentiating_an_ordered_call_directly_names_it():
+    with pytest.raises(NotImplementedError, match="jax_ep_thing"):
+        jax.grad(lambda v: jnp.sum(_stand_in(v, "jax_ep_thing")))(jnp.ones(3))
+
+
+def test_an_ep_call_whose_results_are_unused_is_removed(cuda_lowering):
+    """Gradients of the gate and expert weights, not of x (the layer benchmark's case): the combine that
+    brings d x back in dispatch's backward is unused, so it is not in the program (and XLA can drop
+    the expert GEMM feeding it); the same removal in every process (it happens on the jaxpr)."""
+    loss = _expert_major_loss(_cfg())
+    fn = jax.shard_map(jax.grad(loss, argnums=(2, 3)), mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+    flow = Dataflow(_lowered(fn, *_inputs()))
+    names = [flow.name(c) for c in flow.calls]
+    assert names == ["jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd", "jax_ep_slot_values"], names
