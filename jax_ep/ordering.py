@@ -41,16 +41,34 @@ class EPOrderEffect(effects.Effect):
 
 EP_ORDER = EPOrderEffect()
 
+
+class EPIssueEffect(effects.Effect):
+    """An unordered companion of EP_ORDER, for one reason: jax 0.10-0.11's ahead-of-time path
+    (``jit(f).lower(...).compile()``) installs its C++ fast path for an executable with ordered but
+    without unordered effects, and that path omits the runtime token: the second call of the compiled
+    function fails ("Execution supplied 1 arguments but compiled program expected 2", seen on
+    2x H200 with jax 0.11.2 and on CPU with 0.10.2). With an unordered effect too, every call takes
+    the Python path, which passes the token (jit's own fast path is already off for ordered effects)."""
+
+    def __str__(self):
+        return "jax_ep.EPIssue"
+
+
+EP_ISSUE = EPIssueEffect()
+
 # What JAX must allow for it: ordered (tokens), shardable (multi-device programs: each device sees the
 # calls in program order), lowerable, and allowed inside control flow, custom_vjp/custom_jvp and remat.
 for _set in ("ordered_effects", "shardable_ordered_effects", "lowerable_effects",
              "control_flow_allowed_effects", "custom_derivatives_allowed_effects",
              "remat_allowed_effects"):
     getattr(effects, _set).add_type(EPOrderEffect)
+    if _set not in ("ordered_effects", "shardable_ordered_effects"):
+        getattr(effects, _set).add_type(EPIssueEffect)
 # A call whose results are unused may still be removed (e.g. the backward of dispatch when nothing needs
 # d x): JAX's dead-code elimination runs on the jaxpr, which is the same in every process, so every
 # process removes the same calls. (XLA never removes one: the token uses its results.)
 pe.dceable_effects.add_type(EPOrderEffect)
+pe.dceable_effects.add_type(EPIssueEffect)
 
 ep_call_p = core.Primitive("jax_ep_call")
 ep_call_p.multiple_results = True
@@ -92,7 +110,7 @@ def _debug_info(fun, args):
 
 def _abstract_eval(*avals, jaxpr: core.ClosedJaxpr, name: str):
     del avals, name
-    return jaxpr.out_avals, {EP_ORDER, *jaxpr.effects}
+    return jaxpr.out_avals, {EP_ORDER, EP_ISSUE, *jaxpr.effects}
 
 
 ep_call_p.def_effectful_abstract_eval(_abstract_eval)

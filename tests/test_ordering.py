@@ -281,3 +281,15 @@ def test_an_ep_call_whose_results_are_unused_is_removed(cuda_lowering):
     flow = Dataflow(_lowered(fn, *_inputs()))
     names = [flow.name(c) for c in flow.calls]
     assert names == ["jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd", "jax_ep_slot_values"], names
+
+
+def test_an_ahead_of_time_compiled_function_runs_more_than_once():
+    """jit(f).lower().compile(): jax 0.10-0.11's AOT fast path drops the ordered effect's runtime token
+    from the second call on (EPIssueEffect keeps it off; seen failing on 2x H200 in remote_smoke)."""
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    f = jax.jit(jax.shard_map(lambda a: _stand_in(a, "aot"), mesh=mesh, in_specs=P("ep"),
+                              out_specs=P("ep")))
+    x = jax.random.normal(jax.random.key(2), (R * 2, 3))
+    compiled = f.lower(x).compile()
+    for _ in range(3):
+        np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(jnp.sin(x) * 2.0), rtol=1e-6)
