@@ -33,17 +33,22 @@ No XLA collective may run across processes sharing a GPU (NCCL refuses two ranks
 memory and bandwidth, and "remote" traffic never leaves it: timings are not those of separate GPUs.
 
 Every line a process writes (stdout and stderr) is printed with the prefix ``[pI]``. SIGINT and
-SIGTERM are passed on to the processes. When one process fails (non-zero exit or killed by a
-signal), the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the launcher exits with
-the failed process's code (128 + signal for a signal), naming it. ``--timeout`` bounds the whole run
-(exit code 124); a run that reaches it prints where each process was: the processes run with
-``PYTHONFAULTHANDLER=1`` (unless that variable is set already), so the SIGABRT the launcher sends them
-first makes each print the Python stack of every thread (``faulthandler``) on its stderr, prefixed
-``[pI]``; after min(``--grace``, 5) seconds the processes still running get SIGTERM, then SIGKILL after
-``--grace``. Before the SIGABRT the launcher sets the processes' core file size limit to 0 (Linux), so
-the abort leaves no core file (processes they started keep theirs). Only ``--timeout`` sends SIGABRT: a
-failed process and SIGINT/SIGTERM stop the others with SIGTERM as above. The exit code is 0 when every
-process exits 0.
+SIGTERM are passed on to the processes. When one process fails (non-zero exit or killed by a signal),
+the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the launcher exits with the failed
+process's code (128 + signal for a signal), naming it. A failed run (a process failed, or
+``--timeout``) ends with a line giving every process's exit code (``exit codes: p0=1 p1=-15``;
+``exit_codes()`` reads it back) and, for each process that did not exit 0, a summary of its output
+(``jax_ep.failure_report``): the failing check (its first traceback's exception), the jax_ep fault
+records it printed, its first CUDA / XLA error line, the EP op running, how many lines of XLA's
+teardown errors (after a device fault) were left out, then its last lines without them. ``--timeout``
+bounds the whole run (exit code 124); a run that reaches it prints where each process was: the
+processes run with ``PYTHONFAULTHANDLER=1`` (unless that variable is set already), so the SIGABRT the
+launcher sends them first makes each print the Python stack of every thread (``faulthandler``) on its
+stderr, prefixed ``[pI]``; after min(``--grace``, 5) seconds the processes still running get SIGTERM,
+then SIGKILL after ``--grace``. Before the SIGABRT the launcher sets the processes' core file size
+limit to 0 (Linux), so the abort leaves no core file (processes they started keep theirs). Only
+``--timeout`` sends SIGABRT: a failed process and SIGINT/SIGTERM stop the others with SIGTERM as
+above. The exit code is 0 when every process exits 0.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import sys
 import threading
 import time
 
+from jax_ep import failure_report
 from jax_ep.distributed import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_IDS,
@@ -74,6 +80,8 @@ PREFIX = LAUNCHER + ":"
 TIMEOUT_EXIT_CODE = 124
 MPS_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 POLL_S = 0.05
+SUMMARY_TAIL_LINES = 12   # a failed run: the last lines of each failed process's output after its summary
+EXIT_CODES = "exit codes:"   # the line of a failed run giving every process's exit code (exit_codes())
 ABORT_WAIT_S = 5.0    # --timeout: at most this long (and --grace) between SIGABRT and SIGTERM
 
 
@@ -273,6 +281,9 @@ class Launcher:
         self.lock = threading.Lock()
         self.signal: int | None = None       # a signal the launcher received
         self.stop_deadline: float | None = None
+        # each process's output, boiled down for the failure summary (bounded)
+        self.digests = [failure_report.OutputDigest(SUMMARY_TAIL_LINES) for _ in envs]
+        self.digest_locks = [threading.Lock() for _ in envs]   # stdout's and stderr's threads feed one
 
     def say(self, message: str) -> None:
         with self.lock:
@@ -285,6 +296,8 @@ class Launcher:
             with self.lock:
                 out.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
                 out.flush()
+            with self.digest_locks[index]:
+                self.digests[index].feed(line.decode(errors="replace"), stream=out)
         pipe.close()
 
     def start(self) -> None:
@@ -373,6 +386,8 @@ class Launcher:
             failed = next(((i, p.returncode) for i, p in enumerate(self.procs) if p.returncode), None)
         if self.signal is not None:
             return 128 + self.signal
+        if timed_out or failed is not None:
+            self.summarize()
         if timed_out:
             self.say(f"failed: --timeout {self.args.timeout:g} s")
             return TIMEOUT_EXIT_CODE
@@ -381,6 +396,30 @@ class Launcher:
         index, code = failed
         self.say(f"failed: process {index} {describe(code)}")
         return code if code > 0 else 128 - code
+
+    def summarize(self) -> None:
+        """A failed run: every process's exit code, then for each process that did not exit 0 its
+        failure summary (failure_report: the failing check, jax_ep's fault records, the first CUDA /
+        XLA error, the EP op) and the last lines of its output without XLA's teardown noise."""
+        codes = [proc.returncode for proc in self.procs]
+        blocks = [f"{EXIT_CODES} " + " ".join(f"p{i}={code}" for i, code in enumerate(codes))]
+        for i, code in enumerate(codes):
+            if code != 0:
+                blocks.append(self.digests[i].report(i, f"pid {self.procs[i].pid}, {describe(code)}",
+                                                     tail_chars=3000))
+        with self.lock:
+            sys.stderr.write(f"{PREFIX} " + "\n".join(blocks) + "\n")
+            sys.stderr.flush()
+
+
+def exit_codes(output: str) -> dict[int, int]:
+    """{process index: exit code (minus the signal when killed by one)} from the launcher's output of a
+    failed run (its 'exit codes:' line); {} when the output has none (the run did not fail)."""
+    for line in output.splitlines():
+        if line.startswith(f"{PREFIX} {EXIT_CODES}"):
+            pairs = line.split(EXIT_CODES, 1)[1].split()
+            return {int(name[1:]): int(code) for name, code in (pair.split("=") for pair in pairs)}
+    return {}
 
 
 def describe(code: int) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_ep import failure_report, launch
 
 POISON_WORD = 0xA5A5A5A5
 
@@ -252,29 +253,45 @@ def run_process_group(worker, extra=(), timeout_s: int = 420, timeout_env: str =
     try:
         done = subprocess.run(launch_command(worker, extra, timeout_s), capture_output=True, text=True,
                               env=env, timeout=timeout_s, cwd=root)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the launcher did not finish within {timeout_s} s")
+    except subprocess.TimeoutExpired as e:
+        out = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                      for part in (e.stdout, e.stderr))
+        reports = "\n".join(process_outputs(out, None))
+        pytest.fail(f"the launcher did not finish within {timeout_s} s; its processes' output:\n{reports}")
     out = done.stdout + done.stderr
-    per_process = [without_teardown_noise("\n".join(line for line in out.splitlines()
-                                                     if line.startswith(f"[p{p}]")))
-                   for p in range(NUM_PROCESSES)]
-    return done.returncode, out, per_process
+    return done.returncode, out, process_outputs(out, done.returncode)
 
 
-# After a device fault XLA logs hundreds of lines while it tears the client down (one per event,
-# buffer and allocation it cannot free): they pushed the worker's own report (the failed check and
-# jax_ep's fault records) out of the tail the tests print.
-_TEARDOWN_NOISE = re.compile(r"cuda_event\.cc|cuda_host_allocator\.cc|cuda_device_allocator\.cc|"
-                             r"cuda_status\.cc|=== Source Location Trace: ===|^\[p\d+\]\s*$")
+# At most this much of a failed process's output (the tests print its last 4000-6000 characters).
+PROCESS_REPORT_CHARS = 3900
 
 
-def without_teardown_noise(text: str) -> str:
-    """`text` without XLA's teardown errors after a device fault (a line saying how many were left)."""
-    lines = text.splitlines()
-    kept = [line for line in lines if not _TEARDOWN_NOISE.search(line)]
-    if len(kept) < len(lines):
-        kept.append(f"({len(lines) - len(kept)} lines of XLA teardown errors left out)")
-    return "\n".join(kept)
+def process_outputs(out: str, returncode: int | None) -> list[str]:
+    """Each process's lines of the launcher's output `out`, without XLA's teardown errors after a device
+    fault (hundreds of lines, one per stream, event and buffer it cannot free: they pushed the worker's
+    own report out of the tail the tests print). In a failed run (launcher exit code `returncode` != 0;
+    None: the launcher did not finish) a process that did not exit 0, or whose output shows a failure,
+    gets jax_ep.failure_report's report instead, at most PROCESS_REPORT_CHARS long: first the summary
+    (exit code, failing check, jax_ep fault records, first CUDA / XLA error, EP op running, the noise
+    left out), then its last lines without the noise. python -m jax_ep.launch prints the same
+    summaries at the end of a failed run."""
+    codes = launch.exit_codes(out)
+    texts = []
+    for p in range(NUM_PROCESSES):
+        text = "\n".join(line for line in out.splitlines() if line.startswith(f"[p{p}]"))
+        found = failure_report.digest(text)
+        code = codes.get(p)
+        if returncode == 0 or (code == 0 and not found.failed()):
+            texts.append(without_teardown_noise(text))
+            continue
+        launcher = "did not finish" if returncode is None else f"exited with code {returncode}"
+        status = (launch.describe(code) if code is not None
+                  else f"exit code not known (the launcher {launcher})")
+        texts.append(found.report(p, status, total_chars=PROCESS_REPORT_CHARS))
+    return texts
+
+
+without_teardown_noise = failure_report.without_teardown_noise
 
 
 def run_workers(worker, extra=(), timeout_s: int = 420, timeout_env: str = "30"):
