@@ -95,8 +95,10 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     calls on the same poisoned memory; a third send in flight, a handle received twice and a
     receive of another shape fault; a peer whose call differs in a fingerprint field (ll_combine or
     the throughput dispatch against ll_dispatch included; or is 5 calls ahead) makes both ranks fault
-    naming the field. Rank masking: explicit masks (bf16 and FP8; fused, two-phase, two calls in
-    flight with different masks; random masks on the random cases) bit-exact against the reference
+    naming the field, and at 4 ranks (the throughput dispatch, hidden) every rank, not only the odd
+    one and one peer (tests/gpu/test_fingerprint_gpu.py's process-model-1 cases). Rank masking:
+    explicit masks (bf16 and FP8; fused, two-phase, two calls in flight with different masks; random
+    masks on the random cases) bit-exact against the reference
     with the mask; shrink mode with the last rank absent (fused, two-phase): the others' outputs
     equal the reference with it masked, the first call waits the timeout once and the later ones do
     not (the persistent mask names the rank, the op and 'discovery'), the host's clear empties it
@@ -106,7 +108,7 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--random", "4",
            "--seed", "7", "--driver", str(tmp_path / "ll_driver")]
     out = _run(cmd)
-    assert "37/37 low-latency cases pass" in out, out[-6000:]
+    assert "39/39 low-latency cases pass" in out, out[-6000:]
     masked = re.findall(r"^ok   \(.*\) (.*), \d blocks, masks (\[.*\]) $", out, flags=re.M)
     assert len(masked) == 12, out[-6000:]  # 5 fixed, 3 shrink, 4 random
     assert {m[0] for m in masked} >= {"fused", "two-phase", "two in flight",
@@ -117,6 +119,8 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     for field in ("op", "op_throughput", "num_ranks", "num_tokens", "hidden", "num_topk",
                   "num_experts", "dtype", "call_sequence"):
         assert f"ok   mismatch {field}: faults naming it" in out, field
+    for field in ("op_throughput", "hidden"):
+        assert f"ok   mismatch {field} at 4 ranks: faults naming it" in out, field
 
 
 def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):

@@ -10,7 +10,8 @@ from several blocks); three more cases break the double-buffering rules and must
 (a third send in flight; a handle received twice; a receive of another shape), and the
 config-fingerprint cases (MISMATCHES) give the last rank's call another field of
 cuda/fingerprint.h (or a call count 5 calls ahead): every rank must fault naming the field and both
-values, in the record and in the host's message (xla_ffi/fault_message.cc). Rank masking (MASKED):
+values, in the record and in the host's message (xla_ffi/fault_message.cc), at 2 ranks and (two
+fields, MISMATCHES_AT_4) at 4, where every rank faults too. Rank masking (MASKED):
 explicit masks per repetition (bf16 and FP8; fused, two-phase, two calls in flight with different
 masks) and random masks on the random cases, against the reference with each mask; shrink mode
 (modes 6-8: the last rank never calls, or stops after one ll_dispatch): the others' outputs equal the
@@ -87,9 +88,10 @@ MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "re
          8: "shrink, last rank stops after one ll_dispatch, fused"}
 
 
-# Config-fingerprint cases (ll_driver.cc `mismatch`): rank 0 runs a fused ll_dispatch of
-# MISMATCH_SIZES, rank 1 the same call with one field changed: field -> (FingerprintField id, rank
-# 0's value, rank 1's), as the messages print them.
+# Config-fingerprint cases (ll_driver.cc `mismatch`): ranks 0..R-2 run a fused ll_dispatch of
+# MISMATCH_SIZES (R = 2, or 4 for MISMATCHES_AT_4), the last rank the same call with one field
+# changed: field -> (FingerprintField id, the other ranks' value, the last rank's), as the messages
+# print them.
 MISMATCH_SIZES = (2, 4, 128, 2, 12)  # R, T, H, K, E; bf16 x and wire
 MISMATCHES = {
     "op": (FIELD_ID["op"], "ll_dispatch", "ll_combine"),
@@ -102,33 +104,45 @@ MISMATCHES = {
     "dtype": (FIELD_ID["dtype"], "bfloat16", "float8_e4m3fn"),
     "call_sequence": (FIELD_ID["call_sequence"], None, None),  # rank 1 is 5 calls ahead
 }
+# The same at 4 ranks, the fields of tests/gpu/test_fingerprint_gpu.py's process-model-1 cases (one
+# rank in the other branch of a lax.cond): every rank faults, not only the odd one and one peer.
+MISMATCHES_AT_4 = ("op_throughput", "hidden")
 NUMBERS = {"ll_dispatch": 7, "ll_combine": 8, "dispatch": 2, "bfloat16": 0, "float8_e4m3fn": 2}
 
 
-def run_mismatch(driver, field) -> str:
-    """A config-fingerprint case: '' when both ranks reported what they must."""
-    R, T, H, K, E = MISMATCH_SIZES
+def run_mismatch(driver, field, ranks: int = 2) -> str:
+    """A config-fingerprint case at `ranks` ranks, the last one's call differing: '' when every rank
+    reported what it must. Every rank compares every peer's fingerprint before it writes, and a rank
+    that finds a difference publishes its own before it traps, so every rank faults (not only the
+    last one and one peer): ranks 0..R-2 naming the last rank, the last rank naming any other (its
+    device's one record goes to the first of its peer threads to claim it)."""
+    _, T, H, K, E = MISMATCH_SIZES
+    R = ranks
+    last = R - 1
     done = subprocess.run([driver, tempfile.gettempdir(), str(R), str(T), str(H), str(K), str(E),
                            str(KIND["bfloat16"]), str(KIND["bfloat16"]), "1", "2", "0", field],
                           capture_output=True, text=True, timeout=300)
     out = done.stdout
     records, messages = faults_of(out)
-    if done.returncode == 0 or sorted(records) != [0, 1] or sorted(messages) != [0, 1]:
-        return f"expected a fault on both ranks, got rc={done.returncode}:\n{out[-3000:]}"
+    if done.returncode == 0 or sorted(records) != list(range(R)) or sorted(messages) != list(range(R)):
+        return f"expected a fault on every rank, got rc={done.returncode}:\n{out[-3000:]}"
     field_id, *values = MISMATCHES[field]
     for rank, (kind, _op, waited, _what, got_field, expected, observed) in records.items():
         text = messages[rank]
+        side = int(rank == last)  # values[1]: the last rank's
+        if (rank == last) == (waited == last) or not 0 <= waited < R:
+            return f"rank {rank}: record {records[rank]} names rank {waited}"
         if field == "call_sequence":
-            want = (5, field_id, 1, 6) if rank == 0 else (1, field_id, 6, 1)
-            phrase = "out of step" if rank == 0 else "rank 0 has entered 1 (it is 5 calls behind"
+            want = (5, field_id, 1, 6) if rank != last else (1, field_id, 6, 1)
+            phrase = "out of step" if rank != last else f"rank {waited} has entered 1 (it is 5 calls behind"
         else:
-            mine, theirs = values[rank], values[1 - rank]
+            mine, theirs = values[side], values[1 - side]
             want = (5, field_id, NUMBERS.get(mine, mine), NUMBERS.get(theirs, theirs))
             name = "op" if field == "op_throughput" else field
-            phrase = f"{name} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"
-        if (kind, got_field, expected, observed) != want or waited != 1 - rank:
+            phrase = f"{name} is {mine} on rank {rank} and {theirs} on rank {waited}"
+        if (kind, got_field, expected, observed) != want:
             return f"rank {rank}: record {records[rank]}, want kind/field/expected/observed {want}"
-        op = values[1] if field.startswith("op") and rank == 1 else "ll_dispatch"
+        op = values[1] if field.startswith("op") and rank == last else "ll_dispatch"
         for part in (f"jax_ep: {op} on GPU {rank} (rank {rank})", phrase):
             if part not in text:
                 return f"rank {rank}: message lacks {part!r}: {text}"
@@ -351,11 +365,12 @@ def main(argv=None) -> int:
         print(f"{'FAIL' if error else 'ok  '} {MODES[mode]}: faults with LLFault {what} {error}",
               flush=True)
         failed += bool(error)
-    for field in MISMATCHES:
-        error = run_mismatch(driver, field)
-        print(f"{'FAIL' if error else 'ok  '} mismatch {field}: faults naming it {error}", flush=True)
+    for field, ranks in [(field, 2) for field in MISMATCHES] + [(f, 4) for f in MISMATCHES_AT_4]:
+        error = run_mismatch(driver, field, ranks)
+        at = "" if ranks == 2 else f" at {ranks} ranks"
+        print(f"{'FAIL' if error else 'ok  '} mismatch {field}{at}: faults naming it {error}", flush=True)
         failed += bool(error)
-    total = len(cases) + len(FAULTS) + len(MISMATCHES)
+    total = len(cases) + len(FAULTS) + len(MISMATCHES) + len(MISMATCHES_AT_4)
     print(f"{total - failed}/{total} low-latency cases pass")
     return 1 if failed else 0
 
