@@ -34,6 +34,20 @@
 #               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
 #               128,512,2048,4096,8192); every part runs with --profile. SWEEP_PART_TIMEOUT bounds each
 #               (default 900 s). Use SKIP_BENCH=1 SKIP_LAYER=1 with it, unless the default runs are wanted too.
+#      GPU_SUITE=PARTS  the GPU test suite in parts that each fit one 10-minute device call (comma-separated,
+#               run in the order given; GPU_SUITE_RANKS=N ranks on N separate GPUs, default all GPUs):
+#                 m1a    model 1 (--ep-ranks N): dispatch, layout, peer_smoke, gemm
+#                 m1b    model 1: rank_major
+#                 m1c    model 1: low_latency, rank_mask, throughput/ll shrink, fingerprint, device_memory,
+#                        hierarchical, put_transport (their model-1 tests)
+#                 pg     process model 2 (--processes N): every file with process_group tests
+#                 pgrep  process model 2: test_process_per_gpu_matches_reference PG_REPEATS times (default 3)
+#                        with XLA's sharded autotuning off, then as often with it on
+#               Each part: one pytest bounded by GPU_SUITE_PART_TIMEOUT (default 530 s) and DEADLINE, JUnit
+#               XML and log under $OUT (gpu_suite_<part>_ep<N>.{xml,log}), then tools/gpu_tests_record.py
+#               adds the part to $OUT/gpu_tests_<device>_ep<N>_pm<1|2>.json (GIT_COMMIT names the commit
+#               when the machine's .git is stale; copy a record from docs/benchmarks/ into $OUT first to
+#               extend it). Use SKIP_TESTS=1 SKIP_BENCH=1 SKIP_LAYER=1 with it.
 #      DEADLINE=S  every bounded step ends by S seconds after the start (a step with less than 20 s left
 #               is skipped and says so): for a machine whose calls are cut off at a fixed time
 #      TAR_OUT=1  at the end, everything under $OUT but summary.txt goes into $OUT/gpu_check.tar.gz
@@ -284,6 +298,72 @@ if [ -n "${SWEEP:-}" ]; then
     if [ "$part" = pg ]; then grep -E "worker OK|FAILED|Error" "$OUT/sweep_$part.log" | cut -c1-300
     else tail -30 "$OUT/sweep_$part.log"; fi
     echo "sweep $part: rc=$rc in $((SECONDS - start)) s (log: $OUT/sweep_$part.log)" | tee -a "$OUT/summary.txt"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+
+if [ -n "${GPU_SUITE:-}" ]; then
+  gpus=$(nvidia-smi -L | grep -c "^GPU")
+  ranks="${GPU_SUITE_RANKS:-$gpus}"
+  name=$(nvidia-smi -L | head -1 | sed -E 's/^GPU 0: (NVIDIA )?([^ (]+).*/\2/' | tr 'A-Z' 'a-z')
+  device="${gpus}x NVIDIA $(echo "$name" | tr 'a-z' 'A-Z')"
+  m1a="tests/gpu/test_dispatch_gpu.py tests/gpu/test_layout_gpu.py tests/gpu/test_peer_smoke_gpu.py tests/gpu/test_gemm_gpu.py"
+  m1b="tests/gpu/test_rank_major_gpu.py"
+  m1c="tests/gpu/test_low_latency_gpu.py tests/gpu/test_rank_mask_gpu.py tests/gpu/test_throughput_shrink_gpu.py \
+tests/gpu/test_ll_shrink_gpu.py tests/gpu/test_fingerprint_gpu.py tests/gpu/test_device_memory_gpu.py \
+tests/gpu/test_hierarchical_gpu.py tests/gpu/test_put_transport_gpu.py"
+  IFS=',' read -r -a parts <<<"$GPU_SUITE"
+  for part in "${parts[@]}"; do
+    case $part in
+      m1a|m1b|m1c) model=1; files=${!part}
+                   args=(-m "gpu and not process_group" --ep-ranks "$ranks") ;;
+      pg) model=2; files=$(grep -l "process_group" tests/gpu/test_*.py | tr '\n' ' ')
+          args=(-m "gpu and process_group" --processes "$ranks") ;;
+      pgrep) model=2; files="tests/gpu/test_process_group_gpu.py" ;;
+      *) echo "gpu_check: unknown GPU_SUITE part '$part' (m1a, m1b, m1c, pg, pgrep)" | tee -a "$OUT/summary.txt"
+         status=1; continue ;;
+    esac
+    if [ "$ranks" -gt "$gpus" ] || { [ "$model" = 2 ] && [ "$ranks" -lt 2 ]; }; then
+      echo "gpu suite $part: not run: $ranks ranks on $gpus GPUs" | tee -a "$OUT/summary.txt"
+      status=1; continue
+    fi
+    tag="${part}_ep${ranks}"
+    xmls=()
+    step "gpu suite $part (process model $model, $ranks ranks on separate GPUs): $files"
+    start=$SECONDS
+    : >"$OUT/gpu_suite_$tag.log"
+    if [ "$part" = pgrep ]; then
+      rc=0
+      for autotuning in off on; do
+        for i in $(seq "${PG_REPEATS:-3}"); do
+          xml="$OUT/gpu_suite_${tag}_${autotuning}_$i.xml"
+          # shellcheck disable=SC2086
+          JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning bounded_run "${GPU_SUITE_PART_TIMEOUT:-530}" "$PY" -m pytest \
+            -m "gpu and process_group" --processes "$ranks" $files -k matches_reference -v -rs \
+            --junitxml="$xml" >>"$OUT/gpu_suite_$tag.log" 2>&1
+          r=$?
+          echo "pgrep shard_autotuning=$autotuning run $i: rc=$r" | tee -a "$OUT/summary.txt"
+          [ $r -eq 0 ] || rc=$r
+          [ -f "$xml" ] && xmls+=("$xml")
+        done
+      done
+    else
+      xml="$OUT/gpu_suite_$tag.xml"
+      # shellcheck disable=SC2086
+      bounded_run "${GPU_SUITE_PART_TIMEOUT:-530}" "$PY" -m pytest "${args[@]}" $files -v -rs --durations=10 \
+        --junitxml="$xml" >>"$OUT/gpu_suite_$tag.log" 2>&1
+      rc=$?
+      [ -f "$xml" ] && xmls+=("$xml")
+    fi
+    tail -15 "$OUT/gpu_suite_$tag.log"
+    for xml in "${xmls[@]}"; do
+      label=$(basename "$xml" .xml); label=${label#gpu_suite_}; label=${label%_ep${ranks}}
+      "$PY" tools/gpu_tests_record.py --junit "$xml" --part "${label/_ep${ranks}/}" --ep-size "$ranks" \
+        --process-model "$model" --device "$device" --record "$OUT/gpu_tests_${name}x${gpus}_ep${ranks}_pm${model}.json" \
+        --command "pytest ${args[*]:-} $files" || rc=1
+    done
+    [ ${#xmls[@]} -gt 0 ] || { echo "gpu suite $part: no JUnit XML (cut before pytest wrote it)" | tee -a "$OUT/summary.txt"; rc=1; }
+    echo "gpu suite $part: rc=$rc in $((SECONDS - start)) s (log: $OUT/gpu_suite_$tag.log)" | tee -a "$OUT/summary.txt"
     [ $rc -eq 0 ] || status=1
   done
 fi
