@@ -107,7 +107,8 @@ def _walk(op):
 class Dataflow:
     """Which jax_ep custom calls each one (transitively) depends on, in a lowered module. Precise for
     what these programs contain: func.call (followed per call site), sdy.manual_computation (block
-    argument i is operand i, result i is the terminator's operand i); a loop or branch is refused."""
+    argument i is operand i, result i is the terminator's operand i), ops whose regions are scalar
+    functions (reduce, sort, scatter); a loop or branch is refused."""
 
     def __init__(self, module):
         from jax._src.lib.mlir import ir
@@ -155,8 +156,10 @@ class Dataflow:
         if op.name == "sdy.manual_computation":
             ret = list(op.regions[0].blocks[0].operations)[-1].operation
             return [(ret.operands[value.result_number], sites)]
-        if len(op.regions):
-            raise AssertionError(f"unhandled op with regions {op.name}")
+        if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+            raise AssertionError(f"unhandled control flow {op.name}")
+        # any other op (a reduce's or sort's region is a scalar function of its operands): its results
+        # depend on its operands
         for i, call in enumerate(self.calls):
             if call == op:
                 found.add(i)
@@ -167,10 +170,9 @@ def _lowered(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
 
 
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
-def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program):
-    fn = _grad_program(PROGRAMS[program](_cfg()))
-    args = _inputs()
+def assert_one_chain(fn, *args, what: str) -> list[str]:
+    """The jax_ep custom calls of fn's lowered program: each depends on every one before it in the
+    jaxpr's order. Returns their names in that order."""
     expected = ordering.ep_calls(jax.make_jaxpr(fn)(*args))
     flow = Dataflow(_lowered(fn, *args))
     names = [flow.name(c) for c in flow.calls]
@@ -180,10 +182,37 @@ def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program
     for rank, i in enumerate(order):
         ancestors = flow.ancestors(flow.calls[i])
         assert ancestors == set(order[:rank]), (
-            f"{program}: EP call {names[i]} depends on {sorted(names[a] for a in ancestors)}, not on "
+            f"{what}: EP call {names[i]} depends on {sorted(names[a] for a in ancestors)}, not on "
             f"every earlier call {[names[a] for a in order[:rank]]}: XLA may issue it in another order "
             "on another process")
     assert [names[i] for i in order] == expected
+    return expected
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program):
+    assert_one_chain(_grad_program(PROGRAMS[program](_cfg())), *_inputs(), what=program)
+
+
+def test_the_moe_layer_training_step_issues_its_ep_calls_in_one_order(cuda_lowering):
+    from flax import nnx
+
+    from jax_ep import moe
+    from jax_ep.gating import RouterConfig
+
+    layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
+                    ep=moe.EPOptions(backend="cuda"), param_dtype=jnp.bfloat16)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def step(params, x):
+        def loss(params, x):
+            out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
+            return jnp.mean(out.astype(jnp.float32) ** 2)
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    calls = assert_one_chain(step, params, _inputs()[0], what="MoE layer step")
+    assert calls == ["jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd", "jax_ep_combine",
+                     "jax_ep_slot_values"]
 
 
 def test_the_backward_of_dispatch_issues_its_two_calls_in_one_order(cuda_lowering):
