@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -107,31 +108,46 @@ def test_share_gpu_runs_the_chosen_files_with_the_process_count(tmp_path):
 
 
 # ---- GPU_SUITE: the suite in parts, JUnit -> records (tools/gpu_tests_record.py) ---------------------
-def junit_xml(passed: int, failed: int, skipped: int = 0, name: str = "tests.gpu.test_x_gpu") -> str:
+sys.path.insert(0, str(ROOT / "tools"))
+try:
+    import gpu_tests_record as rec
+finally:
+    sys.path.pop(0)
+
+
+def junit_xml(passed: int, failed: int, skipped: int = 0, name: str = "tests.gpu.test_x_gpu",
+              errors: int = 0) -> str:
     cases = [f'<testcase classname="{name}" name="test_ok_{i}" time="1.0"/>' for i in range(passed)]
     cases += [f'<testcase classname="{name}" name="test_bad_{i}" time="2.0"><failure message="x"/></testcase>'
               for i in range(failed)]
+    cases += [f'<testcase classname="{name}" name="test_err_{i}" time="0.5"><error message="x"/></testcase>'
+              for i in range(errors)]
     cases += [f'<testcase classname="{name}" name="test_skip_{i}" time="0"><skipped/></testcase>'
               for i in range(skipped)]
     return (f'<?xml version="1.0"?><testsuites><testsuite name="pytest" time="{passed + 2 * failed}.5">'
             + "".join(cases) + "</testsuite></testsuites>")
 
 
-def run_suite(tmp_path: Path, gpus: int, junit: str, **env):
-    """run_check with a stub interpreter that writes `junit` wherever pytest is asked for JUnit XML and
-    runs tools/gpu_tests_record.py for real."""
-    rc, output, out, calls = None, None, None, None
-    (tmp_path / "junit.xml").write_text(junit)
+def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytest_rc: int = 0, **env):
+    """run_check with a stub interpreter that, as pytest, writes `junit` wherever it is asked for JUnit XML
+    (none when None), prints `log` and exits `pytest_rc`, and runs tools/gpu_tests_record.py for real."""
+    if junit is not None:
+        (tmp_path / "junit.xml").write_text(junit)
+    (tmp_path / "pytest_log.txt").write_text(log)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    calls_file = tmp_path / "calls.txt"
+    calls_file, junit_file = tmp_path / "calls.txt", tmp_path / "junit.xml"
     stub = textwrap.dedent(f"""\
         #!/bin/bash
         echo "JAX_EP_TEST_SHARD_AUTOTUNING=${{JAX_EP_TEST_SHARD_AUTOTUNING:-}} $*" >> {calls_file}
         if [[ "$*" == *gpu_tests_record.py* ]]; then exec {sys.executable} "$@"; fi
-        for a in "$@"; do
-          case $a in --junitxml=*) cp {tmp_path / "junit.xml"} "${{a#--junitxml=}}";; esac
-        done
+        if [[ "$*" == *"-m pytest"* ]]; then
+          for a in "$@"; do
+            case $a in --junitxml=*) [ -f {junit_file} ] && cp {junit_file} "${{a#--junitxml=}}";; esac
+          done
+          cat {tmp_path / "pytest_log.txt"}
+          exit {pytest_rc}
+        fi
         echo "stub python $*"
         """)
     rc, output, out, _ = run_check(tmp_path, gpus=gpus, _stub=stub, **env)
@@ -139,47 +155,154 @@ def run_suite(tmp_path: Path, gpus: int, junit: str, **env):
     return rc, output, out, calls
 
 
+def pytest_runs(calls: list[str]) -> list[str]:
+    return [c for c in calls if "-m pytest" in c]
+
+
+def files_of(run: str) -> set[str]:
+    return {a for a in run.split() if a.startswith("tests/gpu/")}
+
+
+GPU_FILES = {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*_gpu.py")}
+PG_FILES = {f for f in GPU_FILES if "mark.process_group" in (ROOT / f).read_text()}
+
+
 def test_gpu_suite_runs_each_part_with_its_files_and_options_and_records_it(tmp_path):
-    rc, output, out, calls = run_suite(tmp_path, 4, junit_xml(3, 0, 1), GPU_SUITE="m1a,m1b,m1c,pg",
-                                       GIT_COMMIT="abc123")
+    rc, output, out, calls = run_suite(tmp_path, 4, junit_xml(3, 0, 1), GPU_SUITE="m1a,m1b,m1c,pga,pgb",
+                                       GIT_COMMIT="abc123", GPU_SUITE_ARGS='-k "not slow"')
     assert rc == 0, output
-    runs = [c for c in calls if "-m pytest" in c]
-    assert len(runs) == 4, runs
-    m1a, m1b, m1c, pg = runs
-    assert "gpu and not process_group --ep-ranks 4" in m1a and "test_dispatch_gpu.py" in m1a
-    assert "test_rank_major_gpu.py" in m1b and "test_dispatch_gpu.py" not in m1b
-    assert "test_fingerprint_gpu.py" in m1c and "test_ll_shrink_gpu.py" in m1c and "--ep-ranks 4" in m1c
-    assert "gpu and process_group --processes 4" in pg and "test_process_group_gpu.py" in pg
-    m1 = json.loads((out / "gpu_tests_stubx4_ep4_pm1.json").read_text())
+    runs = pytest_runs(calls)
+    assert len(runs) == 5, runs
+    m1a, m1b, m1c, pga, pgb = runs
+    for run in (m1a, m1b, m1c):
+        assert "-m gpu and not process_group --ep-ranks 4" in run and "--processes" not in run, run
+    for run in (pga, pgb):
+        assert "-m gpu and process_group --processes 4" in run and "--ep-ranks" not in run, run
+    for run, tag in zip(runs, ("m1a", "m1b", "m1c", "pga", "pgb"), strict=True):
+        assert f"--junitxml={out}/gpu_suite_{tag}_ep4.xml" in run and run.endswith("-k not slow"), run
+    assert "tests/gpu/test_dispatch_gpu.py" in files_of(m1a) and "tests/gpu/test_gemm_gpu.py" in files_of(m1a)
+    assert files_of(m1b) == {"tests/gpu/test_rank_major_gpu.py"}
+    # the model-1 parts together: every GPU test file, each once
+    m1 = [f for run in (m1a, m1b, m1c) for f in files_of(run)]
+    assert sorted(m1) == sorted(GPU_FILES), m1
+    assert {"tests/gpu/test_fingerprint_gpu.py", "tests/gpu/test_ll_shrink_gpu.py"} <= files_of(m1c)
+    # the process-model-2 parts together: every file with process_group tests, each once
+    assert files_of(pga) == {"tests/gpu/test_process_group_gpu.py", "tests/gpu/test_hierarchical_gpu.py"}
+    pm2_files = [f for run in (pga, pgb) for f in files_of(run)]
+    assert sorted(pm2_files) == sorted(PG_FILES) and "tests/gpu/test_put_transport_gpu.py" in PG_FILES
+    pm1 = json.loads((out / "gpu_tests_stubx4_ep4_pm1.json").read_text())
     pm2 = json.loads((out / "gpu_tests_stubx4_ep4_pm2.json").read_text())
-    assert (m1["op"], m1["ep_size"], m1["process_model"]) == ("gpu_tests", 4, 1)
-    assert m1["device"] == "4x NVIDIA STUB"
-    assert sorted(m1["parts"]) == ["m1a", "m1b", "m1c"] and sorted(pm2["parts"]) == ["pg"]
-    assert (m1["passed"], m1["failed"], m1["skipped"]) == (9, 0, 3) and pm2["passed"] == 3
-    assert m1["commits"] == ["abc123"] and m1["failed_ids"] == []
+    assert (pm1["op"], pm1["ep_size"], pm1["process_model"]) == ("gpu_tests", 4, 1)
+    assert (pm2["op"], pm2["ep_size"], pm2["process_model"]) == ("gpu_tests", 4, 2)
+    assert pm1["device"] == "4x NVIDIA STUB"
+    assert sorted(pm1["parts"]) == ["m1a", "m1b", "m1c"] and sorted(pm2["parts"]) == ["pga", "pgb"]
+    assert (pm1["passed"], pm1["failed"], pm1["skipped"]) == (9, 0, 3) and pm2["passed"] == 6
+    assert pm1["commit"] == "abc123" and pm1["commits"] == ["abc123"] and pm1["failed_ids"] == []
+    assert pm1["parts"]["m1b"]["command"].startswith("pytest -m gpu and not process_group --ep-ranks 4 ")
+    assert pm1["parts"]["m1a"]["file_seconds"] == {"tests/gpu/test_x_gpu.py": 3.0}
+    assert "gpu suite m1c: rc=0" in (out / "summary.txt").read_text()
+
+
+def test_gpu_suite_pg_runs_every_process_group_file_at_the_rank_count(tmp_path):
+    rc, output, out, calls = run_suite(tmp_path, 4, junit_xml(1, 0), GPU_SUITE="pg", GPU_SUITE_RANKS="2")
+    assert rc == 0, output
+    (run,) = pytest_runs(calls)
+    assert "-m gpu and process_group --processes 2" in run and files_of(run) == PG_FILES
+    assert json.loads((out / "gpu_tests_stubx4_ep2_pm2.json").read_text())["ep_size"] == 2
 
 
 def test_gpu_suite_records_failures_and_fails_the_run(tmp_path):
-    rc, output, out, _ = run_suite(tmp_path, 2, junit_xml(1, 2), GPU_SUITE="m1b", GIT_COMMIT="c")
+    rc, output, out, _ = run_suite(tmp_path, 2, junit_xml(1, 2, errors=1), GPU_SUITE="m1b", GIT_COMMIT="c")
     assert rc == 1, output
     record = json.loads((out / "gpu_tests_stubx2_ep2_pm1.json").read_text())
-    assert record["failed"] == 2 and record["failed_ids"] == [
-        "tests.gpu.test_x_gpu::test_bad_0", "tests.gpu.test_x_gpu::test_bad_1"]
+    assert (record["passed"], record["failed"], record["errors"]) == (1, 2, 1)
+    assert record["failed_ids"] == [f"tests/gpu/test_x_gpu.py::{t}" for t in ("test_bad_0", "test_bad_1",
+                                                                              "test_err_0")]
     # the stub pytest exits 0: the record's failures alone fail the part
     assert "gpu suite m1b: rc=1" in (out / "summary.txt").read_text()
+
+
+CUT_LOG = """\
+tests/gpu/test_rank_major_gpu.py::test_a[bf16] PASSED                     [  1%]
+tests/gpu/test_rank_major_gpu.py::test_a[fp8] FAILED                      [  2%]
+tests/gpu/test_rank_major_gpu.py::test_b SKIPPED (needs 4 GPUs)           [  3%]
+tests/gpu/test_rank_major_gpu.py::test_c[x y] PASSED                      [  4%]
+tests/gpu/test_rank_major_gpu.py::test_c[x y] ERROR                       [  4%]
+tests/gpu/test_rank_major_gpu.py::test_d[deepseek]\x20
+FAILED tests/gpu/test_rank_major_gpu.py::test_a[fp8] - AssertionError
+"""
+
+
+def test_gpu_suite_part_cut_by_its_timeout_is_recorded_from_its_log(tmp_path):
+    # no JUnit XML and the timeout's exit code: counts from the -v log, incomplete, the test it was cut in
+    rc, output, out, calls = run_suite(tmp_path, 2, None, log=CUT_LOG, pytest_rc=124, GPU_SUITE="m1b")
+    assert rc == 1, output
+    (run,) = pytest_runs(calls)
+    part = json.loads((out / "gpu_tests_stubx2_ep2_pm1.json").read_text())["parts"]["m1b"]
+    assert (part["passed"], part["failed"], part["skipped"], part["errors"]) == (1, 1, 1, 1)
+    assert part["failed_ids"] == ["tests/gpu/test_rank_major_gpu.py::test_a[fp8]",
+                                  "tests/gpu/test_rank_major_gpu.py::test_c[x y]"]
+    assert part["incomplete"] and part["cut_in"] == "tests/gpu/test_rank_major_gpu.py::test_d[deepseek]"
+    assert part["rc"] == 124
+    assert "(cut in tests/gpu/test_rank_major_gpu.py::test_d[deepseek])" in (out / "summary.txt").read_text()
+
+
+def test_part_counts_xml_of_a_cut_run_is_incomplete(tmp_path):
+    # SIGINT from timeout: pytest wrote the XML of what it finished (and a nameless case); rc 124
+    xml = tmp_path / "j.xml"
+    xml.write_text(junit_xml(2, 0).replace("</testsuite>", '<testcase time="0.000" /></testsuite>'))
+    log = tmp_path / "log"
+    log.write_text(CUT_LOG)
+    counts = rec.part_counts(xml, log, 124)
+    assert (counts["passed"], counts["failed"], counts["incomplete"]) == (2, 0, True)
+    assert counts["cut_in"] == "tests/gpu/test_rank_major_gpu.py::test_d[deepseek]"
+    done = rec.part_counts(xml, log, 0)
+    assert "incomplete" not in done and done["passed"] == 2
+
+
+def test_gpu_suite_deadline_skips_a_part_without_recording_it(tmp_path):
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a", DEADLINE="30")
+    assert rc == 1, output
+    assert not pytest_runs(calls)
+    assert not list(out.glob("gpu_tests_*.json"))
+    assert "gpu suite m1a: rc=124" in (out / "summary.txt").read_text()
+
+
+PGREP_TEST = "test_process_per_gpu_matches_reference"
 
 
 def test_gpu_suite_pgrep_repeats_with_sharded_autotuning_off_then_on(tmp_path):
     rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="pgrep", PG_REPEATS="2",
                                        GIT_COMMIT="c")
     assert rc == 0, output
-    runs = [c for c in calls if "-m pytest" in c]
+    runs = pytest_runs(calls)
     assert [r.split()[0] for r in runs] == ["JAX_EP_TEST_SHARD_AUTOTUNING=off"] * 2 + [
         "JAX_EP_TEST_SHARD_AUTOTUNING=on"] * 2
-    assert all("-k matches_reference" in r and "--processes 2" in r for r in runs)
+    for run in runs:
+        assert files_of(run) == {f"tests/gpu/test_process_group_gpu.py::{PGREP_TEST}"}
+        assert "-m gpu and process_group --processes 2" in run
     record = json.loads((out / "gpu_tests_stubx2_ep2_pm2.json").read_text())
     assert sorted(record["parts"]) == ["pgrep_off_1", "pgrep_off_2", "pgrep_on_1", "pgrep_on_2"]
-    assert record["passed"] == 4
+    assert record["repeats"] == {"shard_autotuning_off": {"runs": 2, "passed": 2, "failed": 0},
+                                 "shard_autotuning_on": {"runs": 2, "passed": 2, "failed": 0}}
+    assert "gpu suite pgrep: rc=0" in (out / "summary.txt").read_text()
+
+
+def test_gpu_suite_pgrep_one_setting_adds_to_the_record_of_an_earlier_call(tmp_path):
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(0, 1), GPU_SUITE="pgrep,pgrep", PG_REPEATS="1",
+                                       PG_AUTOTUNING="on")
+    assert rc == 1, output
+    assert [r.split()[0] for r in pytest_runs(calls)] == ["JAX_EP_TEST_SHARD_AUTOTUNING=on"] * 2
+    record = json.loads((out / "gpu_tests_stubx2_ep2_pm2.json").read_text())
+    assert sorted(record["parts"]) == ["pgrep_on_1", "pgrep_on_2"]
+    assert record["repeats"] == {"shard_autotuning_on": {"runs": 2, "passed": 0, "failed": 2}}
+
+
+def test_gpu_suite_pgrep_stops_before_a_run_the_deadline_would_cut(tmp_path):
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="pgrep", DEADLINE="200")
+    assert rc == 0, output
+    assert not pytest_runs(calls)
+    assert "run 1: not run: DEADLINE leaves under PG_RUN_S=240 s" in (out / "summary.txt").read_text()
 
 
 def test_gpu_suite_unknown_part_and_too_many_ranks_fail_by_name(tmp_path):
@@ -189,25 +312,86 @@ def test_gpu_suite_unknown_part_and_too_many_ranks_fail_by_name(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "unknown GPU_SUITE part 'bogus'" in summary
     assert "gpu suite m1a: not run: 4 ranks on 2 GPUs" in summary
-    assert not any("-m pytest" in c for c in calls)
+    assert not pytest_runs(calls)
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="pga", GPU_SUITE_RANKS="1")
+    assert rc == 1 and "gpu suite pga: not run: 1 ranks on 2 GPUs" in (out / "summary.txt").read_text()
 
 
-def test_records_merge_across_calls_and_refuse_another_setup():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gpu_tests_record as rec
-    finally:
-        sys.path.pop(0)
-    kw = dict(ep_size=4, process_model=1, device="4x NVIDIA H200")
-    a = {"passed": 5, "failed": 1, "errors": 0, "skipped": 0, "failed_ids": ["t::a"], "duration_s": 9.0}
-    b = {"passed": 7, "failed": 0, "errors": 0, "skipped": 2, "failed_ids": [], "duration_s": 3.0}
-    record = rec.update(None, "m1a", a, commit_id="c1", date="2026-11-28T10:00:00+00:00", **kw)
-    record = rec.update(record, "m1b", b, commit_id="c2", date="2026-11-28T11:00:00+00:00", **kw)
+def test_tar_out_keeps_the_gpu_tests_records_apart(tmp_path):
+    rc, output, out, _ = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a", TAR_OUT="1")
+    assert rc == 0, output
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "gpu_tests_stubx2_ep2_pm1.json",
+                                                     "summary.txt"]
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert "gpu_suite_m1a_ep2.log" in tar.getnames()
+
+
+KW = dict(ep_size=4, process_model=1, device="4x NVIDIA H200")
+A = {"passed": 5, "failed": 1, "errors": 0, "skipped": 0, "failed_ids": ["t::a"], "duration_s": 9.0}
+B = {"passed": 7, "failed": 0, "errors": 0, "skipped": 2, "failed_ids": [], "duration_s": 3.0}
+
+
+def test_records_merge_parts_and_refuse_another_setup():
+    record = rec.update(None, "m1a", A, commit_id="c1", date="2026-11-28T10:00:00+00:00", **KW)
+    record = rec.update(record, "m1b", B, commit_id="c2", date="2026-11-28T11:00:00+00:00", **KW)
     assert (record["passed"], record["failed"], record["skipped"]) == (12, 1, 2)
-    assert record["failed_ids"] == ["t::a"] and record["commits"] == ["c1", "c2"]
-    fixed = dict(a, passed=6, failed=0, failed_ids=[])
-    record = rec.update(record, "m1a", fixed, commit_id="c2", date="2026-11-28T12:00:00+00:00", **kw)
+    assert record["failed_ids"] == ["t::a"] and record["commits"] == ["c1", "c2"] and record["commit"] == "c2"
+    assert record["duration_s"] == 12.0
+    fixed = dict(A, passed=6, failed=0, failed_ids=[])
+    record = rec.update(record, "m1a", fixed, commit_id="c2", date="2026-11-28T12:00:00+00:00", **KW)
     assert (record["passed"], record["failed"]) == (13, 0) and record["commits"] == ["c2"]
     assert record["date"] == "2026-11-28T12:00:00+00:00"
     with pytest.raises(ValueError, match="ep_size=4"):
-        rec.update(record, "m1c", b, ep_size=2, process_model=1, device="4x NVIDIA H200")
+        rec.update(record, "m1c", B, ep_size=2, process_model=1, device="4x NVIDIA H200")
+
+
+def test_merge_folds_two_calls_records_into_one(tmp_path):
+    # two device calls, each returning a record of its parts; --merge folds both into docs' record
+    call1 = rec.update(None, "m1a", A, commit_id="c1", date="2026-11-28T10:00:00+00:00", **KW)
+    call2 = rec.update(None, "m1b", B, commit_id="c1", date="2026-11-28T11:00:00+00:00", **KW)
+    kw2 = dict(KW, process_model=2)
+    rep = dict(B, skipped=0, passed=1)
+    bad = dict(rep, passed=0, failed=1, failed_ids=["t::m"])
+    call2_pm2 = rec.update(None, "pgrep_off", rep, commit_id="c1", date="2026-11-28T11:10:00+00:00",
+                           repeat=True, **kw2)
+    call3_pm2 = rec.update(None, "pgrep_off", bad, commit_id="c1", date="2026-11-28T12:00:00+00:00",
+                           repeat=True, **kw2)
+    returned, docs = tmp_path / "ret", tmp_path / "docs"
+    returned.mkdir()
+    docs.mkdir()
+    pm1_name, pm2_name = "gpu_tests_h200x4_ep4_pm1.json", "gpu_tests_h200x4_ep4_pm2.json"
+    for i, (rec_, name) in enumerate([(call1, pm1_name), (call2, pm1_name), (call2_pm2, pm2_name),
+                                      (call3_pm2, pm2_name)]):
+        (returned / str(i)).mkdir()
+        (returned / str(i) / name).write_text(json.dumps(rec_))
+        assert rec.main(["--merge", str(returned / str(i) / name), "--into", str(docs)]) == 0
+    # merging the same call's record again changes nothing
+    assert rec.main(["--merge", str(returned / "3" / pm2_name), "--into", str(docs)]) == 0
+    pm1 = json.loads((docs / pm1_name).read_text())
+    pm2 = json.loads((docs / pm2_name).read_text())
+    assert sorted(pm1["parts"]) == ["m1a", "m1b"]
+    assert (pm1["passed"], pm1["failed"], pm1["skipped"]) == (12, 1, 2)
+    assert pm1["failed_ids"] == ["t::a"] and pm1["date"] == "2026-11-28T11:00:00+00:00"
+    assert sorted(pm2["parts"]) == ["pgrep_off_1", "pgrep_off_2"]
+    assert pm2["repeats"] == {"shard_autotuning_off": {"runs": 2, "passed": 1, "failed": 1}}
+    assert pm2["failed_ids"] == ["t::m"]
+    # a record of another setup under the same name is refused
+    other = tmp_path / pm1_name
+    other.write_text(json.dumps(rec.update(None, "m1a", A, ep_size=2, process_model=1, device=KW["device"])))
+    with pytest.raises(ValueError, match="ep_size=4"):
+        rec.main(["--merge", str(other), "--into", str(docs)])
+
+
+def test_junit_ids_are_pytest_node_ids():
+    case = ET.fromstring('<testcase classname="tests.gpu.test_a_gpu.TestX" name="test_y[bf16-2]"/>')
+    assert rec.node_id(case) == "tests/gpu/test_a_gpu.py::TestX::test_y[bf16-2]"
+
+
+def test_repeats_count_errors_and_cut_runs_as_faults():
+    kw = dict(KW, process_model=2)
+    record = None
+    for counts in (dict(B, skipped=0), dict(B, errors=1, failed_ids=["t::e"]),
+                   dict(B, incomplete=True, cut_in="t::m")):
+        record = rec.update(record, "pgrep_on", counts, commit_id="c", repeat=True, **kw)
+    assert record["repeats"] == {"shard_autotuning_on": {"runs": 3, "passed": 1, "failed": 2}}
+    assert record["incomplete"] == ["pgrep_on_3"]

@@ -36,21 +36,33 @@
 #               (default 900 s). Use SKIP_BENCH=1 SKIP_LAYER=1 with it, unless the default runs are wanted too.
 #      GPU_SUITE=PARTS  the GPU test suite in parts that each fit one 10-minute device call (comma-separated,
 #               run in the order given; GPU_SUITE_RANKS=N ranks on N separate GPUs, default all GPUs):
-#                 m1a    model 1 (--ep-ranks N): dispatch, layout, peer_smoke, gemm
+#                 m1a    model 1 (--ep-ranks N, -m "gpu and not process_group"): dispatch, layout, peer_smoke,
+#                        gemm
 #                 m1b    model 1: rank_major
-#                 m1c    model 1: low_latency, rank_mask, throughput/ll shrink, fingerprint, device_memory,
-#                        hierarchical, put_transport (their model-1 tests)
-#                 pg     process model 2 (--processes N): every file with process_group tests
+#                 m1c    model 1: low_latency, rank_mask, throughput/ll shrink, fingerprint, device_memory
+#                 pga    process model 2 (--processes N, -m "gpu and process_group"): process_group,
+#                        hierarchical
+#                 pgb    process model 2: put_transport, fingerprint, rank_mask, throughput/ll shrink,
+#                        device_memory
+#                 pg     process model 2: pga and pgb in one pytest (every file with process_group tests)
 #                 pgrep  process model 2: test_process_per_gpu_matches_reference PG_REPEATS times (default 3)
-#                        with XLA's sharded autotuning off, then as often with it on
-#               Each part: one pytest bounded by GPU_SUITE_PART_TIMEOUT (default 530 s) and DEADLINE, JUnit
-#               XML and log under $OUT (gpu_suite_<part>_ep<N>.{xml,log}), then tools/gpu_tests_record.py
-#               adds the part to $OUT/gpu_tests_<device>_ep<N>_pm<1|2>.json (GIT_COMMIT names the commit
-#               when the machine's .git is stale; copy a record from docs/benchmarks/ into $OUT first to
-#               extend it). Use SKIP_TESTS=1 SKIP_BENCH=1 SKIP_LAYER=1 with it.
+#                        per setting of XLA's sharded autotuning in PG_AUTOTUNING (default off,on: off is
+#                        gpu_helpers' --xla_gpu_shard_autotuning=false, on JAX_EP_TEST_SHARD_AUTOTUNING=on);
+#                        each run is recorded as the next pgrep_<setting>_<n>, so runs of several calls add up;
+#                        with DEADLINE, no run starts with less than PG_RUN_S (default 240) s left
+#               Each pytest: bounded by GPU_SUITE_PART_TIMEOUT (default 530 s) and DEADLINE, cut with SIGINT
+#               (pytest still writes the JUnit XML of the tests done); GPU_SUITE_ARGS extra pytest arguments
+#               (e.g. -k); JUnit XML and -v log under $OUT (gpu_suite_<part>_ep<N>.{xml,log}), then
+#               tools/gpu_tests_record.py adds the part to $OUT/gpu_tests_<gpu>x<count>_ep<N>_pm<1|2>.json
+#               (counts, failing ids, seconds per file; a cut part is "incomplete" and names the test it
+#               was cut in). GIT_COMMIT names the commit when the machine's .git is stale or absent. Fold the
+#               records a call returns into docs/benchmarks/ with tools/gpu_tests_record.py --merge FILES
+#               --into docs/benchmarks (TAR_OUT leaves the records out of the tarball). Use SKIP_TESTS=1
+#               SKIP_BENCH=1 SKIP_LAYER=1 with it.
 #      DEADLINE=S  every bounded step ends by S seconds after the start (a step with less than 20 s left
 #               is skipped and says so): for a machine whose calls are cut off at a fixed time
-#      TAR_OUT=1  at the end, everything under $OUT but summary.txt goes into $OUT/gpu_check.tar.gz
+#      TAR_OUT=1  at the end, everything under $OUT but summary.txt and the gpu_tests_*.json records
+#               goes into $OUT/gpu_check.tar.gz
 #               (machines that return only a few files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -307,71 +319,113 @@ if [ -n "${GPU_SUITE:-}" ]; then
   ranks="${GPU_SUITE_RANKS:-$gpus}"
   name=$(nvidia-smi -L | head -1 | sed -E 's/^GPU 0: (NVIDIA )?([^ (]+).*/\2/' | tr 'A-Z' 'a-z')
   device="${gpus}x NVIDIA $(echo "$name" | tr 'a-z' 'A-Z')"
+  eval "suite_args=(${GPU_SUITE_ARGS:-})"
+  # the groups: m1c and pgb take every file the others leave, so a new test file is never left out
+  all_files=$(ls tests/gpu/test_*_gpu.py)
+  pg_files=$(grep -l "mark.process_group" $all_files)
   m1a="tests/gpu/test_dispatch_gpu.py tests/gpu/test_layout_gpu.py tests/gpu/test_peer_smoke_gpu.py tests/gpu/test_gemm_gpu.py"
   m1b="tests/gpu/test_rank_major_gpu.py"
-  m1c="tests/gpu/test_low_latency_gpu.py tests/gpu/test_rank_mask_gpu.py tests/gpu/test_throughput_shrink_gpu.py \
-tests/gpu/test_ll_shrink_gpu.py tests/gpu/test_fingerprint_gpu.py tests/gpu/test_device_memory_gpu.py \
-tests/gpu/test_hierarchical_gpu.py tests/gpu/test_put_transport_gpu.py"
+  pga="tests/gpu/test_process_group_gpu.py tests/gpu/test_hierarchical_gpu.py"
+  others() { local f; for f in $1; do case " $2 " in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done; }
+  m1c=$(others "$all_files" "$m1a $m1b")
+  pgb=$(others "$pg_files" "$pga")
+  # suite_pytest TAG LIMIT ARGS...: one bounded pytest (-v, JUnit XML) logging to $OUT/gpu_suite_TAG.log;
+  # cut with SIGINT so that pytest still writes the XML of what it finished. Sets rc, and ran=0 when
+  # DEADLINE left no time to start it.
+  suite_pytest() {
+    local tag=$1 lim
+    lim=$(bounded "$2")
+    shift 2
+    xml="$OUT/gpu_suite_$tag.xml"
+    rm -f "$xml"
+    ran=0
+    echo "---- $*" >"$OUT/gpu_suite_$tag.log"
+    if [ "$lim" = 0 ]; then
+      echo "SKIPPED: DEADLINE ($DEADLINE s) reached: $*" | tee -a "$OUT/gpu_suite_$tag.log"
+      rc=124; return
+    fi
+    ran=1
+    timeout -s INT -k 10 "$lim" "$PY" -m pytest "$@" -v -rs --durations=10 --junitxml="$xml" "${suite_args[@]}" \
+      >>"$OUT/gpu_suite_$tag.log" 2>&1
+    rc=$?
+  }
+  # record PART TAG MODEL COMMAND [--repeat]: the part's XML and log into the record; 1 if it failed or was cut
+  record() {
+    "$PY" tools/gpu_tests_record.py --junit "$OUT/gpu_suite_$2.xml" --log "$OUT/gpu_suite_$2.log" --rc "$rc" \
+      --part "$1" --ep-size "$ranks" --process-model "$3" --device "$device" \
+      --record "$OUT/gpu_tests_${name}x${gpus}_ep${ranks}_pm$3.json" --command "$4" "${@:5}" | tee -a "$OUT/summary.txt"
+    return "${PIPESTATUS[0]}"
+  }
   IFS=',' read -r -a parts <<<"$GPU_SUITE"
   for part in "${parts[@]}"; do
     case $part in
-      m1a|m1b|m1c) model=1; files=${!part}
-                   args=(-m "gpu and not process_group" --ep-ranks "$ranks") ;;
-      pg) model=2; files=$(grep -l "process_group" tests/gpu/test_*.py | tr '\n' ' ')
-          args=(-m "gpu and process_group" --processes "$ranks") ;;
-      pgrep) model=2; files="tests/gpu/test_process_group_gpu.py" ;;
-      *) echo "gpu_check: unknown GPU_SUITE part '$part' (m1a, m1b, m1c, pg, pgrep)" | tee -a "$OUT/summary.txt"
+      m1a|m1b|m1c) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks") ;;
+      pga|pgb) model=2; files=${!part}; args=(-m "gpu and process_group" --processes "$ranks") ;;
+      pg) model=2; files=$(echo $pg_files); args=(-m "gpu and process_group" --processes "$ranks") ;;
+      pgrep) model=2; files="tests/gpu/test_process_group_gpu.py::test_process_per_gpu_matches_reference"
+             args=(-m "gpu and process_group" --processes "$ranks") ;;
+      *) echo "gpu_check: unknown GPU_SUITE part '$part' (m1a, m1b, m1c, pga, pgb, pg, pgrep)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
     if [ "$ranks" -gt "$gpus" ] || { [ "$model" = 2 ] && [ "$ranks" -lt 2 ]; }; then
       echo "gpu suite $part: not run: $ranks ranks on $gpus GPUs" | tee -a "$OUT/summary.txt"
       status=1; continue
     fi
-    tag="${part}_ep${ranks}"
-    xmls=()
     step "gpu suite $part (process model $model, $ranks ranks on separate GPUs): $files"
     start=$SECONDS
-    : >"$OUT/gpu_suite_$tag.log"
+    part_rc=0
     if [ "$part" = pgrep ]; then
-      rc=0
-      for autotuning in off on; do
+      IFS=',' read -r -a settings <<<"${PG_AUTOTUNING:-off,on}"
+      for autotuning in "${settings[@]}"; do
+        case $autotuning in on|off) ;; *)
+          echo "gpu_check: unknown PG_AUTOTUNING setting '$autotuning' (on, off)" | tee -a "$OUT/summary.txt"
+          part_rc=1; continue ;;
+        esac
         for i in $(seq "${PG_REPEATS:-3}"); do
-          xml="$OUT/gpu_suite_${tag}_${autotuning}_$i.xml"
+          tag="pgrep_${autotuning}_ep${ranks}"
+          if [ -n "${DEADLINE:-}" ] && [ $((DEADLINE - SECONDS - 15)) -lt "${PG_RUN_S:-240}" ]; then
+            # a run cut by the deadline would count as a fault: stop before it (not a failure)
+            echo "pgrep shard_autotuning=$autotuning run $i: not run: DEADLINE leaves under PG_RUN_S=${PG_RUN_S:-240} s" \
+              | tee -a "$OUT/summary.txt"
+            break 2
+          fi
           # shellcheck disable=SC2086
-          JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning bounded_run "${GPU_SUITE_PART_TIMEOUT:-530}" "$PY" -m pytest \
-            -m "gpu and process_group" --processes "$ranks" $files -k matches_reference -v -rs \
-            --junitxml="$xml" >>"$OUT/gpu_suite_$tag.log" 2>&1
-          r=$?
-          echo "pgrep shard_autotuning=$autotuning run $i: rc=$r" | tee -a "$OUT/summary.txt"
-          [ $r -eq 0 ] || rc=$r
-          [ -f "$xml" ] && xmls+=("$xml")
+          JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning suite_pytest "$tag" "${GPU_SUITE_PART_TIMEOUT:-530}" \
+            "${args[@]}" $files
+          echo "pgrep shard_autotuning=$autotuning run $i: rc=$rc" | tee -a "$OUT/summary.txt"
+          if [ $ran = 1 ]; then
+            record "pgrep_$autotuning" "$tag" 2 "JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning pytest ${args[*]} $files" \
+              --repeat || part_rc=1
+          else
+            part_rc=124
+          fi
+          cat "$OUT/gpu_suite_$tag.log" >>"$OUT/gpu_suite_pgrep_ep${ranks}.log"
+          rm -f "$OUT/gpu_suite_$tag.log" "$OUT/gpu_suite_$tag.xml"
         done
       done
+      tail -15 "$OUT/gpu_suite_pgrep_ep${ranks}.log" 2>/dev/null
     else
-      xml="$OUT/gpu_suite_$tag.xml"
+      tag="${part}_ep${ranks}"
       # shellcheck disable=SC2086
-      bounded_run "${GPU_SUITE_PART_TIMEOUT:-530}" "$PY" -m pytest "${args[@]}" $files -v -rs --durations=10 \
-        --junitxml="$xml" >>"$OUT/gpu_suite_$tag.log" 2>&1
-      rc=$?
-      [ -f "$xml" ] && xmls+=("$xml")
+      suite_pytest "$tag" "${GPU_SUITE_PART_TIMEOUT:-530}" "${args[@]}" $files
+      tail -15 "$OUT/gpu_suite_$tag.log"
+      if [ $ran = 0 ]; then
+        part_rc=124   # not run: nothing to record (an empty entry would replace an earlier run's)
+      else
+        record "$part" "$tag" "$model" "pytest ${args[*]} $files ${GPU_SUITE_ARGS:-}" || part_rc=1
+      fi
     fi
-    tail -15 "$OUT/gpu_suite_$tag.log"
-    for xml in "${xmls[@]}"; do
-      label=$(basename "$xml" .xml); label=${label#gpu_suite_}; label=${label%_ep${ranks}}
-      "$PY" tools/gpu_tests_record.py --junit "$xml" --part "${label/_ep${ranks}/}" --ep-size "$ranks" \
-        --process-model "$model" --device "$device" --record "$OUT/gpu_tests_${name}x${gpus}_ep${ranks}_pm${model}.json" \
-        --command "pytest ${args[*]:-} $files" || rc=1
-    done
-    [ ${#xmls[@]} -gt 0 ] || { echo "gpu suite $part: no JUnit XML (cut before pytest wrote it)" | tee -a "$OUT/summary.txt"; rc=1; }
-    echo "gpu suite $part: rc=$rc in $((SECONDS - start)) s (log: $OUT/gpu_suite_$tag.log)" | tee -a "$OUT/summary.txt"
-    [ $rc -eq 0 ] || status=1
+    echo "gpu suite $part: rc=$part_rc in $((SECONDS - start)) s (log: $OUT/gpu_suite_${part}_ep${ranks}.log)" \
+      | tee -a "$OUT/summary.txt"
+    [ $part_rc -eq 0 ] || status=1
   done
 fi
 
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT)" | tee -a "$OUT/summary.txt"
 if [ "${TAR_OUT:-0}" = 1 ]; then
-  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name gpu_check.tar.gz -printf '%P\n' \
-     | tar -czf gpu_check.tar.gz -T - && find . -mindepth 1 -maxdepth 1 ! -name summary.txt \
-     ! -name gpu_check.tar.gz -exec rm -rf {} +)
+  # the gpu_tests records stay out of it: they are what a GPU_SUITE call returns
+  keep=(! -name summary.txt ! -name gpu_check.tar.gz ! -name 'gpu_tests_*.json')
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 "${keep[@]}" -printf '%P\n' | tar -czf gpu_check.tar.gz -T - \
+     && find . -mindepth 1 -maxdepth 1 "${keep[@]}" -exec rm -rf {} +)
 fi
 exit $status
