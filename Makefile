@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-# After the install, one line: was the CUDA extension jax_ep._C built (and if not, why)?
-EXT_STATUS := import jax_ep.runtime as r; e = r.extension_error(); print('jax_ep: CUDA extension jax_ep._C built (backend cuda usable on NVIDIA GPUs)' if e is None else 'jax_ep: CUDA extension jax_ep._C not built (' + ' '.join(e.split()) + '): the pure-JAX reference backend runs')
+# After the install, one line: was the CUDA extension jax_ep._C built (it needs an NVIDIA GPU at run time:
+# is one usable here?), and if not, why?
+EXT_STATUS := import jax_ep.runtime as r; e = r.extension_error(); print(('jax_ep: CUDA extension jax_ep._C built; backend cuda needs an NVIDIA GPU at run time (' + ('one is usable here' if r.available()[0] else 'none usable here: the pure-JAX reference backend runs') + ')') if e is None else 'jax_ep: CUDA extension jax_ep._C not built (' + ' '.join(e.split()) + '): the pure-JAX reference backend runs')
 
 .PHONY: demo test lint install
 install: $(VENV)/.installed

@@ -343,7 +343,10 @@ def main(args, save=lambda records: None) -> list[dict]:
     unknown = sorted(set(wanted) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"--layer-configs: unknown {unknown}; known: {list(CONFIGS)}")
-    wanted = [c for c in wanted if platform == "gpu" or CONFIGS[c]["backend"] != "cuda"]
+    skipped = [c for c in wanted if platform != "gpu" and CONFIGS[c]["backend"] == "cuda"]
+    if skipped:
+        print(f"skip {','.join(skipped)}: the cuda backend needs GPUs")
+    wanted = [c for c in wanted if c not in skipped]
     for name in [n for n in names if n in DECODE_SHAPES]:
         # the einsum is the plain-JAX baseline; the hierarchical path has no decode ops
         for config in [c for c in wanted if c != "plain_jax" and "nodes" not in CONFIGS[c]]:

@@ -49,6 +49,7 @@ import glob
 import itertools
 import json
 import pathlib
+import sys
 import tempfile
 import time
 
@@ -611,55 +612,175 @@ def print_table(records) -> None:
               "not measured in this run")
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=_HelpFormatter)
-    parser.add_argument("--preset", default="auto",
-                        help=f"auto or comma-separated presets of {sorted(PRESETS)} (auto: small on CPU, "
-                             "deepseek,sparse on GPUs)")
-    parser.add_argument("--tokens", default=None,
-                        help="comma-separated tokens per rank, replacing those of every preset shape "
-                             "(default: the presets')")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: the presets')")
-    parser.add_argument("--topk", type=int, default=None, help="experts per token (default: the presets')")
-    parser.add_argument("--experts", type=int, default=None, help="number of experts (default: the presets')")
-    parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn",
-                        help="comma-separated dispatch dtypes on the wire (combine: bf16, timed once)")
-    parser.add_argument("--backends", default="reference,dense,ragged,cuda",
-                        help="comma-separated backends; those this machine lacks are skipped")
-    parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timed chain")
-    parser.add_argument("--repeats", type=int, default=5, help="timed chains; the median is reported")
+BACKENDS = ("reference", "dense", "ragged", "cuda")
+LL_BACKENDS = ("reference", "cuda")
+MODES = {"--layer": "layer", "--low-latency": "low_latency"}   # each mode has its own options (--help)
+LL_DESCRIPTION = f"""Time the low-latency (decode) ops on the available devices: ll_dispatch (each dispatch
+dtype on the wire), ll_combine (bf16) and their round trip, fused and in two phases (ll_dispatch_send /
+_recv, ll_combine_send / _recv), at issue 14's shape (hidden {LL_SHAPE['hidden']}, top-{LL_SHAPE['topk']}, \
+{LL_SHAPE['experts']} experts) and each of
+--tokens per rank; with the cuda backend on GPUs also ll_overlap (how much of ll_dispatch the two-phase
+form hides behind a shared expert). The records go to out/{DEFAULT_OUT['low_latency']} under the repository \
+root
+unless --out names another file, beside DeepEP V1's published low-latency figures (measured: false).
+
+    python -m benchmarks --low-latency [--tokens {LL_TOKENS}] [--backends reference,cuda] [--profile]
+"""
+EXIT_CODES = """
+Exit status: 0 when every requested point was measured; 1 when a point failed (the output says why; the
+records of the others are written) or nothing was measured (e.g. only backends this machine lacks);
+2 on a bad argument. Each mode lists its own options: python -m benchmarks --layer --help,
+python -m benchmarks --low-latency --help."""
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
+
+
+def _positive_ints(value: str) -> str:
+    """Comma-separated positive integers (kept as the text: the modes split it)."""
+    try:
+        numbers = [int(v) for v in value.split(",")]
+    except ValueError:
+        numbers = [0]
+    if min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {value!r}")
+    return value
+
+
+def _names(known):
+    """An argparse type: comma-separated names, each one of ``known`` (kept as the text)."""
+    def check(value: str) -> str:
+        unknown = [name for name in value.split(",") if name not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))} in {value!r}; "
+                                             f"choose from {', '.join(known)}")
+        return value
+    return check
+
+
+def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
+    """The options of one mode: "ops" (dispatch / combine, --rank-major too), "layer" or "low_latency"."""
+    description = {"ops": __doc__, "layer": bench_layer.__doc__, "low_latency": LL_DESCRIPTION}[mode]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=description,
+                                     epilog=EXIT_CODES, formatter_class=_HelpFormatter, allow_abbrev=False)
+    if mode == "layer":
+        parser.add_argument("--layer", action="store_true", required=True,
+                            help="time the MoE layer's training step (this mode)")
+        parser.add_argument("--layer-shapes", default=None, type=_names(list(bench_layer.LAYER_PRESETS)),
+                            help=f"comma-separated layer presets {list(bench_layer.LAYER_PRESETS)} "
+                                 "(default: mid,deepseek on GPUs, small on CPU)")
+        parser.add_argument("--layer-configs", default=None, type=_names(list(bench_layer.CONFIGS)),
+                            help=f"comma-separated layer configurations {list(bench_layer.CONFIGS)} "
+                                 "(default: all that the platform runs, except the hierarchical ep_hier_*)")
+    elif mode == "low_latency":
+        parser.add_argument("--low-latency", action="store_true", required=True,
+                            help="time the low-latency (decode) ops (this mode)")
+        parser.add_argument("--tokens", default=LL_TOKENS, type=_positive_ints,
+                            help="comma-separated tokens per rank")
+        parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn", type=_names(list(BYTES)),
+                            help="comma-separated ll_dispatch dtypes on the wire (ll_combine: bf16)")
+        parser.add_argument("--backends", default=",".join(LL_BACKENDS), type=_names(LL_BACKENDS),
+                            help="comma-separated backends; cuda is skipped where it cannot run")
+    else:
+        parser.add_argument("--preset", default="auto", type=_names(["auto", *PRESETS]),
+                            help=f"auto or comma-separated presets of {sorted(PRESETS)} (auto: small on CPU, "
+                                 "deepseek,sparse on GPUs)")
+        parser.add_argument("--tokens", default=None, type=_positive_ints,
+                            help="comma-separated tokens per rank, replacing those of every preset shape "
+                                 "(default: the presets')")
+        parser.add_argument("--hidden", type=_positive_int, default=None,
+                            help="hidden size (default: the presets')")
+        parser.add_argument("--topk", type=_positive_int, default=None,
+                            help="experts per token (default: the presets')")
+        parser.add_argument("--experts", type=_positive_int, default=None,
+                            help="number of experts (default: the presets')")
+        parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn", type=_names(list(BYTES)),
+                            help="comma-separated dispatch dtypes on the wire (combine: bf16, timed once)")
+        parser.add_argument("--backends", default=",".join(BACKENDS), type=_names(BACKENDS),
+                            help="comma-separated backends; those this machine lacks are skipped")
+        parser.add_argument("--num-sms", default=None, type=_positive_ints,
+                            help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
+        parser.add_argument("--rank-major", action="store_true",
+                            help="reference and cuda time the rank-major ops (dispatch_rank_major, "
+                                 "combine_rank_major, broadcast_rank_major) instead of the expert-major ones")
+        parser.add_argument("--layer", action="store_true",
+                            help="time the MoE layer's training step instead of the ops (benchmarks.layer; "
+                                 "its options: --layer --help)")
+        parser.add_argument("--low-latency", action="store_true",
+                            help="time ll_dispatch / ll_combine / their round trip, fused and in two "
+                                 f"phases (decode mode) at hidden 7168, top-8, 288 experts, tokens "
+                                 f"{LL_TOKENS} (its options: --low-latency --help)")
+    parser.add_argument("--iters", type=_positive_int, default=10, help="back-to-back calls per timed chain")
+    parser.add_argument("--repeats", type=_positive_int, default=5,
+                        help="timed chains; the median is reported" if mode != "layer" else
+                             "timed chains; the best is reported")
     parser.add_argument("--out", default=None,
-                        help=f"JSON file of the records (default: {OUT_DIR}/{DEFAULT_OUT['ops']}, "
-                             f"{DEFAULT_OUT['layer']} with --layer, {DEFAULT_OUT['low_latency']} with "
-                             "--low-latency; out/ is git-ignored)")
-    parser.add_argument("--num-sms", default=None,
-                        help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
+                        help=f"JSON file of the records (default: {OUT_DIR}/{DEFAULT_OUT[mode]}; out/ is "
+                             "git-ignored)")
     parser.add_argument("--profile", action="store_true",
-                        help="also record each kernel's device time per call (GPU, jax.profiler)")
-    parser.add_argument("--low-latency", action="store_true",
-                        help="time ll_dispatch / ll_combine / their round trip, fused and in two "
-                             f"phases (decode mode) at hidden 7168, top-8, 288 experts, tokens "
-                             f"{LL_TOKENS} (or --tokens)")
-    parser.add_argument("--rank-major", action="store_true",
-                        help="reference and cuda time the rank-major ops (dispatch_rank_major, "
-                             "combine_rank_major, broadcast_rank_major) instead of the expert-major ones")
-    parser.add_argument("--layer", action="store_true",
-                        help="time the MoE layer's training step instead of the ops (benchmarks.layer)")
-    parser.add_argument("--layer-shapes", default=None,
-                        help=f"comma-separated layer presets {sorted(bench_layer.LAYER_PRESETS)} "
-                             "(default: mid,deepseek on GPUs, small on CPU)")
-    parser.add_argument("--layer-configs", default=None,
-                        help=f"comma-separated layer configurations {list(bench_layer.CONFIGS)} "
-                             "(default: all that the platform runs, except the hierarchical ep_hier_*)")
-    args = parser.parse_args(argv)
+                        help="also record each kernel's device time per call (GPU, jax.profiler)"
+                        if mode != "layer" else "also split the step's device time by the layer's scopes "
+                        "(GPU, jax.profiler: split_ms)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options of the mode ``argv`` names (--layer, --low-latency, else the ops), each mode with its
+    own parser: its --help lists its options, and an option of another mode is an error (exit 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    modes = [MODES[a] for a in dict.fromkeys(argv) if a in MODES]
+    if len(modes) > 1:
+        build_parser().error("--layer and --low-latency are separate modes: give one")
+    mode = modes[0] if modes else "ops"
+    parser = build_parser(mode)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = {"ops": "", "layer": " --layer", "low_latency": " --low-latency"}[mode]
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (python -m benchmarks{flag} --help "
+                     "lists this mode's options)")
+    for name, default in (("layer", False), ("low_latency", False), ("rank_major", False),
+                          ("preset", "auto"), ("hidden", None), ("topk", None), ("experts", None),
+                          ("num_sms", None), ("layer_shapes", None), ("layer_configs", None)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    args.mode = mode
     if args.out is None:
-        kind = "layer" if args.layer else "low_latency" if args.low_latency else "ops"
-        args.out = str(OUT_DIR / DEFAULT_OUT[kind])
+        args.out = str(OUT_DIR / DEFAULT_OUT[mode])
+    return args
+
+
+def check_outcome(measured: int, failed: list[str], out: str) -> None:
+    """Exits with status 1 (SystemExit) when a requested point failed or nothing was measured, saying so
+    on stderr; the records are written before."""
+    if failed:
+        message = (f"{len(failed)} requested point(s) failed ({'; '.join(failed)[:500]}); the {measured} "
+                   f"measured record(s) are in {out}")
+    elif measured == 0:
+        message = "nothing was measured (no requested backend runs here); see the lines above"
+    else:
+        return
+    print(f"python -m benchmarks: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def main(argv=None) -> list[dict]:
+    """Runs the mode ``argv`` names and returns its records; exits 2 on a bad argument and 1 (after
+    writing the records) when a requested point failed or nothing was measured."""
+    args = parse_args(argv)
     use_virtual_cpu_devices()
     if args.layer:
         records = bench_layer.main(args, save=lambda recs: write_records(recs, args.out, quiet=True))
         write_records(records, args.out)
+        failed = [f"{r['shape']} {r['config']}: {r.get('error', 'failed')[:120]}" for r in records
+                  if r.get("step_ms") is None]
+        check_outcome(len(records) - len(failed), failed, args.out)
         return records
 
     devices = jax.devices()
@@ -668,8 +789,10 @@ def main(argv=None) -> list[dict]:
     try:
         shapes = resolve_shapes(args.preset, platform, args.tokens, args.hidden, args.topk, args.experts)
     except ValueError as e:
-        parser.error(str(e))
+        build_parser(args.mode).error(str(e))
     preset = args.preset if args.preset != "auto" else ("small" if platform == "cpu" else "deepseek,sparse")
+    if args.low_latency:
+        preset = "low-latency"
     peak = measure_copy_peak(devices)
     device_name = f"{len(devices)}x {devices[0].device_kind}"
     today = datetime.date.today().isoformat()
@@ -677,17 +800,18 @@ def main(argv=None) -> list[dict]:
           f"{'n/a' if peak is None else f'{peak:.0f} GB/s'}")
     rng = np.random.default_rng(0)
     records = []
+    failed = []   # the requested points that raised: the run exits 1 (check_outcome)
     if args.low_latency:
-        for backend in [b for b in _backends(args.backends.split(","), platform)
-                        if b in ("reference", "cuda")]:
+        for backend in _backends(args.backends.split(","), platform):
             for dtype in args.dtypes.split(","):
-                for tokens in [int(t) for t in (args.tokens or LL_TOKENS).split(",")]:
+                for tokens in [int(t) for t in args.tokens.split(",")]:
                     try:
                         recs = bench_low_latency(mesh, backend, dtype, tokens, LL_SHAPE["hidden"],
                                                  LL_SHAPE["topk"], LL_SHAPE["experts"], args.iters,
                                                  args.repeats, rng, args.profile)
                     except Exception as e:  # one failing backend must not hide the others' numbers
                         print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
+                        failed.append(f"{backend} {dtype} T={tokens}: {type(e).__name__}")
                         continue
                     for r in recs:
                         r.update(device=device_name, date=today)
@@ -705,6 +829,7 @@ def main(argv=None) -> list[dict]:
                      f"dispatch in the step {r['dispatch_in_step_us']:.1f}: {r['hidden_us']:.1f} us hidden"
                      if r["op"] == "ll_overlap" else ""))
         write_records(records, args.out)
+        check_outcome(sum(r["measured"] for r in records), failed, args.out)
         return records
     dtypes = args.dtypes.split(",")
     combine_dtype = "bfloat16" if "bfloat16" in dtypes else dtypes[0]   # combine is timed in this pass
@@ -723,6 +848,7 @@ def main(argv=None) -> list[dict]:
                                        rank_major=args.rank_major)
                 except Exception as e:  # one failing backend must not hide the others' numbers
                     print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
+                    failed.append(f"{backend} {dtype} T={tokens}: {type(e).__name__}")
                     continue
                 for r in recs:
                     r.update(device=device_name, date=today, peer_copy_gbps=peak,
@@ -739,6 +865,7 @@ def main(argv=None) -> list[dict]:
             for name, us in list(r["kernels_us"].items())[:8]:
                 print(f"  {us:>10.1f} us  {name[:90]}")
     write_records(records, args.out)
+    check_outcome(sum(r["measured"] for r in records), failed, args.out)
     return records
 
 

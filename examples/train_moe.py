@@ -20,6 +20,10 @@ end (DIR/no_balancing, DIR/bias_balancing) and the loss of each on a fixed check
 (DIR/train_moe.json); ``--restore DIR`` starts each run from them, on the devices and mesh of this run
 (another EP size works: the expert weights are resharded, placements re-planned), and prints the
 restored model's loss on the same check batch beside the saved one (equal to float32 rounding).
+Give the restoring run its own --out (the default, train_moe_out, is the saving run's folder):
+
+    python examples/train_moe.py --mesh 2,4 --save ckpt
+    JAX_NUM_CPU_DEVICES=4 python examples/train_moe.py --mesh 2,2 --restore ckpt --out train_moe_restored
 
 Started as several processes (``python -m jax_ep.launch``, SLURM, mpirun), it joins them with
 ``jax_ep.distributed.initialize()`` and builds the mesh over every process's devices; process 0 prints
@@ -85,7 +89,8 @@ def parse_args(argv):
                         help="save each run's model and optimizer at the end (Orbax, DIR/<run>, replaced "
                              "if there)")
     parser.add_argument("--restore", metavar="DIR", default=None,
-                        help="start each run from the checkpoint --save wrote (any mesh of this run)")
+                        help="start each run from the checkpoint --save wrote (any mesh of this run); give "
+                             "this run its own --out, or it replaces the outputs there")
     args = parser.parse_args(argv)
 
     num_devices = len(jax.devices())

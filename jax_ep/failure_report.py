@@ -61,6 +61,15 @@ _CUSTOM_CALL = re.compile(r"\bjax_ep_([a-z][a-z0-9_]*)\b")
 _NOT_AN_OP = {"op_state"}
 _WORKER_REPORT = re.compile(r"\bcheck \S+ failed\b")
 
+# gloo's connection messages (jax.distributed's CPU collectives: one per rank and communicator, ~23 lines for
+# a 2-process training run): "[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer
+# ranks is : 7". Several threads write them piece by piece at once, so a line can hold pieces of two
+# messages ("[Gloo] Rank 7 is connected to [Gloo] Rank 6 is connected to 7 peer ranks. ...") or only a
+# message's end ("7 peer ranks. Expected ..."): a line made of nothing but such pieces is chatter.
+_GLOO_PIECES = re.compile(r"(?:\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer "
+                          r"ranks is :|\d|\s)+")
+_GLOO_WORDS = ("[Gloo] Rank", "connected peer ranks", "is connected to")
+
 ITEM_CHARS = 400            # each line of the summary at most
 MAX_FAULTS = 3              # distinct fault records shown (the rest counted)
 
@@ -83,6 +92,15 @@ def is_teardown_noise(line: str) -> bool:
     if _SOURCE_TRACE.search(text) or _TEARDOWN_FILES.search(text):
         return True
     return bool(_ABSL.match(text) and _TEARDOWN_MESSAGE.search(text))
+
+
+def is_transport_chatter(line: str) -> bool:
+    """One of gloo's connection messages (``[Gloo] Rank N is connected to M peer ranks. Expected number of
+    connected peer ranks is : M``), whole or in pieces (several threads write them at once), with the
+    launcher's ``[pI]`` prefix or not. ``python -m jax_ep.launch`` leaves them out of its output unless
+    ``--verbose``. Any other text on the line (a gloo error, say) keeps it."""
+    text = strip_prefix(line).strip()
+    return any(word in text for word in _GLOO_WORDS) and _GLOO_PIECES.fullmatch(text) is not None
 
 
 def without_teardown_noise(text: str) -> str:

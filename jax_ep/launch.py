@@ -2,7 +2,7 @@
 
     python -m jax_ep.launch --nproc N [--coordinator HOST:PORT] [--local-devices-per-process K]
                             [--local-device-ids auto|none|I,J,...] [--share-gpus] [--timeout S]
-                            script.py [args...]
+                            [--verbose] script.py [args...]
 
 Starts N processes of ``python script.py args...``. Process i gets the environment that
 ``jax_ep.distributed.initialize()`` reads: ``JAX_COORDINATOR_ADDRESS`` (default: a free port on
@@ -32,7 +32,11 @@ No XLA collective may run across processes sharing a GPU (NCCL refuses two ranks
 "Duplicate GPU detected"); only jax_ep's own ops communicate. The processes split one GPU's SMs,
 memory and bandwidth, and "remote" traffic never leaves it: timings are not those of separate GPUs.
 
-Every line a process writes (stdout and stderr) is printed with the prefix ``[pI]``. SIGINT and
+Every line a process writes (stdout and stderr) is printed with the prefix ``[pI]``, except gloo's
+connection messages (``[Gloo] Rank N is connected to M peer ranks ...``: jax.distributed's CPU
+collectives print one per rank and communicator, ~23 lines for 2 processes of examples/train_moe.py):
+the launcher leaves them out (``failure_report.is_transport_chatter``) and says how many, unless
+``--verbose``. SIGINT and
 SIGTERM are passed on to the processes. When one process fails (non-zero exit or killed by a signal),
 the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the launcher exits with the failed
 process's code (128 + signal for a signal), naming it. A failed run (a process failed, or
@@ -150,6 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds between SIGTERM and SIGKILL when stopping the processes (default 10)")
     parser.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="S",
                         help="stop every process after S seconds and exit 124 (default 0: no limit)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the processes' gloo connection messages ('[Gloo] Rank N is "
+                             "connected to M peer ranks ...'), left out by default")
     parser.add_argument("script", help="the Python script each process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
@@ -284,6 +291,7 @@ class Launcher:
         # each process's output, boiled down for the failure summary (bounded)
         self.digests = [failure_report.OutputDigest(SUMMARY_TAIL_LINES) for _ in envs]
         self.digest_locks = [threading.Lock() for _ in envs]   # stdout's and stderr's threads feed one
+        self.chatter = 0      # gloo connection messages left out (without --verbose)
 
     def say(self, message: str) -> None:
         with self.lock:
@@ -292,12 +300,19 @@ class Launcher:
 
     def _pump(self, index: int, pipe, out) -> None:
         prefix = f"[p{index}] ".encode()
+        verbose = getattr(self.args, "verbose", False)
         for line in iter(pipe.readline, b""):
+            text = line.decode(errors="replace")
+            chatter = failure_report.is_transport_chatter(text)
             with self.lock:
+                if chatter and not verbose:
+                    self.chatter += 1
+                    continue
                 out.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
                 out.flush()
-            with self.digest_locks[index]:
-                self.digests[index].feed(line.decode(errors="replace"), stream=out)
+            if not chatter:   # the failure summary's tail: what the process said, not gloo's handshakes
+                with self.digest_locks[index]:
+                    self.digests[index].feed(text, stream=out)
         pipe.close()
 
     def start(self) -> None:
@@ -382,6 +397,8 @@ class Launcher:
             time.sleep(POLL_S)
         for thread in self.threads:         # output still in the pipes; bounded: a grandchild may hold one
             thread.join(timeout=2.0)
+        if self.chatter:
+            self.say(f"left out {self.chatter} lines of gloo connection messages (--verbose prints them)")
         if failed is None:                  # the first failure found after the loop (same poll)
             failed = next(((i, p.returncode) for i, p in enumerate(self.procs) if p.returncode), None)
         if self.signal is not None:

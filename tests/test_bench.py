@@ -87,14 +87,175 @@ def test_cli_help():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m benchmarks "), out.stdout[:200]
-    for flag in ("--preset", "--tokens", "--backends", "--num-sms", "--profile", "--layer", "--layer-shapes",
-                 "--out"):
+    for flag in ("--preset", "--tokens", "--backends", "--num-sms", "--profile", "--layer", "--low-latency",
+                 "--rank-major", "--out"):
         assert flag in out.stdout, flag
+    # the layer's options are in its own help (the ops' docstring above the options names one in a command)
+    assert "--layer-shapes" not in out.stdout.split("options:", 1)[1] and "--layer --help" in out.stdout
     options = " ".join(out.stdout.split("options:", 1)[1].split())   # one line, single spaces
     for default in ("(default: auto)", "(default: bfloat16,float8_e4m3fn)", "(default: reference,dense,",
                     "(default: 10)", "(default: 5)", "(default: the presets')",
                     f"(default: {bench.OUT_DIR}/"):
         assert default in options, default
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def _options(text: str) -> str:
+    """The options part of a --help text (after the description)."""
+    return text.split("\noptions:\n", 1)[1]
+
+
+def test_each_mode_help_lists_its_own_options(capsys):
+    """`--layer --help` and `--low-latency --help` show their mode's options (not the ops' text)."""
+    layer = _help(capsys, "--layer")
+    assert layer.startswith("usage: python -m benchmarks [-h] --layer ")
+    assert "MoE layer benchmark" in layer
+    for flag in ("--layer-shapes", "--layer-configs", "--iters", "--repeats", "--out", "--profile",
+                 "(default: 10)", f"{bench.OUT_DIR}/{bench.DEFAULT_OUT['layer']}"):
+        assert flag in layer, flag
+    for flag in ("--preset", "--tokens", "--backends", "--dtypes", "--num-sms"):   # the ops' options
+        assert flag not in _options(layer), flag
+    ll = _help(capsys, "--low-latency")
+    assert ll.startswith("usage: python -m benchmarks [-h] --low-latency ")
+    assert "ll_dispatch" in ll and f"(default: {bench.LL_TOKENS})" in " ".join(ll.split())
+    for flag in ("--tokens", "--dtypes", "--backends", "--iters", "--repeats", "--out", "--profile"):
+        assert flag in ll, flag
+    for flag in ("--preset", "--layer-shapes", "--num-sms", "--hidden"):
+        assert flag not in _options(ll), flag
+    ops = _help(capsys)
+    assert ops != layer and "--layer-shapes" not in _options(ops) and "--preset" in _options(ops)
+    assert _help(capsys, "--rank-major") == ops    # an ops variant: the ops' options
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tokens", "0"], "argument --tokens: must be comma-separated positive integers, got '0'"),
+    (["--tokens", "32,x"], "argument --tokens: must be comma-separated positive integers, got '32,x'"),
+    (["--backends", "foo"], "argument --backends: unknown 'foo' in 'foo'; choose from reference, dense, "
+                            "ragged, cuda"),
+    (["--backends", "reference,"], "argument --backends: unknown ''"),
+    (["--dtypes", "float16"], "argument --dtypes: unknown 'float16' in 'float16'; choose from bfloat16, "
+                              "float8_e4m3fn"),
+    (["--iters", "0"], "argument --iters: must be a positive integer, got '0'"),
+    (["--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
+    (["--repeats", "-3"], "argument --repeats: must be a positive integer, got '-3'"),
+    (["--preset", "huge"], "argument --preset: unknown 'huge'"),
+    (["--experts", "0"], "argument --experts: must be a positive integer, got '0'"),
+    (["--num-sms", "0"], "argument --num-sms: must be comma-separated positive integers"),
+    (["--layer", "--iters", "0"], "argument --iters: must be a positive integer, got '0'"),
+    (["--layer", "--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
+    (["--layer", "--layer-shapes", "nope"], "argument --layer-shapes: unknown 'nope'"),
+    (["--layer", "--layer-configs", "ep_fast"], "argument --layer-configs: unknown 'ep_fast'"),
+    (["--layer", "--tokens", "4"], "unrecognized arguments: --tokens 4 (python -m benchmarks --layer --help"),
+    (["--low-latency", "--backends", "dense"], "argument --backends: unknown 'dense' in 'dense'; choose from "
+                                               "reference, cuda"),
+    (["--low-latency", "--tokens", "0"], "argument --tokens: must be comma-separated positive integers"),
+    (["--low-latency", "--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
+    (["--layer", "--low-latency"], "--layer and --low-latency are separate modes: give one"),
+])
+def test_cli_refuses_bad_arguments(argv, message, capsys):
+    """Arguments that measure nothing (or NaN) are refused before anything runs: exit 2, naming the flag
+    and the value."""
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_exit_status(tmp_path):
+    """From the command line: 2 on a bad argument (not 0 after a ZeroDivisionError printed as FAILED), 0
+    for a run that measured every point."""
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    bad = run("--iters", "0", "--out", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "argument --iters: must be a positive integer" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad.json").exists()
+    good = run("--preset", "small", "--tokens", "16", "--backends", "reference", "--dtypes", "bfloat16",
+               "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "good.json"))
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    assert all(r["us"] > 0 for r in json.loads((tmp_path / "good.json").read_text()))
+
+
+def test_bench_exits_1_when_nothing_was_measured(tmp_path, capsys):
+    """Only backends this machine lacks: the run measures nothing and exits 1 (the file written holds no
+    measured record; --low-latency's has DeepEP's published figures)."""
+    from jax_ep import runtime
+
+    if runtime.available()[0]:
+        pytest.skip("the cuda backend runs here")
+    out = tmp_path / "none.json"
+    for argv in (["--backends", "cuda", "--preset", "small", "--tokens", "16"],
+                 ["--low-latency", "--backends", "cuda", "--tokens", "1"],
+                 ["--layer", "--layer-configs", "ep_cuda", "--layer-shapes", "small"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main([*argv, "--iters", "1", "--repeats", "1", "--out", str(out)])
+        assert exc.value.code == 1, argv
+        assert "nothing was measured" in capsys.readouterr().err, argv
+        assert not [r for r in json.loads(out.read_text()) if r.get("measured", True)], argv
+
+
+def test_bench_exits_1_when_a_point_failed(tmp_path, monkeypatch, capsys):
+    """A requested point that raises is printed as FAILED, the others' records are written, and the run
+    exits 1 naming it; in every mode."""
+    real = bench.bench_shape
+
+    def dense_fails(mesh, backend, *args, **kwargs):
+        if backend == "dense":
+            raise ZeroDivisionError("float division by zero")
+        return real(mesh, backend, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "bench_shape", dense_fails)
+    out = tmp_path / "ops.json"
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--preset", "small", "--tokens", "16", "--backends", "reference,dense", "--dtypes",
+                    "bfloat16", "--iters", "1", "--repeats", "1", "--out", str(out)])
+    assert exc.value.code == 1
+    captured = capsys.readouterr()
+    assert "FAILED dense bfloat16 T=16: ZeroDivisionError" in captured.out
+    assert "1 requested point(s) failed (dense bfloat16 T=16: ZeroDivisionError)" in captured.err
+    saved = json.loads(out.read_text())
+    assert saved and {r["backend"] for r in saved} == {"reference"}
+
+    monkeypatch.setattr(bench, "bench_low_latency", lambda *a, **k: 1 / 0)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--low-latency", "--backends", "reference", "--dtypes", "bfloat16", "--tokens", "1",
+                    "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "ll.json")])
+    assert exc.value.code == 1
+    assert "failed (reference bfloat16 T=1: ZeroDivisionError)" in capsys.readouterr().err
+
+    from benchmarks import layer as bench_layer
+
+    def unformable(mesh, shape, config):
+        raise ValueError("cannot form this layer here")
+
+    monkeypatch.setattr(bench_layer, "layer_and_tokens", unformable)
+    monkeypatch.setattr(bench_layer, "roofline_seconds", lambda *a, **k: 1e-3)
+    monkeypatch.setattr(bench_layer, "expert_gemm_seconds", lambda *a, **k: 1e-3)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--layer", "--layer-shapes", "small", "--layer-configs", "ep_reference", "--iters", "1",
+                    "--repeats", "1", "--out", str(tmp_path / "layer.json")])
+    assert exc.value.code == 1
+    assert "failed (small ep_reference: cannot form this layer here)" in capsys.readouterr().err
+    [r] = json.loads((tmp_path / "layer.json").read_text())
+    assert r["step_ms"] is None and r["error"] == "cannot form this layer here"
+
+
+def test_plot_bench_help_and_bad_arguments(tmp_path):
+    """tools/plot_bench.py --help prints its usage (it raised TypeError); a missing argument is exit 2."""
+    tool = str(ROOT / "tools" / "plot_bench.py")
+    out = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: plot_bench.py [-h] SRC DST"), out.stdout[:300]
+    assert "python tools/plot_bench.py docs/benchmarks/h200x2.json" in out.stdout
+    missing = subprocess.run([sys.executable, tool, str(tmp_path / "a.json")], capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2 and "the following arguments are required: DST" in missing.stderr
 
 
 def test_default_out_is_git_ignored(tmp_path):

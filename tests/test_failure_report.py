@@ -212,6 +212,59 @@ def test_launcher_prints_no_summary_when_every_process_succeeds(tmp_path):
     assert launch.exit_codes(proc.stderr) == {}
 
 
+# gloo's connection messages as 2 processes of examples/train_moe.py print them (CPU, 2026-11-28): 23 lines,
+# written piecewise by several threads, so that two can share a line and a message's end can stand alone
+GLOO = ["[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+        "[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0",
+        "[Gloo] Rank 5 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7",
+        "[Gloo] Rank 7 is connected to [Gloo] Rank 6 is connected to 7 peer ranks. Expected number of "
+        "connected peer ranks is : 7",
+        "7 peer ranks. Expected number of connected peer ranks is : 7"]
+
+
+def test_gloo_connection_messages_are_transport_chatter():
+    chatter = GLOO + ["[p1] " + line for line in GLOO] + [GLOO[0] + "\n"]
+    kept = ["[Gloo] Rank 1 failed to connect to rank 0: Connection refused",
+            "[p0] Gloo: connected 7 peer ranks", "process 1 is connected to 7 peer ranks", "7", "[p0] ",
+            "", "train_moe: 8 x cpu devices in 2 processes", "Traceback (most recent call last):",
+            "[p0] [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1 "
+            "and then something else"]
+    assert [line for line in chatter + kept if failure_report.is_transport_chatter(line)] == chatter
+
+
+def test_launcher_leaves_out_gloo_chatter_unless_verbose(tmp_path):
+    """python -m jax_ep.launch prints the processes' lines but gloo's connection messages, saying how many
+    it left out; --verbose prints them too."""
+    worker = tmp_path / "chatty.py"
+    worker.write_text(f"""
+import json, sys
+print("worker OK", flush=True)
+for line in json.loads({json.dumps(json.dumps(GLOO))}):
+    print(line, file=sys.stderr, flush=True)
+print("[Gloo] Rank 1 failed to connect to rank 0", file=sys.stderr, flush=True)
+print("worker done", flush=True)
+""")
+
+    def launch_run(*flags):
+        proc = subprocess.run([sys.executable, "-m", "jax_ep.launch", "--nproc", "2", *flags, str(worker)],
+                              capture_output=True, text=True, timeout=60, env=cpu_env(), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    quiet = launch_run()
+    for i in range(2):
+        assert f"[p{i}] worker OK\n" in quiet.stdout and f"[p{i}] worker done\n" in quiet.stdout
+        assert f"[p{i}] [Gloo] Rank 1 failed to connect to rank 0" in quiet.stderr   # not chatter
+    assert "is connected to" not in quiet.stderr and "peer ranks" not in quiet.stderr, quiet.stderr
+    assert f"{launch.PREFIX} left out {2 * len(GLOO)} lines of gloo connection messages (--verbose prints " \
+           "them)" in quiet.stderr
+    verbose = launch_run("--verbose")
+    for i in range(2):
+        for line in GLOO:
+            assert f"[p{i}] {line}\n" in verbose.stderr
+    assert "left out" not in verbose.stderr
+
+
 # ---- the GPU tests' harness (tests/gpu/gpu_helpers.py) ----------------------------------------------
 
 @pytest.fixture

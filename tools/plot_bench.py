@@ -7,8 +7,8 @@ roofline.
     python tools/plot_bench.py docs/benchmarks/h200x2_layer.json docs/benchmarks/h200x2_layer.png
 """
 
+import argparse
 import json
-import sys
 
 import matplotlib
 
@@ -136,5 +136,15 @@ def main(src: str, dst: str) -> None:
     return plot_ops(records, dst)
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="plot_bench.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", metavar="SRC", help="JSON records of python -m benchmarks (with or without "
+                        "--rank-major) or of python -m benchmarks --layer")
+    parser.add_argument("dst", metavar="DST", help="the PNG to write")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    args = parse_args()
+    main(args.src, args.dst)
