@@ -1,6 +1,16 @@
 """jax_ep: expert-parallel dispatch/combine for Mixture-of-Experts models in JAX."""
 
 from jax_ep.config import EPConfig, KernelConfig
+from jax_ep.errors import (
+    CheckpointMismatchError,
+    DeviceFaultError,
+    EPError,
+    EPRuntimeError,
+    EPTimeoutError,
+    EPTypeError,
+    EPUnsupportedError,
+    EPValueError,
+)
 from jax_ep.gemm import grouped_matmul
 from jax_ep.hierarchical import (
     HierarchicalDispatched,
@@ -33,13 +43,21 @@ from jax_ep.types import (
     RankMajorDispatched,
     RankMajorHandle,
 )
-from jax_ep.validation import EPValueError, ep_errors, run_checked
+from jax_ep.validation import ep_errors, run_checked
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointMismatchError",
+    "DeviceFaultError",
+    "DeviceMemoryError",
     "EPConfig",
     "Dispatched",
+    "EPError",
+    "EPRuntimeError",
+    "EPTimeoutError",
+    "EPTypeError",
+    "EPUnsupportedError",
     "EPValueError",
     "Handle",
     "HierarchicalDispatched",
@@ -70,3 +88,13 @@ __all__ = [
     "ll_dispatch_send",
     "run_checked",
 ]
+
+
+def __getattr__(name: str):
+    # jax_ep.DeviceMemoryError is the CUDA extension's class when it is built (jax_ep.runtime loads
+    # it; not at import: loading the extension is left to the programs that use it).
+    if name == "DeviceMemoryError":
+        from jax_ep.runtime import DeviceMemoryError
+
+        return DeviceMemoryError
+    raise AttributeError(f"module 'jax_ep' has no attribute {name!r}")

@@ -18,6 +18,8 @@ import functools
 import json
 import pathlib
 
+from jax_ep.errors import EPValueError
+
 TABLE_FILE = pathlib.Path(__file__).with_name("auto_table.json")
 LAYOUTS = ("expert_major", "rank_major", "fixed_slots")  # fixed_slots: the low-latency ops
 
@@ -45,7 +47,7 @@ def kernel_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
     """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank on
     `ep_size` GPUs (or the EP size whose decision stands for it: decision_ep_size)."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise EPValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     entry = table().get("ops", {}).get(op, {}).get(layout)
     if entry is None:
         return False

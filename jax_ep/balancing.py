@@ -24,6 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_ep.errors import EPValueError
+
 
 @dataclasses.dataclass(frozen=True)
 class BalancingConfig:
@@ -44,13 +46,14 @@ class BalancingConfig:
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0:
-                raise ValueError(f"BalancingConfig.{field.name} must be a finite number >= 0, got {value!r}")
+                raise EPValueError(
+                    f"BalancingConfig.{field.name} must be a finite number >= 0, got {value!r}")
 
 
 def _check_num_experts(name: str, array: jax.Array, num_experts: int) -> None:
     if array.shape[-1] != num_experts:
-        raise ValueError(f"{name}.shape[-1]={array.shape[-1]} does not match num_experts={num_experts} "
-                         f"({name}.shape={array.shape})")
+        raise EPValueError(f"{name}.shape[-1]={array.shape[-1]} does not match num_experts={num_experts} "
+                           f"({name}.shape={array.shape})")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -64,12 +67,12 @@ def expert_counts(topk_idx: jax.Array, num_experts: int, *, token_mask: jax.Arra
     axis_name: mesh axis (or axes) to sum over inside shard_map/pmap, so every rank sees the global load.
     """
     if num_experts < 1:
-        raise ValueError(f"num_experts must be positive, got {num_experts}")
+        raise EPValueError(f"num_experts must be positive, got {num_experts}")
     valid = topk_idx >= 0
     if token_mask is not None:
         if token_mask.shape != topk_idx.shape[:-1]:
-            raise ValueError(f"token_mask.shape={token_mask.shape} must equal topk_idx.shape[:-1]="
-                             f"{topk_idx.shape[:-1]}")
+            raise EPValueError(f"token_mask.shape={token_mask.shape} must equal topk_idx.shape[:-1]="
+                               f"{topk_idx.shape[:-1]}")
         valid = valid & token_mask[..., None]
     # Integer scatter-add: exact and order-independent (deterministic), no [T, K, E] one-hot in memory.
     # Invalid slots are sent out of bounds and dropped.
@@ -108,8 +111,8 @@ def update_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Arr
     applies the same update. Returns float32; no gradient flows through it.
     """
     if bias.shape != expert_load.shape or bias.ndim != 1:
-        raise ValueError(f"bias.shape={bias.shape} and expert_load.shape={expert_load.shape} must be the "
-                         "same [E]")
+        raise EPValueError(f"bias.shape={bias.shape} and expert_load.shape={expert_load.shape} must be the "
+                           "same [E]")
     load = jax.lax.stop_gradient(expert_load).astype(jnp.float32)
     step = jnp.sign(load.mean() - load)
     return jax.lax.stop_gradient(bias).astype(jnp.float32) + jnp.float32(rate) * step
@@ -136,16 +139,17 @@ def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, 
     """
     _check_num_experts("scores", scores, num_experts)
     if scores.shape[:-1] != topk_idx.shape[:-1]:
-        raise ValueError(f"scores.shape={scores.shape} and topk_idx.shape={topk_idx.shape} must agree on the "
-                         "token axes")
+        raise EPValueError(
+            f"scores.shape={scores.shape} and topk_idx.shape={topk_idx.shape} must agree on the "
+            "token axes")
     if token_mask is not None and token_mask.shape != scores.shape[:-1]:
-        raise ValueError(f"token_mask.shape={token_mask.shape} must equal scores.shape[:-1]="
-                         f"{scores.shape[:-1]}")
+        raise EPValueError(f"token_mask.shape={token_mask.shape} must equal scores.shape[:-1]="
+                           f"{scores.shape[:-1]}")
     num_topk = topk_idx.shape[-1]
     if sequence_length is not None:
         if scores.ndim != 2 or scores.shape[0] % sequence_length:
-            raise ValueError(f"sequence_length={sequence_length} needs scores of shape [T, E] with T a "
-                             f"multiple of it, got scores.shape={scores.shape}")
+            raise EPValueError(f"sequence_length={sequence_length} needs scores of shape [T, E] with T a "
+                               f"multiple of it, got scores.shape={scores.shape}")
         num_seq = scores.shape[0] // sequence_length
         scores = scores.reshape(num_seq, sequence_length, num_experts)
         topk_idx = topk_idx.reshape(num_seq, sequence_length, num_topk)
@@ -155,8 +159,8 @@ def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, 
         scores, topk_idx = scores[None], topk_idx[None]
         token_mask = None if token_mask is None else token_mask[None]
     if scores.ndim != 3:
-        raise ValueError(f"scores must be [S, E], [B, S, E] or [T, E] with sequence_length, "
-                         f"got {scores.shape}")
+        raise EPValueError(f"scores must be [S, E], [B, S, E] or [T, E] with sequence_length, "
+                           f"got {scores.shape}")
 
     scores = scores.astype(jnp.float32)
     mask = (jnp.ones(scores.shape[:-1], jnp.float32) if token_mask is None

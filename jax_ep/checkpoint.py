@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import eplb
+from jax_ep.errors import CheckpointMismatchError, EPValueError
 from jax_ep.moe import MoE
 
 FORMAT = 1                    # version of the "jax_ep" JSON record
@@ -48,10 +49,6 @@ FORMAT = 1                    # version of the "jax_ep" JSON record
 PLACEMENT_TABLES = ("physical_to_logical", "logical_to_physical", "replica_counts")
 SLOT_STATS = ("last_slot_load", "total_slot_load")
 PLACEMENT_MODES = ("replan", "drop", "error")
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint does not fit the model (or optimizer) it is restored into."""
 
 
 def _orbax():
@@ -135,8 +132,8 @@ def save(path, model, optimizer=None, *, overwrite: bool = False) -> str:
     """
     masked = [k for k, m in moe_layers(model).items() if m.rank_mask is not None]
     if masked:
-        raise ValueError(f"jax_ep.checkpoint.save: MoE layer(s) {masked} have a rank mask (runtime fault "
-                         "state, not saved); call layer.clear_rank_mask() first")
+        raise EPValueError(f"jax_ep.checkpoint.save: MoE layer(s) {masked} have a rank mask (runtime fault "
+                           "state, not saved); call layer.clear_rank_mask() first")
     ocp = _orbax()
     path = _abs_path(path)
     record = {"format": FORMAT, "jax_ep_version": _version(), "optimizer": optimizer is not None,
@@ -207,8 +204,8 @@ def restore(path, model, optimizer=None, *, mesh: Mesh | None = None, placement:
     number of local experts (measured on CPU: at most a few ulps of the output's largest value).
     """
     if placement not in PLACEMENT_MODES:
-        raise ValueError(f"jax_ep.checkpoint.restore: placement must be one of {PLACEMENT_MODES}, "
-                         f"got {placement!r}")
+        raise EPValueError(f"jax_ep.checkpoint.restore: placement must be one of {PLACEMENT_MODES}, "
+                           f"got {placement!r}")
     ocp = _orbax()
     path = _abs_path(path)
     record = read_record(path)
@@ -269,7 +266,7 @@ def _target_mesh(mesh: Mesh | None, layers: dict[str, MoE]) -> Mesh | None:
         return mesh
     meshes = {id(m.mesh): m.mesh for m in layers.values() if m.mesh is not None}
     if len(meshes) > 1:
-        raise ValueError("jax_ep.checkpoint.restore: the MoE layers have different meshes; pass mesh=")
+        raise EPValueError("jax_ep.checkpoint.restore: the MoE layers have different meshes; pass mesh=")
     return next(iter(meshes.values()), None)
 
 

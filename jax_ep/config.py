@@ -9,18 +9,78 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jax_ep.errors import EPTypeError, EPValueError
+
 DISPATCH_DTYPES = (None, "bfloat16", "float8_e4m3fn")
 BACKENDS = ("auto", "reference", "cuda")
 FP8_BLOCK = 128  # channels per FP8 scale (per token, per 128 channels)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def _check_positive_int(owner: str, name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- option checks: the one place the fields of EPConfig, KernelConfig, EPOptions and MoE's
+# arguments are checked. A field's kind: "int" (an int, not a bool/float/str, >= minimum), "int?"
+# (the same or None), "bool" (True or False only), "name" (a non-empty str), "name?", or a tuple of
+# allowed values. A wrong type raises EPTypeError, a wrong value of the right type EPValueError; both
+# name the owner, the field and the value.
+def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
+    """Raises EPTypeError / EPValueError unless ``value`` is of ``kind`` (above)."""
+    what = f"{owner}.{name}" if not owner.endswith(":") else f"{owner} {name}"
+    if isinstance(kind, tuple):
+        if not any(value is v or (type(value) is type(v) and value == v) for v in kind):
+            raise EPValueError(f"{what} must be one of {kind}, got {value!r}")
+        return
+    if kind.endswith("?"):
+        if value is None:
+            return
+        kind = kind[:-1]
+        none = "None or "
+    else:
+        none = ""
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise EPTypeError(f"{what} must be a bool, got {value!r} "
+                              f"({type(value).__name__})")
+    elif kind == "int":
+        noun = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        if not _is_int(value):
+            raise EPTypeError(f"{what} must be {none}{noun}, got {value!r} ({type(value).__name__})")
+        if value < minimum:
+            raise EPValueError(f"{what} must be {none}{noun}, got {value!r}")
+    elif kind == "name":
+        if not isinstance(value, str):
+            raise EPTypeError(f"{what} must be {none}a non-empty str, got {value!r} ({type(value).__name__})")
+        if not value:
+            raise EPValueError(f"{what} must be {none}a non-empty str, got {value!r}")
+    else:  # pragma: no cover - a kind this module does not define
+        raise AssertionError(kind)
+
+
+def check_options(owner: str, obj, kinds: dict) -> None:
+    """``check_option`` for each field of ``obj`` named in ``kinds``."""
+    for name, kind in kinds.items():
+        check_option(owner, name, getattr(obj, name), kind)
+
+
+def check_kernel(owner: str, value) -> None:
+    if not isinstance(value, KernelConfig):
+        raise EPTypeError(f"{owner}.kernel must be a KernelConfig (jax_ep.KernelConfig), got {value!r} "
+                          f"({type(value).__name__})")
 
 
 TRANSPORTS = ("auto", "load_store", "put")
+
+# The kind of each field (check_option); EPConfig.kernel must be a KernelConfig (check_kernel).
+KERNEL_CONFIG_KINDS = {"num_sms": "int?", "dispatch_send_warps": "int", "combine_send_warps": "int",
+                       "broadcast_send_warps": "int", "bulk_copy": "bool", "async_stream": "int?",
+                       "transport": TRANSPORTS}
+EP_CONFIG_KINDS = {"num_experts": "int", "num_topk": "int", "hidden": "int", "max_tokens_per_rank": "int",
+                   "axis_name": "name", "capacity": "int?", "expert_alignment": "int",
+                   "dispatch_dtype": DISPATCH_DTYPES, "backend": BACKENDS, "checked": "bool",
+                   "shrink": "bool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +130,7 @@ class KernelConfig:
     transport: str = "auto"
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"KernelConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        for field in dataclasses.fields(self):
-            if field.name in ("num_sms", "async_stream") and getattr(self, field.name) is None:
-                continue
-            if field.name == "transport":
-                continue
-            if field.name != "bulk_copy":
-                _check_positive_int("KernelConfig", field.name, getattr(self, field.name))
-        if not isinstance(self.bulk_copy, bool):
-            raise ValueError(f"KernelConfig.bulk_copy must be a bool, got {self.bulk_copy!r}")
+        check_options("KernelConfig", self, KERNEL_CONFIG_KINDS)
 
     def send_warps(self, op: str) -> int:
         return getattr(self, f"{op}_send_warps")
@@ -128,37 +178,24 @@ class EPConfig:
     shrink: bool = False
 
     def __post_init__(self):
-        for name in ("num_experts", "num_topk", "hidden", "max_tokens_per_rank", "expert_alignment"):
-            _check_positive_int("EPConfig", name, getattr(self, name))
-        if not isinstance(self.shrink, bool):
-            raise ValueError(f"EPConfig.shrink must be a bool, got {self.shrink!r}")
-        if not isinstance(self.kernel, KernelConfig):
-            raise ValueError(f"EPConfig.kernel must be a KernelConfig, got {self.kernel!r}")
+        check_options("EPConfig", self, EP_CONFIG_KINDS)
+        check_kernel("EPConfig", self.kernel)
         if self.num_topk > self.num_experts:
-            raise ValueError(f"EPConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
+            raise EPValueError(f"EPConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
         if self.capacity is not None:
-            if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 1:
-                raise ValueError(f"EPConfig.capacity must be None or a positive int, got {self.capacity!r}")
             if self.capacity % self.expert_alignment:
-                raise ValueError(
+                raise EPValueError(
                     f"EPConfig.capacity={self.capacity} must be a multiple of "
                     f"expert_alignment={self.expert_alignment}")
-        if self.dispatch_dtype not in DISPATCH_DTYPES:
-            raise ValueError(f"EPConfig.dispatch_dtype must be one of {DISPATCH_DTYPES}, "
-                             f"got {self.dispatch_dtype!r}")
         if self.dispatch_dtype == "float8_e4m3fn" and self.hidden % FP8_BLOCK:
-            raise ValueError(f"EPConfig.hidden={self.hidden} must be a multiple of {FP8_BLOCK} "
-                             "for dispatch_dtype='float8_e4m3fn'")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"EPConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.axis_name, str) or not self.axis_name:
-            raise ValueError(f"EPConfig.axis_name must be a non-empty str, got {self.axis_name!r}")
+            raise EPValueError(f"EPConfig.hidden={self.hidden} must be a multiple of {FP8_BLOCK} "
+                               "for dispatch_dtype='float8_e4m3fn'")
 
     # ---- derived sizes (ep_size is the size of the mesh axis, known inside shard_map) ----
     def check_ep_size(self, ep_size: int) -> None:
         if self.num_experts % ep_size:
-            raise ValueError(f"num_experts={self.num_experts} is not divisible by the EP size "
-                             f"{ep_size} (mesh axis {self.axis_name!r})")
+            raise EPValueError(f"num_experts={self.num_experts} is not divisible by the EP size "
+                               f"{ep_size} (mesh axis {self.axis_name!r})")
 
     def num_local_experts(self, ep_size: int) -> int:
         self.check_ep_size(ep_size)

@@ -25,6 +25,7 @@ from jax.experimental import compute_on as _compute_on
 
 from jax_ep import ordering, reference, runtime, types
 from jax_ep.config import EPConfig
+from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.types import (
     Dispatched,
     Handle,
@@ -164,7 +165,7 @@ def remote_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh, axis_name: 
     group_size = int(mesh.shape[axis_name])
     runtime.register_targets()
     if runtime.process_model() != "process_per_gpu":
-        raise NotImplementedError(
+        raise EPUnsupportedError(
             "jax_ep: remote_smoke needs process model 2 (NVSHMEM): one process per GPU under "
             "jax.distributed; this process drives its GPUs in process model 1 (local peers)")
     mesh_slots = _local_group_slots(mesh, axis_name)
@@ -190,10 +191,10 @@ def _local_group_slots(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
     flattened row-major as [groups, R] (rank = position along ``axis_name``). Each device finds its
     row and column in it, so the attribute is static and valid for every device of the program."""
     if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        raise EPValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     devices = np.asarray(mesh.devices)
     if any(d.platform != "gpu" for d in devices.flat):
-        raise ValueError("jax_ep CUDA ops need a mesh of GPU devices")
+        raise EPValueError("jax_ep CUDA ops need a mesh of GPU devices")
     return group_slots(devices, mesh.axis_names.index(axis_name), jax.process_index(),
                        runtime.process_model())
 
@@ -214,7 +215,7 @@ def group_slots(devices: np.ndarray, axis: int, process_index: int,
         if all(local):
             rows.append([d.local_hardware_id for d in group])
         elif any(local):
-            raise NotImplementedError(
+            raise EPUnsupportedError(
                 f"jax_ep: the EP group {[d.id for d in group]} spans processes that drive several "
                 "GPUs each; across processes jax_ep needs one GPU per process (process model 2)")
     return np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -229,8 +230,8 @@ def _group_of(axis_name: str) -> tuple[jax.Array, jax.Array, int]:
     names = tuple(getattr(mesh, "axis_names", ()) or ())
     manual = set(getattr(mesh, "manual_axes", ()) or ())
     if names and axis_name in names and manual and axis_name not in manual:
-        raise ValueError(f"jax_ep: the EP axis {axis_name!r} must be a manual axis of the enclosing "
-                         "shard_map")
+        raise EPValueError(f"jax_ep: the EP axis {axis_name!r} must be a manual axis of the enclosing "
+                           "shard_map")
     group = jnp.int32(0)
     num_groups = 1
     for name in names:
@@ -238,7 +239,7 @@ def _group_of(axis_name: str) -> tuple[jax.Array, jax.Array, int]:
         if name == axis_name or size == 1:
             continue
         if name not in manual:
-            raise NotImplementedError(
+            raise EPUnsupportedError(
                 f"jax_ep (backend='cuda'): mesh axis {name!r} (size {size}) is not manual in this "
                 "shard_map, so every device along it would join the same EP group. Run the EP ops "
                 "in a shard_map over all mesh axes, or use backend='reference'.")
@@ -246,8 +247,8 @@ def _group_of(axis_name: str) -> tuple[jax.Array, jax.Array, int]:
         num_groups *= size
     limits = runtime.limits()
     if num_groups > limits["max_groups"]:
-        raise NotImplementedError(f"jax_ep (backend='cuda'): {num_groups} EP groups in one mesh; "
-                                  f"the CUDA backend supports up to {limits['max_groups']}")
+        raise EPUnsupportedError(f"jax_ep (backend='cuda'): {num_groups} EP groups in one mesh; "
+                                 f"the CUDA backend supports up to {limits['max_groups']}")
     rank = lax.axis_index(axis_name).astype(jnp.int32)
     return rank, group, runtime.axis_slot(axis_name)
 
@@ -275,7 +276,7 @@ def _transport(op: str, cfg: EPConfig) -> int:
     if wanted == "load_store":
         return TRANSPORT_LOAD_STORE
     if wanted == "put" and op not in _RANK_MAJOR_OPS:
-        raise NotImplementedError(
+        raise EPUnsupportedError(
             f"jax_ep: {op} has no NVSHMEM put transport (KernelConfig(transport='put')): only "
             "dispatch_rank_major, combine_rank_major and broadcast_rank_major have one")
     runtime.register_targets()  # process model 2: bootstraps NVSHMEM (collective), once
@@ -283,13 +284,13 @@ def _transport(op: str, cfg: EPConfig) -> int:
     unreachable = runtime.unreachable_processes()
     if op in _RANK_MAJOR_OPS:
         if wanted == "put" and model != "process_per_gpu":
-            raise NotImplementedError(
+            raise EPUnsupportedError(
                 f"jax_ep: {op} with KernelConfig(transport='put') needs process model 2 (one process "
                 "per GPU under jax.distributed: NVSHMEM's symmetric heap); this process drives its "
                 "GPUs in process model 1")
         return TRANSPORT_PUT if wanted == "put" or unreachable else TRANSPORT_LOAD_STORE
     if unreachable:
-        raise NotImplementedError(
+        raise EPUnsupportedError(
             f"jax_ep: {op} reaches its peers by NVLink / P2P loads and stores, and processes "
             f"{unreachable} of this job are on other nodes (no load/store address); only the "
             "rank-major ops (dispatch_rank_major, combine_rank_major) cross nodes, through NVSHMEM "
@@ -304,7 +305,7 @@ def _check_put_mask(op: str, cfg: EPConfig, rank_mask: jax.Array | None) -> None
     refuse either there rather than ignore it."""
     if (rank_mask is not None or cfg.shrink) and _transport(op, cfg) == TRANSPORT_PUT:
         what = "a rank_mask" if rank_mask is not None else "EPConfig(shrink=True)"
-        raise NotImplementedError(
+        raise EPUnsupportedError(
             f"jax_ep: {op} with {what} over the NVSHMEM put transport is not built (the put "
             "kernels exchange with every rank of the group); call it without, or over NVLink "
             "loads / stores")

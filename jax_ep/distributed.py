@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import jax
 
+from jax_ep.errors import EPRuntimeError, EPTimeoutError, EPValueError
+
 DEFAULT_TIMEOUT_S = 120.0
 LIVENESS_WAIT_S = 2.0  # how long an error waits for JAX to say which processes are dead
 
@@ -41,7 +43,7 @@ def _env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"jax_ep: environment variable {name} must be an integer, got {value!r}") from None
+        raise EPValueError(f"jax_ep: environment variable {name} must be an integer, got {value!r}") from None
 
 
 def _launch_env() -> tuple[int, int] | None:
@@ -52,12 +54,12 @@ def _launch_env() -> tuple[int, int] | None:
     if num is None or pid is None:
         have, missing = (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if pid is None else (ENV_PROCESS_ID,
                                                                                 ENV_NUM_PROCESSES)
-        raise ValueError(f"jax_ep: {have}={os.environ[have]!r} is set but {missing} is not: set both "
-                         f"(python -m {LAUNCHER} does) or neither")
+        raise EPValueError(f"jax_ep: {have}={os.environ[have]!r} is set but {missing} is not: set both "
+                           f"(python -m {LAUNCHER} does) or neither")
     if num < 1:
-        raise ValueError(f"jax_ep: {ENV_NUM_PROCESSES} must be at least 1, got {num}")
+        raise EPValueError(f"jax_ep: {ENV_NUM_PROCESSES} must be at least 1, got {num}")
     if not 0 <= pid < num:
-        raise ValueError(f"jax_ep: {ENV_PROCESS_ID} must be in [0, {ENV_NUM_PROCESSES}={num}), got {pid}")
+        raise EPValueError(f"jax_ep: {ENV_PROCESS_ID} must be in [0, {ENV_NUM_PROCESSES}={num}), got {pid}")
     return num, pid
 
 
@@ -111,12 +113,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     launched = _launch_env()
     if launched is not None:
         if coordinator_address is None and not os.environ.get(ENV_COORDINATOR):
-            raise ValueError(f"jax_ep: {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} are set but "
-                             f"{ENV_COORDINATOR} is not (python -m {LAUNCHER} sets all three)")
+            raise EPValueError(f"jax_ep: {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} are set but "
+                               f"{ENV_COORDINATOR} is not (python -m {LAUNCHER} sets all three)")
         num_processes = launched[0] if num_processes is None else num_processes
         process_id = launched[1] if process_id is None else process_id
     elif None in (coordinator_address, num_processes, process_id) and _detected_cluster() is None:
-        raise RuntimeError(
+        raise EPRuntimeError(
             "jax_ep.distributed.initialize: no multi-process environment: not started by "
             f"`python -m {LAUNCHER}` ({ENV_NUM_PROCESSES} is unset) and JAX detects no cluster "
             "(SLURM, Open MPI, ...); pass coordinator_address, num_processes and process_id")
@@ -135,14 +137,14 @@ def _client():
         from jax._src import distributed as jax_distributed
         client = jax_distributed.global_state.client
     except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the JAX version
-        raise RuntimeError(
+        raise EPRuntimeError(
             f"jax_ep: this JAX ({jax.__version__}) no longer has the distributed key-value store at "
             f"jax._src.distributed.global_state.client ({e}); jax_ep.distributed must be updated"
         ) from e
     if client is None:
-        raise RuntimeError("jax_ep: jax.distributed is not initialised: call "
-                           "jax.distributed.initialize() (or start the program with "
-                           "`python -m jax_ep.launch`) before using jax_ep across processes")
+        raise EPRuntimeError("jax_ep: jax.distributed is not initialised: call "
+                             "jax.distributed.initialize() (or start the program with "
+                             "`python -m jax_ep.launch`) before using jax_ep across processes")
     return client
 
 
@@ -151,7 +153,7 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def _missing(what: str, timeout_s: float, error: Exception) -> TimeoutError:
+def _missing(what: str, timeout_s: float, error: Exception) -> EPTimeoutError:
     """The error of a wait that did not complete, naming the processes JAX sees as absent."""
     found: list[str] = []
 
@@ -170,8 +172,8 @@ def _missing(what: str, timeout_s: float, error: Exception) -> TimeoutError:
     asking.start()
     asking.join(LIVENESS_WAIT_S)
     absent = found[0] if found else ""
-    return TimeoutError(f"jax_ep: process {jax.process_index()} waited {timeout_s:g} s for {what} "
-                        f"and gave up{absent} ({error})")
+    return EPTimeoutError(f"jax_ep: process {jax.process_index()} waited {timeout_s:g} s for {what} "
+                          f"and gave up{absent} ({error})")
 
 
 def kv_set_bytes(key: str, value: bytes) -> None:

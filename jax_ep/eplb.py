@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.errors import EPValueError
+
 # Relative improvement below which a swap (or a non-identity plan) is not worth it; keeps float rounding
 # from causing endless swaps or gratuitous expert moves.
 _REL_TOL = 1e-9
@@ -63,16 +65,16 @@ class Placement:
 # ---------------------------------------------------------------------------------------------------------
 def _check_positive_int(name: str, value) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise EPValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _as_loads(loads) -> np.ndarray:
     loads = np.asarray(loads, dtype=np.float64)
     if loads.ndim != 1 or loads.size == 0:
-        raise ValueError(f"loads must be a non-empty 1-D array [num_experts], got shape {loads.shape}")
+        raise EPValueError(f"loads must be a non-empty 1-D array [num_experts], got shape {loads.shape}")
     if not np.all(np.isfinite(loads)) or np.any(loads < 0):
-        raise ValueError(f"loads must be finite and non-negative, got min={loads.min()!r}, "
-                         f"max={loads.max()!r}")
+        raise EPValueError(f"loads must be finite and non-negative, got min={loads.min()!r}, "
+                           f"max={loads.max()!r}")
     return loads
 
 
@@ -86,7 +88,7 @@ def replicate_experts(loads: np.ndarray, num_slots: int) -> np.ndarray:
     """
     loads = _as_loads(loads)
     if num_slots < loads.size:
-        raise ValueError(f"num_slots={num_slots} is smaller than the {loads.size} experts to place")
+        raise EPValueError(f"num_slots={num_slots} is smaller than the {loads.size} experts to place")
     counts = np.ones(loads.size, dtype=np.int64)
     for _ in range(num_slots - loads.size):
         per_replica = loads / counts
@@ -106,7 +108,7 @@ def balanced_packing(item_loads: np.ndarray, num_packs: int) -> np.ndarray:
     item_loads = np.asarray(item_loads, dtype=np.float64)
     num_items = item_loads.size
     if num_items % num_packs:
-        raise ValueError(f"{num_items} items cannot be split evenly into {num_packs} packs")
+        raise EPValueError(f"{num_items} items cannot be split evenly into {num_packs} packs")
     per_pack = num_items // num_packs
     pack_of = np.empty(num_items, dtype=np.int64)
     pack_load = np.zeros(num_packs)
@@ -153,8 +155,8 @@ def _placement_from_slots(physical_to_logical: np.ndarray, num_experts: int, num
     width = int(counts.max())
     if max_replicas is not None:
         if max_replicas < width:
-            raise ValueError(f"max_replicas={max_replicas} is smaller than the {width} replicas this plan "
-                             "gives one expert")
+            raise EPValueError(f"max_replicas={max_replicas} is smaller than the {width} replicas this plan "
+                               "gives one expert")
         width = max_replicas
     table = np.full((num_experts, width), -1, dtype=np.int32)
     order = np.argsort(physical_to_logical, kind="stable")       # slots grouped by expert, ascending
@@ -183,16 +185,16 @@ def identity_placement(num_experts: int, num_ranks: int, slots_per_rank: int | N
     _check_positive_int("num_experts", num_experts)
     _check_positive_int("num_ranks", num_ranks)
     if num_experts % num_ranks:
-        raise ValueError(f"identity placement needs num_experts={num_experts} divisible by "
-                         f"num_ranks={num_ranks}")
+        raise EPValueError(f"identity placement needs num_experts={num_experts} divisible by "
+                           f"num_ranks={num_ranks}")
     native = num_experts // num_ranks
     slots_per_rank = native if slots_per_rank is None else slots_per_rank
     _check_positive_int("slots_per_rank", slots_per_rank)
     if slots_per_rank < native:
-        raise ValueError(f"slots_per_rank={slots_per_rank} is below the {native} experts per rank")
+        raise EPValueError(f"slots_per_rank={slots_per_rank} is below the {native} experts per rank")
     loads = np.ones(num_experts) if loads is None else _as_loads(loads)
     if loads.size != num_experts:
-        raise ValueError(f"loads has {loads.size} entries, expected num_experts={num_experts}")
+        raise EPValueError(f"loads has {loads.size} entries, expected num_experts={num_experts}")
     slots = []
     for rank in range(num_ranks):
         own = np.arange(rank * native, (rank + 1) * native)
@@ -226,20 +228,20 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
     num_groups = num_nodes if num_groups is None else num_groups
     _check_positive_int("num_groups", num_groups)
     if num_ranks * slots_per_rank < num_experts:
-        raise ValueError(f"num_ranks * slots_per_rank = {num_ranks} * {slots_per_rank} slots cannot hold "
-                         f"{num_experts} experts")
+        raise EPValueError(f"num_ranks * slots_per_rank = {num_ranks} * {slots_per_rank} slots cannot hold "
+                           f"{num_experts} experts")
     if num_ranks % num_nodes:
-        raise ValueError(f"num_ranks={num_ranks} is not divisible by num_nodes={num_nodes}")
+        raise EPValueError(f"num_ranks={num_ranks} is not divisible by num_nodes={num_nodes}")
     if num_experts % num_groups:
-        raise ValueError(f"num_experts={num_experts} is not divisible by num_groups={num_groups}")
+        raise EPValueError(f"num_experts={num_experts} is not divisible by num_groups={num_groups}")
     if num_groups % num_nodes:
-        raise ValueError(f"num_groups={num_groups} is not a multiple of num_nodes={num_nodes}")
+        raise EPValueError(f"num_groups={num_groups} is not a multiple of num_nodes={num_nodes}")
     ranks_per_node = num_ranks // num_nodes
     slots_per_node = ranks_per_node * slots_per_rank
     experts_per_node = num_experts // num_nodes
     if slots_per_node < experts_per_node:
-        raise ValueError(f"each node has {slots_per_node} slots ({ranks_per_node} ranks * slots_per_rank="
-                         f"{slots_per_rank}) for its {experts_per_node} experts")
+        raise EPValueError(f"each node has {slots_per_node} slots ({ranks_per_node} ranks * slots_per_rank="
+                           f"{slots_per_rank}) for its {experts_per_node} experts")
 
     # Step 1: whole groups onto nodes (a no-op with one node).
     group_size = num_experts // num_groups
@@ -281,7 +283,7 @@ def rank_loads(placement: Placement, loads) -> np.ndarray:
     loads = _as_loads(loads)
     counts = np.asarray(placement.replica_counts)
     if loads.size != counts.size:
-        raise ValueError(f"loads has {loads.size} entries, the placement has {counts.size} experts")
+        raise EPValueError(f"loads has {loads.size} entries, the placement has {counts.size} experts")
     slot_expert = np.asarray(placement.physical_to_logical)
     slot_loads = loads[slot_expert] / counts[slot_expert]
     return slot_loads.reshape(placement.num_ranks, placement.slots_per_rank).sum(axis=1)
@@ -302,7 +304,7 @@ def apply_placement(topk_idx: jax.Array, placement: Placement,
         token_ids = jnp.arange(int(np.prod(token_shape)), dtype=jnp.int32).reshape(token_shape)
     token_ids = jnp.asarray(token_ids)
     if token_ids.shape != token_shape:
-        raise ValueError(f"token_ids.shape={token_ids.shape} must equal topk_idx.shape[:-1]={token_shape}")
+        raise EPValueError(f"token_ids.shape={token_ids.shape} must equal topk_idx.shape[:-1]={token_shape}")
     counts = jnp.asarray(placement.replica_counts, jnp.int32)
     table = jnp.asarray(placement.logical_to_physical, jnp.int32)
     unused = topk_idx < 0

@@ -32,6 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ep.errors import EPValueError
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 # DeepSeek-V3 scores a group by the sum of its two best experts (robust to one outlier expert).
 GROUP_SCORE_TOPN = 2
@@ -103,53 +105,57 @@ class RouterConfig:
         for name in ("num_experts", "num_topk", "num_groups", "ep_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
-                raise ValueError(f"RouterConfig.{name} must be a positive int, got {value!r}")
+                raise EPValueError(f"RouterConfig.{name} must be a positive int, got {value!r}")
         if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"RouterConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+            raise EPValueError(
+                f"RouterConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
         if not isinstance(self.normalize_topk, bool):
-            raise ValueError(f"RouterConfig.normalize_topk must be a bool, got {self.normalize_topk!r}")
+            raise EPValueError(f"RouterConfig.normalize_topk must be a bool, got {self.normalize_topk!r}")
         factor = self.routed_scaling_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
                 or factor <= 0:
-            raise ValueError(f"RouterConfig.routed_scaling_factor must be a positive finite number, "
-                             f"got {factor!r}")
+            raise EPValueError(f"RouterConfig.routed_scaling_factor must be a positive finite number, "
+                               f"got {factor!r}")
         if self.num_topk > self.num_experts:
-            raise ValueError(f"RouterConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
+            raise EPValueError(
+                f"RouterConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
         if self.num_experts % self.num_groups:
-            raise ValueError(f"RouterConfig.num_experts={self.num_experts} is not divisible by "
-                             f"num_groups={self.num_groups}")
+            raise EPValueError(f"RouterConfig.num_experts={self.num_experts} is not divisible by "
+                               f"num_groups={self.num_groups}")
         if self.num_experts % self.ep_size:
-            raise ValueError(f"RouterConfig.num_experts={self.num_experts} is not divisible by "
-                             f"ep_size={self.ep_size}")
+            raise EPValueError(f"RouterConfig.num_experts={self.num_experts} is not divisible by "
+                               f"ep_size={self.ep_size}")
         if self.topk_groups is None:
             object.__setattr__(self, "topk_groups", self.num_groups)
         if not _is_int(self.topk_groups) or not 1 <= self.topk_groups <= self.num_groups:
-            raise ValueError(f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
-                             f"got {self.topk_groups!r}")
+            raise EPValueError(
+                f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
+                f"got {self.topk_groups!r}")
         for name in ("max_ranks_per_token", "ranks_per_node", "max_nodes_per_token"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"RouterConfig.{name} must be None or a positive int, got {value!r}")
+                raise EPValueError(f"RouterConfig.{name} must be None or a positive int, got {value!r}")
         if self.max_nodes_per_token is not None and self.ranks_per_node is None:
-            raise ValueError(f"RouterConfig.max_nodes_per_token={self.max_nodes_per_token} needs "
-                             "ranks_per_node (EP ranks per node, e.g. jax.local_device_count())")
+            raise EPValueError(f"RouterConfig.max_nodes_per_token={self.max_nodes_per_token} needs "
+                               "ranks_per_node (EP ranks per node, e.g. jax.local_device_count())")
         if self.ranks_per_node is not None and (self.ep_size % self.ranks_per_node
                                                 and self.ranks_per_node % self.ep_size):
-            raise ValueError(f"RouterConfig: ep_size={self.ep_size} and ranks_per_node={self.ranks_per_node} "
-                             "must divide one another (the EP group spans whole nodes, or lies in one node)")
+            raise EPValueError(
+                f"RouterConfig: ep_size={self.ep_size} and ranks_per_node={self.ranks_per_node} "
+                "must divide one another (the EP group spans whole nodes, or lies in one node)")
         limits = self._limit_stages()
         for coarse_i, coarse in enumerate(limits):
             for fine in limits[coarse_i + 1:]:
                 if coarse.unit_size % fine.unit_size:
                     # Nested partitions let a finer limit see only whole units (all or none of a unit's
                     # experts available), which is what makes the feasibility check below exact.
-                    raise ValueError(
+                    raise EPValueError(
                         f"RouterConfig: {coarse.fields} and {fine.fields} together need nested layouts: "
                         f"experts per {coarse.unit} ({coarse.unit_size}) and experts per {fine.unit} "
                         f"({fine.unit_size}) must divide one another")
         available = self.max_selectable_experts
         if self.num_topk > available:
-            raise ValueError(
+            raise EPValueError(
                 f"RouterConfig.num_topk={self.num_topk} exceeds the {available} experts a token can still "
                 f"reach with {' and '.join(limit.fields for limit in limits)}")
 
@@ -241,7 +247,7 @@ def expert_scores(logits: jax.Array, score_func: str) -> jax.Array:
         return jax.nn.softmax(logits, axis=-1)
     if score_func == "sigmoid":
         return jax.nn.sigmoid(logits)
-    raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    raise EPValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
 
 
 def _keep_top_units(selection: jax.Array, num_units: int, units_kept: int, score_topn: int) -> jax.Array:
@@ -273,10 +279,10 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
       Routing(topk_idx [..., K] int32, topk_weights [..., K] float32, scores [..., E] float32).
     """
     if logits.shape[-1] != cfg.num_experts:
-        raise ValueError(f"logits.shape[-1]={logits.shape[-1]} does not match "
-                         f"RouterConfig.num_experts={cfg.num_experts} (logits.shape={logits.shape})")
+        raise EPValueError(f"logits.shape[-1]={logits.shape[-1]} does not match "
+                           f"RouterConfig.num_experts={cfg.num_experts} (logits.shape={logits.shape})")
     if bias is not None and bias.shape != (cfg.num_experts,):
-        raise ValueError(f"bias must have shape ({cfg.num_experts},), got {bias.shape}")
+        raise EPValueError(f"bias must have shape ({cfg.num_experts},), got {bias.shape}")
     lead_shape = logits.shape[:-1]
     scores = expert_scores(logits.reshape(-1, cfg.num_experts), cfg.score_func)   # [T, E]
 
@@ -302,6 +308,6 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
 def expert_to_rank(topk_idx: jax.Array, num_experts: int, ep_size: int) -> jax.Array:
     """EP rank of each chosen expert under the contiguous layout; -1 (unused slot) stays -1."""
     if num_experts % ep_size:
-        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        raise EPValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     ranks = topk_idx // (num_experts // ep_size)
     return jnp.where(topk_idx < 0, -1, ranks).astype(jnp.int32)

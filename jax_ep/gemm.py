@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep.errors import EPValueError
 from jax_ep.validation import float0_like
 from jax_ep.vma import vary_as, vary_jointly
 
@@ -86,19 +87,19 @@ def preferred_alignment(x, w, *, backend: str = "auto") -> int:
 
 def _check_args(x, w, group_sizes, backend: str) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"grouped_matmul: backend must be one of {BACKENDS}, got {backend!r}")
+        raise EPValueError(f"grouped_matmul: backend must be one of {BACKENDS}, got {backend!r}")
     if getattr(x, "ndim", None) != 2:
-        raise ValueError(f"grouped_matmul: x must be 2-D [M, K], got shape {getattr(x, 'shape', None)}")
+        raise EPValueError(f"grouped_matmul: x must be 2-D [M, K], got shape {getattr(x, 'shape', None)}")
     if getattr(w, "ndim", None) != 3:
-        raise ValueError(f"grouped_matmul: w must be 3-D [G, K, N], got shape {getattr(w, 'shape', None)}")
+        raise EPValueError(f"grouped_matmul: w must be 3-D [G, K, N], got shape {getattr(w, 'shape', None)}")
     if w.shape[1] != x.shape[1]:
-        raise ValueError(f"grouped_matmul: x has K={x.shape[1]} but w has K={w.shape[1]} "
-                         f"(x {x.shape}, w {w.shape})")
+        raise EPValueError(f"grouped_matmul: x has K={x.shape[1]} but w has K={w.shape[1]} "
+                           f"(x {x.shape}, w {w.shape})")
     if getattr(group_sizes, "shape", None) != (w.shape[0],):
-        raise ValueError(f"grouped_matmul: group_sizes must have shape ({w.shape[0]},) (one per group "
-                         f"of w), got {getattr(group_sizes, 'shape', None)}")
+        raise EPValueError(f"grouped_matmul: group_sizes must have shape ({w.shape[0]},) (one per group "
+                           f"of w), got {getattr(group_sizes, 'shape', None)}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"grouped_matmul: group_sizes must be integer, got dtype {group_sizes.dtype}")
+        raise EPValueError(f"grouped_matmul: group_sizes must be integer, got dtype {group_sizes.dtype}")
 
 
 # ---- choosing an implementation -------------------------------------------------------------------
@@ -132,8 +133,8 @@ def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str) -> tuple[Plan, ...]
         reason = why or _shape_reason(name, m, k, n)
         if reason:
             if backend == "mosaic_gpu":
-                raise ValueError(f"grouped_matmul: backend='mosaic_gpu' cannot run the {name} pass of "
-                                 f"x {tuple(x_shape)} @ w {tuple(w_shape)}: {reason}")
+                raise EPValueError(f"grouped_matmul: backend='mosaic_gpu' cannot run the {name} pass of "
+                                   f"x {tuple(x_shape)} @ w {tuple(w_shape)}: {reason}")
             _log.debug("grouped_matmul %s pass of x %s @ w %s: lax.ragged_dot (%s)", name, x_shape,
                        w_shape, reason)
             plans.append(Plan("ragged_dot", reason=reason))

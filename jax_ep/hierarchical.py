@@ -47,6 +47,7 @@ from jax import lax
 
 from jax_ep import ops
 from jax_ep.config import FP8_BLOCK, EPConfig
+from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.types import Handle, RankMajorHandle
 from jax_ep.validation import check_dispatch_args, check_no_drops, check_topk_values
 
@@ -87,8 +88,8 @@ def _axis_size(axis: str, what: str, op: str) -> int:
     try:
         return lax.axis_size(axis)
     except NameError as e:
-        raise ValueError(f"jax_ep.{op} must run inside shard_map over the mesh axes {what}={axis!r}; "
-                         "that axis is not bound here") from e
+        raise EPValueError(f"jax_ep.{op} must run inside shard_map over the mesh axes {what}={axis!r}; "
+                           "that axis is not bound here") from e
 
 
 def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchical"
@@ -100,16 +101,16 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
     cfg's dispatch_dtype: stage 1 quantises; stage 2's dispatch runs on packed rows
     (``_packed_config``), its combine on the expert outputs as ever."""
     if not isinstance(node_axis, str) or not node_axis:
-        raise ValueError(f"jax_ep.{op}: node_axis must be a non-empty str (a mesh axis), got {node_axis!r}")
+        raise EPValueError(f"jax_ep.{op}: node_axis must be a non-empty str (a mesh axis), got {node_axis!r}")
     if node_axis == cfg.axis_name:
-        raise ValueError(f"jax_ep.{op}: node_axis={node_axis!r} must differ from cfg.axis_name "
-                         f"{cfg.axis_name!r} (the local axis)")
+        raise EPValueError(f"jax_ep.{op}: node_axis={node_axis!r} must differ from cfg.axis_name "
+                           f"{cfg.axis_name!r} (the local axis)")
     nodes = _axis_size(node_axis, "node_axis", op)
     local = _axis_size(cfg.axis_name, "cfg.axis_name", op)
     if cfg.num_experts % (nodes * local):
-        raise ValueError(f"jax_ep.{op}: num_experts={cfg.num_experts} is not divisible by the EP size "
-                         f"{nodes * local} (node axis {node_axis!r} of {nodes} x local axis "
-                         f"{cfg.axis_name!r} of {local})")
+        raise EPValueError(f"jax_ep.{op}: num_experts={cfg.num_experts} is not divisible by the EP size "
+                           f"{nodes * local} (node axis {node_axis!r} of {nodes} x local axis "
+                           f"{cfg.axis_name!r} of {local})")
     backend = cfg.backend
     if backend != "reference" and _directory_slots_collide(node_axis, cfg.axis_name, backend, op):
         backend = "reference"  # "auto" only; "cuda" raised
@@ -157,9 +158,9 @@ def _directory_slots_collide(node_axis: str, local_axis: str, backend: str, op: 
     if node_slot != local_slot:
         return False
     if backend == "cuda":
-        raise ValueError(f"jax_ep.{op} (backend='cuda'): the mesh axes {node_axis!r} and {local_axis!r} "
-                         f"share the CUDA kernels' directory slot {node_slot} (crc32(name) % {slots}); "
-                         "rename one of them (e.g. 'node' and 'local')")
+        raise EPValueError(f"jax_ep.{op} (backend='cuda'): the mesh axes {node_axis!r} and {local_axis!r} "
+                           f"share the CUDA kernels' directory slot {node_slot} (crc32(name) % {slots}); "
+                           "rename one of them (e.g. 'node' and 'local')")
     return True
 
 
@@ -218,8 +219,9 @@ def fp8_packed_width(hidden: int) -> int:
     of 32 bytes. Any hidden that is a multiple of 128 packs (e.g. 7168 -> 1848: 7392 bytes, no
     padding; 128 -> 40: 132 bytes + 28 of padding)."""
     if not isinstance(hidden, int) or hidden < FP8_BLOCK or hidden % FP8_BLOCK:
-        raise ValueError(f"jax_ep.dispatch_hierarchical: FP8 rows of hidden={hidden!r} cannot be packed for "
-                         f"stage 2: hidden must be a positive multiple of {FP8_BLOCK}")
+        raise EPValueError(
+            f"jax_ep.dispatch_hierarchical: FP8 rows of hidden={hidden!r} cannot be packed for "
+            f"stage 2: hidden must be a positive multiple of {FP8_BLOCK}")
     data = hidden + 4 * (hidden // FP8_BLOCK)
     return -(-data // _PACK_ALIGN_BYTES) * _PACK_ALIGN_BYTES // 4
 
@@ -279,7 +281,7 @@ def _fp8_stages_fwd(x, topk_idx, topk_weights, node_cfg, local_cfg):
 
 
 def _fp8_stages_bwd(node_cfg, local_cfg, residuals, ct):
-    raise NotImplementedError(
+    raise EPUnsupportedError(
         "jax_ep: dispatch_hierarchical with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
         "prefill); differentiate through a bfloat16 dispatch instead")
 
@@ -296,8 +298,9 @@ def combine_hierarchical(y: jax.Array, handle: HierarchicalHandle, cfg: EPConfig
     hierarchical path); the source sums the nodes' rows in float32 in node order and rounds once more."""
     op = "combine_hierarchical"
     if not isinstance(handle, HierarchicalHandle):
-        raise ValueError(f"jax_ep.{op}: handle must be the HierarchicalHandle of dispatch_hierarchical, got "
-                         f"{type(handle).__name__}")
+        raise EPValueError(
+            f"jax_ep.{op}: handle must be the HierarchicalHandle of dispatch_hierarchical, got "
+            f"{type(handle).__name__}")
     node_cfg, local_cfg = stage_configs(cfg, node_axis, op)
     per_node = ops.combine(y, handle.local, local_cfg)        # [N*T, H']: one row per (token, node)
     return ops.combine_rank_major(per_node, handle.node, node_cfg)

@@ -36,7 +36,16 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import eplb
 from jax_ep.balancing import BalancingConfig, sequence_aux_loss, update_bias
-from jax_ep.config import FP8_BLOCK, EPConfig, KernelConfig
+from jax_ep.config import (
+    EP_CONFIG_KINDS,
+    FP8_BLOCK,
+    EPConfig,
+    KernelConfig,
+    check_kernel,
+    check_option,
+    check_options,
+)
+from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
@@ -50,6 +59,12 @@ _NO_HIERARCHICAL_DECODE = ("MoE: node_axis (hierarchical dispatch) has no decode
 # name scopes of the layer's parts (the layer benchmark attributes device time by them)
 SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_experts",
           "combine": "moe_combine"}
+
+
+# EPOptions' fields are EPConfig's (same kinds), but expert_alignment may be None (chosen by the layer).
+EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
+                                                                 "checked")},
+                    "expert_alignment": "int?"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +97,10 @@ class EPOptions:
     kernel: KernelConfig = KernelConfig()
 
     def __post_init__(self):
-        # EPConfig's own checks of these fields, with placeholder sizes (the layer's sizes are checked
-        # when its EPConfig is made, at trace time)
+        check_options("EPOptions", self, EP_OPTIONS_KINDS)
+        check_kernel("EPOptions", self.kernel)
+        # EPConfig's checks across fields, with placeholder sizes (the layer's sizes are checked when
+        # its EPConfig is made, at trace time)
         self.ep_config(num_experts=1, num_topk=1, hidden=FP8_BLOCK, max_tokens_per_rank=1, axis_name="ep")
 
     def ep_config(self, *, num_experts: int, num_topk: int, hidden: int, max_tokens_per_rank: int,
@@ -120,6 +137,16 @@ class MoEStats(NamedTuple):
     aux_loss: jax.Array      # [] float32 sequence-wise auxiliary loss (0 when disabled)
     slot_load: jax.Array     # [num_slots] int32 rows each physical slot received (= expert_load without
     #                          a placement)
+
+
+def _check_experts_divide(num_experts: int, ep_size: int, axis_name: str, node_axis: str | None) -> None:
+    """Without a placement each EP rank holds num_experts / ep_size experts."""
+    if num_experts % ep_size:
+        axes = repr(axis_name) if node_axis is None else f"{node_axis!r} x {axis_name!r}"
+        raise EPValueError(
+            f"MoE: routing.num_experts={num_experts} is not divisible by the EP size {ep_size} (mesh "
+            f"axis {axes}): each EP rank holds num_experts / EP size experts; choose num_experts as a "
+            "multiple of the EP size, or give an expert placement (jax_ep.eplb) with slots that divide")
 
 
 class MoE(nnx.Module):
@@ -204,13 +231,22 @@ class MoE(nnx.Module):
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
                                   ("balancing", balancing, BalancingConfig)):
             if not isinstance(value, kind):
-                raise ValueError(f"MoE: {name} must be a {kind.__module__}.{kind.__name__}, got {value!r}")
+                raise EPTypeError(f"MoE: {name} must be a {kind.__module__}.{kind.__name__}, got {value!r}")
+        for name, value, kind, minimum in (("hidden", hidden, "int", 1), ("ffn_hidden", ffn_hidden, "int", 1),
+                                           ("shared_ffn_hidden", shared_ffn_hidden, "int", 0),
+                                           ("axis_name", axis_name, "name", 1),
+                                           ("node_axis", node_axis, "name?", 1),
+                                           ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1)):
+            check_option("MoE:", name, value, kind, minimum)
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise EPTypeError(f"MoE: mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
         if mesh is not None and axis_name not in mesh.axis_names:
-            raise ValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-        if gemm not in GEMM_BACKENDS:
-            raise ValueError(f"MoE: gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
+            raise EPValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         if node_axis is not None:
             self._check_node_axis(node_axis, axis_name, mesh, routing, decode)
+        if mesh is not None and placement is None:
+            ep_size = mesh.shape[axis_name] * (1 if node_axis is None else mesh.shape[node_axis])
+            _check_experts_divide(routing.num_experts, ep_size, axis_name, node_axis)
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.routing, self.ep, self.balancing = routing, ep, balancing
         self.mesh, self.axis_name, self.node_axis = mesh, axis_name, node_axis
@@ -282,17 +318,17 @@ class MoE(nnx.Module):
         """The hierarchical path's static conditions (``node_axis``): a second mesh axis, a node cap
         that names the mesh's node size, and what it does not build."""
         if not isinstance(node_axis, str) or not node_axis or node_axis == axis_name:
-            raise ValueError(f"MoE: node_axis must be a mesh axis name other than axis_name={axis_name!r}, "
-                             f"got {node_axis!r}")
+            raise EPValueError(f"MoE: node_axis must be a mesh axis name other than axis_name={axis_name!r}, "
+                               f"got {node_axis!r}")
         if mesh is not None and node_axis not in mesh.axis_names:
-            raise ValueError(f"MoE: node_axis={node_axis!r} is not an axis of the mesh {mesh.axis_names}")
+            raise EPValueError(f"MoE: node_axis={node_axis!r} is not an axis of the mesh {mesh.axis_names}")
         if mesh is not None and routing.ranks_per_node not in (None, mesh.shape[axis_name]):
-            raise ValueError(f"MoE: routing.ranks_per_node={routing.ranks_per_node}, but with "
-                             f"node_axis={node_axis!r} a node is the mesh axis {axis_name!r} of "
-                             f"{mesh.shape[axis_name]} ranks; set ranks_per_node={mesh.shape[axis_name]} "
-                             "(or None: the layer takes it from the mesh)")
+            raise EPValueError(f"MoE: routing.ranks_per_node={routing.ranks_per_node}, but with "
+                               f"node_axis={node_axis!r} a node is the mesh axis {axis_name!r} of "
+                               f"{mesh.shape[axis_name]} ranks; set ranks_per_node={mesh.shape[axis_name]} "
+                               "(or None: the layer takes it from the mesh)")
         if decode:
-            raise NotImplementedError(_NO_HIERARCHICAL_DECODE)
+            raise EPUnsupportedError(_NO_HIERARCHICAL_DECODE)
 
     @property
     def num_experts(self) -> int:
@@ -341,14 +377,14 @@ class MoE(nnx.Module):
             self.placement_ranks = self.slots_per_rank = None
             return
         if not isinstance(placement, eplb.Placement):
-            raise ValueError(f"MoE: placement must be a jax_ep.eplb.Placement or None, got "
-                             f"{type(placement).__name__}")
+            raise EPValueError(f"MoE: placement must be a jax_ep.eplb.Placement or None, got "
+                               f"{type(placement).__name__}")
         if placement.num_experts != self.num_experts:
-            raise ValueError(f"MoE: the placement is for {placement.num_experts} experts, the layer has "
-                             f"{self.num_experts}")
+            raise EPValueError(f"MoE: the placement is for {placement.num_experts} experts, the layer has "
+                               f"{self.num_experts}")
         if self.node_axis is not None:
-            raise NotImplementedError("MoE: node_axis (hierarchical dispatch) with an expert placement "
-                                      "is not built; use placement=None or node_axis=None")
+            raise EPUnsupportedError("MoE: node_axis (hierarchical dispatch) with an expert placement "
+                                     "is not built; use placement=None or node_axis=None")
         if self.mesh is not None:
             self._check_placement_ranks(placement, self.mesh.shape[self.axis_name])
         # replicated over the mesh, as a jitted step returns them: re-planning then does not recompile
@@ -362,8 +398,8 @@ class MoE(nnx.Module):
     def _check_placement_ranks(self, placement: eplb.Placement, ep_size: int) -> None:
         """At construction with a mesh, else when the layer runs (inside the caller's shard_map)."""
         if placement.num_ranks != ep_size:
-            raise ValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
-                             f"{self.axis_name!r} has {ep_size}")
+            raise EPValueError(f"MoE: the placement is for {placement.num_ranks} ranks, the mesh axis "
+                               f"{self.axis_name!r} has {ep_size}")
 
     def _reset_slot_stats(self) -> None:
         self.last_slot_load = ExpertLoad(jnp.zeros((self.num_slots,), jnp.int32))
@@ -380,16 +416,17 @@ class MoE(nnx.Module):
         Setting a mask on a layer without one (or clearing it) recompiles the step; changing its
         values does not."""
         if self.node_axis is not None:
-            raise NotImplementedError("MoE.set_rank_mask: rank masking is not built for node_axis "
-                                      "(hierarchical dispatch)")
+            raise EPUnsupportedError("MoE.set_rank_mask: rank masking is not built for node_axis "
+                                     "(hierarchical dispatch)")
         if not hasattr(mask, "dtype"):
             mask = jnp.asarray(mask)
         if mask.ndim != 1 or not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
-            raise ValueError(f"MoE.set_rank_mask: mask must be a 1-D bool or integer array (one flag per EP "
-                             f"rank), got {mask.dtype}{list(mask.shape)}")
+            raise EPValueError(
+                f"MoE.set_rank_mask: mask must be a 1-D bool or integer array (one flag per EP "
+                f"rank), got {mask.dtype}{list(mask.shape)}")
         if self.mesh is not None and mask.shape[0] != self.mesh.shape[self.axis_name]:
-            raise ValueError(f"MoE.set_rank_mask: mask has {mask.shape[0]} flags, the mesh axis "
-                             f"{self.axis_name!r} has {self.mesh.shape[self.axis_name]} ranks")
+            raise EPValueError(f"MoE.set_rank_mask: mask has {mask.shape[0]} flags, the mesh axis "
+                               f"{self.axis_name!r} has {self.mesh.shape[self.axis_name]} ranks")
         active = jnp.asarray(mask) != 0
         if self.mesh is not None:  # replicated, as a jitted step returns it: no recompile on a change
             active = self._on_mesh(active)
@@ -419,7 +456,7 @@ class MoE(nnx.Module):
         if update_stats is None:
             update_stats = not decode
         if x.shape[-1] != self.hidden:
-            raise ValueError(f"MoE: x has hidden size {x.shape[-1]}, the layer expects {self.hidden}")
+            raise EPValueError(f"MoE: x has hidden size {x.shape[-1]}, the layer expects {self.hidden}")
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden)
         routed = tokens if self.dtype is None else tokens.astype(self.dtype)
@@ -430,6 +467,12 @@ class MoE(nnx.Module):
             out, stats = self._per_rank(routed, *params, seq_len=seq_len, decode=decode)
         else:
             batch = P(self.batch_axes)
+            shards = int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
+            if tokens.shape[0] % shards:
+                raise EPValueError(
+                    f"MoE: x has {tokens.shape[0]} tokens (shape {tuple(x.shape)}), which do not split "
+                    f"evenly over the {shards} devices of the batch axes {self.batch_axes}: pass a "
+                    f"multiple of {shards} tokens (pad the batch), or set batch_axes")
             # with a placement every rank gathers its slots' weights from all logical experts
             experts = P(self.ep_axes) if self.placement is None else P()
             body = jax.shard_map(
@@ -465,24 +508,25 @@ class MoE(nnx.Module):
         ep_size = lax.axis_size(self.ep_axes)
         rank = lax.axis_index(self.ep_axes)  # node-major on the hierarchical path
         if decode and self.node_axis is not None:
-            raise NotImplementedError(_NO_HIERARCHICAL_DECODE)
+            raise EPUnsupportedError(_NO_HIERARCHICAL_DECODE)
         if rank_mask is not None:
             if rank_mask.shape != (ep_size,):
-                raise ValueError(f"MoE: the rank mask has shape {rank_mask.shape}, the mesh axis "
-                                 f"{self.axis_name!r} has {ep_size} ranks")
+                raise EPValueError(f"MoE: the rank mask has shape {rank_mask.shape}, the mesh axis "
+                                   f"{self.axis_name!r} has {ep_size} ranks")
         if placement is None:
+            _check_experts_divide(self.num_experts, ep_size, self.axis_name, self.node_axis)
             num_slots, local_slots = self.num_experts, self.num_experts // ep_size
             if w_gate_up.shape[0] != local_slots:
-                raise ValueError(f"MoE: this rank holds {w_gate_up.shape[0]} experts but num_experts / "
-                                 f"ep_size = {local_slots}; inside your own shard_map pass expert weights "
-                                 f"with PartitionSpec({self.axis_name!r})")
+                raise EPValueError(f"MoE: this rank holds {w_gate_up.shape[0]} experts but num_experts / "
+                                   f"ep_size = {local_slots}; inside your own shard_map pass expert weights "
+                                   f"with PartitionSpec({self.axis_name!r})")
         else:
             num_slots, local_slots = placement.num_slots, placement.slots_per_rank
             self._check_placement_ranks(placement, ep_size)
             if w_gate_up.shape[0] != self.num_experts:
-                raise ValueError(f"MoE: with a placement every rank needs all {self.num_experts} logical "
-                                 f"experts' weights, got {w_gate_up.shape[0]}; inside your own shard_map "
-                                 "pass them with PartitionSpec()")
+                raise EPValueError(f"MoE: with a placement every rank needs all {self.num_experts} logical "
+                                   f"experts' weights, got {w_gate_up.shape[0]}; inside your own shard_map "
+                                   "pass them with PartitionSpec()")
             # this rank's slots hold these logical experts; gather their weights (gradients add up
             # over the replicas of an expert)
             slot_expert = lax.dynamic_slice_in_dim(placement.physical_to_logical, rank * local_slots,
@@ -494,8 +538,8 @@ class MoE(nnx.Module):
             axis_name=self.axis_name, preferred_alignment=preferred_alignment(
                 jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in, backend=self.gemm))
         if self.routing.ep_size not in (1, ep_size):
-            raise ValueError(f"MoE: routing.ep_size={self.routing.ep_size}, but the mesh axis "
-                             f"{self.axis_name!r} has {ep_size} ranks; leave it at 1 (the layer sets it)")
+            raise EPValueError(f"MoE: routing.ep_size={self.routing.ep_size}, but the mesh axis "
+                               f"{self.axis_name!r} has {ep_size} ranks; leave it at 1 (the layer sets it)")
         # ep_size only matters for the rank and node caps, which assume the contiguous logical layout
         capped = placement is None or self.routing.max_ranks_per_token is not None \
             or self.routing.max_nodes_per_token is not None
@@ -556,9 +600,9 @@ class MoE(nnx.Module):
         """Inside shard_map: the local axis's size, which routing.ranks_per_node must match."""
         local = lax.axis_size(self.axis_name)
         if self.routing.ranks_per_node not in (None, local):
-            raise ValueError(f"MoE: routing.ranks_per_node={self.routing.ranks_per_node}, but with "
-                             f"node_axis={self.node_axis!r} a node is the mesh axis {self.axis_name!r} of "
-                             f"{local} ranks; set ranks_per_node={local} (or None)")
+            raise EPValueError(f"MoE: routing.ranks_per_node={self.routing.ranks_per_node}, but with "
+                               f"node_axis={self.node_axis!r} a node is the mesh axis {self.axis_name!r} of "
+                               f"{local} ranks; set ranks_per_node={local} (or None)")
         return local
 
     def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig,

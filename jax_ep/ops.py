@@ -27,6 +27,7 @@ from jax import lax
 
 from jax_ep import auto_table, reference, vma
 from jax_ep.config import EPConfig
+from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.types import (
     Dispatched,
     Handle,
@@ -116,17 +117,17 @@ class Op:
                 return getattr(reference, self.name)
             return kernel
         if kernel is None:
-            raise NotImplementedError(f"jax_ep.{self.name} (backend='cuda'): this version of jax_ep has "
-                                      f"no CUDA kernel for it (jax_ep.cuda_backend.{self.name}); use "
-                                      "backend='reference' or 'auto'")
+            raise EPUnsupportedError(f"jax_ep.{self.name} (backend='cuda'): this version of jax_ep has "
+                                     f"no CUDA kernel for it (jax_ep.cuda_backend.{self.name}); use "
+                                     "backend='reference' or 'auto'")
         usable, reason = runtime.available()
         if not usable:
-            raise RuntimeError(f"jax_ep: backend='cuda' is unavailable: {reason}. Use "
-                               "backend='reference' or 'auto'.")
+            raise EPRuntimeError(f"jax_ep: backend='cuda' is unavailable: {reason}. Use "
+                                 "backend='reference' or 'auto'.")
         why = cuda_backend.unsupported(self.name, cfg, ep_size, dtype)
         if why is not None:
-            raise ValueError(f"jax_ep.{self.name} (backend='cuda'): {why}; use backend='reference' "
-                             "(or 'auto', which falls back to it)")
+            raise EPValueError(f"jax_ep.{self.name} (backend='cuda'): {why}; use backend='reference' "
+                               "(or 'auto', which falls back to it)")
         return kernel
 
 
@@ -145,11 +146,13 @@ def implementation(op: str, cfg: EPConfig, dtype=None):
 
 def ep_size(cfg: EPConfig, op: str) -> int:
     """The size of the EP axis; a clear error outside shard_map."""
+    if not isinstance(cfg, EPConfig):
+        raise EPTypeError(f"jax_ep.{op}: cfg must be a jax_ep.EPConfig, got {type(cfg).__name__}")
     try:
         size = lax.axis_size(cfg.axis_name)
     except NameError as e:
-        raise ValueError(f"jax_ep.{op} must run inside shard_map over the mesh axis "
-                         f"{cfg.axis_name!r} (cfg.axis_name); that axis is not bound here") from e
+        raise EPValueError(f"jax_ep.{op} must run inside shard_map over the mesh axis "
+                           f"{cfg.axis_name!r} (cfg.axis_name); that axis is not bound here") from e
     cfg.check_ep_size(size)
     return size
 
@@ -221,7 +224,7 @@ def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
 def _dispatch_bwd(cfg, residuals, ct):
     handle, dtype_token, topk_idx, rank_mask = residuals
     if cfg.dispatch_dtype == "float8_e4m3fn":
-        raise NotImplementedError(
+        raise EPUnsupportedError(
             "jax_ep: dispatch with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
             "prefill); differentiate through a bfloat16 dispatch instead")
     d_rows = ct.x
@@ -324,7 +327,7 @@ def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
 def _dispatch_rank_major_bwd(cfg, residuals, ct):
     handle, row_ids, dtype_token, topk_idx, rank_mask = residuals
     if cfg.dispatch_dtype == "float8_e4m3fn":
-        raise NotImplementedError(
+        raise EPUnsupportedError(
             "jax_ep: dispatch_rank_major with dispatch_dtype='float8_e4m3fn' is forward-only "
             "(inference and prefill); differentiate through a bfloat16 dispatch instead")
     combine_impl = functools.partial(implementation("combine_rank_major", cfg, ct.x.dtype),
@@ -404,7 +407,7 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
 
 def _forward_only(op: str):
     def bwd(cfg, residuals, ct):
-        raise NotImplementedError(
+        raise EPUnsupportedError(
             f"jax_ep.{op} is forward-only (low-latency decode mode) and has no gradient; differentiate "
             "through jax_ep.dispatch / jax_ep.combine instead")
     return bwd
@@ -458,18 +461,18 @@ def _ll_recv_impl(op: str, pending):
 
 def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if not isinstance(pending, kind):
-        raise ValueError(f"jax_ep.{op}: expected the {kind.__name__} of the matching _send, got "
-                         f"{type(pending).__name__}")
+        raise EPValueError(f"jax_ep.{op}: expected the {kind.__name__} of the matching _send, got "
+                           f"{type(pending).__name__}")
     weights = pending.topk_weights
     if getattr(weights, "ndim", None) != 2 or weights.shape[1] != cfg.num_topk:
-        raise ValueError(f"jax_ep.{op}: pending.topk_weights must have shape [tokens, {cfg.num_topk}], "
-                         f"got {getattr(weights, 'shape', None)}")
+        raise EPValueError(f"jax_ep.{op}: pending.topk_weights must have shape [tokens, {cfg.num_topk}], "
+                           f"got {getattr(weights, 'shape', None)}")
     if getattr(pending.token, "shape", None) != (4,) or pending.token.dtype != jnp.uint32:
-        raise ValueError(f"jax_ep.{op}: pending.token must be uint32[4] (the _send's), got "
-                         f"{getattr(pending.token, 'dtype', None)}{getattr(pending.token, 'shape', None)}")
+        raise EPValueError(f"jax_ep.{op}: pending.token must be uint32[4] (the _send's), got "
+                           f"{getattr(pending.token, 'dtype', None)}{getattr(pending.token, 'shape', None)}")
     if kind is LLCombinePending and pending.y is None:
-        raise ValueError(f"jax_ep.{op}: pending.y is None: the receive reads the expert outputs y "
-                         "(ll_combine_send's pending carries them)")
+        raise EPValueError(f"jax_ep.{op}: pending.y is None: the receive reads the expert outputs y "
+                           "(ll_combine_send's pending carries them)")
 
 
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,

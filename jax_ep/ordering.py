@@ -31,6 +31,8 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir.dialects import hlo
 
+from jax_ep.errors import EPUnsupportedError
+
 
 class EPOrderEffect(effects.Effect):
     """The ordered effect of jax_ep's communicating calls (one token per device, program order)."""
@@ -156,7 +158,7 @@ batching.primitive_batchers[ep_call_p] = _batching
 
 def _jvp(primals, tangents, *, jaxpr: core.ClosedJaxpr, name: str):
     del primals, tangents, jaxpr
-    raise NotImplementedError(
+    raise EPUnsupportedError(
         f"jax_ep: {name} has no derivative rule of its own: differentiate through the jax_ep op that "
         "issued it (dispatch, combine, their rank-major forms); the low-latency ops are forward-only")
 

@@ -37,7 +37,7 @@ import zlib
 
 import jax
 
-from jax_ep import distributed
+from jax_ep import distributed, errors
 
 
 def _load_nvshmem() -> str | None:
@@ -92,20 +92,16 @@ BOOTSTRAP_TIMEOUT_S = 120.0
 HEAP_ROOM_MARGIN_BYTES = 256 << 20
 
 
-class DeviceFaultError(RuntimeError):
-    """A jax_ep kernel recorded a fault (a timeout, ranks running different EP calls, a stale
-    runtime, ...) and trapped. The CUDA context of that GPU is dead: restart the process."""
-
+# The errors of this module (jax_ep/errors.py, exported as jax_ep.DeviceFaultError etc.).
+DeviceFaultError = errors.DeviceFaultError
 
 if _C is not None:
     # A jax_ep buffer (communication buffer, device state, NVSHMEM symmetric heap) does not fit in a
-    # GPU's free memory beside XLA's preallocation; raised by the extension (a RuntimeError). The
-    # GPU stays usable.
-    DeviceMemoryError = _C.DeviceMemoryError
+    # GPU's free memory beside XLA's preallocation; raised by the extension (a RuntimeError, made a
+    # jax_ep.EPError too). The GPU stays usable.
+    DeviceMemoryError = errors.adopt(_C.DeviceMemoryError, RuntimeError)
 else:  # pragma: no cover - depends on the build
-
-    class DeviceMemoryError(RuntimeError):
-        """A jax_ep buffer does not fit in a GPU's free memory beside XLA's preallocation."""
+    DeviceMemoryError = errors.DeviceMemoryError
 
 
 def extension():
@@ -167,7 +163,7 @@ def available() -> tuple[bool, str]:
 def _require_available() -> None:
     usable, reason = available()
     if not usable:
-        raise RuntimeError(f"jax_ep: the CUDA backend is unavailable: {reason}")
+        raise errors.EPRuntimeError(f"jax_ep: the CUDA backend is unavailable: {reason}")
 
 
 def limits() -> dict:
@@ -187,8 +183,8 @@ def register_targets() -> None:
             handlers = _C.ffi_handlers()
             missing = set(FFI_TARGETS) - set(handlers)
             if missing:
-                raise RuntimeError(f"jax_ep._C lacks FFI targets {sorted(missing)}: stale build? "
-                                   "Reinstall jax_ep.")
+                raise errors.EPRuntimeError(f"jax_ep._C lacks FFI targets {sorted(missing)}: stale build? "
+                                            "Reinstall jax_ep.")
             jax.ffi.register_ffi_type(STATE_TYPE, _C.state_type(), platform="CUDA")
             for name, stages in handlers.items():
                 jax.ffi.register_ffi_target(name, stages, platform="CUDA")
@@ -253,9 +249,10 @@ def _check_room(key: str, wanted: int, timeout: float) -> None:
                 for p in range(count)]
     failed = [v for v in verdicts if "error" in v]
     if failed:
-        raise RuntimeError("jax_ep: process model 2 set-up refused on every process: "
-                           + "; ".join(f"process {v['process']} could not check its GPU's free memory "
-                                       f"({v['error']})" for v in failed))
+        raise errors.EPRuntimeError(
+            "jax_ep: process model 2 set-up refused on every process: "
+            + "; ".join(f"process {v['process']} could not check its GPU's free memory "
+            f"({v['error']})" for v in failed))
     error = _heap_room_error(verdicts)
     if error is not None:
         raise DeviceMemoryError(error)

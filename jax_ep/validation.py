@@ -3,26 +3,21 @@ arrays (expert ids, dropped rows) run in checked mode and raise when the computa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_ep import types
 from jax_ep.config import EPConfig
+from jax_ep.errors import EPTypeError, EPValueError
 from jax_ep.reference import masked_pairs
-
-
-class EPValueError(ValueError):
-    """A traced value was invalid (checked mode, ``EPConfig(checked=True)``). Raised as such by
-    ``jax_ep.run_checked`` / ``jax_ep.ep_errors``; without them JAX reports it as a
-    ``jax.errors.JaxRuntimeError`` whose text holds the message."""
-
-
-EPValueError.__module__ = "jax_ep"  # shown as jax_ep.EPValueError, the name users catch
 
 
 def _shape_of(a) -> tuple:
@@ -31,34 +26,34 @@ def _shape_of(a) -> tuple:
 
 def check_layout_args(topk_idx, cfg: EPConfig) -> None:
     if getattr(topk_idx, "ndim", None) != 2 or topk_idx.shape[1] != cfg.num_topk:
-        raise ValueError(f"get_dispatch_layout: topk_idx must have shape [tokens, {cfg.num_topk}], "
-                         f"got {getattr(topk_idx, 'shape', None)}")
+        raise EPValueError(f"get_dispatch_layout: topk_idx must have shape [tokens, {cfg.num_topk}], "
+                           f"got {getattr(topk_idx, 'shape', None)}")
     if topk_idx.dtype != jnp.int32:
-        raise ValueError(f"get_dispatch_layout: topk_idx must be int32, got dtype {topk_idx.dtype}")
+        raise EPValueError(f"get_dispatch_layout: topk_idx must be int32, got dtype {topk_idx.dtype}")
 
 
 def check_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig, op: str = "dispatch") -> None:
     if getattr(x, "ndim", None) != 2:
-        raise ValueError(f"{op}: x must be 2-D [tokens, hidden], got shape {_shape_of(x)}")
+        raise EPValueError(f"{op}: x must be 2-D [tokens, hidden], got shape {_shape_of(x)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{op}: x must be floating point, got dtype {x.dtype}")
+        raise EPValueError(f"{op}: x must be floating point, got dtype {x.dtype}")
     tokens, hidden = x.shape
     if hidden != cfg.hidden:
-        raise ValueError(f"{op}: x has hidden size {hidden} but cfg.hidden={cfg.hidden}")
+        raise EPValueError(f"{op}: x has hidden size {hidden} but cfg.hidden={cfg.hidden}")
     if tokens > cfg.max_tokens_per_rank:
-        raise ValueError(f"{op}: x has {tokens} tokens on this rank, more than "
-                         f"cfg.max_tokens_per_rank={cfg.max_tokens_per_rank}")
+        raise EPValueError(f"{op}: x has {tokens} tokens on this rank, more than "
+                           f"cfg.max_tokens_per_rank={cfg.max_tokens_per_rank}")
     expected = (tokens, cfg.num_topk)
     if _shape_of(topk_idx) != expected:
-        raise ValueError(f"{op}: topk_idx must have shape {expected} (tokens, num_topk), "
-                         f"got {_shape_of(topk_idx)}")
+        raise EPValueError(f"{op}: topk_idx must have shape {expected} (tokens, num_topk), "
+                           f"got {_shape_of(topk_idx)}")
     if topk_idx.dtype != jnp.int32:
-        raise ValueError(f"{op}: topk_idx must be int32, got dtype {topk_idx.dtype}")
+        raise EPValueError(f"{op}: topk_idx must be int32, got dtype {topk_idx.dtype}")
     if _shape_of(topk_weights) != expected:
-        raise ValueError(f"{op}: topk_weights must have shape {expected} (tokens, num_topk), "
-                         f"got {_shape_of(topk_weights)}")
+        raise EPValueError(f"{op}: topk_weights must have shape {expected} (tokens, num_topk), "
+                           f"got {_shape_of(topk_weights)}")
     if topk_weights.dtype != jnp.float32:
-        raise ValueError(f"{op}: topk_weights must be float32, got dtype {topk_weights.dtype}")
+        raise EPValueError(f"{op}: topk_weights must be float32, got dtype {topk_weights.dtype}")
 
 
 def check_rank_mask(rank_mask, ep_size: int, op: str):
@@ -68,20 +63,38 @@ def check_rank_mask(rank_mask, ep_size: int, op: str):
     if not hasattr(rank_mask, "dtype"):
         rank_mask = jnp.asarray(rank_mask)
     if _shape_of(rank_mask) != (ep_size,):
-        raise ValueError(f"{op}: rank_mask must have shape [{ep_size}] (one flag per rank of the EP axis), "
-                         f"got {_shape_of(rank_mask)}")
+        raise EPValueError(f"{op}: rank_mask must have shape [{ep_size}] (one flag per rank of the EP axis), "
+                           f"got {_shape_of(rank_mask)}")
     if not (rank_mask.dtype == jnp.bool_ or jnp.issubdtype(rank_mask.dtype, jnp.integer)):
-        raise ValueError(f"{op}: rank_mask must be bool or integer (nonzero: active), got dtype "
-                         f"{rank_mask.dtype}")
+        raise EPValueError(f"{op}: rank_mask must be bool or integer (nonzero: active), got dtype "
+                           f"{rank_mask.dtype}")
     return rank_mask if rank_mask.dtype == jnp.bool_ else rank_mask != 0
 
 
+def check_handle(handle, kind: type, op: str, producer: str) -> None:
+    """``handle`` is a ``kind`` (the handle type ``producer`` returns); else an EPTypeError naming
+    what was given and, for another op's handle, the op that takes it."""
+    if isinstance(handle, kind):
+        return
+    takers = {types.Handle: "combine", types.RankMajorHandle: "combine_rank_major",
+              types.LLHandle: "ll_combine"}
+    hint = ""
+    for other, taker in takers.items():
+        if isinstance(handle, other):
+            hint = f" (the handle of another op: pass it to jax_ep.{taker})"
+    if hasattr(handle, "handle") and isinstance(handle.handle, kind):
+        hint = f" (pass its .handle: {type(handle).__name__}.handle)"
+    raise EPTypeError(f"{op}: handle must be the {kind.__name__} of {producer} (its .handle), got "
+                      f"{type(handle).__name__}{hint}")
+
+
 def check_combine_args(y, handle, cfg: EPConfig) -> None:
+    check_handle(handle, types.Handle, "combine", "dispatch")
     capacity = handle.src_index.shape[0]
     if getattr(y, "ndim", None) != 2 or y.shape[0] != capacity:
-        raise ValueError(f"combine: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
+        raise EPValueError(f"combine: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
     if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
-        raise ValueError(f"combine: y must be float32/bfloat16/float16, got dtype {y.dtype}")
+        raise EPValueError(f"combine: y must be float32/bfloat16/float16, got dtype {y.dtype}")
 
 
 def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
@@ -91,20 +104,20 @@ def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
     src_index = getattr(handle, "src_index", None)
     in_rank = getattr(handle, "is_token_in_rank", None)
     if src_index is None or in_rank is None or hasattr(handle, "token_rows"):
-        raise ValueError(f"{op}: handle must be the RankMajorHandle of dispatch_rank_major, got "
-                         f"{type(handle).__name__}")
+        raise EPTypeError(f"{op}: handle must be the RankMajorHandle of dispatch_rank_major, got "
+                          f"{type(handle).__name__}")
     if getattr(in_rank, "ndim", None) != 2 or in_rank.shape[1] != ep_size or in_rank.dtype != jnp.bool_:
-        raise ValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, {ep_size}] (EP size), got "
-                         f"{getattr(in_rank, 'dtype', None)}{_shape_of(in_rank)}")
+        raise EPValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, {ep_size}] (EP size), got "
+                           f"{getattr(in_rank, 'dtype', None)}{_shape_of(in_rank)}")
     rows = ep_size * in_rank.shape[0]
     if _shape_of(src_index) != (rows,) or src_index.dtype != jnp.int32:
-        raise ValueError(f"{op}: handle.src_index must be int32 [{rows}] (EP size x tokens), got "
-                         f"{getattr(src_index, 'dtype', None)}{_shape_of(src_index)}")
+        raise EPValueError(f"{op}: handle.src_index must be int32 [{rows}] (EP size x tokens), got "
+                           f"{getattr(src_index, 'dtype', None)}{_shape_of(src_index)}")
     if getattr(y, "ndim", None) != 2 or y.shape[0] != rows:
-        raise ValueError(f"{op}: y must have shape [{rows}, hidden] (one row per dispatched row: EP size "
-                         f"{ep_size} x {in_rank.shape[0]} tokens), got {_shape_of(y)}")
+        raise EPValueError(f"{op}: y must have shape [{rows}, hidden] (one row per dispatched row: EP size "
+                           f"{ep_size} x {in_rank.shape[0]} tokens), got {_shape_of(y)}")
     if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
-        raise ValueError(f"{op}: y must be float32/bfloat16/float16, got dtype {y.dtype}")
+        raise EPValueError(f"{op}: y must be float32/bfloat16/float16, got dtype {y.dtype}")
 
 
 LL_X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -115,12 +128,12 @@ def check_ll_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig, op: str = "
     """ll_dispatch: dispatch's checks, x bfloat16 or float32, and a bfloat16 or FP8 wire."""
     check_dispatch_args(x, topk_idx, topk_weights, cfg, op=op)
     if x.dtype not in LL_X_DTYPES:
-        raise ValueError(f"{op}: x must be bfloat16 or float32, got dtype {x.dtype}")
+        raise EPValueError(f"{op}: x must be bfloat16 or float32, got dtype {x.dtype}")
     wire = cfg.wire_dtype(x.dtype)
     if wire not in LL_WIRE_DTYPES:
-        raise ValueError(f"{op}: tokens travel as bfloat16 or float8_e4m3fn, but x is {x.dtype} "
-                         f"and cfg.dispatch_dtype={cfg.dispatch_dtype!r} keeps it; set "
-                         "EPConfig.dispatch_dtype='bfloat16' or 'float8_e4m3fn'")
+        raise EPValueError(f"{op}: tokens travel as bfloat16 or float8_e4m3fn, but x is {x.dtype} "
+                           f"and cfg.dispatch_dtype={cfg.dispatch_dtype!r} keeps it; set "
+                           "EPConfig.dispatch_dtype='bfloat16' or 'float8_e4m3fn'")
 
 
 def check_ll_combine_args(y, handle, cfg: EPConfig, ep_size: int, op: str = "ll_combine") -> None:
@@ -129,30 +142,30 @@ def check_ll_combine_args(y, handle, cfg: EPConfig, ep_size: int, op: str = "ll_
     weights = getattr(handle, "topk_weights", None)
     src_slot = getattr(handle, "src_slot", None)
     if weights is None or src_slot is None:
-        raise ValueError(f"{op}: handle must be the LLHandle of ll_dispatch, got "
-                         f"{type(handle).__name__}")
+        raise EPTypeError(f"{op}: handle must be the LLHandle of ll_dispatch, got "
+                          f"{type(handle).__name__}")
     if getattr(weights, "ndim", None) != 2 or weights.shape[1] != cfg.num_topk:
-        raise ValueError(f"{op}: handle.topk_weights must have shape [tokens, {cfg.num_topk}], "
-                         f"got {_shape_of(weights)}")
+        raise EPValueError(f"{op}: handle.topk_weights must have shape [tokens, {cfg.num_topk}], "
+                           f"got {_shape_of(weights)}")
     if weights.dtype != jnp.float32:
-        raise ValueError(f"{op}: handle.topk_weights must be float32, got dtype {weights.dtype}")
+        raise EPValueError(f"{op}: handle.topk_weights must be float32, got dtype {weights.dtype}")
     tokens = weights.shape[0]
     slots = (local, ep_size * tokens)
     if _shape_of(src_slot) != slots:
-        raise ValueError(f"{op}: handle.src_slot must have shape {slots} (E_local, R*T), "
-                         f"got {_shape_of(src_slot)}")
+        raise EPValueError(f"{op}: handle.src_slot must have shape {slots} (E_local, R*T), "
+                           f"got {_shape_of(src_slot)}")
     if src_slot.dtype != jnp.int32:
-        raise ValueError(f"{op}: handle.src_slot must be int32, got dtype {src_slot.dtype}")
+        raise EPValueError(f"{op}: handle.src_slot must be int32, got dtype {src_slot.dtype}")
     dest_rank = getattr(handle, "dest_rank", None)
     if _shape_of(dest_rank) != weights.shape or dest_rank.dtype != jnp.int32:
-        raise ValueError(f"{op}: handle.dest_rank must be int32 {weights.shape} (as topk_weights), got "
-                         f"{getattr(dest_rank, 'dtype', None)}{_shape_of(dest_rank)}")
+        raise EPValueError(f"{op}: handle.dest_rank must be int32 {weights.shape} (as topk_weights), got "
+                           f"{getattr(dest_rank, 'dtype', None)}{_shape_of(dest_rank)}")
     expected = slots + (cfg.hidden,)
     if _shape_of(y) != expected:
-        raise ValueError(f"{op}: y must have shape {expected} (E_local, R*T, cfg.hidden), "
-                         f"got {_shape_of(y)}")
+        raise EPValueError(f"{op}: y must have shape {expected} (E_local, R*T, cfg.hidden), "
+                           f"got {_shape_of(y)}")
     if y.dtype != jnp.bfloat16:
-        raise ValueError(f"{op}: y must be bfloat16, got dtype {y.dtype}")
+        raise EPValueError(f"{op}: y must be bfloat16, got dtype {y.dtype}")
 
 
 # ---- checked mode: run-time checks of traced values --------------------------------------------------
@@ -188,11 +201,13 @@ def ep_errors():
         raise EPValueError(found[-1]) from None
 
 
-def _forget_failed_tokens() -> None:
+def _forget_failed_tokens(only_checks: bool = False) -> list[str]:
     """JAX keeps each device's last runtime token of a computation with a host callback and waits for
     them at exit, re-raising a failed callback's error there as "Exception ignored in atexit callback"
-    tracebacks. Forget the tokens that failed (the error has been reported); keep the others. Uses a
-    private JAX structure: skipped if it is not there."""
+    tracebacks. Forget the tokens that failed (the error has been reported); keep the others.
+    ``only_checks``: only those that failed on a jax_ep check. Returns the jax_ep messages of the
+    forgotten ones. Uses a private JAX structure: skipped if it is not there."""
+    messages: list[str] = []
     try:
         from jax._src import dispatch
 
@@ -201,10 +216,27 @@ def _forget_failed_tokens() -> None:
             for key, token in list(table.items()):
                 try:
                     token.block_until_ready()
-                except Exception:
-                    del table[key]
+                except Exception as e:  # noqa: BLE001 - a failed computation: its error is e
+                    found = _MESSAGE.findall(str(e))
+                    if found or not only_checks:
+                        messages.extend(found[-1:])
+                        del table[key]
     except (ImportError, AttributeError):
         pass
+    return messages
+
+
+@atexit.register  # registered after JAX's own exit handlers (jax is imported above), so it runs first
+def _checks_failed_at_exit() -> None:
+    """A checked-mode failure outside ``run_checked`` / ``ep_errors``: instead of JAX's atexit
+    tracebacks (one per handler, each with the callback's), one line per message, unless the
+    program already ended with that error."""
+    messages = _forget_failed_tokens(only_checks=True)
+    shown = str(getattr(sys, "last_value", None) or "")
+    for message in dict.fromkeys(messages):
+        if message not in shown:
+            print(f"jax_ep.EPValueError (a checked-mode check failed; jax_ep.run_checked raises it): "
+                  f"{message}", file=sys.stderr)
 
 
 def run_checked(fn, *args, **kwargs):

@@ -227,13 +227,13 @@ def test_layer_configuration():
         args = {"routing": RouterConfig(EXPERTS, TOPK), name: bad}
         with pytest.raises(ValueError, match=f"MoE: {name} must be a jax_ep"):
             MoE(HIDDEN, FFN, args.pop("routing"), rngs=nnx.Rngs(0), mesh=mesh, **args)
-    with pytest.raises(ValueError, match="EPConfig.backend must be one of"):
+    with pytest.raises(ValueError, match="EPOptions.backend must be one of"):
         EPOptions(backend="nccl")
     with pytest.raises(ValueError, match="EPConfig.capacity=100 must be a multiple of expert_alignment=64"):
         EPOptions(capacity=100, expert_alignment=64)
-    with pytest.raises(ValueError, match="EPConfig.expert_alignment must be a positive int"):
+    with pytest.raises(ValueError, match="EPOptions.expert_alignment must be None or a positive int"):
         EPOptions(expert_alignment=0)
-    with pytest.raises(ValueError, match="EPConfig.kernel must be a KernelConfig"):
+    with pytest.raises(ValueError, match="EPOptions.kernel must be a KernelConfig"):
         EPOptions(kernel={"num_sms": 8})
     with pytest.raises(ValueError, match="axis_name='model' is not an axis of the mesh"):
         make_layer(mesh, axis_name="model")

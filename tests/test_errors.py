@@ -1,0 +1,219 @@
+"""Issue 39 items 2-3: one error family under jax_ep.EPError (each class keeps its built-in base), the
+wrong inputs that escaped it (combine with another op's handle, MoE sizes the mesh cannot split), and
+option types checked once (bools are bools, ints are ints)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import runtime
+from jax_ep.gating import RouterConfig
+from jax_ep.moe import EPOptions, MoE
+
+CFG = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=16, max_tokens_per_rank=4, backend="reference")
+R = 4
+
+
+@pytest.mark.parametrize("cls, builtin", [
+    (jax_ep.EPValueError, ValueError), (jax_ep.EPTypeError, TypeError), (jax_ep.EPTypeError, ValueError),
+    (jax_ep.EPUnsupportedError, NotImplementedError), (jax_ep.EPRuntimeError, RuntimeError),
+    (jax_ep.EPTimeoutError, TimeoutError), (jax_ep.DeviceFaultError, RuntimeError),
+    (jax_ep.DeviceMemoryError, RuntimeError), (runtime.DeviceMemoryError, RuntimeError),
+    (jax_ep.CheckpointMismatchError, ValueError)])
+def test_every_error_class_is_an_ep_error_and_keeps_its_builtin_base(cls, builtin):
+    assert issubclass(cls, jax_ep.EPError) and issubclass(cls, builtin)
+    with pytest.raises(jax_ep.EPError):
+        raise cls("x")
+
+
+def test_error_classes_are_exported_under_one_name():
+    assert jax_ep.DeviceMemoryError is runtime.DeviceMemoryError
+    assert runtime.DeviceFaultError is jax_ep.DeviceFaultError
+    for name in jax_ep.__all__:
+        value = getattr(jax_ep, name)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            assert issubclass(value, jax_ep.EPError), name
+
+
+def _mesh(n=R):
+    return Mesh(np.array(jax.devices()[:n]), ("ep",))
+
+
+def _sharded(body, *args):
+    spec = (P("ep"),) * len(args)
+    return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=spec, out_specs=P("ep")))(*args)
+
+
+def _inputs(tokens=4 * R):
+    x = np.ones((tokens, 16), np.float32)
+    w = np.full((tokens, 2), 0.5, np.float32)
+    idx = np.tile(np.array([[0, 5]], np.int32), (tokens, 1))
+    return x, idx, w
+
+
+@pytest.mark.parametrize("change", ["x_1d", "x_int", "idx_int64", "idx_shape", "w_f16", "cfg_dict"])
+def test_dispatch_wrong_inputs_raise_ep_errors(change):
+    x, idx, w = _inputs()
+    cfg = CFG
+    if change == "x_1d":
+        x = x[:, 0]
+    elif change == "x_int":
+        x = x.astype(np.int32)
+    elif change == "idx_int64":
+        idx = idx.astype(np.int16)
+    elif change == "idx_shape":
+        idx = idx[:, :1]
+    elif change == "w_f16":
+        w = w.astype(np.float16)
+    else:
+        cfg = {"num_experts": 8}
+    with pytest.raises(jax_ep.EPError):
+        _sharded(lambda a, b, c: jax_ep.dispatch(a, b, c, cfg).x, x, idx, w)
+
+
+@pytest.mark.parametrize("handle, expected", [
+    ("rank_major", r"combine: handle must be the Handle of dispatch.*RankMajorHandle.*combine_rank_major"),
+    ("tuple", r"combine: handle must be the Handle of dispatch.*got tuple"),
+    ("dispatched", r"got Dispatched \(pass its \.handle")])
+def test_combine_with_another_ops_handle_names_it(handle, expected):
+    """Before: AttributeError ('tuple' object has no attribute 'src_index', ...)."""
+    def body(x, idx, w):
+        if handle == "rank_major":
+            d = jax_ep.dispatch_rank_major(x, idx, w, CFG)
+            return jax_ep.combine(d.x, d.handle, CFG)
+        d = jax_ep.dispatch(x, idx, w, CFG)
+        return jax_ep.combine(d.x, tuple(d.handle) if handle == "tuple" else d, CFG)
+
+    with pytest.raises(jax_ep.EPTypeError, match=expected):
+        _sharded(body, *_inputs())
+
+
+@pytest.mark.parametrize("kw, error, field", [
+    ({"checked": "no"}, jax_ep.EPTypeError, "EPConfig.checked"),
+    ({"checked": 1}, jax_ep.EPTypeError, "EPConfig.checked"),
+    ({"shrink": None}, jax_ep.EPTypeError, "EPConfig.shrink"),
+    ({"num_experts": 8.0}, jax_ep.EPTypeError, "EPConfig.num_experts"),
+    ({"hidden": "16"}, jax_ep.EPTypeError, "EPConfig.hidden"),
+    ({"max_tokens_per_rank": True}, jax_ep.EPTypeError, "EPConfig.max_tokens_per_rank"),
+    ({"capacity": 2.5}, jax_ep.EPTypeError, "EPConfig.capacity"),
+    ({"capacity": 0}, jax_ep.EPValueError, "EPConfig.capacity"),
+    ({"axis_name": 3}, jax_ep.EPTypeError, "EPConfig.axis_name"),
+    ({"backend": "nccl"}, jax_ep.EPValueError, "EPConfig.backend"),
+    ({"dispatch_dtype": "float16"}, jax_ep.EPValueError, "EPConfig.dispatch_dtype"),
+    ({"kernel": {"num_sms": 8}}, jax_ep.EPTypeError, "EPConfig.kernel"),
+    ({"num_topk": 9}, jax_ep.EPValueError, "EPConfig.num_topk")])
+def test_ep_config_bad_values_and_types(kw, error, field):
+    """Before: EPConfig(checked='no') was accepted (and turned checking on); floats passed as ints."""
+    base = dict(num_experts=8, num_topk=2, hidden=16, max_tokens_per_rank=4) | kw
+    with pytest.raises(error, match=field) as info:
+        jax_ep.EPConfig(**base)
+    assert repr(next(iter(kw.values())))[:12] in str(info.value)
+    assert isinstance(info.value, ValueError)  # existing `except ValueError` keeps catching them
+
+
+@pytest.mark.parametrize("kw, error, field", [
+    ({"num_sms": 8.0}, jax_ep.EPTypeError, "KernelConfig.num_sms"),
+    ({"num_sms": 0}, jax_ep.EPValueError, "KernelConfig.num_sms"),
+    ({"dispatch_send_warps": "6"}, jax_ep.EPTypeError, "KernelConfig.dispatch_send_warps"),
+    ({"bulk_copy": 1}, jax_ep.EPTypeError, "KernelConfig.bulk_copy"),
+    ({"async_stream": True}, jax_ep.EPTypeError, "KernelConfig.async_stream"),
+    ({"transport": "nvlink"}, jax_ep.EPValueError, "KernelConfig.transport")])
+def test_kernel_config_bad_values_and_types(kw, error, field):
+    with pytest.raises(error, match=field):
+        jax_ep.KernelConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, error, field", [
+    ({"checked": "no"}, jax_ep.EPTypeError, "EPOptions.checked"),
+    ({"capacity": 64.0}, jax_ep.EPTypeError, "EPOptions.capacity"),
+    ({"expert_alignment": 0}, jax_ep.EPValueError, "EPOptions.expert_alignment"),
+    ({"kernel": {"num_sms": 8}}, jax_ep.EPTypeError, "EPOptions.kernel"),
+    ({"backend": "nccl"}, jax_ep.EPValueError, "EPOptions.backend")])
+def test_ep_options_bad_values_and_types(kw, error, field):
+    with pytest.raises(error, match=field):
+        EPOptions(**kw)
+
+
+ROUTING = RouterConfig(num_experts=8, num_topk=2)
+
+
+@pytest.mark.parametrize("kw, error, field", [
+    ({"decode": "no"}, jax_ep.EPTypeError, "MoE: decode"),
+    ({"hidden": 16.0}, jax_ep.EPTypeError, "MoE: hidden"),
+    ({"ffn_hidden": 0}, jax_ep.EPValueError, "MoE: ffn_hidden"),
+    ({"shared_ffn_hidden": -1}, jax_ep.EPValueError, "MoE: shared_ffn_hidden"),
+    ({"gemm": "cublas"}, jax_ep.EPValueError, "MoE: gemm"),
+    ({"axis_name": 0}, jax_ep.EPTypeError, "MoE: axis_name"),
+    ({"ep": {"backend": "reference"}}, jax_ep.EPTypeError, "MoE: ep must be")])
+def test_moe_bad_arguments(kw, error, field):
+    args = dict(hidden=16, ffn_hidden=8, routing=ROUTING, rngs=nnx.Rngs(0)) | kw
+    with pytest.raises(error, match=field):
+        MoE(**args)
+
+
+def test_moe_experts_that_do_not_divide_over_the_mesh_name_num_experts():
+    """Before: JAX's IndivisibleError, not naming num_experts."""
+    with pytest.raises(jax_ep.EPValueError, match=r"routing\.num_experts=6 is not divisible by the EP size"):
+        MoE(16, 8, RouterConfig(num_experts=6, num_topk=2), rngs=nnx.Rngs(0), mesh=_mesh(),
+            ep=EPOptions(backend="reference"))
+
+
+def test_moe_experts_that_do_not_divide_inside_own_shard_map():
+    layer = MoE(16, 8, RouterConfig(num_experts=6, num_topk=2), rngs=nnx.Rngs(0),
+                ep=EPOptions(backend="reference"))
+    mesh = _mesh()
+    f = jax.shard_map(lambda x: layer(x), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(jax_ep.EPValueError, match=r"num_experts=6 is not divisible by the EP size 4"):
+        f(jnp.ones((8, 16)))
+
+
+def test_moe_tokens_that_do_not_split_over_the_mesh_name_the_count():
+    """Before: a shard_map error naming '<lambda>'."""
+    layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), mesh=_mesh(), ep=EPOptions(backend="reference"))
+    with pytest.raises(jax_ep.EPValueError, match=r"x has 3 tokens .* 4 devices of the batch axes"):
+        layer(jnp.ones((3, 16)))
+    assert layer(jnp.ones((4, 16))).shape == (4, 16)
+
+
+_UNCAUGHT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np, jax, jax_ep
+from jax.sharding import Mesh, PartitionSpec as P
+cfg = jax_ep.EPConfig(num_experts=8, num_topk=2, hidden=16, max_tokens_per_rank=4, checked=True,
+                      backend="reference")
+mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+f = jax.jit(jax.shard_map(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg).x, mesh=mesh,
+                          in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+idx = np.tile(np.array([[0, 5]], np.int32), (8, 1))
+idx[1, 1] = 99
+np.asarray(f(np.ones((8, 16), np.float32), idx, np.ones((8, 2), np.float32)))
+"""
+
+
+def test_checked_failure_outside_run_checked_is_one_traceback_without_atexit_noise():
+    """Outside run_checked JAX still wraps the callback's EPValueError in a JaxRuntimeError (it cannot be
+    avoided), but the traceback ends with jax_ep's message and nothing follows it at exit (before: two
+    'Exception ignored in atexit callback' tracebacks, each repeating the error)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(jax_ep.__file__)),
+                                                    env.get("PYTHONPATH")] if p)
+    proc = subprocess.run([sys.executable, "-c", _UNCAUGHT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "Exception ignored in atexit" not in err, err[-3000:]
+    assert err.count("first bad value 99") == 1, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith(
+        "EPValueError: jax_ep.dispatch: topk_idx has 1 ids outside [-1, 8)"), err[-3000:]
