@@ -6,7 +6,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -111,8 +110,6 @@ def test_readme_restore_example_has_its_own_output_folder():
         re.search(r"--restore (\S+)", c).group(1) for c in restores}, commands
 
 
-@pytest.mark.xfail(strict=False, reason="docs/api.md (line 25) still says num_sms=24: issue 39, item 5; "
-                                        "drop this mark once it says None")
 def test_docs_kernel_config_defaults_match_the_code():
     """docs/api.md's KernelConfig paragraph gives every field's default as the code has it (it said
     num_sms=24; the default is None: every SM but one)."""
