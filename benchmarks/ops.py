@@ -65,6 +65,7 @@ from benchmarks import layer as bench_layer
 from jax_ep import reference
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.devices import use_virtual_cpu_devices
+from jax_ep.launch import positive_int
 from jax_ep.ops import (
     combine,
     combine_rank_major,
@@ -633,16 +634,6 @@ records of the others are written) or nothing was measured (e.g. only backends t
 python -m benchmarks --low-latency --help."""
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return number
-
-
 def _positive_ints(value: str) -> str:
     """Comma-separated positive integers (kept as the text: the modes split it)."""
     try:
@@ -695,11 +686,11 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
         parser.add_argument("--tokens", default=None, type=_positive_ints,
                             help="comma-separated tokens per rank, replacing those of every preset shape "
                                  "(default: the presets')")
-        parser.add_argument("--hidden", type=_positive_int, default=None,
+        parser.add_argument("--hidden", type=positive_int, default=None,
                             help="hidden size (default: the presets')")
-        parser.add_argument("--topk", type=_positive_int, default=None,
+        parser.add_argument("--topk", type=positive_int, default=None,
                             help="experts per token (default: the presets')")
-        parser.add_argument("--experts", type=_positive_int, default=None,
+        parser.add_argument("--experts", type=positive_int, default=None,
                             help="number of experts (default: the presets')")
         parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn", type=_names(list(BYTES)),
                             help="comma-separated dispatch dtypes on the wire (combine: bf16, timed once)")
@@ -717,8 +708,8 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
                             help="time ll_dispatch / ll_combine / their round trip, fused and in two "
                                  f"phases (decode mode) at hidden 7168, top-8, 288 experts, tokens "
                                  f"{LL_TOKENS} (its options: --low-latency --help)")
-    parser.add_argument("--iters", type=_positive_int, default=10, help="back-to-back calls per timed chain")
-    parser.add_argument("--repeats", type=_positive_int, default=5,
+    parser.add_argument("--iters", type=positive_int, default=10, help="back-to-back calls per timed chain")
+    parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed chains; the median is reported" if mode != "layer" else
                              "timed chains; the best is reported")
     parser.add_argument("--out", default=None,

@@ -89,7 +89,8 @@ EXIT_CODES = "exit codes:"   # the line of a failed run giving every process's e
 ABORT_WAIT_S = 5.0    # --timeout: at most this long (and --grace) between SIGABRT and SIGTERM
 
 
-def _positive_int(value: str) -> int:
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1 (also the benchmark CLI's)."""
     try:
         number = int(value)
     except ValueError:
@@ -137,10 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {LAUNCHER}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--nproc", type=_positive_int, required=True, help="number of processes")
+    parser.add_argument("--nproc", type=positive_int, required=True, help="number of processes")
     parser.add_argument("--coordinator", type=_coordinator, default=None,
                         help="HOST:PORT of process 0's coordinator (default: a free port on 127.0.0.1)")
-    parser.add_argument("--local-devices-per-process", type=_positive_int, default=1, metavar="K",
+    parser.add_argument("--local-devices-per-process", type=positive_int, default=1, metavar="K",
                         help="GPUs per process on GPU hosts; virtual CPU devices per process (default 1)")
     parser.add_argument("--local-device-ids", type=_device_ids, default="auto",
                         metavar="auto|none|I,J,...",

@@ -149,7 +149,7 @@ mlir.register_lowering(ep_call_p, _lowering)
 def _batching(args, dims, *, jaxpr: core.ClosedJaxpr, name: str):
     """vmap: one ordered call of the vmapped body (its custom calls batch as they declare)."""
     fun = jax.vmap(core.jaxpr_as_fun(jaxpr), in_axes=tuple(dims), out_axes=0)
-    outs = ordered_call(lambda *a: fun(*a), *args, name=name)
+    outs = ordered_call(fun, *args, name=name)
     return outs, [0] * len(outs)
 
 
