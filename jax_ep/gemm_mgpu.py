@@ -50,6 +50,19 @@ class BlockConfig:
     grid_minor: int = 1
     grid_tile_width: int = 2
     ctas_per_sm: int = 1
+    compute_wgs: int = 1
+
+    def __post_init__(self):
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"BlockConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
+        if self.compute_wgs == 2 and self.ctas_per_sm != 1:
+            raise ValueError("BlockConfig: the warp-specialised kernels (compute_wgs=2) run one CTA per SM, "
+                             f"got ctas_per_sm={self.ctas_per_sm}")
+
+    @property
+    def cta_n(self) -> int:
+        """Output columns one CTA computes per tile."""
+        return self.block_n * self.compute_wgs
 
     def astuple(self):
         return dataclasses.astuple(self)
@@ -88,7 +101,7 @@ def _num_sms() -> int:
     return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
 
 
-def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice):
+def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice, wait: bool = True):
     """Store rows [start, start + size) of the tile o_smem to rows row0 + start.. of o_gmem.
 
     A TMA store's box is static, so the rows go out as a ladder of power-of-two boxes (JAX's
@@ -102,13 +115,16 @@ def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice):
                                     o_gmem.at[pl.ds(row0 + offset, rows), col_slice])
         offset = offset + (size & rows)
         rows //= 2
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if wait:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool = False,
                interpret=None):
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
-    bm, bn, bk, stages, minor, width, ctas = config.astuple()
+    if config.compute_wgs > 1:
+        return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
+    bm, bn, bk, stages, minor, width, ctas, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -164,17 +180,14 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
-    bm, bn, bk, stages, minor, width, ctas = config.astuple()
+    if config.compute_wgs > 1:
+        return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
+    bm, bn, bk, stages, minor, width, ctas, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
     assert rows == rows2 and k % bm == 0 and n % bn == 0, (lhs.shape, rhs.shape, config)
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    block_starts = starts // bk * bk
-    num_blocks = jnp.where(ends > starts, -(ends // -bk) - starts // bk, 0)
-    info = jnp.stack([starts, ends, num_blocks, block_starts]).astype(jnp.int32)
+    info = _group_row_blocks(group_sizes, rows, bk)
 
     swizzle = plgpu.find_swizzle(bk * jnp.dtype(lhs.dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
@@ -200,7 +213,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
                 def step(idx, lhs_smem, rhs_smem):
                     kb = idx[0]
 
-                    @pl.when((kb == 0) | (kb == num_k - 1))
+                    # only a K block a group boundary cuts holds rows of another group (or padding)
+                    @pl.when(((kb == 0) & (start % bk != 0)) | ((kb == num_k - 1) & (end % bk != 0)))
                     def _():
                         row0 = first_row + kb * bk
                         inside = lambda i: (i + row0 >= start) & (i + row0 < end)  # noqa: E731
@@ -242,4 +256,215 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret)
+    return kernel(info, lhs, rhs)
+
+
+def _group_row_blocks(group_sizes, rows: int, bk: int):
+    """Per group: first row, end row, K blocks of bk rows it touches, first row of its first block
+    ([4, G] int32; the weight-gradient kernels' K loop)."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    block_starts = starts // bk * bk
+    num_blocks = jnp.where(ends > starts, -(ends // -bk) - starts // bk, 0)
+    return jnp.stack([starts, ends, num_blocks, block_starts]).astype(jnp.int32)
+
+
+def _smem_transforms(dtype, minor_elems: int):
+    """Tiling + swizzle of an SMEM tile whose minor dimension holds minor_elems elements."""
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _ws_kernel(body, out_type, scratch_shapes=()):
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
+# Registers the producer warpgroup keeps; the consumers share the rest (JAX's Hopper matmul uses 40).
+_PRODUCER_REGISTERS = 40
+
+
+def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
+    """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N."""
+    bm, bn, bk, stages, minor, width, _, wgs = config.astuple()
+    m, k = lhs.shape
+    g, k2, n = rhs.shape
+    if transpose_rhs:
+        k2, n = n, k2
+    cta_n = config.cta_n
+    assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm & (bm - 1) == 0, (lhs.shape, rhs.shape, config)
+    grid_n = n // cta_n
+    tf = _smem_transforms(lhs.dtype, bk)
+    rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+    rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
+    ladder = min(bm, 1 << int(math.log2(m)))
+
+    def get_pipeline(step, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k // bk,), memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec(rhs_block, rhs_index, transforms=tf, memory_space=plgpu.SMEM)],
+            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
+
+    def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731
+        rhs_panel = rhs_gmem.at[0, :, pl.ds(0, cta_n)] if not transpose_rhs else rhs_gmem.at[0, pl.ds(0, cta_n)]
+
+        # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
+        # row boxes that can start on any row
+        @functools.partial(
+            pl.run_scoped,
+            allocs=get_pipeline(ignore, ignore).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
+            o_smem=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype),
+            collective_axes="wg")
+        def _scope(allocs, o_smem):
+            wg = lax.axis_index("wg")
+            live_m = num_tiles_gmem[0]
+
+            @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
+            def _tile(loop_info: plgpu.NDLoopInfo):
+                mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
+                group = schedule_gmem[_GROUP, mi]
+                block = schedule_gmem[_BLOCK, mi]
+                cols = pl.ds(ni * cta_n + wg * bn, bn)
+
+                def store(values):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read o_smem
+                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
+                                schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
+
+                def compute_context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...])
+
+                def step(_, lhs_smem, rhs_smem, acc_ref):
+                    if transpose_rhs:
+                        b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
+                    else:
+                        b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+                    plgpu.wgmma(acc_ref, lhs_smem, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                @pl.when(group < g)
+                def _():
+                    panel = (rhs_gmem.at[group, pl.ds(ni * cta_n, cta_n)] if transpose_rhs
+                             else rhs_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)])
+                    get_pipeline(step, compute_context)(lhs_gmem.at[pl.ds(block * bm, bm)], panel,
+                                                        allocations=allocs)
+
+                @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
+                def _():
+                    store(jnp.zeros((bm, bn), jnp.float32))
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
+    return kernel(schedule, num_tiles, lhs, rhs)
+
+
+def _mask_rows(ref, inside):
+    """Rows i of an SMEM tile with inside(i) false -> 0 (a select, so NaN garbage stays out)."""
+    reg = ref[...]
+    iota = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
+    ref[...] = jnp.where(inside(iota), reg, (iota < 0).astype(reg.dtype))
+
+
+def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
+    """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
+    the consumers write one output tile, the producer already loads the next tile's rows."""
+    bm, bn, bk, stages, minor, width, _, wgs = config.astuple()
+    rows, k = lhs.shape
+    rows2, n = rhs.shape
+    g = group_sizes.shape[0]
+    cta_n = config.cta_n
+    assert rows == rows2 and k % bm == 0 and n % cta_n == 0, (lhs.shape, rhs.shape, config)
+    info = _group_row_blocks(group_sizes, rows, bk)
+    lhs_tf = _smem_transforms(lhs.dtype, bm)
+    rhs_tf = _smem_transforms(rhs.dtype, cta_n)
+    out_tf = _smem_transforms(lhs.dtype, bn)
+    grid_m, grid_n = k // bm, n // cta_n
+
+    def get_pipeline(step, compute_context, num_k):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(num_k,), memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf, memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), transforms=rhs_tf,
+                                      memory_space=plgpu.SMEM)],
+            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
+
+    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=get_pipeline(ignore, ignore, stages).get_allocations(
+                lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, cta_n)]),
+            o_smem=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf),
+            collective_axes="wg")
+        def _scope(allocs, o_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+            def _tile(loop_info: plgpu.NDLoopInfo):
+                gi = loop_info.index[0]
+                mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), minor, width)
+                start, end = info_gmem[0, gi], info_gmem[1, gi]
+                num_k = info_gmem[2, gi]
+                first_row = pl.multiple_of(info_gmem[3, gi], bk)
+                cols = pl.ds(ni * cta_n + wg * bn, bn)
+
+                def store(values):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
+                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
+
+                def compute_context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...])
+
+                def step(idx, lhs_smem, rhs_smem, acc_ref):
+                    kb = idx[0]
+                    rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+
+                    # only a K block a group boundary cuts holds rows of another group (or padding);
+                    # every consumer masks the shared lhs tile itself (the same values), so none
+                    # reads it unmasked
+                    @pl.when(((kb == 0) & (start % bk != 0)) | ((kb == num_k - 1) & (end % bk != 0)))
+                    def _():
+                        row0 = first_row + kb * bk
+                        inside = lambda i: (i + row0 >= start) & (i + row0 < end)  # noqa: E731
+                        _mask_rows(lhs_smem, inside)
+                        _mask_rows(rhs_mine, inside)
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                @pl.when(num_k > 0)
+                def _():
+                    # the slices may run past the last row; the pipeline never reads past num_k blocks
+                    get_pipeline(step, compute_context, num_k)(
+                        lhs_gmem.at[pl.ds(first_row, rows), pl.ds(mi * bm, bm)],
+                        rhs_gmem.at[pl.ds(first_row, rows), pl.ds(ni * cta_n, cta_n)],
+                        allocations=allocs)
+
+                @pl.when((num_k == 0) & (wg < wgs))  # an empty group's gradient is zero
+                def _():
+                    store(jnp.zeros((bm, bn), jnp.float32))
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, lhs, rhs)

@@ -40,15 +40,23 @@ SHAPES = {
 }
 
 
-def grid_for(name: str, width: int, quick: bool):
-    """Block configurations to try. A single warpgroup holds the accumulator, so a tile has at most
-    128x128 or 64x256 f32 values (128 registers per thread); two blocks per SM fit with 2-3 stages."""
-    tiles = [(128, 128), (64, 256)]
+def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
+    """Block configurations to try. One consumer warpgroup holds the accumulator, so its tile has at
+    most 128x128 or 64x256 f32 values (128 registers per thread); two blocks per SM fit with 2-3
+    stages. The warp-specialised kernels (compute_wgs=2) put two consumers side by side along N and a
+    producer beside them: a CTA tile of block_m x 2*block_n, one CTA per SM, as many stages as shared
+    memory holds next to the output tile."""
     orders = [(0, 4), (0, 8)] if quick else [(0, 2), (0, 4), (0, 8), (1, 2)]  # (grid_minor, tile width)
-    pipelines = [(1, 4), (2, 2), (2, 3)]                                      # (ctas per SM, stages)
-    for (bm, bn), (minor, tw), (ctas, st) in itertools.product(tiles, orders, pipelines):
-        if width % bn == 0:
-            yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, ctas)
+    if kinds in ("all", "classic"):
+        tiles = [(128, 128), (64, 256)]
+        pipelines = [(1, 4), (2, 2), (2, 3)]                                  # (ctas per SM, stages)
+        for (bm, bn), (minor, tw), (ctas, st) in itertools.product(tiles, orders, pipelines):
+            if width % bn == 0:
+                yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, ctas)
+    if kinds in ("all", "ws"):
+        for (bm, bn, st), (minor, tw) in itertools.product([(128, 128, 3), (64, 128, 4), (128, 64, 4)], orders):
+            if width % (2 * bn) == 0:
+                yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2)
 
 
 def run_pass(name, cfg, x, w, dy, gs):
@@ -96,6 +104,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="two tile orders instead of four (half the sweep)")
     parser.add_argument("--compare", action="store_true", help="also time JAX's ragged_dot_mgpu kernels")
+    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws"],
+                        help="which kernels to sweep: one consumer warpgroup (classic), warp-specialised (ws)")
     args = parser.parse_args(argv)
     shapes = [s for name, group in SHAPES.items() if args.shapes in ("all", name) for s in group]
     device = jax.devices()[0].device_kind
@@ -119,7 +129,7 @@ def main(argv=None):
         for name in args.passes.split(","):
             width = k if name == "dx" else n
             results, sweep = [], []
-            for cfg in grid_for(name, width, args.quick):
+            for cfg in grid_for(name, width, args.quick, args.kernels):
                 try:
                     f = jax.jit(functools.partial(run_pass, name, cfg))
                     t = best_of(f, x, w, dy, gs)
