@@ -51,6 +51,7 @@ class BlockConfig:
     grid_tile_width: int = 2
     ctas_per_sm: int = 1
     compute_wgs: int = 1
+    mma_in_flight: int = 0
 
     def __post_init__(self):
         if self.compute_wgs not in (1, 2):
@@ -58,6 +59,9 @@ class BlockConfig:
         if self.compute_wgs == 2 and self.ctas_per_sm != 1:
             raise ValueError("BlockConfig: the warp-specialised kernels (compute_wgs=2) run one CTA per SM, "
                              f"got ctas_per_sm={self.ctas_per_sm}")
+        if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.max_concurrent_steps:
+            raise ValueError(f"BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, got "
+                             f"{self.mma_in_flight} with {self.max_concurrent_steps} steps")
 
     @property
     def cta_n(self) -> int:
@@ -124,7 +128,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
     if config.compute_wgs > 1:
         return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
-    bm, bn, bk, stages, minor, width, ctas, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -182,7 +186,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
     if config.compute_wgs > 1:
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
-    bm, bn, bk, stages, minor, width, ctas, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -289,7 +293,7 @@ _PRODUCER_REGISTERS = 40
 
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N."""
-    bm, bn, bk, stages, minor, width, _, wgs = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -305,8 +309,10 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
     def get_pipeline(step, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k // bk,), memory_registers=_PRODUCER_REGISTERS,
-            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM),
-                      plgpu.BlockSpec(rhs_block, rhs_index, transforms=tf, memory_space=plgpu.SMEM)],
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM,
+                                      delay_release=delay),
+                      plgpu.BlockSpec(rhs_block, rhs_index, transforms=tf, memory_space=plgpu.SMEM,
+                                      delay_release=delay)],
             wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
 
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
@@ -350,7 +356,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                     else:
                         b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
                     plgpu.wgmma(acc_ref, lhs_smem, b)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(delay)
                     return acc_ref
 
                 @pl.when(group < g)
@@ -380,7 +386,7 @@ def _mask_rows(ref, inside):
 def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -395,9 +401,10 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     def get_pipeline(step, compute_context, num_k):
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(num_k,), memory_registers=_PRODUCER_REGISTERS,
-            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf, memory_space=plgpu.SMEM),
+            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf, memory_space=plgpu.SMEM,
+                                      delay_release=delay),
                       plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), transforms=rhs_tf,
-                                      memory_space=plgpu.SMEM)],
+                                      memory_space=plgpu.SMEM, delay_release=delay)],
             wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
 
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
@@ -449,7 +456,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                         plgpu.commit_smem()
 
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(delay)
                     return acc_ref
 
                 @pl.when(num_k > 0)
