@@ -317,7 +317,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
 
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
         ignore = lambda *_, **__: None  # noqa: E731
-        rhs_panel = rhs_gmem.at[0, :, pl.ds(0, cta_n)] if not transpose_rhs else rhs_gmem.at[0, pl.ds(0, cta_n)]
+        rhs_panel = rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)]
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
@@ -401,8 +401,8 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     def get_pipeline(step, compute_context, num_k):
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(num_k,), memory_registers=_PRODUCER_REGISTERS,
-            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf, memory_space=plgpu.SMEM,
-                                      delay_release=delay),
+            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf,
+                                      memory_space=plgpu.SMEM, delay_release=delay),
                       plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), transforms=rhs_tf,
                                       memory_space=plgpu.SMEM, delay_release=delay)],
             wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)

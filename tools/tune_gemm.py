@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.layer import best_of as _best_of, expert_group_sizes  # noqa: E402
+from benchmarks.layer import best_of as _best_of  # noqa: E402
+from benchmarks.layer import expert_group_sizes  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
 
 best_of = functools.partial(_best_of, iters=10, repeats=3)
@@ -97,22 +98,79 @@ def check(name, out, x, w, dy, gs_host) -> float:
     return float(max(errs))
 
 
+def tokamax_ragged_dot():
+    """tokamax.ragged_dot (Google's JAX kernel library; Mosaic GPU kernels on sm90) if importable, else
+    None and why. An optional benchmark peer, never a dependency of jax_ep."""
+    try:
+        import tokamax
+    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+        return None, f"{type(e).__name__}: {e}"
+    return (lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic")), tokamax.__version__
+
+
+def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
+    """Forward and forward+backward (dx + dW through jax.vjp) of jax_ep.grouped_matmul (the table's
+    configurations), tokamax.ragged_dot when installed, and a dense dot of the same FLOPs, same run.
+    TFLOP/s count real rows; vjp TFLOP/s count its two GEMMs."""
+    from jax_ep.gemm import grouped_matmul
+
+    m, real, k, n, g, align = shape
+    rng = np.random.default_rng(1)
+    xd = jnp.asarray(rng.standard_normal((real, k)), jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    dyd = jnp.asarray(rng.standard_normal((real, n)), jnp.bfloat16)
+    impls = {"jax_ep": lambda x, w, gs: grouped_matmul(x, w, gs),
+             "dense": lambda x, w, gs: x @ w}
+    tk, tk_note = tokamax_ragged_dot()
+    if tk is not None:
+        impls["tokamax"] = tk
+    rec = dict(op="grouped_matmul_peers", m=m, rows=real, k=k, n=n, g=g, alignment=align,
+               tokamax=tk_note, device=jax.devices()[0].device_kind, jax=jax.__version__,
+               date=datetime.date.today().isoformat())
+    ref = None
+    for name, f in impls.items():
+        args = (xd, wd, None, dyd) if name == "dense" else (x, w, gs, dy)
+        fwd = jax.jit(lambda a, b, c, f=f: f(a, b, c))
+        vjp = jax.jit(lambda a, b, c, d, f=f: jax.vjp(lambda a, b: f(a, b, c), a, b)[1](d))
+        try:
+            if name != "dense":
+                out = np.asarray(fwd(*args[:3])[:real], np.float32)
+                err = 0.0 if ref is None else float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+                ref = out if ref is None else ref
+            t_f, t_b = best_of(fwd, *args[:3]), best_of(vjp, *args)
+            rec[name] = dict(fwd_ms=t_f * 1e3, vjp_ms=t_b * 1e3, fwd_tflops=flops / t_f / 1e12,
+                             vjp_tflops=2 * flops / t_b / 1e12)
+            if name != "dense":
+                rec[name]["rel_diff"] = err
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            rec[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    cells = "  ".join(f"{name} " + (f"{v['fwd_tflops']:.0f}/{v['vjp_tflops']:.0f}" if "fwd_ms" in v
+                                    else v["error"][:80]) for name in impls for v in [rec[name]])
+    print(f"peers M={m} rows={real} K={k} N={n} G={g}, fwd/vjp TFLOP/s: {cells}"
+          + ("" if tk is not None else f"  (tokamax not installed: {tk_note[:80]})"), flush=True)
+    return rec
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="all", choices=["all", *SHAPES],
-                        help="issue: uniform reference shapes; layers = dsv3 + mid: the MoE layer's per-rank GEMMs")
+                        help="issue: uniform reference shapes; layers = dsv3 + mid: the MoE layer's "
+                             "per-rank GEMMs")
     parser.add_argument("--passes", default="forward,dx,dw")
     parser.add_argument("--out", default=str(CONFIG_FILE))
     parser.add_argument("--report", default=None, help="also write every measurement here (JSON)")
     parser.add_argument("--quick", action="store_true",
                         help="two tile orders instead of four (half the sweep)")
-    parser.add_argument("--compare", action="store_true", help="also time JAX's ragged_dot_mgpu kernels")
+    parser.add_argument("--compare", action="store_true",
+                        help="also time JAX's ragged_dot_mgpu kernels per pass, and per shape jax_ep's "
+                             "grouped_matmul vs tokamax.ragged_dot (when installed) vs a dense dot, "
+                             "fwd and vjp")
     parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws"],
-                        help="which kernels to sweep: one consumer warpgroup (classic), warp-specialised (ws)")
+                        help="which kernels to sweep: one consumer warpgroup (classic), "
+                             "warp-specialised (ws)")
     args = parser.parse_args(argv)
-    shapes = [s for name, group in SHAPES.items() if args.shapes in ("all", name) and name not in ("dsv3", "mid")
-              for s in group] if args.shapes in ("all", "issue", "layers") else SHAPES[args.shapes]
+    shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind
     rng = np.random.default_rng(0)
     out_path = pathlib.Path(args.out)
@@ -131,7 +189,9 @@ def main(argv=None):
         w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
         flops = 2 * real * k * n
-        for name in args.passes.split(","):
+        if args.compare:
+            report.append(compare_peers((m, real, k, n, g, align), x, w, dy, gs, flops))
+        for name in [p for p in args.passes.split(",") if p]:
             width = k if name == "dx" else n
             results, sweep = [], []
             # the table's entry for this pass and shape runs in the same sweep, so a partial sweep
