@@ -395,3 +395,14 @@ def test_repeats_count_errors_and_cut_runs_as_faults():
         record = rec.update(record, "pgrep_on", counts, commit_id="c", repeat=True, **kw)
     assert record["repeats"] == {"shard_autotuning_on": {"runs": 3, "passed": 1, "failed": 2}}
     assert record["incomplete"] == ["pgrep_on_3"]
+
+
+def test_gemm_peers_installs_tokamax_then_times_the_layer_shapes_without_tuning(tmp_path):
+    rc, output, out, calls = run_check(tmp_path, gpus=1, GEMM_PEERS="1")
+    assert rc == 0, output
+    peers = [c for c in calls if "tune_gemm.py" in c]
+    assert len(peers) == 1, calls
+    assert "--shapes layers" in peers[0] and '--passes  --compare' in peers[0]   # "" = no sweep
+    assert f"--report {out}/gemm_peers.json" in peers[0]
+    assert "jax_ep/gemm_configs.json" not in peers[0]   # the table in the tree is left alone
+    assert "gemm peers: rc=0" in (out / "summary.txt").read_text()

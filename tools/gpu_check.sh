@@ -19,6 +19,10 @@
 #               BENCH_TIMEOUT its limit in seconds (default 3000)
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
 #      PG_BENCH=1 runs the process-model-2 benchmark (2 processes x 1 GPU, NVSHMEM)
+#      GEMM_PEERS=1 times the grouped GEMM at the MoE layer's per-rank shapes beside tokamax.ragged_dot and a
+#               dense dot, fwd and vjp (tools/tune_gemm.py --passes "" --compare; record $OUT/gemm_peers.json);
+#               tokamax from the carried wheels in .whl/tokamax (tools/gemm_peers.sh), else it is reported
+#               missing; GEMM_PEERS_SHAPES (default layers) picks tune_gemm's shapes
 #      NCU=1 profiles the EP kernels' main kernels (ncu --set full, one launch each) at the
 #            DeepSeek-V3 shape over the local GPUs; NCU_ARGS extra arguments of tools/ep_tune.py,
 #            NCU_SECTIONS ncu's section arguments, NCU_JOBS other kernels (see the step);
@@ -230,6 +234,21 @@ if [ "${SKIP_LAYER:-0}" != 1 ]; then
   "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" || layer_rc=1
   echo "layer bench: rc=$layer_rc in $((SECONDS - start)) s (log: $OUT/bench_layer.log)" | tee -a "$OUT/summary.txt"
   [ $layer_rc -eq 0 ] || status=1
+fi
+
+if [ "${GEMM_PEERS:-0}" = 1 ]; then
+  step "grouped GEMM vs tokamax vs dense dot: tools/tune_gemm.py --compare"
+  start=$SECONDS
+  peers_dir="${TMPDIR:-/tmp}/jax_ep_gemm_peers"
+  PYTHON="$PY" bash tools/gemm_peers.sh install "$peers_dir" >"$OUT/gemm_peers_install.log" 2>&1 \
+    || echo "tokamax not installed (log: $OUT/gemm_peers_install.log)"
+  PYTHONPATH="$peers_dir:${PYTHONPATH:-}" bounded_run 900 "$PY" tools/tune_gemm.py \
+    --shapes "${GEMM_PEERS_SHAPES:-layers}" --passes "" --compare --out "${TMPDIR:-/tmp}/gemm_configs_peers.json" \
+    --report "$OUT/gemm_peers.json" >"$OUT/gemm_peers.log" 2>&1
+  peers_rc=$?
+  grep -E "^peers|dense bf16" "$OUT/gemm_peers.log"
+  echo "gemm peers: rc=$peers_rc in $((SECONDS - start)) s (log: $OUT/gemm_peers.log)" | tee -a "$OUT/summary.txt"
+  [ $peers_rc -eq 0 ] || status=1
 fi
 
 if [ "${PG_BENCH:-0}" = 1 ]; then
