@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_ep.errors import EPValueError
+
 # schedule rows (an int32 [4, tiles] array the kernel reads per tile)
 _GROUP, _BLOCK, _START, _SIZE = range(4)
 
@@ -55,12 +57,12 @@ class BlockConfig:
 
     def __post_init__(self):
         if self.compute_wgs not in (1, 2):
-            raise ValueError(f"BlockConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
+            raise EPValueError(f"BlockConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.compute_wgs == 2 and self.ctas_per_sm != 1:
-            raise ValueError("BlockConfig: the warp-specialised kernels (compute_wgs=2) run one CTA per SM, "
+            raise EPValueError("BlockConfig: the warp-specialised kernels (compute_wgs=2) run one CTA per SM, "
                              f"got ctas_per_sm={self.ctas_per_sm}")
         if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.max_concurrent_steps:
-            raise ValueError(f"BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, got "
+            raise EPValueError(f"BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, got "
                              f"{self.mma_in_flight} with {self.max_concurrent_steps} steps")
 
     @property

@@ -132,7 +132,7 @@ def test_block_configs_fit_the_shape(name, k, n):
 
     cfg = block_config(name, 4096, k, n, 8)
     width = k if name == "dx" else n
-    assert width % cfg.block_n == 0 and cfg.block_k == 64 and cfg.grid_minor in (0, 1)
+    assert width % cfg.cta_n == 0 and cfg.block_k == 64 and cfg.grid_minor in (0, 1)
     assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.ctas_per_sm in (1, 2)
     if name == "dw":
         assert k % cfg.block_m == 0
@@ -191,3 +191,64 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
     np.testing.assert_allclose(float(got), float(ref), rtol=2e-2)
     np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(rx, np.float32), rtol=5e-2, atol=5e-2)
     np.testing.assert_allclose(np.asarray(gw, np.float32), np.asarray(rw, np.float32), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("fields,word", [((128, 128, 64, 3, 0, 4, 1, 3), "compute_wgs"),
+                                         ((128, 128, 64, 3, 0, 4, 2, 2), "ctas_per_sm"),
+                                         ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight")])
+def test_block_config_refuses_what_no_kernel_runs(fields, word):
+    from jax_ep.errors import EPValueError
+
+    with pytest.raises(EPValueError, match=word):
+        mgpu.BlockConfig(*fields)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1)])
+def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
+    """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
+    custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape.
+    (Mosaic GPU's interpret mode does not run warp-specialised pipelines; the GPU tests run them.)"""
+    cfg = mgpu.BlockConfig(*config)
+    m, k, n, g = 1024, 512, 768, 5
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def passes(x, w, gs):
+        sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
+        out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
+        return out, mgpu.transposed_ragged_dot(x, out, gs, config=cfg)
+
+    text = jax.jit(passes).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2, text[:2000]
+
+
+def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
+    """tools/tune_gemm.py: --kernels picks the sweep, every configuration fits the shape it is tried on,
+    and --compare's peer table runs here (grouped_matmul falls back to lax.ragged_dot on CPU) and says
+    when tokamax is not installed."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "tune_gemm.py"
+    spec = importlib.util.spec_from_file_location("tune_gemm", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    for width in (2816, 4096, 7168):
+        ws = list(tune.grid_for("forward", width, True, "ws"))
+        classic = list(tune.grid_for("forward", width, True, "classic"))
+        assert ws and all(c.compute_wgs == 2 and width % c.cta_n == 0 for c in ws)
+        assert classic and all(c.compute_wgs == 1 and width % c.cta_n == 0 for c in classic)
+        assert len(list(tune.grid_for("forward", width, True, "all"))) == len(ws) + len(classic)
+    rng = np.random.default_rng(0)
+    m, real, k, n, g = 256, 192, 64, 128, 4
+    gs = jnp.asarray([64, 0, 64, 64], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    rec = tune.compare_peers((m, real, k, n, g, 64), x, w, dy, gs, 2.0 * real * k * n)
+    assert rec["jax_ep"]["fwd_ms"] > 0 and rec["jax_ep"]["vjp_ms"] > 0 and rec["jax_ep"]["rel_diff"] == 0
+    assert rec["dense"]["fwd_tflops"] > 0
+    if importlib.util.find_spec("tokamax") is None:
+        assert "tokamax" not in rec and "No module named 'tokamax'" in rec["tokamax_note"]

@@ -6,8 +6,8 @@
 #                                            # pass carry=[".whl"] to the device call)
 #   bash tools/gemm_peers.sh install DIR     # there: the wheels into DIR; then PYTHONPATH=DIR:$PYTHONPATH
 # tokamax 0.0.17 needs Python 3.12 and jax >= 0.11.1 (both on the GPU machines); PYTHON names the
-# interpreter (default python). Its benchmarking module imports xprof.cli.tools.get_kernel_stats_tool at import time (only its profiler timing uses it); install
-# writes a stub module in its place, which raises if called.
+# interpreter (default python). Its benchmarking module imports xprof.cli.tools.get_kernel_stats_tool at
+# import time (only its profiler timing uses it); install writes a stub module there that raises if called.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl/tokamax

@@ -125,7 +125,7 @@ def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
     if tk is not None:
         impls["tokamax"] = tk
     rec = dict(op="grouped_matmul_peers", m=m, rows=real, k=k, n=n, g=g, alignment=align,
-               tokamax=tk_note, device=jax.devices()[0].device_kind, jax=jax.__version__,
+               tokamax_note=tk_note, device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=datetime.date.today().isoformat())
     ref = None
     for name, f in impls.items():
