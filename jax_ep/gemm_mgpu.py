@@ -59,11 +59,11 @@ class BlockConfig:
         if self.compute_wgs not in (1, 2):
             raise EPValueError(f"BlockConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.compute_wgs == 2 and self.ctas_per_sm != 1:
-            raise EPValueError("BlockConfig: the warp-specialised kernels (compute_wgs=2) run one CTA per SM, "
-                             f"got ctas_per_sm={self.ctas_per_sm}")
+            raise EPValueError("BlockConfig: the warp-specialised kernels (compute_wgs=2) run one CTA per "
+                               f"SM, got ctas_per_sm={self.ctas_per_sm}")
         if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.max_concurrent_steps:
-            raise EPValueError(f"BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, got "
-                             f"{self.mma_in_flight} with {self.max_concurrent_steps} steps")
+            raise EPValueError("BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, "
+                               f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
 
     @property
     def cta_n(self) -> int:
