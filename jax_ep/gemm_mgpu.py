@@ -54,6 +54,7 @@ class BlockConfig:
     ctas_per_sm: int = 1
     compute_wgs: int = 1
     mma_in_flight: int = 0
+    row_stream: int = 0
 
     def __post_init__(self):
         if self.compute_wgs not in (1, 2):
@@ -64,6 +65,14 @@ class BlockConfig:
         if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.max_concurrent_steps:
             raise EPValueError("BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, "
                                f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
+        streams = self.row_stream not in (0, 1) or self.row_stream
+        if streams and (self.row_stream != 1 or self.compute_wgs != 2 or self.mma_in_flight):
+            raise EPValueError("BlockConfig.row_stream=1 needs compute_wgs=2 and mma_in_flight=0, got "
+                               f"row_stream={self.row_stream}, compute_wgs={self.compute_wgs}, "
+                               f"mma_in_flight={self.mma_in_flight}")
+        if self.row_stream and self.block_m * self.block_n > 64 * 128:
+            raise EPValueError("BlockConfig.row_stream=1 keeps two accumulators per consumer: block_m x "
+                               f"block_n must be at most 64 x 128, got {self.block_m} x {self.block_n}")
 
     @property
     def cta_n(self) -> int:
@@ -130,7 +139,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
     if config.compute_wgs > 1:
         return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
-    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, _, _, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -187,8 +196,10 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
     if config.compute_wgs > 1:
+        if config.row_stream:
+            return _transposed_ragged_dot_stream(lhs, rhs, group_sizes, config=config)
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
-    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, _, _, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -295,7 +306,7 @@ _PRODUCER_REGISTERS = 40
 
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -388,7 +399,7 @@ def _mask_rows(ref, inside):
 def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -477,3 +488,111 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, lhs, rhs)
+
+
+def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig):
+    """transposed_ragged_dot as one warp-specialised pipeline per output tile over the row blocks of all
+    groups (config.row_stream): the producer never drains between groups, so a group of a few K steps
+    costs its steps, not a pipeline fill. A block that a group boundary cuts appears once per group it
+    holds rows of (tile_schedule), masked to that group's rows."""
+    bm, bn, bk, stages, minor, width, _, wgs, _, _ = config.astuple()
+    rows, k = lhs.shape
+    rows2, n = rhs.shape
+    g = group_sizes.shape[0]
+    cta_n = config.cta_n
+    assert rows == rows2 and k % bm == 0 and n % cta_n == 0, (lhs.shape, rhs.shape, config)
+    schedule, num_blocks = tile_schedule(group_sizes, rows, bk)
+    group = schedule[_GROUP]
+    real = (group < g) & (jnp.arange(group.shape[0]) < num_blocks[0])   # not the zero group, not dead
+    last = jnp.concatenate([group[:-1] != group[1:], jnp.ones((1,), bool)]) & real
+    steps = jnp.sum(real).astype(jnp.int32)[None]                       # real entries lead the schedule
+    info = jnp.concatenate([schedule, last.astype(jnp.int32)[None]])     # [5, entries]
+    empty = (_group_row_blocks(group_sizes, rows, bk)[2] == 0).astype(jnp.int32)
+    lhs_tf = _smem_transforms(lhs.dtype, bm)
+    rhs_tf = _smem_transforms(rhs.dtype, cta_n)
+    out_tf = _smem_transforms(lhs.dtype, bn)
+    grid_m, grid_n = k // bm, n // cta_n
+
+    def body(info_gmem, steps_gmem, empty_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        def get_pipeline(step, compute_context, num_steps):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(num_steps,), memory_registers=_PRODUCER_REGISTERS,
+                in_specs=[plgpu.BlockSpec((bk, bm), lambda s: (info_gmem[_BLOCK, s], 0), transforms=lhs_tf,
+                                          memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((bk, cta_n), lambda s: (info_gmem[_BLOCK, s], 0), transforms=rhs_tf,
+                                          memory_space=plgpu.SMEM)],
+                wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
+                compute_context=compute_context)
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=get_pipeline(ignore, ignore, stages).get_allocations(
+                lhs_gmem.at[:, pl.ds(0, bm)], rhs_gmem.at[:, pl.ds(0, cta_n)]),
+            o_smem=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf),
+            collective_axes="wg")
+        def _scope(allocs, o_smem):
+            wg = lax.axis_index("wg")
+            num_steps = steps_gmem[0]
+
+            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+            def _tile(loop_info: plgpu.NDLoopInfo):
+                mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), minor, width)
+                cols = pl.ds(ni * cta_n + wg * bn, bn)
+
+                def store(values, gi):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store read o_smem
+                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
+
+                def compute_context(run):
+                    run(jnp.zeros((bm, bn), jnp.float32))
+
+                def step(idx, lhs_smem, rhs_smem, total):
+                    s = idx[0]
+                    start, size = info_gmem[_START, s], info_gmem[_SIZE, s]
+                    rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+
+                    @pl.when((start != 0) | (size != bk))  # a block a group boundary cuts
+                    def _():
+                        inside = lambda i: (i >= start) & (i < start + size)  # noqa: E731
+                        _mask_rows(lhs_smem, inside)
+                        _mask_rows(rhs_mine, inside)
+                        plgpu.commit_smem()
+
+                    def mma(acc_ref):
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
+                        return acc_ref[...]
+
+                    total = total + pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    is_last = info_gmem[4, s] != 0
+
+                    @pl.when(is_last)
+                    def _():
+                        store(total, info_gmem[_GROUP, s])
+
+                    rows_kept = jnp.where(is_last, 0, bm)  # the next group starts from zero
+                    iota = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, total.shape, 0),
+                                             plgpu.Layout.WGMMA)
+                    return jnp.where(iota < rows_kept, total, (iota < 0).astype(total.dtype))
+
+                @pl.when(num_steps > 0)
+                def _():
+                    get_pipeline(step, compute_context, num_steps)(
+                        lhs_gmem.at[:, pl.ds(mi * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
+                        allocations=allocs)
+
+                @pl.when(wg < wgs)  # groups without rows get zero gradients
+                def _():
+                    @pl.loop(0, g)
+                    def _(gi):
+                        @pl.when(empty_gmem[gi] != 0)
+                        def _():
+                            store(jnp.zeros((bm, bn), jnp.float32), gi)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
+    return kernel(info, steps, empty, lhs, rhs)

@@ -61,6 +61,10 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
         for (bm, bn, st), (minor, tw), inflight in itertools.product(ws, orders, (0, 1)):
             if width % (2 * bn) == 0:
                 yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
+        if name == "dw":  # one pipeline per output tile over every group's rows
+            for minor, tw in orders:
+                if width % 256 == 0:
+                    yield mgpu.BlockConfig(64, 128, 64, 4, minor, tw, 1, 2, 0, 1)
 
 
 def run_pass(name, cfg, x, w, dy, gs):
