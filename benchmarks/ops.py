@@ -769,9 +769,10 @@ def main(argv=None) -> list[dict]:
     if args.layer:
         records = bench_layer.main(args, save=lambda recs: write_records(recs, args.out, quiet=True))
         write_records(records, args.out)
+        # plain JAX out of memory (DeepSeek-V3 on 2 GPUs: XLA's ragged_dot asks for 112 GiB) is a result
         failed = [f"{r['shape']} {r['config']}: {r.get('error', 'failed')[:120]}" for r in records
-                  if r.get("step_ms") is None]
-        check_outcome(len(records) - len(failed), failed, args.out)
+                  if r.get("step_ms") is None and not r.get("peer_out_of_memory")]
+        check_outcome(sum(r.get("step_ms") is not None for r in records), failed, args.out)
         return records
 
     devices = jax.devices()
