@@ -548,7 +548,7 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
 
                 def compute_context(run):
-                    run(jnp.zeros((bm, bn), jnp.float32))
+                    run(plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA))
 
                 def step(idx, lhs_smem, rhs_smem, total):
                     s = idx[0]
