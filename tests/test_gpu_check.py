@@ -406,3 +406,15 @@ def test_gemm_peers_installs_tokamax_then_times_the_layer_shapes_without_tuning(
     assert f"--report {out}/gemm_peers.json" in peers[0]
     assert "jax_ep/gemm_configs.json" not in peers[0]   # the table in the tree is left alone
     assert "gemm peers: rc=0" in (out / "summary.txt").read_text()
+
+
+def test_gemm_runs_its_gpu_tests_then_tunes_with_the_block_and_returns_the_table(tmp_path):
+    rc, output, out, calls = run_check(tmp_path, gpus=1, GEMM="1", GEMM_SHAPES="dsv3", GEMM_KERNELS="ws")
+    assert rc == 0, output
+    tests = [c for c in calls if "tests/gpu/test_gemm_gpu.py" in c]
+    tune = [c for c in calls if "tune_gemm.py" in c]
+    assert len(tests) == 1 and "-m gpu" in tests[0] and f"--junitxml={out}/gemm_tests.xml" in tests[0]
+    assert len(tune) == 1 and "--shapes dsv3" in tune[0] and "--kernels ws" in tune[0]
+    assert "--block deepseek_ep2,mid_ep2" in tune[0] and f"--report {out}/gemm_tune.json" in tune[0]
+    assert (out / "gemm_configs.json").exists()
+    assert "gemm: rc=0" in (out / "summary.txt").read_text()

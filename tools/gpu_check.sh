@@ -19,6 +19,11 @@
 #               BENCH_TIMEOUT its limit in seconds (default 3000)
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
 #      PG_BENCH=1 runs the process-model-2 benchmark (2 processes x 1 GPU, NVSHMEM)
+#      GEMM=1   the grouped GEMM on this GPU: its GPU tests (tests/gpu/test_gemm_gpu.py; log and JUnit XML
+#               $OUT/gemm_tests.{log,xml}), then tools/tune_gemm.py --quick at GEMM_SHAPES (default layers) over
+#               GEMM_KERNELS (default all) with the table's entries timed beside the sweep, and the expert block
+#               alone vs its roofline at the EP2 shapes (record $OUT/gemm_tune.json; the table it wrote,
+#               jax_ep/gemm_configs.json, copied to $OUT); GEMM_TUNE_TIMEOUT bounds the tuning (default 540 s)
 #      GEMM_PEERS=1 times the grouped GEMM at the MoE layer's per-rank shapes beside tokamax.ragged_dot and a
 #               dense dot, fwd and vjp (tools/tune_gemm.py --passes "" --compare; record $OUT/gemm_peers.json);
 #               tokamax from the carried wheels in .whl/tokamax (tools/gemm_peers.sh), else it is reported
@@ -234,6 +239,23 @@ if [ "${SKIP_LAYER:-0}" != 1 ]; then
   "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" || layer_rc=1
   echo "layer bench: rc=$layer_rc in $((SECONDS - start)) s (log: $OUT/bench_layer.log)" | tee -a "$OUT/summary.txt"
   [ $layer_rc -eq 0 ] || status=1
+fi
+
+if [ "${GEMM:-0}" = 1 ]; then
+  step "grouped GEMM: GPU tests, tuning at ${GEMM_SHAPES:-layers}, the expert block vs its roofline"
+  start=$SECONDS
+  bounded_run 400 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gemm_gpu.py \
+    --junitxml="$OUT/gemm_tests.xml" >"$OUT/gemm_tests.log" 2>&1
+  gemm_rc=$?
+  tail -3 "$OUT/gemm_tests.log"
+  bounded_run "${GEMM_TUNE_TIMEOUT:-540}" "$PY" tools/tune_gemm.py --shapes "${GEMM_SHAPES:-layers}" \
+    --kernels "${GEMM_KERNELS:-all}" --quick --block deepseek_ep2,mid_ep2 --report "$OUT/gemm_tune.json" \
+    >"$OUT/gemm_tune.log" 2>&1 || gemm_rc=1
+  grep -E "^(forward|dx|dw|block) |table's config|WRONG" "$OUT/gemm_tune.log"
+  cp jax_ep/gemm_configs.json "$OUT/gemm_configs.json"
+  echo "gemm: rc=$gemm_rc in $((SECONDS - start)) s (logs: $OUT/gemm_tests.log, $OUT/gemm_tune.log)" \
+    | tee -a "$OUT/summary.txt"
+  [ $gemm_rc -eq 0 ] || status=1
 fi
 
 if [ "${GEMM_PEERS:-0}" = 1 ]; then

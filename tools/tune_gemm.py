@@ -3,7 +3,8 @@ against a dense per-group reference, write jax_ep/gemm_configs.json (what
 jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same FLOPs and to JAX's own
 Mosaic GPU kernel.
 
-    python tools/tune_gemm.py [--shapes layers|issue|all] [--out FILE] [--quick]
+    python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|all] [--kernels all|classic|ws] [--quick]
+                              [--out FILE] [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
 (the dispatch buffer's worst-case capacity is twice the real rows plus alignment padding; each group is
@@ -30,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.layer import best_of as _best_of  # noqa: E402
 from benchmarks.layer import expert_group_sizes  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
+from jax_ep.gemm import _tuned  # noqa: E402
 
 best_of = functools.partial(_best_of, iters=10, repeats=3)
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
@@ -155,6 +157,36 @@ def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
     return rec
 
 
+# The MoE layer's expert block per rank at EP2, 4096 tokens per rank (rows = tokens x top-k, the capacity
+# a dispatch buffer has): (rows, hidden, ffn, local experts, capacity)
+BLOCKS = {"deepseek_ep2": (32768, 7168, 2048, 128, 73600), "mid_ep2": (24576, 4096, 1408, 32, 51200)}
+
+
+def time_blocks(names) -> list[dict]:
+    """The expert block alone (gate|up grouped GEMM, SwiGLU, down grouped GEMM, forward and backward;
+    benchmarks.layer.expert_gemm_seconds with gemm="auto", i.e. this table) next to its roofline (the
+    same GEMM FLOPs as dense dots), one device, same run."""
+    from benchmarks.layer import expert_gemm_seconds, roofline_seconds
+
+    records = []
+    for name in names:
+        rows, hidden, ffn, local, capacity = BLOCKS[name]
+        roof = roofline_seconds(rows, hidden, ffn, jnp.bfloat16, 10, 3)
+        block = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", 10, 3)
+        flops = 3 * (2 * rows * hidden * 2 * ffn + 2 * rows * ffn * hidden)   # forward + dx + dW
+        rec = dict(op="expert_block", shape=name, rows=rows, hidden=hidden, ffn=ffn, local_experts=local,
+                   capacity=capacity, roofline_ms=roof * 1e3, block_ms=None if block is None else block * 1e3,
+                   device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   date=datetime.date.today().isoformat())
+        if block is not None:
+            rec.update(ratio=block / roof, block_tflops=flops / block / 1e12)
+        print(f"block {name}: " + (f"{rec['block_ms']:.2f} ms, roofline {rec['roofline_ms']:.2f} ms, "
+                                    f"{rec['ratio']:.2f}x, {rec['block_tflops']:.0f} TFLOP/s"
+                                    if block is not None else "failed"), flush=True)
+        records.append(rec)
+    return records
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +202,8 @@ def main(argv=None):
                         help="also time JAX's ragged_dot_mgpu kernels per pass, and per shape jax_ep's "
                              "grouped_matmul vs tokamax.ragged_dot (when installed) vs a dense dot, "
                              "fwd and vjp")
+    parser.add_argument("--block", default="", help="after the sweep, time the expert block alone vs its "
+                        f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
     parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws)")
@@ -249,9 +283,12 @@ def main(argv=None):
                           "ms": round(t * 1e3, 4), "device": device})
     table.sort(key=lambda e: (e["pass"], e["k"], e["n"], e["m"]))
     out_path.write_text(json.dumps({"configs": table}, indent=1) + "\n")
+    print(f"wrote {out_path}")
+    if args.block:
+        _tuned.cache_clear()  # the block reads the table just written
+        report += time_blocks(args.block.split(","))
     if args.report:
         pathlib.Path(args.report).write_text(json.dumps(report, indent=1))
-    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":
