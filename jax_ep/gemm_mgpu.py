@@ -596,3 +596,72 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, steps, empty, lhs, rhs)
+
+
+# FP8 blocks: DeepSeek-V3's layout. Activations carry one scale per row and 128 channels, weights one per
+# 128 x 128 block, so a K step of 128 meets one scale per row and one per output tile of 128 columns.
+FP8_K_BLOCK = 128
+
+
+def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
+                   out_dtype=jnp.bfloat16):
+    """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
+    the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
+
+    xq [M, K] float8_e4m3fn rows; xs_t [K/128, M] float32 their scales, transposed (a K step reads one
+    contiguous row of scales); wq_t [G, N, K] float8_e4m3fn the weights with K minor (FP8 WGMMA takes both
+    operands K-major); ws [G, K/128, N/128] float32 the weights' 128 x 128 block scales. Each K step runs
+    in its own accumulator, scaled and added to a running sum in registers (the "promotion" of
+    DeepSeek-V3's FP8 GEMM: the scales change every 128 channels). The same kernel computes the FP8 input
+    gradient: dy's rows and scales with the weights in [G, K, N] layout as wq_t and ws transposed."""
+    m, k = xq.shape
+    g, n, k2 = wq_t.shape
+    bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
+    assert k == k2 and k % bk == 0 and n % bn == 0 and bm in (64, 128), (xq.shape, wq_t.shape, bm)
+    assert xs_t.shape == (k // bk, m) and ws.shape == (g, k // bk, n // bn), (xs_t.shape, ws.shape)
+    grid_n = n // bn
+    ladder = min(bm, 1 << int(math.log2(m)))
+
+    def body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
+        live_m = num_tiles_gmem[0]
+
+        @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
+        def _tile(loop_info: plgpu.NDLoopInfo):
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), 0, 4)
+            group = schedule_gmem[_GROUP, mi]
+            block = schedule_gmem[_BLOCK, mi]
+
+            def step(idx, x_smem, w_smem, s_smem, total):
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
+                    return acc_ref[...]
+
+                part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
+                scale = rows * ws_gmem[group, idx[0], ni]
+                return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
+
+            def matmul():
+                return plgpu.emit_pipeline(
+                    step, grid=(k // bk,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (block, kk)),
+                              plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk)),
+                              plgpu.BlockSpec((1, bm), lambda kk: (kk, block))],
+                    max_concurrent_steps=stages,
+                    init_carry=plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA),
+                )(x_gmem, w_gmem.at[group], xs_gmem)
+
+            zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+            total = lax.cond(group < g, matmul, zeros)  # the zero group (rows past the groups) does no work
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=out_dtype))
+            def _store(o_smem):
+                o_smem[...] = total.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                _store_rows(o_smem, o_gmem, block * bm, schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi],
+                            ladder, pl.ds(ni * bn, bn))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)

@@ -1,0 +1,94 @@
+"""FP8 grouped GEMM in DeepSeek-V3's block layout: ``grouped_matmul_fp8(xq, x_scales, wq, w_scales, ...)``.
+
+Activations are e4m3 rows with one float32 scale per row and 128 channels (what FP8 dispatch delivers:
+``jax_ep.reference.quantize_fp8``), weights e4m3 with one scale per 128 x 128 block
+(``quantize_weight_blocks``). The product of group g's rows is, in exact arithmetic,
+
+    out[r, n] = sum_kb  x_scales[r, kb] * w_scales[g, kb, n // 128] * sum_{k in kb} xq[r, k] * wq[g, k, n]
+
+i.e. ``dequantize(x) @ dequantize(w)``; the kernel sums each 128-channel block in float32 on the tensor
+cores and applies the two scales as it adds the block to its running sum. Square weight blocks make the
+transposed weights' scales the transposed scales, so the input gradient (dy @ w[g].T) runs in the same
+kernel from dy's FP8 rows (DeepSeek-V3 keeps both weight layouts quantised).
+
+Status: forward and input-gradient numerics (``backend="reference"``: dequantise, then a float32
+``lax.ragged_dot``) and the Hopper kernel (``jax_ep.gemm_mgpu.ragged_dot_fp8``, ``backend="mosaic_gpu"``).
+Not yet: the weight gradient in FP8, a custom_vjp, the MoE layer's ``gemm_dtype`` option, and a
+measurement of the kernel (issue 37); until then the layer's GEMMs stay bfloat16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ep.config import FP8_BLOCK, FP8_MAX
+from jax_ep.errors import EPValueError
+
+BACKENDS = ("reference", "mosaic_gpu")
+FP8_MIN_AMAX = 1e-4  # an all-zero block keeps a finite scale (as quantize_fp8)
+
+
+def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[G, K, N] weights -> (e4m3 [G, K, N], float32 scales [G, K/128, N/128]): one scale per 128 x 128
+    block, scale = amax / 448 (K and N multiples of 128)."""
+    g, k, n = w.shape
+    if k % FP8_BLOCK or n % FP8_BLOCK:
+        raise EPValueError(f"quantize_weight_blocks: K={k} and N={n} must be multiples of {FP8_BLOCK}")
+    blocks = w.astype(jnp.float32).reshape(g, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(2, 4)), FP8_MIN_AMAX)
+    # an IEEE division by 448 (not XLA's multiplication by its inexact reciprocal), as quantize_fp8
+    scales = amax / lax.optimization_barrier(jnp.where(amax < 0, amax, FP8_MAX))
+    q = blocks * (FP8_MAX / amax)[:, :, None, :, None]
+    return q.reshape(g, k, n).astype(jnp.float8_e4m3fn), scales
+
+
+def dequantize_weight_blocks(wq: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    g, k, n = wq.shape
+    per = jnp.repeat(jnp.repeat(scales, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)
+    return (wq.astype(jnp.float32) * per).astype(dtype)
+
+
+def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scales: jax.Array,
+                       group_sizes: jax.Array, *, wq_t: jax.Array | None = None, transpose_w: bool = False,
+                       out_dtype=jnp.bfloat16, backend: str = "reference") -> jax.Array:
+    """out = dequantize(xq, x_scales) @ dequantize(wq, w_scales)[g] per group of rows (``transpose_w``:
+    @ ...[g].T, the input gradient), float32 sums, ``out_dtype`` out, zeros past sum(group_sizes).
+
+    Args:
+      xq: [M, K] float8_e4m3fn rows grouped consecutively; x_scales: [M, K/128] float32.
+      wq: [G, K, N] float8_e4m3fn (or [G, N, K] with transpose_w, the same array as the forward's);
+        w_scales: [G, K/128, N/128] float32, one per 128 x 128 block (quantize_weight_blocks).
+      wq_t: the weights with the contracted dimension minor, for the kernel ([G, N, K] for the forward;
+        the kernel reads FP8 operands K-major); computed from wq when None.
+      backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
+    """
+    if backend not in BACKENDS:
+        raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
+    for name, a in (("xq", xq), ("wq", wq)):
+        if a.dtype != jnp.float8_e4m3fn:
+            raise EPValueError(f"grouped_matmul_fp8: {name} must be float8_e4m3fn, got {a.dtype}")
+    m, k = xq.shape
+    g = wq.shape[0]
+    kw, n = (wq.shape[2], wq.shape[1]) if transpose_w else wq.shape[1:]
+    if kw != k or k % FP8_BLOCK or n % FP8_BLOCK:
+        raise EPValueError(f"grouped_matmul_fp8: x {xq.shape} and w {wq.shape} (transpose_w={transpose_w}) "
+                           f"must share K, with K and N multiples of {FP8_BLOCK}")
+    ws = jnp.swapaxes(w_scales, 1, 2) if transpose_w else w_scales     # [G, K/128 contracted, N/128]
+    if x_scales.shape != (m, k // FP8_BLOCK) or ws.shape != (g, k // FP8_BLOCK, n // FP8_BLOCK):
+        raise EPValueError(f"grouped_matmul_fp8: scales {x_scales.shape} / {w_scales.shape} do not match "
+                           f"x {xq.shape} and w {wq.shape} in blocks of {FP8_BLOCK}")
+    if backend == "reference":
+        x = xq.astype(jnp.float32) * jnp.repeat(x_scales, FP8_BLOCK, axis=1)
+        w = dequantize_weight_blocks(wq, w_scales)
+        w = jnp.swapaxes(w, 1, 2) if transpose_w else w
+        out = lax.ragged_dot(x, w, group_sizes, precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
+    from jax_ep import gemm_mgpu as mgpu
+
+    if wq_t is None:
+        wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
+    schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, 64)
+    return mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, out_dtype=out_dtype)
