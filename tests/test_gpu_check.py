@@ -415,6 +415,7 @@ def test_gemm_runs_its_gpu_tests_then_tunes_with_the_block_and_returns_the_table
     tune = [c for c in calls if "tune_gemm.py" in c]
     assert len(tests) == 1 and "-m gpu" in tests[0] and f"--junitxml={out}/gemm_tests.xml" in tests[0]
     assert len(tune) == 1 and "--shapes dsv3" in tune[0] and "--kernels ws" in tune[0]
-    assert "--block deepseek_ep2,mid_ep2" in tune[0] and f"--report {out}/gemm_tune.json" in tune[0]
+    assert "--block deepseek_ep2,mid_ep2" in tune[0]
+    assert "--fp8" in tune[0] and f"--report {out}/gemm_tune.json" in tune[0]
     assert (out / "gemm_configs.json").exists()
     assert "gemm: rc=0" in (out / "summary.txt").read_text()

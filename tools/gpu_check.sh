@@ -21,7 +21,8 @@
 #      PG_BENCH=1 runs the process-model-2 benchmark (2 processes x 1 GPU, NVSHMEM)
 #      GEMM=1   the grouped GEMM on this GPU: its GPU tests (tests/gpu/test_gemm_gpu.py; log and JUnit XML
 #               $OUT/gemm_tests.{log,xml}), then tools/tune_gemm.py --quick at GEMM_SHAPES (default layers) over
-#               GEMM_KERNELS (default all) with the table's entries timed beside the sweep, and the expert block
+#               GEMM_KERNELS (default all) with the table's entries timed beside the sweep, the FP8 kernel
+#               beside the bf16 forward (--fp8), and the expert block
 #               alone vs its roofline at the EP2 shapes (record $OUT/gemm_tune.json; the table it wrote,
 #               jax_ep/gemm_configs.json, copied to $OUT); GEMM_TUNE_TIMEOUT bounds the tuning (default 540 s)
 #      GEMM_PEERS=1 times the grouped GEMM at the MoE layer's per-rank shapes beside tokamax.ragged_dot and a
@@ -249,9 +250,9 @@ if [ "${GEMM:-0}" = 1 ]; then
   gemm_rc=$?
   tail -3 "$OUT/gemm_tests.log"
   bounded_run "${GEMM_TUNE_TIMEOUT:-540}" "$PY" tools/tune_gemm.py --shapes "${GEMM_SHAPES:-layers}" \
-    --kernels "${GEMM_KERNELS:-all}" --quick --block deepseek_ep2,mid_ep2 --report "$OUT/gemm_tune.json" \
+    --kernels "${GEMM_KERNELS:-all}" --quick --fp8 --block deepseek_ep2,mid_ep2 --report "$OUT/gemm_tune.json" \
     >"$OUT/gemm_tune.log" 2>&1 || gemm_rc=1
-  grep -E "^(forward|dx|dw|block) |table's config|WRONG" "$OUT/gemm_tune.log"
+  grep -E "^(forward|dx|dw|block|fp8) |table's config|WRONG" "$OUT/gemm_tune.log"
   cp jax_ep/gemm_configs.json "$OUT/gemm_configs.json"
   echo "gemm: rc=$gemm_rc in $((SECONDS - start)) s (logs: $OUT/gemm_tests.log, $OUT/gemm_tune.log)" \
     | tee -a "$OUT/summary.txt"

@@ -157,6 +157,38 @@ def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
     return rec
 
 
+def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
+    """The FP8 kernel (gemm_mgpu.ragged_dot_fp8: e4m3 operands, per-128 scales) forward and input-gradient
+    forms next to the bf16 kernels at the table's configurations, same inputs (quantised), same run."""
+    from jax_ep.gemm import grouped_matmul
+    from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks
+    from jax_ep.reference import quantize_fp8
+
+    m, real, k, n, g, align = shape
+    xq, xs = quantize_fp8(x)
+    dyq, dys = quantize_fp8(dy)
+    wq, ws = quantize_weight_blocks(w)
+    wq_t = jnp.swapaxes(wq, 1, 2)
+    rec = dict(op="grouped_matmul_fp8", m=m, rows=real, k=k, n=n, g=g, alignment=align,
+               device=jax.devices()[0].device_kind, jax=jax.__version__,
+               date=datetime.date.today().isoformat())
+    runs = {"forward_fp8": (jax.jit(lambda xq, xs, wq, wq_t, ws, gs: grouped_matmul_fp8(
+                xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu")), (xq, xs, wq, wq_t, ws, gs)),
+            "dx_fp8": (jax.jit(lambda dyq, dys, wq, ws, gs: grouped_matmul_fp8(
+                dyq, dys, wq, ws, gs, transpose_w=True, backend="mosaic_gpu")), (dyq, dys, wq, ws, gs)),
+            "forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
+    for name, (f, args) in runs.items():
+        try:
+            t = best_of(f, *args)
+            rec[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            rec[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    print(f"fp8 M={m} rows={real} K={k} N={n} G={g}: " + "  ".join(
+        f"{name} " + (f"{v['ms']:.3f} ms {v['tflops']:.0f} TF/s" if "ms" in v else v["error"][:100])
+        for name, v in rec.items() if isinstance(v, dict)), flush=True)
+    return rec
+
+
 # The MoE layer's expert block per rank at EP2, 4096 tokens per rank (rows = tokens x top-k, the capacity
 # a dispatch buffer has): (rows, hidden, ffn, local experts, capacity)
 BLOCKS = {"deepseek_ep2": (32768, 7168, 2048, 128, 73600), "mid_ep2": (24576, 4096, 1408, 32, 51200)}
@@ -204,6 +236,8 @@ def main(argv=None):
                              "fwd and vjp")
     parser.add_argument("--block", default="", help="after the sweep, time the expert block alone vs its "
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
+    parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
+                        "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws)")
@@ -229,6 +263,8 @@ def main(argv=None):
         flops = 2 * real * k * n
         if args.compare:
             report.append(compare_peers((m, real, k, n, g, align), x, w, dy, gs, flops))
+        if args.fp8:
+            report.append(time_fp8((m, real, k, n, g, align), x, w, dy, gs, flops))
         for name in [p for p in args.passes.split(",") if p]:
             width = k if name == "dx" else n
             results, sweep = [], []
