@@ -206,16 +206,30 @@ def _grouped_matmul_bwd(plans, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
     dx = _forward(dy, w, group_sizes, plans[1], transpose_rhs=True)
-    if plans[2].impl == "ragged_dot":
-        dw = lax.ragged_dot_general(
+    dw = _weight_gradient(x, dy, group_sizes, plans[2])
+    return dx.astype(x.dtype), dw.astype(w.dtype), float0_like(group_sizes)
+
+
+def _weight_gradient(x, dy, group_sizes, plan: Plan):
+    if plan.impl == "ragged_dot":
+        return lax.ragged_dot_general(
             x, dy, group_sizes,
             lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[]))
-    else:
-        from jax_ep import gemm_mgpu as mgpu
+    from jax_ep import gemm_mgpu as mgpu
 
-        dw = vary_as(mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plans[2].config), x, dy)
-    return dx.astype(x.dtype), dw.astype(w.dtype), float0_like(group_sizes)
+    return vary_as(mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plan.config), x, dy)
+
+
+def weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, backend: str = "auto"
+                    ) -> jax.Array:
+    """``dw[g] = x[rows of g].T @ dy[rows of g]`` ([G, K, N] in x's dtype, zeros for empty groups, rows
+    past the groups never read into a sum): grouped_matmul's weight gradient on its own (the FP8 GEMM's
+    backward uses it)."""
+    g = group_sizes.shape[0]
+    w_shape = (g, x.shape[1], dy.shape[1])
+    plan = _plans(x.shape, w_shape, x.dtype, dy.dtype, backend)[2]
+    return _weight_gradient(*vary_jointly(x, dy, group_sizes), plan).astype(x.dtype)
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

@@ -11,13 +11,20 @@ cores and applies the two scales as it adds the block to its running sum. Square
 transposed weights' scales the transposed scales, so the input gradient (dy @ w[g].T) runs in the same
 kernel from dy's FP8 rows (DeepSeek-V3 keeps both weight layouts quantised).
 
-Status: forward and input-gradient numerics (``backend="reference"``: dequantise, then a float32
-``lax.ragged_dot``) and the Hopper kernel (``jax_ep.gemm_mgpu.ragged_dot_fp8``, ``backend="mosaic_gpu"``).
-Not yet: the weight gradient in FP8, a custom_vjp, the MoE layer's ``gemm_dtype`` option, and a
-measurement of the kernel (issue 37); until then the layer's GEMMs stay bfloat16.
+``fp8_grouped_matmul(x, w, group_sizes)`` is the trainable form the MoE layer uses with
+``gemm_dtype="float8_e4m3fn"``: it quantises x per row and 128 channels and w per 128 x 128 block, runs
+the forward in FP8, and its backward computes dx in FP8 (dy quantised the same way, w's blocks
+transposed) and dw in bfloat16 from the FP8 rows the forward used (``jax_ep.gemm.weight_gradient``);
+quantisation is passed through (straight-through), as in DeepSeek-V3's training.
+
+Status: numerics (``backend="reference"``: dequantise, then a float32 ``lax.ragged_dot``) tested on CPU;
+the Hopper kernel (``jax_ep.gemm_mgpu.ragged_dot_fp8``, ``backend="mosaic_gpu"``) lowers but has not run on
+a GPU yet, nor been timed (issue 37). Not yet: the weight gradient in FP8.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,3 +99,68 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, 64)
     return mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, out_dtype=out_dtype)
+
+
+def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
+    """Where the FP8 GEMM of a [*, k] @ [g, k, n] product runs: "mosaic_gpu" on a Hopper GPU with k and n
+    multiples of 128, else "reference" (backend "auto"); an explicit backend is checked."""
+    from jax_ep.gemm import _kernel_platform
+
+    if backend not in ("auto", *BACKENDS):
+        raise EPValueError(f"fp8 grouped GEMM: backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    why = _kernel_platform() or ("" if k % FP8_BLOCK == 0 and n % FP8_BLOCK == 0 else
+                                 f"K={k} and N={n} are not multiples of {FP8_BLOCK}")
+    if backend == "mosaic_gpu" and why:
+        raise EPValueError(f"fp8 grouped GEMM: backend='mosaic_gpu' cannot run here: {why}")
+    return backend if backend != "auto" else ("reference" if why else "mosaic_gpu")
+
+
+def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
+                       gemm: str = "auto") -> jax.Array:
+    """``grouped_matmul(x, w, group_sizes)`` with the matrix work in FP8 (module docstring): x [M, K]
+    bfloat16/float32 rows, w [G, K, N] (K and N multiples of 128), result in x's dtype. Differentiable in
+    x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's)."""
+    k, n = w.shape[1], w.shape[2]
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != k:
+        raise EPValueError(f"fp8_grouped_matmul: x [M, K] and w [G, K, N] must share K, got x {x.shape}, "
+                           f"w {w.shape}")
+    if k % FP8_BLOCK or n % FP8_BLOCK:
+        raise EPValueError(f"fp8_grouped_matmul: K={k} and N={n} must be multiples of {FP8_BLOCK} "
+                           "(one scale per 128 channels)")
+    return _fp8_matmul(x, w, group_sizes, fp8_backend(k, n, backend), gemm)
+
+
+def _fp8_forward(x, w, group_sizes, backend, gemm):
+    from jax_ep.reference import quantize_fp8
+
+    xq, xs = quantize_fp8(x)
+    wq, ws = quantize_weight_blocks(w)
+    out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, out_dtype=x.dtype, backend=backend)
+    return out, (xq, xs, wq, ws, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_matmul(x, w, group_sizes, backend, gemm):
+    return _fp8_forward(x, w, group_sizes, backend, gemm)[0]
+
+
+def _fp8_matmul_fwd(x, w, group_sizes, backend, gemm):
+    out, res = _fp8_forward(x, w, group_sizes, backend, gemm)
+    return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+
+
+def _fp8_matmul_bwd(backend, gemm, res, dy):
+    from jax_ep.gemm import weight_gradient
+    from jax_ep.reference import dequantize_fp8, quantize_fp8
+    from jax_ep.validation import float0_like
+
+    xq, xs, wq, ws, group_sizes, x_like, w_like = res
+    dyq, dys = quantize_fp8(dy)
+    dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
+                            backend=backend)
+    rows = dequantize_fp8(xq, xs, jnp.bfloat16)          # the rows the forward multiplied
+    dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
+    return dx, dw.astype(w_like.dtype), float0_like(group_sizes)
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -24,6 +24,7 @@ all-gather of the expert weights forward and a reduction of their gradients back
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -49,9 +50,12 @@ from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
+from jax_ep.gemm_fp8 import fp8_grouped_matmul
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
 from jax_ep.ops import combine, dispatch, ll_combine, ll_dispatch
 from jax_ep.reference import dequantize_fp8
+
+GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 
 _NO_HIERARCHICAL_DECODE = ("MoE: node_axis (hierarchical dispatch) has no decode path (the low-latency ops "
                            "are flat); use decode=False or node_axis=None")
@@ -175,6 +179,10 @@ class MoE(nnx.Module):
       placement: expert placement (``jax_ep.eplb.Placement``, EPLB replicas of hot experts) or None
         (expert e on rank e // (E / ep_size)); re-plan later with ``set_placement``.
       gemm: the expert GEMM's backend (``jax_ep.grouped_matmul``): "auto", "mosaic_gpu" or "ragged_dot".
+      gemm_dtype: None (the expert GEMMs in the compute dtype) or "float8_e4m3fn": both expert GEMMs of the
+        throughput path (training, prefill) in FP8 as DeepSeek-V3 trains them (``jax_ep.gemm_fp8``:
+        rows per 128 channels, weights per 128 x 128 block, dx in FP8, dw in bfloat16; hidden and
+        ffn_hidden multiples of 128). The decode path keeps the compute dtype.
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
@@ -225,7 +233,8 @@ class MoE(nnx.Module):
                  mesh: Mesh | None = None, axis_name: str = "ep", batch_axes: tuple[str, ...] | None = None,
                  ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
                  shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
-                 dtype=None, param_dtype=jnp.float32, decode: bool = False, node_axis: str | None = None):
+                 dtype=None, param_dtype=jnp.float32, decode: bool = False, node_axis: str | None = None,
+                 gemm_dtype: str | None = None):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
@@ -238,6 +247,11 @@ class MoE(nnx.Module):
                                            ("node_axis", node_axis, "name?", 1),
                                            ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1)):
             check_option("MoE:", name, value, kind, minimum)
+        if gemm_dtype not in GEMM_DTYPES:
+            raise EPValueError(f"MoE: gemm_dtype must be one of {GEMM_DTYPES}, got {gemm_dtype!r}")
+        if gemm_dtype is not None and (hidden % FP8_BLOCK or ffn_hidden % FP8_BLOCK):
+            raise EPValueError(f"MoE: gemm_dtype={gemm_dtype!r} needs hidden and ffn_hidden multiples of "
+                               f"{FP8_BLOCK} (one scale per 128 channels), got {hidden} and {ffn_hidden}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise EPTypeError(f"MoE: mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
         if mesh is not None and axis_name not in mesh.axis_names:
@@ -253,7 +267,7 @@ class MoE(nnx.Module):
         # tokens are split over every mesh axis by default (data x ep); experts over the EP axis only
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
-        self.gemm = gemm
+        self.gemm, self.gemm_dtype = gemm, gemm_dtype
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.decode = bool(decode)
 
@@ -570,10 +584,10 @@ class MoE(nnx.Module):
             with jax.named_scope(SCOPES["experts"]):
                 rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
                 rows = rows.astype(x.dtype)
-                gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes,
-                                                    backend=self.gemm), 2, axis=1)
-                y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes,
-                                   backend=self.gemm)
+                matmul = (functools.partial(grouped_matmul, backend=self.gemm) if self.gemm_dtype is None
+                          else functools.partial(fp8_grouped_matmul, gemm=self.gemm))
+                gate, up = jnp.split(matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes), 2, axis=1)
+                y = matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes)
             with jax.named_scope(SCOPES["combine"]):
                 if self.node_axis is None:
                     out = combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)

@@ -124,3 +124,43 @@ def test_kernel_lowers_for_hopper(transpose_w):
     text = f.trace(xq, xs, wq, ws, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert mgpu.FP8_K_BLOCK == 128
+
+
+def test_trainable_form_gradients_follow_the_fp8_numerics():
+    """fp8_grouped_matmul: forward = the FP8 product of the quantised operands; dx = FP8 dy against the
+    weights' blocks transposed; dw = bfloat16 x[g rows].T @ dy from the rows the forward used; empty
+    groups get zero dw, padding rows zero dx; all within FP8's error of the float64 gradients."""
+    from jax_ep.gemm_fp8 import fp8_grouped_matmul
+
+    x, w, sizes = case(11, k=256, n=384)
+    rng = np.random.default_rng(12)
+    dy = rng.standard_normal((x.shape[0], w.shape[2])).astype(np.float32)
+    xb, wf = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w)
+    out, vjp = jax.vjp(lambda x, w: fp8_grouped_matmul(x, w, jnp.asarray(sizes)), xb, wf)
+    dx, dw = vjp(jnp.asarray(dy, jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    total = int(sizes.sum())
+    rows = np.repeat(np.arange(len(sizes)), sizes)
+    x64, w64, dy64 = np.asarray(xb, np.float64), w.astype(np.float64), np.asarray(
+        jnp.asarray(dy, jnp.bfloat16), np.float64)
+    rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)  # noqa: E731
+    assert rel(out[:total], np.einsum("rk,rkn->rn", x64[:total], w64[rows])) < 0.06
+    assert rel(dx[:total], np.einsum("rn,rkn->rk", dy64[:total], w64[rows])) < 0.06
+    ref_dw = np.zeros(w.shape)
+    np.add.at(ref_dw, rows, np.einsum("rk,rn->rkn", x64[:total], dy64[:total]))
+    assert rel(dw, ref_dw) < 0.06
+    assert np.all(np.asarray(dw)[sizes == 0] == 0) and np.all(np.asarray(dx[total:], np.float32) == 0)
+    # the forward is exactly the FP8 reference of the quantised operands
+    xq, xs = quantize_fp8(xb)
+    wq, ws = quantize_weight_blocks(wf)
+    np.testing.assert_array_equal(out, grouped_matmul_fp8(xq, xs, wq, ws, jnp.asarray(sizes)))
+
+
+def test_trainable_form_refuses_shapes_without_whole_blocks():
+    from jax_ep.gemm_fp8 import fp8_backend, fp8_grouped_matmul
+
+    with pytest.raises(EPValueError, match="multiples of 128"):
+        fp8_grouped_matmul(jnp.ones((8, 96)), jnp.ones((2, 96, 128)), jnp.array([4, 4]))
+    with pytest.raises(EPValueError, match="mosaic_gpu"):
+        fp8_backend(128, 128, "mosaic_gpu")                       # no Hopper GPU here
+    assert fp8_backend(128, 256) == "reference"
