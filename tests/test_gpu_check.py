@@ -418,4 +418,6 @@ def test_gemm_runs_its_gpu_tests_then_tunes_with_the_block_and_returns_the_table
     assert "--block deepseek_ep2,mid_ep2" in tune[0]
     assert "--fp8" in tune[0] and f"--report {out}/gemm_tune.json" in tune[0]
     assert (out / "gemm_configs.json").exists()
+    profile = [c for c in calls if "profile_layer.py" in c]
+    assert len(profile) == 1 and "deepseek jax_ep --experts 128" in profile[0]
     assert "gemm: rc=0" in (out / "summary.txt").read_text()

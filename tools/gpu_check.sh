@@ -24,7 +24,9 @@
 #               GEMM_KERNELS (default all) with the table's entries timed beside the sweep, the FP8 kernel
 #               beside the bf16 forward (--fp8), and the expert block
 #               alone vs its roofline at the EP2 shapes (record $OUT/gemm_tune.json; the table it wrote,
-#               jax_ep/gemm_configs.json, copied to $OUT); GEMM_TUNE_TIMEOUT bounds the tuning (default 540 s)
+#               jax_ep/gemm_configs.json, copied to $OUT), then tools/profile_layer.py of the DeepSeek-V3 layer's
+#               per-rank expert work at EP2 ($OUT/gemm_profile.log); GEMM_TUNE_TIMEOUT bounds the tuning
+#               (default 540 s)
 #      GEMM_PEERS=1 times the grouped GEMM at the MoE layer's per-rank shapes beside tokamax.ragged_dot and a
 #               dense dot, fwd and vjp (tools/tune_gemm.py --passes "" --compare; record $OUT/gemm_peers.json);
 #               tokamax from the carried wheels in .whl/tokamax (tools/gemm_peers.sh), else it is reported
@@ -254,6 +256,10 @@ if [ "${GEMM:-0}" = 1 ]; then
     >"$OUT/gemm_tune.log" 2>&1 || gemm_rc=1
   grep -E "^(forward|dx|dw|block|fp8) |table's config|WRONG" "$OUT/gemm_tune.log"
   cp jax_ep/gemm_configs.json "$OUT/gemm_configs.json"
+  # what the DeepSeek-V3 layer's per-rank expert work at EP2 is made of, kernel by kernel (one GPU)
+  bounded_run 240 "$PY" tools/profile_layer.py deepseek jax_ep --experts 128 --top 30 \
+    >"$OUT/gemm_profile.log" 2>&1 || gemm_rc=1
+  tail -45 "$OUT/gemm_profile.log"
   echo "gemm: rc=$gemm_rc in $((SECONDS - start)) s (logs: $OUT/gemm_tests.log, $OUT/gemm_tune.log)" \
     | tee -a "$OUT/summary.txt"
   [ $gemm_rc -eq 0 ] || status=1
