@@ -34,6 +34,10 @@ from jax_ep.config import FP8_BLOCK, FP8_MAX
 from jax_ep.errors import EPValueError
 
 BACKENDS = ("reference", "mosaic_gpu")
+# The Hopper kernel's form (warp_specialized, block_m, stages). Not yet chosen by measurement (the kernels
+# have not run on a GPU yet): the warp-specialised form has the larger tile (block_m x 256).
+KERNEL = (True, 64, 4)
+KERNELS = ((False, 64, 4), (True, 64, 4), (True, 128, 3))   # the forms tools/tune_gemm.py --fp8 times
 FP8_MIN_AMAX = 1e-4  # an all-zero block keeps a finite scale (as quantize_fp8)
 
 
@@ -59,7 +63,8 @@ def dequantize_weight_blocks(wq: jax.Array, scales: jax.Array, dtype=jnp.float32
 
 def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scales: jax.Array,
                        group_sizes: jax.Array, *, wq_t: jax.Array | None = None, transpose_w: bool = False,
-                       out_dtype=jnp.bfloat16, backend: str = "reference") -> jax.Array:
+                       out_dtype=jnp.bfloat16, backend: str = "reference",
+                       kernel: tuple[bool, int, int] = KERNEL) -> jax.Array:
     """out = dequantize(xq, x_scales) @ dequantize(wq, w_scales)[g] per group of rows (``transpose_w``:
     @ ...[g].T, the input gradient), float32 sums, ``out_dtype`` out, zeros past sum(group_sizes).
 
@@ -70,6 +75,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
       wq_t: the weights with the contracted dimension minor, for the kernel ([G, N, K] for the forward;
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
+      kernel: the Hopper kernel's form (warp_specialized, block_m, stages); see KERNEL.
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
@@ -97,8 +103,10 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
 
     if wq_t is None:
         wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
-    schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, 64)
-    return mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, out_dtype=out_dtype)
+    warp_specialized, block_m, stages = kernel
+    schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m)
+    return mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
+                               out_dtype=out_dtype, warp_specialized=warp_specialized)
 
 
 def fp8_backend(k: int, n: int, backend: str = "auto") -> str:

@@ -604,7 +604,7 @@ FP8_K_BLOCK = 128
 
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
-                   out_dtype=jnp.bfloat16):
+                   out_dtype=jnp.bfloat16, warp_specialized: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -613,7 +613,12 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     operands K-major); ws [G, K/128, N/128] float32 the weights' 128 x 128 block scales. Each K step runs
     in its own accumulator, scaled and added to a running sum in registers (the "promotion" of
     DeepSeek-V3's FP8 GEMM: the scales change every 128 channels). The same kernel computes the FP8 input
-    gradient: dy's rows and scales with the weights in [G, K, N] layout as wq_t and ws transposed."""
+    gradient: dy's rows and scales with the weights in [G, K, N] layout as wq_t and ws transposed.
+    warp_specialized: a producer warpgroup loads while two consumers each compute 128 of the CTA's 256
+    columns (block_m x 256 tiles, one weight scale per consumer and K step)."""
+    if warp_specialized:
+        return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
+                                  out_dtype=out_dtype)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -664,4 +669,82 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(),), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
+
+
+def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype):
+    """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N."""
+    m, k = xq.shape
+    g, n, k2 = wq_t.shape
+    wgs, bm, bn, bk = 2, block_m, FP8_K_BLOCK, FP8_K_BLOCK
+    cta_n = wgs * bn
+    assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm in (64, 128), (xq.shape, wq_t.shape, bm)
+    assert xs_t.shape == (k // bk, m) and ws.shape == (g, k // bk, n // bn), (xs_t.shape, ws.shape)
+    grid_n = n // cta_n
+    tf = _smem_transforms(xq.dtype, bk)
+    ladder = min(bm, 1 << int(math.log2(m)))
+
+    def get_pipeline(step, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k // bk,), memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((cta_n, bk), lambda kk: (0, kk), transforms=tf,
+                                      memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM)],
+            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
+
+    def body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=get_pipeline(ignore, ignore).get_allocations(
+                x_gmem.at[pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, cta_n)], xs_gmem.at[:, pl.ds(0, bm)]),
+            o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype),
+            collective_axes="wg")
+        def _scope(allocs, o_smem):
+            wg = lax.axis_index("wg")
+            live_m = num_tiles_gmem[0]
+
+            @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
+            def _tile(loop_info: plgpu.NDLoopInfo):
+                mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), 0, 4)
+                group = schedule_gmem[_GROUP, mi]
+                block = schedule_gmem[_BLOCK, mi]
+                col_block = ni * wgs + wg  # this consumer's 128 columns: one weight scale per K step
+
+                def store(values):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
+                                schedule_gmem[_SIZE, mi], ladder, pl.ds(col_block * bn, bn), wait=False)
+
+                def compute_context(run):
+                    store(run(plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)))
+
+                def step(idx, x_smem, w_smem, s_smem, total):
+                    def mma(acc_ref):
+                        w_mine = w_smem.at[pl.ds(wg * bn, bn)]
+                        plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
+                        return acc_ref[...]
+
+                    part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
+                    scale = rows * ws_gmem[group, idx[0], col_block]
+                    return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
+
+                @pl.when(group < g)
+                def _():
+                    get_pipeline(step, compute_context)(
+                        x_gmem.at[pl.ds(block * bm, bm)], w_gmem.at[group, pl.ds(ni * cta_n, cta_n)],
+                        xs_gmem.at[:, pl.ds(block * bm, bm)], allocations=allocs)
+
+                @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
+                def _():
+                    store(jnp.zeros((bm, bn), jnp.float32))
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype))
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)

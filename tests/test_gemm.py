@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import parametrize_slow_tail
 
 from jax_ep import gemm_mgpu as mgpu
 from jax_ep.gemm import explain, grouped_matmul
@@ -103,7 +104,7 @@ def test_tile_schedule_covers_every_row_once(sizes):
     np.testing.assert_array_equal(owner, expected)
 
 
-@pytest.mark.parametrize("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [320, 0, 0, 0], [5, 200, 3, 1]])
+@parametrize_slow_tail("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [320, 0, 0, 0], [5, 200, 3, 1]])
 def test_kernel_interpret_mode(sizes):
     """The compiled kernel's forward logic on CPU (Mosaic GPU interpret mode): ragged groups, empty
     groups, one huge group; padding rows hold NaN and must come out as exact zeros."""
@@ -257,6 +258,7 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     x, w = jnp.pad(x, ((0, 0), (0, 64))), jnp.pad(w, ((0, 0), (0, 64), (0, 0)))   # FP8 blocks: K = 128
     fp8 = tune.time_fp8((m, real, 128, n, g, 64), x, w, dy, gs, 2.0 * real * 128 * n)
     assert fp8["forward_bf16"]["ms"] > 0                     # the FP8 kernel needs a Hopper GPU:
-    assert "error" in fp8["forward_fp8"] and "error" in fp8["dx_fp8"]  # here it is reported, not fatal
+    kernels = [key for key in fp8 if key.startswith(("forward_fp8", "dx_fp8"))]
+    assert len(kernels) == 6 and all("error" in fp8[key] for key in kernels)  # reported, not fatal
     if importlib.util.find_spec("tokamax") is None:
         assert "tokamax" not in rec and "No module named 'tokamax'" in rec["tokamax_note"]

@@ -109,10 +109,12 @@ def test_argument_errors_name_the_argument():
         quantize_weight_blocks(jnp.ones((1, 100, 128)))
 
 
+@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3)])
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_kernel_lowers_for_hopper(transpose_w):
+def test_kernel_lowers_for_hopper(transpose_w, kernel):
     """The Hopper FP8 kernel (per-128-channel scale promotion into a float32 running sum) traces and lowers
-    to a Mosaic GPU custom call for CUDA on this CPU machine, forward and input-gradient forms."""
+    to a Mosaic GPU custom call for CUDA on this CPU machine (shared memory is checked there), forward and
+    input-gradient forms, one consumer warpgroup or warp-specialised."""
     m, k, n, g = 1024, 512, 768, 5
     xq = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
     xs = jax.ShapeDtypeStruct((m, k // 128), jnp.float32)
@@ -120,7 +122,8 @@ def test_kernel_lowers_for_hopper(transpose_w):
     blocks = (g, n // 128, k // 128) if transpose_w else (g, k // 128, n // 128)
     ws = jax.ShapeDtypeStruct(blocks, jnp.float32)
     gs = jax.ShapeDtypeStruct((g,), jnp.int32)
-    f = jax.jit(lambda *a: grouped_matmul_fp8(*a, transpose_w=transpose_w, backend="mosaic_gpu"))
+    f = jax.jit(lambda *a: grouped_matmul_fp8(*a, transpose_w=transpose_w, backend="mosaic_gpu",
+                                              kernel=kernel))
     text = f.trace(xq, xs, wq, ws, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert mgpu.FP8_K_BLOCK == 128

@@ -158,10 +158,11 @@ def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
 
 
 def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
-    """The FP8 kernel (gemm_mgpu.ragged_dot_fp8: e4m3 operands, per-128 scales) forward and input-gradient
-    forms next to the bf16 kernels at the table's configurations, same inputs (quantised), same run."""
+    """The FP8 kernel (gemm_mgpu.ragged_dot_fp8: e4m3 operands, per-128 scales) in each of its forms
+    (gemm_fp8.KERNELS), forward and input gradient, next to the bf16 forward at the table's
+    configuration, same inputs (quantised), same run."""
     from jax_ep.gemm import grouped_matmul
-    from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks
+    from jax_ep.gemm_fp8 import KERNELS, grouped_matmul_fp8, quantize_weight_blocks
     from jax_ep.reference import quantize_fp8
 
     m, real, k, n, g, align = shape
@@ -172,11 +173,14 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     rec = dict(op="grouped_matmul_fp8", m=m, rows=real, k=k, n=n, g=g, alignment=align,
                device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=datetime.date.today().isoformat())
-    runs = {"forward_fp8": (jax.jit(lambda xq, xs, wq, wq_t, ws, gs: grouped_matmul_fp8(
-                xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu")), (xq, xs, wq, wq_t, ws, gs)),
-            "dx_fp8": (jax.jit(lambda dyq, dys, wq, ws, gs: grouped_matmul_fp8(
-                dyq, dys, wq, ws, gs, transpose_w=True, backend="mosaic_gpu")), (dyq, dys, wq, ws, gs)),
-            "forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
+    runs = {"forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
+    for form in KERNELS:
+        tag = f"{'ws' if form[0] else 'classic'}{form[1]}"
+        runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(
+            xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)), (xq, xs, wq, wq_t, ws, gs))
+        runs[f"dx_fp8_{tag}"] = (jax.jit(lambda dyq, dys, wq, ws, gs, form=form: grouped_matmul_fp8(
+            dyq, dys, wq, ws, gs, transpose_w=True, backend="mosaic_gpu", kernel=form)),
+            (dyq, dys, wq, ws, gs))
     for name, (f, args) in runs.items():
         try:
             t = best_of(f, *args)

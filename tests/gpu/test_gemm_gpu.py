@@ -179,9 +179,11 @@ def test_moe_layer_kernel_matches_ragged_dot():
         assert rel_err(g1[name][...], g2[name][...]) < 3e-2, name
 
 
+@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3)],
+                         ids=["classic64", "ws64", "ws128"])
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge"])
-def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w):
+def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
     """jax_ep.gemm_mgpu.ragged_dot_fp8 (e4m3 rows with per-128-channel scales, 128 x 128 weight blocks,
     each K block scaled into a float32 running sum) against the FP8 reference (dequantise, float32
     ragged_dot): forward and input-gradient forms; padding rows hold NaN (rows and scales) and must come
@@ -201,7 +203,7 @@ def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w):
     w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.float32)
     wq, ws = quantize_weight_blocks(w)
     gs = jnp.asarray(sizes)
-    got = grouped_matmul_fp8(xq, xs, wq, ws, gs, transpose_w=transpose_w, backend="mosaic_gpu")
+    got = grouped_matmul_fp8(xq, xs, wq, ws, gs, transpose_w=transpose_w, backend="mosaic_gpu", kernel=kernel)
     ref = grouped_matmul_fp8(xq.at[total:].set(0), xs.at[total:].set(0), wq, ws, gs, transpose_w=transpose_w)
     assert got.dtype == jnp.bfloat16 and got.shape == ref.shape
     assert rel_err(got[:total], ref[:total]) < 1e-2
