@@ -30,6 +30,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # `make test` leaves these out (-m 'not gpu and not slow'); `make test-all` and CI (.ci/run) run them
+    config.addinivalue_line("markers", "slow: a long CPU test (emulator sweeps, hypothesis pool tail, multi-"
+                            "process and example runs, the tail of a sweep): make test-all, not make test")
     # read by tests/gpu/gpu_helpers.py at import (the GPU modules size their meshes from it)
     os.environ["JAX_EP_TEST_EP_RANKS"] = str(config.getoption("--ep-ranks"))
     os.environ["JAX_EP_TEST_SHARE_GPU"] = "1" if config.getoption("--share-gpu") else "0"

@@ -17,6 +17,26 @@ from jax.sharding import PartitionSpec as P
 AXIS = "ep"
 
 
+def parametrize_slow_tail(argnames, argvalues, *, fast=1, **kwargs):
+    """``pytest.mark.parametrize(argnames, argvalues, **kwargs)`` whose first ``fast`` values (or, if
+    ``fast`` is a collection, the values at those indices) run in the default suite (``make test``) and
+    the others carry the ``slow`` marker (``make test-all`` and CI run them): a sweep keeps a cheap
+    representative in every run and its tail in CI. Values that are ``pytest.param`` keep their marks."""
+    import pytest
+
+    names = argnames.split(",") if isinstance(argnames, str) else list(argnames)
+    keep = set(range(fast)) if isinstance(fast, int) else set(fast)
+    values = []
+    for i, value in enumerate(argvalues):
+        if i in keep:
+            values.append(value)
+        elif hasattr(value, "values") and hasattr(value, "marks"):  # already a pytest.param
+            values.append(pytest.param(*value.values, marks=(*value.marks, pytest.mark.slow), id=value.id))
+        else:
+            values.append(pytest.param(*(value if len(names) > 1 else (value,)), marks=pytest.mark.slow))
+    return pytest.mark.parametrize(argnames, values, **kwargs)
+
+
 def require_devices(n: int) -> None:
     import pytest
 
