@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import parametrize_slow_tail
 
 from benchmarks import ops as bench
 
@@ -49,6 +50,7 @@ LAYER_FIELDS = {"op", "step_ms", "roofline_ms", "gemm_ms", "gemm_tflops", "split
                 "hidden", "ffn_hidden", "num_experts", "topk", "tokens_per_rank", "ep_size", "device", "date"}
 
 
+@pytest.mark.slow
 def test_layer_bench_writes_records(tmp_path):
     out = tmp_path / "layer.json"
     records = bench.main(["--layer", "--layer-shapes", "small", "--iters", "1", "--repeats", "1",
@@ -62,6 +64,7 @@ def test_layer_bench_writes_records(tmp_path):
     assert records[1]["backend"] == "reference"
 
 
+@pytest.mark.slow
 def test_hierarchical_layer_bench_runs_as_two_nodes(tmp_path):
     """ep_hier_reference (named only): the 8 devices as 2 nodes of 4, MoE(node_axis=...)."""
     records = bench.main(["--layer", "--layer-shapes", "small", "--layer-configs", "ep_hier_reference",
@@ -71,6 +74,7 @@ def test_hierarchical_layer_bench_runs_as_two_nodes(tmp_path):
     assert r["step_ms"] > 0 and "error" not in r
 
 
+@pytest.mark.slow
 def test_decode_layer_bench_writes_records(tmp_path):
     records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",
                           "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "decode.json")])
@@ -246,6 +250,7 @@ def test_bench_exits_1_when_a_point_failed(tmp_path, monkeypatch, capsys):
     assert r["step_ms"] is None and r["error"] == "cannot form this layer here"
 
 
+@pytest.mark.slow
 def test_layer_plain_jax_out_of_memory_is_a_result_not_a_failure(tmp_path, monkeypatch, capsys):
     """plain JAX running out of memory (XLA's ragged_dot at DeepSeek-V3 on 2 GPUs) is recorded and
     printed as "out of memory" and the run exits 0; the same error in a jax_ep configuration exits 1."""
@@ -384,7 +389,7 @@ def test_dense_dispatch_delivers_the_right_rows(dtype):
     assert counts.sum() > 0 and (counts < T).any()  # the inputs exercise packing and padding
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@parametrize_slow_tail("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_dense_round_trip_matches_reference_combine(dtype, rtol):
     """combine(dispatch(x)) with a per-row value (each rank's gate-weighted sum of expert-specific
     scalings of the row, unused rows poisoned with NaN) equals jax_ep's reference combine of the same
@@ -449,6 +454,7 @@ def test_published_records_only_for_the_deepseek_shape():
     bench.print_table(recs)   # prints with the empty GB/s columns
 
 
+@pytest.mark.slow
 def test_bench_dense_backend_and_plot(tmp_path, capsys):
     """The dense backend runs on CPU, every record names its layout, and the plot tool draws the file."""
     out = tmp_path / "bench.json"
@@ -550,6 +556,7 @@ def test_ll_overlap_record_runs_on_the_reference_path():
         assert r["hidden_share"] == r["hidden_us"] / r["dispatch_in_step_us"]
 
 
+@pytest.mark.slow
 def test_bench_rank_major_records_feed_the_auto_table(tmp_path):
     """--rank-major: the reference (and cuda, where built) time dispatch_rank_major per dtype and
     combine_rank_major / broadcast_rank_major, with layout rank_major; dense stays the rank-major

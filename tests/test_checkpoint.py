@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import require_devices
+from helpers import parametrize_slow_tail, require_devices
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -133,7 +133,7 @@ def assert_close_ulps(got, want, what):
 
 
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("saved_ep,restored_ep", [(8, 4), (4, 8)])
+@parametrize_slow_tail("saved_ep,restored_ep", [(8, 4), (4, 8)])
 def test_restore_on_other_ep_size(tmp_path, saved_ep, restored_ep):
     """Everything restored bit for bit, resharded; the same outputs; 8 -> 4 also the same next step
     (the same EP size: bit for bit, test_placement_kept_on_same_ep_size_replanned_on_another)."""
@@ -172,6 +172,7 @@ def test_restore_on_other_ep_size(tmp_path, saved_ep, restored_ep):
 
 
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_placement_kept_on_same_ep_size_replanned_on_another(tmp_path):
     rng = np.random.default_rng(fresh_seed())
     mesh8, mesh4 = make_mesh(8), make_mesh(4)

@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import parametrize_slow_tail
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from models import LMConfig, MoETransformerLM, shard_model  # examples/models.py
@@ -93,7 +94,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@parametrize_slow_tail("case", list(CASES))
 def test_decode_matches_throughput_path_bf16_experts(case):
     """dtype=bfloat16: decode (ll_dispatch / ll_combine) vs throughput (dispatch / combine) on the same
     tokens, within 4 u S_t (module docstring). FP8: both paths quantise each token the same way
@@ -115,7 +116,7 @@ def test_decode_matches_throughput_path_bf16_experts(case):
         assert_within(decoded, np.asarray(throughput, np.float64).reshape(bound.shape), bound, case)
 
 
-@pytest.mark.parametrize("shape,axes,shared", [((8,), ("ep",), 0), ((2, 4), ("data", "ep"), 8)])
+@parametrize_slow_tail("shape,axes,shared", [((8,), ("ep",), 0), ((2, 4), ("data", "ep"), 8)])
 def test_decode_float32_experts_is_the_bf16_wire_function(shape, axes, shared):
     """dtype=None (a float32 model): the decode path equals, within 2 u S_t, the float64 experts on the
     bf16-rounded tokens; the throughput path stays float32 (its own tests: to 2e-5 of float64)."""
@@ -213,7 +214,8 @@ def test_decode_inside_user_shard_map():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 
 
-@pytest.mark.parametrize("shape,axes,mask,wire", [
+@pytest.mark.slow
+@parametrize_slow_tail("shape,axes,mask,wire", [
     ((4,), ("ep",), (1, 0, 1, 1), None),
     ((2, 4), ("data", "ep"), (0, 1, 1, 0), None),
     ((4,), ("ep",), (1, 1, 0, 1), "float8_e4m3fn"),
@@ -264,6 +266,7 @@ def test_decode_with_rank_mask(shape, axes, mask, wire):
 # ---------------------------------------------------------------------------------------------------------
 # The example LM: key/value cache
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,axes", [((8,), ("ep",)), ((2, 4), ("data", "ep"))])
 def test_kv_cache_decode_matches_full_forward(shape, axes):
     """prefill + decode_step (one token per step, attention over the cache) against model(tokens) on

@@ -19,6 +19,7 @@ from helpers import (
     assert_dispatch_matches,
     make_cfg,
     model_for,
+    parametrize_slow_tail,
     per_rank,
     random_inputs,
     random_routing,
@@ -74,7 +75,7 @@ def check_all(cfg, ep_size, x, idx, w, rng):
 
 
 # ---- random routings ------------------------------------------------------------------------------
-@pytest.mark.parametrize("ep_size", EP_SIZES)
+@parametrize_slow_tail("ep_size", EP_SIZES, fast=(2,))
 def test_dispatch_combine_random_routing(ep_size):
     rng = np.random.default_rng(100 + ep_size)
     saw = {"unused": False, "out_of_range": False, "repeat": False}
@@ -153,7 +154,7 @@ def test_repeated_calls_identical_bits(ep_size):
 
 
 @pytest.mark.parametrize("align", [1, 4])
-@pytest.mark.parametrize("ep_size", EP_SIZES)
+@parametrize_slow_tail("ep_size", EP_SIZES, fast=(1,))
 def test_rows_written_and_padding_zero(ep_size, align):
     """Checked against x itself, not the model: every row inside group_sizes holds its source token
     (or is a zero padding row with src -1 and weight 0); everything past the groups is empty."""
@@ -198,7 +199,7 @@ def _skewed_routing(rng, ep_size, tokens, topk, num_experts):
 
 
 @pytest.mark.parametrize("align", [1, 2])
-@pytest.mark.parametrize("ep_size", [2, 4])
+@parametrize_slow_tail("ep_size", [2, 4])
 def test_capacity_drops_match_model(ep_size, align):
     capacity = 8  # worst case here is 36 (R=2) / 48 (R=4) rows
     cfg = BASE.replace(capacity=capacity, expert_alignment=align)
@@ -292,7 +293,8 @@ def _fp8_inputs(rng, ep_size, hidden):
     return x.astype(np.float32), w
 
 
-@pytest.mark.parametrize("ep_size,x_dtype", [(1, "float32"), (2, "float32"), (4, "float32"), (2, "bfloat16")])
+@parametrize_slow_tail("ep_size,x_dtype", [(1, "float32"), (2, "float32"), (4, "float32"), (2, "bfloat16")],
+                       fast=(1, 3))
 def test_fp8_dispatch(ep_size, x_dtype):
     hidden = 256
     cfg = make_cfg(num_experts=E, num_topk=K, hidden=hidden, max_tokens_per_rank=TMAX,
@@ -358,7 +360,7 @@ def test_bf16_input_keeps_dtype():
 
 
 # ---- the MoE pipeline ------------------------------------------------------------------------------
-@pytest.mark.parametrize("ep_size", EP_SIZES)
+@parametrize_slow_tail("ep_size", EP_SIZES, fast=(2,))
 def test_dispatch_ragged_dot_combine_equals_dense(ep_size):
     h_out = 16
     rng = np.random.default_rng(81 + ep_size)

@@ -178,6 +178,7 @@ def test_moe_experts_that_do_not_divide_inside_own_shard_map():
         f(jnp.ones((8, 16)))
 
 
+@pytest.mark.slow
 def test_moe_tokens_that_do_not_split_over_the_mesh_name_the_count():
     """Before: a shard_map error naming '<lambda>'."""
     layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), mesh=_mesh(), ep=EPOptions(backend="reference"))

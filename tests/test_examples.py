@@ -58,6 +58,7 @@ def finished(tmp_path_factory):
     return tmp, {name: (codes[name], (tmp / f"{name}.log").read_text()) for name in commands}
 
 
+@pytest.mark.slow
 def test_train_moe_metrics(finished):
     tmp, results = finished
     out = tmp / "out"
@@ -96,6 +97,7 @@ def test_train_moe_metrics(finished):
         assert " ".join(reason.split()) in line, (reason, line)
 
 
+@pytest.mark.slow
 def test_train_moe_plot(finished):
     tmp, results = finished
     out = tmp / "out"
@@ -109,6 +111,7 @@ def test_train_moe_plot(finished):
     assert pixels[..., :3].std() > 0.1                                    # not a blank canvas
 
 
+@pytest.mark.slow
 def test_demo_runs(finished):
     code, log = finished[1]["demo"]
     assert code == 0, log          # the demo exits non-zero if its loss does not fall
@@ -179,6 +182,7 @@ def test_train_moe_plot_readable(tmp_path):
         assert box.x0 <= extent.x0 and extent.x1 <= box.x1, text.get_text()
 
 
+@pytest.mark.slow
 def test_train_moe_two_processes(finished):
     """Launched as 2 processes, train_moe builds its mesh over both processes' devices, process 0 alone
     prints and writes, and the training is the one of a single process."""
@@ -206,6 +210,7 @@ def test_train_moe_two_processes(finished):
 DECODE_ARGS = ["--batch", "8", "--prompt-len", "8", "--steps", "6", "--layers", "1", "--repeats", "3"]
 
 
+@pytest.mark.slow
 def test_decode_moe_runs():
     """examples/decode_moe.py (issue 14 item 4), small: prefill + greedy decode on the low-latency ops;
     prints the backends of the prefill and decode ops, the step latency (median, p90), the
@@ -256,6 +261,7 @@ def test_decode_moe_help_and_bad_arguments():
     assert bad.returncode == 2 and "--batch 3 must be a positive multiple of the device count" in bad.stderr
 
 
+@pytest.mark.slow
 def test_train_moe_restore_on_four_devices(finished):
     """train_moe --save DIR on 8 devices (mesh data x ep = 2 x 4), then --restore DIR in a process of 4
     devices (mesh 2 x 2: EP 4 -> 2, expert weights resharded): each run's restored model has the saved

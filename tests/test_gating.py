@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import parametrize_slow_tail
 from jax.test_util import check_grads
 
 from jax_ep.gating import RouterConfig, Routing, expert_to_rank, route
@@ -156,7 +157,7 @@ def test_group_limited_matches_reference(num_groups, topk_groups, num_topk):
         assert {int(e) // per_group for e in np.asarray(out.topk_idx[t])} <= kept
 
 
-@pytest.mark.parametrize("ep_size,max_ranks,num_topk", [(8, 2, 4), (4, 1, 3), (8, 4, 8), (16, 3, 5)])
+@parametrize_slow_tail("ep_size,max_ranks,num_topk", [(8, 2, 4), (4, 1, 3), (8, 4, 8), (16, 3, 5)])
 def test_rank_cap_respected_and_matches_reference(ep_size, max_ranks, num_topk):
     rng = np.random.default_rng(200 + ep_size + max_ranks)
     cfg = RouterConfig(num_experts=32, num_topk=num_topk, ep_size=ep_size, max_ranks_per_token=max_ranks)
@@ -202,7 +203,7 @@ def ref_node_scores(selection, num_experts, num_nodes, num_topk, max_nodes):
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("num_experts,ep_size,ranks_per_node,max_nodes,num_topk", [
+@parametrize_slow_tail("num_experts,ep_size,ranks_per_node,max_nodes,num_topk", [
     (64, 32, 4, 4, 8),     # DeepSeek-V3 proportions: 8 nodes, at most 4 per token, top-8
     (32, 8, 2, 1, 4),      # one node per token
     (48, 16, 2, 3, 5),     # K not a multiple of M: node score = top-2 sum
@@ -241,7 +242,7 @@ def test_node_cap_respected_and_picks_top_nodes(score_func, num_experts, ep_size
     assert max(len(set(row)) for row in free_nodes.tolist()) > max_nodes
 
 
-@pytest.mark.parametrize("ep_size,ranks_per_node,max_nodes", [
+@parametrize_slow_tail("ep_size,ranks_per_node,max_nodes", [
     (8, 2, 4),      # cap == number of nodes
     (8, 2, 7),      # cap > number of nodes
     (8, 8, 1),      # one node

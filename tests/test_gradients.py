@@ -21,6 +21,7 @@ from helpers import (
     assert_close_f,
     make_cfg,
     model_for,
+    parametrize_slow_tail,
     per_rank,
     random_routing,
     random_tokens,
@@ -95,7 +96,7 @@ def _compare_with_dense(cfg, ep_size, x, w, idx, expert_w, g, rtol=1e-5, compute
 
 
 # ---- check_grads -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ep_size", [1, 2, 4])
+@parametrize_slow_tail("ep_size", [1, 2, 4], fast=(1,))
 def test_check_grads_moe(ep_size):
     rng = np.random.default_rng(300 + ep_size)
     x, w, idx, expert_w, _ = _inputs(rng, ep_size)
@@ -120,7 +121,7 @@ def test_check_grads_moe_with_drops_and_alignment():
 
 
 # ---- against a dense implementation ---------------------------------------------------------------
-@pytest.mark.parametrize("ep_size", [1, 2, 4])
+@parametrize_slow_tail("ep_size", [1, 2, 4], fast=(1,))
 def test_grads_match_dense(ep_size):
     rng = np.random.default_rng(320 + ep_size)
     for _ in range(2):
@@ -138,7 +139,7 @@ def _to_expert_zero(rng, ep_size, tokens, topk, num_experts):
     return idx
 
 
-@pytest.mark.parametrize("ep_size", [2, 4])
+@parametrize_slow_tail("ep_size", [2, 4])
 def test_grads_with_capacity_drops(ep_size):
     cfg = CFG.replace(capacity=6, expert_alignment=2)
     rng = np.random.default_rng(330 + ep_size)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy_model as nm
 import pytest
 from flax import nnx
-from helpers import require_devices
+from helpers import parametrize_slow_tail, require_devices
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -133,8 +133,8 @@ def hier_cfg(nodes, local, **kw):
                            axis_name="local", **kw)
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
-@pytest.mark.parametrize("capacity,align", [(None, 1), (None, 4), ("tight", 2)])
+@parametrize_slow_tail("nodes,local", MESHES)
+@parametrize_slow_tail("capacity,align", [(None, 1), (None, 4), ("tight", 2)], fast=(2,))
 def test_rows_match_the_two_stage_model(nodes, local, capacity, align):
     rng = np.random.default_rng(nodes * 10 + local + align)
     cfg = hier_cfg(nodes, local, expert_alignment=align)
@@ -213,7 +213,7 @@ def emulate_combine(y, d, nodes, local):
     return out
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
+@parametrize_slow_tail("nodes,local", MESHES)
 def test_identity_experts_give_the_weighted_sum(nodes, local):
     """dispatch -> identity experts -> combine: the gate-weighted sum of each token's kept slots, with
     the documented rounding (bit for bit), and within 3.1 * 2^-8 * sum_k |w_k x| of the flat combine
@@ -253,7 +253,7 @@ def test_identity_experts_give_the_weighted_sum(nodes, local):
         np.testing.assert_array_equal(out.view(np.uint16), flat.view(np.uint16))
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
+@parametrize_slow_tail("nodes,local", MESHES)
 def test_gradients_match_the_flat_ops(nodes, local):
     """jax.grad through dispatch_hierarchical -> weighted experts -> combine_hierarchical (float32)
     against the flat ops over the same N*L ranks, in x and the gate weights."""
@@ -293,6 +293,7 @@ def assert_gradients_match_flat(cfg, nodes, local, x, idx, w, rng):
     return grad_h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes,local", [(4, 2), (8, 1)])
 def test_fewer_experts_per_node_than_topk(nodes, local):
     """8 experts over 4 or 8 nodes with top-3: a node has 2 or 1 experts, fewer than K, so stage 2 takes
@@ -376,7 +377,7 @@ def test_checked_mode_and_drop_accounting():
         jax_ep.run_checked(lambda: run(f(cfg), nodes, local, x, bad, w))
 
 
-@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+@parametrize_slow_tail("nodes,local", [(2, 4), (4, 2)])
 def test_stage_one_sends_one_row_per_token_and_node(nodes, local):
     """Counted from the handle: each token sends one stage-1 row per node holding any of its experts,
     never more, so a node cap of 1 (gating's max_nodes_per_token) bounds it to one row; the flat
@@ -475,8 +476,8 @@ def rows_by_pair(x, scales, group_sizes, sources) -> dict:
             for r, src in enumerate(sources) if src >= 0}
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
-@pytest.mark.parametrize("hidden,align", [(384, 4), (1024, 1)])
+@parametrize_slow_tail("nodes,local", MESHES)
+@parametrize_slow_tail("hidden,align", [(384, 4), (1024, 1)])
 def test_fp8_rows_and_scales_are_the_flat_fp8_dispatch(nodes, local, hidden, align):
     """FP8 rows and scales bit for bit: each row is its source token's NumPy quantisation (per token,
     per 128 channels, amax / 448), the (token, expert) pairs on each GPU are the flat FP8 dispatch's
@@ -524,7 +525,7 @@ def test_fp8_rows_and_scales_are_the_flat_fp8_dispatch(nodes, local, hidden, ali
                    for g in range(ranks))
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
+@parametrize_slow_tail("nodes,local", MESHES)
 def test_fp8_then_combine(nodes, local):
     """combine_hierarchical after an FP8 dispatch, on bfloat16 expert outputs (the dequantised rows
     scaled per row): the documented rounding bit for bit; checked mode passes with no drops."""
@@ -642,7 +643,7 @@ def layer_pair(nodes, local, hidden=H, ep=None, **kw):
     return flat, hier
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
+@parametrize_slow_tail("nodes,local", MESHES, fast=(1,))
 def test_layer_matches_the_flat_layer(nodes, local):
     """MoE(node_axis=...) on the (node, local) mesh against the flat layer on the same GPUs and
     parameters (float32): output, loads, and gradients in x and every parameter, within float32
@@ -680,7 +681,8 @@ def test_layer_matches_the_flat_layer(nodes, local):
     assert load_h.sum() == x.shape[0] * 3
 
 
-@pytest.mark.parametrize("nodes,local", [(2, 4), (2, 1)])
+@pytest.mark.slow
+@parametrize_slow_tail("nodes,local", [(2, 4), (2, 1)])
 def test_layer_fp8_forward_matches_the_flat_fp8_layer(nodes, local):
     """MoE(node_axis=..., ep=EPOptions(dispatch_dtype=FP8)): the forward pass gives the flat FP8
     layer's output (the same dequantised rows reach the same experts; within float32 rounding of the

@@ -26,7 +26,8 @@ Cost: a jitted dispatch (with the layout) and a jitted combine per static config
 default profile) every property runs on every configuration of a fixed pool (POOL: edge cases and a
 seeded random draw, its coverage asserted by test_pool_covers_the_space), 8 examples each, derandomised
 (the same examples every run, no example database), so the compilations are shared by all the
-properties: about 30 s on 2 cores. ``JAX_EP_FUZZ=thorough`` draws the static configurations too (one
+properties: about 30 s on 2 cores. `make test` runs the edge cases; the random rest of the pool is
+marked slow (`make test-all`, CI). ``JAX_EP_FUZZ=thorough`` draws the static configurations too (one
 compilation per example, about a second each) with random seeds, JAX_EP_FUZZ_EXAMPLES examples per
 property (default 200). A failure prints the example and a @reproduce_failure blob.
 """
@@ -41,8 +42,15 @@ import hypothesis
 import jax
 import numpy as np
 import numpy_model as nm
-import pytest
-from helpers import assert_bits_equal, assert_dispatch_matches, make_cfg, model_for, per_rank, to_numpy
+from helpers import (
+    assert_bits_equal,
+    assert_dispatch_matches,
+    make_cfg,
+    model_for,
+    parametrize_slow_tail,
+    per_rank,
+    to_numpy,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -178,8 +186,10 @@ def static_id(s: Static | None) -> str:
             f"-a{s.align}-{short[s.x_dtype]}to{short[s.row_dtype]}-y{short[s.y_dtype]}")
 
 
-# CI: every property on every configuration of the pool; thorough: configurations drawn too.
-STATICS = pytest.mark.parametrize("static", [None] if PROFILE == "thorough" else POOL, ids=static_id)
+# CI: every property on every configuration of the pool; thorough: configurations drawn too. `make test`
+# takes the edge cases, the seeded random rest of the pool is marked slow (`make test-all` and CI run it).
+STATICS = parametrize_slow_tail("static", [None] if PROFILE == "thorough" else POOL, ids=static_id,
+                                fast=len(_edge_cases()))
 
 
 @st.composite

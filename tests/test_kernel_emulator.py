@@ -1,7 +1,11 @@
 """The CUDA kernels on the CPU kernel emulator (tools/kernel_emulator): a seeded random sweep
 (``run.py --random N --seed S``) compared with the reference path like the fixed cases (bit-exact;
 combine within one step of its dtype). Needs g++ (C++20); in CI (CI=true) a missing g++ is a failure,
-elsewhere a skip. About a minute on 2 cores: g++ builds the driver once (~10 s), then ~3 s a case.
+elsewhere a skip. Each test builds its driver with g++ (~20 s on 2 cores), then ~3-9 s a case.
+
+`make test` runs the smoke cases (``run.py --quick``, ``ll_run.py --quick``: the throughput and the
+low-latency kernels, together about a minute); the sweeps, masks, token tiles, fingerprints and the put
+transport (about 12 minutes on 2 cores) are marked slow: `make test-all` and CI run them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,47 @@ def _run(cmd: list[str]) -> str:
     return out
 
 
+def test_kernel_emulator_smoke(tmp_path):
+    """The smoke cases, both scripts at once (each builds its driver with one g++: on 2 cores the builds
+    overlap). The throughput kernels (``run.py --quick``: the first 3 fixed cases, 2 ranks, bf16 rows,
+    messy routing with alignment 4, FP8 from bf16): every expert-major op (dispatch, combine and
+    combine_bwd, broadcast, slot_values) and rank-major op bit-exact against the reference. The
+    low-latency kernels (``ll_run.py --quick``: the first 4 fixed cases, fused, two-phase and two calls
+    in flight, bf16 and FP8 wire, 2-4 ranks), bit-exact against jax_ep.reference.ll_dispatch /
+    ll_combine."""
+    _need_gxx()
+    commands = {
+        "run.py": [sys.executable, str(RUN), "--quick", "--driver", str(tmp_path / "driver")],
+        "ll_run.py": [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--quick",
+                      "--driver", str(tmp_path / "ll_driver")],
+    }
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in commands}  # files: no pipe fills up
+    procs = {}
+    try:
+        for name, cmd in commands.items():
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=logs[name], stderr=subprocess.STDOUT)
+        codes = {name: proc.wait(timeout=900) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        for log in logs.values():
+            log.close()
+    outs = {name: (tmp_path / f"{name}.log").read_text() for name in commands}
+    for name, code in codes.items():
+        assert code == 0, f"{' '.join(commands[name])} failed (rc={code}):\n{outs[name][-6000:]}"
+    out = outs["run.py"]
+    assert "3/3 cases pass" in out, out[-6000:]
+    for name in ("bf16 basic", "bf16 messy align4", "fp8 from bf16"):
+        assert f"ok   {name} (" in out, (name, out[-6000:])
+    out = outs["ll_run.py"]
+    assert "4/4 low-latency cases pass" in out, out[-6000:]
+    for mode in ("fused", "two-phase", "two in flight"):
+        assert re.search(rf"^ok   \(.*\) {mode}, \d blocks", out, flags=re.M), (mode, out[-6000:])
+
+
+@pytest.mark.slow
 def test_kernel_emulator_random_sweep(tmp_path):
     _need_gxx()
     cmd = [sys.executable, str(RUN), "--random", str(CASES), "--seed", str(SEED),
@@ -54,6 +99,7 @@ def test_kernel_emulator_random_sweep(tmp_path):
         "the sweep must mask ranks that run the ops and ranks that run none")
 
 
+@pytest.mark.slow
 def test_rank_masking_on_the_emulator(tmp_path):
     """Rank masking (run.py's fixed 'mask' cases): an all-active mask, a masked rank that runs the
     ops, masked ranks whose process runs none (the others finish without them), a mask that changes
@@ -76,6 +122,7 @@ def test_rank_masking_on_the_emulator(tmp_path):
     assert "dispatches unmasked" in out, out[-6000:]
 
 
+@pytest.mark.slow
 def test_prep_over_several_token_tiles_and_slot_widths_on_the_emulator(tmp_path):
     """Dispatch's prep walks the tokens in tiles of 1024, loading the next tile's ids while it walks
     one, a token's ids in 8, 16 or kMaxTopk register slots by top-k: run.py's 'slots' cases (T = 2100
@@ -88,6 +135,7 @@ def test_prep_over_several_token_tiles_and_slot_widths_on_the_emulator(tmp_path)
     assert "5/5 cases pass" in out, out[-6000:]
 
 
+@pytest.mark.slow
 def test_low_latency_kernels_on_the_emulator(tmp_path):
     """cuda/low_latency.cu (tools/kernel_emulator/ll_run.py): the fixed cases and a seeded random
     sweep, fused, two-phase and with two calls in flight, every output bit-exact against
@@ -123,6 +171,7 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
         assert f"ok   mismatch {field} at 4 ranks: faults naming it" in out, field
 
 
+@pytest.mark.slow
 def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
     """The config fingerprint (cuda/fingerprint.h) in the throughput kernels (run.py --mismatch): the
     last rank's dispatch differs in one field (op: it runs combine), or its call count in the group
@@ -141,6 +190,7 @@ def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
     assert took is not None and float(took[1]) < 4, out[-6000:]
 
 
+@pytest.mark.slow
 def test_rank_major_put_transport_on_the_emulator(tmp_path):
     """The rank-major ops over NVSHMEM puts (cuda/remote_rank_major.cu, tools/kernel_emulator/
     put_run.py): no PE has a load/store address of another, every byte crosses through the NVSHMEM

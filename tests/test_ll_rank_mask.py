@@ -15,7 +15,15 @@ import ml_dtypes
 import numpy as np
 import numpy_model as nm
 import pytest
-from helpers import assert_bits_equal, make_cfg, per_rank, random_inputs, random_routing, to_numpy
+from helpers import (
+    assert_bits_equal,
+    make_cfg,
+    parametrize_slow_tail,
+    per_rank,
+    random_inputs,
+    random_routing,
+    to_numpy,
+)
 
 import jax_ep
 
@@ -76,8 +84,8 @@ def assert_matches(d, out, m: nm.LLModel, y, cmask, ep_size):
     assert_bits_equal(out, nm.ll_combine(y, m, cmask), "ll_combine")
 
 
-@pytest.mark.parametrize("two_phase", [False, True])
-@pytest.mark.parametrize("ep_size,dtype", [(2, "bfloat16"), (4, "float8_e4m3fn"), (4, "bfloat16"),
+@parametrize_slow_tail("two_phase", [False, True])
+@parametrize_slow_tail("ep_size,dtype", [(2, "bfloat16"), (4, "float8_e4m3fn"), (4, "bfloat16"),
                                            (8, "bfloat16")])
 def test_ll_rank_mask_matches_model(ep_size, dtype, two_phase):
     rng = np.random.default_rng(ep_size * 10 + two_phase + (dtype == "bfloat16") * 100)

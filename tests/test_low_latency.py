@@ -20,6 +20,7 @@ from helpers import (
     assert_bits_equal,
     assert_close_f,
     make_cfg,
+    parametrize_slow_tail,
     per_rank,
     random_inputs,
     random_routing,
@@ -104,7 +105,7 @@ CASES = [(ep_size, tokens, dtype) for ep_size in (1, 2, 4) for tokens in (1, TMA
          for dtype in ("bfloat16", "float8_e4m3fn")] + [(2, 7, "bfloat16"), (4, 13, "float8_e4m3fn")]
 
 
-@pytest.mark.parametrize("ep_size,tokens,dtype", CASES)
+@parametrize_slow_tail("ep_size,tokens,dtype", CASES, fast=(13,))
 def test_ll_matches_model(ep_size, tokens, dtype):
     cfg = CFGS[dtype]
     rng = np.random.default_rng(1000 + 10 * ep_size + tokens + (dtype == "bfloat16"))
@@ -128,8 +129,8 @@ def test_ll_matches_model(ep_size, tokens, dtype):
         assert all(saw.values()), saw
 
 
-@pytest.mark.parametrize("ep_size,dtype", [(1, "bfloat16"), (2, "bfloat16"), (2, "float8_e4m3fn"),
-                                           (4, "bfloat16"), (4, "float8_e4m3fn")])
+@parametrize_slow_tail("ep_size,dtype", [(1, "bfloat16"), (2, "bfloat16"), (2, "float8_e4m3fn"),
+                                           (4, "bfloat16"), (4, "float8_e4m3fn")], fast=(1,))
 def test_ll_identity_experts_give_weighted_sum(ep_size, dtype):
     """Experts that return their input: combine is the gate-weighted sum of each token's wire value."""
     cfg = CFGS[dtype]
@@ -220,7 +221,7 @@ def test_ll_slots_by_hand():
 
 
 # ---- patterns, sizes ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("ep_size", [2, 4])
+@parametrize_slow_tail("ep_size", [2, 4])
 def test_ll_all_unused_and_one_expert(ep_size):
     tokens = 8
     rng = np.random.default_rng(4000 + ep_size)
@@ -350,6 +351,7 @@ def test_ll_cuda_backend_without_gpu_says_why():
 
 
 # ---- forward-only ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ll_grad_raises_naming_the_op():
     ep_size, tokens = 2, 4
     rng = np.random.default_rng(6000)
@@ -481,7 +483,7 @@ def two_phase_fn(ep_size, cfg, in_flight=1):
     return per_rank(f, ep_size)
 
 
-@pytest.mark.parametrize("ep_size,dtype", [(1, "bfloat16"), (2, "float8_e4m3fn"), (4, "bfloat16")])
+@parametrize_slow_tail("ep_size,dtype", [(1, "bfloat16"), (2, "float8_e4m3fn"), (4, "bfloat16")], fast=(1,))
 def test_ll_two_phase_equals_fused(ep_size, dtype):
     cfg = CFGS[dtype]
     tokens = 9

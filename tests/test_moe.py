@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import parametrize_slow_tail
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from models import LMConfig, MoETransformerLM, next_token_loss  # examples/models.py
@@ -56,7 +57,7 @@ def hot_expert_placement(num_ranks, slots_per_rank=3):
     return eplb.plan_placement(loads, num_ranks, slots_per_rank)
 
 
-@pytest.mark.parametrize("placed", [False, True])
+@parametrize_slow_tail("placed", [False, True])
 def test_variables_start_on_the_mesh_as_a_step_returns_them(placed):
     """With mesh=, every variable is on the mesh from construction (expert weights split over the EP axis,
     the rest replicated), with the sharding a jitted step gives it back: a step never has to copy
@@ -93,8 +94,8 @@ def test_variables_start_on_the_mesh_as_a_step_returns_them(placed):
         assert after.sharding.is_equivalent_to(before.sharding, before.ndim), jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((8,), ("ep",)), ((2, 4), ("data", "ep"))])
-@pytest.mark.parametrize("shared", [0, 8])
+@parametrize_slow_tail("shape,axes", [((4,), ("ep",)), ((8,), ("ep",)), ((2, 4), ("data", "ep"))])
+@parametrize_slow_tail("shared", [0, 8], fast=(1,))
 def test_layer_matches_dense(shape, axes, shared):
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
     layer = make_layer(mesh, shared_ffn_hidden=shared,
@@ -106,7 +107,7 @@ def test_layer_matches_dense(shape, axes, shared):
     assert int(layer.last_dropped[...]) == 0
 
 
-@pytest.mark.parametrize("shape,axes,placed", [((4,), ("ep",), False), ((2, 4), ("data", "ep"), False),
+@parametrize_slow_tail("shape,axes,placed", [((4,), ("ep",), False), ((2, 4), ("data", "ep"), False),
                                                ((2, 4), ("data", "ep"), True)])
 def test_gradients_match_dense(shape, axes, placed):
     """Expert weights are sharded over ep and replicated over data: their gradients (and the router's)
@@ -265,6 +266,7 @@ def test_layer_configuration():
                                   np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS)))
 
 
+@pytest.mark.slow
 def test_tiny_lm_trains():
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     cfg = LMConfig(hidden=32, num_heads=2, num_layers=1, ffn_hidden=32, num_experts=8, backend="reference")
@@ -285,7 +287,7 @@ def test_tiny_lm_trains():
 # ---------------------------------------------------------------------------------------------------------
 # Expert placement (EPLB replicas) in the layer
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((2, 4), ("data", "ep"))])
+@parametrize_slow_tail("shape,axes", [((4,), ("ep",)), ((2, 4), ("data", "ep"))])
 def test_placement_replicas_receive_tokens_and_match_dense(shape, axes):
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
     placement = hot_expert_placement(shape[-1])
@@ -354,6 +356,7 @@ def test_placement_inside_user_shard_map_and_replan():
     assert global_layer.last_slot_load[...].shape == (EXPERTS,)
 
 
+@pytest.mark.slow
 def test_set_placement_on_a_layer_built_without_one():
     """A layer built without a placement takes one later (and runs with it), and gives it back."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))

@@ -73,6 +73,7 @@ RANK_SUMS = ("['loss']", "['state']['last_aux_loss']", "['grads']['router']", "[
 RANK_SUM_ULPS = 32
 
 
+@pytest.mark.slow
 def test_moe_layer_two_processes_equal_one(tmp_path):
     """2 processes x 2 CPU devices (jax_ep.launch, jax.distributed) vs 1 process x 4 devices: the MoE layer
     (reference dispatch/combine through backend="auto") forward, gradients and statistics, on a 4-rank EP

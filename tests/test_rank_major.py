@@ -21,6 +21,7 @@ from helpers import (
     assert_close_f,
     make_cfg,
     mesh,
+    parametrize_slow_tail,
     per_rank,
     random_tokens,
     to_numpy,
@@ -92,8 +93,8 @@ def poison_empty_rows(y, model):
     return y
 
 
-@pytest.mark.parametrize("dispatch_dtype", [None, "bfloat16"])
-@pytest.mark.parametrize("ep_size", EP_SIZES)
+@parametrize_slow_tail("dispatch_dtype", [None, "bfloat16"])
+@parametrize_slow_tail("ep_size", EP_SIZES, fast=(1,))
 def test_random_routing(ep_size, dispatch_dtype):
     cfg = BASE.replace(dispatch_dtype=dispatch_dtype)
     rng = np.random.default_rng(300 + ep_size + (dispatch_dtype is None))
@@ -154,6 +155,7 @@ def test_patterns(ep_size):
         assert_bits_equal(c, rank_order_sum(y, model, np.float32), "combine_rank_major")
 
 
+@pytest.mark.slow
 def test_without_jit_and_fewer_tokens():
     """Eager shard_map, and T below max_tokens_per_rank (the buffer has R*T rows for this call's T)."""
     ep_size, tokens = 2, 4
@@ -202,7 +204,7 @@ def dense_grad(x, w, expert_w, idx, g):
     return jax.grad(loss, argnums=(0, 1, 2))(x, w, expert_w)
 
 
-@pytest.mark.parametrize("ep_size", EP_SIZES)
+@parametrize_slow_tail("ep_size", EP_SIZES, fast=(1,))
 def test_gradients_vs_dense(ep_size):
     rng = np.random.default_rng(600 + ep_size)
     for _ in range(2):
@@ -268,6 +270,7 @@ def test_vjps_against_model(ep_size):
     assert_bits_equal(dy, want_dy, "d y")
 
 
+@pytest.mark.slow
 def test_fp8_is_forward_only():
     cfg = BASE.replace(hidden=128, dispatch_dtype="float8_e4m3fn")
     rng = np.random.default_rng(3)

@@ -27,6 +27,7 @@ from helpers import (
     assert_dispatch_matches,
     make_cfg,
     model_for,
+    parametrize_slow_tail,
     per_rank,
     random_routing,
     random_tokens,
@@ -77,8 +78,8 @@ MASKS = [(2, (False, True)), (4, (True, False, True, True)), (4, (False, True, F
          (4, (True, True, True, False))]
 
 
-@pytest.mark.parametrize("capacity", [None, 6])
-@pytest.mark.parametrize("ep_size,mask", MASKS)
+@parametrize_slow_tail("capacity", [None, 6], fast=(1,))
+@parametrize_slow_tail("ep_size,mask", MASKS)
 def test_masked_dispatch_matches_the_model_and_accounts_for_every_pair(ep_size, mask, capacity):
     rng = np.random.default_rng(100 + ep_size + sum(mask) + (capacity or 0))
     cfg = _cfg(capacity=capacity)
@@ -141,8 +142,8 @@ def _combine_fn(ep_size, cfg, masked_dispatch, masked_combine):
     return per_rank(body, ep_size)
 
 
-@pytest.mark.parametrize("y_dtype", [np.float32, jnp.bfloat16])
-@pytest.mark.parametrize("ep_size,mask", MASKS)
+@parametrize_slow_tail("y_dtype", [np.float32, jnp.bfloat16])
+@parametrize_slow_tail("ep_size,mask", MASKS, fast=(1,))
 def test_masked_combine_matches_the_model(ep_size, mask, y_dtype):
     """combine under a masked dispatch, with and without combine's mask: the model's summation order
     over the masked handles, bit for bit (a masked rank's tokens come back zero)."""
@@ -207,7 +208,7 @@ def _expert_weights(rng, ep_size):
     return rng.standard_normal((ep_size, E // ep_size, H, HO)).astype(np.float32)
 
 
-@pytest.mark.parametrize("ep_size,mask", MASKS)
+@parametrize_slow_tail("ep_size,mask", MASKS)
 def test_gradients_match_dense_moe_without_masked_ranks(ep_size, mask):
     rng = np.random.default_rng(300 + ep_size + sum(mask))
     cfg = _cfg()
@@ -247,8 +248,8 @@ def _moe_per_rank(cfg):
     return f
 
 
-@pytest.mark.parametrize("ep_size", [2, 4])
-@pytest.mark.parametrize("mask_dtype", [np.bool_, np.int32])
+@parametrize_slow_tail("ep_size", [2, 4])
+@parametrize_slow_tail("mask_dtype", [np.bool_, np.int32])
 def test_all_active_mask_is_bit_identical_to_no_mask(ep_size, mask_dtype):
     rng = np.random.default_rng(400 + ep_size)
     cfg = _cfg(capacity=8)  # with capacity drops too
@@ -421,7 +422,7 @@ def _rank_major_fn(ep_size, cfg):
     return per_rank(body, ep_size)
 
 
-@pytest.mark.parametrize("ep_size,mask", MASKS)
+@parametrize_slow_tail("ep_size,mask", MASKS)
 def test_masked_rank_major_matches_the_model(ep_size, mask):
     """dispatch_rank_major under a mask: the NumPy model under it, every field bit for bit (rows only
     from active sources to active ranks; a masked rank has none); combine_rank_major: the float32
@@ -444,7 +445,7 @@ def test_masked_rank_major_matches_the_model(ep_size, mask):
     assert not np.any(out[~m]) and np.any(out[m])
 
 
-@pytest.mark.parametrize("ep_size,mask", MASKS[:2])
+@parametrize_slow_tail("ep_size,mask", MASKS[:2])
 def test_masked_rank_major_gradients_match_dense_moe(ep_size, mask):
     from test_rank_major import _expert_kernel
 
@@ -572,6 +573,7 @@ def _dense_layer(layer, tokens, active):
     return out, int(np.sum(~np.asarray(keep)))
 
 
+@pytest.mark.slow
 def test_moe_layer_rank_mask():
     from flax import nnx
 

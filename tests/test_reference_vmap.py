@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import pytest
+from helpers import parametrize_slow_tail
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -108,8 +108,8 @@ EXPERT_MAJOR = {
 }
 
 
-@pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("case", list(EXPERT_MAJOR))
+@parametrize_slow_tail("ranks", RANKS)
+@parametrize_slow_tail("case", list(EXPERT_MAJOR))
 def test_dispatch_combine(ranks, case):
     """The body of process_group_worker.check_cases (test_dispatch_gpu.dispatch_combine_body)."""
     tokens, hidden, topk, experts, kind, x_dtype, extra = EXPERT_MAJOR[case]
@@ -125,7 +125,7 @@ def test_dispatch_combine(ranks, case):
         assert np.asarray(d.num_dropped).sum() > 0, "the case should overflow the capacity"
 
 
-@pytest.mark.parametrize("ranks", RANKS)
+@parametrize_slow_tail("ranks", RANKS)
 def test_gradients(ranks):
     """process_group_worker.check_gradients' body (test_dispatch_gpu.gradient_body): dispatch ->
     lax.ragged_dot -> combine, value and gradients wrt x, topk_weights and the expert weights."""
@@ -148,8 +148,8 @@ RANK_MAJOR = {
 }
 
 
-@pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("case", list(RANK_MAJOR))
+@parametrize_slow_tail("ranks", RANKS)
+@parametrize_slow_tail("case", list(RANK_MAJOR))
 def test_rank_major_round_trip(ranks, case):
     """put_transport_worker.check_cases' body (round_trip_body): dispatch_rank_major, combine_rank_major
     of y with NaN in the empty rows and -0.0 here and there, broadcast_rank_major."""
@@ -163,7 +163,7 @@ def test_rank_major_round_trip(ranks, case):
     assert_same_bits(round_trip_body(c), ranks, x, idx, w, y, g)
 
 
-@pytest.mark.parametrize("ranks", RANKS)
+@parametrize_slow_tail("ranks", RANKS)
 def test_rank_major_scan_and_gradients(ranks):
     """put_transport_worker.check_scan's and check_gradients' bodies (scan_body, grad_body)."""
     tokens, hidden, topk, experts = 32, 256, 4, 16
@@ -175,8 +175,8 @@ def test_rank_major_scan_and_gradients(ranks):
     assert_same_bits(grad_body(c), ranks, x, w, idx, ct)
 
 
-@pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("mask", ["all active", "last masked"])
+@parametrize_slow_tail("ranks", RANKS)
+@parametrize_slow_tail("mask", ["all active", "last masked"])
 def test_rank_mask_step(ranks, mask):
     """rank_mask_worker's reference (reference_step's body, reference_body: step_outputs, with capacity
     drops): dispatch, combine and the gradients wrt x and topk_weights, with a rank mask."""
@@ -209,9 +209,9 @@ def ll_body(c, two_phase, masked):
     return body
 
 
-@pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("wire", ["bfloat16", "float8_e4m3fn"])
-@pytest.mark.parametrize("form", ["fused", "two-phase", "masked"])
+@parametrize_slow_tail("ranks", RANKS)
+@parametrize_slow_tail("wire", ["bfloat16", "float8_e4m3fn"])
+@parametrize_slow_tail("form", ["fused", "two-phase", "masked"])
 def test_low_latency(ranks, wire, form):
     tokens, hidden, topk, experts = 16, 256, 3, 8
     c = cfg(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
@@ -228,8 +228,8 @@ def test_low_latency(ranks, wire, form):
     assert_same_bits(ll_body(c, form == "two-phase", form == "masked"), ranks, x, idx, w, y, masks)
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (2, 2)])
-@pytest.mark.parametrize("case", ["messy top6 align8", "skewed top2 overflow", "f32 x, bf16 wire, f32 y",
+@parametrize_slow_tail("shape", [(2, 1), (2, 2)])
+@parametrize_slow_tail("case", ["messy top6 align8", "skewed top2 overflow", "f32 x, bf16 wire, f32 y",
                                   "fp8 deepseek"])
 def test_hierarchical_round_trip(shape, case):
     """hierarchical_worker.check_cases' body on a (node, local) mesh: reference_by_vmap over two axes
@@ -254,7 +254,7 @@ def test_hierarchical_round_trip(shape, case):
             hw.assert_fp8_rows(d, got[0], x, me, shape, tokens, f"GPU {me}")
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (2, 2)])
+@parametrize_slow_tail("shape", [(2, 1), (2, 2)])
 def test_hierarchical_gradients(shape):
     """hierarchical_worker.check_gradients' body, as above."""
     import hierarchical_worker as hw

@@ -19,6 +19,7 @@ reference with it masked, the timeout is paid once, the persistent mask names ra
 'discovery', the host's clear empties it (check_shrink).
 
     python tools/kernel_emulator/ll_run.py [--random N] [--seed S]
+    python tools/kernel_emulator/ll_run.py --quick   # the first 4 fixed cases only (a smoke test)
 """
 
 from __future__ import annotations
@@ -332,8 +333,20 @@ def main(argv=None) -> int:
     parser.add_argument("--random", type=int, default=0, help="random cases besides the fixed ones")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--driver", default=DRIVER, help="where to build the driver")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the first 4 fixed cases (fused, two-phase, two calls in flight; bf16 and "
+                             "FP8 wire; 2-4 ranks): no masked, random, fault or mismatch cases")
     args = parser.parse_args(argv)
     driver = build(SOURCES, args.driver)
+    if args.quick:
+        failed = 0
+        for i, case in enumerate(CASES[:4]):
+            n = BLOCKS.get(i, 3)
+            error = run_case(driver, *case, seed=[args.seed, i], blocks=n, masks=None)
+            print(f"{'FAIL' if error else 'ok  '} {case} {MODES[case[-1]]}, {n} blocks {error}", flush=True)
+            failed += bool(error)
+        print(f"{4 - failed}/4 low-latency cases pass")
+        return 1 if failed else 0
     cases = list(CASES)
     rng = np.random.default_rng(args.seed)
     blocks = [BLOCKS.get(i, 3) for i in range(len(cases))]
