@@ -124,3 +124,87 @@ def test_docs_kernel_config_defaults_match_the_code():
     defaults = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
     assert documented and set(documented) <= set(defaults), documented
     assert {k: ast.literal_eval(v) for k, v in documented.items()} == {k: defaults[k] for k in documented}
+
+
+def _pytest_selection(recipe: str) -> set[tuple[bool, bool]]:
+    """The (gpu, slow) marker combinations a Makefile recipe's `pytest -m EXPR` selects (all four without
+    -m: pyproject's addopts then leaves out gpu, but a recipe must say what it runs)."""
+    found = re.search(r"-m pytest\b.*?-m '([^']+)'", recipe)
+    assert found, recipe
+    expression = found.group(1)
+    assert set(re.findall(r"[a-z_]+", expression)) <= {"gpu", "slow", "and", "or", "not"}, expression
+    return {(gpu, slow) for gpu in (False, True) for slow in (False, True)
+            if eval(expression, {}, {"gpu": gpu, "slow": slow})}
+
+
+def test_make_test_is_the_fast_suite_and_ci_runs_every_cpu_test_once(pytestconfig):
+    """Issue 39: `make test` (the README's test command) leaves out the tests marked slow, `make
+    test-slow` runs only those and `make test-all` both; .ci/run calls the README's command and runs
+    every CPU test exactly once; the README gives both commands with their durations on 2 CPU cores.
+    (Before: `make test` ran everything, 54 min on the 2-core machine, and there was no slow marker.)"""
+    assert any(line.startswith("slow:") for line in pytestconfig.getini("markers"))
+    makefile = (README.parent / "Makefile").read_text()
+
+    def recipe(target):
+        found = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)+)", makefile, re.M)
+        assert found, f"no make target {target}"
+        return found.group(1)
+
+    cpu_fast, cpu_slow = (False, False), (False, True)
+    selects = {t: _pytest_selection(recipe(t)) for t in ("test", "test-slow", "test-all")}
+    assert selects == {"test": {cpu_fast}, "test-slow": {cpu_slow}, "test-all": {cpu_fast, cpu_slow}}, selects
+
+    ci = (README.parent / ".ci" / "run").read_text()
+    targets = re.findall(r"^make (test[\w-]*)\s*$", ci, re.M)
+    assert targets and targets[0] == "test", targets       # the README's command, first
+    runs = [case for t in targets for case in selects[t]]
+    assert sorted(runs) == sorted(selects["test-all"]), targets   # every CPU test, each once
+
+    paragraphs = [" ".join(p.split()) for p in README.read_text().split("\n\n")]
+    for command in ("make test", "make test-all"):   # with its duration, in the same sentence
+        said = [p for p in paragraphs if re.search(rf"{command}(?![\w-])[^.]*?\d+ min", p)]
+        assert said, command
+
+
+def test_make_test_covers_every_public_op_and_the_emulator_smoke_cases():
+    """The fast suite (`make test`'s selection) still calls every public op of jax_ep (named in a selected
+    test or in a function of its module that it reaches) and runs the kernel emulator's smoke cases, the
+    backend="cuda" lowering on CPU and the auto backend's resolution."""
+    import ast
+    import inspect
+    import subprocess
+    import sys
+
+    import jax_ep
+
+    root = README.parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", "not gpu and not slow", "tests"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    selected = [line.split("::") for line in out.stdout.splitlines() if "::" in line]
+    tests: dict[str, set[str]] = {}
+    for path, name, *_ in selected:
+        tests.setdefault(path, set()).add(name.split("[")[0])
+    named = set()
+    for path, names in tests.items():
+        module = ast.parse((root / path).read_text())
+        defs = {d.name: d for d in module.body if isinstance(d, (ast.FunctionDef, ast.ClassDef))}
+        todo, done = list(names), set()
+        while todo:                      # the test and the module's functions it reaches
+            name = todo.pop()
+            if name in done or name not in defs:
+                continue
+            done.add(name)
+            here = {n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name)} | {
+                n.attr for n in ast.walk(defs[name]) if isinstance(n, ast.Attribute)}
+            named |= here
+            todo.extend(here & set(defs))
+    ops = [name for name in jax_ep.__all__ if inspect.isfunction(getattr(jax_ep, name))]
+    assert {"dispatch", "combine", "ll_dispatch", "dispatch_hierarchical", "grouped_matmul"} <= set(ops)
+    assert [op for op in ops if op not in named] == []
+    for path, name in [("tests/test_kernel_emulator.py", "test_kernel_emulator_smoke"),
+                       ("tests/test_native_cpu.py", None), ("tests/test_auto_table.py", None),
+                       ("tests/test_hierarchical.py", "test_cuda_backend_lowers_each_stage_on_its_own_axis"),
+                       ("tests/test_rank_mask.py", "test_cuda_backend_lowers_the_mask_as_an_operand")]:
+        assert path in tests and (name is None or name in tests[path]), (path, name)
