@@ -30,15 +30,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep.config import FP8_BLOCK, FP8_MAX
+from jax_ep.config import FP8_BLOCK
 from jax_ep.errors import EPValueError
+from jax_ep.gemm import _kernel_platform, weight_gradient
+from jax_ep.reference import dequantize_fp8, fp8_scales, quantize_fp8
+from jax_ep.validation import float0_like
 
 BACKENDS = ("reference", "mosaic_gpu")
 # The Hopper kernel's form (warp_specialized, block_m, stages). Not yet chosen by measurement (the kernels
 # have not run on a GPU yet): the warp-specialised form has the larger tile (block_m x 256).
 KERNEL = (True, 64, 4)
 KERNELS = ((False, 64, 4), (True, 64, 4), (True, 128, 3))   # the forms tools/tune_gemm.py --fp8 times
-FP8_MIN_AMAX = 1e-4  # an all-zero block keeps a finite scale (as quantize_fp8)
 
 
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -48,10 +50,8 @@ def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     if k % FP8_BLOCK or n % FP8_BLOCK:
         raise EPValueError(f"quantize_weight_blocks: K={k} and N={n} must be multiples of {FP8_BLOCK}")
     blocks = w.astype(jnp.float32).reshape(g, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(2, 4)), FP8_MIN_AMAX)
-    # an IEEE division by 448 (not XLA's multiplication by its inexact reciprocal), as quantize_fp8
-    scales = amax / lax.optimization_barrier(jnp.where(amax < 0, amax, FP8_MAX))
-    q = blocks * (FP8_MAX / amax)[:, :, None, :, None]
+    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=(2, 4)))
+    q = blocks * inv_scale[:, :, None, :, None]
     return q.reshape(g, k, n).astype(jnp.float8_e4m3fn), scales
 
 
@@ -93,7 +93,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         raise EPValueError(f"grouped_matmul_fp8: scales {x_scales.shape} / {w_scales.shape} do not match "
                            f"x {xq.shape} and w {wq.shape} in blocks of {FP8_BLOCK}")
     if backend == "reference":
-        x = xq.astype(jnp.float32) * jnp.repeat(x_scales, FP8_BLOCK, axis=1)
+        x = dequantize_fp8(xq, x_scales)
         w = dequantize_weight_blocks(wq, w_scales)
         w = jnp.swapaxes(w, 1, 2) if transpose_w else w
         out = lax.ragged_dot(x, w, group_sizes, precision=lax.Precision.HIGHEST,
@@ -112,8 +112,6 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
 def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
     """Where the FP8 GEMM of a [*, k] @ [g, k, n] product runs: "mosaic_gpu" on a Hopper GPU with k and n
     multiples of 128, else "reference" (backend "auto"); an explicit backend is checked."""
-    from jax_ep.gemm import _kernel_platform
-
     if backend not in ("auto", *BACKENDS):
         raise EPValueError(f"fp8 grouped GEMM: backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     why = _kernel_platform() or ("" if k % FP8_BLOCK == 0 and n % FP8_BLOCK == 0 else
@@ -139,8 +137,6 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
 
 
 def _fp8_forward(x, w, group_sizes, backend, gemm):
-    from jax_ep.reference import quantize_fp8
-
     xq, xs = quantize_fp8(x)
     wq, ws = quantize_weight_blocks(w)
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, out_dtype=x.dtype, backend=backend)
@@ -158,10 +154,6 @@ def _fp8_matmul_fwd(x, w, group_sizes, backend, gemm):
 
 
 def _fp8_matmul_bwd(backend, gemm, res, dy):
-    from jax_ep.gemm import weight_gradient
-    from jax_ep.reference import dequantize_fp8, quantize_fp8
-    from jax_ep.validation import float0_like
-
     xq, xs, wq, ws, group_sizes, x_like, w_like = res
     dyq, dys = quantize_fp8(dy)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,

@@ -206,9 +206,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     assert rows == rows2 and k % bm == 0 and n % bn == 0, (lhs.shape, rhs.shape, config)
     info = _group_row_blocks(group_sizes, rows, bk)
 
-    swizzle = plgpu.find_swizzle(bk * jnp.dtype(lhs.dtype).itemsize * 8)
-    swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    transforms = _smem_transforms(lhs.dtype, bk)
     grid_m, grid_n = k // bm, n // bn
 
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
@@ -220,25 +218,9 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
             num_k = info_gmem[2, gi]
             first_row = pl.multiple_of(info_gmem[3, gi], bk)
 
-            def mask_rows(ref, cond):
-                # rows of this K block outside the group -> 0 (select, so NaN garbage stays out)
-                reg = ref[...]
-                iota = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
-                ref[...] = jnp.where(cond(iota), reg, (iota < 0).astype(reg.dtype))
-
             def acc_scope(acc_ref):
                 def step(idx, lhs_smem, rhs_smem):
-                    kb = idx[0]
-
-                    # only a K block a group boundary cuts holds rows of another group (or padding)
-                    @pl.when(((kb == 0) & (start % bk != 0)) | ((kb == num_k - 1) & (end % bk != 0)))
-                    def _():
-                        row0 = first_row + kb * bk
-                        inside = lambda i: (i + row0 >= start) & (i + row0 < end)  # noqa: E731
-                        mask_rows(lhs_smem, inside)
-                        mask_rows(rhs_smem, inside)
-                        plgpu.commit_smem()
-
+                    _mask_cut_block(lhs_smem, rhs_smem, idx[0], num_k, start, end, first_row, bk)
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
                     if stages == 1:
                         plgpu.wgmma_wait(0)
@@ -294,7 +276,19 @@ def _smem_transforms(dtype, minor_elems: int):
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _ws_kernel(body, out_type, scratch_shapes=()):
+def _acc_zeros(bm: int, bn: int):
+    """A float32 zero tile in the WGMMA accumulator layout (the start of a register-carried sum)."""
+    return plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _write_tile(o_smem, values):
+    """values -> the output tile o_smem, once the previous TMA store from it has read it."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = values.astype(o_smem.dtype)
+    plgpu.commit_smem()
+
+
+def _ws_kernel(body, out_type):
     return plgpu.kernel(
         body, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
@@ -351,9 +345,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read o_smem
-                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
-                    plgpu.commit_smem()
+                    _write_tile(o_smem.at[wg], values)
                     _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
                                 schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
 
@@ -389,11 +381,25 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
     return kernel(schedule, num_tiles, lhs, rhs)
 
 
-def _mask_rows(ref, inside):
-    """Rows i of an SMEM tile with inside(i) false -> 0 (a select, so NaN garbage stays out)."""
-    reg = ref[...]
-    iota = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
-    ref[...] = jnp.where(inside(iota), reg, (iota < 0).astype(reg.dtype))
+def _mask_outside(lhs_smem, rhs_smem, when, lo, hi):
+    """When `when`: rows outside [lo, hi) of both operands' K block -> 0, a select, so NaN garbage in
+    another group's or padding rows stays out of the sum (0 * NaN = NaN)."""
+    @pl.when(when)
+    def _():
+        for ref in (lhs_smem, rhs_smem):
+            reg = ref[...]
+            i = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
+            ref[...] = jnp.where((i >= lo) & (i < hi), reg, (i < 0).astype(reg.dtype))
+        plgpu.commit_smem()
+
+
+def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: int):
+    """K block kb of a group's rows [start, end) (its blocks start at first_row): only a block that a
+    group boundary cuts holds rows of another group or padding, so only the first and last, and only
+    when the boundary is not a multiple of bk, are masked."""
+    row0 = first_row + kb * bk
+    cut = ((kb == 0) & (start % bk != 0)) | ((kb == num_k - 1) & (end % bk != 0))
+    _mask_outside(lhs_smem, rhs_smem, cut, start - row0, end - row0)
 
 
 def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
@@ -442,9 +448,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
-                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
-                    plgpu.commit_smem()
+                    _write_tile(o_smem.at[wg], values)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
 
                 def compute_context(run):
@@ -454,20 +458,10 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                         store(acc_ref[...])
 
                 def step(idx, lhs_smem, rhs_smem, acc_ref):
-                    kb = idx[0]
                     rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-
-                    # only a K block a group boundary cuts holds rows of another group (or padding);
                     # every consumer masks the shared lhs tile itself (the same values), so none
                     # reads it unmasked
-                    @pl.when(((kb == 0) & (start % bk != 0)) | ((kb == num_k - 1) & (end % bk != 0)))
-                    def _():
-                        row0 = first_row + kb * bk
-                        inside = lambda i: (i + row0 >= start) & (i + row0 < end)  # noqa: E731
-                        _mask_rows(lhs_smem, inside)
-                        _mask_rows(rhs_mine, inside)
-                        plgpu.commit_smem()
-
+                    _mask_cut_block(lhs_smem, rhs_mine, idx[0], num_k, start, end, first_row, bk)
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
                     plgpu.wgmma_wait(delay)
                     return acc_ref
@@ -542,25 +536,18 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values, gi):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store read o_smem
-                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
-                    plgpu.commit_smem()
+                    _write_tile(o_smem.at[wg], values)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
 
                 def compute_context(run):
-                    run(plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA))
+                    run(_acc_zeros(bm, bn))
 
                 def step(idx, lhs_smem, rhs_smem, total):
                     s = idx[0]
                     start, size = info_gmem[_START, s], info_gmem[_SIZE, s]
                     rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
 
-                    @pl.when((start != 0) | (size != bk))  # a block a group boundary cuts
-                    def _():
-                        inside = lambda i: (i >= start) & (i < start + size)  # noqa: E731
-                        _mask_rows(lhs_smem, inside)
-                        _mask_rows(rhs_mine, inside)
-                        plgpu.commit_smem()
+                    _mask_outside(lhs_smem, rhs_mine, (start != 0) | (size != bk), start, start + size)
 
                     def mma(acc_ref):
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
@@ -653,11 +640,11 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
                               plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk)),
                               plgpu.BlockSpec((1, bm), lambda kk: (kk, block))],
                     max_concurrent_steps=stages,
-                    init_carry=plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA),
+                    init_carry=_acc_zeros(bm, bn),
                 )(x_gmem, w_gmem.at[group], xs_gmem)
 
-            zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
-            total = lax.cond(group < g, matmul, zeros)  # the zero group (rows past the groups) does no work
+            # the zero group (rows past the groups) does no matrix work
+            total = lax.cond(group < g, matmul, lambda: _acc_zeros(bm, bn))
 
             @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=out_dtype))
             def _store(o_smem):
@@ -714,14 +701,12 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                 col_block = ni * wgs + wg  # this consumer's 128 columns: one weight scale per K step
 
                 def store(values):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem.at[wg][...] = values.astype(o_smem.dtype)
-                    plgpu.commit_smem()
+                    _write_tile(o_smem.at[wg], values)
                     _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
                                 schedule_gmem[_SIZE, mi], ladder, pl.ds(col_block * bn, bn), wait=False)
 
                 def compute_context(run):
-                    store(run(plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)))
+                    store(run(_acc_zeros(bm, bn)))
 
                 def step(idx, x_smem, w_smem, s_smem, total):
                     def mma(acc_ref):

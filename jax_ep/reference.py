@@ -138,16 +138,22 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     blocks = -(-h // FP8_BLOCK)
     xf = x.astype(jnp.float32)
     padded = jnp.pad(xf, ((0, 0), (0, blocks * FP8_BLOCK - h))).reshape(t, blocks, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(padded), axis=2), FP8_MIN_AMAX)
-    inv_scale = FP8_MAX / amax
+    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(padded), axis=2))
     q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
+    return q.astype(jnp.float8_e4m3fn), scales
+
+
+def fp8_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per block's absolute maximum: (the factor into e4m3, 448 / amax; the scale back, amax / 448),
+    amax floored at FP8_MIN_AMAX so all-zero blocks keep a finite scale."""
+    amax = jnp.maximum(amax, FP8_MIN_AMAX)
     # A true IEEE division: XLA rewrites division by a constant into a multiplication by its
     # (inexact) reciprocal, which would make the scales differ by an ulp between platforms. The
     # divisor is 448 computed from amax (amax < 0 never holds, NaN included), not a constant: under
     # jax.vmap a constant stays unbatched and gets broadcast, and XLA rewrites A / broadcast(B) into
     # A * broadcast(1 / B) even behind the barrier (tests/test_reference_vmap.py).
     fp8_max = lax.optimization_barrier(jnp.where(amax < 0, amax, FP8_MAX))
-    return q.astype(jnp.float8_e4m3fn), amax / fp8_max
+    return FP8_MAX / amax, amax / fp8_max
 
 
 def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -17,6 +17,38 @@ from jax.sharding import PartitionSpec as P
 AXIS = "ep"
 
 
+def run_logged(commands: dict[str, list[str]], tmp, *, cwd, env=None, wait_s: float) -> dict:
+    """Runs the commands at once, each one's output to tmp/<name>.log (files: no pipe can fill up);
+    {name: (exit code, log)}. The waits are bounded by wait_s in all; a command still running then is
+    killed and the test fails naming it."""
+    import subprocess
+    import time
+
+    import pytest
+
+    procs, logs = {}, {}
+    try:
+        for name, command in commands.items():
+            logs[name] = open(tmp / f"{name}.log", "w")
+            procs[name] = subprocess.Popen(command, cwd=cwd, env=env, stdout=logs[name],
+                                           stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + wait_s
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} did not finish in {wait_s} s: {' '.join(commands[name])}\n"
+                            + (tmp / f"{name}.log").read_text()[-5000:])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        for log in logs.values():
+            log.close()
+    return {name: (proc.returncode, (tmp / f"{name}.log").read_text()) for name, proc in procs.items()}
+
+
 def parametrize_slow_tail(argnames, argvalues, *, fast=1, **kwargs):
     """``pytest.mark.parametrize(argnames, argvalues, **kwargs)`` whose first ``fast`` values (or, if
     ``fast`` is a collection, the values at those indices) run in the default suite (``make test``) and

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_logged
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "tools" / "kernel_emulator" / "run.py"
@@ -53,22 +54,10 @@ def test_kernel_emulator_smoke(tmp_path):
         "ll_run.py": [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--quick",
                       "--driver", str(tmp_path / "ll_driver")],
     }
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in commands}  # files: no pipe fills up
-    procs = {}
-    try:
-        for name, cmd in commands.items():
-            procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=logs[name], stderr=subprocess.STDOUT)
-        codes = {name: proc.wait(timeout=900) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-        for log in logs.values():
-            log.close()
-    outs = {name: (tmp_path / f"{name}.log").read_text() for name in commands}
-    for name, code in codes.items():
-        assert code == 0, f"{' '.join(commands[name])} failed (rc={code}):\n{outs[name][-6000:]}"
+    results = run_logged(commands, tmp_path, cwd=ROOT, wait_s=900)
+    for name, (code, log) in results.items():
+        assert code == 0, f"{' '.join(commands[name])} failed (rc={code}):\n{log[-6000:]}"
+    outs = {name: log for name, (_, log) in results.items()}
     out = outs["run.py"]
     assert "3/3 cases pass" in out, out[-6000:]
     for name in ("bf16 basic", "bf16 messy align4", "fp8 from bf16"):

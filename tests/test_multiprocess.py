@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, run_logged
 
 import jax_ep.distributed as dist
 from jax_ep import launch
@@ -24,32 +24,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
 WAIT_S = 240          # the launcher stops its processes after WAIT_S - 30 s (--timeout)
 EPS32 = float(np.finfo(np.float32).eps)
-
-
-def run_logged(commands: dict[str, list[str]], env: dict[str, str], tmp: pathlib.Path) -> dict:
-    """Runs the commands at once (output to files: no pipe can fill up); {name: (code, log)}. Each wait
-    is bounded by WAIT_S; a command still running then is killed and the test fails naming it."""
-    procs, logs = {}, {}
-    try:
-        for name, command in commands.items():
-            logs[name] = open(tmp / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(command, cwd=tmp, env=env, stdout=logs[name],
-                                           stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + WAIT_S
-        for name, proc in procs.items():
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{name} did not finish in {WAIT_S} s: {' '.join(commands[name])}\n"
-                            + (tmp / f"{name}.log").read_text()[-5000:])
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-        for log in logs.values():
-            log.close()
-    return {name: (proc.returncode, (tmp / f"{name}.log").read_text()) for name, proc in procs.items()}
 
 
 def child_env(**extra) -> dict[str, str]:
@@ -88,7 +62,7 @@ def test_moe_layer_two_processes_equal_one(tmp_path):
     }
     env = child_env(JAX_NUM_CPU_DEVICES="4")    # the launcher sets 2 for each of its processes
     start = time.perf_counter()
-    results = run_logged(commands, env, tmp_path)
+    results = run_logged(commands, tmp_path, cwd=tmp_path, env=env, wait_s=WAIT_S)
     seconds = time.perf_counter() - start
     for name, (code, log) in results.items():
         assert code == 0, f"{name} (seed {seed}) exited with {code}:\n{log[-5000:]}"

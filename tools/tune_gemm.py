@@ -288,9 +288,10 @@ def main(argv=None):
             if not results:
                 print(f"{name} M={m} K={k} N={n} G={g}: no config ran", flush=True)
                 continue
-            if incumbent and incumbent[0] in dict(map(reversed, results)):
-                t_old = dict(map(reversed, results))[incumbent[0]]
-                print(f"  {name}: table's config {incumbent[0].astuple()} {t_old * 1e3:.3f} ms", flush=True)
+            times = {c: t for t, c in results}
+            if incumbent and incumbent[0] in times:
+                print(f"  {name}: table's config {incumbent[0].astuple()} {times[incumbent[0]] * 1e3:.3f} ms",
+                      flush=True)
             t, cfg = min(results, key=lambda r: r[0])
             best = jax.jit(functools.partial(run_pass, name, cfg))(x, w, dy, gs)
             err = check(name, best, x, w, dy, gs_host)
