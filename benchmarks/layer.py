@@ -26,6 +26,7 @@ step without XLA's command buffers (split_by_scope says why).
 from __future__ import annotations
 
 import datetime
+import functools
 import glob
 import re
 import tempfile
@@ -110,12 +111,14 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
 
 
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
-                        iters: int, repeats: int) -> float | None:
+                        iters: int, repeats: int, gemm_dtype: str | None = None) -> float | None:
     """The layer's expert block alone (gate|up GEMM, SwiGLU, down GEMM; forward and backward) on one
     device, on a dispatch-like buffer: `capacity` rows of which `rows` are spread over the local experts
-    (mildly uneven), each expert padded to the alignment the layer asks of dispatch. None if it fails
-    (e.g. lax.ragged_dot out of memory)."""
+    (mildly uneven), each expert padded to the alignment the layer asks of dispatch. `gemm_dtype` is the
+    MoE layer's (None: bf16 GEMMs; "float8_e4m3fn": jax_ep.gemm_fp8.fp8_grouped_matmul as the layer uses
+    it). None if it fails (e.g. lax.ragged_dot out of memory)."""
     from jax_ep.gemm import grouped_matmul, preferred_alignment
+    from jax_ep.gemm_fp8 import fp8_grouped_matmul
 
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
@@ -134,8 +137,10 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
     @jax.jit
     def experts(x, w1, w2, g):
         def f(x, w1, w2):
-            gate, up = jnp.split(grouped_matmul(x, w1, group_sizes, backend=gemm), 2, axis=1)
-            return grouped_matmul(jax.nn.silu(gate) * up, w2, group_sizes, backend=gemm)
+            matmul = (functools.partial(grouped_matmul, backend=gemm) if gemm_dtype is None
+                      else functools.partial(fp8_grouped_matmul, gemm=gemm))
+            gate, up = jnp.split(matmul(x, w1, group_sizes), 2, axis=1)
+            return matmul(jax.nn.silu(gate) * up, w2, group_sizes)
         out, vjp = jax.vjp(f, x, w1, w2)
         return out, vjp(g)
 

@@ -198,10 +198,11 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
 BLOCKS = {"deepseek_ep2": (32768, 7168, 2048, 128, 73600), "mid_ep2": (24576, 4096, 1408, 32, 51200)}
 
 
-def time_blocks(names) -> list[dict]:
+def time_blocks(names, fp8: bool = False) -> list[dict]:
     """The expert block alone (gate|up grouped GEMM, SwiGLU, down grouped GEMM, forward and backward;
     benchmarks.layer.expert_gemm_seconds with gemm="auto", i.e. this table) next to its roofline (the
-    same GEMM FLOPs as dense dots), one device, same run."""
+    same GEMM FLOPs as dense dots), one device, same run; with `fp8` also the block as
+    MoE(gemm_dtype="float8_e4m3fn") runs it (speed-up over the bf16 block in the record)."""
     from benchmarks.layer import expert_gemm_seconds, roofline_seconds
 
     records = []
@@ -216,9 +217,18 @@ def time_blocks(names) -> list[dict]:
                    date=datetime.date.today().isoformat())
         if block is not None:
             rec.update(ratio=block / roof, block_tflops=flops / block / 1e12)
+        if fp8:
+            block8 = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", 10, 3,
+                                         gemm_dtype="float8_e4m3fn")
+            rec.update(fp8_block_ms=None if block8 is None else block8 * 1e3)
+            if block8 is not None and block is not None:
+                rec.update(fp8_speedup=block / block8)
         print(f"block {name}: " + (f"{rec['block_ms']:.2f} ms, roofline {rec['roofline_ms']:.2f} ms, "
                                     f"{rec['ratio']:.2f}x, {rec['block_tflops']:.0f} TFLOP/s"
-                                    if block is not None else "failed"), flush=True)
+                                    if block is not None else "failed")
+              + (f"; fp8 block {rec['fp8_block_ms']:.2f} ms ({rec.get('fp8_speedup', 0):.2f}x faster)"
+                 if rec.get("fp8_block_ms") is not None else " ; fp8 block failed" if fp8 else ""),
+              flush=True)
         records.append(rec)
     return records
 
@@ -327,7 +337,7 @@ def main(argv=None):
     print(f"wrote {out_path}")
     if args.block:
         _tuned.cache_clear()  # the block reads the table just written
-        report += time_blocks(args.block.split(","))
+        report += time_blocks(args.block.split(","), fp8=args.fp8)
     if args.report:
         pathlib.Path(args.report).write_text(json.dumps(report, indent=1))
 
