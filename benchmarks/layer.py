@@ -12,7 +12,8 @@ For each layer shape, two configurations, measured in the same run:
 With ``--layer-configs ep_hier_reference,ep_hier_cuda`` (only when named), the same layer with the
 hierarchical dispatch / combine (``MoE(node_axis=...)``), the local devices taken as 2 nodes of
 (devices / 2) GPUs: on one host the "node" hop runs over NVLink like the others, so this times the
-composition's extra stage, not a network.
+composition's extra stage, not a network. ``--layer-configs jax_ep_fp8`` (only when named): the defaults
+with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``).
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -64,7 +65,11 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # hierarchical dispatch / combine (MoE(node_axis=...)): the local GPUs taken as `nodes` nodes
            # of (GPUs / nodes) each; the node hop runs over the same NVLink (peer access), not a network
            "ep_hier_reference": dict(backend="reference", gemm="auto", nodes=2),
-           "ep_hier_cuda": dict(backend="cuda", gemm="auto", nodes=2)}
+           "ep_hier_cuda": dict(backend="cuda", gemm="auto", nodes=2),
+           # the defaults with both expert GEMMs in FP8 (MoE(gemm_dtype="float8_e4m3fn"); opt-in)
+           "jax_ep_fp8": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn")}
+# configurations timed only when named in --layer-configs
+NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8")
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:
@@ -213,7 +218,7 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {}))),
-                    gemm=options["gemm"], param_dtype=jnp.bfloat16)
+                    gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"), param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(layer.mesh, P(layer.batch_axes)))
     return layer, x
@@ -353,7 +358,7 @@ def main(args, save=lambda records: None) -> list[dict]:
     records = []
     # the hierarchical configs only when named: they time the same layer on the same GPUs another way
     wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else [
-        c for c in CONFIGS if "nodes" not in CONFIGS[c]]
+        c for c in CONFIGS if c not in NAMED_ONLY]
     unknown = sorted(set(wanted) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"--layer-configs: unknown {unknown}; known: {list(CONFIGS)}")
@@ -384,7 +389,7 @@ def main(args, save=lambda records: None) -> list[dict]:
         for config in wanted:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
-                                          args.iters, args.repeats)
+                                          args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"))
             gemm_ms = None if seconds is None else 1e3 * seconds
             r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
