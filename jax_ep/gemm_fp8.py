@@ -30,17 +30,35 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep.config import FP8_BLOCK
+from jax_ep.config import FP8_BLOCK, FP8_MAX
 from jax_ep.errors import EPValueError
 from jax_ep.gemm import _kernel_platform, weight_gradient
-from jax_ep.reference import dequantize_fp8, fp8_scales, quantize_fp8
+from jax_ep.reference import FP8_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
 from jax_ep.validation import float0_like
+from jax_ep.vma import shape_like, vary_as, vary_jointly
 
 BACKENDS = ("reference", "mosaic_gpu")
-# The Hopper kernel's form (warp_specialized, block_m, stages). Not yet chosen by measurement (the kernels
-# have not run on a GPU yet): the warp-specialised form has the larger tile (block_m x 256).
+# The Hopper kernel's form (warp_specialized, block_m, stages). Measured on one H200 (2026-11-29,
+# tools/tune_gemm.py --fp8, DeepSeek-V3 and mid per-rank shapes): the warp-specialised 64 x 256 form is
+# 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it (two float32 tiles per
+# consumer thread: the accumulator and the running sum). Its 256-wide tile needs N % 256 == 0; other N
+# (e.g. dx of a 1408-wide projection) take the one-consumer form (fp8_kernel_form).
 KERNEL = (True, 64, 4)
-KERNELS = ((False, 64, 4), (True, 64, 4), (True, 128, 3))   # the forms tools/tune_gemm.py --fp8 times
+CLASSIC_KERNEL = (False, 64, 4)
+KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 128, 3))   # the forms tools/tune_gemm.py --fp8 times
+
+
+def fp8_kernel_form(n: int, kernel: tuple[bool, int, int] | None = None) -> tuple[bool, int, int]:
+    """The Hopper FP8 kernel's form for N output columns: `kernel` when given (checked), else KERNEL where
+    its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+    if kernel is None:
+        return KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
+    warp_specialized, block_m, _ = kernel
+    width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
+    if n % width or block_m not in (64, 128):
+        raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0 and block_m 64 or 128, "
+                           f"got N={n}")
+    return kernel
 
 
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -55,6 +73,49 @@ def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q.reshape(g, k, n).astype(jnp.float8_e4m3fn), scales
 
 
+def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", interpret: bool = False
+                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """quantize_weight_blocks in both layouts the FP8 kernels read: (e4m3 [G, K, N], the same values
+    [G, N, K], scales [G, K/128, N/128]). FP8 WGMMA takes both operands K-major, so the forward reads the
+    weights [G, N, K] and the input gradient [G, K, N]. backend "pallas" (a GPU, or ``interpret``) runs one
+    Pallas kernel per 128 x 128 block that reads the bfloat16 weights once and writes both layouts: at 128
+    local experts of DeepSeek-V3 the weights are 11 GB per step, and XLA's fusions read them three times
+    (the block maxima, the scaled cast, the transpose's copy). "reference": those XLA ops."""
+    g, k, n = w.shape
+    if k % FP8_BLOCK or n % FP8_BLOCK:
+        raise EPValueError(f"quantize_weight_blocks: K={k} and N={n} must be multiples of {FP8_BLOCK}")
+    if backend == "reference":
+        wq, scales = quantize_weight_blocks(w)
+        return wq, jnp.swapaxes(wq, 1, 2), scales
+    if backend != "pallas":
+        raise EPValueError(f"quantize_weight_blocks_both: backend must be 'reference' or 'pallas', got {backend!r}")
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b = FP8_BLOCK
+
+    def kernel(w_ref, q_ref, qt_ref, amax_ref):
+        block = w_ref[...].astype(jnp.float32)
+        amax = jnp.maximum(jnp.max(jnp.abs(block)), FP8_MIN_AMAX)
+        q = (block * (FP8_MAX / amax)).astype(jnp.float8_e4m3fn)   # as fp8_scales' factor
+        q_ref[...] = q
+        qt_ref[...] = q.T
+        amax_ref[...] = jnp.full(amax_ref.shape, amax, jnp.float32)
+
+    one = pl.BlockSpec((None, b, b), lambda gi, i, j: (gi, i, j))
+    wq, wq_t, amax = pl.pallas_call(
+        kernel, grid=(g, k // b, n // b),
+        in_specs=[one],
+        out_specs=[one, pl.BlockSpec((None, b, b), lambda gi, i, j: (gi, j, i)),
+                   pl.BlockSpec((None, 1, 1), lambda gi, i, j: (gi, i, j))],
+        out_shape=[shape_like((g, k, n), jnp.float8_e4m3fn, w), shape_like((g, n, k), jnp.float8_e4m3fn, w),
+                   shape_like((g, k // b, n // b), jnp.float32, w)],
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret, name="jax_ep_quantize_weight_blocks")(w)
+    scales = fp8_scales(amax)[1]   # the scales back from the block maxima, by fp8_scales' exact division
+    return wq, wq_t, scales
+
+
 def dequantize_weight_blocks(wq: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
     g, k, n = wq.shape
     per = jnp.repeat(jnp.repeat(scales, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)
@@ -64,7 +125,7 @@ def dequantize_weight_blocks(wq: jax.Array, scales: jax.Array, dtype=jnp.float32
 def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scales: jax.Array,
                        group_sizes: jax.Array, *, wq_t: jax.Array | None = None, transpose_w: bool = False,
                        out_dtype=jnp.bfloat16, backend: str = "reference",
-                       kernel: tuple[bool, int, int] = KERNEL) -> jax.Array:
+                       kernel: tuple[bool, int, int] | None = None) -> jax.Array:
     """out = dequantize(xq, x_scales) @ dequantize(wq, w_scales)[g] per group of rows (``transpose_w``:
     @ ...[g].T, the input gradient), float32 sums, ``out_dtype`` out, zeros past sum(group_sizes).
 
@@ -75,7 +136,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
       wq_t: the weights with the contracted dimension minor, for the kernel ([G, N, K] for the forward;
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
-      kernel: the Hopper kernel's form (warp_specialized, block_m, stages); see KERNEL.
+      kernel: the Hopper kernel's form (warp_specialized, block_m, stages); None: fp8_kernel_form's.
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
@@ -103,10 +164,11 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
 
     if wq_t is None:
         wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
-    warp_specialized, block_m, stages = kernel
+    warp_specialized, block_m, stages = fp8_kernel_form(n, kernel)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m)
-    return mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                               out_dtype=out_dtype, warp_specialized=warp_specialized)
+    out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
+                              out_dtype=out_dtype, warp_specialized=warp_specialized)
+    return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 
 def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
@@ -133,13 +195,16 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     if k % FP8_BLOCK or n % FP8_BLOCK:
         raise EPValueError(f"fp8_grouped_matmul: K={k} and N={n} must be multiples of {FP8_BLOCK} "
                            "(one scale per 128 channels)")
-    return _fp8_matmul(x, w, group_sizes, fp8_backend(k, n, backend), gemm)
+    return _fp8_matmul(*vary_jointly(x, w, group_sizes), fp8_backend(k, n, backend), gemm)
 
 
 def _fp8_forward(x, w, group_sizes, backend, gemm):
     xq, xs = quantize_fp8(x)
-    wq, ws = quantize_weight_blocks(w)
-    out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, out_dtype=x.dtype, backend=backend)
+    if backend == "mosaic_gpu":   # both weight layouts from one read of w (quantize_weight_blocks_both)
+        wq, wq_t, ws = quantize_weight_blocks_both(w, backend="pallas")
+    else:
+        (wq, ws), wq_t = quantize_weight_blocks(w), None
+    out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
     return out, (xq, xs, wq, ws, group_sizes)
 
 

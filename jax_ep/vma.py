@@ -49,3 +49,12 @@ def vary_jointly(*arrays):
     operands of one primitive: the transpose of that cast sums a cotangent over the added axes (e.g. a
     weight replicated over a data axis gets the gradient summed over it)."""
     return tuple(vary_as(a, *arrays) for a in arrays)
+
+
+def shape_like(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A kernel output's shape typed as varying like `like` (a Pallas call's out_shape must say so inside
+    shard_map with check_vma; outside it the type is empty)."""
+    mat = getattr(jax.typeof(like), "mat", None)
+    if mat is None:  # a jax without manual axis types on avals
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -167,3 +167,69 @@ def test_trainable_form_refuses_shapes_without_whole_blocks():
     with pytest.raises(EPValueError, match="mosaic_gpu"):
         fp8_backend(128, 128, "mosaic_gpu")                       # no Hopper GPU here
     assert fp8_backend(128, 256) == "reference"
+
+
+@pytest.mark.parametrize("gemm", ["auto", "mosaic_gpu"])
+def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm):
+    """The MoE layer's FP8 path inside shard_map with the Hopper kernels (what MoE(gemm_dtype=...) runs on a
+    GPU): the kernels' results are per rank, so the custom_vjp's cotangents must vary over the mesh axis
+    like the primal inputs (jax 0.11 refuses the backward otherwise; seen on one H200, 2026-11-29). The
+    gradient traces and lowers for CUDA here, with the GPU-only checks bypassed."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jax_ep import gemm as gemm_mod
+    from jax_ep import gemm_fp8
+
+    monkeypatch.setattr(gemm_fp8, "_kernel_platform", lambda: "")
+    monkeypatch.setattr(gemm_mod, "_kernel_platform", lambda: "")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    m, k, n, g = 512, 256, 384, 3
+
+    def per_rank(x, w, gs):
+        def loss(x, w):
+            out = gemm_fp8.fp8_grouped_matmul(x, w, gs[0], backend="mosaic_gpu", gemm=gemm)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")),
+                          out_specs=(P("ep"), P("ep"))))
+    args = (jax.ShapeDtypeStruct((2 * m, k), jnp.bfloat16), jax.ShapeDtypeStruct((2 * g, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, g), jnp.int32))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
+def test_weight_quantisation_kernel_gives_the_reference_bits():
+    """quantize_weight_blocks_both: the Pallas kernel (interpret mode here; the GPU test runs it compiled)
+    writes both e4m3 layouts and the block scales bit for bit as the XLA reference, zero blocks and
+    scales over 6 orders of magnitude included; the transposed layout is the transpose."""
+    from jax_ep.gemm_fp8 import quantize_weight_blocks_both
+
+    rng = np.random.default_rng(21)
+    g, k, n = 2, 256, 384
+    mag = 10.0 ** rng.uniform(-3, 3, (g, k // 128, 1, n // 128, 1))
+    w = (rng.standard_normal((g, k // 128, 128, n // 128, 128)) * mag).reshape(g, k, n)
+    w[1, :128, :128] = 0
+    w = jnp.asarray(w, jnp.bfloat16)
+    got = quantize_weight_blocks_both(w, backend="pallas", interpret=True)
+    ref = quantize_weight_blocks_both(w)
+    for a, b in zip(got, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got[0], 1, 2).astype(jnp.float32)),
+                                  np.asarray(got[1].astype(jnp.float32)))
+    assert float(jnp.min(got[2])) > 0
+    with pytest.raises(EPValueError, match="backend"):
+        quantize_weight_blocks_both(w, backend="triton")
+
+
+def test_fp8_kernel_form_fits_the_output_width():
+    """The warp-specialised FP8 form's 256-wide tile where it divides N, the one-consumer 128-wide form
+    otherwise (a 1408-wide input gradient); an explicit form that does not fit is refused by name."""
+    from jax_ep.gemm_fp8 import CLASSIC_KERNEL, KERNEL, fp8_kernel_form
+
+    assert fp8_kernel_form(4096) == KERNEL and KERNEL[0]
+    assert fp8_kernel_form(1408) == CLASSIC_KERNEL and not CLASSIC_KERNEL[0]
+    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3)
+    with pytest.raises(EPValueError, match="N % 256"):
+        fp8_kernel_form(1408, KERNEL)
