@@ -89,6 +89,9 @@ def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", int
         return wq, jnp.swapaxes(wq, 1, 2), scales
     if backend != "pallas":
         raise EPValueError(f"quantize_weight_blocks_both: backend must be 'reference' or 'pallas', got {backend!r}")
+    if not _pallas_indexes(g * k * n):
+        raise EPValueError(f"quantize_weight_blocks_both: backend='pallas' cannot address {g * k * n} one-byte "
+                           f"elements (w {w.shape}; see _pallas_indexes); use backend='reference'")
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
@@ -114,6 +117,19 @@ def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", int
         interpret=interpret, name="jax_ep_quantize_weight_blocks")(w)
     scales = fp8_scales(amax)[1]   # the scales back from the block maxima, by fp8_scales' exact division
     return wq, wq_t, scales
+
+
+def _pallas_indexes(elements: int) -> bool:
+    """Whether Pallas' Triton lowering addresses an e4m3 array of this many elements correctly: it takes
+    32-bit offsets for arrays up to 2**32 bytes, which overflow past 2**31 elements (one byte each); the
+    DeepSeek-V3 gate|up weights at 128 local experts (3.76e9) fault with an illegal address on an H200."""
+    return elements < 2**31 or elements > 2**32
+
+
+def weight_quantisation_backend(w_shape) -> str:
+    """quantize_weight_blocks_both's backend on a GPU: the one-pass kernel where Pallas addresses it."""
+    g, k, n = w_shape
+    return "pallas" if _pallas_indexes(g * k * n) else "reference"
 
 
 def dequantize_weight_blocks(wq: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -201,7 +217,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
 def _fp8_forward(x, w, group_sizes, backend, gemm):
     xq, xs = quantize_fp8(x)
     if backend == "mosaic_gpu":   # both weight layouts from one read of w (quantize_weight_blocks_both)
-        wq, wq_t, ws = quantize_weight_blocks_both(w, backend="pallas")
+        wq, wq_t, ws = quantize_weight_blocks_both(w, backend=weight_quantisation_backend(w.shape))
     else:
         (wq, ws), wq_t = quantize_weight_blocks(w), None
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)

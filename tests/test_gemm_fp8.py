@@ -233,3 +233,17 @@ def test_fp8_kernel_form_fits_the_output_width():
     assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3)
     with pytest.raises(EPValueError, match="N % 256"):
         fp8_kernel_form(1408, KERNEL)
+
+
+def test_weight_quantisation_kernel_only_where_pallas_addresses_it():
+    """Pallas' Triton lowering takes 32-bit offsets for arrays up to 4 GiB: an e4m3 array of 2**31 to 2**32
+    elements (DeepSeek-V3's gate|up weights at 128 local experts) would be addressed wrongly, so those
+    weights are quantised by XLA, and an explicit request for the kernel is refused."""
+    from jax_ep.gemm_fp8 import quantize_weight_blocks_both, weight_quantisation_backend
+
+    assert weight_quantisation_backend((128, 2048, 7168)) == "pallas"      # 1.9e9 elements
+    assert weight_quantisation_backend((128, 7168, 4096)) == "reference"   # 3.8e9
+    assert weight_quantisation_backend((300, 7168, 4096)) == "pallas"      # 8.8e9: 64-bit offsets
+    with pytest.raises(EPValueError, match="cannot address"):
+        jax.eval_shape(lambda w: quantize_weight_blocks_both(w, backend="pallas"),
+                       jax.ShapeDtypeStruct((128, 7168, 4096), jnp.bfloat16))
