@@ -181,9 +181,14 @@ def test_moe_layer_kernel_matches_ragged_dot():
 
 def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
     """MoE(gemm_dtype="float8_e4m3fn") on the GPU (the Hopper FP8 kernels, the weight-quantisation kernel,
-    inside shard_map) against the same layer with the FP8 products computed by the reference
-    (dequantise, float32 ragged_dot): loss and every gradient. ffn 384 makes the down projection's input
-    gradient 384 wide, which the 256-wide warp-specialised tile does not divide (one-consumer form)."""
+    inside shard_map) next to the same layer with the FP8 products computed by the reference (dequantise,
+    float32 ragged_dot) and to the bf16 layer: loss and every gradient within FP8's bound of the bf16
+    layer (CPU test: 5.5-6.3%), and no further from it than the reference FP8 numerics are (x1.5). The two
+    FP8 evaluations are not compared with each other tightly: each GEMM agrees with the reference to
+    ~1e-3 (test_fp8_kernel_matches_the_fp8_reference), but one bf16 ulp upstream flips e4m3 roundings of
+    the next quantisation, so whole-layer gradients of two FP8 evaluations differ by ~5% (measured on one
+    H200, 2026-11-29: 5.6%; one ulp on half the elements gives 3% on CPU). ffn 384 makes the down
+    projection's input gradient 384 wide, which the 256-wide warp-specialised tile does not divide."""
     from jax_ep import gemm_fp8
 
     mesh = Mesh(np.array(jax.devices()), ("ep",))
@@ -191,9 +196,9 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
     x = jax.device_put(jax.random.normal(jax.random.key(2), (mesh.size * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
 
-    def step():
+    def step(**kw):
         layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                    gemm_dtype="float8_e4m3fn", param_dtype=jnp.bfloat16)
+                    param_dtype=jnp.bfloat16, **kw)
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def loss(params):
@@ -201,12 +206,15 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
             return jnp.mean(out.astype(jnp.float32) ** 2)
         return jax.jit(jax.value_and_grad(loss))(params)
 
-    l1, g1 = step()
+    bf16 = step(gemm="ragged_dot")
+    kernel = step(gemm_dtype="float8_e4m3fn")
     monkeypatch.setattr(gemm_fp8, "fp8_backend", lambda k, n, backend="auto": "reference")
-    l2, g2 = step()
-    assert np.isfinite(float(l1)) and abs(float(l1) - float(l2)) <= 1e-2 * abs(float(l2))
+    reference = step(gemm_dtype="float8_e4m3fn")
+    (l0, g0), (l1, g1), (l2, g2) = bf16, kernel, reference
+    assert np.isfinite(float(l1)) and abs(float(l1) - float(l0)) <= 3e-2 * abs(float(l0))
     for name in ("w_gate_up", "w_down", "router"):
-        assert rel_err(g1[name][...], g2[name][...]) < 3e-2, name
+        got, ref = rel_err(g1[name][...], g0[name][...]), rel_err(g2[name][...], g0[name][...])
+        assert got < 0.1 and got < 1.5 * ref + 1e-3, (name, got, ref)
 
 
 def test_weight_quantisation_kernel_matches_the_reference():
