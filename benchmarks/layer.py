@@ -13,7 +13,9 @@ With ``--layer-configs ep_hier_reference,ep_hier_cuda`` (only when named), the s
 hierarchical dispatch / combine (``MoE(node_axis=...)``), the local devices taken as 2 nodes of
 (devices / 2) GPUs: on one host the "node" hop runs over NVLink like the others, so this times the
 composition's extra stage, not a network. ``--layer-configs jax_ep_fp8`` (only when named): the defaults
-with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``).
+with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``); ``jax_ep_chunks2`` and
+``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
+with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -67,9 +69,12 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_hier_reference": dict(backend="reference", gemm="auto", nodes=2),
            "ep_hier_cuda": dict(backend="cuda", gemm="auto", nodes=2),
            # the defaults with both expert GEMMs in FP8 (MoE(gemm_dtype="float8_e4m3fn"); opt-in)
-           "jax_ep_fp8": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn")}
+           "jax_ep_fp8": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn"),
+           # the tokens in 2 chunks (EPOptions.chunks): chunk 1's exchange can overlap chunk 0's GEMMs
+           "jax_ep_chunks2": dict(backend="auto", gemm="auto", chunks=2),
+           "ep_cuda_async_chunks2": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1), chunks=2)}
 # configurations timed only when named in --layer-configs
-NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8")
+NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_chunks2", "ep_cuda_async_chunks2")
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:
@@ -217,7 +222,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
                       axis_name="local", node_axis="node")
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
-                                     kernel=KernelConfig(**options.get("kernel", {}))),
+                                     kernel=KernelConfig(**options.get("kernel", {})),
+                                     chunks=options.get("chunks", 1)),
                     gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"), param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(layer.mesh, P(layer.batch_axes)))

@@ -17,9 +17,11 @@ the forward in FP8, and its backward computes dx in FP8 (dy quantised the same w
 transposed) and dw in bfloat16 from the FP8 rows the forward used (``jax_ep.gemm.weight_gradient``);
 quantisation is passed through (straight-through), as in DeepSeek-V3's training.
 
-Status: numerics (``backend="reference"``: dequantise, then a float32 ``lax.ragged_dot``) tested on CPU;
-the Hopper kernel (``jax_ep.gemm_mgpu.ragged_dot_fp8``, ``backend="mosaic_gpu"``) lowers but has not run on
-a GPU yet, nor been timed (issue 37). Not yet: the weight gradient in FP8.
+Status (one H200, 2026-11-29; docs/benchmarks.md, session 18): the Hopper kernels
+(``jax_ep.gemm_mgpu.ragged_dot_fp8``, ``backend="mosaic_gpu"``) agree with the reference (dequantise, then a
+float32 ``lax.ragged_dot``) to ~1e-3 and run 1.3-1.6x the bf16 passes; the trainable form is nevertheless
+slower than bf16 per step at 32-128 local experts, because every step quantises the weights in both
+layouts (``quantize_weight_blocks_both``). Not yet: the weight gradient in FP8.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_ex
 # EPOptions' fields are EPConfig's (same kinds), but expert_alignment may be None (chosen by the layer).
 EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
                                                                  "checked")},
-                    "expert_alignment": "int?"}
+                    "expert_alignment": "int?", "chunks": "int"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,14 @@ class EPOptions:
       backend: "auto", "reference" or "cuda" (``EPConfig.backend``).
       checked: raise at run time on bad expert ids or dropped rows (``EPConfig.checked``).
       kernel: how the CUDA kernels run (``jax_ep.KernelConfig``).
+      chunks: the throughput path splits each rank's tokens into this many equal chunks (it must divide
+        the tokens per rank) after routing, and dispatches, computes and combines each on its own, in the
+        order dispatch 0, dispatch 1, experts 0, combine 0, dispatch 2, experts 1, ...: chunk i's exchange
+        has no data dependence on chunk i-1's expert GEMMs, so with the kernels on an async stream
+        (``KernelConfig(async_stream=1)``) XLA can run them side by side. Results equal ``chunks=1``'s when
+        nothing is dropped (``capacity`` applies to each chunk's dispatch). Each chunk streams every local
+        expert's weights through its GEMMs once more, so many local experts favour few chunks; 1 (default)
+        until the layer benchmark measures a win (``benchmarks --layer``, configs ``*_chunks2``).
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked`` and
@@ -99,6 +107,7 @@ class EPOptions:
     backend: str = "auto"
     checked: bool = False
     kernel: KernelConfig = KernelConfig()
+    chunks: int = 1
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)
@@ -182,7 +191,8 @@ class MoE(nnx.Module):
       gemm_dtype: None (the expert GEMMs in the compute dtype) or "float8_e4m3fn": both expert GEMMs of the
         throughput path (training, prefill) in FP8 as DeepSeek-V3 trains them (``jax_ep.gemm_fp8``:
         rows per 128 channels, weights per 128 x 128 block, dx in FP8, dw in bfloat16; hidden and
-        ffn_hidden multiples of 128). The decode path keeps the compute dtype.
+        ffn_hidden multiples of 128). The decode path keeps the compute dtype. Measured slower than bf16 per
+        step at 32-128 local experts (every step quantises the weights; docs/api.md).
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
@@ -547,8 +557,13 @@ class MoE(nnx.Module):
                                                    local_slots)
             w_gate_up, w_down = w_gate_up[slot_expert], w_down[slot_expert]
         w_in = jax.ShapeDtypeStruct((local_slots, *w_gate_up.shape[1:]), x.dtype)
+        chunks = 1 if decode else self.ep.chunks
+        if x.shape[0] % chunks:
+            raise EPValueError(f"MoE: EPOptions.chunks={chunks} must divide the tokens per rank, got "
+                               f"{x.shape[0]}")
         cfg = self.ep.ep_config(
-            num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden, max_tokens_per_rank=x.shape[0],
+            num_experts=num_slots, num_topk=self.num_topk, hidden=self.hidden,
+            max_tokens_per_rank=x.shape[0] // chunks,
             axis_name=self.axis_name, preferred_alignment=preferred_alignment(
                 jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in, backend=self.gemm))
         if self.routing.ep_size not in (1, ep_size):
@@ -576,24 +591,8 @@ class MoE(nnx.Module):
             out, expert_counts, num_dropped = self._experts_low_latency(
                 x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask)
         else:
-            with jax.named_scope(SCOPES["dispatch"]):
-                if self.node_axis is None:
-                    d = dispatch(x, topk_idx, routing.topk_weights, cfg, rank_mask=rank_mask)
-                else:
-                    d = dispatch_hierarchical(x, topk_idx, routing.topk_weights, cfg, self.node_axis)
-            with jax.named_scope(SCOPES["experts"]):
-                rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
-                rows = rows.astype(x.dtype)
-                matmul = (functools.partial(grouped_matmul, backend=self.gemm) if self.gemm_dtype is None
-                          else functools.partial(fp8_grouped_matmul, gemm=self.gemm))
-                gate, up = jnp.split(matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes), 2, axis=1)
-                y = matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes)
-            with jax.named_scope(SCOPES["combine"]):
-                if self.node_axis is None:
-                    out = combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
-                else:
-                    out = combine_hierarchical(y.astype(x.dtype), d.handle, cfg, self.node_axis)
-            expert_counts, num_dropped = d.expert_counts, d.num_dropped
+            out, expert_counts, num_dropped = self._experts_throughput(
+                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, chunks)
 
         # statistics: every rank's counts placed at its slots, summed over all token shards; logical
         # loads sum the replicas of each expert
@@ -609,6 +608,40 @@ class MoE(nnx.Module):
                                     self.balancing.aux_loss_alpha, sequence_length=seq_len)
             aux = lax.pmean(aux, self.batch_axes)
         return out, MoEStats(load, dropped, aux, slot_load)
+
+    def _experts_throughput(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig, rank_mask,
+                            chunks: int):
+        """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
+        chunk i+1 dispatched before chunk i's experts run."""
+        def send(t):
+            with jax.named_scope(SCOPES["dispatch"]):
+                if self.node_axis is None:
+                    return dispatch(x_[t], idx_[t], wts_[t], cfg, rank_mask=rank_mask)
+                return dispatch_hierarchical(x_[t], idx_[t], wts_[t], cfg, self.node_axis)
+
+        def experts_and_back(d):
+            with jax.named_scope(SCOPES["experts"]):
+                rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
+                rows = rows.astype(x.dtype)
+                matmul = (functools.partial(grouped_matmul, backend=self.gemm) if self.gemm_dtype is None
+                          else functools.partial(fp8_grouped_matmul, gemm=self.gemm))
+                gate, up = jnp.split(matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes), 2, axis=1)
+                y = matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes)
+            with jax.named_scope(SCOPES["combine"]):
+                if self.node_axis is None:
+                    return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
+                return combine_hierarchical(y.astype(x.dtype), d.handle, cfg, self.node_axis)
+
+        x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
+        sent, outs = [send(0)], []
+        for t in range(chunks):
+            if t + 1 < chunks:   # the next chunk's exchange before this chunk's GEMMs (program order)
+                sent.append(send(t + 1))
+            outs.append(experts_and_back(sent[t]))
+        out = outs[0] if chunks == 1 else jnp.concatenate(outs)
+        expert_counts = sum(d.expert_counts for d in sent)
+        num_dropped = sum(d.num_dropped for d in sent)
+        return out, expert_counts, num_dropped
 
     def _ranks_per_node(self) -> int:
         """Inside shard_map: the local axis's size, which routing.ranks_per_node must match."""

@@ -442,3 +442,36 @@ def test_fp8_expert_gemms_stay_within_fp8_error_of_the_bf16_layer():
         make_layer(mesh, gemm_dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match="gemm_dtype must be one of"):
         make_layer(mesh, gemm_dtype="float16")
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_token_chunks_give_the_unchunked_layer(chunks):
+    """EPOptions(chunks=N): each rank's tokens dispatched, computed and combined in N chunks (so one
+    chunk's exchange can overlap another's GEMMs) give the same output, gradients of every parameter and
+    of the input, and the same expert loads as one chunk when nothing is dropped; a chunk count that does
+    not divide the tokens per rank is refused by name."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    x = random_tokens(31, batch=8, seq=8)     # 16 tokens per rank
+
+    def run(**ep):
+        layer = make_layer(mesh, seed=5, ep=ep, shared_ffn_hidden=8)
+
+        def loss(model, x):
+            y = model(x, update_stats=True)
+            return jnp.sum(y * jnp.cos(jnp.arange(HIDDEN, dtype=jnp.float32))), y
+        (_, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
+        return y, g_model, g_x, layer.last_load[...]
+
+    (y1, g1, gx1, load1), (yn, gn, gxn, loadn) = run(), run(chunks=chunks)
+    np.testing.assert_allclose(np.asarray(yn), np.asarray(y1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gxn), np.asarray(gx1), rtol=1e-5, atol=1e-6)
+    for name in ("w_gate_up", "w_down", "router"):
+        a, b = np.asarray(getattr(gn, name)[...]), np.asarray(getattr(g1, name)[...])
+        assert np.abs(b).max() > 0, name
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(loadn), np.asarray(load1))
+    assert int(np.sum(load1)) == 8 * 8 * TOPK
+    with pytest.raises(ValueError, match="chunks=3 must divide the tokens per rank, got 16"):
+        make_layer(mesh, ep=dict(chunks=3))(x, update_stats=False)
+    with pytest.raises(ValueError, match="chunks must be a positive int, got 0"):
+        EPOptions(chunks=0)

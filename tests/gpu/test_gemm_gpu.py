@@ -183,8 +183,9 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
     """MoE(gemm_dtype="float8_e4m3fn") on the GPU (the Hopper FP8 kernels, the weight-quantisation kernel,
     inside shard_map) next to the same layer with the FP8 products computed by the reference (dequantise,
     float32 ragged_dot) and to the bf16 layer: loss and every gradient within FP8's bound of the bf16
-    layer (CPU test: 5.5-6.3%), and no further from it than the reference FP8 numerics are (x1.5). The two
-    FP8 evaluations are not compared with each other tightly: each GEMM agrees with the reference to
+    layer (CPU test: 5.5-6.3%), and no further from it than the reference FP8 numerics are plus the spread
+    of two FP8 evaluations. The two FP8 evaluations are not compared with each other tightly: each GEMM
+    agrees with the reference to
     ~1e-3 (test_fp8_kernel_matches_the_fp8_reference), but one bf16 ulp upstream flips e4m3 roundings of
     the next quantisation, so whole-layer gradients of two FP8 evaluations differ by ~5% (measured on one
     H200, 2026-11-29: 5.6%; one ulp on half the elements gives 3% on CPU). ffn 384 makes the down
@@ -214,7 +215,9 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
     assert np.isfinite(float(l1)) and abs(float(l1) - float(l0)) <= 3e-2 * abs(float(l0))
     for name in ("w_gate_up", "w_down", "router"):
         got, ref = rel_err(g1[name][...], g0[name][...]), rel_err(g2[name][...], g0[name][...])
-        assert got < 0.1 and got < 1.5 * ref + 1e-3, (name, got, ref)
+        # |kernel - bf16| <= |reference - bf16| + |kernel - reference|, the last being the spread of two
+        # FP8 evaluations (<= 5.8% on the H200): a kernel error beyond FP8's own would exceed it
+        assert got < 0.1 and got < ref + 0.06, (name, got, ref)
 
 
 def test_weight_quantisation_kernel_matches_the_reference():
