@@ -262,3 +262,21 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     assert len(kernels) == 6 and all("error" in fp8[key] for key in kernels)  # reported, not fatal
     if importlib.util.find_spec("tokamax") is None:
         assert "tokamax" not in rec and "No module named 'tokamax'" in rec["tokamax_note"]
+
+
+def test_gemm_ncu_programs_lower_for_hopper_in_the_printed_order():
+    """tools/gemm_ncu.py (what GEMM_NCU=1 tools/gpu_check.sh profiles): its five programs — bf16 forward,
+    dx, dW at the table's configurations, FP8 forward and dx — trace and lower to one Mosaic GPU kernel
+    each, in the order --print-order gives (ncu's launches are mapped to kernels by it)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "gemm_ncu.py"
+    spec = importlib.util.spec_from_file_location("gemm_ncu", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    runs = tool.programs(1024, 700, 256, 512, 4)
+    assert tuple(name for name, _, _ in runs) == tool.ORDER
+    for name, f, args in runs:
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 1, name

@@ -31,6 +31,10 @@
 #               dense dot, fwd and vjp (tools/tune_gemm.py --passes "" --compare; record $OUT/gemm_peers.json);
 #               tokamax from the carried wheels in .whl/tokamax (tools/gemm_peers.sh), else it is reported
 #               missing; GEMM_PEERS_SHAPES (default layers) picks tune_gemm's shapes
+#      GEMM_NCU=1 profiles one launch of each grouped GEMM kernel of the DeepSeek-V3 layer per rank at EP2
+#            (bf16 forward, dx, dW at the table's configurations; FP8 forward and dx) with ncu, stall
+#            reasons included (tools/gemm_ncu.py; GEMM_NCU_SHAPES: gate_up and/or down, default
+#            gate_up); reports, details pages and SASS source CSVs tarred into $OUT/gemm_ncu.tar.gz
 #      NCU=1 profiles the EP kernels' main kernels (ncu --set full, one launch each) at the
 #            DeepSeek-V3 shape over the local GPUs; NCU_ARGS extra arguments of tools/ep_tune.py,
 #            NCU_SECTIONS ncu's section arguments, NCU_JOBS other kernels (see the step);
@@ -291,15 +295,41 @@ if [ "${PG_BENCH:-0}" = 1 ]; then
   [ $pg_rc -eq 0 ] || { status=1; tail -40 "$OUT/pg_bench.log"; }
 fi
 
+NCU_DEFAULT_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+--section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
+--section Occupancy"
+
+if [ "${GEMM_NCU:-0}" = 1 ]; then
+  step "ncu: the grouped GEMM kernels, bf16 and FP8 (tools/gemm_ncu.py under ncu)"
+  start=$SECONDS
+  mkdir -p "$OUT/gemm_ncu"
+  for shape in ${GEMM_NCU_SHAPES:-gate_up}; do
+    # the 5 warm-up launches skipped, then one launch of each kernel (tools/gemm_ncu.py --print-order);
+    # SourceCounters: stall reasons per instruction
+    # shellcheck disable=SC2086
+    timeout 300 ncu --clock-control none ${NCU_SECTIONS:-$NCU_DEFAULT_SECTIONS} --section SourceCounters \
+      -k regex:mosaic --launch-skip 5 --launch-count 5 -f -o "$OUT/gemm_ncu/$shape" \
+      "$PY" tools/gemm_ncu.py --shape "$shape" >"$OUT/gemm_ncu/$shape.log" 2>&1
+    gemm_ncu_rc=$?
+    grep -E "^launched" "$OUT/gemm_ncu/$shape.log"
+    ncu --import "$OUT/gemm_ncu/$shape.ncu-rep" --page details --print-units base >"$OUT/gemm_ncu/$shape.txt" 2>&1
+    ncu --import "$OUT/gemm_ncu/$shape.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/gemm_ncu/$shape.source_sass.csv" 2>&1 || true
+    grep -E "Duration|DRAM Throughput|Compute \(SM\) Th|Executed Ipc A|No Eligible|Registers Per" \
+      "$OUT/gemm_ncu/$shape.txt" | tee -a "$OUT/summary.txt"
+    [ $gemm_ncu_rc -eq 0 ] || status=1
+  done
+  tar -C "$OUT" -czf "$OUT/gemm_ncu.tar.gz" gemm_ncu && rm -rf "$OUT/gemm_ncu"
+  echo "gemm ncu: in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+fi
+
 if [ "${NCU:-0}" = 1 ]; then
   step "ncu: the EP main kernels (tools/ep_tune.py under ncu)"
   start=$SECONDS
   mkdir -p "$OUT/ncu"
   # name | kernels | launches | ep_tune arguments. bf16: each op's first calls (the warm-up, the
   # timed chain and the handle's dispatch), so every main kernel is caught at least twice.
-  sections="${NCU_SECTIONS:---section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
---section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
---section Occupancy}"
+  sections="${NCU_SECTIONS:-$NCU_DEFAULT_SECTIONS}"
   jobs=("expert_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16"
         "expert_major_fp8|dispatch_main|dispatch_main|dispatch_main|1|--dtypes float8_e4m3fn"
         "rank_major|dispatch_main|combine_main|broadcast_main|9|--dtypes bfloat16 --rank-major")
