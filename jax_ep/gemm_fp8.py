@@ -58,8 +58,8 @@ def fp8_kernel_form(n: int, kernel: tuple[bool, int, int] | None = None) -> tupl
     warp_specialized, block_m, _ = kernel
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
     if n % width or block_m not in (64, 128):
-        raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0 and block_m 64 or 128, "
-                           f"got N={n}")
+        raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0 and block_m 64 or "
+                           f"128, got N={n}")
     return kernel
 
 
@@ -90,10 +90,11 @@ def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", int
         wq, scales = quantize_weight_blocks(w)
         return wq, jnp.swapaxes(wq, 1, 2), scales
     if backend != "pallas":
-        raise EPValueError(f"quantize_weight_blocks_both: backend must be 'reference' or 'pallas', got {backend!r}")
+        raise EPValueError("quantize_weight_blocks_both: backend must be 'reference' or 'pallas', "
+                           f"got {backend!r}")
     if not _pallas_indexes(g * k * n):
-        raise EPValueError(f"quantize_weight_blocks_both: backend='pallas' cannot address {g * k * n} one-byte "
-                           f"elements (w {w.shape}; see _pallas_indexes); use backend='reference'")
+        raise EPValueError(f"quantize_weight_blocks_both: backend='pallas' cannot address {g * k * n} "
+                           f"one-byte elements (w {w.shape}; see _pallas_indexes); use backend='reference'")
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 

@@ -175,7 +175,8 @@ def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm):
     GPU): the kernels' results are per rank, so the custom_vjp's cotangents must vary over the mesh axis
     like the primal inputs (jax 0.11 refuses the backward otherwise; seen on one H200, 2026-11-29). The
     gradient traces and lowers for CUDA here, with the GPU-only checks bypassed."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     from jax_ep import gemm as gemm_mod
     from jax_ep import gemm_fp8

@@ -823,3 +823,29 @@ def test_node_hop_takes_cfg_transport_and_local_axis_loads_stores(monkeypatch):
             assert ("transport = 1 " in line) != ("transport = 0 " in line), line
     assert seen == {"jax_ep_dispatch_rank_major": True, "jax_ep_combine_rank_major": True,
                     "jax_ep_dispatch": False, "jax_ep_combine": False}, seen
+
+
+def test_layer_in_token_chunks_matches_one_chunk():
+    """EPOptions(chunks=2) on the hierarchical path (dispatch_hierarchical / combine_hierarchical per
+    chunk): output and gradients of x and every parameter equal one chunk's."""
+    nodes, local = 2, 2
+    one = layer_pair(nodes, local)[1]
+    two = layer_pair(nodes, local, ep=moe.EPOptions(backend="reference", chunks=2))[1]
+    x = jax.device_put(jax.random.normal(jax.random.key(7), (nodes * local * 2 * T, H), jnp.float32),
+                       NamedSharding(one.mesh, P(GROUP)))
+
+    def value_and_grads(layer):
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def loss(params, x):
+            out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
+            return jnp.sum(jnp.sin(out) * out), out
+        (g_params, g_x), out = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+        return jax.tree.map(np.asarray, (out, g_x, g_params))
+
+    want, got = value_and_grads(one), value_and_grads(two)
+    assert np.abs(want[0]).max() > 0
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(got),
+                                 jax.tree_util.tree_leaves_with_path(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(),
+                                   err_msg=jax.tree_util.keystr(path))

@@ -59,14 +59,16 @@ def programs(m, real, k, n, g):
     return [("forward bf16", jax.jit(bf16("forward")), (x, w, dy, gs)),
             ("dx bf16", jax.jit(bf16("dx")), (x, w, dy, gs)),
             ("dw bf16", jax.jit(bf16("dw")), (x, w, dy, gs)),
-            ("forward fp8", jax.jit(lambda *a: grouped_matmul_fp8(*a[:4], a[5], wq_t=a[4], backend="mosaic_gpu")),
+            ("forward fp8",
+             jax.jit(lambda *a: grouped_matmul_fp8(*a[:4], a[5], wq_t=a[4], backend="mosaic_gpu")),
              (xq, xs, wq, ws, wq_t, gs)),
             ("dx fp8", jax.jit(lambda *a: grouped_matmul_fp8(*a, transpose_w=True, backend="mosaic_gpu")),
              (dyq, dys, wq, ws, gs))]
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="gate_up", choices=sorted(SHAPES))
     parser.add_argument("--print-order", action="store_true", help="print the kernels' order and exit")
     args = parser.parse_args(argv)
