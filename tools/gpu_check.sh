@@ -295,6 +295,17 @@ if [ "${PG_BENCH:-0}" = 1 ]; then
   [ $pg_rc -eq 0 ] || { status=1; tail -40 "$OUT/pg_bench.log"; }
 fi
 
+# ncu_pages BASE VIEW...: BASE.ncu-rep's details page as BASE.txt and its source page per VIEW (sass,
+# cuda) as BASE.source_VIEW.csv
+ncu_pages() {
+  local base=$1 view
+  shift
+  ncu --import "$base.ncu-rep" --page details --print-units base >"$base.txt" 2>&1
+  for view in "$@"; do
+    ncu --import "$base.ncu-rep" --page source --csv --print-source "$view" >"$base.source_$view.csv" 2>&1 || true
+  done
+}
+
 NCU_DEFAULT_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
 --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
 --section Occupancy"
@@ -312,9 +323,7 @@ if [ "${GEMM_NCU:-0}" = 1 ]; then
       "$PY" tools/gemm_ncu.py --shape "$shape" >"$OUT/gemm_ncu/$shape.log" 2>&1
     gemm_ncu_rc=$?
     grep -E "^launched" "$OUT/gemm_ncu/$shape.log"
-    ncu --import "$OUT/gemm_ncu/$shape.ncu-rep" --page details --print-units base >"$OUT/gemm_ncu/$shape.txt" 2>&1
-    ncu --import "$OUT/gemm_ncu/$shape.ncu-rep" --page source --csv --print-source sass \
-      >"$OUT/gemm_ncu/$shape.source_sass.csv" 2>&1 || true
+    ncu_pages "$OUT/gemm_ncu/$shape" sass
     grep -E "Duration|DRAM Throughput|Compute \(SM\) Th|Executed Ipc A|No Eligible|Registers Per" \
       "$OUT/gemm_ncu/$shape.txt" | tee -a "$OUT/summary.txt"
     [ $gemm_ncu_rc -eq 0 ] || status=1
@@ -343,12 +352,8 @@ if [ "${NCU:-0}" = 1 ]; then
       ${NCU_ARGS:-} >"$OUT/ncu/$name.log" 2>&1
     ncu_rc=$?
     tail -5 "$OUT/ncu/$name.log"
-    ncu --import "$OUT/ncu/$name.ncu-rep" --page details --print-units base >"$OUT/ncu/$name.txt" 2>&1
     # per-instruction samples (stall reasons): only with --section SourceCounters in NCU_SECTIONS
-    for view in sass cuda; do
-      ncu --import "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source "$view" \
-        >"$OUT/ncu/$name.source_$view.csv" 2>&1 || true
-    done
+    ncu_pages "$OUT/ncu/$name" sass cuda
     grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L1/TEX Cache Throughput|Executed Ipc A|Compute \(SM\) Th" \
       "$OUT/ncu/$name.txt" | tee -a "$OUT/summary.txt"
     [ $ncu_rc -eq 0 ] || status=1
