@@ -29,7 +29,6 @@ step without XLA's command buffers (split_by_scope says why).
 from __future__ import annotations
 
 import datetime
-import functools
 import glob
 import re
 import tempfile
@@ -127,8 +126,7 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
     (mildly uneven), each expert padded to the alignment the layer asks of dispatch. `gemm_dtype` is the
     MoE layer's (None: bf16 GEMMs; "float8_e4m3fn": jax_ep.gemm_fp8.fp8_grouped_matmul as the layer uses
     it). None if it fails (e.g. lax.ragged_dot out of memory)."""
-    from jax_ep.gemm import grouped_matmul, preferred_alignment
-    from jax_ep.gemm_fp8 import fp8_grouped_matmul
+    from jax_ep.gemm import preferred_alignment
 
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
@@ -147,10 +145,7 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
     @jax.jit
     def experts(x, w1, w2, g):
         def f(x, w1, w2):
-            matmul = (functools.partial(grouped_matmul, backend=gemm) if gemm_dtype is None
-                      else functools.partial(fp8_grouped_matmul, gemm=gemm))
-            gate, up = jnp.split(matmul(x, w1, group_sizes), 2, axis=1)
-            return matmul(jax.nn.silu(gate) * up, w2, group_sizes)
+            return moe.expert_block(x, w1, w2, group_sizes, gemm=gemm, gemm_dtype=gemm_dtype)
         out, vjp = jax.vjp(f, x, w1, w2)
         return out, vjp(g)
 

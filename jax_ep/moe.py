@@ -613,6 +613,8 @@ class MoE(nnx.Module):
                             chunks: int):
         """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
         chunk i+1 dispatched before chunk i's experts run."""
+        x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
+
         def send(t):
             with jax.named_scope(SCOPES["dispatch"]):
                 if self.node_axis is None:
@@ -622,23 +624,19 @@ class MoE(nnx.Module):
         def experts_and_back(d):
             with jax.named_scope(SCOPES["experts"]):
                 rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
-                rows = rows.astype(x.dtype)
-                matmul = (functools.partial(grouped_matmul, backend=self.gemm) if self.gemm_dtype is None
-                          else functools.partial(fp8_grouped_matmul, gemm=self.gemm))
-                gate, up = jnp.split(matmul(rows, w_gate_up.astype(x.dtype), d.group_sizes), 2, axis=1)
-                y = matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), d.group_sizes)
+                y = expert_block(rows.astype(x.dtype), w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
+                                 d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype)
             with jax.named_scope(SCOPES["combine"]):
                 if self.node_axis is None:
                     return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
                 return combine_hierarchical(y.astype(x.dtype), d.handle, cfg, self.node_axis)
 
-        x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
         sent, outs = [send(0)], []
         for t in range(chunks):
             if t + 1 < chunks:   # the next chunk's exchange before this chunk's GEMMs (program order)
                 sent.append(send(t + 1))
             outs.append(experts_and_back(sent[t]))
-        out = outs[0] if chunks == 1 else jnp.concatenate(outs)
+        out = jnp.concatenate(outs)   # (one operand: XLA drops the concatenate)
         expert_counts = sum(d.expert_counts for d in sent)
         num_dropped = sum(d.num_dropped for d in sent)
         return out, expert_counts, num_dropped
@@ -671,6 +669,18 @@ class MoE(nnx.Module):
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
         return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped
+
+
+def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
+                 gemm: str = "auto", gemm_dtype: str | None = None) -> jax.Array:
+    """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
+    (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
+    jax_ep.gemm_fp8.fp8_grouped_matmul). What MoE's throughput path runs per chunk; the layer benchmark
+    times it alone."""
+    matmul = (functools.partial(grouped_matmul, backend=gemm) if gemm_dtype is None
+              else functools.partial(fp8_grouped_matmul, gemm=gemm))
+    gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes), 2, axis=1)
+    return matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

@@ -17,10 +17,11 @@ from jax.sharding import PartitionSpec as P
 AXIS = "ep"
 
 
-def run_logged(commands: dict[str, list[str]], tmp, *, cwd, env=None, wait_s: float) -> dict:
+def run_logged(commands: dict[str, list[str]], tmp, *, cwd, env=None, wait_s: float,
+               env_for: dict | None = None) -> dict:
     """Runs the commands at once, each one's output to tmp/<name>.log (files: no pipe can fill up);
-    {name: (exit code, log)}. The waits are bounded by wait_s in all; a command still running then is
-    killed and the test fails naming it."""
+    {name: (exit code, log)}. ``env_for[name]`` replaces ``env`` for that command. The waits are bounded by
+    wait_s in all; a command still running then is killed and the test fails naming it."""
     import subprocess
     import time
 
@@ -30,8 +31,8 @@ def run_logged(commands: dict[str, list[str]], tmp, *, cwd, env=None, wait_s: fl
     try:
         for name, command in commands.items():
             logs[name] = open(tmp / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(command, cwd=cwd, env=env, stdout=logs[name],
-                                           stderr=subprocess.STDOUT)
+            procs[name] = subprocess.Popen(command, cwd=cwd, env=(env_for or {}).get(name, env),
+                                           stdout=logs[name], stderr=subprocess.STDOUT)
         deadline = time.monotonic() + wait_s
         for name, proc in procs.items():
             try:

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import run_logged
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS, BATCH, SEQ, LAYERS, EXPERTS, TOPK = 8, 16, 32, 1, 16, 2
@@ -40,22 +41,9 @@ def finished(tmp_path_factory):
                             str(ROOT / "examples" / "train_moe.py"), *TRAIN_ARGS,
                             "--out", str(tmp / "out_2proc")],
     }
-    procs, logs = {}, {}
-    try:
-        for name, command in commands.items():
-            logs[name] = open(tmp / f"{name}.log", "w")  # files, not pipes: no pipe can fill up and block
-            # the launched run on CPU devices, on GPU machines too
-            own_env = dict(env, JAX_PLATFORMS="cpu") if name == "train_moe_2proc" else env
-            procs[name] = subprocess.Popen(command, cwd=tmp, env=own_env, stdout=logs[name],
-                                           stderr=subprocess.STDOUT)
-        codes = {name: proc.wait(timeout=600) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        for log in logs.values():
-            log.close()
-    return tmp, {name: (codes[name], (tmp / f"{name}.log").read_text()) for name in commands}
+    # the launched run on CPU devices, on GPU machines too
+    return tmp, run_logged(commands, tmp, cwd=tmp, env=env, wait_s=600,
+                           env_for={"train_moe_2proc": dict(env, JAX_PLATFORMS="cpu")})
 
 
 @pytest.mark.slow
@@ -289,21 +277,9 @@ def test_train_moe_restore_on_four_devices(finished):
     commands = {"restore": [sys.executable, script, *same, "--experts", str(EXPERTS),
                             "--out", str(tmp / "out_restored")],
                 "mismatch": [sys.executable, script, *same, "--experts", "8", "--out", str(tmp / "out_bad")]}
-    procs, logs = {}, {}
-    try:
-        for name, command in commands.items():
-            logs[name] = open(tmp / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(command, cwd=tmp, env=env, stdout=logs[name],
-                                           stderr=subprocess.STDOUT)
-        codes = {name: proc.wait(timeout=400) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        for file in logs.values():
-            file.close()
-    restore_log, bad_log = ((tmp / f"{name}.log").read_text() for name in ("restore", "mismatch"))
-    assert codes["restore"] == 0, restore_log
+    results = run_logged(commands, tmp, cwd=tmp, env=env, wait_s=400)
+    (restore_code, restore_log), (bad_code, bad_log) = results["restore"], results["mismatch"]
+    assert restore_code == 0, restore_log
     assert "train_moe: 4 x cpu devices, mesh data x ep = 2 x 2" in restore_log, restore_log
     restored = json.loads((tmp / "out_restored" / "metrics.json").read_text())
     for name, run in restored["runs"].items():
@@ -312,6 +288,6 @@ def test_train_moe_restore_on_four_devices(finished):
         np.testing.assert_allclose(info["check_loss"], saved["check_loss"][name], rtol=1e-6, err_msg=name)
         assert f"restored from {tmp / 'ckpt' / name} (saved on mesh data x ep = 2 x 4)" in restore_log
         assert all(math.isfinite(v) for v in run["loss"]) and len(run["loss"]) == 2, run["loss"]
-    assert codes["mismatch"] != 0, bad_log
+    assert bad_code != 0, bad_log
     assert "MoE layer 'blocks/0/moe': routing.num_experts is 16 in the checkpoint, 8 in the model" in bad_log
     assert "Traceback" not in bad_log, bad_log

@@ -21,22 +21,25 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from tune_gemm import SHAPES as TUNED_SHAPES  # noqa: E402
+
 from benchmarks.layer import expert_group_sizes  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
 from jax_ep.gemm import block_config  # noqa: E402
 
-# (M incl. capacity padding, real rows, K, N, G): tools/tune_gemm.py's DeepSeek-V3 layer shapes
-SHAPES = {"gate_up": (73600, 32768, 7168, 4096, 128), "down": (73600, 32768, 2048, 7168, 128)}
+# tools/tune_gemm.py's DeepSeek-V3 layer shapes: (M incl. capacity padding, real rows, K, N, G, alignment)
+SHAPES = dict(zip(("gate_up", "down"), TUNED_SHAPES["dsv3"], strict=True))
 ORDER = ("forward bf16", "dx bf16", "dw bf16", "forward fp8", "dx fp8")
 
 
-def programs(m, real, k, n, g):
+def programs(m, real, k, n, g, align=64):
     """(name, jitted function, arguments) in ORDER."""
     from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks_both
     from jax_ep.reference import quantize_fp8
 
     rng = np.random.default_rng(0)
-    gs = jnp.asarray(expert_group_sizes(real, g, rng, align=64))
+    gs = jnp.asarray(expert_group_sizes(real, g, rng, align=align))
     key = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(key[0], (m, k), jnp.bfloat16)
     w = jax.random.normal(key[1], (g, k, n), jnp.bfloat16) * k ** -0.5
@@ -72,12 +75,12 @@ def main(argv=None):
     parser.add_argument("--shape", default="gate_up", choices=sorted(SHAPES))
     parser.add_argument("--print-order", action="store_true", help="print the kernels' order and exit")
     args = parser.parse_args(argv)
-    m, real, k, n, g = SHAPES[args.shape]
+    m, real, k, n, g, align = SHAPES[args.shape]
     if args.print_order:
         # the warm-up runs each program once: len(ORDER) Mosaic launches before the profiled ones
         print(f"warm-up Mosaic launches: {len(ORDER)}; profiled, in order: {', '.join(ORDER)}")
         return
-    runs = programs(m, real, k, n, g)
+    runs = programs(m, real, k, n, g, align)
     assert tuple(name for name, _, _ in runs) == ORDER
     for _, f, a in runs:  # compile and warm up
         jax.block_until_ready(f(*a))
