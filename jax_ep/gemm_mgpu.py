@@ -70,9 +70,10 @@ class BlockConfig:
             raise EPValueError("BlockConfig.row_stream=1 needs compute_wgs=2 and mma_in_flight=0, got "
                                f"row_stream={self.row_stream}, compute_wgs={self.compute_wgs}, "
                                f"mma_in_flight={self.mma_in_flight}")
-        if self.row_stream and self.block_m * self.block_n > 64 * 128:
-            raise EPValueError("BlockConfig.row_stream=1 keeps two accumulators per consumer: block_m x "
-                               f"block_n must be at most 64 x 128, got {self.block_m} x {self.block_n}")
+        if self.row_stream and self.block_m * self.block_n > 128 * 128:
+            raise EPValueError("BlockConfig.row_stream=1 carries one accumulator per consumer in registers: "
+                               f"block_m x block_n must be at most 128 x 128, got "
+                               f"{self.block_m} x {self.block_n}")
 
     @property
     def cta_n(self) -> int:
@@ -551,9 +552,10 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
 
                     def mma(acc_ref):
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
-                        return acc_ref[...]
 
-                    total = total + pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    # the running sum is the WGMMA accumulator itself (registers in, registers out):
+                    # one accumulator per consumer, so a consumer's tile can be 128 x 128
+                    total = pl.run_state(mma)(plgpu.ACC.init(total))
                     is_last = info_gmem[4, s] != 0
 
                     @pl.when(is_last)
@@ -628,9 +630,10 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
                     plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
                     return acc_ref[...]
 
+                w_scale = ws_gmem[group, idx[0], ni]  # issued before the WGMMA: its latency hides there
                 part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
                 rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                scale = rows * ws_gmem[group, idx[0], ni]
+                scale = rows * w_scale
                 return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
 
             def matmul():
@@ -714,9 +717,12 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                         plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
                         return acc_ref[...]
 
+                    # the weight scale's global load goes out before the WGMMA, whose time hides its
+                    # latency (loaded after it, the scaling waited on it: ~10% of the consumers' stalls)
+                    w_scale = ws_gmem[group, idx[0], col_block]
                     part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
                     rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = rows * ws_gmem[group, idx[0], col_block]
+                    scale = rows * w_scale
                     return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
 
                 @pl.when(group < g)
