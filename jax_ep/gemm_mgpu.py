@@ -211,11 +211,13 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     grid_m, grid_n = k // bm, n // bn
 
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        @_group_tiles(info_gmem, g, grid_m * grid_n)
-        def _tile(loop_info: plgpu.NDLoopInfo, start, end, num_k, first_row):
+        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+        def _tile(loop_info: plgpu.NDLoopInfo):
             gi = loop_info.index[0]
             mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), minor, width)
-            first_row = pl.multiple_of(first_row, bk)
+            start, end = info_gmem[0, gi], info_gmem[1, gi]
+            num_k = info_gmem[2, gi]
+            first_row = pl.multiple_of(info_gmem[3, gi], bk)
 
             def acc_scope(acc_ref):
                 def step(idx, lhs_smem, rhs_smem):
@@ -266,27 +268,6 @@ def _group_row_blocks(group_sizes, rows: int, bk: int):
     block_starts = starts // bk * bk
     num_blocks = jnp.where(ends > starts, -(ends // -bk) - starts // bk, 0)
     return jnp.stack([starts, ends, num_blocks, block_starts]).astype(jnp.int32)
-
-
-def _group_tiles(info_gmem, g: int, tiles_per_group: int):
-    """The persistent loop of the weight-gradient kernels over (group, output tile), handing the body
-    its group's _group_row_blocks entry (first row, end row, K blocks, first row of the first block).
-    Each entry is read from global memory one tile ahead: a group has only a few K steps, so a load
-    at the start of the tile would put its latency in front of every tile's pipeline."""
-    sms, me = lax.axis_size("sm"), lax.axis_index("sm")
-
-    def entry(flat_tile):
-        gi = jnp.minimum(flat_tile // tiles_per_group, g - 1)
-        return tuple(info_gmem[r, gi] for r in range(4))
-
-    def decorator(body):
-        @plgpu.nd_loop((g, tiles_per_group), collective_axes="sm", init_carry=entry(me))
-        def _loop(loop_info: plgpu.NDLoopInfo, carry):
-            upcoming = entry((loop_info.local_index + 1) * sms + me)
-            body(loop_info, *carry)
-            return upcoming
-
-    return decorator
 
 
 def _smem_transforms(dtype, minor_elems: int):
@@ -458,11 +439,13 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
         def _scope(allocs, o_smem):
             wg = lax.axis_index("wg")
 
-            @_group_tiles(info_gmem, g, grid_m * grid_n)
-            def _tile(loop_info: plgpu.NDLoopInfo, start, end, num_k, first_row):
+            @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+            def _tile(loop_info: plgpu.NDLoopInfo):
                 gi = loop_info.index[0]
                 mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), minor, width)
-                first_row = pl.multiple_of(first_row, bk)
+                start, end = info_gmem[0, gi], info_gmem[1, gi]
+                num_k = info_gmem[2, gi]
+                first_row = pl.multiple_of(info_gmem[3, gi], bk)
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values):
@@ -557,17 +540,12 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
                     _write_tile(o_smem.at[wg], values)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
 
-                def entry(s):  # a step's schedule entry: first row, rows, last of its group?, group
-                    return tuple(info_gmem[r, s] for r in (_START, _SIZE, 4, _GROUP))
-
                 def compute_context(run):
-                    run((_acc_zeros(bm, bn), entry(0)))
+                    run(_acc_zeros(bm, bn))
 
-                def step(idx, lhs_smem, rhs_smem, carry):
-                    total, (start, size, last, group) = carry
-                    # the next step's entry is loaded a step ahead of its use: read here, in front of
-                    # the WGMMA, its global-load latency would stall every step
-                    upcoming = entry(jnp.minimum(idx[0] + 1, num_steps - 1))
+                def step(idx, lhs_smem, rhs_smem, total):
+                    s = idx[0]
+                    start, size = info_gmem[_START, s], info_gmem[_SIZE, s]
                     rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
 
                     _mask_outside(lhs_smem, rhs_mine, (start != 0) | (size != bk), start, start + size)
@@ -578,16 +556,16 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
                     # the running sum is the WGMMA accumulator itself (registers in, registers out):
                     # one accumulator per consumer, so a consumer's tile can be 128 x 128
                     total = pl.run_state(mma)(plgpu.ACC.init(total))
-                    is_last = last != 0
+                    is_last = info_gmem[4, s] != 0
 
                     @pl.when(is_last)
                     def _():
-                        store(total, group)
+                        store(total, info_gmem[_GROUP, s])
 
                     rows_kept = jnp.where(is_last, 0, bm)  # the next group starts from zero
                     iota = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, total.shape, 0),
                                              plgpu.Layout.WGMMA)
-                    return jnp.where(iota < rows_kept, total, (iota < 0).astype(total.dtype)), upcoming
+                    return jnp.where(iota < rows_kept, total, (iota < 0).astype(total.dtype))
 
                 @pl.when(num_steps > 0)
                 def _():
