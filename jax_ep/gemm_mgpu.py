@@ -630,10 +630,9 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
                     plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
                     return acc_ref[...]
 
-                w_scale = ws_gmem[group, idx[0], ni]  # issued before the WGMMA: its latency hides there
                 part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
                 rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                scale = rows * w_scale
+                scale = rows * ws_gmem[group, idx[0], ni]
                 return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
 
             def matmul():
@@ -717,12 +716,9 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                         plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
                         return acc_ref[...]
 
-                    # the weight scale's global load goes out before the WGMMA, whose time hides its
-                    # latency (loaded after it, the scaling waited on it: ~10% of the consumers' stalls)
-                    w_scale = ws_gmem[group, idx[0], col_block]
                     part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
                     rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = rows * w_scale
+                    scale = rows * ws_gmem[group, idx[0], col_block]
                     return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
 
                 @pl.when(group < g)
