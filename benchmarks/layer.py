@@ -13,7 +13,9 @@ With ``--layer-configs ep_hier_reference,ep_hier_cuda`` (only when named), the s
 hierarchical dispatch / combine (``MoE(node_axis=...)``), the local devices taken as 2 nodes of
 (devices / 2) GPUs: on one host the "node" hop runs over NVLink like the others, so this times the
 composition's extra stage, not a network. ``--layer-configs jax_ep_fp8`` (only when named): the defaults
-with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``); ``jax_ep_chunks2`` and
+with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``), ``jax_ep_fp8_cached`` the same
+with the weights quantised once outside the step (``MoE.quantize_weights``, what gradient accumulation
+reuses over its micro-batches; ``quantise_ms`` is that quantisation, timed apart); ``jax_ep_chunks2`` and
 ``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
 with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
@@ -44,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ep import moe
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig
+from jax_ep.gemm_fp8 import quantize_weights
 
 LAYER_PRESETS = {
     # name: (hidden, ffn_hidden, experts, top-k, tokens per rank)
@@ -69,11 +72,15 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_hier_cuda": dict(backend="cuda", gemm="auto", nodes=2),
            # the defaults with both expert GEMMs in FP8 (MoE(gemm_dtype="float8_e4m3fn"); opt-in)
            "jax_ep_fp8": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn"),
+           # ... with the weights quantised once per optimiser step, outside the timed micro-batch step
+           "jax_ep_fp8_cached": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
+                                     fp8_cached=True),
            # the tokens in 2 chunks (EPOptions.chunks): chunk 1's exchange can overlap chunk 0's GEMMs
            "jax_ep_chunks2": dict(backend="auto", gemm="auto", chunks=2),
            "ep_cuda_async_chunks2": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1), chunks=2)}
 # configurations timed only when named in --layer-configs
-NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_chunks2", "ep_cuda_async_chunks2")
+NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached", "jax_ep_chunks2",
+              "ep_cuda_async_chunks2")
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:
@@ -120,12 +127,14 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
 
 
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
-                        iters: int, repeats: int, gemm_dtype: str | None = None) -> float | None:
+                        iters: int, repeats: int, gemm_dtype: str | None = None,
+                        fp8_cached: bool = False) -> float | None:
     """The layer's expert block alone (gate|up GEMM, SwiGLU, down GEMM; forward and backward) on one
     device, on a dispatch-like buffer: `capacity` rows of which `rows` are spread over the local experts
     (mildly uneven), each expert padded to the alignment the layer asks of dispatch. `gemm_dtype` is the
     MoE layer's (None: bf16 GEMMs; "float8_e4m3fn": jax_ep.gemm_fp8.fp8_grouped_matmul as the layer uses
-    it). None if it fails (e.g. lax.ragged_dot out of memory)."""
+    it; ``fp8_cached``: with the weights quantised beforehand, MoE.quantize_weights' way). None if it fails
+    (e.g. lax.ragged_dot out of memory)."""
     from jax_ep.gemm import preferred_alignment
 
     rng = np.random.default_rng(0)
@@ -143,14 +152,15 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
     group_sizes = jax.device_put(jnp.asarray(sizes), dev)
 
     @jax.jit
-    def experts(x, w1, w2, g):
+    def experts(x, w1, w2, g, fp8=None):
         def f(x, w1, w2):
-            return moe.expert_block(x, w1, w2, group_sizes, gemm=gemm, gemm_dtype=gemm_dtype)
+            return moe.expert_block(x, w1, w2, group_sizes, gemm=gemm, gemm_dtype=gemm_dtype, fp8_weights=fp8)
         out, vjp = jax.vjp(f, x, w1, w2)
         return out, vjp(g)
 
     try:
-        return best_of(experts, x, w1, w2, g, iters=iters, repeats=repeats)
+        fp8 = moe.ExpertFP8Weights(*map(jax.jit(quantize_weights), (w1, w2))) if fp8_cached else None
+        return best_of(experts, x, w1, w2, g, fp8, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         print(f"  expert block alone ({gemm}): {type(e).__name__}: {str(e)[:160]}", flush=True)
         return None
@@ -239,19 +249,24 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     @jax.jit
-    def step(params, x):
+    def step(params, x, fp8=None):
         # d x too: inside a model the layer's input gradient feeds the layers below (without it XLA
         # drops the backward of dispatch and the expert GEMM feeding it)
         def loss(params, x):
-            out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
+            out = nnx.merge(graphdef, params, rest)(x, update_stats=False, fp8_weights=fp8)
             return jnp.mean(out.astype(jnp.float32) ** 2)
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
     plans = layer_gemm_plans(layer, mesh, x)
     record["gemm"] = plans
     try:
-        record["step_ms"] = 1e3 * best_of(step, params, x, iters=iters, repeats=repeats)
-        record["split_ms"] = split_by_scope(step, (params, x), iters) if profile else None
+        args = (params, x)
+        if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step
+            quantise = jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())
+            record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats)
+            args = (params, x, quantise(params))
+        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
+        record["split_ms"] = split_by_scope(step, args, iters) if profile else None
     except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
         record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
         # plain JAX (the peer) not fitting in memory is what this benchmark measures about it, not a
@@ -390,7 +405,8 @@ def main(args, save=lambda records: None) -> list[dict]:
         for config in wanted:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
-                                          args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"))
+                                          args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"),
+                                          CONFIGS[config].get("fp8_cached", False))
             gemm_ms = None if seconds is None else 1e3 * seconds
             r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,

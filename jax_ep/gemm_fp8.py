@@ -21,19 +21,22 @@ Status (one H200, 2026-11-29; docs/benchmarks.md, session 18): the Hopper kernel
 (``jax_ep.gemm_mgpu.ragged_dot_fp8``, ``backend="mosaic_gpu"``) agree with the reference (dequantise, then a
 float32 ``lax.ragged_dot``) to ~1e-3 and run 1.3-1.6x the bf16 passes; the trainable form is nevertheless
 slower than bf16 per step at 32-128 local experts, because every step quantises the weights in both
-layouts (``quantize_weight_blocks_both``). Not yet: the weight gradient in FP8.
+layouts (``quantize_weight_blocks_both``). ``quantize_weights(w)`` does that once (``FP8Weights``), for
+``fp8_grouped_matmul(..., quantized=...)`` to reuse over the micro-batches of one optimiser step, as
+TransformerEngine's FP8 weight caching does. Not yet: the weight gradient in FP8.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
-from jax_ep.errors import EPValueError
+from jax_ep.errors import EPTypeError, EPValueError
 from jax_ep.gemm import _kernel_platform, weight_gradient
 from jax_ep.reference import FP8_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
 from jax_ep.validation import float0_like
@@ -141,6 +144,46 @@ def dequantize_weight_blocks(wq: jax.Array, scales: jax.Array, dtype=jnp.float32
     return (wq.astype(jnp.float32) * per).astype(dtype)
 
 
+class FP8Weights(NamedTuple):
+    """[G, K, N] weights quantised once for the FP8 GEMMs (``quantize_weights``): ``wq`` e4m3 [G, K, N]
+    (what the input gradient reads), ``wq_t`` the same values [G, N, K] (what the Hopper forward reads;
+    None where the GEMM runs on the reference backend) and ``scales`` float32 [G, K/128, N/128]."""
+    wq: jax.Array
+    wq_t: jax.Array | None
+    scales: jax.Array
+
+
+def quantize_weights(w: jax.Array, *, backend: str = "auto") -> FP8Weights:
+    """w [G, K, N] (K and N multiples of 128) quantised per 128 x 128 block, in the layouts the FP8 GEMM
+    on ``backend`` ("auto": ``fp8_backend``'s choice) reads: the same bits ``fp8_grouped_matmul(x, w, ...)``
+    computes from w on every call, for ``fp8_grouped_matmul(x, w, ..., quantized=...)`` to reuse."""
+    if getattr(w, "ndim", None) != 3:
+        raise EPValueError("quantize_weights: w must be 3-D [G, K, N], got shape "
+                           f"{getattr(w, 'shape', None)}")
+    if fp8_backend(w.shape[1], w.shape[2], backend) == "mosaic_gpu":
+        return FP8Weights(*quantize_weight_blocks_both(w, backend=weight_quantisation_backend(w.shape)))
+    wq, scales = quantize_weight_blocks(w)
+    return FP8Weights(wq, None, scales)
+
+
+def _check_quantized(quantized, w: jax.Array, backend: str) -> None:
+    """quantized must be an FP8Weights of w's shape with the layouts `backend`'s GEMM reads."""
+    if not isinstance(quantized, FP8Weights):
+        raise EPTypeError(f"fp8_grouped_matmul: quantized must be a jax_ep.gemm_fp8.FP8Weights "
+                          f"(quantize_weights(w)), got {type(quantized).__name__}")
+    g, k, n = w.shape
+    want = {"wq": (g, k, n), "scales": (g, k // FP8_BLOCK, n // FP8_BLOCK)}
+    if backend == "mosaic_gpu":
+        want["wq_t"] = (g, n, k)
+    for name, shape in want.items():
+        got = getattr(quantized, name)
+        if got is None or tuple(got.shape) != shape:
+            raise EPValueError(f"fp8_grouped_matmul: quantized.{name} must have shape {shape} for w "
+                               f"{tuple(w.shape)} on backend {backend!r}, got "
+                               f"{None if got is None else tuple(got.shape)} (quantise the weights with "
+                               "quantize_weights on the same backend)")
+
+
 def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scales: jax.Array,
                        group_sizes: jax.Array, *, wq_t: jax.Array | None = None, transpose_w: bool = False,
                        out_dtype=jnp.bfloat16, backend: str = "reference",
@@ -203,10 +246,15 @@ def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
 
 
 def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
-                       gemm: str = "auto") -> jax.Array:
+                       gemm: str = "auto", quantized: FP8Weights | None = None) -> jax.Array:
     """``grouped_matmul(x, w, group_sizes)`` with the matrix work in FP8 (module docstring): x [M, K]
     bfloat16/float32 rows, w [G, K, N] (K and N multiples of 128), result in x's dtype. Differentiable in
-    x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's)."""
+    x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's).
+
+    ``quantized``: w already quantised (``quantize_weights(w)`` on the same backend), used instead of
+    quantising w in this call. It is a constant (no gradient flows into it); w still receives the weight
+    gradient, which needs only the rows and dy. It must come from w's current values: quantise again after
+    each update of w."""
     k, n = w.shape[1], w.shape[2]
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != k:
         raise EPValueError(f"fp8_grouped_matmul: x [M, K] and w [G, K, N] must share K, got x {x.shape}, "
@@ -214,37 +262,54 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     if k % FP8_BLOCK or n % FP8_BLOCK:
         raise EPValueError(f"fp8_grouped_matmul: K={k} and N={n} must be multiples of {FP8_BLOCK} "
                            "(one scale per 128 channels)")
-    return _fp8_matmul(*vary_jointly(x, w, group_sizes), fp8_backend(k, n, backend), gemm)
+    backend = fp8_backend(k, n, backend)
+    if quantized is not None:
+        _check_quantized(quantized, w, backend)
+        quantized = FP8Weights(*(None if a is None else vary_as(lax.stop_gradient(a), x, w)
+                                 for a in quantized))
+    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, backend, gemm)
 
 
-def _fp8_forward(x, w, group_sizes, backend, gemm):
+def _fp8_forward(x, w, group_sizes, quantized, backend):
     xq, xs = quantize_fp8(x)
-    if backend == "mosaic_gpu":   # both weight layouts from one read of w (quantize_weight_blocks_both)
-        wq, wq_t, ws = quantize_weight_blocks_both(w, backend=weight_quantisation_backend(w.shape))
+    if quantized is not None:
+        wq, wq_t, ws = quantized
+    elif backend == "mosaic_gpu":   # both weight layouts from one read of w (quantize_weight_blocks_both)
+        wq, wq_t, ws = quantize_weights(w, backend=backend)
     else:
         (wq, ws), wq_t = quantize_weight_blocks(w), None
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
     return out, (xq, xs, wq, ws, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fp8_matmul(x, w, group_sizes, backend, gemm):
-    return _fp8_forward(x, w, group_sizes, backend, gemm)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_matmul(x, w, group_sizes, quantized, backend, gemm):
+    return _fp8_forward(x, w, group_sizes, quantized, backend)[0]
 
 
-def _fp8_matmul_fwd(x, w, group_sizes, backend, gemm):
-    out, res = _fp8_forward(x, w, group_sizes, backend, gemm)
-    return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+def _fp8_matmul_fwd(x, w, group_sizes, quantized, backend, gemm):
+    out, res = _fp8_forward(x, w, group_sizes, quantized, backend)
+    # which fields the cached weights have, as scalars: their (zero) cotangent is made in the backward
+    # from wq's and ws's shapes, not kept from the forward
+    q_like = None if quantized is None else FP8Weights(
+        *(None if a is None else jnp.zeros((), a.dtype) for a in quantized))
+    return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), q_like)
 
 
 def _fp8_matmul_bwd(backend, gemm, res, dy):
-    xq, xs, wq, ws, group_sizes, x_like, w_like = res
+    xq, xs, wq, ws, group_sizes, x_like, w_like, q_like = res
+    # cached FP8 weights are constants (stop_gradient upstream): zero cotangents, dropped unused
+    d_quantized = None if q_like is None else FP8Weights(
+        vary_as(jnp.zeros(wq.shape, wq.dtype), wq),
+        None if q_like.wq_t is None else vary_as(jnp.zeros((wq.shape[0], wq.shape[2], wq.shape[1]),
+                                                           wq.dtype), wq),
+        vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
     dyq, dys = quantize_fp8(dy)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
                             backend=backend)
     rows = dequantize_fp8(xq, xs, jnp.bfloat16)          # the rows the forward multiplied
     dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
-    return dx, dw.astype(w_like.dtype), float0_like(group_sizes)
+    return dx, dw.astype(w_like.dtype), float0_like(group_sizes), d_quantized
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

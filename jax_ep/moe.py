@@ -50,7 +50,7 @@ from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
-from jax_ep.gemm_fp8 import fp8_grouped_matmul
+from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
 from jax_ep.ops import combine, dispatch, ll_combine, ll_dispatch
 from jax_ep.reference import dequantize_fp8
@@ -144,6 +144,13 @@ class RankMask(nnx.Variable):
     """Active EP ranks of an MoE layer (bool[R]; ``MoE.set_rank_mask``)."""
 
 
+class ExpertFP8Weights(NamedTuple):
+    """A layer's expert weights quantised once for its FP8 GEMMs (``MoE.quantize_weights``): the gate|up
+    and down projections as ``jax_ep.gemm_fp8.FP8Weights`` ([E, ...] each, sharded as the weights)."""
+    gate_up: FP8Weights
+    down: FP8Weights
+
+
 class MoEStats(NamedTuple):
     expert_load: jax.Array   # [E] int32 rows each logical expert received this call (all ranks, all replicas)
     num_dropped: jax.Array   # [] int32 rows dropped for lack of capacity (all ranks)
@@ -192,7 +199,9 @@ class MoE(nnx.Module):
         throughput path (training, prefill) in FP8 as DeepSeek-V3 trains them (``jax_ep.gemm_fp8``:
         rows per 128 channels, weights per 128 x 128 block, dx in FP8, dw in bfloat16; hidden and
         ffn_hidden multiples of 128). The decode path keeps the compute dtype. Measured slower than bf16 per
-        step at 32-128 local experts (every step quantises the weights; docs/api.md).
+        step at 32-128 local experts when every step quantises the weights (docs/api.md); with gradient
+        accumulation, quantise them once per optimiser step (``quantize_weights``) and pass them to each
+        micro-batch's call (``fp8_weights=``).
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
@@ -468,15 +477,20 @@ class MoE(nnx.Module):
 
     # ---------------------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, decode: bool | None = None,
-                 update_stats: bool | None = None) -> jax.Array:
+                 update_stats: bool | None = None, fp8_weights: ExpertFP8Weights | None = None) -> jax.Array:
         """x: [..., hidden] (global if the layer has a mesh, this rank's tokens otherwise) -> [..., hidden]
         in x's dtype.
 
         ``decode``: None takes ``self.decode``; True runs the low-latency ops (decode steps, forward only),
         False the throughput ops (training, prefill). ``update_stats``: record the loads, bias update and
         aux loss in the layer's state; None (default) means True for the throughput path and False for
-        decode; False leaves the state untouched."""
+        decode; False leaves the state untouched. ``fp8_weights``: with ``gemm_dtype="float8_e4m3fn"``,
+        the expert weights already quantised (``quantize_weights()``, from their current values) instead
+        of quantising them in this call: the same result, gradients included (they flow to the bfloat16
+        weights), without the per-call quantisation (throughput path only)."""
         decode = self.decode if decode is None else bool(decode)
+        if fp8_weights is not None:
+            self._check_fp8_weights(fp8_weights, decode)
         if update_stats is None:
             update_stats = not decode
         if x.shape[-1] != self.hidden:
@@ -488,7 +502,7 @@ class MoE(nnx.Module):
         params = (self.router[...], self.w_gate_up[...], self.w_down[...], self.expert_bias[...],
                   self.placement, None if self.rank_mask is None else self.rank_mask[...])
         if self.mesh is None:
-            out, stats = self._per_rank(routed, *params, seq_len=seq_len, decode=decode)
+            out, stats = self._per_rank(routed, *params, fp8_weights, seq_len=seq_len, decode=decode)
         else:
             batch = P(self.batch_axes)
             shards = int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
@@ -501,9 +515,10 @@ class MoE(nnx.Module):
             experts = P(self.ep_axes) if self.placement is None else P()
             body = jax.shard_map(
                 lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode), mesh=self.mesh,
-                in_specs=(batch, P(), experts, experts, P(), P(), P()),
+                in_specs=(batch, P(), experts, experts, P(), P(), P(),
+                          None if fp8_weights is None else experts),
                 out_specs=(batch, MoEStats(P(), P(), P(), P())))
-            out, stats = body(routed, *params)
+            out, stats = body(routed, *params, fp8_weights)
         out = out.astype(x.dtype)
         if self.shared is not None:
             out = out + self.shared(tokens)
@@ -517,6 +532,40 @@ class MoE(nnx.Module):
         Add it to the training loss to use it instead of (or with) bias balancing."""
         return self.last_aux_loss[...]
 
+    def quantize_weights(self, dtype=None) -> ExpertFP8Weights:
+        """The expert weights quantised for the FP8 GEMMs (``gemm_dtype="float8_e4m3fn"``), once: pass the
+        result to each call of one optimiser step (``layer(x, fp8_weights=...)``, e.g. every micro-batch
+        of a gradient accumulation) and quantise again after the weights change. The weights are cast to
+        the experts' compute dtype first, as the layer's call casts them: ``dtype``, else the layer's
+        ``dtype``, else the parameters' (pass the tokens' dtype when the layer has no ``dtype`` and the
+        tokens differ from the parameters). With a mesh each device quantises its own experts."""
+        if self.gemm_dtype is None:
+            raise EPValueError("MoE.quantize_weights: the layer's expert GEMMs are not FP8 "
+                               "(gemm_dtype=None); construct it with gemm_dtype='float8_e4m3fn'")
+        weights = (self.w_gate_up[...], self.w_down[...])
+        dtype = jnp.dtype(dtype or self.dtype or weights[0].dtype)
+
+        def quantize(w_gate_up, w_down):
+            return ExpertFP8Weights(quantize_weights(w_gate_up.astype(dtype)),
+                                    quantize_weights(w_down.astype(dtype)))
+
+        if self.mesh is None:
+            return quantize(*weights)
+        experts = P(self.ep_axes) if self.placement is None else P()
+        return jax.shard_map(quantize, mesh=self.mesh, in_specs=(experts, experts),
+                             out_specs=experts)(*weights)
+
+    def _check_fp8_weights(self, fp8_weights, decode: bool) -> None:
+        if self.gemm_dtype is None:
+            raise EPValueError("MoE: fp8_weights were given but the layer's expert GEMMs are not FP8 "
+                               "(gemm_dtype=None)")
+        if decode:
+            raise EPValueError("MoE: fp8_weights apply to the throughput path; the decode path runs the "
+                               "expert GEMMs in the compute dtype")
+        if not isinstance(fp8_weights, ExpertFP8Weights):
+            raise EPTypeError("MoE: fp8_weights must be the ExpertFP8Weights of MoE.quantize_weights(), got "
+                              f"{type(fp8_weights).__name__}")
+
     def _record(self, stats: MoEStats) -> None:
         self.last_load[...] = stats.expert_load
         self.total_load[...] = self.total_load[...] + stats.expert_load.astype(jnp.float32)
@@ -528,7 +577,8 @@ class MoE(nnx.Module):
             self.expert_bias[...] = update_bias(self.expert_bias[...], stats.expert_load.astype(jnp.float32),
                                                 self.balancing.bias_update_rate)
 
-    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, *, seq_len, decode=False):
+    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None, *,
+                  seq_len, decode=False):
         ep_size = lax.axis_size(self.ep_axes)
         rank = lax.axis_index(self.ep_axes)  # node-major on the hierarchical path
         if decode and self.node_axis is not None:
@@ -556,6 +606,7 @@ class MoE(nnx.Module):
             slot_expert = lax.dynamic_slice_in_dim(placement.physical_to_logical, rank * local_slots,
                                                    local_slots)
             w_gate_up, w_down = w_gate_up[slot_expert], w_down[slot_expert]
+            fp8_weights = jax.tree.map(lambda a: a[slot_expert], fp8_weights)
         w_in = jax.ShapeDtypeStruct((local_slots, *w_gate_up.shape[1:]), x.dtype)
         chunks = 1 if decode else self.ep.chunks
         if x.shape[0] % chunks:
@@ -592,7 +643,7 @@ class MoE(nnx.Module):
                 x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask)
         else:
             out, expert_counts, num_dropped = self._experts_throughput(
-                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, chunks)
+                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, chunks, fp8_weights)
 
         # statistics: every rank's counts placed at its slots, summed over all token shards; logical
         # loads sum the replicas of each expert
@@ -610,7 +661,7 @@ class MoE(nnx.Module):
         return out, MoEStats(load, dropped, aux, slot_load)
 
     def _experts_throughput(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig, rank_mask,
-                            chunks: int):
+                            chunks: int, fp8_weights: ExpertFP8Weights | None = None):
         """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
         chunk i+1 dispatched before chunk i's experts run."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
@@ -625,7 +676,8 @@ class MoE(nnx.Module):
             with jax.named_scope(SCOPES["experts"]):
                 rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
                 y = expert_block(rows.astype(x.dtype), w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
-                                 d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype)
+                                 d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
+                                 fp8_weights=fp8_weights)
             with jax.named_scope(SCOPES["combine"]):
                 if self.node_axis is None:
                     return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
@@ -672,15 +724,22 @@ class MoE(nnx.Module):
 
 
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
-                 gemm: str = "auto", gemm_dtype: str | None = None) -> jax.Array:
+                 gemm: str = "auto", gemm_dtype: str | None = None,
+                 fp8_weights: ExpertFP8Weights | None = None) -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
-    jax_ep.gemm_fp8.fp8_grouped_matmul). What MoE's throughput path runs per chunk; the layer benchmark
-    times it alone."""
-    matmul = (functools.partial(grouped_matmul, backend=gemm) if gemm_dtype is None
-              else functools.partial(fp8_grouped_matmul, gemm=gemm))
-    gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes), 2, axis=1)
-    return matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
+    jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
+    weights here). What MoE's throughput path runs per chunk; the layer benchmark times it alone."""
+    if gemm_dtype is None:
+        if fp8_weights is not None:
+            raise EPValueError("expert_block: fp8_weights need gemm_dtype='float8_e4m3fn'")
+        matmul = functools.partial(grouped_matmul, backend=gemm)
+        gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes), 2, axis=1)
+        return matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
+    gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
+    gate, up = jnp.split(fp8_grouped_matmul(rows, w_gate_up, group_sizes, gemm=gemm, quantized=gate_up_q), 2,
+                         axis=1)
+    return fp8_grouped_matmul(jax.nn.silu(gate) * up, w_down, group_sizes, gemm=gemm, quantized=down_q)
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

@@ -75,6 +75,20 @@ def test_hierarchical_layer_bench_runs_as_two_nodes(tmp_path):
 
 
 @pytest.mark.slow
+def test_fp8_layer_bench_times_the_quantisation_apart_when_cached(tmp_path):
+    """jax_ep_fp8 / jax_ep_fp8_cached (named only): the FP8 layer, and the same with its weights quantised
+    once outside the timed step (MoE.quantize_weights), whose time is recorded apart."""
+    records = bench.main(["--layer", "--layer-shapes", "small", "--layer-configs",
+                          "jax_ep_fp8,jax_ep_fp8_cached", "--iters", "1", "--repeats", "1",
+                          "--out", str(tmp_path / "fp8.json")])
+    fresh, cached = records
+    assert fresh["config"] == "jax_ep_fp8" and "quantise_ms" not in fresh
+    assert cached["config"] == "jax_ep_fp8_cached" and cached["quantise_ms"] > 0
+    for r in records:
+        assert r["step_ms"] > 0 and r["gemm_ms"] > 0 and "error" not in r
+
+
+@pytest.mark.slow
 def test_decode_layer_bench_writes_records(tmp_path):
     records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",
                           "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "decode.json")])

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_ep import gemm_fp8
 from jax_ep import gemm_mgpu as mgpu
 from jax_ep.errors import EPValueError
 from jax_ep.gemm_fp8 import dequantize_weight_blocks, grouped_matmul_fp8, quantize_weight_blocks
@@ -169,12 +170,13 @@ def test_trainable_form_refuses_shapes_without_whole_blocks():
     assert fp8_backend(128, 256) == "reference"
 
 
-@pytest.mark.parametrize("gemm", ["auto", "mosaic_gpu"])
-def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm):
+@pytest.mark.parametrize("gemm,cached", [("auto", False), ("mosaic_gpu", False), ("auto", True)])
+def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm, cached):
     """The MoE layer's FP8 path inside shard_map with the Hopper kernels (what MoE(gemm_dtype=...) runs on a
     GPU): the kernels' results are per rank, so the custom_vjp's cotangents must vary over the mesh axis
     like the primal inputs (jax 0.11 refuses the backward otherwise; seen on one H200, 2026-11-29). The
-    gradient traces and lowers for CUDA here, with the GPU-only checks bypassed."""
+    gradient traces and lowers for CUDA here, with the GPU-only checks bypassed; `cached`: from weights
+    quantised beforehand (quantize_weights: both layouts)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -187,8 +189,11 @@ def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm):
     m, k, n, g = 512, 256, 384, 3
 
     def per_rank(x, w, gs):
+        q = gemm_fp8.quantize_weights(w) if cached else None
+        assert not cached or q.wq_t.shape == (g, n, k)
+
         def loss(x, w):
-            out = gemm_fp8.fp8_grouped_matmul(x, w, gs[0], backend="mosaic_gpu", gemm=gemm)
+            out = gemm_fp8.fp8_grouped_matmul(x, w, gs[0], backend="mosaic_gpu", gemm=gemm, quantized=q)
             return jnp.sum(out.astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=(0, 1))(x, w)
 
@@ -248,3 +253,32 @@ def test_weight_quantisation_kernel_only_where_pallas_addresses_it():
     with pytest.raises(EPValueError, match="cannot address"):
         jax.eval_shape(lambda w: quantize_weight_blocks_both(w, backend="pallas"),
                        jax.ShapeDtypeStruct((128, 7168, 4096), jnp.bfloat16))
+
+
+def test_quantised_weights_reused_give_the_same_bits_and_errors_name_them():
+    """fp8_grouped_matmul(..., quantized=quantize_weights(w)) is the call that quantises w itself, value
+    and both gradients bit for bit; no gradient reaches the quantised copy; a copy of another shape or
+    type is refused by name."""
+    rng = np.random.default_rng(5)
+    g, k, n, m = 3, 256, 384, 512
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / 16, jnp.bfloat16)
+    gs = jnp.asarray([100, 0, 300], jnp.int32)
+    q = gemm_fp8.quantize_weights(w)
+    assert q.wq_t is None and q.wq.dtype == jnp.float8_e4m3fn     # the reference GEMM reads one layout
+
+    def loss(x, w, q=None):
+        out = gemm_fp8.fp8_grouped_matmul(x, w, gs, quantized=q)
+        return jnp.sum(out.astype(jnp.float32) * jnp.sin(jnp.arange(n, dtype=jnp.float32)))
+
+    want = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+    got = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w, q)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        assert np.abs(np.asarray(a, np.float32)).max() > 0
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
+    g_q = jax.grad(lambda q: loss(x, w, q))(q)
+    assert all(float(jnp.abs(a.astype(jnp.float32)).max()) == 0 for a in jax.tree.leaves(g_q))
+    with pytest.raises(ValueError, match=r"quantized.wq must have shape \(3, 256, 384\)"):
+        gemm_fp8.fp8_grouped_matmul(x, w, gs, quantized=gemm_fp8.quantize_weights(w[:2]))
+    with pytest.raises(TypeError, match="quantized must be a jax_ep.gemm_fp8.FP8Weights"):
+        gemm_fp8.fp8_grouped_matmul(x, w, gs, quantized=(q.wq, q.scales))

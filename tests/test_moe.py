@@ -444,6 +444,55 @@ def test_fp8_expert_gemms_stay_within_fp8_error_of_the_bf16_layer():
         make_layer(mesh, gemm_dtype="float16")
 
 
+@pytest.mark.parametrize("placement", [False, True])
+def test_fp8_weights_quantised_once_give_the_same_step(placement):
+    """MoE.quantize_weights() once, then layer(x, fp8_weights=...) for each micro-batch: the same output,
+    input gradient and weight gradients, bit for bit, as the layer quantising its weights in the call
+    (also with an EPLB placement, where each rank gathers its slots' weights and their FP8 forms); the
+    gradients reach the bfloat16 weights, none the FP8 copies. Misuse is refused by name."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    hidden, ffn = 128, 256
+    rng = np.random.default_rng(22)
+    batches = [jnp.asarray(rng.standard_normal((8, 4, hidden)), jnp.float32) for _ in range(2)]
+    plan = eplb.plan_placement(np.array([9.0, 1, 1, 1, 1, 1, 1, 5]), num_ranks=4, slots_per_rank=3) \
+        if placement else None
+    layer = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(3), mesh=mesh,
+                ep=EPOptions(backend="reference"), dtype="bfloat16", gemm_dtype="float8_e4m3fn",
+                placement=plan)
+
+    def step(model, x, fp8=None):
+        def loss(model, x):
+            y = model(x, update_stats=False, fp8_weights=fp8)
+            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
+        (_, y), (g_model, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
+        return y, g_model.w_gate_up[...], g_model.w_down[...], g_model.router[...], g_x
+
+    fp8 = nnx.jit(lambda m: m.quantize_weights())(layer)
+    assert fp8.gate_up.wq.dtype == jnp.float8_e4m3fn and fp8.gate_up.wq.shape == (EXPERTS, hidden, 2 * ffn)
+    assert fp8.down.scales.shape == (EXPERTS, ffn // 128, hidden // 128)
+    fresh, cached = nnx.jit(step), nnx.jit(step)
+    for x in batches:                                  # one quantisation, two micro-batches
+        want, got = fresh(layer, x), cached(layer, x, fp8)
+        for name, a, b in zip(("out", "d w_gate_up", "d w_down", "d router", "d x"), want, got, strict=True):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.abs(a).max() > 0, name
+            np.testing.assert_array_equal(b, a, err_msg=name)
+
+    g_fp8 = jax.grad(lambda q: jnp.sum(layer(batches[0], update_stats=False, fp8_weights=q)
+                                       .astype(jnp.float32)))(fp8)
+    assert all(float(jnp.abs(a.astype(jnp.float32)).max()) == 0 for a in jax.tree.leaves(g_fp8))
+    with pytest.raises(ValueError, match="fp8_weights apply to the throughput path"):
+        layer(batches[0][:, :1], decode=True, fp8_weights=fp8)
+    with pytest.raises(TypeError, match="must be the ExpertFP8Weights"):
+        layer(batches[0], update_stats=False, fp8_weights=(fp8.gate_up, fp8.down, None))
+    bf16_layer = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(3), mesh=mesh,
+                     ep=EPOptions(backend="reference"), dtype="bfloat16")
+    with pytest.raises(ValueError, match="not FP8"):
+        bf16_layer.quantize_weights()
+    with pytest.raises(ValueError, match="not FP8"):
+        bf16_layer(batches[0], update_stats=False, fp8_weights=fp8)
+
+
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_token_chunks_give_the_unchunked_layer(chunks):
     """EPOptions(chunks=N): each rank's tokens dispatched, computed and combined in N chunks (so one
