@@ -221,6 +221,31 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
         assert got < 0.1 and got < ref + 0.06, (name, got, ref)
 
 
+def test_moe_layer_fp8_weights_quantised_once_give_the_same_step():
+    """MoE.quantize_weights() on the GPU (both e4m3 layouts the Hopper kernels read, under shard_map), then
+    layer(x, fp8_weights=...): the same loss and gradients, bit for bit, as the layer quantising its
+    weights in the call (what gradient accumulation reuses over micro-batches)."""
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    hidden, ffn, experts, topk, tokens = 256, 384, 8 * mesh.size, 4, 512
+    x = jax.device_put(jax.random.normal(jax.random.key(3), (mesh.size * tokens, hidden), jnp.bfloat16),
+                       NamedSharding(mesh, P("ep")))
+    layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
+                param_dtype=jnp.bfloat16, gemm_dtype="float8_e4m3fn")
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def loss(params, fp8=None):
+        out = nnx.merge(graphdef, params, rest)(x, update_stats=False, fp8_weights=fp8)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    fp8 = jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())(params)
+    assert fp8.gate_up.wq_t.shape == (experts, 2 * ffn, hidden)      # the Hopper forward's layout
+    (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(loss))(params, q) for q in (None, fp8))
+    assert float(l1) == float(l0) and np.isfinite(float(l0))
+    for name in ("w_gate_up", "w_down", "router"):
+        a, b = np.asarray(g0[name][...], np.float32), np.asarray(g1[name][...], np.float32)
+        assert np.abs(a).max() > 0 and np.array_equal(a, b), name
+
+
 def test_weight_quantisation_kernel_matches_the_reference():
     """quantize_weight_blocks_both's Pallas kernel (one read of the bfloat16 weights, both e4m3 layouts
     and the block scales written) gives the reference's bits: random blocks over 6 orders of magnitude,
