@@ -66,12 +66,18 @@ def fp8_kernel_form(n: int, kernel: tuple[bool, int, int] | None = None) -> tupl
     return kernel
 
 
+def _check_whole_blocks(where: str, k: int, n: int) -> None:
+    """The FP8 GEMMs' one shape fact: K and N are whole 128-channel blocks (one scale per block)."""
+    if k % FP8_BLOCK or n % FP8_BLOCK:
+        raise EPValueError(f"{where}: K={k} and N={n} must be multiples of {FP8_BLOCK} (one scale per "
+                           f"{FP8_BLOCK} channels)")
+
+
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[G, K, N] weights -> (e4m3 [G, K, N], float32 scales [G, K/128, N/128]): one scale per 128 x 128
     block, scale = amax / 448 (K and N multiples of 128)."""
     g, k, n = w.shape
-    if k % FP8_BLOCK or n % FP8_BLOCK:
-        raise EPValueError(f"quantize_weight_blocks: K={k} and N={n} must be multiples of {FP8_BLOCK}")
+    _check_whole_blocks("quantize_weight_blocks", k, n)
     blocks = w.astype(jnp.float32).reshape(g, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
     inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=(2, 4)))
     q = blocks * inv_scale[:, :, None, :, None]
@@ -87,8 +93,7 @@ def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", int
     local experts of DeepSeek-V3 the weights are 11 GB per step, and XLA's fusions read them three times
     (the block maxima, the scaled cast, the transpose's copy). "reference": those XLA ops."""
     g, k, n = w.shape
-    if k % FP8_BLOCK or n % FP8_BLOCK:
-        raise EPValueError(f"quantize_weight_blocks: K={k} and N={n} must be multiples of {FP8_BLOCK}")
+    _check_whole_blocks("quantize_weight_blocks_both", k, n)
     if backend == "reference":
         wq, scales = quantize_weight_blocks(w)
         return wq, jnp.swapaxes(wq, 1, 2), scales
@@ -208,9 +213,10 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     m, k = xq.shape
     g = wq.shape[0]
     kw, n = (wq.shape[2], wq.shape[1]) if transpose_w else wq.shape[1:]
-    if kw != k or k % FP8_BLOCK or n % FP8_BLOCK:
+    if kw != k:
         raise EPValueError(f"grouped_matmul_fp8: x {xq.shape} and w {wq.shape} (transpose_w={transpose_w}) "
-                           f"must share K, with K and N multiples of {FP8_BLOCK}")
+                           "must share K")
+    _check_whole_blocks("grouped_matmul_fp8", k, n)
     ws = jnp.swapaxes(w_scales, 1, 2) if transpose_w else w_scales     # [G, K/128 contracted, N/128]
     if x_scales.shape != (m, k // FP8_BLOCK) or ws.shape != (g, k // FP8_BLOCK, n // FP8_BLOCK):
         raise EPValueError(f"grouped_matmul_fp8: scales {x_scales.shape} / {w_scales.shape} do not match "
@@ -259,9 +265,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != k:
         raise EPValueError(f"fp8_grouped_matmul: x [M, K] and w [G, K, N] must share K, got x {x.shape}, "
                            f"w {w.shape}")
-    if k % FP8_BLOCK or n % FP8_BLOCK:
-        raise EPValueError(f"fp8_grouped_matmul: K={k} and N={n} must be multiples of {FP8_BLOCK} "
-                           "(one scale per 128 channels)")
+    _check_whole_blocks("fp8_grouped_matmul", k, n)
     backend = fp8_backend(k, n, backend)
     if quantized is not None:
         _check_quantized(quantized, w, backend)

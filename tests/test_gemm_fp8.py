@@ -106,8 +106,10 @@ def test_argument_errors_name_the_argument():
         grouped_matmul_fp8(xq, xs, wq, ws, gs, backend="cuda")
     with pytest.raises(EPValueError, match="scales"):
         grouped_matmul_fp8(xq, xs[:, :1], wq, ws, gs)
-    with pytest.raises(EPValueError, match="multiples of 128"):
+    with pytest.raises(EPValueError, match="quantize_weight_blocks: K=100 and N=128 must be multiples of"):
         quantize_weight_blocks(jnp.ones((1, 100, 128)))
+    with pytest.raises(EPValueError, match="must share K"):
+        grouped_matmul_fp8(xq[:, :128], xs[:, :1], wq, ws, gs)
 
 
 @pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3)])
