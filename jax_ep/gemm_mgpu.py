@@ -540,12 +540,19 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
                     _write_tile(o_smem.at[wg], values)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
 
-                def compute_context(run):
-                    run(_acc_zeros(bm, bn))
+                def entry(s):  # a step's schedule entry: first row, rows, last of its group?, group
+                    return tuple(info_gmem[r, s] for r in (_START, _SIZE, 4, _GROUP))
 
-                def step(idx, lhs_smem, rhs_smem, total):
-                    s = idx[0]
-                    start, size = info_gmem[_START, s], info_gmem[_SIZE, s]
+                def compute_context(run):
+                    run((_acc_zeros(bm, bn), entry(0)))
+
+                def step(idx, lhs_smem, rhs_smem, carry):
+                    # per-step work is what this form pays for having no drain: the next step's entry is
+                    # read a step ahead (a global load in front of the WGMMA would stall every step), and
+                    # the running sum is reset only where a group ends (a select over the accumulator
+                    # every step costs issue slots on the same order as the step's WGMMAs)
+                    total, (start, size, last, group) = carry
+                    upcoming = entry(jnp.minimum(idx[0] + 1, num_steps - 1))
                     rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
 
                     _mask_outside(lhs_smem, rhs_mine, (start != 0) | (size != bk), start, start + size)
@@ -556,16 +563,12 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
                     # the running sum is the WGMMA accumulator itself (registers in, registers out):
                     # one accumulator per consumer, so a consumer's tile can be 128 x 128
                     total = pl.run_state(mma)(plgpu.ACC.init(total))
-                    is_last = info_gmem[4, s] != 0
 
-                    @pl.when(is_last)
-                    def _():
-                        store(total, info_gmem[_GROUP, s])
+                    def group_done():
+                        store(total, group)
+                        return _acc_zeros(bm, bn)   # the next group starts from zero
 
-                    rows_kept = jnp.where(is_last, 0, bm)  # the next group starts from zero
-                    iota = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, total.shape, 0),
-                                             plgpu.Layout.WGMMA)
-                    return jnp.where(iota < rows_kept, total, (iota < 0).astype(total.dtype))
+                    return lax.cond(last != 0, group_done, lambda: total), upcoming
 
                 @pl.when(num_steps > 0)
                 def _():
