@@ -26,7 +26,12 @@
 #               alone vs its roofline at the EP2 shapes (record $OUT/gemm_tune.json; the table it wrote,
 #               jax_ep/gemm_configs.json, copied to $OUT), then tools/profile_layer.py of the DeepSeek-V3 layer's
 #               per-rank expert work at EP2 ($OUT/gemm_profile.log); GEMM_TUNE_TIMEOUT bounds the tuning
-#               (default 540 s)
+#               (default 540 s). In parts, each within one 10-minute device call: GEMM_STEPS (default
+#               tests,tune,profile) picks them; GEMM_TEST_K a pytest -k filter of the tests; GEMM_PASSES the
+#               tuned passes (default forward,dx,dw), GEMM_TUNE_EXTRA the tuning's other arguments (default
+#               --fp8 --block deepseek_ep2,mid_ep2); GEMM_PROFILE_CONFIGS the layer configs profiled, one
+#               log each (default jax_ep; e.g. "jax_ep jax_ep_fp8 jax_ep_fp8_cached"; $OUT/gemm_profile.log
+#               for jax_ep, $OUT/gemm_profile_<config>.log for the others)
 #      GEMM_PEERS=1 times the grouped GEMM at the MoE layer's per-rank shapes beside tokamax.ragged_dot and a
 #               dense dot, fwd and vjp (tools/tune_gemm.py --passes "" --compare; record $OUT/gemm_peers.json);
 #               tokamax from the carried wheels in .whl/tokamax (tools/gemm_peers.sh), else it is reported
@@ -249,23 +254,38 @@ if [ "${SKIP_LAYER:-0}" != 1 ]; then
 fi
 
 if [ "${GEMM:-0}" = 1 ]; then
-  step "grouped GEMM: GPU tests, tuning at ${GEMM_SHAPES:-layers}, the expert block vs its roofline"
+  gemm_steps=",${GEMM_STEPS:-tests,tune,profile},"
+  step "grouped GEMM (${GEMM_STEPS:-tests,tune,profile}): GPU tests, tuning at ${GEMM_SHAPES:-layers}, profile"
   start=$SECONDS
-  bounded_run 400 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gemm_gpu.py \
-    --junitxml="$OUT/gemm_tests.xml" >"$OUT/gemm_tests.log" 2>&1
-  gemm_rc=$?
-  tail -3 "$OUT/gemm_tests.log"
-  bounded_run "${GEMM_TUNE_TIMEOUT:-540}" "$PY" tools/tune_gemm.py --shapes "${GEMM_SHAPES:-layers}" \
-    --kernels "${GEMM_KERNELS:-all}" --quick --fp8 --block deepseek_ep2,mid_ep2 --report "$OUT/gemm_tune.json" \
-    >"$OUT/gemm_tune.log" 2>&1 || gemm_rc=1
-  grep -E "^(forward|dx|dw|block|fp8) |table's config|WRONG" "$OUT/gemm_tune.log"
-  cp jax_ep/gemm_configs.json "$OUT/gemm_configs.json"
-  # what the DeepSeek-V3 layer's per-rank expert work at EP2 is made of, kernel by kernel (one GPU)
-  bounded_run 240 "$PY" tools/profile_layer.py deepseek jax_ep --experts 128 --top 30 \
-    >"$OUT/gemm_profile.log" 2>&1 || gemm_rc=1
-  tail -45 "$OUT/gemm_profile.log"
-  echo "gemm: rc=$gemm_rc in $((SECONDS - start)) s (logs: $OUT/gemm_tests.log, $OUT/gemm_tune.log)" \
-    | tee -a "$OUT/summary.txt"
+  gemm_rc=0
+  if [[ $gemm_steps == *,tests,* ]]; then
+    k_filter=()
+    [ -n "${GEMM_TEST_K:-}" ] && k_filter=(-k "$GEMM_TEST_K")
+    bounded_run 400 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gemm_gpu.py "${k_filter[@]}" \
+      --junitxml="$OUT/gemm_tests.xml" >"$OUT/gemm_tests.log" 2>&1 || gemm_rc=1
+    tail -3 "$OUT/gemm_tests.log"
+  fi
+  if [[ $gemm_steps == *,tune,* ]]; then
+    # shellcheck disable=SC2086
+    bounded_run "${GEMM_TUNE_TIMEOUT:-540}" "$PY" tools/tune_gemm.py --shapes "${GEMM_SHAPES:-layers}" \
+      --kernels "${GEMM_KERNELS:-all}" --passes "${GEMM_PASSES:-forward,dx,dw}" --quick \
+      ${GEMM_TUNE_EXTRA:---fp8 --block deepseek_ep2,mid_ep2} --report "$OUT/gemm_tune.json" \
+      >"$OUT/gemm_tune.log" 2>&1 || gemm_rc=1
+    grep -E "^(forward|dx|dw|block|fp8) |table's config|WRONG" "$OUT/gemm_tune.log"
+    cp jax_ep/gemm_configs.json "$OUT/gemm_configs.json"
+  fi
+  if [[ $gemm_steps == *,profile,* ]]; then
+    # what the DeepSeek-V3 layer's per-rank expert work at EP2 is made of, kernel by kernel (one GPU)
+    for config in ${GEMM_PROFILE_CONFIGS:-jax_ep}; do
+      log="$OUT/gemm_profile.log"
+      [ "$config" = jax_ep ] || log="$OUT/gemm_profile_$config.log"
+      bounded_run 240 "$PY" tools/profile_layer.py deepseek "$config" --experts 128 --top 30 \
+        >"$log" 2>&1 || gemm_rc=1
+      grep -E "^step|^weight quantisation" "$log"
+      tail -45 "$log"
+    done
+  fi
+  echo "gemm: rc=$gemm_rc in $((SECONDS - start)) s (logs: $OUT/gemm_*.log)" | tee -a "$OUT/summary.txt"
   [ $gemm_rc -eq 0 ] || status=1
 fi
 
