@@ -299,6 +299,31 @@ def _ws_kernel(body, out_type):
 _PRODUCER_REGISTERS = 40
 
 
+def _ws_pipeline(step, compute_context, *, in_specs, grid, wgs: int, stages: int):
+    """A warp-specialised pipeline: the producer warpgroup (the last) loads in_specs' blocks, `stages`
+    ahead, while `wgs` consumer warpgroups run `step` on them."""
+    return plgpu.emit_pipeline_warp_specialized(
+        step, grid=grid, memory_registers=_PRODUCER_REGISTERS, in_specs=in_specs, wg_axis="wg",
+        num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
+
+
+def _no_body(*_, **__):
+    """The body of a pipeline built only for its allocations."""
+
+
+def _ws_scope(allocations, o_smem):
+    """Decorator of a warp-specialised kernel's body(allocs, o_smem, wg): it runs in every warpgroup
+    with the pipeline's SMEM (`allocations`: a pipeline's get_allocations, reused by the pipeline of every
+    tile) and the consumers' output tiles (`o_smem`) allocated once; at the end every warpgroup waits for
+    its last TMA stores to have read their tiles."""
+    def decorator(body):
+        @functools.partial(pl.run_scoped, allocs=allocations, o_smem=o_smem, collective_axes="wg")
+        def _scope(allocs, o_smem):
+            body(allocs, o_smem, lax.axis_index("wg"))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return decorator
+
+
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
@@ -315,27 +340,21 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
     ladder = min(bm, 1 << int(math.log2(m)))
 
     def get_pipeline(step, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k // bk,), memory_registers=_PRODUCER_REGISTERS,
+        return _ws_pipeline(
+            step, compute_context, grid=(k // bk,), wgs=wgs, stages=stages,
             in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM,
                                       delay_release=delay),
                       plgpu.BlockSpec(rhs_block, rhs_index, transforms=tf, memory_space=plgpu.SMEM,
-                                      delay_release=delay)],
-            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
+                                      delay_release=delay)])
 
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731
         rhs_panel = rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)]
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
-        @functools.partial(
-            pl.run_scoped,
-            allocs=get_pipeline(ignore, ignore).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
-            o_smem=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype),
-            collective_axes="wg")
-        def _scope(allocs, o_smem):
-            wg = lax.axis_index("wg")
+        @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
+                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
+        def _scope(allocs, o_smem, wg):
             live_m = num_tiles_gmem[0]
 
             @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
@@ -375,8 +394,6 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                 @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
     return kernel(schedule, num_tiles, lhs, rhs)
@@ -419,26 +436,18 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     grid_m, grid_n = k // bm, n // cta_n
 
     def get_pipeline(step, compute_context, num_k):
-        return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(num_k,), memory_registers=_PRODUCER_REGISTERS,
+        return _ws_pipeline(
+            step, compute_context, grid=(num_k,), wgs=wgs, stages=stages,
             in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf,
                                       memory_space=plgpu.SMEM, delay_release=delay),
                       plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), transforms=rhs_tf,
-                                      memory_space=plgpu.SMEM, delay_release=delay)],
-            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
+                                      memory_space=plgpu.SMEM, delay_release=delay)])
 
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731
-
-        @functools.partial(
-            pl.run_scoped,
-            allocs=get_pipeline(ignore, ignore, stages).get_allocations(
-                lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, cta_n)]),
-            o_smem=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf),
-            collective_axes="wg")
-        def _scope(allocs, o_smem):
-            wg = lax.axis_index("wg")
-
+        @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
+                       lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, cta_n)]),
+                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf))
+        def _scope(allocs, o_smem, wg):
             @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
             def _tile(loop_info: plgpu.NDLoopInfo):
                 gi = loop_info.index[0]
@@ -479,8 +488,6 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
 
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, lhs, rhs)
 
@@ -509,26 +516,18 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
     grid_m, grid_n = k // bm, n // cta_n
 
     def body(info_gmem, steps_gmem, empty_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731
-
         def get_pipeline(step, compute_context, num_steps):
-            return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(num_steps,), memory_registers=_PRODUCER_REGISTERS,
+            return _ws_pipeline(
+                step, compute_context, grid=(num_steps,), wgs=wgs, stages=stages,
                 in_specs=[plgpu.BlockSpec((bk, bm), lambda s: (info_gmem[_BLOCK, s], 0), transforms=lhs_tf,
                                           memory_space=plgpu.SMEM),
                           plgpu.BlockSpec((bk, cta_n), lambda s: (info_gmem[_BLOCK, s], 0), transforms=rhs_tf,
-                                          memory_space=plgpu.SMEM)],
-                wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
-                compute_context=compute_context)
+                                          memory_space=plgpu.SMEM)])
 
-        @functools.partial(
-            pl.run_scoped,
-            allocs=get_pipeline(ignore, ignore, stages).get_allocations(
-                lhs_gmem.at[:, pl.ds(0, bm)], rhs_gmem.at[:, pl.ds(0, cta_n)]),
-            o_smem=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf),
-            collective_axes="wg")
-        def _scope(allocs, o_smem):
-            wg = lax.axis_index("wg")
+        @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
+                       lhs_gmem.at[:, pl.ds(0, bm)], rhs_gmem.at[:, pl.ds(0, cta_n)]),
+                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf))
+        def _scope(allocs, o_smem, wg):
             num_steps = steps_gmem[0]
 
             @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
@@ -583,8 +582,6 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
                         @pl.when(empty_gmem[gi] != 0)
                         def _():
                             store(jnp.zeros((bm, bn), jnp.float32), gi)
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, steps, empty, lhs, rhs)
@@ -677,25 +674,18 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
     ladder = min(bm, 1 << int(math.log2(m)))
 
     def get_pipeline(step, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k // bk,), memory_registers=_PRODUCER_REGISTERS,
+        return _ws_pipeline(
+            step, compute_context, grid=(k // bk,), wgs=wgs, stages=stages,
             in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM),
                       plgpu.BlockSpec((cta_n, bk), lambda kk: (0, kk), transforms=tf,
                                       memory_space=plgpu.SMEM),
-                      plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM)],
-            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context)
+                      plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM)])
 
     def body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731
-
-        @functools.partial(
-            pl.run_scoped,
-            allocs=get_pipeline(ignore, ignore).get_allocations(
-                x_gmem.at[pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, cta_n)], xs_gmem.at[:, pl.ds(0, bm)]),
-            o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype),
-            collective_axes="wg")
-        def _scope(allocs, o_smem):
-            wg = lax.axis_index("wg")
+        @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(
+                       x_gmem.at[pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, cta_n)], xs_gmem.at[:, pl.ds(0, bm)]),
+                   plgpu.SMEM((wgs, bm, bn), out_dtype))
+        def _scope(allocs, o_smem, wg):
             live_m = num_tiles_gmem[0]
 
             @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
@@ -733,8 +723,6 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                 @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype))
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
