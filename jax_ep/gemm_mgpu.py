@@ -117,6 +117,20 @@ def _num_sms() -> int:
     return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
 
 
+def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int):
+    """The persistent loop of the ragged_dot kernels: over the live row tiles (tile_schedule) x grid_n
+    column tiles, in strips of `width` tiles along `minor` (planar_snake), handing the body (row tile,
+    column tile, its group, its block of rows)."""
+    def decorator(body):
+        live_m = num_tiles_gmem[0]
+
+        @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
+        def _tile(loop_info: plgpu.NDLoopInfo):
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
+            body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_BLOCK, mi])
+    return decorator
+
+
 def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice, wait: bool = True):
     """Store rows [start, start + size) of the tile o_smem to rows row0 + start.. of o_gmem.
 
@@ -149,13 +163,8 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     grid_n = n // bn
 
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        live_m = num_tiles_gmem[0]
-
-        @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
-        def _tile(loop_info: plgpu.NDLoopInfo):
-            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
-            group = schedule_gmem[_GROUP, mi]
-            block = schedule_gmem[_BLOCK, mi]
+        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
+        def _tile(mi, ni, group, block):
 
             def acc_scope(acc_ref):
                 @pl.when(group < g)  # the zero group (rows past the groups) skips the matmul
@@ -355,13 +364,8 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
                    plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
         def _scope(allocs, o_smem, wg):
-            live_m = num_tiles_gmem[0]
-
-            @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
-            def _tile(loop_info: plgpu.NDLoopInfo):
-                mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
-                group = schedule_gmem[_GROUP, mi]
-                block = schedule_gmem[_BLOCK, mi]
+            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
+            def _tile(mi, ni, group, block):
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values):
@@ -617,13 +621,8 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     ladder = min(bm, 1 << int(math.log2(m)))
 
     def body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
-        live_m = num_tiles_gmem[0]
-
-        @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
-        def _tile(loop_info: plgpu.NDLoopInfo):
-            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), 0, 4)
-            group = schedule_gmem[_GROUP, mi]
-            block = schedule_gmem[_BLOCK, mi]
+        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, 0, 4)
+        def _tile(mi, ni, group, block):
 
             def step(idx, x_smem, w_smem, s_smem, total):
                 def mma(acc_ref):
@@ -686,13 +685,8 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                        x_gmem.at[pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, cta_n)], xs_gmem.at[:, pl.ds(0, bm)]),
                    plgpu.SMEM((wgs, bm, bn), out_dtype))
         def _scope(allocs, o_smem, wg):
-            live_m = num_tiles_gmem[0]
-
-            @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
-            def _tile(loop_info: plgpu.NDLoopInfo):
-                mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), 0, 4)
-                group = schedule_gmem[_GROUP, mi]
-                block = schedule_gmem[_BLOCK, mi]
+            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, 0, 4)
+            def _tile(mi, ni, group, block):
                 col_block = ni * wgs + wg  # this consumer's 128 columns: one weight scale per K step
 
                 def store(values):
