@@ -220,13 +220,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     grid_m, grid_n = k // bm, n // bn
 
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
-        def _tile(loop_info: plgpu.NDLoopInfo):
-            gi = loop_info.index[0]
-            mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), minor, width)
-            start, end = info_gmem[0, gi], info_gmem[1, gi]
-            num_k = info_gmem[2, gi]
-            first_row = pl.multiple_of(info_gmem[3, gi], bk)
+        @_group_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
+        def _tile(gi, mi, ni, start, end, num_k, first_row):
 
             def acc_scope(acc_ref):
                 def step(idx, lhs_smem, rhs_smem):
@@ -266,6 +261,21 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret)
     return kernel(info, lhs, rhs)
+
+
+def _group_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
+    """The persistent loop of the weight-gradient kernels: over (group, output tile of the grid), the
+    tiles in strips (planar_snake), handing the body (group, tile row, tile column) and the group's
+    _group_row_blocks entry (first row, end row, K blocks, first row of its first block)."""
+    def decorator(body):
+        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm")
+        def _tile(loop_info: plgpu.NDLoopInfo):
+            gi = loop_info.index[0]
+            mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
+            start, end = info_gmem[0, gi], info_gmem[1, gi]
+            num_k = info_gmem[2, gi]
+            body(gi, mi, ni, start, end, num_k, pl.multiple_of(info_gmem[3, gi], bk))
+    return decorator
 
 
 def _group_row_blocks(group_sizes, rows: int, bk: int):
@@ -452,13 +462,8 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                        lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, cta_n)]),
                    plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf))
         def _scope(allocs, o_smem, wg):
-            @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
-            def _tile(loop_info: plgpu.NDLoopInfo):
-                gi = loop_info.index[0]
-                mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), minor, width)
-                start, end = info_gmem[0, gi], info_gmem[1, gi]
-                num_k = info_gmem[2, gi]
-                first_row = pl.multiple_of(info_gmem[3, gi], bk)
+            @_group_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
+            def _tile(gi, mi, ni, start, end, num_k, first_row):
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values):
