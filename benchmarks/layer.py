@@ -25,7 +25,10 @@ shapes; ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the dev
 events of device 0 (all streams, so overlapping streams add up) by the layer's named scopes
 (moe.SCOPES), each with its backward (dispatch's backward is a combine kernel, combine's a broadcast);
 events the profile does not tie to an HLO instruction with a scope count as "rest". The split runs the
-step without XLA's command buffers (split_by_scope says why).
+step without XLA's command buffers (split_by_scope says why). ``device_step_ms`` is that profiled step's
+span on device 0 and ``ep_hidden_ms`` how much of the EP ops' device time ran beside other work (the
+device time summed over streams minus the span, at most the EP time; 0 when the exchanges run in
+series with the GEMMs): how much the overlap hides.
 """
 
 from __future__ import annotations
@@ -175,8 +178,9 @@ def hlo_scopes(compiled_text: str) -> dict[str, str]:
     return scopes
 
 
-def split_by_scope(step, args, iters: int) -> dict[str, float] | None:
-    """Device ms per step on device 0, attributed to the layer's named scopes (GPU only).
+def split_by_scope(step, args, iters: int) -> tuple[dict[str, float], float] | None:
+    """Device ms per step on device 0, attributed to the layer's named scopes, and the step's device span
+    (first kernel start to last kernel end over the chain, per step); GPU only.
 
     Each GPU event of a profiled chain of steps is matched to its HLO instruction (event name or the
     event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest". The
@@ -196,6 +200,7 @@ def split_by_scope(step, args, iters: int) -> dict[str, float] | None:
         paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(paths[0])
     split = {name: 0.0 for name in (*moe.SCOPES, "rest")}
+    first, last = float("inf"), 0.0
     for plane in data.planes:
         if plane.name != "/device:GPU:0":
             continue
@@ -207,7 +212,16 @@ def split_by_scope(step, args, iters: int) -> dict[str, float] | None:
                 text = " ".join(words + [scopes.get(word, "") for word in words])
                 part = next((name for name, scope in moe.SCOPES.items() if scope in text), "rest")
                 split[part] += event.duration_ns / 1e6 / iters
-    return {k: round(v, 3) for k, v in split.items()}
+                first, last = min(first, event.start_ns), max(last, event.end_ns)
+    return {k: round(v, 3) for k, v in split.items()}, round(max(0.0, last - first) / 1e6 / iters, 3)
+
+
+def hidden_ep_ms(split: dict[str, float], device_step_ms: float) -> float:
+    """The EP ops' device time (the dispatch and combine scopes, each with its backward) that ran beside
+    other work: the step's device time summed over its streams minus its span, at most the EP time. A
+    lower bound of what overlapping hides (idle gaps in the span count against it); 0 in series."""
+    ep = split["dispatch"] + split["combine"]
+    return round(min(ep, max(0.0, sum(split.values()) - device_step_ms)), 3)
 
 
 def layer_and_tokens(mesh: Mesh, shape, config: str):
@@ -266,7 +280,9 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
             record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats)
             args = (params, x, quantise(params))
         record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
-        record["split_ms"] = split_by_scope(step, args, iters) if profile else None
+        profiled = split_by_scope(step, args, iters) if profile else None
+        record["split_ms"], record["device_step_ms"] = profiled or (None, None)
+        record["ep_hidden_ms"] = None if profiled is None else hidden_ep_ms(*profiled)
     except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
         record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
         # plain JAX (the peer) not fitting in memory is what this benchmark measures about it, not a
@@ -418,11 +434,13 @@ def main(args, save=lambda records: None) -> list[dict]:
                   + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     print(f"{'layer':9}{'config':18}{'gemm':12}{'EP':>3}{'step ms':>10}{'roofline':>10}{'x roof':>8}"
-          f"{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)")
+          f"{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)"
+          "; EP hidden ms / EP ms")
     for r in [r for r in records if r["op"] == "moe_layer"]:
         plain = base.get((r["shape"], "plain_jax"))
         speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
-        split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values())
+        split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values()) + (
+            f"; {r['ep_hidden_ms']:.2f} / {r['split_ms']['dispatch'] + r['split_ms']['combine']:.2f}")
         step = ("out of memory" if r.get("peer_out_of_memory") else "failed") if r["step_ms"] is None \
             else f"{r['step_ms']:.2f}"
         ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"

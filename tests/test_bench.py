@@ -596,6 +596,17 @@ def test_bench_rank_major_records_feed_the_auto_table(tmp_path):
         assert table["ops"][op]["rank_major"]["min_tokens"] == {"8": 0}, table["ops"][op]
 
 
+def test_layer_split_says_how_much_ep_time_overlap_hides():
+    """ep_hidden_ms: the EP scopes' device time that ran beside other work (device time summed over the
+    streams minus the step's span), at most the EP time; 0 when everything runs in series."""
+    from benchmarks.layer import hidden_ep_ms
+
+    split = {"router": 0.2, "dispatch": 1.0, "experts": 6.0, "combine": 0.8, "rest": 0.5}   # 8.5 ms
+    assert hidden_ep_ms(split, 9.0) == 0.0          # in series, with 0.5 ms of gaps
+    assert hidden_ep_ms(split, 7.3) == 1.2          # 1.2 of the 1.8 ms of exchanges beside the GEMMs
+    assert hidden_ep_ms(split, 5.0) == 1.8          # never more than the exchanges themselves
+
+
 def test_aligned_profile_takes_out_the_aligning_steps_kernels(monkeypatch):
     """On several GPUs each profiled call follows _aligner's step; its kernels leave the sums: a name
     only it runs is dropped, a name the call runs too keeps the call's share (the traces are faked:
