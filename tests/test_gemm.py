@@ -229,6 +229,28 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     assert text.count("mosaic_gpu") >= 2, text[:2000]
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_wide_warp_specialised_tile_fits_shared_memory(transpose_rhs):
+    """tune_gemm's 64 x 512 CTA tile (two 64 x 256 consumers, 2 stages) lowers for CUDA within Hopper's
+    shared memory; a third stage would not fit beside its output tiles (Mosaic GPU says so at lowering)."""
+    m, k, n, g = 1024, 512, 1024, 5
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def lower(stages):
+        cfg = mgpu.BlockConfig(64, 256, 64, stages, 0, 8, 1, 2, 0)
+
+        def forward(x, w, gs):
+            sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
+            return mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
+        return jax.jit(forward).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "mosaic_gpu" in lower(2)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lower(3)
+
+
 def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     """tools/tune_gemm.py: --kernels picks the sweep, every configuration fits the shape it is tried on,
     and --compare's peer table runs here (grouped_matmul falls back to lax.ragged_dot on CPU) and says
