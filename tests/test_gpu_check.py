@@ -436,3 +436,8 @@ def test_gemm_runs_in_parts_with_passes_and_profiled_configs(tmp_path):
     profile = [c for c in calls if "profile_layer.py" in c]
     assert [c.split("profile_layer.py ")[1].split(" --")[0] for c in profile] == [
         "deepseek jax_ep", "deepseek jax_ep_fp8_cached"]
+    (tmp_path / "empty").mkdir()
+    rc, output, out, calls = run_check(tmp_path / "empty", gpus=1, GEMM="1", GEMM_STEPS="tune",
+                                       GEMM_TUNE_EXTRA="")
+    [tune] = [c for c in calls if "tune_gemm.py" in c]
+    assert rc == 0 and "--fp8" not in tune and "--block" not in tune   # set but empty: no extras
