@@ -49,7 +49,6 @@ from jax.sharding import PartitionSpec as P
 from jax_ep import moe
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig
-from jax_ep.gemm_fp8 import quantize_weights
 
 LAYER_PRESETS = {
     # name: (hidden, ffn_hidden, experts, top-k, tokens per rank)
@@ -162,7 +161,7 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
         return out, vjp(g)
 
     try:
-        fp8 = moe.ExpertFP8Weights(*map(jax.jit(quantize_weights), (w1, w2))) if fp8_cached else None
+        fp8 = jax.jit(moe.quantize_expert_weights)(w1, w2) if fp8_cached else None
         return best_of(experts, x, w1, w2, g, fp8, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         print(f"  expert block alone ({gemm}): {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -249,6 +248,22 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
     return layer, x
 
 
+def training_step(graphdef, rest):
+    """(step, quantise) of a layer split as nnx.split(layer, nnx.Param, ...): step(params, x, fp8=None)
+    is one jitted training step (loss, gradients of the parameters and of x) with cached FP8 weights
+    when given; quantise(params) makes them (MoE.quantize_weights, once per optimiser step)."""
+    @jax.jit
+    def step(params, x, fp8=None):
+        # d x too: inside a model the layer's input gradient feeds the layers below (without it XLA
+        # drops the backward of dispatch and the expert GEMM feeding it)
+        def loss(params, x):
+            out = nnx.merge(graphdef, params, rest)(x, update_stats=False, fp8_weights=fp8)
+            return jnp.mean(out.astype(jnp.float32) ** 2)
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    return step, jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())
+
+
 def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool) -> dict:
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
@@ -261,22 +276,12 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     except ValueError as e:  # a config this machine cannot form (e.g. GPUs not a multiple of nodes)
         return dict(record, gemm="", step_ms=None, split_ms=None, error=str(e))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-    @jax.jit
-    def step(params, x, fp8=None):
-        # d x too: inside a model the layer's input gradient feeds the layers below (without it XLA
-        # drops the backward of dispatch and the expert GEMM feeding it)
-        def loss(params, x):
-            out = nnx.merge(graphdef, params, rest)(x, update_stats=False, fp8_weights=fp8)
-            return jnp.mean(out.astype(jnp.float32) ** 2)
-        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
-
+    step, quantise = training_step(graphdef, rest)
     plans = layer_gemm_plans(layer, mesh, x)
     record["gemm"] = plans
     try:
         args = (params, x)
         if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step
-            quantise = jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())
             record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats)
             args = (params, x, quantise(params))
         record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)

@@ -281,12 +281,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
 
 def _fp8_forward(x, w, group_sizes, quantized, backend):
     xq, xs = quantize_fp8(x)
-    if quantized is not None:
-        wq, wq_t, ws = quantized
-    elif backend == "mosaic_gpu":   # both weight layouts from one read of w (quantize_weight_blocks_both)
-        wq, wq_t, ws = quantize_weights(w, backend=backend)
-    else:
-        (wq, ws), wq_t = quantize_weight_blocks(w), None
+    wq, wq_t, ws = quantize_weights(w, backend=backend) if quantized is None else quantized
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
     return out, (xq, xs, wq, ws, group_sizes)
 

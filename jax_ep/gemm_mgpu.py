@@ -601,6 +601,12 @@ def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig)
 FP8_K_BLOCK = 128
 
 
+def _promote(total, part, scale):
+    """DeepSeek-V3's promotion: a K step's float32 block sum, scaled per row (``scale`` [block_m]: the
+    row's scale times the weight block's), added to the running sum."""
+    return total + part * lax.broadcast_in_dim(scale, part.shape, (0,))
+
+
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
                    out_dtype=jnp.bfloat16, warp_specialized: bool = False, overlap_promotion: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
@@ -640,8 +646,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
 
                 part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
                 rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                scale = rows * ws_gmem[group, idx[0], ni]
-                return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
+                return _promote(total, part, rows * ws_gmem[group, idx[0], ni])
 
             def matmul():
                 return plgpu.emit_pipeline(
@@ -704,16 +709,13 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                     _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
                                 schedule_gmem[_SIZE, mi], ladder, pl.ds(col_block * bn, bn), wait=False)
 
-                def promote(total, part, scale):   # the running sum += a K step's block sum, scaled
-                    return total + part * lax.broadcast_in_dim(scale, (bm, bn), (0,))
-
                 def compute_context(run):
                     if not overlap_promotion:
                         store(run(_acc_zeros(bm, bn)))
                         return
                     # the carry holds the last step's block sum and scale, promoted during the next WGMMA
                     no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                    store(promote(*run((_acc_zeros(bm, bn), _acc_zeros(bm, bn), no_scale))))
+                    store(_promote(*run((_acc_zeros(bm, bn), _acc_zeros(bm, bn), no_scale))))
 
                 def step(idx, x_smem, w_smem, s_smem, carry):
                     if not overlap_promotion:
@@ -724,7 +726,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
                         part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
                         rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                        return promote(carry, part, rows * ws_gmem[group, idx[0], col_block])
+                        return _promote(carry, part, rows * ws_gmem[group, idx[0], col_block])
                     total, last_part, last_scale = carry
                     rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
                     scale = rows * ws_gmem[group, idx[0], col_block]
@@ -733,7 +735,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                         w_mine = w_smem.at[pl.ds(wg * bn, bn)]
                         plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
                         # issued after the WGMMA, before its wait (the accumulator's read below)
-                        return promote(total, last_part, last_scale), acc_ref[...]
+                        return _promote(total, last_part, last_scale), acc_ref[...]
 
                     total, part = pl.run_scoped(mma_and_promote, plgpu.ACC((bm, bn), jnp.float32))
                     return total, part, scale

@@ -151,6 +151,14 @@ class ExpertFP8Weights(NamedTuple):
     down: FP8Weights
 
 
+def quantize_expert_weights(w_gate_up: jax.Array, w_down: jax.Array, dtype=None) -> ExpertFP8Weights:
+    """Both expert projections quantised for the FP8 GEMMs (``jax_ep.gemm_fp8.quantize_weights``), after a
+    cast to ``dtype`` when given: what ``MoE.quantize_weights`` computes per device."""
+    def cast(w):
+        return w if dtype is None else w.astype(dtype)
+    return ExpertFP8Weights(quantize_weights(cast(w_gate_up)), quantize_weights(cast(w_down)))
+
+
 class MoEStats(NamedTuple):
     expert_load: jax.Array   # [E] int32 rows each logical expert received this call (all ranks, all replicas)
     num_dropped: jax.Array   # [] int32 rows dropped for lack of capacity (all ranks)
@@ -544,11 +552,7 @@ class MoE(nnx.Module):
                                "(gemm_dtype=None); construct it with gemm_dtype='float8_e4m3fn'")
         weights = (self.w_gate_up[...], self.w_down[...])
         dtype = jnp.dtype(dtype or self.dtype or weights[0].dtype)
-
-        def quantize(w_gate_up, w_down):
-            return ExpertFP8Weights(quantize_weights(w_gate_up.astype(dtype)),
-                                    quantize_weights(w_down.astype(dtype)))
-
+        quantize = functools.partial(quantize_expert_weights, dtype=dtype)
         if self.mesh is None:
             return quantize(*weights)
         experts = P(self.ep_axes) if self.placement is None else P()

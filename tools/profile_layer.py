@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -45,18 +44,11 @@ layer, x = bench_layer.layer_and_tokens(mesh, (hidden, ffn, experts, topk, token
 graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
 
-@jax.jit
-def step(params, x, fp8=None):
-    def loss(params, x):  # d x too, as benchmarks.layer
-        out = nnx.merge(graphdef, params, rest)(x, update_stats=False, fp8_weights=fp8)
-        return jnp.mean(out.astype(jnp.float32) ** 2)
-    return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
-
+step, quantise = bench_layer.training_step(graphdef, rest)   # the step benchmarks.layer times
 
 # a config with cached FP8 weights (jax_ep_fp8_cached): quantised once here, outside the profiled steps
 fp8 = None
 if bench_layer.CONFIGS[args.config].get("fp8_cached"):
-    quantise = jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())
     fp8 = jax.block_until_ready(quantise(params))
     t0 = time.perf_counter()
     jax.block_until_ready(quantise(params))
