@@ -608,7 +608,7 @@ def _promote(total, part, scale):
 
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
-                   out_dtype=jnp.bfloat16, warp_specialized: bool = False, overlap_promotion: bool = False):
+                   out_dtype=jnp.bfloat16, warp_specialized: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -619,14 +619,10 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     DeepSeek-V3's FP8 GEMM: the scales change every 128 channels). The same kernel computes the FP8 input
     gradient: dy's rows and scales with the weights in [G, K, N] layout as wq_t and ws transposed.
     warp_specialized: a producer warpgroup loads while two consumers each compute 128 of the CTA's 256
-    columns (block_m x 256 tiles, one weight scale per consumer and K step). overlap_promotion (with
-    warp_specialized): each K step's block sum is scaled into the running sum while the next step's WGMMA
-    runs, as DeepGEMM does, instead of between the two (one more block-sized tile of registers)."""
+    columns (block_m x 256 tiles, one weight scale per consumer and K step)."""
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                                  out_dtype=out_dtype, overlap_promotion=overlap_promotion)
-    if overlap_promotion:
-        raise EPValueError("ragged_dot_fp8: overlap_promotion needs warp_specialized=True")
+                                  out_dtype=out_dtype)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -674,8 +670,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
 
-def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       overlap_promotion: bool = False):
+def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype):
     """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N."""
     m, k = xq.shape
     g, n, k2 = wq_t.shape
@@ -710,35 +705,17 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                                 schedule_gmem[_SIZE, mi], ladder, pl.ds(col_block * bn, bn), wait=False)
 
                 def compute_context(run):
-                    if not overlap_promotion:
-                        store(run(_acc_zeros(bm, bn)))
-                        return
-                    # the carry holds the last step's block sum and scale, promoted during the next WGMMA
-                    no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                    store(_promote(*run((_acc_zeros(bm, bn), _acc_zeros(bm, bn), no_scale))))
+                    store(run(_acc_zeros(bm, bn)))
 
-                def step(idx, x_smem, w_smem, s_smem, carry):
-                    if not overlap_promotion:
-                        def mma(acc_ref):
-                            w_mine = w_smem.at[pl.ds(wg * bn, bn)]
-                            plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
-                            return acc_ref[...]
-
-                        part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
-                        rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                        return _promote(carry, part, rows * ws_gmem[group, idx[0], col_block])
-                    total, last_part, last_scale = carry
-                    rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = rows * ws_gmem[group, idx[0], col_block]
-
-                    def mma_and_promote(acc_ref):
+                def step(idx, x_smem, w_smem, s_smem, total):
+                    def mma(acc_ref):
                         w_mine = w_smem.at[pl.ds(wg * bn, bn)]
                         plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
-                        # issued after the WGMMA, before its wait (the accumulator's read below)
-                        return _promote(total, last_part, last_scale), acc_ref[...]
+                        return acc_ref[...]
 
-                    total, part = pl.run_scoped(mma_and_promote, plgpu.ACC((bm, bn), jnp.float32))
-                    return total, part, scale
+                    part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
+                    return _promote(total, part, rows * ws_gmem[group, idx[0], col_block])
 
                 @pl.when(group < g)
                 def _():

@@ -112,13 +112,12 @@ def test_argument_errors_name_the_argument():
         grouped_matmul_fp8(xq[:, :128], xs[:, :1], wq, ws, gs)
 
 
-@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, True)])
+@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3)])
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_kernel_lowers_for_hopper(transpose_w, kernel):
     """The Hopper FP8 kernel (per-128-channel scale promotion into a float32 running sum) traces and lowers
     to a Mosaic GPU custom call for CUDA on this CPU machine (shared memory is checked there), forward and
-    input-gradient forms, one consumer warpgroup or warp-specialised (with the block sums promoted during
-    the next WGMMA too)."""
+    input-gradient forms, one consumer warpgroup or warp-specialised."""
     m, k, n, g = 1024, 512, 768, 5
     xq = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
     xs = jax.ShapeDtypeStruct((m, k // 128), jnp.float32)
@@ -237,12 +236,9 @@ def test_fp8_kernel_form_fits_the_output_width():
     otherwise (a 1408-wide input gradient); an explicit form that does not fit is refused by name."""
     from jax_ep.gemm_fp8 import CLASSIC_KERNEL, KERNEL, fp8_kernel_form
 
-    assert fp8_kernel_form(4096) == (*KERNEL, False) and KERNEL[0]
-    assert fp8_kernel_form(1408) == (*CLASSIC_KERNEL, False) and not CLASSIC_KERNEL[0]
-    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3, False)
-    assert fp8_kernel_form(4096, (True, 64, 4, True)) == (True, 64, 4, True)
-    with pytest.raises(EPValueError, match="overlap_promotion only with warp_specialized"):
-        fp8_kernel_form(4096, (False, 64, 4, True))
+    assert fp8_kernel_form(4096) == KERNEL and KERNEL[0]
+    assert fp8_kernel_form(1408) == CLASSIC_KERNEL and not CLASSIC_KERNEL[0]
+    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3)
     with pytest.raises(EPValueError, match="N % 256"):
         fp8_kernel_form(1408, KERNEL)
 
