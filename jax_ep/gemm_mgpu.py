@@ -54,7 +54,6 @@ class BlockConfig:
     ctas_per_sm: int = 1
     compute_wgs: int = 1
     mma_in_flight: int = 0
-    row_stream: int = 0
 
     def __post_init__(self):
         if self.compute_wgs not in (1, 2):
@@ -65,15 +64,6 @@ class BlockConfig:
         if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.max_concurrent_steps:
             raise EPValueError("BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, "
                                f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
-        streams = self.row_stream not in (0, 1) or self.row_stream
-        if streams and (self.row_stream != 1 or self.compute_wgs != 2 or self.mma_in_flight):
-            raise EPValueError("BlockConfig.row_stream=1 needs compute_wgs=2 and mma_in_flight=0, got "
-                               f"row_stream={self.row_stream}, compute_wgs={self.compute_wgs}, "
-                               f"mma_in_flight={self.mma_in_flight}")
-        if self.row_stream and self.block_m * self.block_n > 128 * 128:
-            raise EPValueError("BlockConfig.row_stream=1 carries one accumulator per consumer in registers: "
-                               f"block_m x block_n must be at most 128 x 128, got "
-                               f"{self.block_m} x {self.block_n}")
 
     @property
     def cta_n(self) -> int:
@@ -154,7 +144,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
     if config.compute_wgs > 1:
         return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
-    bm, bn, bk, stages, minor, width, ctas, _, _, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -206,10 +196,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
     if config.compute_wgs > 1:
-        if config.row_stream:
-            return _transposed_ragged_dot_stream(lhs, rhs, group_sizes, config=config)
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
-    bm, bn, bk, stages, minor, width, ctas, _, _, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -345,7 +333,7 @@ def _ws_scope(allocations, o_smem):
 
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -437,7 +425,7 @@ def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: in
 def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -499,101 +487,6 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, lhs, rhs)
-
-
-def _transposed_ragged_dot_stream(lhs, rhs, group_sizes, *, config: BlockConfig):
-    """transposed_ragged_dot as one warp-specialised pipeline per output tile over the row blocks of all
-    groups (config.row_stream): the producer never drains between groups, so a group of a few K steps
-    costs its steps, not a pipeline fill. A block that a group boundary cuts appears once per group it
-    holds rows of (tile_schedule), masked to that group's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs, _, _ = config.astuple()
-    rows, k = lhs.shape
-    rows2, n = rhs.shape
-    g = group_sizes.shape[0]
-    cta_n = config.cta_n
-    assert rows == rows2 and k % bm == 0 and n % cta_n == 0, (lhs.shape, rhs.shape, config)
-    schedule, num_blocks = tile_schedule(group_sizes, rows, bk)
-    group = schedule[_GROUP]
-    real = (group < g) & (jnp.arange(group.shape[0]) < num_blocks[0])   # not the zero group, not dead
-    last = jnp.concatenate([group[:-1] != group[1:], jnp.ones((1,), bool)]) & real
-    steps = jnp.sum(real).astype(jnp.int32)[None]                       # real entries lead the schedule
-    info = jnp.concatenate([schedule, last.astype(jnp.int32)[None]])     # [5, entries]
-    empty = (_group_row_blocks(group_sizes, rows, bk)[2] == 0).astype(jnp.int32)
-    lhs_tf = _smem_transforms(lhs.dtype, bm)
-    rhs_tf = _smem_transforms(rhs.dtype, cta_n)
-    out_tf = _smem_transforms(lhs.dtype, bn)
-    grid_m, grid_n = k // bm, n // cta_n
-
-    def body(info_gmem, steps_gmem, empty_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        def get_pipeline(step, compute_context, num_steps):
-            return _ws_pipeline(
-                step, compute_context, grid=(num_steps,), wgs=wgs, stages=stages,
-                in_specs=[plgpu.BlockSpec((bk, bm), lambda s: (info_gmem[_BLOCK, s], 0), transforms=lhs_tf,
-                                          memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((bk, cta_n), lambda s: (info_gmem[_BLOCK, s], 0), transforms=rhs_tf,
-                                          memory_space=plgpu.SMEM)])
-
-        @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
-                       lhs_gmem.at[:, pl.ds(0, bm)], rhs_gmem.at[:, pl.ds(0, cta_n)]),
-                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf))
-        def _scope(allocs, o_smem, wg):
-            num_steps = steps_gmem[0]
-
-            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
-            def _tile(loop_info: plgpu.NDLoopInfo):
-                mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), minor, width)
-                cols = pl.ds(ni * cta_n + wg * bn, bn)
-
-                def store(values, gi):
-                    _write_tile(o_smem.at[wg], values)
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
-
-                def entry(s):  # a step's schedule entry: first row, rows, last of its group?, group
-                    return tuple(info_gmem[r, s] for r in (_START, _SIZE, 4, _GROUP))
-
-                def compute_context(run):
-                    run((_acc_zeros(bm, bn), entry(0)))
-
-                def step(idx, lhs_smem, rhs_smem, carry):
-                    # per-step work is what this form pays for having no drain: the next step's entry is
-                    # read a step ahead (a global load in front of the WGMMA would stall every step), and
-                    # the running sum is reset only where a group ends (a select over the accumulator
-                    # every step costs issue slots on the same order as the step's WGMMAs)
-                    total, (start, size, last, group) = carry
-                    upcoming = entry(jnp.minimum(idx[0] + 1, num_steps - 1))
-                    rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-
-                    _mask_outside(lhs_smem, rhs_mine, (start != 0) | (size != bk), start, start + size)
-
-                    def mma(acc_ref):
-                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
-
-                    # the running sum is the WGMMA accumulator itself (registers in, registers out):
-                    # one accumulator per consumer, so a consumer's tile can be 128 x 128
-                    total = pl.run_state(mma)(plgpu.ACC.init(total))
-
-                    def group_done():
-                        store(total, group)
-                        return _acc_zeros(bm, bn)   # the next group starts from zero
-
-                    return lax.cond(last != 0, group_done, lambda: total), upcoming
-
-                @pl.when(num_steps > 0)
-                def _():
-                    get_pipeline(step, compute_context, num_steps)(
-                        lhs_gmem.at[:, pl.ds(mi * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
-                        allocations=allocs)
-
-                @pl.when(wg < wgs)  # groups without rows get zero gradients
-                def _():
-                    @pl.loop(0, g)
-                    def _(gi):
-                        @pl.when(empty_gmem[gi] != 0)
-                        def _():
-                            store(jnp.zeros((bm, bn), jnp.float32), gi)
-
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
-    return kernel(info, steps, empty, lhs, rhs)
 
 
 # FP8 blocks: DeepSeek-V3's layout. Activations carry one scale per row and 128 channels, weights one per

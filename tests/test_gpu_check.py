@@ -427,12 +427,12 @@ def test_gemm_runs_in_parts_with_passes_and_profiled_configs(tmp_path):
     """GEMM_STEPS picks the parts (here no tests), GEMM_PASSES the tuned passes, GEMM_TUNE_EXTRA the rest,
     GEMM_PROFILE_CONFIGS the profiled layer configs (one log each)."""
     rc, output, out, calls = run_check(tmp_path, gpus=1, GEMM="1", GEMM_STEPS="tune,profile",
-                                       GEMM_PASSES="dw", GEMM_TUNE_EXTRA="--kernels stream",
+                                       GEMM_PASSES="dw", GEMM_TUNE_EXTRA="--kernels classic",
                                        GEMM_PROFILE_CONFIGS="jax_ep jax_ep_fp8_cached")
     assert rc == 0, output
     assert not [c for c in calls if "tests/gpu/test_gemm_gpu.py" in c]
     [tune] = [c for c in calls if "tune_gemm.py" in c]
-    assert "--passes dw" in tune and "--kernels stream" in tune and "--block" not in tune
+    assert "--passes dw" in tune and "--kernels classic" in tune and "--block" not in tune
     profile = [c for c in calls if "profile_layer.py" in c]
     assert [c.split("profile_layer.py ")[1].split(" --")[0] for c in profile] == [
         "deepseek jax_ep", "deepseek jax_ep_fp8_cached"]

@@ -66,11 +66,6 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
         for (bm, bn, st), (minor, tw), inflight in itertools.product(ws, orders, (0, 1)):
             if width % (2 * bn) == 0:
                 yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
-    if name == "dw" and kinds in ("all", "ws", "stream"):  # one pipeline per output tile, all groups' rows
-        for minor, tw in orders:
-            if width % 256 == 0:
-                yield mgpu.BlockConfig(64, 128, 64, 4, minor, tw, 1, 2, 0, 1)
-                yield mgpu.BlockConfig(128, 128, 64, 3, minor, tw, 1, 2, 0, 1)
 
 
 def run_pass(name, cfg, x, w, dy, gs):
@@ -256,9 +251,9 @@ def main(argv=None):
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
-    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws", "stream"],
+    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
-                             "warp-specialised (ws), only dw's row-streamed form (stream)")
+                             "warp-specialised (ws)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind

@@ -73,8 +73,6 @@ KERNEL_CONFIGS = [
     (128, 64, 64, 4, 0, 4, 1, 2),    # warp-specialised: producer + 2 consumers, CTA tile 128 x 128
     (64, 128, 64, 4, 1, 2, 1, 2),    # warp-specialised, CTA tile 64 x 256
     (128, 128, 64, 3, 0, 8, 1, 2, 1),  # warp-specialised, 128 x 256, one WGMMA kept in flight
-    (64, 128, 64, 4, 0, 4, 1, 2, 0, 1),  # dw: one pipeline per output tile over every group's rows
-    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),  # the same with 128 x 128 per consumer (CTA tile 128 x 256)
 ]
 
 
