@@ -501,7 +501,7 @@ def _promote(total, part, scale):
 
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
-                   out_dtype=jnp.bfloat16, warp_specialized: bool = False, cta_n: int = 256):
+                   out_dtype=jnp.bfloat16, warp_specialized: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -511,11 +511,11 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     in its own accumulator, scaled and added to a running sum in registers (the "promotion" of
     DeepSeek-V3's FP8 GEMM: the scales change every 128 channels). The same kernel computes the FP8 input
     gradient: dy's rows and scales with the weights in [G, K, N] layout as wq_t and ws transposed.
-    warp_specialized: a producer warpgroup loads while two consumer warpgroups compute, side by side along
-    N (block_m 64: 64 x 256 CTA tiles) or stacked along M (block_m 128: 128 x cta_n CTA tiles)."""
+    warp_specialized: a producer warpgroup loads while two consumers each compute 128 of the CTA's 256
+    columns (block_m x 256 tiles, one weight scale per consumer and K step)."""
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                                  out_dtype=out_dtype, cta_n=cta_n)
+                                  out_dtype=out_dtype)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -563,25 +563,17 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
 
-def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       cta_n: int = 256):
-    """ragged_dot_fp8 with a producer warpgroup and two consumers, each computing 64 rows: side by side
-    along N (block_m 64: a 64 x 256 CTA tile, 128 columns per consumer) or stacked along M (block_m 128:
-    a 128 x cta_n CTA tile; at cta_n 256 a consumer's 256 columns are two 128-column WGMMAs one after the
-    other into one scratch accumulator, so a thread holds two running sums and one block sum, 1.5 float32
-    tiles, where a 128 x 128 tile per consumer spilled). 128 x 256 moves 40% fewer bytes per FLOP from L2
-    than 64 x 256 (128 x 128: 20%); the FP8 kernels are bound by L2 -> SM traffic (ncu, session 19)."""
+def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype):
+    """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N."""
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     wgs, bm, bn, bk = 2, block_m, FP8_K_BLOCK, FP8_K_BLOCK
-    stacked = bm == 128
-    halves = cta_n // bn if stacked else 1       # 128-column blocks one consumer computes
+    cta_n = wgs * bn
     assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm in (64, 128), (xq.shape, wq_t.shape, bm)
-    assert cta_n in ((128, 256) if stacked else (256,)), (bm, cta_n)
     assert xs_t.shape == (k // bk, m) and ws.shape == (g, k // bk, n // bn), (xs_t.shape, ws.shape)
     grid_n = n // cta_n
     tf = _smem_transforms(xq.dtype, bk)
-    ladder = min(64, 1 << int(math.log2(m)))
+    ladder = min(bm, 1 << int(math.log2(m)))
 
     def get_pipeline(step, compute_context):
         return _ws_pipeline(
@@ -594,53 +586,29 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
     def body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
         @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(
                        x_gmem.at[pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, cta_n)], xs_gmem.at[:, pl.ds(0, bm)]),
-                   plgpu.SMEM((wgs, halves, 64, bn) if stacked else (wgs, 64, bn), out_dtype))
+                   plgpu.SMEM((wgs, bm, bn), out_dtype))
         def _scope(allocs, o_smem, wg):
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, 0, 4)
             def _tile(mi, ni, group, block):
-                # this consumer's rows of the CTA tile and 128-column blocks (one weight scale per K step)
-                row0 = wg * 64 if stacked else 0
-                col_blocks = [ni * halves + h for h in range(halves)] if stacked else [ni * 2 + wg]
-                tiles = [o_smem.at[wg, h] for h in range(halves)] if stacked else [o_smem.at[wg]]
-                # the carry: the running sum of each of the consumer's column blocks
-                unpack, pack = (list, tuple) if stacked else ((lambda c: [c]), (lambda c: c[0]))
-
-                def live_rows():
-                    """This consumer's live rows [start, start + size) of its 64 (tile_schedule's)."""
-                    first = block * bm + row0 if stacked else block * bm
-                    start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]
-                    if not stacked:
-                        return first, start, size
-                    lo = jnp.clip(start - row0, 0, 64)
-                    return first, lo, jnp.clip(start + size - row0, 0, 64) - lo
+                col_block = ni * wgs + wg  # this consumer's 128 columns: one weight scale per K step
 
                 def store(values):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for tile, v in zip(tiles, values, strict=True):
-                        tile[...] = v.astype(tile.dtype)
-                    plgpu.commit_smem()
-                    first, start, size = live_rows()
-                    for tile, cb in zip(tiles, col_blocks, strict=True):
-                        _store_rows(tile, o_gmem, first, start, size, ladder, pl.ds(cb * bn, bn), wait=False)
+                    _write_tile(o_smem.at[wg], values)
+                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
+                                schedule_gmem[_SIZE, mi], ladder, pl.ds(col_block * bn, bn), wait=False)
 
                 def compute_context(run):
-                    store(unpack(run(pack([_acc_zeros(64, bn)] * halves))))
+                    store(run(_acc_zeros(bm, bn)))
 
-                def step(idx, x_smem, w_smem, s_smem, carry):
-                    x_mine = x_smem.at[pl.ds(row0, 64)] if stacked else x_smem
-                    new = []
-                    for h, (total, cb) in enumerate(zip(unpack(carry), col_blocks, strict=True)):
-                        def mma(acc_ref, h=h):
-                            w_mine = w_smem.at[pl.ds((h if stacked else wg) * bn, bn)]
-                            plgpu.wgmma(acc_ref, x_mine, plgpu.transpose_ref(w_mine, (1, 0)))
-                            return acc_ref[...]
+                def step(idx, x_smem, w_smem, s_smem, total):
+                    def mma(acc_ref):
+                        w_mine = w_smem.at[pl.ds(wg * bn, bn)]
+                        plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
+                        return acc_ref[...]
 
-                        part = pl.run_scoped(mma, plgpu.ACC((64, bn), jnp.float32))
-                        if h == 0:
-                            rows = plgpu.load(s_smem, (0, pl.ds(row0, 64)) if stacked else (0,),
-                                              layout=plgpu.Layout.WGMMA.reduce(1))
-                        new.append(_promote(total, part, rows * ws_gmem[group, idx[0], cb]))
-                    return pack(new)
+                    part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
+                    return _promote(total, part, rows * ws_gmem[group, idx[0], col_block])
 
                 @pl.when(group < g)
                 def _():
@@ -650,7 +618,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
                 @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
                 def _():
-                    store([jnp.zeros((64, bn), jnp.float32)] * halves)
+                    store(jnp.zeros((bm, bn), jnp.float32))
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype))
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)

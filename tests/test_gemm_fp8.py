@@ -233,19 +233,14 @@ def test_weight_quantisation_kernel_gives_the_reference_bits():
 
 def test_fp8_kernel_form_fits_the_output_width():
     """The warp-specialised FP8 form's 256-wide tile where it divides N, the one-consumer 128-wide form
-    otherwise (a 1408-wide input gradient); the stacked 128-row forms take a CTA width of 256 or 128; an
-    explicit form that does not fit is refused by name."""
+    otherwise (a 1408-wide input gradient); an explicit form that does not fit is refused by name."""
     from jax_ep.gemm_fp8 import CLASSIC_KERNEL, KERNEL, fp8_kernel_form
 
-    assert fp8_kernel_form(4096) == (*KERNEL, 256) and KERNEL[0]
-    assert fp8_kernel_form(1408) == (*CLASSIC_KERNEL, 128) and not CLASSIC_KERNEL[0]
-    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3, 128)
-    assert fp8_kernel_form(4096, (True, 128, 3)) == (True, 128, 3, 256)
-    assert fp8_kernel_form(1408, (True, 128, 4, 128)) == (True, 128, 4, 128)
-    for n, bad in ((1408, KERNEL), (1408, (True, 128, 3)), (4096, (True, 64, 4, 128)), (4096, (True, 96, 4)),
-                   (4096, (False, 64, 4, 256))):
-        with pytest.raises(EPValueError, match=r"kernel .* needs block_m 64 or 128, a CTA width in"):
-            fp8_kernel_form(n, bad)
+    assert fp8_kernel_form(4096) == KERNEL and KERNEL[0]
+    assert fp8_kernel_form(1408) == CLASSIC_KERNEL and not CLASSIC_KERNEL[0]
+    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3)
+    with pytest.raises(EPValueError, match="N % 256"):
+        fp8_kernel_form(1408, KERNEL)
 
 
 def test_weight_quantisation_kernel_only_where_pallas_addresses_it():

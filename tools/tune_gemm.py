@@ -174,7 +174,7 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
                date=datetime.date.today().isoformat())
     runs = {"forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
     for form in KERNELS:
-        tag = f"{'ws' if form[0] else 'classic'}{form[1]}" + (f"x{form[3]}" if len(form) > 3 else "")
+        tag = f"{'ws' if form[0] else 'classic'}{form[1]}"
         runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(
             xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)), (xq, xs, wq, wq_t, ws, gs))
         runs[f"dx_fp8_{tag}"] = (jax.jit(lambda dyq, dys, wq, ws, gs, form=form: grouped_matmul_fp8(
