@@ -40,6 +40,10 @@ _log = logging.getLogger("jax_ep")
 # per group it touches (a ragged boundary costs a whole extra tile of matrix work).
 ROW_ALIGNMENT = 64
 
+# The kernels' tile order (BlockConfig.grid_minor; the FP8 kernel form's 4th field) that visits each
+# group's row tiles together, one column tile at a time (gemm_mgpu._row_tiles).
+GROUP_MAJOR = 2
+
 # The three passes: forward out = x @ w[g]; dx = dy @ w[g].T; dw[g] = x[g rows].T @ dy[g rows].
 PASSES = ("forward", "dx", "dw")
 

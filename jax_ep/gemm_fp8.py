@@ -37,37 +37,40 @@ from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
 from jax_ep.errors import EPTypeError, EPValueError
-from jax_ep.gemm import _kernel_platform, weight_gradient
+from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, weight_gradient
 from jax_ep.reference import FP8_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
 from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
 
 BACKENDS = ("reference", "mosaic_gpu")
-# The Hopper kernel's form (warp_specialized, block_m, stages). Measured on one H200 (2026-11-29,
-# tools/tune_gemm.py --fp8, DeepSeek-V3 and mid per-rank shapes): the warp-specialised 64 x 256 form is
-# 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it (two float32 tiles per
-# consumer thread: the accumulator and the running sum). Its 256-wide tile needs N % 256 == 0; other N
-# (e.g. dx of a 1408-wide projection) take the one-consumer form (fp8_kernel_form). DeepGEMM's overlap
-# (a step's block sum promoted while the next WGMMA runs; one more f32 tile per thread) measured 1.12-1.16x
-# slower than KERNEL at both DeepSeek-V3 shapes (2026-11-29, docs/benchmarks/h200_gemm_s20.json), and
-# so did the two consumers stacked along M (128 x 256 and 128 x 128 CTA tiles, 20-40% fewer bytes per
-# FLOP from L2): 2.77 / 2.95 ms vs 2.57 forward at gate|up, so L2 -> SM bytes are not what bounds it.
+# The Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor]). Measured on one H200
+# (2026-11-29, tools/tune_gemm.py --fp8, DeepSeek-V3 and mid per-rank shapes): the warp-specialised
+# 64 x 256 form is 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it (two float32
+# tiles per consumer thread: the accumulator and the running sum). Its 256-wide tile needs N % 256 == 0;
+# other N (e.g. dx of a 1408-wide projection) take the one-consumer form (fp8_kernel_form). grid_minor
+# is the tile order: 0 strips of 4 row tiles, GROUP_MAJOR group by group (not yet timed).
+# DeepGEMM's overlap (a step's block sum promoted while the next WGMMA runs; one more f32 tile per
+# thread) measured 1.12-1.16x slower than KERNEL at both DeepSeek-V3 shapes (2026-11-29,
+# docs/benchmarks/h200_gemm_s20.json), and so did the two consumers stacked along M (128 x 256 and
+# 128 x 128 CTA tiles, 20-40% fewer bytes per FLOP from L2): 2.77 / 2.95 ms vs 2.57 forward at
+# gate|up, so L2 -> SM bytes are not what bounds it.
 KERNEL = (True, 64, 4)
 CLASSIC_KERNEL = (False, 64, 4)
-KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 128, 3))   # the forms tools/tune_gemm.py --fp8 times
+KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 128, 3), (*KERNEL, GROUP_MAJOR))   # what tune_gemm.py --fp8 times
 
 
-def fp8_kernel_form(n: int, kernel: tuple[bool, int, int] | None = None) -> tuple[bool, int, int]:
-    """The Hopper FP8 kernel's form for N output columns: `kernel` when given (checked), else KERNEL where
-    its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int]:
+    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor) for N output columns:
+    `kernel` when given (checked; a 3-tuple takes grid_minor 0), else KERNEL where its 256-wide tile
+    divides N, else CLASSIC_KERNEL (128-wide tiles)."""
     if kernel is None:
-        return KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
-    warp_specialized, block_m, _ = kernel
+        kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
+    warp_specialized, block_m, stages, grid_minor = (*kernel, 0)[:4]
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
-    if n % width or block_m not in (64, 128):
-        raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0 and block_m 64 or "
-                           f"128, got N={n}")
-    return kernel
+    if n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 4:
+        raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0, block_m 64 or 128 "
+                           f"and grid_minor 0 or {GROUP_MAJOR}, got N={n}")
+    return warp_specialized, block_m, stages, grid_minor
 
 
 def _check_whole_blocks(where: str, k: int, n: int) -> None:
@@ -207,7 +210,8 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
       wq_t: the weights with the contracted dimension minor, for the kernel ([G, N, K] for the forward;
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
-      kernel: the Hopper kernel's form (warp_specialized, block_m, stages); None: fp8_kernel_form's.
+      kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor]); None:
+        fp8_kernel_form's.
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
@@ -236,10 +240,10 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
 
     if wq_t is None:
         wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
-    warp_specialized, block_m, stages = fp8_kernel_form(n, kernel)
+    warp_specialized, block_m, stages, grid_minor = fp8_kernel_form(n, kernel)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                              out_dtype=out_dtype, warp_specialized=warp_specialized)
+                              out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor)
     return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 

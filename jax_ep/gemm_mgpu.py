@@ -29,9 +29,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_ep.errors import EPValueError
+from jax_ep.gemm import GROUP_MAJOR
 
-# schedule rows (an int32 [4, tiles] array the kernel reads per tile)
-_GROUP, _BLOCK, _START, _SIZE = range(4)
+# schedule rows (an int32 [6, tiles] array the kernel reads per tile): its group, block of rows, first row
+# and rows within the block, and its group's first tile and number of tiles (for the group-major order)
+_GROUP, _BLOCK, _START, _SIZE, _FIRST, _COUNT = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,10 @@ class BlockConfig:
     max_concurrent_steps TMA stages in flight. The persistent loop visits the output tiles in strips
     of grid_tile_width tiles along dimension grid_minor (0 = M, 1 = N), so that tiles running at the
     same time share operands in L2: along M they share a weight panel (what matters when there are
-    many groups and each weight is used by few rows), along N they share the rows. ctas_per_sm
+    many groups and each weight is used by few rows), along N they share the rows. grid_minor 2
+    (GROUP_MAJOR; row-tiled passes only, width unused) visits all row tiles of one group for a column
+    tile, then the next column tile, then the next group: a strip is exactly a group, so each weight
+    panel is read from DRAM once however the group boundaries fall against fixed strips. ctas_per_sm
     persistent blocks share each SM (2 when their shared memory fits): one block's pipeline fill and
     epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
     gradient, whose K is a group's rows)."""
@@ -56,6 +61,8 @@ class BlockConfig:
     mma_in_flight: int = 0
 
     def __post_init__(self):
+        if self.grid_minor not in (0, 1, GROUP_MAJOR):
+            raise EPValueError(f"BlockConfig.grid_minor must be 0, 1 or {GROUP_MAJOR}, got {self.grid_minor}")
         if self.compute_wgs not in (1, 2):
             raise EPValueError(f"BlockConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.compute_wgs == 2 and self.ctas_per_sm != 1:
@@ -80,8 +87,9 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Arr
     Rows [sum(group_sizes), m) form one extra "zero" group (id G) whose tiles store zeros. A tile
     never spans two groups: a block of block_m rows that holds the end of one group and the start of
     the next is visited once per group (the rows outside the group are computed but not stored).
-    Returns (schedule [4, cdiv(m, block_m) + G] int32: group, block, first row within the block, rows;
-    num_tiles [1] int32: how many leading tiles are live).
+    Returns (schedule [6, cdiv(m, block_m) + G] int32: group, block, first row within the block, rows,
+    the group's first tile and its number of live tiles; num_tiles [1] int32: how many leading tiles are
+    live).
     """
     g = group_sizes.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
@@ -99,7 +107,8 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Arr
     hi = jnp.minimum(ends[group], block * block_m + block_m)
     live = t < tile_end[-1]
     schedule = jnp.stack([group, jnp.where(live, block, 0), jnp.where(live, lo - block * block_m, 0),
-                          jnp.where(live, hi - lo, 0)]).astype(jnp.int32)
+                          jnp.where(live, hi - lo, 0), tile_end[group] - tiles[group], tiles[group]]
+                         ).astype(jnp.int32)
     return schedule, tile_end[-1:].astype(jnp.int32)
 
 
@@ -109,14 +118,22 @@ def _num_sms() -> int:
 
 def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int):
     """The persistent loop of the ragged_dot kernels: over the live row tiles (tile_schedule) x grid_n
-    column tiles, in strips of `width` tiles along `minor` (planar_snake), handing the body (row tile,
-    column tile, its group, its block of rows)."""
+    column tiles, in strips of `width` tiles along `minor` (planar_snake), or group by group (minor
+    GROUP_MAJOR: the linear index range of a group's tiles x grid_n holds its row tiles for column tile
+    0, then 1, ...), handing the body (row tile, column tile, its group, its block of rows)."""
     def decorator(body):
         live_m = num_tiles_gmem[0]
 
         @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
         def _tile(loop_info: plgpu.NDLoopInfo):
-            mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
+            if minor == GROUP_MAJOR:
+                lin = loop_info.index[0]
+                first = schedule_gmem[_FIRST, lin // grid_n]
+                count = schedule_gmem[_COUNT, lin // grid_n]
+                local = lin - first * grid_n
+                mi, ni = first + local % count, local // count
+            else:
+                mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
             body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_BLOCK, mi])
     return decorator
 
@@ -195,6 +212,9 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
+    if config.grid_minor == GROUP_MAJOR:
+        raise EPValueError("transposed_ragged_dot: the group-major order is for the row-tiled passes (each "
+                           f"weight gradient tile is one group already), got {config}")
     if config.compute_wgs > 1:
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
     bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
@@ -501,7 +521,7 @@ def _promote(total, part, scale):
 
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
-                   out_dtype=jnp.bfloat16, warp_specialized: bool = False):
+                   out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -512,10 +532,11 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     DeepSeek-V3's FP8 GEMM: the scales change every 128 channels). The same kernel computes the FP8 input
     gradient: dy's rows and scales with the weights in [G, K, N] layout as wq_t and ws transposed.
     warp_specialized: a producer warpgroup loads while two consumers each compute 128 of the CTA's 256
-    columns (block_m x 256 tiles, one weight scale per consumer and K step)."""
+    columns (block_m x 256 tiles, one weight scale per consumer and K step). grid_minor: the tile order,
+    strips of 4 row tiles (0) or group by group (GROUP_MAJOR; see BlockConfig)."""
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                                  out_dtype=out_dtype)
+                                  out_dtype=out_dtype, grid_minor=grid_minor)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -525,7 +546,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     ladder = min(bm, 1 << int(math.log2(m)))
 
     def body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
-        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, 0, 4)
+        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4)
         def _tile(mi, ni, group, block):
 
             def step(idx, x_smem, w_smem, s_smem, total):
@@ -563,7 +584,8 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
 
-def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype):
+def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
+                       grid_minor: int):
     """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N."""
     m, k = xq.shape
     g, n, k2 = wq_t.shape
@@ -588,7 +610,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                        x_gmem.at[pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, cta_n)], xs_gmem.at[:, pl.ds(0, bm)]),
                    plgpu.SMEM((wgs, bm, bn), out_dtype))
         def _scope(allocs, o_smem, wg):
-            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, 0, 4)
+            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4)
             def _tile(mi, ni, group, block):
                 col_block = ni * wgs + wg  # this consumer's 128 columns: one weight scale per K step
 

@@ -92,8 +92,18 @@ def test_tile_schedule_covers_every_row_once(sizes):
     m, block_m = 320, 64
     schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
     schedule, num_tiles = np.asarray(schedule), np.asarray(num_tiles)
-    group, block, start, size = schedule[:, :int(num_tiles[0])]
-    assert np.all(size > 0) and np.all(schedule[3, int(num_tiles[0]):] == 0)
+    live = int(num_tiles[0])
+    group, block, start, size, first, count = schedule[:, :live]
+    assert np.all(size > 0) and np.all(schedule[3, live:] == 0)
+    # the group-major order (_row_tiles with GROUP_MAJOR) visits every (row tile, column tile) once,
+    # each group's row tiles together for one column tile at a time
+    grid_n = 3
+    lin = np.arange(live * grid_n)
+    f, c = first[lin // grid_n], count[lin // grid_n]
+    mi, ni = f + (lin - f * grid_n) % c, (lin - f * grid_n) // c
+    assert sorted(zip(mi.tolist(), ni.tolist(), strict=True)) == [(a, b) for a in range(live)
+                                                                   for b in range(grid_n)]
+    assert np.all(group[mi] == group[lin // grid_n]) and np.all(np.diff(group[mi]) >= 0)
     owner = np.full(m, -1)
     for gi, b, s, n in zip(group, block, start, size, strict=True):
         rows = np.arange(b * block_m + s, b * block_m + s + n)
@@ -104,10 +114,12 @@ def test_tile_schedule_covers_every_row_once(sizes):
     np.testing.assert_array_equal(owner, expected)
 
 
+@pytest.mark.parametrize("order", [(1, 1), (mgpu.GROUP_MAJOR, 1)], ids=["strips", "group_major"])
 @parametrize_slow_tail("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [320, 0, 0, 0], [5, 200, 3, 1]])
-def test_kernel_interpret_mode(sizes):
+def test_kernel_interpret_mode(sizes, order):
     """The compiled kernel's forward logic on CPU (Mosaic GPU interpret mode): ragged groups, empty
-    groups, one huge group; padding rows hold NaN and must come out as exact zeros."""
+    groups, one huge group, in strips and group by group; padding rows hold NaN and must come out as
+    exact zeros."""
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
     rng = np.random.default_rng(sum(sizes))
@@ -116,7 +128,7 @@ def test_kernel_interpret_mode(sizes):
     total = int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16).at[total:].set(jnp.nan)
     w = jnp.asarray(rng.standard_normal((4, k, n)) / np.sqrt(k), jnp.float16)
-    config = mgpu.BlockConfig(64, 64, 64, 2, 1, 1)
+    config = mgpu.BlockConfig(64, 64, 64, 2, *order)
     schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes), m, config.block_m)
     out = np.asarray(mgpu.ragged_dot(x, w, schedule, num_tiles, config=config,
                                      interpret=interpret_params.InterpretGPUParams()), np.float64)
@@ -196,7 +208,8 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
 
 @pytest.mark.parametrize("fields,word", [((128, 128, 64, 3, 0, 4, 1, 3), "compute_wgs"),
                                          ((128, 128, 64, 3, 0, 4, 2, 2), "ctas_per_sm"),
-                                         ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight")])
+                                         ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight"),
+                                         ((128, 128, 64, 3, 3, 4), "grid_minor")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -223,6 +236,28 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
 
     text = jax.jit(passes).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2, text[:2000]
+
+
+@pytest.mark.parametrize("wgs", [1, 2])
+def test_group_major_order_lowers_for_hopper_and_is_refused_by_the_weight_gradient(wgs):
+    """The group-major tile order (grid_minor GROUP_MAJOR) lowers for CUDA in the one-consumer and the
+    warp-specialised forward; the weight gradient, whose tiles are one group each, refuses it by name."""
+    from jax_ep.errors import EPValueError
+
+    cfg = mgpu.BlockConfig(64, 128, 64, 4, mgpu.GROUP_MAJOR, 1, 1, wgs)
+    m, k, n, g = 1024, 512, 768, 5
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def forward(x, w, gs):
+        sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
+        return mgpu.ragged_dot(x, w, sched, tiles, config=cfg)
+
+    assert "mosaic_gpu" in jax.jit(forward).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(EPValueError, match="group-major order"):
+        mgpu.transposed_ragged_dot(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((m, n), jnp.bfloat16),
+                                   jnp.full((g,), 64, jnp.int32), config=cfg)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

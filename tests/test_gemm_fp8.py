@@ -233,14 +233,18 @@ def test_weight_quantisation_kernel_gives_the_reference_bits():
 
 def test_fp8_kernel_form_fits_the_output_width():
     """The warp-specialised FP8 form's 256-wide tile where it divides N, the one-consumer 128-wide form
-    otherwise (a 1408-wide input gradient); an explicit form that does not fit is refused by name."""
+    otherwise (a 1408-wide input gradient), in strips of row tiles unless the form asks for the group-major
+    order; an explicit form that does not fit is refused by name."""
+    from jax_ep.gemm import GROUP_MAJOR
     from jax_ep.gemm_fp8 import CLASSIC_KERNEL, KERNEL, fp8_kernel_form
 
-    assert fp8_kernel_form(4096) == KERNEL and KERNEL[0]
-    assert fp8_kernel_form(1408) == CLASSIC_KERNEL and not CLASSIC_KERNEL[0]
-    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3)
-    with pytest.raises(EPValueError, match="N % 256"):
-        fp8_kernel_form(1408, KERNEL)
+    assert fp8_kernel_form(4096) == (*KERNEL, 0) and KERNEL[0]
+    assert fp8_kernel_form(1408) == (*CLASSIC_KERNEL, 0) and not CLASSIC_KERNEL[0]
+    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3, 0)
+    assert fp8_kernel_form(4096, (True, 64, 4, GROUP_MAJOR)) == (True, 64, 4, GROUP_MAJOR)
+    for n, bad in ((1408, KERNEL), (4096, (True, 64, 4, 1)), (4096, (True, 96, 4))):
+        with pytest.raises(EPValueError, match=r"kernel .* needs N % \d+ == 0, block_m 64 or 128 and grid"):
+            fp8_kernel_form(n, bad)
 
 
 def test_weight_quantisation_kernel_only_where_pallas_addresses_it():

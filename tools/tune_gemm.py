@@ -16,6 +16,7 @@ Run on one Hopper GPU; the table is keyed by (pass, M, K, N, G) and looked up by
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -31,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.layer import best_of as _best_of  # noqa: E402
 from benchmarks.layer import expert_group_sizes  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
-from jax_ep.gemm import _tuned  # noqa: E402
+from jax_ep.gemm import GROUP_MAJOR, _tuned  # noqa: E402
 
 best_of = functools.partial(_best_of, iters=10, repeats=3)
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
@@ -52,6 +53,8 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
     producer beside them: a CTA tile of block_m x 2*block_n, one CTA per SM, as many stages as shared
     memory holds next to the output tile."""
     orders = [(0, 4), (0, 8)] if quick else [(0, 2), (0, 4), (0, 8), (1, 2)]  # (grid_minor, tile width)
+    if name != "dw":          # group by group: the row-tiled passes (a dW tile is one group already)
+        orders.append((GROUP_MAJOR, 1))
     if kinds in ("all", "classic"):
         tiles = [(128, 128), (64, 256)]
         pipelines = [(1, 4), (2, 2), (2, 3)]                                  # (ctas per SM, stages)
@@ -174,7 +177,8 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
                date=datetime.date.today().isoformat())
     runs = {"forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
     for form in KERNELS:
-        tag = f"{'ws' if form[0] else 'classic'}{form[1]}"
+        order = "_group_major" if GROUP_MAJOR in form[3:] else ""
+        tag = f"{'ws' if form[0] else 'classic'}{form[1]}{order}"
         runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(
             xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)), (xq, xs, wq, wq_t, ws, gs))
         runs[f"dx_fp8_{tag}"] = (jax.jit(lambda dyq, dys, wq, ws, gs, form=form: grouped_matmul_fp8(
@@ -251,9 +255,10 @@ def main(argv=None):
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
-    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws"],
+    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws", "order"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
-                             "warp-specialised (ws)")
+                             "warp-specialised (ws), or only the table's configuration in each tile "
+                             "order (order: forward and dx)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind
@@ -285,7 +290,12 @@ def main(argv=None):
             # (--kernels) only replaces it by a configuration measured faster beside it
             incumbent = [mgpu.BlockConfig(*e["config"]) for e in table
                          if (e["pass"], e["m"], e["k"], e["n"], e["g"]) == (name, m, k, n, g)]
-            for cfg in dict.fromkeys([*incumbent, *grid_for(name, width, args.quick, args.kernels)]):
+            if args.kernels == "order":
+                candidates = [dataclasses.replace(c, grid_minor=minor, grid_tile_width=tw) for c in incumbent
+                              for minor, tw in ((0, 4), (0, 8), (1, 2), (GROUP_MAJOR, 1)) if name != "dw"]
+            else:
+                candidates = list(grid_for(name, width, args.quick, args.kernels))
+            for cfg in dict.fromkeys([*incumbent, *candidates]):
                 try:
                     f = jax.jit(functools.partial(run_pass, name, cfg))
                     t = best_of(f, x, w, dy, gs)

@@ -2,6 +2,8 @@
 references on random group sizes (zeros, one huge group, ragged ends), padding rows poisoned with NaN,
 inside shard_map with dispatch's group sizes, and the MoE layer with the kernel vs lax.ragged_dot."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,8 @@ KERNEL_CONFIGS = [
     (128, 64, 64, 4, 0, 4, 1, 2),    # warp-specialised: producer + 2 consumers, CTA tile 128 x 128
     (64, 128, 64, 4, 1, 2, 1, 2),    # warp-specialised, CTA tile 64 x 256
     (128, 128, 64, 3, 0, 8, 1, 2, 1),  # warp-specialised, 128 x 256, one WGMMA kept in flight
+    (64, 128, 64, 4, 2, 1, 1, 1),    # one consumer, group-major tile order (forward and dx)
+    (64, 128, 64, 4, 2, 1, 1, 2),    # warp-specialised, group-major tile order (forward and dx)
 ]
 
 
@@ -101,7 +105,9 @@ def test_every_kernel_pass_at_each_config(config, case):
     sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
     out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg)
     dx = mgpu.ragged_dot(dy, w, sched, tiles, config=cfg, transpose_rhs=True)
-    dw = mgpu.transposed_ragged_dot(x, dy, gs, config=cfg)
+    # the weight gradient's tiles are one group each: the group-major order is not its to take
+    dw_cfg = dataclasses.replace(cfg, grid_minor=0) if cfg.grid_minor == mgpu.GROUP_MAJOR else cfg
+    dw = mgpu.transposed_ragged_dot(x, dy, gs, config=dw_cfg)
     rows = np.repeat(np.arange(g), sizes)
     xf = np.asarray(x[:total], np.float32)
     dyf = np.asarray(dy[:total], np.float32)
@@ -265,8 +271,8 @@ def test_weight_quantisation_kernel_matches_the_reference():
         assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))), name
 
 
-@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3)],
-                         ids=["classic64", "ws64", "ws128"])
+@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2)],
+                         ids=["classic64", "ws64", "ws128", "ws64_group_major"])
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge"])
 def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
