@@ -48,21 +48,21 @@ BACKENDS = ("reference", "mosaic_gpu")
 # 64 x 256 form is 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it (two float32
 # tiles per consumer thread: the accumulator and the running sum). Its 256-wide tile needs N % 256 == 0;
 # other N (e.g. dx of a 1408-wide projection) take the one-consumer form (fp8_kernel_form). grid_minor
-# is the tile order: 0 strips of 4 row tiles, GROUP_MAJOR group by group (not yet timed).
-# DeepGEMM's overlap (a step's block sum promoted while the next WGMMA runs; one more f32 tile per
-# thread) measured 1.12-1.16x slower than KERNEL at both DeepSeek-V3 shapes (2026-11-29,
-# docs/benchmarks/h200_gemm_s20.json), and so did the two consumers stacked along M (128 x 256 and
-# 128 x 128 CTA tiles, 20-40% fewer bytes per FLOP from L2): 2.77 / 2.95 ms vs 2.57 forward at
-# gate|up, so L2 -> SM bytes are not what bounds it.
-KERNEL = (True, 64, 4)
-CLASSIC_KERNEL = (False, 64, 4)
-KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 128, 3), (*KERNEL, GROUP_MAJOR))   # what tune_gemm.py --fp8 times
+# is the tile order: 0 strips of 4 row tiles, GROUP_MAJOR group by group, the default since it measured
+# 5-9% faster at DeepSeek-V3's gate|up forward and dx and down dx, the same at down forward (2026-11-29,
+# docs/benchmarks/h200_gemm_s20.json). DeepGEMM's overlap (a step's block sum promoted while the next
+# WGMMA runs; one more f32 tile per thread) measured 1.12-1.16x slower than the 64 x 256 form, and so
+# did two consumers stacked along M (128 x 256 and 128 x 128 CTA tiles, 20-40% fewer bytes per FLOP
+# from L2: 2.77 / 2.95 ms vs 2.57 forward at gate|up), so L2 -> SM bytes are not what bounds it.
+KERNEL = (True, 64, 4, GROUP_MAJOR)
+CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tested) in this form
+KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3))   # what tune_gemm.py --fp8 times
 
 
 def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int]:
     """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor) for N output columns:
-    `kernel` when given (checked; a 3-tuple takes grid_minor 0), else KERNEL where its 256-wide tile
-    divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+    `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0), else KERNEL where its
+    256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
     if kernel is None:
         kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
     warp_specialized, block_m, stages, grid_minor = (*kernel, 0)[:4]

@@ -145,7 +145,8 @@ def test_block_configs_fit_the_shape(name, k, n):
 
     cfg = block_config(name, 4096, k, n, 8)
     width = k if name == "dx" else n
-    assert width % cfg.cta_n == 0 and cfg.block_k == 64 and cfg.grid_minor in (0, 1)
+    assert width % cfg.cta_n == 0 and cfg.block_k == 64 and cfg.grid_minor in (0, 1, mgpu.GROUP_MAJOR)
+    assert name != "dw" or cfg.grid_minor != mgpu.GROUP_MAJOR     # dW tiles are one group each
     assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.ctas_per_sm in (1, 2)
     if name == "dw":
         assert k % cfg.block_m == 0

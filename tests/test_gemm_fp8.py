@@ -238,11 +238,11 @@ def test_fp8_kernel_form_fits_the_output_width():
     from jax_ep.gemm import GROUP_MAJOR
     from jax_ep.gemm_fp8 import CLASSIC_KERNEL, KERNEL, fp8_kernel_form
 
-    assert fp8_kernel_form(4096) == (*KERNEL, 0) and KERNEL[0]
-    assert fp8_kernel_form(1408) == (*CLASSIC_KERNEL, 0) and not CLASSIC_KERNEL[0]
+    assert fp8_kernel_form(4096) == KERNEL == (True, 64, 4, GROUP_MAJOR)
+    assert fp8_kernel_form(1408) == CLASSIC_KERNEL and not CLASSIC_KERNEL[0]
     assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3, 0)
     assert fp8_kernel_form(4096, (True, 64, 4, GROUP_MAJOR)) == (True, 64, 4, GROUP_MAJOR)
-    for n, bad in ((1408, KERNEL), (4096, (True, 64, 4, 1)), (4096, (True, 96, 4))):
+    for n, bad in ((1408, KERNEL), (1408, (True, 64, 4)), (4096, (True, 64, 4, 1)), (4096, (True, 96, 4))):
         with pytest.raises(EPValueError, match=r"kernel .* needs N % \d+ == 0, block_m 64 or 128 and grid"):
             fp8_kernel_form(n, bad)
 

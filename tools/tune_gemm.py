@@ -177,7 +177,7 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
                date=datetime.date.today().isoformat())
     runs = {"forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
     for form in KERNELS:
-        order = "_group_major" if GROUP_MAJOR in form[3:] else ""
+        order = "_strips" if form[3:] == (0,) else "_group_major" if GROUP_MAJOR in form[3:] else ""
         tag = f"{'ws' if form[0] else 'classic'}{form[1]}{order}"
         runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(
             xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)), (xq, xs, wq, wq_t, ws, gs))

@@ -272,7 +272,7 @@ def test_weight_quantisation_kernel_matches_the_reference():
 
 
 @pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2)],
-                         ids=["classic64", "ws64", "ws128", "ws64_group_major"])
+                         ids=["classic64", "ws64", "ws128", "ws64_group_major"])   # 3-tuples: strips
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge"])
 def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
