@@ -156,6 +156,147 @@ def dequantize_weight_blocks(wq: jax.Array, scales: jax.Array, dtype=jnp.float32
     return (wq.astype(jnp.float32) * per).astype(dtype)
 
 
+def padded_block_rows(m: int, g: int) -> int:
+    """Rows of the token-minor FP8 copies (quantize_rows_t): each of g groups of an m-row buffer padded
+    to whole 128-row blocks, at most m + 127 g rows, rounded up to a block."""
+    return -(-(m + (FP8_BLOCK - 1) * g) // FP8_BLOCK) * FP8_BLOCK
+
+
+def row_blocks(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Where each group's rows go in the padded, token-minor layout of quantize_rows_t.
+
+    Returns (info [4, G] int32: per group its first padded row, that plus its rows, its 128-row blocks and
+    its first padded row again: gemm_mgpu's per-group K-loop entry; source [2, P/128] int32: per padded
+    block its first source row and live rows, 0 past the groups)."""
+    g = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    sizes = ends - starts
+    blocks = -(-sizes // FP8_BLOCK)
+    block_end = jnp.cumsum(blocks)
+    first_block = block_end - blocks
+    info = jnp.stack([first_block * FP8_BLOCK, first_block * FP8_BLOCK + sizes, blocks,
+                      first_block * FP8_BLOCK]).astype(jnp.int32)
+    b = jnp.arange(padded_block_rows(m, g) // FP8_BLOCK, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), g - 1)
+    local = (b - first_block[group]) * FP8_BLOCK
+    live = jnp.clip(sizes[group] - local, 0, FP8_BLOCK)
+    live = jnp.where(b < block_end[-1], live, 0)
+    source = jnp.stack([jnp.where(live > 0, starts[group] + local, 0), live]).astype(jnp.int32)
+    return info, source
+
+
+def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array | None = None,
+                    backend: str = "reference", interpret: bool = False
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rows [M, C] (bfloat16/float32, or e4m3 with ``x_scales`` [M, C/128]: dequantised first) as the FP8
+    weight gradient reads them: token-minor e4m3 [C, P] with each group's rows padded with zeros to whole
+    128-row blocks (P = padded_block_rows(M, G)), one scale per block and channel [P/128, C] (DeepSeek-V3's
+    128 x 1 tiles of the backward), and row_blocks' info [4, G]. Blocks past the groups are left
+    unwritten by the "pallas" backend (one Triton kernel; GPU, or ``interpret``) and are zeros in the
+    "reference" (XLA) one; nothing reads them."""
+    m, c = x.shape
+    g = group_sizes.shape[0]
+    if c % FP8_BLOCK:
+        raise EPValueError(f"quantize_rows_t: the channels C={c} must be a multiple of {FP8_BLOCK}")
+    if (x.dtype == jnp.float8_e4m3fn) != (x_scales is not None):
+        raise EPValueError("quantize_rows_t: x_scales must be given exactly when x is float8_e4m3fn, got x "
+                           f"{x.dtype} and x_scales {None if x_scales is None else x_scales.shape}")
+    info, source = row_blocks(group_sizes, m)
+    p = padded_block_rows(m, g)
+    b = FP8_BLOCK
+    if backend == "reference":
+        rows = source[0][:, None] + jnp.arange(b, dtype=jnp.int32)[None, :]          # [P/128, 128]
+        valid = jnp.arange(b)[None, :] < source[1][:, None]
+        xf = x.astype(jnp.float32) if x_scales is None else dequantize_fp8(x, x_scales)
+        blocks = jnp.where(valid[:, :, None], xf[jnp.where(valid, rows, 0)], 0.0)    # [P/128, 128, C]
+        inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=1))
+        q = (blocks * inv_scale[:, None, :]).astype(jnp.float8_e4m3fn)
+        return q.transpose(2, 0, 1).reshape(c, p), scales, info
+    if backend != "pallas":
+        raise EPValueError(f"quantize_rows_t: backend must be 'reference' or 'pallas', got {backend!r}")
+    if not (_pallas_indexes(m * c) and _pallas_indexes(c * p)):
+        raise EPValueError(f"quantize_rows_t: backend='pallas' cannot address x {x.shape} / its padded copy "
+                           f"[{c}, {p}] (see _pallas_indexes); use backend='reference'")
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    def kernel(source_ref, x_ref, *refs):
+        s_ref, (qt_ref, amax_ref) = (refs[0], refs[1:]) if x_scales is not None else (None, refs)
+        blk, ch = pl.program_id(0), pl.program_id(1)
+        first, live = source_ref[0, blk], source_ref[1, blk]
+
+        @pl.when(live > 0)
+        def _():
+            valid = jnp.arange(b) < live
+            # rows past the block's live ones are masked off (undefined values, replaced by zeros)
+            rows = pltriton.load(x_ref.at[pl.ds(first, b), pl.ds(ch * b, b)], mask=valid[:, None])
+            rows = rows.astype(jnp.float32)
+            if s_ref is not None:                      # one scale per row for these 128 channels
+                rows = rows * pltriton.load(s_ref.at[pl.ds(first, b), pl.ds(ch, 1)], mask=valid[:, None])
+            rows = jnp.where(valid[:, None], rows, 0.0)
+            amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=0), FP8_MIN_AMAX)          # [128] per channel
+            qt_ref[...] = (rows * (FP8_MAX / amax)[None, :]).astype(jnp.float8_e4m3fn).T
+            amax_ref[...] = amax[None, :]
+
+    in_specs = [pl.BlockSpec(source.shape, lambda i, j: (0, 0)), pl.BlockSpec((m, c), lambda i, j: (0, 0))]
+    args = [source, x]
+    if x_scales is not None:
+        in_specs.append(pl.BlockSpec(x_scales.shape, lambda i, j: (0, 0)))
+        args.append(x_scales)
+    qt, amax = pl.pallas_call(
+        kernel, grid=(p // b, c // b), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((b, b), lambda i, j: (j, i)), pl.BlockSpec((1, b), lambda i, j: (i, j))],
+        out_shape=[shape_like((c, p), jnp.float8_e4m3fn, x), shape_like((p // b, c), jnp.float32, x)],
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret, name="jax_ep_quantize_rows_t")(*args)
+    return qt, fp8_scales(amax)[1], info
+
+
+WEIGHT_GRADIENTS = ("bf16", "fp8")
+
+
+def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
+                        x_scales: jax.Array | None = None, backend: str = "reference",
+                        out_dtype=jnp.bfloat16) -> jax.Array:
+    """dw[g] = x[rows of g].T @ dy[rows of g] with both operands in FP8 as DeepSeek-V3's backward runs
+    it: rows quantised token-minor with one scale per 128 rows and channel (quantize_rows_t), float32
+    sums per 128-row block scaled by the outer product of the two blocks' scales, ``out_dtype`` [G, C, N]
+    (zeros for empty groups). x [M, C] (e4m3 with ``x_scales`` [M, C/128], e.g. the forward's quantised
+    rows, or bfloat16/float32), dy [M, N]; C and N multiples of 128. backend "reference" (dequantise,
+    float32 ragged dot; any platform) or "mosaic_gpu" (Hopper: the Triton quantiser and
+    gemm_mgpu.transposed_ragged_dot_fp8, which needs C % 64 and N % 256)."""
+    m, c = x.shape
+    n = dy.shape[1]
+    if dy.shape[0] != m:
+        raise EPValueError(f"fp8_weight_gradient: x {x.shape} and dy {dy.shape} must have the same rows")
+    _check_whole_blocks("fp8_weight_gradient", c, n)
+    if backend not in BACKENDS:
+        raise EPValueError(f"fp8_weight_gradient: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales)
+        dyt, dys, _ = quantize_rows_t(dy, group_sizes)
+        xf = xt.astype(jnp.float32) * jnp.repeat(xs.T, FP8_BLOCK, axis=1)           # [C, P]
+        dyf = dyt.astype(jnp.float32) * jnp.repeat(dys.T, FP8_BLOCK, axis=1)        # [N, P]
+        padded_sizes = info[2] * FP8_BLOCK
+        dw = lax.ragged_dot_general(
+            xf.T, dyf.T, padded_sizes,
+            lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[]),
+            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return dw.astype(out_dtype)
+    if n % (2 * FP8_BLOCK) or c % 64:
+        raise EPValueError(f"fp8_weight_gradient: the Hopper kernel needs N % {2 * FP8_BLOCK} == 0 and "
+                           f"C % 64 == 0, got C={c}, N={n}")
+    from jax_ep import gemm_mgpu as mgpu
+
+    xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales, backend="pallas")
+    dyt, dys, _ = quantize_rows_t(dy, group_sizes, backend="pallas")
+    dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, out_dtype=out_dtype)
+    return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
+
+
 class FP8Weights(NamedTuple):
     """[G, K, N] weights quantised once for the FP8 GEMMs (``quantize_weights``): ``wq`` e4m3 [G, K, N]
     (what the input gradient reads), ``wq_t`` the same values [G, N, K] (what the Hopper forward reads;
@@ -260,7 +401,8 @@ def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
 
 
 def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
-                       gemm: str = "auto", quantized: FP8Weights | None = None) -> jax.Array:
+                       gemm: str = "auto", quantized: FP8Weights | None = None,
+                       weight_grad: str = "bf16") -> jax.Array:
     """``grouped_matmul(x, w, group_sizes)`` with the matrix work in FP8 (module docstring): x [M, K]
     bfloat16/float32 rows, w [G, K, N] (K and N multiples of 128), result in x's dtype. Differentiable in
     x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's).
@@ -268,7 +410,14 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     ``quantized``: w already quantised (``quantize_weights(w)`` on the same backend), used instead of
     quantising w in this call. It is a constant (no gradient flows into it); w still receives the weight
     gradient, which needs only the rows and dy. It must come from w's current values: quantise again after
-    each update of w."""
+    each update of w.
+
+    ``weight_grad``: "bf16" (the weight gradient from the dequantised rows and dy in bfloat16, on
+    ``gemm``'s backend) or "fp8" (fp8_weight_gradient: both quantised 128 x 1 along the tokens, as
+    DeepSeek-V3 does; on the Hopper kernel it needs N % 256 == 0, else it runs on the reference)."""
+    if weight_grad not in WEIGHT_GRADIENTS:
+        raise EPValueError(f"fp8_grouped_matmul: weight_grad must be one of {WEIGHT_GRADIENTS}, got "
+                           f"{weight_grad!r}")
     k, n = w.shape[1], w.shape[2]
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != k:
         raise EPValueError(f"fp8_grouped_matmul: x [M, K] and w [G, K, N] must share K, got x {x.shape}, "
@@ -279,7 +428,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
         _check_quantized(quantized, w, backend)
         quantized = FP8Weights(*(None if a is None else vary_as(lax.stop_gradient(a), x, w)
                                  for a in quantized))
-    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, backend, gemm)
+    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, backend, (gemm, weight_grad))
 
 
 def _fp8_forward(x, w, group_sizes, quantized, backend):
@@ -311,11 +460,17 @@ def _fp8_matmul_bwd(backend, gemm, res, dy):
         None if q_like.wq_t is None else vary_as(jnp.zeros((wq.shape[0], wq.shape[2], wq.shape[1]),
                                                            wq.dtype), wq),
         vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
+    gemm, weight_grad = gemm
     dyq, dys = quantize_fp8(dy)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
                             backend=backend)
-    rows = dequantize_fp8(xq, xs, jnp.bfloat16)          # the rows the forward multiplied
-    dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
+    if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens
+        n = dy.shape[1]
+        dw_backend = backend if n % (2 * FP8_BLOCK) == 0 and xq.shape[1] % 64 == 0 else "reference"
+        dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend)
+    else:
+        rows = dequantize_fp8(xq, xs, jnp.bfloat16)          # the rows the forward multiplied
+        dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
     return dx, dw.astype(w_like.dtype), float0_like(group_sizes), d_quantized
 
 

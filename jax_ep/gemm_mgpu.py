@@ -644,3 +644,81 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype))
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
+
+
+def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, block_m: int = 64, stages: int = 4, minor: int = 0,
+                              width: int = 8, out_dtype=jnp.bfloat16):
+    """The FP8 weight gradient: out[g] = sum over group g's 128-row blocks b of
+    (xs[b, :, None] * dys[b, None, :]) * (xt[:, b] @ dyt[:, b].T), float32 sums, out_dtype [G, C, N].
+
+    xt [C, P] and dyt [N, P] float8_e4m3fn: the rows token-minor (FP8 WGMMA takes both operands K-major,
+    and K is the tokens here), each group's rows padded with zeros to whole 128-row blocks; xs [P/128, C]
+    and dys [P/128, N] float32 one scale per block and channel (DeepSeek-V3's 128 x 1 tiles);
+    info [4, G] gemm_fp8.row_blocks' per-group entry (first padded row, end, blocks, first row). A
+    producer warpgroup loads while two consumers compute 64 x 128 each of a block_m x 256 output tile;
+    each K step's block sum is promoted with the outer product of its row and column scales."""
+    c, p = xt.shape
+    n, p2 = dyt.shape
+    g = info.shape[1]
+    wgs, bm, bn, bk = 2, block_m, FP8_K_BLOCK, FP8_K_BLOCK
+    cta_n = wgs * bn
+    assert p == p2 and p % bk == 0 and c % bm == 0 and n % cta_n == 0 and bm == 64, (xt.shape, dyt.shape, bm)
+    assert xs.shape == (p // bk, c) and dys.shape == (p // bk, n), (xs.shape, dys.shape)
+    tf = _smem_transforms(xt.dtype, bk)
+    out_tf = _smem_transforms(out_dtype, bn)
+    grid_m, grid_n = c // bm, n // cta_n
+
+    def get_pipeline(step, compute_context, num_k):
+        return _ws_pipeline(
+            step, compute_context, grid=(num_k,), wgs=wgs, stages=stages,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((cta_n, bk), lambda kk: (0, kk), transforms=tf,
+                                      memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((1, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)])
+
+    def body(info_gmem, xt_gmem, xs_gmem, dyt_gmem, dys_gmem, o_gmem):
+        @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
+                       xt_gmem.at[pl.ds(0, bm), pl.ds(0, p)], dyt_gmem.at[pl.ds(0, cta_n), pl.ds(0, p)],
+                       xs_gmem.at[:, pl.ds(0, bm)], dys_gmem.at[:, pl.ds(0, cta_n)]),
+                   plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_tf))
+        def _scope(allocs, o_smem, wg):
+            @_group_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
+            def _tile(gi, mi, ni, start, end, num_k, first_row):
+                del start, end          # whole padded blocks: the padding rows are zeros
+                out_cols = pl.ds(ni * cta_n + wg * bn, bn)
+
+                def store(values):
+                    _write_tile(o_smem.at[wg], values)
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), out_cols])
+
+                def compute_context(run):
+                    store(run(_acc_zeros(bm, bn)))
+
+                def step(idx, x_smem, dy_smem, xs_smem, dys_smem, total):
+                    def mma(acc_ref):
+                        dy_mine = dy_smem.at[pl.ds(wg * bn, bn)]
+                        plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(dy_mine, (1, 0)))
+                        return acc_ref[...]
+
+                    part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    rows = plgpu.load(xs_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
+                    cols = plgpu.load(dys_smem, (0, pl.ds(wg * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
+                    return _promote(total, part * lax.broadcast_in_dim(cols, part.shape, (1,)), rows)
+
+                @pl.when(num_k > 0)
+                def _():
+                    blocks = pl.ds(first_row // bk, p // bk)
+                    # the slices may run past the last block; the pipeline never reads past num_k of them
+                    get_pipeline(step, compute_context, num_k)(
+                        xt_gmem.at[pl.ds(mi * bm, bm), pl.ds(first_row, p)],
+                        dyt_gmem.at[pl.ds(ni * cta_n, cta_n), pl.ds(first_row, p)],
+                        xs_gmem.at[blocks, pl.ds(mi * bm, bm)], dys_gmem.at[blocks, pl.ds(ni * cta_n, cta_n)],
+                        allocations=allocs)
+
+                @pl.when((num_k == 0) & (wg < wgs))  # an empty group's gradient is zero
+                def _():
+                    store(jnp.zeros((bm, bn), jnp.float32))
+
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, c, n), out_dtype))
+    return kernel(info, xt, xs, dyt, dys)

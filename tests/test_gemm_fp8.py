@@ -172,13 +172,15 @@ def test_trainable_form_refuses_shapes_without_whole_blocks():
     assert fp8_backend(128, 256) == "reference"
 
 
-@pytest.mark.parametrize("gemm,cached", [("auto", False), ("mosaic_gpu", False), ("auto", True)])
-def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm, cached):
+@pytest.mark.parametrize("gemm,cached,weight_grad", [("auto", False, "bf16"), ("mosaic_gpu", False, "bf16"),
+                                                     ("auto", True, "bf16"), ("auto", True, "fp8")])
+def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm, cached, weight_grad):
     """The MoE layer's FP8 path inside shard_map with the Hopper kernels (what MoE(gemm_dtype=...) runs on a
     GPU): the kernels' results are per rank, so the custom_vjp's cotangents must vary over the mesh axis
     like the primal inputs (jax 0.11 refuses the backward otherwise; seen on one H200, 2026-11-29). The
     gradient traces and lowers for CUDA here, with the GPU-only checks bypassed; `cached`: from weights
-    quantised beforehand (quantize_weights: both layouts)."""
+    quantised beforehand (quantize_weights: both layouts); weight_grad "fp8": the FP8 weight gradient
+    (its Triton quantiser and Mosaic kernel)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -188,14 +190,15 @@ def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm, cac
     monkeypatch.setattr(gemm_fp8, "_kernel_platform", lambda: "")
     monkeypatch.setattr(gemm_mod, "_kernel_platform", lambda: "")
     mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
-    m, k, n, g = 512, 256, 384, 3
+    m, k, n, g = 512, 256, 384 if weight_grad == "bf16" else 512, 3
 
     def per_rank(x, w, gs):
         q = gemm_fp8.quantize_weights(w) if cached else None
         assert not cached or q.wq_t.shape == (g, n, k)
 
         def loss(x, w):
-            out = gemm_fp8.fp8_grouped_matmul(x, w, gs[0], backend="mosaic_gpu", gemm=gemm, quantized=q)
+            out = gemm_fp8.fp8_grouped_matmul(x, w, gs[0], backend="mosaic_gpu", gemm=gemm, quantized=q,
+                                              weight_grad=weight_grad)
             return jnp.sum(out.astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=(0, 1))(x, w)
 
@@ -205,6 +208,118 @@ def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm, cac
             jax.ShapeDtypeStruct((2, g), jnp.int32))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
+    assert ("jax_ep_quantize_rows_t" in text) == (weight_grad == "fp8")
+
+
+def _dw_case(seed, sizes, m, c=256, n=512, poison=True):
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes, np.int32)
+    total = int(sizes.sum())
+    x = rng.standard_normal((m, c)) * rng.uniform(0.1, 10, (m, 1))      # rows of very different scales
+    dy = rng.standard_normal((m, n)) * rng.uniform(0.1, 10, (1, n))
+    if poison:                                                         # capacity rows: never read
+        x[total:], dy[total:] = np.nan, np.nan
+    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16), jnp.asarray(sizes), total
+
+
+def _exact_dw(x, dy, sizes):
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    out, start = np.zeros((len(sizes), x.shape[1], dy.shape[1])), 0
+    for gi, size in enumerate(np.asarray(sizes)):
+        out[gi] = x64[start:start + size].T @ dy64[start:start + size]
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[100, 0, 300, 64, 1], [0, 0, 0, 0, 0], [130, 0, 0, 0, 500], [64] * 5])
+def test_rows_quantised_along_the_tokens_by_group(sizes):
+    """quantize_rows_t: each group's rows padded to whole 128-row blocks, token-minor, one scale per block
+    and channel = the block's channel amax / 448; padding rows zero; the Triton kernel (interpret mode)
+    gives the reference's bits on every live block, from bfloat16 rows and from e4m3 rows with their
+    per-128-channel scales (dequantised first); rows past the groups (NaN) never reach a block."""
+    from jax_ep.gemm_fp8 import padded_block_rows, quantize_rows_t
+
+    m = 640
+    x, _, gs, total = _dw_case(1, sizes, m)
+    qt, scales, info = quantize_rows_t(x, gs)
+    p = padded_block_rows(m, len(sizes))
+    assert qt.shape == (256, p) and qt.dtype == jnp.float8_e4m3fn and scales.shape == (p // 128, 256)
+    first, end, blocks, first2 = np.asarray(info)
+    np.testing.assert_array_equal(blocks, -(-np.asarray(sizes) // 128))
+    np.testing.assert_array_equal(first, first2)
+    np.testing.assert_array_equal(end - first, sizes)
+    x64, starts = np.asarray(x, np.float64), np.cumsum(sizes) - sizes
+    per_row = np.repeat(np.asarray(scales, np.float64).T, 128, axis=1)             # [C, P]
+    deq = np.asarray(qt, np.float64) * per_row
+    live = int(blocks.sum())
+    for gi, size in enumerate(sizes):
+        got = deq[:, first[gi]:first[gi] + blocks[gi] * 128].T              # [rows padded, C]
+        want = x64[starts[gi]:starts[gi] + size]
+        # e4m3: 3 mantissa bits (half an ulp: 1/16 of the value), subnormal steps of 2**-9 in scaled units
+        tol = np.abs(want) / 16 + 2.0**-9 * per_row[:, first[gi]:first[gi] + size].T
+        assert np.all(np.abs(got[:size] - want) <= tol * 1.0001)
+        assert np.all(got[size:] == 0)
+    amax = np.abs(np.asarray(qt[:, :live * 128], np.float32)).reshape(256, live, 128).max(axis=2)
+    assert np.all((amax == 448) | (amax == 0))                          # each block's max maps to 448
+    assert np.all(np.isfinite(np.asarray(scales[:live])))
+    for rows, row_scales in ((x, None), quantize_fp8(x)):
+        ref = quantize_rows_t(rows, gs, x_scales=row_scales)
+        got = quantize_rows_t(rows, gs, x_scales=row_scales, backend="pallas", interpret=True)
+        np.testing.assert_array_equal(np.asarray(got[0][:, :live * 128], np.float32),
+                                      np.asarray(ref[0][:, :live * 128], np.float32))
+        np.testing.assert_array_equal(got[1][:live], ref[1][:live])
+        np.testing.assert_array_equal(got[2], ref[2])
+
+
+def test_fp8_weight_gradient_is_deepseeks_128x1_product():
+    """fp8_weight_gradient (reference): per group, the sum over its 128-row blocks of the block scales'
+    outer product times the e4m3 blocks' product (term by term in float64 below), within FP8's error of
+    the exact x[g].T @ dy[g]; empty groups zero; rows past the groups (NaN) never read."""
+    from jax_ep.gemm_fp8 import fp8_weight_gradient, quantize_rows_t
+
+    sizes = [100, 0, 300, 64, 1]
+    x, dy, gs, total = _dw_case(2, sizes, 640)
+    dw = fp8_weight_gradient(x, dy, gs, out_dtype=jnp.float32)
+    assert dw.shape == (5, 256, 512) and dw.dtype == jnp.float32
+    exact = _exact_dw(x[:total], dy[:total], sizes)
+    rel = np.linalg.norm(np.asarray(dw, np.float64) - exact) / np.linalg.norm(exact)
+    assert rel < 0.05, rel
+    assert np.all(np.asarray(dw)[1] == 0)
+    xt, xs, info = quantize_rows_t(x, gs)
+    dyt, dys, _ = quantize_rows_t(dy, gs)
+    first, _, blocks, _ = np.asarray(info)
+    for gi in (2, 4):                                               # two blocks; one row
+        want = np.zeros((256, 512))
+        for b in range(first[gi] // 128, first[gi] // 128 + blocks[gi]):
+            cols = slice(b * 128, (b + 1) * 128)
+            part = np.asarray(xt[:, cols], np.float64) @ np.asarray(dyt[:, cols], np.float64).T
+            want += part * np.outer(np.asarray(xs[b], np.float64), np.asarray(dys[b], np.float64))
+        np.testing.assert_allclose(np.asarray(dw[gi], np.float64), want, rtol=1e-5,
+                                   atol=1e-6 * np.abs(want).max())
+
+
+def test_fp8_weight_gradient_in_the_trainable_form():
+    """fp8_grouped_matmul(weight_grad="fp8"): the same output and dx as the bf16 weight gradient, a dw
+    within FP8's error of the exact one (float32 w: its dtype), and a bad weight_grad refused by name."""
+    from jax_ep.gemm_fp8 import fp8_grouped_matmul
+
+    x, w, sizes = case(21, k=256, n=512)
+    rng = np.random.default_rng(22)
+    dy = jnp.asarray(rng.standard_normal((x.shape[0], 512)), jnp.bfloat16)
+    xb, wf, gs = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), jnp.asarray(sizes)
+    outs = {}
+    for wg in ("bf16", "fp8"):
+        out, vjp = jax.vjp(lambda x, w, wg=wg: fp8_grouped_matmul(x, w, gs, weight_grad=wg), xb, wf)
+        outs[wg] = (out, *vjp(dy))
+    np.testing.assert_array_equal(outs["fp8"][0], outs["bf16"][0])
+    np.testing.assert_array_equal(outs["fp8"][1], outs["bf16"][1])
+    total = int(sizes.sum())
+    exact = _exact_dw(xb[:total], dy[:total], sizes)
+    dw = outs["fp8"][2]
+    assert dw.dtype == jnp.float32
+    assert np.linalg.norm(np.asarray(dw, np.float64) - exact) / np.linalg.norm(exact) < 0.05
+    with pytest.raises(EPValueError, match="weight_grad must be one of"):
+        fp8_grouped_matmul(xb, wf, gs, weight_grad="fp16")
 
 
 def test_weight_quantisation_kernel_gives_the_reference_bits():

@@ -162,9 +162,10 @@ def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
 def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     """The FP8 kernel (gemm_mgpu.ragged_dot_fp8: e4m3 operands, per-128 scales) in each of its forms
     (gemm_fp8.KERNELS), forward and input gradient, next to the bf16 forward at the table's
-    configuration, same inputs (quantised), same run."""
-    from jax_ep.gemm import grouped_matmul
-    from jax_ep.gemm_fp8 import KERNELS, grouped_matmul_fp8, quantize_weight_blocks
+    configuration, and the weight gradient in bf16 and in FP8 (fp8_weight_gradient), same inputs
+    (quantised), same run."""
+    from jax_ep.gemm import grouped_matmul, weight_gradient
+    from jax_ep.gemm_fp8 import KERNELS, fp8_weight_gradient, grouped_matmul_fp8, quantize_weight_blocks
     from jax_ep.reference import quantize_fp8
 
     m, real, k, n, g, align = shape
@@ -184,6 +185,11 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
         runs[f"dx_fp8_{tag}"] = (jax.jit(lambda dyq, dys, wq, ws, gs, form=form: grouped_matmul_fp8(
             dyq, dys, wq, ws, gs, transpose_w=True, backend="mosaic_gpu", kernel=form)),
             (dyq, dys, wq, ws, gs))
+    # the weight gradient: bf16 from the dequantised rows (the FP8 GEMM's default) vs FP8 (both operands
+    # requantised 128 x 1 along the tokens; the quantisation passes included)
+    runs["dw_bf16"] = (jax.jit(lambda x, dy, gs: weight_gradient(x, dy, gs)), (x, dy, gs))
+    runs["dw_fp8"] = (jax.jit(lambda xq, xs, dy, gs: fp8_weight_gradient(
+        xq, dy, gs, x_scales=xs, backend="mosaic_gpu")), (xq, xs, dy, gs))
     for name, (f, args) in runs.items():
         try:
             t = best_of(f, *args)

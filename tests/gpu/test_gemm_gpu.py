@@ -271,6 +271,50 @@ def test_weight_quantisation_kernel_matches_the_reference():
         assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))), name
 
 
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16_rows", "fp8_rows"])
+@pytest.mark.parametrize("case", ["random", "zeros", "huge", "aligned"])
+def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows):
+    """fp8_weight_gradient on the Hopper path (the Triton quantiser along the tokens, then
+    gemm_mgpu.transposed_ragged_dot_fp8) against the reference backend's same FP8 numerics: the
+    quantised copies bit for bit on every live block, dw within float32-sum rounding, empty groups zero;
+    rows past the groups hold NaN (rows and, for e4m3 rows, scales) and must never reach a sum."""
+    from jax_ep.gemm_fp8 import fp8_weight_gradient, quantize_rows_t
+    from jax_ep.reference import quantize_fp8
+
+    rng = np.random.default_rng(hash((case, fp8_rows)) % 2**32)
+    m, c, n, g = 2048, 512, 768, 9
+    total = int(0.8 * m) - 13
+    if case == "aligned":
+        sizes = (sizes_case(rng, "random", g, total // 64) * 64).astype(np.int32)
+    else:
+        sizes = sizes_case(rng, case, g, total)
+    total = int(sizes.sum())
+    gs = jnp.asarray(sizes)
+    x = jnp.asarray(rng.standard_normal((m, c)) * rng.uniform(0.1, 10, (m, 1)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16).at[total:].set(jnp.nan)
+    xs = None
+    if fp8_rows:
+        x, xs = quantize_fp8(x)
+        xs = xs.at[total:].set(jnp.nan)
+    x = x.at[total:].set(jnp.nan)
+    live = int((-(-sizes // 128)).sum())
+    for rows, scales in ((x, xs), (dy, None)):
+        ref = quantize_rows_t(rows, gs, x_scales=scales)
+        got = jax.jit(lambda r, s: quantize_rows_t(r, gs, x_scales=s, backend="pallas"))(rows, scales)
+        np.testing.assert_array_equal(np.asarray(got[0][:, :live * 128], np.float32),
+                                      np.asarray(ref[0][:, :live * 128], np.float32))
+        np.testing.assert_array_equal(np.asarray(got[1][:live]), np.asarray(ref[1][:live]))
+    want = fp8_weight_gradient(x, dy, gs, x_scales=xs, out_dtype=jnp.float32)
+    kernel = jax.jit(lambda x, s, dy: fp8_weight_gradient(x, dy, gs, x_scales=s, backend="mosaic_gpu"))
+    got = kernel(x, xs, dy)
+    assert got.dtype == jnp.bfloat16 and got.shape == (g, c, n)
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, want) < 1e-2
+    for gi in np.flatnonzero(sizes):
+        assert rel_err(got[gi], want[gi]) < 1e-2, gi
+    assert np.all(np.asarray(got, np.float32)[sizes == 0] == 0)
+
+
 @pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2)],
                          ids=["classic64", "ws64", "ws128", "ws64_group_major"])   # 3-tuples: strips
 @pytest.mark.parametrize("transpose_w", [False, True])
