@@ -83,6 +83,15 @@ class Backend(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class OpPlan:
+    """What an EP op runs: ``impl`` "cuda" (its kernel) or "reference" (the pure-JAX path), and why."""
+
+    op: str
+    impl: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Op:
     """One op and the output layout it produces (the key of its row in ``auto_table.json``)."""
 
@@ -94,29 +103,44 @@ class Op:
         `ep_size` GPUs (``jax_ep.auto_table``, written by the benchmark)."""
         return auto_table.kernel_faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size)
 
-    def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
-        """The function implementing this op for cfg.backend.
+    def plan(self, cfg: EPConfig, ep_size: int, dtype=None) -> OpPlan:
+        """Which implementation cfg.backend takes for this op on an EP group of ``ep_size`` with rows of
+        ``dtype``, and why (what ``implementation`` runs).
 
         "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
-        table), the extension is loaded, the default platform is a GPU and the kernel supports the
-        sizes; the reference otherwise. "cuda": the kernel, or an error saying why it cannot run.
-        A rank mask plays no part in the choice: every kernel but layout's takes one, with the
-        reference's masked semantics bit for bit (the table was measured without one; the mask adds
-        one [R] read).
+        table), the default platform is a GPU, the extension is loaded and the kernel supports the
+        sizes; the reference otherwise, the reason naming the first of these that failed. "cuda": the
+        kernel, or an error saying why it cannot run. A rank mask plays no part in the choice: every
+        kernel but layout's takes one, with the reference's masked semantics bit for bit (the table was
+        measured without one; the mask adds one [R] read).
         """
         if cfg.backend == "reference":
-            return getattr(reference, self.name)
+            return OpPlan(self.name, "reference", "backend='reference'")
         from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
 
-        kernel = getattr(cuda_backend, self.name, None)
+        has_kernel = getattr(cuda_backend, self.name, None) is not None
         if cfg.backend == "auto":
-            if kernel is None or not (self.kernel_by_default(cfg, ep_size) and jax.default_backend() == "gpu"
-                                      and runtime.available()[0]):
-                return getattr(reference, self.name)
-            if cuda_backend.unsupported(self.name, cfg, ep_size, dtype) is not None:
-                return getattr(reference, self.name)
-            return kernel
-        if kernel is None:
+            usable, why_not = runtime.available()
+            reason = None
+            if not has_kernel:
+                reason = "this version of jax_ep has no CUDA kernel for it"
+            elif not self.kernel_by_default(cfg, ep_size):
+                reason = (f"its kernel did not measure faster than the reference at "
+                          f"{cfg.max_tokens_per_rank} tokens per rank on {ep_size} GPUs "
+                          f"(jax_ep/auto_table.json, layout {self.layout!r})")
+            elif jax.default_backend() != "gpu":
+                reason = f"the default JAX platform is {jax.default_backend()!r}, not 'gpu'"
+            elif not usable:
+                reason = f"the CUDA backend is unavailable: {why_not}"
+            else:
+                why = cuda_backend.unsupported(self.name, cfg, ep_size, dtype)
+                if why is not None:
+                    reason = f"its kernel does not support this call: {why}"
+            if reason is not None:
+                return OpPlan(self.name, "reference", f"backend='auto': {reason}")
+            return OpPlan(self.name, "cuda", f"backend='auto': its kernel measured faster at "
+                          f"{cfg.max_tokens_per_rank} tokens per rank on {ep_size} GPUs and runs here")
+        if not has_kernel:
             raise EPUnsupportedError(f"jax_ep.{self.name} (backend='cuda'): this version of jax_ep has "
                                      f"no CUDA kernel for it (jax_ep.cuda_backend.{self.name}); use "
                                      "backend='reference' or 'auto'")
@@ -128,7 +152,15 @@ class Op:
         if why is not None:
             raise EPValueError(f"jax_ep.{self.name} (backend='cuda'): {why}; use backend='reference' "
                                "(or 'auto', which falls back to it)")
-        return kernel
+        return OpPlan(self.name, "cuda", "backend='cuda'")
+
+    def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
+        """The function implementing this op for cfg.backend (``plan``'s choice)."""
+        if self.plan(cfg, ep_size, dtype).impl == "reference":
+            return getattr(reference, self.name)
+        from jax_ep import cuda_backend
+
+        return getattr(cuda_backend, self.name)
 
 
 OPS = {op.name: op for op in (
@@ -137,6 +169,22 @@ OPS = {op.name: op for op in (
     *(Op(name, "rank_major") for name in ("dispatch_rank_major", "combine_rank_major",
                                           "broadcast_rank_major")),
 )}
+
+
+def explain(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16, ops=None) -> dict[str, OpPlan]:
+    """Which implementation each EP op (``OPS``: the forward ops, their backward ops and the layout)
+    would take for ``cfg`` on an EP group of ``ep_size`` GPUs with rows of ``dtype``, and why: the same
+    decision the op makes when called inside shard_map (``jax_ep.gemm.explain`` does this for the
+    expert GEMM). ``ops``: a subset of OPS' names. backend='cuda' raises as the op would where its
+    kernel cannot run."""
+    if not isinstance(cfg, EPConfig):
+        raise EPTypeError(f"jax_ep.explain: cfg must be a jax_ep.EPConfig, got {type(cfg).__name__}")
+    cfg.check_ep_size(ep_size)
+    names = list(OPS) if ops is None else list(ops)
+    unknown = [name for name in names if name not in OPS]
+    if unknown:
+        raise EPValueError(f"jax_ep.explain: unknown ops {unknown}; the EP ops are {list(OPS)}")
+    return {name: OPS[name].plan(cfg, ep_size, None if name == "layout" else dtype) for name in names}
 
 
 def implementation(op: str, cfg: EPConfig, dtype=None):

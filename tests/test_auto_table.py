@@ -105,3 +105,67 @@ def test_shipped_table_names_known_ops():
                     assert entry["min_tokens_ops"][ep] == from_points, (op, layout, ep)
                 else:
                     assert decision == from_points, (op, layout, ep)
+
+
+def _cfg(**kw):
+    import jax_ep
+
+    return jax_ep.EPConfig(num_experts=64, num_topk=8, hidden=1024, max_tokens_per_rank=4096,
+                           axis_name="ep", **kw)
+
+
+def test_explain_names_each_ops_choice_and_why_on_this_machine():
+    """jax_ep.explain: every EP op, its implementation and the reason; here (no GPU) backend='auto'
+    takes the reference for each op, naming the table where the kernel never measured faster and
+    otherwise the platform; backend='reference' says so; misuse is refused by name."""
+    import jax_ep
+
+    plans = jax_ep.explain(_cfg(), 2)
+    assert list(plans) == list(OPS)
+    for name, plan in plans.items():
+        assert plan.op == name and plan.impl == "reference"
+        if OPS[name].kernel_by_default(_cfg(), 2):
+            assert plan.reason == "backend='auto': the default JAX platform is 'cpu', not 'gpu'"
+        else:
+            assert "did not measure faster" in plan.reason and "4096 tokens per rank on 2 GPUs" in plan.reason
+    assert jax_ep.explain(_cfg(backend="reference"), 4, ops=["dispatch"]) == {
+        "dispatch": jax_ep.ops.OpPlan("dispatch", "reference", "backend='reference'")}
+    with pytest.raises(jax_ep.EPValueError, match=r"unknown ops \['dispatchh'\]"):
+        jax_ep.explain(_cfg(), 2, ops=["dispatchh"])
+    with pytest.raises(jax_ep.EPTypeError, match="cfg must be a jax_ep.EPConfig"):
+        jax_ep.explain({"backend": "auto"}, 2)
+
+
+def test_explain_is_the_choice_the_op_makes(monkeypatch):
+    """On a machine where the kernels can run (platform, extension and table stood in for), explain
+    and the op's implementation agree case by case: the kernel; the reference where the kernel does
+    not support the sizes (the reason quoting why), where the extension is unavailable, or the table
+    says the reference is faster; backend='cuda' raises where 'auto' would fall back."""
+    import jax
+
+    import jax_ep
+    from jax_ep import cuda_backend, ops, reference, runtime
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda *a: True)
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+    cfg = _cfg()
+
+    def agree(name, impl):
+        plan = jax_ep.explain(cfg, 2, ops=[name])[name]
+        chosen = OPS[name].implementation(cfg, 2, jax.numpy.bfloat16)
+        assert plan.impl == impl and chosen is getattr(cuda_backend if impl == "cuda" else reference, name)
+        return plan.reason
+
+    assert "measured faster at 4096 tokens per rank on 2 GPUs and runs here" in agree("dispatch", "cuda")
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: "num_topk=8 exceeds 4")
+    assert agree("dispatch", "reference").endswith("does not support this call: num_topk=8 exceeds 4")
+    with pytest.raises(jax_ep.EPValueError, match="num_topk=8 exceeds 4"):
+        ops.OPS["dispatch"].plan(_cfg(backend="cuda"), 2)
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+    monkeypatch.setattr(runtime, "available", lambda: (False, "the CUDA extension jax_ep._C is not built"))
+    assert "unavailable: the CUDA extension jax_ep._C is not built" in agree("combine", "reference")
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda *a: False)
+    assert "did not measure faster" in agree("combine_bwd", "reference")
