@@ -441,3 +441,9 @@ def test_gemm_runs_in_parts_with_passes_and_profiled_configs(tmp_path):
                                        GEMM_TUNE_EXTRA="")
     [tune] = [c for c in calls if "tune_gemm.py" in c]
     assert rc == 0 and "--fp8" not in tune and "--block" not in tune   # set but empty: no extras
+    assert "--passes forward,dx,dw" in tune                             # GEMM_PASSES unset: all three
+    (tmp_path / "fp8_only").mkdir()
+    rc, output, out, calls = run_check(tmp_path / "fp8_only", gpus=1, GEMM="1", GEMM_STEPS="tune",
+                                       GEMM_PASSES="", GEMM_TUNE_EXTRA="--fp8")
+    [tune] = [c for c in calls if "tune_gemm.py" in c]
+    assert rc == 0 and " --passes  --quick " in tune and "--fp8" in tune   # set but empty: none swept

@@ -28,8 +28,9 @@
 #               per-rank expert work at EP2 ($OUT/gemm_profile.log); GEMM_TUNE_TIMEOUT bounds the tuning
 #               (default 540 s). In parts, each within one 10-minute device call: GEMM_STEPS (default
 #               tests,tune,profile) picks them; GEMM_TEST_K a pytest -k filter of the tests; GEMM_PASSES the
-#               tuned passes (default forward,dx,dw), GEMM_TUNE_EXTRA the tuning's other arguments (unset:
-#               --fp8 --block deepseek_ep2,mid_ep2); GEMM_PROFILE_CONFIGS the layer configs profiled, one
+#               tuned passes (unset: forward,dx,dw; set but empty: none, e.g. only --fp8's timings),
+#               GEMM_TUNE_EXTRA the tuning's other arguments (unset: --fp8 --block deepseek_ep2,mid_ep2);
+#               GEMM_PROFILE_CONFIGS the layer configs profiled, one
 #               log each (default jax_ep; e.g. "jax_ep jax_ep_fp8 jax_ep_fp8_cached"; $OUT/gemm_profile.log
 #               for jax_ep, $OUT/gemm_profile_<config>.log for the others)
 #      GEMM_PEERS=1 times the grouped GEMM at the MoE layer's per-rank shapes beside tokamax.ragged_dot and a
@@ -268,7 +269,7 @@ if [ "${GEMM:-0}" = 1 ]; then
   if [[ $gemm_steps == *,tune,* ]]; then
     # shellcheck disable=SC2086
     bounded_run "${GEMM_TUNE_TIMEOUT:-540}" "$PY" tools/tune_gemm.py --shapes "${GEMM_SHAPES:-layers}" \
-      --kernels "${GEMM_KERNELS:-all}" --passes "${GEMM_PASSES:-forward,dx,dw}" --quick \
+      --kernels "${GEMM_KERNELS:-all}" --passes "${GEMM_PASSES-forward,dx,dw}" --quick \
       ${GEMM_TUNE_EXTRA---fp8 --block deepseek_ep2,mid_ep2} --report "$OUT/gemm_tune.json" \
       >"$OUT/gemm_tune.log" 2>&1 || gemm_rc=1
     grep -E "^(forward|dx|dw|block|fp8) |table's config|WRONG" "$OUT/gemm_tune.log"
