@@ -15,7 +15,8 @@ hierarchical dispatch / combine (``MoE(node_axis=...)``), the local devices take
 composition's extra stage, not a network. ``--layer-configs jax_ep_fp8`` (only when named): the defaults
 with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``), ``jax_ep_fp8_cached`` the same
 with the weights quantised once outside the step (``MoE.quantize_weights``, what gradient accumulation
-reuses over its micro-batches; ``quantise_ms`` is that quantisation, timed apart); ``jax_ep_chunks2`` and
+reuses over its micro-batches; ``quantise_ms`` is that quantisation, timed apart), ``jax_ep_fp8_cached_dw8``
+that with the weight gradients in FP8 too (``MoE(fp8_weight_grad=True)``); ``jax_ep_chunks2`` and
 ``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
 with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
@@ -77,11 +78,15 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # ... with the weights quantised once per optimiser step, outside the timed micro-batch step
            "jax_ep_fp8_cached": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
                                      fp8_cached=True),
+           # ... and the weight gradients in FP8 too (MoE(fp8_weight_grad=True))
+           "jax_ep_fp8_cached_dw8": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
+                                         fp8_cached=True, fp8_weight_grad=True),
            # the tokens in 2 chunks (EPOptions.chunks): chunk 1's exchange can overlap chunk 0's GEMMs
            "jax_ep_chunks2": dict(backend="auto", gemm="auto", chunks=2),
            "ep_cuda_async_chunks2": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1), chunks=2)}
 # configurations timed only when named in --layer-configs
-NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached", "jax_ep_chunks2",
+NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
+              "jax_ep_fp8_cached_dw8", "jax_ep_chunks2",
               "ep_cuda_async_chunks2")
 
 
@@ -242,7 +247,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
                                      chunks=options.get("chunks", 1)),
-                    gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"), param_dtype=jnp.bfloat16)
+                    gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"),
+                    fp8_weight_grad=options.get("fp8_weight_grad", False), param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(layer.mesh, P(layer.batch_axes)))
     return layer, x

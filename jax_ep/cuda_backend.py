@@ -61,11 +61,11 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
     pads_rows = op in ("combine_rank_major", "broadcast_rank_major")  # any width (_pad_rows)
     op = _KERNEL_OF.get(op, op)
     assert op in _DATA_OPS + _LL_OPS, op
+    if cfg.num_topk > limits["max_topk"]:
+        return f"num_topk={cfg.num_topk} exceeds {limits['max_topk']}"
+    if ep_size > limits["max_ranks"]:
+        return f"EP size {ep_size} exceeds {limits['max_ranks']}"
     if op in _LL_OPS:
-        if cfg.num_topk > 32:
-            return f"num_topk={cfg.num_topk} exceeds 32"
-        if ep_size > limits["max_ranks"]:
-            return f"EP size {ep_size} exceeds {limits['max_ranks']}"
         if cfg.hidden % limits["row_alignment"]:
             return f"hidden={cfg.hidden} must be a multiple of {limits['row_alignment']}"
         if op == "ll_combine" and dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
@@ -73,10 +73,6 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
         if op == "ll_dispatch" and dtype is not None and jnp.dtype(dtype) not in _ROW_DTYPES:
             return f"x must be bfloat16 or float32, got dtype {jnp.dtype(dtype)}"
         return None
-    if cfg.num_topk > limits["max_topk"]:
-        return f"num_topk={cfg.num_topk} exceeds {limits['max_topk']}"
-    if ep_size > limits["max_ranks"]:
-        return f"EP size {ep_size} exceeds {limits['max_ranks']}"
     if op == "slot_values":
         return None
     if cfg.num_experts > limits["max_experts"]:

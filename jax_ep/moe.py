@@ -210,6 +210,10 @@ class MoE(nnx.Module):
         step at 32-128 local experts when every step quantises the weights (docs/api.md); with gradient
         accumulation, quantise them once per optimiser step (``quantize_weights``) and pass them to each
         micro-batch's call (``fp8_weights=``).
+      fp8_weight_grad: with gemm_dtype="float8_e4m3fn", the expert weight gradients in FP8 too
+        (``fp8_grouped_matmul(weight_grad="fp8")``: rows and dy quantised 128 x 1 along the tokens, as
+        DeepSeek-V3's backward does) instead of bfloat16 from the FP8 rows. Opt-in: not yet measured on
+        a GPU.
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
@@ -261,7 +265,7 @@ class MoE(nnx.Module):
                  ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
                  shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
                  dtype=None, param_dtype=jnp.float32, decode: bool = False, node_axis: str | None = None,
-                 gemm_dtype: str | None = None):
+                 gemm_dtype: str | None = None, fp8_weight_grad: bool = False):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
@@ -272,10 +276,14 @@ class MoE(nnx.Module):
                                            ("shared_ffn_hidden", shared_ffn_hidden, "int", 0),
                                            ("axis_name", axis_name, "name", 1),
                                            ("node_axis", node_axis, "name?", 1),
-                                           ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1)):
+                                           ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1),
+                                           ("fp8_weight_grad", fp8_weight_grad, "bool", 1)):
             check_option("MoE:", name, value, kind, minimum)
         if gemm_dtype not in GEMM_DTYPES:
             raise EPValueError(f"MoE: gemm_dtype must be one of {GEMM_DTYPES}, got {gemm_dtype!r}")
+        if fp8_weight_grad and gemm_dtype is None:
+            raise EPValueError("MoE: fp8_weight_grad=True needs gemm_dtype='float8_e4m3fn' (the weight "
+                               "gradients of FP8 expert GEMMs)")
         if gemm_dtype is not None and (hidden % FP8_BLOCK or ffn_hidden % FP8_BLOCK):
             raise EPValueError(f"MoE: gemm_dtype={gemm_dtype!r} needs hidden and ffn_hidden multiples of "
                                f"{FP8_BLOCK} (one scale per 128 channels), got {hidden} and {ffn_hidden}")
@@ -294,7 +302,7 @@ class MoE(nnx.Module):
         # tokens are split over every mesh axis by default (data x ep); experts over the EP axis only
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
-        self.gemm, self.gemm_dtype = gemm, gemm_dtype
+        self.gemm, self.gemm_dtype, self.fp8_weight_grad = gemm, gemm_dtype, fp8_weight_grad
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.decode = bool(decode)
 
@@ -681,7 +689,7 @@ class MoE(nnx.Module):
                 rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
                 y = expert_block(rows.astype(x.dtype), w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
                                  d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
-                                 fp8_weights=fp8_weights)
+                                 fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad)
             with jax.named_scope(SCOPES["combine"]):
                 if self.node_axis is None:
                     return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
@@ -729,21 +737,24 @@ class MoE(nnx.Module):
 
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
                  gemm: str = "auto", gemm_dtype: str | None = None,
-                 fp8_weights: ExpertFP8Weights | None = None) -> jax.Array:
+                 fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False) -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
-    weights here). What MoE's throughput path runs per chunk; the layer benchmark times it alone."""
+    weights here, their weight gradients in FP8 too with ``fp8_weight_grad``). What MoE's throughput
+    path runs per chunk; the layer benchmark times it alone."""
     if gemm_dtype is None:
-        if fp8_weights is not None:
-            raise EPValueError("expert_block: fp8_weights need gemm_dtype='float8_e4m3fn'")
+        if fp8_weights is not None or fp8_weight_grad:
+            raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "
+                               "gemm_dtype='float8_e4m3fn'")
         matmul = functools.partial(grouped_matmul, backend=gemm)
         gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes), 2, axis=1)
         return matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
-    gate, up = jnp.split(fp8_grouped_matmul(rows, w_gate_up, group_sizes, gemm=gemm, quantized=gate_up_q), 2,
-                         axis=1)
-    return fp8_grouped_matmul(jax.nn.silu(gate) * up, w_down, group_sizes, gemm=gemm, quantized=down_q)
+    matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,
+                               weight_grad="fp8" if fp8_weight_grad else "bf16")
+    gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q), 2, axis=1)
+    return matmul(jax.nn.silu(gate) * up, w_down, group_sizes, quantized=down_q)
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

@@ -76,14 +76,16 @@ def test_hierarchical_layer_bench_runs_as_two_nodes(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_layer_bench_times_the_quantisation_apart_when_cached(tmp_path):
-    """jax_ep_fp8 / jax_ep_fp8_cached (named only): the FP8 layer, and the same with its weights quantised
-    once outside the timed step (MoE.quantize_weights), whose time is recorded apart."""
+    """jax_ep_fp8 / jax_ep_fp8_cached / jax_ep_fp8_cached_dw8 (named only): the FP8 layer, the same with its
+    weights quantised once outside the timed step (MoE.quantize_weights), whose time is recorded apart,
+    and that with FP8 weight gradients."""
     records = bench.main(["--layer", "--layer-shapes", "small", "--layer-configs",
-                          "jax_ep_fp8,jax_ep_fp8_cached", "--iters", "1", "--repeats", "1",
-                          "--out", str(tmp_path / "fp8.json")])
-    fresh, cached = records
+                          "jax_ep_fp8,jax_ep_fp8_cached,jax_ep_fp8_cached_dw8", "--iters", "1", "--repeats",
+                          "1", "--out", str(tmp_path / "fp8.json")])
+    fresh, cached, dw8 = records
     assert fresh["config"] == "jax_ep_fp8" and "quantise_ms" not in fresh
     assert cached["config"] == "jax_ep_fp8_cached" and cached["quantise_ms"] > 0
+    assert dw8["config"] == "jax_ep_fp8_cached_dw8" and dw8["quantise_ms"] > 0
     for r in records:
         assert r["step_ms"] > 0 and r["gemm_ms"] > 0 and "error" not in r
 

@@ -438,6 +438,15 @@ def test_fp8_expert_gemms_stay_within_fp8_error_of_the_bf16_layer():
     for name, ref, low, q in zip(("out", "d w_gate_up", "d w_down", "d x"), f32, bf16, fp8, strict=True):
         assert rel(q, ref) < 0.1, (name, rel(q, ref), rel(low, ref))   # measured 5.5-6.3% (bf16: 0.6%)
         assert rel(q, ref) > rel(low, ref), name        # FP8 is really used: coarser than bf16
+    # fp8_weight_grad: the same forward and input gradient, the weight gradients from FP8 operands
+    dw8 = out_and_grads(layer(dtype="bfloat16", gemm_dtype="float8_e4m3fn", fp8_weight_grad=True))
+    np.testing.assert_array_equal(dw8[0], fp8[0])
+    np.testing.assert_array_equal(dw8[3], fp8[3])
+    for name, ref, q, q8 in zip(("d w_gate_up", "d w_down"), f32[1:3], fp8[1:3], dw8[1:3], strict=True):
+        assert rel(q8, ref) < 0.1, (name, rel(q8, ref), rel(q, ref))
+        assert not np.array_equal(np.asarray(q8), np.asarray(q)), name     # really another weight gradient
+    with pytest.raises(ValueError, match="fp8_weight_grad=True needs gemm_dtype='float8_e4m3fn'"):
+        make_layer(mesh, fp8_weight_grad=True)
     with pytest.raises(ValueError, match="gemm_dtype='float8_e4m3fn' needs hidden and ffn_hidden multiples"):
         make_layer(mesh, gemm_dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match="gemm_dtype must be one of"):

@@ -154,6 +154,14 @@ def test_kernel_support_is_decided_from_the_limits(monkeypatch):
     assert "dispatch_send_warps=16" in cuda_backend.unsupported(
         "dispatch", cfg.replace(kernel=KernelConfig(dispatch_send_warps=16)), 4)
     assert "float16" in cuda_backend.unsupported("broadcast", cfg, 4, "float16")
+    # the low-latency kernels' top-k and EP-size limits are the same limits (a warp lane per slot)
+    assert "num_topk=40 exceeds 32" in cuda_backend.unsupported("ll_dispatch", cfg.replace(num_topk=40), 4)
+    assert "EP size 64 exceeds 32" in cuda_backend.unsupported("ll_combine", cfg, 64)
+    monkeypatch.setattr(runtime, "limits", lambda: {
+        "max_topk": 4, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
+        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    for op in ("ll_dispatch", "ll_combine", "dispatch"):
+        assert "num_topk=8 exceeds 4" in cuda_backend.unsupported(op, cfg, 4), op
 
 
 def test_group_slots_put_the_ep_axis_last():

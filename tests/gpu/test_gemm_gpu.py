@@ -184,7 +184,8 @@ def test_moe_layer_kernel_matches_ragged_dot():
         assert rel_err(g1[name][...], g2[name][...]) < 3e-2, name
 
 
-def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
+@pytest.mark.parametrize("fp8_weight_grad", [False, True], ids=["dw_bf16", "dw_fp8"])
+def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch, fp8_weight_grad):
     """MoE(gemm_dtype="float8_e4m3fn") on the GPU (the Hopper FP8 kernels, the weight-quantisation kernel,
     inside shard_map) next to the same layer with the FP8 products computed by the reference (dequantise,
     float32 ragged_dot) and to the bf16 layer: loss and every gradient within FP8's bound of the bf16
@@ -194,7 +195,9 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
     ~1e-3 (test_fp8_kernel_matches_the_fp8_reference), but one bf16 ulp upstream flips e4m3 roundings of
     the next quantisation, so whole-layer gradients of two FP8 evaluations differ by ~5% (measured on one
     H200, 2026-11-29: 5.6%; one ulp on half the elements gives 3% on CPU). ffn 384 makes the down
-    projection's input gradient 384 wide, which the 256-wide warp-specialised tile does not divide."""
+    projection's input gradient 384 wide, which the 256-wide warp-specialised tile does not divide.
+    fp8_weight_grad: the weight gradients in FP8 too (the gate|up one on the Hopper kernel, N = 768; the
+    down one, N = 256, too)."""
     from jax_ep import gemm_fp8
 
     mesh = Mesh(np.array(jax.devices()), ("ep",))
@@ -213,9 +216,9 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch):
         return jax.jit(jax.value_and_grad(loss))(params)
 
     bf16 = step(gemm="ragged_dot")
-    kernel = step(gemm_dtype="float8_e4m3fn")
+    kernel = step(gemm_dtype="float8_e4m3fn", fp8_weight_grad=fp8_weight_grad)
     monkeypatch.setattr(gemm_fp8, "fp8_backend", lambda k, n, backend="auto": "reference")
-    reference = step(gemm_dtype="float8_e4m3fn")
+    reference = step(gemm_dtype="float8_e4m3fn", fp8_weight_grad=fp8_weight_grad)
     (l0, g0), (l1, g1), (_, g2) = bf16, kernel, reference
     assert np.isfinite(float(l1)) and abs(float(l1) - float(l0)) <= 3e-2 * abs(float(l0))
     for name in ("w_gate_up", "w_down", "router"):
