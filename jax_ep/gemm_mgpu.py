@@ -514,6 +514,20 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
 FP8_K_BLOCK = 128
 
 
+def _fp8_block_sum(a_smem, b_smem, b_block: tuple | None = None):
+    """One K step's float32 block sum a [bm, 128] . b [bn, 128]^T (both e4m3, K-major; b_block (i, bn):
+    only b's i-th block of bn rows, e.g. this consumer's columns) in its own WGMMA accumulator: what the
+    FP8 kernels promote into their running sums."""
+    bn = b_smem.shape[0] if b_block is None else b_block[1]
+
+    def mma(acc_ref):
+        b_mine = b_smem if b_block is None else b_smem.at[pl.ds(b_block[0] * bn, bn)]
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_mine, (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC((a_smem.shape[0], bn), jnp.float32))
+
+
 def _promote(total, part, scale):
     """DeepSeek-V3's promotion: a K step's float32 block sum, scaled per row (``scale`` [block_m]: the
     row's scale times the weight block's), added to the running sum."""
@@ -550,11 +564,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
         def _tile(mi, ni, group, block):
 
             def step(idx, x_smem, w_smem, s_smem, total):
-                def mma(acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
-                    return acc_ref[...]
-
-                part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                part = _fp8_block_sum(x_smem, w_smem)
                 rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
                 return _promote(total, part, rows * ws_gmem[group, idx[0], ni])
 
@@ -623,12 +633,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                     store(run(_acc_zeros(bm, bn)))
 
                 def step(idx, x_smem, w_smem, s_smem, total):
-                    def mma(acc_ref):
-                        w_mine = w_smem.at[pl.ds(wg * bn, bn)]
-                        plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_mine, (1, 0)))
-                        return acc_ref[...]
-
-                    part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    part = _fp8_block_sum(x_smem, w_smem, (wg, bn))
                     rows = plgpu.load(s_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
                     return _promote(total, part, rows * ws_gmem[group, idx[0], col_block])
 
@@ -696,12 +701,7 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, block_m: int = 64, stag
                     store(run(_acc_zeros(bm, bn)))
 
                 def step(idx, x_smem, dy_smem, xs_smem, dys_smem, total):
-                    def mma(acc_ref):
-                        dy_mine = dy_smem.at[pl.ds(wg * bn, bn)]
-                        plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(dy_mine, (1, 0)))
-                        return acc_ref[...]
-
-                    part = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                    part = _fp8_block_sum(x_smem, dy_smem, (wg, bn))
                     rows = plgpu.load(xs_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
                     cols = plgpu.load(dys_smem, (0, pl.ds(wg * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
                     return _promote(total, part * lax.broadcast_in_dim(cols, part.shape, (1,)), rows)
