@@ -255,18 +255,22 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
 
 
 WEIGHT_GRADIENTS = ("bf16", "fp8")
+# The FP8 weight-gradient kernel's form (stages, grid_minor, grid_tile_width: the order of a group's
+# output tiles, as BlockConfig's). Not yet timed on a GPU; tools/tune_gemm.py --fp8 times DW_KERNELS.
+DW_KERNEL = (4, 0, 8)
+DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2))
 
 
 def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                         x_scales: jax.Array | None = None, backend: str = "reference",
-                        out_dtype=jnp.bfloat16) -> jax.Array:
+                        out_dtype=jnp.bfloat16, kernel: tuple[int, int, int] = DW_KERNEL) -> jax.Array:
     """dw[g] = x[rows of g].T @ dy[rows of g] with both operands in FP8 as DeepSeek-V3's backward runs
     it: rows quantised token-minor with one scale per 128 rows and channel (quantize_rows_t), float32
     sums per 128-row block scaled by the outer product of the two blocks' scales, ``out_dtype`` [G, C, N]
     (zeros for empty groups). x [M, C] (e4m3 with ``x_scales`` [M, C/128], e.g. the forward's quantised
     rows, or bfloat16/float32), dy [M, N]; C and N multiples of 128. backend "reference" (dequantise,
     float32 ragged dot; any platform) or "mosaic_gpu" (Hopper: the Triton quantiser and
-    gemm_mgpu.transposed_ragged_dot_fp8, which needs C % 64 and N % 256)."""
+    gemm_mgpu.transposed_ragged_dot_fp8, which needs C % 64 and N % 256; ``kernel``: its DW_KERNEL form)."""
     m, c = x.shape
     n = dy.shape[1]
     if dy.shape[0] != m:
@@ -293,7 +297,9 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
 
     xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales, backend="pallas")
     dyt, dys, _ = quantize_rows_t(dy, group_sizes, backend="pallas")
-    dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, out_dtype=out_dtype)
+    stages, minor, width = kernel
+    dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
+                                        out_dtype=out_dtype)
     return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
 
 

@@ -403,3 +403,18 @@ def test_quantised_weights_reused_give_the_same_bits_and_errors_name_them():
         gemm_fp8.fp8_grouped_matmul(x, w, gs, quantized=gemm_fp8.quantize_weights(w[:2]))
     with pytest.raises(TypeError, match="quantized must be a jax_ep.gemm_fp8.FP8Weights"):
         gemm_fp8.fp8_grouped_matmul(x, w, gs, quantized=(q.wq, q.scales))
+
+
+@pytest.mark.parametrize("kernel", gemm_fp8.DW_KERNELS, ids=lambda k: "_".join(map(str, k)))
+def test_fp8_weight_gradient_kernel_lowers_for_hopper(kernel):
+    """Each form of the FP8 weight-gradient kernel tools/tune_gemm.py times (stages, tile order) traces
+    and lowers for CUDA here, with its Triton quantisers (the GPU test runs the default form)."""
+    m, c, n, g = 640, 256, 512, 5
+    x = jax.ShapeDtypeStruct((m, c), jnp.float8_e4m3fn)
+    xs = jax.ShapeDtypeStruct((m, c // 128), jnp.float32)
+    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+    f = jax.jit(lambda x, xs, dy, gs: gemm_fp8.fp8_weight_gradient(
+        x, dy, gs, x_scales=xs, backend="mosaic_gpu", kernel=kernel))
+    text = f.trace(x, xs, dy, gs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and text.count("jax_ep_quantize_rows_t") >= 2

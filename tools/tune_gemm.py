@@ -165,7 +165,13 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     configuration, and the weight gradient in bf16 and in FP8 (fp8_weight_gradient), same inputs
     (quantised), same run."""
     from jax_ep.gemm import grouped_matmul, weight_gradient
-    from jax_ep.gemm_fp8 import KERNELS, fp8_weight_gradient, grouped_matmul_fp8, quantize_weight_blocks
+    from jax_ep.gemm_fp8 import (
+        DW_KERNELS,
+        KERNELS,
+        fp8_weight_gradient,
+        grouped_matmul_fp8,
+        quantize_weight_blocks,
+    )
     from jax_ep.reference import quantize_fp8
 
     m, real, k, n, g, align = shape
@@ -188,8 +194,10 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     # the weight gradient: bf16 from the dequantised rows (the FP8 GEMM's default) vs FP8 (both operands
     # requantised 128 x 1 along the tokens; the quantisation passes included)
     runs["dw_bf16"] = (jax.jit(lambda x, dy, gs: weight_gradient(x, dy, gs)), (x, dy, gs))
-    runs["dw_fp8"] = (jax.jit(lambda xq, xs, dy, gs: fp8_weight_gradient(
-        xq, dy, gs, x_scales=xs, backend="mosaic_gpu")), (xq, xs, dy, gs))
+    for form in DW_KERNELS:     # the first is the default form: dw_fp8
+        tag = "dw_fp8" + ("" if form == DW_KERNELS[0] else "_" + "_".join(map(str, form)))
+        runs[tag] = (jax.jit(lambda xq, xs, dy, gs, form=form: fp8_weight_gradient(
+            xq, dy, gs, x_scales=xs, backend="mosaic_gpu", kernel=form)), (xq, xs, dy, gs))
     for name, (f, args) in runs.items():
         try:
             t = best_of(f, *args)
