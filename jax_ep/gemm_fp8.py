@@ -255,6 +255,12 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
 
 
 WEIGHT_GRADIENTS = ("bf16", "fp8")
+
+
+def _dw_kernel_fits(c: int, n: int) -> bool:
+    """Whether gemm_mgpu.transposed_ragged_dot_fp8 tiles a [C, N] weight gradient: 64-row tiles of C, two
+    128-column consumers along N."""
+    return c % 64 == 0 and n % (2 * FP8_BLOCK) == 0
 # The FP8 weight-gradient kernel's form (stages, grid_minor, grid_tile_width: the order of a group's
 # output tiles, as BlockConfig's). Not yet timed on a GPU; tools/tune_gemm.py --fp8 times DW_KERNELS.
 DW_KERNEL = (4, 0, 8)
@@ -290,7 +296,7 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[]),
             precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
         return dw.astype(out_dtype)
-    if n % (2 * FP8_BLOCK) or c % 64:
+    if not _dw_kernel_fits(c, n):
         raise EPValueError(f"fp8_weight_gradient: the Hopper kernel needs N % {2 * FP8_BLOCK} == 0 and "
                            f"C % 64 == 0, got C={c}, N={n}")
     from jax_ep import gemm_mgpu as mgpu
@@ -434,7 +440,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
         _check_quantized(quantized, w, backend)
         quantized = FP8Weights(*(None if a is None else vary_as(lax.stop_gradient(a), x, w)
                                  for a in quantized))
-    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, backend, (gemm, weight_grad))
+    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, backend, gemm, weight_grad)
 
 
 def _fp8_forward(x, w, group_sizes, quantized, backend):
@@ -444,12 +450,12 @@ def _fp8_forward(x, w, group_sizes, quantized, backend):
     return out, (xq, xs, wq, ws, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fp8_matmul(x, w, group_sizes, quantized, backend, gemm):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_matmul(x, w, group_sizes, quantized, backend, gemm, weight_grad):
     return _fp8_forward(x, w, group_sizes, quantized, backend)[0]
 
 
-def _fp8_matmul_fwd(x, w, group_sizes, quantized, backend, gemm):
+def _fp8_matmul_fwd(x, w, group_sizes, quantized, backend, gemm, weight_grad):
     out, res = _fp8_forward(x, w, group_sizes, quantized, backend)
     # which fields the cached weights have, as scalars: their (zero) cotangent is made in the backward
     # from wq's and ws's shapes, not kept from the forward
@@ -458,7 +464,7 @@ def _fp8_matmul_fwd(x, w, group_sizes, quantized, backend, gemm):
     return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), q_like)
 
 
-def _fp8_matmul_bwd(backend, gemm, res, dy):
+def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
     xq, xs, wq, ws, group_sizes, x_like, w_like, q_like = res
     # cached FP8 weights are constants (stop_gradient upstream): zero cotangents, dropped unused
     d_quantized = None if q_like is None else FP8Weights(
@@ -466,13 +472,11 @@ def _fp8_matmul_bwd(backend, gemm, res, dy):
         None if q_like.wq_t is None else vary_as(jnp.zeros((wq.shape[0], wq.shape[2], wq.shape[1]),
                                                            wq.dtype), wq),
         vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
-    gemm, weight_grad = gemm
     dyq, dys = quantize_fp8(dy)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
                             backend=backend)
     if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens
-        n = dy.shape[1]
-        dw_backend = backend if n % (2 * FP8_BLOCK) == 0 and xq.shape[1] % 64 == 0 else "reference"
+        dw_backend = backend if _dw_kernel_fits(xq.shape[1], dy.shape[1]) else "reference"
         dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend)
     else:
         rows = dequantize_fp8(xq, xs, jnp.bfloat16)          # the rows the forward multiplied

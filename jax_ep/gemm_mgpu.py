@@ -651,8 +651,8 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
 
-def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, block_m: int = 64, stages: int = 4, minor: int = 0,
-                              width: int = 8, out_dtype=jnp.bfloat16):
+def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor: int = 0, width: int = 8,
+                              out_dtype=jnp.bfloat16):
     """The FP8 weight gradient: out[g] = sum over group g's 128-row blocks b of
     (xs[b, :, None] * dys[b, None, :]) * (xt[:, b] @ dyt[:, b].T), float32 sums, out_dtype [G, C, N].
 
@@ -660,14 +660,14 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, block_m: int = 64, stag
     and K is the tokens here), each group's rows padded with zeros to whole 128-row blocks; xs [P/128, C]
     and dys [P/128, N] float32 one scale per block and channel (DeepSeek-V3's 128 x 1 tiles);
     info [4, G] gemm_fp8.row_blocks' per-group entry (first padded row, end, blocks, first row). A
-    producer warpgroup loads while two consumers compute 64 x 128 each of a block_m x 256 output tile;
+    producer warpgroup loads while two consumers compute 64 x 128 each of a 64 x 256 output tile;
     each K step's block sum is promoted with the outer product of its row and column scales."""
     c, p = xt.shape
     n, p2 = dyt.shape
     g = info.shape[1]
-    wgs, bm, bn, bk = 2, block_m, FP8_K_BLOCK, FP8_K_BLOCK
+    wgs, bm, bn, bk = 2, 64, FP8_K_BLOCK, FP8_K_BLOCK
     cta_n = wgs * bn
-    assert p == p2 and p % bk == 0 and c % bm == 0 and n % cta_n == 0 and bm == 64, (xt.shape, dyt.shape, bm)
+    assert p == p2 and p % bk == 0 and c % bm == 0 and n % cta_n == 0, (xt.shape, dyt.shape)
     assert xs.shape == (p // bk, c) and dys.shape == (p // bk, n), (xs.shape, dys.shape)
     tf = _smem_transforms(xt.dtype, bk)
     out_tf = _smem_transforms(out_dtype, bn)

@@ -120,7 +120,6 @@ class Op:
 
         has_kernel = getattr(cuda_backend, self.name, None) is not None
         if cfg.backend == "auto":
-            usable, why_not = runtime.available()
             reason = None
             if not has_kernel:
                 reason = "this version of jax_ep has no CUDA kernel for it"
@@ -130,8 +129,8 @@ class Op:
                           f"(jax_ep/auto_table.json, layout {self.layout!r})")
             elif jax.default_backend() != "gpu":
                 reason = f"the default JAX platform is {jax.default_backend()!r}, not 'gpu'"
-            elif not usable:
-                reason = f"the CUDA backend is unavailable: {why_not}"
+            elif not runtime.available()[0]:   # asked only on a GPU, as the extension is loaded there
+                reason = f"the CUDA backend is unavailable: {runtime.available()[1]}"
             else:
                 why = cuda_backend.unsupported(self.name, cfg, ep_size, dtype)
                 if why is not None:
