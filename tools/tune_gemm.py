@@ -3,8 +3,9 @@ against a dense per-group reference, write jax_ep/gemm_configs.json (what
 jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same FLOPs and to JAX's own
 Mosaic GPU kernel.
 
-    python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|all] [--kernels all|classic|ws] [--quick]
-                              [--out FILE] [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
+    python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|all] [--quick]
+                              [--kernels all|classic|ws|order|depth] [--out FILE]
+                              [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
 (the dispatch buffer's worst-case capacity is twice the real rows plus alignment padding; each group is
@@ -269,10 +270,11 @@ def main(argv=None):
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
-    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws", "order"],
+    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws", "order", "depth"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
-                             "order (order: forward and dx)")
+                             "order (order: forward and dx), or the table's configuration in shorter K "
+                             "steps, more of them in flight (depth)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind
@@ -307,6 +309,12 @@ def main(argv=None):
             if args.kernels == "order":
                 candidates = [dataclasses.replace(c, grid_minor=minor, grid_tile_width=tw) for c in incumbent
                               for minor, tw in ((0, 4), (0, 8), (1, 2), (GROUP_MAJOR, 1)) if name != "dw"]
+            elif args.kernels == "depth":
+                # the same shared memory in shorter K steps, so more of them in flight: what hides the
+                # load latency where a tile has few K steps (the weight gradient's K is a group's rows)
+                candidates = [dataclasses.replace(c, block_k=bk, max_concurrent_steps=st)
+                              for c in incumbent for bk in (32, 16)
+                              for st in {c.max_concurrent_steps * 64 // bk - d for d in (0, 1)}]
             else:
                 candidates = list(grid_for(name, width, args.quick, args.kernels))
             for cfg in dict.fromkeys([*incumbent, *candidates]):
