@@ -48,7 +48,9 @@ class BlockConfig:
     panel is read from DRAM once however the group boundaries fall against fixed strips. ctas_per_sm
     persistent blocks share each SM (2 when their shared memory fits): one block's pipeline fill and
     epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
-    gradient, whose K is a group's rows)."""
+    gradient, whose K is a group's rows). ring 1 (warp-specialised weight gradient only) runs one ring
+    of K-step buffers across all of a CTA's tiles instead of one pipeline per tile, so the producer loads
+    the next tile's first K blocks while the consumers finish this tile and write it out."""
 
     block_m: int = 64
     block_n: int = 256
@@ -59,6 +61,7 @@ class BlockConfig:
     ctas_per_sm: int = 1
     compute_wgs: int = 1
     mma_in_flight: int = 0
+    ring: int = 0
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -71,6 +74,9 @@ class BlockConfig:
         if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.max_concurrent_steps:
             raise EPValueError("BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, "
                                f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
+        if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
+            raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
+                               f"ring={self.ring} with compute_wgs={self.compute_wgs}")
 
     @property
     def cta_n(self) -> int:
@@ -161,7 +167,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
     if config.compute_wgs > 1:
         return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
-    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -215,9 +221,11 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     if config.grid_minor == GROUP_MAJOR:
         raise EPValueError("transposed_ragged_dot: the group-major order is for the row-tiled passes (each "
                            f"weight gradient tile is one group already), got {config}")
+    if config.ring:
+        return _transposed_ragged_dot_ring(lhs, rhs, group_sizes, config=config)
     if config.compute_wgs > 1:
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
-    bm, bn, bk, stages, minor, width, ctas, _, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -353,7 +361,7 @@ def _ws_scope(allocations, o_smem):
 
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -445,7 +453,7 @@ def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: in
 def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -504,6 +512,111 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                 @pl.when((num_k == 0) & (wg < wgs))  # an empty group's gradient is zero
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
+
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
+    return kernel(info, lhs, rhs)
+
+
+def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
+    """_transposed_ragged_dot_ws with one ring of `stages` K-step buffers across all of the CTA's tiles.
+
+    A pipeline per tile drains at every tile: its producer waits for the consumers to finish the tile
+    before loading the next one's first blocks, so each tile pays the load latency again, and a weight
+    gradient tile is only a group's rows deep (DeepSeek-V3: 4-5 K steps). Here the producer runs ahead
+    across tile boundaries; the step counter carried through both loops names the slot and so the
+    barrier phase each side is at."""
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
+    rows, k = lhs.shape
+    rows2, n = rhs.shape
+    g = group_sizes.shape[0]
+    cta_n = config.cta_n
+    assert rows == rows2 and k % bm == 0 and n % cta_n == 0, (lhs.shape, rhs.shape, config)
+    info = _group_row_blocks(group_sizes, rows, bk)
+    grid = (k // bm, n // cta_n)
+    consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
+
+    def tiles(info_gmem):
+        """The CTA's tiles: body(gi, mi, ni, start, end, num_k, first_row, step) -> next step."""
+        def decorator(body):
+            @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
+            def _tile(loop_info: plgpu.NDLoopInfo, carry):
+                gi = loop_info.index[0]
+                mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
+                return body(gi, mi, ni, info_gmem[0, gi], info_gmem[1, gi], info_gmem[2, gi],
+                            pl.multiple_of(info_gmem[3, gi], bk), carry)
+        return decorator
+
+    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        @functools.partial(
+            pl.run_scoped,
+            lhs_smem=plgpu.SMEM((stages, bk, bm), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bm)),
+            rhs_smem=plgpu.SMEM((stages, bk, cta_n), rhs.dtype,
+                                transforms=_smem_transforms(rhs.dtype, cta_n)),
+            o_smem=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)),
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            empty=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            collective_axes="wg")
+        def _scope(lhs_smem, rhs_smem, o_smem, full, empty):
+            wg = lax.axis_index("wg")
+
+            @pl.when(wg == wgs)
+            def _producer():
+                plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+                @tiles(info_gmem)
+                def _tile(gi, mi, ni, start, end, num_k, first_row, step):
+                    def load(kk, s):
+                        slot = lax.rem(s, stages)
+
+                        @pl.when(s >= stages)       # the ring's first lap finds every slot empty
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
+                        row = pl.ds(first_row + kk * bk, bk)    # past the last row: TMA fills zeros
+                        plgpu.copy_gmem_to_smem(lhs_gmem.at[row, pl.ds(mi * bm, bm)], lhs_smem.at[slot],
+                                                full.at[slot])
+                        plgpu.copy_gmem_to_smem(rhs_gmem.at[row, pl.ds(ni * cta_n, cta_n)],
+                                                rhs_smem.at[slot], full.at[slot])
+                        return s + 1
+                    return lax.fori_loop(0, num_k, load, step)
+
+            @pl.when(wg < wgs)
+            def _consumer():
+                plgpu.set_max_registers(consumer_registers, action="increase")
+
+                @tiles(info_gmem)
+                def _tile(gi, mi, ni, start, end, num_k, first_row, step):
+                    def mma(acc_ref):       # zeros to begin with: an empty group's gradient is zero
+                        def one(kk, s):
+                            slot = lax.rem(s, stages)
+                            plgpu.barrier_wait(full.at[slot])
+                            lhs_block = lhs_smem.at[slot]
+                            rhs_mine = rhs_smem.at[slot, :, pl.ds(wg * bn, bn)]
+                            # every consumer masks the shared lhs block itself (the same values), so
+                            # none reads it unmasked
+                            _mask_cut_block(lhs_block, rhs_mine, kk, num_k, start, end, first_row, bk)
+                            plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
+                            plgpu.wgmma_wait(delay)
+                            if delay:               # the previous step's MMA is done with its slot
+                                @pl.when(kk > 0)
+                                def _():
+                                    plgpu.barrier_arrive(empty.at[lax.rem(s - 1, stages)])
+                            else:
+                                plgpu.barrier_arrive(empty.at[slot])
+                            return s + 1
+                        end_step = lax.fori_loop(0, num_k, one, step)
+                        if delay:
+                            plgpu.wgmma_wait(0)
+
+                            @pl.when(num_k > 0)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
+                        _write_tile(o_smem.at[wg], acc_ref[...])
+                        cols = pl.ds(ni * cta_n + wg * bn, bn)
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
+                        return end_step
+                    return pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, lhs, rhs)

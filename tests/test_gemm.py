@@ -210,7 +210,8 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
 @pytest.mark.parametrize("fields,word", [((128, 128, 64, 3, 0, 4, 1, 3), "compute_wgs"),
                                          ((128, 128, 64, 3, 0, 4, 2, 2), "ctas_per_sm"),
                                          ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight"),
-                                         ((128, 128, 64, 3, 3, 4), "grid_minor")])
+                                         ((128, 128, 64, 3, 3, 4), "grid_minor"),
+                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -219,7 +220,8 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1)])
+@pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1),
+                                    (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
     custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape.

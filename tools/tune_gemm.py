@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|all] [--quick]
-                              [--kernels all|classic|ws|order|depth] [--out FILE]
+                              [--kernels all|classic|ws|order|depth|ring] [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -270,11 +270,13 @@ def main(argv=None):
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
-    parser.add_argument("--kernels", default="all", choices=["all", "classic", "ws", "order", "depth"],
+    parser.add_argument("--kernels", default="all",
+                        choices=["all", "classic", "ws", "order", "depth", "ring"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or the table's configuration in shorter K "
-                             "steps, more of them in flight (depth)")
+                             "steps, more of them in flight (depth), or the weight gradient's with one ring "
+                             "of K buffers across tiles (ring)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind
@@ -309,6 +311,11 @@ def main(argv=None):
             if args.kernels == "order":
                 candidates = [dataclasses.replace(c, grid_minor=minor, grid_tile_width=tw) for c in incumbent
                               for minor, tw in ((0, 4), (0, 8), (1, 2), (GROUP_MAJOR, 1)) if name != "dw"]
+            elif args.kernels == "ring":
+                # the warp-specialised weight gradient with one ring of K-step buffers across tiles
+                base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, 0, 4, 1, 2, 0)]
+                candidates = [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
+                              for d in (0, 1) if name == "dw" and c.compute_wgs == 2]
             elif args.kernels == "depth":
                 # the same shared memory in shorter K steps, so more of them in flight: what hides the
                 # load latency where a tile has few K steps (the weight gradient's K is a group's rows)
