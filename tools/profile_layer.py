@@ -150,6 +150,15 @@ for plane in data.planes:  # what the host spent its time on (transfers, launche
                 host[(line.name[:30], e.name[:70])] += e.duration_ns / 1e6 / args.iters
         for (line_name, ev_name), ms in sorted(host.items(), key=lambda kv: -kv[1])[:25]:
             print(f"HOST {ms:9.3f} ms  {line_name} | {ev_name}")
+# the Mosaic GPU launches (the grouped GEMMs) one by one, in launch order, over the profiled steps: which
+# pass takes what (they share one kernel name in the table below)
+launches = sorted((e for plane in data.planes if plane.name == "/device:GPU:0" for line in plane.lines
+                   if line.name.startswith("Stream") for e in line.events if "mosaic_gpu" in e.name),
+                  key=lambda e: e.start_ns)
+per_step = len(launches) // args.iters if args.iters else 0
+for i in range(per_step):
+    ms = sorted(e.duration_ns / 1e6 for e in launches[i::per_step])
+    print(f"mosaic launch {i} of {per_step} per step: median {ms[len(ms) // 2]:.3f} ms")
 total = sum(v[0] for v in by_kernel.values())
 print(f"\nkernels on device 0 streams: {total:.3f} ms per step; top {args.top}:")
 print(f"{'ms':>8} {'%':>5} {'calls':>5}  kernel | hlo | scope")
