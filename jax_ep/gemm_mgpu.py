@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +49,9 @@ class BlockConfig:
     panel is read from DRAM once however the group boundaries fall against fixed strips. ctas_per_sm
     persistent blocks share each SM (2 when their shared memory fits): one block's pipeline fill and
     epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
-    gradient, whose K is a group's rows). ring 1 (warp-specialised weight gradient only) runs one ring
-    of K-step buffers across all of a CTA's tiles instead of one pipeline per tile, so the producer loads
-    the next tile's first K blocks while the consumers finish this tile and write it out."""
+    gradient, whose K is a group's rows). ring 1 (warp-specialised kernels) runs one ring of K-step
+    buffers across all of a CTA's tiles instead of one pipeline per tile, so the producer loads the next
+    tile's first K blocks while the consumers finish this tile and write it out."""
 
     block_m: int = 64
     block_n: int = 256
@@ -122,16 +123,17 @@ def _num_sms() -> int:
     return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
 
 
-def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int):
+def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int, init_carry=None):
     """The persistent loop of the ragged_dot kernels: over the live row tiles (tile_schedule) x grid_n
     column tiles, in strips of `width` tiles along `minor` (planar_snake), or group by group (minor
     GROUP_MAJOR: the linear index range of a group's tiles x grid_n holds its row tiles for column tile
-    0, then 1, ...), handing the body (row tile, column tile, its group, its block of rows)."""
+    0, then 1, ...), handing the body (row tile, column tile, its group, its block of rows) and, with
+    init_carry, the carry it returns the next one."""
     def decorator(body):
         live_m = num_tiles_gmem[0]
 
-        @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm")
-        def _tile(loop_info: plgpu.NDLoopInfo):
+        @plgpu.nd_loop((live_m * grid_n,), collective_axes="sm", init_carry=init_carry)
+        def _tile(loop_info: plgpu.NDLoopInfo, **carry):
             if minor == GROUP_MAJOR:
                 lin = loop_info.index[0]
                 first = schedule_gmem[_FIRST, lin // grid_n]
@@ -140,7 +142,7 @@ def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: in
                 mi, ni = first + local % count, local // count
             else:
                 mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
-            body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_BLOCK, mi])
+            return body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_BLOCK, mi], *carry.values())
     return decorator
 
 
@@ -165,6 +167,8 @@ def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice, wait
 def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool = False,
                interpret=None):
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
+    if config.ring:
+        return _ragged_dot_ring(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
     if config.compute_wgs > 1:
         return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
@@ -517,14 +521,154 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     return kernel(info, lhs, rhs)
 
 
-def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
-    """_transposed_ragged_dot_ws with one ring of `stages` K-step buffers across all of the CTA's tiles.
+def _k_ring(tiles, operands, load, mma, epilogue, *, config: BlockConfig, acc_shape, scratch):
+    """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
+    tiles, instead of one pipeline per tile.
 
     A pipeline per tile drains at every tile: its producer waits for the consumers to finish the tile
-    before loading the next one's first blocks, so each tile pays the load latency again, and a weight
-    gradient tile is only a group's rows deep (DeepSeek-V3: 4-5 K steps). Here the producer runs ahead
-    across tile boundaries; the step counter carried through both loops names the slot and so the
-    barrier phase each side is at."""
+    before it loads the next one's first blocks, so each tile pays the load latency again; a weight
+    gradient tile is only a group's rows deep (DeepSeek-V3: 4-5 K steps), a forward tile at K 2048 32.
+    Here the producer warpgroup runs ahead across tile boundaries; the step counter carried through both
+    sides' tile loops names the slot, and so the barrier phase, each side is at.
+
+    tiles(body): runs body(tile, step) -> step over the CTA's tiles (tile: what the other callbacks get;
+    tile.num_k its K steps). operands: (shape, dtype, transforms) of each operand's block.
+    load(tile, kk, blocks, barrier): the TMA copies of K step kk into `blocks`, arriving on `barrier`.
+    mma(tile, kk, blocks, acc_ref, wg): consumer wg's matrix work on them. epilogue(tile, acc, wg,
+    scratch): write the tile (acc starts at zero: a tile of no K steps stores zeros). scratch: the
+    consumers' own SMEM (the output tiles)."""
+    stages, wgs, delay = config.max_concurrent_steps, config.compute_wgs, config.mma_in_flight
+    consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
+
+    @functools.partial(
+        pl.run_scoped,
+        bufs=[plgpu.SMEM((stages, *shape), dtype, transforms=tf) for shape, dtype, tf in operands],
+        scratch=scratch,
+        full=plgpu.Barrier(num_arrivals=len(operands), num_barriers=stages),
+        empty=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        collective_axes="wg")
+    def _scope(bufs, scratch, full, empty):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == wgs)
+        def _producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            @tiles
+            def _tile(tile, step):
+                def one(kk, s):
+                    slot = lax.rem(s, stages)
+
+                    @pl.when(s >= stages)       # the ring's first lap finds every slot empty
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+                    load(tile, kk, [b.at[slot] for b in bufs], full.at[slot])
+                    return s + 1
+                return lax.fori_loop(0, tile.num_k, one, step)
+
+        @pl.when(wg < wgs)
+        def _consumer():
+            plgpu.set_max_registers(consumer_registers, action="increase")
+
+            @tiles
+            def _tile(tile, step):
+                def scoped(acc_ref):
+                    def one(kk, s):
+                        slot = lax.rem(s, stages)
+                        plgpu.barrier_wait(full.at[slot])
+                        mma(tile, kk, [b.at[slot] for b in bufs], acc_ref, wg)
+                        plgpu.wgmma_wait(delay)
+                        if delay:               # the previous step's MMA is done with its slot
+                            @pl.when(kk > 0)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[lax.rem(s - 1, stages)])
+                        else:
+                            plgpu.barrier_arrive(empty.at[slot])
+                        return s + 1
+                    end_step = lax.fori_loop(0, tile.num_k, one, step)
+                    if delay:
+                        plgpu.wgmma_wait(0)
+
+                        @pl.when(tile.num_k > 0)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
+                    epilogue(tile, acc_ref[...], wg, scratch)
+                    return end_step
+                return pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+class _GroupTile(NamedTuple):
+    """A weight-gradient tile: group gi's output block (mi, ni), the group's rows [start, end) in num_k
+    K blocks from first_row."""
+    gi: jax.Array
+    mi: jax.Array
+    ni: jax.Array
+    start: jax.Array
+    end: jax.Array
+    num_k: jax.Array
+    first_row: jax.Array
+
+
+class _RowTile(NamedTuple):
+    """A ragged_dot tile: row tile mi (its group and block of rows) x column tile ni, num_k K steps (none
+    for the rows past the groups: zeros)."""
+    mi: jax.Array
+    ni: jax.Array
+    group: jax.Array
+    block: jax.Array
+    num_k: jax.Array
+
+
+def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
+    """_ragged_dot_ws with one ring of K-step buffers across the CTA's tiles (_k_ring)."""
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
+    m, k = lhs.shape
+    g, k2, n = rhs.shape
+    if transpose_rhs:
+        k2, n = n, k2
+    cta_n = config.cta_n
+    assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm & (bm - 1) == 0, (lhs.shape, rhs.shape, config)
+    grid_n = n // cta_n
+    tf = _smem_transforms(lhs.dtype, bk)
+    ladder = min(bm, 1 << int(math.log2(m)))
+
+    def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        def tiles(tile_body):
+            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=jnp.int32(0))
+            def _tile(mi, ni, group, block, carry):
+                num_k = jnp.where(group < g, k // bk, 0).astype(jnp.int32)
+                return tile_body(_RowTile(mi, ni, group, block, num_k), carry)
+
+        def load(t, kk, blocks, barrier):
+            cols, ks = pl.ds(t.ni * cta_n, cta_n), pl.ds(kk * bk, bk)
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(t.block * bm, bm), ks], blocks[0], barrier)
+            panel = rhs_gmem.at[t.group, cols, ks] if transpose_rhs else rhs_gmem.at[t.group, ks, cols]
+            plgpu.copy_gmem_to_smem(panel, blocks[1], barrier)
+
+        def mma(t, kk, blocks, acc_ref, wg):
+            mine = pl.ds(wg * bn, bn)
+            b = plgpu.transpose_ref(blocks[1].at[mine], (1, 0)) if transpose_rhs else blocks[1].at[:, mine]
+            plgpu.wgmma(acc_ref, blocks[0], b)
+
+        # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
+        # row boxes that can start on any row
+        def epilogue(t, acc, wg, o_smem):
+            _write_tile(o_smem.at[wg], acc)
+            _store_rows(o_smem.at[wg], o_gmem, t.block * bm, schedule_gmem[_START, t.mi],
+                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + wg * bn, bn), wait=False)
+
+        rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+        _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
+                config=config, acc_shape=(bm, bn), scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
+
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
+    return kernel(schedule, num_tiles, lhs, rhs)
+
+
+def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
+    """_transposed_ragged_dot_ws with one ring of K-step buffers across the CTA's tiles (_k_ring)."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
@@ -533,90 +677,37 @@ def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
     assert rows == rows2 and k % bm == 0 and n % cta_n == 0, (lhs.shape, rhs.shape, config)
     info = _group_row_blocks(group_sizes, rows, bk)
     grid = (k // bm, n // cta_n)
-    consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
 
-    def tiles(info_gmem):
-        """The CTA's tiles: body(gi, mi, ni, start, end, num_k, first_row, step) -> next step."""
-        def decorator(body):
+    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        def tiles(tile_body):
             @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
             def _tile(loop_info: plgpu.NDLoopInfo, carry):
                 gi = loop_info.index[0]
                 mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
-                return body(gi, mi, ni, info_gmem[0, gi], info_gmem[1, gi], info_gmem[2, gi],
-                            pl.multiple_of(info_gmem[3, gi], bk), carry)
-        return decorator
+                return tile_body(_GroupTile(gi, mi, ni, info_gmem[0, gi], info_gmem[1, gi], info_gmem[2, gi],
+                                            pl.multiple_of(info_gmem[3, gi], bk)), carry)
 
-    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        @functools.partial(
-            pl.run_scoped,
-            lhs_smem=plgpu.SMEM((stages, bk, bm), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bm)),
-            rhs_smem=plgpu.SMEM((stages, bk, cta_n), rhs.dtype,
-                                transforms=_smem_transforms(rhs.dtype, cta_n)),
-            o_smem=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)),
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            empty=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-            collective_axes="wg")
-        def _scope(lhs_smem, rhs_smem, o_smem, full, empty):
-            wg = lax.axis_index("wg")
+        def load(t, kk, blocks, barrier):
+            row = pl.ds(t.first_row + kk * bk, bk)          # past the last row: TMA fills zeros
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[row, pl.ds(t.mi * bm, bm)], blocks[0], barrier)
+            plgpu.copy_gmem_to_smem(rhs_gmem.at[row, pl.ds(t.ni * cta_n, cta_n)], blocks[1], barrier)
 
-            @pl.when(wg == wgs)
-            def _producer():
-                plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        def mma(t, kk, blocks, acc_ref, wg):
+            lhs_block, rhs_mine = blocks[0], blocks[1].at[:, pl.ds(wg * bn, bn)]
+            # every consumer masks the shared lhs block itself (the same values), so none reads it
+            # unmasked
+            _mask_cut_block(lhs_block, rhs_mine, kk, t.num_k, t.start, t.end, t.first_row, bk)
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
 
-                @tiles(info_gmem)
-                def _tile(gi, mi, ni, start, end, num_k, first_row, step):
-                    def load(kk, s):
-                        slot = lax.rem(s, stages)
+        def epilogue(t, acc, wg, o_smem):
+            _write_tile(o_smem.at[wg], acc)
+            cols = pl.ds(t.ni * cta_n + wg * bn, bn)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
 
-                        @pl.when(s >= stages)       # the ring's first lap finds every slot empty
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-                        row = pl.ds(first_row + kk * bk, bk)    # past the last row: TMA fills zeros
-                        plgpu.copy_gmem_to_smem(lhs_gmem.at[row, pl.ds(mi * bm, bm)], lhs_smem.at[slot],
-                                                full.at[slot])
-                        plgpu.copy_gmem_to_smem(rhs_gmem.at[row, pl.ds(ni * cta_n, cta_n)],
-                                                rhs_smem.at[slot], full.at[slot])
-                        return s + 1
-                    return lax.fori_loop(0, num_k, load, step)
-
-            @pl.when(wg < wgs)
-            def _consumer():
-                plgpu.set_max_registers(consumer_registers, action="increase")
-
-                @tiles(info_gmem)
-                def _tile(gi, mi, ni, start, end, num_k, first_row, step):
-                    def mma(acc_ref):       # zeros to begin with: an empty group's gradient is zero
-                        def one(kk, s):
-                            slot = lax.rem(s, stages)
-                            plgpu.barrier_wait(full.at[slot])
-                            lhs_block = lhs_smem.at[slot]
-                            rhs_mine = rhs_smem.at[slot, :, pl.ds(wg * bn, bn)]
-                            # every consumer masks the shared lhs block itself (the same values), so
-                            # none reads it unmasked
-                            _mask_cut_block(lhs_block, rhs_mine, kk, num_k, start, end, first_row, bk)
-                            plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
-                            plgpu.wgmma_wait(delay)
-                            if delay:               # the previous step's MMA is done with its slot
-                                @pl.when(kk > 0)
-                                def _():
-                                    plgpu.barrier_arrive(empty.at[lax.rem(s - 1, stages)])
-                            else:
-                                plgpu.barrier_arrive(empty.at[slot])
-                            return s + 1
-                        end_step = lax.fori_loop(0, num_k, one, step)
-                        if delay:
-                            plgpu.wgmma_wait(0)
-
-                            @pl.when(num_k > 0)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
-                        _write_tile(o_smem.at[wg], acc_ref[...])
-                        cols = pl.ds(ni * cta_n + wg * bn, bn)
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
-                        return end_step
-                    return pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
-
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        _k_ring(tiles, [((bk, bm), lhs.dtype, _smem_transforms(lhs.dtype, bm)),
+                        ((bk, cta_n), rhs.dtype, _smem_transforms(rhs.dtype, cta_n))],
+                load, mma, epilogue, config=config, acc_shape=(bm, bn),
+                scratch=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)))
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, lhs, rhs)

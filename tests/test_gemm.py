@@ -241,13 +241,13 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     assert text.count("mosaic_gpu") >= 2, text[:2000]
 
 
-@pytest.mark.parametrize("wgs", [1, 2])
-def test_group_major_order_lowers_for_hopper_and_is_refused_by_the_weight_gradient(wgs):
+@pytest.mark.parametrize("wgs,ring", [(1, 0), (2, 0), (2, 1)])
+def test_group_major_order_lowers_for_hopper_and_is_refused_by_the_weight_gradient(wgs, ring):
     """The group-major tile order (grid_minor GROUP_MAJOR) lowers for CUDA in the one-consumer and the
     warp-specialised forward; the weight gradient, whose tiles are one group each, refuses it by name."""
     from jax_ep.errors import EPValueError
 
-    cfg = mgpu.BlockConfig(64, 128, 64, 4, mgpu.GROUP_MAJOR, 1, 1, wgs)
+    cfg = mgpu.BlockConfig(64, 128, 64, 4, mgpu.GROUP_MAJOR, 1, 1, wgs, 0, ring)
     m, k, n, g = 1024, 512, 768, 5
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)

@@ -77,6 +77,8 @@ KERNEL_CONFIGS = [
     (128, 128, 64, 3, 0, 8, 1, 2, 1),  # warp-specialised, 128 x 256, one WGMMA kept in flight
     (64, 128, 64, 4, 2, 1, 1, 1),    # one consumer, group-major tile order (forward and dx)
     (64, 128, 64, 4, 2, 1, 1, 2),    # warp-specialised, group-major tile order (forward and dx)
+    (128, 128, 64, 3, 0, 8, 1, 2, 1, 1),  # warp-specialised, one ring of K buffers across tiles
+    (64, 128, 64, 4, 2, 1, 1, 2, 0, 1),   # the ring, group-major (forward and dx)
 ]
 
 
