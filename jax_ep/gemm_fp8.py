@@ -56,21 +56,24 @@ BACKENDS = ("reference", "mosaic_gpu")
 # from L2: 2.77 / 2.95 ms vs 2.57 forward at gate|up), so L2 -> SM bytes are not what bounds it.
 KERNEL = (True, 64, 4, GROUP_MAJOR)
 CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tested) in this form
-KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3))   # what tune_gemm.py --fp8 times
+# what tune_gemm.py --fp8 times; the last: one ring of K-step buffers across tiles (BlockConfig.ring)
+KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1))
 
 
-def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int]:
-    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor) for N output columns:
-    `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0), else KERNEL where its
-    256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool]:
+    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring) for N output
+    columns: `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0, a 4-tuple no
+    ring), else KERNEL where its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
     if kernel is None:
         kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
-    warp_specialized, block_m, stages, grid_minor = (*kernel, 0)[:4]
+    warp_specialized, block_m, stages, grid_minor, ring = (*kernel, 0, 0)[:5]
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
-    if n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 4:
-        raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0, block_m 64 or 128 "
-                           f"and grid_minor 0 or {GROUP_MAJOR}, got N={n}")
-    return warp_specialized, block_m, stages, grid_minor
+    if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 5
+            or ring not in (0, 1) or (ring and not warp_specialized)):
+        raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0, block_m 64 or 128, "
+                           f"grid_minor 0 or {GROUP_MAJOR} and ring 0 or 1 (1 only warp-specialised), "
+                           f"got N={n}")
+    return warp_specialized, block_m, stages, grid_minor, bool(ring)
 
 
 def _check_whole_blocks(where: str, k: int, n: int) -> None:
@@ -393,10 +396,11 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
 
     if wq_t is None:
         wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
-    warp_specialized, block_m, stages, grid_minor = fp8_kernel_form(n, kernel)
+    warp_specialized, block_m, stages, grid_minor, ring = fp8_kernel_form(n, kernel)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                              out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor)
+                              out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,
+                              ring=ring)
     return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 

@@ -521,7 +521,8 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     return kernel(info, lhs, rhs)
 
 
-def _k_ring(tiles, operands, load, mma, epilogue, *, config: BlockConfig, acc_shape, scratch):
+def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, delay: int, scratch,
+            acc_shape=None, init_acc=None):
     """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
     tiles, instead of one pipeline per tile.
 
@@ -534,10 +535,12 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, config: BlockConfig, acc_sh
     tiles(body): runs body(tile, step) -> step over the CTA's tiles (tile: what the other callbacks get;
     tile.num_k its K steps). operands: (shape, dtype, transforms) of each operand's block.
     load(tile, kk, blocks, barrier): the TMA copies of K step kk into `blocks`, arriving on `barrier`.
-    mma(tile, kk, blocks, acc_ref, wg): consumer wg's matrix work on them. epilogue(tile, acc, wg,
-    scratch): write the tile (acc starts at zero: a tile of no K steps stores zeros). scratch: the
-    consumers' own SMEM (the output tiles)."""
-    stages, wgs, delay = config.max_concurrent_steps, config.compute_wgs, config.mma_in_flight
+    mma(tile, kk, blocks, acc, wg) -> acc: consumer wg's matrix work on them, into a WGMMA accumulator
+    of acc_shape (acc: its ref; starts at zero) or, with init_acc, into a sum carried in registers
+    (acc: its value, init_acc() the first; the FP8 kernels' promotion). delay: WGMMAs left in flight
+    after a step (each step's slot is released once its MMA is done). epilogue(tile, acc, wg, scratch):
+    write the tile (acc: the final sum; a tile of no K steps stores the initial one, zeros). scratch:
+    the consumers' own SMEM (the output tiles)."""
     consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
 
     @functools.partial(
@@ -570,28 +573,42 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, config: BlockConfig, acc_sh
         def _consumer():
             plgpu.set_max_registers(consumer_registers, action="increase")
 
+            def consume(tile, step, acc, step_fn):
+                def one(kk, carry):
+                    s, acc = carry
+                    slot = lax.rem(s, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    acc = step_fn(kk, [b.at[slot] for b in bufs], acc)
+                    plgpu.wgmma_wait(delay)
+                    if delay:               # the previous step's MMA is done with its slot
+                        @pl.when(kk > 0)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[lax.rem(s - 1, stages)])
+                    else:
+                        plgpu.barrier_arrive(empty.at[slot])
+                    return s + 1, acc
+                end_step, acc = lax.fori_loop(0, tile.num_k, one, (step, acc))
+                if delay:
+                    plgpu.wgmma_wait(0)
+
+                    @pl.when(tile.num_k > 0)
+                    def _():
+                        plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
+                return end_step, acc
+
             @tiles
             def _tile(tile, step):
-                def scoped(acc_ref):
-                    def one(kk, s):
-                        slot = lax.rem(s, stages)
-                        plgpu.barrier_wait(full.at[slot])
-                        mma(tile, kk, [b.at[slot] for b in bufs], acc_ref, wg)
-                        plgpu.wgmma_wait(delay)
-                        if delay:               # the previous step's MMA is done with its slot
-                            @pl.when(kk > 0)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[lax.rem(s - 1, stages)])
-                        else:
-                            plgpu.barrier_arrive(empty.at[slot])
-                        return s + 1
-                    end_step = lax.fori_loop(0, tile.num_k, one, step)
-                    if delay:
-                        plgpu.wgmma_wait(0)
+                if init_acc is not None:
+                    end_step, acc = consume(tile, step, init_acc(),
+                                            lambda kk, blocks, acc: mma(tile, kk, blocks, acc, wg))
+                    epilogue(tile, acc, wg, scratch)
+                    return end_step
 
-                        @pl.when(tile.num_k > 0)
-                        def _():
-                            plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
+                def scoped(acc_ref):
+                    def add(kk, blocks, _):     # the ref is not carried: the steps add into it
+                        mma(tile, kk, blocks, acc_ref, wg)
+
+                    end_step, _ = consume(tile, step, None, add)
                     epilogue(tile, acc_ref[...], wg, scratch)
                     return end_step
                 return pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
@@ -621,6 +638,17 @@ class _RowTile(NamedTuple):
     num_k: jax.Array
 
 
+def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int, g: int, num_k: int):
+    """_k_ring's tile loop over the ragged_dot kernels' tiles (_row_tiles): num_k K steps each, none for
+    the rows past the groups (zeros, no matrix work)."""
+    def tiles(tile_body):
+        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=jnp.int32(0))
+        def _tile(mi, ni, group, block, carry):
+            steps = jnp.where(group < g, num_k, 0).astype(jnp.int32)
+            return tile_body(_RowTile(mi, ni, group, block, steps), carry)
+    return tiles
+
+
 def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """_ragged_dot_ws with one ring of K-step buffers across the CTA's tiles (_k_ring)."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
@@ -635,11 +663,7 @@ def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, tran
     ladder = min(bm, 1 << int(math.log2(m)))
 
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        def tiles(tile_body):
-            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=jnp.int32(0))
-            def _tile(mi, ni, group, block, carry):
-                num_k = jnp.where(group < g, k // bk, 0).astype(jnp.int32)
-                return tile_body(_RowTile(mi, ni, group, block, num_k), carry)
+        tiles = _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, g, k // bk)
 
         def load(t, kk, blocks, barrier):
             cols, ks = pl.ds(t.ni * cta_n, cta_n), pl.ds(kk * bk, bk)
@@ -651,6 +675,7 @@ def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, tran
             mine = pl.ds(wg * bn, bn)
             b = plgpu.transpose_ref(blocks[1].at[mine], (1, 0)) if transpose_rhs else blocks[1].at[:, mine]
             plgpu.wgmma(acc_ref, blocks[0], b)
+            return acc_ref
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
@@ -661,7 +686,8 @@ def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, tran
 
         rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
-                config=config, acc_shape=(bm, bn), scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
+                stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
+                scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
     return kernel(schedule, num_tiles, lhs, rhs)
@@ -698,6 +724,7 @@ def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
             # unmasked
             _mask_cut_block(lhs_block, rhs_mine, kk, t.num_k, t.start, t.end, t.first_row, bk)
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
+            return acc_ref
 
         def epilogue(t, acc, wg, o_smem):
             _write_tile(o_smem.at[wg], acc)
@@ -706,7 +733,7 @@ def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
 
         _k_ring(tiles, [((bk, bm), lhs.dtype, _smem_transforms(lhs.dtype, bm)),
                         ((bk, cta_n), rhs.dtype, _smem_transforms(rhs.dtype, cta_n))],
-                load, mma, epilogue, config=config, acc_shape=(bm, bn),
+                load, mma, epilogue, stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
                 scratch=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)))
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
@@ -739,7 +766,8 @@ def _promote(total, part, scale):
 
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
-                   out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0):
+                   out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0,
+                   ring: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -751,10 +779,12 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     gradient: dy's rows and scales with the weights in [G, K, N] layout as wq_t and ws transposed.
     warp_specialized: a producer warpgroup loads while two consumers each compute 128 of the CTA's 256
     columns (block_m x 256 tiles, one weight scale per consumer and K step). grid_minor: the tile order,
-    strips of 4 row tiles (0) or group by group (GROUP_MAJOR; see BlockConfig)."""
+    strips of 4 row tiles (0) or group by group (GROUP_MAJOR; see BlockConfig). ring (warp-specialised
+    only): one ring of K-step buffers across the CTA's tiles (see BlockConfig)."""
+    assert warp_specialized or not ring, "the K ring is a warp-specialised form (gemm_fp8.fp8_kernel_form)"
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                                  out_dtype=out_dtype, grid_minor=grid_minor)
+                                  out_dtype=out_dtype, grid_minor=grid_minor, ring=ring)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -799,8 +829,9 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
 
 
 def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       grid_minor: int):
-    """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N."""
+                       grid_minor: int, ring: bool = False):
+    """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N; with `ring`, one
+    ring of K-step buffers across the CTA's tiles (_k_ring) instead of a pipeline per tile."""
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     wgs, bm, bn, bk = 2, block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -810,6 +841,32 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
     grid_n = n // cta_n
     tf = _smem_transforms(xq.dtype, bk)
     ladder = min(bm, 1 << int(math.log2(m)))
+
+    def ring_body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
+        def load(t, kk, blocks, barrier):
+            ks = pl.ds(kk * bk, bk)
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(t.block * bm, bm), ks], blocks[0], barrier)
+            plgpu.copy_gmem_to_smem(w_gmem.at[t.group, pl.ds(t.ni * cta_n, cta_n), ks], blocks[1], barrier)
+            plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(kk, 1), pl.ds(t.block * bm, bm)], blocks[2], barrier)
+
+        def mma(t, kk, blocks, total, wg):
+            part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
+            rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
+            return _promote(total, part, rows * ws_gmem[t.group, kk, t.ni * wgs + wg])
+
+        def epilogue(t, total, wg, o_smem):
+            _write_tile(o_smem.at[wg], total)
+            _store_rows(o_smem.at[wg], o_gmem, t.block * bm, schedule_gmem[_START, t.mi],
+                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
+
+        _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
+                [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ())],
+                load, mma, epilogue, stages=stages, wgs=wgs, delay=0,
+                scratch=plgpu.SMEM((wgs, bm, bn), out_dtype), init_acc=lambda: _acc_zeros(bm, bn))
+
+    if ring:
+        kernel = _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), out_dtype))
+        return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
     def get_pipeline(step, compute_context):
         return _ws_pipeline(

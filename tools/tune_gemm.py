@@ -185,7 +185,8 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
                date=datetime.date.today().isoformat())
     runs = {"forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
     for form in KERNELS:
-        order = "_strips" if form[3:] == (0,) else "_group_major" if GROUP_MAJOR in form[3:] else ""
+        order = {(0,): "_strips", (GROUP_MAJOR,): "_group_major", (GROUP_MAJOR, 1): "_group_major_ring",
+                 (0, 1): "_strips_ring"}.get(tuple(form[3:]), "")
         tag = f"{'ws' if form[0] else 'classic'}{form[1]}{order}"
         runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(
             xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)), (xq, xs, wq, wq_t, ws, gs))

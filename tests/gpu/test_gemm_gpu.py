@@ -348,8 +348,10 @@ def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows):
     assert np.all(np.asarray(got, np.float32)[sizes == 0] == 0)
 
 
-@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2)],
-                         ids=["classic64", "ws64", "ws128", "ws64_group_major"])   # 3-tuples: strips
+@pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2),
+                                    (True, 64, 4, 0, 1), (True, 64, 4, 2, 1)],
+                         ids=["classic64", "ws64", "ws128", "ws64_group_major", "ws64_ring",
+                              "ws64_group_major_ring"])   # 3-tuples: strips
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge"])
 def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
