@@ -264,15 +264,21 @@ def _dw_kernel_fits(c: int, n: int) -> bool:
     """Whether gemm_mgpu.transposed_ragged_dot_fp8 tiles a [C, N] weight gradient: 64-row tiles of C, two
     128-column consumers along N."""
     return c % 64 == 0 and n % (2 * FP8_BLOCK) == 0
+
+
 # The FP8 weight-gradient kernel's form (stages, grid_minor, grid_tile_width: the order of a group's
-# output tiles, as BlockConfig's). Not yet timed on a GPU; tools/tune_gemm.py --fp8 times DW_KERNELS.
+# output tiles, as BlockConfig's; ring: one ring of K buffers across tiles, BlockConfig.ring). Measured
+# slower than the bf16 weight gradient with its pipeline per tile (H200, 2026-11-29, quantisation
+# included: 5.65 vs 4.29 ms at DeepSeek-V3's gate|up; docs/benchmarks/h200_gemm_s21.json), so it is
+# opt-in; the ring forms (a tile here is 2 K steps deep) are not yet timed. tune_gemm.py --fp8 times
+# DW_KERNELS.
 DW_KERNEL = (4, 0, 8)
-DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2))
+DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2), (4, 0, 8, 1), (3, 0, 8, 1))
 
 
 def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                         x_scales: jax.Array | None = None, backend: str = "reference",
-                        out_dtype=jnp.bfloat16, kernel: tuple[int, int, int] = DW_KERNEL) -> jax.Array:
+                        out_dtype=jnp.bfloat16, kernel: tuple = DW_KERNEL) -> jax.Array:
     """dw[g] = x[rows of g].T @ dy[rows of g] with both operands in FP8 as DeepSeek-V3's backward runs
     it: rows quantised token-minor with one scale per 128 rows and channel (quantize_rows_t), float32
     sums per 128-row block scaled by the outer product of the two blocks' scales, ``out_dtype`` [G, C, N]
@@ -306,9 +312,9 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
 
     xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales, backend="pallas")
     dyt, dys, _ = quantize_rows_t(dy, group_sizes, backend="pallas")
-    stages, minor, width = kernel
+    stages, minor, width, ring = (*kernel, 0)[:4]
     dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
-                                        out_dtype=out_dtype)
+                                        out_dtype=out_dtype, ring=bool(ring))
     return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
 
 

@@ -693,6 +693,18 @@ def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, tran
     return kernel(schedule, num_tiles, lhs, rhs)
 
 
+def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
+    """_k_ring's tile loop over the weight-gradient kernels' tiles (as _group_tiles), as _GroupTiles."""
+    def tiles(tile_body):
+        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
+        def _tile(loop_info: plgpu.NDLoopInfo, carry):
+            gi = loop_info.index[0]
+            mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
+            return tile_body(_GroupTile(gi, mi, ni, info_gmem[0, gi], info_gmem[1, gi], info_gmem[2, gi],
+                                        pl.multiple_of(info_gmem[3, gi], bk)), carry)
+    return tiles
+
+
 def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
     """_transposed_ragged_dot_ws with one ring of K-step buffers across the CTA's tiles (_k_ring)."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
@@ -705,13 +717,7 @@ def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
     grid = (k // bm, n // cta_n)
 
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        def tiles(tile_body):
-            @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
-            def _tile(loop_info: plgpu.NDLoopInfo, carry):
-                gi = loop_info.index[0]
-                mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
-                return tile_body(_GroupTile(gi, mi, ni, info_gmem[0, gi], info_gmem[1, gi], info_gmem[2, gi],
-                                            pl.multiple_of(info_gmem[3, gi], bk)), carry)
+        tiles = _group_ring_tiles(info_gmem, g, grid, minor, width, bk)
 
         def load(t, kk, blocks, barrier):
             row = pl.ds(t.first_row + kk * bk, bk)          # past the last row: TMA fills zeros
@@ -913,7 +919,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
 
 def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor: int = 0, width: int = 8,
-                              out_dtype=jnp.bfloat16):
+                              out_dtype=jnp.bfloat16, ring: bool = False):
     """The FP8 weight gradient: out[g] = sum over group g's 128-row blocks b of
     (xs[b, :, None] * dys[b, None, :]) * (xt[:, b] @ dyt[:, b].T), float32 sums, out_dtype [G, C, N].
 
@@ -922,7 +928,8 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
     and dys [P/128, N] float32 one scale per block and channel (DeepSeek-V3's 128 x 1 tiles);
     info [4, G] gemm_fp8.row_blocks' per-group entry (first padded row, end, blocks, first row). A
     producer warpgroup loads while two consumers compute 64 x 128 each of a 64 x 256 output tile;
-    each K step's block sum is promoted with the outer product of its row and column scales."""
+    each K step's block sum is promoted with the outer product of its row and column scales. ring: one
+    ring of K-step buffers across the CTA's tiles (_k_ring), what tiles of 1-3 K steps need most."""
     c, p = xt.shape
     n, p2 = dyt.shape
     g = info.shape[1]
@@ -933,6 +940,35 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
     tf = _smem_transforms(xt.dtype, bk)
     out_tf = _smem_transforms(out_dtype, bn)
     grid_m, grid_n = c // bm, n // cta_n
+
+    def promote(total, blocks, wg):
+        part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
+        rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
+        cols = plgpu.load(blocks[3], (0, pl.ds(wg * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
+        return _promote(total, part * lax.broadcast_in_dim(cols, part.shape, (1,)), rows)
+
+    def ring_body(info_gmem, xt_gmem, xs_gmem, dyt_gmem, dys_gmem, o_gmem):
+        def load(t, kk, blocks, barrier):   # whole padded blocks: the padding rows are zeros
+            ks, b = pl.ds(t.first_row + kk * bk, bk), pl.ds(t.first_row // bk + kk, 1)
+            plgpu.copy_gmem_to_smem(xt_gmem.at[pl.ds(t.mi * bm, bm), ks], blocks[0], barrier)
+            plgpu.copy_gmem_to_smem(dyt_gmem.at[pl.ds(t.ni * cta_n, cta_n), ks], blocks[1], barrier)
+            plgpu.copy_gmem_to_smem(xs_gmem.at[b, pl.ds(t.mi * bm, bm)], blocks[2], barrier)
+            plgpu.copy_gmem_to_smem(dys_gmem.at[b, pl.ds(t.ni * cta_n, cta_n)], blocks[3], barrier)
+
+        def epilogue(t, total, wg, o_smem):
+            _write_tile(o_smem.at[wg], total)
+            cols = pl.ds(t.ni * cta_n + wg * bn, bn)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
+
+        _k_ring(_group_ring_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk),
+                [((bm, bk), xt.dtype, tf), ((cta_n, bk), dyt.dtype, tf), ((1, bm), xs.dtype, ()),
+                 ((1, cta_n), dys.dtype, ())],
+                load, lambda t, kk, blocks, total, wg: promote(total, blocks, wg), epilogue,
+                stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn),
+                scratch=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_tf))
+
+    if ring:
+        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, c, n), out_dtype))(info, xt, xs, dyt, dys)
 
     def get_pipeline(step, compute_context, num_k):
         return _ws_pipeline(
@@ -962,10 +998,7 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
                     store(run(_acc_zeros(bm, bn)))
 
                 def step(idx, x_smem, dy_smem, xs_smem, dys_smem, total):
-                    part = _fp8_block_sum(x_smem, dy_smem, (wg, bn))
-                    rows = plgpu.load(xs_smem, (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-                    cols = plgpu.load(dys_smem, (0, pl.ds(wg * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
-                    return _promote(total, part * lax.broadcast_in_dim(cols, part.shape, (1,)), rows)
+                    return promote(total, (x_smem, dy_smem, xs_smem, dys_smem), wg)
 
                 @pl.when(num_k > 0)
                 def _():

@@ -304,9 +304,10 @@ def test_weight_quantisation_kernel_matches_the_reference():
         assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))), name
 
 
+@pytest.mark.parametrize("form", [None, (4, 0, 8, 1)], ids=["default", "ring"])
 @pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16_rows", "fp8_rows"])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge", "aligned"])
-def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows):
+def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows, form):
     """fp8_weight_gradient on the Hopper path (the Triton quantiser along the tokens, then
     gemm_mgpu.transposed_ragged_dot_fp8) against the reference backend's same FP8 numerics: the
     quantised copies bit for bit on every live block, dw within float32-sum rounding, empty groups zero;
@@ -338,7 +339,8 @@ def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows):
                                       np.asarray(ref[0][:, :live * 128], np.float32))
         np.testing.assert_array_equal(np.asarray(got[1][:live]), np.asarray(ref[1][:live]))
     want = fp8_weight_gradient(x, dy, gs, x_scales=xs, out_dtype=jnp.float32)
-    kernel = jax.jit(lambda x, s, dy: fp8_weight_gradient(x, dy, gs, x_scales=s, backend="mosaic_gpu"))
+    kw = {} if form is None else {"kernel": form}
+    kernel = jax.jit(lambda x, s, dy: fp8_weight_gradient(x, dy, gs, x_scales=s, backend="mosaic_gpu", **kw))
     got = kernel(x, xs, dy)
     assert got.dtype == jnp.bfloat16 and got.shape == (g, c, n)
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
