@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep.reference import quantize_fp8, take_rows  # the same FP8 rounding and row gather
+from jax_ep.fp8 import quantize_fp8  # the same FP8 rounding
+from jax_ep.reference import take_rows  # the same row gather
 
 
 class RaggedHandle(NamedTuple):

@@ -62,7 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import baselines
 from benchmarks import layer as bench_layer
-from jax_ep import reference
+from jax_ep import routing
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.devices import use_virtual_cpu_devices
 from jax_ep.launch import positive_int
@@ -355,7 +355,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         extra = _extra_ops(mesh, bf16_cfg, (idx_dev,), (x, handle), (rows[..., 0], handle), iters, repeats,
                            combine_bwd_args=(x, rows, handle))
     # bytes, from the routing actually used (host-side layout of every rank)
-    per_rank_layout = [np.asarray(reference.layout_of(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
+    per_rank_layout = [np.asarray(routing.layout_of(jnp.asarray(idx[r * tokens:(r + 1) * tokens]),
                                                       experts, ep_size).num_tokens_per_rank)
                        for r in range(ep_size)]
     pairs = np.mean([lay.sum() for lay in per_rank_layout])

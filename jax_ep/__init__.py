@@ -11,6 +11,7 @@ from jax_ep.errors import (
     EPUnsupportedError,
     EPValueError,
 )
+from jax_ep.fp8 import dequantize_fp8
 from jax_ep.gemm import grouped_matmul
 from jax_ep.hierarchical import (
     HierarchicalDispatched,
@@ -32,7 +33,6 @@ from jax_ep.ops import (
     ll_dispatch_recv,
     ll_dispatch_send,
 )
-from jax_ep.reference import dequantize_fp8
 from jax_ep.types import (
     Dispatched,
     Handle,

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import compute_on as _compute_on
 
-from jax_ep import ordering, reference, runtime, types
+from jax_ep import ordering, routing, runtime, types
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.types import (
@@ -569,7 +569,7 @@ def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
 # ---- low-latency (decode) mode ------------------------------------------------------------------
 def _ll_mask_operand(rank_mask, ep_size: int) -> jax.Array:
     """The kernels' int32 [R] rank_mask operand (1 = active; all ones without a mask)."""
-    return reference.ll_active(rank_mask, ep_size).astype(jnp.int32)
+    return routing.active(rank_mask, ep_size).astype(jnp.int32)
 
 
 def _ll_slot_types(out: LLDispatched) -> tuple:

@@ -1,7 +1,7 @@
 """FP8 grouped GEMM in DeepSeek-V3's block layout: ``grouped_matmul_fp8(xq, x_scales, wq, w_scales, ...)``.
 
 Activations are e4m3 rows with one float32 scale per row and 128 channels (what FP8 dispatch delivers:
-``jax_ep.reference.quantize_fp8``), weights e4m3 with one scale per 128 x 128 block
+``jax_ep.fp8.quantize_fp8``), weights e4m3 with one scale per 128 x 128 block
 (``quantize_weight_blocks``). The product of group g's rows is, in exact arithmetic,
 
     out[r, n] = sum_kb  x_scales[r, kb] * w_scales[g, kb, n // 128] * sum_{k in kb} xq[r, k] * wq[g, k, n]
@@ -37,8 +37,8 @@ from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
 from jax_ep.errors import EPTypeError, EPValueError
+from jax_ep.fp8 import FP8_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
 from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, weight_gradient
-from jax_ep.reference import FP8_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
 from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
 

@@ -20,7 +20,7 @@ Transports (``KernelConfig.transport``, backend "cuda"): the node hop takes cfg'
 "auto" picks NVSHMEM puts; "put" forces them on one node), the local axis always NVLink loads / stores.
 
 FP8 (``dispatch_dtype="float8_e4m3fn"``, forward-only): stage 1 quantises each token once at its
-source (per token, per 128 channels, amax / 448: ``reference.quantize_fp8``, the flat FP8 dispatch's
+source (per token, per 128 channels, amax / 448: ``fp8.quantize_fp8``, the flat FP8 dispatch's
 quantisation) and sends FP8 rows + float32 scales over the network. Stage 2's expert-major dispatch
 takes no scales for rows already quantised, so it forwards each stage-1 row as one opaque row: its H
 FP8 bytes, then its H/128 scales' bytes, zero-padded to a multiple of 32 bytes and read as float32

@@ -47,13 +47,13 @@ from jax_ep.config import (
     check_options,
 )
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
+from jax_ep.fp8 import dequantize_fp8
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
 from jax_ep.ops import combine, dispatch, ll_combine, ll_dispatch
-from jax_ep.reference import dequantize_fp8
 
 GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 

@@ -327,7 +327,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       cfg: EPConfig (static); capacity and expert_alignment play no part (no drops).
       rank_mask: as for dispatch: a masked rank sends and receives nothing (rows only from active
         sources to active ranks; no output counts the pairs that go nowhere:
-        ``reference.masked_pairs``). Pass the same mask to combine_rank_major.
+        ``routing.masked_pairs``). Pass the same mask to combine_rank_major.
     Returns:
       RankMajorDispatched: x [R*T, H] rows packed from row 0 (source rank major, token order within;
       rows past sum(num_tokens_per_rank) are empty: zero), scales [R*T, ceil(H/128)] for FP8,

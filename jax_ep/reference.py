@@ -79,8 +79,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import types
-from jax_ep.config import FP8_BLOCK, FP8_MAX, EPConfig
+from jax_ep import routing, types
+from jax_ep.config import EPConfig
+from jax_ep.fp8 import quantize_fp8
 from jax_ep.types import (
     DROPPED,
     EMPTY_ROW,
@@ -97,70 +98,10 @@ from jax_ep.types import (
     RankMajorHandle,
 )
 
-FP8_MIN_AMAX = 1e-4  # keeps the scale finite for all-zero blocks
-
-
-def sanitize_topk(topk_idx: jax.Array, num_experts: int) -> jax.Array:
-    """Out-of-range ids and repeated experts within a token become -1 (unused)."""
-    idx = jnp.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, -1).astype(jnp.int32)
-    k = idx.shape[1]
-    same = idx[:, :, None] == idx[:, None, :]                      # [T, k, j]
-    earlier = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]      # j < k
-    repeated = jnp.any(same & earlier[None], axis=2) & (idx >= 0)
-    return jnp.where(repeated, -1, idx)
-
-
-def _destinations(idx: jax.Array, num_experts: int, ep_size: int) -> tuple[jax.Array, jax.Array]:
-    """For sanitised ids: the rank of each slot's expert (-1 unused) and token->rank membership."""
-    dest_rank = jnp.where(idx >= 0, idx // (num_experts // ep_size), -1)
-    in_rank = jnp.any(dest_rank[:, :, None] == jnp.arange(ep_size)[None, None, :], axis=1)
-    return dest_rank, in_rank
-
 
 def layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
     """Per-rank and per-expert token counts and token->rank membership (DeepEP's get_dispatch_layout)."""
-    return layout_of(topk_idx, cfg.num_experts, lax.axis_size(cfg.axis_name))
-
-
-def layout_of(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
-    """``layout`` for a given EP size: rank-local, needs no mesh axis (host-side statistics)."""
-    idx = sanitize_topk(topk_idx, num_experts)
-    _, in_rank = _destinations(idx, num_experts, ep_size)
-    per_expert = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(idx >= 0, idx, num_experts)].add(
-        1, mode="drop")
-    per_rank = jnp.sum(in_rank, axis=0, dtype=jnp.int32)
-    return Layout(per_rank, per_expert, in_rank)
-
-
-def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token, per-128-channel e4m3 quantisation: scale = amax / 448, q = x * (448 / amax)."""
-    t, h = x.shape
-    blocks = -(-h // FP8_BLOCK)
-    xf = x.astype(jnp.float32)
-    padded = jnp.pad(xf, ((0, 0), (0, blocks * FP8_BLOCK - h))).reshape(t, blocks, FP8_BLOCK)
-    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(padded), axis=2))
-    q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
-    return q.astype(jnp.float8_e4m3fn), scales
-
-
-def fp8_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per block's absolute maximum: (the factor into e4m3, 448 / amax; the scale back, amax / 448),
-    amax floored at FP8_MIN_AMAX so all-zero blocks keep a finite scale."""
-    amax = jnp.maximum(amax, FP8_MIN_AMAX)
-    # A true IEEE division: XLA rewrites division by a constant into a multiplication by its
-    # (inexact) reciprocal, which would make the scales differ by an ulp between platforms. The
-    # divisor is 448 computed from amax (amax < 0 never holds, NaN included), not a constant: under
-    # jax.vmap a constant stays unbatched and gets broadcast, and XLA rewrites A / broadcast(B) into
-    # A * broadcast(1 / B) even behind the barrier (tests/test_reference_vmap.py).
-    fp8_max = lax.optimization_barrier(jnp.where(amax < 0, amax, FP8_MAX))
-    return FP8_MAX / amax, amax / fp8_max
-
-
-def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Inverse of quantize_fp8 (up to e4m3 rounding)."""
-    c, h = q.shape
-    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=1)[:, :h]
-    return (q.astype(jnp.float32) * per_channel).astype(dtype)
+    return routing.layout_of(topk_idx, cfg.num_experts, lax.axis_size(cfg.axis_name))
 
 
 def _all_to_all(send: jax.Array, axis_name: str) -> jax.Array:
@@ -190,51 +131,24 @@ class _Received(NamedTuple):
     is_token_in_rank: jax.Array  # [T, R] (this rank's tokens)
 
 
-def _linked(rank_mask: jax.Array, axis_name: str) -> jax.Array:
-    """[R] bool: the ranks this rank exchanges data with under rank_mask (the kernels'
-    OpInfo::linked): every active rank if this one is active, only itself if it is masked."""
-    me = lax.axis_index(axis_name)
-    return jnp.where(rank_mask[me], rank_mask, jnp.arange(rank_mask.shape[0]) == me)
-
-
-def _live(rank_mask: jax.Array | None, axis_name: str, ep_size: int) -> jax.Array:
-    """[R] bool: the destinations this rank's dispatch pairs reach: the active ranks if this one is
-    active, none if it is masked (all of them without a mask)."""
-    if rank_mask is None:
-        return jnp.ones((ep_size,), bool)
-    return rank_mask & rank_mask[lax.axis_index(axis_name)]
-
-
-def masked_pairs(topk_idx: jax.Array, cfg: EPConfig, rank_mask: jax.Array | None) -> jax.Array:
-    """int32: this rank's own (token, expert) pairs that go nowhere under rank_mask (every one on a
-    masked rank, those to masked ranks' experts on an active one; 0 without a mask). dispatch counts
-    them in this rank's num_dropped."""
-    if rank_mask is None:
-        return jnp.zeros((), jnp.int32)
-    ep_size = lax.axis_size(cfg.axis_name)
-    dest_rank, _ = _destinations(sanitize_topk(topk_idx, cfg.num_experts), cfg.num_experts, ep_size)
-    live = _live(rank_mask, cfg.axis_name, ep_size)
-    return jnp.sum((dest_rank >= 0) & ~live[jnp.maximum(dest_rank, 0)], dtype=jnp.int32)
-
-
 def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
                  rank_mask: jax.Array | None = None) -> _Received:
     """The wire of dispatch: every rank sends a [T, ...] block to every rank (the token where it
     picked an expert of that rank), with the slots' local expert ids and weights. With rank_mask,
-    only to the live destinations (``_live``): a masked rank sends nothing, not even to itself, and
+    only to the live destinations (``routing.live``): a masked rank sends nothing, not even to itself, and
     is sent nothing."""
     ep_size = lax.axis_size(cfg.axis_name)
     local_experts = cfg.num_local_experts(ep_size)
     num_tokens, topk = topk_idx.shape
-    idx = sanitize_topk(topk_idx, cfg.num_experts)
-    dest_rank, is_token_in_rank = _destinations(idx, cfg.num_experts, ep_size)
+    idx = routing.sanitize_topk(topk_idx, cfg.num_experts)
+    dest_rank, is_token_in_rank = routing.destinations(idx, cfg.num_experts, ep_size)
     local_expert = jnp.where(idx >= 0, idx % local_experts, -1)
     if cfg.dispatch_dtype == "float8_e4m3fn":
         payload, scales = quantize_fp8(x)
     else:
         payload = x.astype(cfg.dispatch_dtype) if cfg.dispatch_dtype else x
         scales = None
-    live = _live(rank_mask, cfg.axis_name, ep_size)                    # [R]
+    live = routing.live(rank_mask, cfg.axis_name, ep_size)                    # [R]
     to_rank = is_token_in_rank.T & live[:, None]                       # [R, T]
     on_rank = (dest_rank[None] == jnp.arange(ep_size)[:, None, None]) & live[:, None, None]  # [R, T, K]
     num_slots = ep_size * num_tokens
@@ -291,9 +205,9 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     rows = take_rows(recv_x, src_index)
     row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
     handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
-    num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + masked_pairs(topk_idx, cfg, rank_mask)
+    num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + routing.masked_pairs(topk_idx, cfg, rank_mask)
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle,
-                      ll_active(rank_mask, ep_size).astype(jnp.int32))
+                      routing.active(rank_mask, ep_size).astype(jnp.int32))
 
 
 def as_stored(y: jax.Array) -> jax.Array:
@@ -305,7 +219,7 @@ def as_stored(y: jax.Array) -> jax.Array:
 
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """Gate-weighted sum (handle.row_weights) of each token's rows, back at its source. rank_mask:
-    the source takes partial sums only from the ranks linked to it (``_linked``; the others' count
+    the source takes partial sums only from the ranks linked to it (``routing.linked``; the others' count
     as +0.0): a masked rank only its own."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
@@ -319,7 +233,7 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
     partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1])
     returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)
     if rank_mask is not None:
-        returned = jnp.where(_linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
+        returned = jnp.where(routing.linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
     total = returned[0]
     for r in range(1, ep_size):  # fixed summation order: rank order
         total = total + returned[r]
@@ -329,10 +243,10 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
 def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """Send each token's row to the ranks it was dispatched to and place it on its receive rows
     (dispatch with a known handle; no gate weights). Empty rows are zero; with rank_mask, so are
-    the rows whose source is not linked to this rank (``_linked``)."""
+    the rows whose source is not linked to this rank (``routing.linked``)."""
     to_rank = handle.is_token_in_rank.T
     if rank_mask is not None:
-        to_rank = to_rank & _linked(rank_mask, cfg.axis_name)[:, None]
+        to_rank = to_rank & routing.linked(rank_mask, cfg.axis_name)[:, None]
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
     return take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
 
@@ -369,7 +283,7 @@ def row_dot(a: jax.Array, b: jax.Array, runtime_zero: jax.Array) -> jax.Array:
 
 
 def live_rows(handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
-    """[C] bool: the receive rows that hold a token of a source linked to this rank (``_linked``):
+    """[C] bool: the receive rows that hold a token of a source linked to this rank (``routing.linked``):
     the rows combine reads and its backward writes. Empty rows are not; with rank_mask, neither
     are the rows of the sources it does not link (combine's mask after an unmasked dispatch)."""
     src = handle.src_index
@@ -377,7 +291,7 @@ def live_rows(handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None)
     if rank_mask is None:
         return live
     num_tokens = max(types.num_source_tokens(handle, lax.axis_size(cfg.axis_name)), 1)
-    return live & _linked(rank_mask, cfg.axis_name)[jnp.maximum(src, 0) // num_tokens]
+    return live & routing.linked(rank_mask, cfg.axis_name)[jnp.maximum(src, 0) // num_tokens]
 
 
 def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
@@ -401,13 +315,13 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
                 rank_mask: jax.Array | None = None) -> jax.Array:
     """For each source token and top-k slot, the value of its receive row ([C] -> [T, K]); 0 where
     the slot has no row (unused, duplicate or dropped). rank_mask: values only from the ranks linked
-    to this rank (``_linked``); a masked dispatch's handle has no rows elsewhere anyway."""
+    to this rank (``routing.linked``); a masked dispatch's handle has no rows elsewhere anyway."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots, topk = handle.token_rows.shape
     per_slot = take_rows(values, handle.token_rows.reshape(-1)).reshape(ep_size, num_slots // ep_size, topk)
     returned = _all_to_all(per_slot, cfg.axis_name)
     if rank_mask is not None:
-        returned = jnp.where(_linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
+        returned = jnp.where(routing.linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
     return jnp.sum(returned, axis=0)
 
 
@@ -445,7 +359,7 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
                        rank_mask: jax.Array | None = None) -> jax.Array:
     """Each row back to its source token; per token the float32 sum over ranks in rank order of the
     rows returned, rounded once to y's dtype. Empty rows are never read. rank_mask: rows only from
-    the ranks linked to this one (``_linked``); the others add +0.0."""
+    the ranks linked to this one (``routing.linked``); the others add +0.0."""
     ep_size = lax.axis_size(cfg.axis_name)
     num_slots = handle.src_index.shape[0]
     num_tokens = num_slots // ep_size
@@ -456,7 +370,7 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
     returned = _all_to_all(block.reshape(ep_size, num_tokens, y.shape[1]), cfg.axis_name)
     returned = returned.astype(jnp.float32)
     if rank_mask is not None:
-        returned = jnp.where(_linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
+        returned = jnp.where(routing.linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
     total = returned[0]
     for r in range(1, ep_size):  # fixed summation order: rank order
         total = total + returned[r]
@@ -467,11 +381,11 @@ def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
                          rank_mask: jax.Array | None = None) -> jax.Array:
     """Each token's row g[t] to the rows it was dispatched to ([T, H'] -> [R*T, H']; empty rows zero):
     dispatch_rank_major's data movement through a known handle (the backward of combine_rank_major).
-    rank_mask: rows only between linked ranks (``_linked``), the others zero."""
+    rank_mask: rows only between linked ranks (``routing.linked``), the others zero."""
     ep_size = lax.axis_size(cfg.axis_name)
     to_rank = handle.is_token_in_rank.T
     if rank_mask is not None:
-        to_rank = to_rank & _linked(rank_mask, cfg.axis_name)[:, None]
+        to_rank = to_rank & routing.linked(rank_mask, cfg.axis_name)[:, None]
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
     return take_rows(recv.reshape(ep_size * g.shape[0], g.shape[1]), handle.src_index)
 
@@ -510,13 +424,6 @@ def _rounded(products: jax.Array, runtime_zero: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def ll_active(rank_mask: jax.Array | None, ep_size: int) -> jax.Array:
-    """bool [R]: the ranks taking part (rank_mask nonzero; every rank without one)."""
-    if rank_mask is None:
-        return jnp.ones((ep_size,), jnp.bool_)
-    return rank_mask.astype(jnp.bool_) if rank_mask.dtype != jnp.bool_ else rank_mask
-
-
 def ll_dest_rank(idx: jax.Array, active: jax.Array, local: int, me: jax.Array) -> jax.Array:
     """[T, K] int32: the rank of each sanitised id's expert where the pair is sent (this rank and
     the expert's rank active), -1 where unused or dropped."""
@@ -539,9 +446,9 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     num_experts = cfg.num_experts
     num_tokens, topk = topk_idx.shape
 
-    idx = sanitize_topk(topk_idx, num_experts)
+    idx = routing.sanitize_topk(topk_idx, num_experts)
     used = idx >= 0
-    active = ll_active(rank_mask, ep_size)
+    active = routing.active(rank_mask, ep_size)
     dest_rank = ll_dest_rank(idx, active, local, lax.axis_index(cfg.axis_name))
     sent = dest_rank >= 0  # a pair to a masked rank, or of a masked rank, is dropped
     weights = jnp.where(sent, topk_weights.astype(jnp.float32), 0.0)
@@ -587,7 +494,7 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
     local, _, hidden = y.shape
     num_tokens, topk = handle.topk_weights.shape
     num_pairs = num_tokens * topk
-    active = ll_active(rank_mask, ep_size)
+    active = routing.active(rank_mask, ep_size)
     me_active = active[lax.axis_index(cfg.axis_name)]
 
     # receiver: block r = [T*K] rows for source rank r, row t*K + k holding that pair's output
@@ -620,8 +527,8 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                      cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatchPending:
     """ll_dispatch's first phase: keeps the inputs (nothing moves until ll_dispatch_recv)."""
     ep_size = lax.axis_size(cfg.axis_name)
-    idx = sanitize_topk(topk_idx, cfg.num_experts)
-    active = ll_active(rank_mask, ep_size)
+    idx = routing.sanitize_topk(topk_idx, cfg.num_experts)
+    active = routing.active(rank_mask, ep_size)
     dest = ll_dest_rank(idx, active, cfg.num_local_experts(ep_size), lax.axis_index(cfg.axis_name))
     weights = jnp.where(dest >= 0, topk_weights.astype(jnp.float32), 0.0)
     dropped = jnp.sum((idx >= 0) & (dest < 0), dtype=jnp.int32)
@@ -637,7 +544,7 @@ def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
                     rank_mask: jax.Array | None = None) -> LLCombinePending:
     """ll_combine's first phase: keeps the inputs."""
     return LLCombinePending(jnp.zeros((4,), jnp.uint32), handle.topk_weights, handle.dest_rank, y,
-                            handle.src_slot, ll_active(rank_mask, lax.axis_size(cfg.axis_name)))
+                            handle.src_slot, routing.active(rank_mask, lax.axis_size(cfg.axis_name)))
 
 
 def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:

@@ -17,7 +17,7 @@ from jax import lax
 from jax_ep import types
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPTypeError, EPValueError
-from jax_ep.reference import masked_pairs
+from jax_ep.routing import layout_of, masked_pairs
 
 
 def _shape_of(a) -> tuple:
@@ -287,7 +287,6 @@ def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op:
 def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int) -> jax.Array:
     """The capacity no rank drops a row with: max over ranks of the rows it receives, each expert's
     count rounded up to cfg.expert_alignment (as group_sizes are). The same on every rank."""
-    from jax_ep.reference import layout_of  # reference imports this module
 
     per_expert = lax.psum(layout_of(topk_idx, cfg.num_experts, ep_size).num_tokens_per_expert,
                           cfg.axis_name)
@@ -301,7 +300,7 @@ def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_m
     """Checked mode: capacity overflow is an error naming the rows dropped (summed over the EP group,
     so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check.
     Pairs that a rank mask sends nowhere (counted in their source's num_dropped,
-    ``reference.masked_pairs``) are no error: only capacity drops are. ``outer_axis``: a further mesh
+    ``routing.masked_pairs``) are no error: only capacity drops are. ``outer_axis``: a further mesh
     axis of the EP group (the node axis of jax_ep.hierarchical, whose stage 2 is this dispatch): the
     totals span it too."""
     capacity = cfg.resolved_capacity(ep_size)

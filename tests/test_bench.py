@@ -383,7 +383,7 @@ def test_dense_dispatch_delivers_the_right_rows(dtype):
     from helpers import assert_bits_equal, per_rank
 
     from benchmarks import baselines
-    from jax_ep.reference import quantize_fp8
+    from jax_ep.fp8 import quantize_fp8
 
     x, idx, w = _dense_inputs(1, np.float32 if dtype == "float8_e4m3fn" else jnp.dtype(dtype))
     wire = None if dtype == "float32" else dtype

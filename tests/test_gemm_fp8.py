@@ -10,8 +10,8 @@ import pytest
 from jax_ep import gemm_fp8
 from jax_ep import gemm_mgpu as mgpu
 from jax_ep.errors import EPValueError
+from jax_ep.fp8 import quantize_fp8
 from jax_ep.gemm_fp8 import dequantize_weight_blocks, grouped_matmul_fp8, quantize_weight_blocks
-from jax_ep.reference import quantize_fp8
 
 
 def case(seed, m=320, k=256, n=384, g=4):

@@ -35,7 +35,7 @@ from helpers import (
 )
 
 import jax_ep
-from jax_ep import auto_table, ops, reference
+from jax_ep import auto_table, ops, reference, routing
 from jax_ep.types import NOT_ROUTED
 
 E, K, H, HO, T = 8, 3, 16, 8, 6
@@ -67,7 +67,7 @@ def _dispatch_fn(ep_size, cfg, masked):
 
 def _pairs(idx, ep_size):
     """[R_src, R_dst]: the valid (token, expert) pairs of each source rank to each destination rank."""
-    clean = np.asarray(reference.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E)).reshape(ep_size, -1)
+    clean = np.asarray(routing.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E)).reshape(ep_size, -1)
     out = np.zeros((ep_size, ep_size), np.int64)
     for s in range(ep_size):
         out[s] = np.bincount(clean[s][clean[s] >= 0] // (E // ep_size), minlength=ep_size)
@@ -125,7 +125,7 @@ def test_masked_pairs_counts_the_pairs_that_go_nowhere():
     rng = np.random.default_rng(11)
     cfg = _cfg()
     x, idx, w = random_tokens(rng, ep_size, T, cfg)
-    fn = per_rank(lambda i, m: reference.masked_pairs(i, cfg, m)[None], ep_size)
+    fn = per_rank(lambda i, m: routing.masked_pairs(i, cfg, m)[None], ep_size)
     got = np.asarray(fn(idx, _tiled(mask, ep_size))).reshape(-1)
     pairs = _pairs(idx, ep_size)
     m = np.asarray(mask)
@@ -196,7 +196,7 @@ def test_combine_mask_takes_only_linked_partial_sums():
 def _dense_moe(x, idx, w, ew_all, active, ep_size):
     """No EP: out[t] = sum over valid slots of w * (x[t] @ W[e]), over the slots of tokens of active
     ranks to experts of active ranks (x, idx, w: [R * T, ...], rank-major)."""
-    clean = reference.sanitize_topk(idx, E)
+    clean = routing.sanitize_topk(idx, E)
     source_active = jnp.repeat(active, x.shape[0] // ep_size)
     keep = (clean >= 0) & active[jnp.maximum(clean, 0) // (E // ep_size)] & source_active[:, None]
     per_expert = jnp.einsum("th,eho->teo", x, ew_all, precision=jax.lax.Precision.HIGHEST)
@@ -232,7 +232,7 @@ def test_gradients_match_dense_moe_without_masked_ranks(ep_size, mask):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
     m1 = np.asarray(mask)
     dx, dw = np.asarray(got[1][0]), np.asarray(got[1][1])
-    clean = np.asarray(reference.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E)).reshape(ep_size, T, K)
+    clean = np.asarray(routing.sanitize_topk(jnp.asarray(idx.reshape(-1, K)), E)).reshape(ep_size, T, K)
     on_masked = (clean >= 0) & ~m1[np.maximum(clean, 0) // (E // ep_size)]
     assert not np.any(dw[on_masked]), "a slot to a masked rank got a gradient"
     assert not np.any(dw[~m1]) and not np.any(dx[~m1]), "a masked rank's tokens got a gradient"

@@ -35,8 +35,8 @@ ORDER = ("forward bf16", "dx bf16", "dw bf16", "forward fp8", "dx fp8")
 
 def programs(m, real, k, n, g, align=64):
     """(name, jitted function, arguments) in ORDER."""
+    from jax_ep.fp8 import quantize_fp8
     from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks_both
-    from jax_ep.reference import quantize_fp8
 
     rng = np.random.default_rng(0)
     gs = jnp.asarray(expert_group_sizes(real, g, rng, align=align))

@@ -165,6 +165,7 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     (gemm_fp8.KERNELS), forward and input gradient, next to the bf16 forward at the table's
     configuration, and the weight gradient in bf16 and in FP8 (fp8_weight_gradient), same inputs
     (quantised), same run."""
+    from jax_ep.fp8 import quantize_fp8
     from jax_ep.gemm import grouped_matmul, weight_gradient
     from jax_ep.gemm_fp8 import (
         DW_KERNELS,
@@ -173,7 +174,6 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
         grouped_matmul_fp8,
         quantize_weight_blocks,
     )
-    from jax_ep.reference import quantize_fp8
 
     m, real, k, n, g, align = shape
     xq, xs = quantize_fp8(x)

@@ -185,7 +185,7 @@ def test_dispatch_combine_match_reference(cuda_backend, mesh, case):
 
 
 def quantize_fp8_numpy(x: np.ndarray):
-    """jax_ep.reference.quantize_fp8 in IEEE float32 NumPy arithmetic."""
+    """jax_ep.fp8.quantize_fp8 in IEEE float32 NumPy arithmetic."""
     xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
     amax = np.maximum(np.abs(xf).max(axis=2), np.float32(1e-4))
     q = (xf * (np.float32(448.0) / amax)[:, :, None]).reshape(x.shape)

@@ -312,8 +312,8 @@ def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows, form):
     gemm_mgpu.transposed_ragged_dot_fp8) against the reference backend's same FP8 numerics: the
     quantised copies bit for bit on every live block, dw within float32-sum rounding, empty groups zero;
     rows past the groups hold NaN (rows and, for e4m3 rows, scales) and must never reach a sum."""
+    from jax_ep.fp8 import quantize_fp8
     from jax_ep.gemm_fp8 import fp8_weight_gradient, quantize_rows_t
-    from jax_ep.reference import quantize_fp8
 
     rng = np.random.default_rng(hash((case, fp8_rows)) % 2**32)
     m, c, n, g = 2048, 512, 768, 9
@@ -361,8 +361,8 @@ def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
     each K block scaled into a float32 running sum) against the FP8 reference (dequantise, float32
     ragged_dot): forward and input-gradient forms; padding rows hold NaN (rows and scales) and must come
     out zero."""
+    from jax_ep.fp8 import quantize_fp8
     from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks
-    from jax_ep.reference import quantize_fp8
 
     rng = np.random.default_rng(hash((case, transpose_w)) % 2**32)
     m, k, n, g = 2048, 512, 768, 9

@@ -1,4 +1,4 @@
-"""The dispatch_layout kernel (jax_ep.cuda_backend.layout) against jax_ep.reference.layout_of.
+"""The dispatch_layout kernel (jax_ep.cuda_backend.layout) against jax_ep.routing.layout_of.
 
 Exact equality of all three outputs on fresh random routings: -1 slots, out-of-range ids, repeated
 experts, skewed and degenerate routings, several T/K/E/R; on one GPU, under jit + shard_map on all
@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import reference
+from jax_ep import routing
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,7 @@ def make_routing(rng: np.random.Generator, tokens: int, topk: int, num_experts: 
 
 @functools.cache
 def _reference_fn(num_experts: int, ep_size: int):
-    return jax.jit(lambda idx: reference.layout_of(idx, num_experts, ep_size))
+    return jax.jit(lambda idx: routing.layout_of(idx, num_experts, ep_size))
 
 
 def reference_layout(topk_idx: np.ndarray, num_experts: int, ep_size: int) -> list[np.ndarray]:

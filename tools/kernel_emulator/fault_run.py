@@ -51,7 +51,7 @@ import run  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_ep import reference  # noqa: E402
+from jax_ep import reference, routing  # noqa: E402
 from jax_ep.types import Handle  # noqa: E402
 
 DISPATCH_FIELDS = ("rows", "scales", "group_sizes", "expert_counts", "row_weights", "num_dropped",
@@ -95,7 +95,7 @@ def through_handle(cfg, mesh, mask, handle, y, g, v) -> dict:
 
 def own_pairs(idx_r, E, local, to_rank=None) -> int:
     """A rank's valid (token, expert) pairs (to the experts of `to_rank` only, if given)."""
-    clean = np.asarray(reference.sanitize_topk(jax.numpy.asarray(idx_r), E))
+    clean = np.asarray(routing.sanitize_topk(jax.numpy.asarray(idx_r), E))
     used = clean >= 0
     return int(np.sum(used if to_rank is None else used & (clean // local == to_rank)))
 

@@ -1,0 +1,43 @@
+"""FP8 numerics shared by the EP ops and the expert GEMM: e4m3 with one float32 scale per token and 128
+channels (DeepSeek-V3's activation layout), the scales computed the same way on every platform."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ep.config import FP8_BLOCK, FP8_MAX
+
+FP8_MIN_AMAX = 1e-4  # keeps the scale finite for all-zero blocks
+
+
+def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token, per-128-channel e4m3 quantisation: scale = amax / 448, q = x * (448 / amax)."""
+    t, h = x.shape
+    blocks = -(-h // FP8_BLOCK)
+    xf = x.astype(jnp.float32)
+    padded = jnp.pad(xf, ((0, 0), (0, blocks * FP8_BLOCK - h))).reshape(t, blocks, FP8_BLOCK)
+    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(padded), axis=2))
+    q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
+    return q.astype(jnp.float8_e4m3fn), scales
+
+
+def fp8_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per block's absolute maximum: (the factor into e4m3, 448 / amax; the scale back, amax / 448),
+    amax floored at FP8_MIN_AMAX so all-zero blocks keep a finite scale."""
+    amax = jnp.maximum(amax, FP8_MIN_AMAX)
+    # A true IEEE division: XLA rewrites division by a constant into a multiplication by its
+    # (inexact) reciprocal, which would make the scales differ by an ulp between platforms. The
+    # divisor is 448 computed from amax (amax < 0 never holds, NaN included), not a constant: under
+    # jax.vmap a constant stays unbatched and gets broadcast, and XLA rewrites A / broadcast(B) into
+    # A * broadcast(1 / B) even behind the barrier (tests/test_reference_vmap.py).
+    fp8_max = lax.optimization_barrier(jnp.where(amax < 0, amax, FP8_MAX))
+    return FP8_MAX / amax, amax / fp8_max
+
+
+def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Inverse of quantize_fp8 (up to e4m3 rounding)."""
+    c, h = q.shape
+    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=1)[:, :h]
+    return (q.astype(jnp.float32) * per_channel).astype(dtype)
