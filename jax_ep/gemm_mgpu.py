@@ -167,8 +167,6 @@ def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice, wait
 def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool = False,
                interpret=None):
     """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
-    if config.ring:
-        return _ragged_dot_ring(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
     if config.compute_wgs > 1:
         return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
@@ -225,8 +223,6 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
     if config.grid_minor == GROUP_MAJOR:
         raise EPValueError("transposed_ragged_dot: the group-major order is for the row-tiled passes (each "
                            f"weight gradient tile is one group already), got {config}")
-    if config.ring:
-        return _transposed_ragged_dot_ring(lhs, rhs, group_sizes, config=config)
     if config.compute_wgs > 1:
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
@@ -363,164 +359,6 @@ def _ws_scope(allocations, o_smem):
     return decorator
 
 
-def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
-    """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
-    m, k = lhs.shape
-    g, k2, n = rhs.shape
-    if transpose_rhs:
-        k2, n = n, k2
-    cta_n = config.cta_n
-    assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm & (bm - 1) == 0, (lhs.shape, rhs.shape, config)
-    grid_n = n // cta_n
-    tf = _smem_transforms(lhs.dtype, bk)
-    rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
-    rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
-    ladder = min(bm, 1 << int(math.log2(m)))
-
-    def get_pipeline(step, compute_context):
-        return _ws_pipeline(
-            step, compute_context, grid=(k // bk,), wgs=wgs, stages=stages,
-            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM,
-                                      delay_release=delay),
-                      plgpu.BlockSpec(rhs_block, rhs_index, transforms=tf, memory_space=plgpu.SMEM,
-                                      delay_release=delay)])
-
-    def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        rhs_panel = rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)]
-
-        # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
-        # row boxes that can start on any row
-        @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
-                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
-        def _scope(allocs, o_smem, wg):
-            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
-            def _tile(mi, ni, group, block):
-                cols = pl.ds(ni * cta_n + wg * bn, bn)
-
-                def store(values):
-                    _write_tile(o_smem.at[wg], values)
-                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
-                                schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
-
-                def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                    def _acc(acc_ref):
-                        run(acc_ref)
-                        store(acc_ref[...])
-
-                def step(_, lhs_smem, rhs_smem, acc_ref):
-                    if transpose_rhs:
-                        b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
-                    else:
-                        b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                    plgpu.wgmma(acc_ref, lhs_smem, b)
-                    plgpu.wgmma_wait(delay)
-                    return acc_ref
-
-                @pl.when(group < g)
-                def _():
-                    panel = (rhs_gmem.at[group, pl.ds(ni * cta_n, cta_n)] if transpose_rhs
-                             else rhs_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)])
-                    get_pipeline(step, compute_context)(lhs_gmem.at[pl.ds(block * bm, bm)], panel,
-                                                        allocations=allocs)
-
-                @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
-                def _():
-                    store(jnp.zeros((bm, bn), jnp.float32))
-
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
-    return kernel(schedule, num_tiles, lhs, rhs)
-
-
-def _mask_outside(lhs_smem, rhs_smem, when, lo, hi):
-    """When `when`: rows outside [lo, hi) of both operands' K block -> 0, a select, so NaN garbage in
-    another group's or padding rows stays out of the sum (0 * NaN = NaN)."""
-    @pl.when(when)
-    def _():
-        for ref in (lhs_smem, rhs_smem):
-            reg = ref[...]
-            i = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
-            ref[...] = jnp.where((i >= lo) & (i < hi), reg, (i < 0).astype(reg.dtype))
-        plgpu.commit_smem()
-
-
-def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: int):
-    """K block kb of a group's rows [start, end) (its blocks start at first_row): only a block that a
-    group boundary cuts holds rows of another group or padding, so only the first and last, and only
-    when the boundary is not a multiple of bk, are masked."""
-    row0 = first_row + kb * bk
-    cut = ((kb == 0) & (start % bk != 0)) | ((kb == num_k - 1) & (end % bk != 0))
-    _mask_outside(lhs_smem, rhs_smem, cut, start - row0, end - row0)
-
-
-def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
-    """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
-    the consumers write one output tile, the producer already loads the next tile's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
-    rows, k = lhs.shape
-    rows2, n = rhs.shape
-    g = group_sizes.shape[0]
-    cta_n = config.cta_n
-    assert rows == rows2 and k % bm == 0 and n % cta_n == 0, (lhs.shape, rhs.shape, config)
-    info = _group_row_blocks(group_sizes, rows, bk)
-    lhs_tf = _smem_transforms(lhs.dtype, bm)
-    rhs_tf = _smem_transforms(rhs.dtype, cta_n)
-    out_tf = _smem_transforms(lhs.dtype, bn)
-    grid_m, grid_n = k // bm, n // cta_n
-
-    def get_pipeline(step, compute_context, num_k):
-        return _ws_pipeline(
-            step, compute_context, grid=(num_k,), wgs=wgs, stages=stages,
-            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf,
-                                      memory_space=plgpu.SMEM, delay_release=delay),
-                      plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), transforms=rhs_tf,
-                                      memory_space=plgpu.SMEM, delay_release=delay)])
-
-    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
-                       lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, cta_n)]),
-                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf))
-        def _scope(allocs, o_smem, wg):
-            @_group_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
-            def _tile(gi, mi, ni, start, end, num_k, first_row):
-                cols = pl.ds(ni * cta_n + wg * bn, bn)
-
-                def store(values):
-                    _write_tile(o_smem.at[wg], values)
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
-
-                def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                    def _acc(acc_ref):
-                        run(acc_ref)
-                        store(acc_ref[...])
-
-                def step(idx, lhs_smem, rhs_smem, acc_ref):
-                    rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                    # every consumer masks the shared lhs tile itself (the same values), so none
-                    # reads it unmasked
-                    _mask_cut_block(lhs_smem, rhs_mine, idx[0], num_k, start, end, first_row, bk)
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
-                    plgpu.wgmma_wait(delay)
-                    return acc_ref
-
-                @pl.when(num_k > 0)
-                def _():
-                    # the slices may run past the last row; the pipeline never reads past num_k blocks
-                    get_pipeline(step, compute_context, num_k)(
-                        lhs_gmem.at[pl.ds(first_row, rows), pl.ds(mi * bm, bm)],
-                        rhs_gmem.at[pl.ds(first_row, rows), pl.ds(ni * cta_n, cta_n)],
-                        allocations=allocs)
-
-                @pl.when((num_k == 0) & (wg < wgs))  # an empty group's gradient is zero
-                def _():
-                    store(jnp.zeros((bm, bn), jnp.float32))
-
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
-    return kernel(info, lhs, rhs)
-
-
 def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, delay: int, scratch,
             acc_shape=None, init_acc=None):
     """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
@@ -649,8 +487,21 @@ def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, widt
     return tiles
 
 
-def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
-    """_ragged_dot_ws with one ring of K-step buffers across the CTA's tiles (_k_ring)."""
+def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
+    """_k_ring's tile loop over the weight-gradient kernels' tiles (as _group_tiles), as _GroupTiles."""
+    def tiles(tile_body):
+        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
+        def _tile(loop_info: plgpu.NDLoopInfo, carry):
+            gi = loop_info.index[0]
+            mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
+            return tile_body(_GroupTile(gi, mi, ni, info_gmem[0, gi], info_gmem[1, gi], info_gmem[2, gi],
+                                        pl.multiple_of(info_gmem[3, gi], bk)), carry)
+    return tiles
+
+
+def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
+    """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N: a
+    pipeline per tile, or with config.ring one ring of K-step buffers across the CTA's tiles (_k_ring)."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
@@ -660,9 +511,11 @@ def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, tran
     assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm & (bm - 1) == 0, (lhs.shape, rhs.shape, config)
     grid_n = n // cta_n
     tf = _smem_transforms(lhs.dtype, bk)
+    rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+    rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
     ladder = min(bm, 1 << int(math.log2(m)))
 
-    def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
+    def ring_body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
         tiles = _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, g, k // bk)
 
         def load(t, kk, blocks, barrier):
@@ -684,29 +537,92 @@ def _ragged_dot_ring(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, tran
             _store_rows(o_smem.at[wg], o_gmem, t.block * bm, schedule_gmem[_START, t.mi],
                         schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + wg * bn, bn), wait=False)
 
-        rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
                 stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
                 scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
+
+    if config.ring:
+        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), lhs.dtype))(schedule, num_tiles, lhs, rhs)
+
+    def get_pipeline(step, compute_context):
+        return _ws_pipeline(
+            step, compute_context, grid=(k // bk,), wgs=wgs, stages=stages,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM,
+                                      delay_release=delay),
+                      plgpu.BlockSpec(rhs_block, rhs_index, transforms=tf, memory_space=plgpu.SMEM,
+                                      delay_release=delay)])
+
+    def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        rhs_panel = rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)]
+
+        # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
+        # row boxes that can start on any row
+        @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
+                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
+        def _scope(allocs, o_smem, wg):
+            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
+            def _tile(mi, ni, group, block):
+                cols = pl.ds(ni * cta_n + wg * bn, bn)
+
+                def store(values):
+                    _write_tile(o_smem.at[wg], values)
+                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
+                                schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
+
+                def compute_context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...])
+
+                def step(_, lhs_smem, rhs_smem, acc_ref):
+                    if transpose_rhs:
+                        b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
+                    else:
+                        b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+                    plgpu.wgmma(acc_ref, lhs_smem, b)
+                    plgpu.wgmma_wait(delay)
+                    return acc_ref
+
+                @pl.when(group < g)
+                def _():
+                    panel = (rhs_gmem.at[group, pl.ds(ni * cta_n, cta_n)] if transpose_rhs
+                             else rhs_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)])
+                    get_pipeline(step, compute_context)(lhs_gmem.at[pl.ds(block * bm, bm)], panel,
+                                                        allocations=allocs)
+
+                @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
+                def _():
+                    store(jnp.zeros((bm, bn), jnp.float32))
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
     return kernel(schedule, num_tiles, lhs, rhs)
 
 
-def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
-    """_k_ring's tile loop over the weight-gradient kernels' tiles (as _group_tiles), as _GroupTiles."""
-    def tiles(tile_body):
-        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
-        def _tile(loop_info: plgpu.NDLoopInfo, carry):
-            gi = loop_info.index[0]
-            mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
-            return tile_body(_GroupTile(gi, mi, ni, info_gmem[0, gi], info_gmem[1, gi], info_gmem[2, gi],
-                                        pl.multiple_of(info_gmem[3, gi], bk)), carry)
-    return tiles
+def _mask_outside(lhs_smem, rhs_smem, when, lo, hi):
+    """When `when`: rows outside [lo, hi) of both operands' K block -> 0, a select, so NaN garbage in
+    another group's or padding rows stays out of the sum (0 * NaN = NaN)."""
+    @pl.when(when)
+    def _():
+        for ref in (lhs_smem, rhs_smem):
+            reg = ref[...]
+            i = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
+            ref[...] = jnp.where((i >= lo) & (i < hi), reg, (i < 0).astype(reg.dtype))
+        plgpu.commit_smem()
 
 
-def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
-    """_transposed_ragged_dot_ws with one ring of K-step buffers across the CTA's tiles (_k_ring)."""
+def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: int):
+    """K block kb of a group's rows [start, end) (its blocks start at first_row): only a block that a
+    group boundary cuts holds rows of another group or padding, so only the first and last, and only
+    when the boundary is not a multiple of bk, are masked."""
+    row0 = first_row + kb * bk
+    cut = ((kb == 0) & (start % bk != 0)) | ((kb == num_k - 1) & (end % bk != 0))
+    _mask_outside(lhs_smem, rhs_smem, cut, start - row0, end - row0)
+
+
+def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
+    """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
+    the consumers write one output tile, the producer already loads the next tile's rows."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
@@ -714,10 +630,13 @@ def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
     cta_n = config.cta_n
     assert rows == rows2 and k % bm == 0 and n % cta_n == 0, (lhs.shape, rhs.shape, config)
     info = _group_row_blocks(group_sizes, rows, bk)
-    grid = (k // bm, n // cta_n)
+    lhs_tf = _smem_transforms(lhs.dtype, bm)
+    rhs_tf = _smem_transforms(rhs.dtype, cta_n)
+    out_tf = _smem_transforms(lhs.dtype, bn)
+    grid_m, grid_n = k // bm, n // cta_n
 
-    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        tiles = _group_ring_tiles(info_gmem, g, grid, minor, width, bk)
+    def ring_body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        tiles = _group_ring_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
 
         def load(t, kk, blocks, barrier):
             row = pl.ds(t.first_row + kk * bk, bk)          # past the last row: TMA fills zeros
@@ -741,6 +660,57 @@ def _transposed_ragged_dot_ring(lhs, rhs, group_sizes, *, config: BlockConfig):
                         ((bk, cta_n), rhs.dtype, _smem_transforms(rhs.dtype, cta_n))],
                 load, mma, epilogue, stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
                 scratch=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)))
+
+    if config.ring:
+        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))(info, lhs, rhs)
+
+    def get_pipeline(step, compute_context, num_k):
+        return _ws_pipeline(
+            step, compute_context, grid=(num_k,), wgs=wgs, stages=stages,
+            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf,
+                                      memory_space=plgpu.SMEM, delay_release=delay),
+                      plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), transforms=rhs_tf,
+                                      memory_space=plgpu.SMEM, delay_release=delay)])
+
+    def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
+                       lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, cta_n)]),
+                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf))
+        def _scope(allocs, o_smem, wg):
+            @_group_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
+            def _tile(gi, mi, ni, start, end, num_k, first_row):
+                cols = pl.ds(ni * cta_n + wg * bn, bn)
+
+                def store(values):
+                    _write_tile(o_smem.at[wg], values)
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
+
+                def compute_context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...])
+
+                def step(idx, lhs_smem, rhs_smem, acc_ref):
+                    rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+                    # every consumer masks the shared lhs tile itself (the same values), so none
+                    # reads it unmasked
+                    _mask_cut_block(lhs_smem, rhs_mine, idx[0], num_k, start, end, first_row, bk)
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
+                    plgpu.wgmma_wait(delay)
+                    return acc_ref
+
+                @pl.when(num_k > 0)
+                def _():
+                    # the slices may run past the last row; the pipeline never reads past num_k blocks
+                    get_pipeline(step, compute_context, num_k)(
+                        lhs_gmem.at[pl.ds(first_row, rows), pl.ds(mi * bm, bm)],
+                        rhs_gmem.at[pl.ds(first_row, rows), pl.ds(ni * cta_n, cta_n)],
+                        allocations=allocs)
+
+                @pl.when((num_k == 0) & (wg < wgs))  # an empty group's gradient is zero
+                def _():
+                    store(jnp.zeros((bm, bn), jnp.float32))
 
     kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
     return kernel(info, lhs, rhs)

@@ -43,6 +43,14 @@ def sizes_case(rng, case, g, total):
     return sizes
 
 
+def sizes_or_aligned(rng, case, g, total):
+    """sizes_case, or for case "aligned" random sizes in whole 64-row blocks (what dispatch gives the MoE
+    layer) summing to at most total."""
+    if case == "aligned":
+        return (sizes_case(rng, "random", g, total // 64) * 64).astype(np.int32)
+    return sizes_case(rng, case, g, total)
+
+
 @pytest.mark.parametrize("case", ["random", "zeros", "huge"])
 @pytest.mark.parametrize("m,k,n,g", [(1000, 256, 384, 7), (4096, 512, 1024, 16)])
 def test_forward_and_gradients(case, m, k, n, g):
@@ -94,12 +102,8 @@ def test_every_kernel_pass_at_each_config(config, case):
     m, k, n, g = 2048, 512, 768, 9
     rng = np.random.default_rng(hash((case, config)) % 2**32)
     total = int(0.8 * m) - 13
-    if case == "aligned":                                        # what dispatch gives the MoE layer
-        sizes = (sizes_case(rng, "random", g, total // 64) * 64).astype(np.int32)
-        total = int(sizes.sum())
-    else:
-        sizes = sizes_case(rng, case, g, total)
-        total = int(sizes.sum())                                 # rows past it are capacity padding
+    sizes = sizes_or_aligned(rng, case, g, total)
+    total = int(sizes.sum())                                     # rows past it are capacity padding
     gs = jnp.asarray(sizes)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16).at[total:].set(jnp.nan)
     w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
@@ -140,10 +144,7 @@ def test_ring_weight_gradient_matches_the_reference(config, case):
     m, k, n, g = 4096, 1024, 1024, 13
     rng = np.random.default_rng(hash((case, config)) % 2**32)
     total = int(0.8 * m) - 13
-    if case == "aligned":
-        sizes = (sizes_case(rng, "random", g, total // 64) * 64).astype(np.int32)
-    else:
-        sizes = sizes_case(rng, case, g, total)
+    sizes = sizes_or_aligned(rng, case, g, total)
     total = int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16).at[total:].set(jnp.nan)
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16).at[total:].set(jnp.nan)
@@ -318,10 +319,7 @@ def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows, form):
     rng = np.random.default_rng(hash((case, fp8_rows)) % 2**32)
     m, c, n, g = 2048, 512, 768, 9
     total = int(0.8 * m) - 13
-    if case == "aligned":
-        sizes = (sizes_case(rng, "random", g, total // 64) * 64).astype(np.int32)
-    else:
-        sizes = sizes_case(rng, case, g, total)
+    sizes = sizes_or_aligned(rng, case, g, total)
     total = int(sizes.sum())
     gs = jnp.asarray(sizes)
     x = jnp.asarray(rng.standard_normal((m, c)) * rng.uniform(0.1, 10, (m, 1)), jnp.bfloat16)
