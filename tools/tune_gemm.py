@@ -313,11 +313,10 @@ def main(argv=None):
                 candidates = [dataclasses.replace(c, grid_minor=minor, grid_tile_width=tw) for c in incumbent
                               for minor, tw in ((0, 4), (0, 8), (1, 2), (GROUP_MAJOR, 1)) if name != "dw"]
             elif args.kernels == "ring":
-                # the warp-specialised kernels with one ring of K-step buffers across tiles
-                base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, 0, 4, 1, 2, 0)]
-                if name != "dw":
-                    base += [mgpu.BlockConfig(128, 128, 64, 3, GROUP_MAJOR, 1, 1, 2, 0),
-                             mgpu.BlockConfig(64, 128, 64, 4, GROUP_MAJOR, 1, 1, 2, 0)]
+                # the warp-specialised kernels with one ring of K-step buffers across tiles: the
+                # table's entry and one other tile (~18 s a configuration at DeepSeek-V3's shapes)
+                base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, 0 if name == "dw" else GROUP_MAJOR,
+                                                     4 if name == "dw" else 1, 1, 2, 0)]
                 candidates = [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
                               for d in (0, 1) if c.compute_wgs == 2]
             elif args.kernels == "depth":
