@@ -171,14 +171,23 @@ def _tuned() -> dict:
     return {(e["pass"], e["m"], e["k"], e["n"], e["g"]): tuple(e["config"]) for e in entries}
 
 
+def tuned_entry(name: str, m: int, k: int, n: int, g: int) -> tuple | None:
+    """The configuration tools/tune_gemm.py measured fastest for pass `name` of a [G, K, N] weight: the
+    gemm_configs.json entry of the same (k, n) with the nearest (m, g), or None. Passes "forward", "dx",
+    "dw" hold BlockConfig fields; "forward_fp8", "dx_fp8", "dw_fp8" the FP8 kernels' forms (gemm_fp8)."""
+    tuned = [(key, cfg) for key, cfg in _tuned().items() if key[0] == name and key[2:4] == (k, n)]
+    if not tuned:
+        return None
+    return min(tuned, key=lambda kv: (abs(kv[0][1] - m) / m + abs(kv[0][4] - g) / g))[1]
+
+
 def block_config(name: str, m: int, k: int, n: int, g: int):
-    """The block configuration of one pass: the tuned entry of the same (k, n) with the nearest
-    (m, g) in gemm_configs.json, else a default that fits every shape the kernel takes."""
+    """The block configuration of one pass: the tuned entry (tuned_entry), else a default that fits
+    every shape the kernel takes."""
     from jax_ep.gemm_mgpu import BlockConfig
 
-    tuned = [(key, cfg) for key, cfg in _tuned().items() if key[0] == name and key[2:4] == (k, n)]
-    if tuned:
-        key, cfg = min(tuned, key=lambda kv: (abs(kv[0][1] - m) / m + abs(kv[0][4] - g) / g))
+    cfg = tuned_entry(name, m, k, n, g)
+    if cfg is not None:
         return BlockConfig(*cfg)
     width = k if name == "dx" else n  # the output width of the pass
     block_n = 256 if width % 256 == 0 else 128 if width % 128 == 0 else 64

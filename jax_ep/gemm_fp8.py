@@ -38,12 +38,14 @@ from jax import lax
 from jax_ep.config import FP8_BLOCK, FP8_MAX
 from jax_ep.errors import EPTypeError, EPValueError
 from jax_ep.fp8 import FP8_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
-from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, weight_gradient
+from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
 from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
 
 BACKENDS = ("reference", "mosaic_gpu")
-# The Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor]). Measured on one H200
+# The Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring]]): per shape the form
+# tools/tune_gemm.py --fp8 measured fastest (gemm_configs.json passes forward_fp8 / dx_fp8 / dw_fp8, read
+# through gemm.tuned_entry), else KERNEL / CLASSIC_KERNEL below. Measured on one H200
 # (2026-11-29, tools/tune_gemm.py --fp8, DeepSeek-V3 and mid per-rank shapes): the warp-specialised
 # 64 x 256 form is 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it (two float32
 # tiles per consumer thread: the accumulator and the running sum). Its 256-wide tile needs N % 256 == 0;
@@ -60,12 +62,15 @@ CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tes
 KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1))
 
 
-def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool]:
+def fp8_kernel_form(n: int, kernel: tuple | None = None, *, tuned: tuple | None = None
+                    ) -> tuple[bool, int, int, int, bool]:
     """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring) for N output
     columns: `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0, a 4-tuple no
-    ring), else KERNEL where its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+    ring), else `tuned` (the form tools/tune_gemm.py --fp8 measured fastest at this shape:
+    gemm.tuned_entry), else KERNEL where its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide
+    tiles)."""
     if kernel is None:
-        kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
+        kernel = tuned or (KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL)
     warp_specialized, block_m, stages, grid_minor, ring = (*kernel, 0, 0)[:5]
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
     if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 5
@@ -278,14 +283,16 @@ DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2), (4, 0, 8, 1), (3, 0, 8
 
 def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                         x_scales: jax.Array | None = None, backend: str = "reference",
-                        out_dtype=jnp.bfloat16, kernel: tuple = DW_KERNEL) -> jax.Array:
+                        out_dtype=jnp.bfloat16, kernel: tuple | None = None) -> jax.Array:
     """dw[g] = x[rows of g].T @ dy[rows of g] with both operands in FP8 as DeepSeek-V3's backward runs
     it: rows quantised token-minor with one scale per 128 rows and channel (quantize_rows_t), float32
     sums per 128-row block scaled by the outer product of the two blocks' scales, ``out_dtype`` [G, C, N]
     (zeros for empty groups). x [M, C] (e4m3 with ``x_scales`` [M, C/128], e.g. the forward's quantised
     rows, or bfloat16/float32), dy [M, N]; C and N multiples of 128. backend "reference" (dequantise,
     float32 ragged dot; any platform) or "mosaic_gpu" (Hopper: the Triton quantiser and
-    gemm_mgpu.transposed_ragged_dot_fp8, which needs C % 64 and N % 256; ``kernel``: its DW_KERNEL form)."""
+    gemm_mgpu.transposed_ragged_dot_fp8, which needs C % 64 and N % 256; ``kernel``: its form, one of
+    DW_KERNELS' kind; None: the form tools/tune_gemm.py --fp8 measured fastest at this shape, else
+    DW_KERNEL)."""
     m, c = x.shape
     n = dy.shape[1]
     if dy.shape[0] != m:
@@ -312,6 +319,8 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
 
     xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales, backend="pallas")
     dyt, dys, _ = quantize_rows_t(dy, group_sizes, backend="pallas")
+    if kernel is None:
+        kernel = tuned_entry("dw_fp8", m, c, n, group_sizes.shape[0]) or DW_KERNEL
     stages, minor, width, ring = (*kernel, 0)[:4]
     dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
                                         out_dtype=out_dtype, ring=bool(ring))
@@ -372,8 +381,8 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
       wq_t: the weights with the contracted dimension minor, for the kernel ([G, N, K] for the forward;
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
-      kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor]); None:
-        fp8_kernel_form's.
+      kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring]]); None:
+        fp8_kernel_form's (the tuned form for this shape, else the default).
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
@@ -402,7 +411,9 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
 
     if wq_t is None:
         wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
-    warp_specialized, block_m, stages, grid_minor, ring = fp8_kernel_form(n, kernel)
+    # the table's key is the [G, K, N] weight's (K, N): with transpose_w the contracted dimension is N
+    key = ("dx_fp8", m, n, k, g) if transpose_w else ("forward_fp8", m, k, n, g)
+    warp_specialized, block_m, stages, grid_minor, ring = fp8_kernel_form(n, kernel, tuned=tuned_entry(*key))
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                               out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,

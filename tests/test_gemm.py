@@ -317,6 +317,14 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     kernels = [key for key in fp8 if key.startswith(("forward_fp8", "dx_fp8"))]
     from jax_ep.gemm_fp8 import KERNELS
     assert len(kernels) == 2 * len(KERNELS) and all("error" in fp8[key] for key in kernels)  # reported
+    assert tune.fp8_table_entries(fp8, "cpu") == []           # nothing timed, nothing into the table
+    timed = dict(fp8, **{run: {"ms": ms} for run, ms in (("forward_fp8_ws64_group_major", 2.0),
+                                                           ("forward_fp8_ws64_group_major_ring", 1.5),
+                                                           ("dx_fp8_ws64_strips", 3.0), ("dw_fp8", 9.0))})
+    entries = {e["pass"]: e for e in tune.fp8_table_entries(timed, "H200")}
+    assert entries["forward_fp8"]["config"] == [True, 64, 4, mgpu.GROUP_MAJOR, 1]
+    assert entries["forward_fp8"]["ms"] == 1.5 and entries["dx_fp8"]["config"] == [True, 64, 4, 0]
+    assert (entries["dw_fp8"]["k"], entries["dw_fp8"]["n"]) == (128, n)
     if importlib.util.find_spec("tokamax") is None:
         assert "tokamax" not in rec and "No module named 'tokamax'" in rec["tokamax_note"]
 

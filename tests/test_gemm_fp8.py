@@ -363,6 +363,39 @@ def test_fp8_kernel_form_fits_the_output_width():
             fp8_kernel_form(n, bad)
 
 
+def test_tuned_fp8_form_is_what_the_kernel_runs(monkeypatch):
+    """With no explicit form, the FP8 GEMMs run the form tools/tune_gemm.py --fp8 wrote for the shape
+    (gemm_configs.json passes forward_fp8 / dx_fp8, keyed by the [G, K, N] weight's K and N), else the
+    default; an explicit form wins over both. Seen in the lowering: the ring form's kernel is ring_body."""
+    from jax_ep import gemm
+    from jax_ep.gemm import GROUP_MAJOR
+
+    m, k, n, g = 1024, 256, 512, 4
+    ring = (True, 64, 4, GROUP_MAJOR, 1)
+    assert gemm_fp8.fp8_kernel_form(n, None, tuned=ring) == (True, 64, 4, GROUP_MAJOR, True)
+    assert gemm_fp8.fp8_kernel_form(n, (True, 64, 4), tuned=ring) == (True, 64, 4, 0, False)
+    monkeypatch.setattr(gemm, "_tuned", lambda: {("forward_fp8", m, k, n, g): ring,
+                                                 ("dx_fp8", 4 * m, k, n, 2 * g): ring})
+    xq = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
+    xs = jax.ShapeDtypeStruct((m, k // 128), jnp.float32)
+    dyq = jax.ShapeDtypeStruct((m, n), jnp.float8_e4m3fn)
+    dys = jax.ShapeDtypeStruct((m, n // 128), jnp.float32)
+    wq = jax.ShapeDtypeStruct((g, k, n), jnp.float8_e4m3fn)
+    ws = jax.ShapeDtypeStruct((g, k // 128, n // 128), jnp.float32)
+    gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def lowered(transpose_w, kernel=None):
+        x, s = (dyq, dys) if transpose_w else (xq, xs)
+        f = jax.jit(lambda x, s, wq, ws, gs: grouped_matmul_fp8(
+            x, s, wq, ws, gs, transpose_w=transpose_w, backend="mosaic_gpu", kernel=kernel))
+        return f.trace(x, s, wq, ws, gs).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "ring_body" in lowered(False) and "ring_body" in lowered(True)   # nearest tuned (m, g)
+    assert "ring_body" not in lowered(False, kernel=(True, 64, 4, GROUP_MAJOR))
+    monkeypatch.setattr(gemm, "_tuned", dict)
+    assert "ring_body" not in lowered(False)                               # the default form
+
+
 def test_weight_quantisation_kernel_only_where_pallas_addresses_it():
     """Pallas' Triton lowering takes 32-bit offsets for arrays up to 4 GiB: an e4m3 array of 2**31 to 2**32
     elements (DeepSeek-V3's gate|up weights at 128 local experts) would be addressed wrongly, so those

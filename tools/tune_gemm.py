@@ -184,10 +184,12 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
                device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=datetime.date.today().isoformat())
     runs = {"forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
+    forms = {}     # run name -> the kernel form it timed (what the table's FP8 entries hold)
     for form in KERNELS:
         order = {(0,): "_strips", (GROUP_MAJOR,): "_group_major", (GROUP_MAJOR, 1): "_group_major_ring",
                  (0, 1): "_strips_ring"}.get(tuple(form[3:]), "")
         tag = f"{'ws' if form[0] else 'classic'}{form[1]}{order}"
+        forms[f"forward_fp8_{tag}"] = forms[f"dx_fp8_{tag}"] = list(form)
         runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(
             xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)), (xq, xs, wq, wq_t, ws, gs))
         runs[f"dx_fp8_{tag}"] = (jax.jit(lambda dyq, dys, wq, ws, gs, form=form: grouped_matmul_fp8(
@@ -198,6 +200,7 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     runs["dw_bf16"] = (jax.jit(lambda x, dy, gs: weight_gradient(x, dy, gs)), (x, dy, gs))
     for form in DW_KERNELS:     # the first is the default form: dw_fp8
         tag = "dw_fp8" + ("" if form == DW_KERNELS[0] else "_" + "_".join(map(str, form)))
+        forms[tag] = list(form)
         runs[tag] = (jax.jit(lambda xq, xs, dy, gs, form=form: fp8_weight_gradient(
             xq, dy, gs, x_scales=xs, backend="mosaic_gpu", kernel=form)), (xq, xs, dy, gs))
     for name, (f, args) in runs.items():
@@ -209,7 +212,22 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     print(f"fp8 M={m} rows={real} K={k} N={n} G={g}: " + "  ".join(
         f"{name} " + (f"{v['ms']:.3f} ms {v['tflops']:.0f} TF/s" if "ms" in v else v["error"][:100])
         for name, v in rec.items() if isinstance(v, dict)), flush=True)
+    rec["forms"] = forms
     return rec
+
+
+def fp8_table_entries(rec: dict, device: str) -> list[dict]:
+    """The table's FP8 entries from time_fp8's record: per pass (forward_fp8, dx_fp8, dw_fp8) the form
+    measured fastest at this shape (gemm.tuned_entry hands it to the FP8 GEMMs)."""
+    entries = []
+    for name in ("forward_fp8", "dx_fp8", "dw_fp8"):
+        timed = [(rec[run]["ms"], form) for run, form in rec["forms"].items()
+                 if run.startswith(name) and "ms" in rec[run]]
+        if timed:
+            ms, form = min(timed)
+            entries.append({"pass": name, "m": rec["m"], "k": rec["k"], "n": rec["n"], "g": rec["g"],
+                            "config": form, "ms": round(ms, 4), "device": device})
+    return entries
 
 
 # The MoE layer's expert block per rank at EP2, 4096 tokens per rank (rows = tokens x top-k, the capacity
@@ -302,6 +320,10 @@ def main(argv=None):
             report.append(compare_peers((m, real, k, n, g, align), x, w, dy, gs, flops))
         if args.fp8:
             report.append(time_fp8((m, real, k, n, g, align), x, w, dy, gs, flops))
+            for entry in fp8_table_entries(report[-1], device):
+                table = [e for e in table
+                         if (e["pass"], e["m"], e["k"], e["n"], e["g"]) != (entry["pass"], m, k, n, g)]
+                table.append(entry)
         for name in [p for p in args.passes.split(",") if p]:
             width = k if name == "dx" else n
             results, sweep = [], []
