@@ -137,6 +137,24 @@ def test_kernel_interpret_mode(sizes, order):
     assert np.all(out[total:] == 0)
 
 
+def test_every_table_entry_is_a_form_its_kernel_takes():
+    """gemm_configs.json: the bf16 passes' entries are BlockConfigs that tile their shape; the FP8 passes'
+    (forward_fp8, dx_fp8, dw_fp8) forms the FP8 kernels accept for their output width."""
+    from jax_ep import gemm
+    from jax_ep.gemm_fp8 import _dw_kernel_fits, fp8_kernel_form
+
+    table = gemm._tuned()
+    assert any(key[0] == "dw" for key in table)
+    for (name, _m, k, n, _g), config in table.items():
+        if name in gemm.PASSES:
+            cfg = mgpu.BlockConfig(*config)
+            assert (k if name == "dx" else n) % cfg.cta_n == 0, (name, k, n, config)
+        elif name in ("forward_fp8", "dx_fp8"):
+            fp8_kernel_form(k if name == "dx_fp8" else n, tuple(config))
+        else:
+            assert name == "dw_fp8" and _dw_kernel_fits(k, n) and 3 <= len(config) <= 4, (name, config)
+
+
 @pytest.mark.parametrize("name", ["forward", "dx", "dw"])
 @pytest.mark.parametrize("k,n", [(64, 64), (192, 320), (7168, 4096), (1408, 4096), (4096, 2816)])
 def test_block_configs_fit_the_shape(name, k, n):
