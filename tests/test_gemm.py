@@ -314,6 +314,13 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     spec = importlib.util.spec_from_file_location("tune_gemm", path)
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
+    from jax_ep.gemm import block_config
+
+    for (m, _, k, n, g, _) in tune.SHAPES["other"]:             # untuned: today's default comes first
+        for name in ("forward", "dx", "dw"):
+            cands = tune.default_candidates(name, m, k, n, g)
+            assert cands[0] == block_config(name, m, k, n, g) and len(cands) >= 3
+            assert all((k if name == "dx" else n) % c.cta_n == 0 for c in cands)
     for width in (2816, 4096, 7168):
         ws = list(tune.grid_for("forward", width, True, "ws"))
         classic = list(tune.grid_for("forward", width, True, "classic"))

@@ -3,8 +3,8 @@ against a dense per-group reference, write jax_ep/gemm_configs.json (what
 jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same FLOPs and to JAX's own
 Mosaic GPU kernel.
 
-    python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|all] [--quick]
-                              [--kernels all|classic|ws|order|depth|ring] [--out FILE]
+    python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
+                              [--kernels all|classic|ws|order|depth|ring|defaults] [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.layer import best_of as _best_of  # noqa: E402
 from benchmarks.layer import expert_group_sizes  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
-from jax_ep.gemm import GROUP_MAJOR, _tuned  # noqa: E402
+from jax_ep.gemm import GROUP_MAJOR, _tuned, tuned_entry  # noqa: E402
 
 best_of = functools.partial(_best_of, iters=10, repeats=3)
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
@@ -45,6 +45,30 @@ SHAPES = {
                (51200, 24576, 4096, 2816, 32, 64), (51200, 24576, 1408, 4096, 32, 64)],   # mid layer
 }
 SHAPES["dsv3"], SHAPES["mid"] = SHAPES["layers"][:2], SHAPES["layers"][2:]
+# Shapes no table entry was tuned for (what another model's user meets first: the defaults), per rank at
+# EP2, 4096 tokens: Qwen3-30B-A3B's experts (hidden 2048, 768 wide, 64 local of 128, top-8) and
+# Mixtral 8x7B's (hidden 4096, 14336 wide, 4 local of 8, top-2)
+SHAPES["other"] = [(69632, 32768, 2048, 1536, 64, 64), (69632, 32768, 768, 2048, 64, 64),
+                   (16640, 8192, 4096, 28672, 4, 64), (16640, 8192, 14336, 4096, 4, 64)]
+
+
+def default_candidates(name: str, m: int, k: int, n: int, g: int):
+    """What the untuned default (gemm.block_config without a table entry) could be: today's default and
+    the warp-specialised forms that won the tuned layer shapes (group-major forward/dx, the K ring),
+    where they tile the shape."""
+    from jax_ep.gemm import block_config
+
+    width = k if name == "dx" else n
+    today = block_config(name, m, k, n, g) if tuned_entry(name, m, k, n, g) is None else None
+    if name == "dw":
+        forms = [(128, 128, 64, 3, 0, 4, 1, 2, 0, 1), (64, 256, 64, 2, 0, 8, 1, 2, 1, 1),
+                 (128, 128, 64, 3, 0, 4, 1, 2, 0)]
+    else:
+        forms = [(128, 128, 64, 3, GROUP_MAJOR, 1, 1, 2, 0), (64, 128, 64, 4, GROUP_MAJOR, 1, 1, 2, 0),
+                 (128, 128, 64, 3, GROUP_MAJOR, 1, 1, 2, 0, 1), (64, 128, 64, 4, GROUP_MAJOR, 1, 1, 2, 0, 1)]
+    forms = [mgpu.BlockConfig(*f) for f in forms]
+    fits = [c for c in forms if width % c.cta_n == 0 and (name != "dw" or k % c.block_m == 0)]
+    return ([today] if today is not None else []) + fits
 
 
 def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
@@ -290,12 +314,13 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
-                        choices=["all", "classic", "ws", "order", "depth", "ring"],
+                        choices=["all", "classic", "ws", "order", "depth", "ring", "defaults"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or the table's configuration in shorter K "
-                             "steps, more of them in flight (depth), or the weight gradient's with one ring "
-                             "of K buffers across tiles (ring)")
+                             "steps, more of them in flight (depth), or with one ring of K buffers across "
+                             "tiles (ring), or the untuned default beside the forms that could replace it "
+                             "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind
@@ -341,6 +366,8 @@ def main(argv=None):
                                                      4 if name == "dw" else 1, 1, 2, 0)]
                 candidates = [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
                               for d in (0, 1) if c.compute_wgs == 2]
+            elif args.kernels == "defaults":
+                candidates = list(default_candidates(name, m, k, n, g))
             elif args.kernels == "depth":
                 # the same shared memory in shorter K steps, so more of them in flight: what hides the
                 # load latency where a tile has few K steps (the weight gradient's K is a group's rows)
