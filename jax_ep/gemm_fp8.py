@@ -62,15 +62,12 @@ CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tes
 KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1))
 
 
-def fp8_kernel_form(n: int, kernel: tuple | None = None, *, tuned: tuple | None = None
-                    ) -> tuple[bool, int, int, int, bool]:
+def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool]:
     """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring) for N output
     columns: `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0, a 4-tuple no
-    ring), else `tuned` (the form tools/tune_gemm.py --fp8 measured fastest at this shape:
-    gemm.tuned_entry), else KERNEL where its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide
-    tiles)."""
+    ring), else KERNEL where its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
     if kernel is None:
-        kernel = tuned or (KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL)
+        kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
     warp_specialized, block_m, stages, grid_minor, ring = (*kernel, 0, 0)[:5]
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
     if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 5
@@ -382,7 +379,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
       kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring]]); None:
-        fp8_kernel_form's (the tuned form for this shape, else the default).
+        the tuned form for this shape (gemm.tuned_entry), else fp8_kernel_form's default.
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
@@ -411,9 +408,10 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
 
     if wq_t is None:
         wq_t = wq if transpose_w else jnp.swapaxes(wq, 1, 2)
-    # the table's key is the [G, K, N] weight's (K, N): with transpose_w the contracted dimension is N
-    key = ("dx_fp8", m, n, k, g) if transpose_w else ("forward_fp8", m, k, n, g)
-    warp_specialized, block_m, stages, grid_minor, ring = fp8_kernel_form(n, kernel, tuned=tuned_entry(*key))
+    if kernel is None:   # the form tune_gemm.py --fp8 measured fastest at this shape, if any
+        # the table's key is the [G, K, N] weight's (K, N): with transpose_w the contracted dimension is N
+        kernel = tuned_entry(*(("dx_fp8", m, n, k, g) if transpose_w else ("forward_fp8", m, k, n, g)))
+    warp_specialized, block_m, stages, grid_minor, ring = fp8_kernel_form(n, kernel)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                               out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,

@@ -373,12 +373,12 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
     tiles(body): runs body(tile, step) -> step over the CTA's tiles (tile: what the other callbacks get;
     tile.num_k its K steps). operands: (shape, dtype, transforms) of each operand's block.
     load(tile, kk, blocks, barrier): the TMA copies of K step kk into `blocks`, arriving on `barrier`.
-    mma(tile, kk, blocks, acc, wg) -> acc: consumer wg's matrix work on them, into a WGMMA accumulator
-    of acc_shape (acc: its ref; starts at zero) or, with init_acc, into a sum carried in registers
-    (acc: its value, init_acc() the first; the FP8 kernels' promotion). delay: WGMMAs left in flight
-    after a step (each step's slot is released once its MMA is done). epilogue(tile, acc, wg, scratch):
-    write the tile (acc: the final sum; a tile of no K steps stores the initial one, zeros). scratch:
-    the consumers' own SMEM (the output tiles)."""
+    mma(tile, kk, blocks, acc, wg): consumer wg's matrix work on them, into a WGMMA accumulator of
+    acc_shape (acc: its ref, starting at zero) or, with init_acc, into a sum carried in registers (acc:
+    its value, init_acc() the first; mma returns the next; the FP8 kernels' promotion). delay: WGMMAs
+    left in flight after a step (each step's slot is released once its MMA is done).
+    epilogue(tile, acc, wg, scratch): write the tile (acc: the final sum; a tile of no K steps stores the
+    initial one, zeros). scratch: the consumers' own SMEM (the output tiles)."""
     consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
 
     @functools.partial(
@@ -528,7 +528,6 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
             mine = pl.ds(wg * bn, bn)
             b = plgpu.transpose_ref(blocks[1].at[mine], (1, 0)) if transpose_rhs else blocks[1].at[:, mine]
             plgpu.wgmma(acc_ref, blocks[0], b)
-            return acc_ref
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
@@ -649,7 +648,6 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
             # unmasked
             _mask_cut_block(lhs_block, rhs_mine, kk, t.num_k, t.start, t.end, t.first_row, bk)
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
-            return acc_ref
 
         def epilogue(t, acc, wg, o_smem):
             _write_tile(o_smem.at[wg], acc)

@@ -212,8 +212,8 @@ class MoE(nnx.Module):
         micro-batch's call (``fp8_weights=``).
       fp8_weight_grad: with gemm_dtype="float8_e4m3fn", the expert weight gradients in FP8 too
         (``fp8_grouped_matmul(weight_grad="fp8")``: rows and dy quantised 128 x 1 along the tokens, as
-        DeepSeek-V3's backward does) instead of bfloat16 from the FP8 rows. Opt-in: not yet measured on
-        a GPU.
+        DeepSeek-V3's backward does) instead of bfloat16 from the FP8 rows. Opt-in: slower than the
+        bfloat16 weight gradient on an H200 at DeepSeek-V3's shapes (docs/api.md).
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.

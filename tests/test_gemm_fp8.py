@@ -372,8 +372,7 @@ def test_tuned_fp8_form_is_what_the_kernel_runs(monkeypatch):
 
     m, k, n, g = 1024, 256, 512, 4
     ring = (True, 64, 4, GROUP_MAJOR, 1)
-    assert gemm_fp8.fp8_kernel_form(n, None, tuned=ring) == (True, 64, 4, GROUP_MAJOR, True)
-    assert gemm_fp8.fp8_kernel_form(n, (True, 64, 4), tuned=ring) == (True, 64, 4, 0, False)
+    assert gemm_fp8.fp8_kernel_form(n, ring) == (True, 64, 4, GROUP_MAJOR, True)
     monkeypatch.setattr(gemm, "_tuned", lambda: {("forward_fp8", m, k, n, g): ring,
                                                  ("dx_fp8", 4 * m, k, n, 2 * g): ring})
     xq = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)

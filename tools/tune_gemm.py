@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|depth|ring|defaults] [--out FILE]
+                              [--kernels all|classic|ws|order|ring|defaults] [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -314,12 +314,11 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
-                        choices=["all", "classic", "ws", "order", "depth", "ring", "defaults"],
+                        choices=["all", "classic", "ws", "order", "ring", "defaults"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
-                             "order (order: forward and dx), or the table's configuration in shorter K "
-                             "steps, more of them in flight (depth), or with one ring of K buffers across "
-                             "tiles (ring), or the untuned default beside the forms that could replace it "
+                             "order (order: forward and dx), or with one ring of K buffers across tiles "
+                             "(ring), or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
@@ -368,12 +367,6 @@ def main(argv=None):
                               for d in (0, 1) if c.compute_wgs == 2]
             elif args.kernels == "defaults":
                 candidates = list(default_candidates(name, m, k, n, g))
-            elif args.kernels == "depth":
-                # the same shared memory in shorter K steps, so more of them in flight: what hides the
-                # load latency where a tile has few K steps (the weight gradient's K is a group's rows)
-                candidates = [dataclasses.replace(c, block_k=bk, max_concurrent_steps=st)
-                              for c in incumbent for bk in (32, 16)
-                              for st in {c.max_concurrent_steps * 64 // bk - d for d in (0, 1)}]
             else:
                 candidates = list(grid_for(name, width, args.quick, args.kernels))
             for cfg in dict.fromkeys([*incumbent, *candidates]):
