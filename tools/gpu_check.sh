@@ -58,8 +58,9 @@
 #               (default 900 s). Use SKIP_BENCH=1 SKIP_LAYER=1 with it, unless the default runs are wanted too.
 #      GPU_SUITE=PARTS  the GPU test suite in parts that each fit one 10-minute device call (comma-separated,
 #               run in the order given; GPU_SUITE_RANKS=N ranks on N separate GPUs, default all GPUs):
-#                 m1a    model 1 (--ep-ranks N, -m "gpu and not process_group"): dispatch, layout, peer_smoke,
-#                        gemm
+#                 m1a    model 1 (--ep-ranks N, -m "gpu and not process_group"): dispatch, layout, peer_smoke
+#                 m1g    model 1: gemm, all but the FP8 tests (-k "not fp8")
+#                 m1h    model 1: gemm, the FP8 tests (-k fp8)
 #                 m1b    model 1: rank_major
 #                 m1c    model 1: low_latency, rank_mask, throughput/ll shrink, fingerprint, device_memory
 #                 pga    process model 2 (--processes N, -m "gpu and process_group"): process_group,
@@ -427,11 +428,14 @@ if [ -n "${GPU_SUITE:-}" ]; then
   # the groups: m1c and pgb take every file the others leave, so a new test file is never left out
   all_files=$(ls tests/gpu/test_*_gpu.py)
   pg_files=$(grep -l "mark.process_group" $all_files)
-  m1a="tests/gpu/test_dispatch_gpu.py tests/gpu/test_layout_gpu.py tests/gpu/test_peer_smoke_gpu.py tests/gpu/test_gemm_gpu.py"
+  m1a="tests/gpu/test_dispatch_gpu.py tests/gpu/test_layout_gpu.py tests/gpu/test_peer_smoke_gpu.py"
+  # the GEMM file alone took over 8 minutes at EP2 (2026-11-29): two parts, split by -k
+  m1g="tests/gpu/test_gemm_gpu.py"
+  m1h="tests/gpu/test_gemm_gpu.py"
   m1b="tests/gpu/test_rank_major_gpu.py"
   pga="tests/gpu/test_process_group_gpu.py tests/gpu/test_hierarchical_gpu.py"
   others() { local f; for f in $1; do case " $2 " in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done; }
-  m1c=$(others "$all_files" "$m1a $m1b")
+  m1c=$(others "$all_files" "$m1a $m1b $m1g")
   pgb=$(others "$pg_files" "$pga")
   # suite_pytest TAG LIMIT ARGS...: one bounded pytest (-v, JUnit XML) logging to $OUT/gpu_suite_TAG.log;
   # cut with SIGINT so that pytest still writes the XML of what it finished. Sets rc, and ran=0 when
@@ -449,7 +453,16 @@ if [ -n "${GPU_SUITE:-}" ]; then
       rc=124; return
     fi
     ran=1
-    timeout -s INT -k 10 "$lim" "$PY" -m pytest "$@" -v -rs --durations=10 --junitxml="$xml" "${suite_args[@]}" \
+    local extra=() i k="$part_k"
+    for ((i = 0; i < ${#suite_args[@]}; i++)); do
+      if [ "${suite_args[i]}" = -k ] && [ -n "$part_k" ]; then
+        k="($part_k) and (${suite_args[i + 1]})"; i=$((i + 1))
+      else
+        extra+=("${suite_args[i]}")
+      fi
+    done
+    [ -z "$k" ] || extra+=(-k "$k")
+    timeout -s INT -k 10 "$lim" "$PY" -m pytest "$@" -v -rs --durations=10 --junitxml="$xml" "${extra[@]}" \
       >>"$OUT/gpu_suite_$tag.log" 2>&1
     rc=$?
   }
@@ -462,13 +475,16 @@ if [ -n "${GPU_SUITE:-}" ]; then
   }
   IFS=',' read -r -a parts <<<"$GPU_SUITE"
   for part in "${parts[@]}"; do
+    part_k=""   # the part's own -k selection, joined with GPU_SUITE_ARGS' -k by "and"
     case $part in
       m1a|m1b|m1c) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks") ;;
+      m1g|m1h) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks")
+               if [ $part = m1g ]; then part_k="not fp8"; else part_k=fp8; fi ;;
       pga|pgb) model=2; files=${!part}; args=(-m "gpu and process_group" --processes "$ranks") ;;
       pg) model=2; files=$(echo $pg_files); args=(-m "gpu and process_group" --processes "$ranks") ;;
       pgrep) model=2; files="tests/gpu/test_process_group_gpu.py::test_process_per_gpu_matches_reference"
              args=(-m "gpu and process_group" --processes "$ranks") ;;
-      *) echo "gpu_check: unknown GPU_SUITE part '$part' (m1a, m1b, m1c, pga, pgb, pg, pgrep)" | tee -a "$OUT/summary.txt"
+      *) echo "gpu_check: unknown GPU_SUITE part '$part' (m1a, m1g, m1h, m1b, m1c, pga, pgb, pg, pgrep)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
     if [ "$ranks" -gt "$gpus" ] || { [ "$model" = 2 ] && [ "$ranks" -lt 2 ]; }; then
@@ -516,7 +532,8 @@ if [ -n "${GPU_SUITE:-}" ]; then
       if [ $ran = 0 ]; then
         part_rc=124   # not run: nothing to record (an empty entry would replace an earlier run's)
       else
-        record "$part" "$tag" "$model" "pytest ${args[*]} $files ${GPU_SUITE_ARGS:-}" || part_rc=1
+        record "$part" "$tag" "$model" "pytest ${args[*]} $files${part_k:+ -k '$part_k'} ${GPU_SUITE_ARGS:-}" \
+          || part_rc=1
       fi
     fi
     echo "gpu suite $part: rc=$part_rc in $((SECONDS - start)) s (log: $OUT/gpu_suite_${part}_ep${ranks}.log)" \
