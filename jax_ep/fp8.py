@@ -9,24 +9,31 @@ from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
 
-FP8_MIN_AMAX = 1e-4  # keeps the scale finite for all-zero blocks
+# amax floors: both keep the scale finite for all-zero blocks.
+FP8_MIN_AMAX = 1e-4        # the dispatch wire's (DeepEP's clamp; the CUDA kernels' 1e-4f): activations
+# The FP8 GEMMs' operands, gradients among them: a gradient's scale is the loss's (any size), and a
+# 1e-4 floor above a block's amax leaves its values in e4m3's subnormals (2026-11-29: the FP8 weight
+# gradient 26% from bf16 at a mean-square loss's ~1e-7 gradients, 7.7% with this floor, as at a 1000x
+# larger loss). 448 / 1e-30 stays finite in float32.
+FP8_GEMM_MIN_AMAX = 1e-30
 
 
-def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token, per-128-channel e4m3 quantisation: scale = amax / 448, q = x * (448 / amax)."""
+def quantize_fp8(x: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Array, jax.Array]:
+    """Per-token, per-128-channel e4m3 quantisation: scale = amax / 448, q = x * (448 / amax), amax
+    floored at ``min_amax`` (the wire's FP8_MIN_AMAX; the GEMMs pass FP8_GEMM_MIN_AMAX)."""
     t, h = x.shape
     blocks = -(-h // FP8_BLOCK)
     xf = x.astype(jnp.float32)
     padded = jnp.pad(xf, ((0, 0), (0, blocks * FP8_BLOCK - h))).reshape(t, blocks, FP8_BLOCK)
-    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(padded), axis=2))
+    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(padded), axis=2), min_amax)
     q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
     return q.astype(jnp.float8_e4m3fn), scales
 
 
-def fp8_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+def fp8_scales(amax: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Array, jax.Array]:
     """Per block's absolute maximum: (the factor into e4m3, 448 / amax; the scale back, amax / 448),
-    amax floored at FP8_MIN_AMAX so all-zero blocks keep a finite scale."""
-    amax = jnp.maximum(amax, FP8_MIN_AMAX)
+    amax floored at ``min_amax`` so all-zero blocks keep a finite scale."""
+    amax = jnp.maximum(amax, min_amax)
     # A true IEEE division: XLA rewrites division by a constant into a multiplication by its
     # (inexact) reciprocal, which would make the scales differ by an ulp between platforms. The
     # divisor is 448 computed from amax (amax < 0 never holds, NaN included), not a constant: under

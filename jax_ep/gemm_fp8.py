@@ -37,7 +37,7 @@ from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
 from jax_ep.errors import EPTypeError, EPValueError
-from jax_ep.fp8 import FP8_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
+from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
 from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
 from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
@@ -91,7 +91,7 @@ def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     g, k, n = w.shape
     _check_whole_blocks("quantize_weight_blocks", k, n)
     blocks = w.astype(jnp.float32).reshape(g, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
-    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=(2, 4)))
+    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=(2, 4)), FP8_GEMM_MIN_AMAX)
     q = blocks * inv_scale[:, :, None, :, None]
     return q.reshape(g, k, n).astype(jnp.float8_e4m3fn), scales
 
@@ -122,7 +122,7 @@ def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", int
 
     def kernel(w_ref, q_ref, qt_ref, amax_ref):
         block = w_ref[...].astype(jnp.float32)
-        amax = jnp.maximum(jnp.max(jnp.abs(block)), FP8_MIN_AMAX)
+        amax = jnp.maximum(jnp.max(jnp.abs(block)), FP8_GEMM_MIN_AMAX)
         q = (block * (FP8_MAX / amax)).astype(jnp.float8_e4m3fn)   # as fp8_scales' factor
         q_ref[...] = q
         qt_ref[...] = q.T
@@ -138,7 +138,7 @@ def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", int
                    shape_like((g, k // b, n // b), jnp.float32, w)],
         compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret, name="jax_ep_quantize_weight_blocks")(w)
-    scales = fp8_scales(amax)[1]   # the scales back from the block maxima, by fp8_scales' exact division
+    scales = fp8_scales(amax, FP8_GEMM_MIN_AMAX)[1]   # the scales back, by fp8_scales' exact division
     return wq, wq_t, scales
 
 
@@ -216,7 +216,7 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
         valid = jnp.arange(b)[None, :] < source[1][:, None]
         xf = x.astype(jnp.float32) if x_scales is None else dequantize_fp8(x, x_scales)
         blocks = jnp.where(valid[:, :, None], xf[jnp.where(valid, rows, 0)], 0.0)    # [P/128, 128, C]
-        inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=1))
+        inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=1), FP8_GEMM_MIN_AMAX)
         q = (blocks * inv_scale[:, None, :]).astype(jnp.float8_e4m3fn)
         return q.transpose(2, 0, 1).reshape(c, p), scales, info
     if backend != "pallas":
@@ -241,7 +241,7 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
             if s_ref is not None:                      # one scale per row for these 128 channels
                 rows = rows * pltriton.load(s_ref.at[pl.ds(first, b), pl.ds(ch, 1)], mask=valid[:, None])
             rows = jnp.where(valid[:, None], rows, 0.0)
-            amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=0), FP8_MIN_AMAX)          # [128] per channel
+            amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=0), FP8_GEMM_MIN_AMAX)          # [128] per channel
             qt_ref[...] = (rows * (FP8_MAX / amax)[None, :]).astype(jnp.float8_e4m3fn).T
             amax_ref[...] = amax[None, :]
 
@@ -256,7 +256,7 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
         out_shape=[shape_like((c, p), jnp.float8_e4m3fn, x), shape_like((p // b, c), jnp.float32, x)],
         compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret, name="jax_ep_quantize_rows_t")(*args)
-    return qt, fp8_scales(amax)[1], info
+    return qt, fp8_scales(amax, FP8_GEMM_MIN_AMAX)[1], info
 
 
 WEIGHT_GRADIENTS = ("bf16", "fp8")
@@ -463,7 +463,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
 
 
 def _fp8_forward(x, w, group_sizes, quantized, backend):
-    xq, xs = quantize_fp8(x)
+    xq, xs = quantize_fp8(x, FP8_GEMM_MIN_AMAX)
     wq, wq_t, ws = quantize_weights(w, backend=backend) if quantized is None else quantized
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
     return out, (xq, xs, wq, ws, group_sizes)
@@ -491,7 +491,7 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         None if q_like.wq_t is None else vary_as(jnp.zeros((wq.shape[0], wq.shape[2], wq.shape[1]),
                                                            wq.dtype), wq),
         vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
-    dyq, dys = quantize_fp8(dy)
+    dyq, dys = quantize_fp8(dy, FP8_GEMM_MIN_AMAX)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
                             backend=backend)
     if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens
