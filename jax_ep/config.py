@@ -65,6 +65,16 @@ def check_options(owner: str, obj, kinds: dict) -> None:
         check_option(owner, name, getattr(obj, name), kind)
 
 
+def check_fp8_channels(owner: str, **sizes: int) -> None:
+    """The one FP8 shape fact: one float32 scale per FP8_BLOCK channels, so every size given (keyword:
+    its name) is a multiple of FP8_BLOCK. ``owner`` says who needs it (the message starts with it)."""
+    if any(v % FP8_BLOCK for v in sizes.values()):
+        what = "a multiple" if len(sizes) == 1 else "multiples"
+        got = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise EPValueError(f"{owner} needs {' and '.join(sizes)} {what} of {FP8_BLOCK} (one FP8 scale per "
+                           f"{FP8_BLOCK} channels), got {got}")
+
+
 def check_kernel(owner: str, value) -> None:
     if not isinstance(value, KernelConfig):
         raise EPTypeError(f"{owner}.kernel must be a KernelConfig (jax_ep.KernelConfig), got {value!r} "
@@ -187,9 +197,8 @@ class EPConfig:
                 raise EPValueError(
                     f"EPConfig.capacity={self.capacity} must be a multiple of "
                     f"expert_alignment={self.expert_alignment}")
-        if self.dispatch_dtype == "float8_e4m3fn" and self.hidden % FP8_BLOCK:
-            raise EPValueError(f"EPConfig.hidden={self.hidden} must be a multiple of {FP8_BLOCK} "
-                               "for dispatch_dtype='float8_e4m3fn'")
+        if self.dispatch_dtype == "float8_e4m3fn":
+            check_fp8_channels("EPConfig: dispatch_dtype='float8_e4m3fn'", hidden=self.hidden)
 
     # ---- derived sizes (ep_size is the size of the mesh axis, known inside shard_map) ----
     def check_ep_size(self, ep_size: int) -> None:

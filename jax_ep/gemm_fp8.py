@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep.config import FP8_BLOCK, FP8_MAX
+from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels
 from jax_ep.errors import EPTypeError, EPValueError
 from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
 from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
@@ -80,9 +80,7 @@ def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int
 
 def _check_whole_blocks(where: str, k: int, n: int) -> None:
     """The FP8 GEMMs' one shape fact: K and N are whole 128-channel blocks (one scale per block)."""
-    if k % FP8_BLOCK or n % FP8_BLOCK:
-        raise EPValueError(f"{where}: K={k} and N={n} must be multiples of {FP8_BLOCK} (one scale per "
-                           f"{FP8_BLOCK} channels)")
+    check_fp8_channels(where, K=k, N=n)
 
 
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:

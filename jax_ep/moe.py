@@ -42,6 +42,7 @@ from jax_ep.config import (
     FP8_BLOCK,
     EPConfig,
     KernelConfig,
+    check_fp8_channels,
     check_kernel,
     check_option,
     check_options,
@@ -284,9 +285,10 @@ class MoE(nnx.Module):
         if fp8_weight_grad and gemm_dtype is None:
             raise EPValueError("MoE: fp8_weight_grad=True needs gemm_dtype='float8_e4m3fn' (the weight "
                                "gradients of FP8 expert GEMMs)")
-        if gemm_dtype is not None and (hidden % FP8_BLOCK or ffn_hidden % FP8_BLOCK):
-            raise EPValueError(f"MoE: gemm_dtype={gemm_dtype!r} needs hidden and ffn_hidden multiples of "
-                               f"{FP8_BLOCK} (one scale per 128 channels), got {hidden} and {ffn_hidden}")
+        if gemm_dtype is not None:
+            check_fp8_channels(f"MoE: gemm_dtype={gemm_dtype!r}", hidden=hidden, ffn_hidden=ffn_hidden)
+        if ep.dispatch_dtype == "float8_e4m3fn":   # what the layer's EPConfig would refuse at trace time
+            check_fp8_channels("MoE: ep.dispatch_dtype='float8_e4m3fn'", hidden=hidden)
         if mesh is not None and not isinstance(mesh, Mesh):
             raise EPTypeError(f"MoE: mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
         if mesh is not None and axis_name not in mesh.axis_names:

@@ -449,6 +449,11 @@ def test_fp8_expert_gemms_stay_within_fp8_error_of_the_bf16_layer():
         make_layer(mesh, fp8_weight_grad=True)
     with pytest.raises(ValueError, match="gemm_dtype='float8_e4m3fn' needs hidden and ffn_hidden multiples"):
         make_layer(mesh, gemm_dtype="float8_e4m3fn")
+    # the FP8 wire: refused when the layer is built, naming the layer's option (not at trace time, naming
+    # an EPConfig the user never made)
+    with pytest.raises(ValueError, match=r"MoE: ep.dispatch_dtype='float8_e4m3fn' needs hidden a multiple of "
+                                         r"128 .*got hidden=\d+"):
+        make_layer(mesh, ep={"dispatch_dtype": "float8_e4m3fn"})
     with pytest.raises(ValueError, match="gemm_dtype must be one of"):
         make_layer(mesh, gemm_dtype="float16")
 

@@ -207,7 +207,7 @@ def test_kernel_config_is_part_of_the_jit_cache_key():
     (dict(capacity=16.0), r"EPConfig\.capacity must be None or a positive int, got 16\.0"),
     (dict(capacity=10, expert_alignment=4), r"capacity=10 must be a multiple of expert_alignment=4"),
     (dict(dispatch_dtype="float16"), r"dispatch_dtype must be one of .*got 'float16'"),
-    (dict(dispatch_dtype="float8_e4m3fn"), r"hidden=32 must be a multiple of 128"),
+    (dict(dispatch_dtype="float8_e4m3fn"), r"float8_e4m3fn' needs hidden a multiple of 128 .*got hidden=32"),
     (dict(backend="tpu"), r"backend must be one of .*got 'tpu'"),
     (dict(axis_name=""), r"axis_name must be a non-empty str, got ''"),
     (dict(axis_name=None), r"axis_name must be a non-empty str, got None"),
