@@ -663,7 +663,7 @@ __device__ __forceinline__ void copy_x(const MainArgs& a, TmaWarp& tma, const ch
                                        const RowSlice& rs, uint32_t dst_mask, char* my_dst,
                                        float* my_scales, int lane) {
   char* dst = my_dst != nullptr ? my_dst + rs.lo : nullptr;
-  float* scales = my_scales != nullptr ? my_scales + rs.e0 / 128 : nullptr;
+  float* scales = my_scales != nullptr ? my_scales + rs.e0 / kFp8Block : nullptr;
   const char* src = x_row + static_cast<int64_t>(rs.e0) * (a.x_row_bytes / a.hidden);
   if constexpr (kConv == kConvCopy) {
     warp_copy_row<kTma>(tma, src, rs.hi - rs.lo, dst_mask, dst, lane);
@@ -798,8 +798,8 @@ __device__ __forceinline__ void dispatch_unused_tail(const MainArgs& a, int item
 // scales).
 __device__ __forceinline__ void copy_staged_scales(const float* from, const RowSlice& rs,
                                                    uint32_t kept, float* my_scales, int lane) {
-  const int first = rs.e0 / 128;
-  const int end = first + rs.n / 128;
+  const int first = rs.e0 / kFp8Block;
+  const int end = first + rs.n / kFp8Block;
   for (int i0 = first; i0 < end; i0 += 32) {  // uniform trip count (shuffles)
     const int i = i0 + lane;
     const float value = i < end ? __ldcg(from + i) : 0.f;
@@ -1133,8 +1133,8 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
   const bool fp8 = p.row_kind == kRowFP8;
   if (p.state == nullptr || p.num_tokens < 0 || p.num_topk < 1 || p.num_topk > kMaxTopk ||
       p.num_ranks < 1 || p.num_ranks > kMaxGroupRanks || p.num_experts < 1 ||
-      p.num_experts > kMaxExperts || p.num_experts % p.num_ranks != 0 || p.hidden < 8 ||
-      p.hidden % 8 != 0 || (fp8 && p.hidden % 128 != 0) ||
+      p.num_experts > kMaxExperts || p.num_experts % p.num_ranks != 0 || p.hidden < kRowAlignment ||
+      p.hidden % kRowAlignment != 0 || (fp8 && p.hidden % kFp8Block != 0) ||
       (p.rank_major ? p.capacity != p.num_ranks * p.num_tokens : p.capacity < 1) || p.alignment < 1 ||
       p.num_blocks < 1 || p.send_warps < 1 || p.send_warps >= kDataWarps || p.axis_slot < 0 ||
       p.axis_slot >= kDirectoryAxes || (p.x_kind != kRowBF16 && p.x_kind != kRowF32)) {
@@ -1184,7 +1184,7 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
 
   const MainArgs args{p, static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.x_kind)),
                       static_cast<int32_t>(dispatch_row_bytes(p.hidden, p.row_kind)),
-                      fp8 ? p.hidden / 128 : 0};
+                      fp8 ? p.hidden / kFp8Block : 0};
   switch (conversion) {
     case kConvCopy:
       return launch_main_mode<kConvCopy>(args, stream);

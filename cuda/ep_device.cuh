@@ -978,7 +978,7 @@ __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint
             }
             if (!in) continue;
             if constexpr (kOut == kRowFP8) {
-              if ((lane & 15) == 0) scales[e0 / 128] = scale;
+              if ((lane & 15) == 0) scales[e0 / kFp8Block] = scale;
               *reinterpret_cast<uint2*>(to + e0) = fp8;
             } else {
               *reinterpret_cast<uint4*>(to + static_cast<int64_t>(e0) * 2) = bf16;
@@ -1000,7 +1000,7 @@ __device__ __forceinline__ void warp_copy_convert(const char* x_row, int H, uint
         if constexpr (kSharedScales) {  // the piece's scales [2 * p0, ...), 32 per store
           float* scales = reinterpret_cast<float*>(
               __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scales), j));
-          const int n = static_cast<int>((end - begin) / 128);
+          const int n = static_cast<int>((end - begin) / kFp8Block);
           for (int i = lane; i < n; i += 32) scales[2 * p0 + i] = piece_scales[i];
         }
       }

@@ -45,6 +45,8 @@ inline constexpr int kMaxExperts = 8192;
 inline constexpr int kBlockWarps = 16;
 // Elements a row's width must be a multiple of (rows move as 16-byte vectors).
 inline constexpr int kRowAlignment = 8;
+// Channels per FP8 scale (e4m3 rows carry one float32 scale per block; jax_ep.config.FP8_BLOCK).
+inline constexpr int kFp8Block = 128;
 
 // Element kinds of rows (attribute values shared by handlers and kernels).
 enum RowKind : int32_t { kRowBF16 = 0, kRowF32 = 1, kRowFP8 = 2 };

@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kStartThreads)
 }  // namespace
 
 int32_t float_row_bytes(int32_t hidden, int32_t kind) {
-  if (hidden < 8 || hidden % 8 != 0 || (kind != kRowBF16 && kind != kRowF32)) return 0;
+  if (hidden < kRowAlignment || hidden % kRowAlignment != 0 || (kind != kRowBF16 && kind != kRowF32)) return 0;
   return hidden * (kind == kRowF32 ? 4 : 2);
 }
 

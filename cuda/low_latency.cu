@@ -572,7 +572,7 @@ __device__ __forceinline__ void store_step(const SendStep& s, uint32_t dst_mask,
     if (s.in) {
       *reinterpret_cast<uint4*>(to + static_cast<int64_t>(s.e0) * kElementBytes) = s.packed;
       if (kRow == kRowFP8 && (lane & 7) == 0) {
-        *reinterpret_cast<float*>(to + row_bytes + (s.e0 / 128) * 4) = s.scale;
+        *reinterpret_cast<float*>(to + row_bytes + (s.e0 / kFp8Block) * 4) = s.scale;
       }
     }
   }
@@ -779,7 +779,7 @@ __device__ void dispatch_recv(const LLDispatchLaunch& p, const LLShared& s) {
   const uint64_t* slot_flags = reinterpret_cast<const uint64_t*>(own + L.slot_flags + half);
   const char* records = own + L.records + half;
   char* rows = static_cast<char*>(p.rows);
-  const int num_scales = kRow == kRowFP8 ? a.hidden / 128 : 0;
+  const int num_scales = kRow == kRowFP8 ? a.hidden / kFp8Block : 0;
   const int64_t W = total_warps();
   const int64_t V = W > num_pairs ? W : num_pairs;
   for (int64_t v = global_warp(); v < V; v += W) {
@@ -1084,8 +1084,8 @@ bool ll_ok(const LLCommon& c) {
   return c.state != nullptr && c.num_ranks >= 1 && c.num_ranks <= kMaxGroupRanks &&
          c.num_tokens >= 0 && c.num_tokens <= kLLMaxTokens && c.num_topk >= 1 &&
          c.num_topk <= kMaxTopk && c.num_experts >= c.num_ranks &&
-         c.num_experts % c.num_ranks == 0 && c.num_experts <= kMaxExperts && c.hidden >= 8 &&
-         c.hidden % 8 == 0 && c.axis_slot >= 0 && c.axis_slot < kDirectoryAxes &&
+         c.num_experts % c.num_ranks == 0 && c.num_experts <= kMaxExperts && c.hidden >= kRowAlignment &&
+         c.hidden % kRowAlignment == 0 && c.axis_slot >= 0 && c.axis_slot < kDirectoryAxes &&
          c.num_blocks >= 1 && c.mode >= kLLFused && c.mode <= kLLRecv &&
          (c.mode == kLLFused || c.handle != nullptr);
 }
@@ -1119,7 +1119,7 @@ cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream) {
   const bool fp8 = p.row_kind == kRowFP8;
   const uint64_t shared =
       ll_shared_bytes(true, p.c.num_ranks, p.c.num_tokens, p.c.num_experts);
-  if (!ll_ok(p.c) || (fp8 && p.c.hidden % 128 != 0) ||
+  if (!ll_ok(p.c) || (fp8 && p.c.hidden % kFp8Block != 0) ||
       (p.x_kind != kRowBF16 && p.x_kind != kRowF32) ||
       !(p.row_kind == kRowFP8 || p.row_kind == kRowBF16) ||
       (p.c.mode != kLLSend && p.active == nullptr) || shared == 0 ||

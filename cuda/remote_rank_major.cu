@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
   // dispatch / broadcast: output row o is record (o - first_row[s]) of source s, or empty
   const int64_t rows = R * T;
   const bool dispatch = a.kind == kPutDispatch;
-  const int num_scales = a.scales != nullptr ? static_cast<int>(a.hidden / 128) : 0;
+  const int num_scales = a.scales != nullptr ? static_cast<int>(a.hidden / kFp8Block) : 0;
   for (int64_t o = warp; o < rows; o += warps) {
     int s = 0;
     while (s < R && o >= first_row[s + 1]) ++s;
@@ -504,7 +504,7 @@ cudaError_t launch_put_dispatch_rank_major(const PutLaunch& p, const void* x,
   if (!put_launch_ok(p) || p.num_topk < 1 || p.num_topk > kMaxTopk || p.num_experts < p.num_ranks ||
       p.num_experts % p.num_ranks != 0 || p.num_experts > kMaxExperts ||
       (p.row_kind == kRowFP8) != (scales != nullptr) ||
-      (p.row_kind == kRowFP8 && p.hidden % 128 != 0) || (p.x_kind != kRowBF16 && p.x_kind != kRowF32) ||
+      (p.row_kind == kRowFP8 && p.hidden % kFp8Block != 0) || (p.x_kind != kRowBF16 && p.x_kind != kRowF32) ||
       (p.row_kind == kRowF32 && p.x_kind != kRowF32)) {
     return cudaErrorInvalidValue;
   }

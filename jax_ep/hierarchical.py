@@ -47,9 +47,15 @@ from jax import lax
 
 from jax_ep import ops
 from jax_ep.config import FP8_BLOCK, EPConfig
-from jax_ep.errors import EPUnsupportedError, EPValueError
+from jax_ep.errors import EPValueError
 from jax_ep.types import Handle, RankMajorHandle
-from jax_ep.validation import check_dispatch_args, check_no_drops, check_topk_values
+from jax_ep.validation import (
+    check_dispatch_args,
+    check_handle,
+    check_no_drops,
+    check_topk_values,
+    fp8_forward_only,
+)
 
 
 class HierarchicalHandle(NamedTuple):
@@ -281,9 +287,7 @@ def _fp8_stages_fwd(x, topk_idx, topk_weights, node_cfg, local_cfg):
 
 
 def _fp8_stages_bwd(node_cfg, local_cfg, residuals, ct):
-    raise EPUnsupportedError(
-        "jax_ep: dispatch_hierarchical with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
-        "prefill); differentiate through a bfloat16 dispatch instead")
+    raise fp8_forward_only("dispatch_hierarchical")
 
 
 _fp8_stages.defvjp(_fp8_stages_fwd, _fp8_stages_bwd)
@@ -297,10 +301,7 @@ def combine_hierarchical(y: jax.Array, handle: HierarchicalHandle, cfg: EPConfig
     in float32 in local rank order and rounded to y's dtype again (the extra rounding of the
     hierarchical path); the source sums the nodes' rows in float32 in node order and rounds once more."""
     op = "combine_hierarchical"
-    if not isinstance(handle, HierarchicalHandle):
-        raise EPValueError(
-            f"jax_ep.{op}: handle must be the HierarchicalHandle of dispatch_hierarchical, got "
-            f"{type(handle).__name__}")
+    check_handle(handle, HierarchicalHandle, f"jax_ep.{op}", "dispatch_hierarchical")
     node_cfg, local_cfg = stage_configs(cfg, node_axis, op)
     per_node = ops.combine(y, handle.local, local_cfg)        # [N*T, H']: one row per (token, node)
     return ops.combine_rank_major(per_node, handle.node, node_cfg)

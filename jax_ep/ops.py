@@ -50,6 +50,7 @@ from jax_ep.validation import (
     check_rank_mask,
     check_topk_values,
     float0_like,
+    fp8_forward_only,
 )
 
 Mask = jax.Array | None  # a data op's rank_mask: None (every rank active) or the checked [R] mask
@@ -271,9 +272,7 @@ def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
 def _dispatch_bwd(cfg, residuals, ct):
     handle, dtype_token, topk_idx, rank_mask = residuals
     if cfg.dispatch_dtype == "float8_e4m3fn":
-        raise EPUnsupportedError(
-            "jax_ep: dispatch with dispatch_dtype='float8_e4m3fn' is forward-only (inference and "
-            "prefill); differentiate through a bfloat16 dispatch instead")
+        raise fp8_forward_only("dispatch")
     d_rows = ct.x
     # unit weights: y * 1.0 is exact, so this is the plain sum of each token's row cotangents
     unweighted = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
@@ -374,9 +373,7 @@ def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
 def _dispatch_rank_major_bwd(cfg, residuals, ct):
     handle, row_ids, dtype_token, topk_idx, rank_mask = residuals
     if cfg.dispatch_dtype == "float8_e4m3fn":
-        raise EPUnsupportedError(
-            "jax_ep: dispatch_rank_major with dispatch_dtype='float8_e4m3fn' is forward-only "
-            "(inference and prefill); differentiate through a bfloat16 dispatch instead")
+        raise fp8_forward_only("dispatch_rank_major")
     combine_impl = functools.partial(implementation("combine_rank_major", cfg, ct.x.dtype),
                                      rank_mask=rank_mask)
     dx = combine_impl(ct.x, handle, cfg).astype(dtype_token.dtype)

@@ -168,7 +168,8 @@ def _require_available() -> None:
 
 def limits() -> dict:
     """The kernels' limits as the extension defines them (``jax_ep._C.LIMITS``: max_topk,
-    layout_max_topk, max_experts, max_ranks, max_groups, directory_axes, data_warps, row_alignment)."""
+    layout_max_topk, max_experts, max_ranks, max_groups, directory_axes, data_warps, row_alignment,
+    fp8_block)."""
     _require_available()
     return dict(_C.LIMITS)
 

@@ -16,7 +16,7 @@ from jax import lax
 
 from jax_ep import types
 from jax_ep.config import EPConfig
-from jax_ep.errors import EPTypeError, EPValueError
+from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.routing import layout_of, masked_pairs
 
 
@@ -69,6 +69,13 @@ def check_rank_mask(rank_mask, ep_size: int, op: str):
         raise EPValueError(f"{op}: rank_mask must be bool or integer (nonzero: active), got dtype "
                            f"{rank_mask.dtype}")
     return rank_mask if rank_mask.dtype == jnp.bool_ else rank_mask != 0
+
+
+def fp8_forward_only(op: str) -> EPUnsupportedError:
+    """The error of differentiating an FP8 dispatch (``op``: its public name): the wire is forward-only."""
+    return EPUnsupportedError(
+        f"jax_ep: {op} with dispatch_dtype='float8_e4m3fn' is forward-only (inference and prefill); "
+        "differentiate through a bfloat16 dispatch instead")
 
 
 def check_handle(handle, kind: type, op: str, producer: str) -> None:

@@ -106,7 +106,7 @@ def test_argument_errors_name_the_argument():
         grouped_matmul_fp8(xq, xs, wq, ws, gs, backend="cuda")
     with pytest.raises(EPValueError, match="scales"):
         grouped_matmul_fp8(xq, xs[:, :1], wq, ws, gs)
-    with pytest.raises(EPValueError, match="quantize_weight_blocks needs K and N multiples of 128 .*got K=100, N=128"):
+    with pytest.raises(EPValueError, match="quantize_weight_blocks needs K and N multiples of 128 .*K=100"):
         quantize_weight_blocks(jnp.ones((1, 100, 128)))
     with pytest.raises(EPValueError, match="must share K"):
         grouped_matmul_fp8(xq[:, :128], xs[:, :1], wq, ws, gs)

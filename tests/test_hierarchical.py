@@ -429,7 +429,8 @@ def test_argument_errors():
         fp8_packed_width(100)
     with pytest.raises(ValueError, match="dispatch_hierarchical: x has hidden size 16 but cfg.hidden=32"):
         call(cfg.replace(hidden=32))
-    with pytest.raises(ValueError, match="handle must be the HierarchicalHandle"):
+    with pytest.raises(TypeError, match="handle must be the HierarchicalHandle of dispatch_hierarchical "
+                                        r".*got Handle \(the handle of another op: pass it to jax_ep"):
         run(lambda x, i, w: jax_ep.combine_hierarchical(
             x, jax_ep.dispatch_hierarchical(x, i, w, cfg, "node").handle.local, cfg, "node"),
             nodes, local, x, idx, w)

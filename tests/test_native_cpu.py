@@ -130,7 +130,10 @@ def test_limits_come_from_the_extension():
         pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
     assert native.LIMITS == {"max_topk": 32, "layout_max_topk": 64, "max_experts": 8192,
                              "max_ranks": 32, "max_groups": 64, "directory_axes": 4, "data_warps": 16,
-                             "row_alignment": 8}
+                             "row_alignment": 8, "fp8_block": 128}
+    # the FP8 row format is one fact: the kernels' scale block is the reference's
+    from jax_ep.config import FP8_BLOCK
+    assert native.LIMITS["fp8_block"] == FP8_BLOCK
 
 
 def test_kernel_support_is_decided_from_the_limits(monkeypatch):

@@ -553,9 +553,9 @@ ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState
     return Invalid(op, "x must be bfloat16 or float32, rows x's dtype, bfloat16 or float8_e4m3fn");
   }
   const bool fp8 = row_kind == kRowFP8;
-  const int64_t num_scales = fp8 ? H / 128 : 0;
+  const int64_t num_scales = fp8 ? H / kFp8Block : 0;
   if (ffi::Error error = CheckRowBytes(op, a, row_kind); !error.success()) return error;
-  if (E < R || E % R != 0 || (fp8 && H % 128 != 0) || a.scale_bytes != num_scales * 4) {
+  if (E < R || E % R != 0 || (fp8 && H % kFp8Block != 0) || a.scale_bytes != num_scales * 4) {
     return Invalid(op, "attributes E=" + std::to_string(E) + " R=" + std::to_string(R) +
                            " scale_bytes=" + std::to_string(a.scale_bytes) + " inconsistent");
   }
@@ -1178,7 +1178,7 @@ ffi::Error LLRowKindOfAttrs(const char* op, const EPAttrs& a, int32_t* row_kind)
   *row_kind = a.row_bytes == a.hidden ? kRowFP8 : kRowBF16;
   if (ffi::Error error = CheckRowBytes(op, a, *row_kind); !error.success()) return error;
   const bool fp8 = *row_kind == kRowFP8;
-  if ((fp8 && a.hidden % 128 != 0) || a.scale_bytes != (fp8 ? a.hidden / 128 * 4 : 0)) {
+  if ((fp8 && a.hidden % kFp8Block != 0) || a.scale_bytes != (fp8 ? a.hidden / kFp8Block * 4 : 0)) {
     return Invalid(op, "scale_bytes=" + std::to_string(a.scale_bytes) + " does not match H=" +
                            std::to_string(a.hidden) + (fp8 ? " (fp8)" : " (bf16)"));
   }
@@ -1202,7 +1202,7 @@ ffi::Error CheckLLDispatchOutputs(const char* op, const EPAttrs& a,
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
   const bool fp8 = *row_kind == kRowFP8;
   if (!IsShape(rows->dimensions(), {local, R * T, H}) ||
-      (fp8 ? !IsShape(scales->dimensions(), {local, R * T, H / 128})
+      (fp8 ? !IsShape(scales->dimensions(), {local, R * T, H / kFp8Block})
            : scales->element_count() != 0) ||
       !IsShape(counts->dimensions(), {local, R}) ||
       !IsShape(src_slot->dimensions(), {local, R * T})) {
@@ -1407,14 +1407,14 @@ ffi::Error CheckLLCombineSendInputs(const char* op, const EPAttrs& a, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// ll_combine's topk_weights [T, K] (K <= 32) and out [T, H] bf16.
+// ll_combine's topk_weights [T, K] (K <= kMaxTopk) and out [T, H] bf16.
 ffi::Error CheckLLCombineRecvArgs(const char* op, const EPAttrs& a,
                                   ffi::Buffer<ffi::F32> topk_weights,
                                   ffi::Result<ffi::AnyBuffer>& out) {
   const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk;
   if (out->element_type() != ffi::DataType::BF16) return Invalid(op, "the output must be bfloat16");
   if (ffi::Error error = CheckRowBytes(op, a, kRowBF16); !error.success()) return error;
-  if (K > 32 || !IsShape(topk_weights.dimensions(), {T, K}) ||
+  if (K > kMaxTopk || !IsShape(topk_weights.dimensions(), {T, K}) ||
       !IsShape(out->dimensions(), {T, H})) {
     return Invalid(op, "topk_weights " + DimsToString(topk_weights.dimensions()) + ", out " +
                            DimsToString(out->dimensions()) + " do not match T=" +

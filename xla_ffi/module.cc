@@ -251,6 +251,7 @@ NB_MODULE(_C, m) {
   limits["directory_axes"] = jax_ep::kDirectoryAxes;
   limits["data_warps"] = jax_ep::kBlockWarps;
   limits["row_alignment"] = jax_ep::kRowAlignment;
+  limits["fp8_block"] = jax_ep::kFp8Block;
   m.attr("LIMITS") = limits;
 
   m.def(
