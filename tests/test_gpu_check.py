@@ -139,7 +139,8 @@ def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytes
     calls_file, junit_file = tmp_path / "calls.txt", tmp_path / "junit.xml"
     stub = textwrap.dedent(f"""\
         #!/bin/bash
-        echo "JAX_EP_TEST_SHARD_AUTOTUNING=${{JAX_EP_TEST_SHARD_AUTOTUNING:-}} $*" >> {calls_file}
+        echo "JAX_EP_TEST_SHARD_AUTOTUNING=${{JAX_EP_TEST_SHARD_AUTOTUNING:-}} \
+        JAX_EP_TEST_PG_CHECKS=${{JAX_EP_TEST_PG_CHECKS:-}} $*" >> {calls_file}
         if [[ "$*" == *gpu_tests_record.py* ]]; then exec {sys.executable} "$@"; fi
         if [[ "$*" == *"-m pytest"* ]]; then
           for a in "$@"; do
@@ -295,6 +296,20 @@ def test_gpu_suite_pgrep_repeats_with_sharded_autotuning_off_then_on(tmp_path):
     assert record["repeats"] == {"shard_autotuning_off": {"runs": 2, "passed": 2, "failed": 0},
                                  "shard_autotuning_on": {"runs": 2, "passed": 2, "failed": 0}}
     assert "gpu suite pgrep: rc=0" in (out / "summary.txt").read_text()
+    assert all(r.split()[1] == "JAX_EP_TEST_PG_CHECKS=" for r in runs), runs    # every check group
+
+
+def test_gpu_suite_pgrep_runs_the_chosen_check_groups(tmp_path):
+    """PG_CHECKS: the worker's check groups for the repeat runs, passed to the test and in the record."""
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="pgrep", PG_REPEATS="1",
+                                       PG_AUTOTUNING="off", PG_CHECKS="gradients,dispatch_combine")
+    assert rc == 0, output
+    (run,) = pytest_runs(calls)
+    assert run.split()[:2] == ["JAX_EP_TEST_SHARD_AUTOTUNING=off",
+                               "JAX_EP_TEST_PG_CHECKS=gradients,dispatch_combine"], run
+    record = json.loads((out / "gpu_tests_stubx2_ep2_pm2.json").read_text())
+    command = record["parts"]["pgrep_off_1"]["command"]
+    assert "JAX_EP_TEST_PG_CHECKS=gradients,dispatch_combine pytest" in command, command
 
 
 def test_gpu_suite_pgrep_one_setting_adds_to_the_record_of_an_earlier_call(tmp_path):

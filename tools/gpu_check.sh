@@ -72,7 +72,9 @@
 #                        per setting of XLA's sharded autotuning in PG_AUTOTUNING (default off,on: off is
 #                        gpu_helpers' --xla_gpu_shard_autotuning=false, on JAX_EP_TEST_SHARD_AUTOTUNING=on);
 #                        each run is recorded as the next pgrep_<setting>_<n>, so runs of several calls add up;
-#                        with DEADLINE, no run starts with less than PG_RUN_S (default 240) s left
+#                        with DEADLINE, no run starts with less than PG_RUN_S (default 240) s left; PG_CHECKS=a,b
+#                        runs only those worker check groups (e.g. gradients,dispatch_combine: ~45 s a run at 2
+#                        processes against ~2 min for all)
 #               Each pytest: bounded by GPU_SUITE_PART_TIMEOUT (default 530 s) and DEADLINE, cut with SIGINT
 #               (pytest still writes the JUnit XML of the tests done); GPU_SUITE_ARGS extra pytest arguments
 #               (e.g. -k); JUnit XML and -v log under $OUT (gpu_suite_<part>_ep<N>.{xml,log}), then
@@ -510,11 +512,13 @@ if [ -n "${GPU_SUITE:-}" ]; then
             break 2
           fi
           # shellcheck disable=SC2086
-          JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning suite_pytest "$tag" "${GPU_SUITE_PART_TIMEOUT:-530}" \
+          JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning JAX_EP_TEST_PG_CHECKS=${PG_CHECKS:-} \
+            suite_pytest "$tag" "${GPU_SUITE_PART_TIMEOUT:-530}" \
             "${args[@]}" $files
           echo "pgrep shard_autotuning=$autotuning run $i: rc=$rc" | tee -a "$OUT/summary.txt"
           if [ $ran = 1 ]; then
-            record "pgrep_$autotuning" "$tag" 2 "JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning pytest ${args[*]} $files" \
+            record "pgrep_$autotuning" "$tag" 2 \
+              "JAX_EP_TEST_SHARD_AUTOTUNING=$autotuning${PG_CHECKS:+ JAX_EP_TEST_PG_CHECKS=$PG_CHECKS} pytest ${args[*]} $files" \
               --repeat || part_rc=1
           else
             part_rc=124
