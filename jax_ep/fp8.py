@@ -27,7 +27,17 @@ def quantize_fp8(x: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Arra
     padded = jnp.pad(xf, ((0, 0), (0, blocks * FP8_BLOCK - h))).reshape(t, blocks, FP8_BLOCK)
     inv_scale, scales = fp8_scales(jnp.max(jnp.abs(padded), axis=2), min_amax)
     q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
-    return q.astype(jnp.float8_e4m3fn), scales
+    return to_e4m3(q), scales
+
+
+def to_e4m3(x: jax.Array) -> jax.Array:
+    """x (float32, already scaled) rounded to e4m3, kept e4m3 in every compiled program: XLA's GPU
+    compiler removes convert chains f32 -> e4m3 -> f32 under xla_allow_excess_precision (on by default;
+    its SimplifyFPConversions pass), which would make a quantisation a no-op wherever its values are
+    converted back in the same program (the reference FP8 GEMM, the bf16 weight gradient from the
+    forward's rows), so GPU results would not be the reference numerics. The barrier keeps the chain
+    apart."""
+    return lax.optimization_barrier(x.astype(jnp.float8_e4m3fn))
 
 
 def fp8_scales(amax: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Array, jax.Array]:

@@ -37,7 +37,7 @@ from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels
 from jax_ep.errors import EPTypeError, EPValueError
-from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8
+from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8, to_e4m3
 from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
 from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
@@ -91,7 +91,7 @@ def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     blocks = w.astype(jnp.float32).reshape(g, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
     inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=(2, 4)), FP8_GEMM_MIN_AMAX)
     q = blocks * inv_scale[:, :, None, :, None]
-    return q.reshape(g, k, n).astype(jnp.float8_e4m3fn), scales
+    return to_e4m3(q.reshape(g, k, n)), scales
 
 
 def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", interpret: bool = False
@@ -215,7 +215,7 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
         xf = x.astype(jnp.float32) if x_scales is None else dequantize_fp8(x, x_scales)
         blocks = jnp.where(valid[:, :, None], xf[jnp.where(valid, rows, 0)], 0.0)    # [P/128, 128, C]
         inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=1), FP8_GEMM_MIN_AMAX)
-        q = (blocks * inv_scale[:, None, :]).astype(jnp.float8_e4m3fn)
+        q = to_e4m3(blocks * inv_scale[:, None, :])
         return q.transpose(2, 0, 1).reshape(c, p), scales, info
     if backend != "pallas":
         raise EPValueError(f"quantize_rows_t: backend must be 'reference' or 'pallas', got {backend!r}")
