@@ -3,6 +3,7 @@ references on random group sizes (zeros, one huge group, ragged ends), padding r
 inside shard_map with dispatch's group sizes, and the MoE layer with the kernel vs lax.ragged_dot."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,23 @@ def test_moe_layer_kernel_matches_ragged_dot():
         assert rel_err(g1[name][...], g2[name][...]) < 3e-2, name
 
 
+def layer_step(seed: int, **kw):
+    """(loss, parameter gradients) of a mean-square loss of MoE over every GPU (hidden 256, ffn 384, 8
+    experts per rank, top-4, 512 tokens per rank, bfloat16 parameters), jitted; kw: MoE's options."""
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    hidden, ffn, experts, topk, tokens = 256, 384, 8 * mesh.size, 4, 512
+    x = jax.device_put(jax.random.normal(jax.random.key(seed), (mesh.size * tokens, hidden), jnp.bfloat16),
+                       NamedSharding(mesh, P("ep")))
+    layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
+                param_dtype=jnp.bfloat16, **kw)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def loss(params):
+        out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
 @pytest.mark.parametrize("fp8_weight_grad", [False, True], ids=["dw_bf16", "dw_fp8"])
 def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch, fp8_weight_grad):
     """MoE(gemm_dtype="float8_e4m3fn") on the GPU (the Hopper FP8 kernels, the weight-quantisation kernel,
@@ -231,21 +249,7 @@ def test_moe_layer_fp8_kernels_match_the_fp8_reference(monkeypatch, fp8_weight_g
     down one, N = 256, too)."""
     from jax_ep import gemm_fp8
 
-    mesh = Mesh(np.array(jax.devices()), ("ep",))
-    hidden, ffn, experts, topk, tokens = 256, 384, 8 * mesh.size, 4, 512
-    x = jax.device_put(jax.random.normal(jax.random.key(2), (mesh.size * tokens, hidden), jnp.bfloat16),
-                       NamedSharding(mesh, P("ep")))
-
-    def step(**kw):
-        layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                    param_dtype=jnp.bfloat16, **kw)
-        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-        def loss(params):
-            out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
-            return jnp.mean(out.astype(jnp.float32) ** 2)
-        return jax.jit(jax.value_and_grad(loss))(params)
-
+    step = functools.partial(layer_step, 2)
     bf16 = step(gemm="ragged_dot")
     kernel = step(gemm_dtype="float8_e4m3fn", fp8_weight_grad=fp8_weight_grad)
     monkeypatch.setattr(gemm_fp8, "fp8_backend", lambda k, n, backend="auto": "reference")
@@ -272,10 +276,6 @@ def check_weight_gradients_on_the_layer_inputs(monkeypatch, checked_backend="mos
     from jax_ep import gemm_fp8
     from jax_ep.fp8 import dequantize_fp8
 
-    mesh = Mesh(np.array(jax.devices()), ("ep",))
-    hidden, ffn, experts, topk, tokens = 256, 384, 8 * mesh.size, 4, 512
-    x = jax.device_put(jax.random.normal(jax.random.key(2), (mesh.size * tokens, hidden), jnp.bfloat16),
-                       NamedSharding(mesh, P("ep")))
     seen, real = [], gemm_fp8.fp8_weight_gradient
 
     def summary(args):
@@ -303,18 +303,9 @@ def check_weight_gradients_on_the_layer_inputs(monkeypatch, checked_backend="mos
         return got
 
     monkeypatch.setattr(gemm_fp8, "fp8_weight_gradient", both)
-    layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                param_dtype=jnp.bfloat16, gemm_dtype="float8_e4m3fn", fp8_weight_grad=True)
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-    def loss(params):
-        out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
-        return jnp.mean(out.astype(jnp.float32) ** 2)
-
-    _, grads = jax.jit(jax.value_and_grad(loss))(params)
-    jax.block_until_ready(grads)
+    jax.block_until_ready(layer_step(2, gemm_dtype="float8_e4m3fn", fp8_weight_grad=True))
     jax.effects_barrier()
-    return [summary(a) for a in seen], mesh.size
+    return [summary(a) for a in seen], len(jax.devices())
 
 
 @pytest.mark.parametrize("checked_backend", ["mosaic_gpu"])
