@@ -78,16 +78,17 @@ def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int
     return warp_specialized, block_m, stages, grid_minor, bool(ring)
 
 
-def _check_whole_blocks(where: str, k: int, n: int) -> None:
-    """The FP8 GEMMs' one shape fact: K and N are whole 128-channel blocks (one scale per block)."""
-    check_fp8_channels(where, K=k, N=n)
+def quantize_gemm_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows [M, K] as the FP8 GEMMs read them (the forward's x, the backward's dy): quantize_fp8's 1 x 128
+    layout with the GEMMs' amax floor (FP8_GEMM_MIN_AMAX: a gradient is as small as the loss makes it)."""
+    return quantize_fp8(x, FP8_GEMM_MIN_AMAX)
 
 
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[G, K, N] weights -> (e4m3 [G, K, N], float32 scales [G, K/128, N/128]): one scale per 128 x 128
     block, scale = amax / 448 (K and N multiples of 128)."""
     g, k, n = w.shape
-    _check_whole_blocks("quantize_weight_blocks", k, n)
+    check_fp8_channels("quantize_weight_blocks", K=k, N=n)
     blocks = w.astype(jnp.float32).reshape(g, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
     inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=(2, 4)), FP8_GEMM_MIN_AMAX)
     q = blocks * inv_scale[:, :, None, :, None]
@@ -103,7 +104,7 @@ def quantize_weight_blocks_both(w: jax.Array, *, backend: str = "reference", int
     local experts of DeepSeek-V3 the weights are 11 GB per step, and XLA's fusions read them three times
     (the block maxima, the scaled cast, the transpose's copy). "reference": those XLA ops."""
     g, k, n = w.shape
-    _check_whole_blocks("quantize_weight_blocks_both", k, n)
+    check_fp8_channels("quantize_weight_blocks_both", K=k, N=n)
     if backend == "reference":
         wq, scales = quantize_weight_blocks(w)
         return wq, jnp.swapaxes(wq, 1, 2), scales
@@ -292,7 +293,7 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     n = dy.shape[1]
     if dy.shape[0] != m:
         raise EPValueError(f"fp8_weight_gradient: x {x.shape} and dy {dy.shape} must have the same rows")
-    _check_whole_blocks("fp8_weight_gradient", c, n)
+    check_fp8_channels("fp8_weight_gradient", K=c, N=n)
     if backend not in BACKENDS:
         raise EPValueError(f"fp8_weight_gradient: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -390,7 +391,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     if kw != k:
         raise EPValueError(f"grouped_matmul_fp8: x {xq.shape} and w {wq.shape} (transpose_w={transpose_w}) "
                            "must share K")
-    _check_whole_blocks("grouped_matmul_fp8", k, n)
+    check_fp8_channels("grouped_matmul_fp8", K=k, N=n)
     ws = jnp.swapaxes(w_scales, 1, 2) if transpose_w else w_scales     # [G, K/128 contracted, N/128]
     if x_scales.shape != (m, k // FP8_BLOCK) or ws.shape != (g, k // FP8_BLOCK, n // FP8_BLOCK):
         raise EPValueError(f"grouped_matmul_fp8: scales {x_scales.shape} / {w_scales.shape} do not match "
@@ -451,7 +452,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != k:
         raise EPValueError(f"fp8_grouped_matmul: x [M, K] and w [G, K, N] must share K, got x {x.shape}, "
                            f"w {w.shape}")
-    _check_whole_blocks("fp8_grouped_matmul", k, n)
+    check_fp8_channels("fp8_grouped_matmul", K=k, N=n)
     backend = fp8_backend(k, n, backend)
     if quantized is not None:
         _check_quantized(quantized, w, backend)
@@ -461,7 +462,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
 
 
 def _fp8_forward(x, w, group_sizes, quantized, backend):
-    xq, xs = quantize_fp8(x, FP8_GEMM_MIN_AMAX)
+    xq, xs = quantize_gemm_rows(x)
     wq, wq_t, ws = quantize_weights(w, backend=backend) if quantized is None else quantized
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
     return out, (xq, xs, wq, ws, group_sizes)
@@ -489,7 +490,7 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         None if q_like.wq_t is None else vary_as(jnp.zeros((wq.shape[0], wq.shape[2], wq.shape[1]),
                                                            wq.dtype), wq),
         vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
-    dyq, dys = quantize_fp8(dy, FP8_GEMM_MIN_AMAX)
+    dyq, dys = quantize_gemm_rows(dy)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
                             backend=backend)
     if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens

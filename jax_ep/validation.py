@@ -294,7 +294,6 @@ def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op:
 def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int) -> jax.Array:
     """The capacity no rank drops a row with: max over ranks of the rows it receives, each expert's
     count rounded up to cfg.expert_alignment (as group_sizes are). The same on every rank."""
-
     per_expert = lax.psum(layout_of(topk_idx, cfg.num_experts, ep_size).num_tokens_per_expert,
                           cfg.axis_name)
     align = cfg.expert_alignment

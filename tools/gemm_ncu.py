@@ -35,8 +35,7 @@ ORDER = ("forward bf16", "dx bf16", "dw bf16", "forward fp8", "dx fp8")
 
 def programs(m, real, k, n, g, align=64):
     """(name, jitted function, arguments) in ORDER."""
-    from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, quantize_fp8
-    from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks_both
+    from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_gemm_rows, quantize_weight_blocks_both
 
     rng = np.random.default_rng(0)
     gs = jnp.asarray(expert_group_sizes(real, g, rng, align=align))
@@ -56,8 +55,8 @@ def programs(m, real, k, n, g, align=64):
                                    transpose_rhs=name == "dx")
         return run
 
-    xq, xs = quantize_fp8(x, FP8_GEMM_MIN_AMAX)   # as the layer's FP8 GEMMs
-    dyq, dys = quantize_fp8(dy, FP8_GEMM_MIN_AMAX)
+    xq, xs = quantize_gemm_rows(x)
+    dyq, dys = quantize_gemm_rows(dy)
     wq, wq_t, ws = jax.jit(quantize_weight_blocks_both)(w)
     return [("forward bf16", jax.jit(bf16("forward")), (x, w, dy, gs)),
             ("dx bf16", jax.jit(bf16("dx")), (x, w, dy, gs)),

@@ -189,19 +189,19 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     (gemm_fp8.KERNELS), forward and input gradient, next to the bf16 forward at the table's
     configuration, and the weight gradient in bf16 and in FP8 (fp8_weight_gradient), same inputs
     (quantised), same run."""
-    from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, quantize_fp8
     from jax_ep.gemm import grouped_matmul, weight_gradient
     from jax_ep.gemm_fp8 import (
         DW_KERNELS,
         KERNELS,
         fp8_weight_gradient,
         grouped_matmul_fp8,
+        quantize_gemm_rows,
         quantize_weight_blocks,
     )
 
     m, real, k, n, g, align = shape
-    xq, xs = quantize_fp8(x, FP8_GEMM_MIN_AMAX)   # as the layer's FP8 GEMMs
-    dyq, dys = quantize_fp8(dy, FP8_GEMM_MIN_AMAX)
+    xq, xs = quantize_gemm_rows(x)
+    dyq, dys = quantize_gemm_rows(dy)
     wq, ws = quantize_weight_blocks(w)
     wq_t = jnp.swapaxes(wq, 1, 2)
     rec = dict(op="grouped_matmul_fp8", m=m, rows=real, k=k, n=n, g=g, alignment=align,
