@@ -317,6 +317,17 @@ def _acc_zeros(bm: int, bn: int):
     return plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
 
 
+def _acc_ref_context(bm: int, bn: int, store):
+    """A per-tile warp-specialised pipeline's compute context: the tile's K steps accumulate into a
+    fresh (bm, bn) float32 WGMMA accumulator, then store(its values) writes the tile out."""
+    def compute_context(run):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+        def _acc(acc_ref):
+            run(acc_ref)
+            store(acc_ref[...])
+    return compute_context
+
+
 def _write_tile(o_smem, values):
     """values -> the output tile o_smem, once the previous TMA store from it has read it."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -568,11 +579,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                     _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
                                 schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
 
-                def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                    def _acc(acc_ref):
-                        run(acc_ref)
-                        store(acc_ref[...])
+                compute_context = _acc_ref_context(bm, bn, store)
 
                 def step(_, lhs_smem, rhs_smem, acc_ref):
                     if transpose_rhs:
@@ -683,11 +690,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                     _write_tile(o_smem.at[wg], values)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
 
-                def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                    def _acc(acc_ref):
-                        run(acc_ref)
-                        store(acc_ref[...])
+                compute_context = _acc_ref_context(bm, bn, store)
 
                 def step(idx, lhs_smem, rhs_smem, acc_ref):
                     rhs_mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
