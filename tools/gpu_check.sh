@@ -433,7 +433,7 @@ if [ -n "${GPU_SUITE:-}" ]; then
   m1a="tests/gpu/test_dispatch_gpu.py tests/gpu/test_layout_gpu.py tests/gpu/test_peer_smoke_gpu.py"
   # the GEMM file alone took over 8 minutes at EP2 (2026-11-29): two parts, split by -k
   m1g="tests/gpu/test_gemm_gpu.py"
-  m1h="tests/gpu/test_gemm_gpu.py"
+  m1h=$m1g
   m1b="tests/gpu/test_rank_major_gpu.py"
   pga="tests/gpu/test_process_group_gpu.py tests/gpu/test_hierarchical_gpu.py"
   others() { local f; for f in $1; do case " $2 " in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done; }
