@@ -258,6 +258,19 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
     return qt, fp8_scales(amax, FP8_GEMM_MIN_AMAX)[1], info
 
 
+def weight_gradient_of_quantized(xt: jax.Array, xs: jax.Array, dyt: jax.Array, dys: jax.Array,
+                                 info: jax.Array) -> jax.Array:
+    """The reference FP8 weight gradient from quantize_rows_t's outputs (x's and dy's): per group, the sum
+    over its 128-row blocks of the dequantised blocks' products, float32 [G, C, N]."""
+    xf = xt.astype(jnp.float32) * jnp.repeat(xs.T, FP8_BLOCK, axis=1)           # [C, P]
+    dyf = dyt.astype(jnp.float32) * jnp.repeat(dys.T, FP8_BLOCK, axis=1)        # [N, P]
+    return lax.ragged_dot_general(
+        xf.T, dyf.T, info[2] * FP8_BLOCK,
+        lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                      lhs_ragged_dimensions=[0], rhs_group_dimensions=[]),
+        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
 WEIGHT_GRADIENTS = ("bf16", "fp8")
 
 
@@ -299,15 +312,7 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     if backend == "reference":
         xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales)
         dyt, dys, _ = quantize_rows_t(dy, group_sizes)
-        xf = xt.astype(jnp.float32) * jnp.repeat(xs.T, FP8_BLOCK, axis=1)           # [C, P]
-        dyf = dyt.astype(jnp.float32) * jnp.repeat(dys.T, FP8_BLOCK, axis=1)        # [N, P]
-        padded_sizes = info[2] * FP8_BLOCK
-        dw = lax.ragged_dot_general(
-            xf.T, dyf.T, padded_sizes,
-            lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
-                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[]),
-            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return dw.astype(out_dtype)
+        return weight_gradient_of_quantized(xt, xs, dyt, dys, info).astype(out_dtype)
     if not _dw_kernel_fits(c, n):
         raise EPValueError(f"fp8_weight_gradient: the Hopper kernel needs N % {2 * FP8_BLOCK} == 0 and "
                            f"C % 64 == 0, got C={c}, N={n}")

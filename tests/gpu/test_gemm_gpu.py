@@ -283,10 +283,13 @@ def check_weight_gradients_on_the_layer_inputs(monkeypatch, checked_backend="mos
     """Run the FP8 layer step with fp8_weight_grad at every rank of the mesh, each FP8 weight gradient
     computed on `checked_backend` (the Hopper kernel) and on the reference backend from the same inputs
     the layer gives it (dispatch's rows, group sizes, padding and capacity tail); returns one dict per
-    (rank, call): per group its rows, the kernel's relative error against the reference, and the largest
-    |x| and |dy| in the group's rows and in the rows past the groups: what tells the kernel from its
-    inputs when the layer test above fails (as on 2026-11-29 at EP2: w_gate_up 26% from bf16, which the
-    reference numerics gave too on CPU: the e4m3 floor, fixed by jax_ep.fp8.FP8_GEMM_MIN_AMAX)."""
+    (rank, call): per group its rows, the kernel's relative error against the reference ("err") and
+    against the reference sums of the kernel path's own quantised operands ("err_gemm": the GEMM alone),
+    the largest |x| and |dy| in the group's rows and past the groups, and how many of the token-minor e4m3
+    copies' live values and scales the kernel path's quantiser gives otherwise than the reference's
+    ("x_diff", "dy_diff": values, scales): what tells the GEMM from the quantiser from the inputs when the
+    layer test above fails (as on 2026-11-29 at EP2: w_gate_up 26% from bf16, which the reference numerics
+    gave too on CPU: the e4m3 floor, fixed by jax_ep.fp8.FP8_GEMM_MIN_AMAX)."""
     from jax import lax
 
     from jax_ep import gemm_fp8
@@ -295,27 +298,46 @@ def check_weight_gradients_on_the_layer_inputs(monkeypatch, checked_backend="mos
     seen, real = [], gemm_fp8.fp8_weight_gradient
 
     def summary(args):
-        rank, sizes, got, want, xa, dya = (np.asarray(a) for a in args)
+        rank, sizes, got, want, want_gemm, xa, dya, x_diff, dy_diff = (np.asarray(a) for a in args)
         ends = np.cumsum(sizes)
         starts = ends - sizes
         total = int(ends[-1])
-        return {"rank": int(rank), "sizes": sizes.tolist(), "rows": len(xa),
-                "err": [float(rel_err(got[g], want[g])) if sizes[g] else float(np.abs(got[g]).max())
-                        for g in range(len(sizes))],
+
+        def errs(ref):
+            return [float(rel_err(got[g], ref[g])) if sizes[g] else float(np.abs(got[g]).max())
+                    for g in range(len(sizes))]
+        return {"rank": int(rank), "sizes": sizes.tolist(), "rows": len(xa), "err": errs(want),
+                "err_gemm": errs(want_gemm), "x_diff": x_diff.tolist(), "dy_diff": dy_diff.tolist(),
                 "x_amax": [float(xa[s:e].max(initial=0)) for s, e in zip(starts, ends, strict=True)],
                 "dy_amax": [float(dya[s:e].max(initial=0)) for s, e in zip(starts, ends, strict=True)],
                 "x_amax_tail": float(np.nan_to_num(xa[total:], nan=np.inf).max(initial=0)),
                 "dy_amax_tail": float(np.nan_to_num(dya[total:], nan=np.inf).max(initial=0))}
 
+    def quantised_both_ways(a, group_sizes, scales):
+        """(the kernel path's token-minor copy with everything past the live blocks zeroed, [values,
+        scales] that differ from the reference's)"""
+        qt, qs, info = gemm_fp8.quantize_rows_t(a, group_sizes, x_scales=scales, backend="pallas")
+        rt, rs, _ = gemm_fp8.quantize_rows_t(a, group_sizes, x_scales=scales)
+        live_blocks = jnp.arange(qs.shape[0]) < jnp.sum(info[2])
+        live = jnp.repeat(live_blocks, gemm_fp8.FP8_BLOCK)
+        qt = jnp.where(live[None, :], qt.astype(jnp.float32), 0.0).astype(qt.dtype)
+        qs = jnp.where(live_blocks[:, None], qs, 1.0)
+        diff = jnp.stack([jnp.sum(qt.astype(jnp.float32) != rt.astype(jnp.float32)),
+                          jnp.sum(qs != jnp.where(live_blocks[:, None], rs, 1.0))])
+        return (qt, qs, info), diff
+
     def both(x, dy, group_sizes, *, x_scales=None, backend="reference", **kw):
         got = real(x, dy, group_sizes, x_scales=x_scales, backend=backend, **kw)
         if backend == checked_backend:
             want = real(x, dy, group_sizes, x_scales=x_scales, backend="reference", out_dtype=jnp.float32)
+            (xt, xs, info), x_diff = quantised_both_ways(x, group_sizes, x_scales)
+            (dyt, dys, _), dy_diff = quantised_both_ways(dy, group_sizes, None)
+            want_gemm = gemm_fp8.weight_gradient_of_quantized(xt, xs, dyt, dys, info)
             rows = x.astype(jnp.float32) if x_scales is None else dequantize_fp8(x, x_scales)
             # kept as they come: reading them inside the callback blocked (CPU, 2 devices); read after
             jax.debug.callback(lambda *a: seen.append(a), lax.axis_index("ep"), group_sizes,
-                               got.astype(jnp.float32), want, jnp.max(jnp.abs(rows), axis=1),
-                               jnp.max(jnp.abs(dy.astype(jnp.float32)), axis=1))
+                               got.astype(jnp.float32), want, want_gemm, jnp.max(jnp.abs(rows), axis=1),
+                               jnp.max(jnp.abs(dy.astype(jnp.float32)), axis=1), x_diff, dy_diff)
         return got
 
     monkeypatch.setattr(gemm_fp8, "fp8_weight_gradient", both)
@@ -328,8 +350,11 @@ def check_weight_gradients_on_the_layer_inputs(monkeypatch, checked_backend="mos
 def test_fp8_weight_gradient_kernel_matches_the_reference_on_the_layer_inputs(monkeypatch, checked_backend):
     """Each FP8 weight gradient of the layer step (both GEMMs, every rank) from the Hopper kernel agrees
     with the reference backend on the very inputs the layer gives it, group by group, within the unit
-    test's bound; the failure message carries every group's rows, error and operand maxima."""
+    test's bound; every (rank, call)'s summary is printed (pytest shows it on failure): errors of the
+    whole path and of the GEMM alone, quantiser differences, operand maxima."""
     seen, ranks = check_weight_gradients_on_the_layer_inputs(monkeypatch, checked_backend)
+    for s in seen:
+        print(s)
     assert sorted({s["rank"] for s in seen}) == list(range(ranks)) and len(seen) == 2 * ranks, seen
     for s in seen:
         bad = [g for g, (n, e) in enumerate(zip(s["sizes"], s["err"], strict=True))
