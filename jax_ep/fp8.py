@@ -30,6 +30,14 @@ def quantize_fp8(x: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Arra
     return to_e4m3(q), scales
 
 
+def as_stored(y: jax.Array) -> jax.Array:
+    """y exactly as its dtype stores it. XLA's excess precision (xla_allow_excess_precision, on by
+    default) may otherwise read the float32 value that a bf16 y was rounded from when y is widened
+    again; the documented combine and its gradients use the rounded y, as the kernels do, and a
+    reference quantiser must see the values a kernel reads from memory."""
+    return lax.optimization_barrier(y)
+
+
 def to_e4m3(x: jax.Array) -> jax.Array:
     """x (float32, already scaled) rounded to e4m3, kept e4m3 in every compiled program: XLA's GPU
     compiler removes convert chains f32 -> e4m3 -> f32 under xla_allow_excess_precision (on by default;

@@ -37,7 +37,7 @@ from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels
 from jax_ep.errors import EPTypeError, EPValueError
-from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, dequantize_fp8, fp8_scales, quantize_fp8, to_e4m3
+from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, as_stored, dequantize_fp8, fp8_scales, quantize_fp8, to_e4m3
 from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
 from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
@@ -213,6 +213,9 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
     if backend == "reference":
         rows = source[0][:, None] + jnp.arange(b, dtype=jnp.int32)[None, :]          # [P/128, 128]
         valid = jnp.arange(b)[None, :] < source[1][:, None]
+        # the rows as stored, as the Triton quantiser reads them (excess precision could otherwise skip
+        # the rounding that made a bf16 dy: half the scales differed on one H200, 2026-11-29)
+        x = as_stored(x)
         xf = x.astype(jnp.float32) if x_scales is None else dequantize_fp8(x, x_scales)
         blocks = jnp.where(valid[:, :, None], xf[jnp.where(valid, rows, 0)], 0.0)    # [P/128, 128, C]
         inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=1), FP8_GEMM_MIN_AMAX)

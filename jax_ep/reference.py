@@ -81,7 +81,7 @@ from jax import lax
 
 from jax_ep import routing, types
 from jax_ep.config import EPConfig
-from jax_ep.fp8 import quantize_fp8
+from jax_ep.fp8 import as_stored, quantize_fp8
 from jax_ep.types import (
     DROPPED,
     EMPTY_ROW,
@@ -208,13 +208,6 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + routing.masked_pairs(topk_idx, cfg, rank_mask)
     return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle,
                       routing.active(rank_mask, ep_size).astype(jnp.int32))
-
-
-def as_stored(y: jax.Array) -> jax.Array:
-    """y exactly as its dtype stores it. XLA's excess precision (xla_allow_excess_precision, on by
-    default) may otherwise read the float32 value that a bf16 y was rounded from when y is widened
-    again; the documented combine and its gradients use the rounded y, as the kernels do."""
-    return lax.optimization_barrier(y)
 
 
 def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
