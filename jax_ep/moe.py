@@ -94,8 +94,10 @@ class EPOptions:
         has no data dependence on chunk i-1's expert GEMMs, so with the kernels on an async stream
         (``KernelConfig(async_stream=1)``) XLA can run them side by side. Results equal ``chunks=1``'s when
         nothing is dropped (``capacity`` applies to each chunk's dispatch). Each chunk streams every local
-        expert's weights through its GEMMs once more, so many local experts favour few chunks; 1 (default)
-        until the layer benchmark measures a win (``benchmarks --layer``, configs ``*_chunks2``).
+        expert's weights through its GEMMs once more (and adds the chunks' weight gradients): measured slower,
+        so 1 (default). 2 chunks on 2 H200s (2026-11-29, ``benchmarks --layer``, configs ``*_chunks2``):
+        DeepSeek-V3 step 35.0-36.3 ms against 20.7-22.1, mid 8.32 against 6.42, nothing of the exchanges
+        hidden (the persistent GEMM kernels hold every SM; docs/benchmarks.md, session 23).
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked`` and
