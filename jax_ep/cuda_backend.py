@@ -109,8 +109,7 @@ def layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
 
 def layout_of(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
     """``layout`` for a given EP size (rank-local: needs no mesh axis)."""
-    runtime.register_targets()
-    call = jax.ffi.ffi_call("jax_ep_dispatch_layout",
+    call = jax.ffi.ffi_call(runtime.target("dispatch_layout"),
                             tuple(types.layout_types(topk_idx.shape[0], num_experts, ep_size)),
                             vmap_method="sequential")
     outputs = call(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(ep_size))
@@ -129,17 +128,17 @@ def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
     together with each rank, counted on the device).
     """
     group_size = int(mesh.shape[axis_name])
-    runtime.register_targets()
+    name = runtime.target("peer_smoke")
     mesh_slots = _local_group_slots(mesh, axis_name)
     call = jax.ffi.ffi_call(
-        "jax_ep_peer_smoke",
+        name,
         (jax.ShapeDtypeStruct((group_size, int(n)), jnp.uint32),
          jax.ShapeDtypeStruct((group_size,), jnp.uint32)),
         vmap_method="sequential",
     )
     received, epochs = ordering.ordered_call(
         lambda t: call(t, mesh_slots=mesh_slots, group_size=np.int64(group_size), n=np.int64(n)),
-        jnp.asarray(tag, jnp.int32).reshape(()), name="jax_ep_peer_smoke")
+        jnp.asarray(tag, jnp.int32).reshape(()), name=name)
     try:
         jax.lax.axis_size(axis_name)
     except NameError:  # called outside shard_map (e.g. a single-device test): nothing to type
@@ -159,7 +158,7 @@ def remote_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh, axis_name: 
     from rank w). On one node NVSHMEM carries the puts over NVLink/P2P.
     """
     group_size = int(mesh.shape[axis_name])
-    runtime.register_targets()
+    name = runtime.target("remote_smoke")
     if runtime.process_model() != "process_per_gpu":
         raise EPUnsupportedError(
             "jax_ep: remote_smoke needs process model 2 (NVSHMEM): one process per GPU under "
@@ -168,13 +167,13 @@ def remote_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh, axis_name: 
     # Growing the symmetric buffer is collective: done here, at trace time, on every process.
     runtime.reserve(runtime.extension().remote_smoke_comm_bytes(group_size, int(n)))
     call = jax.ffi.ffi_call(
-        "jax_ep_remote_smoke",
+        name,
         jax.ShapeDtypeStruct((group_size, int(n)), jnp.uint32),
         vmap_method="sequential",
     )
     received = ordering.ordered_call(
         lambda t: call(t, mesh_slots=mesh_slots, group_size=np.int64(group_size), n=np.int64(n)),
-        jnp.asarray(tag, jnp.int32).reshape(()), name="jax_ep_remote_smoke")
+        jnp.asarray(tag, jnp.int32).reshape(()), name=name)
     try:
         jax.lax.axis_size(axis_name)
     except NameError:  # called outside shard_map: nothing to type
@@ -382,14 +381,15 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
     runtime.reserve(need)
     # One order in every process (jax_ep.ordering): the call is bound with the ordered effect, so it
     # runs after every EP call before it in program order, whatever each process's XLA schedules.
-    call = jax.ffi.ffi_call(f"jax_ep_{op}", out_types, vmap_method="sequential")
+    name = runtime.target(op)
+    call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
     if stream is None:
-        return ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=f"jax_ep_{op}")
+        return ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
     # the function form: compute_on2 up to jax 0.10, renamed compute_on in 0.11
     on_stream = getattr(_compute_on, "compute_on2", _compute_on.compute_on)
     issue = on_stream(lambda *a: call(*a, **attrs), compute_type=f"gpu_stream:{stream}",
                       out_memory_spaces=jax.memory.Space.Device)
-    return ordering.ordered_call(issue, *args, name=f"jax_ep_{op}")
+    return ordering.ordered_call(issue, *args, name=name)
 
 
 def _mask_operand(rank_mask: jax.Array | None, ep_size: int) -> jax.Array:

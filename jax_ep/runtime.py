@@ -67,13 +67,6 @@ except ImportError as e:  # pragma: no cover - depends on the build
     _C = None
     _IMPORT_ERROR = str(e) + (f" ({_NVSHMEM_ERROR})" if _NVSHMEM_ERROR else "")
 
-# Every FFI target the extension exports (names as registered with XLA).
-FFI_TARGETS = ("jax_ep_dispatch_layout", "jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine",
-               "jax_ep_broadcast", "jax_ep_combine_bwd", "jax_ep_slot_values", "jax_ep_remote_smoke",
-               "jax_ep_ll_dispatch", "jax_ep_ll_combine", "jax_ep_ll_dispatch_send",
-               "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
-               "jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major", "jax_ep_broadcast_rank_major")
-
 STATE_TYPE = "jax_ep_op_state"  # the FFI state type of the communicating ops (instantiate stage)
 
 _lock = threading.Lock()
@@ -181,13 +174,9 @@ def register_targets() -> None:
     _require_available()
     with _lock:
         if not _registered:
-            handlers = _C.ffi_handlers()
-            missing = set(FFI_TARGETS) - set(handlers)
-            if missing:
-                raise errors.EPRuntimeError(f"jax_ep._C lacks FFI targets {sorted(missing)}: stale build? "
-                                            "Reinstall jax_ep.")
             jax.ffi.register_ffi_type(STATE_TYPE, _C.state_type(), platform="CUDA")
-            for name, stages in handlers.items():
+            # the extension's one list of targets (xla_ffi/handlers.h, JAX_EP_TARGETS)
+            for name, stages in _C.ffi_handlers().items():
                 jax.ffi.register_ffi_target(name, stages, platform="CUDA")
             _registered = True
         if not _C.managed_devices():
@@ -195,6 +184,22 @@ def register_targets() -> None:
                 _init_process_group(0)
             else:
                 _C.init(local_gpu_ordinals(), 0)
+
+
+def target(op: str) -> str:
+    """The FFI target of ``op`` ("jax_ep_<op>"), every target registered (register_targets); an
+    EPRuntimeError when the extension lacks it (built from older sources than this package)."""
+    register_targets()
+    name = f"jax_ep_{op}"
+    if name not in _targets():
+        raise errors.EPRuntimeError(f"jax_ep._C has no FFI target {name!r} (it has {sorted(_targets())}): "
+                                    "a stale build? Reinstall jax_ep.")
+    return name
+
+
+@functools.cache
+def _targets() -> frozenset:
+    return frozenset(_C.ffi_handlers())
 
 
 def _room_verdict(process: int, gpu: int, plan: dict, free: int, total: int,

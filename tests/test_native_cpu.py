@@ -36,13 +36,13 @@ def test_handler_capsules_for_every_target():
     if native is None:
         pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
     handlers = native.ffi_handlers()
-    assert set(handlers) == set(runtime.FFI_TARGETS)
     stateful = {"jax_ep_peer_smoke", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_broadcast",
                 "jax_ep_combine_bwd", "jax_ep_slot_values", "jax_ep_remote_smoke", "jax_ep_ll_dispatch",
                 "jax_ep_ll_combine",
                 "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
                 "jax_ep_ll_combine_recv", "jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major",
                 "jax_ep_broadcast_rank_major"}
+    assert set(handlers) == stateful | {"jax_ep_dispatch_layout"}
     for name, entry in handlers.items():
         capsules = entry.values() if name in stateful else [entry]
         if name in stateful:  # the communicating ops keep state per call site (instantiate stage)
@@ -54,8 +54,26 @@ def test_handler_capsules_for_every_target():
     major, minor = native.FFI_API_VERSION
     assert (major, minor) >= (0, 3)
     stats = native.handler_stats()
-    assert set(stats) == set(runtime.FFI_TARGETS)
+    assert set(stats) == set(handlers)   # one list (xla_ffi/handlers.h, JAX_EP_TARGETS)
     assert all(set(s) == {"calls", "captured_calls"} for s in stats.values())
+
+
+def test_every_op_the_cuda_backend_calls_has_its_target(monkeypatch):
+    """runtime.target(op) names an FFI target of the extension for every op the CUDA backend calls
+    (the EP ops, layout, the smoke ops, the low-latency send/recv halves), and refuses one the
+    extension lacks, as a stale build would, naming it."""
+    from jax_ep import errors, ops
+
+    native = runtime.extension()
+    if native is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    called = set(ops.OPS) - {"layout"}
+    called |= {"dispatch_layout", "peer_smoke", "remote_smoke", "ll_dispatch_send", "ll_dispatch_recv",
+               "ll_combine_send", "ll_combine_recv"}
+    assert {runtime.target(op) for op in called} == set(native.ffi_handlers())
+    with pytest.raises(errors.EPRuntimeError, match="no FFI target 'jax_ep_dispatchh'.*stale build"):
+        runtime.target("dispatchh")
 
 
 def test_nvshmem_device_library_is_linked_in():

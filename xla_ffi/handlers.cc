@@ -53,23 +53,10 @@ struct CallCounters {
   std::atomic<uint64_t> calls{0};
   std::atomic<uint64_t> captured_calls{0};
 };
-CallCounters layout_counters;
-CallCounters peer_smoke_counters;
-CallCounters dispatch_counters;
-CallCounters combine_counters;
-CallCounters broadcast_counters;
-CallCounters combine_bwd_counters;
-CallCounters slot_values_counters;
-CallCounters remote_smoke_counters;
-CallCounters ll_dispatch_counters;
-CallCounters ll_combine_counters;
-CallCounters ll_dispatch_send_counters;
-CallCounters ll_dispatch_recv_counters;
-CallCounters ll_combine_send_counters;
-CallCounters ll_combine_recv_counters;
-CallCounters dispatch_rank_major_counters;
-CallCounters combine_rank_major_counters;
-CallCounters broadcast_rank_major_counters;
+// name_counters per target (JAX_EP_TARGETS)
+#define JAX_EP_COUNTERS(Name, name) CallCounters name##_counters;
+JAX_EP_TARGETS(JAX_EP_COUNTERS)
+#undef JAX_EP_COUNTERS
 
 // Counts the call, and whether `stream` is being captured into a CUDA graph right now
 // (cudaStreamIsCapturing is legal during capture; it does not query execution status).
@@ -99,7 +86,7 @@ ffi::Error DispatchLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_id
                               ffi::ResultBuffer<ffi::S32> tokens_per_expert,
                               ffi::ResultBuffer<ffi::PRED> is_token_in_rank, int64_t num_experts,
                               int64_t num_ranks) {
-  if (ffi::Error error = CountCall(layout_counters, stream, kDispatchLayoutTarget);
+  if (ffi::Error error = CountCall(dispatch_layout_counters, stream, kDispatchLayoutTarget);
       !error.success()) {
     return error;
   }
@@ -1529,27 +1516,10 @@ ffi::TypeId OpState::id = {};
 
 std::vector<HandlerStats> GetHandlerStats() {
   std::vector<HandlerStats> stats;
-  for (const auto& [target, counters] :
-       {std::pair<const char*, CallCounters*>{kDispatchLayoutTarget, &layout_counters},
-        std::pair<const char*, CallCounters*>{kPeerSmokeTarget, &peer_smoke_counters},
-        std::pair<const char*, CallCounters*>{kDispatchTarget, &dispatch_counters},
-        std::pair<const char*, CallCounters*>{kCombineTarget, &combine_counters},
-        std::pair<const char*, CallCounters*>{kBroadcastTarget, &broadcast_counters},
-        std::pair<const char*, CallCounters*>{kCombineBwdTarget, &combine_bwd_counters},
-        std::pair<const char*, CallCounters*>{kSlotValuesTarget, &slot_values_counters},
-        std::pair<const char*, CallCounters*>{kRemoteSmokeTarget, &remote_smoke_counters},
-        std::pair<const char*, CallCounters*>{kLLDispatchTarget, &ll_dispatch_counters},
-        std::pair<const char*, CallCounters*>{kLLCombineTarget, &ll_combine_counters},
-        std::pair<const char*, CallCounters*>{kLLDispatchSendTarget, &ll_dispatch_send_counters},
-        std::pair<const char*, CallCounters*>{kLLDispatchRecvTarget, &ll_dispatch_recv_counters},
-        std::pair<const char*, CallCounters*>{kLLCombineSendTarget, &ll_combine_send_counters},
-        std::pair<const char*, CallCounters*>{kLLCombineRecvTarget, &ll_combine_recv_counters},
-        std::pair<const char*, CallCounters*>{kDispatchRankMajorTarget,
-                                              &dispatch_rank_major_counters},
-        std::pair<const char*, CallCounters*>{kCombineRankMajorTarget,
-                                              &combine_rank_major_counters},
-        std::pair<const char*, CallCounters*>{kBroadcastRankMajorTarget,
-                                              &broadcast_rank_major_counters}}) {
+#define JAX_EP_STATS_ENTRY(Name, name) {k##Name##Target, &name##_counters},
+  const std::pair<const char*, CallCounters*> entries[] = {JAX_EP_TARGETS(JAX_EP_STATS_ENTRY)};
+#undef JAX_EP_STATS_ENTRY
+  for (const auto& [target, counters] : entries) {
     stats.push_back({target, counters->calls.load(std::memory_order_relaxed),
                      counters->captured_calls.load(std::memory_order_relaxed)});
   }

@@ -12,24 +12,35 @@
 
 namespace jax_ep {
 
-// FFI target names, as registered with jax.ffi.register_ffi_target(..., platform="CUDA").
-inline constexpr const char kDispatchLayoutTarget[] = "jax_ep_dispatch_layout";
-inline constexpr const char kPeerSmokeTarget[] = "jax_ep_peer_smoke";
-inline constexpr const char kDispatchTarget[] = "jax_ep_dispatch";
-inline constexpr const char kCombineTarget[] = "jax_ep_combine";
-inline constexpr const char kBroadcastTarget[] = "jax_ep_broadcast";
-inline constexpr const char kCombineBwdTarget[] = "jax_ep_combine_bwd";
-inline constexpr const char kSlotValuesTarget[] = "jax_ep_slot_values";
-inline constexpr const char kRemoteSmokeTarget[] = "jax_ep_remote_smoke";
-inline constexpr const char kLLDispatchTarget[] = "jax_ep_ll_dispatch";
-inline constexpr const char kLLCombineTarget[] = "jax_ep_ll_combine";
-inline constexpr const char kLLDispatchSendTarget[] = "jax_ep_ll_dispatch_send";
-inline constexpr const char kLLDispatchRecvTarget[] = "jax_ep_ll_dispatch_recv";
-inline constexpr const char kLLCombineSendTarget[] = "jax_ep_ll_combine_send";
-inline constexpr const char kLLCombineRecvTarget[] = "jax_ep_ll_combine_recv";
-inline constexpr const char kDispatchRankMajorTarget[] = "jax_ep_dispatch_rank_major";
-inline constexpr const char kCombineRankMajorTarget[] = "jax_ep_combine_rank_major";
-inline constexpr const char kBroadcastRankMajorTarget[] = "jax_ep_broadcast_rank_major";
+// Every FFI target, the one list (adding an op adds its line here): X(Name, name) is the target
+// "jax_ep_<name>" (kNameTarget), its execute handler JaxEp<Name>, its call counters (handlers.cc) and
+// its entry in jax_ep._C.ffi_handlers() / handler_stats(), which jax_ep.runtime registers with XLA
+// (platform CUDA). The stateful targets also have an instantiate stage, JaxEp<Name>Instantiate, that
+// makes the call site's OpState.
+#define JAX_EP_STATELESS_TARGETS(X) \
+  X(DispatchLayout, dispatch_layout)
+#define JAX_EP_STATEFUL_TARGETS(X) \
+  X(PeerSmoke, peer_smoke) \
+  X(Dispatch, dispatch) \
+  X(Combine, combine) \
+  X(Broadcast, broadcast) \
+  X(CombineBwd, combine_bwd) \
+  X(SlotValues, slot_values) \
+  X(RemoteSmoke, remote_smoke) \
+  X(LLDispatch, ll_dispatch) \
+  X(LLCombine, ll_combine) \
+  X(LLDispatchSend, ll_dispatch_send) \
+  X(LLDispatchRecv, ll_dispatch_recv) \
+  X(LLCombineSend, ll_combine_send) \
+  X(LLCombineRecv, ll_combine_recv) \
+  X(DispatchRankMajor, dispatch_rank_major) \
+  X(CombineRankMajor, combine_rank_major) \
+  X(BroadcastRankMajor, broadcast_rank_major)
+#define JAX_EP_TARGETS(X) JAX_EP_STATELESS_TARGETS(X) JAX_EP_STATEFUL_TARGETS(X)
+
+#define JAX_EP_TARGET_NAME(Name, name) inline constexpr const char k##Name##Target[] = "jax_ep_" #name;
+JAX_EP_TARGETS(JAX_EP_TARGET_NAME)
+#undef JAX_EP_TARGET_NAME
 
 // Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values and the
 // rank-major ones; combine_rank_major / broadcast_rank_major have num_topk 1), one struct for all
@@ -79,37 +90,11 @@ std::vector<HandlerStats> GetHandlerStats();
 }  // namespace jax_ep
 
 extern "C" {
-XLA_FFI_Error* JaxEpDispatchLayout(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpPeerSmoke(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpPeerSmokeInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpRemoteSmoke(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpRemoteSmokeInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpBroadcastInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineBwdInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpSlotValuesInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpDispatch(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombine(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpBroadcast(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineBwd(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpSlotValues(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLDispatchInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLCombineInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLDispatch(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLCombine(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLDispatchSendInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLDispatchRecvInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLCombineSendInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLCombineRecvInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLDispatchSend(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLDispatchRecv(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLCombineSend(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpLLCombineRecv(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpDispatchRankMajorInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineRankMajorInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpBroadcastRankMajorInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpDispatchRankMajor(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineRankMajor(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpBroadcastRankMajor(XLA_FFI_CallFrame* call_frame);
+#define JAX_EP_DECLARE_EXECUTE(Name, name) XLA_FFI_Error* JaxEp##Name(XLA_FFI_CallFrame* call_frame);
+#define JAX_EP_DECLARE_INSTANTIATE(Name, name) \
+  XLA_FFI_Error* JaxEp##Name##Instantiate(XLA_FFI_CallFrame* call_frame);
+JAX_EP_TARGETS(JAX_EP_DECLARE_EXECUTE)
+JAX_EP_STATEFUL_TARGETS(JAX_EP_DECLARE_INSTANTIATE)
+#undef JAX_EP_DECLARE_EXECUTE
+#undef JAX_EP_DECLARE_INSTANTIATE
 }

@@ -193,37 +193,13 @@ NB_MODULE(_C, m) {
       "ffi_handlers",
       [] {
         nb::dict handlers;
-        handlers[jax_ep::kDispatchLayoutTarget] = HandlerCapsule(JaxEpDispatchLayout);
-        handlers[jax_ep::kPeerSmokeTarget] =
-            StatefulHandler(JaxEpPeerSmokeInstantiate, JaxEpPeerSmoke);
-        handlers[jax_ep::kDispatchTarget] = StatefulHandler(JaxEpDispatchInstantiate, JaxEpDispatch);
-        handlers[jax_ep::kCombineTarget] = StatefulHandler(JaxEpCombineInstantiate, JaxEpCombine);
-        handlers[jax_ep::kBroadcastTarget] =
-            StatefulHandler(JaxEpBroadcastInstantiate, JaxEpBroadcast);
-        handlers[jax_ep::kCombineBwdTarget] =
-            StatefulHandler(JaxEpCombineBwdInstantiate, JaxEpCombineBwd);
-        handlers[jax_ep::kSlotValuesTarget] =
-            StatefulHandler(JaxEpSlotValuesInstantiate, JaxEpSlotValues);
-        handlers[jax_ep::kLLDispatchTarget] =
-            StatefulHandler(JaxEpLLDispatchInstantiate, JaxEpLLDispatch);
-        handlers[jax_ep::kLLCombineTarget] =
-            StatefulHandler(JaxEpLLCombineInstantiate, JaxEpLLCombine);
-        handlers[jax_ep::kLLDispatchSendTarget] =
-            StatefulHandler(JaxEpLLDispatchSendInstantiate, JaxEpLLDispatchSend);
-        handlers[jax_ep::kLLDispatchRecvTarget] =
-            StatefulHandler(JaxEpLLDispatchRecvInstantiate, JaxEpLLDispatchRecv);
-        handlers[jax_ep::kLLCombineSendTarget] =
-            StatefulHandler(JaxEpLLCombineSendInstantiate, JaxEpLLCombineSend);
-        handlers[jax_ep::kLLCombineRecvTarget] =
-            StatefulHandler(JaxEpLLCombineRecvInstantiate, JaxEpLLCombineRecv);
-        handlers[jax_ep::kRemoteSmokeTarget] =
-            StatefulHandler(JaxEpRemoteSmokeInstantiate, JaxEpRemoteSmoke);
-        handlers[jax_ep::kDispatchRankMajorTarget] =
-            StatefulHandler(JaxEpDispatchRankMajorInstantiate, JaxEpDispatchRankMajor);
-        handlers[jax_ep::kCombineRankMajorTarget] =
-            StatefulHandler(JaxEpCombineRankMajorInstantiate, JaxEpCombineRankMajor);
-        handlers[jax_ep::kBroadcastRankMajorTarget] =
-            StatefulHandler(JaxEpBroadcastRankMajorInstantiate, JaxEpBroadcastRankMajor);
+#define JAX_EP_STATELESS(Name, name) handlers[jax_ep::k##Name##Target] = HandlerCapsule(JaxEp##Name);
+#define JAX_EP_STATEFUL(Name, name) \
+  handlers[jax_ep::k##Name##Target] = StatefulHandler(JaxEp##Name##Instantiate, JaxEp##Name);
+        JAX_EP_STATELESS_TARGETS(JAX_EP_STATELESS)
+        JAX_EP_STATEFUL_TARGETS(JAX_EP_STATEFUL)
+#undef JAX_EP_STATELESS
+#undef JAX_EP_STATEFUL
         return handlers;
       },
       "{FFI target name: capsule of its XLA_FFI_Handler*, or {stage: capsule} for the ops with an "
