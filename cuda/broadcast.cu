@@ -35,6 +35,7 @@ struct BroadcastArgs : DataArgs {
   const char* y;
   const float* row_weights;
   float* d_row_weights;
+  bool empty_rows_from_y;  // out is y's buffer: rows with no token (src_index -1) keep y's values
 };
 
 template <bool kTma>
@@ -68,7 +69,9 @@ __device__ __forceinline__ void broadcast_zero_rows(const BroadcastArgs& a, uint
     // (src >= 0: a token of source rank src / T, so T >= 1)
     const bool dead = row < hi && (src < 0 || !has_rank(linked, src / a.T));
     if (dead && a.d_row_weights != nullptr) a.d_row_weights[row] = 0.f;
-    for (uint32_t m = __ballot_sync(kFullMask, dead); m != 0u; m &= m - 1u) {
+    // (empty_rows_from_y: a row with no token keeps y's value, already in place)
+    const bool zero = dead && !(a.empty_rows_from_y && src < 0);
+    for (uint32_t m = __ballot_sync(kFullMask, zero); m != 0u; m &= m - 1u) {
       warp_zero(a.out + (row0 + __ffs(m) - 1) * a.row_bytes, a.row_bytes, lane);
     }
   }
@@ -255,7 +258,7 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
                         is_token_in_rank, src_index, static_cast<char*>(out), capacity,
                         rank_major ? kOpBroadcastRankMajor : kOpBroadcast, nullptr, nullptr,
-                        nullptr};
+                        nullptr, false};
   return launch_broadcast_kernels<Rows::kCopy>(g, a, hidden, g_kind, use_tma, stream);
 }
 
@@ -263,15 +266,17 @@ cudaError_t launch_combine_bwd(const GroupLaunch& g, const void* grad, const voi
                                const float* row_weights, const int32_t* token_rows,
                                const bool* is_token_in_rank, const int32_t* src_index,
                                int32_t capacity, int32_t hidden, int32_t kind, bool use_tma,
-                               void* dy, float* d_row_weights, cudaStream_t stream) {
+                               bool empty_rows_from_y, void* dy, float* d_row_weights,
+                               cudaStream_t stream) {
   const int32_t row_bytes = float_row_bytes(hidden, kind);
   if (!group_launch_ok(g) || row_bytes == 0 || capacity < 1 || y == nullptr ||
-      row_weights == nullptr || d_row_weights == nullptr) {
+      row_weights == nullptr || d_row_weights == nullptr || (empty_rows_from_y && dy != y)) {
     return cudaErrorInvalidValue;
   }
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
                         is_token_in_rank, src_index, static_cast<char*>(dy), capacity,
-                        kOpCombineBwd, static_cast<const char*>(y), row_weights, d_row_weights};
+                        kOpCombineBwd, static_cast<const char*>(y), row_weights, d_row_weights,
+                        empty_rows_from_y};
   return kind == kRowF32
              ? launch_broadcast_kernels<Rows::kBackwardF32>(g, a, hidden, kind, use_tma, stream)
              : launch_broadcast_kernels<Rows::kBackwardBF16>(g, a, hidden, kind, use_tma, stream);

@@ -334,7 +334,7 @@ def _warn_shard_autotuning() -> None:
 
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
            row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0,
-           num_topk: int | None = None) -> dict:
+           num_topk: int | None = None, empty_rows_from_y: bool = False) -> dict:
     """The handlers' EPAttrs (xla_ffi/handlers.cc): every data op gets the same fields; those it does
     not use are 0. The sizes fix the communication-buffer layout at instantiation. A rank-major op
     takes the knobs of the expert-major op whose kernels it runs; num_topk: cfg's unless given."""
@@ -357,14 +357,15 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
                   send_warps=kernel.send_warps(op) if op in _DATA_OPS[:3] else 1,
                   bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0,
                   shrink=int(cfg.shrink),
-                  transport=transport)
+                  transport=transport, empty_rows_from_y=int(empty_rows_from_y))
     return {name: np.int64(value) for name, value in values.items()}
 
 
-def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
+def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | None = None, **attrs):
     """The op's custom call. ``stream`` (``KernelConfig.async_stream``): run it on that XLA execution
     stream as an async op (``compute_on("gpu_stream:N")``), which XLA's scheduler overlaps with
-    independent work on the compute stream; None: on the compute stream, in program order."""
+    independent work on the compute stream; None: on the compute stream, in program order.
+    ``aliases``: ffi_call's input_output_aliases {operand: result} (one buffer for both)."""
     # What the call site will reserve when instantiated (handlers.cc: DataOpInstantiate /
     # LLInstantiate), grown now where growing is collective (process model 2).
     sizes = [int(attrs[k]) for k in ("num_ranks", "num_tokens", "num_topk", "num_experts")]
@@ -382,7 +383,7 @@ def _call(op: str, out_types, *args, stream: int | None = None, **attrs):
     # One order in every process (jax_ep.ordering): the call is bound with the ordered effect, so it
     # runs after every EP call before it in program order, whatever each process's XLA schedules.
     name = runtime.target(op)
-    call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
+    call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
     if stream is None:
         return ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
     # the function form: compute_on2 up to jax 0.10, renamed compute_on in 0.11
@@ -464,10 +465,12 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array 
 
 
 def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
-                rank_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                rank_mask: jax.Array | None = None, empty_rows_from_y: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
     """``jax_ep.reference.combine_bwd`` (combine's backward: d y, d row_weights; bit-exact) in one
     kernel of the broadcast family: g moves as broadcast moves it, y is read and d y written once.
-    Per-rank view."""
+    empty_rows_from_y: d y is written into y's buffer (aliased), where the rows that hold no token
+    keep y's values, so only the token rows are written. Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     dy_type, drw_type = types.combine_bwd_types(y, handle)
@@ -476,9 +479,9 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
     dy, d_row_weights = _call(
         "combine_bwd", (dy_type, drw_type), g.astype(y.dtype), y, handle.row_weights, handle.token_rows,
         handle.is_token_in_rank, handle.src_index, _mask_operand(rank_mask, ep_size), rank, group,
-        stream=cfg.kernel.async_stream,
+        stream=cfg.kernel.async_stream, aliases={1: 0} if empty_rows_from_y else None,
         **_attrs("combine_bwd", cfg, ep_size, axis_slot, tokens, hidden, row_bytes=hidden * y.dtype.itemsize,
-                 capacity=y.shape[0]))
+                 capacity=y.shape[0], empty_rows_from_y=empty_rows_from_y))
     return _vary_all((dy, d_row_weights), axis, g, y, *handle)
 
 

@@ -696,7 +696,10 @@ class MoE(nnx.Module):
                                  fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad)
             with jax.named_scope(SCOPES["combine"]):
                 if self.node_axis is None:
-                    return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask)
+                    # y is zero in every row with no token: dispatch zeroes the padding and every GEMM
+                    # backend writes zeros past the groups (so its backward writes only token rows)
+                    return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask,
+                                   empty_rows_zero=True)
                 return combine_hierarchical(y.astype(x.dtype), d.handle, cfg, self.node_axis)
 
         sent, outs = [send(0)], []

@@ -68,7 +68,8 @@ class Backend(Protocol):
     def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
     def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
     def combine_bwd(self, g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
-                    rank_mask: Mask = None) -> tuple[jax.Array, jax.Array]: ...
+                    rank_mask: Mask = None, empty_rows_from_y: bool = False
+                    ) -> tuple[jax.Array, jax.Array]: ...
     def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig,
                     rank_mask: Mask = None) -> jax.Array: ...
     def ll_dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
@@ -246,15 +247,22 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     return out
 
 
-def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None, *,
+            empty_rows_zero: bool = False) -> jax.Array:
     """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
     y ([C, H] -> [T, H]). rank_mask (as for dispatch; pass the dispatch's): an active source takes
     partial sums from the active ranks only, a masked one from itself only; what a rank ignores
-    gets a zero gradient."""
+    gets a zero gradient. empty_rows_zero: the caller states that y is zero in every row that holds
+    no token (handle.src_index -1: alignment padding, rows past the groups), as an expert block's
+    output of dispatch's rows is; the gradient of y then takes those rows from y (so the CUDA kernel
+    writes d y into y's buffer and only its token rows: at the worst-case capacity most rows hold no
+    token). Wrong if y is not zero there (those rows of d y would be y's)."""
+    if not isinstance(empty_rows_zero, bool):
+        raise EPTypeError(f"combine: empty_rows_zero must be a bool, got {empty_rows_zero!r}")
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
     rank_mask = check_rank_mask(rank_mask, size, "combine")
-    return _combine(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg)
+    return _combine(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg, empty_rows_zero)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
@@ -288,22 +296,23 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 # ---- combine: custom_vjp --------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine(y, handle, rank_mask, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _combine(y, handle, rank_mask, cfg, empty_rows_zero):
     return implementation("combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
 
 
-def _combine_fwd(y, handle, rank_mask, cfg):
-    return _combine(y, handle, rank_mask, cfg), (y, handle, rank_mask)
+def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero):
+    return _combine(y, handle, rank_mask, cfg, empty_rows_zero), (y, handle, rank_mask)
 
 
-def _combine_bwd(cfg, residuals, g):
+def _combine_bwd(cfg, empty_rows_zero, residuals, g):
     y, handle, rank_mask = residuals
     # The kernel: g moved, y read and d y written once. Otherwise the whole reference backward, its
     # broadcast included even where the broadcast kernel is faster alone: XLA fuses the reference's
     # gather into the rows' products, while a kernel's [C, H] rows must be written and read back
     # (2x H200, DeepSeek-V3 layer: 2 ms more per step with the kernel there, docs/benchmarks.md).
-    dy, d_row_weights = implementation("combine_bwd", cfg, y.dtype)(g, y, handle, cfg, rank_mask=rank_mask)
+    dy, d_row_weights = implementation("combine_bwd", cfg, y.dtype)(g, y, handle, cfg, rank_mask=rank_mask,
+                                                                      empty_rows_from_y=empty_rows_zero)
     d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                       float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)

@@ -288,16 +288,21 @@ def live_rows(handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None)
 
 
 def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
-                rank_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                rank_mask: jax.Array | None = None, empty_rows_from_y: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
     """combine's backward at this rank: (d y [C, H] of y's dtype, d row_weights [C] float32) for the
     output cotangent g [T, H] (y's dtype) of combine(y, handle, cfg, rank_mask). With g's rows g_r =
     ``broadcast`` of g (the token's g on each of its rows): per live row (``live_rows``) d y = w * g_r
     (one float32 product, rounded to y's dtype) and d row_weight = ``row_dot`` of y's row as stored
     (``as_stored``: its dtype's value) and g_r; every other row +0.0 in both, whatever y holds there
-    (NaN included: the select drops it)."""
+    (NaN included: the select drops it). empty_rows_from_y (combine's ``empty_rows_zero``): d y of the
+    rows that hold no token (src_index -1) is y's row instead, which the caller states is zero (the
+    kernel writes d y into y's buffer and leaves those rows)."""
     live = live_rows(handle, cfg, rank_mask)
     gf = broadcast(g, handle, cfg, rank_mask).astype(jnp.float32)
     dy = jnp.where(live[:, None], gf * handle.row_weights[:, None], 0.0).astype(y.dtype)
+    if empty_rows_from_y:
+        dy = jnp.where((handle.src_index < 0)[:, None], y, dy)
     # src_index >= -1 always: a zero XLA cannot see, keeping the products apart from the sums
     runtime_zero = jnp.any(handle.src_index < EMPTY_ROW)
     dots = row_dot(as_stored(y).astype(jnp.float32), gf, runtime_zero)

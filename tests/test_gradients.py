@@ -254,13 +254,14 @@ def test_combine_vjp_alone(ep_size):
 
 
 @functools.cache
-def combine_bwd_fn(ep_size, cfg, masked):
+def combine_bwd_fn(ep_size, cfg, masked, empty_rows_zero=False):
     """(x, idx, w, y, rw, g, mask) -> (d y, d row_weights) of combine over an unmasked dispatch's
     handle with row_weights rw, the mask given to combine only (masked)."""
     def f(x, idx, w, y, rw, g, mask):
         d = jax_ep.dispatch(x, idx, w, cfg)
         _, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg,
-                                                      rank_mask=mask if masked else None), y, rw)
+                                                      rank_mask=mask if masked else None,
+                                                      empty_rows_zero=empty_rows_zero), y, rw)
         return vjp(g)
 
     return per_rank(f, ep_size)
@@ -301,6 +302,38 @@ def test_combine_backward_bits_in_documented_order(ep_size, y_dtype, hidden, mas
     assert_bits_equal(drw, want_drw, "d row_weights")
 
 
+@pytest.mark.parametrize("mask", [None, (1, 0, 1, 1)])
+def test_combine_empty_rows_zero_takes_those_rows_of_d_y_from_y(mask):
+    """combine(..., empty_rows_zero=True): d y of the rows that hold no token (src_index -1) is y's own
+    row (what the CUDA kernel leaves in y's buffer, aliased as d y); every other row as without it (a
+    masked source's rows +0.0, token rows w * g) and d row_weights unchanged. With y zero there, as
+    the caller states, d y equals the default's bit for bit."""
+    ep_size = 4
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=72, max_tokens_per_rank=T, capacity=12,
+                   expert_alignment=2)
+    rng = np.random.default_rng(410)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    src = np.array([r.src for r in model_for(cfg, x, idx, w).ranks])        # [R, C]
+    y = rng.standard_normal((ep_size, cfg.resolved_capacity(ep_size), 72)).astype(ml_dtypes.bfloat16)
+    rw = rng.standard_normal(src.shape).astype(np.float32)
+    g = rng.standard_normal((ep_size, T, 72)).astype(ml_dtypes.bfloat16)
+    active = np.ones(ep_size, bool) if mask is None else np.asarray(mask, bool)
+    args = (x, idx, w, y, rw, g, np.tile(active, (ep_size, 1)))
+    dy0, drw0 = to_numpy(combine_bwd_fn(ep_size, cfg, mask is not None)(*args))
+    dy1, drw1 = to_numpy(combine_bwd_fn(ep_size, cfg, mask is not None, True)(*args))
+    empty = src < 0
+    assert empty.any() and (~empty).any()
+    assert_bits_equal(dy1[empty], y[empty], "d y of the rows with no token: y's")
+    assert_bits_equal(dy1[~empty], dy0[~empty], "d y of the other rows")
+    assert_bits_equal(drw1, drw0, "d row_weights")
+    y0 = np.where(empty[..., None], 0, y).astype(y.dtype)
+    args = (x, idx, w, y0, rw, g, np.tile(active, (ep_size, 1)))
+    assert_bits_equal(to_numpy(combine_bwd_fn(ep_size, cfg, mask is not None, True)(*args))[0],
+                      to_numpy(combine_bwd_fn(ep_size, cfg, mask is not None)(*args))[0], "d y, y zero there")
+    with pytest.raises(jax_ep.EPTypeError, match="empty_rows_zero must be a bool, got 1"):
+        jax_ep.combine(jnp.zeros((4, 8)), None, cfg, empty_rows_zero=1)
+
+
 def _fake_extension(monkeypatch):
     """The CUDA backend traces on any machine (its FFI calls compile on GPUs only)."""
     from jax_ep import cuda_backend, runtime
@@ -314,15 +347,15 @@ def _fake_extension(monkeypatch):
     monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
 
 
-def _backward_calls(cfg, ep_size=2) -> dict:
+def _backward_calls(cfg, ep_size=2, empty_rows_zero=False) -> dict:
     """{custom call target: [its lines]} of jax.grad through combine (over a reference dispatch)."""
     ref = cfg.replace(backend="reference")
 
     def body(x, idx, w, y):
         d = jax_ep.dispatch(x, idx, w, ref)
         return jax.grad(lambda y, rw: jnp.sum(jax_ep.combine(
-            y, d.handle._replace(row_weights=rw), cfg).astype(jnp.float32) ** 2), argnums=(0, 1))(
-                y, d.row_weights)
+            y, d.handle._replace(row_weights=rw), cfg, empty_rows_zero=empty_rows_zero
+        ).astype(jnp.float32) ** 2), argnums=(0, 1))(y, d.row_weights)
 
     rng = np.random.default_rng(5)
     x, idx, w = random_tokens(rng, ep_size, T, cfg)
@@ -351,6 +384,12 @@ def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
     capacity = cfg.resolved_capacity(2)
     assert f"capacity = {capacity} " in line and f"send_warps = {cfg.kernel.broadcast_send_warps} " in line
     assert f"-> (tensor<{capacity}x{H}xbf16>, tensor<{capacity}xf32>)" in line, line
+    assert "empty_rows_from_y = 0 " in line and "output_operand_aliases" not in line, line
+    # empty_rows_zero: d y is written into y's buffer (operand 1 aliased to result 0)
+    [line] = _backward_calls(cfg, empty_rows_zero=True)["jax_ep_combine_bwd"]
+    assert "empty_rows_from_y = 1 " in line, line
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], " \
+           "operand_index = 1, operand_tuple_indices = []>]" in line, line
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep: op != "combine_bwd")

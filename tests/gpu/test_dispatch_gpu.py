@@ -328,7 +328,7 @@ def test_gradients_match_reference(cuda_backend, mesh):
 
 
 @functools.cache
-def combine_vjp_fn(mesh, cfg, masked):
+def combine_vjp_fn(mesh, cfg, masked, empty_rows_zero=False):
     """(x, idx, w, y, g, mask) -> (d y, d row_weights, handle.src_index) of combine's backward over
     the handle of cfg's dispatch (the mask, if masked, on combine only: an unmasked dispatch)."""
 
@@ -337,7 +337,8 @@ def combine_vjp_fn(mesh, cfg, masked):
         # NaN wherever no token landed: the backward must never read y there
         y = jnp.where((d.handle.src_index >= 0)[:, None], y, jnp.nan).astype(y.dtype)
         _, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg,
-                                                      rank_mask=mask if masked else None),
+                                                      rank_mask=mask if masked else None,
+                                                      empty_rows_zero=empty_rows_zero),
                          y, d.handle.row_weights)
         dy, drw = vjp(g)
         return dy, drw, d.handle.src_index
@@ -345,14 +346,17 @@ def combine_vjp_fn(mesh, cfg, masked):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
+@pytest.mark.parametrize("empty_rows_zero", [False, True], ids=["zeroed", "in_y"])
 @pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("masked", [False, True])
-def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, masked):
+def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, masked, empty_rows_zero):
     """backend='cuda' runs combine's backward as one kernel (jax_ep_combine_bwd): d y and
     d row_weights bit-exact against the reference (same float32 order, reference.row_dot), y's empty
     rows NaN (never read: +0.0 in both), capacity drops, messy routing; masked: rank 0 active, the
     others masked, on combine only (after an unmasked dispatch), so each rank links only itself and
-    the other ranks' rows get +0.0. Device memory poisoned; the fused call really ran (handler count)."""
+    the other ranks' rows get +0.0. Device memory poisoned; the fused call really ran (handler count).
+    in_y (combine's empty_rows_zero): d y written into y's buffer, its rows with no token y's (NaN
+    here, as in the reference), every other row as above."""
     if masked:
         needs_two_ranks(R)
     mask = (1,) + (0,) * (R - 1) if masked else None
@@ -366,10 +370,10 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     g = random_normal(rng, (R * tokens, hidden), y_dtype)
     m = np.tile(np.asarray(mask or (1,) * R, np.int32), R)
     args = put(mesh, x, idx, w, y, g, m)
-    want = to_np(combine_vjp_fn(mesh, _cfg("reference", **kw), mask is not None)(*args))
+    want = to_np(combine_vjp_fn(mesh, _cfg("reference", **kw), mask is not None, empty_rows_zero)(*args))
     before = handler_stats("jax_ep_combine_bwd")["calls"]
     poison_device_memory(mesh.devices.flat, 128 << 20)
-    got = to_np(combine_vjp_fn(mesh, _cfg("cuda", **kw), mask is not None)(*args))
+    got = to_np(combine_vjp_fn(mesh, _cfg("cuda", **kw), mask is not None, empty_rows_zero)(*args))
     assert handler_stats("jax_ep_combine_bwd")["calls"] > before
     dy, drw, src = got
     assert_bits_equal(src, want[2], "handle.src_index")
@@ -382,6 +386,7 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     drw = drw.reshape(R, -1)
     assert not np.any(drw[~live]) and np.isfinite(drw).all() and np.any(drw[live])
     assert (src < 0).any() and (mask is None or (live != (src >= 0)).any())
+    assert np.isnan(dy.reshape(R, -1, hidden)[src < 0]).all() == empty_rows_zero
 
 
 def test_async_stream_gives_the_same_bits(cuda_backend, mesh):

@@ -1,8 +1,8 @@
 """Runs the CUDA EP kernels on the CPU emulation (emu_cuda.h + driver.cc) and compares every
 output with jax_ep.reference (bit-exact; combine too: same summation order). Every case runs the
-expert-major ops (dispatch, combine and combine_bwd with NaN in y's empty rows, broadcast, slot_values)
-and the rank-major ones (dispatch_rank_major, combine_rank_major with NaN in the empty rows and some
--0.0, broadcast_rank_major).
+expert-major ops (dispatch, combine and combine_bwd with NaN in y's empty rows, combine_bwd also in
+y's buffer, broadcast, slot_values) and the rank-major ones (dispatch_rank_major, combine_rank_major
+with NaN in the empty rows and some -0.0, broadcast_rank_major).
 The cases with a rank mask (``mask=``, ``absent=``; ``-k mask`` runs the fixed ones) run every op
 with the mask, some masked ranks' processes running no op at all, and compare every rank that runs
 them, masked ones included (see ``run_case``).
@@ -242,7 +242,7 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
 # The persistent mask state of a group (cuda/device_state.h SyncCounters::RankMaskState).
 RANK_MASK_EVENT = np.dtype([("op", np.int32), ("during", np.int32), ("epoch", np.uint64)])
 RANK_MASK_STATE = np.dtype([("masked", np.uint32), ("rank", np.int32), ("events", RANK_MASK_EVENT, (32,))])
-OPS_PER_REP = 9  # EP calls of a repetition (driver.cc): each bumps the group's epoch
+OPS_PER_REP = 10  # EP calls of a repetition (driver.cc): each bumps the group's epoch
 
 
 def check_stop(d, R, reps, stop, timeout_s, mask=None) -> str:
@@ -299,6 +299,9 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch
         # the driver's unweighted combine (row_weights null) is the reference with weights 1
         unweighted = d.handle._replace(row_weights=jax.numpy.ones_like(d.row_weights))
         bwd_dy, bwd_drw = reference.combine_bwd(g[0], y_in, d.handle, cfg, late_mask)
+        # the same in y's buffer: the rows with no token keep y's (NaN here)
+        bwd_dy_in_y, bwd_drw_in_y = reference.combine_bwd(g[0], y_in, d.handle, cfg, late_mask,
+                                                          empty_rows_from_y=True)
         out = dict(rows=d.x, group_sizes=d.group_sizes, expert_counts=d.expert_counts,
                    row_weights=d.row_weights, num_dropped=d.num_dropped, rank_mask=d.rank_mask,
                    src_index=d.handle.src_index,
@@ -306,7 +309,8 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch
                    comb_w=reference.combine(y_in, d.handle, cfg, late_mask),
                    comb_u=reference.combine(y_in, unweighted, cfg, late_mask),
                    bcast=reference.broadcast(g[0], d.handle, cfg, late_mask),
-                   bwd_dy=bwd_dy, bwd_drw=bwd_drw, y=y_in,
+                   bwd_dy=bwd_dy, bwd_drw=bwd_drw, bwd_dy_in_y=bwd_dy_in_y, bwd_drw_in_y=bwd_drw_in_y,
+                   y=y_in,
                    slotv=reference.slot_values(v[0], d.handle, cfg, late_mask))
         if d.scales is not None:
             out["scales"] = d.scales
