@@ -370,25 +370,20 @@ int main(int argc, char** argv) {
                              y_kind, use_tma, false, bcast.data(), nullptr),
             "broadcast");
       write_file("bcast" + tag + ".bin", bcast.data(), bcast_bytes);
-      // combine_bwd of g and y through the same handle (y's empty rows hold NaN: never read)
-      auto bwd_dy = poisoned(bcast_bytes);
-      auto bwd_drw = poisoned(size_t(C) * 4);
-      check(launch_combine_bwd(gl, g.data(), y.data(), d.row_weights, d.token_rows,
-                               d.is_token_in_rank, d.src_index, C, H, y_kind, use_tma, false,
-                               bwd_dy.data(), reinterpret_cast<float*>(bwd_drw.data()), nullptr),
-            "combine_bwd");
-      write_file("bwd_dy" + tag + ".bin", bwd_dy.data(), bcast_bytes);
-      write_file("bwd_drw" + tag + ".bin", bwd_drw.data(), size_t(C) * 4);
-      // the same in y's buffer (empty_rows_from_y): d y over a copy of y, whose rows with no token
-      // (NaN here) stay
-      std::vector<char> bwd_in(y.begin(), y.end());
-      auto bwd_drw_in = poisoned(size_t(C) * 4);
-      check(launch_combine_bwd(gl, g.data(), bwd_in.data(), d.row_weights, d.token_rows,
-                               d.is_token_in_rank, d.src_index, C, H, y_kind, use_tma, true,
-                               bwd_in.data(), reinterpret_cast<float*>(bwd_drw_in.data()), nullptr),
-            "combine_bwd in y's buffer");
-      write_file("bwd_dy_in_y" + tag + ".bin", bwd_in.data(), bcast_bytes);
-      write_file("bwd_drw_in_y" + tag + ".bin", bwd_drw_in.data(), size_t(C) * 4);
+      // combine_bwd of g and y through the same handle (y's empty rows hold NaN: never read), then
+      // in y's buffer (empty_rows_from_y: d y over a copy of y, whose rows with no token stay NaN)
+      for (const bool in_y : {false, true}) {
+        std::vector<char> bwd_dy = in_y ? std::vector<char>(y.begin(), y.end()) : poisoned(bcast_bytes);
+        auto bwd_drw = poisoned(size_t(C) * 4);
+        check(launch_combine_bwd(gl, g.data(), in_y ? bwd_dy.data() : y.data(), d.row_weights,
+                                 d.token_rows, d.is_token_in_rank, d.src_index, C, H, y_kind, use_tma,
+                                 in_y, bwd_dy.data(), reinterpret_cast<float*>(bwd_drw.data()),
+                                 nullptr),
+              in_y ? "combine_bwd in y's buffer" : "combine_bwd");
+        const std::string suffix = (in_y ? "_in_y" : "") + tag;
+        write_file("bwd_dy" + suffix + ".bin", bwd_dy.data(), bcast_bytes);
+        write_file("bwd_drw" + suffix + ".bin", bwd_drw.data(), size_t(C) * 4);
+      }
       GroupLaunch gv = gl;
       gv.layout = values_layout;
       auto slotv = poisoned(size_t(T) * K * 4);
