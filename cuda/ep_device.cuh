@@ -841,7 +841,7 @@ __device__ __forceinline__ uint2 pack_fp8x8(const float f[8]) {
 }
 
 // FP8 e4m3 of one 128-channel block held by 128 / kN aligned consecutive lanes, kN elements each
-// (consecutive channels): amax = max(max|x|, 1e-4) over the block, q = e4m3(x * (448 / amax)),
+// (consecutive channels): amax = max(max|x|, kFp8MinAmax) over the block, q = e4m3(x * (448 / amax)),
 // scale = amax / 448; bit-exact with jax_ep.reference.quantize_fp8 for NaN-free x (fmaxf drops a
 // NaN from the amax, jnp.max keeps it). Writes this lane's kN bytes to fp8 (8 per uint2, element
 // order) and returns the block's scale. Every lane of the warp calls it, converged, in a
@@ -868,7 +868,7 @@ __device__ __forceinline__ float quantize_fp8_block(const float* f, uint2* fp8) 
       amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
     }
   }
-  amax = fmaxf(amax, 1e-4f);
+  amax = fmaxf(amax, kFp8MinAmax);
   // one IEEE division per lane: even lanes 448 / amax, odd lanes amax / 448, swapped in pairs
   // (a block is at least 2 lanes)
   const bool odd = (lane & 1) != 0;

@@ -47,6 +47,9 @@ inline constexpr int kBlockWarps = 16;
 inline constexpr int kRowAlignment = 8;
 // Channels per FP8 scale (e4m3 rows carry one float32 scale per block; jax_ep.config.FP8_BLOCK).
 inline constexpr int kFp8Block = 128;
+// The FP8 wire's floor of a block's amax (an all-zero block keeps a finite scale; DeepEP's clamp;
+// jax_ep.fp8.FP8_MIN_AMAX).
+inline constexpr float kFp8MinAmax = 1e-4f;
 
 // Element kinds of rows (attribute values shared by handlers and kernels).
 enum RowKind : int32_t { kRowBF16 = 0, kRowF32 = 1, kRowFP8 = 2 };

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_ep import cuda_backend, runtime
@@ -148,10 +149,13 @@ def test_limits_come_from_the_extension():
         pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
     assert native.LIMITS == {"max_topk": 32, "layout_max_topk": 64, "max_experts": 8192,
                              "max_ranks": 32, "max_groups": 64, "directory_axes": 4, "data_warps": 16,
-                             "row_alignment": 8, "fp8_block": 128}
-    # the FP8 row format is one fact: the kernels' scale block is the reference's
+                             "row_alignment": 8, "fp8_block": 128,
+                             "fp8_min_amax": float(np.float32(1e-4))}
+    # the FP8 row format is one fact: the kernels' scale block and amax floor are the reference's
     from jax_ep.config import FP8_BLOCK
+    from jax_ep.fp8 import FP8_MIN_AMAX
     assert native.LIMITS["fp8_block"] == FP8_BLOCK
+    assert native.LIMITS["fp8_min_amax"] == float(np.float32(FP8_MIN_AMAX))
 
 
 def test_kernel_support_is_decided_from_the_limits(monkeypatch):

@@ -228,6 +228,7 @@ NB_MODULE(_C, m) {
   limits["data_warps"] = jax_ep::kBlockWarps;
   limits["row_alignment"] = jax_ep::kRowAlignment;
   limits["fp8_block"] = jax_ep::kFp8Block;
+  limits["fp8_min_amax"] = jax_ep::kFp8MinAmax;
   m.attr("LIMITS") = limits;
 
   m.def(
