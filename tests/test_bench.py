@@ -90,6 +90,25 @@ def test_fp8_layer_bench_times_the_quantisation_apart_when_cached(tmp_path):
         assert r["step_ms"] > 0 and r["gemm_ms"] > 0 and "error" not in r
 
 
+def test_dy_zeroed_config_calls_combine_without_empty_rows_zero(monkeypatch):
+    """jax_ep_dy_zeroed (named only): while a config with dy_zeroed is traced and timed, the layer's
+    combine runs with empty_rows_zero=False (its backward writing every row, the same-run comparison of
+    the aliased d y); moe.combine is itself again after, and other configs leave it alone."""
+    from benchmarks import layer
+    from jax_ep import moe
+
+    seen = []
+    monkeypatch.setattr(moe, "combine", lambda *a, **kw: seen.append(kw["empty_rows_zero"]))
+    patched = moe.combine
+    with layer.combine_without_empty_rows_zero(True):
+        moe.combine("y", empty_rows_zero=True)
+    moe.combine("y", empty_rows_zero=True)
+    with layer.combine_without_empty_rows_zero(False):
+        moe.combine("y", empty_rows_zero=True)
+    assert seen == [False, True, True] and moe.combine is patched
+    assert layer.CONFIGS["jax_ep_dy_zeroed"]["dy_zeroed"] and "jax_ep_dy_zeroed" in layer.NAMED_ONLY
+
+
 @pytest.mark.slow
 def test_decode_layer_bench_writes_records(tmp_path):
     records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",
