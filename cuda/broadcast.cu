@@ -35,7 +35,7 @@ struct BroadcastArgs : DataArgs {
   const char* y;
   const float* row_weights;
   float* d_row_weights;
-  bool empty_rows_from_y;  // out is y's buffer: rows with no token (src_index -1) keep y's values
+  bool empty_rows_from_y;  // out is y's buffer (combine_bwd in place): rows with no token keep y's
 };
 
 template <bool kTma>
@@ -266,17 +266,16 @@ cudaError_t launch_combine_bwd(const GroupLaunch& g, const void* grad, const voi
                                const float* row_weights, const int32_t* token_rows,
                                const bool* is_token_in_rank, const int32_t* src_index,
                                int32_t capacity, int32_t hidden, int32_t kind, bool use_tma,
-                               bool empty_rows_from_y, void* dy, float* d_row_weights,
-                               cudaStream_t stream) {
+                               void* dy, float* d_row_weights, cudaStream_t stream) {
   const int32_t row_bytes = float_row_bytes(hidden, kind);
   if (!group_launch_ok(g) || row_bytes == 0 || capacity < 1 || y == nullptr ||
-      row_weights == nullptr || d_row_weights == nullptr || (empty_rows_from_y && dy != y)) {
+      row_weights == nullptr || d_row_weights == nullptr) {
     return cudaErrorInvalidValue;
   }
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
                         is_token_in_rank, src_index, static_cast<char*>(dy), capacity,
                         kOpCombineBwd, static_cast<const char*>(y), row_weights, d_row_weights,
-                        empty_rows_from_y};
+                        dy == y};
   return kind == kRowF32
              ? launch_broadcast_kernels<Rows::kBackwardF32>(g, a, hidden, kind, use_tma, stream)
              : launch_broadcast_kernels<Rows::kBackwardBF16>(g, a, hidden, kind, use_tma, stream);

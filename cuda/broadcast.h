@@ -28,8 +28,8 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
 // = the float32 dot product of y[row] and g in the order of jax_ep.reference.row_dot (products
 // rounded, no FMA); both zero for the rows broadcast zeroes, whose y is never read. grad [T, H], y
 // and dy [C, H], all of `kind` (kRowBF16 or kRowF32); row_weights, d_row_weights [C] float32.
-// use_tma: the senders' copies of g are bulk copies. empty_rows_from_y: dy is y's buffer (aliased,
-// y == dy) and the rows that hold no token (src_index -1: padding, past the groups) keep y's values
+// use_tma: the senders' copies of g are bulk copies. dy == y (one buffer: the caller aliased them):
+// in place, the rows that hold no token (src_index -1: padding, past the groups) keep y's values
 // instead of being zeroed (d_row_weights there are still zeroed): the caller knows y is zero there,
 // so only the token rows are written (at the worst-case capacity most of C holds no token). A
 // timeout names combine_bwd.
@@ -37,7 +37,6 @@ cudaError_t launch_combine_bwd(const GroupLaunch& g, const void* grad, const voi
                                const float* row_weights, const int32_t* token_rows,
                                const bool* is_token_in_rank, const int32_t* src_index,
                                int32_t capacity, int32_t hidden, int32_t kind, bool use_tma,
-                               bool empty_rows_from_y, void* dy, float* d_row_weights,
-                               cudaStream_t stream);
+                               void* dy, float* d_row_weights, cudaStream_t stream);
 
 }  // namespace jax_ep

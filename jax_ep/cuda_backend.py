@@ -334,7 +334,7 @@ def _warn_shard_autotuning() -> None:
 
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
            row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0,
-           num_topk: int | None = None, empty_rows_from_y: bool = False) -> dict:
+           num_topk: int | None = None) -> dict:
     """The handlers' EPAttrs (xla_ffi/handlers.cc): every data op gets the same fields; those it does
     not use are 0. The sizes fix the communication-buffer layout at instantiation. A rank-major op
     takes the knobs of the expert-major op whose kernels it runs; num_topk: cfg's unless given."""
@@ -357,7 +357,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
                   send_warps=kernel.send_warps(op) if op in _DATA_OPS[:3] else 1,
                   bulk_copy=int(kernel.bulk_copy) if op in ("dispatch", "broadcast") else 0,
                   shrink=int(cfg.shrink),
-                  transport=transport, empty_rows_from_y=int(empty_rows_from_y))
+                  transport=transport)
     return {name: np.int64(value) for name, value in values.items()}
 
 
@@ -469,8 +469,9 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
                 ) -> tuple[jax.Array, jax.Array]:
     """``jax_ep.reference.combine_bwd`` (combine's backward: d y, d row_weights; bit-exact) in one
     kernel of the broadcast family: g moves as broadcast moves it, y is read and d y written once.
-    empty_rows_from_y: d y is written into y's buffer (aliased), where the rows that hold no token
-    keep y's values, so only the token rows are written. Per-rank view."""
+    empty_rows_from_y: d y is written into y's buffer (aliased: the kernel sees one buffer and works in
+    place), where the rows that hold no token keep y's values, so only the token rows are written.
+    Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     dy_type, drw_type = types.combine_bwd_types(y, handle)
@@ -481,7 +482,7 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
         handle.is_token_in_rank, handle.src_index, _mask_operand(rank_mask, ep_size), rank, group,
         stream=cfg.kernel.async_stream, aliases={1: 0} if empty_rows_from_y else None,
         **_attrs("combine_bwd", cfg, ep_size, axis_slot, tokens, hidden, row_bytes=hidden * y.dtype.itemsize,
-                 capacity=y.shape[0], empty_rows_from_y=empty_rows_from_y))
+                 capacity=y.shape[0]))
     return _vary_all((dy, d_row_weights), axis, g, y, *handle)
 
 

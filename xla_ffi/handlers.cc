@@ -820,15 +820,11 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
                             "row_weights, d_row_weights [C], C=" + std::to_string(C) + ", H=" +
                             std::to_string(a.hidden));
   }
-  // (jax_ep.cuda_backend aliases d y to y then: XLA gives both one buffer)
-  if (a.empty_rows_from_y != 0 && dy->untyped_data() != y.untyped_data()) {
-    return Invalid(kOp, "empty_rows_from_y: d y must be y's buffer (input_output_aliases)");
-  }
   const cudaError_t status = launch_combine_bwd(
       launch, g.untyped_data(), y.untyped_data(), row_weights.typed_data(),
       token_rows.typed_data(), is_token_in_rank.typed_data(), src_index.typed_data(),
       static_cast<int32_t>(C), static_cast<int32_t>(a.hidden), kind, a.bulk_copy != 0,
-      a.empty_rows_from_y != 0, dy->untyped_data(), d_row_weights->typed_data(), stream);
+      dy->untyped_data(), d_row_weights->typed_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "combine_bwd kernel launch");
   return ffi::Error::Success();
 }
@@ -1535,8 +1531,7 @@ std::vector<HandlerStats> GetHandlerStats() {
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_ep::EPAttrs, xla::ffi::StructMember<int64_t>("alignment"),
     xla::ffi::StructMember<int64_t>("axis_slot"), xla::ffi::StructMember<int64_t>("bulk_copy"),
-    xla::ffi::StructMember<int64_t>("capacity"),
-    xla::ffi::StructMember<int64_t>("empty_rows_from_y"), xla::ffi::StructMember<int64_t>("hidden"),
+    xla::ffi::StructMember<int64_t>("capacity"), xla::ffi::StructMember<int64_t>("hidden"),
     xla::ffi::StructMember<int64_t>("num_experts"), xla::ffi::StructMember<int64_t>("num_ranks"),
     xla::ffi::StructMember<int64_t>("num_sms"), xla::ffi::StructMember<int64_t>("num_tokens"),
     xla::ffi::StructMember<int64_t>("num_topk"), xla::ffi::StructMember<int64_t>("row_bytes"),

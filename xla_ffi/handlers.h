@@ -51,7 +51,6 @@ struct EPAttrs {
   int64_t axis_slot;    // directory slot of the EP axis
   int64_t bulk_copy;    // dispatch, broadcast, combine_bwd: rows moved by bulk (TMA) copies
   int64_t capacity;     // dispatch, broadcast, combine_bwd: receive rows C
-  int64_t empty_rows_from_y;  // combine_bwd: d y aliases y, whose rows with no token it keeps
   int64_t hidden;       // H
   int64_t num_experts;  // dispatch: E
   int64_t num_ranks;    // R

@@ -377,8 +377,7 @@ int main(int argc, char** argv) {
         auto bwd_drw = poisoned(size_t(C) * 4);
         check(launch_combine_bwd(gl, g.data(), in_y ? bwd_dy.data() : y.data(), d.row_weights,
                                  d.token_rows, d.is_token_in_rank, d.src_index, C, H, y_kind, use_tma,
-                                 in_y, bwd_dy.data(), reinterpret_cast<float*>(bwd_drw.data()),
-                                 nullptr),
+                                 bwd_dy.data(), reinterpret_cast<float*>(bwd_drw.data()), nullptr),
               in_y ? "combine_bwd in y's buffer" : "combine_bwd");
         const std::string suffix = (in_y ? "_in_y" : "") + tag;
         write_file("bwd_dy" + suffix + ".bin", bwd_dy.data(), bcast_bytes);
