@@ -26,7 +26,9 @@ from jax_ep import runtime
 native = runtime.extension()
 if os.environ["HAVE_NVCC"] == "1":
     assert native is not None, f"nvcc is installed but jax_ep._C did not import: {runtime.extension_error()}"
-    assert set(native.ffi_handlers()) == set(runtime.FFI_TARGETS), native.ffi_handlers()
+    # the one list is the extension's (JAX_EP_TARGETS); tests/test_native_cpu.py checks it covers every op
+    assert native.ffi_handlers() and all(n.startswith("jax_ep_") for n in native.ffi_handlers()), \
+        native.ffi_handlers()
     print(f"jax_ep._C imported from {native.__file__}; FFI API {native.FFI_API_VERSION}; "
           f"targets {sorted(native.ffi_handlers())}")
 usable, reason = runtime.available()
