@@ -335,7 +335,7 @@ def _warn_shard_autotuning() -> None:
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
            row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0,
            num_topk: int | None = None) -> dict:
-    """The handlers' EPAttrs (xla_ffi/handlers.cc): every data op gets the same fields; those it does
+    """The handlers' EPAttrs (xla_ffi/handlers.h): every data op gets the same fields; those it does
     not use are 0. The sizes fix the communication-buffer layout at instantiation. A rank-major op
     takes the knobs of the expert-major op whose kernels it runs; num_topk: cfg's unless given."""
     kernel = cfg.kernel
@@ -366,8 +366,8 @@ def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | 
     stream as an async op (``compute_on("gpu_stream:N")``), which XLA's scheduler overlaps with
     independent work on the compute stream; None: on the compute stream, in program order.
     ``aliases``: ffi_call's input_output_aliases {operand: result} (one buffer for both)."""
-    # What the call site will reserve when instantiated (handlers.cc: DataOpInstantiate /
-    # LLInstantiate), grown now where growing is collective (process model 2).
+    # What the call site will reserve when instantiated (xla_ffi/: handler_util.h DataOpInstantiate,
+    # low_latency.cc LLInstantiate), grown now where growing is collective (process model 2).
     sizes = [int(attrs[k]) for k in ("num_ranks", "num_tokens", "num_topk", "num_experts")]
     if int(attrs["transport"]) == TRANSPORT_PUT:
         need = runtime.extension().put_comm_bytes(sizes[0], sizes[1], sizes[2], int(attrs["row_bytes"]),
