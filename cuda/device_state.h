@@ -24,21 +24,28 @@ inline constexpr int kMaxGroupRanks = kMaxDevices;
 inline constexpr int kMaxGroups = 64;
 inline constexpr int kDirectoryAxes = 4;
 
-// Names the op that hit a device-side fault, in FaultRecord::op_id.
+// The ops a device-side fault or a config fingerprint names (FaultRecord::op_id), the one list:
+// X(Name, name, id) is kOp<Name> = id, named "name" in fault messages (fault_message.cc OpName). The
+// ids are fixed: records are compared across processes and builds.
+#define JAX_EP_FAULT_OPS(X) \
+  X(PeerSmoke, peer_smoke, 1) \
+  X(Dispatch, dispatch, 2) \
+  X(Combine, combine, 3) \
+  X(Broadcast, broadcast, 4) \
+  X(SlotValues, slot_values, 5) \
+  X(RemoteSmoke, remote_smoke, 6) \
+  X(LLDispatch, ll_dispatch, 7) \
+  X(LLCombine, ll_combine, 8) \
+  X(DispatchRankMajor, dispatch_rank_major, 9) \
+  X(CombineRankMajor, combine_rank_major, 10) \
+  X(BroadcastRankMajor, broadcast_rank_major, 11) \
+  X(CombineBwd, combine_bwd, 12)
+
 enum OpId : int32_t {
   kOpNone = 0,
-  kOpPeerSmoke = 1,
-  kOpDispatch = 2,
-  kOpCombine = 3,
-  kOpBroadcast = 4,
-  kOpSlotValues = 5,
-  kOpRemoteSmoke = 6,
-  kOpLLDispatch = 7,
-  kOpLLCombine = 8,
-  kOpDispatchRankMajor = 9,
-  kOpCombineRankMajor = 10,
-  kOpBroadcastRankMajor = 11,
-  kOpCombineBwd = 12,
+#define JAX_EP_OP_ID(Name, name, id) kOp##Name = id,
+  JAX_EP_FAULT_OPS(JAX_EP_OP_ID)
+#undef JAX_EP_OP_ID
 };
 
 // What went wrong, in FaultRecord::kind.

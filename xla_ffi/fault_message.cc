@@ -77,30 +77,11 @@ const char* FaultKindName(int32_t kind) {
 
 const char* OpName(int32_t op_id) {
   switch (op_id) {
-    case kOpPeerSmoke:
-      return "peer_smoke";
-    case kOpDispatch:
-      return "dispatch";
-    case kOpCombine:
-      return "combine";
-    case kOpBroadcast:
-      return "broadcast";
-    case kOpSlotValues:
-      return "slot_values";
-    case kOpRemoteSmoke:
-      return "remote_smoke";
-    case kOpLLDispatch:
-      return "ll_dispatch";
-    case kOpLLCombine:
-      return "ll_combine";
-    case kOpDispatchRankMajor:
-      return "dispatch_rank_major";
-    case kOpCombineRankMajor:
-      return "combine_rank_major";
-    case kOpBroadcastRankMajor:
-      return "broadcast_rank_major";
-    case kOpCombineBwd:
-      return "combine_bwd";
+#define JAX_EP_OP_NAME(Name, name, id) \
+  case kOp##Name:                      \
+    return #name;
+    JAX_EP_FAULT_OPS(JAX_EP_OP_NAME)
+#undef JAX_EP_OP_NAME
     default:
       return "unknown";
   }
