@@ -12,7 +12,6 @@ import math
 from jax_ep.errors import EPTypeError, EPValueError
 
 DISPATCH_DTYPES = (None, "bfloat16", "float8_e4m3fn")
-BACKENDS = ("auto", "reference", "cuda")
 FP8_BLOCK = 128  # channels per FP8 scale (per token, per 128 channels)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -23,9 +22,9 @@ def _is_int(value) -> bool:
 
 # ---- option checks: the one place the fields of EPConfig, KernelConfig, EPOptions and MoE's
 # arguments are checked. A field's kind: "int" (an int, not a bool/float/str, >= minimum), "int?"
-# (the same or None), "bool" (True or False only), "name" (a non-empty str), "name?", or a tuple of
-# allowed values. A wrong type raises EPTypeError, a wrong value of the right type EPValueError; both
-# name the owner, the field and the value.
+# (the same or None), "bool" (True or False only), "name" (a non-empty str), "name?", "backend" ("auto"
+# or a registered backend's name), or a tuple of allowed values. A wrong type raises EPTypeError, a
+# wrong value of the right type EPValueError; both name the owner, the field and the value.
 def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
     """Raises EPTypeError / EPValueError unless ``value`` is of ``kind`` (above)."""
     what = f"{owner}.{name}" if not owner.endswith(":") else f"{owner} {name}"
@@ -50,6 +49,12 @@ def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
             raise EPTypeError(f"{what} must be {none}{noun}, got {value!r} ({type(value).__name__})")
         if value < minimum:
             raise EPValueError(f"{what} must be {none}{noun}, got {value!r}")
+    elif kind == "backend":  # "auto" or a registered backend (jax_ep.backends)
+        from jax_ep import backends
+
+        allowed = ("auto", *backends.names())
+        if not isinstance(value, str) or value not in allowed:
+            raise EPValueError(f"{what} must be one of {allowed}, got {value!r}")
     elif kind == "name":
         if not isinstance(value, str):
             raise EPTypeError(f"{what} must be {none}a non-empty str, got {value!r} ({type(value).__name__})")
@@ -89,7 +94,7 @@ KERNEL_CONFIG_KINDS = {"num_sms": "int?", "dispatch_send_warps": "int", "combine
                        "transport": TRANSPORTS}
 EP_CONFIG_KINDS = {"num_experts": "int", "num_topk": "int", "hidden": "int", "max_tokens_per_rank": "int",
                    "axis_name": "name", "capacity": "int?", "expert_alignment": "int",
-                   "dispatch_dtype": DISPATCH_DTYPES, "backend": BACKENDS, "checked": "bool",
+                   "dispatch_dtype": DISPATCH_DTYPES, "backend": "backend", "checked": "bool",
                    "shrink": "bool"}
 
 
@@ -164,7 +169,8 @@ class EPConfig:
       expert_alignment: each expert's segment of the receive buffer is padded to a multiple of this.
       dispatch_dtype: None keeps x's dtype on the wire; "bfloat16"; or "float8_e4m3fn" with
         per-token, per-128-channel float32 scales (amax / 448).
-      backend: "auto" (cuda when available, else reference), "reference" (pure JAX), "cuda".
+      backend: "auto" (per op, cuda where its kernel measured faster and runs, else reference),
+        "reference" (pure JAX), "cuda", or another backend registered with jax_ep.backends.
       checked: validate traced values (expert ids, dropped rows) at run time and raise on error.
       kernel: how the CUDA kernels run (KernelConfig: SMs, warp roles, bulk copies).
       shrink: shrink mode of the CUDA kernels (backend "cuda"; every EP op but the rank-major ones

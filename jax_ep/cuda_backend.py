@@ -1,6 +1,6 @@
 """The CUDA backend: each op as a ``jax.ffi.ffi_call`` of its ``jax_ep._C`` handler.
 
-Same functions, signatures and results as ``jax_ep.reference`` (``jax_ep.ops.Backend``); output types
+Same functions, signatures and results as ``jax_ep.reference`` (``jax_ep.backends.Functions``); output types
 come from ``jax_ep.types``. Per-rank views: call them inside ``shard_map`` over the EP axis.
 
 The communicating ops need no concrete mesh: they pass ``lax.axis_index(cfg.axis_name)`` (the rank)

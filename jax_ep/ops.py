@@ -5,7 +5,8 @@ contract, one row per (token, rank), with custom_vjp).
 
 Call them inside ``shard_map`` over ``cfg.axis_name`` (per-rank view). Each op is declared once, in
 ``OPS`` below: its output types (``jax_ep.types``: the contract), its implementations (the same
-function in each backend module, ``Backend``), and whether ``backend="auto"`` takes its kernel. The
+function in each registered backend, ``jax_ep.backends``), and which backend a call takes
+(``Op.plan``: ``backend="auto"`` takes a kernel where it measured faster). The
 backward passes reuse the forward machinery: the gradient of dispatch is a combine with unit weights
 (plus the gate-weight gradients sent back to their top-k slots, ``slot_values``); the gradient of
 combine is a ``broadcast`` of the cotangents through the same handle, fused with the local part
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import auto_table, reference, vma
+from jax_ep import backends, vma
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.types import (
@@ -53,40 +53,11 @@ from jax_ep.validation import (
     fp8_forward_only,
 )
 
-Mask = jax.Array | None  # a data op's rank_mask: None (every rank active) or the checked [R] mask
-
-
-class Backend(Protocol):
-    """What a backend module implements: one function per op, same signatures, same results (the
-    output types of ``jax_ep.types``). ``jax_ep.reference`` defines the semantics; ``jax_ep.cuda_backend``
-    runs the CUDA kernels. Per-rank views, inside shard_map over cfg.axis_name. Every op but layout
-    takes ``rank_mask`` (the ops below always pass it, None without a mask)."""
-
-    def layout(self, topk_idx: jax.Array, cfg: EPConfig) -> Layout: ...
-    def dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                 cfg: EPConfig, rank_mask: Mask = None) -> Dispatched: ...
-    def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
-    def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
-    def combine_bwd(self, g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
-                    rank_mask: Mask = None, empty_rows_from_y: bool = False
-                    ) -> tuple[jax.Array, jax.Array]: ...
-    def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig,
-                    rank_mask: Mask = None) -> jax.Array: ...
-    def ll_dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                    cfg: EPConfig, rank_mask: Mask = None) -> LLDispatched: ...
-    def ll_combine(self, y: jax.Array, handle: LLHandle, cfg: EPConfig,
-                   rank_mask: Mask = None) -> jax.Array: ...
-    def dispatch_rank_major(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                            cfg: EPConfig, rank_mask: Mask = None) -> RankMajorDispatched: ...
-    def combine_rank_major(self, y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
-                           rank_mask: Mask = None) -> jax.Array: ...
-    def broadcast_rank_major(self, g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
-                             rank_mask: Mask = None) -> jax.Array: ...
-
 
 @dataclasses.dataclass(frozen=True)
 class OpPlan:
-    """What an EP op runs: ``impl`` "cuda" (its kernel) or "reference" (the pure-JAX path), and why."""
+    """What an EP op runs: ``impl``, the backend (``jax_ep.backends``: "reference", the pure-JAX path;
+    "cuda", its kernel), and why."""
 
     op: str
     impl: str
@@ -101,67 +72,77 @@ class Op:
     layout: str = "expert_major"
 
     def kernel_by_default(self, cfg: EPConfig, ep_size: int) -> bool:
-        """Its CUDA kernel measured faster than the reference path at cfg's tokens per rank on
+        """A backend's kernel of it measured faster than the reference at cfg's tokens per rank on
         `ep_size` GPUs (``jax_ep.auto_table``, written by the benchmark)."""
-        return auto_table.kernel_faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size)
+        return any(backend.faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size)
+                   for backend in backends.measured())
 
     def plan(self, cfg: EPConfig, ep_size: int, dtype=None) -> OpPlan:
-        """Which implementation cfg.backend takes for this op on an EP group of ``ep_size`` with rows of
+        """Which backend cfg.backend takes for this op on an EP group of ``ep_size`` with rows of
         ``dtype``, and why (what ``implementation`` runs).
 
-        "reference": the pure-JAX path. "auto": the CUDA kernel when it measured faster (the auto
-        table), the default platform is a GPU, the extension is loaded and the kernel supports the
-        sizes; the reference otherwise, the reason naming the first of these that failed. "cuda": the
-        kernel, or an error saying why it cannot run. A rank mask plays no part in the choice: every
-        kernel but layout's takes one, with the reference's masked semantics bit for bit (the table was
-        measured without one; the mask adds one [R] read).
+        A named backend: that one, or an error saying why it cannot run the call. "auto": the first
+        backend with a measured kernel (``jax_ep.backends.measured``: "cuda") whose kernel measured
+        faster (the auto table), that runs on the platform of the call (``backends.platform``), is
+        available and supports the sizes; the reference otherwise, the reason naming the first of
+        these that failed. A rank mask plays no part in the choice: every kernel but layout's takes
+        one, with the reference's masked semantics bit for bit (the table was measured without one;
+        the mask adds one [R] read).
         """
-        if cfg.backend == "reference":
-            return OpPlan(self.name, "reference", "backend='reference'")
-        from jax_ep import cuda_backend, runtime  # imported lazily: the extension is optional
+        if cfg.backend != "auto":
+            backend = backends.get(cfg.backend)
+            if backend.name != backends.REFERENCE:
+                self._check_runs(backend, cfg, ep_size, dtype)
+            return OpPlan(self.name, backend.name, f"backend={backend.name!r}")
+        candidates = backends.measured()
+        reasons = []
+        for backend in candidates:
+            reason = self._why_auto_skips(backend, cfg, ep_size, dtype)
+            if reason is None:
+                return OpPlan(self.name, backend.name, f"backend='auto': its kernel measured faster at "
+                              f"{cfg.max_tokens_per_rank} tokens per rank on {ep_size} GPUs and runs here")
+            reasons.append(reason if len(candidates) == 1 else f"{backend.name}: {reason}")
+        if not reasons:
+            reasons.append("no backend but the reference is registered")
+        return OpPlan(self.name, backends.REFERENCE, "backend='auto': " + "; ".join(reasons))
 
-        has_kernel = getattr(cuda_backend, self.name, None) is not None
-        if cfg.backend == "auto":
-            reason = None
-            if not has_kernel:
-                reason = "this version of jax_ep has no CUDA kernel for it"
-            elif not self.kernel_by_default(cfg, ep_size):
-                reason = (f"its kernel did not measure faster than the reference at "
-                          f"{cfg.max_tokens_per_rank} tokens per rank on {ep_size} GPUs "
-                          f"(jax_ep/auto_table.json, layout {self.layout!r})")
-            elif jax.default_backend() != "gpu":
-                reason = f"the default JAX platform is {jax.default_backend()!r}, not 'gpu'"
-            elif not runtime.available()[0]:   # asked only on a GPU, as the extension is loaded there
-                reason = f"the CUDA backend is unavailable: {runtime.available()[1]}"
-            else:
-                why = cuda_backend.unsupported(self.name, cfg, ep_size, dtype)
-                if why is not None:
-                    reason = f"its kernel does not support this call: {why}"
-            if reason is not None:
-                return OpPlan(self.name, "reference", f"backend='auto': {reason}")
-            return OpPlan(self.name, "cuda", f"backend='auto': its kernel measured faster at "
-                          f"{cfg.max_tokens_per_rank} tokens per rank on {ep_size} GPUs and runs here")
-        if not has_kernel:
-            raise EPUnsupportedError(f"jax_ep.{self.name} (backend='cuda'): this version of jax_ep has "
-                                     f"no CUDA kernel for it (jax_ep.cuda_backend.{self.name}); use "
-                                     "backend='reference' or 'auto'")
-        usable, reason = runtime.available()
+    def _why_auto_skips(self, backend: backends.Backend, cfg: EPConfig, ep_size: int, dtype) -> str | None:
+        if not backend.implements(self.name):
+            return f"this version of jax_ep has no {backend.name} kernel for it"
+        if not backend.faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size):
+            return (f"its kernel did not measure faster than the reference at {cfg.max_tokens_per_rank} "
+                    f"tokens per rank on {ep_size} GPUs (jax_ep/auto_table.json, layout {self.layout!r})")
+        here = backends.platform()
+        if not backend.runs_on(here):
+            return f"the platform of the call is {here!r}, not {backend.platforms[0]!r}"
+        usable, why = backend.available()   # asked only on its platform (the extension loads there)
         if not usable:
-            raise EPRuntimeError(f"jax_ep: backend='cuda' is unavailable: {reason}. Use "
-                                 "backend='reference' or 'auto'.")
-        why = cuda_backend.unsupported(self.name, cfg, ep_size, dtype)
+            return f"the {backend.name} backend is unavailable: {why}"
+        why = backend.unsupported(self.name, cfg, ep_size, dtype)
         if why is not None:
-            raise EPValueError(f"jax_ep.{self.name} (backend='cuda'): {why}; use backend='reference' "
-                               "(or 'auto', which falls back to it)")
-        return OpPlan(self.name, "cuda", "backend='cuda'")
+            return f"its kernel does not support this call: {why}"
+        return None
+
+    def _check_runs(self, backend: backends.Backend, cfg: EPConfig, ep_size: int, dtype) -> None:
+        """cfg.backend names ``backend``: an error unless it can run this call."""
+        backend.function(self.name)   # EPUnsupportedError when it has none
+        usable, why = backend.available()
+        if not usable:
+            raise EPRuntimeError(f"jax_ep: backend={backend.name!r} is unavailable: {why}. Use "
+                                 "backend='reference' or 'auto'.")
+        here = backends.platform()
+        if not backend.runs_on(here):
+            raise EPValueError(f"jax_ep.{self.name} (backend={backend.name!r}): it runs on "
+                               f"{'/'.join(backend.platforms)}, the platform of this call is {here!r} "
+                               "(the mesh's devices); use backend='reference' or 'auto'")
+        why = backend.unsupported(self.name, cfg, ep_size, dtype)
+        if why is not None:
+            raise EPValueError(f"jax_ep.{self.name} (backend={backend.name!r}): {why}; use "
+                               "backend='reference' (or 'auto', which falls back to it)")
 
     def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
         """The function implementing this op for cfg.backend (``plan``'s choice)."""
-        if self.plan(cfg, ep_size, dtype).impl == "reference":
-            return getattr(reference, self.name)
-        from jax_ep import cuda_backend
-
-        return getattr(cuda_backend, self.name)
+        return backends.get(self.plan(cfg, ep_size, dtype).impl).function(self.name)
 
 
 OPS = {op.name: op for op in (
@@ -492,24 +473,15 @@ _ll_combine.defvjp(_ll_combine_fwd, _forward_only("ll_combine"))
 
 # ---- low-latency two-phase form -----------------------------------------------------------------
 # The backend is chosen once, at the send (as for the fused op); the receive runs the same backend's
-# second phase, told by the pending value: the reference path keeps its inputs in it (for combine
-# the handle's src_slot: both paths carry y).
+# second phase, named by the pending value (pending.backend).
 def _ll_send_impl(op: str, cfg: EPConfig, dtype):
-    fused = implementation(op, cfg, dtype)
-    if fused is getattr(reference, op):
-        return getattr(reference, f"{op}_send")
-    from jax_ep import cuda_backend
-
-    return getattr(cuda_backend, f"{op}_send")
+    name = OPS[op].plan(cfg, ep_size(cfg, op), dtype).impl
+    send = backends.get(name).function(f"{op}_send")
+    return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name)
 
 
 def _ll_recv_impl(op: str, pending):
-    reference_path = (pending.x if op == "ll_dispatch" else pending.src_slot) is not None
-    if reference_path:
-        return getattr(reference, f"{op}_recv")
-    from jax_ep import cuda_backend
-
-    return getattr(cuda_backend, f"{op}_recv")
+    return backends.get(pending.backend).function(f"{op}_recv")
 
 
 def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
@@ -526,6 +498,9 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if kind is LLCombinePending and pending.y is None:
         raise EPValueError(f"jax_ep.{op}: pending.y is None: the receive reads the expert outputs y "
                            "(ll_combine_send's pending carries them)")
+    if pending.backend not in backends.names():
+        raise EPValueError(f"jax_ep.{op}: pending.backend={pending.backend!r} names no backend "
+                           f"{backends.names()}: pass the pending value of the matching _send unchanged")
 
 
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,

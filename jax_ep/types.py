@@ -7,6 +7,8 @@ this rank). A received token is named by its *source slot* n = src_rank * T + sr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -110,9 +112,15 @@ class LLDispatched(NamedTuple):
     rank_mask: jax.Array      # [R] int32: the ranks that took part in the call (1) or were masked (0)
 
 
-class LLDispatchPending(NamedTuple):
-    """What ll_dispatch_send hands to ll_dispatch_recv (a pytree of arrays). Pass it on unchanged and
-    receive it exactly once; at most two sends of an op may be pending at a time (see docs/api.md)."""
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["token", "topk_weights", "dest_rank", "num_dropped", "x", "topk_idx",
+                                "rank_mask"],
+                   meta_fields=["backend"])
+@dataclasses.dataclass(frozen=True)
+class LLDispatchPending:
+    """What ll_dispatch_send hands to ll_dispatch_recv (a pytree of arrays; ``backend``, static, names
+    the backend whose receive takes it: the send's, jax_ep.backends). Pass it on unchanged and receive
+    it exactly once; at most two sends of an op may be pending at a time (see docs/api.md)."""
 
     token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
     # the handle's slots as the send keeps them (its rank mask; the receive also drops the pairs of a
@@ -123,11 +131,16 @@ class LLDispatchPending(NamedTuple):
     x: jax.Array | None = None     # reference path only: the tokens (its send is bookkeeping)
     topk_idx: jax.Array | None = None
     rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
+    backend: str | None = dataclasses.field(default=None, kw_only=True)  # the send's (jax_ep.ops sets it)
 
 
-class LLCombinePending(NamedTuple):
-    """What ll_combine_send hands to ll_combine_recv (a pytree of arrays); same rules as
-    LLDispatchPending."""
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["token", "topk_weights", "dest_rank", "y", "src_slot", "rank_mask"],
+                   meta_fields=["backend"])
+@dataclasses.dataclass(frozen=True)
+class LLCombinePending:
+    """What ll_combine_send hands to ll_combine_recv (a pytree of arrays; ``backend`` static); same
+    rules as LLDispatchPending."""
 
     token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
     topk_weights: jax.Array        # [T, K] float32: the LLHandle's
@@ -135,6 +148,7 @@ class LLCombinePending(NamedTuple):
     y: jax.Array | None = None     # the expert outputs (the CUDA receive reads its own rank's rows)
     src_slot: jax.Array | None = None  # reference path only: the handle's slots
     rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
+    backend: str | None = dataclasses.field(default=None, kw_only=True)  # the send's (jax_ep.ops sets it)
 
 
 # ---- output types of each op (the backends' contract) ----------------------------------------------

@@ -125,7 +125,7 @@ def test_explain_names_each_ops_choice_and_why_on_this_machine():
     for name, plan in plans.items():
         assert plan.op == name and plan.impl == "reference"
         if OPS[name].kernel_by_default(_cfg(), 2):
-            assert plan.reason == "backend='auto': the default JAX platform is 'cpu', not 'gpu'"
+            assert plan.reason == "backend='auto': the platform of the call is 'cpu', not 'gpu'"
         else:
             assert "did not measure faster" in plan.reason and "4096 tokens per rank on 2 GPUs" in plan.reason
     assert jax_ep.explain(_cfg(backend="reference"), 4, ops=["dispatch"]) == {

@@ -339,6 +339,7 @@ def _fake_extension(monkeypatch):
     from jax_ep import cuda_backend, runtime
 
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
     monkeypatch.setattr(runtime, "reserve", lambda n: None)
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     monkeypatch.setattr(runtime, "limits", lambda: {

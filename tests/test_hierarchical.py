@@ -746,6 +746,7 @@ def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch, wire):
     pytest.importorskip("jax_ep._C")
     monkeypatch.setattr(runtime, "reserve", lambda n: None)
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     nodes, local = 2, 4
     hidden = H if wire is None else 256
@@ -803,6 +804,7 @@ def test_node_hop_takes_cfg_transport_and_local_axis_loads_stores(monkeypatch):
     pytest.importorskip("jax_ep._C")
     monkeypatch.setattr(runtime, "reserve", lambda n: None)
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     monkeypatch.setattr(runtime, "process_model", lambda: "process_per_gpu")
     monkeypatch.setattr(runtime, "unreachable_processes", lambda: [])

@@ -539,6 +539,9 @@ def test_ll_two_phase_pending_types_and_errors():
     with pytest.raises(ValueError, match=r"ll_combine_recv: pending.y is None"):
         per_rank(lambda x, idx, w: jax_ep.ll_combine_recv(jax_ep.LLCombinePending(
             jnp.zeros((4,), jnp.uint32), w, idx), cfg), ep_size)(x, idx, w)
+    with pytest.raises(ValueError, match=r"ll_combine_recv: pending.backend=None names no backend"):
+        per_rank(lambda x, idx, w: jax_ep.ll_combine_recv(jax_ep.LLCombinePending(
+            jnp.zeros((4,), jnp.uint32), w, idx, y=x), cfg), ep_size)(x, idx, w)
     with pytest.raises(ValueError, match=r"ll_dispatch_send: x must be bfloat16 or float32"):
         per_rank(lambda x, idx, w: jax_ep.ll_dispatch_send(x.astype(jnp.float16), idx, w, cfg).token,
                  ep_size)(x, idx, w)

@@ -33,6 +33,7 @@ def cuda_lowering(monkeypatch):
     if runtime.extension() is None:
         pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     monkeypatch.setattr(runtime, "reserve", lambda n: None)
     monkeypatch.setattr(runtime, "unreachable_processes", lambda: [])

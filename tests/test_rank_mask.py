@@ -353,6 +353,7 @@ def test_auto_picks_as_without_a_mask(monkeypatch):
     ep_size = 2
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
     monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
     for name in DATA_OPS:
         for backend in (reference, cuda_backend):
@@ -365,7 +366,7 @@ def test_auto_picks_as_without_a_mask(monkeypatch):
 
 def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
     """The ops pass rank_mask= to every data op's implementation, forward and backward, None without
-    a mask (one signature for both backends: jax_ep.ops.Backend)."""
+    a mask (one signature for every backend: jax_ep.backends.Functions)."""
     seen, depth = {}, [0]
 
     def spy(name, fn):
@@ -507,6 +508,7 @@ def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch, shrink):
     from jax_ep import cuda_backend, runtime
 
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
     monkeypatch.setattr(runtime, "reserve", lambda n: None)
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     monkeypatch.setattr(runtime, "limits", lambda: {

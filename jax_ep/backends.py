@@ -1,0 +1,194 @@
+"""The EP backends, by registry: what implements the per-rank functions of the EP ops.
+
+A backend (``Backend``) is a module with the functions of ``Functions`` (same signatures, same
+results: the output types of ``jax_ep.types``), the JAX platforms it runs on, whether it can run
+here and which calls its kernels cannot take. ``EPConfig.backend`` names one, or "auto": the first
+registered backend with ``faster`` whose kernel measured faster for the call and that can run it on
+the platform of the call, else the reference (``jax_ep.ops.Op.plan`` decides, ``jax_ep.explain``
+says why). Registered here: "reference" (``jax_ep.reference``, pure JAX, the semantics; any platform)
+and "cuda" (``jax_ep.cuda_backend``, the CUDA kernels; GPUs). A third registers itself with
+``register``. A backend's module is imported when first used: the CUDA extension is optional.
+
+The platform of a call (``platform``) is that of the mesh's devices inside ``shard_map`` over a
+concrete mesh, else JAX's default platform: a CPU mesh on a GPU machine runs the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import jax
+
+from jax_ep.errors import EPUnsupportedError, EPValueError
+
+if TYPE_CHECKING:  # the types of the signatures below only (no import cycle at run time)
+    from jax_ep.config import EPConfig
+    from jax_ep.types import (
+        Dispatched,
+        Handle,
+        Layout,
+        LLCombinePending,
+        LLDispatched,
+        LLDispatchPending,
+        LLHandle,
+        RankMajorDispatched,
+        RankMajorHandle,
+    )
+
+Mask = jax.Array | None  # a data op's rank_mask: None (every rank active) or the checked [R] mask
+REFERENCE = "reference"  # the backend that defines the semantics; 'auto' falls back to it
+
+
+class Functions(Protocol):
+    """What a backend's module implements: one function per op. Per-rank views, inside shard_map over
+    cfg.axis_name. Every op but layout takes ``rank_mask`` (the ops always pass it, None without a
+    mask). A backend may leave an op out ('auto' then takes another for it; naming the backend for
+    it is an error). The two-phase low-latency ops come in pairs: a backend's ``*_recv`` takes the
+    pending value of its own ``*_send`` (the value names the backend, ``pending.backend``)."""
+
+    def layout(self, topk_idx: jax.Array, cfg: EPConfig) -> Layout: ...
+    def dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                 cfg: EPConfig, rank_mask: Mask = None) -> Dispatched: ...
+    def combine(self, y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
+    def broadcast(self, g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: Mask = None) -> jax.Array: ...
+    def combine_bwd(self, g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
+                    rank_mask: Mask = None, empty_rows_from_y: bool = False
+                    ) -> tuple[jax.Array, jax.Array]: ...
+    def slot_values(self, values: jax.Array, handle: Handle, cfg: EPConfig,
+                    rank_mask: Mask = None) -> jax.Array: ...
+    def ll_dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                    cfg: EPConfig, rank_mask: Mask = None) -> LLDispatched: ...
+    def ll_combine(self, y: jax.Array, handle: LLHandle, cfg: EPConfig,
+                   rank_mask: Mask = None) -> jax.Array: ...
+    def ll_dispatch_send(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                         cfg: EPConfig, rank_mask: Mask = None) -> LLDispatchPending: ...
+    def ll_dispatch_recv(self, pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched: ...
+    def ll_combine_send(self, y: jax.Array, handle: LLHandle, cfg: EPConfig,
+                        rank_mask: Mask = None) -> LLCombinePending: ...
+    def ll_combine_recv(self, pending: LLCombinePending, cfg: EPConfig) -> jax.Array: ...
+    def dispatch_rank_major(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                            cfg: EPConfig, rank_mask: Mask = None) -> RankMajorDispatched: ...
+    def combine_rank_major(self, y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                           rank_mask: Mask = None) -> jax.Array: ...
+    def broadcast_rank_major(self, g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                             rank_mask: Mask = None) -> jax.Array: ...
+
+
+def _can_run_anywhere() -> tuple[bool, str]:
+    return True, ""
+
+
+def _supports_everything(op: str, cfg: EPConfig, ep_size: int, dtype) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registered backend.
+
+    Attributes:
+      name: what EPConfig.backend calls it.
+      module: the module of its functions (``Functions``), imported when first used.
+      platforms: the JAX platforms it runs on (``platform()``); empty: every platform.
+      available: () -> (usable, why not): whether it can run in this process.
+      unsupported: (op, cfg, ep_size, dtype) -> why its kernel of ``op`` cannot run that call (None
+        when it can).
+      faster: (op, layout, tokens per rank, ep_size) -> whether 'auto' takes it for that call (its
+        kernel measured faster than the reference, ``jax_ep.auto_table``); None: 'auto' never does.
+    """
+
+    name: str
+    module: str
+    platforms: tuple[str, ...] = ()
+    available: Callable[[], tuple[bool, str]] = _can_run_anywhere
+    unsupported: Callable[..., str | None] = _supports_everything
+    faster: Callable[[str, str, int, int], bool] | None = None
+
+    def functions(self):
+        return importlib.import_module(self.module)
+
+    def implements(self, op: str) -> bool:
+        return callable(getattr(self.functions(), op, None))
+
+    def function(self, op: str):
+        """Its function of ``op``; EPUnsupportedError naming both when it has none."""
+        fn = getattr(self.functions(), op, None)
+        if not callable(fn):
+            raise EPUnsupportedError(f"jax_ep.{op} (backend={self.name!r}): this version of jax_ep has no "
+                                     f"{self.name} implementation of it ({self.module}.{op}); use "
+                                     "backend='reference' or 'auto'")
+        return fn
+
+    def runs_on(self, platform_name: str) -> bool:
+        return not self.platforms or platform_name in self.platforms
+
+
+def _cuda_available() -> tuple[bool, str]:
+    from jax_ep import runtime
+
+    return runtime.available()
+
+
+def _cuda_unsupported(op: str, cfg: EPConfig, ep_size: int, dtype) -> str | None:
+    from jax_ep import cuda_backend
+
+    return cuda_backend.unsupported(op, cfg, ep_size, dtype)
+
+
+def _cuda_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
+    from jax_ep import auto_table
+
+    return auto_table.kernel_faster(op, layout, tokens, ep_size)
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Adds ``backend`` (or replaces the one of its name); 'auto' tries the backends with ``faster``
+    in the order they were registered. Returns it."""
+    if not isinstance(backend, Backend):
+        raise EPValueError(f"jax_ep.backends.register: expected a jax_ep.backends.Backend, got "
+                           f"{type(backend).__name__}")
+    if backend.name == "auto" or not backend.name:
+        raise EPValueError(f"jax_ep.backends.register: {backend.name!r} cannot name a backend")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Removes the backend ``name`` (not the reference)."""
+    if name == REFERENCE:
+        raise EPValueError("jax_ep.backends.unregister: the reference backend stays")
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise EPValueError(f"jax_ep: no backend {name!r}; the backends are {names()} (or 'auto')") from None
+
+
+def measured() -> tuple[Backend, ...]:
+    """The backends 'auto' may take instead of the reference, in the order it tries them."""
+    return tuple(b for b in _REGISTRY.values() if b.faster is not None)
+
+
+def platform() -> str:
+    """The JAX platform the EP ops run on here: the mesh's devices' inside shard_map over a concrete
+    mesh, else JAX's default platform."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+register(Backend(REFERENCE, "jax_ep.reference"))
+register(Backend("cuda", "jax_ep.cuda_backend", platforms=("gpu", "cuda"), available=_cuda_available,
+                 unsupported=_cuda_unsupported, faster=_cuda_faster))
