@@ -15,6 +15,29 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 AXIS = "ep"
+# jax_ep._C.LIMITS of a build, for tests that lower backend='cuda' without one (lower_cuda_here)
+STUB_LIMITS = {"max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
+               "directory_axes": 4, "data_warps": 16, "row_alignment": 8}
+
+
+def lower_cuda_here(monkeypatch, *, stub_extension: bool) -> None:
+    """backend='cuda' traces and lowers on this CPU machine (its FFI calls compile on GPUs only): what
+    only a GPU process does at trace time (register the targets, size the buffers) is skipped and the
+    calls take a GPU mesh's platform. stub_extension: without a build (STUB_LIMITS, every call
+    supported); else the built extension's limits (skips where there is none)."""
+    from jax_ep import cuda_backend, runtime
+
+    if stub_extension:
+        monkeypatch.setattr(runtime, "limits", lambda: dict(STUB_LIMITS))
+        monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+    elif runtime.extension() is None:
+        import pytest
+
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")
+    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
 
 
 def run_logged(commands: dict[str, list[str]], tmp, *, cwd, env=None, wait_s: float,

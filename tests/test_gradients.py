@@ -19,6 +19,7 @@ import pytest
 from helpers import (
     assert_bits_equal,
     assert_close_f,
+    lower_cuda_here,
     make_cfg,
     model_for,
     parametrize_slow_tail,
@@ -334,20 +335,6 @@ def test_combine_empty_rows_zero_takes_those_rows_of_d_y_from_y(mask):
         jax_ep.combine(jnp.zeros((4, 8)), None, cfg, empty_rows_zero=1)
 
 
-def _fake_extension(monkeypatch):
-    """The CUDA backend traces on any machine (its FFI calls compile on GPUs only)."""
-    from jax_ep import cuda_backend, runtime
-
-    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
-    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
-    monkeypatch.setattr(runtime, "reserve", lambda n: None)
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "limits", lambda: {
-        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
-        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
-    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
-
-
 def _backward_calls(cfg, ep_size=2, empty_rows_zero=False) -> dict:
     """{custom call target: [its lines]} of jax.grad through combine (over a reference dispatch)."""
     ref = cfg.replace(backend="reference")
@@ -377,7 +364,7 @@ def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
     fuses the reference's broadcast into the rows' products."""
     from jax_ep import auto_table
 
-    _fake_extension(monkeypatch)
+    lower_cuda_here(monkeypatch, stub_extension=True)
     cfg = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="cuda")
     calls = _backward_calls(cfg)
     assert set(calls) == {"jax_ep_combine", "jax_ep_combine_bwd"}, calls

@@ -17,7 +17,7 @@ import numpy as np
 import numpy_model as nm
 import pytest
 from flax import nnx
-from helpers import parametrize_slow_tail, require_devices
+from helpers import lower_cuda_here, parametrize_slow_tail, require_devices
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -741,13 +741,7 @@ def test_cuda_backend_lowers_each_stage_on_its_own_axis(monkeypatch, wire):
     (row_bytes 4 * fp8_packed_width(H), no scales)."""
     import zlib
 
-    from jax_ep import runtime
-
-    pytest.importorskip("jax_ep._C")
-    monkeypatch.setattr(runtime, "reserve", lambda n: None)
-    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
-    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    lower_cuda_here(monkeypatch, stub_extension=False)
     nodes, local = 2, 4
     hidden = H if wire is None else 256
     cfg = hier_cfg(nodes, local, backend="cuda", hidden=hidden, dispatch_dtype=wire)
@@ -801,11 +795,7 @@ def test_node_hop_takes_cfg_transport_and_local_axis_loads_stores(monkeypatch):
     calls over loads / stores (transport = 0), which alone they have."""
     from jax_ep import KernelConfig, runtime
 
-    pytest.importorskip("jax_ep._C")
-    monkeypatch.setattr(runtime, "reserve", lambda n: None)
-    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
-    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    lower_cuda_here(monkeypatch, stub_extension=False)
     monkeypatch.setattr(runtime, "process_model", lambda: "process_per_gpu")
     monkeypatch.setattr(runtime, "unreachable_processes", lambda: [])
     nodes, local = 2, 4

@@ -17,6 +17,7 @@ import numpy_model as nm
 import pytest
 from helpers import (
     assert_bits_equal,
+    lower_cuda_here,
     make_cfg,
     parametrize_slow_tail,
     per_rank,
@@ -176,27 +177,13 @@ def test_ll_rank_mask_bad(mask, match):
         per_rank(f, 4)(x, idx, w)
 
 
-def _stub_runtime(monkeypatch):
-    """backend='cuda' traces and lowers on any machine (the FFI calls compile on GPUs only)."""
-    from jax_ep import cuda_backend, runtime
-
-    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
-    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
-    monkeypatch.setattr(runtime, "reserve", lambda n: None)
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "limits", lambda: {
-        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
-        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
-    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
-
-
 def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
     """backend='cuda' traces on any machine (the FFI calls compile on GPUs only): the sending custom
     calls (ll_dispatch, ll_dispatch_send, ll_combine, ll_combine_send) take the mask as an int32 [R]
     operand before rank and group, ll_dispatch / ll_dispatch_recv return the call's ranks (int32
     [R]), the receiving combine calls take dest_rank [T, K], and EPConfig.shrink reaches the LL
     calls' attributes (shrink = 1)."""
-    _stub_runtime(monkeypatch)
+    lower_cuda_here(monkeypatch, stub_extension=True)
     ep_size, tokens = 2, 5
     cfg = BF16.replace(backend="cuda", shrink=True)
 
@@ -236,7 +223,7 @@ def test_cuda_ll_dispatch_is_only_its_custom_call(monkeypatch):
     ll_dispatch (fused, and send + recv) lowers to its custom calls and nothing that computes them
     (no select, reduce or compare: the sanitised routing, the keep mask and the dropped count), and
     the send hands its slots and count to the receive."""
-    _stub_runtime(monkeypatch)
+    lower_cuda_here(monkeypatch, stub_extension=True)
     ep_size, tokens = 2, 5
     cfg = BF16.replace(backend="cuda")
 
@@ -269,7 +256,7 @@ def test_moe_decode_passes_the_mask_to_the_cuda_ops(monkeypatch):
     from jax_ep.gating import RouterConfig
     from jax_ep.moe import EPOptions, MoE
 
-    _stub_runtime(monkeypatch)
+    lower_cuda_here(monkeypatch, stub_extension=True)
     seen = {}
 
     def recording(name):

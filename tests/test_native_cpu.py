@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import STUB_LIMITS
 
 from jax_ep import cuda_backend, runtime
 
@@ -156,15 +157,15 @@ def test_limits_come_from_the_extension():
     from jax_ep.fp8 import FP8_MIN_AMAX
     assert native.LIMITS["fp8_block"] == FP8_BLOCK
     assert native.LIMITS["fp8_min_amax"] == float(np.float32(FP8_MIN_AMAX))
+    # the tests that lower backend='cuda' without a build stub these (helpers.lower_cuda_here)
+    assert STUB_LIMITS.items() <= native.LIMITS.items()
 
 
 def test_kernel_support_is_decided_from_the_limits(monkeypatch):
     """What the cuda backend can run (its use-the-kernel check) follows the extension's limits."""
     from jax_ep import EPConfig, KernelConfig
 
-    monkeypatch.setattr(runtime, "limits", lambda: {
-        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
-        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    monkeypatch.setattr(runtime, "limits", lambda: dict(STUB_LIMITS))
     cfg = EPConfig(num_experts=64, num_topk=8, hidden=256, max_tokens_per_rank=16)
     for op in ("layout", "dispatch", "combine", "broadcast", "slot_values"):
         assert cuda_backend.unsupported(op, cfg, 4, "bfloat16") is None, op
@@ -182,9 +183,7 @@ def test_kernel_support_is_decided_from_the_limits(monkeypatch):
     # the low-latency kernels' top-k and EP-size limits are the same limits (a warp lane per slot)
     assert "num_topk=40 exceeds 32" in cuda_backend.unsupported("ll_dispatch", cfg.replace(num_topk=40), 4)
     assert "EP size 64 exceeds 32" in cuda_backend.unsupported("ll_combine", cfg, 64)
-    monkeypatch.setattr(runtime, "limits", lambda: {
-        "max_topk": 4, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
-        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    monkeypatch.setattr(runtime, "limits", lambda: {**STUB_LIMITS, "max_topk": 4})
     for op in ("ll_dispatch", "ll_combine", "dispatch"):
         assert "num_topk=8 exceeds 4" in cuda_backend.unsupported(op, cfg, 4), op
 

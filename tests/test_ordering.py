@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import lower_cuda_here
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -30,12 +31,7 @@ R, T, H, E, K = 4, 16, 128, 8, 2
 def cuda_lowering(monkeypatch):
     """Trace the CUDA backend on this CPU machine: what only a GPU process does at trace time (register
     the targets, size the buffers) is skipped; lowering needs neither."""
-    if runtime.extension() is None:
-        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
-    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
-    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "reserve", lambda n: None)
+    lower_cuda_here(monkeypatch, stub_extension=False)
     monkeypatch.setattr(runtime, "unreachable_processes", lambda: [])
     monkeypatch.setattr(runtime, "process_model", lambda: "local_peers")
 

@@ -17,6 +17,7 @@ import numpy_model as nm
 import pytest
 from helpers import (
     AXIS,
+    STUB_LIMITS,
     assert_bits_equal,
     assert_close_f,
     make_cfg,
@@ -312,9 +313,7 @@ def test_cuda_backend_lowers_to_the_rank_major_targets(monkeypatch):
 
     monkeypatch.setattr(runtime, "reserve", lambda n: None)
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "limits", lambda: {
-        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
-        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
+    monkeypatch.setattr(runtime, "limits", lambda: dict(STUB_LIMITS))
     cfg = BASE.replace(backend="cuda", expert_alignment=8)
 
     def body(x, i, w, y, g):

@@ -25,6 +25,7 @@ import pytest
 from helpers import (
     assert_bits_equal,
     assert_dispatch_matches,
+    lower_cuda_here,
     make_cfg,
     model_for,
     parametrize_slow_tail,
@@ -505,16 +506,7 @@ def test_cuda_backend_lowers_the_mask_as_an_operand(monkeypatch, shrink):
     broadcast_rank_major) each take the mask as an int32 [R] operand (traced: new values, same
     executable); dispatch returns the mask it ran with (int32 [R], last); EPConfig.shrink reaches
     every call's attributes (shrink mode of the throughput kernels)."""
-    from jax_ep import cuda_backend, runtime
-
-    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
-    monkeypatch.setattr("jax_ep.backends.platform", lambda: "gpu")  # a GPU mesh's call
-    monkeypatch.setattr(runtime, "reserve", lambda n: None)
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "limits", lambda: {
-        "max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
-        "directory_axes": 4, "data_warps": 16, "row_alignment": 8})
-    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+    lower_cuda_here(monkeypatch, stub_extension=True)
     ep_size = 2
     cfg = _cfg(backend="cuda", dispatch_dtype="bfloat16", shrink=shrink)
 
