@@ -62,23 +62,49 @@ ffi::Error ResolveGroup(int32_t device_ordinal, const OpState& state, const char
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<std::unique_ptr<OpState>> PeerSmokeInstantiate(ffi::Span<const int64_t> mesh_slots,
-                                                            int64_t group_size, int64_t n) {
-  constexpr const char* kOp = kPeerSmokeTarget;
+// The op's kernel puts to symmetric addresses, which exist only on NVSHMEM's heap.
+ffi::Error RequireProcessPerGpu(const char* op, const Runtime& runtime) {
+  if (runtime.Model() != ProcessModel::kProcessPerGpu) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": remote_smoke needs process model 2 (NVSHMEM): one "
+                      "process per GPU under jax.distributed; this process drives its GPUs in "
+                      "process model 1 (local peers), which has no symmetric heap");
+  }
+  return ffi::Error::Success();
+}
+
+// A smoke op's call site (both transports): the mesh's slots in rows of group_size (one row per EP
+// group, ResolveGroup) and n words per peer; `comm_bytes(group_size, n)` sizes its buffer. Puts
+// (`symmetric_heap`) need process model 2.
+ffi::ErrorOr<std::unique_ptr<OpState>> SmokeInstantiate(const char* op,
+                                                        ffi::Span<const int64_t> mesh_slots,
+                                                        int64_t group_size, int64_t n,
+                                                        uint64_t (*comm_bytes)(int64_t, int64_t),
+                                                        bool symmetric_heap) {
   const int64_t total = static_cast<int64_t>(mesh_slots.size());
   if (group_size < 1 || group_size > kMaxGroupRanks || total % group_size != 0 || n < 0) {
-    return ffi::Unexpected(Invalid(kOp, "group_size=" + std::to_string(group_size) +
-                                            " must be in [1, " + std::to_string(kMaxGroupRanks) +
-                                            "] and divide the " + std::to_string(total) +
-                                            " mesh slots; n=" + std::to_string(n)));
+    return ffi::Unexpected(Invalid(op, "group_size=" + std::to_string(group_size) +
+                                           " must be in [1, " + std::to_string(kMaxGroupRanks) +
+                                           "] and divide the " + std::to_string(total) +
+                                           " mesh slots; n=" + std::to_string(n)));
+  }
+  if (symmetric_heap) {
+    if (ffi::Error error = RequireProcessPerGpu(op, Runtime::Get()); !error.success()) {
+      return ffi::Unexpected(error);
+    }
   }
   EPAttrs attrs{};
   attrs.num_ranks = group_size;
   attrs.num_tokens = n;
   CommLayout layout{};
-  layout.total = peer_smoke_comm_bytes(group_size, n);
-  return MakeState(kOp, attrs, layout,
-                   std::vector<int64_t>(mesh_slots.begin(), mesh_slots.end()));
+  layout.total = comm_bytes(group_size, n);
+  return MakeState(op, attrs, layout, std::vector<int64_t>(mesh_slots.begin(), mesh_slots.end()));
+}
+
+ffi::ErrorOr<std::unique_ptr<OpState>> PeerSmokeInstantiate(ffi::Span<const int64_t> mesh_slots,
+                                                            int64_t group_size, int64_t n) {
+  return SmokeInstantiate(kPeerSmokeTarget, mesh_slots, group_size, n, peer_smoke_comm_bytes,
+                          /*symmetric_heap=*/false);
 }
 
 ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -108,37 +134,11 @@ ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
   return ffi::Error::Success();
 }
 
-// The op's kernel puts to symmetric addresses, which exist only on NVSHMEM's heap.
-ffi::Error RequireProcessPerGpu(const char* op, const Runtime& runtime) {
-  if (runtime.Model() != ProcessModel::kProcessPerGpu) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string(op) + ": remote_smoke needs process model 2 (NVSHMEM): one "
-                      "process per GPU under jax.distributed; this process drives its GPUs in "
-                      "process model 1 (local peers), which has no symmetric heap");
-  }
-  return ffi::Error::Success();
-}
 
 ffi::ErrorOr<std::unique_ptr<OpState>> RemoteSmokeInstantiate(ffi::Span<const int64_t> mesh_slots,
                                                               int64_t group_size, int64_t n) {
-  constexpr const char* kOp = kRemoteSmokeTarget;
-  const int64_t total = static_cast<int64_t>(mesh_slots.size());
-  if (group_size < 1 || group_size > kMaxGroupRanks || total % group_size != 0 || n < 0) {
-    return ffi::Unexpected(Invalid(kOp, "group_size=" + std::to_string(group_size) +
-                                            " must be in [1, " + std::to_string(kMaxGroupRanks) +
-                                            "] and divide the " + std::to_string(total) +
-                                            " mesh slots; n=" + std::to_string(n)));
-  }
-  if (ffi::Error error = RequireProcessPerGpu(kOp, Runtime::Get()); !error.success()) {
-    return ffi::Unexpected(error);
-  }
-  EPAttrs attrs{};
-  attrs.num_ranks = group_size;
-  attrs.num_tokens = n;
-  CommLayout layout{};
-  layout.total = remote_smoke_comm_bytes(group_size, n);
-  return MakeState(kOp, attrs, layout,
-                   std::vector<int64_t>(mesh_slots.begin(), mesh_slots.end()));
+  return SmokeInstantiate(kRemoteSmokeTarget, mesh_slots, group_size, n, remote_smoke_comm_bytes,
+                          /*symmetric_heap=*/true);
 }
 
 ffi::Error RemoteSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
