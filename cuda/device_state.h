@@ -69,7 +69,7 @@ enum LLFault : int32_t {
                            // `observed`, sent in two phases and not yet received
   kLLFaultShape = 2,       // a low-latency call of another shape ran while calls were in flight
                            // (or a receive's shape differs from its send's)
-  kLLFaultStaleHandle = 3, // a receive got the handle of call `expected`, not in flight (received
+  kLLFaultStaleToken = 3,  // a receive got the call token of call `expected`, not in flight (received
                            // already, or its half reused: `observed` is the half's call)
   kLLFaultThroughput = 4,  // a throughput EP op ran while `observed` low-latency halves were in
                            // flight

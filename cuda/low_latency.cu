@@ -109,7 +109,7 @@ __device__ __forceinline__ uint64_t call_tag(const LLCall* call) {
 }
 // combine: the piece-0 flag of a (token, top-k) whose row stays on this rank (its ret_local entry
 // is set) carries this bit besides the tag, so a flag a peer raised never satisfies a wait for a
-// local row (an inconsistent handle then times out, naming the op, instead of reading a stale entry)
+// local row (an inconsistent call token then times out, naming the op, instead of reading a stale entry)
 constexpr uint64_t kLLLocalRow = uint64_t{1} << 63;
 
 // dispatch's slot flags: (epoch << 32) | (key << 24) | the slot's source t * K + k (what a sender
@@ -182,8 +182,8 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
   }
   uint64_t epoch = 0, n = 0;
   if (recv) {
-    epoch = static_cast<uint64_t>(a.handle[0]) | (static_cast<uint64_t>(a.handle[1]) << 32);
-    n = static_cast<uint64_t>(a.handle[2]) | (static_cast<uint64_t>(a.handle[3]) << 32);
+    epoch = static_cast<uint64_t>(a.token[0]) | (static_cast<uint64_t>(a.token[1]) << 32);
+    n = static_cast<uint64_t>(a.token[2]) | (static_cast<uint64_t>(a.token[3]) << 32);
   }
   const uint32_t requested = recv ? 0u : requested_ranks(a.rank_mask, a.num_ranks);
   if (rank < 0 || rank >= a.num_ranks || group < 0 || group >= kMaxGroups) {
@@ -206,7 +206,7 @@ __device__ void ll_read_call(const LLCommon& a, int32_t row_kind, LLCall* call) 
   const SyncCounters::LLHalf half = (n & 1) != 0 ? halves[1] : halves[0];
   if (recv) {
     if (half.busy == 0 || half.call != n || half.epoch != epoch) {
-      ll_fault(state, op_id, rank, kLLFaultStaleHandle, n, half.call);
+      ll_fault(state, op_id, rank, kLLFaultStaleToken, n, half.call);
     }
     if (half.shape != half_shape<kOp>(a)) {
       ll_fault(state, op_id, rank, kLLFaultShape, half_shape<kOp>(a), half.shape);
@@ -870,7 +870,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchLaunc
   if constexpr (kMode == kLLSend) {
     if (blockIdx.x == 0 && threadIdx.x < 4) {
       const uint64_t v = threadIdx.x < 2 ? s.call->epoch : s.call->call;
-      p.c.handle[threadIdx.x] = static_cast<uint32_t>(v >> (32 * (threadIdx.x & 1)));
+      p.c.token[threadIdx.x] = static_cast<uint32_t>(v >> (32 * (threadIdx.x & 1)));
     }
   }
   if constexpr (kMode != kLLSend) dispatch_recv<kRow>(p, s);
@@ -1071,7 +1071,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineLaunch 
   if constexpr (kMode == kLLSend) {
     if (blockIdx.x == 0 && threadIdx.x < 4) {
       const uint64_t v = threadIdx.x < 2 ? s.call->epoch : s.call->call;
-      p.c.handle[threadIdx.x] = static_cast<uint32_t>(v >> (32 * (threadIdx.x & 1)));
+      p.c.token[threadIdx.x] = static_cast<uint32_t>(v >> (32 * (threadIdx.x & 1)));
     }
   }
   if constexpr (kMode != kLLSend) combine_recv(p, s);
@@ -1087,7 +1087,7 @@ bool ll_ok(const LLCommon& c) {
          c.num_experts % c.num_ranks == 0 && c.num_experts <= kMaxExperts && c.hidden >= kRowAlignment &&
          c.hidden % kRowAlignment == 0 && c.axis_slot >= 0 && c.axis_slot < kDirectoryAxes &&
          c.num_blocks >= 1 && c.mode >= kLLFused && c.mode <= kLLRecv &&
-         (c.mode == kLLFused || c.handle != nullptr);
+         (c.mode == kLLFused || c.token != nullptr);
 }
 
 template <typename Kernel, typename Params>

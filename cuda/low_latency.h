@@ -4,8 +4,8 @@
 // jax_ep.reference.ll_dispatch / ll_combine.
 //
 // Every op runs fused (one kernel: send, then receive) or in two phases (a send kernel that returns
-// once its writes are issued, and a receive kernel that waits and copies out; the send's handle,
-// a small device array, carries the call to the receive). The receive regions of each op are
+// once its writes are issued, and a receive kernel that waits and copies out; the send's call
+// token, a small device array, carries the call to the receive). The receive regions of each op are
 // double-buffered: call n of an op (counted per EP group on the device) uses half n % 2, so at most
 // two two-phase calls of an op may be in flight (sent, not yet received); the kernels check it.
 #pragma once
@@ -113,7 +113,8 @@ struct LLCommon {
   // half). A masked rank is out of the call both ways: it sends and receives nothing, nobody waits
   // for it or writes to it. nullptr: every rank active.
   const int32_t* rank_mask;
-  uint32_t* handle;       // kLLSend: written ([4]: epoch, call, low then high words); kLLRecv: read
+  uint32_t* token;        // the call token. kLLSend: written ([4]: epoch, call, low then high
+                          // words); kLLRecv: read
   int32_t mode;           // LLMode
   int32_t num_ranks;      // R
   int32_t num_tokens;     // T

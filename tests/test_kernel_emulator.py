@@ -129,7 +129,7 @@ def test_low_latency_kernels_on_the_emulator(tmp_path):
     """cuda/low_latency.cu (tools/kernel_emulator/ll_run.py): the fixed cases and a seeded random
     sweep, fused, two-phase and with two calls in flight, every output bit-exact against
     jax_ep.reference.ll_dispatch / ll_combine, NaN in every unfilled slot of y (must not leak), two
-    calls on the same poisoned memory; a third send in flight, a handle received twice and a
+    calls on the same poisoned memory; a third send in flight, a call token received twice and a
     receive of another shape fault; a peer whose call differs in a fingerprint field (ll_combine or
     the throughput dispatch against ll_dispatch included; or is 5 calls ahead) makes both ranks fault
     naming the field, and at 4 ranks (the throughput dispatch, hidden) every rank, not only the odd

@@ -159,6 +159,10 @@ def test_limits_come_from_the_extension():
     assert native.LIMITS["fp8_min_amax"] == float(np.float32(FP8_MIN_AMAX))
     # the tests that lower backend='cuda' without a build stub these (helpers.lower_cuda_here)
     assert STUB_LIMITS.items() <= native.LIMITS.items()
+    # hierarchical FP8 packs its stage-2 rows (float32 words) to the kernels' row vectors on every
+    # backend, the reference included (no extension there): the same width
+    from jax_ep import hierarchical
+    assert hierarchical._PACK_ALIGN_BYTES == 4 * native.LIMITS["row_alignment"]
 
 
 def test_kernel_support_is_decided_from_the_limits(monkeypatch):

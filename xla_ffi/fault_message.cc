@@ -46,10 +46,10 @@ std::string LLInFlightMessage(const std::string& where, int what, uint64_t expec
       return where + "a low-latency call of another shape ran while two-phase low-latency calls "
              "were in flight (sent, not received), or a receive got the pending value of a send of "
              "another shape (its EPConfig must be the send's).";
-    case kLLFaultStaleHandle:
+    case kLLFaultStaleToken:
       return where + "the receive of call " + Str(expected) + " found it not in flight (the "
-             "receive buffer holds call " + Str(observed) + "): each handle of a _send must be "
-             "received exactly once, before the call after next is sent.";
+             "receive buffer holds call " + Str(observed) + "): the pending value of each _send must "
+             "be received exactly once, before the call after next is sent.";
     default:
       return where + "a throughput EP op ran while " + Str(observed) + " two-phase low-latency "
              "calls were in flight (sent, not received): receive them first.";

@@ -1,5 +1,5 @@
 // jax_ep_ll_dispatch / jax_ep_ll_combine (low-latency mode: fixed slots per (expert, source rank)),
-// fused or in two phases (_send returns a handle, _recv takes it): cuda/low_latency.h.
+// fused or in two phases (_send returns a call token, _recv takes it): cuda/low_latency.h.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -48,7 +48,7 @@ ffi::ErrorOr<std::unique_ptr<OpState>> LLInstantiate(EPAttrs attrs) {
 // The launch fields of both LL ops, from the state and the device.
 ffi::Error PrepareLL(const char* op, int32_t device_ordinal, const OpState& state,
                      ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int32_t mode,
-                     uint32_t* handle, LLCommon* c) {
+                     uint32_t* token, LLCommon* c) {
   GroupLaunch g{};
   if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, &g);
       !error.success()) {
@@ -59,7 +59,7 @@ ffi::Error PrepareLL(const char* op, int32_t device_ordinal, const OpState& stat
   c->L = LLLayoutOf(a);
   c->rank = g.rank;
   c->group = g.group;
-  c->handle = handle;
+  c->token = token;
   c->mode = mode;
   c->num_ranks = g.num_ranks;
   c->num_tokens = g.num_tokens;
@@ -130,9 +130,11 @@ ffi::Error SetLLHandleSlots(const char* op, const EPAttrs& a, LLDispatchLaunch* 
   return ffi::Error::Success();
 }
 
-// The handle between a _send and its _recv: uint32 [4] (epoch, call; low then high words).
-ffi::Error CheckLLHandle(const char* op, ffi::Span<const int64_t> dims) {
-  if (!IsShape(dims, {4})) return Invalid(op, "the handle must be uint32[4], got " + DimsToString(dims));
+// The call token between a _send and its _recv: uint32 [4] (epoch, call; low then high words).
+ffi::Error CheckLLToken(const char* op, ffi::Span<const int64_t> dims) {
+  if (!IsShape(dims, {4})) {
+    return Invalid(op, "the call token must be uint32[4], got " + DimsToString(dims));
+  }
   return ffi::Error::Success();
 }
 
@@ -212,19 +214,19 @@ void SetLLDispatchOutputs(LLDispatchLaunch* launch, bool fp8, ffi::Result<ffi::A
   launch->src_slot = src_slot->typed_data();
 }
 
-// Which part of a low-latency op a handler runs: fused, or a phase with the handle between the
+// Which part of a low-latency op a handler runs: fused, or a phase with the call token between the
 // _send and its _recv (the send writes it, the receive reads it).
 struct LLPhase {
   int32_t mode;
-  uint32_t* handle;                       // nullptr when fused
-  ffi::Span<const int64_t> handle_dims;  // checked for a phase
+  uint32_t* token;                       // nullptr when fused
+  ffi::Span<const int64_t> token_dims;  // checked for a phase
 };
 LLPhase FusedPhase() { return {kLLFused, nullptr, {}}; }
-LLPhase SendPhase(ffi::ResultBuffer<ffi::U32>& handle) {
-  return {kLLSend, handle->typed_data(), handle->dimensions()};
+LLPhase SendPhase(ffi::ResultBuffer<ffi::U32>& token) {
+  return {kLLSend, token->typed_data(), token->dimensions()};
 }
-LLPhase RecvPhase(ffi::Buffer<ffi::U32>& handle) {
-  return {kLLRecv, const_cast<uint32_t*>(handle.typed_data()), handle.dimensions()};
+LLPhase RecvPhase(ffi::Buffer<ffi::U32>& token) {
+  return {kLLRecv, const_cast<uint32_t*>(token.typed_data()), token.dimensions()};
 }
 
 cudaError_t LaunchLLKernel(const LLDispatchLaunch& launch, cudaStream_t stream) {
@@ -236,7 +238,7 @@ cudaError_t LaunchLLKernel(const LLCombineLaunch& launch, cudaStream_t stream) {
 
 // The steps every low-latency handler shares, in this order: count the call; the op's own checks
 // (`own`: its buffers against the attributes; it also fills its own fields of `launch`); for a
-// phase, the handle's shape; the common launch fields (PrepareLL); the launch. `what` names the
+// phase, the call token's shape; the common launch fields (PrepareLL); the launch. `what` names the
 // kernel in a launch error ("ll_dispatch_send").
 template <typename Launch, typename Own>
 ffi::Error RunLL(const char* op, const char* what, CallCounters& counters, cudaStream_t stream,
@@ -245,10 +247,10 @@ ffi::Error RunLL(const char* op, const char* what, CallCounters& counters, cudaS
   if (ffi::Error error = CountCall(counters, stream, op); !error.success()) return error;
   if (ffi::Error error = own(state.attrs); !error.success()) return error;
   if (phase.mode != kLLFused) {
-    if (ffi::Error error = CheckLLHandle(op, phase.handle_dims); !error.success()) return error;
+    if (ffi::Error error = CheckLLToken(op, phase.token_dims); !error.success()) return error;
   }
   if (ffi::Error error = PrepareLL(op, device_ordinal, state, rank, group, phase.mode,
-                                   phase.handle, &launch.c);
+                                   phase.token, &launch.c);
       !error.success()) {
     return error;
   }
@@ -297,7 +299,7 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
                               ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                               ffi::Buffer<ffi::F32> topk_weights,
                               ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                              ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> handle,
+                              ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> token,
                               ffi::ResultBuffer<ffi::F32> weights,
                               ffi::ResultBuffer<ffi::S32> dest_rank,
                               ffi::ResultBuffer<ffi::S32> num_dropped) {
@@ -320,11 +322,11 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
   };
   launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_dispatch_send", ll_dispatch_send_counters, stream, device_ordinal, *state,
-               rank, group, SendPhase(handle), launch, own);
+               rank, group, SendPhase(token), launch, own);
 }
 
 ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
-                              ffi::Buffer<ffi::U32> handle, ffi::Buffer<ffi::F32> sent_weights,
+                              ffi::Buffer<ffi::U32> token, ffi::Buffer<ffi::F32> sent_weights,
                               ffi::Buffer<ffi::S32> sent_dest, ffi::Buffer<ffi::S32> sent_dropped,
                               ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                               ffi::Result<ffi::AnyBuffer> rows,
@@ -366,7 +368,7 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
     return ffi::Error::Success();
   };
   return RunLL(kOp, "ll_dispatch_recv", ll_dispatch_recv_counters, stream, device_ordinal, *state,
-               rank, group, RecvPhase(handle), launch, own);
+               rank, group, RecvPhase(token), launch, own);
 }
 
 // ll_combine's y [E_local, R * T, H] bf16 (every phase: the receive reads its own rank's rows).
@@ -444,7 +446,7 @@ ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
 ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                              ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_slot,
                              ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                             ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> handle) {
+                             ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::U32> token) {
   constexpr const char* kOp = kLLCombineSendTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
@@ -458,11 +460,11 @@ ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
   };
   launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_combine_send", ll_combine_send_counters, stream, device_ordinal, *state,
-               rank, group, SendPhase(handle), launch, own);
+               rank, group, SendPhase(token), launch, own);
 }
 
 ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
-                             ffi::Buffer<ffi::U32> handle, ffi::AnyBuffer y,
+                             ffi::Buffer<ffi::U32> token, ffi::AnyBuffer y,
                              ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> dest_rank,
                              ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                              ffi::Result<ffi::AnyBuffer> out) {
@@ -481,7 +483,7 @@ ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
     return ffi::Error::Success();
   };
   return RunLL(kOp, "ll_combine_recv", ll_combine_recv_counters, stream, device_ordinal, *state,
-               rank, group, RecvPhase(handle), launch, own);
+               rank, group, RecvPhase(token), launch, own);
 }
 
 }  // namespace
@@ -518,14 +520,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::LLDispatchSendImpl,
                                                   ffi::Buffer<ffi::S32>,     // topk_idx
                                                   ffi::Buffer<ffi::F32>,     // topk_weights
                                                   ffi::Buffer<ffi::S32>>()   // rank_mask
-                                   .Ret<ffi::Buffer<ffi::U32>>()             // handle
+                                   .Ret<ffi::Buffer<ffi::U32>>()             // call token
                                    .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights (sent)
                                    .Ret<ffi::Buffer<ffi::S32>>()             // dest_rank (sent)
                                    .Ret<ffi::Buffer<ffi::S32>>()),           // num_dropped (sent)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchRecv, jax_ep::LLDispatchRecvImpl,
-                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,     // handle
+                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,     // call token
                                                   ffi::Buffer<ffi::F32>,     // topk_weights (sent)
                                                   ffi::Buffer<ffi::S32>,     // dest_rank (sent)
                                                   ffi::Buffer<ffi::S32>>()   // num_dropped (sent)
@@ -552,11 +554,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::LLCombineSendImpl,
                               (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
                                                   ffi::Buffer<ffi::S32>,      // src_slot
                                                   ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::Buffer<ffi::U32>>()),            // handle
+                                   .Ret<ffi::Buffer<ffi::U32>>()),            // call token
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineRecv, jax_ep::LLCombineRecvImpl,
-                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,      // handle
+                              (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,      // call token
                                                   ffi::AnyBuffer,             // y
                                                   ffi::Buffer<ffi::F32>,      // topk_weights
                                                   ffi::Buffer<ffi::S32>>()    // dest_rank

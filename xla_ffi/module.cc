@@ -310,15 +310,17 @@ NB_MODULE(_C, m) {
 
   m.def(
       "init_process_group",
-      [](int device_ordinal, nb::bytes unique_id, int rank, int nranks, uint64_t buffer_bytes) {
+      [](int device_ordinal, nb::bytes unique_id, int process, int num_processes,
+         uint64_t buffer_bytes) {
         const auto* data = static_cast<const uint8_t*>(unique_id.data());
         std::vector<uint8_t> id(data, data + unique_id.size());
         nb::gil_scoped_release release;  // collective: waits for the other processes
-        jax_ep::Runtime::Get().InitProcessGroup(device_ordinal, id, rank, nranks, buffer_bytes);
+        jax_ep::Runtime::Get().InitProcessGroup(device_ordinal, id, process, num_processes,
+                                                buffer_bytes);
       },
-      "device_ordinal"_a, "unique_id"_a, "rank"_a, "nranks"_a, "buffer_bytes"_a,
+      "device_ordinal"_a, "unique_id"_a, "process"_a, "num_processes"_a, "buffer_bytes"_a,
       "Process model 2 (collective, every process, same order and sizes): join NVSHMEM as PE "
-      "`rank` of `nranks` on GPU `device_ordinal`, put the state and a communication buffer of "
+      "`process` (the JAX process index) of `num_processes` on GPU `device_ordinal`, put the state and a communication buffer of "
       ">= buffer_bytes on the symmetric heap, tables of every PE reachable by loads/stores. A "
       "later call grows the buffer if needed.");
 

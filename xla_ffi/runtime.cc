@@ -408,8 +408,8 @@ void Runtime::EnsureFaultRecords() {
   fault_records_ = static_cast<FaultRecord*>(records);
 }
 
-void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_id, int rank,
-                               int nranks, uint64_t buffer_bytes) {
+void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_id, int process,
+                               int num_processes, uint64_t buffer_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (Model() == ProcessModel::kLocalPeers) {
     throw std::runtime_error("jax_ep: this process already drives its GPUs in process model 1 "
@@ -421,18 +421,18 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
                                 " out of range (this process sees " + std::to_string(count) +
                                 " CUDA devices)");
   }
-  if (nranks < 1 || nranks > kMaxDevices || rank < 0 || rank >= nranks) {
+  if (num_processes < 1 || num_processes > kMaxDevices || process < 0 || process >= num_processes) {
     throw std::invalid_argument(
-        "jax_ep: process model 2 got rank " + std::to_string(rank) + " of " +
-        std::to_string(nranks) + " processes; this build supports 1 to " +
+        "jax_ep: process model 2 got process " + std::to_string(process) + " of " +
+        std::to_string(num_processes) + " processes; this build supports 1 to " +
         std::to_string(kMaxDevices) + " processes (the device tables have one slot per PE)");
   }
   if (Model() == ProcessModel::kProcessPerGpu &&
-      (ordinal != pg_ordinal_ || rank != pe_ || nranks != num_pes_)) {
+      (ordinal != pg_ordinal_ || process != pe_ || num_processes != num_pes_)) {
     throw std::runtime_error("jax_ep: process model 2 was set up as PE " + std::to_string(pe_) +
                              " of " + std::to_string(num_pes_) + " on GPU " +
-                             std::to_string(pg_ordinal_) + "; got PE " + std::to_string(rank) +
-                             " of " + std::to_string(nranks) + " on GPU " +
+                             std::to_string(pg_ordinal_) + "; got PE " + std::to_string(process) +
+                             " of " + std::to_string(num_processes) + " on GPU " +
                              std::to_string(ordinal));
   }
   const uint64_t timeout_ns = TimeoutNsFromEnv();
@@ -446,16 +446,16 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
   if (first) {
     EnsureFaultRecords();
     sm_count_[ordinal].store(UsableSmCount(ordinal), std::memory_order_release);
-    symmetric_heap::Init(unique_id, rank, nranks, ProcessGroupHeapBytes(target));
+    symmetric_heap::Init(unique_id, process, num_processes, ProcessGroupHeapBytes(target));
     void* state = symmetric_heap::Allocate("device state", sizeof(DeviceState), 0);
     JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
     JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
     symmetric_heap::BarrierAll();  // no peer writes into a state before its owner zeroed it
     states_[ordinal].store(static_cast<DeviceState*>(state), std::memory_order_release);
-    pe_ = rank;
-    num_pes_ = nranks;
+    pe_ = process;
+    num_pes_ = num_processes;
     pg_ordinal_ = ordinal;
-    for (int pe = 0; pe < nranks; ++pe) {
+    for (int pe = 0; pe < num_processes; ++pe) {
       reachable_[pe].store(symmetric_heap::PeerAddress(state, pe) != nullptr,
                            std::memory_order_release);
     }
@@ -463,7 +463,7 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
   }
   if (first) timeout_ns_ = timeout_ns;  // read once: a rebuild must not depend on local settings
   RebuildProcessGroupBuffer(target, timeout_ns_);
-  slot_[ordinal].store(rank, std::memory_order_release);
+  slot_[ordinal].store(process, std::memory_order_release);
   managed_[ordinal].store(true, std::memory_order_release);
   devices_ = {ordinal};
 }

@@ -73,8 +73,8 @@ class Runtime {
   // with symmetric_heap::NewUniqueId). Collective: every process calls it, in the same order, with
   // the same rank/nranks and the same `buffer_bytes`. A second call grows the buffer (collectively)
   // when `buffer_bytes` exceeds it, else does nothing. Throws when model 1 is in use.
-  void InitProcessGroup(int device_ordinal, const std::vector<uint8_t>& unique_id, int rank,
-                        int nranks, uint64_t buffer_bytes);
+  void InitProcessGroup(int device_ordinal, const std::vector<uint8_t>& unique_id, int process,
+                        int num_processes, uint64_t buffer_bytes);
 
   // Process model 2, before the collective InitProcessGroup(.., buffer_bytes): what that step would
   // allocate on this process's GPU (no CUDA call, nothing collective). jax_ep.runtime publishes

@@ -137,14 +137,14 @@ Status Query() {
   return status;
 }
 
-void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t heap_bytes) {
+void Init(const std::vector<uint8_t>& unique_id, int pe, int num_pes, uint64_t heap_bytes) {
   const Status before = Query();
   if (before.initialized) {  // XLA's NVSHMEM (or an earlier Init): one library, one job
-    if (before.my_pe != rank || before.n_pes != nranks) {
+    if (before.my_pe != pe || before.n_pes != num_pes) {
       throw std::runtime_error("jax_ep: NVSHMEM is already initialised in this process as PE " +
                                std::to_string(before.my_pe) + " of " +
                                std::to_string(before.n_pes) + ", but this is JAX process " +
-                               std::to_string(rank) + " of " + std::to_string(nranks));
+                               std::to_string(pe) + " of " + std::to_string(num_pes));
     }
     g_heap_bytes = ConfiguredHeapBytes();
     if (!g_shape_known) g_shape = ReadHeapShape();
@@ -173,7 +173,7 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, unique_id.data(), sizeof(id));
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-  if (const int status = nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr); status != 0) {
+  if (const int status = nvshmemx_set_attr_uniqueid_args(pe, num_pes, &id, &attr); status != 0) {
     Fail("set_attr_uniqueid_args", status);
   }
   nvshmemx_init_init_attr_ver_only(attr);  // as nvshmemx_init_attr does
@@ -189,15 +189,15 @@ void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t 
           "NVSHMEM init failed with status " + std::to_string(status) +
               "; NVSHMEM_DEBUG=WARN prints NVSHMEM's own reason")));
     }
-    Fail("init (unique-id bootstrap of " + std::to_string(nranks) + " PEs)", status);
+    Fail("init (unique-id bootstrap of " + std::to_string(num_pes) + " PEs)", status);
   }
   g_owned = true;
   g_registered = true;
   const Status after = Query();
-  if (!after.initialized || after.my_pe != rank || after.n_pes != nranks) {
+  if (!after.initialized || after.my_pe != pe || after.n_pes != num_pes) {
     throw std::runtime_error("jax_ep: NVSHMEM initialised as PE " + std::to_string(after.my_pe) +
                              " of " + std::to_string(after.n_pes) + ", expected " +
-                             std::to_string(rank) + " of " + std::to_string(nranks));
+                             std::to_string(pe) + " of " + std::to_string(num_pes));
   }
 }
 

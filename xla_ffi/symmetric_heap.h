@@ -36,7 +36,7 @@ Status Query();
 // checks that its PE numbering is `rank` of `nranks` and registers our device state with it. `heap_bytes` sizes the symmetric heap when
 // NVSHMEM_SYMMETRIC_SIZE is not set. Throws std::runtime_error with NVSHMEM's status on failure,
 // DeviceMemoryError when the GPU has less free memory than the heap then.
-void Init(const std::vector<uint8_t>& unique_id, int rank, int nranks, uint64_t heap_bytes);
+void Init(const std::vector<uint8_t>& unique_id, int pe, int num_pes, uint64_t heap_bytes);
 
 // The symmetric heap's size as configured (NVSHMEM_SYMMETRIC_SIZE, NVSHMEM's default of 1 GiB
 // when unset); 0 when the value cannot be read.

@@ -12,7 +12,7 @@
 // mode 0: each repetition fused ll_dispatch then fused ll_combine; 1: each in two phases (send,
 // receive); 2: two repetitions in flight at once (both sends, then both receives, per op);
 // 3: three two-phase dispatch sends in a row (must fault: at most two in flight);
-// 4: a two-phase dispatch received twice (must fault: stale handle); 5: a two-phase dispatch
+// 4: a two-phase dispatch received twice (must fault: stale call token); 5: a two-phase dispatch
 // received by a call site of another shape (K - 1; must fault: shape).
 // mode 6 / 7: shrink mode with the last rank absent (it never calls): the others run `reps`
 // repetitions fused (6) or in two phases (7); the first must time out once on the absent rank and
@@ -216,7 +216,7 @@ int main(int argc, char** argv) {
       std::vector<char> mask, w, dest;  // inputs of the repetition (the reference's handle)
       std::vector<char> hw, hdest, hdropped;  // the dispatch's handle slots
       std::vector<char> sw, sdest, sdropped;  // a two-phase send's, for its receive
-      uint32_t dispatch_handle[4], combine_handle[4];
+      uint32_t dispatch_token[4], combine_token[4];
     };
     std::vector<Rep> out(runs);
     for (int rep = 0; rep < runs; ++rep) {
@@ -250,13 +250,13 @@ int main(int argc, char** argv) {
     common.axis_slot = 2;
     common.num_blocks = blocks;
     common.shrink = shrink ? 1 : 0;
-    auto dispatch = [&](Rep& o, int m, uint32_t* handle, int topk_less = 0) {
+    auto dispatch = [&](Rep& o, int m, uint32_t* token, int topk_less = 0) {
       LLDispatchLaunch d{};
       d.c = common;
       d.c.num_topk -= topk_less;
       d.c.L = dispatch_layout;
       d.c.mode = m;
-      d.c.handle = handle;
+      d.c.token = token;
       d.x = x.data();
       d.topk_idx = reinterpret_cast<const int32_t*>(idx.data());
       d.rows = o.rows.data();
@@ -277,12 +277,12 @@ int main(int argc, char** argv) {
       d.row_kind = row_kind;
       check(launch_ll_dispatch(d, nullptr), "ll_dispatch");
     };
-    auto combine = [&](Rep& o, int m, uint32_t* handle) {
+    auto combine = [&](Rep& o, int m, uint32_t* token) {
       LLCombineLaunch c{};
       c.c = common;
       c.c.L = combine_layout;
       c.c.mode = m;
-      c.c.handle = handle;
+      c.c.token = token;
       c.y = y.data();
       c.src_slot = reinterpret_cast<const int32_t*>(o.src.data());
       c.topk_weights = reinterpret_cast<const float*>(o.w.data());
@@ -294,31 +294,31 @@ int main(int argc, char** argv) {
     // one repetition: both ops fused, or each in two phases (send, then receive)
     auto run_rep = [&](Rep& o, bool two_phase) {
       if (two_phase) {
-        dispatch(o, kLLSend, o.dispatch_handle);
-        dispatch(o, kLLRecv, o.dispatch_handle);
-        combine(o, kLLSend, o.combine_handle);
-        combine(o, kLLRecv, o.combine_handle);
+        dispatch(o, kLLSend, o.dispatch_token);
+        dispatch(o, kLLRecv, o.dispatch_token);
+        combine(o, kLLSend, o.combine_token);
+        combine(o, kLLRecv, o.combine_token);
       } else {
         dispatch(o, kLLFused, nullptr);
         combine(o, kLLFused, nullptr);
       }
     };
     if (mode == 3) {  // a third send while two are in flight
-      for (int i = 0; i < 3; ++i) dispatch(out[0], kLLSend, out[0].dispatch_handle);
-    } else if (mode == 4) {  // the same handle received twice
-      dispatch(out[0], kLLSend, out[0].dispatch_handle);
-      dispatch(out[0], kLLRecv, out[0].dispatch_handle);
-      dispatch(out[0], kLLRecv, out[0].dispatch_handle);
+      for (int i = 0; i < 3; ++i) dispatch(out[0], kLLSend, out[0].dispatch_token);
+    } else if (mode == 4) {  // the same call token received twice
+      dispatch(out[0], kLLSend, out[0].dispatch_token);
+      dispatch(out[0], kLLRecv, out[0].dispatch_token);
+      dispatch(out[0], kLLRecv, out[0].dispatch_token);
     } else if (mode == 5) {  // received by a call site of another shape
-      dispatch(out[0], kLLSend, out[0].dispatch_handle);
-      dispatch(out[0], kLLRecv, out[0].dispatch_handle, 1);
+      dispatch(out[0], kLLSend, out[0].dispatch_token);
+      dispatch(out[0], kLLRecv, out[0].dispatch_token, 1);
     } else if (mode == 2) {
       for (int base = 0; base < reps; base += 2) {
         const int n = std::min(2, reps - base);
-        for (int i = 0; i < n; ++i) dispatch(out[base + i], kLLSend, out[base + i].dispatch_handle);
-        for (int i = 0; i < n; ++i) dispatch(out[base + i], kLLRecv, out[base + i].dispatch_handle);
-        for (int i = 0; i < n; ++i) combine(out[base + i], kLLSend, out[base + i].combine_handle);
-        for (int i = 0; i < n; ++i) combine(out[base + i], kLLRecv, out[base + i].combine_handle);
+        for (int i = 0; i < n; ++i) dispatch(out[base + i], kLLSend, out[base + i].dispatch_token);
+        for (int i = 0; i < n; ++i) dispatch(out[base + i], kLLRecv, out[base + i].dispatch_token);
+        for (int i = 0; i < n; ++i) combine(out[base + i], kLLSend, out[base + i].combine_token);
+        for (int i = 0; i < n; ++i) combine(out[base + i], kLLRecv, out[base + i].combine_token);
       }
     } else if (mode == 9) {  // fused repetitions; the dying rank's process ends in one of them
       for (int i = 0; i < reps; ++i) {

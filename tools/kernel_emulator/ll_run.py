@@ -7,7 +7,7 @@ bit-exact too (float32 sums in top-k order, no FMA, in both), with NaN in every 
 y (it must not leak). Each case runs the ops fused, in two phases, or with two
 calls in flight (mode 0 / 1 / 2), some with more blocks than tokens (a token's slots sent as parts
 from several blocks); three more cases break the double-buffering rules and must fault
-(a third send in flight; a handle received twice; a receive of another shape), and the
+(a third send in flight; a call token received twice; a receive of another shape), and the
 config-fingerprint cases (MISMATCHES) give the last rank's call another field of
 cuda/fingerprint.h (or a call count 5 calls ahead): every rank must fault naming the field and both
 values, in the record and in the host's message (xla_ffi/fault_message.cc), at 2 ranks and (two
@@ -80,7 +80,7 @@ MASKED = [
     ((3, 6, 128, 3, 6, "bfloat16", "bfloat16", "skewed", 8), [[1, 1, 1], [1, 1, 1]]),
 ]
 # Broken rules: (mode, LLFault the kernels must report): a third two-phase send while two are in
-# flight (kLLFaultTooMany), a handle received twice (kLLFaultStaleHandle).
+# flight (kLLFaultTooMany), a call token received twice (kLLFaultStaleToken).
 # A receive by a call site of another shape (kLLFaultShape).
 FAULTS = [(3, 1), (4, 3), (5, 2)]
 MODES = {0: "fused", 1: "two-phase", 2: "two in flight", 3: "third send", 4: "received twice",
