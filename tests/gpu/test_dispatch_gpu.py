@@ -162,6 +162,32 @@ CASES = {
 }
 
 
+def test_auto_decides_by_the_platform_of_the_call(mesh):
+    """backend='auto' asks the platform of the call (jax_ep.backends.platform: its mesh's devices):
+    on the GPU mesh it takes dispatch's kernel where the auto table has it faster; the same program
+    traced on a CPU mesh of this machine takes the reference, saying why."""
+    from jax_ep import backends, ops
+
+    cfg = _cfg("auto", num_experts=8, num_topk=2, hidden=256, max_tokens_per_rank=4096)
+    seen = []
+
+    def body(x):
+        seen.append((backends.platform(), ops.OPS["dispatch"].plan(cfg, lax.axis_size(AXIS), x.dtype)))
+        return x
+
+    for devices in (mesh.devices.ravel(), np.array(jax.devices("cpu")[:1])):
+        n = len(devices)
+        f = jax.shard_map(body, mesh=Mesh(devices, (AXIS,)), in_specs=P(AXIS), out_specs=P(AXIS))
+        jax.jit(f).lower(jax.ShapeDtypeStruct((n * 8, 256), jnp.bfloat16))
+    (gpu_platform, gpu_plan), (cpu_platform, cpu_plan) = seen
+    assert gpu_platform == "gpu" and cpu_platform == "cpu", seen
+    faster = ops.OPS["dispatch"].kernel_by_default(cfg, R)
+    assert gpu_plan.impl == ("cuda" if faster else "reference"), gpu_plan
+    assert cpu_plan.impl == "reference", cpu_plan
+    if ops.OPS["dispatch"].kernel_by_default(cfg, 1):
+        assert cpu_plan.reason == "backend='auto': the platform of the call is 'cpu', not 'gpu'", cpu_plan
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_dispatch_combine_match_reference(cuda_backend, mesh, case):
     tokens, hidden, topk, experts, kind, extra = CASES[case]
