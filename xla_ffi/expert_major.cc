@@ -229,23 +229,16 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
 }  // namespace
 }  // namespace jax_ep
 
-#define JAX_EP_DATA_OP_INSTANTIATE(SYMBOL, TARGET)                                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, jax_ep::DataOpInstantiate<jax_ep::TARGET>,     \
-                                ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>())
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchInstantiate, kDispatchTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineInstantiate, kCombineTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastInstantiate, kBroadcastTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineBwdInstantiate, kCombineBwdTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpSlotValuesInstantiate, kSlotValuesTarget);
-#undef JAX_EP_DATA_OP_INSTANTIATE
 
 // The data ops' bindings are parenthesised: the commas between their template arguments would
 // otherwise split the macro's arguments.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
-                                                  ffi::Buffer<ffi::S32>,     // topk_idx
-                                                  ffi::Buffer<ffi::F32>,     // topk_weights
-                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
+                              (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // group_sizes

@@ -167,6 +167,13 @@ auto BindDataOp() {
   return WithArgs<Inputs..., ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>>(BindPeerOp());
 }
 
+// The inputs of every dispatch (dispatch, dispatch_rank_major, ll_dispatch, ll_dispatch_send): x,
+// topk_idx, topk_weights, rank_mask.
+inline auto BindDispatchOp() {
+  return BindDataOp<ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::F32>,
+                    ffi::Buffer<ffi::S32>>();
+}
+
 }  // namespace jax_ep
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
@@ -179,3 +186,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("scale_bytes"), xla::ffi::StructMember<int64_t>("send_warps"),
     xla::ffi::StructMember<int64_t>("shrink"),
     xla::ffi::StructMember<int64_t>("transport"));
+
+// The instantiate stage of a data op (DataOpInstantiate) as the FFI symbol SYMBOL of target TARGET.
+#define JAX_EP_DATA_OP_INSTANTIATE(SYMBOL, TARGET)                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, jax_ep::DataOpInstantiate<jax_ep::TARGET>,  \
+                                xla::ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>())

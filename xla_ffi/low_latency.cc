@@ -138,11 +138,14 @@ ffi::Error CheckLLToken(const char* op, ffi::Span<const int64_t> dims) {
   return ffi::Error::Success();
 }
 
-// ll_dispatch's inputs x [T, H] (bf16 / f32), topk_idx [T, K] and topk_weights f32 [T, K]; sets
-// their launch fields.
-ffi::Error CheckLLDispatchInputs(const char* op, const EPAttrs& a, ffi::AnyBuffer x,
-                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                                 LLDispatchLaunch* launch) {
+// What the fused ll_dispatch and its send phase check first: the inputs x [T, H] (bf16 / f32),
+// topk_idx [T, K] and topk_weights f32 [T, K], then the handle slots they write (SetLLHandleSlots);
+// sets their launch fields.
+ffi::Error CheckLLDispatchSend(const char* op, const EPAttrs& a, ffi::AnyBuffer x,
+                               ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                               ffi::ResultBuffer<ffi::F32>& weights,
+                               ffi::ResultBuffer<ffi::S32>& dest_rank,
+                               ffi::ResultBuffer<ffi::S32>& num_dropped, LLDispatchLaunch* launch) {
   if (ffi::Error error = CheckLLPairs(op, a, "topk_weights", topk_weights.dimensions());
       !error.success()) {
     return error;
@@ -161,7 +164,7 @@ ffi::Error CheckLLDispatchInputs(const char* op, const EPAttrs& a, ffi::AnyBuffe
                            std::to_string(a.num_tokens) + ", H=" + std::to_string(a.hidden) +
                            ", K=" + std::to_string(a.num_topk));
   }
-  return ffi::Error::Success();
+  return SetLLHandleSlots(op, a, launch, weights, dest_rank, num_dropped);
 }
 
 // The wire row kind the attributes were sized for (fp8: H bytes + H / 128 scales; bf16: 2H).
@@ -271,11 +274,8 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
   constexpr const char* kOp = kLLDispatchTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, topk_weights, &launch);
-        !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = SetLLHandleSlots(kOp, a, &launch, weights, dest_rank, num_dropped);
+    if (ffi::Error error = CheckLLDispatchSend(kOp, a, x, topk_idx, topk_weights, weights,
+                                               dest_rank, num_dropped, &launch);
         !error.success()) {
       return error;
     }
@@ -306,11 +306,8 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
   constexpr const char* kOp = kLLDispatchSendTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLDispatchInputs(kOp, a, x, topk_idx, topk_weights, &launch);
-        !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = SetLLHandleSlots(kOp, a, &launch, weights, dest_rank, num_dropped);
+    if (ffi::Error error = CheckLLDispatchSend(kOp, a, x, topk_idx, topk_weights, weights,
+                                               dest_rank, num_dropped, &launch);
         !error.success()) {
       return error;
     }
@@ -501,10 +498,7 @@ JAX_EP_LL_INSTANTIATE(JaxEpLLCombineRecvInstantiate, kLLCombineRecvTarget, false
 #undef JAX_EP_LL_INSTANTIATE
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
-                                                  ffi::Buffer<ffi::S32>,     // topk_idx
-                                                  ffi::Buffer<ffi::F32>,     // topk_weights
-                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
+                              (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // counts
@@ -516,10 +510,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::LLDispatchSendImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
-                                                  ffi::Buffer<ffi::S32>,     // topk_idx
-                                                  ffi::Buffer<ffi::F32>,     // topk_weights
-                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
+                              (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
                                    .Ret<ffi::Buffer<ffi::U32>>()             // call token
                                    .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights (sent)
                                    .Ret<ffi::Buffer<ffi::S32>>()             // dest_rank (sent)

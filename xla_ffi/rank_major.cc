@@ -262,19 +262,12 @@ ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, O
 }  // namespace
 }  // namespace jax_ep
 
-#define JAX_EP_DATA_OP_INSTANTIATE(SYMBOL, TARGET)                                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, jax_ep::DataOpInstantiate<jax_ep::TARGET>,     \
-                                ffi::Ffi::BindInstantiate().Attrs<jax_ep::EPAttrs>())
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchRankMajorInstantiate, kDispatchRankMajorTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineRankMajorInstantiate, kCombineRankMajorTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastRankMajorInstantiate, kBroadcastRankMajorTarget);
-#undef JAX_EP_DATA_OP_INSTANTIATE
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRankMajor, jax_ep::DispatchRankMajorImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,            // x
-                                                  ffi::Buffer<ffi::S32>,     // topk_idx
-                                                  ffi::Buffer<ffi::F32>,     // topk_weights
-                                                  ffi::Buffer<ffi::S32>>()   // rank_mask
+                              (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
                                    .Ret<ffi::AnyBuffer>()                    // rows
                                    .Ret<ffi::Buffer<ffi::F32>>()             // scales
                                    .Ret<ffi::Buffer<ffi::S32>>()             // topk_idx (local ids)
