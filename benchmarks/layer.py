@@ -19,8 +19,8 @@ reuses over its micro-batches; ``quantise_ms`` is that quantisation, timed apart
 that with the weight gradients in FP8 too (``MoE(fp8_weight_grad=True)``); ``jax_ep_chunks2`` and
 ``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
 with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs;
-``jax_ep_dy_zeroed`` (only when named): the defaults with the layer's combine called without
-``empty_rows_zero`` (its backward writes every row of the receive buffer), beside ``jax_ep``.
+``jax_ep_dy_zeroed`` (only when named): the defaults with ``EPOptions(dy_in_place=False)`` (combine's
+backward writes every row of the receive buffer), beside ``jax_ep``.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -36,7 +36,6 @@ series with the GEMMs): how much the overlap hides.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import glob
 import re
@@ -87,9 +86,9 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the tokens in 2 chunks (EPOptions.chunks): chunk 1's exchange can overlap chunk 0's GEMMs
            "jax_ep_chunks2": dict(backend="auto", gemm="auto", chunks=2),
            "ep_cuda_async_chunks2": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1), chunks=2),
-           # the defaults with combine's backward writing every row of C (combine's empty_rows_zero off,
-           # as before 2026-11-29): the same-run comparison of the aliased d y
-           "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_zeroed=True)}
+           # the defaults with combine's backward writing every row of C (EPOptions.dy_in_place off, as
+           # before 2026-11-29): the same-run comparison of the aliased d y
+           "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_in_place=False)}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_chunks2",
@@ -252,7 +251,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
-                                     chunks=options.get("chunks", 1)),
+                                     chunks=options.get("chunks", 1),
+                                     dy_in_place=options.get("dy_in_place", True)),
                     gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"),
                     fp8_weight_grad=options.get("fp8_weight_grad", False), param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
@@ -276,21 +276,6 @@ def training_step(graphdef, rest):
     return step, jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())
 
 
-@contextlib.contextmanager
-def combine_without_empty_rows_zero(active: bool):
-    """While active, moe.MoE's combine is called with empty_rows_zero=False (config ``dy_zeroed``): traced
-    and compiled inside, so the jitted step keeps it."""
-    if not active:
-        yield
-        return
-    real = moe.combine
-    moe.combine = lambda *a, **kw: real(*a, **{**kw, "empty_rows_zero": False})
-    try:
-        yield
-    finally:
-        moe.combine = real
-
-
 def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool) -> dict:
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
@@ -306,21 +291,20 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     step, quantise = training_step(graphdef, rest)
     plans = layer_gemm_plans(layer, mesh, x)
     record["gemm"] = plans
-    with combine_without_empty_rows_zero(CONFIGS[config].get("dy_zeroed", False)):
-        try:
-            args = (params, x)
-            if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step
-                record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats)
-                args = (params, x, quantise(params))
-            record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
-            profiled = split_by_scope(step, args, iters) if profile else None
-            record["split_ms"], record["device_step_ms"] = profiled or (None, None)
-            record["ep_hidden_ms"] = None if profiled is None else hidden_ep_ms(*profiled)
-        except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
-            record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
-            # plain JAX (the peer) not fitting in memory is what this benchmark measures about it, not a
-            # failure of the run; jax_ep's own configurations failing is
-            record["peer_out_of_memory"] = config == "plain_jax" and is_out_of_memory(e)
+    try:
+        args = (params, x)
+        if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step
+            record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats)
+            args = (params, x, quantise(params))
+        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
+        profiled = split_by_scope(step, args, iters) if profile else None
+        record["split_ms"], record["device_step_ms"] = profiled or (None, None)
+        record["ep_hidden_ms"] = None if profiled is None else hidden_ep_ms(*profiled)
+    except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
+        record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        # plain JAX (the peer) not fitting in memory is what this benchmark measures about it, not a
+        # failure of the run; jax_ep's own configurations failing is
+        record["peer_out_of_memory"] = config == "plain_jax" and is_out_of_memory(e)
     return record
 
 

@@ -69,7 +69,7 @@ SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_ex
 # EPOptions' fields are EPConfig's (same kinds), but expert_alignment may be None (chosen by the layer).
 EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
                                                                  "checked")},
-                    "expert_alignment": "int?", "chunks": "int"}
+                    "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,11 @@ class EPOptions:
         so 1 (default). 2 chunks on 2 H200s (2026-11-29, ``benchmarks --layer``, configs ``*_chunks2``):
         DeepSeek-V3 step 35.0-36.3 ms against 20.7-22.1, mid 8.32 against 6.42, nothing of the exchanges
         hidden (the persistent GEMM kernels hold every SM; docs/benchmarks.md, session 23).
+      dy_in_place: the throughput path's combine takes ``empty_rows_zero=True`` (the expert block's output
+        is zero in every row that holds no token), so combine's backward writes d y into that output's
+        buffer and only its token rows; False writes every row of the receive buffer. True (default) by
+        the bytes it saves at the worst-case capacity; not yet timed on GPUs against False
+        (``benchmarks --layer``, config ``jax_ep_dy_zeroed``).
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked`` and
@@ -111,6 +116,7 @@ class EPOptions:
     checked: bool = False
     kernel: KernelConfig = KernelConfig()
     chunks: int = 1
+    dy_in_place: bool = True
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)
@@ -699,7 +705,7 @@ class MoE(nnx.Module):
                     # y is zero in every row with no token: dispatch zeroes the padding and every GEMM
                     # backend writes zeros past the groups (so its backward writes only token rows)
                     return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask,
-                                   empty_rows_zero=True)
+                                   empty_rows_zero=self.ep.dy_in_place)
                 return combine_hierarchical(y.astype(x.dtype), d.handle, cfg, self.node_axis)
 
         sent, outs = [send(0)], []

@@ -1,6 +1,7 @@
 """The benchmark CLI (python -m benchmarks) runs on CPU virtual devices and writes the documented record
 format."""
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -90,23 +91,19 @@ def test_fp8_layer_bench_times_the_quantisation_apart_when_cached(tmp_path):
         assert r["step_ms"] > 0 and r["gemm_ms"] > 0 and "error" not in r
 
 
-def test_dy_zeroed_config_calls_combine_without_empty_rows_zero(monkeypatch):
-    """jax_ep_dy_zeroed (named only): while a config with dy_zeroed is traced and timed, the layer's
-    combine runs with empty_rows_zero=False (its backward writing every row, the same-run comparison of
-    the aliased d y); moe.combine is itself again after, and other configs leave it alone."""
-    from benchmarks import layer
-    from jax_ep import moe
+def test_dy_zeroed_config_builds_the_layer_without_dy_in_place():
+    """jax_ep_dy_zeroed (named only): the defaults with EPOptions(dy_in_place=False), combine's backward
+    writing every row (the same-run comparison of the aliased d y); jax_ep keeps the default."""
+    from jax.sharding import Mesh
 
-    seen = []
-    monkeypatch.setattr(moe, "combine", lambda *a, **kw: seen.append(kw["empty_rows_zero"]))
-    patched = moe.combine
-    with layer.combine_without_empty_rows_zero(True):
-        moe.combine("y", empty_rows_zero=True)
-    moe.combine("y", empty_rows_zero=True)
-    with layer.combine_without_empty_rows_zero(False):
-        moe.combine("y", empty_rows_zero=True)
-    assert seen == [False, True, True] and moe.combine is patched
-    assert layer.CONFIGS["jax_ep_dy_zeroed"]["dy_zeroed"] and "jax_ep_dy_zeroed" in layer.NAMED_ONLY
+    from benchmarks import layer
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    built = {config: layer.layer_and_tokens(mesh, layer.LAYER_PRESETS["small"], config)[0]
+             for config in ("jax_ep", "jax_ep_dy_zeroed")}
+    assert built["jax_ep"].ep.dy_in_place is True and built["jax_ep_dy_zeroed"].ep.dy_in_place is False
+    assert built["jax_ep"].ep == dataclasses.replace(built["jax_ep_dy_zeroed"].ep, dy_in_place=True)
+    assert "jax_ep_dy_zeroed" in layer.NAMED_ONLY
 
 
 @pytest.mark.slow

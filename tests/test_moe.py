@@ -134,6 +134,26 @@ def test_gradients_match_dense(shape, axes, placed):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+def test_dy_in_place_changes_no_gradient():
+    """EPOptions.dy_in_place (default True: combine's empty_rows_zero, its backward taking the rows that
+    hold no token from the expert output, which is zero there) and False give the same gradients, bit
+    for bit; the layer's receive buffer has such rows (worst-case capacity)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    x, target = random_tokens(8), random_tokens(9)
+    grads = {}
+    for in_place in (True, False):
+        layer = make_layer(mesh, seed=4, ep=dict(dy_in_place=in_place))
+        assert layer.ep.dy_in_place is in_place
+        grads[in_place] = nnx.jit(nnx.grad(lambda m: jnp.mean((m(x) - target) ** 2)))(layer)
+    assert EPOptions().dy_in_place is True
+    for name in ("router", "w_gate_up", "w_down"):
+        a, b = np.asarray(grads[True][name][...]), np.asarray(grads[False][name][...])
+        assert np.abs(b).max() > 0
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    with pytest.raises(TypeError, match="EPOptions.dy_in_place must be a bool, got 1"):
+        EPOptions(dy_in_place=1)
+
+
 def test_node_cap_in_layer():
     """DeepSeek-V3's node-limited routing in the layer (RouterConfig ranks_per_node, max_nodes_per_token):
     the layer supplies the EP size; every token's experts lie on one node; outputs and gradients (router
