@@ -21,6 +21,17 @@ namespace ffi = xla::ffi;
 namespace jax_ep {
 namespace {
 
+// PrepareGroup, and the rank mask operand into the launch (combine, broadcast, slot_values).
+ffi::Error PrepareMaskedGroup(const char* op, int32_t device_ordinal, const OpState& state,
+                              ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                              ffi::Buffer<ffi::S32> group, GroupLaunch* launch) {
+  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, launch);
+      !error.success()) {
+    return error;
+  }
+  return RankMaskOf(op, state, rank_mask, &launch->rank_mask);
+}
+
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank_mask,

@@ -83,8 +83,6 @@ ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& s
 
 bool RowKindOf(ffi::DataType dtype, int32_t* kind);
 
-int64_t RowKindBytes(int32_t kind);
-
 // The rows staged through the buffer must be what the layout was sized for.
 ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind);
 
@@ -99,11 +97,6 @@ ffi::Error BeginRowsOp(const char* op, CallCounters& counters, cudaStream_t stre
 // active; traced, so a new mask reuses the executable): the kernels read it on the device.
 ffi::Error RankMaskOf(const char* op, const OpState& state, ffi::Buffer<ffi::S32> rank_mask,
                       const int32_t** out);
-
-// PrepareGroup, and the rank mask operand into the launch (combine, broadcast, slot_values).
-ffi::Error PrepareMaskedGroup(const char* op, int32_t device_ordinal, const OpState& state,
-                              ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                              ffi::Buffer<ffi::S32> group, GroupLaunch* launch);
 
 // What dispatch and dispatch_rank_major share: x / rows dtypes, the attributes, the input shapes,
 // and the launch fields they both fill. `rows_count` is C (expert-major) or R * T (rank-major).

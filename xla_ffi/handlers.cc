@@ -204,7 +204,9 @@ bool RowKindOf(ffi::DataType dtype, int32_t* kind) {
   }
 }
 
+namespace {
 int64_t RowKindBytes(int32_t kind) { return kind == kRowF32 ? 4 : kind == kRowBF16 ? 2 : 1; }
+}  // namespace
 
 // The rows staged through the buffer must be what the layout was sized for.
 ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind) {
@@ -241,17 +243,6 @@ ffi::Error RankMaskOf(const char* op, const OpState& state, ffi::Buffer<ffi::S32
   }
   *out = rank_mask.typed_data();
   return ffi::Error::Success();
-}
-
-// PrepareGroup, and the rank mask operand into the launch (combine, broadcast, slot_values).
-ffi::Error PrepareMaskedGroup(const char* op, int32_t device_ordinal, const OpState& state,
-                              ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                              ffi::Buffer<ffi::S32> group, GroupLaunch* launch) {
-  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, launch);
-      !error.success()) {
-    return error;
-  }
-  return RankMaskOf(op, state, rank_mask, &launch->rank_mask);
 }
 
 // What dispatch and dispatch_rank_major share: x / rows dtypes, the attributes, the input shapes,
