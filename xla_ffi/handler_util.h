@@ -107,9 +107,6 @@ ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState
                            ffi::ResultBuffer<ffi::F32>& scales, int64_t rows_count,
                            ffi::ResultBuffer<ffi::PRED>& is_token_in_rank, DispatchLaunch* launch);
 
-// The data ops: the rank and the EP group arrive as int32 device scalars (lax.axis_index; never read
-// on the host): the kernels discover the group's devices themselves.
-
 template <const char* kOp>
 ffi::ErrorOr<std::unique_ptr<OpState>> DataOpInstantiate(EPAttrs attrs) {
   if (ffi::Error error = CheckAttrs(kOp, attrs); !error.success()) return ffi::Unexpected(error);
@@ -153,8 +150,9 @@ inline auto BindPeerOp() {
 }
 
 // The execute-stage binding of a data op (dispatch, combine, broadcast, slot_values): the context,
-// the op's own inputs, then the rank and group buffers every data op takes last (PrepareGroup).
-// The handler definition adds the results with .Ret<>().
+// the op's own inputs, then the rank and group buffers every data op takes last (PrepareGroup): int32
+// device scalars (lax.axis_index; never read on the host), from which the kernels discover the
+// group's devices themselves. The handler definition adds the results with .Ret<>().
 template <typename... Inputs>
 auto BindDataOp() {
   return WithArgs<Inputs..., ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>>(BindPeerOp());
