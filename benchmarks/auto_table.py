@@ -9,8 +9,16 @@ records too, a layer shape where the step with the EP kernels (``ep_cuda``) is s
 reference EP ops (``ep_reference``) by more than ``LAYER_TIE`` (the run-to-run spread of a step)
 vetoes the communicating kernels (every op but the layout) at that EP size: inside a step, XLA
 overlaps the reference's NCCL collectives with compute, while the kernels hold its compute stream.
+The other way round, a layer shape where the step with every EP kernel (``ep_cuda``) is faster than
+with auto's choice (``jax_ep``) by more than ``LAYER_TIE`` makes the kernels of the layer's ops
+(``LAYER_OPS``) the choice from that shape's tokens per rank up at that EP size ("layer_prefers"
+says why; ``min_tokens_ops`` keeps the ops' own decision): inside a step a reference op's NCCL
+collective waits for the peer on the compute stream, which an op timed alone does not show. Since
+the preference makes ``jax_ep`` and ``ep_cuda`` the same program, it stays until a layer run at that
+EP size measures the kernels slower than auto's choice; re-measured op times do not drop it.
 
     python -m benchmarks.auto_table ops.json [more_ops.json ...] [--layer bench_layer.json] [--replace]
+    python -m benchmarks.auto_table --layer bench_layer.json    (the layer's word on the shipped table)
 """
 
 from __future__ import annotations
@@ -83,12 +91,18 @@ def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) ->
 
 # A layer step differs by up to ~1.5% between repeats of one run (2x H200): a tie is no veto.
 LAYER_TIE = 0.02
+# The ops of the MoE layer's training step (expert-major): those a layer measurement speaks for.
+LAYER_OPS = tuple(name for name, op in OPS.items() if op.layout == "expert_major")
+
+
+def _layer_steps(layer_records: list[dict]) -> dict[tuple[str, str, int], dict]:
+    return {(r["shape"], r["config"], r["ep_size"]): r for r in layer_records
+            if r.get("op") != "moe_layer_decode" and r.get("step_ms")}
 
 
 def layer_vetoes(layer_records: list[dict]) -> dict[str, str]:
     """{EP size: why the layer benchmark vetoes the communicating kernels there}."""
-    steps = {(r["shape"], r["config"], r["ep_size"]): r.get("step_ms") for r in layer_records
-             if r.get("op") != "moe_layer_decode"}
+    steps = {key: r["step_ms"] for key, r in _layer_steps(layer_records).items()}
     vetoes = {}
     for (shape, config, ep_size), cuda_ms in sorted(steps.items()):
         reference_ms = steps.get((shape, "ep_reference", ep_size))
@@ -99,11 +113,34 @@ def layer_vetoes(layer_records: list[dict]) -> dict[str, str]:
     return vetoes
 
 
+def layer_preferences(layer_records: list[dict]) -> tuple[dict[str, dict], set[str]]:
+    """({EP size: {"tokens": from how many tokens per rank the layer wants the kernels, "why": ...}},
+    {EP sizes where a layer shape measured the kernels slower than auto's choice: no preference})."""
+    steps = _layer_steps(layer_records)
+    prefers, against = {}, set()
+    for (shape, config, ep_size), cuda in sorted(steps.items()):
+        auto = steps.get((shape, "jax_ep", ep_size))
+        if config != "ep_cuda" or auto is None:
+            continue
+        ep, tokens = str(ep_size), cuda["tokens_per_rank"]
+        if cuda["step_ms"] > auto["step_ms"] * (1 + LAYER_TIE):
+            against.add(ep)
+        elif auto["step_ms"] > cuda["step_ms"] * (1 + LAYER_TIE) and tokens < prefers.get(ep, {}).get(
+                "tokens", tokens + 1):
+            prefers[ep] = dict(tokens=tokens, why=(
+                f"layer step {shape}, EP{ep_size}, {tokens} tokens per rank: {cuda['step_ms']:.2f} ms with "
+                f"every EP kernel (ep_cuda) < {auto['step_ms']:.2f} ms with auto's choice (jax_ep), "
+                f"{cuda.get('device')} {cuda.get('date')}"))
+    for ep in against:
+        prefers.pop(ep, None)
+    return prefers, against
+
+
 def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
           layer_records: list[dict] | None = None, replace: bool = False) -> dict:
     points = points_of(records)
     measured = {str(p["ep_size"]) for pts in points.values() for p in pts}
-    if not measured:
+    if not measured and not layer_records:
         raise ValueError("no op has both a cuda and a reference record: nothing to decide")
     old = None if replace or not path.exists() else json.loads(path.read_text())
     table = build(points, old)
@@ -112,14 +149,27 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
     for ep, why in (old or {}).get("vetoed", {}).items():
         if ep not in measured:
             vetoes.setdefault(ep, why)
+    prefers, against = layer_preferences(layer_records or [])
+    # a preference stays until a layer run measures the kernels slower there (see the docstring)
+    for ep, pref in (old or {}).get("layer_prefers", {}).items():
+        if ep not in against:
+            prefers.setdefault(ep, pref)
+    prefers = {ep: pref for ep, pref in prefers.items() if ep not in vetoes}
     if vetoes:
         table["vetoed"] = vetoes
-        for op, layouts in table["ops"].items():
-            for entry in layouts.values():
-                for ep in vetoes:
-                    if op != "layout" and ep in entry["min_tokens"]:
-                        entry.setdefault("min_tokens_ops", {})[ep] = entry["min_tokens"][ep]
-                        entry["min_tokens"][ep] = None
+    if prefers:
+        table["layer_prefers"] = prefers
+    for op, layouts in table["ops"].items():
+        for layout, entry in layouts.items():
+            for ep in set(entry["min_tokens"]) & set(vetoes):
+                if op != "layout":
+                    entry.setdefault("min_tokens_ops", {})[ep] = entry["min_tokens"][ep]
+                    entry["min_tokens"][ep] = None
+            for ep in set(entry["min_tokens"]) & set(prefers):
+                decision, tokens = entry["min_tokens"][ep], prefers[ep]["tokens"]
+                if op in LAYER_OPS and layout == "expert_major" and (decision is None or decision > tokens):
+                    entry.setdefault("min_tokens_ops", {})[ep] = decision
+                    entry["min_tokens"][ep] = tokens
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
 
@@ -129,12 +179,17 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.auto_table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ops", nargs="+", help="record files of python -m benchmarks --profile (cuda and "
-                        "reference), e.g. the sweep and the low-latency run")
+    parser.add_argument("ops", nargs="*", help="record files of python -m benchmarks --profile (cuda and "
+                        "reference), e.g. the sweep and the low-latency run; none: only --layer's word "
+                        "on the shipped table")
     parser.add_argument("--layer", help="records of python -m benchmarks --layer")
     parser.add_argument("--replace", action="store_true",
                         help="drop the table's points of EP sizes this run did not measure")
     args = parser.parse_args(argv)
+    if not args.ops and not args.layer:
+        parser.error("give op record files, --layer, or both")
+    if args.replace and not args.ops:
+        parser.error("--replace drops the table's points: it needs op record files")
     records = [r for f in args.ops for r in json.loads(pathlib.Path(f).read_text())]
     layer = json.loads(pathlib.Path(args.layer).read_text()) if args.layer else None
     table = write(records, layer_records=layer, replace=args.replace)
@@ -144,6 +199,8 @@ def main(argv=None) -> None:
                 print(f"{op} {layout} EP{ep}: kernel from {tokens} tokens per rank")
     if "vetoed" in table:
         print(f"vetoed: {table['vetoed']}")
+    if "layer_prefers" in table:
+        print(f"layer prefers the kernels: {table['layer_prefers']}")
     print(f"wrote {auto_table.TABLE_FILE}")
 
 

@@ -3,13 +3,15 @@ reference path, read from ``auto_table.json``.
 
 The table is written from benchmark records (``python -m benchmarks.auto_table ops.json --layer
 bench_layer.json``), never by hand: for every op and output layout, the device time of the kernel and
-of the reference at each measured shape, token count and EP size, and the decisions derived from
-them per measured EP size, ``min_tokens``: the kernel is taken from that many tokens per rank up (0:
+of the reference at each measured shape, token count and EP size, and the decisions derived from them
+per measured EP size, ``min_tokens``: the kernel is taken from that many tokens per rank up (0:
 always; null: never). A layer step measured slower with the kernels vetoes the communicating ones at
-that EP size ("vetoed" says why). A call on an EP size the table has no decision for takes that of
-the nearest measured multi-GPU size (the largest below it, else the smallest above); one GPU (EP1,
-nothing to exchange) only ever takes EP1's own, since a multi-GPU measurement says nothing about a
-local permute. It holds for any CUDA GPU; it was measured on the devices named in the file.
+that EP size ("vetoed" says why); one measured faster with every kernel than with this table's choice
+takes the layer ops' kernels from its tokens per rank up ("layer_prefers" says why). A call on an EP
+size the table has no decision for takes that of the nearest measured multi-GPU size (the largest
+below it, else the smallest above); one GPU (EP1, nothing to exchange) only ever takes EP1's own,
+since a multi-GPU measurement says nothing about a local permute. It holds for any CUDA GPU; it was
+measured on the devices named in the file.
 """
 
 from __future__ import annotations

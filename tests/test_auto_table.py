@@ -91,6 +91,44 @@ def test_writer_keeps_other_ep_sizes_and_vetoes_per_ep_size(tmp_path):
     assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"1": 0}
 
 
+def test_writer_takes_the_layers_kernels_where_the_step_measured_them_faster(tmp_path, capsys):
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    ops = [_record("slot_values", "cuda", 4096, 40.0, 2), _record("slot_values", "reference", 4096, 22.0, 2),
+           _record("dispatch", "cuda", 4096, 100.0, 2), _record("dispatch", "reference", 4096, 300.0, 2),
+           _record("dispatch_rank_major", "cuda", 4096, 90.0, 2),
+           _record("dispatch_rank_major", "reference", 4096, 80.0, 2)]
+    for r in ops[4:]:
+        r["layout"] = "rank_major"
+
+    def layer(cuda_ms, auto_ms, tokens=4096):
+        return [dict(op="moe_layer", shape="deepseek", config=c, ep_size=2, step_ms=ms,
+                     tokens_per_rank=tokens, device="2x GPU", date="2026-11-29")
+                for c, ms in (("ep_cuda", cuda_ms), ("jax_ep", auto_ms))]
+
+    table = writer.write(ops, path, layer_records=layer(21.7, 22.6))
+    slot = table["ops"]["slot_values"]["expert_major"]
+    assert slot["min_tokens"] == {"2": 4096} and slot["min_tokens_ops"] == {"2": None}
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"2": 0}        # already the kernel
+    assert "min_tokens_ops" not in table["ops"]["dispatch"]["expert_major"]
+    assert table["ops"]["dispatch_rank_major"]["rank_major"]["min_tokens"] == {"2": None}  # not a layer op
+    assert "21.70 ms" in table["layer_prefers"]["2"]["why"] and table["layer_prefers"]["2"]["tokens"] == 4096
+    # the preference makes jax_ep ep_cuda: a tie keeps it, and so do re-measured op times
+    assert writer.write([], path, layer_records=layer(21.7, 21.8))["layer_prefers"]["2"]["tokens"] == 4096
+    assert writer.write(ops, path)["ops"]["slot_values"]["expert_major"]["min_tokens"] == {"2": 4096}
+    # the kernels measured slower than auto's choice: the ops' own decision again
+    table = writer.write([], path, layer_records=layer(23.0, 22.0))
+    assert "layer_prefers" not in table
+    assert table["ops"]["slot_values"]["expert_major"]["min_tokens"] == {"2": None}
+    # measured at 8192 tokens per rank: the kernel from there up only
+    assert writer.write(ops, path, layer_records=layer(21.7, 22.6, tokens=8192))["ops"]["slot_values"][
+        "expert_major"]["min_tokens"] == {"2": 8192}
+    with pytest.raises(SystemExit):
+        writer.main(["--replace", "--layer", str(path)])
+    assert "--replace" in capsys.readouterr().err
+
+
 def test_shipped_table_names_known_ops():
     shipped = auto_table.table()
     for op, layouts in shipped.get("ops", {}).items():
@@ -100,9 +138,12 @@ def test_shipped_table_names_known_ops():
             for ep, decision in entry["min_tokens"].items():
                 assert decision is None or decision >= 0
                 from_points = auto_table.min_tokens([p for p in entry["points"] if str(p["ep_size"]) == ep])
-                if ep in entry.get("min_tokens_ops", {}):  # vetoed by the layer step
-                    assert ep in shipped["vetoed"] and decision is None
+                if ep in entry.get("min_tokens_ops", {}):  # overruled by the layer step
                     assert entry["min_tokens_ops"][ep] == from_points, (op, layout, ep)
+                    if ep in shipped.get("vetoed", {}):
+                        assert decision is None
+                    else:
+                        assert decision == shipped["layer_prefers"][ep]["tokens"], (op, layout, ep)
                 else:
                     assert decision == from_points, (op, layout, ep)
 
