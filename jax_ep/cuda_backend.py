@@ -529,45 +529,41 @@ def _pad_rows(a: jax.Array) -> jax.Array:
     return jnp.pad(a, ((0, 0), (0, pad))) if pad else a
 
 
+def _rank_major_rows(op: str, rows: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+                     rank_mask: jax.Array | None) -> jax.Array:
+    """combine_rank_major ([R*T, H] rows to [T, H]) or broadcast_rank_major ([T, H] to [R*T, H]) on
+    the kernels: one row per (token, rank), rows widened to the kernels' alignment (zero columns sum
+    to zeros, cut off after)."""
+    axis = cfg.axis_name
+    ep_size = lax.axis_size(axis)
+    width = rows.shape[1]
+    rows = _pad_rows(rows)
+    combining = op == "combine_rank_major"
+    out = (types.rank_major_combine_types if combining else types.rank_major_broadcast_types)(rows, handle)
+    tokens, hidden = out.shape if combining else rows.shape
+    _check_put_mask(op, cfg, rank_mask)
+    rank, group, axis_slot = _group_of(axis)
+    result, _ = _call(op, (out, _slot_rows_type(handle)), rows, handle.src_index,
+                      handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,
+                      stream=cfg.kernel.async_stream,
+                      **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
+                               row_bytes=hidden * rows.dtype.itemsize,
+                               capacity=0 if combining else out.shape[0], num_topk=1))
+    return _vary_all(result[:, :width], axis, rows, *handle)
+
+
 def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
                        rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.combine_rank_major`` on NVLink kernels (the combine kernel with one row per
     (token, rank), rows as they are; the same float32 rank-order sum, bit-exact). Per-rank view."""
-    axis = cfg.axis_name
-    ep_size = lax.axis_size(axis)
-    width = y.shape[1]
-    y = _pad_rows(y)  # (zero columns sum to zeros, cut off below)
-    out = types.rank_major_combine_types(y, handle)
-    tokens, hidden = out.shape
-    _check_put_mask("combine_rank_major", cfg, rank_mask)
-    rank, group, axis_slot = _group_of(axis)
-    result, _ = _call("combine_rank_major", (out, _slot_rows_type(handle)), y, handle.src_index,
-                      handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,
-                      stream=cfg.kernel.async_stream,
-                      **_attrs("combine_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
-                               row_bytes=hidden * y.dtype.itemsize, num_topk=1))
-    return _vary_all(result[:, :width], axis, y, *handle)
+    return _rank_major_rows("combine_rank_major", y, handle, cfg, rank_mask)
 
 
 def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
                          rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.broadcast_rank_major`` (combine_rank_major's backward: each token's row to
     its rows, empty rows zero) on NVLink kernels (the broadcast kernel, one row per (token, rank))."""
-    axis = cfg.axis_name
-    ep_size = lax.axis_size(axis)
-    width = g.shape[1]
-    g = _pad_rows(g)
-    out = types.rank_major_broadcast_types(g, handle)
-    tokens, hidden = g.shape
-    _check_put_mask("broadcast_rank_major", cfg, rank_mask)
-    rank, group, axis_slot = _group_of(axis)
-    result, _ = _call("broadcast_rank_major", (out, _slot_rows_type(handle)), g, handle.src_index,
-                      handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,
-                      stream=cfg.kernel.async_stream,
-                      **_attrs("broadcast_rank_major", cfg, ep_size, axis_slot, tokens, hidden,
-                               row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0],
-                               num_topk=1))
-    return _vary_all(result[:, :width], axis, g, *handle)
+    return _rank_major_rows("broadcast_rank_major", g, handle, cfg, rank_mask)
 
 
 # ---- low-latency (decode) mode ------------------------------------------------------------------

@@ -447,28 +447,24 @@ def _forward_only(op: str):
     return bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _forward_only_op(op: str, cfg_argnum: int):
+    """Decorator: a custom_vjp around the function (its config at cfg_argnum, not differentiated)
+    whose gradient is the error of ``_forward_only(op)``."""
+    def wrap(fn):
+        wrapped = jax.custom_vjp(fn, nondiff_argnums=(cfg_argnum,))
+        wrapped.defvjp(lambda *args: (wrapped(*args), None), _forward_only(op))
+        return wrapped
+    return wrap
+
+
+@_forward_only_op("ll_dispatch", 4)
 def _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
     return implementation("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
 
 
-def _ll_dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
-    return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg), None
-
-
-_ll_dispatch.defvjp(_ll_dispatch_fwd, _forward_only("ll_dispatch"))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@_forward_only_op("ll_combine", 3)
 def _ll_combine(y, handle, rank_mask, cfg):
     return implementation("ll_combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
-
-
-def _ll_combine_fwd(y, handle, rank_mask, cfg):
-    return _ll_combine(y, handle, rank_mask, cfg), None
-
-
-_ll_combine.defvjp(_ll_combine_fwd, _forward_only("ll_combine"))
 
 
 # ---- low-latency two-phase form -----------------------------------------------------------------
@@ -547,37 +543,21 @@ def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
     return _ll_combine_recv(pending, cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@_forward_only_op("ll_dispatch_send", 4)
 def _ll_dispatch_send(x, topk_idx, topk_weights, rank_mask, cfg):
     return _ll_send_impl("ll_dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
 
 
-_ll_dispatch_send.defvjp(lambda x, i, w, m, cfg: (_ll_dispatch_send(x, i, w, m, cfg), None),
-                         _forward_only("ll_dispatch_send"))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@_forward_only_op("ll_dispatch_recv", 1)
 def _ll_dispatch_recv(pending, cfg):
     return _ll_recv_impl("ll_dispatch", pending)(pending, cfg)
 
 
-_ll_dispatch_recv.defvjp(lambda pending, cfg: (_ll_dispatch_recv(pending, cfg), None),
-                         _forward_only("ll_dispatch_recv"))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@_forward_only_op("ll_combine_send", 3)
 def _ll_combine_send(y, handle, rank_mask, cfg):
     return _ll_send_impl("ll_combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
 
 
-_ll_combine_send.defvjp(lambda y, h, m, cfg: (_ll_combine_send(y, h, m, cfg), None),
-                        _forward_only("ll_combine_send"))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@_forward_only_op("ll_combine_recv", 1)
 def _ll_combine_recv(pending, cfg):
     return _ll_recv_impl("ll_combine", pending)(pending, cfg)
-
-
-_ll_combine_recv.defvjp(lambda pending, cfg: (_ll_combine_recv(pending, cfg), None),
-                        _forward_only("ll_combine_recv"))

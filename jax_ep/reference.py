@@ -109,6 +109,19 @@ def _all_to_all(send: jax.Array, axis_name: str) -> jax.Array:
     return lax.all_to_all(send, axis_name, 0, 0, tiled=True)
 
 
+def _sum_returned(blocks: jax.Array, cfg: EPConfig, rank_mask: jax.Array | None) -> jax.Array:
+    """Each rank's [R, T, H] block of rows for the others' tokens sent back to them (all-to-all), and
+    per token the float32 sum over the source ranks in rank order, rounded once to the blocks' dtype.
+    rank_mask: rows only from the ranks linked to this one (``routing.linked``); the others add +0.0."""
+    returned = _all_to_all(blocks, cfg.axis_name).astype(jnp.float32)
+    if rank_mask is not None:
+        returned = jnp.where(routing.linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
+    total = returned[0]
+    for r in range(1, blocks.shape[0]):  # fixed summation order: rank order
+        total = total + returned[r]
+    return total.astype(blocks.dtype)
+
+
 def _round_up(x: jax.Array, multiple: int) -> jax.Array:
     return (x + multiple - 1) // multiple * multiple
 
@@ -223,14 +236,7 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
         rows = handle.token_rows[:, k]
         term = take_rows(yf, rows) * take_rows(handle.row_weights, rows)[:, None]
         partial = partial + term
-    partial = partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1])
-    returned = _all_to_all(partial, cfg.axis_name).astype(jnp.float32)
-    if rank_mask is not None:
-        returned = jnp.where(routing.linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
-    total = returned[0]
-    for r in range(1, ep_size):  # fixed summation order: rank order
-        total = total + returned[r]
-    return total.astype(y.dtype)
+    return _sum_returned(partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1]), cfg, rank_mask)
 
 
 def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
@@ -365,14 +371,7 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
     # scatter (not a product): whatever an empty row holds, NaN included, never reaches the sum
     block = jnp.zeros((num_slots, y.shape[1]), y.dtype).at[jnp.where(src >= 0, src, num_slots)].set(
         as_stored(y), mode="drop")
-    returned = _all_to_all(block.reshape(ep_size, num_tokens, y.shape[1]), cfg.axis_name)
-    returned = returned.astype(jnp.float32)
-    if rank_mask is not None:
-        returned = jnp.where(routing.linked(rank_mask, cfg.axis_name)[:, None, None], returned, 0.0)
-    total = returned[0]
-    for r in range(1, ep_size):  # fixed summation order: rank order
-        total = total + returned[r]
-    return total.astype(y.dtype)
+    return _sum_returned(block.reshape(ep_size, num_tokens, y.shape[1]), cfg, rank_mask)
 
 
 def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
