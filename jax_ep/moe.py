@@ -687,12 +687,12 @@ class MoE(nnx.Module):
         """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
         chunk i+1 dispatched before chunk i's experts run."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
+        exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
+                    else _HierarchicalExchange(cfg, self.node_axis))
 
         def send(t):
             with jax.named_scope(SCOPES["dispatch"]):
-                if self.node_axis is None:
-                    return dispatch(x_[t], idx_[t], wts_[t], cfg, rank_mask=rank_mask)
-                return dispatch_hierarchical(x_[t], idx_[t], wts_[t], cfg, self.node_axis)
+                return exchange.dispatch(x_[t], idx_[t], wts_[t])
 
         def experts_and_back(d):
             with jax.named_scope(SCOPES["experts"]):
@@ -701,12 +701,7 @@ class MoE(nnx.Module):
                                  d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
                                  fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad)
             with jax.named_scope(SCOPES["combine"]):
-                if self.node_axis is None:
-                    # y is zero in every row with no token: dispatch zeroes the padding and every GEMM
-                    # backend writes zeros past the groups (so its backward writes only token rows)
-                    return combine(y.astype(x.dtype), d.handle, cfg, rank_mask=rank_mask,
-                                   empty_rows_zero=self.ep.dy_in_place)
-                return combine_hierarchical(y.astype(x.dtype), d.handle, cfg, self.node_axis)
+                return exchange.combine(y.astype(x.dtype), d.handle)
 
         sent, outs = [send(0)], []
         for t in range(chunks):
@@ -746,6 +741,39 @@ class MoE(nnx.Module):
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
         return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatExchange:
+    """The throughput path's exchange over one EP axis: ``jax_ep.dispatch`` / ``combine`` (rank_mask:
+    the layer's active ranks or None; dy_in_place: ``EPOptions.dy_in_place``)."""
+
+    cfg: EPConfig
+    rank_mask: jax.Array | None
+    dy_in_place: bool
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        return dispatch(x, topk_idx, topk_weights, self.cfg, rank_mask=self.rank_mask)
+
+    def combine(self, y, handle):
+        # y is zero in every row with no token: dispatch zeroes the padding and every GEMM backend
+        # writes zeros past the groups (so its backward writes only token rows)
+        return combine(y, handle, self.cfg, rank_mask=self.rank_mask, empty_rows_zero=self.dy_in_place)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HierarchicalExchange:
+    """The throughput path's exchange over nodes (node_axis) and the GPUs of a node (the EP axis):
+    ``jax_ep.dispatch_hierarchical`` / ``combine_hierarchical`` (no rank mask: set_rank_mask refuses)."""
+
+    cfg: EPConfig
+    node_axis: str
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        return dispatch_hierarchical(x, topk_idx, topk_weights, self.cfg, self.node_axis)
+
+    def combine(self, y, handle):
+        return combine_hierarchical(y, handle, self.cfg, self.node_axis)
 
 
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
