@@ -125,8 +125,8 @@ def layer_preferences(layer_records: list[dict]) -> tuple[dict[str, dict], set[s
         ep, tokens = str(ep_size), cuda["tokens_per_rank"]
         if cuda["step_ms"] > auto["step_ms"] * (1 + LAYER_TIE):
             against.add(ep)
-        elif auto["step_ms"] > cuda["step_ms"] * (1 + LAYER_TIE) and tokens < prefers.get(ep, {}).get(
-                "tokens", tokens + 1):
+        elif auto["step_ms"] > cuda["step_ms"] * (1 + LAYER_TIE) and (
+                ep not in prefers or tokens < prefers[ep]["tokens"]):
             prefers[ep] = dict(tokens=tokens, why=(
                 f"layer step {shape}, EP{ep_size}, {tokens} tokens per rank: {cuda['step_ms']:.2f} ms with "
                 f"every EP kernel (ep_cuda) < {auto['step_ms']:.2f} ms with auto's choice (jax_ep), "
@@ -160,14 +160,14 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
     if prefers:
         table["layer_prefers"] = prefers
     for op, layouts in table["ops"].items():
-        for layout, entry in layouts.items():
+        for entry in layouts.values():
             for ep in set(entry["min_tokens"]) & set(vetoes):
                 if op != "layout":
                     entry.setdefault("min_tokens_ops", {})[ep] = entry["min_tokens"][ep]
                     entry["min_tokens"][ep] = None
             for ep in set(entry["min_tokens"]) & set(prefers):
                 decision, tokens = entry["min_tokens"][ep], prefers[ep]["tokens"]
-                if op in LAYER_OPS and layout == "expert_major" and (decision is None or decision > tokens):
+                if op in LAYER_OPS and (decision is None or decision > tokens):
                     entry.setdefault("min_tokens_ops", {})[ep] = decision
                     entry["min_tokens"][ep] = tokens
     path.write_text(json.dumps(table, indent=1) + "\n")

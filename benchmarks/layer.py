@@ -251,8 +251,7 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
-                                     chunks=options.get("chunks", 1),
-                                     dy_in_place=options.get("dy_in_place", True)),
+                                     **{k: options[k] for k in ("chunks", "dy_in_place") if k in options}),
                     gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"),
                     fp8_weight_grad=options.get("fp8_weight_grad", False), param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),

@@ -540,7 +540,7 @@ def _rank_major_rows(op: str, rows: jax.Array, handle: RankMajorHandle, cfg: EPC
     rows = _pad_rows(rows)
     combining = op == "combine_rank_major"
     out = (types.rank_major_combine_types if combining else types.rank_major_broadcast_types)(rows, handle)
-    tokens, hidden = out.shape if combining else rows.shape
+    tokens, hidden = handle.is_token_in_rank.shape[0], rows.shape[1]
     _check_put_mask(op, cfg, rank_mask)
     rank, group, axis_slot = _group_of(axis)
     result, _ = _call(op, (out, _slot_rows_type(handle)), rows, handle.src_index,

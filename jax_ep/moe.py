@@ -101,8 +101,9 @@ class EPOptions:
       dy_in_place: the throughput path's combine takes ``empty_rows_zero=True`` (the expert block's output
         is zero in every row that holds no token), so combine's backward writes d y into that output's
         buffer and only its token rows; False writes every row of the receive buffer. True (default) by
-        the bytes it saves at the worst-case capacity; not yet timed on GPUs against False
-        (``benchmarks --layer``, config ``jax_ep_dy_zeroed``).
+        the bytes it saves at the worst-case capacity; against False (``benchmarks --layer``, config
+        ``jax_ep_dy_zeroed``) a tie on 2 H200s (2026-11-29: DeepSeek-V3 step 22.30 / 22.34 and 22.60 /
+        22.79 ms, mid 6.75 / 6.34 and 6.46 / 6.46; docs/benchmarks.md, session 25).
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked`` and

@@ -439,20 +439,17 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
     return _ll_combine(y, handle, rank_mask, cfg)
 
 
-def _forward_only(op: str):
+def _forward_only_op(op: str, cfg_argnum: int):
+    """Decorator: a custom_vjp around the function (its config at cfg_argnum, not differentiated)
+    whose gradient is an error naming op (the low-latency ops are forward-only)."""
     def bwd(cfg, residuals, ct):
         raise EPUnsupportedError(
             f"jax_ep.{op} is forward-only (low-latency decode mode) and has no gradient; differentiate "
             "through jax_ep.dispatch / jax_ep.combine instead")
-    return bwd
 
-
-def _forward_only_op(op: str, cfg_argnum: int):
-    """Decorator: a custom_vjp around the function (its config at cfg_argnum, not differentiated)
-    whose gradient is the error of ``_forward_only(op)``."""
     def wrap(fn):
         wrapped = jax.custom_vjp(fn, nondiff_argnums=(cfg_argnum,))
-        wrapped.defvjp(lambda *args: (wrapped(*args), None), _forward_only(op))
+        wrapped.defvjp(lambda *args: (wrapped(*args), None), bwd)
         return wrapped
     return wrap
 

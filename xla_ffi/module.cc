@@ -321,8 +321,8 @@ NB_MODULE(_C, m) {
       "device_ordinal"_a, "unique_id"_a, "process"_a, "num_processes"_a, "buffer_bytes"_a,
       "Process model 2 (collective, every process, same order and sizes): join NVSHMEM as PE "
       "`process` (the JAX process index) of `num_processes` on GPU `device_ordinal`, put the state "
-      "and a communication buffer of >= buffer_bytes on the symmetric heap, tables of every PE reachable by loads/stores. A "
-      "later call grows the buffer if needed.");
+      "and a communication buffer of >= buffer_bytes on the symmetric heap, tables of every PE "
+      "reachable by loads/stores. A later call grows the buffer if needed.");
 
   m.def(
       "plan_process_group",
