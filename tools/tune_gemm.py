@@ -368,13 +368,12 @@ def main(argv=None):
                               for d in (0, 1) if c.compute_wgs == 2]
             elif args.kernels == "cluster":
                 # clusters of 2 CTAs sharing the weight panel by TMA multicast (forward and dx): the table's
-                # warp-specialised entry so, and the group-major 64- and 128-row forms (each also without)
+                # warp-specialised entry so, and the group-major 64- and 128-row forms
                 base = [*incumbent, mgpu.BlockConfig(64, 128, 64, 4, GROUP_MAJOR, 1, 1, 2, 0),
                         mgpu.BlockConfig(128, 128, 64, 3, GROUP_MAJOR, 1, 1, 2, 0)]
-                base = [c for c in base if c.compute_wgs == 2 and not c.ring and name != "dw"
-                        and width % c.cta_n == 0]
-                candidates = base + [dataclasses.replace(c, cluster=2, mma_in_flight=d) for c in base
-                                     for d in (0, 1)]
+                candidates = [dataclasses.replace(c, cluster=2, mma_in_flight=d) for c in base
+                              for d in (0, 1) if c.compute_wgs == 2 and not c.ring and name != "dw"
+                              and width % c.cta_n == 0]
             elif args.kernels == "defaults":
                 candidates = list(default_candidates(name, m, k, n, g))
             else:
