@@ -51,12 +51,7 @@ class BlockConfig:
     epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
     gradient, whose K is a group's rows). ring 1 (warp-specialised kernels) runs one ring of K-step
     buffers across all of a CTA's tiles instead of one pipeline per tile, so the producer loads the next
-    tile's first K blocks while the consumers finish this tile and write it out. cluster 2 (warp-specialised
-    row-tiled passes, per-tile pipeline) runs the CTAs in clusters of two that take two row tiles of the
-    same group and column tile, each loading half of the shared weight panel and multicasting it to both
-    (TMA multicast): the weight panel, 80% of a 64 x 256 tile's operand bytes, crosses L2 once per pair.
-    A group with an odd number of row tiles gives its last pair's second CTA the first's tile again,
-    computed and not stored."""
+    tile's first K blocks while the consumers finish this tile and write it out."""
 
     block_m: int = 64
     block_n: int = 256
@@ -68,7 +63,6 @@ class BlockConfig:
     compute_wgs: int = 1
     mma_in_flight: int = 0
     ring: int = 0
-    cluster: int = 1
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -84,10 +78,6 @@ class BlockConfig:
         if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
-        if self.cluster not in (1, 2) or (self.cluster == 2 and (self.compute_wgs != 2 or self.ring)):
-            raise EPValueError("BlockConfig.cluster must be 1 or 2, and 2 only with compute_wgs=2 and "
-                               f"ring=0, got cluster={self.cluster} with compute_wgs={self.compute_wgs}, "
-                               f"ring={self.ring}")
 
     @property
     def cta_n(self) -> int:
@@ -153,50 +143,6 @@ def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: in
             else:
                 mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
             return body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_BLOCK, mi], *carry.values())
-    return decorator
-
-
-# pair_schedule rows (an int32 [5, pairs] array): the pair's two row tiles (the second = the first when its
-# group has an odd number of tiles), whether the second is stored, its group's first pair and pair count
-_TILE_A, _TILE_B, _STORE_B, _PAIR_FIRST, _PAIR_COUNT = range(5)
-
-
-def pair_schedule(schedule: jax.Array, num_tiles: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The live row tiles of a tile_schedule in pairs of the same group, for the cluster-2 kernels (the two
-    CTAs of a cluster share the group's weight panel). Returns (pairs [5, T] int32, see _TILE_A..;
-    num_pairs [1] int32)."""
-    count = schedule.shape[1]
-    t = jnp.arange(count, dtype=jnp.int32)
-    first, tiles = schedule[_FIRST], schedule[_COUNT]
-    leader = (t < num_tiles[0]) & ((t - first) % 2 == 0)
-    (a,) = jnp.nonzero(leader, size=count, fill_value=0)
-    a = a.astype(jnp.int32)
-    has_b = a + 1 < first[a] + tiles[a]
-    pairs = jnp.stack([a, jnp.where(has_b, a + 1, a), has_b.astype(jnp.int32),
-                       t - (a - first[a]) // 2, (tiles[a] + 1) // 2]).astype(jnp.int32)
-    return pairs, jnp.sum(leader, dtype=jnp.int32)[None]
-
-
-def _pair_tiles(schedule_gmem, pairs_gmem, num_pairs_gmem, grid_n: int, minor: int, width: int):
-    """The persistent loop of the cluster-2 ragged_dot kernel: as _row_tiles, over pairs of row tiles of
-    one group x grid_n column tiles, per cluster; each CTA of the pair takes its own row tile. Hands the
-    body (row tile, column tile, its group, its block of rows, whether this CTA stores it)."""
-    def decorator(body):
-        cta = lax.axis_index("cluster")
-
-        @plgpu.nd_loop((num_pairs_gmem[0] * grid_n,), collective_axes="cluster_grid")
-        def _tile(loop_info: plgpu.NDLoopInfo):
-            if minor == GROUP_MAJOR:
-                lin = loop_info.index[0]
-                first = pairs_gmem[_PAIR_FIRST, lin // grid_n]
-                count = pairs_gmem[_PAIR_COUNT, lin // grid_n]
-                local = lin - first * grid_n
-                pj, ni = first + local % count, local // count
-            else:
-                pj, ni = plgpu.planar_snake(loop_info.index[0], (num_pairs_gmem[0], grid_n), minor, width)
-            mi = jnp.where(cta == 0, pairs_gmem[_TILE_A, pj], pairs_gmem[_TILE_B, pj])
-            mine = (cta == 0) | (pairs_gmem[_STORE_B, pj] != 0)
-            body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_BLOCK, mi], mine)
     return decorator
 
 
@@ -274,9 +220,9 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
-    if config.grid_minor == GROUP_MAJOR or config.cluster != 1:
-        raise EPValueError("transposed_ragged_dot: the group-major order and clusters are for the row-tiled "
-                           f"passes (each weight gradient tile is one group already), got {config}")
+    if config.grid_minor == GROUP_MAJOR:
+        raise EPValueError("transposed_ragged_dot: the group-major order is for the row-tiled passes (each "
+                           f"weight gradient tile is one group already), got {config}")
     if config.compute_wgs > 1:
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
@@ -389,14 +335,9 @@ def _write_tile(o_smem, values):
     plgpu.commit_smem()
 
 
-def _ws_kernel(body, out_type, cluster: int = 1):
-    """A warp-specialised kernel: a persistent grid of one CTA per SM (grid axis "sm"), or of clusters of
-    `cluster` CTAs (grid axis "cluster_grid", the CTA within its cluster "cluster")."""
-    grid = dict(grid=(_num_sms(),), grid_names=("sm",)) if cluster == 1 else dict(
-        grid=(_num_sms() // cluster,), grid_names=("cluster_grid",), cluster=(cluster,),
-        cluster_names=("cluster",))
+def _ws_kernel(body, out_type):
     return plgpu.kernel(
-        body, out_type=out_type, num_threads=3, thread_name="wg", **grid,
+        body, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
@@ -572,7 +513,7 @@ def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N: a
     pipeline per tile, or with config.ring one ring of K-step buffers across the CTA's tiles (_k_ring)."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -613,28 +554,15 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
     if config.ring:
         return _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), lhs.dtype))(schedule, num_tiles, lhs, rhs)
 
-    cluster = config.cluster == 2
-
     def get_pipeline(step, compute_context):
         return _ws_pipeline(
             step, compute_context, grid=(k // bk,), wgs=wgs, stages=stages,
             in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf, memory_space=plgpu.SMEM,
                                       delay_release=delay),
-                      # cluster: the pair's CTAs load half the weight panel each and multicast it
                       plgpu.BlockSpec(rhs_block, rhs_index, transforms=tf, memory_space=plgpu.SMEM,
-                                      delay_release=delay, collective_axes=("cluster",) if cluster else ())])
+                                      delay_release=delay)])
 
-    def body(schedule_gmem, *refs):
-        if cluster:
-            pairs_gmem, num_pairs_gmem, lhs_gmem, rhs_gmem, o_gmem = refs
-            tile_loop = _pair_tiles(schedule_gmem, pairs_gmem, num_pairs_gmem, grid_n, minor, width)
-        else:
-            num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem = refs
-
-            def tile_loop(tile_body):
-                @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
-                def _tile(mi, ni, group, block):
-                    tile_body(mi, ni, group, block, True)
+    def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
         rhs_panel = rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)]
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
@@ -642,19 +570,14 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
                    plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
         def _scope(allocs, o_smem, wg):
-            @tile_loop
-            def _tile(mi, ni, group, block, mine):
+            @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
+            def _tile(mi, ni, group, block):
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values):
-                    def write():
-                        _write_tile(o_smem.at[wg], values)
-                        _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
-                                    schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
-                    if mine is True:
-                        write()
-                    else:           # a pair's repeated tile is computed, not stored
-                        pl.when(mine)(write)
+                    _write_tile(o_smem.at[wg], values)
+                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
+                                schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
 
                 compute_context = _acc_ref_context(bm, bn, store)
 
@@ -678,11 +601,8 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
 
-    out_type = jax.ShapeDtypeStruct((m, n), lhs.dtype)
-    if cluster:
-        pairs, num_pairs = pair_schedule(schedule, num_tiles)
-        return _ws_kernel(body, out_type, cluster=2)(schedule, pairs, num_pairs, lhs, rhs)
-    return _ws_kernel(body, out_type)(schedule, num_tiles, lhs, rhs)
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
+    return kernel(schedule, num_tiles, lhs, rhs)
 
 
 def _mask_outside(lhs_smem, rhs_smem, when, lo, hi):
@@ -709,7 +629,7 @@ def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: in
 def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]

@@ -2,8 +2,6 @@
 errors, the implementation choice, and the Hopper kernel's tile schedule and forward kernel run in
 Mosaic GPU's interpret mode (the GPU tests cover the compiled kernels and the transposed passes)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,36 +112,6 @@ def test_tile_schedule_covers_every_row_once(sizes):
     ends = np.minimum(np.cumsum(sizes), m)
     expected = np.searchsorted(ends, np.arange(m), side="right")    # group of each row; len(sizes) = zero
     np.testing.assert_array_equal(owner, expected)
-
-
-@pytest.mark.parametrize("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [64, 64, 64, 128], [300, 0, 0, 0],
-                                   [1, 1, 1, 300], [500, 0, 0, 0], [64, 128, 192, 0]])
-def test_pair_schedule_stores_every_live_tile_once_with_its_group_partner(sizes):
-    """The cluster-2 kernels' pairs (pair_schedule): both tiles of a pair are of one group; every live
-    tile is stored by exactly one CTA; a group with an odd tile count repeats its last tile unstored; the
-    group-major order over pairs visits every (pair, column tile) once."""
-    m, block_m = 320, 64
-    schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
-    pairs, num_pairs = (np.asarray(a) for a in mgpu.pair_schedule(schedule, num_tiles))
-    schedule, live = np.asarray(schedule), int(np.asarray(num_tiles)[0])
-    n = int(num_pairs[0])
-    a, b, store_b, first, count = pairs[:, :n]
-    group = schedule[0]
-    np.testing.assert_array_equal(group[a], group[b])
-    assert np.all((b == a + 1) == (store_b == 1)) and np.all(b[store_b == 0] == a[store_b == 0])
-    stored = sorted(a.tolist() + b[store_b == 1].tolist())
-    assert stored == list(range(live))
-    for gi in np.unique(group[:live]):
-        tiles = int(np.sum(group[:live] == gi))
-        mine = np.flatnonzero(group[a] == gi)
-        assert len(mine) == (tiles + 1) // 2 and np.all(count[mine] == len(mine))
-        assert np.all(first[mine] == mine[0])
-    grid_n = 3
-    lin = np.arange(n * grid_n)
-    f, c = first[lin // grid_n], count[lin // grid_n]
-    pj, ni = f + (lin - f * grid_n) % c, (lin - f * grid_n) // c
-    visits = sorted(zip(pj.tolist(), ni.tolist(), strict=True))
-    assert visits == [(x, y) for x in range(n) for y in range(grid_n)]
 
 
 @pytest.mark.parametrize("order", [(1, 1), (mgpu.GROUP_MAJOR, 1)], ids=["strips", "group_major"])
@@ -261,9 +229,7 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 3, 0, 4, 2, 2), "ctas_per_sm"),
                                          ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight"),
                                          ((128, 128, 64, 3, 3, 4), "grid_minor"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 2), "cluster"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 0, 3), "cluster")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -273,8 +239,7 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1),
-                                    (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
-                                    (64, 128, 64, 4, 2, 1, 1, 2, 0, 0, 2)])
+                                    (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
     custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape.
@@ -288,9 +253,7 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     def passes(x, w, gs):
         sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
         out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
-        # a weight gradient tile is one group: neither the group-major order nor clusters are its to take
-        dw_cfg = dataclasses.replace(cfg, cluster=1, grid_minor=cfg.grid_minor % mgpu.GROUP_MAJOR)
-        return out, mgpu.transposed_ragged_dot(x, out, gs, config=dw_cfg)
+        return out, mgpu.transposed_ragged_dot(x, out, gs, config=cfg)
 
     text = jax.jit(passes).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2, text[:2000]

@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|cluster|defaults] [--out FILE]
+                              [--kernels all|classic|ws|order|ring|defaults] [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -314,12 +314,11 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
-                        choices=["all", "classic", "ws", "order", "ring", "cluster", "defaults"],
+                        choices=["all", "classic", "ws", "order", "ring", "defaults"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
-                             "(ring), or in clusters of 2 sharing the weight panel (cluster), or the "
-                             "untuned default beside the forms that could replace it "
+                             "(ring), or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
@@ -366,14 +365,6 @@ def main(argv=None):
                                                      4 if name == "dw" else 1, 1, 2, 0)]
                 candidates = [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
                               for d in (0, 1) if c.compute_wgs == 2]
-            elif args.kernels == "cluster":
-                # clusters of 2 CTAs sharing the weight panel by TMA multicast (forward and dx): the table's
-                # warp-specialised entry so, and the group-major 64- and 128-row forms
-                base = [*incumbent, mgpu.BlockConfig(64, 128, 64, 4, GROUP_MAJOR, 1, 1, 2, 0),
-                        mgpu.BlockConfig(128, 128, 64, 3, GROUP_MAJOR, 1, 1, 2, 0)]
-                candidates = [dataclasses.replace(c, cluster=2, mma_in_flight=d) for c in base
-                              for d in (0, 1) if c.compute_wgs == 2 and not c.ring and name != "dw"
-                              and width % c.cta_n == 0]
             elif args.kernels == "defaults":
                 candidates = list(default_candidates(name, m, k, n, g))
             else:
