@@ -159,6 +159,25 @@ per_step = len(launches) // args.iters if args.iters else 0
 for i in range(per_step):
     ms = sorted(e.duration_ns / 1e6 for e in launches[i::per_step])
     print(f"mosaic launch {i} of {per_step} per step: median {ms[len(ms) // 2]:.3f} ms")
+# idle time of device 0's busiest stream inside the chain of steps: the gaps between one kernel's end and
+# the next one's start, summed by the pair of kernels around them (what a step loses to launches, waits)
+stream = max((line for plane in data.planes if plane.name == "/device:GPU:0" for line in plane.lines
+              if line.name.startswith("Stream")), key=lambda line: len(list(line.events)), default=None)
+if stream is not None:
+    chain = sorted(stream.events, key=lambda e: e.start_ns)
+    gaps = collections.defaultdict(lambda: [0.0, 0])
+    busy_until = chain[0].end_ns if chain else 0
+    for a, b in zip(chain, chain[1:], strict=False):
+        idle = (b.start_ns - busy_until) / 1e3
+        busy_until = max(busy_until, b.end_ns)
+        if idle > 0:
+            entry = gaps[(a.name[:48], b.name[:48])]
+            entry[0] += idle / args.iters
+            entry[1] += 1
+    idle_total = sum(v[0] for v in gaps.values())
+    print(f"\nidle on {stream.name!r}: {idle_total / 1e3:.3f} ms per step between kernels; largest by pair:")
+    for (before, after), (us, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"  {us:8.1f} us  {n // args.iters:3d}x per step  {before} -> {after}")
 total = sum(v[0] for v in by_kernel.values())
 print(f"\nkernels on device 0 streams: {total:.3f} ms per step; top {args.top}:")
 print(f"{'ms':>8} {'%':>5} {'calls':>5}  kernel | hlo | scope")
