@@ -16,8 +16,16 @@ call's operands depend on the incoming token and the outgoing token depend on it
 keeps (XLA expands the barriers into control dependencies, never drops them). The program order is the
 Python order of the calls, the same in every process. What it costs: the calls are never reordered among
 themselves (they still overlap with non-EP work; a call whose results are unused is removed from the
-jaxpr, the same in every process), and jitted functions holding them take JAX's dispatch path for effects
-(a few µs of host time per call).
+jaxpr, the same in every process), and jitted functions holding them take JAX's dispatch path for effects,
+which before each call waits for the previous call's runtime token on the host (``_token_shard_arg``
+blocks on it): the host cannot enqueue a step while the one before runs, and the GPU idles for the next
+step's launch (measured 2026-11-30 on one H200: 0.8-1.4 ms per training step, 7-20% of it).
+
+When: only where several processes compile (``jax.process_count() > 1``: process model 2, or model 1 over
+several hosts). One process compiles one SPMD program for all of its devices, so every device runs the
+same schedule and the same sequence of programs; the calls are then issued without the effect
+(``needed``). Such a process must launch its EP programs from one thread, as the programs' order on
+every device then is the order in which that thread launches them.
 """
 
 from __future__ import annotations
@@ -76,10 +84,18 @@ ep_call_p = core.Primitive("jax_ep_call")
 ep_call_p.multiple_results = True
 
 
+def needed() -> bool:
+    """Whether EP calls carry the ordering effect: when several processes compile their own programs."""
+    return jax.process_count() > 1
+
+
 def ordered_call(fun: Callable, *args, name: str):
     """``fun(*args)`` as one ordered EP call: issued after every EP call before it in program order and
     before every one after it, in every process. ``fun`` must be traceable and communicate (it holds
-    the custom call); ``name`` (the custom-call target) names it in jaxprs and errors."""
+    the custom call); ``name`` (the custom-call target) names it in jaxprs and errors. In a single
+    process (``needed()`` false) it is ``fun(*args)`` itself."""
+    if not needed():
+        return fun(*args)
     flat_args, in_tree = tree_util.tree_flatten(args)
     out_tree = []
 

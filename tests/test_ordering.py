@@ -27,6 +27,26 @@ from jax_ep.config import EPConfig
 R, T, H, E, K = 4, 16, 128, 8, 2
 
 
+_NEEDED = ordering.needed
+
+
+@pytest.fixture(autouse=True)
+def several_processes(monkeypatch):
+    """The ordering as several processes get it (in one process the calls carry no effect)."""
+    monkeypatch.setattr(ordering, "needed", lambda: True)
+
+
+def test_one_process_issues_the_calls_without_the_effect(monkeypatch):
+    """One process compiles one program for all of its devices (one schedule): no effect, so JAX's
+    runtime token (a host wait for the previous step before each launch) stays out of its steps."""
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    assert jax.process_count() == 1 and not ordering.needed()
+    jaxpr = jax.make_jaxpr(lambda a: _stand_in(a, "one"))(jnp.ones(3))
+    assert not jaxpr.effects and ordering.ep_calls(jaxpr) == []
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda a: _stand_in(a, "one"))(jnp.ones(3))),
+                               np.sin(np.ones(3)) * 2.0, rtol=1e-6)
+
+
 @pytest.fixture
 def cuda_lowering(monkeypatch):
     """Trace the CUDA backend on this CPU machine: what only a GPU process does at trace time (register

@@ -2,7 +2,7 @@
 name over a chain of steps, with the HLO instruction and jax name scope it came from.
 
     python tools/profile_layer.py [mid|deepseek|small] [layer config, e.g. ep_cuda] [--experts N]
-        [--top 40] [--hlo FILE]
+        [--top 40] [--hlo FILE] [--ordered]
 
 ``--experts N`` overrides the preset's expert count: ``deepseek ep_cuda --experts 128`` on one GPU runs
 the per-rank expert work of the DeepSeek-V3 layer at EP2 (no communication), at half the device cost.
@@ -35,7 +35,14 @@ parser.add_argument("--experts", type=int, default=None, help="override the pres
 parser.add_argument("--top", type=int, default=40, help="kernels listed (default 40)")
 parser.add_argument("--iters", type=int, default=5, help="profiled steps (default 5)")
 parser.add_argument("--hlo", default=None, help="write the compiled HLO text here")
+parser.add_argument("--ordered", action="store_true",
+                    help="issue the EP calls with the ordering effect as several processes do "
+                         "(jax_ep.ordering.needed; one process leaves it out), to time what it costs")
 args = parser.parse_args()
+if args.ordered:
+    from jax_ep import ordering  # noqa: E402
+
+    ordering.needed = lambda: True
 
 hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[args.shape]
 experts = args.experts or experts
