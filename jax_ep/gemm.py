@@ -57,8 +57,8 @@ class Plan:
     reason: str = ""
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto"
-                   ) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
+                   zero_tail: bool = True) -> jax.Array:
     """``lax.ragged_dot(x, w, group_sizes)``, fast on Hopper GPUs.
 
     Args:
@@ -66,11 +66,18 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
       w: [G, K, N] one matrix per group, same dtype as x.
       group_sizes: [G] int32 rows per group; rows past their sum come out as zeros.
       backend: "auto", "mosaic_gpu" (raise if the kernel cannot run here) or "ragged_dot".
+      zero_tail: False leaves the rows past sum(group_sizes) of the output, and of the gradient of x,
+        unspecified (the kernel does not write them; ``lax.ragged_dot`` still gives zeros): for a caller
+        that never reads them, e.g. rows from ``jax_ep.dispatch``, whose rows there are unspecified
+        too. At the MoE layer's default (worst-case) capacity most of the buffer lies past the groups
+        at EP >= 4, and writing its zeros costs a pass over it.
     Returns: [M, N] in x's dtype (float32 accumulation).
     """
     _check_args(x, w, group_sizes, backend)
+    if not isinstance(zero_tail, bool):
+        raise EPValueError(f"grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
     plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend)
-    return _grouped_matmul(*vary_jointly(x, w, group_sizes), plans)
+    return _grouped_matmul(*vary_jointly(x, w, group_sizes), plans, zero_tail)
 
 
 def explain(x, w, group_sizes=None, *, backend: str = "auto") -> dict[str, Plan]:
@@ -196,29 +203,29 @@ def block_config(name: str, m: int, k: int, n: int, g: int):
 
 
 # ---- the op ---------------------------------------------------------------------------------------
-def _forward(x, w, group_sizes, plan: Plan, transpose_rhs: bool = False):
+def _forward(x, w, group_sizes, plan: Plan, transpose_rhs: bool = False, zero_tail: bool = True):
     if plan.impl == "ragged_dot":
         return lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
     from jax_ep import gemm_mgpu as mgpu
 
-    schedule, num_tiles = mgpu.tile_schedule(group_sizes, x.shape[0], plan.config.block_m)
+    schedule, num_tiles = mgpu.tile_schedule(group_sizes, x.shape[0], plan.config.block_m, zero_tail)
     out = mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs)
     return vary_as(out, x, w)  # a kernel's result is typed invariant inside shard_map; it is per rank
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_matmul(x, w, group_sizes, plans):
-    return _forward(x, w, group_sizes, plans[0])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_matmul(x, w, group_sizes, plans, zero_tail):
+    return _forward(x, w, group_sizes, plans[0], zero_tail=zero_tail)
 
 
-def _grouped_matmul_fwd(x, w, group_sizes, plans):
-    return _forward(x, w, group_sizes, plans[0]), (x, w, group_sizes)
+def _grouped_matmul_fwd(x, w, group_sizes, plans, zero_tail):
+    return _forward(x, w, group_sizes, plans[0], zero_tail=zero_tail), (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(plans, residuals, dy):
+def _grouped_matmul_bwd(plans, zero_tail, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _forward(dy, w, group_sizes, plans[1], transpose_rhs=True)
+    dx = _forward(dy, w, group_sizes, plans[1], transpose_rhs=True, zero_tail=zero_tail)
     dw = _weight_gradient(x, dy, group_sizes, plans[2])
     return dx.astype(x.dtype), dw.astype(w.dtype), float0_like(group_sizes)
 

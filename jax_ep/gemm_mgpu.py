@@ -88,10 +88,12 @@ class BlockConfig:
         return dataclasses.astuple(self)
 
 
-def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, zero_tail: bool = True
+                  ) -> tuple[jax.Array, jax.Array]:
     """Which rows each M tile of the persistent loop covers.
 
-    Rows [sum(group_sizes), m) form one extra "zero" group (id G) whose tiles store zeros. A tile
+    Rows [sum(group_sizes), m) form one extra "zero" group (id G) whose tiles store zeros; without
+    zero_tail that group has no tiles (the kernel leaves those rows unwritten). A tile
     never spans two groups: a block of block_m rows that holds the end of one group and the start of
     the next is visited once per group (the rows outside the group are computed but not stored).
     Returns (schedule [6, cdiv(m, block_m) + G] int32: group, block, first row within the block, rows,
@@ -101,7 +103,8 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Arr
     g = group_sizes.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(sizes), m)
-    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])          # + the zero group
+    tail_end = jnp.full((1,), m, jnp.int32) if zero_tail else ends[-1:]
+    ends = jnp.concatenate([ends, tail_end])                               # + the zero group
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     first = starts // block_m
     tiles = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)

@@ -784,13 +784,17 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
     weights here, their weight gradients in FP8 too with ``fp8_weight_grad``). What MoE's throughput
-    path runs per chunk; the layer benchmark times it alone."""
+    path runs per chunk; the layer benchmark times it alone. Its output is zero in the rows past
+    sum(group_sizes); the gradient of ``rows`` there is unspecified (as dispatch's rows there are): the
+    bf16 gate|up GEMM writes neither its output's nor the rows' gradient's rows there
+    (``zero_tail=False``), and nothing reads them (the down GEMM skips rows past the groups, SwiGLU
+    works row by row)."""
     if gemm_dtype is None:
         if fp8_weights is not None or fp8_weight_grad:
             raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "
                                "gemm_dtype='float8_e4m3fn'")
         matmul = functools.partial(grouped_matmul, backend=gemm)
-        gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes), 2, axis=1)
+        gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes, zero_tail=False), 2, axis=1)
         return matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
     matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,

@@ -114,6 +114,26 @@ def test_tile_schedule_covers_every_row_once(sizes):
     np.testing.assert_array_equal(owner, expected)
 
 
+@pytest.mark.parametrize("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [64, 64, 64, 128], [1, 1, 1, 300]])
+def test_tile_schedule_without_zero_tail_visits_only_the_groups(sizes):
+    """zero_tail=False: the same tiles for the groups' rows, none for the rows past them (which the
+    kernel then leaves unwritten)."""
+    m, block_m = 320, 64
+    gs = jnp.asarray(sizes, jnp.int32)
+    full, full_tiles = (np.asarray(a) for a in mgpu.tile_schedule(gs, m, block_m))
+    groups, tiles = (np.asarray(a) for a in mgpu.tile_schedule(gs, m, block_m, zero_tail=False))
+    live, n = int(full_tiles[0]), int(tiles[0])
+    in_groups = full[0, :live] < len(sizes)
+    assert n == int(in_groups.sum()) and np.all(groups[0, :n] < len(sizes))
+    np.testing.assert_array_equal(groups[:4, :n], full[:4, :live][:, in_groups])
+    assert int(groups[3, :n].sum()) == min(sum(sizes), m)        # every row of the groups, once
+
+
+def test_zero_tail_must_be_a_bool():
+    with pytest.raises(ValueError, match="zero_tail must be a bool, got 0"):
+        grouped_matmul(jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32), zero_tail=0)
+
+
 @pytest.mark.parametrize("order", [(1, 1), (mgpu.GROUP_MAJOR, 1)], ids=["strips", "group_major"])
 @parametrize_slow_tail("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [320, 0, 0, 0], [5, 200, 3, 1]])
 def test_kernel_interpret_mode(sizes, order):
@@ -129,12 +149,13 @@ def test_kernel_interpret_mode(sizes, order):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16).at[total:].set(jnp.nan)
     w = jnp.asarray(rng.standard_normal((4, k, n)) / np.sqrt(k), jnp.float16)
     config = mgpu.BlockConfig(64, 64, 64, 2, *order)
-    schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes), m, config.block_m)
-    out = np.asarray(mgpu.ragged_dot(x, w, schedule, num_tiles, config=config,
-                                     interpret=interpret_params.InterpretGPUParams()), np.float64)
     ref = dense_reference(np.asarray(x)[:total], w, sizes)
-    np.testing.assert_allclose(out[:total], ref, rtol=2e-2, atol=2e-2)
-    assert np.all(out[total:] == 0)
+    for zero_tail in (True, False):   # without it the rows past the groups are left as they are
+        schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes), m, config.block_m, zero_tail)
+        out = np.asarray(mgpu.ragged_dot(x, w, schedule, num_tiles, config=config,
+                                         interpret=interpret_params.InterpretGPUParams()), np.float64)
+        np.testing.assert_allclose(out[:total], ref, rtol=2e-2, atol=2e-2)
+        assert not zero_tail or np.all(out[total:] == 0)
 
 
 def test_every_table_entry_is_a_form_its_kernel_takes():

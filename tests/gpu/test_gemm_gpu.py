@@ -157,6 +157,36 @@ def test_ring_weight_gradient_matches_the_reference(config, case):
         assert rel_err(dw[gi], xf[rows == gi].T @ dyf[rows == gi]) < 1e-2, gi
 
 
+@pytest.mark.parametrize("case", ["random", "zeros", "huge", "aligned"])
+def test_zero_tail_false_computes_every_group_row_and_gradient(case):
+    """grouped_matmul(zero_tail=False) (the MoE layer's gate|up GEMM): the rows of the groups, their
+    input gradient and the weight gradient as with zero_tail, rows past the groups (NaN in x and dy)
+    never reaching them; with more tiles than SMs."""
+    rng = np.random.default_rng(hash(case) % 2**32)
+    m, k, n, g = 4096, 512, 1024, 11
+    sizes = sizes_or_aligned(rng, case, g, int(0.6 * m))
+    total = int(sizes.sum())
+    gs = jnp.asarray(sizes)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16).at[total:].set(jnp.nan)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16).at[total:].set(jnp.nan)
+
+    def run(zero_tail):
+        f = jax.jit(lambda x, w, dy: jax.vjp(
+            lambda x, w: grouped_matmul(x, w, gs, backend="mosaic_gpu", zero_tail=zero_tail), x, w)[1](dy)
+            + (grouped_matmul(x, w, gs, backend="mosaic_gpu", zero_tail=zero_tail),))
+        return [np.asarray(a, np.float32) for a in f(x, w, dy)]
+
+    (dx, dw, out), (dx0, dw0, out0) = run(False), run(True)
+    np.testing.assert_array_equal(out[:total], out0[:total])
+    np.testing.assert_array_equal(dx[:total], dx0[:total])
+    np.testing.assert_array_equal(dw, dw0)
+    rows = np.repeat(np.arange(g), sizes)
+    xf, wf = np.asarray(x[:total], np.float32), np.asarray(w, np.float32)
+    assert rel_err(out[:total], np.einsum("rk,rkn->rn", xf, wf[rows])) < 1e-2
+    assert np.all(out0[total:] == 0) and np.all(dx0[total:] == 0)
+
+
 def test_repeat_gives_same_bits():
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((2048, 256)), jnp.bfloat16)
