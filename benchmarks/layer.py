@@ -88,11 +88,13 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_async_chunks2": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1), chunks=2),
            # the defaults with combine's backward writing every row of C (EPOptions.dy_in_place off, as
            # before 2026-11-29): the same-run comparison of the aliased d y
-           "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_in_place=False)}
+           "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_in_place=False),
+           # the defaults with SwiGLU as Triton kernels over the live rows only (MoE(swiglu_backend="pallas"))
+           "jax_ep_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="pallas")}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_chunks2",
-              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed")
+              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_swiglu")
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:
@@ -253,7 +255,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
                                      kernel=KernelConfig(**options.get("kernel", {})),
                                      **{k: options[k] for k in ("chunks", "dy_in_place") if k in options}),
                     gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"),
-                    fp8_weight_grad=options.get("fp8_weight_grad", False), param_dtype=jnp.bfloat16)
+                    fp8_weight_grad=options.get("fp8_weight_grad", False),
+                    swiglu_backend=options.get("swiglu_backend", "xla"), param_dtype=jnp.bfloat16)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(layer.mesh, P(layer.batch_axes)))
     return layer, x

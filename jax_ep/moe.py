@@ -55,6 +55,8 @@ from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
 from jax_ep.ops import combine, dispatch, ll_combine, ll_dispatch
+from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
+from jax_ep.swiglu import swiglu
 
 GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 
@@ -224,6 +226,9 @@ class MoE(nnx.Module):
         (``fp8_grouped_matmul(weight_grad="fp8")``: rows and dy quantised 128 x 1 along the tokens, as
         DeepSeek-V3's backward does) instead of bfloat16 from the FP8 rows. Opt-in: slower than the
         bfloat16 weight gradient on an H200 at DeepSeek-V3's shapes (docs/api.md).
+      swiglu_backend: the routed experts' SwiGLU on the throughput path (``jax_ep.swiglu``): "xla"
+        (default: XLA's elementwise fusions over every row of the dispatch buffer) or "pallas" (Triton
+        kernels over the rows that hold rows only; GPU). Opt-in until measured on GPUs.
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
@@ -275,7 +280,7 @@ class MoE(nnx.Module):
                  ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
                  shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
                  dtype=None, param_dtype=jnp.float32, decode: bool = False, node_axis: str | None = None,
-                 gemm_dtype: str | None = None, fp8_weight_grad: bool = False):
+                 gemm_dtype: str | None = None, fp8_weight_grad: bool = False, swiglu_backend: str = "xla"):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
@@ -289,6 +294,9 @@ class MoE(nnx.Module):
                                            ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1),
                                            ("fp8_weight_grad", fp8_weight_grad, "bool", 1)):
             check_option("MoE:", name, value, kind, minimum)
+        if swiglu_backend not in SWIGLU_BACKENDS:
+            raise EPValueError(f"MoE: swiglu_backend must be one of {SWIGLU_BACKENDS}, got "
+                               f"{swiglu_backend!r}")
         if gemm_dtype not in GEMM_DTYPES:
             raise EPValueError(f"MoE: gemm_dtype must be one of {GEMM_DTYPES}, got {gemm_dtype!r}")
         if fp8_weight_grad and gemm_dtype is None:
@@ -314,6 +322,7 @@ class MoE(nnx.Module):
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
         self.gemm, self.gemm_dtype, self.fp8_weight_grad = gemm, gemm_dtype, fp8_weight_grad
+        self.swiglu_backend = swiglu_backend
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.decode = bool(decode)
 
@@ -700,7 +709,8 @@ class MoE(nnx.Module):
                 rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
                 y = expert_block(rows.astype(x.dtype), w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
                                  d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
-                                 fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad)
+                                 fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad,
+                                 swiglu_backend=self.swiglu_backend)
             with jax.named_scope(SCOPES["combine"]):
                 return exchange.combine(y.astype(x.dtype), d.handle)
 
@@ -779,7 +789,8 @@ class _HierarchicalExchange:
 
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
                  gemm: str = "auto", gemm_dtype: str | None = None,
-                 fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False) -> jax.Array:
+                 fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False,
+                 swiglu_backend: str = "xla") -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
@@ -788,19 +799,19 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     sum(group_sizes); the gradient of ``rows`` there is unspecified (as dispatch's rows there are): the
     bf16 gate|up GEMM writes neither its output's nor the rows' gradient's rows there
     (``zero_tail=False``), and nothing reads them (the down GEMM skips rows past the groups, SwiGLU
-    works row by row)."""
+    works row by row). ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows)."""
+    activate = functools.partial(swiglu, live_rows=jnp.sum(group_sizes), backend=swiglu_backend)
     if gemm_dtype is None:
         if fp8_weights is not None or fp8_weight_grad:
             raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "
                                "gemm_dtype='float8_e4m3fn'")
         matmul = functools.partial(grouped_matmul, backend=gemm)
-        gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes, zero_tail=False), 2, axis=1)
-        return matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
+        return matmul(activate(matmul(rows, w_gate_up, group_sizes, zero_tail=False)), w_down, group_sizes)
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
     matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,
                                weight_grad="fp8" if fp8_weight_grad else "bf16")
-    gate, up = jnp.split(matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q), 2, axis=1)
-    return matmul(jax.nn.silu(gate) * up, w_down, group_sizes, quantized=down_q)
+    return matmul(activate(matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q)), w_down, group_sizes,
+                  quantized=down_q)
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

@@ -1,0 +1,156 @@
+"""SwiGLU of an expert buffer, over the rows that hold rows: ``silu(gate) * up``.
+
+The MoE layer's expert block is gate|up GEMM -> SwiGLU -> down GEMM over dispatch's buffer, whose rows
+past ``sum(group_sizes)`` hold nothing (the layer's default capacity is the worst case: about half the
+buffer at EP2, three quarters at EP4 at the DeepSeek-V3 shape). The GEMMs skip those rows; XLA's
+elementwise SwiGLU and its backward (three fusions) cannot know them and pass over every row.
+``backend="pallas"`` runs one Triton kernel forward and one backward over the row blocks that start
+below ``live_rows`` and leaves the rows past them unwritten (unspecified, as dispatch's rows there are);
+``"xla"`` is ``jax.nn.silu(gate) * up`` over every row (any platform; what JAX differentiates itself).
+
+Arithmetic of the kernels, in float32, rounded once to the buffer's dtype: forward
+``h = g * sigmoid(g) * u``; backward ``du = dh * g * sigmoid(g)``, ``dg = dh * u * s * (1 + g * (1 - s))``
+with ``s = sigmoid(g)`` (the derivative of ``g * s``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep.errors import EPValueError
+from jax_ep.vma import shape_like, vary_jointly
+
+BACKENDS = ("xla", "pallas")
+# rows and columns of one kernel block: 64 rows is the dispatch alignment the kernels' GEMMs ask for, so
+# a block rarely straddles the live rows' end; 256 columns of bf16 gate and up are 64 KB in flight
+ROWS = 64
+_MAX_COLS = 256
+
+
+def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "xla", interpret: bool = False
+           ) -> jax.Array:
+    """[M, 2F] gate|up (gate columns first) -> [M, F] ``silu(gate) * up``.
+
+    live_rows: int32 scalar, the rows that hold rows (``sum(group_sizes)``); ``backend="pallas"`` leaves
+    the rows from the first 64-row block at or past it unwritten in the result and in the gradient
+    (``"xla"`` computes every row). ``interpret``: run the Pallas kernels in interpret mode (CPU tests).
+    Differentiable in gate_up."""
+    if backend not in BACKENDS:
+        raise EPValueError(f"swiglu: backend must be one of {BACKENDS}, got {backend!r}")
+    m, width = gate_up.shape
+    if width % 2:
+        raise EPValueError(f"swiglu: gate_up must have an even width (gate and up side by side), got "
+                           f"{gate_up.shape}")
+    if backend == "xla":
+        gate, up = jnp.split(gate_up, 2, axis=1)
+        return jax.nn.silu(gate) * up
+    if not interpret and jax.default_backend() != "gpu":
+        raise EPValueError(f"swiglu: backend='pallas' runs Triton kernels on a GPU; the default platform is "
+                           f"{jax.default_backend()!r} (use backend='xla')")
+    reason = kernel_unfit(gate_up.shape)
+    if reason:
+        raise EPValueError(f"swiglu: backend='pallas' cannot take gate_up {gate_up.shape}: {reason}")
+    live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
+    return _swiglu(*vary_jointly(gate_up, live), interpret)
+
+
+def kernel_unfit(shape) -> str:
+    """'' when the Pallas kernels take a gate|up buffer of this [M, 2F] shape, else why not."""
+    m, width = shape
+    f = width // 2
+    if m % ROWS:
+        return f"its rows M={m} are not a multiple of {ROWS}"
+    if f % 64:
+        return f"its half width F={f} is not a multiple of 64"
+    return ""
+
+
+def _triton_params():
+    """Triton, not Mosaic GPU (the default Pallas GPU backend): elementwise work over row blocks."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _cols(f: int) -> int:
+    cols = _MAX_COLS
+    while f % cols:
+        cols //= 2
+    return cols
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _swiglu(gate_up, live, interpret):
+    return _forward(gate_up, live, interpret)
+
+
+def _swiglu_fwd(gate_up, live, interpret):
+    return _forward(gate_up, live, interpret), (gate_up, live)
+
+
+def _swiglu_bwd(interpret, residuals, dh):
+    gate_up, live = residuals
+    gate_up, live, dh = vary_jointly(gate_up, live, dh.astype(gate_up.dtype))
+    return _backward(gate_up, live, dh, interpret), None
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def _specs(f: int):
+    """The kernels' grid and blocks: (row block, column block) over [M, F]; gate_up seen as [M, 2, F]
+    (gate at [:, 0], up at [:, 1]: a free reshape), so one block spec takes each half, or both halves of
+    a column block (the backward's output)."""
+    from jax.experimental import pallas as pl
+
+    cols = _cols(f)
+    live = pl.BlockSpec((1,), lambda i, j: (0,))
+    half = [pl.BlockSpec((ROWS, None, cols), lambda i, j, k=k: (i, k, j)) for k in (0, 1)]
+    both = pl.BlockSpec((ROWS, 2, cols), lambda i, j: (i, 0, j))
+    rows = pl.BlockSpec((ROWS, cols), lambda i, j: (i, j))
+    return cols, live, half, both, rows
+
+
+def _forward(gate_up, live, interpret):
+    from jax.experimental import pallas as pl
+
+    m, f = gate_up.shape[0], gate_up.shape[1] // 2
+    cols, live_spec, half, _, rows = _specs(f)
+
+    def kernel(live_ref, g_ref, u_ref, h_ref):
+        @pl.when(pl.program_id(0) * ROWS < live_ref[0])
+        def _():
+            g = g_ref[...].astype(jnp.float32)
+            h_ref[...] = (g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
+
+    gu = gate_up.reshape(m, 2, f)
+    return pl.pallas_call(kernel, grid=(m // ROWS, f // cols), in_specs=[live_spec, *half], out_specs=rows,
+                          out_shape=shape_like((m, f), gate_up.dtype, gate_up), interpret=interpret,
+                          compiler_params=_triton_params(), name="jax_ep_swiglu")(live, gu, gu)
+
+
+def _backward(gate_up, live, dh, interpret):
+    from jax.experimental import pallas as pl
+
+    m, f = gate_up.shape[0], gate_up.shape[1] // 2
+    cols, live_spec, half, both, rows = _specs(f)
+
+    def kernel(live_ref, g_ref, u_ref, dh_ref, dgu_ref):
+        @pl.when(pl.program_id(0) * ROWS < live_ref[0])
+        def _():
+            g = g_ref[...].astype(jnp.float32)
+            d = dh_ref[...].astype(jnp.float32)
+            s = jax.nn.sigmoid(g)
+            dgu_ref[:, 0, :] = (d * u_ref[...].astype(jnp.float32) * (s * (1.0 + g * (1.0 - s)))
+                                ).astype(dgu_ref.dtype)
+            dgu_ref[:, 1, :] = (d * (g * s)).astype(dgu_ref.dtype)
+
+    gu = gate_up.reshape(m, 2, f)
+    dgu = pl.pallas_call(kernel, grid=(m // ROWS, f // cols), in_specs=[live_spec, *half, rows],
+                         out_specs=both, out_shape=shape_like((m, 2, f), gate_up.dtype, gate_up),
+                         interpret=interpret, compiler_params=_triton_params(), name="jax_ep_swiglu_bwd"
+                         )(live, gu, gu, dh)
+    return dgu.reshape(m, 2 * f)

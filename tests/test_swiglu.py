@@ -1,0 +1,123 @@
+"""jax_ep.swiglu on CPU: the Pallas kernels (interpret mode) against XLA's silu(gate) * up, forward and
+gradient, over the live rows; their Triton lowering for CUDA; the arguments it refuses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ep.errors import EPValueError
+from jax_ep.swiglu import ROWS, kernel_unfit, swiglu
+
+
+def _f32(a):
+    return np.asarray(a, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,f,live", [(256, 128, 150), (192, 192, 192), (128, 64, 0), (320, 320, 64)])
+def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live):
+    """Forward and gradient of the Pallas kernels: the float64 formula rounded once, and XLA's
+    silu(gate) * up, in every row of the blocks that start below live (the rest the kernels leave
+    alone)."""
+    rng = np.random.default_rng(m + f + live)
+    gu = jnp.asarray(rng.standard_normal((m, 2 * f)) * 3, dtype)
+    dh = jnp.asarray(rng.standard_normal((m, f)), dtype)
+    n = jnp.int32(live)
+
+    def both(backend):
+        h, vjp = jax.vjp(lambda a: swiglu(a, n, backend=backend, interpret=True), gu)
+        return _f32(h), _f32(vjp(dh)[0])
+
+    (h, d), (h_ref, d_ref) = both("pallas"), both("xla")
+    covered = -(-live // ROWS) * ROWS           # the row blocks that start below live
+    # the kernels round once from float32: within one rounding of the float64 formula
+    g, u, dhf = (np.asarray(a, np.float64) for a in (gu[:covered, :f], gu[:covered, f:], dh[:covered]))
+    s = 1 / (1 + np.exp(-g))
+    one = dict(rtol=2**-7, atol=1e-30) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h[:covered], g * s * u, **one)
+    np.testing.assert_allclose(d[:covered, f:], dhf * g * s, **one)
+    np.testing.assert_allclose(d[:covered, :f], dhf * u * s * (1 + g * (1 - s)), **one)
+    # XLA's (bf16: rounded after every op) agrees in norm
+    for got, want in ((h, h_ref), (d, d_ref)):
+        err = np.linalg.norm(got[:covered] - want[:covered]) / max(np.linalg.norm(want[:covered]), 1e-30)
+        assert err < (1e-2 if dtype == jnp.bfloat16 else 1e-6), err
+
+
+def test_the_kernels_lower_to_triton_for_cuda(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # lowering needs no GPU
+    gu = jax.ShapeDtypeStruct((4096, 2 * 2048), jnp.bfloat16)
+    dh = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+
+    def step(a, d):
+        return jax.vjp(lambda a: swiglu(a, jnp.int32(1000), backend="pallas"), a)[1](d)
+
+    text = jax.jit(step).trace(gu, dh).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") >= 2, text[:2000]
+
+
+def test_arguments_it_refuses_name_the_value():
+    with pytest.raises(EPValueError, match="backend must be one of"):
+        swiglu(jnp.ones((64, 128)), 3, backend="cuda")
+    with pytest.raises(EPValueError, match="even width"):
+        swiglu(jnp.ones((64, 127)), 3)
+    with pytest.raises(EPValueError, match="M=100 are not a multiple of 64"):
+        swiglu(jnp.ones((100, 128)), 3, backend="pallas", interpret=True)
+    with pytest.raises(EPValueError, match="runs Triton kernels on a GPU; the default platform is 'cpu'"):
+        swiglu(jnp.ones((64, 128)), 3, backend="pallas")
+    assert kernel_unfit((128, 2 * 96)) == "its half width F=96 is not a multiple of 64"
+    assert kernel_unfit((128, 256)) == ""
+
+
+def test_the_expert_block_with_the_pallas_swiglu_matches_xla(monkeypatch):
+    """expert_block(swiglu_backend="pallas") (the kernels in interpret mode here): output and gradients
+    of the rows that hold rows and of both weights as with XLA's SwiGLU."""
+    import functools
+
+    from jax_ep import moe
+    from jax_ep import swiglu as swiglu_module
+
+    monkeypatch.setattr(moe, "swiglu", functools.partial(swiglu_module.swiglu, interpret=True))
+    rng = np.random.default_rng(5)
+    m, h, f, g = 256, 64, 64, 4
+    sizes = jnp.asarray([40, 0, 70, 50], jnp.int32)       # 160 live rows, 96 past them
+    rows = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((g, h, 2 * f)) / 8, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.float32)
+
+    def run(backend):
+        def loss(rows, w1, w2):
+            y = moe.expert_block(rows, w1, w2, sizes, gemm="ragged_dot", swiglu_backend=backend)
+            return jnp.sum(y[:160] ** 2), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(rows, w1, w2)
+
+    ((got, y), grads), ((want, y_ref), grads_ref) = run("pallas"), run("xla")
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(y[:160]), np.asarray(y_ref[:160]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads[0][:160]), np.asarray(grads_ref[0][:160]),
+                               rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads[1:], grads_ref[1:], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_the_layer_passes_its_swiglu_backend_to_the_experts(monkeypatch):
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from jax_ep import moe
+    from jax_ep.gating import RouterConfig
+
+    seen = []
+
+    def recording(gate_up, live_rows, *, backend):
+        seen.append(backend)
+        return swiglu(gate_up, live_rows, backend="xla")
+
+    monkeypatch.setattr(moe, "swiglu", recording)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    layer = moe.MoE(64, 64, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh, swiglu_backend="pallas",
+                    ep=moe.EPOptions(backend="reference"))
+    layer(jax.random.normal(jax.random.key(3), (4 * 32, 64), jnp.float32), update_stats=False)
+    assert seen == ["pallas"]
+    with pytest.raises(EPValueError, match="swiglu_backend must be one of"):
+        moe.MoE(64, 64, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh, swiglu_backend="triton")
