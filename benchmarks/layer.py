@@ -254,9 +254,9 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
                                      **{k: options[k] for k in ("chunks", "dy_in_place") if k in options}),
-                    gemm=options["gemm"], gemm_dtype=options.get("gemm_dtype"),
-                    fp8_weight_grad=options.get("fp8_weight_grad", False),
-                    swiglu_backend=options.get("swiglu_backend", "xla"), param_dtype=jnp.bfloat16)
+                    gemm=options["gemm"], param_dtype=jnp.bfloat16,
+                    **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
+                       if k in options})
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(layer.mesh, P(layer.batch_axes)))
     return layer, x

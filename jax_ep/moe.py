@@ -292,11 +292,9 @@ class MoE(nnx.Module):
                                            ("axis_name", axis_name, "name", 1),
                                            ("node_axis", node_axis, "name?", 1),
                                            ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1),
-                                           ("fp8_weight_grad", fp8_weight_grad, "bool", 1)):
+                                           ("fp8_weight_grad", fp8_weight_grad, "bool", 1),
+                                           ("swiglu_backend", swiglu_backend, SWIGLU_BACKENDS, 1)):
             check_option("MoE:", name, value, kind, minimum)
-        if swiglu_backend not in SWIGLU_BACKENDS:
-            raise EPValueError(f"MoE: swiglu_backend must be one of {SWIGLU_BACKENDS}, got "
-                               f"{swiglu_backend!r}")
         if gemm_dtype not in GEMM_DTYPES:
             raise EPValueError(f"MoE: gemm_dtype must be one of {GEMM_DTYPES}, got {gemm_dtype!r}")
         if fp8_weight_grad and gemm_dtype is None:

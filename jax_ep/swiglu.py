@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_ep.config import check_option
 from jax_ep.errors import EPValueError
 from jax_ep.vma import shape_like, vary_jointly
 
@@ -38,8 +39,7 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "xla", in
     the rows from the first 64-row block at or past it unwritten in the result and in the gradient
     (``"xla"`` computes every row). ``interpret``: run the Pallas kernels in interpret mode (CPU tests).
     Differentiable in gate_up."""
-    if backend not in BACKENDS:
-        raise EPValueError(f"swiglu: backend must be one of {BACKENDS}, got {backend!r}")
+    check_option("swiglu:", "backend", backend, BACKENDS)
     m, width = gate_up.shape
     if width % 2:
         raise EPValueError(f"swiglu: gate_up must have an even width (gate and up side by side), got "
