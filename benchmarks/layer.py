@@ -291,8 +291,8 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         return dict(record, gemm="", step_ms=None, split_ms=None, error=str(e))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     step, quantise = training_step(graphdef, rest)
-    plans = layer_gemm_plans(layer, mesh, x)
-    record["gemm"] = plans
+    record["gemm"] = layer_gemm_plans(layer, mesh, x)
+    record["ep_ops"] = layer_ep_plans(layer, tokens, ("dispatch", "combine"))
     try:
         args = (params, x)
         if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step
@@ -331,7 +331,8 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
     graphdef, state = nnx.split(layer)
     step = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, decode=True, update_stats=False))
     record = dict(op="moe_layer_decode", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
-                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep)
+                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep,
+                  ep_ops=layer_ep_plans(layer, tokens, ("ll_dispatch", "ll_combine")))
     try:
         record["step_ms"] = 1e3 * best_of(step, state, x, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
@@ -397,6 +398,20 @@ def layer_gemm_plans(layer, mesh, x) -> str:
     return impls.pop() if len(impls) == 1 else "mixed"
 
 
+def layer_ep_plans(layer, tokens: int, op_names) -> str:
+    """The backend the layer's EP ops take (jax_ep.explain; e.g. "cuda", or "reference" where 'auto'
+    found no usable kernel, with the reason): a record says what ran, not only what was asked."""
+    from jax_ep import explain
+
+    cfg = layer.ep.ep_config(num_experts=layer.num_experts, num_topk=layer.num_topk, hidden=layer.hidden,
+                             max_tokens_per_rank=tokens // layer.ep.chunks, axis_name=layer.axis_name)
+    plans = explain(cfg, layer.mesh.shape[layer.axis_name], ops=op_names)
+    impls = {plan.impl for plan in plans.values()}
+    if len(impls) == 1 and impls != {"reference"}:
+        return impls.pop()
+    return "; ".join(f"{plan.op}: {plan.impl} ({plan.reason})" for plan in plans.values())
+
+
 def main(args, save=lambda records: None) -> list[dict]:
     """Times the layer shapes and configs of ``args``; ``save(records)`` after every record."""
     devices = jax.devices()
@@ -425,7 +440,8 @@ def main(args, save=lambda records: None) -> list[dict]:
             records.append(r)
             save(records)
             step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms"
-            print(f"  {name} {config}: decode forward {step}; experts alone {r['experts_ms']:.3f} ms "
+            print(f"  {name} {config} (EP ops: {r['ep_ops']}): decode forward {step}; experts alone "
+                  f"{r['experts_ms']:.3f} ms "
                   f"over the filled slots, {r['experts_einsum_ms']:.3f} ms as an einsum over all slots "
                   f"({r['expert_weight_bytes'] / 1e9:.2f} GB of expert weights per rank)", flush=True)
     names = [n for n in names if n not in DECODE_SHAPES]
@@ -452,9 +468,9 @@ def main(args, save=lambda records: None) -> list[dict]:
             print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"
                   + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
-    print(f"{'layer':9}{'config':18}{'gemm':12}{'EP':>3}{'step ms':>10}{'roofline':>10}{'x roof':>8}"
-          f"{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}  split ms (router/dispatch/experts/combine/rest)"
-          "; EP hidden ms / EP ms")
+    print(f"{'layer':9}{'config':18}{'gemm':12}{'EP ops':>10}{'EP':>3}{'step ms':>10}{'roofline':>10}"
+          f"{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}"
+          "  split ms (router/dispatch/experts/combine/rest); EP hidden ms / EP ms")
     for r in [r for r in records if r["op"] == "moe_layer"]:
         plain = base.get((r["shape"], "plain_jax"))
         speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
@@ -465,6 +481,11 @@ def main(args, save=lambda records: None) -> list[dict]:
         ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
         tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
         gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
-        print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{r['ep_size']:>3}{step:>10}"
+        ep_ops = r.get("ep_ops", "")
+        ep_ops = ep_ops if len(ep_ops) <= 10 else "see below"
+        print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{ep_ops:>10}"
+              f"{r['ep_size']:>3}{step:>10}"
               f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}  {split}")
+    for r in [r for r in records if len(r.get("ep_ops", "")) > 10]:
+        print(f"  EP ops of {r['shape']} {r['config']}: {r['ep_ops']}")
     return records

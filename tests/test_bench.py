@@ -62,7 +62,10 @@ def test_layer_bench_writes_records(tmp_path):
         assert LAYER_FIELDS <= set(r), LAYER_FIELDS - set(r)
         assert r["op"] == "moe_layer" and r["gemm"] == "ragged_dot"   # no Hopper GPU here
         assert r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["ep_size"] == 8
+        # what ran, with auto's reason where it took the reference (no kernel on CPU)
+        assert r["ep_ops"].startswith("dispatch: reference (") and "combine: reference (" in r["ep_ops"]
     assert records[1]["backend"] == "reference"
+    assert "backend='auto'" in records[0]["ep_ops"] and "backend='auto'" not in records[1]["ep_ops"]
 
 
 @pytest.mark.slow
@@ -127,6 +130,7 @@ def test_decode_layer_bench_writes_records(tmp_path):
     assert r["op"] == "moe_layer_decode" and r["config"] == "ep_reference" and r["tokens_per_rank"] == 16
     assert r["step_ms"] > 0 and r["experts_ms"] > 0 and r["experts_einsum_ms"] > 0
     assert r["expert_weight_bytes"] == 2 * (16 // 8) * 3 * 256 * 128
+    assert r["ep_ops"].startswith("ll_dispatch: reference (") and "ll_combine: reference (" in r["ep_ops"]
 
 
 def test_cli_help():

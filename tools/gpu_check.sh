@@ -141,7 +141,9 @@ nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt"
 
 step "build: pip install --no-build-isolation --no-deps -e ."
 start=$SECONDS
-pip_install() { "$PY" -m pip install --no-build-isolation --no-deps -e . "$@" >"$OUT/build.log" 2>&1; }
+# (without PYTHONPATH: with the repository root on it, pip's build backend failed to import on the
+# GPU machine, 2026-11-30: "Cannot import 'scikit_build_core.build'")
+pip_install() { env -u PYTHONPATH "$PY" -m pip install --no-build-isolation --no-deps -e . "$@" >"$OUT/build.log" 2>&1; }
 if ! pip_install; then
   if grep -q externally-managed-environment "$OUT/build.log"; then
     pip_install --break-system-packages || status=1
