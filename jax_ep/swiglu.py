@@ -15,6 +15,7 @@ with ``s = sigmoid(g)`` (the derivative of ``g * s``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,20 +26,35 @@ from jax_ep.errors import EPValueError
 from jax_ep.vma import shape_like, vary_jointly
 
 BACKENDS = ("xla", "pallas")
-# rows and columns of one kernel block: 64 rows is the dispatch alignment the kernels' GEMMs ask for, so
-# a block rarely straddles the live rows' end; 256 columns of bf16 gate and up are 64 KB in flight
-ROWS = 64
-_MAX_COLS = 256
 
 
-def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "xla", interpret: bool = False
-           ) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The Pallas kernels' blocks: ``rows`` x ``cols`` (at most; the largest power-of-2 divisor of F up
+    to it), ``warps`` per program. ``halves``: the backward writes d gate and d up as two [M, F] arrays
+    that XLA concatenates, instead of one [M, 2F] array of column blocks (tools/tune_swiglu.py times
+    both)."""
+
+    rows: int = 64
+    cols: int = 256
+    warps: int = 4
+    halves: bool = False
+
+
+# 64 rows is the dispatch alignment the kernels' GEMMs ask for, so a block rarely straddles the live
+# rows' end; 256 columns of bf16 gate and up are 64 KB in flight
+TILING = Tiling()
+ROWS = TILING.rows
+
+
+def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "xla", interpret: bool = False,
+           tiling: Tiling = TILING) -> jax.Array:
     """[M, 2F] gate|up (gate columns first) -> [M, F] ``silu(gate) * up``.
 
     live_rows: int32 scalar, the rows that hold rows (``sum(group_sizes)``); ``backend="pallas"`` leaves
     the rows from the first 64-row block at or past it unwritten in the result and in the gradient
     (``"xla"`` computes every row). ``interpret``: run the Pallas kernels in interpret mode (CPU tests).
-    Differentiable in gate_up."""
+    Differentiable in gate_up. ``tiling``: the kernels' blocks (``TILING``, tuned on an H200)."""
     check_option("swiglu:", "backend", backend, BACKENDS)
     m, width = gate_up.shape
     if width % 2:
@@ -50,57 +66,57 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "xla", in
     if not interpret and jax.default_backend() != "gpu":
         raise EPValueError(f"swiglu: backend='pallas' runs Triton kernels on a GPU; the default platform is "
                            f"{jax.default_backend()!r} (use backend='xla')")
-    reason = kernel_unfit(gate_up.shape)
+    reason = kernel_unfit(gate_up.shape, tiling)
     if reason:
         raise EPValueError(f"swiglu: backend='pallas' cannot take gate_up {gate_up.shape}: {reason}")
     live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
-    return _swiglu(*vary_jointly(gate_up, live), interpret)
+    return _swiglu(*vary_jointly(gate_up, live), interpret, tiling)
 
 
-def kernel_unfit(shape) -> str:
+def kernel_unfit(shape, tiling: Tiling = TILING) -> str:
     """'' when the Pallas kernels take a gate|up buffer of this [M, 2F] shape, else why not."""
     m, width = shape
     f = width // 2
-    if m % ROWS:
-        return f"its rows M={m} are not a multiple of {ROWS}"
+    if m % tiling.rows:
+        return f"its rows M={m} are not a multiple of {tiling.rows}"
     if f % 64:
         return f"its half width F={f} is not a multiple of 64"
     return ""
 
 
-def _triton_params():
+def _triton_params(tiling: Tiling):
     """Triton, not Mosaic GPU (the default Pallas GPU backend): elementwise work over row blocks."""
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pltriton.CompilerParams(num_warps=tiling.warps, num_stages=1)
 
 
-def _cols(f: int) -> int:
-    cols = _MAX_COLS
+def _cols(f: int, tiling: Tiling) -> int:
+    cols = tiling.cols
     while f % cols:
         cols //= 2
     return cols
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _swiglu(gate_up, live, interpret):
-    return _forward(gate_up, live, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _swiglu(gate_up, live, interpret, tiling):
+    return _forward(gate_up, live, interpret, tiling)
 
 
-def _swiglu_fwd(gate_up, live, interpret):
-    return _forward(gate_up, live, interpret), (gate_up, live)
+def _swiglu_fwd(gate_up, live, interpret, tiling):
+    return _forward(gate_up, live, interpret, tiling), (gate_up, live)
 
 
-def _swiglu_bwd(interpret, residuals, dh):
+def _swiglu_bwd(interpret, tiling, residuals, dh):
     gate_up, live = residuals
     gate_up, live, dh = vary_jointly(gate_up, live, dh.astype(gate_up.dtype))
-    return _backward(gate_up, live, dh, interpret), None
+    return _backward(gate_up, live, dh, interpret, tiling), None
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def _specs(f: int):
+def _specs(f: int, tiling: Tiling):
     """The kernels' grid and blocks over gate_up [M, 2F] as it is (gate columns, then up): column block
     j of gate is block j, of up block nb + j (nb = F / cols). The backward's grid runs over 2 nb column
     blocks of its [M, 2F] output, each program writing one contiguous block (d gate for j < nb, d up
@@ -108,56 +124,78 @@ def _specs(f: int):
     an H200 (2026-11-30)."""
     from jax.experimental import pallas as pl
 
-    cols = _cols(f)
+    rows, cols = tiling.rows, _cols(f, tiling)
     nb = f // cols
     live = pl.BlockSpec((1,), lambda i, j: (0,))
-    gate = pl.BlockSpec((ROWS, cols), lambda i, j: (i, j % nb))
-    up = pl.BlockSpec((ROWS, cols), lambda i, j: (i, nb + j % nb))
-    rows = pl.BlockSpec((ROWS, cols), lambda i, j: (i, j % nb))   # [M, F]: h, d h
-    out = pl.BlockSpec((ROWS, cols), lambda i, j: (i, j))
-    return cols, nb, live, gate, up, rows, out
+    gate = pl.BlockSpec((rows, cols), lambda i, j: (i, j % nb))
+    up = pl.BlockSpec((rows, cols), lambda i, j: (i, nb + j % nb))
+    half = pl.BlockSpec((rows, cols), lambda i, j: (i, j % nb))   # [M, F]: h, d h
+    out = pl.BlockSpec((rows, cols), lambda i, j: (i, j))
+    return nb, live, gate, up, half, out
 
 
-def _forward(gate_up, live, interpret):
+def _forward(gate_up, live, interpret, tiling):
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
-    cols, nb, live_spec, gate, up, _, out = _specs(f)
+    nb, live_spec, gate, up, _, out = _specs(f, tiling)
+    rows = tiling.rows
 
     def kernel(live_ref, g_ref, u_ref, h_ref):
-        @pl.when(pl.program_id(0) * ROWS < live_ref[0])
+        @pl.when(pl.program_id(0) * rows < live_ref[0])
         def _():
             g = g_ref[...].astype(jnp.float32)
             h_ref[...] = (g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
 
-    return pl.pallas_call(kernel, grid=(m // ROWS, nb), in_specs=[live_spec, gate, up], out_specs=out,
+    return pl.pallas_call(kernel, grid=(m // rows, nb), in_specs=[live_spec, gate, up], out_specs=out,
                           out_shape=shape_like((m, f), gate_up.dtype, gate_up), interpret=interpret,
-                          compiler_params=_triton_params(), name="jax_ep_swiglu")(live, gate_up, gate_up)
+                          compiler_params=_triton_params(tiling), name="jax_ep_swiglu"
+                          )(live, gate_up, gate_up)
 
 
-def _backward(gate_up, live, dh, interpret):
+def _d_gate(g, u, d):
+    s = jax.nn.sigmoid(g)
+    return d * u * (s * (1.0 + g * (1.0 - s)))
+
+
+def _d_up(g, d):
+    return d * (g * jax.nn.sigmoid(g))
+
+
+def _backward(gate_up, live, dh, interpret, tiling):
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
-    cols, nb, live_spec, gate, up, rows, out = _specs(f)
+    nb, live_spec, gate, up, half, out = _specs(f, tiling)
+    rows = tiling.rows
+    f32 = lambda ref: ref[...].astype(jnp.float32)  # noqa: E731
+    if tiling.halves:
+        def kernel(live_ref, g_ref, u_ref, dh_ref, dg_ref, du_ref):
+            @pl.when(pl.program_id(0) * rows < live_ref[0])
+            def _():
+                g, d = f32(g_ref), f32(dh_ref)
+                dg_ref[...] = _d_gate(g, f32(u_ref), d).astype(dg_ref.dtype)
+                du_ref[...] = _d_up(g, d).astype(du_ref.dtype)
+
+        dg, du = pl.pallas_call(
+            kernel, grid=(m // rows, nb), in_specs=[live_spec, gate, up, half], out_specs=[half, half],
+            out_shape=[shape_like((m, f), gate_up.dtype, gate_up)] * 2, interpret=interpret,
+            compiler_params=_triton_params(tiling), name="jax_ep_swiglu_bwd")(live, gate_up, gate_up, dh)
+        return jnp.concatenate([dg, du], axis=1)
 
     def kernel(live_ref, g_ref, u_ref, dh_ref, dgu_ref):
-        in_live = pl.program_id(0) * ROWS < live_ref[0]
+        in_live = pl.program_id(0) * rows < live_ref[0]
         is_gate = pl.program_id(1) < nb
 
         @pl.when(in_live & is_gate)
         def _():
-            g = g_ref[...].astype(jnp.float32)
-            s = jax.nn.sigmoid(g)
-            dgu_ref[...] = (dh_ref[...].astype(jnp.float32) * u_ref[...].astype(jnp.float32)
-                            * (s * (1.0 + g * (1.0 - s)))).astype(dgu_ref.dtype)
+            dgu_ref[...] = _d_gate(f32(g_ref), f32(u_ref), f32(dh_ref)).astype(dgu_ref.dtype)
 
         @pl.when(in_live & jnp.logical_not(is_gate))
         def _():
-            g = g_ref[...].astype(jnp.float32)
-            dgu_ref[...] = (dh_ref[...].astype(jnp.float32) * (g * jax.nn.sigmoid(g))).astype(dgu_ref.dtype)
+            dgu_ref[...] = _d_up(f32(g_ref), f32(dh_ref)).astype(dgu_ref.dtype)
 
-    return pl.pallas_call(kernel, grid=(m // ROWS, 2 * nb), in_specs=[live_spec, gate, up, rows],
+    return pl.pallas_call(kernel, grid=(m // rows, 2 * nb), in_specs=[live_spec, gate, up, half],
                           out_specs=out, out_shape=shape_like((m, 2 * f), gate_up.dtype, gate_up),
-                          interpret=interpret, compiler_params=_triton_params(), name="jax_ep_swiglu_bwd"
-                          )(live, gate_up, gate_up, dh)
+                          interpret=interpret, compiler_params=_triton_params(tiling),
+                          name="jax_ep_swiglu_bwd")(live, gate_up, gate_up, dh)

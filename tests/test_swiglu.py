@@ -7,16 +7,18 @@ import numpy as np
 import pytest
 
 from jax_ep.errors import EPValueError
-from jax_ep.swiglu import ROWS, kernel_unfit, swiglu
+from jax_ep.swiglu import Tiling, kernel_unfit, swiglu
 
 
 def _f32(a):
     return np.asarray(a, np.float32)
 
 
+@pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=32, cols=128, warps=8, halves=True)],
+                         ids=["default", "halves"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m,f,live", [(256, 128, 150), (192, 192, 192), (128, 64, 0), (320, 320, 64)])
-def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live):
+def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live, tiling):
     """Forward and gradient of the Pallas kernels: the float64 formula rounded once, and XLA's
     silu(gate) * up, in every row of the blocks that start below live (the rest the kernels leave
     alone)."""
@@ -26,11 +28,11 @@ def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live):
     n = jnp.int32(live)
 
     def both(backend):
-        h, vjp = jax.vjp(lambda a: swiglu(a, n, backend=backend, interpret=True), gu)
+        h, vjp = jax.vjp(lambda a: swiglu(a, n, backend=backend, interpret=True, tiling=tiling), gu)
         return _f32(h), _f32(vjp(dh)[0])
 
     (h, d), (h_ref, d_ref) = both("pallas"), both("xla")
-    covered = -(-live // ROWS) * ROWS           # the row blocks that start below live
+    covered = -(-live // tiling.rows) * tiling.rows   # the row blocks that start below live
     # the kernels round once from float32: within one rounding of the float64 formula
     g, u, dhf = (np.asarray(a, np.float64) for a in (gu[:covered, :f], gu[:covered, f:], dh[:covered]))
     s = 1 / (1 + np.exp(-g))
@@ -44,13 +46,15 @@ def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live):
         assert err < (1e-2 if dtype == jnp.bfloat16 else 1e-6), err
 
 
-def test_the_kernels_lower_to_triton_for_cuda(monkeypatch):
+@pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=32, cols=512, warps=8, halves=True)],
+                         ids=["default", "halves"])
+def test_the_kernels_lower_to_triton_for_cuda(monkeypatch, tiling):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # lowering needs no GPU
     gu = jax.ShapeDtypeStruct((4096, 2 * 2048), jnp.bfloat16)
     dh = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
 
     def step(a, d):
-        return jax.vjp(lambda a: swiglu(a, jnp.int32(1000), backend="pallas"), a)[1](d)
+        return jax.vjp(lambda a: swiglu(a, jnp.int32(1000), backend="pallas", tiling=tiling), a)[1](d)
 
     text = jax.jit(step).trace(gu, dh).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("triton") >= 2, text[:2000]
