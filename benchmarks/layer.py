@@ -89,12 +89,13 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the defaults with combine's backward writing every row of C (EPOptions.dy_in_place off, as
            # before 2026-11-29): the same-run comparison of the aliased d y
            "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_in_place=False),
-           # the defaults with SwiGLU as Triton kernels over the live rows only (MoE(swiglu_backend="pallas"))
-           "jax_ep_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="pallas")}
+           # the defaults with XLA's SwiGLU over every row (MoE(swiglu_backend="xla")) instead of the
+           # Triton kernels over the live rows that "auto" takes on Hopper: the same-run comparison
+           "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla")}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_chunks2",
-              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_swiglu")
+              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:

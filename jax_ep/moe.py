@@ -226,9 +226,10 @@ class MoE(nnx.Module):
         (``fp8_grouped_matmul(weight_grad="fp8")``: rows and dy quantised 128 x 1 along the tokens, as
         DeepSeek-V3's backward does) instead of bfloat16 from the FP8 rows. Opt-in: slower than the
         bfloat16 weight gradient on an H200 at DeepSeek-V3's shapes (docs/api.md).
-      swiglu_backend: the routed experts' SwiGLU on the throughput path (``jax_ep.swiglu``): "xla"
-        (default: XLA's elementwise fusions over every row of the dispatch buffer) or "pallas" (Triton
-        kernels over the rows that hold rows only; GPU). Opt-in until measured on GPUs.
+      swiglu_backend: the routed experts' SwiGLU on the throughput path (``jax_ep.swiglu``): "auto"
+        (default: the kernels on a Hopper GPU when the buffer fits them, else XLA's; ``swiglu.choose``),
+        "xla" (XLA's elementwise fusions over every row of the dispatch buffer) or "pallas" (Triton
+        kernels over the rows that hold rows only; GPU).
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
@@ -280,7 +281,7 @@ class MoE(nnx.Module):
                  ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
                  shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
                  dtype=None, param_dtype=jnp.float32, decode: bool = False, node_axis: str | None = None,
-                 gemm_dtype: str | None = None, fp8_weight_grad: bool = False, swiglu_backend: str = "xla"):
+                 gemm_dtype: str | None = None, fp8_weight_grad: bool = False, swiglu_backend: str = "auto"):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
@@ -788,7 +789,7 @@ class _HierarchicalExchange:
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
                  gemm: str = "auto", gemm_dtype: str | None = None,
                  fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False,
-                 swiglu_backend: str = "xla") -> jax.Array:
+                 swiglu_backend: str = "auto") -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
@@ -797,7 +798,12 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     sum(group_sizes); the gradient of ``rows`` there is unspecified (as dispatch's rows there are): the
     bf16 gate|up GEMM writes neither its output's nor the rows' gradient's rows there
     (``zero_tail=False``), and nothing reads them (the down GEMM skips rows past the groups, SwiGLU
-    works row by row). ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows)."""
+    works row by row). ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows;
+    "auto": ``jax_ep.swiglu.choose``)."""
+    if swiglu_backend == "auto" and gemm_dtype is not None:
+        # the FP8 GEMMs quantise their inputs in blocks that may reach past the live rows, which the
+        # kernels leave unwritten: XLA's SwiGLU (every row) until that path is measured with them
+        swiglu_backend = "xla"
     activate = functools.partial(swiglu, live_rows=jnp.sum(group_sizes), backend=swiglu_backend)
     if gemm_dtype is None:
         if fp8_weights is not None or fp8_weight_grad:

@@ -109,17 +109,17 @@ def test_dy_zeroed_config_builds_the_layer_without_dy_in_place():
     assert "jax_ep_dy_zeroed" in layer.NAMED_ONLY
 
 
-def test_layer_config_with_the_swiglu_kernels():
-    """jax_ep_swiglu (named only): the defaults with MoE(swiglu_backend="pallas"); jax_ep keeps XLA's."""
+def test_layer_config_with_xla_swiglu():
+    """jax_ep_xla_swiglu (named only): the defaults with MoE(swiglu_backend="xla"); jax_ep keeps "auto"."""
     from jax.sharding import Mesh
 
     from benchmarks import layer
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
     built = {config: layer.layer_and_tokens(mesh, layer.LAYER_PRESETS["small"], config)[0]
-             for config in ("jax_ep", "jax_ep_swiglu")}
-    assert built["jax_ep"].swiglu_backend == "xla" and built["jax_ep_swiglu"].swiglu_backend == "pallas"
-    assert built["jax_ep"].ep == built["jax_ep_swiglu"].ep and "jax_ep_swiglu" in layer.NAMED_ONLY
+             for config in ("jax_ep", "jax_ep_xla_swiglu")}
+    assert built["jax_ep"].swiglu_backend == "auto" and built["jax_ep_xla_swiglu"].swiglu_backend == "xla"
+    assert built["jax_ep"].ep == built["jax_ep_xla_swiglu"].ep and "jax_ep_xla_swiglu" in layer.NAMED_ONLY
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def test_arguments_it_refuses_name_the_value():
         swiglu(jnp.ones((64, 128)), 3, backend="cuda")
     with pytest.raises(EPValueError, match="even width"):
         swiglu(jnp.ones((64, 127)), 3)
-    with pytest.raises(EPValueError, match="M=100 are not a multiple of 64"):
+    with pytest.raises(EPValueError, match="M=100 are not a multiple of 32"):
         swiglu(jnp.ones((100, 128)), 3, backend="pallas", interpret=True)
     with pytest.raises(EPValueError, match="runs Triton kernels on a GPU; the default platform is 'cpu'"):
         swiglu(jnp.ones((64, 128)), 3, backend="pallas")
@@ -119,9 +119,30 @@ def test_the_layer_passes_its_swiglu_backend_to_the_experts(monkeypatch):
 
     monkeypatch.setattr(moe, "swiglu", recording)
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
-    layer = moe.MoE(64, 64, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh, swiglu_backend="pallas",
-                    ep=moe.EPOptions(backend="reference"))
-    layer(jax.random.normal(jax.random.key(3), (4 * 32, 64), jnp.float32), update_stats=False)
-    assert seen == ["pallas"]
+    x = jax.random.normal(jax.random.key(3), (4 * 32, 128), jnp.float32)
+    for kwargs, want in ((dict(swiglu_backend="pallas"), "pallas"), ({}, "auto"),
+                         # FP8 GEMMs: "auto" is XLA's (their quantiser's blocks may reach past the
+                         # live rows, which the kernels leave unwritten)
+                         (dict(dtype="bfloat16", gemm_dtype="float8_e4m3fn"), "xla")):
+        layer = moe.MoE(128, 128, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh,
+                        ep=moe.EPOptions(backend="reference"), **kwargs)
+        assert layer.swiglu_backend == kwargs.get("swiglu_backend", "auto")
+        layer(x, update_stats=False)
+        assert seen.pop() == want, kwargs
     with pytest.raises(EPValueError, match="swiglu_backend must be one of"):
         moe.MoE(64, 64, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh, swiglu_backend="triton")
+
+
+def test_auto_takes_the_kernels_on_hopper_only(monkeypatch):
+    """choose: XLA off GPUs, off Hopper and for shapes the kernels cannot take; the kernels on Hopper."""
+    from jax_ep import swiglu as swiglu_module
+
+    assert swiglu_module.choose((4096, 4096))[0] == "xla"   # CPU here
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for capability, want in (("9.0", "pallas"), ("8.0", "xla"), ("10.0", "xla")):
+        device = type("Device", (), dict(compute_capability=capability, device_kind="GPU"))()
+        monkeypatch.setattr(jax, "devices", lambda device=device: [device])
+        assert swiglu_module.choose((4096, 4096))[0] == want, capability
+    backend, why = swiglu_module.choose((4100, 4096))
+    assert backend == "xla" and "M=4100" in why
+    assert swiglu_module.choose((4096, 4096), Tiling(rows=64))[0] == "pallas"
