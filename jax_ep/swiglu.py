@@ -7,10 +7,10 @@ elementwise SwiGLU and its backward (three fusions) cannot know them and pass ov
 ``backend="pallas"`` runs one Triton kernel forward and one backward over the row blocks that start
 below ``live_rows`` and leaves the rows past them unwritten (unspecified, as dispatch's rows there are);
 ``"xla"`` is ``jax.nn.silu(gate) * up`` over every row (any platform; what JAX differentiates itself).
-``"auto"`` (the default) takes the kernels on a Hopper GPU (where they were measured faster: DeepSeek-V3's
-per-rank buffer at EP2, forward + backward 0.40 ms against XLA's 0.59, at EP4 0.41 against 1.07; H200,
-2026-11-30, tools/tune_swiglu.py) when the buffer's shape fits them, XLA otherwise; ``choose`` says which
-and why.
+``"auto"`` (the default) takes the kernels on a Hopper GPU, where they were measured faster (H200,
+2026-11-30, tools/tune_swiglu.py: DeepSeek-V3's per-rank buffer at EP2, forward + backward 0.53 ms against
+XLA's 0.59, mid 0.22 against 0.28; the layer's step at EP2 0.8-1.6% faster), when the buffer's shape fits
+them, XLA otherwise; ``choose`` says which and why.
 
 Arithmetic of the kernels, in float32, rounded once to the buffer's dtype: forward
 ``h = g * sigmoid(g) * u``; backward ``du = dh * g * sigmoid(g)``, ``dg = dh * u * s * (1 + g * (1 - s))``
@@ -45,9 +45,11 @@ class Tiling:
     halves: bool = False
 
 
-# tools/tune_swiglu.py on an H200 (2026-11-30): within 1% of the best of 24 tilings, forward + backward,
-# at DeepSeek-V3's and the mid shape's per-rank buffers (64 x 256 blocks: 30% slower backward)
-TILING = Tiling(rows=32, cols=128, warps=4)
+# the tiling the GPU tests ran (H200, 2026-11-30, 7 passed) and the layer benchmark timed faster than
+# XLA's SwiGLU at EP2. tools/tune_swiglu.py the same day had Tiling(32, 128, 4) within 1% of the best of
+# 24 at DeepSeek-V3's and the mid shape's per-rank buffers, its backward 25% faster than this one's:
+# the next default once the GPU tests have run with it
+TILING = Tiling(rows=64, cols=256, warps=4)
 ROWS = TILING.rows
 
 

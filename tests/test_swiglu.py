@@ -65,7 +65,7 @@ def test_arguments_it_refuses_name_the_value():
         swiglu(jnp.ones((64, 128)), 3, backend="cuda")
     with pytest.raises(EPValueError, match="even width"):
         swiglu(jnp.ones((64, 127)), 3)
-    with pytest.raises(EPValueError, match="M=100 are not a multiple of 32"):
+    with pytest.raises(EPValueError, match="M=100 are not a multiple of 64"):
         swiglu(jnp.ones((100, 128)), 3, backend="pallas", interpret=True)
     with pytest.raises(EPValueError, match="runs Triton kernels on a GPU; the default platform is 'cpu'"):
         swiglu(jnp.ones((64, 128)), 3, backend="pallas")
