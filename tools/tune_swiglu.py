@@ -1,12 +1,14 @@
 """Times jax_ep.swiglu's Pallas kernels (forward, backward) over block tilings against XLA's SwiGLU at
 the MoE layer's per-rank expert buffers, on one GPU; prints a table and writes JSON records.
 
-    python tools/tune_swiglu.py [--shapes deepseek_ep2,mid_ep2] [--out FILE]
+    python tools/tune_swiglu.py [--shapes deepseek_ep2,mid_ep2] [--tilings 64x256x4,32x128x4] [--out FILE]
 
 A shape is (C, F, live rows): the dispatch buffer's rows at the layer's default capacity, the ffn
 width, and the rows that hold tokens (uniform routing). XLA computes every row; the kernels the row
 blocks below the live rows. The best tiling by forward + backward is printed last; jax_ep.swiglu.TILING
-is what the layer uses.
+is what the layer uses. ``--tilings`` (rows x cols x warps, "h" appended for the two-output backward)
+limits the sweep: every tiling compiles two Triton kernels, ~8 s each on the GPU machine (all 24 at 3
+shapes overran 400 s, 2026-11-30).
 """
 
 import argparse
@@ -55,10 +57,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="deepseek_ep2,mid_ep2")
+    parser.add_argument("--tilings", default=None, help="e.g. 64x256x4,32x128x4,32x128x8h (default: 24)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    tilings = [Tiling(rows, cols, warps, halves) for rows, cols, warps, halves in
-               itertools.product((32, 64), (128, 256, 512), (4, 8), (False, True))]
+    if args.tilings:
+        tilings = [Tiling(*map(int, t.rstrip("h").split("x")), halves=t.endswith("h"))
+                   for t in args.tilings.split(",")]
+    else:
+        tilings = [Tiling(rows, cols, warps, halves) for rows, cols, warps, halves in
+                   itertools.product((32, 64), (128, 256, 512), (4, 8), (False, True))]
     records = []
     for name in args.shapes.split(","):
         m, f, live = SHAPES[name]
@@ -74,6 +81,8 @@ def main():
             except Exception as e:  # noqa: BLE001 - a tiling Triton refuses is a result
                 print(f"  {t}: {type(e).__name__}: {str(e)[:160]}")
                 continue
+            finally:
+                write(args.out, records)
             records.append(dict(shape=name, backend="pallas", tiling=t.__dict__, fwd_us=1e6 * pf,
                                 bwd_us=1e6 * pb))
             print(f"  {t}: fwd {1e6 * pf:.1f} us, bwd {1e6 * pb:.1f} us", flush=True)
@@ -81,9 +90,14 @@ def main():
                    key=lambda r: r["fwd_us"] + r["bwd_us"])
         print(f"best {name}: {best['tiling']} fwd {best['fwd_us']:.1f} bwd {best['bwd_us']:.1f} us "
               f"(xla {1e6 * xf:.1f} / {1e6 * xb:.1f})", flush=True)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
-                                                          records=records), indent=1))
+    write(args.out, records)
+
+
+def write(out, records):
+    """The records so far (a run cut by its time limit keeps what it timed)."""
+    if out:
+        pathlib.Path(out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, records=records),
+                                                indent=1))
 
 
 if __name__ == "__main__":
