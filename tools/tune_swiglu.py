@@ -16,30 +16,18 @@ import itertools
 import json
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.layer import best_of  # noqa: E402
 from jax_ep.swiglu import Tiling, kernel_unfit, swiglu  # noqa: E402
 
 # per rank at EP2, 4096 tokens per rank (benchmarks.layer's shapes): capacity rows, F, live rows
 SHAPES = {"deepseek_ep2": (73600, 2048, 36864), "mid_ep2": (49152, 1408, 25600),
           "deepseek_ep4": (135104, 2048, 36864)}
-
-
-def seconds(fn, *args, iters=20, repeats=5) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
 
 
 def time_one(m, f, live, backend, tiling=None):
@@ -50,7 +38,7 @@ def time_one(m, f, live, backend, tiling=None):
     kw = dict(backend=backend) if tiling is None else dict(backend=backend, tiling=tiling)
     fwd = jax.jit(lambda a, n: swiglu(a, n, **kw))
     bwd = jax.jit(lambda a, n, d: jax.vjp(lambda a: swiglu(a, n, **kw), a)[1](d)[0])
-    return seconds(fwd, gu, n), seconds(bwd, gu, n, dh)
+    return (best_of(fwd, gu, n, iters=20, repeats=5), best_of(bwd, gu, n, dh, iters=20, repeats=5))
 
 
 def main():
