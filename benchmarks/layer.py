@@ -37,6 +37,7 @@ series with the GEMMs): how much the overlap hides.
 from __future__ import annotations
 
 import datetime
+import functools
 import glob
 import re
 import tempfile
@@ -52,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ep import moe
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig
+from jax_ep.gemm import preferred_alignment
 
 LAYER_PRESETS = {
     # name: (hidden, ffn_hidden, experts, top-k, tokens per rank)
@@ -91,11 +93,15 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_in_place=False),
            # the defaults with XLA's SwiGLU over every row (MoE(swiglu_backend="xla")) instead of the
            # Triton kernels over the live rows that "auto" takes on Hopper: the same-run comparison
-           "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla")}
+           "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla"),
+           # decode: each local expert's filled slots start at a multiple of 64 rows
+           # (EPOptions.decode_alignment), so that no Hopper GEMM tile holds two experts
+           "jax_ep_decode_aligned": dict(backend="auto", gemm="auto", decode_alignment=64)}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_chunks2",
-              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
+              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu",
+              "jax_ep_decode_aligned")
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:
@@ -254,7 +260,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
-                                     **{k: options[k] for k in ("chunks", "dy_in_place") if k in options}),
+                                     **{k: options[k] for k in ("chunks", "dy_in_place", "decode_alignment")
+                                        if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
                        if k in options})
@@ -325,7 +332,8 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
     ep = mesh.size
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
                     ep=moe.EPOptions(backend=CONFIGS[config]["backend"],
-                                     kernel=KernelConfig(**CONFIGS[config].get("kernel", {}))),
+                                     kernel=KernelConfig(**CONFIGS[config].get("kernel", {})),
+                                     decode_alignment=CONFIGS[config].get("decode_alignment", 1)),
                     gemm=CONFIGS[config]["gemm"], param_dtype=jnp.bfloat16, decode=True)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
@@ -338,17 +346,23 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
         record["step_ms"] = 1e3 * best_of(step, state, x, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
-    grouped, einsum, weight_bytes = decode_experts_seconds(hidden, ffn, experts, topk, tokens, ep,
-                                                           CONFIGS[config]["gemm"], iters, repeats)
-    record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes)
+    grouped, einsum, weight_bytes, aligned = decode_experts_seconds(
+        hidden, ffn, experts, topk, tokens, ep, CONFIGS[config]["gemm"], iters, repeats,
+        layer.ep.decode_alignment)
+    record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes,
+                  decode_alignment=layer.ep.decode_alignment,
+                  experts_other_alignment_ms={str(a): 1e3 * t for a, t in aligned.items()})
     return record
 
 
 def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, tokens: int, ep: int, gemm: str,
-                           iters: int, repeats: int) -> tuple[float, float, int]:
+                           iters: int, repeats: int, align: int = 1
+                           ) -> tuple[float, float, int, dict[int, float]]:
     """The decode layer's expert block on one device at the per-rank shapes, from uniform random routing
-    of `tokens` per rank on `ep` ranks: (grouped GEMMs over the filled slots, batched einsum over all
-    slots, bytes of this rank's expert weights: what either must read at least)."""
+    of `tokens` per rank on `ep` ranks: (grouped GEMMs over the filled slots with the experts' rows
+    aligned to `align`, batched einsum over all slots, bytes of this rank's expert weights: what either
+    must read at least, {other alignment: the grouped GEMMs with it}: packed (1) and the GEMM's preferred
+    alignment, those of the two that are not `align`, in the same run)."""
     local = experts // ep
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
@@ -366,9 +380,9 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
         slots = jax.random.normal(keys[2], (local, ep * tokens, hidden), jnp.bfloat16)
     counts = put(counts)
 
-    @jax.jit
-    def grouped(slots, counts, w1, w2):  # the decode layer's expert block
-        return moe.slot_experts(slots, None, counts, w1, w2, min(topk, local), jnp.bfloat16, gemm)
+    @functools.partial(jax.jit, static_argnums=4)
+    def grouped(slots, counts, w1, w2, align):  # the decode layer's expert block
+        return moe.slot_experts(slots, None, counts, w1, w2, min(topk, local), jnp.bfloat16, gemm, align)
 
     @jax.jit
     def einsum(slots, counts, w1, w2):
@@ -380,8 +394,10 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
 
     args = (slots, counts, w1, w2)
     weight_bytes = int(w1.size + w2.size) * 2
-    return (best_of(grouped, *args, iters=iters, repeats=repeats),
-            best_of(einsum, *args, iters=iters, repeats=repeats), weight_bytes)
+    preferred = preferred_alignment(jax.ShapeDtypeStruct((1, hidden), jnp.bfloat16), w1, backend=gemm)
+    others = {a: best_of(grouped, *args, a, iters=iters, repeats=repeats) for a in {1, preferred} - {align}}
+    return (best_of(grouped, *args, align, iters=iters, repeats=repeats),
+            best_of(einsum, *args, iters=iters, repeats=repeats), weight_bytes, others)
 
 
 def layer_gemm_plans(layer, mesh, x) -> str:
@@ -441,8 +457,10 @@ def main(args, save=lambda records: None) -> list[dict]:
             records.append(r)
             save(records)
             step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms"
+            other = "".join(f", {ms:.3f} ms aligned to {a}"
+                            for a, ms in r["experts_other_alignment_ms"].items())
             print(f"  {name} {config} (EP ops: {r['ep_ops']}): decode forward {step}; experts alone "
-                  f"{r['experts_ms']:.3f} ms "
+                  f"{r['experts_ms']:.3f} ms (rows aligned to {r['decode_alignment']}{other}) "
                   f"over the filled slots, {r['experts_einsum_ms']:.3f} ms as an einsum over all slots "
                   f"({r['expert_weight_bytes'] / 1e9:.2f} GB of expert weights per rank)", flush=True)
     names = [n for n in names if n not in DECODE_SHAPES]
@@ -487,6 +505,6 @@ def main(args, save=lambda records: None) -> list[dict]:
         print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{ep_ops:>10}"
               f"{r['ep_size']:>3}{step:>10}"
               f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}  {split}")
-    for r in [r for r in records if len(r.get("ep_ops", "")) > 10]:
+    for r in [r for r in records if r["op"] == "moe_layer" and len(r.get("ep_ops", "")) > 10]:
         print(f"  EP ops of {r['shape']} {r['config']}: {r['ep_ops']}")
     return records

@@ -48,6 +48,11 @@ SHAPES["dsv3"], SHAPES["mid"] = SHAPES["layers"][:2], SHAPES["layers"][2:]
 # Shapes no table entry was tuned for (what another model's user meets first: the defaults), per rank at
 # EP2, 4096 tokens: Qwen3-30B-A3B's experts (hidden 2048, 768 wide, 64 local of 128, top-8) and
 # Mixtral 8x7B's (hidden 4096, 14336 wide, 4 local of 8, top-2)
+# The decode layer's expert GEMMs per rank (DeepSeek-V3, 128 tokens per rank at EP2: 2,048 filled slots
+# over 144 local experts), packed (EPOptions.decode_alignment 1) and with every expert's rows starting at
+# a multiple of 64 (decode_alignment 64): forward only, bound by reading the expert weights
+SHAPES["decode"] = [(2048, 2048, 7168, 4096, 144, 1), (11136, 2048, 7168, 4096, 144, 64),
+                    (2048, 2048, 2048, 7168, 144, 1), (11136, 2048, 2048, 7168, 144, 64)]
 SHAPES["other"] = [(69632, 32768, 2048, 1536, 64, 64), (69632, 32768, 768, 2048, 64, 64),
                    (16640, 8192, 4096, 28672, 4, 64), (16640, 8192, 14336, 4096, 4, 64)]
 
