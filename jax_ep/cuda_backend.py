@@ -26,17 +26,6 @@ from jax.experimental import compute_on as _compute_on
 from jax_ep import ordering, routing, runtime, types
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
-from jax_ep.types import (
-    Dispatched,
-    Handle,
-    Layout,
-    LLCombinePending,
-    LLDispatched,
-    LLDispatchPending,
-    LLHandle,
-    RankMajorDispatched,
-    RankMajorHandle,
-)
 from jax_ep.vma import vary_like, vary_over, varying_axes
 
 _ROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -101,19 +90,19 @@ def comm_bytes(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16) -> int:
                                               cfg.num_experts, cfg.hidden * wire, scales))
 
 
-def layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
+def layout(topk_idx: jax.Array, cfg: EPConfig) -> types.Layout:
     """DeepEP's get_dispatch_layout on the GPU; same semantics as ``jax_ep.reference.layout``."""
     ep_size = lax.axis_size(cfg.axis_name)
     return layout_of(topk_idx, cfg.num_experts, ep_size)
 
 
-def layout_of(topk_idx: jax.Array, num_experts: int, ep_size: int) -> Layout:
+def layout_of(topk_idx: jax.Array, num_experts: int, ep_size: int) -> types.Layout:
     """``layout`` for a given EP size (rank-local: needs no mesh axis)."""
     call = jax.ffi.ffi_call(runtime.target("dispatch_layout"),
                             tuple(types.layout_types(topk_idx.shape[0], num_experts, ep_size)),
                             vmap_method="sequential")
     outputs = call(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(ep_size))
-    return Layout(*vary_like(outputs, topk_idx))
+    return types.Layout(*vary_like(outputs, topk_idx))
 
 
 def peer_smoke(tag: jax.Array, n: int, *, mesh: jax.sharding.Mesh,
@@ -424,7 +413,7 @@ def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax
 
 
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-             rank_mask: jax.Array | None = None) -> Dispatched:
+             rank_mask: jax.Array | None = None) -> types.Dispatched:
     """``jax_ep.reference.dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view. With a
     rank_mask, a masked rank is left out of the call both ways (docs/api.md, "Rank masking"); the
     kernels AND it with the persistent mask (shrink mode) and return the result as ``rank_mask``."""
@@ -432,10 +421,11 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     rows, scales, (group_sizes, counts, dropped, *handle, active) = _dispatch_call(
         "dispatch", x, topk_idx, topk_weights, cfg, out.x, out.scales,
         (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle, out.rank_mask), rank_mask)
-    return Dispatched(rows, scales, group_sizes, counts, dropped, Handle(*handle), active)
+    return types.Dispatched(rows, scales, group_sizes, counts, dropped, types.Handle(*handle), active)
 
 
-def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
+            ) -> jax.Array:
     """``jax_ep.reference.combine`` on NVLink kernels (same float32 summation order). Per-rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
@@ -449,7 +439,8 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
     return _vary_all(result, axis, y, *handle)
 
 
-def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
+              ) -> jax.Array:
     """``jax_ep.reference.broadcast`` (dispatch through a known handle, no weights; rows no token
     landed on are zero) on NVLink kernels. Per-rank view."""
     axis = cfg.axis_name
@@ -464,7 +455,7 @@ def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array 
     return _vary_all(result, axis, g, handle.token_rows, handle.src_index)
 
 
-def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
+def combine_bwd(g: jax.Array, y: jax.Array, handle: types.Handle, cfg: EPConfig,
                 rank_mask: jax.Array | None = None, empty_rows_from_y: bool = False
                 ) -> tuple[jax.Array, jax.Array]:
     """``jax_ep.reference.combine_bwd`` (combine's backward: d y, d row_weights; bit-exact) in one
@@ -486,7 +477,7 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
     return _vary_all((dy, d_row_weights), axis, g, y, *handle)
 
 
-def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
+def slot_values(values: jax.Array, handle: types.Handle, cfg: EPConfig,
                 rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.slot_values``: each source token's top-k slot gets the value of its
     receive row ([C] float32 -> [T, K]; 0 for unused, duplicate or dropped slots). Per-rank."""
@@ -503,7 +494,7 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
 
 # ---- rank-major mode (DeepEP's contract) ---------------------------------------------------------
 def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-                        rank_mask: jax.Array | None = None) -> RankMajorDispatched:
+                        rank_mask: jax.Array | None = None) -> types.RankMajorDispatched:
     """``jax_ep.reference.dispatch_rank_major`` on NVLink kernels (the dispatch kernels in their
     rank-major mode; bit-exact outputs, rank mask included). Per-rank view."""
     _check_put_mask("dispatch_rank_major", cfg, rank_mask)
@@ -512,11 +503,11 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
         "dispatch_rank_major", x, topk_idx, topk_weights, cfg, out.x, out.scales,
         (out.topk_idx, out.topk_weights, out.num_tokens_per_rank, out.num_tokens_per_expert, *out.handle),
         rank_mask)
-    return RankMajorDispatched(rows, scales, ids, weights, per_rank, per_expert,
-                               RankMajorHandle(src_index, in_rank))
+    return types.RankMajorDispatched(rows, scales, ids, weights, per_rank, per_expert,
+                                     types.RankMajorHandle(src_index, in_rank))
 
 
-def _slot_rows_type(handle: RankMajorHandle) -> jax.ShapeDtypeStruct:
+def _slot_rows_type(handle: types.RankMajorHandle) -> jax.ShapeDtypeStruct:
     """The second result of combine_rank_major / broadcast_rank_major: the handle's slot -> row table
     (scratch the kernels read, dropped here)."""
     return jax.ShapeDtypeStruct(handle.src_index.shape, jnp.int32)
@@ -529,7 +520,7 @@ def _pad_rows(a: jax.Array) -> jax.Array:
     return jnp.pad(a, ((0, 0), (0, pad))) if pad else a
 
 
-def _rank_major_rows(op: str, rows: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+def _rank_major_rows(op: str, rows: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,
                      rank_mask: jax.Array | None) -> jax.Array:
     """combine_rank_major ([R*T, H] rows to [T, H]) or broadcast_rank_major ([T, H] to [R*T, H]) on
     the kernels: one row per (token, rank), rows widened to the kernels' alignment (zero columns sum
@@ -552,14 +543,14 @@ def _rank_major_rows(op: str, rows: jax.Array, handle: RankMajorHandle, cfg: EPC
     return _vary_all(result[:, :width], axis, rows, *handle)
 
 
-def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,
                        rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.combine_rank_major`` on NVLink kernels (the combine kernel with one row per
     (token, rank), rows as they are; the same float32 rank-order sum, bit-exact). Per-rank view."""
     return _rank_major_rows("combine_rank_major", y, handle, cfg, rank_mask)
 
 
-def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+def broadcast_rank_major(g: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,
                          rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.broadcast_rank_major`` (combine_rank_major's backward: each token's row to
     its rows, empty rows zero) on NVLink kernels (the broadcast kernel, one row per (token, rank))."""
@@ -572,19 +563,19 @@ def _ll_mask_operand(rank_mask, ep_size: int) -> jax.Array:
     return routing.active(rank_mask, ep_size).astype(jnp.int32)
 
 
-def _ll_slot_types(out: LLDispatched) -> tuple:
+def _ll_slot_types(out: types.LLDispatched) -> tuple:
     """The handle's slots every ll_dispatch kernel writes: topk_weights, dest_rank, num_dropped."""
     return out.handle.topk_weights, out.handle.dest_rank, out.num_dropped
 
 
-def _ll_dispatched(rows, scales, counts, src_slot, active, weights, dest, dropped) -> LLDispatched:
+def _ll_dispatched(rows, scales, counts, src_slot, active, weights, dest, dropped) -> types.LLDispatched:
     """LLDispatched from a receiving kernel's outputs (it writes the handle's slots itself: the
     pairs it kept, their weights, and the dropped ones counted, as reference.ll_dispatch)."""
-    return LLDispatched(rows, scales, counts, LLHandle(src_slot, weights, dest), dropped, active)
+    return types.LLDispatched(rows, scales, counts, types.LLHandle(src_slot, weights, dest), dropped, active)
 
 
 def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatched:
+                cfg: EPConfig, rank_mask: jax.Array | None = None) -> types.LLDispatched:
     """``jax_ep.reference.ll_dispatch`` on NVLink kernels (bit-exact outputs). Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
@@ -605,7 +596,7 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, *slots)
 
 
-def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
                rank_mask: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.ll_combine`` on NVLink kernels (float32 sums in top-k order). Per-rank."""
     axis = cfg.axis_name
@@ -633,7 +624,7 @@ def _ll_dispatch_attrs(cfg: EPConfig, ep_size: int, axis_slot: int, tokens: int,
 
 
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatchPending:
+                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> types.LLDispatchPending:
     """ll_dispatch's send phase on NVLink kernels: the tokens are on their way when it returns."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
@@ -649,10 +640,10 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                     rank, group, stream=cfg.kernel.async_stream,
                     **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, cfg.wire_dtype(x.dtype)))
     token, sent_weights, sent_dest, sent_dropped = _vary_all(outputs, axis, x, topk_idx, weights, mask)
-    return LLDispatchPending(token, sent_weights, sent_dest, sent_dropped)
+    return types.LLDispatchPending(token, sent_weights, sent_dest, sent_dropped)
 
 
-def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
+def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.LLDispatched:
     """ll_dispatch's receive phase: waits for the slots and copies them out (``ll_dispatch``'s
     outputs, bit-exact)."""
     axis = cfg.axis_name
@@ -670,8 +661,8 @@ def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
     return _ll_dispatched(rows, scales if fp8 else None, counts, src_slot, active, *slots)
 
 
-def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
-                    rank_mask: jax.Array | None = None) -> LLCombinePending:
+def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
+                    rank_mask: jax.Array | None = None) -> types.LLCombinePending:
     """ll_combine's send phase: every filled slot's row is on its way back when it returns."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
@@ -683,11 +674,11 @@ def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
                   **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                            row_bytes=hidden * 2, num_experts=cfg.num_experts))
     # the receive reads this rank's own rows from y (they are not copied): y travels with the call
-    return LLCombinePending(_vary_all(token, axis, y, handle.src_slot, mask), handle.topk_weights,
-                            handle.dest_rank, y=y)
+    return types.LLCombinePending(_vary_all(token, axis, y, handle.src_slot, mask), handle.topk_weights,
+                                  handle.dest_rank, y=y)
 
 
-def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
+def ll_combine_recv(pending: types.LLCombinePending, cfg: EPConfig) -> jax.Array:
     """ll_combine's receive phase: waits for the rows and sums them (``ll_combine``'s output)."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)

@@ -25,20 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import backends, vma
+from jax_ep import backends, types, vma
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
-from jax_ep.types import (
-    Dispatched,
-    Handle,
-    Layout,
-    LLCombinePending,
-    LLDispatched,
-    LLDispatchPending,
-    LLHandle,
-    RankMajorDispatched,
-    RankMajorHandle,
-)
 from jax_ep.validation import (
     check_combine_args,
     check_combine_rank_major_args,
@@ -188,7 +177,7 @@ def ep_size(cfg: EPConfig, op: str) -> int:
 
 
 # ---- public ops -----------------------------------------------------------------------------------
-def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
+def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> types.Layout:
     """Tokens of this rank per destination rank and per expert, and token->rank membership."""
     size = ep_size(cfg, "get_dispatch_layout")
     check_layout_args(topk_idx, cfg)
@@ -198,7 +187,7 @@ def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
 
 
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-             rank_mask: jax.Array | None = None) -> Dispatched:
+             rank_mask: jax.Array | None = None) -> types.Dispatched:
     """Send each token to the ranks of its top-k experts; return expert-major rows on each rank.
 
     Args:
@@ -228,7 +217,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     return out
 
 
-def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None, *,
+def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None, *,
             empty_rows_zero: bool = False) -> jax.Array:
     """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
     y ([C, H] -> [T, H]). rank_mask (as for dispatch; pass the dispatch's): an active source takes
@@ -294,8 +283,8 @@ def _combine_bwd(cfg, empty_rows_zero, residuals, g):
     # (2x H200, DeepSeek-V3 layer: 2 ms more per step with the kernel there, docs/benchmarks.md).
     dy, d_row_weights = implementation("combine_bwd", cfg, y.dtype)(g, y, handle, cfg, rank_mask=rank_mask,
                                                                       empty_rows_from_y=empty_rows_zero)
-    d_handle = Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
-                      float0_like(handle.is_token_in_rank), d_row_weights)
+    d_handle = types.Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
+                            float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)
 
 
@@ -304,7 +293,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 # ---- rank-major mode (DeepEP's contract): custom_vjp ----------------------------------------------
 def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-                        rank_mask: jax.Array | None = None) -> RankMajorDispatched:
+                        rank_mask: jax.Array | None = None) -> types.RankMajorDispatched:
     """Send each token once to each rank that holds any of its top-k experts; return one row per
     (token, this rank) pair, for expert kernels that permute (and weight) the rows themselves.
 
@@ -335,7 +324,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
-def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,
                        rank_mask: jax.Array | None = None) -> jax.Array:
     """y [R*T, H'] (one output row per dispatched row; empty rows may hold anything, NaN included)
     -> [T, H'] of y's dtype: per token of this rank, the sum over the ranks it went to of its rows,
@@ -389,7 +378,7 @@ def _combine_rank_major_bwd(cfg, residuals, g):
     handle, dtype_token, rank_mask = residuals
     broadcast = implementation("broadcast_rank_major", cfg, g.dtype)
     dy = broadcast(g, handle, cfg, rank_mask=rank_mask).astype(dtype_token.dtype)
-    return (dy, RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank)),
+    return (dy, types.RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank)),
             None if rank_mask is None else float0_like(rank_mask))
 
 
@@ -399,7 +388,7 @@ _combine_rank_major.defvjp(_combine_rank_major_fwd, _combine_rank_major_bwd)
 
 # ---- low-latency (decode) mode: forward-only ------------------------------------------------------
 def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-                rank_mask: jax.Array | None = None) -> LLDispatched:
+                rank_mask: jax.Array | None = None) -> types.LLDispatched:
     """Low-latency dispatch (decode): each token goes to fixed slots of its experts' ranks.
 
     Args:
@@ -425,7 +414,7 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
     return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
-def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
                rank_mask: jax.Array | None = None) -> jax.Array:
     """Low-latency combine (decode): y [E_local, R*T, H] bfloat16, the expert outputs slot for slot
     (unfilled slots may hold anything, NaN included) -> [T, H] bfloat16, per token of this rank the
@@ -488,7 +477,7 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if getattr(pending.token, "shape", None) != (4,) or pending.token.dtype != jnp.uint32:
         raise EPValueError(f"jax_ep.{op}: pending.token must be uint32[4] (the _send's), got "
                            f"{getattr(pending.token, 'dtype', None)}{getattr(pending.token, 'shape', None)}")
-    if kind is LLCombinePending and pending.y is None:
+    if kind is types.LLCombinePending and pending.y is None:
         raise EPValueError(f"jax_ep.{op}: pending.y is None: the receive reads the expert outputs y "
                            "(ll_combine_send's pending carries them)")
     if pending.backend not in backends.names():
@@ -497,7 +486,7 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
 
 
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatchPending:
+                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> types.LLDispatchPending:
     """First phase of ll_dispatch: issues the writes of this rank's tokens and returns at once (on
     the CUDA backend nothing waits for the data). Run independent work (attention, a shared expert),
     then ``ll_dispatch_recv(pending, cfg)``: together they equal ``ll_dispatch(x, topk_idx,
@@ -513,16 +502,16 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     return _ll_dispatch_send(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
-def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
+def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.LLDispatched:
     """Second phase of ll_dispatch: waits for the tokens routed to this rank's experts and returns
     ``ll_dispatch``'s result (same bits). Forward-only."""
     ep_size(cfg, "ll_dispatch_recv")
-    _check_pending(pending, LLDispatchPending, "ll_dispatch_recv", cfg)
+    _check_pending(pending, types.LLDispatchPending, "ll_dispatch_recv", cfg)
     return _ll_dispatch_recv(pending, cfg)
 
 
-def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
-                    rank_mask: jax.Array | None = None) -> LLCombinePending:
+def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
+                    rank_mask: jax.Array | None = None) -> types.LLCombinePending:
     """First phase of ll_combine: issues the writes of the expert outputs back to their sources and
     returns at once. ``ll_combine_recv(pending, cfg)`` then equals ``ll_combine(y, handle, cfg,
     rank_mask)``. Same rules as ll_dispatch_send. Forward-only."""
@@ -532,11 +521,11 @@ def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
     return _ll_combine_send(y, handle, rank_mask, cfg)
 
 
-def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
+def ll_combine_recv(pending: types.LLCombinePending, cfg: EPConfig) -> jax.Array:
     """Second phase of ll_combine: waits for this rank's rows and returns ``ll_combine``'s [T, H]
     bfloat16 result (same bits). Forward-only."""
     ep_size(cfg, "ll_combine_recv")
-    _check_pending(pending, LLCombinePending, "ll_combine_recv", cfg)
+    _check_pending(pending, types.LLCombinePending, "ll_combine_recv", cfg)
     return _ll_combine_recv(pending, cfg)
 
 

@@ -87,19 +87,10 @@ from jax_ep.types import (
     EMPTY_ROW,
     EMPTY_SLOT,
     NOT_ROUTED,
-    Dispatched,
-    Handle,
-    Layout,
-    LLCombinePending,
-    LLDispatched,
-    LLDispatchPending,
-    LLHandle,
-    RankMajorDispatched,
-    RankMajorHandle,
 )
 
 
-def layout(topk_idx: jax.Array, cfg: EPConfig) -> Layout:
+def layout(topk_idx: jax.Array, cfg: EPConfig) -> types.Layout:
     """Per-rank and per-expert token counts and token->rank membership (DeepEP's get_dispatch_layout)."""
     return routing.layout_of(topk_idx, cfg.num_experts, lax.axis_size(cfg.axis_name))
 
@@ -179,7 +170,7 @@ def _send_tokens(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg
 
 
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-             rank_mask: jax.Array | None = None) -> Dispatched:
+             rank_mask: jax.Array | None = None) -> types.Dispatched:
     """Forward dispatch (no custom_vjp here: jax_ep.ops wraps it). rank_mask: bool[R] or None; a
     masked rank sends and receives nothing, and each pair that goes nowhere counts in its source's
     num_dropped (module docstring)."""
@@ -217,13 +208,14 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
 
     rows = take_rows(recv_x, src_index)
     row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
-    handle = Handle(src_index, token_rows, is_token_in_rank, row_weights)
+    handle = types.Handle(src_index, token_rows, is_token_in_rank, row_weights)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + routing.masked_pairs(topk_idx, cfg, rank_mask)
-    return Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle,
-                      routing.active(rank_mask, ep_size).astype(jnp.int32))
+    return types.Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle,
+                            routing.active(rank_mask, ep_size).astype(jnp.int32))
 
 
-def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
+            ) -> jax.Array:
     """Gate-weighted sum (handle.row_weights) of each token's rows, back at its source. rank_mask:
     the source takes partial sums only from the ranks linked to it (``routing.linked``; the others' count
     as +0.0): a masked rank only its own."""
@@ -239,7 +231,8 @@ def combine(y: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | 
     return _sum_returned(partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1]), cfg, rank_mask)
 
 
-def broadcast(g: jax.Array, handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
+              ) -> jax.Array:
     """Send each token's row to the ranks it was dispatched to and place it on its receive rows
     (dispatch with a known handle; no gate weights). Empty rows are zero; with rank_mask, so are
     the rows whose source is not linked to this rank (``routing.linked``)."""
@@ -281,7 +274,7 @@ def row_dot(a: jax.Array, b: jax.Array, runtime_zero: jax.Array) -> jax.Array:
     return acc[:, 0]
 
 
-def live_rows(handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
+def live_rows(handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None) -> jax.Array:
     """[C] bool: the receive rows that hold a token of a source linked to this rank (``routing.linked``):
     the rows combine reads and its backward writes. Empty rows are not; with rank_mask, neither
     are the rows of the sources it does not link (combine's mask after an unmasked dispatch)."""
@@ -293,7 +286,7 @@ def live_rows(handle: Handle, cfg: EPConfig, rank_mask: jax.Array | None = None)
     return live & routing.linked(rank_mask, cfg.axis_name)[jnp.maximum(src, 0) // num_tokens]
 
 
-def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
+def combine_bwd(g: jax.Array, y: jax.Array, handle: types.Handle, cfg: EPConfig,
                 rank_mask: jax.Array | None = None, empty_rows_from_y: bool = False
                 ) -> tuple[jax.Array, jax.Array]:
     """combine's backward at this rank: (d y [C, H] of y's dtype, d row_weights [C] float32) for the
@@ -315,7 +308,7 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: Handle, cfg: EPConfig,
     return dy, jnp.where(live, dots, 0.0)
 
 
-def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
+def slot_values(values: jax.Array, handle: types.Handle, cfg: EPConfig,
                 rank_mask: jax.Array | None = None) -> jax.Array:
     """For each source token and top-k slot, the value of its receive row ([C] -> [T, K]); 0 where
     the slot has no row (unused, duplicate or dropped). rank_mask: values only from the ranks linked
@@ -331,7 +324,7 @@ def slot_values(values: jax.Array, handle: Handle, cfg: EPConfig,
 
 # ---- rank-major mode (DeepEP's contract) -----------------------------------------------------------
 def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
-                        rank_mask: jax.Array | None = None) -> RankMajorDispatched:
+                        rank_mask: jax.Array | None = None) -> types.RankMajorDispatched:
     """Forward rank-major dispatch (no custom_vjp here: jax_ep.ops wraps it). Same wire as
     ``dispatch`` (with rank_mask, only between active ranks); the receiver packs the received
     tokens in (source rank, source token) order."""
@@ -355,11 +348,11 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     per_rank = jnp.sum(present_i.reshape(ep_size, num_tokens), axis=1, dtype=jnp.int32)
     per_expert = jnp.sum(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :],
                          axis=(0, 1), dtype=jnp.int32)
-    return RankMajorDispatched(rows, row_scales, row_ids.astype(jnp.int32), row_weights, per_rank,
-                               per_expert, RankMajorHandle(src_index, is_token_in_rank))
+    return types.RankMajorDispatched(rows, row_scales, row_ids.astype(jnp.int32), row_weights, per_rank,
+                                     per_expert, types.RankMajorHandle(src_index, is_token_in_rank))
 
 
-def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,
                        rank_mask: jax.Array | None = None) -> jax.Array:
     """Each row back to its source token; per token the float32 sum over ranks in rank order of the
     rows returned, rounded once to y's dtype. Empty rows are never read. rank_mask: rows only from
@@ -374,7 +367,7 @@ def combine_rank_major(y: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
     return _sum_returned(block.reshape(ep_size, num_tokens, y.shape[1]), cfg, rank_mask)
 
 
-def broadcast_rank_major(g: jax.Array, handle: RankMajorHandle, cfg: EPConfig,
+def broadcast_rank_major(g: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,
                          rank_mask: jax.Array | None = None) -> jax.Array:
     """Each token's row g[t] to the rows it was dispatched to ([T, H'] -> [R*T, H']; empty rows zero):
     dispatch_rank_major's data movement through a known handle (the backward of combine_rank_major).
@@ -430,7 +423,7 @@ def ll_dest_rank(idx: jax.Array, active: jax.Array, local: int, me: jax.Array) -
 
 
 def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatched:
+                cfg: EPConfig, rank_mask: jax.Array | None = None) -> types.LLDispatched:
     """Low-latency dispatch into fixed slots [E_local, R*T] (no custom_vjp here: jax_ep.ops wraps it).
 
     The source knows where each of its (token, top-k slot) pairs lands: global expert g = idx[t, k]
@@ -478,11 +471,11 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                                                    cfg.axis_name), local)  # [E_local, R*T]
     counts = jnp.sum((recv_src >= 0).reshape(local, ep_size, num_tokens), axis=2, dtype=jnp.int32)
     num_dropped = jnp.sum(used & ~sent, dtype=jnp.int32)
-    return LLDispatched(recv_x, recv_scales, counts, LLHandle(recv_src, weights, dest_rank), num_dropped,
-                        active.astype(jnp.int32))
+    return types.LLDispatched(recv_x, recv_scales, counts, types.LLHandle(recv_src, weights, dest_rank),
+                              num_dropped, active.astype(jnp.int32))
 
 
-def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
+def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
                rank_mask: jax.Array | None = None) -> jax.Array:
     """Low-latency combine: the expert output of every filled slot goes back to its source (token,
     top-k slot); the source takes the weighted sum (module docstring). rank_mask: a masked rank
@@ -521,7 +514,7 @@ def ll_combine(y: jax.Array, handle: LLHandle, cfg: EPConfig,
 
 # ---- two-phase form: the send is bookkeeping here, the receive runs the op ----------------------
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> LLDispatchPending:
+                     cfg: EPConfig, rank_mask: jax.Array | None = None) -> types.LLDispatchPending:
     """ll_dispatch's first phase: keeps the inputs (nothing moves until ll_dispatch_recv)."""
     ep_size = lax.axis_size(cfg.axis_name)
     idx = routing.sanitize_topk(topk_idx, cfg.num_experts)
@@ -529,22 +522,22 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     dest = ll_dest_rank(idx, active, cfg.num_local_experts(ep_size), lax.axis_index(cfg.axis_name))
     weights = jnp.where(dest >= 0, topk_weights.astype(jnp.float32), 0.0)
     dropped = jnp.sum((idx >= 0) & (dest < 0), dtype=jnp.int32)
-    return LLDispatchPending(jnp.zeros((4,), jnp.uint32), weights, dest, dropped, x, topk_idx, active)
+    return types.LLDispatchPending(jnp.zeros((4,), jnp.uint32), weights, dest, dropped, x, topk_idx, active)
 
 
-def ll_dispatch_recv(pending: LLDispatchPending, cfg: EPConfig) -> LLDispatched:
+def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.LLDispatched:
     """ll_dispatch's second phase: the op itself."""
     return ll_dispatch(pending.x, pending.topk_idx, pending.topk_weights, cfg, pending.rank_mask)
 
 
-def ll_combine_send(y: jax.Array, handle: LLHandle, cfg: EPConfig,
-                    rank_mask: jax.Array | None = None) -> LLCombinePending:
+def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
+                    rank_mask: jax.Array | None = None) -> types.LLCombinePending:
     """ll_combine's first phase: keeps the inputs."""
-    return LLCombinePending(jnp.zeros((4,), jnp.uint32), handle.topk_weights, handle.dest_rank, y,
-                            handle.src_slot, routing.active(rank_mask, lax.axis_size(cfg.axis_name)))
+    return types.LLCombinePending(jnp.zeros((4,), jnp.uint32), handle.topk_weights, handle.dest_rank, y,
+                                  handle.src_slot, routing.active(rank_mask, lax.axis_size(cfg.axis_name)))
 
 
-def ll_combine_recv(pending: LLCombinePending, cfg: EPConfig) -> jax.Array:
+def ll_combine_recv(pending: types.LLCombinePending, cfg: EPConfig) -> jax.Array:
     """ll_combine's second phase: the op itself."""
-    return ll_combine(pending.y, LLHandle(pending.src_slot, pending.topk_weights, pending.dest_rank), cfg,
-                      pending.rank_mask)
+    handle = types.LLHandle(pending.src_slot, pending.topk_weights, pending.dest_rank)
+    return ll_combine(pending.y, handle, cfg, pending.rank_mask)
