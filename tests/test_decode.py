@@ -312,19 +312,26 @@ def test_kv_cache_decode_matches_full_forward(shape, axes):
         model.prefill(jnp.zeros((batch, prompt_len + steps + 1), jnp.int32))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_filled_slots_gathers_every_filled_slot_grouped_by_expert(seed):
-    """The decode path computes only the filled slots: filled_slots lists each exactly once, in (expert,
-    source rank, position) order, so that counts.sum(1) are the grouped GEMM's group sizes."""
+def random_counts(seed):
+    """(counts [local, R], R, T_max, k) that a real low-latency dispatch can give, of random sizes: each
+    source token fills at most min(k, local) of these experts."""
     rng = np.random.default_rng(seed)
     local, ep_size, t_max = int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
     k = int(rng.integers(1, local + 2))
-    # counts a real dispatch can give: each source token fills at most min(k, local) of these experts
     picks = np.zeros((local, ep_size), np.int32)
     for r in range(ep_size):
         for _ in range(int(rng.integers(0, t_max + 1))):
             experts = rng.choice(local, size=int(rng.integers(0, min(k, local) + 1)), replace=False)
             picks[experts, r] += 1
+    return picks, ep_size, t_max, k
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filled_slots_gathers_every_filled_slot_grouped_by_expert(seed):
+    """The decode path computes only the filled slots: filled_slots lists each exactly once, in (expert,
+    source rank, position) order, so that counts.sum(1) are the grouped GEMM's group sizes."""
+    picks, ep_size, t_max, k = random_counts(seed)
+    local = picks.shape[0]
     slot, filled = jax.jit(jax_ep.moe.filled_slots, static_argnums=(1, 2))(
         jnp.asarray(picks), ep_size * t_max, min(k, local))
     slot, filled = np.asarray(slot), np.asarray(filled)
@@ -341,14 +348,8 @@ def test_filled_slots_gathers_every_filled_slot_grouped_by_expert(seed):
 def test_filled_slots_aligned_starts_each_expert_at_a_multiple(seed, align):
     """filled_slots(..., align): the same slots in the same order as packed, each expert's run starting
     at a multiple of align, unfilled rows (slot 0) up to the next; decode_group_sizes are the runs."""
-    rng = np.random.default_rng(seed)
-    local, ep_size, t_max = int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
-    k = int(rng.integers(1, local + 2))
-    picks = np.zeros((local, ep_size), np.int32)
-    for r in range(ep_size):
-        for _ in range(int(rng.integers(0, t_max + 1))):
-            experts = rng.choice(local, size=int(rng.integers(0, min(k, local) + 1)), replace=False)
-            picks[experts, r] += 1
+    picks, ep_size, t_max, k = random_counts(seed)
+    local = picks.shape[0]
     slot, filled = (np.asarray(a) for a in jax.jit(jax_ep.moe.filled_slots, static_argnums=(1, 2, 3))(
         jnp.asarray(picks), ep_size * t_max, min(k, local), align))
     sizes = np.asarray(jax_ep.moe.decode_group_sizes(jnp.asarray(picks), align))
