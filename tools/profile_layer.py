@@ -7,8 +7,9 @@ name over a chain of steps, with the HLO instruction and jax name scope it came 
 ``--experts N`` overrides the preset's expert count: ``deepseek ep_cuda --experts 128`` on one GPU runs
 the per-rank expert work of the DeepSeek-V3 layer at EP2 (no communication), at half the device cost.
 It prints the step time, the compiled program's memory, the busy time per stream, the kernels by total
-time (with their scopes) and the total per scope; with a config whose EP ops run on an async stream it
-also prints what the compiled schedule puts between each async op's start and done.
+time (with their scopes), the total by kind of kernel (from their names) and per scope; with a config
+whose EP ops run on an async stream it also prints what the compiled schedule puts between each async
+op's start and done.
 """
 
 import argparse
@@ -190,6 +191,18 @@ print(f"\nkernels on device 0 streams: {total:.3f} ms per step; top {args.top}:"
 print(f"{'ms':>8} {'%':>5} {'calls':>5}  kernel | hlo | scope")
 for name, (ms, calls, hlo_name, scope) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]:
     print(f"{ms:8.3f} {100 * ms / total:5.1f} {calls // args.iters:5d}  {name} | {hlo_name} | {scope}")
+# by kind of kernel, from the names: what a step is made of when the scopes are unknown ("?": XLA's GPU
+# kernels often carry no jax scope)
+KINDS = (("grouped GEMMs (Mosaic GPU)", ("mosaic_gpu",)), ("EP kernels (jax_ep CUDA)", ("jax_ep::",)),
+         ("SwiGLU kernels (jax_ep Triton)", ("jax_ep_swiglu",)), ("NCCL", ("nccl",)),
+         ("XLA / cuBLAS GEMMs", ("gemm", "xmma", "cutlass", "cublas")), ("copies", ("Memcpy", "Memset")))
+by_kind = collections.defaultdict(float)
+for name, (ms, *_rest) in by_kernel.items():
+    kind = next((k for k, keys in KINDS if any(key in name for key in keys)), "other XLA kernels (fusions)")
+    by_kind[kind] += ms
+print("\nby kind:")
+for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+    print(f"{ms:8.3f} {100 * ms / total:5.1f}  {kind}")
 print("\nper scope:")
 for scope, ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
     print(f"{ms:8.3f} {100 * ms / total:5.1f}  {scope}")
