@@ -327,28 +327,35 @@ def is_out_of_memory(e: BaseException) -> bool:
 def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> dict:
     """One jitted forward of the layer's decode path (ll_dispatch, grouped GEMMs over the filled
     slots, ll_combine), and its expert block alone on one device next to the batched einsum over every
-    fixed slot (what the decode path computed before, and what DeepEP's contract invites)."""
+    fixed slot (what the decode path computed before, and what DeepEP's contract invites). A config with
+    cached FP8 weights (``fp8_cached``) runs the decode experts in FP8 from ``MoE.quantize_weights()``,
+    made once outside the timed steps (a server quantises once per weight load)."""
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
+    options = CONFIGS[config]
+    fp8 = bool(options.get("fp8_cached"))
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
+                    gemm_dtype=options.get("gemm_dtype") if fp8 else None,
                     ep=moe.EPOptions(backend=CONFIGS[config]["backend"],
                                      kernel=KernelConfig(**CONFIGS[config].get("kernel", {})),
                                      decode_alignment=CONFIGS[config].get("decode_alignment", 1)),
                     gemm=CONFIGS[config]["gemm"], param_dtype=jnp.bfloat16, decode=True)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
+    quantized = nnx.jit(lambda m: m.quantize_weights())(layer) if fp8 else None
     graphdef, state = nnx.split(layer)
-    step = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, decode=True, update_stats=False))
+    step = jax.jit(lambda state, x, q: nnx.merge(graphdef, state)(x, decode=True, update_stats=False,
+                                                                   fp8_weights=q))
     record = dict(op="moe_layer_decode", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
                   ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep,
                   ep_ops=layer_ep_plans(layer, tokens, ("ll_dispatch", "ll_combine")))
     try:
-        record["step_ms"] = 1e3 * best_of(step, state, x, iters=iters, repeats=repeats)
+        record["step_ms"] = 1e3 * best_of(step, state, x, quantized, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
     grouped, einsum, weight_bytes, aligned = decode_experts_seconds(
         hidden, ffn, experts, topk, tokens, ep, CONFIGS[config]["gemm"], iters, repeats,
-        layer.ep.decode_alignment)
+        layer.ep.decode_alignment, fp8)
     record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes,
                   decode_alignment=layer.ep.decode_alignment,
                   experts_other_alignment_ms={str(a): 1e3 * t for a, t in aligned.items()})
@@ -356,13 +363,14 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
 
 
 def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, tokens: int, ep: int, gemm: str,
-                           iters: int, repeats: int, align: int = 1
+                           iters: int, repeats: int, align: int = 1, fp8: bool = False
                            ) -> tuple[float, float, int, dict[int, float]]:
     """The decode layer's expert block on one device at the per-rank shapes, from uniform random routing
     of `tokens` per rank on `ep` ranks: (grouped GEMMs over the filled slots with the experts' rows
     aligned to `align`, batched einsum over all slots, bytes of this rank's expert weights: what either
     must read at least, {other alignment: the grouped GEMMs with it}: packed (1) and the GEMM's preferred
-    alignment, those of the two that are not `align`, in the same run)."""
+    alignment, those of the two that are not `align`, in the same run). ``fp8``: the grouped GEMMs in FP8
+    from the weights quantised once (the einsum stays bf16)."""
     local = experts // ep
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
@@ -380,9 +388,12 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
         slots = jax.random.normal(keys[2], (local, ep * tokens, hidden), jnp.bfloat16)
     counts = put(counts)
 
-    @functools.partial(jax.jit, static_argnums=4)
-    def grouped(slots, counts, w1, w2, align):  # the decode layer's expert block
-        return moe.slot_experts(slots, None, counts, w1, w2, min(topk, local), jnp.bfloat16, gemm, align)
+    quantized = jax.jit(moe.quantize_expert_weights)(w1, w2) if fp8 else None
+
+    @functools.partial(jax.jit, static_argnums=5)
+    def grouped(slots, counts, w1, w2, quantized, align):  # the decode layer's expert block
+        return moe.slot_experts(slots, None, counts, w1, w2, min(topk, local), jnp.bfloat16, gemm, align,
+                                quantized)
 
     @jax.jit
     def einsum(slots, counts, w1, w2):
@@ -395,8 +406,9 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
     args = (slots, counts, w1, w2)
     weight_bytes = int(w1.size + w2.size) * 2
     preferred = preferred_alignment(jax.ShapeDtypeStruct((1, hidden), jnp.bfloat16), w1, backend=gemm)
-    others = {a: best_of(grouped, *args, a, iters=iters, repeats=repeats) for a in {1, preferred} - {align}}
-    return (best_of(grouped, *args, align, iters=iters, repeats=repeats),
+    others = {a: best_of(grouped, *args, quantized, a, iters=iters, repeats=repeats)
+              for a in {1, preferred} - {align}}
+    return (best_of(grouped, *args, quantized, align, iters=iters, repeats=repeats),
             best_of(einsum, *args, iters=iters, repeats=repeats), weight_bytes, others)
 
 

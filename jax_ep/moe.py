@@ -532,10 +532,12 @@ class MoE(nnx.Module):
         decode; False leaves the state untouched. ``fp8_weights``: with ``gemm_dtype="float8_e4m3fn"``,
         the expert weights already quantised (``quantize_weights()``, from their current values) instead
         of quantising them in this call: the same result, gradients included (they flow to the bfloat16
-        weights), without the per-call quantisation (throughput path only)."""
+        weights), without the per-call quantisation. On the decode path they put the expert GEMMs in FP8
+        (half the weight bytes each step reads); without them decode runs its GEMMs in the compute dtype
+        (quantising the weights every step would read more than it saves)."""
         decode = self.decode if decode is None else bool(decode)
         if fp8_weights is not None:
-            self._check_fp8_weights(fp8_weights, decode)
+            self._check_fp8_weights(fp8_weights)
         if update_stats is None:
             update_stats = not decode
         if x.shape[-1] != self.hidden:
@@ -596,13 +598,10 @@ class MoE(nnx.Module):
         return jax.shard_map(quantize, mesh=self.mesh, in_specs=(experts, experts),
                              out_specs=experts)(*weights)
 
-    def _check_fp8_weights(self, fp8_weights, decode: bool) -> None:
+    def _check_fp8_weights(self, fp8_weights) -> None:
         if self.gemm_dtype is None:
             raise EPValueError("MoE: fp8_weights were given but the layer's expert GEMMs are not FP8 "
                                "(gemm_dtype=None)")
-        if decode:
-            raise EPValueError("MoE: fp8_weights apply to the throughput path; the decode path runs the "
-                               "expert GEMMs in the compute dtype")
         if not isinstance(fp8_weights, ExpertFP8Weights):
             raise EPTypeError("MoE: fp8_weights must be the ExpertFP8Weights of MoE.quantize_weights(), got "
                               f"{type(fp8_weights).__name__}")
@@ -681,7 +680,7 @@ class MoE(nnx.Module):
 
         if decode:
             out, expert_counts, num_dropped = self._experts_low_latency(
-                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask)
+                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, fp8_weights)
         else:
             out, expert_counts, num_dropped = self._experts_throughput(
                 x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, chunks, fp8_weights)
@@ -743,13 +742,13 @@ class MoE(nnx.Module):
         return local
 
     def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig,
-                             rank_mask=None):
+                             rank_mask=None, fp8_weights=None):
         """The routed experts on the low-latency ops (per rank): ll_dispatch, the filled slots gathered
         into rows grouped by local expert, the grouped SwiGLU GEMMs over them, the results put back in
         their slots, ll_combine. rank_mask (bool [R] or None) goes to both ops, as on the throughput
         path: a masked rank sends and receives nothing. Returns (out [T, H] bfloat16, rows per local
         expert [E_local], this rank's pairs dropped: those the mask sends nowhere, 0 without one; the
-        low-latency ops drop nothing for capacity)."""
+        low-latency ops drop nothing for capacity). fp8_weights: the expert GEMMs in FP8 from them."""
         # the wire: bfloat16 unless FP8 was asked for (the low-latency ops send nothing else)
         ll_cfg = dataclasses.replace(cfg, dispatch_dtype=self.ep.dispatch_dtype or "bfloat16")
         sent = x if x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.float32)
@@ -757,7 +756,7 @@ class MoE(nnx.Module):
             d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg, rank_mask=rank_mask)
         with jax.named_scope(SCOPES["experts"]):
             y = slot_experts(d.x, d.scales, d.counts, w_gate_up, w_down, min(cfg.num_topk, d.x.shape[0]),
-                             x.dtype, self.gemm, self.ep.decode_alignment)
+                             x.dtype, self.gemm, self.ep.decode_alignment, fp8_weights)
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
         return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped
@@ -829,8 +828,8 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,
-                 w_down: jax.Array, max_experts_per_token: int, dtype, gemm: str = "auto", align: int = 1
-                 ) -> jax.Array:
+                 w_down: jax.Array, max_experts_per_token: int, dtype, gemm: str = "auto", align: int = 1,
+                 fp8_weights: ExpertFP8Weights | None = None) -> jax.Array:
     """The SwiGLU experts over a low-latency dispatch's output (``ll_dispatch``'s ``x``, ``scales``,
     ``counts``): y [E_local, R * T_max, H] bfloat16, what ``ll_combine`` reads (unfilled slots 0).
 
@@ -839,7 +838,8 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
     grouped by local expert (``filled_slots``), so the grouped GEMMs (``gemm``: jax_ep.grouped_matmul's
     backend, in ``dtype``) read each expert's weights once for its few rows. ``align``: each expert's
     rows start at a multiple of it (``filled_slots``), so that no GEMM tile holds two experts' rows
-    (``EPOptions.decode_alignment``)."""
+    (``EPOptions.decode_alignment``). ``fp8_weights``: both GEMMs in FP8 (``fp8_grouped_matmul``) from
+    these quantised weights, the rows quantised per token and 128 channels as the throughput path does."""
     slot, filled = filled_slots(counts, slots.shape[1], max_experts_per_token, align)
     flat = slots.reshape(-1, slots.shape[2])
     rows = flat[slot] if scales is None else dequantize_fp8(
@@ -848,8 +848,15 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
     # every product of the GEMM is finite
     rows = jnp.where(filled[:, None], rows.astype(dtype), jnp.zeros((), dtype))
     group_sizes = decode_group_sizes(counts, align)
-    gate, up = jnp.split(grouped_matmul(rows, w_gate_up.astype(dtype), group_sizes, backend=gemm), 2, axis=1)
-    y = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(dtype), group_sizes, backend=gemm)
+
+    def matmul(x, w, quantized):
+        if fp8_weights is None:
+            return grouped_matmul(x, w, group_sizes, backend=gemm)
+        return fp8_grouped_matmul(x, w, group_sizes, gemm=gemm, quantized=quantized)
+
+    gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
+    gate, up = jnp.split(matmul(rows, w_gate_up.astype(dtype), gate_up_q), 2, axis=1)
+    y = matmul(jax.nn.silu(gate) * up, w_down.astype(dtype), down_q)
     # back into the slots ll_combine reads (it never reads the others)
     slot = jnp.where(filled, slot, flat.shape[0])
     return jnp.zeros((flat.shape[0], y.shape[1]), jnp.bfloat16).at[slot].set(

@@ -135,6 +135,13 @@ def test_decode_layer_bench_writes_records(tmp_path):
     assert r["decode_alignment"] == 1 and r["experts_other_alignment_ms"] == {}
 
 
+def test_decode_layer_bench_runs_fp8_cached_weights(tmp_path):
+    """jax_ep_fp8_cached on a decode shape: the decode experts in FP8 from weights quantised once."""
+    [r] = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "jax_ep_fp8_cached",
+                      "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "decode.json")])
+    assert "error" not in r and r["step_ms"] > 0 and r["experts_ms"] > 0
+
+
 def test_cli_help():
     """`python -m benchmarks --help` from the repository root lists the op and the layer options, says
     how to run it and gives every option's default."""

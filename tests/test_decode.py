@@ -395,3 +395,26 @@ def test_decode_alignment_leaves_the_layer_output_unchanged():
         make_layer(mesh, seed=4, ep=dict(decode_alignment=align), dtype="bfloat16"), x)) for align in (1, 8)]
     assert np.isfinite(out[0]).all() and np.abs(out[0]).max() > 0
     np.testing.assert_array_equal(out[1], out[0])
+
+
+def test_decode_with_fp8_weights_matches_the_throughput_path():
+    """layer(x, decode=True, fp8_weights=...) runs the decode experts in FP8 from the cached weights:
+    each (token, expert) row is quantised and multiplied as on the throughput path with the same weights,
+    so the two paths agree within 4 u S_t (the combines' orders); without them decode stays bf16 (and
+    differs)."""
+    mesh = make_mesh((4,), ("ep",))
+    hidden = ffn = 128
+    layer = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK, score_func="sigmoid"), rngs=nnx.Rngs(6), mesh=mesh,
+                ep=EPOptions(backend="reference"), dtype="bfloat16", gemm_dtype="float8_e4m3fn")
+    fp8 = nnx.jit(lambda m: m.quantize_weights())(layer)
+    rng = np.random.default_rng(8)
+    for batch in (mesh.size, 3 * mesh.size):
+        x = fresh_tokens(rng, batch, hidden=hidden)
+        throughput = nnx.jit(lambda m, x, q: m(x, update_stats=False, fp8_weights=q))(layer, x, fp8)
+        decoded = nnx.jit(lambda m, x, q: m(x, decode=True, fp8_weights=q))(layer, x, fp8)
+        bf16 = nnx.jit(lambda m, x: m(x, decode=True))(layer, x)
+        terms, _ = routed_terms(layer, to_bf16(x))
+        bound = 4 * U * np.abs(terms).sum(axis=1) + 1e-6
+        assert_within(decoded, np.asarray(throughput, np.float64).reshape(bound.shape), bound, "fp8 decode")
+        # FP8's error (e4m3: 3 mantissa bits) is far above the bound: the bf16 decode is another function
+        assert np.abs(np.asarray(bf16, np.float64) - np.asarray(decoded, np.float64)).max() > bound.max()
