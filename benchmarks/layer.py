@@ -336,17 +336,17 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
     fp8 = bool(options.get("fp8_cached"))
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
                     gemm_dtype=options.get("gemm_dtype") if fp8 else None,
-                    ep=moe.EPOptions(backend=CONFIGS[config]["backend"],
-                                     kernel=KernelConfig(**CONFIGS[config].get("kernel", {})),
-                                     decode_alignment=CONFIGS[config].get("decode_alignment", 1)),
-                    gemm=CONFIGS[config]["gemm"], param_dtype=jnp.bfloat16, decode=True)
+                    ep=moe.EPOptions(backend=options["backend"],
+                                     kernel=KernelConfig(**options.get("kernel", {})),
+                                     decode_alignment=options.get("decode_alignment", 1)),
+                    gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
     quantized = nnx.jit(lambda m: m.quantize_weights())(layer) if fp8 else None
     graphdef, state = nnx.split(layer)
     step = jax.jit(lambda state, x, q: nnx.merge(graphdef, state)(x, decode=True, update_stats=False,
                                                                    fp8_weights=q))
-    record = dict(op="moe_layer_decode", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
+    record = dict(op="moe_layer_decode", backend=options["backend"], config=config, hidden=hidden,
                   ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep,
                   ep_ops=layer_ep_plans(layer, tokens, ("ll_dispatch", "ll_combine")))
     try:
@@ -354,8 +354,8 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
     grouped, einsum, weight_bytes, aligned = decode_experts_seconds(
-        hidden, ffn, experts, topk, tokens, ep, CONFIGS[config]["gemm"], iters, repeats,
-        layer.ep.decode_alignment, fp8)
+        hidden, ffn, experts, topk, tokens, ep, options["gemm"], iters, repeats, layer.ep.decode_alignment,
+        fp8)
     record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes,
                   decode_alignment=layer.ep.decode_alignment,
                   experts_other_alignment_ms={str(a): 1e3 * t for a, t in aligned.items()})

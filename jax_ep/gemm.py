@@ -114,14 +114,23 @@ def _check_args(x, w, group_sizes, backend: str) -> None:
 
 
 # ---- choosing an implementation -------------------------------------------------------------------
-def _kernel_platform() -> str:
-    """'' when the Mosaic GPU kernels can run on the default device, else why not."""
+def hopper_reason() -> str:
+    """'' when the default device is a Hopper GPU (compute capability 9.0), where jax_ep's GPU kernels
+    (the grouped GEMMs, the SwiGLU kernels) were tuned and measured, else why not."""
     if jax.default_backend() != "gpu":
         return f"the default platform is {jax.default_backend()!r}, not a GPU"
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     if capability != "9.0":
         return f"{device.device_kind} (compute capability {capability}) is not a Hopper GPU (9.0)"
+    return ""
+
+
+def _kernel_platform() -> str:
+    """'' when the Mosaic GPU kernels can run on the default device, else why not."""
+    why = hopper_reason()
+    if why:
+        return why
     try:
         from jax.experimental.pallas import mosaic_gpu  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the jax build

@@ -886,11 +886,11 @@ def filled_slots(counts: jax.Array, num_slots: int, max_experts_per_token: int, 
         filled = packed < ends[-1]
     else:
         n = min(local * -(-num_slots // align) * align, -(-(n + local * (align - 1)) // align) * align)
-        sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
-        padded_end = jnp.cumsum(decode_group_sizes(counts, align))
+        sizes, padded = jnp.sum(counts, axis=1, dtype=jnp.int32), decode_group_sizes(counts, align)
+        padded_end = jnp.cumsum(padded)
         row = jnp.arange(n, dtype=jnp.int32)
         expert = jnp.minimum(jnp.searchsorted(padded_end, row, side="right").astype(jnp.int32), local - 1)
-        within = row - (padded_end[expert] - decode_group_sizes(counts, align)[expert])
+        within = row - (padded_end[expert] - padded[expert])
         filled = within < sizes[expert]
         packed = jnp.cumsum(sizes)[expert] - sizes[expert] + within   # its row when packed
     block = jnp.minimum(jnp.searchsorted(ends, packed, side="right").astype(jnp.int32), local * ep_size - 1)

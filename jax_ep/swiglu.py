@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jax_ep.config import check_option
 from jax_ep.errors import EPValueError
+from jax_ep.gemm import hopper_reason
 from jax_ep.vma import shape_like, vary_jointly
 
 BACKENDS = ("auto", "xla", "pallas")
@@ -35,14 +36,11 @@ BACKENDS = ("auto", "xla", "pallas")
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """The Pallas kernels' blocks: ``rows`` x ``cols`` (at most; the largest power-of-2 divisor of F up
-    to it), ``warps`` per program. ``halves``: the backward writes d gate and d up as two [M, F] arrays
-    that XLA concatenates, instead of one [M, 2F] array of column blocks (tools/tune_swiglu.py times
-    both)."""
+    to it), ``warps`` per program (tools/tune_swiglu.py times them)."""
 
     rows: int = 64
     cols: int = 256
     warps: int = 4
-    halves: bool = False
 
 
 # the tiling the GPU tests ran (H200, 2026-11-30, 7 passed) and the layer benchmark timed faster than
@@ -84,13 +82,9 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
 
 def choose(shape, tiling: Tiling = TILING) -> tuple[str, str]:
     """(backend, why) that ``backend="auto"`` takes for a gate|up buffer of this [M, 2F] shape."""
-    if jax.default_backend() != "gpu":
-        return "xla", f"the default platform is {jax.default_backend()!r}, not a GPU"
-    device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    if capability != "9.0":
-        return "xla", (f"{device.device_kind} (compute capability {capability}) is not a Hopper GPU, where "
-                       "the kernels were measured")
+    reason = hopper_reason()
+    if reason:
+        return "xla", reason + ", where the kernels were measured"
     reason = kernel_unfit(shape, tiling)
     if reason:
         return "xla", f"the kernels cannot take gate_up {tuple(shape)}: {reason}"
@@ -145,24 +139,23 @@ def _specs(f: int, tiling: Tiling):
     j of gate is block j, of up block nb + j (nb = F / cols). The backward's grid runs over 2 nb column
     blocks of its [M, 2F] output, each program writing one contiguous block (d gate for j < nb, d up
     after), the layout of the buffer: a [M, 2, F] view with blocks of both halves measured 3x slower on
-    an H200 (2026-11-30)."""
+    an H200, and two [M, F] outputs concatenated by XLA slower at every tiling (2026-11-30)."""
     from jax.experimental import pallas as pl
 
     rows, cols = tiling.rows, _cols(f, tiling)
     nb = f // cols
     live = pl.BlockSpec((1,), lambda i, j: (0,))
-    gate = pl.BlockSpec((rows, cols), lambda i, j: (i, j % nb))
+    gate = pl.BlockSpec((rows, cols), lambda i, j: (i, j % nb))   # also d h's block, of [M, F]
     up = pl.BlockSpec((rows, cols), lambda i, j: (i, nb + j % nb))
-    half = pl.BlockSpec((rows, cols), lambda i, j: (i, j % nb))   # [M, F]: h, d h
     out = pl.BlockSpec((rows, cols), lambda i, j: (i, j))
-    return nb, live, gate, up, half, out
+    return nb, live, gate, up, out
 
 
 def _forward(gate_up, live, interpret, tiling):
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
-    nb, live_spec, gate, up, _, out = _specs(f, tiling)
+    nb, live_spec, gate, up, out = _specs(f, tiling)
     rows = tiling.rows
 
     def kernel(live_ref, g_ref, u_ref, h_ref):
@@ -177,35 +170,13 @@ def _forward(gate_up, live, interpret, tiling):
                           )(live, gate_up, gate_up)
 
 
-def _d_gate(g, u, d):
-    s = jax.nn.sigmoid(g)
-    return d * u * (s * (1.0 + g * (1.0 - s)))
-
-
-def _d_up(g, d):
-    return d * (g * jax.nn.sigmoid(g))
-
-
 def _backward(gate_up, live, dh, interpret, tiling):
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
-    nb, live_spec, gate, up, half, out = _specs(f, tiling)
+    nb, live_spec, gate, up, out = _specs(f, tiling)
     rows = tiling.rows
     f32 = lambda ref: ref[...].astype(jnp.float32)  # noqa: E731
-    if tiling.halves:
-        def kernel(live_ref, g_ref, u_ref, dh_ref, dg_ref, du_ref):
-            @pl.when(pl.program_id(0) * rows < live_ref[0])
-            def _():
-                g, d = f32(g_ref), f32(dh_ref)
-                dg_ref[...] = _d_gate(g, f32(u_ref), d).astype(dg_ref.dtype)
-                du_ref[...] = _d_up(g, d).astype(du_ref.dtype)
-
-        dg, du = pl.pallas_call(
-            kernel, grid=(m // rows, nb), in_specs=[live_spec, gate, up, half], out_specs=[half, half],
-            out_shape=[shape_like((m, f), gate_up.dtype, gate_up)] * 2, interpret=interpret,
-            compiler_params=_triton_params(tiling), name="jax_ep_swiglu_bwd")(live, gate_up, gate_up, dh)
-        return jnp.concatenate([dg, du], axis=1)
 
     def kernel(live_ref, g_ref, u_ref, dh_ref, dgu_ref):
         in_live = pl.program_id(0) * rows < live_ref[0]
@@ -213,13 +184,16 @@ def _backward(gate_up, live, dh, interpret, tiling):
 
         @pl.when(in_live & is_gate)
         def _():
-            dgu_ref[...] = _d_gate(f32(g_ref), f32(u_ref), f32(dh_ref)).astype(dgu_ref.dtype)
+            g = f32(g_ref)
+            s = jax.nn.sigmoid(g)
+            dgu_ref[...] = (f32(dh_ref) * f32(u_ref) * (s * (1.0 + g * (1.0 - s)))).astype(dgu_ref.dtype)
 
         @pl.when(in_live & jnp.logical_not(is_gate))
         def _():
-            dgu_ref[...] = _d_up(f32(g_ref), f32(dh_ref)).astype(dgu_ref.dtype)
+            g = f32(g_ref)
+            dgu_ref[...] = (f32(dh_ref) * (g * jax.nn.sigmoid(g))).astype(dgu_ref.dtype)
 
-    return pl.pallas_call(kernel, grid=(m // rows, 2 * nb), in_specs=[live_spec, gate, up, half],
+    return pl.pallas_call(kernel, grid=(m // rows, 2 * nb), in_specs=[live_spec, gate, up, gate],
                           out_specs=out, out_shape=shape_like((m, 2 * f), gate_up.dtype, gate_up),
                           interpret=interpret, compiler_params=_triton_params(tiling),
                           name="jax_ep_swiglu_bwd")(live, gate_up, gate_up, dh)

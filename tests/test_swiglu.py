@@ -14,8 +14,7 @@ def _f32(a):
     return np.asarray(a, np.float32)
 
 
-@pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=32, cols=128, warps=8, halves=True)],
-                         ids=["default", "halves"])
+@pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=32, cols=128, warps=8)], ids=["default", "32x128"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m,f,live", [(256, 128, 150), (192, 192, 192), (128, 64, 0), (320, 320, 64)])
 def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live, tiling):
@@ -46,8 +45,7 @@ def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live, tiling):
         assert err < (1e-2 if dtype == jnp.bfloat16 else 1e-6), err
 
 
-@pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=32, cols=512, warps=8, halves=True)],
-                         ids=["default", "halves"])
+@pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=32, cols=512, warps=8)], ids=["default", "32x512"])
 def test_the_kernels_lower_to_triton_for_cuda(monkeypatch, tiling):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # lowering needs no GPU
     gu = jax.ShapeDtypeStruct((4096, 2 * 2048), jnp.bfloat16)

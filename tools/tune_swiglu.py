@@ -6,9 +6,9 @@ the MoE layer's per-rank expert buffers, on one GPU; prints a table and writes J
 A shape is (C, F, live rows): the dispatch buffer's rows at the layer's default capacity, the ffn
 width, and the rows that hold tokens (uniform routing). XLA computes every row; the kernels the row
 blocks below the live rows. The best tiling by forward + backward is printed last; jax_ep.swiglu.TILING
-is what the layer uses. ``--tilings`` (rows x cols x warps, "h" appended for the two-output backward)
-limits the sweep: every tiling compiles two Triton kernels, ~8 s each on the GPU machine (all 24 at 3
-shapes overran 400 s, 2026-11-30).
+is what the layer uses. ``--tilings`` (rows x cols x warps) limits the sweep: every tiling compiles two
+Triton kernels, ~8 s each on the GPU machine (the 24 tilings of 2026-11-30, half of them a two-output
+backward since removed, overran 400 s at 3 shapes).
 """
 
 import argparse
@@ -45,15 +45,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="deepseek_ep2,mid_ep2")
-    parser.add_argument("--tilings", default=None, help="e.g. 64x256x4,32x128x4,32x128x8h (default: 24)")
+    parser.add_argument("--tilings", default=None, help="e.g. 64x256x4,32x128x4 (default: 12)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.tilings:
-        tilings = [Tiling(*map(int, t.rstrip("h").split("x")), halves=t.endswith("h"))
+        tilings = [Tiling(*map(int, t.split("x")))
                    for t in args.tilings.split(",")]
     else:
-        tilings = [Tiling(rows, cols, warps, halves) for rows, cols, warps, halves in
-                   itertools.product((32, 64), (128, 256, 512), (4, 8), (False, True))]
+        tilings = [Tiling(rows, cols, warps) for rows, cols, warps in
+                   itertools.product((32, 64), (128, 256, 512), (4, 8))]
     records = []
     for name in args.shapes.split(","):
         m, f, live = SHAPES[name]
