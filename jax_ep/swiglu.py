@@ -38,16 +38,16 @@ class Tiling:
     """The Pallas kernels' blocks: ``rows`` x ``cols`` (at most; the largest power-of-2 divisor of F up
     to it), ``warps`` per program (tools/tune_swiglu.py times them)."""
 
-    rows: int = 64
-    cols: int = 256
+    rows: int = 32
+    cols: int = 128
     warps: int = 4
 
 
-# the tiling the GPU tests ran (H200, 2026-11-30, 7 passed) and the layer benchmark timed faster than
-# XLA's SwiGLU at EP2. tools/tune_swiglu.py the same day had Tiling(32, 128, 4) within 1% of the best of
-# 24 at DeepSeek-V3's and the mid shape's per-rank buffers, its backward 25% faster than this one's:
-# the next default once the GPU tests have run with it
-TILING = Tiling(rows=64, cols=256, warps=4)
+# tools/tune_swiglu.py (H200, 2026-11-30) had 32x128 with 4 warps within 1% of the best of 24 tilings at
+# DeepSeek-V3's and the mid shape's per-rank buffers, its backward 25% faster than 64x256's; GPU tests
+# 14 passed with both (2026-11-30); layer at EP2 vs XLA's SwiGLU: DeepSeek-V3 19.92 / 19.85 ms, mid
+# 5.23 / 5.35 (docs/benchmarks.md, session 28)
+TILING = Tiling()
 ROWS = TILING.rows
 
 
