@@ -37,7 +37,6 @@ series with the GEMMs): how much the overlap hides.
 from __future__ import annotations
 
 import datetime
-import functools
 import glob
 import re
 import tempfile
@@ -53,7 +52,6 @@ from jax.sharding import PartitionSpec as P
 from jax_ep import moe
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig
-from jax_ep.gemm import preferred_alignment
 
 LAYER_PRESETS = {
     # name: (hidden, ffn_hidden, experts, top-k, tokens per rank)
@@ -93,15 +91,11 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_in_place=False),
            # the defaults with XLA's SwiGLU over every row (MoE(swiglu_backend="xla")) instead of the
            # Triton kernels over the live rows that "auto" takes on Hopper: the same-run comparison
-           "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla"),
-           # decode: each local expert's filled slots start at a multiple of 64 rows
-           # (EPOptions.decode_alignment), so that no Hopper GEMM tile holds two experts
-           "jax_ep_decode_aligned": dict(backend="auto", gemm="auto", decode_alignment=64)}
+           "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla")}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_chunks2",
-              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu",
-              "jax_ep_decode_aligned")
+              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
 
 
 def best_of(fn, *args, iters: int, repeats: int) -> float:
@@ -260,7 +254,7 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
-                                     **{k: options[k] for k in ("chunks", "dy_in_place", "decode_alignment")
+                                     **{k: options[k] for k in ("chunks", "dy_in_place")
                                         if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
@@ -337,8 +331,7 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
                     gemm_dtype=options.get("gemm_dtype") if fp8 else None,
                     ep=moe.EPOptions(backend=options["backend"],
-                                     kernel=KernelConfig(**options.get("kernel", {})),
-                                     decode_alignment=options.get("decode_alignment", 1)),
+                                     kernel=KernelConfig(**options.get("kernel", {}))),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
@@ -353,28 +346,23 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
         record["step_ms"] = 1e3 * best_of(step, state, x, quantized, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
-    grouped, einsum, weight_bytes, aligned = decode_experts_seconds(
-        hidden, ffn, experts, topk, tokens, ep, options["gemm"], iters, repeats, layer.ep.decode_alignment,
-        fp8)
-    record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes,
-                  decode_alignment=layer.ep.decode_alignment,
-                  experts_other_alignment_ms={str(a): 1e3 * t for a, t in aligned.items()})
+    grouped, einsum, weight_bytes = decode_experts_seconds(hidden, ffn, experts, topk, tokens, ep,
+                                                           options["gemm"], iters, repeats, fp8)
+    record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes)
     return record
 
 
-def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, tokens: int, ep: int, gemm: str,
-                           iters: int, repeats: int, align: int = 1, fp8: bool = False
-                           ) -> tuple[float, float, int, dict[int, float]]:
+def decode_expert_block(hidden: int, ffn: int, experts: int, topk: int, tokens: int, ep: int, gemm: str,
+                        fp8: bool = False):
     """The decode layer's expert block on one device at the per-rank shapes, from uniform random routing
-    of `tokens` per rank on `ep` ranks: (grouped GEMMs over the filled slots with the experts' rows
-    aligned to `align`, batched einsum over all slots, bytes of this rank's expert weights: what either
-    must read at least, {other alignment: the grouped GEMMs with it}: packed (1) and the GEMM's preferred
-    alignment, those of the two that are not `align`, in the same run). ``fp8``: the grouped GEMMs in FP8
-    from the weights quantised once (the einsum stays bf16)."""
+    of `tokens` per rank on `ep` ranks: (grouped, einsum, args, weight_bytes): the jitted expert block
+    over the filled slots (``moe.slot_experts``; ``fp8``: its GEMMs in FP8 from weights quantised once
+    here), the batched einsum over all slots (bf16; what DeepEP's fixed-slot contract invites), their
+    arguments (``grouped(*args)``, ``einsum(*args[:4])``), and the bytes of this rank's bf16 expert
+    weights: what either must read at least."""
     local = experts // ep
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
-    put = lambda a: jax.device_put(jnp.asarray(a), dev)  # noqa: E731
     counts = np.zeros((local, ep), np.int32)
     for r in range(ep):
         for _ in range(tokens):
@@ -386,14 +374,12 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
         w1 = jax.random.normal(keys[0], (local, hidden, 2 * ffn), jnp.bfloat16) * hidden ** -0.5
         w2 = jax.random.normal(keys[1], (local, ffn, hidden), jnp.bfloat16) * ffn ** -0.5
         slots = jax.random.normal(keys[2], (local, ep * tokens, hidden), jnp.bfloat16)
-    counts = put(counts)
-
+    counts = jax.device_put(jnp.asarray(counts), dev)
     quantized = jax.jit(moe.quantize_expert_weights)(w1, w2) if fp8 else None
 
-    @functools.partial(jax.jit, static_argnums=5)
-    def grouped(slots, counts, w1, w2, quantized, align):  # the decode layer's expert block
-        return moe.slot_experts(slots, None, counts, w1, w2, min(topk, local), jnp.bfloat16, gemm, align,
-                                quantized)
+    @jax.jit
+    def grouped(slots, counts, w1, w2, quantized):
+        return moe.slot_experts(slots, None, counts, w1, w2, min(topk, local), jnp.bfloat16, gemm, quantized)
 
     @jax.jit
     def einsum(slots, counts, w1, w2):
@@ -403,13 +389,16 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
         gate, up = jnp.split(jnp.einsum("esh,ehf->esf", slots, w1), 2, axis=2)
         return jnp.einsum("esf,efh->esh", jax.nn.silu(gate) * up, w2)
 
-    args = (slots, counts, w1, w2)
-    weight_bytes = int(w1.size + w2.size) * 2
-    preferred = preferred_alignment(jax.ShapeDtypeStruct((1, hidden), jnp.bfloat16), w1, backend=gemm)
-    others = {a: best_of(grouped, *args, quantized, a, iters=iters, repeats=repeats)
-              for a in {1, preferred} - {align}}
-    return (best_of(grouped, *args, quantized, align, iters=iters, repeats=repeats),
-            best_of(einsum, *args, iters=iters, repeats=repeats), weight_bytes, others)
+    return grouped, einsum, (slots, counts, w1, w2, quantized), int(w1.size + w2.size) * 2
+
+
+def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, tokens: int, ep: int, gemm: str,
+                           iters: int, repeats: int, fp8: bool = False) -> tuple[float, float, int]:
+    """``decode_expert_block``'s two forms timed: (grouped s, einsum s, weight bytes)."""
+    grouped, einsum, args, weight_bytes = decode_expert_block(hidden, ffn, experts, topk, tokens, ep, gemm,
+                                                              fp8)
+    return (best_of(grouped, *args, iters=iters, repeats=repeats),
+            best_of(einsum, *args[:4], iters=iters, repeats=repeats), weight_bytes)
 
 
 def layer_gemm_plans(layer, mesh, x) -> str:
@@ -469,11 +458,9 @@ def main(args, save=lambda records: None) -> list[dict]:
             records.append(r)
             save(records)
             step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms"
-            other = "".join(f", {ms:.3f} ms aligned to {a}"
-                            for a, ms in r["experts_other_alignment_ms"].items())
             print(f"  {name} {config} (EP ops: {r['ep_ops']}): decode forward {step}; experts alone "
-                  f"{r['experts_ms']:.3f} ms (rows aligned to {r['decode_alignment']}{other}) "
-                  f"over the filled slots, {r['experts_einsum_ms']:.3f} ms as an einsum over all slots "
+                  f"{r['experts_ms']:.3f} ms over the filled slots, {r['experts_einsum_ms']:.3f} ms as an "
+                  f"einsum over all slots "
                   f"({r['expert_weight_bytes'] / 1e9:.2f} GB of expert weights per rank)", flush=True)
     names = [n for n in names if n not in DECODE_SHAPES]
     for name in names:

@@ -71,8 +71,7 @@ SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_ex
 # EPOptions' fields are EPConfig's (same kinds), but expert_alignment may be None (chosen by the layer).
 EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
                                                                  "checked")},
-                    "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool",
-                    "decode_alignment": "int"}
+                    "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,17 +107,9 @@ class EPOptions:
         ``jax_ep_dy_zeroed``) a tie on 2 H200s (2026-11-29: DeepSeek-V3 step 22.30 / 22.34 and 22.60 /
         22.79 ms, mid 6.75 / 6.34 and 6.46 / 6.46; docs/benchmarks.md, session 25).
 
-      decode_alignment: the decode path gathers each local expert's filled slots into rows that start at
-        a multiple of this before the grouped GEMMs (``filled_slots``). 64 keeps every Hopper kernel tile
-        inside one expert, so each expert's weights stream through once (at DeepSeek-V3 decode sizes an
-        expert holds ~14 rows and packed rows put two experts into ~20% of the tiles), at the cost of
-        ~63 more rows per expert; 1 (default) packs them. Not yet timed on a GPU (the layer benchmark's
-        decode record times the expert block both ways).
-
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
-    ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked``,
-    ``kernel`` and ``decode_alignment``; capacity and expert_alignment play no part there (fixed slots,
-    nothing is dropped).
+    ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked``
+    and ``kernel``; capacity and expert_alignment play no part there (fixed slots, nothing is dropped).
     """
 
     capacity: int | None = None
@@ -129,7 +120,6 @@ class EPOptions:
     kernel: KernelConfig = KernelConfig()
     chunks: int = 1
     dy_in_place: bool = True
-    decode_alignment: int = 1
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)
@@ -756,7 +746,7 @@ class MoE(nnx.Module):
             d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg, rank_mask=rank_mask)
         with jax.named_scope(SCOPES["experts"]):
             y = slot_experts(d.x, d.scales, d.counts, w_gate_up, w_down, min(cfg.num_topk, d.x.shape[0]),
-                             x.dtype, self.gemm, self.ep.decode_alignment, fp8_weights)
+                             x.dtype, self.gemm, fp8_weights)
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
         return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped
@@ -828,7 +818,7 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,
-                 w_down: jax.Array, max_experts_per_token: int, dtype, gemm: str = "auto", align: int = 1,
+                 w_down: jax.Array, max_experts_per_token: int, dtype, gemm: str = "auto",
                  fp8_weights: ExpertFP8Weights | None = None) -> jax.Array:
     """The SwiGLU experts over a low-latency dispatch's output (``ll_dispatch``'s ``x``, ``scales``,
     ``counts``): y [E_local, R * T_max, H] bfloat16, what ``ll_combine`` reads (unfilled slots 0).
@@ -836,18 +826,17 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
     Only the filled slots are computed: at decode sizes they are a small share of the fixed slots
     (DeepSeek-V3, 128 tokens per rank, EP2: 2,048 rows at most of 36,864 slots), gathered into rows
     grouped by local expert (``filled_slots``), so the grouped GEMMs (``gemm``: jax_ep.grouped_matmul's
-    backend, in ``dtype``) read each expert's weights once for its few rows. ``align``: each expert's
-    rows start at a multiple of it (``filled_slots``), so that no GEMM tile holds two experts' rows
-    (``EPOptions.decode_alignment``). ``fp8_weights``: both GEMMs in FP8 (``fp8_grouped_matmul``) from
-    these quantised weights, the rows quantised per token and 128 channels as the throughput path does."""
-    slot, filled = filled_slots(counts, slots.shape[1], max_experts_per_token, align)
+    backend, in ``dtype``) read each expert's weights once for its few rows. ``fp8_weights``: both GEMMs
+    in FP8 (``fp8_grouped_matmul``) from these quantised weights, the rows quantised per token and 128
+    channels as the throughput path does."""
+    slot, filled = filled_slots(counts, slots.shape[1], max_experts_per_token)
     flat = slots.reshape(-1, slots.shape[2])
     rows = flat[slot] if scales is None else dequantize_fp8(
         flat[slot], scales.reshape(flat.shape[0], -1)[slot], dtype)
     # rows past the filled ones are unspecified slots (NaN included on the CUDA path): zeros, so that
     # every product of the GEMM is finite
     rows = jnp.where(filled[:, None], rows.astype(dtype), jnp.zeros((), dtype))
-    group_sizes = decode_group_sizes(counts, align)
+    group_sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
 
     def matmul(x, w, quantized):
         if fp8_weights is None:
@@ -863,46 +852,28 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
         y.astype(jnp.bfloat16), mode="drop", unique_indices=True).reshape(slots.shape[:2] + y.shape[1:])
 
 
-def filled_slots(counts: jax.Array, num_slots: int, max_experts_per_token: int, align: int = 1
+def filled_slots(counts: jax.Array, num_slots: int, max_experts_per_token: int
                  ) -> tuple[jax.Array, jax.Array]:
     """The filled slots of a low-latency dispatch, as rows grouped by local expert.
 
     Slot ``r * T_max + i`` of local expert ``e`` (``T_max = num_slots / R``) holds a token iff
     ``i < counts[e, r]``. Returns (slot [N], filled [N]): row ``n`` of the compacted rows is flattened slot
     ``slot[n]`` (``e * num_slots + r * T_max + i``, in (e, r, i) order, so each expert's rows are
-    consecutive), ``filled[n]`` False for the rows that hold no slot (their slot is 0). With ``align`` 1
-    the rows are packed (``group_sizes = counts.sum(1)``) and ``N = R * T_max * max_experts_per_token``: a
-    source rank's token fills at most that many local experts' slots here, so no filled slot is left out.
-    With ``align`` > 1 each expert's rows start at a multiple of it, followed by unfilled rows up to the
-    next (``decode_group_sizes(counts, align)``), and N grows by ``align - 1`` rows per expert (rounded
-    up to ``align``)."""
+    consecutive: ``group_sizes = counts.sum(1)``), ``filled[n]`` False past the last filled one (its slot
+    is 0). ``N = R * T_max * max_experts_per_token``: a source rank's token fills at most that many
+    local experts' slots here, so no filled slot is left out. The rows stay packed: starting each
+    expert's rows at a multiple of the Hopper kernel's 64-row tile measured 26% slower at DeepSeek-V3
+    decode sizes (2× H200, 2026-11-30; docs/benchmarks.md, session 28)."""
     local, ep_size = counts.shape
     per_block = num_slots // ep_size
     n = min(local * num_slots, ep_size * per_block * max_experts_per_token)
-    flat_counts = counts.reshape(-1)
-    ends = jnp.cumsum(flat_counts, dtype=jnp.int32)   # blocks (e, r) in order, packed
-    if align == 1:
-        packed = jnp.arange(n, dtype=jnp.int32)
-        filled = packed < ends[-1]
-    else:
-        n = min(local * -(-num_slots // align) * align, -(-(n + local * (align - 1)) // align) * align)
-        sizes, padded = jnp.sum(counts, axis=1, dtype=jnp.int32), decode_group_sizes(counts, align)
-        padded_end = jnp.cumsum(padded)
-        row = jnp.arange(n, dtype=jnp.int32)
-        expert = jnp.minimum(jnp.searchsorted(padded_end, row, side="right").astype(jnp.int32), local - 1)
-        within = row - (padded_end[expert] - padded[expert])
-        filled = within < sizes[expert]
-        packed = jnp.cumsum(sizes)[expert] - sizes[expert] + within   # its row when packed
-    block = jnp.minimum(jnp.searchsorted(ends, packed, side="right").astype(jnp.int32), local * ep_size - 1)
-    within = packed - (ends[block] - flat_counts[block])
+    ends = jnp.cumsum(counts.reshape(-1), dtype=jnp.int32)   # blocks (e, r) in order
+    row = jnp.arange(n, dtype=jnp.int32)
+    block = jnp.minimum(jnp.searchsorted(ends, row, side="right").astype(jnp.int32), local * ep_size - 1)
+    within = row - (ends[block] - counts.reshape(-1)[block])
+    filled = row < ends[-1]
     slot = (block // ep_size) * num_slots + (block % ep_size) * per_block + within
     return jnp.where(filled, slot, 0), filled
-
-
-def decode_group_sizes(counts: jax.Array, align: int = 1) -> jax.Array:
-    """Rows per local expert of ``filled_slots(..., align)``: its filled slots, rounded up to ``align``."""
-    sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
-    return sizes if align == 1 else -(-sizes // align) * align
 
 
 class SwiGLU(nnx.Module):

@@ -131,8 +131,6 @@ def test_decode_layer_bench_writes_records(tmp_path):
     assert r["step_ms"] > 0 and r["experts_ms"] > 0 and r["experts_einsum_ms"] > 0
     assert r["expert_weight_bytes"] == 2 * (16 // 8) * 3 * 256 * 128
     assert r["ep_ops"].startswith("ll_dispatch: reference (") and "ll_combine: reference (" in r["ep_ops"]
-    # packed rows; the GEMM's preferred alignment is 1 here (lax.ragged_dot): nothing else to time
-    assert r["decode_alignment"] == 1 and r["experts_other_alignment_ms"] == {}
 
 
 def test_decode_layer_bench_runs_fp8_cached_weights(tmp_path):

@@ -343,60 +343,6 @@ def test_filled_slots_gathers_every_filled_slot_grouped_by_expert(seed):
     np.testing.assert_array_equal(slot[len(want):], 0)
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("align", [4, 8])
-def test_filled_slots_aligned_starts_each_expert_at_a_multiple(seed, align):
-    """filled_slots(..., align): the same slots in the same order as packed, each expert's run starting
-    at a multiple of align, unfilled rows (slot 0) up to the next; decode_group_sizes are the runs."""
-    picks, ep_size, t_max, k = random_counts(seed)
-    local = picks.shape[0]
-    slot, filled = (np.asarray(a) for a in jax.jit(jax_ep.moe.filled_slots, static_argnums=(1, 2, 3))(
-        jnp.asarray(picks), ep_size * t_max, min(k, local), align))
-    sizes = np.asarray(jax_ep.moe.decode_group_sizes(jnp.asarray(picks), align))
-    np.testing.assert_array_equal(sizes, -(-picks.sum(1) // align) * align)
-    assert len(slot) % align == 0 and len(slot) >= sizes.sum()
-    start = 0
-    for e in range(local):
-        want = [e * ep_size * t_max + r * t_max + i for r in range(ep_size) for i in range(picks[e, r])]
-        np.testing.assert_array_equal(slot[start:start + len(want)], want)
-        assert filled[start:start + len(want)].all() and not filled[start + len(want):start + sizes[e]].any()
-        np.testing.assert_array_equal(slot[start + len(want):start + sizes[e]], 0)
-        start += sizes[e]
-    assert not filled[start:].any() and not slot[start:].any()
-
-
-def test_slot_experts_aligned_equals_packed():
-    """The decode expert block with each expert's rows aligned (EPOptions.decode_alignment) gives the
-    packed form's output, bit for bit (every row's products are the same; NaN in unfilled slots never
-    reaches it)."""
-    rng = np.random.default_rng(5)
-    local, ep_size, t_max, hidden, ffn = 6, 2, 8, 32, 16
-    counts = jnp.asarray(rng.integers(0, t_max + 1, (local, ep_size)), jnp.int32)
-    slots = jnp.asarray(rng.standard_normal((local, ep_size * t_max, hidden)), jnp.float32)
-    filled = (np.arange(t_max)[None, None, :] < np.asarray(counts)[:, :, None]).reshape(local, -1)
-    slots = jnp.where(jnp.asarray(filled)[:, :, None], slots, jnp.nan)
-    w1 = jnp.asarray(rng.standard_normal((local, hidden, 2 * ffn)), jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((local, ffn, hidden)), jnp.float32)
-    packed, aligned = (np.asarray(jax_ep.moe.slot_experts(slots, None, counts, w1, w2, local, jnp.float32,
-                                                          "ragged_dot", align))
-                       for align in (1, 8))
-    assert np.isfinite(packed).all() and np.abs(packed[filled]).min() > 0
-    np.testing.assert_array_equal(aligned, packed)
-    with pytest.raises(ValueError, match="decode_alignment must be a positive int"):
-        jax_ep.moe.EPOptions(decode_alignment=0)
-
-
-def test_decode_alignment_leaves_the_layer_output_unchanged():
-    """MoE's decode path with EPOptions(decode_alignment=8) equals the packed default bit for bit (the
-    same rows through the same GEMMs, grouped with gaps)."""
-    mesh = make_mesh((4,), ("ep",))
-    x = fresh_tokens(np.random.default_rng(2), 3 * mesh.size)
-    out = [np.asarray(nnx.jit(lambda m, x: m(x, decode=True))(
-        make_layer(mesh, seed=4, ep=dict(decode_alignment=align), dtype="bfloat16"), x)) for align in (1, 8)]
-    assert np.isfinite(out[0]).all() and np.abs(out[0]).max() > 0
-    np.testing.assert_array_equal(out[1], out[0])
-
-
 def test_decode_with_fp8_weights_matches_the_throughput_path():
     """layer(x, decode=True, fp8_weights=...) runs the decode experts in FP8 from the cached weights:
     each (token, expert) row is quantised and multiplied as on the throughput path with the same weights,

@@ -49,10 +49,9 @@ SHAPES["dsv3"], SHAPES["mid"] = SHAPES["layers"][:2], SHAPES["layers"][2:]
 # EP2, 4096 tokens: Qwen3-30B-A3B's experts (hidden 2048, 768 wide, 64 local of 128, top-8) and
 # Mixtral 8x7B's (hidden 4096, 14336 wide, 4 local of 8, top-2)
 # The decode layer's expert GEMMs per rank (DeepSeek-V3, 128 tokens per rank at EP2: 2,048 filled slots
-# over 144 local experts), packed (EPOptions.decode_alignment 1) and with every expert's rows starting at
-# a multiple of 64 (decode_alignment 64): forward only, bound by reading the expert weights
-SHAPES["decode"] = [(2048, 2048, 7168, 4096, 144, 1), (11136, 2048, 7168, 4096, 144, 64),
-                    (2048, 2048, 2048, 7168, 144, 1), (11136, 2048, 2048, 7168, 144, 64)]
+# over 144 local experts, packed as moe.filled_slots gathers them): forward only, bound by reading the
+# expert weights
+SHAPES["decode"] = [(2048, 2048, 7168, 4096, 144, 1), (2048, 2048, 2048, 7168, 144, 1)]
 SHAPES["other"] = [(69632, 32768, 2048, 1536, 64, 64), (69632, 32768, 768, 2048, 64, 64),
                    (16640, 8192, 4096, 28672, 4, 64), (16640, 8192, 14336, 4096, 4, 64)]
 
@@ -332,6 +331,13 @@ def main(argv=None):
     out_path = pathlib.Path(args.out)
     table = json.loads(out_path.read_text())["configs"] if out_path.exists() else []
     report = []
+
+    def save():  # after every shape and pass: a sweep cut by a time limit keeps what it measured
+        table.sort(key=lambda e: (e["pass"], e["k"], e["n"], e["m"]))
+        out_path.write_text(json.dumps({"configs": table}, indent=1) + "\n")
+        if args.report:
+            pathlib.Path(args.report).write_text(json.dumps(report, indent=1))
+
     # dense dot of 32768x7168x2048 (bf16) as this GPU's matrix ceiling
     a = jnp.asarray(rng.standard_normal((32768, 7168)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((7168, 2048)), jnp.bfloat16)
@@ -353,6 +359,7 @@ def main(argv=None):
                 table = [e for e in table
                          if (e["pass"], e["m"], e["k"], e["n"], e["g"]) != (entry["pass"], m, k, n, g)]
                 table.append(entry)
+            save()
         for name in [p for p in args.passes.split(",") if p]:
             width = k if name == "dx" else n
             results, sweep = [], []
@@ -382,6 +389,7 @@ def main(argv=None):
                     print(f"  {name} {cfg.astuple()}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
                 results.append((t, cfg))
+                print(f"  {name} {cfg.astuple()}: {t * 1e3:.3f} ms", flush=True)
                 sweep.append((list(cfg.astuple()), round(t * 1e3, 4)))
             if not results:
                 print(f"{name} M={m} K={k} N={n} G={g}: no config ran", flush=True)
@@ -420,8 +428,8 @@ def main(argv=None):
             table = [e for e in table if (e["pass"], e["m"], e["k"], e["n"], e["g"]) != (name, m, k, n, g)]
             table.append({"pass": name, "m": m, "k": k, "n": n, "g": g, "config": list(cfg.astuple()),
                           "ms": round(t * 1e3, 4), "device": device})
-    table.sort(key=lambda e: (e["pass"], e["k"], e["n"], e["m"]))
-    out_path.write_text(json.dumps({"configs": table}, indent=1) + "\n")
+            save()
+    save()
     print(f"wrote {out_path}")
     if args.block:
         _tuned.cache_clear()  # the block reads the table just written
