@@ -318,12 +318,11 @@ def is_out_of_memory(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> dict:
-    """One jitted forward of the layer's decode path (ll_dispatch, grouped GEMMs over the filled
-    slots, ll_combine), and its expert block alone on one device next to the batched einsum over every
-    fixed slot (what the decode path computed before, and what DeepEP's contract invites). A config with
-    cached FP8 weights (``fp8_cached``) runs the decode experts in FP8 from ``MoE.quantize_weights()``,
-    made once outside the timed steps (a server quantises once per weight load)."""
+def decode_step(mesh: Mesh, shape, config: str):
+    """(layer, step, args): one jitted forward of the layer's decode path (ll_dispatch, grouped GEMMs over
+    the filled slots, ll_combine), ``step(*args)``. A config with cached FP8 weights (``fp8_cached``)
+    runs the decode experts in FP8 from ``MoE.quantize_weights()``, made here once (a server quantises
+    once per weight load)."""
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
     options = CONFIGS[config]
@@ -339,15 +338,26 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> di
     graphdef, state = nnx.split(layer)
     step = jax.jit(lambda state, x, q: nnx.merge(graphdef, state)(x, decode=True, update_stats=False,
                                                                    fp8_weights=q))
+    return layer, step, (state, x, quantized)
+
+
+def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> dict:
+    """``decode_step`` timed, and its expert block alone on one device next to the batched einsum over
+    every fixed slot (what the decode path computed before, and what DeepEP's contract invites)."""
+    hidden, ffn, experts, topk, tokens = shape
+    ep = mesh.size
+    options = CONFIGS[config]
+    layer, step, args = decode_step(mesh, shape, config)
     record = dict(op="moe_layer_decode", backend=options["backend"], config=config, hidden=hidden,
                   ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep,
                   ep_ops=layer_ep_plans(layer, tokens, ("ll_dispatch", "ll_combine")))
     try:
-        record["step_ms"] = 1e3 * best_of(step, state, x, quantized, iters=iters, repeats=repeats)
+        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
     grouped, einsum, weight_bytes = decode_experts_seconds(hidden, ffn, experts, topk, tokens, ep,
-                                                           options["gemm"], iters, repeats, fp8)
+                                                           options["gemm"], iters, repeats,
+                                                           bool(options.get("fp8_cached")))
     record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes)
     return record
 

@@ -183,7 +183,7 @@ def row_blocks(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     info = jnp.stack([first_block * FP8_BLOCK, first_block * FP8_BLOCK + sizes, blocks,
                       first_block * FP8_BLOCK]).astype(jnp.int32)
     b = jnp.arange(padded_block_rows(m, g) // FP8_BLOCK, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), g - 1)
+    group = jnp.minimum(jnp.searchsorted(block_end, b, side="right", method="compare_all"), g - 1)  # no loop
     local = (b - first_block[group]) * FP8_BLOCK
     live = jnp.clip(sizes[group] - local, 0, FP8_BLOCK)
     live = jnp.where(b < block_end[-1], live, 0)

@@ -4,9 +4,8 @@ name over a chain of steps, with the HLO instruction and jax name scope it came 
     python tools/profile_layer.py [mid|deepseek|small] [layer config, e.g. ep_cuda] [--experts N]
         [--top 40] [--hlo FILE] [--ordered]
 
-``--decode`` profiles a decode preset's expert block instead (``deepseek_decode [config] --decode``: the
-grouped GEMMs over the filled slots on one device at the per-rank shapes of ``--ep`` ranks, default 2;
-``jax_ep_fp8_cached`` runs them in FP8): what bounds the decode step.
+``--decode`` profiles a decode preset's forward instead (``deepseek_decode [config] --decode``, the step
+``python -m benchmarks --layer`` times for it; ``jax_ep_fp8_cached`` runs the experts in FP8).
 ``--experts N`` overrides the preset's expert count: ``deepseek ep_cuda --experts 128`` on one GPU runs
 the per-rank expert work of the DeepSeek-V3 layer at EP2 (no communication), at half the device cost.
 It prints the step time, the compiled program's memory, the busy time per stream, the kernels by total
@@ -39,8 +38,7 @@ parser.add_argument("--experts", type=int, default=None, help="override the pres
 parser.add_argument("--top", type=int, default=40, help="kernels listed (default 40)")
 parser.add_argument("--iters", type=int, default=5, help="profiled steps (default 5)")
 parser.add_argument("--hlo", default=None, help="write the compiled HLO text here")
-parser.add_argument("--decode", action="store_true", help="profile a decode preset's expert block")
-parser.add_argument("--ep", type=int, default=2, help="--decode: the EP size of the per-rank shapes")
+parser.add_argument("--decode", action="store_true", help="profile a decode preset's forward")
 parser.add_argument("--ordered", action="store_true",
                     help="issue the EP calls with the ordering effect as several processes do "
                          "(jax_ep.ordering.needed; one process leaves it out), to time what it costs")
@@ -53,16 +51,15 @@ if args.ordered:
 hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[args.shape]
 experts = args.experts or experts
 fp8_cached = bool(bench_layer.CONFIGS[args.config].get("fp8_cached"))
+mesh = Mesh(np.array(jax.devices()), ("ep",))
+print(f"{'decode forward' if args.decode else 'training step'} of {args.shape} (hidden {hidden}, ffn {ffn}, "
+      f"experts {experts}, top-{topk}, {tokens} tokens/rank), config {args.config}, {mesh.size} device(s): "
+      f"{jax.devices()[0].device_kind}")
 if args.decode:
-    grouped, _, call_args, weight_bytes = bench_layer.decode_expert_block(
-        hidden, ffn, experts, topk, tokens, args.ep, bench_layer.CONFIGS[args.config]["gemm"], fp8_cached)
-    print(f"decode expert block of {args.shape} at EP{args.ep} (hidden {hidden}, ffn {ffn}, "
-          f"{experts // args.ep} local experts, {tokens} tokens/rank), config {args.config}: "
-          f"{jax.devices()[0].device_kind}, {weight_bytes / 1e9:.2f} GB of bf16 expert weights")
-    call = lambda: grouped(*call_args)  # noqa: E731
-    compiled = grouped.lower(*call_args).compile()
+    layer, step, call_args = bench_layer.decode_step(mesh, (hidden, ffn, experts, topk, tokens), args.config)
+    call = lambda: step(*call_args)  # noqa: E731
+    compiled = step.lower(*call_args).compile()
 else:
-    mesh = Mesh(np.array(jax.devices()), ("ep",))
     layer, x = bench_layer.layer_and_tokens(mesh, (hidden, ffn, experts, topk, tokens), args.config)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     step, quantise = bench_layer.training_step(graphdef, rest)   # the step benchmarks.layer times
@@ -74,9 +71,6 @@ else:
         jax.block_until_ready(quantise(params))
         print(f"weight quantisation (once per optimiser step, not in the step): "
               f"{1e3 * (time.perf_counter() - t0):.3f} ms")
-    print(f"shape {args.shape} (hidden {hidden}, ffn {ffn}, experts {experts}, top-{topk}, "
-          f"{tokens} tokens/rank), config {args.config}, {mesh.size} device(s): "
-          f"{jax.devices()[0].device_kind}")
     call = lambda: step(params, x, fp8)  # noqa: E731
     compiled = step.lower(params, x, fp8).compile()
 hlo = compiled.as_text()
