@@ -370,7 +370,8 @@ def decode_expert_block(hidden: int, ffn: int, experts: int, topk: int, tokens: 
     over the filled slots (``moe.slot_experts``; ``fp8``: its GEMMs in FP8 from weights quantised once
     here; it takes the slots' buffer (donated) and writes its rows back into it, as in the layer where
     the buffer is the dispatch's: ``slots = grouped(slots, *args[1:])``), the batched einsum over all
-    slots (bf16; what DeepEP's fixed-slot contract invites), their arguments (``einsum(*args[:4])``), and
+    slots (bf16; what DeepEP's fixed-slot contract invites), their arguments (``einsum(*args[:4])`` before
+    any ``grouped`` call has taken ``args[0]``), and
     the bytes of this rank's bf16 expert weights: what either must read at least."""
     local = experts // ep
     rng = np.random.default_rng(0)

@@ -1,8 +1,8 @@
 """Where a profiled MoE layer step's device time goes: every GPU kernel of device 0, summed per kernel
 name over a chain of steps, with the HLO instruction and jax name scope it came from.
 
-    python tools/profile_layer.py [mid|deepseek|small] [layer config, e.g. ep_cuda] [--experts N]
-        [--top 40] [--hlo FILE] [--ordered]
+    python tools/profile_layer.py [mid|deepseek|small|deepseek_decode|...] [layer config, e.g. ep_cuda]
+        [--experts N] [--top 40] [--hlo FILE] [--ordered] [--decode]
 
 ``--decode`` profiles a decode preset's forward instead (``deepseek_decode [config] --decode``, the step
 ``python -m benchmarks --layer`` times for it; ``jax_ep_fp8_cached`` runs the experts in FP8).
@@ -50,7 +50,6 @@ if args.ordered:
 
 hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[args.shape]
 experts = args.experts or experts
-fp8_cached = bool(bench_layer.CONFIGS[args.config].get("fp8_cached"))
 mesh = Mesh(np.array(jax.devices()), ("ep",))
 print(f"{'decode forward' if args.decode else 'training step'} of {args.shape} (hidden {hidden}, ffn {ffn}, "
       f"experts {experts}, top-{topk}, {tokens} tokens/rank), config {args.config}, {mesh.size} device(s): "
@@ -65,7 +64,7 @@ else:
     step, quantise = bench_layer.training_step(graphdef, rest)   # the step benchmarks.layer times
     # a config with cached FP8 weights (jax_ep_fp8_cached): quantised once here, outside the profiled steps
     fp8 = None
-    if fp8_cached:
+    if bench_layer.CONFIGS[args.config].get("fp8_cached"):
         fp8 = jax.block_until_ready(quantise(params))
         t0 = time.perf_counter()
         jax.block_until_ready(quantise(params))

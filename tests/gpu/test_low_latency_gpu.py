@@ -347,7 +347,8 @@ def test_decode_layer_with_the_kernels_matches_the_reference_ops(cuda_backend, m
     """MoE's decode forward (ll_dispatch, the expert GEMMs over the filled slots written back into the
     dispatch's buffer in place, ll_combine) with the CUDA low-latency ops gives the bits of the same
     layer with the reference ops (same GEMMs on this GPU; the kernels' slots are the reference's), bf16
-    weights and cached FP8 ones; every output finite and not all zero."""
+    weights and cached FP8 ones; device memory poisoned first, so the unfilled slots the experts' rows
+    are written back among hold garbage; every output finite and not all zero."""
     from flax import nnx
 
     from jax_ep.gating import RouterConfig
@@ -358,6 +359,7 @@ def test_decode_layer_with_the_kernels_matches_the_reference_ops(cuda_backend, m
                                                  np.float32), jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
     outs = {}
     for backend in ("reference", "cuda"):
+        poison_device_memory(mesh.devices.flat, 256 << 20)   # unfilled slots start as garbage
         layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(3), mesh=mesh,
                     ep=EPOptions(backend=backend), param_dtype=jnp.bfloat16, decode=True,
                     gemm_dtype="float8_e4m3fn" if fp8 else None)
