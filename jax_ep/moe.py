@@ -704,11 +704,12 @@ class MoE(nnx.Module):
 
         def experts_and_back(d):
             with jax.named_scope(SCOPES["experts"]):
-                rows = d.x if getattr(d, "scales", None) is None else dequantize_fp8(d.x, d.scales, x.dtype)
-                y = expert_block(rows.astype(x.dtype), w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
+                scales = getattr(d, "scales", None)
+                rows = d.x.astype(x.dtype) if scales is None else d.x
+                y = expert_block(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
                                  d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
                                  fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad,
-                                 swiglu_backend=self.swiglu_backend)
+                                 swiglu_backend=self.swiglu_backend, row_scales=scales)
             with jax.named_scope(SCOPES["combine"]):
                 return exchange.combine(y.astype(x.dtype), d.handle)
 
@@ -788,7 +789,7 @@ class _HierarchicalExchange:
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
                  gemm: str = "auto", gemm_dtype: str | None = None,
                  fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False,
-                 swiglu_backend: str = "auto") -> jax.Array:
+                 swiglu_backend: str = "auto", row_scales: jax.Array | None = None) -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
@@ -798,7 +799,11 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     bf16 gate|up GEMM writes neither its output's nor the rows' gradient's rows there
     (``zero_tail=False``), and nothing reads them (the down GEMM skips rows past the groups, SwiGLU
     works row by row). ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows;
-    "auto": ``jax_ep.swiglu.choose``)."""
+    "auto": ``jax_ep.swiglu.choose``). ``row_scales`` [M, H/128]: ``rows`` are an FP8 dispatch's e4m3
+    rows; with the FP8 GEMMs the gate|up GEMM reads them as they came (forward-only, as the FP8 wire
+    is), with the bf16 ones they are dequantised to the weights' dtype first."""
+    if row_scales is not None and gemm_dtype is None:
+        rows, row_scales = dequantize_fp8(rows, row_scales, w_gate_up.dtype), None
     if swiglu_backend == "auto" and gemm_dtype is not None:
         # the FP8 GEMMs quantise their inputs in blocks that may reach past the live rows, which the
         # kernels leave unwritten: XLA's SwiGLU (every row) until that path is measured with them
@@ -813,8 +818,9 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
     matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,
                                weight_grad="fp8" if fp8_weight_grad else "bf16")
-    return matmul(activate(matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q)), w_down, group_sizes,
-                  quantized=down_q)
+    gate_up = matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q, x_scales=row_scales,
+                     out_dtype=w_gate_up.dtype)
+    return matmul(activate(gate_up), w_down, group_sizes, quantized=down_q)
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,
@@ -829,23 +835,31 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
     grouped by local expert (``filled_slots``), so the grouped GEMMs (``gemm``: jax_ep.grouped_matmul's
     backend, in ``dtype``) read each expert's weights once for its few rows. ``fp8_weights``: both GEMMs
     in FP8 (``fp8_grouped_matmul``) from these quantised weights, the rows quantised per token and 128
-    channels as the throughput path does."""
+    channels as the throughput path does; an FP8 dispatch's rows (``scales``) go into the first GEMM as
+    they came (no dequantise and quantise again)."""
     slot, filled = filled_slots(counts, slots.shape[1], max_experts_per_token)
     flat = slots.reshape(-1, slots.shape[2])
-    rows = flat[slot] if scales is None else dequantize_fp8(
-        flat[slot], scales.reshape(flat.shape[0], -1)[slot], dtype)
+    rows = flat[slot]
     # rows past the filled ones are unspecified slots (NaN included on the CUDA path): zeros, so that
     # every product of the GEMM is finite
-    rows = jnp.where(filled[:, None], rows.astype(dtype), jnp.zeros((), dtype))
+    rows = jnp.where(filled[:, None], rows, jnp.zeros((), rows.dtype))
+    if scales is not None:
+        scales = jnp.where(filled[:, None], scales.reshape(flat.shape[0], -1)[slot], 0.0)
     group_sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
 
-    def matmul(x, w, quantized):
+    def matmul(x, w, quantized, x_scales=None):
         if fp8_weights is None:
             return grouped_matmul(x, w, group_sizes, backend=gemm)
-        return fp8_grouped_matmul(x, w, group_sizes, gemm=gemm, quantized=quantized)
+        return fp8_grouped_matmul(x, w, group_sizes, gemm=gemm, quantized=quantized, x_scales=x_scales,
+                                  out_dtype=dtype)
 
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
-    gate, up = jnp.split(matmul(rows, w_gate_up.astype(dtype), gate_up_q), 2, axis=1)
+    if scales is not None and fp8_weights is not None:        # the wire's FP8 rows, as they came
+        gate_up = matmul(rows, w_gate_up.astype(dtype), gate_up_q, scales)
+    else:
+        rows = rows.astype(dtype) if scales is None else dequantize_fp8(rows, scales, dtype)
+        gate_up = matmul(rows, w_gate_up.astype(dtype), gate_up_q)
+    gate, up = jnp.split(gate_up, 2, axis=1)
     y = matmul(jax.nn.silu(gate) * up, w_down.astype(dtype), down_q)
     # back into the slots ll_combine reads; it never reads the others (NaN allowed), so a bfloat16
     # dispatch's own buffer takes them in place: no slot-sized buffer of zeros (528 MB per step at

@@ -343,15 +343,17 @@ def test_filled_slots_gathers_every_filled_slot_grouped_by_expert(seed):
     np.testing.assert_array_equal(slot[len(want):], 0)
 
 
-def test_decode_with_fp8_weights_matches_the_throughput_path():
+@pytest.mark.parametrize("wire", ["bfloat16", "float8_e4m3fn"])
+def test_decode_with_fp8_weights_matches_the_throughput_path(wire, monkeypatch):
     """layer(x, decode=True, fp8_weights=...) runs the decode experts in FP8 from the cached weights:
     each (token, expert) row is quantised and multiplied as on the throughput path with the same weights,
     so the two paths agree within 4 u S_t (the combines' orders); without them decode stays bf16 (and
-    differs)."""
+    differs). With an FP8 wire both paths give the gate|up GEMM the wire's e4m3 rows as they came."""
     mesh = make_mesh((4,), ("ep",))
     hidden = ffn = 128
     layer = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK, score_func="sigmoid"), rngs=nnx.Rngs(6), mesh=mesh,
-                ep=EPOptions(backend="reference"), dtype="bfloat16", gemm_dtype="float8_e4m3fn")
+                ep=EPOptions(backend="reference", dispatch_dtype=wire), dtype="bfloat16",
+                gemm_dtype="float8_e4m3fn")
     fp8 = nnx.jit(lambda m: m.quantize_weights())(layer)
     rng = np.random.default_rng(8)
     for batch in (mesh.size, 3 * mesh.size):
@@ -364,3 +366,12 @@ def test_decode_with_fp8_weights_matches_the_throughput_path():
         assert_within(decoded, np.asarray(throughput, np.float64).reshape(bound.shape), bound, "fp8 decode")
         # FP8's error (e4m3: 3 mantissa bits) is far above the bound: the bf16 decode is another function
         assert np.abs(np.asarray(bf16, np.float64) - np.asarray(decoded, np.float64)).max() > bound.max()
+    # the rows the GEMMs quantise themselves: both GEMMs' with a bf16 wire, only the down GEMM's (the
+    # activations) with an FP8 wire, whose rows go into the gate|up GEMM as they came
+    from jax_ep import gemm_fp8
+    quantised = []
+    real = gemm_fp8.quantize_gemm_rows
+    monkeypatch.setattr(gemm_fp8, "quantize_gemm_rows", lambda x: quantised.append(x.shape) or real(x))
+    for decode in (True, False):
+        nnx.jit(lambda m, x, q, d=decode: m(x, decode=d, update_stats=False, fp8_weights=q))(layer, x, fp8)
+    assert len(quantised) == (2 if wire == "float8_e4m3fn" else 4), quantised

@@ -517,3 +517,64 @@ def test_fp8_weight_gradient_kernel_lowers_for_hopper(kernel):
         x, dy, gs, x_scales=xs, backend="mosaic_gpu", kernel=kernel))
     text = f.trace(x, xs, dy, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and text.count("jax_ep_quantize_rows_t") >= 2
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["quantise_w", "cached_w"])
+def test_rows_quantised_elsewhere_go_in_as_they_came(cached):
+    """fp8_grouped_matmul(xq, w, ..., x_scales=xs): an FP8 dispatch's e4m3 rows and scales (quantize_fp8,
+    the wire's quantiser) are the GEMM's rows as they are: the blockwise definition on exactly those
+    values (no second quantisation), NaN rows past the groups never reach the groups' rows (zeros there),
+    the result in out_dtype (bfloat16 by default); the same under jit and shard_map lowering for Hopper.
+    Forward-only: a gradient raises, with respect to x's scales or to w (never a silent zero); shapes
+    that do not fit name the argument."""
+    from jax_ep.errors import EPUnsupportedError
+
+    x, w, sizes = case(3)
+    xq, xs = quantize_fp8(jnp.asarray(x, jnp.bfloat16))
+    total = int(sizes.sum())
+    xq = xq.at[total:].set(jnp.nan)                       # capacity rows: never read into a group's rows
+    xs = xs.at[total:].set(jnp.nan)
+    wj = jnp.asarray(w, jnp.bfloat16)
+    q = gemm_fp8.quantize_weights(wj) if cached else None
+    gs = jnp.asarray(sizes)
+    out = jax.jit(lambda xq, xs, w: gemm_fp8.fp8_grouped_matmul(xq, w, gs, x_scales=xs, quantized=q,
+                                                               out_dtype=jnp.float32))(xq, xs, wj)
+    wq, ws = quantize_weight_blocks(wj)
+    want = blockwise(xq[:total], xs[:total], wq, ws, sizes)
+    np.testing.assert_allclose(np.asarray(out)[:total], want, rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(out)[total:] == 0)
+    assert gemm_fp8.fp8_grouped_matmul(xq, wj, jnp.asarray(sizes), x_scales=xs).dtype == jnp.bfloat16
+    for argnums in (0, 1):
+        with pytest.raises(EPUnsupportedError, match="forward-only"):
+            jax.grad(lambda s, w: jnp.sum(gemm_fp8.fp8_grouped_matmul(
+                xq, w, jnp.asarray(sizes), x_scales=s, quantized=q).astype(jnp.float32)),
+                argnums=argnums)(xs, wj)
+    with pytest.raises(EPValueError, match=r"x_scales must be \[M, K/128\] = \(320, 2\), got \(320, 3\)"):
+        gemm_fp8.fp8_grouped_matmul(xq, wj, jnp.asarray(sizes), x_scales=jnp.ones((320, 3)))
+    with pytest.raises(EPValueError, match="x must be float8_e4m3fn rows"):
+        gemm_fp8.fp8_grouped_matmul(xq.astype(jnp.bfloat16), wj, jnp.asarray(sizes), x_scales=xs)
+
+
+def test_rows_quantised_elsewhere_lower_for_hopper_under_shard_map(monkeypatch):
+    """The x_scales form inside shard_map (the MoE layer's FP8-wire prefill and decode on a GPU): traces
+    and lowers for CUDA with the Hopper kernel, the GPU-only checks bypassed."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep import gemm as gemm_mod
+
+    monkeypatch.setattr(gemm_fp8, "_kernel_platform", lambda: "")
+    monkeypatch.setattr(gemm_mod, "_kernel_platform", lambda: "")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    m, k, n, g = 512, 256, 512, 3
+
+    def per_rank(xq, xs, w, gs):
+        q = gemm_fp8.quantize_weights(w)
+        return gemm_fp8.fp8_grouped_matmul(xq, w, gs[0], backend="mosaic_gpu", quantized=q, x_scales=xs)
+
+    f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
+    args = (jax.ShapeDtypeStruct((2 * m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2 * m, k // 128),
+                                                                                        jnp.float32),
+            jax.ShapeDtypeStruct((2 * g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((2, g), jnp.int32))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
