@@ -78,10 +78,58 @@ def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int
     return warp_specialized, block_m, stages, grid_minor, bool(ring)
 
 
-def quantize_gemm_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+# rows per program of quantize_gemm_rows' kernel (the capacity buffers' rows are multiples of 64)
+QUANTIZE_ROWS = 32
+
+
+def quantize_gemm_rows(x: jax.Array, live_rows: jax.Array | None = None, *, backend: str = "reference",
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Rows [M, K] as the FP8 GEMMs read them (the forward's x, the backward's dy): quantize_fp8's 1 x 128
-    layout with the GEMMs' amax floor (FP8_GEMM_MIN_AMAX: a gradient is as small as the loss makes it)."""
-    return quantize_fp8(x, FP8_GEMM_MIN_AMAX)
+    layout with the GEMMs' amax floor (FP8_GEMM_MIN_AMAX: a gradient is as small as the loss makes it).
+
+    backend "pallas" (a GPU, or ``interpret``; K a multiple of 128, M of QUANTIZE_ROWS): one Triton kernel
+    over blocks of QUANTIZE_ROWS rows x 128 channels that quantises only the blocks starting below
+    ``live_rows`` (int32 scalar: ``sum(group_sizes)``) and leaves the rows from the first block at or past
+    it unwritten, as the FP8 GEMMs never read rows past the groups. At the MoE layer's default capacity
+    those are half the rows at EP2 and three quarters at EP4, which XLA's quantisation reads and writes
+    whole. The rows it writes are the reference's bits (``tests/test_gemm_fp8.py``)."""
+    if backend == "reference":
+        return quantize_fp8(x, FP8_GEMM_MIN_AMAX)
+    if backend != "pallas" or live_rows is None:
+        raise EPValueError(f"quantize_gemm_rows: backend must be 'reference', or 'pallas' with live_rows, "
+                           f"got backend={backend!r}, live_rows={live_rows!r}")
+    m, k = x.shape
+    if not quantize_rows_fits(x.shape):
+        raise EPValueError(f"quantize_gemm_rows: backend='pallas' needs K % {FP8_BLOCK} == 0 and "
+                           f"M % {QUANTIZE_ROWS} == 0, got x {x.shape}")
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    r, b = QUANTIZE_ROWS, FP8_BLOCK
+    live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
+
+    def kernel(live_ref, x_ref, q_ref, amax_ref):
+        @pl.when(pl.program_id(0) * r < live_ref[0])
+        def _():
+            rows = x_ref[...].astype(jnp.float32)                                   # [r, 128]
+            amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=1), FP8_GEMM_MIN_AMAX)    # per row
+            q_ref[...] = (rows * (FP8_MAX / amax)[:, None]).astype(jnp.float8_e4m3fn)
+            amax_ref[...] = amax[None, :]
+
+    q, amax_t = pl.pallas_call(
+        kernel, grid=(m // r, k // b),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((r, b), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((r, b), lambda i, j: (i, j)), pl.BlockSpec((1, r), lambda i, j: (j, i))],
+        out_shape=[shape_like((m, k), jnp.float8_e4m3fn, x), shape_like((k // b, m), jnp.float32, x)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="jax_ep_quantize_rows")(*vary_jointly(live, x))
+    return q, fp8_scales(amax_t.T, FP8_GEMM_MIN_AMAX)[1]
+
+
+def quantize_rows_fits(shape) -> bool:
+    """Whether quantize_gemm_rows' kernel takes rows of this [M, K] shape (and Pallas addresses them)."""
+    m, k = shape
+    return k % FP8_BLOCK == 0 and m % QUANTIZE_ROWS == 0 and _pallas_indexes(m * k)
 
 
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -479,8 +527,16 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     return out if out_dtype is None else out.astype(out_dtype)
 
 
+def _quantize_live_rows(x, group_sizes, backend):
+    """quantize_gemm_rows for the GEMM on ``backend``: the live-row kernel beside the Hopper GEMMs (which
+    never read rows past the groups), XLA's whole-buffer quantisation elsewhere."""
+    if backend == "mosaic_gpu" and quantize_rows_fits(x.shape):
+        return quantize_gemm_rows(x, jnp.sum(group_sizes), backend="pallas")
+    return quantize_gemm_rows(x)
+
+
 def _fp8_forward(x, w, group_sizes, quantized, backend):
-    xq, xs = quantize_gemm_rows(x)
+    xq, xs = _quantize_live_rows(x, group_sizes, backend)
     wq, wq_t, ws = quantize_weights(w, backend=backend) if quantized is None else quantized
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
     return out, (xq, xs, wq, ws, group_sizes)
@@ -508,7 +564,7 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         None if q_like.wq_t is None else vary_as(jnp.zeros((wq.shape[0], wq.shape[2], wq.shape[1]),
                                                            wq.dtype), wq),
         vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
-    dyq, dys = quantize_gemm_rows(dy)
+    dyq, dys = _quantize_live_rows(dy, group_sizes, backend)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
                             backend=backend)
     if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens
@@ -516,6 +572,10 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend)
     else:
         rows = dequantize_fp8(xq, xs, jnp.bfloat16)          # the rows the forward multiplied
+        # zeros past the groups: the live-row quantiser leaves those rows unwritten, and the bf16 weight
+        # gradient's backend (``gemm``: lax.ragged_dot included) may read them
+        live = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None] < jnp.sum(group_sizes)
+        rows = jnp.where(live, rows, jnp.zeros((), rows.dtype))
         dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
     return dx, dw.astype(w_like.dtype), float0_like(group_sizes), d_quantized
 

@@ -209,6 +209,8 @@ def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm, cac
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
     assert ("jax_ep_quantize_rows_t" in text) == (weight_grad == "fp8")
+    # x and dy through the live-row quantiser (its kernel's name is a prefix of quantize_rows_t's)
+    assert text.count("jax_ep_quantize_rows") > text.count("jax_ep_quantize_rows_t")
 
 
 def _dw_case(seed, sizes, m, c=256, n=512, poison=True):
@@ -578,3 +580,27 @@ def test_rows_quantised_elsewhere_lower_for_hopper_under_shard_map(monkeypatch):
             jax.ShapeDtypeStruct((2 * g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((2, g), jnp.int32))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("live", [0, 1, 70, 96, 128])
+def test_live_row_quantiser_gives_the_reference_bits(live):
+    """quantize_gemm_rows(x, live, backend="pallas") (the Triton kernel, interpret mode here): every row
+    of every 32-row block that starts below live is quantize_fp8's (the GEMMs' amax floor) bit for bit,
+    e4m3 values and scales, including an all-zero 128-channel block and rows of very different scales;
+    the blocks from the first at or past live are not computed (left unwritten); shapes the kernel cannot
+    take are named."""
+    rng = np.random.default_rng(live)
+    x = rng.standard_normal((128, 384)) * rng.uniform(1e-3, 1e3, (128, 1))
+    x[5, :128] = 0.0
+    x = jnp.asarray(x, jnp.bfloat16)
+    q0, s0 = gemm_fp8.quantize_gemm_rows(x)
+    q1, s1 = jax.jit(lambda x, n: gemm_fp8.quantize_gemm_rows(x, n, backend="pallas", interpret=True))(
+        x, jnp.int32(live))
+    done = -(-live // gemm_fp8.QUANTIZE_ROWS) * gemm_fp8.QUANTIZE_ROWS
+    np.testing.assert_array_equal(np.asarray(q1[:done]).view(np.uint8), np.asarray(q0[:done]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s1[:done]), np.asarray(s0[:done]))
+    assert gemm_fp8.quantize_rows_fits((128, 384)) and not gemm_fp8.quantize_rows_fits((100, 384))
+    with pytest.raises(EPValueError, match=r"M % 32 == 0, got x \(100, 384\)"):
+        gemm_fp8.quantize_gemm_rows(x[:100], 3, backend="pallas", interpret=True)
+    with pytest.raises(EPValueError, match="'pallas' with live_rows"):
+        gemm_fp8.quantize_gemm_rows(x, backend="pallas")

@@ -512,3 +512,24 @@ def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
     assert got.dtype == jnp.bfloat16 and got.shape == ref.shape
     assert rel_err(got[:total], ref[:total]) < 1e-2
     assert np.all(np.asarray(got[total:], np.float32) == 0)
+
+
+@pytest.mark.parametrize("live", [0, 1000, 36864])
+def test_fp8_live_row_quantiser_gives_the_reference_bits(live):
+    """gemm_fp8.quantize_gemm_rows(x, live, backend="pallas") (the Triton kernel the FP8 GEMMs' inputs
+    take on Hopper) on the DeepSeek-V3 EP2 buffer's shape ([73,600, 7168] bf16, rows of very different
+    scales, an all-zero block): the rows of every 32-row block starting below live are XLA's quantisation
+    bit for bit, e4m3 values and scales."""
+    from jax_ep import gemm_fp8
+
+    rng = np.random.default_rng(live)
+    m, k = 73600, 7168
+    x = (jax.random.normal(jax.random.key(live), (m, k), jnp.float32)
+         * jnp.asarray(rng.uniform(1e-3, 1e3, (m, 1)), jnp.float32)).astype(jnp.bfloat16)
+    x = x.at[7, :128].set(0)
+    q0, s0 = jax.jit(gemm_fp8.quantize_gemm_rows)(x)
+    q1, s1 = jax.jit(lambda x, n: gemm_fp8.quantize_gemm_rows(x, n, backend="pallas"))(x, jnp.int32(live))
+    done = -(-live // gemm_fp8.QUANTIZE_ROWS) * gemm_fp8.QUANTIZE_ROWS
+    same = np.asarray(q1[:done]).view(np.uint8) == np.asarray(q0[:done]).view(np.uint8)
+    assert same.all(), f"{(~same).sum()} e4m3 values differ, first at {np.argwhere(~same)[:3].tolist()}"
+    np.testing.assert_array_equal(np.asarray(s1[:done]), np.asarray(s0[:done]))
