@@ -16,7 +16,8 @@ composition's extra stage, not a network. ``--layer-configs jax_ep_fp8`` (only w
 with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``), ``jax_ep_fp8_cached`` the same
 with the weights quantised once outside the step (``MoE.quantize_weights``, what gradient accumulation
 reuses over its micro-batches; ``quantise_ms`` is that quantisation, timed apart), ``jax_ep_fp8_cached_dw8``
-that with the weight gradients in FP8 too (``MoE(fp8_weight_grad=True)``); ``jax_ep_chunks2`` and
+that with the weight gradients in FP8 too (``MoE(fp8_weight_grad=True)``), ``jax_ep_fp8_wire`` the cached
+form with an FP8 dispatch wire (trained through, its rows straight into the FP8 GEMM); ``jax_ep_chunks2`` and
 ``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
 with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs;
 ``jax_ep_dy_zeroed`` (only when named): the defaults with ``EPOptions(dy_in_place=False)`` (combine's
@@ -84,6 +85,10 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # ... and the weight gradients in FP8 too (MoE(fp8_weight_grad=True))
            "jax_ep_fp8_cached_dw8": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
                                          fp8_cached=True, fp8_weight_grad=True),
+           # ... (cached weights) with the FP8 wire (EPOptions(dispatch_dtype="float8_e4m3fn"): trainable in
+           # the layer, its e4m3 rows straight into the FP8 gate|up GEMM)
+           "jax_ep_fp8_wire": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn", fp8_cached=True,
+                                   dispatch_dtype="float8_e4m3fn"),
            # the tokens in 2 chunks (EPOptions.chunks): chunk 1's exchange can overlap chunk 0's GEMMs
            "jax_ep_chunks2": dict(backend="auto", gemm="auto", chunks=2),
            "ep_cuda_async_chunks2": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1), chunks=2),
@@ -95,7 +100,7 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla")}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
-              "jax_ep_fp8_cached_dw8", "jax_ep_chunks2",
+              "jax_ep_fp8_cached_dw8", "jax_ep_fp8_wire", "jax_ep_chunks2",
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
 
 
@@ -255,7 +260,7 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
-                                     **{k: options[k] for k in ("chunks", "dy_in_place")
+                                     **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype")
                                         if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels
-from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
+from jax_ep.errors import EPTypeError, EPValueError
 from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, as_stored, dequantize_fp8, fp8_scales, quantize_fp8, to_e4m3
 from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
 from jax_ep.validation import float0_like
@@ -488,8 +488,8 @@ def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
 
 def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
                        gemm: str = "auto", quantized: FP8Weights | None = None,
-                       weight_grad: str = "bf16", x_scales: jax.Array | None = None,
-                       out_dtype=None) -> jax.Array:
+                       weight_grad: str = "bf16", x_fp8: tuple[jax.Array, jax.Array] | None = None
+                       ) -> jax.Array:
     """``grouped_matmul(x, w, group_sizes)`` with the matrix work in FP8 (module docstring): x [M, K]
     bfloat16/float32 rows, w [G, K, N] (K and N multiples of 128), result in x's dtype. Differentiable in
     x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's).
@@ -503,13 +503,11 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     ``gemm``'s backend) or "fp8" (fp8_weight_gradient: both quantised 128 x 1 along the tokens, as
     DeepSeek-V3 does; on the Hopper kernel it needs N % 256 == 0, else it runs on the reference).
 
-    ``x_scales`` [M, K/128] float32: x is already e4m3 rows quantised per 128 channels (what an FP8
-    dispatch delivers, ``jax_ep.fp8.quantize_fp8``), which the GEMM reads as they are instead of
-    dequantising and quantising them again. Forward-only, as the FP8 wire is: differentiating it raises.
-    ``out_dtype``: the result's dtype (default x's; bfloat16 for e4m3 x)."""
-    if x_scales is not None:
-        return _fp8_rows_matmul(x, x_scales, w, group_sizes, backend, quantized,
-                                jnp.dtype(out_dtype or jnp.bfloat16))
+    ``x_fp8``: x's rows already quantised per row and 128 channels, (e4m3 [M, K], float32 scales
+    [M, K/128]), e.g. by an FP8 dispatch (``jax_ep.fp8.quantize_fp8``): the GEMM multiplies them instead of
+    quantising x, and x serves for its gradient only (straight through the quantisation, as when this
+    call quantises x; where nothing differentiates, XLA drops x's computation). Constants (no gradient
+    flows into them)."""
     if weight_grad not in WEIGHT_GRADIENTS:
         raise EPValueError(f"fp8_grouped_matmul: weight_grad must be one of {WEIGHT_GRADIENTS}, got "
                            f"{weight_grad!r}")
@@ -523,8 +521,14 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
         _check_quantized(quantized, w, backend)
         quantized = FP8Weights(*(None if a is None else vary_as(lax.stop_gradient(a), x, w)
                                  for a in quantized))
-    out = _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, backend, gemm, weight_grad)
-    return out if out_dtype is None else out.astype(out_dtype)
+    if x_fp8 is not None:
+        xq, xs = x_fp8
+        if xq.dtype != jnp.float8_e4m3fn or xq.shape != x.shape or xs.shape != (x.shape[0], k // FP8_BLOCK):
+            raise EPValueError(f"fp8_grouped_matmul: x_fp8 must be (float8_e4m3fn {x.shape}, float32 "
+                               f"{(x.shape[0], k // FP8_BLOCK)}) for x {x.shape}, got "
+                               f"({xq.dtype} {xq.shape}, {xs.dtype} {xs.shape})")
+        x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w) for a in (xq, xs.astype(jnp.float32)))
+    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad)
 
 
 def _quantize_live_rows(x, group_sizes, backend):
@@ -535,29 +539,30 @@ def _quantize_live_rows(x, group_sizes, backend):
     return quantize_gemm_rows(x)
 
 
-def _fp8_forward(x, w, group_sizes, quantized, backend):
-    xq, xs = _quantize_live_rows(x, group_sizes, backend)
+def _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend):
+    xq, xs = _quantize_live_rows(x, group_sizes, backend) if x_fp8 is None else x_fp8
     wq, wq_t, ws = quantize_weights(w, backend=backend) if quantized is None else quantized
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
     return out, (xq, xs, wq, ws, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fp8_matmul(x, w, group_sizes, quantized, backend, gemm, weight_grad):
-    return _fp8_forward(x, w, group_sizes, quantized, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fp8_matmul(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad):
+    return _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend)[0]
 
 
-def _fp8_matmul_fwd(x, w, group_sizes, quantized, backend, gemm, weight_grad):
-    out, res = _fp8_forward(x, w, group_sizes, quantized, backend)
+def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad):
+    out, res = _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend)
     # which fields the cached weights have, as scalars: their (zero) cotangent is made in the backward
     # from wq's and ws's shapes, not kept from the forward
     q_like = None if quantized is None else FP8Weights(
         *(None if a is None else jnp.zeros((), a.dtype) for a in quantized))
-    return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), q_like)
+    given = None if x_fp8 is None else jnp.zeros((), jnp.int32)   # rows given quantised: a pytree flag
+    return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), q_like, given)
 
 
 def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
-    xq, xs, wq, ws, group_sizes, x_like, w_like, q_like = res
+    xq, xs, wq, ws, group_sizes, x_like, w_like, q_like, given = res
     # cached FP8 weights are constants (stop_gradient upstream): zero cotangents, dropped unused
     d_quantized = None if q_like is None else FP8Weights(
         vary_as(jnp.zeros(wq.shape, wq.dtype), wq),
@@ -577,45 +582,11 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         live = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None] < jnp.sum(group_sizes)
         rows = jnp.where(live, rows, jnp.zeros((), rows.dtype))
         dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
-    return dx, dw.astype(w_like.dtype), float0_like(group_sizes), d_quantized
+    # rows given quantised (x_fp8) are constants: zero cotangents
+    d_x_fp8 = (vary_as(jnp.zeros(xq.shape, xq.dtype), xq), vary_as(jnp.zeros(xs.shape, xs.dtype), xs)
+               ) if given is not None else None
+    return dx, dw.astype(w_like.dtype), float0_like(group_sizes), d_quantized, d_x_fp8
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
-
-def _fp8_rows_matmul(xq, x_scales, w, group_sizes, backend, quantized, out_dtype):
-    """fp8_grouped_matmul of rows quantised elsewhere (its ``x_scales`` form): checked, then the FP8 GEMM."""
-    if xq.dtype != jnp.float8_e4m3fn or xq.ndim != 2 or w.ndim != 3 or xq.shape[1] != w.shape[1]:
-        raise EPValueError(f"fp8_grouped_matmul: with x_scales, x must be float8_e4m3fn rows [M, K] sharing "
-                           f"K with w [G, K, N], got x {xq.dtype} {xq.shape}, w {w.shape}")
-    k, n = w.shape[1], w.shape[2]
-    check_fp8_channels("fp8_grouped_matmul", K=k, N=n)
-    if x_scales.shape != (xq.shape[0], k // FP8_BLOCK):
-        raise EPValueError(f"fp8_grouped_matmul: x_scales must be [M, K/128] = "
-                           f"{(xq.shape[0], k // FP8_BLOCK)}, got {x_scales.shape}")
-    backend = fp8_backend(k, n, backend)
-    if quantized is None:
-        quantized = quantize_weights(w, backend=backend)
-    else:
-        _check_quantized(quantized, w, backend)
-    quantized = FP8Weights(*(None if a is None else vary_as(lax.stop_gradient(a), xq, w) for a in quantized))
-    # w goes in too (unread): differentiating with respect to it then reaches the custom VJP and raises
-    # instead of returning a zero weight gradient
-    return _fp8_rows_forward_only(*vary_jointly(xq, x_scales.astype(jnp.float32), group_sizes), w,
-                                  quantized, backend, out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fp8_rows_forward_only(xq, x_scales, group_sizes, w, quantized, backend, out_dtype):
-    del w
-    wq, wq_t, ws = quantized
-    return grouped_matmul_fp8(xq, x_scales, wq, ws, group_sizes, wq_t=wq_t, out_dtype=out_dtype,
-                              backend=backend)
-
-
-def _fp8_rows_no_vjp(*_):
-    raise EPUnsupportedError("fp8_grouped_matmul: rows given already quantised (x_scales, e.g. from an FP8 "
-                             "dispatch) are forward-only; differentiate through bfloat16 rows instead")
-
-
-_fp8_rows_forward_only.defvjp(_fp8_rows_no_vjp, _fp8_rows_no_vjp)

@@ -54,7 +54,7 @@ from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
-from jax_ep.ops import combine, dispatch, ll_combine, ll_dispatch
+from jax_ep.ops import combine, dispatch, dispatch_transpose, ll_combine, ll_dispatch
 from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
 from jax_ep.swiglu import swiglu
 
@@ -702,14 +702,17 @@ class MoE(nnx.Module):
             with jax.named_scope(SCOPES["dispatch"]):
                 return exchange.dispatch(x_[t], idx_[t], wts_[t])
 
-        def experts_and_back(d):
+        def experts_and_back(sent):
+            d, rows = sent
             with jax.named_scope(SCOPES["experts"]):
+                # an FP8 wire's rows go into the FP8 gate|up GEMM as they came; `rows` (dequantised)
+                # carries their gradient, and is dropped by XLA where nothing else reads it
                 scales = getattr(d, "scales", None)
-                rows = d.x.astype(x.dtype) if scales is None else d.x
+                rows_fp8 = None if scales is None or self.gemm_dtype is None else (d.x, scales)
                 y = expert_block(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
                                  d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
                                  fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad,
-                                 swiglu_backend=self.swiglu_backend, row_scales=scales)
+                                 swiglu_backend=self.swiglu_backend, rows_fp8=rows_fp8)
             with jax.named_scope(SCOPES["combine"]):
                 return exchange.combine(y.astype(x.dtype), d.handle)
 
@@ -719,8 +722,8 @@ class MoE(nnx.Module):
                 sent.append(send(t + 1))
             outs.append(experts_and_back(sent[t]))
         out = jnp.concatenate(outs)   # (one operand: XLA drops the concatenate)
-        expert_counts = sum(d.expert_counts for d in sent)
-        num_dropped = sum(d.num_dropped for d in sent)
+        expert_counts = sum(d.expert_counts for d, _ in sent)
+        num_dropped = sum(d.num_dropped for d, _ in sent)
         return out, expert_counts, num_dropped
 
     def _ranks_per_node(self) -> int:
@@ -763,12 +766,46 @@ class _FlatExchange:
     dy_in_place: bool
 
     def dispatch(self, x, topk_idx, topk_weights):
-        return dispatch(x, topk_idx, topk_weights, self.cfg, rank_mask=self.rank_mask)
+        """(Dispatched, its rows in x's dtype). An FP8 wire is trainable here: the rows are its dequantised
+        e4m3 rows, whose gradient dispatch's backward takes straight through the quantisation
+        (``_fp8_wire_dispatch``)."""
+        if self.cfg.dispatch_dtype == "float8_e4m3fn":
+            return _fp8_wire_dispatch(x, topk_idx, topk_weights, self.rank_mask, self.cfg)
+        d = dispatch(x, topk_idx, topk_weights, self.cfg, rank_mask=self.rank_mask)
+        return d, d.x.astype(x.dtype)
 
     def combine(self, y, handle):
         # y is zero in every row with no token: dispatch zeroes the padding and every GEMM backend
         # writes zeros past the groups (so its backward writes only token rows)
         return combine(y, handle, self.cfg, rank_mask=self.rank_mask, empty_rows_zero=self.dy_in_place)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_wire_dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
+    """``dispatch`` with an FP8 wire, trainable as DeepSeek-V3 trains it: (Dispatched, rows = its e4m3
+    rows dequantised to x's dtype). The backward takes the rows' cotangent (in x's dtype) straight through
+    the quantisation into dispatch's backward (a combine of the row cotangents, bf16 on the wire), and
+    the handle's row weights' cotangent into topk_weights'; the e4m3 rows and their scales are
+    constants (an FP8 GEMM reading them directly gives them zero cotangents). ``jax_ep.dispatch`` itself
+    stays forward-only with an FP8 wire: its rows are e4m3, and an e4m3 cotangent would round the
+    gradient to 3 mantissa bits."""
+    d = dispatch(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
+    return d, dequantize_fp8(d.x, d.scales, x.dtype)
+
+
+def _fp8_wire_dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
+    out = _fp8_wire_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
+    return out, (out[0].handle, jnp.zeros((0,), x.dtype), topk_idx, rank_mask)
+
+
+def _fp8_wire_dispatch_bwd(cfg, residuals, ct):
+    handle, dtype_token, topk_idx, rank_mask = residuals
+    ct_d, d_rows = ct
+    return dispatch_transpose(d_rows, ct_d.handle.row_weights, handle, topk_idx, rank_mask, cfg,
+                              dtype_token.dtype)
+
+
+_fp8_wire_dispatch.defvjp(_fp8_wire_dispatch_fwd, _fp8_wire_dispatch_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -780,7 +817,10 @@ class _HierarchicalExchange:
     node_axis: str
 
     def dispatch(self, x, topk_idx, topk_weights):
-        return dispatch_hierarchical(x, topk_idx, topk_weights, self.cfg, self.node_axis)
+        """(Dispatched, its rows in x's dtype; an FP8 wire's dequantised: forward-only here)."""
+        d = dispatch_hierarchical(x, topk_idx, topk_weights, self.cfg, self.node_axis)
+        scales = getattr(d, "scales", None)
+        return d, d.x.astype(x.dtype) if scales is None else dequantize_fp8(d.x, scales, x.dtype)
 
     def combine(self, y, handle):
         return combine_hierarchical(y, handle, self.cfg, self.node_axis)
@@ -789,7 +829,8 @@ class _HierarchicalExchange:
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
                  gemm: str = "auto", gemm_dtype: str | None = None,
                  fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False,
-                 swiglu_backend: str = "auto", row_scales: jax.Array | None = None) -> jax.Array:
+                 swiglu_backend: str = "auto", rows_fp8: tuple[jax.Array, jax.Array] | None = None
+                 ) -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
@@ -799,11 +840,11 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     bf16 gate|up GEMM writes neither its output's nor the rows' gradient's rows there
     (``zero_tail=False``), and nothing reads them (the down GEMM skips rows past the groups, SwiGLU
     works row by row). ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows;
-    "auto": ``jax_ep.swiglu.choose``). ``row_scales`` [M, H/128]: ``rows`` are an FP8 dispatch's e4m3
-    rows; with the FP8 GEMMs the gate|up GEMM reads them as they came (forward-only, as the FP8 wire
-    is), with the bf16 ones they are dequantised to the weights' dtype first."""
-    if row_scales is not None and gemm_dtype is None:
-        rows, row_scales = dequantize_fp8(rows, row_scales, w_gate_up.dtype), None
+    "auto": ``jax_ep.swiglu.choose``). ``rows_fp8``: with the FP8 GEMMs, ``rows`` already quantised
+    (e4m3 [M, H], float32 scales [M, H/128]: an FP8 dispatch's), which the gate|up GEMM multiplies as they
+    are (``fp8_grouped_matmul``'s ``x_fp8``); ``rows`` then carries their gradient only."""
+    if rows_fp8 is not None and gemm_dtype is None:
+        raise EPValueError("expert_block: rows_fp8 needs gemm_dtype='float8_e4m3fn'")
     if swiglu_backend == "auto" and gemm_dtype is not None:
         # the FP8 GEMMs quantise their inputs in blocks that may reach past the live rows, which the
         # kernels leave unwritten: XLA's SwiGLU (every row) until that path is measured with them
@@ -818,8 +859,7 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
     matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,
                                weight_grad="fp8" if fp8_weight_grad else "bf16")
-    gate_up = matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q, x_scales=row_scales,
-                     out_dtype=w_gate_up.dtype)
+    gate_up = matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q, x_fp8=rows_fp8)
     return matmul(activate(gate_up), w_down, group_sizes, quantized=down_q)
 
 
@@ -847,19 +887,17 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
         scales = jnp.where(filled[:, None], scales.reshape(flat.shape[0], -1)[slot], 0.0)
     group_sizes = jnp.sum(counts, axis=1, dtype=jnp.int32)
 
-    def matmul(x, w, quantized, x_scales=None):
+    def matmul(x, w, quantized, x_fp8=None):
         if fp8_weights is None:
             return grouped_matmul(x, w, group_sizes, backend=gemm)
-        return fp8_grouped_matmul(x, w, group_sizes, gemm=gemm, quantized=quantized, x_scales=x_scales,
-                                  out_dtype=dtype)
+        return fp8_grouped_matmul(x, w, group_sizes, gemm=gemm, quantized=quantized, x_fp8=x_fp8)
 
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
-    if scales is not None and fp8_weights is not None:        # the wire's FP8 rows, as they came
-        gate_up = matmul(rows, w_gate_up.astype(dtype), gate_up_q, scales)
-    else:
-        rows = rows.astype(dtype) if scales is None else dequantize_fp8(rows, scales, dtype)
-        gate_up = matmul(rows, w_gate_up.astype(dtype), gate_up_q)
-    gate, up = jnp.split(gate_up, 2, axis=1)
+    # with the FP8 GEMMs the wire's FP8 rows go in as they came (their dequantised copy is then unused:
+    # XLA drops it)
+    rows_fp8 = None if scales is None or fp8_weights is None else (rows, scales)
+    rows = rows.astype(dtype) if scales is None else dequantize_fp8(rows, scales, dtype)
+    gate, up = jnp.split(matmul(rows, w_gate_up.astype(dtype), gate_up_q, rows_fp8), 2, axis=1)
     y = matmul(jax.nn.silu(gate) * up, w_down.astype(dtype), down_q)
     # back into the slots ll_combine reads; it never reads the others (NaN allowed), so a bfloat16
     # dispatch's own buffer takes them in place: no slot-sized buffer of zeros (528 MB per step at

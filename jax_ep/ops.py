@@ -251,14 +251,21 @@ def _dispatch_bwd(cfg, residuals, ct):
     handle, dtype_token, topk_idx, rank_mask = residuals
     if cfg.dispatch_dtype == "float8_e4m3fn":
         raise fp8_forward_only("dispatch")
-    d_rows = ct.x
+    return dispatch_transpose(ct.x, ct.handle.row_weights, handle, topk_idx, rank_mask, cfg,
+                              dtype_token.dtype)
+
+
+def dispatch_transpose(d_rows, d_row_weights, handle, topk_idx, rank_mask, cfg, dtype):
+    """dispatch's backward: the cotangents of its rows ``d_rows`` [C, H] and of its handle's row weights
+    [C] -> those of (x in ``dtype``, topk_idx, topk_weights, rank_mask). Also what the MoE layer's
+    trainable FP8 wire uses, whose rows' cotangent arrives in the compute dtype (straight through the
+    quantisation)."""
     # unit weights: y * 1.0 is exact, so this is the plain sum of each token's row cotangents
     unweighted = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
     dx = implementation("combine", cfg, d_rows.dtype)(
-        d_rows, unweighted, cfg, rank_mask=rank_mask).astype(dtype_token.dtype)
+        d_rows, unweighted, cfg, rank_mask=rank_mask).astype(dtype)
     # a masked slot is DROPPED in the handle: it has no row, its weight's gradient is 0
-    d_topk_weights = implementation("slot_values", cfg)(ct.handle.row_weights, handle, cfg,
-                                                        rank_mask=rank_mask)
+    d_topk_weights = implementation("slot_values", cfg)(d_row_weights, handle, cfg, rank_mask=rank_mask)
     return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 

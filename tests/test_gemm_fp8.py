@@ -523,43 +523,46 @@ def test_fp8_weight_gradient_kernel_lowers_for_hopper(kernel):
 
 @pytest.mark.parametrize("cached", [False, True], ids=["quantise_w", "cached_w"])
 def test_rows_quantised_elsewhere_go_in_as_they_came(cached):
-    """fp8_grouped_matmul(xq, w, ..., x_scales=xs): an FP8 dispatch's e4m3 rows and scales (quantize_fp8,
-    the wire's quantiser) are the GEMM's rows as they are: the blockwise definition on exactly those
-    values (no second quantisation), NaN rows past the groups never reach the groups' rows (zeros there),
-    the result in out_dtype (bfloat16 by default); the same under jit and shard_map lowering for Hopper.
-    Forward-only: a gradient raises, with respect to x's scales or to w (never a silent zero); shapes
-    that do not fit name the argument."""
-    from jax_ep.errors import EPUnsupportedError
-
+    """fp8_grouped_matmul(x, w, ..., x_fp8=(xq, xs)): rows quantised elsewhere (an FP8 dispatch's) are
+    the GEMM's rows as they are: with xq, xs = quantize_gemm_rows(x) the output and the gradients of x
+    and w are the bits of the call that quantises x itself (straight through, the same residuals); with
+    NaN rows past the groups (capacity rows: also in x, the gradient's anchor) the groups' rows, dx and
+    dw are unchanged; the wire's own quantiser's rows give the blockwise definition on exactly those
+    values; pairs that do not fit x are named."""
     x, w, sizes = case(3)
-    xq, xs = quantize_fp8(jnp.asarray(x, jnp.bfloat16))
+    x, wj, gs = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(sizes)
     total = int(sizes.sum())
-    xq = xq.at[total:].set(jnp.nan)                       # capacity rows: never read into a group's rows
-    xs = xs.at[total:].set(jnp.nan)
-    wj = jnp.asarray(w, jnp.bfloat16)
     q = gemm_fp8.quantize_weights(wj) if cached else None
-    gs = jnp.asarray(sizes)
-    out = jax.jit(lambda xq, xs, w: gemm_fp8.fp8_grouped_matmul(xq, w, gs, x_scales=xs, quantized=q,
-                                                               out_dtype=jnp.float32))(xq, xs, wj)
+
+    def loss(x, w, x_fp8):
+        out = gemm_fp8.fp8_grouped_matmul(x, w, gs, quantized=q, x_fp8=x_fp8)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[1], dtype=jnp.float32))), out
+
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, out0), (dx0, dw0) = grads(x, wj, None)
+    (_, out1), (dx1, dw1) = grads(x, wj, gemm_fp8.quantize_gemm_rows(x))
+    for a, b in ((out1, out0), (dx1, dx0), (dw1, dw0)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    xq, xs = gemm_fp8.quantize_gemm_rows(x)
+    poisoned = (x.at[total:].set(jnp.nan), (xq.at[total:].set(jnp.nan), xs.at[total:].set(jnp.nan)))
+    (_, out2), (dx2, dw2) = grads(poisoned[0], wj, poisoned[1])
+    np.testing.assert_array_equal(np.asarray(out2[:total], np.float32), np.asarray(out0[:total], np.float32))
+    np.testing.assert_array_equal(np.asarray(dx2[:total], np.float32), np.asarray(dx0[:total], np.float32))
+    np.testing.assert_array_equal(np.asarray(dw2, np.float32), np.asarray(dw0, np.float32))
     wq, ws = quantize_weight_blocks(wj)
-    want = blockwise(xq[:total], xs[:total], wq, ws, sizes)
+    wire_q, wire_s = quantize_fp8(x)                 # the FP8 wire's quantiser (its amax floor)
+    out = gemm_fp8.fp8_grouped_matmul(x.astype(jnp.float32), wj, gs, quantized=q, x_fp8=(wire_q, wire_s))
+    want = blockwise(wire_q[:total], wire_s[:total], wq, ws, sizes)
     np.testing.assert_allclose(np.asarray(out)[:total], want, rtol=1e-5, atol=1e-4)
-    assert np.all(np.asarray(out)[total:] == 0)
-    assert gemm_fp8.fp8_grouped_matmul(xq, wj, jnp.asarray(sizes), x_scales=xs).dtype == jnp.bfloat16
-    for argnums in (0, 1):
-        with pytest.raises(EPUnsupportedError, match="forward-only"):
-            jax.grad(lambda s, w: jnp.sum(gemm_fp8.fp8_grouped_matmul(
-                xq, w, jnp.asarray(sizes), x_scales=s, quantized=q).astype(jnp.float32)),
-                argnums=argnums)(xs, wj)
-    with pytest.raises(EPValueError, match=r"x_scales must be \[M, K/128\] = \(320, 2\), got \(320, 3\)"):
-        gemm_fp8.fp8_grouped_matmul(xq, wj, jnp.asarray(sizes), x_scales=jnp.ones((320, 3)))
-    with pytest.raises(EPValueError, match="x must be float8_e4m3fn rows"):
-        gemm_fp8.fp8_grouped_matmul(xq.astype(jnp.bfloat16), wj, jnp.asarray(sizes), x_scales=xs)
+    with pytest.raises(EPValueError, match=r"x_fp8 must be \(float8_e4m3fn \(320, 256\), float32 "
+                                           r"\(320, 2\)\)"):
+        gemm_fp8.fp8_grouped_matmul(x, wj, gs, x_fp8=(xq, xs[:, :1]))
 
 
 def test_rows_quantised_elsewhere_lower_for_hopper_under_shard_map(monkeypatch):
-    """The x_scales form inside shard_map (the MoE layer's FP8-wire prefill and decode on a GPU): traces
-    and lowers for CUDA with the Hopper kernel, the GPU-only checks bypassed."""
+    """The x_fp8 form inside shard_map (the MoE layer's FP8 wire on a GPU), its gradient included: traces
+    and lowers for CUDA with the Hopper kernels, the GPU-only checks bypassed; only the backward's dy is
+    quantised by the live-row kernel (x's rows come quantised)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -570,16 +573,20 @@ def test_rows_quantised_elsewhere_lower_for_hopper_under_shard_map(monkeypatch):
     mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
     m, k, n, g = 512, 256, 512, 3
 
-    def per_rank(xq, xs, w, gs):
-        q = gemm_fp8.quantize_weights(w)
-        return gemm_fp8.fp8_grouped_matmul(xq, w, gs[0], backend="mosaic_gpu", quantized=q, x_scales=xs)
+    def per_rank(x, xq, xs, w, gs):
+        def loss(x, w):
+            out = gemm_fp8.fp8_grouped_matmul(x, w, gs[0], backend="mosaic_gpu", x_fp8=(xq, xs))
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
 
-    f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
-    args = (jax.ShapeDtypeStruct((2 * m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2 * m, k // 128),
-                                                                                        jnp.float32),
+    f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=(P("ep"), P("ep"))))
+    args = (jax.ShapeDtypeStruct((2 * m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2 * m, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((2 * m, k // 128), jnp.float32),
             jax.ShapeDtypeStruct((2 * g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((2, g), jnp.int32))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 1
+    assert text.count("mosaic_gpu") >= 2
+    assert text.count("jax_ep_quantize_rows") - text.count("jax_ep_quantize_rows_t") >= 1
 
 
 @pytest.mark.parametrize("live", [0, 1, 70, 96, 128])

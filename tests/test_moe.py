@@ -478,6 +478,49 @@ def test_fp8_expert_gemms_stay_within_fp8_error_of_the_bf16_layer():
         make_layer(mesh, gemm_dtype="float16")
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["quantise_w", "cached_w"])
+def test_fp8_wire_trains_with_the_fp8_gemms_bit_for_bit(cached):
+    """EPOptions(dispatch_dtype="float8_e4m3fn") with gemm_dtype="float8_e4m3fn" trains (DeepSeek-V3's
+    FP8 dispatch): the wire's e4m3 rows go into the gate|up GEMM as they came, and their gradient goes
+    back through dispatch's backward straight through the quantisation. bf16 tokens: the wire quantises
+    each token as the GEMM would quantise its rows, so output, loss and every gradient (the experts'
+    weights, the router's, the tokens') are the bf16 wire's bits; with bf16 GEMMs the FP8 wire trains too
+    (its rows dequantised: gradients within FP8's error of the bf16 wire's)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    hidden, ffn = 128, 256
+    x = jnp.asarray(np.random.default_rng(22).standard_normal((8, 4, hidden)), jnp.bfloat16)
+
+    def run(wire, **kw):
+        model = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(4), mesh=mesh,
+                    ep=EPOptions(backend="reference", dispatch_dtype=wire), dtype="bfloat16", **kw)
+        fp8 = nnx.jit(lambda m: m.quantize_weights())(model) if cached and kw else None
+
+        def loss(model, x):
+            y = model(x, update_stats=False, fp8_weights=fp8)
+            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
+        (value, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+        return [np.asarray(a, np.float32) for a in (value, y, g_model.w_gate_up[...], g_model.w_down[...],
+                                                    g_model.router[...], g_x)]
+
+    names = ("loss", "out", "d w_gate_up", "d w_down", "d router", "d x")
+    from jax_ep import gemm_fp8
+    quantised, real = [], gemm_fp8.quantize_gemm_rows   # the rows the GEMMs quantise themselves
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gemm_fp8, "quantize_gemm_rows", lambda x: quantised.append(x.shape[1]) or real(x))
+        bf16_wire = run("bfloat16", gemm_dtype="float8_e4m3fn")
+        fp8_wire = run("float8_e4m3fn", gemm_dtype="float8_e4m3fn")
+    # bf16 wire: x and h forward, both dy backward; FP8 wire: x's rows come quantised
+    assert sorted(quantised) == sorted([hidden, ffn, 2 * ffn, hidden] + [ffn, 2 * ffn, hidden]), quantised
+    for name, a, b in zip(names, fp8_wire, bf16_wire, strict=True):
+        assert np.isfinite(a).all() and np.abs(a).max() > 0, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    plain = run("bfloat16")
+    rounded = run("float8_e4m3fn")
+    for name, a, b in zip(names[1:], rounded[1:], plain[1:], strict=True):
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert 0 < rel < 0.1, (name, rel)
+
+
 @pytest.mark.parametrize("placement", [False, True])
 def test_fp8_weights_quantised_once_give_the_same_step(placement):
     """MoE.quantize_weights() once, then layer(x, fp8_weights=...) for each micro-batch: the same output,

@@ -533,3 +533,22 @@ def test_fp8_live_row_quantiser_gives_the_reference_bits(live):
     same = np.asarray(q1[:done]).view(np.uint8) == np.asarray(q0[:done]).view(np.uint8)
     assert same.all(), f"{(~same).sum()} e4m3 values differ, first at {np.argwhere(~same)[:3].tolist()}"
     np.testing.assert_array_equal(np.asarray(s1[:done]), np.asarray(s0[:done]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_moe_layer_trains_with_the_fp8_wire_as_with_the_bf16_wire(backend):
+    """MoE(gemm_dtype="float8_e4m3fn", ep=EPOptions(dispatch_dtype="float8_e4m3fn")) on the GPU (the
+    Hopper FP8 kernels; the EP ops on `backend`): the wire's e4m3 rows go into the gate|up GEMM as they
+    came and the gradient goes back straight through the quantisation, so with bf16 tokens loss and every
+    parameter gradient are the bf16 wire's bits (the wire quantises each token as the GEMMs' live-row
+    quantiser quantises its rows). CPU: tests/test_moe.py, the same with the reference GEMMs."""
+    from jax_ep.moe import EPOptions
+
+    step = functools.partial(layer_step, 3, gemm_dtype="float8_e4m3fn")
+    l0, g0 = step(ep=EPOptions(backend=backend))
+    l1, g1 = step(ep=EPOptions(backend=backend, dispatch_dtype="float8_e4m3fn"))
+    assert np.isfinite(float(l1)) and float(l1) == float(l0)
+    for name in ("w_gate_up", "w_down", "router"):
+        a, b = np.asarray(g1[name][...], np.float32), np.asarray(g0[name][...], np.float32)
+        assert np.isfinite(a).all() and np.abs(a).max() > 0, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
