@@ -126,6 +126,43 @@ def quantize_gemm_rows(x: jax.Array, live_rows: jax.Array | None = None, *, back
     return q, fp8_scales(amax_t.T, FP8_GEMM_MIN_AMAX)[1]
 
 
+def dequantize_gemm_rows(xq: jax.Array, x_scales: jax.Array, live_rows: jax.Array, *, dtype=jnp.bfloat16,
+                         backend: str = "reference", interpret: bool = False) -> jax.Array:
+    """quantize_gemm_rows' rows back in ``dtype`` (``jax_ep.fp8.dequantize_fp8``'s values) for the rows
+    below ``live_rows``: what the bf16 weight gradient of an FP8 GEMM reads. "reference": XLA, every row,
+    zeros from live_rows on; "pallas" (as quantize_gemm_rows': a GPU or ``interpret``, the same shapes):
+    one Triton kernel over the blocks starting below live_rows, the rest left unwritten (the weight
+    gradients never read rows past the groups)."""
+    m, k = xq.shape
+    if backend == "reference":
+        rows = dequantize_fp8(xq, x_scales, dtype)
+        live = jnp.arange(m, dtype=jnp.int32)[:, None] < live_rows
+        return jnp.where(live, rows, jnp.zeros((), rows.dtype))
+    if backend != "pallas" or not quantize_rows_fits(xq.shape):
+        raise EPValueError(f"dequantize_gemm_rows: backend must be 'reference' or 'pallas' (rows [M, K] with "
+                           f"K % {FP8_BLOCK} == 0 and M % {QUANTIZE_ROWS} == 0), got backend={backend!r}, "
+                           f"rows {xq.shape}")
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    r, b = QUANTIZE_ROWS, FP8_BLOCK
+    live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
+
+    def kernel(live_ref, q_ref, s_ref, out_ref):
+        @pl.when(pl.program_id(0) * r < live_ref[0])
+        def _():
+            out_ref[...] = (q_ref[...].astype(jnp.float32) * s_ref[0, :][:, None]).astype(out_ref.dtype)
+
+    return pl.pallas_call(
+        kernel, grid=(m // r, k // b),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((r, b), lambda i, j: (i, j)),
+                  pl.BlockSpec((1, r), lambda i, j: (j, i))],
+        out_specs=pl.BlockSpec((r, b), lambda i, j: (i, j)),
+        out_shape=shape_like((m, k), dtype, xq),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="jax_ep_dequantize_rows")(*vary_jointly(live, xq, x_scales.astype(jnp.float32).T))
+
+
 def quantize_rows_fits(shape) -> bool:
     """Whether quantize_gemm_rows' kernel takes rows of this [M, K] shape (and Pallas addresses them)."""
     m, k = shape
@@ -531,10 +568,15 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad)
 
 
+def _live_rows_backend(shape, backend: str) -> str:
+    """The row (de)quantisers' backend beside the FP8 GEMM on ``backend``: the live-row kernels beside the
+    Hopper GEMMs (which never read rows past the groups), XLA elsewhere."""
+    return "pallas" if backend == "mosaic_gpu" and quantize_rows_fits(shape) else "reference"
+
+
 def _quantize_live_rows(x, group_sizes, backend):
-    """quantize_gemm_rows for the GEMM on ``backend``: the live-row kernel beside the Hopper GEMMs (which
-    never read rows past the groups), XLA's whole-buffer quantisation elsewhere."""
-    if backend == "mosaic_gpu" and quantize_rows_fits(x.shape):
+    """quantize_gemm_rows for the GEMM on ``backend`` (``_live_rows_backend``)."""
+    if _live_rows_backend(x.shape, backend) == "pallas":
         return quantize_gemm_rows(x, jnp.sum(group_sizes), backend="pallas")
     return quantize_gemm_rows(x)
 
@@ -576,11 +618,9 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         dw_backend = backend if _dw_kernel_fits(xq.shape[1], dy.shape[1]) else "reference"
         dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend)
     else:
-        rows = dequantize_fp8(xq, xs, jnp.bfloat16)          # the rows the forward multiplied
-        # zeros past the groups: the live-row quantiser leaves those rows unwritten, and the bf16 weight
-        # gradient's backend (``gemm``: lax.ragged_dot included) may read them
-        live = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None] < jnp.sum(group_sizes)
-        rows = jnp.where(live, rows, jnp.zeros((), rows.dtype))
+        # the rows the forward multiplied (past the groups: zeros, or unwritten beside the Hopper kernels)
+        rows = dequantize_gemm_rows(xq, xs, jnp.sum(group_sizes),
+                                    backend=_live_rows_backend(xq.shape, backend))
         dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
     # rows given quantised (x_fp8) are constants: zero cotangents
     d_x_fp8 = (vary_as(jnp.zeros(xq.shape, xq.dtype), xq), vary_as(jnp.zeros(xs.shape, xs.dtype), xs)

@@ -845,10 +845,10 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     are (``fp8_grouped_matmul``'s ``x_fp8``); ``rows`` then carries their gradient only."""
     if rows_fp8 is not None and gemm_dtype is None:
         raise EPValueError("expert_block: rows_fp8 needs gemm_dtype='float8_e4m3fn'")
-    if swiglu_backend == "auto" and gemm_dtype is not None:
-        # the FP8 GEMMs quantise their inputs in blocks that may reach past the live rows, which the
-        # kernels leave unwritten: XLA's SwiGLU (every row) until that path is measured with them
-        swiglu_backend = "xla"
+    # "auto" takes the SwiGLU kernels with the FP8 GEMMs too (the same bf16 buffers as with the bf16
+    # ones): the rows they leave unwritten (past the live rows' blocks) reach no sum there either: the
+    # Hopper FP8 kernels and their live-row quantiser never read them, XLA's quantisation is row by row,
+    # quantize_rows_t masks them, and the weight gradients skip rows past the groups
     activate = functools.partial(swiglu, live_rows=jnp.sum(group_sizes), backend=swiglu_backend)
     if gemm_dtype is None:
         if fp8_weights is not None or fp8_weight_grad:

@@ -10,7 +10,7 @@ import pytest
 from jax_ep import gemm_fp8
 from jax_ep import gemm_mgpu as mgpu
 from jax_ep.errors import EPValueError
-from jax_ep.fp8 import quantize_fp8
+from jax_ep.fp8 import dequantize_fp8, quantize_fp8
 from jax_ep.gemm_fp8 import dequantize_weight_blocks, grouped_matmul_fp8, quantize_weight_blocks
 
 
@@ -209,8 +209,10 @@ def test_trainable_form_under_shard_map_lowers_for_hopper(monkeypatch, gemm, cac
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
     assert ("jax_ep_quantize_rows_t" in text) == (weight_grad == "fp8")
-    # x and dy through the live-row quantiser (its kernel's name is a prefix of quantize_rows_t's)
+    # x and dy through the live-row quantiser (its kernel's name is a prefix of quantize_rows_t's); the
+    # bf16 weight gradient's rows through the live-row dequantiser
     assert text.count("jax_ep_quantize_rows") > text.count("jax_ep_quantize_rows_t")
+    assert ("jax_ep_dequantize_rows" in text) == (weight_grad == "bf16")
 
 
 def _dw_case(seed, sizes, m, c=256, n=512, poison=True):
@@ -611,3 +613,23 @@ def test_live_row_quantiser_gives_the_reference_bits(live):
         gemm_fp8.quantize_gemm_rows(x[:100], 3, backend="pallas", interpret=True)
     with pytest.raises(EPValueError, match="'pallas' with live_rows"):
         gemm_fp8.quantize_gemm_rows(x, backend="pallas")
+
+
+@pytest.mark.parametrize("live", [0, 1, 70, 128])
+def test_live_row_dequantiser_gives_the_reference_values(live):
+    """dequantize_gemm_rows(xq, xs, live, backend="pallas") (the Triton kernel the bf16 weight gradient
+    of the Hopper FP8 GEMMs reads, interpret mode here): the rows below live are the reference's
+    (dequantize_fp8) bit for bit; the reference zeroes the rest, the kernel leaves the blocks from the
+    first at or past live unwritten; shapes it cannot take are named."""
+    rng = np.random.default_rng(live + 1)
+    x = jnp.asarray(rng.standard_normal((128, 384)) * rng.uniform(1e-3, 1e3, (128, 1)), jnp.bfloat16)
+    xq, xs = gemm_fp8.quantize_gemm_rows(x)
+    ref = gemm_fp8.dequantize_gemm_rows(xq, xs, live)
+    got = jax.jit(lambda q, s, n: gemm_fp8.dequantize_gemm_rows(q, s, n, backend="pallas", interpret=True))(
+        xq, xs, jnp.int32(live))
+    np.testing.assert_array_equal(np.asarray(got[:live], np.float32), np.asarray(ref[:live], np.float32))
+    np.testing.assert_array_equal(np.asarray(ref[:live], np.float32),
+                                  np.asarray(dequantize_fp8(xq, xs, jnp.bfloat16)[:live], np.float32))
+    assert not np.asarray(ref[live:], np.float32).any()
+    with pytest.raises(EPValueError, match=r"rows \(100, 384\)"):
+        gemm_fp8.dequantize_gemm_rows(xq[:100], xs[:100], 3, backend="pallas", interpret=True)
