@@ -519,7 +519,7 @@ def test_fp8_live_row_quantiser_gives_the_reference_bits(live):
     """gemm_fp8.quantize_gemm_rows(x, live, backend="pallas") (the Triton kernel the FP8 GEMMs' inputs
     take on Hopper) on the DeepSeek-V3 EP2 buffer's shape ([73,600, 7168] bf16, rows of very different
     scales, an all-zero block): the rows of every 32-row block starting below live are XLA's quantisation
-    bit for bit, e4m3 values and scales."""
+    bit for bit, e4m3 values and scales; dequantize_gemm_rows' kernel gives XLA's values below live."""
     from jax_ep import gemm_fp8
 
     rng = np.random.default_rng(live)
@@ -533,6 +533,11 @@ def test_fp8_live_row_quantiser_gives_the_reference_bits(live):
     same = np.asarray(q1[:done]).view(np.uint8) == np.asarray(q0[:done]).view(np.uint8)
     assert same.all(), f"{(~same).sum()} e4m3 values differ, first at {np.argwhere(~same)[:3].tolist()}"
     np.testing.assert_array_equal(np.asarray(s1[:done]), np.asarray(s0[:done]))
+    # and back (the bf16 weight gradient's rows): the rows below live are XLA's dequantisation's
+    r0 = jax.jit(gemm_fp8.dequantize_gemm_rows)(q0, s0, jnp.int32(live))
+    kernel = jax.jit(lambda q, s, n: gemm_fp8.dequantize_gemm_rows(q, s, n, backend="pallas"))
+    r1 = kernel(q0, s0, jnp.int32(live))
+    np.testing.assert_array_equal(np.asarray(r1[:live], np.float32), np.asarray(r0[:live], np.float32))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
