@@ -336,7 +336,8 @@ def decode_step(mesh: Mesh, shape, config: str):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
                     gemm_dtype=options.get("gemm_dtype") if fp8 else None,
                     ep=moe.EPOptions(backend=options["backend"],
-                                     kernel=KernelConfig(**options.get("kernel", {}))),
+                                     kernel=KernelConfig(**options.get("kernel", {})),
+                                     dispatch_dtype=options.get("dispatch_dtype")),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))

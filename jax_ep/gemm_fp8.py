@@ -106,7 +106,7 @@ def quantize_gemm_rows(x: jax.Array, live_rows: jax.Array | None = None, *, back
     from jax.experimental.pallas import triton as pltriton
 
     r, b = QUANTIZE_ROWS, FP8_BLOCK
-    live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
+    live, x = vary_jointly(jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m), x)
 
     def kernel(live_ref, x_ref, q_ref, amax_ref):
         @pl.when(pl.program_id(0) * r < live_ref[0])
@@ -122,7 +122,7 @@ def quantize_gemm_rows(x: jax.Array, live_rows: jax.Array | None = None, *, back
         out_specs=[pl.BlockSpec((r, b), lambda i, j: (i, j)), pl.BlockSpec((1, r), lambda i, j: (j, i))],
         out_shape=[shape_like((m, k), jnp.float8_e4m3fn, x), shape_like((k // b, m), jnp.float32, x)],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-        name="jax_ep_quantize_rows")(*vary_jointly(live, x))
+        name="jax_ep_quantize_rows")(live, x)
     return q, fp8_scales(amax_t.T, FP8_GEMM_MIN_AMAX)[1]
 
 
@@ -146,7 +146,8 @@ def dequantize_gemm_rows(xq: jax.Array, x_scales: jax.Array, live_rows: jax.Arra
     from jax.experimental.pallas import triton as pltriton
 
     r, b = QUANTIZE_ROWS, FP8_BLOCK
-    live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
+    live, xq, scales_t = vary_jointly(jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m), xq,
+                                      x_scales.astype(jnp.float32).T)
 
     def kernel(live_ref, q_ref, s_ref, out_ref):
         @pl.when(pl.program_id(0) * r < live_ref[0])
@@ -160,7 +161,7 @@ def dequantize_gemm_rows(xq: jax.Array, x_scales: jax.Array, live_rows: jax.Arra
         out_specs=pl.BlockSpec((r, b), lambda i, j: (i, j)),
         out_shape=shape_like((m, k), dtype, xq),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-        name="jax_ep_dequantize_rows")(*vary_jointly(live, xq, x_scales.astype(jnp.float32).T))
+        name="jax_ep_dequantize_rows")(live, xq, scales_t)
 
 
 def quantize_rows_fits(shape) -> bool:
@@ -564,7 +565,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
             raise EPValueError(f"fp8_grouped_matmul: x_fp8 must be (float8_e4m3fn {x.shape}, float32 "
                                f"{(x.shape[0], k // FP8_BLOCK)}) for x {x.shape}, got "
                                f"({xq.dtype} {xq.shape}, {xs.dtype} {xs.shape})")
-        x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w) for a in (xq, xs.astype(jnp.float32)))
+        x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w, group_sizes) for a in (xq, xs.astype(jnp.float32)))
     return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad)
 
 

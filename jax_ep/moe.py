@@ -55,8 +55,11 @@ from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
 from jax_ep.ops import combine, dispatch, dispatch_transpose, ll_combine, ll_dispatch
+from jax_ep.ops import ep_size as axis_ep_size
 from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
 from jax_ep.swiglu import swiglu
+from jax_ep.validation import check_rank_mask
+from jax_ep.vma import vary_jointly
 
 GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 
@@ -85,8 +88,10 @@ class EPOptions:
         GEMM prefers (``jax_ep.gemm.preferred_alignment``: 64 rows for the Hopper kernel, so no kernel
         tile straddles two experts; 1 for lax.ragged_dot) when ``capacity`` is None or a multiple of it,
         1 otherwise.
-      dispatch_dtype: None (the experts' compute dtype), "bfloat16" or "float8_e4m3fn" (forward only;
-        the rows are dequantised to the compute dtype before the expert GEMMs).
+      dispatch_dtype: None (the experts' compute dtype), "bfloat16" or "float8_e4m3fn" (trainable on
+        the flat exchange: with ``gemm_dtype="float8_e4m3fn"`` the e4m3 rows go into the gate|up GEMM as
+        they came, else they are dequantised to the compute dtype first; gradients straight through the
+        quantisation, ``_fp8_wire_dispatch``; forward-only with ``node_axis``).
       backend: "auto", "reference" or "cuda" (``EPConfig.backend``).
       checked: raise at run time on bad expert ids or dropped rows (``EPConfig.checked``).
       kernel: how the CUDA kernels run (``jax_ep.KernelConfig``).
@@ -770,7 +775,11 @@ class _FlatExchange:
         e4m3 rows, whose gradient dispatch's backward takes straight through the quantisation
         (``_fp8_wire_dispatch``)."""
         if self.cfg.dispatch_dtype == "float8_e4m3fn":
-            return _fp8_wire_dispatch(x, topk_idx, topk_weights, self.rank_mask, self.cfg)
+            # as jax_ep.dispatch prepares its custom_vjp's inputs: the mask as bool, and an input
+            # invariant over the mesh made to vary with the others (its cotangent summed over it)
+            rank_mask = check_rank_mask(self.rank_mask, axis_ep_size(self.cfg, "dispatch"), "dispatch")
+            x, topk_weights, _ = vary_jointly(x, topk_weights, topk_idx)
+            return _fp8_wire_dispatch(x, topk_idx, topk_weights, rank_mask, self.cfg)
         d = dispatch(x, topk_idx, topk_weights, self.cfg, rank_mask=self.rank_mask)
         return d, d.x.astype(x.dtype)
 
