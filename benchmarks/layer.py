@@ -104,13 +104,16 @@ NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cac
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
 
 
-def best_of(fn, *args, iters: int, repeats: int) -> float:
-    """Best (over repeats) mean seconds per call of a chain of `iters` calls."""
-    jax.block_until_ready(fn(*args))
+def best_of(fn, *args, iters: int, repeats: int, chain: bool = False) -> float:
+    """Best (over repeats) mean seconds per call of a chain of `iters` calls. ``chain``: each call takes
+    the previous call's output as its first argument (a buffer ``fn`` donates and writes in place)."""
+    out = jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(iters):
+            if chain:
+                args = (out, *args[1:])
             out = fn(*args)
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - start) / iters)
@@ -416,15 +419,8 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
     """``decode_expert_block``'s two forms timed: (grouped s, einsum s, weight bytes)."""
     grouped, einsum, args, weight_bytes = decode_expert_block(hidden, ffn, experts, topk, tokens, ep, gemm,
                                                               fp8)
-    slots, rest = args[0], args[1:]
-    chained = float("inf")   # each call takes the previous one's output as its (donated) slots
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        for _ in range(iters):
-            slots = grouped(slots, *rest)
-        jax.block_until_ready(slots)
-        chained = min(chained, (time.perf_counter() - start) / iters) if i else chained   # 0: warm-up
-    return chained, best_of(einsum, slots, *rest[:3], iters=iters, repeats=repeats), weight_bytes
+    einsum_s = best_of(einsum, *args[:4], iters=iters, repeats=repeats)   # before grouped takes the slots
+    return best_of(grouped, *args, iters=iters, repeats=repeats, chain=True), einsum_s, weight_bytes
 
 
 def layer_gemm_plans(layer, mesh, x) -> str:

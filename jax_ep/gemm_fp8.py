@@ -98,70 +98,73 @@ def quantize_gemm_rows(x: jax.Array, live_rows: jax.Array | None = None, *, back
     if backend != "pallas" or live_rows is None:
         raise EPValueError(f"quantize_gemm_rows: backend must be 'reference', or 'pallas' with live_rows, "
                            f"got backend={backend!r}, live_rows={live_rows!r}")
-    m, k = x.shape
     if not quantize_rows_fits(x.shape):
         raise EPValueError(f"quantize_gemm_rows: backend='pallas' needs K % {FP8_BLOCK} == 0 and "
                            f"M % {QUANTIZE_ROWS} == 0, got x {x.shape}")
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltriton
 
-    r, b = QUANTIZE_ROWS, FP8_BLOCK
-    live, x = vary_jointly(jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m), x)
+    def block(rows_ref, q_ref, amax_ref):
+        rows = rows_ref[...].astype(jnp.float32)                                    # [r, 128]
+        amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=1), FP8_GEMM_MIN_AMAX)        # per row
+        q_ref[...] = (rows * (FP8_MAX / amax)[:, None]).astype(jnp.float8_e4m3fn)
+        amax_ref[...] = amax[None, :]
 
-    def kernel(live_ref, x_ref, q_ref, amax_ref):
-        @pl.when(pl.program_id(0) * r < live_ref[0])
-        def _():
-            rows = x_ref[...].astype(jnp.float32)                                   # [r, 128]
-            amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=1), FP8_GEMM_MIN_AMAX)    # per row
-            q_ref[...] = (rows * (FP8_MAX / amax)[:, None]).astype(jnp.float8_e4m3fn)
-            amax_ref[...] = amax[None, :]
-
-    q, amax_t = pl.pallas_call(
-        kernel, grid=(m // r, k // b),
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((r, b), lambda i, j: (i, j))],
-        out_specs=[pl.BlockSpec((r, b), lambda i, j: (i, j)), pl.BlockSpec((1, r), lambda i, j: (j, i))],
-        out_shape=[shape_like((m, k), jnp.float8_e4m3fn, x), shape_like((k // b, m), jnp.float32, x)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-        name="jax_ep_quantize_rows")(live, x)
+    q, amax_t = _live_row_blocks(block, "jax_ep_quantize_rows", live_rows, [x], [False],
+                                 [(jnp.float8_e4m3fn, False), (jnp.float32, True)], interpret)
     return q, fp8_scales(amax_t.T, FP8_GEMM_MIN_AMAX)[1]
 
 
 def dequantize_gemm_rows(xq: jax.Array, x_scales: jax.Array, live_rows: jax.Array, *, dtype=jnp.bfloat16,
                          backend: str = "reference", interpret: bool = False) -> jax.Array:
     """quantize_gemm_rows' rows back in ``dtype`` (``jax_ep.fp8.dequantize_fp8``'s values) for the rows
-    below ``live_rows``: what the bf16 weight gradient of an FP8 GEMM reads. "reference": XLA, every row,
-    zeros from live_rows on; "pallas" (as quantize_gemm_rows': a GPU or ``interpret``, the same shapes):
-    one Triton kernel over the blocks starting below live_rows, the rest left unwritten (the weight
-    gradients never read rows past the groups)."""
+    below ``live_rows``: what the bf16 weight gradient of an FP8 GEMM reads (it never reads rows past the
+    groups into a sum, ``jax_ep.gemm.weight_gradient``). "reference": XLA, every row; "pallas" (as
+    quantize_gemm_rows': a GPU or ``interpret``, the same shapes): one Triton kernel over the blocks
+    starting below live_rows, the rest left unwritten."""
     m, k = xq.shape
     if backend == "reference":
-        rows = dequantize_fp8(xq, x_scales, dtype)
-        live = jnp.arange(m, dtype=jnp.int32)[:, None] < live_rows
-        return jnp.where(live, rows, jnp.zeros((), rows.dtype))
+        return dequantize_fp8(xq, x_scales, dtype)
     if backend != "pallas" or not quantize_rows_fits(xq.shape):
         raise EPValueError(f"dequantize_gemm_rows: backend must be 'reference' or 'pallas' (rows [M, K] with "
                            f"K % {FP8_BLOCK} == 0 and M % {QUANTIZE_ROWS} == 0), got backend={backend!r}, "
                            f"rows {xq.shape}")
+
+    def block(q_ref, s_ref, out_ref):
+        out_ref[...] = (q_ref[...].astype(jnp.float32) * s_ref[0, :][:, None]).astype(out_ref.dtype)
+
+    scales_t = x_scales.astype(jnp.float32).T
+    [rows] = _live_row_blocks(block, "jax_ep_dequantize_rows", live_rows, [xq, scales_t], [False, True],
+                              [(dtype, False)], interpret)
+    return rows
+
+
+def _live_row_blocks(block, name, live_rows, operands, per_row, outputs, interpret):
+    """One Triton kernel over the [QUANTIZE_ROWS, 128] blocks of [M, K] rows that start below
+    ``live_rows``; the others are left unwritten. ``block(*in_refs, *out_refs)`` computes one block.
+    Operands and outputs are [M, K] (blocks of the rows) or, where ``per_row`` / an output's flag says so,
+    [K/128, M] (one value per row and 128 channels, stored channel-block-major: a contiguous block per
+    program). ``outputs``: (dtype, per_row) each."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
+    m, k = operands[0].shape
     r, b = QUANTIZE_ROWS, FP8_BLOCK
-    live, xq, scales_t = vary_jointly(jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m), xq,
-                                      x_scales.astype(jnp.float32).T)
+    live, *operands = vary_jointly(jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m), *operands)
+    specs = {False: pl.BlockSpec((r, b), lambda i, j: (i, j)),      # a block of the rows
+             True: pl.BlockSpec((1, r), lambda i, j: (j, i))}       # their per-row values
+    n_in = len(operands)
 
-    def kernel(live_ref, q_ref, s_ref, out_ref):
+    def kernel(live_ref, *refs):
         @pl.when(pl.program_id(0) * r < live_ref[0])
         def _():
-            out_ref[...] = (q_ref[...].astype(jnp.float32) * s_ref[0, :][:, None]).astype(out_ref.dtype)
+            block(*refs[:n_in], *refs[n_in:])
 
     return pl.pallas_call(
         kernel, grid=(m // r, k // b),
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((r, b), lambda i, j: (i, j)),
-                  pl.BlockSpec((1, r), lambda i, j: (j, i))],
-        out_specs=pl.BlockSpec((r, b), lambda i, j: (i, j)),
-        out_shape=shape_like((m, k), dtype, xq),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), *(specs[p] for p in per_row)],
+        out_specs=[specs[p] for _, p in outputs],
+        out_shape=[shape_like((k // b, m) if p else (m, k), dtype, operands[0]) for dtype, p in outputs],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-        name="jax_ep_dequantize_rows")(live, xq, scales_t)
+        name=name)(live, *operands)
 
 
 def quantize_rows_fits(shape) -> bool:
@@ -619,7 +622,7 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         dw_backend = backend if _dw_kernel_fits(xq.shape[1], dy.shape[1]) else "reference"
         dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend)
     else:
-        # the rows the forward multiplied (past the groups: zeros, or unwritten beside the Hopper kernels)
+        # the rows the forward multiplied (past the groups: unwritten beside the Hopper kernels)
         rows = dequantize_gemm_rows(xq, xs, jnp.sum(group_sizes),
                                     backend=_live_rows_backend(xq.shape, backend))
         dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)

@@ -54,12 +54,9 @@ from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
-from jax_ep.ops import combine, dispatch, dispatch_transpose, ll_combine, ll_dispatch
-from jax_ep.ops import ep_size as axis_ep_size
+from jax_ep.ops import combine, dispatch, dispatch_straight_through, ll_combine, ll_dispatch
 from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
 from jax_ep.swiglu import swiglu
-from jax_ep.validation import check_rank_mask
-from jax_ep.vma import vary_jointly
 
 GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 
@@ -91,7 +88,7 @@ class EPOptions:
       dispatch_dtype: None (the experts' compute dtype), "bfloat16" or "float8_e4m3fn" (trainable on
         the flat exchange: with ``gemm_dtype="float8_e4m3fn"`` the e4m3 rows go into the gate|up GEMM as
         they came, else they are dequantised to the compute dtype first; gradients straight through the
-        quantisation, ``_fp8_wire_dispatch``; forward-only with ``node_axis``).
+        quantisation, ``jax_ep.ops.dispatch_straight_through``; forward-only with ``node_axis``).
       backend: "auto", "reference" or "cuda" (``EPConfig.backend``).
       checked: raise at run time on bad expert ids or dropped rows (``EPConfig.checked``).
       kernel: how the CUDA kernels run (``jax_ep.KernelConfig``).
@@ -772,14 +769,9 @@ class _FlatExchange:
 
     def dispatch(self, x, topk_idx, topk_weights):
         """(Dispatched, its rows in x's dtype). An FP8 wire is trainable here: the rows are its dequantised
-        e4m3 rows, whose gradient dispatch's backward takes straight through the quantisation
-        (``_fp8_wire_dispatch``)."""
+        e4m3 rows, whose gradient goes straight through the quantisation (``dispatch_straight_through``)."""
         if self.cfg.dispatch_dtype == "float8_e4m3fn":
-            # as jax_ep.dispatch prepares its custom_vjp's inputs: the mask as bool, and an input
-            # invariant over the mesh made to vary with the others (its cotangent summed over it)
-            rank_mask = check_rank_mask(self.rank_mask, axis_ep_size(self.cfg, "dispatch"), "dispatch")
-            x, topk_weights, _ = vary_jointly(x, topk_weights, topk_idx)
-            return _fp8_wire_dispatch(x, topk_idx, topk_weights, rank_mask, self.cfg)
+            return dispatch_straight_through(x, topk_idx, topk_weights, self.cfg, rank_mask=self.rank_mask)
         d = dispatch(x, topk_idx, topk_weights, self.cfg, rank_mask=self.rank_mask)
         return d, d.x.astype(x.dtype)
 
@@ -787,34 +779,6 @@ class _FlatExchange:
         # y is zero in every row with no token: dispatch zeroes the padding and every GEMM backend
         # writes zeros past the groups (so its backward writes only token rows)
         return combine(y, handle, self.cfg, rank_mask=self.rank_mask, empty_rows_zero=self.dy_in_place)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fp8_wire_dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
-    """``dispatch`` with an FP8 wire, trainable as DeepSeek-V3 trains it: (Dispatched, rows = its e4m3
-    rows dequantised to x's dtype). The backward takes the rows' cotangent (in x's dtype) straight through
-    the quantisation into dispatch's backward (a combine of the row cotangents, bf16 on the wire), and
-    the handle's row weights' cotangent into topk_weights'; the e4m3 rows and their scales are
-    constants (an FP8 GEMM reading them directly gives them zero cotangents). ``jax_ep.dispatch`` itself
-    stays forward-only with an FP8 wire: its rows are e4m3, and an e4m3 cotangent would round the
-    gradient to 3 mantissa bits."""
-    d = dispatch(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
-    return d, dequantize_fp8(d.x, d.scales, x.dtype)
-
-
-def _fp8_wire_dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
-    out = _fp8_wire_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
-    return out, (out[0].handle, jnp.zeros((0,), x.dtype), topk_idx, rank_mask)
-
-
-def _fp8_wire_dispatch_bwd(cfg, residuals, ct):
-    handle, dtype_token, topk_idx, rank_mask = residuals
-    ct_d, d_rows = ct
-    return dispatch_transpose(d_rows, ct_d.handle.row_weights, handle, topk_idx, rank_mask, cfg,
-                              dtype_token.dtype)
-
-
-_fp8_wire_dispatch.defvjp(_fp8_wire_dispatch_fwd, _fp8_wire_dispatch_bwd)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from jax import lax
 from jax_ep import backends, types, vma
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
+from jax_ep.fp8 import dequantize_fp8
 from jax_ep.validation import (
     check_combine_args,
     check_combine_rank_major_args,
@@ -204,6 +205,26 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
       group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it),
       rank_mask [R] int32 (the ranks this call ran with: the argument AND NOT the persistent mask).
     """
+    return _checked_dispatch(_dispatch, x, topk_idx, topk_weights, cfg, rank_mask)
+
+
+def dispatch_straight_through(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
+                              rank_mask: jax.Array | None = None) -> tuple[types.Dispatched, jax.Array]:
+    """``dispatch`` with an FP8 wire (``cfg.dispatch_dtype == "float8_e4m3fn"``), differentiable as
+    DeepSeek-V3 trains it: (Dispatched, its rows dequantised to x's dtype). The gradient of those rows
+    goes straight through the quantisation into dispatch's backward (a combine of the row cotangents);
+    the e4m3 rows and their scales are constants (an FP8 GEMM reading them gives them zero cotangents).
+    ``dispatch`` itself stays forward-only with an FP8 wire: its rows are e4m3, and a cotangent of that
+    dtype would round the gradient to 3 mantissa bits. What the MoE layer's FP8 wire runs."""
+    if cfg.dispatch_dtype != "float8_e4m3fn":
+        raise EPValueError(f"dispatch_straight_through: cfg.dispatch_dtype must be 'float8_e4m3fn', got "
+                           f"{cfg.dispatch_dtype!r} (use dispatch)")
+    return _checked_dispatch(_dispatch_st, x, topk_idx, topk_weights, cfg, rank_mask, with_rows=True)
+
+
+def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with_rows=False):
+    """dispatch's checks and input typing around its custom_vjp ``custom``, which returns the Dispatched
+    (``with_rows``: and its dequantised rows)."""
     size = ep_size(cfg, "dispatch")
     check_dispatch_args(x, topk_idx, topk_weights, cfg)
     rank_mask = check_rank_mask(rank_mask, size, "dispatch")
@@ -211,10 +232,11 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
     # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
     x, topk_weights, _ = vma.vary_jointly(x, topk_weights, topk_idx)
-    out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
+    out = custom(x, topk_idx, topk_weights, rank_mask, cfg)
+    d, rows = out if with_rows else (out, None)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
-        out = check_no_drops(out, topk_idx, cfg, size, out.rank_mask != 0)
-    return out
+        d = check_no_drops(d, topk_idx, cfg, size, d.rank_mask != 0)
+    return (d, rows) if with_rows else d
 
 
 def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None, *,
@@ -243,23 +265,47 @@ def _dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
 
 def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
     out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
+    return out, _dispatch_residuals(out, x, topk_idx, rank_mask)
+
+
+def _dispatch_residuals(out, x, topk_idx, rank_mask):
     dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
-    return out, (out.handle, dtype_token, topk_idx, rank_mask)
+    return out.handle, dtype_token, topk_idx, rank_mask
 
 
 def _dispatch_bwd(cfg, residuals, ct):
-    handle, dtype_token, topk_idx, rank_mask = residuals
     if cfg.dispatch_dtype == "float8_e4m3fn":
         raise fp8_forward_only("dispatch")
-    return dispatch_transpose(ct.x, ct.handle.row_weights, handle, topk_idx, rank_mask, cfg,
-                              dtype_token.dtype)
+    return _dispatch_transpose(cfg, residuals, ct.x, ct.handle.row_weights)
 
 
-def dispatch_transpose(d_rows, d_row_weights, handle, topk_idx, rank_mask, cfg, dtype):
-    """dispatch's backward: the cotangents of its rows ``d_rows`` [C, H] and of its handle's row weights
-    [C] -> those of (x in ``dtype``, topk_idx, topk_weights, rank_mask). Also what the MoE layer's
-    trainable FP8 wire uses, whose rows' cotangent arrives in the compute dtype (straight through the
-    quantisation)."""
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+# dispatch_straight_through's: the FP8 wire's rows dequantised, their cotangent taken as the rows'
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dispatch_st(x, topk_idx, topk_weights, rank_mask, cfg):
+    out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
+    return out, dequantize_fp8(out.x, out.scales, x.dtype)
+
+
+def _dispatch_st_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
+    out = _dispatch_st(x, topk_idx, topk_weights, rank_mask, cfg)
+    return out, _dispatch_residuals(out[0], x, topk_idx, rank_mask)
+
+
+def _dispatch_st_bwd(cfg, residuals, ct):
+    ct_d, d_rows = ct
+    return _dispatch_transpose(cfg, residuals, d_rows, ct_d.handle.row_weights)
+
+
+_dispatch_st.defvjp(_dispatch_st_fwd, _dispatch_st_bwd)
+
+
+def _dispatch_transpose(cfg, residuals, d_rows, d_row_weights):
+    """dispatch's backward from the cotangents of its rows [C, H] and of its handle's row weights [C]."""
+    handle, dtype_token, topk_idx, rank_mask = residuals
+    dtype = dtype_token.dtype
     # unit weights: y * 1.0 is exact, so this is the plain sum of each token's row cotangents
     unweighted = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
     dx = implementation("combine", cfg, d_rows.dtype)(
@@ -267,9 +313,6 @@ def dispatch_transpose(d_rows, d_row_weights, handle, topk_idx, rank_mask, cfg, 
     # a masked slot is DROPPED in the handle: it has no row, its weight's gradient is 0
     d_topk_weights = implementation("slot_values", cfg)(d_row_weights, handle, cfg, rank_mask=rank_mask)
     return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
-
-
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 # ---- combine: custom_vjp --------------------------------------------------------------------------

@@ -48,7 +48,6 @@ class Tiling:
 # 14 passed with both (2026-11-30); layer at EP2 vs XLA's SwiGLU: DeepSeek-V3 19.92 / 19.85 ms, mid
 # 5.23 / 5.35 (docs/benchmarks.md, session 28)
 TILING = Tiling()
-ROWS = TILING.rows
 
 
 def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", interpret: bool = False,

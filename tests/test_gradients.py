@@ -409,6 +409,43 @@ def test_fp8_dispatch_backward_not_implemented():
         jax.jit(jax.grad(lambda w: jnp.sum(f(x, idx, w))))(w)
 
 
+def test_fp8_dispatch_straight_through_takes_the_rows_gradient_as_the_bf16_dispatch():
+    """jax_ep.ops.dispatch_straight_through (what the MoE layer's FP8 wire runs): the FP8 dispatch's rows
+    dequantised, differentiable. For a loss whose row cotangent does not depend on the rows (linear in
+    them), d x is the bf16 dispatch's bit for bit (the same combine of the same row cotangents), d w
+    within FP8's rounding of it (its rows are the quantised ones); a bf16 cfg is refused by name."""
+    ep_size = 2
+    fp8 = make_cfg(num_experts=E, num_topk=K, hidden=128, max_tokens_per_rank=T,
+                   dispatch_dtype="float8_e4m3fn")
+    bf16 = fp8.replace(dispatch_dtype="bfloat16")
+    rng = np.random.default_rng(381)
+    x, idx, w = random_tokens(rng, ep_size, T, fp8)
+    x = x.astype(jnp.bfloat16)
+    c = jnp.cos(jnp.arange(128, dtype=jnp.float32))
+
+    def loss_fp8(x, idx, w):
+        d, rows = jax_ep.ops.dispatch_straight_through(x, idx, w, fp8)
+        return jnp.sum(rows.astype(jnp.float32) * c * d.row_weights[:, None])[None]
+
+    def loss_bf16(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, bf16)
+        return jnp.sum(d.x.astype(jnp.float32) * c * d.row_weights[:, None])[None]
+
+    def grads(loss):
+        f = per_rank(loss, ep_size, jit=False)
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w)), argnums=(0, 1)))(x, w)
+
+    (dx8, dw8), (dx16, dw16) = grads(loss_fp8), grads(loss_bf16)
+    assert np.abs(np.asarray(dx8, np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(dx8, np.float32), np.asarray(dx16, np.float32))
+    np.testing.assert_allclose(np.asarray(dw8), np.asarray(dw16), rtol=0.1, atol=0.1 * np.abs(dw16).max())
+    assert not np.array_equal(np.asarray(dw8), np.asarray(dw16))     # really the FP8 rows
+    with pytest.raises(ValueError, match="dispatch_straight_through: cfg.dispatch_dtype must be "
+                                         "'float8_e4m3fn', got 'bfloat16'"):
+        per_rank(lambda x, idx, w: jax_ep.ops.dispatch_straight_through(x, idx, w, bf16)[1], ep_size,
+                 jit=False)(x, idx, w)
+
+
 def test_bf16_rows_cotangent_dtype():
     """The gradient w.r.t. x has x's dtype even when rows travel as bfloat16."""
     ep_size = 2

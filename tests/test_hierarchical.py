@@ -688,7 +688,7 @@ def test_layer_fp8_forward_matches_the_flat_fp8_layer(nodes, local):
     """MoE(node_axis=..., ep=EPOptions(dispatch_dtype=FP8)): the forward pass gives the flat FP8
     layer's output (the same dequantised rows reach the same experts; within float32 rounding of the
     in-node partial sums) and loads; jax.grad raises the FP8 forward-only error, where the flat layer
-    trains with its FP8 wire (moe._fp8_wire_dispatch: finite gradients)."""
+    trains with its FP8 wire (jax_ep.ops.dispatch_straight_through: finite gradients)."""
     hidden = 128
     flat, hier = layer_pair(nodes, local, hidden, moe.EPOptions(backend="reference", dispatch_dtype=FP8))
     ranks = nodes * local
