@@ -102,15 +102,37 @@ def quantize_gemm_rows(x: jax.Array, live_rows: jax.Array | None = None, *, back
         raise EPValueError(f"quantize_gemm_rows: backend='pallas' needs K % {FP8_BLOCK} == 0 and "
                            f"M % {QUANTIZE_ROWS} == 0, got x {x.shape}")
 
-    def block(rows_ref, q_ref, amax_ref):
+    def block(rows_ref, q_ref, scale_ref):
         rows = rows_ref[...].astype(jnp.float32)                                    # [r, 128]
         amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=1), FP8_GEMM_MIN_AMAX)        # per row
-        q_ref[...] = (rows * (FP8_MAX / amax)[:, None]).astype(jnp.float8_e4m3fn)
-        amax_ref[...] = amax[None, :]
+        inv_scale, scale = _ieee_fp8_factors(amax, interpret)
+        q_ref[...] = (rows * inv_scale[:, None]).astype(jnp.float8_e4m3fn)
+        scale_ref[...] = scale[None, :]
 
-    q, amax_t = _live_row_blocks(block, "jax_ep_quantize_rows", live_rows, [x], [False],
-                                 [(jnp.float8_e4m3fn, False), (jnp.float32, True)], interpret)
-    return q, fp8_scales(amax_t.T, FP8_GEMM_MIN_AMAX)[1]
+    q, scales_t = _live_row_blocks(block, "jax_ep_quantize_rows", live_rows, [x], [False],
+                                   [(jnp.float8_e4m3fn, False), (jnp.float32, True)], interpret)
+    return q, scales_t.T
+
+
+def _ieee_fp8_factors(amax: jax.Array, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """fp8_scales' (448 / amax, amax / 448) inside a Pallas Triton kernel, both IEEE-rounded divisions as
+    the CUDA FP8 wire's (``__fdiv_rn``) and every CPU reference's: Triton lowers a float32 division to
+    PTX's div.full.f32 (within 2 ulp), which moved 0.08% of the e4m3 values one step on 2x H200
+    (2026-11-30: products that IEEE division puts exactly on a tie between two e4m3 values), so the FP8
+    wire's rows were not the rows this quantiser makes from the bf16 wire. XLA's own GPU quantisation
+    (``quantize_fp8`` on a GPU) gave div.full's bits too, and stays the platform's
+    (tests/gpu/test_gemm_gpu.py: test_fp8_quantisers_round_as_ieee)."""
+    if interpret:   # the CPU's XLA: fp8_scales' IEEE divisions
+        return fp8_scales(amax, FP8_GEMM_MIN_AMAX)
+    from jax.experimental.pallas import triton as pltriton
+
+    fp8_max = jnp.full(amax.shape, FP8_MAX, jnp.float32)
+
+    def div_rn(a, b):
+        return pltriton.elementwise_inline_asm(
+            "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+    return div_rn(fp8_max, amax), div_rn(amax, fp8_max)
 
 
 def dequantize_gemm_rows(xq: jax.Array, x_scales: jax.Array, live_rows: jax.Array, *, dtype=jnp.bfloat16,

@@ -32,6 +32,17 @@ def rel_err(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+def ieee_quantised_rows(x, min_amax):
+    """fp8.quantize_fp8(x, min_amax) in IEEE float32 NumPy arithmetic and ml_dtypes' round-to-nearest-even
+    into e4m3 (the CUDA FP8 wire's and the CPU reference's bits): (e4m3 [M, K], scales [M, K/128])."""
+    import ml_dtypes
+
+    xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
+    amax = np.maximum(np.abs(xf).max(axis=2), np.float32(min_amax))
+    q = (xf * (np.float32(448.0) / amax)[:, :, None]).reshape(x.shape)
+    return q.astype(ml_dtypes.float8_e4m3fn), amax / np.float32(448.0)
+
+
 def sizes_case(rng, case, g, total):
     if case == "huge":
         sizes = np.zeros(g, np.int32)
@@ -518,66 +529,65 @@ def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
 def test_fp8_live_row_quantiser_gives_the_reference_bits(live):
     """gemm_fp8.quantize_gemm_rows(x, live, backend="pallas") (the Triton kernel the FP8 GEMMs' inputs
     take on Hopper) on the DeepSeek-V3 EP2 buffer's shape ([73,600, 7168] bf16, rows of very different
-    scales, an all-zero block): the rows of every 32-row block starting below live are XLA's quantisation
-    bit for bit, e4m3 values and scales; dequantize_gemm_rows' kernel gives XLA's values below live."""
+    scales, an all-zero block): the rows of every 32-row block starting below live are the IEEE
+    quantisation's bits (the CUDA FP8 wire's, the CPU reference's), e4m3 values and scales;
+    dequantize_gemm_rows' kernel gives XLA's values below live."""
     from jax_ep import gemm_fp8
+    from jax_ep.fp8 import FP8_GEMM_MIN_AMAX
 
     rng = np.random.default_rng(live)
     m, k = 73600, 7168
     x = (jax.random.normal(jax.random.key(live), (m, k), jnp.float32)
          * jnp.asarray(rng.uniform(1e-3, 1e3, (m, 1)), jnp.float32)).astype(jnp.bfloat16)
     x = x.at[7, :128].set(0)
-    q0, s0 = jax.jit(gemm_fp8.quantize_gemm_rows)(x)
-    q1, s1 = jax.jit(lambda x, n: gemm_fp8.quantize_gemm_rows(x, n, backend="pallas"))(x, jnp.int32(live))
     done = -(-live // gemm_fp8.QUANTIZE_ROWS) * gemm_fp8.QUANTIZE_ROWS
-    same = np.asarray(q1[:done]).view(np.uint8) == np.asarray(q0[:done]).view(np.uint8)
+    q0, s0 = ieee_quantised_rows(np.asarray(x[:done]), FP8_GEMM_MIN_AMAX)
+    q1, s1 = jax.jit(lambda x, n: gemm_fp8.quantize_gemm_rows(x, n, backend="pallas"))(x, jnp.int32(live))
+    same = np.asarray(q1[:done]).view(np.uint8) == q0.view(np.uint8)
     assert same.all(), f"{(~same).sum()} e4m3 values differ, first at {np.argwhere(~same)[:3].tolist()}"
-    np.testing.assert_array_equal(np.asarray(s1[:done]), np.asarray(s0[:done]))
+    np.testing.assert_array_equal(np.asarray(s1[:done]), s0)
     # and back (the bf16 weight gradient's rows): the rows below live are XLA's dequantisation's
-    r0 = jax.jit(gemm_fp8.dequantize_gemm_rows)(q0, s0, jnp.int32(live))
+    r0 = jax.jit(gemm_fp8.dequantize_gemm_rows)(q1, s1, jnp.int32(live))
     kernel = jax.jit(lambda q, s, n: gemm_fp8.dequantize_gemm_rows(q, s, n, backend="pallas"))
-    r1 = kernel(q0, s0, jnp.int32(live))
+    r1 = kernel(q1, s1, jnp.int32(live))
     np.testing.assert_array_equal(np.asarray(r1[:live], np.float32), np.asarray(r0[:live], np.float32))
 
 
 def test_fp8_quantisers_round_as_ieee():
-    """Every FP8 quantiser of the GPU path rounds as IEEE float32 arithmetic and one round-to-nearest-even
-    into e4m3 would (NumPy + ml_dtypes; what the CUDA dispatch wire gives bit for bit:
-    test_dispatch_gpu's test_fp8_dispatch_matches_quantisation): the plain conversion f32 -> e4m3, the
-    XLA quantisers (fp8.quantize_fp8, the wire's reference; gemm_fp8.quantize_gemm_rows) and the live-row
-    Triton kernel, on tokens of very different scales. The FP8 wire feeds the FP8 GEMMs the rows the
-    bf16 wire's GEMM quantiser would have made only if they agree."""
+    """The FP8 quantisers on a GPU next to IEEE float32 arithmetic and one round-to-nearest-even into e4m3
+    (ieee_quantised_rows; what the CUDA wire gives bit for bit: test_dispatch_gpu's
+    test_fp8_dispatch_matches_quantisation), on tokens of very different scales: the conversion
+    f32 -> e4m3 (exact ties included) and the live-row Triton kernel (gemm_fp8._ieee_fp8_factors) give
+    them; XLA's own quantisation (fp8.quantize_fp8 on a GPU) divides as PTX's div.full.f32 does, which
+    moved 0.078% of the values one e4m3 step on 2x H200 (2026-11-30): bounded here, not equal."""
     import ml_dtypes
 
     from jax_ep import fp8, gemm_fp8
 
-    def ieee(x, floor):
-        xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
-        amax = np.maximum(np.abs(xf).max(axis=2), np.float32(floor))
-        return (xf * (np.float32(448.0) / amax)[:, :, None]).reshape(x.shape)
+    def differ(got, want):
+        got, want = np.asarray(got), np.asarray(want)
+        bad = got.view(np.uint8) != want.view(np.uint8)
+        steps = np.abs(got.view(np.int8).astype(np.int32) - want.view(np.int8).astype(np.int32))[bad]
+        assert steps.size == 0 or steps.max() == 1, "more than one e4m3 step apart"
+        return bad.mean()
 
-    def report(name, got, want_f32):
-        want = want_f32.astype(ml_dtypes.float8_e4m3fn)
-        got = np.asarray(got)
-        diff = got.view(np.uint8) != want.view(np.uint8)
-        where = np.argwhere(diff)[:4]
-        print(f"{name}: {int(diff.sum())} of {diff.size} e4m3 values differ; "
-              + "; ".join(f"{want_f32[tuple(i)]!r} -> {float(got[tuple(i)])} vs {float(want[tuple(i)])}"
-                          for i in where))
-        return int(diff.sum())
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid)])
+    ties = (grid[:-1] + grid[1:]) / 2                                   # exact in float32
+    v = np.concatenate([ties, np.random.default_rng(0).uniform(-448, 448, 1 << 20)]).astype(np.float32)
+    assert differ(jax.jit(lambda a: a.astype(jnp.float8_e4m3fn))(v), v.astype(ml_dtypes.float8_e4m3fn)) == 0
 
     rng = np.random.default_rng(3)
     m, k = 4096, 7168
     x = (rng.standard_normal((m, k)) * rng.uniform(1e-3, 1e3, (m, 1))).astype(ml_dtypes.bfloat16)
-    v = (rng.uniform(-448, 448, 1 << 20)).astype(np.float32)
-    bad = {"convert": report("f32 -> e4m3 (XLA)", jax.jit(lambda a: a.astype(jnp.float8_e4m3fn))(v), v)}
     xj = jnp.asarray(x)
-    bad["quantize_fp8"] = report("fp8.quantize_fp8", jax.jit(fp8.quantize_fp8)(xj)[0], ieee(x, 1e-4))
-    bad["gemm_rows_xla"] = report("quantize_gemm_rows (XLA)", jax.jit(gemm_fp8.quantize_gemm_rows)(xj)[0],
-                                  ieee(x, 1e-30))
-    triton = jax.jit(lambda a, n: gemm_fp8.quantize_gemm_rows(a, n, backend="pallas"))(xj, jnp.int32(m))[0]
-    bad["gemm_rows_triton"] = report("quantize_gemm_rows (Triton)", triton, ieee(x, 1e-30))
-    assert not any(bad.values()), bad
+    q, s = jax.jit(lambda a, n: gemm_fp8.quantize_gemm_rows(a, n, backend="pallas"))(xj, jnp.int32(m))
+    q_ieee, s_ieee = ieee_quantised_rows(x, fp8.FP8_GEMM_MIN_AMAX)
+    assert differ(q, q_ieee) == 0
+    np.testing.assert_array_equal(np.asarray(s), s_ieee)
+    xla = differ(jax.jit(fp8.quantize_fp8)(xj)[0], ieee_quantised_rows(x, fp8.FP8_MIN_AMAX)[0])
+    print(f"XLA's quantize_fp8 on this GPU: {100 * xla:.4f}% of the e4m3 values one step from IEEE's")
+    assert xla < 2e-3
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
