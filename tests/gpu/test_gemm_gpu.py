@@ -37,8 +37,8 @@ def ieee_quantised_rows(x, min_amax):
     into e4m3 (the CUDA FP8 wire's and the CPU reference's bits): (e4m3 [M, K], scales [M, K/128])."""
     import ml_dtypes
 
-    xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
-    amax = np.maximum(np.abs(xf).max(axis=2), np.float32(min_amax))
+    xf = np.asarray(x, np.float32).reshape(x.shape[0], x.shape[1] // 128, 128)
+    amax = np.maximum(np.abs(xf).max(axis=2, initial=0), np.float32(min_amax))
     q = (xf * (np.float32(448.0) / amax)[:, :, None]).reshape(x.shape)
     return q.astype(ml_dtypes.float8_e4m3fn), amax / np.float32(448.0)
 
@@ -588,6 +588,43 @@ def test_fp8_quantisers_round_as_ieee():
     xla = differ(jax.jit(fp8.quantize_fp8)(xj)[0], ieee_quantised_rows(x, fp8.FP8_MIN_AMAX)[0])
     print(f"XLA's quantize_fp8 on this GPU: {100 * xla:.4f}% of the e4m3 values one step from IEEE's")
     assert xla < 2e-3
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_fp8_wire_rows_are_the_gemm_quantisers_rows(backend):
+    """The FP8 wire's rows (dispatch with dispatch_dtype="float8_e4m3fn" on `backend`) are the rows the
+    FP8 GEMM's live-row quantiser (gemm_fp8.quantize_gemm_rows, Triton) makes of the bf16 wire's rows,
+    e4m3 values and the scales of every token row, and both wires lay the rows out alike: the
+    layer-level test below (bit-equal training) rests on it."""
+    from jax_ep import gemm_fp8
+
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    r, t, h, e, k = mesh.size, 512, 256, 8 * mesh.size, 4
+    kw = dict(num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t, backend=backend)
+    cfg16, cfg8 = jax_ep.EPConfig(**kw), jax_ep.EPConfig(**kw, dispatch_dtype="float8_e4m3fn")
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((r * t, h)), jnp.bfloat16)
+    idx = jnp.asarray(np.argsort(rng.random((r * t, e)), axis=1)[:, :k], jnp.int32)
+    wts = jnp.asarray(rng.random((r * t, k)), jnp.float32)
+
+    def body(x, idx, wts):
+        d16, d8 = jax_ep.dispatch(x, idx, wts, cfg16), jax_ep.dispatch(x, idx, wts, cfg8)
+        live = jnp.sum(d16.group_sizes)
+        q, s = gemm_fp8.quantize_gemm_rows(d16.x, live, backend="pallas")
+        return tuple(a[None] for a in (d8.x, d8.scales, q, s, live, d16.handle.src_index,
+                                       d8.handle.src_index, d16.group_sizes, d8.group_sizes))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    wire_q, wire_s, q, s, live, src16, src8, gs16, gs8 = (np.asarray(a) for a in f(x, idx, wts))
+    for rank in range(r):
+        n = int(live[rank])
+        np.testing.assert_array_equal(src8[rank], src16[rank], err_msg=f"rank {rank} layout")
+        np.testing.assert_array_equal(gs8[rank], gs16[rank], err_msg=f"rank {rank} group sizes")
+        a, b = wire_q[rank][:n].view(np.uint8), q[rank][:n].view(np.uint8)
+        assert (a == b).all(), (f"rank {rank}: {int((a != b).sum())} of {a.size} e4m3 values differ, first "
+                                f"at {np.argwhere(a != b)[:3].tolist()}")
+        rows = src16[rank][:n] >= 0
+        np.testing.assert_array_equal(wire_s[rank][:n][rows], s[rank][:n][rows], f"rank {rank} scales")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
