@@ -595,7 +595,9 @@ def test_fp8_wire_rows_are_the_gemm_quantisers_rows(backend):
     """The FP8 wire's rows (dispatch with dispatch_dtype="float8_e4m3fn" on `backend`) are the rows the
     FP8 GEMM's live-row quantiser (gemm_fp8.quantize_gemm_rows, Triton) makes of the bf16 wire's rows,
     e4m3 values and the scales of every token row, and both wires lay the rows out alike: the
-    layer-level test below (bit-equal training) rests on it."""
+    layer-level test below (bit-equal training) rests on it. "cuda": bit for bit (IEEE divisions both).
+    "reference": XLA's quantisation divides as the GPU's div.full.f32 does
+    (test_fp8_quantisers_round_as_ieee): 0.12% of the values one e4m3 step off on 2x H200, 2026-11-30."""
     from jax_ep import gemm_fp8
 
     mesh = Mesh(np.array(jax.devices()), ("ep",))
@@ -620,25 +622,32 @@ def test_fp8_wire_rows_are_the_gemm_quantisers_rows(backend):
         n = int(live[rank])
         np.testing.assert_array_equal(src8[rank], src16[rank], err_msg=f"rank {rank} layout")
         np.testing.assert_array_equal(gs8[rank], gs16[rank], err_msg=f"rank {rank} group sizes")
-        a, b = wire_q[rank][:n].view(np.uint8), q[rank][:n].view(np.uint8)
-        assert (a == b).all(), (f"rank {rank}: {int((a != b).sum())} of {a.size} e4m3 values differ, first "
-                                f"at {np.argwhere(a != b)[:3].tolist()}")
+        a, b = wire_q[rank][:n].view(np.int8), q[rank][:n].view(np.int8)
+        what = (f"rank {rank}: {int((a != b).sum())} of {a.size} e4m3 values differ, first at "
+                f"{np.argwhere(a != b)[:3].tolist()}")
         rows = src16[rank][:n] >= 0
-        np.testing.assert_array_equal(wire_s[rank][:n][rows], s[rank][:n][rows], f"rank {rank} scales")
+        if backend == "cuda":
+            assert (a == b).all(), what
+            np.testing.assert_array_equal(wire_s[rank][:n][rows], s[rank][:n][rows], f"rank {rank} scales")
+        else:
+            steps = np.abs(a.astype(np.int32) - b.astype(np.int32))
+            assert (a != b).mean() < 2e-3 and steps.max() <= 1, what
+            np.testing.assert_allclose(wire_s[rank][:n][rows], s[rank][:n][rows], rtol=3e-7)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_moe_layer_trains_with_the_fp8_wire_as_with_the_bf16_wire(backend):
+def test_moe_layer_trains_with_the_fp8_wire_as_with_the_bf16_wire():
     """MoE(gemm_dtype="float8_e4m3fn", ep=EPOptions(dispatch_dtype="float8_e4m3fn")) on the GPU (the
-    Hopper FP8 kernels; the EP ops on `backend`): the wire's e4m3 rows go into the gate|up GEMM as they
-    came and the gradient goes back straight through the quantisation, so with bf16 tokens loss and every
+    Hopper FP8 kernels, the CUDA EP ops): the wire's e4m3 rows go into the gate|up GEMM as they came and
+    the gradient goes back straight through the quantisation, so with bf16 tokens loss and every
     parameter gradient are the bf16 wire's bits (the wire quantises each token as the GEMMs' live-row
-    quantiser quantises its rows). CPU: tests/test_moe.py, the same with the reference GEMMs."""
+    quantiser quantises its rows: test_fp8_wire_rows_are_the_gemm_quantisers_rows). Not with the
+    reference EP ops on a GPU: XLA's quantisation there divides as div.full.f32 does. CPU:
+    tests/test_moe.py, the same with the reference ops and GEMMs."""
     from jax_ep.moe import EPOptions
 
     step = functools.partial(layer_step, 3, gemm_dtype="float8_e4m3fn")
-    l0, g0 = step(ep=EPOptions(backend=backend))
-    l1, g1 = step(ep=EPOptions(backend=backend, dispatch_dtype="float8_e4m3fn"))
+    l0, g0 = step(ep=EPOptions(backend="cuda"))
+    l1, g1 = step(ep=EPOptions(backend="cuda", dispatch_dtype="float8_e4m3fn"))
     differ = [] if float(l1) == float(l0) else [f"loss {float(l1)!r} vs {float(l0)!r}"]
     for name in ("w_gate_up", "w_down", "router"):
         a, b = np.asarray(g1[name][...], np.float32), np.asarray(g0[name][...], np.float32)
