@@ -16,8 +16,10 @@ composition's extra stage, not a network. ``--layer-configs jax_ep_fp8`` (only w
 with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``), ``jax_ep_fp8_cached`` the same
 with the weights quantised once outside the step (``MoE.quantize_weights``, what gradient accumulation
 reuses over its micro-batches; ``quantise_ms`` is that quantisation, timed apart), ``jax_ep_fp8_cached_dw8``
-that with the weight gradients in FP8 too (``MoE(fp8_weight_grad=True)``), ``jax_ep_fp8_wire`` the cached
-form with an FP8 dispatch wire (trained through, its rows straight into the FP8 GEMM); ``jax_ep_chunks2`` and
+that with the weight gradients in FP8 too (``MoE(fp8_weight_grad=True)``); with FP8 GEMMs the layer's
+throughput path sends FP8 on the wire by default (trained through, its rows straight into the FP8 gate|up
+GEMM), and ``jax_ep_fp8_bf16_wire`` is the cached form with a bfloat16 wire instead
+(``EPOptions(dispatch_dtype="bfloat16")``, the default before 2026-11-30); ``jax_ep_chunks2`` and
 ``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
 with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs;
 ``jax_ep_dy_zeroed`` (only when named): the defaults with ``EPOptions(dy_in_place=False)`` (combine's
@@ -85,10 +87,10 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # ... and the weight gradients in FP8 too (MoE(fp8_weight_grad=True))
            "jax_ep_fp8_cached_dw8": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
                                          fp8_cached=True, fp8_weight_grad=True),
-           # ... (cached weights) with the FP8 wire (EPOptions(dispatch_dtype="float8_e4m3fn"): trainable in
-           # the layer, its e4m3 rows straight into the FP8 gate|up GEMM)
-           "jax_ep_fp8_wire": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn", fp8_cached=True,
-                                   dispatch_dtype="float8_e4m3fn"),
+           # ... (cached weights) with a bfloat16 wire instead of the FP8 one the FP8 GEMMs take by default
+           # (EPOptions(dispatch_dtype="bfloat16"): the GEMM quantises the received rows itself)
+           "jax_ep_fp8_bf16_wire": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
+                                        fp8_cached=True, dispatch_dtype="bfloat16"),
            # the tokens in 2 chunks (EPOptions.chunks): chunk 1's exchange can overlap chunk 0's GEMMs
            "jax_ep_chunks2": dict(backend="auto", gemm="auto", chunks=2),
            "ep_cuda_async_chunks2": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1), chunks=2),
@@ -100,7 +102,7 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla")}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
-              "jax_ep_fp8_cached_dw8", "jax_ep_fp8_wire", "jax_ep_chunks2",
+              "jax_ep_fp8_cached_dw8", "jax_ep_fp8_bf16_wire", "jax_ep_chunks2",
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
 
 

@@ -85,10 +85,12 @@ class EPOptions:
         GEMM prefers (``jax_ep.gemm.preferred_alignment``: 64 rows for the Hopper kernel, so no kernel
         tile straddles two experts; 1 for lax.ragged_dot) when ``capacity`` is None or a multiple of it,
         1 otherwise.
-      dispatch_dtype: None (the experts' compute dtype), "bfloat16" or "float8_e4m3fn" (trainable on
-        the flat exchange: with ``gemm_dtype="float8_e4m3fn"`` the e4m3 rows go into the gate|up GEMM as
-        they came, else they are dequantised to the compute dtype first; gradients straight through the
-        quantisation, ``jax_ep.ops.dispatch_straight_through``; forward-only with ``node_axis``).
+      dispatch_dtype: None (the experts' compute dtype; with ``MoE(gemm_dtype="float8_e4m3fn")`` on the
+        throughput path without ``node_axis``, "float8_e4m3fn": the same loss and gradients with bf16
+        tokens, measured faster), "bfloat16" or "float8_e4m3fn" (trainable on the flat exchange: with
+        ``gemm_dtype="float8_e4m3fn"`` the e4m3 rows go into the gate|up GEMM as they came, else they are
+        dequantised to the compute dtype first; gradients straight through the quantisation,
+        ``jax_ep.ops.dispatch_straight_through``; forward-only with ``node_axis``).
       backend: "auto", "reference" or "cuda" (``EPConfig.backend``).
       checked: raise at run time on bad expert ids or dropped rows (``EPConfig.checked``).
       kernel: how the CUDA kernels run (``jax_ep.KernelConfig``).
@@ -649,6 +651,8 @@ class MoE(nnx.Module):
             max_tokens_per_rank=x.shape[0] // chunks,
             axis_name=self.axis_name, preferred_alignment=preferred_alignment(
                 jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in, backend=self.gemm))
+        if self._fp8_wire_by_default(decode):
+            cfg = cfg.replace(dispatch_dtype="float8_e4m3fn")
         if self.routing.ep_size not in (1, ep_size):
             raise EPValueError(f"MoE: routing.ep_size={self.routing.ep_size}, but the mesh axis "
                                f"{self.axis_name!r} has {ep_size} ranks; leave it at 1 (the layer sets it)")
@@ -727,6 +731,15 @@ class MoE(nnx.Module):
         expert_counts = sum(d.expert_counts for d, _ in sent)
         num_dropped = sum(d.num_dropped for d, _ in sent)
         return out, expert_counts, num_dropped
+
+    def _fp8_wire_by_default(self, decode: bool) -> bool:
+        """EPOptions.dispatch_dtype None with the FP8 expert GEMMs on the throughput path's flat exchange:
+        the FP8 wire, whose e4m3 rows the gate|up GEMM takes as they came (the bf16 wire's loss and
+        gradients bit for bit with bf16 tokens, half the dispatch bytes, no quantisation of the gate|up
+        GEMM's input: measured faster on 2 H200s, 2026-11-30, docs/benchmarks.md session 29). Not for
+        decode (its FP8 wire measured 16% slower) nor node_axis (forward-only FP8 wire there)."""
+        return (self.ep.dispatch_dtype is None and self.gemm_dtype == "float8_e4m3fn" and not decode
+                and self.node_axis is None)
 
     def _ranks_per_node(self) -> int:
         """Inside shard_map: the local axis's size, which routing.ranks_per_node must match."""

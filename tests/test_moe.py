@@ -521,6 +521,33 @@ def test_fp8_wire_trains_with_the_fp8_gemms_bit_for_bit(cached):
         assert 0 < rel < 0.1, (name, rel)
 
 
+@pytest.mark.parametrize("ep, decode, node_axis, wire", [
+    ({}, False, False, "float8_e4m3fn"),                              # the FP8 GEMMs' default
+    ({"dispatch_dtype": "bfloat16"}, False, False, "bfloat16"),       # asked for
+    ({}, True, False, "bfloat16"),                                    # decode: its FP8 wire measured slower
+    ({}, False, True, None),                                          # node_axis: FP8 forward-only there
+])
+def test_fp8_gemms_take_the_fp8_wire_by_default(monkeypatch, ep, decode, node_axis, wire):
+    """MoE(gemm_dtype="float8_e4m3fn") with EPOptions.dispatch_dtype None sends FP8 on the throughput
+    path's flat exchange (the wire's rows straight into the gate|up GEMM); an explicit dispatch_dtype,
+    the decode path and the hierarchical exchange keep theirs. Seen from the EPConfig each op gets."""
+    from jax_ep import moe as moe_module
+
+    seen = []
+    for name in ("dispatch", "dispatch_straight_through", "ll_dispatch", "dispatch_hierarchical"):
+        real = getattr(moe_module, name)
+        monkeypatch.setattr(moe_module, name, lambda *a, real=real, **k: seen.append(a[3]) or real(*a, **k))
+    hidden, ffn = 128, 128
+    devices = np.array(jax.devices()[:4])
+    mesh = Mesh(devices.reshape(2, 2), ("node", "ep")) if node_axis else Mesh(devices, ("ep",))
+    model = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(0), mesh=mesh, decode=decode,
+                ep=EPOptions(backend="reference", **ep), dtype="bfloat16", gemm_dtype="float8_e4m3fn",
+                node_axis="node" if node_axis else None, batch_axes=("node", "ep") if node_axis else None)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, hidden)), jnp.bfloat16)
+    jax.eval_shape(lambda x: model(x, update_stats=False), x)
+    assert seen and {c.dispatch_dtype for c in seen} == {wire}, [c.dispatch_dtype for c in seen]
+
+
 @pytest.mark.parametrize("placement", [False, True])
 def test_fp8_weights_quantised_once_give_the_same_step(placement):
     """MoE.quantize_weights() once, then layer(x, fp8_weights=...) for each micro-batch: the same output,
