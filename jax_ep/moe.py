@@ -789,8 +789,9 @@ class _FlatExchange:
         return d, d.x.astype(x.dtype)
 
     def combine(self, y, handle):
-        # y is zero in every row with no token: dispatch zeroes the padding and every GEMM backend
-        # writes zeros past the groups (so its backward writes only token rows)
+        # y is zero in the alignment padding (dispatch zeroes it, and every expert maps zero rows to
+        # zero rows); its rows past the groups are unspecified, and their gradient (y's rows, handed
+        # back by combine's backward) reaches only the down GEMM's backward, which skips them
         return combine(y, handle, self.cfg, rank_mask=self.rank_mask, empty_rows_zero=self.dy_in_place)
 
 
@@ -821,11 +822,14 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
     weights here, their weight gradients in FP8 too with ``fp8_weight_grad``). What MoE's throughput
-    path runs per chunk; the layer benchmark times it alone. Its output is zero in the rows past
-    sum(group_sizes); the gradient of ``rows`` there is unspecified (as dispatch's rows there are): the
-    bf16 gate|up GEMM writes neither its output's nor the rows' gradient's rows there
-    (``zero_tail=False``), and nothing reads them (the down GEMM skips rows past the groups, SwiGLU
-    works row by row). ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows;
+    path runs per chunk; the layer benchmark times it alone. Its output's rows past sum(group_sizes)
+    are unspecified, and so is the gradient of ``rows`` there (as dispatch's rows there are): the bf16
+    GEMMs write neither their outputs' nor their input gradients' rows there (``zero_tail=False``), and
+    nothing reads them (the GEMMs skip rows past the groups, SwiGLU works row by row, combine reads the
+    token rows; ``combine(..., empty_rows_zero=True)`` hands y's rows there back as their gradient,
+    which the down GEMM's backward never reads). At DeepSeek-V3's worst-case capacity that tail is half
+    the rows at EP2 and three quarters at EP4 (0.5 / 1.4 GB of zeros not written per step).
+    ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows;
     "auto": ``jax_ep.swiglu.choose``). ``rows_fp8``: with the FP8 GEMMs, ``rows`` already quantised
     (e4m3 [M, H], float32 scales [M, H/128]: an FP8 dispatch's), which the gate|up GEMM multiplies as they
     are (``fp8_grouped_matmul``'s ``x_fp8``); ``rows`` then carries their gradient only."""
@@ -841,7 +845,8 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
             raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "
                                "gemm_dtype='float8_e4m3fn'")
         matmul = functools.partial(grouped_matmul, backend=gemm)
-        return matmul(activate(matmul(rows, w_gate_up, group_sizes, zero_tail=False)), w_down, group_sizes)
+        h = activate(matmul(rows, w_gate_up, group_sizes, zero_tail=False))
+        return matmul(h, w_down, group_sizes, zero_tail=False)
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
     matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,
                                weight_grad="fp8" if fp8_weight_grad else "bf16")

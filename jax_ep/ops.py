@@ -244,11 +244,13 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
     y ([C, H] -> [T, H]). rank_mask (as for dispatch; pass the dispatch's): an active source takes
     partial sums from the active ranks only, a masked one from itself only; what a rank ignores
-    gets a zero gradient. empty_rows_zero: the caller states that y is zero in every row that holds
-    no token (handle.src_index -1: alignment padding, rows past the groups), as an expert block's
-    output of dispatch's rows is; the gradient of y then takes those rows from y (so the CUDA kernel
-    writes d y into y's buffer and only its token rows: at the worst-case capacity most rows hold no
-    token). Wrong if y is not zero there (those rows of d y would be y's)."""
+    gets a zero gradient. empty_rows_zero: the gradient of y takes the rows that hold no token
+    (handle.src_index -1: alignment padding, rows past the groups) from y (so the CUDA kernel writes
+    d y into y's buffer and only its token rows: at the worst-case capacity most rows hold no token).
+    The caller states that y is zero in every such row that y's producer reads back from d y: the
+    alignment padding, and the rows past the groups unless the producer's backward skips them, as an
+    expert block's GEMMs do (``jax_ep.moe.expert_block``: they leave those rows of y unwritten). Wrong
+    otherwise (those rows of d y are y's)."""
     if not isinstance(empty_rows_zero, bool):
         raise EPTypeError(f"combine: empty_rows_zero must be a bool, got {empty_rows_zero!r}")
     size = ep_size(cfg, "combine")
