@@ -32,9 +32,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_ep.errors import EPValueError
 from jax_ep.gemm import GROUP_MAJOR
 
-# schedule rows (an int32 [6, tiles] array the kernel reads per tile): its group, block of rows, first row
-# and rows within the block, and its group's first tile and number of tiles (for the group-major order)
-_GROUP, _BLOCK, _START, _SIZE, _FIRST, _COUNT = range(6)
+# schedule rows (an int32 [6, tiles] array the kernel reads per tile): its group, its first row in the
+# buffer, the first row and the rows it stores within the tile, and its group's first tile and number of
+# tiles (for the group-major order)
+_GROUP, _ROW0, _START, _SIZE, _FIRST, _COUNT = range(6)
+# a tile's first row is a multiple of this: a swizzled TMA box of rows starts on a swizzle atom (8 rows of
+# 128 bytes), which Mosaic GPU must see from the index expression (_tile_rows)
+ROW_ALIGN = 8
+
+
+def _tile_rows(row0, block_m: int):
+    """The tile's rows [row0, row0 + block_m) as a slice Mosaic GPU sees start on a swizzle atom."""
+    return pl.ds(row0 // ROW_ALIGN * ROW_ALIGN, block_m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +60,10 @@ class BlockConfig:
     epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
     gradient, whose K is a group's rows). ring 1 (warp-specialised kernels) runs one ring of K-step
     buffers across all of a CTA's tiles instead of one pipeline per tile, so the producer loads the next
-    tile's first K blocks while the consumers finish this tile and write it out."""
+    tile's first K blocks while the consumers finish this tile and write it out. group_rows 1 (row-tiled
+    passes) starts each group's row tiles at its first row instead of at the fixed blocks of block_m
+    rows (tile_schedule): fewer tiles when groups do not start on a block (no effect at block_m 64 on
+    64-aligned groups)."""
 
     block_m: int = 64
     block_n: int = 256
@@ -63,6 +75,7 @@ class BlockConfig:
     compute_wgs: int = 1
     mma_in_flight: int = 0
     ring: int = 0
+    group_rows: int = 0
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -75,6 +88,8 @@ class BlockConfig:
         if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.max_concurrent_steps:
             raise EPValueError("BlockConfig.mma_in_flight must be 0 or 1 and below max_concurrent_steps, "
                                f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
+        if self.group_rows not in (0, 1):
+            raise EPValueError(f"BlockConfig.group_rows must be 0 or 1, got {self.group_rows}")
         if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
@@ -88,17 +103,22 @@ class BlockConfig:
         return dataclasses.astuple(self)
 
 
-def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, zero_tail: bool = True
-                  ) -> tuple[jax.Array, jax.Array]:
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, zero_tail: bool = True,
+                  group_rows: bool = False) -> tuple[jax.Array, jax.Array]:
     """Which rows each M tile of the persistent loop covers.
 
     Rows [sum(group_sizes), m) form one extra "zero" group (id G) whose tiles store zeros; without
-    zero_tail that group has no tiles (the kernel leaves those rows unwritten). A tile
-    never spans two groups: a block of block_m rows that holds the end of one group and the start of
-    the next is visited once per group (the rows outside the group are computed but not stored).
-    Returns (schedule [6, cdiv(m, block_m) + G] int32: group, block, first row within the block, rows,
-    the group's first tile and its number of live tiles; num_tiles [1] int32: how many leading tiles are
-    live).
+    zero_tail that group has no tiles (the kernel leaves those rows unwritten). A tile never spans two
+    groups: it computes block_m rows from its first row and stores those of its group. Without
+    group_rows the tiles are the fixed blocks of block_m rows, and a block that holds the end of one
+    group and the start of the next is visited once per group; with group_rows a group's tiles start at
+    its first row rounded down to ROW_ALIGN (the last one moved back to end at row m when it would pass
+    it), so a group of s rows starting on ROW_ALIGN takes cdiv(s, block_m) tiles however its boundaries
+    fall against the blocks (DeepSeek-V3 EP2, 128 experts of 64-aligned rows, block_m 128: 40,900 rows
+    computed instead of 44,800 for 36,840 rows).
+    Returns (schedule [6, cdiv(m, block_m) + G] int32: group, first row of the tile in the buffer,
+    first row and rows to store within the tile, the group's first tile and its number of live tiles;
+    num_tiles [1] int32: how many leading tiles are live).
     """
     g = group_sizes.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
@@ -106,20 +126,31 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, zero_tail: bool 
     tail_end = jnp.full((1,), m, jnp.int32) if zero_tail else ends[-1:]
     ends = jnp.concatenate([ends, tail_end])                               # + the zero group
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    first = starts // block_m
-    tiles = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    first = starts // ROW_ALIGN * ROW_ALIGN if group_rows else starts // block_m
+    if group_rows:          # from the group's first row (down to a swizzle atom)
+        tiles = jnp.where(ends > starts, pl.cdiv(ends - first, block_m), 0)
+    else:
+        tiles = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
     tile_end = jnp.cumsum(tiles)                                           # inclusive
-    max_tiles = pl.cdiv(m, block_m) + g                                    # one extra per boundary
+    max_tiles = pl.cdiv(m, block_m) + g      # one extra per boundary (group_rows: never more tiles)
     t = jnp.arange(max_tiles, dtype=jnp.int32)
     # compare_all: one fused kernel (the default binary search is an XLA while loop on the GPU, a
     # host round trip per step: ~0.1 ms per call at decode sizes, H200 profile 2026-11-30)
     group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), g
                         ).astype(jnp.int32)
-    block = first[group] + t - (tile_end[group] - tiles[group])
-    lo = jnp.maximum(starts[group], block * block_m)
-    hi = jnp.minimum(ends[group], block * block_m + block_m)
+    index = t - (tile_end[group] - tiles[group])                           # the tile's index in its group
+    if group_rows:          # the tile kept inside the buffer where that leaves it on a swizzle atom
+        base = first[group] + index * block_m
+        lo = jnp.maximum(starts[group], base)
+        hi = jnp.minimum(ends[group], base + block_m)
+        inside = m >= block_m and m % ROW_ALIGN == 0
+        row0 = jnp.minimum(base, m - block_m) if inside else base
+    else:                   # block `first + index` of the buffer
+        row0 = (first[group] + index) * block_m
+        lo = jnp.maximum(starts[group], row0)
+        hi = jnp.minimum(ends[group], row0 + block_m)
     live = t < tile_end[-1]
-    schedule = jnp.stack([group, jnp.where(live, block, 0), jnp.where(live, lo - block * block_m, 0),
+    schedule = jnp.stack([group, jnp.where(live, row0, 0), jnp.where(live, lo - row0, 0),
                           jnp.where(live, hi - lo, 0), tile_end[group] - tiles[group], tiles[group]]
                          ).astype(jnp.int32)
     return schedule, tile_end[-1:].astype(jnp.int32)
@@ -133,7 +164,7 @@ def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: in
     """The persistent loop of the ragged_dot kernels: over the live row tiles (tile_schedule) x grid_n
     column tiles, in strips of `width` tiles along `minor` (planar_snake), or group by group (minor
     GROUP_MAJOR: the linear index range of a group's tiles x grid_n holds its row tiles for column tile
-    0, then 1, ...), handing the body (row tile, column tile, its group, its block of rows) and, with
+    0, then 1, ...), handing the body (row tile, column tile, its group, its first row) and, with
     init_carry, the carry it returns the next one."""
     def decorator(body):
         live_m = num_tiles_gmem[0]
@@ -148,7 +179,7 @@ def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: in
                 mi, ni = first + local % count, local // count
             else:
                 mi, ni = plgpu.planar_snake(loop_info.index[0], (live_m, grid_n), minor, width)
-            return body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_BLOCK, mi], *carry.values())
+            return body(mi, ni, schedule_gmem[_GROUP, mi], schedule_gmem[_ROW0, mi], *carry.values())
     return decorator
 
 
@@ -185,7 +216,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
         @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
-        def _tile(mi, ni, group, block):
+        def _tile(mi, ni, group, row0):
 
             def acc_scope(acc_ref):
                 @pl.when(group < g)  # the zero group (rows past the groups) skips the matmul
@@ -196,13 +227,13 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
                             plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem),
                         grid=(k // bk,),
                         in_specs=[
-                            plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1),
+                            plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1),
                             plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn),
                                             (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
                                             delay_release=1),
                         ],
                         max_concurrent_steps=stages,
-                    )(lhs_gmem, rhs_gmem.at[group])
+                    )(lhs_gmem.at[_tile_rows(row0, bm)], rhs_gmem.at[group])
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
@@ -211,7 +242,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
             def _store(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                _store_rows(o_smem, o_gmem, block * bm, schedule_gmem[_START, mi],
+                _store_rows(o_smem, o_gmem, row0, schedule_gmem[_START, mi],
                             schedule_gmem[_SIZE, mi], min(bm, 1 << int(math.log2(m))),
                             pl.ds(ni * bn, bn))
 
@@ -489,7 +520,7 @@ class _RowTile(NamedTuple):
     mi: jax.Array
     ni: jax.Array
     group: jax.Array
-    block: jax.Array
+    row0: jax.Array
     num_k: jax.Array
 
 
@@ -498,9 +529,9 @@ def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, widt
     the rows past the groups (zeros, no matrix work)."""
     def tiles(tile_body):
         @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=jnp.int32(0))
-        def _tile(mi, ni, group, block, carry):
+        def _tile(mi, ni, group, row0, carry):
             steps = jnp.where(group < g, num_k, 0).astype(jnp.int32)
-            return tile_body(_RowTile(mi, ni, group, block, steps), carry)
+            return tile_body(_RowTile(mi, ni, group, row0, steps), carry)
     return tiles
 
 
@@ -519,7 +550,7 @@ def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N: a
     pipeline per tile, or with config.ring one ring of K-step buffers across the CTA's tiles (_k_ring)."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -537,7 +568,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
 
         def load(t, kk, blocks, barrier):
             cols, ks = pl.ds(t.ni * cta_n, cta_n), pl.ds(kk * bk, bk)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(t.block * bm, bm), ks], blocks[0], barrier)
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[_tile_rows(t.row0, bm), ks], blocks[0], barrier)
             panel = rhs_gmem.at[t.group, cols, ks] if transpose_rhs else rhs_gmem.at[t.group, ks, cols]
             plgpu.copy_gmem_to_smem(panel, blocks[1], barrier)
 
@@ -550,7 +581,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         # row boxes that can start on any row
         def epilogue(t, acc, wg, o_smem):
             _write_tile(o_smem.at[wg], acc)
-            _store_rows(o_smem.at[wg], o_gmem, t.block * bm, schedule_gmem[_START, t.mi],
+            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
                         schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + wg * bn, bn), wait=False)
 
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
@@ -577,12 +608,12 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                    plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
         def _scope(allocs, o_smem, wg):
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
-            def _tile(mi, ni, group, block):
+            def _tile(mi, ni, group, row0):
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
 
                 def store(values):
                     _write_tile(o_smem.at[wg], values)
-                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
+                    _store_rows(o_smem.at[wg], o_gmem, row0, schedule_gmem[_START, mi],
                                 schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
 
                 compute_context = _acc_ref_context(bm, bn, store)
@@ -600,7 +631,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                 def _():
                     panel = (rhs_gmem.at[group, pl.ds(ni * cta_n, cta_n)] if transpose_rhs
                              else rhs_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)])
-                    get_pipeline(step, compute_context)(lhs_gmem.at[pl.ds(block * bm, bm)], panel,
+                    get_pipeline(step, compute_context)(lhs_gmem.at[_tile_rows(row0, bm)], panel,
                                                         allocations=allocs)
 
                 @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
@@ -635,7 +666,7 @@ def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: in
 def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
-    bm, bn, bk, stages, minor, width, _, wgs, delay, _ = config.astuple()
+    bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -778,7 +809,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
 
     def body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
         @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4)
-        def _tile(mi, ni, group, block):
+        def _tile(mi, ni, group, row0):
 
             def step(idx, x_smem, w_smem, s_smem, total):
                 part = _fp8_block_sum(x_smem, w_smem)
@@ -788,12 +819,12 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
             def matmul():
                 return plgpu.emit_pipeline(
                     step, grid=(k // bk,),
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (block, kk)),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk)),
                               plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk)),
-                              plgpu.BlockSpec((1, bm), lambda kk: (kk, block))],
+                              plgpu.BlockSpec((1, bm), lambda kk: (kk, 0))],
                     max_concurrent_steps=stages,
                     init_carry=_acc_zeros(bm, bn),
-                )(x_gmem, w_gmem.at[group], xs_gmem)
+                )(x_gmem.at[_tile_rows(row0, bm)], w_gmem.at[group], xs_gmem.at[:, _tile_rows(row0, bm)])
 
             # the zero group (rows past the groups) does no matrix work
             total = lax.cond(group < g, matmul, lambda: _acc_zeros(bm, bn))
@@ -802,7 +833,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
             def _store(o_smem):
                 o_smem[...] = total.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                _store_rows(o_smem, o_gmem, block * bm, schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi],
+                _store_rows(o_smem, o_gmem, row0, schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi],
                             ladder, pl.ds(ni * bn, bn))
 
     kernel = plgpu.kernel(
@@ -828,9 +859,9 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
     def ring_body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
         def load(t, kk, blocks, barrier):
             ks = pl.ds(kk * bk, bk)
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(t.block * bm, bm), ks], blocks[0], barrier)
+            plgpu.copy_gmem_to_smem(x_gmem.at[_tile_rows(t.row0, bm), ks], blocks[0], barrier)
             plgpu.copy_gmem_to_smem(w_gmem.at[t.group, pl.ds(t.ni * cta_n, cta_n), ks], blocks[1], barrier)
-            plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(kk, 1), pl.ds(t.block * bm, bm)], blocks[2], barrier)
+            plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(kk, 1), _tile_rows(t.row0, bm)], blocks[2], barrier)
 
         def mma(t, kk, blocks, total, wg):
             part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
@@ -839,7 +870,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
         def epilogue(t, total, wg, o_smem):
             _write_tile(o_smem.at[wg], total)
-            _store_rows(o_smem.at[wg], o_gmem, t.block * bm, schedule_gmem[_START, t.mi],
+            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
                         schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
 
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
@@ -865,12 +896,12 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                    plgpu.SMEM((wgs, bm, bn), out_dtype))
         def _scope(allocs, o_smem, wg):
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4)
-            def _tile(mi, ni, group, block):
+            def _tile(mi, ni, group, row0):
                 col_block = ni * wgs + wg  # this consumer's 128 columns: one weight scale per K step
 
                 def store(values):
                     _write_tile(o_smem.at[wg], values)
-                    _store_rows(o_smem.at[wg], o_gmem, block * bm, schedule_gmem[_START, mi],
+                    _store_rows(o_smem.at[wg], o_gmem, row0, schedule_gmem[_START, mi],
                                 schedule_gmem[_SIZE, mi], ladder, pl.ds(col_block * bn, bn), wait=False)
 
                 def compute_context(run):
@@ -884,8 +915,8 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                 @pl.when(group < g)
                 def _():
                     get_pipeline(step, compute_context)(
-                        x_gmem.at[pl.ds(block * bm, bm)], w_gmem.at[group, pl.ds(ni * cta_n, cta_n)],
-                        xs_gmem.at[:, pl.ds(block * bm, bm)], allocations=allocs)
+                        x_gmem.at[_tile_rows(row0, bm)], w_gmem.at[group, pl.ds(ni * cta_n, cta_n)],
+                        xs_gmem.at[:, _tile_rows(row0, bm)], allocations=allocs)
 
                 @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
                 def _():

@@ -86,15 +86,32 @@ def test_explain_says_why_the_kernel_is_not_used():
                        backend="mosaic_gpu")
 
 
+@pytest.mark.parametrize("group_rows", [False, True], ids=["blocks", "group_rows"])
+@pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [64, 64, 64, 128], [300, 0, 0, 0],
-                                   [1, 1, 1, 300], [500, 0, 0, 0]])
-def test_tile_schedule_covers_every_row_once(sizes):
-    m, block_m = 320, 64
-    schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
+                                   [1, 1, 1, 300], [500, 0, 0, 0], [64, 128, 64, 64]])
+def test_tile_schedule_covers_every_row_once(sizes, block_m, group_rows):
+    """Every row of the buffer is stored by exactly one tile of its group (the rows past the groups by
+    the zero group's), each tile inside the buffer; with group_rows a group of s rows takes
+    cdiv(s, block_m) tiles, never more than the fixed blocks give it."""
+    m = 320
+    schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m, group_rows=group_rows)
     schedule, num_tiles = np.asarray(schedule), np.asarray(num_tiles)
     live = int(num_tiles[0])
-    group, block, start, size, first, count = schedule[:, :live]
+    group, row0, start, size, first, count = schedule[:, :live]
     assert np.all(size > 0) and np.all(schedule[3, live:] == 0)
+    assert np.all(row0 >= 0) and np.all(start + size <= block_m)
+    # fixed blocks: the last may pass row m (TMA reads zeros there); group_rows keeps every tile inside
+    assert np.all(row0 % block_m == 0) if not group_rows else np.all(row0 + block_m <= m)
+    blocks = mgpu.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)[1][0]
+    assert live <= int(blocks)
+    if group_rows:           # cdiv(rows from the group's first row down to a swizzle atom, block_m)
+        ends = np.minimum(np.cumsum(sizes), m)
+        starts = np.concatenate([[0], ends])
+        ends = np.concatenate([ends, [m]])
+        from_atom = np.where(ends > starts, ends - starts // mgpu.ROW_ALIGN * mgpu.ROW_ALIGN, 0)
+        assert live == int(np.sum(-(-from_atom // block_m)))
+        assert np.all(row0 % mgpu.ROW_ALIGN == 0)
     # the group-major order (_row_tiles with GROUP_MAJOR) visits every (row tile, column tile) once,
     # each group's row tiles together for one column tile at a time
     grid_n = 3
@@ -105,8 +122,8 @@ def test_tile_schedule_covers_every_row_once(sizes):
                                                                    for b in range(grid_n)]
     assert np.all(group[mi] == group[lin // grid_n]) and np.all(np.diff(group[mi]) >= 0)
     owner = np.full(m, -1)
-    for gi, b, s, n in zip(group, block, start, size, strict=True):
-        rows = np.arange(b * block_m + s, b * block_m + s + n)
+    for gi, r, s, n in zip(group, row0, start, size, strict=True):
+        rows = np.arange(r + s, r + s + n)
         assert np.all(owner[rows] == -1), "a row is covered twice"
         owner[rows] = gi
     ends = np.minimum(np.cumsum(sizes), m)
@@ -134,12 +151,13 @@ def test_zero_tail_must_be_a_bool():
         grouped_matmul(jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32), zero_tail=0)
 
 
+@pytest.mark.parametrize("group_rows", [0, 1], ids=["blocks", "group_rows"])
 @pytest.mark.parametrize("order", [(1, 1), (mgpu.GROUP_MAJOR, 1)], ids=["strips", "group_major"])
 @parametrize_slow_tail("sizes", [[70, 0, 130, 100], [0, 0, 0, 0], [320, 0, 0, 0], [5, 200, 3, 1]])
-def test_kernel_interpret_mode(sizes, order):
+def test_kernel_interpret_mode(sizes, order, group_rows):
     """The compiled kernel's forward logic on CPU (Mosaic GPU interpret mode): ragged groups, empty
-    groups, one huge group, in strips and group by group; padding rows hold NaN and must come out as
-    exact zeros."""
+    groups, one huge group, in strips and group by group, its row tiles on the fixed blocks or from each
+    group's first row (group_rows); padding rows hold NaN and must come out as exact zeros."""
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
     rng = np.random.default_rng(sum(sizes))
@@ -148,10 +166,11 @@ def test_kernel_interpret_mode(sizes, order):
     total = int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16).at[total:].set(jnp.nan)
     w = jnp.asarray(rng.standard_normal((4, k, n)) / np.sqrt(k), jnp.float16)
-    config = mgpu.BlockConfig(64, 64, 64, 2, *order)
+    config = mgpu.BlockConfig(64, 64, 64, 2, *order, group_rows=group_rows)
     ref = dense_reference(np.asarray(x)[:total], w, sizes)
     for zero_tail in (True, False):   # without it the rows past the groups are left as they are
-        schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes), m, config.block_m, zero_tail)
+        schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes), m, config.block_m, zero_tail,
+                                                 bool(group_rows))
         out = np.asarray(mgpu.ragged_dot(x, w, schedule, num_tiles, config=config,
                                          interpret=interpret_params.InterpretGPUParams()), np.float64)
         np.testing.assert_allclose(out[:total], ref, rtol=2e-2, atol=2e-2)
@@ -260,10 +279,13 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1),
-                                    (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1)])
+                                    (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
+                                    (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
+                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
-    custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape.
+    custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape, and
+    the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too.
     (Mosaic GPU's interpret mode does not run warp-specialised pipelines; the GPU tests run them.)"""
     cfg = mgpu.BlockConfig(*config)
     m, k, n, g = 1024, 512, 768, 5
@@ -272,7 +294,7 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     gs = jax.ShapeDtypeStruct((g,), jnp.int32)
 
     def passes(x, w, gs):
-        sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
+        sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m, group_rows=bool(cfg.group_rows))
         out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
         return out, mgpu.transposed_ragged_dot(x, out, gs, config=cfg)
 

@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|defaults] [--out FILE]
+                              [--kernels all|classic|ws|order|ring|rows|defaults] [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -102,10 +102,10 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
 
 def run_pass(name, cfg, x, w, dy, gs):
     if name == "forward":
-        sched, nt = mgpu.tile_schedule(gs, x.shape[0], cfg.block_m)
+        sched, nt = mgpu.tile_schedule(gs, x.shape[0], cfg.block_m, group_rows=bool(cfg.group_rows))
         return mgpu.ragged_dot(x, w, sched, nt, config=cfg)
     if name == "dx":
-        sched, nt = mgpu.tile_schedule(gs, x.shape[0], cfg.block_m)
+        sched, nt = mgpu.tile_schedule(gs, x.shape[0], cfg.block_m, group_rows=bool(cfg.group_rows))
         return mgpu.ragged_dot(dy, w, sched, nt, config=cfg, transpose_rhs=True)
     return mgpu.transposed_ragged_dot(x, dy, gs, config=cfg)
 
@@ -318,7 +318,7 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
-                        choices=["all", "classic", "ws", "order", "ring", "defaults"],
+                        choices=["all", "classic", "ws", "order", "ring", "rows", "defaults"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
@@ -377,6 +377,10 @@ def main(argv=None):
                                                      4 if name == "dw" else 1, 1, 2, 0)]
                 candidates = [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
                               for d in (0, 1) if c.compute_wgs == 2]
+            elif args.kernels == "rows":
+                # the table's entry with each group's row tiles starting at its first row (group_rows):
+                # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
+                candidates = [dataclasses.replace(c, group_rows=1) for c in incumbent if name != "dw"]
             elif args.kernels == "defaults":
                 candidates = list(default_candidates(name, m, k, n, g))
             else:

@@ -99,6 +99,10 @@ KERNEL_CONFIGS = [
     (64, 128, 64, 4, 2, 1, 1, 2),    # warp-specialised, group-major tile order (forward and dx)
     (128, 128, 64, 3, 0, 8, 1, 2, 1, 1),  # warp-specialised, one ring of K buffers across tiles
     (64, 128, 64, 4, 2, 1, 1, 2, 0, 1),   # the ring, group-major (forward and dx)
+    # row tiles from each group's first row (group_rows): one consumer, warp-specialised, the ring
+    (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
+    (128, 128, 64, 3, 2, 1, 1, 2, 0, 0, 1),
+    (128, 128, 64, 3, 2, 1, 1, 2, 0, 1, 1),
 ]
 
 
@@ -120,7 +124,7 @@ def test_every_kernel_pass_at_each_config(config, case):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16).at[total:].set(jnp.nan)
     w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16).at[total:].set(jnp.nan)
-    sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
+    sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m, group_rows=bool(cfg.group_rows))
     out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg)
     dx = mgpu.ragged_dot(dy, w, sched, tiles, config=cfg, transpose_rhs=True)
     # the weight gradient's tiles are one group each: the group-major order is not its to take
