@@ -485,9 +485,11 @@ def _check_quantized(quantized, w: jax.Array, backend: str) -> None:
 def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scales: jax.Array,
                        group_sizes: jax.Array, *, wq_t: jax.Array | None = None, transpose_w: bool = False,
                        out_dtype=jnp.bfloat16, backend: str = "reference",
-                       kernel: tuple[bool, int, int] | None = None) -> jax.Array:
+                       kernel: tuple[bool, int, int] | None = None, zero_tail: bool = True) -> jax.Array:
     """out = dequantize(xq, x_scales) @ dequantize(wq, w_scales)[g] per group of rows (``transpose_w``:
-    @ ...[g].T, the input gradient), float32 sums, ``out_dtype`` out, zeros past sum(group_sizes).
+    @ ...[g].T, the input gradient), float32 sums, ``out_dtype`` out, zeros past sum(group_sizes)
+    (``zero_tail=False``: unspecified there on the Hopper kernel, which leaves them unwritten, as
+    ``jax_ep.grouped_matmul``'s).
 
     Args:
       xq: [M, K] float8_e4m3fn rows grouped consecutively; x_scales: [M, K/128] float32.
@@ -530,7 +532,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         # the table's key is the [G, K, N] weight's (K, N): with transpose_w the contracted dimension is N
         kernel = tuned_entry(*(("dx_fp8", m, n, k, g) if transpose_w else ("forward_fp8", m, k, n, g)))
     warp_specialized, block_m, stages, grid_minor, ring = fp8_kernel_form(n, kernel)
-    schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m)
+    schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m, zero_tail)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                               out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,
                               ring=ring)
@@ -551,8 +553,8 @@ def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
 
 def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
                        gemm: str = "auto", quantized: FP8Weights | None = None,
-                       weight_grad: str = "bf16", x_fp8: tuple[jax.Array, jax.Array] | None = None
-                       ) -> jax.Array:
+                       weight_grad: str = "bf16", x_fp8: tuple[jax.Array, jax.Array] | None = None,
+                       zero_tail: bool = True) -> jax.Array:
     """``grouped_matmul(x, w, group_sizes)`` with the matrix work in FP8 (module docstring): x [M, K]
     bfloat16/float32 rows, w [G, K, N] (K and N multiples of 128), result in x's dtype. Differentiable in
     x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's).
@@ -570,7 +572,12 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     [M, K/128]), e.g. by an FP8 dispatch (``jax_ep.fp8.quantize_fp8``): the GEMM multiplies them instead of
     quantising x, and x serves for its gradient only (straight through the quantisation, as when this
     call quantises x; where nothing differentiates, XLA drops x's computation). Constants (no gradient
-    flows into them)."""
+    flows into them).
+
+    ``zero_tail``: False leaves the rows past sum(group_sizes) of the output and of x's gradient
+    unspecified (``jax_ep.grouped_matmul``'s meaning; the Hopper kernels do not write them)."""
+    if not isinstance(zero_tail, bool):
+        raise EPValueError(f"fp8_grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
     if weight_grad not in WEIGHT_GRADIENTS:
         raise EPValueError(f"fp8_grouped_matmul: weight_grad must be one of {WEIGHT_GRADIENTS}, got "
                            f"{weight_grad!r}")
@@ -591,7 +598,8 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
                                f"{(x.shape[0], k // FP8_BLOCK)}) for x {x.shape}, got "
                                f"({xq.dtype} {xq.shape}, {xs.dtype} {xs.shape})")
         x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w, group_sizes) for a in (xq, xs.astype(jnp.float32)))
-    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad)
+    return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad,
+                       zero_tail)
 
 
 def _live_rows_backend(shape, backend: str) -> str:
@@ -607,20 +615,21 @@ def _quantize_live_rows(x, group_sizes, backend):
     return quantize_gemm_rows(x)
 
 
-def _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend):
+def _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail):
     xq, xs = _quantize_live_rows(x, group_sizes, backend) if x_fp8 is None else x_fp8
     wq, wq_t, ws = quantize_weights(w, backend=backend) if quantized is None else quantized
-    out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend)
+    out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend,
+                             zero_tail=zero_tail)
     return out, (xq, xs, wq, ws, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fp8_matmul(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad):
-    return _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fp8_matmul(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail):
+    return _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail)[0]
 
 
-def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad):
-    out, res = _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend)
+def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail):
+    out, res = _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail)
     # which fields the cached weights have, as scalars: their (zero) cotangent is made in the backward
     # from wq's and ws's shapes, not kept from the forward
     q_like = None if quantized is None else FP8Weights(
@@ -629,7 +638,7 @@ def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_g
     return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), q_like, given)
 
 
-def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
+def _fp8_matmul_bwd(backend, gemm, weight_grad, zero_tail, res, dy):
     xq, xs, wq, ws, group_sizes, x_like, w_like, q_like, given = res
     # cached FP8 weights are constants (stop_gradient upstream): zero cotangents, dropped unused
     d_quantized = None if q_like is None else FP8Weights(
@@ -639,7 +648,7 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, res, dy):
         vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
     dyq, dys = _quantize_live_rows(dy, group_sizes, backend)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
-                            backend=backend)
+                            backend=backend, zero_tail=zero_tail)
     if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens
         dw_backend = backend if _dw_kernel_fits(xq.shape[1], dy.shape[1]) else "reference"
         dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend)

@@ -823,7 +823,7 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
     weights here, their weight gradients in FP8 too with ``fp8_weight_grad``). What MoE's throughput
     path runs per chunk; the layer benchmark times it alone. Its output's rows past sum(group_sizes)
-    are unspecified, and so is the gradient of ``rows`` there (as dispatch's rows there are): the bf16
+    are unspecified, and so is the gradient of ``rows`` there (as dispatch's rows there are): the
     GEMMs write neither their outputs' nor their input gradients' rows there (``zero_tail=False``), and
     nothing reads them (the GEMMs skip rows past the groups, SwiGLU works row by row, combine reads the
     token rows; ``combine(..., empty_rows_zero=True)`` hands y's rows there back as their gradient,
@@ -850,8 +850,8 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
     matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,
                                weight_grad="fp8" if fp8_weight_grad else "bf16")
-    gate_up = matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q, x_fp8=rows_fp8)
-    return matmul(activate(gate_up), w_down, group_sizes, quantized=down_q)
+    gate_up = matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q, x_fp8=rows_fp8, zero_tail=False)
+    return matmul(activate(gate_up), w_down, group_sizes, quantized=down_q, zero_tail=False)
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

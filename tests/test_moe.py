@@ -521,58 +521,55 @@ def test_fp8_wire_trains_with_the_fp8_gemms_bit_for_bit(cached):
         assert 0 < rel < 0.1, (name, rel)
 
 
+@pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("dy_in_place", [True, False])
-def test_rows_past_the_groups_are_never_read(monkeypatch, dy_in_place):
-    """The bf16 expert block leaves the rows past sum(group_sizes) unwritten on Hopper (both GEMMs'
-    zero_tail=False: their outputs and input gradients there). Emulated on the reference GEMM: NaN in
+def test_rows_past_the_groups_are_never_read(monkeypatch, dy_in_place, gemm_dtype):
+    """The expert block leaves the rows past sum(group_sizes) unwritten on Hopper (both GEMMs'
+    zero_tail=False: their outputs and input gradients there). Emulated on the reference GEMMs: NaN in
     every such row a kernel leaves unwritten, and a backward that reads none of dy's rows there (the
     kernels' tile schedule visits only the groups). Output, loss and every gradient are the clean run's
     bits, with combine's backward writing into y's buffer (dy_in_place: y's NaN rows handed back as
-    their gradient) or not."""
+    their gradient) or not, with the bf16 and the FP8 GEMMs (the FP8 wire's rows too)."""
     from jax_ep import moe as moe_module
 
-    real = moe_module.grouped_matmul
-    calls = []
-
     @jax.custom_vjp
-    def unwritten_tail(x, w, group_sizes):
-        return tail_nan(real(x, w, group_sizes), group_sizes)
+    def nan_tail_gradient(x, group_sizes):      # identity; its cotangent gets NaN past the groups
+        return x
 
-    def tail_nan(a, group_sizes):
+    def tail_nan(a, group_sizes):               # its VJP reads no row of the cotangent past the groups
         return jnp.where((jnp.arange(a.shape[0]) < jnp.sum(group_sizes))[:, None], a, jnp.nan)
 
-    def fwd(x, w, group_sizes):
-        return unwritten_tail(x, w, group_sizes), (x, w, group_sizes)
+    nan_tail_gradient.defvjp(lambda x, gs: (x, gs),
+                             lambda gs, g: (tail_nan(g, gs), np.zeros(gs.shape, jax.dtypes.float0)))
+    calls = []
 
-    def bwd(res, dy):
-        x, w, group_sizes = res
-        dy = jnp.where((jnp.arange(dy.shape[0]) < jnp.sum(group_sizes))[:, None], dy, 0)   # never read
-        dx, dw = jax.vjp(lambda x, w: real(x, w, group_sizes), x, w)[1](dy)
-        return tail_nan(dx, group_sizes), dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
-
-    unwritten_tail.defvjp(fwd, bwd)
-
-    def gemm(x, w, group_sizes, *, backend="auto", zero_tail=True):
-        calls.append(zero_tail)
-        return real(x, w, group_sizes, backend=backend) if zero_tail else unwritten_tail(x, w, group_sizes)
+    def unwritten_tail(real):
+        def gemm(x, w, group_sizes, *, zero_tail=True, **kw):
+            calls.append(zero_tail)
+            if zero_tail:
+                return real(x, w, group_sizes, **kw)
+            return tail_nan(real(nan_tail_gradient(x, group_sizes), w, group_sizes, **kw), group_sizes)
+        return gemm
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 4, 128)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 4, 128)), jnp.bfloat16)
 
     def run():
-        model = MoE(128, 128, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(6), mesh=mesh,
-                    ep=EPOptions(backend="reference", dy_in_place=dy_in_place))
+        model = MoE(128, 128, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(6), mesh=mesh, dtype="bfloat16",
+                    ep=EPOptions(backend="reference", dy_in_place=dy_in_place), gemm_dtype=gemm_dtype)
 
         def loss(model, x):
             y = model(x, update_stats=False)
-            return jnp.sum(y * jnp.cos(jnp.arange(128.0))), y
+            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(128.0))), y
         (value, y), (g, gx) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
-        return [np.asarray(a) for a in (value, y, g.w_gate_up[...], g.w_down[...], g.router[...], gx)]
+        return [np.asarray(a, np.float32) for a in (value, y, g.w_gate_up[...], g.w_down[...], g.router[...],
+                                                    gx)]
 
     clean = run()
-    monkeypatch.setattr(moe_module, "grouped_matmul", gemm)
+    for name in ("grouped_matmul", "fp8_grouped_matmul"):
+        monkeypatch.setattr(moe_module, name, unwritten_tail(getattr(moe_module, name)))
     poisoned = run()
-    assert calls and not any(calls), calls   # both GEMMs leave their tails unwritten
+    assert len(calls) == 2 and not any(calls), calls   # both GEMMs leave their tails unwritten
     for name, a, b in zip(("loss", "out", "d w_gate_up", "d w_down", "d router", "d x"), poisoned, clean,
                           strict=True):
         assert np.isfinite(a).all() and np.abs(a).max() > 0, name
