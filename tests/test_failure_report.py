@@ -157,19 +157,29 @@ def test_teardown_noise_and_what_is_never_noise():
 # ---- python -m jax_ep.launch ----------------------------------------------------------------------
 
 def child_script(tmp_path: pathlib.Path, outputs: dict[int, tuple[list[str], list[str]]]) -> str:
-    """A launcher child: process p prints outputs[p] (stdout, then stderr) and exits 1; a process without
-    an output sleeps (the launcher stops it)."""
+    """A launcher child: process p prints outputs[p] (stdout, then stderr) and exits 1 once every process
+    with an output has printed (a barrier of files; SIGTERM ignored meanwhile: the launcher stops the
+    others when the first one exits, which on a loaded machine came before a slow starter had printed);
+    a process without an output sleeps (the launcher stops it)."""
     path = tmp_path / "failing_worker.py"
+    barrier = tmp_path / "printed"
     path.write_text(f"""
-import json, os, sys, time
+import json, os, pathlib, signal, sys, time
 outputs = json.loads({json.dumps(json.dumps({str(p): o for p, o in outputs.items()}))})
 me = os.environ["JAX_EP_PROCESS_ID"]
 if me not in outputs:
     time.sleep(60)
     sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 stdout, stderr = outputs[me]
 print("\\n".join(stdout), flush=True)
 print("\\n".join(stderr), file=sys.stderr, flush=True)
+barrier = pathlib.Path({str(barrier)!r})
+barrier.mkdir(exist_ok=True)
+(barrier / me).touch()
+deadline = time.monotonic() + 30
+while len(list(barrier.iterdir())) < len(outputs) and time.monotonic() < deadline:
+    time.sleep(0.05)
 os._exit(1)
 """)
     return str(path)
