@@ -126,11 +126,11 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, zero_tail: bool 
     tail_end = jnp.full((1,), m, jnp.int32) if zero_tail else ends[-1:]
     ends = jnp.concatenate([ends, tail_end])                               # + the zero group
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    first = starts // ROW_ALIGN * ROW_ALIGN if group_rows else starts // block_m
-    if group_rows:          # from the group's first row (down to a swizzle atom)
-        tiles = jnp.where(ends > starts, pl.cdiv(ends - first, block_m), 0)
-    else:
-        tiles = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    # each group's tiles start at its first row rounded down to a block (or with group_rows to a
+    # swizzle atom), block_m rows apart
+    align = ROW_ALIGN if group_rows else block_m
+    first = starts // align * align
+    tiles = jnp.where(ends > starts, pl.cdiv(ends - first, block_m), 0)
     tile_end = jnp.cumsum(tiles)                                           # inclusive
     max_tiles = pl.cdiv(m, block_m) + g      # one extra per boundary (group_rows: never more tiles)
     t = jnp.arange(max_tiles, dtype=jnp.int32)
@@ -138,17 +138,12 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, zero_tail: bool 
     # host round trip per step: ~0.1 ms per call at decode sizes, H200 profile 2026-11-30)
     group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), g
                         ).astype(jnp.int32)
-    index = t - (tile_end[group] - tiles[group])                           # the tile's index in its group
-    if group_rows:          # the tile kept inside the buffer where that leaves it on a swizzle atom
-        base = first[group] + index * block_m
-        lo = jnp.maximum(starts[group], base)
-        hi = jnp.minimum(ends[group], base + block_m)
-        inside = m >= block_m and m % ROW_ALIGN == 0
-        row0 = jnp.minimum(base, m - block_m) if inside else base
-    else:                   # block `first + index` of the buffer
-        row0 = (first[group] + index) * block_m
-        lo = jnp.maximum(starts[group], row0)
-        hi = jnp.minimum(ends[group], row0 + block_m)
+    base = first[group] + (t - (tile_end[group] - tiles[group])) * block_m
+    lo = jnp.maximum(starts[group], base)
+    hi = jnp.minimum(ends[group], base + block_m)
+    # group_rows: the last tile moved back inside the buffer where that leaves it on a swizzle atom
+    inside = group_rows and m >= block_m and m % ROW_ALIGN == 0
+    row0 = jnp.minimum(base, m - block_m) if inside else base
     live = t < tile_end[-1]
     schedule = jnp.stack([group, jnp.where(live, row0, 0), jnp.where(live, lo - row0, 0),
                           jnp.where(live, hi - lo, 0), tile_end[group] - tiles[group], tiles[group]]

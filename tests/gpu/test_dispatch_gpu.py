@@ -210,10 +210,11 @@ def test_dispatch_combine_match_reference(cuda_backend, mesh, case):
         assert_combine_close(got_out, want_out, f"{case} call {call} combine")
 
 
-def quantize_fp8_numpy(x: np.ndarray):
-    """jax_ep.fp8.quantize_fp8 in IEEE float32 NumPy arithmetic."""
-    xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
-    amax = np.maximum(np.abs(xf).max(axis=2), np.float32(1e-4))
+def quantize_fp8_numpy(x: np.ndarray, min_amax: float = 1e-4):
+    """jax_ep.fp8.quantize_fp8(x, min_amax) in IEEE float32 NumPy arithmetic and ml_dtypes' round to
+    nearest even into e4m3 (the CUDA kernels' bits; the default floor is the wire's): (e4m3, scales)."""
+    xf = np.asarray(x, np.float32).reshape(x.shape[0], x.shape[1] // 128, 128)
+    amax = np.maximum(np.abs(xf).max(axis=2, initial=0), np.float32(min_amax))
     q = (xf * (np.float32(448.0) / amax)[:, :, None]).reshape(x.shape)
     return q.astype(ml_dtypes.float8_e4m3fn), (amax / np.float32(448.0)).astype(np.float32)
 

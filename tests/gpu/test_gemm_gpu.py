@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_dispatch_gpu import quantize_fp8_numpy
 
 import jax_ep
 from jax_ep.gating import RouterConfig
@@ -30,17 +31,6 @@ def hopper():
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def ieee_quantised_rows(x, min_amax):
-    """fp8.quantize_fp8(x, min_amax) in IEEE float32 NumPy arithmetic and ml_dtypes' round-to-nearest-even
-    into e4m3 (the CUDA FP8 wire's and the CPU reference's bits): (e4m3 [M, K], scales [M, K/128])."""
-    import ml_dtypes
-
-    xf = np.asarray(x, np.float32).reshape(x.shape[0], x.shape[1] // 128, 128)
-    amax = np.maximum(np.abs(xf).max(axis=2, initial=0), np.float32(min_amax))
-    q = (xf * (np.float32(448.0) / amax)[:, :, None]).reshape(x.shape)
-    return q.astype(ml_dtypes.float8_e4m3fn), amax / np.float32(448.0)
 
 
 def sizes_case(rng, case, g, total):
@@ -545,7 +535,7 @@ def test_fp8_live_row_quantiser_gives_the_reference_bits(live):
          * jnp.asarray(rng.uniform(1e-3, 1e3, (m, 1)), jnp.float32)).astype(jnp.bfloat16)
     x = x.at[7, :128].set(0)
     done = -(-live // gemm_fp8.QUANTIZE_ROWS) * gemm_fp8.QUANTIZE_ROWS
-    q0, s0 = ieee_quantised_rows(np.asarray(x[:done]), FP8_GEMM_MIN_AMAX)
+    q0, s0 = quantize_fp8_numpy(np.asarray(x[:done]), FP8_GEMM_MIN_AMAX)
     q1, s1 = jax.jit(lambda x, n: gemm_fp8.quantize_gemm_rows(x, n, backend="pallas"))(x, jnp.int32(live))
     same = np.asarray(q1[:done]).view(np.uint8) == q0.view(np.uint8)
     assert same.all(), f"{(~same).sum()} e4m3 values differ, first at {np.argwhere(~same)[:3].tolist()}"
@@ -559,7 +549,7 @@ def test_fp8_live_row_quantiser_gives_the_reference_bits(live):
 
 def test_fp8_quantisers_round_as_ieee():
     """The FP8 quantisers on a GPU next to IEEE float32 arithmetic and one round-to-nearest-even into e4m3
-    (ieee_quantised_rows; what the CUDA wire gives bit for bit: test_dispatch_gpu's
+    (quantize_fp8_numpy; what the CUDA wire gives bit for bit: test_dispatch_gpu's
     test_fp8_dispatch_matches_quantisation), on tokens of very different scales: the conversion
     f32 -> e4m3 (exact ties included) and the live-row Triton kernel (gemm_fp8._ieee_fp8_factors) give
     them; XLA's own quantisation (fp8.quantize_fp8 on a GPU) divides as PTX's div.full.f32 does, which
@@ -586,10 +576,10 @@ def test_fp8_quantisers_round_as_ieee():
     x = (rng.standard_normal((m, k)) * rng.uniform(1e-3, 1e3, (m, 1))).astype(ml_dtypes.bfloat16)
     xj = jnp.asarray(x)
     q, s = jax.jit(lambda a, n: gemm_fp8.quantize_gemm_rows(a, n, backend="pallas"))(xj, jnp.int32(m))
-    q_ieee, s_ieee = ieee_quantised_rows(x, fp8.FP8_GEMM_MIN_AMAX)
+    q_ieee, s_ieee = quantize_fp8_numpy(x, fp8.FP8_GEMM_MIN_AMAX)
     assert differ(q, q_ieee) == 0
     np.testing.assert_array_equal(np.asarray(s), s_ieee)
-    xla = differ(jax.jit(fp8.quantize_fp8)(xj)[0], ieee_quantised_rows(x, fp8.FP8_MIN_AMAX)[0])
+    xla = differ(jax.jit(fp8.quantize_fp8)(xj)[0], quantize_fp8_numpy(x, fp8.FP8_MIN_AMAX)[0])
     print(f"XLA's quantize_fp8 on this GPU: {100 * xla:.4f}% of the e4m3 values one step from IEEE's")
     assert xla < 2e-3
 
