@@ -60,7 +60,10 @@ class BlockConfig:
     epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
     gradient, whose K is a group's rows). ring 1 (warp-specialised kernels) runs one ring of K-step
     buffers across all of a CTA's tiles instead of one pipeline per tile, so the producer loads the next
-    tile's first K blocks while the consumers finish this tile and write it out. group_rows 1 (row-tiled
+    tile's first K blocks while the consumers finish this tile and write it out; ring 2 gives each of the
+    two consumers its own ring and whole block_m x block_n tiles in turn (ping-pong: one consumer's
+    epilogue runs while the other's WGMMAs keep the tensor cores busy; a CTA tile is then block_n wide,
+    not 2 x block_n). group_rows 1 (row-tiled
     passes) starts each group's row tiles at its first row instead of at the fixed blocks of block_m
     rows (tile_schedule): fewer tiles when groups do not start on a block (no effect at block_m 64 on
     64-aligned groups)."""
@@ -90,14 +93,19 @@ class BlockConfig:
                                f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
         if self.group_rows not in (0, 1):
             raise EPValueError(f"BlockConfig.group_rows must be 0 or 1, got {self.group_rows}")
-        if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
-            raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
+        if self.ring not in (0, 1, 2) or (self.ring and self.compute_wgs != 2):
+            raise EPValueError("BlockConfig.ring must be 0, 1 or 2, and 1 or 2 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
 
     @property
+    def pingpong(self) -> bool:
+        """The consumers take whole tiles in turn, each from its own ring (ring 2)."""
+        return self.ring == 2
+
+    @property
     def cta_n(self) -> int:
-        """Output columns one CTA computes per tile."""
-        return self.block_n * self.compute_wgs
+        """Output columns of one CTA tile (the consumers side by side, or one of them with ping-pong)."""
+        return self.block_n if self.pingpong else self.block_n * self.compute_wgs
 
     def astuple(self):
         return dataclasses.astuple(self)
@@ -403,7 +411,7 @@ def _ws_scope(allocations, o_smem):
 
 
 def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, delay: int, scratch,
-            acc_shape=None, init_acc=None):
+            acc_shape=None, init_acc=None, pingpong: bool = False):
     """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
     tiles, instead of one pipeline per tile.
 
@@ -413,23 +421,33 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
     Here the producer warpgroup runs ahead across tile boundaries; the step counter carried through both
     sides' tile loops names the slot, and so the barrier phase, each side is at.
 
-    tiles(body): runs body(tile, step) -> step over the CTA's tiles (tile: what the other callbacks get;
-    tile.num_k its K steps). operands: (shape, dtype, transforms) of each operand's block.
-    load(tile, kk, blocks, barrier): the TMA copies of K step kk into `blocks`, arriving on `barrier`.
-    mma(tile, kk, blocks, acc, wg): consumer wg's matrix work on them, into a WGMMA accumulator of
+    The consumers either share each tile side by side (its column part wg of `wgs`), or with `pingpong`
+    take whole tiles in turn (CUTLASS's ping-pong schedule): the CTA's tiles alternate between them, each
+    with its own ring of `stages` slots, so one consumer's epilogue (the accumulator through SMEM to
+    HBM) runs while the other's WGMMAs keep the tensor cores busy. A weight gradient tile of 4-5 K steps
+    otherwise idles them for its whole epilogue. Each ring's barriers are waited on by one consumer only,
+    so every barrier's phase stays that consumer's count (Mosaic GPU tracks phases per waiting thread).
+
+    tiles(body, init): runs carry = body(tile, carry) over the CTA's tiles from `init` (tile: what the other
+    callbacks get; tile.num_k its K steps). operands: (shape, dtype, transforms) of each operand's block
+    for one ring slot. load(tile, kk, blocks, barrier): the TMA copies of K step kk into `blocks`, arriving
+    on `barrier`. mma(tile, kk, blocks, acc, part): matrix work on them for column part `part` of the
+    tile's blocks (wg side by side; 0 with pingpong: the whole block), into a WGMMA accumulator of
     acc_shape (acc: its ref, starting at zero) or, with init_acc, into a sum carried in registers (acc:
     its value, init_acc() the first; mma returns the next; the FP8 kernels' promotion). delay: WGMMAs
     left in flight after a step (each step's slot is released once its MMA is done).
-    epilogue(tile, acc, wg, scratch): write the tile (acc: the final sum; a tile of no K steps stores the
-    initial one, zeros). scratch: the consumers' own SMEM (the output tiles)."""
+    epilogue(tile, acc, part, o_smem): write the tile's part (acc: the final sum; a tile of no K steps
+    stores the initial one, zeros) through o_smem, this consumer's block of `scratch` (the consumers' own
+    SMEM, one leading entry each)."""
     consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
+    rings = wgs if pingpong else 1
 
     @functools.partial(
         pl.run_scoped,
-        bufs=[plgpu.SMEM((stages, *shape), dtype, transforms=tf) for shape, dtype, tf in operands],
+        bufs=[plgpu.SMEM((rings * stages, *shape), dtype, transforms=tf) for shape, dtype, tf in operands],
         scratch=scratch,
-        full=plgpu.Barrier(num_arrivals=len(operands), num_barriers=stages),
-        empty=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        full=plgpu.Barrier(num_arrivals=len(operands), num_barriers=rings * stages),
+        empty=plgpu.Barrier(num_arrivals=1 if pingpong else wgs, num_barriers=rings * stages),
         collective_axes="wg")
     def _scope(bufs, scratch, full, empty):
         wg = lax.axis_index("wg")
@@ -438,33 +456,42 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
         def _producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-            @tiles
-            def _tile(tile, step):
+            # carry: the CTA's tile count and each ring's step count
+            @functools.partial(tiles, init=(jnp.int32(0), (jnp.int32(0),) * rings))
+            def _tile(tile, carry):
+                i, steps = carry
+                ring = lax.rem(i, rings)
+                step = steps[0]
+                for r in range(1, rings):
+                    step = jnp.where(ring == r, steps[r], step)
+
                 def one(kk, s):
-                    slot = lax.rem(s, stages)
+                    slot = ring * stages + lax.rem(s, stages)
 
                     @pl.when(s >= stages)       # the ring's first lap finds every slot empty
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
                     load(tile, kk, [b.at[slot] for b in bufs], full.at[slot])
                     return s + 1
-                return lax.fori_loop(0, tile.num_k, one, step)
+                end = lax.fori_loop(0, tile.num_k, one, step)
+                return i + 1, tuple(jnp.where(ring == r, end, steps[r]) for r in range(rings))
 
         @pl.when(wg < wgs)
         def _consumer():
             plgpu.set_max_registers(consumer_registers, action="increase")
+            ring, part = (wg, 0) if pingpong else (0, wg)
 
             def consume(tile, step, acc, step_fn):
                 def one(kk, carry):
                     s, acc = carry
-                    slot = lax.rem(s, stages)
+                    slot = ring * stages + lax.rem(s, stages)
                     plgpu.barrier_wait(full.at[slot])
                     acc = step_fn(kk, [b.at[slot] for b in bufs], acc)
                     plgpu.wgmma_wait(delay)
                     if delay:               # the previous step's MMA is done with its slot
                         @pl.when(kk > 0)
                         def _():
-                            plgpu.barrier_arrive(empty.at[lax.rem(s - 1, stages)])
+                            plgpu.barrier_arrive(empty.at[ring * stages + lax.rem(s - 1, stages)])
                     else:
                         plgpu.barrier_arrive(empty.at[slot])
                     return s + 1, acc
@@ -474,25 +501,32 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
 
                     @pl.when(tile.num_k > 0)
                     def _():
-                        plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
+                        plgpu.barrier_arrive(empty.at[ring * stages + lax.rem(end_step - 1, stages)])
                 return end_step, acc
 
-            @tiles
-            def _tile(tile, step):
+            def work(tile, step):
                 if init_acc is not None:
                     end_step, acc = consume(tile, step, init_acc(),
-                                            lambda kk, blocks, acc: mma(tile, kk, blocks, acc, wg))
-                    epilogue(tile, acc, wg, scratch)
+                                            lambda kk, blocks, acc: mma(tile, kk, blocks, acc, part))
+                    epilogue(tile, acc, part, scratch.at[wg])
                     return end_step
 
                 def scoped(acc_ref):
                     def add(kk, blocks, _):     # the ref is not carried: the steps add into it
-                        mma(tile, kk, blocks, acc_ref, wg)
+                        mma(tile, kk, blocks, acc_ref, part)
 
                     end_step, _ = consume(tile, step, None, add)
-                    epilogue(tile, acc_ref[...], wg, scratch)
+                    epilogue(tile, acc_ref[...], part, scratch.at[wg])
                     return end_step
                 return pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
+
+            # carry: the CTA's tile count and this consumer's ring's step count
+            @functools.partial(tiles, init=(jnp.int32(0), jnp.int32(0)))
+            def _tile(tile, carry):
+                i, step = carry
+                if not pingpong:
+                    return i + 1, work(tile, step)
+                return i + 1, lax.cond(lax.rem(i, wgs) == wg, lambda s: work(tile, s), lambda s: s, step)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -522,8 +556,8 @@ class _RowTile(NamedTuple):
 def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int, g: int, num_k: int):
     """_k_ring's tile loop over the ragged_dot kernels' tiles (_row_tiles): num_k K steps each, none for
     the rows past the groups (zeros, no matrix work)."""
-    def tiles(tile_body):
-        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=jnp.int32(0))
+    def tiles(tile_body, init):
+        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=init)
         def _tile(mi, ni, group, row0, carry):
             steps = jnp.where(group < g, num_k, 0).astype(jnp.int32)
             return tile_body(_RowTile(mi, ni, group, row0, steps), carry)
@@ -532,8 +566,8 @@ def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, widt
 
 def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
     """_k_ring's tile loop over the weight-gradient kernels' tiles (as _group_tiles), as _GroupTiles."""
-    def tiles(tile_body):
-        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
+    def tiles(tile_body, init):
+        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=init)
         def _tile(loop_info: plgpu.NDLoopInfo, carry):
             gi = loop_info.index[0]
             mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
@@ -567,20 +601,20 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
             panel = rhs_gmem.at[t.group, cols, ks] if transpose_rhs else rhs_gmem.at[t.group, ks, cols]
             plgpu.copy_gmem_to_smem(panel, blocks[1], barrier)
 
-        def mma(t, kk, blocks, acc_ref, wg):
-            mine = pl.ds(wg * bn, bn)
+        def mma(t, kk, blocks, acc_ref, part):
+            mine = pl.ds(part * bn, bn)
             b = plgpu.transpose_ref(blocks[1].at[mine], (1, 0)) if transpose_rhs else blocks[1].at[:, mine]
             plgpu.wgmma(acc_ref, blocks[0], b)
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
-        def epilogue(t, acc, wg, o_smem):
-            _write_tile(o_smem.at[wg], acc)
-            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
-                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + wg * bn, bn), wait=False)
+        def epilogue(t, acc, part, o_smem):
+            _write_tile(o_smem, acc)
+            _store_rows(o_smem, o_gmem, t.row0, schedule_gmem[_START, t.mi],
+                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + part * bn, bn), wait=False)
 
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
-                stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
+                stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn), pingpong=config.pingpong,
                 scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
 
     if config.ring:
@@ -681,21 +715,22 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
             plgpu.copy_gmem_to_smem(lhs_gmem.at[row, pl.ds(t.mi * bm, bm)], blocks[0], barrier)
             plgpu.copy_gmem_to_smem(rhs_gmem.at[row, pl.ds(t.ni * cta_n, cta_n)], blocks[1], barrier)
 
-        def mma(t, kk, blocks, acc_ref, wg):
-            lhs_block, rhs_mine = blocks[0], blocks[1].at[:, pl.ds(wg * bn, bn)]
-            # every consumer masks the shared lhs block itself (the same values), so none reads it
-            # unmasked
+        def mma(t, kk, blocks, acc_ref, part):
+            lhs_block, rhs_mine = blocks[0], blocks[1].at[:, pl.ds(part * bn, bn)]
+            # side by side every consumer masks the shared lhs block itself (the same values), so none
+            # reads it unmasked
             _mask_cut_block(lhs_block, rhs_mine, kk, t.num_k, t.start, t.end, t.first_row, bk)
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
 
-        def epilogue(t, acc, wg, o_smem):
-            _write_tile(o_smem.at[wg], acc)
-            cols = pl.ds(t.ni * cta_n + wg * bn, bn)
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
+        def epilogue(t, acc, part, o_smem):
+            _write_tile(o_smem, acc)
+            cols = pl.ds(t.ni * cta_n + part * bn, bn)
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
 
         _k_ring(tiles, [((bk, bm), lhs.dtype, _smem_transforms(lhs.dtype, bm)),
                         ((bk, cta_n), rhs.dtype, _smem_transforms(rhs.dtype, cta_n))],
                 load, mma, epilogue, stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
+                pingpong=config.pingpong,
                 scratch=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)))
 
     if config.ring:
@@ -859,13 +894,13 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
             plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(kk, 1), _tile_rows(t.row0, bm)], blocks[2], barrier)
 
         def mma(t, kk, blocks, total, wg):
-            part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
+            block_sum = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
             rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-            return _promote(total, part, rows * ws_gmem[t.group, kk, t.ni * wgs + wg])
+            return _promote(total, block_sum, rows * ws_gmem[t.group, kk, t.ni * wgs + wg])
 
         def epilogue(t, total, wg, o_smem):
-            _write_tile(o_smem.at[wg], total)
-            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
+            _write_tile(o_smem, total)
+            _store_rows(o_smem, o_gmem, t.row0, schedule_gmem[_START, t.mi],
                         schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
 
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
@@ -959,9 +994,9 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
             plgpu.copy_gmem_to_smem(dys_gmem.at[b, pl.ds(t.ni * cta_n, cta_n)], blocks[3], barrier)
 
         def epilogue(t, total, wg, o_smem):
-            _write_tile(o_smem.at[wg], total)
+            _write_tile(o_smem, total)
             cols = pl.ds(t.ni * cta_n + wg * bn, bn)
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
 
         _k_ring(_group_ring_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk),
                 [((bm, bk), xt.dtype, tf), ((cta_n, bk), dyt.dtype, tf), ((1, bm), xs.dtype, ()),

@@ -269,7 +269,8 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 3, 0, 4, 2, 2), "ctas_per_sm"),
                                          ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight"),
                                          ((128, 128, 64, 3, 3, 4), "grid_minor"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
+                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 3), "ring")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -281,11 +282,14 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
 @pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1),
                                     (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
                                     (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
-                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1)])
+                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1),
+                                    (128, 128, 64, 2, 0, 4, 1, 2, 1, 2),
+                                    (128, 128, 64, 2, 0, 8, 1, 2, 0, 2, 1)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
     custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape, and
-    the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too.
+    the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too, and
+    the ping-pong ring (ring 2: the consumers take whole tiles in turn, each from its own ring).
     (Mosaic GPU's interpret mode does not run warp-specialised pipelines; the GPU tests run them.)"""
     cfg = mgpu.BlockConfig(*config)
     m, k, n, g = 1024, 512, 768, 5

@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|rows|defaults] [--out FILE]
+                              [--kernels all|classic|ws|order|ring|pingpong|rows|defaults] [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -318,11 +318,13 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
-                        choices=["all", "classic", "ws", "order", "ring", "rows", "defaults"],
+                        choices=["all", "classic", "ws", "order", "ring", "pingpong", "rows", "defaults"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
-                             "(ring), or the untuned default beside the forms that could replace it "
+                             "(ring), or the consumers on whole tiles in turn, each from its own ring "
+                             "(pingpong), or the table's entries with row tiles from each group's first "
+                             "row (rows), or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
@@ -377,6 +379,20 @@ def main(argv=None):
                                                      4 if name == "dw" else 1, 1, 2, 0)]
                 candidates = [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
                               for d in (0, 1) if c.compute_wgs == 2]
+            elif args.kernels == "pingpong":
+                # the warp-specialised kernels with the consumers on whole tiles in turn, each from its own
+                # ring (ring 2): one's epilogue under the other's WGMMAs; two rings fit 2 stages at
+                # 128 x 128 (3 at 64 x 128) beside the two output tiles
+                if name == "dw":
+                    candidates = [mgpu.BlockConfig(128, 128, 64, 2, 0, w, 1, 2, d, 2)
+                                  for w in (4, 8) for d in (0, 1)]
+                    candidates += [mgpu.BlockConfig(64, 128, 64, 3, 0, 8, 1, 2, 0, 2),
+                                   mgpu.BlockConfig(64, 256, 64, 2, 0, 8, 1, 2, 0, 2)]
+                else:
+                    candidates = [dataclasses.replace(c, ring=2, max_concurrent_steps=st, mma_in_flight=d)
+                                  for c in incumbent if c.compute_wgs == 2
+                                  for st in ((2,) if c.block_m == 128 else (3,)) for d in (0, 1)]
+                candidates = [c for c in candidates if width % c.cta_n == 0]
             elif args.kernels == "rows":
                 # the table's entry with each group's row tiles starting at its first row (group_rows):
                 # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
