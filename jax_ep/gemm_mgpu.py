@@ -46,6 +46,26 @@ def _tile_rows(row0, block_m: int):
     return pl.ds(row0 // ROW_ALIGN * ROW_ALIGN, block_m)
 
 
+# rows of one WGMMA instruction: what BlockConfig.split_m splits a 128-row tile into
+_HALF_M = 64
+
+
+def _wgmma_rows(acc_ref, lhs_smem, rhs, rows=None):
+    """acc_ref += lhs_smem @ rhs; with rows = (start, size) (BlockConfig.split_m) only the 64-row halves of
+    the tile that hold rows [start, start + size) it stores: the others' sums are never stored, so they
+    may stay zero."""
+    if rows is None:
+        plgpu.wgmma(acc_ref, lhs_smem, rhs)
+        return
+    start, size = rows
+    for h in range(acc_ref.shape[0] // _HALF_M):
+        half = pl.ds(h * _HALF_M, _HALF_M)
+
+        @pl.when((start < (h + 1) * _HALF_M) & (start + size > h * _HALF_M))
+        def _(half=half):
+            plgpu.wgmma(acc_ref.at[half], lhs_smem.at[half], rhs)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Tile shape of one kernel launch: output tile block_m x block_n, K step block_k,
@@ -66,7 +86,9 @@ class BlockConfig:
     not 2 x block_n). group_rows 1 (row-tiled
     passes) starts each group's row tiles at its first row instead of at the fixed blocks of block_m
     rows (tile_schedule): fewer tiles when groups do not start on a block (no effect at block_m 64 on
-    64-aligned groups)."""
+    64-aligned groups). split_m 1 (row-tiled passes, block_m 128) issues a tile's WGMMAs as two 64-row
+    halves, each only where the tile stores rows: the last tile of a 64-aligned group that holds 64 rows
+    computes 64, not 128 (DeepSeek-V3 EP2 with group_rows: 36,840 rows computed instead of 40,900)."""
 
     block_m: int = 64
     block_n: int = 256
@@ -79,6 +101,7 @@ class BlockConfig:
     mma_in_flight: int = 0
     ring: int = 0
     group_rows: int = 0
+    split_m: int = 0
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -93,6 +116,9 @@ class BlockConfig:
                                f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
         if self.group_rows not in (0, 1):
             raise EPValueError(f"BlockConfig.group_rows must be 0 or 1, got {self.group_rows}")
+        if self.split_m not in (0, 1) or (self.split_m and self.block_m != 2 * _HALF_M):
+            raise EPValueError(f"BlockConfig.split_m must be 0 or 1, and 1 only with block_m {2 * _HALF_M}, "
+                               f"got split_m={self.split_m} with block_m={self.block_m}")
         if self.ring not in (0, 1, 2) or (self.ring and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.ring must be 0, 1 or 2, and 1 or 2 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
@@ -220,14 +246,15 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
         @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
         def _tile(mi, ni, group, row0):
+            rows = (schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]) if config.split_m else None
 
             def acc_scope(acc_ref):
                 @pl.when(group < g)  # the zero group (rows past the groups) skips the matmul
                 def _():
                     plgpu.emit_pipeline(
-                        lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
+                        lambda _, lhs_smem, rhs_smem: _wgmma_rows(
                             acc_ref, lhs_smem,
-                            plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem),
+                            plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem, rows),
                         grid=(k // bk,),
                         in_specs=[
                             plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1),
@@ -545,12 +572,14 @@ class _GroupTile(NamedTuple):
 
 class _RowTile(NamedTuple):
     """A ragged_dot tile: row tile mi (its group and block of rows) x column tile ni, num_k K steps (none
-    for the rows past the groups: zeros)."""
+    for the rows past the groups: zeros); it stores its rows [start, start + size)."""
     mi: jax.Array
     ni: jax.Array
     group: jax.Array
     row0: jax.Array
     num_k: jax.Array
+    start: jax.Array
+    size: jax.Array
 
 
 def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int, g: int, num_k: int):
@@ -560,7 +589,8 @@ def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, widt
         @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=init)
         def _tile(mi, ni, group, row0, carry):
             steps = jnp.where(group < g, num_k, 0).astype(jnp.int32)
-            return tile_body(_RowTile(mi, ni, group, row0, steps), carry)
+            return tile_body(_RowTile(mi, ni, group, row0, steps, schedule_gmem[_START, mi],
+                                      schedule_gmem[_SIZE, mi]), carry)
     return tiles
 
 
@@ -604,14 +634,14 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         def mma(t, kk, blocks, acc_ref, part):
             mine = pl.ds(part * bn, bn)
             b = plgpu.transpose_ref(blocks[1].at[mine], (1, 0)) if transpose_rhs else blocks[1].at[:, mine]
-            plgpu.wgmma(acc_ref, blocks[0], b)
+            _wgmma_rows(acc_ref, blocks[0], b, (t.start, t.size) if config.split_m else None)
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
         def epilogue(t, acc, part, o_smem):
             _write_tile(o_smem, acc)
-            _store_rows(o_smem, o_gmem, t.row0, schedule_gmem[_START, t.mi],
-                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + part * bn, bn), wait=False)
+            _store_rows(o_smem, o_gmem, t.row0, t.start, t.size, ladder, pl.ds(t.ni * cta_n + part * bn, bn),
+                        wait=False)
 
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
                 stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn), pingpong=config.pingpong,
@@ -647,12 +677,14 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
 
                 compute_context = _acc_ref_context(bm, bn, store)
 
+                rows = (schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]) if config.split_m else None
+
                 def step(_, lhs_smem, rhs_smem, acc_ref):
                     if transpose_rhs:
                         b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
                     else:
                         b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                    plgpu.wgmma(acc_ref, lhs_smem, b)
+                    _wgmma_rows(acc_ref, lhs_smem, b, rows)
                     plgpu.wgmma_wait(delay)
                     return acc_ref
 
@@ -900,8 +932,8 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
         def epilogue(t, total, wg, o_smem):
             _write_tile(o_smem, total)
-            _store_rows(o_smem, o_gmem, t.row0, schedule_gmem[_START, t.mi],
-                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
+            _store_rows(o_smem, o_gmem, t.row0, t.start, t.size, ladder, pl.ds((t.ni * wgs + wg) * bn, bn),
+                        wait=False)
 
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
                 [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ())],

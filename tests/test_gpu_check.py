@@ -169,24 +169,26 @@ PG_FILES = {f for f in GPU_FILES if "mark.process_group" in (ROOT / f).read_text
 
 
 def test_gpu_suite_runs_each_part_with_its_files_and_options_and_records_it(tmp_path):
-    parts = "m1a,m1g,m1h,m1b,m1c,pga,pgb"
+    parts = "m1a,m1g,m1h,m1k,m1b,m1c,pga,pgb"
     rc, output, out, calls = run_suite(tmp_path, 4, junit_xml(3, 0, 1), GIT_COMMIT="abc123", GPU_SUITE=parts,
                                        GPU_SUITE_ARGS='-k "not slow"')
     assert rc == 0, output
     runs = pytest_runs(calls)
-    assert len(runs) == 7, runs
-    m1a, m1g, m1h, m1b, m1c, pga, pgb = runs
-    for run in (m1a, m1g, m1h, m1b, m1c):
+    assert len(runs) == 8, runs
+    m1a, m1g, m1h, m1k, m1b, m1c, pga, pgb = runs
+    for run in (m1a, m1g, m1h, m1k, m1b, m1c):
         assert "-m gpu and not process_group --ep-ranks 4" in run and "--processes" not in run, run
     for run in (pga, pgb):
         assert "-m gpu and process_group --processes 4" in run and "--ep-ranks" not in run, run
-    for run, tag in zip(runs, ("m1a", "m1g", "m1h", "m1b", "m1c", "pga", "pgb"), strict=True):
+    for run, tag in zip(runs, ("m1a", "m1g", "m1h", "m1k", "m1b", "m1c", "pga", "pgb"), strict=True):
         assert f"--junitxml={out}/gpu_suite_{tag}_ep4.xml" in run, run
     for run in (m1a, m1b, m1c, pga, pgb):
         assert run.endswith("-k not slow"), run
-    # the GEMM file in two halves, each part's own -k joined with GPU_SUITE_ARGS' one
-    assert m1g.endswith("-k (not fp8) and (not slow)") and m1h.endswith("-k (fp8) and (not slow)")
-    assert files_of(m1g) == files_of(m1h) == {"tests/gpu/test_gemm_gpu.py"}
+    # the GEMM file in three parts, each part's own -k joined with GPU_SUITE_ARGS' one
+    assert m1g.endswith("-k (not fp8 and not each_config and not ring_weight_gradient) and (not slow)"), m1g
+    assert m1k.endswith("-k (not fp8 and (each_config or ring_weight_gradient)) and (not slow)"), m1k
+    assert m1h.endswith("-k (fp8) and (not slow)")
+    assert files_of(m1g) == files_of(m1h) == files_of(m1k) == {"tests/gpu/test_gemm_gpu.py"}
     assert "tests/gpu/test_dispatch_gpu.py" in files_of(m1a)
     assert "tests/gpu/test_gemm_gpu.py" not in files_of(m1a) | files_of(m1c)
     assert files_of(m1b) == {"tests/gpu/test_rank_major_gpu.py"}
@@ -203,9 +205,9 @@ def test_gpu_suite_runs_each_part_with_its_files_and_options_and_records_it(tmp_
     assert (pm1["op"], pm1["ep_size"], pm1["process_model"]) == ("gpu_tests", 4, 1)
     assert (pm2["op"], pm2["ep_size"], pm2["process_model"]) == ("gpu_tests", 4, 2)
     assert pm1["device"] == "4x NVIDIA STUB"
-    assert sorted(pm1["parts"]) == ["m1a", "m1b", "m1c", "m1g", "m1h"]
+    assert sorted(pm1["parts"]) == ["m1a", "m1b", "m1c", "m1g", "m1h", "m1k"]
     assert sorted(pm2["parts"]) == ["pga", "pgb"]
-    assert (pm1["passed"], pm1["failed"], pm1["skipped"]) == (15, 0, 5) and pm2["passed"] == 6
+    assert (pm1["passed"], pm1["failed"], pm1["skipped"]) == (18, 0, 6) and pm2["passed"] == 6
     assert pm1["parts"]["m1h"]["command"].endswith("tests/gpu/test_gemm_gpu.py -k 'fp8' -k \"not slow\""), pm1
     assert pm1["commit"] == "abc123" and pm1["commits"] == ["abc123"] and pm1["failed_ids"] == []
     assert pm1["parts"]["m1b"]["command"].startswith("pytest -m gpu and not process_group --ep-ranks 4 ")

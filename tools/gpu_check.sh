@@ -59,7 +59,10 @@
 #      GPU_SUITE=PARTS  the GPU test suite in parts that each fit one 10-minute device call (comma-separated,
 #               run in the order given; GPU_SUITE_RANKS=N ranks on N separate GPUs, default all GPUs):
 #                 m1a    model 1 (--ep-ranks N, -m "gpu and not process_group"): dispatch, layout, peer_smoke
-#                 m1g    model 1: gemm, all but the FP8 tests (-k "not fp8")
+#                 m1g    model 1: gemm, all but the FP8 tests and the kernel-config sweeps
+#                        (-k "not fp8 and not each_config and not ring_weight_gradient")
+#                 m1k    model 1: gemm, the kernel-config sweeps (-k "not fp8 and (each_config or
+#                        ring_weight_gradient)")
 #                 m1h    model 1: gemm, the FP8 tests (-k fp8)
 #                 m1b    model 1: rank_major
 #                 m1c    model 1: low_latency, rank_mask, throughput/ll shrink, fingerprint, device_memory
@@ -436,6 +439,7 @@ if [ -n "${GPU_SUITE:-}" ]; then
   # the GEMM file alone took over 8 minutes at EP2 (2026-11-29): two parts, split by -k
   m1g="tests/gpu/test_gemm_gpu.py"
   m1h=$m1g
+  m1k=$m1g
   m1b="tests/gpu/test_rank_major_gpu.py"
   pga="tests/gpu/test_process_group_gpu.py tests/gpu/test_hierarchical_gpu.py"
   others() { local f; for f in $1; do case " $2 " in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done; }
@@ -482,13 +486,17 @@ if [ -n "${GPU_SUITE:-}" ]; then
     part_k=""   # the part's own -k selection, joined with GPU_SUITE_ARGS' -k by "and"
     case $part in
       m1a|m1b|m1c) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks") ;;
-      m1g|m1h) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks")
-               if [ $part = m1g ]; then part_k="not fp8"; else part_k=fp8; fi ;;
+      m1g|m1h|m1k) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks")
+               case $part in
+                 m1g) part_k="not fp8 and not each_config and not ring_weight_gradient" ;;
+                 m1k) part_k="not fp8 and (each_config or ring_weight_gradient)" ;;
+                 *) part_k=fp8 ;;
+               esac ;;
       pga|pgb) model=2; files=${!part}; args=(-m "gpu and process_group" --processes "$ranks") ;;
       pg) model=2; files=$(echo $pg_files); args=(-m "gpu and process_group" --processes "$ranks") ;;
       pgrep) model=2; files="tests/gpu/test_process_group_gpu.py::test_process_per_gpu_matches_reference"
              args=(-m "gpu and process_group" --processes "$ranks") ;;
-      *) echo "gpu_check: unknown GPU_SUITE part '$part' (m1a, m1g, m1h, m1b, m1c, pga, pgb, pg, pgrep)" | tee -a "$OUT/summary.txt"
+      *) echo "gpu_check: unknown GPU_SUITE part '$part' (m1a, m1g, m1h, m1k, m1b, m1c, pga, pgb, pg, pgrep)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
     if [ "$ranks" -gt "$gpus" ] || { [ "$model" = 2 ] && [ "$ranks" -lt 2 ]; }; then

@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|pingpong|rows|defaults] [--out FILE]
+                              [--kernels all|classic|ws|order|ring|pingpong|rows|split|defaults] [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -318,13 +318,15 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
-                        choices=["all", "classic", "ws", "order", "ring", "pingpong", "rows", "defaults"],
+                        choices=["all", "classic", "ws", "order", "ring", "pingpong", "rows", "split",
+                                 "defaults"],
                         help="which kernels to sweep: one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
                              "(ring), or the consumers on whole tiles in turn, each from its own ring "
                              "(pingpong), or the table's entries with row tiles from each group's first "
-                             "row (rows), or the untuned default beside the forms that could replace it "
+                             "row (rows), or with 128-row tiles computed in the 64-row halves they store "
+                             "(split), or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
@@ -393,6 +395,13 @@ def main(argv=None):
                                   for c in incumbent if c.compute_wgs == 2
                                   for st in ((2,) if c.block_m == 128 else (3,)) for d in (0, 1)]
                 candidates = [c for c in candidates if width % c.cta_n == 0]
+            elif args.kernels == "split":
+                # the table's entry with a 128-row tile's WGMMAs as two 64-row halves, each only where the
+                # tile stores rows (split_m; a 64-row entry tried at 128 rows from each group's first row)
+                candidates = [dataclasses.replace(c, split_m=1) if c.block_m == 128 else
+                              dataclasses.replace(c, block_m=128, group_rows=1, split_m=1,
+                                                  max_concurrent_steps=min(c.max_concurrent_steps, 3))
+                              for c in incumbent if name != "dw"]
             elif args.kernels == "rows":
                 # the table's entry with each group's row tiles starting at its first row (group_rows):
                 # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles

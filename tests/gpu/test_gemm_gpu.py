@@ -96,6 +96,11 @@ KERNEL_CONFIGS = [
     # ping-pong (ring 2): the two consumers take whole tiles in turn, each from its own ring
     (128, 128, 64, 2, 0, 4, 1, 2, 1, 2),
     (128, 128, 64, 2, 2, 1, 1, 2, 0, 2, 1),
+    # 128-row tiles computed in the 64-row halves they store (split_m): one consumer, warp-specialised,
+    # ping-pong
+    (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 1),
+    (128, 128, 64, 3, 2, 1, 1, 2, 0, 0, 1, 1),
+    (128, 128, 64, 2, 2, 1, 1, 2, 1, 2, 1, 1),
 ]
 
 
