@@ -65,7 +65,13 @@ LAYER_PRESETS = {
     # decode (the layer's low-latency path, forward only): issue 14's shape, 128 tokens per rank
     "deepseek_decode": (7168, 2048, 288, 8, 128),
     "small_decode": (256, 128, 16, 2, 16),
+    # with the dense shared expert DeepSeek-V3 has (MoE(shared_ffn_hidden=...), SHARED_FFN): the work
+    # an exchange on another stream (KernelConfig.async_stream) can run beside
+    "deepseek_shared": (7168, 2048, 256, 8, 4096),
+    "small_shared": (256, 128, 16, 2, 128),
 }
+# the shared expert's FFN width of a preset (0 or absent: none); the roofline counts its GEMMs too
+SHARED_FFN = {"deepseek_shared": 2048, "small_shared": 128}
 DECODE_SHAPES = ("deepseek_decode", "small_decode")
 CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the same layer with the EP ops on one path each: what the EP kernels add to the step
@@ -247,8 +253,9 @@ def hidden_ep_ms(split: dict[str, float], device_step_ms: float) -> float:
     return round(min(ep, max(0.0, sum(split.values()) - device_step_ms)), 3)
 
 
-def layer_and_tokens(mesh: Mesh, shape, config: str):
-    """The layer a config benchmarks on the devices of `mesh` (bfloat16 parameters, seed 0) and its
+def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
+    """The layer a config benchmarks on the devices of `mesh` (bfloat16 parameters, seed 0; a dense
+    shared expert of `shared_ffn` when not 0) and its
     input (tokens_per_rank bfloat16 tokens per device, sharded as the layer's batch). A config with
     `nodes` takes them as that many nodes of (devices / nodes) GPUs each, node-major (GPU n * L + l
     holds the experts a flat EP of N * L ranks puts there), with the hierarchical dispatch / combine."""
@@ -267,7 +274,7 @@ def layer_and_tokens(mesh: Mesh, shape, config: str):
                                      kernel=KernelConfig(**options.get("kernel", {})),
                                      **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype")
                                         if k in options}),
-                    gemm=options["gemm"], param_dtype=jnp.bfloat16,
+                    gemm=options["gemm"], param_dtype=jnp.bfloat16, shared_ffn_hidden=shared_ffn,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
                        if k in options})
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
@@ -291,15 +298,17 @@ def training_step(graphdef, rest):
     return step, jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())
 
 
-def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool) -> dict:
+def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool,
+                shared_ffn: int = 0) -> dict:
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
     record = dict(op="moe_layer", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
-                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep)
+                  ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep,
+                  shared_ffn_hidden=shared_ffn)
     if "nodes" in CONFIGS[config]:
         record["nodes"] = CONFIGS[config]["nodes"]
     try:
-        layer, x = layer_and_tokens(mesh, shape, config)
+        layer, x = layer_and_tokens(mesh, shape, config, shared_ffn)
     except ValueError as e:  # a config this machine cannot form (e.g. GPUs not a multiple of nodes)
         return dict(record, gemm="", step_ms=None, split_ms=None, error=str(e))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -492,11 +501,14 @@ def main(args, save=lambda records: None) -> list[dict]:
         hidden, ffn, experts, topk, tokens = shape
         rows = tokens * topk   # real rows per rank on average (uniform routing)
         roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats)
+        shared_ffn = SHARED_FFN.get(name, 0)
+        if shared_ffn:      # the shared expert's GEMMs over every token, as dense dots too
+            roof += 1e3 * roofline_seconds(tokens, hidden, shared_ffn, jnp.bfloat16, args.iters, args.repeats)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
         for config in wanted:
-            r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile)
+            r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile, shared_ffn)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
                                           args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"),
                                           CONFIGS[config].get("fp8_cached", False))
@@ -512,7 +524,7 @@ def main(args, save=lambda records: None) -> list[dict]:
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     print(f"{'layer':9}{'config':18}{'gemm':12}{'EP ops':>10}{'EP':>3}{'step ms':>10}{'roofline':>10}"
           f"{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}"
-          "  split ms (router/dispatch/experts/combine/rest); EP hidden ms / EP ms")
+          f"  split ms ({'/'.join((*moe.SCOPES, 'rest'))}); EP hidden ms / EP ms")
     for r in [r for r in records if r["op"] == "moe_layer"]:
         plain = base.get((r["shape"], "plain_jax"))
         speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"

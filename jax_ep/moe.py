@@ -65,7 +65,7 @@ _NO_HIERARCHICAL_DECODE = ("MoE: node_axis (hierarchical dispatch) has no decode
 
 # name scopes of the layer's parts (the layer benchmark attributes device time by them)
 SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_experts",
-          "combine": "moe_combine"}
+          "combine": "moe_combine", "shared": "moe_shared"}
 
 
 # EPOptions' fields are EPConfig's (same kinds), but expert_alignment may be None (chosen by the layer).
@@ -562,7 +562,8 @@ class MoE(nnx.Module):
             out, stats = body(routed, *params, fp8_weights)
         out = out.astype(x.dtype)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            with jax.named_scope(SCOPES["shared"]):
+                out = out + self.shared(tokens)
         if update_stats:
             self._record(stats)
         return out.reshape(*lead, self.hidden)

@@ -94,6 +94,28 @@ def test_fp8_layer_bench_times_the_quantisation_apart_when_cached(tmp_path):
         assert r["step_ms"] > 0 and r["gemm_ms"] > 0 and "error" not in r
 
 
+@pytest.mark.slow
+def test_layer_bench_with_a_shared_expert(tmp_path, monkeypatch):
+    """The *_shared presets build the layer with DeepSeek-V3's dense shared expert (the work an exchange on
+    another stream can run beside), record its width, and count its GEMMs in the roofline as dense dots."""
+    from benchmarks import layer
+
+    rooflines = []
+    real = layer.roofline_seconds
+    monkeypatch.setattr(layer, "roofline_seconds", lambda *a: rooflines.append(a[:3]) or real(*a))
+    records = bench.main(["--layer", "--layer-shapes", "small_shared", "--layer-configs", "jax_ep",
+                          "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "shared.json")])
+    [r] = records
+    hidden, ffn, experts, topk, tokens = layer.LAYER_PRESETS["small_shared"]
+    assert r["shared_ffn_hidden"] == layer.SHARED_FFN["small_shared"] > 0 and r["step_ms"] > 0
+    assert rooflines == [(tokens * topk, hidden, ffn), (tokens, hidden, layer.SHARED_FFN["small_shared"])]
+    built, _ = layer.layer_and_tokens(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",)),
+                                      layer.LAYER_PRESETS["small_shared"], "jax_ep",
+                                      layer.SHARED_FFN["small_shared"])
+    assert built.shared is not None
+    assert built.shared.w_down.shape == (layer.SHARED_FFN["small_shared"], hidden)
+
+
 def test_dy_zeroed_config_builds_the_layer_without_dy_in_place():
     """jax_ep_dy_zeroed (named only): the defaults with EPOptions(dy_in_place=False), combine's backward
     writing every row (the same-run comparison of the aliased d y); jax_ep keeps the default."""
@@ -291,7 +313,7 @@ def test_bench_exits_1_when_a_point_failed(tmp_path, monkeypatch, capsys):
 
     from benchmarks import layer as bench_layer
 
-    def unformable(mesh, shape, config):
+    def unformable(mesh, shape, config, shared_ffn=0):
         raise ValueError("cannot form this layer here")
 
     monkeypatch.setattr(bench_layer, "layer_and_tokens", unformable)

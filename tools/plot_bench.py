@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def plot_layer(records, dst: str) -> None:
     """Stacked bars: each (layer shape, configuration)'s step split by part, and the roofline."""
-    parts = ("experts", "dispatch", "combine", "router", "rest")
+    parts = ("experts", "dispatch", "combine", "router", "shared", "rest")
     shapes = list(dict.fromkeys(r["shape"] for r in records))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.4), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):

@@ -59,7 +59,8 @@ if args.decode:
     call = lambda: step(*call_args)  # noqa: E731
     compiled = step.lower(*call_args).compile()
 else:
-    layer, x = bench_layer.layer_and_tokens(mesh, (hidden, ffn, experts, topk, tokens), args.config)
+    layer, x = bench_layer.layer_and_tokens(mesh, (hidden, ffn, experts, topk, tokens), args.config,
+                                            bench_layer.SHARED_FFN.get(args.shape, 0))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     step, quantise = bench_layer.training_step(graphdef, rest)   # the step benchmarks.layer times
     # a config with cached FP8 weights (jax_ep_fp8_cached): quantised once here, outside the profiled steps
