@@ -989,7 +989,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
 
 def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor: int = 0, width: int = 8,
-                              out_dtype=jnp.bfloat16, ring: bool = False):
+                              out_dtype=jnp.bfloat16, ring: int = 0):
     """The FP8 weight gradient: out[g] = sum over group g's 128-row blocks b of
     (xs[b, :, None] * dys[b, None, :]) * (xt[:, b] @ dyt[:, b].T), float32 sums, out_dtype [G, C, N].
 
@@ -998,24 +998,27 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
     and dys [P/128, N] float32 one scale per block and channel (DeepSeek-V3's 128 x 1 tiles);
     info [4, G] gemm_fp8.row_blocks' per-group entry (first padded row, end, blocks, first row). A
     producer warpgroup loads while two consumers compute 64 x 128 each of a 64 x 256 output tile;
-    each K step's block sum is promoted with the outer product of its row and column scales. ring: one
-    ring of K-step buffers across the CTA's tiles (_k_ring), what tiles of 1-3 K steps need most."""
+    each K step's block sum is promoted with the outer product of its row and column scales. ring 1: one
+    ring of K-step buffers across the CTA's tiles (_k_ring), what tiles of 1-3 K steps need most; ring 2:
+    the consumers take whole 64 x 128 tiles in turn, each from its own ring (ping-pong, BlockConfig.ring)."""
     c, p = xt.shape
     n, p2 = dyt.shape
     g = info.shape[1]
     wgs, bm, bn, bk = 2, 64, FP8_K_BLOCK, FP8_K_BLOCK
-    cta_n = wgs * bn
+    assert ring in (0, 1, 2), ring
+    pingpong = ring == 2
+    cta_n = bn if pingpong else wgs * bn
     assert p == p2 and p % bk == 0 and c % bm == 0 and n % cta_n == 0, (xt.shape, dyt.shape)
     assert xs.shape == (p // bk, c) and dys.shape == (p // bk, n), (xs.shape, dys.shape)
     tf = _smem_transforms(xt.dtype, bk)
     out_tf = _smem_transforms(out_dtype, bn)
     grid_m, grid_n = c // bm, n // cta_n
 
-    def promote(total, blocks, wg):
-        part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
+    def promote(total, blocks, part):     # part: this consumer's 128 columns of the CTA tile
+        block_sum = _fp8_block_sum(blocks[0], blocks[1], (part, bn))
         rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-        cols = plgpu.load(blocks[3], (0, pl.ds(wg * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
-        return _promote(total, part * lax.broadcast_in_dim(cols, part.shape, (1,)), rows)
+        cols = plgpu.load(blocks[3], (0, pl.ds(part * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
+        return _promote(total, block_sum * lax.broadcast_in_dim(cols, block_sum.shape, (1,)), rows)
 
     def ring_body(info_gmem, xt_gmem, xs_gmem, dyt_gmem, dys_gmem, o_gmem):
         def load(t, kk, blocks, barrier):   # whole padded blocks: the padding rows are zeros
@@ -1025,16 +1028,16 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
             plgpu.copy_gmem_to_smem(xs_gmem.at[b, pl.ds(t.mi * bm, bm)], blocks[2], barrier)
             plgpu.copy_gmem_to_smem(dys_gmem.at[b, pl.ds(t.ni * cta_n, cta_n)], blocks[3], barrier)
 
-        def epilogue(t, total, wg, o_smem):
+        def epilogue(t, total, part, o_smem):
             _write_tile(o_smem, total)
-            cols = pl.ds(t.ni * cta_n + wg * bn, bn)
+            cols = pl.ds(t.ni * cta_n + part * bn, bn)
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
 
         _k_ring(_group_ring_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk),
                 [((bm, bk), xt.dtype, tf), ((cta_n, bk), dyt.dtype, tf), ((1, bm), xs.dtype, ()),
                  ((1, cta_n), dys.dtype, ())],
-                load, lambda t, kk, blocks, total, wg: promote(total, blocks, wg), epilogue,
-                stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn),
+                load, lambda t, kk, blocks, total, part: promote(total, blocks, part), epilogue,
+                stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn), pingpong=pingpong,
                 scratch=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_tf))
 
     if ring:

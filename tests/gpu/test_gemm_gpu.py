@@ -452,7 +452,7 @@ def test_weight_quantisation_kernel_matches_the_reference():
         assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))), name
 
 
-@pytest.mark.parametrize("form", [None, (4, 0, 8, 1)], ids=["default", "ring"])
+@pytest.mark.parametrize("form", [None, (4, 0, 8, 1), (3, 0, 8, 2)], ids=["default", "ring", "pingpong"])
 @pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16_rows", "fp8_rows"])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge", "aligned"])
 def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows, form):
