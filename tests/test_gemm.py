@@ -2,6 +2,8 @@
 errors, the implementation choice, and the Hopper kernel's tile schedule and forward kernel run in
 Mosaic GPU's interpret mode (the GPU tests cover the compiled kernels and the transposed passes)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -409,6 +411,25 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
         assert ws and all(c.compute_wgs == 2 and width % c.cta_n == 0 for c in ws)
         assert classic and all(c.compute_wgs == 1 and width % c.cta_n == 0 for c in classic)
         assert len(list(tune.grid_for("forward", width, True, "all"))) == len(ws) + len(classic)
+    # the sweeps beside the table's entry: each a valid configuration that tiles its width
+    shape = (73600, 7168, 4096, 128)
+    ws64 = mgpu.BlockConfig(64, 128, 64, 4, mgpu.GROUP_MAJOR, 1, 1, 2, 0, 0, 1)
+    ws128 = mgpu.BlockConfig(128, 128, 64, 3, mgpu.GROUP_MAJOR, 1, 1, 2, 0, 0, 1)
+    for mode in tune.SWEEPS[3:]:
+        for name, incumbent in (("forward", [ws64]), ("dx", [ws128]), ("dw", [])):
+            width = 7168 if name == "dx" else 4096
+            for c in tune.sweep_candidates(mode, name, incumbent, width, shape, True):
+                assert isinstance(c, mgpu.BlockConfig) and width % c.cta_n == 0, (mode, name, c)
+    split = tune.sweep_candidates("split", "forward", [ws64], 4096, shape, True)
+    assert split == [dataclasses.replace(ws64, block_m=128, max_concurrent_steps=3, split_m=1)]
+    assert tune.sweep_candidates("split", "dx", [ws128], 7168, shape, True) == [
+        dataclasses.replace(ws128, split_m=1)]
+    pingpong_dw = tune.sweep_candidates("pingpong", "dw", [], 4096, shape, True)
+    assert pingpong_dw and all(c.pingpong and c.cta_n == c.block_n for c in pingpong_dw)
+    assert all(c.pingpong and c.max_concurrent_steps == 2
+               for c in tune.sweep_candidates("pingpong", "dx", [ws128], 7168, shape, True))
+    with pytest.raises(SystemExit):
+        tune.main(["--kernels", "pingpong,nonsense", "--shapes", "other"])
     rng = np.random.default_rng(0)
     m, real, k, n, g = 256, 192, 64, 128, 4
     gs = jnp.asarray([64, 0, 64, 64], jnp.int32)

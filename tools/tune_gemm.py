@@ -4,7 +4,8 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|pingpong|rows|split|defaults] [--out FILE]
+                              [--kernels all|classic|ws|order|ring|pingpong|rows|split|defaults[,...]]
+                              [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
 Shapes are (M rows incl. padding, real rows, K, N, G, alignment): the MoE layer's per-rank GEMMs at EP2
@@ -98,6 +99,53 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
         for (bm, bn, st), (minor, tw), inflight in itertools.product(ws, orders, (0, 1)):
             if width % (2 * bn) == 0:
                 yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
+
+
+SWEEPS = ("all", "classic", "ws", "order", "ring", "pingpong", "rows", "split", "defaults")
+
+
+def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: tuple, quick: bool) -> list:
+    """The block configurations sweep `mode` times for pass `name` at shape (M, K, N, G) beside the
+    table's entry (`incumbent`: [] or [its BlockConfig]); `width` the output width the tiles divide."""
+    m, k, n, g = shape
+    rows_pass = name != "dw"
+    if mode == "order":
+        return [dataclasses.replace(c, grid_minor=minor, grid_tile_width=tw) for c in incumbent if rows_pass
+                for minor, tw in ((0, 4), (0, 8), (1, 2), (GROUP_MAJOR, 1))]
+    if mode == "ring":
+        # the warp-specialised kernels with one ring of K-step buffers across tiles: the
+        # table's entry and one other tile (~18 s a configuration at DeepSeek-V3's shapes)
+        base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, GROUP_MAJOR if rows_pass else 0,
+                                             1 if rows_pass else 4, 1, 2, 0)]
+        return [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
+                for d in (0, 1) if c.compute_wgs == 2]
+    if mode == "pingpong":
+        # the warp-specialised kernels with the consumers on whole tiles in turn, each from its own
+        # ring (ring 2): one's epilogue under the other's WGMMAs; two rings fit 2 stages at
+        # 128 x 128 (3 at 64 x 128) beside the two output tiles
+        if rows_pass:
+            found = [dataclasses.replace(c, ring=2, max_concurrent_steps=2 if c.block_m == 128 else 3,
+                                         mma_in_flight=d)
+                     for c in incumbent if c.compute_wgs == 2 for d in (0, 1)]
+        else:
+            found = [mgpu.BlockConfig(128, 128, 64, 2, 0, w, 1, 2, d, 2) for w in (4, 8) for d in (0, 1)]
+            found += [mgpu.BlockConfig(64, 128, 64, 3, 0, 8, 1, 2, 0, 2),
+                      mgpu.BlockConfig(64, 256, 64, 2, 0, 8, 1, 2, 0, 2)]
+        return [c for c in found if width % c.cta_n == 0]
+    if mode == "split":
+        # the table's entry with a 128-row tile's WGMMAs as two 64-row halves, each only where the
+        # tile stores rows (split_m; a 64-row entry tried at 128 rows from each group's first row)
+        return [dataclasses.replace(c, split_m=1) if c.block_m == 128 else
+                dataclasses.replace(c, block_m=128, group_rows=1, split_m=1,
+                                    max_concurrent_steps=min(c.max_concurrent_steps, 3))
+                for c in incumbent if rows_pass]
+    if mode == "rows":
+        # the table's entry with each group's row tiles starting at its first row (group_rows):
+        # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
+        return [dataclasses.replace(c, group_rows=1) for c in incumbent if rows_pass]
+    if mode == "defaults":
+        return list(default_candidates(name, m, k, n, g))
+    return list(grid_for(name, width, quick, mode))
 
 
 def run_pass(name, cfg, x, w, dy, gs):
@@ -318,9 +366,8 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
-                        choices=["all", "classic", "ws", "order", "ring", "pingpong", "rows", "split",
-                                 "defaults"],
-                        help="which kernels to sweep: one consumer warpgroup (classic), "
+                        help="which kernels to sweep (several: comma-separated, their union): "
+                             "one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
                              "(ring), or the consumers on whole tiles in turn, each from its own ring "
@@ -329,6 +376,9 @@ def main(argv=None):
                              "(split), or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
+    unknown = [mode for mode in args.kernels.split(",") if mode not in SWEEPS]
+    if unknown:
+        parser.error(f"--kernels: unknown {unknown}; known: {', '.join(SWEEPS)}")
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind
     rng = np.random.default_rng(0)
@@ -371,45 +421,8 @@ def main(argv=None):
             # (--kernels) only replaces it by a configuration measured faster beside it
             incumbent = [mgpu.BlockConfig(*e["config"]) for e in table
                          if (e["pass"], e["m"], e["k"], e["n"], e["g"]) == (name, m, k, n, g)]
-            if args.kernels == "order":
-                candidates = [dataclasses.replace(c, grid_minor=minor, grid_tile_width=tw) for c in incumbent
-                              for minor, tw in ((0, 4), (0, 8), (1, 2), (GROUP_MAJOR, 1)) if name != "dw"]
-            elif args.kernels == "ring":
-                # the warp-specialised kernels with one ring of K-step buffers across tiles: the
-                # table's entry and one other tile (~18 s a configuration at DeepSeek-V3's shapes)
-                base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, 0 if name == "dw" else GROUP_MAJOR,
-                                                     4 if name == "dw" else 1, 1, 2, 0)]
-                candidates = [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
-                              for d in (0, 1) if c.compute_wgs == 2]
-            elif args.kernels == "pingpong":
-                # the warp-specialised kernels with the consumers on whole tiles in turn, each from its own
-                # ring (ring 2): one's epilogue under the other's WGMMAs; two rings fit 2 stages at
-                # 128 x 128 (3 at 64 x 128) beside the two output tiles
-                if name == "dw":
-                    candidates = [mgpu.BlockConfig(128, 128, 64, 2, 0, w, 1, 2, d, 2)
-                                  for w in (4, 8) for d in (0, 1)]
-                    candidates += [mgpu.BlockConfig(64, 128, 64, 3, 0, 8, 1, 2, 0, 2),
-                                   mgpu.BlockConfig(64, 256, 64, 2, 0, 8, 1, 2, 0, 2)]
-                else:
-                    candidates = [dataclasses.replace(c, ring=2, max_concurrent_steps=st, mma_in_flight=d)
-                                  for c in incumbent if c.compute_wgs == 2
-                                  for st in ((2,) if c.block_m == 128 else (3,)) for d in (0, 1)]
-                candidates = [c for c in candidates if width % c.cta_n == 0]
-            elif args.kernels == "split":
-                # the table's entry with a 128-row tile's WGMMAs as two 64-row halves, each only where the
-                # tile stores rows (split_m; a 64-row entry tried at 128 rows from each group's first row)
-                candidates = [dataclasses.replace(c, split_m=1) if c.block_m == 128 else
-                              dataclasses.replace(c, block_m=128, group_rows=1, split_m=1,
-                                                  max_concurrent_steps=min(c.max_concurrent_steps, 3))
-                              for c in incumbent if name != "dw"]
-            elif args.kernels == "rows":
-                # the table's entry with each group's row tiles starting at its first row (group_rows):
-                # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
-                candidates = [dataclasses.replace(c, group_rows=1) for c in incumbent if name != "dw"]
-            elif args.kernels == "defaults":
-                candidates = list(default_candidates(name, m, k, n, g))
-            else:
-                candidates = list(grid_for(name, width, args.quick, args.kernels))
+            candidates = [c for mode in args.kernels.split(",")
+                          for c in sweep_candidates(mode, name, incumbent, width, (m, k, n, g), args.quick)]
             for cfg in dict.fromkeys([*incumbent, *candidates]):
                 try:
                     f = jax.jit(functools.partial(run_pass, name, cfg))
