@@ -69,10 +69,13 @@ LAYER_PRESETS = {
     # an exchange on another stream (KernelConfig.async_stream) can run beside
     "deepseek_shared": (7168, 2048, 256, 8, 4096),
     "small_shared": (256, 128, 16, 2, 128),
+    "deepseek_decode_shared": (7168, 2048, 288, 8, 128),
+    "small_decode_shared": (256, 128, 16, 2, 16),
 }
 # the shared expert's FFN width of a preset (0 or absent: none); the roofline counts its GEMMs too
-SHARED_FFN = {"deepseek_shared": 2048, "small_shared": 128}
-DECODE_SHAPES = ("deepseek_decode", "small_decode")
+SHARED_FFN = {"deepseek_shared": 2048, "small_shared": 128, "deepseek_decode_shared": 2048,
+              "small_decode_shared": 128}
+DECODE_SHAPES = ("deepseek_decode", "small_decode", "deepseek_decode_shared", "small_decode_shared")
 CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the same layer with the EP ops on one path each: what the EP kernels add to the step
            "ep_reference": dict(backend="reference", gemm="auto"),
@@ -338,9 +341,10 @@ def is_out_of_memory(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def decode_step(mesh: Mesh, shape, config: str):
+def decode_step(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     """(layer, step, args): one jitted forward of the layer's decode path (ll_dispatch, grouped GEMMs over
-    the filled slots, ll_combine), ``step(*args)``. A config with cached FP8 weights (``fp8_cached``)
+    the filled slots, ll_combine; a dense shared expert of `shared_ffn` beside them when not 0),
+    ``step(*args)``. A config with cached FP8 weights (``fp8_cached``)
     runs the decode experts in FP8 from ``MoE.quantize_weights()``, made here once (a server quantises
     once per weight load)."""
     hidden, ffn, experts, topk, tokens = shape
@@ -352,7 +356,7 @@ def decode_step(mesh: Mesh, shape, config: str):
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
                                      dispatch_dtype=options.get("dispatch_dtype")),
-                    gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True)
+                    gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True, shared_ffn_hidden=shared_ffn)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
     quantized = nnx.jit(lambda m: m.quantize_weights())(layer) if fp8 else None
@@ -362,15 +366,16 @@ def decode_step(mesh: Mesh, shape, config: str):
     return layer, step, (state, x, quantized)
 
 
-def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int) -> dict:
+def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int, shared_ffn: int = 0) -> dict:
     """``decode_step`` timed, and its expert block alone on one device next to the batched einsum over
     every fixed slot (what the decode path computed before, and what DeepEP's contract invites)."""
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
     options = CONFIGS[config]
-    layer, step, args = decode_step(mesh, shape, config)
+    layer, step, args = decode_step(mesh, shape, config, shared_ffn)
     record = dict(op="moe_layer_decode", backend=options["backend"], config=config, hidden=hidden,
                   ffn_hidden=ffn, num_experts=experts, topk=topk, tokens_per_rank=tokens, ep_size=ep,
+                  shared_ffn_hidden=shared_ffn,
                   ep_ops=layer_ep_plans(layer, tokens, ("ll_dispatch", "ll_combine")))
     try:
         record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
@@ -486,7 +491,8 @@ def main(args, save=lambda records: None) -> list[dict]:
     for name in [n for n in names if n in DECODE_SHAPES]:
         # the einsum is the plain-JAX baseline; the hierarchical path has no decode ops
         for config in [c for c in wanted if c != "plain_jax" and "nodes" not in CONFIGS[c]]:
-            r = bench_decode(mesh, LAYER_PRESETS[name], config, args.iters, args.repeats)
+            r = bench_decode(mesh, LAYER_PRESETS[name], config, args.iters, args.repeats,
+                             SHARED_FFN.get(name, 0))
             r.update(shape=name, device=device, date=today)
             records.append(r)
             save(records)

@@ -116,6 +116,32 @@ def test_layer_bench_with_a_shared_expert(tmp_path, monkeypatch):
     assert built.shared.w_down.shape == (layer.SHARED_FFN["small_shared"], hidden)
 
 
+@pytest.mark.slow
+def test_decode_layer_bench_with_a_shared_expert(tmp_path):
+    """small_decode_shared: the decode forward with the shared expert beside the low-latency ops (the work
+    an async exchange can hide behind), its width recorded; the layer's output includes it."""
+    from benchmarks import layer
+
+    records = bench.main(["--layer", "--layer-shapes", "small_decode_shared", "--layer-configs",
+                          "ep_reference", "--iters", "1", "--repeats", "1",
+                          "--out", str(tmp_path / "decode.json")])
+    [r] = records
+    assert r["op"] == "moe_layer_decode" and r["step_ms"] > 0
+    assert r["shared_ffn_hidden"] == layer.SHARED_FFN["small_decode_shared"] > 0
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
+    shape = layer.LAYER_PRESETS["small_decode_shared"]
+    width = layer.SHARED_FFN["small_decode_shared"]
+    built, step, args = layer.decode_step(mesh, shape, "ep_reference", width)
+    plain, plain_step, plain_args = layer.decode_step(mesh, shape, "ep_reference")
+    assert built.shared is not None and plain.shared is None
+    # same seed, the shared expert's parameters drawn last: the difference is the shared expert's output
+    x = args[1]
+    got = np.asarray(step(*args), np.float32) - np.asarray(plain_step(*plain_args), np.float32)
+    want = np.asarray(built.shared(x), np.float32)
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
+
+
 def test_dy_zeroed_config_builds_the_layer_without_dy_in_place():
     """jax_ep_dy_zeroed (named only): the defaults with EPOptions(dy_in_place=False), combine's backward
     writing every row (the same-run comparison of the aliased d y); jax_ep keeps the default."""

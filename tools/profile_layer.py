@@ -55,7 +55,8 @@ print(f"{'decode forward' if args.decode else 'training step'} of {args.shape} (
       f"experts {experts}, top-{topk}, {tokens} tokens/rank), config {args.config}, {mesh.size} device(s): "
       f"{jax.devices()[0].device_kind}")
 if args.decode:
-    layer, step, call_args = bench_layer.decode_step(mesh, (hidden, ffn, experts, topk, tokens), args.config)
+    layer, step, call_args = bench_layer.decode_step(mesh, (hidden, ffn, experts, topk, tokens), args.config,
+                                                     bench_layer.SHARED_FFN.get(args.shape, 0))
     call = lambda: step(*call_args)  # noqa: E731
     compiled = step.lower(*call_args).compile()
 else:
