@@ -65,17 +65,14 @@ LAYER_PRESETS = {
     # decode (the layer's low-latency path, forward only): issue 14's shape, 128 tokens per rank
     "deepseek_decode": (7168, 2048, 288, 8, 128),
     "small_decode": (256, 128, 16, 2, 16),
-    # with the dense shared expert DeepSeek-V3 has (MoE(shared_ffn_hidden=...), SHARED_FFN): the work
-    # an exchange on another stream (KernelConfig.async_stream) can run beside
-    "deepseek_shared": (7168, 2048, 256, 8, 4096),
-    "small_shared": (256, 128, 16, 2, 128),
-    "deepseek_decode_shared": (7168, 2048, 288, 8, 128),
-    "small_decode_shared": (256, 128, 16, 2, 16),
 }
-# the shared expert's FFN width of a preset (0 or absent: none); the roofline counts its GEMMs too
+# <preset>_shared: the preset with the dense shared expert DeepSeek-V3 has (MoE(shared_ffn_hidden=...)),
+# the work an exchange on another stream (KernelConfig.async_stream) can run beside; its FFN width here
+# (0 or absent: none); the roofline counts its GEMMs too
 SHARED_FFN = {"deepseek_shared": 2048, "small_shared": 128, "deepseek_decode_shared": 2048,
               "small_decode_shared": 128}
-DECODE_SHAPES = ("deepseek_decode", "small_decode", "deepseek_decode_shared", "small_decode_shared")
+LAYER_PRESETS.update({name: LAYER_PRESETS[name.removesuffix("_shared")] for name in SHARED_FFN})
+DECODE_SHAPES = tuple(name for name in LAYER_PRESETS if "_decode" in name)
 CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the same layer with the EP ops on one path each: what the EP kernels add to the step
            "ep_reference": dict(backend="reference", gemm="auto"),

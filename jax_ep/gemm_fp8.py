@@ -441,7 +441,7 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     if ring not in (0, 1, 2):
         raise EPValueError(f"fp8_weight_gradient: kernel's ring must be 0, 1 or 2, got {kernel}")
     dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
-                                        out_dtype=out_dtype, ring=int(ring))
+                                        out_dtype=out_dtype, ring=ring)
     return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
 
 

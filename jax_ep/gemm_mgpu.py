@@ -246,7 +246,8 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
         @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
         def _tile(mi, ni, group, row0):
-            rows = (schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]) if config.split_m else None
+            start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]   # the rows it stores
+            rows = (start, size) if config.split_m else None
 
             def acc_scope(acc_ref):
                 @pl.when(group < g)  # the zero group (rows past the groups) skips the matmul
@@ -272,8 +273,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
             def _store(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                _store_rows(o_smem, o_gmem, row0, schedule_gmem[_START, mi],
-                            schedule_gmem[_SIZE, mi], min(bm, 1 << int(math.log2(m))),
+                _store_rows(o_smem, o_gmem, row0, start, size, min(bm, 1 << int(math.log2(m))),
                             pl.ds(ni * bn, bn))
 
     kernel = plgpu.kernel(
@@ -669,15 +669,14 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
             def _tile(mi, ni, group, row0):
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
+                start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]   # the rows it stores
+                rows = (start, size) if config.split_m else None
 
                 def store(values):
                     _write_tile(o_smem.at[wg], values)
-                    _store_rows(o_smem.at[wg], o_gmem, row0, schedule_gmem[_START, mi],
-                                schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
+                    _store_rows(o_smem.at[wg], o_gmem, row0, start, size, ladder, cols, wait=False)
 
                 compute_context = _acc_ref_context(bm, bn, store)
-
-                rows = (schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]) if config.split_m else None
 
                 def step(_, lhs_smem, rhs_smem, acc_ref):
                     if transpose_rhs:
