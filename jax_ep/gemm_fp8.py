@@ -395,14 +395,12 @@ def _dw_kernel_fits(c: int, n: int) -> bool:
 
 
 # The FP8 weight-gradient kernel's form (stages, grid_minor, grid_tile_width: the order of a group's
-# output tiles, as BlockConfig's; ring: 1 one ring of K buffers across tiles, 2 the consumers on whole
-# tiles in turn, each from its own ring, as BlockConfig.ring). Measured slower than the bf16 weight
-# gradient with its pipeline per tile (H200, 2026-11-29, quantisation included: 5.65 vs 4.29 ms at
-# DeepSeek-V3's gate|up; docs/benchmarks/h200_gemm_s21.json), so it is opt-in; the ring forms (a tile here
-# is 2 K steps deep) are not yet timed. tune_gemm.py --fp8 times DW_KERNELS (two rings fit 3 stages).
+# output tiles, as BlockConfig's; ring: one ring of K buffers across tiles, BlockConfig.ring). Slower than
+# the bf16 weight gradient even in its fastest form, so it is opt-in: H200, 2026-11-30, DeepSeek-V3 EP2
+# gate|up, quantisation included, the ring form (4, 0, 8, 1) 4.34 ms (the table's entry), DW_KERNEL 5.53,
+# bf16 3.44 (docs/benchmarks/h200_gemm_s31.json). tune_gemm.py --fp8 times DW_KERNELS.
 DW_KERNEL = (4, 0, 8)
-DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2), (4, 0, 8, 1), (3, 0, 8, 1), (3, 0, 8, 2),
-              (3, 0, 4, 2))
+DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2), (4, 0, 8, 1), (3, 0, 8, 1))
 
 
 def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
@@ -438,10 +436,10 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     if kernel is None:
         kernel = tuned_entry("dw_fp8", m, c, n, group_sizes.shape[0]) or DW_KERNEL
     stages, minor, width, ring = (*kernel, 0)[:4]
-    if ring not in (0, 1, 2):
-        raise EPValueError(f"fp8_weight_gradient: kernel's ring must be 0, 1 or 2, got {kernel}")
+    if ring not in (0, 1):
+        raise EPValueError(f"fp8_weight_gradient: kernel's ring must be 0 or 1, got {kernel}")
     dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
-                                        out_dtype=out_dtype, ring=ring)
+                                        out_dtype=out_dtype, ring=bool(ring))
     return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
 
 

@@ -46,26 +46,6 @@ def _tile_rows(row0, block_m: int):
     return pl.ds(row0 // ROW_ALIGN * ROW_ALIGN, block_m)
 
 
-# rows of one WGMMA instruction: what BlockConfig.split_m splits a 128-row tile into
-_HALF_M = 64
-
-
-def _wgmma_rows(acc_ref, lhs_smem, rhs, rows=None):
-    """acc_ref += lhs_smem @ rhs; with rows = (start, size) (BlockConfig.split_m) only the 64-row halves of
-    the tile that hold rows [start, start + size) it stores: the others' sums are never stored, so they
-    may stay zero."""
-    if rows is None:
-        plgpu.wgmma(acc_ref, lhs_smem, rhs)
-        return
-    start, size = rows
-    for h in range(acc_ref.shape[0] // _HALF_M):
-        half = pl.ds(h * _HALF_M, _HALF_M)
-
-        @pl.when((start < (h + 1) * _HALF_M) & (start + size > h * _HALF_M))
-        def _(half=half):
-            plgpu.wgmma(acc_ref.at[half], lhs_smem.at[half], rhs)
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Tile shape of one kernel launch: output tile block_m x block_n, K step block_k,
@@ -80,15 +60,10 @@ class BlockConfig:
     epilogue then overlap the other's matrix work, which matters when tiles are short in K (the weight
     gradient, whose K is a group's rows). ring 1 (warp-specialised kernels) runs one ring of K-step
     buffers across all of a CTA's tiles instead of one pipeline per tile, so the producer loads the next
-    tile's first K blocks while the consumers finish this tile and write it out; ring 2 gives each of the
-    two consumers its own ring and whole block_m x block_n tiles in turn (ping-pong: one consumer's
-    epilogue runs while the other's WGMMAs keep the tensor cores busy; a CTA tile is then block_n wide,
-    not 2 x block_n). group_rows 1 (row-tiled
+    tile's first K blocks while the consumers finish this tile and write it out. group_rows 1 (row-tiled
     passes) starts each group's row tiles at its first row instead of at the fixed blocks of block_m
     rows (tile_schedule): fewer tiles when groups do not start on a block (no effect at block_m 64 on
-    64-aligned groups). split_m 1 (row-tiled passes, block_m 128) issues a tile's WGMMAs as two 64-row
-    halves, each only where the tile stores rows: the last tile of a 64-aligned group that holds 64 rows
-    computes 64, not 128 (DeepSeek-V3 EP2 with group_rows: 36,840 rows computed instead of 40,900)."""
+    64-aligned groups)."""
 
     block_m: int = 64
     block_n: int = 256
@@ -101,7 +76,6 @@ class BlockConfig:
     mma_in_flight: int = 0
     ring: int = 0
     group_rows: int = 0
-    split_m: int = 0
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -116,22 +90,14 @@ class BlockConfig:
                                f"got {self.mma_in_flight} with {self.max_concurrent_steps} steps")
         if self.group_rows not in (0, 1):
             raise EPValueError(f"BlockConfig.group_rows must be 0 or 1, got {self.group_rows}")
-        if self.split_m not in (0, 1) or (self.split_m and self.block_m != 2 * _HALF_M):
-            raise EPValueError(f"BlockConfig.split_m must be 0 or 1, and 1 only with block_m {2 * _HALF_M}, "
-                               f"got split_m={self.split_m} with block_m={self.block_m}")
-        if self.ring not in (0, 1, 2) or (self.ring and self.compute_wgs != 2):
-            raise EPValueError("BlockConfig.ring must be 0, 1 or 2, and 1 or 2 only with compute_wgs=2, got "
+        if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
+            raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
 
     @property
-    def pingpong(self) -> bool:
-        """The consumers take whole tiles in turn, each from its own ring (ring 2)."""
-        return self.ring == 2
-
-    @property
     def cta_n(self) -> int:
-        """Output columns of one CTA tile (the consumers side by side, or one of them with ping-pong)."""
-        return self.block_n if self.pingpong else self.block_n * self.compute_wgs
+        """Output columns one CTA computes per tile."""
+        return self.block_n * self.compute_wgs
 
     def astuple(self):
         return dataclasses.astuple(self)
@@ -246,16 +212,14 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     def body(schedule_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, o_gmem):
         @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
         def _tile(mi, ni, group, row0):
-            start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]   # the rows it stores
-            rows = (start, size) if config.split_m else None
 
             def acc_scope(acc_ref):
                 @pl.when(group < g)  # the zero group (rows past the groups) skips the matmul
                 def _():
                     plgpu.emit_pipeline(
-                        lambda _, lhs_smem, rhs_smem: _wgmma_rows(
+                        lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
                             acc_ref, lhs_smem,
-                            plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem, rows),
+                            plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem),
                         grid=(k // bk,),
                         in_specs=[
                             plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1),
@@ -273,7 +237,8 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
             def _store(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                _store_rows(o_smem, o_gmem, row0, start, size, min(bm, 1 << int(math.log2(m))),
+                _store_rows(o_smem, o_gmem, row0, schedule_gmem[_START, mi],
+                            schedule_gmem[_SIZE, mi], min(bm, 1 << int(math.log2(m))),
                             pl.ds(ni * bn, bn))
 
     kernel = plgpu.kernel(
@@ -438,7 +403,7 @@ def _ws_scope(allocations, o_smem):
 
 
 def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, delay: int, scratch,
-            acc_shape=None, init_acc=None, pingpong: bool = False):
+            acc_shape=None, init_acc=None):
     """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
     tiles, instead of one pipeline per tile.
 
@@ -448,33 +413,23 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
     Here the producer warpgroup runs ahead across tile boundaries; the step counter carried through both
     sides' tile loops names the slot, and so the barrier phase, each side is at.
 
-    The consumers either share each tile side by side (its column part wg of `wgs`), or with `pingpong`
-    take whole tiles in turn (CUTLASS's ping-pong schedule): the CTA's tiles alternate between them, each
-    with its own ring of `stages` slots, so one consumer's epilogue (the accumulator through SMEM to
-    HBM) runs while the other's WGMMAs keep the tensor cores busy. A weight gradient tile of 4-5 K steps
-    otherwise idles them for its whole epilogue. Each ring's barriers are waited on by one consumer only,
-    so every barrier's phase stays that consumer's count (Mosaic GPU tracks phases per waiting thread).
-
-    tiles(body, init): runs carry = body(tile, carry) over the CTA's tiles from `init` (tile: what the other
-    callbacks get; tile.num_k its K steps). operands: (shape, dtype, transforms) of each operand's block
-    for one ring slot. load(tile, kk, blocks, barrier): the TMA copies of K step kk into `blocks`, arriving
-    on `barrier`. mma(tile, kk, blocks, acc, part): matrix work on them for column part `part` of the
-    tile's blocks (wg side by side; 0 with pingpong: the whole block), into a WGMMA accumulator of
+    tiles(body): runs body(tile, step) -> step over the CTA's tiles (tile: what the other callbacks get;
+    tile.num_k its K steps). operands: (shape, dtype, transforms) of each operand's block.
+    load(tile, kk, blocks, barrier): the TMA copies of K step kk into `blocks`, arriving on `barrier`.
+    mma(tile, kk, blocks, acc, wg): consumer wg's matrix work on them, into a WGMMA accumulator of
     acc_shape (acc: its ref, starting at zero) or, with init_acc, into a sum carried in registers (acc:
     its value, init_acc() the first; mma returns the next; the FP8 kernels' promotion). delay: WGMMAs
     left in flight after a step (each step's slot is released once its MMA is done).
-    epilogue(tile, acc, part, o_smem): write the tile's part (acc: the final sum; a tile of no K steps
-    stores the initial one, zeros) through o_smem, this consumer's block of `scratch` (the consumers' own
-    SMEM, one leading entry each)."""
+    epilogue(tile, acc, wg, scratch): write the tile (acc: the final sum; a tile of no K steps stores the
+    initial one, zeros). scratch: the consumers' own SMEM (the output tiles)."""
     consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
-    rings = wgs if pingpong else 1
 
     @functools.partial(
         pl.run_scoped,
-        bufs=[plgpu.SMEM((rings * stages, *shape), dtype, transforms=tf) for shape, dtype, tf in operands],
+        bufs=[plgpu.SMEM((stages, *shape), dtype, transforms=tf) for shape, dtype, tf in operands],
         scratch=scratch,
-        full=plgpu.Barrier(num_arrivals=len(operands), num_barriers=rings * stages),
-        empty=plgpu.Barrier(num_arrivals=1 if pingpong else wgs, num_barriers=rings * stages),
+        full=plgpu.Barrier(num_arrivals=len(operands), num_barriers=stages),
+        empty=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         collective_axes="wg")
     def _scope(bufs, scratch, full, empty):
         wg = lax.axis_index("wg")
@@ -483,42 +438,33 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
         def _producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-            # carry: the CTA's tile count and each ring's step count
-            @functools.partial(tiles, init=(jnp.int32(0), (jnp.int32(0),) * rings))
-            def _tile(tile, carry):
-                i, steps = carry
-                ring = lax.rem(i, rings)
-                step = steps[0]
-                for r in range(1, rings):
-                    step = jnp.where(ring == r, steps[r], step)
-
+            @tiles
+            def _tile(tile, step):
                 def one(kk, s):
-                    slot = ring * stages + lax.rem(s, stages)
+                    slot = lax.rem(s, stages)
 
                     @pl.when(s >= stages)       # the ring's first lap finds every slot empty
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
                     load(tile, kk, [b.at[slot] for b in bufs], full.at[slot])
                     return s + 1
-                end = lax.fori_loop(0, tile.num_k, one, step)
-                return i + 1, tuple(jnp.where(ring == r, end, steps[r]) for r in range(rings))
+                return lax.fori_loop(0, tile.num_k, one, step)
 
         @pl.when(wg < wgs)
         def _consumer():
             plgpu.set_max_registers(consumer_registers, action="increase")
-            ring, part = (wg, 0) if pingpong else (0, wg)
 
             def consume(tile, step, acc, step_fn):
                 def one(kk, carry):
                     s, acc = carry
-                    slot = ring * stages + lax.rem(s, stages)
+                    slot = lax.rem(s, stages)
                     plgpu.barrier_wait(full.at[slot])
                     acc = step_fn(kk, [b.at[slot] for b in bufs], acc)
                     plgpu.wgmma_wait(delay)
                     if delay:               # the previous step's MMA is done with its slot
                         @pl.when(kk > 0)
                         def _():
-                            plgpu.barrier_arrive(empty.at[ring * stages + lax.rem(s - 1, stages)])
+                            plgpu.barrier_arrive(empty.at[lax.rem(s - 1, stages)])
                     else:
                         plgpu.barrier_arrive(empty.at[slot])
                     return s + 1, acc
@@ -528,32 +474,25 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
 
                     @pl.when(tile.num_k > 0)
                     def _():
-                        plgpu.barrier_arrive(empty.at[ring * stages + lax.rem(end_step - 1, stages)])
+                        plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
                 return end_step, acc
 
-            def work(tile, step):
+            @tiles
+            def _tile(tile, step):
                 if init_acc is not None:
                     end_step, acc = consume(tile, step, init_acc(),
-                                            lambda kk, blocks, acc: mma(tile, kk, blocks, acc, part))
-                    epilogue(tile, acc, part, scratch.at[wg])
+                                            lambda kk, blocks, acc: mma(tile, kk, blocks, acc, wg))
+                    epilogue(tile, acc, wg, scratch)
                     return end_step
 
                 def scoped(acc_ref):
                     def add(kk, blocks, _):     # the ref is not carried: the steps add into it
-                        mma(tile, kk, blocks, acc_ref, part)
+                        mma(tile, kk, blocks, acc_ref, wg)
 
                     end_step, _ = consume(tile, step, None, add)
-                    epilogue(tile, acc_ref[...], part, scratch.at[wg])
+                    epilogue(tile, acc_ref[...], wg, scratch)
                     return end_step
                 return pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
-
-            # carry: the CTA's tile count and this consumer's ring's step count
-            @functools.partial(tiles, init=(jnp.int32(0), jnp.int32(0)))
-            def _tile(tile, carry):
-                i, step = carry
-                if not pingpong:
-                    return i + 1, work(tile, step)
-                return i + 1, lax.cond(lax.rem(i, wgs) == wg, lambda s: work(tile, s), lambda s: s, step)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -572,32 +511,29 @@ class _GroupTile(NamedTuple):
 
 class _RowTile(NamedTuple):
     """A ragged_dot tile: row tile mi (its group and block of rows) x column tile ni, num_k K steps (none
-    for the rows past the groups: zeros); it stores its rows [start, start + size)."""
+    for the rows past the groups: zeros)."""
     mi: jax.Array
     ni: jax.Array
     group: jax.Array
     row0: jax.Array
     num_k: jax.Array
-    start: jax.Array
-    size: jax.Array
 
 
 def _row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int, g: int, num_k: int):
     """_k_ring's tile loop over the ragged_dot kernels' tiles (_row_tiles): num_k K steps each, none for
     the rows past the groups (zeros, no matrix work)."""
-    def tiles(tile_body, init):
-        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=init)
+    def tiles(tile_body):
+        @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width, init_carry=jnp.int32(0))
         def _tile(mi, ni, group, row0, carry):
             steps = jnp.where(group < g, num_k, 0).astype(jnp.int32)
-            return tile_body(_RowTile(mi, ni, group, row0, steps, schedule_gmem[_START, mi],
-                                      schedule_gmem[_SIZE, mi]), carry)
+            return tile_body(_RowTile(mi, ni, group, row0, steps), carry)
     return tiles
 
 
 def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
     """_k_ring's tile loop over the weight-gradient kernels' tiles (as _group_tiles), as _GroupTiles."""
-    def tiles(tile_body, init):
-        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=init)
+    def tiles(tile_body):
+        @plgpu.nd_loop((g, grid[0] * grid[1]), collective_axes="sm", init_carry=jnp.int32(0))
         def _tile(loop_info: plgpu.NDLoopInfo, carry):
             gi = loop_info.index[0]
             mi, ni = plgpu.planar_snake(loop_info.index[1], grid, minor, width)
@@ -631,20 +567,20 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
             panel = rhs_gmem.at[t.group, cols, ks] if transpose_rhs else rhs_gmem.at[t.group, ks, cols]
             plgpu.copy_gmem_to_smem(panel, blocks[1], barrier)
 
-        def mma(t, kk, blocks, acc_ref, part):
-            mine = pl.ds(part * bn, bn)
+        def mma(t, kk, blocks, acc_ref, wg):
+            mine = pl.ds(wg * bn, bn)
             b = plgpu.transpose_ref(blocks[1].at[mine], (1, 0)) if transpose_rhs else blocks[1].at[:, mine]
-            _wgmma_rows(acc_ref, blocks[0], b, (t.start, t.size) if config.split_m else None)
+            plgpu.wgmma(acc_ref, blocks[0], b)
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
-        def epilogue(t, acc, part, o_smem):
-            _write_tile(o_smem, acc)
-            _store_rows(o_smem, o_gmem, t.row0, t.start, t.size, ladder, pl.ds(t.ni * cta_n + part * bn, bn),
-                        wait=False)
+        def epilogue(t, acc, wg, o_smem):
+            _write_tile(o_smem.at[wg], acc)
+            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
+                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + wg * bn, bn), wait=False)
 
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
-                stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn), pingpong=config.pingpong,
+                stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
                 scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
 
     if config.ring:
@@ -669,12 +605,11 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
             def _tile(mi, ni, group, row0):
                 cols = pl.ds(ni * cta_n + wg * bn, bn)
-                start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]   # the rows it stores
-                rows = (start, size) if config.split_m else None
 
                 def store(values):
                     _write_tile(o_smem.at[wg], values)
-                    _store_rows(o_smem.at[wg], o_gmem, row0, start, size, ladder, cols, wait=False)
+                    _store_rows(o_smem.at[wg], o_gmem, row0, schedule_gmem[_START, mi],
+                                schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
 
                 compute_context = _acc_ref_context(bm, bn, store)
 
@@ -683,7 +618,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                         b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
                     else:
                         b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                    _wgmma_rows(acc_ref, lhs_smem, b, rows)
+                    plgpu.wgmma(acc_ref, lhs_smem, b)
                     plgpu.wgmma_wait(delay)
                     return acc_ref
 
@@ -746,22 +681,21 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
             plgpu.copy_gmem_to_smem(lhs_gmem.at[row, pl.ds(t.mi * bm, bm)], blocks[0], barrier)
             plgpu.copy_gmem_to_smem(rhs_gmem.at[row, pl.ds(t.ni * cta_n, cta_n)], blocks[1], barrier)
 
-        def mma(t, kk, blocks, acc_ref, part):
-            lhs_block, rhs_mine = blocks[0], blocks[1].at[:, pl.ds(part * bn, bn)]
-            # side by side every consumer masks the shared lhs block itself (the same values), so none
-            # reads it unmasked
+        def mma(t, kk, blocks, acc_ref, wg):
+            lhs_block, rhs_mine = blocks[0], blocks[1].at[:, pl.ds(wg * bn, bn)]
+            # every consumer masks the shared lhs block itself (the same values), so none reads it
+            # unmasked
             _mask_cut_block(lhs_block, rhs_mine, kk, t.num_k, t.start, t.end, t.first_row, bk)
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
 
-        def epilogue(t, acc, part, o_smem):
-            _write_tile(o_smem, acc)
-            cols = pl.ds(t.ni * cta_n + part * bn, bn)
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
+        def epilogue(t, acc, wg, o_smem):
+            _write_tile(o_smem.at[wg], acc)
+            cols = pl.ds(t.ni * cta_n + wg * bn, bn)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
 
         _k_ring(tiles, [((bk, bm), lhs.dtype, _smem_transforms(lhs.dtype, bm)),
                         ((bk, cta_n), rhs.dtype, _smem_transforms(rhs.dtype, cta_n))],
                 load, mma, epilogue, stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
-                pingpong=config.pingpong,
                 scratch=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)))
 
     if config.ring:
@@ -925,14 +859,14 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
             plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(kk, 1), _tile_rows(t.row0, bm)], blocks[2], barrier)
 
         def mma(t, kk, blocks, total, wg):
-            block_sum = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
+            part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
             rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-            return _promote(total, block_sum, rows * ws_gmem[t.group, kk, t.ni * wgs + wg])
+            return _promote(total, part, rows * ws_gmem[t.group, kk, t.ni * wgs + wg])
 
         def epilogue(t, total, wg, o_smem):
-            _write_tile(o_smem, total)
-            _store_rows(o_smem, o_gmem, t.row0, t.start, t.size, ladder, pl.ds((t.ni * wgs + wg) * bn, bn),
-                        wait=False)
+            _write_tile(o_smem.at[wg], total)
+            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
+                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
 
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
                 [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ())],
@@ -988,7 +922,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
 
 def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor: int = 0, width: int = 8,
-                              out_dtype=jnp.bfloat16, ring: int = 0):
+                              out_dtype=jnp.bfloat16, ring: bool = False):
     """The FP8 weight gradient: out[g] = sum over group g's 128-row blocks b of
     (xs[b, :, None] * dys[b, None, :]) * (xt[:, b] @ dyt[:, b].T), float32 sums, out_dtype [G, C, N].
 
@@ -997,27 +931,24 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
     and dys [P/128, N] float32 one scale per block and channel (DeepSeek-V3's 128 x 1 tiles);
     info [4, G] gemm_fp8.row_blocks' per-group entry (first padded row, end, blocks, first row). A
     producer warpgroup loads while two consumers compute 64 x 128 each of a 64 x 256 output tile;
-    each K step's block sum is promoted with the outer product of its row and column scales. ring 1: one
-    ring of K-step buffers across the CTA's tiles (_k_ring), what tiles of 1-3 K steps need most; ring 2:
-    the consumers take whole 64 x 128 tiles in turn, each from its own ring (ping-pong, BlockConfig.ring)."""
+    each K step's block sum is promoted with the outer product of its row and column scales. ring: one
+    ring of K-step buffers across the CTA's tiles (_k_ring), what tiles of 1-3 K steps need most."""
     c, p = xt.shape
     n, p2 = dyt.shape
     g = info.shape[1]
     wgs, bm, bn, bk = 2, 64, FP8_K_BLOCK, FP8_K_BLOCK
-    assert ring in (0, 1, 2), ring
-    pingpong = ring == 2
-    cta_n = bn if pingpong else wgs * bn
+    cta_n = wgs * bn
     assert p == p2 and p % bk == 0 and c % bm == 0 and n % cta_n == 0, (xt.shape, dyt.shape)
     assert xs.shape == (p // bk, c) and dys.shape == (p // bk, n), (xs.shape, dys.shape)
     tf = _smem_transforms(xt.dtype, bk)
     out_tf = _smem_transforms(out_dtype, bn)
     grid_m, grid_n = c // bm, n // cta_n
 
-    def promote(total, blocks, part):     # part: this consumer's 128 columns of the CTA tile
-        block_sum = _fp8_block_sum(blocks[0], blocks[1], (part, bn))
+    def promote(total, blocks, wg):
+        part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
         rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-        cols = plgpu.load(blocks[3], (0, pl.ds(part * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
-        return _promote(total, block_sum * lax.broadcast_in_dim(cols, block_sum.shape, (1,)), rows)
+        cols = plgpu.load(blocks[3], (0, pl.ds(wg * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
+        return _promote(total, part * lax.broadcast_in_dim(cols, part.shape, (1,)), rows)
 
     def ring_body(info_gmem, xt_gmem, xs_gmem, dyt_gmem, dys_gmem, o_gmem):
         def load(t, kk, blocks, barrier):   # whole padded blocks: the padding rows are zeros
@@ -1027,16 +958,16 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
             plgpu.copy_gmem_to_smem(xs_gmem.at[b, pl.ds(t.mi * bm, bm)], blocks[2], barrier)
             plgpu.copy_gmem_to_smem(dys_gmem.at[b, pl.ds(t.ni * cta_n, cta_n)], blocks[3], barrier)
 
-        def epilogue(t, total, part, o_smem):
-            _write_tile(o_smem, total)
-            cols = pl.ds(t.ni * cta_n + part * bn, bn)
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
+        def epilogue(t, total, wg, o_smem):
+            _write_tile(o_smem.at[wg], total)
+            cols = pl.ds(t.ni * cta_n + wg * bn, bn)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
 
         _k_ring(_group_ring_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk),
                 [((bm, bk), xt.dtype, tf), ((cta_n, bk), dyt.dtype, tf), ((1, bm), xs.dtype, ()),
                  ((1, cta_n), dys.dtype, ())],
-                load, lambda t, kk, blocks, total, part: promote(total, blocks, part), epilogue,
-                stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn), pingpong=pingpong,
+                load, lambda t, kk, blocks, total, wg: promote(total, blocks, wg), epilogue,
+                stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn),
                 scratch=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_tf))
 
     if ring:

@@ -179,36 +179,6 @@ def test_kernel_interpret_mode(sizes, order, group_rows):
         assert not zero_tail or np.all(out[total:] == 0)
 
 
-@pytest.mark.parametrize("group_rows", [0, 1], ids=["blocks", "group_rows"])
-def test_split_m_gives_the_whole_tiles_bits(group_rows):
-    """BlockConfig.split_m (a 128-row tile's WGMMAs as two 64-row halves, each only where the tile stores
-    rows) in Mosaic GPU's interpret mode: the same bits as whole tiles, on 64-aligned groups (whose last
-    tile may hold 64 rows), ragged ones (a boundary inside either half) and an empty one, NaN past the
-    groups; both row placements (a fixed block holds the end of one group and the start of the next).
-    The input gradient's form (rhs transposed) is left to the lowering and GPU tests: the interpret mode
-    does not take a transposed WGMMA operand."""
-    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
-
-    rng = np.random.default_rng(7 + group_rows)
-    m, k, n = 512, 64, 64
-    sizes = np.asarray([64, 192, 0, 37, 100, 3], np.int32)
-    total = int(sizes.sum())
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16).at[total:].set(jnp.nan)
-    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), jnp.float16)
-    schedule, num_tiles = mgpu.tile_schedule(jnp.asarray(sizes), m, 128, group_rows=bool(group_rows))
-
-    def run(split_m):
-        config = mgpu.BlockConfig(128, 64, 64, 2, 1, 1, group_rows=group_rows, split_m=split_m)
-        return np.asarray(mgpu.ragged_dot(x, w, schedule, num_tiles, config=config,
-                                          interpret=interpret_params.InterpretGPUParams()), np.float64)
-
-    split, whole = run(1), run(0)
-    ref = dense_reference(np.asarray(x)[:total], w, sizes)
-    np.testing.assert_allclose(split[:total], ref, rtol=2e-2, atol=2e-2)
-    np.testing.assert_array_equal(split, whole)
-    assert np.all(split[total:] == 0)
-
-
 def test_every_table_entry_is_a_form_its_kernel_takes():
     """gemm_configs.json: the bf16 passes' entries are BlockConfigs that tile their shape; the FP8 passes'
     (forward_fp8, dx_fp8, dw_fp8) forms the FP8 kernels accept for their output width."""
@@ -302,8 +272,7 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight"),
                                          ((128, 128, 64, 3, 3, 4), "grid_minor"),
                                          ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 3), "ring"),
-                                         ((64, 128, 64, 3, 0, 4, 1, 2, 0, 0, 0, 1), "split_m")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -315,18 +284,11 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
 @pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1),
                                     (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
                                     (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
-                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1),
-                                    (128, 128, 64, 2, 0, 4, 1, 2, 1, 2),
-                                    (128, 128, 64, 2, 0, 8, 1, 2, 0, 2, 1),
-                                    (128, 128, 64, 3, 0, 4, 1, 2, 1, 0, 1, 1),
-                                    (128, 128, 64, 2, 0, 4, 1, 2, 0, 2, 0, 1),
-                                    (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 1)])
+                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
     custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape, and
-    the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too, and
-    the ping-pong ring (ring 2: the consumers take whole tiles in turn, each from its own ring), and
-    128-row tiles computed in the 64-row halves they store (split_m) in each form.
+    the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too.
     (Mosaic GPU's interpret mode does not run warp-specialised pipelines; the GPU tests run them.)"""
     cfg = mgpu.BlockConfig(*config)
     m, k, n, g = 1024, 512, 768, 5
@@ -420,16 +382,11 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
             width = 7168 if name == "dx" else 4096
             for c in tune.sweep_candidates(mode, name, incumbent, width, shape, True):
                 assert isinstance(c, mgpu.BlockConfig) and width % c.cta_n == 0, (mode, name, c)
-    split = tune.sweep_candidates("split", "forward", [ws64], 4096, shape, True)
-    assert split == [dataclasses.replace(ws64, block_m=128, max_concurrent_steps=3, split_m=1)]
-    assert tune.sweep_candidates("split", "dx", [ws128], 7168, shape, True) == [
-        dataclasses.replace(ws128, split_m=1)]
-    pingpong_dw = tune.sweep_candidates("pingpong", "dw", [], 4096, shape, True)
-    assert pingpong_dw and all(c.pingpong and c.cta_n == c.block_n for c in pingpong_dw)
-    assert all(c.pingpong and c.max_concurrent_steps == 2
-               for c in tune.sweep_candidates("pingpong", "dx", [ws128], 7168, shape, True))
+    assert tune.sweep_candidates("rows", "forward", [ws64], 4096, shape, True) == [
+        dataclasses.replace(ws64, group_rows=1)]
+    assert all(c.ring == 1 for c in tune.sweep_candidates("ring", "dw", [], 4096, shape, True))
     with pytest.raises(SystemExit):
-        tune.main(["--kernels", "pingpong,nonsense", "--shapes", "other"])
+        tune.main(["--kernels", "ring,nonsense", "--shapes", "other"])
     rng = np.random.default_rng(0)
     m, real, k, n, g = 256, 192, 64, 128, 4
     gs = jnp.asarray([64, 0, 64, 64], jnp.int32)

@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|pingpong|rows|split|defaults[,...]]
+                              [--kernels all|classic|ws|order|ring|rows|defaults[,...]]
                               [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
@@ -101,7 +101,7 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
                 yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
 
 
-SWEEPS = ("all", "classic", "ws", "order", "ring", "pingpong", "rows", "split", "defaults")
+SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "defaults")
 
 
 def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: tuple, quick: bool) -> list:
@@ -119,26 +119,6 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
                                              1 if rows_pass else 4, 1, 2, 0)]
         return [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
                 for d in (0, 1) if c.compute_wgs == 2]
-    if mode == "pingpong":
-        # the warp-specialised kernels with the consumers on whole tiles in turn, each from its own
-        # ring (ring 2): one's epilogue under the other's WGMMAs; two rings fit 2 stages at
-        # 128 x 128 (3 at 64 x 128) beside the two output tiles
-        if rows_pass:
-            found = [dataclasses.replace(c, ring=2, max_concurrent_steps=2 if c.block_m == 128 else 3,
-                                         mma_in_flight=d)
-                     for c in incumbent if c.compute_wgs == 2 for d in (0, 1)]
-        else:
-            found = [mgpu.BlockConfig(128, 128, 64, 2, 0, w, 1, 2, d, 2) for w in (4, 8) for d in (0, 1)]
-            found += [mgpu.BlockConfig(64, 128, 64, 3, 0, 8, 1, 2, 0, 2),
-                      mgpu.BlockConfig(64, 256, 64, 2, 0, 8, 1, 2, 0, 2)]
-        return [c for c in found if width % c.cta_n == 0]
-    if mode == "split":
-        # the table's entry with a 128-row tile's WGMMAs as two 64-row halves, each only where the
-        # tile stores rows (split_m; a 64-row entry tried at 128 rows from each group's first row)
-        return [dataclasses.replace(c, split_m=1) if c.block_m == 128 else
-                dataclasses.replace(c, block_m=128, group_rows=1, split_m=1,
-                                    max_concurrent_steps=min(c.max_concurrent_steps, 3))
-                for c in incumbent if rows_pass]
     if mode == "rows":
         # the table's entry with each group's row tiles starting at its first row (group_rows):
         # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
@@ -370,10 +350,8 @@ def main(argv=None):
                              "one consumer warpgroup (classic), "
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
-                             "(ring), or the consumers on whole tiles in turn, each from its own ring "
-                             "(pingpong), or the table's entries with row tiles from each group's first "
-                             "row (rows), or with 128-row tiles computed in the 64-row halves they store "
-                             "(split), or the untuned default beside the forms that could replace it "
+                             "(ring), or the table's entries with row tiles from each group's first "
+                             "row (rows), or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
     unknown = [mode for mode in args.kernels.split(",") if mode not in SWEEPS]
