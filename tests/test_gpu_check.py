@@ -473,3 +473,17 @@ def test_gemm_runs_in_parts_with_passes_and_profiled_configs(tmp_path):
                                        GEMM_PASSES="", GEMM_TUNE_EXTRA="--fp8")
     [tune] = [c for c in calls if "tune_gemm.py" in c]
     assert rc == 0 and " --passes  --quick " in tune and "--fp8" in tune   # set but empty: none swept
+
+
+@pytest.mark.parametrize("skip", ["0", "1"])
+def test_skip_build_leaves_pip_out(tmp_path, skip):
+    """SKIP_BUILD=1 (a second run at once on another GPU of a tree already built) runs no pip install,
+    and says so; without it the build runs first."""
+    rc, output, out, calls = run_check(tmp_path, gpus=2, SKIP_BUILD=skip)
+    assert rc == 0, output
+    pips = [c for c in calls if "pip install" in c]
+    summary = (out / "summary.txt").read_text()
+    if skip == "1":
+        assert not pips and "build: skipped (SKIP_BUILD=1)" in output, (calls, output)
+    else:
+        assert len(pips) == 1 and "built in" in summary, (calls, summary)

@@ -92,6 +92,8 @@
 #      TAR_OUT=1  at the end, everything under $OUT but summary.txt and the gpu_tests_*.json records
 #               goes into $OUT/gpu_check.tar.gz
 #               (machines that return only a few files)
+#      SKIP_BUILD=1  no pip install (an earlier run built this tree): for two runs at once, one per GPU
+#               (CUDA_VISIBLE_DEVICES, OUT apart), where two installs of one tree race and one fails
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -142,24 +144,28 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 step "topology (nvidia-smi topo -m)"
 nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt"
 
-step "build: pip install --no-build-isolation --no-deps -e ."
-start=$SECONDS
-# (without PYTHONPATH: with the repository root on it, pip's build backend failed to import on the
-# GPU machine, 2026-11-30: "Cannot import 'scikit_build_core.build'")
-pip_install() { env -u PYTHONPATH "$PY" -m pip install --no-build-isolation --no-deps -e . "$@" >"$OUT/build.log" 2>&1; }
-if ! pip_install; then
-  if grep -q externally-managed-environment "$OUT/build.log"; then
-    pip_install --break-system-packages || status=1
-  else
-    status=1
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  step "build: skipped (SKIP_BUILD=1)"
+else
+  step "build: pip install --no-build-isolation --no-deps -e ."
+  start=$SECONDS
+  # (without PYTHONPATH: with the repository root on it, pip's build backend failed to import on the
+  # GPU machine, 2026-11-30: "Cannot import 'scikit_build_core.build'")
+  pip_install() { env -u PYTHONPATH "$PY" -m pip install --no-build-isolation --no-deps -e . "$@" >"$OUT/build.log" 2>&1; }
+  if ! pip_install; then
+    if grep -q externally-managed-environment "$OUT/build.log"; then
+      pip_install --break-system-packages || status=1
+    else
+      status=1
+    fi
   fi
+  if [ $status -ne 0 ]; then
+    tail -40 "$OUT/build.log"
+    echo "gpu_check: BUILD FAILED (log: $OUT/build.log)" | tee -a "$OUT/summary.txt"
+    exit 1
+  fi
+  echo "built in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 fi
-if [ $status -ne 0 ]; then
-  tail -40 "$OUT/build.log"
-  echo "gpu_check: BUILD FAILED (log: $OUT/build.log)" | tee -a "$OUT/summary.txt"
-  exit 1
-fi
-echo "built in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 
 step "runtime"
 "$PY" - 2>&1 <<'PYEOF' | tee "$OUT/runtime.txt"
