@@ -60,7 +60,7 @@
 #               run in the order given; GPU_SUITE_RANKS=N ranks on N separate GPUs, default all GPUs):
 #                 m1a    model 1 (--ep-ranks N, -m "gpu and not process_group"): dispatch, layout, peer_smoke
 #                 m1g    model 1: gemm, all but the FP8 tests and the kernel-config sweeps
-#                        (-k "not fp8 and not each_config and not ring_weight_gradient")
+#                        (-k "not fp8 and not (each_config or ring_weight_gradient)")
 #                 m1k    model 1: gemm, the kernel-config sweeps (-k "not fp8 and (each_config or
 #                        ring_weight_gradient)")
 #                 m1h    model 1: gemm, the FP8 tests (-k fp8)
@@ -493,9 +493,10 @@ if [ -n "${GPU_SUITE:-}" ]; then
     case $part in
       m1a|m1b|m1c) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks") ;;
       m1g|m1h|m1k) model=1; files=${!part}; args=(-m "gpu and not process_group" --ep-ranks "$ranks")
+               sweeps="each_config or ring_weight_gradient"   # the kernel-config sweeps: m1k, not m1g
                case $part in
-                 m1g) part_k="not fp8 and not each_config and not ring_weight_gradient" ;;
-                 m1k) part_k="not fp8 and (each_config or ring_weight_gradient)" ;;
+                 m1g) part_k="not fp8 and not ($sweeps)" ;;
+                 m1k) part_k="not fp8 and ($sweeps)" ;;
                  *) part_k=fp8 ;;
                esac ;;
       pga|pgb) model=2; files=${!part}; args=(-m "gpu and process_group" --processes "$ranks") ;;
