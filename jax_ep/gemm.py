@@ -217,8 +217,7 @@ def _forward(x, w, group_sizes, plan: Plan, transpose_rhs: bool = False, zero_ta
         return lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
     from jax_ep import gemm_mgpu as mgpu
 
-    schedule, num_tiles = mgpu.tile_schedule(group_sizes, x.shape[0], plan.config.block_m, zero_tail,
-                                             bool(plan.config.group_rows))
+    schedule, num_tiles = mgpu.config_schedule(group_sizes, x.shape[0], plan.config, zero_tail)
     out = mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs)
     return vary_as(out, x, w)  # a kernel's result is typed invariant inside shard_map; it is per rank
 

@@ -50,7 +50,7 @@ def programs(m, real, k, n, g, align=64):
         if name == "dw":
             return lambda x, w, dy, gs: mgpu.transposed_ragged_dot(x, dy, gs, config=cfg)
         def run(x, w, dy, gs):
-            sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m, group_rows=bool(cfg.group_rows))
+            sched, tiles = mgpu.config_schedule(gs, m, cfg)
             return mgpu.ragged_dot(dy if name == "dx" else x, w, sched, tiles, config=cfg,
                                    transpose_rhs=name == "dx")
         return run
