@@ -63,11 +63,7 @@ class BlockConfig:
     tile's first K blocks while the consumers finish this tile and write it out. group_rows 1 (row-tiled
     passes) starts each group's row tiles at its first row instead of at the fixed blocks of block_m
     rows (tile_schedule): fewer tiles when groups do not start on a block (no effect at block_m 64 on
-    64-aligned groups). wg_rows 1 (ring kernels, row-tiled passes) stacks the two consumers along M
-    instead of N: a CTA tile of 2*block_m x block_n, consumer w computing rows [w*block_m, (w+1)*block_m)
-    of it, and a consumer none of whose rows hold the tile's group skips the tile's matrix work. So a
-    group's last tile of 64 live rows costs 64 rows of MMA as with 64-row tiles, while the CTA reads the
-    weight panel once per 128 rows (half the L2 -> SM bytes per FLOP of a 64-row tile)."""
+    64-aligned groups)."""
 
     block_m: int = 64
     block_n: int = 256
@@ -80,7 +76,6 @@ class BlockConfig:
     mma_in_flight: int = 0
     ring: int = 0
     group_rows: int = 0
-    wg_rows: int = 0
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -98,20 +93,11 @@ class BlockConfig:
         if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
-        if self.wg_rows not in (0, 1) or (self.wg_rows and not self.ring):
-            raise EPValueError("BlockConfig.wg_rows must be 0 or 1, and 1 only with ring=1 (the ring "
-                               f"kernels' consumers skip idle tiles), got wg_rows={self.wg_rows} with "
-                               f"ring={self.ring}")
-
-    @property
-    def cta_m(self) -> int:
-        """Output rows one CTA computes per tile (the row tiles of tile_schedule)."""
-        return self.block_m * (self.compute_wgs if self.wg_rows else 1)
 
     @property
     def cta_n(self) -> int:
         """Output columns one CTA computes per tile."""
-        return self.block_n * (1 if self.wg_rows else self.compute_wgs)
+        return self.block_n * self.compute_wgs
 
     def astuple(self):
         return dataclasses.astuple(self)
@@ -166,8 +152,8 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, zero_tail: bool 
 
 
 def config_schedule(group_sizes: jax.Array, m: int, config: BlockConfig, zero_tail: bool = True):
-    """tile_schedule for the row tiles of a kernel launched with `config` (its CTA's rows)."""
-    return tile_schedule(group_sizes, m, config.cta_m, zero_tail, bool(config.group_rows))
+    """tile_schedule for the row tiles of a kernel launched with `config`."""
+    return tile_schedule(group_sizes, m, config.block_m, zero_tail, bool(config.group_rows))
 
 
 def _num_sms() -> int:
@@ -271,9 +257,9 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
-    if config.grid_minor == GROUP_MAJOR or config.wg_rows:
-        raise EPValueError("transposed_ragged_dot: the group-major order and wg_rows are for the row-tiled "
-                           f"passes (each weight gradient tile is one group already), got {config}")
+    if config.grid_minor == GROUP_MAJOR:
+        raise EPValueError("transposed_ragged_dot: the group-major order is for the row-tiled passes (each "
+                           f"weight gradient tile is one group already), got {config}")
     if config.compute_wgs > 1:
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
@@ -422,7 +408,7 @@ def _ws_scope(allocations, o_smem):
 
 
 def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, delay: int, scratch,
-            acc_shape=None, init_acc=None, idle=None):
+            acc_shape=None, init_acc=None):
     """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
     tiles, instead of one pipeline per tile.
 
@@ -440,8 +426,7 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
     its value, init_acc() the first; mma returns the next; the FP8 kernels' promotion). delay: WGMMAs
     left in flight after a step (each step's slot is released once its MMA is done).
     epilogue(tile, acc, wg, scratch): write the tile (acc: the final sum; a tile of no K steps stores the
-    initial one, zeros). scratch: the consumers' own SMEM (the output tiles). idle(tile, wg): whether
-    consumer wg has nothing of this tile to compute or write (it then only frees the tile's slots)."""
+    initial one, zeros). scratch: the consumers' own SMEM (the output tiles)."""
     consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
 
     @functools.partial(
@@ -497,7 +482,8 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
                         plgpu.barrier_arrive(empty.at[lax.rem(end_step - 1, stages)])
                 return end_step, acc
 
-            def work(tile, step):
+            @tiles
+            def _tile(tile, step):
                 if init_acc is not None:
                     end_step, acc = consume(tile, step, init_acc(),
                                             lambda kk, blocks, acc: mma(tile, kk, blocks, acc, wg))
@@ -512,26 +498,6 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
                     epilogue(tile, acc_ref[...], wg, scratch)
                     return end_step
                 return pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
-
-            @tiles
-            def _tile(tile, step):
-                if idle is None:
-                    return work(tile, step)
-                skip = idle(tile, wg)
-
-                @pl.when(skip)
-                def _():
-                    def free(kk, s):        # the slots still pass through this consumer's hands
-                        slot = lax.rem(s, stages)
-                        plgpu.barrier_wait(full.at[slot])
-                        plgpu.barrier_arrive(empty.at[slot])
-                        return s + 1
-                    lax.fori_loop(0, tile.num_k, free, step)
-
-                @pl.when(jnp.logical_not(skip))
-                def _():
-                    work(tile, step)
-                return step + tile.num_k
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -582,15 +548,14 @@ def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
 
 
 def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
-    """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N (or,
-    with config.wg_rows, along M): a pipeline per tile, or with config.ring one ring of K-step buffers
-    across the CTA's tiles (_k_ring)."""
+    """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N: a
+    pipeline per tile, or with config.ring one ring of K-step buffers across the CTA's tiles (_k_ring)."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
         k2, n = n, k2
-    cta_m, cta_n, wg_rows = config.cta_m, config.cta_n, bool(config.wg_rows)
+    cta_n = config.cta_n
     assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm & (bm - 1) == 0, (lhs.shape, rhs.shape, config)
     grid_n = n // cta_n
     tf = _smem_transforms(lhs.dtype, bk)
@@ -603,41 +568,25 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
 
         def load(t, kk, blocks, barrier):
             cols, ks = pl.ds(t.ni * cta_n, cta_n), pl.ds(kk * bk, bk)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[_tile_rows(t.row0, cta_m), ks], blocks[0], barrier)
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[_tile_rows(t.row0, bm), ks], blocks[0], barrier)
             panel = rhs_gmem.at[t.group, cols, ks] if transpose_rhs else rhs_gmem.at[t.group, ks, cols]
             plgpu.copy_gmem_to_smem(panel, blocks[1], barrier)
 
         def mma(t, kk, blocks, acc_ref, wg):
-            if wg_rows:     # consumer wg: its rows of the tile against the whole panel
-                a, mine = blocks[0].at[pl.ds(wg * bm, bm)], slice(None)
-            else:           # consumer wg: the tile's rows against its columns of the panel
-                a, mine = blocks[0], pl.ds(wg * bn, bn)
+            mine = pl.ds(wg * bn, bn)
             b = plgpu.transpose_ref(blocks[1].at[mine], (1, 0)) if transpose_rhs else blocks[1].at[:, mine]
-            plgpu.wgmma(acc_ref, a, b)
-
-        def rows_of(t, wg):
-            """Consumer wg's rows to store, [lo, hi) of its block_m (all its rows when wg_rows is 0)."""
-            start, size = schedule_gmem[_START, t.mi], schedule_gmem[_SIZE, t.mi]
-            if not wg_rows:
-                return start, start + size
-            first = wg * bm
-            return (jnp.clip(start - first, 0, bm), jnp.clip(start + size - first, 0, bm))
+            plgpu.wgmma(acc_ref, blocks[0], b)
 
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
         def epilogue(t, acc, wg, o_smem):
             _write_tile(o_smem.at[wg], acc)
-            lo, hi = rows_of(t, wg)
-            row0, col0 = (t.row0 + wg * bm, t.ni * cta_n) if wg_rows else (t.row0, t.ni * cta_n + wg * bn)
-            _store_rows(o_smem.at[wg], o_gmem, row0, lo, hi - lo, ladder, pl.ds(col0, bn), wait=False)
+            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
+                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + wg * bn, bn), wait=False)
 
-        def idle(t, wg):
-            lo, hi = rows_of(t, wg)
-            return hi <= lo
-
-        _k_ring(tiles, [((cta_m, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
+        _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
                 stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
-                scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype), idle=idle if wg_rows else None)
+                scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
 
     if config.ring:
         return _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), lhs.dtype))(schedule, num_tiles, lhs, rhs)

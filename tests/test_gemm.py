@@ -272,9 +272,7 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight"),
                                          ((128, 128, 64, 3, 3, 4), "grid_minor"),
                                          ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring"),
-                                         ((64, 256, 64, 3, 0, 4, 1, 2, 0, 0, 0, 1), "wg_rows"),
-                                         ((64, 256, 64, 3, 0, 4, 1, 2, 0, 1, 0, 2), "wg_rows")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -286,9 +284,7 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
 @pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1),
                                     (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
                                     (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
-                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1),
-                                    (64, 256, 64, 3, 2, 1, 1, 2, 0, 1, 1, 1),
-                                    (64, 128, 64, 4, 0, 4, 1, 2, 1, 1, 0, 1)])
+                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
     custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape, and
@@ -300,24 +296,13 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     w = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
     gs = jax.ShapeDtypeStruct((g,), jnp.int32)
 
-    # the weight gradient's tiles are one group each: the group-major order and wg_rows are not its
-    # (wg_rows: the same CTA tile with the consumers side by side)
-    dw_cfg = dataclasses.replace(cfg, grid_minor=0 if cfg.grid_minor == mgpu.GROUP_MAJOR else cfg.grid_minor,
-                                 block_m=cfg.cta_m, block_n=cfg.cta_n // cfg.compute_wgs, wg_rows=0)
-
     def passes(x, w, gs):
         sched, tiles = mgpu.config_schedule(gs, m, cfg)
         out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
-        return out, mgpu.transposed_ragged_dot(x, out, gs, config=dw_cfg)
+        return out, mgpu.transposed_ragged_dot(x, out, gs, config=cfg)
 
     text = jax.jit(passes).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2, text[:2000]
-    if cfg.wg_rows:
-        from jax_ep.errors import EPValueError
-
-        with pytest.raises(EPValueError, match="wg_rows"):
-            mgpu.transposed_ragged_dot(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((m, n), jnp.bfloat16),
-                                       jnp.full((g,), 64, jnp.int32), config=cfg)
 
 
 @pytest.mark.parametrize("wgs,ring", [(1, 0), (2, 0), (2, 1)])

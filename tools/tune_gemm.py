@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|rows|wgrows|defaults[,...]]
+                              [--kernels all|classic|ws|order|ring|rows|inflight|defaults[,...]]
                               [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
@@ -101,7 +101,7 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
                 yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
 
 
-SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "wgrows", "defaults")
+SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "defaults")
 
 
 def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: tuple, quick: bool) -> list:
@@ -123,13 +123,11 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         # the table's entry with each group's row tiles starting at its first row (group_rows):
         # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
         return [dataclasses.replace(c, group_rows=1) for c in incumbent if rows_pass]
-    if mode == "wgrows":
-        # the consumers stacked along M (BlockConfig.wg_rows) in the ring kernel, row tiles from each
-        # group's first row: a 128-row CTA tile (the weight panel read once per 128 rows) whose idle
-        # 64-row half skips its matrix work (no more MMA than 64-row tiles on 64-aligned groups)
-        forms = [(64, 256, 3)] + ([] if quick else [(64, 128, 4)])
-        return [mgpu.BlockConfig(bm, bn, 64, st, GROUP_MAJOR, 1, 1, 2, d, 1, 1, 1) for bm, bn, st in forms
-                for d in (0, 1) if rows_pass and width % bn == 0]
+    if mode == "inflight":
+        # the table's warp-specialised entry with the other number of WGMMAs left in flight after a K
+        # step (0: each step's slot freed at once; 1: the MMA overlaps the next step's wait)
+        return [dataclasses.replace(c, mma_in_flight=1 - c.mma_in_flight) for c in incumbent
+                if c.compute_wgs == 2 and c.max_concurrent_steps > 1]
     if mode == "defaults":
         return list(default_candidates(name, m, k, n, g))
     return list(grid_for(name, width, quick, mode))
@@ -358,7 +356,7 @@ def main(argv=None):
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
                              "(ring), or the table's entries with row tiles from each group's first "
-                             "row (rows), or 128-row tiles whose two consumers split the rows (wgrows), "
+                             "row (rows), or with the other mma_in_flight (inflight), "
                              "or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
