@@ -63,7 +63,10 @@ class BlockConfig:
     tile's first K blocks while the consumers finish this tile and write it out. group_rows 1 (row-tiled
     passes) starts each group's row tiles at its first row instead of at the fixed blocks of block_m
     rows (tile_schedule): fewer tiles when groups do not start on a block (no effect at block_m 64 on
-    64-aligned groups)."""
+    64-aligned groups). out_chunks 2 (warp-specialised kernels) writes each consumer's output tile out
+    in two column halves through one half-sized SMEM buffer, freeing the shared memory of another K
+    stage at a 128 x 256 CTA tile (4 x 48 KB + 32 KB) for a ring that ran dry (ncu, DeepSeek-V3 gate|up
+    dW: its consumers waited for loads in 16% of the warp samples, its producer for free slots in 26%)."""
 
     block_m: int = 64
     block_n: int = 256
@@ -76,6 +79,7 @@ class BlockConfig:
     mma_in_flight: int = 0
     ring: int = 0
     group_rows: int = 0
+    out_chunks: int = 1
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -93,6 +97,9 @@ class BlockConfig:
         if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
+        if self.out_chunks not in (1, 2) or (self.out_chunks == 2 and self.compute_wgs != 2):
+            raise EPValueError("BlockConfig.out_chunks must be 1 or 2, and 2 only with compute_wgs=2, got "
+                               f"out_chunks={self.out_chunks} with compute_wgs={self.compute_wgs}")
 
     @property
     def cta_n(self) -> int:
@@ -372,6 +379,17 @@ def _write_tile(o_smem, values):
     plgpu.commit_smem()
 
 
+def _write_chunks(o_smem, values, store):
+    """values [bm, bn] out through o_smem [bm, bn / chunks], one column chunk at a time
+    (BlockConfig.out_chunks): each waits for the previous TMA store from o_smem to have read it;
+    store(c, width) issues chunk c's."""
+    width = o_smem.shape[-1]
+    chunks = values.shape[1] // width
+    for c in range(chunks):
+        _write_tile(o_smem, values if chunks == 1 else values[:, c * width:(c + 1) * width])
+        store(c, width)
+
+
 def _ws_kernel(body, out_type):
     return plgpu.kernel(
         body, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
@@ -551,6 +569,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N: a
     pipeline per tile, or with config.ring one ring of K-step buffers across the CTA's tiles (_k_ring)."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
+    chunks = config.out_chunks
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -580,13 +599,14 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
         def epilogue(t, acc, wg, o_smem):
-            _write_tile(o_smem.at[wg], acc)
-            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
-                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds(t.ni * cta_n + wg * bn, bn), wait=False)
+            start, size = schedule_gmem[_START, t.mi], schedule_gmem[_SIZE, t.mi]
+            _write_chunks(o_smem.at[wg], acc, lambda c, w: _store_rows(
+                o_smem.at[wg], o_gmem, t.row0, start, size, ladder, pl.ds(t.ni * cta_n + wg * bn + c * w, w),
+                wait=False))
 
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
                 stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
-                scratch=plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
+                scratch=plgpu.SMEM((wgs, bm, bn // chunks), o_gmem.dtype))
 
     if config.ring:
         return _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), lhs.dtype))(schedule, num_tiles, lhs, rhs)
@@ -605,16 +625,15 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         # the output tile goes out through SMEM without swizzle: a ragged tile is stored as a ladder of
         # row boxes that can start on any row
         @_ws_scope(get_pipeline(_no_body, _no_body).get_allocations(lhs_gmem.at[pl.ds(0, bm)], rhs_panel),
-                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype))
+                   plgpu.SMEM((wgs, bm, bn // chunks), o_gmem.dtype))
         def _scope(allocs, o_smem, wg):
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
             def _tile(mi, ni, group, row0):
-                cols = pl.ds(ni * cta_n + wg * bn, bn)
-
                 def store(values):
-                    _write_tile(o_smem.at[wg], values)
-                    _store_rows(o_smem.at[wg], o_gmem, row0, schedule_gmem[_START, mi],
-                                schedule_gmem[_SIZE, mi], ladder, cols, wait=False)
+                    start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]
+                    col0 = ni * cta_n + wg * bn
+                    _write_chunks(o_smem.at[wg], values, lambda c, w: _store_rows(
+                        o_smem.at[wg], o_gmem, row0, start, size, ladder, pl.ds(col0 + c * w, w), wait=False))
 
                 compute_context = _acc_ref_context(bm, bn, store)
 
@@ -667,6 +686,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
+    chunks = config.out_chunks
     rows, k = lhs.shape
     rows2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -675,7 +695,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     info = _group_row_blocks(group_sizes, rows, bk)
     lhs_tf = _smem_transforms(lhs.dtype, bm)
     rhs_tf = _smem_transforms(rhs.dtype, cta_n)
-    out_tf = _smem_transforms(lhs.dtype, bn)
+    out_tf = _smem_transforms(lhs.dtype, bn // chunks)
     grid_m, grid_n = k // bm, n // cta_n
 
     def ring_body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
@@ -694,14 +714,14 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
 
         def epilogue(t, acc, wg, o_smem):
-            _write_tile(o_smem.at[wg], acc)
-            cols = pl.ds(t.ni * cta_n + wg * bn, bn)
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols])
+            rows = pl.ds(t.mi * bm, bm)
+            _write_chunks(o_smem.at[wg], acc, lambda c, w: plgpu.copy_smem_to_gmem(
+                o_smem.at[wg], o_gmem.at[t.gi, rows, pl.ds(t.ni * cta_n + wg * bn + c * w, w)]))
 
         _k_ring(tiles, [((bk, bm), lhs.dtype, _smem_transforms(lhs.dtype, bm)),
                         ((bk, cta_n), rhs.dtype, _smem_transforms(rhs.dtype, cta_n))],
                 load, mma, epilogue, stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
-                scratch=plgpu.SMEM((wgs, bm, bn), lhs.dtype, transforms=_smem_transforms(lhs.dtype, bn)))
+                scratch=plgpu.SMEM((wgs, bm, bn // chunks), lhs.dtype, transforms=out_tf))
 
     if config.ring:
         return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))(info, lhs, rhs)
@@ -717,15 +737,14 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
         @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
                        lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, cta_n)]),
-                   plgpu.SMEM((wgs, bm, bn), o_gmem.dtype, transforms=out_tf))
+                   plgpu.SMEM((wgs, bm, bn // chunks), o_gmem.dtype, transforms=out_tf))
         def _scope(allocs, o_smem, wg):
             @_group_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
             def _tile(gi, mi, ni, start, end, num_k, first_row):
-                cols = pl.ds(ni * cta_n + wg * bn, bn)
-
                 def store(values):
-                    _write_tile(o_smem.at[wg], values)
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols])
+                    rows = pl.ds(mi * bm, bm)
+                    _write_chunks(o_smem.at[wg], values, lambda c, w: plgpu.copy_smem_to_gmem(
+                        o_smem.at[wg], o_gmem.at[gi, rows, pl.ds(ni * cta_n + wg * bn + c * w, w)]))
 
                 compute_context = _acc_ref_context(bm, bn, store)
 

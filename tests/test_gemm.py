@@ -272,7 +272,9 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 1, 0, 4, 1, 2, 1), "mma_in_flight"),
                                          ((128, 128, 64, 3, 3, 4), "grid_minor"),
                                          ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring"),
+                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 0, 3), "out_chunks"),
+                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 2), "out_chunks")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -347,6 +349,32 @@ def test_wide_warp_specialised_tile_fits_shared_memory(transpose_rhs):
     assert "mosaic_gpu" in lower(2)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower(3)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("ring", [0, 1])
+def test_output_in_halves_leaves_room_for_a_fourth_stage(ring, transpose_rhs):
+    """out_chunks 2: each consumer's 128 x 128 output tile leaves through a 128 x 64 buffer, so a 128 x 256
+    CTA tile fits a 4th K stage beside it (4 x 48 KB + 32 KB) in every pass, the weight gradient and the
+    rows' forward / dx, pipelined per tile or in one ring; with whole-tile buffers the 4th stage does not
+    fit (Mosaic GPU says so at lowering)."""
+    m, k, n, g = 1024, 512, 1024, 5
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def lower(chunks):
+        cfg = mgpu.BlockConfig(128, 128, 64, 4, 0, 4, 1, 2, 0, ring, 0, chunks)
+
+        def passes(x, w, gs):
+            sched, tiles = mgpu.config_schedule(gs, m, cfg)
+            out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
+            return out, mgpu.transposed_ragged_dot(x, out, gs, config=cfg)
+        return jax.jit(passes).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert lower(2).count("mosaic_gpu") >= 2
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lower(1)
 
 
 def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():

@@ -4,7 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|rows|inflight|defaults[,...]]
+                              [--kernels all|classic|ws|order|ring|rows|inflight|chunks|defaults[,...]]
                               [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
@@ -101,7 +101,7 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
                 yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
 
 
-SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "defaults")
+SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "chunks", "defaults")
 
 
 def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: tuple, quick: bool) -> list:
@@ -128,6 +128,11 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         # step (0: each step's slot freed at once; 1: the MMA overlaps the next step's wait)
         return [dataclasses.replace(c, mma_in_flight=1 - c.mma_in_flight) for c in incumbent
                 if c.compute_wgs == 2 and c.max_concurrent_steps > 1]
+    if mode == "chunks":
+        # the table's warp-specialised entry with its output tiles written in two column halves
+        # (out_chunks), as it is and with the K stage that frees room for
+        return [dataclasses.replace(c, out_chunks=2, max_concurrent_steps=c.max_concurrent_steps + extra)
+                for c in incumbent if c.compute_wgs == 2 for extra in (0, 1)]
     if mode == "defaults":
         return list(default_candidates(name, m, k, n, g))
     return list(grid_for(name, width, quick, mode))
@@ -356,7 +361,8 @@ def main(argv=None):
                              "warp-specialised (ws), or only the table's configuration in each tile "
                              "order (order: forward and dx), or with one ring of K buffers across tiles "
                              "(ring), or the table's entries with row tiles from each group's first "
-                             "row (rows), or with the other mma_in_flight (inflight), "
+                             "row (rows), or with the other mma_in_flight (inflight), or with the "
+                             "output in column halves and one more K stage (chunks), "
                              "or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)

@@ -93,6 +93,10 @@ KERNEL_CONFIGS = [
     (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
     (128, 128, 64, 3, 2, 1, 1, 2, 0, 0, 1),
     (128, 128, 64, 3, 2, 1, 1, 2, 0, 1, 1),
+    # each consumer's output tile out in two column halves (out_chunks), a 4th K stage in the room:
+    # pipelined per tile, group-major; the ring in strips
+    (128, 128, 64, 4, 2, 1, 1, 2, 0, 0, 1, 2),
+    (128, 128, 64, 4, 0, 4, 1, 2, 0, 1, 0, 2),
 ]
 
 
@@ -137,7 +141,8 @@ def test_every_kernel_pass_at_each_config(config, case):
         assert rel_err(dw[gi], ref_dw[gi]) < 1e-2, gi
 
 
-@pytest.mark.parametrize("config", [(64, 256, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1)],
+@pytest.mark.parametrize("config", [(64, 256, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
+                                    (128, 128, 64, 4, 0, 4, 1, 2, 0, 1, 0, 2)],
                          ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("case", ["random", "zeros", "huge", "aligned"])
 def test_ring_weight_gradient_matches_the_reference(config, case):
