@@ -379,15 +379,15 @@ def _write_tile(o_smem, values):
     plgpu.commit_smem()
 
 
-def _write_chunks(o_smem, values, store):
-    """values [bm, bn] out through o_smem [bm, bn / chunks], one column chunk at a time
-    (BlockConfig.out_chunks): each waits for the previous TMA store from o_smem to have read it;
-    store(c, width) issues chunk c's."""
+def _write_chunks(o_smem, values, col0, store):
+    """values [bm, bn], the output's columns from col0, out through o_smem [bm, bn / chunks] one column
+    chunk at a time (BlockConfig.out_chunks): each waits for the previous TMA store from o_smem to have
+    read it; store(cols) issues the store of the chunk now in o_smem to the output's columns `cols`."""
     width = o_smem.shape[-1]
     chunks = values.shape[1] // width
     for c in range(chunks):
         _write_tile(o_smem, values if chunks == 1 else values[:, c * width:(c + 1) * width])
-        store(c, width)
+        store(pl.ds(col0 + c * width, width))
 
 
 def _ws_kernel(body, out_type):
@@ -600,9 +600,8 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         # row boxes that can start on any row
         def epilogue(t, acc, wg, o_smem):
             start, size = schedule_gmem[_START, t.mi], schedule_gmem[_SIZE, t.mi]
-            _write_chunks(o_smem.at[wg], acc, lambda c, w: _store_rows(
-                o_smem.at[wg], o_gmem, t.row0, start, size, ladder, pl.ds(t.ni * cta_n + wg * bn + c * w, w),
-                wait=False))
+            _write_chunks(o_smem.at[wg], acc, t.ni * cta_n + wg * bn, lambda cols: _store_rows(
+                o_smem.at[wg], o_gmem, t.row0, start, size, ladder, cols, wait=False))
 
         _k_ring(tiles, [((bm, bk), lhs.dtype, tf), (rhs_block, rhs.dtype, tf)], load, mma, epilogue,
                 stages=stages, wgs=wgs, delay=delay, acc_shape=(bm, bn),
@@ -631,9 +630,8 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
             def _tile(mi, ni, group, row0):
                 def store(values):
                     start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]
-                    col0 = ni * cta_n + wg * bn
-                    _write_chunks(o_smem.at[wg], values, lambda c, w: _store_rows(
-                        o_smem.at[wg], o_gmem, row0, start, size, ladder, pl.ds(col0 + c * w, w), wait=False))
+                    _write_chunks(o_smem.at[wg], values, ni * cta_n + wg * bn, lambda cols: _store_rows(
+                        o_smem.at[wg], o_gmem, row0, start, size, ladder, cols, wait=False))
 
                 compute_context = _acc_ref_context(bm, bn, store)
 
@@ -714,9 +712,8 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_block, (1, 0)), rhs_mine)
 
         def epilogue(t, acc, wg, o_smem):
-            rows = pl.ds(t.mi * bm, bm)
-            _write_chunks(o_smem.at[wg], acc, lambda c, w: plgpu.copy_smem_to_gmem(
-                o_smem.at[wg], o_gmem.at[t.gi, rows, pl.ds(t.ni * cta_n + wg * bn + c * w, w)]))
+            _write_chunks(o_smem.at[wg], acc, t.ni * cta_n + wg * bn, lambda cols: plgpu.copy_smem_to_gmem(
+                o_smem.at[wg], o_gmem.at[t.gi, pl.ds(t.mi * bm, bm), cols]))
 
         _k_ring(tiles, [((bk, bm), lhs.dtype, _smem_transforms(lhs.dtype, bm)),
                         ((bk, cta_n), rhs.dtype, _smem_transforms(rhs.dtype, cta_n))],
@@ -742,9 +739,9 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
             @_group_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk)
             def _tile(gi, mi, ni, start, end, num_k, first_row):
                 def store(values):
-                    rows = pl.ds(mi * bm, bm)
-                    _write_chunks(o_smem.at[wg], values, lambda c, w: plgpu.copy_smem_to_gmem(
-                        o_smem.at[wg], o_gmem.at[gi, rows, pl.ds(ni * cta_n + wg * bn + c * w, w)]))
+                    _write_chunks(o_smem.at[wg], values, ni * cta_n + wg * bn,
+                                  lambda cols: plgpu.copy_smem_to_gmem(
+                                      o_smem.at[wg], o_gmem.at[gi, pl.ds(mi * bm, bm), cols]))
 
                 compute_context = _acc_ref_context(bm, bn, store)
 

@@ -320,7 +320,7 @@ def test_group_major_order_lowers_for_hopper_and_is_refused_by_the_weight_gradie
     gs = jax.ShapeDtypeStruct((g,), jnp.int32)
 
     def forward(x, w, gs):
-        sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
+        sched, tiles = mgpu.config_schedule(gs, m, cfg)
         return mgpu.ragged_dot(x, w, sched, tiles, config=cfg)
 
     assert "mosaic_gpu" in jax.jit(forward).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
@@ -342,7 +342,7 @@ def test_wide_warp_specialised_tile_fits_shared_memory(transpose_rhs):
         cfg = mgpu.BlockConfig(64, 256, 64, stages, 0, 8, 1, 2, 0)
 
         def forward(x, w, gs):
-            sched, tiles = mgpu.tile_schedule(gs, m, cfg.block_m)
+            sched, tiles = mgpu.config_schedule(gs, m, cfg)
             return mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
         return jax.jit(forward).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
 
