@@ -797,7 +797,7 @@ def _promote(total, part, scale):
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
                    out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0,
-                   ring: bool = False):
+                   ring: bool = False, scales_smem: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -810,11 +810,16 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     warp_specialized: a producer warpgroup loads while two consumers each compute 128 of the CTA's 256
     columns (block_m x 256 tiles, one weight scale per consumer and K step). grid_minor: the tile order,
     strips of 4 row tiles (0) or group by group (GROUP_MAJOR; see BlockConfig). ring (warp-specialised
-    only): one ring of K-step buffers across the CTA's tiles (see BlockConfig)."""
+    only): one ring of K-step buffers across the CTA's tiles (see BlockConfig). scales_smem (ring only):
+    the producer copies each K step's row of weight scales into the ring beside the blocks, so the
+    consumers read it from SMEM instead of global memory after their WGMMAs (ncu, session 32: ~10% of the
+    warps' stalls were that load)."""
     assert warp_specialized or not ring, "the K ring is a warp-specialised form (gemm_fp8.fp8_kernel_form)"
+    assert ring or not scales_smem, "the weight scales ride in the K ring (gemm_fp8.fp8_kernel_form)"
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
-                                  out_dtype=out_dtype, grid_minor=grid_minor, ring=ring)
+                                  out_dtype=out_dtype, grid_minor=grid_minor, ring=ring,
+                                  scales_smem=scales_smem)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -861,7 +866,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
 
 
 def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       grid_minor: int, ring: bool = False):
+                       grid_minor: int, ring: bool = False, scales_smem: bool = False):
     """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N; with `ring`, one
     ring of K-step buffers across the CTA's tiles (_k_ring) instead of a pipeline per tile."""
     m, k = xq.shape
@@ -874,17 +879,26 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
     tf = _smem_transforms(xq.dtype, bk)
     ladder = min(bm, 1 << int(math.log2(m)))
 
+    # a TMA copy's global strides are multiples of 16 bytes: the scale rows padded to 4 floats
+    ws_cols = -(-ws.shape[2] // 4) * 4 if scales_smem else ws.shape[2]
+    if ws_cols != ws.shape[2]:
+        ws = jnp.pad(ws, ((0, 0), (0, 0), (0, ws_cols - ws.shape[2])))
+
     def ring_body(schedule_gmem, num_tiles_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, o_gmem):
         def load(t, kk, blocks, barrier):
             ks = pl.ds(kk * bk, bk)
             plgpu.copy_gmem_to_smem(x_gmem.at[_tile_rows(t.row0, bm), ks], blocks[0], barrier)
             plgpu.copy_gmem_to_smem(w_gmem.at[t.group, pl.ds(t.ni * cta_n, cta_n), ks], blocks[1], barrier)
             plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(kk, 1), _tile_rows(t.row0, bm)], blocks[2], barrier)
+            if scales_smem:
+                plgpu.copy_gmem_to_smem(ws_gmem.at[t.group, pl.ds(kk, 1)], blocks[3], barrier)
 
         def mma(t, kk, blocks, total, wg):
             part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
             rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
-            return _promote(total, part, rows * ws_gmem[t.group, kk, t.ni * wgs + wg])
+            col = t.ni * wgs + wg
+            w_scale = blocks[3][0, col] if scales_smem else ws_gmem[t.group, kk, col]
+            return _promote(total, part, rows * w_scale)
 
         def epilogue(t, total, wg, o_smem):
             _write_tile(o_smem.at[wg], total)
@@ -892,7 +906,8 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                         schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
 
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
-                [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ())],
+                [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ()),
+                 *([((1, ws_cols), ws.dtype, ())] if scales_smem else [])],
                 load, mma, epilogue, stages=stages, wgs=wgs, delay=0,
                 scratch=plgpu.SMEM((wgs, bm, bn), out_dtype), init_acc=lambda: _acc_zeros(bm, bn))
 

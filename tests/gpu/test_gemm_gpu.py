@@ -493,16 +493,17 @@ def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows, form):
 
 
 @pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2),
-                                    (True, 64, 4, 0, 1), (True, 64, 4, 2, 1)],
+                                    (True, 64, 4, 0, 1), (True, 64, 4, 2, 1), (True, 64, 4, 2, 1, 1)],
                          ids=["classic64", "ws64", "ws128", "ws64_group_major", "ws64_ring",
-                              "ws64_group_major_ring"])   # 3-tuples: strips
+                              "ws64_group_major_ring", "ws64_gm_ring_scales_smem"])  # 3-tuple: strips
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge"])
 def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
     """jax_ep.gemm_mgpu.ragged_dot_fp8 (e4m3 rows with per-128-channel scales, 128 x 128 weight blocks,
     each K block scaled into a float32 running sum) against the FP8 reference (dequantise, float32
     ragged_dot): forward and input-gradient forms; padding rows hold NaN (rows and scales) and must come
-    out zero."""
+    out zero. The weights' 128 x 128 blocks span 2**-3..2**3 so that a scale read for the wrong block
+    shows."""
     from jax_ep.fp8 import quantize_fp8
     from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks
 
@@ -515,8 +516,9 @@ def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
     xq, xs = quantize_fp8(x)
     xq = xq.at[total:].set(jnp.nan)
     xs = xs.at[total:].set(jnp.nan)
-    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.float32)
-    wq, ws = quantize_weight_blocks(w)
+    block_scale = np.exp2(rng.integers(-3, 4, (g, k // 128, n // 128)))
+    w = rng.standard_normal((g, k, n)) / np.sqrt(k) * np.kron(block_scale, np.ones((1, 128, 128)))
+    wq, ws = quantize_weight_blocks(jnp.asarray(w, jnp.float32))
     gs = jnp.asarray(sizes)
     got = grouped_matmul_fp8(xq, xs, wq, ws, gs, transpose_w=transpose_w, backend="mosaic_gpu", kernel=kernel)
     ref = grouped_matmul_fp8(xq.at[total:].set(0), xs.at[total:].set(0), wq, ws, gs, transpose_w=transpose_w)
