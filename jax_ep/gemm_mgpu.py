@@ -879,8 +879,9 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
     tf = _smem_transforms(xq.dtype, bk)
     ladder = min(bm, 1 << int(math.log2(m)))
 
-    # a TMA copy's global strides are multiples of 16 bytes: the scale rows padded to 4 floats
-    ws_cols = -(-ws.shape[2] // 4) * 4 if scales_smem else ws.shape[2]
+    # each ring slot's scale row starts 128-byte aligned (a TMA destination; 224-byte rows faulted with a
+    # misaligned address on the H200): the rows padded to 32 floats
+    ws_cols = -(-ws.shape[2] // 32) * 32 if scales_smem else ws.shape[2]
     if ws_cols != ws.shape[2]:
         ws = jnp.pad(ws, ((0, 0), (0, 0), (0, ws_cols - ws.shape[2])))
 
