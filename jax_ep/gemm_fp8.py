@@ -43,8 +43,8 @@ from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
 
 BACKENDS = ("reference", "mosaic_gpu")
-# The Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring, ...]]; fp8_kernel_form):
-# per shape the form tools/tune_gemm.py --fp8 measured fastest (gemm_configs.json passes forward_fp8 /
+# The Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring[, scales_smem]]]): per
+# shape the form tools/tune_gemm.py --fp8 measured fastest (gemm_configs.json passes forward_fp8 /
 # dx_fp8 / dw_fp8, read through gemm.tuned_entry), else KERNEL / CLASSIC_KERNEL below. Measured on one H200
 # (2026-11-29, tools/tune_gemm.py --fp8, DeepSeek-V3 and mid per-rank shapes): the warp-specialised
 # 64 x 256 form is 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it (two float32
@@ -59,29 +59,28 @@ BACKENDS = ("reference", "mosaic_gpu")
 KERNEL = (True, 64, 4, GROUP_MAJOR)
 CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tested) in this form
 # what tune_gemm.py --fp8 times; the last: one ring of K-step buffers across tiles (BlockConfig.ring)
-# the last three: one ring of K-step buffers across tiles (BlockConfig.ring); the same with each K step's
-# weight scales copied into the ring (ragged_dot_fp8's scales_smem); and with the consumers issuing their
-# K steps in turns (ragged_dot_fp8's alternate)
+# the last two: one ring of K-step buffers across tiles (BlockConfig.ring); the same with each K step's
+# weight scales copied into the ring (ragged_dot_fp8's scales_smem)
 KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1),
-           (True, 64, 4, GROUP_MAJOR, 1, 1), (True, 64, 4, GROUP_MAJOR, 1, 1, 1))
+           (True, 64, 4, GROUP_MAJOR, 1, 1))
 
 
-def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool, bool, bool]:
-    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring, scales_smem,
-    alternate) for N output columns: `kernel` when given (checked; the elements after stages may be left
-    out, taking 0: strips, no ring, the weight scales read from global memory, no turns), else KERNEL where
-    its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool, bool]:
+    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring, scales_smem) for
+    N output columns: `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0, a 4-tuple
+    no ring, a 5-tuple the weight scales read from global memory), else KERNEL where its 256-wide tile
+    divides N, else CLASSIC_KERNEL (128-wide tiles)."""
     if kernel is None:
         kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
-    warp_specialized, block_m, stages, grid_minor, ring, scales_smem, alternate = (*kernel, 0, 0, 0, 0)[:7]
+    warp_specialized, block_m, stages, grid_minor, ring, scales_smem = (*kernel, 0, 0, 0)[:6]
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
-    if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 7
+    if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 6
             or ring not in (0, 1) or (ring and not warp_specialized) or scales_smem not in (0, 1)
-            or alternate not in (0, 1) or ((scales_smem or alternate) and not ring)):
+            or (scales_smem and not ring)):
         raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0, block_m 64 or 128, "
                            f"grid_minor 0 or {GROUP_MAJOR}, ring 0 or 1 (1 only warp-specialised) and "
-                           f"scales_smem and alternate 0 or 1 (1 only with the ring), got N={n}")
-    return warp_specialized, block_m, stages, grid_minor, bool(ring), bool(scales_smem), bool(alternate)
+                           f"scales_smem 0 or 1 (1 only with the ring), got N={n}")
+    return warp_specialized, block_m, stages, grid_minor, bool(ring), bool(scales_smem)
 
 
 # rows per program of quantize_gemm_rows' kernel (the capacity buffers' rows are multiples of 64)
@@ -401,13 +400,12 @@ def _dw_kernel_fits(c: int, n: int) -> bool:
 
 
 # The FP8 weight-gradient kernel's form (stages, grid_minor, grid_tile_width: the order of a group's
-# output tiles, as BlockConfig's; ring: one ring of K buffers across tiles, BlockConfig.ring; alternate,
-# with the ring: the consumers issue their K steps in turns, ragged_dot_fp8's). Slower than
+# output tiles, as BlockConfig's; ring: one ring of K buffers across tiles, BlockConfig.ring). Slower than
 # the bf16 weight gradient even in its fastest form, so it is opt-in: H200, 2026-11-30, DeepSeek-V3 EP2
 # gate|up, quantisation included, the ring form (4, 0, 8, 1) 4.34 ms (the table's entry), DW_KERNEL 5.53,
 # bf16 3.44 (docs/benchmarks/h200_gemm_s31.json). tune_gemm.py --fp8 times DW_KERNELS.
 DW_KERNEL = (4, 0, 8)
-DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2), (4, 0, 8, 1), (3, 0, 8, 1), (4, 0, 8, 1, 1))
+DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2), (4, 0, 8, 1), (3, 0, 8, 1))
 
 
 def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
@@ -442,12 +440,11 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     dyt, dys, _ = quantize_rows_t(dy, group_sizes, backend="pallas")
     if kernel is None:
         kernel = tuned_entry("dw_fp8", m, c, n, group_sizes.shape[0]) or DW_KERNEL
-    stages, minor, width, ring, alternate = (*kernel, 0, 0)[:5]
-    if ring not in (0, 1) or alternate not in (0, 1) or (alternate and not ring) or len(kernel) > 5:
-        raise EPValueError(f"fp8_weight_gradient: kernel's ring and alternate must be 0 or 1 (alternate 1 "
-                           f"only with the ring), got {kernel}")
+    stages, minor, width, ring = (*kernel, 0)[:4]
+    if ring not in (0, 1):
+        raise EPValueError(f"fp8_weight_gradient: kernel's ring must be 0 or 1, got {kernel}")
     dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
-                                        out_dtype=out_dtype, ring=bool(ring), alternate=bool(alternate))
+                                        out_dtype=out_dtype, ring=bool(ring))
     return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
 
 
@@ -508,7 +505,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
       kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring[,
-        scales_smem[, alternate]]]]); None:
+        scales_smem]]]); None:
         the tuned form for this shape (gemm.tuned_entry), else fp8_kernel_form's default.
     """
     if backend not in BACKENDS:
@@ -541,11 +538,11 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     if kernel is None:   # the form tune_gemm.py --fp8 measured fastest at this shape, if any
         # the table's key is the [G, K, N] weight's (K, N): with transpose_w the contracted dimension is N
         kernel = tuned_entry(*(("dx_fp8", m, n, k, g) if transpose_w else ("forward_fp8", m, k, n, g)))
-    warp_specialized, block_m, stages, grid_minor, ring, scales_smem, alternate = fp8_kernel_form(n, kernel)
+    warp_specialized, block_m, stages, grid_minor, ring, scales_smem = fp8_kernel_form(n, kernel)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m, zero_tail)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                               out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,
-                              ring=ring, scales_smem=scales_smem, alternate=alternate)
+                              ring=ring, scales_smem=scales_smem)
     return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 

@@ -426,7 +426,7 @@ def _ws_scope(allocations, o_smem):
 
 
 def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, delay: int, scratch,
-            acc_shape=None, init_acc=None, alternate: bool = False):
+            acc_shape=None, init_acc=None):
     """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
     tiles, instead of one pipeline per tile.
 
@@ -444,14 +444,8 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
     its value, init_acc() the first; mma returns the next; the FP8 kernels' promotion). delay: WGMMAs
     left in flight after a step (each step's slot is released once its MMA is done).
     epilogue(tile, acc, wg, scratch): write the tile (acc: the final sum; a tile of no K steps stores the
-    initial one, zeros). scratch: the consumers' own SMEM (the output tiles).
-    alternate (init_acc only): the consumers issue their K steps' WGMMAs in turns (0, 1, ..., 0, 1, ...),
-    mma calling its last argument, issued(), once its WGMMAs are issued and before it waits for them: the
-    tensor pipe then runs one consumer's step while the other promotes its last one, where consumers
-    released by the same barrier would issue, finish and promote together (the FP8 kernels)."""
-    assert init_acc is not None or not alternate, "alternate: the consumers' sums are carried (init_acc)"
+    initial one, zeros). scratch: the consumers' own SMEM (the output tiles)."""
     consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
-    turns = {"turn": plgpu.Barrier(num_arrivals=1, num_barriers=wgs)} if alternate else {}
 
     @functools.partial(
         pl.run_scoped,
@@ -459,9 +453,8 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
         scratch=scratch,
         full=plgpu.Barrier(num_arrivals=len(operands), num_barriers=stages),
         empty=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        **turns,
         collective_axes="wg")
-    def _scope(bufs, scratch, full, empty, turn=None):
+    def _scope(bufs, scratch, full, empty):
         wg = lax.axis_index("wg")
 
         @pl.when(wg == wgs)
@@ -484,21 +477,11 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
         def _consumer():
             plgpu.set_max_registers(consumer_registers, action="increase")
 
-            if alternate:   # consumer 0 has the first turn
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.barrier_arrive(turn.at[0])
-
-            def issued():   # the next consumer's turn (each is at most one turn ahead of the other)
-                plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, wgs)])
-
             def consume(tile, step, acc, step_fn):
                 def one(kk, carry):
                     s, acc = carry
                     slot = lax.rem(s, stages)
                     plgpu.barrier_wait(full.at[slot])
-                    if alternate:
-                        plgpu.barrier_wait(turn.at[wg])
                     acc = step_fn(kk, [b.at[slot] for b in bufs], acc)
                     plgpu.wgmma_wait(delay)
                     if delay:               # the previous step's MMA is done with its slot
@@ -520,8 +503,8 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
             @tiles
             def _tile(tile, step):
                 if init_acc is not None:
-                    end_step, acc = consume(tile, step, init_acc(), lambda kk, blocks, acc: mma(
-                        tile, kk, blocks, acc, wg, *([issued] if alternate else [])))
+                    end_step, acc = consume(tile, step, init_acc(),
+                                            lambda kk, blocks, acc: mma(tile, kk, blocks, acc, wg))
                     epilogue(tile, acc, wg, scratch)
                     return end_step
 
@@ -792,18 +775,15 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
 FP8_K_BLOCK = 128
 
 
-def _fp8_block_sum(a_smem, b_smem, b_block: tuple | None = None, issued=None):
+def _fp8_block_sum(a_smem, b_smem, b_block: tuple | None = None):
     """One K step's float32 block sum a [bm, 128] . b [bn, 128]^T (both e4m3, K-major; b_block (i, bn):
     only b's i-th block of bn rows, e.g. this consumer's columns) in its own WGMMA accumulator: what the
-    FP8 kernels promote into their running sums. issued: called between issuing the WGMMAs and waiting
-    for them (_k_ring's alternate)."""
+    FP8 kernels promote into their running sums."""
     bn = b_smem.shape[0] if b_block is None else b_block[1]
 
     def mma(acc_ref):
         b_mine = b_smem if b_block is None else b_smem.at[pl.ds(b_block[0] * bn, bn)]
         plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_mine, (1, 0)))
-        if issued is not None:
-            issued()
         return acc_ref[...]
 
     return pl.run_scoped(mma, plgpu.ACC((a_smem.shape[0], bn), jnp.float32))
@@ -817,7 +797,7 @@ def _promote(total, part, scale):
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
                    out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0,
-                   ring: bool = False, scales_smem: bool = False, alternate: bool = False):
+                   ring: bool = False, scales_smem: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -833,14 +813,13 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     only): one ring of K-step buffers across the CTA's tiles (see BlockConfig). scales_smem (ring only):
     the producer copies each K step's row of weight scales into the ring beside the blocks, so the
     consumers read it from SMEM instead of global memory after their WGMMAs (ncu, session 32: ~10% of the
-    warps' stalls were that load). alternate (ring only): the two consumers issue their K steps in turns
-    (_k_ring's alternate)."""
+    warps' stalls were that load)."""
     assert warp_specialized or not ring, "the K ring is a warp-specialised form (gemm_fp8.fp8_kernel_form)"
-    assert ring or not (scales_smem or alternate), "a K-ring option without the ring (fp8_kernel_form)"
+    assert ring or not scales_smem, "the weight scales ride in the K ring (gemm_fp8.fp8_kernel_form)"
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                                   out_dtype=out_dtype, grid_minor=grid_minor, ring=ring,
-                                  scales_smem=scales_smem, alternate=alternate)
+                                  scales_smem=scales_smem)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -887,8 +866,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
 
 
 def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       grid_minor: int, ring: bool = False, scales_smem: bool = False,
-                       alternate: bool = False):
+                       grid_minor: int, ring: bool = False, scales_smem: bool = False):
     """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N; with `ring`, one
     ring of K-step buffers across the CTA's tiles (_k_ring) instead of a pipeline per tile."""
     m, k = xq.shape
@@ -916,8 +894,8 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
             if scales_smem:
                 plgpu.copy_gmem_to_smem(ws_gmem.at[t.group, pl.ds(kk, 1)], blocks[3], barrier)
 
-        def mma(t, kk, blocks, total, wg, issued=None):
-            part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn), issued)
+        def mma(t, kk, blocks, total, wg):
+            part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
             rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
             col = t.ni * wgs + wg
             w_scale = blocks[3][0, col] if scales_smem else ws_gmem[t.group, kk, col]
@@ -931,7 +909,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
                 [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ()),
                  *([((1, ws_cols), ws.dtype, ())] if scales_smem else [])],
-                load, mma, epilogue, stages=stages, wgs=wgs, delay=0, alternate=alternate,
+                load, mma, epilogue, stages=stages, wgs=wgs, delay=0,
                 scratch=plgpu.SMEM((wgs, bm, bn), out_dtype), init_acc=lambda: _acc_zeros(bm, bn))
 
     if ring:
@@ -983,7 +961,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
 
 
 def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor: int = 0, width: int = 8,
-                              out_dtype=jnp.bfloat16, ring: bool = False, alternate: bool = False):
+                              out_dtype=jnp.bfloat16, ring: bool = False):
     """The FP8 weight gradient: out[g] = sum over group g's 128-row blocks b of
     (xs[b, :, None] * dys[b, None, :]) * (xt[:, b] @ dyt[:, b].T), float32 sums, out_dtype [G, C, N].
 
@@ -993,9 +971,7 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
     info [4, G] gemm_fp8.row_blocks' per-group entry (first padded row, end, blocks, first row). A
     producer warpgroup loads while two consumers compute 64 x 128 each of a 64 x 256 output tile;
     each K step's block sum is promoted with the outer product of its row and column scales. ring: one
-    ring of K-step buffers across the CTA's tiles (_k_ring), what tiles of 1-3 K steps need most;
-    alternate (ring only): the consumers issue their K steps in turns (_k_ring's alternate)."""
-    assert ring or not alternate, "alternate is a K-ring option"
+    ring of K-step buffers across the CTA's tiles (_k_ring), what tiles of 1-3 K steps need most."""
     c, p = xt.shape
     n, p2 = dyt.shape
     g = info.shape[1]
@@ -1007,8 +983,8 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
     out_tf = _smem_transforms(out_dtype, bn)
     grid_m, grid_n = c // bm, n // cta_n
 
-    def promote(total, blocks, wg, issued=None):
-        part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn), issued)
+    def promote(total, blocks, wg):
+        part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
         rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
         cols = plgpu.load(blocks[3], (0, pl.ds(wg * bn, bn)), layout=plgpu.Layout.WGMMA.reduce(0))
         return _promote(total, part * lax.broadcast_in_dim(cols, part.shape, (1,)), rows)
@@ -1029,8 +1005,8 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
         _k_ring(_group_ring_tiles(info_gmem, g, (grid_m, grid_n), minor, width, bk),
                 [((bm, bk), xt.dtype, tf), ((cta_n, bk), dyt.dtype, tf), ((1, bm), xs.dtype, ()),
                  ((1, cta_n), dys.dtype, ())],
-                load, lambda t, kk, blocks, total, wg, *issued: promote(total, blocks, wg, *issued), epilogue,
-                stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn), alternate=alternate,
+                load, lambda t, kk, blocks, total, wg: promote(total, blocks, wg), epilogue,
+                stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn),
                 scratch=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_tf))
 
     if ring:
