@@ -59,32 +59,28 @@ BACKENDS = ("reference", "mosaic_gpu")
 KERNEL = (True, 64, 4, GROUP_MAJOR)
 CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tested) in this form
 # what tune_gemm.py --fp8 times; the last: one ring of K-step buffers across tiles (BlockConfig.ring)
-# the last ones: one ring of K-step buffers across tiles (BlockConfig.ring); the same with each K step's
-# weight scales copied into the ring (ragged_dot_fp8's scales_smem); and with the output tiles written in
-# column halves, at 4 and at 5 K stages (ragged_dot_fp8's out_chunks)
+# the last two: one ring of K-step buffers across tiles (BlockConfig.ring); the same with each K step's
+# weight scales copied into the ring (ragged_dot_fp8's scales_smem)
 KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1),
-           (True, 64, 4, GROUP_MAJOR, 1, 1), (True, 64, 4, GROUP_MAJOR, 1, 1, 2),
-           (True, 64, 5, GROUP_MAJOR, 1, 1, 2))
+           (True, 64, 4, GROUP_MAJOR, 1, 1))
 
 
-def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool, bool, int]:
-    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring, scales_smem,
-    out_chunks) for N output columns: `kernel` when given (checked; the elements after stages may be left
-    out: strips, no ring, the weight scales read from global memory, whole output tiles), else KERNEL
-    where its 256-wide tile divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool, bool]:
+    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring, scales_smem) for
+    N output columns: `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0, a 4-tuple
+    no ring, a 5-tuple the weight scales read from global memory), else KERNEL where its 256-wide tile
+    divides N, else CLASSIC_KERNEL (128-wide tiles)."""
     if kernel is None:
         kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
-    form = (*kernel, *(0, 0, 0, 1)[max(0, len(kernel) - 3):])   # the left-out elements' defaults
-    warp_specialized, block_m, stages, grid_minor, ring, scales_smem, out_chunks = form[:7]
+    warp_specialized, block_m, stages, grid_minor, ring, scales_smem = (*kernel, 0, 0, 0)[:6]
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
-    if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 7
+    if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 6
             or ring not in (0, 1) or (ring and not warp_specialized) or scales_smem not in (0, 1)
-            or out_chunks not in (1, 2) or ((scales_smem or out_chunks == 2) and not ring)):
+            or (scales_smem and not ring)):
         raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0, block_m 64 or 128, "
-                           f"grid_minor 0 or {GROUP_MAJOR}, ring 0 or 1 (1 only warp-specialised), "
-                           f"scales_smem 0 or 1 and out_chunks 1 or 2 (other than 0 and 1 only with the "
-                           f"ring), got N={n}")
-    return warp_specialized, block_m, stages, grid_minor, bool(ring), bool(scales_smem), out_chunks
+                           f"grid_minor 0 or {GROUP_MAJOR}, ring 0 or 1 (1 only warp-specialised) and "
+                           f"scales_smem 0 or 1 (1 only with the ring), got N={n}")
+    return warp_specialized, block_m, stages, grid_minor, bool(ring), bool(scales_smem)
 
 
 # rows per program of quantize_gemm_rows' kernel (the capacity buffers' rows are multiples of 64)
@@ -509,7 +505,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
       kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring[,
-        scales_smem[, out_chunks]]]]); None:
+        scales_smem]]]); None:
         the tuned form for this shape (gemm.tuned_entry), else fp8_kernel_form's default.
     """
     if backend not in BACKENDS:
@@ -542,11 +538,11 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     if kernel is None:   # the form tune_gemm.py --fp8 measured fastest at this shape, if any
         # the table's key is the [G, K, N] weight's (K, N): with transpose_w the contracted dimension is N
         kernel = tuned_entry(*(("dx_fp8", m, n, k, g) if transpose_w else ("forward_fp8", m, k, n, g)))
-    warp_specialized, block_m, stages, grid_minor, ring, scales_smem, chunks = fp8_kernel_form(n, kernel)
+    warp_specialized, block_m, stages, grid_minor, ring, scales_smem = fp8_kernel_form(n, kernel)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m, zero_tail)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                               out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,
-                              ring=ring, scales_smem=scales_smem, out_chunks=chunks)
+                              ring=ring, scales_smem=scales_smem)
     return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 

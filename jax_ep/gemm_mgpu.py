@@ -797,7 +797,7 @@ def _promote(total, part, scale):
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
                    out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0,
-                   ring: bool = False, scales_smem: bool = False, out_chunks: int = 1):
+                   ring: bool = False, scales_smem: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -813,15 +813,13 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     only): one ring of K-step buffers across the CTA's tiles (see BlockConfig). scales_smem (ring only):
     the producer copies each K step's row of weight scales into the ring beside the blocks, so the
     consumers read it from SMEM instead of global memory after their WGMMAs (ncu, session 32: ~10% of the
-    warps' stalls were that load). out_chunks (ring only): each consumer writes its output tile out in
-    that many column chunks through an SMEM tile as narrow (BlockConfig.out_chunks), the SMEM it frees
-    room for one more K stage."""
+    warps' stalls were that load)."""
     assert warp_specialized or not ring, "the K ring is a warp-specialised form (gemm_fp8.fp8_kernel_form)"
-    assert ring or not scales_smem and out_chunks == 1, "a K-ring option without the ring (fp8_kernel_form)"
+    assert ring or not scales_smem, "the weight scales ride in the K ring (gemm_fp8.fp8_kernel_form)"
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                                   out_dtype=out_dtype, grid_minor=grid_minor, ring=ring,
-                                  scales_smem=scales_smem, out_chunks=out_chunks)
+                                  scales_smem=scales_smem)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -868,8 +866,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
 
 
 def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       grid_minor: int, ring: bool = False, scales_smem: bool = False,
-                       out_chunks: int = 1):
+                       grid_minor: int, ring: bool = False, scales_smem: bool = False):
     """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N; with `ring`, one
     ring of K-step buffers across the CTA's tiles (_k_ring) instead of a pipeline per tile."""
     m, k = xq.shape
@@ -905,15 +902,15 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
             return _promote(total, part, rows * w_scale)
 
         def epilogue(t, total, wg, o_smem):
-            start, size = schedule_gmem[_START, t.mi], schedule_gmem[_SIZE, t.mi]
-            _write_chunks(o_smem.at[wg], total, (t.ni * wgs + wg) * bn, lambda cols: _store_rows(
-                o_smem.at[wg], o_gmem, t.row0, start, size, ladder, cols, wait=False))
+            _write_tile(o_smem.at[wg], total)
+            _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
+                        schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
 
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
                 [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ()),
                  *([((1, ws_cols), ws.dtype, ())] if scales_smem else [])],
-                load, mma, epilogue, stages=stages, wgs=wgs, delay=0, init_acc=lambda: _acc_zeros(bm, bn),
-                scratch=plgpu.SMEM((wgs, bm, bn // out_chunks), out_dtype))
+                load, mma, epilogue, stages=stages, wgs=wgs, delay=0,
+                scratch=plgpu.SMEM((wgs, bm, bn), out_dtype), init_acc=lambda: _acc_zeros(bm, bn))
 
     if ring:
         kernel = _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), out_dtype))
