@@ -55,12 +55,13 @@ BACKENDS = ("reference", "mosaic_gpu")
 # docs/benchmarks/h200_gemm_s20.json). DeepGEMM's overlap (a step's block sum promoted while the next
 # WGMMA runs; one more f32 tile per thread) measured 1.12-1.16x slower than the 64 x 256 form, and so
 # did two consumers stacked along M (128 x 256 and 128 x 128 CTA tiles, 20-40% fewer bytes per FLOP
-# from L2: 2.77 / 2.95 ms vs 2.57 forward at gate|up), so L2 -> SM bytes are not what bounds it.
+# from L2: 2.77 / 2.95 ms vs 2.57 forward at gate|up), so L2 -> SM bytes are not what bounds it. Neither
+# did the consumers issuing their K steps in turns (2-3% slower) nor a 5th K stage made room for by
+# output tiles in column halves (not faster) help (2026-12-01, docs/benchmarks/h200_gemm_s34.json).
 KERNEL = (True, 64, 4, GROUP_MAJOR)
 CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tested) in this form
-# what tune_gemm.py --fp8 times; the last: one ring of K-step buffers across tiles (BlockConfig.ring)
-# the last two: one ring of K-step buffers across tiles (BlockConfig.ring); the same with each K step's
-# weight scales copied into the ring (ragged_dot_fp8's scales_smem)
+# what tune_gemm.py --fp8 times; the last two: one ring of K-step buffers across tiles
+# (BlockConfig.ring), and the same with each K step's weight scales copied into the ring (scales_smem)
 KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1),
            (True, 64, 4, GROUP_MAJOR, 1, 1))
 
