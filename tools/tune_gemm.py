@@ -230,14 +230,17 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     """The FP8 kernel (gemm_mgpu.ragged_dot_fp8: e4m3 operands, per-128 scales) in each of its forms
     (gemm_fp8.KERNELS), forward and input gradient, next to the bf16 forward at the table's
     configuration, and the weight gradient in bf16 and in FP8 (fp8_weight_gradient), same inputs
-    (quantised), same run."""
+    (quantised), same run; the FP8 weight gradient's parts too: its two token-minor quantisers alone
+    (dw_fp8_quantise) and its kernel alone on their output at the shape's form (dw_fp8_kernel)."""
     from jax_ep.gemm import grouped_matmul, weight_gradient
     from jax_ep.gemm_fp8 import (
+        DW_KERNEL,
         DW_KERNELS,
         KERNELS,
         fp8_weight_gradient,
         grouped_matmul_fp8,
         quantize_gemm_rows,
+        quantize_rows_t,
         quantize_weight_blocks,
     )
 
@@ -270,8 +273,19 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
         forms[tag] = list(form)
         runs[tag] = (jax.jit(lambda xq, xs, dy, gs, form=form: fp8_weight_gradient(
             xq, dy, gs, x_scales=xs, backend="mosaic_gpu", kernel=form)), (xq, xs, dy, gs))
+    def quantise_both(xq, xs, dy, gs):    # what fp8_weight_gradient runs before its kernel
+        xt, xts, info = quantize_rows_t(xq, gs, x_scales=xs, backend="pallas")
+        dyt, dys, _ = quantize_rows_t(dy, gs, backend="pallas")
+        return xt, xts, dyt, dys, info
+
+    runs["dw_fp8_quantise"] = (jax.jit(quantise_both), (xq, xs, dy, gs))
+    stages, minor, width, ring = (*(tuned_entry("dw_fp8", m, k, n, g) or DW_KERNEL), 0)[:4]
+    runs["dw_fp8_kernel"] = (jax.jit(lambda *q: mgpu.transposed_ragged_dot_fp8(
+        *q, stages=stages, minor=minor, width=width, ring=bool(ring))), (xq, xs, dy, gs))
     for name, (f, args) in runs.items():
         try:
+            if name == "dw_fp8_kernel":    # on the quantisers' output, computed once
+                args = jax.block_until_ready(jax.jit(quantise_both)(*args))
             t = best_of(f, *args)
             rec[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
         except Exception as e:  # noqa: BLE001 - reported, not fatal
