@@ -429,24 +429,39 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     if backend not in BACKENDS:
         raise EPValueError(f"fp8_weight_gradient: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
-        xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales)
-        dyt, dys, _ = quantize_rows_t(dy, group_sizes)
-        return weight_gradient_of_quantized(xt, xs, dyt, dys, info).astype(out_dtype)
+        return weight_gradient_of_quantized(*quantize_weight_gradient_operands(
+            x, dy, group_sizes, x_scales=x_scales)).astype(out_dtype)
     if not _dw_kernel_fits(c, n):
         raise EPValueError(f"fp8_weight_gradient: the Hopper kernel needs N % {2 * FP8_BLOCK} == 0 and "
                            f"C % 64 == 0, got C={c}, N={n}")
+    operands = quantize_weight_gradient_operands(x, dy, group_sizes, x_scales=x_scales, backend="pallas")
+    dw = weight_gradient_kernel(operands, m, kernel=kernel, out_dtype=out_dtype)
+    return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
+
+
+def quantize_weight_gradient_operands(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
+                                      x_scales: jax.Array | None = None, backend: str = "reference"):
+    """What the FP8 weight gradient multiplies: x and dy quantised token-minor (quantize_rows_t, on
+    ``backend``), as (xt, xs, dyt, dys, info)."""
+    xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales, backend=backend)
+    dyt, dys, _ = quantize_rows_t(dy, group_sizes, backend=backend)
+    return xt, xs, dyt, dys, info
+
+
+def weight_gradient_kernel(operands, m: int, *, kernel: tuple | None = None, out_dtype=jnp.bfloat16):
+    """The Hopper FP8 weight-gradient kernel (gemm_mgpu.transposed_ragged_dot_fp8) on
+    quantize_weight_gradient_operands' output for an m-row buffer, in the form ``kernel`` (DW_KERNELS'
+    kind; None: the form tools/tune_gemm.py --fp8 measured fastest at this shape, else DW_KERNEL)."""
     from jax_ep import gemm_mgpu as mgpu
 
-    xt, xs, info = quantize_rows_t(x, group_sizes, x_scales=x_scales, backend="pallas")
-    dyt, dys, _ = quantize_rows_t(dy, group_sizes, backend="pallas")
+    xt, xs, dyt, dys, info = operands
     if kernel is None:
-        kernel = tuned_entry("dw_fp8", m, c, n, group_sizes.shape[0]) or DW_KERNEL
+        kernel = tuned_entry("dw_fp8", m, xt.shape[0], dyt.shape[0], info.shape[1]) or DW_KERNEL
     stages, minor, width, ring = (*kernel, 0)[:4]
     if ring not in (0, 1):
         raise EPValueError(f"fp8_weight_gradient: kernel's ring must be 0 or 1, got {kernel}")
-    dw = mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
-                                        out_dtype=out_dtype, ring=bool(ring))
-    return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
+    return mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
+                                          out_dtype=out_dtype, ring=bool(ring))
 
 
 class FP8Weights(NamedTuple):

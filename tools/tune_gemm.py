@@ -234,14 +234,14 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     (dw_fp8_quantise) and its kernel alone on their output at the shape's form (dw_fp8_kernel)."""
     from jax_ep.gemm import grouped_matmul, weight_gradient
     from jax_ep.gemm_fp8 import (
-        DW_KERNEL,
         DW_KERNELS,
         KERNELS,
         fp8_weight_gradient,
         grouped_matmul_fp8,
         quantize_gemm_rows,
-        quantize_rows_t,
         quantize_weight_blocks,
+        quantize_weight_gradient_operands,
+        weight_gradient_kernel,
     )
 
     m, real, k, n, g, align = shape
@@ -273,19 +273,14 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
         forms[tag] = list(form)
         runs[tag] = (jax.jit(lambda xq, xs, dy, gs, form=form: fp8_weight_gradient(
             xq, dy, gs, x_scales=xs, backend="mosaic_gpu", kernel=form)), (xq, xs, dy, gs))
-    def quantise_both(xq, xs, dy, gs):    # what fp8_weight_gradient runs before its kernel
-        xt, xts, info = quantize_rows_t(xq, gs, x_scales=xs, backend="pallas")
-        dyt, dys, _ = quantize_rows_t(dy, gs, backend="pallas")
-        return xt, xts, dyt, dys, info
-
-    runs["dw_fp8_quantise"] = (jax.jit(quantise_both), (xq, xs, dy, gs))
-    stages, minor, width, ring = (*(tuned_entry("dw_fp8", m, k, n, g) or DW_KERNEL), 0)[:4]
-    runs["dw_fp8_kernel"] = (jax.jit(lambda *q: mgpu.transposed_ragged_dot_fp8(
-        *q, stages=stages, minor=minor, width=width, ring=bool(ring))), (xq, xs, dy, gs))
+    quantise = jax.jit(lambda xq, xs, dy, gs: quantize_weight_gradient_operands(
+        xq, dy, gs, x_scales=xs, backend="pallas"))
+    runs["dw_fp8_quantise"] = (quantise, (xq, xs, dy, gs))
+    runs["dw_fp8_kernel"] = (jax.jit(lambda *q: weight_gradient_kernel(q, m)), (xq, xs, dy, gs))
     for name, (f, args) in runs.items():
         try:
             if name == "dw_fp8_kernel":    # on the quantisers' output, computed once
-                args = jax.block_until_ready(jax.jit(quantise_both)(*args))
+                args = jax.block_until_ready(quantise(*args))
             t = best_of(f, *args)
             rec[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
         except Exception as e:  # noqa: BLE001 - reported, not fatal
