@@ -112,18 +112,30 @@ NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cac
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
 
 
-def best_of(fn, *args, iters: int, repeats: int, chain: bool = False) -> float:
+def best_of(fn, *args, iters: int, repeats: int, chain: bool = False, sustain_s: float = 0.0) -> float:
     """Best (over repeats) mean seconds per call of a chain of `iters` calls. ``chain``: each call takes
-    the previous call's output as its first argument (a buffer ``fn`` donates and writes in place)."""
+    the previous call's output as its first argument (a buffer ``fn`` donates and writes in place).
+    ``sustain_s``: first run chains for this long, so that the timed ones see the clocks of sustained
+    load rather than those of a short burst after an idle gap (an H200 at its 700 W limit settles at
+    1335-1500 MHz within about a second, where a burst after compiling runs at up to 1980: the grouped
+    GEMMs measured 15-18% slower sustained, session 35)."""
     out = jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
+
+    def chain_of(n):
+        nonlocal args, out
+        for _ in range(n):
             if chain:
                 args = (out, *args[1:])
             out = fn(*args)
         jax.block_until_ready(out)
+
+    end = time.perf_counter() + sustain_s
+    while time.perf_counter() < end:
+        chain_of(iters)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        chain_of(iters)
         best = min(best, (time.perf_counter() - start) / iters)
     return best
 
@@ -139,7 +151,8 @@ def expert_group_sizes(rows: int, groups: int, rng, *, uniform: bool = False, al
     return (-(-sizes // align) * align).astype(np.int32)
 
 
-def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeats: int) -> float:
+def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeats: int,
+                     sustain_s: float = 0.0) -> float:
     """The expert GEMMs of one step as dense dots (gate|up, down; forward and backward) on one device."""
     rng = np.random.default_rng(0)
     put = lambda shape, scale: jax.device_put(  # noqa: E731
@@ -155,12 +168,12 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
         out, vjp = jax.vjp(f, x, w1, w2)
         return out, vjp(g)
 
-    return best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats)
+    return best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats, sustain_s=sustain_s)
 
 
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
                         iters: int, repeats: int, gemm_dtype: str | None = None,
-                        fp8_cached: bool = False) -> float | None:
+                        fp8_cached: bool = False, sustain_s: float = 0.0) -> float | None:
     """The layer's expert block alone (gate|up GEMM, SwiGLU, down GEMM; forward and backward) on one
     device, on a dispatch-like buffer: `capacity` rows of which `rows` are spread over the local experts
     (mildly uneven), each expert padded to the alignment the layer asks of dispatch. `gemm_dtype` is the
@@ -192,7 +205,7 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
 
     try:
         fp8 = jax.jit(moe.quantize_expert_weights)(w1, w2) if fp8_cached else None
-        return best_of(experts, x, w1, w2, g, fp8, iters=iters, repeats=repeats)
+        return best_of(experts, x, w1, w2, g, fp8, iters=iters, repeats=repeats, sustain_s=sustain_s)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         print(f"  expert block alone ({gemm}): {type(e).__name__}: {str(e)[:160]}", flush=True)
         return None
@@ -299,7 +312,7 @@ def training_step(graphdef, rest):
 
 
 def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profile: bool,
-                shared_ffn: int = 0) -> dict:
+                shared_ffn: int = 0, sustain_s: float = 0.0) -> dict:
     hidden, ffn, experts, topk, tokens = shape
     ep = mesh.size
     record = dict(op="moe_layer", backend=CONFIGS[config]["backend"], config=config, hidden=hidden,
@@ -318,9 +331,10 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     try:
         args = (params, x)
         if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step
-            record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats)
+            record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats,
+                                                  sustain_s=sustain_s)
             args = (params, x, quantise(params))
-        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
+        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats, sustain_s=sustain_s)
         profiled = split_by_scope(step, args, iters) if profile else None
         record["split_ms"], record["device_step_ms"] = profiled or (None, None)
         record["ep_hidden_ms"] = None if profiled is None else hidden_ep_ms(*profiled)
@@ -363,7 +377,8 @@ def decode_step(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     return layer, step, (state, x, quantized)
 
 
-def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int, shared_ffn: int = 0) -> dict:
+def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int, shared_ffn: int = 0,
+                 sustain_s: float = 0.0) -> dict:
     """``decode_step`` timed, and its expert block alone on one device next to the batched einsum over
     every fixed slot (what the decode path computed before, and what DeepEP's contract invites)."""
     hidden, ffn, experts, topk, tokens = shape
@@ -375,12 +390,12 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int, share
                   shared_ffn_hidden=shared_ffn,
                   ep_ops=layer_ep_plans(layer, tokens, ("ll_dispatch", "ll_combine")))
     try:
-        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats)
+        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats, sustain_s=sustain_s)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
     grouped, einsum, weight_bytes = decode_experts_seconds(hidden, ffn, experts, topk, tokens, ep,
                                                            options["gemm"], iters, repeats,
-                                                           bool(options.get("fp8_cached")))
+                                                           bool(options.get("fp8_cached")), sustain_s)
     record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes)
     return record
 
@@ -428,12 +443,14 @@ def decode_expert_block(hidden: int, ffn: int, experts: int, topk: int, tokens: 
 
 
 def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, tokens: int, ep: int, gemm: str,
-                           iters: int, repeats: int, fp8: bool = False) -> tuple[float, float, int]:
+                           iters: int, repeats: int, fp8: bool = False, sustain_s: float = 0.0
+                           ) -> tuple[float, float, int]:
     """``decode_expert_block``'s two forms timed: (grouped s, einsum s, weight bytes)."""
     grouped, einsum, args, weight_bytes = decode_expert_block(hidden, ffn, experts, topk, tokens, ep, gemm,
                                                               fp8)
-    einsum_s = best_of(einsum, *args[:4], iters=iters, repeats=repeats)   # before grouped takes the slots
-    return best_of(grouped, *args, iters=iters, repeats=repeats, chain=True), einsum_s, weight_bytes
+    timing = dict(iters=iters, repeats=repeats, sustain_s=sustain_s)
+    einsum_s = best_of(einsum, *args[:4], **timing)   # before grouped takes the slots
+    return best_of(grouped, *args, chain=True, **timing), einsum_s, weight_bytes
 
 
 def layer_gemm_plans(layer, mesh, x) -> str:
@@ -474,6 +491,7 @@ def main(args, save=lambda records: None) -> list[dict]:
         ["small"] if platform == "cpu" else ["mid", "deepseek"])
     device = f"{len(devices)}x {devices[0].device_kind}"
     today = datetime.date.today().isoformat()
+    sustain = getattr(args, "sustain", 0.0)
     records = []
     # the hierarchical configs only when named: they time the same layer on the same GPUs another way
     wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else [
@@ -489,8 +507,8 @@ def main(args, save=lambda records: None) -> list[dict]:
         # the einsum is the plain-JAX baseline; the hierarchical path has no decode ops
         for config in [c for c in wanted if c != "plain_jax" and "nodes" not in CONFIGS[c]]:
             r = bench_decode(mesh, LAYER_PRESETS[name], config, args.iters, args.repeats,
-                             SHARED_FFN.get(name, 0))
-            r.update(shape=name, device=device, date=today)
+                             SHARED_FFN.get(name, 0), sustain)
+            r.update(shape=name, device=device, date=today, sustain_s=sustain)
             records.append(r)
             save(records)
             step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms"
@@ -503,23 +521,24 @@ def main(args, save=lambda records: None) -> list[dict]:
         shape = LAYER_PRESETS[name]
         hidden, ffn, experts, topk, tokens = shape
         rows = tokens * topk   # real rows per rank on average (uniform routing)
-        roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats)
+        roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats, sustain)
         shared_ffn = SHARED_FFN.get(name, 0)
         if shared_ffn:      # the shared expert's GEMMs over every token, as dense dots too
-            roof += 1e3 * roofline_seconds(tokens, hidden, shared_ffn, jnp.bfloat16, args.iters, args.repeats)
+            roof += 1e3 * roofline_seconds(tokens, hidden, shared_ffn, jnp.bfloat16, args.iters, args.repeats,
+                                           sustain)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
         for config in wanted:
-            r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile, shared_ffn)
+            r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile, shared_ffn, sustain)
             seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
                                           args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"),
-                                          CONFIGS[config].get("fp8_cached", False))
+                                          CONFIGS[config].get("fp8_cached", False), sustain)
             gemm_ms = None if seconds is None else 1e3 * seconds
             r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
                      roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,
-                     device=device, date=today)
+                     device=device, date=today, sustain_s=sustain)
             records.append(r)
             save(records)
             print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"

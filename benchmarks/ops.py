@@ -656,6 +656,17 @@ def _names(known):
     return check
 
 
+def _seconds(value: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
+    return seconds
+
+
 def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
     """The options of one mode: "ops" (dispatch / combine, --rank-major too), "layer" or "low_latency"."""
     description = {"ops": __doc__, "layer": bench_layer.__doc__, "low_latency": LL_DESCRIPTION}[mode]
@@ -670,6 +681,10 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
         parser.add_argument("--layer-configs", default=None, type=_names(list(bench_layer.CONFIGS)),
                             help=f"comma-separated layer configurations {list(bench_layer.CONFIGS)} "
                                  "(default: all that the platform runs, except the hierarchical ep_hier_*)")
+        parser.add_argument("--sustain", default=0.0, type=_seconds,
+                            help="seconds of back-to-back calls before each timing, so that it sees the "
+                                 "clocks of sustained load (an H200 at its power limit settles ~25%% below "
+                                 "its boost clock within a second; default 0: a burst after compiling)")
     elif mode == "low_latency":
         parser.add_argument("--low-latency", action="store_true", required=True,
                             help="time the low-latency (decode) ops (this mode)")
@@ -738,7 +753,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "lists this mode's options)")
     for name, default in (("layer", False), ("low_latency", False), ("rank_major", False),
                           ("preset", "auto"), ("hidden", None), ("topk", None), ("experts", None),
-                          ("num_sms", None), ("layer_shapes", None), ("layer_configs", None)):
+                          ("num_sms", None), ("layer_shapes", None), ("layer_configs", None),
+                          ("sustain", 0.0)):
         if not hasattr(args, name):
             setattr(args, name, default)
     args.mode = mode

@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -181,11 +182,46 @@ def test_decode_layer_bench_writes_records(tmp_path):
     assert r["ep_ops"].startswith("ll_dispatch: reference (") and "ll_combine: reference (" in r["ep_ops"]
 
 
-def test_decode_layer_bench_runs_fp8_cached_weights(tmp_path):
-    """jax_ep_fp8_cached on a decode shape: the decode experts in FP8 from weights quantised once."""
+def test_decode_layer_bench_runs_fp8_cached_weights(tmp_path, monkeypatch):
+    """jax_ep_fp8_cached on a decode shape: the decode experts in FP8 from weights quantised once; with
+    --sustain every timing (the step, the experts grouped and as an einsum) runs at least that long of
+    calls first, and the record says so."""
+    from benchmarks import layer as bench_layer
+
+    sustained = []
+    real = bench_layer.best_of
+    monkeypatch.setattr(bench_layer, "best_of", lambda fn, *a, **k: sustained.append(k["sustain_s"]) or
+                        real(fn, *a, **k))
     [r] = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "jax_ep_fp8_cached",
-                      "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "decode.json")])
+                      "--iters", "1", "--repeats", "1", "--sustain", "0.01",
+                      "--out", str(tmp_path / "decode.json")])
     assert "error" not in r and r["step_ms"] > 0 and r["experts_ms"] > 0
+    assert r["sustain_s"] == 0.01 and sustained == [0.01] * 3
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_best_of_sustains_the_load_before_timing(chain):
+    """best_of(sustain_s=S) runs back-to-back chains for S seconds before the timed ones (the clocks of
+    sustained load), chaining the output into the next call as the timed chains do; S=0 adds no call."""
+    from benchmarks.layer import best_of
+
+    calls = []
+
+    def fn(x, y):
+        calls.append(float(x))
+        time.sleep(0.002)
+        return x + y if chain else x
+
+    one = jax.numpy.float32(1)
+    assert best_of(fn, one, one, iters=3, repeats=2, chain=chain) > 0.002
+    assert len(calls) == 1 + 3 * 2
+    calls.clear()
+    start = time.perf_counter()
+    best_of(fn, one, one, iters=3, repeats=2, chain=chain, sustain_s=0.05)
+    assert time.perf_counter() - start >= 0.05
+    assert len(calls) >= 1 + 0.05 / 0.002 * 0.5 + 3 * 2 and (len(calls) - 1) % 3 == 0
+    # chained: each call got the previous call's output, through the sustaining chains too
+    assert calls == (list(range(1, len(calls) + 1)) if chain else [1.0] * len(calls))
 
 
 def test_cli_help():
@@ -259,6 +295,9 @@ def test_each_mode_help_lists_its_own_options(capsys):
     (["--layer", "--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
     (["--layer", "--layer-shapes", "nope"], "argument --layer-shapes: unknown 'nope'"),
     (["--layer", "--layer-configs", "ep_fast"], "argument --layer-configs: unknown 'ep_fast'"),
+    (["--layer", "--sustain", "-1"], "argument --sustain: must be a number of seconds >= 0, got '-1'"),
+    (["--layer", "--sustain", "nan"], "argument --sustain: must be a number of seconds >= 0, got 'nan'"),
+    (["--sustain", "1"], "unrecognized arguments: --sustain 1"),
     (["--layer", "--tokens", "4"], "unrecognized arguments: --tokens 4 (python -m benchmarks --layer --help"),
     (["--low-latency", "--backends", "dense"], "argument --backends: unknown 'dense' in 'dense'; choose from "
                                                "reference, cuda"),

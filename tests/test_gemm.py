@@ -458,3 +458,31 @@ def test_gemm_ncu_programs_lower_for_hopper_in_the_printed_order():
     for name, f, args in runs:
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("mosaic_gpu") >= 1, name
+
+
+def test_tune_gemm_block_timing_reports_bf16_and_both_fp8_blocks(monkeypatch, capsys):
+    """tools/tune_gemm.py --block (time_blocks): the bf16 expert block beside its dense-dot roofline and
+    the FP8 block with its weights quantised in the step and beforehand (the layer's jax_ep_fp8_cached),
+    each with its speed-up, on a CPU-sized block (lax.ragged_dot and the FP8 reference path here); with
+    sustain_s every timing runs that long of calls first."""
+    import importlib.util
+    import pathlib
+
+    from benchmarks import layer as bench_layer
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "tune_gemm.py"
+    spec = importlib.util.spec_from_file_location("tune_gemm", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    monkeypatch.setitem(tune.BLOCKS, "tiny", (96, 256, 128, 4, 192))
+    sustained = []
+    real = bench_layer.best_of
+    monkeypatch.setattr(bench_layer, "best_of", lambda fn, *a, **k: sustained.append(k["sustain_s"]) or
+                        real(fn, *a, **k))
+    [rec] = tune.time_blocks(["tiny"], fp8=True, sustain_s=0.01)
+    assert sustained == [0.01] * 4           # roofline, bf16 block, FP8 block, FP8 block cached
+    assert rec["sustain_s"] == 0.01 and rec["roofline_ms"] > 0 and rec["block_ms"] > 0
+    for key in ("fp8_block", "fp8_cached_block"):
+        speedup = key.replace("block", "speedup")
+        assert rec[f"{key}_ms"] > 0 and rec[speedup] == pytest.approx(rec["block_ms"] / rec[f"{key}_ms"])
+    assert "fp8 cached block" in capsys.readouterr().out

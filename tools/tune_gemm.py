@@ -311,37 +311,44 @@ def fp8_table_entries(rec: dict, device: str) -> list[dict]:
 BLOCKS = {"deepseek_ep2": (32768, 7168, 2048, 128, 73600), "mid_ep2": (24576, 4096, 1408, 32, 51200)}
 
 
-def time_blocks(names, fp8: bool = False) -> list[dict]:
+def time_blocks(names, fp8: bool = False, sustain_s: float = 0.0) -> list[dict]:
     """The expert block alone (gate|up grouped GEMM, SwiGLU, down grouped GEMM, forward and backward;
     benchmarks.layer.expert_gemm_seconds with gemm="auto", i.e. this table) next to its roofline (the
     same GEMM FLOPs as dense dots), one device, same run; with `fp8` also the block as
-    MoE(gemm_dtype="float8_e4m3fn") runs it (speed-up over the bf16 block in the record)."""
+    MoE(gemm_dtype="float8_e4m3fn") runs it, with the weights quantised in the step (fp8_block_ms) and
+    beforehand as MoE.quantize_weights does once per optimiser step (fp8_cached_block_ms; the layer's
+    jax_ep_fp8_cached), each with its speed-up over the bf16 block. ``sustain_s``: each timing after
+    that long of back-to-back calls (benchmarks.layer.best_of)."""
     from benchmarks.layer import expert_gemm_seconds, roofline_seconds
 
     records = []
     for name in names:
         rows, hidden, ffn, local, capacity = BLOCKS[name]
-        roof = roofline_seconds(rows, hidden, ffn, jnp.bfloat16, 10, 3)
-        block = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", 10, 3)
+        timing = (10, 3)
+        roof = roofline_seconds(rows, hidden, ffn, jnp.bfloat16, *timing, sustain_s=sustain_s)
+        block = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", *timing, sustain_s=sustain_s)
         flops = 3 * (2 * rows * hidden * 2 * ffn + 2 * rows * ffn * hidden)   # forward + dx + dW
         rec = dict(op="expert_block", shape=name, rows=rows, hidden=hidden, ffn=ffn, local_experts=local,
                    capacity=capacity, roofline_ms=roof * 1e3, block_ms=None if block is None else block * 1e3,
-                   device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   sustain_s=sustain_s, device=jax.devices()[0].device_kind, jax=jax.__version__,
                    date=datetime.date.today().isoformat())
         if block is not None:
             rec.update(ratio=block / roof, block_tflops=flops / block / 1e12)
+        line = (f"block {name}: " + (f"{rec['block_ms']:.2f} ms, roofline {rec['roofline_ms']:.2f} ms, "
+                                      f"{rec['ratio']:.2f}x, {rec['block_tflops']:.0f} TFLOP/s"
+                                      if block is not None else "failed"))
         if fp8:
-            block8 = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", 10, 3,
-                                         gemm_dtype="float8_e4m3fn")
-            rec.update(fp8_block_ms=None if block8 is None else block8 * 1e3)
-            if block8 is not None and block is not None:
-                rec.update(fp8_speedup=block / block8)
-        print(f"block {name}: " + (f"{rec['block_ms']:.2f} ms, roofline {rec['roofline_ms']:.2f} ms, "
-                                    f"{rec['ratio']:.2f}x, {rec['block_tflops']:.0f} TFLOP/s"
-                                    if block is not None else "failed")
-              + (f"; fp8 block {rec['fp8_block_ms']:.2f} ms ({rec.get('fp8_speedup', 0):.2f}x faster)"
-                 if rec.get("fp8_block_ms") is not None else " ; fp8 block failed" if fp8 else ""),
-              flush=True)
+            for key, cached in (("fp8_block", False), ("fp8_cached_block", True)):
+                block8 = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", *timing,
+                                             gemm_dtype="float8_e4m3fn", fp8_cached=cached,
+                                             sustain_s=sustain_s)
+                rec[f"{key}_ms"] = None if block8 is None else block8 * 1e3
+                if block8 is not None and block is not None:
+                    rec[key.replace("block", "speedup")] = block / block8
+                line += (f"; {key.replace('_', ' ')} {rec[f'{key}_ms']:.2f} ms "
+                         f"({rec.get(key.replace('block', 'speedup'), 0):.2f}x faster)"
+                         if block8 is not None else f"; {key.replace('_', ' ')} failed")
+        print(line, flush=True)
         records.append(rec)
     return records
 
@@ -363,6 +370,9 @@ def main(argv=None):
                              "fwd and vjp")
     parser.add_argument("--block", default="", help="after the sweep, time the expert block alone vs its "
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
+    parser.add_argument("--sustain", type=float, default=0.0,
+                        help="with --block: seconds of back-to-back calls before each timing (the clocks "
+                             "of sustained load; benchmarks.layer.best_of)")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
@@ -475,7 +485,7 @@ def main(argv=None):
     print(f"wrote {out_path}")
     if args.block:
         _tuned.cache_clear()  # the block reads the table just written
-        report += time_blocks(args.block.split(","), fp8=args.fp8)
+        report += time_blocks(args.block.split(","), fp8=args.fp8, sustain_s=args.sustain)
     if args.report:
         pathlib.Path(args.report).write_text(json.dumps(report, indent=1))
 
