@@ -486,3 +486,29 @@ def test_tune_gemm_block_timing_reports_bf16_and_both_fp8_blocks(monkeypatch, ca
         speedup = key.replace("block", "speedup")
         assert rec[f"{key}_ms"] > 0 and rec[speedup] == pytest.approx(rec["block_ms"] / rec[f"{key}_ms"])
     assert "fp8 cached block" in capsys.readouterr().out
+
+
+def test_fp8_bounds_variants_lower_for_cuda_and_restore_the_kernel():
+    """tools/fp8_bounds.py: every variant of the FP8 kernel's K step (patched into gemm_mgpu while traced)
+    lowers for CUDA here, forward and input gradient, and gemm_mgpu is itself again afterwards; a variant
+    name it does not know is refused."""
+    import importlib.util
+    import pathlib
+
+    from jax_ep import gemm_mgpu
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "fp8_bounds.py"
+    spec = importlib.util.spec_from_file_location("fp8_bounds", path)
+    bounds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bounds)
+    before = {n: getattr(gemm_mgpu, n) for n in ("_fp8_block_sum", "_promote", "_acc_zeros", "_write_tile",
+                                                  "lax")}
+    records = bounds.main(["--lower-only", "--small", "--shapes", "gate_up"])
+    assert [(r["pass_name"], r["variant"]) for r in records] == [
+        (p, v) for p in ("forward", "dx") for v in bounds.VARIANTS]
+    assert all(r.get("lowered") and "error" not in r for r in records), records
+    assert {n: getattr(gemm_mgpu, n) for n in before} == before
+    with pytest.raises(ValueError, match="variant must be one of"):
+        with bounds.variant("nope"):
+            pass
+    assert {n: getattr(gemm_mgpu, n) for n in before} == before
