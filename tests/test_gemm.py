@@ -490,8 +490,9 @@ def test_tune_gemm_block_timing_reports_bf16_and_both_fp8_blocks(monkeypatch, ca
 
 def test_fp8_bounds_variants_lower_for_cuda_and_restore_the_kernel():
     """tools/fp8_bounds.py: every variant of the FP8 kernel's K step (patched into gemm_mgpu while traced)
-    lowers for CUDA here, forward and input gradient, and gemm_mgpu is itself again afterwards; a variant
-    name it does not know is refused."""
+    lowers for CUDA here, forward and input gradient, each to a module of its own (not a trace cached from
+    another variant), and gemm_mgpu is itself again afterwards; a variant name it does not know is
+    refused."""
     import importlib.util
     import pathlib
 
@@ -506,7 +507,10 @@ def test_fp8_bounds_variants_lower_for_cuda_and_restore_the_kernel():
     records = bounds.main(["--lower-only", "--small", "--shapes", "gate_up"])
     assert [(r["pass_name"], r["variant"]) for r in records] == [
         (p, v) for p in ("forward", "dx") for v in bounds.VARIANTS]
-    assert all(r.get("lowered") and "error" not in r for r in records), records
+    assert all("error" not in r for r in records), records
+    for p in ("forward", "dx"):
+        modules = [r["lowered_sha1"] for r in records if r["pass_name"] == p]
+        assert len(set(modules)) == len(bounds.VARIANTS), modules
     assert {n: getattr(gemm_mgpu, n) for n in before} == before
     with pytest.raises(ValueError, match="variant must be one of"):
         with bounds.variant("nope"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import pathlib
 import sys
@@ -152,16 +153,20 @@ def run(shapes, passes, variants, *, lower_only: bool = False, small: bool = Fal
         rows = int(np.sum(np.asarray(gs)))
         for p in passes:
             form = tuned_entry(*(("dx_fp8", m, n, k, g) if p == "dx" else ("forward_fp8", m, k, n, g)))
-            if p == "forward":
-                args = (xq, xs, wq, wq_t, ws, gs)
-                fn = lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(  # noqa: E731
-                    xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)
-            else:
-                args = (dyq, dys, wq, ws, gs)
-                fn = lambda dyq, dys, wq, ws, gs, form=form: grouped_matmul_fp8(  # noqa: E731
-                    dyq, dys, wq, ws, gs, transpose_w=True, backend="mosaic_gpu", kernel=form)
+            args = (xq, xs, wq, wq_t, ws, gs) if p == "forward" else (dyq, dys, wq, ws, gs)
             reference = None
             for v in variants:
+                def fn(*args, p=p, form=form):
+                    """Defined per variant: jit caches a trace per function object, and the variant is
+                    patched in only while it is traced."""
+                    if p == "forward":
+                        xq, xs, wq, wq_t, ws, gs = args
+                        return grouped_matmul_fp8(xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu",
+                                                  kernel=form)
+                    dyq, dys, wq, ws, gs = args
+                    return grouped_matmul_fp8(dyq, dys, wq, ws, gs, transpose_w=True, backend="mosaic_gpu",
+                                              kernel=form)
+
                 rec = dict(op="fp8_bounds", shape=name, pass_name=p, variant=v, form=form, m=m, rows=real,
                            k=k, n=n, g=g, device=jax.devices()[0].device_kind, jax=jax.__version__,
                            date=datetime.date.today().isoformat())
@@ -171,7 +176,7 @@ def run(shapes, passes, variants, *, lower_only: bool = False, small: bool = Fal
                             lowering_platforms=("cuda",) if lower_only else None)
                         compiled = None if lower_only else lowered.compile()
                     if lower_only:
-                        rec["lowered"] = True
+                        rec["lowered_sha1"] = hashlib.sha1(lowered.as_text().encode()).hexdigest()
                     else:
                         t = best_of(compiled, *args, iters=10, repeats=3)
                         rec.update(ms=t * 1e3, tflops=2 * real * k * n / t / 1e12)
