@@ -34,7 +34,10 @@ events the profile does not tie to an HLO instruction with a scope count as "res
 step without XLA's command buffers (split_by_scope says why). ``device_step_ms`` is that profiled step's
 span on device 0 and ``ep_hidden_ms`` how much of the EP ops' device time ran beside other work (the
 device time summed over streams minus the span, at most the EP time; 0 when the exchanges run in
-series with the GEMMs): how much the overlap hides.
+series with the GEMMs): how much the overlap hides. ``--sustain S`` runs S seconds of back-to-back
+steps before each timing (and before the roofline's): the clocks a training job runs at, where a timing
+right after compiling catches a GPU below its power limit (an H200 settles 15-18% slower within about a
+second at its 700 W cap; ``best_of``); records carry ``sustain_s``.
 """
 
 from __future__ import annotations
