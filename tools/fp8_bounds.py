@@ -41,14 +41,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.layer import best_of, expert_group_sizes  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gemm_ncu import operands  # noqa: E402
+from tune_gemm import SHAPES as TUNED_SHAPES  # noqa: E402
+
+from benchmarks.layer import best_of  # noqa: E402
 from jax_ep import gemm_mgpu as mg  # noqa: E402
 from jax_ep.gemm import tuned_entry  # noqa: E402
 from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_gemm_rows, quantize_weight_blocks_both  # noqa: E402
 
 # (M incl. capacity padding, real rows, K, N, G, alignment): tools/tune_gemm.py's layer shapes
-SHAPES = {"gate_up": (73600, 32768, 7168, 4096, 128, 64), "down": (73600, 32768, 2048, 7168, 128, 64),
-          "mid_gate_up": (51200, 24576, 4096, 2816, 32, 64), "mid_down": (51200, 24576, 1408, 4096, 32, 64)}
+SHAPES = dict(zip(("gate_up", "down", "mid_gate_up", "mid_down"), TUNED_SHAPES["layers"], strict=True))
 VARIANTS = ("table", "reuse_acc", "no_promotion", "lagged", "lagged_pairs")
 EXACT = ("table", "lagged", "lagged_pairs")      # the variants that compute the kernel's results
 
@@ -141,12 +144,7 @@ def run(shapes, passes, variants, *, lower_only: bool = False, small: bool = Fal
         m, real, k, n, g, align = SHAPES[name]
         if small:
             m, real, g = 2048, 1024, 4
-        rng = np.random.default_rng(0)
-        gs = jnp.asarray(expert_group_sizes(real, g, rng, align=align))
-        keys = jax.random.split(jax.random.key(0), 3)
-        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-        w = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16) * k ** -0.5
-        dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+        x, w, dy, gs = operands(m, real, k, n, g, align)
         xq, xs = quantize_gemm_rows(x)
         dyq, dys = quantize_gemm_rows(dy)
         wq, wq_t, ws = jax.jit(quantize_weight_blocks_both)(w)

@@ -33,16 +33,22 @@ SHAPES = dict(zip(("gate_up", "down"), TUNED_SHAPES["dsv3"], strict=True))
 ORDER = ("forward bf16", "dx bf16", "dw bf16", "forward fp8", "dx fp8")
 
 
-def programs(m, real, k, n, g, align=64):
-    """(name, jitted function, arguments) in ORDER."""
-    from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_gemm_rows, quantize_weight_blocks_both
-
-    rng = np.random.default_rng(0)
-    gs = jnp.asarray(expert_group_sizes(real, g, rng, align=align))
+def operands(m, real, k, n, g, align=64):
+    """x [M, K], w [G, K, N], dy [M, N] (bf16, random, made on the device) and the group sizes: `real`
+    rows over g experts, each padded to `align` (benchmarks.layer.expert_group_sizes)."""
+    gs = jnp.asarray(expert_group_sizes(real, g, np.random.default_rng(0), align=align))
     key = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(key[0], (m, k), jnp.bfloat16)
     w = jax.random.normal(key[1], (g, k, n), jnp.bfloat16) * k ** -0.5
     dy = jax.random.normal(key[2], (m, n), jnp.bfloat16)
+    return x, w, dy, gs
+
+
+def programs(m, real, k, n, g, align=64):
+    """(name, jitted function, arguments) in ORDER."""
+    from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_gemm_rows, quantize_weight_blocks_both
+
+    x, w, dy, gs = operands(m, real, k, n, g, align)
     plans = {p: block_config(p, m, k, n, g) for p in ("forward", "dx", "dw")}
 
     def bf16(name):
