@@ -683,7 +683,7 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
                                  "(default: all that the platform runs, except the hierarchical ep_hier_*)")
         parser.add_argument("--sustain", default=0.0, type=_seconds,
                             help="seconds of back-to-back calls before each timing, so that it sees the "
-                                 "clocks of sustained load (an H200 at its power limit settles ~25%% below "
+                                 "clocks of sustained load (an H200 at its power limit settles 25-33%% below "
                                  "its boost clock within a second; default 0: a burst after compiling)")
     elif mode == "low_latency":
         parser.add_argument("--low-latency", action="store_true", required=True,
