@@ -656,8 +656,8 @@ def _names(known):
     return check
 
 
-def _seconds(value: str) -> float:
-    """An argparse type: a finite number of seconds >= 0."""
+def seconds_arg(value: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (--sustain here and in tools/tune_gemm.py)."""
     try:
         seconds = float(value)
     except ValueError:
@@ -681,7 +681,7 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
         parser.add_argument("--layer-configs", default=None, type=_names(list(bench_layer.CONFIGS)),
                             help=f"comma-separated layer configurations {list(bench_layer.CONFIGS)} "
                                  "(default: all that the platform runs, except the hierarchical ep_hier_*)")
-        parser.add_argument("--sustain", default=0.0, type=_seconds,
+        parser.add_argument("--sustain", default=0.0, type=seconds_arg,
                             help="seconds of back-to-back calls before each timing, so that it sees the "
                                  "clocks of sustained load (an H200 at its power limit settles 25-33%% below "
                                  "its boost clock within a second; default 0: a burst after compiling)")

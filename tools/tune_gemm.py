@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.layer import best_of as _best_of  # noqa: E402
 from benchmarks.layer import expert_group_sizes  # noqa: E402
+from benchmarks.ops import seconds_arg  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
 from jax_ep.gemm import GROUP_MAJOR, _tuned, tuned_entry  # noqa: E402
 
@@ -337,17 +338,19 @@ def time_blocks(names, fp8: bool = False, sustain_s: float = 0.0) -> list[dict]:
         line = (f"block {name}: " + (f"{rec['block_ms']:.2f} ms, roofline {rec['roofline_ms']:.2f} ms, "
                                       f"{rec['ratio']:.2f}x, {rec['block_tflops']:.0f} TFLOP/s"
                                       if block is not None else "failed"))
-        if fp8:
-            for key, cached in (("fp8_block", False), ("fp8_cached_block", True)):
+        if fp8:   # weights quantised in the step, then beforehand (MoE.quantize_weights)
+            for tag, cached in (("", False), ("_cached", True)):
                 block8 = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", *timing,
                                              gemm_dtype="float8_e4m3fn", fp8_cached=cached,
                                              sustain_s=sustain_s)
-                rec[f"{key}_ms"] = None if block8 is None else block8 * 1e3
-                if block8 is not None and block is not None:
-                    rec[key.replace("block", "speedup")] = block / block8
-                line += (f"; {key.replace('_', ' ')} {rec[f'{key}_ms']:.2f} ms "
-                         f"({rec.get(key.replace('block', 'speedup'), 0):.2f}x faster)"
-                         if block8 is not None else f"; {key.replace('_', ' ')} failed")
+                rec[f"fp8{tag}_block_ms"] = None if block8 is None else block8 * 1e3
+                if block8 is None:
+                    line += f"; fp8{tag.replace('_', ' ')} block failed"
+                    continue
+                if block is not None:
+                    rec[f"fp8{tag}_speedup"] = block / block8
+                line += (f"; fp8{tag.replace('_', ' ')} block {block8 * 1e3:.2f} ms"
+                         + (f" ({block / block8:.2f}x faster)" if block is not None else ""))
         print(line, flush=True)
         records.append(rec)
     return records
@@ -370,7 +373,7 @@ def main(argv=None):
                              "fwd and vjp")
     parser.add_argument("--block", default="", help="after the sweep, time the expert block alone vs its "
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
-    parser.add_argument("--sustain", type=float, default=0.0,
+    parser.add_argument("--sustain", type=seconds_arg, default=0.0,
                         help="with --block: seconds of back-to-back calls before each timing (the clocks "
                              "of sustained load; benchmarks.layer.best_of)")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
