@@ -43,45 +43,50 @@ from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
 
 BACKENDS = ("reference", "mosaic_gpu")
-# The Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring[, scales_smem]]]): per
-# shape the form tools/tune_gemm.py --fp8 measured fastest (gemm_configs.json passes forward_fp8 /
-# dx_fp8 / dw_fp8, read through gemm.tuned_entry), else KERNEL / CLASSIC_KERNEL below. Measured on one H200
-# (2026-11-29, tools/tune_gemm.py --fp8, DeepSeek-V3 and mid per-rank shapes): the warp-specialised
-# 64 x 256 form is 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it (two float32
-# tiles per consumer thread: the accumulator and the running sum). Its 256-wide tile needs N % 256 == 0;
-# other N (e.g. dx of a 1408-wide projection) take the one-consumer form (fp8_kernel_form). grid_minor
-# is the tile order: 0 strips of 4 row tiles, GROUP_MAJOR group by group, the default since it measured
-# 5-9% faster at DeepSeek-V3's gate|up forward and dx and down dx, the same at down forward (2026-11-29,
-# docs/benchmarks/h200_gemm_s20.json). DeepGEMM's overlap (a step's block sum promoted while the next
-# WGMMA runs; one more f32 tile per thread) measured 1.12-1.16x slower than the 64 x 256 form, and so
-# did two consumers stacked along M (128 x 256 and 128 x 128 CTA tiles, 20-40% fewer bytes per FLOP
-# from L2: 2.77 / 2.95 ms vs 2.57 forward at gate|up), so L2 -> SM bytes are not what bounds it. Neither
-# did the consumers issuing their K steps in turns (2-3% slower) nor a 5th K stage made room for by
-# output tiles in column halves (not faster) help (2026-12-01, docs/benchmarks/h200_gemm_s34.json).
+# The Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring[, scales_smem[,
+# lagged]]]]): per shape the form tools/tune_gemm.py --fp8 measured fastest (gemm_configs.json passes
+# forward_fp8 / dx_fp8 / dw_fp8, read through gemm.tuned_entry), else KERNEL / CLASSIC_KERNEL below.
+# Measured on one H200 (2026-11-29, tools/tune_gemm.py --fp8, DeepSeek-V3 and mid per-rank shapes): the
+# warp-specialised 64 x 256 form is 1.3-1.7x the one-consumer 64 x 128 form; 128 x 256 runs at a third of it
+# (two float32 tiles per consumer thread: the accumulator and the running sum). Its 256-wide tile needs N %
+# 256 == 0; other N (e.g. dx of a 1408-wide projection) take the one-consumer form (fp8_kernel_form).
+# grid_minor is the tile order: 0 strips of 4 row tiles, GROUP_MAJOR group by group, the default since it
+# measured 5-9% faster at DeepSeek-V3's gate|up forward and dx and down dx, the same at down forward
+# (2026-11-29, docs/benchmarks/h200_gemm_s20.json). DeepGEMM's overlap (a step's block sum promoted while
+# the next WGMMA runs; one more f32 tile per thread) measured 1.12-1.16x slower than the 64 x 256 form (one
+# K step per loop iteration; two per iteration, the lagged element, is faster), and so did two consumers
+# stacked along M (128 x 256 and 128 x 128 CTA tiles, 20-40% fewer bytes per FLOP from L2: 2.77 / 2.95 ms vs
+# 2.57 forward at gate|up), so L2 -> SM bytes are not what bounds it. Neither did the consumers issuing
+# their K steps in turns (2-3% slower) nor a 5th K stage made room for by output tiles in column halves (not
+# faster) help (2026-12-01, docs/benchmarks/h200_gemm_s34.json).
 KERNEL = (True, 64, 4, GROUP_MAJOR)
 CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tested) in this form
-# what tune_gemm.py --fp8 times; the last two: one ring of K-step buffers across tiles
-# (BlockConfig.ring), and the same with each K step's weight scales copied into the ring (scales_smem)
+# what tune_gemm.py --fp8 times; the last four: one ring of K-step buffers across tiles
+# (BlockConfig.ring), the same with each K step's weight scales copied into the ring (scales_smem), and
+# both with each block sum promoted under the next step's WGMMAs (lagged: gemm_mgpu.ragged_dot_fp8;
+# 3.5-4.5% faster on the DeepSeek-V3 passes, tools/fp8_bounds.py, H200, 2026-12-01)
 KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1),
-           (True, 64, 4, GROUP_MAJOR, 1, 1))
+           (True, 64, 4, GROUP_MAJOR, 1, 1), (True, 64, 4, GROUP_MAJOR, 1, 0, 1),
+           (True, 64, 4, GROUP_MAJOR, 1, 1, 1))
 
 
-def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool, bool]:
-    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring, scales_smem) for
-    N output columns: `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0, a 4-tuple
-    no ring, a 5-tuple the weight scales read from global memory), else KERNEL where its 256-wide tile
-    divides N, else CLASSIC_KERNEL (128-wide tiles)."""
+def fp8_kernel_form(n: int, kernel: tuple | None = None) -> tuple[bool, int, int, int, bool, bool, bool]:
+    """The Hopper FP8 kernel's form (warp_specialized, block_m, stages, grid_minor, ring, scales_smem,
+    lagged) for N output columns: `kernel` when given (checked; a 3-tuple takes the strips of grid_minor 0,
+    a 4-tuple no ring, a 5-tuple the weight scales read from global memory, a 6-tuple each block sum
+    promoted after its own wait), else KERNEL where its 256-wide tile divides N, else CLASSIC_KERNEL
+    (128-wide tiles)."""
     if kernel is None:
         kernel = KERNEL if n % (2 * FP8_BLOCK) == 0 else CLASSIC_KERNEL
-    warp_specialized, block_m, stages, grid_minor, ring, scales_smem = (*kernel, 0, 0, 0)[:6]
+    warp_specialized, block_m, stages, grid_minor, ring, scales_smem, lagged = (*kernel, 0, 0, 0, 0)[:7]
     width = 2 * FP8_BLOCK if warp_specialized else FP8_BLOCK
-    if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 6
+    if (n % width or block_m not in (64, 128) or grid_minor not in (0, GROUP_MAJOR) or len(kernel) > 7
             or ring not in (0, 1) or (ring and not warp_specialized) or scales_smem not in (0, 1)
-            or (scales_smem and not ring)):
+            or lagged not in (0, 1) or ((scales_smem or lagged) and not ring)):
         raise EPValueError(f"grouped_matmul_fp8: kernel {kernel} needs N % {width} == 0, block_m 64 or 128, "
-                           f"grid_minor 0 or {GROUP_MAJOR}, ring 0 or 1 (1 only warp-specialised) and "
-                           f"scales_smem 0 or 1 (1 only with the ring), got N={n}")
-    return warp_specialized, block_m, stages, grid_minor, bool(ring), bool(scales_smem)
+                           f"grid_minor 0 or {GROUP_MAJOR}, ring 0 or 1 (1 only warp-specialised), "
+                           f"scales_smem and lagged 0 or 1 (1 only with the ring), got N={n}")
+    return warp_specialized, block_m, stages, grid_minor, bool(ring), bool(scales_smem), bool(lagged)
 
 
 # rows per program of quantize_gemm_rows' kernel (the capacity buffers' rows are multiples of 64)
@@ -521,8 +526,8 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         the kernel reads FP8 operands K-major); computed from wq when None.
       backend: "reference" (dequantise, float32 ragged_dot; any platform) or "mosaic_gpu" (Hopper).
       kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring[,
-        scales_smem]]]); None:
-        the tuned form for this shape (gemm.tuned_entry), else fp8_kernel_form's default.
+        scales_smem[, lagged]]]]); None: the tuned form for this shape (gemm.tuned_entry), else
+        fp8_kernel_form's default.
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
@@ -554,11 +559,11 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     if kernel is None:   # the form tune_gemm.py --fp8 measured fastest at this shape, if any
         # the table's key is the [G, K, N] weight's (K, N): with transpose_w the contracted dimension is N
         kernel = tuned_entry(*(("dx_fp8", m, n, k, g) if transpose_w else ("forward_fp8", m, k, n, g)))
-    warp_specialized, block_m, stages, grid_minor, ring, scales_smem = fp8_kernel_form(n, kernel)
+    warp_specialized, block_m, stages, grid_minor, ring, scales_smem, lagged = fp8_kernel_form(n, kernel)
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m, zero_tail)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                               out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,
-                              ring=ring, scales_smem=scales_smem)
+                              ring=ring, scales_smem=scales_smem, lagged=lagged)
     return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 

@@ -426,7 +426,7 @@ def _ws_scope(allocations, o_smem):
 
 
 def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, delay: int, scratch,
-            acc_shape=None, init_acc=None):
+            acc_shape=None, init_acc=None, pairs: bool = False):
     """The body of a warp-specialised kernel whose K-step buffers form one ring across all of the CTA's
     tiles, instead of one pipeline per tile.
 
@@ -444,7 +444,10 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
     its value, init_acc() the first; mma returns the next; the FP8 kernels' promotion). delay: WGMMAs
     left in flight after a step (each step's slot is released once its MMA is done).
     epilogue(tile, acc, wg, scratch): write the tile (acc: the final sum; a tile of no K steps stores the
-    initial one, zeros). scratch: the consumers' own SMEM (the output tiles)."""
+    initial one, zeros). scratch: the consumers' own SMEM (the output tiles). pairs (with init_acc): the
+    consumers' K loop runs two steps per iteration (the odd one after), so that values a step carries to
+    the next (the lagged FP8 promotion's block sum) alternate between two register sets instead of being
+    copied back into one."""
     consumer_registers = int(min(256, (512 - _PRODUCER_REGISTERS) / wgs) // 8 * 8)
 
     @functools.partial(
@@ -491,7 +494,13 @@ def _k_ring(tiles, operands, load, mma, epilogue, *, stages: int, wgs: int, dela
                     else:
                         plgpu.barrier_arrive(empty.at[slot])
                     return s + 1, acc
-                end_step, acc = lax.fori_loop(0, tile.num_k, one, (step, acc))
+                if pairs:
+                    carry = lax.fori_loop(0, tile.num_k // 2, lambda j, c: one(2 * j + 1, one(2 * j, c)),
+                                          (step, acc))
+                    end_step, acc = lax.cond(tile.num_k % 2 == 1, lambda c: one(tile.num_k - 1, c),
+                                             lambda c: c, carry)
+                else:
+                    end_step, acc = lax.fori_loop(0, tile.num_k, one, (step, acc))
                 if delay:
                     plgpu.wgmma_wait(0)
 
@@ -797,7 +806,7 @@ def _promote(total, part, scale):
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
                    out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0,
-                   ring: bool = False, scales_smem: bool = False):
+                   ring: bool = False, scales_smem: bool = False, lagged: bool = False):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -813,13 +822,18 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     only): one ring of K-step buffers across the CTA's tiles (see BlockConfig). scales_smem (ring only):
     the producer copies each K step's row of weight scales into the ring beside the blocks, so the
     consumers read it from SMEM instead of global memory after their WGMMAs (ncu, session 32: ~10% of the
-    warps' stalls were that load)."""
+    warps' stalls were that load). lagged (ring only): each K step's block sum is promoted while the next
+    step's WGMMAs run (issued first, waited for after), the consumers' K loop two steps per iteration so
+    that the two block sums in flight sit in two register sets; the same sums in the same order, so the
+    same results bit for bit (H200, tools/fp8_bounds.py lagged_pairs: 3.5-4.5% faster on the four
+    DeepSeek-V3 FP8 passes, 2026-12-01; one step per iteration was 7-20% slower: 64 register moves copy
+    the carried block sum out of the accumulator's registers each step)."""
     assert warp_specialized or not ring, "the K ring is a warp-specialised form (gemm_fp8.fp8_kernel_form)"
-    assert ring or not scales_smem, "the weight scales ride in the K ring (gemm_fp8.fp8_kernel_form)"
+    assert ring or not (scales_smem or lagged), "scales_smem, lagged: K-ring forms (gemm_fp8.fp8_kernel_form)"
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                                   out_dtype=out_dtype, grid_minor=grid_minor, ring=ring,
-                                  scales_smem=scales_smem)
+                                  scales_smem=scales_smem, lagged=lagged)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -866,9 +880,10 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
 
 
 def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       grid_minor: int, ring: bool = False, scales_smem: bool = False):
+                       grid_minor: int, ring: bool = False, scales_smem: bool = False, lagged: bool = False):
     """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N; with `ring`, one
-    ring of K-step buffers across the CTA's tiles (_k_ring) instead of a pipeline per tile."""
+    ring of K-step buffers across the CTA's tiles (_k_ring) instead of a pipeline per tile; `lagged`: see
+    ragged_dot_fp8."""
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     wgs, bm, bn, bk = 2, block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -894,14 +909,33 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
             if scales_smem:
                 plgpu.copy_gmem_to_smem(ws_gmem.at[t.group, pl.ds(kk, 1)], blocks[3], barrier)
 
-        def mma(t, kk, blocks, total, wg):
-            part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
+        def scale(t, kk, blocks, wg):
             rows = plgpu.load(blocks[2], (0,), layout=plgpu.Layout.WGMMA.reduce(1))
             col = t.ni * wgs + wg
-            w_scale = blocks[3][0, col] if scales_smem else ws_gmem[t.group, kk, col]
-            return _promote(total, part, rows * w_scale)
+            return rows * (blocks[3][0, col] if scales_smem else ws_gmem[t.group, kk, col])
+
+        def mma(t, kk, blocks, total, wg):
+            part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn))
+            return _promote(total, part, scale(t, kk, blocks, wg))
+
+        def mma_lagged(t, kk, blocks, carry, wg):
+            # carry: the running sum, the previous step's block sum and its scale (zeros before the first)
+            total, last, last_scale = carry
+            step_scale = scale(t, kk, blocks, wg)
+
+            def block_sum(acc_ref):
+                plgpu.wgmma(acc_ref, blocks[0], plgpu.transpose_ref(blocks[1].at[pl.ds(wg * bn, bn)], (1, 0)))
+                return _promote(total, last, last_scale), acc_ref[...]   # promoted under the WGMMAs
+            total, part = pl.run_scoped(block_sum, plgpu.ACC((bm, bn), jnp.float32))
+            return total, part, step_scale
+
+        def lagged_zeros():
+            return (_acc_zeros(bm, bn), _acc_zeros(bm, bn),
+                    plgpu.layout_cast(jnp.zeros((bm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
         def epilogue(t, total, wg, o_smem):
+            if lagged:
+                total = _promote(*total)
             _write_tile(o_smem.at[wg], total)
             _store_rows(o_smem.at[wg], o_gmem, t.row0, schedule_gmem[_START, t.mi],
                         schedule_gmem[_SIZE, t.mi], ladder, pl.ds((t.ni * wgs + wg) * bn, bn), wait=False)
@@ -909,8 +943,9 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
         _k_ring(_row_ring_tiles(schedule_gmem, num_tiles_gmem, grid_n, grid_minor, 4, g, k // bk),
                 [((bm, bk), xq.dtype, tf), ((cta_n, bk), wq_t.dtype, tf), ((1, bm), xs_t.dtype, ()),
                  *([((1, ws_cols), ws.dtype, ())] if scales_smem else [])],
-                load, mma, epilogue, stages=stages, wgs=wgs, delay=0,
-                scratch=plgpu.SMEM((wgs, bm, bn), out_dtype), init_acc=lambda: _acc_zeros(bm, bn))
+                load, mma_lagged if lagged else mma, epilogue, stages=stages, wgs=wgs, delay=0,
+                scratch=plgpu.SMEM((wgs, bm, bn), out_dtype),
+                init_acc=lagged_zeros if lagged else lambda: _acc_zeros(bm, bn), pairs=lagged)
 
     if ring:
         kernel = _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), out_dtype))

@@ -424,14 +424,19 @@ def test_fp8_kernel_form_fits_the_output_width():
     from jax_ep.gemm import GROUP_MAJOR
     from jax_ep.gemm_fp8 import CLASSIC_KERNEL, KERNEL, fp8_kernel_form
 
-    assert fp8_kernel_form(4096) == (*KERNEL, False, False) == (True, 64, 4, GROUP_MAJOR, False, False)
-    assert fp8_kernel_form(1408) == (*CLASSIC_KERNEL, False, False) and not CLASSIC_KERNEL[0]
-    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3, 0, False, False)
-    assert fp8_kernel_form(4096, (True, 64, 4, GROUP_MAJOR, 1)) == (True, 64, 4, GROUP_MAJOR, True, False)
-    assert fp8_kernel_form(4096, (True, 64, 4, GROUP_MAJOR, 1, 1)) == (True, 64, 4, GROUP_MAJOR, True, True)
+    off = (False, False, False)
+    assert fp8_kernel_form(4096) == (*KERNEL, *off) == (True, 64, 4, GROUP_MAJOR, *off)
+    assert fp8_kernel_form(1408) == (*CLASSIC_KERNEL, *off) and not CLASSIC_KERNEL[0]
+    assert fp8_kernel_form(1408, (False, 128, 3)) == (False, 128, 3, 0, *off)
+    ring = (True, 64, 4, GROUP_MAJOR)
+    assert fp8_kernel_form(4096, (*ring, 1)) == (*ring, True, False, False)
+    assert fp8_kernel_form(4096, (*ring, 1, 1)) == (*ring, True, True, False)
+    assert fp8_kernel_form(4096, (*ring, 1, 0, 1)) == (*ring, True, False, True)
+    assert fp8_kernel_form(4096, (*ring, 1, 1, 1)) == (*ring, True, True, True)
     for n, bad in ((1408, KERNEL), (1408, (True, 64, 4)), (4096, (True, 64, 4, 1)), (4096, (True, 96, 4)),
                    (1408, (False, 64, 4, 0, 1)), (4096, (True, 64, 4, 0, 2)), (4096, (True, 64, 4, 0, 0, 1)),
-                   (4096, (True, 64, 4, 0, 1, 2)), (4096, (True, 64, 4, 0, 1, 1, 0))):
+                   (4096, (True, 64, 4, 0, 1, 2)), (4096, (True, 64, 4, 0, 0, 0, 1)),
+                   (4096, (True, 64, 4, 0, 1, 1, 2)), (4096, (True, 64, 4, 0, 1, 1, 1, 0))):
         with pytest.raises(EPValueError, match=r"kernel .* needs N % \d+ == 0, block_m 64 or 128, grid"):
             fp8_kernel_form(n, bad)
 
@@ -445,7 +450,7 @@ def test_tuned_fp8_form_is_what_the_kernel_runs(monkeypatch):
 
     m, k, n, g = 1024, 256, 512, 4
     ring = (True, 64, 4, GROUP_MAJOR, 1)
-    assert gemm_fp8.fp8_kernel_form(n, ring) == (True, 64, 4, GROUP_MAJOR, True, False)
+    assert gemm_fp8.fp8_kernel_form(n, ring) == (True, 64, 4, GROUP_MAJOR, True, False, False)
     monkeypatch.setattr(gemm, "_tuned", lambda: {("forward_fp8", m, k, n, g): ring,
                                                  ("dx_fp8", 4 * m, k, n, 2 * g): ring})
     xq = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)

@@ -257,8 +257,9 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     forms = {}     # run name -> the kernel form it timed (what the table's FP8 entries hold)
     for form in KERNELS:
         order = {(0,): "_strips", (GROUP_MAJOR,): "_group_major", (GROUP_MAJOR, 1): "_group_major_ring",
-                 (0, 1): "_strips_ring", (GROUP_MAJOR, 1, 1): "_group_major_ring_scales_smem"
-                 }.get(tuple(form[3:]), "")
+                 (0, 1): "_strips_ring", (GROUP_MAJOR, 1, 1): "_group_major_ring_scales_smem",
+                 (GROUP_MAJOR, 1, 0, 1): "_group_major_ring_lagged",
+                 (GROUP_MAJOR, 1, 1, 1): "_group_major_ring_scales_smem_lagged"}.get(tuple(form[3:]), "")
         tag = f"{'ws' if form[0] else 'classic'}{form[1]}{order}"
         forms[f"forward_fp8_{tag}"] = forms[f"dx_fp8_{tag}"] = list(form)
         runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(

@@ -493,9 +493,11 @@ def test_fp8_weight_gradient_kernel_matches_the_reference(case, fp8_rows, form):
 
 
 @pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2),
-                                    (True, 64, 4, 0, 1), (True, 64, 4, 2, 1), (True, 64, 4, 2, 1, 1)],
+                                    (True, 64, 4, 0, 1), (True, 64, 4, 2, 1), (True, 64, 4, 2, 1, 1),
+                                    (True, 64, 4, 2, 1, 0, 1), (True, 64, 4, 2, 1, 1, 1)],
                          ids=["classic64", "ws64", "ws128", "ws64_group_major", "ws64_ring",
-                              "ws64_group_major_ring", "ws64_gm_ring_scales_smem"])  # 3-tuple: strips
+                              "ws64_group_major_ring", "ws64_gm_ring_scales_smem", "ws64_gm_ring_lagged",
+                              "ws64_gm_ring_scales_smem_lagged"])  # 3-tuple: strips
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("case", ["random", "zeros", "huge"])
 def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
@@ -525,6 +527,39 @@ def test_fp8_kernel_matches_the_fp8_reference(case, transpose_w, kernel):
     assert got.dtype == jnp.bfloat16 and got.shape == ref.shape
     assert rel_err(got[:total], ref[:total]) < 1e-2
     assert np.all(np.asarray(got[total:], np.float32) == 0)
+
+
+@pytest.mark.parametrize("scales_smem", [0, 1])
+@pytest.mark.parametrize("k,n,transpose_w", [(384, 768, False), (512, 384, True), (1024, 512, False)],
+                         ids=["fwd_3_steps", "dx_3_steps", "fwd_8_steps"])
+def test_fp8_lagged_promotion_gives_the_same_bits(k, n, transpose_w, scales_smem):
+    """The lagged FP8 ring form (each block sum promoted under the next step's WGMMAs, two K steps per
+    loop iteration and the odd one after) adds the same products in the same order as the plain ring
+    form: bit for bit the same output, at odd and even K step counts, empty groups and NaN padding
+    included (padding rows zero)."""
+    from jax_ep.fp8 import quantize_fp8
+    from jax_ep.gemm_fp8 import grouped_matmul_fp8, quantize_weight_blocks
+
+    rng = np.random.default_rng(k + n + scales_smem)
+    m, g = 2048, 7
+    sizes = sizes_case(rng, "random", g, 1500)
+    sizes[3] = 0
+    total = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((m, n if transpose_w else k)) * rng.uniform(0.1, 10, (m, 1)),
+                    jnp.float32)
+    xq, xs = quantize_fp8(x)
+    xq, xs = xq.at[total:].set(jnp.nan), xs.at[total:].set(jnp.nan)
+    block_scale = np.exp2(rng.integers(-3, 4, (g, k // 128, n // 128)))
+    w = rng.standard_normal((g, k, n)) / np.sqrt(k) * np.kron(block_scale, np.ones((1, 128, 128)))
+    wq, ws = quantize_weight_blocks(jnp.asarray(w, jnp.float32))
+    gs = jnp.asarray(sizes)
+    outs = [jax.jit(lambda xq, xs, wq, ws, gs, form=form: grouped_matmul_fp8(
+        xq, xs, wq, ws, gs, transpose_w=transpose_w, backend="mosaic_gpu", kernel=form))(xq, xs, wq, ws, gs)
+        for form in ((True, 64, 4, 2, 1, scales_smem, 0), (True, 64, 4, 2, 1, scales_smem, 1))]
+    plain, lagged = (np.asarray(o, np.float32) for o in outs)
+    assert np.all(np.isfinite(plain[:total])) and np.any(plain[:total] != 0)
+    np.testing.assert_array_equal(lagged, plain)
+    assert np.all(lagged[total:] == 0)
 
 
 @pytest.mark.parametrize("live", [0, 1000, 36864])
