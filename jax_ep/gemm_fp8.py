@@ -64,7 +64,7 @@ CLASSIC_KERNEL = (False, 64, 4, 0)   # group-major not yet measured (nor GPU-tes
 # what tune_gemm.py --fp8 times; the last four: one ring of K-step buffers across tiles
 # (BlockConfig.ring), the same with each K step's weight scales copied into the ring (scales_smem), and
 # both with each block sum promoted under the next step's WGMMAs (lagged: gemm_mgpu.ragged_dot_fp8;
-# 3.5-4.5% faster on the DeepSeek-V3 passes, tools/fp8_bounds.py, H200, 2026-12-01)
+# 1.1-3.7% faster on the DeepSeek-V3 passes, means of three runs, tools/fp8_bounds.py, H200, 2026-12-01)
 KERNELS = (CLASSIC_KERNEL, KERNEL, (True, 64, 4, 0), (True, 128, 3), (True, 64, 4, GROUP_MAJOR, 1),
            (True, 64, 4, GROUP_MAJOR, 1, 1), (True, 64, 4, GROUP_MAJOR, 1, 0, 1),
            (True, 64, 4, GROUP_MAJOR, 1, 1, 1))

@@ -825,9 +825,9 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     warps' stalls were that load). lagged (ring only): each K step's block sum is promoted while the next
     step's WGMMAs run (issued first, waited for after), the consumers' K loop two steps per iteration so
     that the two block sums in flight sit in two register sets; the same sums in the same order, so the
-    same results bit for bit (H200, tools/fp8_bounds.py lagged_pairs: 3.5-4.5% faster on the four
-    DeepSeek-V3 FP8 passes, 2026-12-01; one step per iteration was 7-20% slower: 64 register moves copy
-    the carried block sum out of the accumulator's registers each step)."""
+    same results bit for bit (H200, tools/fp8_bounds.py, three runs on 2026-12-01: 1.1-3.7% faster on
+    average on the four DeepSeek-V3 FP8 passes; one step per iteration was 7-20% slower: 64 register
+    moves copy the carried block sum out of the accumulator's registers each step)."""
     assert warp_specialized or not ring, "the K ring is a warp-specialised form (gemm_fp8.fp8_kernel_form)"
     assert ring or not (scales_smem or lagged), "scales_smem, lagged: K-ring forms (gemm_fp8.fp8_kernel_form)"
     if warp_specialized:
