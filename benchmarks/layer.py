@@ -115,13 +115,19 @@ NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cac
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
 
 
-def best_of(fn, *args, iters: int, repeats: int, chain: bool = False, sustain_s: float = 0.0) -> float:
+def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
+            sustain_s: float | tuple[float, ...] = 0.0) -> float | tuple[float, ...]:
     """Best (over repeats) mean seconds per call of a chain of `iters` calls. ``chain``: each call takes
     the previous call's output as its first argument (a buffer ``fn`` donates and writes in place).
     ``sustain_s``: first run chains for this long, so that the timed ones see the clocks of sustained
     load rather than those of a short burst after an idle gap (an H200 at its 700 W limit settles at
     1335-1500 MHz within about a second, where a burst after compiling runs at up to 1980: the grouped
-    GEMMs measured 15-18% slower sustained, session 35)."""
+    GEMMs measured 15-18% slower sustained, session 35). A tuple of settings times the one compiled fn
+    at each in turn and returns one best per setting, e.g. (0, 2): right after compiling, then
+    sustained."""
+    if isinstance(sustain_s, tuple):
+        return tuple(best_of(fn, *args, iters=iters, repeats=repeats, chain=chain, sustain_s=s)
+                     for s in sustain_s)
     out = jax.block_until_ready(fn(*args))
 
     def chain_of(n):
@@ -155,8 +161,9 @@ def expert_group_sizes(rows: int, groups: int, rng, *, uniform: bool = False, al
 
 
 def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeats: int,
-                     sustain_s: float = 0.0) -> float:
-    """The expert GEMMs of one step as dense dots (gate|up, down; forward and backward) on one device."""
+                     sustain_s: float | tuple[float, ...] = 0.0) -> float | tuple[float, ...]:
+    """The expert GEMMs of one step as dense dots (gate|up, down; forward and backward) on one device
+    (``sustain_s``: best_of's; a tuple gives one time per setting)."""
     rng = np.random.default_rng(0)
     put = lambda shape, scale: jax.device_put(  # noqa: E731
         jnp.asarray(rng.standard_normal(shape) * scale, dtype), jax.devices()[0])
@@ -175,14 +182,14 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
 
 
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
-                        iters: int, repeats: int, gemm_dtype: str | None = None,
-                        fp8_cached: bool = False, sustain_s: float = 0.0) -> float | None:
+                        iters: int, repeats: int, gemm_dtype: str | None = None, fp8_cached: bool = False,
+                        sustain_s: float | tuple[float, ...] = 0.0) -> float | tuple[float, ...] | None:
     """The layer's expert block alone (gate|up GEMM, SwiGLU, down GEMM; forward and backward) on one
     device, on a dispatch-like buffer: `capacity` rows of which `rows` are spread over the local experts
     (mildly uneven), each expert padded to the alignment the layer asks of dispatch. `gemm_dtype` is the
     MoE layer's (None: bf16 GEMMs; "float8_e4m3fn": jax_ep.gemm_fp8.fp8_grouped_matmul as the layer uses
     it; ``fp8_cached``: with the weights quantised beforehand, MoE.quantize_weights' way). None if it fails
-    (e.g. lax.ragged_dot out of memory)."""
+    (e.g. lax.ragged_dot out of memory). ``sustain_s``: best_of's (a tuple gives one time per setting)."""
     from jax_ep.gemm import preferred_alignment
 
     rng = np.random.default_rng(0)

@@ -2,6 +2,7 @@
 errors, the implementation choice, and the Hopper kernel's tile schedule and forward kernel run in
 Mosaic GPU's interpret mode (the GPU tests cover the compiled kernels and the transposed passes)."""
 
+import argparse
 import dataclasses
 
 import jax
@@ -480,12 +481,23 @@ def test_tune_gemm_block_timing_reports_bf16_and_both_fp8_blocks(monkeypatch, ca
     monkeypatch.setattr(bench_layer, "best_of", lambda fn, *a, **k: sustained.append(k["sustain_s"]) or
                         real(fn, *a, **k))
     [rec] = tune.time_blocks(["tiny"], fp8=True, sustain_s=0.01)
-    assert sustained == [0.01] * 4           # roofline, bf16 block, FP8 block, FP8 block cached
+    # roofline, bf16 block, FP8 block, FP8 block cached: each called with the settings, then timed at each
+    assert sustained == [(0.01,), 0.01] * 4
     assert rec["sustain_s"] == 0.01 and rec["roofline_ms"] > 0 and rec["block_ms"] > 0
     for key in ("fp8_block", "fp8_cached_block"):
         speedup = key.replace("block", "speedup")
         assert rec[f"{key}_ms"] > 0 and rec[speedup] == pytest.approx(rec["block_ms"] / rec[f"{key}_ms"])
     assert "fp8 cached block" in capsys.readouterr().out
+    # several settings: each block compiled once and timed at each in turn, one record per setting
+    sustained.clear()
+    recs = tune.time_blocks(["tiny"], fp8=True, sustain_s=(0.0, 0.01))
+    assert sustained == [(0.0, 0.01), 0.0, 0.01] * 4
+    assert [r["sustain_s"] for r in recs] == [0.0, 0.01]
+    assert all(r["block_ms"] > 0 and r["fp8_cached_speedup"] > 0 for r in recs)
+    assert tune.sustain_settings("0,2") == (0.0, 2.0) and tune.sustain_settings("1.5") == (1.5,)
+    for bad in ("0,-1", "nan", "2,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="seconds >= 0"):
+            tune.sustain_settings(bad)
 
 
 def test_fp8_bounds_variants_lower_for_cuda_and_restore_the_kernel():

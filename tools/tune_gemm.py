@@ -313,47 +313,58 @@ def fp8_table_entries(rec: dict, device: str) -> list[dict]:
 BLOCKS = {"deepseek_ep2": (32768, 7168, 2048, 128, 73600), "mid_ep2": (24576, 4096, 1408, 32, 51200)}
 
 
-def time_blocks(names, fp8: bool = False, sustain_s: float = 0.0) -> list[dict]:
+def sustain_settings(value: str) -> tuple[float, ...]:
+    """--sustain's argparse type: comma-separated seconds, each finite and >= 0 (ops.seconds_arg)."""
+    return tuple(seconds_arg(v) for v in value.split(","))
+
+
+def time_blocks(names, fp8: bool = False, sustain_s: float | tuple[float, ...] = 0.0) -> list[dict]:
     """The expert block alone (gate|up grouped GEMM, SwiGLU, down grouped GEMM, forward and backward;
     benchmarks.layer.expert_gemm_seconds with gemm="auto", i.e. this table) next to its roofline (the
     same GEMM FLOPs as dense dots), one device, same run; with `fp8` also the block as
     MoE(gemm_dtype="float8_e4m3fn") runs it, with the weights quantised in the step (fp8_block_ms) and
     beforehand as MoE.quantize_weights does once per optimiser step (fp8_cached_block_ms; the layer's
     jax_ep_fp8_cached), each with its speed-up over the bf16 block. ``sustain_s``: each timing after
-    that long of back-to-back calls (benchmarks.layer.best_of)."""
+    that long of back-to-back calls (benchmarks.layer.best_of); several settings (a tuple, e.g. (0, 2))
+    time each compiled block at each in turn: one record per shape and setting."""
     from benchmarks.layer import expert_gemm_seconds, roofline_seconds
 
+    settings = sustain_s if isinstance(sustain_s, tuple) else (sustain_s,)
     records = []
     for name in names:
         rows, hidden, ffn, local, capacity = BLOCKS[name]
         timing = (10, 3)
-        roof = roofline_seconds(rows, hidden, ffn, jnp.bfloat16, *timing, sustain_s=sustain_s)
-        block = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", *timing, sustain_s=sustain_s)
+        # one compile per block, timed at every setting: tuples of seconds (None: the block failed)
+        roof = roofline_seconds(rows, hidden, ffn, jnp.bfloat16, *timing, sustain_s=settings)
+        block = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", *timing, sustain_s=settings)
+        fp8_blocks = {tag: expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", *timing,
+                                               gemm_dtype="float8_e4m3fn", fp8_cached=cached,
+                                               sustain_s=settings)
+                      for tag, cached in (("", False), ("_cached", True))} if fp8 else {}
         flops = 3 * (2 * rows * hidden * 2 * ffn + 2 * rows * ffn * hidden)   # forward + dx + dW
-        rec = dict(op="expert_block", shape=name, rows=rows, hidden=hidden, ffn=ffn, local_experts=local,
-                   capacity=capacity, roofline_ms=roof * 1e3, block_ms=None if block is None else block * 1e3,
-                   sustain_s=sustain_s, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   date=datetime.date.today().isoformat())
-        if block is not None:
-            rec.update(ratio=block / roof, block_tflops=flops / block / 1e12)
-        line = (f"block {name}: " + (f"{rec['block_ms']:.2f} ms, roofline {rec['roofline_ms']:.2f} ms, "
-                                      f"{rec['ratio']:.2f}x, {rec['block_tflops']:.0f} TFLOP/s"
-                                      if block is not None else "failed"))
-        if fp8:   # weights quantised in the step, then beforehand (MoE.quantize_weights)
-            for tag, cached in (("", False), ("_cached", True)):
-                block8 = expert_gemm_seconds(rows, hidden, ffn, local, capacity, "auto", *timing,
-                                             gemm_dtype="float8_e4m3fn", fp8_cached=cached,
-                                             sustain_s=sustain_s)
-                rec[f"fp8{tag}_block_ms"] = None if block8 is None else block8 * 1e3
-                if block8 is None:
+        for i, setting in enumerate(settings):
+            t = None if block is None else block[i]
+            rec = dict(op="expert_block", shape=name, rows=rows, hidden=hidden, ffn=ffn, local_experts=local,
+                       capacity=capacity, roofline_ms=roof[i] * 1e3, block_ms=None if t is None else t * 1e3,
+                       sustain_s=setting, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                       date=datetime.date.today().isoformat())
+            if t is not None:
+                rec.update(ratio=t / roof[i], block_tflops=flops / t / 1e12)
+            timed = (f"{rec['block_ms']:.2f} ms, roofline {rec['roofline_ms']:.2f} ms, {rec['ratio']:.2f}x, "
+                     f"{rec['block_tflops']:.0f} TFLOP/s") if t is not None else "failed"
+            line = f"block {name} (sustain {setting:g} s): {timed}"
+            for tag, times in fp8_blocks.items():   # weights quantised in the step, then beforehand
+                t8 = None if times is None else times[i]
+                rec[f"fp8{tag}_block_ms"] = None if t8 is None else t8 * 1e3
+                if t8 is None:
                     line += f"; fp8{tag.replace('_', ' ')} block failed"
                     continue
-                if block is not None:
-                    rec[f"fp8{tag}_speedup"] = block / block8
-                line += (f"; fp8{tag.replace('_', ' ')} block {block8 * 1e3:.2f} ms"
-                         + (f" ({block / block8:.2f}x faster)" if block is not None else ""))
-        print(line, flush=True)
-        records.append(rec)
+                if t is not None:
+                    rec[f"fp8{tag}_speedup"] = t / t8
+                line += (f"; fp8{tag.replace('_', ' ')} block {t8 * 1e3:.2f} ms"
+                         + (f" ({t / t8:.2f}x faster)" if t is not None else ""))
+            print(line, flush=True)
+            records.append(rec)
     return records
 
 
@@ -374,9 +385,10 @@ def main(argv=None):
                              "fwd and vjp")
     parser.add_argument("--block", default="", help="after the sweep, time the expert block alone vs its "
                         f"roofline at these comma-separated shapes ({', '.join(BLOCKS)})")
-    parser.add_argument("--sustain", type=seconds_arg, default=0.0,
+    parser.add_argument("--sustain", type=sustain_settings, default=(0.0,),
                         help="with --block: seconds of back-to-back calls before each timing (the clocks "
-                             "of sustained load; benchmarks.layer.best_of)")
+                             "of sustained load; benchmarks.layer.best_of); comma-separated settings (e.g. "
+                             "0,2) time each compiled block at each in turn")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernel (forward and dx forms) "
                         "beside the bf16 forward, per shape")
     parser.add_argument("--kernels", default="all",
