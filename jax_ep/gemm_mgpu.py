@@ -784,16 +784,17 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
 FP8_K_BLOCK = 128
 
 
-def _fp8_block_sum(a_smem, b_smem, b_block: tuple | None = None):
+def _fp8_block_sum(a_smem, b_smem, b_block: tuple | None = None, under=None):
     """One K step's float32 block sum a [bm, 128] . b [bn, 128]^T (both e4m3, K-major; b_block (i, bn):
     only b's i-th block of bn rows, e.g. this consumer's columns) in its own WGMMA accumulator: what the
-    FP8 kernels promote into their running sums."""
+    FP8 kernels promote into their running sums. ``under``: a function computed while the WGMMAs run
+    (after they are issued, before they are waited for); then (its value, the block sum)."""
     bn = b_smem.shape[0] if b_block is None else b_block[1]
 
     def mma(acc_ref):
         b_mine = b_smem if b_block is None else b_smem.at[pl.ds(b_block[0] * bn, bn)]
         plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_mine, (1, 0)))
-        return acc_ref[...]
+        return acc_ref[...] if under is None else (under(), acc_ref[...])
 
     return pl.run_scoped(mma, plgpu.ACC((a_smem.shape[0], bn), jnp.float32))
 
@@ -922,11 +923,8 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
             # carry: the running sum, the previous step's block sum and its scale (zeros before the first)
             total, last, last_scale = carry
             step_scale = scale(t, kk, blocks, wg)
-
-            def block_sum(acc_ref):
-                plgpu.wgmma(acc_ref, blocks[0], plgpu.transpose_ref(blocks[1].at[pl.ds(wg * bn, bn)], (1, 0)))
-                return _promote(total, last, last_scale), acc_ref[...]   # promoted under the WGMMAs
-            total, part = pl.run_scoped(block_sum, plgpu.ACC((bm, bn), jnp.float32))
+            total, part = _fp8_block_sum(blocks[0], blocks[1], (wg, bn),
+                                         under=lambda: _promote(total, last, last_scale))
             return total, part, step_scale
 
         def lagged_zeros():

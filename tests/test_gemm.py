@@ -514,7 +514,8 @@ def test_fp8_bounds_variants_lower_for_cuda_and_restore_the_kernel():
     spec = importlib.util.spec_from_file_location("fp8_bounds", path)
     bounds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bounds)
-    before = {n: getattr(gemm_mgpu, n) for n in ("_fp8_block_sum", "_promote", "_acc_zeros", "_write_tile")}
+    before = {n: getattr(gemm_mgpu, n) for n in ("_fp8_block_sum", "_promote", "_acc_zeros", "_write_tile",
+                                                  "_k_ring")}
     records = bounds.main(["--lower-only", "--small", "--shapes", "gate_up"])
     assert [(r["pass_name"], r["variant"]) for r in records] == [
         (p, v) for p in ("forward", "dx") for v in bounds.VARIANTS]

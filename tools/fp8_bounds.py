@@ -10,9 +10,9 @@ gemm_mgpu while the variant is traced, in the same run on one Hopper GPU:
                    of a zeroed accumulator (wrong results: timing only; what zeroing the accumulator costs)
     no_promotion   one running WGMMA accumulator across K and no scales, as the bf16 kernel (wrong
                    results: timing only; the kernel's bound without the promotion)
-    lagged         plain with step k-1's block sum promoted after step k's WGMMAs are issued, one step per
-                   loop iteration (bit for bit as table; 7-20% slower than plain on the H200: the carried
-                   block sum is copied out of the accumulator's registers each step)
+    lagged         the table's lag (gemm_mgpu.ragged_dot_fp8(lagged=True)) with one K step per loop
+                   iteration instead of two (bit for bit as table; 7-20% slower than plain on the H200: the
+                   carried block sum is copied out of the accumulator's registers each step)
 
     python tools/fp8_bounds.py [--shapes gate_up,down,mid_gate_up,mid_down] [--passes forward,dx]
                                [--variants table,plain,reuse_acc,no_promotion,lagged]
@@ -77,9 +77,10 @@ def variant(name: str):
     """gemm_mgpu with the K step of ``name`` (see the module docstring) while the body is traced."""
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
-    saved = {n: getattr(mg, n) for n in ("_fp8_block_sum", "_promote", "_acc_zeros", "_write_tile")}
-    promote, zeros, write = saved["_promote"], saved["_acc_zeros"], saved["_write_tile"]
-    if name not in ("table", "plain"):
+    patched = ("_fp8_block_sum", "_promote", "_acc_zeros", "_write_tile", "_k_ring")
+    saved = {n: getattr(mg, n) for n in patched}
+    promote, zeros, write, ring = (saved[n] for n in patched[1:])
+    if name in ("reuse_acc", "no_promotion"):
         mg._fp8_block_sum = _operands
     if name == "reuse_acc":
         def promote_reusing(carry, operands, scale):
@@ -91,25 +92,8 @@ def variant(name: str):
         mg._write_tile = lambda o, v: write(o, v[0] if isinstance(v, tuple) else v)
     elif name == "no_promotion":
         mg._promote = lambda total, operands, scale: _mma_into(total, operands)
-    elif name == "lagged":
-        def zeros_lagged(bm, bn):
-            return zeros(bm, bn), zeros(bm, bn), plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
-                                                                   plgpu.Layout.WGMMA.reduce(1))
-
-        def promote_lagged(carry, operands, scale):
-            total, last, last_scale = carry
-            a, b, block = operands
-            bn = b.shape[0] if block is None else block[1]
-
-            def mma(acc_ref):
-                mine = b if block is None else b.at[pl.ds(block[0] * bn, bn)]
-                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(mine, (1, 0)))
-                return promote(total, last, last_scale), acc_ref[...]   # under the WGMMAs just issued
-            total, part = pl.run_scoped(mma, plgpu.ACC((a.shape[0], bn), jnp.float32))
-            return total, part, scale
-        mg._acc_zeros = zeros_lagged
-        mg._promote = promote_lagged
-        mg._write_tile = lambda o, v: write(o, promote(*v) if isinstance(v, tuple) else v)
+    elif name == "lagged":    # the product's lag, its K loop one step per iteration
+        mg._k_ring = lambda *args, **kwargs: ring(*args, **{**kwargs, "pairs": False})
     try:
         yield
     finally:
@@ -117,9 +101,9 @@ def variant(name: str):
             setattr(mg, n, value)
 
 
-def plain(form) -> tuple:
-    """The FP8 kernel form without the lag (gemm_fp8.fp8_kernel_form's 7th element)."""
-    return tuple(form[:6]) + (0,) * (len(form) > 6)
+def lag(form, lagged: int = 1) -> tuple:
+    """The FP8 kernel form with (1) or without (0) the lag (gemm_fp8.fp8_kernel_form's 7th element)."""
+    return (*form[:6], *(0,) * (6 - len(form[:6])), lagged)
 
 
 def run(shapes, passes, variants, *, lower_only: bool = False, small: bool = False) -> list[dict]:
@@ -141,7 +125,9 @@ def run(shapes, passes, variants, *, lower_only: bool = False, small: bool = Fal
             args = (xq, xs, wq, wq_t, ws, gs) if p == "forward" else (dyq, dys, wq, ws, gs)
             reference = None
             for v in variants:
-                form = table_form if v == "table" or table_form is None else plain(table_form)
+                # table: as the table holds it; lagged: the lag; the others patch the form without it
+                form = (table_form if v == "table" or table_form is None
+                        else lag(table_form, int(v == "lagged")))
 
                 def fn(*args, p=p, form=form):
                     """Defined per variant: jit caches a trace per function object, and the variant is

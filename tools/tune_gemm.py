@@ -256,11 +256,11 @@ def time_fp8(shape, x, w, dy, gs, flops: float) -> dict:
     runs = {"forward_bf16": (jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs)), (x, w, gs))}
     forms = {}     # run name -> the kernel form it timed (what the table's FP8 entries hold)
     for form in KERNELS:
-        order = {(0,): "_strips", (GROUP_MAJOR,): "_group_major", (GROUP_MAJOR, 1): "_group_major_ring",
-                 (0, 1): "_strips_ring", (GROUP_MAJOR, 1, 1): "_group_major_ring_scales_smem",
-                 (GROUP_MAJOR, 1, 0, 1): "_group_major_ring_lagged",
-                 (GROUP_MAJOR, 1, 1, 1): "_group_major_ring_scales_smem_lagged"}.get(tuple(form[3:]), "")
-        tag = f"{'ws' if form[0] else 'classic'}{form[1]}{order}"
+        # the run's name from the form (gemm_fp8.fp8_kernel_form's elements; a 3-tuple names no order)
+        ring, scales_smem, lagged = (*form[4:], 0, 0, 0)[:3]
+        order = "" if len(form) < 4 else "_group_major" if form[3] == GROUP_MAJOR else "_strips"
+        tag = (f"{'ws' if form[0] else 'classic'}{form[1]}{order}"
+               + "_ring" * ring + "_scales_smem" * scales_smem + "_lagged" * lagged)
         forms[f"forward_fp8_{tag}"] = forms[f"dx_fp8_{tag}"] = list(form)
         runs[f"forward_fp8_{tag}"] = (jax.jit(lambda xq, xs, wq, wq_t, ws, gs, form=form: grouped_matmul_fp8(
             xq, xs, wq, ws, gs, wq_t=wq_t, backend="mosaic_gpu", kernel=form)), (xq, xs, wq, wq_t, ws, gs))
