@@ -23,7 +23,10 @@ GEMM), and ``jax_ep_fp8_bf16_wire`` is the cached form with a bfloat16 wire inst
 ``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
 with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs;
 ``jax_ep_dy_zeroed`` (only when named): the defaults with ``EPOptions(dy_in_place=False)`` (combine's
-backward writes every row of the receive buffer), beside ``jax_ep``.
+backward writes every row of the receive buffer), beside ``jax_ep``; ``jax_ep_gate_in_experts`` and
+``jax_ep_fp8_cached_gate_in_experts`` (only when named): ``EPOptions(gate_weights="experts")`` (the gate
+weights scale SwiGLU's rows, combine sums unweighted and its backward is a broadcast) with the bf16 and
+the cached FP8 GEMMs.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -108,11 +111,17 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "jax_ep_dy_zeroed": dict(backend="auto", gemm="auto", dy_in_place=False),
            # the defaults with XLA's SwiGLU over every row (MoE(swiglu_backend="xla")) instead of the
            # Triton kernels over the live rows that "auto" takes on Hopper: the same-run comparison
-           "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla")}
+           "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla"),
+           # the gate weights applied in the experts (EPOptions(gate_weights="experts"): SwiGLU scales each
+           # row, combine sums unweighted, its backward a broadcast), bf16 and cached FP8 GEMMs
+           "jax_ep_gate_in_experts": dict(backend="auto", gemm="auto", gate_weights="experts"),
+           "jax_ep_fp8_cached_gate_in_experts": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
+                                                     fp8_cached=True, gate_weights="experts")}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_fp8_bf16_wire", "jax_ep_chunks2",
-              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu")
+              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_experts",
+              "jax_ep_fp8_cached_gate_in_experts")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
@@ -295,8 +304,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
-                                     **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype")
-                                        if k in options}),
+                                     **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype",
+                                                                "gate_weights") if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, shared_ffn_hidden=shared_ffn,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
                        if k in options})

@@ -5,6 +5,8 @@
 //   receivers: zero the rows that hold no token of a linked source (src_index -1, or a source the
 //     call's mask does not link) and copy each token (own tokens straight from g, remote ones when
 //     their chunk flag arrives) to each of its receive rows (token_rows).
+// With keep_empty_rows (an unweighted combine's backward in place) the rows with no token keep what
+// the caller's aliased buffer holds there.
 // A work item is one slice of a chunk's rows (CommLayout::num_slices), except combine_bwd's
 // receivers: a row's dot product runs over the whole row in order, so they take whole rows (and
 // wait for every slice's flag), one slot of the chunk's tokens per item (K items a chunk).
@@ -35,7 +37,8 @@ struct BroadcastArgs : DataArgs {
   const char* y;
   const float* row_weights;
   float* d_row_weights;
-  bool empty_rows_from_y;  // out is y's buffer (combine_bwd in place): rows with no token keep y's
+  bool empty_rows_from_y;  // out already holds y (combine_bwd in place, broadcast keep_empty_rows):
+                           // rows with no token keep y's
 };
 
 template <bool kTma>
@@ -250,15 +253,17 @@ cudaError_t launch_broadcast_kernels(const GroupLaunch& g, const BroadcastArgs& 
 cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32_t* token_rows,
                              const bool* is_token_in_rank, const int32_t* src_index,
                              int32_t capacity, int32_t hidden, int32_t g_kind, bool use_tma,
-                             bool rank_major, void* out, cudaStream_t stream) {
+                             bool rank_major, bool keep_empty_rows, void* out,
+                             cudaStream_t stream) {
   const int32_t row_bytes = float_row_bytes(hidden, g_kind);
-  if (!group_launch_ok(g) || row_bytes == 0 || (rank_major ? g.num_topk != 1 : capacity < 1)) {
+  if (!group_launch_ok(g) || row_bytes == 0 || (rank_major ? g.num_topk != 1 : capacity < 1) ||
+      (rank_major && keep_empty_rows)) {
     return cudaErrorInvalidValue;
   }
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
                         is_token_in_rank, src_index, static_cast<char*>(out), capacity,
                         rank_major ? kOpBroadcastRankMajor : kOpBroadcast, nullptr, nullptr,
-                        nullptr, false};
+                        nullptr, keep_empty_rows};
   return launch_broadcast_kernels<Rows::kCopy>(g, a, hidden, g_kind, use_tma, stream);
 }
 

@@ -17,10 +17,13 @@ namespace jax_ep {
 // rank_major (broadcast_rank_major): g.num_topk = 1, token_rows the slot -> row table of the
 // handle (launch_rank_major_rows in combine.h), capacity = R * T (may be 0); a timeout names
 // broadcast_rank_major.
+// keep_empty_rows (not with rank_major): out already holds the caller's rows (a buffer aliased in,
+// as combine_bwd's in place): the rows with src_index -1 keep them instead of being zeroed, so only
+// the token rows (and a masked source's) are written: an unweighted combine's backward in place.
 cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32_t* token_rows,
                              const bool* is_token_in_rank, const int32_t* src_index,
                              int32_t capacity, int32_t hidden, int32_t g_kind, bool use_tma,
-                             bool rank_major, void* out, cudaStream_t stream);
+                             bool rank_major, bool keep_empty_rows, void* out, cudaStream_t stream);
 
 // combine's backward in one kernel (jax_ep.reference.combine_bwd): for every row of a token (s, t)
 // as broadcast places it, with g = the token's cotangent row (moved as the broadcast moves it):

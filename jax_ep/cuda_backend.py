@@ -439,20 +439,25 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     return _vary_all(result, axis, y, *handle)
 
 
-def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
-              ) -> jax.Array:
+def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None,
+              into: jax.Array | None = None) -> jax.Array:
     """``jax_ep.reference.broadcast`` (dispatch through a known handle, no weights; rows no token
-    landed on are zero) on NVLink kernels. Per-rank view."""
+    landed on are zero, or into's) on NVLink kernels. into: written in place (aliased: the kernel
+    sees one buffer), so that only the token rows are written. Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     out = types.broadcast_types(g, handle)
     tokens, hidden = g.shape
     rank, group, axis_slot = _group_of(axis)
+    # (no rows to keep: a [0, H] operand, which the handler reads as "zero the rows with no token")
+    kept = jnp.zeros((0, hidden), g.dtype) if into is None else into
     result = _call("broadcast", out, g, handle.token_rows, handle.is_token_in_rank, handle.src_index,
-                   _mask_operand(rank_mask, ep_size), rank, group, stream=cfg.kernel.async_stream,
+                   kept, _mask_operand(rank_mask, ep_size), rank, group, stream=cfg.kernel.async_stream,
+                   aliases=None if into is None else {4: 0},
                    **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0]))
-    return _vary_all(result, axis, g, handle.token_rows, handle.src_index)
+    return _vary_all(result, axis, g, handle.token_rows, handle.src_index,
+                     *(() if into is None else (into,)))
 
 
 def combine_bwd(g: jax.Array, y: jax.Array, handle: types.Handle, cfg: EPConfig,

@@ -71,7 +71,8 @@ SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_ex
 # EPOptions' fields are EPConfig's (same kinds), but expert_alignment may be None (chosen by the layer).
 EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
                                                                  "checked")},
-                    "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool"}
+                    "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool",
+                    "gate_weights": ("combine", "experts")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,13 @@ class EPOptions:
         the bytes it saves at the worst-case capacity; against False (``benchmarks --layer``, config
         ``jax_ep_dy_zeroed``) a tie on 2 H200s (2026-11-29: DeepSeek-V3 step 22.30 / 22.34 and 22.60 /
         22.79 ms, mid 6.75 / 6.34 and 6.46 / 6.46; docs/benchmarks.md, session 25).
+      gate_weights: where the throughput path applies the gate weights. "combine" (default): combine sums
+        each token's expert outputs weighted, and its backward reads the outputs again for the weights'
+        gradient. "experts": each row's SwiGLU output is scaled by its weight before the down GEMM
+        (``expert_block(row_weights=...)``; linear, so the same function, rounded at another place), combine
+        sums the rows unweighted and its backward is a plain broadcast (in place with ``dy_in_place``),
+        the weights' gradient a row dot product inside SwiGLU's backward, which reads those rows anyway.
+        Flat exchange only (not with ``node_axis``).
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked``
@@ -124,6 +132,7 @@ class EPOptions:
     kernel: KernelConfig = KernelConfig()
     chunks: int = 1
     dy_in_place: bool = True
+    gate_weights: str = "combine"
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)
@@ -702,6 +711,10 @@ class MoE(nnx.Module):
         """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
         chunk i+1 dispatched before chunk i's experts run."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
+        in_experts = self.ep.gate_weights == "experts"
+        if in_experts and self.node_axis is not None:
+            raise EPValueError("MoE: EPOptions(gate_weights='experts') is built for the flat exchange only; "
+                               f"with node_axis={self.node_axis!r} use gate_weights='combine'")
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
                     else _HierarchicalExchange(cfg, self.node_axis))
 
@@ -719,8 +732,11 @@ class MoE(nnx.Module):
                 y = expert_block(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
                                  d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
                                  fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad,
-                                 swiglu_backend=self.swiglu_backend, rows_fp8=rows_fp8)
+                                 swiglu_backend=self.swiglu_backend, rows_fp8=rows_fp8,
+                                 row_weights=d.handle.row_weights if in_experts else None)
             with jax.named_scope(SCOPES["combine"]):
+                if in_experts:
+                    return exchange.combine(y.astype(x.dtype), d.handle, weighted=False)
                 return exchange.combine(y.astype(x.dtype), d.handle)
 
         sent, outs = [send(0)], []
@@ -789,11 +805,12 @@ class _FlatExchange:
         d = dispatch(x, topk_idx, topk_weights, self.cfg, rank_mask=self.rank_mask)
         return d, d.x.astype(x.dtype)
 
-    def combine(self, y, handle):
+    def combine(self, y, handle, weighted=True):
         # y is zero in the alignment padding (dispatch zeroes it, and every expert maps zero rows to
         # zero rows); its rows past the groups are unspecified, and their gradient (y's rows, handed
         # back by combine's backward) reaches only the down GEMM's backward, which skips them
-        return combine(y, handle, self.cfg, rank_mask=self.rank_mask, empty_rows_zero=self.dy_in_place)
+        return combine(y, handle, self.cfg, rank_mask=self.rank_mask, empty_rows_zero=self.dy_in_place,
+                       weighted=weighted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -817,8 +834,8 @@ class _HierarchicalExchange:
 def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
                  gemm: str = "auto", gemm_dtype: str | None = None,
                  fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False,
-                 swiglu_backend: str = "auto", rows_fp8: tuple[jax.Array, jax.Array] | None = None
-                 ) -> jax.Array:
+                 swiglu_backend: str = "auto", rows_fp8: tuple[jax.Array, jax.Array] | None = None,
+                 row_weights: jax.Array | None = None) -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
@@ -833,14 +850,18 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     ``swiglu_backend``: ``jax_ep.swiglu``'s ("pallas": only the rows that hold rows;
     "auto": ``jax_ep.swiglu.choose``). ``rows_fp8``: with the FP8 GEMMs, ``rows`` already quantised
     (e4m3 [M, H], float32 scales [M, H/128]: an FP8 dispatch's), which the gate|up GEMM multiplies as they
-    are (``fp8_grouped_matmul``'s ``x_fp8``); ``rows`` then carries their gradient only."""
+    are (``fp8_grouped_matmul``'s ``x_fp8``); ``rows`` then carries their gradient only. ``row_weights``:
+    None, or float32 [M] (dispatch's ``handle.row_weights``, differentiable): each row's SwiGLU output scaled
+    by it before the down GEMM, so that the output rows come gate-weighted (``EPOptions.gate_weights``;
+    zero in the alignment padding, whose weight is 0)."""
     if rows_fp8 is not None and gemm_dtype is None:
         raise EPValueError("expert_block: rows_fp8 needs gemm_dtype='float8_e4m3fn'")
     # "auto" takes the SwiGLU kernels with the FP8 GEMMs too (the same bf16 buffers as with the bf16
     # ones): the rows they leave unwritten (past the live rows' blocks) reach no sum there either: the
     # Hopper FP8 kernels and their live-row quantiser never read them, XLA's quantisation is row by row,
     # quantize_rows_t masks them, and the weight gradients skip rows past the groups
-    activate = functools.partial(swiglu, live_rows=jnp.sum(group_sizes), backend=swiglu_backend)
+    activate = functools.partial(swiglu, live_rows=jnp.sum(group_sizes), backend=swiglu_backend,
+                                 row_scale=row_weights)
     if gemm_dtype is None:
         if fp8_weights is not None or fp8_weight_grad:
             raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "

@@ -240,7 +240,7 @@ def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with
 
 
 def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None, *,
-            empty_rows_zero: bool = False) -> jax.Array:
+            empty_rows_zero: bool = False, weighted: bool = True) -> jax.Array:
     """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
     y ([C, H] -> [T, H]). rank_mask (as for dispatch; pass the dispatch's): an active source takes
     partial sums from the active ranks only, a masked one from itself only; what a rank ignores
@@ -250,13 +250,17 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     The caller states that y is zero in every such row that y's producer reads back from d y: the
     alignment padding, and the rows past the groups unless the producer's backward skips them, as an
     expert block's GEMMs do (``jax_ep.moe.expert_block``: they leave those rows of y unwritten). Wrong
-    otherwise (those rows of d y are y's)."""
-    if not isinstance(empty_rows_zero, bool):
-        raise EPTypeError(f"combine: empty_rows_zero must be a bool, got {empty_rows_zero!r}")
+    otherwise (those rows of d y are y's).
+    weighted=False: the plain sum of each token's rows (the gate weights applied before, e.g. in the
+    experts: ``expert_block(row_weights=...)``); the gradient of y is then a ``broadcast`` of the output's
+    (in place with empty_rows_zero: the token rows written, nothing read), handle.row_weights gets none."""
+    for name, flag in (("empty_rows_zero", empty_rows_zero), ("weighted", weighted)):
+        if not isinstance(flag, bool):
+            raise EPTypeError(f"combine: {name} must be a bool, got {flag!r}")
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
     rank_mask = check_rank_mask(rank_mask, size, "combine")
-    return _combine(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg, empty_rows_zero)
+    return _combine(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg, empty_rows_zero, weighted)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
@@ -318,23 +322,30 @@ def _dispatch_transpose(cfg, residuals, d_rows, d_row_weights):
 
 
 # ---- combine: custom_vjp --------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _combine(y, handle, rank_mask, cfg, empty_rows_zero):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
+    if not weighted:  # (y * 1.0 is exact: the plain sum of each token's rows)
+        handle = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
     return implementation("combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
 
 
-def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero):
-    return _combine(y, handle, rank_mask, cfg, empty_rows_zero), (y, handle, rank_mask)
+def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
+    return _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted), (y, handle, rank_mask)
 
 
-def _combine_bwd(cfg, empty_rows_zero, residuals, g):
+def _combine_bwd(cfg, empty_rows_zero, weighted, residuals, g):
     y, handle, rank_mask = residuals
-    # The kernel: g moved, y read and d y written once. Otherwise the whole reference backward, its
-    # broadcast included even where the broadcast kernel is faster alone: XLA fuses the reference's
-    # gather into the rows' products, while a kernel's [C, H] rows must be written and read back
-    # (2x H200, DeepSeek-V3 layer: 2 ms more per step with the kernel there, docs/benchmarks.md).
-    dy, d_row_weights = implementation("combine_bwd", cfg, y.dtype)(g, y, handle, cfg, rank_mask=rank_mask,
-                                                                      empty_rows_from_y=empty_rows_zero)
+    if weighted:
+        # The kernel: g moved, y read and d y written once. Otherwise the whole reference backward, its
+        # broadcast included even where the broadcast kernel is faster alone: XLA fuses the reference's
+        # gather into the rows' products, while a kernel's [C, H] rows must be written and read back
+        # (2x H200, DeepSeek-V3 layer: 2 ms more per step with the kernel there, docs/benchmarks.md).
+        dy, d_row_weights = implementation("combine_bwd", cfg, y.dtype)(
+            g, y, handle, cfg, rank_mask=rank_mask, empty_rows_from_y=empty_rows_zero)
+    else:  # dispatch's bytes: g moved, the token rows written, y not read
+        dy = implementation("broadcast", cfg, y.dtype)(g.astype(y.dtype), handle, cfg, rank_mask=rank_mask,
+                                                       into=y if empty_rows_zero else None)
+        d_row_weights = jnp.zeros_like(handle.row_weights)
     d_handle = types.Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                             float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)

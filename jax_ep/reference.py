@@ -231,16 +231,20 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     return _sum_returned(partial.astype(y.dtype).reshape(ep_size, num_tokens, y.shape[1]), cfg, rank_mask)
 
 
-def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
-              ) -> jax.Array:
+def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None,
+              into: jax.Array | None = None) -> jax.Array:
     """Send each token's row to the ranks it was dispatched to and place it on its receive rows
     (dispatch with a known handle; no gate weights). Empty rows are zero; with rank_mask, so are
-    the rows whose source is not linked to this rank (``routing.linked``)."""
+    the rows whose source is not linked to this rank (``routing.linked``). into ([C, H] of g's dtype,
+    or None): the rows with no token (src_index -1) are into's instead of zero (the CUDA kernel then
+    writes into into's buffer: an unweighted combine's backward in place, ``combine(weighted=False,
+    empty_rows_zero=True)``)."""
     to_rank = handle.is_token_in_rank.T
     if rank_mask is not None:
         to_rank = to_rank & routing.linked(rank_mask, cfg.axis_name)[:, None]
     recv = _all_to_all(jnp.where(to_rank[:, :, None], g[None], 0), cfg.axis_name)
-    return take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
+    rows = take_rows(recv.reshape(-1, g.shape[1]), handle.src_index)
+    return rows if into is None else jnp.where((handle.src_index < 0)[:, None], into, rows)
 
 
 # The float32 dot product of a row in the kernels' order (cuda/broadcast.cu, combine_bwd): a warp walks

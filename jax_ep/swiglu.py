@@ -51,24 +51,33 @@ TILING = Tiling()
 
 
 def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", interpret: bool = False,
-           tiling: Tiling = TILING) -> jax.Array:
+           tiling: Tiling = TILING, row_scale: jax.Array | None = None) -> jax.Array:
     """[M, 2F] gate|up (gate columns first) -> [M, F] ``silu(gate) * up``.
 
     live_rows: int32 scalar, the rows that hold rows (``sum(group_sizes)``); the kernels leave the rows
     from the first row block (``tiling.rows``) at or past it unwritten in the result and in the gradient
     (``"xla"`` computes every row); ``backend="auto"``: see ``choose``. ``interpret``: run the Pallas
-    kernels in interpret mode (CPU tests).
+    kernels in interpret mode (CPU tests). ``row_scale``: None, or float32 [M], each row's result
+    multiplied by it before the one rounding (the MoE layer's gate weights applied in the experts:
+    ``EPOptions.gate_weights="experts"``), differentiable too: its gradient is the row's float32 dot
+    product of ``silu(gate) * up`` and the result's cotangent (the kernels: per column block, summed).
     Differentiable in gate_up. ``tiling``: the kernels' blocks (``TILING``, tuned on an H200)."""
     check_option("swiglu:", "backend", backend, BACKENDS)
     m, width = gate_up.shape
     if width % 2:
         raise EPValueError(f"swiglu: gate_up must have an even width (gate and up side by side), got "
                            f"{gate_up.shape}")
+    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+        raise EPValueError(f"swiglu: row_scale must be float32 [{m}] (one per row of gate_up), got "
+                           f"{row_scale.dtype} {row_scale.shape}")
     if backend == "auto":
         backend = choose(gate_up.shape, tiling)[0]
     if backend == "xla":
         gate, up = jnp.split(gate_up, 2, axis=1)
-        return jax.nn.silu(gate) * up
+        if row_scale is None:
+            return jax.nn.silu(gate) * up
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the kernels' arithmetic)
+        return (jax.nn.silu(f32(gate)) * f32(up) * row_scale[:, None]).astype(gate_up.dtype)
     if not interpret and jax.default_backend() != "gpu":
         raise EPValueError(f"swiglu: backend='pallas' runs Triton kernels on a GPU; the default platform is "
                            f"{jax.default_backend()!r} (use backend='xla')")
@@ -76,7 +85,9 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
     if reason:
         raise EPValueError(f"swiglu: backend='pallas' cannot take gate_up {gate_up.shape}: {reason}")
     live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
-    return _swiglu(*vary_jointly(gate_up, live), interpret, tiling)
+    if row_scale is None:
+        return _swiglu(*vary_jointly(gate_up, live), interpret, tiling)
+    return _swiglu_scaled(*vary_jointly(gate_up, row_scale, live), interpret, tiling)
 
 
 def choose(shape, tiling: Tiling = TILING) -> tuple[str, str]:
@@ -133,6 +144,27 @@ def _swiglu_bwd(interpret, tiling, residuals, dh):
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _swiglu_scaled(gate_up, row_scale, live, interpret, tiling):
+    return _forward(gate_up, live, interpret, tiling, row_scale)
+
+
+def _swiglu_scaled_fwd(gate_up, row_scale, live, interpret, tiling):
+    return _forward(gate_up, live, interpret, tiling, row_scale), (gate_up, row_scale, live)
+
+
+def _swiglu_scaled_bwd(interpret, tiling, residuals, dh):
+    gate_up, row_scale, live = residuals
+    gate_up, row_scale, live, dh = vary_jointly(gate_up, row_scale, live, dh.astype(gate_up.dtype))
+    d_gate_up, partial_dots = _backward(gate_up, live, dh, interpret, tiling, row_scale)
+    # per row, its column blocks' partial dot products (rows past the live blocks: unwritten, as
+    # d gate_up's there; nothing reads a gate weight's gradient there)
+    return d_gate_up, jnp.sum(partial_dots, axis=0), None
+
+
+_swiglu_scaled.defvjp(_swiglu_scaled_fwd, _swiglu_scaled_bwd)
+
+
 def _specs(f: int, tiling: Tiling):
     """The kernels' grid and blocks over gate_up [M, 2F] as it is (gate columns, then up): column block
     j of gate is block j, of up block nb + j (nb = F / cols). The backward's grid runs over 2 nb column
@@ -150,49 +182,76 @@ def _specs(f: int, tiling: Tiling):
     return nb, live, gate, up, out
 
 
-def _forward(gate_up, live, interpret, tiling):
+def _forward(gate_up, live, interpret, tiling, row_scale=None):
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
     nb, live_spec, gate, up, out = _specs(f, tiling)
     rows = tiling.rows
+    scaled = row_scale is not None
 
-    def kernel(live_ref, g_ref, u_ref, h_ref):
+    def kernel(live_ref, g_ref, u_ref, *refs):
+        w_ref, h_ref = refs if scaled else (None, *refs)
+
         @pl.when(pl.program_id(0) * rows < live_ref[0])
         def _():
             g = g_ref[...].astype(jnp.float32)
-            h_ref[...] = (g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
+            h = g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)
+            if scaled:
+                h = h * w_ref[...][:, None]
+            h_ref[...] = h.astype(h_ref.dtype)
 
-    return pl.pallas_call(kernel, grid=(m // rows, nb), in_specs=[live_spec, gate, up], out_specs=out,
+    in_specs = [live_spec, gate, up] + ([pl.BlockSpec((rows,), lambda i, j: (i,))] if scaled else [])
+    return pl.pallas_call(kernel, grid=(m // rows, nb), in_specs=in_specs, out_specs=out,
                           out_shape=shape_like((m, f), gate_up.dtype, gate_up), interpret=interpret,
                           compiler_params=_triton_params(tiling), name="jax_ep_swiglu"
-                          )(live, gate_up, gate_up)
+                          )(live, gate_up, gate_up, *([row_scale] if scaled else []))
 
 
-def _backward(gate_up, live, dh, interpret, tiling):
+def _backward(gate_up, live, dh, interpret, tiling, row_scale=None):
+    """d gate_up [M, 2F]; with row_scale also the partial dot products [nb, M] float32 of the rows'
+    ``silu(gate) * up`` and dh, one per column block (written by the d gate programs, which read both)."""
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
     nb, live_spec, gate, up, out = _specs(f, tiling)
     rows = tiling.rows
+    scaled = row_scale is not None
     f32 = lambda ref: ref[...].astype(jnp.float32)  # noqa: E731
 
-    def kernel(live_ref, g_ref, u_ref, dh_ref, dgu_ref):
+    def kernel(live_ref, g_ref, u_ref, dh_ref, *refs):
+        w_ref, dgu_ref, dots_ref = refs if scaled else (None, *refs, None)
         in_live = pl.program_id(0) * rows < live_ref[0]
         is_gate = pl.program_id(1) < nb
 
+        def d_h():  # the cotangent of silu(g) * u
+            return f32(dh_ref) * w_ref[...][:, None] if scaled else f32(dh_ref)
+
         @pl.when(in_live & is_gate)
         def _():
-            g = f32(g_ref)
+            g, u = f32(g_ref), f32(u_ref)
             s = jax.nn.sigmoid(g)
-            dgu_ref[...] = (f32(dh_ref) * f32(u_ref) * (s * (1.0 + g * (1.0 - s)))).astype(dgu_ref.dtype)
+            dgu_ref[...] = (d_h() * u * (s * (1.0 + g * (1.0 - s)))).astype(dgu_ref.dtype)
+            if scaled:
+                dots_ref[...] = jnp.sum(g * s * u * f32(dh_ref), axis=1)
 
         @pl.when(in_live & jnp.logical_not(is_gate))
         def _():
             g = f32(g_ref)
-            dgu_ref[...] = (f32(dh_ref) * (g * jax.nn.sigmoid(g))).astype(dgu_ref.dtype)
+            dgu_ref[...] = (d_h() * (g * jax.nn.sigmoid(g))).astype(dgu_ref.dtype)
 
-    return pl.pallas_call(kernel, grid=(m // rows, 2 * nb), in_specs=[live_spec, gate, up, gate],
-                          out_specs=out, out_shape=shape_like((m, 2 * f), gate_up.dtype, gate_up),
-                          interpret=interpret, compiler_params=_triton_params(tiling),
-                          name="jax_ep_swiglu_bwd")(live, gate_up, gate_up, dh)
+    in_specs = [live_spec, gate, up, gate]
+    out_specs, out_shape = out, shape_like((m, 2 * f), gate_up.dtype, gate_up)
+    if scaled:
+        blocks = m // rows   # the d gate program (i, j) writes block j of row block i's dots
+        in_specs.append(pl.BlockSpec((rows,), lambda i, j: (i,)))
+        out_specs = [out, pl.BlockSpec((rows,), lambda i, j: ((j % nb) * blocks + i,))]
+        out_shape = [out_shape, shape_like((nb * m,), jnp.float32, gate_up)]
+    result = pl.pallas_call(kernel, grid=(m // rows, 2 * nb), in_specs=in_specs, out_specs=out_specs,
+                            out_shape=out_shape, interpret=interpret, compiler_params=_triton_params(tiling),
+                            name="jax_ep_swiglu_bwd"
+                            )(live, gate_up, gate_up, dh, *([row_scale] if scaled else []))
+    if not scaled:
+        return result
+    d_gate_up, dots = result
+    return d_gate_up, dots.reshape(nb, m)

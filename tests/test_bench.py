@@ -171,6 +171,22 @@ def test_layer_config_with_xla_swiglu():
     assert built["jax_ep"].ep == built["jax_ep_xla_swiglu"].ep and "jax_ep_xla_swiglu" in layer.NAMED_ONLY
 
 
+def test_gate_in_experts_configs_build_the_layer_with_gate_weights_in_the_experts():
+    """jax_ep_gate_in_experts / jax_ep_fp8_cached_gate_in_experts (named only): jax_ep and jax_ep_fp8_cached
+    with EPOptions(gate_weights="experts"), nothing else changed."""
+    from jax.sharding import Mesh
+
+    from benchmarks import layer
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    for base in ("jax_ep", "jax_ep_fp8_cached"):
+        config = base + "_gate_in_experts"
+        built = {c: layer.layer_and_tokens(mesh, layer.LAYER_PRESETS["small"], c)[0] for c in (base, config)}
+        assert built[base].ep.gate_weights == "combine" and built[config].ep.gate_weights == "experts"
+        assert built[base].ep == dataclasses.replace(built[config].ep, gate_weights="combine")
+        assert built[base].gemm_dtype == built[config].gemm_dtype and config in layer.NAMED_ONLY
+
+
 @pytest.mark.slow
 def test_decode_layer_bench_writes_records(tmp_path):
     records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",

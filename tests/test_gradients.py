@@ -335,14 +335,68 @@ def test_combine_empty_rows_zero_takes_those_rows_of_d_y_from_y(mask):
         jax_ep.combine(jnp.zeros((4, 8)), None, cfg, empty_rows_zero=1)
 
 
-def _backward_calls(cfg, ep_size=2, empty_rows_zero=False) -> dict:
+@functools.cache
+def unweighted_combine_fn(ep_size, cfg, masked, empty_rows_zero):
+    """(x, idx, w, y, rw, g, mask) -> (combine(weighted=False) and the weighted one with unit weights,
+    d y, d row_weights) over an unmasked dispatch's handle with row_weights rw (mask: combine's only)."""
+    def f(x, idx, w, y, rw, g, mask):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        handle = d.handle._replace(row_weights=rw)
+        mask = mask if masked else None
+        out, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg,
+                                                        rank_mask=mask, empty_rows_zero=empty_rows_zero,
+                                                        weighted=False), y, rw)
+        ones = jax_ep.combine(y, handle._replace(row_weights=jnp.ones_like(rw)), cfg, rank_mask=mask)
+        return (out, ones, *vjp(g))
+
+    return per_rank(f, ep_size)
+
+
+@pytest.mark.parametrize("empty_rows_zero", [False, True], ids=["zeroed", "in_y"])
+@pytest.mark.parametrize("ep_size, y_dtype, mask", [(2, ml_dtypes.bfloat16, None), (4, np.float32, None),
+                                                     (4, ml_dtypes.bfloat16, (1, 0, 1, 1))])
+def test_unweighted_combine_sums_the_rows_and_its_backward_is_their_broadcast(ep_size, y_dtype, mask,
+                                                                              empty_rows_zero):
+    """combine(weighted=False) (the gate weights applied in the experts): the output is the weighted
+    combine's with unit weights, bit for bit, whatever handle.row_weights holds; d y is the broadcast
+    of g: each token's g on its live rows, +0.0 on a masked source's rows and on the rows with no token
+    (or, with empty_rows_zero, y's there, NaN here); row_weights get a zero gradient."""
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=72, max_tokens_per_rank=T, capacity=12,
+                   expert_alignment=2)
+    rng = np.random.default_rng(420 + ep_size)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    src = np.array([r.src for r in model_for(cfg, x, idx, w).ranks])        # [R, C]
+    active = np.ones(ep_size, bool) if mask is None else np.asarray(mask, bool)
+    linked = np.where(active[:, None], active[None, :], np.eye(ep_size, dtype=bool))
+    live = (src >= 0) & np.take_along_axis(linked, np.maximum(src, 0) // T, axis=1)
+    y = rng.standard_normal((ep_size, cfg.resolved_capacity(ep_size), 72)).astype(np.float32)
+    y = np.where((src >= 0)[..., None], y, np.nan).astype(y_dtype)
+    rw = rng.standard_normal(src.shape).astype(np.float32)
+    g = rng.standard_normal((ep_size, T, 72)).astype(y_dtype)
+    args = (x, idx, w, y, rw, g, np.tile(active, (ep_size, 1)))
+    fn = unweighted_combine_fn(ep_size, cfg, mask is not None, empty_rows_zero)
+    out, ones, dy, drw = to_numpy(fn(*args))
+    assert_bits_equal(out, ones, "the unit-weight combine")
+    want = np.zeros(y.shape, y_dtype)
+    for d, j in zip(*np.nonzero(live), strict=True):
+        want[d, j] = g[src[d, j] // T, src[d, j] % T]
+    if empty_rows_zero:
+        want[src < 0] = y[src < 0]
+    assert live.any() and (src < 0).any() and (~live & (src >= 0)).any() == (mask is not None)
+    assert_bits_equal(dy, want, "d y")
+    assert not np.any(drw), "d row_weights"
+    with pytest.raises(jax_ep.EPTypeError, match="weighted must be a bool, got 0"):
+        jax_ep.combine(jnp.zeros((4, 8)), None, cfg, weighted=0)
+
+
+def _backward_calls(cfg, ep_size=2, empty_rows_zero=False, weighted=True) -> dict:
     """{custom call target: [its lines]} of jax.grad through combine (over a reference dispatch)."""
     ref = cfg.replace(backend="reference")
 
     def body(x, idx, w, y):
         d = jax_ep.dispatch(x, idx, w, ref)
         return jax.grad(lambda y, rw: jnp.sum(jax_ep.combine(
-            y, d.handle._replace(row_weights=rw), cfg, empty_rows_zero=empty_rows_zero
+            y, d.handle._replace(row_weights=rw), cfg, empty_rows_zero=empty_rows_zero, weighted=weighted
         ).astype(jnp.float32) ** 2), argnums=(0, 1))(y, d.row_weights)
 
     rng = np.random.default_rng(5)
@@ -380,6 +434,16 @@ def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
     assert attributes[0] == attributes[1], attributes
     assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], " \
            "operand_index = 1, operand_tuple_indices = []>]" in aliased, aliased
+
+    # weighted=False: the backward is one jax_ep_broadcast call; with empty_rows_zero it writes into y's
+    # buffer (operand 4, `into`, aliased to the result), else `into` is [0, H]
+    for in_y in (False, True):
+        [line] = _backward_calls(cfg, empty_rows_zero=in_y, weighted=False)["jax_ep_broadcast"]
+        assert f"-> tensor<{capacity}x{H}xbf16>" in line, line
+        assert (f"tensor<{capacity}x{H}xbf16>, tensor<" if in_y else f"tensor<0x{H}xbf16>") in line, line
+        assert ("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], "
+                "operand_index = 4, operand_tuple_indices = []>]" in line) == in_y, line
+    assert set(_backward_calls(cfg, weighted=False)) == {"jax_ep_combine", "jax_ep_broadcast"}
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep: op != "combine_bwd")

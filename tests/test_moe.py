@@ -17,6 +17,7 @@ from models import LMConfig, MoETransformerLM, next_token_loss  # examples/model
 
 from jax_ep import KernelConfig, balancing, eplb, gating
 from jax_ep.balancing import BalancingConfig
+from jax_ep.errors import EPValueError
 from jax_ep.gating import RouterConfig
 from jax_ep.moe import EPOptions, MoE
 
@@ -152,6 +153,36 @@ def test_dy_in_place_changes_no_gradient():
         np.testing.assert_array_equal(a, b, err_msg=name)
     with pytest.raises(TypeError, match="EPOptions.dy_in_place must be a bool, got 1"):
         EPOptions(dy_in_place=1)
+
+
+@pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((2, 4), ("data", "ep"))])
+def test_gate_weights_in_the_experts_match_dense(shape, axes):
+    """EPOptions(gate_weights="experts"): the gate weight scales each row's SwiGLU output before the down
+    GEMM and combine sums unweighted: output and gradients (router included, through the weights'
+    gradient from SwiGLU's backward) equal the dense computation, as the default's do."""
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+    layer = make_layer(mesh, seed=11, ep=dict(gate_weights="experts"),
+                       routing=dict(score_func="sigmoid", num_groups=4, topk_groups=2))
+    assert layer.ep.gate_weights == "experts" and EPOptions().gate_weights == "combine"
+    x, target = random_tokens(12), random_tokens(13)
+    out = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense_moe(layer, x)), rtol=2e-5, atol=2e-5)
+    g_ep = nnx.jit(nnx.grad(lambda m: jnp.mean((m(x) - target) ** 2)))(layer)
+    g_dense = nnx.grad(lambda m: jnp.mean((dense_moe(m, x) - target) ** 2))(layer)
+    for name in ("router", "w_gate_up", "w_down"):
+        a, b = np.asarray(g_ep[name][...]), np.asarray(g_dense[name][...])
+        assert np.abs(b).max() > 0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match=r"EPOptions.gate_weights must be one of \('combine', 'experts'\)"):
+        EPOptions(gate_weights="router")
+
+
+def test_gate_weights_in_the_experts_refused_with_node_axis():
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "ep"))
+    layer = MoE(HIDDEN, 32, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(0), mesh=mesh, node_axis="node",
+                batch_axes=("node", "ep"), ep=EPOptions(backend="reference", gate_weights="experts"))
+    with pytest.raises(EPValueError, match="gate_weights='experts'.* flat exchange only; with node_axis"):
+        layer(random_tokens(14))
 
 
 def test_node_cap_in_layer():
@@ -522,14 +553,16 @@ def test_fp8_wire_trains_with_the_fp8_gemms_bit_for_bit(cached):
 
 
 @pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("dy_in_place", [True, False])
-def test_rows_past_the_groups_are_never_read(monkeypatch, dy_in_place, gemm_dtype):
+@pytest.mark.parametrize("dy_in_place, gate_weights", [(True, "combine"), (False, "combine"),
+                                                       (True, "experts")])
+def test_rows_past_the_groups_are_never_read(monkeypatch, dy_in_place, gate_weights, gemm_dtype):
     """The expert block leaves the rows past sum(group_sizes) unwritten on Hopper (both GEMMs'
     zero_tail=False: their outputs and input gradients there). Emulated on the reference GEMMs: NaN in
     every such row a kernel leaves unwritten, and a backward that reads none of dy's rows there (the
     kernels' tile schedule visits only the groups). Output, loss and every gradient are the clean run's
     bits, with combine's backward writing into y's buffer (dy_in_place: y's NaN rows handed back as
-    their gradient) or not, with the bf16 and the FP8 GEMMs (the FP8 wire's rows too)."""
+    their gradient) or not, with the bf16 and the FP8 GEMMs (the FP8 wire's rows too), and with the gate
+    weights applied in the experts (the weights' gradient from SwiGLU's rows, NaN past the groups)."""
     from jax_ep import moe as moe_module
 
     @jax.custom_vjp
@@ -556,7 +589,8 @@ def test_rows_past_the_groups_are_never_read(monkeypatch, dy_in_place, gemm_dtyp
 
     def run():
         model = MoE(128, 128, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(6), mesh=mesh, dtype="bfloat16",
-                    ep=EPOptions(backend="reference", dy_in_place=dy_in_place), gemm_dtype=gemm_dtype)
+                    ep=EPOptions(backend="reference", dy_in_place=dy_in_place, gate_weights=gate_weights),
+                    gemm_dtype=gemm_dtype)
 
         def loss(model, x):
             y = model(x, update_stats=False)

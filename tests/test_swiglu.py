@@ -45,16 +45,62 @@ def test_kernels_match_xla_over_the_live_rows(dtype, m, f, live, tiling):
         assert err < (1e-2 if dtype == jnp.bfloat16 else 1e-6), err
 
 
+@pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=64, cols=256, warps=8)], ids=["default", "64x256"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,f,live", [(256, 128, 150), (192, 320, 192), (128, 64, 0)])
+def test_row_scale_kernels_match_the_formula_over_the_live_rows(dtype, m, f, live, tiling):
+    """row_scale w (the gate weights applied in the experts): h = w * silu(g) * u rounded once; its
+    gradient d gate_up = the unscaled one's formula with w * dh, d w = the float32 dot product of the
+    row's silu(g) * u and dh (per column block, summed) against the float64 formula, in every row of the
+    blocks that start below live; XLA's form agrees; weights of both signs and some zero (padding rows),
+    NaN in the rows past the live blocks (what the GEMM leaves there) reaching no live row."""
+    rng = np.random.default_rng(7 * m + f + live)
+    gu = rng.standard_normal((m, 2 * f)) * 3
+    covered = -(-live // tiling.rows) * tiling.rows   # the row blocks that start below live
+    gu[covered:] = np.nan
+    gu = jnp.asarray(gu, dtype)
+    w = rng.standard_normal(m).astype(np.float32)
+    w[::5] = 0.0
+    dh = jnp.asarray(rng.standard_normal((m, f)), dtype)
+    n = jnp.int32(live)
+
+    def run(backend):
+        fn = lambda a, w: swiglu(a, n, backend=backend, interpret=True, tiling=tiling, row_scale=w)  # noqa: E731
+        h, vjp = jax.vjp(fn, gu, jnp.asarray(w))
+        d_gu, d_w = vjp(dh)
+        return _f32(h)[:covered], _f32(d_gu)[:covered], _f32(d_w)[:covered]
+
+    (h, d, dw), (h_x, d_x, dw_x) = run("pallas"), run("xla")
+    g, u, dhf = (np.asarray(a, np.float64) for a in (gu[:covered, :f], gu[:covered, f:], dh[:covered]))
+    wf = w[:covered, None].astype(np.float64)
+    s = 1 / (1 + np.exp(-g))
+    one = dict(rtol=2**-7, atol=1e-30) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h, wf * g * s * u, **one)
+    np.testing.assert_allclose(d[:, f:], wf * dhf * g * s, **one)
+    np.testing.assert_allclose(d[:, :f], wf * dhf * u * s * (1 + g * (1 - s)), **one)
+    want_dw = np.sum(g * s * u * dhf, axis=1)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-4 * np.abs(want_dw).max(initial=1.0))
+    assert (h[w[:covered] == 0] == 0).all()
+    for got, want in ((h, h_x), (d, d_x)):
+        np.testing.assert_allclose(got, want, rtol=2**-7 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
+    # (float32 sums of F products in other orders)
+    np.testing.assert_allclose(dw, dw_x, rtol=1e-4, atol=1e-5 * np.abs(dw_x).max(initial=1.0))
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row_scale"])
 @pytest.mark.parametrize("tiling", [Tiling(), Tiling(rows=32, cols=512, warps=8)], ids=["default", "32x512"])
-def test_the_kernels_lower_to_triton_for_cuda(monkeypatch, tiling):
+def test_the_kernels_lower_to_triton_for_cuda(monkeypatch, tiling, scaled):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # lowering needs no GPU
     gu = jax.ShapeDtypeStruct((4096, 2 * 2048), jnp.bfloat16)
     dh = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096,), jnp.float32)
 
-    def step(a, d):
-        return jax.vjp(lambda a: swiglu(a, jnp.int32(1000), backend="pallas", tiling=tiling), a)[1](d)
+    def step(a, w, d):
+        fn = lambda a, w: swiglu(a, jnp.int32(1000), backend="pallas", tiling=tiling,  # noqa: E731
+                                 row_scale=w if scaled else None)
+        return jax.vjp(fn, a, w)[1](d)
 
-    text = jax.jit(step).trace(gu, dh).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(step).trace(gu, w, dh).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("triton") >= 2, text[:2000]
 
 
@@ -67,6 +113,9 @@ def test_arguments_it_refuses_name_the_value():
         swiglu(jnp.ones((100, 128)), 3, backend="pallas", interpret=True)
     with pytest.raises(EPValueError, match="runs Triton kernels on a GPU; the default platform is 'cpu'"):
         swiglu(jnp.ones((64, 128)), 3, backend="pallas")
+    with pytest.raises(EPValueError, match=r"row_scale must be float32 \[64\] \(one per row of gate_up\), "
+                                           r"got bfloat16 \(64,\)"):
+        swiglu(jnp.ones((64, 128)), 3, row_scale=jnp.ones((64,), jnp.bfloat16))
     assert kernel_unfit((128, 2 * 96)) == "its half width F=96 is not a multiple of 64"
     assert kernel_unfit((128, 256)) == ""
 
@@ -111,9 +160,9 @@ def test_the_layer_passes_its_swiglu_backend_to_the_experts(monkeypatch):
 
     seen = []
 
-    def recording(gate_up, live_rows, *, backend):
+    def recording(gate_up, live_rows, *, backend, row_scale=None):
         seen.append(backend)
-        return swiglu(gate_up, live_rows, backend="xla")
+        return swiglu(gate_up, live_rows, backend="xla", row_scale=row_scale)
 
     monkeypatch.setattr(moe, "swiglu", recording)
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))

@@ -152,11 +152,14 @@ ffi::Error PrepareBroadcast(const char* op, CallCounters& counters, cudaStream_t
   return PrepareMaskedGroup(op, device_ordinal, state, rank_mask, rank, group, launch);
 }
 
+// broadcast; `into` is [0, H] (out's rows with no token zeroed) or [C, H] aliased with out (they
+// keep into's rows: an unweighted combine's backward in place, cuda/broadcast.h keep_empty_rows).
 ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                          ffi::AnyBuffer g, ffi::Buffer<ffi::S32> token_rows,
                          ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> src_index,
-                         ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                         ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::AnyBuffer into, ffi::Buffer<ffi::S32> rank_mask,
+                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                         ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = kBroadcastTarget;
   const EPAttrs& a = state->attrs;
   GroupLaunch launch{};
@@ -167,10 +170,19 @@ ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
       !error.success()) {
     return error;
   }
+  const bool keep_empty_rows = IsShape(into.dimensions(), {a.capacity, a.hidden});
+  if (into.element_type() != g.element_type() ||
+      !(keep_empty_rows || IsShape(into.dimensions(), {0, a.hidden})) ||
+      (keep_empty_rows && into.untyped_data() != out->untyped_data())) {
+    return Invalid(kOp, "into " + DimsToString(into.dimensions()) + " must be of g's dtype and "
+                            "[0, H], or [C, H] aliased with the output (C=" +
+                            std::to_string(a.capacity) + ", H=" + std::to_string(a.hidden) + ")");
+  }
   const cudaError_t status = launch_broadcast(
       launch, g.untyped_data(), token_rows.typed_data(), is_token_in_rank.typed_data(),
       src_index.typed_data(), static_cast<int32_t>(a.capacity), static_cast<int32_t>(a.hidden),
-      g_kind, a.bulk_copy != 0, /*rank_major=*/false, out->untyped_data(), stream);
+      g_kind, a.bulk_copy != 0, /*rank_major=*/false, keep_empty_rows, out->untyped_data(),
+      stream);
   if (status != cudaSuccess) return CudaError(status, "broadcast kernel launch");
   return ffi::Error::Success();
 }
@@ -276,6 +288,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcast, jax_ep::BroadcastImpl,
                                                   ffi::Buffer<ffi::S32>,      // token_rows
                                                   ffi::Buffer<ffi::PRED>,     // is_token_in_rank
                                                   ffi::Buffer<ffi::S32>,      // src_index
+                                                  ffi::AnyBuffer,             // into
                                                   ffi::Buffer<ffi::S32>>()    // rank_mask
                                    .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});

@@ -255,7 +255,8 @@ ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, O
         return launch_broadcast(launch, g.untyped_data(), table, is_token_in_rank.typed_data(),
                                 src_index.typed_data(), static_cast<int32_t>(R * T),
                                 static_cast<int32_t>(H), g_kind, a.bulk_copy != 0,
-                                /*rank_major=*/true, out->untyped_data(), stream);
+                                /*rank_major=*/true, /*keep_empty_rows=*/false,
+                                out->untyped_data(), stream);
       });
 }
 

@@ -355,7 +355,7 @@ def test_gradients_match_reference(cuda_backend, mesh):
 
 
 @functools.cache
-def combine_vjp_fn(mesh, cfg, masked, empty_rows_zero=False):
+def combine_vjp_fn(mesh, cfg, masked, empty_rows_zero=False, weighted=True):
     """(x, idx, w, y, g, mask) -> (d y, d row_weights, handle.src_index) of combine's backward over
     the handle of cfg's dispatch (the mask, if masked, on combine only: an unmasked dispatch)."""
 
@@ -365,7 +365,7 @@ def combine_vjp_fn(mesh, cfg, masked, empty_rows_zero=False):
         y = jnp.where((d.handle.src_index >= 0)[:, None], y, jnp.nan).astype(y.dtype)
         _, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg,
                                                       rank_mask=mask if masked else None,
-                                                      empty_rows_zero=empty_rows_zero),
+                                                      empty_rows_zero=empty_rows_zero, weighted=weighted),
                          y, d.handle.row_weights)
         dy, drw = vjp(g)
         return dy, drw, d.handle.src_index
@@ -414,6 +414,48 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     assert not np.any(drw[~live]) and np.isfinite(drw).all() and np.any(drw[live])
     assert (src < 0).any() and (mask is None or (live != (src >= 0)).any())
     assert np.isnan(dy.reshape(R, -1, hidden)[src < 0]).all() == empty_rows_zero
+
+
+@pytest.mark.parametrize("empty_rows_zero", [False, True], ids=["zeroed", "in_y"])
+@pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_unweighted_combine_backward_is_the_broadcast_kernel(cuda_backend, mesh, y_dtype, masked,
+                                                             empty_rows_zero):
+    """combine(weighted=False) on backend='cuda': its backward is the broadcast kernel (jax_ep_broadcast,
+    handler count), d y bit-exact against the reference (each token's g on its live rows, +0.0 on a
+    masked source's rows), d row_weights zero; in_y: written into y's buffer (aliased), the rows with no
+    token keeping y's NaN, every other row as zeroed's. Device memory poisoned; capacity drops, messy
+    routing, the masked case as in the fused test above."""
+    if masked:
+        needs_two_ranks(R)
+    mask = (1,) + (0,) * (R - 1) if masked else None
+    tokens, hidden, topk, experts = 160, 2304, 6, 16
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+              capacity=640, expert_alignment=4)
+    rng = np.random.default_rng(37)
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
+    capacity = _cfg("cuda", **kw).resolved_capacity(R)
+    y = random_normal(rng, (R * capacity, hidden), y_dtype)
+    g = random_normal(rng, (R * tokens, hidden), y_dtype)
+    m = np.tile(np.asarray(mask or (1,) * R, np.int32), R)
+    args = put(mesh, x, idx, w, y, g, m)
+    def run(backend):
+        fn = combine_vjp_fn(mesh, _cfg(backend, **kw), mask is not None, empty_rows_zero, False)
+        return to_np(fn(*args))
+
+    want = run("reference")
+    before = handler_stats("jax_ep_broadcast")["calls"]
+    poison_device_memory(mesh.devices.flat, 128 << 20)
+    got = run("cuda")
+    assert handler_stats("jax_ep_broadcast")["calls"] > before
+    dy, drw, src = got
+    assert_bits_equal(src, want[2], "handle.src_index")
+    assert_bits_equal(dy, want[0], "d y")
+    assert not np.any(drw) and not np.any(want[1])
+    src = src.reshape(R, -1)
+    dy = dy.reshape(R, -1, hidden)
+    assert (src < 0).any() and np.isfinite(dy[src >= 0]).all() and np.any(dy[src >= 0])
+    assert np.isnan(dy[src < 0]).all() == empty_rows_zero
 
 
 def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
@@ -501,8 +543,10 @@ def test_topk_weights_gradient_uses_rounded_expert_output(cuda_backend, mesh, ba
     assert rel < 1e-4, f"{backend} {expert_output}: d topk_weights max error {rel:.3g} of max |dW|"
 
 
-def test_moe_training_step_matches_reference(cuda_backend, mesh):
-    """The Flax MoE layer (float32) trains the same on backend='cuda' as on 'reference'."""
+@pytest.mark.parametrize("gate_weights", ["combine", "experts"])
+def test_moe_training_step_matches_reference(cuda_backend, mesh, gate_weights):
+    """The Flax MoE layer (float32) trains the same on backend='cuda' as on 'reference', the gate
+    weights applied in combine or in the experts (EPOptions.gate_weights)."""
     import optax
     from flax import nnx
 
@@ -515,7 +559,7 @@ def test_moe_training_step_matches_reference(cuda_backend, mesh):
     losses = {}
     for backend in ("reference", "cuda"):
         layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
-                    ep=EPOptions(backend=backend))
+                    ep=EPOptions(backend=backend, gate_weights=gate_weights))
         optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
 
         @nnx.jit

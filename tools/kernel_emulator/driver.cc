@@ -367,9 +367,15 @@ int main(int argc, char** argv) {
       const size_t bcast_bytes = size_t(C) * H * kind_bytes(y_kind);
       auto bcast = poisoned(bcast_bytes);
       check(launch_broadcast(gl, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
-                             y_kind, use_tma, false, bcast.data(), nullptr),
+                             y_kind, use_tma, false, false, bcast.data(), nullptr),
             "broadcast");
       write_file("bcast" + tag + ".bin", bcast.data(), bcast_bytes);
+      // the same in y's buffer (keep_empty_rows: over a copy of y, whose rows with no token stay NaN)
+      std::vector<char> bcast_in_y(y.begin(), y.end());
+      check(launch_broadcast(gl, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
+                             y_kind, use_tma, false, true, bcast_in_y.data(), nullptr),
+            "broadcast in y's buffer");
+      write_file("bcast_in_y" + tag + ".bin", bcast_in_y.data(), bcast_bytes);
       // combine_bwd of g and y through the same handle (y's empty rows hold NaN: never read), then
       // in y's buffer (empty_rows_from_y: d y over a copy of y, whose rows with no token stay NaN)
       for (const bool in_y : {false, true}) {
@@ -424,7 +430,7 @@ int main(int argc, char** argv) {
                            rm.comb.data(), nullptr),
             "combine_rank_major");
       check(launch_broadcast(gr, g.data(), table, m.is_token_in_rank, m.src_index,
-                             static_cast<int32_t>(RT), H, y_kind, use_tma, true, rm.bcast.data(),
+                             static_cast<int32_t>(RT), H, y_kind, use_tma, true, false, rm.bcast.data(),
                              nullptr),
             "broadcast_rank_major");
       rm.write(tag);

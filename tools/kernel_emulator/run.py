@@ -242,7 +242,7 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
 # The persistent mask state of a group (cuda/device_state.h SyncCounters::RankMaskState).
 RANK_MASK_EVENT = np.dtype([("op", np.int32), ("during", np.int32), ("epoch", np.uint64)])
 RANK_MASK_STATE = np.dtype([("masked", np.uint32), ("rank", np.int32), ("events", RANK_MASK_EVENT, (32,))])
-OPS_PER_REP = 10  # EP calls of a repetition (driver.cc): each bumps the group's epoch
+OPS_PER_REP = 11  # EP calls of a repetition (driver.cc): each bumps the group's epoch
 
 
 def check_stop(d, R, reps, stop, timeout_s, mask=None) -> str:
@@ -309,6 +309,7 @@ def reference_outputs(cfg, mesh, mask, x, idx, w, y, g, v, yr, unmasked_dispatch
                    comb_w=reference.combine(y_in, d.handle, cfg, late_mask),
                    comb_u=reference.combine(y_in, unweighted, cfg, late_mask),
                    bcast=reference.broadcast(g[0], d.handle, cfg, late_mask),
+                   bcast_in_y=reference.broadcast(g[0], d.handle, cfg, late_mask, into=y_in),
                    bwd_dy=bwd_dy, bwd_drw=bwd_drw, bwd_dy_in_y=bwd_dy_in_y, bwd_drw_in_y=bwd_drw_in_y,
                    y=y_in,
                    slotv=reference.slot_values(v[0], d.handle, cfg, late_mask))
