@@ -187,6 +187,37 @@ def test_gate_in_experts_configs_build_the_layer_with_gate_weights_in_the_expert
         assert built[base].gemm_dtype == built[config].gemm_dtype and config in layer.NAMED_ONLY
 
 
+def test_layer_ab_times_each_config_in_alternating_rounds(tmp_path, monkeypatch):
+    """tools/layer_ab.py: every configuration compiled once and timed once per round, the order flipped
+    every other round, one record each with its rounds and their mean."""
+    import importlib.util
+    import json
+    import pathlib
+
+    from benchmarks import layer as bench_layer
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "layer_ab.py"
+    spec = importlib.util.spec_from_file_location("layer_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    order = []
+    real = bench_layer.best_of
+
+    def timed(step, *args, **kw):
+        order.append(args[0] is not None and step)
+        return real(step, *args, **kw)
+
+    monkeypatch.setattr(bench_layer, "best_of", timed)
+    out = tmp_path / "ab.json"
+    records = ab.main(["small", "jax_ep", "jax_ep_gate_in_experts", "--rounds", "3", "--sustain", "0",
+                       "--iters", "1", "--repeats", "1", "--out", str(out)])
+    assert [r["config"] for r in records] == ["jax_ep", "jax_ep_gate_in_experts"]
+    assert all(len(r["rounds_ms"]) == 3 and r["mean_ms"] > 0 for r in records)
+    assert len(order) == 6 and order[0] is order[3] is order[4] and order[1] is order[2] is order[5]
+    assert order[0] is not order[1]
+    assert json.loads(out.read_text()) == records
+
+
 @pytest.mark.slow
 def test_decode_layer_bench_writes_records(tmp_path):
     records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",
