@@ -373,6 +373,35 @@ def combine_vjp_fn(mesh, cfg, masked, empty_rows_zero=False, weighted=True):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
+def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed, handler):
+    """combine's backward through a messy dispatch's handle (capacity drops; masked: rank 0 active, the
+    others masked, on combine only) on the reference and then on 'cuda' over poisoned device memory,
+    checking that `handler` ran: (want, got, mask, tokens, hidden), want / got as combine_vjp_fn's."""
+    if masked:
+        needs_two_ranks(R)
+    mask = (1,) + (0,) * (R - 1) if masked else None
+    tokens, hidden, topk, experts = 160, 2304, 6, 16
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+              capacity=640, expert_alignment=4)
+    rng = np.random.default_rng(seed)
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
+    capacity = _cfg("cuda", **kw).resolved_capacity(R)
+    y = random_normal(rng, (R * capacity, hidden), y_dtype)
+    g = random_normal(rng, (R * tokens, hidden), y_dtype)
+    m = np.tile(np.asarray(mask or (1,) * R, np.int32), R)
+    args = put(mesh, x, idx, w, y, g, m)
+
+    def run(backend):
+        return to_np(combine_vjp_fn(mesh, _cfg(backend, **kw), masked, empty_rows_zero, weighted)(*args))
+
+    want = run("reference")
+    before = handler_stats(handler)["calls"]
+    poison_device_memory(mesh.devices.flat, 128 << 20)
+    got = run("cuda")
+    assert handler_stats(handler)["calls"] > before
+    return want, got, mask, tokens, hidden
+
+
 @pytest.mark.parametrize("empty_rows_zero", [False, True], ids=["zeroed", "in_y"])
 @pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("masked", [False, True])
@@ -384,24 +413,8 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     the other ranks' rows get +0.0. Device memory poisoned; the fused call really ran (handler count).
     in_y (combine's empty_rows_zero): d y written into y's buffer, its rows with no token y's (NaN
     here, as in the reference), every other row as above."""
-    if masked:
-        needs_two_ranks(R)
-    mask = (1,) + (0,) * (R - 1) if masked else None
-    tokens, hidden, topk, experts = 160, 2304, 6, 16
-    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
-              capacity=640, expert_alignment=4)
-    rng = np.random.default_rng(31)
-    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
-    capacity = _cfg("cuda", **kw).resolved_capacity(R)
-    y = random_normal(rng, (R * capacity, hidden), y_dtype)
-    g = random_normal(rng, (R * tokens, hidden), y_dtype)
-    m = np.tile(np.asarray(mask or (1,) * R, np.int32), R)
-    args = put(mesh, x, idx, w, y, g, m)
-    want = to_np(combine_vjp_fn(mesh, _cfg("reference", **kw), mask is not None, empty_rows_zero)(*args))
-    before = handler_stats("jax_ep_combine_bwd")["calls"]
-    poison_device_memory(mesh.devices.flat, 128 << 20)
-    got = to_np(combine_vjp_fn(mesh, _cfg("cuda", **kw), mask is not None, empty_rows_zero)(*args))
-    assert handler_stats("jax_ep_combine_bwd")["calls"] > before
+    want, got, mask, tokens, hidden = combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, True, 31,
+                                                            "jax_ep_combine_bwd")
     dy, drw, src = got
     assert_bits_equal(src, want[2], "handle.src_index")
     assert_bits_equal(dy, want[0], "d y")
@@ -426,28 +439,8 @@ def test_unweighted_combine_backward_is_the_broadcast_kernel(cuda_backend, mesh,
     masked source's rows), d row_weights zero; in_y: written into y's buffer (aliased), the rows with no
     token keeping y's NaN, every other row as zeroed's. Device memory poisoned; capacity drops, messy
     routing, the masked case as in the fused test above."""
-    if masked:
-        needs_two_ranks(R)
-    mask = (1,) + (0,) * (R - 1) if masked else None
-    tokens, hidden, topk, experts = 160, 2304, 6, 16
-    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
-              capacity=640, expert_alignment=4)
-    rng = np.random.default_rng(37)
-    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
-    capacity = _cfg("cuda", **kw).resolved_capacity(R)
-    y = random_normal(rng, (R * capacity, hidden), y_dtype)
-    g = random_normal(rng, (R * tokens, hidden), y_dtype)
-    m = np.tile(np.asarray(mask or (1,) * R, np.int32), R)
-    args = put(mesh, x, idx, w, y, g, m)
-    def run(backend):
-        fn = combine_vjp_fn(mesh, _cfg(backend, **kw), mask is not None, empty_rows_zero, False)
-        return to_np(fn(*args))
-
-    want = run("reference")
-    before = handler_stats("jax_ep_broadcast")["calls"]
-    poison_device_memory(mesh.devices.flat, 128 << 20)
-    got = run("cuda")
-    assert handler_stats("jax_ep_broadcast")["calls"] > before
+    want, got, _, _, hidden = combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, False, 37,
+                                                    "jax_ep_broadcast")
     dy, drw, src = got
     assert_bits_equal(src, want[2], "handle.src_index")
     assert_bits_equal(dy, want[0], "d y")
