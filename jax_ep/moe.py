@@ -712,9 +712,6 @@ class MoE(nnx.Module):
         chunk i+1 dispatched before chunk i's experts run."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
         in_experts = self.ep.gate_weights == "experts"
-        if in_experts and self.node_axis is not None:
-            raise EPValueError("MoE: EPOptions(gate_weights='experts') is built for the flat exchange only; "
-                               f"with node_axis={self.node_axis!r} use gate_weights='combine'")
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
                     else _HierarchicalExchange(cfg, self.node_axis))
 
@@ -735,9 +732,7 @@ class MoE(nnx.Module):
                                  swiglu_backend=self.swiglu_backend, rows_fp8=rows_fp8,
                                  row_weights=d.handle.row_weights if in_experts else None)
             with jax.named_scope(SCOPES["combine"]):
-                if in_experts:
-                    return exchange.combine(y.astype(x.dtype), d.handle, weighted=False)
-                return exchange.combine(y.astype(x.dtype), d.handle)
+                return exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts)
 
         sent, outs = [send(0)], []
         for t in range(chunks):
@@ -827,7 +822,10 @@ class _HierarchicalExchange:
         scales = getattr(d, "scales", None)
         return d, d.x.astype(x.dtype) if scales is None else dequantize_fp8(d.x, scales, x.dtype)
 
-    def combine(self, y, handle):
+    def combine(self, y, handle, weighted=True):
+        if not weighted:
+            raise EPValueError("MoE: EPOptions(gate_weights='experts') is built for the flat exchange only; "
+                               f"with node_axis={self.node_axis!r} use gate_weights='combine'")
         return combine_hierarchical(y, handle, self.cfg, self.node_axis)
 
 

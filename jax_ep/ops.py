@@ -312,21 +312,24 @@ def _dispatch_transpose(cfg, residuals, d_rows, d_row_weights):
     """dispatch's backward from the cotangents of its rows [C, H] and of its handle's row weights [C]."""
     handle, dtype_token, topk_idx, rank_mask = residuals
     dtype = dtype_token.dtype
-    # unit weights: y * 1.0 is exact, so this is the plain sum of each token's row cotangents
-    unweighted = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
     dx = implementation("combine", cfg, d_rows.dtype)(
-        d_rows, unweighted, cfg, rank_mask=rank_mask).astype(dtype)
+        d_rows, _unit_weights(handle), cfg, rank_mask=rank_mask).astype(dtype)
     # a masked slot is DROPPED in the handle: it has no row, its weight's gradient is 0
     d_topk_weights = implementation("slot_values", cfg)(d_row_weights, handle, cfg, rank_mask=rank_mask)
     return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 
+def _unit_weights(handle: types.Handle) -> types.Handle:
+    """The handle with every row weight 1: y * 1.0 is exact, so combine through it is the plain sum of
+    each token's rows (dispatch's backward, the unweighted combine)."""
+    return handle._replace(row_weights=jnp.ones_like(handle.row_weights))
+
+
 # ---- combine: custom_vjp --------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
-    if not weighted:  # (y * 1.0 is exact: the plain sum of each token's rows)
-        handle = handle._replace(row_weights=jnp.ones_like(handle.row_weights))
-    return implementation("combine", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
+    return implementation("combine", cfg, y.dtype)(y, handle if weighted else _unit_weights(handle), cfg,
+                                                   rank_mask=rank_mask)
 
 
 def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero, weighted):

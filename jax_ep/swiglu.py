@@ -86,8 +86,9 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
         raise EPValueError(f"swiglu: backend='pallas' cannot take gate_up {gate_up.shape}: {reason}")
     live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
     if row_scale is None:
-        return _swiglu(*vary_jointly(gate_up, live), interpret, tiling)
-    return _swiglu_scaled(*vary_jointly(gate_up, row_scale, live), interpret, tiling)
+        return _swiglu(*vary_jointly(gate_up, live), None, interpret, tiling)
+    gate_up, live, row_scale = vary_jointly(gate_up, live, row_scale)
+    return _swiglu(gate_up, live, row_scale, interpret, tiling)
 
 
 def choose(shape, tiling: Tiling = TILING) -> tuple[str, str]:
@@ -126,43 +127,29 @@ def _cols(f: int, tiling: Tiling) -> int:
     return cols
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _swiglu(gate_up, live, interpret, tiling):
-    return _forward(gate_up, live, interpret, tiling)
-
-
-def _swiglu_fwd(gate_up, live, interpret, tiling):
-    return _forward(gate_up, live, interpret, tiling), (gate_up, live)
-
-
-def _swiglu_bwd(interpret, tiling, residuals, dh):
-    gate_up, live = residuals
-    gate_up, live, dh = vary_jointly(gate_up, live, dh.astype(gate_up.dtype))
-    return _backward(gate_up, live, dh, interpret, tiling), None
-
-
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
+# row_scale: None (no cotangent) or float32 [M]
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _swiglu_scaled(gate_up, row_scale, live, interpret, tiling):
+def _swiglu(gate_up, live, row_scale, interpret, tiling):
     return _forward(gate_up, live, interpret, tiling, row_scale)
 
 
-def _swiglu_scaled_fwd(gate_up, row_scale, live, interpret, tiling):
-    return _forward(gate_up, live, interpret, tiling, row_scale), (gate_up, row_scale, live)
+def _swiglu_fwd(gate_up, live, row_scale, interpret, tiling):
+    return _forward(gate_up, live, interpret, tiling, row_scale), (gate_up, live, row_scale)
 
 
-def _swiglu_scaled_bwd(interpret, tiling, residuals, dh):
-    gate_up, row_scale, live = residuals
-    gate_up, row_scale, live, dh = vary_jointly(gate_up, row_scale, live, dh.astype(gate_up.dtype))
-    d_gate_up, partial_dots = _backward(gate_up, live, dh, interpret, tiling, row_scale)
+def _swiglu_bwd(interpret, tiling, residuals, dh):
+    gate_up, live, row_scale = residuals
+    scales = () if row_scale is None else (row_scale,)
+    gate_up, live, dh, *scales = vary_jointly(gate_up, live, dh.astype(gate_up.dtype), *scales)
+    if row_scale is None:
+        return _backward(gate_up, live, dh, interpret, tiling), None, None
+    d_gate_up, partial_dots = _backward(gate_up, live, dh, interpret, tiling, *scales)
     # per row, its column blocks' partial dot products (rows past the live blocks: unwritten, as
     # d gate_up's there; nothing reads a gate weight's gradient there)
-    return d_gate_up, jnp.sum(partial_dots, axis=0), None
+    return d_gate_up, None, jnp.sum(partial_dots, axis=0)
 
 
-_swiglu_scaled.defvjp(_swiglu_scaled_fwd, _swiglu_scaled_bwd)
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def _specs(f: int, tiling: Tiling):
@@ -224,21 +211,23 @@ def _backward(gate_up, live, dh, interpret, tiling, row_scale=None):
         in_live = pl.program_id(0) * rows < live_ref[0]
         is_gate = pl.program_id(1) < nb
 
-        def d_h():  # the cotangent of silu(g) * u
-            return f32(dh_ref) * w_ref[...][:, None] if scaled else f32(dh_ref)
+        def dh_and_ds():  # dh, and the cotangent of silu(g) * u
+            dh = f32(dh_ref)
+            return dh, dh * w_ref[...][:, None] if scaled else dh
 
         @pl.when(in_live & is_gate)
         def _():
             g, u = f32(g_ref), f32(u_ref)
             s = jax.nn.sigmoid(g)
-            dgu_ref[...] = (d_h() * u * (s * (1.0 + g * (1.0 - s)))).astype(dgu_ref.dtype)
+            dh, ds = dh_and_ds()
+            dgu_ref[...] = (ds * u * (s * (1.0 + g * (1.0 - s)))).astype(dgu_ref.dtype)
             if scaled:
-                dots_ref[...] = jnp.sum(g * s * u * f32(dh_ref), axis=1)
+                dots_ref[...] = jnp.sum(g * s * u * dh, axis=1)
 
         @pl.when(in_live & jnp.logical_not(is_gate))
         def _():
             g = f32(g_ref)
-            dgu_ref[...] = (d_h() * (g * jax.nn.sigmoid(g))).astype(dgu_ref.dtype)
+            dgu_ref[...] = (dh_and_ds()[1] * (g * jax.nn.sigmoid(g))).astype(dgu_ref.dtype)
 
     in_specs = [live_spec, gate, up, gate]
     out_specs, out_shape = out, shape_like((m, 2 * f), gate_up.dtype, gate_up)
