@@ -430,8 +430,8 @@ int main(int argc, char** argv) {
                            rm.comb.data(), nullptr),
             "combine_rank_major");
       check(launch_broadcast(gr, g.data(), table, m.is_token_in_rank, m.src_index,
-                             static_cast<int32_t>(RT), H, y_kind, use_tma, true, false, rm.bcast.data(),
-                             nullptr),
+                             static_cast<int32_t>(RT), H, y_kind, use_tma, true, false,
+                             rm.bcast.data(), nullptr),
             "broadcast_rank_major");
       rm.write(tag);
       write_file("masked" + tag + ".bin", &rank_masks, sizeof(rank_masks));
