@@ -693,6 +693,16 @@ __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, i
   *expert = sanitized_expert_warp(id, a.num_experts);
 }
 
+// This rank's own token t, lane k's slot: its local expert if that expert is on this rank (else -1),
+// and (token_slot's) its rank among this rank's tokens of the expert and its gate weight.
+__device__ __forceinline__ int own_slot_here(const MainArgs& a, const char* own, int R, int me,
+                                             int64_t t, int lane, int* rank, float* weight) {
+  int expert;
+  token_slot(a, own, t, lane, &expert, rank, weight);
+  const int experts_per_rank = a.num_experts / R;
+  return expert >= 0 && expert / experts_per_rank == me ? expert % experts_per_rank : -1;
+}
+
 // Expert-major: the row here of source s's pair of local expert j (-1: none) whose rank among s's
 // tokens of that expert is `rank`, from this rank's own tables: DROPPED past the room s has.
 __device__ __forceinline__ int receive_row(const MainArgs& a, const char* own, int s, int j,
@@ -847,10 +857,7 @@ __device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const 
   int local, rank;  // the slot's local expert here (-1: not here) and its rank among s's tokens of it
   float weight;
   if (s == d.me) {
-    int expert;
-    token_slot(a, d.own, t, lane, &expert, &rank, &weight);
-    const int experts_per_rank = a.num_experts / d.R;
-    local = expert >= 0 && expert / experts_per_rank == d.me ? expert % experts_per_rank : -1;
+    local = own_slot_here(a, d.own, d.R, d.me, t, lane, &rank, &weight);
   } else {
     const int64_t meta = slot * K + lane;
     local = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
@@ -952,12 +959,8 @@ __device__ __forceinline__ void dispatch_rank_major_token(const MainArgs& a, con
   int id, rank;  // rank: the token's rank among s's tokens sent here (-1: it did not come here)
   float weight;
   if (s == d.me) {
-    int expert;
-    token_slot(a, d.own, t, lane, &expert, &rank, &weight);
-    const int experts_per_rank = a.num_experts / d.R;
-    const bool here = expert >= 0 && expert / experts_per_rank == d.me;
-    id = here ? expert % experts_per_rank : -1;
-    const uint32_t on_me = __ballot_sync(kFullMask, here);
+    id = own_slot_here(a, d.own, d.R, d.me, t, lane, &rank, &weight);
+    const uint32_t on_me = __ballot_sync(kFullMask, id >= 0);
     rank = on_me != 0u ? __shfl_sync(kFullMask, rank, __ffs(on_me) - 1) : -1;
   } else {
     const int64_t meta = slot * K + lane;

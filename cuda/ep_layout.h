@@ -9,14 +9,7 @@
 #include <cstdint>
 
 #include "cuda/device_state.h"
-
-#ifndef JAX_EP_HOST_DEVICE
-#ifdef __CUDACC__
-#define JAX_EP_HOST_DEVICE __host__ __device__
-#else
-#define JAX_EP_HOST_DEVICE
-#endif
-#endif
+#include "cuda/host_device.h"
 
 namespace jax_ep {
 

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "cuda/host_device.h"
+
 namespace jax_ep {
 
 // How a call's data crosses to its peers (KernelConfig.transport as the call site resolved it;
@@ -60,14 +62,6 @@ struct OpFingerprint {
   int32_t dtype;
   int32_t transport;  // Transport
 };
-
-#ifndef JAX_EP_HOST_DEVICE
-#ifdef __CUDACC__
-#define JAX_EP_HOST_DEVICE __host__ __device__
-#else
-#define JAX_EP_HOST_DEVICE
-#endif
-#endif
 
 // The value of published field `field` (kFieldOp .. kFieldTransport).
 JAX_EP_HOST_DEVICE inline uint32_t fingerprint_value(const OpFingerprint& f, int field) {

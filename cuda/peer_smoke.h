@@ -6,12 +6,7 @@
 #include <cstdint>
 
 #include "cuda/device_state.h"
-
-#ifdef __CUDACC__
-#define JAX_EP_HOST_DEVICE __host__ __device__
-#else
-#define JAX_EP_HOST_DEVICE
-#endif
+#include "cuda/host_device.h"
 
 namespace jax_ep {
 

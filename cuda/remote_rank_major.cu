@@ -206,6 +206,21 @@ __global__ void __launch_bounds__(kStartThreads) put_start_kernel(PutStartArgs a
   (void)me;
 }
 
+// What the kernels after put_start_kernel read first: this rank's symmetric buffer and the call's
+// group as the start kernel wrote it there (its size R and this rank's place me in it).
+struct PutCall {
+  char* own;
+  const OpInfo* info;
+  int R;
+  int me;
+};
+
+__device__ __forceinline__ PutCall put_call(DeviceState* state, const PutLayout& L) {
+  char* const own = own_buffer(state);
+  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.op_info);
+  return {own, info, info->size, info->rank};
+}
+
 // ---- pack ------------------------------------------------------------------------------------
 struct PutPackArgs : PutLaunch {
   int32_t kind;
@@ -226,10 +241,7 @@ __global__ void __launch_bounds__(kPutThreads) put_pack_kernel(PutPackArgs a) {
   const PutLayout& L = a.layout;
   const int64_t T = a.num_tokens;
   const int K = a.num_topk;
-  char* const own = own_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.op_info);
-  const int R = info->size;
-  const int me = info->rank;
+  const auto [own, info, R, me] = put_call(state, L);
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int warps = (gridDim.x * blockDim.x) >> 5;
@@ -296,9 +308,7 @@ __global__ void __launch_bounds__(kPutThreads) put_pack_kernel(PutPackArgs a) {
 
 // ---- transfer ----------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kPutThreads) put_transfer_kernel(DeviceState* state, PutLayout L) {
-  char* const own = own_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.op_info);
-  const int me = info->rank;
+  const auto [own, info, R, me] = put_call(state, L);
   const int dest = blockIdx.x;
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + L.counts);
   const uint64_t bytes = kPutHeaderBytes + static_cast<uint64_t>(counts[dest]) * L.record_bytes;
@@ -356,10 +366,7 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
   const PutLayout& L = a.layout;
   const int64_t T = a.num_tokens;
   const int K = a.num_topk;
-  char* const own = own_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.op_info);
-  const int R = info->size;
-  const int me = info->rank;
+  const auto [own, info, R, me] = put_call(state, L);
   const int lane = threadIdx.x & 31;
   const char* const recv = own + L.recv;
   if (static_cast<int>(threadIdx.x) < R) {

@@ -223,13 +223,16 @@ struct LLPhase {
   int32_t mode;
   uint32_t* token;                       // nullptr when fused
   ffi::Span<const int64_t> token_dims;  // checked for a phase
+  const ffi::Buffer<ffi::S32>* rank_mask;  // the call's (fused, send); a receive runs its send's
 };
-LLPhase FusedPhase() { return {kLLFused, nullptr, {}}; }
-LLPhase SendPhase(ffi::ResultBuffer<ffi::U32>& token) {
-  return {kLLSend, token->typed_data(), token->dimensions()};
+LLPhase FusedPhase(const ffi::Buffer<ffi::S32>& rank_mask) {
+  return {kLLFused, nullptr, {}, &rank_mask};
+}
+LLPhase SendPhase(ffi::ResultBuffer<ffi::U32>& token, const ffi::Buffer<ffi::S32>& rank_mask) {
+  return {kLLSend, token->typed_data(), token->dimensions(), &rank_mask};
 }
 LLPhase RecvPhase(ffi::Buffer<ffi::U32>& token) {
-  return {kLLRecv, const_cast<uint32_t*>(token.typed_data()), token.dimensions()};
+  return {kLLRecv, const_cast<uint32_t*>(token.typed_data()), token.dimensions(), nullptr};
 }
 
 cudaError_t LaunchLLKernel(const LLDispatchLaunch& launch, cudaStream_t stream) {
@@ -249,6 +252,12 @@ ffi::Error RunLL(const char* op, const char* what, CallCounters& counters, cudaS
                  ffi::Buffer<ffi::S32> group, const LLPhase& phase, Launch& launch, Own own) {
   if (ffi::Error error = CountCall(counters, stream, op); !error.success()) return error;
   if (ffi::Error error = own(state.attrs); !error.success()) return error;
+  if (phase.rank_mask != nullptr) {
+    if (ffi::Error error = CheckLLRankMask(op, state.attrs, *phase.rank_mask); !error.success()) {
+      return error;
+    }
+    launch.c.rank_mask = phase.rank_mask->typed_data();
+  }
   if (phase.mode != kLLFused) {
     if (ffi::Error error = CheckLLToken(op, phase.token_dims); !error.success()) return error;
   }
@@ -284,15 +293,13 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
         !error.success()) {
       return error;
     }
-    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     if (ffi::Error error = CheckLLActive(kOp, a, active); !error.success()) return error;
     SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
     launch.active = active->typed_data();
     return ffi::Error::Success();
   };
-  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_dispatch", ll_dispatch_counters, stream, device_ordinal, *state, rank,
-               group, FusedPhase(), launch, own);
+               group, FusedPhase(rank_mask), launch, own);
 }
 
 ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -314,12 +321,10 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
     if (ffi::Error error = LLRowKindOfAttrs(kOp, a, &launch.row_kind); !error.success()) {
       return error;
     }
-    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     return ffi::Error::Success();
   };
-  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_dispatch_send", ll_dispatch_send_counters, stream, device_ordinal, *state,
-               rank, group, SendPhase(token), launch, own);
+               rank, group, SendPhase(token, rank_mask), launch, own);
 }
 
 ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -427,7 +432,6 @@ ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
       return error;
     }
     if (ffi::Error error = CheckLLDestRank(kOp, a, dest_rank); !error.success()) return error;
-    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     launch.y = y.untyped_data();
     launch.src_slot = src_slot.typed_data();
     launch.topk_weights = topk_weights.typed_data();
@@ -435,9 +439,8 @@ ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
     launch.out = out->untyped_data();
     return ffi::Error::Success();
   };
-  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_combine", ll_combine_counters, stream, device_ordinal, *state, rank,
-               group, FusedPhase(), launch, own);
+               group, FusedPhase(rank_mask), launch, own);
 }
 
 ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
@@ -450,14 +453,12 @@ ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
     if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
       return error;
     }
-    if (ffi::Error error = CheckLLRankMask(kOp, a, rank_mask); !error.success()) return error;
     launch.y = y.untyped_data();
     launch.src_slot = src_slot.typed_data();
     return ffi::Error::Success();
   };
-  launch.c.rank_mask = rank_mask.typed_data();
   return RunLL(kOp, "ll_combine_send", ll_combine_send_counters, stream, device_ordinal, *state,
-               rank, group, SendPhase(token), launch, own);
+               rank, group, SendPhase(token, rank_mask), launch, own);
 }
 
 ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,

@@ -195,69 +195,62 @@ ffi::Error RunRankMajorRows(const char* op, cudaStream_t stream, int32_t device_
   return ffi::Error::Success();
 }
 
-ffi::Error CombineRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
-                                ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_index,
-                                ffi::Buffer<ffi::PRED> is_token_in_rank,
-                                ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                                ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
-                                ffi::ResultBuffer<ffi::S32> slot_rows) {
-  constexpr const char* kOp = kCombineRankMajorTarget;
+// combine_rank_major (rows [R * T, H] -> tokens [T, H]) and broadcast_rank_major (tokens -> rows,
+// its backward): one handler body, the direction the template argument. `in` is y or g.
+template <bool kCombine>
+ffi::Error RankMajorRowsImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
+                             ffi::AnyBuffer in, ffi::Buffer<ffi::S32> src_index,
+                             ffi::Buffer<ffi::PRED> is_token_in_rank,
+                             ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
+                             ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::ResultBuffer<ffi::S32> slot_rows) {
+  constexpr const char* kOp = kCombine ? kCombineRankMajorTarget : kBroadcastRankMajorTarget;
+  const char* in_name = kCombine ? "y" : "g";
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks;
-  int32_t y_kind;
-  if (ffi::Error error = BeginRowsOp(kOp, combine_rank_major_counters, stream, a, "y", y,
-                                     out->element_type(), &y_kind);
+  int32_t kind;
+  if (ffi::Error error =
+          BeginRowsOp(kOp, kCombine ? combine_rank_major_counters : broadcast_rank_major_counters,
+                      stream, a, in_name, in, out->element_type(), &kind);
       !error.success()) {
     return error;
   }
-  if (!IsShape(y.dimensions(), {R * T, H}) || !IsShape(out->dimensions(), {T, H})) {
-    return Invalid(kOp, "y " + DimsToString(y.dimensions()) + ", out " +
-                            DimsToString(out->dimensions()) + " do not match [R * T, H], [T, H] " +
-                            "with T=" + std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
-                            std::to_string(R));
+  const bool rows_in = IsShape(in.dimensions(), {R * T, H}) && IsShape(out->dimensions(), {T, H});
+  const bool rows_out = a.capacity == R * T && IsShape(in.dimensions(), {T, H}) &&
+                        IsShape(out->dimensions(), {R * T, H});
+  if (kCombine ? !rows_in : !rows_out) {
+    return Invalid(kOp, std::string(in_name) + " " + DimsToString(in.dimensions()) + ", out " +
+                            DimsToString(out->dimensions()) + " do not match " +
+                            (kCombine ? "[R * T, H], [T, H]" : "[T, H], [R * T, H]") + " with T=" +
+                            std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
+                            std::to_string(R) +
+                            (kCombine ? "" : " (capacity " + std::to_string(a.capacity) + ")"));
   }
   return RunRankMajorRows(
-      kOp, stream, device_ordinal, *state, y.untyped_data(), y_kind, src_index, is_token_in_rank,
-      rank_mask, rank, group, out->untyped_data(), slot_rows, "combine_rank_major kernel launch",
+      kOp, stream, device_ordinal, *state, in.untyped_data(), kind, src_index, is_token_in_rank,
+      rank_mask, rank, group, out->untyped_data(), slot_rows,
+      kCombine ? "combine_rank_major kernel launch" : "broadcast_rank_major kernel launch",
       [&](const GroupLaunch& launch, const int32_t* table) {
-        return launch_combine(launch, y.untyped_data(), /*row_weights=*/nullptr, table,
-                              is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind,
-                              /*rank_major=*/true, out->untyped_data(), stream);
+        if constexpr (kCombine) {
+          return launch_combine(launch, in.untyped_data(), /*row_weights=*/nullptr, table,
+                                is_token_in_rank.typed_data(), static_cast<int32_t>(H), kind,
+                                /*rank_major=*/true, out->untyped_data(), stream);
+        } else {
+          return launch_broadcast(launch, in.untyped_data(), table, is_token_in_rank.typed_data(),
+                                  src_index.typed_data(), static_cast<int32_t>(R * T),
+                                  static_cast<int32_t>(H), kind, a.bulk_copy != 0,
+                                  /*rank_major=*/true, /*keep_empty_rows=*/false,
+                                  out->untyped_data(), stream);
+        }
       });
 }
 
-ffi::Error BroadcastRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
-                                  ffi::AnyBuffer g, ffi::Buffer<ffi::S32> src_index,
-                                  ffi::Buffer<ffi::PRED> is_token_in_rank,
-                                  ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
-                                  ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::ResultBuffer<ffi::S32> slot_rows) {
-  constexpr const char* kOp = kBroadcastRankMajorTarget;
-  const EPAttrs& a = state->attrs;
-  const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks;
-  int32_t g_kind;
-  if (ffi::Error error = BeginRowsOp(kOp, broadcast_rank_major_counters, stream, a, "g", g,
-                                     out->element_type(), &g_kind);
-      !error.success()) {
-    return error;
-  }
-  if (a.capacity != R * T || !IsShape(g.dimensions(), {T, H}) ||
-      !IsShape(out->dimensions(), {R * T, H})) {
-    return Invalid(kOp, "g " + DimsToString(g.dimensions()) + ", out " +
-                            DimsToString(out->dimensions()) + " do not match [T, H], [R * T, H] " +
-                            "with T=" + std::to_string(T) + ", H=" + std::to_string(H) + ", R=" +
-                            std::to_string(R) + " (capacity " + std::to_string(a.capacity) + ")");
-  }
-  return RunRankMajorRows(
-      kOp, stream, device_ordinal, *state, g.untyped_data(), g_kind, src_index, is_token_in_rank,
-      rank_mask, rank, group, out->untyped_data(), slot_rows, "broadcast_rank_major kernel launch",
-      [&](const GroupLaunch& launch, const int32_t* table) {
-        return launch_broadcast(launch, g.untyped_data(), table, is_token_in_rank.typed_data(),
-                                src_index.typed_data(), static_cast<int32_t>(R * T),
-                                static_cast<int32_t>(H), g_kind, a.bulk_copy != 0,
-                                /*rank_major=*/true, /*keep_empty_rows=*/false,
-                                out->untyped_data(), stream);
-      });
+// Their operands: y or g, src_index, is_token_in_rank, rank_mask; results: out, slot_rows (scratch).
+auto BindRankMajorRowsOp() {
+  return BindDataOp<ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::PRED>,
+                    ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::Buffer<ffi::S32>>();
 }
 
 }  // namespace
@@ -279,20 +272,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRankMajor, jax_ep::DispatchRankMajorI
                                    .Ret<ffi::Buffer<ffi::PRED>>()),          // is_token_in_rank
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineRankMajor, jax_ep::CombineRankMajorImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
-                                                  ffi::Buffer<ffi::S32>,      // src_index
-                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
-                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::AnyBuffer>()                     // out
-                                   .Ret<ffi::Buffer<ffi::S32>>()),            // slot_rows (scratch)
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineRankMajor, jax_ep::RankMajorRowsImpl<true>,
+                              jax_ep::BindRankMajorRowsOp(), {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcastRankMajor, jax_ep::BroadcastRankMajorImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
-                                                  ffi::Buffer<ffi::S32>,      // src_index
-                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
-                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::AnyBuffer>()                     // out
-                                   .Ret<ffi::Buffer<ffi::S32>>()),            // slot_rows (scratch)
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcastRankMajor, jax_ep::RankMajorRowsImpl<false>,
+                              jax_ep::BindRankMajorRowsOp(), {ffi::Traits::kCmdBufferCompatible});
