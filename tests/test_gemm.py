@@ -528,3 +528,27 @@ def test_fp8_bounds_variants_lower_for_cuda_and_restore_the_kernel():
         with bounds.variant("nope"):
             pass
     assert {n: getattr(gemm_mgpu, n) for n in before} == before
+
+
+def test_gemm_sm_limit_lowers_each_grid_as_a_program_of_its_own():
+    """tools/gemm_sm_limit.py: each SM count (the persistent grid shrunk while traced) lowers for CUDA
+    here to a module of its own, gemm_mgpu's grid size is itself again afterwards, and a count outside
+    the GPU is refused."""
+    import importlib.util
+    import pathlib
+
+    from jax_ep import gemm_mgpu
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "gemm_sm_limit.py"
+    spec = importlib.util.spec_from_file_location("gemm_sm_limit", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    before = gemm_mgpu._num_sms
+    records = tool.main(["--lower-only", "--passes", "forward", "--free", "0,24"])
+    assert [(r["shape"][2], r["sms"]) for r in records] == [(7168, 132), (7168, 108), (2048, 132),
+                                                            (2048, 108)]
+    for k in (7168, 2048):
+        assert len({r["lowered_sha1"] for r in records if r["shape"][2] == k}) == 2
+    assert gemm_mgpu._num_sms is before
+    with pytest.raises(SystemExit):
+        tool.main(["--lower-only", "--free", "132"])

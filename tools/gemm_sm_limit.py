@@ -1,0 +1,111 @@
+"""The grouped GEMMs on fewer SMs: what leaving SMs to an exchange beside them would cost.
+
+    python tools/gemm_sm_limit.py [--shapes dsv3|mid|layers] [--free 0,12,24,36] [--passes forward,dx,dw]
+                                  [--out JSON] [--lower-only]
+
+Hiding the EP traffic behind the expert GEMMs (issue 38, item 3) needs the persistent GEMM kernels to
+leave SMs to the exchange kernels: their grid is one CTA (or ``ctas_per_sm``) per SM
+(``gemm_mgpu._num_sms``). This tool times each pass of the layer's per-rank GEMMs at the table's
+configuration with that grid shrunk by each ``--free`` count (patched while traced; the kernels spread
+their tiles over whatever grid there is), ms and TFLOP/s on real rows, in one record. ``--lower-only``
+lowers each setting for CUDA without running it (any machine; the CPU test's check that each setting is
+a program of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import hashlib
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import tune_gemm  # noqa: E402
+
+from jax_ep import gemm_mgpu as mgpu  # noqa: E402
+
+
+@contextlib.contextmanager
+def sms(count: int):
+    """gemm_mgpu's persistent grids sized for `count` SMs while inside (traced inside to take effect)."""
+    real = mgpu._num_sms
+    mgpu._num_sms = lambda: count
+    try:
+        yield
+    finally:
+        mgpu._num_sms = real
+
+
+def table_config(name: str, m: int, k: int, n: int, g: int) -> mgpu.BlockConfig:
+    entries = json.loads(tune_gemm.CONFIG_FILE.read_text())["configs"]
+    found = [mgpu.BlockConfig(*e["config"]) for e in entries
+             if (e["pass"], e["m"], e["k"], e["n"], e["g"]) == (name, m, k, n, g)]
+    return found[0] if found else mgpu.BlockConfig()
+
+
+def run(shapes, passes, free, *, lower_only: bool = False) -> list[dict]:
+    total = 132 if lower_only else jax.devices()[0].core_count
+    rng = np.random.default_rng(0)
+    records = []
+    for (m, real, k, n, g, align) in shapes:
+        if lower_only:  # shapes only: nothing to time
+            x, w, dy, gs = (jax.ShapeDtypeStruct(s, d) for s, d in (
+                ((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((m, n), jnp.bfloat16), ((g,), jnp.int32)))
+        else:
+            gs = jnp.asarray(tune_gemm.expert_group_sizes(real, g, rng, uniform=False, align=align))
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+            dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+        for name in passes:
+            cfg = table_config(name, m, k, n, g)
+            for f in free:
+                rec = dict(shape=[m, real, k, n, g], pass_name=name, config=list(cfg.astuple()),
+                           sms=total - f, free_sms=f)
+                fn = functools.partial(tune_gemm.run_pass, name, cfg)
+                with sms(total - f):
+                    lowered = jax.jit(fn).trace(x, w, dy, gs).lower(
+                        lowering_platforms=("cuda",) if lower_only else None)
+                    compiled = None if lower_only else lowered.compile()
+                if lower_only:
+                    rec["lowered_sha1"] = hashlib.sha1(lowered.as_text().encode()).hexdigest()
+                else:
+                    t = tune_gemm.best_of(compiled, x, w, dy, gs)
+                    rec.update(ms=round(t * 1e3, 4), tflops=round(2 * real * k * n / t / 1e12, 1))
+                print(rec, flush=True)
+                records.append(rec)
+    return records
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="dsv3", choices=["dsv3", "mid", "layers"])
+    parser.add_argument("--passes", default="forward,dx,dw")
+    parser.add_argument("--free", default="0,12,24,36", help="SMs left free, comma-separated")
+    parser.add_argument("--out", default=None, help="write the record here (JSON)")
+    parser.add_argument("--lower-only", action="store_true", help="lower for CUDA, do not run")
+    args = parser.parse_args(argv)
+    free = [int(f) for f in args.free.split(",")]
+    if any(f < 0 or f >= 132 for f in free):
+        parser.error(f"--free: SM counts from 0 to 131, got {args.free}")
+    records = run(tune_gemm.SHAPES[args.shapes], [p for p in args.passes.split(",") if p], free,
+                  lower_only=args.lower_only)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(dict(
+            tool="tools/gemm_sm_limit.py", argv=argv if argv is not None else sys.argv[1:],
+            device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), runs=records), indent=1) + "\n")
+    return records
+
+
+if __name__ == "__main__":
+    main()
