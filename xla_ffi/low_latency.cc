@@ -81,15 +81,6 @@ ffi::Error CheckLLRankMask(const char* op, const EPAttrs& a, ffi::Buffer<ffi::S3
   return ffi::Error::Success();
 }
 
-// active int32 [R] of ll_dispatch / ll_dispatch_recv: the ranks that took part in the call.
-ffi::Error CheckLLActive(const char* op, const EPAttrs& a, ffi::ResultBuffer<ffi::S32>& active) {
-  if (!IsShape(active->dimensions(), {a.num_ranks})) {
-    return Invalid(op, "the rank_mask output " + DimsToString(active->dimensions()) +
-                           " must be [R], R=" + std::to_string(a.num_ranks));
-  }
-  return ffi::Error::Success();
-}
-
 // dest_rank int32 [T, K] of a receiving ll_combine kernel.
 ffi::Error CheckLLDestRank(const char* op, const EPAttrs& a, ffi::Buffer<ffi::S32> dest_rank) {
   if (!IsShape(dest_rank.dimensions(), {a.num_tokens, a.num_topk})) {
@@ -179,13 +170,17 @@ ffi::Error LLRowKindOfAttrs(const char* op, const EPAttrs& a, int32_t* row_kind)
   return ffi::Error::Success();
 }
 
-// ll_dispatch's outputs rows [E_local, R * T, H], scales [E_local, R * T, H / 128] (fp8; else
-// empty), counts [E_local, R], src_slot [E_local, R * T]; sets the row kind.
-ffi::Error CheckLLDispatchOutputs(const char* op, const EPAttrs& a,
-                                  ffi::Result<ffi::AnyBuffer>& rows,
-                                  ffi::ResultBuffer<ffi::F32>& scales,
-                                  ffi::ResultBuffer<ffi::S32>& counts,
-                                  ffi::ResultBuffer<ffi::S32>& src_slot, int32_t* row_kind) {
+// The receiving side's outputs of ll_dispatch / ll_dispatch_recv, checked against the attributes and
+// set in the launch (its row_kind: the rows' dtype): rows [E_local, R * T, H], scales [E_local, R * T,
+// H / 128] (fp8; else empty), counts [E_local, R], src_slot [E_local, R * T] and active int32 [R]
+// (the ranks that took part in the call).
+ffi::Error SetLLDispatchOutputs(const char* op, const EPAttrs& a,
+                                ffi::Result<ffi::AnyBuffer>& rows,
+                                ffi::ResultBuffer<ffi::F32>& scales,
+                                ffi::ResultBuffer<ffi::S32>& counts,
+                                ffi::ResultBuffer<ffi::S32>& src_slot,
+                                ffi::ResultBuffer<ffi::S32>& active, LLDispatchLaunch* launch) {
+  int32_t* row_kind = &launch->row_kind;
   if (!RowKindOf(rows->element_type(), row_kind) ||
       !(*row_kind == kRowBF16 || *row_kind == kRowFP8)) {
     return Invalid(op, "rows must be bfloat16 or float8_e4m3fn");
@@ -205,16 +200,16 @@ ffi::Error CheckLLDispatchOutputs(const char* op, const EPAttrs& a,
                            std::to_string(a.num_experts) + " (rows " +
                            DimsToString(rows->dimensions()) + ")");
   }
-  return ffi::Error::Success();
-}
-
-void SetLLDispatchOutputs(LLDispatchLaunch* launch, bool fp8, ffi::Result<ffi::AnyBuffer>& rows,
-                          ffi::ResultBuffer<ffi::F32>& scales, ffi::ResultBuffer<ffi::S32>& counts,
-                          ffi::ResultBuffer<ffi::S32>& src_slot) {
+  if (!IsShape(active->dimensions(), {R})) {
+    return Invalid(op, "the rank_mask output " + DimsToString(active->dimensions()) +
+                           " must be [R], R=" + std::to_string(R));
+  }
   launch->rows = rows->untyped_data();
   launch->scales = fp8 ? scales->typed_data() : nullptr;
   launch->counts = counts->typed_data();
   launch->src_slot = src_slot->typed_data();
+  launch->active = active->typed_data();
+  return ffi::Error::Success();
 }
 
 // Which part of a low-latency op a handler runs: fused, or a phase with the call token between the
@@ -288,15 +283,7 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
         !error.success()) {
       return error;
     }
-    if (ffi::Error error =
-            CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
-        !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = CheckLLActive(kOp, a, active); !error.success()) return error;
-    SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
-    launch.active = active->typed_data();
-    return ffi::Error::Success();
+    return SetLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, active, &launch);
   };
   return RunLL(kOp, "ll_dispatch", ll_dispatch_counters, stream, device_ordinal, *state, rank,
                group, FusedPhase(rank_mask), launch, own);
@@ -359,15 +346,7 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
         !error.success()) {
       return error;
     }
-    if (ffi::Error error =
-            CheckLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, &launch.row_kind);
-        !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = CheckLLActive(kOp, a, active); !error.success()) return error;
-    SetLLDispatchOutputs(&launch, launch.row_kind == kRowFP8, rows, scales, counts, src_slot);
-    launch.active = active->typed_data();
-    return ffi::Error::Success();
+    return SetLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, active, &launch);
   };
   return RunLL(kOp, "ll_dispatch_recv", ll_dispatch_recv_counters, stream, device_ordinal, *state,
                rank, group, RecvPhase(token), launch, own);
