@@ -333,7 +333,10 @@ def _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
 
 
 def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
-    return _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted), (y, handle, rank_mask)
+    # y itself only where the backward reads it (weighted) or writes into its buffer (in place); else
+    # its dtype alone, so that the forward's [C, H] rows are not held until the backward for nothing
+    kept = y if weighted or empty_rows_zero else jnp.zeros((0,), y.dtype)
+    return _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted), (kept, handle, rank_mask)
 
 
 def _combine_bwd(cfg, empty_rows_zero, weighted, residuals, g):

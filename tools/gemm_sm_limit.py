@@ -5,11 +5,11 @@
 
 Hiding the EP traffic behind the expert GEMMs (issue 38, item 3) needs the persistent GEMM kernels to
 leave SMs to the exchange kernels: their grid is one CTA (or ``ctas_per_sm``) per SM
-(``gemm_mgpu._num_sms``). This tool times each pass of the layer's per-rank GEMMs at the table's
-configuration with that grid shrunk by each ``--free`` count (patched while traced; the kernels spread
-their tiles over whatever grid there is), ms and TFLOP/s on real rows, in one record. ``--lower-only``
-lowers each setting for CUDA without running it (any machine; the CPU test's check that each setting is
-a program of its own).
+(``gemm_mgpu._num_sms``). This tool times each pass of the layer's per-rank GEMMs at the configuration
+the layer takes (``jax_ep.gemm.block_config``: the tuned table's) with that grid shrunk by each ``--free``
+count (patched while traced; the kernels spread their tiles over whatever grid there is), ms and TFLOP/s
+on real rows, in one record. ``--lower-only`` lowers each setting for CUDA without running it (any
+machine; the CPU test's check that each setting is a program of its own).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tune_gemm  # noqa: E402
 
+from jax_ep import gemm  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
 
 
@@ -43,13 +44,6 @@ def sms(count: int):
         yield
     finally:
         mgpu._num_sms = real
-
-
-def table_config(name: str, m: int, k: int, n: int, g: int) -> mgpu.BlockConfig:
-    entries = json.loads(tune_gemm.CONFIG_FILE.read_text())["configs"]
-    found = [mgpu.BlockConfig(*e["config"]) for e in entries
-             if (e["pass"], e["m"], e["k"], e["n"], e["g"]) == (name, m, k, n, g)]
-    return found[0] if found else mgpu.BlockConfig()
 
 
 def run(shapes, passes, free, *, lower_only: bool = False) -> list[dict]:
@@ -66,7 +60,7 @@ def run(shapes, passes, free, *, lower_only: bool = False) -> list[dict]:
             w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
             dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
         for name in passes:
-            cfg = table_config(name, m, k, n, g)
+            cfg = gemm.block_config(name, m, k, n, g)   # what the layer takes for this pass
             for f in free:
                 rec = dict(shape=[m, real, k, n, g], pass_name=name, config=list(cfg.astuple()),
                            sms=total - f, free_sms=f)

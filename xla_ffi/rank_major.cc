@@ -215,10 +215,11 @@ ffi::Error RankMajorRowsImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
       !error.success()) {
     return error;
   }
-  const bool rows_in = IsShape(in.dimensions(), {R * T, H}) && IsShape(out->dimensions(), {T, H});
-  const bool rows_out = a.capacity == R * T && IsShape(in.dimensions(), {T, H}) &&
-                        IsShape(out->dimensions(), {R * T, H});
-  if (kCombine ? !rows_in : !rows_out) {
+  const bool shapes_ok =
+      kCombine ? IsShape(in.dimensions(), {R * T, H}) && IsShape(out->dimensions(), {T, H})
+               : a.capacity == R * T && IsShape(in.dimensions(), {T, H}) &&
+                     IsShape(out->dimensions(), {R * T, H});
+  if (!shapes_ok) {
     return Invalid(kOp, std::string(in_name) + " " + DimsToString(in.dimensions()) + ", out " +
                             DimsToString(out->dimensions()) + " do not match " +
                             (kCombine ? "[R * T, H], [T, H]" : "[T, H], [R * T, H]") + " with T=" +
