@@ -693,14 +693,32 @@ __device__ __forceinline__ void token_slot(const MainArgs& a, const char* own, i
   *expert = sanitized_expert_warp(id, a.num_experts);
 }
 
-// This rank's own token t, lane k's slot: its local expert if that expert is on this rank (else -1),
-// and (token_slot's) its rank among this rank's tokens of the expert and its gate weight.
-__device__ __forceinline__ int own_slot_here(const MainArgs& a, const char* own, int R, int me,
-                                             int64_t t, int lane, int* rank, float* weight) {
-  int expert;
-  token_slot(a, own, t, lane, &expert, rank, weight);
-  const int experts_per_rank = a.num_experts / R;
-  return expert >= 0 && expert / experts_per_rank == me ? expert % experts_per_rank : -1;
+// Lane k's top-k slot of token t of source rank s as this rank receives it: the slot's number
+// n = s*T + t, its local expert here (-1: not here) and gate weight (this rank's own tokens from x's
+// routing, a peer's from the metadata it staged), and for this rank's own tokens (token_slot's) the
+// slot's rank among them for that expert (-1 for a peer's: each receiver reads its own table).
+struct SourceSlot {
+  int64_t slot;
+  int local;
+  float weight;
+  int own_rank;
+};
+
+__device__ __forceinline__ SourceSlot source_slot(const MainArgs& a, const DataWarp& d, int s,
+                                                  int64_t t) {
+  const int K = a.num_topk;
+  SourceSlot r{static_cast<int64_t>(s) * a.num_tokens + t, -1, 0.f, -1};
+  if (s == d.me) {
+    int expert;
+    token_slot(a, d.own, t, d.lane, &expert, &r.own_rank, &r.weight);
+    const int experts_per_rank = a.num_experts / d.R;
+    r.local = expert >= 0 && expert / experts_per_rank == d.me ? expert % experts_per_rank : -1;
+  } else if (d.lane < K) {
+    const int64_t meta = r.slot * K + d.lane;
+    r.local = __ldcg(reinterpret_cast<const int32_t*>(d.own + a.layout.meta_rows) + meta);
+    r.weight = __ldcg(reinterpret_cast<const float*>(d.own + a.layout.meta_w) + meta);
+  }
+  return r;
 }
 
 // Expert-major: the row here of source s's pair of local expert j (-1: none) whose rank among s's
@@ -850,25 +868,20 @@ template <int kConv, bool kTma>
 __device__ __forceinline__ void dispatch_receive_token(const MainArgs& a, const DataWarp& d,
                                                        TmaWarp& tma, int s, int64_t t,
                                                        const RowSlice& rs) {
-  const CommLayout& L = a.layout;
   const int lane = d.lane;
   const int K = a.num_topk;
-  const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
-  int local, rank;  // the slot's local expert here (-1: not here) and its rank among s's tokens of it
-  float weight;
-  if (s == d.me) {
-    local = own_slot_here(a, d.own, d.R, d.me, t, lane, &rank, &weight);
-  } else {
-    const int64_t meta = slot * K + lane;
-    local = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
-    rank = local >= 0 ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rank) + meta) : -1;
-    weight = lane < K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
-  }
-  const int row = receive_row(a, d.own, s, local, rank);
+  const SourceSlot src = source_slot(a, d, s, t);
+  const int64_t slot = src.slot;
+  // the slot's rank among s's tokens of its local expert
+  const int rank =
+      s == d.me || src.local < 0
+          ? src.own_rank
+          : __ldcg(reinterpret_cast<const int32_t*>(d.own + a.layout.meta_rank) + slot * K + lane);
+  const int row = receive_row(a, d.own, s, src.local, rank);
   if (rs.lo == 0) {
     if (lane < K) a.token_rows[slot * K + lane] = row;
     if (row >= 0) {
-      a.row_weights[row] = weight;
+      a.row_weights[row] = src.weight;
       a.src_index[row] = static_cast<int32_t>(slot);
     }
   }
@@ -955,26 +968,21 @@ __device__ __forceinline__ void dispatch_rank_major_token(const MainArgs& a, con
   const CommLayout& L = a.layout;
   const int lane = d.lane;
   const int K = a.num_topk;
-  const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
-  int id, rank;  // rank: the token's rank among s's tokens sent here (-1: it did not come here)
-  float weight;
+  const SourceSlot src = source_slot(a, d, s, t);
+  int rank;  // the token's rank among s's tokens sent here (-1: it did not come here)
   if (s == d.me) {
-    id = own_slot_here(a, d.own, d.R, d.me, t, lane, &rank, &weight);
-    const uint32_t on_me = __ballot_sync(kFullMask, id >= 0);
-    rank = on_me != 0u ? __shfl_sync(kFullMask, rank, __ffs(on_me) - 1) : -1;
+    const uint32_t on_me = __ballot_sync(kFullMask, src.local >= 0);
+    rank = on_me != 0u ? __shfl_sync(kFullMask, src.own_rank, __ffs(on_me) - 1) : -1;
   } else {
-    const int64_t meta = slot * K + lane;
-    id = lane < K ? __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_rows) + meta) : -1;
-    weight = lane < K ? __ldcg(reinterpret_cast<const float*>(d.own + L.meta_w) + meta) : 0.f;
-    rank = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_pos) + slot);
+    rank = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.meta_pos) + src.slot);
   }
   if (rank < 0) return;  // (warp-uniform) the token did not come here
   const int row = __ldcg(reinterpret_cast<const int32_t*>(d.own + L.base_row) + s) + rank;
   if (rs.lo == 0 && lane < K) {
-    a.row_ids[static_cast<int64_t>(row) * K + lane] = id;
-    a.row_topk_weights[static_cast<int64_t>(row) * K + lane] = id >= 0 ? weight : 0.f;
+    a.row_ids[static_cast<int64_t>(row) * K + lane] = src.local;
+    a.row_topk_weights[static_cast<int64_t>(row) * K + lane] = src.local >= 0 ? src.weight : 0.f;
   }
-  if (rs.lo == 0 && lane == 0) a.src_index[row] = static_cast<int32_t>(slot);
+  if (rs.lo == 0 && lane == 0) a.src_index[row] = static_cast<int32_t>(src.slot);
   char* my_dst = lane == 0 ? a.row_at(row) : nullptr;  // one destination: lane 0 names it
   float* my_scales =
       lane == 0 && a.num_scales > 0 ? a.scales + static_cast<int64_t>(row) * a.num_scales : nullptr;

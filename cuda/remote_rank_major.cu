@@ -221,6 +221,21 @@ __device__ __forceinline__ PutCall put_call(DeviceState* state, const PutLayout&
   return {own, info, info->size, info->rank};
 }
 
+// The pack and receive kernels' call, with the tokens per rank T and top-k K of their launch.
+struct PutRowsCall {
+  char* own;
+  const OpInfo* info;
+  int R;
+  int me;
+  int64_t T;
+  int K;
+};
+
+__device__ __forceinline__ PutRowsCall put_rows_call(const PutLaunch& a) {
+  const PutCall c = put_call(a.state, a.layout);
+  return {c.own, c.info, c.R, c.me, a.num_tokens, a.num_topk};
+}
+
 // ---- pack ------------------------------------------------------------------------------------
 struct PutPackArgs : PutLaunch {
   int32_t kind;
@@ -237,11 +252,8 @@ __device__ __forceinline__ void pack_converted(const char* x_row, int H, uint32_
 }
 
 __global__ void __launch_bounds__(kPutThreads) put_pack_kernel(PutPackArgs a) {
-  DeviceState* const state = a.state;
   const PutLayout& L = a.layout;
-  const int64_t T = a.num_tokens;
-  const int K = a.num_topk;
-  const auto [own, info, R, me] = put_call(state, L);
+  const auto [own, info, R, me, T, K] = put_rows_call(a);
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int warps = (gridDim.x * blockDim.x) >> 5;
@@ -364,9 +376,7 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
   JAX_EP_DYNAMIC_SHARED(int32_t, expert_count);  // dispatch, block 0: [E_local]
   DeviceState* const state = a.state;
   const PutLayout& L = a.layout;
-  const int64_t T = a.num_tokens;
-  const int K = a.num_topk;
-  const auto [own, info, R, me] = put_call(state, L);
+  const auto [own, info, R, me, T, K] = put_rows_call(a);
   const int lane = threadIdx.x & 31;
   const char* const recv = own + L.recv;
   if (static_cast<int>(threadIdx.x) < R) {

@@ -25,10 +25,7 @@ namespace {
 ffi::Error PrepareMaskedGroup(const char* op, int32_t device_ordinal, const OpState& state,
                               ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
                               ffi::Buffer<ffi::S32> group, GroupLaunch* launch) {
-  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, launch);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareGroup(op, device_ordinal, state, rank, group, launch));
   return RankMaskOf(op, state, rank_mask, &launch->rank_mask);
 }
 
@@ -46,7 +43,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
                         ffi::ResultBuffer<ffi::F32> row_weights,
                         ffi::ResultBuffer<ffi::S32> active) {
   constexpr const char* kOp = kDispatchTarget;
-  if (ffi::Error error = CountCall(dispatch_counters, stream, kOp); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CountCall(dispatch_counters, stream, kOp));
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks, C = a.capacity;
   if (a.alignment < 1 || C < 1 || C % a.alignment != 0) {
@@ -54,11 +51,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
                             std::to_string(a.alignment) + " inconsistent");
   }
   DispatchLaunch launch{};
-  if (ffi::Error error = PrepareDispatch(kOp, device_ordinal, *state, x, topk_idx, topk_weights,
-                                         rank, group, rows, scales, C, is_token_in_rank, &launch);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareDispatch(kOp, device_ordinal, *state, x, topk_idx, topk_weights,
+                                         rank, group, rows, scales, C, is_token_in_rank, &launch));
   const int64_t local = a.num_experts / R;
   if (!IsShape(group_sizes->dimensions(), {local}) ||
       !IsShape(expert_counts->dimensions(), {local}) || num_dropped->element_count() != 1 ||
@@ -73,9 +67,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* st
   launch.row_weights = row_weights->typed_data();
   launch.num_dropped = num_dropped->typed_data();
   launch.active = active->typed_data();
-  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask); !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask));
   launch.src_index = src_index->typed_data();
   launch.token_rows = token_rows->typed_data();
   launch.alignment = static_cast<int32_t>(a.alignment);
@@ -93,11 +85,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks;
   int32_t y_kind;
-  if (ffi::Error error = BeginRowsOp(kOp, combine_counters, stream, a, "y", y,
-                                     out->element_type(), &y_kind);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(BeginRowsOp(kOp, combine_counters, stream, a, "y", y, out->element_type(),
+                                     &y_kind));
   const auto y_dims = y.dimensions();
   const int64_t C = y_dims.size() == 2 ? y_dims[0] : -1;
   if (!IsShape(y_dims, {C, H}) || !IsShape(row_weights.dimensions(), {C}) ||
@@ -110,11 +99,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* sta
                             std::to_string(K) + ", R=" + std::to_string(R));
   }
   GroupLaunch launch{};
-  if (ffi::Error error =
-          PrepareMaskedGroup(kOp, device_ordinal, *state, rank_mask, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareMaskedGroup(kOp, device_ordinal, *state, rank_mask, rank, group,
+                                            &launch));
   const cudaError_t status = launch_combine(
       launch, y.untyped_data(), row_weights.typed_data(), token_rows.typed_data(),
       is_token_in_rank.typed_data(), static_cast<int32_t>(H), y_kind, /*rank_major=*/false,
@@ -136,10 +122,7 @@ ffi::Error PrepareBroadcast(const char* op, CallCounters& counters, cudaStream_t
                             int32_t* g_kind) {
   const EPAttrs& a = state.attrs;
   const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk, R = a.num_ranks, C = a.capacity;
-  if (ffi::Error error = BeginRowsOp(op, counters, stream, a, "g", g, out->element_type(), g_kind);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(BeginRowsOp(op, counters, stream, a, "g", g, out->element_type(), g_kind));
   if (C < 1 || !IsShape(g.dimensions(), {T, H}) || !IsShape(token_rows.dimensions(), {R * T, K}) ||
       !IsShape(is_token_in_rank.dimensions(), {T, R}) || !IsShape(src_index.dimensions(), {C}) ||
       !IsShape(out->dimensions(), {C, H})) {
@@ -164,12 +147,9 @@ ffi::Error BroadcastImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
   const EPAttrs& a = state->attrs;
   GroupLaunch launch{};
   int32_t g_kind;
-  if (ffi::Error error = PrepareBroadcast(kOp, broadcast_counters, stream, device_ordinal, *state, g,
-                                          token_rows, is_token_in_rank, src_index, rank_mask, rank,
-                                          group, out, &launch, &g_kind);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareBroadcast(kOp, broadcast_counters, stream, device_ordinal, *state,
+                                          g, token_rows, is_token_in_rank, src_index, rank_mask,
+                                          rank, group, out, &launch, &g_kind));
   const bool keep_empty_rows = IsShape(into.dimensions(), {a.capacity, a.hidden});
   if (into.element_type() != g.element_type() ||
       !(keep_empty_rows || IsShape(into.dimensions(), {0, a.hidden})) ||
@@ -200,12 +180,9 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
   const int64_t C = a.capacity;
   GroupLaunch launch{};
   int32_t kind;
-  if (ffi::Error error = PrepareBroadcast(kOp, combine_bwd_counters, stream, device_ordinal, *state,
-                                          g, token_rows, is_token_in_rank, src_index, rank_mask, rank,
-                                          group, dy, &launch, &kind);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareBroadcast(kOp, combine_bwd_counters, stream, device_ordinal, *state,
+                                          g, token_rows, is_token_in_rank, src_index, rank_mask,
+                                          rank, group, dy, &launch, &kind));
   if (y.element_type() != g.element_type() || !IsShape(y.dimensions(), {C, a.hidden}) ||
       !IsShape(row_weights.dimensions(), {C}) || !IsShape(d_row_weights->dimensions(), {C})) {
     return Invalid(kOp, "y " + DimsToString(y.dimensions()) + " must be [C, H] of g's dtype and "
@@ -226,9 +203,7 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
                           ffi::Buffer<ffi::S32> rank_mask, ffi::Buffer<ffi::S32> rank,
                           ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::F32> out) {
   constexpr const char* kOp = kSlotValuesTarget;
-  if (ffi::Error error = CountCall(slot_values_counters, stream, kOp); !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(CountCall(slot_values_counters, stream, kOp));
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks;
   if (values.dimensions().size() != 1 || !IsShape(token_rows.dimensions(), {R * T, K}) ||
@@ -238,11 +213,8 @@ ffi::Error SlotValuesImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
                             DimsToString(out->dimensions()) + " must be [C], [R * T, K], [T, K]");
   }
   GroupLaunch launch{};
-  if (ffi::Error error =
-          PrepareMaskedGroup(kOp, device_ordinal, *state, rank_mask, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareMaskedGroup(kOp, device_ordinal, *state, rank_mask, rank, group,
+                                            &launch));
   const cudaError_t status = launch_slot_values(launch, values.typed_data(),
                                                 token_rows.typed_data(), out->typed_data(), stream);
   if (status != cudaSuccess) return CudaError(status, "slot_values kernel launch");

@@ -58,6 +58,14 @@ bool IsShape(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want)
 
 ffi::Error Invalid(const char* op, const std::string& what);
 
+// Returns from the calling handler with the error of `expr` (an ffi::Error) unless it succeeded.
+#define JAX_EP_RETURN_IF_ERROR(expr)                                          \
+  do {                                                                        \
+    if (::xla::ffi::Error jax_ep_error_ = (expr); !jax_ep_error_.success()) { \
+      return jax_ep_error_;                                                   \
+    }                                                                         \
+  } while (0)
+
 // Reserves the call site's buffer and builds its state; runtime errors become FFI errors.
 ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& attrs,
                                                  const CommLayout& layout,

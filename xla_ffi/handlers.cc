@@ -167,7 +167,7 @@ ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& s
                                 " is not managed by the jax_ep runtime (it was shut down, or JAX "
                                 "runs this executable on a GPU it was not given)");
   }
-  if (ffi::Error error = CheckBuffer(op, state); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CheckBuffer(op, state));
   const int sms = runtime.SmCount(device_ordinal);
   if (sms < 2) {
     return ffi::Error::Internal(std::string(op) + ": unknown SM count of GPU " +
@@ -224,7 +224,7 @@ ffi::Error CheckRowBytes(const char* op, const EPAttrs& a, int32_t kind) {
 ffi::Error BeginRowsOp(const char* op, CallCounters& counters, cudaStream_t stream,
                        const EPAttrs& a, const char* name, ffi::AnyBuffer data,
                        ffi::DataType out_type, int32_t* kind) {
-  if (ffi::Error error = CountCall(counters, stream, op); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CountCall(counters, stream, op));
   if (!RowKindOf(data.element_type(), kind) || *kind == kRowFP8 ||
       out_type != data.element_type()) {
     return Invalid(op, std::string(name) + " must be bfloat16 or float32, and the output of the "
@@ -263,7 +263,7 @@ ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState
   }
   const bool fp8 = row_kind == kRowFP8;
   const int64_t num_scales = fp8 ? H / kFp8Block : 0;
-  if (ffi::Error error = CheckRowBytes(op, a, row_kind); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CheckRowBytes(op, a, row_kind));
   if (E < R || E % R != 0 || (fp8 && H % kFp8Block != 0) || a.scale_bytes != num_scales * 4) {
     return Invalid(op, "attributes E=" + std::to_string(E) + " R=" + std::to_string(R) +
                            " scale_bytes=" + std::to_string(a.scale_bytes) + " inconsistent");
@@ -281,10 +281,7 @@ ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState
                            std::to_string(rows_count));
   }
   GroupLaunch group_launch{};
-  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, &group_launch);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareGroup(op, device_ordinal, state, rank, group, &group_launch));
   launch->state = group_launch.state;
   launch->layout = state.layout;
   launch->x = x.untyped_data();

@@ -24,10 +24,7 @@ ffi::Error DispatchLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_id
                               ffi::ResultBuffer<ffi::S32> tokens_per_expert,
                               ffi::ResultBuffer<ffi::PRED> is_token_in_rank, int64_t num_experts,
                               int64_t num_ranks) {
-  if (ffi::Error error = CountCall(dispatch_layout_counters, stream, kDispatchLayoutTarget);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(CountCall(dispatch_layout_counters, stream, kDispatchLayoutTarget));
   const auto topk_dims = topk_idx.dimensions();
   if (topk_dims.size() != 2) {
     return ffi::Error::InvalidArgument("jax_ep_dispatch_layout: topk_idx must be [T, K], got " +

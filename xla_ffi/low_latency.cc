@@ -50,10 +50,7 @@ ffi::Error PrepareLL(const char* op, int32_t device_ordinal, const OpState& stat
                      ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int32_t mode,
                      uint32_t* token, LLCommon* c) {
   GroupLaunch g{};
-  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, &g);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareGroup(op, device_ordinal, state, rank, group, &g));
   const EPAttrs& a = state.attrs;
   c->state = g.state;
   c->L = LLLayoutOf(a);
@@ -106,14 +103,8 @@ ffi::Error SetLLHandleSlots(const char* op, const EPAttrs& a, LLDispatchLaunch* 
                             ffi::ResultBuffer<ffi::F32>& weights,
                             ffi::ResultBuffer<ffi::S32>& dest_rank,
                             ffi::ResultBuffer<ffi::S32>& num_dropped) {
-  if (ffi::Error error = CheckLLPairs(op, a, "the topk_weights output", weights->dimensions());
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckLLPairs(op, a, "the dest_rank output", dest_rank->dimensions());
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(CheckLLPairs(op, a, "the topk_weights output", weights->dimensions()));
+  JAX_EP_RETURN_IF_ERROR(CheckLLPairs(op, a, "the dest_rank output", dest_rank->dimensions()));
   if (num_dropped->element_count() != 1) return Invalid(op, "num_dropped must be a scalar");
   launch->weights = weights->typed_data();
   launch->dest_rank = dest_rank->typed_data();
@@ -137,10 +128,7 @@ ffi::Error CheckLLDispatchSend(const char* op, const EPAttrs& a, ffi::AnyBuffer 
                                ffi::ResultBuffer<ffi::F32>& weights,
                                ffi::ResultBuffer<ffi::S32>& dest_rank,
                                ffi::ResultBuffer<ffi::S32>& num_dropped, LLDispatchLaunch* launch) {
-  if (ffi::Error error = CheckLLPairs(op, a, "topk_weights", topk_weights.dimensions());
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(CheckLLPairs(op, a, "topk_weights", topk_weights.dimensions()));
   launch->x = x.untyped_data();
   launch->topk_idx = topk_idx.typed_data();
   launch->topk_weights = topk_weights.typed_data();
@@ -161,7 +149,7 @@ ffi::Error CheckLLDispatchSend(const char* op, const EPAttrs& a, ffi::AnyBuffer 
 // The wire row kind the attributes were sized for (fp8: H bytes + H / 128 scales; bf16: 2H).
 ffi::Error LLRowKindOfAttrs(const char* op, const EPAttrs& a, int32_t* row_kind) {
   *row_kind = a.row_bytes == a.hidden ? kRowFP8 : kRowBF16;
-  if (ffi::Error error = CheckRowBytes(op, a, *row_kind); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CheckRowBytes(op, a, *row_kind));
   const bool fp8 = *row_kind == kRowFP8;
   if ((fp8 && a.hidden % kFp8Block != 0) || a.scale_bytes != (fp8 ? a.hidden / kFp8Block * 4 : 0)) {
     return Invalid(op, "scale_bytes=" + std::to_string(a.scale_bytes) + " does not match H=" +
@@ -186,7 +174,7 @@ ffi::Error SetLLDispatchOutputs(const char* op, const EPAttrs& a,
     return Invalid(op, "rows must be bfloat16 or float8_e4m3fn");
   }
   int32_t attr_kind;
-  if (ffi::Error error = LLRowKindOfAttrs(op, a, &attr_kind); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(LLRowKindOfAttrs(op, a, &attr_kind));
   if (attr_kind != *row_kind) return Invalid(op, "rows dtype does not match row_bytes");
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
   const bool fp8 = *row_kind == kRowFP8;
@@ -245,22 +233,17 @@ template <typename Launch, typename Own>
 ffi::Error RunLL(const char* op, const char* what, CallCounters& counters, cudaStream_t stream,
                  int32_t device_ordinal, const OpState& state, ffi::Buffer<ffi::S32> rank,
                  ffi::Buffer<ffi::S32> group, const LLPhase& phase, Launch& launch, Own own) {
-  if (ffi::Error error = CountCall(counters, stream, op); !error.success()) return error;
-  if (ffi::Error error = own(state.attrs); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CountCall(counters, stream, op));
+  JAX_EP_RETURN_IF_ERROR(own(state.attrs));
   if (phase.rank_mask != nullptr) {
-    if (ffi::Error error = CheckLLRankMask(op, state.attrs, *phase.rank_mask); !error.success()) {
-      return error;
-    }
+    JAX_EP_RETURN_IF_ERROR(CheckLLRankMask(op, state.attrs, *phase.rank_mask));
     launch.c.rank_mask = phase.rank_mask->typed_data();
   }
   if (phase.mode != kLLFused) {
-    if (ffi::Error error = CheckLLToken(op, phase.token_dims); !error.success()) return error;
+    JAX_EP_RETURN_IF_ERROR(CheckLLToken(op, phase.token_dims));
   }
-  if (ffi::Error error = PrepareLL(op, device_ordinal, state, rank, group, phase.mode,
-                                   phase.token, &launch.c);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareLL(op, device_ordinal, state, rank, group, phase.mode, phase.token,
+                                   &launch.c));
   const cudaError_t status = LaunchLLKernel(launch, stream);
   if (status != cudaSuccess) return CudaError(status, std::string(what) + " kernel launch");
   return ffi::Error::Success();
@@ -278,11 +261,8 @@ ffi::Error LLDispatchImpl(cudaStream_t stream, int32_t device_ordinal, OpState* 
   constexpr const char* kOp = kLLDispatchTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLDispatchSend(kOp, a, x, topk_idx, topk_weights, weights,
-                                               dest_rank, num_dropped, &launch);
-        !error.success()) {
-      return error;
-    }
+    JAX_EP_RETURN_IF_ERROR(CheckLLDispatchSend(kOp, a, x, topk_idx, topk_weights, weights,
+                                               dest_rank, num_dropped, &launch));
     return SetLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, active, &launch);
   };
   return RunLL(kOp, "ll_dispatch", ll_dispatch_counters, stream, device_ordinal, *state, rank,
@@ -300,14 +280,9 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
   constexpr const char* kOp = kLLDispatchSendTarget;
   LLDispatchLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLDispatchSend(kOp, a, x, topk_idx, topk_weights, weights,
-                                               dest_rank, num_dropped, &launch);
-        !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = LLRowKindOfAttrs(kOp, a, &launch.row_kind); !error.success()) {
-      return error;
-    }
+    JAX_EP_RETURN_IF_ERROR(CheckLLDispatchSend(kOp, a, x, topk_idx, topk_weights, weights,
+                                               dest_rank, num_dropped, &launch));
+    JAX_EP_RETURN_IF_ERROR(LLRowKindOfAttrs(kOp, a, &launch.row_kind));
     return ffi::Error::Success();
   };
   return RunLL(kOp, "ll_dispatch_send", ll_dispatch_send_counters, stream, device_ordinal, *state,
@@ -330,22 +305,14 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
   LLDispatchLaunch launch{};
   launch.x_kind = kRowBF16;  // x is the send's
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLPairs(kOp, a, "the send's topk_weights", sent_weights.dimensions());
-        !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = CheckLLPairs(kOp, a, "the send's dest_rank", sent_dest.dimensions());
-        !error.success()) {
-      return error;
-    }
+    JAX_EP_RETURN_IF_ERROR(CheckLLPairs(kOp, a, "the send's topk_weights",
+                                        sent_weights.dimensions()));
+    JAX_EP_RETURN_IF_ERROR(CheckLLPairs(kOp, a, "the send's dest_rank", sent_dest.dimensions()));
     if (sent_dropped.element_count() != 1) return Invalid(kOp, "the send's num_dropped must be a scalar");
     launch.sent_weights = sent_weights.typed_data();
     launch.sent_dest = sent_dest.typed_data();
     launch.sent_dropped = sent_dropped.typed_data();
-    if (ffi::Error error = SetLLHandleSlots(kOp, a, &launch, weights, dest_rank, num_dropped);
-        !error.success()) {
-      return error;
-    }
+    JAX_EP_RETURN_IF_ERROR(SetLLHandleSlots(kOp, a, &launch, weights, dest_rank, num_dropped));
     return SetLLDispatchOutputs(kOp, a, rows, scales, counts, src_slot, active, &launch);
   };
   return RunLL(kOp, "ll_dispatch_recv", ll_dispatch_recv_counters, stream, device_ordinal, *state,
@@ -356,7 +323,7 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpSta
 ffi::Error CheckLLCombineY(const char* op, const EPAttrs& a, ffi::AnyBuffer y) {
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
   if (y.element_type() != ffi::DataType::BF16) return Invalid(op, "y must be bfloat16");
-  if (ffi::Error error = CheckRowBytes(op, a, kRowBF16); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CheckRowBytes(op, a, kRowBF16));
   if (!IsShape(y.dimensions(), {local, R * T, H})) {
     return Invalid(op, "y " + DimsToString(y.dimensions()) + " does not match [E_local, R*T, H] = [" +
                            std::to_string(local) + ", " + std::to_string(R * T) + ", " +
@@ -369,7 +336,7 @@ ffi::Error CheckLLCombineY(const char* op, const EPAttrs& a, ffi::AnyBuffer y) {
 ffi::Error CheckLLCombineSendInputs(const char* op, const EPAttrs& a, ffi::AnyBuffer y,
                                     ffi::Buffer<ffi::S32> src_slot) {
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks, local = a.num_experts / R;
-  if (ffi::Error error = CheckLLCombineY(op, a, y); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CheckLLCombineY(op, a, y));
   if (!IsShape(src_slot.dimensions(), {local, R * T})) {
     return Invalid(op, "y " + DimsToString(y.dimensions()) + ", src_slot " +
                            DimsToString(src_slot.dimensions()) + " do not match T=" +
@@ -385,7 +352,7 @@ ffi::Error CheckLLCombineRecvArgs(const char* op, const EPAttrs& a,
                                   ffi::Result<ffi::AnyBuffer>& out) {
   const int64_t T = a.num_tokens, H = a.hidden, K = a.num_topk;
   if (out->element_type() != ffi::DataType::BF16) return Invalid(op, "the output must be bfloat16");
-  if (ffi::Error error = CheckRowBytes(op, a, kRowBF16); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(CheckRowBytes(op, a, kRowBF16));
   if (K > kMaxTopk || !IsShape(topk_weights.dimensions(), {T, K}) ||
       !IsShape(out->dimensions(), {T, H})) {
     return Invalid(op, "topk_weights " + DimsToString(topk_weights.dimensions()) + ", out " +
@@ -404,13 +371,9 @@ ffi::Error LLCombineImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
   constexpr const char* kOp = kLLCombineTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = CheckLLDestRank(kOp, a, dest_rank); !error.success()) return error;
+    JAX_EP_RETURN_IF_ERROR(CheckLLCombineSendInputs(kOp, a, y, src_slot));
+    JAX_EP_RETURN_IF_ERROR(CheckLLCombineRecvArgs(kOp, a, topk_weights, out));
+    JAX_EP_RETURN_IF_ERROR(CheckLLDestRank(kOp, a, dest_rank));
     launch.y = y.untyped_data();
     launch.src_slot = src_slot.typed_data();
     launch.topk_weights = topk_weights.typed_data();
@@ -429,9 +392,7 @@ ffi::Error LLCombineSendImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
   constexpr const char* kOp = kLLCombineSendTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLCombineSendInputs(kOp, a, y, src_slot); !error.success()) {
-      return error;
-    }
+    JAX_EP_RETURN_IF_ERROR(CheckLLCombineSendInputs(kOp, a, y, src_slot));
     launch.y = y.untyped_data();
     launch.src_slot = src_slot.typed_data();
     return ffi::Error::Success();
@@ -448,11 +409,9 @@ ffi::Error LLCombineRecvImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
   constexpr const char* kOp = kLLCombineRecvTarget;
   LLCombineLaunch launch{};
   auto own = [&](const EPAttrs& a) -> ffi::Error {
-    if (ffi::Error error = CheckLLCombineY(kOp, a, y); !error.success()) return error;
-    if (ffi::Error error = CheckLLCombineRecvArgs(kOp, a, topk_weights, out); !error.success()) {
-      return error;
-    }
-    if (ffi::Error error = CheckLLDestRank(kOp, a, dest_rank); !error.success()) return error;
+    JAX_EP_RETURN_IF_ERROR(CheckLLCombineY(kOp, a, y));
+    JAX_EP_RETURN_IF_ERROR(CheckLLCombineRecvArgs(kOp, a, topk_weights, out));
+    JAX_EP_RETURN_IF_ERROR(CheckLLDestRank(kOp, a, dest_rank));
     launch.y = y.untyped_data();
     launch.topk_weights = topk_weights.typed_data();
     launch.dest_rank = dest_rank.typed_data();

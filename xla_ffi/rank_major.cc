@@ -55,9 +55,7 @@ ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, Op
                                  ffi::ResultBuffer<ffi::S32> src_index,
                                  ffi::ResultBuffer<ffi::PRED> is_token_in_rank) {
   constexpr const char* kOp = kDispatchRankMajorTarget;
-  if (ffi::Error error = CountCall(dispatch_rank_major_counters, stream, kOp); !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(CountCall(dispatch_rank_major_counters, stream, kOp));
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks, N = R * T;
   if (a.capacity != N) {
@@ -65,11 +63,8 @@ ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, Op
                             std::to_string(N));
   }
   DispatchLaunch launch{};
-  if (ffi::Error error = PrepareDispatch(kOp, device_ordinal, *state, x, topk_idx, topk_weights,
-                                         rank, group, rows, scales, N, is_token_in_rank, &launch);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareDispatch(kOp, device_ordinal, *state, x, topk_idx, topk_weights,
+                                         rank, group, rows, scales, N, is_token_in_rank, &launch));
   const int64_t local = a.num_experts / R;
   if (!IsShape(row_ids->dimensions(), {N, K}) || !IsShape(row_topk_weights->dimensions(), {N, K}) ||
       !IsShape(tokens_per_rank->dimensions(), {R}) ||
@@ -85,9 +80,7 @@ ffi::Error DispatchRankMajorImpl(cudaStream_t stream, int32_t device_ordinal, Op
   launch.src_index = src_index->typed_data();
   launch.alignment = 1;
   launch.rank_major = true;
-  if (ffi::Error error = RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask); !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(RankMaskOf(kOp, *state, rank_mask, &launch.rank_mask));
   if (a.transport == kTransportPut) {
     PutLaunch p = PutLaunchOf(*state, launch.state, launch.rank, launch.group, launch.num_blocks,
                               launch.row_kind);
@@ -171,25 +164,14 @@ ffi::Error RunRankMajorRows(const char* op, cudaStream_t stream, int32_t device_
                             ffi::ResultBuffer<ffi::S32>& slot_rows, const char* what,
                             Kernel kernel) {
   GroupLaunch launch{};
-  if (ffi::Error error = PrepareGroup(op, device_ordinal, state, rank, group, &launch);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckRankMajorHandle(op, state, src_index, is_token_in_rank, slot_rows);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(PrepareGroup(op, device_ordinal, state, rank, group, &launch));
+  JAX_EP_RETURN_IF_ERROR(CheckRankMajorHandle(op, state, src_index, is_token_in_rank, slot_rows));
   if (state.attrs.transport == kTransportPut) {
     return PutRowsOp(op, state, launch, data, src_index, is_token_in_rank, out, slot_rows, kind,
                      stream);
   }
-  if (ffi::Error error = RankMajorTable(op, state, src_index, slot_rows, launch, stream);
-      !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = RankMaskOf(op, state, rank_mask, &launch.rank_mask); !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(RankMajorTable(op, state, src_index, slot_rows, launch, stream));
+  JAX_EP_RETURN_IF_ERROR(RankMaskOf(op, state, rank_mask, &launch.rank_mask));
   const cudaError_t status = kernel(launch, slot_rows->typed_data());
   if (status != cudaSuccess) return CudaError(status, what);
   return ffi::Error::Success();
@@ -209,12 +191,9 @@ ffi::Error RankMajorRowsImpl(cudaStream_t stream, int32_t device_ordinal, OpStat
   const EPAttrs& a = state->attrs;
   const int64_t T = a.num_tokens, H = a.hidden, R = a.num_ranks;
   int32_t kind;
-  if (ffi::Error error =
-          BeginRowsOp(kOp, kCombine ? combine_rank_major_counters : broadcast_rank_major_counters,
-                      stream, a, in_name, in, out->element_type(), &kind);
-      !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(BeginRowsOp(kOp,
+                                     kCombine ? combine_rank_major_counters : broadcast_rank_major_counters,
+                                     stream, a, in_name, in, out->element_type(), &kind));
   const bool shapes_ok =
       kCombine ? IsShape(in.dimensions(), {R * T, H}) && IsShape(out->dimensions(), {T, H})
                : a.capacity == R * T && IsShape(in.dimensions(), {T, H}) &&

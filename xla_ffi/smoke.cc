@@ -111,9 +111,7 @@ ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
                          ffi::Buffer<ffi::S32> tag, ffi::ResultBuffer<ffi::U32> received,
                          ffi::ResultBuffer<ffi::U32> epochs) {
   constexpr const char* kOp = kPeerSmokeTarget;
-  if (ffi::Error error = CountCall(peer_smoke_counters, stream, kOp); !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(CountCall(peer_smoke_counters, stream, kOp));
   const int64_t R = state->attrs.num_ranks, n = state->attrs.num_tokens;
   if (tag.element_count() != 1 || !IsShape(received->dimensions(), {R, n}) ||
       !IsShape(epochs->dimensions(), {R})) {
@@ -122,10 +120,8 @@ ffi::Error PeerSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* s
                             DimsToString(received->dimensions()));
   }
   PeerGroup group{};
-  if (ffi::Error error = ResolveGroup(device_ordinal, *state, kOp, &group); !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckBuffer(kOp, *state); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(ResolveGroup(device_ordinal, *state, kOp, &group));
+  JAX_EP_RETURN_IF_ERROR(CheckBuffer(kOp, *state));
   const Runtime& runtime = *state->runtime;
   const cudaError_t status =
       launch_peer_smoke(runtime.State(device_ordinal), group, tag.typed_data(), n,
@@ -144,11 +140,9 @@ ffi::ErrorOr<std::unique_ptr<OpState>> RemoteSmokeInstantiate(ffi::Span<const in
 ffi::Error RemoteSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState* state,
                            ffi::Buffer<ffi::S32> tag, ffi::ResultBuffer<ffi::U32> received) {
   constexpr const char* kOp = kRemoteSmokeTarget;
-  if (ffi::Error error = CountCall(remote_smoke_counters, stream, kOp); !error.success()) {
-    return error;
-  }
+  JAX_EP_RETURN_IF_ERROR(CountCall(remote_smoke_counters, stream, kOp));
   const Runtime& runtime = *state->runtime;
-  if (ffi::Error error = RequireProcessPerGpu(kOp, runtime); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(RequireProcessPerGpu(kOp, runtime));
   const int64_t R = state->attrs.num_ranks, n = state->attrs.num_tokens;
   if (tag.element_count() != 1 || !IsShape(received->dimensions(), {R, n})) {
     return Invalid(kOp, "tag, received must be [], [R, n] with R=" + std::to_string(R) + ", n=" +
@@ -156,10 +150,8 @@ ffi::Error RemoteSmokeImpl(cudaStream_t stream, int32_t device_ordinal, OpState*
                             DimsToString(received->dimensions()));
   }
   PeerGroup group{};
-  if (ffi::Error error = ResolveGroup(device_ordinal, *state, kOp, &group); !error.success()) {
-    return error;
-  }
-  if (ffi::Error error = CheckBuffer(kOp, *state); !error.success()) return error;
+  JAX_EP_RETURN_IF_ERROR(ResolveGroup(device_ordinal, *state, kOp, &group));
+  JAX_EP_RETURN_IF_ERROR(CheckBuffer(kOp, *state));
   const cudaError_t status = launch_remote_smoke(runtime.State(device_ordinal), group,
                                                  tag.typed_data(), n, received->typed_data(),
                                                  stream);
