@@ -552,3 +552,42 @@ def test_gemm_sm_limit_lowers_each_grid_as_a_program_of_its_own():
     assert gemm_mgpu._num_sms is before
     with pytest.raises(SystemExit):
         tool.main(["--lower-only", "--free", "132"])
+
+
+def test_tune_gemm_sweep_times_each_config_at_each_sustain_setting_and_picks_by_the_last(monkeypatch,
+                                                                                          tmp_path):
+    """tools/tune_gemm.py --sustain 0,S: every swept configuration is timed right after compiling and after
+    S seconds of back-to-back calls (one compiled kernel, both settings), the record keeps both, and the
+    table takes the configuration fastest at the last (sustained) setting, not the fastest burst."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "tune_gemm.py"
+    spec = importlib.util.spec_from_file_location("tune_gemm", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    burst = mgpu.BlockConfig(64, 128, 64, 5, mgpu.GROUP_MAJOR, 1, 1, 2, 0, 0, 1, 2)
+    steady = mgpu.BlockConfig(128, 128, 64, 4, mgpu.GROUP_MAJOR, 1, 1, 2, 0, 0, 1, 2)
+    times = {burst: (1.0e-3, 3.0e-3), steady: (2.0e-3, 2.5e-3)}   # seconds at sustain 0 / 0.5
+    settings = []
+
+    def fake_best_of(fn, *args, sustain_s=0.0):
+        settings.append(sustain_s)
+        return times[fn.__wrapped__.args[1]]
+
+    monkeypatch.setitem(tune.SHAPES, "other", [(256, 192, 64, 256, 4, 64)])
+    monkeypatch.setattr(tune, "dense_ceiling", lambda rng: 800.0)
+    monkeypatch.setattr(tune, "sweep_candidates", lambda *a: [burst, steady])
+    monkeypatch.setattr(tune, "run_pass", lambda name, cfg, x, w, dy, gs: x)
+    monkeypatch.setattr(tune, "check", lambda *a: 0.0)
+    monkeypatch.setattr(tune, "best_of", fake_best_of)
+    out, report = tmp_path / "table.json", tmp_path / "report.json"
+    tune.main(["--shapes", "other", "--passes", "forward", "--kernels", "defaults", "--sustain", "0,0.5",
+               "--out", str(out), "--report", str(report)])
+    assert settings == [(0.0, 0.5)] * 2
+    [entry] = json.loads(out.read_text())["configs"]
+    assert entry["config"] == list(steady.astuple()) and entry["ms"] == 2.5
+    [line] = json.loads(report.read_text())
+    assert line["sustain_s"] == [0.0, 0.5] and line["config"] == list(steady.astuple())
+    assert line["sweep_ms"] == [[list(burst.astuple()), [1.0, 3.0]], [list(steady.astuple()), [2.0, 2.5]]]
