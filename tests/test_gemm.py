@@ -414,6 +414,9 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     assert tune.sweep_candidates("rows", "forward", [ws64], 4096, shape, True) == [
         dataclasses.replace(ws64, group_rows=1)]
     assert all(c.ring == 1 for c in tune.sweep_candidates("ring", "dw", [], 4096, shape, True))
+    assert tune.sweep_candidates("rowtile", "dx", [ws128], 7168, shape, True) == [
+        dataclasses.replace(ws128, block_m=64, max_concurrent_steps=4)]
+    assert tune.sweep_candidates("rowtile", "dw", [ws128], 4096, shape, True) == []
     with pytest.raises(SystemExit):
         tune.main(["--kernels", "ring,nonsense", "--shapes", "other"])
     rng = np.random.default_rng(0)

@@ -102,7 +102,7 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
                 yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
 
 
-SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "chunks", "defaults")
+SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "chunks", "defaults", "rowtile")
 
 
 def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: tuple, quick: bool) -> list:
@@ -134,6 +134,14 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         # (out_chunks), as it is and with the K stage that frees room for
         return [dataclasses.replace(c, out_chunks=2, max_concurrent_steps=c.max_concurrent_steps + extra)
                 for c in incumbent if c.compute_wgs == 2 for extra in (0, 1)]
+    if mode == "rowtile":
+        # the table's warp-specialised row-pass entry with the other CTA height (64 <-> 128 rows), at the
+        # stages that fit beside its output tiles: 64-row tiles waste fewer rows at 64-aligned group
+        # boundaries, 128-row ones move 40% fewer L2 bytes per FLOP (which may matter at the power cap)
+        return [dataclasses.replace(c, block_m=bm, max_concurrent_steps=(5 if bm == 64 else 4)
+                                    - (c.out_chunks == 1))
+                for c in incumbent if rows_pass and c.compute_wgs == 2 and c.block_m in (64, 128)
+                for bm in (192 - c.block_m,)]
     if mode == "defaults":
         return list(default_candidates(name, m, k, n, g))
     return list(grid_for(name, width, quick, mode))
@@ -407,6 +415,7 @@ def main(argv=None):
                              "(ring), or the table's entries with row tiles from each group's first "
                              "row (rows), or with the other mma_in_flight (inflight), or with the "
                              "output in column halves and one more K stage (chunks), "
+                             "or with the other CTA height, 64 <-> 128 rows (rowtile), "
                              "or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)
