@@ -100,6 +100,11 @@ class BlockConfig:
         if self.out_chunks not in (1, 2) or (self.out_chunks == 2 and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.out_chunks must be 1 or 2, and 2 only with compute_wgs=2, got "
                                f"out_chunks={self.out_chunks} with compute_wgs={self.compute_wgs}")
+        if self.out_chunks == 2 and self.mma_in_flight:
+            # measured: (64, 128, 64, 5, GROUP_MAJOR, 1, 1, 2, 1, 0, 1, 2) faulted the GPU (unspecified launch
+            # failure) on tests/gpu/test_gemm_gpu.py's ragged groups, H200, 2026-12-01; not yet explained
+            raise EPValueError("BlockConfig: out_chunks=2 with mma_in_flight=1 faults on the GPU (not "
+                               f"supported), got {self.astuple()}")
 
     @property
     def cta_n(self) -> int:

@@ -275,7 +275,8 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
                                          ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring"),
                                          ((128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 0, 3), "out_chunks"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 2), "out_chunks")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 2), "out_chunks"),
+                                         ((64, 128, 64, 5, 2, 1, 1, 2, 1, 0, 1, 2), "faults")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 

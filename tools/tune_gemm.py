@@ -119,7 +119,7 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, GROUP_MAJOR if rows_pass else 0,
                                              1 if rows_pass else 4, 1, 2, 0)]
         return [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
-                for d in (0, 1) if c.compute_wgs == 2]
+                for d in (0, 1) if c.compute_wgs == 2 and not (d and c.out_chunks == 2)]
     if mode == "rows":
         # the table's entry with each group's row tiles starting at its first row (group_rows):
         # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
@@ -128,12 +128,12 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         # the table's warp-specialised entry with the other number of WGMMAs left in flight after a K
         # step (0: each step's slot freed at once; 1: the MMA overlaps the next step's wait)
         return [dataclasses.replace(c, mma_in_flight=1 - c.mma_in_flight) for c in incumbent
-                if c.compute_wgs == 2 and c.max_concurrent_steps > 1]
+                if c.compute_wgs == 2 and c.max_concurrent_steps > 1 and c.out_chunks == 1]
     if mode == "chunks":
         # the table's warp-specialised entry with its output tiles written in two column halves
         # (out_chunks), as it is and with the K stage that frees room for
         return [dataclasses.replace(c, out_chunks=2, max_concurrent_steps=c.max_concurrent_steps + extra)
-                for c in incumbent if c.compute_wgs == 2 for extra in (0, 1)]
+                for c in incumbent if c.compute_wgs == 2 and not c.mma_in_flight for extra in (0, 1)]
     if mode == "rowtile":
         # the table's warp-specialised row-pass entry with the other CTA height (64 <-> 128 rows), at the
         # stages that fit beside its output tiles: 64-row tiles waste fewer rows at 64-aligned group

@@ -97,8 +97,7 @@ KERNEL_CONFIGS = [
     # pipelined per tile, group-major; the ring in strips
     (128, 128, 64, 4, 2, 1, 1, 2, 0, 0, 1, 2),
     (128, 128, 64, 4, 0, 4, 1, 2, 0, 1, 0, 2),
-    (64, 128, 64, 5, 2, 1, 1, 2, 0, 0, 1, 2),  # a 5th K stage at 64x256 (table: DSV3 down dx)
-    (64, 128, 64, 5, 2, 1, 1, 2, 1, 0, 1, 2),  # the same, a WGMMA in flight (table: DSV3 gate|up forward)
+    (64, 128, 64, 5, 2, 1, 1, 2, 0, 0, 1, 2),  # a 5th K stage at 64x256 (table: DSV3 gate|up fwd, down dx)
 ]
 
 
