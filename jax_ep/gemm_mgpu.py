@@ -102,7 +102,10 @@ class BlockConfig:
                                f"out_chunks={self.out_chunks} with compute_wgs={self.compute_wgs}")
         if self.out_chunks == 2 and self.mma_in_flight:
             # measured: (64, 128, 64, 5, GROUP_MAJOR, 1, 1, 2, 1, 0, 1, 2) faulted the GPU (unspecified launch
-            # failure) on tests/gpu/test_gemm_gpu.py's ragged groups, H200, 2026-12-01; not yet explained
+            # failure) on tests/gpu/test_gemm_gpu.py's ragged groups, H200, 2026-12-01; not yet explained. A
+            # lead, from JAX's source, unmeasured: with delay_release a per-tile pipeline's producer quiesces
+            # only to num_steps - delay_release, so the next tile's prologue may refill the slot that the last
+            # WGMMA still in flight reads
             raise EPValueError("BlockConfig: out_chunks=2 with mma_in_flight=1 faults on the GPU (not "
                                f"supported), got {self.astuple()}")
 
