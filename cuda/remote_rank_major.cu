@@ -207,22 +207,9 @@ __global__ void __launch_bounds__(kStartThreads) put_start_kernel(PutStartArgs a
 }
 
 // What the kernels after put_start_kernel read first: this rank's symmetric buffer and the call's
-// group as the start kernel wrote it there (its size R and this rank's place me in it).
+// group as the start kernel wrote it there (its size R and this rank's place me in it), with the
+// tokens per rank T and top-k K of the launch.
 struct PutCall {
-  char* own;
-  const OpInfo* info;
-  int R;
-  int me;
-};
-
-__device__ __forceinline__ PutCall put_call(DeviceState* state, const PutLayout& L) {
-  char* const own = own_buffer(state);
-  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + L.op_info);
-  return {own, info, info->size, info->rank};
-}
-
-// The pack and receive kernels' call, with the tokens per rank T and top-k K of their launch.
-struct PutRowsCall {
   char* own;
   const OpInfo* info;
   int R;
@@ -231,9 +218,10 @@ struct PutRowsCall {
   int K;
 };
 
-__device__ __forceinline__ PutRowsCall put_rows_call(const PutLaunch& a) {
-  const PutCall c = put_call(a.state, a.layout);
-  return {c.own, c.info, c.R, c.me, a.num_tokens, a.num_topk};
+__device__ __forceinline__ PutCall put_call(const PutLaunch& a) {
+  char* const own = own_buffer(a.state);
+  const OpInfo* info = reinterpret_cast<const OpInfo*>(own + a.layout.op_info);
+  return {own, info, info->size, info->rank, a.num_tokens, a.num_topk};
 }
 
 // ---- pack ------------------------------------------------------------------------------------
@@ -253,7 +241,7 @@ __device__ __forceinline__ void pack_converted(const char* x_row, int H, uint32_
 
 __global__ void __launch_bounds__(kPutThreads) put_pack_kernel(PutPackArgs a) {
   const PutLayout& L = a.layout;
-  const auto [own, info, R, me, T, K] = put_rows_call(a);
+  const auto [own, info, R, me, T, K] = put_call(a);
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int warps = (gridDim.x * blockDim.x) >> 5;
@@ -319,8 +307,10 @@ __global__ void __launch_bounds__(kPutThreads) put_pack_kernel(PutPackArgs a) {
 }
 
 // ---- transfer ----------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kPutThreads) put_transfer_kernel(DeviceState* state, PutLayout L) {
-  const auto [own, info, R, me] = put_call(state, L);
+__global__ void __launch_bounds__(kPutThreads) put_transfer_kernel(PutLaunch a) {
+  DeviceState* const state = a.state;
+  const PutLayout& L = a.layout;
+  const auto [own, info, R, me, T, K] = put_call(a);
   const int dest = blockIdx.x;
   const int32_t* counts = reinterpret_cast<const int32_t*>(own + L.counts);
   const uint64_t bytes = kPutHeaderBytes + static_cast<uint64_t>(counts[dest]) * L.record_bytes;
@@ -376,7 +366,7 @@ __global__ void __launch_bounds__(kPutThreads) put_receive_kernel(PutReceiveArgs
   JAX_EP_DYNAMIC_SHARED(int32_t, expert_count);  // dispatch, block 0: [E_local]
   DeviceState* const state = a.state;
   const PutLayout& L = a.layout;
-  const auto [own, info, R, me, T, K] = put_rows_call(a);
+  const auto [own, info, R, me, T, K] = put_call(a);
   const int lane = threadIdx.x & 31;
   const char* const recv = own + L.recv;
   if (static_cast<int>(threadIdx.x) < R) {
@@ -492,7 +482,7 @@ cudaError_t launch_pack_transfer(const PutLaunch& p, int32_t kind, const void* x
   const PutPackArgs a{p, kind, static_cast<const char*>(x), topk_idx, topk_weights, src_index};
   JAX_EP_LAUNCH(put_pack_kernel, blocks_for(p), kPutThreads, 0, stream)(a);
   JAX_EP_CHECK_LAUNCH();
-  JAX_EP_LAUNCH(put_transfer_kernel, p.num_ranks, kPutThreads, 0, stream)(p.state, p.layout);
+  JAX_EP_LAUNCH(put_transfer_kernel, p.num_ranks, kPutThreads, 0, stream)(p);
   JAX_EP_CHECK_LAUNCH();
   return cudaSuccess;
 }

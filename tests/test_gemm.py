@@ -418,6 +418,10 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     assert tune.sweep_candidates("rowtile", "dx", [ws128], 7168, shape, True) == [
         dataclasses.replace(ws128, block_m=64, max_concurrent_steps=4)]
     assert tune.sweep_candidates("rowtile", "dw", [ws128], 4096, shape, True) == []
+    chunked = dataclasses.replace(ws64, out_chunks=2, max_concurrent_steps=5)   # with a WGMMA in flight:
+    assert tune.sweep_candidates("inflight", "forward", [chunked], 4096, shape, True) == []   # refused
+    ring = tune.sweep_candidates("ring", "forward", [chunked], 4096, shape, True)
+    assert ring and all(c.mma_in_flight == 0 for c in ring if c.out_chunks == 2)
     with pytest.raises(SystemExit):
         tune.main(["--kernels", "ring,nonsense", "--shapes", "other"])
     rng = np.random.default_rng(0)

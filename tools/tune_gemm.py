@@ -35,6 +35,7 @@ from benchmarks.layer import best_of as _best_of  # noqa: E402
 from benchmarks.layer import expert_group_sizes  # noqa: E402
 from benchmarks.ops import seconds_arg  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
+from jax_ep.errors import EPValueError  # noqa: E402
 from jax_ep.gemm import GROUP_MAJOR, _tuned, tuned_entry  # noqa: E402
 
 best_of = functools.partial(_best_of, iters=10, repeats=3)
@@ -105,6 +106,14 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
 SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "chunks", "defaults", "rowtile")
 
 
+def _variant(c, **changes) -> list:
+    """[c with `changes`], or [] where BlockConfig refuses the result (no kernel runs it)."""
+    try:
+        return [dataclasses.replace(c, **changes)]
+    except EPValueError:
+        return []
+
+
 def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: tuple, quick: bool) -> list:
     """The block configurations sweep `mode` times for pass `name` at shape (M, K, N, G) beside the
     table's entry (`incumbent`: [] or [its BlockConfig]); `width` the output width the tiles divide."""
@@ -118,8 +127,8 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         # table's entry and one other tile (~18 s a configuration at DeepSeek-V3's shapes)
         base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, GROUP_MAJOR if rows_pass else 0,
                                              1 if rows_pass else 4, 1, 2, 0)]
-        return [dataclasses.replace(c, ring=1, mma_in_flight=d) for c in base
-                for d in (0, 1) if c.compute_wgs == 2 and not (d and c.out_chunks == 2)]
+        return [v for c in base if c.compute_wgs == 2 for d in (0, 1)
+                for v in _variant(c, ring=1, mma_in_flight=d)]
     if mode == "rows":
         # the table's entry with each group's row tiles starting at its first row (group_rows):
         # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
@@ -127,13 +136,13 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
     if mode == "inflight":
         # the table's warp-specialised entry with the other number of WGMMAs left in flight after a K
         # step (0: each step's slot freed at once; 1: the MMA overlaps the next step's wait)
-        return [dataclasses.replace(c, mma_in_flight=1 - c.mma_in_flight) for c in incumbent
-                if c.compute_wgs == 2 and c.max_concurrent_steps > 1 and c.out_chunks == 1]
+        return [v for c in incumbent if c.compute_wgs == 2
+                for v in _variant(c, mma_in_flight=1 - c.mma_in_flight)]
     if mode == "chunks":
         # the table's warp-specialised entry with its output tiles written in two column halves
         # (out_chunks), as it is and with the K stage that frees room for
-        return [dataclasses.replace(c, out_chunks=2, max_concurrent_steps=c.max_concurrent_steps + extra)
-                for c in incumbent if c.compute_wgs == 2 and not c.mma_in_flight for extra in (0, 1)]
+        return [v for c in incumbent if c.compute_wgs == 2 for extra in (0, 1)
+                for v in _variant(c, out_chunks=2, max_concurrent_steps=c.max_concurrent_steps + extra)]
     if mode == "rowtile":
         # the table's warp-specialised row-pass entry with the other CTA height (64 <-> 128 rows), at the
         # stages that fit beside its output tiles: 64-row tiles waste fewer rows at 64-aligned group
