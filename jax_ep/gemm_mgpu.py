@@ -420,6 +420,19 @@ def _no_body(*_, **__):
     """The body of a pipeline built only for its allocations."""
 
 
+def _settle_mma(kk, num_k, delay: int):
+    """After K step kk (of num_k) of a per-tile warp-specialised pipeline issued its WGMMA: wait until
+    `delay` are left in flight, and none after the tile's last step. With delay_release, JAX's pipeline
+    releases a step's slot one step later and never the last step's (its producer quiesces to num_steps -
+    delay_release), so the next tile's prologue may refill that slot: its WGMMA must be done by the time
+    the consumer releases the step before it, which the producer waits for."""
+    plgpu.wgmma_wait(delay)
+    if delay:
+        @pl.when(kk == num_k - 1)
+        def _():
+            plgpu.wgmma_wait(0)
+
+
 def _ws_scope(allocations, o_smem):
     """Decorator of a warp-specialised kernel's body(allocs, o_smem, wg): it runs in every warpgroup
     with the pipeline's SMEM (`allocations`: a pipeline's get_allocations, reused by the pipeline of every
@@ -652,13 +665,13 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
 
                 compute_context = _acc_ref_context(bm, bn, store)
 
-                def step(_, lhs_smem, rhs_smem, acc_ref):
+                def step(kk, lhs_smem, rhs_smem, acc_ref):
                     if transpose_rhs:
                         b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
                     else:
                         b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
                     plgpu.wgmma(acc_ref, lhs_smem, b)
-                    plgpu.wgmma_wait(delay)
+                    _settle_mma(kk[0], k // bk, delay)
                     return acc_ref
 
                 @pl.when(group < g)
@@ -768,7 +781,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                     # reads it unmasked
                     _mask_cut_block(lhs_smem, rhs_mine, idx[0], num_k, start, end, first_row, bk)
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
-                    plgpu.wgmma_wait(delay)
+                    _settle_mma(idx[0], num_k, delay)
                     return acc_ref
 
                 @pl.when(num_k > 0)
