@@ -100,14 +100,6 @@ class BlockConfig:
         if self.out_chunks not in (1, 2) or (self.out_chunks == 2 and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.out_chunks must be 1 or 2, and 2 only with compute_wgs=2, got "
                                f"out_chunks={self.out_chunks} with compute_wgs={self.compute_wgs}")
-        if self.out_chunks == 2 and self.mma_in_flight:
-            # measured: (64, 128, 64, 5, GROUP_MAJOR, 1, 1, 2, 1, 0, 1, 2) faulted the GPU (unspecified launch
-            # failure) on tests/gpu/test_gemm_gpu.py's ragged groups, H200, 2026-12-01; not yet explained. A
-            # lead, from JAX's source, unmeasured: with delay_release a per-tile pipeline's producer quiesces
-            # only to num_steps - delay_release, so the next tile's prologue may refill the slot that the last
-            # WGMMA still in flight reads
-            raise EPValueError("BlockConfig: out_chunks=2 with mma_in_flight=1 faults on the GPU (not "
-                               f"supported), got {self.astuple()}")
 
     @property
     def cta_n(self) -> int:
@@ -269,12 +261,25 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
     return kernel(schedule, num_tiles, lhs, rhs)
 
 
-def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
-    """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
-    gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
+def check_weight_gradient_config(config: BlockConfig):
+    """Raises EPValueError where the weight-gradient kernel (transposed_ragged_dot) cannot run `config`."""
     if config.grid_minor == GROUP_MAJOR:
         raise EPValueError("transposed_ragged_dot: the group-major order is for the row-tiled passes (each "
                            f"weight gradient tile is one group already), got {config}")
+    if config.compute_wgs == 2 and not config.ring and config.mma_in_flight:
+        # JAX's warp-specialised pipeline never waits for the consumers to release the last K step's slot
+        # (with delay_release its producer quiesces to num_steps - delay_release), so a tile of one K step
+        # (a group of <= block_k rows) lets the next tile's prologue refill that slot before it was read:
+        # measured wrong sums and faults on random group sizes (H200, 2026-12-01). The ring (ring=1)
+        # releases every slot itself.
+        raise EPValueError("transposed_ragged_dot: mma_in_flight=1 needs ring=1 in the warp-specialised "
+                           f"weight gradient (a pipeline per tile races on one-step tiles), got {config}")
+
+
+def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
+    """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
+    gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
+    check_weight_gradient_config(config)
     if config.compute_wgs > 1:
         return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
@@ -606,6 +611,10 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         k2, n = n, k2
     cta_n = config.cta_n
     assert k == k2 and k % bk == 0 and n % cta_n == 0 and bm & (bm - 1) == 0, (lhs.shape, rhs.shape, config)
+    if k // bk == 1 and not config.ring:
+        # one K step leaves a WGMMA in flight nothing to overlap, and a per-tile pipeline of one step with
+        # delay_release races (check_weight_gradient_config): wait for it at once
+        delay = 0
     grid_n = n // cta_n
     tf = _smem_transforms(lhs.dtype, bk)
     rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)

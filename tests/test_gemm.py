@@ -4,6 +4,7 @@ Mosaic GPU's interpret mode (the GPU tests cover the compiled kernels and the tr
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -275,8 +276,7 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
                                          ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring"),
                                          ((128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 0, 3), "out_chunks"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 2), "out_chunks"),
-                                         ((64, 128, 64, 5, 2, 1, 1, 2, 1, 0, 1, 2), "faults")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 2), "out_chunks")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -288,13 +288,16 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
 @pytest.mark.parametrize("config", [(128, 128, 64, 3, 0, 8, 1, 2, 0), (64, 128, 64, 4, 1, 2, 1, 2, 1),
                                     (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
                                     (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
-                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1)])
+                                    (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1),
+                                    (64, 128, 64, 5, 0, 1, 1, 2, 1, 0, 1, 2)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
     custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape, and
-    the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too.
+    the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too; the
+    weight gradient without a WGMMA in flight where it runs a pipeline per tile (it refuses that).
     (Mosaic GPU's interpret mode does not run warp-specialised pipelines; the GPU tests run them.)"""
     cfg = mgpu.BlockConfig(*config)
+    dw_cfg = cfg if cfg.ring else dataclasses.replace(cfg, mma_in_flight=0)
     m, k, n, g = 1024, 512, 768, 5
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
@@ -303,10 +306,29 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     def passes(x, w, gs):
         sched, tiles = mgpu.config_schedule(gs, m, cfg)
         out = mgpu.ragged_dot(x, w, sched, tiles, config=cfg, transpose_rhs=transpose_rhs)
-        return out, mgpu.transposed_ragged_dot(x, out, gs, config=cfg)
+        return out, mgpu.transposed_ragged_dot(x, out, gs, config=dw_cfg)
 
     text = jax.jit(passes).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2, text[:2000]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_weight_gradient_refuses_a_wgmma_in_flight_in_a_pipeline_per_tile(chunks):
+    """The warp-specialised weight gradient with a pipeline per tile and mma_in_flight=1 raises, naming
+    the ring that runs it (JAX's pipeline leaves a one-step tile's slot to the next tile's prologue:
+    wrong sums and faults on the GPU); with the ring it lowers."""
+    from jax_ep.errors import EPValueError
+
+    cfg = mgpu.BlockConfig(64, 128, 64, 4, 0, 1, 1, 2, 1, 0, 0, chunks)
+    m, k, n, g = 1024, 512, 768, 5
+    x, dy = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((m, n), jnp.bfloat16)
+    gs = jnp.full((g,), 64, jnp.int32)
+    with pytest.raises(EPValueError, match="mma_in_flight=1 needs ring=1"):
+        mgpu.transposed_ragged_dot(x, dy, gs, config=cfg)
+    ring = dataclasses.replace(cfg, ring=1)
+    text = jax.jit(functools.partial(mgpu.transposed_ragged_dot, config=ring)).trace(x, dy, gs).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("wgs,ring", [(1, 0), (2, 0), (2, 1)])
@@ -418,10 +440,14 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     assert tune.sweep_candidates("rowtile", "dx", [ws128], 7168, shape, True) == [
         dataclasses.replace(ws128, block_m=64, max_concurrent_steps=4)]
     assert tune.sweep_candidates("rowtile", "dw", [ws128], 4096, shape, True) == []
-    chunked = dataclasses.replace(ws64, out_chunks=2, max_concurrent_steps=5)   # with a WGMMA in flight:
-    assert tune.sweep_candidates("inflight", "forward", [chunked], 4096, shape, True) == []   # refused
-    ring = tune.sweep_candidates("ring", "forward", [chunked], 4096, shape, True)
-    assert ring and all(c.mma_in_flight == 0 for c in ring if c.out_chunks == 2)
+    chunked = dataclasses.replace(ws64, out_chunks=2, max_concurrent_steps=5)
+    assert tune.sweep_candidates("inflight", "forward", [chunked], 4096, shape, True) == [
+        dataclasses.replace(chunked, mma_in_flight=1)]
+    per_tile_dw = mgpu.BlockConfig(128, 128, 64, 3, 0, 4, 1, 2)     # the weight gradient refuses a WGMMA in
+    assert tune.sweep_candidates("inflight", "dw", [per_tile_dw], 4096, shape, True) == []   # flight here
+    assert tune.sweep_candidates("inflight", "dw", [dataclasses.replace(per_tile_dw, ring=1)], 4096, shape,
+                                 True) == [dataclasses.replace(per_tile_dw, ring=1, mma_in_flight=1)]
+    assert all(c.mma_in_flight == 0 or c.ring for c in tune.grid_for("dw", 4096, True, "ws"))
     with pytest.raises(SystemExit):
         tune.main(["--kernels", "ring,nonsense", "--shapes", "other"])
     rng = np.random.default_rng(0)

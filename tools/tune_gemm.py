@@ -99,19 +99,31 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
         # group boundary cuts a 128-row tile); only 2 stages fit beside its output tiles
         ws = [(128, 128, 3), (64, 128, 4), (128, 64, 4), (64, 256, 2)]
         for (bm, bn, st), (minor, tw), inflight in itertools.product(ws, orders, (0, 1)):
-            if width % (2 * bn) == 0:
-                yield mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
+            c = mgpu.BlockConfig(bm, bn, 64, st, minor, tw, 1, 2, inflight)
+            if width % (2 * bn) == 0 and _runs(name, c):
+                yield c
 
 
 SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "chunks", "defaults", "rowtile")
 
 
-def _variant(c, **changes) -> list:
-    """[c with `changes`], or [] where BlockConfig refuses the result (no kernel runs it)."""
+def _runs(name: str, c) -> bool:
+    """Whether pass `name`'s kernel takes block configuration c (BlockConfig took it already)."""
     try:
-        return [dataclasses.replace(c, **changes)]
+        if name == "dw":
+            mgpu.check_weight_gradient_config(c)
+        return True
+    except EPValueError:
+        return False
+
+
+def _variant(name: str, c, **changes) -> list:
+    """[c with `changes`], or [] where BlockConfig or pass `name`'s kernel refuses the result."""
+    try:
+        v = dataclasses.replace(c, **changes)
     except EPValueError:
         return []
+    return [v] if _runs(name, v) else []
 
 
 def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: tuple, quick: bool) -> list:
@@ -128,7 +140,7 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         base = [*incumbent, mgpu.BlockConfig(128, 128, 64, 3, GROUP_MAJOR if rows_pass else 0,
                                              1 if rows_pass else 4, 1, 2, 0)]
         return [v for c in base if c.compute_wgs == 2 for d in (0, 1)
-                for v in _variant(c, ring=1, mma_in_flight=d)]
+                for v in _variant(name, c, ring=1, mma_in_flight=d)]
     if mode == "rows":
         # the table's entry with each group's row tiles starting at its first row (group_rows):
         # fewer tiles at block_m 128 on 64-aligned groups; the weight gradient has no row tiles
@@ -137,12 +149,12 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
         # the table's warp-specialised entry with the other number of WGMMAs left in flight after a K
         # step (0: each step's slot freed at once; 1: the MMA overlaps the next step's wait)
         return [v for c in incumbent if c.compute_wgs == 2
-                for v in _variant(c, mma_in_flight=1 - c.mma_in_flight)]
+                for v in _variant(name, c, mma_in_flight=1 - c.mma_in_flight)]
     if mode == "chunks":
         # the table's warp-specialised entry with its output tiles written in two column halves
         # (out_chunks), as it is and with the K stage that frees room for
         return [v for c in incumbent if c.compute_wgs == 2 for extra in (0, 1)
-                for v in _variant(c, out_chunks=2, max_concurrent_steps=c.max_concurrent_steps + extra)]
+                for v in _variant(name, c, out_chunks=2, max_concurrent_steps=c.max_concurrent_steps + extra)]
     if mode == "rowtile":
         # the table's warp-specialised row-pass entry with the other CTA height (64 <-> 128 rows), at the
         # stages that fit beside its output tiles: 64-row tiles waste fewer rows at 64-aligned group
