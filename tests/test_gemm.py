@@ -315,8 +315,8 @@ def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_weight_gradient_refuses_a_wgmma_in_flight_in_a_pipeline_per_tile(chunks):
     """The warp-specialised weight gradient with a pipeline per tile and mma_in_flight=1 raises, naming
-    the ring that runs it (JAX's pipeline leaves a one-step tile's slot to the next tile's prologue:
-    wrong sums and faults on the GPU); with the ring it lowers."""
+    the ring that runs it (it gave wrong sums and faults on the GPU on random group sizes); with the ring
+    it lowers."""
     from jax_ep.errors import EPValueError
 
     cfg = mgpu.BlockConfig(64, 128, 64, 4, 0, 1, 1, 2, 1, 0, 0, chunks)
