@@ -267,11 +267,11 @@ def check_weight_gradient_config(config: BlockConfig):
         raise EPValueError("transposed_ragged_dot: the group-major order is for the row-tiled passes (each "
                            f"weight gradient tile is one group already), got {config}")
     if config.compute_wgs == 2 and not config.ring and config.mma_in_flight:
-        # measured: wrong sums or a fault on random group sizes at 64-row tiles, with 1 or 2 output chunks
-        # and 3-5 stages, none on 64-aligned ones (H200, 2026-12-01). Likely cause, read in JAX's source,
-        # not isolated: with delay_release the pipeline's producer never waits for the last K step's slot
-        # (it quiesces to num_steps - delay_release), so after a one-step tile (a group within one K
-        # block) the next tile's prologue may refill it before it was read. The ring releases every slot.
+        # with delay_release, JAX's pipeline producer never waits for the consumers to release the last K
+        # step's slot (it quiesces to num_steps - delay_release), so after a tile of one K step (a group
+        # within one K block) the next tile's prologue may refill that slot before it was read. Measured
+        # (H200, 2026-12-01): faults or wrong sums whenever groups lie within one K block (64-aligned or
+        # not), none when every group spans two or more. The ring releases every slot itself.
         raise EPValueError("transposed_ragged_dot: mma_in_flight=1 needs ring=1 in the warp-specialised "
                            f"weight gradient (a pipeline per tile races on one-step tiles), got {config}")
 
