@@ -790,7 +790,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                     # reads it unmasked
                     _mask_cut_block(lhs_smem, rhs_mine, idx[0], num_k, start, end, first_row, bk)
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
-                    _settle_mma(idx[0], num_k, delay)
+                    plgpu.wgmma_wait(delay)     # 0: check_weight_gradient_config refuses one in flight here
                     return acc_ref
 
                 @pl.when(num_k > 0)

@@ -182,8 +182,9 @@ def test_kernel_interpret_mode(sizes, order, group_rows):
 
 
 def test_every_table_entry_is_a_form_its_kernel_takes():
-    """gemm_configs.json: the bf16 passes' entries are BlockConfigs that tile their shape; the FP8 passes'
-    (forward_fp8, dx_fp8, dw_fp8) forms the FP8 kernels accept for their output width."""
+    """gemm_configs.json: the bf16 passes' entries are BlockConfigs that tile their shape (the weight
+    gradient's ones it takes); the FP8 passes' (forward_fp8, dx_fp8, dw_fp8) forms the FP8 kernels accept
+    for their output width."""
     from jax_ep import gemm
     from jax_ep.gemm_fp8 import _dw_kernel_fits, fp8_kernel_form
 
@@ -193,6 +194,8 @@ def test_every_table_entry_is_a_form_its_kernel_takes():
         if name in gemm.PASSES:
             cfg = mgpu.BlockConfig(*config)
             assert (k if name == "dx" else n) % cfg.cta_n == 0, (name, k, n, config)
+            if name == "dw":
+                mgpu.check_weight_gradient_config(cfg)
         elif name in ("forward_fp8", "dx_fp8"):
             fp8_kernel_form(k if name == "dx_fp8" else n, tuple(config))
         else:
