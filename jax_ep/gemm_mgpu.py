@@ -762,13 +762,15 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
     if config.ring:
         return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))(info, lhs, rhs)
 
+    # a pipeline per tile: no WGMMA left in flight (check_weight_gradient_config), so each step's slot is
+    # released at once
     def get_pipeline(step, compute_context, num_k):
         return _ws_pipeline(
             step, compute_context, grid=(num_k,), wgs=wgs, stages=stages,
             in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=lhs_tf,
-                                      memory_space=plgpu.SMEM, delay_release=delay),
+                                      memory_space=plgpu.SMEM),
                       plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), transforms=rhs_tf,
-                                      memory_space=plgpu.SMEM, delay_release=delay)])
+                                      memory_space=plgpu.SMEM)])
 
     def body(info_gmem, lhs_gmem, rhs_gmem, o_gmem):
         @_ws_scope(get_pipeline(_no_body, _no_body, stages).get_allocations(
@@ -790,7 +792,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                     # reads it unmasked
                     _mask_cut_block(lhs_smem, rhs_mine, idx[0], num_k, start, end, first_row, bk)
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_mine)
-                    plgpu.wgmma_wait(delay)     # 0: check_weight_gradient_config refuses one in flight here
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 @pl.when(num_k > 0)
