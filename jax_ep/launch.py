@@ -21,9 +21,10 @@ in ``--local-device-ids`` (e.g. ``0,0``), and ``auto`` assigns the GPUs round-ro
 fewer than N*K (``--nproc 2`` on a one-GPU host: both processes on GPU 0). A process still never gets
 one GPU twice. Processes sharing a GPU must run their kernels at the same time (jax_ep's kernels
 spin-wait on each other's), which needs CUDA MPS: the launcher refuses to start when a GPU is shared
-and MPS's control pipe (``$CUDA_MPS_PIPE_DIRECTORY/control``, default ``/tmp/nvidia-mps/control``)
-does not exist, and gives each process ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 // (processes per
-GPU) unless it is set, so the persistent kernels of every process fit on the GPU beside the others'.
+and no MPS daemon answers at its control pipe (``$CUDA_MPS_PIPE_DIRECTORY/control``, default
+``/tmp/nvidia-mps/control``; a stopped daemon leaves it behind, so ``mps_unavailable`` connects to
+it), and gives each process ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 // (processes per GPU)
+unless it is set, so the persistent kernels of every process fit on the GPU beside the others'.
 That held for 2 processes per GPU; with 3 and 4 (one H100, 2026-11-24) the fused low-latency ops
 waited out their timeout in ll_combine at the default grid, and passed with
 ``KernelConfig(num_sms=8)`` or ``16`` (8 processes on one H200 too, with 8): give the low-latency ops
@@ -66,6 +67,7 @@ import pathlib
 import resource
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -197,6 +199,34 @@ def mps_control_pipe() -> pathlib.Path:
     return pathlib.Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
 
 
+def mps_unavailable(pipe: pathlib.Path | None = None) -> str | None:
+    """Why no CUDA MPS control daemon answers at ``pipe`` (default ``mps_control_pipe()``), or None when
+    one does. The pipe's existence proves nothing: a stopped daemon leaves its control socket behind,
+    and CUDA then runs its clients without MPS, silently (seen on one H200, 2026-12-01: processes
+    sharing the GPU took turns on it, and a test whose kernels trap hung). So this connects to it."""
+    pipe = pipe or mps_control_pipe()
+    try:
+        mode = pipe.stat().st_mode
+    except FileNotFoundError:
+        return f"no control pipe {pipe}"
+    stale = "a stopped daemon left it behind"
+    if stat.S_ISSOCK(mode):   # CUDA 13's daemon: a UNIX socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5.0)
+            try:
+                s.connect(str(pipe))
+            except OSError as e:
+                return f"its control socket {pipe} refuses connections ({e.strerror or e}): {stale}"
+        return None
+    if stat.S_ISFIFO(mode):   # a named pipe, held open for reading while its daemon runs
+        try:
+            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as e:
+            return f"its control pipe {pipe} has no reader ({e.strerror or e}): {stale}"
+        return None
+    return f"{pipe} is neither a socket nor a named pipe"
+
+
 def shared_gpus(ids: list[int], k: int) -> dict[int, list[int]]:
     """{GPU: the processes using it} for the GPUs that more than one process uses."""
     users: dict[int, list[int]] = {}
@@ -237,12 +267,12 @@ def process_envs(args: argparse.Namespace, gpus: int) -> list[dict[str, str]]:
         ids = None
     shared = shared_gpus(ids, k) if ids is not None else {}
     if shared:
-        pipe = mps_control_pipe()
-        if not pipe.exists():
+        why = mps_unavailable()
+        if why is not None:
             gpu, procs = next(iter(shared.items()))
             raise SystemExit(
                 f"{PREFIX} --share-gpus: GPU {gpu} would be shared by processes {procs}, but CUDA MPS is "
-                f"not running (no control pipe {pipe}). Processes sharing a GPU must run their kernels "
+                f"not running ({why}). Processes sharing a GPU must run their kernels "
                 "at the same time (jax_ep's kernels wait on each other's), which needs MPS: start it "
                 "with `nvidia-cuda-mps-control -d` (with the same CUDA_MPS_PIPE_DIRECTORY as here) and "
                 "stop it with `echo quit | nvidia-cuda-mps-control`")

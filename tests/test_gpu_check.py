@@ -19,6 +19,27 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 
 
+MPS_STUB = """#!/bin/bash
+pipe=$CUDA_MPS_PIPE_DIRECTORY
+if [ "$1" = -d ]; then
+  {python} -c 'import os, socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen(64)
+open(sys.argv[2], "w").write(str(os.getpid()))
+time.sleep(300)' "$pipe/control" "$pipe/daemon.pid" >/dev/null 2>&1 &
+  for _ in $(seq 50); do [ -s "$pipe/daemon.pid" ] && exit 0; sleep 0.1; done
+  exit 1
+fi
+read -r command
+if [ "$command" = quit ]; then
+  echo quit >> "$pipe/commands"
+  kill "$(cat "$pipe/daemon.pid")"
+  rm -f "$pipe/daemon.pid"
+fi
+"""
+
+
 def run_check(tmp_path: Path, gpus: int, _stub: str | None = None,
               **env) -> tuple[int, str, Path, list[str]]:
     """Runs the script with stubs; returns (exit code, output, $OUT, the stub interpreter's calls).
@@ -29,15 +50,19 @@ def run_check(tmp_path: Path, gpus: int, _stub: str | None = None,
     smi = f'#!/bin/bash\n[ "$1" = -L ] && {{ {listing}exit 0; }}\necho stub-smi\n'
     (bin_dir / "nvidia-smi").write_text(smi)
     calls = tmp_path / "calls.txt"
+    # the script's MPS probe (jax_ep.launch.mps_unavailable) runs in a real interpreter
     (bin_dir / "py").write_text(_stub or textwrap.dedent(f"""\
         #!/bin/bash
+        if [ "$1" = -c ] && [[ "$2" == *mps_unavailable* ]]; then
+          PYTHONPATH={ROOT} exec {sys.executable} "$@"
+        fi
         echo "$*" >> {calls}
         echo "stub python $*"
         """))
     (bin_dir / "nvcc").write_text("#!/bin/bash\necho stub-nvcc\n")
-    # MPS: -d "starts" the daemon (its control pipe appears); "quit" on stdin stops it
-    (bin_dir / "nvidia-cuda-mps-control").write_text(
-        '#!/bin/bash\n[ "$1" = -d ] && touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0\n')
+    # MPS: -d starts a "daemon" listening on the control socket; "quit" on stdin stops it and leaves the
+    # socket file behind, as CUDA 13's daemon does
+    (bin_dir / "nvidia-cuda-mps-control").write_text(MPS_STUB.format(python=sys.executable))
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     out = tmp_path / "out"
@@ -105,6 +130,34 @@ def test_share_gpu_runs_the_chosen_files_with_the_process_count(tmp_path):
         assert f"tests/gpu/test_{name}_gpu.py" in run and "--share-gpu" in run and "--processes 4" in run
     summary = (out / "summary.txt").read_text()
     assert "tests/gpu/test_rank_mask_gpu.py: rc=0" in summary and "gpu_check: OK" in summary, summary
+    assert "starting it" in output and (tmp_path / "mps" / "commands").read_text() == "quit\n", output
+
+
+def test_share_gpu_restarts_mps_when_only_a_stopped_daemons_socket_is_left(tmp_path):
+    """A second run after one that stopped its daemon: the socket file is still there, but nothing answers
+    (2026-12-01: such runs said "already running" and ran without MPS); it starts MPS again and stops
+    it. A daemon that answers is used and left running."""
+    pipe = tmp_path / "mps"
+    for run in (1, 2):
+        rc, output, out, _ = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="rank_mask",
+                                       MPS_PIPE_DIR=str(pipe))
+        assert rc == 0, output
+        assert (pipe / "control").exists() and not (pipe / "daemon.pid").exists()   # stopped, socket left
+        assert (pipe / "commands").read_text() == "quit\n" * run, output
+        if run == 2:
+            assert f"CUDA MPS: its control socket {pipe}/control refuses connections (" in output, output
+            assert "already running" not in output, output
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(pipe))
+    control = str(tmp_path / "bin" / "nvidia-cuda-mps-control")
+    (pipe / "control").unlink()
+    subprocess.run([control, "-d"], env=env, check=True)
+    try:
+        rc, output, out, _ = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="rank_mask",
+                                       MPS_PIPE_DIR=str(pipe))
+        assert rc == 0 and "CUDA MPS already running" in output, output
+        assert (pipe / "daemon.pid").exists() and (pipe / "commands").read_text() == "quit\n" * 2, output
+    finally:
+        subprocess.run([control], input="quit\n", text=True, env=env)
 
 
 # ---- GPU_SUITE: the suite in parts, JUnit -> records (tools/gpu_tests_record.py) ---------------------

@@ -6,9 +6,12 @@ Every subprocess wait is bounded (a hang fails the test, naming what hung, with 
 
 import os
 import pathlib
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -320,22 +323,53 @@ def test_launcher_devices(monkeypatch):
 
 
 @pytest.fixture
-def mps(monkeypatch, tmp_path):
-    """CUDA_MPS_PIPE_DIRECTORY set to an empty folder (MPS not running); mps.start() makes its control
-    pipe (a FIFO, as the daemon's), as if MPS were running. No CUDA_MPS_ACTIVE_THREAD_PERCENTAGE."""
-    folder = tmp_path / "mps_pipe"
-    folder.mkdir()
+def mps(monkeypatch):
+    """CUDA_MPS_PIPE_DIRECTORY set to an empty folder (MPS not running); mps.start() listens on its
+    control socket, as CUDA 13's daemon does, and mps.stop() closes it, leaving the file behind, as a
+    stopped daemon does. No CUDA_MPS_ACTIVE_THREAD_PERCENTAGE."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))   # short: a socket path ≤ 107 bytes
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(folder))
     monkeypatch.delenv(launch.MPS_PERCENTAGE, raising=False)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
     class Mps:
         pipe = folder / "control"
 
         @staticmethod
         def start():
-            os.mkfifo(folder / "control")
+            listener.bind(str(folder / "control"))
+            listener.listen(128)   # never accepted: room for every check of a test
 
-    return Mps
+        @staticmethod
+        def stop():
+            listener.close()
+
+    yield Mps
+    listener.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_mps_unavailable_connects_to_the_control_pipe(mps):
+    """No pipe, a listening socket, the socket a stopped daemon left, a named pipe with and without a
+    reader, a plain file: mps_unavailable says which, None only when something answers."""
+    assert launch.mps_unavailable() == f"no control pipe {mps.pipe}"
+    mps.start()
+    assert launch.mps_unavailable() is None and launch.mps_unavailable(mps.pipe) is None
+    mps.stop()
+    why = launch.mps_unavailable()
+    assert why.startswith(f"its control socket {mps.pipe} refuses connections (") and why.endswith(
+        "a stopped daemon left it behind"), why
+    fifo = mps.pipe.with_name("fifo")
+    os.mkfifo(fifo)
+    assert launch.mps_unavailable(fifo).startswith(f"its control pipe {fifo} has no reader ("), fifo
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert launch.mps_unavailable(fifo) is None
+    finally:
+        os.close(reader)
+    plain = mps.pipe.with_name("plain")
+    plain.write_text("")
+    assert launch.mps_unavailable(plain) == f"{plain} is neither a socket nor a named pipe"
 
 
 def share_args(*argv: str):
@@ -364,6 +398,10 @@ def test_launcher_share_gpus_needs_mps(mps, monkeypatch):
     assert launch.mps_control_pipe() == mps.pipe
     mps.start()
     assert launch.process_envs(share_args("--nproc", "2"), gpus=1)
+    mps.stop()   # the socket stays: still refused, saying so
+    with pytest.raises(SystemExit, match=r"but CUDA MPS is not running \(its control socket .* refuses "
+                                         r"connections \(.*\): a stopped daemon left it behind\)"):
+        launch.process_envs(share_args("--nproc", "2"), gpus=1)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     assert launch.mps_control_pipe() == pathlib.Path("/tmp/nvidia-mps/control")
 

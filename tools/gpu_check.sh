@@ -202,16 +202,28 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
   # provoke some) ends every client of the GPU, and MPS takes no new client until they have all exited.
   export CUDA_MPS_PIPE_DIRECTORY="${MPS_PIPE_DIR:-/tmp/jax_ep_mps_pipe}" CUDA_MPS_LOG_DIRECTORY="$OUT/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  # a daemon answers at the control socket (a stopped one leaves the socket behind, and CUDA then runs
+  # its clients without MPS, silently: jax_ep.launch.mps_unavailable connects to it)
+  mps_down() { "$PY" -c 'import sys; from jax_ep.launch import mps_unavailable; w = mps_unavailable(); print(w or ""); sys.exit(w is None)'; }
+  stop_mps() {   # and wait for it to go, so that the next start does not meet a daemon shutting down
+    echo quit | nvidia-cuda-mps-control
+    for _ in $(seq 10); do mps_down >/dev/null && return; sleep 0.5; done
+    echo "gpu_check: CUDA MPS still answers after quit"
+  }
   started_mps=0
-  if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+  if ! why=$(mps_down); then
     echo "CUDA MPS already running (pipes in $CUDA_MPS_PIPE_DIRECTORY): using it"
-  elif nvidia-cuda-mps-control -d; then
-    started_mps=1
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT   # stopped even if this script is interrupted
-    for _ in $(seq 50); do [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] && break; sleep 0.2; done
+  else
+    echo "CUDA MPS: $why; starting it"
+    rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"   # a stopped daemon's socket (nothing answers there)
+    if nvidia-cuda-mps-control -d; then
+      started_mps=1
+      trap stop_mps EXIT   # stopped even if this script is interrupted
+      for _ in $(seq 10); do mps_down >/dev/null || break; sleep 0.5; done
+    fi
   fi
-  if [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
-    echo "gpu_check: could not start CUDA MPS (nvidia-cuda-mps-control -d; logs in $CUDA_MPS_LOG_DIRECTORY)" | tee -a "$OUT/summary.txt"
+  if why=$(mps_down); then
+    echo "gpu_check: could not start CUDA MPS ($why; nvidia-cuda-mps-control -d; logs in $CUDA_MPS_LOG_DIRECTORY)" | tee -a "$OUT/summary.txt"
     status=1
   else
     eval "share_args=(${SHARE_PYTEST_ARGS:-})"
@@ -239,7 +251,7 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     [ $share_rc -eq 0 ] || status=1
   fi
   if [ $started_mps = 1 ]; then
-    echo quit | nvidia-cuda-mps-control
+    stop_mps
     trap - EXIT
   fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
