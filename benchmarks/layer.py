@@ -26,7 +26,11 @@ with the EP kernels on an async stream, so one chunk's exchange can overlap the 
 backward writes every row of the receive buffer), beside ``jax_ep``; ``jax_ep_gate_in_experts`` and
 ``jax_ep_fp8_cached_gate_in_experts`` (only when named): ``EPOptions(gate_weights="experts")`` (the gate
 weights scale SwiGLU's rows, combine sums unweighted and its backward is a broadcast) with the bf16 and
-the cached FP8 GEMMs.
+the cached FP8 GEMMs; ``jax_ep_mb2`` (only when named): two micro-batches in one jitted step, their losses
+summed (gradient accumulation's program), in series, and ``ep_cuda_async_mb2_free12`` /
+``ep_cuda_async_mb2_free24`` the same with the EP kernels on XLA stream 1 on 12 / 24 SMs and the expert
+GEMMs on the rest (``MoE(gemm_num_sms=...)``), so that one micro-batch's exchanges can run beside the
+other's GEMMs; their ``step_ms`` is the step's time per micro-batch (``micro_batches`` in the record).
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -48,6 +52,7 @@ from __future__ import annotations
 import datetime
 import functools
 import glob
+import operator
 import re
 import tempfile
 import time
@@ -116,12 +121,22 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # row, combine sums unweighted, its backward a broadcast), bf16 and cached FP8 GEMMs
            "jax_ep_gate_in_experts": dict(backend="auto", gemm="auto", gate_weights="experts"),
            "jax_ep_fp8_cached_gate_in_experts": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
-                                                     fp8_cached=True, gate_weights="experts")}
+                                                     fp8_cached=True, gate_weights="experts"),
+           # two micro-batches in one jitted step (gradient accumulation's loss sum): in series (the
+           # defaults), or each exchange on XLA stream 1 with `free` SMs (KernelConfig.num_sms) and the
+           # expert GEMMs on the others (MoE(gemm_num_sms=SMs - free)), so that one micro-batch's
+           # exchanges can run beside the other's GEMMs (DeepSeek-V3's dual micro-batch overlap)
+           "jax_ep_mb2": dict(backend="auto", gemm="auto", micro_batches=2),
+           "ep_cuda_async_mb2_free12": dict(backend="cuda", gemm="auto", micro_batches=2, gemm_free_sms=12,
+                                            kernel=dict(async_stream=1, num_sms=12)),
+           "ep_cuda_async_mb2_free24": dict(backend="cuda", gemm="auto", micro_batches=2, gemm_free_sms=24,
+                                            kernel=dict(async_stream=1, num_sms=24))}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_fp8_bf16_wire", "jax_ep_chunks2",
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_experts",
-              "jax_ep_fp8_cached_gate_in_experts")
+              "jax_ep_fp8_cached_gate_in_experts", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
+              "ep_cuda_async_mb2_free24")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
@@ -285,12 +300,19 @@ def hidden_ep_ms(split: dict[str, float], device_step_ms: float) -> float:
     return round(min(ep, max(0.0, sum(split.values()) - device_step_ms)), 3)
 
 
+def gpu_sms() -> int:
+    """The SMs of the first GPU."""
+    return jax.devices()[0].core_count
+
+
 def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     """The layer a config benchmarks on the devices of `mesh` (bfloat16 parameters, seed 0; a dense
     shared expert of `shared_ffn` when not 0) and its
     input (tokens_per_rank bfloat16 tokens per device, sharded as the layer's batch). A config with
     `nodes` takes them as that many nodes of (devices / nodes) GPUs each, node-major (GPU n * L + l
-    holds the experts a flat EP of N * L ranks puts there), with the hierarchical dispatch / combine."""
+    holds the experts a flat EP of N * L ranks puts there), with the hierarchical dispatch / combine.
+    A config with `micro_batches` gets a tuple of that many inputs; with `gemm_free_sms` the expert GEMMs
+    leave that many of the GPU's SMs free (MoE(gemm_num_sms=...))."""
     hidden, ffn, experts, topk, tokens = shape
     ep, options = mesh.size, CONFIGS[config]
     layout = dict(mesh=mesh, axis_name=mesh.axis_names[0])
@@ -307,24 +329,31 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
                                      **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype",
                                                                 "gate_weights") if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, shared_ffn_hidden=shared_ffn,
+                    gemm_num_sms=gpu_sms() - options["gemm_free_sms"] if "gemm_free_sms" in options else None,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
                        if k in options})
-    x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
-                       NamedSharding(layer.mesh, P(layer.batch_axes)))
-    return layer, x
+    sharding = NamedSharding(layer.mesh, P(layer.batch_axes))
+    inputs = tuple(jax.device_put(jax.random.normal(jax.random.key(1 + b), (ep * tokens, hidden),
+                                                    jnp.bfloat16), sharding)
+                   for b in range(options.get("micro_batches", 1)))
+    return layer, inputs if "micro_batches" in options else inputs[0]
 
 
 def training_step(graphdef, rest):
     """(step, quantise) of a layer split as nnx.split(layer, nnx.Param, ...): step(params, x, fp8=None)
     is one jitted training step (loss, gradients of the parameters and of x) with cached FP8 weights
-    when given; quantise(params) makes them (MoE.quantize_weights, once per optimiser step)."""
+    when given; x a tuple of micro-batches: their losses summed, as gradient accumulation does, in one
+    program (each micro-batch's work free to run beside the others'). quantise(params) makes the FP8
+    weights (MoE.quantize_weights, once per optimiser step)."""
     @jax.jit
     def step(params, x, fp8=None):
         # d x too: inside a model the layer's input gradient feeds the layers below (without it XLA
         # drops the backward of dispatch and the expert GEMM feeding it)
         def loss(params, x):
-            out = nnx.merge(graphdef, params, rest)(x, update_stats=False, fp8_weights=fp8)
-            return jnp.mean(out.astype(jnp.float32) ** 2)
+            model = nnx.merge(graphdef, params, rest)
+            return functools.reduce(operator.add, (
+                jnp.mean(model(xb, update_stats=False, fp8_weights=fp8).astype(jnp.float32) ** 2)
+                for xb in (x if isinstance(x, tuple) else (x,))))
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
     return step, jax.jit(lambda params: nnx.merge(graphdef, params, rest).quantize_weights())
@@ -345,7 +374,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         return dict(record, gemm="", step_ms=None, split_ms=None, error=str(e))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     step, quantise = training_step(graphdef, rest)
-    record["gemm"] = layer_gemm_plans(layer, mesh, x)
+    record["gemm"] = layer_gemm_plans(layer, mesh, x[0] if isinstance(x, tuple) else x)
     record["ep_ops"] = layer_ep_plans(layer, tokens, ("dispatch", "combine"))
     try:
         args = (params, x)
@@ -353,7 +382,10 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
             record["quantise_ms"] = 1e3 * best_of(quantise, params, iters=iters, repeats=repeats,
                                                   sustain_s=sustain_s)
             args = (params, x, quantise(params))
-        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats, sustain_s=sustain_s)
+        # a step of several micro-batches: its time per micro-batch, what the other configs' step is
+        record["micro_batches"] = len(x) if isinstance(x, tuple) else 1
+        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats,
+                                          sustain_s=sustain_s) / record["micro_batches"]
         profiled = split_by_scope(step, args, iters) if profile else None
         record["split_ms"], record["device_step_ms"] = profiled or (None, None)
         record["ep_hidden_ms"] = None if profiled is None else hidden_ep_ms(*profiled)

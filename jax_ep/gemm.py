@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep.config import check_option
 from jax_ep.errors import EPValueError
 from jax_ep.validation import float0_like
 from jax_ep.vma import vary_as, vary_jointly
@@ -50,15 +51,17 @@ PASSES = ("forward", "dx", "dw")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What one pass runs: ``impl`` "mosaic_gpu" with ``config``, or "ragged_dot" with ``reason``."""
+    """What one pass runs: ``impl`` "mosaic_gpu" with ``config`` on ``num_sms`` SMs (None: all), or
+    "ragged_dot" with ``reason``."""
 
     impl: str
     config: object = None
     reason: str = ""
+    num_sms: int | None = None
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
-                   zero_tail: bool = True) -> jax.Array:
+                   zero_tail: bool = True, num_sms: int | None = None) -> jax.Array:
     """``lax.ragged_dot(x, w, group_sizes)``, fast on Hopper GPUs.
 
     Args:
@@ -71,12 +74,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
         that never reads them, e.g. rows from ``jax_ep.dispatch``, whose rows there are unspecified
         too. At the MoE layer's default (worst-case) capacity most of the buffer lies past the groups
         at EP >= 4, and writing its zeros costs a pass over it.
+      num_sms: the SMs the kernels of every pass take: None (default) every SM, or a positive int (all
+        of them on a GPU with fewer). Fewer leave SMs to kernels on other streams: the EP exchanges on
+        ``KernelConfig.async_stream`` run beside the GEMMs only on SMs the GEMMs leave free.
     Returns: [M, N] in x's dtype (float32 accumulation).
     """
     _check_args(x, w, group_sizes, backend)
     if not isinstance(zero_tail, bool):
         raise EPValueError(f"grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
-    plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend)
+    check_option("grouped_matmul:", "num_sms", num_sms, "int?")
+    plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend, num_sms)
     return _grouped_matmul(*vary_jointly(x, w, group_sizes), plans, zero_tail)
 
 
@@ -138,7 +145,8 @@ def _kernel_platform() -> str:
     return ""
 
 
-def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str) -> tuple[Plan, ...]:
+def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str, num_sms: int | None = None
+           ) -> tuple[Plan, ...]:
     if backend == "ragged_dot":
         return tuple(Plan("ragged_dot", reason="backend='ragged_dot'") for _ in PASSES)
     why = _kernel_platform()
@@ -159,7 +167,7 @@ def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str) -> tuple[Plan, ...]
                        w_shape, reason)
             plans.append(Plan("ragged_dot", reason=reason))
         else:
-            plans.append(Plan("mosaic_gpu", config=block_config(name, m, k, n, g)))
+            plans.append(Plan("mosaic_gpu", config=block_config(name, m, k, n, g), num_sms=num_sms))
     return tuple(plans)
 
 
@@ -218,7 +226,8 @@ def _forward(x, w, group_sizes, plan: Plan, transpose_rhs: bool = False, zero_ta
     from jax_ep import gemm_mgpu as mgpu
 
     schedule, num_tiles = mgpu.config_schedule(group_sizes, x.shape[0], plan.config, zero_tail)
-    out = mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs)
+    out = mgpu.ragged_dot(x, w, schedule, num_tiles, config=plan.config, transpose_rhs=transpose_rhs,
+                          num_sms=plan.num_sms)
     return vary_as(out, x, w)  # a kernel's result is typed invariant inside shard_map; it is per rank
 
 
@@ -247,17 +256,18 @@ def _weight_gradient(x, dy, group_sizes, plan: Plan):
                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[]))
     from jax_ep import gemm_mgpu as mgpu
 
-    return vary_as(mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plan.config), x, dy)
+    return vary_as(mgpu.transposed_ragged_dot(x, dy, group_sizes, config=plan.config, num_sms=plan.num_sms),
+                   x, dy)
 
 
-def weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, backend: str = "auto"
-                    ) -> jax.Array:
+def weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
+                    num_sms: int | None = None) -> jax.Array:
     """``dw[g] = x[rows of g].T @ dy[rows of g]`` ([G, K, N] in x's dtype, zeros for empty groups, rows
     past the groups never read into a sum): grouped_matmul's weight gradient on its own (the FP8 GEMM's
-    backward uses it)."""
+    backward uses it, with its caller's ``num_sms``)."""
     g = group_sizes.shape[0]
     w_shape = (g, x.shape[1], dy.shape[1])
-    plan = _plans(x.shape, w_shape, x.dtype, dy.dtype, backend)[2]
+    plan = _plans(x.shape, w_shape, x.dtype, dy.dtype, backend, num_sms)[2]
     return _weight_gradient(*vary_jointly(x, dy, group_sizes), plan).astype(x.dtype)
 
 

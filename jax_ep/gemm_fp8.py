@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels
+from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels, check_option
 from jax_ep.errors import EPTypeError, EPValueError
 from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, as_stored, dequantize_fp8, fp8_scales, quantize_fp8, to_e4m3
 from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
@@ -416,7 +416,8 @@ DW_KERNELS = (DW_KERNEL, (3, 0, 8), (4, 0, 4), (4, 1, 2), (4, 0, 8, 1), (3, 0, 8
 
 def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                         x_scales: jax.Array | None = None, backend: str = "reference",
-                        out_dtype=jnp.bfloat16, kernel: tuple | None = None) -> jax.Array:
+                        out_dtype=jnp.bfloat16, kernel: tuple | None = None,
+                        num_sms: int | None = None) -> jax.Array:
     """dw[g] = x[rows of g].T @ dy[rows of g] with both operands in FP8 as DeepSeek-V3's backward runs
     it: rows quantised token-minor with one scale per 128 rows and channel (quantize_rows_t), float32
     sums per 128-row block scaled by the outer product of the two blocks' scales, ``out_dtype`` [G, C, N]
@@ -425,7 +426,7 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     float32 ragged dot; any platform) or "mosaic_gpu" (Hopper: the Triton quantiser and
     gemm_mgpu.transposed_ragged_dot_fp8, which needs C % 64 and N % 256; ``kernel``: its form, one of
     DW_KERNELS' kind; None: the form tools/tune_gemm.py --fp8 measured fastest at this shape, else
-    DW_KERNEL)."""
+    DW_KERNEL); ``num_sms``: the SMs its kernel takes (as fp8_grouped_matmul's)."""
     m, c = x.shape
     n = dy.shape[1]
     if dy.shape[0] != m:
@@ -440,7 +441,7 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
         raise EPValueError(f"fp8_weight_gradient: the Hopper kernel needs N % {2 * FP8_BLOCK} == 0 and "
                            f"C % 64 == 0, got C={c}, N={n}")
     operands = quantize_weight_gradient_operands(x, dy, group_sizes, x_scales=x_scales, backend="pallas")
-    dw = weight_gradient_kernel(operands, m, kernel=kernel, out_dtype=out_dtype)
+    dw = weight_gradient_kernel(operands, m, kernel=kernel, out_dtype=out_dtype, num_sms=num_sms)
     return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
 
 
@@ -453,7 +454,8 @@ def quantize_weight_gradient_operands(x: jax.Array, dy: jax.Array, group_sizes: 
     return xt, xs, dyt, dys, info
 
 
-def weight_gradient_kernel(operands, m: int, *, kernel: tuple | None = None, out_dtype=jnp.bfloat16):
+def weight_gradient_kernel(operands, m: int, *, kernel: tuple | None = None, out_dtype=jnp.bfloat16,
+                           num_sms: int | None = None):
     """The Hopper FP8 weight-gradient kernel (gemm_mgpu.transposed_ragged_dot_fp8) on
     quantize_weight_gradient_operands' output for an m-row buffer, in the form ``kernel`` (DW_KERNELS'
     kind; None: the form tools/tune_gemm.py --fp8 measured fastest at this shape, else DW_KERNEL)."""
@@ -466,7 +468,7 @@ def weight_gradient_kernel(operands, m: int, *, kernel: tuple | None = None, out
     if ring not in (0, 1):
         raise EPValueError(f"fp8_weight_gradient: kernel's ring must be 0 or 1, got {kernel}")
     return mgpu.transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, stages=stages, minor=minor, width=width,
-                                          out_dtype=out_dtype, ring=bool(ring))
+                                          out_dtype=out_dtype, ring=bool(ring), num_sms=num_sms)
 
 
 class FP8Weights(NamedTuple):
@@ -512,7 +514,8 @@ def _check_quantized(quantized, w: jax.Array, backend: str) -> None:
 def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scales: jax.Array,
                        group_sizes: jax.Array, *, wq_t: jax.Array | None = None, transpose_w: bool = False,
                        out_dtype=jnp.bfloat16, backend: str = "reference",
-                       kernel: tuple[bool, int, int] | None = None, zero_tail: bool = True) -> jax.Array:
+                       kernel: tuple[bool, int, int] | None = None, zero_tail: bool = True,
+                       num_sms: int | None = None) -> jax.Array:
     """out = dequantize(xq, x_scales) @ dequantize(wq, w_scales)[g] per group of rows (``transpose_w``:
     @ ...[g].T, the input gradient), float32 sums, ``out_dtype`` out, zeros past sum(group_sizes)
     (``zero_tail=False``: unspecified there on the Hopper kernel, which leaves them unwritten, as
@@ -528,6 +531,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
       kernel: the Hopper kernel's form (warp_specialized, block_m, stages[, grid_minor[, ring[,
         scales_smem[, lagged]]]]); None: the tuned form for this shape (gemm.tuned_entry), else
         fp8_kernel_form's default.
+      num_sms: the SMs the Hopper kernel takes (as fp8_grouped_matmul's); None: all.
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
@@ -563,7 +567,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     schedule, num_tiles = mgpu.tile_schedule(group_sizes, m, block_m, zero_tail)
     out = mgpu.ragged_dot_fp8(xq, x_scales.T, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                               out_dtype=out_dtype, warp_specialized=warp_specialized, grid_minor=grid_minor,
-                              ring=ring, scales_smem=scales_smem, lagged=lagged)
+                              ring=ring, scales_smem=scales_smem, lagged=lagged, num_sms=num_sms)
     return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 
@@ -582,7 +586,7 @@ def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
 def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
                        gemm: str = "auto", quantized: FP8Weights | None = None,
                        weight_grad: str = "bf16", x_fp8: tuple[jax.Array, jax.Array] | None = None,
-                       zero_tail: bool = True) -> jax.Array:
+                       zero_tail: bool = True, num_sms: int | None = None) -> jax.Array:
     """``grouped_matmul(x, w, group_sizes)`` with the matrix work in FP8 (module docstring): x [M, K]
     bfloat16/float32 rows, w [G, K, N] (K and N multiples of 128), result in x's dtype. Differentiable in
     x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's).
@@ -603,7 +607,10 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     flows into them).
 
     ``zero_tail``: False leaves the rows past sum(group_sizes) of the output and of x's gradient
-    unspecified (``jax_ep.grouped_matmul``'s meaning; the Hopper kernels do not write them)."""
+    unspecified (``jax_ep.grouped_matmul``'s meaning; the Hopper kernels do not write them).
+
+    ``num_sms``: the SMs every kernel of the three passes takes (``jax_ep.grouped_matmul``'s)."""
+    check_option("fp8_grouped_matmul:", "num_sms", num_sms, "int?")
     if not isinstance(zero_tail, bool):
         raise EPValueError(f"fp8_grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
     if weight_grad not in WEIGHT_GRADIENTS:
@@ -627,7 +634,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
                                f"({xq.dtype} {xq.shape}, {xs.dtype} {xs.shape})")
         x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w, group_sizes) for a in (xq, xs.astype(jnp.float32)))
     return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad,
-                       zero_tail)
+                       zero_tail, num_sms)
 
 
 def _live_rows_backend(shape, backend: str) -> str:
@@ -643,21 +650,21 @@ def _quantize_live_rows(x, group_sizes, backend):
     return quantize_gemm_rows(x)
 
 
-def _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail):
+def _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail, num_sms):
     xq, xs = _quantize_live_rows(x, group_sizes, backend) if x_fp8 is None else x_fp8
     wq, wq_t, ws = quantize_weights(w, backend=backend) if quantized is None else quantized
     out = grouped_matmul_fp8(xq, xs, wq, ws, group_sizes, wq_t=wq_t, out_dtype=x.dtype, backend=backend,
-                             zero_tail=zero_tail)
+                             zero_tail=zero_tail, num_sms=num_sms)
     return out, (xq, xs, wq, ws, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _fp8_matmul(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail):
-    return _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _fp8_matmul(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail, num_sms):
+    return _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail, num_sms)[0]
 
 
-def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail):
-    out, res = _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail)
+def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail, num_sms):
+    out, res = _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail, num_sms)
     # which fields the cached weights have, as scalars: their (zero) cotangent is made in the backward
     # from wq's and ws's shapes, not kept from the forward
     q_like = None if quantized is None else FP8Weights(
@@ -666,7 +673,7 @@ def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_g
     return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), q_like, given)
 
 
-def _fp8_matmul_bwd(backend, gemm, weight_grad, zero_tail, res, dy):
+def _fp8_matmul_bwd(backend, gemm, weight_grad, zero_tail, num_sms, res, dy):
     xq, xs, wq, ws, group_sizes, x_like, w_like, q_like, given = res
     # cached FP8 weights are constants (stop_gradient upstream): zero cotangents, dropped unused
     d_quantized = None if q_like is None else FP8Weights(
@@ -676,15 +683,15 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, zero_tail, res, dy):
         vary_as(jnp.zeros(ws.shape, ws.dtype), ws))
     dyq, dys = _quantize_live_rows(dy, group_sizes, backend)
     dx = grouped_matmul_fp8(dyq, dys, wq, ws, group_sizes, transpose_w=True, out_dtype=x_like.dtype,
-                            backend=backend, zero_tail=zero_tail)
+                            backend=backend, zero_tail=zero_tail, num_sms=num_sms)
     if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens
         dw_backend = backend if _dw_kernel_fits(xq.shape[1], dy.shape[1]) else "reference"
-        dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend)
+        dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend, num_sms=num_sms)
     else:
         # the rows the forward multiplied (past the groups: unwritten beside the Hopper kernels)
         rows = dequantize_gemm_rows(xq, xs, jnp.sum(group_sizes),
                                     backend=_live_rows_backend(xq.shape, backend))
-        dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm)
+        dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm, num_sms=num_sms)
     # rows given quantised (x_fp8) are constants: zero cotangents
     d_x_fp8 = (vary_as(jnp.zeros(xq.shape, xq.dtype), xq), vary_as(jnp.zeros(xs.shape, xs.dtype), xs)
                ) if given is not None else None

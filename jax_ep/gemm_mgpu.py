@@ -163,8 +163,11 @@ def config_schedule(group_sizes: jax.Array, m: int, config: BlockConfig, zero_ta
     return tile_schedule(group_sizes, m, config.block_m, zero_tail, bool(config.group_rows))
 
 
-def _num_sms() -> int:
-    return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
+def _num_sms(num_sms: int | None = None) -> int:
+    """The SMs of a persistent grid: every SM of the GPU, or `num_sms` of them when fewer (leaving the rest
+    to kernels on other streams, e.g. the EP exchanges: MoE(gemm_num_sms=...))."""
+    count = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
+    return count if num_sms is None else min(num_sms, count)
 
 
 def _row_tiles(schedule_gmem, num_tiles_gmem, grid_n: int, minor: int, width: int, init_carry=None):
@@ -209,10 +212,12 @@ def _store_rows(o_smem, o_gmem, row0, start, size, block_m: int, col_slice, wait
 
 
 def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool = False,
-               interpret=None):
-    """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups."""
+               interpret=None, num_sms: int | None = None):
+    """out[M, N] = lhs[M, K] @ rhs[g] (or rhs[g].T) for the rows of group g; zeros past the groups.
+    num_sms: the persistent grid's SMs (_num_sms), here and in every kernel below."""
     if config.compute_wgs > 1:
-        return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs)
+        return _ragged_dot_ws(lhs, rhs, schedule, num_tiles, config=config, transpose_rhs=transpose_rhs,
+                              num_sms=num_sms)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
     m, k = lhs.shape
     g, k2, n = rhs.shape
@@ -254,7 +259,7 @@ def ragged_dot(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_
                             pl.ds(ni * bn, bn))
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(ctas * _num_sms(),),
+        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(ctas * _num_sms(num_sms),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret)
@@ -276,12 +281,13 @@ def check_weight_gradient_config(config: BlockConfig):
                            f"weight gradient (a pipeline per tile races on one-step tiles), got {config}")
 
 
-def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None):
+def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None,
+                          num_sms: int | None = None):
     """out[g] = lhs[rows of g].T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N] (the weight
     gradient of ragged_dot). Empty groups give zeros; rows past the groups are never read into a sum."""
     check_weight_gradient_config(config)
     if config.compute_wgs > 1:
-        return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config)
+        return _transposed_ragged_dot_ws(lhs, rhs, group_sizes, config=config, num_sms=num_sms)
     bm, bn, bk, stages, minor, width, ctas, *_ = config.astuple()
     rows, k = lhs.shape
     rows2, n = rhs.shape
@@ -329,7 +335,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpr
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype), grid=(ctas * _num_sms(),),
+        body, out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype), grid=(ctas * _num_sms(num_sms),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret)
@@ -403,9 +409,10 @@ def _write_chunks(o_smem, values, col0, store):
         store(pl.ds(col0 + c * width, width))
 
 
-def _ws_kernel(body, out_type):
+def _ws_kernel(body, out_type, num_sms: int | None):
     return plgpu.kernel(
-        body, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        body, out_type=out_type, grid=(_num_sms(num_sms),), grid_names=("sm",), num_threads=3,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
@@ -600,7 +607,8 @@ def _group_ring_tiles(info_gmem, g: int, grid, minor: int, width: int, bk: int):
     return tiles
 
 
-def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool):
+def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transpose_rhs: bool,
+                   num_sms: int | None):
     """ragged_dot with a producer warpgroup and config.compute_wgs consumers side by side along N: a
     pipeline per tile, or with config.ring one ring of K-step buffers across the CTA's tiles (_k_ring)."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
@@ -647,7 +655,8 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                 scratch=plgpu.SMEM((wgs, bm, bn // chunks), o_gmem.dtype))
 
     if config.ring:
-        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), lhs.dtype))(schedule, num_tiles, lhs, rhs)
+        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), lhs.dtype), num_sms)(
+            schedule, num_tiles, lhs, rhs)
 
     def get_pipeline(step, compute_context):
         return _ws_pipeline(
@@ -694,7 +703,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
 
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype))
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), num_sms)
     return kernel(schedule, num_tiles, lhs, rhs)
 
 
@@ -719,7 +728,7 @@ def _mask_cut_block(lhs_smem, rhs_smem, kb, num_k, start, end, first_row, bk: in
     _mask_outside(lhs_smem, rhs_smem, cut, start - row0, end - row0)
 
 
-def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
+def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig, num_sms: int | None):
     """transposed_ragged_dot with a producer warpgroup and config.compute_wgs consumers along N: while
     the consumers write one output tile, the producer already loads the next tile's rows."""
     bm, bn, bk, stages, minor, width, _, wgs, delay, *_ = config.astuple()
@@ -760,7 +769,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                 scratch=plgpu.SMEM((wgs, bm, bn // chunks), lhs.dtype, transforms=out_tf))
 
     if config.ring:
-        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))(info, lhs, rhs)
+        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype), num_sms)(info, lhs, rhs)
 
     # a pipeline per tile: no WGMMA left in flight (check_weight_gradient_config), so each step's slot is
     # released at once
@@ -807,7 +816,7 @@ def _transposed_ragged_dot_ws(lhs, rhs, group_sizes, *, config: BlockConfig):
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
 
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype))
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), lhs.dtype), num_sms)
     return kernel(info, lhs, rhs)
 
 
@@ -839,7 +848,8 @@ def _promote(total, part, scale):
 
 def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64, stages: int = 4,
                    out_dtype=jnp.bfloat16, warp_specialized: bool = False, grid_minor: int = 0,
-                   ring: bool = False, scales_smem: bool = False, lagged: bool = False):
+                   ring: bool = False, scales_smem: bool = False, lagged: bool = False,
+                   num_sms: int | None = None):
     """out[r] = sum over K blocks kb of xs[r, kb] * ws[g, kb, n // 128] * (xq[r, kb] . wq[g, kb, n]) for
     the rows r of group g (f32 sums, out_dtype out; zeros past the groups).
 
@@ -866,7 +876,7 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
     if warp_specialized:
         return _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, block_m=block_m, stages=stages,
                                   out_dtype=out_dtype, grid_minor=grid_minor, ring=ring,
-                                  scales_smem=scales_smem, lagged=lagged)
+                                  scales_smem=scales_smem, lagged=lagged, num_sms=num_sms)
     m, k = xq.shape
     g, n, k2 = wq_t.shape
     bm, bn, bk = block_m, FP8_K_BLOCK, FP8_K_BLOCK
@@ -907,13 +917,14 @@ def ragged_dot_fp8(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int = 64
                             ladder, pl.ds(ni * bn, bn))
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(),), grid_names=("sm",),
+        body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(num_sms),), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
 
 def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int, stages: int, out_dtype,
-                       grid_minor: int, ring: bool = False, scales_smem: bool = False, lagged: bool = False):
+                       grid_minor: int, ring: bool = False, scales_smem: bool = False, lagged: bool = False,
+                       num_sms: int | None = None):
     """ragged_dot_fp8 with a producer warpgroup and two consumers side by side along N; with `ring`, one
     ring of K-step buffers across the CTA's tiles (_k_ring) instead of a pipeline per tile; `lagged`: see
     ragged_dot_fp8."""
@@ -978,7 +989,7 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                 init_acc=lagged_zeros if lagged else lambda: _acc_zeros(bm, bn), pairs=lagged)
 
     if ring:
-        kernel = _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), out_dtype))
+        kernel = _ws_kernel(ring_body, jax.ShapeDtypeStruct((m, n), out_dtype), num_sms)
         return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
     def get_pipeline(step, compute_context):
@@ -1021,12 +1032,12 @@ def _ragged_dot_fp8_ws(xq, xs_t, wq_t, ws, schedule, num_tiles, *, block_m: int,
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
 
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype))
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), num_sms)
     return kernel(schedule, num_tiles, xq, xs_t, wq_t, ws)
 
 
 def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor: int = 0, width: int = 8,
-                              out_dtype=jnp.bfloat16, ring: bool = False):
+                              out_dtype=jnp.bfloat16, ring: bool = False, num_sms: int | None = None):
     """The FP8 weight gradient: out[g] = sum over group g's 128-row blocks b of
     (xs[b, :, None] * dys[b, None, :]) * (xt[:, b] @ dyt[:, b].T), float32 sums, out_dtype [G, C, N].
 
@@ -1075,7 +1086,8 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
                 scratch=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_tf))
 
     if ring:
-        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, c, n), out_dtype))(info, xt, xs, dyt, dys)
+        return _ws_kernel(ring_body, jax.ShapeDtypeStruct((g, c, n), out_dtype), num_sms)(
+            info, xt, xs, dyt, dys)
 
     def get_pipeline(step, compute_context, num_k):
         return _ws_pipeline(
@@ -1121,5 +1133,5 @@ def transposed_ragged_dot_fp8(xt, xs, dyt, dys, info, *, stages: int = 4, minor:
                 def _():
                     store(jnp.zeros((bm, bn), jnp.float32))
 
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, c, n), out_dtype))
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((g, c, n), out_dtype), num_sms)
     return kernel(info, xt, xs, dyt, dys)

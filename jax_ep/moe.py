@@ -243,6 +243,11 @@ class MoE(nnx.Module):
         (default: the kernels on a Hopper GPU when the buffer fits them, else XLA's; ``swiglu.choose``),
         "xla" (XLA's elementwise fusions over every row of the dispatch buffer) or "pallas" (Triton
         kernels over the rows that hold rows only; GPU).
+      gemm_num_sms: the SMs the expert GEMM kernels take (``jax_ep.grouped_matmul``'s ``num_sms``): None
+        (default) every SM; fewer leave SMs to the EP exchanges, which run beside the GEMMs only on an
+        XLA stream of their own (``KernelConfig(async_stream=..., num_sms=...)``) and only on SMs the
+        GEMMs leave free: e.g. two micro-batches in one jitted step, one's exchange beside the other's
+        GEMMs (``python -m benchmarks --layer``, configs ``*_mb2``).
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
@@ -294,7 +299,8 @@ class MoE(nnx.Module):
                  ep: EPOptions | None = None, balancing: BalancingConfig | None = None,
                  shared_ffn_hidden: int = 0, placement: eplb.Placement | None = None, gemm: str = "auto",
                  dtype=None, param_dtype=jnp.float32, decode: bool = False, node_axis: str | None = None,
-                 gemm_dtype: str | None = None, fp8_weight_grad: bool = False, swiglu_backend: str = "auto"):
+                 gemm_dtype: str | None = None, fp8_weight_grad: bool = False, swiglu_backend: str = "auto",
+                 gemm_num_sms: int | None = None):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
@@ -307,7 +313,8 @@ class MoE(nnx.Module):
                                            ("node_axis", node_axis, "name?", 1),
                                            ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1),
                                            ("fp8_weight_grad", fp8_weight_grad, "bool", 1),
-                                           ("swiglu_backend", swiglu_backend, SWIGLU_BACKENDS, 1)):
+                                           ("swiglu_backend", swiglu_backend, SWIGLU_BACKENDS, 1),
+                                           ("gemm_num_sms", gemm_num_sms, "int?", 1)):
             check_option("MoE:", name, value, kind, minimum)
         if gemm_dtype not in GEMM_DTYPES:
             raise EPValueError(f"MoE: gemm_dtype must be one of {GEMM_DTYPES}, got {gemm_dtype!r}")
@@ -334,7 +341,7 @@ class MoE(nnx.Module):
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
         self.gemm, self.gemm_dtype, self.fp8_weight_grad = gemm, gemm_dtype, fp8_weight_grad
-        self.swiglu_backend = swiglu_backend
+        self.swiglu_backend, self.gemm_num_sms = swiglu_backend, gemm_num_sms
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.decode = bool(decode)
 
@@ -730,7 +737,8 @@ class MoE(nnx.Module):
                                  d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
                                  fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad,
                                  swiglu_backend=self.swiglu_backend, rows_fp8=rows_fp8,
-                                 row_weights=d.handle.row_weights if in_experts else None)
+                                 row_weights=d.handle.row_weights if in_experts else None,
+                                 gemm_num_sms=self.gemm_num_sms)
             with jax.named_scope(SCOPES["combine"]):
                 return exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts)
 
@@ -777,7 +785,7 @@ class MoE(nnx.Module):
             d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg, rank_mask=rank_mask)
         with jax.named_scope(SCOPES["experts"]):
             y = slot_experts(d.x, d.scales, d.counts, w_gate_up, w_down, min(cfg.num_topk, d.x.shape[0]),
-                             x.dtype, self.gemm, fp8_weights)
+                             x.dtype, self.gemm, fp8_weights, self.gemm_num_sms)
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
         return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped
@@ -833,7 +841,7 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
                  gemm: str = "auto", gemm_dtype: str | None = None,
                  fp8_weights: ExpertFP8Weights | None = None, fp8_weight_grad: bool = False,
                  swiglu_backend: str = "auto", rows_fp8: tuple[jax.Array, jax.Array] | None = None,
-                 row_weights: jax.Array | None = None) -> jax.Array:
+                 row_weights: jax.Array | None = None, gemm_num_sms: int | None = None) -> jax.Array:
     """The routed experts on expert-major rows: the gate|up grouped GEMM, SwiGLU, the down grouped GEMM
     (``gemm``: jax_ep.grouped_matmul's backend; ``gemm_dtype`` "float8_e4m3fn": both GEMMs in FP8,
     jax_ep.gemm_fp8.fp8_grouped_matmul, from ``fp8_weights`` when given instead of quantising the
@@ -851,7 +859,8 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     are (``fp8_grouped_matmul``'s ``x_fp8``); ``rows`` then carries their gradient only. ``row_weights``:
     None, or float32 [M] (dispatch's ``handle.row_weights``, differentiable): each row's SwiGLU output scaled
     by it before the down GEMM, so that the output rows come gate-weighted (``EPOptions.gate_weights``;
-    zero in the alignment padding, whose weight is 0)."""
+    zero in the alignment padding, whose weight is 0). ``gemm_num_sms``: the SMs the GEMM kernels take
+    (``MoE``'s)."""
     if rows_fp8 is not None and gemm_dtype is None:
         raise EPValueError("expert_block: rows_fp8 needs gemm_dtype='float8_e4m3fn'")
     # "auto" takes the SwiGLU kernels with the FP8 GEMMs too (the same bf16 buffers as with the bf16
@@ -864,11 +873,11 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
         if fp8_weights is not None or fp8_weight_grad:
             raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "
                                "gemm_dtype='float8_e4m3fn'")
-        matmul = functools.partial(grouped_matmul, backend=gemm)
+        matmul = functools.partial(grouped_matmul, backend=gemm, num_sms=gemm_num_sms)
         h = activate(matmul(rows, w_gate_up, group_sizes, zero_tail=False))
         return matmul(h, w_down, group_sizes, zero_tail=False)
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
-    matmul = functools.partial(fp8_grouped_matmul, gemm=gemm,
+    matmul = functools.partial(fp8_grouped_matmul, gemm=gemm, num_sms=gemm_num_sms,
                                weight_grad="fp8" if fp8_weight_grad else "bf16")
     gate_up = matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q, x_fp8=rows_fp8, zero_tail=False)
     return matmul(activate(gate_up), w_down, group_sizes, quantized=down_q, zero_tail=False)
@@ -876,7 +885,7 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,
                  w_down: jax.Array, max_experts_per_token: int, dtype, gemm: str = "auto",
-                 fp8_weights: ExpertFP8Weights | None = None) -> jax.Array:
+                 fp8_weights: ExpertFP8Weights | None = None, gemm_num_sms: int | None = None) -> jax.Array:
     """The SwiGLU experts over a low-latency dispatch's output (``ll_dispatch``'s ``x``, ``scales``,
     ``counts``): y [E_local, R * T_max, H] bfloat16, what ``ll_combine`` reads (the unfilled slots hold
     what ``slots`` held when it is bfloat16, else 0).
@@ -887,7 +896,8 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
     backend, in ``dtype``) read each expert's weights once for its few rows. ``fp8_weights``: both GEMMs
     in FP8 (``fp8_grouped_matmul``) from these quantised weights, the rows quantised per token and 128
     channels as the throughput path does; an FP8 dispatch's rows (``scales``) go into the first GEMM as
-    they came (no dequantise and quantise again)."""
+    they came (no dequantise and quantise again). ``gemm_num_sms``: the SMs the GEMM kernels take
+    (``MoE``'s)."""
     slot, filled = filled_slots(counts, slots.shape[1], max_experts_per_token)
     flat = slots.reshape(-1, slots.shape[2])
     rows = flat[slot]
@@ -900,8 +910,9 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
 
     def matmul(x, w, quantized, x_fp8=None):
         if fp8_weights is None:
-            return grouped_matmul(x, w, group_sizes, backend=gemm)
-        return fp8_grouped_matmul(x, w, group_sizes, gemm=gemm, quantized=quantized, x_fp8=x_fp8)
+            return grouped_matmul(x, w, group_sizes, backend=gemm, num_sms=gemm_num_sms)
+        return fp8_grouped_matmul(x, w, group_sizes, gemm=gemm, quantized=quantized, x_fp8=x_fp8,
+                                  num_sms=gemm_num_sms)
 
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
     # with the FP8 GEMMs the wire's FP8 rows go in as they came (their dequantised copy is then unused:

@@ -816,3 +816,50 @@ def test_aligned_profile_takes_out_the_aligning_steps_kernels(monkeypatch):
     assert bench.kernel_profile(fn, (jnp.ones((2, 4)),), 5, one) == {"main": 200.0, "notify": 20.0,
                                                                         "loop_convert_fusion": 1.0}
     assert traces == [0]
+
+
+def test_micro_batch_configs_step_two_inputs_in_one_program(tmp_path, monkeypatch):
+    """jax_ep_mb2 (named only): two micro-batches in one jitted step, their losses summed: the loss and
+    every parameter gradient are the sums of the two one-micro-batch steps', each input gets its own
+    gradient, and the record's step_ms is per micro-batch. The overlapped forms build the layer with the
+    EP kernels on stream 1 with `free` SMs and the expert GEMMs on the GPU's others."""
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from benchmarks import layer
+    from jax_ep.config import KernelConfig
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    shape = layer.LAYER_PRESETS["small"]
+    built, xs = layer.layer_and_tokens(mesh, shape, "jax_ep_mb2")
+    single, x0 = layer.layer_and_tokens(mesh, shape, "jax_ep")
+    assert isinstance(xs, tuple) and len(xs) == 2 and not isinstance(x0, tuple)
+    np.testing.assert_array_equal(np.asarray(xs[0]), np.asarray(x0))
+    assert np.abs(np.asarray(xs[1]) - np.asarray(xs[0])).max() > 0
+    assert built.gemm_num_sms is None and "jax_ep_mb2" in layer.NAMED_ONLY
+    graphdef, params, rest = nnx.split(built, nnx.Param, ...)
+    step, _ = layer.training_step(graphdef, rest)
+    loss, (grads, dxs) = step(params, xs)
+    parts = [step(params, x) for x in xs]
+    np.testing.assert_allclose(float(loss), sum(float(p[0]) for p in parts), rtol=1e-6)
+    for got, a, b in zip(jax.tree.leaves(grads), *(jax.tree.leaves(p[1][0]) for p in parts), strict=True):
+        want = np.asarray(a, np.float32) + np.asarray(b, np.float32)
+        assert np.abs(want).max() > 0
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2,
+                                   atol=2e-2 * np.abs(want).max())
+    for dx, p in zip(dxs, parts, strict=True):
+        np.testing.assert_array_equal(np.asarray(dx), np.asarray(p[1][1]))
+
+    records = bench.main(["--layer", "--layer-shapes", "small", "--layer-configs", "jax_ep_mb2", "--iters",
+                          "1", "--repeats", "1", "--out", str(tmp_path / "mb2.json")])
+    [r] = records
+    assert r["micro_batches"] == 2 and r["step_ms"] > 0
+    assert r["roofline_ratio"] == r["step_ms"] / r["roofline_ms"]
+
+    monkeypatch.setattr(layer, "gpu_sms", lambda: 132)
+    for free in (12, 24):
+        config = f"ep_cuda_async_mb2_free{free}"
+        overlapped, xs = layer.layer_and_tokens(mesh, shape, config)
+        assert overlapped.gemm_num_sms == 132 - free and len(xs) == 2 and config in layer.NAMED_ONLY
+        assert overlapped.ep.kernel == KernelConfig(async_stream=1, num_sms=free)
+        assert overlapped.ep.backend == "cuda"

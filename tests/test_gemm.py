@@ -231,12 +231,12 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
 
     kernel = mgpu.ragged_dot
 
-    def forward(x, w, schedule, num_tiles, *, config, transpose_rhs=False):
+    def forward(x, w, schedule, num_tiles, *, config, transpose_rhs=False, num_sms=None):
         w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
-        return kernel(x, w, schedule, num_tiles, config=config,
+        return kernel(x, w, schedule, num_tiles, config=config, num_sms=num_sms,
                       interpret=interpret_params.InterpretGPUParams())
 
-    def weight_grad(x, dy, sizes, *, config):
+    def weight_grad(x, dy, sizes, *, config, num_sms=None):
         def host(x, dy, sizes):
             ends = np.cumsum(sizes)
             return np.stack([np.asarray(x[e - s:e], np.float32).T @ np.asarray(dy[e - s:e], np.float32)
@@ -628,3 +628,35 @@ def test_tune_gemm_sweep_times_each_config_at_each_sustain_setting_and_picks_by_
     [line] = json.loads(report.read_text())
     assert line["sustain_s"] == [0.0, 0.5] and line["config"] == list(steady.astuple())
     assert line["sweep_ms"] == [[list(burst.astuple()), [1.0, 3.0]], [list(steady.astuple()), [2.0, 2.5]]]
+
+
+def test_num_sms_sizes_every_pass_grid_and_is_checked(monkeypatch):
+    """grouped_matmul(num_sms=N): the forward, dx and dW kernels run persistent grids on N SMs (what
+    MoE(gemm_num_sms=N) asks, leaving the rest to the EP exchanges on their own stream): lowered for CUDA
+    here, the module with 100 differs from the one on every SM (132 here), a count above the GPU's SMs
+    takes them all, and anything but None or a positive int is refused, naming the argument."""
+    from jax_ep import gemm
+    from jax_ep.errors import EPTypeError, EPValueError
+
+    monkeypatch.setattr(gemm, "_kernel_platform", lambda: "")
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((5, 512, 768), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((5,), jnp.int32)
+
+    def lowered(num_sms):
+        def loss(x, w, gs):
+            return jnp.sum(grouped_matmul(x, w, gs, num_sms=num_sms).astype(jnp.float32))
+        return jax.jit(jax.grad(loss, (0, 1))).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+
+    every = lowered(None)
+    assert every.count("mosaic_gpu") >= 3, every[:2000]   # forward, dx, dW
+    fewer = lowered(100)
+    assert fewer != every and fewer.count("mosaic_gpu") == every.count("mosaic_gpu")
+    assert lowered(500) == every
+    assert mgpu._num_sms(100) == 100 and mgpu._num_sms(500) == mgpu._num_sms() == 132
+    xs, ws = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16)
+    for bad, error in ((0, EPValueError), (-3, EPValueError), (2.5, EPTypeError), (True, EPTypeError),
+                       ("8", EPTypeError)):
+        with pytest.raises(error, match=f"grouped_matmul: num_sms must be None or a positive int, "
+                                        f"got {bad!r}"):
+            grouped_matmul(xs, ws, jnp.array([32, 32], jnp.int32), num_sms=bad)

@@ -640,3 +640,34 @@ def test_live_row_dequantiser_gives_the_reference_values(live):
                                   np.asarray(dequantize_fp8(xq, xs, jnp.bfloat16), np.float32))
     with pytest.raises(EPValueError, match=r"rows \(100, 384\)"):
         gemm_fp8.dequantize_gemm_rows(xq[:100], xs[:100], 3, backend="pallas", interpret=True)
+
+
+@pytest.mark.parametrize("weight_grad", ["bf16", "fp8"])
+def test_fp8_kernels_take_num_sms_in_every_pass(monkeypatch, weight_grad):
+    """fp8_grouped_matmul(num_sms=N) sizes the Hopper kernels' grids of all three passes (the FP8 forward
+    and dx, the bf16 or FP8 weight gradient): lowered for CUDA here, each of the three kernels differs
+    from its form on every SM, and a bad value is refused naming the argument."""
+    from jax_ep import gemm as gemm_mod
+    from jax_ep.errors import EPValueError
+
+    monkeypatch.setattr(gemm_fp8, "_kernel_platform", lambda: "")
+    monkeypatch.setattr(gemm_mod, "_kernel_platform", lambda: "")
+    m, k, n, g = 512, 256, 512, 3
+
+    def kernels(num_sms):
+        def loss(x, w, gs):
+            out = gemm_fp8.fp8_grouped_matmul(x, w, gs, backend="mosaic_gpu", weight_grad=weight_grad,
+                                              num_sms=num_sms)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        return [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+
+    every, fewer = kernels(None), kernels(64)
+    assert len(every) == len(fewer) == 3, (len(every), len(fewer))
+    assert all(a != b for a, b in zip(every, fewer, strict=True))
+    with pytest.raises(EPValueError,
+                       match="fp8_grouped_matmul: num_sms must be None or a positive int, got 0"):
+        gemm_fp8.fp8_grouped_matmul(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((g, k, n), jnp.bfloat16),
+                                    jnp.array([m, 0, 0], jnp.int32), num_sms=0)

@@ -716,3 +716,44 @@ def test_token_chunks_give_the_unchunked_layer(chunks):
         make_layer(mesh, ep=dict(chunks=3))(x, update_stats=False)
     with pytest.raises(ValueError, match="chunks must be a positive int, got 0"):
         EPOptions(chunks=0)
+
+
+@pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"])
+def test_gemm_num_sms_reaches_every_expert_gemm_and_changes_no_result(monkeypatch, gemm_dtype):
+    """MoE(gemm_num_sms=N) hands N to both expert GEMMs of the training step and of the decode path (the
+    kernels' grids; off the GPU the GEMMs ignore it), the step's loss and gradients bit for bit those of
+    the default; a bad value is refused naming the argument."""
+    from jax_ep import moe as moe_mod
+
+    seen = []
+    for name in ("grouped_matmul", "fp8_grouped_matmul"):
+        real = getattr(moe_mod, name)
+
+        def spy(*args, _real=real, **kwargs):
+            seen.append(kwargs.get("num_sms", "missing"))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(moe_mod, name, spy)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    width = 128 if gemm_dtype else HIDDEN   # FP8 GEMMs need multiples of 128
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((16, width)), jnp.float32)
+    results = {}
+    for sms in (None, 7):
+        layer = MoE(width, 128 if gemm_dtype else FFN, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(5),
+                    mesh=mesh, ep=EPOptions(backend="reference"), gemm_dtype=gemm_dtype, gemm_num_sms=sms)
+        assert layer.gemm_num_sms == sms
+        seen.clear()
+        results[sms] = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(m(x, update_stats=False) ** 2)))(layer)
+        assert seen == [sms, sms], seen          # gate|up and down
+        seen.clear()
+        nnx.jit(lambda m: m(x, decode=True, update_stats=False))(layer)
+        assert seen == [sms, sms], seen
+    (loss, grads), (loss7, grads7) = results[None], results[7]
+    assert float(loss) > 0 and float(loss) == float(loss7)
+    for name in ("router", "w_gate_up", "w_down"):
+        assert np.abs(np.asarray(grads[name][...])).max() > 0
+        np.testing.assert_array_equal(np.asarray(grads[name][...]), np.asarray(grads7[name][...]),
+                                      err_msg=name)
+    for bad in (0, 2.5):
+        with pytest.raises((ValueError, TypeError),
+                           match=f"MoE: gemm_num_sms must be None or a positive int, got {bad!r}"):
+            make_layer(mesh, gemm_num_sms=bad)

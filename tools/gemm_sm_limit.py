@@ -7,7 +7,8 @@ Hiding the EP traffic behind the expert GEMMs (issue 38, item 3) needs the persi
 leave SMs to the exchange kernels: their grid is one CTA (or ``ctas_per_sm``) per SM
 (``gemm_mgpu._num_sms``). This tool times each pass of the layer's per-rank GEMMs at the configuration
 the layer takes (``jax_ep.gemm.block_config``: the tuned table's) with that grid shrunk by each ``--free``
-count (patched while traced; the kernels spread their tiles over whatever grid there is), ms and TFLOP/s
+count (the kernels' ``num_sms``, what ``MoE(gemm_num_sms=...)`` sets; the kernels spread their tiles over
+whatever grid there is), ms and TFLOP/s
 on real rows, in one record. ``--lower-only`` lowers each setting for CUDA without running it (any
 machine; the CPU test's check that each setting is a program of its own).
 """
@@ -15,7 +16,6 @@ machine; the CPU test's check that each setting is a program of its own).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import hashlib
@@ -32,18 +32,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tune_gemm  # noqa: E402
 
 from jax_ep import gemm  # noqa: E402
-from jax_ep import gemm_mgpu as mgpu  # noqa: E402
-
-
-@contextlib.contextmanager
-def sms(count: int):
-    """gemm_mgpu's persistent grids sized for `count` SMs while inside (traced inside to take effect)."""
-    real = mgpu._num_sms
-    mgpu._num_sms = lambda: count
-    try:
-        yield
-    finally:
-        mgpu._num_sms = real
 
 
 def run(shapes, passes, free, *, lower_only: bool = False) -> list[dict]:
@@ -64,11 +52,10 @@ def run(shapes, passes, free, *, lower_only: bool = False) -> list[dict]:
             for f in free:
                 rec = dict(shape=[m, real, k, n, g], pass_name=name, config=list(cfg.astuple()),
                            sms=total - f, free_sms=f)
-                fn = functools.partial(tune_gemm.run_pass, name, cfg)
-                with sms(total - f):
-                    lowered = jax.jit(fn).trace(x, w, dy, gs).lower(
-                        lowering_platforms=("cuda",) if lower_only else None)
-                    compiled = None if lower_only else lowered.compile()
+                fn = functools.partial(tune_gemm.run_pass, name, cfg, num_sms=total - f)
+                lowered = jax.jit(fn).trace(x, w, dy, gs).lower(
+                    lowering_platforms=("cuda",) if lower_only else None)
+                compiled = None if lower_only else lowered.compile()
                 if lower_only:
                     rec["lowered_sha1"] = hashlib.sha1(lowered.as_text().encode()).hexdigest()
                 else:

@@ -168,14 +168,14 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
     return list(grid_for(name, width, quick, mode))
 
 
-def run_pass(name, cfg, x, w, dy, gs):
+def run_pass(name, cfg, x, w, dy, gs, num_sms=None):
     if name == "forward":
         sched, nt = mgpu.config_schedule(gs, x.shape[0], cfg)
-        return mgpu.ragged_dot(x, w, sched, nt, config=cfg)
+        return mgpu.ragged_dot(x, w, sched, nt, config=cfg, num_sms=num_sms)
     if name == "dx":
         sched, nt = mgpu.config_schedule(gs, x.shape[0], cfg)
-        return mgpu.ragged_dot(dy, w, sched, nt, config=cfg, transpose_rhs=True)
-    return mgpu.transposed_ragged_dot(x, dy, gs, config=cfg)
+        return mgpu.ragged_dot(dy, w, sched, nt, config=cfg, transpose_rhs=True, num_sms=num_sms)
+    return mgpu.transposed_ragged_dot(x, dy, gs, config=cfg, num_sms=num_sms)
 
 
 def check(name, out, x, w, dy, gs_host) -> float:

@@ -277,6 +277,24 @@ def test_moe_layer_in_overlapped_token_chunks_matches_one_chunk():
         assert rel_err(g2[name][...], g1[name][...]) < 1e-2, name
 
 
+@pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"], ids=["bf16", "fp8"])
+def test_moe_layer_gemms_on_fewer_sms_give_the_same_bits(gemm_dtype):
+    """MoE(gemm_num_sms=N): the expert GEMMs' persistent grids on N SMs (the rest left to the EP kernels on
+    the async stream, issue 38's overlap) only change which CTA takes which tile, not a tile's sums: the
+    loss and every gradient of the layer step bit for bit those on every SM, bf16 and FP8 GEMMs, with the
+    EP kernels on stream 1 on 24 SMs beside them."""
+    from jax_ep.moe import EPOptions
+
+    sms = jax.devices()[0].core_count
+    ep = EPOptions(backend="cuda", kernel=jax_ep.KernelConfig(async_stream=1, num_sms=24))
+    (l1, g1), (l2, g2) = (layer_step(6, ep=ep, gemm_dtype=gemm_dtype, gemm_num_sms=n)
+                          for n in (None, sms - 24))
+    assert np.isfinite(float(l1)) and float(l1) == float(l2)
+    for name in ("w_gate_up", "w_down", "router"):
+        assert np.abs(np.asarray(g1[name][...], np.float32)).max() > 0, name
+        np.testing.assert_array_equal(np.asarray(g1[name][...]), np.asarray(g2[name][...]), err_msg=name)
+
+
 def layer_step(seed: int, **kw):
     """(loss, parameter gradients) of a mean-square loss of MoE over every GPU (hidden 256, ffn 384, 8
     experts per rank, top-4, 512 tokens per rank, bfloat16 parameters), jitted; kw: MoE's options."""
