@@ -118,9 +118,11 @@ class KernelConfig:
         run on XLA's compute stream, in program order. An int N: each runs on XLA execution
         stream N as an async op (``jax.experimental.compute_on.compute_on2`` with
         ``"gpu_stream:N"``), which XLA's scheduler overlaps with work that does not depend on it
-        (the shared expert, the expert weights' gradients); then fewer ``num_sms`` leave the
-        overlapping kernels room. Over NVLink a low-latency send moves the data with its own warps,
-        so the two-phase form overlaps work placed between send and receive only this way.
+        (the shared expert, the expert weights' gradients, another micro-batch's GEMMs); then fewer
+        ``num_sms`` leave the overlapping kernels room, and the persistent expert GEMMs must leave
+        these SMs free (``MoE(gemm_num_sms=...)``): on every SM they hold them all. Over NVLink a
+        low-latency send moves the data with its own warps, so the two-phase form overlaps work placed
+        between send and receive only this way.
       transport: how the rank-major ops (dispatch_rank_major, combine_rank_major and the
         broadcast_rank_major of their backward) reach their peers. "auto" (default): NVSHMEM puts
         when, in process model 2, some process of the job cannot reach this one's GPU by loads /
