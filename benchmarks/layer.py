@@ -30,7 +30,9 @@ the cached FP8 GEMMs; ``jax_ep_mb2`` (only when named): two micro-batches in one
 summed (gradient accumulation's program), in series, and ``ep_cuda_async_mb2_free12`` /
 ``ep_cuda_async_mb2_free24`` the same with the EP kernels on XLA stream 1 on 12 / 24 SMs and the expert
 GEMMs on the rest (``MoE(gemm_num_sms=...)``), so that one micro-batch's exchanges can run beside the
-other's GEMMs; their ``step_ms`` is the step's time per micro-batch (``micro_batches`` in the record).
+other's GEMMs, and ``ep_cuda_async_mb2_chunked_free24`` the two micro-batches in one call as its two token
+chunks (``EPOptions(chunks=2)``: micro-batch 1's dispatch issued before micro-batch 0's GEMMs); their
+``step_ms`` is the step's time per micro-batch (``micro_batches`` in the record).
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -130,13 +132,19 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_async_mb2_free12": dict(backend="cuda", gemm="auto", micro_batches=2, gemm_free_sms=12,
                                             kernel=dict(async_stream=1, num_sms=12)),
            "ep_cuda_async_mb2_free24": dict(backend="cuda", gemm="auto", micro_batches=2, gemm_free_sms=24,
-                                            kernel=dict(async_stream=1, num_sms=24))}
+                                            kernel=dict(async_stream=1, num_sms=24)),
+           # ... the two micro-batches in one call of the layer as its 2 token chunks (EPOptions.chunks):
+           # chunk 1's dispatch issued before chunk 0's GEMMs (program order, which process model 2
+           # keeps for every EP call; XLA's scheduler need not find the overlap itself)
+           "ep_cuda_async_mb2_chunked_free24": dict(backend="cuda", gemm="auto", micro_batches=2, chunks=2,
+                                                    gemm_free_sms=24,
+                                                    kernel=dict(async_stream=1, num_sms=24))}
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_fp8_bf16_wire", "jax_ep_chunks2",
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_experts",
               "jax_ep_fp8_cached_gate_in_experts", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
-              "ep_cuda_async_mb2_free24")
+              "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
@@ -311,8 +319,10 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     input (tokens_per_rank bfloat16 tokens per device, sharded as the layer's batch). A config with
     `nodes` takes them as that many nodes of (devices / nodes) GPUs each, node-major (GPU n * L + l
     holds the experts a flat EP of N * L ranks puts there), with the hierarchical dispatch / combine.
-    A config with `micro_batches` gets a tuple of that many inputs; with `gemm_free_sms` the expert GEMMs
-    leave that many of the GPU's SMs free (MoE(gemm_num_sms=...))."""
+    A config with `micro_batches` gets a tuple of that many inputs, or with `chunks` too one input that
+    holds them as each rank's token chunks (rank r's rows: micro-batch 0's rows of rank r, then micro-batch
+    1's, ...: chunk c of a rank is micro-batch c's); with `gemm_free_sms` the expert GEMMs leave that many
+    of the GPU's SMs free (MoE(gemm_num_sms=...))."""
     hidden, ffn, experts, topk, tokens = shape
     ep, options = mesh.size, CONFIGS[config]
     layout = dict(mesh=mesh, axis_name=mesh.axis_names[0])
@@ -333,10 +343,15 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
                        if k in options})
     sharding = NamedSharding(layer.mesh, P(layer.batch_axes))
+    micro_batches = options.get("micro_batches", 1)
     inputs = tuple(jax.device_put(jax.random.normal(jax.random.key(1 + b), (ep * tokens, hidden),
-                                                    jnp.bfloat16), sharding)
-                   for b in range(options.get("micro_batches", 1)))
-    return layer, inputs if "micro_batches" in options else inputs[0]
+                                                    jnp.bfloat16), sharding) for b in range(micro_batches))
+    if "micro_batches" not in options:
+        return layer, inputs[0]
+    if "chunks" in options:
+        chunked = jnp.stack(inputs).reshape(micro_batches, ep, tokens, hidden).transpose(1, 0, 2, 3)
+        return layer, jax.device_put(chunked.reshape(ep * micro_batches * tokens, hidden), sharding)
+    return layer, inputs
 
 
 def training_step(graphdef, rest):
@@ -383,7 +398,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
                                                   sustain_s=sustain_s)
             args = (params, x, quantise(params))
         # a step of several micro-batches: its time per micro-batch, what the other configs' step is
-        record["micro_batches"] = len(x) if isinstance(x, tuple) else 1
+        record["micro_batches"] = CONFIGS[config].get("micro_batches", 1)
         record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats,
                                           sustain_s=sustain_s) / record["micro_batches"]
         profiled = split_by_scope(step, args, iters) if profile else None

@@ -862,4 +862,12 @@ def test_micro_batch_configs_step_two_inputs_in_one_program(tmp_path, monkeypatc
         overlapped, xs = layer.layer_and_tokens(mesh, shape, config)
         assert overlapped.gemm_num_sms == 132 - free and len(xs) == 2 and config in layer.NAMED_ONLY
         assert overlapped.ep.kernel == KernelConfig(async_stream=1, num_sms=free)
-        assert overlapped.ep.backend == "cuda"
+        assert overlapped.ep.backend == "cuda" and overlapped.ep.chunks == 1
+    # the chunked form: one call, each rank's tokens micro-batch 0's then micro-batch 1's (its two chunks)
+    chunked, x = layer.layer_and_tokens(mesh, shape, "ep_cuda_async_mb2_chunked_free24")
+    assert chunked.ep.chunks == 2 and chunked.gemm_num_sms == 108 and "ep_cuda_async_mb2_chunked_free24" in \
+        layer.NAMED_ONLY
+    tokens, ranks = shape[4], mesh.size
+    per_rank = np.asarray(x).reshape(ranks, 2, tokens, -1)
+    for b in range(2):
+        np.testing.assert_array_equal(per_rank[:, b], np.asarray(xs[b]).reshape(ranks, tokens, -1))
