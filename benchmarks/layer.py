@@ -308,11 +308,6 @@ def hidden_ep_ms(split: dict[str, float], device_step_ms: float) -> float:
     return round(min(ep, max(0.0, sum(split.values()) - device_step_ms)), 3)
 
 
-def gpu_sms() -> int:
-    """The SMs of the first GPU."""
-    return jax.devices()[0].core_count
-
-
 def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     """The layer a config benchmarks on the devices of `mesh` (bfloat16 parameters, seed 0; a dense
     shared expert of `shared_ffn` when not 0) and its
@@ -325,6 +320,10 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     of the GPU's SMs free (MoE(gemm_num_sms=...))."""
     hidden, ffn, experts, topk, tokens = shape
     ep, options = mesh.size, CONFIGS[config]
+    if "gemm_free_sms" in options:
+        from jax_ep.gemm_mgpu import _num_sms
+
+        gemm_sms = _num_sms()   # the grid the grouped GEMMs take by default: every SM (132 off a GPU)
     layout = dict(mesh=mesh, axis_name=mesh.axis_names[0])
     if "nodes" in options:
         nodes = options["nodes"]
@@ -339,7 +338,7 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
                                      **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype",
                                                                 "gate_weights") if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, shared_ffn_hidden=shared_ffn,
-                    gemm_num_sms=gpu_sms() - options["gemm_free_sms"] if "gemm_free_sms" in options else None,
+                    gemm_num_sms=gemm_sms - options["gemm_free_sms"] if "gemm_free_sms" in options else None,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
                        if k in options})
     sharding = NamedSharding(layer.mesh, P(layer.batch_axes))
