@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import glob
 import os
@@ -216,6 +217,11 @@ def mps_unavailable(pipe: pathlib.Path | None = None) -> str | None:
             try:
                 s.connect(str(pipe))
             except OSError as e:
+                # EPROTOTYPE: a socket of another type is bound at the path, and only a live process holds
+                # one (H200, CUDA 13, 2026-12-01: the daemon's is not a stream socket); a stopped daemon's
+                # file has none bound (ECONNREFUSED). Nothing is sent to the daemon either way.
+                if e.errno == errno.EPROTOTYPE:
+                    return None
                 return f"its control socket {pipe} refuses connections ({e.strerror or e}): {stale}"
         return None
     if stat.S_ISFIFO(mode):   # a named pipe, held open for reading while its daemon runs

@@ -372,6 +372,25 @@ def test_mps_unavailable_connects_to_the_control_pipe(mps):
     assert launch.mps_unavailable(plain) == f"{plain} is neither a socket nor a named pipe"
 
 
+@pytest.mark.parametrize("kind", ["SOCK_SEQPACKET", "SOCK_DGRAM"])
+def test_mps_unavailable_takes_a_daemon_socket_of_another_type(kind):
+    """The real daemon's control socket is not a stream socket (H200, CUDA 13: connecting with one
+    gives EPROTOTYPE): a socket of another type bound at the path is a live daemon's, the file it
+    leaves when closed is a stopped one's."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))
+    pipe = folder / "control"
+    try:
+        with socket.socket(socket.AF_UNIX, getattr(socket, kind)) as daemon:
+            daemon.bind(str(pipe))
+            if kind != "SOCK_DGRAM":
+                daemon.listen(1)
+            assert launch.mps_unavailable(pipe) is None
+        why = launch.mps_unavailable(pipe)
+        assert why is not None and why.startswith(f"its control socket {pipe} refuses connections ("), why
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def share_args(*argv: str):
     return launch.parse_args(["--share-gpus", *argv, __file__])
 
