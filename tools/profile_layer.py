@@ -2,7 +2,7 @@
 name over a chain of steps, with the HLO instruction and jax name scope it came from.
 
     python tools/profile_layer.py [mid|deepseek|small|deepseek_decode|...] [layer config, e.g. ep_cuda]
-        [--experts N] [--top 40] [--hlo FILE] [--ordered] [--decode]
+        [--experts N] [--top 40] [--hlo FILE] [--ordered] [--decode] [--no-command-buffer]
 
 ``--decode`` profiles a decode preset's forward instead (``deepseek_decode [config] --decode``, the step
 ``python -m benchmarks --layer`` times for it; ``jax_ep_fp8_cached`` runs the experts in FP8).
@@ -42,7 +42,12 @@ parser.add_argument("--decode", action="store_true", help="profile a decode pres
 parser.add_argument("--ordered", action="store_true",
                     help="issue the EP calls with the ordering effect as several processes do "
                          "(jax_ep.ordering.needed; one process leaves it out), to time what it costs")
+parser.add_argument("--no-command-buffer", action="store_true",
+                    help="compile without XLA's command buffers (CUDA graphs), kernel by kernel as "
+                         "benchmarks.layer's split runs the step, to see whether they change what runs "
+                         "beside what")
 args = parser.parse_args()
+options = {"xla_gpu_enable_command_buffer": ""} if args.no_command_buffer else None
 if args.ordered:
     from jax_ep import ordering  # noqa: E402
 
@@ -57,8 +62,8 @@ print(f"{'decode forward' if args.decode else 'training step'} of {args.shape} (
 if args.decode:
     layer, step, call_args = bench_layer.decode_step(mesh, (hidden, ffn, experts, topk, tokens), args.config,
                                                      bench_layer.SHARED_FFN.get(args.shape, 0))
-    call = lambda: step(*call_args)  # noqa: E731
-    compiled = step.lower(*call_args).compile()
+    compiled = step.lower(*call_args).compile(options)
+    call = lambda: compiled(*call_args)  # noqa: E731
 else:
     layer, x = bench_layer.layer_and_tokens(mesh, (hidden, ffn, experts, topk, tokens), args.config,
                                             bench_layer.SHARED_FFN.get(args.shape, 0))
@@ -72,8 +77,8 @@ else:
         jax.block_until_ready(quantise(params))
         print(f"weight quantisation (once per optimiser step, not in the step): "
               f"{1e3 * (time.perf_counter() - t0):.3f} ms")
-    call = lambda: step(params, x, fp8)  # noqa: E731
-    compiled = step.lower(params, x, fp8).compile()
+    compiled = step.lower(params, x, fp8).compile(options)
+    call = lambda: compiled(params, x, fp8)  # noqa: E731
 hlo = compiled.as_text()
 if args.hlo:
     pathlib.Path(args.hlo).write_text(hlo)
