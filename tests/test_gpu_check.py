@@ -181,6 +181,25 @@ def junit_xml(passed: int, failed: int, skipped: int = 0, name: str = "tests.gpu
             + "".join(cases) + "</testsuite></testsuites>")
 
 
+def test_record_commit_says_when_the_tree_is_not_its_head(tmp_path, monkeypatch):
+    """A record's commit: $GIT_COMMIT when set; else HEAD, marked "+changes" when tracked files differ from
+    it (a GPU machine's tree beside a stale .git), and "unknown" outside a checkout."""
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    assert rec.commit(tmp_path) == "unknown"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f.py").write_text("a = 1\n")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "f.py"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "one"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert rec.commit(tmp_path) == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert rec.commit(tmp_path) == head + "+changes"
+    monkeypatch.setenv("GIT_COMMIT", "abc123")
+    assert rec.commit(tmp_path) == "abc123"
+
+
 def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytest_rc: int = 0, **env):
     """run_check with a stub interpreter that, as pytest, writes `junit` wherever it is asked for JUnit XML
     (none when None), prints `log` and exits `pytest_rc`, and runs tools/gpu_tests_record.py for real."""

@@ -15,7 +15,8 @@ cut in (``cut_in``, from pytest -v's ``--log``); with no XML its counts come fro
 ``--record`` may be an existing record: it is read and updated. ``--merge`` folds records (e.g. those a
 device call returned) into the records of the same name under ``--into``. Exits 1 when the part has
 failures or errors or was cut. The commit is ``$GIT_COMMIT`` when set (the GPU machine's copy of the tree
-may carry a stale .git or none), else ``git rev-parse HEAD``, else "unknown".
+may carry a stale .git or none), else ``git rev-parse HEAD`` with "+changes" when the tracked files
+differ from it, else "unknown".
 """
 
 from __future__ import annotations
@@ -132,14 +133,23 @@ def part_counts(junit: str | Path | None, log: str | Path | None = None, rc: int
     return counts
 
 
-def commit() -> str:
+TOOLS = Path(__file__).resolve().parent
+
+
+def commit(repo: Path = TOOLS) -> str:
+    """$GIT_COMMIT, else the checkout's HEAD with "+changes" when its tracked files differ from it (a GPU
+    machine's copy of the tree next to a stale .git: 2026-12-01, a record named the commit before the
+    one that ran), else "unknown"."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=repo).stdout.strip()
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True,
+                                 cwd=repo).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return (head + "+changes" * changed) or "unknown"
 
 
 def next_repeat(parts: dict, base: str) -> str:
