@@ -8,7 +8,8 @@ name over a chain of steps, with the HLO instruction and jax name scope it came 
 ``python -m benchmarks --layer`` times for it; ``jax_ep_fp8_cached`` runs the experts in FP8).
 ``--experts N`` overrides the preset's expert count: ``deepseek ep_cuda --experts 128`` on one GPU runs
 the per-rank expert work of the DeepSeek-V3 layer at EP2 (no communication), at half the device cost.
-It prints the step time, the compiled program's memory, the busy time per stream, the kernels by total
+It prints the step time, the compiled program's memory, the busy time per stream, how long kernels ran
+beside another (``--no-command-buffer`` compiles the step kernel by kernel), the kernels by total
 time (with their scopes), the total by kind of kernel (from their names) and per scope; with a config
 whose EP ops run on an async stream it also prints what the compiled schedule puts between each async
 op's start and done.
