@@ -300,6 +300,24 @@ def split_by_scope(step, args, iters: int) -> tuple[dict[str, float], float] | N
     return {k: round(v, 3) for k, v in split.items()}, round(max(0.0, last - first) / 1e6 / iters, 3)
 
 
+def kernel_overlap_ms(data, iters: int, device: str = "/device:GPU:0") -> tuple[float, float]:
+    """(kernels' summed device ms, ms with some kernel running) per step of a jax.profiler trace of `iters`
+    steps, from the kernels' intervals on `device`'s stream lines: their difference is how long kernels ran
+    beside another. Intervals rather than stream lines, since inside a CUDA graph (XLA's command buffers)
+    an async stream's kernels may be reported on the graph's launch stream (one line on one H200,
+    2026-12-01) and still run beside the compute stream's."""
+    kernels = sorted((e.start_ns, e.end_ns) for plane in data.planes if plane.name == device
+                     for line in plane.lines if line.name.startswith("Stream") for e in line.events)
+    union_ns, reach = 0, None
+    for start, end in kernels:
+        if reach is None or start >= reach:
+            union_ns, reach = union_ns + end - start, end
+        elif end > reach:
+            union_ns, reach = union_ns + end - reach, end
+    summed_ns = sum(end - start for start, end in kernels)
+    return summed_ns / 1e6 / iters, union_ns / 1e6 / iters
+
+
 def hidden_ep_ms(split: dict[str, float], device_step_ms: float) -> float:
     """The EP ops' device time (the dispatch and combine scopes, each with its backward) that ran beside
     other work: the step's device time summed over its streams minus its span, at most the EP time. A

@@ -783,6 +783,41 @@ def test_layer_split_says_how_much_ep_time_overlap_hides():
     assert hidden_ep_ms(split, 5.0) == 1.8          # never more than the exchanges themselves
 
 
+def test_kernel_overlap_counts_time_beside_another_from_intervals():
+    """kernel_overlap_ms: the kernels' summed time and the time some kernel ran, per step, over device 0's
+    stream lines (gaps count in neither; other devices and non-stream lines not at all)."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.layer import kernel_overlap_ms
+
+    def line(name, *spans_us):
+        return NS(name=name, events=[NS(start_ns=a * 1000, end_ns=b * 1000) for a, b in spans_us])
+
+    data = NS(planes=[
+        NS(name="/device:GPU:0", lines=[line("Stream #14(Compute)", (0, 10), (20, 25), (30, 40)),
+                                        line("Stream #72(Compute)", (5, 15), (21, 22)),
+                                        line("XLA Ops", (0, 40))]),
+        NS(name="/device:GPU:1", lines=[line("Stream #14(Compute)", (0, 40))])])
+    summed, union = kernel_overlap_ms(data, iters=2)   # per step: halves
+    assert summed == pytest.approx(36e-3 / 2) and union == pytest.approx(30e-3 / 2)
+    assert kernel_overlap_ms(NS(planes=[]), iters=1) == (0.0, 0.0)
+
+
+@pytest.mark.slow
+def test_overlap_probe_runs_its_three_programs():
+    """tools/overlap_probe.py at --small on CPU (lax.ragged_dot, the reference dispatch): each program
+    timed and profiled; no GPU kernels, so nothing beside anything."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        import overlap_probe
+    finally:
+        sys.path.pop(0)
+    result = overlap_probe.main(["--small", "--gemm", "ragged", "--iters", "1", "--repeats", "1"])
+    assert set(result) == {"gemm", "op", "both"}
+    for name, r in result.items():
+        assert r["wall_ms"] > 0 and r["beside_ms"] == 0.0, (name, r)
+
+
 def test_aligned_profile_takes_out_the_aligning_steps_kernels(monkeypatch):
     """On several GPUs each profiled call follows _aligner's step; its kernels leave the sums: a name
     only it runs is dropped, a name the call runs too keeps the call's share (the traces are faked:

@@ -151,22 +151,9 @@ for plane in data.planes:
             entry[2] = entry[2] or hlo_name
             entry[3] = entry[3] or scope
             by_scope[scope or "?"] += e.duration_ns / 1e6 / args.iters
-# Concurrency, from the kernels' intervals rather than their stream lines: inside a CUDA graph (XLA's
-# command buffers) an async stream's kernels may be reported on the graph's launch stream (one line on
-# one H200, 2026-12-01) and still run beside the compute stream's.
-kernels = sorted(((e.start_ns, e.end_ns) for plane in data.planes if plane.name == "/device:GPU:0"
-                  for line in plane.lines if line.name.startswith("Stream") for e in line.events),
-                 key=lambda iv: iv[0])
-union_ns, reach = 0, None
-for start, end in kernels:
-    if reach is None or start >= reach:
-        union_ns, reach = union_ns + end - start, end
-    elif end > reach:
-        union_ns, reach = union_ns + end - reach, end
-summed_ns = sum(end - start for start, end in kernels)
-per_ms = 1e6 * args.iters   # ns over the profiled steps -> ms per step
-print(f"device 0: kernels {summed_ns / per_ms:.3f} ms, some kernel running {union_ns / per_ms:.3f} ms, "
-      f"kernels beside another {(summed_ns - union_ns) / per_ms:.3f} ms per step")
+summed_ms, union_ms = bench_layer.kernel_overlap_ms(data, args.iters)
+print(f"device 0: kernels {summed_ms:.3f} ms, some kernel running {union_ms:.3f} ms, "
+      f"kernels beside another {summed_ms - union_ms:.3f} ms per step")
 # copies: where they sit in the chain of steps and what they carry (the profiler's stats)
 t0_ns = min((e.start_ns for plane in data.planes if plane.name.startswith("/device:GPU:")
             for line in plane.lines for e in line.events), default=0)

@@ -1,0 +1,116 @@
+"""Does an EP exchange on XLA's async stream run beside the expert GEMM? (issue 38 item 3)
+
+On one device, three programs, each jitted, timed (best of --repeats chains of --iters calls) and
+profiled (jax.profiler, --iters calls):
+
+  gemm   the grouped GEMM of the DeepSeek-V3 gate|up projection of one rank at EP2 (a 73,600-row buffer,
+         32,768 real rows, 7168 -> 4096, 128 experts) on the device's SMs less --free
+         (``grouped_matmul(num_sms=...)``); ``--gemm ragged`` takes ``lax.ragged_dot`` instead (XLA's
+         own kernels, not persistent)
+  op     dispatch of 4096 tokens (hidden 7168, top-8 of 128 experts) on --free SMs
+         (``KernelConfig(num_sms=free, async_stream=--stream)``), under shard_map on a one-device mesh
+  both   the two in one program, no data between them
+
+and prints, per program, the wall ms per call and the kernels' summed ms and the ms some kernel ran; for
+"both" also how long kernels ran beside another: the most an overlap of this pair hides is the op's own
+time. One device is EP1: the exchange copies locally, as fast as the GEMM leaves it memory bandwidth.
+
+    python tools/overlap_probe.py [--free 24] [--gemm mosaic|ragged] [--stream 1|none]
+                                  [--no-command-buffer] [--iters 5] [--repeats 3] [--small]
+
+``--small`` shrinks every size (for a check of the tool, on CPU too: ``--gemm ragged``, the reference
+exchange; nothing runs beside anything there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.layer import best_of, expert_group_sizes, kernel_overlap_ms  # noqa: E402
+from jax_ep import dispatch, grouped_matmul  # noqa: E402
+from jax_ep.config import EPConfig, KernelConfig  # noqa: E402
+from jax_ep.gemm_mgpu import _num_sms  # noqa: E402
+
+# (buffer rows, real rows, K, N, experts) of the GEMM; (tokens, hidden, top-k, experts) of the exchange
+SIZES = {"deepseek": ((73600, 32768, 7168, 4096, 128), (4096, 7168, 8, 128)),
+         "small": ((1024, 512, 256, 128, 8), (128, 256, 2, 8))}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--free", type=int, default=24, help="SMs left to the exchange (default 24)")
+    parser.add_argument("--gemm", choices=("mosaic", "ragged"), default="mosaic")
+    parser.add_argument("--stream", default="1",
+                        help="the exchange's XLA stream, or none (the compute stream)")
+    parser.add_argument("--no-command-buffer", action="store_true",
+                        help="compile without XLA's command buffers (CUDA graphs)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="small sizes: a check of the tool")
+    args = parser.parse_args(argv)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    (m, real, k, n, g), (tokens, hidden, topk, experts) = SIZES["small" if args.small else "deepseek"]
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    gs = jnp.asarray(expert_group_sizes(real, g, rng, align=64 if not args.small else 1))
+    gemm_sms = max(1, _num_sms() - args.free)
+    backend = "mosaic_gpu" if args.gemm == "mosaic" else "ragged_dot"
+
+    def gemm(x, w, gs):
+        return grouped_matmul(x, w, gs, backend=backend, num_sms=gemm_sms, zero_tail=False)
+
+    stream = None if args.stream == "none" else int(args.stream)
+    cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+                   backend="cuda" if on_gpu else "reference",
+                   kernel=KernelConfig(num_sms=args.free, async_stream=stream) if on_gpu else KernelConfig())
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    tok = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    idx = jnp.asarray(np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk], jnp.int32)
+    gate = jnp.asarray(rng.random((tokens, topk)), jnp.float32)
+    spec = P("ep")
+    # every output of dispatch (scalars as [1]), so no part of the op is dead code
+    op = jax.shard_map(lambda t, i, v: [a.reshape(-1) if a.ndim == 0 else a
+                                        for a in jax.tree.leaves(dispatch(t, i, v, cfg))], mesh=mesh,
+                       in_specs=(spec, spec, spec), out_specs=spec)
+    programs = {"gemm": (gemm, (x, w, gs)), "op": (op, (tok, idx, gate)),
+                "both": (lambda x, w, gs, t, i, v: (gemm(x, w, gs), op(t, i, v)), (x, w, gs, tok, idx, gate))}
+    options = {"xla_gpu_enable_command_buffer": ""} if args.no_command_buffer else None
+    print(f"{jax.devices()[0].device_kind}: GEMM ({args.gemm}) on {gemm_sms} SMs, " + (
+          f"dispatch on {args.free} SMs, stream {args.stream}" if on_gpu else "the reference dispatch")
+          + f", command buffers {'off' if args.no_command_buffer else 'on'}")
+    result = {}
+    for name, (fn, fn_args) in programs.items():
+        compiled = jax.jit(fn).lower(*fn_args).compile(options)
+        wall_ms = 1e3 * best_of(compiled, *fn_args, iters=args.iters, repeats=args.repeats)
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                for _ in range(args.iters):
+                    out = compiled(*fn_args)
+                jax.block_until_ready(out)
+            data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+        summed, union = kernel_overlap_ms(data, args.iters)
+        result[name] = dict(wall_ms=round(wall_ms, 3), kernels_ms=round(summed, 3), busy_ms=round(union, 3),
+                            beside_ms=round(summed - union, 3))
+        print(f"{name:5s} wall {wall_ms:8.3f} ms   kernels {summed:8.3f} ms   some kernel running "
+              f"{union:8.3f} ms   beside another {summed - union:6.3f} ms")
+    op_ms = result["op"]["kernels_ms"]
+    print(f"hidden: {result['both']['beside_ms']:.3f} of the exchange's {op_ms:.3f} ms; wall both - gemm "
+          f"{result['both']['wall_ms'] - result['gemm']['wall_ms']:.3f} ms")
+    return result
+
+
+if __name__ == "__main__":
+    main()
