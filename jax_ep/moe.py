@@ -63,6 +63,11 @@ GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' 
 _NO_HIERARCHICAL_DECODE = ("MoE: node_axis (hierarchical dispatch) has no decode path (the low-latency ops "
                            "are flat); use decode=False or node_axis=None")
 
+
+def _no_hierarchical_gate_weights(node_axis) -> str:
+    return ("MoE: EPOptions(gate_weights='experts') is built for the flat exchange only; "
+            f"with node_axis={node_axis!r} use gate_weights='combine'")
+
 # name scopes of the layer's parts (the layer benchmark attributes device time by them)
 SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_experts",
           "combine": "moe_combine", "shared": "moe_shared"}
@@ -331,6 +336,8 @@ class MoE(nnx.Module):
             raise EPValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         if node_axis is not None:
             self._check_node_axis(node_axis, axis_name, mesh, routing, decode)
+            if ep.gate_weights == "experts":
+                raise EPValueError(_no_hierarchical_gate_weights(node_axis))
         if mesh is not None and placement is None:
             ep_size = mesh.shape[axis_name] * (1 if node_axis is None else mesh.shape[node_axis])
             _check_experts_divide(routing.num_experts, ep_size, axis_name, node_axis)
@@ -832,8 +839,8 @@ class _HierarchicalExchange:
 
     def combine(self, y, handle, weighted=True):
         if not weighted:
-            raise EPValueError("MoE: EPOptions(gate_weights='experts') is built for the flat exchange only; "
-                               f"with node_axis={self.node_axis!r} use gate_weights='combine'")
+            # (also refused at construction; here for an `ep` replaced since)
+            raise EPValueError(_no_hierarchical_gate_weights(self.node_axis))
         return combine_hierarchical(y, handle, self.cfg, self.node_axis)
 
 

@@ -178,11 +178,17 @@ def test_gate_weights_in_the_experts_match_dense(shape, axes):
 
 
 def test_gate_weights_in_the_experts_refused_with_node_axis():
+    """Refused where the layer is built, and where it is called with an `ep` replaced since."""
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "ep"))
-    layer = MoE(HIDDEN, 32, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(0), mesh=mesh, node_axis="node",
-                batch_axes=("node", "ep"), ep=EPOptions(backend="reference", gate_weights="experts"))
-    with pytest.raises(EPValueError, match="gate_weights='experts'.* flat exchange only; with node_axis"):
-        layer(random_tokens(14))
+    kw = dict(rngs=nnx.Rngs(0), mesh=mesh, node_axis="node", batch_axes=("node", "ep"))
+    refusal = "gate_weights='experts'.* flat exchange only; with node_axis='node' use gate_weights='combine'"
+    with pytest.raises(EPValueError, match=refusal):
+        MoE(HIDDEN, 32, RouterConfig(EXPERTS, TOPK),
+            ep=EPOptions(backend="reference", gate_weights="experts"), **kw)
+    layer = MoE(HIDDEN, 32, RouterConfig(EXPERTS, TOPK), ep=EPOptions(backend="reference"), **kw)
+    layer.ep = dataclasses.replace(layer.ep, gate_weights="experts")
+    with pytest.raises(EPValueError, match=refusal):
+        nnx.jit(lambda m, x: m(x))(layer, random_tokens(14))
 
 
 def test_node_cap_in_layer():
@@ -672,8 +678,8 @@ def test_fp8_weights_quantised_once_give_the_same_step(placement):
             assert np.abs(a).max() > 0, name
             np.testing.assert_array_equal(b, a, err_msg=name)
 
-    g_fp8 = jax.grad(lambda q: jnp.sum(layer(batches[0], update_stats=False, fp8_weights=q)
-                                       .astype(jnp.float32)))(fp8)
+    g_fp8 = nnx.jit(lambda m, q: jax.grad(lambda q: jnp.sum(m(batches[0], update_stats=False, fp8_weights=q)
+                                                            .astype(jnp.float32)))(q))(layer, fp8)
     assert all(float(jnp.abs(a.astype(jnp.float32)).max()) == 0 for a in jax.tree.leaves(g_fp8))
     with pytest.raises(TypeError, match="must be the ExpertFP8Weights"):
         layer(batches[0], update_stats=False, fp8_weights=(fp8.gate_up, fp8.down, None))

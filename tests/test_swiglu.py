@@ -173,7 +173,8 @@ def test_the_layer_passes_its_swiglu_backend_to_the_experts(monkeypatch):
         layer = moe.MoE(128, 128, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh,
                         ep=moe.EPOptions(backend="reference"), **kwargs)
         assert layer.swiglu_backend == kwargs.get("swiglu_backend", "auto")
-        layer(x, update_stats=False)
+        graphdef, state = nnx.split(layer)   # traced only: the backend is handed over at trace time
+        jax.eval_shape(lambda state, x, g=graphdef: nnx.merge(g, state)(x, update_stats=False), state, x)
         assert seen.pop() == want, kwargs
     with pytest.raises(EPValueError, match="swiglu_backend must be one of"):
         moe.MoE(64, 64, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh, swiglu_backend="triton")
