@@ -32,7 +32,10 @@ summed (gradient accumulation's program), in series, and ``ep_cuda_async_mb2_fre
 GEMMs on the rest (``MoE(gemm_num_sms=...)``), so that one micro-batch's exchanges can run beside the
 other's GEMMs, and ``ep_cuda_async_mb2_chunked_free24`` the two micro-batches in one call as its two token
 chunks (``EPOptions(chunks=2)``: micro-batch 1's dispatch issued before micro-batch 0's GEMMs); their
-``step_ms`` is the step's time per micro-batch (``micro_batches`` in the record).
+``step_ms`` is the step's time per micro-batch (``micro_batches`` in the record). The same three with
+``_nocb`` time the step compiled without XLA's command buffers (``command_buffers`` in the record):
+inside a command buffer an async region runs in series with the rest (openxla/xla#48900), so only there
+can the async forms hide anything.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
 plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
 block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
@@ -43,10 +46,11 @@ events the profile does not tie to an HLO instruction with a scope count as "res
 step without XLA's command buffers (split_by_scope says why). ``device_step_ms`` is that profiled step's
 span on device 0 and ``ep_hidden_ms`` how much of the EP ops' device time ran beside other work (the
 device time summed over streams minus the span, at most the EP time; 0 when the exchanges run in
-series with the GEMMs): how much the overlap hides. ``--sustain S`` runs S seconds of back-to-back
-steps before each timing (and before the roofline's): the clocks a training job runs at, where a timing
-right after compiling catches a GPU below its power limit (an H200 settles 15-18% slower within about a
-second at its 700 W cap; ``best_of``); records carry ``sustain_s``.
+series with the GEMMs): how much the overlap hides when the step runs without command buffers, as
+the ``_nocb`` configs time it (the others' ``step_ms`` runs with them). ``--sustain S`` runs S seconds
+of back-to-back steps before each timing (and before the roofline's): the clocks a training job runs at,
+where a timing right after compiling catches a GPU below its power limit (an H200 settles 15-18% slower
+within about a second at its 700 W cap; ``best_of``); records carry ``sustain_s``.
 """
 
 from __future__ import annotations
@@ -139,12 +143,17 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_async_mb2_chunked_free24": dict(backend="cuda", gemm="auto", micro_batches=2, chunks=2,
                                                     gemm_free_sms=24,
                                                     kernel=dict(async_stream=1, num_sms=24))}
+# ... and the step compiled without XLA's command buffers (an async region inside one runs in series,
+# openxla/xla#48900): the forms that can overlap there, and the serial baseline timed the same way
+for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
+    CONFIGS[_name + "_nocb"] = dict(CONFIGS[_name], command_buffers=False)
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_fp8_bf16_wire", "jax_ep_chunks2",
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_experts",
               "jax_ep_fp8_cached_gate_in_experts", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
-              "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24")
+              "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24", "jax_ep_mb2_nocb",
+              "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
@@ -416,7 +425,10 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
             args = (params, x, quantise(params))
         # a step of several micro-batches: its time per micro-batch, what the other configs' step is
         record["micro_batches"] = CONFIGS[config].get("micro_batches", 1)
-        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats,
+        record["command_buffers"] = CONFIGS[config].get("command_buffers", True)
+        timed = step if record["command_buffers"] else step.lower(*args).compile(
+            {"xla_gpu_enable_command_buffer": ""})
+        record["step_ms"] = 1e3 * best_of(timed, *args, iters=iters, repeats=repeats,
                                           sustain_s=sustain_s) / record["micro_batches"]
         profiled = split_by_scope(step, args, iters) if profile else None
         record["split_ms"], record["device_step_ms"] = profiled or (None, None)
