@@ -371,7 +371,9 @@ def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | 
     runtime.reserve(need)
     # One order in every process (jax_ep.ordering): the call is bound with the ordered effect, so it
     # runs after every EP call before it in program order, whatever each process's XLA schedules.
-    name = runtime.target(op)
+    # On a stream of its own, the target XLA keeps out of command buffers: inside one an async region
+    # runs in series with the rest (xla_ffi/handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE).
+    name = runtime.target(op, uncaptured=stream is not None)
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
     if stream is None:
         return ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)

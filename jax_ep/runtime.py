@@ -186,11 +186,13 @@ def register_targets() -> None:
                 _C.init(local_gpu_ordinals(), 0)
 
 
-def target(op: str) -> str:
+def target(op: str, uncaptured: bool = False) -> str:
     """The FFI target of ``op`` ("jax_ep_<op>"), every target registered (register_targets); an
-    EPRuntimeError when the extension lacks it (built from older sources than this package)."""
+    EPRuntimeError when the extension lacks it (built from older sources than this package).
+    ``uncaptured``: its twin "jax_ep_<op>_uncaptured", which XLA keeps out of command buffers (the
+    calls on an async stream: xla_ffi/handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE)."""
     register_targets()
-    name = f"jax_ep_{op}"
+    name = f"jax_ep_{op}" + ("_uncaptured" if uncaptured else "")
     if name not in _targets():
         raise errors.EPRuntimeError(f"jax_ep._C has no FFI target {name!r} (it has {sorted(_targets())}): "
                                     "a stale build? Reinstall jax_ep.")

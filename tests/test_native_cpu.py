@@ -33,6 +33,11 @@ def test_extension_imports_or_says_why():
         assert native.__name__ == "jax_ep._C"
 
 
+# the ops jax_ep.cuda_backend may issue on KernelConfig.async_stream
+ASYNC_OPS = ("dispatch", "combine", "broadcast", "combine_bwd", "slot_values", "ll_dispatch_send",
+             "ll_combine_send", "dispatch_rank_major", "combine_rank_major", "broadcast_rank_major")
+
+
 def test_handler_capsules_for_every_target():
     native = runtime.extension()
     if native is None:
@@ -44,7 +49,11 @@ def test_handler_capsules_for_every_target():
                 "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
                 "jax_ep_ll_combine_recv", "jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major",
                 "jax_ep_broadcast_rank_major"}
-    assert set(handlers) == stateful | {"jax_ep_dispatch_layout"}
+    # the ops a call may put on an XLA stream of its own, also as the twin XLA keeps out of command
+    # buffers (xla_ffi/handlers.h, JAX_EP_ASYNC_TARGETS)
+    uncaptured = {f"jax_ep_{op}_uncaptured" for op in ASYNC_OPS}
+    assert set(handlers) == stateful | uncaptured | {"jax_ep_dispatch_layout"}
+    stateful |= uncaptured
     for name, entry in handlers.items():
         capsules = entry.values() if name in stateful else [entry]
         if name in stateful:  # the communicating ops keep state per call site (instantiate stage)
@@ -56,7 +65,8 @@ def test_handler_capsules_for_every_target():
     major, minor = native.FFI_API_VERSION
     assert (major, minor) >= (0, 3)
     stats = native.handler_stats()
-    assert set(stats) == set(handlers)   # one list (xla_ffi/handlers.h, JAX_EP_TARGETS)
+    # one list (xla_ffi/handlers.h, JAX_EP_TARGETS); a twin counts under its op
+    assert set(stats) == set(handlers) - uncaptured
     assert all(set(s) == {"calls", "captured_calls"} for s in stats.values())
 
 
@@ -73,9 +83,13 @@ def test_every_op_the_cuda_backend_calls_has_its_target(monkeypatch):
     called = set(ops.OPS) - {"layout"}
     called |= {"dispatch_layout", "peer_smoke", "remote_smoke", "ll_dispatch_send", "ll_dispatch_recv",
                "ll_combine_send", "ll_combine_recv"}
-    assert {runtime.target(op) for op in called} == set(native.ffi_handlers())
+    assert ({runtime.target(op) for op in called} | {runtime.target(op, uncaptured=True) for op in ASYNC_OPS}
+            == set(native.ffi_handlers()))
+    assert runtime.target("combine", uncaptured=True) == "jax_ep_combine_uncaptured"
     with pytest.raises(errors.EPRuntimeError, match="no FFI target 'jax_ep_dispatchh'.*stale build"):
         runtime.target("dispatchh")
+    with pytest.raises(errors.EPRuntimeError, match="no FFI target 'jax_ep_ll_dispatch_recv_uncaptured'"):
+        runtime.target("ll_dispatch_recv", uncaptured=True)   # never on a stream of its own
 
 
 def test_nvshmem_device_library_is_linked_in():

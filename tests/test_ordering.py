@@ -123,7 +123,8 @@ def _walk(op):
 
 class Dataflow:
     """Which jax_ep custom calls each one (transitively) depends on, in a lowered module. Precise for
-    what these programs contain: func.call (followed per call site), sdy.manual_computation (block
+    what these programs contain: func.call (followed per call site; from inside a function, out through
+    its one call site), sdy.manual_computation (block
     argument i is operand i, result i is the terminator's operand i), ops whose regions are scalar
     functions (reduce, sort, scatter); a loop or branch is refused."""
 
@@ -136,6 +137,12 @@ class Dataflow:
                       if f.name == "func.func"}
         self.calls = [o for o in _walk(top) if o.name == "stablehlo.custom_call"
                       and str(o.attributes["call_target_name"]).strip('"').startswith("jax_ep_")]
+        # the call sites of each function: a custom call inside one (compute_on's wrapper of a call on
+        # an async stream) depends on what its function's single call site passes it
+        self.callers = {}
+        for o in _walk(top):
+            if o.name == "func.call":
+                self.callers.setdefault(str(o.attributes["callee"]).lstrip("@").strip('"'), []).append(o)
         self.memo = {}
 
     def name(self, call) -> str:
@@ -160,7 +167,11 @@ class Dataflow:
             parent = value.owner.owner
             parent = getattr(parent, "operation", parent)
             if parent.name == "func.func":
-                return [(sites[-1].operands[value.arg_number], sites[:-1])] if sites else []
+                if sites:
+                    return [(sites[-1].operands[value.arg_number], sites[:-1])]
+                callers = self.callers.get(str(parent.attributes["sym_name"]).strip('"'), [])
+                assert len(callers) <= 1, "a function called from several sites: which one is unknown here"
+                return [(callers[0].operands[value.arg_number], ())] if callers else []
             if parent.name == "sdy.manual_computation":
                 return [(parent.operands[value.arg_number], sites)]
             raise AssertionError(f"unhandled region owner {parent.name}")
@@ -230,6 +241,35 @@ def test_the_moe_layer_training_step_issues_its_ep_calls_in_one_order(cuda_lower
     calls = assert_one_chain(step, params, _inputs()[0], what="MoE layer step")
     assert calls == ["jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd", "jax_ep_combine",
                      "jax_ep_slot_values"]
+
+
+def test_ep_calls_on_an_async_stream_take_the_targets_kept_out_of_command_buffers(cuda_lowering):
+    """KernelConfig(async_stream=1): every EP call of the layer step lowers to its op's "_uncaptured"
+    target (XLA puts an async region into a CUDA graph only when every call in it may be captured,
+    and inside one the region runs in series: xla_ffi/handler_util.h), still in one program order;
+    without a stream, the targets XLA may capture."""
+    from flax import nnx
+
+    from jax_ep import moe
+    from jax_ep.config import KernelConfig
+    from jax_ep.gating import RouterConfig
+
+    def step_calls(kernel):
+        layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
+                        ep=moe.EPOptions(backend="cuda", kernel=kernel), param_dtype=jnp.bfloat16)
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def step(params, x):
+            def loss(params, x):
+                out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
+                return jnp.mean(out.astype(jnp.float32) ** 2)
+            return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+        return assert_one_chain(step, params, _inputs()[0], what="MoE layer step")
+
+    ops = ["dispatch", "combine", "combine_bwd", "combine", "slot_values"]
+    assert step_calls(KernelConfig()) == [f"jax_ep_{op}" for op in ops]
+    assert step_calls(KernelConfig(async_stream=1)) == [f"jax_ep_{op}_uncaptured" for op in ops]
 
 
 def test_the_backward_of_dispatch_issues_its_two_calls_in_one_order(cuda_lowering):

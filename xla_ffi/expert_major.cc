@@ -232,54 +232,49 @@ JAX_EP_DATA_OP_INSTANTIATE(JaxEpSlotValuesInstantiate, kSlotValuesTarget);
 
 // The data ops' bindings are parenthesised: the commas between their template arguments would
 // otherwise split the macro's arguments.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
-                              (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
-                                   .Ret<ffi::AnyBuffer>()                    // rows
-                                   .Ret<ffi::Buffer<ffi::F32>>()             // scales
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // group_sizes
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // expert_counts
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // num_dropped
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // src_index
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // token_rows
-                                   .Ret<ffi::Buffer<ffi::PRED>>()            // is_token_in_rank
-                                   .Ret<ffi::Buffer<ffi::F32>>()             // row_weights
-                                   .Ret<ffi::Buffer<ffi::S32>>()),           // rank_mask (active)
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpDispatch, jax_ep::DispatchImpl,
+                            (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
+                                 .Ret<ffi::AnyBuffer>()                    // rows
+                                 .Ret<ffi::Buffer<ffi::F32>>()             // scales
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // group_sizes
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // expert_counts
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // num_dropped
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // src_index
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // token_rows
+                                 .Ret<ffi::Buffer<ffi::PRED>>()            // is_token_in_rank
+                                 .Ret<ffi::Buffer<ffi::F32>>()             // row_weights
+                                 .Ret<ffi::Buffer<ffi::S32>>()));          // rank_mask (active)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
-                                                  ffi::Buffer<ffi::F32>,      // row_weights
-                                                  ffi::Buffer<ffi::S32>,      // token_rows
-                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
-                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::AnyBuffer>()),                   // out
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpCombine, jax_ep::CombineImpl,
+                            (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
+                                                ffi::Buffer<ffi::F32>,      // row_weights
+                                                ffi::Buffer<ffi::S32>,      // token_rows
+                                                ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                ffi::Buffer<ffi::S32>>()    // rank_mask
+                                 .Ret<ffi::AnyBuffer>()));                  // out
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcast, jax_ep::BroadcastImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
-                                                  ffi::Buffer<ffi::S32>,      // token_rows
-                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
-                                                  ffi::Buffer<ffi::S32>,      // src_index
-                                                  ffi::AnyBuffer,             // into
-                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::AnyBuffer>()),                   // out
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpBroadcast, jax_ep::BroadcastImpl,
+                            (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
+                                                ffi::Buffer<ffi::S32>,      // token_rows
+                                                ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                ffi::Buffer<ffi::S32>,      // src_index
+                                                ffi::AnyBuffer,             // into
+                                                ffi::Buffer<ffi::S32>>()    // rank_mask
+                                 .Ret<ffi::AnyBuffer>()));                  // out
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
-                                                  ffi::AnyBuffer,             // y
-                                                  ffi::Buffer<ffi::F32>,      // row_weights
-                                                  ffi::Buffer<ffi::S32>,      // token_rows
-                                                  ffi::Buffer<ffi::PRED>,     // is_token_in_rank
-                                                  ffi::Buffer<ffi::S32>,      // src_index
-                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::AnyBuffer>()                     // d y
-                                   .Ret<ffi::Buffer<ffi::F32>>()),            // d row_weights
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
+                            (jax_ep::BindDataOp<ffi::AnyBuffer,             // g
+                                                ffi::AnyBuffer,             // y
+                                                ffi::Buffer<ffi::F32>,      // row_weights
+                                                ffi::Buffer<ffi::S32>,      // token_rows
+                                                ffi::Buffer<ffi::PRED>,     // is_token_in_rank
+                                                ffi::Buffer<ffi::S32>,      // src_index
+                                                ffi::Buffer<ffi::S32>>()    // rank_mask
+                                 .Ret<ffi::AnyBuffer>()                     // d y
+                                 .Ret<ffi::Buffer<ffi::F32>>()));           // d row_weights
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSlotValues, jax_ep::SlotValuesImpl,
-                              (jax_ep::BindDataOp<ffi::Buffer<ffi::F32>,      // values
-                                                  ffi::Buffer<ffi::S32>,      // token_rows
-                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::Buffer<ffi::F32>>()),            // out
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpSlotValues, jax_ep::SlotValuesImpl,
+                            (jax_ep::BindDataOp<ffi::Buffer<ffi::F32>,      // values
+                                                ffi::Buffer<ffi::S32>,      // token_rows
+                                                ffi::Buffer<ffi::S32>>()    // rank_mask
+                                 .Ret<ffi::Buffer<ffi::F32>>()));           // out

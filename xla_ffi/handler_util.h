@@ -186,6 +186,17 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("shrink"),
     xla::ffi::StructMember<int64_t>("transport"));
 
+// The execute stage of an op that may run on an XLA stream of its own (KernelConfig.async_stream), as
+// two FFI symbols of one implementation: SYMBOL, command-buffer compatible (XLA may capture it into a
+// CUDA graph), and SYMBOL##Uncaptured without that trait, the target "<name>_uncaptured"
+// (JAX_EP_ASYNC_TARGETS) that the calls on an async stream use. XLA puts an async region into a
+// command buffer only when every thunk in it is compatible, and inside one the region runs in series
+// with the work around it (openxla/xla#48900; one H200, 2026-12-01: 0.67 ms overlapped without command
+// buffers, none with them); with an uncaptured call in it the region runs on its own stream.
+#define JAX_EP_DEFINE_ASYNC_EXECUTE(SYMBOL, IMPL, BINDING)                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, IMPL, BINDING, {xla::ffi::Traits::kCmdBufferCompatible}); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL##Uncaptured, IMPL, BINDING)
+
 // The instantiate stage of a data op (DataOpInstantiate) as the FFI symbol SYMBOL of target TARGET.
 #define JAX_EP_DATA_OP_INSTANTIATE(SYMBOL, TARGET)                                   \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, jax_ep::DataOpInstantiate<jax_ep::TARGET>,  \

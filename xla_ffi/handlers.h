@@ -37,10 +37,29 @@ namespace jax_ep {
   X(CombineRankMajor, combine_rank_major) \
   X(BroadcastRankMajor, broadcast_rank_major)
 #define JAX_EP_TARGETS(X) JAX_EP_STATELESS_TARGETS(X) JAX_EP_STATEFUL_TARGETS(X)
+// The stateful targets a call may put on an XLA stream of its own (KernelConfig.async_stream): each
+// also has the target "jax_ep_<name>_uncaptured" (kNameUncapturedTarget), the same op with the same
+// instantiate stage and counters, whose execute handler JaxEp<Name>Uncaptured XLA never captures into
+// a command buffer (handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE, says why).
+#define JAX_EP_ASYNC_TARGETS(X) \
+  X(Dispatch, dispatch) \
+  X(Combine, combine) \
+  X(Broadcast, broadcast) \
+  X(CombineBwd, combine_bwd) \
+  X(SlotValues, slot_values) \
+  X(LLDispatchSend, ll_dispatch_send) \
+  X(LLCombineSend, ll_combine_send) \
+  X(DispatchRankMajor, dispatch_rank_major) \
+  X(CombineRankMajor, combine_rank_major) \
+  X(BroadcastRankMajor, broadcast_rank_major)
 
 #define JAX_EP_TARGET_NAME(Name, name) inline constexpr const char k##Name##Target[] = "jax_ep_" #name;
 JAX_EP_TARGETS(JAX_EP_TARGET_NAME)
 #undef JAX_EP_TARGET_NAME
+#define JAX_EP_UNCAPTURED_NAME(Name, name) \
+  inline constexpr const char k##Name##UncapturedTarget[] = "jax_ep_" #name "_uncaptured";
+JAX_EP_ASYNC_TARGETS(JAX_EP_UNCAPTURED_NAME)
+#undef JAX_EP_UNCAPTURED_NAME
 
 // Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values and the
 // rank-major ones; combine_rank_major / broadcast_rank_major have num_topk 1), one struct for all
@@ -93,8 +112,12 @@ extern "C" {
 #define JAX_EP_DECLARE_EXECUTE(Name, name) XLA_FFI_Error* JaxEp##Name(XLA_FFI_CallFrame* call_frame);
 #define JAX_EP_DECLARE_INSTANTIATE(Name, name) \
   XLA_FFI_Error* JaxEp##Name##Instantiate(XLA_FFI_CallFrame* call_frame);
+#define JAX_EP_DECLARE_UNCAPTURED(Name, name) \
+  XLA_FFI_Error* JaxEp##Name##Uncaptured(XLA_FFI_CallFrame* call_frame);
 JAX_EP_TARGETS(JAX_EP_DECLARE_EXECUTE)
 JAX_EP_STATEFUL_TARGETS(JAX_EP_DECLARE_INSTANTIATE)
+JAX_EP_ASYNC_TARGETS(JAX_EP_DECLARE_UNCAPTURED)
 #undef JAX_EP_DECLARE_EXECUTE
 #undef JAX_EP_DECLARE_INSTANTIATE
+#undef JAX_EP_DECLARE_UNCAPTURED
 }

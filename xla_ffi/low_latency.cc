@@ -448,13 +448,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::LLDispatchImpl,
                                    .Ret<ffi::Buffer<ffi::S32>>()),           // num_dropped
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::LLDispatchSendImpl,
-                              (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
-                                   .Ret<ffi::Buffer<ffi::U32>>()             // call token
-                                   .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights (sent)
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // dest_rank (sent)
-                                   .Ret<ffi::Buffer<ffi::S32>>()),           // num_dropped (sent)
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpLLDispatchSend, jax_ep::LLDispatchSendImpl,
+                            (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
+                                 .Ret<ffi::Buffer<ffi::U32>>()             // call token
+                                 .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights (sent)
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // dest_rank (sent)
+                                 .Ret<ffi::Buffer<ffi::S32>>()));          // num_dropped (sent)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchRecv, jax_ep::LLDispatchRecvImpl,
                               (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,     // call token
@@ -480,12 +479,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::LLCombineImpl,
                                    .Ret<ffi::AnyBuffer>()),                   // out
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::LLCombineSendImpl,
-                              (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
-                                                  ffi::Buffer<ffi::S32>,      // src_slot
-                                                  ffi::Buffer<ffi::S32>>()    // rank_mask
-                                   .Ret<ffi::Buffer<ffi::U32>>()),            // call token
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpLLCombineSend, jax_ep::LLCombineSendImpl,
+                            (jax_ep::BindDataOp<ffi::AnyBuffer,             // y
+                                                ffi::Buffer<ffi::S32>,      // src_slot
+                                                ffi::Buffer<ffi::S32>>()    // rank_mask
+                                 .Ret<ffi::Buffer<ffi::U32>>()));           // call token
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineRecv, jax_ep::LLCombineRecvImpl,
                               (jax_ep::BindDataOp<ffi::Buffer<ffi::U32>,      // call token

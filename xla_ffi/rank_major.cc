@@ -240,20 +240,19 @@ JAX_EP_DATA_OP_INSTANTIATE(JaxEpDispatchRankMajorInstantiate, kDispatchRankMajor
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpCombineRankMajorInstantiate, kCombineRankMajorTarget);
 JAX_EP_DATA_OP_INSTANTIATE(JaxEpBroadcastRankMajorInstantiate, kBroadcastRankMajorTarget);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRankMajor, jax_ep::DispatchRankMajorImpl,
-                              (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
-                                   .Ret<ffi::AnyBuffer>()                    // rows
-                                   .Ret<ffi::Buffer<ffi::F32>>()             // scales
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // topk_idx (local ids)
-                                   .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // num_tokens_per_rank
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // num_tokens_per_expert
-                                   .Ret<ffi::Buffer<ffi::S32>>()             // src_index
-                                   .Ret<ffi::Buffer<ffi::PRED>>()),          // is_token_in_rank
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpDispatchRankMajor, jax_ep::DispatchRankMajorImpl,
+                            (jax_ep::BindDispatchOp()  // x, topk_idx, topk_weights, rank_mask
+                                 .Ret<ffi::AnyBuffer>()                    // rows
+                                 .Ret<ffi::Buffer<ffi::F32>>()             // scales
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // topk_idx (local ids)
+                                 .Ret<ffi::Buffer<ffi::F32>>()             // topk_weights
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // num_tokens_per_rank
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // num_tokens_per_expert
+                                 .Ret<ffi::Buffer<ffi::S32>>()             // src_index
+                                 .Ret<ffi::Buffer<ffi::PRED>>()));         // is_token_in_rank
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineRankMajor, jax_ep::RankMajorRowsImpl<true>,
-                              jax_ep::BindRankMajorRowsOp(), {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpCombineRankMajor, jax_ep::RankMajorRowsImpl<true>,
+                            jax_ep::BindRankMajorRowsOp());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBroadcastRankMajor, jax_ep::RankMajorRowsImpl<false>,
-                              jax_ep::BindRankMajorRowsOp(), {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_ASYNC_EXECUTE(JaxEpBroadcastRankMajor, jax_ep::RankMajorRowsImpl<false>,
+                            jax_ep::BindRankMajorRowsOp());
