@@ -455,7 +455,9 @@ def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
     """KernelConfig(async_stream=1): the EP ops run as async ops on XLA stream 1 (compute_on), the
     rest of the step on the compute stream. Forward and gradients bit-identical to the ops on the
     compute stream, with an independent matmul chain XLA may run while they are in flight; the
-    compiled program really has the ops on stream 1."""
+    compiled program really has the ops on stream 1, through the targets XLA never captures into a
+    CUDA graph (with the command buffers of the default options and those that capture the EP call
+    itself, every call runs its handler outside a graph)."""
     kw, (x, idx, w, wexp, ct) = grad_case(13, 256, 1024, 4, 16, "messy")
 
     def make(cfg):
@@ -478,15 +480,21 @@ def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
     args = put(mesh, x, w, wexp, idx, ct)
     sync = _cfg("cuda", **kw)
     want = to_np(make(sync)(*args))
-    overlapped = make(_cfg("cuda", **kw, kernel=jax_ep.KernelConfig(async_stream=1)))
-    hlo = overlapped.lower(*args).compile().as_text()
-    assert '_xla_stream_annotation="1"' in hlo
-    for run in range(3):
-        poison_device_memory(mesh.devices.flat, 128 << 20)
-        got = to_np(overlapped(*args))
-        names = ("loss", "out", "d x", "d topk_weights", "d expert weights")
-        for name, g, r in zip(names, got, want, strict=True):
-            assert_bits_equal(np.asarray(g), np.asarray(r), f"run {run} {name}")
+    for options in (None, GRAPH_OPTIONS["graphs"]):
+        overlapped = make(_cfg("cuda", **kw, kernel=jax_ep.KernelConfig(async_stream=1)))
+        compiled = overlapped.lower(*args).compile(options)
+        hlo = compiled.as_text()
+        assert '_xla_stream_annotation="1"' in hlo and '"jax_ep_dispatch_uncaptured"' in hlo
+        before = handler_stats("jax_ep_dispatch")
+        for run in range(3):
+            poison_device_memory(mesh.devices.flat, 128 << 20)
+            got = to_np(compiled(*args))
+            names = ("loss", "out", "d x", "d topk_weights", "d expert weights")
+            for name, g, r in zip(names, got, want, strict=True):
+                assert_bits_equal(np.asarray(g), np.asarray(r), f"{options} run {run} {name}")
+        after = handler_stats("jax_ep_dispatch")
+        assert after["calls"] >= before["calls"] + 3, (options, before, after)
+        assert after["captured_calls"] == before["captured_calls"], (options, before, after)
 
 
 # Expert outputs whose bf16 rounding XLA's excess precision can remove in the backward graph. Found on
