@@ -271,27 +271,35 @@ def hlo_scopes(compiled_text: str) -> dict[str, str]:
     return scopes
 
 
-def split_by_scope(step, args, iters: int) -> tuple[dict[str, float], float] | None:
+# Compile options of a program run kernel by kernel: without XLA's command buffers (CUDA graphs)
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def profiled(call, iters: int):
+    """The jax.profiler trace (ProfileData) of `iters` back-to-back `call()`s."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            out = None
+            for _ in range(iters):
+                out = call()
+            jax.block_until_ready(out)
+        return jax.profiler.ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
+
+
+def split_by_scope(compiled, args, iters: int) -> tuple[dict[str, float], float] | None:
     """Device ms per step on device 0, attributed to the layer's named scopes, and the step's device span
     (first kernel start to last kernel end over the chain, per step); GPU only.
 
     Each GPU event of a profiled chain of steps is matched to its HLO instruction (event name or the
-    event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest". The
-    step is compiled here without XLA's command buffers: a kernel replayed from a CUDA graph carries no
-    HLO instruction in the trace (seen on one H200, 2026-11-24: everything in "rest"), so the split is
+    event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest".
+    ``compiled``: the step compiled with NO_COMMAND_BUFFERS: a kernel replayed from a CUDA graph carries
+    no HLO instruction in the trace (seen on one H200, 2026-11-24: everything in "rest"), so the split is
     of the step run kernel by kernel (``step_ms`` is timed with the default options)."""
     if jax.devices()[0].platform != "gpu":
         return None
-    compiled = step.lower(*args).compile({"xla_gpu_enable_command_buffer": ""})
     scopes = hlo_scopes(compiled.as_text())
     jax.block_until_ready(compiled(*args))
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            for _ in range(iters):
-                out = compiled(*args)
-            jax.block_until_ready(out)
-        paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(paths[0])
+    data = profiled(lambda: compiled(*args), iters)
     split = {name: 0.0 for name in (*moe.SCOPES, "rest")}
     first, last = float("inf"), 0.0
     for plane in data.planes:
@@ -311,10 +319,10 @@ def split_by_scope(step, args, iters: int) -> tuple[dict[str, float], float] | N
 
 def kernel_overlap_ms(data, iters: int, device: str = "/device:GPU:0") -> tuple[float, float]:
     """(kernels' summed device ms, ms with some kernel running) per step of a jax.profiler trace of `iters`
-    steps, from the kernels' intervals on `device`'s stream lines: their difference is how long kernels ran
-    beside another. Intervals rather than stream lines, since inside a CUDA graph (XLA's command buffers)
-    an async stream's kernels may be reported on the graph's launch stream (one line on one H200,
-    2026-12-01) and still run beside the compute stream's."""
+    steps (``profiled``), from the kernels' intervals on `device`'s stream lines: their difference is how
+    long kernels ran beside another. Intervals rather than stream lines, since inside a CUDA graph (XLA's
+    command buffers) an async stream's kernels may be reported on the graph's launch stream (one line on
+    one H200, 2026-12-01) and still run beside the compute stream's."""
     kernels = sorted((e.start_ns, e.end_ns) for plane in data.planes if plane.name == device
                      for line in plane.lines if line.name.startswith("Stream") for e in line.events)
     union_ns, reach = 0, None
@@ -426,13 +434,14 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         # a step of several micro-batches: its time per micro-batch, what the other configs' step is
         record["micro_batches"] = CONFIGS[config].get("micro_batches", 1)
         record["command_buffers"] = CONFIGS[config].get("command_buffers", True)
-        timed = step if record["command_buffers"] else step.lower(*args).compile(
-            {"xla_gpu_enable_command_buffer": ""})
-        record["step_ms"] = 1e3 * best_of(timed, *args, iters=iters, repeats=repeats,
-                                          sustain_s=sustain_s) / record["micro_batches"]
-        profiled = split_by_scope(step, args, iters) if profile else None
-        record["split_ms"], record["device_step_ms"] = profiled or (None, None)
-        record["ep_hidden_ms"] = None if profiled is None else hidden_ep_ms(*profiled)
+        # the step kernel by kernel: what a _nocb config times and what the profile splits
+        no_cb = step.lower(*args).compile(NO_COMMAND_BUFFERS) if profile or not record["command_buffers"] \
+            else None
+        record["step_ms"] = 1e3 * best_of(step if record["command_buffers"] else no_cb, *args, iters=iters,
+                                          repeats=repeats, sustain_s=sustain_s) / record["micro_batches"]
+        split = split_by_scope(no_cb, args, iters) if profile else None
+        record["split_ms"], record["device_step_ms"] = split or (None, None)
+        record["ep_hidden_ms"] = None if split is None else hidden_ep_ms(*split)
     except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
         record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
         # plain JAX (the peer) not fitting in memory is what this benchmark measures about it, not a

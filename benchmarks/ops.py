@@ -45,12 +45,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import glob
 import itertools
 import json
 import pathlib
 import sys
-import tempfile
 import time
 
 import jax
@@ -132,14 +130,7 @@ def _time_calls(fn, args, iters: int, repeats: int) -> float:
 def _trace_totals(calls, iters: int, device_index: int = 0) -> dict[str, float]:
     """Device time per iteration of each GPU kernel / copy on one device while `calls()` runs `iters`
     times under jax.profiler: the events of the device's streams summed by name."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            out = None
-            for _ in range(iters):
-                out = calls()
-            jax.block_until_ready(out)
-        paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(paths[0])
+    data = bench_layer.profiled(calls, iters)
     totals: dict[str, float] = {}
     plane_name = f"/device:GPU:{device_index}"
     for plane in data.planes:

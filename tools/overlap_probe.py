@@ -25,10 +25,8 @@ exchange; nothing runs beside anything there).
 from __future__ import annotations
 
 import argparse
-import glob
 import pathlib
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +35,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.layer import best_of, expert_group_sizes, kernel_overlap_ms  # noqa: E402
+from benchmarks.layer import (  # noqa: E402
+    NO_COMMAND_BUFFERS,
+    best_of,
+    expert_group_sizes,
+    kernel_overlap_ms,
+    profiled,
+)
 from jax_ep import dispatch, grouped_matmul  # noqa: E402
 from jax_ep.config import EPConfig, KernelConfig  # noqa: E402
 from jax_ep.gemm_mgpu import _num_sms  # noqa: E402
@@ -87,7 +91,7 @@ def main(argv=None) -> dict:
                        in_specs=(spec, spec, spec), out_specs=spec)
     programs = {"gemm": (gemm, (x, w, gs)), "op": (op, (tok, idx, gate)),
                 "both": (lambda x, w, gs, t, i, v: (gemm(x, w, gs), op(t, i, v)), (x, w, gs, tok, idx, gate))}
-    options = {"xla_gpu_enable_command_buffer": ""} if args.no_command_buffer else None
+    options = NO_COMMAND_BUFFERS if args.no_command_buffer else None
     print(f"{jax.devices()[0].device_kind}: GEMM ({args.gemm}) on {gemm_sms} SMs, " + (
           f"dispatch on {args.free} SMs, stream {args.stream}" if on_gpu else "the reference dispatch")
           + f", command buffers {'off' if args.no_command_buffer else 'on'}")
@@ -95,12 +99,7 @@ def main(argv=None) -> dict:
     for name, (fn, fn_args) in programs.items():
         compiled = jax.jit(fn).lower(*fn_args).compile(options)
         wall_ms = 1e3 * best_of(compiled, *fn_args, iters=args.iters, repeats=args.repeats)
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d):
-                for _ in range(args.iters):
-                    out = compiled(*fn_args)
-                jax.block_until_ready(out)
-            data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+        data = profiled(lambda compiled=compiled, fn_args=fn_args: compiled(*fn_args), args.iters)
         summed, union = kernel_overlap_ms(data, args.iters)
         result[name] = dict(wall_ms=round(wall_ms, 3), kernels_ms=round(summed, 3), busy_ms=round(union, 3),
                             beside_ms=round(summed - union, 3))

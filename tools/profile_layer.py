@@ -17,11 +17,9 @@ op's start and done.
 
 import argparse
 import collections
-import glob
 import pathlib
 import re
 import sys
-import tempfile
 import time
 
 import jax
@@ -48,7 +46,7 @@ parser.add_argument("--no-command-buffer", action="store_true",
                          "benchmarks.layer's split runs the step, to see whether they change what runs "
                          "beside what")
 args = parser.parse_args()
-options = {"xla_gpu_enable_command_buffer": ""} if args.no_command_buffer else None
+options = bench_layer.NO_COMMAND_BUFFERS if args.no_command_buffer else None
 if args.ordered:
     from jax_ep import ordering  # noqa: E402
 
@@ -108,12 +106,7 @@ for _ in range(args.iters):
 jax.block_until_ready(out)
 print(f"step (wall, unprofiled): {1e3 * (time.perf_counter() - t0) / args.iters:.3f} ms")
 
-with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-        for _ in range(args.iters):
-            out = call()
-        jax.block_until_ready(out)
-    data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+data = bench_layer.profiled(call, args.iters)
 
 
 def scope_of(event) -> tuple[str, str]:
