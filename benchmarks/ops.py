@@ -99,7 +99,8 @@ OUT_DIR = pathlib.Path(__file__).resolve().parents[1] / "out"
 DEFAULT_OUT = {"ops": "bench.json", "layer": "bench_layer.json", "low_latency": "bench_ll.json"}
 
 
-def _routing(rng, n, experts, topk):
+def routing_inputs(rng, n, experts, topk):
+    """(topk_idx, topk_weights) of n tokens: top-k distinct experts each, weights summing to 1 (NumPy)."""
     idx = np.argsort(rng.random((n, experts)), axis=1)[:, :topk].astype(np.int32)
     w = rng.random((n, topk)).astype(np.float32)
     return idx, w / w.sum(1, keepdims=True)
@@ -271,7 +272,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     n = tokens * ep_size
     x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
-    idx, w = _routing(rng, n, experts, topk)
+    idx, w = routing_inputs(rng, n, experts, topk)
     spec = P("ep")
     # on the devices up front, so that no call pays a host-to-device copy
     idx_dev, w_dev = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (idx, w))
@@ -402,7 +403,7 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
     spec = P("ep")
     x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
                        NamedSharding(mesh, spec))
-    idx, w = (jax.device_put(a, NamedSharding(mesh, spec)) for a in _routing(rng, n, experts, topk))
+    idx, w = (jax.device_put(a, NamedSharding(mesh, spec)) for a in routing_inputs(rng, n, experts, topk))
     cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
                    backend=backend, dispatch_dtype=dtype)
 

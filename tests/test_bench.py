@@ -735,7 +735,7 @@ def test_ll_overlap_record_runs_on_the_reference_path():
     x = jax.device_put(rng.standard_normal((2 * tokens, hidden)).astype(np.float32).astype(jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
     idx, w = (jax.device_put(a, NamedSharding(mesh, P("ep")))
-              for a in bench._routing(rng, 2 * tokens, experts, topk))
+              for a in bench.routing_inputs(rng, 2 * tokens, experts, topk))
     r = bench.ll_overlap(mesh, cfg, (x, idx, w), 1, 1, rng)
     assert r["op"] == "ll_overlap" and r["dtype"] == "bfloat16" and r["backend"] == "reference"
     assert r["shared_ffn"] == bench.LL_OVERLAP_FFN and r["layers"] == bench.LL_OVERLAP_LAYERS

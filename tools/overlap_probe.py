@@ -42,9 +42,11 @@ from benchmarks.layer import (  # noqa: E402
     kernel_overlap_ms,
     profiled,
 )
+from benchmarks.ops import routing_inputs  # noqa: E402
 from jax_ep import dispatch, grouped_matmul  # noqa: E402
 from jax_ep.config import EPConfig, KernelConfig  # noqa: E402
 from jax_ep.gemm_mgpu import _num_sms  # noqa: E402
+from jax_ep.launch import positive_int  # noqa: E402
 
 # (buffer rows, real rows, K, N, experts) of the GEMM; (tokens, hidden, top-k, experts) of the exchange
 SIZES = {"deepseek": ((73600, 32768, 7168, 4096, 128), (4096, 7168, 8, 128)),
@@ -54,14 +56,14 @@ SIZES = {"deepseek": ((73600, 32768, 7168, 4096, 128), (4096, 7168, 8, 128)),
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--free", type=int, default=24, help="SMs left to the exchange (default 24)")
+    parser.add_argument("--free", type=positive_int, default=24, help="SMs left to the exchange (default 24)")
     parser.add_argument("--gemm", choices=("mosaic", "ragged"), default="mosaic")
     parser.add_argument("--stream", default="1",
                         help="the exchange's XLA stream, or none (the compute stream)")
     parser.add_argument("--no-command-buffer", action="store_true",
                         help="compile without XLA's command buffers (CUDA graphs)")
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iters", type=positive_int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--small", action="store_true", help="small sizes: a check of the tool")
     args = parser.parse_args(argv)
     on_gpu = jax.devices()[0].platform == "gpu"
@@ -82,8 +84,7 @@ def main(argv=None) -> dict:
                    kernel=KernelConfig(num_sms=args.free, async_stream=stream) if on_gpu else KernelConfig())
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
     tok = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
-    idx = jnp.asarray(np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk], jnp.int32)
-    gate = jnp.asarray(rng.random((tokens, topk)), jnp.float32)
+    idx, gate = (jnp.asarray(a) for a in routing_inputs(rng, tokens, experts, topk))
     spec = P("ep")
     # every output of dispatch (scalars as [1]), so no part of the op is dead code
     op = jax.shard_map(lambda t, i, v: [a.reshape(-1) if a.ndim == 0 else a
