@@ -323,14 +323,16 @@ def test_launcher_devices(monkeypatch):
 
 
 @pytest.fixture
-def mps(monkeypatch):
-    """CUDA_MPS_PIPE_DIRECTORY set to an empty folder (MPS not running); mps.start() listens on its
-    control socket, as CUDA 13's daemon does, and mps.stop() closes it, leaving the file behind, as a
-    stopped daemon does. No CUDA_MPS_ACTIVE_THREAD_PERCENTAGE."""
+def mps(monkeypatch, request):
+    """CUDA_MPS_PIPE_DIRECTORY set to an empty folder (MPS not running); mps.start() binds its control
+    socket (a stream socket that listens, or the socket type the test's indirect parameter names) as a
+    daemon does, and mps.stop() closes it, leaving the file behind, as a stopped daemon does. No
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE."""
     folder = pathlib.Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))   # short: a socket path ≤ 107 bytes
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(folder))
     monkeypatch.delenv(launch.MPS_PERCENTAGE, raising=False)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    kind = getattr(request, "param", "SOCK_STREAM")
+    listener = socket.socket(socket.AF_UNIX, getattr(socket, kind))
 
     class Mps:
         pipe = folder / "control"
@@ -338,7 +340,8 @@ def mps(monkeypatch):
         @staticmethod
         def start():
             listener.bind(str(folder / "control"))
-            listener.listen(128)   # never accepted: room for every check of a test
+            if kind != "SOCK_DGRAM":
+                listener.listen(128)   # never accepted: room for every check of a test
 
         @staticmethod
         def stop():
@@ -372,23 +375,16 @@ def test_mps_unavailable_connects_to_the_control_pipe(mps):
     assert launch.mps_unavailable(plain) == f"{plain} is neither a socket nor a named pipe"
 
 
-@pytest.mark.parametrize("kind", ["SOCK_SEQPACKET", "SOCK_DGRAM"])
-def test_mps_unavailable_takes_a_daemon_socket_of_another_type(kind):
+@pytest.mark.parametrize("mps", ["SOCK_SEQPACKET", "SOCK_DGRAM"], indirect=True)
+def test_mps_unavailable_takes_a_daemon_socket_of_another_type(mps):
     """The real daemon's control socket is not a stream socket (H200, CUDA 13: connecting with one
     gives EPROTOTYPE): a socket of another type bound at the path is a live daemon's, the file it
     leaves when closed is a stopped one's."""
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))
-    pipe = folder / "control"
-    try:
-        with socket.socket(socket.AF_UNIX, getattr(socket, kind)) as daemon:
-            daemon.bind(str(pipe))
-            if kind != "SOCK_DGRAM":
-                daemon.listen(1)
-            assert launch.mps_unavailable(pipe) is None
-        why = launch.mps_unavailable(pipe)
-        assert why is not None and why.startswith(f"its control socket {pipe} refuses connections ("), why
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    mps.start()
+    assert launch.mps_unavailable() is None
+    mps.stop()
+    why = launch.mps_unavailable()
+    assert why is not None and why.startswith(f"its control socket {mps.pipe} refuses connections ("), why
 
 
 def share_args(*argv: str):
