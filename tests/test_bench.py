@@ -804,18 +804,40 @@ def test_kernel_overlap_counts_time_beside_another_from_intervals():
 
 
 @pytest.mark.slow
-def test_overlap_probe_runs_its_three_programs():
+def test_overlap_probe_runs_its_three_programs(tmp_path):
     """tools/overlap_probe.py at --small on CPU (lax.ragged_dot, the reference dispatch): each program
-    timed and profiled; no GPU kernels, so nothing beside anything."""
+    timed and profiled, its HLO dumped; no GPU kernels, so nothing beside anything."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
     try:
         import overlap_probe
     finally:
         sys.path.pop(0)
-    result = overlap_probe.main(["--small", "--gemm", "ragged", "--iters", "1", "--repeats", "1"])
+    result = overlap_probe.main(["--small", "--gemm", "ragged", "--iters", "1", "--repeats", "1",
+                                 "--dump", str(tmp_path)])
     assert set(result) == {"gemm", "op", "both"}
     for name, r in result.items():
         assert r["wall_ms"] > 0 and r["beside_ms"] == 0.0, (name, r)
+        assert "ENTRY" in (tmp_path / f"{name}.hlo.txt").read_text()
+        assert (tmp_path / f"{name}.kernels.txt").read_text() == ""   # no GPU kernels on CPU
+    assert "is_scheduled=true" in (tmp_path / "both.hlo.txt").read_text()   # the schedule, not the input
+
+
+def test_overlap_probe_kernel_timeline_in_start_order():
+    """The probe's timeline: kernels of every stream line of device 0 in start order, µs from the first."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        import overlap_probe
+    finally:
+        sys.path.pop(0)
+    from types import SimpleNamespace as NS
+    ev = lambda name, s, e: NS(name=name, start_ns=s, end_ns=e)  # noqa: E731
+    data = NS(planes=[NS(name="/device:GPU:0", lines=[
+        NS(name="Stream #14(Compute)", events=[ev("gemm", 1000, 9000)]),
+        NS(name="Stream #15", events=[ev("dispatch", 3000, 4000)]),
+        NS(name="XLA Ops", events=[ev("custom-call", 0, 10000)])])])
+    rows = [line.split() for line in overlap_probe.kernel_timeline(data).splitlines()]
+    assert rows == [["0.0", "8.0", "Stream", "#14(Compute)", "gemm"],
+                    ["2.0", "1.0", "Stream", "#15", "dispatch"]]
 
 
 def test_aligned_profile_takes_out_the_aligning_steps_kernels(monkeypatch):

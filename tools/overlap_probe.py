@@ -17,6 +17,12 @@ time. One device is EP1: the exchange copies locally, as fast as the GEMM leaves
 
     python tools/overlap_probe.py [--free 24] [--gemm mosaic|ragged] [--stream 1|none]
                                   [--no-command-buffer] [--iters 5] [--repeats 3] [--small]
+                                  [--dump DIR] [--xla-flag NAME=VALUE ...]
+
+``--dump DIR`` writes each program's optimised HLO (``<name>.hlo.txt``, its schedule) and the kernels of one
+profiled call (``<name>.kernels.txt``: start µs from the first, duration, stream line, name), to see where
+XLA put the exchange's start and done and which stream each kernel ran on. ``--xla-flag`` adds a debug
+option to every compile (e.g. ``xla_gpu_enable_latency_hiding_scheduler=true``).
 
 ``--small`` shrinks every size (for a check of the tool, on CPU too: ``--gemm ragged``, the reference
 exchange; nothing runs beside anything there).
@@ -53,6 +59,16 @@ SIZES = {"deepseek": ((73600, 32768, 7168, 4096, 128), (4096, 7168, 8, 128)),
          "small": ((1024, 512, 256, 128, 8), (128, 256, 2, 8))}
 
 
+def kernel_timeline(data, device: str = "/device:GPU:0") -> str:
+    """One line per kernel of a trace on `device`: start µs from the first kernel, duration µs, stream line
+    and name, in start order."""
+    events = sorted((e.start_ns, e.end_ns, line.name, e.name) for plane in data.planes if plane.name == device
+                    for line in plane.lines if line.name.startswith("Stream") for e in line.events)
+    first = events[0][0] if events else 0
+    return "".join(f"{(s - first) / 1e3:12.1f} {(e - s) / 1e3:10.1f}  {ln:24s} {n}\n"
+                   for s, e, ln, n in events)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +81,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--iters", type=positive_int, default=5)
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--small", action="store_true", help="small sizes: a check of the tool")
+    parser.add_argument("--dump", type=pathlib.Path, help="write each program's HLO and kernel timeline here")
+    parser.add_argument("--xla-flag", action="append", default=[], metavar="NAME=VALUE",
+                        help="an XLA debug option for every compile (repeatable)")
     args = parser.parse_args(argv)
     on_gpu = jax.devices()[0].platform == "gpu"
     (m, real, k, n, g), (tokens, hidden, topk, experts) = SIZES["small" if args.small else "deepseek"]
@@ -92,16 +111,26 @@ def main(argv=None) -> dict:
                        in_specs=(spec, spec, spec), out_specs=spec)
     programs = {"gemm": (gemm, (x, w, gs)), "op": (op, (tok, idx, gate)),
                 "both": (lambda x, w, gs, t, i, v: (gemm(x, w, gs), op(t, i, v)), (x, w, gs, tok, idx, gate))}
-    options = NO_COMMAND_BUFFERS if args.no_command_buffer else None
+    options = dict(NO_COMMAND_BUFFERS if args.no_command_buffer else {})
+    for flag in args.xla_flag:
+        key, sep, value = flag.partition("=")
+        if not sep:
+            parser.error(f"--xla-flag takes NAME=VALUE, got {flag!r}")
+        options[key] = value
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
     print(f"{jax.devices()[0].device_kind}: GEMM ({args.gemm}) on {gemm_sms} SMs, " + (
           f"dispatch on {args.free} SMs, stream {args.stream}" if on_gpu else "the reference dispatch")
           + f", command buffers {'off' if args.no_command_buffer else 'on'}")
     result = {}
     for name, (fn, fn_args) in programs.items():
-        compiled = jax.jit(fn).lower(*fn_args).compile(options)
+        compiled = jax.jit(fn).lower(*fn_args).compile(options or None)
         wall_ms = 1e3 * best_of(compiled, *fn_args, iters=args.iters, repeats=args.repeats)
         data = profiled(lambda compiled=compiled, fn_args=fn_args: compiled(*fn_args), args.iters)
         summed, union = kernel_overlap_ms(data, args.iters)
+        if args.dump:
+            (args.dump / f"{name}.hlo.txt").write_text(compiled.as_text())
+            (args.dump / f"{name}.kernels.txt").write_text(kernel_timeline(data))
         result[name] = dict(wall_ms=round(wall_ms, 3), kernels_ms=round(summed, 3), busy_ms=round(union, 3),
                             beside_ms=round(summed - union, 3))
         print(f"{name:5s} wall {wall_ms:8.3f} ms   kernels {summed:8.3f} ms   some kernel running "
