@@ -116,7 +116,9 @@ def main(argv=None) -> dict:
         key, sep, value = flag.partition("=")
         if not sep:
             parser.error(f"--xla-flag takes NAME=VALUE, got {flag!r}")
-        options[key] = value
+        # compile options take typed values: XLA refuses the string "true" for a bool flag
+        typed = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        options[key] = typed
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
     print(f"{jax.devices()[0].device_kind}: GEMM ({args.gemm}) on {gemm_sms} SMs, " + (
