@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import compute_on as _compute_on
 
-from jax_ep import ordering, routing, runtime, types
+from jax_ep import ordering, overlap, routing, runtime, types
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.vma import vary_like, vary_over, varying_axes
@@ -239,11 +239,12 @@ def _group_of(axis_name: str) -> tuple[jax.Array, jax.Array, int]:
 
 def _vary_all(outputs, axis_name: str, *inputs):
     """ffi_call results are typed invariant; they vary over the EP axis and every axis an input
-    varies over."""
+    varies over (a result already varying over some, one that passed jax_ep.overlap's barrier with
+    the join's token, is cast over the others only)."""
     axes = {axis_name}
     for x in inputs:
         axes.update(varying_axes(x))
-    return vary_over(outputs, tuple(sorted(axes)))
+    return [vary_over(out, tuple(sorted(axes - set(varying_axes(out))))) for out in outputs]
 
 
 ALL_SMS = 1 << 16
@@ -373,7 +374,16 @@ def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | 
     # runs after every EP call before it in program order, whatever each process's XLA schedules.
     # On a stream of its own, the target XLA keeps out of command buffers: inside one an async region
     # runs in series with the rest (xla_ffi/handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE).
-    name = runtime.target(op, uncaptured=stream is not None)
+    work = overlap.claim() if stream is None and runtime.has_variant(op, "side") else None
+    if work is not None:  # inside jax_ep.overlap.beside: on jax_ep's side stream, beside work.fn
+        name = runtime.target(op, "side")
+        call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
+        outputs = ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
+        join = jax.ffi.ffi_call(runtime.target("side_join"), overlap.token_type(), vmap_method="sequential")
+        # ordered too: with several processes every EP call after it waits for the side stream
+        return overlap.run_beside(work, outputs, args, lambda *kept: ordering.ordered_call(
+            join, *kept, name="jax_ep_side_join"))
+    name = runtime.target(op, "uncaptured" if stream is not None else None)
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
     if stream is None:
         return ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)

@@ -186,17 +186,24 @@ def register_targets() -> None:
                 _C.init(local_gpu_ordinals(), 0)
 
 
-def target(op: str, uncaptured: bool = False) -> str:
+def target(op: str, variant: str | None = None) -> str:
     """The FFI target of ``op`` ("jax_ep_<op>"), every target registered (register_targets); an
     EPRuntimeError when the extension lacks it (built from older sources than this package).
-    ``uncaptured``: its twin "jax_ep_<op>_uncaptured", which XLA keeps out of command buffers (the
-    calls on an async stream: xla_ffi/handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE)."""
+    ``variant`` (the ops of xla_ffi/handlers.h's JAX_EP_ASYNC_TARGETS only): "uncaptured", its twin
+    "jax_ep_<op>_uncaptured" that XLA keeps out of command buffers (the calls on an XLA async stream:
+    xla_ffi/handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE); "side", "jax_ep_<op>_side", the op on
+    jax_ep's side stream (jax_ep.overlap)."""
     register_targets()
-    name = f"jax_ep_{op}" + ("_uncaptured" if uncaptured else "")
+    name = f"jax_ep_{op}" + (f"_{variant}" if variant else "")
     if name not in _targets():
         raise errors.EPRuntimeError(f"jax_ep._C has no FFI target {name!r} (it has {sorted(_targets())}): "
                                     "a stale build? Reinstall jax_ep.")
     return name
+
+
+def has_variant(op: str, variant: str) -> bool:
+    """Whether the extension has ``op``'s target ``variant`` ("jax_ep_<op>_<variant>", ``target``)."""
+    return f"jax_ep_{op}_{variant}" in _targets()
 
 
 @functools.cache

@@ -50,10 +50,10 @@ def test_handler_capsules_for_every_target():
                 "jax_ep_ll_combine_recv", "jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major",
                 "jax_ep_broadcast_rank_major"}
     # the ops a call may put on an XLA stream of its own, also as the twin XLA keeps out of command
-    # buffers (xla_ffi/handlers.h, JAX_EP_ASYNC_TARGETS)
-    uncaptured = {f"jax_ep_{op}_uncaptured" for op in ASYNC_OPS}
-    assert set(handlers) == stateful | uncaptured | {"jax_ep_dispatch_layout"}
-    stateful |= uncaptured
+    # buffers (xla_ffi/handlers.h, JAX_EP_ASYNC_TARGETS) and on jax_ep's side stream (jax_ep.overlap)
+    twins = {f"jax_ep_{op}_{variant}" for op in ASYNC_OPS for variant in ("uncaptured", "side")}
+    assert set(handlers) == stateful | twins | {"jax_ep_dispatch_layout", "jax_ep_side_join"}
+    stateful |= twins
     for name, entry in handlers.items():
         capsules = entry.values() if name in stateful else [entry]
         if name in stateful:  # the communicating ops keep state per call site (instantiate stage)
@@ -66,7 +66,7 @@ def test_handler_capsules_for_every_target():
     assert (major, minor) >= (0, 3)
     stats = native.handler_stats()
     # one list (xla_ffi/handlers.h, JAX_EP_TARGETS); a twin counts under its op
-    assert set(stats) == set(handlers) - uncaptured
+    assert set(stats) == set(handlers) - twins
     assert all(set(s) == {"calls", "captured_calls"} for s in stats.values())
 
 
@@ -82,14 +82,18 @@ def test_every_op_the_cuda_backend_calls_has_its_target(monkeypatch):
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     called = set(ops.OPS) - {"layout"}
     called |= {"dispatch_layout", "peer_smoke", "remote_smoke", "ll_dispatch_send", "ll_dispatch_recv",
-               "ll_combine_send", "ll_combine_recv"}
-    assert ({runtime.target(op) for op in called} | {runtime.target(op, uncaptured=True) for op in ASYNC_OPS}
+               "ll_combine_send", "ll_combine_recv", "side_join"}
+    assert ({runtime.target(op) for op in called}
+            | {runtime.target(op, variant) for op in ASYNC_OPS for variant in ("uncaptured", "side")}
             == set(native.ffi_handlers()))
-    assert runtime.target("combine", uncaptured=True) == "jax_ep_combine_uncaptured"
+    assert runtime.target("combine", "uncaptured") == "jax_ep_combine_uncaptured"
+    assert runtime.target("combine", "side") == "jax_ep_combine_side"
     with pytest.raises(errors.EPRuntimeError, match="no FFI target 'jax_ep_dispatchh'.*stale build"):
         runtime.target("dispatchh")
     with pytest.raises(errors.EPRuntimeError, match="no FFI target 'jax_ep_ll_dispatch_recv_uncaptured'"):
-        runtime.target("ll_dispatch_recv", uncaptured=True)   # never on a stream of its own
+        runtime.target("ll_dispatch_recv", "uncaptured")   # never on a stream of its own
+    with pytest.raises(errors.EPRuntimeError, match="no FFI target 'jax_ep_dispatch_layout_side'"):
+        runtime.target("dispatch_layout", "side")
 
 
 def test_nvshmem_device_library_is_linked_in():

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import ordering, runtime
+from jax_ep import cuda_backend, ordering, runtime
 from jax_ep.config import EPConfig, KernelConfig
 
 R, T, H, E, K = 4, 16, 128, 8, 2
@@ -365,3 +365,60 @@ def test_an_ahead_of_time_compiled_function_runs_more_than_once():
     compiled = f.lower(x).compile()
     for _ in range(3):
         np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(jnp.sin(x) * 2.0), rtol=1e-6)
+
+
+def test_an_ep_call_beside_work_goes_on_the_side_stream_between_the_work_and_the_join(cuda_lowering):
+    """jax_ep.overlap.beside: dispatch lowers to its side twin; the work (a layout call here, an EP
+    custom call the dataflow can follow) depends on it, so no schedule starts the work first; the join
+    depends on both, and every result of dispatch and of the work depends on the join, so nothing
+    reads them before XLA's stream waited for the side stream."""
+    from jax_ep import overlap
+
+    cfg = _cfg()
+    beside = {}
+
+    def body(x, idx, wts):
+        with overlap.beside(lambda i: cuda_backend.layout_of(i, E, R), jnp.flip(idx, axis=1)) as work:
+            d = jax_ep.dispatch(x, idx, wts, cfg)
+        beside["overlapped"] = work.overlapped
+        return d.x, d.group_sizes, work.result.num_tokens_per_rank
+
+    x, idx, wts, _ = _inputs()
+    fn = jax.shard_map(body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+    module = _lowered(fn, x, idx, wts)
+    flow = Dataflow(module)
+    names = [flow.name(c) for c in flow.calls]
+    assert beside["overlapped"] is True
+    assert "jax_ep_dispatch" not in names and names.count("jax_ep_dispatch_side") == 1, names
+    side, join = names.index("jax_ep_dispatch_side"), names.index("jax_ep_side_join")
+    work = [i for i, n in enumerate(names)
+            if n == "jax_ep_dispatch_layout" and side in flow.ancestors(flow.calls[i])]
+    assert len(work) == 1, names                    # the work's layout, after the side call
+    assert {side, work[0]} <= flow.ancestors(flow.calls[join])
+    # every result of the program (dispatch's and the work's) comes after the join
+    main = [f for f in flow.funcs.values() if str(f.attributes["sym_name"]).strip('"') == "main"][0]
+    ret = list(main.regions[0].blocks[0].operations)[-1].operation
+    for value in ret.operands:
+        found, seen, stack = set(), set(), [(value, ())]
+        while stack:
+            v, sites = stack.pop()
+            if (v, sites) not in seen:
+                seen.add((v, sites))
+                stack.extend(flow._sources(v, sites, found))
+        assert join in found, (names, found)
+
+
+def test_beside_runs_the_work_after_the_block_where_no_call_takes_it():
+    """The reference backend has no side stream: fn runs at the block's end, same result, and
+    work.overlapped says so; blocks do not nest."""
+    from jax_ep import overlap
+
+    a = jnp.arange(6.0)
+    with overlap.beside(lambda v: v * 2, a) as work:
+        assert work.result is None
+    assert not work.overlapped and np.array_equal(work.result, a * 2)
+    with pytest.raises(ValueError, match="do not nest"), overlap.beside(jnp.sum, a):
+        with overlap.beside(jnp.sum, a):
+            pass
+    with pytest.raises(TypeError, match="fn must be callable"), overlap.beside(3):
+        pass

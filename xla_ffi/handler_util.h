@@ -66,6 +66,26 @@ ffi::Error Invalid(const char* op, const std::string& what);
     }                                                                         \
   } while (0)
 
+// jax_ep's side stream of device `device_ordinal` (side_stream.cc): one per device, non-blocking, of
+// the highest priority, made on first use. ForkSideStream makes it wait for what `stream` (XLA's) has
+// enqueued so far and returns it; JoinSideStream makes `stream` wait for what the side stream has
+// enqueued so far. Neither blocks the host.
+ffi::Error ForkSideStream(cudaStream_t stream, int32_t device_ordinal, cudaStream_t* side);
+ffi::Error JoinSideStream(cudaStream_t stream, int32_t device_ordinal);
+
+// An execute implementation Impl(stream, device_ordinal, rest...) run with its kernels on the side
+// stream: Run has Impl's signature, so one binding serves both.
+template <auto Impl>
+struct OnSideStream;
+template <typename... Rest, ffi::Error (*Impl)(cudaStream_t, int32_t, Rest...)>
+struct OnSideStream<Impl> {
+  static ffi::Error Run(cudaStream_t stream, int32_t device_ordinal, Rest... rest) {
+    cudaStream_t side = nullptr;
+    JAX_EP_RETURN_IF_ERROR(ForkSideStream(stream, device_ordinal, &side));
+    return Impl(side, device_ordinal, rest...);
+  }
+};
+
 // Reserves the call site's buffer and builds its state; runtime errors become FFI errors.
 ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& attrs,
                                                  const CommLayout& layout,
@@ -193,9 +213,17 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 // command buffer only when every thunk in it is compatible, and inside one the region runs in series
 // with the work around it (openxla/xla#48900; one H200, 2026-12-01: 0.67 ms overlapped without command
 // buffers, none with them); with an uncaptured call in it the region runs on its own stream.
+//
+// And a third, SYMBOL##Side, the target "<name>_side": the same op with its kernels on jax_ep's side
+// stream of the device (ForkSideStream), after everything XLA enqueued before it; its results are
+// final only after the jax_ep_side_join that jax_ep.overlap places after the work it runs beside.
+// XLA's own async streams overlap nothing here: with jax 0.11.2 its schedule puts the async start
+// right before its done, the latency-hiding scheduler and a scheduling group included (one H200,
+// 2026-12-02, tools/overlap_probe.py --dump).
 #define JAX_EP_DEFINE_ASYNC_EXECUTE(SYMBOL, IMPL, BINDING)                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, IMPL, BINDING, {xla::ffi::Traits::kCmdBufferCompatible}); \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL##Uncaptured, IMPL, BINDING)
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL##Uncaptured, IMPL, BINDING);                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL##Side, jax_ep::OnSideStream<IMPL>::Run, BINDING)
 
 // The instantiate stage of a data op (DataOpInstantiate) as the FFI symbol SYMBOL of target TARGET.
 #define JAX_EP_DATA_OP_INSTANTIATE(SYMBOL, TARGET)                                   \

@@ -18,7 +18,8 @@ namespace jax_ep {
 // (platform CUDA). The stateful targets also have an instantiate stage, JaxEp<Name>Instantiate, that
 // makes the call site's OpState.
 #define JAX_EP_STATELESS_TARGETS(X) \
-  X(DispatchLayout, dispatch_layout)
+  X(DispatchLayout, dispatch_layout) \
+  X(SideJoin, side_join)
 #define JAX_EP_STATEFUL_TARGETS(X) \
   X(PeerSmoke, peer_smoke) \
   X(Dispatch, dispatch) \
@@ -40,7 +41,9 @@ namespace jax_ep {
 // The stateful targets a call may put on an XLA stream of its own (KernelConfig.async_stream): each
 // also has the target "jax_ep_<name>_uncaptured" (kNameUncapturedTarget), the same op with the same
 // instantiate stage and counters, whose execute handler JaxEp<Name>Uncaptured XLA never captures into
-// a command buffer (handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE, says why).
+// a command buffer (handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE, says why), and the target
+// "jax_ep_<name>_side" (kNameSideTarget, handler JaxEp<Name>Side, never captured either): the op on
+// jax_ep's side stream (jax_ep.overlap).
 #define JAX_EP_ASYNC_TARGETS(X) \
   X(Dispatch, dispatch) \
   X(Combine, combine) \
@@ -60,6 +63,9 @@ JAX_EP_TARGETS(JAX_EP_TARGET_NAME)
   inline constexpr const char k##Name##UncapturedTarget[] = "jax_ep_" #name "_uncaptured";
 JAX_EP_ASYNC_TARGETS(JAX_EP_UNCAPTURED_NAME)
 #undef JAX_EP_UNCAPTURED_NAME
+#define JAX_EP_SIDE_NAME(Name, name) inline constexpr const char k##Name##SideTarget[] = "jax_ep_" #name "_side";
+JAX_EP_ASYNC_TARGETS(JAX_EP_SIDE_NAME)
+#undef JAX_EP_SIDE_NAME
 
 // Static attributes of the EP data ops (dispatch, combine, broadcast, slot_values and the
 // rank-major ones; combine_rank_major / broadcast_rank_major have num_topk 1), one struct for all
@@ -117,6 +123,9 @@ extern "C" {
 JAX_EP_TARGETS(JAX_EP_DECLARE_EXECUTE)
 JAX_EP_STATEFUL_TARGETS(JAX_EP_DECLARE_INSTANTIATE)
 JAX_EP_ASYNC_TARGETS(JAX_EP_DECLARE_UNCAPTURED)
+#define JAX_EP_DECLARE_SIDE(Name, name) XLA_FFI_Error* JaxEp##Name##Side(XLA_FFI_CallFrame* call_frame);
+JAX_EP_ASYNC_TARGETS(JAX_EP_DECLARE_SIDE)
+#undef JAX_EP_DECLARE_SIDE
 #undef JAX_EP_DECLARE_EXECUTE
 #undef JAX_EP_DECLARE_INSTANTIATE
 #undef JAX_EP_DECLARE_UNCAPTURED

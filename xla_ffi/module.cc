@@ -199,17 +199,22 @@ NB_MODULE(_C, m) {
 #define JAX_EP_UNCAPTURED(Name, name)               \
   handlers[jax_ep::k##Name##UncapturedTarget] = \
       StatefulHandler(JaxEp##Name##Instantiate, JaxEp##Name##Uncaptured);
+#define JAX_EP_SIDE(Name, name) \
+  handlers[jax_ep::k##Name##SideTarget] = StatefulHandler(JaxEp##Name##Instantiate, JaxEp##Name##Side);
         JAX_EP_STATELESS_TARGETS(JAX_EP_STATELESS)
         JAX_EP_STATEFUL_TARGETS(JAX_EP_STATEFUL)
         JAX_EP_ASYNC_TARGETS(JAX_EP_UNCAPTURED)
+        JAX_EP_ASYNC_TARGETS(JAX_EP_SIDE)
 #undef JAX_EP_STATELESS
 #undef JAX_EP_STATEFUL
 #undef JAX_EP_UNCAPTURED
+#undef JAX_EP_SIDE
         return handlers;
       },
       "{FFI target name: capsule of its XLA_FFI_Handler*, or {stage: capsule} for the ops with an "
       "instantiate stage} for jax.ffi.register_ffi_target (platform='CUDA'); the ops a call may put "
-      "on an XLA stream of its own also as '<target>_uncaptured', kept out of command buffers.");
+      "on an XLA stream of its own also as '<target>_uncaptured', kept out of command buffers, and as "
+      "'<target>_side', on jax_ep's side stream (jax_ep.overlap).");
 
   m.def(
       "state_type",

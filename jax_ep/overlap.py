@@ -1,0 +1,102 @@
+"""An EP exchange beside other work on the same GPU: jax_ep's side stream (issue 38).
+
+    from jax_ep import overlap
+
+    with overlap.beside(expert_gemm, rows, w, group_sizes) as work:
+        received = jax_ep.dispatch(next_x, next_idx, next_weights, cfg)   # cfg.backend "cuda"
+    out = work.result        # expert_gemm(rows, w, group_sizes)
+
+The first EP call traced inside the block whose op has a side twin (dispatch, combine, broadcast,
+combine_bwd, slot_values, the low-latency sends, the rank-major ops: xla_ffi/handlers.h,
+JAX_EP_ASYNC_TARGETS) enqueues its kernels on jax_ep's side stream of the device, after everything XLA
+enqueued before it. ``fn(*args)`` is traced right after that call and ordered after it (its operands
+pass an ``optimization_barrier`` with the call's results), so XLA's stream runs fn's kernels while the
+side stream runs the exchange; then ``jax_ep_side_join`` makes XLA's stream wait for the side stream.
+The call's results and ``work.result`` come out of a barrier with the join's token: nothing reads them
+before the join. The join keeps the call's operands and results and fn's results allocated until then.
+
+Why not XLA's own async streams (``KernelConfig.async_stream``): with jax 0.11.2 XLA schedules the
+async start right before its done, so nothing runs beside it, with or without command buffers, the
+latency-hiding scheduler or a scheduling group (one H200, 2026-12-02: ``tools/overlap_probe.py``,
+docs/benchmarks.md session 43). Here the order is data, which every XLA schedule keeps.
+
+Rules: the call and fn must be traced at the same level (both inside the same ``shard_map`` body; not
+through ``jax.grad`` of the call: fn would be traced inside the op's differentiation rule). fn should
+leave the exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with ``KernelConfig(num_sms=...)`` for the
+exchange): a persistent GEMM on every SM leaves it none. An EP call after the block must depend on
+``work.result`` or on the exchange's results: XLA may otherwise start it before the join, beside the
+exchange that shares its buffers. When no such call is traced in the block (the reference backend, an
+op without a side twin), ``fn(*args)`` runs at the block's end, after everything in it, and
+``work.overlapped`` is False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
+
+
+@dataclasses.dataclass
+class Beside:
+    """``fn(*args)`` to run beside the block's first side-capable EP call. After the block, ``result``
+    is fn's result and ``overlapped`` says whether it ran beside an exchange."""
+
+    fn: Callable
+    args: tuple
+    result: Any = None
+    overlapped: bool = False
+    done: bool = False
+
+
+@contextlib.contextmanager
+def beside(fn: Callable, *args):
+    """Run ``fn(*args)`` beside the first EP call of the block that has a side twin (module doc)."""
+    if not callable(fn):
+        raise TypeError(f"jax_ep.overlap.beside: fn must be callable, got {type(fn).__name__}")
+    if _pending.get() is not None:
+        raise ValueError("jax_ep.overlap.beside: blocks do not nest (one side stream per device)")
+    work = Beside(fn, args)
+    reset = _pending.set(work)
+    try:
+        yield work
+    finally:
+        _pending.reset(reset)
+    if not work.done:
+        work.result = fn(*args)
+        work.done = True
+
+
+def claim() -> Beside | None:
+    """The open block's work if no call took it yet (cuda_backend._call: its call then goes on the
+    side stream and runs it with ``run_beside``), else None."""
+    work = _pending.get()
+    return None if work is None or work.done else work
+
+
+def run_beside(work: Beside, outputs, inputs, join: Callable):
+    """After a side call: ``work.fn`` ordered after it, then ``join(*buffers)`` (the jax_ep_side_join
+    custom call, returning a token), then the call's outputs and fn's result ordered after the join.
+    Returns the outputs."""
+    work.done = True
+    first = jax.tree.leaves(outputs)[0]
+    args, _ = lax.optimization_barrier((work.args, first))
+    result = work.fn(*args)
+    kept = [a for a in jax.tree.leaves((inputs, outputs, result)) if isinstance(a, jax.Array)]
+    token = join(*kept)
+    outputs, result, _ = lax.optimization_barrier((outputs, result, token))
+    work.result, work.overlapped = result, True
+    return outputs
+
+
+def token_type() -> jax.ShapeDtypeStruct:
+    """The join's result: an int32[1] token (its value, 0, means nothing)."""
+    return jax.ShapeDtypeStruct((1,), jnp.int32)
