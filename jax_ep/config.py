@@ -117,16 +117,16 @@ class KernelConfig:
         combine_bwd, slot_values, and the send phases ``ll_dispatch_send`` / ``ll_combine_send``)
         run on XLA's compute stream, in program order. An int N: each runs on XLA execution
         stream N as an async op (``jax.experimental.compute_on.compute_on2`` with
-        ``"gpu_stream:N"``), which XLA's scheduler overlaps with work that does not depend on it
-        (the shared expert, the expert weights' gradients, another micro-batch's GEMMs); then fewer
-        ``num_sms`` leave the overlapping kernels room, and the persistent expert GEMMs must leave
-        these SMs free (``MoE(gemm_num_sms=...)``): on every SM they hold them all. Inside XLA's command
-        buffers (CUDA graphs, on by default) an async region runs in series with the rest
-        (openxla/xla#48900; one H200, 2026-12-01: 0.67 ms overlapped without them, none with them), so
-        these calls take FFI targets XLA never captures ("jax_ep_<op>_uncaptured", the same handlers
-        otherwise), which keeps their regions out of command buffers (not yet timed on a GPU). Over NVLink a
-        low-latency send moves the data with its own warps, so the two-phase form overlaps work placed
-        between send and receive only this way.
+        ``"gpu_stream:N"``), meant for XLA's scheduler to overlap with work that does not depend on it
+        (the shared expert, the expert weights' gradients, another micro-batch's GEMMs), with fewer
+        ``num_sms`` and the expert GEMMs leaving those SMs free (``MoE(gemm_num_sms=...)``). Measured:
+        with jax 0.11.2 nothing runs beside these calls. XLA schedules each async start right before
+        its done (the work it could overlap before both), with and without command buffers, with the
+        latency-hiding scheduler and with a scheduling group (one H200, 2026-12-02,
+        ``tools/overlap_probe.py --dump``: a DeepSeek-V3 GEMM and a dispatch with no data between them,
+        0.000 of 0.387 ms hidden; docs/benchmarks.md, session 43). These calls take FFI targets XLA
+        never captures ("jax_ep_<op>_uncaptured", the same handlers otherwise): inside XLA's command
+        buffers an async region runs in series with the rest (openxla/xla#48900).
       transport: how the rank-major ops (dispatch_rank_major, combine_rank_major and the
         broadcast_rank_major of their backward) reach their peers. "auto" (default): NVSHMEM puts
         when, in process model 2, some process of the job cannot reach this one's GPU by loads /

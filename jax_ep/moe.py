@@ -103,8 +103,9 @@ class EPOptions:
       chunks: the throughput path splits each rank's tokens into this many equal chunks (it must divide
         the tokens per rank) after routing, and dispatches, computes and combines each on its own, in the
         order dispatch 0, dispatch 1, experts 0, combine 0, dispatch 2, experts 1, ...: chunk i's exchange
-        has no data dependence on chunk i-1's expert GEMMs, so with the kernels on an async stream
-        (``KernelConfig(async_stream=1)``) XLA can run them side by side. Results equal ``chunks=1``'s when
+        has no data dependence on chunk i-1's expert GEMMs, meant to run beside them with the kernels on
+        an async stream (``KernelConfig(async_stream=1)``; with jax 0.11.2 XLA runs nothing beside those
+        calls: ``KernelConfig``'s async_stream says why). Results equal ``chunks=1``'s when
         nothing is dropped (``capacity`` applies to each chunk's dispatch). Each chunk streams every local
         expert's weights through its GEMMs once more (and adds the chunks' weight gradients): measured slower,
         so 1 (default). 2 chunks on 2 H200s (2026-11-29, ``benchmarks --layer``, configs ``*_chunks2``):
@@ -252,7 +253,8 @@ class MoE(nnx.Module):
         (default) every SM; fewer leave SMs to the EP exchanges, which run beside the GEMMs only on an
         XLA stream of their own (``KernelConfig(async_stream=..., num_sms=...)``) and only on SMs the
         GEMMs leave free: e.g. two micro-batches in one jitted step, one's exchange beside the other's
-        GEMMs (``python -m benchmarks --layer``, configs ``*_mb2``).
+        GEMMs (``python -m benchmarks --layer``, configs ``*_mb2``). With jax 0.11.2 XLA runs nothing
+        beside those calls (``KernelConfig``'s async_stream), so today this only costs GEMM speed.
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.

@@ -813,13 +813,15 @@ def test_overlap_probe_runs_its_three_programs(tmp_path):
     finally:
         sys.path.pop(0)
     result = overlap_probe.main(["--small", "--gemm", "ragged", "--iters", "1", "--repeats", "1",
-                                 "--dump", str(tmp_path)])
+                                 "--dump", str(tmp_path), "--group"])
     assert set(result) == {"gemm", "op", "both"}
     for name, r in result.items():
         assert r["wall_ms"] > 0 and r["beside_ms"] == 0.0, (name, r)
         assert "ENTRY" in (tmp_path / f"{name}.hlo.txt").read_text()
         assert (tmp_path / f"{name}.kernels.txt").read_text() == ""   # no GPU kernels on CPU
     assert "is_scheduled=true" in (tmp_path / "both.hlo.txt").read_text()   # the schedule, not the input
+    with pytest.raises(SystemExit):   # an unknown program is an argument error
+        overlap_probe.main(["--small", "--programs", "both,gemmm"])
 
 
 def test_overlap_probe_kernel_timeline_in_start_order():

@@ -84,8 +84,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--small", action="store_true", help="small sizes: a check of the tool")
     parser.add_argument("--group", action="store_true",
-                        help="trace 'both' in one XLA scheduling group (_scheduling_group_id; the latency-"
-                             "hiding scheduler then puts the GEMM between the exchange's start and done)")
+                        help="trace 'both' in one XLA scheduling group (_scheduling_group_id, for the "
+                             "latency-hiding scheduler; with jax 0.11.2 it changed nothing: "
+                             "docs/benchmarks.md, session 43)")
     parser.add_argument("--programs", default="gemm,op,both", help="which programs (comma-separated)")
     parser.add_argument("--dump", type=pathlib.Path, help="write each program's HLO and kernel timeline here")
     parser.add_argument("--xla-flag", action="append", default=[], metavar="NAME=VALUE",
@@ -121,6 +122,9 @@ def main(argv=None) -> dict:
 
     programs = {"gemm": (gemm, (x, w, gs)), "op": (op, (tok, idx, gate)),
                 "both": (both, (x, w, gs, tok, idx, gate))}
+    unknown = set(args.programs.split(",")) - set(programs)
+    if unknown:
+        parser.error(f"--programs: unknown {sorted(unknown)}; choose from {sorted(programs)}")
     programs = {name: programs[name] for name in args.programs.split(",")}
     options = dict(NO_COMMAND_BUFFERS if args.no_command_buffer else {})
     for flag in args.xla_flag:
