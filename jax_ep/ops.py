@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import backends, types, vma
+from jax_ep import backends, overlap, types, vma
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.fp8 import dequantize_fp8
@@ -205,7 +205,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
       group_sizes [E_local] (aligned), expert_counts, num_dropped, handle (row_weights [C] in it),
       rank_mask [R] int32 (the ranks this call ran with: the argument AND NOT the persistent mask).
     """
-    return _checked_dispatch(_dispatch, x, topk_idx, topk_weights, cfg, rank_mask)
+    return _checked_dispatch(overlap.primal(_dispatch), x, topk_idx, topk_weights, cfg, rank_mask)
 
 
 def dispatch_straight_through(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
@@ -260,7 +260,8 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
     rank_mask = check_rank_mask(rank_mask, size, "combine")
-    return _combine(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg, empty_rows_zero, weighted)
+    return overlap.primal(_combine)(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg, empty_rows_zero,
+                                    weighted)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
@@ -568,7 +569,7 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch_send")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch_send")
-    return _ll_dispatch_send(x, topk_idx, topk_weights, rank_mask, cfg)
+    return overlap.primal(_ll_dispatch_send)(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
 def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.LLDispatched:
@@ -587,7 +588,7 @@ def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     size = ep_size(cfg, "ll_combine_send")
     check_ll_combine_args(y, handle, cfg, size, op="ll_combine_send")
     rank_mask = check_rank_mask(rank_mask, size, "ll_combine_send")
-    return _ll_combine_send(y, handle, rank_mask, cfg)
+    return overlap.primal(_ll_combine_send)(y, handle, rank_mask, cfg)
 
 
 def ll_combine_recv(pending: types.LLCombinePending, cfg: EPConfig) -> jax.Array:

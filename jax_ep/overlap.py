@@ -20,13 +20,16 @@ async start right before its done, so nothing runs beside it, with or without co
 latency-hiding scheduler or a scheduling group (one H200, 2026-12-02: ``tools/overlap_probe.py``,
 docs/benchmarks.md session 43). Here the order is data, which every XLA schedule keeps.
 
-Rules: the call and fn must be traced at the same level (both inside the same ``shard_map`` body; not
-through ``jax.grad`` of the call: fn would be traced inside the op's differentiation rule). fn should
-leave the exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with ``KernelConfig(num_sms=...)`` for the
-exchange): a persistent GEMM on every SM leaves it none. An EP call after the block must depend on
-``work.result`` or on the exchange's results: XLA may otherwise start it before the join, beside the
-exchange that shares its buffers. When no such call is traced in the block (the reference backend, an
-op without a side twin), ``fn(*args)`` runs at the block's end, after everything in it, and
+Where it applies: the public ops ``dispatch``, ``combine``, ``ll_dispatch_send`` and ``ll_combine_send``
+called inside the block at the block's own trace level (e.g. both inside one ``shard_map`` body), not
+differentiated: the block runs the op's forward function itself, so that fn is traced at the level it
+was written (inside the op's ``custom_vjp`` its result could not leave); a differentiated call is an
+EPUnsupportedError (forward-only for now: inference, prefill, decode). fn should leave the exchange
+SMs (e.g. ``grouped_matmul(num_sms=...)`` with ``KernelConfig(num_sms=...)`` for the exchange): a
+persistent GEMM on every SM leaves it none. An EP call after the block must depend on ``work.result``
+or on the exchange's results: XLA may otherwise start it before the join, beside the exchange that
+shares its buffers. When no call takes the work (the reference backend, an op without a side twin,
+``KernelConfig.async_stream`` set), ``fn(*args)`` runs at the block's end, after everything in it, and
 ``work.overlapped`` is False.
 """
 
@@ -41,6 +44,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core
+from jax._src.interpreters import ad
+
+from jax_ep.errors import EPUnsupportedError
 
 _pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
 
@@ -52,6 +59,7 @@ class Beside:
 
     fn: Callable
     args: tuple
+    trace: Any = None   # the trace the block was opened at: only a call traced there takes the work
     result: Any = None
     overlapped: bool = False
     done: bool = False
@@ -64,7 +72,7 @@ def beside(fn: Callable, *args):
         raise TypeError(f"jax_ep.overlap.beside: fn must be callable, got {type(fn).__name__}")
     if _pending.get() is not None:
         raise ValueError("jax_ep.overlap.beside: blocks do not nest (one side stream per device)")
-    work = Beside(fn, args)
+    work = Beside(fn, args, core.trace_ctx.trace)
     reset = _pending.set(work)
     try:
         yield work
@@ -75,11 +83,32 @@ def beside(fn: Callable, *args):
         work.done = True
 
 
-def claim() -> Beside | None:
-    """The open block's work if no call took it yet (cuda_backend._call: its call then goes on the
-    side stream and runs it with ``run_beside``), else None."""
+def _open() -> Beside | None:
+    """The open block's work, if no call took it yet and we trace at the block's level."""
     work = _pending.get()
-    return None if work is None or work.done else work
+    if work is None or work.done or core.trace_ctx.trace is not work.trace:
+        return None
+    return work
+
+
+def primal(op):
+    """What a public op calls for its ``custom_vjp`` ``op``: the op itself, or inside an open block its
+    forward function (``op.fun``), so that its call is traced at the block's level and can take the
+    work. Differentiating such a call is an EPUnsupportedError (forward-only for now)."""
+    if _open() is None:
+        return op
+    if isinstance(core.trace_ctx.trace, (ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace))):
+        raise EPUnsupportedError(
+            "jax_ep.overlap.beside: the EP call in the block is differentiated; the side stream is "
+            "forward-only for now (call the op outside the block to differentiate it)")
+    return op.fun
+
+
+def claim() -> Beside | None:
+    """The open block's work if no call took it yet and this call is traced at the block's level
+    (cuda_backend._call: its call then goes on the side stream and runs it with ``run_beside``), else
+    None."""
+    return _open()
 
 
 def run_beside(work: Beside, outputs, inputs, join: Callable):

@@ -822,6 +822,10 @@ def test_overlap_probe_runs_its_three_programs(tmp_path):
     assert "is_scheduled=true" in (tmp_path / "both.hlo.txt").read_text()   # the schedule, not the input
     with pytest.raises(SystemExit):   # an unknown program is an argument error
         overlap_probe.main(["--small", "--programs", "both,gemmm"])
+    # --side on CPU: the reference dispatch takes no work, so the GEMM runs after it (same program shape)
+    side = overlap_probe.main(["--small", "--gemm", "ragged", "--iters", "1", "--repeats", "1", "--side",
+                               "--programs", "both"])
+    assert side["both"]["wall_ms"] > 0
 
 
 def test_overlap_probe_kernel_timeline_in_start_order():

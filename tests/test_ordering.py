@@ -408,6 +408,38 @@ def test_an_ep_call_beside_work_goes_on_the_side_stream_between_the_work_and_the
         assert join in found, (names, found)
 
 
+def test_beside_refuses_a_differentiated_call_and_leaves_calls_of_other_traces_alone(cuda_lowering):
+    """The side stream is forward-only: a dispatch differentiated inside the block is an error naming
+    it. A call traced at another level than the block (inside a jit of its own) does not take the
+    work: it lowers to the plain target and fn runs after the block."""
+    from jax_ep import errors, overlap
+
+    cfg = _cfg()
+    x, idx, wts, _ = _inputs()
+
+    def grad_body(x, idx, wts):
+        def loss(x):
+            with overlap.beside(jnp.sum, x):
+                return jnp.sum(jax_ep.dispatch(x, idx, wts, cfg).x.astype(jnp.float32))
+        return jax.grad(loss)(x)
+
+    fn = jax.shard_map(grad_body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(errors.EPUnsupportedError, match="differentiated.*forward-only"):
+        _lowered(fn, x, idx, wts)
+
+    flags = {}
+
+    def nested_body(x, idx, wts):
+        with overlap.beside(jnp.flip, idx) as work:
+            rows = jax.jit(lambda *a: jax_ep.dispatch(*a, cfg).x)(x, idx, wts)
+        flags["overlapped"] = work.overlapped
+        return rows, work.result
+
+    fn = jax.shard_map(nested_body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+    names = [Dataflow(_lowered(fn, x, idx, wts)).name(c) for c in Dataflow(_lowered(fn, x, idx, wts)).calls]
+    assert flags["overlapped"] is False and "jax_ep_dispatch" in names and "jax_ep_side_join" not in names
+
+
 def test_beside_runs_the_work_after_the_block_where_no_call_takes_it():
     """The reference backend has no side stream: fn runs at the block's end, same result, and
     work.overlapped says so; blocks do not nest."""

@@ -17,12 +17,13 @@ time. One device is EP1: the exchange copies locally, as fast as the GEMM leaves
 
     python tools/overlap_probe.py [--free 24] [--gemm mosaic|ragged] [--stream 1|none]
                                   [--no-command-buffer] [--iters 5] [--repeats 3] [--small]
-                                  [--dump DIR] [--xla-flag NAME=VALUE ...]
+                                  [--dump DIR] [--xla-flag NAME=VALUE ...] [--side]
 
 ``--dump DIR`` writes each program's optimised HLO (``<name>.hlo.txt``, its schedule) and the kernels of one
 profiled call (``<name>.kernels.txt``: start µs from the first, duration, stream line, name), to see where
 XLA put the exchange's start and done and which stream each kernel ran on. ``--xla-flag`` adds a debug
-option to every compile (e.g. ``xla_gpu_enable_latency_hiding_scheduler=true``).
+option to every compile (e.g. ``xla_gpu_enable_latency_hiding_scheduler=true``). ``--side`` runs "both"
+through ``jax_ep.overlap.beside`` (the dispatch on jax_ep's side stream; the GEMM between its fork and join).
 
 ``--small`` shrinks every size (for a check of the tool, on CPU too: ``--gemm ragged``, the reference
 exchange; nothing runs beside anything there).
@@ -51,7 +52,7 @@ from benchmarks.layer import (  # noqa: E402
     profiled,
 )
 from benchmarks.ops import routing_inputs  # noqa: E402
-from jax_ep import dispatch, grouped_matmul  # noqa: E402
+from jax_ep import dispatch, grouped_matmul, overlap  # noqa: E402
 from jax_ep.config import EPConfig, KernelConfig  # noqa: E402
 from jax_ep.gemm_mgpu import _num_sms  # noqa: E402
 from jax_ep.launch import positive_int  # noqa: E402
@@ -87,6 +88,9 @@ def main(argv=None) -> dict:
                         help="trace 'both' in one XLA scheduling group (_scheduling_group_id, for the "
                              "latency-hiding scheduler; with jax 0.11.2 it changed nothing: "
                              "docs/benchmarks.md, session 43)")
+    parser.add_argument("--side", action="store_true",
+                        help="'both' through jax_ep.overlap.beside: the dispatch on jax_ep's side stream, "
+                             "the GEMM on XLA's stream between the fork and the join (--stream unused)")
     parser.add_argument("--programs", default="gemm,op,both", help="which programs (comma-separated)")
     parser.add_argument("--dump", type=pathlib.Path, help="write each program's HLO and kernel timeline here")
     parser.add_argument("--xla-flag", action="append", default=[], metavar="NAME=VALUE",
@@ -104,7 +108,7 @@ def main(argv=None) -> dict:
     def gemm(x, w, gs):
         return grouped_matmul(x, w, gs, backend=backend, num_sms=gemm_sms, zero_tail=False)
 
-    stream = None if args.stream == "none" else int(args.stream)
+    stream = None if args.stream == "none" or args.side else int(args.stream)
     cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
                    backend="cuda" if on_gpu else "reference",
                    kernel=KernelConfig(num_sms=args.free, async_stream=stream) if on_gpu else KernelConfig())
@@ -120,8 +124,17 @@ def main(argv=None) -> dict:
         with set_xla_metadata(_scheduling_group_id=0) if args.group else contextlib.nullcontext():
             return gemm(x, w, gs), op(t, i, v)
 
+    def side_body(x, w, gs, t, i, v):
+        with overlap.beside(gemm, x, w, gs) as work:
+            d = dispatch(t, i, v, cfg)
+        return work.result, [a.reshape(-1) if a.ndim == 0 else a for a in jax.tree.leaves(d)]
+
+    # jax_ep.overlap: the GEMM traced beside the dispatch, both in one shard_map body (one trace level)
+    both_side = jax.shard_map(side_body, mesh=mesh, in_specs=(P(), P(), P(), spec, spec, spec),
+                              out_specs=(P(), spec))
+
     programs = {"gemm": (gemm, (x, w, gs)), "op": (op, (tok, idx, gate)),
-                "both": (both, (x, w, gs, tok, idx, gate))}
+                "both": (both_side if args.side else both, (x, w, gs, tok, idx, gate))}
     unknown = set(args.programs.split(",")) - set(programs)
     if unknown:
         parser.error(f"--programs: unknown {sorted(unknown)}; choose from {sorted(programs)}")

@@ -11,6 +11,7 @@ layer's training step, a 20-step lax.scan captured as CUDA graphs, and a rank th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -495,6 +496,53 @@ def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
         after = handler_stats("jax_ep_dispatch")
         assert after["calls"] >= before["calls"] + 3, (options, before, after)
         assert after["captured_calls"] == before["captured_calls"], (options, before, after)
+
+
+def test_side_stream_gives_the_same_bits(cuda_backend, mesh):
+    """jax_ep.overlap.beside: dispatch on jax_ep's side stream, a matmul chain on XLA's stream between
+    the fork and the join, then combine beside another chain. Every output bit-identical to the same
+    program without the blocks, with output memory poisoned before each run, with and without command
+    buffers; the compiled program holds the side targets and the joins."""
+    from jax_ep import overlap
+
+    kw, (x, idx, w, wexp, ct) = grad_case(13, 256, 1024, 4, 16, "messy")
+
+    def chain(a, m):
+        for _ in range(4):
+            a = jnp.tanh(a @ m)
+        return a
+
+    def make(side):
+        def body(x, w, wexp, idx, ct):
+            cfg = _cfg("cuda", **kw)
+            m = wexp[0].astype(jnp.float32)
+            blocks = (lambda *a: overlap.beside(chain, *a)) if side else (
+                lambda *a: contextlib.nullcontext(overlap.Beside(chain, a)))
+            with blocks(x.astype(jnp.float32), m) as first:
+                d = jax_ep.dispatch(x, idx, w, cfg)
+            y = lax.ragged_dot(d.x, wexp, d.group_sizes).astype(x.dtype)
+            with blocks(ct, m) as second:
+                out = jax_ep.combine(y, d.handle, cfg)
+            r1 = first.result if side else chain(*first.args)
+            r2 = second.result if side else chain(*second.args)
+            assert first.overlapped == side and second.overlapped == side
+            return out, d.x, d.group_sizes, r1, r2
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+    args = put(mesh, x, w, wexp, idx, ct.astype(jnp.float32))
+    want = to_np(make(False)(*args))
+    for options in (None, GRAPH_OPTIONS["graphs"]):
+        compiled = make(True).lower(*args).compile(options)
+        hlo = compiled.as_text()
+        assert '"jax_ep_dispatch_side"' in hlo and '"jax_ep_combine_side"' in hlo, options
+        assert hlo.count('"jax_ep_side_join"') == 2, options
+        for run in range(3):
+            poison_device_memory(mesh.devices.flat, 128 << 20)
+            got = to_np(compiled(*args))
+            names = ("out", "rows", "group sizes", "chain 1", "chain 2")
+            for name, g, r in zip(names, got, want, strict=True):
+                assert_bits_equal(np.asarray(g), np.asarray(r), f"{options} run {run} {name}")
 
 
 # Expert outputs whose bf16 rounding XLA's excess precision can remove in the backward graph. Found on
