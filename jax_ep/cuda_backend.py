@@ -244,7 +244,7 @@ def _vary_all(outputs, axis_name: str, *inputs):
     axes = {axis_name}
     for x in inputs:
         axes.update(varying_axes(x))
-    return [vary_over(out, tuple(sorted(axes - set(varying_axes(out))))) for out in outputs]
+    return jax.tree.map(lambda out: vary_over(out, tuple(sorted(axes - set(varying_axes(out))))), outputs)
 
 
 ALL_SMS = 1 << 16
