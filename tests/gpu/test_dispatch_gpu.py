@@ -452,6 +452,16 @@ def test_unweighted_combine_backward_is_the_broadcast_kernel(cuda_backend, mesh,
     assert np.isnan(dy[src < 0]).all() == empty_rows_zero
 
 
+def _assert_same_bits_thrice(compiled, args, want, mesh, what: str, names) -> None:
+    """Three runs of `compiled`, device memory poisoned before each: every output (named by `names`)
+    the same bits as `want`."""
+    for run in range(3):
+        poison_device_memory(mesh.devices.flat, 128 << 20)
+        got = to_np(compiled(*args))
+        for name, g, r in zip(names, got, want, strict=True):
+            assert_bits_equal(np.asarray(g), np.asarray(r), f"{what} run {run} {name}")
+
+
 def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
     """KernelConfig(async_stream=1): the EP ops run as async ops on XLA stream 1 (compute_on), the
     rest of the step on the compute stream. Forward and gradients bit-identical to the ops on the
@@ -487,12 +497,8 @@ def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
         hlo = compiled.as_text()
         assert '_xla_stream_annotation="1"' in hlo and '"jax_ep_dispatch_uncaptured"' in hlo
         before = handler_stats("jax_ep_dispatch")
-        for run in range(3):
-            poison_device_memory(mesh.devices.flat, 128 << 20)
-            got = to_np(compiled(*args))
-            names = ("loss", "out", "d x", "d topk_weights", "d expert weights")
-            for name, g, r in zip(names, got, want, strict=True):
-                assert_bits_equal(np.asarray(g), np.asarray(r), f"{options} run {run} {name}")
+        _assert_same_bits_thrice(compiled, args, want, mesh, f"{options}",
+                                 ("loss", "out", "d x", "d topk_weights", "d expert weights"))
         after = handler_stats("jax_ep_dispatch")
         assert after["calls"] >= before["calls"] + 3, (options, before, after)
         assert after["captured_calls"] == before["captured_calls"], (options, before, after)
@@ -537,12 +543,8 @@ def test_side_stream_gives_the_same_bits(cuda_backend, mesh):
         hlo = compiled.as_text()
         assert '"jax_ep_dispatch_side"' in hlo and '"jax_ep_combine_side"' in hlo, options
         assert hlo.count('"jax_ep_side_join"') == 2, options
-        for run in range(3):
-            poison_device_memory(mesh.devices.flat, 128 << 20)
-            got = to_np(compiled(*args))
-            names = ("out", "rows", "group sizes", "chain 1", "chain 2")
-            for name, g, r in zip(names, got, want, strict=True):
-                assert_bits_equal(np.asarray(g), np.asarray(r), f"{options} run {run} {name}")
+        _assert_same_bits_thrice(compiled, args, want, mesh, f"{options}",
+                                 ("out", "rows", "group sizes", "chain 1", "chain 2"))
 
 
 # Expert outputs whose bf16 rounding XLA's excess precision can remove in the backward graph. Found on
