@@ -317,14 +317,20 @@ def split_by_scope(compiled, args, iters: int) -> tuple[dict[str, float], float]
     return {k: round(v, 3) for k, v in split.items()}, round(max(0.0, last - first) / 1e6 / iters, 3)
 
 
+def kernel_events(data, device: str = "/device:GPU:0") -> list[tuple[int, int, str, str]]:
+    """(start ns, end ns, stream line, name) of every kernel on `device`'s stream lines of a jax.profiler
+    trace (``profiled``), in start order."""
+    return sorted((e.start_ns, e.end_ns, line.name, e.name) for plane in data.planes if plane.name == device
+                  for line in plane.lines if line.name.startswith("Stream") for e in line.events)
+
+
 def kernel_overlap_ms(data, iters: int, device: str = "/device:GPU:0") -> tuple[float, float]:
     """(kernels' summed device ms, ms with some kernel running) per step of a jax.profiler trace of `iters`
     steps (``profiled``), from the kernels' intervals on `device`'s stream lines: their difference is how
     long kernels ran beside another. Intervals rather than stream lines, since inside a CUDA graph (XLA's
     command buffers) an async stream's kernels may be reported on the graph's launch stream (one line on
     one H200, 2026-12-01) and still run beside the compute stream's."""
-    kernels = sorted((e.start_ns, e.end_ns) for plane in data.planes if plane.name == device
-                     for line in plane.lines if line.name.startswith("Stream") for e in line.events)
+    kernels = [(start, end) for start, end, _, _ in kernel_events(data, device)]
     union_ns, reach = 0, None
     for start, end in kernels:
         if reach is None or start >= reach:

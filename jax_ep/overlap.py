@@ -61,8 +61,8 @@ class Beside:
     args: tuple
     trace: Any = None   # the trace the block was opened at: only a call traced there takes the work
     result: Any = None
-    overlapped: bool = False
-    done: bool = False
+    overlapped: bool = False   # set when a call takes the work (before fn is traced: fn's own EP calls
+                               # do not take it)
 
 
 @contextlib.contextmanager
@@ -78,15 +78,16 @@ def beside(fn: Callable, *args):
         yield work
     finally:
         _pending.reset(reset)
-    if not work.done:
+    if not work.overlapped:
         work.result = fn(*args)
-        work.done = True
 
 
-def _open() -> Beside | None:
-    """The open block's work, if no call took it yet and we trace at the block's level."""
+def claim() -> Beside | None:
+    """The open block's work if no call took it yet and this call is traced at the block's level
+    (cuda_backend._call: its call then goes on the side stream and runs it with ``run_beside``), else
+    None."""
     work = _pending.get()
-    if work is None or work.done or core.trace_ctx.trace is not work.trace:
+    if work is None or work.overlapped or core.trace_ctx.trace is not work.trace:
         return None
     return work
 
@@ -95,7 +96,7 @@ def primal(op):
     """What a public op calls for its ``custom_vjp`` ``op``: the op itself, or inside an open block its
     forward function (``op.fun``), so that its call is traced at the block's level and can take the
     work. Differentiating such a call is an EPUnsupportedError (forward-only for now)."""
-    if _open() is None:
+    if claim() is None:
         return op
     if isinstance(core.trace_ctx.trace, (ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace))):
         raise EPUnsupportedError(
@@ -104,28 +105,20 @@ def primal(op):
     return op.fun
 
 
-def claim() -> Beside | None:
-    """The open block's work if no call took it yet and this call is traced at the block's level
-    (cuda_backend._call: its call then goes on the side stream and runs it with ``run_beside``), else
-    None."""
-    return _open()
-
-
 def run_beside(work: Beside, outputs, inputs, join: Callable):
     """After a side call: ``work.fn`` ordered after it, then ``join(*buffers)`` (the jax_ep_side_join
     custom call, returning a token), then the call's outputs and fn's result ordered after the join.
     Returns the outputs."""
-    work.done = True
+    work.overlapped = True
     first = jax.tree.leaves(outputs)[0]
     args, _ = lax.optimization_barrier((work.args, first))
     result = work.fn(*args)
     kept = [a for a in jax.tree.leaves((inputs, outputs, result)) if isinstance(a, jax.Array)]
     token = join(*kept)
     outputs, result, _ = lax.optimization_barrier((outputs, result, token))
-    work.result, work.overlapped = result, True
+    work.result = result
     return outputs
 
 
-def token_type() -> jax.ShapeDtypeStruct:
-    """The join's result: an int32[1] token (its value, 0, means nothing)."""
-    return jax.ShapeDtypeStruct((1,), jnp.int32)
+# The join's result: an int32[0] token, which only orders its readers after the join
+JOIN_TOKEN = jax.ShapeDtypeStruct((0,), jnp.int32)

@@ -791,7 +791,8 @@ def test_kernel_overlap_counts_time_beside_another_from_intervals():
     from benchmarks.layer import kernel_overlap_ms
 
     def line(name, *spans_us):
-        return NS(name=name, events=[NS(start_ns=a * 1000, end_ns=b * 1000) for a, b in spans_us])
+        return NS(name=name, events=[NS(name="kernel", start_ns=a * 1000, end_ns=b * 1000)
+                                     for a, b in spans_us])
 
     data = NS(planes=[
         NS(name="/device:GPU:0", lines=[line("Stream #14(Compute)", (0, 10), (20, 25), (30, 40)),

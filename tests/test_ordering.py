@@ -150,8 +150,12 @@ class Dataflow:
 
     def ancestors(self, call) -> set[int]:
         """Indices (in self.calls) of the EP calls that `call` depends on."""
+        return self.value_ancestors(call.operands)
+
+    def value_ancestors(self, values) -> set[int]:
+        """Indices (in self.calls) of the EP calls that any of `values` depends on."""
         found, seen = set(), set()
-        stack = [(v, ()) for v in call.operands]
+        stack = [(v, ()) for v in values]
         while stack:
             value, sites = stack.pop()
             key = (value, sites)
@@ -399,13 +403,7 @@ def test_an_ep_call_beside_work_goes_on_the_side_stream_between_the_work_and_the
     main = [f for f in flow.funcs.values() if str(f.attributes["sym_name"]).strip('"') == "main"][0]
     ret = list(main.regions[0].blocks[0].operations)[-1].operation
     for value in ret.operands:
-        found, seen, stack = set(), set(), [(value, ())]
-        while stack:
-            v, sites = stack.pop()
-            if (v, sites) not in seen:
-                seen.add((v, sites))
-                stack.extend(flow._sources(v, sites, found))
-        assert join in found, (names, found)
+        assert join in flow.value_ancestors([value]), names
 
 
 def test_beside_refuses_a_differentiated_call_and_leaves_calls_of_other_traces_alone(cuda_lowering):
@@ -436,7 +434,8 @@ def test_beside_refuses_a_differentiated_call_and_leaves_calls_of_other_traces_a
         return rows, work.result
 
     fn = jax.shard_map(nested_body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
-    names = [Dataflow(_lowered(fn, x, idx, wts)).name(c) for c in Dataflow(_lowered(fn, x, idx, wts)).calls]
+    flow = Dataflow(_lowered(fn, x, idx, wts))
+    names = [flow.name(c) for c in flow.calls]
     assert flags["overlapped"] is False and "jax_ep_dispatch" in names and "jax_ep_side_join" not in names
 
 

@@ -48,6 +48,7 @@ from benchmarks.layer import (  # noqa: E402
     NO_COMMAND_BUFFERS,
     best_of,
     expert_group_sizes,
+    kernel_events,
     kernel_overlap_ms,
     profiled,
 )
@@ -62,11 +63,10 @@ SIZES = {"deepseek": ((73600, 32768, 7168, 4096, 128), (4096, 7168, 8, 128)),
          "small": ((1024, 512, 256, 128, 8), (128, 256, 2, 8))}
 
 
-def kernel_timeline(data, device: str = "/device:GPU:0") -> str:
-    """One line per kernel of a trace on `device`: start µs from the first kernel, duration µs, stream line
-    and name, in start order."""
-    events = sorted((e.start_ns, e.end_ns, line.name, e.name) for plane in data.planes if plane.name == device
-                    for line in plane.lines if line.name.startswith("Stream") for e in line.events)
+def kernel_timeline(data) -> str:
+    """One line per kernel of a trace on device 0 (``kernel_events``): start µs from the first kernel,
+    duration µs, stream line and name, in start order."""
+    events = kernel_events(data)
     first = events[0][0] if events else 0
     return "".join(f"{(s - first) / 1e3:12.1f} {(e - s) / 1e3:10.1f}  {ln:24s} {n}\n"
                    for s, e, ln, n in events)

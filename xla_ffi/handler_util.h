@@ -66,10 +66,9 @@ ffi::Error Invalid(const char* op, const std::string& what);
     }                                                                         \
   } while (0)
 
-// jax_ep's side stream of device `device_ordinal` (side_stream.cc): one per device, non-blocking, of
-// the highest priority, made on first use. ForkSideStream makes it wait for what `stream` (XLA's) has
-// enqueued so far and returns it; JoinSideStream makes `stream` wait for what the side stream has
-// enqueued so far. Neither blocks the host.
+// jax_ep's side stream of device `device_ordinal` (Runtime::Side; side_stream.cc): ForkSideStream
+// makes it wait for what `stream` (XLA's) has enqueued so far and returns it; JoinSideStream makes
+// `stream` wait for what the side stream has enqueued so far. Neither blocks the host.
 ffi::Error ForkSideStream(cudaStream_t stream, int32_t device_ordinal, cudaStream_t* side);
 ffi::Error JoinSideStream(cudaStream_t stream, int32_t device_ordinal);
 

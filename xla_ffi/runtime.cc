@@ -168,6 +168,7 @@ Runtime::Runtime() {
     states_[i].store(nullptr, std::memory_order_relaxed);
     managed_[i].store(false, std::memory_order_relaxed);
     sm_count_[i].store(0, std::memory_order_relaxed);
+    side_[i].store(nullptr, std::memory_order_relaxed);
     slot_[i].store(-1, std::memory_order_relaxed);
     reachable_[i].store(false, std::memory_order_relaxed);
   }
@@ -235,6 +236,13 @@ std::vector<int> Runtime::ReachablePes() const {
 int Runtime::SmCount(int ordinal) const {
   if (ordinal < 0 || ordinal >= kMaxDevices) return 0;
   return sm_count_[ordinal].load(std::memory_order_acquire);
+}
+
+const SideStream* Runtime::Side(int ordinal) const {
+  if (ordinal < 0 || ordinal >= kMaxDevices || !managed_[ordinal].load(std::memory_order_acquire)) {
+    return nullptr;
+  }
+  return side_[ordinal].load(std::memory_order_acquire);
 }
 
 std::vector<int> Runtime::ManagedDevices() const {
@@ -317,6 +325,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
     JAX_EP_CUDA_THROW(cudaSetDevice(ordinal));
     void* state = DeviceMalloc("device state", sizeof(DeviceState), 0);
     JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
+    EnsureSideStream(ordinal);
     states_[ordinal].store(static_cast<DeviceState*>(state), std::memory_order_release);
   }
 
@@ -398,6 +407,17 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
   model_.store(ProcessModel::kLocalPeers, std::memory_order_release);
 }
 
+void Runtime::EnsureSideStream(int ordinal) {
+  if (side_[ordinal].load(std::memory_order_acquire) != nullptr) return;
+  auto side = std::make_unique<SideStream>();
+  int least = 0, greatest = 0;
+  JAX_EP_CUDA_THROW(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  JAX_EP_CUDA_THROW(cudaStreamCreateWithPriority(&side->stream, cudaStreamNonBlocking, greatest));
+  JAX_EP_CUDA_THROW(cudaEventCreateWithFlags(&side->fork, cudaEventDisableTiming));
+  JAX_EP_CUDA_THROW(cudaEventCreateWithFlags(&side->join, cudaEventDisableTiming));
+  side_[ordinal].store(side.release(), std::memory_order_release);
+}
+
 void Runtime::EnsureFaultRecords() {
   if (fault_records_ != nullptr) return;
   void* records = nullptr;
@@ -451,6 +471,7 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
     JAX_EP_CUDA_THROW(cudaMemset(state, 0, sizeof(DeviceState)));  // counters start at 0, once
     JAX_EP_CUDA_THROW(cudaDeviceSynchronize());
     symmetric_heap::BarrierAll();  // no peer writes into a state before its owner zeroed it
+    EnsureSideStream(ordinal);
     states_[ordinal].store(static_cast<DeviceState*>(state), std::memory_order_release);
     pe_ = process;
     num_pes_ = num_processes;

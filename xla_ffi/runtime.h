@@ -15,6 +15,8 @@
 // blocked while a peer's kernel already spins in a barrier would turn into a timeout.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -38,6 +40,15 @@ struct FaultInfo {
 
 // A rank masked on a device (SyncCounters::rank_masks): which EP group, which rank, and the call
 // that masked it (shrink mode).
+// jax_ep's side stream of a device (jax_ep.overlap): non-blocking, of the highest priority, made with
+// the device's state and, like it, never freed. An op's "_side" target records `fork` on XLA's stream
+// and makes `stream` wait for it; jax_ep_side_join records `join` on `stream` and makes XLA's wait.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+};
+
 struct RankMaskInfo {
   int device_ordinal;
   int axis_slot;
@@ -123,6 +134,8 @@ class Runtime {
   uint64_t CommBytes() const { return comm_bytes_.load(std::memory_order_acquire); }
   // Streaming multiprocessors of a managed device (0 if not managed).
   int SmCount(int device_ordinal) const;
+  // The side stream of a managed device, or nullptr if the device is not managed.
+  const SideStream* Side(int device_ordinal) const;
 
   // ---- queries ----
   std::vector<int> ManagedDevices() const;
@@ -150,6 +163,8 @@ class Runtime {
   void UploadTables(int ordinal, int slot, DeviceTables tables);
   // Creates the pinned fault records once. The caller holds mutex_.
   void EnsureFaultRecords();
+  // Creates the side stream of `ordinal` once. The caller holds mutex_ and has selected the device.
+  void EnsureSideStream(int ordinal);
   // Model 2: new symmetric buffer of `bytes`, tables pointing at every reachable PE's copy, old
   // buffer freed (collective). The caller holds mutex_ and has selected the device.
   void RebuildProcessGroupBuffer(uint64_t bytes, uint64_t timeout_ns);
@@ -160,6 +175,7 @@ class Runtime {
   std::atomic<bool> managed_[kMaxDevices];
   std::atomic<uint64_t> comm_bytes_{0};
   std::atomic<int> sm_count_[kMaxDevices];
+  std::atomic<const SideStream*> side_[kMaxDevices];
   uint8_t* comm_buffers_[kMaxDevices] = {};
   bool peer_enabled_[kMaxDevices][kMaxDevices] = {};
   FaultRecord* fault_records_ = nullptr;  // host view, kMaxDevices records, never freed
