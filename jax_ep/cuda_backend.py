@@ -26,7 +26,7 @@ from jax.experimental import compute_on as _compute_on
 from jax_ep import ordering, overlap, routing, runtime, types
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
-from jax_ep.vma import vary_like, vary_over, varying_axes
+from jax_ep.vma import vary_also, vary_like, vary_over, varying_axes
 
 _ROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _DATA_OPS = ("dispatch", "combine", "broadcast", "slot_values")
@@ -244,7 +244,7 @@ def _vary_all(outputs, axis_name: str, *inputs):
     axes = {axis_name}
     for x in inputs:
         axes.update(varying_axes(x))
-    return jax.tree.map(lambda out: vary_over(out, tuple(sorted(axes - set(varying_axes(out))))), outputs)
+    return jax.tree.map(lambda out: vary_also(out, axes), outputs)
 
 
 ALL_SMS = 1 << 16

@@ -35,13 +35,18 @@ def vary_like(outputs, like):
     return vary_over(outputs, varying_axes(like))
 
 
+def vary_also(output, axes):
+    """Type `output` as varying over each of `axes` it does not vary over already."""
+    return vary_over(output, tuple(sorted(set(axes) - set(varying_axes(output)))))
+
+
 def vary_as(output, *likes):
     """Type `output` (e.g. a Pallas kernel's result, typed invariant) as varying over every axis the
     `likes` vary over that it does not already."""
     axes = set()
     for a in likes:
         axes.update(varying_axes(a))
-    return vary_over(output, tuple(sorted(axes - set(varying_axes(output)))))
+    return vary_also(output, axes)
 
 
 def vary_jointly(*arrays):
