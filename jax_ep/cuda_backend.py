@@ -375,6 +375,7 @@ def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | 
     # On a stream of its own, the target XLA keeps out of command buffers: inside one an async region
     # runs in series with the rest (xla_ffi/handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE).
     work = overlap.claim() if stream is None and runtime.has_variant(op, "side") else None
+    args = overlap.after_previous(args, side=work is not None)
     if work is not None:  # inside jax_ep.overlap.beside: on jax_ep's side stream, beside work.fn
         name = runtime.target(op, "side")
         call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
@@ -389,7 +390,9 @@ def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | 
     name = runtime.target(op, "uncaptured" if stream is not None else None)
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
     if stream is None:
-        return ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
+        outputs = ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
+        overlap.record(outputs)
+        return outputs
     # the function form: compute_on2 up to jax 0.10, renamed compute_on in 0.11
     on_stream = getattr(_compute_on, "compute_on2", _compute_on.compute_on)
     issue = on_stream(lambda *a: call(*a, **attrs), compute_type=f"gpu_stream:{stream}",

@@ -271,7 +271,9 @@ def _dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
-    out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
+    # .fun, not the custom_vjp: called here it would stage its primal into a jaxpr of its own, a trace
+    # level below this rule's (where jax_ep.overlap's block of a differentiated call waits for it)
+    out = _dispatch.fun(x, topk_idx, topk_weights, rank_mask, cfg)
     return out, _dispatch_residuals(out, x, topk_idx, rank_mask)
 
 
@@ -297,7 +299,7 @@ def _dispatch_st(x, topk_idx, topk_weights, rank_mask, cfg):
 
 
 def _dispatch_st_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
-    out = _dispatch_st(x, topk_idx, topk_weights, rank_mask, cfg)
+    out = _dispatch_st.fun(x, topk_idx, topk_weights, rank_mask, cfg)   # .fun: as _dispatch_fwd
     return out, _dispatch_residuals(out[0], x, topk_idx, rank_mask)
 
 
@@ -337,7 +339,8 @@ def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
     # y itself only where the backward reads it (weighted) or writes into its buffer (in place); else
     # its dtype alone, so that the forward's [C, H] rows are not held until the backward for nothing
     kept = y if weighted or empty_rows_zero else jnp.zeros((0,), y.dtype)
-    return _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted), (kept, handle, rank_mask)
+    out = _combine.fun(y, handle, rank_mask, cfg, empty_rows_zero, weighted)   # .fun: as _dispatch_fwd
+    return out, (kept, handle, rank_mask)
 
 
 def _combine_bwd(cfg, empty_rows_zero, weighted, residuals, g):
@@ -414,7 +417,7 @@ def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
 
 
 def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
-    out = _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
+    out = _dispatch_rank_major.fun(x, topk_idx, topk_weights, rank_mask, cfg)   # .fun: as _dispatch_fwd
     dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
     return out, (out.handle, out.topk_idx, dtype_token, topk_idx, rank_mask)
 
@@ -441,7 +444,7 @@ def _combine_rank_major(y, handle, rank_mask, cfg):
 
 
 def _combine_rank_major_fwd(y, handle, rank_mask, cfg):
-    return _combine_rank_major(y, handle, rank_mask, cfg), (handle, jnp.zeros((0,), y.dtype), rank_mask)
+    return _combine_rank_major.fun(y, handle, rank_mask, cfg), (handle, jnp.zeros((0,), y.dtype), rank_mask)
 
 
 def _combine_rank_major_bwd(cfg, residuals, g):

@@ -38,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +48,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core
 from jax._src.interpreters import ad
-
-from jax_ep.errors import EPUnsupportedError
 
 _pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
 
@@ -61,8 +61,9 @@ class Beside:
     args: tuple
     trace: Any = None   # the trace the block was opened at: only a call traced there takes the work
     result: Any = None
-    overlapped: bool = False   # set when a call takes the work (before fn is traced: fn's own EP calls
+    taken: bool = False        # set when a call takes the work (before fn is traced: fn's own EP calls
                                # do not take it)
+    overlapped: bool = False   # whether fn ran beside an exchange on the side stream
 
 
 @contextlib.contextmanager
@@ -72,13 +73,21 @@ def beside(fn: Callable, *args):
         raise TypeError(f"jax_ep.overlap.beside: fn must be callable, got {type(fn).__name__}")
     if _pending.get() is not None:
         raise ValueError("jax_ep.overlap.beside: blocks do not nest (one side stream per device)")
+    with _block(fn, args) as work:
+        yield work
+
+
+@contextlib.contextmanager
+def _block(fn: Callable, args: tuple):
+    """beside's block without its checks: also opened inside a taken block (the differentiated call's
+    forward and backward rules, ``_differentiated``)."""
     work = Beside(fn, args, core.trace_ctx.trace)
     reset = _pending.set(work)
     try:
         yield work
     finally:
         _pending.reset(reset)
-    if not work.overlapped:
+    if not work.taken:
         work.result = fn(*args)
 
 
@@ -87,29 +96,72 @@ def claim() -> Beside | None:
     (cuda_backend._call: its call then goes on the side stream and runs it with ``run_beside``), else
     None."""
     work = _pending.get()
-    if work is None or work.overlapped or core.trace_ctx.trace is not work.trace:
+    if work is None or work.taken or core.trace_ctx.trace is not work.trace:
         return None
     return work
 
 
 def primal(op):
-    """What a public op calls for its ``custom_vjp`` ``op``: the op itself, or inside an open block its
+    """What a public op calls for its ``custom_vjp`` ``op``: the op itself; inside an open block its
     forward function (``op.fun``), so that its call is traced at the block's level and can take the
-    work. Differentiating such a call is an EPUnsupportedError (forward-only for now)."""
-    if claim() is None:
+    work; differentiated inside an open block, ``_differentiated``: the op and fn as one custom_vjp."""
+    work = claim()
+    if work is None:
         return op
     if isinstance(core.trace_ctx.trace, (ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace))):
-        raise EPUnsupportedError(
-            "jax_ep.overlap.beside: the EP call in the block is differentiated; the side stream is "
-            "forward-only for now (call the op outside the block to differentiate it)")
+        if not isinstance(op, jax.custom_vjp):
+            return op      # a forward-only op: its own error says so
+        return functools.partial(_differentiated, op, work)
     return op.fun
+
+
+def _differentiated(op, work: Beside, *args):
+    """``op(*args)`` and the block's ``fn(*work.args)`` as one custom_vjp, so that both directions
+    overlap: its forward runs the op's forward rule in a block of its own beside fn's forward
+    (``jax.vjp(fn)``), its backward runs the op's backward rule (e.g. dispatch's combine) beside fn's
+    backward. Each rule opens its block at its own trace level, where the op's kernels are traced.
+    Sets ``work.result`` and ``work.overlapped``; returns the op's outputs."""
+    work.taken = True
+    leaves, tree = jax.tree.flatten(args)
+    live = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+    def run_op(*values):
+        full = list(leaves)
+        for i, value in zip(live, values, strict=True):
+            full[i] = value
+        return op(*jax.tree.unflatten(tree, full))
+
+    fwd_block = []
+
+    @jax.custom_vjp
+    def both(op_in, fn_in):
+        return run_op(*op_in), work.fn(*fn_in)
+
+    def fwd(op_in, fn_in):
+        with _block(lambda *a: jax.vjp(work.fn, *a), fn_in) as inner:
+            out, op_vjp = jax.vjp(run_op, *op_in)
+        fwd_block.append(inner)
+        fn_out, fn_vjp = inner.result
+        return (out, fn_out), (op_vjp, fn_vjp)
+
+    def bwd(res, cts):
+        op_vjp, fn_vjp = res
+        ct_out, ct_fn = cts
+        with _block(fn_vjp, (ct_fn,)) as inner:
+            op_cts = op_vjp(ct_out)
+        return tuple(op_cts), tuple(inner.result)
+
+    both.defvjp(fwd, bwd)
+    out, work.result = both(tuple(leaves[i] for i in live), tuple(work.args))
+    work.overlapped = bool(fwd_block) and fwd_block[0].overlapped
+    return out
 
 
 def run_beside(work: Beside, outputs, inputs, join: Callable):
     """After a side call: ``work.fn`` ordered after it, then ``join(*buffers)`` (the jax_ep_side_join
     custom call, returning a token), then the call's outputs and fn's result ordered after the join.
-    Returns the outputs."""
-    work.overlapped = True
+    Returns the outputs; the join is the trace's last EP call (``after_previous``)."""
+    work.taken = work.overlapped = True
     first = jax.tree.leaves(outputs)[0]
     args, _ = lax.optimization_barrier((work.args, first))
     result = work.fn(*args)
@@ -117,7 +169,36 @@ def run_beside(work: Beside, outputs, inputs, join: Callable):
     token = join(*kept)
     outputs, result, _ = lax.optimization_barrier((outputs, result, token))
     work.result = result
+    record(token, side=True)
     return outputs
+
+
+# The last EP call traced: (trace, one of its results, whether it was a side call's join), weakly held
+_last: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jax_ep_last_call", default=None)
+
+
+def record(outputs, side: bool = False) -> None:
+    """Note an EP call's results as the last of its trace (cuda_backend._call, every call)."""
+    leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array)]
+    if leaves:
+        _last.set((weakref.ref(core.trace_ctx.trace), weakref.ref(leaves[0]), side))
+
+
+def after_previous(args, side: bool):
+    """``args`` ordered after the previous EP call traced at this level, where the call or the previous
+    one is a side call. Why: in one process EP calls carry no ordering effect (jax_ep.ordering), and two
+    calls on one stream run in order whatever XLA schedules, but a side call runs beside XLA's stream:
+    scheduled before an independent EP call that precedes it in program order (or that call before its
+    join), both would use the same buffers at once. (Calls of other traces, e.g. another jitted
+    function, are not ordered here; several processes order every call through the effect.)"""
+    last = _last.get()
+    if last is None or not (side or last[2]) or last[0]() is not core.trace_ctx.trace:
+        return args
+    previous = last[1]()
+    if previous is None:
+        return args
+    args, _ = lax.optimization_barrier((args, previous))
+    return args
 
 
 # The join's result: an int32[0] token, which only orders its readers after the join

@@ -408,25 +408,85 @@ def test_an_ep_call_beside_work_goes_on_the_side_stream_between_the_work_and_the
         assert join in flow.value_ancestors([value]), names
 
 
-def test_beside_refuses_a_differentiated_call_and_leaves_calls_of_other_traces_alone(cuda_lowering):
-    """The side stream is forward-only: a dispatch differentiated inside the block is an error naming
-    it. A call traced at another level than the block (inside a jit of its own) does not take the
+def _beside_loss(cfg, side: bool):
+    """A loss with dispatch inside a block beside a small dense chain on m (or the same without the
+    block): both the exchange and the chain differentiated."""
+    from jax_ep import overlap
+
+    def chain(a, m):
+        return jnp.tanh(a @ m) @ m
+
+    def loss(x, wts, m, idx):
+        a = x.astype(jnp.float32)
+        if side:
+            with overlap.beside(chain, a, m) as work:
+                d = jax_ep.dispatch(x, idx, wts, cfg)
+            result = work.result
+        else:
+            d, result = jax_ep.dispatch(x, idx, wts, cfg), chain(a, m)
+        rows = d.x.astype(jnp.float32) * jnp.arange(1, d.x.shape[0] + 1, dtype=jnp.float32)[:, None]
+        return jnp.sum(rows ** 2) + jnp.sum(jnp.cos(d.handle.row_weights)) + jnp.sum(jnp.sin(result))
+    return loss
+
+
+def test_a_differentiated_call_beside_work_overlaps_both_directions(cuda_lowering):
+    """Differentiated inside the block, dispatch and the block's work are one custom_vjp: the forward
+    lowers dispatch's side twin with the work between it and a join, the backward dispatch's backward
+    (combine) on the side stream with the work's backward between it and a second join. Each side
+    call comes after the EP call before it in program order (one process orders nothing else)."""
+    cfg = _cfg()
+    x, idx, wts, _ = _inputs()
+    m = jax.random.normal(jax.random.key(7), (H, H), jnp.float32) / H
+
+    def body(x, wts, m, idx):
+        return jax.grad(_beside_loss(cfg, True), argnums=(0, 1, 2))(x, wts, m, idx)
+
+    fn = jax.shard_map(body, mesh=_mesh(), in_specs=(P("ep"), P("ep"), P(), P("ep")),
+                       out_specs=(P("ep"), P("ep"), P()), check_vma=False)
+    flow = Dataflow(_lowered(fn, x, wts, m, idx))
+    names = [flow.name(c) for c in flow.calls]
+    sides = [i for i, n in enumerate(names) if n.endswith("_side")]
+    joins = [i for i, n in enumerate(names) if n == "jax_ep_side_join"]
+    assert [names[i] for i in sides] == ["jax_ep_dispatch_side", "jax_ep_combine_side"], names
+    assert len(joins) == 2 and "jax_ep_dispatch" not in names and "jax_ep_combine" not in names, names
+    for side, join in zip(sides, joins, strict=True):
+        assert side in flow.ancestors(flow.calls[join]), names
+    # the backward's side call after the forward's join; every other EP call ordered with them
+    assert joins[0] in flow.ancestors(flow.calls[sides[1]]), names
+    for i, name in enumerate(names):
+        if i not in sides and i not in joins:
+            related = flow.ancestors(flow.calls[i]) | {j for j, c in enumerate(flow.calls)
+                                                       if i in flow.ancestors(c)}
+            assert set(sides) <= related, (name, names)
+
+
+def test_a_differentiated_call_beside_work_gives_the_plain_gradients():
+    """The block's custom_vjp computes the same values and gradients as the program without the block
+    (the reference backend: the work runs at the end of each of its blocks)."""
+    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+    x, idx, wts, _ = _inputs(3)
+    m = jax.random.normal(jax.random.key(8), (H, H), jnp.float32) / H
+
+    def run(side):
+        def body(x, wts, m, idx):
+            return jax.value_and_grad(_beside_loss(cfg, side), argnums=(0, 1, 2))(x, wts, m, idx)
+        return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P("ep"), P("ep"), P(), P("ep")),
+                                     out_specs=(P(), (P("ep"), P("ep"), P())), check_vma=False))(
+            x, wts, m, idx)
+
+    got, want = run(True), run(False)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.abs(np.asarray(w, np.float32)).max() > 0
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_beside_leaves_calls_of_other_traces_alone(cuda_lowering):
+    """A call traced at another level than the block (inside a jit of its own) does not take the
     work: it lowers to the plain target and fn runs after the block."""
-    from jax_ep import errors, overlap
+    from jax_ep import overlap
 
     cfg = _cfg()
     x, idx, wts, _ = _inputs()
-
-    def grad_body(x, idx, wts):
-        def loss(x):
-            with overlap.beside(jnp.sum, x):
-                return jnp.sum(jax_ep.dispatch(x, idx, wts, cfg).x.astype(jnp.float32))
-        return jax.grad(loss)(x)
-
-    fn = jax.shard_map(grad_body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
-    with pytest.raises(errors.EPUnsupportedError, match="differentiated.*forward-only"):
-        _lowered(fn, x, idx, wts)
-
     flags = {}
 
     def nested_body(x, idx, wts):
