@@ -142,7 +142,14 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # keeps for every EP call; XLA's scheduler need not find the overlap itself)
            "ep_cuda_async_mb2_chunked_free24": dict(backend="cuda", gemm="auto", micro_batches=2, chunks=2,
                                                     gemm_free_sms=24,
-                                                    kernel=dict(async_stream=1, num_sms=24))}
+                                                    kernel=dict(async_stream=1, num_sms=24)),
+           # the shared expert beside the last combine on jax_ep's side stream (EPOptions.shared_beside;
+           # presets with a shared expert): with the exchanges on every SM, and on 24 SMs (the GEMMs on
+           # XLA's stream take the others as CTAs free up) next to the same 24 SMs in series
+           "jax_ep_shared_beside": dict(backend="auto", gemm="auto", shared_beside=True),
+           "ep_cuda_sms24": dict(backend="cuda", gemm="auto", kernel=dict(num_sms=24)),
+           "ep_cuda_shared_beside_sms24": dict(backend="cuda", gemm="auto", shared_beside=True,
+                                               kernel=dict(num_sms=24))}
 # ... and the step compiled without XLA's command buffers (an async region inside one runs in series,
 # openxla/xla#48900): the forms that can overlap there, and the serial baseline timed the same way
 for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
@@ -153,7 +160,8 @@ NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cac
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_experts",
               "jax_ep_fp8_cached_gate_in_experts", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
               "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24", "jax_ep_mb2_nocb",
-              "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb")
+              "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb",
+              "jax_ep_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
@@ -377,7 +385,7 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
                                      **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype",
-                                                                "gate_weights") if k in options}),
+                                                                "gate_weights", "shared_beside") if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, shared_ffn_hidden=shared_ffn,
                     gemm_num_sms=gemm_sms - options["gemm_free_sms"] if "gemm_free_sms" in options else None,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
@@ -476,7 +484,8 @@ def decode_step(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
                     gemm_dtype=options.get("gemm_dtype") if fp8 else None,
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
-                                     dispatch_dtype=options.get("dispatch_dtype")),
+                                     dispatch_dtype=options.get("dispatch_dtype"),
+                                     shared_beside=options.get("shared_beside", False)),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True, shared_ffn_hidden=shared_ffn)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))

@@ -127,7 +127,7 @@ class KernelConfig:
         0.000 of 0.387 ms hidden; docs/benchmarks.md, session 43). These calls take FFI targets XLA
         never captures ("jax_ep_<op>_uncaptured", the same handlers otherwise): inside XLA's command
         buffers an async region runs in series with the rest (openxla/xla#48900). An order XLA cannot
-        move: ``jax_ep.overlap.beside`` (jax_ep's own side stream; forward only for now).
+        move: ``jax_ep.overlap.beside`` (jax_ep's own side stream).
       transport: how the rank-major ops (dispatch_rank_major, combine_rank_major and the
         broadcast_rank_major of their backward) reach their peers. "auto" (default): NVSHMEM puts
         when, in process model 2, some process of the job cannot reach this one's GPU by loads /

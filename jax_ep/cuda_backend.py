@@ -384,8 +384,11 @@ def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | 
         # replaces with a constant, leaving the custom call dead (found on one H200, 2026-12-02).
         join = jax.ffi.ffi_call(runtime.target("side_join"), overlap.JOIN_TOKEN, vmap_method="sequential",
                                 has_side_effect=True)
-        # ordered too: with several processes every EP call after it waits for the side stream
-        return overlap.run_beside(work, outputs, args, lambda *kept: ordering.ordered_call(
+        # ordered too: with several processes every EP call after it waits for the side stream. The
+        # join keeps the operands alive, but not an aliased one: its buffer is a result's (a later use
+        # of the operand would make XLA copy it before the call)
+        kept = [a for i, a in enumerate(args) if i not in (aliases or {})]
+        return overlap.run_beside(work, outputs, kept, lambda *kept: ordering.ordered_call(
             join, *kept, name="jax_ep_side_join"))
     name = runtime.target(op, "uncaptured" if stream is not None else None)
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)

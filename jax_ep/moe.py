@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import eplb
+from jax_ep import eplb, overlap
 from jax_ep.balancing import BalancingConfig, sequence_aux_loss, update_bias
 from jax_ep.config import (
     EP_CONFIG_KINDS,
@@ -54,7 +54,15 @@ from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
 from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
-from jax_ep.ops import combine, dispatch, dispatch_straight_through, ll_combine, ll_dispatch
+from jax_ep.ops import (
+    combine,
+    dispatch,
+    dispatch_straight_through,
+    ll_combine,
+    ll_dispatch,
+    ll_dispatch_recv,
+    ll_dispatch_send,
+)
 from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
 from jax_ep.swiglu import swiglu
 
@@ -77,7 +85,7 @@ SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_ex
 EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
                                                                  "checked")},
                     "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool",
-                    "gate_weights": ("combine", "experts")}
+                    "gate_weights": ("combine", "experts"), "shared_beside": "bool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +132,13 @@ class EPOptions:
         sums the rows unweighted and its backward is a plain broadcast (in place with ``dy_in_place``),
         the weights' gradient a row dot product inside SwiGLU's backward, which reads those rows anyway.
         Flat exchange only (not with ``node_axis``).
+      shared_beside: with a shared expert (``MoE(shared_ffn_hidden=...)``), the shared expert runs on
+        each rank's tokens inside the layer, beside an exchange on jax_ep's side stream
+        (``jax_ep.overlap.beside``): on the throughput path its forward beside the last combine and its
+        backward beside combine's backward (the step's slowest exchange); on the decode path beside
+        the dispatch's send phase (``ll_dispatch_send``). The same values and gradients. Takes effect
+        where the op has a side twin (the 'cuda' backend); elsewhere the shared expert runs after the
+        block. False: the shared expert after the layer, on XLA's stream.
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked``
@@ -139,6 +154,7 @@ class EPOptions:
     chunks: int = 1
     dy_in_place: bool = True
     gate_weights: str = "combine"
+    shared_beside: bool = False
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)
@@ -567,8 +583,12 @@ class MoE(nnx.Module):
         seq_len = lead[-1] if len(lead) >= 2 else None  # None: this rank's tokens are one sequence
         params = (self.router[...], self.w_gate_up[...], self.w_down[...], self.expert_bias[...],
                   self.placement, None if self.rank_mask is None else self.rank_mask[...])
+        # the shared expert inside the per-rank function, to run beside the last combine (EPOptions)
+        beside = self.shared is not None and self.ep.shared_beside
+        shared = (tokens, self.shared.weights()) if beside else None
         if self.mesh is None:
-            out, stats = self._per_rank(routed, *params, fp8_weights, seq_len=seq_len, decode=decode)
+            out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, seq_len=seq_len,
+                                                    decode=decode)
         else:
             batch = P(self.batch_axes)
             shards = int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
@@ -582,13 +602,15 @@ class MoE(nnx.Module):
             body = jax.shard_map(
                 lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode), mesh=self.mesh,
                 in_specs=(batch, P(), experts, experts, P(), P(), P(),
-                          None if fp8_weights is None else experts),
-                out_specs=(batch, MoEStats(P(), P(), P(), P())))
-            out, stats = body(routed, *params, fp8_weights)
+                          None if fp8_weights is None else experts, None if shared is None else (batch, P())),
+                out_specs=(batch, MoEStats(P(), P(), P(), P()), batch))
+            out, stats, shared_out = body(routed, *params, fp8_weights, shared)
         out = out.astype(x.dtype)
         if self.shared is not None:
-            with jax.named_scope(SCOPES["shared"]):
-                out = out + self.shared(tokens)
+            if shared_out is None:
+                with jax.named_scope(SCOPES["shared"]):
+                    shared_out = self.shared(tokens)
+            out = out + shared_out
         if update_stats:
             self._record(stats)
         return out.reshape(*lead, self.hidden)
@@ -637,8 +659,10 @@ class MoE(nnx.Module):
             self.expert_bias[...] = update_bias(self.expert_bias[...], stats.expert_load.astype(jnp.float32),
                                                 self.balancing.bias_update_rate)
 
-    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None, *,
-                  seq_len, decode=False):
+    def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None,
+                  shared=None, *, seq_len, decode=False):
+        """The layer on this rank's tokens: (out, MoEStats, the shared expert's output or None). shared:
+        (tokens, the shared expert's weights) to compute it here, beside the last combine, or None."""
         ep_size = lax.axis_size(self.ep_axes)
         rank = lax.axis_index(self.ep_axes)  # node-major on the hierarchical path
         if decode and self.node_axis is not None:
@@ -701,11 +725,12 @@ class MoE(nnx.Module):
                 topk_idx = eplb.apply_placement(topk_idx, placement, token_ids)
 
         if decode:
-            out, expert_counts, num_dropped = self._experts_low_latency(
-                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, fp8_weights)
+            out, expert_counts, num_dropped, shared_out = self._experts_low_latency(
+                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, fp8_weights, shared)
         else:
-            out, expert_counts, num_dropped = self._experts_throughput(
-                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, chunks, fp8_weights)
+            out, expert_counts, num_dropped, shared_out = self._experts_throughput(
+                x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, chunks, fp8_weights,
+                shared)
 
         # statistics: every rank's counts placed at its slots, summed over all token shards; logical
         # loads sum the replicas of each expert
@@ -720,12 +745,14 @@ class MoE(nnx.Module):
             aux = sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
                                     self.balancing.aux_loss_alpha, sequence_length=seq_len)
             aux = lax.pmean(aux, self.batch_axes)
-        return out, MoEStats(load, dropped, aux, slot_load)
+        return out, MoEStats(load, dropped, aux, slot_load), shared_out
 
     def _experts_throughput(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig, rank_mask,
-                            chunks: int, fp8_weights: ExpertFP8Weights | None = None):
+                            chunks: int, fp8_weights: ExpertFP8Weights | None = None, shared=None):
         """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
-        chunk i+1 dispatched before chunk i's experts run."""
+        chunk i+1 dispatched before chunk i's experts run. shared: (tokens, weights) of the shared expert,
+        run beside the last combine (EPOptions.shared_beside). Returns (out, rows per local expert,
+        pairs dropped, the shared expert's output or None)."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
         in_experts = self.ep.gate_weights == "experts"
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
@@ -735,7 +762,7 @@ class MoE(nnx.Module):
             with jax.named_scope(SCOPES["dispatch"]):
                 return exchange.dispatch(x_[t], idx_[t], wts_[t])
 
-        def experts_and_back(sent):
+        def experts_and_back(sent, last):
             d, rows = sent
             with jax.named_scope(SCOPES["experts"]):
                 # an FP8 wire's rows go into the FP8 gate|up GEMM as they came; `rows` (dequantised)
@@ -749,17 +776,21 @@ class MoE(nnx.Module):
                                  row_weights=d.handle.row_weights if in_experts else None,
                                  gemm_num_sms=self.gemm_num_sms)
             with jax.named_scope(SCOPES["combine"]):
-                return exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts)
+                if not (last and shared):
+                    return exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts), None
+                with overlap.beside(_shared_expert, *shared) as work:
+                    out = exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts)
+                return out, work.result
 
         sent, outs = [send(0)], []
         for t in range(chunks):
             if t + 1 < chunks:   # the next chunk's exchange before this chunk's GEMMs (program order)
                 sent.append(send(t + 1))
-            outs.append(experts_and_back(sent[t]))
-        out = jnp.concatenate(outs)   # (one operand: XLA drops the concatenate)
+            outs.append(experts_and_back(sent[t], t + 1 == chunks))
+        out = jnp.concatenate([o for o, _ in outs])   # (one operand: XLA drops the concatenate)
         expert_counts = sum(d.expert_counts for d, _ in sent)
         num_dropped = sum(d.num_dropped for d, _ in sent)
-        return out, expert_counts, num_dropped
+        return out, expert_counts, num_dropped, outs[-1][1]
 
     def _fp8_wire_by_default(self, decode: bool) -> bool:
         """EPOptions.dispatch_dtype None with the FP8 expert GEMMs on the throughput path's flat exchange:
@@ -780,24 +811,33 @@ class MoE(nnx.Module):
         return local
 
     def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig,
-                             rank_mask=None, fp8_weights=None):
+                             rank_mask=None, fp8_weights=None, shared=None):
         """The routed experts on the low-latency ops (per rank): ll_dispatch, the filled slots gathered
         into rows grouped by local expert, the grouped SwiGLU GEMMs over them, the results put back in
         their slots, ll_combine. rank_mask (bool [R] or None) goes to both ops, as on the throughput
         path: a masked rank sends and receives nothing. Returns (out [T, H] bfloat16, rows per local
         expert [E_local], this rank's pairs dropped: those the mask sends nowhere, 0 without one; the
-        low-latency ops drop nothing for capacity). fp8_weights: the expert GEMMs in FP8 from them."""
+        low-latency ops drop nothing for capacity, the shared expert's output or None). fp8_weights: the
+        expert GEMMs in FP8 from them. shared: (tokens, weights) of the shared expert, run beside the
+        dispatch's send phase (ll_dispatch_send, then ll_dispatch_recv: the same bits as ll_dispatch)."""
         # the wire: bfloat16 unless FP8 was asked for (the low-latency ops send nothing else)
         ll_cfg = dataclasses.replace(cfg, dispatch_dtype=self.ep.dispatch_dtype or "bfloat16")
         sent = x if x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.float32)
+        shared_out = None
         with jax.named_scope(SCOPES["dispatch"]):
-            d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg, rank_mask=rank_mask)
+            if shared is None:
+                d = ll_dispatch(sent, topk_idx, topk_weights, ll_cfg, rank_mask=rank_mask)
+            else:
+                with overlap.beside(_shared_expert, *shared) as work:
+                    pending = ll_dispatch_send(sent, topk_idx, topk_weights, ll_cfg, rank_mask=rank_mask)
+                d = ll_dispatch_recv(pending, ll_cfg)
+                shared_out = work.result
         with jax.named_scope(SCOPES["experts"]):
             y = slot_experts(d.x, d.scales, d.counts, w_gate_up, w_down, min(cfg.num_topk, d.x.shape[0]),
                              x.dtype, self.gemm, fp8_weights, self.gemm_num_sms)
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
-        return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped
+        return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped, shared_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -976,5 +1016,20 @@ class SwiGLU(nnx.Module):
         self.w_down = nnx.Param(init(rngs.params(), (ffn_hidden, hidden), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(x @ self.w_gate[...].astype(x.dtype)) * (x @ self.w_up[...].astype(x.dtype))
-        return h @ self.w_down[...].astype(x.dtype)
+        return swiglu_ffn(x, *self.weights())
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(w_gate, w_up, w_down) as arrays (what ``swiglu_ffn`` takes)."""
+        return self.w_gate[...], self.w_up[...], self.w_down[...]
+
+
+def _shared_expert(tokens, weights):
+    """The shared expert inside the per-rank function (EPOptions.shared_beside), in its scope."""
+    with jax.named_scope(SCOPES["shared"]):
+        return swiglu_ffn(tokens, *weights)
+
+
+def swiglu_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The dense SwiGLU FFN in x's dtype: silu(x @ w_gate) * (x @ w_up) @ w_down."""
+    h = jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
+    return h @ w_down.astype(x.dtype)

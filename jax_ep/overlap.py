@@ -21,16 +21,19 @@ latency-hiding scheduler or a scheduling group (one H200, 2026-12-02: ``tools/ov
 docs/benchmarks.md session 43). Here the order is data, which every XLA schedule keeps.
 
 Where it applies: the public ops ``dispatch``, ``combine``, ``ll_dispatch_send`` and ``ll_combine_send``
-called inside the block at the block's own trace level (e.g. both inside one ``shard_map`` body), not
-differentiated: the block runs the op's forward function itself, so that fn is traced at the level it
-was written (inside the op's ``custom_vjp`` its result could not leave); a differentiated call is an
-EPUnsupportedError (forward-only for now: inference, prefill, decode). fn should leave the exchange
-SMs (e.g. ``grouped_matmul(num_sms=...)`` with ``KernelConfig(num_sms=...)`` for the exchange): a
-persistent GEMM on every SM leaves it none. An EP call after the block must depend on ``work.result``
-or on the exchange's results: XLA may otherwise start it before the join, beside the exchange that
-shares its buffers. When no call takes the work (the reference backend, an op without a side twin,
-``KernelConfig.async_stream`` set), ``fn(*args)`` runs at the block's end, after everything in it, and
-``work.overlapped`` is False.
+called inside the block at the block's own trace level (e.g. both inside one ``shard_map`` body). Not
+differentiated, the block runs the op's forward function itself, so that fn is traced at the level it
+was written (inside the op's ``custom_vjp`` its result could not leave). Differentiated (``jax.grad``
+of a function holding the block), the op and fn become one ``custom_vjp`` (``_differentiated``): the
+forward runs the op beside fn's forward, the backward runs the op's backward (dispatch's combine,
+combine's combine_bwd) beside fn's backward; the same values and gradients. fn should leave the
+exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with ``KernelConfig(num_sms=...)`` for the
+exchange): a persistent GEMM on every SM leaves it none. In one process EP calls carry no ordering
+effect, so a side call's operands are ordered after the previous EP call traced at the same level and
+the next one's after its join (``after_previous``); an EP call traced elsewhere (another jitted
+function) must depend on the block's results. When no call takes the work (the reference backend, an
+op without a side twin, ``KernelConfig.async_stream`` set), ``fn(*args)`` runs at the block's end,
+after everything in it, and ``work.overlapped`` is False.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core
 from jax._src.interpreters import ad
+
+from jax_ep import vma
 
 _pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
 
@@ -132,6 +137,9 @@ def _differentiated(op, work: Beside, *args):
         return op(*jax.tree.unflatten(tree, full))
 
     fwd_block = []
+    # fn's operands pass the side call's barrier, which types them varying with its results: their
+    # cotangents come back summed over the axes the operands themselves do not vary over
+    fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(work.args)]
 
     @jax.custom_vjp
     def both(op_in, fn_in):
@@ -149,7 +157,9 @@ def _differentiated(op, work: Beside, *args):
         ct_out, ct_fn = cts
         with _block(fn_vjp, (ct_fn,)) as inner:
             op_cts = op_vjp(ct_out)
-        return tuple(op_cts), tuple(inner.result)
+        fn_cts, fn_tree = jax.tree.flatten(inner.result)
+        fn_cts = [vma.sum_to(ct, axes) for ct, axes in zip(fn_cts, fn_axes, strict=True)]
+        return tuple(op_cts), tuple(jax.tree.unflatten(fn_tree, fn_cts))
 
     both.defvjp(fwd, bwd)
     out, work.result = both(tuple(leaves[i] for i in live), tuple(work.args))

@@ -63,3 +63,10 @@ def shape_like(shape, dtype, like) -> jax.ShapeDtypeStruct:
     if mat is None:  # a jax without manual axis types on avals
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
+def sum_to(cotangent, like_axes: tuple):
+    """A cotangent typed as the primal it belongs to: summed over the axes it varies over that the primal
+    (varying over ``like_axes``) does not, as the transpose of the cast that made it varying would."""
+    extra = tuple(a for a in varying_axes(cotangent) if a not in like_axes)
+    return jax.lax.psum(cotangent, extra) if extra else cotangent

@@ -724,6 +724,36 @@ def test_token_chunks_give_the_unchunked_layer(chunks):
         EPOptions(chunks=0)
 
 
+@pytest.mark.parametrize("axes", [("ep",), ("data", "ep")])
+def test_shared_expert_beside_an_exchange_gives_the_same_step_and_decode(axes):
+    """EPOptions(shared_beside=True): the shared expert computed per rank inside the layer's shard_map
+    (beside the last combine, or on the decode path beside ll_dispatch_send, where the backend has a
+    side stream; after them here) gives the output and the gradients of every parameter (the shared
+    expert's summed over the ranks) and of the input that the shared expert outside gives, and the
+    same decode output."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape((2, 2) if len(axes) == 2 else (4,)), axes)
+    x = random_tokens(37, batch=8, seq=8)
+
+    def run(**ep):
+        layer = make_layer(mesh, seed=6, ep=ep, shared_ffn_hidden=8)
+
+        def loss(model, x):
+            y = model(x, update_stats=False)
+            return jnp.sum(y * jnp.cos(jnp.arange(HIDDEN, dtype=jnp.float32))), y
+        (_, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
+        return y, g_model, g_x, nnx.jit(lambda m, x: m(x, decode=True))(layer, x)
+
+    (y1, g1, gx1, dec1), (y2, g2, gx2, dec2) = run(), run(shared_beside=True)
+    np.testing.assert_allclose(np.asarray(dec2), np.asarray(dec1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx2), np.asarray(gx1), rtol=1e-6, atol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.state(g2, nnx.Param)),
+                            jax.tree.leaves(nnx.state(g1, nnx.Param)), strict=True):
+        assert np.abs(np.asarray(b)).max() > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"])
 def test_gemm_num_sms_reaches_every_expert_gemm_and_changes_no_result(monkeypatch, gemm_dtype):
     """MoE(gemm_num_sms=N) hands N to both expert GEMMs of the training step and of the decode path (the

@@ -226,15 +226,17 @@ def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program
     assert_one_chain(_grad_program(PROGRAMS[program](_cfg())), *_inputs(), what=program)
 
 
-def _layer_step_calls(kernel) -> list[str]:
-    """The EP calls of the MoE layer's training step (one chain in program order: assert_one_chain)."""
+def _layer_step_calls(kernel, shared_beside: bool = False) -> list[str]:
+    """The EP calls of the MoE layer's training step (one chain in program order: assert_one_chain);
+    shared_beside: with a shared expert beside the last combine (EPOptions.shared_beside)."""
     from flax import nnx
 
     from jax_ep import moe
     from jax_ep.gating import RouterConfig
 
     layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
-                    ep=moe.EPOptions(backend="cuda", kernel=kernel), param_dtype=jnp.bfloat16)
+                    ep=moe.EPOptions(backend="cuda", kernel=kernel, shared_beside=shared_beside),
+                    param_dtype=jnp.bfloat16, shared_ffn_hidden=H if shared_beside else 0)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def step(params, x):
@@ -251,6 +253,35 @@ LAYER_STEP_OPS = ["dispatch", "combine", "combine_bwd", "combine", "slot_values"
 
 def test_the_moe_layer_training_step_issues_its_ep_calls_in_one_order(cuda_lowering):
     assert _layer_step_calls(KernelConfig()) == [f"jax_ep_{op}" for op in LAYER_STEP_OPS]
+
+
+def test_the_shared_expert_beside_combine_puts_combine_and_its_backward_on_the_side_stream(cuda_lowering):
+    """EPOptions(shared_beside=True): the forward's combine and its backward (the backward's first
+    exchange) lower to their side twins, each followed by a join; all in one program order."""
+    assert _layer_step_calls(KernelConfig(), shared_beside=True) == [
+        f"jax_ep_{op}" for op in ("dispatch", "combine_side", "side_join", "combine_bwd_side", "side_join",
+                                  "combine", "slot_values")]
+
+
+def test_the_shared_expert_beside_the_decode_dispatch_sends_on_the_side_stream(cuda_lowering):
+    """EPOptions(shared_beside=True) on the decode path: ll_dispatch in its two phases, the send on the
+    side stream with the shared expert beside it, then the receive after the join."""
+    from flax import nnx
+
+    from jax_ep import moe
+    from jax_ep.gating import RouterConfig
+
+    layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
+                    ep=moe.EPOptions(backend="cuda", shared_beside=True), param_dtype=jnp.bfloat16,
+                    shared_ffn_hidden=H)
+    graphdef, state = nnx.split(layer)
+    step = lambda state, x: nnx.merge(graphdef, state)(x, decode=True)   # noqa: E731
+    flow = Dataflow(_lowered(step, state, _inputs()[0]))
+    names = [flow.name(c) for c in flow.calls]
+    assert names == [f"jax_ep_{op}" for op in ("ll_dispatch_send_side", "side_join", "ll_dispatch_recv",
+                                               "ll_combine")], names
+    for i in range(1, len(names)):
+        assert i - 1 in flow.ancestors(flow.calls[i]), names
 
 
 def test_ep_calls_on_an_async_stream_take_the_targets_kept_out_of_command_buffers(cuda_lowering):

@@ -504,11 +504,13 @@ def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
         assert after["captured_calls"] == before["captured_calls"], (options, before, after)
 
 
-def test_side_stream_gives_the_same_bits(cuda_backend, mesh):
+@pytest.mark.parametrize("differentiated", [False, True])
+def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated):
     """jax_ep.overlap.beside: dispatch on jax_ep's side stream, a matmul chain on XLA's stream between
-    the fork and the join, then combine beside another chain. Every output bit-identical to the same
-    program without the blocks, with output memory poisoned before each run, with and without command
-    buffers; the compiled program holds the side targets and the joins."""
+    the fork and the join, then combine beside another chain; differentiated, each op's backward
+    beside its chain's backward too. Every output (and gradient) bit-identical to the same program
+    without the blocks, with output memory poisoned before each run, with and without command
+    buffers; the compiled program holds the side targets and a join for each."""
     from jax_ep import overlap
 
     kw, (x, idx, w, wexp, ct) = grad_case(13, 256, 1024, 4, 16, "messy")
@@ -519,8 +521,9 @@ def test_side_stream_gives_the_same_bits(cuda_backend, mesh):
         return a
 
     def make(side):
-        def body(x, w, wexp, idx, ct):
-            cfg = _cfg("cuda", **kw)
+        cfg = _cfg("cuda", **kw)
+
+        def forward(x, w, wexp, idx, ct):
             m = wexp[0].astype(jnp.float32)
             blocks = (lambda *a: overlap.beside(chain, *a)) if side else (
                 lambda *a: contextlib.nullcontext(overlap.Beside(chain, a)))
@@ -534,17 +537,30 @@ def test_side_stream_gives_the_same_bits(cuda_backend, mesh):
             assert first.overlapped == side and second.overlapped == side
             return out, d.x, d.group_sizes, r1, r2
 
+        def loss(x, w, wexp, idx, ct):
+            out, _, _, r1, r2 = forward(x, w, wexp, idx, ct)
+            return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(r1) + jnp.sum(jnp.sin(r2)), out
+
+        def grads(x, w, wexp, idx, ct):
+            (value, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, wexp, idx, ct)
+            return (value[None], out) + g
+
+        body = grads if differentiated else forward
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
     args = put(mesh, x, w, wexp, idx, ct.astype(jnp.float32))
     want = to_np(make(False)(*args))
+    names = (("loss", "out", "d x", "d topk_weights", "d expert weights") if differentiated
+             else ("out", "rows", "group sizes", "chain 1", "chain 2"))
     for options in (None, GRAPH_OPTIONS["graphs"]):
         compiled = make(True).lower(*args).compile(options)
         hlo = compiled.as_text()
-        assert '"jax_ep_dispatch_side"' in hlo and '"jax_ep_combine_side"' in hlo, options
-        assert hlo.count('"jax_ep_side_join"') == 2, options
-        _assert_same_bits_thrice(compiled, args, want, mesh, f"{options}",
-                                 ("out", "rows", "group sizes", "chain 1", "chain 2"))
+        targets = ["dispatch_side", "combine_side"] + (["combine_bwd_side", "combine_side"]
+                                                       if differentiated else [])
+        for target in set(targets):
+            assert hlo.count(f'"jax_ep_{target}"') == targets.count(target), (target, options)
+        assert hlo.count('"jax_ep_side_join"') == len(targets), options
+        _assert_same_bits_thrice(compiled, args, want, mesh, f"{options}", names)
 
 
 # Expert outputs whose bf16 rounding XLA's excess precision can remove in the backward graph. Found on
