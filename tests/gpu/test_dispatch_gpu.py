@@ -458,8 +458,13 @@ def _assert_same_bits_thrice(compiled, args, want, mesh, what: str, names) -> No
     for run in range(3):
         poison_device_memory(mesh.devices.flat, 128 << 20)
         got = to_np(compiled(*args))
+        failed = []     # every output that differs, not only the first (which one says why)
         for name, g, r in zip(names, got, want, strict=True):
-            assert_bits_equal(np.asarray(g), np.asarray(r), f"{what} run {run} {name}")
+            try:
+                assert_bits_equal(np.asarray(g), np.asarray(r), f"{what} run {run} {name}")
+            except AssertionError as e:
+                failed.append(str(e))
+        assert not failed, "\n".join(failed)
 
 
 def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
@@ -506,18 +511,20 @@ def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
 
 @pytest.mark.parametrize("differentiated", [False, True])
 def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated):
-    """jax_ep.overlap.beside: dispatch on jax_ep's side stream, a matmul chain on XLA's stream between
-    the fork and the join, then combine beside another chain; differentiated, each op's backward
-    beside its chain's backward too. Every output (and gradient) bit-identical to the same program
-    without the blocks, with output memory poisoned before each run, with and without command
-    buffers; the compiled program holds the side targets and a join for each."""
+    """jax_ep.overlap.beside: dispatch on jax_ep's side stream, an elementwise chain on XLA's stream
+    between the fork and the join, then combine beside another chain; differentiated, each op's
+    backward beside its chain's backward too. Every output (and gradient; the rows up to the groups'
+    end, past it they are unspecified) bit-identical to the same program without the blocks, with
+    output memory poisoned before each run, with and without command buffers; the compiled program
+    holds the side targets and a join for each. (Elementwise: a matmul chain is autotuned per fusion,
+    and the blocks' barriers change XLA's fusions, so its bits may differ for that reason alone.)"""
     from jax_ep import overlap
 
     kw, (x, idx, w, wexp, ct) = grad_case(13, 256, 1024, 4, 16, "messy")
 
     def chain(a, m):
-        for _ in range(4):
-            a = jnp.tanh(a @ m)
+        for i in range(4):
+            a = jnp.tanh(a * m[i] + m[i + 4])
         return a
 
     def make(side):
@@ -535,7 +542,8 @@ def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated):
             r1 = first.result if side else chain(*first.args)
             r2 = second.result if side else chain(*second.args)
             assert first.overlapped == side and second.overlapped == side
-            return out, d.x, d.group_sizes, r1, r2
+            rows = jnp.where(jnp.arange(d.x.shape[0])[:, None] < jnp.sum(d.group_sizes), d.x, 0)
+            return out, rows, d.group_sizes, r1, r2
 
         def loss(x, w, wexp, idx, ct):
             out, _, _, r1, r2 = forward(x, w, wexp, idx, ct)
