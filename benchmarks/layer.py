@@ -147,6 +147,7 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # presets with a shared expert): with the exchanges on every SM, and on 24 SMs (the GEMMs on
            # XLA's stream take the others as CTAs free up) next to the same 24 SMs in series
            "jax_ep_shared_beside": dict(backend="auto", gemm="auto", shared_beside=True),
+           "ep_cuda_shared_beside": dict(backend="cuda", gemm="auto", shared_beside=True),
            "ep_cuda_sms24": dict(backend="cuda", gemm="auto", kernel=dict(num_sms=24)),
            "ep_cuda_shared_beside_sms24": dict(backend="cuda", gemm="auto", shared_beside=True,
                                                kernel=dict(num_sms=24))}
@@ -161,7 +162,7 @@ NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cac
               "jax_ep_fp8_cached_gate_in_experts", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
               "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24", "jax_ep_mb2_nocb",
               "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb",
-              "jax_ep_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24")
+              "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
