@@ -138,7 +138,11 @@ class EPOptions:
         backward beside combine's backward (the step's slowest exchange); on the decode path beside
         the dispatch's send phase (``ll_dispatch_send``). The same values and gradients. Takes effect
         where the op has a side twin (the 'cuda' backend); elsewhere the shared expert runs after the
-        block. False: the shared expert after the layer, on XLA's stream.
+        block. False (default): the shared expert after the layer, on XLA's stream. On one H200
+        (2026-12-02, DeepSeek-V3 layer with its shared expert, EP1, docs/benchmarks.md session 44) not
+        faster: the training step 25.47 ms against 25.25 with the exchanges on every SM (they hold the
+        SMs the shared expert's GEMMs wait for), 26.09 against 26.51 on 24 SMs; decode 6.11 against 6.04.
+        What it is for, combine's backward at EP2 / EP4 (0.6 / 1.2 ms), needs 2 and 4 GPUs to measure.
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked``
