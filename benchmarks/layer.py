@@ -386,7 +386,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
                     ep=moe.EPOptions(backend=options["backend"],
                                      kernel=KernelConfig(**options.get("kernel", {})),
                                      **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype",
-                                                                "gate_weights", "shared_beside") if k in options}),
+                                                                "gate_weights", "shared_beside")
+                                        if k in options}),
                     gemm=options["gemm"], param_dtype=jnp.bfloat16, shared_ffn_hidden=shared_ffn,
                     gemm_num_sms=gemm_sms - options["gemm_free_sms"] if "gemm_free_sms" in options else None,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
