@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import ops
+from jax_ep import ops, overlap
 from jax_ep.config import FP8_BLOCK, EPConfig
 from jax_ep.errors import EPValueError
 from jax_ep.types import Handle, RankMajorHandle
@@ -170,6 +170,7 @@ def _directory_slots_collide(node_axis: str, local_axis: str, backend: str, op: 
     return True
 
 
+@overlap.in_order
 def dispatch_hierarchical(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
                           node_axis: str) -> HierarchicalDispatched:
     """Two-stage dispatch over the (node_axis, cfg.axis_name) mesh (module docstring).
@@ -293,6 +294,7 @@ def _fp8_stages_bwd(node_cfg, local_cfg, residuals, ct):
 _fp8_stages.defvjp(_fp8_stages_fwd, _fp8_stages_bwd)
 
 
+@overlap.in_order
 def combine_hierarchical(y: jax.Array, handle: HierarchicalHandle, cfg: EPConfig,
                          node_axis: str) -> jax.Array:
     """y [C, H'] (the expert outputs, row for row) -> [T, H'] of y's dtype: for each token of this GPU

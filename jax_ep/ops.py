@@ -187,6 +187,7 @@ def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> types.Layout:
     return OPS["layout"].implementation(cfg, size)(topk_idx, cfg)
 
 
+@overlap.in_order
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
              rank_mask: jax.Array | None = None) -> types.Dispatched:
     """Send each token to the ranks of its top-k experts; return expert-major rows on each rank.
@@ -208,6 +209,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     return _checked_dispatch(overlap.primal(_dispatch), x, topk_idx, topk_weights, cfg, rank_mask)
 
 
+@overlap.in_order
 def dispatch_straight_through(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
                               rank_mask: jax.Array | None = None) -> tuple[types.Dispatched, jax.Array]:
     """``dispatch`` with an FP8 wire (``cfg.dispatch_dtype == "float8_e4m3fn"``), differentiable as
@@ -239,6 +241,7 @@ def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with
     return (d, rows) if with_rows else d
 
 
+@overlap.in_order
 def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None, *,
             empty_rows_zero: bool = False, weighted: bool = True) -> jax.Array:
     """For each token of this rank, the gate-weighted sum (handle.row_weights) of its expert outputs
@@ -365,6 +368,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 # ---- rank-major mode (DeepEP's contract): custom_vjp ----------------------------------------------
+@overlap.in_order
 def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
                         rank_mask: jax.Array | None = None) -> types.RankMajorDispatched:
     """Send each token once to each rank that holds any of its top-k experts; return one row per
@@ -397,6 +401,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
+@overlap.in_order
 def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,
                        rank_mask: jax.Array | None = None) -> jax.Array:
     """y [R*T, H'] (one output row per dispatched row; empty rows may hold anything, NaN included)
@@ -460,6 +465,7 @@ _combine_rank_major.defvjp(_combine_rank_major_fwd, _combine_rank_major_bwd)
 
 
 # ---- low-latency (decode) mode: forward-only ------------------------------------------------------
+@overlap.in_order
 def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EPConfig,
                 rank_mask: jax.Array | None = None) -> types.LLDispatched:
     """Low-latency dispatch (decode): each token goes to fixed slots of its experts' ranks.
@@ -487,6 +493,7 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
     return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
+@overlap.in_order
 def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
                rank_mask: jax.Array | None = None) -> jax.Array:
     """Low-latency combine (decode): y [E_local, R*T, H] bfloat16, the expert outputs slot for slot
@@ -558,6 +565,7 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
                            f"{backends.names()}: pass the pending value of the matching _send unchanged")
 
 
+@overlap.in_order
 def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                      cfg: EPConfig, rank_mask: jax.Array | None = None) -> types.LLDispatchPending:
     """First phase of ll_dispatch: issues the writes of this rank's tokens and returns at once (on
@@ -575,6 +583,7 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     return overlap.primal(_ll_dispatch_send)(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
+@overlap.in_order
 def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.LLDispatched:
     """Second phase of ll_dispatch: waits for the tokens routed to this rank's experts and returns
     ``ll_dispatch``'s result (same bits). Forward-only."""
@@ -583,6 +592,7 @@ def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.L
     return _ll_dispatch_recv(pending, cfg)
 
 
+@overlap.in_order
 def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
                     rank_mask: jax.Array | None = None) -> types.LLCombinePending:
     """First phase of ll_combine: issues the writes of the expert outputs back to their sources and
@@ -594,6 +604,7 @@ def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     return overlap.primal(_ll_combine_send)(y, handle, rank_mask, cfg)
 
 
+@overlap.in_order
 def ll_combine_recv(pending: types.LLCombinePending, cfg: EPConfig) -> jax.Array:
     """Second phase of ll_combine: waits for this rank's rows and returns ``ll_combine``'s [T, H]
     bfloat16 result (same bits). Forward-only."""

@@ -30,7 +30,8 @@ combine's combine_bwd) beside fn's backward; the same values and gradients. fn s
 exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with ``KernelConfig(num_sms=...)`` for the
 exchange): a persistent GEMM on every SM leaves it none. In one process EP calls carry no ordering
 effect, so a side call's operands are ordered after the previous EP call traced at the same level and
-the next one's after its join (``after_previous``); an EP call traced elsewhere (another jitted
+the next one's after its join (``after_previous``; a differentiated call's backward side call after its
+forward's join, whose token it keeps as a residual); an EP call traced elsewhere (another jitted
 function) must depend on the block's results. When no call takes the work (the reference backend, an
 op without a side twin, ``KernelConfig.async_stream`` set), ``fn(*args)`` runs at the block's end,
 after everything in it, and ``work.overlapped`` is False.
@@ -150,11 +151,15 @@ def _differentiated(op, work: Beside, *args):
             out, op_vjp = jax.vjp(run_op, *op_in)
         fwd_block.append(inner)
         fn_out, fn_vjp = inner.result
-        return (out, fn_out), (op_vjp, fn_vjp)
+        # the join's token: the backward's side call is ordered after it (the backward is traced
+        # elsewhere, e.g. in the transposed shard_map's body, where after_previous cannot see it)
+        return (out, fn_out), (op_vjp, fn_vjp, last_join())
 
     def bwd(res, cts):
-        op_vjp, fn_vjp = res
+        op_vjp, fn_vjp, token = res
         ct_out, ct_fn = cts
+        if token is not None:
+            record(token, side=True)
         with _block(fn_vjp, (ct_fn,)) as inner:
             op_cts = op_vjp(ct_out)
         fn_cts, fn_tree = jax.tree.flatten(inner.result)
@@ -183,32 +188,74 @@ def run_beside(work: Beside, outputs, inputs, join: Callable):
     return outputs
 
 
-# The last EP call traced: (trace, one of its results, whether it was a side call's join), weakly held
-_last: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jax_ep_last_call", default=None)
+# Per trace: the EP calls traced there since the last side call's join (the results of each), and
+# whether the entry is that join's token alone. Weakly held: a trace that ended drops out, and a call
+# none of whose results is still referenced is dropped from the program (nothing reads them), so it
+# needs no order.
+_since: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def record(outputs, side: bool = False) -> None:
-    """Note an EP call's results as the last of its trace (cuda_backend._call, every call)."""
+    """Note an EP call's results among the last of its trace (cuda_backend._call and ``in_order``, every
+    call; run_beside the join's token with ``side``, which starts a new list)."""
     leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array)]
-    if leaves:
-        _last.set((weakref.ref(core.trace_ctx.trace), weakref.ref(leaves[0]), side))
+    if not leaves:
+        return
+    trace = core.trace_ctx.trace
+    calls, joined = _since.get(trace, ((), False))
+    kept = () if side or joined else calls
+    _since[trace] = ((*kept, tuple(weakref.ref(a) for a in leaves)), side)
+
+
+def _since_join() -> tuple[list, bool]:
+    """(one live result of each call recorded at this trace since the last join, whether it is that
+    join's token)."""
+    calls, joined = _since.get(core.trace_ctx.trace, ((), False))
+    live = [next((v for v in (ref() for ref in call) if v is not None), None) for call in calls]
+    return [v for v in live if v is not None], joined
+
+
+def last_join():
+    """The token of the last side call's join if it is the last EP call traced at this level, else None."""
+    values, joined = _since_join()
+    return values[0] if joined and values else None
 
 
 def after_previous(args, side: bool):
-    """``args`` ordered after the previous EP call traced at this level, where the call or the previous
-    one is a side call. Why: in one process EP calls carry no ordering effect (jax_ep.ordering), and two
-    calls on one stream run in order whatever XLA schedules, but a side call runs beside XLA's stream:
-    scheduled before an independent EP call that precedes it in program order (or that call before its
-    join), both would use the same buffers at once. (Calls of other traces, e.g. another jitted
+    """``args`` ordered after the EP calls traced at this level since the last join, where this call is
+    a side call, or after that join, where the previous call was one. Why: in one process EP calls carry
+    no ordering effect (jax_ep.ordering) and two calls on one stream run in order whatever XLA
+    schedules, but a side call runs beside XLA's stream: a plain EP call that XLA scheduled between its
+    fork and its join would use the same buffers at once. (Calls of other traces, e.g. another jitted
     function, are not ordered here; several processes order every call through the effect.)"""
-    last = _last.get()
-    if last is None or not (side or last[2]) or last[0]() is not core.trace_ctx.trace:
+    values, joined = _since_join()
+    if not values or not (side or joined):
         return args
-    previous = last[1]()
-    if previous is None:
-        return args
-    args, _ = lax.optimization_barrier((args, previous))
+    args, _ = lax.optimization_barrier((args, values))
     return args
+
+
+def in_order(op: Callable) -> Callable:
+    """A public communicating op, ordered against side calls at its caller's trace level
+    (``after_previous``, ``record``): its kernels' custom call may be traced a level below (a
+    ``custom_vjp`` stages its primal into a jaxpr of its own), where the caller's calls are not seen."""
+
+    @functools.wraps(op)
+    def ordered(*args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+        for i, value in zip(arrays, after_previous([leaves[i] for i in arrays], side=False), strict=True):
+            leaves[i] = value
+        args, kwargs = jax.tree.unflatten(tree, leaves)
+        trace = core.trace_ctx.trace
+        before = _since.get(trace)
+        out = op(*args, **kwargs)
+        now = _since.get(trace)
+        if now is before or not now[1]:   # a side call recorded its join: that orders what follows
+            record(out)
+        return out
+
+    return ordered
 
 
 # The join's result: an int32[0] token, which only orders its readers after the join

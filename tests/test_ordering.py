@@ -263,6 +263,65 @@ def test_the_shared_expert_beside_combine_puts_combine_and_its_backward_on_the_s
                                   "combine", "slot_values")]
 
 
+def test_one_process_orders_side_calls_against_the_calls_around_them(cuda_lowering, monkeypatch):
+    """In one process EP calls carry no ordering effect, but a side call runs beside XLA's stream: the
+    layer step with the shared expert beside combine lowers each side call after every EP call before
+    it, and every EP call after its join (a plain call XLA ran meanwhile would share the buffers)."""
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    from flax import nnx
+
+    from jax_ep import moe
+    from jax_ep.gating import RouterConfig
+
+    layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
+                    ep=moe.EPOptions(backend="cuda", shared_beside=True), param_dtype=jnp.bfloat16,
+                    shared_ffn_hidden=H)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def step(params, x):
+        def loss(params, x):   # linear in the output: combine's backward needs nothing of the forward's
+            return jnp.sum(nnx.merge(graphdef, params, rest)(x, update_stats=False).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    flow = Dataflow(_lowered(step, params, _inputs()[0]))
+    names = [flow.name(c) for c in flow.calls]
+    assert names == [f"jax_ep_{op}" for op in ("dispatch", "combine_side", "side_join", "combine_bwd_side",
+                                               "side_join", "combine", "slot_values")], names
+    for i, name in enumerate(names):
+        before = flow.ancestors(flow.calls[i])
+        if name.endswith("_side"):
+            assert set(range(i)) <= before, (name, names)
+        joins = [j for j in range(i) if names[j] == "jax_ep_side_join"]
+        assert set(joins) <= before, (name, names)
+
+
+def test_one_process_orders_a_side_call_after_every_call_since_the_last_join(cuda_lowering, monkeypatch):
+    """Two independent dispatches, then combine (of the first's rows) beside other work, then a third
+    dispatch, in one process: the side call depends on both dispatches, not only on the one it reads,
+    and the third dispatch on the join."""
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    from jax_ep import overlap
+
+    cfg = _cfg()
+
+    def body(x, idx, wts):
+        d1 = jax_ep.dispatch(x, idx, wts, cfg)
+        d2 = jax_ep.dispatch(x * 2, jnp.flip(idx, axis=1), wts, cfg)
+        with overlap.beside(jnp.sin, x.astype(jnp.float32)) as work:
+            out = jax_ep.combine(d1.x, d1.handle, cfg)
+        d3 = jax_ep.dispatch(x * 3, idx, wts, cfg)
+        return out, d2.x, d3.x, work.result
+
+    x, idx, wts, _ = _inputs()
+    fn = jax.shard_map(body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+    flow = Dataflow(_lowered(fn, x, idx, wts))
+    names = [flow.name(c) for c in flow.calls]
+    assert names == [f"jax_ep_{op}" for op in ("dispatch", "dispatch", "combine_side", "side_join",
+                                               "dispatch")], names
+    assert {0, 1} <= flow.ancestors(flow.calls[2]) and 3 in flow.ancestors(flow.calls[4]), names
+    assert 0 not in flow.ancestors(flow.calls[1])   # the plain calls themselves stay unordered
+
+
 def test_the_shared_expert_beside_the_decode_dispatch_sends_on_the_side_stream(cuda_lowering):
     """EPOptions(shared_beside=True) on the decode path: ll_dispatch in its two phases, the send on the
     side stream with the shared expert beside it, then the receive after the join."""
