@@ -691,6 +691,18 @@ def test_fp8_weights_quantised_once_give_the_same_step(placement):
         bf16_layer(batches[0], update_stats=False, fp8_weights=fp8)
 
 
+def _shared_layer_step(mesh, x, seed, update_stats, **ep):
+    """(layer, output, gradients of the layer and of x) of one step of a layer with a shared expert and
+    EPOptions(**ep), on a loss that weighs each channel differently."""
+    layer = make_layer(mesh, seed=seed, ep=ep, shared_ffn_hidden=8)
+
+    def loss(model, x):
+        y = model(x, update_stats=update_stats)
+        return jnp.sum(y * jnp.cos(jnp.arange(HIDDEN, dtype=jnp.float32))), y
+    (_, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
+    return layer, y, g_model, g_x
+
+
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_token_chunks_give_the_unchunked_layer(chunks):
     """EPOptions(chunks=N): each rank's tokens dispatched, computed and combined in N chunks (so one
@@ -701,12 +713,7 @@ def test_token_chunks_give_the_unchunked_layer(chunks):
     x = random_tokens(31, batch=8, seq=8)     # 16 tokens per rank
 
     def run(**ep):
-        layer = make_layer(mesh, seed=5, ep=ep, shared_ffn_hidden=8)
-
-        def loss(model, x):
-            y = model(x, update_stats=True)
-            return jnp.sum(y * jnp.cos(jnp.arange(HIDDEN, dtype=jnp.float32))), y
-        (_, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
+        layer, y, g_model, g_x = _shared_layer_step(mesh, x, 5, True, **ep)
         return y, g_model, g_x, layer.last_load[...]
 
     (y1, g1, gx1, load1), (yn, gn, gxn, loadn) = run(), run(chunks=chunks)
@@ -735,12 +742,7 @@ def test_shared_expert_beside_an_exchange_gives_the_same_step_and_decode(axes):
     x = random_tokens(37, batch=8, seq=8)
 
     def run(**ep):
-        layer = make_layer(mesh, seed=6, ep=ep, shared_ffn_hidden=8)
-
-        def loss(model, x):
-            y = model(x, update_stats=False)
-            return jnp.sum(y * jnp.cos(jnp.arange(HIDDEN, dtype=jnp.float32))), y
-        (_, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
+        layer, y, g_model, g_x = _shared_layer_step(mesh, x, 6, False, **ep)
         return y, g_model, g_x, nnx.jit(lambda m, x: m(x, decode=True))(layer, x)
 
     (y1, g1, gx1, dec1), (y2, g2, gx2, dec2) = run(), run(shared_beside=True)
