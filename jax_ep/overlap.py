@@ -199,11 +199,11 @@ def record(outputs, side: bool = False) -> None:
     """Note an EP call's results among the last of its trace (cuda_backend._call and ``in_order``, every
     call; run_beside the join's token with ``side``, which starts a new list)."""
     leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array)]
-    if not leaves:
-        return
     trace = core.trace_ctx.trace
+    if not leaves or isinstance(trace, core.EvalTrace):   # run eagerly: each call in program order
+        return
     calls, joined = _since.get(trace, ((), False))
-    kept = () if side or joined else calls
+    kept = () if side or joined else tuple(c for c in calls if any(ref() is not None for ref in c))
     _since[trace] = ((*kept, tuple(weakref.ref(a) for a in leaves)), side)
 
 

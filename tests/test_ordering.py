@@ -322,6 +322,27 @@ def test_one_process_orders_a_side_call_after_every_call_since_the_last_join(cud
     assert 0 not in flow.ancestors(flow.calls[1])   # the plain calls themselves stay unordered
 
 
+def test_a_call_whose_results_are_dropped_leaves_the_list():
+    """A call none of whose results is referenced any more is dropped from its trace's list at the next
+    record (it is dropped from the program too: no order needed), so the list of a long program does not
+    grow with such calls."""
+    from jax_ep import overlap
+
+    cfg = EPConfig(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+    x, idx, wts, _ = _inputs()
+    lengths = []
+
+    def body(x, idx, wts):
+        kept = jax_ep.dispatch(x, idx, wts, cfg)
+        for _ in range(4):
+            jax_ep.dispatch(x, idx, wts, cfg)       # results dropped at once
+            lengths.append(len(overlap._since[jax._src.core.trace_ctx.trace][0]))
+        return kept.x
+
+    jax.make_jaxpr(jax.shard_map(body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep")))(x, idx, wts)
+    assert lengths == [2, 2, 2, 2], lengths
+
+
 def test_the_shared_expert_beside_the_decode_dispatch_sends_on_the_side_stream(cuda_lowering):
     """EPOptions(shared_beside=True) on the decode path: ll_dispatch in its two phases, the send on the
     side stream with the shared expert beside it, then the receive after the join."""
