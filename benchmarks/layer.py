@@ -358,6 +358,13 @@ def hidden_ep_ms(split: dict[str, float], device_step_ms: float) -> float:
     return round(min(ep, max(0.0, sum(split.values()) - device_step_ms)), 3)
 
 
+def ep_options(options: dict) -> moe.EPOptions:
+    """The layer's EPOptions of a config (CONFIGS), for the training step and the decode step alike."""
+    return moe.EPOptions(backend=options["backend"], kernel=KernelConfig(**options.get("kernel", {})),
+                         **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype", "gate_weights",
+                                                    "shared_beside") if k in options})
+
+
 def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     """The layer a config benchmarks on the devices of `mesh` (bfloat16 parameters, seed 0; a dense
     shared expert of `shared_ffn` when not 0) and its
@@ -383,12 +390,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
         layout = dict(mesh=Mesh(np.array(mesh.devices).reshape(nodes, ep // nodes), ("node", "local")),
                       axis_name="local", node_axis="node")
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
-                    ep=moe.EPOptions(backend=options["backend"],
-                                     kernel=KernelConfig(**options.get("kernel", {})),
-                                     **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype",
-                                                                "gate_weights", "shared_beside")
-                                        if k in options}),
-                    gemm=options["gemm"], param_dtype=jnp.bfloat16, shared_ffn_hidden=shared_ffn,
+                    ep=ep_options(options), gemm=options["gemm"], param_dtype=jnp.bfloat16,
+                    shared_ffn_hidden=shared_ffn,
                     gemm_num_sms=gemm_sms - options["gemm_free_sms"] if "gemm_free_sms" in options else None,
                     **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
                        if k in options})
@@ -484,11 +487,8 @@ def decode_step(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     fp8 = bool(options.get("fp8_cached"))
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), mesh=mesh,
                     gemm_dtype=options.get("gemm_dtype") if fp8 else None,
-                    ep=moe.EPOptions(backend=options["backend"],
-                                     kernel=KernelConfig(**options.get("kernel", {})),
-                                     dispatch_dtype=options.get("dispatch_dtype"),
-                                     shared_beside=options.get("shared_beside", False)),
-                    gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True, shared_ffn_hidden=shared_ffn)
+                    ep=ep_options(options), gemm=options["gemm"], param_dtype=jnp.bfloat16, decode=True,
+                    shared_ffn_hidden=shared_ffn)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ep * tokens, hidden), jnp.bfloat16),
                        NamedSharding(mesh, P("ep")))
     quantized = nnx.jit(lambda m: m.quantize_weights())(layer) if fp8 else None

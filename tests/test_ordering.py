@@ -226,17 +226,25 @@ def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program
     assert_one_chain(_grad_program(PROGRAMS[program](_cfg())), *_inputs(), what=program)
 
 
-def _layer_step_calls(kernel, shared_beside: bool = False) -> list[str]:
-    """The EP calls of the MoE layer's training step (one chain in program order: assert_one_chain);
-    shared_beside: with a shared expert beside the last combine (EPOptions.shared_beside)."""
+def _cuda_layer(shared_beside: bool = False, kernel: KernelConfig | None = None):
+    """A small bf16 MoE layer on the 'cuda' backend over _mesh() (a shared expert with shared_beside)."""
     from flax import nnx
 
     from jax_ep import moe
     from jax_ep.gating import RouterConfig
 
-    layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
-                    ep=moe.EPOptions(backend="cuda", kernel=kernel, shared_beside=shared_beside),
-                    param_dtype=jnp.bfloat16, shared_ffn_hidden=H if shared_beside else 0)
+    return moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
+                   ep=moe.EPOptions(backend="cuda", kernel=kernel or KernelConfig(),
+                                    shared_beside=shared_beside),
+                   param_dtype=jnp.bfloat16, shared_ffn_hidden=H if shared_beside else 0)
+
+
+def _layer_step_calls(kernel, shared_beside: bool = False) -> list[str]:
+    """The EP calls of the MoE layer's training step (one chain in program order: assert_one_chain);
+    shared_beside: with a shared expert beside the last combine (EPOptions.shared_beside)."""
+    from flax import nnx
+
+    layer = _cuda_layer(shared_beside, kernel)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def step(params, x):
@@ -270,12 +278,7 @@ def test_one_process_orders_side_calls_against_the_calls_around_them(cuda_loweri
     monkeypatch.setattr(ordering, "needed", _NEEDED)
     from flax import nnx
 
-    from jax_ep import moe
-    from jax_ep.gating import RouterConfig
-
-    layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
-                    ep=moe.EPOptions(backend="cuda", shared_beside=True), param_dtype=jnp.bfloat16,
-                    shared_ffn_hidden=H)
+    layer = _cuda_layer(shared_beside=True)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def step(params, x):
@@ -348,12 +351,7 @@ def test_the_shared_expert_beside_the_decode_dispatch_sends_on_the_side_stream(c
     side stream with the shared expert beside it, then the receive after the join."""
     from flax import nnx
 
-    from jax_ep import moe
-    from jax_ep.gating import RouterConfig
-
-    layer = moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
-                    ep=moe.EPOptions(backend="cuda", shared_beside=True), param_dtype=jnp.bfloat16,
-                    shared_ffn_hidden=H)
+    layer = _cuda_layer(shared_beside=True)
     graphdef, state = nnx.split(layer)
     step = lambda state, x: nnx.merge(graphdef, state)(x, decode=True)   # noqa: E731
     flow = Dataflow(_lowered(step, state, _inputs()[0]))

@@ -38,8 +38,6 @@ struct FaultInfo {
   std::string message;
 };
 
-// A rank masked on a device (SyncCounters::rank_masks): which EP group, which rank, and the call
-// that masked it (shrink mode).
 // jax_ep's side stream of a device (jax_ep.overlap): non-blocking, of the highest priority, made with
 // the device's state and, like it, never freed. An op's "_side" target records `fork` on XLA's stream
 // and makes `stream` wait for it; jax_ep_side_join records `join` on `stream` and makes XLA's wait.
@@ -49,6 +47,8 @@ struct SideStream {
   cudaEvent_t join = nullptr;
 };
 
+// A rank masked on a device (SyncCounters::rank_masks): which EP group, which rank, and the call
+// that masked it (shrink mode).
 struct RankMaskInfo {
   int device_ordinal;
   int axis_slot;
