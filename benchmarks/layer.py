@@ -150,7 +150,17 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_shared_beside": dict(backend="cuda", gemm="auto", shared_beside=True),
            "ep_cuda_sms24": dict(backend="cuda", gemm="auto", kernel=dict(num_sms=24)),
            "ep_cuda_shared_beside_sms24": dict(backend="cuda", gemm="auto", shared_beside=True,
-                                               kernel=dict(num_sms=24))}
+                                               kernel=dict(num_sms=24)),
+           # dispatch's backward beside the gate|up GEMM's weight gradient on jax_ep's side stream
+           # (EPOptions.weight_grad_beside): the side call on every SM, and on 24 (KernelConfig.side_num_sms:
+           # the exchanges in series keep every SM); with the shared expert beside combine too
+           "ep_cuda_wgrad_beside": dict(backend="cuda", gemm="auto", weight_grad_beside=True),
+           "ep_cuda_wgrad_beside_side24": dict(backend="cuda", gemm="auto", weight_grad_beside=True,
+                                               kernel=dict(side_num_sms=24)),
+           "ep_cuda_both_beside_side24": dict(backend="cuda", gemm="auto", weight_grad_beside=True,
+                                              shared_beside=True, kernel=dict(side_num_sms=24)),
+           "jax_ep_wgrad_beside_side24": dict(backend="auto", gemm="auto", weight_grad_beside=True,
+                                              kernel=dict(side_num_sms=24))}
 # ... and the step compiled without XLA's command buffers (an async region inside one runs in series,
 # openxla/xla#48900): the forms that can overlap there, and the serial baseline timed the same way
 for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
@@ -162,7 +172,9 @@ NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cac
               "jax_ep_fp8_cached_gate_in_experts", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
               "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24", "jax_ep_mb2_nocb",
               "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb",
-              "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24")
+              "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24",
+              "ep_cuda_wgrad_beside", "ep_cuda_wgrad_beside_side24", "ep_cuda_both_beside_side24",
+              "jax_ep_wgrad_beside_side24")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
@@ -362,7 +374,7 @@ def ep_options(options: dict) -> moe.EPOptions:
     """The layer's EPOptions of a config (CONFIGS), for the training step and the decode step alike."""
     return moe.EPOptions(backend=options["backend"], kernel=KernelConfig(**options.get("kernel", {})),
                          **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype", "gate_weights",
-                                                    "shared_beside") if k in options})
+                                                    "shared_beside", "weight_grad_beside") if k in options})
 
 
 def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):

@@ -89,7 +89,8 @@ def check_kernel(owner: str, value) -> None:
 TRANSPORTS = ("auto", "load_store", "put")
 
 # The kind of each field (check_option); EPConfig.kernel must be a KernelConfig (check_kernel).
-KERNEL_CONFIG_KINDS = {"num_sms": "int?", "dispatch_send_warps": "int", "combine_send_warps": "int",
+KERNEL_CONFIG_KINDS = {"num_sms": "int?", "side_num_sms": "int?", "dispatch_send_warps": "int",
+                       "combine_send_warps": "int",
                        "broadcast_send_warps": "int", "bulk_copy": "bool", "async_stream": "int?",
                        "transport": TRANSPORTS}
 EP_CONFIG_KINDS = {"num_experts": "int", "num_topk": "int", "hidden": "int", "max_tokens_per_rank": "int",
@@ -107,6 +108,9 @@ class KernelConfig:
         XLA runs the ops on its compute stream, serialised with the model's kernels, so SMs held back
         help only work that overlaps the op; measured on 2x H200, 24 SMs make dispatch and combine
         about 1.5x slower than all of them (docs/benchmarks.md).
+      side_num_sms: blocks of a data kernel that runs on jax_ep's side stream (``jax_ep.overlap``:
+        beside other work, which gets the remaining SMs); None (default): ``num_sms``. So an exchange
+        in series keeps every SM while one beside a GEMM takes few.
       dispatch_send_warps: warps of a dispatch block (of 16) that send; the others receive.
       combine_send_warps: warps of a combine block (of 16) that reduce and send; the others receive.
       broadcast_send_warps: warps of a broadcast block (of 16) that send; the others receive. Also
@@ -144,6 +148,7 @@ class KernelConfig:
     """
 
     num_sms: int | None = None
+    side_num_sms: int | None = None
     dispatch_send_warps: int = 6
     combine_send_warps: int = 8
     broadcast_send_warps: int = 6

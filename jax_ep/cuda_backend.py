@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import compute_on as _compute_on
 
 from jax_ep import ordering, overlap, routing, runtime, types
-from jax_ep.config import EPConfig
+from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.vma import vary_also, vary_like, vary_over, varying_axes
 
@@ -333,8 +333,8 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
         _warn_shard_autotuning()
     rank_major = op in _RANK_MAJOR_OPS
     transport = _transport(op, cfg)
+    data_kernel = _data_kernel(op)
     op = _KERNEL_OF.get(op, op)
-    data_kernel = op != "slot_values"
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU
     num_sms = kernel.num_sms if kernel.num_sms is not None else ALL_SMS
     values = dict(num_ranks=ep_size, num_tokens=num_tokens,
@@ -351,11 +351,20 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     return {name: np.int64(value) for name, value in values.items()}
 
 
-def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | None = None, **attrs):
-    """The op's custom call. ``stream`` (``KernelConfig.async_stream``): run it on that XLA execution
-    stream as an async op (``compute_on("gpu_stream:N")``), which XLA's scheduler overlaps with
-    independent work on the compute stream; None: on the compute stream, in program order.
+def _data_kernel(op: str) -> bool:
+    """Whether the op's kernels take KernelConfig.num_sms blocks (slot_values runs one)."""
+    return _KERNEL_OF.get(op, op) != "slot_values"
+
+
+def _call(op: str, out_types, *args, kernel: KernelConfig | None = None, aliases: dict | None = None,
+          **attrs):
+    """The op's custom call. ``kernel`` (None: the defaults): its ``async_stream`` runs the call on that
+    XLA execution stream as an async op (``compute_on("gpu_stream:N")``), which XLA's scheduler overlaps
+    with independent work on the compute stream; None: on the compute stream, in program order. Inside
+    ``jax_ep.overlap``'s block, on jax_ep's side stream on ``side_num_sms`` SMs.
     ``aliases``: ffi_call's input_output_aliases {operand: result} (one buffer for both)."""
+    kernel = kernel or KernelConfig()
+    stream = kernel.async_stream
     # What the call site will reserve when instantiated (xla_ffi/: handler_util.h DataOpInstantiate,
     # low_latency.cc LLInstantiate), grown now where growing is collective (process model 2).
     sizes = [int(attrs[k]) for k in ("num_ranks", "num_tokens", "num_topk", "num_experts")]
@@ -377,6 +386,8 @@ def _call(op: str, out_types, *args, stream: int | None = None, aliases: dict | 
     work = overlap.claim() if stream is None and runtime.has_variant(op, "side") else None
     args = overlap.after_previous(args, side=work is not None)
     if work is not None:  # inside jax_ep.overlap.beside: on jax_ep's side stream, beside work.fn
+        if kernel.side_num_sms is not None and _data_kernel(op):
+            attrs = {**attrs, "num_sms": np.int64(kernel.side_num_sms)}
         name = runtime.target(op, "side")
         call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
         outputs = ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
@@ -424,7 +435,7 @@ def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax
     rank, group, axis_slot = _group_of(axis)
     outputs = _call(op, (rows, scales if fp8 else jax.ShapeDtypeStruct((0,), jnp.float32), *rest),
                     x, topk_idx, topk_weights, _mask_operand(rank_mask, ep_size), rank, group,
-                    stream=cfg.kernel.async_stream,
+                    kernel=cfg.kernel,
                     **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
                              row_bytes=hidden * rows.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
@@ -454,7 +465,7 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
     result = _call("combine", out, y, handle.row_weights, handle.token_rows, handle.is_token_in_rank,
-                   _mask_operand(rank_mask, ep_size), rank, group, stream=cfg.kernel.async_stream,
+                   _mask_operand(rank_mask, ep_size), rank, group, kernel=cfg.kernel,
                    **_attrs("combine", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * y.dtype.itemsize))
     return _vary_all(result, axis, y, *handle)
@@ -473,7 +484,7 @@ def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.
     # (no rows to keep: a [0, H] operand, which the handler reads as "zero the rows with no token")
     kept = jnp.zeros((0, hidden), g.dtype) if into is None else into
     result = _call("broadcast", out, g, handle.token_rows, handle.is_token_in_rank, handle.src_index,
-                   kept, _mask_operand(rank_mask, ep_size), rank, group, stream=cfg.kernel.async_stream,
+                   kept, _mask_operand(rank_mask, ep_size), rank, group, kernel=cfg.kernel,
                    aliases=None if into is None else {4: 0},
                    **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0]))
@@ -497,7 +508,7 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: types.Handle, cfg: EPConfig,
     dy, d_row_weights = _call(
         "combine_bwd", (dy_type, drw_type), g.astype(y.dtype), y, handle.row_weights, handle.token_rows,
         handle.is_token_in_rank, handle.src_index, _mask_operand(rank_mask, ep_size), rank, group,
-        stream=cfg.kernel.async_stream, aliases={1: 0} if empty_rows_from_y else None,
+        kernel=cfg.kernel, aliases={1: 0} if empty_rows_from_y else None,
         **_attrs("combine_bwd", cfg, ep_size, axis_slot, tokens, hidden, row_bytes=hidden * y.dtype.itemsize,
                  capacity=y.shape[0]))
     return _vary_all((dy, d_row_weights), axis, g, y, *handle)
@@ -513,7 +524,7 @@ def slot_values(values: jax.Array, handle: types.Handle, cfg: EPConfig,
     rank, group, axis_slot = _group_of(axis)
     result = _call("slot_values", out, values.astype(jnp.float32), handle.token_rows,
                    _mask_operand(rank_mask, ep_size), rank, group,
-                   stream=cfg.kernel.async_stream,
+                   kernel=cfg.kernel,
                    **_attrs("slot_values", cfg, ep_size, axis_slot, out.shape[0]))
     return _vary_all(result, axis, values, handle.token_rows)
 
@@ -562,7 +573,7 @@ def _rank_major_rows(op: str, rows: jax.Array, handle: types.RankMajorHandle, cf
     rank, group, axis_slot = _group_of(axis)
     result, _ = _call(op, (out, _slot_rows_type(handle)), rows, handle.src_index,
                       handle.is_token_in_rank, _mask_operand(rank_mask, ep_size), rank, group,
-                      stream=cfg.kernel.async_stream,
+                      kernel=cfg.kernel,
                       **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
                                row_bytes=hidden * rows.dtype.itemsize,
                                capacity=0 if combining else out.shape[0], num_topk=1))
@@ -663,7 +674,7 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     # it also writes the handle's slots as its ranks keep them (the receive drops those of a rank
     # masked in between)
     outputs = _call("ll_dispatch_send", (_LL_TOKEN, *_ll_slot_types(out)), x, topk_idx, weights, mask,
-                    rank, group, stream=cfg.kernel.async_stream,
+                    rank, group, kernel=cfg.kernel,
                     **_ll_dispatch_attrs(cfg, ep_size, axis_slot, tokens, cfg.wire_dtype(x.dtype)))
     token, sent_weights, sent_dest, sent_dropped = _vary_all(outputs, axis, x, topk_idx, weights, mask)
     return types.LLDispatchPending(token, sent_weights, sent_dest, sent_dropped)
@@ -696,7 +707,7 @@ def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     rank, group, axis_slot = _group_of(axis)
     mask = _ll_mask_operand(rank_mask, ep_size)
     token = _call("ll_combine_send", _LL_TOKEN, y, handle.src_slot, mask, rank, group,
-                  stream=cfg.kernel.async_stream,
+                  kernel=cfg.kernel,
                   **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
                            row_bytes=hidden * 2, num_experts=cfg.num_experts))
     # the receive reads this rank's own rows from y (they are not copied): y travels with the call

@@ -85,7 +85,8 @@ SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_ex
 EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
                                                                  "checked")},
                     "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool",
-                    "gate_weights": ("combine", "experts"), "shared_beside": "bool"}
+                    "gate_weights": ("combine", "experts"), "shared_beside": "bool",
+                    "weight_grad_beside": "bool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +144,12 @@ class EPOptions:
         faster: the training step 25.47 ms against 25.25 with the exchanges on every SM (they hold the
         SMs the shared expert's GEMMs wait for), 26.09 against 26.51 on 24 SMs; decode 6.11 against 6.04.
         What it is for, combine's backward at EP2 / EP4 (0.6 / 1.2 ms), needs 2 and 4 GPUs to measure.
+      weight_grad_beside: the throughput path's backward runs dispatch's backward (a combine of the rows'
+        gradient) on jax_ep's side stream beside the gate|up GEMM's weight gradient, which nothing of it
+        needs (``jax_ep.overlap.chain``: dispatch and the gate|up GEMM as one custom_vjp whose backward
+        takes the GEMM's input gradient first). The same values and gradients. Takes effect where
+        dispatch's backward has a side twin (the 'cuda' backend); elsewhere it runs after the weight
+        gradient. False (default): XLA orders the two on its stream.
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked``
@@ -159,6 +166,7 @@ class EPOptions:
     dy_in_place: bool = True
     gate_weights: str = "combine"
     shared_beside: bool = False
+    weight_grad_beside: bool = False
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)
@@ -755,30 +763,47 @@ class MoE(nnx.Module):
                             chunks: int, fp8_weights: ExpertFP8Weights | None = None, shared=None):
         """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
         chunk i+1 dispatched before chunk i's experts run. shared: (tokens, weights) of the shared expert,
-        run beside the last combine (EPOptions.shared_beside). Returns (out, rows per local expert,
+        run beside the last combine (EPOptions.shared_beside). With EPOptions.weight_grad_beside each chunk's
+        dispatch and gate|up GEMM are one ``overlap.chain``: dispatch's backward beside the GEMM's weight
+        gradient. Returns (out, rows per local expert,
         pairs dropped, the shared expert's output or None)."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
         in_experts = self.ep.gate_weights == "experts"
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
                     else _HierarchicalExchange(cfg, self.node_axis))
+        gemms = _ExpertGEMMs(self.gemm, self.gemm_dtype, self.fp8_weight_grad, self.gemm_num_sms)
+        gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
+        w_gate_up, w_down = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
 
-        def send(t):
+        def dispatch(*args):
             with jax.named_scope(SCOPES["dispatch"]):
-                return exchange.dispatch(x_[t], idx_[t], wts_[t])
+                return exchange.dispatch(*args)
 
-        def experts_and_back(sent, last):
+        def gate_up(sent, w, quantized):
             d, rows = sent
             with jax.named_scope(SCOPES["experts"]):
                 # an FP8 wire's rows go into the FP8 gate|up GEMM as they came; `rows` (dequantised)
                 # carries their gradient, and is dropped by XLA where nothing else reads it
                 scales = getattr(d, "scales", None)
                 rows_fp8 = None if scales is None or self.gemm_dtype is None else (d.x, scales)
-                y = expert_block(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
-                                 d.group_sizes, gemm=self.gemm, gemm_dtype=self.gemm_dtype,
-                                 fp8_weights=fp8_weights, fp8_weight_grad=self.fp8_weight_grad,
-                                 swiglu_backend=self.swiglu_backend, rows_fp8=rows_fp8,
-                                 row_weights=d.handle.row_weights if in_experts else None,
-                                 gemm_num_sms=self.gemm_num_sms)
+                gemms.check(fp8_weights, rows_fp8)
+                return gemms.matmul(rows, w, d.group_sizes, quantized, rows_fp8)
+
+        def send(t):
+            """Chunk t dispatched: (dispatch's result, its gate|up GEMM's where run with it, else None)."""
+            args = (x_[t], idx_[t], wts_[t])
+            if self.ep.weight_grad_beside:   # dispatch's backward beside the GEMM's weight gradient
+                return overlap.chain(dispatch, args, gate_up, (w_gate_up, gate_up_q))
+            return dispatch(*args), None
+
+        def experts_and_back(sent, last):
+            received, h = sent
+            d = received[0]
+            if h is None:
+                h = gate_up(received, w_gate_up, gate_up_q)
+            with jax.named_scope(SCOPES["experts"]):
+                y = gemms.down(h, w_down, d.group_sizes, down_q, self.swiglu_backend,
+                               d.handle.row_weights if in_experts else None)
             with jax.named_scope(SCOPES["combine"]):
                 if not (last and shared):
                     return exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts), None
@@ -792,8 +817,8 @@ class MoE(nnx.Module):
                 sent.append(send(t + 1))
             outs.append(experts_and_back(sent[t], t + 1 == chunks))
         out = jnp.concatenate([o for o, _ in outs])   # (one operand: XLA drops the concatenate)
-        expert_counts = sum(d.expert_counts for d, _ in sent)
-        num_dropped = sum(d.num_dropped for d, _ in sent)
+        expert_counts = sum(d.expert_counts for (d, _), _ in sent)
+        num_dropped = sum(d.num_dropped for (d, _), _ in sent)
         return out, expert_counts, num_dropped, outs[-1][1]
 
     def _fp8_wire_by_default(self, decode: bool) -> bool:
@@ -914,26 +939,47 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     by it before the down GEMM, so that the output rows come gate-weighted (``EPOptions.gate_weights``;
     zero in the alignment padding, whose weight is 0). ``gemm_num_sms``: the SMs the GEMM kernels take
     (``MoE``'s)."""
-    if rows_fp8 is not None and gemm_dtype is None:
-        raise EPValueError("expert_block: rows_fp8 needs gemm_dtype='float8_e4m3fn'")
-    # "auto" takes the SwiGLU kernels with the FP8 GEMMs too (the same bf16 buffers as with the bf16
-    # ones): the rows they leave unwritten (past the live rows' blocks) reach no sum there either: the
-    # Hopper FP8 kernels and their live-row quantiser never read them, XLA's quantisation is row by row,
-    # quantize_rows_t masks them, and the weight gradients skip rows past the groups
-    activate = functools.partial(swiglu, live_rows=jnp.sum(group_sizes), backend=swiglu_backend,
-                                 row_scale=row_weights)
-    if gemm_dtype is None:
-        if fp8_weights is not None or fp8_weight_grad:
+    gemms = _ExpertGEMMs(gemm, gemm_dtype, fp8_weight_grad, gemm_num_sms)
+    gemms.check(fp8_weights, rows_fp8)
+    gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
+    gate_up = gemms.matmul(rows, w_gate_up, group_sizes, gate_up_q, rows_fp8)
+    return gemms.down(gate_up, w_down, group_sizes, down_q, swiglu_backend, row_weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertGEMMs:
+    """expert_block's two grouped GEMMs (its arguments of these names; num_sms: gemm_num_sms), apart:
+    the layer runs the gate|up GEMM together with dispatch where its weight gradient goes beside
+    dispatch's backward (EPOptions.weight_grad_beside)."""
+
+    gemm: str = "auto"
+    gemm_dtype: str | None = None
+    fp8_weight_grad: bool = False
+    num_sms: int | None = None
+
+    def check(self, fp8_weights, rows_fp8) -> None:
+        if rows_fp8 is not None and self.gemm_dtype is None:
+            raise EPValueError("expert_block: rows_fp8 needs gemm_dtype='float8_e4m3fn'")
+        if self.gemm_dtype is None and (fp8_weights is not None or self.fp8_weight_grad):
             raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "
                                "gemm_dtype='float8_e4m3fn'")
-        matmul = functools.partial(grouped_matmul, backend=gemm, num_sms=gemm_num_sms)
-        h = activate(matmul(rows, w_gate_up, group_sizes, zero_tail=False))
-        return matmul(h, w_down, group_sizes, zero_tail=False)
-    gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
-    matmul = functools.partial(fp8_grouped_matmul, gemm=gemm, num_sms=gemm_num_sms,
-                               weight_grad="fp8" if fp8_weight_grad else "bf16")
-    gate_up = matmul(rows, w_gate_up, group_sizes, quantized=gate_up_q, x_fp8=rows_fp8, zero_tail=False)
-    return matmul(activate(gate_up), w_down, group_sizes, quantized=down_q, zero_tail=False)
+
+    def matmul(self, x, w, group_sizes, quantized=None, x_fp8=None):
+        """One grouped GEMM of the block (rows past the groups left unwritten: zero_tail=False)."""
+        if self.gemm_dtype is None:
+            return grouped_matmul(x, w, group_sizes, backend=self.gemm, num_sms=self.num_sms, zero_tail=False)
+        return fp8_grouped_matmul(x, w, group_sizes, gemm=self.gemm, num_sms=self.num_sms,
+                                  weight_grad="fp8" if self.fp8_weight_grad else "bf16", quantized=quantized,
+                                  x_fp8=x_fp8, zero_tail=False)
+
+    def down(self, gate_up, w_down, group_sizes, quantized, swiglu_backend, row_weights):
+        """SwiGLU and the down GEMM, from the gate|up GEMM's output."""
+        # "auto" takes the SwiGLU kernels with the FP8 GEMMs too (the same bf16 buffers as with the bf16
+        # ones): the rows they leave unwritten (past the live rows' blocks) reach no sum there either: the
+        # Hopper FP8 kernels and their live-row quantiser never read them, XLA's quantisation is row by
+        # row, quantize_rows_t masks them, and the weight gradients skip rows past the groups
+        h = swiglu(gate_up, live_rows=jnp.sum(group_sizes), backend=swiglu_backend, row_scale=row_weights)
+        return self.matmul(h, w_down, group_sizes, quantized)
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

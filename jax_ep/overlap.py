@@ -172,6 +172,47 @@ def _differentiated(op, work: Beside, *args):
     return out
 
 
+def chain(op: Callable, op_args: tuple, fn: Callable, fn_args: tuple):
+    """``out = op(*op_args)``, then ``fn(out, *fn_args)``; returns (out, fn's result). Differentiated,
+    the backward takes fn's gradient in ``out`` first, then runs op's backward (e.g. dispatch's, a
+    combine) on jax_ep's side stream beside the rest of fn's backward: the gradients of ``fn_args``
+    (e.g. the gate|up GEMM's weight gradient, which nothing of op's backward needs). The forward runs
+    in series (fn needs op's result). Same values and gradients as ``fn(op(*op_args), *fn_args)``.
+    op_args and fn_args: pytrees whose arrays are all the arrays op and fn read (a custom_vjp takes
+    them as its operands). fn's backward is traced twice, once for each part; XLA drops the dead half of
+    each (the weight gradient from the first, the input gradient from the second)."""
+    fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(fn_args)]
+
+    @jax.custom_vjp
+    def both(op_in, fn_in):
+        out = op(*op_in)
+        return out, fn(out, *fn_in)
+
+    def fwd(op_in, fn_in):
+        out, op_vjp = jax.vjp(op, *op_in)
+        result, fn_vjp = jax.vjp(fn, out, *fn_in)
+        return (out, result), (op_vjp, fn_vjp)
+
+    def bwd(res, cts):
+        op_vjp, fn_vjp = res
+        ct_out, ct_result = cts
+        ct_out = jax.tree.map(_add_cotangents, ct_out, fn_vjp(ct_result)[0])
+        with _block(lambda ct: fn_vjp(ct)[1:], (ct_result,)) as inner:
+            op_cts = op_vjp(ct_out)
+        fn_cts, fn_tree = jax.tree.flatten(inner.result)
+        # (summed over the axes the side call's barrier added, as in _differentiated)
+        fn_cts = [vma.sum_to(ct, axes) for ct, axes in zip(fn_cts, fn_axes, strict=True)]
+        return tuple(op_cts), tuple(jax.tree.unflatten(fn_tree, fn_cts))
+
+    both.defvjp(fwd, bwd)
+    return both(tuple(op_args), tuple(fn_args))
+
+
+def _add_cotangents(a, b):
+    """The sum of two cotangents of one value (an integer value's, float0, is nothing to sum)."""
+    return a if a.dtype == jax.dtypes.float0 else a + b.astype(a.dtype)
+
+
 def run_beside(work: Beside, outputs, inputs, join: Callable):
     """After a side call: ``work.fn`` ordered after it, then ``join(*buffers)`` (the jax_ep_side_join
     custom call, returning a token), then the call's outputs and fn's result ordered after the join.

@@ -756,6 +756,39 @@ def test_shared_expert_beside_an_exchange_gives_the_same_step_and_decode(axes):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("form", ["bf16", "fp8_wire_cached", "fp8_gate_weights_in_experts"])
+def test_dispatch_backward_beside_the_weight_gradient_gives_the_same_step(form):
+    """EPOptions(weight_grad_beside=True): dispatch and the gate|up GEMM as one overlap.chain (dispatch's
+    backward beside the GEMM's weight gradient where the backend has a side stream; after it here) give
+    the bits of the step without it: loss, output and every gradient (experts, router, tokens), with
+    bf16 GEMMs, the FP8 wire into FP8 GEMMs from cached weights, and the gate weights in the experts."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    hidden, ffn = 128, 256
+    x = jnp.asarray(np.random.default_rng(23).standard_normal((8, 4, hidden)), jnp.bfloat16)
+    fp8 = form != "bf16"
+    ep = dict(dispatch_dtype="float8_e4m3fn") if form == "fp8_wire_cached" else {}
+    if form == "fp8_gate_weights_in_experts":
+        ep["gate_weights"] = "experts"
+
+    def run(**more):
+        model = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(5), mesh=mesh,
+                    ep=EPOptions(backend="reference", **ep, **more), dtype="bfloat16",
+                    gemm_dtype="float8_e4m3fn" if fp8 else None)
+        cached = nnx.jit(lambda m: m.quantize_weights())(model) if form == "fp8_wire_cached" else None
+
+        def loss(model, x):
+            y = model(x, update_stats=False, fp8_weights=cached)
+            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
+        (value, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+        return [np.asarray(a, np.float32) for a in (value, y, g_model.w_gate_up[...], g_model.w_down[...],
+                                                    g_model.router[...], g_x)]
+
+    names = ("loss", "out", "d w_gate_up", "d w_down", "d router", "d x")
+    for name, a, b in zip(names, run(weight_grad_beside=True), run(), strict=True):
+        assert np.isfinite(b).all() and np.abs(b).max() > 0, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"])
 def test_gemm_num_sms_reaches_every_expert_gemm_and_changes_no_result(monkeypatch, gemm_dtype):
     """MoE(gemm_num_sms=N) hands N to both expert GEMMs of the training step and of the decode path (the

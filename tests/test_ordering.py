@@ -12,6 +12,8 @@ while processes 0-2 ran slot_values.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,7 +156,14 @@ class Dataflow:
 
     def value_ancestors(self, values) -> set[int]:
         """Indices (in self.calls) of the EP calls that any of `values` depends on."""
-        found, seen = set(), set()
+        return self._upstream(values)[0]
+
+    def upstream_ops(self, values) -> list:
+        """Every op that any of `values` depends on (their own ops included)."""
+        return self._upstream(values)[1]
+
+    def _upstream(self, values):
+        found, seen, ops = set(), set(), []
         stack = [(v, ()) for v in values]
         while stack:
             value, sites = stack.pop()
@@ -162,8 +171,10 @@ class Dataflow:
             if key in seen:
                 continue
             seen.add(key)
+            if not isinstance(value, self.ir.BlockArgument):
+                ops.append(getattr(value.owner, "operation", value.owner))
             stack.extend(self._sources(value, sites, found))
-        return found
+        return found, ops
 
     def _sources(self, value, sites, found):
         ir = self.ir
@@ -226,8 +237,9 @@ def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program
     assert_one_chain(_grad_program(PROGRAMS[program](_cfg())), *_inputs(), what=program)
 
 
-def _cuda_layer(shared_beside: bool = False, kernel: KernelConfig | None = None):
-    """A small bf16 MoE layer on the 'cuda' backend over _mesh() (a shared expert with shared_beside)."""
+def _cuda_layer(shared_beside: bool = False, kernel: KernelConfig | None = None, **ep):
+    """A small bf16 MoE layer on the 'cuda' backend over _mesh() (a shared expert with shared_beside;
+    ep: more EPOptions)."""
     from flax import nnx
 
     from jax_ep import moe
@@ -235,16 +247,16 @@ def _cuda_layer(shared_beside: bool = False, kernel: KernelConfig | None = None)
 
     return moe.MoE(H, 2 * H, RouterConfig(E, K), rngs=nnx.Rngs(0), mesh=_mesh(), axis_name="ep",
                    ep=moe.EPOptions(backend="cuda", kernel=kernel or KernelConfig(),
-                                    shared_beside=shared_beside),
+                                    shared_beside=shared_beside, **ep),
                    param_dtype=jnp.bfloat16, shared_ffn_hidden=H if shared_beside else 0)
 
 
-def _layer_step_calls(kernel, shared_beside: bool = False) -> list[str]:
+def _layer_step_calls(kernel, shared_beside: bool = False, **ep) -> list[str]:
     """The EP calls of the MoE layer's training step (one chain in program order: assert_one_chain);
     shared_beside: with a shared expert beside the last combine (EPOptions.shared_beside)."""
     from flax import nnx
 
-    layer = _cuda_layer(shared_beside, kernel)
+    layer = _cuda_layer(shared_beside, kernel, **ep)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def step(params, x):
@@ -269,6 +281,54 @@ def test_the_shared_expert_beside_combine_puts_combine_and_its_backward_on_the_s
     assert _layer_step_calls(KernelConfig(), shared_beside=True) == [
         f"jax_ep_{op}" for op in ("dispatch", "combine_side", "side_join", "combine_bwd_side", "side_join",
                                   "combine", "slot_values")]
+
+
+def test_dispatch_backward_beside_the_weight_gradient_goes_on_the_side_stream(cuda_lowering):
+    """EPOptions(weight_grad_beside=True): dispatch's backward (its combine of the rows' gradient) lowers
+    to the side twin followed by a join, in one program order with the other calls, and the gate|up
+    GEMM's weight gradient is ordered after the side call and before the join."""
+    assert _layer_step_calls(KernelConfig(), weight_grad_beside=True) == [
+        f"jax_ep_{op}" for op in ("dispatch", "combine", "combine_bwd", "combine_side", "side_join",
+                                  "slot_values")]
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(_cuda_layer(weight_grad_beside=True), nnx.Param, ...)
+
+    def step(params, x):
+        return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(x, update_stats=False)
+                                          .astype(jnp.float32) ** 2))(params)
+
+    module = _lowered(step, params, _inputs()[0])
+    flow = Dataflow(module)
+    names = [flow.name(c) for c in flow.calls]
+    side, join = names.index("jax_ep_combine_side"), names.index("jax_ep_side_join")
+    # the GEMMs contracting over the rows: the two weight gradients (the lowering for a GPU without a
+    # Hopper kernel here: chlo.ragged_dot), fn's backward traced twice and each dead half dropped
+    dots = [o for o in _walk(module.operation) if o.name == "chlo.ragged_dot"]
+    weight_grads = [o for o in dots if "lhs_contracting_dimensions = [0]" in str(o)]
+    assert len(dots) == 6 and len(weight_grads) == 2, [str(o)[:200] for o in dots]
+    before_join = flow.upstream_ops(flow.calls[join].operands)
+    beside = [o for o in weight_grads if side in flow.ancestors(o) and o in before_join]
+    assert len(beside) == 1, names    # the gate|up GEMM's; the down GEMM's comes before the exchange
+
+
+def test_a_side_call_takes_side_num_sms_and_the_calls_in_series_num_sms(cuda_lowering):
+    """KernelConfig(side_num_sms=...): the call on the side stream (dispatch's backward, beside the weight
+    gradient) runs that many blocks; every call in series keeps num_sms (slot_values one block)."""
+    from flax import nnx
+
+    layer = _cuda_layer(kernel=KernelConfig(num_sms=100, side_num_sms=24), weight_grad_beside=True)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def step(params, x):
+        return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(x, update_stats=False)
+                                          .astype(jnp.float32) ** 2))(params)
+
+    flow = Dataflow(_lowered(step, params, _inputs()[0]))
+    blocks = {flow.name(c): re.findall(r"num_sms = (\d+)", str(c)) for c in flow.calls
+              if flow.name(c) != "jax_ep_side_join"}
+    assert blocks == {"jax_ep_dispatch": ["100"], "jax_ep_combine": ["100"], "jax_ep_combine_bwd": ["100"],
+                      "jax_ep_combine_side": ["24"], "jax_ep_slot_values": ["1"]}, blocks
 
 
 def test_one_process_orders_side_calls_against_the_calls_around_them(cuda_lowering, monkeypatch):
