@@ -299,22 +299,25 @@ def test_moe_layer_gemms_on_fewer_sms_give_the_same_bits(gemm_dtype):
 def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_bits(gemm_dtype):
     """EPOptions(weight_grad_beside=True) on the GPUs: dispatch's backward (a combine) on jax_ep's side
     stream on 24 SMs (KernelConfig.side_num_sms) beside the gate|up GEMM's weight gradient on XLA's
-    stream. The loss and every gradient of the layer step bit for bit those without it, bf16 and FP8
-    GEMMs; the compiled step holds the side call and its join, and no more GEMM kernels than without
-    (the chain traces the GEMM's backward twice; XLA drops each dead half)."""
+    stream. The loss and every gradient of the layer step (the tokens' too, as in a model, where the
+    tokens come from earlier layers) bit for bit those without it, bf16 and FP8 GEMMs; the compiled
+    step holds the side call and its join, and no more GEMM kernels than without (the chain traces the
+    GEMM's backward twice; XLA drops each dead half)."""
     from jax_ep.moe import EPOptions
 
     side = jax_ep.KernelConfig(side_num_sms=24)
-    plain = layer_program(7, ep=EPOptions(backend="cuda"), gemm_dtype=gemm_dtype)
-    beside = layer_program(7, ep=EPOptions(backend="cuda", weight_grad_beside=True, kernel=side),
+    plain = layer_program(7, wrt_x=True, ep=EPOptions(backend="cuda"), gemm_dtype=gemm_dtype)
+    beside = layer_program(7, wrt_x=True, ep=EPOptions(backend="cuda", weight_grad_beside=True, kernel=side),
                            gemm_dtype=gemm_dtype)
-    hlo = [step.lower(params).compile().as_text() for step, params in (plain, beside)]
+    hlo = [step.lower(*args).compile().as_text() for step, args in (plain, beside)]
     assert '"jax_ep_combine_side"' not in hlo[0] and hlo[1].count('"jax_ep_combine_side"') == 1
     assert hlo[1].count('"jax_ep_side_join"') == 1
     gemms = [h.count('custom_call_target="mosaic_gpu') for h in hlo]
     assert gemms[0] >= 6 and gemms[1] == gemms[0], gemms
-    (l1, g1), (l2, g2) = (step(params) for step, params in (plain, beside))
+    (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, beside))
     assert np.isfinite(float(l1)) and float(l1) == float(l2)
+    assert np.abs(np.asarray(gx1, np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(gx1), np.asarray(gx2), err_msg="d x")
     for name in ("w_gate_up", "w_down", "router"):
         assert np.abs(np.asarray(g1[name][...], np.float32)).max() > 0, name
         np.testing.assert_array_equal(np.asarray(g1[name][...]), np.asarray(g2[name][...]), err_msg=name)
@@ -323,12 +326,13 @@ def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_b
 def layer_step(seed: int, **kw):
     """(loss, parameter gradients) of a mean-square loss of MoE over every GPU (hidden 256, ffn 384, 8
     experts per rank, top-4, 512 tokens per rank, bfloat16 parameters), jitted; kw: MoE's options."""
-    step, params = layer_program(seed, **kw)
-    return step(params)
+    step, args = layer_program(seed, **kw)
+    return step(*args)
 
 
-def layer_program(seed: int, **kw):
-    """(the jitted step, its parameters) of layer_step."""
+def layer_program(seed: int, wrt_x: bool = False, **kw):
+    """(the jitted step, its arguments) of layer_step; wrt_x: the step differentiates the tokens too
+    (arguments (params, x), gradients (params', x's))."""
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     hidden, ffn, experts, topk, tokens = 256, 384, 8 * mesh.size, 4, 512
     x = jax.device_put(jax.random.normal(jax.random.key(seed), (mesh.size * tokens, hidden), jnp.bfloat16),
@@ -337,10 +341,12 @@ def layer_program(seed: int, **kw):
                 param_dtype=jnp.bfloat16, **kw)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-    def loss(params):
+    def loss(params, x):
         out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
         return jnp.mean(out.astype(jnp.float32) ** 2)
-    return jax.jit(jax.value_and_grad(loss)), params
+    if wrt_x:
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x)
+    return jax.jit(jax.value_and_grad(loss)), (params, x)
 
 
 @pytest.mark.parametrize("fp8_weight_grad", [False, True], ids=["dw_bf16", "dw_fp8"])
