@@ -152,11 +152,14 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_shared_beside_sms24": dict(backend="cuda", gemm="auto", shared_beside=True,
                                                kernel=dict(num_sms=24)),
            # dispatch's backward beside the gate|up GEMM's weight gradient on jax_ep's side stream
-           # (EPOptions.weight_grad_beside): the side call on every SM, and on 24 (KernelConfig.side_num_sms:
-           # the exchanges in series keep every SM); with the shared expert beside combine too
+           # (EPOptions.weight_grad_beside): the side call on every SM, and on 24 or 12
+           # (KernelConfig.side_num_sms: the weight gradient leaves them, the exchanges in series keep
+           # every SM); with the shared expert beside combine too
            "ep_cuda_wgrad_beside": dict(backend="cuda", gemm="auto", weight_grad_beside=True),
            "ep_cuda_wgrad_beside_side24": dict(backend="cuda", gemm="auto", weight_grad_beside=True,
                                                kernel=dict(side_num_sms=24)),
+           "ep_cuda_wgrad_beside_side12": dict(backend="cuda", gemm="auto", weight_grad_beside=True,
+                                               kernel=dict(side_num_sms=12)),
            "ep_cuda_both_beside_side24": dict(backend="cuda", gemm="auto", weight_grad_beside=True,
                                               shared_beside=True, kernel=dict(side_num_sms=24)),
            "jax_ep_wgrad_beside_side24": dict(backend="auto", gemm="auto", weight_grad_beside=True,
@@ -173,7 +176,8 @@ NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cac
               "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24", "jax_ep_mb2_nocb",
               "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb",
               "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24",
-              "ep_cuda_wgrad_beside", "ep_cuda_wgrad_beside_side24", "ep_cuda_both_beside_side24",
+              "ep_cuda_wgrad_beside", "ep_cuda_wgrad_beside_side24", "ep_cuda_wgrad_beside_side12",
+              "ep_cuda_both_beside_side24",
               "jax_ep_wgrad_beside_side24")
 
 

@@ -61,7 +61,8 @@ class Plan:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
-                   zero_tail: bool = True, num_sms: int | None = None) -> jax.Array:
+                   zero_tail: bool = True, num_sms: int | None = None,
+                   dw_num_sms: int | None = None) -> jax.Array:
     """``lax.ragged_dot(x, w, group_sizes)``, fast on Hopper GPUs.
 
     Args:
@@ -77,13 +78,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
       num_sms: the SMs the kernels of every pass take: None (default) every SM, or a positive int (all
         of them on a GPU with fewer). Fewer leave SMs to kernels on other streams: the EP exchanges on
         ``KernelConfig.async_stream`` run beside the GEMMs only on SMs the GEMMs leave free.
+      dw_num_sms: the SMs of the weight-gradient pass's kernels; None (default): ``num_sms``. E.g. fewer
+        for the pass that runs beside an exchange (``jax_ep.overlap.chain``).
     Returns: [M, N] in x's dtype (float32 accumulation).
     """
     _check_args(x, w, group_sizes, backend)
     if not isinstance(zero_tail, bool):
         raise EPValueError(f"grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
     check_option("grouped_matmul:", "num_sms", num_sms, "int?")
-    plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend, num_sms)
+    check_option("grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
+    plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend, num_sms, dw_num_sms)
     return _grouped_matmul(*vary_jointly(x, w, group_sizes), plans, zero_tail)
 
 
@@ -145,8 +149,8 @@ def _kernel_platform() -> str:
     return ""
 
 
-def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str, num_sms: int | None = None
-           ) -> tuple[Plan, ...]:
+def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str, num_sms: int | None = None,
+           dw_num_sms: int | None = None) -> tuple[Plan, ...]:
     if backend == "ragged_dot":
         return tuple(Plan("ragged_dot", reason="backend='ragged_dot'") for _ in PASSES)
     why = _kernel_platform()
@@ -167,7 +171,8 @@ def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str, num_sms: int | None
                        w_shape, reason)
             plans.append(Plan("ragged_dot", reason=reason))
         else:
-            plans.append(Plan("mosaic_gpu", config=block_config(name, m, k, n, g), num_sms=num_sms))
+            sms = dw_num_sms if name == "dw" and dw_num_sms is not None else num_sms
+            plans.append(Plan("mosaic_gpu", config=block_config(name, m, k, n, g), num_sms=sms))
     return tuple(plans)
 
 

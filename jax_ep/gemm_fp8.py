@@ -586,7 +586,8 @@ def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
 def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
                        gemm: str = "auto", quantized: FP8Weights | None = None,
                        weight_grad: str = "bf16", x_fp8: tuple[jax.Array, jax.Array] | None = None,
-                       zero_tail: bool = True, num_sms: int | None = None) -> jax.Array:
+                       zero_tail: bool = True, num_sms: int | None = None,
+                       dw_num_sms: int | None = None) -> jax.Array:
     """``grouped_matmul(x, w, group_sizes)`` with the matrix work in FP8 (module docstring): x [M, K]
     bfloat16/float32 rows, w [G, K, N] (K and N multiples of 128), result in x's dtype. Differentiable in
     x and w; ``gemm`` is the backend of the bfloat16 weight-gradient GEMM (jax_ep.grouped_matmul's).
@@ -609,8 +610,10 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     ``zero_tail``: False leaves the rows past sum(group_sizes) of the output and of x's gradient
     unspecified (``jax_ep.grouped_matmul``'s meaning; the Hopper kernels do not write them).
 
-    ``num_sms``: the SMs every kernel of the three passes takes (``jax_ep.grouped_matmul``'s)."""
+    ``num_sms``: the SMs every kernel of the three passes takes (``jax_ep.grouped_matmul``'s);
+    ``dw_num_sms``: the weight-gradient pass's instead, where given (``jax_ep.grouped_matmul``'s)."""
     check_option("fp8_grouped_matmul:", "num_sms", num_sms, "int?")
+    check_option("fp8_grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
     if not isinstance(zero_tail, bool):
         raise EPValueError(f"fp8_grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
     if weight_grad not in WEIGHT_GRADIENTS:
@@ -634,7 +637,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
                                f"({xq.dtype} {xq.shape}, {xs.dtype} {xs.shape})")
         x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w, group_sizes) for a in (xq, xs.astype(jnp.float32)))
     return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad,
-                       zero_tail, num_sms)
+                       zero_tail, num_sms, num_sms if dw_num_sms is None else dw_num_sms)
 
 
 def _live_rows_backend(shape, backend: str) -> str:
@@ -658,12 +661,14 @@ def _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail, num_sm
     return out, (xq, xs, wq, ws, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _fp8_matmul(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail, num_sms):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _fp8_matmul(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail, num_sms,
+                dw_num_sms):
     return _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail, num_sms)[0]
 
 
-def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail, num_sms):
+def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_grad, zero_tail, num_sms,
+                    dw_num_sms):
     out, res = _fp8_forward(x, w, group_sizes, quantized, x_fp8, backend, zero_tail, num_sms)
     # which fields the cached weights have, as scalars: their (zero) cotangent is made in the backward
     # from wq's and ws's shapes, not kept from the forward
@@ -673,7 +678,7 @@ def _fp8_matmul_fwd(x, w, group_sizes, quantized, x_fp8, backend, gemm, weight_g
     return out, (*res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), q_like, given)
 
 
-def _fp8_matmul_bwd(backend, gemm, weight_grad, zero_tail, num_sms, res, dy):
+def _fp8_matmul_bwd(backend, gemm, weight_grad, zero_tail, num_sms, dw_num_sms, res, dy):
     xq, xs, wq, ws, group_sizes, x_like, w_like, q_like, given = res
     # cached FP8 weights are constants (stop_gradient upstream): zero cotangents, dropped unused
     d_quantized = None if q_like is None else FP8Weights(
@@ -686,12 +691,12 @@ def _fp8_matmul_bwd(backend, gemm, weight_grad, zero_tail, num_sms, res, dy):
                             backend=backend, zero_tail=zero_tail, num_sms=num_sms)
     if weight_grad == "fp8":         # from the rows the forward multiplied, requantised along the tokens
         dw_backend = backend if _dw_kernel_fits(xq.shape[1], dy.shape[1]) else "reference"
-        dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend, num_sms=num_sms)
+        dw = fp8_weight_gradient(xq, dy, group_sizes, x_scales=xs, backend=dw_backend, num_sms=dw_num_sms)
     else:
         # the rows the forward multiplied (past the groups: unwritten beside the Hopper kernels)
         rows = dequantize_gemm_rows(xq, xs, jnp.sum(group_sizes),
                                     backend=_live_rows_backend(xq.shape, backend))
-        dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm, num_sms=num_sms)
+        dw = weight_gradient(rows, dy.astype(jnp.bfloat16), group_sizes, backend=gemm, num_sms=dw_num_sms)
     # rows given quantised (x_fp8) are constants: zero cotangents
     d_x_fp8 = (vary_as(jnp.zeros(xq.shape, xq.dtype), xq), vary_as(jnp.zeros(xs.shape, xs.dtype), xs)
                ) if given is not None else None

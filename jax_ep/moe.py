@@ -779,6 +779,8 @@ class MoE(nnx.Module):
             with jax.named_scope(SCOPES["dispatch"]):
                 return exchange.dispatch(*args)
 
+        dw_num_sms = self._weight_grad_sms(cfg.kernel)
+
         def gate_up(sent, w, quantized):
             d, rows = sent
             with jax.named_scope(SCOPES["experts"]):
@@ -787,7 +789,7 @@ class MoE(nnx.Module):
                 scales = getattr(d, "scales", None)
                 rows_fp8 = None if scales is None or self.gemm_dtype is None else (d.x, scales)
                 gemms.check(fp8_weights, rows_fp8)
-                return gemms.matmul(rows, w, d.group_sizes, quantized, rows_fp8)
+                return gemms.matmul(rows, w, d.group_sizes, quantized, rows_fp8, dw_num_sms)
 
         def send(t):
             """Chunk t dispatched: (dispatch's result, its gate|up GEMM's where run with it, else None)."""
@@ -820,6 +822,17 @@ class MoE(nnx.Module):
         expert_counts = sum(d.expert_counts for (d, _), _ in sent)
         num_dropped = sum(d.num_dropped for (d, _), _ in sent)
         return out, expert_counts, num_dropped, outs[-1][1]
+
+    def _weight_grad_sms(self, kernel) -> int | None:
+        """The SMs of the gate|up GEMM's weight gradient: with EPOptions.weight_grad_beside and
+        KernelConfig.side_num_sms, the GEMMs' SMs but those the exchange beside it takes (a persistent
+        GEMM on every SM leaves it none: it waits for the GEMM's end); else None (the GEMMs')."""
+        if not self.ep.weight_grad_beside or kernel.side_num_sms is None:
+            return None
+        sms = _device_sms(self.mesh)
+        if not sms:   # not a GPU: no side stream here
+            return None
+        return max(1, min(self.gemm_num_sms or sms, sms) - kernel.side_num_sms)
 
     def _fp8_wire_by_default(self, decode: bool) -> bool:
         """EPOptions.dispatch_dtype None with the FP8 expert GEMMs on the throughput path's flat exchange:
@@ -867,6 +880,12 @@ class MoE(nnx.Module):
         with jax.named_scope(SCOPES["combine"]):
             out = ll_combine(y, d.handle, ll_cfg, rank_mask=rank_mask)
         return out, jnp.sum(d.counts, axis=1, dtype=jnp.int32), d.num_dropped, shared_out
+
+
+def _device_sms(mesh: Mesh | None) -> int | None:
+    """The SMs of the layer's GPUs (its mesh's, else JAX's default device); None off a GPU."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return getattr(device, "core_count", None) if device.platform == "gpu" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -964,13 +983,15 @@ class _ExpertGEMMs:
             raise EPValueError("expert_block: fp8_weights and fp8_weight_grad need "
                                "gemm_dtype='float8_e4m3fn'")
 
-    def matmul(self, x, w, group_sizes, quantized=None, x_fp8=None):
-        """One grouped GEMM of the block (rows past the groups left unwritten: zero_tail=False)."""
+    def matmul(self, x, w, group_sizes, quantized=None, x_fp8=None, dw_num_sms=None):
+        """One grouped GEMM of the block (rows past the groups left unwritten: zero_tail=False);
+        dw_num_sms: its weight gradient's SMs (grouped_matmul's)."""
         if self.gemm_dtype is None:
-            return grouped_matmul(x, w, group_sizes, backend=self.gemm, num_sms=self.num_sms, zero_tail=False)
+            return grouped_matmul(x, w, group_sizes, backend=self.gemm, num_sms=self.num_sms,
+                                  dw_num_sms=dw_num_sms, zero_tail=False)
         return fp8_grouped_matmul(x, w, group_sizes, gemm=self.gemm, num_sms=self.num_sms,
-                                  weight_grad="fp8" if self.fp8_weight_grad else "bf16", quantized=quantized,
-                                  x_fp8=x_fp8, zero_tail=False)
+                                  dw_num_sms=dw_num_sms, quantized=quantized, x_fp8=x_fp8, zero_tail=False,
+                                  weight_grad="fp8" if self.fp8_weight_grad else "bf16")
 
     def down(self, gate_up, w_down, group_sizes, quantized, swiglu_backend, row_weights):
         """SwiGLU and the down GEMM, from the gate|up GEMM's output."""

@@ -630,6 +630,30 @@ def test_tune_gemm_sweep_times_each_config_at_each_sustain_setting_and_picks_by_
     assert line["sweep_ms"] == [[list(burst.astuple()), [1.0, 3.0]], [list(steady.astuple()), [2.0, 2.5]]]
 
 
+def test_dw_num_sms_sizes_the_weight_gradient_grid_only(monkeypatch):
+    """grouped_matmul(dw_num_sms=N): the weight gradient's kernel on N SMs (beside an exchange on the side
+    stream, jax_ep.overlap.chain), the forward and dx kernels on num_sms: lowered for CUDA here, the
+    forward alone is the default's, the gradient differs, and dw_num_sms=num_sms=N is num_sms=N's."""
+    from jax_ep import gemm
+
+    monkeypatch.setattr(gemm, "_kernel_platform", lambda: "")
+    args = (jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((5, 512, 768), jnp.bfloat16), jax.ShapeDtypeStruct((5,), jnp.int32))
+
+    def lowered(grad, **sms):
+        def loss(x, w, gs):
+            return jnp.sum(grouped_matmul(x, w, gs, **sms).astype(jnp.float32))
+        fn = jax.grad(loss, (0, 1)) if grad else loss
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert lowered(False, dw_num_sms=100) == lowered(False)
+    assert lowered(True, dw_num_sms=100) != lowered(True)
+    assert lowered(True, num_sms=100, dw_num_sms=100) == lowered(True, num_sms=100)
+    with pytest.raises(ValueError, match="grouped_matmul: dw_num_sms must be None or a positive int, got 0"):
+        grouped_matmul(jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16),
+                       jnp.array([32, 32], jnp.int32), dw_num_sms=0)
+
+
 def test_num_sms_sizes_every_pass_grid_and_is_checked(monkeypatch):
     """grouped_matmul(num_sms=N): the forward, dx and dW kernels run persistent grids on N SMs (what
     MoE(gemm_num_sms=N) asks, leaving the rest to the EP exchanges on their own stream): lowered for CUDA

@@ -790,6 +790,35 @@ def test_dispatch_backward_beside_the_weight_gradient_gives_the_same_step(form):
 
 
 @pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"])
+def test_the_weight_gradient_beside_an_exchange_leaves_it_side_num_sms(monkeypatch, gemm_dtype):
+    """EPOptions(weight_grad_beside=True) with KernelConfig(side_num_sms=S) on a GPU of N SMs: the gate|up
+    GEMM's weight gradient takes N - S (of gemm_num_sms where set), so the exchange beside it gets its
+    SMs; the down GEMM and every GEMM without side_num_sms keep the GEMMs' (None)."""
+    from jax_ep import moe as moe_mod
+
+    seen = []
+    for name in ("grouped_matmul", "fp8_grouped_matmul"):
+        real = getattr(moe_mod, name)
+
+        def spy(*args, _real=real, **kwargs):
+            seen.append(kwargs.get("dw_num_sms", "missing"))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(moe_mod, name, spy)
+    monkeypatch.setattr(moe_mod, "_device_sms", lambda mesh: 132)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    width = 128 if gemm_dtype else HIDDEN
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((16, width)), jnp.float32)
+    for side, gemm_sms, want in ((24, None, 108), (24, 100, 76), (None, None, None)):
+        layer = MoE(width, 128 if gemm_dtype else FFN, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(5),
+                    mesh=mesh, ep=EPOptions(backend="reference", weight_grad_beside=True,
+                                 kernel=KernelConfig(side_num_sms=side)),
+                    gemm_dtype=gemm_dtype, gemm_num_sms=gemm_sms)
+        seen.clear()
+        nnx.jit(nnx.grad(lambda m: jnp.mean(m(x, update_stats=False) ** 2)))(layer)
+        assert seen == [want, None], (side, gemm_sms, seen)     # gate|up, down
+
+
+@pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"])
 def test_gemm_num_sms_reaches_every_expert_gemm_and_changes_no_result(monkeypatch, gemm_dtype):
     """MoE(gemm_num_sms=N) hands N to both expert GEMMs of the training step and of the decode path (the
     kernels' grids; off the GPU the GEMMs ignore it), the step's loss and gradients bit for bit those of
