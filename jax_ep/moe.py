@@ -149,7 +149,14 @@ class EPOptions:
         needs (``jax_ep.overlap.chain``: dispatch and the gate|up GEMM as one custom_vjp whose backward
         takes the GEMM's input gradient first). The same values and gradients. Takes effect where
         dispatch's backward has a side twin (the 'cuda' backend); elsewhere it runs after the weight
-        gradient. False (default): XLA orders the two on its stream.
+        gradient. With ``KernelConfig.side_num_sms`` the weight gradient's kernels leave that many SMs to
+        the exchange (its persistent grid on every SM leaves none, and the exchange waits for its end).
+        False (default): XLA orders the two on its stream. On one H200 (2026-12-02, docs/benchmarks.md
+        session 45) the exchange ran beside the weight gradient (0.70 of 0.70 ms on 24 SMs, 1.37 of 1.37
+        on 12, at the EP2 rank's expert count) but the DeepSeek-V3 step was slower at EP1, where
+        dispatch's backward is a 0.15 ms local copy: 24.78 ms (24 SMs) and 24.46 (12) against 23.67.
+        What it is for, dispatch's backward over NVLink (0.23-0.30 ms at EP2, 0.50 at EP4 on every SM),
+        needs 2 and 4 GPUs to measure.
 
     The decode path (``MoE(..., decode=True)``, ``layer(x, decode=True)``) uses ``dispatch_dtype``
     ("bfloat16" when None: the low-latency ops send bfloat16 or FP8), ``backend``, ``checked``

@@ -35,6 +35,10 @@ forward's join, whose token it keeps as a residual); an EP call traced elsewhere
 function) must depend on the block's results. When no call takes the work (the reference backend, an
 op without a side twin, ``KernelConfig.async_stream`` set), ``fn(*args)`` runs at the block's end,
 after everything in it, and ``work.overlapped`` is False.
+
+``chain(op, op_args, fn, fn_args)``: for work that needs the op's result (dispatch, then the gate|up
+GEMM): in series forward; the backward runs the op's backward beside the part of fn's backward the op's
+does not need (the gradients of ``fn_args``: the GEMM's weight gradient).
 """
 
 from __future__ import annotations
