@@ -756,16 +756,20 @@ def test_shared_expert_beside_an_exchange_gives_the_same_step_and_decode(axes):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("form", ["bf16", "fp8_wire_cached", "fp8_gate_weights_in_experts"])
+@pytest.mark.parametrize("form", ["bf16", "fp8_wire_cached", "fp8_gate_weights_in_experts", "bf16_node_axis"])
 def test_dispatch_backward_beside_the_weight_gradient_gives_the_same_step(form):
     """EPOptions(weight_grad_beside=True): dispatch and the gate|up GEMM as one overlap.chain (dispatch's
     backward beside the GEMM's weight gradient where the backend has a side stream; after it here) give
     the bits of the step without it: loss, output and every gradient (experts, router, tokens), with
-    bf16 GEMMs, the FP8 wire into FP8 GEMMs from cached weights, and the gate weights in the experts."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    bf16 GEMMs, the FP8 wire into FP8 GEMMs from cached weights, the gate weights in the experts, and
+    the hierarchical exchange (node_axis)."""
+    nodes = form == "bf16_node_axis"
+    devices = np.array(jax.devices()[:4])
+    mesh = Mesh(devices.reshape(2, 2), ("node", "ep")) if nodes else Mesh(devices, ("ep",))
     hidden, ffn = 128, 256
     x = jnp.asarray(np.random.default_rng(23).standard_normal((8, 4, hidden)), jnp.bfloat16)
-    fp8 = form != "bf16"
+    fp8 = form.startswith("fp8")
+    layout = dict(node_axis="node", batch_axes=("node", "ep")) if nodes else {}
     ep = dict(dispatch_dtype="float8_e4m3fn") if form == "fp8_wire_cached" else {}
     if form == "fp8_gate_weights_in_experts":
         ep["gate_weights"] = "experts"
@@ -773,7 +777,7 @@ def test_dispatch_backward_beside_the_weight_gradient_gives_the_same_step(form):
     def run(**more):
         model = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(5), mesh=mesh,
                     ep=EPOptions(backend="reference", **ep, **more), dtype="bfloat16",
-                    gemm_dtype="float8_e4m3fn" if fp8 else None)
+                    gemm_dtype="float8_e4m3fn" if fp8 else None, **layout)
         cached = nnx.jit(lambda m: m.quantize_weights())(model) if form == "fp8_wire_cached" else None
 
         def loss(model, x):
