@@ -142,9 +142,7 @@ def _differentiated(op, work: Beside, *args):
         return op(*jax.tree.unflatten(tree, full))
 
     fwd_block = []
-    # fn's operands pass the side call's barrier, which types them varying with its results: their
-    # cotangents come back summed over the axes the operands themselves do not vary over
-    fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(work.args)]
+    fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(work.args)]   # (_summed_to)
 
     @jax.custom_vjp
     def both(op_in, fn_in):
@@ -166,9 +164,7 @@ def _differentiated(op, work: Beside, *args):
             record(token, side=True)
         with _block(fn_vjp, (ct_fn,)) as inner:
             op_cts = op_vjp(ct_out)
-        fn_cts, fn_tree = jax.tree.flatten(inner.result)
-        fn_cts = [vma.sum_to(ct, axes) for ct, axes in zip(fn_cts, fn_axes, strict=True)]
-        return tuple(op_cts), tuple(jax.tree.unflatten(fn_tree, fn_cts))
+        return tuple(op_cts), _summed_to(inner.result, fn_axes)
 
     both.defvjp(fwd, bwd)
     out, work.result = both(tuple(leaves[i] for i in live), tuple(work.args))
@@ -185,7 +181,7 @@ def chain(op: Callable, op_args: tuple, fn: Callable, fn_args: tuple):
     op_args and fn_args: pytrees whose arrays are all the arrays op and fn read (a custom_vjp takes
     them as its operands). fn's backward is traced twice, once for each part; XLA drops the dead half of
     each (the weight gradient from the first, the input gradient from the second)."""
-    fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(fn_args)]
+    fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(fn_args)]   # (_summed_to)
 
     @jax.custom_vjp
     def both(op_in, fn_in):
@@ -203,13 +199,18 @@ def chain(op: Callable, op_args: tuple, fn: Callable, fn_args: tuple):
         ct_out = jax.tree.map(_add_cotangents, ct_out, fn_vjp(ct_result)[0])
         with _block(lambda ct: fn_vjp(ct)[1:], (ct_result,)) as inner:
             op_cts = op_vjp(ct_out)
-        fn_cts, fn_tree = jax.tree.flatten(inner.result)
-        # (summed over the axes the side call's barrier added, as in _differentiated)
-        fn_cts = [vma.sum_to(ct, axes) for ct, axes in zip(fn_cts, fn_axes, strict=True)]
-        return tuple(op_cts), tuple(jax.tree.unflatten(fn_tree, fn_cts))
+        return tuple(op_cts), _summed_to(inner.result, fn_axes)
 
     both.defvjp(fwd, bwd)
     return both(tuple(op_args), tuple(fn_args))
+
+
+def _summed_to(cotangents, axes: list) -> tuple:
+    """The block's fn cotangents (a tuple), each summed to the varying axes of its primal (``axes``, in
+    leaf order): fn's operands passed the side call's barrier, which types them varying with its
+    results, so their cotangents come back varying over axes the operands themselves do not."""
+    leaves, tree = jax.tree.flatten(cotangents)
+    return tuple(jax.tree.unflatten(tree, [vma.sum_to(ct, a) for ct, a in zip(leaves, axes, strict=True)]))
 
 
 def _add_cotangents(a, b):

@@ -515,6 +515,23 @@ def test_fp8_expert_gemms_stay_within_fp8_error_of_the_bf16_layer():
         make_layer(mesh, gemm_dtype="float16")
 
 
+STEP_ARRAYS = ("loss", "out", "d w_gate_up", "d w_down", "d router", "d x")
+
+
+def _step_arrays(model, x, cached: bool = False) -> list[np.ndarray]:
+    """STEP_ARRAYS of one step of `model` on a loss that weighs each channel differently, as float32
+    arrays; cached: with the FP8 weights quantised once (MoE.quantize_weights)."""
+    fp8 = nnx.jit(lambda m: m.quantize_weights())(model) if cached else None
+    channels = jnp.cos(jnp.arange(x.shape[-1], dtype=jnp.float32))
+
+    def loss(model, x):
+        y = model(x, update_stats=False, fp8_weights=fp8)
+        return jnp.sum(y.astype(jnp.float32) * channels), y
+    (value, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+    return [np.asarray(a, np.float32) for a in (value, y, g_model.w_gate_up[...], g_model.w_down[...],
+                                                g_model.router[...], g_x)]
+
+
 @pytest.mark.parametrize("cached", [False, True], ids=["quantise_w", "cached_w"])
 def test_fp8_wire_trains_with_the_fp8_gemms_bit_for_bit(cached):
     """EPOptions(dispatch_dtype="float8_e4m3fn") with gemm_dtype="float8_e4m3fn" trains (DeepSeek-V3's
@@ -530,16 +547,8 @@ def test_fp8_wire_trains_with_the_fp8_gemms_bit_for_bit(cached):
     def run(wire, **kw):
         model = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(4), mesh=mesh,
                     ep=EPOptions(backend="reference", dispatch_dtype=wire), dtype="bfloat16", **kw)
-        fp8 = nnx.jit(lambda m: m.quantize_weights())(model) if cached and kw else None
+        return _step_arrays(model, x, cached and bool(kw))
 
-        def loss(model, x):
-            y = model(x, update_stats=False, fp8_weights=fp8)
-            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
-        (value, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
-        return [np.asarray(a, np.float32) for a in (value, y, g_model.w_gate_up[...], g_model.w_down[...],
-                                                    g_model.router[...], g_x)]
-
-    names = ("loss", "out", "d w_gate_up", "d w_down", "d router", "d x")
     from jax_ep import gemm_fp8
     quantised, real = [], gemm_fp8.quantize_gemm_rows   # the rows the GEMMs quantise themselves
     with pytest.MonkeyPatch.context() as patch:
@@ -548,12 +557,12 @@ def test_fp8_wire_trains_with_the_fp8_gemms_bit_for_bit(cached):
         fp8_wire = run("float8_e4m3fn", gemm_dtype="float8_e4m3fn")
     # bf16 wire: x and h forward, both dy backward; FP8 wire: x's rows come quantised
     assert sorted(quantised) == sorted([hidden, ffn, 2 * ffn, hidden] + [ffn, 2 * ffn, hidden]), quantised
-    for name, a, b in zip(names, fp8_wire, bf16_wire, strict=True):
+    for name, a, b in zip(STEP_ARRAYS, fp8_wire, bf16_wire, strict=True):
         assert np.isfinite(a).all() and np.abs(a).max() > 0, name
         np.testing.assert_array_equal(a, b, err_msg=name)
     plain = run("bfloat16")
     rounded = run("float8_e4m3fn")
-    for name, a, b in zip(names[1:], rounded[1:], plain[1:], strict=True):
+    for name, a, b in zip(STEP_ARRAYS[1:], rounded[1:], plain[1:], strict=True):
         rel = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert 0 < rel < 0.1, (name, rel)
 
@@ -778,19 +787,27 @@ def test_dispatch_backward_beside_the_weight_gradient_gives_the_same_step(form):
         model = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(5), mesh=mesh,
                     ep=EPOptions(backend="reference", **ep, **more), dtype="bfloat16",
                     gemm_dtype="float8_e4m3fn" if fp8 else None, **layout)
-        cached = nnx.jit(lambda m: m.quantize_weights())(model) if form == "fp8_wire_cached" else None
+        return _step_arrays(model, x, form == "fp8_wire_cached")
 
-        def loss(model, x):
-            y = model(x, update_stats=False, fp8_weights=cached)
-            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
-        (value, y), (g_model, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
-        return [np.asarray(a, np.float32) for a in (value, y, g_model.w_gate_up[...], g_model.w_down[...],
-                                                    g_model.router[...], g_x)]
-
-    names = ("loss", "out", "d w_gate_up", "d w_down", "d router", "d x")
-    for name, a, b in zip(names, run(weight_grad_beside=True), run(), strict=True):
+    for name, a, b in zip(STEP_ARRAYS, run(weight_grad_beside=True), run(), strict=True):
         assert np.isfinite(b).all() and np.abs(b).max() > 0, name
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def _spy_on_expert_gemms(monkeypatch, keyword: str) -> list:
+    """The list that gets `keyword`'s value ("missing" when not passed) of each call the layer makes of
+    grouped_matmul / fp8_grouped_matmul, in call order."""
+    from jax_ep import moe as moe_mod
+
+    seen = []
+    for name in ("grouped_matmul", "fp8_grouped_matmul"):
+        real = getattr(moe_mod, name)
+
+        def spy(*args, _real=real, **kwargs):
+            seen.append(kwargs.get(keyword, "missing"))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(moe_mod, name, spy)
+    return seen
 
 
 @pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"])
@@ -800,14 +817,7 @@ def test_the_weight_gradient_beside_an_exchange_leaves_it_side_num_sms(monkeypat
     SMs; the down GEMM and every GEMM without side_num_sms keep the GEMMs' (None)."""
     from jax_ep import moe as moe_mod
 
-    seen = []
-    for name in ("grouped_matmul", "fp8_grouped_matmul"):
-        real = getattr(moe_mod, name)
-
-        def spy(*args, _real=real, **kwargs):
-            seen.append(kwargs.get("dw_num_sms", "missing"))
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(moe_mod, name, spy)
+    seen = _spy_on_expert_gemms(monkeypatch, "dw_num_sms")
     monkeypatch.setattr(moe_mod, "_device_sms", lambda mesh: 132)
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     width = 128 if gemm_dtype else HIDDEN
@@ -827,16 +837,7 @@ def test_gemm_num_sms_reaches_every_expert_gemm_and_changes_no_result(monkeypatc
     """MoE(gemm_num_sms=N) hands N to both expert GEMMs of the training step and of the decode path (the
     kernels' grids; off the GPU the GEMMs ignore it), the step's loss and gradients bit for bit those of
     the default; a bad value is refused naming the argument."""
-    from jax_ep import moe as moe_mod
-
-    seen = []
-    for name in ("grouped_matmul", "fp8_grouped_matmul"):
-        real = getattr(moe_mod, name)
-
-        def spy(*args, _real=real, **kwargs):
-            seen.append(kwargs.get("num_sms", "missing"))
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(moe_mod, name, spy)
+    seen = _spy_on_expert_gemms(monkeypatch, "num_sms")
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     width = 128 if gemm_dtype else HIDDEN   # FP8 GEMMs need multiples of 128
     x = jnp.asarray(np.random.default_rng(3).standard_normal((16, width)), jnp.float32)
