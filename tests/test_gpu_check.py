@@ -559,3 +559,21 @@ def test_skip_build_leaves_pip_out(tmp_path, skip):
         assert not pips and "build: skipped (SKIP_BUILD=1)" in output, (calls, output)
     else:
         assert len(pips) == 1 and "built in" in summary, (calls, summary)
+
+
+def test_issue38_ab_parts_name_known_layer_configs(tmp_path):
+    """SWEEP=overlap,gate: one layer benchmark each, sustained, whose shape and configs exist in
+    benchmarks.layer (a renamed config would otherwise fail on the GPU machine)."""
+    from benchmarks import layer
+
+    rc, output, out, calls = run_check(tmp_path, gpus=2, SWEEP="overlap,gate")
+    assert rc == 0, output
+    sweeps = [c for c in calls if "benchmarks" in c]
+    assert len(sweeps) == 2, sweeps
+    for part, call in zip(("overlap", "gate"), sweeps, strict=True):
+        args = call.split()
+        assert "--layer" in args and "--sustain" in args and f"{out}/sweep_{part}.json" in call
+        shape = args[args.index("--layer-shapes") + 1]
+        assert shape in layer.LAYER_PRESETS, shape
+        configs = args[args.index("--layer-configs") + 1].split(",")
+        assert len(configs) >= 4 and set(configs) <= set(layer.CONFIGS), configs

@@ -51,6 +51,12 @@
 #                 rm     rank-major ops (--rank-major): cuda and reference
 #                 ll     low-latency ops (--low-latency, tokens 1 and 128): cuda and reference
 #                 layer  the MoE layer step: shapes mid and deepseek, configs ep_reference, ep_cuda, jax_ep
+#                 overlap   issue 38's A/B of the side-stream overlaps, DeepSeek-V3 shape with its shared
+#                           expert (deepseek_shared), sustained: the shared expert beside combine
+#                           (shared_beside, all SMs and 24) and dispatch's backward beside the gate|up
+#                           weight gradient (weight_grad_beside, 12 and 24 side SMs) against their plain forms
+#                 gate      issue 38's A/B of the gate weights in the experts (combine's backward at
+#                           dispatch's bytes), bf16 and cached FP8, DeepSeek-V3 shape, sustained
 #                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
 #                        2 or more GPUs)
 #               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
@@ -423,9 +429,13 @@ if [ -n "${SWEEP:-}" ]; then
       ll) cmd=("$PY" -m benchmarks --low-latency --tokens 1,128 $timing --backends cuda,reference) ;;
       layer) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes mid,deepseek
                   --layer-configs ep_reference,ep_cuda,jax_ep) ;;
+      overlap) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes deepseek_shared --iters 10 --repeats 3
+                    --sustain 2 --layer-configs jax_ep,jax_ep_shared_beside,ep_cuda,ep_cuda_sms24,ep_cuda_shared_beside_sms24,ep_cuda_wgrad_beside_side12,ep_cuda_wgrad_beside_side24) ;;
+      gate) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes deepseek --iters 10 --repeats 3 --sustain 2
+                 --layer-configs jax_ep,jax_ep_gate_in_experts,jax_ep_fp8_cached,jax_ep_fp8_cached_gate_in_experts) ;;
       pg) cmd=(env JAX_EP_TEST_EP_RANKS="$gpus" "$PY" -m jax_ep.launch --nproc "$gpus"
                --timeout $((lim > 30 ? lim - 10 : 20)) tests/gpu/process_group_worker.py) ;;
-      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, pg)" | tee -a "$OUT/summary.txt"
+      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, overlap, gate, pg)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
     if [ "$part" = pg ] && [ "$gpus" -lt 2 ]; then  # one process alone is process model 1

@@ -9,7 +9,8 @@ dispatch + combine of the model-1 cases against the reference path (dispatch bit
 within bf16 rounding), FP8 dispatch, gradients through dispatch -> ragged_dot -> combine, the
 rank-major ops (put_transport_worker's cases over the NVLink kernels, bit-exact), the low-latency
 ops' round trip (fused and two-phase, model 1's cases, bit-exact) and 20 two-phase steps in a
-lax.scan as CUDA graphs (each step's bits those of the fused step), and
+lax.scan as CUDA graphs (each step's bits those of the fused step), dispatch and combine on jax_ep's
+side stream (overlap.beside) the same bits as without, and
 remote_smoke (NVSHMEM device puts + signals, the transport of the inter-node path, which NVSHMEM
 carries over P2P on one node) against peer_smoke's pattern. With --remote, the remote_smoke check
 only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
@@ -131,6 +132,28 @@ def check_gradients(mesh, me) -> int:
         model1.assert_combine_close(g.reshape(g.shape[0], -1), r.reshape(r.shape[0], -1), what,
                                     steps=2)
     return 1
+
+
+def check_side_stream(mesh, me) -> int:
+    """jax_ep.overlap.beside in process model 2 (model 1's test_side_stream_gives_the_same_bits):
+    dispatch and combine on jax_ep's side stream beside elementwise chains, forward and
+    differentiated, with and without command buffers; this process's rank of every output the same
+    bits as the program without the blocks, device memory poisoned before each of two runs."""
+    kw, (x, idx, w, wexp, ct) = model1.side_stream_case()
+    args = put_global(mesh, x, w, wexp, idx, ct.astype(np.float32))
+    checks = 0
+    for differentiated in (False, True):
+        want = local(model1.side_stream_fn(mesh, kw, False, differentiated)(*args))
+        for options in (None, GRAPH_OPTIONS["graphs"]):
+            compiled = model1.side_stream_fn(mesh, kw, True, differentiated).lower(*args).compile(options)
+            model1.assert_side_targets(compiled, differentiated, f"process {me} {options}")
+            for run in range(2):
+                poison_device_memory(jax.local_devices(), 128 << 20)
+                got = local(compiled(*args))
+                for name, g, r in zip(model1.SIDE_STREAM_NAMES[differentiated], got, want, strict=True):
+                    model1.assert_bits_equal(g, r, f"process {me} side stream {options} run {run} {name}")
+            checks += 1
+    return checks
 
 
 def check_low_latency(mesh, me) -> int:
@@ -285,7 +308,7 @@ def main(argv) -> None:
         checks = {"dispatch_combine": check_cases, "gradients": check_gradients,
                   "rank_major": lambda m, p: rank_major_model2.check_cases(m, p, transport="load_store"),
                   "low_latency": check_low_latency, "low_latency_scan": check_low_latency_scan,
-                  "remote_smoke": check_remote_smoke}
+                  "remote_smoke": check_remote_smoke, "side_stream": check_side_stream}
         # --checks a,b: only those groups (a run by hand; the test runs them all)
         chosen = argv[argv.index("--checks") + 1].split(",") if "--checks" in argv else list(checks)
         counts = {}

@@ -509,6 +509,66 @@ def test_async_stream_gives_the_same_bits(cuda_backend, mesh):
         assert after["captured_calls"] == before["captured_calls"], (options, before, after)
 
 
+SIDE_STREAM_NAMES = {False: ("out", "rows", "group sizes", "chain 1", "chain 2"),
+                     True: ("loss", "out", "d x", "d topk_weights", "d expert weights")}
+
+
+def side_stream_case():
+    """The side-stream programs' EPConfig keywords and inputs (seed 13; the PM2 worker's too)."""
+    return grad_case(13, 256, 1024, 4, 16, "messy")
+
+
+def side_stream_fn(mesh, kw, side: bool, differentiated: bool):
+    """dispatch beside an elementwise chain, then combine beside another (overlap.beside); with
+    side=False the same program without the blocks (each chain after its op). Differentiated: loss,
+    out and the gradients of x, topk_weights and the expert weights (SIDE_STREAM_NAMES). The rows are
+    compared up to the groups' end: past it they are unspecified."""
+    from jax_ep import overlap
+
+    def chain(a, m):
+        for i in range(4):
+            a = jnp.tanh(a * m[i] + m[i + 4])
+        return a
+
+    cfg = _cfg("cuda", **kw)
+
+    def forward(x, w, wexp, idx, ct):
+        m = wexp[0].astype(jnp.float32)
+        blocks = (lambda *a: overlap.beside(chain, *a)) if side else (
+            lambda *a: contextlib.nullcontext(overlap.Beside(chain, a)))
+        with blocks(x.astype(jnp.float32), m) as first:
+            d = jax_ep.dispatch(x, idx, w, cfg)
+        y = lax.ragged_dot(d.x, wexp, d.group_sizes).astype(x.dtype)
+        with blocks(ct, m) as second:
+            out = jax_ep.combine(y, d.handle, cfg)
+        r1 = first.result if side else chain(*first.args)
+        r2 = second.result if side else chain(*second.args)
+        assert first.overlapped == side and second.overlapped == side
+        rows = jnp.where(jnp.arange(d.x.shape[0])[:, None] < jnp.sum(d.group_sizes), d.x, 0)
+        return out, rows, d.group_sizes, r1, r2
+
+    def loss(x, w, wexp, idx, ct):
+        out, _, _, r1, r2 = forward(x, w, wexp, idx, ct)
+        return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(r1) + jnp.sum(jnp.sin(r2)), out
+
+    def grads(x, w, wexp, idx, ct):
+        (value, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, wexp, idx, ct)
+        return (value[None], out) + g
+
+    body = grads if differentiated else forward
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def assert_side_targets(compiled, differentiated: bool, what: str) -> None:
+    """The compiled side-stream program holds each side target and a join per side call."""
+    hlo = compiled.as_text()
+    targets = ["dispatch_side", "combine_side"] + (["combine_bwd_side", "combine_side"]
+                                                   if differentiated else [])
+    for target in set(targets):
+        assert hlo.count(f'"jax_ep_{target}"') == targets.count(target), (target, what)
+    assert hlo.count('"jax_ep_side_join"') == len(targets), what
+
+
 @pytest.mark.parametrize("differentiated", [False, True])
 def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated):
     """jax_ep.overlap.beside: dispatch on jax_ep's side stream, an elementwise chain on XLA's stream
@@ -517,58 +577,16 @@ def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated):
     end, past it they are unspecified) bit-identical to the same program without the blocks, with
     output memory poisoned before each run, with and without command buffers; the compiled program
     holds the side targets and a join for each. (Elementwise: a matmul chain is autotuned per fusion,
-    and the blocks' barriers change XLA's fusions, so its bits may differ for that reason alone.)"""
-    from jax_ep import overlap
-
-    kw, (x, idx, w, wexp, ct) = grad_case(13, 256, 1024, 4, 16, "messy")
-
-    def chain(a, m):
-        for i in range(4):
-            a = jnp.tanh(a * m[i] + m[i + 4])
-        return a
-
-    def make(side):
-        cfg = _cfg("cuda", **kw)
-
-        def forward(x, w, wexp, idx, ct):
-            m = wexp[0].astype(jnp.float32)
-            blocks = (lambda *a: overlap.beside(chain, *a)) if side else (
-                lambda *a: contextlib.nullcontext(overlap.Beside(chain, a)))
-            with blocks(x.astype(jnp.float32), m) as first:
-                d = jax_ep.dispatch(x, idx, w, cfg)
-            y = lax.ragged_dot(d.x, wexp, d.group_sizes).astype(x.dtype)
-            with blocks(ct, m) as second:
-                out = jax_ep.combine(y, d.handle, cfg)
-            r1 = first.result if side else chain(*first.args)
-            r2 = second.result if side else chain(*second.args)
-            assert first.overlapped == side and second.overlapped == side
-            rows = jnp.where(jnp.arange(d.x.shape[0])[:, None] < jnp.sum(d.group_sizes), d.x, 0)
-            return out, rows, d.group_sizes, r1, r2
-
-        def loss(x, w, wexp, idx, ct):
-            out, _, _, r1, r2 = forward(x, w, wexp, idx, ct)
-            return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(r1) + jnp.sum(jnp.sin(r2)), out
-
-        def grads(x, w, wexp, idx, ct):
-            (value, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, wexp, idx, ct)
-            return (value[None], out) + g
-
-        body = grads if differentiated else forward
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-
+    and the blocks' barriers change XLA's fusions, so its bits may differ for that reason alone.)
+    Process model 2 runs the same programs (process_group_worker's side_stream group)."""
+    kw, (x, idx, w, wexp, ct) = side_stream_case()
     args = put(mesh, x, w, wexp, idx, ct.astype(jnp.float32))
-    want = to_np(make(False)(*args))
-    names = (("loss", "out", "d x", "d topk_weights", "d expert weights") if differentiated
-             else ("out", "rows", "group sizes", "chain 1", "chain 2"))
+    want = to_np(side_stream_fn(mesh, kw, False, differentiated)(*args))
     for options in (None, GRAPH_OPTIONS["graphs"]):
-        compiled = make(True).lower(*args).compile(options)
-        hlo = compiled.as_text()
-        targets = ["dispatch_side", "combine_side"] + (["combine_bwd_side", "combine_side"]
-                                                       if differentiated else [])
-        for target in set(targets):
-            assert hlo.count(f'"jax_ep_{target}"') == targets.count(target), (target, options)
-        assert hlo.count('"jax_ep_side_join"') == len(targets), options
-        _assert_same_bits_thrice(compiled, args, want, mesh, f"{options}", names)
+        compiled = side_stream_fn(mesh, kw, True, differentiated).lower(*args).compile(options)
+        assert_side_targets(compiled, differentiated, f"{options}")
+        _assert_same_bits_thrice(compiled, args, want, mesh, f"{options}",
+                                 SIDE_STREAM_NAMES[differentiated])
 
 
 # Expert outputs whose bf16 rounding XLA's excess precision can remove in the backward graph. Found on
