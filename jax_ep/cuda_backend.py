@@ -391,8 +391,8 @@ def _call(op: str, out_types, *args, kernel: KernelConfig | None = None, aliases
         name = runtime.target(op, "side")
         call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
         outputs = ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
-        # A side effect, or XLA drops it: its int32[0] token is zero-sized, which XLA's simplifier
-        # replaces with a constant, leaving the custom call dead (found on one H200, 2026-12-02).
+        # A side effect, or XLA drops it where nothing reads its token (overlap.JOIN_TOKEN says why the
+        # token is not zero-sized).
         join = jax.ffi.ffi_call(runtime.target("side_join"), overlap.JOIN_TOKEN, vmap_method="sequential",
                                 has_side_effect=True)
         # ordered too: with several processes every EP call after it waits for the side stream. The

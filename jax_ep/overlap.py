@@ -304,5 +304,9 @@ def in_order(op: Callable) -> Callable:
     return ordered
 
 
-# The join's result: an int32[0] token, which only orders its readers after the join
-JOIN_TOKEN = jax.ShapeDtypeStruct((0,), jnp.int32)
+# The join's result: a token whose value is never read (unspecified: the join writes nothing), which
+# orders its readers after the join. Not zero-sized: XLA replaces a zero-element value by a constant,
+# which orders nothing, and XLA's stream then ran readers of a side call's results before the join
+# (process model 2 under MPS, one H200, 2026-12-02: the group sizes' prefix sum was read before the
+# side dispatch wrote them, and the combine's output came out wrong).
+JOIN_TOKEN = jax.ShapeDtypeStruct((1,), jnp.int32)

@@ -684,3 +684,26 @@ def test_beside_runs_the_work_after_the_block_where_no_call_takes_it():
             pass
     with pytest.raises(TypeError, match="fn must be callable"), overlap.beside(3):
         pass
+
+
+@pytest.mark.parametrize("option", ["shared_beside", "weight_grad_beside"])
+def test_side_joins_return_a_token_with_elements(cuda_lowering, option):
+    """Every jax_ep_side_join of the layer step returns a token of at least one element: readers of a
+    side call's results are ordered after the join only through it, and XLA replaces a zero-element
+    value by a constant, which orders nothing (one H200, 2026-12-02: with an int32[0] token XLA's
+    stream read the side dispatch's group sizes before the join; tests/gpu checks the compiled
+    schedule, gpu_helpers.assert_side_results_read_after_join)."""
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(_cuda_layer(**{option: True}), nnx.Param, ...)
+
+    def step(params, x):
+        return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(x, update_stats=False)
+                                          .astype(jnp.float32) ** 2))(params)
+
+    flow = Dataflow(_lowered(step, params, _inputs()[0]))
+    joins = [c for c in flow.calls if flow.name(c) == "jax_ep_side_join"]
+    assert joins, [flow.name(c) for c in flow.calls]
+    for join in joins:
+        (result,) = join.results
+        assert result.type.rank == 1 and result.type.shape[0] >= 1, str(result.type)

@@ -26,7 +26,7 @@ ffi::Error SideOf(int32_t device_ordinal, const char* what, const SideStream** s
 }
 
 ffi::Error SideJoinImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs /*kept*/,
-                        ffi::ResultBuffer<ffi::S32> /*token: int32[0], ordering only*/) {
+                        ffi::ResultBuffer<ffi::S32> /*token: int32[1], ordering only, not written*/) {
   JAX_EP_RETURN_IF_ERROR(CountCall(side_join_counters, stream, kSideJoinTarget));
   return JoinSideStream(stream, device_ordinal);
 }
@@ -59,7 +59,8 @@ ffi::Error JoinSideStream(cudaStream_t stream, int32_t device_ordinal) {
 }  // namespace jax_ep
 
 // Operands: whatever must stay allocated until the side stream is done (the op's operands and
-// results, the work it ran beside); result: an int32[0] token that orders its readers after the join.
+// results, the work it ran beside); result: an int32[1] token (not written: overlap.JOIN_TOKEN) that
+// orders its readers after the join.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpSideJoin, jax_ep::SideJoinImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -211,6 +212,63 @@ def process_group_skip_reason() -> str | None:
     except RuntimeError as e:
         return f"no usable CUDA device ({e})"
     return None if count else "no CUDA device"
+
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
+_HLO_OP = re.compile(r"(?:^|[\s)}\]])([a-z][a-z\-]*)\(")
+_HLO_REF = re.compile(r"(?<![=\w])%([\w.\-]+)")
+_HLO_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=(%[\w.\-]+)")
+
+
+def assert_side_results_read_after_join(hlo: str, what: str) -> None:
+    """In the compiled (scheduled) program `hlo` (compiled.as_text()), nothing on XLA's stream reads a side
+    call's results between the call and its jax_ep_side_join: until the join they are being written on
+    the side stream. Only tuples, get-tuple-elements and optimization barriers (expanded or not) may
+    pass them on (followed per tuple element). Checks every side call of the entry computation; the
+    join of a side call is the first join after it; a custom call XLA wrapped in a fusion (its dynamic
+    slice fusions) counts as the call. (Found necessary on one H200, 2026-12-02: with a zero-sized join
+    token XLA scheduled the group sizes' prefix sum before the join.)"""
+    head, entry = hlo.split("\nENTRY ", 1)
+    computations = {}   # name -> body text, for the fusions that wrap a custom call
+    for block in head.split("\n\n"):
+        m = re.search(r"^(?:%)?([\w.\-]+) ", block.strip())
+        if m:
+            computations["%" + m.group(1)] = block
+
+    def calls_target(rest: str, pattern: str) -> bool:
+        texts = [rest] + [computations.get(c, "") for c in _HLO_CALLS.findall(rest)]
+        return any(re.search(rf'custom_call_target="{pattern}"', t) for t in texts)
+
+    lines = [m.groups() for m in map(_HLO_LINE.match, entry.splitlines()) if m]
+    side_calls = [i for i, (_, rest) in enumerate(lines) if calls_target(rest, r"jax_ep_\w+_side")]
+    assert side_calls, f"{what}: no side call in the program"
+    for start in side_calls:
+        name0 = lines[start][0]
+        derived = {name0: None}   # name -> None (every element derived) or the set of tuple indices
+        joined = False
+        for name, rest in lines[start + 1:]:
+            if calls_target(rest, "jax_ep_side_join"):
+                joined = True
+                break
+            body = _HLO_CALLS.sub("", rest)
+            op = _HLO_OP.search(body)
+            op = op.group(1) if op else ""
+            refs = _HLO_REF.findall(body)
+            if op == "get-tuple-element":
+                index = int(re.search(r"index=(\d+)", body).group(1))
+                src = derived.get(refs[0], False)
+                if src is None or (src is not False and index in src):
+                    derived[name] = None
+                continue
+            if op in ("tuple", "opt-barrier"):
+                hit = {i for i, r in enumerate(refs) if r in derived}
+                if hit:
+                    derived[name] = hit
+                continue
+            read = [r for r in refs if r in derived]
+            assert not read, (f"{what}: %{name} ({op}) reads {read} of side call %{name0} before its "
+                              f"join:\n  {name} = {rest[:300]}")
+        assert joined, f"{what}: side call %{name0} has no join after it"
 
 
 def launch_command(worker, extra=(), timeout_s: int = 420) -> list[str]:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from gpu_helpers import assert_side_results_read_after_join
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_dispatch_gpu import quantize_fp8_numpy
@@ -312,6 +313,7 @@ def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_b
     hlo = [step.lower(*args).compile().as_text() for step, args in (plain, beside)]
     assert '"jax_ep_combine_side"' not in hlo[0] and hlo[1].count('"jax_ep_combine_side"') == 1
     assert hlo[1].count('"jax_ep_side_join"') == 1
+    assert_side_results_read_after_join(hlo[1], "weight_grad_beside")
     gemms = [h.count('custom_call_target="mosaic_gpu') for h in hlo]
     assert gemms[0] >= 6 and gemms[1] == gemms[0], gemms
     (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, beside))
