@@ -296,33 +296,71 @@ def test_moe_layer_gemms_on_fewer_sms_give_the_same_bits(gemm_dtype):
         np.testing.assert_array_equal(np.asarray(g1[name][...]), np.asarray(g2[name][...]), err_msg=name)
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["one_process", "ordered"])
 @pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"], ids=["bf16", "fp8"])
-def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_bits(gemm_dtype):
+def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_bits(gemm_dtype, ordered,
+                                                                                   monkeypatch):
     """EPOptions(weight_grad_beside=True) on the GPUs: dispatch's backward (a combine) on jax_ep's side
     stream on 24 SMs (KernelConfig.side_num_sms) beside the gate|up GEMM's weight gradient on XLA's
     stream. The loss and every gradient of the layer step (the tokens' too, as in a model, where the
     tokens come from earlier layers) bit for bit those without it, bf16 and FP8 GEMMs; the compiled
-    step holds the side call and its join, and no more GEMM kernels than without (the chain traces the
-    GEMM's backward twice; XLA drops each dead half)."""
+    step holds the side call and its join, reads nothing of the side call before the join, and no more
+    GEMM kernels than without (the chain traces the GEMM's backward twice; XLA drops each dead half).
+    ordered: with the EP calls' ordering effect, as several processes lower them (jax_ep.ordering)."""
+    from jax_ep import ordering
     from jax_ep.moe import EPOptions
 
+    if ordered:
+        monkeypatch.setattr(ordering, "needed", lambda: True)
     side = jax_ep.KernelConfig(side_num_sms=24)
     plain = layer_program(7, wrt_x=True, ep=EPOptions(backend="cuda"), gemm_dtype=gemm_dtype)
     beside = layer_program(7, wrt_x=True, ep=EPOptions(backend="cuda", weight_grad_beside=True, kernel=side),
                            gemm_dtype=gemm_dtype)
-    hlo = [step.lower(*args).compile().as_text() for step, args in (plain, beside)]
-    assert '"jax_ep_combine_side"' not in hlo[0] and hlo[1].count('"jax_ep_combine_side"') == 1
-    assert hlo[1].count('"jax_ep_side_join"') == 1
-    assert_side_results_read_after_join(hlo[1], "weight_grad_beside")
+    hlo = _assert_beside_same_step(plain, beside, ("combine_side",))
     gemms = [h.count('custom_call_target="mosaic_gpu') for h in hlo]
     assert gemms[0] >= 6 and gemms[1] == gemms[0], gemms
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["one_process", "ordered"])
+def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ordered, monkeypatch):
+    """EPOptions(shared_beside=True) on the GPUs: the shared expert's forward beside the last combine and
+    its backward beside combine's backward (combine_bwd), both on jax_ep's side stream on 24 SMs. The
+    loss and every gradient of the layer step (the shared expert's weights' and the tokens' included)
+    bit for bit those of the same layer without it; the compiled step holds both side calls and their
+    joins and reads nothing of a side call before its join. ordered: with the EP calls' ordering effect."""
+    from jax_ep import ordering
+    from jax_ep.moe import EPOptions
+
+    if ordered:
+        monkeypatch.setattr(ordering, "needed", lambda: True)
+    side = jax_ep.KernelConfig(side_num_sms=24)
+    plain = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", kernel=side), shared_ffn_hidden=256)
+    beside = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", shared_beside=True, kernel=side),
+                           shared_ffn_hidden=256)
+    _assert_beside_same_step(plain, beside, ("combine_side", "combine_bwd_side"))
+
+
+def _assert_beside_same_step(plain, beside, side_targets) -> list[str]:
+    """The two layer programs (layer_program(..., wrt_x=True)): the second holds each of `side_targets`
+    once and a join per side call, in a schedule that reads no side call's results before its join, the
+    first none; their loss and gradients (every parameter's, the tokens') are the same bits. Returns
+    the compiled programs' HLO."""
+    hlo = [step.lower(*args).compile().as_text() for step, args in (plain, beside)]
+    for target in side_targets:
+        assert f'"jax_ep_{target}"' not in hlo[0] and hlo[1].count(f'"jax_ep_{target}"') == 1, target
+    assert hlo[1].count('"jax_ep_side_join"') == len(side_targets)
+    assert_side_results_read_after_join(hlo[1], "beside")
     (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, beside))
     assert np.isfinite(float(l1)) and float(l1) == float(l2)
     assert np.abs(np.asarray(gx1, np.float32)).max() > 0
     np.testing.assert_array_equal(np.asarray(gx1), np.asarray(gx2), err_msg="d x")
-    for name in ("w_gate_up", "w_down", "router"):
-        assert np.abs(np.asarray(g1[name][...], np.float32)).max() > 0, name
-        np.testing.assert_array_equal(np.asarray(g1[name][...]), np.asarray(g2[name][...]), err_msg=name)
+    leaves1, leaves2 = (jax.tree_util.tree_leaves_with_path(g) for g in (g1, g2))
+    assert len(leaves1) == len(leaves2) >= 3
+    for (path, a), (_, b) in zip(leaves1, leaves2, strict=True):
+        name = jax.tree_util.keystr(path)
+        assert np.abs(np.asarray(a, np.float32)).max() > 0, name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    return hlo
 
 
 def layer_step(seed: int, **kw):
