@@ -223,8 +223,9 @@ _HLO_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=(%[\w.\-]+)")
 def assert_side_results_read_after_join(hlo: str, what: str) -> None:
     """In the compiled (scheduled) program `hlo` (compiled.as_text()), nothing on XLA's stream reads a side
     call's results between the call and its jax_ep_side_join: until the join they are being written on
-    the side stream. Only tuples, get-tuple-elements and optimization barriers (expanded or not) may
-    pass them on (followed per tuple element). Checks every side call of the entry computation; the
+    the side stream; nor does another EP call run there meanwhile (it would share the comm buffers). Only
+    tuples, get-tuple-elements and optimization barriers (expanded or not) may pass the results on
+    (followed per tuple element). Checks every side call of the entry computation; the
     join of a side call is the first join after it; a custom call XLA wrapped in a fusion (its dynamic
     slice fusions) counts as the call. (Found necessary on one H200, 2026-12-02: with a zero-sized join
     token XLA scheduled the group sizes' prefix sum before the join.)"""
@@ -250,6 +251,9 @@ def assert_side_results_read_after_join(hlo: str, what: str) -> None:
             if calls_target(rest, "jax_ep_side_join"):
                 joined = True
                 break
+            assert not calls_target(rest, r"jax_ep_\w+"), (
+                f"{what}: EP call %{name} is issued on XLA's stream between side call %{name0} and its "
+                f"join: both would use the comm buffers at once")
             body = _HLO_CALLS.sub("", rest)
             op = _HLO_OP.search(body)
             op = op.group(1) if op else ""
