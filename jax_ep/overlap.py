@@ -244,7 +244,8 @@ _since: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def record(outputs, side: bool = False) -> None:
     """Note an EP call's results among the last of its trace (cuda_backend._call and ``in_order``, every
     call; run_beside the join's token with ``side``, which starts a new list)."""
-    leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array)]
+    # (not a zero-element one, e.g. dispatch's absent scales: XLA makes it a constant, which orders nothing)
+    leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array) and a.size > 0]
     trace = core.trace_ctx.trace
     if not leaves or isinstance(trace, core.EvalTrace):   # run eagerly: each call in program order
         return

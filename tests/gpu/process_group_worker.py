@@ -210,10 +210,13 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
             poison_device_memory(jax.local_devices(), 128 << 20)
             value, out, (grads, gx) = local(step(put_global(mesh, *stacked), *put_global(mesh, x, ct)))
             got[name] = (value, out, gx, grads)
-            for other, arrays in got.items():   # the side-stream variants: the plain step's bits
-                for i, (a, b) in enumerate(zip(jax.tree.leaves(arrays), jax.tree.leaves(got[name]),
-                                               strict=True)):
-                    model1.assert_bits_equal(b, a, f"process {me} layer {name} vs {other}, output {i}")
+            # the side-stream variants: the plain step within float32 rounding (XLA fuses and autotunes
+            # the shared expert's and the weight gradient's dots per program: bits may differ)
+            for i, (a, b) in enumerate(zip(jax.tree.leaves(got["plain"]), jax.tree.leaves(got[name]),
+                                           strict=True)):
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                err = np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-30)
+                assert err < 1e-5, f"process {me} layer {name} vs plain, output {i}: relative error {err:.3g}"
 
         # the dense layer in this process alone, float32 (test_moe.dense_moe's computation)
         layer = nnx.merge(graphdef, jax.tree_util.tree_unflatten(tree, host), rest)

@@ -326,8 +326,11 @@ def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ordered, mon
     """EPOptions(shared_beside=True) on the GPUs: the shared expert's forward beside the last combine and
     its backward beside combine's backward (combine_bwd), both on jax_ep's side stream on 24 SMs. The
     loss and every gradient of the layer step (the shared expert's weights' and the tokens' included)
-    bit for bit those of the same layer without it; the compiled step holds both side calls and their
-    joins and reads nothing of a side call before its join. ordered: with the EP calls' ordering effect."""
+    those of the same layer without it, within rounding: XLA fuses and autotunes the shared expert's
+    cuBLAS dots per program (one H200, 2026-12-02: bit-equal in one run, 3 of 65536 elements of the
+    shared w_up's gradient one bf16 step apart in the next); a side call's results read early are off
+    by O(1). The compiled step holds both side calls and their joins and reads nothing of a side call
+    before its join. ordered: with the EP calls' ordering effect."""
     from jax_ep import ordering
     from jax_ep.moe import EPOptions
 
@@ -337,29 +340,33 @@ def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ordered, mon
     plain = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", kernel=side), shared_ffn_hidden=256)
     beside = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", shared_beside=True, kernel=side),
                            shared_ffn_hidden=256)
-    _assert_beside_same_step(plain, beside, ("combine_side", "combine_bwd_side"))
+    _assert_beside_same_step(plain, beside, ("combine_side", "combine_bwd_side"), rtol=1e-3)
 
 
-def _assert_beside_same_step(plain, beside, side_targets) -> list[str]:
+def _assert_beside_same_step(plain, beside, side_targets, rtol: float | None = None) -> list[str]:
     """The two layer programs (layer_program(..., wrt_x=True)): the second holds each of `side_targets`
     once and a join per side call, in a schedule that reads no side call's results before its join, the
-    first none; their loss and gradients (every parameter's, the tokens') are the same bits. Returns
-    the compiled programs' HLO."""
+    first none; their loss and gradients (every parameter's, the tokens') are the same bits, or with
+    `rtol` each within rtol of the first's norm. Returns the compiled programs' HLO."""
     hlo = [step.lower(*args).compile().as_text() for step, args in (plain, beside)]
     for target in side_targets:
         assert f'"jax_ep_{target}"' not in hlo[0] and hlo[1].count(f'"jax_ep_{target}"') == 1, target
     assert hlo[1].count('"jax_ep_side_join"') == len(side_targets)
     assert_side_results_read_after_join(hlo[1], "beside")
     (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, beside))
-    assert np.isfinite(float(l1)) and float(l1) == float(l2)
-    assert np.abs(np.asarray(gx1, np.float32)).max() > 0
-    np.testing.assert_array_equal(np.asarray(gx1), np.asarray(gx2), err_msg="d x")
     leaves1, leaves2 = (jax.tree_util.tree_leaves_with_path(g) for g in (g1, g2))
-    assert len(leaves1) == len(leaves2) >= 3
-    for (path, a), (_, b) in zip(leaves1, leaves2, strict=True):
-        name = jax.tree_util.keystr(path)
-        assert np.abs(np.asarray(a, np.float32)).max() > 0, name
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert np.isfinite(float(l1)) and len(leaves1) == len(leaves2) >= 3
+    pairs = [("loss", l1, l2), ("d x", gx1, gx2)] + [
+        (jax.tree_util.keystr(path), a, b) for (path, a), (_, b) in zip(leaves1, leaves2, strict=True)]
+    for name, a, b in pairs:
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a.astype(np.float32)).max() > 0, name
+        if rtol is None:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            err = np.linalg.norm(b - a) / np.linalg.norm(a)
+            assert err <= rtol, f"{name}: relative difference {err:.3g} > {rtol}"
     return hlo
 
 
