@@ -11,7 +11,7 @@ rank-major ops (put_transport_worker's cases over the NVLink kernels, bit-exact)
 ops' round trip (fused and two-phase, model 1's cases, bit-exact) and 20 two-phase steps in a
 lax.scan as CUDA graphs (each step's bits those of the fused step), dispatch and combine on jax_ep's
 side stream (overlap.beside) the same bits as without, the MoE layer's training step against a dense
-computation of the layer (and its side-stream overlaps bit-equal to it), and
+computation of the layer (and its side-stream overlaps the same within rounding), and
 remote_smoke (NVSHMEM device puts + signals, the transport of the inter-node path, which NVSHMEM
 carries over P2P on one node) against peer_smoke's pattern. With --remote, the remote_smoke check
 only. With --bench, instead times dispatch/combine at the DeepSeek-V3 shape
@@ -166,8 +166,8 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
     the output and d x of this rank's tokens, the gradients of this rank's experts (from every rank's
     tokens) and of the router and shared expert (from this rank's tokens), within 1e-4 of the dense
     norm. The shared expert beside combine and dispatch's backward beside the weight gradient
-    (jax_ep's side stream on 24 SMs) give the plain step's bits. (backend: "reference" runs the same
-    check on CPU devices in one process, as rank 0.)"""
+    (jax_ep's side stream on 24 SMs) give the plain step within float32 rounding. (backend: "reference"
+    runs the same check on CPU devices in one process, as rank 0.)"""
     from flax import nnx
 
     from jax_ep import gating

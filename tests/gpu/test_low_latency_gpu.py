@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gpu_helpers import (
     EP_RANKS,
+    assert_side_results_read_after_join,
     ep_step_child,
     faults_of_child,
     needs_two_ranks,
@@ -368,3 +369,45 @@ def test_decode_layer_with_the_kernels_matches_the_reference_ops(cuda_backend, m
         outs[backend] = np.asarray(step(layer, x, quantized).astype(jnp.float32))
     assert np.isfinite(outs["cuda"]).all() and np.abs(outs["cuda"]).max() > 0
     np.testing.assert_array_equal(outs["cuda"], outs["reference"])
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["one_process", "ordered"])
+def test_decode_layer_with_the_shared_expert_beside_the_send(cuda_backend, mesh, ordered, monkeypatch):
+    """EPOptions(shared_beside=True) on the decode path: the shared expert on XLA's stream beside
+    ll_dispatch_send on jax_ep's side stream (24 SMs), then ll_dispatch_recv. The output equals the same
+    layer's without it within 1e-3 of its norm (XLA fuses and autotunes the shared expert's cuBLAS dots
+    per program, so bits may differ; an early read of the send's results is off by O(1)); the compiled
+    forward holds the side send and its join, the plain one neither, and XLA's schedule reads nothing
+    of the send before its join. ordered: with the EP calls' ordering effect (process model 2's
+    lowering)."""
+    from flax import nnx
+
+    from jax_ep import ordering
+    from jax_ep.gating import RouterConfig
+    from jax_ep.moe import EPOptions, MoE
+
+    if ordered:
+        monkeypatch.setattr(ordering, "needed", lambda: True)
+    hidden, ffn, experts, topk, tokens = 2048, 512, 8 * R, 4, 64
+    x = jax.device_put(jnp.asarray(random_normal(np.random.default_rng(12), (R * tokens, hidden),
+                                                 np.float32), jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
+    outs, hlo = {}, {}
+    for beside in (False, True):
+        layer = MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(3), mesh=mesh,
+                    ep=EPOptions(backend="cuda", shared_beside=beside,
+                                 kernel=jax_ep.KernelConfig(side_num_sms=24)),
+                    param_dtype=jnp.bfloat16, decode=True, shared_ffn_hidden=1024)
+        graphdef, state = nnx.split(layer)
+        step = jax.jit(lambda state, x, graphdef=graphdef: nnx.merge(graphdef, state)(
+            x, decode=True, update_stats=False))
+        compiled = step.lower(state, x).compile()
+        hlo[beside] = compiled.as_text()
+        poison_device_memory(mesh.devices.flat, 256 << 20)
+        outs[beside] = np.asarray(compiled(state, x).astype(jnp.float32))
+    assert '"jax_ep_ll_dispatch_send_side"' not in hlo[False] and '"jax_ep_side_join"' not in hlo[False]
+    assert hlo[True].count('"jax_ep_ll_dispatch_send_side"') == 1
+    assert hlo[True].count('"jax_ep_side_join"') == 1
+    assert_side_results_read_after_join(hlo[True], "decode shared_beside")
+    assert np.isfinite(outs[True]).all() and np.abs(outs[False]).max() > 0
+    err = np.linalg.norm(outs[True] - outs[False]) / np.linalg.norm(outs[False])
+    assert err <= 1e-3, f"the decode output with the shared expert beside differs by {err:.3g}"
