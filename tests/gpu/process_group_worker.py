@@ -27,6 +27,7 @@ under jax.vmap (gpu_helpers.reference_by_vmap); only jax_ep's own ops communicat
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -157,50 +158,76 @@ def check_side_stream(mesh, me) -> int:
     return checks
 
 
-def check_layer(mesh, me, backend: str = "cuda") -> int:
-    """The Flax MoE layer's training step in process model 2 (the multi-node path), float32 at the
-    highest matmul precision: the layer inside a shard_map over the processes (mesh=None; every
-    parameter passed varying, the replicated ones stacked per rank, so that no XLA collective runs
-    across the processes: their gradients come back per rank, unsummed) with the CUDA EP kernels, against
-    a dense computation of the same layer in this process alone (every token runs its chosen experts):
-    the output and d x of this rank's tokens, the gradients of this rank's experts (from every rank's
-    tokens) and of the router and shared expert (from this rank's tokens), within 1e-4 of the dense
-    norm. The shared expert beside combine and dispatch's backward beside the weight gradient
-    (jax_ep's side stream on 24 SMs) give the plain step within float32 rounding. (backend: "reference"
-    runs the same check on CPU devices in one process, as rank 0.)"""
+def _per_rank_layer(ranks: int, backend: str, **options):
+    """The MoE layer of check_layer (hidden 256, ffn 384, 8 experts per rank, top-4, a 256-wide shared
+    expert, float32) for use inside a shard_map (mesh=None), with EPOptions `options`: (graphdef, rest,
+    the parameters' tree, their names, which are expert-sharded, their host values, the host values as
+    passed: expert-sharded ones whole, every other one stacked once per rank so that its gradient comes
+    back per rank, with no XLA collective across the processes)."""
     from flax import nnx
 
     from jax_ep import gating
-    from jax_ep.moe import EPOptions, MoE, swiglu_ffn
+    from jax_ep.moe import EPOptions, MoE
+
+    layer = MoE(256, 384, gating.RouterConfig(8 * ranks, 4), rngs=nnx.Rngs(3), mesh=None, axis_name=AXIS,
+                ep=EPOptions(backend=backend, kernel=jax_ep.KernelConfig(side_num_sms=24), **options),
+                shared_ffn_hidden=256)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    paths, tree = jax.tree_util.tree_flatten_with_path(params)
+    names = [jax.tree_util.keystr(path) for path, _ in paths]
+    expert = [n in ("['w_gate_up'].value", "['w_down'].value") for n in names]
+    host = [np.asarray(v) for _, v in paths]
+    stacked = [v if e else np.stack([v] * ranks) for v, e in zip(host, expert, strict=True)]
+    return graphdef, rest, tree, names, expert, host, stacked
+
+
+def _merged(graphdef, rest, tree, expert, leaves):
+    """The per-rank layer from shard_map's local leaves (a stacked leaf's one row)."""
+    from flax import nnx
+
+    values = [v if e else v[0] for v, e in zip(leaves, expert, strict=True)]
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(tree, values), rest)
+
+
+def _assert_close(got, want, rtol: float, what: str) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert np.linalg.norm(want) > 0 and err < rtol, f"{what}: relative error {err:.3g} (bound {rtol})"
+
+
+def check_layer(mesh, me, backend: str = "cuda") -> int:
+    """The Flax MoE layer in process model 2 (the multi-node path), float32 at the highest matmul
+    precision, inside a shard_map over the processes (_per_rank_layer: no XLA collective crosses them),
+    with the CUDA EP kernels, against a dense computation of the same layer in this process alone
+    (every token runs its chosen experts). Training step: the loss, output and d x of this rank's tokens,
+    the gradients of this rank's experts (from every rank's tokens) and of the router and shared expert
+    (from this rank's tokens), within 1e-4 of the dense norm; the shared expert beside combine and
+    dispatch's backward beside the weight gradient (jax_ep's side stream on 24 SMs) within 1e-5 of the
+    plain step (XLA fuses and autotunes their dots per program: bits may differ). Decode forward (the
+    low-latency ops; the wire and the routed output in bfloat16): within 1e-2 of the dense output, and
+    with the shared expert beside ll_dispatch_send within 1e-5 of it. (backend "reference" runs the
+    same check on CPU devices in one process, as rank 0.)"""
+    from jax_ep import gating
+    from jax_ep.moe import swiglu_ffn
 
     ranks = int(mesh.shape[AXIS])
-    hidden, ffn, shared_ffn, topk, tokens = 256, 384, 256, 4, 512
-    experts = 8 * ranks
-    side = jax_ep.KernelConfig(side_num_sms=24)
-    variants = {"plain": {}, "shared_beside": {"shared_beside": True},
-                "weight_grad_beside": {"weight_grad_beside": True}}
+    tokens, decode_tokens, hidden = 512, 64, 256
     rng = np.random.default_rng(21)   # the same on every process
     x = rng.standard_normal((ranks * tokens, hidden)).astype(np.float32)
     ct = rng.standard_normal((ranks * tokens, hidden)).astype(np.float32)
+    xd = rng.standard_normal((ranks * decode_tokens, hidden)).astype(np.float32)
     mine = slice(me * tokens, (me + 1) * tokens)
-    got = {}
+    step_out, decode_out = {}, {}
     with jax.default_matmul_precision("highest"):
-        for name, options in variants.items():
-            layer = MoE(hidden, ffn, gating.RouterConfig(experts, topk), rngs=nnx.Rngs(3), mesh=None,
-                        axis_name=AXIS, ep=EPOptions(backend=backend, kernel=side, **options),
-                        shared_ffn_hidden=shared_ffn)
-            graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-            paths, tree = jax.tree_util.tree_flatten_with_path(params)
-            names = [jax.tree_util.keystr(path) for path, _ in paths]
-            expert = [n in ("['w_gate_up'].value", "['w_down'].value") for n in names]
-            host = [np.asarray(v) for _, v in paths]
-            stacked = [v if e else np.stack([v] * ranks) for v, e in zip(host, expert, strict=True)]
+        for name, options in {"plain": {}, "shared_beside": {"shared_beside": True},
+                              "weight_grad_beside": {"weight_grad_beside": True}}.items():
+            graphdef, rest, tree, names, expert, host, stacked = _per_rank_layer(ranks, backend, **options)
+            layer_of = functools.partial(_merged, graphdef, rest, tree, expert)
 
-            def body(leaves, x, ct, graphdef=graphdef, rest=rest, tree=tree, expert=expert):
+            def body(leaves, x, ct, layer_of=layer_of):
                 def loss(leaves, x):
-                    values = [v if e else v[0] for v, e in zip(leaves, expert, strict=True)]
-                    out = nnx.merge(graphdef, jax.tree_util.tree_unflatten(tree, values), rest)(
-                        x, update_stats=False)
+                    out = layer_of(leaves)(x, update_stats=False)
                     return jnp.sum(out * ct), out
 
                 (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(leaves, x)
@@ -209,17 +236,16 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
             step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
             poison_device_memory(jax.local_devices(), 128 << 20)
             value, out, (grads, gx) = local(step(put_global(mesh, *stacked), *put_global(mesh, x, ct)))
-            got[name] = (value, out, gx, grads)
-            # the side-stream variants: the plain step within float32 rounding (XLA fuses and autotunes
-            # the shared expert's and the weight gradient's dots per program: bits may differ)
-            for i, (a, b) in enumerate(zip(jax.tree.leaves(got["plain"]), jax.tree.leaves(got[name]),
-                                           strict=True)):
-                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-                err = np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-30)
-                assert err < 1e-5, f"process {me} layer {name} vs plain, output {i}: relative error {err:.3g}"
+            step_out[name] = (value, out, gx, grads)
+            if name != "weight_grad_beside":   # (a training option)
+                def decode(leaves, xd, layer_of=layer_of):
+                    return layer_of(leaves)(xd, decode=True, update_stats=False)
+
+                forward = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+                decode_out[name] = local(forward(put_global(mesh, *stacked), *put_global(mesh, xd)))
 
         # the dense layer in this process alone, float32 (test_moe.dense_moe's computation)
-        layer = nnx.merge(graphdef, jax.tree_util.tree_unflatten(tree, host), rest)
+        layer = _merged(graphdef, rest, tree, [True] * len(host), host)
         bias = layer.expert_bias[...]
 
         def dense(host, x):
@@ -243,20 +269,26 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
         grad = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True))
         (_, want_out), (want_all, want_gx) = grad(host, x, everyone)
         (want_value, _), (want_mine, _) = grad(host, x, this_rank)
-    value, out, gx, grads = got["plain"]
-    e = slice(me * experts // ranks, (me + 1) * experts // ranks)
+        want_decode = np.asarray(jax.jit(dense)(host, xd))[me * decode_tokens:(me + 1) * decode_tokens]
+    value, out, gx, grads = step_out["plain"]
+    experts_here = next(g.shape[0] for g, ex in zip(grads, expert, strict=True) if ex)
+    e = slice(me * experts_here, (me + 1) * experts_here)
     checks = [("loss", value[0], want_value), ("out", out, np.asarray(want_out)[mine]),
               ("d x", gx, np.asarray(want_gx)[mine])]
     for n, g, wa, wm, ex in zip(names, grads, want_all, want_mine, expert, strict=True):
         checks.append((f"d {n}", g if ex else g[0], np.asarray(wa)[e] if ex else np.asarray(wm)))
     for what, g, w in checks:
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        assert g.shape == w.shape, (what, g.shape, w.shape)
-        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
-        assert np.linalg.norm(w) > 0 and err < 1e-4, f"process {me} layer {what}: relative error {err:.3g}"
-    print(f"process {me}: layer OK ({len(checks)} arrays against the dense layer, "
-          f"{len(variants) - 1} side-stream variants bit-equal)", flush=True)
-    return len(variants)
+        _assert_close(g, w, 1e-4, f"process {me} layer step {what}")
+    for name in ("shared_beside", "weight_grad_beside"):
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(step_out["plain"]), jax.tree.leaves(step_out[name]),
+                                       strict=True)):
+            _assert_close(b, a, 1e-5, f"process {me} layer step {name} vs plain, output {i}")
+    _assert_close(decode_out["plain"], want_decode, 1e-2, f"process {me} decode")
+    _assert_close(decode_out["shared_beside"], decode_out["plain"], 1e-5,
+                  f"process {me} decode shared_beside vs plain")
+    print(f"process {me}: layer OK ({len(checks)} arrays of the step and the decode output against the "
+          "dense layer; the step's two overlaps and decode's one within rounding)", flush=True)
+    return 4
 
 
 def check_low_latency(mesh, me) -> int:
