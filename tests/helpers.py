@@ -232,3 +232,23 @@ def assert_close_f(got, want, rtol: float, what: str = "") -> None:
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     scale = max(float(np.abs(want).max(initial=0.0)), 1e-30)
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+def dense_moe(layer, x, routing_cfg=None):
+    """The MoE layer `layer` without EP: every token of x [..., hidden] runs its chosen experts on one
+    device (routed with `routing_cfg`, default the layer's), plus the shared expert if it has one
+    (test_moe, and process model 2's GPU worker)."""
+    import jax.numpy as jnp
+
+    from jax_ep import gating
+
+    tokens = x.reshape(-1, x.shape[-1])
+    logits = tokens @ layer.router[...]
+    routing = gating.route(logits, routing_cfg or layer.routing, layer.expert_bias[...])
+    gate, up = jnp.split(jnp.einsum("th,ehf->tef", tokens, layer.w_gate_up[...]), 2, axis=2)
+    y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, layer.w_down[...])    # [T, E, H]
+    picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)      # [T, K, H]
+    out = jnp.sum(picked * routing.topk_weights[:, :, None], axis=1)
+    if layer.shared is not None:
+        out = out + layer.shared(tokens)
+    return out.reshape(x.shape)

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import parametrize_slow_tail
+from helpers import dense_moe, parametrize_slow_tail
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from models import LMConfig, MoETransformerLM, next_token_loss  # examples/models.py
@@ -22,21 +22,6 @@ from jax_ep.gating import RouterConfig
 from jax_ep.moe import EPOptions, MoE
 
 HIDDEN, FFN, EXPERTS, TOPK = 16, 24, 8, 2
-
-
-def dense_moe(layer: MoE, x, routing_cfg=None):
-    """The same layer without EP: every token runs its chosen experts on one device (routed with
-    `routing_cfg`, default the layer's)."""
-    tokens = x.reshape(-1, HIDDEN)
-    logits = tokens @ layer.router[...]
-    routing = gating.route(logits, routing_cfg or layer.routing, layer.expert_bias[...])
-    gate, up = jnp.split(jnp.einsum("th,ehf->tef", tokens, layer.w_gate_up[...]), 2, axis=2)
-    y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, layer.w_down[...])    # [T, E, H]
-    picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)      # [T, K, H]
-    out = jnp.sum(picked * routing.topk_weights[:, :, None], axis=1)
-    if layer.shared is not None:
-        out = out + layer.shared(tokens)
-    return out.reshape(x.shape)
 
 
 def make_layer(mesh, seed=0, routing=None, ep=None, **kw):

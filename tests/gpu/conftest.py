@@ -33,3 +33,15 @@ def process_group():
     reason = process_group_skip_reason()
     if reason is not None:
         pytest.skip(reason)
+
+
+@pytest.fixture(params=[False, True], ids=["one_process", "ordered"])
+def ep_order(request, monkeypatch):
+    """Each test twice: as one process lowers its EP calls, and with the calls' ordering effect forced on
+    (jax_ep.ordering), as several processes lower them (process model 2), on this one process's GPUs.
+    The value: whether the effect is on."""
+    if request.param:
+        from jax_ep import ordering
+
+        monkeypatch.setattr(ordering, "needed", lambda: True)
+    return request.param

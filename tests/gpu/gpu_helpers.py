@@ -214,6 +214,12 @@ def process_group_skip_reason() -> str | None:
     return None if count else "no CUDA device"
 
 
+def rel_err(a, b) -> float:
+    """|a - b| / |b| (Frobenius norms, float64)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 _HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 _HLO_OP = re.compile(r"(?:^|[\s)}\]])([a-z][a-z\-]*)\(")
 _HLO_REF = re.compile(r"(?<![=\w])%([\w.\-]+)")

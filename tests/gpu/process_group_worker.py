@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/ (helpers)
 
 import put_transport_worker as rank_major_model2  # noqa: E402  (the rank-major cases, any transport)
 import test_dispatch_gpu as model1  # noqa: E402  (cases, inputs and comparisons of model 1)
@@ -55,7 +56,9 @@ from gpu_helpers import (  # noqa: E402
     random_normal,
     rank_rows,
     reference_by_vmap,
+    rel_err,
 )
+from helpers import dense_moe  # noqa: E402  (tests/helpers.py: the layer without EP)
 from test_peer_smoke_gpu import pattern  # noqa: E402  (peer_smoke_pattern of cuda/peer_smoke.h)
 
 import jax_ep.distributed  # noqa: E402
@@ -158,6 +161,9 @@ def check_side_stream(mesh, me) -> int:
     return checks
 
 
+LAYER_EXPERTS_PER_RANK = 8
+
+
 def _per_rank_layer(ranks: int, backend: str, **options):
     """The MoE layer of check_layer (hidden 256, ffn 384, 8 experts per rank, top-4, a 256-wide shared
     expert, float32) for use inside a shard_map (mesh=None), with EPOptions `options`: (graphdef, rest,
@@ -169,7 +175,8 @@ def _per_rank_layer(ranks: int, backend: str, **options):
     from jax_ep import gating
     from jax_ep.moe import EPOptions, MoE
 
-    layer = MoE(256, 384, gating.RouterConfig(8 * ranks, 4), rngs=nnx.Rngs(3), mesh=None, axis_name=AXIS,
+    layer = MoE(256, 384, gating.RouterConfig(LAYER_EXPERTS_PER_RANK * ranks, 4), rngs=nnx.Rngs(3), mesh=None,
+                axis_name=AXIS,
                 ep=EPOptions(backend=backend, kernel=jax_ep.KernelConfig(side_num_sms=24), **options),
                 shared_ffn_hidden=256)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -181,19 +188,22 @@ def _per_rank_layer(ranks: int, backend: str, **options):
     return graphdef, rest, tree, names, expert, host, stacked
 
 
-def _merged(graphdef, rest, tree, expert, leaves):
-    """The per-rank layer from shard_map's local leaves (a stacked leaf's one row)."""
+def _layer(graphdef, rest, tree, values):
+    """The layer of _per_rank_layer with parameter values `values` (its leaves' order)."""
     from flax import nnx
 
-    values = [v if e else v[0] for v, e in zip(leaves, expert, strict=True)]
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(tree, values), rest)
 
 
+def _merged(graphdef, rest, tree, expert, leaves):
+    """The per-rank layer from shard_map's local leaves (a stacked leaf's one row)."""
+    return _layer(graphdef, rest, tree, [v if e else v[0] for v, e in zip(leaves, expert, strict=True)])
+
+
 def _assert_close(got, want, rtol: float, what: str) -> None:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-    assert np.linalg.norm(want) > 0 and err < rtol, f"{what}: relative error {err:.3g} (bound {rtol})"
+    assert np.shape(got) == np.shape(want), (what, np.shape(got), np.shape(want))
+    err = rel_err(got, want)
+    assert np.any(want) and err < rtol, f"{what}: relative error {err:.3g} (bound {rtol})"
 
 
 def check_layer(mesh, me, backend: str = "cuda") -> int:
@@ -208,9 +218,6 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
     low-latency ops; the wire and the routed output in bfloat16): within 1e-2 of the dense output, and
     with the shared expert beside ll_dispatch_send within 1e-5 of it. (backend "reference" runs the
     same check on CPU devices in one process, as rank 0.)"""
-    from jax_ep import gating
-    from jax_ep.moe import swiglu_ffn
-
     ranks = int(mesh.shape[AXIS])
     tokens, decode_tokens, hidden = 512, 64, 256
     rng = np.random.default_rng(21)   # the same on every process
@@ -244,20 +251,9 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
                 forward = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
                 decode_out[name] = local(forward(put_global(mesh, *stacked), *put_global(mesh, xd)))
 
-        # the dense layer in this process alone, float32 (test_moe.dense_moe's computation)
-        layer = _merged(graphdef, rest, tree, [True] * len(host), host)
-        bias = layer.expert_bias[...]
-
+        # the dense layer in this process alone, float32
         def dense(host, x):
-            p = jax.tree_util.tree_unflatten(tree, host)
-            router, w_gate_up, w_down = p["router"][...], p["w_gate_up"][...], p["w_down"][...]
-            routing = gating.route(x @ router, layer.routing, bias)
-            gate, up = jnp.split(jnp.einsum("th,ehf->tef", x, w_gate_up), 2, axis=2)
-            y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, w_down)
-            picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)
-            shared = p["shared"]
-            return (jnp.sum(picked * routing.topk_weights[:, :, None], axis=1)
-                    + swiglu_ffn(x, shared["w_gate"][...], shared["w_up"][...], shared["w_down"][...]))
+            return dense_moe(_layer(graphdef, rest, tree, host), x)
 
         def dense_loss(host, x, rows):   # rows: the tokens whose loss counts
             out = dense(host, x)
@@ -271,8 +267,7 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
         (want_value, _), (want_mine, _) = grad(host, x, this_rank)
         want_decode = np.asarray(jax.jit(dense)(host, xd))[me * decode_tokens:(me + 1) * decode_tokens]
     value, out, gx, grads = step_out["plain"]
-    experts_here = next(g.shape[0] for g, ex in zip(grads, expert, strict=True) if ex)
-    e = slice(me * experts_here, (me + 1) * experts_here)
+    e = slice(me * LAYER_EXPERTS_PER_RANK, (me + 1) * LAYER_EXPERTS_PER_RANK)
     checks = [("loss", value[0], want_value), ("out", out, np.asarray(want_out)[mine]),
               ("d x", gx, np.asarray(want_gx)[mine])]
     for n, g, wa, wm, ex in zip(names, grads, want_all, want_mine, expert, strict=True):

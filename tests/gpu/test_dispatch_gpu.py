@@ -572,9 +572,8 @@ def assert_side_targets(compiled, differentiated: bool, what: str) -> None:
     assert_side_results_read_after_join(hlo, what)
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["one_process", "ordered"])
 @pytest.mark.parametrize("differentiated", [False, True])
-def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated, ordered, monkeypatch):
+def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated, ep_order):
     """jax_ep.overlap.beside: dispatch on jax_ep's side stream, an elementwise chain on XLA's stream
     between the fork and the join, then combine beside another chain; differentiated, each op's
     backward beside its chain's backward too. Every output (and gradient; the rows up to the groups'
@@ -582,13 +581,9 @@ def test_side_stream_gives_the_same_bits(cuda_backend, mesh, differentiated, ord
     output memory poisoned before each run, with and without command buffers; the compiled program
     holds the side targets and a join for each. (Elementwise: a matmul chain is autotuned per fusion,
     and the blocks' barriers change XLA's fusions, so its bits may differ for that reason alone.)
-    ordered: with the EP calls' ordering effect, as several processes lower them (jax_ep.ordering; on one
-    H200, 2026-12-02, XLA then read dispatch's group sizes before the join: a zero-sized join token).
+    ep_order: also with the EP calls' ordering effect, as several processes lower them (on one H200,
+    2026-12-02, XLA then read dispatch's group sizes before the join: a zero-sized join token).
     Process model 2 runs the same programs (process_group_worker's side_stream group)."""
-    from jax_ep import ordering
-
-    if ordered:
-        monkeypatch.setattr(ordering, "needed", lambda: True)
     kw, (x, idx, w, wexp, ct) = side_stream_case()
     args = put(mesh, x, w, wexp, idx, ct.astype(jnp.float32))
     want = to_np(side_stream_fn(mesh, kw, False, differentiated)(*args))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from gpu_helpers import assert_side_results_read_after_join
+from gpu_helpers import assert_side_results_read_after_join, rel_err
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_dispatch_gpu import quantize_fp8_numpy
@@ -27,11 +27,6 @@ pytestmark = pytest.mark.gpu
 def hopper():
     if jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0":
         pytest.skip("needs a Hopper GPU (compute capability 9.0)")
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def sizes_case(rng, case, g, total):
@@ -296,22 +291,17 @@ def test_moe_layer_gemms_on_fewer_sms_give_the_same_bits(gemm_dtype):
         np.testing.assert_array_equal(np.asarray(g1[name][...]), np.asarray(g2[name][...]), err_msg=name)
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["one_process", "ordered"])
 @pytest.mark.parametrize("gemm_dtype", [None, "float8_e4m3fn"], ids=["bf16", "fp8"])
-def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_bits(gemm_dtype, ordered,
-                                                                                   monkeypatch):
+def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_bits(gemm_dtype, ep_order):
     """EPOptions(weight_grad_beside=True) on the GPUs: dispatch's backward (a combine) on jax_ep's side
     stream on 24 SMs (KernelConfig.side_num_sms) beside the gate|up GEMM's weight gradient on XLA's
     stream. The loss and every gradient of the layer step (the tokens' too, as in a model, where the
     tokens come from earlier layers) bit for bit those without it, bf16 and FP8 GEMMs; the compiled
     step holds the side call and its join, reads nothing of the side call before the join, and no more
     GEMM kernels than without (the chain traces the GEMM's backward twice; XLA drops each dead half).
-    ordered: with the EP calls' ordering effect, as several processes lower them (jax_ep.ordering)."""
-    from jax_ep import ordering
+    ep_order: also with the EP calls' ordering effect, as several processes lower them."""
     from jax_ep.moe import EPOptions
 
-    if ordered:
-        monkeypatch.setattr(ordering, "needed", lambda: True)
     side = jax_ep.KernelConfig(side_num_sms=24)
     plain = layer_program(7, wrt_x=True, ep=EPOptions(backend="cuda"), gemm_dtype=gemm_dtype)
     beside = layer_program(7, wrt_x=True, ep=EPOptions(backend="cuda", weight_grad_beside=True, kernel=side),
@@ -321,8 +311,7 @@ def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_b
     assert gemms[0] >= 6 and gemms[1] == gemms[0], gemms
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["one_process", "ordered"])
-def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ordered, monkeypatch):
+def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ep_order):
     """EPOptions(shared_beside=True) on the GPUs: the shared expert's forward beside the last combine and
     its backward beside combine's backward (combine_bwd), both on jax_ep's side stream on 24 SMs. The
     loss and every gradient of the layer step (the shared expert's weights' and the tokens' included)
@@ -330,12 +319,9 @@ def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ordered, mon
     cuBLAS dots per program (one H200, 2026-12-02: bit-equal in one run, 3 of 65536 elements of the
     shared w_up's gradient one bf16 step apart in the next); a side call's results read early are off
     by O(1). The compiled step holds both side calls and their joins and reads nothing of a side call
-    before its join. ordered: with the EP calls' ordering effect."""
-    from jax_ep import ordering
+    before its join. ep_order: also with the EP calls' ordering effect."""
     from jax_ep.moe import EPOptions
 
-    if ordered:
-        monkeypatch.setattr(ordering, "needed", lambda: True)
     side = jax_ep.KernelConfig(side_num_sms=24)
     plain = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", kernel=side), shared_ffn_hidden=256)
     beside = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", shared_beside=True, kernel=side),
@@ -364,8 +350,7 @@ def _assert_beside_same_step(plain, beside, side_targets, rtol: float | None = N
         if rtol is None:
             np.testing.assert_array_equal(a, b, err_msg=name)
         else:
-            a, b = a.astype(np.float64), b.astype(np.float64)
-            err = np.linalg.norm(b - a) / np.linalg.norm(a)
+            err = rel_err(b, a)
             assert err <= rtol, f"{name}: relative difference {err:.3g} > {rtol}"
     return hlo
 
