@@ -1,12 +1,12 @@
 // Throughput combine over NVLink (see combine.h): the start kernel (group.cu), then one data
-// kernel whose warps stream their rows through a cp.async ring (see below) and are either
+// kernel whose warps read their rows straight into registers (see below) and are either
 //   reducers: for every token another rank s sent here, the float32 sum over its top-k slots (in
 //     slot order) of w * y[row], rounded to y's dtype, written ONCE into rank s's staging
 //     [me][t] over NVLink (16-byte stores); a release flag per (chunk, slice, rank s);
 //   finalisers: per chunk of this rank's tokens and slice, wait for the flags of every other rank,
 //     then out[t] = sum over ranks in rank order (float32) of the partial sums, this rank's own
 //     partial computed in place from y (never staged), rounded to y's dtype.
-// A work item is one slice (CommLayout::num_slices: a whole number of combine's 1.5 KiB pieces) of
+// A work item is one slice (CommLayout::num_slices: a whole number of 512-byte units) of
 // a chunk's rows: elements are summed independently, so the slices change no element's order.
 // Exactly jax_ep.reference.combine's summation order. combine_rank_major is this kernel with K = 1
 // (token_rows = the handle's slot -> row table, launch_rank_major_rows) and rows_as_is: a rank's
@@ -19,21 +19,20 @@
 namespace jax_ep {
 namespace {
 
-// Each warp streams the rows it reduces through a per-lane ring of cp.async copies in shared
-// memory (cp.async): a piece is 1.5 KiB of one row (48 bytes per lane; kSliceBytes, so a slice of
-// the row is a range of pieces), and every lane always has
-// kCombineRing pieces in flight, so a warp keeps ~10 KiB of loads outstanding instead of waiting
-// for one short batch after another. The order of pieces is fixed (token, step of 1.5 KiB of the
-// row, then the token's rows in slot order, then for finalisers the staged partials of the other
-// ranks in rank order), and each lane reads back only the bytes it loaded itself, so the ring
-// needs no barrier: cp.async.wait_group suffices. The kernel is bound by instruction issue
-// (Nsight Compute on H100: IPC 1.9, DRAM 19%), so the per-piece bookkeeping is kept small and the
-// arithmetic is one conversion and one FMA per element and row. (Bulk TMA copies of 1 KiB pieces,
-// and a block-wide TMA pipeline of whole rows, both measured slower on H200 at 24 SMs.)
-constexpr int kCombineVecs = 3;                 // 16-byte vectors per lane and piece (4 spills)
-constexpr int kStepBytes = 512 * kCombineVecs;  // a piece: one step of a row (1.5 KiB)
-constexpr int kCombineRing = 7;                 // pieces in flight per lane
-static_assert(kSliceBytes % kStepBytes == 0, "a slice of a row is a whole number of pieces");
+// Each warp reads the rows it sums straight into registers: a unit is 512 contiguous bytes of a row
+// (16 per lane, so that each load or store instruction of the warp covers 512 contiguous bytes), and a
+// warp loads kUnits units of up to kRowBatch rows (8 KiB) before it sums the first, in slot order.
+// Summing is one conversion and one FMA per element and row. The rows' loads need no shared memory
+// and no bookkeeping per piece: the cp.async ring this replaced (48 bytes per lane and piece, 7 pieces
+// in flight) was bound by instruction issue, at 505.6 us for a DeepSeek-V3 combine on 24 SMs of one
+// H200 where a plain register-path combine of the same rows took 198.5 us (docs/benchmarks.md,
+// session 47: the per-SM read and write ceilings).
+constexpr int kUnitBytes = 512;                 // a warp's unit of a row (16 bytes per lane)
+constexpr int kUnits = 2;                       // units of a row summed at once
+constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
+constexpr int kRowBatch = 4;                    // rows whose units are loaded before the first is summed
+constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
+static_assert(kSliceBytes % kUnitBytes == 0, "a slice of a row is a whole number of units");
 
 struct CombineArgs : DataArgs {
   const char* y;
@@ -46,11 +45,10 @@ struct CombineArgs : DataArgs {
   bool rows_as_is;       // combine_rank_major: a partial is its one row as it is (no +0.0 added)
 };
 
-// Shared memory of one warp: the ring, the chunk's token_rows (then the rows' weights, in the same
-// place), the row lists and four per-token counts.
+// Shared memory of one warp: the chunk's token_rows (then the rows' weights, in the same place), the
+// row lists and four per-token counts.
 __host__ __device__ constexpr int64_t combine_warp_shared_bytes(int list_stride, int topk) {
-  return static_cast<int64_t>(kCombineRing) * kStepBytes +
-         static_cast<int64_t>(kMaxChunkTokens) * topk * 4 +
+  return static_cast<int64_t>(kMaxChunkTokens) * topk * 4 +
          static_cast<int64_t>(kMaxChunkTokens) * list_stride * 4 + 4 * kMaxChunkTokens * 4;
 }
 // The largest top-k and group still fit an SM (227 KiB of shared memory per block on sm_90).
@@ -59,7 +57,6 @@ static_assert(kDataWarps * combine_warp_shared_bytes(kMaxTopk + kMaxGroupRanks, 
               "combine's shared memory must fit every supported top-k and group size");
 
 struct CombineWarp {
-  char* ring;         // [kCombineRing][1.5 KiB]: lane l owns bytes 16 l + 512 j, j < kCombineVecs
   int32_t* raw;       // [kMaxChunkTokens][K]: token_rows of the chunk, until the lists are built
   float* weights;     // [kMaxChunkTokens][K]: then the gate weight of each y row (raw's place)
   int32_t* entries;   // [kMaxChunkTokens][stride]: y row (>= 0) or -1 - r (rank r's staged partial)
@@ -71,30 +68,30 @@ struct CombineWarp {
 
 template <bool kF32>
 struct Piece {
-  static constexpr int kPerVec = kF32 ? 4 : 8;             // elements per 16-byte vector
-  static constexpr int kElems = kCombineVecs * kPerVec;    // elements per lane and piece
+  static constexpr int kPerVec = kF32 ? 4 : 8;         // elements per 16-byte vector (a lane's unit)
+  static constexpr int kElems = kUnits * kPerVec;      // elements per lane and step
 };
 
-// A lane's share of step s: the 16-byte vectors at s * 1.5 KiB + lane * 16 + 512 j, so that each
-// copy or store instruction of the warp covers 512 contiguous bytes.
-__device__ __forceinline__ int64_t piece_offset(int s, int lane) {
-  return static_cast<int64_t>(s) * kStepBytes + lane * 16;
+// A step's loads and stores take this lane's 16 bytes of each unit from `at` = row + base + 16 * lane;
+// a step at the end of the item's bytes (kTail) only those units before it: lim = end - base -
+// 16 * lane, the bytes left from this lane's first one.
+template <bool kTail>
+__device__ __forceinline__ bool unit_in(int u, int lim) {
+  return !kTail || kUnitBytes * u < lim;
 }
 
-// Loads a lane's share of a piece, `src` = row + piece_offset, into its place of a ring slot
-// (`dst` = slot + lane * 16); only the bytes inside the row (`left` = row_bytes - piece_offset).
-__device__ __forceinline__ void issue_piece(char* dst, const char* src, int64_t left) {
+// This lane's 16 bytes of the step's units of a row (L2 only: peers' writes are never stale in L1).
+template <bool kTail>
+__device__ __forceinline__ void load_units(const char* at, int lim, uint4 (&v)[kUnits]) {
 #pragma unroll
-  for (int j = 0; j < kCombineVecs; ++j) {
-    if (512 * j < left) cp_async_16(dst + 512 * j, src + 512 * j);
+  for (int u = 0; u < kUnits; ++u) {
+    if (unit_in<kTail>(u, lim)) v[u] = __ldcg(reinterpret_cast<const uint4*>(at + kUnitBytes * u));
   }
 }
 
-// Vector j of this lane's share of ring slot `slot`, as floats.
+// A lane's 16 bytes of a row as floats.
 template <bool kF32>
-__device__ __forceinline__ void ring_vector(const CombineWarp& w, uint32_t slot, int lane, int j,
-                                            float f[Piece<kF32>::kPerVec]) {
-  const uint4 v = *reinterpret_cast<const uint4*>(w.ring + slot * kStepBytes + lane * 16 + 512 * j);
+__device__ __forceinline__ void unpack_vector(const uint4& v, float f[Piece<kF32>::kPerVec]) {
   if constexpr (kF32) {
     f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
     f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
@@ -103,20 +100,20 @@ __device__ __forceinline__ void ring_vector(const CombineWarp& w, uint32_t slot,
   }
 }
 
-template <bool kF32>
-__device__ __forceinline__ void write_piece(char* row, int64_t offset, int64_t row_bytes,
-                                            const float f[Piece<kF32>::kElems]) {
+// Writes this lane's share of the step (rounded to y's dtype) at `at` (as load_units).
+template <bool kF32, bool kTail>
+__device__ __forceinline__ void write_step(char* at, int lim, const float f[Piece<kF32>::kElems]) {
   constexpr int kP = Piece<kF32>::kPerVec;
 #pragma unroll
-  for (int j = 0; j < kCombineVecs; ++j) {
+  for (int u = 0; u < kUnits; ++u) {
     uint4 v;
     if constexpr (kF32) {
-      v = make_uint4(__float_as_uint(f[kP * j]), __float_as_uint(f[kP * j + 1]),
-                     __float_as_uint(f[kP * j + 2]), __float_as_uint(f[kP * j + 3]));
+      v = make_uint4(__float_as_uint(f[kP * u]), __float_as_uint(f[kP * u + 1]),
+                     __float_as_uint(f[kP * u + 2]), __float_as_uint(f[kP * u + 3]));
     } else {
-      v = pack_bf16x8(f + kP * j);
+      v = pack_bf16x8(f + kP * u);
     }
-    if (offset + 512 * j < row_bytes) *reinterpret_cast<uint4*>(row + offset + 512 * j) = v;
+    if (unit_in<kTail>(u, lim)) *reinterpret_cast<uint4*>(at + kUnitBytes * u) = v;
   }
 }
 
@@ -125,8 +122,7 @@ __device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int wa
                                                     int K) {
   CombineWarp w;
   char* base = dynamic_shared + warp * combine_warp_shared_bytes(stride, K);
-  w.ring = base;
-  w.raw = reinterpret_cast<int32_t*>(base + kCombineRing * kStepBytes);
+  w.raw = reinterpret_cast<int32_t*>(base);
   w.weights = reinterpret_cast<float*>(w.raw);
   w.entries = w.raw + kMaxChunkTokens * K;
   w.n_own = w.entries + kMaxChunkTokens * stride;
@@ -134,97 +130,6 @@ __device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int wa
   w.in_mask = w.n_all + kMaxChunkTokens;
   w.active = w.in_mask + kMaxChunkTokens;
   return w;
-}
-
-// The piece stream of one chunk: issue() loads the next piece (token tt, step s, entry i) into the
-// ring and commits one cp.async group (empty once the stream is exhausted), so that exactly one
-// group per consumed piece keeps the count of outstanding groups fixed; pop() returns the ring slot
-// of the next piece once it has landed. The cursor is kept in registers: an issue costs one shared
-// load (the entry), the row address and the copies (the kernel is bound by instruction issue).
-struct PieceStream {
-  // what the chunk reads
-  const int32_t* entries;   // CombineWarp::entries
-  const int32_t* n_all;     // CombineWarp::n_all
-  char* ring_lane;          // this lane's bytes of ring slot 0
-  const char* y;
-  const char* staged;       // this rank's staging (the other ranks' partials)
-  int64_t T, t0;
-  int64_t row_bytes;
-  uint64_t data_row_bytes;  // of the staging
-  int stride, n_tok, lane;
-  int s_begin, s_end;       // the item's steps of a row (its slices)
-  // the cursor
-  int tt, s, i;             // next piece to issue
-  int n;                    // pieces per step of token tt (its rows and staged partials)
-  int64_t offset;           // piece_offset(s, lane)
-  uint32_t issue_slot;      // ring slot of the next piece issued
-  uint32_t consume_slot;    // ring slot of the next piece consumed (each chunk drains the ring)
-
-  __device__ __forceinline__ void next_token(int from) {
-    while (from < n_tok && n_all[from] == 0) ++from;
-    tt = from;
-    n = from < n_tok ? n_all[from] : 0;
-  }
-
-  __device__ __forceinline__ void issue() {
-    if (tt < n_tok) {
-      const int32_t e = entries[tt * stride + i];
-      const char* row;
-      if (e >= 0) {
-        row = y + static_cast<int64_t>(e) * row_bytes;
-      } else {
-        row = staged + (static_cast<int64_t>(-1 - e) * T + t0 + tt) * data_row_bytes;
-      }
-      issue_piece(ring_lane + issue_slot * kStepBytes, row + offset, row_bytes - offset);
-      issue_slot = issue_slot + 1 == kCombineRing ? 0 : issue_slot + 1;
-      if (++i == n) {
-        i = 0;
-        offset += kStepBytes;
-        if (++s == s_end) {
-          s = s_begin;
-          offset = piece_offset(s_begin, lane);
-          next_token(tt + 1);
-        }
-      }
-    }
-    cp_async_commit();
-  }
-
-  __device__ __forceinline__ uint32_t pop() {
-    cp_async_wait<kCombineRing - 1>();
-    const uint32_t slot = consume_slot;
-    consume_slot = slot + 1 == kCombineRing ? 0 : slot + 1;
-    return slot;
-  }
-};
-
-// The stream of slices [it.k0, it.k1) of chunk [t0, t0 + n_tok), at its first piece (nothing issued
-// yet).
-__device__ __forceinline__ PieceStream piece_stream(const CombineArgs& a, const DataWarp& d,
-                                                    const CombineWarp& w, const ChunkSlices& it,
-                                                    int64_t t0, int n_tok) {
-  PieceStream ps;
-  ps.entries = w.entries;
-  ps.n_all = w.n_all;
-  ps.ring_lane = w.ring + d.lane * 16;
-  ps.y = a.y;
-  ps.staged = d.own + a.layout.stage_data;
-  ps.T = a.T;
-  ps.t0 = t0;
-  ps.row_bytes = a.row_bytes;
-  ps.data_row_bytes = a.layout.data_row_bytes;
-  ps.stride = a.list_stride;
-  ps.s_begin = static_cast<int>(slice_begin(a.layout, it.k0) / kStepBytes);
-  ps.s_end = static_cast<int>((slice_end(a.layout, it.k1, ps.row_bytes) + kStepBytes - 1) /
-                              kStepBytes);
-  ps.n_tok = n_tok;
-  ps.lane = d.lane;
-  ps.tt = ps.i = ps.n = 0;
-  ps.s = ps.s_begin;
-  ps.offset = piece_offset(ps.s_begin, d.lane);
-  ps.issue_slot = ps.consume_slot = 0;
-  ps.next_token(0);
-  return ps;
 }
 
 // The chunk's lists: per token its y rows in slot order (entries >= 0) and, for finalisers, the
@@ -301,55 +206,86 @@ __device__ __forceinline__ void combine_chunk_weights(const CombineArgs& a, cons
 }
 
 // This rank's partial of one step of a token: the sum over its n_own y rows in slot order of
-// w * y (as the reference; an unweighted sum has w = 1, and fma(f, 1, acc) is acc + f exactly).
-// rows_as_is (combine_rank_major, one row per token and rank): the row itself, -0.0 kept, where
-// +0.0 + row would make it +0.0.
-template <bool kF32>
-__device__ __forceinline__ void own_partial(const CombineWarp& w, PieceStream& ps,
-                                            const float* weights, int n_own, bool rows_as_is,
-                                            int lane, float acc[Piece<kF32>::kElems]) {
-  constexpr int kE = Piece<kF32>::kElems;
+// w * y (as the reference: from +0.0, so the first row's term is fma(f, w, +0); an unweighted sum
+// has w = 1, and fma(f, 1, acc) is acc + f exactly). rows_as_is (combine_rank_major, one row per
+// token and rank): the row itself, -0.0 kept, where +0.0 + row would make it +0.0. `off` =
+// base + 16 * lane.
+template <bool kF32, bool kTail>
+__device__ __forceinline__ void own_partial(const CombineArgs& a, const int32_t* entries,
+                                            const float* weights, int n_own, int64_t off,
+                                            int lim, float acc[Piece<kF32>::kElems]) {
   constexpr int kP = Piece<kF32>::kPerVec;
-  if (n_own == 0) {  // (a finaliser's token not routed here)
 #pragma unroll
-    for (int i = 0; i < kE; ++i) acc[i] = 0.f;
-  } else if (rows_as_is) {
-    const uint32_t slot = ps.pop();
+  for (int i = 0; i < Piece<kF32>::kElems; ++i) acc[i] = 0.f;
+  if (a.rows_as_is) {
+    if (n_own == 0) return;  // (a finaliser's token not routed here)
+    uint4 v[kUnits];
+    load_units<kTail>(a.y + static_cast<int64_t>(entries[0]) * a.row_bytes + off, lim, v);
 #pragma unroll
-    for (int v = 0; v < kCombineVecs; ++v) ring_vector<kF32>(w, slot, lane, v, acc + kP * v);
-    ps.issue();
-  } else {  // the first row: fma(f, w, +0), exactly as from acc = 0
-    const uint32_t slot = ps.pop();
-    const float w0 = weights[0];
-#pragma unroll
-    for (int v = 0; v < kCombineVecs; ++v) {
-      float f[kP];
-      ring_vector<kF32>(w, slot, lane, v, f);
-#pragma unroll
-      for (int i = 0; i < kP; ++i) acc[kP * v + i] = __fmaf_rn(f[i], w0, 0.f);
-    }
-    ps.issue();
+    for (int u = 0; u < kUnits; ++u) unpack_vector<kF32>(v[u], acc + kP * u);
+    return;
   }
-  for (int j = 1; j < n_own; ++j) {
-    const uint32_t slot = ps.pop();
-    const float wj = weights[j];
+  for (int j0 = 0; j0 < n_own; j0 += kRowBatch) {
+    uint4 v[kRowBatch][kUnits];
+    if constexpr (kTail) {  // units past the end are summed (never written): zeros, not garbage
 #pragma unroll
-    for (int v = 0; v < kCombineVecs; ++v) {
-      float f[kP];
-      ring_vector<kF32>(w, slot, lane, v, f);
+      for (int j = 0; j < kRowBatch; ++j)
 #pragma unroll
-      for (int i = 0; i < kP; ++i) acc[kP * v + i] = __fmaf_rn(f[i], wj, acc[kP * v + i]);
+        for (int u = 0; u < kUnits; ++u) v[j][u] = make_uint4(0, 0, 0, 0);
     }
-    ps.issue();
+#pragma unroll
+    for (int j = 0; j < kRowBatch; ++j) {
+      if (j0 + j < n_own) {
+        load_units<kTail>(a.y + static_cast<int64_t>(entries[j0 + j]) * a.row_bytes + off, lim,
+                          v[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRowBatch; ++j) {
+      if (j0 + j < n_own) {
+        const float wj = weights[j0 + j];
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+          float f[kP];
+          unpack_vector<kF32>(v[j][u], f);
+#pragma unroll
+          for (int i = 0; i < kP; ++i) acc[kP * u + i] = __fmaf_rn(f[i], wj, acc[kP * u + i]);
+        }
+      }
+    }
+  }
+}
+
+// total += x in rank order: rank 0's term starts the sum (total = x), as the reference's
+// sum over ranks from 0.
+template <int kE>
+__device__ __forceinline__ void add_rank_term(int r, const float x[kE], float total[kE]) {
+#pragma unroll
+  for (int i = 0; i < kE; ++i) total[i] = r == 0 ? x[i] : __fadd_rn(total[i], x[i]);
+}
+
+// The ranks [r, stop) that staged no partial of the token: this rank's own partial `acc`, a
+// rank the token did not go to +0.0.
+template <int kE>
+__device__ __forceinline__ void add_unstaged_ranks(int r, int stop, int me, const float acc[kE],
+                                                   float total[kE]) {
+  for (; r < stop; ++r) {
+    if (r == me) {
+      add_rank_term<kE>(r, acc, total);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kE; ++i) total[i] = r == 0 ? 0.f : __fadd_rn(total[i], 0.f);
+    }
   }
 }
 
 // A finaliser's step of a token: the sum over ranks in rank order (float32) of the partials, its
-// own partial `acc` rounded to y's dtype as if it had travelled, the other ranks' from the ring
-// (those in `mask`; a rank the token did not go to adds zero).
-template <bool kF32>
-__device__ __forceinline__ void finalise_step(const CombineWarp& w, PieceStream& ps, int me,
-                                              int R, int32_t mask, int lane,
+// own partial `acc` rounded to y's dtype as if it had travelled, the other ranks' staged ones
+// (entries [n_own, n_all): -1 - r in rank order; a rank the token did not go to adds zero).
+template <bool kF32, bool kTail>
+__device__ __forceinline__ void finalise_step(const CombineArgs& a, const DataWarp& d,
+                                              const int32_t* entries, int n_own, int n_all,
+                                              int64_t t, int64_t off, int lim,
                                               float acc[Piece<kF32>::kElems],
                                               float total[Piece<kF32>::kElems]) {
   constexpr int kE = Piece<kF32>::kElems;
@@ -358,57 +294,84 @@ __device__ __forceinline__ void finalise_step(const CombineWarp& w, PieceStream&
 #pragma unroll
     for (int i = 0; i < kE; ++i) acc[i] = __bfloat162float(__float2bfloat16_rn(acc[i]));
   }
-  for (int r = 0; r < R; ++r) {
-    if (r == me) {
+  const char* staged = d.own + a.layout.stage_data + t * a.layout.data_row_bytes + off;
+  const int64_t rank_bytes = a.T * static_cast<int64_t>(a.layout.data_row_bytes);
+  const int n_staged = n_all - n_own;
+  int r = 0;  // the ranks below r are in total
+  for (int q0 = 0; q0 < n_staged; q0 += kStagedBatch) {
+    uint4 v[kStagedBatch][kUnits];
+    if constexpr (kTail) {
 #pragma unroll
-      for (int i = 0; i < kE; ++i) total[i] = r == 0 ? acc[i] : __fadd_rn(total[i], acc[i]);
-    } else if ((mask >> r) & 1) {
-      const uint32_t slot = ps.pop();
+      for (int q = 0; q < kStagedBatch; ++q)
 #pragma unroll
-      for (int v = 0; v < kCombineVecs; ++v) {
-        float f[kP];
-        ring_vector<kF32>(w, slot, lane, v, f);
+        for (int u = 0; u < kUnits; ++u) v[q][u] = make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-        for (int i = 0; i < kP; ++i) {
-          total[kP * v + i] = r == 0 ? f[i] : __fadd_rn(total[kP * v + i], f[i]);
-        }
+    for (int q = 0; q < kStagedBatch; ++q) {
+      if (q0 + q < n_staged) {
+        load_units<kTail>(staged + (-1 - entries[n_own + q0 + q]) * rank_bytes, lim, v[q]);
       }
-      ps.issue();
-    } else {
+    }
 #pragma unroll
-      for (int i = 0; i < kE; ++i) total[i] = r == 0 ? 0.f : __fadd_rn(total[i], 0.f);
+    for (int q = 0; q < kStagedBatch; ++q) {
+      if (q0 + q < n_staged) {
+        const int rank = -1 - entries[n_own + q0 + q];
+        add_unstaged_ranks<kE>(r, rank, d.me, acc, total);
+        float f[kE];
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) unpack_vector<kF32>(v[q][u], f + kP * u);
+        add_rank_term<kE>(rank, f, total);
+        r = rank + 1;
+      }
     }
   }
+  add_unstaged_ranks<kE>(r, d.R, d.me, acc, total);
 }
 
-// Token tt of the chunk, step by step of its row: a reducer writes its partial into rank s_rank's
-// staging, a finaliser the output row.
+// One step of token t's row at byte `base` (of the item's bytes, which end at `end`).
+template <bool kF32, bool kTail>
+__device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWarp& d,
+                                             const int32_t* entries, const float* weights,
+                                             int n_own, int n_all, bool reducer, char* dst,
+                                             int64_t t, int64_t base, int64_t end) {
+  constexpr int kE = Piece<kF32>::kElems;
+  const int64_t off = base + 16 * d.lane;
+  const int lim = static_cast<int>(end - off);
+  float acc[kE];
+  own_partial<kF32, kTail>(a, entries, weights, n_own, off, lim, acc);
+  if (reducer) {
+    write_step<kF32, kTail>(dst + off, lim, acc);  // rounds to y's dtype
+    return;
+  }
+  float total[kE];
+  finalise_step<kF32, kTail>(a, d, entries, n_own, n_all, t, off, lim, acc, total);
+  write_step<kF32, kTail>(dst + off, lim, total);
+}
+
+// Token tt of the chunk, step by step of the item's bytes [lo, end) of its row: a reducer writes its
+// partial into rank s_rank's staging, a finaliser the output row.
 template <bool kF32>
 __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWarp& d,
-                                              const CombineWarp& w, PieceStream& ps, bool reducer,
-                                              int s_rank, int64_t t0, int tt) {
-  constexpr int kE = Piece<kF32>::kElems;
+                                              const CombineWarp& w, bool reducer, int s_rank,
+                                              int64_t t0, int tt, int64_t lo, int64_t end) {
   const CommLayout& L = a.layout;
-  const int64_t row_bytes = a.row_bytes;
   const int n_own = w.n_own[tt];
-  const int32_t mask = reducer ? 0 : w.in_mask[tt];
+  const int n_all = w.n_all[tt];
+  const int32_t* entries = w.entries + tt * a.list_stride;
   const float* weights = w.weights + tt * a.K;
   char* dst = reducer ? reinterpret_cast<char*>(__shfl_sync(
                             kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s_rank)) +
                             L.stage_data + (static_cast<int64_t>(d.me) * a.T + t0 + tt) *
                                                L.data_row_bytes
-                      : a.out + (t0 + tt) * row_bytes;
-  for (int s = ps.s_begin; s < ps.s_end; ++s) {
-    float acc[kE];
-    own_partial<kF32>(w, ps, weights, n_own, a.rows_as_is, d.lane, acc);
-    const int64_t offset = piece_offset(s, d.lane);
-    if (reducer) {
-      write_piece<kF32>(dst, offset, row_bytes, acc);  // rounds to y's dtype
-      continue;
-    }
-    float total[kE];
-    finalise_step<kF32>(w, ps, d.me, d.R, mask, d.lane, acc, total);
-    write_piece<kF32>(dst, offset, row_bytes, total);
+                      : a.out + (t0 + tt) * a.row_bytes;
+  int64_t base = lo;
+  for (; base + kStepBytes <= end; base += kStepBytes) {
+    combine_step<kF32, false>(a, d, entries, weights, n_own, n_all, reducer, dst, t0 + tt, base,
+                              end);
+  }
+  if (base < end) {
+    combine_step<kF32, true>(a, d, entries, weights, n_own, n_all, reducer, dst, t0 + tt, base,
+                             end);
   }
 }
 
@@ -423,12 +386,11 @@ __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWa
   const int n_tok = static_cast<int>(chunk_end(L, it.c, a.T) - t0);
   combine_chunk_lists(a, d, w, reducer, it, s_rank, t0, n_tok);
   combine_chunk_weights(a, w, n_tok, d.lane);
-  PieceStream ps = piece_stream(a, d, w, it, t0, n_tok);
-  for (int k = 0; k < kCombineRing; ++k) ps.issue();
+  const int64_t lo = slice_begin(L, it.k0);
+  const int64_t end = slice_end(L, it.k1, a.row_bytes);
   for (int tt = 0; tt < n_tok; ++tt) {
-    if (w.active[tt]) combine_token<kF32>(a, d, w, ps, reducer, s_rank, t0, tt);
+    if (w.active[tt]) combine_token<kF32>(a, d, w, reducer, s_rank, t0, tt, lo, end);
   }
-  cp_async_wait<0>();
   __syncwarp();  // every lane's stores of the chunk are done
   if (reducer && d.lane == 0) {
     char* peer = comm_buffer_of(d.state, d.info->ordinals[s_rank]);
@@ -445,7 +407,8 @@ __global__ void __launch_bounds__(kDataThreads, 1)
   const DataWarp d = data_warp(state, a.layout);
   const CombineWarp w =
       combine_warp(reinterpret_cast<char*>(dynamic_shared), d.warp, a.list_stride, a.K);
-  const bool reducer = d.warp < a.send_warps;
+  // (with no other rank there is nothing to reduce and send: every warp finalises)
+  const bool reducer = d.R > 1 && d.warp < a.send_warps;
   // (chunk, slice) items (chunk_item), reducers' per other rank
   const int per_rank = chunk_items(a.layout, true);
   const int n_items = reducer ? per_rank * (d.R - 1) : per_rank;
