@@ -112,7 +112,8 @@ class KernelConfig:
         beside other work, which gets the remaining SMs); None (default): ``num_sms``. So an exchange
         in series keeps every SM while one beside a GEMM takes few.
       dispatch_send_warps: warps of a dispatch block (of 16) that send; the others receive.
-      combine_send_warps: warps of a combine block (of 16) that reduce and send; the others receive.
+      combine_send_warps: warps of a combine block (of 16) that reduce and send; the others receive
+        (with no other rank in the group every warp receives).
       broadcast_send_warps: warps of a broadcast block (of 16) that send; the others receive. Also
         combine's fused backward (combine_bwd, the broadcast kernel), whose senders then receive too.
       bulk_copy: dispatch and broadcast (combine_bwd's senders too) copy rows with bulk (TMA) copies
