@@ -21,12 +21,12 @@ namespace {
 
 // Each warp reads the rows it sums straight into registers: a unit is 512 contiguous bytes of a row
 // (16 per lane, so that each load or store instruction of the warp covers 512 contiguous bytes), and a
-// warp loads kUnits units of up to kRowBatch rows (8 KiB) before it sums the first, in slot order.
+// warp loads kUnits units of up to kRowBatch rows (4 KiB) before it sums the first, in slot order.
 // Summing is one conversion and one FMA per element and row. The rows' loads need no shared memory
 // and no bookkeeping per piece: the cp.async ring this replaced (48 bytes per lane and piece, 7 pieces
-// in flight) was bound by instruction issue, at 505.6 us for a DeepSeek-V3 combine on 24 SMs of one
-// H200 where a plain register-path combine of the same rows took 198.5 us (docs/benchmarks.md,
-// session 47: the per-SM read and write ceilings).
+// in flight) took 505.6 us for a DeepSeek-V3 combine on 24 SMs of one H200, this 374.7 us, and a plain
+// register-path combine of the same rows 198.5 us with 8 KiB per warp in flight (docs/benchmarks.md,
+// session 47: 8 rows x 2 units here spill: 128 registers hold the kernel's other state too).
 constexpr int kUnitBytes = 512;                 // a warp's unit of a row (16 bytes per lane)
 constexpr int kUnits = 2;                       // units of a row summed at once
 constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
