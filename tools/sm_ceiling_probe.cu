@@ -17,6 +17,16 @@ namespace fanout {
 constexpr int T = 4096, K = 8, ROW = 14336;
 __device__ __forceinline__ char* dst_row(char* dst, int t, int k) { return dst + ((int64_t)k * T + t) * ROW; }
 
+// At most `pending` (0-3) of this thread's committed bulk-store groups still read their source.
+__device__ __forceinline__ void bulk_wait_read(int pending) {
+  switch (pending) {
+    case 3: asm volatile("cp.async.bulk.wait_group.read 3;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.bulk.wait_group.read 2;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory"); break;
+    default: asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}
+
 // mode 0: register copy (warp_copy_raw<8>), mode 1: TMA one 13 KiB buffer (warp_copy_tma),
 // mode 2: TMA two buffers of 7 KiB (next token's load in flight during this token's stores),
 // mode 3: stores only from registers, mode 4: TMA stores only (no load), mode 5: TMA, 4 buffers of 3.5 KiB
@@ -25,7 +35,6 @@ __global__ void __launch_bounds__(512, 1) fan(const char* __restrict__ src, char
   extern __shared__ __align__(128) char sm[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gw = blockIdx.x * 16 + warp;
-  char* my = nullptr;
   if constexpr (kMode == 0 || kMode == 3) {
     for (int t = gw; t < T; t += warps_total) {
       if (kMode == 0) {
@@ -76,15 +85,11 @@ __global__ void __launch_bounds__(512, 1) fan(const char* __restrict__ src, char
           mbarrier_wait(bars + b, parity);
           for (int k = 0; k < K; ++k) tma_store(dst_row(dst, t, k) + b * kPiece, buf + b * kPiece, kPiece);
           tma_store_commit();
-          // reload buffer b-1 (its stores were committed one group earlier) for the next token
         }
         // refill every buffer for the next token as soon as its stores have read it
         if (tn < T) {
           for (int b = 0; b < kNb; ++b) {
-            if (b == 0) asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(kNb - 1) : "memory");
-            else if (b == 1) asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(kNb - 2 < 0 ? 0 : kNb - 2) : "memory");
-            else if (b == 2) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-            else asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            bulk_wait_read(kNb - 1 - b);  // buffer b's stores (group b of kNb) have read it
             tma_load(buf + b * kPiece, src + (int64_t)tn * ROW + b * kPiece, kPiece, bars + b);
           }
         }
@@ -93,7 +98,6 @@ __global__ void __launch_bounds__(512, 1) fan(const char* __restrict__ src, char
       tma_store_wait_all();
     }
   }
-  (void)my;
 }
 
 template <int kMode>

@@ -31,9 +31,10 @@ ROOT = harness.ROOT
 
 
 def old_tree(rev: str, files: list[str], into: str) -> str:
-    """This tree's kernel sources (cuda/, tools/kernel_emulator/) copied into `into`, with `files` as
-    they were at `rev`."""
-    for folder in ("cuda", os.path.join("tools", "kernel_emulator")):
+    """This tree's kernel sources and emulation (cuda/, xla_ffi/ (the fault messages),
+    tools/kernel_emulator/: everything a driver builds from) copied into `into`, with `files` as they
+    were at `rev`."""
+    for folder in ("cuda", "xla_ffi", os.path.join("tools", "kernel_emulator")):
         shutil.copytree(os.path.join(ROOT, folder), os.path.join(into, folder))
     for f in files:
         text = subprocess.run(["git", "show", f"{rev}:{f}"], cwd=ROOT, check=True, capture_output=True).stdout
@@ -51,15 +52,7 @@ def main() -> None:
     stats = dict(cases=0, files=0, differ=0)
     with tempfile.TemporaryDirectory() as tmp:
         tree = old_tree(args.rev, files, os.path.join(tmp, "old"))
-        old_driver = os.path.join(tmp, "old_driver")
-        # the old sources compile against the old tree's headers: its root first on the include path
-        cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
-               "-include", os.path.join(tree, "tools", "kernel_emulator", "emu_cuda.h"),
-               "-I" + os.path.join(tree, "tools", "kernel_emulator", "include"), "-I" + tree, "-I" + ROOT]
-        for s in run.SOURCES:
-            cmd += ["-x", "c++", os.path.join(tree, s) if os.path.exists(os.path.join(tree, s))
-                    else os.path.join(ROOT, s)]
-        subprocess.run(cmd + ["-o", old_driver], check=True)
+        old_driver = harness.build(run.SOURCES, os.path.join(tmp, "old_driver"), root=tree)
 
         def ab_case(name, cmd, inputs, check, env=None, timeout=600):
             with tempfile.TemporaryDirectory() as new_d, tempfile.TemporaryDirectory() as old_d:

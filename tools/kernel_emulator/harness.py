@@ -74,15 +74,17 @@ def routing(rng, kind, R, T, K, E):
 
 
 # ---- the driver ----------------------------------------------------------------------------------
-def build(sources, path: str, opt: str = "-O1 -g") -> str:
+def build(sources, path: str, opt: str = "-O1 -g", root: str = ROOT) -> str:
     """g++ builds a driver from `sources` (paths from the repository root: kernels, drivers) against
     the CUDA emulation (emu_cuda.h, include/) at `path`; opt: optimisation / debug flags
-    (fault_run.py takes -O0: a third of the compile time, for its few small cases)."""
+    (fault_run.py takes -O0: a third of the compile time, for its few small cases); root: the tree
+    whose sources, headers and emulation are built (ab_run.py: a copy with files from a revision)."""
+    here = os.path.join(root, os.path.relpath(HERE, ROOT))
     cmd = ["g++", "-std=c++20", *opt.split(), "-ffp-contract=off", "-pthread", "-DJAX_EP_EMULATION",
-           "-include", os.path.join(HERE, "emu_cuda.h"), "-I" + os.path.join(HERE, "include"),
-           "-I" + ROOT]
+           "-include", os.path.join(here, "emu_cuda.h"), "-I" + os.path.join(here, "include"),
+           "-I" + root]
     for s in sources:
-        cmd += ["-x", "c++", os.path.join(ROOT, s)]
+        cmd += ["-x", "c++", os.path.join(root, s)]
     subprocess.run(cmd + ["-o", path], check=True)
     return path
 
