@@ -3,8 +3,11 @@
 // each): a token row read once and written to 8 rows (dispatch's and broadcast's receivers), and 8
 // rows read and summed into one (combine), each by plain register copies and by bulk (TMA) copies.
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I. -o /tmp/sm_ceiling tools/sm_ceiling_probe.cu && /tmp/sm_ceiling
+// /tmp/sm_ceiling reads: the read probe only, over four row patterns (row_table), at 24 and 132 SMs.
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <string>
 #include <vector>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -150,7 +153,9 @@ int run_all() {
 namespace reads {
 // Per-SM read ceiling, and a plain combine (8 bf16 rows -> weighted f32 sum -> 1 bf16 row) per SM.
 constexpr int T = 4096, K = 8, ROW = 14336, VEC = ROW / 16;  // 896 vectors per row, 28 per lane
-__device__ __forceinline__ const char* y_row(const char* y, int t, int k) { return y + ((int64_t)k * T + t) * ROW; }
+// Where token t's k-th row is (rows[k * T + t]): the patterns of run_all's tables.
+__device__ const int* g_rows;
+__device__ __forceinline__ const char* y_row(const char* y, int t, int k) { return y + (int64_t)g_rows[k * T + t] * ROW; }
 
 // mode 0: ldg read only (U vectors in flight per lane), mode 1: TMA bulk loads (2 x 14 KiB per warp in flight),
 // mode 2: plain combine, register path: per lane, 2 vector positions x 8 rows in flight, f32 FMA in slot order
@@ -233,30 +238,78 @@ float run(const char* y, const float* w, char* out, unsigned* sink, int nsm, int
   return ms * 1000.f / iters;
 }
 
-int run_all() {
-  char *y, *out; float* w; unsigned* sink;
+// The row tables: "regular" (slot k's rows one block, tokens in order: the probe's first form),
+// "expert-major" (each token to 8 distinct of 256 experts at random, rows grouped by expert in
+// token order: combine's y), "shuffled in 2 MB" (regular, rows permuted within blocks of 146 rows:
+// the same pages as regular, scattered inside them) and "random" (every row anywhere).
+std::vector<int> row_table(int pattern) {
+  std::vector<int> rows(T * K);
+  srand(48);
+  if (pattern == 1) {
+    std::vector<int> expert(T * K), count(256, 0);
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        int e;
+        bool again;
+        do {
+          e = rand() % 256;
+          again = false;
+          for (int j = 0; j < k; ++j) again |= expert[j * T + t] == e;
+        } while (again);
+        expert[k * T + t] = e;
+        ++count[e];
+      }
+    }
+    std::vector<int> start(256, 0);
+    for (int e = 1; e < 256; ++e) start[e] = start[e - 1] + count[e - 1];
+    for (int t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) rows[k * T + t] = start[expert[k * T + t]]++;
+  } else {
+    for (int i = 0; i < T * K; ++i) rows[i] = i;
+    const int block = pattern == 2 ? 146 : T * K;
+    if (pattern >= 2) {
+      for (int b0 = 0; b0 < T * K; b0 += block) {
+        const int n = std::min(block, T * K - b0);
+        for (int i = n - 1; i > 0; --i) std::swap(rows[b0 + i], rows[b0 + rand() % (i + 1)]);
+      }
+    }
+  }
+  return rows;
+}
+
+int run_all(bool patterns) {
+  char *y, *out; float* w; unsigned* sink; int* rows;
   CK(cudaMalloc(&y, (size_t)T * K * ROW)); CK(cudaMalloc(&out, (size_t)T * ROW)); CK(cudaMalloc(&w, T * K * 4)); CK(cudaMalloc(&sink, 4));
+  CK(cudaMalloc(&rows, T * K * 4)); CK(cudaMemcpyToSymbol(g_rows, &rows, sizeof(rows)));
   CK(cudaMemset(y, 0x3c, (size_t)T * K * ROW));
   std::vector<float> hw(T * K); for (int i = 0; i < T * K; ++i) hw[i] = 0.01f * (i % 97);
   CK(cudaMemcpy(w, hw.data(), T * K * 4, cudaMemcpyHostToDevice));
   const double rbytes = (double)T * K * ROW;
   printf("read %.1f MB per call\n", rbytes / 1e6);
-  for (int nsm : {8, 16, 24, 32, 48, 132}) {
-    struct { const char* name; float us; } r[] = {
-      {"ldg U=4", run<0, 4>(y, w, out, sink, nsm, 10)},
-      {"ldg U=8", run<0, 8>(y, w, out, sink, nsm, 10)},
-      {"ldg U=14", run<0, 14>(y, w, out, sink, nsm, 10)},
-      {"tma 2x7K", run<1, 1>(y, w, out, sink, nsm, 10)},
-      {"combine U=1", run<2, 1>(y, w, out, sink, nsm, 10)},
-      {"combine U=2", run<2, 2>(y, w, out, sink, nsm, 10)},
-    };
-    for (auto& x : r) printf("sms %3d %-12s %8.1f us  %7.1f GB/s read  %6.1f GB/s per SM\n", nsm, x.name, x.us, rbytes / x.us / 1e3, rbytes / x.us / 1e3 / nsm);
+  const char* names[] = {"regular", "expert-major", "shuffled in 2 MB", "random"};
+  for (int pattern = 0; pattern < (patterns ? 4 : 1); ++pattern) {
+    const std::vector<int> table = row_table(pattern);
+    CK(cudaMemcpy(rows, table.data(), T * K * 4, cudaMemcpyHostToDevice));
+    printf("rows: %s\n", names[pattern]);
+    for (int nsm : patterns ? std::vector<int>{24, 132} : std::vector<int>{8, 16, 24, 32, 48, 132}) {
+      struct { const char* name; float us; } r[] = {
+        {"ldg U=4", run<0, 4>(y, w, out, sink, nsm, 10)},
+        {"ldg U=8", run<0, 8>(y, w, out, sink, nsm, 10)},
+        {"ldg U=14", run<0, 14>(y, w, out, sink, nsm, 10)},
+        {"tma 2x7K", run<1, 1>(y, w, out, sink, nsm, 10)},
+        {"combine U=1", run<2, 1>(y, w, out, sink, nsm, 10)},
+        {"combine U=2", run<2, 2>(y, w, out, sink, nsm, 10)},
+      };
+      for (auto& x : r) printf("sms %3d %-12s %8.1f us  %7.1f GB/s read  %6.1f GB/s per SM\n", nsm, x.name, x.us, rbytes / x.us / 1e3, rbytes / x.us / 1e3 / nsm);
+    }
   }
   return 0;
 }
 }  // namespace reads
 
-int main() {
-  fanout::run_all();
-  return reads::run_all();
+// (no argument: both probes; "reads": the read probe over every row pattern)
+int main(int argc, char** argv) {
+  const bool patterns = argc > 1 && std::string(argv[1]) == "reads";
+  if (!patterns) fanout::run_all();
+  return reads::run_all(patterns);
 }
