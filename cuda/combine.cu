@@ -1,6 +1,5 @@
 // Throughput combine over NVLink (see combine.h): the start kernel (group.cu), then one data
-// kernel whose warps sum their rows from a ring of bulk loads in shared memory (see below) and are
-// either
+// kernel whose warps read their rows straight into registers (see below) and are either
 //   reducers: for every token another rank s sent here, the float32 sum over its top-k slots (in
 //     slot order) of w * y[row], rounded to y's dtype, written ONCE into rank s's staging
 //     [me][t] over NVLink (16-byte stores); a release flag per (chunk, slice, rank s);
@@ -20,22 +19,20 @@
 namespace jax_ep {
 namespace {
 
-// Each warp sums its rows from a ring of pieces in shared memory that bulk (TMA) loads fill ahead
-// of it: a piece is kUnits units of one row (a unit is 512 contiguous bytes, 16 per lane, so that
-// each shared-memory load of the warp covers 512 contiguous bytes), and a token's pieces are
-// loaded in the order they are summed (step by step of its row; in a step its y rows in slot
-// order, then the staged partials in rank order), `stages` pieces ahead. Registers held the
-// rows before (4 KiB per warp in flight: 374.7 us for a DeepSeek-V3 combine on 24 SMs of one
-// H200, where a plain register combine with 8 KiB in flight took 198.5 us, docs/benchmarks.md
-// session 47); the ring holds what shared memory has room for (12 KiB per warp at DeepSeek-V3's
-// top-8) with no registers and one bulk load per piece.
-constexpr int kUnitBytes = 512;                   // a warp's unit of a row (16 bytes per lane)
-constexpr int kUnits = 4;                         // units of a piece (and of a summing step)
-constexpr int kPieceBytes = kUnitBytes * kUnits;  // a piece of a row (2 KiB)
-constexpr int kMaxStages = 16;                    // pieces a warp's ring holds at most
-constexpr int kMinStages = 2;
-constexpr int64_t kSharedLimit = 232448;          // a block's shared memory on sm_90 (227 KiB)
-static_assert(kSliceBytes % 16 == 0, "a slice of a row is a whole number of 16-byte vectors");
+// Each warp reads the rows it sums straight into registers: a unit is 512 contiguous bytes of a row
+// (16 per lane, so that each load or store instruction of the warp covers 512 contiguous bytes), and a
+// warp loads kUnits units of up to kRowBatch rows (4 KiB) before it sums the first, in slot order.
+// Summing is one conversion and one FMA per element and row. The rows' loads need no shared memory
+// and no bookkeeping per piece: the cp.async ring this replaced (48 bytes per lane and piece, 7 pieces
+// in flight) took 505.6 us for a DeepSeek-V3 combine on 24 SMs of one H200, this 374.7 us, and a plain
+// register-path combine of the same rows 198.5 us with 8 KiB per warp in flight (docs/benchmarks.md,
+// session 47: 8 rows x 2 units here spill: 128 registers hold the kernel's other state too).
+constexpr int kUnitBytes = 512;                 // a warp's unit of a row (16 bytes per lane)
+constexpr int kUnits = 2;                       // units of a row summed at once
+constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
+constexpr int kRowBatch = 4;                    // rows whose units are loaded before the first is summed
+constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
+static_assert(kSliceBytes % kUnitBytes == 0, "a slice of a row is a whole number of units");
 
 struct CombineArgs : DataArgs {
   const char* y;
@@ -46,39 +43,17 @@ struct CombineArgs : DataArgs {
   int32_t list_stride;   // entries per token list: K + R
   int32_t op_id;         // kOpCombine, or kOpCombineRankMajor (named in a timeout)
   bool rows_as_is;       // combine_rank_major: a partial is its one row as it is (no +0.0 added)
-  int32_t stages;        // pieces of a warp's ring (combine_ring_stages)
 };
 
-// Shared memory of one warp's lists: the chunk's token_rows (then the rows' weights, in the same
-// place), the row lists and four per-token counts.
+// Shared memory of one warp: the chunk's token_rows (then the rows' weights, in the same place), the
+// row lists and four per-token counts.
 __host__ __device__ constexpr int64_t combine_warp_shared_bytes(int list_stride, int topk) {
   return static_cast<int64_t>(kMaxChunkTokens) * topk * 4 +
          static_cast<int64_t>(kMaxChunkTokens) * list_stride * 4 + 4 * kMaxChunkTokens * 4;
 }
-// The kernel's shared memory: every warp's lists, then every warp's ring barriers (8 bytes per
-// stage), then every warp's ring of pieces (each part 128-byte aligned).
-__host__ __device__ constexpr int64_t combine_lists_bytes(int list_stride, int topk) {
-  return (kDataWarps * combine_warp_shared_bytes(list_stride, topk) + 127) / 128 * 128;
-}
-__host__ __device__ constexpr int64_t combine_barrier_bytes(int stages) {
-  return (kDataWarps * stages * 8 + 127) / 128 * 128;
-}
-__host__ __device__ constexpr int64_t combine_shared_bytes(int list_stride, int topk, int stages) {
-  return combine_lists_bytes(list_stride, topk) + combine_barrier_bytes(stages) +
-         static_cast<int64_t>(kDataWarps) * stages * kPieceBytes;
-}
-// The most pieces per warp's ring that fit beside the lists (at most kMaxStages).
-__host__ __device__ constexpr int combine_ring_stages(int list_stride, int topk) {
-  int stages = kMaxStages;
-  while (stages > kMinStages && combine_shared_bytes(list_stride, topk, stages) > kSharedLimit) {
-    --stages;
-  }
-  return stages;
-}
-// The largest top-k and group still fit an SM with a ring of at least kMinStages.
-static_assert(combine_shared_bytes(kMaxTopk + kMaxGroupRanks, kMaxTopk,
-                                   combine_ring_stages(kMaxTopk + kMaxGroupRanks, kMaxTopk)) <=
-                  kSharedLimit,
+// The largest top-k and group still fit an SM (227 KiB of shared memory per block on sm_90).
+static_assert(kDataWarps * combine_warp_shared_bytes(kMaxTopk + kMaxGroupRanks, kMaxTopk) <=
+                  232448,
               "combine's shared memory must fit every supported top-k and group size");
 
 struct CombineWarp {
@@ -91,31 +66,27 @@ struct CombineWarp {
   int32_t* active;    // [kMaxChunkTokens]: the token has an output row (reducers: sent here)
 };
 
-// A warp's ring of pieces. Every lane holds the consumer's place (stage, parity); lane 0, which
-// issues every bulk load, also the producer's (the next piece to load: its step and list entry).
-struct Ring {
-  char* pieces;      // [stages][kPieceBytes]
-  uint64_t* barrier; // [stages]: complete when the stage's piece has landed
-  int stages;
-  int stage;         // the stage of the next piece to sum
-  uint32_t parity;   // bit i: the parity of stage i's next completion
-  int next;          // (lane 0) the next piece to load, of the token's n pieces
-  int64_t next_base; // (lane 0) its byte in the row
-  int next_entry;    // (lane 0) its list entry
-};
-
 template <bool kF32>
 struct Piece {
   static constexpr int kPerVec = kF32 ? 4 : 8;         // elements per 16-byte vector (a lane's unit)
-  static constexpr int kElems = kUnits * kPerVec;      // elements per lane and piece
+  static constexpr int kElems = kUnits * kPerVec;      // elements per lane and step
 };
 
-// A piece's loads and stores take this lane's 16 bytes of each unit from `at` = row + base + 16 *
-// lane; a piece at the end of the item's bytes (kTail) only those units before it: lim = end -
-// base - 16 * lane, the bytes left from this lane's first one.
+// A step's loads and stores take this lane's 16 bytes of each unit from `at` = row + base + 16 * lane;
+// a step at the end of the item's bytes (kTail) only those units before it: lim = end - base -
+// 16 * lane, the bytes left from this lane's first one.
 template <bool kTail>
 __device__ __forceinline__ bool unit_in(int u, int lim) {
   return !kTail || kUnitBytes * u < lim;
+}
+
+// This lane's 16 bytes of the step's units of a row (L2 only: peers' writes are never stale in L1).
+template <bool kTail>
+__device__ __forceinline__ void load_units(const char* at, int lim, uint4 (&v)[kUnits]) {
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    if (unit_in<kTail>(u, lim)) v[u] = __ldcg(reinterpret_cast<const uint4*>(at + kUnitBytes * u));
+  }
 }
 
 // A lane's 16 bytes of a row as floats.
@@ -129,9 +100,9 @@ __device__ __forceinline__ void unpack_vector(const uint4& v, float f[Piece<kF32
   }
 }
 
-// Writes this lane's share of the piece (rounded to y's dtype) at `at` (as unit_in).
+// Writes this lane's share of the step (rounded to y's dtype) at `at` (as load_units).
 template <bool kF32, bool kTail>
-__device__ __forceinline__ void write_piece(char* at, int lim, const float f[Piece<kF32>::kElems]) {
+__device__ __forceinline__ void write_step(char* at, int lim, const float f[Piece<kF32>::kElems]) {
   constexpr int kP = Piece<kF32>::kPerVec;
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
@@ -146,10 +117,9 @@ __device__ __forceinline__ void write_piece(char* at, int lim, const float f[Pie
   }
 }
 
-// Carves this warp's lists and ring out of the kernel's dynamic shared memory; lane 0 sets up the
-// ring's barriers (every lane calls it).
-__device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int warp, int lane,
-                                                    int stride, int K, int stages, Ring* ring) {
+// Carves this warp's part out of the kernel's dynamic shared memory.
+__device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int warp, int stride,
+                                                    int K) {
   CombineWarp w;
   char* base = dynamic_shared + warp * combine_warp_shared_bytes(stride, K);
   w.raw = reinterpret_cast<int32_t*>(base);
@@ -159,17 +129,6 @@ __device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int wa
   w.n_all = w.n_own + kMaxChunkTokens;
   w.in_mask = w.n_all + kMaxChunkTokens;
   w.active = w.in_mask + kMaxChunkTokens;
-  char* barriers = dynamic_shared + combine_lists_bytes(stride, K);
-  ring->barrier = reinterpret_cast<uint64_t*>(barriers) + warp * stages;
-  ring->pieces = barriers + combine_barrier_bytes(stages) +
-                 static_cast<int64_t>(warp) * stages * kPieceBytes;
-  ring->stages = stages;
-  ring->stage = 0;
-  ring->parity = 0u;
-  if (lane == 0) {
-    for (int i = 0; i < stages; ++i) mbarrier_init(ring->barrier + i, 1);
-  }
-  __syncwarp();
   return w;
 }
 
@@ -194,8 +153,6 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
     // and so, in shrink mode, does one whose partials never came: `lost`)
     const uint32_t lost = wait_chunk_flags(d.own, L, d.state, d.info, a.op_id, a.shrink,
                                            d.linked & ~(1u << me), it, lane);
-    // (bulk loads, in the async proxy, read the staged partials these flags acquired)
-    if (lane == 0 && R > 1) fence_proxy_async_global();
     if (lane < n_tok) {
       int32_t mask = 0;
       for (int r = 0; r < R; ++r) mask |= a.is_token_in_rank[(t0 + lane) * R + r] ? 1 << r : 0;
@@ -248,140 +205,73 @@ __device__ __forceinline__ void combine_chunk_weights(const CombineArgs& a, cons
   __syncwarp();
 }
 
-// A token's pieces: for each piece of its row's bytes [lo, end), its list's n_all entries in order.
-struct TokenPieces {
-  const int32_t* entries;
-  int n_all;
-  int64_t t;         // the token (its staged partials' row)
-  int64_t end;       // the item's bytes end here
-  int n;             // pieces: n_all per piece of [lo, end)
-};
-
-// (lane 0) Loads the ring's next piece of the token into `stage`, and moves on to the one after.
-__device__ __forceinline__ void ring_load(const CombineArgs& a, const DataWarp& d,
-                                          const TokenPieces& tp, Ring& ring, int stage) {
-  const int32_t e = tp.entries[ring.next_entry];
-  const char* row = e >= 0 ? a.y + static_cast<int64_t>(e) * a.row_bytes
-                           : d.own + a.layout.stage_data +
-                                 (static_cast<int64_t>(-1 - e) * a.T + tp.t) *
-                                     static_cast<int64_t>(a.layout.data_row_bytes);
-  const int64_t left = tp.end - ring.next_base;
-  const uint32_t bytes = static_cast<uint32_t>(left < kPieceBytes ? left : kPieceBytes);
-  tma_load(ring.pieces + static_cast<int64_t>(stage) * kPieceBytes, row + ring.next_base, bytes,
-           ring.barrier + stage);
-  ++ring.next;
-  if (++ring.next_entry == tp.n_all) {
-    ring.next_entry = 0;
-    ring.next_base += kPieceBytes;
-  }
-}
-
-// Starts the token's pieces: the first `stages` of them are loaded (lane 0).
-__device__ __forceinline__ void ring_start(const CombineArgs& a, const DataWarp& d,
-                                           const TokenPieces& tp, int64_t lo, Ring& ring) {
-  if (d.lane != 0) return;
-  ring.next = 0;
-  ring.next_base = lo;
-  ring.next_entry = 0;
-  int stage = ring.stage;
-  for (int i = 0; i < ring.stages && i < tp.n; ++i) {
-    ring_load(a, d, tp, ring, stage);
-    stage = stage + 1 == ring.stages ? 0 : stage + 1;
-  }
-}
-
-// This lane's 16 bytes of each unit of the ring's current piece, once it has landed (units past
-// the item's end: zeros, summed but never written).
-template <bool kTail>
-__device__ __forceinline__ void ring_take(const Ring& ring, int lane, int lim,
-                                          uint4 (&v)[kUnits]) {
-  mbarrier_wait(ring.barrier + ring.stage, (ring.parity >> ring.stage) & 1u);
-  const char* at = ring.pieces + static_cast<int64_t>(ring.stage) * kPieceBytes + 16 * lane;
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) {
-    v[u] = unit_in<kTail>(u, lim) ? *reinterpret_cast<const uint4*>(at + kUnitBytes * u)
-                                  : make_uint4(0, 0, 0, 0);
-  }
-}
-
-// The current piece is summed by every lane: its stage takes the token's next piece to load.
-__device__ __forceinline__ void ring_release(const CombineArgs& a, const DataWarp& d,
-                                             const TokenPieces& tp, Ring& ring) {
-  __syncwarp();
-  if (d.lane == 0 && ring.next < tp.n) ring_load(a, d, tp, ring, ring.stage);
-  ring.parity ^= 1u << ring.stage;
-  ring.stage = ring.stage + 1 == ring.stages ? 0 : ring.stage + 1;
-}
-
-// This rank's partial of one piece of a token: the sum over its n_own y rows in slot order of
+// This rank's partial of one step of a token: the sum over its n_own y rows in slot order of
 // w * y (as the reference: from +0.0, so the first row's term is fma(f, w, +0); an unweighted sum
 // has w = 1, and fma(f, 1, acc) is acc + f exactly). rows_as_is (combine_rank_major, one row per
-// token and rank): the row itself, -0.0 kept, where +0.0 + row would make it +0.0.
+// token and rank): the row itself, -0.0 kept, where +0.0 + row would make it +0.0. `off` =
+// base + 16 * lane.
 template <bool kF32, bool kTail>
-__device__ __forceinline__ void own_partial(const CombineArgs& a, const DataWarp& d,
-                                            const TokenPieces& tp, const float* weights,
-                                            int n_own, int lim, Ring& ring,
-                                            float acc[Piece<kF32>::kElems]) {
+__device__ __forceinline__ void own_partial(const CombineArgs& a, const int32_t* entries,
+                                            const float* weights, int n_own, int64_t off,
+                                            int lim, float acc[Piece<kF32>::kElems]) {
   constexpr int kP = Piece<kF32>::kPerVec;
 #pragma unroll
   for (int i = 0; i < Piece<kF32>::kElems; ++i) acc[i] = 0.f;
   if (a.rows_as_is) {
     if (n_own == 0) return;  // (a finaliser's token not routed here)
     uint4 v[kUnits];
-    ring_take<kTail>(ring, d.lane, lim, v);
+    load_units<kTail>(a.y + static_cast<int64_t>(entries[0]) * a.row_bytes + off, lim, v);
 #pragma unroll
     for (int u = 0; u < kUnits; ++u) unpack_vector<kF32>(v[u], acc + kP * u);
-    ring_release(a, d, tp, ring);
     return;
   }
-  for (int j = 0; j < n_own; ++j) {
-    uint4 v[kUnits];
-    ring_take<kTail>(ring, d.lane, lim, v);
-    const float wj = weights[j];
+  for (int j0 = 0; j0 < n_own; j0 += kRowBatch) {
+    uint4 v[kRowBatch][kUnits];
+    if constexpr (kTail) {  // units past the end are summed (never written): zeros, not garbage
 #pragma unroll
-    for (int u = 0; u < kUnits; ++u) {
-      float f[kP];
-      unpack_vector<kF32>(v[u], f);
+      for (int j = 0; j < kRowBatch; ++j)
 #pragma unroll
-      for (int i = 0; i < kP; ++i) acc[kP * u + i] = __fmaf_rn(f[i], wj, acc[kP * u + i]);
+        for (int u = 0; u < kUnits; ++u) v[j][u] = make_uint4(0, 0, 0, 0);
     }
-    ring_release(a, d, tp, ring);
-  }
-}
-
-// This rank's own partial of a piece as y's dtype, as if it had travelled: bf16 packed in pairs
-// (half the registers of floats, beside the finaliser's float32 total).
-template <bool kF32>
-struct OwnPartial {
-  static constexpr int kWords = kF32 ? Piece<kF32>::kElems : Piece<kF32>::kElems / 2;
-  uint32_t w[kWords];
-  __device__ __forceinline__ explicit OwnPartial(const float acc[Piece<kF32>::kElems]) {
 #pragma unroll
-    for (int i = 0; i < kWords; ++i) {
-      if constexpr (kF32) {
-        w[i] = __float_as_uint(acc[i]);
-      } else {
-        w[i] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
+    for (int j = 0; j < kRowBatch; ++j) {
+      if (j0 + j < n_own) {
+        load_units<kTail>(a.y + static_cast<int64_t>(entries[j0 + j]) * a.row_bytes + off, lim,
+                          v[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRowBatch; ++j) {
+      if (j0 + j < n_own) {
+        const float wj = weights[j0 + j];
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+          float f[kP];
+          unpack_vector<kF32>(v[j][u], f);
+#pragma unroll
+          for (int i = 0; i < kP; ++i) acc[kP * u + i] = __fmaf_rn(f[i], wj, acc[kP * u + i]);
+        }
       }
     }
   }
-  __device__ __forceinline__ float operator[](int i) const {
-    if constexpr (kF32) return __uint_as_float(w[i]);
-    return __uint_as_float((i & 1) ? w[i >> 1] & 0xFFFF0000u : w[i >> 1] << 16);
-  }
-};
+}
 
-// The ranks [r, stop) that staged no partial of the token: this rank's own partial, a rank the
-// token did not go to +0.0.
-template <bool kF32>
-__device__ __forceinline__ void add_unstaged_ranks(int r, int stop, int me,
-                                                   const OwnPartial<kF32>& own,
-                                                   float total[Piece<kF32>::kElems]) {
-  constexpr int kE = Piece<kF32>::kElems;
+// total += x in rank order: rank 0's term starts the sum (total = x), as the reference's
+// sum over ranks from 0.
+template <int kE>
+__device__ __forceinline__ void add_rank_term(int r, const float x[kE], float total[kE]) {
+#pragma unroll
+  for (int i = 0; i < kE; ++i) total[i] = r == 0 ? x[i] : __fadd_rn(total[i], x[i]);
+}
+
+// The ranks [r, stop) that staged no partial of the token: this rank's own partial `acc`, a
+// rank the token did not go to +0.0.
+template <int kE>
+__device__ __forceinline__ void add_unstaged_ranks(int r, int stop, int me, const float acc[kE],
+                                                   float total[kE]) {
   for (; r < stop; ++r) {
     if (r == me) {
-#pragma unroll
-      for (int i = 0; i < kE; ++i) total[i] = r == 0 ? own[i] : __fadd_rn(total[i], own[i]);
+      add_rank_term<kE>(r, acc, total);
     } else {
 #pragma unroll
       for (int i = 0; i < kE; ++i) total[i] = r == 0 ? 0.f : __fadd_rn(total[i], 0.f);
@@ -389,87 +279,99 @@ __device__ __forceinline__ void add_unstaged_ranks(int r, int stop, int me,
   }
 }
 
-// A finaliser's piece of a token: the sum over ranks in rank order (float32) of the partials, its
+// A finaliser's step of a token: the sum over ranks in rank order (float32) of the partials, its
 // own partial `acc` rounded to y's dtype as if it had travelled, the other ranks' staged ones
 // (entries [n_own, n_all): -1 - r in rank order; a rank the token did not go to adds zero).
 template <bool kF32, bool kTail>
-__device__ __forceinline__ void finalise_piece(const DataWarp& d, const CombineArgs& a,
-                                               const TokenPieces& tp, int n_own, int lim,
-                                               Ring& ring, const float acc[Piece<kF32>::kElems],
-                                               float total[Piece<kF32>::kElems]) {
+__device__ __forceinline__ void finalise_step(const CombineArgs& a, const DataWarp& d,
+                                              const int32_t* entries, int n_own, int n_all,
+                                              int64_t t, int64_t off, int lim,
+                                              float acc[Piece<kF32>::kElems],
+                                              float total[Piece<kF32>::kElems]) {
+  constexpr int kE = Piece<kF32>::kElems;
   constexpr int kP = Piece<kF32>::kPerVec;
-  const OwnPartial<kF32> own(acc);
+  if constexpr (!kF32) {
+#pragma unroll
+    for (int i = 0; i < kE; ++i) acc[i] = __bfloat162float(__float2bfloat16_rn(acc[i]));
+  }
+  const char* staged = d.own + a.layout.stage_data + t * a.layout.data_row_bytes + off;
+  const int64_t rank_bytes = a.T * static_cast<int64_t>(a.layout.data_row_bytes);
+  const int n_staged = n_all - n_own;
   int r = 0;  // the ranks below r are in total
-  for (int q = n_own; q < tp.n_all; ++q) {
-    const int rank = -1 - tp.entries[q];
-    add_unstaged_ranks<kF32>(r, rank, d.me, own, total);
-    uint4 v[kUnits];
-    ring_take<kTail>(ring, d.lane, lim, v);
-    ring_release(a, d, tp, ring);
+  for (int q0 = 0; q0 < n_staged; q0 += kStagedBatch) {
+    uint4 v[kStagedBatch][kUnits];
+    if constexpr (kTail) {
 #pragma unroll
-    for (int u = 0; u < kUnits; ++u) {
-      float f[kP];
-      unpack_vector<kF32>(v[u], f);
+      for (int q = 0; q < kStagedBatch; ++q)
 #pragma unroll
-      for (int i = 0; i < kP; ++i) {
-        total[kP * u + i] = rank == 0 ? f[i] : __fadd_rn(total[kP * u + i], f[i]);
+        for (int u = 0; u < kUnits; ++u) v[q][u] = make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int q = 0; q < kStagedBatch; ++q) {
+      if (q0 + q < n_staged) {
+        load_units<kTail>(staged + (-1 - entries[n_own + q0 + q]) * rank_bytes, lim, v[q]);
       }
     }
-    r = rank + 1;
+#pragma unroll
+    for (int q = 0; q < kStagedBatch; ++q) {
+      if (q0 + q < n_staged) {
+        const int rank = -1 - entries[n_own + q0 + q];
+        add_unstaged_ranks<kE>(r, rank, d.me, acc, total);
+        float f[kE];
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) unpack_vector<kF32>(v[q][u], f + kP * u);
+        add_rank_term<kE>(rank, f, total);
+        r = rank + 1;
+      }
+    }
   }
-  add_unstaged_ranks<kF32>(r, d.R, d.me, own, total);
+  add_unstaged_ranks<kE>(r, d.R, d.me, acc, total);
 }
 
-// One piece of token tp.t's row at byte `base`: a reducer writes its partial at dst, a finaliser
-// the output row.
+// One step of token t's row at byte `base` (of the item's bytes, which end at `end`).
 template <bool kF32, bool kTail>
-__device__ __forceinline__ void combine_piece(const CombineArgs& a, const DataWarp& d,
-                                              const TokenPieces& tp, const float* weights,
-                                              int n_own, bool reducer, char* dst, int64_t base,
-                                              Ring& ring) {
+__device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWarp& d,
+                                             const int32_t* entries, const float* weights,
+                                             int n_own, int n_all, bool reducer, char* dst,
+                                             int64_t t, int64_t base, int64_t end) {
   constexpr int kE = Piece<kF32>::kElems;
   const int64_t off = base + 16 * d.lane;
-  const int lim = static_cast<int>(tp.end - off);
+  const int lim = static_cast<int>(end - off);
   float acc[kE];
-  own_partial<kF32, kTail>(a, d, tp, weights, n_own, lim, ring, acc);
+  own_partial<kF32, kTail>(a, entries, weights, n_own, off, lim, acc);
   if (reducer) {
-    write_piece<kF32, kTail>(dst + off, lim, acc);  // rounds to y's dtype
+    write_step<kF32, kTail>(dst + off, lim, acc);  // rounds to y's dtype
     return;
   }
   float total[kE];
-  finalise_piece<kF32, kTail>(d, a, tp, n_own, lim, ring, acc, total);
-  write_piece<kF32, kTail>(dst + off, lim, total);
+  finalise_step<kF32, kTail>(a, d, entries, n_own, n_all, t, off, lim, acc, total);
+  write_step<kF32, kTail>(dst + off, lim, total);
 }
 
-// Token tt of the chunk, piece by piece of the item's bytes [lo, end) of its row: a reducer writes
-// its partial into rank s_rank's staging, a finaliser the output row.
+// Token tt of the chunk, step by step of the item's bytes [lo, end) of its row: a reducer writes its
+// partial into rank s_rank's staging, a finaliser the output row.
 template <bool kF32>
 __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWarp& d,
                                               const CombineWarp& w, bool reducer, int s_rank,
-                                              int64_t t0, int tt, int64_t lo, int64_t end,
-                                              Ring& ring) {
+                                              int64_t t0, int tt, int64_t lo, int64_t end) {
   const CommLayout& L = a.layout;
   const int n_own = w.n_own[tt];
-  TokenPieces tp;
-  tp.entries = w.entries + tt * a.list_stride;
-  tp.n_all = w.n_all[tt];
-  tp.t = t0 + tt;
-  tp.end = end;
-  // (a rank-major finaliser's token that came from no rank has no pieces, and its output is zeros)
-  tp.n = static_cast<int>((end - lo + kPieceBytes - 1) / kPieceBytes) * tp.n_all;
+  const int n_all = w.n_all[tt];
+  const int32_t* entries = w.entries + tt * a.list_stride;
   const float* weights = w.weights + tt * a.K;
   char* dst = reducer ? reinterpret_cast<char*>(__shfl_sync(
                             kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s_rank)) +
                             L.stage_data + (static_cast<int64_t>(d.me) * a.T + t0 + tt) *
                                                L.data_row_bytes
                       : a.out + (t0 + tt) * a.row_bytes;
-  ring_start(a, d, tp, lo, ring);
   int64_t base = lo;
-  for (; base + kPieceBytes <= end; base += kPieceBytes) {
-    combine_piece<kF32, false>(a, d, tp, weights, n_own, reducer, dst, base, ring);
+  for (; base + kStepBytes <= end; base += kStepBytes) {
+    combine_step<kF32, false>(a, d, entries, weights, n_own, n_all, reducer, dst, t0 + tt, base,
+                              end);
   }
   if (base < end) {
-    combine_piece<kF32, true>(a, d, tp, weights, n_own, reducer, dst, base, ring);
+    combine_step<kF32, true>(a, d, entries, weights, n_own, n_all, reducer, dst, t0 + tt, base,
+                             end);
   }
 }
 
@@ -478,7 +380,7 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
 template <bool kF32>
 __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWarp& d,
                                               const CombineWarp& w, bool reducer,
-                                              const ChunkSlices& it, int s_rank, Ring& ring) {
+                                              const ChunkSlices& it, int s_rank) {
   const CommLayout& L = a.layout;
   const int64_t t0 = chunk_begin(L, it.c);
   const int n_tok = static_cast<int>(chunk_end(L, it.c, a.T) - t0);
@@ -487,7 +389,7 @@ __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWa
   const int64_t lo = slice_begin(L, it.k0);
   const int64_t end = slice_end(L, it.k1, a.row_bytes);
   for (int tt = 0; tt < n_tok; ++tt) {
-    if (w.active[tt]) combine_token<kF32>(a, d, w, reducer, s_rank, t0, tt, lo, end, ring);
+    if (w.active[tt]) combine_token<kF32>(a, d, w, reducer, s_rank, t0, tt, lo, end);
   }
   __syncwarp();  // every lane's stores of the chunk are done
   if (reducer && d.lane == 0) {
@@ -503,9 +405,8 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     combine_main_kernel(DeviceState* state, CombineArgs a) {
   JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);
   const DataWarp d = data_warp(state, a.layout);
-  Ring ring;
-  const CombineWarp w = combine_warp(reinterpret_cast<char*>(dynamic_shared), d.warp, d.lane,
-                                     a.list_stride, a.K, a.stages, &ring);
+  const CombineWarp w =
+      combine_warp(reinterpret_cast<char*>(dynamic_shared), d.warp, a.list_stride, a.K);
   // (with no other rank there is nothing to reduce and send: every warp finalises)
   const bool reducer = d.R > 1 && d.warp < a.send_warps;
   // (chunk, slice) items (chunk_item), reducers' per other rank
@@ -524,7 +425,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     } else {
       it = chunk_item(a.layout, item, true);
     }
-    combine_chunk<kF32>(a, d, w, reducer, it, s_rank, ring);
+    combine_chunk<kF32>(a, d, w, reducer, it, s_rank);
   }
 }
 
@@ -565,10 +466,9 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
                       row_weights,                 token_rows,
                       is_token_in_rank,            static_cast<char*>(out),
                       g.num_topk + g.num_ranks,    op_id,
-                      rank_major,
-                      combine_ring_stages(g.num_topk + g.num_ranks, g.num_topk)};
+                      rank_major};
   const int shared_bytes =
-      static_cast<int>(combine_shared_bytes(a.list_stride, a.K, a.stages));
+      static_cast<int>(kDataWarps * combine_warp_shared_bytes(a.list_stride, a.K));
   const auto kernel = y_kind == kRowF32 ? combine_main_kernel<true> : combine_main_kernel<false>;
   JAX_EP_CUDA_RETURN(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
