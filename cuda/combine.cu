@@ -26,12 +26,17 @@ namespace {
 // and no bookkeeping per piece: the cp.async ring this replaced (48 bytes per lane and piece, 7 pieces
 // in flight) took 505.6 us for a DeepSeek-V3 combine on 24 SMs of one H200, this 374.7 us, and a plain
 // register-path combine of the same rows 198.5 us with 8 KiB per warp in flight (docs/benchmarks.md,
-// session 47: 8 rows x 2 units here spill: 128 registers hold the kernel's other state too).
+// session 47: 8 rows x 2 units here spill: 128 registers hold the kernel's other state too). A ring
+// of bulk loads into shared memory instead of registers (more bytes in flight) was slower still
+// (397.9 us with 2 KiB pieces, session 48): the warps wait for DRAM, so each lane asks L2 for its row's
+// step kPrefetchSteps ahead (prefetch_l2) and the step's loads wait for L2 only; a token's row
+// addresses are computed once (CombineWarp::rows), not at every step.
 constexpr int kUnitBytes = 512;                 // a warp's unit of a row (16 bytes per lane)
 constexpr int kUnits = 2;                       // units of a row summed at once
 constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
 constexpr int kRowBatch = 4;                    // rows whose units are loaded before the first is summed
 constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
+constexpr int kPrefetchSteps = 1;               // steps of a row asked of L2 ahead of its loads
 static_assert(kSliceBytes % kUnitBytes == 0, "a slice of a row is a whole number of units");
 
 struct CombineArgs : DataArgs {
@@ -45,10 +50,10 @@ struct CombineArgs : DataArgs {
   bool rows_as_is;       // combine_rank_major: a partial is its one row as it is (no +0.0 added)
 };
 
-// Shared memory of one warp: the chunk's token_rows (then the rows' weights, in the same place), the
-// row lists and four per-token counts.
+// Shared memory of one warp: the current token's row addresses, the chunk's token_rows (then the
+// rows' weights, in the same place), the row lists and four per-token counts.
 __host__ __device__ constexpr int64_t combine_warp_shared_bytes(int list_stride, int topk) {
-  return static_cast<int64_t>(kMaxChunkTokens) * topk * 4 +
+  return static_cast<int64_t>(list_stride) * 8 + static_cast<int64_t>(kMaxChunkTokens) * topk * 4 +
          static_cast<int64_t>(kMaxChunkTokens) * list_stride * 4 + 4 * kMaxChunkTokens * 4;
 }
 // The largest top-k and group still fit an SM (227 KiB of shared memory per block on sm_90).
@@ -57,6 +62,7 @@ static_assert(kDataWarps * combine_warp_shared_bytes(kMaxTopk + kMaxGroupRanks, 
               "combine's shared memory must fit every supported top-k and group size");
 
 struct CombineWarp {
+  const char** rows;  // [stride]: the current token's entries as row addresses (y or staging)
   int32_t* raw;       // [kMaxChunkTokens][K]: token_rows of the chunk, until the lists are built
   float* weights;     // [kMaxChunkTokens][K]: then the gate weight of each y row (raw's place)
   int32_t* entries;   // [kMaxChunkTokens][stride]: y row (>= 0) or -1 - r (rank r's staged partial)
@@ -122,7 +128,8 @@ __device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int wa
                                                     int K) {
   CombineWarp w;
   char* base = dynamic_shared + warp * combine_warp_shared_bytes(stride, K);
-  w.raw = reinterpret_cast<int32_t*>(base);
+  w.rows = reinterpret_cast<const char**>(base);  // (8-byte aligned: every part is 32-byte sized)
+  w.raw = reinterpret_cast<int32_t*>(base + stride * 8);
   w.weights = reinterpret_cast<float*>(w.raw);
   w.entries = w.raw + kMaxChunkTokens * K;
   w.n_own = w.entries + kMaxChunkTokens * stride;
@@ -205,13 +212,46 @@ __device__ __forceinline__ void combine_chunk_weights(const CombineArgs& a, cons
   __syncwarp();
 }
 
+// A batch of up to kRowBatch of a token's y rows from list entry j0 (n of them; all kRowBatch when
+// kFull, with no bound checks), summed in slot order into acc: loaded first, then summed.
+template <bool kF32, bool kTail, bool kFull>
+__device__ __forceinline__ void own_batch(const char* const* rows, const float* weights, int j0,
+                                          int n, int64_t off, int lim,
+                                          float acc[Piece<kF32>::kElems]) {
+  constexpr int kP = Piece<kF32>::kPerVec;
+  uint4 v[kRowBatch][kUnits];
+  if constexpr (kTail) {  // units past the end are summed (never written): zeros, not garbage
+#pragma unroll
+    for (int j = 0; j < kRowBatch; ++j)
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) v[j][u] = make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int j = 0; j < kRowBatch; ++j) {
+    if (kFull || j < n) load_units<kTail>(rows[j0 + j] + off, lim, v[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < kRowBatch; ++j) {
+    if (kFull || j < n) {
+      const float wj = weights[j0 + j];
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        float f[kP];
+        unpack_vector<kF32>(v[j][u], f);
+#pragma unroll
+        for (int i = 0; i < kP; ++i) acc[kP * u + i] = __fmaf_rn(f[i], wj, acc[kP * u + i]);
+      }
+    }
+  }
+}
+
 // This rank's partial of one step of a token: the sum over its n_own y rows in slot order of
 // w * y (as the reference: from +0.0, so the first row's term is fma(f, w, +0); an unweighted sum
 // has w = 1, and fma(f, 1, acc) is acc + f exactly). rows_as_is (combine_rank_major, one row per
 // token and rank): the row itself, -0.0 kept, where +0.0 + row would make it +0.0. `off` =
 // base + 16 * lane.
 template <bool kF32, bool kTail>
-__device__ __forceinline__ void own_partial(const CombineArgs& a, const int32_t* entries,
+__device__ __forceinline__ void own_partial(const CombineArgs& a, const char* const* rows,
                                             const float* weights, int n_own, int64_t off,
                                             int lim, float acc[Piece<kF32>::kElems]) {
   constexpr int kP = Piece<kF32>::kPerVec;
@@ -220,40 +260,16 @@ __device__ __forceinline__ void own_partial(const CombineArgs& a, const int32_t*
   if (a.rows_as_is) {
     if (n_own == 0) return;  // (a finaliser's token not routed here)
     uint4 v[kUnits];
-    load_units<kTail>(a.y + static_cast<int64_t>(entries[0]) * a.row_bytes + off, lim, v);
+    load_units<kTail>(rows[0] + off, lim, v);
 #pragma unroll
     for (int u = 0; u < kUnits; ++u) unpack_vector<kF32>(v[u], acc + kP * u);
     return;
   }
-  for (int j0 = 0; j0 < n_own; j0 += kRowBatch) {
-    uint4 v[kRowBatch][kUnits];
-    if constexpr (kTail) {  // units past the end are summed (never written): zeros, not garbage
-#pragma unroll
-      for (int j = 0; j < kRowBatch; ++j)
-#pragma unroll
-        for (int u = 0; u < kUnits; ++u) v[j][u] = make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kRowBatch; ++j) {
-      if (j0 + j < n_own) {
-        load_units<kTail>(a.y + static_cast<int64_t>(entries[j0 + j]) * a.row_bytes + off, lim,
-                          v[j]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kRowBatch; ++j) {
-      if (j0 + j < n_own) {
-        const float wj = weights[j0 + j];
-#pragma unroll
-        for (int u = 0; u < kUnits; ++u) {
-          float f[kP];
-          unpack_vector<kF32>(v[j][u], f);
-#pragma unroll
-          for (int i = 0; i < kP; ++i) acc[kP * u + i] = __fmaf_rn(f[i], wj, acc[kP * u + i]);
-        }
-      }
-    }
+  int j0 = 0;
+  for (; j0 + kRowBatch <= n_own; j0 += kRowBatch) {
+    own_batch<kF32, kTail, true>(rows, weights, j0, kRowBatch, off, lim, acc);
   }
+  if (j0 < n_own) own_batch<kF32, kTail, false>(rows, weights, j0, n_own - j0, off, lim, acc);
 }
 
 // total += x in rank order: rank 0's term starts the sum (total = x), as the reference's
@@ -281,22 +297,30 @@ __device__ __forceinline__ void add_unstaged_ranks(int r, int stop, int me, cons
 
 // A finaliser's step of a token: the sum over ranks in rank order (float32) of the partials, its
 // own partial `acc` rounded to y's dtype as if it had travelled, the other ranks' staged ones
-// (entries [n_own, n_all): -1 - r in rank order; a rank the token did not go to adds zero).
+// (entries [n_own, n_all): -1 - r in rank order, their rows in rows[n_own, n_all); a rank the
+// token did not go to adds zero). Returns in total, or, with no staged partial and no other rank,
+// leaves the sum in acc (it is acc: rounding it to y's dtype first changes nothing written).
 template <bool kF32, bool kTail>
-__device__ __forceinline__ void finalise_step(const CombineArgs& a, const DataWarp& d,
-                                              const int32_t* entries, int n_own, int n_all,
-                                              int64_t t, int64_t off, int lim,
+__device__ __forceinline__ bool finalise_step(const DataWarp& d, const int32_t* entries,
+                                              const char* const* rows, int n_own, int n_all,
+                                              int64_t off, int lim,
                                               float acc[Piece<kF32>::kElems],
                                               float total[Piece<kF32>::kElems]) {
   constexpr int kE = Piece<kF32>::kElems;
   constexpr int kP = Piece<kF32>::kPerVec;
+  const int n_staged = n_all - n_own;
+  if (n_staged == 0 && d.R == 1) return false;
   if constexpr (!kF32) {
 #pragma unroll
     for (int i = 0; i < kE; ++i) acc[i] = __bfloat162float(__float2bfloat16_rn(acc[i]));
   }
-  const char* staged = d.own + a.layout.stage_data + t * a.layout.data_row_bytes + off;
-  const int64_t rank_bytes = a.T * static_cast<int64_t>(a.layout.data_row_bytes);
-  const int n_staged = n_all - n_own;
+  if (n_staged == 0) {
+    // this rank's partial and +0.0 for every other rank, in rank order: partial + 0.0 (-0.0 becomes
+    // +0.0), whichever rank this is
+#pragma unroll
+    for (int i = 0; i < kE; ++i) total[i] = __fadd_rn(acc[i], 0.f);
+    return true;
+  }
   int r = 0;  // the ranks below r are in total
   for (int q0 = 0; q0 < n_staged; q0 += kStagedBatch) {
     uint4 v[kStagedBatch][kUnits];
@@ -308,9 +332,7 @@ __device__ __forceinline__ void finalise_step(const CombineArgs& a, const DataWa
     }
 #pragma unroll
     for (int q = 0; q < kStagedBatch; ++q) {
-      if (q0 + q < n_staged) {
-        load_units<kTail>(staged + (-1 - entries[n_own + q0 + q]) * rank_bytes, lim, v[q]);
-      }
+      if (q0 + q < n_staged) load_units<kTail>(rows[n_own + q0 + q] + off, lim, v[q]);
     }
 #pragma unroll
     for (int q = 0; q < kStagedBatch; ++q) {
@@ -326,26 +348,37 @@ __device__ __forceinline__ void finalise_step(const CombineArgs& a, const DataWa
     }
   }
   add_unstaged_ranks<kE>(r, d.R, d.me, acc, total);
+  return true;
 }
 
-// One step of token t's row at byte `base` (of the item's bytes, which end at `end`).
+// One step of a token's row at byte `base` (of the item's bytes, which end at `end`). Lane j holds
+// row j's address in my_row (null: no row j) and first asks L2 for its step kPrefetchSteps ahead.
 template <bool kF32, bool kTail>
 __device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWarp& d,
-                                             const int32_t* entries, const float* weights,
-                                             int n_own, int n_all, bool reducer, char* dst,
-                                             int64_t t, int64_t base, int64_t end) {
+                                             const int32_t* entries, const char* const* rows,
+                                             const float* weights, int n_own, int n_all,
+                                             bool reducer, char* dst, const char* my_row,
+                                             int64_t base, int64_t end) {
   constexpr int kE = Piece<kF32>::kElems;
+  const int64_t ahead = base + kPrefetchSteps * kStepBytes;
+  if (my_row != nullptr && ahead < end) {
+    prefetch_l2(my_row + ahead, static_cast<uint32_t>(end - ahead < kStepBytes ? end - ahead
+                                                                                : kStepBytes));
+  }
   const int64_t off = base + 16 * d.lane;
   const int lim = static_cast<int>(end - off);
   float acc[kE];
-  own_partial<kF32, kTail>(a, entries, weights, n_own, off, lim, acc);
+  own_partial<kF32, kTail>(a, rows, weights, n_own, off, lim, acc);
   if (reducer) {
     write_step<kF32, kTail>(dst + off, lim, acc);  // rounds to y's dtype
     return;
   }
   float total[kE];
-  finalise_step<kF32, kTail>(a, d, entries, n_own, n_all, t, off, lim, acc, total);
-  write_step<kF32, kTail>(dst + off, lim, total);
+  if (finalise_step<kF32, kTail>(d, entries, rows, n_own, n_all, off, lim, acc, total)) {
+    write_step<kF32, kTail>(dst + off, lim, total);
+  } else {
+    write_step<kF32, kTail>(dst + off, lim, acc);
+  }
 }
 
 // Token tt of the chunk, step by step of the item's bytes [lo, end) of its row: a reducer writes its
@@ -359,6 +392,19 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
   const int n_all = w.n_all[tt];
   const int32_t* entries = w.entries + tt * a.list_stride;
   const float* weights = w.weights + tt * a.K;
+  // the token's rows: its y rows, then (finalisers) the other ranks' partials in this rank's
+  // staging; lane j prefetches row j (up to K + R rows: those past 32 go without)
+  const char* my_row = nullptr;
+  for (int j = d.lane; j < n_all; j += 32) {
+    const int32_t e = entries[j];
+    const char* row = e >= 0 ? a.y + static_cast<int64_t>(e) * a.row_bytes
+                             : d.own + L.stage_data +
+                                   (static_cast<int64_t>(-1 - e) * a.T + t0 + tt) *
+                                       L.data_row_bytes;
+    w.rows[j] = row;
+    if (j < 32) my_row = row;
+  }
+  __syncwarp();
   char* dst = reducer ? reinterpret_cast<char*>(__shfl_sync(
                             kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s_rank)) +
                             L.stage_data + (static_cast<int64_t>(d.me) * a.T + t0 + tt) *
@@ -366,13 +412,14 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
                       : a.out + (t0 + tt) * a.row_bytes;
   int64_t base = lo;
   for (; base + kStepBytes <= end; base += kStepBytes) {
-    combine_step<kF32, false>(a, d, entries, weights, n_own, n_all, reducer, dst, t0 + tt, base,
-                              end);
+    combine_step<kF32, false>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst, my_row,
+                              base, end);
   }
   if (base < end) {
-    combine_step<kF32, true>(a, d, entries, weights, n_own, n_all, reducer, dst, t0 + tt, base,
-                             end);
+    combine_step<kF32, true>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst, my_row,
+                             base, end);
   }
+  __syncwarp();  // every lane has read the rows' addresses before the next token's take their place
 }
 
 // One work item: slices [it.k0, it.k1) of chunk it.c of rank s_rank's tokens (reducers) or of this

@@ -106,6 +106,12 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+// Asks L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) of global memory ahead of the loads
+// that read them: the loads then wait for L2, not for DRAM.
+__device__ __forceinline__ void prefetch_l2(const void* global_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(global_src), "r"(bytes)
+               : "memory");
+}
 // Orders this thread's generic-proxy and async-proxy accesses to global memory.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");

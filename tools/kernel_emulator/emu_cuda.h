@@ -375,6 +375,13 @@ inline void tma_store_wait_read() {}
 inline void tma_store_wait_all() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void fence_proxy_async_global() {}
 inline void fence_proxy_async_shared() {}
+// A cache hint: nothing to fetch, but its operands must be valid (16-byte aligned, 16-byte multiple).
+inline void prefetch_l2(const void* src, uint32_t bytes) {
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || bytes == 0 || bytes % 16 != 0) {
+    std::fprintf(stderr, "prefetch_l2: misaligned operands (%p, %u bytes)\n", src, bytes);
+    std::abort();
+  }
+}
 // cp.async copies complete immediately.
 inline void cp_async_16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void cp_async_commit() {}
