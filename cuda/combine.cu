@@ -37,6 +37,10 @@ constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
 constexpr int kRowBatch = 4;                    // rows whose units are loaded before the first is summed
 constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
 constexpr int kPrefetchSteps = 1;               // steps of a row asked of L2 ahead of its loads
+// Blocks (SMs) up to which the rows are prefetched: with few SMs the warps wait for DRAM's latency,
+// with all of them for its bandwidth, and the prefetches cost (one H200, DeepSeek-V3 combine: 24 SMs
+// 374.6 -> 293.7 us, 131 SMs 132.7 -> 155.6 us; session 48).
+constexpr int kPrefetchMaxBlocks = 64;
 static_assert(kSliceBytes % kUnitBytes == 0, "a slice of a row is a whole number of units");
 
 struct CombineArgs : DataArgs {
@@ -48,6 +52,7 @@ struct CombineArgs : DataArgs {
   int32_t list_stride;   // entries per token list: K + R
   int32_t op_id;         // kOpCombine, or kOpCombineRankMajor (named in a timeout)
   bool rows_as_is;       // combine_rank_major: a partial is its one row as it is (no +0.0 added)
+  bool prefetch;         // rows are asked of L2 a step ahead (num_blocks <= kPrefetchMaxBlocks)
 };
 
 // Shared memory of one warp: the current token's row addresses, the chunk's token_rows (then the
@@ -361,7 +366,7 @@ __device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWar
                                              int64_t base, int64_t end) {
   constexpr int kE = Piece<kF32>::kElems;
   const int64_t ahead = base + kPrefetchSteps * kStepBytes;
-  if (my_row != nullptr && ahead < end) {
+  if (a.prefetch && my_row != nullptr && ahead < end) {
     prefetch_l2(my_row + ahead, static_cast<uint32_t>(end - ahead < kStepBytes ? end - ahead
                                                                                 : kStepBytes));
   }
@@ -513,7 +518,7 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
                       row_weights,                 token_rows,
                       is_token_in_rank,            static_cast<char*>(out),
                       g.num_topk + g.num_ranks,    op_id,
-                      rank_major};
+                      rank_major,                  g.num_blocks <= kPrefetchMaxBlocks};
   const int shared_bytes =
       static_cast<int>(kDataWarps * combine_warp_shared_bytes(a.list_stride, a.K));
   const auto kernel = y_kind == kRowF32 ? combine_main_kernel<true> : combine_main_kernel<false>;
