@@ -37,8 +37,6 @@ constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
 constexpr int kRowBatch = 4;                    // rows whose units are loaded before the first is summed
 constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
 constexpr int kPrefetchSteps = 1;               // steps of a row asked of L2 ahead of its loads
-constexpr int kStepLines = kStepBytes / 128;    // 128-byte lines of a step
-constexpr bool kPrefetchLines = true;           // prefetch line by line (else one bulk prefetch per row)
 // Blocks (SMs) up to which the rows are prefetched: with few SMs the warps wait for DRAM's latency,
 // with all of them for its bandwidth, and the prefetches cost (one H200, DeepSeek-V3 combine: 24 SMs
 // 374.6 -> 293.7 us, 131 SMs 132.7 -> 155.6 us; session 48).
@@ -368,20 +366,9 @@ __device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWar
                                              int64_t base, int64_t end) {
   constexpr int kE = Piece<kF32>::kElems;
   const int64_t ahead = base + kPrefetchSteps * kStepBytes;
-  if (a.prefetch && ahead < end) {
-    if constexpr (kPrefetchLines) {
-      // the n_all rows' 128-byte lines of the step ahead, 32 lines per warp instruction (a row's
-      // start is 16-byte aligned: a line it shares with the next step may go unasked)
-      const int64_t bytes = end - ahead < kStepBytes ? end - ahead : kStepBytes;
-      const int lines = static_cast<int>((bytes + 127) / 128);
-      for (int i = d.lane; i < n_all * kStepLines; i += 32) {
-        const int line = i % kStepLines;
-        if (line < lines) prefetch_line_l2(rows[i / kStepLines] + ahead + 128 * line);
-      }
-    } else if (my_row != nullptr) {
-      prefetch_l2(my_row + ahead, static_cast<uint32_t>(end - ahead < kStepBytes ? end - ahead
-                                                                                  : kStepBytes));
-    }
+  if (a.prefetch && my_row != nullptr && ahead < end) {
+    prefetch_l2(my_row + ahead, static_cast<uint32_t>(end - ahead < kStepBytes ? end - ahead
+                                                                                : kStepBytes));
   }
   const int64_t off = base + 16 * d.lane;
   const int lim = static_cast<int>(end - off);

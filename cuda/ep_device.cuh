@@ -112,11 +112,6 @@ __device__ __forceinline__ void prefetch_l2(const void* global_src, uint32_t byt
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(global_src), "r"(bytes)
                : "memory");
 }
-// Asks L2 to fetch the 128-byte line of global memory that holds `global_src` (one per thread: a
-// warp asks for 32 lines with one instruction, where prefetch_l2 takes one address per instruction).
-__device__ __forceinline__ void prefetch_line_l2(const void* global_src) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(global_src));
-}
 // Orders this thread's generic-proxy and async-proxy accesses to global memory.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");

@@ -375,12 +375,6 @@ inline void tma_store_wait_read() {}
 inline void tma_store_wait_all() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void fence_proxy_async_global() {}
 inline void fence_proxy_async_shared() {}
-inline void prefetch_line_l2(const void* src) {  // (a cache hint: a null address is a bug)
-  if (src == nullptr) {
-    std::fprintf(stderr, "prefetch_line_l2: null address\n");
-    std::abort();
-  }
-}
 // A cache hint: nothing to fetch, but its operands must be valid (16-byte aligned, 16-byte multiple).
 inline void prefetch_l2(const void* src, uint32_t bytes) {
   if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || bytes == 0 || bytes % 16 != 0) {
