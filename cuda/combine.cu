@@ -28,9 +28,9 @@ namespace {
 // register-path combine of the same rows 198.5 us with 8 KiB per warp in flight (docs/benchmarks.md,
 // session 47: 8 rows x 2 units here spill: 128 registers hold the kernel's other state too). A ring
 // of bulk loads into shared memory instead of registers (more bytes in flight) was slower still
-// (397.9 us with 2 KiB pieces, session 48): the warps wait for DRAM, so each lane asks L2 for its row's
-// step kPrefetchSteps ahead (prefetch_l2) and the step's loads wait for L2 only; a token's row
-// addresses are computed once (CombineWarp::rows), not at every step.
+// (397.9 us with 2 KiB pieces, session 48): the warps wait for DRAM, so on few SMs each lane asks L2
+// for its row's step kPrefetchSteps ahead (prefetch_l2) and the step's loads wait for L2 only; a
+// token's row addresses are computed once (CombineWarp::rows), not at every step (292.1 us).
 constexpr int kUnitBytes = 512;                 // a warp's unit of a row (16 bytes per lane)
 constexpr int kUnits = 2;                       // units of a row summed at once
 constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
@@ -38,8 +38,9 @@ constexpr int kRowBatch = 4;                    // rows whose units are loaded b
 constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
 constexpr int kPrefetchSteps = 1;               // steps of a row asked of L2 ahead of its loads
 // Blocks (SMs) up to which the rows are prefetched: with few SMs the warps wait for DRAM's latency,
-// with all of them for its bandwidth, and the prefetches cost (one H200, DeepSeek-V3 combine: 24 SMs
-// 374.6 -> 293.7 us, 131 SMs 132.7 -> 155.6 us; session 48).
+// with all of them for its bandwidth, and the prefetches cost (one H200, DeepSeek-V3 combine, main us
+// with / without: 24 SMs 292.0 / 311.4, 64 148.5 / 152.2, 96 144.8 / 136.6, 131 155.0 / 131.3;
+// session 48).
 constexpr int kPrefetchMaxBlocks = 64;
 static_assert(kSliceBytes % kUnitBytes == 0, "a slice of a row is a whole number of units");
 
@@ -133,7 +134,7 @@ __device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int wa
                                                     int K) {
   CombineWarp w;
   char* base = dynamic_shared + warp * combine_warp_shared_bytes(stride, K);
-  w.rows = reinterpret_cast<const char**>(base);  // (8-byte aligned: every part is 32-byte sized)
+  w.rows = reinterpret_cast<const char**>(base);  // (8-byte aligned: a warp's part is 8-byte sized)
   w.raw = reinterpret_cast<int32_t*>(base + stride * 8);
   w.weights = reinterpret_cast<float*>(w.raw);
   w.entries = w.raw + kMaxChunkTokens * K;
@@ -303,8 +304,8 @@ __device__ __forceinline__ void add_unstaged_ranks(int r, int stop, int me, cons
 // A finaliser's step of a token: the sum over ranks in rank order (float32) of the partials, its
 // own partial `acc` rounded to y's dtype as if it had travelled, the other ranks' staged ones
 // (entries [n_own, n_all): -1 - r in rank order, their rows in rows[n_own, n_all); a rank the
-// token did not go to adds zero). Returns in total, or, with no staged partial and no other rank,
-// leaves the sum in acc (it is acc: rounding it to y's dtype first changes nothing written).
+// token did not go to adds zero). Returns true with the sum in total; false with no staged partial and
+// no other rank, when the sum is acc itself (rounding it to y's dtype first changes nothing written).
 template <bool kF32, bool kTail>
 __device__ __forceinline__ bool finalise_step(const DataWarp& d, const int32_t* entries,
                                               const char* const* rows, int n_own, int n_all,
