@@ -37,6 +37,7 @@ constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
 constexpr int kRowBatch = 4;                    // rows whose units are loaded before the first is summed
 constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
 constexpr int kPrefetchSteps = 1;               // steps of a row asked of L2 ahead of its loads
+constexpr int kPrefetchEvery = 2;               // steps asked for at once, every that many steps
 // Blocks (SMs) up to which the rows are prefetched: with few SMs the warps wait for DRAM's latency,
 // with all of them for its bandwidth, and the prefetches cost (one H200, DeepSeek-V3 combine, main us
 // with / without: 24 SMs 292.0 / 311.4, 64 148.5 / 152.2, 96 144.8 / 136.6, 131 155.0 / 131.3;
@@ -357,19 +358,20 @@ __device__ __forceinline__ bool finalise_step(const DataWarp& d, const int32_t* 
   return true;
 }
 
-// One step of a token's row at byte `base` (of the item's bytes, which end at `end`). Lane j holds
-// row j's address in my_row (null: no row j) and first asks L2 for its step kPrefetchSteps ahead.
+// One step (number `step` of the item) of a token's row at byte `base` (of the item's bytes, which
+// end at `end`). Lane j holds row j's address in my_row (null: no row j); every kPrefetchEvery steps it
+// first asks L2 for the kPrefetchEvery steps of its row from kPrefetchSteps ahead.
 template <bool kF32, bool kTail>
 __device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWarp& d,
                                              const int32_t* entries, const char* const* rows,
                                              const float* weights, int n_own, int n_all,
                                              bool reducer, char* dst, const char* my_row,
-                                             int64_t base, int64_t end) {
+                                             int step, int64_t base, int64_t end) {
   constexpr int kE = Piece<kF32>::kElems;
   const int64_t ahead = base + kPrefetchSteps * kStepBytes;
-  if (a.prefetch && my_row != nullptr && ahead < end) {
-    prefetch_l2(my_row + ahead, static_cast<uint32_t>(end - ahead < kStepBytes ? end - ahead
-                                                                                : kStepBytes));
+  if (a.prefetch && my_row != nullptr && ahead < end && step % kPrefetchEvery == 0) {
+    constexpr int64_t kBytes = kPrefetchEvery * kStepBytes;
+    prefetch_l2(my_row + ahead, static_cast<uint32_t>(end - ahead < kBytes ? end - ahead : kBytes));
   }
   const int64_t off = base + 16 * d.lane;
   const int lim = static_cast<int>(end - off);
@@ -417,13 +419,14 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
                                                L.data_row_bytes
                       : a.out + (t0 + tt) * a.row_bytes;
   int64_t base = lo;
-  for (; base + kStepBytes <= end; base += kStepBytes) {
+  int step = 0;
+  for (; base + kStepBytes <= end; base += kStepBytes, ++step) {
     combine_step<kF32, false>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst, my_row,
-                              base, end);
+                              step, base, end);
   }
   if (base < end) {
     combine_step<kF32, true>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst, my_row,
-                             base, end);
+                             step, base, end);
   }
   __syncwarp();  // every lane has read the rows' addresses before the next token's take their place
 }
