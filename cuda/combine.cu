@@ -37,12 +37,20 @@ constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
 constexpr int kRowBatch = 4;                    // rows whose units are loaded before the first is summed
 constexpr int kStagedBatch = 4;                 // the same for the staged partials (beside acc)
 constexpr int kPrefetchSteps = 1;               // steps of a row asked of L2 ahead of its loads
-constexpr int kPrefetchEvery = 2;               // steps asked for at once, every that many steps
 // Blocks (SMs) up to which the rows are prefetched: with few SMs the warps wait for DRAM's latency,
 // with all of them for its bandwidth, and the prefetches cost (one H200, DeepSeek-V3 combine, main us
-// with / without: 24 SMs 292.0 / 311.4, 64 148.5 / 152.2, 96 144.8 / 136.6, 131 155.0 / 131.3;
-// session 48).
+// with / without, a step at a time: 24 SMs 292.0 / 311.4, 64 148.5 / 152.2, 96 144.8 / 136.6, 131
+// 155.0 / 131.3; session 48).
 constexpr int kPrefetchMaxBlocks = 64;
+// Blocks up to which the prefetch asks for 4 steps every 4 steps (one bulk prefetch per row for 4
+// KiB), above them a step every step: fewer prefetches, but 4x the rows' bytes held in L2 (main us,
+// a step / 2 / 4 at a time: 24 SMs 292.1 / 277.0 / 270.2, 64 SMs 148.2 / 150.9 / 171.6; session 48).
+constexpr int kPrefetchWideMaxBlocks = 24;
+
+// Steps a warp's prefetch asks for at once, every that many steps (0: no prefetch), on num_blocks.
+constexpr int prefetch_every(int num_blocks) {
+  return num_blocks <= kPrefetchWideMaxBlocks ? 4 : num_blocks <= kPrefetchMaxBlocks ? 1 : 0;
+}
 static_assert(kSliceBytes % kUnitBytes == 0, "a slice of a row is a whole number of units");
 
 struct CombineArgs : DataArgs {
@@ -54,7 +62,6 @@ struct CombineArgs : DataArgs {
   int32_t list_stride;   // entries per token list: K + R
   int32_t op_id;         // kOpCombine, or kOpCombineRankMajor (named in a timeout)
   bool rows_as_is;       // combine_rank_major: a partial is its one row as it is (no +0.0 added)
-  bool prefetch;         // rows are asked of L2 a step ahead (num_blocks <= kPrefetchMaxBlocks)
 };
 
 // Shared memory of one warp: the current token's row addresses, the chunk's token_rows (then the
@@ -359,19 +366,22 @@ __device__ __forceinline__ bool finalise_step(const DataWarp& d, const int32_t* 
 }
 
 // One step (number `step` of the item) of a token's row at byte `base` (of the item's bytes, which
-// end at `end`). Lane j holds row j's address in my_row (null: no row j); every kPrefetchEvery steps it
-// first asks L2 for the kPrefetchEvery steps of its row from kPrefetchSteps ahead.
-template <bool kF32, bool kTail>
+// end at `end`). Lane j holds row j's address in my_row (null: no row j); every kEvery steps it
+// first asks L2 for the kEvery steps of its row from kPrefetchSteps ahead (kEvery 0: never).
+template <bool kF32, bool kTail, int kEvery>
 __device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWarp& d,
                                              const int32_t* entries, const char* const* rows,
                                              const float* weights, int n_own, int n_all,
                                              bool reducer, char* dst, const char* my_row,
                                              int step, int64_t base, int64_t end) {
   constexpr int kE = Piece<kF32>::kElems;
-  const int64_t ahead = base + kPrefetchSteps * kStepBytes;
-  if (a.prefetch && my_row != nullptr && ahead < end && step % kPrefetchEvery == 0) {
-    constexpr int64_t kBytes = kPrefetchEvery * kStepBytes;
-    prefetch_l2(my_row + ahead, static_cast<uint32_t>(end - ahead < kBytes ? end - ahead : kBytes));
+  if constexpr (kEvery > 0) {
+    const int64_t ahead = base + kPrefetchSteps * kStepBytes;
+    if (my_row != nullptr && ahead < end && step % kEvery == 0) {
+      constexpr int64_t kBytes = kEvery * kStepBytes;
+      prefetch_l2(my_row + ahead,
+                  static_cast<uint32_t>(end - ahead < kBytes ? end - ahead : kBytes));
+    }
   }
   const int64_t off = base + 16 * d.lane;
   const int lim = static_cast<int>(end - off);
@@ -391,7 +401,7 @@ __device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWar
 
 // Token tt of the chunk, step by step of the item's bytes [lo, end) of its row: a reducer writes its
 // partial into rank s_rank's staging, a finaliser the output row.
-template <bool kF32>
+template <bool kF32, int kEvery>
 __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWarp& d,
                                               const CombineWarp& w, bool reducer, int s_rank,
                                               int64_t t0, int tt, int64_t lo, int64_t end) {
@@ -421,19 +431,19 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
   int64_t base = lo;
   int step = 0;
   for (; base + kStepBytes <= end; base += kStepBytes, ++step) {
-    combine_step<kF32, false>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst, my_row,
-                              step, base, end);
+    combine_step<kF32, false, kEvery>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst,
+                                      my_row, step, base, end);
   }
   if (base < end) {
-    combine_step<kF32, true>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst, my_row,
-                             step, base, end);
+    combine_step<kF32, true, kEvery>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst,
+                                     my_row, step, base, end);
   }
   __syncwarp();  // every lane has read the rows' addresses before the next token's take their place
 }
 
 // One work item: slices [it.k0, it.k1) of chunk it.c of rank s_rank's tokens (reducers) or of this
 // rank's (finalisers).
-template <bool kF32>
+template <bool kF32, int kEvery>
 __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWarp& d,
                                               const CombineWarp& w, bool reducer,
                                               const ChunkSlices& it, int s_rank) {
@@ -445,7 +455,7 @@ __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWa
   const int64_t lo = slice_begin(L, it.k0);
   const int64_t end = slice_end(L, it.k1, a.row_bytes);
   for (int tt = 0; tt < n_tok; ++tt) {
-    if (w.active[tt]) combine_token<kF32>(a, d, w, reducer, s_rank, t0, tt, lo, end);
+    if (w.active[tt]) combine_token<kF32, kEvery>(a, d, w, reducer, s_rank, t0, tt, lo, end);
   }
   __syncwarp();  // every lane's stores of the chunk are done
   if (reducer && d.lane == 0) {
@@ -456,7 +466,7 @@ __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWa
   }
 }
 
-template <bool kF32>
+template <bool kF32, int kEvery>
 __global__ void __launch_bounds__(kDataThreads, 1)
     combine_main_kernel(DeviceState* state, CombineArgs a) {
   JAX_EP_DYNAMIC_SHARED(uint4, dynamic_shared);
@@ -481,7 +491,7 @@ __global__ void __launch_bounds__(kDataThreads, 1)
     } else {
       it = chunk_item(a.layout, item, true);
     }
-    combine_chunk<kF32>(a, d, w, reducer, it, s_rank);
+    combine_chunk<kF32, kEvery>(a, d, w, reducer, it, s_rank);
   }
 }
 
@@ -522,10 +532,15 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
                       row_weights,                 token_rows,
                       is_token_in_rank,            static_cast<char*>(out),
                       g.num_topk + g.num_ranks,    op_id,
-                      rank_major,                  g.num_blocks <= kPrefetchMaxBlocks};
+                      rank_major};
   const int shared_bytes =
       static_cast<int>(kDataWarps * combine_warp_shared_bytes(a.list_stride, a.K));
-  const auto kernel = y_kind == kRowF32 ? combine_main_kernel<true> : combine_main_kernel<false>;
+  const bool f32 = y_kind == kRowF32;
+  const int every = prefetch_every(g.num_blocks);
+  const auto kernel =
+      every == 4   ? (f32 ? combine_main_kernel<true, 4> : combine_main_kernel<false, 4>)
+      : every == 1 ? (f32 ? combine_main_kernel<true, 1> : combine_main_kernel<false, 1>)
+                   : (f32 ? combine_main_kernel<true, 0> : combine_main_kernel<false, 0>);
   JAX_EP_CUDA_RETURN(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
   JAX_EP_LAUNCH(kernel, g.num_blocks, kDataThreads, shared_bytes, stream)(g.state, a);
