@@ -30,10 +30,7 @@ namespace {
 // of bulk loads into shared memory instead of registers (more bytes in flight) was slower still
 // (397.9 us with 2 KiB pieces, session 48): the warps wait for DRAM, so on few SMs each lane asks L2
 // for its row's step kPrefetchSteps ahead (prefetch_l2) and the step's loads wait for L2 only; a
-// token's row addresses are computed once (CombineWarp::rows), not at every step (292.1 us). A warp
-// takes its next work item during the current one's last steps (NextItem), so that the next item's
-// lists (an atomic, then token_rows, then the weights, each waiting for the one before) and its
-// rows' first step wait for nothing.
+// token's row addresses are computed once (CombineWarp::rows), not at every step (292.1 us).
 constexpr int kUnitBytes = 512;                 // a warp's unit of a row (16 bytes per lane)
 constexpr int kUnits = 2;                       // units of a row summed at once
 constexpr int kStepBytes = kUnitBytes * kUnits;  // a step of a row (1 KiB)
@@ -55,12 +52,6 @@ constexpr int prefetch_every(int num_blocks) {
   return num_blocks <= kPrefetchWideMaxBlocks ? 4 : num_blocks <= kPrefetchMaxBlocks ? 1 : 0;
 }
 static_assert(kSliceBytes % kUnitBytes == 0, "a slice of a row is a whole number of units");
-// Steps before the end of its last token at which a warp starts taking its next work item (claim,
-// then its token_rows, then its weights and its rows' first step, one stage a step), so that the
-// item's lists wait for none of their loads: per item they are an atomic and two or three
-// dependent loads before its first row, while the warp has no row in flight. Later stages of
-// claiming make the tail longer by at most these steps.
-constexpr int kAheadSteps = 3;
 
 struct CombineArgs : DataArgs {
   const char* y;
@@ -83,26 +74,6 @@ __host__ __device__ constexpr int64_t combine_warp_shared_bytes(int list_stride,
 static_assert(kDataWarps * combine_warp_shared_bytes(kMaxTopk + kMaxGroupRanks, kMaxTopk) <=
                   232448,
               "combine's shared memory must fit every supported top-k and group size");
-
-// The work item a warp takes next, taken in stages (advance_next) while it sums the current one:
-// the counter's atomic (lane 0), then the item's token_rows, then their gate weights, entry f =
-// tt * K + i of its chunk in lane f's registers when the chunk has at most 32 entries
-// (ItemWork::in_regs; otherwise its lists read them from global memory, as without the lookahead).
-// Four registers: the kernel's steps hold the rest (bf16 spilled with 10).
-struct NextItem {
-  int stage;     // 0: nothing taken; 1: claimed; 2: token_rows asked for; 3: weights asked for
-  int item;      // stage 1: lane 0's counter value; then the item (>= the kernel's count: none left)
-  int32_t row;   // token_rows entry `lane` of the item's chunk (in_regs; -1 past its entries)
-  float weight;  // its gate weight (1 unweighted, or for no row)
-};
-
-// What a work item is: slices [it.k0, it.k1) of chunk it.c of rank s_rank's tokens (reducers:
-// another rank's; -1 when that rank is masked: nothing goes there).
-struct ItemWork {
-  ChunkSlices it;
-  int s_rank;
-  bool in_regs;  // the chunk's token_rows fit one register per lane (n_tok * K <= 32)
-};
 
 struct CombineWarp {
   const char** rows;  // [stride]: the current token's entries as row addresses (y or staging)
@@ -182,84 +153,13 @@ __device__ __forceinline__ CombineWarp combine_warp(char* dynamic_shared, int wa
   return w;
 }
 
-// Work item `item` of this warp's kind (reducers: the (item % (R - 1))-th other rank's tokens).
-__device__ __forceinline__ ItemWork item_work(const CombineArgs& a, const DataWarp& d, bool reducer,
-                                              int item) {
-  ItemWork x;
-  if (reducer) {
-    x.it = chunk_item(a.layout, item / (d.R - 1), true);
-    x.s_rank = other_rank(item % (d.R - 1), d.me);
-    if (!has_rank(d.linked, x.s_rank)) x.s_rank = -1;
-  } else {
-    x.it = chunk_item(a.layout, item, true);
-    x.s_rank = d.me;
-  }
-  const int64_t t0 = chunk_begin(a.layout, x.it.c);
-  x.in_regs = (chunk_end(a.layout, x.it.c, a.T) - t0) * a.K <= 32;
-  return x;
-}
-
-// Takes the next item's next stage (NextItem); every lane calls it. Each stage's loads are used
-// only by the next stage or by the item's lists, so a stage taken at a step waits for nothing.
-// kRows: the last stage also asks L2 for the first step of the chunk's first token's y rows (the
-// steps after it are asked for by combine_step).
-// The items of this warp's kind (reducers': per other rank), and their counter.
-__device__ __forceinline__ int num_items(const CombineArgs& a, const DataWarp& d, bool reducer) {
-  const int per_rank = chunk_items(a.layout, true);  // (chunk, slice) items (chunk_item)
-  return reducer ? per_rank * (d.R - 1) : per_rank;
-}
-__device__ __forceinline__ uint32_t* item_counter(const DataWarp& d, bool reducer) {
-  return &d.info->work[reducer ? 0 : 1];
-}
-
-template <bool kRows>
-__device__ __forceinline__ void advance_next(const CombineArgs& a, const DataWarp& d, bool reducer,
-                                             NextItem& n) {
-  const CommLayout& L = a.layout;
-  if (n.stage == 0) {
-    if (d.lane == 0) n.item = static_cast<int>(atomicAdd(item_counter(d, reducer), 1u));
-    n.stage = 1;
-    return;
-  }
-  if (n.stage == 1) {
-    n.item = __shfl_sync(kFullMask, n.item, 0);
-    n.stage = 2;
-    n.row = -1;
-    if (n.item >= num_items(a, d, reducer)) return;
-    const ItemWork x = item_work(a, d, reducer, n.item);
-    const int64_t t0 = chunk_begin(L, x.it.c);
-    if (x.s_rank >= 0 && x.in_regs &&
-        d.lane < static_cast<int>(chunk_end(L, x.it.c, a.T) - t0) * a.K) {
-      n.row = __ldg(a.token_rows + (static_cast<int64_t>(x.s_rank) * a.T + t0) * a.K + d.lane);
-    }
-    return;
-  }
-  n.stage = 3;
-  n.weight = 1.f;
-  if (n.row < 0) return;  // (no row here, or none in registers)
-  if (a.row_weights != nullptr) n.weight = __ldg(a.row_weights + n.row);
-  if constexpr (kRows) {
-    const ChunkSlices it = item_work(a, d, reducer, n.item).it;
-    const int64_t lo = slice_begin(L, it.k0);
-    const int64_t end = slice_end(L, it.k1, a.row_bytes);
-    if (d.lane < a.K && lo < end) {  // (entry `lane` is slot `lane` of the chunk's first token)
-      prefetch_l2(a.y + static_cast<int64_t>(n.row) * a.row_bytes + lo,
-                  static_cast<uint32_t>(end - lo < kStepBytes ? end - lo : kStepBytes));
-    }
-  }
-}
-
 // The chunk's lists: per token its y rows in slot order (entries >= 0) and, for finalisers, the
 // other ranks whose partials it adds (-1 - r, rank order), with the counts. Finalisers first wait
 // for the other ranks' partials of the item (wait_chunk_flags).
-// With the chunk's entries in registers (x.in_regs: cur's row and weight), the rows' weights are written here too;
-// otherwise combine_chunk_weights writes them.
 __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const DataWarp& d,
                                                     const CombineWarp& w, bool reducer,
-                                                    const ItemWork& x, const NextItem& cur,
-                                                    int64_t t0, int n_tok) {
-  const ChunkSlices& it = x.it;
-  const int s_rank = x.s_rank;
+                                                    const ChunkSlices& it, int s_rank, int64_t t0,
+                                                    int n_tok) {
   const CommLayout& L = a.layout;
   const int K = a.K;
   const int stride = a.list_stride;
@@ -268,9 +168,7 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
   const int R = d.R;
   int32_t* raw = w.raw;
   const int32_t* rows_src = a.token_rows + (static_cast<int64_t>(s_rank) * a.T + t0) * K;
-  if (!x.in_regs) {
-    for (int f = lane; f < n_tok * K; f += 32) raw[f] = __ldg(rows_src + f);
-  }
+  for (int f = lane; f < n_tok * K; f += 32) raw[f] = __ldg(rows_src + f);
   if (!reducer) {
     // the other linked ranks' partials of this chunk have arrived (a masked rank's count as +0.0,
     // and so, in shrink mode, does one whose partials never came: `lost`)
@@ -284,22 +182,10 @@ __device__ __forceinline__ void combine_chunk_lists(const CombineArgs& a, const 
   }
   __syncwarp();
   for (int tt = 0; tt < n_tok; ++tt) {
-    int32_t row;
-    float weight = 1.f;
-    if (x.in_regs) {  // entry tt * K + lane (< 32) from its lane
-      row = __shfl_sync(kFullMask, cur.row, (tt * K + lane) & 31);
-      weight = __shfl_sync(kFullMask, cur.weight, (tt * K + lane) & 31);
-      if (lane >= K) row = -1;
-    } else {
-      row = lane < K ? raw[tt * K + lane] : -1;
-    }
+    const int32_t row = lane < K ? raw[tt * K + lane] : -1;
     const uint32_t valid = __ballot_sync(kFullMask, row >= 0);
     const int n = __popc(valid);
-    if (row >= 0) {
-      const int at = __popc(valid & lanemask_lt());
-      w.entries[tt * stride + at] = row;
-      if (x.in_regs) w.weights[tt * K + at] = weight;  // (raw, its place, is not used)
-    }
+    if (row >= 0) w.entries[tt * stride + __popc(valid & lanemask_lt())] = row;
     if (reducer) {
       const bool sent = __any_sync(kFullMask, row != -1);  // rank s_rank reads its partial
       if (lane == 0) {
@@ -514,13 +400,11 @@ __device__ __forceinline__ void combine_step(const CombineArgs& a, const DataWar
 }
 
 // Token tt of the chunk, step by step of the item's bytes [lo, end) of its row: a reducer writes its
-// partial into rank s_rank's staging, a finaliser the output row. From step ahead_from on, each step
-// first takes a stage of the warp's next item.
+// partial into rank s_rank's staging, a finaliser the output row.
 template <bool kF32, int kEvery>
 __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWarp& d,
                                               const CombineWarp& w, bool reducer, int s_rank,
-                                              int64_t t0, int tt, int64_t lo, int64_t end,
-                                              NextItem& next, int ahead_from) {
+                                              int64_t t0, int tt, int64_t lo, int64_t end) {
   const CommLayout& L = a.layout;
   const int n_own = w.n_own[tt];
   const int n_all = w.n_all[tt];
@@ -547,44 +431,31 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
   int64_t base = lo;
   int step = 0;
   for (; base + kStepBytes <= end; base += kStepBytes, ++step) {
-    if (step >= ahead_from && next.stage < 3) advance_next<(kEvery > 0)>(a, d, reducer, next);
     combine_step<kF32, false, kEvery>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst,
                                       my_row, step, base, end);
   }
   if (base < end) {
-    if (step >= ahead_from && next.stage < 3) advance_next<(kEvery > 0)>(a, d, reducer, next);
     combine_step<kF32, true, kEvery>(a, d, entries, w.rows, weights, n_own, n_all, reducer, dst,
                                      my_row, step, base, end);
   }
   __syncwarp();  // every lane has read the rows' addresses before the next token's take their place
 }
 
-// One work item, cur (x: what it is): slices [it.k0, it.k1) of chunk it.c of rank s_rank's tokens
-// (reducers) or of this rank's (finalisers). The warp takes its next item (`next`, from stage 0) on
-// the way.
+// One work item: slices [it.k0, it.k1) of chunk it.c of rank s_rank's tokens (reducers) or of this
+// rank's (finalisers).
 template <bool kF32, int kEvery>
 __device__ __forceinline__ void combine_chunk(const CombineArgs& a, const DataWarp& d,
                                               const CombineWarp& w, bool reducer,
-                                              const ItemWork& x, const NextItem& cur,
-                                              NextItem& next) {
+                                              const ChunkSlices& it, int s_rank) {
   const CommLayout& L = a.layout;
-  const ChunkSlices& it = x.it;
-  const int s_rank = x.s_rank;
   const int64_t t0 = chunk_begin(L, it.c);
   const int n_tok = static_cast<int>(chunk_end(L, it.c, a.T) - t0);
-  combine_chunk_lists(a, d, w, reducer, x, cur, t0, n_tok);
-  if (!x.in_regs) combine_chunk_weights(a, w, n_tok, d.lane);
+  combine_chunk_lists(a, d, w, reducer, it, s_rank, t0, n_tok);
+  combine_chunk_weights(a, w, n_tok, d.lane);
   const int64_t lo = slice_begin(L, it.k0);
   const int64_t end = slice_end(L, it.k1, a.row_bytes);
-  int last = -1;  // the last token with an output
-  for (int tt = 0; tt < n_tok; ++tt) last = w.active[tt] ? tt : last;
-  const int steps = static_cast<int>((end - lo + kStepBytes - 1) / kStepBytes);
-  const int from = steps > kAheadSteps ? steps - kAheadSteps : 0;
-  for (int tt = 0; tt <= last; ++tt) {
-    if (w.active[tt]) {
-      combine_token<kF32, kEvery>(a, d, w, reducer, s_rank, t0, tt, lo, end, next,
-                                  tt == last ? from : steps);
-    }
+  for (int tt = 0; tt < n_tok; ++tt) {
+    if (w.active[tt]) combine_token<kF32, kEvery>(a, d, w, reducer, s_rank, t0, tt, lo, end);
   }
   __syncwarp();  // every lane's stores of the chunk are done
   if (reducer && d.lane == 0) {
@@ -604,18 +475,23 @@ __global__ void __launch_bounds__(kDataThreads, 1)
       combine_warp(reinterpret_cast<char*>(dynamic_shared), d.warp, a.list_stride, a.K);
   // (with no other rank there is nothing to reduce and send: every warp finalises)
   const bool reducer = d.R > 1 && d.warp < a.send_warps;
-  const int n_items = num_items(a, d, reducer);
-  NextItem next;
-  next.stage = 0;
+  // (chunk, slice) items (chunk_item), reducers' per other rank
+  const int per_rank = chunk_items(a.layout, true);
+  const int n_items = reducer ? per_rank * (d.R - 1) : per_rank;
+  uint32_t* counter = &d.info->work[reducer ? 0 : 1];
   for (;;) {
-    // (the first item, and any whose stages its predecessor left, is taken here unhidden)
-    while (next.stage < 3) advance_next<(kEvery > 0)>(a, d, reducer, next);
-    const NextItem cur = next;
-    next.stage = 0;
-    if (cur.item >= n_items) break;
-    const ItemWork x = item_work(a, d, reducer, cur.item);
-    if (x.s_rank < 0) continue;  // a masked rank: nothing goes there
-    combine_chunk<kF32, kEvery>(a, d, w, reducer, x, cur, next);
+    const int item = next_item(counter);
+    if (item >= n_items) break;
+    int s_rank = d.me;  // reducers: the rank whose tokens these are
+    ChunkSlices it;
+    if (reducer) {
+      it = chunk_item(a.layout, item / (d.R - 1), true);
+      s_rank = other_rank(item % (d.R - 1), d.me);
+      if (!has_rank(d.linked, s_rank)) continue;  // a masked rank: nothing goes there
+    } else {
+      it = chunk_item(a.layout, item, true);
+    }
+    combine_chunk<kF32, kEvery>(a, d, w, reducer, it, s_rank);
   }
 }
 
