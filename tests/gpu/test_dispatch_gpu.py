@@ -375,10 +375,11 @@ def combine_vjp_fn(mesh, cfg, masked, empty_rows_zero=False, weighted=True):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
-def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed, handler):
+def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed, handler, num_sms=None):
     """combine's backward through a messy dispatch's handle (capacity drops; masked: rank 0 active, the
-    others masked, on combine only) on the reference and then on 'cuda' over poisoned device memory,
-    checking that `handler` ran: (want, got, mask, tokens, hidden), want / got as combine_vjp_fn's."""
+    others masked, on combine only) on the reference and then on 'cuda' over poisoned device memory
+    (its data kernels on num_sms blocks; None: the default), checking that `handler` ran:
+    (want, got, mask, tokens, hidden), want / got as combine_vjp_fn's."""
     if masked:
         needs_two_ranks(R)
     mask = (1,) + (0,) * (R - 1) if masked else None
@@ -394,7 +395,9 @@ def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed
     args = put(mesh, x, idx, w, y, g, m)
 
     def run(backend):
-        return to_np(combine_vjp_fn(mesh, _cfg(backend, **kw), masked, empty_rows_zero, weighted)(*args))
+        extra = dict(kernel=jax_ep.KernelConfig(num_sms=num_sms)) if backend == "cuda" and num_sms else {}
+        fn = combine_vjp_fn(mesh, _cfg(backend, **kw, **extra), masked, empty_rows_zero, weighted)
+        return to_np(fn(*args))
 
     want = run("reference")
     before = handler_stats(handler)["calls"]
@@ -404,19 +407,22 @@ def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed
     return want, got, mask, tokens, hidden
 
 
+@pytest.mark.parametrize("num_sms", [None, 8], ids=["all_sms", "8_sms"])
 @pytest.mark.parametrize("empty_rows_zero", [False, True], ids=["zeroed", "in_y"])
 @pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("masked", [False, True])
-def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, masked, empty_rows_zero):
+def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, masked, empty_rows_zero,
+                                                  num_sms):
     """backend='cuda' runs combine's backward as one kernel (jax_ep_combine_bwd): d y and
     d row_weights bit-exact against the reference (same float32 order, reference.row_dot), y's empty
     rows NaN (never read: +0.0 in both), capacity drops, messy routing; masked: rank 0 active, the
     others masked, on combine only (after an unmasked dispatch), so each rank links only itself and
     the other ranks' rows get +0.0. Device memory poisoned; the fused call really ran (handler count).
     in_y (combine's empty_rows_zero): d y written into y's buffer, its rows with no token y's (NaN
-    here, as in the reference), every other row as above."""
+    here, as in the reference), every other row as above. 8_sms: the data kernels on 8 blocks, where each
+    row's y and g are prefetched into L2 first (kBackwardPrefetchMaxBlocks in cuda/broadcast.cu)."""
     want, got, mask, tokens, hidden = combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, True, 31,
-                                                            "jax_ep_combine_bwd")
+                                                            "jax_ep_combine_bwd", num_sms)
     dy, drw, src = got
     assert_bits_equal(src, want[2], "handle.src_index")
     assert_bits_equal(dy, want[0], "d y")
