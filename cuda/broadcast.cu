@@ -39,14 +39,13 @@ struct BroadcastArgs : DataArgs {
   float* d_row_weights;
   bool empty_rows_from_y;  // out already holds y (combine_bwd in place, broadcast keep_empty_rows):
                            // rows with no token keep y's
-  bool prefetch_rows;      // combine_bwd: ask L2 for a row's y and g before its first loads
 };
 
 // Blocks (SMs) up to which combine_bwd asks L2 for each row's y and g (prefetch_l2, one bulk request
 // each) before it loads them: on few SMs a row's later rounds of loads then wait for L2, not DRAM
 // (as combine's rows, cuda/combine.cu). One H200, DeepSeek-V3 at EP1, main us without / with: 24 SMs
 // 856.9 / 693.2, 64 SMs 401.7 / 310.7, 131 SMs 292.4 / 296.9 (session 49).
-constexpr int kBackwardPrefetchMaxBlocks = 64;
+constexpr unsigned kBackwardPrefetchMaxBlocks = 64;
 
 template <bool kTma>
 __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const DataWarp& d,
@@ -124,7 +123,7 @@ __device__ __forceinline__ void combine_bwd_row(const BroadcastArgs& a, const ch
   const int H = a.row_bytes / (kF32 ? 4 : 2);
   const int steps = (H + 255) / 256;
   const char* y_row = a.y + row * a.row_bytes;
-  if (a.prefetch_rows && lane == 0) {
+  if (gridDim.x <= kBackwardPrefetchMaxBlocks && lane == 0) {
     prefetch_l2(y_row, static_cast<uint32_t>(a.row_bytes));
     prefetch_l2(g_row, static_cast<uint32_t>(a.row_bytes));
   }
@@ -274,7 +273,7 @@ cudaError_t launch_broadcast(const GroupLaunch& g, const void* grad, const int32
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
                         is_token_in_rank, src_index, static_cast<char*>(out), capacity,
                         rank_major ? kOpBroadcastRankMajor : kOpBroadcast, nullptr, nullptr,
-                        nullptr, keep_empty_rows, false};
+                        nullptr, keep_empty_rows};
   return launch_broadcast_kernels<Rows::kCopy>(g, a, hidden, g_kind, use_tma, stream);
 }
 
@@ -291,7 +290,7 @@ cudaError_t launch_combine_bwd(const GroupLaunch& g, const void* grad, const voi
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,
                         is_token_in_rank, src_index, static_cast<char*>(dy), capacity,
                         kOpCombineBwd, static_cast<const char*>(y), row_weights, d_row_weights,
-                        dy == y, g.num_blocks <= kBackwardPrefetchMaxBlocks};
+                        dy == y};
   return kind == kRowF32
              ? launch_broadcast_kernels<Rows::kBackwardF32>(g, a, hidden, kind, use_tma, stream)
              : launch_broadcast_kernels<Rows::kBackwardBF16>(g, a, hidden, kind, use_tma, stream);
