@@ -104,71 +104,95 @@ __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, co
   }
 }
 
-// Steps of a combine_bwd row a lane loads before it computes: a row is one warp's chain of
-// steps / kBackwardUnroll dependent rounds of loads (the latency floor of a row), 64 registers of
-// loads in flight per lane either way.
+// Rows of a token one warp takes at once in combine_bwd: the warp loads g's step once for all of
+// them, so g is read from L2 once per kBackwardRows rows, not once per row (at EP1 on 24 SMs g's
+// re-reads were a third of the bytes the warps load or store).
+constexpr int kBackwardRows = 4;
+// Steps of its rows a lane loads before it computes: the rows are one warp's chain of
+// steps / kBackwardUnroll dependent rounds of loads (the latency floor of the rows), each round
+// (kBackwardRows + 1) * kBackwardUnroll loads of 16 (bf16) or 32 (f32) bytes per lane.
 template <bool kF32>
-constexpr int kBackwardUnroll = kF32 ? 4 : 8;
+constexpr int kBackwardUnroll = kF32 ? 1 : 1;
 
-// combine_bwd of one receive row (row >= 0), a token's on this rank: d y = w * g (one float32
-// product, rounded to the row dtype) and d row_weight = the float32 dot product of y's row and g in
-// jax_ep.reference.row_dot's order: lane l takes the 8 elements at 256 s + 8 l of step s (zeros past
-// H), sums each element's products over the steps in order (no FMA), then its 8 sums pairwise
-// (i + 4, + 2, + 1), then the warp's butterfly over lanes (l ^ 16, ..., l ^ 1). g is re-read per row
-// (from L2); y is read and d y written once. Every lane calls it.
+// combine_bwd of n (1..kBackwardRows) receive rows of one token on this rank, rows[0..n): per row
+// d y = w * g (one float32 product, rounded to the row dtype) and d row_weight = the float32 dot
+// product of y's row and g in jax_ep.reference.row_dot's order: lane l takes the 8 elements at
+// 256 s + 8 l of step s (zeros past H), sums each element's products over the steps in order (no
+// FMA), then its 8 sums pairwise (i + 4, + 2, + 1), then the warp's butterfly over lanes (l ^ 16,
+// ..., l ^ 1). g is read once for the n rows (from L2); y is read and d y written once. Every lane
+// calls it with the same rows and n.
 template <bool kF32>
-__device__ __forceinline__ void combine_bwd_row(const BroadcastArgs& a, const char* g_row,
-                                                int64_t row, int lane) {
+__device__ __forceinline__ void combine_bwd_rows(const BroadcastArgs& a, const char* g_row,
+                                                 const int32_t (&rows)[kBackwardRows], int n,
+                                                 int lane) {
+  constexpr int kN = kBackwardRows;
   constexpr int kU = kBackwardUnroll<kF32>;
   const int H = a.row_bytes / (kF32 ? 4 : 2);
   const int steps = (H + 255) / 256;
-  const char* y_row = a.y + row * a.row_bytes;
-  if (gridDim.x <= kBackwardPrefetchMaxBlocks && lane == 0) {
-    prefetch_l2(y_row, static_cast<uint32_t>(a.row_bytes));
-    prefetch_l2(g_row, static_cast<uint32_t>(a.row_bytes));
+  const int64_t dy_minus_y = a.out - a.y;  // (d y's row = y's row + this)
+  const char* y_rows[kN];
+  float w[kN];
+#pragma unroll
+  for (int r = 0; r < kN; ++r) {
+    y_rows[r] = r < n ? a.y + static_cast<int64_t>(rows[r]) * a.row_bytes : nullptr;
+    w[r] = r < n ? __ldg(a.row_weights + rows[r]) : 0.f;
   }
-  const float w = __ldg(a.row_weights + row);
-  char* dy_row = a.out + row * a.row_bytes;
-  float acc[8] = {};  // (step 0 sets it)
+  if (gridDim.x <= kBackwardPrefetchMaxBlocks) {  // lane r asks for y's row r, lane kN for g
+    const char* mine = nullptr;
+#pragma unroll
+    for (int r = 0; r < kN; ++r) mine = lane == r ? y_rows[r] : mine;
+    if (lane == kN) mine = g_row;
+    if (mine != nullptr) prefetch_l2(mine, static_cast<uint32_t>(a.row_bytes));
+  }
+  float acc[kN][8] = {};  // (step 0 sets them)
   for (int s0 = 0; s0 < steps; s0 += kU) {
-    Raw8<kF32> g[kU], y[kU];
+    Raw8<kF32> g[kU], y[kU][kN];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int e0 = (s0 + u) * 256 + lane * 8;
-      if (s0 + u < steps && e0 < H) {
-        g[u] = load_raw8<kF32>(g_row, e0);
-        y[u] = load_raw8<kF32>(y_row, e0);
-      } else {
-        g[u] = y[u] = Raw8<kF32>{};  // (zeros: bits 0 are 0.f in both dtypes)
+      const bool in = s0 + u < steps && e0 < H;
+      g[u] = in ? load_raw8<kF32>(g_row, e0) : Raw8<kF32>{};  // (zeros: bits 0 are 0.f)
+#pragma unroll
+      for (int r = 0; r < kN; ++r) {
+        y[u][r] = in && r < n ? load_raw8<kF32>(y_rows[r], e0) : Raw8<kF32>{};
       }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       if (s0 + u >= steps) break;
       const int e0 = (s0 + u) * 256 + lane * 8;
-      float gf[8], yf[8], dy[8];
+      float gf[8];
       unpack8<kF32>(g[u], gf);
-      unpack8<kF32>(y[u], yf);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        dy[i] = __fmul_rn(gf[i], w);
-        const float p = __fmul_rn(yf[i], gf[i]);
-        acc[i] = s0 + u == 0 ? p : __fadd_rn(acc[i], p);
+      for (int r = 0; r < kN; ++r) {
+        if (r >= n) break;
+        float yf[8], dy[8];
+        unpack8<kF32>(y[u][r], yf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          dy[i] = __fmul_rn(gf[i], w[r]);
+          const float p = __fmul_rn(yf[i], gf[i]);
+          acc[r][i] = s0 + u == 0 ? p : __fadd_rn(acc[r][i], p);
+        }
+        if (e0 < H) store8<kF32>(const_cast<char*>(y_rows[r]) + dy_minus_y, e0, dy);
       }
-      if (e0 < H) store8<kF32>(dy_row, e0, dy);
     }
   }
 #pragma unroll
-  for (int half = 4; half >= 1; half >>= 1) {
+  for (int r = 0; r < kN; ++r) {
+    if (r >= n) break;
 #pragma unroll
-    for (int i = 0; i < half; ++i) acc[i] = __fadd_rn(acc[i], acc[i + half]);
-  }
-  float dot = acc[0];
+    for (int half = 4; half >= 1; half >>= 1) {
 #pragma unroll
-  for (int offset = 16; offset >= 1; offset >>= 1) {
-    dot = __fadd_rn(dot, __shfl_xor_sync(kFullMask, dot, offset));
+      for (int i = 0; i < half; ++i) acc[r][i] = __fadd_rn(acc[r][i], acc[r][i + half]);
+    }
+    float dot = acc[r][0];
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset >>= 1) {
+      dot = __fadd_rn(dot, __shfl_xor_sync(kFullMask, dot, offset));
+    }
+    if (lane == 0) a.d_row_weights[rows[r]] = dot;
   }
-  if (lane == 0) a.d_row_weights[row] = dot;
 }
 
 template <bool kTma, Rows kRows>
@@ -179,11 +203,11 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
   const int lane = d.lane;
   const int n_zero = (a.C + kZeroRows - 1) / kZeroRows;
   constexpr bool kSliced = kRows == Rows::kCopy;  // (combine_bwd: whole rows, see the top)
-  // combine_bwd: `parts` items per chunk, part j taking slot j's row of each token, so that a
-  // token's rows run on K warps at once (a row is a chain of dependent loads: one warp per token
-  // was ~100 us at 128 tokens). In shrink mode one part: every row of a token from a source, or
-  // none (wait_chunk_flags).
-  const int parts = kSliced || a.shrink ? 1 : a.K;
+  // combine_bwd: `parts` items per chunk, part j taking rows j kBackwardRows .. + kBackwardRows - 1
+  // of each token's rows here (in slot order), so that a token's rows run on several warps at once
+  // (rows are a chain of dependent loads: one warp per token was ~100 us at 128 tokens). In shrink
+  // mode one part: every row of a token from a source, or none (wait_chunk_flags).
+  const int parts = kSliced || a.shrink ? 1 : (a.K + kBackwardRows - 1) / kBackwardRows;
   // own items, then (item, other rank); a chunk's parts next to each other
   const int n_chunk_items = chunk_items(L, kSliced) * d.R * parts;
   for (;;) {
@@ -218,9 +242,20 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
         char* my_dst = row >= 0 ? a.out + static_cast<int64_t>(row) * a.row_bytes + lo : nullptr;
         warp_copy_row<kTma>(tma, src + lo, bytes, kept, my_dst, lane);
       } else {
-        for (int j = part; j < a.K; j += parts) {  // (the same row in every lane)
-          const int32_t row = __ldg(a.token_rows + slot * a.K + j);
-          if (row >= 0) combine_bwd_row<kRows == Rows::kBackwardF32>(a, src, row, lane);
+        const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
+        uint32_t here = __ballot_sync(kFullMask, row >= 0);  // (lanes of the rows, slot order)
+        for (int j = 0; j < part * kBackwardRows && here != 0u; ++j) here &= here - 1u;
+        while (here != 0u) {  // (the same rows in every lane)
+          int32_t rows[kBackwardRows];
+          int n = 0;
+#pragma unroll
+          for (int r = 0; r < kBackwardRows; ++r) {
+            rows[r] = __shfl_sync(kFullMask, row, here != 0u ? __ffs(here) - 1 : 0);
+            n += here != 0u;
+            here &= here - 1u;
+          }
+          combine_bwd_rows<kRows == Rows::kBackwardF32>(a, src, rows, n, lane);
+          for (int j = 0; j < (parts - 1) * kBackwardRows && here != 0u; ++j) here &= here - 1u;
         }
       }
     }
