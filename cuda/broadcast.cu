@@ -41,10 +41,11 @@ struct BroadcastArgs : DataArgs {
                            // rows with no token keep y's
 };
 
-// Blocks (SMs) up to which combine_bwd asks L2 for each row's y and g (prefetch_l2, one bulk request
-// each) before it loads them: on few SMs a row's later rounds of loads then wait for L2, not DRAM
-// (as combine's rows, cuda/combine.cu). One H200, DeepSeek-V3 at EP1, main us without / with: 24 SMs
-// 856.9 / 693.2, 64 SMs 401.7 / 310.7, 131 SMs 292.4 / 296.9 (session 49).
+// Blocks (SMs) up to which combine_bwd asks L2 for its rows' y and g ahead of their loads
+// (prefetch_l2, a round of loads at a time, kBackwardAheadRounds ahead): on few SMs the rounds' loads
+// then wait for L2, not DRAM (as combine's rows, cuda/combine.cu). One H200, DeepSeek-V3 at EP1, one
+// row per warp, a whole row at once, main us without / with: 24 SMs 856.9 / 693.2, 64 SMs 401.7 /
+// 310.7, 131 SMs 292.4 / 296.9 (session 49).
 constexpr unsigned kBackwardPrefetchMaxBlocks = 64;
 
 template <bool kTma>
@@ -107,12 +108,15 @@ __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, co
 // Rows of a token one warp takes at once in combine_bwd: the warp loads g's step once for all of
 // them, so g is read from L2 once per kBackwardRows rows, not once per row (at EP1 on 24 SMs g's
 // re-reads were a third of the bytes the warps load or store).
-constexpr int kBackwardRows = 4;
+constexpr int kBackwardRows = 2;
 // Steps of its rows a lane loads before it computes: the rows are one warp's chain of
 // steps / kBackwardUnroll dependent rounds of loads (the latency floor of the rows), each round
 // (kBackwardRows + 1) * kBackwardUnroll loads of 16 (bf16) or 32 (f32) bytes per lane.
 template <bool kF32>
-constexpr int kBackwardUnroll = kF32 ? 1 : 1;
+constexpr int kBackwardUnroll = kF32 ? 2 : 4;
+// Rounds ahead of the loads that a warp's prefetch asks for (each round asks for one more): only the
+// rows' next bytes are held in L2, not whole rows (4 rows of 14 KiB a warp were slower on 64 SMs).
+constexpr int kBackwardAheadRounds = 1;
 
 // combine_bwd of n (1..kBackwardRows) receive rows of one token on this rank, rows[0..n): per row
 // d y = w * g (one float32 product, rounded to the row dtype) and d row_weight = the float32 dot
@@ -137,15 +141,23 @@ __device__ __forceinline__ void combine_bwd_rows(const BroadcastArgs& a, const c
     y_rows[r] = r < n ? a.y + static_cast<int64_t>(rows[r]) * a.row_bytes : nullptr;
     w[r] = r < n ? __ldg(a.row_weights + rows[r]) : 0.f;
   }
-  if (gridDim.x <= kBackwardPrefetchMaxBlocks) {  // lane r asks for y's row r, lane kN for g
-    const char* mine = nullptr;
+  // the prefetch: lane r asks for y's row r, lane kN for g (null: no prefetch)
+  const char* mine = nullptr;
+  if (gridDim.x <= kBackwardPrefetchMaxBlocks) {
 #pragma unroll
     for (int r = 0; r < kN; ++r) mine = lane == r ? y_rows[r] : mine;
     if (lane == kN) mine = g_row;
-    if (mine != nullptr) prefetch_l2(mine, static_cast<uint32_t>(a.row_bytes));
   }
+  constexpr int64_t kRoundBytes = kU * 256 * (kF32 ? 4 : 2);
+  const auto ask = [&](int64_t round0, int rounds) {  // rounds [round0, + rounds) of my row
+    const int64_t lo = round0 * kRoundBytes;
+    const int64_t hi = lo + rounds * kRoundBytes < a.row_bytes ? lo + rounds * kRoundBytes : a.row_bytes;
+    if (mine != nullptr && lo < hi) prefetch_l2(mine + lo, static_cast<uint32_t>(hi - lo));
+  };
+  ask(1, kBackwardAheadRounds);  // (round 0's loads follow at once)
   float acc[kN][8] = {};  // (step 0 sets them)
   for (int s0 = 0; s0 < steps; s0 += kU) {
+    if (s0 > 0) ask(s0 / kU + kBackwardAheadRounds, 1);
     Raw8<kF32> g[kU], y[kU][kN];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
