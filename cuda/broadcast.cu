@@ -108,12 +108,12 @@ __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, co
 // Rows of a token one warp takes at once in combine_bwd: the warp loads g's step once for all of
 // them, so g is read from L2 once per kBackwardRows rows, not once per row (at EP1 on 24 SMs g's
 // re-reads were a third of the bytes the warps load or store).
-constexpr int kBackwardRows = 2;
+constexpr int kBackwardRows = 3;
 // Steps of its rows a lane loads before it computes: the rows are one warp's chain of
 // steps / kBackwardUnroll dependent rounds of loads (the latency floor of the rows), each round
 // (kBackwardRows + 1) * kBackwardUnroll loads of 16 (bf16) or 32 (f32) bytes per lane.
 template <bool kF32>
-constexpr int kBackwardUnroll = kF32 ? 2 : 4;
+constexpr int kBackwardUnroll = kF32 ? 1 : 2;
 // Rounds ahead of the loads that a warp's prefetch asks for (each round asks for one more): only the
 // rows' next bytes are held in L2, not whole rows (4 rows of 14 KiB a warp were slower on 64 SMs).
 constexpr int kBackwardAheadRounds = 1;
