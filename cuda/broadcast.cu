@@ -9,7 +9,8 @@
 // the caller's aliased buffer holds there.
 // A work item is one slice of a chunk's rows (CommLayout::num_slices), except combine_bwd's
 // receivers: a row's dot product runs over the whole row in order, so they take whole rows (and
-// wait for every slice's flag), one slot of the chunk's tokens per item (K items a chunk).
+// wait for every slice's flag), up to kBackwardRows of each token's rows per item
+// (ceil(K / kBackwardRows) items a chunk).
 // broadcast_rank_major is this kernel with K = 1 (token_rows = the handle's slot -> row table).
 // combine_bwd is this kernel with a computing receiver: per receive row of a token it reads g[t]
 // and y's row and writes d y = w * g (rounded to y's dtype) and d row_weight = <y_row, g[t]> (float32,
@@ -106,16 +107,21 @@ __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, co
 }
 
 // Rows of a token one warp takes at once in combine_bwd: the warp loads g's step once for all of
-// them, so g is read from L2 once per kBackwardRows rows, not once per row (at EP1 on 24 SMs g's
-// re-reads were a third of the bytes the warps load or store).
+// them, so g is read from L2 once per kBackwardRows rows, not once per row (with one row per warp, g's
+// re-reads were a third of the bytes the SMs moved). One H200, DeepSeek-V3 at EP1, main us on 24 /
+// 64 / 131 SMs: one row per warp 693.8 / 311.4 / 288.8, 2 rows 611.5 / 290.9 / 277.4, 3 rows 579.4 /
+// 276.6 / 271.8 (session 50: 3 rows spill 16-48 bytes with 128 registers, 4 rows 16-268 bytes and
+// were slower).
 constexpr int kBackwardRows = 3;
 // Steps of its rows a lane loads before it computes: the rows are one warp's chain of
 // steps / kBackwardUnroll dependent rounds of loads (the latency floor of the rows), each round
-// (kBackwardRows + 1) * kBackwardUnroll loads of 16 (bf16) or 32 (f32) bytes per lane.
+// (kBackwardRows + 1) * kBackwardUnroll loads of 16 (bf16) or 32 (f32) bytes per lane (f32 at 2
+// spills).
 template <bool kF32>
 constexpr int kBackwardUnroll = kF32 ? 1 : 2;
 // Rounds ahead of the loads that a warp's prefetch asks for (each round asks for one more): only the
-// rows' next bytes are held in L2, not whole rows (4 rows of 14 KiB a warp were slower on 64 SMs).
+// rows' next bytes are held in L2, not whole rows (2-4 rows of 14 KiB a warp overflowed L2 on 64 SMs:
+// 331.9-389.7 us; 2 or 3 rounds ahead: no better, session 50).
 constexpr int kBackwardAheadRounds = 1;
 
 // combine_bwd of n (1..kBackwardRows) receive rows of one token on this rank, rows[0..n): per row
@@ -151,7 +157,8 @@ __device__ __forceinline__ void combine_bwd_rows(const BroadcastArgs& a, const c
   constexpr int64_t kRoundBytes = kU * 256 * (kF32 ? 4 : 2);
   const auto ask = [&](int64_t round0, int rounds) {  // rounds [round0, + rounds) of my row
     const int64_t lo = round0 * kRoundBytes;
-    const int64_t hi = lo + rounds * kRoundBytes < a.row_bytes ? lo + rounds * kRoundBytes : a.row_bytes;
+    const int64_t end = lo + rounds * kRoundBytes;
+    const int64_t hi = end < a.row_bytes ? end : a.row_bytes;
     if (mine != nullptr && lo < hi) prefetch_l2(mine + lo, static_cast<uint32_t>(hi - lo));
   };
   ask(1, kBackwardAheadRounds);  // (round 0's loads follow at once)
