@@ -262,8 +262,12 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
         warp_copy_row<kTma>(tma, src + lo, bytes, kept, my_dst, lane);
       } else {
         const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
-        uint32_t here = __ballot_sync(kFullMask, row >= 0);  // (lanes of the rows, slot order)
-        for (int j = 0; j < part * kBackwardRows && here != 0u; ++j) here &= here - 1u;
+        // the lanes of the token's rows not yet taken (slot order), past the other parts' groups
+        const auto skip = [](uint32_t m, int groups) {
+          for (int j = 0; j < groups * kBackwardRows && m != 0u; ++j) m &= m - 1u;
+          return m;
+        };
+        uint32_t here = skip(__ballot_sync(kFullMask, row >= 0), part);
         while (here != 0u) {  // (the same rows in every lane)
           int32_t rows[kBackwardRows];
           int n = 0;
@@ -274,7 +278,7 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
             here &= here - 1u;
           }
           combine_bwd_rows<kRows == Rows::kBackwardF32>(a, src, rows, n, lane);
-          for (int j = 0; j < (parts - 1) * kBackwardRows && here != 0u; ++j) here &= here - 1u;
+          here = skip(here, parts - 1);
         }
       }
     }

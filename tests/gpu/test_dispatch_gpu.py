@@ -419,8 +419,9 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     others masked, on combine only (after an unmasked dispatch), so each rank links only itself and
     the other ranks' rows get +0.0. Device memory poisoned; the fused call really ran (handler count).
     in_y (combine's empty_rows_zero): d y written into y's buffer, its rows with no token y's (NaN
-    here, as in the reference), every other row as above. 8_sms: the data kernels on 8 blocks, where each
-    row's y and g are prefetched into L2 first (kBackwardPrefetchMaxBlocks in cuda/broadcast.cu)."""
+    here, as in the reference), every other row as above. 8_sms: the data kernels on 8 blocks, where the
+    rows' y and g are prefetched into L2 a round of loads ahead (kBackwardPrefetchMaxBlocks,
+    cuda/broadcast.cu)."""
     want, got, mask, tokens, hidden = combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, True, 31,
                                                             "jax_ep_combine_bwd", num_sms)
     dy, drw, src = got
