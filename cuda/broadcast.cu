@@ -111,9 +111,9 @@ __device__ __forceinline__ void broadcast_zero_source(const BroadcastArgs& a, co
 // re-reads were a third of the bytes the SMs moved). One H200, DeepSeek-V3 at EP1, main us on 24 /
 // 64 / 131 SMs: one row per warp 693.8 / 311.4 / 288.8, 2 rows 611.5 / 290.9 / 277.4, 3 rows 579.4 /
 // 276.6 / 271.8 (session 50: 3 rows spill 16-48 bytes with 128 registers, 4 rows 16-268 bytes and
-// were slower). What is left on 24 SMs is the SMs' request path to L2 (ncu, session 51): d y's
-// writes take one cycle per 32 bytes, as dispatch's do, and the reads of y and g and the prefetches
-// add ~60% to that (86% busy), so this weighted form stays above 1.3x dispatch on few SMs.
+// were slower). What bounds it on 24 SMs is the SMs' request path to L2 (ncu, session 51: 86% busy):
+// d y's writes take one cycle per 32 bytes there, as dispatch's do, and the requests for y, g and
+// the prefetches add ~60%; the writes and reads alone are 1.34x dispatch's cycles on that path.
 constexpr int kBackwardRows = 3;
 // Steps of its rows a lane loads before it computes: the rows are one warp's chain of
 // steps / kBackwardUnroll dependent rounds of loads (the latency floor of the rows), each round

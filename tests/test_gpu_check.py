@@ -128,6 +128,7 @@ def test_share_gpu_runs_the_chosen_files_with_the_process_count(tmp_path):
     assert len(runs) == 2, runs
     for run, name in zip(runs, ("rank_mask", "ll_shrink"), strict=True):
         assert f"tests/gpu/test_{name}_gpu.py" in run and "--share-gpu" in run and "--processes 4" in run
+        assert f"--junitxml={out}/gpu-tests-shared_test_{name}_gpu.xml" in run, run
     summary = (out / "summary.txt").read_text()
     assert "tests/gpu/test_rank_mask_gpu.py: rc=0" in summary and "gpu_check: OK" in summary, summary
     assert "starting it" in output and (tmp_path / "mps" / "commands").read_text() == "quit\n", output

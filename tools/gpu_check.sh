@@ -12,7 +12,8 @@
 #               under CUDA MPS (pytest --share-gpu; for one-GPU machines: without it they skip there):
 #               starts the MPS daemon (pipes in $MPS_PIPE_DIR, default /tmp/jax_ep_mps_pipe; logs in
 #               $OUT/mps_log) unless one is running there, and stops it after; one pytest per test file
-#               (SHARE_FILE_TIMEOUT each, default 400 s; SHARE_TIMEOUT in all, default 2400);
+#               (SHARE_FILE_TIMEOUT each, default 400 s; SHARE_TIMEOUT in all, default 2400; JUnit XML
+#               $OUT/gpu-tests-shared_<file>.xml each, for tools/gpu_tests_record.py --junit);
 #               SHARE_PYTEST_ARGS extra pytest arguments. Runs with
 #               SKIP_TESTS=1 too. Timings under MPS are not those of separate GPUs.
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks;
@@ -244,8 +245,10 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     fi
     for file in $share_files; do
       echo "---- $file" >>"$OUT/gpu-tests-shared.log"
+      # JUnit XML per file: without it tools/gpu_tests_record.py counts from the log and marks the run incomplete
       bounded_run "${SHARE_FILE_TIMEOUT:-400}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
-        --durations=5 "${share_args[@]}" >>"$OUT/gpu-tests-shared.log" 2>&1
+        --durations=5 --junitxml="$OUT/gpu-tests-shared_$(basename "$file" .py).xml" "${share_args[@]}" \
+        >>"$OUT/gpu-tests-shared.log" 2>&1
       rc=$?
       [ $rc -eq 5 ] && rc=0   # no test of the marker in that file
       [ $rc -eq 0 ] || share_rc=$rc
