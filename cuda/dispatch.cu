@@ -29,6 +29,10 @@
 //       receive rows (base_row + rank, or dropped past limit); token_rows, row_weights and
 //       src_index alongside.
 // The next call's start barrier protects the staging area from being overwritten early.
+// Pulled (DispatchLaunch::pull): the senders stage each such token once, into their own staging
+// [me][t], and the receivers read it from there (the metadata and flags still go to each receiver).
+// Not with shrink mode: a receiver the sender gave up on could still be reading after the
+// sender's next call has overwritten it.
 #include <algorithm>
 
 #include "cuda/dispatch.h"
@@ -733,8 +737,9 @@ __device__ __forceinline__ int receive_row(const MainArgs& a, const char* own, i
 }
 
 // This rank's token t into the staging [me][t] of every remote rank in `ranks`, ONCE each (the
-// row in the wire format, FP8 scales alongside); none to a rank that is not linked. Every lane
-// calls it.
+// row in the wire format, FP8 scales alongside); none to a rank that is not linked. Pulled
+// (a.pull): once into this rank's own staging [me][t] if it goes to any of them, where they load
+// it. Every lane calls it.
 template <int kConv, bool kTma>
 __device__ __forceinline__ void stage_token(const MainArgs& a, const DataWarp& d, TmaWarp& tma,
                                             int64_t t, const RowSlice& rs, uint32_t ranks) {
@@ -748,7 +753,9 @@ __device__ __forceinline__ void stage_token(const MainArgs& a, const DataWarp& d
     my_dst = d.lane_peer + L.stage_data + slot * L.data_row_bytes;
     my_scales = reinterpret_cast<float*>(d.lane_peer + L.stage_scales + slot * L.scale_row_bytes);
   }
-  copy_x<kConv, kTma>(a, tma, a.x_row(t), rs, remote, my_dst, my_scales, d.lane);
+  // (lane me's lane_peer is this rank's own buffer)
+  copy_x<kConv, kTma>(a, tma, a.x_row(t), rs, a.pull ? 1u << d.me : remote, my_dst, my_scales,
+                      d.lane);
 }
 
 // Senders: per (chunk, slice) item, every token's slot metadata to every other rank (the same
@@ -841,7 +848,8 @@ __device__ __forceinline__ void copy_staged_scales(const float* from, const RowS
 }
 
 // Slice rs of source s's token t to each receive row in `kept` (lane j holds row j and its scales):
-// this rank's own tokens straight from x, the others' from the staging.
+// this rank's own tokens straight from x, the others' from the staging [s][t]: this rank's, or
+// pulled (a.pull), s's own, over NVLink.
 template <int kConv, bool kTma>
 __device__ __forceinline__ void receive_token_row(const MainArgs& a, const DataWarp& d,
                                                   TmaWarp& tma, int s, int64_t t,
@@ -852,12 +860,16 @@ __device__ __forceinline__ void receive_token_row(const MainArgs& a, const DataW
     copy_x<kConv, kTma>(a, tma, a.x_row(t), rs, kept, my_dst, my_scales, d.lane);
     return;
   }
+  // (s is linked: its flags came; warp-uniform, every lane shuffles)
+  const char* from = a.pull ? reinterpret_cast<const char*>(__shfl_sync(
+                                  kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s))
+                            : d.own;
   const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
-  warp_copy_row<kTma>(tma, d.own + L.stage_data + slot * L.data_row_bytes + rs.lo, rs.hi - rs.lo,
+  warp_copy_row<kTma>(tma, from + L.stage_data + slot * L.data_row_bytes + rs.lo, rs.hi - rs.lo,
                       kept, my_dst != nullptr ? my_dst + rs.lo : nullptr, d.lane);
   if (a.num_scales > 0) {
     copy_staged_scales(
-        reinterpret_cast<const float*>(d.own + L.stage_scales + slot * L.scale_row_bytes), rs,
+        reinterpret_cast<const float*>(from + L.stage_scales + slot * L.scale_row_bytes), rs,
         kept, my_scales, d.lane);
   }
 }
@@ -1148,7 +1160,8 @@ cudaError_t launch_dispatch(const DispatchLaunch& p, cudaStream_t stream) {
       p.hidden % kRowAlignment != 0 || (fp8 && p.hidden % kFp8Block != 0) ||
       (p.rank_major ? p.capacity != p.num_ranks * p.num_tokens : p.capacity < 1) || p.alignment < 1 ||
       p.num_blocks < 1 || p.send_warps < 1 || p.send_warps >= kDataWarps || p.axis_slot < 0 ||
-      p.axis_slot >= kDirectoryAxes || (p.x_kind != kRowBF16 && p.x_kind != kRowF32)) {
+      p.axis_slot >= kDirectoryAxes || (p.x_kind != kRowBF16 && p.x_kind != kRowF32) ||
+      (p.pull && p.shrink != 0)) {
     return cudaErrorInvalidValue;
   }
   int conversion;

@@ -62,6 +62,14 @@ struct DispatchLaunch {
   int32_t axis_slot;   // directory slot of the EP axis, in [0, kDirectoryAxes)
   bool use_tma;        // raw row copies with bulk (TMA) copies through shared memory
   bool rank_major;     // dispatch_rank_major (above)
+  // Receivers pull the rows (KernelConfig.dispatch_pull; not with shrink): a sender writes each
+  // token routed to another rank ONCE into its OWN staging [me][t] and every receiver loads it from
+  // there over NVLink, instead of the sender storing it into each receiver's staging. An SM stores
+  // one 32-byte sector per clock whatever the destination, while a load request carries a 128-byte
+  // line: at EP4 (DeepSeek-V3, ~2.7 remote ranks per token) a rank's SMs store ~0.37x the staged
+  // bytes they store pushing (docs/benchmarks.md, sessions 47 and 51). The next call's start
+  // barrier (every peer has finished this call) protects the sender's staging, as for a push.
+  bool pull;
   // Shrink mode (EPConfig.shrink): a peer that misses a bounded wait leaves the call (masked
   // persistently) instead of making it trap; a kernel after the main one empties the rows of a
   // source whose data never came (dispatch.cu, "pending" and "fixup").
@@ -88,6 +96,7 @@ inline OpFingerprint dispatch_fingerprint(const DispatchLaunch& p) {
   fp.capacity = p.rank_major ? 0 : p.capacity;
   fp.alignment = p.rank_major ? 0 : p.alignment;
   fp.dtype = p.row_kind;
+  fp.transport = p.pull ? kTransportPull : kTransportLoadStore;
   return fp;
 }
 

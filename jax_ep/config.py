@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jax_ep.errors import EPTypeError, EPValueError
+from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 
 DISPATCH_DTYPES = (None, "bfloat16", "float8_e4m3fn")
 FP8_BLOCK = 128  # channels per FP8 scale (per token, per 128 channels)
@@ -92,7 +92,7 @@ TRANSPORTS = ("auto", "load_store", "put")
 KERNEL_CONFIG_KINDS = {"num_sms": "int?", "side_num_sms": "int?", "dispatch_send_warps": "int",
                        "combine_send_warps": "int",
                        "broadcast_send_warps": "int", "bulk_copy": "bool", "async_stream": "int?",
-                       "transport": TRANSPORTS}
+                       "transport": TRANSPORTS, "dispatch_pull": "bool"}
 EP_CONFIG_KINDS = {"num_experts": "int", "num_topk": "int", "hidden": "int", "max_tokens_per_rank": "int",
                    "axis_name": "name", "capacity": "int?", "expert_alignment": "int",
                    "dispatch_dtype": DISPATCH_DTYPES, "backend": "backend", "checked": "bool",
@@ -144,6 +144,16 @@ class KernelConfig:
         EP ops have no put transport: in a job that spans nodes they need transport="load_store"
         (an EP axis inside a node, e.g. the local axis of a hierarchical mesh) and raise
         NotImplementedError otherwise.
+      dispatch_pull: dispatch (and dispatch_rank_major) over NVLink loads / stores in the pull form:
+        each sender writes a token routed to other ranks ONCE into its own staging buffer and every
+        receiver loads it from there, instead of the sender storing it into each receiver's buffer.
+        An SM stores one 32-byte sector per clock wherever the bytes go, so pushing costs the
+        sender's SMs a store per remote rank of a token (~2.7 at EP4 with DeepSeek-V3's routing),
+        pulling one, plus the receivers' loads (a request per 128-byte line). What it is for: the
+        wire rate of dispatch on few SMs at EP >= 4 (docs/benchmarks.md, sessions 47 and 51). Not
+        yet timed on separate GPUs, so off by default; not with ``EPConfig.shrink`` (a receiver the
+        sender gave up on could read its staging after the sender's next call rewrote it). Every
+        rank of a group must agree: a mismatch fails on every rank (fingerprint field "transport").
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """
@@ -156,6 +166,7 @@ class KernelConfig:
     bulk_copy: bool = True
     async_stream: int | None = None
     transport: str = "auto"
+    dispatch_pull: bool = False
 
     def __post_init__(self):
         check_options("KernelConfig", self, KERNEL_CONFIG_KINDS)
@@ -209,6 +220,11 @@ class EPConfig:
     def __post_init__(self):
         check_options("EPConfig", self, EP_CONFIG_KINDS)
         check_kernel("EPConfig", self.kernel)
+        if self.shrink and self.kernel.dispatch_pull:
+            raise EPUnsupportedError(
+                "EPConfig(shrink=True) with KernelConfig(dispatch_pull=True) is not built: a receiver "
+                "the sender gave up on could still be reading its staging when the sender's next call "
+                "rewrites it; use one of them")
         if self.num_topk > self.num_experts:
             raise EPValueError(f"EPConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
         if self.capacity is not None:

@@ -248,7 +248,9 @@ def _vary_all(outputs, axis_name: str, *inputs):
 
 
 ALL_SMS = 1 << 16
-TRANSPORT_LOAD_STORE, TRANSPORT_PUT = 0, 1  # EPAttrs::transport: cuda/fingerprint.h Transport
+TRANSPORT_LOAD_STORE, TRANSPORT_PUT, TRANSPORT_PULL = 0, 1, 2  # EPAttrs::transport: cuda/fingerprint.h
+# the ops whose kernels can pull their rows (KernelConfig.dispatch_pull): the dispatch kernels
+_PULL_OPS = ("dispatch", "dispatch_rank_major")
 
 
 def _transport(op: str, cfg: EPConfig) -> int:
@@ -256,7 +258,21 @@ def _transport(op: str, cfg: EPConfig) -> int:
     NVSHMEM puts + signals (cuda/remote_rank_major.cu), which only the rank-major ops have.
     "auto" takes puts when, in process model 2, some process of the job cannot be reached by
     loads / stores (the EP group is not known at trace time, only the job). Raises
-    NotImplementedError naming the op where neither transport can serve it."""
+    NotImplementedError naming the op where neither transport can serve it. The dispatches with
+    ``KernelConfig.dispatch_pull`` take loads / stores in their pull form."""
+    transport = _peer_transport(op, cfg)
+    if not (cfg.kernel.dispatch_pull and op in _PULL_OPS):
+        return transport
+    if transport == TRANSPORT_PUT:
+        raise EPUnsupportedError(
+            f"jax_ep: {op} with KernelConfig(dispatch_pull=True) needs NVLink / P2P loads, and this "
+            "call site takes the NVSHMEM put transport (KernelConfig.transport, or a job that spans "
+            "nodes); pass dispatch_pull=False")
+    return TRANSPORT_PULL
+
+
+def _peer_transport(op: str, cfg: EPConfig) -> int:
+    """``_transport`` before the pull form: load / store or put."""
     wanted = cfg.kernel.transport
     if wanted == "load_store":
         return TRANSPORT_LOAD_STORE

@@ -127,6 +127,7 @@ def test_ep_config_bad_values_and_types(kw, error, field):
     ({"num_sms": 0}, jax_ep.EPValueError, "KernelConfig.num_sms"),
     ({"dispatch_send_warps": "6"}, jax_ep.EPTypeError, "KernelConfig.dispatch_send_warps"),
     ({"bulk_copy": 1}, jax_ep.EPTypeError, "KernelConfig.bulk_copy"),
+    ({"dispatch_pull": "yes"}, jax_ep.EPTypeError, "KernelConfig.dispatch_pull"),
     ({"async_stream": True}, jax_ep.EPTypeError, "KernelConfig.async_stream"),
     ({"transport": "nvlink"}, jax_ep.EPValueError, "KernelConfig.transport")])
 def test_kernel_config_bad_values_and_types(kw, error, field):

@@ -53,6 +53,12 @@ def test_mismatch_of_transport_names_both_and_the_knob():
     text = message("mismatch", "combine_rank_major", rank=1, peer=0, peer_slot=0, expected=0,
                    observed=1, field="transport")
     assert "transport is load_store on rank 1 and put on rank 0." in text
+    # a dispatch pulling its rows here and pushing them on the peer (KernelConfig.dispatch_pull)
+    text = message("mismatch", "dispatch", expected=2, observed=0, field="transport", per_process=True)
+    assert ("transport is pull (KernelConfig.dispatch_pull) on rank 0 and load_store on rank 1. "
+            "Every rank must") in text
+    assert "give every process the same KernelConfig.dispatch_pull" in text
+    assert "KernelConfig.transport" not in text
 
 
 def test_process_model_2_names_the_peer_process():

@@ -43,7 +43,8 @@ def _run(cmd: list[str]) -> str:
 def test_kernel_emulator_smoke(tmp_path):
     """The smoke cases, both scripts at once (each builds its driver with one g++: on 2 cores the builds
     overlap). The throughput kernels (``run.py --quick``: the first 3 fixed cases, 2 ranks, bf16 rows,
-    messy routing with alignment 4, FP8 from bf16): every expert-major op (dispatch, combine and
+    messy routing with alignment 4, FP8 from bf16, and 3 ranks whose dispatches pull their rows,
+    ``KernelConfig.dispatch_pull``): every expert-major op (dispatch, combine and
     combine_bwd, broadcast, slot_values) and rank-major op bit-exact against the reference. The
     low-latency kernels (``ll_run.py --quick``: the first 4 fixed cases, fused, two-phase and two calls
     in flight, bf16 and FP8 wire, 2-4 ranks), bit-exact against jax_ep.reference.ll_dispatch /
@@ -59,8 +60,8 @@ def test_kernel_emulator_smoke(tmp_path):
         assert code == 0, f"{' '.join(commands[name])} failed (rc={code}):\n{log[-6000:]}"
     outs = {name: log for name, (_, log) in results.items()}
     out = outs["run.py"]
-    assert "3/3 cases pass" in out, out[-6000:]
-    for name in ("bf16 basic", "bf16 messy align4", "fp8 from bf16"):
+    assert "4/4 cases pass" in out, out[-6000:]
+    for name in ("bf16 basic", "bf16 messy align4", "fp8 from bf16", "pull 3 ranks bf16"):
         assert f"ok   {name} (" in out, (name, out[-6000:])
     out = outs["ll_run.py"]
     assert "4/4 low-latency cases pass" in out, out[-6000:]
@@ -83,6 +84,8 @@ def test_kernel_emulator_random_sweep(tmp_path):
     assert any(int(c[1]) == 0 for c in cases), "no case without tokens"
     assert any(c[3] == "fp8" for c in cases) and any(c[2:4] == ("f32", "bf16") for c in cases)
     assert sum(any(int(v) for v in c[4].split(",")) for c in cases) >= 2, "fewer than 2 cases drop rows"
+    pulled = re.findall(r"^ok   random seed \d+ case \d+: R=(\d+) .* pull=1", out, flags=re.M)
+    assert any(int(r) >= 2 for r in pulled), "no case with peers pulls its rows"
     masked = re.findall(r"^ok   random seed .* mask=\(([\d, ]+)\) absent=\(([\d, ]*)\)", out, flags=re.M)
     assert any(a.strip() for _, a in masked) and any(not a.strip() for _, a in masked), (
         "the sweep must mask ranks that run the ops and ranks that run none")
@@ -109,6 +112,19 @@ def test_rank_masking_on_the_emulator(tmp_path):
     out = _run(cmd)
     assert "13/13 cases pass" in out, out[-6000:]
     assert "dispatches unmasked" in out, out[-6000:]
+
+
+@pytest.mark.slow
+def test_dispatch_pull_on_the_emulator(tmp_path):
+    """The dispatches' pull form (KernelConfig.dispatch_pull: each sender stages a token once in its
+    own buffer, each receiver loads it from there): run.py's 'pull' cases, 3, 4 and 8 ranks, bf16,
+    FP8 rows in column slices, f32 -> bf16 with register copies and drops, a masked rank that runs
+    no op; every output of every op, expert- and rank-major, bit-exact against the reference. About
+    2.5 min."""
+    _need_gxx()
+    cmd = [sys.executable, str(RUN), "-k", "pull", "--driver", str(tmp_path / "driver")]
+    out = _run(cmd)
+    assert "6/6 cases pass" in out, out[-6000:]
 
 
 @pytest.mark.slow
@@ -165,7 +181,8 @@ def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
     """The config fingerprint (cuda/fingerprint.h) in the throughput kernels (run.py --mismatch): the
     last rank's dispatch differs in one field (op: it runs combine), or its call count in the group
     is 5 calls ahead, or 1 call ahead; or dispatch_rank_major runs over NVSHMEM puts on rank 0
-    (cuda/remote_rank_major.cu) and over loads / stores on rank 1 (transport); both ranks trap,
+    (cuda/remote_rank_major.cu) and over loads / stores on rank 1 (transport), or rank 0's dispatch
+    pulls its rows and rank 1's pushes them (pull: field transport); both ranks trap,
     each record names the field with this rank's value and the peer's, and the host's message
     (xla_ffi/fault_message.cc) names the op, the rank, the field and both values; an out-of-step
     peer is named as such, and a rank left waiting says how many calls behind the other is. About
@@ -173,10 +190,12 @@ def test_config_fingerprint_mismatches_on_the_emulator(tmp_path):
     _need_gxx()
     cmd = [sys.executable, str(RUN), "--mismatch", "--driver", str(tmp_path / "driver")]
     out = _run(cmd)
-    assert "12/12 mismatch cases pass" in out, out[-6000:]
-    # a mixed-transport pair is told apart in discovery, not after the 5 s bound
-    took = re.search(r"^ok   mismatch transport \(([\d.]+)s\)", out, flags=re.M)
-    assert took is not None and float(took[1]) < 4, out[-6000:]
+    assert "13/13 mismatch cases pass" in out, out[-6000:]
+    # a mixed-transport pair (puts / loads and stores, or pulled / pushed rows) is told apart in
+    # discovery, not after the 5 s bound
+    for case in ("transport", "pull"):
+        took = re.search(rf"^ok   mismatch {case} \(([\d.]+)s\)", out, flags=re.M)
+        assert took is not None and float(took[1]) < 4, (case, out[-6000:])
 
 
 @pytest.mark.slow

@@ -98,3 +98,35 @@ def test_a_rank_mask_over_puts_is_refused_naming_the_op(job, op):
     with pytest.raises(NotImplementedError, match=rf"jax_ep: {op} with EPConfig\(shrink=True\) over"):
         cuda_backend._check_put_mask(op, shrink, None)
     cuda_backend._check_put_mask(op, cfg("load_store").replace(shrink=True), None)
+
+
+def pulled(transport: str = "auto") -> EPConfig:
+    return EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                    kernel=KernelConfig(transport=transport, dispatch_pull=True))
+
+
+@pytest.mark.parametrize("model", ["local_peers", "process_per_gpu"])
+def test_dispatch_pull_is_the_dispatches_pull_transport(job, model):
+    """KernelConfig.dispatch_pull: the dispatches (expert- and rank-major) take the pull form
+    (EPAttrs::transport kTransportPull) in either process model; every other op keeps loads / stores."""
+    assert KernelConfig().dispatch_pull is False
+    job(model, [])
+    for op in ("dispatch", "dispatch_rank_major"):
+        assert cuda_backend._transport(op, pulled()) == cuda_backend.TRANSPORT_PULL
+    for op in ("combine", "broadcast", "combine_bwd", "slot_values", "combine_rank_major", "ll_dispatch"):
+        assert cuda_backend._transport(op, pulled()) == cuda_backend.TRANSPORT_LOAD_STORE
+
+
+def test_dispatch_pull_over_puts_or_with_shrink_is_refused(job):
+    """Pulling needs load / store addresses: a rank-major dispatch that resolves to NVSHMEM puts (another
+    node, or transport='put') is refused naming the op; shrink mode is refused when the config is made
+    (a receiver the sender gave up on could read its staging after the sender's next call rewrote it)."""
+    job("process_per_gpu", [1])
+    for transport in ("auto", "put"):
+        with pytest.raises(NotImplementedError, match="dispatch_rank_major with KernelConfig\\(dispatch_pull"):
+            cuda_backend._transport("dispatch_rank_major", pulled(transport))
+    with pytest.raises(NotImplementedError, match="shrink=True\\) with KernelConfig\\(dispatch_pull=True\\)"):
+        pulled().replace(shrink=True)
+    attrs = cuda_backend._attrs("dispatch", pulled("load_store"), 4, 1, 16, hidden=128, row_bytes=256,
+                                capacity=64, num_experts=8)
+    assert int(attrs["transport"]) == cuda_backend.TRANSPORT_PULL

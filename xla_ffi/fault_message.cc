@@ -17,6 +17,7 @@ std::string FieldValue(int32_t field, uint64_t value) {
   if (field == kFieldTransport) {
     return value == kTransportLoadStore ? "load_store"
            : value == kTransportPut     ? "put"
+           : value == kTransportPull    ? "pull (KernelConfig.dispatch_pull)"
                                         : "transport " + Str(value);
   }
   if (field == kFieldDtype) {
@@ -160,11 +161,12 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
              me + " and " + FieldValue(r.field, r.observed) + " on " + peer + ". Every rank "
              "must issue the same EP calls, with the same configuration, in the same order; "
              "nothing was exchanged." +
-             (r.field == kFieldTransport
-                  ? " (KernelConfig.transport: \"auto\" picks puts in a process that some "
+             (r.field != kFieldTransport ? ""
+              : r.expected == kTransportPull || r.observed == kTransportPull
+                  ? " (give every process the same KernelConfig.dispatch_pull.)"
+                  : " (KernelConfig.transport: \"auto\" picks puts in a process that some "
                     "process of the job cannot reach by loads / stores; give every process the "
-                    "same explicit transport.)"
-                  : "");
+                    "same explicit transport.)");
     case kFaultLLInFlight:
       return LLInFlightMessage(where, r.waited_ordinal, r.expected, r.observed);
     case kFaultBadArgument:

@@ -95,8 +95,9 @@ ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& 
 ffi::Error CheckAttrs(const char* op, const EPAttrs& a);
 
 // The put transport (cuda/remote_rank_major.h) exists for the rank-major ops only, and needs the
-// symmetric heap of process model 2. Python picks it (cuda_backend._transport) and refuses the other
-// cases at trace time; this is the check behind it.
+// symmetric heap of process model 2; the pull form (kTransportPull) for the dispatches only. Python
+// picks them (cuda_backend._transport) and refuses the other cases at trace time; this is the check
+// behind it.
 ffi::Error CheckTransport(const char* op, const EPAttrs& a, const Runtime& runtime);
 
 // The buffer the call site reserved at instantiation is still there (a shutdown in between frees it;
@@ -141,10 +142,10 @@ ffi::ErrorOr<std::unique_ptr<OpState>> DataOpInstantiate(EPAttrs attrs) {
       make_comm_layout(attrs.num_ranks, attrs.num_tokens, attrs.num_topk, attrs.num_experts,
                        static_cast<uint64_t>(attrs.row_bytes), static_cast<uint64_t>(attrs.scale_bytes));
   PutLayout put{};
-  if (attrs.transport != kTransportLoadStore) {
-    if (ffi::Error error = CheckTransport(kOp, attrs, Runtime::Get()); !error.success()) {
-      return ffi::Unexpected(error);
-    }
+  if (ffi::Error error = CheckTransport(kOp, attrs, Runtime::Get()); !error.success()) {
+    return ffi::Unexpected(error);
+  }
+  if (attrs.transport == kTransportPut) {
     const bool dispatch = std::string(kOp) == kDispatchRankMajorTarget;
     put = make_put_layout(attrs.num_ranks, attrs.num_tokens, dispatch ? attrs.num_topk : 0,
                           static_cast<uint64_t>(attrs.row_bytes),

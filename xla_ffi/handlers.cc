@@ -119,11 +119,20 @@ ffi::Error CheckAttrs(const char* op, const EPAttrs& a) {
 }
 
 // The put transport (cuda/remote_rank_major.h) exists for the rank-major ops only, and needs the
-// symmetric heap of process model 2. Python picks it (cuda_backend._transport) and refuses the other
-// cases at trace time; this is the check behind it.
+// symmetric heap of process model 2; the pull form (kTransportPull) for the dispatches only. Python
+// picks them (cuda_backend._transport) and refuses the other cases at trace time; this is the check
+// behind it.
 ffi::Error CheckTransport(const char* op, const EPAttrs& a, const Runtime& runtime) {
   if (a.transport == kTransportLoadStore) return ffi::Error::Success();
   const std::string name(op);
+  if (a.transport == kTransportPull) {  // cuda/dispatch.h: not in shrink mode
+    if ((name == kDispatchTarget || name == kDispatchRankMajorTarget) && a.shrink == 0) {
+      return ffi::Error::Success();
+    }
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      name + ": transport=2 (KernelConfig.dispatch_pull): only dispatch and "
+                      "dispatch_rank_major pull their rows, and not in shrink mode");
+  }
   const bool rank_major = name == kDispatchRankMajorTarget || name == kCombineRankMajorTarget ||
                           name == kBroadcastRankMajorTarget;
   if (a.transport != kTransportPut || !rank_major) {
@@ -304,6 +313,7 @@ ffi::Error PrepareDispatch(const char* op, int32_t device_ordinal, const OpState
   launch->send_warps = group_launch.send_warps;
   launch->axis_slot = group_launch.axis_slot;
   launch->use_tma = a.bulk_copy != 0;
+  launch->pull = a.transport == kTransportPull;
   launch->shrink = group_launch.shrink;
   return ffi::Error::Success();
 }

@@ -92,13 +92,19 @@ def assert_fp8_rows(got, x, what):
     assert not got.x[0][:total][~filled].astype(np.float32).any(), f"{what}: padding rows not zero"
 
 
-def check_cases(mesh, me) -> int:
+def check_cases(mesh, me, pull=False, names=None) -> int:
+    """model1.CASES (or those in `names`) in this process's rows against the reference; pull: the
+    dispatch pulls its rows (KernelConfig.dispatch_pull)."""
     checks = 0
     for name, (tokens, hidden, topk, experts, kind, extra) in model1.CASES.items():
+        if names is not None and name not in names:
+            continue
         x_dtype = jnp.float32 if name.startswith("f32") else jnp.bfloat16
         for dtype in ("bfloat16", "float8_e4m3fn") if name == "h7168_k8_e256" else (None,):
             kw = dict(num_experts=experts, num_topk=topk, hidden=hidden,
                       max_tokens_per_rank=tokens, **extra)
+            if pull:
+                kw["kernel"] = jax_ep.KernelConfig(dispatch_pull=True)
             if dtype is not None:
                 kw["dispatch_dtype"] = dtype
             cuda_fn = model1.dispatch_combine_fn(mesh, model1._cfg("cuda", **kw))
@@ -112,7 +118,7 @@ def check_cases(mesh, me) -> int:
                 args = put_global(mesh, *host)
                 poison_device_memory(jax.local_devices(), 256 << 20)
                 got_d, got_out = local(cuda_fn(*args))
-                what = f"process {me} {name} {dtype or ''} call {call}"
+                what = f"process {me} {name} {dtype or ''}{' pull' if pull else ''} call {call}"
                 if dtype == "float8_e4m3fn":  # XLA's division may round differently: NumPy's bits
                     assert_fp8_rows(got_d, x, what)
                     got_d, want_d = (d._replace(x=d.x[:, :0], scales=None) for d in (got_d, want_d))
@@ -120,6 +126,16 @@ def check_cases(mesh, me) -> int:
                 model1.assert_combine_close(got_out, want_out, f"{what} combine")
                 checks += 1
     return checks
+
+
+def check_dispatch_pull(mesh, me) -> int:
+    """The dispatches pulling their rows (KernelConfig.dispatch_pull: each process stages a token once
+    in its own buffer, each peer loads it from there): dispatch + combine at DeepSeek-V3's shape (bf16
+    and FP8 wire), with drops, and from f32 x; dispatch_rank_major's round trip (every case, FP8 too);
+    each against the reference as the pushed form is."""
+    return (check_cases(mesh, me, pull=True,
+                        names=("h7168_k8_e256", "h2048_k2_skewed_overflow", "f32_x_bf16_rows_k4"))
+            + rank_major_model2.check_cases(mesh, me, transport="load_store", pull=True))
 
 
 def check_gradients(mesh, me) -> int:
@@ -439,7 +455,7 @@ def main(argv) -> None:
                   "rank_major": lambda m, p: rank_major_model2.check_cases(m, p, transport="load_store"),
                   "low_latency": check_low_latency, "low_latency_scan": check_low_latency_scan,
                   "remote_smoke": check_remote_smoke, "side_stream": check_side_stream,
-                  "layer": check_layer}
+                  "layer": check_layer, "dispatch_pull": check_dispatch_pull}
         # --checks a,b: only those groups (a run by hand; the test runs them all)
         chosen = argv[argv.index("--checks") + 1].split(",") if "--checks" in argv else list(checks)
         counts = {}

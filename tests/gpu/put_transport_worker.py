@@ -50,10 +50,10 @@ from jax_ep import ops, runtime  # noqa: E402
 AXIS, R = model1.AXIS, model1.R
 
 
-def cfg(backend, transport="put", **kw):
+def cfg(backend, transport="put", pull=False, **kw):
     if backend != "cuda":
         return model1._cfg(backend, **kw)
-    return model1._cfg(backend, kernel=jax_ep.KernelConfig(transport=transport), **kw)
+    return model1._cfg(backend, kernel=jax_ep.KernelConfig(transport=transport, dispatch_pull=pull), **kw)
 
 
 def round_trip_body(c):
@@ -128,12 +128,13 @@ CASES = {
 }
 
 
-def check_cases(mesh, me, transport="put") -> int:
-    """CASES over `transport` (process_group_worker runs them with "load_store": the NVLink kernels)."""
+def check_cases(mesh, me, transport="put", pull=False) -> int:
+    """CASES over `transport` (process_group_worker runs them with "load_store": the NVLink kernels;
+    pull: dispatch_rank_major pulling its rows, KernelConfig.dispatch_pull)."""
     checks = 0
     for name, (tokens, hidden, topk, experts, kind, x_dtype, y_dtype, extra) in CASES.items():
         kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, **extra)
-        cuda_fn = round_trip_fn(mesh, cfg("cuda", transport, **kw))
+        cuda_fn = round_trip_fn(mesh, cfg("cuda", transport, pull, **kw))
         ref_fn = reference_by_vmap(round_trip_body(cfg("reference", **kw)), R)
         rng = np.random.default_rng(list(CASES).index(name))  # the same on every process
         fp8 = extra.get("dispatch_dtype") == "float8_e4m3fn"
@@ -147,7 +148,7 @@ def check_cases(mesh, me, transport="put") -> int:
             args = put_global(mesh, *host)
             poison_device_memory(jax.local_devices(), 256 << 20)
             got_d, got_out, got_back = local(cuda_fn(*args))
-            what = f"process {me} {transport} {name} call {call}"
+            what = f"process {me} {transport}{' pull' if pull else ''} {name} call {call}"
             assert_dispatch_equal(got_d, want_d, what, rows=not fp8)
             if fp8:  # XLA's GPU division may round differently: NumPy's IEEE bits
                 q_all, s_all = model1.quantize_fp8_numpy(np.asarray(x))

@@ -192,10 +192,24 @@ def test_auto_decides_by_the_platform_of_the_call(mesh):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_dispatch_combine_match_reference(cuda_backend, mesh, case):
+    check_dispatch_combine(mesh, case)
+
+
+@pytest.mark.parametrize("case", ["h7168_k8_e256", "h2048_k2_skewed_overflow", "f32_x_bf16_rows_k4"])
+def test_pulled_dispatch_matches_reference(cuda_backend, mesh, case):
+    """KernelConfig(dispatch_pull=True): each rank stages a token once in its own buffer and each
+    peer loads it from there; the rows and handle are the reference's as the pushed form's are (at
+    EP1 there is no peer: the attribute and fingerprint path only)."""
+    check_dispatch_combine(mesh, case, jax_ep.KernelConfig(dispatch_pull=True))
+
+
+def check_dispatch_combine(mesh, case, kernel=None):
+    """CASES[case]: dispatch and combine with the CUDA kernels (``kernel``: KernelConfig's defaults)
+    against the reference, two calls of one compiled function on fresh data, poisoned memory."""
     tokens, hidden, topk, experts, kind, extra = CASES[case]
     x_dtype = jnp.float32 if case.startswith("f32") else jnp.bfloat16
     kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, **extra)
-    cuda_fn = dispatch_combine_fn(mesh, _cfg("cuda", **kw))
+    cuda_fn = dispatch_combine_fn(mesh, _cfg("cuda", **kw, **({"kernel": kernel} if kernel else {})))
     ref_fn = dispatch_combine_fn(mesh, _cfg("reference", **kw))
     capacity = _cfg("cuda", **kw).resolved_capacity(R)
     rng = np.random.default_rng(list(CASES).index(case))

@@ -19,7 +19,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "process_group
 TIMEOUT_S = 420
 # process_group_worker's check groups: each must have run at least once on every process
 CHECK_GROUPS = ("dispatch_combine", "gradients", "rank_major", "low_latency", "low_latency_scan",
-                "remote_smoke", "side_stream", "layer")
+                "remote_smoke", "side_stream", "layer", "dispatch_pull")
 
 
 def test_process_per_gpu_matches_reference(process_group):

@@ -74,7 +74,7 @@ enum class MismatchCall { kDispatch, kCombine, kRankMajor, kRankMajorPut };
 
 // The one call of a mismatch case on `rank` (inputs zero: the call must trap before using them).
 void run_mismatch(DeviceState* state, int rank, const Sizes& s, MismatchCall call, int blocks,
-                  int send_warps, uint64_t call_offset) {
+                  int send_warps, uint64_t call_offset, bool pull) {
   const int R = s.R;
   const int32_t rank_value = rank, group_value = 0;
   const int axis_slot = 1;
@@ -141,6 +141,7 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, MismatchCall cal
   d.send_warps = send_warps;
   d.axis_slot = axis_slot;
   d.use_tma = true;
+  d.pull = pull;
   if (call == MismatchCall::kRankMajor) {
     d.rank_major = true;
     d.capacity = R * s.T;
@@ -153,6 +154,8 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, MismatchCall cal
 
 int main(int argc, char** argv) {
   const bool use_tma = std::getenv("JAX_EP_TMA") == nullptr || std::getenv("JAX_EP_TMA")[0] != '0';
+  // the dispatches' pull form (DispatchLaunch::pull) on every rank
+  const bool pull = std::getenv("JAX_EP_EMU_PULL") != nullptr && std::getenv("JAX_EP_EMU_PULL")[0] == '1';
   if (argc != 15 && argc != 16) {
     std::fprintf(stderr, "usage: driver dir R T H K E C align x_kind row_kind y_kind blocks "
                          "send_warps reps [mismatch]\n");
@@ -256,7 +259,9 @@ int main(int argc, char** argv) {
       if (mismatch == "transport") {
         call = rank == 0 ? MismatchCall::kRankMajorPut : MismatchCall::kRankMajor;
       }
-      run_mismatch(states[rank], rank, last ? last_sizes : sizes, call, blocks, send_warps, ahead);
+      // pull: rank 0's dispatch pulls its rows, rank 1's pushes them (fingerprint field transport)
+      run_mismatch(states[rank], rank, last ? last_sizes : sizes, call, blocks, send_warps, ahead,
+                   mismatch == "pull" && rank == 0);
       return;  // the call should have trapped
     }
     arm_death(rank, devices.buffers, devices.buffer_bytes);
@@ -322,6 +327,7 @@ int main(int argc, char** argv) {
       d.send_warps = send_warps;
       d.axis_slot = 1;
       d.use_tma = use_tma;
+      d.pull = pull;
       d.shrink = shrink;
       const auto start = std::chrono::steady_clock::now();
       check(launch_dispatch(d, nullptr), "dispatch");

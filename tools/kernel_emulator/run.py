@@ -7,7 +7,7 @@ The cases with a rank mask (``mask=``, ``absent=``; ``-k mask`` runs the fixed o
 with the mask, some masked ranks' processes running no op at all, and compare every rank that runs
 them, masked ones included (see ``run_case``).
 
-    python tools/kernel_emulator/run.py [--quick] [-k NAME]
+    python tools/kernel_emulator/run.py [--quick] [-k NAME]   # --quick: 3 cases + one pulled
     python tools/kernel_emulator/run.py --random N [--seed S]   # N random cases (a sweep)
 
 Needs g++ (C++20). Each GPU is a process, each CUDA thread an OS thread: keep shapes small.
@@ -24,7 +24,8 @@ repetitions on the same (poisoned) memory, and in a quarter of the cases with R 
 ``--mismatch`` runs the config-fingerprint cases instead (``MISMATCHES``): two ranks, one dispatch
 each, the last rank's call differing in one field of cuda/fingerprint.h (or its call count in the
 group ahead; or, case ``transport``, a dispatch_rank_major over NVSHMEM puts on rank 0 and over
-loads / stores on rank 1); every rank must trap with a fault record naming the field and both
+loads / stores on rank 1; or, case ``pull``, rank 0's dispatch pulling its rows and rank 1's pushing
+them: field transport); every rank must trap with a fault record naming the field and both
 values, and the host's message (xla_ffi/fault_message.cc, printed by the driver) must name the op,
 the rank, the field and both values.
 """
@@ -96,6 +97,12 @@ def random_case(rng) -> dict:
                 seed=int(rng.integers(0, 2**31)), **random_mask(rng, R))
 
 
+def with_pull(case: dict) -> dict:
+    """A random case with the dispatches' pull form in half the cases (an odd case seed; no draw of
+    its own, so the sweep's other parameters stay those of the sweep before it)."""
+    return dict(case, pull=case["seed"] % 2 == 1)
+
+
 def random_mask(rng, R) -> dict:
     """A quarter of the random cases with R >= 2 mask ranks (drawn after everything else, so the
     other parameters of case i are those of the sweep before rank masking): any mask, all-active
@@ -134,9 +141,11 @@ def case_inputs(seed, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
 def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16", dispatch_dtype=None,
              y_dtype="bfloat16", kind="distinct", blocks=2, send_warps=4, reps=2, seed=0,
              max_tokens=None, tma=True, mask=None, absent=(), mask_odd=None, unmasked_dispatch=False,
-             persistent=None, persistent_at="start", stop=None, timeout_s=None):
+             persistent=None, persistent_at="start", stop=None, timeout_s=None, pull=False):
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
-    fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0.
+    fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0; pull: both
+    dispatches (expert- and rank-major) pull their rows (DispatchLaunch::pull, KernelConfig.dispatch_pull)
+    on every rank.
 
     mask (one 0/1 per rank): rank masking for every op, expert- and rank-major. Every rank that runs
     the ops, masked ones too, is compared with the reference under the same mask and the same
@@ -206,7 +215,8 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
                JAX_EP_EMU_PERSISTENT="" if persistent is None else ",".join(map(str, persistent)),
                JAX_EP_EMU_PERSISTENT_AT=persistent_at, JAX_EP_EMU_SHRINK="1" if stop else "0",
                JAX_EP_EMU_STOP="" if stop is None else f"{stop[0]},{stop[1]}",
-               JAX_EP_EMU_TIMEOUT_S="" if timeout_s is None else str(timeout_s))
+               JAX_EP_EMU_TIMEOUT_S="" if timeout_s is None else str(timeout_s),
+               JAX_EP_EMU_PULL="1" if pull else "0")
 
     def check(d, took):
         ok = True
@@ -438,7 +448,22 @@ CASES = [
     dict(name="mask shrink, rank 0 never calls, explicit mask, fp8", R=4, T=9, H=256, K=4, E=8,
          kind="messy", mask=(1, 1, 0, 1), stop=(0, 0), reps=2, timeout_s=3,
          dispatch_dtype="float8_e4m3fn"),
+    # the dispatches' pull form (KernelConfig.dispatch_pull): each receiver loads a peer's token from
+    # the peer's own staging; the same bits as the push form
+    dict(name="pull 3 ranks bf16", R=3, T=8, H=256, K=4, E=9, kind="messy", pull=True),  # (--quick)
+    dict(name="pull 4 ranks top8", R=4, T=17, H=128, K=8, E=16, kind="messy", pull=True),
+    dict(name="pull slices fp8 rows, R=4", R=4, T=6, H=3584, K=3, E=8, kind="messy",
+         dispatch_dtype="float8_e4m3fn", blocks=3, pull=True),
+    dict(name="pull f32 -> bf16, no bulk copies, R=3", R=3, T=20, H=264, K=4, E=9, kind="messy",
+         x_dtype="float32", dispatch_dtype="bfloat16", tma=False, capacity=30, pull=True),
+    dict(name="pull, rank 1 absent", R=3, T=16, H=128, K=4, E=9, kind="messy", mask=(1, 0, 1),
+         absent=(1,), pull=True),
+    dict(name="pull 8 ranks top6 align8", R=8, T=9, H=128, K=6, E=32, kind="messy", align=8, blocks=1,
+         reps=2, pull=True),
 ]
+
+# the pull form's case in --quick (make test's smoke run)
+QUICK_PULL = "pull 3 ranks bf16"
 
 
 # Config-fingerprint cases (driver.cc, `mismatch`): rank 0 runs dispatch with MISMATCH_SIZES, rank 1
@@ -458,11 +483,13 @@ MISMATCHES = {
     "expert_alignment": (1, 2),
     "dtype": ("bfloat16", "float32"),
     "transport": ("put", "load_store"),
+    "pull": ("pull (KernelConfig.dispatch_pull)", "load_store"),
 }
 OPS = {"dispatch": 2, "combine": 3, "dispatch_rank_major": 9}
 # the values of the fields the messages print by name (cuda/ep_layout.h RowKind, cuda/fingerprint.h
 # Transport)
-NUMBERS = {"op": OPS, "dtype": {"bfloat16": 0, "float32": 1}, "transport": {"load_store": 0, "put": 1}}
+NUMBERS = {"op": OPS, "dtype": {"bfloat16": 0, "float32": 1}, "transport": {"load_store": 0, "put": 1},
+           "pull": {"load_store": 0, "pull (KernelConfig.dispatch_pull)": 2}}
 
 
 def run_mismatch(field: str) -> str:
@@ -501,13 +528,16 @@ def run_mismatch(field: str) -> str:
         values = MISMATCHES[field]
         mine, theirs = values[rank], values[1 - rank]
         number = NUMBERS.get(field, {})
-        want = (5, FIELD_ID[field], number.get(mine, mine), number.get(theirs, theirs))
+        named = "transport" if field == "pull" else field  # the fingerprint field it differs in
+        want = (5, FIELD_ID[named], number.get(mine, mine), number.get(theirs, theirs))
         if (kind, got_field, expected, observed) != want or waited != 1 - rank:
             return f"{where}: record {records[rank]}, want kind/field/expected/observed {want}"
         parts = [f"jax_ep: {op_name} on GPU {rank} (rank {rank})", f"rank {1 - rank}",
-                 f"{field} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"]
+                 f"{named} is {mine} on rank {rank} and {theirs} on rank {1 - rank}"]
         if field == "transport":
             parts.append("KernelConfig.transport")
+        if field == "pull":
+            parts.append("give every process the same KernelConfig.dispatch_pull")
         for part in parts:
             if part not in text:
                 return f"{where}: message lacks {part!r}"
@@ -518,13 +548,13 @@ def random_cases(n: int, seed: int) -> list[dict]:
     """The --random sweep: case i is random_case(default_rng([seed, i])), named by seed and index."""
     cases = []
     for i in range(n):
-        c = random_case(np.random.default_rng([seed, i]))
+        c = with_pull(random_case(np.random.default_rng([seed, i])))
         short = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "fp8"}
         rows = short[c["dispatch_dtype"] or c["x_dtype"]]
         name = (f"random seed {seed} case {i}: R={c['R']} T={c['T']}/{c['max_tokens']} H={c['H']} "
                 f"K={c['K']} E={c['E']} align={c['align']} capacity={c['capacity']} "
                 f"{short[c['x_dtype']]}->{rows} y={short[c['y_dtype']]} blocks={c['blocks']} "
-                f"warps={c['send_warps']} tma={int(c['tma'])} reps={c['reps']}"
+                f"warps={c['send_warps']} tma={int(c['tma'])} reps={c['reps']} pull={int(c['pull'])}"
                 + (f" mask={c['mask']} absent={c['absent']}" if "mask" in c else ""))
         cases.append(dict(name=name, **c))
     return cases
@@ -533,7 +563,7 @@ def random_cases(n: int, seed: int) -> list[dict]:
 def main():
     global DRIVER
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="the first 3 fixed cases")
+    parser.add_argument("--quick", action="store_true", help=f"the first 3 fixed cases and {QUICK_PULL!r}")
     parser.add_argument("-k", default="", help="only cases whose name contains this")
     parser.add_argument("--random", type=int, default=0, metavar="N",
                         help="run N random cases (random_case) instead of the fixed ones")
@@ -562,7 +592,7 @@ def main():
         if args.only is not None:
             cases = [cases[args.only]]
     else:
-        cases = CASES[:3] if args.quick else CASES
+        cases = CASES[:3] + [c for c in CASES if c["name"] == QUICK_PULL] if args.quick else CASES
     results = []
     for c in cases:
         if args.k not in c["name"]:
