@@ -123,7 +123,8 @@ def test_dispatch_pull_over_puts_or_with_shrink_is_refused(job):
     (a receiver the sender gave up on could read its staging after the sender's next call rewrote it)."""
     job("process_per_gpu", [1])
     for transport in ("auto", "put"):
-        with pytest.raises(NotImplementedError, match="dispatch_rank_major with KernelConfig\\(dispatch_pull"):
+        text = "dispatch_rank_major with KernelConfig\\(dispatch_pull"
+        with pytest.raises(NotImplementedError, match=text):
             cuda_backend._transport("dispatch_rank_major", pulled(transport))
     with pytest.raises(NotImplementedError, match="shrink=True\\) with KernelConfig\\(dispatch_pull=True\\)"):
         pulled().replace(shrink=True)

@@ -1,8 +1,9 @@
 """One process of the process-model-2 GPU test (tests/gpu/test_process_group_gpu.py): one process
 per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
 
-    python -m jax_ep.launch --nproc 2 tests/gpu/process_group_worker.py [--bench OUT.json]
-        [--absent P] [--remote] [--checks GROUP,...] [--ll-num-sms N]
+    python -m jax_ep.launch --nproc 2 tests/gpu/process_group_worker.py [--bench OUT.json
+        [--bench-sms N] [--bench-pull push|pull|both]] [--absent P] [--remote] [--checks GROUP,...]
+        [--ll-num-sms N]
 
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
@@ -407,21 +408,27 @@ def check_remote_smoke(mesh, me) -> int:
     return checks + 1
 
 
-def bench(mesh, out_path: str) -> None:
+def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ...] = (False,)) -> None:
+    """dispatch and combine at DeepSeek-V3's shape (bf16 and FP8 wire), the kernels on ``num_sms`` SMs
+    (None: KernelConfig's), the dispatch pushing and / or pulling its rows (``pulls``)."""
     from benchmarks import ops
 
     records = []
     rng = np.random.default_rng(0)
     for dtype in ("bfloat16", "float8_e4m3fn"):
-        records += ops.bench_shape(mesh, "cuda", dtype, 4096, 7168, 8, 256, iters=20, repeats=3,
-                                   rng=rng, profile=True)
+        for pull in pulls:
+            kernel = jax_ep.KernelConfig(num_sms=num_sms, dispatch_pull=pull)
+            records += ops.bench_shape(mesh, "cuda", dtype, 4096, 7168, 8, 256, iters=20, repeats=3,
+                                       rng=rng, profile=True, kernel=kernel)
     for r in records:
         r["process_model"] = "process_per_gpu"
     if jax.process_index() == 0:
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
         for r in records:
-            print(f"bench {r['op']:9s} {r['dtype']:14s} {r['us']:8.1f} us wall "
+            pulled = int(r.get("dispatch_pull", 0))
+            print(f"bench {r['op']:9s} {r['dtype']:14s} SMs {r['num_sms']} pull {pulled} "
+                  f"{r['us']:8.1f} us wall "
                   f"{r.get('device_us') or 0:8.1f} us device")
 
 
@@ -444,8 +451,11 @@ def main(argv) -> None:
             os._exit(0)  # the coordinator would wait for the absent process at shutdown
         raise AssertionError("the bootstrap succeeded without the absent process")
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
-    if "--bench" in argv:  # the benchmark only (the test runs the checks)
-        bench(mesh, argv[argv.index("--bench") + 1])
+    if "--bench" in argv:  # the benchmark only (the test runs the checks); --bench-sms N, --bench-pull both
+        sms = int(argv[argv.index("--bench-sms") + 1]) if "--bench-sms" in argv else None
+        pull = argv[argv.index("--bench-pull") + 1] if "--bench-pull" in argv else "push"
+        bench(mesh, argv[argv.index("--bench") + 1], sms,
+              {"push": (False,), "pull": (True,), "both": (False, True)}[pull])
         counts = {}
     elif "--remote" in argv:  # the NVSHMEM put/signal transport only
         counts = {"remote_smoke": check_remote_smoke(mesh, me)}
