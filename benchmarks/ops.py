@@ -106,6 +106,13 @@ def routing_inputs(rng, n, experts, topk):
     return idx, w / w.sum(1, keepdims=True)
 
 
+def _put(mesh, a: np.ndarray) -> jax.Array:
+    """Host array `a` sharded over "ep" on its leading dimension, each process putting its own shards:
+    jax.device_put to several processes runs an XLA collective, which NCCL refuses between processes
+    that share a GPU (process_group_worker.py --bench under CUDA MPS)."""
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("ep")), lambda index: a[index])
+
+
 def _time_calls(fn, args, iters: int, repeats: int) -> float:
     """Median seconds per call of jit(fn)(*args), over `repeats` chains of `iters` calls.
 
@@ -270,12 +277,11 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     (dispatch_rank_major, combine_rank_major and, bf16 pass, broadcast_rank_major) instead."""
     ep_size = mesh.size
     n = tokens * ep_size
-    x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
-                       NamedSharding(mesh, P("ep")))
+    x = _put(mesh, rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16))
     idx, w = routing_inputs(rng, n, experts, topk)
     spec = P("ep")
     # on the devices up front, so that no call pays a host-to-device copy
-    idx_dev, w_dev = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (idx, w))
+    idx_dev, w_dev = (_put(mesh, a) for a in (idx, w))
     records = []
     if backend == "ragged":
         disp = lambda x, i, w: baselines.ragged_dispatch(x, i, w, experts, "ep")  # noqa: E731

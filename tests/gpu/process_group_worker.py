@@ -2,8 +2,8 @@
 per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
 
     python -m jax_ep.launch --nproc 2 tests/gpu/process_group_worker.py [--bench OUT.json
-        [--bench-sms N] [--bench-pull push|pull|both]] [--absent P] [--remote] [--checks GROUP,...]
-        [--ll-num-sms N]
+        [--bench-sms N] [--bench-pull push|pull|both] [--bench-no-profile]] [--absent P] [--remote]
+        [--checks GROUP,...] [--ll-num-sms N]
 
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
@@ -408,9 +408,12 @@ def check_remote_smoke(mesh, me) -> int:
     return checks + 1
 
 
-def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ...] = (False,)) -> None:
+def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ...] = (False,),
+          profile: bool = True) -> None:
     """dispatch and combine at DeepSeek-V3's shape (bf16 and FP8 wire), the kernels on ``num_sms`` SMs
-    (None: KernelConfig's), the dispatch pushing and / or pulling its rows (``pulls``)."""
+    (None: KernelConfig's), the dispatch pushing and / or pulling its rows (``pulls``); profile=False
+    (--bench-no-profile) for processes sharing a GPU: the profile's alignment step is an XLA
+    collective, which NCCL refuses there."""
     from benchmarks import ops
 
     records = []
@@ -419,7 +422,7 @@ def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ..
         for pull in pulls:
             kernel = jax_ep.KernelConfig(num_sms=num_sms, dispatch_pull=pull)
             records += ops.bench_shape(mesh, "cuda", dtype, 4096, 7168, 8, 256, iters=20, repeats=3,
-                                       rng=rng, profile=True, kernel=kernel)
+                                       rng=rng, profile=profile, kernel=kernel)
     for r in records:
         r["process_model"] = "process_per_gpu"
     if jax.process_index() == 0:
@@ -454,8 +457,8 @@ def main(argv) -> None:
     if "--bench" in argv:  # the benchmark only (the test runs the checks); --bench-sms N, --bench-pull both
         sms = int(argv[argv.index("--bench-sms") + 1]) if "--bench-sms" in argv else None
         pull = argv[argv.index("--bench-pull") + 1] if "--bench-pull" in argv else "push"
-        bench(mesh, argv[argv.index("--bench") + 1], sms,
-              {"push": (False,), "pull": (True,), "both": (False, True)}[pull])
+        pulls = {"push": (False,), "pull": (True,), "both": (False, True)}[pull]
+        bench(mesh, argv[argv.index("--bench") + 1], sms, pulls, "--bench-no-profile" not in argv)
         counts = {}
     elif "--remote" in argv:  # the NVSHMEM put/signal transport only
         counts = {"remote_smoke": check_remote_smoke(mesh, me)}
