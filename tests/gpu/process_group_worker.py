@@ -2,8 +2,8 @@
 per GPU, jax.distributed, NVSHMEM symmetric buffers, the same kernels as process model 1.
 
     python -m jax_ep.launch --nproc 2 tests/gpu/process_group_worker.py [--bench OUT.json
-        [--bench-sms N] [--bench-pull push|pull|both] [--bench-no-profile]] [--absent P] [--remote]
-        [--checks GROUP,...] [--ll-num-sms N]
+        [--bench-sms N] [--bench-pull push|pull|both] [--bench-send-warps W,...] [--bench-dtypes D,...]
+        [--bench-no-profile]] [--absent P] [--remote] [--checks GROUP,...] [--ll-num-sms N]
 
 Checks, on this process's shard of every output (each process compares its own rank):
 dispatch + combine of the model-1 cases against the reference path (dispatch bit-exact, combine
@@ -409,20 +409,26 @@ def check_remote_smoke(mesh, me) -> int:
 
 
 def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ...] = (False,),
-          profile: bool = True) -> None:
+          profile: bool = True, send_warps: tuple[int, ...] = (6,),
+          dtypes: tuple[str, ...] = ("bfloat16", "float8_e4m3fn")) -> None:
     """dispatch and combine at DeepSeek-V3's shape (bf16 and FP8 wire), the kernels on ``num_sms`` SMs
-    (None: KernelConfig's), the dispatch pushing and / or pulling its rows (``pulls``); profile=False
+    (None: KernelConfig's), the dispatch pushing and / or pulling its rows (``pulls``) with each of
+    ``send_warps`` sending warps per block (--bench-send-warps 3,6); profile=False
     (--bench-no-profile) for processes sharing a GPU: the profile's alignment step is an XLA
     collective, which NCCL refuses there."""
     from benchmarks import ops
 
     records = []
     rng = np.random.default_rng(0)
-    for dtype in ("bfloat16", "float8_e4m3fn"):
+    for dtype in dtypes:
         for pull in pulls:
-            kernel = jax_ep.KernelConfig(num_sms=num_sms, dispatch_pull=pull)
-            records += ops.bench_shape(mesh, "cuda", dtype, 4096, 7168, 8, 256, iters=20, repeats=3,
+            for warps in send_warps:
+                kernel = jax_ep.KernelConfig(num_sms=num_sms, dispatch_pull=pull, dispatch_send_warps=warps)
+                recs = ops.bench_shape(mesh, "cuda", dtype, 4096, 7168, 8, 256, iters=20, repeats=3,
                                        rng=rng, profile=profile, kernel=kernel)
+                for r in recs:
+                    r["dispatch_send_warps"] = warps
+                records += recs
     for r in records:
         r["process_model"] = "process_per_gpu"
     if jax.process_index() == 0:
@@ -431,6 +437,7 @@ def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ..
         for r in records:
             pulled = int(r.get("dispatch_pull", 0))
             print(f"bench {r['op']:9s} {r['dtype']:14s} SMs {r['num_sms']} pull {pulled} "
+                  f"send warps {r['dispatch_send_warps']} "
                   f"{r['us']:8.1f} us wall "
                   f"{r.get('device_us') or 0:8.1f} us device")
 
@@ -458,7 +465,12 @@ def main(argv) -> None:
         sms = int(argv[argv.index("--bench-sms") + 1]) if "--bench-sms" in argv else None
         pull = argv[argv.index("--bench-pull") + 1] if "--bench-pull" in argv else "push"
         pulls = {"push": (False,), "pull": (True,), "both": (False, True)}[pull]
-        bench(mesh, argv[argv.index("--bench") + 1], sms, pulls, "--bench-no-profile" not in argv)
+        warps = (tuple(int(w) for w in argv[argv.index("--bench-send-warps") + 1].split(","))
+                 if "--bench-send-warps" in argv else (6,))
+        dtypes = (tuple(argv[argv.index("--bench-dtypes") + 1].split(",")) if "--bench-dtypes" in argv
+                  else ("bfloat16", "float8_e4m3fn"))
+        bench(mesh, argv[argv.index("--bench") + 1], sms, pulls, "--bench-no-profile" not in argv, warps,
+              dtypes)
         counts = {}
     elif "--remote" in argv:  # the NVSHMEM put/signal transport only
         counts = {"remote_smoke": check_remote_smoke(mesh, me)}
