@@ -42,9 +42,9 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     keyed = {}
     for r in records:
         # only the ops that have an implementation choice (not e.g. the ll_round_trip composite)
-        # (the default kernels only: a pulled dispatch is KernelConfig(dispatch_pull=True)'s, not auto's)
+        # (the default kernels only: pulled rows are KernelConfig(dispatch_pull / broadcast_pull)'s)
         if (r.get("measured", True) and r["backend"] in ("cuda", "reference") and _time(r)
-                and r["op"] in OPS and not r.get("dispatch_pull")):
+                and r["op"] in OPS and not r.get("pull")):
             key = (r["op"], r.get("layout", "expert_major"), r["dtype"], r["tokens_per_rank"], r["hidden"],
                    r["topk"], r["num_experts"], r["ep_size"])
             keyed.setdefault(key, {})[r["backend"]] = r

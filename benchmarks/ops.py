@@ -387,7 +387,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                             wire_gbps=None if moved is None else remote * moved / seconds / 1e9,
                             num_sms=num_sms, measured=True))
         if num_sms is not None:  # the CUDA kernels ran: whether the dispatch pulled its rows
-            records[-1]["dispatch_pull"] = cfg.kernel.dispatch_pull
+            records[-1]["pull"] = cfg.kernel.dispatch_pull
         if op == "combine":  # which dispatch made its handle and rows
             records[-1]["dispatch_dtype"] = "bfloat16"
         if op in kernels:  # aligned: each profiled call followed _aligner's step (several GPUs)
@@ -603,7 +603,7 @@ def print_table(records) -> None:
     print(f"{'op':21}{'backend':23}{'layout':13}{'dtype':14}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}"
           f"{'SMs':>5}{'us':>11}{'device us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}")
     for r in records:
-        backend = r["backend"] + (" (pull)" if r.get("dispatch_pull") else "")
+        backend = r["backend"] + (" (pull)" if r.get("pull") else "")
         print(f"{r['op']:21}{backend:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
               f"{r['hidden']:>6}{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}"
               f"{num(r['num_sms'], 'd'):>5}"
@@ -714,10 +714,10 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
                             help="comma-separated backends; those this machine lacks are skipped")
         parser.add_argument("--num-sms", default=None, type=_positive_ints,
                             help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
-        parser.add_argument("--dispatch-pull", default="push", choices=("push", "pull", "both"),
-                            help="the cuda dispatches' rows pushed by the senders (default, KernelConfig's), "
-                                 "pulled by the receivers (KernelConfig.dispatch_pull), or both in one run "
-                                 "(records: dispatch_pull)")
+        parser.add_argument("--pull", default="push", choices=("push", "pull", "both"),
+                            help="the rows of the cuda dispatch and broadcast pushed by the senders "
+                                 "(default, KernelConfig's), pulled by the receivers (KernelConfig."
+                                 "dispatch_pull and broadcast_pull), or both in one run (records: pull)")
         parser.add_argument("--rank-major", action="store_true",
                             help="reference and cuda time the rank-major ops (dispatch_rank_major, "
                                  "combine_rank_major, broadcast_rank_major) instead of the expert-major ones")
@@ -758,7 +758,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "lists this mode's options)")
     for name, default in (("layer", False), ("low_latency", False), ("rank_major", False),
                           ("preset", "auto"), ("hidden", None), ("topk", None), ("experts", None),
-                          ("num_sms", None), ("dispatch_pull", "push"), ("layer_shapes", None),
+                          ("num_sms", None), ("pull", "push"), ("layer_shapes", None),
                           ("layer_configs", None),
                           ("sustain", 0.0)):
         if not hasattr(args, name):
@@ -853,10 +853,11 @@ def main(argv=None) -> list[dict]:
                 continue
             kernels = [None]
             if backend == "cuda":
-                pulls = {"push": [False], "pull": [True], "both": [False, True]}[args.dispatch_pull]
+                pulls = {"push": [False], "pull": [True], "both": [False, True]}[args.pull]
                 sms = [int(n) for n in args.num_sms.split(",")] if args.num_sms else [None]
                 if sms != [None] or pulls != [False]:
-                    kernels = [KernelConfig(num_sms=n, dispatch_pull=pull) for n in sms for pull in pulls]
+                    kernels = [KernelConfig(num_sms=n, dispatch_pull=pull, broadcast_pull=pull)
+                               for n in sms for pull in pulls]
             for (tokens, hidden, topk, experts), kernel in itertools.product(shapes, kernels):
                 try:
                     recs = bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts,

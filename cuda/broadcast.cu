@@ -1,7 +1,8 @@
 // Broadcast (combine's backward; see broadcast.h): the start kernel (group.cu), then one data
 // kernel whose warps are either
 //   senders: copy g[t] once to every remote rank the token went to (its staging [me][t]), then a
-//     release flag per (chunk, slice, rank);
+//     release flag per (chunk, slice, rank); pulled (GroupLaunch::pull, KernelConfig.broadcast_pull;
+//     not combine_bwd) once into this rank's own staging [me][t], where the receivers load it;
 //   receivers: zero the rows that hold no token of a linked source (src_index -1, or a source the
 //     call's mask does not link) and copy each token (own tokens straight from g, remote ones when
 //     their chunk flag arrives) to each of its receive rows (token_rows).
@@ -49,6 +50,8 @@ struct BroadcastArgs : DataArgs {
 // 310.7, 131 SMs 292.4 / 296.9 (session 49).
 constexpr unsigned kBackwardPrefetchMaxBlocks = 64;
 
+// g[t] into the staging [me][t] of every remote rank the token went to; pulled (a.pull) once into
+// this rank's own, where they load it.
 template <bool kTma>
 __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const DataWarp& d,
                                                TmaWarp& tma) {
@@ -59,11 +62,12 @@ __device__ __forceinline__ void broadcast_send(const BroadcastArgs& a, const Dat
     const uint32_t remote = __ballot_sync(kFullMask, to_peer);
     if (remote == 0u) return;
     const int64_t lo = slice_begin(L, it.k0);
-    char* my_dst = to_peer ? d.lane_peer + L.stage_data +
-                                 (static_cast<int64_t>(d.me) * a.T + t) * L.data_row_bytes + lo
-                           : nullptr;
+    const bool writes = a.pull ? d.lane == d.me : to_peer;  // (lane me's lane_peer: this rank's buffer)
+    char* my_dst = writes ? d.lane_peer + L.stage_data +
+                                (static_cast<int64_t>(d.me) * a.T + t) * L.data_row_bytes + lo
+                          : nullptr;
     warp_copy_row<kTma>(tma, a.g + t * a.row_bytes + lo, slice_end(L, it.k1, a.row_bytes) - lo,
-                        remote, my_dst, d.lane);
+                        a.pull ? 1u << d.me : remote, my_dst, d.lane);
   });
 }
 
@@ -252,10 +256,15 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     }
     const int64_t lo = slice_begin(L, it.k0);  // the item's bytes of each row
     const int64_t bytes = slice_end(L, it.k1, a.row_bytes) - lo;
+    // a remote source's staging: this rank's, or pulled (broadcast only), the source's own
+    const char* staging = kRows == Rows::kCopy && a.pull
+                              ? reinterpret_cast<const char*>(__shfl_sync(
+                                    kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s))
+                              : d.own;
     for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const char* src =
-          s == d.me ? a.g + t * a.row_bytes : d.own + L.stage_data + slot * L.data_row_bytes;
+          s == d.me ? a.g + t * a.row_bytes : staging + L.stage_data + slot * L.data_row_bytes;
       if constexpr (kRows == Rows::kCopy) {
         const int32_t row = lane < a.K ? __ldg(a.token_rows + slot * a.K + lane) : -1;
         const uint32_t kept = __ballot_sync(kFullMask, row >= 0);
@@ -343,8 +352,10 @@ cudaError_t launch_combine_bwd(const GroupLaunch& g, const void* grad, const voi
                                int32_t capacity, int32_t hidden, int32_t kind, bool use_tma,
                                void* dy, float* d_row_weights, cudaStream_t stream) {
   const int32_t row_bytes = float_row_bytes(hidden, kind);
+  // (no pull form: its receivers read g once per group of rows, which over NVLink would cross it
+  // ~K / kBackwardRows times)
   if (!group_launch_ok(g) || row_bytes == 0 || capacity < 1 || y == nullptr ||
-      row_weights == nullptr || d_row_weights == nullptr) {
+      row_weights == nullptr || d_row_weights == nullptr || g.pull) {
     return cudaErrorInvalidValue;
   }
   const BroadcastArgs a{data_args(g, row_bytes), static_cast<const char*>(grad), token_rows,

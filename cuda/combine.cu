@@ -523,7 +523,8 @@ cudaError_t launch_combine(const GroupLaunch& g, const void* y, const float* row
                            const int32_t* token_rows, const bool* is_token_in_rank, int32_t hidden,
                            int32_t y_kind, bool rank_major, void* out, cudaStream_t stream) {
   const int32_t row_bytes = float_row_bytes(hidden, y_kind);
-  if (!group_launch_ok(g) || row_bytes == 0 || (rank_major && (g.num_topk != 1 || row_weights))) {
+  if (!group_launch_ok(g) || row_bytes == 0 || (rank_major && (g.num_topk != 1 || row_weights)) ||
+      g.pull) {
     return cudaErrorInvalidValue;
   }
   const int32_t op_id = rank_major ? kOpCombineRankMajor : kOpCombine;

@@ -30,7 +30,7 @@ bool group_launch_ok(const GroupLaunch& g) {
   return g.state != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxGroupRanks &&
          g.num_tokens >= 0 && g.num_topk >= 1 && g.num_topk <= kMaxTopk && g.axis_slot >= 0 &&
          g.axis_slot < kDirectoryAxes && g.num_blocks >= 1 && g.send_warps >= 1 &&
-         g.send_warps < kDataWarps;
+         g.send_warps < kDataWarps && !(g.pull && g.shrink != 0);
 }
 
 cudaError_t launch_start(const GroupLaunch& g, const OpFingerprint& fp, cudaStream_t stream) {

@@ -30,9 +30,13 @@ struct GroupLaunch {
   // Shrink mode (EPConfig.shrink): a peer that misses a bounded wait leaves the call (masked
   // persistently, SyncCounters::rank_masks) instead of making it trap (docs/native.md).
   int32_t shrink;
+  // broadcast / broadcast_rank_major only (KernelConfig.broadcast_pull; not with shrink): the
+  // receivers pull the rows from the senders' own staging (cuda/dispatch.h DispatchLaunch::pull).
+  bool pull;
 };
 
-// The fields are in range (the FFI handler validates them; this guards the kernels' arithmetic).
+// The fields are in range (the FFI handler validates them; this guards the kernels' arithmetic); a
+// pulled call (GroupLaunch::pull) is not in shrink mode. Only broadcast pulls: the other ops refuse it.
 bool group_launch_ok(const GroupLaunch& g);
 
 // What every data kernel of a GroupLaunch op takes (combine's and broadcast's structs extend it).
@@ -42,10 +46,11 @@ struct DataArgs {
   int32_t row_bytes;
   int32_t send_warps;  // combine: the reducers (they send the partial sums)
   bool shrink;         // GroupLaunch::shrink
+  bool pull;           // GroupLaunch::pull
 };
 
 inline DataArgs data_args(const GroupLaunch& g, int32_t row_bytes) {
-  return DataArgs{g.layout, g.num_tokens, g.num_topk, row_bytes, g.send_warps, g.shrink != 0};
+  return DataArgs{g.layout, g.num_tokens, g.num_topk, row_bytes, g.send_warps, g.shrink != 0, g.pull};
 }
 
 // Bytes of a row of `hidden` elements of `kind` (kRowBF16 or kRowF32) that a data op moves as
@@ -64,6 +69,7 @@ inline OpFingerprint group_fingerprint(const GroupLaunch& g, int32_t op_id, int3
   fp.topk = g.num_topk;
   fp.hidden = hidden;
   fp.dtype = row_kind;
+  fp.transport = g.pull ? kTransportPull : kTransportLoadStore;
   return fp;
 }
 

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kSlotValuesThreads)
 
 cudaError_t launch_slot_values(const GroupLaunch& g, const float* values,
                                const int32_t* token_rows, float* out, cudaStream_t stream) {
-  if (!group_launch_ok(g)) return cudaErrorInvalidValue;
+  if (!group_launch_ok(g) || g.pull) return cudaErrorInvalidValue;
   JAX_EP_LAUNCH(slot_values_kernel, 1, kSlotValuesThreads, 0, stream)(
       g.state, g.layout, g.rank, g.group, g.rank_mask, group_fingerprint(g, kOpSlotValues, 0, kRowF32),
       g.axis_slot, g.shrink != 0, values, token_rows, g.num_tokens, g.num_topk, out);

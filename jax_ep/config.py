@@ -92,7 +92,7 @@ TRANSPORTS = ("auto", "load_store", "put")
 KERNEL_CONFIG_KINDS = {"num_sms": "int?", "side_num_sms": "int?", "dispatch_send_warps": "int",
                        "combine_send_warps": "int",
                        "broadcast_send_warps": "int", "bulk_copy": "bool", "async_stream": "int?",
-                       "transport": TRANSPORTS, "dispatch_pull": "bool"}
+                       "transport": TRANSPORTS, "dispatch_pull": "bool", "broadcast_pull": "bool"}
 EP_CONFIG_KINDS = {"num_experts": "int", "num_topk": "int", "hidden": "int", "max_tokens_per_rank": "int",
                    "axis_name": "name", "capacity": "int?", "expert_alignment": "int",
                    "dispatch_dtype": DISPATCH_DTYPES, "backend": "backend", "checked": "bool",
@@ -154,6 +154,10 @@ class KernelConfig:
         yet timed on separate GPUs, so off by default; not with ``EPConfig.shrink`` (a receiver the
         sender gave up on could read its staging after the sender's next call rewrote it). Every
         rank of a group must agree: a mismatch fails on every rank (fingerprint field "transport").
+      broadcast_pull: the same for broadcast and broadcast_rank_major (the backward of an unweighted
+        combine, ``MoE(gate_weights="experts")``), not for ``combine_bwd`` (the weighted combine's
+        fused backward reads a token's row once per group of up to 3 of its rows: pulled, each read
+        would cross NVLink). Off by default (not timed on separate GPUs).
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """
@@ -167,6 +171,7 @@ class KernelConfig:
     async_stream: int | None = None
     transport: str = "auto"
     dispatch_pull: bool = False
+    broadcast_pull: bool = False
 
     def __post_init__(self):
         check_options("KernelConfig", self, KERNEL_CONFIG_KINDS)
@@ -220,9 +225,10 @@ class EPConfig:
     def __post_init__(self):
         check_options("EPConfig", self, EP_CONFIG_KINDS)
         check_kernel("EPConfig", self.kernel)
-        if self.shrink and self.kernel.dispatch_pull:
+        pulled = [k for k in ("dispatch_pull", "broadcast_pull") if getattr(self.kernel, k)]
+        if self.shrink and pulled:
             raise EPUnsupportedError(
-                "EPConfig(shrink=True) with KernelConfig(dispatch_pull=True) is not built: a receiver "
+                f"EPConfig(shrink=True) with KernelConfig({pulled[0]}=True) is not built: a receiver "
                 "the sender gave up on could still be reading its staging when the sender's next call "
                 "rewrites it; use one of them")
         if self.num_topk > self.num_experts:

@@ -249,8 +249,9 @@ def _vary_all(outputs, axis_name: str, *inputs):
 
 ALL_SMS = 1 << 16
 TRANSPORT_LOAD_STORE, TRANSPORT_PUT, TRANSPORT_PULL = 0, 1, 2  # EPAttrs::transport: cuda/fingerprint.h
-# the ops whose kernels can pull their rows (KernelConfig.dispatch_pull): the dispatch kernels
-_PULL_OPS = ("dispatch", "dispatch_rank_major")
+# the ops whose kernels can pull their rows, and the KernelConfig field that asks them to
+_PULL_KNOBS = {"dispatch": "dispatch_pull", "dispatch_rank_major": "dispatch_pull",
+               "broadcast": "broadcast_pull", "broadcast_rank_major": "broadcast_pull"}
 
 
 def _transport(op: str, cfg: EPConfig) -> int:
@@ -259,15 +260,17 @@ def _transport(op: str, cfg: EPConfig) -> int:
     "auto" takes puts when, in process model 2, some process of the job cannot be reached by
     loads / stores (the EP group is not known at trace time, only the job). Raises
     NotImplementedError naming the op where neither transport can serve it. The dispatches with
-    ``KernelConfig.dispatch_pull`` take loads / stores in their pull form."""
+    ``KernelConfig.dispatch_pull`` and the broadcasts with ``broadcast_pull`` take loads / stores in
+    their pull form (combine_bwd, the broadcast kernel that computes, has none)."""
     transport = _peer_transport(op, cfg)
-    if not (cfg.kernel.dispatch_pull and op in _PULL_OPS):
+    knob = _PULL_KNOBS.get(op)
+    if knob is None or not getattr(cfg.kernel, knob):
         return transport
     if transport == TRANSPORT_PUT:
         raise EPUnsupportedError(
-            f"jax_ep: {op} with KernelConfig(dispatch_pull=True) needs NVLink / P2P loads, and this "
-            "call site takes the NVSHMEM put transport (KernelConfig.transport, or a job that spans "
-            "nodes); pass dispatch_pull=False")
+            f"jax_ep: {op} with KernelConfig({knob}=True) needs NVLink / P2P loads, and this call site "
+            "takes the NVSHMEM put transport (KernelConfig.transport, or a job that spans nodes); pass "
+            f"{knob}=False")
     return TRANSPORT_PULL
 
 

@@ -278,8 +278,8 @@ def test_cli_help():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m benchmarks "), out.stdout[:200]
-    for flag in ("--preset", "--tokens", "--backends", "--num-sms", "--profile", "--layer", "--low-latency",
-                 "--rank-major", "--out"):
+    for flag in ("--preset", "--tokens", "--backends", "--num-sms", "--pull", "--profile", "--layer",
+                 "--low-latency", "--rank-major", "--out"):
         assert flag in out.stdout, flag
     # the layer's options are in its own help (the ops' docstring above the options names one in a command)
     assert "--layer-shapes" not in out.stdout.split("options:", 1)[1] and "--layer --help" in out.stdout
@@ -338,6 +338,7 @@ def test_each_mode_help_lists_its_own_options(capsys):
     (["--preset", "huge"], "argument --preset: unknown 'huge'"),
     (["--experts", "0"], "argument --experts: must be a positive integer, got '0'"),
     (["--num-sms", "0"], "argument --num-sms: must be comma-separated positive integers"),
+    (["--pull", "sometimes"], "argument --pull: invalid choice: 'sometimes'"),
     (["--layer", "--iters", "0"], "argument --iters: must be a positive integer, got '0'"),
     (["--layer", "--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
     (["--layer", "--layer-shapes", "nope"], "argument --layer-shapes: unknown 'nope'"),

@@ -44,7 +44,7 @@ def test_kernel_emulator_smoke(tmp_path):
     """The smoke cases, both scripts at once (each builds its driver with one g++: on 2 cores the builds
     overlap). The throughput kernels (``run.py --quick``: the first 3 fixed cases, 2 ranks, bf16 rows,
     messy routing with alignment 4, FP8 from bf16, and 3 ranks whose dispatches pull their rows,
-    ``KernelConfig.dispatch_pull``): every expert-major op (dispatch, combine and
+    ``KernelConfig.dispatch_pull``, ``broadcast_pull``): every expert-major op (dispatch, combine and
     combine_bwd, broadcast, slot_values) and rank-major op bit-exact against the reference. The
     low-latency kernels (``ll_run.py --quick``: the first 4 fixed cases, fused, two-phase and two calls
     in flight, bf16 and FP8 wire, 2-4 ranks), bit-exact against jax_ep.reference.ll_dispatch /
@@ -115,12 +115,12 @@ def test_rank_masking_on_the_emulator(tmp_path):
 
 
 @pytest.mark.slow
-def test_dispatch_pull_on_the_emulator(tmp_path):
-    """The dispatches' pull form (KernelConfig.dispatch_pull: each sender stages a token once in its
-    own buffer, each receiver loads it from there): run.py's 'pull' cases, 3, 4 and 8 ranks, bf16,
-    FP8 rows in column slices, f32 -> bf16 with register copies and drops, a masked rank that runs
-    no op; every output of every op, expert- and rank-major, bit-exact against the reference. About
-    2.5 min."""
+def test_pull_form_on_the_emulator(tmp_path):
+    """The pull form of the dispatches and broadcasts (KernelConfig.dispatch_pull, broadcast_pull: each
+    sender stages a token once in its own buffer, each receiver loads it from there): run.py's 'pull'
+    cases, 3, 4 and 8 ranks, bf16, FP8 rows in column slices, f32 -> bf16 with register copies and
+    drops, a masked rank that runs no op; every output of every op, expert- and rank-major, bit-exact
+    against the reference (combine_bwd, which has no pull form, pushes beside them). About 2 min."""
     _need_gxx()
     cmd = [sys.executable, str(RUN), "-k", "pull", "--driver", str(tmp_path / "driver")]
     out = _run(cmd)

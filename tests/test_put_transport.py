@@ -131,3 +131,21 @@ def test_dispatch_pull_over_puts_or_with_shrink_is_refused(job):
     attrs = cuda_backend._attrs("dispatch", pulled("load_store"), 4, 1, 16, hidden=128, row_bytes=256,
                                 capacity=64, num_experts=8)
     assert int(attrs["transport"]) == cuda_backend.TRANSPORT_PULL
+
+
+def test_broadcast_pull_is_the_broadcasts_pull_transport(job):
+    """KernelConfig.broadcast_pull: broadcast and broadcast_rank_major pull; combine_bwd (the broadcast
+    kernel that computes) keeps loads / stores, and so does dispatch without dispatch_pull; with both
+    knobs every rank of a call resolves the same. Shrink mode refuses it too."""
+    job("local_peers", [])
+    cfg = EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                   kernel=KernelConfig(broadcast_pull=True))
+    for op in ("broadcast", "broadcast_rank_major"):
+        assert cuda_backend._transport(op, cfg) == cuda_backend.TRANSPORT_PULL
+    for op in ("combine_bwd", "dispatch", "combine"):
+        assert cuda_backend._transport(op, cfg) == cuda_backend.TRANSPORT_LOAD_STORE
+    with pytest.raises(NotImplementedError, match="KernelConfig\\(broadcast_pull=True\\) is not built"):
+        cfg.replace(shrink=True)
+    job("process_per_gpu", [1])
+    with pytest.raises(NotImplementedError, match="broadcast_rank_major with KernelConfig\\(broadcast_pull"):
+        cuda_backend._transport("broadcast_rank_major", cfg)

@@ -17,7 +17,7 @@ std::string FieldValue(int32_t field, uint64_t value) {
   if (field == kFieldTransport) {
     return value == kTransportLoadStore ? "load_store"
            : value == kTransportPut     ? "put"
-           : value == kTransportPull    ? "pull (KernelConfig.dispatch_pull)"
+           : value == kTransportPull    ? "pull"
                                         : "transport " + Str(value);
   }
   if (field == kFieldDtype) {
@@ -163,7 +163,7 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
              "nothing was exchanged." +
              (r.field != kFieldTransport ? ""
               : r.expected == kTransportPull || r.observed == kTransportPull
-                  ? " (give every process the same KernelConfig.dispatch_pull.)"
+                  ? " (give every process the same KernelConfig.dispatch_pull and broadcast_pull.)"
                   : " (KernelConfig.transport: \"auto\" picks puts in a process that some "
                     "process of the job cannot reach by loads / stores; give every process the "
                     "same explicit transport.)");

@@ -95,9 +95,9 @@ ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& 
 ffi::Error CheckAttrs(const char* op, const EPAttrs& a);
 
 // The put transport (cuda/remote_rank_major.h) exists for the rank-major ops only, and needs the
-// symmetric heap of process model 2; the pull form (kTransportPull) for the dispatches only. Python
-// picks them (cuda_backend._transport) and refuses the other cases at trace time; this is the check
-// behind it.
+// symmetric heap of process model 2; the pull form (kTransportPull) for dispatch and broadcast
+// (either layout) only. Python picks them (cuda_backend._transport) and refuses the other cases at
+// trace time; this is the check behind it.
 ffi::Error CheckTransport(const char* op, const EPAttrs& a, const Runtime& runtime);
 
 // The buffer the call site reserved at instantiation is still there (a shutdown in between frees it;

@@ -119,19 +119,21 @@ ffi::Error CheckAttrs(const char* op, const EPAttrs& a) {
 }
 
 // The put transport (cuda/remote_rank_major.h) exists for the rank-major ops only, and needs the
-// symmetric heap of process model 2; the pull form (kTransportPull) for the dispatches only. Python
-// picks them (cuda_backend._transport) and refuses the other cases at trace time; this is the check
-// behind it.
+// symmetric heap of process model 2; the pull form (kTransportPull) for dispatch and broadcast
+// (either layout) only. Python picks them (cuda_backend._transport) and refuses the other cases at
+// trace time; this is the check behind it.
 ffi::Error CheckTransport(const char* op, const EPAttrs& a, const Runtime& runtime) {
   if (a.transport == kTransportLoadStore) return ffi::Error::Success();
   const std::string name(op);
-  if (a.transport == kTransportPull) {  // cuda/dispatch.h: not in shrink mode
-    if ((name == kDispatchTarget || name == kDispatchRankMajorTarget) && a.shrink == 0) {
+  if (a.transport == kTransportPull) {  // cuda/dispatch.h, cuda/group.h: not in shrink mode
+    if ((name == kDispatchTarget || name == kDispatchRankMajorTarget || name == kBroadcastTarget ||
+         name == kBroadcastRankMajorTarget) && a.shrink == 0) {
       return ffi::Error::Success();
     }
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      name + ": transport=2 (KernelConfig.dispatch_pull): only dispatch and "
-                      "dispatch_rank_major pull their rows, and not in shrink mode");
+                      name + ": transport=2 (KernelConfig.dispatch_pull / broadcast_pull): only "
+                      "dispatch, broadcast and their rank-major forms pull their rows, and not in "
+                      "shrink mode");
   }
   const bool rank_major = name == kDispatchRankMajorTarget || name == kCombineRankMajorTarget ||
                           name == kBroadcastRankMajorTarget;
@@ -194,6 +196,7 @@ ffi::Error PrepareGroup(const char* op, int32_t device_ordinal, const OpState& s
   launch->num_blocks = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(a.num_sms, sms - 1)));
   launch->send_warps = static_cast<int32_t>(a.send_warps);
   launch->shrink = a.shrink != 0 ? 1 : 0;
+  launch->pull = a.transport == kTransportPull;  // (CheckTransport: broadcast's only)
   return ffi::Error::Success();
 }
 

@@ -133,7 +133,7 @@ def check_dispatch_pull(mesh, me) -> int:
     """The dispatches pulling their rows (KernelConfig.dispatch_pull: each process stages a token once
     in its own buffer, each peer loads it from there): dispatch + combine at DeepSeek-V3's shape (bf16
     and FP8 wire), with drops, and from f32 x; dispatch_rank_major's round trip (every case, FP8 too);
-    each against the reference as the pushed form is."""
+    each against the reference as the pushed form is; broadcast_rank_major pulling too (broadcast_pull)."""
     return (check_cases(mesh, me, pull=True,
                         names=("h7168_k8_e256", "h2048_k2_skewed_overflow", "f32_x_bf16_rows_k4"))
             + rank_major_model2.check_cases(mesh, me, transport="load_store", pull=True))
@@ -423,7 +423,8 @@ def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ..
     for dtype in dtypes:
         for pull in pulls:
             for warps in send_warps:
-                kernel = jax_ep.KernelConfig(num_sms=num_sms, dispatch_pull=pull, dispatch_send_warps=warps)
+                kernel = jax_ep.KernelConfig(num_sms=num_sms, dispatch_pull=pull, broadcast_pull=pull,
+                                             dispatch_send_warps=warps)
                 recs = ops.bench_shape(mesh, "cuda", dtype, 4096, 7168, 8, 256, iters=20, repeats=3,
                                        rng=rng, profile=profile, kernel=kernel)
                 for r in recs:
@@ -435,7 +436,7 @@ def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ..
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
         for r in records:
-            pulled = int(r.get("dispatch_pull", 0))
+            pulled = int(r.get("pull", 0))
             print(f"bench {r['op']:9s} {r['dtype']:14s} SMs {r['num_sms']} pull {pulled} "
                   f"send warps {r['dispatch_send_warps']} "
                   f"{r['us']:8.1f} us wall "

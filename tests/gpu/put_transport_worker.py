@@ -53,7 +53,8 @@ AXIS, R = model1.AXIS, model1.R
 def cfg(backend, transport="put", pull=False, **kw):
     if backend != "cuda":
         return model1._cfg(backend, **kw)
-    return model1._cfg(backend, kernel=jax_ep.KernelConfig(transport=transport, dispatch_pull=pull), **kw)
+    kernel = jax_ep.KernelConfig(transport=transport, dispatch_pull=pull, broadcast_pull=pull)
+    return model1._cfg(backend, kernel=kernel, **kw)
 
 
 def round_trip_body(c):
@@ -130,7 +131,8 @@ CASES = {
 
 def check_cases(mesh, me, transport="put", pull=False) -> int:
     """CASES over `transport` (process_group_worker runs them with "load_store": the NVLink kernels;
-    pull: dispatch_rank_major pulling its rows, KernelConfig.dispatch_pull)."""
+    pull: dispatch_rank_major and broadcast_rank_major pulling their rows, KernelConfig.dispatch_pull and
+    broadcast_pull)."""
     checks = 0
     for name, (tokens, hidden, topk, experts, kind, x_dtype, y_dtype, extra) in CASES.items():
         kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens, **extra)

@@ -389,10 +389,12 @@ def combine_vjp_fn(mesh, cfg, masked, empty_rows_zero=False, weighted=True):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
-def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed, handler, num_sms=None):
+def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed, handler, num_sms=None,
+                          pull=False):
     """combine's backward through a messy dispatch's handle (capacity drops; masked: rank 0 active, the
     others masked, on combine only) on the reference and then on 'cuda' over poisoned device memory
-    (its data kernels on num_sms blocks; None: the default), checking that `handler` ran:
+    (its data kernels on num_sms blocks; None: the default; pull: KernelConfig.broadcast_pull),
+    checking that `handler` ran:
     (want, got, mask, tokens, hidden), want / got as combine_vjp_fn's."""
     if masked:
         needs_two_ranks(R)
@@ -409,7 +411,8 @@ def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed
     args = put(mesh, x, idx, w, y, g, m)
 
     def run(backend):
-        extra = dict(kernel=jax_ep.KernelConfig(num_sms=num_sms)) if backend == "cuda" and num_sms else {}
+        extra = (dict(kernel=jax_ep.KernelConfig(num_sms=num_sms, broadcast_pull=pull))
+                 if backend == "cuda" and (num_sms or pull) else {})
         fn = combine_vjp_fn(mesh, _cfg(backend, **kw, **extra), masked, empty_rows_zero, weighted)
         return to_np(fn(*args))
 
@@ -452,18 +455,19 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     assert np.isnan(dy.reshape(R, -1, hidden)[src < 0]).all() == empty_rows_zero
 
 
+@pytest.mark.parametrize("pull", [False, True], ids=["pushed", "pulled"])
 @pytest.mark.parametrize("empty_rows_zero", [False, True], ids=["zeroed", "in_y"])
 @pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("masked", [False, True])
 def test_unweighted_combine_backward_is_the_broadcast_kernel(cuda_backend, mesh, y_dtype, masked,
-                                                             empty_rows_zero):
+                                                             empty_rows_zero, pull):
     """combine(weighted=False) on backend='cuda': its backward is the broadcast kernel (jax_ep_broadcast,
     handler count), d y bit-exact against the reference (each token's g on its live rows, +0.0 on a
     masked source's rows), d row_weights zero; in_y: written into y's buffer (aliased), the rows with no
     token keeping y's NaN, every other row as zeroed's. Device memory poisoned; capacity drops, messy
-    routing, the masked case as in the fused test above."""
+    routing, the masked case as in the fused test above. pulled: KernelConfig(broadcast_pull=True)."""
     want, got, _, _, hidden = combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, False, 37,
-                                                    "jax_ep_broadcast")
+                                                    "jax_ep_broadcast", pull=pull)
     dy, drw, src = got
     assert_bits_equal(src, want[2], "handle.src_index")
     assert_bits_equal(dy, want[0], "d y")

@@ -85,6 +85,7 @@ def assert_rank_major_equal(got, want, what, rows=True):
                               f"{w} handle.{field}")
 
 
+PULLED = jax_ep.KernelConfig(dispatch_pull=True, broadcast_pull=True)
 # (tokens, hidden, topk, experts, routing, extra config)
 CASES = {
     "deepseek bf16": (512, 7168, 8, 256, "distinct", {}),
@@ -95,10 +96,10 @@ CASES = {
     "top1 no bulk copies": (200, 1024, 1, 8, "messy", {"kernel": jax_ep.KernelConfig(bulk_copy=False)}),
     "24 SMs, 2 send warps": (1024, 7168, 8, 256, "distinct",
                              {"kernel": jax_ep.KernelConfig(num_sms=24, dispatch_send_warps=2)}),
-    # the receivers pull the rows from the senders' staging (KernelConfig.dispatch_pull)
-    "deepseek pulled": (512, 7168, 8, 256, "distinct", {"kernel": jax_ep.KernelConfig(dispatch_pull=True)}),
-    "messy top6 pulled, no bulk copies": (
-        300, 2048, 6, 64, "messy", {"kernel": jax_ep.KernelConfig(dispatch_pull=True, bulk_copy=False)}),
+    # the receivers pull the rows from the senders' staging (KernelConfig.dispatch_pull, broadcast_pull)
+    "deepseek pulled": (512, 7168, 8, 256, "distinct", {"kernel": PULLED}),
+    "messy top6 pulled, no bulk copies": (300, 2048, 6, 64, "messy",
+                                          {"kernel": PULLED.replace(bulk_copy=False)}),
     # top-k above 8: prep's 16 register slots per token, then kMaxTopk's over two token tiles
     "top12 messy": (300, 1024, 12, 32, "messy", {}),
     "top20 over two tiles": (1100, 512, 20, 64, "distinct", {}),

@@ -154,7 +154,7 @@ void run_mismatch(DeviceState* state, int rank, const Sizes& s, MismatchCall cal
 
 int main(int argc, char** argv) {
   const bool use_tma = std::getenv("JAX_EP_TMA") == nullptr || std::getenv("JAX_EP_TMA")[0] != '0';
-  // the dispatches' pull form (DispatchLaunch::pull) on every rank
+  // the pull form of the dispatches and broadcasts (DispatchLaunch::pull, GroupLaunch::pull) on every rank
   const bool pull = std::getenv("JAX_EP_EMU_PULL") != nullptr && std::getenv("JAX_EP_EMU_PULL")[0] == '1';
   if (argc != 15 && argc != 16) {
     std::fprintf(stderr, "usage: driver dir R T H K E C align x_kind row_kind y_kind blocks "
@@ -372,13 +372,15 @@ int main(int argc, char** argv) {
       write_file("comb_u" + tag + ".bin", comb_u.data(), out_bytes);
       const size_t bcast_bytes = size_t(C) * H * kind_bytes(y_kind);
       auto bcast = poisoned(bcast_bytes);
-      check(launch_broadcast(gl, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
+      GroupLaunch gb = gl;  // broadcast pulls with the dispatches (pull); the other ops have no pull form
+      gb.pull = pull;
+      check(launch_broadcast(gb, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
                              y_kind, use_tma, false, false, bcast.data(), nullptr),
             "broadcast");
       write_file("bcast" + tag + ".bin", bcast.data(), bcast_bytes);
       // the same in y's buffer (keep_empty_rows: over a copy of y, whose rows with no token stay NaN)
       std::vector<char> bcast_in_y(y.begin(), y.end());
-      check(launch_broadcast(gl, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
+      check(launch_broadcast(gb, g.data(), d.token_rows, d.is_token_in_rank, d.src_index, C, H,
                              y_kind, use_tma, false, true, bcast_in_y.data(), nullptr),
             "broadcast in y's buffer");
       write_file("bcast_in_y" + tag + ".bin", bcast_in_y.data(), bcast_bytes);
@@ -435,6 +437,7 @@ int main(int argc, char** argv) {
       check(launch_combine(gr, yr.data(), nullptr, table, m.is_token_in_rank, H, y_kind, true,
                            rm.comb.data(), nullptr),
             "combine_rank_major");
+      gr.pull = pull;
       check(launch_broadcast(gr, g.data(), table, m.is_token_in_rank, m.src_index,
                              static_cast<int32_t>(RT), H, y_kind, use_tma, true, false,
                              rm.bcast.data(), nullptr),

@@ -98,8 +98,8 @@ def random_case(rng) -> dict:
 
 
 def with_pull(case: dict) -> dict:
-    """A random case with the dispatches' pull form in half the cases (an odd case seed; no draw of
-    its own, so the sweep's other parameters stay those of the sweep before it)."""
+    """A random case with the pull form (dispatches, broadcasts) in half the cases (an odd case seed; no
+    draw of its own, so the sweep's other parameters stay those of the sweep before it)."""
     return dict(case, pull=case["seed"] % 2 == 1)
 
 
@@ -144,8 +144,8 @@ def run_case(name, *, R, T, H, K, E, capacity=None, align=1, x_dtype="bfloat16",
              persistent=None, persistent_at="start", stop=None, timeout_s=None, pull=False):
     """Run one case on the emulated kernels and compare with the reference. T tokens per rank (0 is
     fine), max_tokens (default T) sizes the default capacity; tma=False sets JAX_EP_TMA=0; pull: both
-    dispatches (expert- and rank-major) pull their rows (DispatchLaunch::pull, KernelConfig.dispatch_pull)
-    on every rank.
+    dispatches and both broadcasts (expert- and rank-major) pull their rows (KernelConfig.dispatch_pull,
+    broadcast_pull) on every rank.
 
     mask (one 0/1 per rank): rank masking for every op, expert- and rank-major. Every rank that runs
     the ops, masked ones too, is compared with the reference under the same mask and the same
@@ -448,8 +448,8 @@ CASES = [
     dict(name="mask shrink, rank 0 never calls, explicit mask, fp8", R=4, T=9, H=256, K=4, E=8,
          kind="messy", mask=(1, 1, 0, 1), stop=(0, 0), reps=2, timeout_s=3,
          dispatch_dtype="float8_e4m3fn"),
-    # the dispatches' pull form (KernelConfig.dispatch_pull): each receiver loads a peer's token from
-    # the peer's own staging; the same bits as the push form
+    # the pull form of the dispatches and broadcasts (KernelConfig.dispatch_pull, broadcast_pull): each
+    # receiver loads a peer's token from the peer's own staging; the same bits as the push form
     dict(name="pull 3 ranks bf16", R=3, T=8, H=256, K=4, E=9, kind="messy", pull=True),  # (--quick)
     dict(name="pull 4 ranks top8", R=4, T=17, H=128, K=8, E=16, kind="messy", pull=True),
     dict(name="pull slices fp8 rows, R=4", R=4, T=6, H=3584, K=3, E=8, kind="messy",
@@ -483,13 +483,13 @@ MISMATCHES = {
     "expert_alignment": (1, 2),
     "dtype": ("bfloat16", "float32"),
     "transport": ("put", "load_store"),
-    "pull": ("pull (KernelConfig.dispatch_pull)", "load_store"),
+    "pull": ("pull", "load_store"),
 }
 OPS = {"dispatch": 2, "combine": 3, "dispatch_rank_major": 9}
 # the values of the fields the messages print by name (cuda/ep_layout.h RowKind, cuda/fingerprint.h
 # Transport)
 NUMBERS = {"op": OPS, "dtype": {"bfloat16": 0, "float32": 1}, "transport": {"load_store": 0, "put": 1},
-           "pull": {"load_store": 0, "pull (KernelConfig.dispatch_pull)": 2}}
+           "pull": {"load_store": 0, "pull": 2}}
 
 
 def run_mismatch(field: str) -> str:
@@ -537,7 +537,7 @@ def run_mismatch(field: str) -> str:
         if field == "transport":
             parts.append("KernelConfig.transport")
         if field == "pull":
-            parts.append("give every process the same KernelConfig.dispatch_pull")
+            parts.append("give every process the same KernelConfig.dispatch_pull and broadcast_pull")
         for part in parts:
             if part not in text:
                 return f"{where}: message lacks {part!r}"
