@@ -113,23 +113,44 @@ def _put(mesh, a: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("ep")), lambda index: a[index])
 
 
-def _time_calls(fn, args, iters: int, repeats: int) -> float:
-    """Median seconds per call of jit(fn)(*args), over `repeats` chains of `iters` calls.
+def _runner(fn, args, chain: int | None = None):
+    """A function of no arguments that calls jit(fn)(*args). With `chain`, args[chain] is donated to
+    each call and replaced by the call's first output: an op that writes in place (its output aliases
+    that operand) then runs as in a training step, where the operand is dead after it, not after a
+    copy XLA would make to keep the operand alive. The chain starts from a copy (the caller's array
+    stays valid)."""
+    if chain is None:
+        run = jax.jit(fn)
+        return lambda: run(*args)
+    run = jax.jit(fn, donate_argnums=(chain,))
+    state = list(args)
+    state[chain] = jnp.copy(args[chain])
+
+    def call():
+        out = run(*state)
+        state[chain] = jax.tree.leaves(out)[0]
+        return out
+    return call
+
+
+def _time_calls(fn, args, iters: int, repeats: int, chain: int | None = None) -> float:
+    """Median seconds per call of jit(fn)(*args), over `repeats` chains of `iters` calls (`chain`:
+    _runner's).
 
     Every call is a separate jitted call whose whole output is returned, so XLA can neither drop
     nor hoist any of its work, and no output is copied. The host enqueues the calls asynchronously
     (each returns before the device finishes), so the device runs them back to back and the chain's
     wall time over `iters` is the device time per call once the calls take longer to run than to
     enqueue (a few tens of µs)."""
-    run = jax.jit(fn)
-    jax.block_until_ready(run(*args))
+    call = _runner(fn, args, chain)
+    jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
-        jax.block_until_ready(run(*args))
+        jax.block_until_ready(call())
         start = time.perf_counter()
         out = None
         for _ in range(iters):
-            out = run(*args)  # the previous output is freed here, stream-ordered
+            out = call()  # the previous output is freed here, stream-ordered
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / iters)
     return float(np.median(times))
@@ -173,24 +194,25 @@ def _aligner(mesh):
     return step, a, _trace_totals(lambda: step(a), 3)
 
 
-def kernel_profile(fn, args, iters: int, mesh=None) -> dict[str, float]:
+def kernel_profile(fn, args, iters: int, mesh=None, chain: int | None = None) -> dict[str, float]:
     """Device time per call of each GPU kernel / copy that jit(fn)(*args) runs on GPU 0.
 
     Traces `iters` calls with jax.profiler and sums the events of the device's streams by name.
     For communicating kernels this includes the time spent waiting for peers. With a `mesh` of
     several GPUs each call follows the aligning step of ``_aligner`` (its own kernels taken out of
-    the sums: by name, or where the call runs a kernel of the same name, by the step's time alone)."""
-    run = jax.jit(fn)
-    jax.block_until_ready(run(*args))
+    the sums: by name, or where the call runs a kernel of the same name, by the step's time alone).
+    `chain`: _runner's (an op in place)."""
+    call = _runner(fn, args, chain)
+    jax.block_until_ready(call())
     if mesh is None or mesh.size < 2:
-        totals = _trace_totals(lambda: run(*args), iters)
+        totals = _trace_totals(call, iters)
     else:
         step, a, own = _aligner(mesh)
 
         def aligned():
             step(a)
-            return run(*args)
-        alone = _trace_totals(lambda: run(*args), 2)
+            return call()
+        alone = _trace_totals(call, 2)
         totals = _trace_totals(aligned, iters)
         for name, us in own.items():
             if name in alone:   # the call's too: keep the call's share
@@ -360,7 +382,8 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
     remote = np.mean([lay.sum() - lay[r] for r, lay in enumerate(per_rank_layout)])
     row_bytes = {"dispatch": hidden * BYTES[dtype] + (4 * hidden // 128 if dtype != "bfloat16" else 0),
                  "combine": hidden * 2}
-    row_bytes.update(broadcast=hidden * 2, combine_bwd=hidden * 2, layout=None, slot_values=None)
+    row_bytes.update(broadcast=hidden * 2, combine_bwd=hidden * 2, broadcast_in_place=hidden * 2,
+                     combine_bwd_in_place=hidden * 2, layout=None, slot_values=None)
     names = {"dispatch": "dispatch", "combine": "combine", "broadcast": "broadcast"}
     if rank_major and backend in ("cuda", "reference"):
         names = {op: f"{op}_rank_major" for op in names}
@@ -369,12 +392,13 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
         kernels = {"dispatch": kernel_profile(d_fn, d_args, iters, mesh)}
         if with_combine:
             kernels["combine"] = kernel_profile(c_fn, c_args, iters, mesh)
-        kernels.update({op: kernel_profile(fn, args, iters, mesh) for op, (_, fn, args) in extra.items()})
+        kernels.update({op: kernel_profile(fn, args, iters, mesh, chain)
+                        for op, (_, fn, args, chain) in extra.items()})
     device_us = {op: sum(k.values()) for op, k in kernels.items()}
     if backend == "ragged" and "combine" in kernels:  # its combine is profiled as a round trip
         device_us["combine"] -= device_us["dispatch"]
     timed = [("dispatch", t_dispatch)] + ([("combine", t_combine)] if with_combine else [])
-    timed += [(op, seconds) for op, (seconds, _, _) in extra.items()]
+    timed += [(op, seconds) for op, (seconds, _, _, _) in extra.items()]
     for op, seconds in timed:
         moved = row_bytes[op]
         records.append(dict(op=names.get(op, op), backend=backend,
@@ -553,9 +577,12 @@ def _sm_count(mesh, kernel: KernelConfig) -> int:
 
 def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats, rank_major=False,
                combine_bwd_args=None):
-    """{op: (seconds per call, fn, args)} of get_dispatch_layout, broadcast (the data movement of
+    """{op: (seconds per call, fn, args, chain)} of get_dispatch_layout, broadcast (the data movement of
     combine's backward), combine_bwd (combine's whole backward: d y and d row_weights, on (g [T, H],
-    y [C, H], handle)) and slot_values (dispatch's backward, on a row vector) for cfg.backend;
+    y [C, H], handle)), both also in place (``*_in_place``: into y's buffer, as the MoE layer runs them
+    with ``EPOptions.dy_in_place``: only the rows that hold a token are written, where the others zero
+    all C rows, at EP4 with the worst-case capacity 4x the rows of dispatch; `chain`: the donated
+    operand, _runner's) and slot_values (dispatch's backward, on a row vector) for cfg.backend;
     ``rank_major``: only broadcast_rank_major (combine_rank_major's backward), under the key
     "broadcast"."""
     spec = P("ep")
@@ -566,14 +593,20 @@ def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats
             "layout": lambda i: jax.tree.leaves(get_dispatch_layout(i, cfg)),
             "broadcast": lambda g, h: implementation("broadcast", cfg, g.dtype)(g, h, cfg),
             "combine_bwd": lambda g, y, h: implementation("combine_bwd", cfg, y.dtype)(g, y, h, cfg),
+            "broadcast_in_place": lambda g, y, h: implementation("broadcast", cfg, g.dtype)(
+                g, h, cfg, into=y),
+            "combine_bwd_in_place": lambda g, y, h: implementation("combine_bwd", cfg, y.dtype)(
+                g, y, h, cfg, empty_rows_from_y=True),
             "slot_values": lambda v, h: implementation("slot_values", cfg)(v.astype(jnp.float32), h, cfg),
         }
     args = {"layout": layout_args, "broadcast": broadcast_args, "slot_values": slot_args,
-            "combine_bwd": combine_bwd_args}
+            "combine_bwd": combine_bwd_args, "broadcast_in_place": combine_bwd_args,
+            "combine_bwd_in_place": combine_bwd_args}
     out = {}
     for op, fn in fns.items():  # (fns decides which ops run: args has every op's)
         mapped = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
-        out[op] = (_time_calls(mapped, args[op], iters, repeats), mapped, args[op])
+        chain = 1 if op.endswith("_in_place") else None   # y's buffer, written in place
+        out[op] = (_time_calls(mapped, args[op], iters, repeats, chain), mapped, args[op], chain)
     return out
 
 
