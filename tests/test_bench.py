@@ -32,9 +32,9 @@ def test_bench_writes_records(tmp_path):
     assert saved == json.loads(json.dumps(records))
     # one combine record per shape (timed on a bf16 dispatch's handle, which it names), a dispatch per dtype
     assert sorted((r["op"], r["dtype"]) for r in saved) == [
-        ("broadcast", "bfloat16"), ("combine", "bfloat16"), ("combine_bwd", "bfloat16"),
-        ("dispatch", "bfloat16"), ("dispatch", "float8_e4m3fn"), ("layout", "bfloat16"),
-        ("slot_values", "bfloat16")]
+        ("broadcast", "bfloat16"), ("broadcast_in_place", "bfloat16"), ("combine", "bfloat16"),
+        ("combine_bwd", "bfloat16"), ("combine_bwd_in_place", "bfloat16"), ("dispatch", "bfloat16"),
+        ("dispatch", "float8_e4m3fn"), ("layout", "bfloat16"), ("slot_values", "bfloat16")]
     assert [r["dispatch_dtype"] for r in saved if r["op"] == "combine"] == ["bfloat16"]
     for r in saved:
         assert FIELDS <= set(r), FIELDS - set(r)
