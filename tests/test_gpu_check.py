@@ -578,3 +578,18 @@ def test_issue38_ab_parts_name_known_layer_configs(tmp_path):
         assert shape in layer.LAYER_PRESETS, shape
         configs = args[args.index("--layer-configs") + 1].split(",")
         assert len(configs) >= 4 and set(configs) <= set(layer.CONFIGS), configs
+
+
+def test_issue38_pull_part_times_both_forms_of_the_ops(tmp_path):
+    """SWEEP=pull: one ops benchmark of the cuda kernels with the rows pushed and pulled in the same run
+    (--pull both), at 24 and all SMs, with options the benchmark's parser takes."""
+    from benchmarks import ops
+
+    rc, output, out, calls = run_check(tmp_path, gpus=4, SWEEP="pull")
+    assert rc == 0, output
+    sweeps = [c for c in calls if "benchmarks" in c]
+    assert len(sweeps) == 1 and f"{out}/sweep_pull.json" in sweeps[0], sweeps
+    args = sweeps[0].split()
+    args = args[args.index("benchmarks") + 1:]
+    parsed = ops.parse_args(args)
+    assert parsed.pull == "both" and parsed.backends == "cuda" and parsed.num_sms == "24,131", parsed

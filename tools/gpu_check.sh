@@ -58,6 +58,9 @@
 #                           weight gradient (weight_grad_beside, 12 and 24 side SMs) against their plain forms
 #                 gate      issue 38's A/B of the gate weights in the experts (combine's backward at
 #                           dispatch's bytes), bf16 and cached FP8, DeepSeek-V3 shape, sustained
+#                 pull      issue 38's A/B of the rows pushed and pulled (KernelConfig.dispatch_pull,
+#                           broadcast_pull): the cuda ops, DeepSeek-V3 shape, 4096 tokens, bf16 and fp8,
+#                           24 and all SMs (broadcast / combine_bwd in place too)
 #                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
 #                        2 or more GPUs)
 #               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
@@ -436,9 +439,11 @@ if [ -n "${SWEEP:-}" ]; then
                     --sustain 2 --layer-configs jax_ep,jax_ep_shared_beside,ep_cuda,ep_cuda_sms24,ep_cuda_shared_beside_sms24,ep_cuda_wgrad_beside_side12,ep_cuda_wgrad_beside_side24) ;;
       gate) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes deepseek --iters 10 --repeats 3 --sustain 2
                  --layer-configs jax_ep,jax_ep_gate_in_experts,jax_ep_fp8_cached,jax_ep_fp8_cached_gate_in_experts) ;;
+      pull) cmd=("$PY" -m benchmarks --preset deepseek --tokens 4096 --backends cuda --num-sms 24,131
+                 --pull both --profile --iters 10 --repeats 3) ;;
       pg) cmd=(env JAX_EP_TEST_EP_RANKS="$gpus" "$PY" -m jax_ep.launch --nproc "$gpus"
                --timeout $((lim > 30 ? lim - 10 : 20)) tests/gpu/process_group_worker.py) ;;
-      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, overlap, gate, pg)" | tee -a "$OUT/summary.txt"
+      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, overlap, gate, pull, pg)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
     if [ "$part" = pg ] && [ "$gpus" -lt 2 ]; then  # one process alone is process model 1
