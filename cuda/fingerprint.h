@@ -21,10 +21,11 @@ namespace jax_ep {
 
 // How a call's data crosses to its peers (KernelConfig.transport as the call site resolved it;
 // EPAttrs::transport): NVLink / P2P loads and stores through the peer tables (every EP op), or
-// NVSHMEM puts + signals (the rank-major ops only, cuda/remote_rank_major.h), or the dispatches'
-// pull form (KernelConfig.dispatch_pull, cuda/dispatch.cu): a sender stages each token once in its
-// own buffer and every receiver loads it from there, where the load/store form stores it into each
-// receiver's buffer (a push rank and a pull rank would each wait for rows the other never writes).
+// NVSHMEM puts + signals (the rank-major ops only, cuda/remote_rank_major.h), or the pull form of
+// dispatch and broadcast (KernelConfig.dispatch_pull / broadcast_pull, cuda/dispatch.cu): a sender
+// stages each token once in its own buffer and every receiver loads it from there, where the
+// load/store form stores it into each receiver's buffer (a push rank and a pull rank would each wait
+// for rows the other never writes).
 enum Transport : int32_t {
   kTransportLoadStore = 0,  // 0: the value-initialised OpFingerprint of every load/store op
   kTransportPut = 1,
