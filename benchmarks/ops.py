@@ -23,7 +23,12 @@ dense, rank-major already, is the plain-JAX baseline to compare with.
 ``--tokens`` replaces the tokens per rank of every preset shape. Every dispatch dtype has its own
 dispatch record; combine has one record per shape and backend, timed on the handle and bf16 rows of a
 bf16 dispatch (``dispatch_dtype`` in its record), in the pass of the first of ``--dtypes`` when
-bfloat16 is not among them. Each time is the median over ``--repeats`` chains of ``--iters``
+bfloat16 is not among them. The bf16 pass also times get_dispatch_layout, slot_values, broadcast and
+combine_bwd, the last two both as ops (every one of the C rows written: zeros where no token is) and in
+place (``broadcast_in_place``, ``combine_bwd_in_place``: into y's donated buffer, only the token rows
+written, as the MoE layer runs them). ``--pull both`` times the cuda dispatch and broadcast with their
+rows pushed and pulled (``KernelConfig.dispatch_pull`` / ``broadcast_pull``; ``pull`` in the records).
+Each time is the median over ``--repeats`` chains of ``--iters``
 back-to-back jitted calls, per call; each call returns its whole output (nothing dropped, nothing
 copied). ``--profile`` adds the device time of every kernel per call
 on GPU 0, from a jax.profiler trace (``kernels_us``; their sum is ``device_us``); on several GPUs
