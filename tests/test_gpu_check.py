@@ -134,6 +134,21 @@ def test_share_gpu_runs_the_chosen_files_with_the_process_count(tmp_path):
     assert "starting it" in output and (tmp_path / "mps" / "commands").read_text() == "quit\n", output
 
 
+def test_share_bench_times_the_process_group_benchmark_under_mps(tmp_path):
+    """SHARE_BENCH=N with SHARE_FILES=none: no tests, the process-model-2 benchmark with N processes on
+    GPU 0 under MPS (default arguments: the push / pull A/B), a small memory fraction per process."""
+    rc, output, out, calls = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="none", SHARE_BENCH="4",
+                                       MPS_PIPE_DIR=str(tmp_path / "mps"))
+    assert rc == 0, output
+    assert not [c for c in calls if c.startswith("-m pytest")], calls
+    (bench,) = [c for c in calls if "jax_ep.launch" in c]
+    assert "--nproc 4 --share-gpus tests/gpu/process_group_worker.py" in bench, bench
+    assert f"--bench {out}/share_bench.json --bench-sms 16 --bench-pull both" in bench, bench
+    summary = (out / "summary.txt").read_text()
+    assert "process-model-2 benchmark, 4 processes on one GPU (MPS): rc=0" in summary, summary
+    assert "tests on one GPU" not in summary and (tmp_path / "mps" / "commands").read_text() == "quit\n"
+
+
 def test_share_gpu_restarts_mps_when_only_a_stopped_daemons_socket_is_left(tmp_path):
     """A second run after one that stopped its daemon: the socket file is still there, but nothing answers
     (2026-12-01: such runs said "already running" and ran without MPS); it starts MPS again and stops

@@ -16,6 +16,11 @@
 #               $OUT/gpu-tests-shared_<file>.xml each, for tools/gpu_tests_record.py --junit);
 #               SHARE_PYTEST_ARGS extra pytest arguments. Runs with
 #               SKIP_TESTS=1 too. Timings under MPS are not those of separate GPUs.
+#               SHARE_FILES=none: no tests. SHARE_BENCH=N then times the process-model-2 benchmark with N
+#               processes on GPU 0 (tests/gpu/process_group_worker.py --bench $OUT/share_bench.json plus
+#               SHARE_BENCH_ARGS, default a push / pull A/B: '--bench-sms 16 --bench-pull both
+#               --bench-dtypes bfloat16 --bench-no-profile'; XLA_PYTHON_CLIENT_MEM_FRACTION 0.2 unless set;
+#               log $OUT/share_bench.log): every "peer" is the same GPU, so it shows the SMs' side only.
 #      SKIP_BENCH=1 skips the benchmark; BENCH_ARGS extra arguments of python -m benchmarks;
 #               BENCH_TIMEOUT its limit in seconds (default 3000)
 #      SKIP_LAYER=1 skips the MoE layer benchmark; LAYER_ARGS extra arguments of it
@@ -241,7 +246,9 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     # output would be lost with the killed pytest)
     : >"$OUT/gpu-tests-shared.log"
     share_rc=0
-    if [ -n "${SHARE_FILES:-}" ]; then
+    if [ "${SHARE_FILES:-}" = none ]; then
+      share_files=""
+    elif [ -n "${SHARE_FILES:-}" ]; then
       share_files=$(echo "$SHARE_FILES" | tr ',' '\n' | sed 's|.*|tests/gpu/test_&_gpu.py|')
     else
       share_files=$(grep -l "process_group" tests/gpu/test_*.py)
@@ -258,9 +265,23 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
       echo "$file: rc=$rc" | tee -a "$OUT/summary.txt"
       [ $((SECONDS - start)) -lt "${SHARE_TIMEOUT:-2400}" ] || { echo "SHARE_TIMEOUT reached"; share_rc=124; break; }
     done
-    tail -25 "$OUT/gpu-tests-shared.log"
-    echo "process-model-2 tests on one GPU (MPS): rc=$share_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests-shared.log)" | tee -a "$OUT/summary.txt"
+    if [ -n "$share_files" ]; then
+      tail -25 "$OUT/gpu-tests-shared.log"
+      echo "process-model-2 tests on one GPU (MPS): rc=$share_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests-shared.log)" | tee -a "$OUT/summary.txt"
+    fi
     [ $share_rc -eq 0 ] || status=1
+    if [ -n "${SHARE_BENCH:-}" ]; then
+      start=$SECONDS
+      eval "bench_args=(${SHARE_BENCH_ARGS:---bench-sms 16 --bench-pull both --bench-dtypes bfloat16 --bench-no-profile})"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.2} bounded_run "${SHARE_FILE_TIMEOUT:-400}" \
+        "$PY" -m jax_ep.launch --nproc "$SHARE_BENCH" --share-gpus tests/gpu/process_group_worker.py \
+        --bench "$OUT/share_bench.json" "${bench_args[@]}" >"$OUT/share_bench.log" 2>&1
+      rc=$?
+      grep -E "bench |Error" "$OUT/share_bench.log" | cut -c1-200 | head -40
+      echo "process-model-2 benchmark, $SHARE_BENCH processes on one GPU (MPS): rc=$rc in $((SECONDS - start)) s" \
+        "(log: $OUT/share_bench.log)" | tee -a "$OUT/summary.txt"
+      [ $rc -eq 0 ] || status=1
+    fi
   fi
   if [ $started_mps = 1 ]; then
     stop_mps
