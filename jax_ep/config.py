@@ -150,8 +150,9 @@ class KernelConfig:
         An SM stores one 32-byte sector per clock wherever the bytes go, so pushing costs the
         sender's SMs a store per remote rank of a token (~2.7 at EP4 with DeepSeek-V3's routing),
         pulling one, plus the receivers' loads (a request per 128-byte line). What it is for: the
-        wire rate of dispatch on few SMs at EP >= 4 (docs/benchmarks.md, sessions 47 and 51). Not
-        yet timed on separate GPUs, so off by default; not with ``EPConfig.shrink`` (a receiver the
+        wire rate of dispatch on few SMs at EP >= 4 (docs/benchmarks.md, sessions 47 and 51; under CUDA
+        MPS, 4 processes on one H200, it measured a median 8% faster, session 52). Not yet timed on
+        separate GPUs, so off by default; not with ``EPConfig.shrink`` (a receiver the
         sender gave up on could read its staging after the sender's next call rewrote it). Every
         rank of a group must agree: a mismatch fails on every rank (fingerprint field "transport").
       broadcast_pull: the same for broadcast and broadcast_rank_major (the backward of an unweighted
