@@ -257,10 +257,7 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
     const int64_t lo = slice_begin(L, it.k0);  // the item's bytes of each row
     const int64_t bytes = slice_end(L, it.k1, a.row_bytes) - lo;
     // a remote source's staging: this rank's, or pulled (broadcast only), the source's own
-    const char* staging = kRows == Rows::kCopy && a.pull
-                              ? reinterpret_cast<const char*>(__shfl_sync(
-                                    kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s))
-                              : d.own;
+    const char* staging = kRows == Rows::kCopy && a.pull ? peer_buffer(d, s) : d.own;
     for (int64_t t = chunk_begin(L, it.c); t < chunk_end(L, it.c, T); ++t) {
       const int64_t slot = static_cast<int64_t>(s) * T + t;
       const char* src =

@@ -423,10 +423,8 @@ __device__ __forceinline__ void combine_token(const CombineArgs& a, const DataWa
     if (j < 32) my_row = row;
   }
   __syncwarp();
-  char* dst = reducer ? reinterpret_cast<char*>(__shfl_sync(
-                            kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s_rank)) +
-                            L.stage_data + (static_cast<int64_t>(d.me) * a.T + t0 + tt) *
-                                               L.data_row_bytes
+  char* dst = reducer ? peer_buffer(d, s_rank) + L.stage_data +
+                            (static_cast<int64_t>(d.me) * a.T + t0 + tt) * L.data_row_bytes
                       : a.out + (t0 + tt) * a.row_bytes;
   int64_t base = lo;
   int step = 0;

@@ -779,8 +779,7 @@ __device__ __forceinline__ void dispatch_send(const MainArgs& a, const DataWarp&
     const int dest = expert >= 0 ? expert / experts_per_rank : -1;
     const int64_t slot = static_cast<int64_t>(me) * a.num_tokens + t;
     for (int r = 0; r < d.R; ++r) {
-      char* peer = reinterpret_cast<char*>(
-          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
+      char* peer = peer_buffer(d, r);
       if (peer == nullptr) continue;  // (warp-uniform) rank r is masked: nothing to it
       if constexpr (kRankMajor) {  // the token's rank among those sent to r: any of its slots'
         const uint32_t on_r = __ballot_sync(kFullMask, dest == r);
@@ -861,9 +860,7 @@ __device__ __forceinline__ void receive_token_row(const MainArgs& a, const DataW
     return;
   }
   // (s is linked: its flags came; warp-uniform, every lane shuffles)
-  const char* from = a.pull ? reinterpret_cast<const char*>(__shfl_sync(
-                                  kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), s))
-                            : d.own;
+  const char* from = a.pull ? peer_buffer(d, s) : d.own;
   const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
   warp_copy_row<kTma>(tma, from + L.stage_data + slot * L.data_row_bytes + rs.lo, rs.hi - rs.lo,
                       kept, my_dst != nullptr ? my_dst + rs.lo : nullptr, d.lane);

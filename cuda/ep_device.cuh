@@ -560,6 +560,13 @@ __device__ __forceinline__ DataWarp data_warp(DeviceState* state, const CommLayo
   return d;
 }
 
+// Rank r's communication buffer as lane r of the warp holds it (DataWarp::lane_peer; null: r is not
+// linked). Every lane calls it.
+__device__ __forceinline__ char* peer_buffer(const DataWarp& d, int r) {
+  return reinterpret_cast<char*>(
+      __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(d.lane_peer), r));
+}
+
 // ---- chunks: the unit of work of the data kernels and of the per-chunk ready flags ----------
 // Chunk c holds tokens [chunk_begin(L, c), chunk_end(L, c, T)).
 __device__ __forceinline__ int64_t chunk_begin(const CommLayout& L, int c) {

@@ -87,6 +87,9 @@ def check_kernel(owner: str, value) -> None:
 
 
 TRANSPORTS = ("auto", "load_store", "put")
+# The kernels that can pull their rows (dispatch and broadcast, each with its rank-major form; not
+# combine_bwd) and the KernelConfig field that asks them to.
+PULL_KNOBS = {"dispatch": "dispatch_pull", "broadcast": "broadcast_pull"}
 
 # The kind of each field (check_option); EPConfig.kernel must be a KernelConfig (check_kernel).
 KERNEL_CONFIG_KINDS = {"num_sms": "int?", "side_num_sms": "int?", "dispatch_send_warps": "int",
@@ -226,7 +229,7 @@ class EPConfig:
     def __post_init__(self):
         check_options("EPConfig", self, EP_CONFIG_KINDS)
         check_kernel("EPConfig", self.kernel)
-        pulled = [k for k in ("dispatch_pull", "broadcast_pull") if getattr(self.kernel, k)]
+        pulled = [k for k in PULL_KNOBS.values() if getattr(self.kernel, k)]
         if self.shrink and pulled:
             raise EPUnsupportedError(
                 f"EPConfig(shrink=True) with KernelConfig({pulled[0]}=True) is not built: a receiver "

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import compute_on as _compute_on
 
 from jax_ep import ordering, overlap, routing, runtime, types
-from jax_ep.config import EPConfig, KernelConfig
+from jax_ep.config import PULL_KNOBS, EPConfig, KernelConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.vma import vary_also, vary_like, vary_over, varying_axes
 
@@ -249,9 +249,6 @@ def _vary_all(outputs, axis_name: str, *inputs):
 
 ALL_SMS = 1 << 16
 TRANSPORT_LOAD_STORE, TRANSPORT_PUT, TRANSPORT_PULL = 0, 1, 2  # EPAttrs::transport: cuda/fingerprint.h
-# the ops whose kernels can pull their rows, and the KernelConfig field that asks them to
-_PULL_KNOBS = {"dispatch": "dispatch_pull", "dispatch_rank_major": "dispatch_pull",
-               "broadcast": "broadcast_pull", "broadcast_rank_major": "broadcast_pull"}
 
 
 def _transport(op: str, cfg: EPConfig) -> int:
@@ -263,7 +260,7 @@ def _transport(op: str, cfg: EPConfig) -> int:
     ``KernelConfig.dispatch_pull`` and the broadcasts with ``broadcast_pull`` take loads / stores in
     their pull form (combine_bwd, the broadcast kernel that computes, has none)."""
     transport = _peer_transport(op, cfg)
-    knob = _PULL_KNOBS.get(op)
+    knob = PULL_KNOBS.get(_RANK_MAJOR_OPS.get(op, op))  # (combine_bwd: none)
     if knob is None or not getattr(cfg.kernel, knob):
         return transport
     if transport == TRANSPORT_PUT:

@@ -463,15 +463,16 @@ def main(argv) -> None:
         raise AssertionError("the bootstrap succeeded without the absent process")
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     if "--bench" in argv:  # the benchmark only (the test runs the checks); --bench-sms N, --bench-pull both
-        sms = int(argv[argv.index("--bench-sms") + 1]) if "--bench-sms" in argv else None
-        pull = argv[argv.index("--bench-pull") + 1] if "--bench-pull" in argv else "push"
-        pulls = {"push": (False,), "pull": (True,), "both": (False, True)}[pull]
-        warps = (tuple(int(w) for w in argv[argv.index("--bench-send-warps") + 1].split(","))
-                 if "--bench-send-warps" in argv else (6,))
-        dtypes = (tuple(argv[argv.index("--bench-dtypes") + 1].split(",")) if "--bench-dtypes" in argv
-                  else ("bfloat16", "float8_e4m3fn"))
-        bench(mesh, argv[argv.index("--bench") + 1], sms, pulls, "--bench-no-profile" not in argv, warps,
-              dtypes)
+
+        def option(name, default):  # the value after `name`, or `default`
+            return argv[argv.index(name) + 1] if name in argv else default
+
+        sms = option("--bench-sms", None)
+        pulls = {"push": (False,), "pull": (True,), "both": (False, True)}[option("--bench-pull", "push")]
+        warps = tuple(int(w) for w in option("--bench-send-warps", "6").split(","))
+        dtypes = tuple(option("--bench-dtypes", "bfloat16,float8_e4m3fn").split(","))
+        bench(mesh, option("--bench", None), None if sms is None else int(sms), pulls,
+              "--bench-no-profile" not in argv, warps, dtypes)
         counts = {}
     elif "--remote" in argv:  # the NVSHMEM put/signal transport only
         counts = {"remote_smoke": check_remote_smoke(mesh, me)}
