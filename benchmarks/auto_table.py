@@ -1,7 +1,9 @@
 """Writes ``jax_ep/auto_table.json`` (what ``backend="auto"`` takes) from benchmark records: per op
 and output layout, the device time of the CUDA kernel and of the reference at every shape, token
 count and EP size measured, and the decision ``jax_ep.auto_table.min_tokens`` derives from them for
-each EP size. A run replaces the points of the EP sizes it measured and keeps the table's others
+each EP size; and from runs with ``--pull both`` on separate GPUs, where the dispatch and broadcast
+kernels pull their rows (section "pull": per EP size and SM count, pushed against pulled, the same
+rule). A run replaces the points of the EP sizes it measured and keeps the table's others
 (``--replace``: only this run's), so a one-GPU run and a two-GPU run each keep their own decisions.
 
 The op times are not the last word: users feel the MoE layer's step. Given the layer benchmark's
@@ -18,6 +20,7 @@ the preference makes ``jax_ep`` and ``ep_cuda`` the same program, it stays until
 EP size measures the kernels slower than auto's choice; re-measured op times do not drop it.
 
     python -m benchmarks.auto_table ops.json [more_ops.json ...] [--layer bench_layer.json] [--replace]
+                                    [--table copy.json]
     python -m benchmarks.auto_table --layer bench_layer.json    (the layer's word on the shipped table)
 """
 
@@ -42,9 +45,9 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     keyed = {}
     for r in records:
         # only the ops that have an implementation choice (not e.g. the ll_round_trip composite)
-        # (the default kernels only: pulled rows are KernelConfig(dispatch_pull / broadcast_pull)'s)
+        # (the default kernels only: a run that set the rows pushed or pulled is pull_points_of's)
         if (r.get("measured", True) and r["backend"] in ("cuda", "reference") and _time(r)
-                and r["op"] in OPS and not r.get("pull")):
+                and r["op"] in OPS and _default_transport(r)):
             key = (r["op"], r.get("layout", "expert_major"), r["dtype"], r["tokens_per_rank"], r["hidden"],
                    r["topk"], r["num_experts"], r["ep_size"])
             keyed.setdefault(key, {})[r["backend"]] = r
@@ -57,6 +60,70 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
             kernel_us=round(_time(pair["cuda"]), 1), reference_us=round(_time(pair["reference"]), 1),
             device=pair["cuda"].get("device"), date=pair["cuda"].get("date")))
     return points
+
+
+def _default_transport(record) -> bool:
+    """Whether the record's kernels ran as KernelConfig's default takes them (``--pull auto``; records
+    from before the setting was noted: pushed, the default then)."""
+    setting = record.get("pull_setting")
+    return setting == "auto" or (setting is None and not record.get("pull"))
+
+
+# The records that decide each pull knob (KernelConfig.dispatch_pull / broadcast_pull). broadcast: the
+# in-place form where the run has it (what the MoE layer runs; the plain op also zeroes every row
+# that holds no token, the same work pushed or pulled, which dilutes the difference).
+PULL_OPS = {"dispatch_pull": ("dispatch", "dispatch_rank_major"),
+            "broadcast_pull": ("broadcast_in_place", "broadcast", "broadcast_rank_major")}
+
+
+def pull_points_of(records: list[dict]) -> dict[str, list[dict]]:
+    """{knob: points} of the records of one run (``python -m benchmarks --pull both``): a cuda record
+    with its rows pushed and one pulled of the same op, layout, dtype, shape, EP size and SM count
+    pair up into a point. Not from one GPU (nothing to pull) nor from processes sharing a GPU
+    (``shared_gpu``: the SMs' side only, not the wire)."""
+    keyed = {}
+    for r in records:
+        knob = next((k for k, ops in PULL_OPS.items() if r["op"] in ops), None)
+        if (knob is None or r["backend"] != "cuda" or not r.get("measured", True) or not _time(r)
+                or r.get("pull_setting") not in ("push", "pull") or r["ep_size"] < 2 or r.get("shared_gpu")):
+            continue
+        key = (knob, r["op"], r.get("layout", "expert_major"), r["dtype"], r["tokens_per_rank"], r["hidden"],
+               r["topk"], r["num_experts"], r["ep_size"], r["num_sms"])
+        keyed.setdefault(key, {})[r["pull_setting"]] = r
+    points = collections.defaultdict(list)
+    for (knob, op, _, dtype, tokens, hidden, topk, experts, ep_size, sms), pair in sorted(keyed.items()):
+        if len(pair) == 2:
+            points[knob].append(dict(
+                op=op, tokens=tokens, dtype=dtype, hidden=hidden, topk=topk, num_experts=experts,
+                ep_size=ep_size, num_sms=sms, push_us=round(_time(pair["push"]), 1),
+                pull_us=round(_time(pair["pull"]), 1), device=pair["pull"].get("device"),
+                date=pair["pull"].get("date")))
+    in_place = {(p["ep_size"], p["num_sms"]) for p in points["broadcast_pull"]
+                if p["op"] == "broadcast_in_place"}
+    points["broadcast_pull"] = [p for p in points["broadcast_pull"]
+                                if p["op"] != "broadcast" or (p["ep_size"], p["num_sms"]) not in in_place]
+    return {knob: pts for knob, pts in points.items() if pts}
+
+
+def build_pull(points: dict[str, list[dict]], old: dict | None = None) -> dict:
+    """The table's "pull" section from one run's pull points (pull_points_of), keeping `old`'s points
+    of the EP sizes the run did not measure: per knob, per EP size and SM count the decision
+    ``auto_table.min_tokens`` takes with the pushed kernel in the reference's place (pulled from that
+    many tokens per rank up; null: never)."""
+    measured = {p["ep_size"] for pts in points.values() for p in pts}
+    merged = {knob: list(pts) for knob, pts in points.items()}
+    for knob, entry in (old or {}).get("pull", {}).items():
+        merged.setdefault(knob, []).extend(p for p in entry["points"] if p["ep_size"] not in measured)
+    section = {}
+    for knob, pts in sorted(merged.items()):
+        pts.sort(key=lambda p: (p["ep_size"], p["num_sms"], p["tokens"], p["op"], p["dtype"]))
+        decisions = {}
+        for ep, sms in sorted({(p["ep_size"], p["num_sms"]) for p in pts}):
+            mine = [dict(p, kernel_us=p["pull_us"], reference_us=p["push_us"]) for p in pts
+                    if (p["ep_size"], p["num_sms"]) == (ep, sms)]
+            decisions.setdefault(str(ep), {})[str(sms)] = auto_table.min_tokens(mine)
+        section[knob] = {"ops": list(PULL_OPS[knob]), "min_tokens": decisions, "points": pts}
+    return section
 
 
 def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) -> dict:
@@ -140,11 +207,16 @@ def layer_preferences(layer_records: list[dict]) -> tuple[dict[str, dict], set[s
 def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
           layer_records: list[dict] | None = None, replace: bool = False) -> dict:
     points = points_of(records)
+    pulled = pull_points_of(records)
     measured = {str(p["ep_size"]) for pts in points.values() for p in pts}
-    if not measured and not layer_records:
-        raise ValueError("no op has both a cuda and a reference record: nothing to decide")
+    if not measured and not pulled and not layer_records:
+        raise ValueError("no op has both a cuda and a reference record, nor a pushed and a pulled one: "
+                         "nothing to decide")
     old = None if replace or not path.exists() else json.loads(path.read_text())
     table = build(points, old)
+    pull = build_pull(pulled, old)
+    if pull:
+        table["pull"] = pull
     vetoes = layer_vetoes(layer_records or [])
     # a veto of an EP size this run did not measure again stays
     for ep, why in (old or {}).get("vetoed", {}).items():
@@ -186,6 +258,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layer", help="records of python -m benchmarks --layer")
     parser.add_argument("--replace", action="store_true",
                         help="drop the table's points of EP sizes this run did not measure")
+    parser.add_argument("--table", default=str(auto_table.TABLE_FILE),
+                        help="the table to update (default: the shipped one, jax_ep/auto_table.json); "
+                             "a copy elsewhere shows a run's decisions without changing it")
     args = parser.parse_args(argv)
     if not args.ops and not args.layer:
         parser.error("give op record files, --layer, or both")
@@ -193,16 +268,23 @@ def main(argv=None) -> None:
         parser.error("--replace drops the table's points: it needs op record files")
     records = [r for f in args.ops for r in json.loads(pathlib.Path(f).read_text())]
     layer = json.loads(pathlib.Path(args.layer).read_text()) if args.layer else None
-    table = write(records, layer_records=layer, replace=args.replace)
+    path = pathlib.Path(args.table)
+    if path != auto_table.TABLE_FILE and not path.exists() and auto_table.TABLE_FILE.exists():
+        path.write_text(auto_table.TABLE_FILE.read_text())   # a copy of the shipped table, updated
+    table = write(records, path, layer_records=layer, replace=args.replace)
     for op, layouts in table["ops"].items():
         for layout, entry in layouts.items():
             for ep, tokens in entry["min_tokens"].items():
                 print(f"{op} {layout} EP{ep}: kernel from {tokens} tokens per rank")
+    for knob, entry in table.get("pull", {}).items():
+        for ep, by_sms in entry["min_tokens"].items():
+            for sms, tokens in by_sms.items():
+                print(f"{knob} EP{ep} {sms} SMs: pulled from {tokens} tokens per rank")
     if "vetoed" in table:
         print(f"vetoed: {table['vetoed']}")
     if "layer_prefers" in table:
         print(f"layer prefers the kernels: {table['layer_prefers']}")
-    print(f"wrote {auto_table.TABLE_FILE}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import baselines
 from benchmarks import layer as bench_layer
-from jax_ep import routing
+from jax_ep import cuda_backend, routing
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.devices import use_virtual_cpu_devices
 from jax_ep.launch import positive_int
@@ -372,7 +372,8 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                              out_specs=spec)
         t_combine = _time_calls(c_fn, (rows, handle), iters, repeats) if with_combine else None
         d_args, c_args = (x, idx_dev, w_dev), (rows, handle)
-        num_sms = _sm_count(mesh, cfg.kernel) if dispatch_impl[-1].endswith("cuda_backend") else None
+        num_sms = (cuda_backend.kernel_blocks(cfg.kernel) if dispatch_impl[-1].endswith("cuda_backend")
+                   else None)
     extra = {}  # the layout and the backward ops, for the auto table (bf16 pass only)
     if backend in ("cuda", "reference") and dtype == "bfloat16" and with_combine and rank_major:
         extra = _extra_ops(mesh, bf16_cfg, None, (x, handle), None, iters, repeats, rank_major=True)
@@ -415,8 +416,12 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                             logical_gbps=None if moved is None else pairs * moved / seconds / 1e9,
                             wire_gbps=None if moved is None else remote * moved / seconds / 1e9,
                             num_sms=num_sms, measured=True))
-        if num_sms is not None:  # the CUDA kernels ran: whether the dispatch pulled its rows
-            records[-1]["pull"] = cfg.kernel.dispatch_pull
+        if num_sms is not None:  # the CUDA kernels ran: whether they pulled their rows, and the setting
+            name = names.get(op, op)   # a broadcast's own knob; the other ops: their dispatch's
+            knob_op = (name if name.startswith("broadcast_rank")
+                       else "broadcast" if name.startswith("broadcast") else dispatch_op)
+            records[-1].update(pull=cuda_backend.pulls(knob_op, cfg, ep_size),
+                               pull_setting=pull_setting(cfg.kernel))
         if op == "combine":  # which dispatch made its handle and rows
             records[-1]["dispatch_dtype"] = "bfloat16"
         if op in kernels:  # aligned: each profiled call followed _aligner's step (several GPUs)
@@ -572,12 +577,13 @@ def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng
                 wire_gbps=None, num_sms=None, measured=True, **profiled)
 
 
-def _sm_count(mesh, kernel: KernelConfig) -> int:
-    """The data kernels' blocks: KernelConfig.num_sms, or every SM but one (None), as the handlers clamp."""
-    sms = getattr(mesh.devices.flat[0], "core_count", None) or 0
-    if kernel.num_sms is None:
-        return max(1, sms - 1)
-    return min(kernel.num_sms, sms - 1) if sms > 1 else kernel.num_sms
+PULL_SETTINGS = ("auto", "push", "pull", "both")
+
+
+def pull_setting(kernel: KernelConfig) -> str:
+    """A run's KernelConfig as its records name it: "auto" (dispatch_pull None: the auto table's
+    choice), "push" or "pull" (the benchmark sets both knobs alike)."""
+    return {None: "auto", False: "push", True: "pull"}[kernel.dispatch_pull]
 
 
 def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats, rank_major=False,
@@ -752,10 +758,12 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
                             help="comma-separated backends; those this machine lacks are skipped")
         parser.add_argument("--num-sms", default=None, type=_positive_ints,
                             help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
-        parser.add_argument("--pull", default="push", choices=("push", "pull", "both"),
-                            help="the rows of the cuda dispatch and broadcast pushed by the senders "
-                                 "(default, KernelConfig's), pulled by the receivers (KernelConfig."
-                                 "dispatch_pull and broadcast_pull), or both in one run (records: pull)")
+        parser.add_argument("--pull", default="auto", choices=PULL_SETTINGS,
+                            help="the rows of the cuda dispatch and broadcast as KernelConfig's default "
+                                 "takes them (auto: the auto table's choice), pushed by the senders, "
+                                 "pulled by the receivers (KernelConfig.dispatch_pull and "
+                                 "broadcast_pull), or both in one run (records: pull, what ran, and "
+                                 "pull_setting; `python -m benchmarks.auto_table` decides from both)")
         parser.add_argument("--rank-major", action="store_true",
                             help="reference and cuda time the rank-major ops (dispatch_rank_major, "
                                  "combine_rank_major, broadcast_rank_major) instead of the expert-major ones")
@@ -796,7 +804,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "lists this mode's options)")
     for name, default in (("layer", False), ("low_latency", False), ("rank_major", False),
                           ("preset", "auto"), ("hidden", None), ("topk", None), ("experts", None),
-                          ("num_sms", None), ("pull", "push"), ("layer_shapes", None),
+                          ("num_sms", None), ("pull", "auto"), ("layer_shapes", None),
                           ("layer_configs", None),
                           ("sustain", 0.0)):
         if not hasattr(args, name):
@@ -891,9 +899,9 @@ def main(argv=None) -> list[dict]:
                 continue
             kernels = [None]
             if backend == "cuda":
-                pulls = {"push": [False], "pull": [True], "both": [False, True]}[args.pull]
+                pulls = {"auto": [None], "push": [False], "pull": [True], "both": [False, True]}[args.pull]
                 sms = [int(n) for n in args.num_sms.split(",")] if args.num_sms else [None]
-                if sms != [None] or pulls != [False]:
+                if sms != [None] or pulls != [None]:
                     kernels = [KernelConfig(num_sms=n, dispatch_pull=pull, broadcast_pull=pull)
                                for n in sms for pull in pulls]
             for (tokens, hidden, topk, experts), kernel in itertools.product(shapes, kernels):

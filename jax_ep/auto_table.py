@@ -12,6 +12,12 @@ size the table has no decision for takes that of the nearest measured multi-GPU 
 below it, else the smallest above); one GPU (EP1, nothing to exchange) only ever takes EP1's own,
 since a multi-GPU measurement says nothing about a local permute. It holds for any CUDA GPU; it was
 measured on the devices named in the file.
+
+Its section "pull" says where the kernels that can pull their rows (``KernelConfig.dispatch_pull`` and
+``broadcast_pull``, None by default) take that form: per knob, the device time of the pushed and of the
+pulled kernel at each measured shape, token count, EP size and SM count (separate GPUs only), and per
+EP size and SM count ``min_tokens`` as above with the pushed kernel in the reference's place
+(``pull_faster``).
 """
 
 from __future__ import annotations
@@ -75,3 +81,21 @@ def min_tokens(points: list[dict]) -> int | None:
     if best is not None and best == counts[0]:
         return 0
     return best
+
+
+def pull_faster(knob: str, tokens: int, ep_size: int, num_sms: int) -> bool:
+    """Whether the kernels of ``knob`` ("dispatch_pull" or "broadcast_pull") measured at least as fast
+    pulling their rows as pushing them at `tokens` tokens per rank on `ep_size` GPUs (or the EP size
+    whose decision stands for it: decision_ep_size; never on one GPU, where nothing is pulled) with
+    `num_sms` blocks (the decision of the nearest measured SM count)."""
+    entry = table().get("pull", {}).get(knob)
+    if entry is None or ep_size < 2:
+        return False
+    decisions = {int(ep): {int(sms): v for sms, v in by_sms.items()}
+                 for ep, by_sms in entry["min_tokens"].items()}
+    size = decision_ep_size(sorted(decisions), ep_size)
+    if size is None or not decisions[size]:
+        return False
+    by_sms = decisions[size]
+    nearest = min(by_sms, key=lambda sms: (abs(sms - num_sms), sms))
+    return by_sms[nearest] is not None and tokens >= by_sms[nearest]

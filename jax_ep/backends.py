@@ -76,6 +76,10 @@ def _supports_everything(op: str, cfg: EPConfig, ep_size: int, dtype) -> str | N
     return None
 
 
+def _no_form(op: str, cfg: EPConfig, ep_size: int) -> str | None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """A registered backend.
@@ -89,6 +93,8 @@ class Backend:
         when it can).
       faster: (op, layout, tokens per rank, ep_size) -> whether 'auto' takes it for that call (its
         kernel measured faster than the reference, ``jax_ep.auto_table``); None: 'auto' never does.
+      form: (op, cfg, ep_size) -> how its kernel of ``op`` runs that call where it has a choice (the
+        end of ``jax_ep.explain``'s reason), or None.
     """
 
     name: str
@@ -97,6 +103,7 @@ class Backend:
     available: Callable[[], tuple[bool, str]] = _can_run_anywhere
     unsupported: Callable[..., str | None] = _supports_everything
     faster: Callable[[str, str, int, int], bool] | None = None
+    form: Callable[..., str | None] = _no_form
 
     def functions(self):
         return importlib.import_module(self.module)
@@ -133,6 +140,17 @@ def _cuda_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
     from jax_ep import auto_table
 
     return auto_table.kernel_faster(op, layout, tokens, ep_size)
+
+
+def _cuda_form(op: str, cfg: EPConfig, ep_size: int) -> str | None:
+    from jax_ep import cuda_backend
+
+    choice = cuda_backend.pull_choice(op, cfg, ep_size)
+    if choice is None:
+        return None
+    pulled, why = choice
+    return (f"rows {'pulled by the receivers' if pulled else 'pushed by the senders'} over NVLink loads / "
+            f"stores ({why})")
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -182,4 +200,4 @@ def platform() -> str:
 
 register(Backend(REFERENCE, "jax_ep.reference"))
 register(Backend("cuda", "jax_ep.cuda_backend", platforms=("gpu", "cuda"), available=_cuda_available,
-                 unsupported=_cuda_unsupported, faster=_cuda_faster))
+                 unsupported=_cuda_unsupported, faster=_cuda_faster, form=_cuda_form))

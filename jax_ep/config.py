@@ -41,7 +41,7 @@ def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
         none = ""
     if kind == "bool":
         if not isinstance(value, bool):
-            raise EPTypeError(f"{what} must be a bool, got {value!r} "
+            raise EPTypeError(f"{what} must be {none}a bool, got {value!r} "
                               f"({type(value).__name__})")
     elif kind == "int":
         noun = "a positive int" if minimum == 1 else f"an int >= {minimum}"
@@ -95,7 +95,7 @@ PULL_KNOBS = {"dispatch": "dispatch_pull", "broadcast": "broadcast_pull"}
 KERNEL_CONFIG_KINDS = {"num_sms": "int?", "side_num_sms": "int?", "dispatch_send_warps": "int",
                        "combine_send_warps": "int",
                        "broadcast_send_warps": "int", "bulk_copy": "bool", "async_stream": "int?",
-                       "transport": TRANSPORTS, "dispatch_pull": "bool", "broadcast_pull": "bool"}
+                       "transport": TRANSPORTS, "dispatch_pull": "bool?", "broadcast_pull": "bool?"}
 EP_CONFIG_KINDS = {"num_experts": "int", "num_topk": "int", "hidden": "int", "max_tokens_per_rank": "int",
                    "axis_name": "name", "capacity": "int?", "expert_alignment": "int",
                    "dispatch_dtype": DISPATCH_DTYPES, "backend": "backend", "checked": "bool",
@@ -154,14 +154,20 @@ class KernelConfig:
         sender's SMs a store per remote rank of a token (~2.7 at EP4 with DeepSeek-V3's routing),
         pulling one, plus the receivers' loads (a request per 128-byte line). What it is for: the
         wire rate of dispatch on few SMs at EP >= 4 (docs/benchmarks.md, sessions 47 and 51; under CUDA
-        MPS, 4 processes on one H200, it measured a median 8% faster, session 52). Not yet timed on
-        separate GPUs, so off by default; not with ``EPConfig.shrink`` (a receiver the
-        sender gave up on could read its staging after the sender's next call rewrote it). Every
-        rank of a group must agree: a mismatch fails on every rank (fingerprint field "transport").
+        MPS, 4 processes on one H200, it measured a median 8% faster, session 52). None (default):
+        pulled where the auto table (``jax_ep/auto_table.json``, section "pull", written by
+        ``python -m benchmarks.auto_table`` from ``--pull both`` runs on separate GPUs) measured the
+        pulled kernel at least as fast as the pushed one at this EP size, tokens per rank and SM count
+        (``jax_ep.auto_table.pull_faster``), pushed otherwise and always with ``EPConfig.shrink`` or
+        over NVSHMEM puts; the shipped table has no such measurement yet, so None pushes today. True
+        / False: always pulled / pushed; True is refused with ``EPConfig.shrink`` (a receiver the
+        sender gave up on could read its staging after the sender's next call rewrote it) and over
+        puts. Every rank of a group must agree: a mismatch fails on every rank (fingerprint field
+        "transport").
       broadcast_pull: the same for broadcast and broadcast_rank_major (the backward of an unweighted
         combine, ``MoE(gate_weights="experts")``), not for ``combine_bwd`` (the weighted combine's
         fused backward reads a token's row once per group of up to 3 of its rows: pulled, each read
-        would cross NVLink). Off by default (not timed on separate GPUs).
+        would cross NVLink). None (default): as the auto table measured, as for dispatch_pull.
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """
@@ -174,8 +180,8 @@ class KernelConfig:
     bulk_copy: bool = True
     async_stream: int | None = None
     transport: str = "auto"
-    dispatch_pull: bool = False
-    broadcast_pull: bool = False
+    dispatch_pull: bool | None = None
+    broadcast_pull: bool | None = None
 
     def __post_init__(self):
         check_options("KernelConfig", self, KERNEL_CONFIG_KINDS)
@@ -229,7 +235,7 @@ class EPConfig:
     def __post_init__(self):
         check_options("EPConfig", self, EP_CONFIG_KINDS)
         check_kernel("EPConfig", self.kernel)
-        pulled = [k for k in PULL_KNOBS.values() if getattr(self.kernel, k)]
+        pulled = [k for k in PULL_KNOBS.values() if getattr(self.kernel, k) is True]
         if self.shrink and pulled:
             raise EPUnsupportedError(
                 f"EPConfig(shrink=True) with KernelConfig({pulled[0]}=True) is not built: a receiver "

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import compute_on as _compute_on
 
-from jax_ep import ordering, overlap, routing, runtime, types
+from jax_ep import auto_table, ordering, overlap, routing, runtime, types
 from jax_ep.config import PULL_KNOBS, EPConfig, KernelConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.vma import vary_also, vary_like, vary_over, varying_axes
@@ -251,24 +251,62 @@ ALL_SMS = 1 << 16
 TRANSPORT_LOAD_STORE, TRANSPORT_PUT, TRANSPORT_PULL = 0, 1, 2  # EPAttrs::transport: cuda/fingerprint.h
 
 
-def _transport(op: str, cfg: EPConfig) -> int:
+def _transport(op: str, cfg: EPConfig, ep_size: int) -> int:
     """How the call site reaches its peers (``KernelConfig.transport``): NVLink loads / stores, or
     NVSHMEM puts + signals (cuda/remote_rank_major.cu), which only the rank-major ops have.
     "auto" takes puts when, in process model 2, some process of the job cannot be reached by
     loads / stores (the EP group is not known at trace time, only the job). Raises
-    NotImplementedError naming the op where neither transport can serve it. The dispatches with
-    ``KernelConfig.dispatch_pull`` and the broadcasts with ``broadcast_pull`` take loads / stores in
-    their pull form (combine_bwd, the broadcast kernel that computes, has none)."""
+    NotImplementedError naming the op where neither transport can serve it. Over loads / stores the
+    dispatches and broadcasts take their pull form where ``pull_choice`` says so (combine_bwd, the broadcast
+    kernel that computes, has none)."""
     transport = _peer_transport(op, cfg)
-    knob = PULL_KNOBS.get(_RANK_MAJOR_OPS.get(op, op))  # (combine_bwd: none)
-    if knob is None or not getattr(cfg.kernel, knob):
+    choice = pull_choice(op, cfg, ep_size)
+    if choice is None or not choice[0]:
         return transport
+    knob = PULL_KNOBS[_RANK_MAJOR_OPS.get(op, op)]
+    if getattr(cfg.kernel, knob) is None:   # auto: pulled over loads / stores only
+        return TRANSPORT_PULL if transport == TRANSPORT_LOAD_STORE else transport
     if transport == TRANSPORT_PUT:
         raise EPUnsupportedError(
             f"jax_ep: {op} with KernelConfig({knob}=True) needs NVLink / P2P loads, and this call site "
             "takes the NVSHMEM put transport (KernelConfig.transport, or a job that spans nodes); pass "
             f"{knob}=False")
     return TRANSPORT_PULL
+
+
+def pulls(op: str, cfg: EPConfig, ep_size: int) -> bool:
+    """Whether ``op``'s kernels pull their rows in this call (``_transport``)."""
+    return _transport(op, cfg, ep_size) == TRANSPORT_PULL
+
+
+def pull_choice(op: str, cfg: EPConfig, ep_size: int) -> tuple[bool, str] | None:
+    """(whether ``op``'s kernels take their pull form over loads / stores, why), from
+    ``KernelConfig.dispatch_pull`` / ``broadcast_pull``; None: the op has none (combine, combine_bwd,
+    ...). A knob left None: where the auto table measured the pulled kernels at least as fast at
+    this call's tokens per rank, EP size and SM count (never with EPConfig.shrink)."""
+    knob = PULL_KNOBS.get(_RANK_MAJOR_OPS.get(op, op))
+    if knob is None:
+        return None
+    setting = getattr(cfg.kernel, knob)
+    if setting is not None:
+        return setting, f"KernelConfig.{knob}={setting}"
+    if cfg.shrink:
+        return False, f"KernelConfig.{knob}=None: pushed with EPConfig(shrink=True)"
+    tokens, blocks = cfg.max_tokens_per_rank, kernel_blocks(cfg.kernel)
+    faster = auto_table.pull_faster(knob, tokens, ep_size, blocks)
+    verdict = "measured" if faster else "has not measured"
+    return faster, (f"KernelConfig.{knob}=None: the auto table {verdict} the pulled kernels at least as "
+                    f"fast at {tokens} tokens per rank on {ep_size} GPUs with {blocks} blocks")
+
+
+def kernel_blocks(kernel: KernelConfig) -> int:
+    """The data kernels' blocks on this process's GPU: KernelConfig.num_sms, or every SM but one
+    (None), as the handlers clamp it."""
+    device = jax.local_devices()[0]
+    sms = getattr(device, "core_count", 0) if device.platform == "gpu" else 0
+    if sms <= 1:
+        return kernel.num_sms if kernel.num_sms is not None else ALL_SMS
+    return min(kernel.num_sms if kernel.num_sms is not None else sms, sms - 1)
 
 
 def _peer_transport(op: str, cfg: EPConfig) -> int:
@@ -304,7 +342,7 @@ def _peer_transport(op: str, cfg: EPConfig) -> int:
 def _check_put_mask(op: str, cfg: EPConfig, rank_mask: jax.Array | None) -> None:
     """The put kernels (cuda/remote_rank_major.cu) apply no rank mask and have no shrink mode:
     refuse either there rather than ignore it."""
-    if (rank_mask is not None or cfg.shrink) and _transport(op, cfg) == TRANSPORT_PUT:
+    if (rank_mask is not None or cfg.shrink) and _peer_transport(op, cfg) == TRANSPORT_PUT:
         what = "a rank_mask" if rank_mask is not None else "EPConfig(shrink=True)"
         raise EPUnsupportedError(
             f"jax_ep: {op} with {what} over the NVSHMEM put transport is not built (the put "
@@ -348,7 +386,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     if cfg.shrink:
         _warn_shard_autotuning()
     rank_major = op in _RANK_MAJOR_OPS
-    transport = _transport(op, cfg)
+    transport = _transport(op, cfg, ep_size)
     data_kernel = _data_kernel(op)
     op = _KERNEL_OF.get(op, op)
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU

@@ -83,18 +83,23 @@ class Op:
             backend = backends.get(cfg.backend)
             if backend.name != backends.REFERENCE:
                 self._check_runs(backend, cfg, ep_size, dtype)
-            return OpPlan(self.name, backend.name, f"backend={backend.name!r}")
+            return self._taken(backend, cfg, ep_size, f"backend={backend.name!r}")
         candidates = backends.measured()
         reasons = []
         for backend in candidates:
             reason = self._why_auto_skips(backend, cfg, ep_size, dtype)
             if reason is None:
-                return OpPlan(self.name, backend.name, f"backend='auto': its kernel measured faster at "
-                              f"{cfg.max_tokens_per_rank} tokens per rank on {ep_size} GPUs and runs here")
+                return self._taken(backend, cfg, ep_size, (
+                    f"backend='auto': its kernel measured faster at {cfg.max_tokens_per_rank} tokens per "
+                    f"rank on {ep_size} GPUs and runs here"))
             reasons.append(reason if len(candidates) == 1 else f"{backend.name}: {reason}")
         if not reasons:
             reasons.append("no backend but the reference is registered")
         return OpPlan(self.name, backends.REFERENCE, "backend='auto': " + "; ".join(reasons))
+
+    def _taken(self, backend: backends.Backend, cfg: EPConfig, ep_size: int, reason: str) -> OpPlan:
+        form = backend.form(self.name, cfg, ep_size)
+        return OpPlan(self.name, backend.name, reason if form is None else f"{reason}; {form}")
 
     def _why_auto_skips(self, backend: backends.Backend, cfg: EPConfig, ep_size: int, dtype) -> str | None:
         if not backend.implements(self.name):

@@ -148,6 +148,81 @@ def test_shipped_table_names_known_ops():
                     assert decision == from_points, (op, layout, ep)
 
 
+def test_pull_lookup(monkeypatch, tmp_path):
+    """Section "pull": per knob, EP size and SM count, from how many tokens per rank the kernels pull
+    their rows; a call takes the nearest measured SM count at its EP size's decision, never on one GPU."""
+    path = tmp_path / "auto_table.json"
+    path.write_text(json.dumps({"ops": {}, "pull": {
+        "dispatch_pull": {"min_tokens": {"4": {"24": 0, "131": 4096}, "2": {"24": None}}},
+        "broadcast_pull": {"min_tokens": {"4": {"24": None, "131": None}}}}}))
+    monkeypatch.setattr(auto_table, "TABLE_FILE", path)
+    auto_table.table.cache_clear()
+    try:
+        faster = auto_table.pull_faster
+        assert faster("dispatch_pull", 128, 4, 24) and faster("dispatch_pull", 128, 4, 16)
+        assert not faster("dispatch_pull", 2048, 4, 131) and faster("dispatch_pull", 4096, 4, 131)
+        assert not faster("dispatch_pull", 2048, 4, 100) and faster("dispatch_pull", 2048, 4, 60)  # nearest
+        assert faster("dispatch_pull", 128, 8, 24)          # EP4's decision: the largest below
+        assert not faster("dispatch_pull", 8192, 2, 24)     # EP2's own: never
+        assert not faster("dispatch_pull", 8192, 1, 24)     # one GPU: nothing to pull
+        assert not faster("broadcast_pull", 8192, 4, 24)
+    finally:
+        auto_table.table.cache_clear()
+    path.write_text(json.dumps({"ops": {}}))               # the shipped table's state: no measurement
+    auto_table.table.cache_clear()
+    try:
+        assert not auto_table.pull_faster("dispatch_pull", 8192, 4, 24)
+    finally:
+        auto_table.table.cache_clear()
+
+
+def _pull_record(op, setting, us, ep_size=4, sms=24, tokens=4096, **kw):
+    return _record(op, "cuda", tokens, us, ep_size, num_sms=sms, pull_setting=setting,
+                   pull=setting == "pull", **kw)
+
+
+def test_pull_writer_pairs_pushed_and_pulled_runs_on_separate_gpus(tmp_path):
+    """benchmarks.auto_table from `--pull both` records: pushed and pulled cuda records pair per op,
+    shape, EP size and SM count; MPS runs (shared_gpu) and EP1 never decide; broadcast is decided by
+    its in-place form where the run has it; such records never pair with the reference; a later run
+    keeps the other EP sizes' points."""
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    records = [
+        _pull_record("dispatch", "push", 500.0), _pull_record("dispatch", "pull", 450.0),
+        _pull_record("dispatch", "push", 300.0, sms=131), _pull_record("dispatch", "pull", 320.0, sms=131),
+        _pull_record("dispatch", "push", 300.0, tokens=512),
+        _pull_record("dispatch", "pull", 310.0, tokens=512),
+        _pull_record("broadcast", "push", 900.0), _pull_record("broadcast", "pull", 950.0),
+        _pull_record("broadcast_in_place", "push", 500.0), _pull_record("broadcast_in_place", "pull", 460.0),
+        _pull_record("dispatch", "push", 100.0, ep_size=2, shared_gpu=True),
+        _pull_record("dispatch", "pull", 50.0, ep_size=2, shared_gpu=True),
+        _pull_record("dispatch", "push", 100.0, ep_size=1), _pull_record("dispatch", "pull", 50.0, ep_size=1),
+        _pull_record("combine", "push", 100.0), _pull_record("combine", "pull", 90.0),   # no knob of its own
+        _record("dispatch", "reference", 4096, 900.0, 4),   # a pushed run is not the default: no pair
+    ]
+    table = writer.write(records, path)
+    assert table["ops"] == {}
+    dispatch = table["pull"]["dispatch_pull"]
+    assert dispatch["min_tokens"] == {"4": {"24": 4096, "131": None}}
+    assert {(p["ep_size"], p["num_sms"], p["tokens"]) for p in dispatch["points"]} == {
+        (4, 24, 4096), (4, 131, 4096), (4, 24, 512)}
+    assert table["pull"]["broadcast_pull"]["min_tokens"] == {"4": {"24": 0}}
+    assert [p["op"] for p in table["pull"]["broadcast_pull"]["points"]] == ["broadcast_in_place"]
+    ep2 = [_pull_record("dispatch", "push", 400.0, ep_size=2),
+           _pull_record("dispatch", "pull", 410.0, ep_size=2)]
+    table = writer.write(ep2, path)
+    assert table["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None}, "4": {"24": 4096, "131": None}}
+    assert writer.write(ep2, path, replace=True)["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None}}
+    # default runs (pull_setting auto) pair with the reference as before
+    auto = [_record("dispatch", "cuda", 4096, 100.0, 4, pull_setting="auto", pull=True),
+            _record("dispatch", "reference", 4096, 300.0, 4)]
+    assert writer.write(auto, path)["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"4": 0}
+    with pytest.raises(ValueError, match="nothing to decide"):
+        writer.write(records[10:14], path)
+
+
 def _cfg(**kw):
     import jax_ep
 

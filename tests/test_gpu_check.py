@@ -597,13 +597,22 @@ def test_issue38_ab_parts_name_known_layer_configs(tmp_path):
 
 def test_issue38_pull_part_times_both_forms_of_the_ops(tmp_path):
     """SWEEP=pull: one ops benchmark of the cuda kernels with the rows pushed and pulled in the same run
-    (--pull both), at 24 and all SMs, with options the benchmark's parser takes."""
-    from benchmarks import ops
+    (--pull both), at 24 and all SMs, with options the benchmark's parser takes; then the decisions
+    they imply for KernelConfig's default, written to a copy of the auto table (never the shipped one)."""
+    from benchmarks import auto_table, ops
 
     rc, output, out, calls = run_check(tmp_path, gpus=4, SWEEP="pull")
     assert rc == 0, output
-    sweeps = [c for c in calls if "benchmarks" in c]
+    sweeps = [c for c in calls if "benchmarks " in c]
     assert len(sweeps) == 1 and f"{out}/sweep_pull.json" in sweeps[0], sweeps
+    tables = [c.split() for c in calls if "benchmarks.auto_table" in c]
+    assert len(tables) == 1, calls
+    table_args = tables[0][tables[0].index("benchmarks.auto_table") + 1:]
+    assert table_args == [f"{out}/sweep_pull.json", "--table", f"{out}/auto_table_pull.json"], table_args
+    # the writer's parser takes them (a run with no records: nothing to decide)
+    Path(out, "sweep_pull.json").write_text("[]")
+    with pytest.raises(ValueError, match="nothing to decide"):
+        auto_table.main(table_args)
     args = sweeps[0].split()
     args = args[args.index("benchmarks") + 1:]
     parsed = ops.parse_args(args)

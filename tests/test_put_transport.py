@@ -13,6 +13,11 @@ RANK_MAJOR = ("dispatch_rank_major", "combine_rank_major", "broadcast_rank_major
 OTHERS = ("dispatch", "combine", "broadcast", "slot_values", "ll_dispatch", "ll_combine")
 
 
+def transport(op: str, config: EPConfig, ep_size: int = 2) -> int:
+    """The transport of ``op``'s call site on an EP group of ``ep_size`` (cuda_backend._transport)."""
+    return cuda_backend._transport(op, config, ep_size)
+
+
 def cfg(transport: str) -> EPConfig:
     return EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
                     kernel=KernelConfig(transport=transport))
@@ -39,15 +44,15 @@ def test_transport_values():
 @pytest.mark.parametrize("op", RANK_MAJOR)
 def test_rank_major_ops_take_puts_when_a_process_is_on_another_node(job, op):
     job("process_per_gpu", [2, 3])
-    assert cuda_backend._transport(op, cfg("auto")) == cuda_backend.TRANSPORT_PUT
-    assert cuda_backend._transport(op, cfg("load_store")) == cuda_backend.TRANSPORT_LOAD_STORE
+    assert transport(op, cfg("auto")) == cuda_backend.TRANSPORT_PUT
+    assert transport(op, cfg("load_store")) == cuda_backend.TRANSPORT_LOAD_STORE
 
 
 @pytest.mark.parametrize("op", RANK_MAJOR)
 def test_rank_major_ops_on_one_node(job, op):
     job("process_per_gpu", [])
-    assert cuda_backend._transport(op, cfg("auto")) == cuda_backend.TRANSPORT_LOAD_STORE
-    assert cuda_backend._transport(op, cfg("put")) == cuda_backend.TRANSPORT_PUT  # forced: test 3b
+    assert transport(op, cfg("auto")) == cuda_backend.TRANSPORT_LOAD_STORE
+    assert transport(op, cfg("put")) == cuda_backend.TRANSPORT_PUT  # forced: test 3b
 
 
 @pytest.mark.parametrize("op", RANK_MAJOR)
@@ -55,7 +60,7 @@ def test_forced_puts_need_process_model_2(job, op):
     job("local_peers", [])
     text = f"{op} with KernelConfig\\(transport='put'\\) needs process model 2"
     with pytest.raises(NotImplementedError, match=text):
-        cuda_backend._transport(op, cfg("put"))
+        transport(op, cfg("put"))
 
 
 @pytest.mark.parametrize("op", OTHERS)
@@ -63,11 +68,11 @@ def test_other_ops_over_other_nodes_are_refused_naming_the_op(job, op):
     job("process_per_gpu", [1])
     text = f"jax_ep: {op} reaches its peers by NVLink.*processes \\[1\\]"
     with pytest.raises(NotImplementedError, match=text):
-        cuda_backend._transport(op, cfg("auto"))
+        transport(op, cfg("auto"))
     with pytest.raises(NotImplementedError, match=f"jax_ep: {op} has no NVSHMEM put transport"):
-        cuda_backend._transport(op, cfg("put"))
+        transport(op, cfg("put"))
     # an EP axis inside a node (hierarchical mesh): the caller says so
-    assert cuda_backend._transport(op, cfg("load_store")) == cuda_backend.TRANSPORT_LOAD_STORE
+    assert transport(op, cfg("load_store")) == cuda_backend.TRANSPORT_LOAD_STORE
 
 
 def test_put_buffer_size_is_the_put_layout(job):
@@ -109,12 +114,12 @@ def pulled(transport: str = "auto") -> EPConfig:
 def test_dispatch_pull_is_the_dispatches_pull_transport(job, model):
     """KernelConfig.dispatch_pull: the dispatches (expert- and rank-major) take the pull form
     (EPAttrs::transport kTransportPull) in either process model; every other op keeps loads / stores."""
-    assert KernelConfig().dispatch_pull is False
+    assert KernelConfig().dispatch_pull is None   # auto: the table's choice (below)
     job(model, [])
     for op in ("dispatch", "dispatch_rank_major"):
-        assert cuda_backend._transport(op, pulled()) == cuda_backend.TRANSPORT_PULL
+        assert transport(op, pulled()) == cuda_backend.TRANSPORT_PULL
     for op in ("combine", "broadcast", "combine_bwd", "slot_values", "combine_rank_major", "ll_dispatch"):
-        assert cuda_backend._transport(op, pulled()) == cuda_backend.TRANSPORT_LOAD_STORE
+        assert transport(op, pulled()) == cuda_backend.TRANSPORT_LOAD_STORE
 
 
 def test_dispatch_pull_over_puts_or_with_shrink_is_refused(job):
@@ -122,10 +127,10 @@ def test_dispatch_pull_over_puts_or_with_shrink_is_refused(job):
     node, or transport='put') is refused naming the op; shrink mode is refused when the config is made
     (a receiver the sender gave up on could read its staging after the sender's next call rewrote it)."""
     job("process_per_gpu", [1])
-    for transport in ("auto", "put"):
+    for wanted in ("auto", "put"):
         text = "dispatch_rank_major with KernelConfig\\(dispatch_pull"
         with pytest.raises(NotImplementedError, match=text):
-            cuda_backend._transport("dispatch_rank_major", pulled(transport))
+            transport("dispatch_rank_major", pulled(wanted))
     with pytest.raises(NotImplementedError, match="shrink=True\\) with KernelConfig\\(dispatch_pull=True\\)"):
         pulled().replace(shrink=True)
     attrs = cuda_backend._attrs("dispatch", pulled("load_store"), 4, 1, 16, hidden=128, row_bytes=256,
@@ -141,11 +146,48 @@ def test_broadcast_pull_is_the_broadcasts_pull_transport(job):
     cfg = EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
                    kernel=KernelConfig(broadcast_pull=True))
     for op in ("broadcast", "broadcast_rank_major"):
-        assert cuda_backend._transport(op, cfg) == cuda_backend.TRANSPORT_PULL
+        assert transport(op, cfg) == cuda_backend.TRANSPORT_PULL
     for op in ("combine_bwd", "dispatch", "combine"):
-        assert cuda_backend._transport(op, cfg) == cuda_backend.TRANSPORT_LOAD_STORE
+        assert transport(op, cfg) == cuda_backend.TRANSPORT_LOAD_STORE
     with pytest.raises(NotImplementedError, match="KernelConfig\\(broadcast_pull=True\\) is not built"):
         cfg.replace(shrink=True)
     job("process_per_gpu", [1])
     with pytest.raises(NotImplementedError, match="broadcast_rank_major with KernelConfig\\(broadcast_pull"):
-        cuda_backend._transport("broadcast_rank_major", cfg)
+        transport("broadcast_rank_major", cfg)
+
+
+def test_pull_left_to_auto_takes_what_the_table_measured(job, monkeypatch):
+    """KernelConfig.dispatch_pull / broadcast_pull None (default): the pull form where the auto table
+    measured it at least as fast for the call (tokens per rank, EP size, the blocks the kernels get),
+    over loads / stores only: over puts and with shrink mode the rows are pushed, not refused. What
+    the table is asked is what explain() says."""
+    from jax_ep import auto_table, backends
+
+    asked = []
+
+    def table_says(knob, tokens, ep_size, blocks):
+        asked.append((knob, tokens, ep_size, blocks))
+        return ep_size >= 4
+
+    monkeypatch.setattr(auto_table, "pull_faster", table_says)
+    job("process_per_gpu", [])
+    auto = EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                    kernel=KernelConfig(num_sms=20))
+    for op in ("dispatch", "dispatch_rank_major", "broadcast", "broadcast_rank_major"):
+        assert transport(op, auto, 4) == cuda_backend.TRANSPORT_PULL
+        assert transport(op, auto, 2) == cuda_backend.TRANSPORT_LOAD_STORE
+    assert asked[0] == ("dispatch_pull", 16, 4, 20) and asked[4] == ("broadcast_pull", 16, 4, 20)
+    for op in ("combine", "combine_bwd", "slot_values", "combine_rank_major"):
+        assert transport(op, auto, 4) == cuda_backend.TRANSPORT_LOAD_STORE
+    assert transport("dispatch", auto.replace(shrink=True), 4) == cuda_backend.TRANSPORT_LOAD_STORE
+    pushed = auto.replace(kernel=KernelConfig(num_sms=20, dispatch_pull=False))
+    assert transport("dispatch", pushed, 4) == cuda_backend.TRANSPORT_LOAD_STORE
+    assert transport("broadcast", pushed, 4) == cuda_backend.TRANSPORT_PULL
+    job("process_per_gpu", [1])   # another node: puts, and no pulling there
+    assert transport("dispatch_rank_major", auto, 4) == cuda_backend.TRANSPORT_PUT
+    why = backends.get("cuda").form("dispatch", auto, 4)
+    assert why.startswith("rows pulled by the receivers") and "dispatch_pull=None" in why
+    assert "16 tokens per rank on 4 GPUs with 20 blocks" in why
+    assert backends.get("cuda").form("dispatch", auto, 2).startswith("rows pushed by the senders")
+    assert backends.get("cuda").form("combine", auto, 4) is None
+    assert "KernelConfig.dispatch_pull=False" in backends.get("cuda").form("dispatch", pushed, 4)

@@ -65,7 +65,8 @@
 #                           dispatch's bytes), bf16 and cached FP8, DeepSeek-V3 shape, sustained
 #                 pull      issue 38's A/B of the rows pushed and pulled (KernelConfig.dispatch_pull,
 #                           broadcast_pull): the cuda ops, DeepSeek-V3 shape, 4096 tokens, bf16 and fp8,
-#                           24 and all SMs (broadcast / combine_bwd in place too)
+#                           24 and all SMs (broadcast / combine_bwd in place too); the decisions they imply
+#                           for KernelConfig's default (None) go to a copy, auto_table_pull.json
 #                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
 #                        2 or more GPUs)
 #               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
@@ -478,6 +479,10 @@ if [ -n "${SWEEP:-}" ]; then
     rc=$?
     if [ "$part" = pg ]; then grep -E "worker OK|FAILED|Error" "$OUT/sweep_$part.log" | cut -c1-300
     else tail -30 "$OUT/sweep_$part.log"; fi
+    if [ "$part" = pull ] && [ $rc -eq 0 ]; then  # the decisions it implies, on a copy of the table
+      "$PY" -m benchmarks.auto_table "$OUT/sweep_pull.json" --table "$OUT/auto_table_pull.json" 2>&1 \
+        | grep -E "pull|Error" | tee -a "$OUT/summary.txt"
+    fi
     echo "sweep $part: rc=$rc in $((SECONDS - start)) s (log: $OUT/sweep_$part.log)" | tee -a "$OUT/summary.txt"
     [ $rc -eq 0 ] || status=1
   done

@@ -63,7 +63,7 @@ from helpers import dense_moe  # noqa: E402  (tests/helpers.py: the layer withou
 from test_peer_smoke_gpu import pattern  # noqa: E402  (peer_smoke_pattern of cuda/peer_smoke.h)
 
 import jax_ep.distributed  # noqa: E402
-from jax_ep import cuda_backend, runtime  # noqa: E402
+from jax_ep import cuda_backend, launch, runtime  # noqa: E402
 
 AXIS, R = model1.AXIS, model1.R
 
@@ -430,8 +430,11 @@ def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ..
                 for r in recs:
                     r["dispatch_send_warps"] = warps
                 records += recs
+    shared = launch.MPS_PERCENTAGE in os.environ   # the launcher's --share-gpus (CUDA MPS)
     for r in records:
         r["process_model"] = "process_per_gpu"
+        if shared:   # not the wire of separate GPUs: benchmarks.auto_table leaves these out
+            r["shared_gpu"] = True
     if jax.process_index() == 0:
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
