@@ -158,12 +158,12 @@ class KernelConfig:
         pulled where the auto table (``jax_ep/auto_table.json``, section "pull", written by
         ``python -m benchmarks.auto_table`` from ``--pull both`` runs on separate GPUs) measured the
         pulled kernel at least as fast as the pushed one at this EP size, tokens per rank and SM count
-        (``jax_ep.auto_table.pull_faster``), pushed otherwise and always with ``EPConfig.shrink`` or
-        over NVSHMEM puts; the shipped table has no such measurement yet, so None pushes today. True
-        / False: always pulled / pushed; True is refused with ``EPConfig.shrink`` (a receiver the
-        sender gave up on could read its staging after the sender's next call rewrote it) and over
-        puts. Every rank of a group must agree: a mismatch fails on every rank (fingerprint field
-        "transport").
+        (``num_sms``'s blocks, also for a call on jax_ep's side stream; ``auto_table.pull_faster``),
+        pushed otherwise and always with ``EPConfig.shrink`` or over NVSHMEM puts; the shipped table
+        has no such measurement yet, so None pushes today. True / False: always pulled / pushed;
+        True is refused with ``EPConfig.shrink`` (a receiver the sender gave up on could read its
+        staging after the sender's next call rewrote it) and over puts. Every rank of a group must
+        agree: a mismatch fails on every rank (fingerprint field "transport").
       broadcast_pull: the same for broadcast and broadcast_rank_major (the backward of an unweighted
         combine, ``MoE(gate_weights="experts")``), not for ``combine_bwd`` (the weighted combine's
         fused backward reads a token's row once per group of up to 3 of its rows: pulled, each read
