@@ -417,11 +417,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                             wire_gbps=None if moved is None else remote * moved / seconds / 1e9,
                             num_sms=num_sms, measured=True))
         if num_sms is not None:  # the CUDA kernels ran: whether they pulled their rows, and the setting
-            name = names.get(op, op)   # a broadcast's own knob; the other ops: their dispatch's
-            knob_op = (name if name.startswith("broadcast_rank")
-                       else "broadcast" if name.startswith("broadcast") else dispatch_op)
-            records[-1].update(pull=cuda_backend.pulls(knob_op, cfg, ep_size),
-                               pull_setting=pull_setting(cfg.kernel))
+            records[-1].update(pull_fields(names.get(op, op), dispatch_op, cfg, ep_size))
         if op == "combine":  # which dispatch made its handle and rows
             records[-1]["dispatch_dtype"] = "bfloat16"
         if op in kernels:  # aligned: each profiled call followed _aligner's step (several GPUs)
@@ -580,10 +576,14 @@ def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng
 PULL_SETTINGS = ("auto", "push", "pull", "both")
 
 
-def pull_setting(kernel: KernelConfig) -> str:
-    """A run's KernelConfig as its records name it: "auto" (dispatch_pull None: the auto table's
-    choice), "push" or "pull" (the benchmark sets both knobs alike)."""
-    return {None: "auto", False: "push", True: "pull"}[kernel.dispatch_pull]
+def pull_fields(op: str, dispatch_op: str, cfg: EPConfig, ep_size: int) -> dict:
+    """A cuda record's ``pull`` (whether the kernels of its op pulled their rows: a broadcast's own knob,
+    the other ops their dispatch's) and ``pull_setting`` (the run's KernelConfig: "auto", the default,
+    dispatch_pull None; "push" or "pull": the benchmark sets both knobs alike)."""
+    knob_op = (op if op.startswith("broadcast_rank") else "broadcast" if op.startswith("broadcast")
+               else dispatch_op)
+    return dict(pull=cuda_backend.pulls(knob_op, cfg, ep_size),
+                pull_setting={None: "auto", False: "push", True: "pull"}[cfg.kernel.dispatch_pull])
 
 
 def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats, rank_major=False,

@@ -935,3 +935,32 @@ def test_micro_batch_configs_step_two_inputs_in_one_program(tmp_path):
     per_rank = np.asarray(x).reshape(ranks, 2, tokens, -1)
     for b in range(2):
         np.testing.assert_array_equal(per_rank[:, b], np.asarray(xs[b]).reshape(ranks, tokens, -1))
+
+
+def test_cuda_records_say_whether_the_rows_were_pulled(monkeypatch):
+    """A cuda record's pull is what its op's kernels did in that call: a dispatch (either layout) and
+    the ops on its handle follow dispatch_pull, the broadcasts their own knob; pull_setting is the run's
+    setting, "auto" for KernelConfig's default (the auto table's choice, asked as the op asks it)."""
+    from jax_ep import EPConfig, KernelConfig, auto_table, runtime
+
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "process_model", lambda: "local_peers")
+    monkeypatch.setattr(runtime, "unreachable_processes", lambda: [])
+    monkeypatch.setattr(auto_table, "pull_faster",
+                        lambda knob, tokens, ep, sms: knob == "broadcast_pull" and ep == 4)
+    cfg = EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16)
+    fields = {op: bench.pull_fields(op, "dispatch", cfg, 4)
+              for op in ("dispatch", "combine", "broadcast", "broadcast_in_place", "combine_bwd")}
+    assert fields == {"dispatch": dict(pull=False, pull_setting="auto"),
+                      "combine": dict(pull=False, pull_setting="auto"),
+                      "broadcast": dict(pull=True, pull_setting="auto"),
+                      "broadcast_in_place": dict(pull=True, pull_setting="auto"),
+                      "combine_bwd": dict(pull=False, pull_setting="auto")}
+    assert bench.pull_fields("broadcast", "dispatch", cfg, 2) == dict(pull=False, pull_setting="auto")
+    pulled = cfg.replace(kernel=KernelConfig(dispatch_pull=True, broadcast_pull=True))
+    assert bench.pull_fields("combine_rank_major", "dispatch_rank_major", pulled, 2) == dict(
+        pull=True, pull_setting="pull")
+    assert bench.pull_fields("broadcast_rank_major", "dispatch_rank_major", pulled, 2)["pull"]
+    pushed = cfg.replace(kernel=KernelConfig(dispatch_pull=False, broadcast_pull=False))
+    assert bench.pull_fields("broadcast_in_place", "dispatch", pushed, 4) == dict(pull=False,
+                                                                                pull_setting="push")
