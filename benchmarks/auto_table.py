@@ -78,8 +78,9 @@ PULL_OPS = {"dispatch_pull": ("dispatch", "dispatch_rank_major"),
 
 def pull_points_of(records: list[dict]) -> dict[str, list[dict]]:
     """{knob: points} of the records of one run (``python -m benchmarks --pull both``): a cuda record
-    with its rows pushed and one pulled of the same op, layout, dtype, shape, EP size and SM count
-    pair up into a point. Not from one GPU (nothing to pull) nor from processes sharing a GPU
+    with its rows pushed and one pulled of the same op, layout, dtype, shape, EP size, SM count, send
+    warps, device and process model pair up into a point (a second record of the same key is an
+    error, not a silent pair). Not from one GPU (nothing to pull) nor from processes sharing a GPU
     (``shared_gpu``: the SMs' side only, not the wire)."""
     keyed = {}
     for r in records:
@@ -88,10 +89,15 @@ def pull_points_of(records: list[dict]) -> dict[str, list[dict]]:
                 or r.get("pull_setting") not in ("push", "pull") or r["ep_size"] < 2 or r.get("shared_gpu")):
             continue
         key = (knob, r["op"], r.get("layout", "expert_major"), r["dtype"], r["tokens_per_rank"], r["hidden"],
-               r["topk"], r["num_experts"], r["ep_size"], r["num_sms"])
-        keyed.setdefault(key, {})[r["pull_setting"]] = r
+               r["topk"], r["num_experts"], r["ep_size"], r["num_sms"], r.get("dispatch_send_warps"),
+               str(r.get("device")), str(r.get("process_model")))
+        pair = keyed.setdefault(key, {})
+        if r["pull_setting"] in pair:
+            raise ValueError(f"two {r['pull_setting']} records of {key}: pass each run's records once")
+        pair[r["pull_setting"]] = r
     points = collections.defaultdict(list)
-    for (knob, op, _, dtype, tokens, hidden, topk, experts, ep_size, sms), pair in sorted(keyed.items()):
+    for (knob, op, _, dtype, tokens, hidden, topk, experts, ep_size, sms, *_), pair in sorted(
+            keyed.items(), key=lambda item: str(item[0])):
         if len(pair) == 2:
             points[knob].append(dict(
                 op=op, tokens=tokens, dtype=dtype, hidden=hidden, topk=topk, num_experts=experts,
@@ -107,12 +113,13 @@ def pull_points_of(records: list[dict]) -> dict[str, list[dict]]:
 
 def build_pull(points: dict[str, list[dict]], old: dict | None = None) -> dict:
     """The table's "pull" section from one run's pull points (pull_points_of), keeping `old`'s points
-    of the EP sizes the run did not measure: per knob, per EP size and SM count the decision
+    of each knob at the EP sizes the run did not measure for it: per knob, per EP size and SM count the
+    decision
     ``auto_table.min_tokens`` takes with the pushed kernel in the reference's place (pulled from that
     many tokens per rank up; null: never)."""
-    measured = {p["ep_size"] for pts in points.values() for p in pts}
     merged = {knob: list(pts) for knob, pts in points.items()}
     for knob, entry in (old or {}).get("pull", {}).items():
+        measured = {p["ep_size"] for p in points.get(knob, [])}
         merged.setdefault(knob, []).extend(p for p in entry["points"] if p["ep_size"] not in measured)
     section = {}
     for knob, pts in sorted(merged.items()):
@@ -279,7 +286,8 @@ def main(argv=None) -> None:
     for knob, entry in table.get("pull", {}).items():
         for ep, by_sms in entry["min_tokens"].items():
             for sms, tokens in by_sms.items():
-                print(f"{knob} EP{ep} {sms} SMs: pulled from {tokens} tokens per rank")
+                when = "never" if tokens is None else f"from {tokens} tokens per rank"
+                print(f"{knob} EP{ep} {sms} SMs: pulled {when}")
     if "vetoed" in table:
         print(f"vetoed: {table['vetoed']}")
     if "layer_prefers" in table:

@@ -149,8 +149,11 @@ def _cuda_form(op: str, cfg: EPConfig, ep_size: int) -> str | None:
     if choice is None:
         return None
     pulled, why = choice
-    return (f"rows {'pulled by the receivers' if pulled else 'pushed by the senders'} over NVLink loads / "
-            f"stores ({why})")
+    knob = cuda_backend.pull_knob(op)
+    if not pulled:
+        return f"rows pushed by the senders ({why})"
+    return (f"rows pulled by the receivers where the call reaches its peers by NVLink loads / stores "
+            f"({why}; over NVSHMEM puts {'refused' if getattr(cfg.kernel, knob) else 'pushed'})")
 
 
 _REGISTRY: dict[str, Backend] = {}

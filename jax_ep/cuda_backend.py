@@ -251,19 +251,19 @@ ALL_SMS = 1 << 16
 TRANSPORT_LOAD_STORE, TRANSPORT_PUT, TRANSPORT_PULL = 0, 1, 2  # EPAttrs::transport: cuda/fingerprint.h
 
 
-def _transport(op: str, cfg: EPConfig, ep_size: int) -> int:
+def _transport(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None) -> int:
     """How the call site reaches its peers (``KernelConfig.transport``): NVLink loads / stores, or
     NVSHMEM puts + signals (cuda/remote_rank_major.cu), which only the rank-major ops have.
     "auto" takes puts when, in process model 2, some process of the job cannot be reached by
     loads / stores (the EP group is not known at trace time, only the job). Raises
     NotImplementedError naming the op where neither transport can serve it. Over loads / stores the
     dispatches and broadcasts take their pull form where ``pull_choice`` says so (combine_bwd, the broadcast
-    kernel that computes, has none)."""
+    kernel that computes, has none). ``blocks``: the call's (``call_blocks``; None: num_sms's)."""
     transport = _peer_transport(op, cfg)
-    choice = pull_choice(op, cfg, ep_size)
+    choice = pull_choice(op, cfg, ep_size, blocks)
     if choice is None or not choice[0]:
         return transport
-    knob = PULL_KNOBS[_RANK_MAJOR_OPS.get(op, op)]
+    knob = pull_knob(op)
     if getattr(cfg.kernel, knob) is None:   # auto: pulled over loads / stores only
         return TRANSPORT_PULL if transport == TRANSPORT_LOAD_STORE else transport
     if transport == TRANSPORT_PUT:
@@ -274,17 +274,23 @@ def _transport(op: str, cfg: EPConfig, ep_size: int) -> int:
     return TRANSPORT_PULL
 
 
+def pull_knob(op: str) -> str | None:
+    """The KernelConfig field that says whether ``op``'s kernels pull their rows; None: it has none."""
+    return PULL_KNOBS.get(_RANK_MAJOR_OPS.get(op, op))
+
+
 def pulls(op: str, cfg: EPConfig, ep_size: int) -> bool:
     """Whether ``op``'s kernels pull their rows in this call (``_transport``)."""
     return _transport(op, cfg, ep_size) == TRANSPORT_PULL
 
 
-def pull_choice(op: str, cfg: EPConfig, ep_size: int) -> tuple[bool, str] | None:
+def pull_choice(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None) -> tuple[bool, str] | None:
     """(whether ``op``'s kernels take their pull form over loads / stores, why), from
     ``KernelConfig.dispatch_pull`` / ``broadcast_pull``; None: the op has none (combine, combine_bwd,
     ...). A knob left None: where the auto table measured the pulled kernels at least as fast at
-    this call's tokens per rank, EP size and SM count (never with EPConfig.shrink)."""
-    knob = PULL_KNOBS.get(_RANK_MAJOR_OPS.get(op, op))
+    this call's tokens per rank, EP size and blocks (``blocks``; None: ``kernel_blocks``'s; never
+    with EPConfig.shrink)."""
+    knob = pull_knob(op)
     if knob is None:
         return None
     setting = getattr(cfg.kernel, knob)
@@ -292,21 +298,32 @@ def pull_choice(op: str, cfg: EPConfig, ep_size: int) -> tuple[bool, str] | None
         return setting, f"KernelConfig.{knob}={setting}"
     if cfg.shrink:
         return False, f"KernelConfig.{knob}=None: pushed with EPConfig(shrink=True)"
-    tokens, blocks = cfg.max_tokens_per_rank, kernel_blocks(cfg.kernel)
+    tokens = cfg.max_tokens_per_rank
+    blocks = kernel_blocks(cfg.kernel) if blocks is None else blocks
     faster = auto_table.pull_faster(knob, tokens, ep_size, blocks)
     verdict = "measured" if faster else "has not measured"
+    on = "every SM but one" if blocks == ALL_SMS else f"{blocks} blocks"
     return faster, (f"KernelConfig.{knob}=None: the auto table {verdict} the pulled kernels at least as "
-                    f"fast at {tokens} tokens per rank on {ep_size} GPUs with {blocks} blocks")
+                    f"fast at {tokens} tokens per rank on {ep_size} GPUs with {on}")
 
 
-def kernel_blocks(kernel: KernelConfig) -> int:
-    """The data kernels' blocks on this process's GPU: KernelConfig.num_sms, or every SM but one
-    (None), as the handlers clamp it."""
-    device = jax.local_devices()[0]
+def kernel_blocks(kernel: KernelConfig, side: bool = False) -> int:
+    """The data kernels' blocks, as the handlers clamp them: KernelConfig.num_sms (``side``: a call on
+    jax_ep's side stream, side_num_sms where set), or every SM but one (None); ALL_SMS where the GPU's
+    SM count is not known here (no GPU is JAX's default platform)."""
+    wanted = kernel.side_num_sms if side and kernel.side_num_sms is not None else kernel.num_sms
+    device = jax.local_devices()[0]   # (process model 2: this process's GPU; 1: one of the same kind)
     sms = getattr(device, "core_count", 0) if device.platform == "gpu" else 0
     if sms <= 1:
-        return kernel.num_sms if kernel.num_sms is not None else ALL_SMS
-    return min(kernel.num_sms if kernel.num_sms is not None else sms, sms - 1)
+        return wanted if wanted is not None else ALL_SMS
+    return min(wanted if wanted is not None else sms, sms - 1)
+
+
+def call_blocks(op: str, kernel: KernelConfig) -> int:
+    """``kernel_blocks`` of a call of ``op`` traced here: inside ``jax_ep.overlap.beside``'s block the
+    call goes on jax_ep's side stream (``_call``) and takes side_num_sms."""
+    side = kernel.async_stream is None and overlap.claim() is not None and runtime.has_variant(op, "side")
+    return kernel_blocks(kernel, side)
 
 
 def _peer_transport(op: str, cfg: EPConfig) -> int:
@@ -386,7 +403,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     if cfg.shrink:
         _warn_shard_autotuning()
     rank_major = op in _RANK_MAJOR_OPS
-    transport = _transport(op, cfg, ep_size)
+    transport = _transport(op, cfg, ep_size, call_blocks(op, kernel))
     data_kernel = _data_kernel(op)
     op = _KERNEL_OF.get(op, op)
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU

@@ -86,6 +86,9 @@ from jax_ep.distributed import (
 PREFIX = LAUNCHER + ":"
 TIMEOUT_EXIT_CODE = 124
 MPS_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+# set to "1" in every process of a job where some GPU is shared (--share-gpus): timings there are not
+# those of separate GPUs (the benchmark records say so)
+ENV_SHARED_GPUS = "JAX_EP_SHARED_GPUS"
 POLL_S = 0.05
 SUMMARY_TAIL_LINES = 12   # a failed run: the last lines of each failed process's output after its summary
 EXIT_CODES = "exit codes:"   # the line of a failed run giving every process's exit code (exit_codes())
@@ -285,6 +288,8 @@ def process_envs(args: argparse.Namespace, gpus: int) -> list[dict[str, str]]:
     envs = []
     for i in range(n):
         env = dict(common, **{ENV_PROCESS_ID: str(i)})
+        if shared:
+            env[ENV_SHARED_GPUS] = "1"
         if ids is not None:
             mine = ids[i * k:(i + 1) * k]
             env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in mine)

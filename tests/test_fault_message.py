@@ -56,7 +56,7 @@ def test_mismatch_of_transport_names_both_and_the_knob():
     # a dispatch pulling its rows here and pushing them on the peer (KernelConfig.dispatch_pull)
     text = message("mismatch", "dispatch", expected=2, observed=0, field="transport", per_process=True)
     assert "transport is pull on rank 0 and load_store on rank 1. Every rank must" in text
-    assert "give every process the same KernelConfig.dispatch_pull and broadcast_pull" in text
+    assert "give every process the same explicit KernelConfig.dispatch_pull and broadcast_pull" in text
     assert "KernelConfig.transport" not in text
 
 

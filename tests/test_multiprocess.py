@@ -431,6 +431,11 @@ def test_launcher_share_gpus_devices(mps, monkeypatch):
         ("0", "50"), ("1", "50"), ("0", "50"), ("1", "50")]
     assert shared("--nproc", "3", gpus=2) == [
         ("0", "50"), ("1", None), ("0", "50")]        # GPU 1 has one process: all of it
+    # every process of a job where some GPU is shared is told so (its benchmark records say it)
+    envs = launch.process_envs(share_args("--nproc", "3"), gpus=2)
+    assert [env.get(launch.ENV_SHARED_GPUS) for env in envs] == ["1", "1", "1"]
+    assert all(launch.ENV_SHARED_GPUS not in env
+               for env in launch.process_envs(share_args("--nproc", "2"), gpus=2))
     assert shared("--nproc", "3", "--local-devices-per-process", "2", gpus=4) == [
         ("0,1", "50"), ("2,3", None), ("0,1", "50")]
     # GPU 0 is p0's alone, but GPU 1 is shared: p0 gets half of every GPU it uses

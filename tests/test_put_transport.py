@@ -185,9 +185,30 @@ def test_pull_left_to_auto_takes_what_the_table_measured(job, monkeypatch):
     assert transport("broadcast", pushed, 4) == cuda_backend.TRANSPORT_PULL
     job("process_per_gpu", [1])   # another node: puts, and no pulling there
     assert transport("dispatch_rank_major", auto, 4) == cuda_backend.TRANSPORT_PUT
-    why = backends.get("cuda").form("dispatch", auto, 4)
-    assert why.startswith("rows pulled by the receivers") and "dispatch_pull=None" in why
+    form = backends.get("cuda").form
+    why = form("dispatch", auto, 4)
+    assert why.startswith("rows pulled by the receivers where the call reaches its peers by NVLink")
+    assert "dispatch_pull=None" in why and why.endswith("over NVSHMEM puts pushed)")
     assert "16 tokens per rank on 4 GPUs with 20 blocks" in why
-    assert backends.get("cuda").form("dispatch", auto, 2).startswith("rows pushed by the senders")
-    assert backends.get("cuda").form("combine", auto, 4) is None
-    assert "KernelConfig.dispatch_pull=False" in backends.get("cuda").form("dispatch", pushed, 4)
+    assert form("dispatch", auto, 2).startswith("rows pushed by the senders")
+    assert form("combine", auto, 4) is None
+    assert "KernelConfig.dispatch_pull=False" in form("dispatch", pushed, 4)
+    assert form("dispatch", pulled(), 4).endswith("over NVSHMEM puts refused)")
+
+
+def test_pull_left_to_auto_asks_at_the_blocks_the_call_gets(job, monkeypatch):
+    """Inside jax_ep.overlap.beside's block a call goes on the side stream with side_num_sms blocks:
+    the auto table is asked at that count there, at num_sms's elsewhere (every rank traces the same
+    program, so every rank asks the same)."""
+    from jax_ep import auto_table, overlap
+
+    asked = []
+    monkeypatch.setattr(auto_table, "pull_faster", lambda knob, tokens, ep, blocks: asked.append(blocks))
+    monkeypatch.setattr(runtime, "has_variant", lambda op, variant: variant == "side")
+    job("local_peers", [])
+    side = EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                    kernel=KernelConfig(num_sms=40, side_num_sms=12))
+    cuda_backend._attrs("dispatch", side, 4, 1, 16, hidden=128, row_bytes=256, capacity=64, num_experts=8)
+    with overlap.beside(lambda: None):
+        cuda_backend._attrs("dispatch", side, 4, 1, 16, hidden=128, row_bytes=256, capacity=64, num_experts=8)
+    assert asked == [40, 12]

@@ -163,7 +163,9 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
              "nothing was exchanged." +
              (r.field != kFieldTransport ? ""
               : r.expected == kTransportPull || r.observed == kTransportPull
-                  ? " (give every process the same KernelConfig.dispatch_pull and broadcast_pull.)"
+                  ? " (give every process the same explicit KernelConfig.dispatch_pull and "
+                    "broadcast_pull: None resolves in each process from its auto table and its "
+                    "GPU's SM count.)"
                   : " (KernelConfig.transport: \"auto\" picks puts in a process that some "
                     "process of the job cannot reach by loads / stores; give every process the "
                     "same explicit transport.)");

@@ -104,8 +104,8 @@ def check_cases(mesh, me, pull=False, names=None) -> int:
         for dtype in ("bfloat16", "float8_e4m3fn") if name == "h7168_k8_e256" else (None,):
             kw = dict(num_experts=experts, num_topk=topk, hidden=hidden,
                       max_tokens_per_rank=tokens, **extra)
-            if pull:
-                kw["kernel"] = jax_ep.KernelConfig(dispatch_pull=True)
+            # pushed or pulled as asked (not as the auto table would choose for the default)
+            kw["kernel"] = jax_ep.KernelConfig(dispatch_pull=pull)
             if dtype is not None:
                 kw["dispatch_dtype"] = dtype
             cuda_fn = model1.dispatch_combine_fn(mesh, model1._cfg("cuda", **kw))
@@ -430,7 +430,7 @@ def bench(mesh, out_path: str, num_sms: int | None = None, pulls: tuple[bool, ..
                 for r in recs:
                     r["dispatch_send_warps"] = warps
                 records += recs
-    shared = launch.MPS_PERCENTAGE in os.environ   # the launcher's --share-gpus (CUDA MPS)
+    shared = os.environ.get(launch.ENV_SHARED_GPUS) == "1"   # the launcher's --share-gpus (CUDA MPS)
     for r in records:
         r["process_model"] = "process_per_gpu"
         if shared:   # not the wire of separate GPUs: benchmarks.auto_table leaves these out

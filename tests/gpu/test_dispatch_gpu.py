@@ -411,8 +411,9 @@ def combine_backward_case(mesh, y_dtype, masked, empty_rows_zero, weighted, seed
     args = put(mesh, x, idx, w, y, g, m)
 
     def run(backend):
-        extra = (dict(kernel=jax_ep.KernelConfig(num_sms=num_sms, broadcast_pull=pull))
-                 if backend == "cuda" and (num_sms or pull) else {})
+        # pushed or pulled as the case says (not as the auto table would choose for the default)
+        kernel = jax_ep.KernelConfig(num_sms=num_sms, broadcast_pull=pull)
+        extra = {"kernel": kernel} if backend == "cuda" else {}
         fn = combine_vjp_fn(mesh, _cfg(backend, **kw, **extra), masked, empty_rows_zero, weighted)
         return to_np(fn(*args))
 

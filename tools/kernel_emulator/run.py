@@ -537,7 +537,7 @@ def run_mismatch(field: str) -> str:
         if field == "transport":
             parts.append("KernelConfig.transport")
         if field == "pull":
-            parts.append("give every process the same KernelConfig.dispatch_pull and broadcast_pull")
+            parts.append("give every process the same explicit KernelConfig.dispatch_pull and broadcast_pull")
         for part in parts:
             if part not in text:
                 return f"{where}: message lacks {part!r}"
