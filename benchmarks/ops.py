@@ -27,7 +27,9 @@ bfloat16 is not among them. The bf16 pass also times get_dispatch_layout, slot_v
 combine_bwd, the last two both as ops (every one of the C rows written: zeros where no token is) and in
 place (``broadcast_in_place``, ``combine_bwd_in_place``: into y's donated buffer, only the token rows
 written, as the MoE layer runs them). ``--pull both`` times the cuda dispatch and broadcast with their
-rows pushed and pulled (``KernelConfig.dispatch_pull`` / ``broadcast_pull``; ``pull`` in the records).
+rows pushed and pulled (``KernelConfig.dispatch_pull`` / ``broadcast_pull``); a cuda record says whether
+its kernels pulled (``pull``) and the run's setting (``pull_setting``: auto, the default, push or pull),
+from which ``python -m benchmarks.auto_table`` decides the default's form.
 Each time is the median over ``--repeats`` chains of ``--iters``
 back-to-back jitted calls, per call; each call returns its whole output (nothing dropped, nothing
 copied). ``--profile`` adds the device time of every kernel per call
