@@ -617,3 +617,31 @@ def test_issue38_pull_part_times_both_forms_of_the_ops(tmp_path):
     args = args[args.index("benchmarks") + 1:]
     parsed = ops.parse_args(args)
     assert parsed.pull == "both" and parsed.backends == "cuda" and parsed.num_sms == "24,131", parsed
+
+
+def test_sweep_at_several_ep_sizes_in_one_call(tmp_path):
+    """SWEEP_EP=2,4: each part once per EP size on the first N GPUs (CUDA_VISIBLE_DEVICES), its records
+    and log named by the size, the pull part's decisions gathered in one copy of the table; a size
+    above the GPUs, and pg, are refused by name (the call fails, the other sizes still run)."""
+    calls = tmp_path / "calls.txt"
+    stub = textwrap.dedent(f"""\
+        #!/bin/bash
+        if [ "$1" = -c ] && [[ "$2" == *mps_unavailable* ]]; then
+          PYTHONPATH={ROOT} exec {sys.executable} "$@"
+        fi
+        echo "CVD=${{CUDA_VISIBLE_DEVICES:-all}} $*" >> {calls}
+        """)
+    rc, output, out, lines = run_check(tmp_path, gpus=4, _stub=stub, SWEEP="pull", SWEEP_EP="2,4")
+    assert rc == 0, output
+    runs = [c for c in lines if "benchmarks " in c]
+    assert [c.split()[0] for c in runs] == ["CVD=0,1", "CVD=0,1,2,3"], runs
+    assert f"--out {out}/sweep_pull_ep2.json" in runs[0] and f"--out {out}/sweep_pull_ep4.json" in runs[1]
+    tables = [c for c in lines if "benchmarks.auto_table" in c]
+    assert [f"{out}/sweep_pull_ep{n}.json --table {out}/auto_table_pull.json" in t
+            for n, t in zip((2, 4), tables, strict=True)] == [True, True], tables
+    assert "sweep pull_ep2: rc=0" in output and "sweep pull_ep4: rc=0" in output
+    (tmp_path / "b").mkdir()
+    rc, output, _, _ = run_check(tmp_path / "b", gpus=2, SWEEP="pull,pg", SWEEP_EP="2,4")
+    assert rc != 0
+    assert "sweep pull at EP4: not run (SWEEP_EP takes 1..2 GPUs, and not the pg part)" in output
+    assert "sweep pg at EP2: not run" in output and "sweep pull_ep2: rc=0" in output

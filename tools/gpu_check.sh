@@ -69,6 +69,8 @@
 #                           for KernelConfig's default (None) go to a copy, auto_table_pull.json
 #                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
 #                        2 or more GPUs)
+#               SWEEP_EP=2,4 runs each part but pg once per EP size, on the first N GPUs
+#               (CUDA_VISIBLE_DEVICES; records and logs $OUT/sweep_<part>_ep<N>.*): EP2 and EP4 in one call.
 #               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
 #               128,512,2048,4096,8192); every part runs with --profile. SWEEP_PART_TIMEOUT bounds each
 #               (default 900 s). Use SKIP_BENCH=1 SKIP_LAYER=1 with it, unless the default runs are wanted too.
@@ -449,8 +451,20 @@ if [ -n "${SWEEP:-}" ]; then
   presets="--preset ${SWEEP_PRESETS:-deepseek,sparse}"
   timing="--profile --iters 5 --repeats 2"
   IFS=',' read -r -a parts <<<"$SWEEP"
+  IFS=',' read -r -a sweep_eps <<<"${SWEEP_EP:-}"
+  [ ${#sweep_eps[@]} -gt 0 ] || sweep_eps=("")
   for part in "${parts[@]}"; do
+   for ep in "${sweep_eps[@]}"; do
     lim=$(bounded "${SWEEP_PART_TIMEOUT:-900}")
+    name=$part${ep:+_ep$ep}   # the records' and log's name
+    visible=()
+    if [ -n "$ep" ]; then
+      if [ "$part" = pg ] || [ "$ep" -gt "$gpus" ] || [ "$ep" -lt 1 ]; then
+        echo "sweep $part at EP$ep: not run (SWEEP_EP takes 1..$gpus GPUs, and not the pg part)" | tee -a "$OUT/summary.txt"
+        status=1; continue
+      fi
+      visible=(env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ep - 1)))")
+    fi
     case $part in
       em) cmd=("$PY" -m benchmarks $presets $tokens $timing --backends cuda,dense,reference,ragged) ;;
       rm) cmd=("$PY" -m benchmarks --rank-major $presets $tokens $timing --backends cuda,reference) ;;
@@ -472,19 +486,20 @@ if [ -n "${SWEEP:-}" ]; then
       echo "sweep pg: not run: needs 2 or more GPUs (on one GPU: SHARE_GPU=1)" | tee -a "$OUT/summary.txt"
       status=1; continue
     fi
-    [ "$part" = pg ] || cmd+=(--out "$OUT/sweep_$part.json")
-    step "sweep $part on $gpus GPUs: ${cmd[*]}"
+    [ "$part" = pg ] || cmd+=(--out "$OUT/sweep_$name.json")
+    step "sweep $part on ${ep:-$gpus} GPUs: ${visible[*]} ${cmd[*]}"
     start=$SECONDS
-    bounded_run "${SWEEP_PART_TIMEOUT:-900}" "${cmd[@]}" >"$OUT/sweep_$part.log" 2>&1
+    bounded_run "${SWEEP_PART_TIMEOUT:-900}" "${visible[@]}" "${cmd[@]}" >"$OUT/sweep_$name.log" 2>&1
     rc=$?
-    if [ "$part" = pg ]; then grep -E "worker OK|FAILED|Error" "$OUT/sweep_$part.log" | cut -c1-300
-    else tail -30 "$OUT/sweep_$part.log"; fi
+    if [ "$part" = pg ]; then grep -E "worker OK|FAILED|Error" "$OUT/sweep_$name.log" | cut -c1-300
+    else tail -30 "$OUT/sweep_$name.log"; fi
     if [ "$part" = pull ] && [ $rc -eq 0 ]; then  # the decisions it implies, on a copy of the table
-      "$PY" -m benchmarks.auto_table "$OUT/sweep_pull.json" --table "$OUT/auto_table_pull.json" 2>&1 \
+      "$PY" -m benchmarks.auto_table "$OUT/sweep_$name.json" --table "$OUT/auto_table_pull.json" 2>&1 \
         | grep -E "pull|Error" | tee -a "$OUT/summary.txt"
     fi
-    echo "sweep $part: rc=$rc in $((SECONDS - start)) s (log: $OUT/sweep_$part.log)" | tee -a "$OUT/summary.txt"
+    echo "sweep $name: rc=$rc in $((SECONDS - start)) s (log: $OUT/sweep_$name.log)" | tee -a "$OUT/summary.txt"
     [ $rc -eq 0 ] || status=1
+   done
   done
 fi
 
