@@ -403,7 +403,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     if cfg.shrink:
         _warn_shard_autotuning()
     rank_major = op in _RANK_MAJOR_OPS
-    transport = _transport(op, cfg, ep_size, call_blocks(op, kernel))
+    transport = _transport(op, cfg, ep_size, call_blocks(op, kernel) if pull_knob(op) else None)
     data_kernel = _data_kernel(op)
     op = _KERNEL_OF.get(op, op)
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU
