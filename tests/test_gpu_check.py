@@ -578,17 +578,24 @@ def test_skip_build_leaves_pip_out(tmp_path, skip):
 
 
 def test_issue38_ab_parts_name_known_layer_configs(tmp_path):
-    """SWEEP=overlap,gate: one layer benchmark each, sustained, whose shape and configs exist in
-    benchmarks.layer (a renamed config would otherwise fail on the GPU machine)."""
+    """SWEEP=overlap,gate,decode: one layer benchmark each (the training steps sustained), whose shape
+    and configs exist in benchmarks.layer (a renamed config would otherwise fail on the GPU machine);
+    decode times a decode shape with a shared expert, beside and not."""
     from benchmarks import layer
 
-    rc, output, out, calls = run_check(tmp_path, gpus=2, SWEEP="overlap,gate")
+    rc, output, out, calls = run_check(tmp_path, gpus=2, SWEEP="overlap,gate,decode")
     assert rc == 0, output
     sweeps = [c for c in calls if "benchmarks" in c]
-    assert len(sweeps) == 2, sweeps
-    for part, call in zip(("overlap", "gate"), sweeps, strict=True):
+    assert len(sweeps) == 3, sweeps
+    for part, call in zip(("overlap", "gate", "decode"), sweeps, strict=True):
         args = call.split()
-        assert "--layer" in args and "--sustain" in args and f"{out}/sweep_{part}.json" in call
+        assert "--layer" in args and f"{out}/sweep_{part}.json" in call
+        assert ("--sustain" in args) == (part != "decode")
+        if part == "decode":
+            shape = args[args.index("--layer-shapes") + 1]
+            assert shape in layer.DECODE_SHAPES and shape in layer.SHARED_FFN, shape
+            configs = set(args[args.index("--layer-configs") + 1].split(","))
+            assert {"jax_ep", "jax_ep_shared_beside"} <= configs, configs
         shape = args[args.index("--layer-shapes") + 1]
         assert shape in layer.LAYER_PRESETS, shape
         configs = args[args.index("--layer-configs") + 1].split(",")

@@ -67,6 +67,9 @@
 #                           broadcast_pull): the cuda ops, DeepSeek-V3 shape, 4096 tokens, bf16 and fp8,
 #                           24 and all SMs (broadcast / combine_bwd in place too); the decisions they imply
 #                           for KernelConfig's default (None) go to a copy, auto_table_pull.json
+#                 decode    issue 38 item 4: the decode forward (DeepSeek-V3, 128 tokens per rank, its shared
+#                           expert) with the shared expert beside ll_dispatch_send on jax_ep's side stream
+#                           (shared_beside) against the fused ll_dispatch; with SWEEP=ll's times of the ops
 #                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
 #                        2 or more GPUs)
 #               SWEEP_EP=2,4 runs each part but pg once per EP size, on the first N GPUs
@@ -477,9 +480,11 @@ if [ -n "${SWEEP:-}" ]; then
                  --layer-configs jax_ep,jax_ep_gate_in_experts,jax_ep_fp8_cached,jax_ep_fp8_cached_gate_in_experts) ;;
       pull) cmd=("$PY" -m benchmarks --preset deepseek --tokens 4096 --backends cuda --num-sms 24,131
                  --pull both --profile --iters 10 --repeats 3) ;;
+      decode) cmd=("$PY" -m benchmarks --layer --layer-shapes deepseek_decode_shared --iters 10 --repeats 3
+                   --layer-configs jax_ep,jax_ep_shared_beside,ep_cuda,ep_cuda_shared_beside) ;;
       pg) cmd=(env JAX_EP_TEST_EP_RANKS="$gpus" "$PY" -m jax_ep.launch --nproc "$gpus"
                --timeout $((lim > 30 ? lim - 10 : 20)) tests/gpu/process_group_worker.py) ;;
-      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, overlap, gate, pull, pg)" | tee -a "$OUT/summary.txt"
+      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, overlap, gate, pull, decode, pg)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
     if [ "$part" = pg ] && [ "$gpus" -lt 2 ]; then  # one process alone is process model 1
