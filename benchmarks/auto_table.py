@@ -219,11 +219,19 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
     if not measured and not pulled and not layer_records:
         raise ValueError("no op has both a cuda and a reference record, nor a pushed and a pulled one: "
                          "nothing to decide")
-    old = None if replace or not path.exists() else json.loads(path.read_text())
+    prior = json.loads(path.read_text()) if path.exists() else None
+    # --replace drops what the table held of the sections this run measured (a run of pushed and
+    # pulled records alone keeps the backends' decisions, and the other way round)
+    old = None if replace and (measured or not pulled) else prior
     table = build(points, old)
-    pull = build_pull(pulled, old)
+    pull = build_pull(pulled, None if replace and pulled else prior)
     if pull:
         table["pull"] = pull
+        measured_on = {e: set(d) for e, d in table["measured_on"].items()}
+        for entry in pull.values():
+            for p in entry["points"]:
+                measured_on.setdefault(str(p["ep_size"]), set()).add(f"{p.get('device')} ({p.get('date')})")
+        table["measured_on"] = {e: sorted(d) for e, d in sorted(measured_on.items())}
     vetoes = layer_vetoes(layer_records or [])
     # a veto of an EP size this run did not measure again stays
     for ep, why in (old or {}).get("vetoed", {}).items():

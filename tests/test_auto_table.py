@@ -214,7 +214,14 @@ def test_pull_writer_pairs_pushed_and_pulled_runs_on_separate_gpus(tmp_path):
            _pull_record("dispatch", "pull", 410.0, ep_size=2)]
     table = writer.write(ep2, path)
     assert table["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None}, "4": {"24": 4096, "131": None}}
-    assert writer.write(ep2, path, replace=True)["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None}}
+    assert table["measured_on"]["2"] == ["2x GPU (2026-11-24)"]          # the pull points' devices
+    backends = [_record("dispatch", "cuda", 4096, 100.0, 4), _record("dispatch", "reference", 4096, 300.0, 4)]
+    writer.write(backends, path)
+    table = writer.write(ep2, path, replace=True)          # replaces the pull section only
+    assert table["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None}}
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"4": 0}
+    table = writer.write(backends, path, replace=True)     # and the other way round
+    assert table["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None}}
     # default runs (pull_setting auto) pair with the reference as before
     auto = [_record("dispatch", "cuda", 4096, 100.0, 4, pull_setting="auto", pull=True),
             _record("dispatch", "reference", 4096, 300.0, 4)]
