@@ -146,6 +146,22 @@ def test_shipped_table_names_known_ops():
                         assert decision == shipped["layer_prefers"][ep]["tokens"], (op, layout, ep)
                 else:
                     assert decision == from_points, (op, layout, ep)
+    check_pull_section(shipped)
+
+
+def check_pull_section(table: dict) -> None:
+    """The pull section (once a multi-GPU run writes one): known knobs, decisions from their points,
+    never from one GPU."""
+    from benchmarks.auto_table import PULL_OPS
+
+    for knob, entry in table.get("pull", {}).items():
+        assert knob in PULL_OPS and entry["ops"] == list(PULL_OPS[knob]), knob
+        for ep, by_sms in entry["min_tokens"].items():
+            assert int(ep) >= 2, (knob, ep)
+            for sms, decision in by_sms.items():
+                mine = [dict(p, kernel_us=p["pull_us"], reference_us=p["push_us"]) for p in entry["points"]
+                        if (str(p["ep_size"]), str(p["num_sms"])) == (ep, sms)]
+                assert decision == auto_table.min_tokens(mine), (knob, ep, sms)
 
 
 def test_pull_lookup(monkeypatch, tmp_path):
@@ -209,6 +225,11 @@ def test_pull_writer_pairs_pushed_and_pulled_runs_on_separate_gpus(tmp_path):
     assert {(p["ep_size"], p["num_sms"], p["tokens"]) for p in dispatch["points"]} == {
         (4, 24, 4096), (4, 131, 4096), (4, 24, 512)}
     assert table["pull"]["broadcast_pull"]["min_tokens"] == {"4": {"24": 0}}
+    check_pull_section(table)
+    broken = json.loads(json.dumps(table))
+    broken["pull"]["dispatch_pull"]["min_tokens"]["4"]["24"] = 0
+    with pytest.raises(AssertionError):
+        check_pull_section(broken)
     assert [p["op"] for p in table["pull"]["broadcast_pull"]["points"]] == ["broadcast_in_place"]
     ep2 = [_pull_record("dispatch", "push", 400.0, ep_size=2),
            _pull_record("dispatch", "pull", 410.0, ep_size=2)]
