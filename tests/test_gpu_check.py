@@ -134,19 +134,36 @@ def test_share_gpu_runs_the_chosen_files_with_the_process_count(tmp_path):
     assert "starting it" in output and (tmp_path / "mps" / "commands").read_text() == "quit\n", output
 
 
-def test_share_bench_times_the_process_group_benchmark_under_mps(tmp_path):
+def test_share_bench_times_the_process_group_benchmark_under_mps(tmp_path, monkeypatch):
     """SHARE_BENCH=N with SHARE_FILES=none: no tests, the process-model-2 benchmark with N processes on
-    GPU 0 under MPS (default arguments: the push / pull A/B), a small memory fraction per process."""
-    rc, output, out, calls = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="none", SHARE_BENCH="4",
-                                       MPS_PIPE_DIR=str(tmp_path / "mps"))
+    GPU 0 under MPS (default arguments: the push / pull A/B), a small memory fraction per process (not
+    the 0.6 the script gives its other steps: session 53 lost a run to that), the caller's if set."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    calls_file = tmp_path / "calls.txt"
+    stub = textwrap.dedent(f"""\
+        #!/bin/bash
+        if [ "$1" = -c ] && [[ "$2" == *mps_unavailable* ]]; then
+          PYTHONPATH={ROOT} exec {sys.executable} "$@"
+        fi
+        echo "$* MEM=$XLA_PYTHON_CLIENT_MEM_FRACTION" >> {calls_file}
+        """)
+    rc, output, out, calls = run_check(tmp_path, gpus=1, _stub=stub, SHARE_GPU="1", SHARE_FILES="none",
+                                       SHARE_BENCH="4", MPS_PIPE_DIR=str(tmp_path / "mps"))
     assert rc == 0, output
     assert not [c for c in calls if c.startswith("-m pytest")], calls
     (bench,) = [c for c in calls if "jax_ep.launch" in c]
+    assert bench.endswith("MEM=0.2"), bench
     assert "--nproc 4 --share-gpus tests/gpu/process_group_worker.py" in bench, bench
     assert f"--bench {out}/share_bench.json --bench-sms 16 --bench-pull both" in bench, bench
     summary = (out / "summary.txt").read_text()
     assert "process-model-2 benchmark, 4 processes on one GPU (MPS): rc=0" in summary, summary
     assert "tests on one GPU" not in summary and (tmp_path / "mps" / "commands").read_text() == "quit\n"
+    (tmp_path / "b").mkdir()
+    other = stub.replace(str(calls_file), str(tmp_path / "b" / "c"))
+    run_check(tmp_path / "b", gpus=1, _stub=other, SHARE_GPU="1", SHARE_FILES="none", SHARE_BENCH="2",
+              MPS_PIPE_DIR=str(tmp_path / "mps"), XLA_PYTHON_CLIENT_MEM_FRACTION="0.3")
+    bench = [c for c in (tmp_path / "b" / "c").read_text().splitlines() if "jax_ep.launch" in c]
+    assert len(bench) == 1 and bench[0].endswith("MEM=0.3"), bench
 
 
 def test_share_gpu_restarts_mps_when_only_a_stopped_daemons_socket_is_left(tmp_path):

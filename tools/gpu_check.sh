@@ -127,6 +127,7 @@ PY="${PYTHON:-python3}"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 # XLA preallocates this share of GPU memory; jax_ep's communication buffers (cudaMalloc) live in
 # the rest.
+user_mem_fraction="${XLA_PYTHON_CLIENT_MEM_FRACTION:-}"   # as the caller set it (SHARE_BENCH's default differs)
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
 export PYTHONUNBUFFERED=1
 
@@ -279,7 +280,8 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     if [ -n "${SHARE_BENCH:-}" ]; then
       start=$SECONDS
       eval "bench_args=(${SHARE_BENCH_ARGS:---bench-sms 16 --bench-pull both --bench-dtypes bfloat16 --bench-no-profile})"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.2} bounded_run "${SHARE_FILE_TIMEOUT:-400}" \
+      # N processes share the GPU: each preallocating 0.6 of it leaves no room (session 53 lost a run to it)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${user_mem_fraction:-0.2} bounded_run "${SHARE_FILE_TIMEOUT:-400}" \
         "$PY" -m jax_ep.launch --nproc "$SHARE_BENCH" --share-gpus tests/gpu/process_group_worker.py \
         --bench "$OUT/share_bench.json" "${bench_args[@]}" >"$OUT/share_bench.log" 2>&1
       rc=$?
