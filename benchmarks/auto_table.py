@@ -133,6 +133,19 @@ def build_pull(points: dict[str, list[dict]], old: dict | None = None) -> dict:
     return section
 
 
+def _op_points(ops: dict) -> list[dict]:
+    """Every point of the table's "ops" section."""
+    return [p for layouts in ops.values() for entry in layouts.values() for p in entry["points"]]
+
+
+def measured_on(points: list[dict]) -> dict[str, list[str]]:
+    """{EP size: the devices and dates its points were measured on}."""
+    devices = collections.defaultdict(set)
+    for p in points:
+        devices[str(p["ep_size"])].add(f"{p.get('device')} ({p.get('date')})")
+    return {e: sorted(d) for e, d in sorted(devices.items())}
+
+
 def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) -> dict:
     """The table from the points of one run (points_of; extended in place), keeping `old`'s points of
     the EP sizes the run did not measure (any op)."""
@@ -150,15 +163,10 @@ def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) ->
             "min_tokens": {str(e): auto_table.min_tokens([p for p in pts if p["ep_size"] == e])
                            for e in sizes},
             "points": pts}
-    measured_on = collections.defaultdict(set)
-    for layouts in ops.values():
-        for entry in layouts.values():
-            for p in entry["points"]:
-                measured_on[str(p["ep_size"])].add(f"{p.get('device')} ({p.get('date')})")
     return {
         "written_by": "python -m benchmarks.auto_table",
         "date": datetime.date.today().isoformat(),
-        "measured_on": {e: sorted(d) for e, d in sorted(measured_on.items())},
+        "measured_on": measured_on(_op_points(ops)),
         "time": "device µs per call (the sum of the op's kernels on GPU 0) where profiled, else wall",
         "ops": ops,
     }
@@ -227,11 +235,8 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
     pull = build_pull(pulled, None if replace and pulled else prior)
     if pull:
         table["pull"] = pull
-        measured_on = {e: set(d) for e, d in table["measured_on"].items()}
-        for entry in pull.values():
-            for p in entry["points"]:
-                measured_on.setdefault(str(p["ep_size"]), set()).add(f"{p.get('device')} ({p.get('date')})")
-        table["measured_on"] = {e: sorted(d) for e, d in sorted(measured_on.items())}
+        table["measured_on"] = measured_on(_op_points(table["ops"])
+                                           + [p for entry in pull.values() for p in entry["points"]])
     vetoes = layer_vetoes(layer_records or [])
     # a veto of an EP size this run did not measure again stays
     for ep, why in (old or {}).get("vetoed", {}).items():

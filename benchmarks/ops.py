@@ -575,7 +575,8 @@ def ll_overlap(mesh, cfg: EPConfig, dispatch_args, iters: int, repeats: int, rng
                 wire_gbps=None, num_sms=None, measured=True, **profiled)
 
 
-PULL_SETTINGS = ("auto", "push", "pull", "both")
+# --pull's settings and the KernelConfig.dispatch_pull / broadcast_pull value each sets ("both": push, pull)
+PULL_SETTINGS = {"auto": None, "push": False, "pull": True}
 
 
 def pull_fields(op: str, dispatch_op: str, cfg: EPConfig, ep_size: int) -> dict:
@@ -585,7 +586,7 @@ def pull_fields(op: str, dispatch_op: str, cfg: EPConfig, ep_size: int) -> dict:
     knob_op = (op if op.startswith("broadcast_rank") else "broadcast" if op.startswith("broadcast")
                else dispatch_op)
     return dict(pull=cuda_backend.pulls(knob_op, cfg, ep_size),
-                pull_setting={None: "auto", False: "push", True: "pull"}[cfg.kernel.dispatch_pull])
+                pull_setting={v: k for k, v in PULL_SETTINGS.items()}[cfg.kernel.dispatch_pull])
 
 
 def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats, rank_major=False,
@@ -760,7 +761,7 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
                             help="comma-separated backends; those this machine lacks are skipped")
         parser.add_argument("--num-sms", default=None, type=_positive_ints,
                             help="comma-separated SM counts for the cuda kernels (default: KernelConfig's)")
-        parser.add_argument("--pull", default="auto", choices=PULL_SETTINGS,
+        parser.add_argument("--pull", default="auto", choices=(*PULL_SETTINGS, "both"),
                             help="the rows of the cuda dispatch and broadcast as KernelConfig's default "
                                  "takes them (auto: the auto table's choice), pushed by the senders, "
                                  "pulled by the receivers (KernelConfig.dispatch_pull and "
@@ -901,7 +902,7 @@ def main(argv=None) -> list[dict]:
                 continue
             kernels = [None]
             if backend == "cuda":
-                pulls = {"auto": [None], "push": [False], "pull": [True], "both": [False, True]}[args.pull]
+                pulls = [False, True] if args.pull == "both" else [PULL_SETTINGS[args.pull]]
                 sms = [int(n) for n in args.num_sms.split(",")] if args.num_sms else [None]
                 if sms != [None] or pulls != [None]:
                     kernels = [KernelConfig(num_sms=n, dispatch_pull=pull, broadcast_pull=pull)

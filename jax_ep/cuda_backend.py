@@ -257,21 +257,22 @@ def _transport(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None) 
     "auto" takes puts when, in process model 2, some process of the job cannot be reached by
     loads / stores (the EP group is not known at trace time, only the job). Raises
     NotImplementedError naming the op where neither transport can serve it. Over loads / stores the
-    dispatches and broadcasts take their pull form where ``pull_choice`` says so (combine_bwd, the broadcast
-    kernel that computes, has none). ``blocks``: the call's (``call_blocks``; None: num_sms's)."""
+    dispatches and broadcasts take their pull form where ``pull_choice`` says so (combine_bwd, the
+    broadcast kernel that computes, has none). ``blocks``: the call's (``call_blocks``; None:
+    num_sms's)."""
     transport = _peer_transport(op, cfg)
     choice = pull_choice(op, cfg, ep_size, blocks)
     if choice is None or not choice[0]:
         return transport
+    if transport == TRANSPORT_LOAD_STORE:
+        return TRANSPORT_PULL
     knob = pull_knob(op)
-    if getattr(cfg.kernel, knob) is None:   # auto: pulled over loads / stores only
-        return TRANSPORT_PULL if transport == TRANSPORT_LOAD_STORE else transport
-    if transport == TRANSPORT_PUT:
-        raise EPUnsupportedError(
-            f"jax_ep: {op} with KernelConfig({knob}=True) needs NVLink / P2P loads, and this call site "
-            "takes the NVSHMEM put transport (KernelConfig.transport, or a job that spans nodes); pass "
-            f"{knob}=False")
-    return TRANSPORT_PULL
+    if getattr(cfg.kernel, knob) is None:   # auto: the put transport pushes
+        return transport
+    raise EPUnsupportedError(
+        f"jax_ep: {op} with KernelConfig({knob}=True) needs NVLink / P2P loads, and this call site "
+        "takes the NVSHMEM put transport (KernelConfig.transport, or a job that spans nodes); pass "
+        f"{knob}=False")
 
 
 def pull_knob(op: str) -> str | None:
@@ -320,10 +321,16 @@ def kernel_blocks(kernel: KernelConfig, side: bool = False) -> int:
 
 
 def call_blocks(op: str, kernel: KernelConfig) -> int:
-    """``kernel_blocks`` of a call of ``op`` traced here: inside ``jax_ep.overlap.beside``'s block the
-    call goes on jax_ep's side stream (``_call``) and takes side_num_sms."""
-    side = kernel.async_stream is None and overlap.claim() is not None and runtime.has_variant(op, "side")
-    return kernel_blocks(kernel, side)
+    """``kernel_blocks`` of a call of ``op`` traced here: on jax_ep's side stream (``_side_work``) it
+    takes side_num_sms."""
+    return kernel_blocks(kernel, side=_side_work(op, kernel) is not None)
+
+
+def _side_work(op: str, kernel: KernelConfig) -> overlap.Beside | None:
+    """The open ``jax_ep.overlap.beside`` block's work that a call of ``op`` traced here takes onto
+    jax_ep's side stream (an op with a side target, not on an XLA stream of its own), else None."""
+    work = overlap.claim() if kernel.async_stream is None else None
+    return work if work is not None and runtime.has_variant(op, "side") else None
 
 
 def _peer_transport(op: str, cfg: EPConfig) -> int:
@@ -454,7 +461,7 @@ def _call(op: str, out_types, *args, kernel: KernelConfig | None = None, aliases
     # runs after every EP call before it in program order, whatever each process's XLA schedules.
     # On a stream of its own, the target XLA keeps out of command buffers: inside one an async region
     # runs in series with the rest (xla_ffi/handler_util.h, JAX_EP_DEFINE_ASYNC_EXECUTE).
-    work = overlap.claim() if stream is None and runtime.has_variant(op, "side") else None
+    work = _side_work(op, kernel)
     args = overlap.after_previous(args, side=work is not None)
     if work is not None:  # inside jax_ep.overlap.beside: on jax_ep's side stream, beside work.fn
         if kernel.side_num_sms is not None and _data_kernel(op):
