@@ -30,7 +30,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    # `make test` leaves these out (-m 'not gpu and not slow'); `make test-all` and CI (.ci/run) run them
+    # `make test` leaves these out (-m 'not gpu and not slow'); make test-all runs them (CI: make test)
     config.addinivalue_line("markers", "slow: a long CPU test (emulator sweeps, hypothesis pool tail, multi-"
                             "process and example runs, the tail of a sweep): make test-all, not make test")
     # read by tests/gpu/gpu_helpers.py at import (the GPU modules size their meshes from it)

@@ -76,8 +76,9 @@ def run_logged(commands: dict[str, list[str]], tmp, *, cwd, env=None, wait_s: fl
 def parametrize_slow_tail(argnames, argvalues, *, fast=1, **kwargs):
     """``pytest.mark.parametrize(argnames, argvalues, **kwargs)`` whose first ``fast`` values (or, if
     ``fast`` is a collection, the values at those indices) run in the default suite (``make test``) and
-    the others carry the ``slow`` marker (``make test-all`` and CI run them): a sweep keeps a cheap
-    representative in every run and its tail in CI. Values that are ``pytest.param`` keep their marks."""
+    the others carry the ``slow`` marker (``make test-all`` runs them): a sweep keeps a cheap
+    representative in every run and its tail in ``make test-slow``. Values that are ``pytest.param`` keep
+    their marks."""
     import pytest
 
     names = argnames.split(",") if isinstance(argnames, str) else list(argnames)

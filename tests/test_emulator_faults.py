@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "tools" / "kernel_emulator" / "fault_run.py"
 
 
-@pytest.mark.slow  # make test-all (CI); make test runs the emulator's smoke cases
+@pytest.mark.slow  # make test-all; make test runs the emulator's smoke cases
 def test_a_rank_dying_mid_call_on_the_emulator(tmp_path):
     if shutil.which("g++") is None:
         if os.environ.get("CI"):

@@ -27,7 +27,7 @@ default profile) every property runs on every configuration of a fixed pool (POO
 seeded random draw, its coverage asserted by test_pool_covers_the_space), 8 examples each, derandomised
 (the same examples every run, no example database), so the compilations are shared by all the
 properties: about 30 s on 2 cores. `make test` runs the edge cases; the random rest of the pool is
-marked slow (`make test-all`, CI). ``JAX_EP_FUZZ=thorough`` draws the static configurations too (one
+marked slow (`make test-all`). ``JAX_EP_FUZZ=thorough`` draws the static configurations too (one
 compilation per example, about a second each) with random seeds, JAX_EP_FUZZ_EXAMPLES examples per
 property (default 200). A failure prints the example and a @reproduce_failure blob.
 """
@@ -187,7 +187,7 @@ def static_id(s: Static | None) -> str:
 
 
 # CI: every property on every configuration of the pool; thorough: configurations drawn too. `make test`
-# takes the edge cases, the seeded random rest of the pool is marked slow (`make test-all` and CI run it).
+# takes the edge cases, the seeded random rest of the pool is marked slow (`make test-all` runs it).
 STATICS = parametrize_slow_tail("static", [None] if PROFILE == "thorough" else POOL, ids=static_id,
                                 fast=len(_edge_cases()))
 

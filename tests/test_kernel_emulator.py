@@ -5,7 +5,7 @@ elsewhere a skip. Each test builds its driver with g++ (~20 s on 2 cores), then 
 
 `make test` runs the smoke cases (``run.py --quick``, ``ll_run.py --quick``: the throughput and the
 low-latency kernels, together about a minute); the sweeps, masks, token tiles, fingerprints and the put
-transport (about 12 minutes on 2 cores) are marked slow: `make test-all` and CI run them.
+transport (about 12 minutes on 2 cores) are marked slow: `make test-all` runs them.
 """
 
 from __future__ import annotations
