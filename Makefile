@@ -23,8 +23,8 @@ demo: install
 # Tests: GPU tests (marker gpu) run on a GPU machine (pytest -m gpu tests/gpu). `make test` is the fast
 # default suite: every public op, backend path and the kernel emulator's smoke cases; the long tests
 # (marker slow: emulator sweeps, hypothesis pool tails, multi-process and example runs, sweep tails) run
-# with `make test-slow`. `make test-all` runs both, each test once. CI (.ci/run) runs `make test` (both did
-# not fit in its 90 minutes); sessions run `make test-slow` before they stop.
+# with `make test-slow`. `make test-all` runs both, each test once. CI (.ci/run) runs `make test` (.ci/run
+# says why).
 PYTEST_ARGS ?=
 test: install
 	$(PY) -m pytest -q -m 'not gpu and not slow' $(PYTEST_ARGS)

@@ -22,8 +22,8 @@ The properties, each a test of its own:
     output bit-identical and finite.
   * the same jitted call repeated gives the same bits.
 
-Cost: a jitted dispatch (with the layout) and a jitted combine per static configuration. In CI (the
-default profile) every property runs on every configuration of a fixed pool (POOL: edge cases and a
+Cost: a jitted dispatch (with the layout) and a jitted combine per static configuration. With the
+default profile every property runs on every configuration of a fixed pool (POOL: edge cases and a
 seeded random draw, its coverage asserted by test_pool_covers_the_space), 8 examples each, derandomised
 (the same examples every run, no example database), so the compilations are shared by all the
 properties: about 30 s on 2 cores. `make test` runs the edge cases; the random rest of the pool is
@@ -186,8 +186,8 @@ def static_id(s: Static | None) -> str:
             f"-a{s.align}-{short[s.x_dtype]}to{short[s.row_dtype]}-y{short[s.y_dtype]}")
 
 
-# CI: every property on every configuration of the pool; thorough: configurations drawn too. `make test`
-# takes the edge cases, the seeded random rest of the pool is marked slow (`make test-all` runs it).
+# default profile: every property on every configuration of the pool; thorough: configurations drawn too.
+# `make test` takes the edge cases; the seeded random rest of the pool is marked slow (`make test-all`).
 STATICS = parametrize_slow_tail("static", [None] if PROFILE == "thorough" else POOL, ids=static_id,
                                 fast=len(_edge_cases()))
 
