@@ -12,9 +12,9 @@
 #               under CUDA MPS (pytest --share-gpu; for one-GPU machines: without it they skip there):
 #               starts the MPS daemon (pipes in $MPS_PIPE_DIR, default /tmp/jax_ep_mps_pipe; logs in
 #               $OUT/mps_log) unless one is running there, and stops it after; one pytest per test file
-#               (SHARE_FILE_TIMEOUT each, default 400 s; SHARE_TIMEOUT in all, default 2400; JUnit XML
-#               $OUT/gpu-tests-shared_<file>.xml each, for tools/gpu_tests_record.py --junit);
-#               SHARE_PYTEST_ARGS extra pytest arguments. Runs with
+#               (SHARE_FILE_TIMEOUT each, default 540 s: process_group took 345 s on 2026-12-03; SHARE_TIMEOUT
+#               in all, default 2400; JUnit XML $OUT/gpu-tests-shared_<file>.xml each, for
+#               tools/gpu_tests_record.py --junit); SHARE_PYTEST_ARGS extra pytest arguments. Runs with
 #               SKIP_TESTS=1 too. Timings under MPS are not those of separate GPUs.
 #               SHARE_FILES=none: no tests. SHARE_BENCH=N then times the process-model-2 benchmark with N
 #               processes on GPU 0 (tests/gpu/process_group_worker.py --bench $OUT/share_bench.json plus
@@ -263,7 +263,7 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     for file in $share_files; do
       echo "---- $file" >>"$OUT/gpu-tests-shared.log"
       # JUnit XML per file: without it tools/gpu_tests_record.py counts from the log and marks the run incomplete
-      bounded_run "${SHARE_FILE_TIMEOUT:-400}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
+      bounded_run "${SHARE_FILE_TIMEOUT:-540}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
         --durations=5 --junitxml="$OUT/gpu-tests-shared_$(basename "$file" .py).xml" "${share_args[@]}" \
         >>"$OUT/gpu-tests-shared.log" 2>&1
       rc=$?
@@ -281,7 +281,7 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
       start=$SECONDS
       eval "bench_args=(${SHARE_BENCH_ARGS:---bench-sms 16 --bench-pull both --bench-dtypes bfloat16 --bench-no-profile})"
       # N processes share the GPU: each preallocating 0.6 of it leaves no room (session 53 lost a run to it)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${user_mem_fraction:-0.2} bounded_run "${SHARE_FILE_TIMEOUT:-400}" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${user_mem_fraction:-0.2} bounded_run "${SHARE_FILE_TIMEOUT:-540}" \
         "$PY" -m jax_ep.launch --nproc "$SHARE_BENCH" --share-gpus tests/gpu/process_group_worker.py \
         --bench "$OUT/share_bench.json" "${bench_args[@]}" >"$OUT/share_bench.log" 2>&1
       rc=$?
