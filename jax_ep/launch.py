@@ -22,8 +22,8 @@ fewer than N*K (``--nproc 2`` on a one-GPU host: both processes on GPU 0). A pro
 one GPU twice. Processes sharing a GPU must run their kernels at the same time (jax_ep's kernels
 spin-wait on each other's), which needs CUDA MPS: the launcher refuses to start when a GPU is shared
 and no MPS daemon answers at its control pipe (``$CUDA_MPS_PIPE_DIRECTORY/control``, default
-``/tmp/nvidia-mps/control``; a stopped daemon leaves it behind, so ``mps_unavailable`` connects to
-it), and gives each process ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 // (processes per GPU)
+``/tmp/nvidia-mps/control``; a stopped daemon leaves it behind, so ``jax_ep.mps.mps_unavailable``
+connects to it), and gives each process ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 // (processes per GPU)
 unless it is set, so the persistent kernels of every process fit on the GPU beside the others'.
 That held for 2 processes per GPU; with 3 and 4 (one H100, 2026-11-24) the fused low-latency ops
 waited out their timeout in ll_combine at the default grid, and passed with
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import functools
 import glob
 import os
@@ -68,7 +67,6 @@ import pathlib
 import resource
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -82,6 +80,7 @@ from jax_ep.distributed import (
     ENV_PROCESS_ID,
     LAUNCHER,
 )
+from jax_ep.mps import mps_unavailable
 
 PREFIX = LAUNCHER + ":"
 TIMEOUT_EXIT_CODE = 124
@@ -196,44 +195,6 @@ def host_gpu_count() -> int:
         names = [v for v in visible.split(",") if v.strip()]
         return 0 if names[:1] == ["-1"] else len(names)
     return len(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def mps_control_pipe() -> pathlib.Path:
-    """The control pipe of the CUDA MPS daemon this user's CUDA processes would connect to."""
-    return pathlib.Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
-
-
-def mps_unavailable(pipe: pathlib.Path | None = None) -> str | None:
-    """Why no CUDA MPS control daemon answers at ``pipe`` (default ``mps_control_pipe()``), or None when
-    one does. The pipe's existence proves nothing: a stopped daemon leaves its control socket behind,
-    and CUDA then runs its clients without MPS, silently (seen on one H200, 2026-12-01: processes
-    sharing the GPU took turns on it, and a test whose kernels trap hung). So this connects to it."""
-    pipe = pipe or mps_control_pipe()
-    try:
-        mode = pipe.stat().st_mode
-    except FileNotFoundError:
-        return f"no control pipe {pipe}"
-    stale = "a stopped daemon left it behind"
-    if stat.S_ISSOCK(mode):   # CUDA 13's daemon: a UNIX socket
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(5.0)
-            try:
-                s.connect(str(pipe))
-            except OSError as e:
-                # EPROTOTYPE: a socket of another type is bound at the path, and only a live process holds
-                # one (H200, CUDA 13, 2026-12-01: the daemon's is not a stream socket); a stopped daemon's
-                # file has none bound (ECONNREFUSED). Nothing is sent to the daemon either way.
-                if e.errno == errno.EPROTOTYPE:
-                    return None
-                return f"its control socket {pipe} refuses connections ({e.strerror or e}): {stale}"
-        return None
-    if stat.S_ISFIFO(mode):   # a named pipe, held open for reading while its daemon runs
-        try:
-            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError as e:
-            return f"its control pipe {pipe} has no reader ({e.strerror or e}): {stale}"
-        return None
-    return f"{pipe} is neither a socket nor a named pipe"
 
 
 def shared_gpus(ids: list[int], k: int) -> dict[int, list[int]]:

@@ -50,10 +50,10 @@ def run_check(tmp_path: Path, gpus: int, _stub: str | None = None,
     smi = f'#!/bin/bash\n[ "$1" = -L ] && {{ {listing}exit 0; }}\necho stub-smi\n'
     (bin_dir / "nvidia-smi").write_text(smi)
     calls = tmp_path / "calls.txt"
-    # the script's MPS probe (jax_ep.launch.mps_unavailable) runs in a real interpreter
+    # the script's MPS probe (jax_ep/mps.py) runs in a real interpreter
     (bin_dir / "py").write_text(_stub or textwrap.dedent(f"""\
         #!/bin/bash
-        if [ "$1" = -c ] && [[ "$2" == *mps_unavailable* ]]; then
+        if [ "$1" = -c ] && [[ "$2" == *jax_ep/mps.py* ]]; then
           PYTHONPATH={ROOT} exec {sys.executable} "$@"
         fi
         echo "$*" >> {calls}
@@ -142,7 +142,7 @@ def test_share_bench_times_the_process_group_benchmark_under_mps(tmp_path, monke
     calls_file = tmp_path / "calls.txt"
     stub = textwrap.dedent(f"""\
         #!/bin/bash
-        if [ "$1" = -c ] && [[ "$2" == *mps_unavailable* ]]; then
+        if [ "$1" = -c ] && [[ "$2" == *jax_ep/mps.py* ]]; then
           PYTHONPATH={ROOT} exec {sys.executable} "$@"
         fi
         echo "$* MEM=$XLA_PYTHON_CLIENT_MEM_FRACTION" >> {calls_file}
@@ -650,7 +650,7 @@ def test_sweep_at_several_ep_sizes_in_one_call(tmp_path):
     calls = tmp_path / "calls.txt"
     stub = textwrap.dedent(f"""\
         #!/bin/bash
-        if [ "$1" = -c ] && [[ "$2" == *mps_unavailable* ]]; then
+        if [ "$1" = -c ] && [[ "$2" == *jax_ep/mps.py* ]]; then
           PYTHONPATH={ROOT} exec {sys.executable} "$@"
         fi
         echo "CVD=${{CUDA_VISIBLE_DEVICES:-all}} $*" >> {calls}

@@ -22,6 +22,7 @@ from helpers import assert_bits_equal, run_logged
 
 import jax_ep.distributed as dist
 from jax_ep import launch
+from jax_ep import mps as mps_probe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
@@ -355,24 +356,48 @@ def mps(monkeypatch, request):
 def test_mps_unavailable_connects_to_the_control_pipe(mps):
     """No pipe, a listening socket, the socket a stopped daemon left, a named pipe with and without a
     reader, a plain file: mps_unavailable says which, None only when something answers."""
-    assert launch.mps_unavailable() == f"no control pipe {mps.pipe}"
+    assert mps_probe.mps_unavailable() == f"no control pipe {mps.pipe}"
     mps.start()
-    assert launch.mps_unavailable() is None and launch.mps_unavailable(mps.pipe) is None
+    assert mps_probe.mps_unavailable() is None and mps_probe.mps_unavailable(mps.pipe) is None
     mps.stop()
-    why = launch.mps_unavailable()
+    why = mps_probe.mps_unavailable()
     assert why.startswith(f"its control socket {mps.pipe} refuses connections (") and why.endswith(
         "a stopped daemon left it behind"), why
     fifo = mps.pipe.with_name("fifo")
     os.mkfifo(fifo)
-    assert launch.mps_unavailable(fifo).startswith(f"its control pipe {fifo} has no reader ("), fifo
+    assert mps_probe.mps_unavailable(fifo).startswith(f"its control pipe {fifo} has no reader ("), fifo
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        assert launch.mps_unavailable(fifo) is None
+        assert mps_probe.mps_unavailable(fifo) is None
     finally:
         os.close(reader)
     plain = mps.pipe.with_name("plain")
     plain.write_text("")
-    assert launch.mps_unavailable(plain) == f"{plain} is neither a socket nor a named pipe"
+    assert mps_probe.mps_unavailable(plain) == f"{plain} is neither a socket nor a named pipe"
+
+
+def test_mps_probe_run_by_path_imports_no_jax_and_exits_by_the_answer(mps):
+    """tools/gpu_check.sh asks by running jax_ep/mps.py by path: it prints why no daemon answers and
+    exits 0, or exits 1 when one answers, without importing JAX or jax_ep (2-3 s an import)."""
+    probe = textwrap.dedent(f"""\
+        import runpy, sys
+        try:
+            runpy.run_path({str(ROOT / "jax_ep" / "mps.py")!r}, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        print("imported:", sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jax_ep")))
+        sys.exit(code)
+        """)
+
+    def ask() -> tuple[int, str]:
+        proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    code, out = ask()
+    assert code == 0 and out == f"no control pipe {mps.pipe}\nimported: []\n", (code, out)
+    mps.start()
+    code, out = ask()
+    assert code == 1 and out == "\nimported: []\n", (code, out)
 
 
 @pytest.mark.parametrize("mps", ["SOCK_SEQPACKET", "SOCK_DGRAM"], indirect=True)
@@ -381,9 +406,9 @@ def test_mps_unavailable_takes_a_daemon_socket_of_another_type(mps):
     gives EPROTOTYPE): a socket of another type bound at the path is a live daemon's, the file it
     leaves when closed is a stopped one's."""
     mps.start()
-    assert launch.mps_unavailable() is None
+    assert mps_probe.mps_unavailable() is None
     mps.stop()
-    why = launch.mps_unavailable()
+    why = mps_probe.mps_unavailable()
     assert why is not None and why.startswith(f"its control socket {mps.pipe} refuses connections ("), why
 
 
@@ -410,7 +435,7 @@ def test_launcher_share_gpus_needs_mps(mps, monkeypatch):
         assert "nvidia-cuda-mps-control -d" in text and "wait on each other's" in text, text
     # enough GPUs: nothing is shared, nothing to check
     assert shared("--nproc", "2", gpus=2) == [("0", None), ("1", None)]
-    assert launch.mps_control_pipe() == mps.pipe
+    assert mps_probe.mps_control_pipe() == mps.pipe
     mps.start()
     assert launch.process_envs(share_args("--nproc", "2"), gpus=1)
     mps.stop()   # the socket stays: still refused, saying so
@@ -418,7 +443,7 @@ def test_launcher_share_gpus_needs_mps(mps, monkeypatch):
                                          r"connections \(.*\): a stopped daemon left it behind\)"):
         launch.process_envs(share_args("--nproc", "2"), gpus=1)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
-    assert launch.mps_control_pipe() == pathlib.Path("/tmp/nvidia-mps/control")
+    assert mps_probe.mps_control_pipe() == pathlib.Path("/tmp/nvidia-mps/control")
 
 
 def test_launcher_share_gpus_devices(mps, monkeypatch):

@@ -225,8 +225,9 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
   export CUDA_MPS_PIPE_DIRECTORY="${MPS_PIPE_DIR:-/tmp/jax_ep_mps_pipe}" CUDA_MPS_LOG_DIRECTORY="$OUT/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   # a daemon answers at the control socket (a stopped one leaves the socket behind, and CUDA then runs
-  # its clients without MPS, silently: jax_ep.launch.mps_unavailable connects to it)
-  mps_down() { "$PY" -c 'import sys; from jax_ep.launch import mps_unavailable; w = mps_unavailable(); print(w or ""); sys.exit(w is None)'; }
+  # its clients without MPS, silently: jax_ep/mps.py connects to it; run by path, it imports no JAX,
+  # which took 2-3 s a call, up to ~12 calls a run)
+  mps_down() { "$PY" -c 'import runpy; runpy.run_path("jax_ep/mps.py", run_name="__main__")'; }
   stop_mps() {   # and wait for it to go, so that the next start does not meet a daemon shutting down
     echo quit | nvidia-cuda-mps-control
     for _ in $(seq 10); do mps_down >/dev/null && return; sleep 0.5; done
