@@ -19,6 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 
 
+# The stub interpreters' first lines: the script's MPS probe (jax_ep/mps.py, run by path from the
+# repository root, standard library only) runs in a real interpreter.
+STUB_HEAD = f"""#!/bin/bash
+if [ "$1" = -c ] && [[ "$2" == *jax_ep/mps.py* ]]; then exec {sys.executable} "$@"; fi
+"""
+
 MPS_STUB = """#!/bin/bash
 pipe=$CUDA_MPS_PIPE_DIRECTORY
 if [ "$1" = -d ]; then
@@ -50,12 +56,7 @@ def run_check(tmp_path: Path, gpus: int, _stub: str | None = None,
     smi = f'#!/bin/bash\n[ "$1" = -L ] && {{ {listing}exit 0; }}\necho stub-smi\n'
     (bin_dir / "nvidia-smi").write_text(smi)
     calls = tmp_path / "calls.txt"
-    # the script's MPS probe (jax_ep/mps.py) runs in a real interpreter
-    (bin_dir / "py").write_text(_stub or textwrap.dedent(f"""\
-        #!/bin/bash
-        if [ "$1" = -c ] && [[ "$2" == *jax_ep/mps.py* ]]; then
-          PYTHONPATH={ROOT} exec {sys.executable} "$@"
-        fi
+    (bin_dir / "py").write_text(_stub or STUB_HEAD + textwrap.dedent(f"""\
         echo "$*" >> {calls}
         echo "stub python $*"
         """))
@@ -140,11 +141,7 @@ def test_share_bench_times_the_process_group_benchmark_under_mps(tmp_path, monke
     the 0.6 the script gives its other steps: session 53 lost a run to that), the caller's if set."""
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     calls_file = tmp_path / "calls.txt"
-    stub = textwrap.dedent(f"""\
-        #!/bin/bash
-        if [ "$1" = -c ] && [[ "$2" == *jax_ep/mps.py* ]]; then
-          PYTHONPATH={ROOT} exec {sys.executable} "$@"
-        fi
+    stub = STUB_HEAD + textwrap.dedent(f"""\
         echo "$* MEM=$XLA_PYTHON_CLIENT_MEM_FRACTION" >> {calls_file}
         """)
     rc, output, out, calls = run_check(tmp_path, gpus=1, _stub=stub, SHARE_GPU="1", SHARE_FILES="none",
@@ -648,11 +645,7 @@ def test_sweep_at_several_ep_sizes_in_one_call(tmp_path):
     and log named by the size, the pull part's decisions gathered in one copy of the table; a size
     above the GPUs, and pg, are refused by name (the call fails, the other sizes still run)."""
     calls = tmp_path / "calls.txt"
-    stub = textwrap.dedent(f"""\
-        #!/bin/bash
-        if [ "$1" = -c ] && [[ "$2" == *jax_ep/mps.py* ]]; then
-          PYTHONPATH={ROOT} exec {sys.executable} "$@"
-        fi
+    stub = STUB_HEAD + textwrap.dedent(f"""\
         echo "CVD=${{CUDA_VISIBLE_DEVICES:-all}} $*" >> {calls}
         """)
     rc, output, out, lines = run_check(tmp_path, gpus=4, _stub=stub, SWEEP="pull", SWEEP_EP="2,4")
