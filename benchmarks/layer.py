@@ -23,10 +23,11 @@ GEMM), and ``jax_ep_fp8_bf16_wire`` is the cached form with a bfloat16 wire inst
 ``ep_cuda_async_chunks2`` (only when named): the tokens in 2 chunks (``EPOptions(chunks=2)``), the latter
 with the EP kernels on an async stream, so one chunk's exchange can overlap the other's expert GEMMs;
 ``jax_ep_dy_zeroed`` (only when named): the defaults with ``EPOptions(dy_in_place=False)`` (combine's
-backward writes every row of the receive buffer), beside ``jax_ep``; ``jax_ep_gate_in_experts`` and
-``jax_ep_fp8_cached_gate_in_experts`` (only when named): ``EPOptions(gate_weights="experts")`` (the gate
-weights scale SwiGLU's rows, combine sums unweighted and its backward is a broadcast) with the bf16 and
-the cached FP8 GEMMs; ``jax_ep_mb2`` (only when named): two micro-batches in one jitted step, their losses
+backward writes every row of the receive buffer), beside ``jax_ep``; ``jax_ep_gate_in_combine`` and
+``jax_ep_fp8_cached_gate_in_combine`` (only when named): ``EPOptions(gate_weights="combine")`` (combine
+weights each token's rows and its backward reads them again for the weights' gradient: the default
+before 2026-12-04; the default "auto" scales SwiGLU's rows on the flat exchange) with the bf16 and the
+cached FP8 GEMMs; ``jax_ep_mb2`` (only when named): two micro-batches in one jitted step, their losses
 summed (gradient accumulation's program), in series, and ``ep_cuda_async_mb2_free12`` /
 ``ep_cuda_async_mb2_free24`` the same with the EP kernels on XLA stream 1 on 12 / 24 SMs and the expert
 GEMMs on the rest (``MoE(gemm_num_sms=...)``), so that one micro-batch's exchanges can run beside the
@@ -123,11 +124,12 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the defaults with XLA's SwiGLU over every row (MoE(swiglu_backend="xla")) instead of the
            # Triton kernels over the live rows that "auto" takes on Hopper: the same-run comparison
            "jax_ep_xla_swiglu": dict(backend="auto", gemm="auto", swiglu_backend="xla"),
-           # the gate weights applied in the experts (EPOptions(gate_weights="experts"): SwiGLU scales each
-           # row, combine sums unweighted, its backward a broadcast), bf16 and cached FP8 GEMMs
-           "jax_ep_gate_in_experts": dict(backend="auto", gemm="auto", gate_weights="experts"),
-           "jax_ep_fp8_cached_gate_in_experts": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
-                                                     fp8_cached=True, gate_weights="experts"),
+           # the gate weights applied in combine (EPOptions(gate_weights="combine"): combine weights the
+           # rows, its backward reads them again) against the default's SwiGLU-scaled rows, bf16 and
+           # cached FP8 GEMMs
+           "jax_ep_gate_in_combine": dict(backend="auto", gemm="auto", gate_weights="combine"),
+           "jax_ep_fp8_cached_gate_in_combine": dict(backend="auto", gemm="auto", gemm_dtype="float8_e4m3fn",
+                                                     fp8_cached=True, gate_weights="combine"),
            # two micro-batches in one jitted step (gradient accumulation's loss sum): in series (the
            # defaults), or each exchange on XLA stream 1 with `free` SMs (KernelConfig.num_sms) and the
            # expert GEMMs on the others (MoE(gemm_num_sms=SMs - free)), so that one micro-batch's
@@ -171,8 +173,8 @@ for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunk
 # configurations timed only when named in --layer-configs
 NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_fp8_bf16_wire", "jax_ep_chunks2",
-              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_experts",
-              "jax_ep_fp8_cached_gate_in_experts", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
+              "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_combine",
+              "jax_ep_fp8_cached_gate_in_combine", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
               "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24", "jax_ep_mb2_nocb",
               "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb",
               "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24",

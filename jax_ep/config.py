@@ -165,9 +165,10 @@ class KernelConfig:
         staging after the sender's next call rewrote it) and over puts. Every rank of a group must
         agree: a mismatch fails on every rank (fingerprint field "transport").
       broadcast_pull: the same for broadcast and broadcast_rank_major (the backward of an unweighted
-        combine, ``MoE(gate_weights="experts")``), not for ``combine_bwd`` (the weighted combine's
-        fused backward reads a token's row once per group of up to 3 of its rows: pulled, each read
-        would cross NVLink). None (default): as the auto table measured, as for dispatch_pull.
+        combine: the MoE layer's on the flat exchange, ``EPOptions.gate_weights``), not for
+        ``combine_bwd`` (the weighted combine's fused backward reads a token's row once per group of up
+        to 3 of its rows: pulled, each read would cross NVLink). None (default): as the auto table
+        measured, as for dispatch_pull.
     Tuned on H200 (docs/benchmarks.md, tools/ep_tune.py). Limits a kernel has (warps per block) are
     checked where the kernel is chosen, against the values the extension reports.
     """

@@ -85,7 +85,7 @@ SCOPES = {"router": "moe_router", "dispatch": "moe_dispatch", "experts": "moe_ex
 EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dispatch_dtype", "backend",
                                                                  "checked")},
                     "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool",
-                    "gate_weights": ("combine", "experts"), "shared_beside": "bool",
+                    "gate_weights": ("auto", "combine", "experts"), "shared_beside": "bool",
                     "weight_grad_beside": "bool"}
 
 
@@ -126,13 +126,18 @@ class EPOptions:
         the bytes it saves at the worst-case capacity; against False (``benchmarks --layer``, config
         ``jax_ep_dy_zeroed``) a tie on 2 H200s (2026-11-29: DeepSeek-V3 step 22.30 / 22.34 and 22.60 /
         22.79 ms, mid 6.75 / 6.34 and 6.46 / 6.46; docs/benchmarks.md, session 25).
-      gate_weights: where the throughput path applies the gate weights. "combine" (default): combine sums
-        each token's expert outputs weighted, and its backward reads the outputs again for the weights'
-        gradient. "experts": each row's SwiGLU output is scaled by its weight before the down GEMM
-        (``expert_block(row_weights=...)``; linear, so the same function, rounded at another place), combine
-        sums the rows unweighted and its backward is a plain broadcast (in place with ``dy_in_place``),
-        the weights' gradient a row dot product inside SwiGLU's backward, which reads those rows anyway.
-        Flat exchange only (not with ``node_axis``).
+      gate_weights: where the throughput path applies the gate weights. "combine": combine sums each
+        token's expert outputs weighted, and its backward reads the outputs again for the weights'
+        gradient (``combine_bwd``). "experts": each row's SwiGLU output is scaled by its weight before the
+        down GEMM (``expert_block(row_weights=...)``; linear, so the same function, rounded at another
+        place), combine sums the rows unweighted and its backward is a plain broadcast (in place with
+        ``dy_in_place``: dispatch's bytes), the weights' gradient a row dot product inside SwiGLU's
+        backward, which reads those rows anyway. Flat exchange only (not with ``node_axis``). "auto"
+        (default): "experts" on the flat exchange, "combine" with ``node_axis``. Why: combine's backward
+        in place took 1.34-1.51x dispatch's time, the in-place broadcast 0.94-0.98x (4 processes under
+        CUDA MPS on one H200, DeepSeek-V3, 8-24 SMs, 2026-12-03, docs/benchmarks.md session 52); on one
+        H200 at the EP2 rank's work (2026-12-01, session 37) combine's backward 0.30 -> 0.15 ms, SwiGLU's
+        backward +0.03 ms, the step a tie at DeepSeek-V3 (18.49 vs 18.52 ms) and -1.0% at mid.
       shared_beside: with a shared expert (``MoE(shared_ffn_hidden=...)``), the shared expert runs on
         each rank's tokens inside the layer, beside an exchange on jax_ep's side stream
         (``jax_ep.overlap.beside``): on the throughput path its forward beside the last combine and its
@@ -171,7 +176,7 @@ class EPOptions:
     kernel: KernelConfig = KernelConfig()
     chunks: int = 1
     dy_in_place: bool = True
-    gate_weights: str = "combine"
+    gate_weights: str = "auto"
     shared_beside: bool = False
     weight_grad_beside: bool = False
 
@@ -775,7 +780,7 @@ class MoE(nnx.Module):
         gradient. Returns (out, rows per local expert,
         pairs dropped, the shared expert's output or None)."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
-        in_experts = self.ep.gate_weights == "experts"
+        in_experts = self._gate_weights() == "experts"
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
                     else _HierarchicalExchange(cfg, self.node_axis))
         gemms = _ExpertGEMMs(self.gemm, self.gemm_dtype, self.fp8_weight_grad, self.gemm_num_sms)
@@ -829,6 +834,13 @@ class MoE(nnx.Module):
         expert_counts = sum(d.expert_counts for (d, _), _ in sent)
         num_dropped = sum(d.num_dropped for (d, _), _ in sent)
         return out, expert_counts, num_dropped, outs[-1][1]
+
+    def _gate_weights(self) -> str:
+        """EPOptions.gate_weights resolved: "auto" is "experts" on the flat exchange, "combine" with
+        node_axis (where the unweighted combine is not built)."""
+        if self.ep.gate_weights != "auto":
+            return self.ep.gate_weights
+        return "experts" if self.node_axis is None else "combine"
 
     def _weight_grad_sms(self, kernel) -> int | None:
         """The SMs of the gate|up GEMM's weight gradient: with EPOptions.weight_grad_beside and

@@ -59,8 +59,9 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
     (``"xla"`` computes every row); ``backend="auto"``: see ``choose``. ``interpret``: run the Pallas
     kernels in interpret mode (CPU tests). ``row_scale``: None, or float32 [M], each row's result
     multiplied by it before the one rounding (the MoE layer's gate weights applied in the experts:
-    ``EPOptions.gate_weights="experts"``), differentiable too: its gradient is the row's float32 dot
-    product of ``silu(gate) * up`` and the result's cotangent (the kernels: per column block, summed).
+    ``EPOptions.gate_weights`` "auto" on the flat exchange, or "experts"), differentiable too: its
+    gradient is the row's float32 dot product of ``silu(gate) * up`` and the result's cotangent (the
+    kernels: per column block, summed).
     Differentiable in gate_up. ``tiling``: the kernels' blocks (``TILING``, tuned on an H200)."""
     check_option("swiglu:", "backend", backend, BACKENDS)
     m, width = gate_up.shape

@@ -171,19 +171,21 @@ def test_layer_config_with_xla_swiglu():
     assert built["jax_ep"].ep == built["jax_ep_xla_swiglu"].ep and "jax_ep_xla_swiglu" in layer.NAMED_ONLY
 
 
-def test_gate_in_experts_configs_build_the_layer_with_gate_weights_in_the_experts():
-    """jax_ep_gate_in_experts / jax_ep_fp8_cached_gate_in_experts (named only): jax_ep and jax_ep_fp8_cached
-    with EPOptions(gate_weights="experts"), nothing else changed."""
+def test_gate_in_combine_configs_build_the_layer_with_gate_weights_in_combine():
+    """jax_ep_gate_in_combine / jax_ep_fp8_cached_gate_in_combine (named only): jax_ep and jax_ep_fp8_cached
+    (EPOptions.gate_weights "auto": in the experts on the flat exchange) with EPOptions(gate_weights=
+    "combine"), nothing else changed."""
     from jax.sharding import Mesh
 
     from benchmarks import layer
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
     for base in ("jax_ep", "jax_ep_fp8_cached"):
-        config = base + "_gate_in_experts"
+        config = base + "_gate_in_combine"
         built = {c: layer.layer_and_tokens(mesh, layer.LAYER_PRESETS["small"], c)[0] for c in (base, config)}
-        assert built[base].ep.gate_weights == "combine" and built[config].ep.gate_weights == "experts"
-        assert built[base].ep == dataclasses.replace(built[config].ep, gate_weights="combine")
+        assert built[base].ep.gate_weights == "auto" and built[config].ep.gate_weights == "combine"
+        assert built[base]._gate_weights() == "experts"
+        assert built[base].ep == dataclasses.replace(built[config].ep, gate_weights="auto")
         assert built[base].gemm_dtype == built[config].gemm_dtype and config in layer.NAMED_ONLY
 
 
@@ -209,9 +211,9 @@ def test_layer_ab_times_each_config_in_alternating_rounds(tmp_path, monkeypatch)
 
     monkeypatch.setattr(bench_layer, "best_of", timed)
     out = tmp_path / "ab.json"
-    records = ab.main(["small", "jax_ep", "jax_ep_gate_in_experts", "--rounds", "3", "--sustain", "0",
+    records = ab.main(["small", "jax_ep", "jax_ep_gate_in_combine", "--rounds", "3", "--sustain", "0",
                        "--iters", "1", "--repeats", "1", "--out", str(out)])
-    assert [r["config"] for r in records] == ["jax_ep", "jax_ep_gate_in_experts"]
+    assert [r["config"] for r in records] == ["jax_ep", "jax_ep_gate_in_combine"]
     assert all(len(r["rounds_ms"]) == 3 and r["mean_ms"] > 0 for r in records)
     assert len(order) == 6 and order[0] is order[3] is order[4] and order[1] is order[2] is order[5]
     assert order[0] is not order[1]

@@ -148,7 +148,7 @@ def test_gate_weights_in_the_experts_match_dense(shape, axes):
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
     layer = make_layer(mesh, seed=11, ep=dict(gate_weights="experts"),
                        routing=dict(score_func="sigmoid", num_groups=4, topk_groups=2))
-    assert layer.ep.gate_weights == "experts" and EPOptions().gate_weights == "combine"
+    assert layer.ep.gate_weights == "experts" and EPOptions().gate_weights == "auto"
     x, target = random_tokens(12), random_tokens(13)
     out = nnx.jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense_moe(layer, x)), rtol=2e-5, atol=2e-5)
@@ -158,8 +158,35 @@ def test_gate_weights_in_the_experts_match_dense(shape, axes):
         a, b = np.asarray(g_ep[name][...]), np.asarray(g_dense[name][...])
         assert np.abs(b).max() > 0
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
-    with pytest.raises(ValueError, match=r"EPOptions.gate_weights must be one of \('combine', 'experts'\)"):
+    choices = r"\('auto', 'combine', 'experts'\)"
+    with pytest.raises(ValueError, match=r"EPOptions.gate_weights must be one of " + choices):
         EPOptions(gate_weights="router")
+
+
+@pytest.mark.parametrize("node_axis", [None, "node"])
+def test_gate_weights_auto_is_experts_on_the_flat_exchange_and_combine_with_node_axis(node_axis):
+    """EPOptions.gate_weights="auto" (the default) takes the gate weights into the experts on the flat
+    exchange and into combine with node_axis (where the unweighted combine is not built): the default
+    layer's output and gradients are those of the form it resolves to, bit for bit, and not the other's."""
+    if node_axis is None:
+        mesh, kw = Mesh(np.array(jax.devices()[:4]), ("ep",)), {}
+    else:
+        mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "ep"))
+        kw = dict(node_axis="node", batch_axes=("node", "ep"))
+    x, target = random_tokens(15), random_tokens(16)
+    results = {}
+    for form in ("auto", "combine", "experts")[:3 if node_axis is None else 2]:
+        layer = MoE(HIDDEN, 32, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(3), mesh=mesh,
+                    ep=EPOptions(backend="reference", gate_weights=form), **kw)
+        out = nnx.jit(lambda m, x: m(x))(layer, x)
+        grads = nnx.jit(nnx.grad(lambda m: jnp.mean((m(x) - target) ** 2)))(layer)
+        names = ("router", "w_gate_up", "w_down")
+        results[form] = [np.asarray(out), *(np.asarray(grads[n][...]) for n in names)]
+    resolved, other = ("experts", "combine") if node_axis is None else ("combine", None)
+    for a, b in zip(results["auto"], results[resolved], strict=True):
+        np.testing.assert_array_equal(a, b)
+    if other is not None:   # the two forms round at other places: the test can tell them apart
+        assert any(not np.array_equal(a, b) for a, b in zip(results["auto"], results[other], strict=True))
 
 
 def test_gate_weights_in_the_experts_refused_with_node_axis():

@@ -2,7 +2,7 @@
 alternating rounds after sustained load (the order flips every round), so that clock drift and the power
 cap fall on both alike.
 
-    python tools/layer_ab.py deepseek jax_ep jax_ep_gate_in_experts --experts 128 [--rounds 4]
+    python tools/layer_ab.py deepseek jax_ep jax_ep_gate_in_combine --experts 128 [--rounds 4]
         [--sustain 1] [--out ab.json]
 
 ``--experts N`` overrides the preset's expert count (``deepseek --experts 128``: the per-rank expert work of
