@@ -268,18 +268,24 @@ def _layer_step_calls(kernel, shared_beside: bool = False, **ep) -> list[str]:
     return assert_one_chain(step, params, _inputs()[0], what="MoE layer step")
 
 
-LAYER_STEP_OPS = ["dispatch", "combine", "combine_bwd", "combine", "slot_values"]
+# combine's backward: the in-place broadcast with the gate weights in the experts (EPOptions.gate_weights
+# "auto" on the flat exchange, the default), the fused combine_bwd with them in combine
+LAYER_STEP_OPS = ["dispatch", "combine", "broadcast", "combine", "slot_values"]
 
 
-def test_the_moe_layer_training_step_issues_its_ep_calls_in_one_order(cuda_lowering):
-    assert _layer_step_calls(KernelConfig()) == [f"jax_ep_{op}" for op in LAYER_STEP_OPS]
+@pytest.mark.parametrize("gate_weights, backward", [("auto", "broadcast"), ("combine", "combine_bwd")])
+def test_the_moe_layer_training_step_issues_its_ep_calls_in_one_order(cuda_lowering, gate_weights, backward):
+    assert _layer_step_calls(KernelConfig(), gate_weights=gate_weights) == [
+        f"jax_ep_{op}" for op in ("dispatch", "combine", backward, "combine", "slot_values")]
 
 
-def test_the_shared_expert_beside_combine_puts_combine_and_its_backward_on_the_side_stream(cuda_lowering):
+@pytest.mark.parametrize("gate_weights, backward", [("auto", "broadcast"), ("combine", "combine_bwd")])
+def test_the_shared_expert_beside_combine_puts_combine_and_its_backward_on_the_side_stream(
+        cuda_lowering, gate_weights, backward):
     """EPOptions(shared_beside=True): the forward's combine and its backward (the backward's first
     exchange) lower to their side twins, each followed by a join; all in one program order."""
-    assert _layer_step_calls(KernelConfig(), shared_beside=True) == [
-        f"jax_ep_{op}" for op in ("dispatch", "combine_side", "side_join", "combine_bwd_side", "side_join",
+    assert _layer_step_calls(KernelConfig(), shared_beside=True, gate_weights=gate_weights) == [
+        f"jax_ep_{op}" for op in ("dispatch", "combine_side", "side_join", f"{backward}_side", "side_join",
                                   "combine", "slot_values")]
 
 
@@ -288,7 +294,7 @@ def test_dispatch_backward_beside_the_weight_gradient_goes_on_the_side_stream(cu
     to the side twin followed by a join, in one program order with the other calls, and the gate|up
     GEMM's weight gradient is ordered after the side call and before the join."""
     assert _layer_step_calls(KernelConfig(), weight_grad_beside=True) == [
-        f"jax_ep_{op}" for op in ("dispatch", "combine", "combine_bwd", "combine_side", "side_join",
+        f"jax_ep_{op}" for op in ("dispatch", "combine", "broadcast", "combine_side", "side_join",
                                   "slot_values")]
     from flax import nnx
 
@@ -327,7 +333,7 @@ def test_a_side_call_takes_side_num_sms_and_the_calls_in_series_num_sms(cuda_low
     flow = Dataflow(_lowered(step, params, _inputs()[0]))
     blocks = {flow.name(c): re.findall(r"num_sms = (\d+)", str(c)) for c in flow.calls
               if flow.name(c) != "jax_ep_side_join"}
-    assert blocks == {"jax_ep_dispatch": ["100"], "jax_ep_combine": ["100"], "jax_ep_combine_bwd": ["100"],
+    assert blocks == {"jax_ep_dispatch": ["100"], "jax_ep_combine": ["100"], "jax_ep_broadcast": ["100"],
                       "jax_ep_combine_side": ["24"], "jax_ep_slot_values": ["1"]}, blocks
 
 
@@ -348,7 +354,7 @@ def test_one_process_orders_side_calls_against_the_calls_around_them(cuda_loweri
 
     flow = Dataflow(_lowered(step, params, _inputs()[0]))
     names = [flow.name(c) for c in flow.calls]
-    assert names == [f"jax_ep_{op}" for op in ("dispatch", "combine_side", "side_join", "combine_bwd_side",
+    assert names == [f"jax_ep_{op}" for op in ("dispatch", "combine_side", "side_join", "broadcast_side",
                                                "side_join", "combine", "slot_values")], names
     for i, name in enumerate(names):
         before = flow.ancestors(flow.calls[i])

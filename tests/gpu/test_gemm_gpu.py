@@ -311,9 +311,12 @@ def test_moe_layer_dispatch_backward_beside_the_weight_gradient_gives_the_same_b
     assert gemms[0] >= 6 and gemms[1] == gemms[0], gemms
 
 
-def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ep_order):
+@pytest.mark.parametrize("gate_weights, backward", [("auto", "broadcast"), ("combine", "combine_bwd")])
+def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(gate_weights, backward, ep_order):
     """EPOptions(shared_beside=True) on the GPUs: the shared expert's forward beside the last combine and
-    its backward beside combine's backward (combine_bwd), both on jax_ep's side stream on 24 SMs. The
+    its backward beside combine's backward, both on jax_ep's side stream on 24 SMs. Combine's backward is
+    the in-place broadcast with the gate weights in the experts (EPOptions.gate_weights "auto", the
+    default) and the fused combine_bwd with them in combine. The
     loss and every gradient of the layer step (the shared expert's weights' and the tokens' included)
     those of the same layer without it, within rounding: XLA fuses and autotunes the shared expert's
     cuBLAS dots per program (one H200, 2026-12-02: bit-equal in one run, 3 of 65536 elements of the
@@ -323,10 +326,11 @@ def test_moe_layer_shared_expert_beside_combine_gives_the_same_bits(ep_order):
     from jax_ep.moe import EPOptions
 
     side = jax_ep.KernelConfig(side_num_sms=24)
-    plain = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", kernel=side), shared_ffn_hidden=256)
-    beside = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", shared_beside=True, kernel=side),
-                           shared_ffn_hidden=256)
-    _assert_beside_same_step(plain, beside, ("combine_side", "combine_bwd_side"), rtol=1e-3)
+    plain = layer_program(11, wrt_x=True, shared_ffn_hidden=256,
+                          ep=EPOptions(backend="cuda", kernel=side, gate_weights=gate_weights))
+    beside = layer_program(11, wrt_x=True, ep=EPOptions(backend="cuda", shared_beside=True, kernel=side,
+                                                        gate_weights=gate_weights), shared_ffn_hidden=256)
+    _assert_beside_same_step(plain, beside, ("combine_side", f"{backward}_side"), rtol=1e-3)
 
 
 def _assert_beside_same_step(plain, beside, side_targets, rtol: float | None = None) -> list[str]:
