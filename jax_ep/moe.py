@@ -136,8 +136,10 @@ class EPOptions:
         (default): "experts" on the flat exchange, "combine" with ``node_axis``. Why: combine's backward
         in place took 1.34-1.51x dispatch's time, the in-place broadcast 0.94-0.98x (4 processes under
         CUDA MPS on one H200, DeepSeek-V3, 8-24 SMs, 2026-12-03, docs/benchmarks.md session 52); on one
-        H200 at the EP2 rank's work (2026-12-01, session 37) combine's backward 0.30 -> 0.15 ms, SwiGLU's
-        backward +0.03 ms, the step a tie at DeepSeek-V3 (18.49 vs 18.52 ms) and -1.0% at mid.
+        H200 at the EP2 rank's work (session 37) combine's backward 0.30 -> 0.15 ms, SwiGLU's backward
+        +0.03 ms; the step at EP1, where combine's backward is local (2026-12-04, session 56, 4 alternating
+        rounds): within +-0.4% with bf16 GEMMs (DeepSeek-V3 at 128 and 64 experts, mid), -0.2% / -1.3%
+        with cached FP8 GEMMs (DeepSeek-V3 / mid). Not yet timed on separate GPUs.
       shared_beside: with a shared expert (``MoE(shared_ffn_hidden=...)``), the shared expert runs on
         each rank's tokens inside the layer, beside an exchange on jax_ep's side stream
         (``jax_ep.overlap.beside``): on the throughput path its forward beside the last combine and its

@@ -10,7 +10,10 @@ its magnitude) and S_t = sum_k |w_k y_k| (token t's gate-weighted expert outputs
   bf16 tokens through the same bf16 SwiGLU; they differ in the combine only. The throughput combine
   rounds each rank's partial sum p_r to bf16 and then the sum over ranks (error <= u sum_r |p_r| +
   u |s|), ll_combine rounds the float32 sum once (<= u |s|): |decode - throughput| <= 3 u S_t. We
-  allow 4 u S_t (one more bf16 ulp for a GEMM that accumulates in another order).
+  allow 4 u S_t (one more bf16 ulp for a GEMM that accumulates in another order). The throughput
+  path here takes the gate weights in combine (``EPOptions(gate_weights="combine")``), as ll_combine
+  does: the layer's default on the flat exchange scales SwiGLU's rows by them instead, which rounds
+  once more inside the experts (its own tests: tests/test_moe.py, against the dense computation).
 * float32 experts (``dtype=None``): the decode path rounds the tokens to bf16 for the wire and the
   expert outputs to bf16 for ll_combine, so it is a different function of x; it equals, within
   u S_t (outputs) + u |s| (the sum) <= 2 u S_t plus float32 noise, the float64 computation of the
@@ -44,8 +47,10 @@ def make_mesh(shape, axes):
 
 
 def make_layer(mesh, seed=0, ep=None, hidden=HIDDEN, **kw):
+    """The gate weights in combine on the throughput path, as decode applies them (module docstring)."""
+    ep = {"backend": "reference", "gate_weights": "combine", **(ep or {})}
     return MoE(hidden, FFN, RouterConfig(EXPERTS, TOPK, score_func="sigmoid"), rngs=nnx.Rngs(seed),
-               mesh=mesh, ep=EPOptions(backend="reference", **(ep or {})), **kw)
+               mesh=mesh, ep=EPOptions(**ep), **kw)
 
 
 def fresh_tokens(rng, batch, seq=1, hidden=HIDDEN):
@@ -351,9 +356,9 @@ def test_decode_with_fp8_weights_matches_the_throughput_path(wire, monkeypatch):
     differs). With an FP8 wire both paths give the gate|up GEMM the wire's e4m3 rows as they came."""
     mesh = make_mesh((4,), ("ep",))
     hidden = ffn = 128
+    ep = EPOptions(backend="reference", dispatch_dtype=wire, gate_weights="combine")  # as decode: docstring
     layer = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK, score_func="sigmoid"), rngs=nnx.Rngs(6), mesh=mesh,
-                ep=EPOptions(backend="reference", dispatch_dtype=wire), dtype="bfloat16",
-                gemm_dtype="float8_e4m3fn")
+                ep=ep, dtype="bfloat16", gemm_dtype="float8_e4m3fn")
     fp8 = nnx.jit(lambda m: m.quantize_weights())(layer)
     rng = np.random.default_rng(8)
     for batch in (mesh.size, 3 * mesh.size):
