@@ -140,18 +140,18 @@ class EPOptions:
         +0.03 ms; the step at EP1, where combine's backward is local (2026-12-04, session 56, 4 alternating
         rounds): within +-0.4% with bf16 GEMMs (DeepSeek-V3 at 128 and 64 experts, mid), -0.2% / -1.3%
         with cached FP8 GEMMs (DeepSeek-V3 / mid). Not yet timed on separate GPUs.
-      shared_beside: with a shared expert (``MoE(shared_ffn_hidden=...)``), the shared expert runs on
-        each rank's tokens inside the layer, beside an exchange on jax_ep's side stream
+      shared_beside: with a shared expert (``MoE(shared_ffn_hidden=...)``), the shared expert runs on each
+        rank's tokens inside the layer, beside an exchange on jax_ep's side stream
         (``jax_ep.overlap.beside``): on the throughput path its forward beside the last combine and its
         backward beside combine's backward (the in-place broadcast by default, see gate_weights); on the
-        decode path beside the dispatch's send phase (``ll_dispatch_send``). The same values and
-        gradients. Takes effect where the op has a side twin (the 'cuda' backend); elsewhere the shared
-        expert runs after the block. False (default): the shared expert after the layer, on XLA's stream. On one H200
-        (2026-12-02, DeepSeek-V3 layer with its shared expert, EP1, docs/benchmarks.md session 44) not
-        faster: the training step 25.47 ms against 25.25 with the exchanges on every SM (they hold the
-        SMs the shared expert's GEMMs wait for), 26.09 against 26.51 on 24 SMs; decode 6.11 against 6.04.
-        What it is for, combine's backward at EP2 / EP4 (0.6 / 1.2 ms as combine_bwd on 2026-11-28, at
-        about dispatch's time as the broadcast), needs 2 and 4 GPUs to measure.
+        decode path beside the dispatch's send phase (``ll_dispatch_send``). The same values and gradients.
+        Takes effect where the op has a side twin (the 'cuda' backend); elsewhere the shared expert runs after
+        the block. False (default): the shared expert after the layer, on XLA's stream. On one H200
+        (2026-12-02, DeepSeek-V3 layer with its shared expert, EP1, docs/benchmarks.md session 44) not faster:
+        the training step 25.47 ms against 25.25 with the exchanges on every SM (they hold the SMs the shared
+        expert's GEMMs wait for), 26.09 against 26.51 on 24 SMs; decode 6.11 against 6.04. What it is for,
+        combine's backward at EP2 / EP4 (0.6 / 1.2 ms as combine_bwd on 2026-11-28, at about dispatch's time
+        as the broadcast), needs 2 and 4 GPUs to measure.
       weight_grad_beside: the throughput path's backward runs dispatch's backward (a combine of the rows'
         gradient) on jax_ep's side stream beside the gate|up GEMM's weight gradient, which nothing of it
         needs (``jax_ep.overlap.chain``: dispatch and the gate|up GEMM as one custom_vjp whose backward
