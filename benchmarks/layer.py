@@ -12,7 +12,9 @@ For each layer shape, two configurations, measured in the same run:
 With ``--layer-configs ep_hier_reference,ep_hier_cuda`` (only when named), the same layer with the
 hierarchical dispatch / combine (``MoE(node_axis=...)``), the local devices taken as 2 nodes of
 (devices / 2) GPUs: on one host the "node" hop runs over NVLink like the others, so this times the
-composition's extra stage, not a network. ``--layer-configs jax_ep_fp8`` (only when named): the defaults
+composition's extra stage, not a network, and the gate weights in combine, as the hierarchical layer
+applies them, where ``jax_ep`` applies them in the experts (``jax_ep_gate_in_combine``: like for like).
+``--layer-configs jax_ep_fp8`` (only when named): the defaults
 with both expert GEMMs in FP8 (``MoE(gemm_dtype="float8_e4m3fn")``), ``jax_ep_fp8_cached`` the same
 with the weights quantised once outside the step (``MoE.quantize_weights``, what gradient accumulation
 reuses over its micro-batches; ``quantise_ms`` is that quantisation, timed apart), ``jax_ep_fp8_cached_dw8``
@@ -462,6 +464,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     step, quantise = training_step(graphdef, rest)
     record["gemm"] = layer_gemm_plans(layer, mesh, x[0] if isinstance(x, tuple) else x)
     record["ep_ops"] = layer_ep_plans(layer, tokens, ("dispatch", "combine"))
+    record["gate_weights"] = layer._gate_weights()   # "auto" resolved: "experts" flat, "combine" with nodes
     try:
         args = (params, x)
         if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step

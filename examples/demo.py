@@ -62,8 +62,11 @@ def communication_time(mesh: Mesh, cfg: LMConfig, tokens_per_rank: int, backend:
                   dispatch_dtype=cfg.dispatch_dtype)
 
     def one_layer(x, idx, w):
+        # combine as the MoE layer runs it by default (gate weights in the experts: unweighted, its
+        # backward a broadcast into y's buffer; the weights' gradient still goes through slot_values)
         d = dispatch(x, idx, w, ep)
-        return jnp.sum(combine(d.x.astype(x.dtype), d.handle, ep) ** 2)
+        y = d.x.astype(x.dtype)
+        return jnp.sum(combine(y, d.handle, ep, weighted=False, empty_rows_zero=True) ** 2)
 
     def all_layers(x, idx, w):
         total = 0.0

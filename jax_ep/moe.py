@@ -342,7 +342,9 @@ class MoE(nnx.Module):
     run as one batched GEMM over every slot of each local expert (``[E_local, R*T, H]``, slots past
     the received counts zeroed first; ``ll_combine`` never reads their outputs). Differences from the
     throughput path: the tokens are rounded to bfloat16 (or FP8, ``ep.dispatch_dtype``) for the wire
-    and the routed output is rounded once to bfloat16 (``docs/api.md``); ``gemm`` plays no part;
+    and the routed output is rounded once to bfloat16 (``docs/api.md``); decode applies the gate weights
+    in ``ll_combine``, where the throughput path's default on the flat exchange scales SwiGLU's rows
+    before their bf16 rounding (``EPOptions.gate_weights``); ``gemm`` plays no part;
     forward only (``jax.grad`` raises). The statistics are the same (rows per expert; never dropped),
     but are not recorded unless ``update_stats=True``: a decode step leaves the balancing bias alone.
     """

@@ -23,18 +23,18 @@ docs/benchmarks.md session 43). Here the order is data, which every XLA schedule
 Where it applies: the public ops ``dispatch``, ``combine``, ``ll_dispatch_send`` and ``ll_combine_send``
 called inside the block at the block's own trace level (e.g. both inside one ``shard_map`` body). Not
 differentiated, the block runs the op's forward function itself, so that fn is traced at the level it
-was written (inside the op's ``custom_vjp`` its result could not leave). Differentiated (``jax.grad``
-of a function holding the block), the op and fn become one ``custom_vjp`` (``_differentiated``): the
+was written (inside the op's ``custom_vjp`` its result could not leave). Differentiated (``jax.grad`` of
+a function holding the block), the op and fn become one ``custom_vjp`` (``_differentiated``): the
 forward runs the op beside fn's forward, the backward runs the op's backward (dispatch's combine,
-combine's combine_bwd) beside fn's backward; the same values and gradients. fn should leave the
-exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with ``KernelConfig(num_sms=...)`` for the
-exchange): a persistent GEMM on every SM leaves it none. In one process EP calls carry no ordering
-effect, so a side call's operands are ordered after the previous EP call traced at the same level and
-the next one's after its join (``after_previous``; a differentiated call's backward side call after its
-forward's join, whose token it keeps as a residual); an EP call traced elsewhere (another jitted
-function) must depend on the block's results. When no call takes the work (the reference backend, an
-op without a side twin, ``KernelConfig.async_stream`` set), ``fn(*args)`` runs at the block's end,
-after everything in it, and ``work.overlapped`` is False.
+combine's combine_bwd, or broadcast when unweighted) beside fn's backward; the same values and
+gradients. fn should leave the exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with
+``KernelConfig(num_sms=...)`` for the exchange): a persistent GEMM on every SM leaves it none. In one
+process EP calls carry no ordering effect, so a side call's operands are ordered after the previous EP
+call traced at the same level and the next one's after its join (``after_previous``; a differentiated
+call's backward side call after its forward's join, whose token it keeps as a residual); an EP call
+traced elsewhere (another jitted function) must depend on the block's results. When no call takes the
+work (the reference backend, an op without a side twin, ``KernelConfig.async_stream`` set),
+``fn(*args)`` runs at the block's end, after everything in it, and ``work.overlapped`` is False.
 
 ``chain(op, op_args, fn, fn_args)``: for work that needs the op's result (dispatch, then the gate|up
 GEMM): in series forward; the backward runs the op's backward beside the part of fn's backward the op's

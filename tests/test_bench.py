@@ -49,7 +49,8 @@ def test_bench_writes_records(tmp_path):
 
 
 LAYER_FIELDS = {"op", "step_ms", "roofline_ms", "gemm_ms", "gemm_tflops", "split_ms", "backend", "gemm",
-                "hidden", "ffn_hidden", "num_experts", "topk", "tokens_per_rank", "ep_size", "device", "date"}
+                "hidden", "ffn_hidden", "num_experts", "topk", "tokens_per_rank", "ep_size", "device", "date",
+                "gate_weights"}
 
 
 @pytest.mark.slow
@@ -65,7 +66,7 @@ def test_layer_bench_writes_records(tmp_path):
         assert r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["ep_size"] == 8
         # what ran, with auto's reason where it took the reference (no kernel on CPU)
         assert r["ep_ops"].startswith("dispatch: reference (") and "combine: reference (" in r["ep_ops"]
-    assert records[1]["backend"] == "reference"
+    assert records[1]["backend"] == "reference" and {r["gate_weights"] for r in records} == {"experts"}
     assert "backend='auto'" in records[0]["ep_ops"] and "backend='auto'" not in records[1]["ep_ops"]
 
 
@@ -76,7 +77,7 @@ def test_hierarchical_layer_bench_runs_as_two_nodes(tmp_path):
                           "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "hier.json")])
     [r] = records
     assert r["config"] == "ep_hier_reference" and r["nodes"] == 2 and r["ep_size"] == 8
-    assert r["step_ms"] > 0 and "error" not in r
+    assert r["step_ms"] > 0 and "error" not in r and r["gate_weights"] == "combine"
 
 
 @pytest.mark.slow
@@ -214,6 +215,7 @@ def test_layer_ab_times_each_config_in_alternating_rounds(tmp_path, monkeypatch)
     records = ab.main(["small", "jax_ep", "jax_ep_gate_in_combine", "--rounds", "3", "--sustain", "0",
                        "--iters", "1", "--repeats", "1", "--out", str(out)])
     assert [r["config"] for r in records] == ["jax_ep", "jax_ep_gate_in_combine"]
+    assert [r["gate_weights"] for r in records] == ["experts", "combine"]
     assert all(len(r["rounds_ms"]) == 3 and r["mean_ms"] > 0 for r in records)
     assert len(order) == 6 and order[0] is order[3] is order[4] and order[1] is order[2] is order[5]
     assert order[0] is not order[1]

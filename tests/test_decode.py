@@ -12,8 +12,9 @@ its magnitude) and S_t = sum_k |w_k y_k| (token t's gate-weighted expert outputs
   u |s|), ll_combine rounds the float32 sum once (<= u |s|): |decode - throughput| <= 3 u S_t. We
   allow 4 u S_t (one more bf16 ulp for a GEMM that accumulates in another order). The throughput
   path here takes the gate weights in combine (``EPOptions(gate_weights="combine")``), as ll_combine
-  does: the layer's default on the flat exchange scales SwiGLU's rows by them instead, which rounds
-  once more inside the experts (its own tests: tests/test_moe.py, against the dense computation).
+  does: the layer's default on the flat exchange scales SwiGLU's rows by them before their bf16
+  rounding, a rounding at another place whose error the down GEMM carries, outside this analysis (its
+  own tests: tests/test_moe.py, against the dense computation).
 * float32 experts (``dtype=None``): the decode path rounds the tokens to bf16 for the wire and the
   expert outputs to bf16 for ll_combine, so it is a different function of x; it equals, within
   u S_t (outputs) + u |s| (the sum) <= 2 u S_t plus float32 noise, the float64 computation of the

@@ -638,7 +638,9 @@ def layer_pair(nodes, local, hidden=H, ep=None, **kw):
     routing = RouterConfig(4 * ranks, 3, ranks_per_node=local, max_nodes_per_token=max(1, nodes - 1))
     flat_mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
     ep = moe.EPOptions(backend="reference") if ep is None else ep
-    flat = moe.MoE(hidden, 8, routing, rngs=nnx.Rngs(0), mesh=flat_mesh, ep=ep, **kw)
+    # the gate weights in combine on the flat layer too: what the hierarchical layer's "auto" resolves to
+    flat = moe.MoE(hidden, 8, routing, rngs=nnx.Rngs(0), mesh=flat_mesh,
+                   ep=dataclasses.replace(ep, gate_weights="combine"), **kw)
     hier = moe.MoE(hidden, 8, routing, rngs=nnx.Rngs(0), mesh=mesh2d(nodes, local), axis_name="local",
                    node_axis="node", ep=ep, **kw)
     return flat, hier

@@ -141,14 +141,15 @@ def test_dy_in_place_changes_no_gradient():
 
 
 @pytest.mark.parametrize("shape,axes", [((4,), ("ep",)), ((2, 4), ("data", "ep"))])
-def test_gate_weights_in_the_experts_match_dense(shape, axes):
-    """EPOptions(gate_weights="experts"): the gate weight scales each row's SwiGLU output before the down
-    GEMM and combine sums unweighted: output and gradients (router included, through the weights'
-    gradient from SwiGLU's backward) equal the dense computation, as the default's do."""
+def test_gate_weights_in_combine_match_dense(shape, axes):
+    """EPOptions(gate_weights="combine") on the flat exchange: combine weights each token's rows and its
+    backward gives the weights' gradient (combine_bwd): output and gradients (router included) equal the
+    dense computation, as the default's do (gate weights in the experts: test_layer_matches_dense,
+    test_gradients_match_dense)."""
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
-    layer = make_layer(mesh, seed=11, ep=dict(gate_weights="experts"),
+    layer = make_layer(mesh, seed=11, ep=dict(gate_weights="combine"),
                        routing=dict(score_func="sigmoid", num_groups=4, topk_groups=2))
-    assert layer.ep.gate_weights == "experts" and EPOptions().gate_weights == "auto"
+    assert layer.ep.gate_weights == "combine" and EPOptions().gate_weights == "auto"
     x, target = random_tokens(12), random_tokens(13)
     out = nnx.jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense_moe(layer, x)), rtol=2e-5, atol=2e-5)
@@ -777,13 +778,13 @@ def test_shared_expert_beside_an_exchange_gives_the_same_step_and_decode(axes):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("form", ["bf16", "fp8_wire_cached", "fp8_gate_weights_in_experts", "bf16_node_axis"])
+@pytest.mark.parametrize("form", ["bf16", "fp8_wire_cached", "fp8_gate_weights_in_combine", "bf16_node_axis"])
 def test_dispatch_backward_beside_the_weight_gradient_gives_the_same_step(form):
     """EPOptions(weight_grad_beside=True): dispatch and the gate|up GEMM as one overlap.chain (dispatch's
     backward beside the GEMM's weight gradient where the backend has a side stream; after it here) give
     the bits of the step without it: loss, output and every gradient (experts, router, tokens), with
-    bf16 GEMMs, the FP8 wire into FP8 GEMMs from cached weights, the gate weights in the experts, and
-    the hierarchical exchange (node_axis)."""
+    bf16 GEMMs, the FP8 wire into FP8 GEMMs from cached weights (both with the default's gate weights
+    in the experts), the gate weights in combine, and the hierarchical exchange (node_axis)."""
     nodes = form == "bf16_node_axis"
     devices = np.array(jax.devices()[:4])
     mesh = Mesh(devices.reshape(2, 2), ("node", "ep")) if nodes else Mesh(devices, ("ep",))
@@ -792,8 +793,8 @@ def test_dispatch_backward_beside_the_weight_gradient_gives_the_same_step(form):
     fp8 = form.startswith("fp8")
     layout = dict(node_axis="node", batch_axes=("node", "ep")) if nodes else {}
     ep = dict(dispatch_dtype="float8_e4m3fn") if form == "fp8_wire_cached" else {}
-    if form == "fp8_gate_weights_in_experts":
-        ep["gate_weights"] = "experts"
+    if form == "fp8_gate_weights_in_combine":
+        ep["gate_weights"] = "combine"
 
     def run(**more):
         model = MoE(hidden, ffn, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(5), mesh=mesh,

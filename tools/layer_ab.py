@@ -48,11 +48,11 @@ def main(argv=None) -> list[dict]:
         step, quantise = bench_layer.training_step(graphdef, rest)
         cached = bench_layer.CONFIGS[config].get("fp8_cached")
         fp8 = jax.block_until_ready(quantise(params)) if cached else None
-        steps[config] = (step, (params, x, fp8))
+        steps[config] = (step, (params, x, fp8), layer._gate_weights())
     times = {config: [] for config in steps}
     for r in range(args.rounds):
         for config in (args.configs if r % 2 == 0 else args.configs[::-1]):
-            step, call_args = steps[config]
+            step, call_args, _ = steps[config]
             times[config].append(1e3 * bench_layer.best_of(step, *call_args, iters=args.iters,
                                                            repeats=args.repeats, sustain_s=args.sustain))
     records = []
@@ -61,6 +61,7 @@ def main(argv=None) -> list[dict]:
               f"mean {np.mean(ms):.3f}")
         records.append(dict(op="layer_ab", shape=args.shape, num_experts=experts, config=config, rounds_ms=ms,
                             mean_ms=float(np.mean(ms)), sustain_s=args.sustain, configs=args.configs,
+                            gate_weights=steps[config][2],
                             device=jax.devices()[0].device_kind,
                             date=datetime.date.today().isoformat()))
     if args.out:
