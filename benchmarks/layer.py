@@ -464,7 +464,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     step, quantise = training_step(graphdef, rest)
     record["gemm"] = layer_gemm_plans(layer, mesh, x[0] if isinstance(x, tuple) else x)
     record["ep_ops"] = layer_ep_plans(layer, tokens, ("dispatch", "combine"))
-    record["gate_weights"] = layer._gate_weights()   # "auto" resolved: "experts" flat, "combine" with nodes
+    record["gate_weights"] = layer.gate_weights   # "auto" resolved: "experts" flat, "combine" with nodes
     try:
         args = (params, x)
         if CONFIGS[config].get("fp8_cached"):   # once per optimiser step: timed apart from the step

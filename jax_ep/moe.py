@@ -788,7 +788,7 @@ class MoE(nnx.Module):
         gradient. Returns (out, rows per local expert,
         pairs dropped, the shared expert's output or None)."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
-        in_experts = self._gate_weights() == "experts"
+        in_experts = self.gate_weights == "experts"
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
                     else _HierarchicalExchange(cfg, self.node_axis))
         gemms = _ExpertGEMMs(self.gemm, self.gemm_dtype, self.fp8_weight_grad, self.gemm_num_sms)
@@ -843,9 +843,11 @@ class MoE(nnx.Module):
         num_dropped = sum(d.num_dropped for (d, _), _ in sent)
         return out, expert_counts, num_dropped, outs[-1][1]
 
-    def _gate_weights(self) -> str:
-        """EPOptions.gate_weights resolved: "auto" is "experts" on the flat exchange, "combine" with
-        node_axis (where the unweighted combine is not built)."""
+    @property
+    def gate_weights(self) -> str:
+        """Where the throughput path applies the gate weights, "experts" or "combine": EPOptions.gate_weights
+        resolved ("auto" is "experts" on the flat exchange, "combine" with node_axis, where the unweighted
+        combine is not built)."""
         if self.ep.gate_weights != "auto":
             return self.ep.gate_weights
         return "experts" if self.node_axis is None else "combine"

@@ -185,7 +185,7 @@ def test_gate_in_combine_configs_build_the_layer_with_gate_weights_in_combine():
         config = base + "_gate_in_combine"
         built = {c: layer.layer_and_tokens(mesh, layer.LAYER_PRESETS["small"], c)[0] for c in (base, config)}
         assert built[base].ep.gate_weights == "auto" and built[config].ep.gate_weights == "combine"
-        assert built[base]._gate_weights() == "experts"
+        assert built[base].gate_weights == "experts"
         assert built[base].ep == dataclasses.replace(built[config].ep, gate_weights="auto")
         assert built[base].gemm_dtype == built[config].gemm_dtype and config in layer.NAMED_ONLY
 

@@ -41,18 +41,19 @@ def main(argv=None) -> list[dict]:
     hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[args.shape]
     experts = args.experts or experts
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
-    steps = {}
+    steps, gate_weights = {}, {}
     for config in args.configs:
         layer, x = bench_layer.layer_and_tokens(mesh, (hidden, ffn, experts, topk, tokens), config)
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
         step, quantise = bench_layer.training_step(graphdef, rest)
         cached = bench_layer.CONFIGS[config].get("fp8_cached")
         fp8 = jax.block_until_ready(quantise(params)) if cached else None
-        steps[config] = (step, (params, x, fp8), layer._gate_weights())
+        steps[config] = (step, (params, x, fp8))
+        gate_weights[config] = layer.gate_weights
     times = {config: [] for config in steps}
     for r in range(args.rounds):
         for config in (args.configs if r % 2 == 0 else args.configs[::-1]):
-            step, call_args, _ = steps[config]
+            step, call_args = steps[config]
             times[config].append(1e3 * bench_layer.best_of(step, *call_args, iters=args.iters,
                                                            repeats=args.repeats, sustain_s=args.sustain))
     records = []
@@ -61,7 +62,7 @@ def main(argv=None) -> list[dict]:
               f"mean {np.mean(ms):.3f}")
         records.append(dict(op="layer_ab", shape=args.shape, num_experts=experts, config=config, rounds_ms=ms,
                             mean_ms=float(np.mean(ms)), sustain_s=args.sustain, configs=args.configs,
-                            gate_weights=steps[config][2],
+                            gate_weights=gate_weights[config],
                             device=jax.devices()[0].device_kind,
                             date=datetime.date.today().isoformat()))
     if args.out:
