@@ -607,9 +607,9 @@ def _extra_ops(mesh, cfg, layout_args, broadcast_args, slot_args, iters, repeats
             "layout": lambda i: jax.tree.leaves(get_dispatch_layout(i, cfg)),
             "broadcast": lambda g, h: implementation("broadcast", cfg, g.dtype)(g, h, cfg),
             "combine_bwd": lambda g, y, h: implementation("combine_bwd", cfg, y.dtype)(g, y, h, cfg),
-            "broadcast_in_place": lambda g, y, h: implementation("broadcast", cfg, g.dtype)(
+            "broadcast_in_place": lambda g, y, h: implementation("broadcast_in_place", cfg, g.dtype)(
                 g, h, cfg, into=y),
-            "combine_bwd_in_place": lambda g, y, h: implementation("combine_bwd", cfg, y.dtype)(
+            "combine_bwd_in_place": lambda g, y, h: implementation("combine_bwd_in_place", cfg, y.dtype)(
                 g, y, h, cfg, empty_rows_from_y=True),
             "slot_values": lambda v, h: implementation("slot_values", cfg)(v.astype(jnp.float32), h, cfg),
         }

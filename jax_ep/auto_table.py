@@ -10,8 +10,11 @@ that EP size ("vetoed" says why); one measured faster with every kernel than wit
 takes the layer ops' kernels from its tokens per rank up ("layer_prefers" says why). A call on an EP
 size the table has no decision for takes that of the nearest measured multi-GPU size (the largest
 below it, else the smallest above); one GPU (EP1, nothing to exchange) only ever takes EP1's own,
-since a multi-GPU measurement says nothing about a local permute. It holds for any CUDA GPU; it was
-measured on the devices named in the file.
+since a multi-GPU measurement says nothing about a local permute. An op that is a form of another
+(``jax_ep.ops.Op.form_of``: the MoE layer's in-place backward, ``broadcast_in_place`` and
+``combine_bwd_in_place``) has an entry of its own where it was timed; on an EP size that entry has no
+decision for, the plain op's decides (``decided_by``). It holds for any CUDA GPU; it was measured on
+the devices named in the file.
 
 Its section "pull" says where the kernels that can pull their rows (``KernelConfig.dispatch_pull`` and
 ``broadcast_pull``, None by default) take that form: per knob, the device time of the pushed and of the
@@ -51,19 +54,36 @@ def decision_ep_size(measured: list[int], ep_size: int) -> int | None:
     return below[-1] if below else (multi[0] if multi else None)
 
 
-def kernel_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
-    """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank on
-    `ep_size` GPUs (or the EP size whose decision stands for it: decision_ep_size)."""
+def decided_by(op: str, layout: str, ep_size: int) -> str:
+    """Whose entry decides `op` on `ep_size` GPUs: its own where it has a decision for that EP size
+    (decision_ep_size), else that of the op it is a form of (``jax_ep.ops.Op.form_of``: the in-place
+    backward ops take their plain op's decision until they are measured there themselves)."""
     if layout not in LAYOUTS:
         raise EPValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if _decision(op, layout, ep_size) is not None:
+        return op
+    from jax_ep.ops import OPS  # here: jax_ep.ops reaches this module through the backends
+
+    form_of = OPS[op].form_of if op in OPS else None
+    return op if form_of is None else decided_by(form_of, layout, ep_size)
+
+
+def _decision(op: str, layout: str, ep_size: int) -> tuple[int | None] | None:
+    """(min_tokens,) of the EP size that decides `ep_size` in `op`'s own entry; None: no decision."""
     entry = table().get("ops", {}).get(op, {}).get(layout)
     if entry is None:
-        return False
+        return None
     decisions = {int(k): v for k, v in entry["min_tokens"].items()}
     size = decision_ep_size(sorted(decisions), ep_size)
-    if size is None or decisions[size] is None:
-        return False
-    return tokens >= decisions[size]
+    return None if size is None else (decisions[size],)
+
+
+def kernel_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
+    """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank on
+    `ep_size` GPUs (or the EP size whose decision stands for it: decision_ep_size; the entry of
+    decided_by)."""
+    decision = _decision(decided_by(op, layout, ep_size), layout, ep_size)
+    return decision is not None and decision[0] is not None and tokens >= decision[0]
 
 
 def min_tokens(points: list[dict]) -> int | None:

@@ -56,10 +56,21 @@ class OpPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One op and the output layout it produces (the key of its row in ``auto_table.json``)."""
+    """One op and the output layout it produces (the key of its row in ``auto_table.json``).
+
+    ``form_of``: the op whose backend function this one runs in another form (the MoE layer's in-place
+    backward: ``broadcast_in_place`` is ``broadcast`` into y's buffer), timed as its own table entry;
+    where the table has no decision for it at an EP size, that op's decision stands in
+    (``jax_ep.auto_table.kernel_faster``)."""
 
     name: str
     layout: str = "expert_major"
+    form_of: str | None = None
+
+    @property
+    def function(self) -> str:
+        """The name of the backend function that runs it (``jax_ep.backends.Functions``)."""
+        return self.form_of or self.name
 
     def kernel_by_default(self, cfg: EPConfig, ep_size: int) -> bool:
         """A backend's kernel of it measured faster than the reference at cfg's tokens per rank on
@@ -98,29 +109,31 @@ class Op:
         return OpPlan(self.name, backends.REFERENCE, "backend='auto': " + "; ".join(reasons))
 
     def _taken(self, backend: backends.Backend, cfg: EPConfig, ep_size: int, reason: str) -> OpPlan:
-        form = backend.form(self.name, cfg, ep_size)
+        form = backend.form(self.function, cfg, ep_size)
         return OpPlan(self.name, backend.name, reason if form is None else f"{reason}; {form}")
 
     def _why_auto_skips(self, backend: backends.Backend, cfg: EPConfig, ep_size: int, dtype) -> str | None:
-        if not backend.implements(self.name):
+        if not backend.implements(self.function):
             return f"this version of jax_ep has no {backend.name} kernel for it"
         if not backend.faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size):
+            stands_in = "" if self.form_of is None else f"; {self.form_of}'s decision where it has none"
             return (f"its kernel did not measure faster than the reference at {cfg.max_tokens_per_rank} "
-                    f"tokens per rank on {ep_size} GPUs (jax_ep/auto_table.json, layout {self.layout!r})")
+                    f"tokens per rank on {ep_size} GPUs (jax_ep/auto_table.json, layout {self.layout!r}"
+                    f"{stands_in})")
         here = backends.platform()
         if not backend.runs_on(here):
             return f"the platform of the call is {here!r}, not {backend.platforms[0]!r}"
         usable, why = backend.available()   # asked only on its platform (the extension loads there)
         if not usable:
             return f"the {backend.name} backend is unavailable: {why}"
-        why = backend.unsupported(self.name, cfg, ep_size, dtype)
+        why = backend.unsupported(self.function, cfg, ep_size, dtype)
         if why is not None:
             return f"its kernel does not support this call: {why}"
         return None
 
     def _check_runs(self, backend: backends.Backend, cfg: EPConfig, ep_size: int, dtype) -> None:
         """cfg.backend names ``backend``: an error unless it can run this call."""
-        backend.function(self.name)   # EPUnsupportedError when it has none
+        backend.function(self.function)   # EPUnsupportedError when it has none
         usable, why = backend.available()
         if not usable:
             raise EPRuntimeError(f"jax_ep: backend={backend.name!r} is unavailable: {why}. Use "
@@ -130,18 +143,21 @@ class Op:
             raise EPValueError(f"jax_ep.{self.name} (backend={backend.name!r}): it runs on "
                                f"{'/'.join(backend.platforms)}, the platform of this call is {here!r} "
                                "(the mesh's devices); use backend='reference' or 'auto'")
-        why = backend.unsupported(self.name, cfg, ep_size, dtype)
+        why = backend.unsupported(self.function, cfg, ep_size, dtype)
         if why is not None:
             raise EPValueError(f"jax_ep.{self.name} (backend={backend.name!r}): {why}; use "
                                "backend='reference' (or 'auto', which falls back to it)")
 
     def implementation(self, cfg: EPConfig, ep_size: int, dtype=None):
         """The function implementing this op for cfg.backend (``plan``'s choice)."""
-        return backends.get(self.plan(cfg, ep_size, dtype).impl).function(self.name)
+        return backends.get(self.plan(cfg, ep_size, dtype).impl).function(self.function)
 
 
 OPS = {op.name: op for op in (
     Op("layout"), Op("dispatch"), Op("combine"), Op("broadcast"), Op("combine_bwd"), Op("slot_values"),
+    # combine's backward as the MoE layer runs it (EPOptions.dy_in_place): into y's donated buffer, only
+    # the token rows written (the plain ops zero every row of C that holds no token)
+    Op("broadcast_in_place", form_of="broadcast"), Op("combine_bwd_in_place", form_of="combine_bwd"),
     Op("ll_dispatch", "fixed_slots"), Op("ll_combine", "fixed_slots"),
     *(Op(name, "rank_major") for name in ("dispatch_rank_major", "combine_rank_major",
                                           "broadcast_rank_major")),
@@ -358,11 +374,12 @@ def _combine_bwd(cfg, empty_rows_zero, weighted, residuals, g):
         # broadcast included even where the broadcast kernel is faster alone: XLA fuses the reference's
         # gather into the rows' products, while a kernel's [C, H] rows must be written and read back
         # (2x H200, DeepSeek-V3 layer: 2 ms more per step with the kernel there, docs/benchmarks.md).
-        dy, d_row_weights = implementation("combine_bwd", cfg, y.dtype)(
-            g, y, handle, cfg, rank_mask=rank_mask, empty_rows_from_y=empty_rows_zero)
+        op = "combine_bwd_in_place" if empty_rows_zero else "combine_bwd"
+        dy, d_row_weights = implementation(op, cfg, y.dtype)(g, y, handle, cfg, rank_mask=rank_mask,
+                                                             empty_rows_from_y=empty_rows_zero)
     else:  # dispatch's bytes: g moved, the token rows written, y not read
-        dy = implementation("broadcast", cfg, y.dtype)(g.astype(y.dtype), handle, cfg, rank_mask=rank_mask,
-                                                       into=y if empty_rows_zero else None)
+        dy = implementation("broadcast_in_place" if empty_rows_zero else "broadcast", cfg, y.dtype)(
+            g.astype(y.dtype), handle, cfg, rank_mask=rank_mask, into=y if empty_rows_zero else None)
         d_row_weights = jnp.zeros_like(handle.row_weights)
     d_handle = types.Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                             float0_like(handle.is_token_in_rank), d_row_weights)

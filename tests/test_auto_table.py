@@ -50,6 +50,52 @@ def test_lookup(monkeypatch, tmp_path):
         auto_table.table.cache_clear()
 
 
+def test_in_place_forms_take_their_own_entry_and_their_plain_ops_where_it_has_none(monkeypatch, tmp_path):
+    """The MoE layer's in-place backward (broadcast_in_place, combine_bwd_in_place) runs its plain op's
+    backend function; 'auto' takes the form's own decision where the table has one for the EP size, the
+    plain op's where it has none (measured at EP1 only: the plain op's at EP2 and EP4)."""
+    assert OPS["broadcast_in_place"].function == "broadcast" and OPS["broadcast"].function == "broadcast"
+    assert OPS["combine_bwd_in_place"].function == "combine_bwd"
+    path = tmp_path / "auto_table.json"
+    path.write_text(json.dumps({"ops": {
+        "broadcast": {"expert_major": {"min_tokens": {"1": 2048, "2": 4096}}},
+        "broadcast_in_place": {"expert_major": {"min_tokens": {"1": 512}}},
+        "combine_bwd": {"expert_major": {"min_tokens": {"2": 2048}}},
+        "combine_bwd_in_place": {"expert_major": {"min_tokens": {"2": None}}}}}))
+    monkeypatch.setattr(auto_table, "TABLE_FILE", path)
+    auto_table.table.cache_clear()
+    try:
+        faster, by = auto_table.kernel_faster, auto_table.decided_by
+        assert faster("broadcast_in_place", "expert_major", 512, 1)             # its own, below broadcast's
+        assert not faster("broadcast_in_place", "expert_major", 256, 1)
+        assert by("broadcast_in_place", "expert_major", 1) == "broadcast_in_place"
+        assert not faster("broadcast_in_place", "expert_major", 2048, 2)        # broadcast's EP2: 4096
+        assert faster("broadcast_in_place", "expert_major", 4096, 2) and faster("broadcast_in_place",
+                                                                                 "expert_major", 4096, 4)
+        assert by("broadcast_in_place", "expert_major", 4) == "broadcast"
+        assert not faster("combine_bwd_in_place", "expert_major", 8192, 2)      # its own: never
+        assert not faster("combine_bwd_in_place", "expert_major", 8192, 8)      # EP2's own stands for EP8
+        assert by("combine_bwd_in_place", "expert_major", 8) == "combine_bwd_in_place"
+        assert by("combine_bwd_in_place", "expert_major", 1) == "combine_bwd"   # neither has EP1
+        assert not faster("combine_bwd_in_place", "expert_major", 8192, 1)
+        assert faster("combine_bwd", "expert_major", 2048, 2)
+        assert by("dispatch", "expert_major", 2) == "dispatch"                  # no entry, no form: itself
+    finally:
+        auto_table.table.cache_clear()
+
+
+def test_writer_gives_the_in_place_forms_their_own_entry(tmp_path):
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    ep1 = [_record("broadcast", "cuda", 512, 60.0, 1), _record("broadcast", "reference", 512, 40.0, 1),
+           _record("broadcast_in_place", "cuda", 512, 30.0, 1),
+           _record("broadcast_in_place", "reference", 512, 40.0, 1)]
+    table = writer.write(ep1, path)
+    assert table["ops"]["broadcast"]["expert_major"]["min_tokens"] == {"1": None}
+    assert table["ops"]["broadcast_in_place"]["expert_major"]["min_tokens"] == {"1": 0}
+
+
 @pytest.mark.parametrize("measured,ep_size,want", [
     ([1, 2], 1, 1), ([2], 1, None), ([2], 2, 2), ([2], 8, 2), ([2, 8], 4, 2), ([2, 8], 16, 8),
     ([4, 8], 2, 4), ([1], 2, None), ([], 2, None),

@@ -335,6 +335,37 @@ def test_combine_empty_rows_zero_takes_those_rows_of_d_y_from_y(mask):
         jax_ep.combine(jnp.zeros((4, 8)), None, cfg, empty_rows_zero=1)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_combines_backward_in_place_asks_for_the_in_place_forms(monkeypatch, weighted):
+    """combine(..., empty_rows_zero=True)'s backward takes the in-place forms' implementations
+    (``broadcast_in_place`` / ``combine_bwd_in_place``: auto-table entries of their own), without it the
+    plain ops; both run the same backend function."""
+    from jax_ep import ops
+
+    asked, real = [], ops.implementation
+    monkeypatch.setattr(ops, "implementation",
+                        lambda op, cfg, dtype=None: asked.append(op) or real(op, cfg, dtype))
+    ep_size = 2
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=40, max_tokens_per_rank=T, capacity=12,
+                   expert_alignment=2)
+    rng = np.random.default_rng(420 + weighted)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    y = rng.standard_normal((ep_size, cfg.resolved_capacity(ep_size), 40)).astype(np.float32)
+    g = rng.standard_normal((ep_size, T, 40)).astype(np.float32)
+    plain = "combine_bwd" if weighted else "broadcast"
+    for in_place in (False, True):
+        asked.clear()
+
+        def f(x, idx, w, y, g, in_place=in_place):
+            handle = jax_ep.dispatch(x, idx, w, cfg).handle
+            return jax.vjp(lambda y: jax_ep.combine(y, handle, cfg, empty_rows_zero=in_place,
+                                                    weighted=weighted), y)[1](g)
+
+        per_rank(f, ep_size)(x, idx, w, y, g)
+        backward = [op for op in asked if op.startswith(plain)]
+        assert backward == [f"{plain}_in_place" if in_place else plain], asked
+
+
 @functools.cache
 def unweighted_combine_fn(ep_size, cfg, masked, empty_rows_zero):
     """(x, idx, w, y, rw, g, mask) -> (combine(weighted=False) and the weighted one with unit weights,
