@@ -140,9 +140,9 @@ class EPOptions:
         +0.03 ms; the step at EP1, where combine's backward is local (2026-12-04, session 56, 4 alternating
         rounds): within +-0.4% with bf16 GEMMs (DeepSeek-V3 at 128 and 64 experts, mid), -0.2% / -1.3%
         with cached FP8 GEMMs (DeepSeek-V3 / mid). Not yet timed on separate GPUs. With backend "auto" on
-        2+ GPUs the table takes the broadcast kernel from 4096 tokens per rank (the fused backward's from
-        2048): from 2048 to 4095 "combine" is likely faster until the in-place broadcast is measured there
-        (docs/api.md).
+        2+ GPUs the in-place broadcast (the table's ``broadcast_in_place``, so far measured at EP1 only)
+        takes the plain broadcast's decision, the kernel from 4096 tokens per rank (the fused backward's
+        from 2048): from 2048 to 4095 "combine" is likely faster until it is measured there (docs/api.md).
       shared_beside: with a shared expert (``MoE(shared_ffn_hidden=...)``), the shared expert runs on each
         rank's tokens inside the layer, beside an exchange on jax_ep's side stream
         (``jax_ep.overlap.beside``): on the throughput path its forward beside the last combine and its
