@@ -36,9 +36,10 @@ from jax_ep.config import EPConfig
 from jax_ep.devices import use_virtual_cpu_devices
 from jax_ep.ops import OPS, combine, dispatch
 
-# The ops a training step runs: the forward ops and the backward ones (combine's backward broadcasts,
-# dispatch's backward combines and gathers the weights' gradients with slot_values).
-STEP_OPS = ("layout", "dispatch", "combine", "broadcast", "slot_values")
+# The ops a training step runs: the forward ops and the backward ones (combine's backward broadcasts
+# into y's buffer, as communication_time's layer runs it; dispatch's backward combines and gathers the
+# weights' gradients with slot_values).
+STEP_OPS = ("layout", "dispatch", "combine", "broadcast_in_place", "slot_values")
 
 
 def median_time(fn, *args, repeats: int = 5) -> float:

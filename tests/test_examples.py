@@ -105,7 +105,7 @@ def test_demo_runs(finished):
     assert code == 0, log          # the demo exits non-zero if its loss does not fall
     assert "dispatch+combine" in log and "tokens/s" in log, log
     # which backend each op of the step resolved to
-    ops = ("layout", "dispatch", "combine", "broadcast", "slot_values")
+    ops = ("layout", "dispatch", "combine", "broadcast_in_place", "slot_values")
     pattern = "backend auto resolved per op: " + ", ".join(f"{op} -> (reference|cuda)" for op in ops) + "$"
     assert re.search(pattern, log, re.M), log
 
