@@ -55,25 +55,32 @@ def decision_ep_size(measured: list[int], ep_size: int) -> int | None:
 
 
 def decided_by(op: str, layout: str, ep_size: int) -> str:
-    """Whose entry decides `op` on `ep_size` GPUs: its own where it has a decision for that EP size
-    (decision_ep_size), else that of the op it is a form of (``jax_ep.ops.Op.form_of``: the in-place
-    backward ops take their plain op's decision until they are measured there themselves)."""
+    """Whose entry decides `op` on `ep_size` GPUs. For a form of another op (``jax_ep.ops.Op.form_of``:
+    the in-place backward ops) the first of: its own decision measured at that EP size, the plain op's
+    measured there (its veto or layer preference included), its own that stands in (decision_ep_size),
+    the plain op's that stands in. Any other op: its own."""
     if layout not in LAYOUTS:
         raise EPValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if _decision(op, layout, ep_size) is not None:
-        return op
     from jax_ep.ops import OPS  # here: jax_ep.ops reaches this module through the backends
 
-    form_of = OPS[op].form_of if op in OPS else None
-    return op if form_of is None else decided_by(form_of, layout, ep_size)
+    plain = OPS[op].form_of if op in OPS else None
+    if plain is None:
+        return op
+    for name in (op, plain):
+        if ep_size in _decisions(name, layout):
+            return name
+    return op if _decision(op, layout, ep_size) is not None else plain
+
+
+def _decisions(op: str, layout: str) -> dict[int, int | None]:
+    """{measured EP size: min_tokens} of `op`'s own entry ({} when it has none)."""
+    entry = table().get("ops", {}).get(op, {}).get(layout)
+    return {} if entry is None else {int(k): v for k, v in entry["min_tokens"].items()}
 
 
 def _decision(op: str, layout: str, ep_size: int) -> tuple[int | None] | None:
     """(min_tokens,) of the EP size that decides `ep_size` in `op`'s own entry; None: no decision."""
-    entry = table().get("ops", {}).get(op, {}).get(layout)
-    if entry is None:
-        return None
-    decisions = {int(k): v for k, v in entry["min_tokens"].items()}
+    decisions = _decisions(op, layout)
     size = decision_ep_size(sorted(decisions), ep_size)
     return None if size is None else (decisions[size],)
 

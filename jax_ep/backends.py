@@ -93,6 +93,8 @@ class Backend:
         when it can).
       faster: (op, layout, tokens per rank, ep_size) -> whether 'auto' takes it for that call (its
         kernel measured faster than the reference, ``jax_ep.auto_table``); None: 'auto' never does.
+        ``op`` is the op's name, for a form of another op (``jax_ep.ops.Op.form_of``) the form's;
+        ``unsupported`` and ``form`` get the name of the function that runs it (``Op.function``).
       form: (op, cfg, ep_size) -> how its kernel of ``op`` runs that call where it has a choice (the
         end of ``jax_ep.explain``'s reason), or None.
     """

@@ -116,7 +116,7 @@ class Op:
         if not backend.implements(self.function):
             return f"this version of jax_ep has no {backend.name} kernel for it"
         if not backend.faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size):
-            stands_in = "" if self.form_of is None else f"; {self.form_of}'s decision where it has none"
+            stands_in = "" if self.form_of is None else f"; its row, else {self.form_of}'s"
             return (f"its kernel did not measure faster than the reference at {cfg.max_tokens_per_rank} "
                     f"tokens per rank on {ep_size} GPUs (jax_ep/auto_table.json, layout {self.layout!r}"
                     f"{stands_in})")
@@ -162,6 +162,9 @@ OPS = {op.name: op for op in (
     *(Op(name, "rank_major") for name in ("dispatch_rank_major", "combine_rank_major",
                                           "broadcast_rank_major")),
 )}
+# a form runs a plain op's backend function and falls back on its table row (one step, same layout)
+assert all(OPS[op.form_of].form_of is None and OPS[op.form_of].layout == op.layout
+           for op in OPS.values() if op.form_of is not None)
 
 
 def explain(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16, ops=None) -> dict[str, OpPlan]:

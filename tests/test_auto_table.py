@@ -84,6 +84,53 @@ def test_in_place_forms_take_their_own_entry_and_their_plain_ops_where_it_has_no
         auto_table.table.cache_clear()
 
 
+def _scratch_table(monkeypatch, tmp_path, ops):
+    path = tmp_path / "auto_table.json"
+    path.write_text(json.dumps({"ops": {op: {"expert_major": {"min_tokens": d}} for op, d in ops.items()}}))
+    monkeypatch.setattr(auto_table, "TABLE_FILE", path)
+    auto_table.table.cache_clear()
+
+
+def test_a_forms_decision_at_another_ep_size_does_not_override_the_plain_ops_at_this_one(monkeypatch,
+                                                                                        tmp_path):
+    """The order for a form: its own decision measured at the EP size, the plain op's measured there (a
+    veto included), its own that stands in, the plain op's that stands in."""
+    faster, by = auto_table.kernel_faster, auto_table.decided_by
+    try:
+        _scratch_table(monkeypatch, tmp_path, {"broadcast": {"2": 4096, "4": None},
+                                               "broadcast_in_place": {"4": 512}})
+        assert faster("broadcast_in_place", "expert_major", 512, 4)                # its own at EP4
+        assert by("broadcast_in_place", "expert_major", 2) == "broadcast"           # the plain op's EP2 ...
+        assert not faster("broadcast_in_place", "expert_major", 2048, 2)            # ... not its own EP4's
+        assert faster("broadcast_in_place", "expert_major", 512, 8)                 # its own EP4's stands in
+        _scratch_table(monkeypatch, tmp_path, {"broadcast": {"2": 512, "4": None},
+                                               "broadcast_in_place": {"2": 512}})
+        assert not faster("broadcast_in_place", "expert_major", 8192, 4)            # EP4 vetoed for both
+        assert faster("broadcast_in_place", "expert_major", 512, 2)
+    finally:
+        auto_table.table.cache_clear()
+
+
+def test_the_op_plans_a_form_by_its_own_row(monkeypatch, tmp_path):
+    """Op.plan asks the table for the form's row, not its function's: with the in-place broadcast's kernel
+    measured faster and the plain broadcast's not, 'auto' takes the kernel for the form only."""
+    import jax
+
+    from jax_ep import cuda_backend, runtime
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(runtime, "available", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: None)
+    try:
+        _scratch_table(monkeypatch, tmp_path, {"broadcast": {"2": None}, "broadcast_in_place": {"2": 0}})
+        assert OPS["broadcast_in_place"].plan(_cfg(), 2).impl == "cuda"
+        assert OPS["broadcast_in_place"].implementation(_cfg(), 2) is cuda_backend.broadcast
+        plan = OPS["broadcast"].plan(_cfg(), 2)
+        assert plan.impl == "reference" and "did not measure faster" in plan.reason
+    finally:
+        auto_table.table.cache_clear()
+
+
 def test_writer_gives_the_in_place_forms_their_own_entry(tmp_path):
     from benchmarks import auto_table as writer
 
