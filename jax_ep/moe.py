@@ -254,6 +254,16 @@ def _check_experts_divide(num_experts: int, ep_size: int, axis_name: str, node_a
             "multiple of the EP size, or give an expert placement (jax_ep.eplb) with slots that divide")
 
 
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """[T, E] float32 router logits, x @ router summed in float32.
+
+    The operands go to the GEMM in their own dtypes (jnp's promotion: a float32 one makes both float32):
+    bfloat16 tokens and a bfloat16 router multiply as a bfloat16 GEMM with a float32 result, whose
+    products are exact in float32 as the products of their float32 upcasts are, so it is the float32
+    GEMM of the upcasts up to the order of the sums, without a float32 copy of the tokens."""
+    return jnp.dot(x, router, preferred_element_type=jnp.float32)
+
+
 class MoE(nnx.Module):
     """Mixture-of-Experts FFN layer with expert parallelism (Flax NNX).
 
@@ -747,7 +757,7 @@ class MoE(nnx.Module):
                                              ranks_per_node=self._ranks_per_node())
         # named scopes: the layer benchmark splits the step's device time by them (SCOPES)
         with jax.named_scope(SCOPES["router"]):
-            logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+            logits = router_logits(x, router)
             routing = route(logits, router_cfg, lax.stop_gradient(bias))
             topk_idx = routing.topk_idx
             if placement is not None:
