@@ -222,6 +222,47 @@ def test_layer_ab_times_each_config_in_alternating_rounds(tmp_path, monkeypatch)
     assert json.loads(out.read_text()) == records
 
 
+FUSED_ACROSS_SCOPES = """\
+%fused_add (param_0: bf16[8,4], param_1: bf16[64,4], param_2: s32[8]) -> bf16[8,4] {
+  %param_1 = bf16[64,4]{1,0} parameter(1), metadata={scheduling_name="param_1"}
+  %convert.2 = f32[64,4]{1,0} convert(%param_1), metadata={op_name="bwd/moe_dispatch/convert"}
+  %gather.3 = f32[8,4]{1,0} gather(%convert.2, %param_2), metadata={op_name="bwd/moe_dispatch/gather"}
+  %param_0 = bf16[8,4]{1,0} parameter(0)
+  %convert.4 = f32[8,4]{1,0} convert(%param_0), metadata={op_name="bwd/moe_router/convert"}
+  ROOT %add.5 = bf16[8,4]{1,0} add(%convert.4, %gather.3), metadata={op_name="bwd/moe_router/add_any"}
+}
+
+%fused_slice (param_0.9: s32[16]) -> (s32[17], s32[17]) {
+  %param_0.9 = s32[16]{0} parameter(0)
+  ROOT %concatenate.1 = s32[17]{0} concatenate(%param_0.9), metadata={op_name="fwd/moe_experts/concatenate"}
+}
+
+ENTRY %main.7 (x: bf16[8,4], dy: bf16[64,4], rows: s32[8]) -> bf16[8,4] {
+  %x = bf16[8,4]{1,0} parameter(0)
+  %gemm_fusion_dot = bf16[8,4]{1,0} fusion(%x), kind=kCustom, metadata={op_name="fwd/moe_router/dot_general"}
+  %loop_slice_fusion.1 = (s32[17]{0}, s32[17]{0}) fusion(%rows), kind=kLoop, calls=%fused_slice
+  %copy.8 = bf16[8,4]{1,0} copy(%x)
+  ROOT %loop_add_fusion = bf16[8,4]{1,0} fusion(%gemm_fusion_dot, %dy, %rows), kind=kLoop, \
+calls=%fused_add, metadata={op_name="bwd/moe_router/add_any"}
+}
+"""
+
+
+def test_hlo_scopes_gives_a_fusion_its_dominant_scope():
+    """A fusion's time goes to the scope whose instructions in its body output the most elements, not to
+    its root's: the reference dispatch's backward fused into the router's gradient add counts as dispatch;
+    a fusion without metadata of its own takes its body's; an instruction keeps its own op_name."""
+    from benchmarks import layer
+
+    scopes = layer.hlo_scopes(FUSED_ACROSS_SCOPES)
+    assert "moe_dispatch" in scopes["loop_add_fusion"]
+    assert scopes["gemm_fusion_dot"] == "fwd/moe_router/dot_general"
+    assert "moe_experts" in scopes["loop_slice_fusion.1"]
+    assert "copy.8" not in scopes and "convert.2" in scopes   # no metadata, no scope
+    # with only the router's scope counted, the add stays the router's
+    assert "moe_router" in layer.hlo_scopes(FUSED_ACROSS_SCOPES, scopes=("moe_router",))["loop_add_fusion"]
+
+
 @pytest.mark.slow
 def test_decode_layer_bench_writes_records(tmp_path):
     records = bench.main(["--layer", "--layer-shapes", "small_decode", "--layer-configs", "ep_reference",
