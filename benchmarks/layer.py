@@ -39,21 +39,22 @@ chunks (``EPOptions(chunks=2)``: micro-batch 1's dispatch issued before micro-ba
 ``_nocb`` time the step compiled without XLA's command buffers (``command_buffers`` in the record):
 inside a command buffer an async region runs in series with the rest (openxla/xla#48900), so only there
 can the async forms hide anything.
-The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as
-plain dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert
-block (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank
-shapes; ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the device time of the GPU
-events of device 0 (all streams, so overlapping streams add up) by the layer's named scopes
-(moe.SCOPES), each with its backward (dispatch's backward is a combine kernel, combine's a broadcast);
-events the profile does not tie to an HLO instruction with a scope count as "rest". The split runs the
-step without XLA's command buffers (split_by_scope says why). ``device_step_ms`` is that profiled step's
-span on device 0 and ``ep_hidden_ms`` how much of the EP ops' device time ran beside other work (the
-device time summed over streams minus the span, at most the EP time; 0 when the exchanges run in
-series with the GEMMs): how much the overlap hides when the step runs without command buffers, as
-the ``_nocb`` configs time it (the others' ``step_ms`` runs with them). ``--sustain S`` runs S seconds
-of back-to-back steps before each timing (and before the roofline's): the clocks a training job runs at,
-where a timing right after compiling catches a GPU below its power limit (an H200 settles 15-18% slower
-within about a second at its 700 W cap; ``best_of``); records carry ``sustain_s``.
+The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as plain
+dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert block
+(both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank shapes;
+``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the device time of the GPU events of device
+0 (all streams, so overlapping streams add up) by the layer's named scopes (moe.SCOPES), each with its
+backward (dispatch's backward is a combine kernel, combine's a broadcast); events the profile does not tie
+to an HLO instruction with a scope count as "rest"; a fusion of several scopes' instructions counts in the
+one whose instructions output the most elements (hlo_scopes). The split runs the step without XLA's command
+buffers (split_by_scope says why). ``device_step_ms`` is that profiled step's span on device 0 and
+``ep_hidden_ms`` how much of the EP ops' device time ran beside other work (the device time summed over
+streams minus the span, at most the EP time; 0 when the exchanges run in series with the GEMMs): how much
+the overlap hides when the step runs without command buffers, as the ``_nocb`` configs time it (the others'
+``step_ms`` runs with them). ``--sustain S`` runs S seconds of back-to-back steps before each timing (and
+before the roofline's): the clocks a training job runs at, where a timing right after compiling catches a
+GPU below its power limit (an H200 settles 15-18% slower within about a second at its 700 W cap;
+``best_of``); records carry ``sustain_s``.
 """
 
 from __future__ import annotations

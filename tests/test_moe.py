@@ -120,6 +120,30 @@ def test_gradients_match_dense(shape, axes, placed):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("router_dtype", [jnp.bfloat16, jnp.float32])
+def test_router_logits_are_the_float32_product_of_the_upcasts(router_dtype):
+    """moe.router_logits: float32 logits equal to the float32 GEMM of the upcast operands (to its
+    summation order) and gradients equal to that GEMM's, for bf16 tokens with a bf16 router (the 16-bit
+    GEMM) and with a float32 one (promoted)."""
+    from jax_ep.moe import router_logits
+
+    kx, kr, kg = jax.random.split(jax.random.key(int(jnp.dtype(router_dtype).itemsize)), 3)
+    x = jax.random.normal(kx, (64, 512), jnp.bfloat16)
+    router = (0.05 * jax.random.normal(kr, (512, 16), jnp.float32)).astype(router_dtype)
+    g = jax.random.normal(kg, (64, 16), jnp.float32)
+
+    def upcast(x, router):
+        return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+
+    got, want = router_logits(x, router), upcast(x, router)
+    assert got.dtype == jnp.float32 and float(jnp.abs(want).max()) > 0.1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.vjp(router_logits, x, router)[1](g), jax.vjp(upcast, x, router)[1](g), strict=True):
+        assert a.dtype == b.dtype and float(jnp.abs(b.astype(jnp.float32)).max()) > 0
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-3)
+
+
 def test_dy_in_place_changes_no_gradient():
     """EPOptions.dy_in_place (default True: combine's empty_rows_zero, its backward taking the rows that
     hold no token from the expert output, which is zero there) and False give the same gradients, bit
