@@ -198,46 +198,43 @@ def _forward(gate_up, live, interpret, tiling, row_scale=None):
 
 def _backward(gate_up, live, dh, interpret, tiling, row_scale=None):
     """d gate_up [M, 2F]; with row_scale also the partial dot products [nb, M] float32 of the rows'
-    ``silu(gate) * up`` and dh, one per column block (written by the d gate programs, which read both)."""
+    ``silu(gate) * up`` and dh, one per column block.
+
+    Program (i, j) reads row block i's column block j of gate, up and dh once and writes both blocks it
+    determines, d gate's (column block j) and d up's (nb + j), into the whole [M, 2F] output: 3 blocks
+    read and 2 written, where one program per output block read 5 (gate and dh twice)."""
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
-    nb, live_spec, gate, up, out = _specs(f, tiling)
-    rows = tiling.rows
+    nb, live_spec, gate, up, _ = _specs(f, tiling)
+    rows, cols = tiling.rows, _cols(f, tiling)
     scaled = row_scale is not None
     f32 = lambda ref: ref[...].astype(jnp.float32)  # noqa: E731
 
     def kernel(live_ref, g_ref, u_ref, dh_ref, *refs):
         w_ref, dgu_ref, dots_ref = refs if scaled else (None, *refs, None)
-        in_live = pl.program_id(0) * rows < live_ref[0]
-        is_gate = pl.program_id(1) < nb
+        i, j = pl.program_id(0), pl.program_id(1)
 
-        def dh_and_ds():  # dh, and the cotangent of silu(g) * u
-            dh = f32(dh_ref)
-            return dh, dh * w_ref[...][:, None] if scaled else dh
-
-        @pl.when(in_live & is_gate)
+        @pl.when(i * rows < live_ref[0])
         def _():
-            g, u = f32(g_ref), f32(u_ref)
+            g, u, dh = f32(g_ref), f32(u_ref), f32(dh_ref)
             s = jax.nn.sigmoid(g)
-            dh, ds = dh_and_ds()
-            dgu_ref[...] = (ds * u * (s * (1.0 + g * (1.0 - s)))).astype(dgu_ref.dtype)
+            ds = dh * w_ref[...][:, None] if scaled else dh   # the cotangent of silu(g) * u
+            block = pl.ds(i * rows, rows)
+            d_gate = ds * u * (s * (1.0 + g * (1.0 - s)))
+            dgu_ref[block, pl.ds(j * cols, cols)] = d_gate.astype(dgu_ref.dtype)
+            dgu_ref[block, pl.ds(f + j * cols, cols)] = (ds * (g * s)).astype(dgu_ref.dtype)
             if scaled:
                 dots_ref[...] = jnp.sum(g * s * u * dh, axis=1)
 
-        @pl.when(in_live & jnp.logical_not(is_gate))
-        def _():
-            g = f32(g_ref)
-            dgu_ref[...] = (dh_and_ds()[1] * (g * jax.nn.sigmoid(g))).astype(dgu_ref.dtype)
-
     in_specs = [live_spec, gate, up, gate]
-    out_specs, out_shape = out, shape_like((m, 2 * f), gate_up.dtype, gate_up)
+    out_specs, out_shape = pl.no_block_spec, shape_like((m, 2 * f), gate_up.dtype, gate_up)
     if scaled:
-        blocks = m // rows   # the d gate program (i, j) writes block j of row block i's dots
+        blocks = m // rows   # program (i, j) writes block j of row block i's dots
         in_specs.append(pl.BlockSpec((rows,), lambda i, j: (i,)))
-        out_specs = [out, pl.BlockSpec((rows,), lambda i, j: ((j % nb) * blocks + i,))]
+        out_specs = [out_specs, pl.BlockSpec((rows,), lambda i, j: (j * blocks + i,))]
         out_shape = [out_shape, shape_like((nb * m,), jnp.float32, gate_up)]
-    result = pl.pallas_call(kernel, grid=(m // rows, 2 * nb), in_specs=in_specs, out_specs=out_specs,
+    result = pl.pallas_call(kernel, grid=(m // rows, nb), in_specs=in_specs, out_specs=out_specs,
                             out_shape=out_shape, interpret=interpret, compiler_params=_triton_params(tiling),
                             name="jax_ep_swiglu_bwd"
                             )(live, gate_up, gate_up, dh, *([row_scale] if scaled else []))
