@@ -9,8 +9,9 @@ below ``live_rows`` and leaves the rows past them unwritten (unspecified, as dis
 ``"xla"`` is ``jax.nn.silu(gate) * up`` over every row (any platform; what JAX differentiates itself).
 ``"auto"`` (the default) takes the kernels on a Hopper GPU, where they were measured faster (H200,
 2026-11-30, tools/tune_swiglu.py: DeepSeek-V3's per-rank buffer at EP2, forward + backward 0.53 ms against
-XLA's 0.59, mid 0.22 against 0.28; the layer's step at EP2 0.8-1.6% faster), when the buffer's shape fits
-them, XLA otherwise; ``choose`` says which and why.
+XLA's 0.59, mid 0.22 against 0.28; the layer's step at EP2 0.8-1.6% faster; the backward since then 25-27%
+faster, 0.200 ms at DeepSeek-V3's EP2 buffer, 2026-12-04), when the buffer's shape fits them, XLA otherwise;
+``choose`` says which and why.
 
 Arithmetic of the kernels, in float32, rounded once to the buffer's dtype: forward
 ``h = g * sigmoid(g) * u``; backward ``du = dh * g * sigmoid(g)``, ``dg = dh * u * s * (1 + g * (1 - s))``
@@ -154,18 +155,19 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def _specs(f: int, tiling: Tiling):
-    """The kernels' grid and blocks over gate_up [M, 2F] as it is (gate columns, then up): column block
-    j of gate is block j, of up block nb + j (nb = F / cols). The backward's grid runs over 2 nb column
-    blocks of its [M, 2F] output, each program writing one contiguous block (d gate for j < nb, d up
-    after), the layout of the buffer: a [M, 2, F] view with blocks of both halves measured 3x slower on
-    an H200, and two [M, F] outputs concatenated by XLA slower at every tiling (2026-11-30)."""
+    """The kernels' grid (row blocks x nb) and blocks over gate_up [M, 2F] as it is (gate columns, then
+    up): column block j of gate is block j, of up block nb + j (nb = F / cols); ``out``, the forward's
+    block j of h [M, F]. The backward writes its two blocks into the whole [M, 2F] output (``_backward``):
+    on an H200 that took 25-27% less time than one program per output block, which read gate and dh
+    twice (2026-12-04, same bits); a [M, 2, F] view with blocks of both halves had measured 3x slower,
+    and two [M, F] outputs concatenated by XLA slower at every tiling (2026-11-30)."""
     from jax.experimental import pallas as pl
 
     rows, cols = tiling.rows, _cols(f, tiling)
     nb = f // cols
     live = pl.BlockSpec((1,), lambda i, j: (0,))
-    gate = pl.BlockSpec((rows, cols), lambda i, j: (i, j % nb))   # also d h's block, of [M, F]
-    up = pl.BlockSpec((rows, cols), lambda i, j: (i, nb + j % nb))
+    gate = pl.BlockSpec((rows, cols), lambda i, j: (i, j))   # also d h's block, of [M, F]
+    up = pl.BlockSpec((rows, cols), lambda i, j: (i, nb + j))
     out = pl.BlockSpec((rows, cols), lambda i, j: (i, j))
     return nb, live, gate, up, out
 
