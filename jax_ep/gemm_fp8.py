@@ -114,15 +114,20 @@ def quantize_gemm_rows(x: jax.Array, live_rows: jax.Array | None = None, *, back
                            f"M % {QUANTIZE_ROWS} == 0, got x {x.shape}")
 
     def block(rows_ref, q_ref, scale_ref):
-        rows = rows_ref[...].astype(jnp.float32)                                    # [r, 128]
-        amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=1), FP8_GEMM_MIN_AMAX)        # per row
-        inv_scale, scale = _ieee_fp8_factors(amax, interpret)
-        q_ref[...] = (rows * inv_scale[:, None]).astype(jnp.float8_e4m3fn)
+        q_ref[...], scale = quantize_row_block(rows_ref[...].astype(jnp.float32), interpret)
         scale_ref[...] = scale[None, :]
 
     q, scales_t = _live_row_blocks(block, "jax_ep_quantize_rows", live_rows, [x], [False],
                                    [(jnp.float8_e4m3fn, False), (jnp.float32, True)], interpret)
     return q, scales_t.T
+
+
+def quantize_row_block(rows: jax.Array, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """quantize_gemm_rows' arithmetic on one Triton block: float32 rows [r, 128] -> (e4m3 [r, 128], their
+    float32 scales [r]); ``interpret``: the CPU's (Pallas interpret mode)."""
+    amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=1), FP8_GEMM_MIN_AMAX)        # per row
+    inv_scale, scale = _ieee_fp8_factors(amax, interpret)
+    return (rows * inv_scale[:, None]).astype(jnp.float8_e4m3fn), scale
 
 
 def _ieee_fp8_factors(amax: jax.Array, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -644,6 +649,12 @@ def _live_rows_backend(shape, backend: str) -> str:
     """The row (de)quantisers' backend beside the FP8 GEMM on ``backend``: the live-row kernels beside the
     Hopper GEMMs (which never read rows past the groups), XLA elsewhere."""
     return "pallas" if backend == "mosaic_gpu" and quantize_rows_fits(shape) else "reference"
+
+
+def live_rows_quantiser(x_shape, w_shape, backend: str = "auto") -> str:
+    """The quantiser fp8_grouped_matmul(x, w, backend=backend) takes for rows x it quantises itself:
+    "pallas" (quantize_gemm_rows' live-row kernel, beside the Hopper GEMMs) or "reference"."""
+    return _live_rows_backend(tuple(x_shape), fp8_backend(w_shape[1], w_shape[2], backend))
 
 
 def _quantize_live_rows(x, group_sizes, backend):

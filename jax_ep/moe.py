@@ -52,7 +52,7 @@ from jax_ep.fp8 import dequantize_fp8
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
-from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, quantize_weights
+from jax_ep.gemm_fp8 import FP8Weights, fp8_grouped_matmul, live_rows_quantiser, quantize_weights
 from jax_ep.hierarchical import combine_hierarchical, dispatch_hierarchical
 from jax_ep.ops import (
     combine,
@@ -64,7 +64,8 @@ from jax_ep.ops import (
     ll_dispatch_send,
 )
 from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
-from jax_ep.swiglu import swiglu
+from jax_ep.swiglu import resolve as swiglu_resolve
+from jax_ep.swiglu import swiglu, swiglu_rows_fp8
 
 GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 
@@ -1038,8 +1039,21 @@ class _ExpertGEMMs:
         # ones): the rows they leave unwritten (past the live rows' blocks) reach no sum there either: the
         # Hopper FP8 kernels and their live-row quantiser never read them, XLA's quantisation is row by
         # row, quantize_rows_t masks them, and the weight gradients skip rows past the groups
-        h = swiglu(gate_up, live_rows=jnp.sum(group_sizes), backend=swiglu_backend, row_scale=row_weights)
-        return self.matmul(h, w_down, group_sizes, quantized)
+        live = jnp.sum(group_sizes)
+        h = swiglu(gate_up, live_rows=live, backend=swiglu_backend, row_scale=row_weights)
+        h_fp8 = None
+        if self.fp8_rows_from_swiglu(gate_up.shape, w_down.shape, swiglu_backend):
+            # the FP8 GEMM's rows straight from SwiGLU's kernel, the bits its live-row quantiser makes of
+            # h; h itself then only carries the gradient (nothing reads its value: XLA drops its kernel)
+            h_fp8 = swiglu_rows_fp8(gate_up, live, row_scale=row_weights)
+        return self.matmul(h, w_down, group_sizes, quantized, h_fp8)
+
+    def fp8_rows_from_swiglu(self, gate_up_shape, w_down_shape, swiglu_backend) -> bool:
+        """Whether ``down`` takes the FP8 down GEMM's rows from SwiGLU's quantising kernel: FP8 GEMMs whose
+        rows the live-row kernel would quantise, after SwiGLU's kernels (the same arithmetic and bits)."""
+        h_shape = (gate_up_shape[0], gate_up_shape[1] // 2)
+        return (self.gemm_dtype is not None and swiglu_resolve(gate_up_shape, swiglu_backend) == "pallas"
+                and live_rows_quantiser(h_shape, w_down_shape) == "pallas")
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

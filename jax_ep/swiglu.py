@@ -25,8 +25,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jax_ep.config import check_option
+from jax_ep.config import FP8_BLOCK, check_option
 from jax_ep.errors import EPValueError
 from jax_ep.gemm import hopper_reason
 from jax_ep.vma import shape_like, vary_jointly
@@ -72,8 +73,7 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         raise EPValueError(f"swiglu: row_scale must be float32 [{m}] (one per row of gate_up), got "
                            f"{row_scale.dtype} {row_scale.shape}")
-    if backend == "auto":
-        backend = choose(gate_up.shape, tiling)[0]
+    backend = resolve(gate_up.shape, backend, tiling)
     if backend == "xla":
         gate, up = jnp.split(gate_up, 2, axis=1)
         if row_scale is None:
@@ -91,6 +91,68 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
         return _swiglu(*vary_jointly(gate_up, live), None, interpret, tiling)
     gate_up, live, row_scale = vary_jointly(gate_up, live, row_scale)
     return _swiglu(gate_up, live, row_scale, interpret, tiling)
+
+
+def resolve(shape, backend: str, tiling: Tiling = TILING) -> str:
+    """The backend ``swiglu(gate_up, ..., backend=backend)`` runs for a gate|up buffer of this shape."""
+    return choose(shape, tiling)[0] if backend == "auto" else backend
+
+
+def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.Array | None = None,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """What ``jax_ep.gemm_fp8.quantize_gemm_rows(h, live_rows, backend="pallas")`` makes of ``h =
+    swiglu(gate_up, live_rows, backend="pallas", row_scale=row_scale)``, in one kernel that never writes
+    h: (e4m3 [M, F], float32 scales [M, F/128]), the same bits over the row blocks that start below
+    ``live_rows``, the rest unwritten. What the MoE layer's FP8 down GEMM multiplies
+    (``fp8_grouped_matmul``'s ``x_fp8``): h's bf16 write and the quantiser's read of it saved. Not
+    differentiable (the FP8 GEMM takes such rows as constants; its input gradient reaches gate_up through
+    ``swiglu``, whose forward nothing then reads). Needs F % 128 == 0 and M % 32 == 0, a GPU or
+    ``interpret``."""
+    from jax.experimental import pallas as pl
+
+    from jax_ep.gemm_fp8 import QUANTIZE_ROWS, quantize_row_block
+
+    m, f = gate_up.shape[0], gate_up.shape[1] // 2
+    rows, cols = QUANTIZE_ROWS, FP8_BLOCK
+    if gate_up.ndim != 2 or f % cols or m % rows:
+        raise EPValueError(f"swiglu_rows_fp8: gate_up must be [M, 2F] with F % {cols} == 0 and M % {rows} "
+                           f"== 0, got {gate_up.shape}")
+    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+        raise EPValueError(f"swiglu_rows_fp8: row_scale must be float32 [{m}], got {row_scale.dtype} "
+                           f"{row_scale.shape}")
+    if not interpret and jax.default_backend() != "gpu":
+        raise EPValueError(f"swiglu_rows_fp8: runs a Triton kernel on a GPU; the default platform is "
+                           f"{jax.default_backend()!r}")
+    nb, scaled = f // cols, row_scale is not None
+    live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
+    scales = [row_scale] if scaled else []
+    operands = vary_jointly(*(lax.stop_gradient(a) for a in (gate_up, live, *scales)))
+
+    def kernel(live_ref, g_ref, u_ref, *refs):
+        w_ref, q_ref, s_ref = refs if scaled else (None, *refs)
+
+        @pl.when(pl.program_id(0) * rows < live_ref[0])
+        def _():
+            g = g_ref[...].astype(jnp.float32)
+            h = g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)   # _forward's arithmetic
+            if scaled:
+                h = h * w_ref[...][:, None]
+            # swiglu's rounding to the buffer's dtype, then the quantiser's arithmetic on those values
+            q_ref[...], scale = quantize_row_block(h.astype(gate_up.dtype).astype(jnp.float32), interpret)
+            s_ref[...] = scale[None, :]
+
+    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
+                pl.BlockSpec((rows, cols), lambda i, j: (i, nb + j))]
+    in_specs += [pl.BlockSpec((rows,), lambda i, j: (i,))] if scaled else []
+    q, scales_t = pl.pallas_call(
+        kernel, grid=(m // rows, nb), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
+                   pl.BlockSpec((1, rows), lambda i, j: (j, i))],
+        out_shape=[shape_like((m, f), jnp.float8_e4m3fn, operands[0]),
+                   shape_like((nb, m), jnp.float32, operands[0])],
+        interpret=interpret, compiler_params=_triton_params(TILING), name="jax_ep_swiglu_fp8"
+    )(operands[1], operands[0], operands[0], *operands[2:])
+    return q, scales_t.T
 
 
 def choose(shape, tiling: Tiling = TILING) -> tuple[str, str]:

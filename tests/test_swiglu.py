@@ -193,3 +193,91 @@ def test_auto_takes_the_kernels_on_hopper_only(monkeypatch):
     backend, why = swiglu_module.choose((4100, 4096))
     assert backend == "xla" and "M=4100" in why
     assert swiglu_module.choose((4096, 4096), Tiling(rows=64))[0] == "pallas"
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row_scale"])
+@pytest.mark.parametrize("m,f,live", [(256, 384, 200), (128, 128, 128), (96, 256, 0)])
+def test_swiglu_rows_fp8_are_the_live_row_quantisers_bits(m, f, live, scaled):
+    """swiglu_rows_fp8 (interpret mode): over the row blocks below live_rows, the e4m3 rows and scales
+    quantize_gemm_rows' kernel makes of the SwiGLU kernel's h, bit for bit, row scale or not; outputs of
+    the shapes the FP8 GEMM takes."""
+    from jax_ep.gemm_fp8 import quantize_gemm_rows
+    from jax_ep.swiglu import swiglu_rows_fp8
+
+    rng = np.random.default_rng(m + f + live)
+    gate_up = jnp.asarray(3 * rng.standard_normal((m, 2 * f)), jnp.bfloat16)
+    row_scale = jnp.asarray(rng.random(m), jnp.float32) if scaled else None
+    n = jnp.int32(live)
+    h = swiglu(gate_up, n, backend="pallas", interpret=True, row_scale=row_scale)
+    want_q, want_s = quantize_gemm_rows(h, n, backend="pallas", interpret=True)
+    q, s = swiglu_rows_fp8(gate_up, n, row_scale=row_scale, interpret=True)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (m, f) and s.dtype == jnp.float32
+    assert s.shape == (m, f // 128)
+    rows = -(-live // 32) * 32
+    if rows:
+        assert _f32(want_q[:rows]).any() and np.abs(_f32(want_q[:rows])).max() == 448.0
+    np.testing.assert_array_equal(_f32(q[:rows]), _f32(want_q[:rows]))
+    np.testing.assert_array_equal(np.asarray(s[:rows]), np.asarray(want_s[:rows]))
+
+
+def test_swiglu_rows_fp8_refuses_shapes_it_cannot_take():
+    from jax_ep.swiglu import swiglu_rows_fp8
+
+    with pytest.raises(EPValueError, match=r"F % 128 == 0 and M % 32 == 0, got \(64, 192\)"):
+        swiglu_rows_fp8(jnp.zeros((64, 192), jnp.bfloat16), 64, interpret=True)
+    with pytest.raises(EPValueError, match=r"row_scale must be float32 \[64\]"):
+        swiglu_rows_fp8(jnp.zeros((64, 256), jnp.bfloat16), 64, row_scale=jnp.ones(64, jnp.bfloat16),
+                        interpret=True)
+
+
+def test_fp8_expert_block_with_swiglus_fp8_rows_gives_the_same_bits(monkeypatch):
+    """expert_block with FP8 GEMMs where the down GEMM's rows come from swiglu_rows_fp8 (the kernels in
+    interpret mode, forced on here; on a Hopper GPU ``fp8_rows_from_swiglu`` decides): loss and every
+    gradient bit for bit as when the FP8 GEMM quantises SwiGLU's h itself (on CPU with XLA's quantiser,
+    which divides in IEEE as the kernel's does)."""
+    import functools
+
+    from jax_ep import moe
+    from jax_ep import swiglu as swiglu_module
+
+    monkeypatch.setattr(moe, "swiglu", functools.partial(swiglu_module.swiglu, interpret=True))
+    monkeypatch.setattr(moe, "swiglu_rows_fp8", functools.partial(swiglu_module.swiglu_rows_fp8,
+                                                                  interpret=True))
+    rng = np.random.default_rng(8)
+    m, h, f, g = 256, 128, 256, 4
+    sizes = jnp.asarray([40, 0, 100, 84], jnp.int32)       # 224 live rows, one block past them
+    rows = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, 2 * f)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.bfloat16)
+    weights = jnp.asarray(rng.random(m), jnp.float32)
+
+    def run(fused):
+        monkeypatch.setattr(moe._ExpertGEMMs, "fp8_rows_from_swiglu", lambda *_: fused)
+
+        def loss(rows, w1, w2, weights):
+            y = moe.expert_block(rows, w1, w2, sizes, gemm="ragged_dot", gemm_dtype="float8_e4m3fn",
+                                 swiglu_backend="pallas", row_weights=weights)
+            return jnp.sum(y[:224].astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(rows, w1, w2, weights)
+
+    (got, grads), (want, grads_ref) = run(True), run(False)
+    assert float(want) > 0 and float(got) == float(want)
+    live = lambda d: (d[0][:224], d[1], d[2], d[3][:224])  # noqa: E731  (rows past the groups: unspecified)
+    for a, b in zip(live(grads), live(grads_ref), strict=True):
+        assert np.abs(_f32(b)).max() > 0
+        np.testing.assert_array_equal(_f32(a), _f32(b))
+
+
+def test_fp8_rows_from_swiglu_needs_the_kernels_on_both_sides(monkeypatch):
+    """_ExpertGEMMs.fp8_rows_from_swiglu: only with FP8 GEMMs, SwiGLU's kernels and the FP8 GEMM's live-row
+    quantiser (a Hopper GPU); never on CPU."""
+    from jax_ep import moe
+
+    fp8, bf16 = moe._ExpertGEMMs(gemm_dtype="float8_e4m3fn"), moe._ExpertGEMMs()
+    shapes = ((256, 512), (4, 256, 128))
+    assert not fp8.fp8_rows_from_swiglu(*shapes, "auto")      # CPU: XLA's SwiGLU, the reference GEMM
+    monkeypatch.setattr(moe, "swiglu_resolve", lambda shape, backend: "pallas")
+    monkeypatch.setattr(moe, "live_rows_quantiser", lambda *_: "pallas")
+    assert fp8.fp8_rows_from_swiglu(*shapes, "auto") and not bf16.fp8_rows_from_swiglu(*shapes, "auto")
+    monkeypatch.setattr(moe, "live_rows_quantiser", lambda *_: "reference")
+    assert not fp8.fp8_rows_from_swiglu(*shapes, "pallas")

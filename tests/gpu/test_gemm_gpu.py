@@ -523,6 +523,29 @@ def test_moe_layer_fp8_weights_quantised_once_give_the_same_step():
         assert np.abs(a).max() > 0 and np.array_equal(a, b), name
 
 
+@pytest.mark.parametrize("gate_weights", ["auto", "combine"])
+def test_moe_layer_fp8_down_rows_from_the_swiglu_kernel_give_the_same_step(monkeypatch, gate_weights):
+    """The FP8 layer on the GPU takes the down GEMM's e4m3 rows from SwiGLU's quantising kernel
+    (swiglu_rows_fp8: h never written) where both kernels run; loss and every gradient bit for bit as
+    when the FP8 GEMM's live-row quantiser quantises SwiGLU's h (forced here), with the gate weights in
+    the experts (the row scale) and in combine."""
+    from jax_ep import moe
+
+    real = moe._ExpertGEMMs.fp8_rows_from_swiglu
+    taken = []
+    monkeypatch.setattr(moe._ExpertGEMMs, "fp8_rows_from_swiglu",
+                        lambda self, *a: taken.append(real(self, *a)) or taken[-1])
+    kw = dict(gemm_dtype="float8_e4m3fn", ep=moe.EPOptions(gate_weights=gate_weights))
+    l1, g1 = layer_step(6, **kw)
+    assert taken and all(taken), "the fused rows were not taken on this GPU"
+    monkeypatch.setattr(moe._ExpertGEMMs, "fp8_rows_from_swiglu", lambda self, *a: False)
+    l0, g0 = layer_step(6, **kw)
+    assert np.isfinite(float(l0)) and float(l1) == float(l0)
+    for name in ("w_gate_up", "w_down", "router"):
+        a, b = np.asarray(g0[name][...], np.float32), np.asarray(g1[name][...], np.float32)
+        assert np.abs(a).max() > 0 and np.array_equal(a, b), name
+
+
 def test_weight_quantisation_kernel_matches_the_reference():
     """quantize_weight_blocks_both's Pallas kernel (one read of the bfloat16 weights, both e4m3 layouts
     and the block scales written) gives the reference's bits: random blocks over 6 orders of magnitude,
