@@ -62,6 +62,7 @@ from __future__ import annotations
 import datetime
 import functools
 import glob
+import itertools
 import math
 import operator
 import re
@@ -304,7 +305,10 @@ def _hlo_instructions(compiled_text: str) -> dict[str, list[tuple[str, int, str,
             current = None
         elif current is not None and (instr := re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)", line)):
             rest = instr.group(2)
-            shape = rest[:rest.index(")") + 1] if rest.startswith("(") else rest.split(" ", 1)[0]
+            shape = rest.split(" ", 1)[0]
+            if rest.startswith("("):   # a tuple shape, maybe nested: up to its closing parenthesis
+                depth = itertools.accumulate(1 if c == "(" else -1 if c == ")" else 0 for c in rest)
+                shape = rest[:next(i for i, d in enumerate(depth) if d == 0) + 1]
             elements = sum(math.prod(int(d) for d in dims.split(",") if d)
                            for dims in re.findall(r"\[([\d,]*)\]", shape))
             op_name = re.search(r'op_name="([^"]*)"', rest)
@@ -318,17 +322,20 @@ def hlo_scopes(compiled_text: str, scopes=None) -> dict[str, str]:
     """{HLO instruction name: its op_name metadata (the jax name-scope path)} of a compiled module.
 
     A fusion takes the op_name of its body's dominant scope among `scopes` (default the layer's,
-    moe.SCOPES): the one whose instructions output the most elements, rather than its root's. XLA fuses
-    across the layer's parts, e.g. the reference dispatch's backward (8 expert-major rows gathered per
-    token) into the add of the router's input gradient, a 0.16 ms kernel at DeepSeek-V3 on one H200
-    (2026-12-04) whose root is the router's."""
+    moe.SCOPES): the one whose instructions output the most elements, rather than its root's, unless its
+    instructions named outside those scopes (e.g. a loss's) output more, or none is named (then its own).
+    XLA fuses across the layer's parts, e.g. the reference dispatch's backward (8 expert-major rows
+    gathered per token) into the add of the router's input gradient, a 0.16 ms kernel at DeepSeek-V3 on
+    one H200 (2026-12-04) whose root is the router's."""
     computations = _hlo_instructions(compiled_text)
     scopes = tuple(moe.SCOPES.values()) if scopes is None else scopes
 
-    def weights(name, seen):   # {scope: elements, op_name of its largest instruction} of a body
+    # {scope ("" outside `scopes`): elements, op_name of its largest instruction} of a body's named
+    # instructions (the unnamed ones, parameters and constants, are the compiler's)
+    def weights(name, seen):
         found = {}
         for _, elements, op_name, calls in computations.get(name, ()):
-            scope = next((s for s in scopes if s in op_name), None)
+            scope = next((s for s in scopes if s in op_name), "") if op_name else None
             if scope is not None:
                 total, (top, top_name) = found.get(scope, (0, (-1, "")))
                 found[scope] = (total + elements, max((top, top_name), (elements, op_name)))
@@ -342,7 +349,7 @@ def hlo_scopes(compiled_text: str, scopes=None) -> dict[str, str]:
     for instructions in computations.values():
         for name, _, op_name, calls in instructions:
             found = weights(calls, {calls}) if calls is not None else {}
-            if found:
+            if found and max(found, key=found.get) != "":
                 op_name = max(found.values())[1][1]
             if op_name:
                 result[name] = op_name
@@ -388,7 +395,10 @@ def split_by_scope(compiled, args, iters: int) -> tuple[dict[str, float], float]
                 continue
             for event in line.events:
                 words = [event.name, *(str(v) for _, v in getattr(event, "stats", ()))]
-                text = " ".join(words + [scopes.get(word, "") for word in words])
+                # the event's HLO instruction's scope (hlo_scopes: a fusion's dominant one) before any
+                # op_name the trace itself carries (a fusion's root's)
+                mapped = [scopes[word] for word in words if word in scopes]
+                text = " ".join(mapped or words)
                 part = next((name for name, scope in moe.SCOPES.items() if scope in text), "rest")
                 split[part] += event.duration_ns / 1e6 / iters
                 first, last = min(first, event.start_ns), max(last, event.end_ns)

@@ -104,19 +104,22 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
     swiglu(gate_up, live_rows, backend="pallas", row_scale=row_scale)``, in one kernel that never writes
     h: (e4m3 [M, F], float32 scales [M, F/128]), the same bits over the row blocks that start below
     ``live_rows``, the rest unwritten. What the MoE layer's FP8 down GEMM multiplies
-    (``fp8_grouped_matmul``'s ``x_fp8``): h's bf16 write and the quantiser's read of it saved. Not
-    differentiable (the FP8 GEMM takes such rows as constants; its input gradient reaches gate_up through
-    ``swiglu``, whose forward nothing then reads). Needs F % 128 == 0 and M % 32 == 0, a GPU or
-    ``interpret``."""
+    (``fp8_grouped_matmul``'s ``x_fp8``): h's bf16 write and the quantiser's read of it saved. The outputs
+    carry no gradient (the operands pass through ``stop_gradient``, so JAX never differentiates the
+    kernel): the FP8 GEMM takes such rows as constants, and its input gradient reaches gate_up through
+    ``swiglu``, whose forward nothing then reads. Needs F % 128 == 0 and M % 32 == 0 (the quantiser's
+    shapes, ``quantize_rows_fits``), a GPU or ``interpret``."""
     from jax.experimental import pallas as pl
 
-    from jax_ep.gemm_fp8 import QUANTIZE_ROWS, quantize_row_block
+    from jax_ep.gemm_fp8 import QUANTIZE_ROWS, quantize_row_block, quantize_rows_fits
 
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2 or not quantize_rows_fits(
+            (gate_up.shape[0], gate_up.shape[1] // 2)):
+        raise EPValueError(f"swiglu_rows_fp8: gate_up must be [M, 2F] with F % {FP8_BLOCK} == 0, M % "
+                           f"{QUANTIZE_ROWS} == 0 and the e4m3 rows addressable by Pallas, got "
+                           f"{gate_up.shape}")
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
     rows, cols = QUANTIZE_ROWS, FP8_BLOCK
-    if gate_up.ndim != 2 or f % cols or m % rows:
-        raise EPValueError(f"swiglu_rows_fp8: gate_up must be [M, 2F] with F % {cols} == 0 and M % {rows} "
-                           f"== 0, got {gate_up.shape}")
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         raise EPValueError(f"swiglu_rows_fp8: row_scale must be float32 [{m}], got {row_scale.dtype} "
                            f"{row_scale.shape}")

@@ -237,11 +237,20 @@ FUSED_ACROSS_SCOPES = """\
   ROOT %concatenate.1 = s32[17]{0} concatenate(%param_0.9), metadata={op_name="fwd/moe_experts/concatenate"}
 }
 
+%fused_loss (param_0.3: bf16[512,64], param_1.3: f32[2]) -> f32[] {
+  %param_0.3 = bf16[512,64]{1,0} parameter(0)
+  %convert.6 = f32[512,64]{1,0} convert(%param_0.3), metadata={op_name="fwd/convert_element_type"}
+  %convert.7 = f32[2]{0} convert(%param_1.3), metadata={op_name="fwd/moe_combine/convert"}
+  ROOT %reduce.8 = f32[] reduce(%convert.6, %convert.7), metadata={op_name="fwd/reduce_sum"}
+}
+
 ENTRY %main.7 (x: bf16[8,4], dy: bf16[64,4], rows: s32[8]) -> bf16[8,4] {
   %x = bf16[8,4]{1,0} parameter(0)
   %gemm_fusion_dot = bf16[8,4]{1,0} fusion(%x), kind=kCustom, metadata={op_name="fwd/moe_router/dot_general"}
   %loop_slice_fusion.1 = (s32[17]{0}, s32[17]{0}) fusion(%rows), kind=kLoop, calls=%fused_slice
   %copy.8 = bf16[8,4]{1,0} copy(%x)
+  %loss_fusion = f32[] fusion(%y, %z), kind=kInput, calls=%fused_loss, metadata={op_name="fwd/reduce_sum"}
+  %nested = ((s32[2]{0}, f32[]), bf16[8,4]{1,0}) tuple(%a, %b), metadata={op_name="fwd/moe_router/tuple"}
   ROOT %loop_add_fusion = bf16[8,4]{1,0} fusion(%gemm_fusion_dot, %dy, %rows), kind=kLoop, \
 calls=%fused_add, metadata={op_name="bwd/moe_router/add_any"}
 }
@@ -259,6 +268,10 @@ def test_hlo_scopes_gives_a_fusion_its_dominant_scope():
     assert scopes["gemm_fusion_dot"] == "fwd/moe_router/dot_general"
     assert "moe_experts" in scopes["loop_slice_fusion.1"]
     assert "copy.8" not in scopes and "convert.2" in scopes   # no metadata, no scope
+    # work named outside the layer's scopes (a loss) outweighs a tiny scoped piece: the fusion keeps its own
+    assert scopes["loss_fusion"] == "fwd/reduce_sum"
+    assert scopes["nested"] == "fwd/moe_router/tuple"
+    assert layer._hlo_instructions(FUSED_ACROSS_SCOPES)["main.7"][-2][:2] == ("nested", 2 + 1 + 32)
     # with only the router's scope counted, the add stays the router's
     assert "moe_router" in layer.hlo_scopes(FUSED_ACROSS_SCOPES, scopes=("moe_router",))["loop_add_fusion"]
 

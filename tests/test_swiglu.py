@@ -195,9 +195,10 @@ def test_auto_takes_the_kernels_on_hopper_only(monkeypatch):
     assert swiglu_module.choose((4096, 4096), Tiling(rows=64))[0] == "pallas"
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row_scale"])
 @pytest.mark.parametrize("m,f,live", [(256, 384, 200), (128, 128, 128), (96, 256, 0)])
-def test_swiglu_rows_fp8_are_the_live_row_quantisers_bits(m, f, live, scaled):
+def test_swiglu_rows_fp8_are_the_live_row_quantisers_bits(m, f, live, scaled, dtype):
     """swiglu_rows_fp8 (interpret mode): over the row blocks below live_rows, the e4m3 rows and scales
     quantize_gemm_rows' kernel makes of the SwiGLU kernel's h, bit for bit, row scale or not; outputs of
     the shapes the FP8 GEMM takes."""
@@ -205,7 +206,7 @@ def test_swiglu_rows_fp8_are_the_live_row_quantisers_bits(m, f, live, scaled):
     from jax_ep.swiglu import swiglu_rows_fp8
 
     rng = np.random.default_rng(m + f + live)
-    gate_up = jnp.asarray(3 * rng.standard_normal((m, 2 * f)), jnp.bfloat16)
+    gate_up = jnp.asarray(3 * rng.standard_normal((m, 2 * f)), dtype)
     row_scale = jnp.asarray(rng.random(m), jnp.float32) if scaled else None
     n = jnp.int32(live)
     h = swiglu(gate_up, n, backend="pallas", interpret=True, row_scale=row_scale)
@@ -223,14 +224,16 @@ def test_swiglu_rows_fp8_are_the_live_row_quantisers_bits(m, f, live, scaled):
 def test_swiglu_rows_fp8_refuses_shapes_it_cannot_take():
     from jax_ep.swiglu import swiglu_rows_fp8
 
-    with pytest.raises(EPValueError, match=r"F % 128 == 0 and M % 32 == 0, got \(64, 192\)"):
-        swiglu_rows_fp8(jnp.zeros((64, 192), jnp.bfloat16), 64, interpret=True)
+    for shape in ((64, 192), (64, 257), (48, 256), (256,)):
+        with pytest.raises(EPValueError, match=rf"F % 128 == 0, M % 32 == 0 .*got \({shape[0]},"):
+            swiglu_rows_fp8(jnp.zeros(shape, jnp.bfloat16), 64, interpret=True)
     with pytest.raises(EPValueError, match=r"row_scale must be float32 \[64\]"):
         swiglu_rows_fp8(jnp.zeros((64, 256), jnp.bfloat16), 64, row_scale=jnp.ones(64, jnp.bfloat16),
                         interpret=True)
 
 
-def test_fp8_expert_block_with_swiglus_fp8_rows_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("fp8_weight_grad", [False, True], ids=["dw_bf16", "dw_fp8"])
+def test_fp8_expert_block_with_swiglus_fp8_rows_gives_the_same_bits(monkeypatch, fp8_weight_grad):
     """expert_block with FP8 GEMMs where the down GEMM's rows come from swiglu_rows_fp8 (the kernels in
     interpret mode, forced on here; on a Hopper GPU ``fp8_rows_from_swiglu`` decides): loss and every
     gradient bit for bit as when the FP8 GEMM quantises SwiGLU's h itself (on CPU with XLA's quantiser,
@@ -256,7 +259,8 @@ def test_fp8_expert_block_with_swiglus_fp8_rows_gives_the_same_bits(monkeypatch)
 
         def loss(rows, w1, w2, weights):
             y = moe.expert_block(rows, w1, w2, sizes, gemm="ragged_dot", gemm_dtype="float8_e4m3fn",
-                                 swiglu_backend="pallas", row_weights=weights)
+                                 swiglu_backend="pallas", row_weights=weights,
+                                 fp8_weight_grad=fp8_weight_grad)
             return jnp.sum(y[:224].astype(jnp.float32) ** 2)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(rows, w1, w2, weights)
 
@@ -276,8 +280,23 @@ def test_fp8_rows_from_swiglu_needs_the_kernels_on_both_sides(monkeypatch):
     fp8, bf16 = moe._ExpertGEMMs(gemm_dtype="float8_e4m3fn"), moe._ExpertGEMMs()
     shapes = ((256, 512), (4, 256, 128))
     assert not fp8.fp8_rows_from_swiglu(*shapes, "auto")      # CPU: XLA's SwiGLU, the reference GEMM
-    monkeypatch.setattr(moe, "swiglu_resolve", lambda shape, backend: "pallas")
     monkeypatch.setattr(moe, "live_rows_quantiser", lambda *_: "pallas")
+    # XLA's SwiGLU rounds after each op: its h is not the kernel's, whose bits the fused rows are
+    assert not fp8.fp8_rows_from_swiglu(*shapes, "xla") and fp8.fp8_rows_from_swiglu(*shapes, "pallas")
+    monkeypatch.setattr(moe, "swiglu_resolve", lambda shape, backend: "pallas")
     assert fp8.fp8_rows_from_swiglu(*shapes, "auto") and not bf16.fp8_rows_from_swiglu(*shapes, "auto")
     monkeypatch.setattr(moe, "live_rows_quantiser", lambda *_: "reference")
     assert not fp8.fp8_rows_from_swiglu(*shapes, "pallas")
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row_scale"])
+def test_swiglu_rows_fp8_lowers_to_triton_for_cuda(monkeypatch, scaled):
+    """The kernel's CUDA lowering (its IEEE divisions as inline PTX, which interpret mode never runs)."""
+    from jax_ep.swiglu import swiglu_rows_fp8
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # lowering needs no GPU
+    gu = jax.ShapeDtypeStruct((4096, 2 * 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    fn = jax.jit(lambda a, w: swiglu_rows_fp8(a, jnp.int32(1000), row_scale=w if scaled else None))
+    text = fn.trace(gu, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "jax_ep_swiglu_fp8" in text, text[:2000]
