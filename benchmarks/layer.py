@@ -59,6 +59,7 @@ GPU below its power limit (an H200 settles 15-18% slower within about a second a
 
 from __future__ import annotations
 
+import collections
 import datetime
 import functools
 import glob
@@ -330,27 +331,26 @@ def hlo_scopes(compiled_text: str, scopes=None) -> dict[str, str]:
     computations = _hlo_instructions(compiled_text)
     scopes = tuple(moe.SCOPES.values()) if scopes is None else scopes
 
-    # {scope ("" outside `scopes`): elements, op_name of its largest instruction} of a body's named
-    # instructions (the unnamed ones, parameters and constants, are the compiler's)
-    def weights(name, seen):
-        found = {}
-        for _, elements, op_name, calls in computations.get(name, ()):
-            scope = next((s for s in scopes if s in op_name), "") if op_name else None
-            if scope is not None:
-                total, (top, top_name) = found.get(scope, (0, (-1, "")))
-                found[scope] = (total + elements, max((top, top_name), (elements, op_name)))
-            if calls is not None and calls not in seen:
-                for scope, (total, top) in weights(calls, seen | {calls}).items():
-                    have, have_top = found.get(scope, (0, (-1, "")))
-                    found[scope] = (have + total, max(have_top, top))
-        return found
+    def body(name, seen):   # a computation's instructions and those of the computations it calls
+        for instruction in computations.get(name, ()):
+            yield instruction
+            if instruction[3] is not None and instruction[3] not in seen:
+                yield from body(instruction[3], seen | {instruction[3]})
 
     result = {}
     for instructions in computations.values():
         for name, _, op_name, calls in instructions:
-            found = weights(calls, {calls}) if calls is not None else {}
-            if found and max(found, key=found.get) != "":
-                op_name = max(found.values())[1][1]
+            # per scope ("" outside `scopes`) of the body's named instructions (the unnamed ones,
+            # parameters and constants, are the compiler's): elements output, its largest instruction
+            totals, largest = collections.Counter(), {}
+            for _, elements, body_name, _ in body(calls, {calls}) if calls is not None else ():
+                if body_name:
+                    scope = next((s for s in scopes if s in body_name), "")
+                    totals[scope] += elements
+                    largest[scope] = max(largest.get(scope, (-1, "")), (elements, body_name))
+            dominant = max(totals, key=totals.get, default="")
+            if dominant:
+                op_name = largest[dominant][1]
             if op_name:
                 result[name] = op_name
     return result

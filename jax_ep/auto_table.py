@@ -69,7 +69,7 @@ def decided_by(op: str, layout: str, ep_size: int) -> str:
     for name in (op, plain):
         if ep_size in _decisions(name, layout):
             return name
-    return op if _decision(op, layout, ep_size) is not None else plain
+    return op if decision_ep_size(sorted(_decisions(op, layout)), ep_size) is not None else plain
 
 
 def _decisions(op: str, layout: str) -> dict[int, int | None]:
@@ -78,19 +78,13 @@ def _decisions(op: str, layout: str) -> dict[int, int | None]:
     return {} if entry is None else {int(k): v for k, v in entry["min_tokens"].items()}
 
 
-def _decision(op: str, layout: str, ep_size: int) -> tuple[int | None] | None:
-    """(min_tokens,) of the EP size that decides `ep_size` in `op`'s own entry; None: no decision."""
-    decisions = _decisions(op, layout)
-    size = decision_ep_size(sorted(decisions), ep_size)
-    return None if size is None else (decisions[size],)
-
-
 def kernel_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
     """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank on
     `ep_size` GPUs (or the EP size whose decision stands for it: decision_ep_size; the entry of
     decided_by)."""
-    decision = _decision(decided_by(op, layout, ep_size), layout, ep_size)
-    return decision is not None and decision[0] is not None and tokens >= decision[0]
+    decisions = _decisions(decided_by(op, layout, ep_size), layout)
+    size = decision_ep_size(sorted(decisions), ep_size)
+    return size is not None and decisions[size] is not None and tokens >= decisions[size]
 
 
 def min_tokens(points: list[dict]) -> int | None:

@@ -1006,7 +1006,7 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
 
 
 # the FP8 expert GEMMs' backend (fp8_grouped_matmul's): the kernels on Hopper, else the reference
-FP8_GEMM_BACKEND = "auto"
+_FP8_GEMM_BACKEND = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1033,7 +1033,7 @@ class _ExpertGEMMs:
         if self.gemm_dtype is None:
             return grouped_matmul(x, w, group_sizes, backend=self.gemm, num_sms=self.num_sms,
                                   dw_num_sms=dw_num_sms, zero_tail=False)
-        return fp8_grouped_matmul(x, w, group_sizes, backend=FP8_GEMM_BACKEND, gemm=self.gemm,
+        return fp8_grouped_matmul(x, w, group_sizes, backend=_FP8_GEMM_BACKEND, gemm=self.gemm,
                                   num_sms=self.num_sms, dw_num_sms=dw_num_sms, quantized=quantized,
                                   x_fp8=x_fp8, zero_tail=False,
                                   weight_grad="fp8" if self.fp8_weight_grad else "bf16")
@@ -1058,7 +1058,7 @@ class _ExpertGEMMs:
         rows the live-row kernel would quantise, after SwiGLU's kernels (the same arithmetic and bits)."""
         h_shape = (gate_up_shape[0], gate_up_shape[1] // 2)
         return (self.gemm_dtype is not None and swiglu_resolve(gate_up_shape, swiglu_backend) == "pallas"
-                and live_rows_quantiser(h_shape, w_down_shape, FP8_GEMM_BACKEND) == "pallas")
+                and live_rows_quantiser(h_shape, w_down_shape, _FP8_GEMM_BACKEND) == "pallas")
 
 
 def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, w_gate_up: jax.Array,

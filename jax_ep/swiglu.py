@@ -70,9 +70,7 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
     if width % 2:
         raise EPValueError(f"swiglu: gate_up must have an even width (gate and up side by side), got "
                            f"{gate_up.shape}")
-    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
-        raise EPValueError(f"swiglu: row_scale must be float32 [{m}] (one per row of gate_up), got "
-                           f"{row_scale.dtype} {row_scale.shape}")
+    _check_row_scale("swiglu", row_scale, m)
     backend = resolve(gate_up.shape, backend, tiling)
     if backend == "xla":
         gate, up = jnp.split(gate_up, 2, axis=1)
@@ -80,9 +78,7 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
             return jax.nn.silu(gate) * up
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the kernels' arithmetic)
         return (jax.nn.silu(f32(gate)) * f32(up) * row_scale[:, None]).astype(gate_up.dtype)
-    if not interpret and jax.default_backend() != "gpu":
-        raise EPValueError(f"swiglu: backend='pallas' runs Triton kernels on a GPU; the default platform is "
-                           f"{jax.default_backend()!r} (use backend='xla')")
+    _check_gpu("swiglu: backend='pallas'", interpret, " (use backend='xla')")
     reason = kernel_unfit(gate_up.shape, tiling)
     if reason:
         raise EPValueError(f"swiglu: backend='pallas' cannot take gate_up {gate_up.shape}: {reason}")
@@ -91,6 +87,18 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
         return _swiglu(*vary_jointly(gate_up, live), None, interpret, tiling)
     gate_up, live, row_scale = vary_jointly(gate_up, live, row_scale)
     return _swiglu(gate_up, live, row_scale, interpret, tiling)
+
+
+def _check_row_scale(what: str, row_scale, m: int) -> None:
+    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+        raise EPValueError(f"{what}: row_scale must be float32 [{m}] (one per row of gate_up), got "
+                           f"{row_scale.dtype} {row_scale.shape}")
+
+
+def _check_gpu(what: str, interpret: bool, hint: str = "") -> None:
+    if not interpret and jax.default_backend() != "gpu":
+        raise EPValueError(f"{what} runs Triton kernels on a GPU; the default platform is "
+                           f"{jax.default_backend()!r}{hint}")
 
 
 def resolve(shape, backend: str, tiling: Tiling = TILING) -> str:
@@ -119,14 +127,11 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
                            f"{QUANTIZE_ROWS} == 0 and the e4m3 rows addressable by Pallas, got "
                            f"{gate_up.shape}")
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
-    rows, cols = QUANTIZE_ROWS, FP8_BLOCK
-    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
-        raise EPValueError(f"swiglu_rows_fp8: row_scale must be float32 [{m}], got {row_scale.dtype} "
-                           f"{row_scale.shape}")
-    if not interpret and jax.default_backend() != "gpu":
-        raise EPValueError(f"swiglu_rows_fp8: runs a Triton kernel on a GPU; the default platform is "
-                           f"{jax.default_backend()!r}")
-    nb, scaled = f // cols, row_scale is not None
+    _check_row_scale("swiglu_rows_fp8", row_scale, m)
+    _check_gpu("swiglu_rows_fp8", interpret)
+    tiling = Tiling(QUANTIZE_ROWS, FP8_BLOCK, TILING.warps)   # the quantiser's blocks: a scale per block row
+    nb, live_spec, gate, up, out = _specs(f, tiling)
+    rows, scaled = tiling.rows, row_scale is not None
     live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
     scales = [row_scale] if scaled else []
     operands = vary_jointly(*(lax.stop_gradient(a) for a in (gate_up, live, *scales)))
@@ -136,24 +141,18 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
 
         @pl.when(pl.program_id(0) * rows < live_ref[0])
         def _():
-            g = g_ref[...].astype(jnp.float32)
-            h = g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)   # _forward's arithmetic
-            if scaled:
-                h = h * w_ref[...][:, None]
-            # swiglu's rounding to the buffer's dtype, then the quantiser's arithmetic on those values
-            q_ref[...], scale = quantize_row_block(h.astype(gate_up.dtype).astype(jnp.float32), interpret)
+            # swiglu's h rounded to the buffer's dtype, then the quantiser's arithmetic on those values
+            h = _silu_times_up(g_ref, u_ref, w_ref).astype(gate_up.dtype).astype(jnp.float32)
+            q_ref[...], scale = quantize_row_block(h, interpret)
             s_ref[...] = scale[None, :]
 
-    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
-                pl.BlockSpec((rows, cols), lambda i, j: (i, nb + j))]
-    in_specs += [pl.BlockSpec((rows,), lambda i, j: (i,))] if scaled else []
+    in_specs = [live_spec, gate, up] + ([pl.BlockSpec((rows,), lambda i, j: (i,))] if scaled else [])
     q, scales_t = pl.pallas_call(
         kernel, grid=(m // rows, nb), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
-                   pl.BlockSpec((1, rows), lambda i, j: (j, i))],
+        out_specs=[out, pl.BlockSpec((1, rows), lambda i, j: (j, i))],
         out_shape=[shape_like((m, f), jnp.float8_e4m3fn, operands[0]),
                    shape_like((nb, m), jnp.float32, operands[0])],
-        interpret=interpret, compiler_params=_triton_params(TILING), name="jax_ep_swiglu_fp8"
+        interpret=interpret, compiler_params=_triton_params(tiling), name="jax_ep_swiglu_fp8"
     )(operands[1], operands[0], operands[0], *operands[2:])
     return q, scales_t.T
 
@@ -237,6 +236,14 @@ def _specs(f: int, tiling: Tiling):
     return nb, live, gate, up, out
 
 
+def _silu_times_up(g_ref, u_ref, w_ref=None):
+    """The forward's float32 arithmetic on one block: g * sigmoid(g) * u, times the row scale if given
+    (shared by the kernels that write h and its FP8 rows, whose bits depend on it being the same)."""
+    g = g_ref[...].astype(jnp.float32)
+    h = g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)
+    return h if w_ref is None else h * w_ref[...][:, None]
+
+
 def _forward(gate_up, live, interpret, tiling, row_scale=None):
     from jax.experimental import pallas as pl
 
@@ -250,11 +257,7 @@ def _forward(gate_up, live, interpret, tiling, row_scale=None):
 
         @pl.when(pl.program_id(0) * rows < live_ref[0])
         def _():
-            g = g_ref[...].astype(jnp.float32)
-            h = g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)
-            if scaled:
-                h = h * w_ref[...][:, None]
-            h_ref[...] = h.astype(h_ref.dtype)
+            h_ref[...] = _silu_times_up(g_ref, u_ref, w_ref).astype(h_ref.dtype)
 
     in_specs = [live_spec, gate, up] + ([pl.BlockSpec((rows,), lambda i, j: (i,))] if scaled else [])
     return pl.pallas_call(kernel, grid=(m // rows, nb), in_specs=in_specs, out_specs=out,
