@@ -66,6 +66,7 @@ from jax_ep.ops import (
 from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
 from jax_ep.swiglu import resolve as swiglu_resolve
 from jax_ep.swiglu import swiglu, swiglu_rows_fp8
+from jax_ep.vma import sum_to, vary_also, varying_axes
 
 GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 
@@ -311,7 +312,9 @@ def router_grads_split(x: jax.Array, router: jax.Array, g: jax.Array) -> tuple[j
     dx = jnp.dot(gs, jnp.concatenate([router] * n, axis=-1).T, preferred_element_type=jnp.float32)
     dr = jnp.dot(x.T, gs, preferred_element_type=jnp.float32)                          # [H, n·E]
     dr = functools.reduce(lambda a, b: a + b, (dr[:, i * e:(i + 1) * e] for i in range(n)))
-    return dx.astype(x.dtype), dr.astype(router.dtype)
+    # typed as their primals inside shard_map: a replicated router's gradient summed over the ranks
+    return tuple(sum_to(vary_also(d, varying_axes(p)), varying_axes(p)).astype(p.dtype)
+                 for d, p in ((dx, x), (dr, router)))
 
 
 class MoE(nnx.Module):

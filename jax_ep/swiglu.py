@@ -50,6 +50,10 @@ class Tiling:
 # 14 passed with both (2026-11-30); layer at EP2 vs XLA's SwiGLU: DeepSeek-V3 19.92 / 19.85 ms, mid
 # 5.23 / 5.35 (docs/benchmarks.md, session 28)
 TILING = Tiling()
+# swiglu_rows_fp8's blocks are the FP8 quantiser's (QUANTIZE_ROWS x FP8_BLOCK); 8 warps per block measured
+# 4-5% faster than 4 on an H200 (DeepSeek-V3's EP2 buffer 129.7 vs 136.0 us, mid's 68.0 vs 71.3; 1 warp
+# 155.8, 2 130.0; same bits; docs/benchmarks.md session 59)
+ROWS_FP8_WARPS = 8
 
 
 def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", interpret: bool = False,
@@ -129,7 +133,7 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
     _check_row_scale("swiglu_rows_fp8", row_scale, m)
     _check_gpu("swiglu_rows_fp8", interpret)
-    tiling = Tiling(QUANTIZE_ROWS, FP8_BLOCK, TILING.warps)   # the quantiser's blocks: a scale per block row
+    tiling = Tiling(QUANTIZE_ROWS, FP8_BLOCK, ROWS_FP8_WARPS)  # the quantiser's blocks: a scale per row
     nb, live_spec, gate, up, out = _specs(f, tiling)
     rows, scaled = tiling.rows, row_scale is not None
     live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)

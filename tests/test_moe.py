@@ -182,6 +182,32 @@ def test_router_grads_split_are_the_float32_gradients_in_bf16_parts(precision):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_router_gradients_inside_shard_map_are_typed_as_their_primals():
+    """Per rank inside shard_map (tokens and the gradient varying over 'ep', the router replicated): the
+    bf16 router's backward traces both platforms' branches with the primals' types, and the GPU one
+    (router_grads_split, called here on CPU) sums the router's gradient over the ranks as JAX's does."""
+    from jax_ep.moe import _logits, router_grads_split, router_logits
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    kx, kr, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (4 * 64, 256), jnp.bfloat16)
+    router = (0.05 * jax.random.normal(kr, (256, 32))).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (4 * 64, 32), jnp.float32)
+    specs = dict(mesh=mesh, in_specs=(P("ep"), P(), P("ep")), out_specs=(P("ep"), P()))
+
+    def per_rank(fn):
+        return jax.jit(jax.shard_map(lambda x, r, g: fn(x, r, g), **specs))
+
+    plain = per_rank(lambda x, r, g: jax.vjp(_logits, x, r)[1](g))(x, router, g)
+    ours = per_rank(lambda x, r, g: jax.vjp(router_logits, x, r)[1](g))(x, router, g)
+    split = per_rank(router_grads_split)(x, router, g)
+    for a, b, c in zip(ours, plain, split, strict=True):
+        assert a.dtype == b.dtype == c.dtype == jnp.bfloat16 and a.shape == b.shape == c.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))  # CPU: plain
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(c, np.float32), np.asarray(b, np.float32), atol=2e-2 * scale)
+
+
 def test_dy_in_place_changes_no_gradient():
     """EPOptions.dy_in_place (default True: combine's empty_rows_zero, its backward taking the rows that
     hold no token from the expert output, which is zero there) and False give the same gradients, bit
