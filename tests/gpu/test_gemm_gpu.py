@@ -95,6 +95,11 @@ KERNEL_CONFIGS = [
     (128, 128, 64, 4, 0, 4, 1, 2, 0, 1, 0, 2),
     (64, 128, 64, 5, 2, 1, 1, 2, 0, 0, 1, 2),  # a 5th K stage at 64x256 (table: DSV3 gate|up fwd, down dx)
     (64, 128, 64, 5, 2, 1, 1, 2, 1, 0, 1, 2),  # the same with a WGMMA in flight (its dW: none, per tile)
+    # 128-row tiles multiplying half of a group's last tile (half_tails; its dW: the whole tiles): the
+    # table's DeepSeek-V3 down forward and gate|up dx entries with it, and in strips
+    (128, 128, 64, 4, 2, 1, 1, 2, 0, 0, 1, 2, 1),
+    (128, 128, 64, 3, 2, 1, 1, 2, 0, 0, 1, 1, 1),
+    (128, 128, 64, 3, 0, 4, 1, 2, 1, 0, 0, 1, 1),
 ]
 
 
@@ -123,7 +128,7 @@ def test_every_kernel_pass_at_each_config(config, case):
     # WGMMA in flight with a pipeline per tile (check_weight_gradient_config)
     dw_cfg = dataclasses.replace(cfg, grid_minor=0) if cfg.grid_minor == mgpu.GROUP_MAJOR else cfg
     if cfg.compute_wgs == 2 and not cfg.ring:
-        dw_cfg = dataclasses.replace(dw_cfg, mma_in_flight=0)
+        dw_cfg = dataclasses.replace(dw_cfg, mma_in_flight=0, half_tails=0)
     dw = mgpu.transposed_ragged_dot(x, dy, gs, config=dw_cfg)
     rows = np.repeat(np.arange(g), sizes)
     xf = np.asarray(x[:total], np.float32)
