@@ -263,9 +263,11 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     bfloat16 tokens and a bfloat16 router multiply as a bfloat16 GEMM with a float32 result, whose
     products are exact in float32 as the products of their float32 upcasts are, so it is the float32
     GEMM of the upcasts up to the order of the sums, without a float32 copy of the tokens. Its backward
-    on a GPU multiplies the float32 gradient as bfloat16 parts (``router_grads_split``)."""
+    on a GPU multiplies the float32 gradient as bfloat16 parts (``router_grads_split``), as many as the
+    ``jax.default_matmul_precision`` in effect at this call asks for (where JAX's own dots read it too). The
+    bf16 form is a ``custom_vjp``: reverse-mode differentiation only, as the layer's EP ops."""
     if x.dtype == router.dtype == jnp.bfloat16:
-        return _router_logits_bf16(x, router)
+        return _router_logits_bf16(x, router, jax.config.jax_default_matmul_precision)
     return _logits(x, router)
 
 
@@ -273,45 +275,51 @@ def _logits(x, router):
     return jnp.dot(x, router, preferred_element_type=jnp.float32)
 
 
-@jax.custom_vjp
-def _router_logits_bf16(x, router):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _router_logits_bf16(x, router, precision):
     return _logits(x, router)
 
 
-def _router_logits_bf16_fwd(x, router):
+def _router_logits_bf16_fwd(x, router, precision):
     return _logits(x, router), (x, router)
 
 
-def _router_logits_bf16_bwd(res, g):
+def _router_logits_bf16_bwd(precision, res, g):
     x, router = res
-    plain = lambda g: jax.vjp(_logits, x, router)[1](g)  # noqa: E731
-    return lax.platform_dependent(g, cuda=lambda g: router_grads_split(x, router, g), default=plain)
+    parts = 3 if str(precision).lower() in ("highest", "float32") else 2
+    with jax.default_matmul_precision(precision):   # the forward's, for JAX's backward elsewhere
+        return lax.platform_dependent(g, cuda=lambda g: router_grads_split(x, router, g, parts),
+                                      default=lambda g: jax.vjp(_logits, x, router)[1](g))
 
 
 _router_logits_bf16.defvjp(_router_logits_bf16_fwd, _router_logits_bf16_bwd)
 
 
-def router_grads_split(x: jax.Array, router: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def router_grads_split(x: jax.Array, router: jax.Array, g: jax.Array, parts: int = 2
+                       ) -> tuple[jax.Array, jax.Array]:
     """(d x, d router) of the bf16 router GEMM for the float32 logits' gradient ``g``, as bfloat16 GEMMs.
 
     XLA multiplies the float32 g with the bf16 operands as TF32 GEMMs (10 significand bits of g, at half
     the bf16 rate and with the operand upcast in the kernel: 0.24 ms per DeepSeek-V3 step on an H200).
-    Here g is split into bfloat16 parts whose sum is g to 16 significand bits (two parts), or to float32's
-    24 (three, when ``jax.default_matmul_precision`` asks for "highest" / "float32"); each part times a
-    bf16 operand is exact in float32, so the float32 sums of the parts' products are at least as precise as
-    XLA's TF32 GEMMs. The parts go side by side into one GEMM per gradient: d x contracts [T, n·E] with the
-    router repeated n times, d router is x^T times [T, n·E], its n column blocks summed."""
-    highest = str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32")
-    parts, rest = [], g
-    for _ in range(3 if highest else 2):
-        part = rest.astype(jnp.bfloat16)
-        parts.append(part)
-        rest = rest - part.astype(jnp.float32)
-    n, e = len(parts), g.shape[-1]
-    gs = jnp.concatenate(parts, axis=-1)                                              # [T, n·E]
-    dx = jnp.dot(gs, jnp.concatenate([router] * n, axis=-1).T, preferred_element_type=jnp.float32)
+    Here g is split into ``parts`` bfloat16 values whose sum is g to 16 significand bits (two parts) or to
+    float32's 24 (three: ``router_logits`` takes them under ``jax.default_matmul_precision("highest")``);
+    each part times a bf16 operand is exact in float32, so the float32 sums of the parts' products are at
+    least as precise as XLA's TF32 GEMMs. The parts go side by side into one GEMM per gradient: d x
+    contracts [T, n·E] with the router repeated n times, d router is x^T times [T, n·E], its n column
+    blocks summed."""
+    if parts not in (2, 3):
+        raise EPValueError(f"router_grads_split: parts must be 2 or 3, got {parts!r}")
+    split, rest = [], g
+    for _ in range(parts):
+        # a part rounded by reduce_precision, which XLA never folds away as it may a convert round trip
+        part = lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
+        split.append(part.astype(jnp.bfloat16))                                       # exact
+        rest = rest - part
+    e = g.shape[-1]
+    gs = jnp.concatenate(split, axis=-1)                                              # [T, n·E]
+    dx = jnp.dot(gs, jnp.concatenate([router] * parts, axis=-1).T, preferred_element_type=jnp.float32)
     dr = jnp.dot(x.T, gs, preferred_element_type=jnp.float32)                          # [H, n·E]
-    dr = functools.reduce(lambda a, b: a + b, (dr[:, i * e:(i + 1) * e] for i in range(n)))
+    dr = functools.reduce(lambda a, b: a + b, (dr[:, i * e:(i + 1) * e] for i in range(parts)))
     # typed as their primals inside shard_map: a replicated router's gradient summed over the ranks
     return tuple(sum_to(vary_also(d, varying_axes(p)), varying_axes(p)).astype(p.dtype)
                  for d, p in ((dx, x), (dr, router)))

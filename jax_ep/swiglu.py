@@ -133,7 +133,7 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
     _check_row_scale("swiglu_rows_fp8", row_scale, m)
     _check_gpu("swiglu_rows_fp8", interpret)
-    tiling = Tiling(QUANTIZE_ROWS, FP8_BLOCK, ROWS_FP8_WARPS)  # the quantiser's blocks: a scale per row
+    tiling = Tiling(QUANTIZE_ROWS, FP8_BLOCK, ROWS_FP8_WARPS)  # the quantiser's: a scale per row per block
     nb, live_spec, gate, up, out = _specs(f, tiling)
     rows, scaled = tiling.rows, row_scale is not None
     live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
