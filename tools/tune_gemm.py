@@ -168,11 +168,12 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
     if mode == "tails":
         # the table's warp-specialised row-pass entry at 128-row tiles (a 64-row one at the stages that fit
         # beside 128-row output tiles) multiplying only the first half of a group's last tile when its
-        # rows lie there (half_tails): 128-row tiles' L2 bytes with 64-row tiles' wasted rows. The stages of a
+        # rows lie there (half_tails), each group's tiles from its first row (group_rows) so that its waste
+        # sits in its last tile: 128-row tiles' L2 bytes with 64-row tiles' wasted rows. The stages of a
         # 64-row entry moved to 128 rows assume its 64-deep K blocks and 128-wide consumer tiles (the table's
         # warp-specialised row entries): 48 KB a stage beside 32 KB (out_chunks 2) or 64 KB of output tiles
         return [v for c in incumbent if rows_pass and c.compute_wgs == 2 and not c.ring
-                for v in _variant(name, c, block_m=128, half_tails=1, max_concurrent_steps=(
+                for v in _variant(name, c, block_m=128, half_tails=1, group_rows=1, max_concurrent_steps=(
                     c.max_concurrent_steps if c.block_m == 128 else 3 + (c.out_chunks == 2)))]
     if mode == "defaults":
         return list(default_candidates(name, m, k, n, g))
