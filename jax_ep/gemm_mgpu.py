@@ -690,12 +690,12 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         def _scope(allocs, o_smem, wg):
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
             def _tile(mi, ni, group, row0):
-                start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]
-
                 def store(values):      # values: the tile's first rows (all bm, or half_tails' half)
-                    _write_chunks(o_smem.at[wg, pl.ds(0, values.shape[0])], values, ni * cta_n + wg * bn,
-                                  lambda cols: _store_rows(o_smem.at[wg], o_gmem, row0, start, size, ladder,
-                                                           cols, wait=False))
+                    start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]
+                    rows = values.shape[0]
+                    _write_chunks(o_smem.at[wg] if rows == bm else o_smem.at[wg, pl.ds(0, rows)], values,
+                                  ni * cta_n + wg * bn, lambda cols: _store_rows(
+                                      o_smem.at[wg], o_gmem, row0, start, size, ladder, cols, wait=False))
 
                 def multiply(rows: int, when):
                     """When `when`, the tile's pipeline with the matrix work on its first `rows` rows (the
@@ -709,7 +709,7 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                         _settle_mma(kk[0], k // bk, delay)
                         return acc_ref
 
-                    @pl.when((group < g) & when)
+                    @pl.when(group < g if when is None else (group < g) & when)
                     def _():
                         panel = (rhs_gmem.at[group, pl.ds(ni * cta_n, cta_n)] if transpose_rhs
                                  else rhs_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)])
@@ -717,11 +717,11 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
                             lhs_gmem.at[_tile_rows(row0, bm)], panel, allocations=allocs)
 
                 if config.half_tails:   # a tile whose stored rows lie in its first half multiplies that half
-                    tail = start + size <= bm // 2
+                    tail = schedule_gmem[_START, mi] + schedule_gmem[_SIZE, mi] <= bm // 2
                     multiply(bm, jnp.logical_not(tail))
                     multiply(bm // 2, tail)
                 else:
-                    multiply(bm, True)
+                    multiply(bm, None)
 
                 @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
                 def _():
