@@ -134,30 +134,20 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
     _check_row_scale("swiglu_rows_fp8", row_scale, m)
     _check_gpu("swiglu_rows_fp8", interpret)
     tiling = Tiling(QUANTIZE_ROWS, FP8_BLOCK, ROWS_FP8_WARPS)  # the quantiser's: a scale per row per block
-    nb, live_spec, gate, up, out = _specs(f, tiling)
-    rows, scaled = tiling.rows, row_scale is not None
+    nb = f // _cols(f, tiling)
     live = jnp.clip(jnp.asarray(live_rows, jnp.int32).reshape(1), 0, m)
-    scales = [row_scale] if scaled else []
-    operands = vary_jointly(*(lax.stop_gradient(a) for a in (gate_up, live, *scales)))
+    gate_up, live, *scales = vary_jointly(*(lax.stop_gradient(a) for a in (
+        gate_up, live, *([] if row_scale is None else [row_scale]))))
 
-    def kernel(live_ref, g_ref, u_ref, *refs):
-        w_ref, q_ref, s_ref = refs if scaled else (None, *refs)
+    def write(h, q_ref, s_ref):
+        # swiglu's h rounded to the buffer's dtype, then the quantiser's arithmetic on those values
+        q_ref[...], scale = quantize_row_block(h.astype(gate_up.dtype).astype(jnp.float32), interpret)
+        s_ref[...] = scale[None, :]
 
-        @pl.when(pl.program_id(0) * rows < live_ref[0])
-        def _():
-            # swiglu's h rounded to the buffer's dtype, then the quantiser's arithmetic on those values
-            h = _silu_times_up(g_ref, u_ref, w_ref).astype(gate_up.dtype).astype(jnp.float32)
-            q_ref[...], scale = quantize_row_block(h, interpret)
-            s_ref[...] = scale[None, :]
-
-    in_specs = [live_spec, gate, up] + ([pl.BlockSpec((rows,), lambda i, j: (i,))] if scaled else [])
-    q, scales_t = pl.pallas_call(
-        kernel, grid=(m // rows, nb), in_specs=in_specs,
-        out_specs=[out, pl.BlockSpec((1, rows), lambda i, j: (j, i))],
-        out_shape=[shape_like((m, f), jnp.float8_e4m3fn, operands[0]),
-                   shape_like((nb, m), jnp.float32, operands[0])],
-        interpret=interpret, compiler_params=_triton_params(tiling), name="jax_ep_swiglu_fp8"
-    )(operands[1], operands[0], operands[0], *operands[2:])
+    q, scales_t = _over_live_blocks(
+        write, gate_up, live, *scales, tiling=tiling, interpret=interpret, name="jax_ep_swiglu_fp8",
+        out_specs=[None, pl.BlockSpec((1, tiling.rows), lambda i, j: (j, i))],
+        out_shape=[shape_like((m, f), jnp.float8_e4m3fn, gate_up), shape_like((nb, m), jnp.float32, gate_up)])
     return q, scales_t.T
 
 
@@ -249,25 +239,37 @@ def _silu_times_up(g_ref, u_ref, w_ref=None):
 
 
 def _forward(gate_up, live, interpret, tiling, row_scale=None):
+    def write(h, h_ref):
+        h_ref[...] = h.astype(h_ref.dtype)
+
+    f = gate_up.shape[1] // 2
+    return _over_live_blocks(write, gate_up, live, *([] if row_scale is None else [row_scale]), tiling=tiling,
+                             interpret=interpret, name="jax_ep_swiglu", out_specs=None,
+                             out_shape=shape_like((gate_up.shape[0], f), gate_up.dtype, gate_up))
+
+
+def _over_live_blocks(write, gate_up, live, *row_scale, tiling, interpret, name, out_specs, out_shape):
+    """The forward kernels' call: one program per (row block, column block) of h = silu(gate) * up
+    [* row_scale] whose row block starts below live[0] runs write(h float32, *output refs); out_specs'
+    None entries (or None for a single output) are h's block."""
     from jax.experimental import pallas as pl
 
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
     nb, live_spec, gate, up, out = _specs(f, tiling)
     rows = tiling.rows
-    scaled = row_scale is not None
 
     def kernel(live_ref, g_ref, u_ref, *refs):
-        w_ref, h_ref = refs if scaled else (None, *refs)
+        w_ref, outs = (refs[0], refs[1:]) if row_scale else (None, refs)
 
         @pl.when(pl.program_id(0) * rows < live_ref[0])
         def _():
-            h_ref[...] = _silu_times_up(g_ref, u_ref, w_ref).astype(h_ref.dtype)
+            write(_silu_times_up(g_ref, u_ref, w_ref), *outs)
 
-    in_specs = [live_spec, gate, up] + ([pl.BlockSpec((rows,), lambda i, j: (i,))] if scaled else [])
-    return pl.pallas_call(kernel, grid=(m // rows, nb), in_specs=in_specs, out_specs=out,
-                          out_shape=shape_like((m, f), gate_up.dtype, gate_up), interpret=interpret,
-                          compiler_params=_triton_params(tiling), name="jax_ep_swiglu"
-                          )(live, gate_up, gate_up, *([row_scale] if scaled else []))
+    in_specs = [live_spec, gate, up] + ([pl.BlockSpec((rows,), lambda i, j: (i,))] if row_scale else [])
+    out_specs = out if out_specs is None else [out if o is None else o for o in out_specs]
+    return pl.pallas_call(kernel, grid=(m // rows, nb), in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shape, interpret=interpret, compiler_params=_triton_params(tiling),
+                          name=name)(live, gate_up, gate_up, *row_scale)
 
 
 def _backward(gate_up, live, dh, interpret, tiling, row_scale=None):
