@@ -66,12 +66,7 @@ class BlockConfig:
     64-aligned groups). out_chunks 2 (warp-specialised kernels) writes each consumer's output tile out
     in two column halves through one half-sized SMEM buffer, freeing the shared memory of another K
     stage (at a 128 x 256 CTA tile 4 x 48 KB + 32 KB): faster for the DeepSeek-V3 forward and down dx
-    (H200), slower for the ring weight gradient, so a table entry's choice. half_tails 1 (row-tiled passes
-    of the warp-specialised kernels pipelined per tile, block_m 128) multiplies only the first 64 rows of
-    a tile whose stored rows all lie there: a 64-aligned group's last tile holds 64 rows as often as 128,
-    and a 128-row tile computed in full for them was up to a third of a pass's work (H200, 2026-12-04:
-    DeepSeek-V3's down forward 1.45 ms at 256 rows per expert, 1.87 at 192/320 alternating, 2.30 at
-    288)."""
+    (H200), slower for the ring weight gradient, so a table entry's choice."""
 
     block_m: int = 64
     block_n: int = 256
@@ -85,7 +80,6 @@ class BlockConfig:
     ring: int = 0
     group_rows: int = 0
     out_chunks: int = 1
-    half_tails: int = 0
 
     def __post_init__(self):
         if self.grid_minor not in (0, 1, GROUP_MAJOR):
@@ -103,11 +97,6 @@ class BlockConfig:
         if self.ring not in (0, 1) or (self.ring and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.ring must be 0 or 1, and 1 only with compute_wgs=2, got "
                                f"ring={self.ring} with compute_wgs={self.compute_wgs}")
-        if self.half_tails not in (0, 1) or (self.half_tails and (
-                self.compute_wgs != 2 or self.ring or self.block_m != 128)):
-            raise EPValueError("BlockConfig.half_tails must be 0 or 1, and 1 only with block_m=128, "
-                               f"compute_wgs=2 and ring=0, got half_tails={self.half_tails} with "
-                               f"block_m={self.block_m}, compute_wgs={self.compute_wgs}, ring={self.ring}")
         if self.out_chunks not in (1, 2) or (self.out_chunks == 2 and self.compute_wgs != 2):
             raise EPValueError("BlockConfig.out_chunks must be 1 or 2, and 2 only with compute_wgs=2, got "
                                f"out_chunks={self.out_chunks} with compute_wgs={self.compute_wgs}")
@@ -290,9 +279,6 @@ def check_weight_gradient_config(config: BlockConfig):
         # not), none when every group spans two or more. The ring releases every slot itself.
         raise EPValueError("transposed_ragged_dot: mma_in_flight=1 needs ring=1 in the warp-specialised "
                            f"weight gradient (a pipeline per tile races on one-step tiles), got {config}")
-    if config.half_tails:
-        raise EPValueError("transposed_ragged_dot: half_tails is for the row-tiled passes (the weight "
-                           f"gradient's tiles are output blocks, a group's rows its K), got {config}")
 
 
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, config: BlockConfig, interpret=None,
@@ -690,38 +676,28 @@ def _ragged_dot_ws(lhs, rhs, schedule, num_tiles, *, config: BlockConfig, transp
         def _scope(allocs, o_smem, wg):
             @_row_tiles(schedule_gmem, num_tiles_gmem, grid_n, minor, width)
             def _tile(mi, ni, group, row0):
-                def store(values):      # values: the tile's first rows (all bm, or half_tails' half)
+                def store(values):
                     start, size = schedule_gmem[_START, mi], schedule_gmem[_SIZE, mi]
-                    rows = values.shape[0]
-                    _write_chunks(o_smem.at[wg] if rows == bm else o_smem.at[wg, pl.ds(0, rows)], values,
-                                  ni * cta_n + wg * bn, lambda cols: _store_rows(
-                                      o_smem.at[wg], o_gmem, row0, start, size, ladder, cols, wait=False))
+                    _write_chunks(o_smem.at[wg], values, ni * cta_n + wg * bn, lambda cols: _store_rows(
+                        o_smem.at[wg], o_gmem, row0, start, size, ladder, cols, wait=False))
 
-                def multiply(rows: int, when):
-                    """When `when`, the tile's pipeline with the matrix work on its first `rows` rows (the
-                    loads and their slots stay the whole tile's)."""
-                    def step(kk, lhs_smem, rhs_smem, acc_ref):
-                        if transpose_rhs:
-                            b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
-                        else:
-                            b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                        plgpu.wgmma(acc_ref, lhs_smem if rows == bm else lhs_smem.at[pl.ds(0, rows)], b)
-                        _settle_mma(kk[0], k // bk, delay)
-                        return acc_ref
+                compute_context = _acc_ref_context(bm, bn, store)
 
-                    @pl.when(group < g if when is None else (group < g) & when)
-                    def _():
-                        panel = (rhs_gmem.at[group, pl.ds(ni * cta_n, cta_n)] if transpose_rhs
-                                 else rhs_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)])
-                        get_pipeline(step, _acc_ref_context(rows, bn, store))(
-                            lhs_gmem.at[_tile_rows(row0, bm)], panel, allocations=allocs)
+                def step(kk, lhs_smem, rhs_smem, acc_ref):
+                    if transpose_rhs:
+                        b = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * bn, bn)], (1, 0))
+                    else:
+                        b = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+                    plgpu.wgmma(acc_ref, lhs_smem, b)
+                    _settle_mma(kk[0], k // bk, delay)
+                    return acc_ref
 
-                if config.half_tails:   # a tile whose stored rows lie in its first half multiplies that half
-                    tail = schedule_gmem[_START, mi] + schedule_gmem[_SIZE, mi] <= bm // 2
-                    multiply(bm, jnp.logical_not(tail))
-                    multiply(bm // 2, tail)
-                else:
-                    multiply(bm, None)
+                @pl.when(group < g)
+                def _():
+                    panel = (rhs_gmem.at[group, pl.ds(ni * cta_n, cta_n)] if transpose_rhs
+                             else rhs_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)])
+                    get_pipeline(step, compute_context)(lhs_gmem.at[_tile_rows(row0, bm)], panel,
+                                                        allocations=allocs)
 
                 @pl.when((group >= g) & (wg < wgs))  # rows past the groups: zeros, no matrix work
                 def _():

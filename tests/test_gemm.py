@@ -279,11 +279,7 @@ def test_kernel_path_types_per_rank_results_inside_shard_map(monkeypatch):
                                          ((128, 128, 64, 3, 0, 4, 1, 1, 0, 1), "ring"),
                                          ((128, 128, 64, 3, 0, 4, 1, 2, 0, 2), "ring"),
                                          ((128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 0, 3), "out_chunks"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 2), "out_chunks"),
-                                         ((64, 128, 64, 3, 2, 1, 1, 2, 0, 0, 1, 1, 1), "half_tails"),
-                                         ((128, 128, 64, 3, 2, 1, 1, 1, 0, 0, 1, 1, 1), "half_tails"),
-                                         ((128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 0, 1, 1), "half_tails"),
-                                         ((128, 128, 64, 3, 2, 1, 1, 2, 0, 0, 1, 1, 2), "half_tails")])
+                                         ((128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 0, 2), "out_chunks")])
 def test_block_config_refuses_what_no_kernel_runs(fields, word):
     from jax_ep.errors import EPValueError
 
@@ -296,17 +292,15 @@ def test_block_config_refuses_what_no_kernel_runs(fields, word):
                                     (64, 128, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
                                     (128, 128, 64, 3, 0, 4, 1, 1, 0, 0, 1),
                                     (128, 128, 64, 3, 0, 4, 1, 2, 0, 1, 1),
-                                    (64, 128, 64, 5, 0, 1, 1, 2, 1, 0, 1, 2),
-                                    (128, 128, 64, 4, 0, 4, 1, 2, 0, 0, 1, 2, 1)])
+                                    (64, 128, 64, 5, 0, 1, 1, 2, 1, 0, 1, 2)])
 def test_warp_specialised_kernels_lower_for_hopper(config, transpose_rhs):
     """The warp-specialised kernels (a producer warpgroup + 2 consumers) trace and lower to a Mosaic GPU
     custom call for CUDA on this CPU machine: every pass (forward or dx, and dw) at each tile shape, and
     the one-consumer kernel (compute_wgs 1), each with row tiles from the groups' first rows too; the
-    weight gradient without a WGMMA in flight where it runs a pipeline per tile (it refuses that); the row
-    passes multiplying half of a group's last tile (half_tails: Mosaic GPU verifies the 64-row WGMMA).
+    weight gradient without a WGMMA in flight where it runs a pipeline per tile (it refuses that).
     (Mosaic GPU's interpret mode does not run warp-specialised pipelines; the GPU tests run them.)"""
     cfg = mgpu.BlockConfig(*config)
-    dw_cfg = dataclasses.replace(cfg, half_tails=0, mma_in_flight=cfg.mma_in_flight if cfg.ring else 0)
+    dw_cfg = cfg if cfg.ring else dataclasses.replace(cfg, mma_in_flight=0)
     m, k, n, g = 1024, 512, 768, 5
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
@@ -334,9 +328,6 @@ def test_weight_gradient_refuses_a_wgmma_in_flight_in_a_pipeline_per_tile(chunks
     gs = jnp.full((g,), 64, jnp.int32)
     with pytest.raises(EPValueError, match="mma_in_flight=1 needs ring=1"):
         mgpu.transposed_ragged_dot(x, dy, gs, config=cfg)
-    with pytest.raises(EPValueError, match="half_tails is for the row-tiled passes"):
-        mgpu.transposed_ragged_dot(x, dy, gs, config=mgpu.BlockConfig(128, 128, 64, 3, 0, 4, 1, 2, 0, 0, 0,
-                                                                      chunks, 1))
     ring = dataclasses.replace(cfg, ring=1)
     text = jax.jit(functools.partial(mgpu.transposed_ragged_dot, config=ring)).trace(x, dy, gs).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -452,11 +443,6 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     assert tune.sweep_candidates("rowtile", "dx", [ws128], 7168, shape, True) == [
         dataclasses.replace(ws128, block_m=64, max_concurrent_steps=4)]
     assert tune.sweep_candidates("rowtile", "dw", [ws128], 4096, shape, True) == []
-    assert tune.sweep_candidates("tails", "forward", [ws64], 4096, shape, True) == [
-        dataclasses.replace(ws64, block_m=128, half_tails=1, max_concurrent_steps=3)]
-    assert tune.sweep_candidates("tails", "dx", [ws128], 7168, shape, True) == [
-        dataclasses.replace(ws128, half_tails=1)]
-    assert tune.sweep_candidates("tails", "dw", [ws128], 4096, shape, True) == []
     chunked = dataclasses.replace(ws64, out_chunks=2, max_concurrent_steps=5)
     assert tune.sweep_candidates("inflight", "forward", [chunked], 4096, shape, True) == [
         dataclasses.replace(chunked, mma_in_flight=1)]

@@ -4,8 +4,7 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|rows|inflight|chunks|defaults|rowtile|
-                                         tails[,...]]
+                              [--kernels all|classic|ws|order|ring|rows|inflight|chunks|defaults[,...]]
                               [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
@@ -105,8 +104,7 @@ def grid_for(name: str, width: int, quick: bool, kinds: str = "all"):
                 yield c
 
 
-SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "chunks", "defaults", "rowtile",
-          "tails")
+SWEEPS = ("all", "classic", "ws", "order", "ring", "rows", "inflight", "chunks", "defaults", "rowtile")
 
 
 def _runs(name: str, c) -> bool:
@@ -165,16 +163,6 @@ def sweep_candidates(mode: str, name: str, incumbent: list, width: int, shape: t
                                     - (c.out_chunks == 1))
                 for c in incumbent if rows_pass and c.compute_wgs == 2 and c.block_m in (64, 128)
                 for bm in (192 - c.block_m,)]
-    if mode == "tails":
-        # the table's warp-specialised row-pass entry at 128-row tiles (a 64-row one at the stages that fit
-        # beside 128-row output tiles) multiplying only the first half of a group's last tile when its
-        # rows lie there (half_tails), each group's tiles from its first row (group_rows) so that its waste
-        # sits in its last tile: 128-row tiles' L2 bytes with 64-row tiles' wasted rows. The stages of a
-        # 64-row entry moved to 128 rows assume its 64-deep K blocks and 128-wide consumer tiles (the table's
-        # warp-specialised row entries): 48 KB a stage beside 32 KB (out_chunks 2) or 64 KB of output tiles
-        return [v for c in incumbent if rows_pass and c.compute_wgs == 2 and not c.ring
-                for v in _variant(name, c, block_m=128, half_tails=1, group_rows=1, max_concurrent_steps=(
-                    c.max_concurrent_steps if c.block_m == 128 else 3 + (c.out_chunks == 2)))]
     if mode == "defaults":
         return list(default_candidates(name, m, k, n, g))
     return list(grid_for(name, width, quick, mode))
@@ -449,7 +437,6 @@ def main(argv=None):
                              "row (rows), or with the other mma_in_flight (inflight), or with the "
                              "output in column halves and one more K stage (chunks), "
                              "or with the other CTA height, 64 <-> 128 rows (rowtile), "
-                             "or at 128 rows multiplying half of a group's last tile (tails), "
                              "or the untuned default beside the forms that could replace it "
                              "(defaults; with --shapes other)")
     args = parser.parse_args(argv)

@@ -95,11 +95,6 @@ KERNEL_CONFIGS = [
     (128, 128, 64, 4, 0, 4, 1, 2, 0, 1, 0, 2),
     (64, 128, 64, 5, 2, 1, 1, 2, 0, 0, 1, 2),  # a 5th K stage at 64x256 (table: DSV3 gate|up fwd, down dx)
     (64, 128, 64, 5, 2, 1, 1, 2, 1, 0, 1, 2),  # the same with a WGMMA in flight (its dW: none, per tile)
-    # 128-row tiles multiplying half of a group's last tile (half_tails; its dW: the whole tiles): the
-    # table's DeepSeek-V3 down forward and gate|up dx entries with it, and in strips
-    (128, 128, 64, 4, 2, 1, 1, 2, 0, 0, 1, 2, 1),
-    (128, 128, 64, 3, 2, 1, 1, 2, 0, 0, 1, 1, 1),
-    (128, 128, 64, 3, 0, 4, 1, 2, 1, 0, 0, 1, 1),
 ]
 
 
@@ -128,7 +123,7 @@ def test_every_kernel_pass_at_each_config(config, case):
     # WGMMA in flight with a pipeline per tile (check_weight_gradient_config)
     dw_cfg = dataclasses.replace(cfg, grid_minor=0) if cfg.grid_minor == mgpu.GROUP_MAJOR else cfg
     if cfg.compute_wgs == 2 and not cfg.ring:
-        dw_cfg = dataclasses.replace(dw_cfg, mma_in_flight=0, half_tails=0)
+        dw_cfg = dataclasses.replace(dw_cfg, mma_in_flight=0)
     dw = mgpu.transposed_ragged_dot(x, dy, gs, config=dw_cfg)
     rows = np.repeat(np.arange(g), sizes)
     xf = np.asarray(x[:total], np.float32)
@@ -145,43 +140,6 @@ def test_every_kernel_pass_at_each_config(config, case):
     assert np.all(np.asarray(dw, np.float32)[sizes == 0] == 0)
     for gi in np.flatnonzero(sizes):                             # every group's gradient is written
         assert rel_err(dw[gi], ref_dw[gi]) < 1e-2, gi
-
-
-@pytest.mark.parametrize("group_rows", [0, 1])
-@pytest.mark.parametrize("case", ["aligned", "random", "fills_m"])
-def test_half_tails_give_the_bits_of_whole_tiles(case, group_rows):
-    """BlockConfig.half_tails: the forward and dx with a group's last tile multiplied on its first 64 rows
-    store the same bits as with whole 128-row tiles over every row, the rows past the groups zeros; with
-    groups filling all m rows (the last one 200 rows) the last tile is moved back inside the buffer
-    (group_rows) and stores the end of its rows, so it runs whole."""
-    from jax_ep import gemm_mgpu as mgpu
-
-    m, k, n, g = 2048, 512, 768, 9
-    rng = np.random.default_rng(["aligned", "random", "fills_m"].index(case) * 2 + group_rows)
-    if case == "fills_m":
-        sizes = np.append(sizes_case(rng, "random", g - 1, m - 200), 200).astype(np.int32)
-    else:
-        sizes = sizes_or_aligned(rng, case, g, int(0.8 * m) - 13)
-    total = int(sizes.sum())
-    gs = jnp.asarray(sizes)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16).at[total:].set(jnp.nan)
-    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
-    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16).at[total:].set(jnp.nan)
-    whole = mgpu.BlockConfig(128, 128, 64, 3, mgpu.GROUP_MAJOR, 1, 1, 2, 0, 0, group_rows, 1)
-    got = {}
-    for cfg in (whole, dataclasses.replace(whole, half_tails=1)):
-        sched, tiles = mgpu.config_schedule(gs, m, cfg)
-        got[cfg.half_tails] = [np.asarray(mgpu.ragged_dot(a, w, sched, tiles, config=cfg, transpose_rhs=tr),
-                                          np.float32) for a, tr in ((x, False), (dy, True))]
-    sched, live = np.asarray(sched), int(tiles[0])
-    group, row0, start, size = sched[:4, :live]
-    assert np.sum((group < g) & (start + size <= 64)) > 0                   # tails taken the half way
-    if case == "fills_m" and group_rows:
-        assert np.any((group < g) & (row0 == m - 128) & (start > 0))        # the moved-back last tile
-    for half, full in zip(got[1], got[0], strict=True):
-        assert np.all(np.isfinite(half[:total])) and np.abs(half[:total]).max() > 0
-        np.testing.assert_array_equal(half, full)
-        assert np.all(half[total:] == 0)
 
 
 @pytest.mark.parametrize("config", [(64, 256, 64, 2, 0, 8, 1, 2, 1, 1), (128, 128, 64, 3, 0, 4, 1, 2, 0, 1),
