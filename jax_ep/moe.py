@@ -319,7 +319,7 @@ def router_grads_split(x: jax.Array, router: jax.Array, g: jax.Array, parts: int
     gs = jnp.concatenate(split, axis=-1)                                              # [T, n·E]
     dx = jnp.dot(gs, jnp.concatenate([router] * parts, axis=-1).T, preferred_element_type=jnp.float32)
     dr = jnp.dot(x.T, gs, preferred_element_type=jnp.float32)                          # [H, n·E]
-    dr = functools.reduce(lambda a, b: a + b, (dr[:, i * e:(i + 1) * e] for i in range(parts)))
+    dr = dr.reshape(dr.shape[0], parts, e).sum(axis=1)                                # [H, E]
     # typed as their primals inside shard_map: a replicated router's gradient summed over the ranks
     return tuple(sum_to(vary_also(d, varying_axes(p)), varying_axes(p)).astype(p.dtype)
                  for d, p in ((dx, x), (dr, router)))

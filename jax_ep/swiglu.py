@@ -30,6 +30,7 @@ from jax import lax
 from jax_ep.config import FP8_BLOCK, check_option
 from jax_ep.errors import EPValueError
 from jax_ep.gemm import hopper_reason
+from jax_ep.gemm_fp8 import QUANTIZE_ROWS, quantize_row_block, quantize_rows_fits
 from jax_ep.vma import shape_like, vary_jointly
 
 BACKENDS = ("auto", "xla", "pallas")
@@ -122,8 +123,6 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
     ``swiglu``, whose forward nothing then reads. Needs F % 128 == 0 and M % 32 == 0 (the quantiser's
     shapes, ``quantize_rows_fits``), a GPU or ``interpret``."""
     from jax.experimental import pallas as pl
-
-    from jax_ep.gemm_fp8 import QUANTIZE_ROWS, quantize_row_block, quantize_rows_fits
 
     if gate_up.ndim != 2 or gate_up.shape[1] % 2 or not quantize_rows_fits(
             (gate_up.shape[0], gate_up.shape[1] // 2)):
