@@ -54,7 +54,10 @@ the overlap hides when the step runs without command buffers, as the ``_nocb`` c
 ``step_ms`` runs with them). ``--sustain S`` runs S seconds of back-to-back steps before each timing (and
 before the roofline's): the clocks a training job runs at, where a timing right after compiling catches a
 GPU below its power limit (an H200 settles 15-18% slower within about a second at its 700 W cap;
-``best_of``); records carry ``sustain_s``.
+``best_of``); records carry ``sustain_s``. On GPUs, records carry ``clocks``: the SM clock and power of
+each GPU (medians over NVML samples every 20 ms, ``benchmarks.clocks``) during the timed calls of the step
+(``step``), the expert block alone (``gemm``; ``experts`` for decode) and the roofline's dense dots
+(``roofline``); None where NVML is not there.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import clocks
 from jax_ep import moe
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig
@@ -198,7 +202,7 @@ def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
     1335-1500 MHz within about a second, where a burst after compiling runs at up to 1980: the grouped
     GEMMs measured 15-18% slower sustained, session 35). A tuple of settings times the one compiled fn
     at each in turn and returns one best per setting, e.g. (0, 2): right after compiling, then
-    sustained."""
+    sustained. The timed chains' window goes to ``benchmarks.clocks`` (the clock they ran at)."""
     if isinstance(sustain_s, tuple):
         return tuple(best_of(fn, *args, iters=iters, repeats=repeats, chain=chain, sustain_s=s)
                      for s in sustain_s)
@@ -216,10 +220,12 @@ def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
     while time.perf_counter() < end:
         chain_of(iters)
     best = float("inf")
+    timed = time.perf_counter()
     for _ in range(repeats):
         start = time.perf_counter()
         chain_of(iters)
         best = min(best, (time.perf_counter() - start) / iters)
+    clocks.mark(timed, time.perf_counter())
     return best
 
 
@@ -536,8 +542,11 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         # the step kernel by kernel: what a _nocb config times and what the profile splits
         no_cb = step.lower(*args).compile(NO_COMMAND_BUFFERS) if profile or not record["command_buffers"] \
             else None
-        record["step_ms"] = 1e3 * best_of(step if record["command_buffers"] else no_cb, *args, iters=iters,
-                                          repeats=repeats, sustain_s=sustain_s) / record["micro_batches"]
+        with clocks.collect() as step_clocks:
+            record["step_ms"] = 1e3 * best_of(step if record["command_buffers"] else no_cb, *args,
+                                              iters=iters, repeats=repeats, sustain_s=sustain_s) \
+                / record["micro_batches"]
+        record["clocks"] = dict(step=step_clocks.summary())
         split = split_by_scope(no_cb, args, iters) if profile else None
         record["split_ms"], record["device_step_ms"] = split or (None, None)
         record["ep_hidden_ms"] = None if split is None else hidden_ep_ms(*split)
@@ -591,12 +600,16 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int, share
                   shared_ffn_hidden=shared_ffn,
                   ep_ops=layer_ep_plans(layer, tokens, ("ll_dispatch", "ll_combine")))
     try:
-        record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats, sustain_s=sustain_s)
+        with clocks.collect() as step_clocks:
+            record["step_ms"] = 1e3 * best_of(step, *args, iters=iters, repeats=repeats, sustain_s=sustain_s)
+        record["clocks"] = dict(step=step_clocks.summary())
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         record.update(step_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
-    grouped, einsum, weight_bytes = decode_experts_seconds(hidden, ffn, experts, topk, tokens, ep,
-                                                           options["gemm"], iters, repeats,
-                                                           bool(options.get("fp8_cached")), sustain_s)
+    with clocks.collect() as experts_clocks:
+        grouped, einsum, weight_bytes = decode_experts_seconds(hidden, ffn, experts, topk, tokens, ep,
+                                                               options["gemm"], iters, repeats,
+                                                               bool(options.get("fp8_cached")), sustain_s)
+    record.setdefault("clocks", {})["experts"] = experts_clocks.summary()
     record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes)
     return record
 
@@ -683,8 +696,20 @@ def layer_ep_plans(layer, tokens: int, op_names) -> str:
     return "; ".join(f"{plan.op}: {plan.impl} ({plan.reason})" for plan in plans.values())
 
 
+def clock_note(record: dict) -> str:
+    """" at <SM MHz> MHz, <W> W" for a record's step timing on its first GPU, or "" without a sample."""
+    step = (record.get("clocks") or {}).get("step")
+    return "" if not step else f" at {step['sm_mhz'][0]:.0f} MHz, {step['power_w'][0]:.0f} W"
+
+
 def main(args, save=lambda records: None) -> list[dict]:
-    """Times the layer shapes and configs of ``args``; ``save(records)`` after every record."""
+    """Times the layer shapes and configs of ``args``; ``save(records)`` after every record. The GPUs'
+    SM clock and power are sampled throughout (``benchmarks.clocks``; records' ``clocks``)."""
+    with clocks.sampling():
+        return _main(args, save)
+
+
+def _main(args, save) -> list[dict]:
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("ep",))
     platform = devices[0].platform
@@ -712,7 +737,7 @@ def main(args, save=lambda records: None) -> list[dict]:
             r.update(shape=name, device=device, date=today, sustain_s=sustain)
             records.append(r)
             save(records)
-            step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms"
+            step = "failed" if r["step_ms"] is None else f"{r['step_ms']:.3f} ms{clock_note(r)}"
             print(f"  {name} {config} (EP ops: {r['ep_ops']}): decode forward {step}; experts alone "
                   f"{r['experts_ms']:.3f} ms over the filled slots, {r['experts_einsum_ms']:.3f} ms as an "
                   f"einsum over all slots "
@@ -722,19 +747,22 @@ def main(args, save=lambda records: None) -> list[dict]:
         shape = LAYER_PRESETS[name]
         hidden, ffn, experts, topk, tokens = shape
         rows = tokens * topk   # real rows per rank on average (uniform routing)
-        roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats, sustain)
         shared_ffn = SHARED_FFN.get(name, 0)
-        if shared_ffn:      # the shared expert's GEMMs over every token, as dense dots too
-            roof += 1e3 * roofline_seconds(tokens, hidden, shared_ffn, jnp.bfloat16, args.iters, args.repeats,
-                                           sustain)
+        with clocks.collect() as roof_clocks:
+            roof = 1e3 * roofline_seconds(rows, hidden, ffn, jnp.bfloat16, args.iters, args.repeats, sustain)
+            if shared_ffn:      # the shared expert's GEMMs over every token, as dense dots too
+                roof += 1e3 * roofline_seconds(tokens, hidden, shared_ffn, jnp.bfloat16, args.iters,
+                                               args.repeats, sustain)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
         for config in wanted:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile, shared_ffn, sustain)
-            seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
-                                          args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"),
-                                          CONFIGS[config].get("fp8_cached", False), sustain)
+            with clocks.collect() as gemm_clocks:
+                seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
+                                              args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"),
+                                              CONFIGS[config].get("fp8_cached", False), sustain)
+            r.setdefault("clocks", {}).update(gemm=gemm_clocks.summary(), roofline=roof_clocks.summary())
             gemm_ms = None if seconds is None else 1e3 * seconds
             r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
@@ -743,7 +771,7 @@ def main(args, save=lambda records: None) -> list[dict]:
             records.append(r)
             save(records)
             print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"
-                  + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
+                  + clock_note(r) + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     print(f"{'layer':9}{'config':18}{'gemm':12}{'EP ops':>10}{'EP':>3}{'step ms':>10}{'roofline':>10}"
           f"{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}"

@@ -1,0 +1,103 @@
+"""benchmarks.clocks: the SM clock and power sampled while best_of times, and what a record gets."""
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from benchmarks import clocks
+from benchmarks.layer import best_of
+
+
+class FakeGPUs:
+    """Two GPUs whose SM clocks read `mhz` (changed by the test) and whose powers read 500 and 600 W."""
+
+    def __init__(self, mhz: float):
+        self.mhz, self.calls, self.lock = mhz, 0, threading.Lock()
+
+    def __call__(self):
+        with self.lock:
+            self.calls += 1
+            return [self.mhz, self.mhz + 10], [500.0, 600.0]
+
+
+def sleeper(seconds):
+    def fn():
+        time.sleep(seconds)
+        return 0
+    return fn
+
+
+def test_best_of_window_gets_only_the_samples_taken_while_it_timed():
+    gpus = FakeGPUs(1000.0)
+    with clocks.sampling(read=gpus, period_s=0.001) as sampler:
+        assert sampler is not None
+        time.sleep(0.05)            # idle samples at 1000 MHz before the timing
+        gpus.mhz = 1500.0
+        with clocks.collect() as c:
+            best_of(sleeper(0.01), iters=2, repeats=3)   # 60 ms timed, after an untimed first call
+        gpus.mhz = 1980.0
+        time.sleep(0.05)            # and after it
+        summary = c.summary()
+    assert summary["sm_mhz"] == [1500.0, 1510.0] and summary["power_w"] == [500.0, 600.0]
+    assert 10 <= summary["samples"] < gpus.calls
+    # sampling stopped with the block
+    calls = gpus.calls
+    time.sleep(0.02)
+    assert gpus.calls == calls
+
+
+def test_collectors_nest_and_each_gets_the_windows_marked_inside_it():
+    gpus = FakeGPUs(1200.0)
+    with clocks.sampling(read=gpus, period_s=0.001):
+        with clocks.collect() as outer:
+            best_of(sleeper(0.005), iters=2, repeats=2)
+            with clocks.collect() as inner:
+                best_of(sleeper(0.005), iters=2, repeats=2)
+    assert len(outer.windows) == 2 and len(inner.windows) == 1
+    assert inner.windows[0] == outer.windows[1]
+    assert outer.summary()["samples"] > inner.summary()["samples"] > 0
+
+
+def test_nested_sampling_keeps_the_outer_sampler():
+    gpus = FakeGPUs(1400.0)
+    with clocks.sampling(read=gpus, period_s=0.001) as outer:
+        with clocks.sampling() as inner:      # e.g. the layer benchmark's own, inside a test's fake
+            assert inner is outer
+
+
+def test_without_nvml_summaries_are_none_and_timing_works(monkeypatch):
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    with pytest.raises(OSError):
+        clocks.nvml_reader()
+    with clocks.sampling() as sampler:
+        assert sampler is None
+        with clocks.collect() as c:
+            assert best_of(sleeper(0.001), iters=1, repeats=1) > 0
+    assert c.summary() is None
+
+
+def test_a_failing_read_ends_the_sampling_with_its_reason():
+    def broken():
+        raise OSError("NVML GetClockInfo returned 999")
+    with clocks.sampling(read=broken, period_s=0.001) as sampler:
+        with clocks.collect() as c:
+            best_of(sleeper(0.005), iters=1, repeats=2)
+    assert sampler.error == "NVML GetClockInfo returned 999"
+    assert c.summary() is None
+
+
+def test_layer_records_carry_the_clocks_of_their_timings(tmp_path):
+    from benchmarks.ops import main as bench_main
+
+    gpus = FakeGPUs(1455.0)
+    with clocks.sampling(read=gpus, period_s=0.0005):
+        [r] = bench_main(["--layer", "--layer-shapes", "small", "--layer-configs", "jax_ep", "--iters", "3",
+                          "--repeats", "3", "--out", str(tmp_path / "layer.json")])
+    assert set(r["clocks"]) == {"step", "gemm", "roofline"}
+    for part in r["clocks"].values():
+        assert part["sm_mhz"] == [1455.0, 1465.0] and part["power_w"] == [500.0, 600.0]
+        assert part["samples"] > 0
