@@ -696,6 +696,12 @@ def layer_ep_plans(layer, tokens: int, op_names) -> str:
     return "; ".join(f"{plan.op}: {plan.impl} ({plan.reason})" for plan in plans.values())
 
 
+def sm_clocks(record: dict) -> str:
+    """"step/gemm/roofline" median SM MHz on the first GPU ("-" for a part without samples), or ""."""
+    parts = [(record.get("clocks") or {}).get(k) for k in ("step", "gemm", "roofline")]
+    return "" if not any(parts) else "/".join(f"{p['sm_mhz'][0]:.0f}" if p else "-" for p in parts)
+
+
 def clock_note(record: dict) -> str:
     """" at <SM MHz> MHz, <W> W" for a record's step timing on its first GPU, or "" without a sample."""
     step = (record.get("clocks") or {}).get("step")
@@ -774,7 +780,7 @@ def _main(args, save) -> list[dict]:
                   + clock_note(r) + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     print(f"{'layer':9}{'config':18}{'gemm':12}{'EP ops':>10}{'EP':>3}{'step ms':>10}{'roofline':>10}"
-          f"{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}"
+          f"{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}{'MHz step/gemm/roof':>20}"
           f"  split ms ({'/'.join((*moe.SCOPES, 'rest'))}); EP hidden ms / EP ms")
     for r in [r for r in records if r["op"] == "moe_layer"]:
         plain = base.get((r["shape"], "plain_jax"))
@@ -790,7 +796,8 @@ def _main(args, save) -> list[dict]:
         ep_ops = ep_ops if len(ep_ops) <= 10 else "see below"
         print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{ep_ops:>10}"
               f"{r['ep_size']:>3}{step:>10}"
-              f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}  {split}")
+              f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}{sm_clocks(r):>20}"
+              f"  {split}")
     for r in [r for r in records if r["op"] == "moe_layer" and len(r.get("ep_ops", "")) > 10]:
         print(f"  EP ops of {r['shape']} {r['config']}: {r['ep_ops']}")
     return records

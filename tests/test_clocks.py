@@ -90,7 +90,8 @@ def test_a_failing_read_ends_the_sampling_with_its_reason():
     assert c.summary() is None
 
 
-def test_layer_records_carry_the_clocks_of_their_timings(tmp_path):
+def test_layer_records_carry_the_clocks_of_their_timings(tmp_path, capsys):
+    from benchmarks import layer
     from benchmarks.ops import main as bench_main
 
     gpus = FakeGPUs(1455.0)
@@ -101,3 +102,11 @@ def test_layer_records_carry_the_clocks_of_their_timings(tmp_path):
     for part in r["clocks"].values():
         assert part["sm_mhz"] == [1455.0, 1465.0] and part["power_w"] == [500.0, 600.0]
         assert part["samples"] > 0
+    assert layer.sm_clocks(r) == "1455/1455/1455" and layer.clock_note(r) == " at 1455 MHz, 500 W"
+    out = capsys.readouterr().out
+    assert "MHz step/gemm/roof" in out and "1455/1455/1455" in out
+    assert "small jax_ep: " in out and " at 1455 MHz, 500 W" in out
+    # a part without samples reads "-"; a record without any, nothing
+    gemm_only = dict(clocks=dict(step=None, gemm=r["clocks"]["gemm"], roofline=None))
+    assert layer.sm_clocks(gemm_only) == "-/1455/-"
+    assert layer.sm_clocks(dict(clocks=dict(step=None))) == "" and layer.clock_note({}) == ""
