@@ -40,7 +40,12 @@ chunks (``EPOptions(chunks=2)``: micro-batch 1's dispatch issued before micro-ba
 inside a command buffer an async region runs in series with the rest (openxla/xla#48900), so only there
 can the async forms hide anything.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as plain
-dense dots of the same shapes on one device, timed in the same run. ``gemm_ms`` is the layer's expert block
+dense dots of the same shapes on one device, timed in the same run. ``weight_floor_ms`` is the memory side
+of it: the bytes of weights a step must move per rank (``expert_weight_bytes`` W, the local experts' and the
+shared expert's bf16 weights: read by the forward and by the input gradient, their gradient written once;
+2W for cached FP8 weights; ``weight_floor_bytes``) over the copy bandwidth measured at the start of the run
+(``copy_gbps``). With few rows per expert (DeepSeek-V3 at EP1: 128) it exceeds the dense dots' time, and the
+step cannot reach the roofline. ``gemm_ms`` is the layer's expert block
 (both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank shapes;
 ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the device time of the GPU events of device
 0 (all streams, so overlapping streams add up) by the layer's named scopes (moe.SCOPES), each with its
@@ -259,6 +264,28 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
         return out, vjp(g)
 
     return best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats, sustain_s=sustain_s)
+
+
+def copy_bytes_per_second(nbytes: int, iters: int, repeats: int, sustain_s: float = 0.0) -> float:
+    """The bytes per second one device moves through its memory in an XLA elementwise op over an
+    ``nbytes`` bf16 buffer (it reads and writes it: 2 * nbytes a call), timed as the step is: the memory
+    roof the weight floor divides by."""
+    a = jax.device_put(jnp.zeros(nbytes // 2, jnp.bfloat16), jax.devices()[0])
+    seconds = best_of(jax.jit(lambda a: a + 1), a, iters=iters, repeats=repeats, sustain_s=sustain_s)
+    return 2 * nbytes / seconds
+
+
+def weight_floor_bytes(config: str, weight_bytes: int) -> int | None:
+    """The bytes of weights one micro-batch of ``config``'s step must move at least, for ``weight_bytes``
+    of bf16 weights per rank (the local experts' and the shared expert's): read by the forward and by the
+    input gradient (2W; W when they are FP8 quantised beforehand, ``fp8_cached``), their gradient written
+    once per step (W, bf16; shared by the step's micro-batches). None for FP8 weights quantised inside the
+    step (the quantisation's own traffic depends on its kernels)."""
+    options = CONFIGS[config]
+    fp8 = options.get("gemm_dtype") is not None
+    if fp8 and not options.get("fp8_cached"):
+        return None
+    return (weight_bytes if fp8 else 2 * weight_bytes) + weight_bytes // options.get("micro_batches", 1)
 
 
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
@@ -749,6 +776,7 @@ def _main(args, save) -> list[dict]:
                   f"einsum over all slots "
                   f"({r['expert_weight_bytes'] / 1e9:.2f} GB of expert weights per rank)", flush=True)
     names = [n for n in names if n not in DECODE_SHAPES]
+    copy_gbps = None
     for name in names:
         shape = LAYER_PRESETS[name]
         hidden, ffn, experts, topk, tokens = shape
@@ -761,6 +789,10 @@ def _main(args, save) -> list[dict]:
                                                args.repeats, sustain)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
+        weight_bytes = (local * ffn + shared_ffn) * 3 * hidden * 2     # w1 [H, 2F] and w2 [F, H], bf16
+        if copy_gbps is None:   # once per run: the memory roof (2 GiB on a GPU: well past the L2)
+            copy_gbps = copy_bytes_per_second(2 << 30 if platform == "gpu" else 64 << 20, args.iters,
+                                              args.repeats, sustain) / 1e9
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
         for config in wanted:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile, shared_ffn, sustain)
@@ -770,6 +802,9 @@ def _main(args, save) -> list[dict]:
                                               CONFIGS[config].get("fp8_cached", False), sustain)
             r.setdefault("clocks", {}).update(gemm=gemm_clocks.summary(), roofline=roof_clocks.summary())
             gemm_ms = None if seconds is None else 1e3 * seconds
+            floor = weight_floor_bytes(config, weight_bytes)
+            r.update(expert_weight_bytes=weight_bytes, copy_gbps=copy_gbps,
+                     weight_floor_ms=None if floor is None else floor / copy_gbps / 1e6)
             r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
                      roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,
@@ -780,7 +815,8 @@ def _main(args, save) -> list[dict]:
                   + clock_note(r) + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     print(f"{'layer':9}{'config':18}{'gemm':12}{'EP ops':>10}{'EP':>3}{'step ms':>10}{'roofline':>10}"
-          f"{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}{'MHz step/gemm/roof':>20}"
+          f"{'w floor':>9}{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}"
+          f"{'MHz step/gemm/roof':>20}"
           f"  split ms ({'/'.join((*moe.SCOPES, 'rest'))}); EP hidden ms / EP ms")
     for r in [r for r in records if r["op"] == "moe_layer"]:
         plain = base.get((r["shape"], "plain_jax"))
@@ -792,11 +828,12 @@ def _main(args, save) -> list[dict]:
         ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
         tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
         gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
+        floor_ms = "" if r["weight_floor_ms"] is None else f"{r['weight_floor_ms']:.2f}"
         ep_ops = r.get("ep_ops", "")
         ep_ops = ep_ops if len(ep_ops) <= 10 else "see below"
         print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{ep_ops:>10}"
               f"{r['ep_size']:>3}{step:>10}"
-              f"{r['roofline_ms']:>10.2f}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}{sm_clocks(r):>20}"
+              f"{r['roofline_ms']:>10.2f}{floor_ms:>9}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}{sm_clocks(r):>20}"
               f"  {split}")
     for r in [r for r in records if r["op"] == "moe_layer" and len(r.get("ep_ops", "")) > 10]:
         print(f"  EP ops of {r['shape']} {r['config']}: {r['ep_ops']}")

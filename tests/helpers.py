@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import jax
 import numpy as np
@@ -253,3 +254,15 @@ def dense_moe(layer, x, routing_cfg=None):
     if layer.shared is not None:
         out = out + layer.shared(tokens)
     return out.reshape(x.shape)
+
+
+class FakeGPUs:
+    """Two GPUs whose SM clocks read `mhz` (changed by the test) and whose powers read 500 and 600 W."""
+
+    def __init__(self, mhz: float):
+        self.mhz, self.calls, self.lock = mhz, 0, threading.Lock()
+
+    def __call__(self):
+        with self.lock:
+            self.calls += 1
+            return [self.mhz, self.mhz + 10], [500.0, 600.0]

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import parametrize_slow_tail
+from helpers import FakeGPUs, parametrize_slow_tail
 
+from benchmarks import layer as bench_layer
 from benchmarks import ops as bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -68,6 +69,44 @@ def test_layer_bench_writes_records(tmp_path):
         assert r["ep_ops"].startswith("dispatch: reference (") and "combine: reference (" in r["ep_ops"]
     assert records[1]["backend"] == "reference" and {r["gate_weights"] for r in records} == {"experts"}
     assert "backend='auto'" in records[0]["ep_ops"] and "backend='auto'" not in records[1]["ep_ops"]
+
+
+def test_layer_records_carry_their_clocks_and_weight_floor(tmp_path, capsys):
+    """A layer record holds the SM clock and power of its timings (benchmarks.clocks; a fake NVML here) and
+    the bytes of weights a step must move, as a floor at the copy bandwidth measured in the same run."""
+    from benchmarks import clocks
+
+    gpus = FakeGPUs(1455.0)
+    with clocks.sampling(read=gpus, period_s=0.0005):
+        [r] = bench.main(["--layer", "--layer-shapes", "small", "--layer-configs", "jax_ep", "--iters", "3",
+                          "--repeats", "3", "--out", str(tmp_path / "layer.json")])
+    assert set(r["clocks"]) == {"step", "gemm", "roofline"}
+    for part in r["clocks"].values():
+        assert part["sm_mhz"] == [1455.0, 1465.0] and part["power_w"] == [500.0, 600.0]
+        assert part["samples"] > 0
+    assert bench_layer.sm_clocks(r) == "1455/1455/1455"
+    assert bench_layer.clock_note(r) == " at 1455 MHz, 500 W"
+    out = capsys.readouterr().out
+    assert "MHz step/gemm/roof" in out and "1455/1455/1455" in out
+    assert "small jax_ep: " in out and " at 1455 MHz, 500 W" in out
+    # a part without samples reads "-"; a record without any, nothing
+    gemm_only = dict(clocks=dict(step=None, gemm=r["clocks"]["gemm"], roofline=None))
+    assert bench_layer.sm_clocks(gemm_only) == "-/1455/-"
+    assert bench_layer.sm_clocks(dict(clocks=dict(step=None))) == "" and bench_layer.clock_note({}) == ""
+    # small: hidden 256, ffn 128, 16 experts on 8 devices: 2 local experts of w1 [256, 256] and w2 [128, 256]
+    assert r["expert_weight_bytes"] == 2 * (256 * 256 + 128 * 256) * 2
+    assert r["copy_gbps"] > 0
+    assert r["weight_floor_ms"] == pytest.approx(3 * r["expert_weight_bytes"] / r["copy_gbps"] / 1e6)
+    assert "w floor" in out
+
+
+def test_weight_floor_counts_what_each_config_must_move():
+    W = 1200
+    floor = bench_layer.weight_floor_bytes
+    assert floor("jax_ep", W) == floor("plain_jax", W) == 3 * W         # read twice, gradient written once
+    assert floor("jax_ep_fp8_cached", W) == floor("jax_ep_fp8_cached_dw8", W) == 2 * W   # FP8 reads: W/2 each
+    assert floor("jax_ep_fp8", W) is None                               # quantised inside the step
+    assert floor("jax_ep_mb2", W) == 2 * W + W // 2                     # per micro-batch: one gradient write
 
 
 @pytest.mark.slow
@@ -516,6 +555,7 @@ def test_layer_plain_jax_out_of_memory_is_a_result_not_a_failure(tmp_path, monke
     monkeypatch.setattr(bench_layer, "best_of", oom_for_ragged_dot)
     monkeypatch.setattr(bench_layer, "roofline_seconds", lambda *a, **k: 1e-3)
     monkeypatch.setattr(bench_layer, "expert_gemm_seconds", lambda *a, **k: 1e-3)
+    monkeypatch.setattr(bench_layer, "copy_bytes_per_second", lambda *a, **k: 1e12)
     real_bench = bench_layer.bench_layer
 
     def bench_with_oom(mesh, shape, config, *args, **kwargs):

@@ -1,25 +1,13 @@
 """benchmarks.clocks: the SM clock and power sampled while best_of times, and what a record gets."""
 
 import ctypes
-import threading
 import time
 
 import pytest
+from helpers import FakeGPUs
 
 from benchmarks import clocks
 from benchmarks.layer import best_of
-
-
-class FakeGPUs:
-    """Two GPUs whose SM clocks read `mhz` (changed by the test) and whose powers read 500 and 600 W."""
-
-    def __init__(self, mhz: float):
-        self.mhz, self.calls, self.lock = mhz, 0, threading.Lock()
-
-    def __call__(self):
-        with self.lock:
-            self.calls += 1
-            return [self.mhz, self.mhz + 10], [500.0, 600.0]
 
 
 def sleeper(seconds):
@@ -88,25 +76,3 @@ def test_a_failing_read_ends_the_sampling_with_its_reason():
             best_of(sleeper(0.005), iters=1, repeats=2)
     assert sampler.error == "NVML GetClockInfo returned 999"
     assert c.summary() is None
-
-
-def test_layer_records_carry_the_clocks_of_their_timings(tmp_path, capsys):
-    from benchmarks import layer
-    from benchmarks.ops import main as bench_main
-
-    gpus = FakeGPUs(1455.0)
-    with clocks.sampling(read=gpus, period_s=0.0005):
-        [r] = bench_main(["--layer", "--layer-shapes", "small", "--layer-configs", "jax_ep", "--iters", "3",
-                          "--repeats", "3", "--out", str(tmp_path / "layer.json")])
-    assert set(r["clocks"]) == {"step", "gemm", "roofline"}
-    for part in r["clocks"].values():
-        assert part["sm_mhz"] == [1455.0, 1465.0] and part["power_w"] == [500.0, 600.0]
-        assert part["samples"] > 0
-    assert layer.sm_clocks(r) == "1455/1455/1455" and layer.clock_note(r) == " at 1455 MHz, 500 W"
-    out = capsys.readouterr().out
-    assert "MHz step/gemm/roof" in out and "1455/1455/1455" in out
-    assert "small jax_ep: " in out and " at 1455 MHz, 500 W" in out
-    # a part without samples reads "-"; a record without any, nothing
-    gemm_only = dict(clocks=dict(step=None, gemm=r["clocks"]["gemm"], roofline=None))
-    assert layer.sm_clocks(gemm_only) == "-/1455/-"
-    assert layer.sm_clocks(dict(clocks=dict(step=None))) == "" and layer.clock_note({}) == ""
