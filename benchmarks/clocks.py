@@ -33,7 +33,7 @@ _COLLECTORS: list[Collector] = []
 
 def nvml_reader() -> Callable[[], tuple[list[float], list[float]]]:
     """A function reading (SM clock MHz, power W) of every GPU NVML sees; raises OSError where NVML
-    cannot be loaded or initialised."""
+    cannot be loaded or initialised (AttributeError where the library lacks a function)."""
     nvml = ctypes.CDLL("libnvidia-ml.so.1")
 
     def check(rc: int, what: str):
@@ -125,7 +125,7 @@ def sampling(read: Callable[[], tuple[list[float], list[float]]] | None = None,
         return
     try:
         read = read or nvml_reader()
-    except OSError:
+    except (OSError, AttributeError):     # no library, no GPU, or a library without these symbols
         yield None
         return
     _SAMPLER = Sampler(read, period_s).start()
