@@ -41,12 +41,12 @@ inside a command buffer an async region runs in series with the rest (openxla/xl
 can the async forms hide anything.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as plain
 dense dots of the same shapes on one device, timed in the same run. ``weight_floor_ms`` is the memory side
-of it: the bytes of weights a step must move per rank (``expert_weight_bytes`` W, the local experts' and the
-shared expert's bf16 weights: read by the forward and by the input gradient, their gradient written once;
-2W for cached FP8 weights; ``weight_floor_bytes``) over the copy bandwidth measured at the start of the run
-(``copy_gbps``). With few rows per expert (DeepSeek-V3 at EP1: 128) it exceeds the dense dots' time, and the
-step cannot reach the roofline. ``gemm_ms`` is the layer's expert block
-(both grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank shapes;
+of it: the bytes of weights a step must move per rank (W: the local experts' bf16 weights,
+``expert_weight_bytes``, and the shared expert's: read by the forward and by the input gradient, their
+gradient written once; 2W for cached FP8 weights; ``weight_floor_bytes``) over the copy bandwidth measured
+at the start of the run (``copy_gbps``). With few rows per expert (DeepSeek-V3 at EP1: 128) it exceeds the
+dense dots' time, and the step cannot reach the roofline. ``gemm_ms`` is the layer's expert block (both
+grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank shapes;
 ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the device time of the GPU events of device
 0 (all streams, so overlapping streams add up) by the layer's named scopes (moe.SCOPES), each with its
 backward (dispatch's backward is a combine kernel, combine's a broadcast); events the profile does not tie
@@ -789,7 +789,10 @@ def _main(args, save) -> list[dict]:
                                                args.repeats, sustain)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
         local = experts // mesh.size
-        weight_bytes = (local * ffn + shared_ffn) * 3 * hidden * 2     # w1 [H, 2F] and w2 [F, H], bf16
+        # w1 [H, 2F] and w2 [F, H] in bf16: the local experts' (as decode's records count them), and with the
+        # shared expert's for the floor, which moves both
+        weight_bytes = local * ffn * 3 * hidden * 2
+        moved_weight_bytes = weight_bytes + shared_ffn * 3 * hidden * 2
         if copy_gbps is None:   # once per run: the memory roof (2 GiB on a GPU: well past the L2)
             copy_gbps = copy_bytes_per_second(2 << 30 if platform == "gpu" else 64 << 20, args.iters,
                                               args.repeats, sustain) / 1e9
@@ -802,10 +805,10 @@ def _main(args, save) -> list[dict]:
                                               CONFIGS[config].get("fp8_cached", False), sustain)
             r.setdefault("clocks", {}).update(gemm=gemm_clocks.summary(), roofline=roof_clocks.summary())
             gemm_ms = None if seconds is None else 1e3 * seconds
-            floor = weight_floor_bytes(config, weight_bytes)
-            r.update(expert_weight_bytes=weight_bytes, copy_gbps=copy_gbps,
-                     weight_floor_ms=None if floor is None else floor / copy_gbps / 1e6)
+            floor = weight_floor_bytes(config, moved_weight_bytes)
             r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
+                     expert_weight_bytes=weight_bytes, copy_gbps=copy_gbps,
+                     weight_floor_ms=None if floor is None else floor / copy_gbps / 1e6,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
                      roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,
                      device=device, date=today, sustain_s=sustain)
@@ -833,8 +836,8 @@ def _main(args, save) -> list[dict]:
         ep_ops = ep_ops if len(ep_ops) <= 10 else "see below"
         print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{ep_ops:>10}"
               f"{r['ep_size']:>3}{step:>10}"
-              f"{r['roofline_ms']:>10.2f}{floor_ms:>9}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}{sm_clocks(r):>20}"
-              f"  {split}")
+              f"{r['roofline_ms']:>10.2f}{floor_ms:>9}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}"
+              f"{sm_clocks(r):>20}  {split}")
     for r in [r for r in records if r["op"] == "moe_layer" and len(r.get("ep_ops", "")) > 10]:
         print(f"  EP ops of {r['shape']} {r['config']}: {r['ep_ops']}")
     return records

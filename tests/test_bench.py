@@ -150,6 +150,11 @@ def test_layer_bench_with_a_shared_expert(tmp_path, monkeypatch):
     hidden, ffn, experts, topk, tokens = layer.LAYER_PRESETS["small_shared"]
     assert r["shared_ffn_hidden"] == layer.SHARED_FFN["small_shared"] > 0 and r["step_ms"] > 0
     assert rooflines == [(tokens * topk, hidden, ffn), (tokens, hidden, layer.SHARED_FFN["small_shared"])]
+    # the routed experts' weights as decode's records count them; the floor moves the shared expert's too
+    local = experts // len(jax.devices())
+    assert r["expert_weight_bytes"] == local * 3 * hidden * ffn * 2
+    moved = r["expert_weight_bytes"] + 3 * hidden * layer.SHARED_FFN["small_shared"] * 2
+    assert r["weight_floor_ms"] == pytest.approx(3 * moved / r["copy_gbps"] / 1e6)
     built, _ = layer.layer_and_tokens(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",)),
                                       layer.LAYER_PRESETS["small_shared"], "jax_ep",
                                       layer.SHARED_FFN["small_shared"])
