@@ -95,6 +95,10 @@ LAYER_PRESETS = {
     "deepseek": (7168, 2048, 256, 8, 4096),
     "mid": (4096, 1408, 64, 6, 4096),
     "small": (256, 128, 16, 2, 128),
+    # one rank's expert work of "deepseek" at EP2 / EP4 (its local experts, so the same weights, FLOPs and
+    # rows per expert), run on however many GPUs are here: what one GPU can say of those steps
+    "deepseek_e128": (7168, 2048, 128, 8, 4096),
+    "deepseek_e64": (7168, 2048, 64, 8, 4096),
     # decode (the layer's low-latency path, forward only): issue 14's shape, 128 tokens per rank
     "deepseek_decode": (7168, 2048, 288, 8, 128),
     "small_decode": (256, 128, 16, 2, 16),
