@@ -739,6 +739,39 @@ def clock_note(record: dict) -> str:
     return "" if not step else f" at {step['sm_mhz'][0]:.0f} MHz, {step['power_w'][0]:.0f} W"
 
 
+def print_table(records: list[dict]) -> None:
+    """The layer records' table: one line per (shape, config), then the EP ops' long explanations."""
+    base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
+    rows = [r for r in records if r["op"] == "moe_layer"]
+    steps = [("out of memory" if r.get("peer_out_of_memory") else "failed") if r["step_ms"] is None
+             else f"{r['step_ms']:.2f}" for r in rows]
+    # columns as wide as their longest entry, so that long preset names and "out of memory" stay apart
+    sw = max([9] + [len(r["shape"]) + 1 for r in rows])
+    cw = max([18] + [len(r["config"]) + 1 for r in rows])
+    tw = max([10] + [len(step) + 1 for step in steps])
+    print(f"{'layer':{sw}}{'config':{cw}}{'gemm':12}{'EP ops':>10}{'EP':>3}{'step ms':>{tw}}{'roofline':>10}"
+          f"{'w floor':>9}{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}"
+          f"{'MHz step/gemm/roof':>20}"
+          f"  split ms ({'/'.join((*moe.SCOPES, 'rest'))}); EP hidden ms / EP ms")
+    for r, step in zip(rows, steps, strict=True):
+        plain = base.get((r["shape"], "plain_jax"))
+        speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
+        split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values()) + (
+            f"; {r['ep_hidden_ms']:.2f} / {r['split_ms']['dispatch'] + r['split_ms']['combine']:.2f}")
+        ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
+        tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
+        gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
+        floor_ms = "" if r["weight_floor_ms"] is None else f"{r['weight_floor_ms']:.2f}"
+        ep_ops = r.get("ep_ops", "")
+        ep_ops = ep_ops if len(ep_ops) <= 10 else "see below"
+        print(f"{r['shape']:{sw}}{r['config']:{cw}}{r['gemm']:12}{ep_ops:>10}"
+              f"{r['ep_size']:>3}{step:>{tw}}"
+              f"{r['roofline_ms']:>10.2f}{floor_ms:>9}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}"
+              f"{sm_clocks(r):>20}  {split}")
+    for r in [r for r in rows if len(r.get("ep_ops", "")) > 10]:
+        print(f"  EP ops of {r['shape']} {r['config']}: {r['ep_ops']}")
+
+
 def main(args, save=lambda records: None) -> list[dict]:
     """Times the layer shapes and configs of ``args``; ``save(records)`` after every record. The GPUs'
     SM clock and power are sampled throughout (``benchmarks.clocks``; records' ``clocks``)."""
@@ -820,28 +853,5 @@ def _main(args, save) -> list[dict]:
             save(records)
             print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"
                   + clock_note(r) + (f" ({r['error'][:120]})" if "error" in r else ""), flush=True)
-    base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
-    print(f"{'layer':9}{'config':18}{'gemm':12}{'EP ops':>10}{'EP':>3}{'step ms':>10}{'roofline':>10}"
-          f"{'w floor':>9}{'x roof':>8}{'speedup':>9}{'GEMM ms':>9}{'GEMM TF/s':>11}"
-          f"{'MHz step/gemm/roof':>20}"
-          f"  split ms ({'/'.join((*moe.SCOPES, 'rest'))}); EP hidden ms / EP ms")
-    for r in [r for r in records if r["op"] == "moe_layer"]:
-        plain = base.get((r["shape"], "plain_jax"))
-        speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
-        split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values()) + (
-            f"; {r['ep_hidden_ms']:.2f} / {r['split_ms']['dispatch'] + r['split_ms']['combine']:.2f}")
-        step = ("out of memory" if r.get("peer_out_of_memory") else "failed") if r["step_ms"] is None \
-            else f"{r['step_ms']:.2f}"
-        ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
-        tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
-        gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
-        floor_ms = "" if r["weight_floor_ms"] is None else f"{r['weight_floor_ms']:.2f}"
-        ep_ops = r.get("ep_ops", "")
-        ep_ops = ep_ops if len(ep_ops) <= 10 else "see below"
-        print(f"{r['shape']:9}{r['config']:18}{r['gemm']:12}{ep_ops:>10}"
-              f"{r['ep_size']:>3}{step:>10}"
-              f"{r['roofline_ms']:>10.2f}{floor_ms:>9}{ratio:>8}{speedup:>9}{gemm_ms:>9}{tflops:>11}"
-              f"{sm_clocks(r):>20}  {split}")
-    for r in [r for r in records if r["op"] == "moe_layer" and len(r.get("ep_ops", "")) > 10]:
-        print(f"  EP ops of {r['shape']} {r['config']}: {r['ep_ops']}")
+    print_table(records)
     return records

@@ -100,6 +100,25 @@ def test_layer_records_carry_their_clocks_and_weight_floor(tmp_path, capsys):
     assert "w floor" in out
 
 
+def test_layer_table_keeps_long_names_and_failures_apart(capsys):
+    """Columns widen to their longest entry: a preset name longer than the default width and "out of
+    memory" in the step column stay separate fields, and every field lines up under its header."""
+    def record(shape, config, step_ms):
+        return dict(op="moe_layer", shape=shape, config=config, gemm="mosaic_gpu", ep_ops="cuda", ep_size=1,
+                    step_ms=step_ms, peer_out_of_memory=step_ms is None, roofline_ms=12.71,
+                    weight_floor_ms=10.49, roofline_ratio=None if step_ms is None else step_ms / 12.71,
+                    gemm_tflops=None, gemm_ms=None, split_ms=None, clocks=None)
+    long_shape, long_config = "deepseek_e128_and_more", "jax_ep_fp8_cached_gate_in_combine_x"
+    bench_layer.print_table([record(long_shape, long_config, 14.73), record(long_shape, "plain_jax", None)])
+    header, fast, oom = capsys.readouterr().out.splitlines()[:3]
+    assert fast.split()[:6] == [long_shape, long_config, "mosaic_gpu", "cuda", "1", "14.73"]
+    assert oom.split()[:8] == [long_shape, "plain_jax", "mosaic_gpu", "cuda", "1", "out", "of", "memory"]
+    # right-aligned columns end where their header ends
+    for line, value in ((fast, "14.73"), (oom, "out of memory")):
+        assert line.index(value) + len(value) == header.index("step ms") + len("step ms")
+        assert line.index("12.71") + 5 == header.index("roofline") + len("roofline")
+
+
 def test_weight_floor_counts_what_each_config_must_move():
     W = 1200
     floor = bench_layer.weight_floor_bytes
