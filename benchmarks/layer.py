@@ -61,8 +61,9 @@ before the roofline's): the clocks a training job runs at, where a timing right 
 GPU below its power limit (an H200 settles 15-18% slower within about a second at its 700 W cap;
 ``best_of``); records carry ``sustain_s``. On GPUs, records carry ``clocks``: the SM clock and power of
 each GPU (medians over NVML samples every 20 ms, ``benchmarks.clocks``) during the timed calls of the step
-(``step``), the expert block alone (``gemm``; ``experts`` for decode) and the roofline's dense dots
-(``roofline``); None where NVML is not there.
+(``step``), the expert block alone (``gemm``; ``experts`` for decode), the roofline's dense dots
+(``roofline``) and, with ``--profile``, the profiled steps of the split (``split``: they run after a pause
+for the profiler, so nearer the burst clock than a sustained ``step``); None where NVML is not there.
 """
 
 from __future__ import annotations
@@ -401,10 +402,11 @@ def profiled(call, iters: int):
     """The jax.profiler trace (ProfileData) of `iters` back-to-back `call()`s."""
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
-            out = None
+            out, start = None, time.perf_counter()
             for _ in range(iters):
                 out = call()
             jax.block_until_ready(out)
+            clocks.mark(start, time.perf_counter())   # the clock the split ran at
         return jax.profiler.ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
 
 
@@ -578,7 +580,10 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
                                               iters=iters, repeats=repeats, sustain_s=sustain_s) \
                 / record["micro_batches"]
         record["clocks"] = dict(step=step_clocks.summary())
-        split = split_by_scope(no_cb, args, iters) if profile else None
+        with clocks.collect() as split_clocks:
+            split = split_by_scope(no_cb, args, iters) if profile else None
+        if profile:
+            record["clocks"]["split"] = split_clocks.summary()
         record["split_ms"], record["device_step_ms"] = split or (None, None)
         record["ep_hidden_ms"] = None if split is None else hidden_ep_ms(*split)
     except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash

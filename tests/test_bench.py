@@ -100,6 +100,20 @@ def test_layer_records_carry_their_clocks_and_weight_floor(tmp_path, capsys):
     assert "w floor" in out
 
 
+def test_profiled_chain_carries_its_clock():
+    """The profile behind the split marks its chain's window, so a record can say the clock the split ran
+    at (it follows a pause for the profiler, so it need not be the sustained step's)."""
+    from benchmarks import clocks
+
+    with clocks.sampling(read=FakeGPUs(1830.0), period_s=0.0005):
+        with clocks.collect() as c:
+            bench_layer.profiled(lambda: (time.sleep(0.01), jnp.arange(4.0) + 1)[1], 3)   # >= 30 ms
+        with clocks.collect() as nothing:
+            pass
+    assert c.summary()["sm_mhz"] == [1830.0, 1840.0] and c.summary()["samples"] > 0
+    assert nothing.summary() is None
+
+
 def test_layer_table_keeps_long_names_and_failures_apart(capsys):
     """Columns widen to their longest entry: a preset name longer than the default width and "out of
     memory" in the step column stay separate fields, and every field lines up under its header."""
