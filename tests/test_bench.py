@@ -95,8 +95,8 @@ def test_layer_records_carry_their_clocks_and_weight_floor(tmp_path, capsys):
     assert bench_layer.sm_clocks(dict(clocks=dict(step=None))) == "" and bench_layer.clock_note({}) == ""
     # small: hidden 256, ffn 128, 16 experts on 8 devices: 2 local experts of w1 [256, 256] and w2 [128, 256]
     assert r["expert_weight_bytes"] == 2 * (256 * 256 + 128 * 256) * 2
-    assert r["copy_gbps"] > 0
-    assert r["weight_floor_ms"] == pytest.approx(3 * r["expert_weight_bytes"] / r["copy_gbps"] / 1e6)
+    assert r["read_gbps"] > 0
+    assert r["weight_floor_ms"] == pytest.approx(3 * r["expert_weight_bytes"] / r["read_gbps"] / 1e6)
     assert "w floor" in out
 
 
@@ -187,7 +187,7 @@ def test_layer_bench_with_a_shared_expert(tmp_path, monkeypatch):
     local = experts // len(jax.devices())
     assert r["expert_weight_bytes"] == local * 3 * hidden * ffn * 2
     moved = r["expert_weight_bytes"] + 3 * hidden * layer.SHARED_FFN["small_shared"] * 2
-    assert r["weight_floor_ms"] == pytest.approx(3 * moved / r["copy_gbps"] / 1e6)
+    assert r["weight_floor_ms"] == pytest.approx(3 * moved / r["read_gbps"] / 1e6)
     built, _ = layer.layer_and_tokens(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",)),
                                       layer.LAYER_PRESETS["small_shared"], "jax_ep",
                                       layer.SHARED_FFN["small_shared"])
@@ -593,7 +593,7 @@ def test_layer_plain_jax_out_of_memory_is_a_result_not_a_failure(tmp_path, monke
     monkeypatch.setattr(bench_layer, "best_of", oom_for_ragged_dot)
     monkeypatch.setattr(bench_layer, "roofline_seconds", lambda *a, **k: 1e-3)
     monkeypatch.setattr(bench_layer, "expert_gemm_seconds", lambda *a, **k: 1e-3)
-    monkeypatch.setattr(bench_layer, "copy_bytes_per_second", lambda *a, **k: 1e12)
+    monkeypatch.setattr(bench_layer, "read_bytes_per_second", lambda *a, **k: 1e12)
     real_bench = bench_layer.bench_layer
 
     def bench_with_oom(mesh, shape, config, *args, **kwargs):
