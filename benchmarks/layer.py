@@ -46,10 +46,10 @@ of it: the bytes of weights a step must move per rank (W: the local experts' bf1
 gradient written once; 2W for cached FP8 weights; ``weight_floor_bytes``) over the read bandwidth measured
 at the start of the run (``read_gbps``: a lower bound, as writes are no faster). With few rows per expert
 (DeepSeek-V3 at EP1: 128) it exceeds the dense dots' time, and the step cannot reach the roofline.
-``gemm_ms`` is the layer's expert block (both
-grouped GEMMs and SwiGLU, forward and backward) timed alone on one device at the per-rank shapes;
-``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums the device time of the GPU events of device
-0 (all streams, so overlapping streams add up) by the layer's named scopes (moe.SCOPES), each with its
+``gemm_ms`` is the layer's expert block (both grouped GEMMs and SwiGLU, forward and backward) timed alone
+on one device at the per-rank shapes; ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums
+the device time of the GPU events of device 0 (all streams, so overlapping streams add up) by the layer's
+named scopes (moe.SCOPES), each with its
 backward (dispatch's backward is a combine kernel, combine's a broadcast); events the profile does not tie
 to an HLO instruction with a scope count as "rest"; a fusion of several scopes' instructions counts in the
 one whose instructions output the most elements (hlo_scopes). The split runs the step without XLA's command
@@ -275,8 +275,8 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
 def read_bytes_per_second(nbytes: int, iters: int, repeats: int, sustain_s: float = 0.0) -> float:
     """The bytes per second one device reads from its memory in an XLA sum over an ``nbytes`` bf16 buffer,
     timed as the step is: the memory roof the weight floor divides by. A read-only stream: an elementwise
-    copy (reads and writes interleaved) measured 3.23 TB/s sustained on an H200 (2026-12-04) where reads
-    alone reach ~4.3, and a floor must not be above what the hardware can do."""
+    copy (reads and writes interleaved) measured 3.2-3.3 TB/s on an H200 (2026-12-04) where this sum read
+    4.16-4.19, and a floor must not be above what the hardware can do."""
     a = jax.device_put(jnp.ones(nbytes // 2, jnp.bfloat16), jax.devices()[0])
     seconds = best_of(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), a, iters=iters, repeats=repeats,
                       sustain_s=sustain_s)
