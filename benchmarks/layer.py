@@ -583,9 +583,10 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
                                               iters=iters, repeats=repeats, sustain_s=sustain_s) \
                 / record["micro_batches"]
         record["clocks"] = dict(step=step_clocks.summary())
-        with clocks.collect() as split_clocks:
-            split = split_by_scope(no_cb, args, iters) if profile else None
+        split = None
         if profile:
+            with clocks.collect() as split_clocks:
+                split = split_by_scope(no_cb, args, iters)
             record["clocks"]["split"] = split_clocks.summary()
         record["split_ms"], record["device_step_ms"] = split or (None, None)
         record["ep_hidden_ms"] = None if split is None else hidden_ep_ms(*split)

@@ -4,7 +4,8 @@ jax_ep.grouped_matmul reads), and print TFLOP/s next to a dense dot of the same 
 Mosaic GPU kernel.
 
     python tools/tune_gemm.py [--shapes layers|dsv3|mid|issue|other|all] [--quick]
-                              [--kernels all|classic|ws|order|ring|rows|inflight|chunks|defaults[,...]]
+                              [--kernels all|classic|ws|order|ring|rows|inflight|chunks|defaults|
+                                         rowtile[,...]]
                               [--out FILE]
                               [--report JSON] [--compare] [--block deepseek_ep2,mid_ep2]
 
