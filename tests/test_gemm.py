@@ -462,6 +462,14 @@ def test_tune_gemm_sweeps_both_kernel_kinds_and_reports_missing_peers():
     rec = tune.compare_peers((m, real, k, n, g, 64), x, w, dy, gs, 2.0 * real * k * n)
     assert rec["jax_ep"]["fwd_ms"] > 0 and rec["jax_ep"]["vjp_ms"] > 0 and rec["jax_ep"]["rel_diff"] == 0
     assert rec["dense"]["fwd_tflops"] > 0
+    # XLA's own ragged-dot lowerings: never taken on the CPU (no mark in its HLO), so reported, not timed
+    for peer in tune.XLA_LOWERINGS:
+        assert set(rec["passes"][peer]) == {"forward", "dx", "dw"}
+        assert not any(v["taken"] or "ms" in v for v in rec["passes"][peer].values()), rec["passes"][peer]
+    assert all(v["taken"] and v["ms"] > 0 and v["rel_diff"] == 0 for v in rec["passes"]["jax_ep"].values())
+    # a lowering whose mark the HLO holds is timed and compared with jax_ep's pass
+    taken = tune.time_xla_lowerings(x, w, dy, gs, 1.0, lowerings={"any_dot": ({}, None, "dot(")})
+    assert all(v["taken"] and v["ms"] > 0 and v["rel_diff"] < 1e-2 for v in taken["any_dot"].values())
     x, w = jnp.pad(x, ((0, 0), (0, 64))), jnp.pad(w, ((0, 0), (0, 64), (0, 0)))   # FP8 blocks: K = 128
     fp8 = tune.time_fp8((m, real, 128, n, g, 64), x, w, dy, gs, 2.0 * real * 128 * n)
     assert fp8["forward_bf16"]["ms"] > 0                     # the FP8 kernel needs a Hopper GPU:

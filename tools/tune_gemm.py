@@ -214,10 +214,81 @@ def tokamax_ragged_dot():
     return (lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic")), tokamax.__version__
 
 
+# XLA's own lowerings of lax.ragged_dot a plain-JAX user can switch on, as peers: (compiler options, JAX
+# config flag, a string the compiled HLO holds when the lowering took the call). At its defaults XLA
+# expands a ragged dot into a dense dot over every group (G times the FLOPs; out of memory at DeepSeek-V3
+# shapes), which is not timed here. The cuDNN fusion takes the row-ragged passes (forward, dx) from cuDNN
+# 9.22 on (XLA's kMinCudnnVersionForRaggedDotFusion) and expands the weight gradient unless that XLA and
+# cuDNN fuse it too; the Pallas-Triton lowering exists where jax ships jax._src.lax.pallas_lowerings.
+XLA_LOWERINGS = {
+    "xla_cudnn": ({"xla_gpu_experimental_use_ragged_dot_fusion": True}, None, "__cudnn$fusion"),
+    "xla_pallas_triton": ({}, "jax_ragged_dot_use_gpu_pallas_triton_lowering", "xla.gpu.triton"),
+}
+
+
+def _pass_fns(f):
+    """{pass: (jit-able fn of (x, w, gs, dy))}: forward, dx and dW of the grouped GEMM ``f`` alone."""
+    return {"forward": lambda x, w, gs, dy: f(x, w, gs),
+            "dx": lambda x, w, gs, dy: jax.vjp(lambda a: f(a, w, gs), x)[1](dy)[0],
+            "dw": lambda x, w, gs, dy: jax.vjp(lambda b: f(x, b, gs), w)[1](dy)[0]}
+
+
+def time_xla_lowerings(x, w, dy, gs, flops: float, lowerings=None) -> dict:
+    """Per pass ms and TFLOP/s of jax_ep.grouped_matmul and of lax.ragged_dot under each of XLA's own
+    lowerings (``XLA_LOWERINGS``), same run. A pass whose compiled HLO lacks the lowering's mark ran
+    into XLA's dense expansion: recorded as not taken (with the cuDNN version where known), not timed.
+    rel_diff: against jax_ep's output of the pass (rows inside the groups)."""
+    from jax_ep.gemm import grouped_matmul
+
+    lowerings = XLA_LOWERINGS if lowerings is None else lowerings
+    args = (x, w, gs, dy)
+    rows = int(np.sum(gs))          # rows past the groups are unspecified in jax_ep's output: not compared
+    rec = {"cudnn_version": _cudnn_version()}
+    ref = {}
+    for name, f in {"jax_ep": grouped_matmul, **{k: jax.lax.ragged_dot for k in lowerings}}.items():
+        options, flag, mark = ({}, None, None) if name == "jax_ep" else lowerings[name]
+        rec[name] = {}
+        for pass_name, fn in _pass_fns(f).items():
+            try:
+                if flag is not None and flag not in jax.config.values:
+                    raise NotImplementedError(f"this jax ({jax.__version__}) has no {flag}")
+                previous = jax.config.values.get(flag) if flag else None
+                if flag:
+                    jax.config.update(flag, True)
+                try:
+                    compiled = jax.jit(fn, compiler_options=options or None).lower(*args).compile()
+                finally:
+                    if flag:
+                        jax.config.update(flag, previous)
+                if mark is not None and mark not in compiled.as_text():
+                    rec[name][pass_name] = dict(taken=False, note=f"no {mark!r} in the compiled HLO: XLA's "
+                                                "dense expansion (G times the FLOPs), not timed")
+                    continue
+                out = np.asarray(compiled(*args), np.float32)
+                out = out if pass_name == "dw" else out[:rows]
+                ref.setdefault(pass_name, out)
+                t = best_of(compiled, *args)
+                rec[name][pass_name] = dict(taken=True, ms=t * 1e3, tflops=flops / t / 1e12, rel_diff=float(
+                    np.linalg.norm(out - ref[pass_name]) / np.linalg.norm(ref[pass_name])))
+            except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                rec[name][pass_name] = dict(taken=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return rec
+
+
+def _cudnn_version():
+    """cuDNN's runtime version as JAX's CUDA plugin reports it, or None (no GPU plugin)."""
+    try:
+        from jax._src.lib import cuda_versions
+        return cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+    except Exception:  # noqa: BLE001 - a version we cannot read is reported as unknown
+        return None
+
+
 def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
     """Forward and forward+backward (dx + dW through jax.vjp) of jax_ep.grouped_matmul (the table's
-    configurations), tokamax.ragged_dot when installed, and a dense dot of the same FLOPs, same run.
-    TFLOP/s count real rows; vjp TFLOP/s count its two GEMMs."""
+    configurations), tokamax.ragged_dot when installed, and a dense dot of the same FLOPs, same run;
+    then each pass alone beside XLA's own ragged-dot lowerings (``time_xla_lowerings``, under
+    "passes"). TFLOP/s count real rows; vjp TFLOP/s count its two GEMMs."""
     from jax_ep.gemm import grouped_matmul
 
     m, real, k, n, g, align = shape
@@ -254,6 +325,10 @@ def compare_peers(shape, x, w, dy, gs, flops: float) -> dict:
                                     else v["error"][:80]) for name in impls for v in [rec[name]])
     print(f"peers M={m} rows={real} K={k} N={n} G={g}, fwd/vjp TFLOP/s: {cells}"
           + ("" if tk is not None else f"  (tokamax not installed: {tk_note[:80]})"), flush=True)
+    rec["passes"] = time_xla_lowerings(x, w, dy, gs, flops)
+    print(f"  per pass ms (cuDNN {rec['passes']['cudnn_version']}): " + "  ".join(
+        f"{name} " + "/".join(f"{v['ms']:.3f}" if "ms" in v else "-" for v in by_pass.values())
+        for name, by_pass in rec["passes"].items() if name != "cudnn_version"), flush=True)
     return rec
 
 
