@@ -599,6 +599,36 @@ def test_gemm_sm_limit_lowers_each_grid_as_a_program_of_its_own():
         tool.main(["--lower-only", "--free", "132"])
 
 
+def test_gemm_sm_limit_times_each_grid_burst_and_sustained_with_its_clock(monkeypatch):
+    """tools/gemm_sm_limit.py --sustain 0,S: each grid is timed right after compiling and after S seconds of
+    back-to-back calls, each timing with the SM clock NVML saw while it ran (a fake NVML and a jnp pass
+    standing in for the Hopper kernel here); the record's ms is the last setting's."""
+    import importlib.util
+    import pathlib
+
+    from benchmarks import clocks
+    from tests.test_bench import FakeGPUs
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "gemm_sm_limit.py"
+    spec = importlib.util.spec_from_file_location("gemm_sm_limit", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    grids = []
+
+    def fake_pass(name, cfg, x, w, dy, gs, num_sms=None):
+        grids.append(num_sms)
+        return x @ w[0]
+
+    monkeypatch.setattr(tool.tune_gemm, "run_pass", fake_pass)
+    with clocks.sampling(read=FakeGPUs(1410.0), period_s=0.0005):
+        records = tool.run([(256, 192, 64, 128, 4, 64)], ["forward"], [0, 24], sustain_s=(0.0, 0.05))
+    assert [r["sms"] for r in records] == [132, 108] and set(grids) == {132, 108}
+    for r in records:
+        assert [s["sustain_s"] for s in r["sustained"]] == [0.0, 0.05]
+        assert r["ms"] == r["sustained"][-1]["ms"] > 0
+        assert all(s["clocks"]["sm_mhz"][0] == 1410.0 and s["clocks"]["samples"] > 0 for s in r["sustained"])
+
+
 def test_tune_gemm_sweep_times_each_config_at_each_sustain_setting_and_picks_by_the_last(monkeypatch,
                                                                                           tmp_path):
     """tools/tune_gemm.py --sustain 0,S: every swept configuration is timed right after compiling and after

@@ -1,7 +1,7 @@
 """The grouped GEMMs on fewer SMs: what leaving SMs to an exchange beside them would cost.
 
     python tools/gemm_sm_limit.py [--shapes dsv3|mid|layers] [--free 0,12,24,36] [--passes forward,dx,dw]
-                                  [--out JSON] [--lower-only]
+                                  [--sustain 0,2] [--out JSON] [--lower-only]
 
 Hiding the EP traffic behind the expert GEMMs (issue 38, item 3) needs the persistent GEMM kernels to
 leave SMs to the exchange kernels: their grid is one CTA (or ``ctas_per_sm``) per SM
@@ -9,7 +9,11 @@ leave SMs to the exchange kernels: their grid is one CTA (or ``ctas_per_sm``) pe
 the layer takes (``jax_ep.gemm.block_config``: the tuned table's) with that grid shrunk by each ``--free``
 count (the kernels' ``num_sms``, what ``MoE(gemm_num_sms=...)`` sets; the kernels spread their tiles over
 whatever grid there is), ms and TFLOP/s
-on real rows, in one record. ``--lower-only`` lowers each setting for CUDA without running it (any
+on real rows, in one record. ``--sustain 0,S`` times each setting right after compiling and again after S
+seconds of back-to-back calls, with the SM clock and power NVML saw while the timed calls ran
+(``benchmarks.clocks``): under sustained load the H200 sits at its 700 W cap, where a smaller grid may run
+at a higher clock (session 62: the row passes are bound by power), so a burst timing can overstate what
+the freed SMs cost. ``--lower-only`` lowers each setting for CUDA without running it (any
 machine; the CPU test's check that each setting is a program of its own).
 """
 
@@ -31,11 +35,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tune_gemm  # noqa: E402
 
+from benchmarks import clocks  # noqa: E402
 from jax_ep import gemm  # noqa: E402
 
 
-def run(shapes, passes, free, *, lower_only: bool = False) -> list[dict]:
-    total = 132 if lower_only else jax.devices()[0].core_count
+def run(shapes, passes, free, *, lower_only: bool = False,
+        sustain_s: tuple[float, ...] = (0.0,)) -> list[dict]:
+    total = 132 if lower_only else tune_gemm.mgpu._num_sms()   # every SM of the GPU (132 off one)
     rng = np.random.default_rng(0)
     records = []
     for (m, real, k, n, g, align) in shapes:
@@ -59,8 +65,13 @@ def run(shapes, passes, free, *, lower_only: bool = False) -> list[dict]:
                 if lower_only:
                     rec["lowered_sha1"] = hashlib.sha1(lowered.as_text().encode()).hexdigest()
                 else:
-                    t = tune_gemm.best_of(compiled, x, w, dy, gs)
-                    rec.update(ms=round(t * 1e3, 4), tflops=round(2 * real * k * n / t / 1e12, 1))
+                    for setting in sustain_s:   # the last setting's time is the record's ms
+                        with clocks.collect() as seen:
+                            t = tune_gemm.best_of(compiled, x, w, dy, gs, sustain_s=setting)
+                        rec.update(ms=round(t * 1e3, 4), tflops=round(2 * real * k * n / t / 1e12, 1))
+                        if len(sustain_s) > 1 or setting:
+                            rec.setdefault("sustained", []).append(dict(sustain_s=setting, ms=rec["ms"],
+                                                                        clocks=seen.summary()))
                 print(rec, flush=True)
                 records.append(rec)
     return records
@@ -74,12 +85,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--free", default="0,12,24,36", help="SMs left free, comma-separated")
     parser.add_argument("--out", default=None, help="write the record here (JSON)")
     parser.add_argument("--lower-only", action="store_true", help="lower for CUDA, do not run")
+    parser.add_argument("--sustain", type=tune_gemm.sustain_settings, default=(0.0,),
+                        help="seconds of back-to-back calls before each timing, comma-separated (e.g. 0,2)")
     args = parser.parse_args(argv)
     free = [int(f) for f in args.free.split(",")]
     if any(f < 0 or f >= 132 for f in free):
         parser.error(f"--free: SM counts from 0 to 131, got {args.free}")
-    records = run(tune_gemm.SHAPES[args.shapes], [p for p in args.passes.split(",") if p], free,
-                  lower_only=args.lower_only)
+    with clocks.sampling():
+        records = run(tune_gemm.SHAPES[args.shapes], [p for p in args.passes.split(",") if p], free,
+                      lower_only=args.lower_only, sustain_s=args.sustain)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(dict(
             tool="tools/gemm_sm_limit.py", argv=argv if argv is not None else sys.argv[1:],
