@@ -8,7 +8,11 @@ For each layer shape, two configurations, measured in the same run:
   * ``jax_ep``: the defaults (``EPOptions(backend="auto")``, ``gemm="auto"``): Hopper grouped GEMM
     kernels, and the EP kernels wherever they measured faster than the reference;
   * ``plain_jax``: ``EPOptions(backend="reference")`` (dense ``lax.all_to_all``) + ``gemm="ragged_dot"``
-    (``lax.ragged_dot``), what the layer did before jax_ep had a grouped GEMM.
+    (``lax.ragged_dot``), what the layer did before jax_ep had a grouped GEMM; ``plain_jax_cudnn`` (only
+    when named) the same step compiled with XLA's cuDNN ragged-dot fusion on
+    (``compiler_options={"xla_gpu_experimental_use_ragged_dot_fusion": True}``, cuDNN >= 9.22; the record's
+    ``cudnn_fusions`` counts the GEMMs XLA gave cuDNN, 0 = its dense expansion); the table's speed-up is
+    over the faster of the two.
 With ``--layer-configs ep_hier_reference,ep_hier_cuda`` (only when named), the same layer with the
 hierarchical dispatch / combine (``MoE(node_axis=...)``), the local devices taken as 2 nodes of
 (devices / 2) GPUs: on one host the "node" hop runs over NVLink like the others, so this times the
@@ -120,6 +124,10 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_async": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1)),
            "ep_cuda_async_48": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1, num_sms=48)),
            "plain_jax": dict(backend="reference", gemm="ragged_dot"),
+           # the same with the step compiled as a plain-JAX user can switch XLA's cuDNN ragged-dot fusion on
+           # (cuDNN >= 9.22 on the GPU; the record counts the fusions XLA made: 0 = its dense expansion)
+           "plain_jax_cudnn": dict(backend="reference", gemm="ragged_dot",
+                                   compiler_options={"xla_gpu_experimental_use_ragged_dot_fusion": True}),
            # hierarchical dispatch / combine (MoE(node_axis=...)): the local GPUs taken as `nodes` nodes
            # of (GPUs / nodes) each; the node hop runs over the same NVLink (peer access), not a network
            "ep_hier_reference": dict(backend="reference", gemm="auto", nodes=2),
@@ -192,7 +200,9 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
 for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
     CONFIGS[_name + "_nocb"] = dict(CONFIGS[_name], command_buffers=False)
 # configurations timed only when named in --layer-configs
-NAMED_ONLY = ("ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
+# the plain-JAX peers: the layer table's speed-up is over the fastest of those that ran
+PLAIN_JAX = ("plain_jax", "plain_jax_cudnn")
+NAMED_ONLY = ("plain_jax_cudnn", "ep_hier_reference", "ep_hier_cuda", "jax_ep_fp8", "jax_ep_fp8_cached",
               "jax_ep_fp8_cached_dw8", "jax_ep_fp8_bf16_wire", "jax_ep_chunks2",
               "ep_cuda_async_chunks2", "jax_ep_dy_zeroed", "jax_ep_xla_swiglu", "jax_ep_gate_in_combine",
               "jax_ep_fp8_cached_gate_in_combine", "jax_ep_mb2", "ep_cuda_async_mb2_free12",
@@ -575,11 +585,17 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         # a step of several micro-batches: its time per micro-batch, what the other configs' step is
         record["micro_batches"] = CONFIGS[config].get("micro_batches", 1)
         record["command_buffers"] = CONFIGS[config].get("command_buffers", True)
+        # XLA options of the whole step (a plain-JAX user's switch): the step compiled with them
+        xla_options = CONFIGS[config].get("compiler_options", {})
+        timed = step.lower(*args).compile(xla_options) if xla_options else step
+        if xla_options:
+            record["compiler_options"] = xla_options
+            record["cudnn_fusions"] = timed.as_text().count("__cudnn$fusion")
         # the step kernel by kernel: what a _nocb config times and what the profile splits
-        no_cb = step.lower(*args).compile(NO_COMMAND_BUFFERS) if profile or not record["command_buffers"] \
-            else None
+        no_cb = step.lower(*args).compile({**NO_COMMAND_BUFFERS, **xla_options}) \
+            if profile or not record["command_buffers"] else None
         with clocks.collect() as step_clocks:
-            record["step_ms"] = 1e3 * best_of(step if record["command_buffers"] else no_cb, *args,
+            record["step_ms"] = 1e3 * best_of(timed if record["command_buffers"] else no_cb, *args,
                                               iters=iters, repeats=repeats, sustain_s=sustain_s) \
                 / record["micro_batches"]
         record["clocks"] = dict(step=step_clocks.summary())
@@ -594,7 +610,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         record.update(step_ms=None, split_ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
         # plain JAX (the peer) not fitting in memory is what this benchmark measures about it, not a
         # failure of the run; jax_ep's own configurations failing is
-        record["peer_out_of_memory"] = config == "plain_jax" and is_out_of_memory(e)
+        record["peer_out_of_memory"] = config in PLAIN_JAX and is_out_of_memory(e)
     return record
 
 
@@ -763,7 +779,7 @@ def print_table(records: list[dict]) -> None:
           f"{'MHz step/gemm/roof':>20}"
           f"  split ms ({'/'.join((*moe.SCOPES, 'rest'))}); EP hidden ms / EP ms")
     for r, step in zip(rows, steps, strict=True):
-        plain = base.get((r["shape"], "plain_jax"))
+        plain = min((base[r["shape"], c] for c in PLAIN_JAX if base.get((r["shape"], c))), default=None)
         speedup = "" if not (plain and r["step_ms"]) else f"{plain / r['step_ms']:.1f}x"
         split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values()) + (
             f"; {r['ep_hidden_ms']:.2f} / {r['split_ms']['dispatch'] + r['split_ms']['combine']:.2f}")

@@ -133,6 +133,28 @@ def test_layer_table_keeps_long_names_and_failures_apart(capsys):
         assert line.index("12.71") + 5 == header.index("roofline") + len("roofline")
 
 
+def test_plain_jax_cudnn_compiles_the_step_with_its_xla_option_and_the_table_takes_the_faster_peer(capsys):
+    """plain_jax_cudnn (named only): the plain-JAX step compiled with XLA's cuDNN ragged-dot fusion on; the
+    record names the option and counts the fusions XLA made (none on the CPU: XLA's dense expansion), and
+    the table's speed-up is over the faster of the plain-JAX peers that ran."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
+    r = bench_layer.bench_layer(mesh, bench_layer.LAYER_PRESETS["small"], "plain_jax_cudnn", 1, 1, False)
+    assert "error" not in r and r["step_ms"] > 0 and r["cudnn_fusions"] == 0
+    assert r["compiler_options"] == {"xla_gpu_experimental_use_ragged_dot_fusion": True}
+    assert "plain_jax_cudnn" in bench_layer.NAMED_ONLY
+    assert set(bench_layer.PLAIN_JAX) <= set(bench_layer.CONFIGS)
+
+    def record(config, step_ms):
+        return dict(op="moe_layer", shape="mid", config=config, gemm="mosaic_gpu", ep_ops="cuda", ep_size=1,
+                    step_ms=step_ms, peer_out_of_memory=False, roofline_ms=4.0, weight_floor_ms=None,
+                    roofline_ratio=None, gemm_tflops=None, gemm_ms=None, split_ms=None, clocks=None)
+    capsys.readouterr()
+    bench_layer.print_table([record("jax_ep", 5.0), record("plain_jax", 250.0),
+                             record("plain_jax_cudnn", 50.0)])
+    ours = capsys.readouterr().out.splitlines()[1].split()
+    assert ours[1] == "jax_ep" and "10.0x" in ours and "50.0x" not in ours   # 50 / 5, not 250 / 5
+
+
 def test_weight_floor_counts_what_each_config_must_move():
     W = 1200
     floor = bench_layer.weight_floor_bytes

@@ -606,8 +606,9 @@ def test_gemm_sm_limit_times_each_grid_burst_and_sustained_with_its_clock(monkey
     import importlib.util
     import pathlib
 
+    from helpers import FakeGPUs
+
     from benchmarks import clocks
-    from tests.test_bench import FakeGPUs
 
     path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "gemm_sm_limit.py"
     spec = importlib.util.spec_from_file_location("gemm_sm_limit", path)
