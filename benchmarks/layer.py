@@ -67,8 +67,9 @@ GPU below its power limit (an H200 settles 15-18% slower within about a second a
 ``best_of``); records carry ``sustain_s``. On GPUs, records carry ``clocks``: the SM clock and power of
 each GPU (medians over NVML samples every 20 ms, ``benchmarks.clocks``) during the timed calls of the step
 (``step``), the expert block alone (``gemm``; ``experts`` for decode), the roofline's dense dots
-(``roofline``) and, with ``--profile``, the profiled steps of the split (``split``: they run after a pause
-for the profiler, so nearer the burst clock than a sustained ``step``); None where NVML is not there.
+(``roofline``) and, with ``--profile``, the profiled steps of the split (``split``: with ``--sustain`` they
+follow that long of steps inside the trace, else they run after the profiler's pause, nearer the burst
+clock than a sustained ``step``); None where NVML is not there.
 """
 
 from __future__ import annotations
@@ -411,10 +412,16 @@ def hlo_scopes(compiled_text: str, scopes=None) -> dict[str, str]:
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
-def profiled(call, iters: int):
-    """The jax.profiler trace (ProfileData) of `iters` back-to-back `call()`s."""
+def profiled(call, iters: int, sustain_s: float = 0.0):
+    """The jax.profiler trace (ProfileData) of `iters` back-to-back `call()`s. ``sustain_s``: first, inside
+    the trace, chains of `iters` calls for that long, so that the last `iters` run at the clocks of
+    sustained load rather than at the burst clock the profiler's start-up pause leaves (session 62: 1830
+    MHz against a sustained step's 1365); the trace then holds those calls too (``last_steps``)."""
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
+            end = time.perf_counter() + sustain_s
+            while time.perf_counter() < end:
+                jax.block_until_ready([call() for _ in range(iters)][-1])
             out, start = None, time.perf_counter()
             for _ in range(iters):
                 out = call()
@@ -423,9 +430,21 @@ def profiled(call, iters: int):
         return jax.profiler.ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
 
 
-def split_by_scope(compiled, args, iters: int) -> tuple[dict[str, float], float] | None:
+def last_steps(events: list, calls: int, iters: int) -> list:
+    """The events of the last `iters` of `calls` steps, from a step's events in start order (every step
+    runs the same program, so each holds len(events) / calls of them; where the count does not divide,
+    the same share of the list)."""
+    if calls <= iters:
+        return events
+    events = sorted(events, key=lambda e: e.start_ns)
+    return events[len(events) - round(len(events) * iters / calls):]
+
+
+def split_by_scope(compiled, args, iters: int,
+                   sustain_s: float = 0.0) -> tuple[dict[str, float], float] | None:
     """Device ms per step on device 0, attributed to the layer's named scopes, and the step's device span
-    (first kernel start to last kernel end over the chain, per step); GPU only.
+    (first kernel start to last kernel end over the chain, per step); GPU only. ``sustain_s``: the chain
+    profiled after that long of back-to-back steps (``profiled``), only its last `iters` steps counted.
 
     Each GPU event of a profiled chain of steps is matched to its HLO instruction (event name or the
     event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest".
@@ -436,24 +455,27 @@ def split_by_scope(compiled, args, iters: int) -> tuple[dict[str, float], float]
         return None
     scopes = hlo_scopes(compiled.as_text())
     jax.block_until_ready(compiled(*args))
-    data = profiled(lambda: compiled(*args), iters)
+    calls = 0
+
+    def call():
+        nonlocal calls
+        calls += 1
+        return compiled(*args)
+
+    data = profiled(call, iters, sustain_s)
     split = {name: 0.0 for name in (*moe.SCOPES, "rest")}
     first, last = float("inf"), 0.0
-    for plane in data.planes:
-        if plane.name != "/device:GPU:0":
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for event in line.events:
-                words = [event.name, *(str(v) for _, v in getattr(event, "stats", ()))]
-                # the event's HLO instruction's scope (hlo_scopes: a fusion's dominant one) before any
-                # op_name the trace itself carries (a fusion's root's)
-                mapped = [scopes[word] for word in words if word in scopes]
-                text = " ".join(mapped or words)
-                part = next((name for name, scope in moe.SCOPES.items() if scope in text), "rest")
-                split[part] += event.duration_ns / 1e6 / iters
-                first, last = min(first, event.start_ns), max(last, event.end_ns)
+    events = [event for plane in data.planes if plane.name == "/device:GPU:0" for line in plane.lines
+              if line.name.startswith("Stream") for event in line.events]
+    for event in last_steps(events, calls, iters):
+        words = [event.name, *(str(v) for _, v in getattr(event, "stats", ()))]
+        # the event's HLO instruction's scope (hlo_scopes: a fusion's dominant one) before any op_name the
+        # trace itself carries (a fusion's root's)
+        mapped = [scopes[word] for word in words if word in scopes]
+        text = " ".join(mapped or words)
+        part = next((name for name, scope in moe.SCOPES.items() if scope in text), "rest")
+        split[part] += event.duration_ns / 1e6 / iters
+        first, last = min(first, event.start_ns), max(last, event.end_ns)
     return {k: round(v, 3) for k, v in split.items()}, round(max(0.0, last - first) / 1e6 / iters, 3)
 
 
@@ -602,7 +624,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         split = None
         if profile:
             with clocks.collect() as split_clocks:
-                split = split_by_scope(no_cb, args, iters)
+                split = split_by_scope(no_cb, args, iters, sustain_s)
             record["clocks"]["split"] = split_clocks.summary()
         record["split_ms"], record["device_step_ms"] = split or (None, None)
         record["ep_hidden_ms"] = None if split is None else hidden_ep_ms(*split)
