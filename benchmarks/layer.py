@@ -430,13 +430,13 @@ def profiled(call, iters: int, sustain_s: float = 0.0):
         return jax.profiler.ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
 
 
-def last_steps(events: list, calls: int, iters: int) -> list:
+def last_steps(events: list, calls: int, iters: int, start=lambda e: e.start_ns) -> list:
     """The events of the last `iters` of `calls` steps, from a step's events in start order (every step
     runs the same program, so each holds len(events) / calls of them; where the count does not divide,
-    the same share of the list)."""
+    the same share of the list). ``start``: an event's start time."""
     if calls <= iters:
         return events
-    events = sorted(events, key=lambda e: e.start_ns)
+    events = sorted(events, key=start)
     return events[len(events) - round(len(events) * iters / calls):]
 
 
@@ -486,13 +486,16 @@ def kernel_events(data, device: str = "/device:GPU:0") -> list[tuple[int, int, s
                   for line in plane.lines if line.name.startswith("Stream") for e in line.events)
 
 
-def kernel_overlap_ms(data, iters: int, device: str = "/device:GPU:0") -> tuple[float, float]:
+def kernel_overlap_ms(data, iters: int, device: str = "/device:GPU:0",
+                      calls: int | None = None) -> tuple[float, float]:
     """(kernels' summed device ms, ms with some kernel running) per step of a jax.profiler trace of `iters`
     steps (``profiled``), from the kernels' intervals on `device`'s stream lines: their difference is how
     long kernels ran beside another. Intervals rather than stream lines, since inside a CUDA graph (XLA's
     command buffers) an async stream's kernels may be reported on the graph's launch stream (one line on
-    one H200, 2026-12-01) and still run beside the compute stream's."""
-    kernels = [(start, end) for start, end, _, _ in kernel_events(data, device)]
+    one H200, 2026-12-01) and still run beside the compute stream's. ``calls``: the trace holds that many
+    steps (``profiled`` with sustain_s), of which the last `iters` count (``last_steps``)."""
+    kernels = [(start, end) for start, end, _, _ in last_steps(kernel_events(data, device), calls or iters,
+                                                               iters, start=lambda e: e[0])]
     union_ns, reach = 0, None
     for start, end in kernels:
         if reach is None or start >= reach:

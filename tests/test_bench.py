@@ -990,6 +990,12 @@ def test_kernel_overlap_counts_time_beside_another_from_intervals():
     summed, union = kernel_overlap_ms(data, iters=2)   # per step: halves
     assert summed == pytest.approx(36e-3 / 2) and union == pytest.approx(30e-3 / 2)
     assert kernel_overlap_ms(NS(planes=[]), iters=1) == (0.0, 0.0)
+    # a trace of 5 steps of which the last one counts (profiled after sustaining): its kernels only
+    steps = NS(planes=[NS(name="/device:GPU:0", lines=[
+        line("Stream #14(Compute)", *[(100 * i, 100 * i + 10) for i in range(5)]),
+        line("Stream #72(Compute)", *[(100 * i + 5, 100 * i + (35 if i == 4 else 6)) for i in range(5)])])])
+    summed, union = kernel_overlap_ms(steps, iters=1, calls=5)
+    assert summed == pytest.approx(40e-3) and union == pytest.approx(35e-3)
 
 
 @pytest.mark.slow
@@ -1015,6 +1021,11 @@ def test_overlap_probe_runs_its_three_programs(tmp_path):
     side = overlap_probe.main(["--small", "--gemm", "ragged", "--iters", "1", "--repeats", "1", "--side",
                                "--programs", "both"])
     assert side["both"]["wall_ms"] > 0
+    # --sustain: each program timed and profiled after that long of calls; gemm_all: the GEMM on every SM
+    sustained = overlap_probe.main(["--small", "--gemm", "ragged", "--iters", "1", "--repeats", "1",
+                                    "--sustain", "0.05", "--programs", "gemm_all,gemm,op,both"])
+    assert set(sustained) == {"gemm_all", "gemm", "op", "both"}
+    assert all(r["wall_ms"] > 0 and r["clocks"] is None for r in sustained.values())   # no NVML here
 
 
 def test_overlap_probe_kernel_timeline_in_start_order():

@@ -10,6 +10,8 @@ profiled (jax.profiler, --iters calls):
   op     dispatch of 4096 tokens (hidden 7168, top-8 of 128 experts) on --free SMs
          (``KernelConfig(num_sms=free, async_stream=--stream)``), under shard_map on a one-device mesh
   both   the two in one program, no data between them
+  gemm_all  the GEMM on every SM (with --programs): what the step runs when the exchange is not beside
+         it, so gemm_all + op against both is the overlap's whole A/B
 
 and prints, per program, the wall ms per call and the kernels' summed ms and the ms some kernel ran; for
 "both" also how long kernels ran beside another: the most an overlap of this pair hides is the op's own
@@ -17,13 +19,19 @@ time. One device is EP1: the exchange copies locally, as fast as the GEMM leaves
 
     python tools/overlap_probe.py [--free 24] [--gemm mosaic|ragged] [--stream 1|none]
                                   [--no-command-buffer] [--iters 5] [--repeats 3] [--small]
-                                  [--dump DIR] [--xla-flag NAME=VALUE ...] [--side]
+                                  [--dump DIR] [--xla-flag NAME=VALUE ...] [--side] [--sustain S]
+                                  [--programs gemm_all,gemm,op,both]
 
 ``--dump DIR`` writes each program's optimised HLO (``<name>.hlo.txt``, its schedule) and the kernels of one
 profiled call (``<name>.kernels.txt``: start µs from the first, duration, stream line, name), to see where
 XLA put the exchange's start and done and which stream each kernel ran on. ``--xla-flag`` adds a debug
 option to every compile (e.g. ``xla_gpu_enable_latency_hiding_scheduler=true``). ``--side`` runs "both"
 through ``jax_ep.overlap.beside`` (the dispatch on jax_ep's side stream; the GEMM between its fork and join).
+
+``--sustain S`` times each program after S seconds of back-to-back calls and profiles it after as long inside
+the trace (``benchmarks.layer.best_of`` / ``profiled``), and prints the SM clock and power NVML saw while the
+timed calls ran: under sustained load an H200 sits at its 700 W cap, where an exchange's bytes and a GEMM on
+fewer SMs change the clock the GEMM gets (session 62).
 
 ``--small`` shrinks every size (for a check of the tool, on CPU too: ``--gemm ragged``, the reference
 exchange; nothing runs beside anything there).
@@ -44,6 +52,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks import clocks  # noqa: E402
 from benchmarks.layer import (  # noqa: E402
     NO_COMMAND_BUFFERS,
     best_of,
@@ -52,7 +61,7 @@ from benchmarks.layer import (  # noqa: E402
     kernel_overlap_ms,
     profiled,
 )
-from benchmarks.ops import routing_inputs  # noqa: E402
+from benchmarks.ops import routing_inputs, seconds_arg  # noqa: E402
 from jax_ep import dispatch, grouped_matmul, overlap  # noqa: E402
 from jax_ep.config import EPConfig, KernelConfig  # noqa: E402
 from jax_ep.gemm_mgpu import _num_sms  # noqa: E402
@@ -91,7 +100,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--side", action="store_true",
                         help="'both' through jax_ep.overlap.beside: the dispatch on jax_ep's side stream, "
                              "the GEMM on XLA's stream between the fork and the join (--stream unused)")
-    parser.add_argument("--programs", default="gemm,op,both", help="which programs (comma-separated)")
+    parser.add_argument("--programs", default="gemm,op,both",
+                        help="which programs (comma-separated; gemm_all: the GEMM on every SM)")
+    parser.add_argument("--sustain", type=seconds_arg, default=0.0,
+                        help="seconds of back-to-back calls before each timing and profile (default 0)")
     parser.add_argument("--dump", type=pathlib.Path, help="write each program's HLO and kernel timeline here")
     parser.add_argument("--xla-flag", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA debug option for every compile (repeatable)")
@@ -105,8 +117,8 @@ def main(argv=None) -> dict:
     gemm_sms = max(1, _num_sms() - args.free)
     backend = "mosaic_gpu" if args.gemm == "mosaic" else "ragged_dot"
 
-    def gemm(x, w, gs):
-        return grouped_matmul(x, w, gs, backend=backend, num_sms=gemm_sms, zero_tail=False)
+    def gemm(x, w, gs, num_sms=gemm_sms):
+        return grouped_matmul(x, w, gs, backend=backend, num_sms=num_sms, zero_tail=False)
 
     stream = None if args.stream == "none" or args.side else int(args.stream)
     cfg = EPConfig(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
@@ -133,7 +145,8 @@ def main(argv=None) -> dict:
     both_side = jax.shard_map(side_body, mesh=mesh, in_specs=(P(), P(), P(), spec, spec, spec),
                               out_specs=(P(), spec))
 
-    programs = {"gemm": (gemm, (x, w, gs)), "op": (op, (tok, idx, gate)),
+    programs = {"gemm_all": (lambda x, w, gs: gemm(x, w, gs, None), (x, w, gs)),
+                "gemm": (gemm, (x, w, gs)), "op": (op, (tok, idx, gate)),
                 "both": (both_side if args.side else both, (x, w, gs, tok, idx, gate))}
     unknown = set(args.programs.split(",")) - set(programs)
     if unknown:
@@ -153,23 +166,40 @@ def main(argv=None) -> dict:
           f"dispatch on {args.free} SMs, stream {args.stream}" if on_gpu else "the reference dispatch")
           + f", command buffers {'off' if args.no_command_buffer else 'on'}")
     result = {}
-    for name, (fn, fn_args) in programs.items():
-        compiled = jax.jit(fn).lower(*fn_args).compile(options or None)
-        wall_ms = 1e3 * best_of(compiled, *fn_args, iters=args.iters, repeats=args.repeats)
-        data = profiled(lambda compiled=compiled, fn_args=fn_args: compiled(*fn_args), args.iters)
-        summed, union = kernel_overlap_ms(data, args.iters)
-        if args.dump:
-            (args.dump / f"{name}.hlo.txt").write_text(compiled.as_text())
-            (args.dump / f"{name}.kernels.txt").write_text(kernel_timeline(data))
-        result[name] = dict(wall_ms=round(wall_ms, 3), kernels_ms=round(summed, 3), busy_ms=round(union, 3),
-                            beside_ms=round(summed - union, 3))
-        print(f"{name:5s} wall {wall_ms:8.3f} ms   kernels {summed:8.3f} ms   some kernel running "
-              f"{union:8.3f} ms   beside another {summed - union:6.3f} ms")
+    with clocks.sampling():
+        for name, (fn, fn_args) in programs.items():
+            compiled = jax.jit(fn).lower(*fn_args).compile(options or None)
+            with clocks.collect() as seen:
+                wall_ms = 1e3 * best_of(compiled, *fn_args, iters=args.iters, repeats=args.repeats,
+                                        sustain_s=args.sustain)
+            calls = []
+
+            def call(compiled=compiled, fn_args=fn_args, calls=calls):
+                calls.append(None)
+                return compiled(*fn_args)
+
+            data = profiled(call, args.iters, args.sustain)
+            # the trace holds the sustaining calls too: only the last --iters calls' kernels are counted
+            summed, union = kernel_overlap_ms(data, args.iters, calls=len(calls))
+            if args.dump:
+                (args.dump / f"{name}.hlo.txt").write_text(compiled.as_text())
+                (args.dump / f"{name}.kernels.txt").write_text(kernel_timeline(data))
+            result[name] = dict(wall_ms=round(wall_ms, 3), kernels_ms=round(summed, 3),
+                                busy_ms=round(union, 3), beside_ms=round(summed - union, 3),
+                                clocks=seen.summary())
+            clock = seen.summary()
+            print(f"{name:8s} wall {wall_ms:8.3f} ms   kernels {summed:8.3f} ms   some kernel running "
+                  f"{union:8.3f} ms   beside another {summed - union:6.3f} ms"
+                  + (f"   {clock['sm_mhz'][0]:.0f} MHz, {clock['power_w'][0]:.0f} W" if clock else ""))
     if not {"gemm", "op", "both"} <= set(result):
         return result
     op_ms = result["op"]["kernels_ms"]
     print(f"hidden: {result['both']['beside_ms']:.3f} of the exchange's {op_ms:.3f} ms; wall both - gemm "
           f"{result['both']['wall_ms'] - result['gemm']['wall_ms']:.3f} ms")
+    if "gemm_all" in result:
+        serial = result["gemm_all"]["wall_ms"] + result["op"]["wall_ms"]
+        print(f"overlap's A/B: both {result['both']['wall_ms']:.3f} ms against the GEMM on every SM then the "
+              f"exchange, {serial:.3f} ms (wall)")
     return result
 
 
