@@ -195,7 +195,12 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_both_beside_side24": dict(backend="cuda", gemm="auto", weight_grad_beside=True,
                                               shared_beside=True, kernel=dict(side_num_sms=24)),
            "jax_ep_wgrad_beside_side24": dict(backend="auto", gemm="auto", weight_grad_beside=True,
-                                              kernel=dict(side_num_sms=24))}
+                                              kernel=dict(side_num_sms=24)),
+           # the shared expert split as DeepSeek-V3 overlaps it (EPOptions.shared_split): its gate|up half
+           # beside the first dispatch, its down GEMM beside the last combine, each exchange's backward
+           # beside theirs; the side calls on 24 SMs, the exchanges in series on every SM
+           "ep_cuda_shared_split_side24": dict(backend="cuda", gemm="auto", shared_beside=True,
+                                               shared_split=True, kernel=dict(side_num_sms=24))}
 # ... and the step compiled without XLA's command buffers (an async region inside one runs in series,
 # openxla/xla#48900): the forms that can overlap there, and the serial baseline timed the same way
 for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
@@ -211,7 +216,7 @@ NAMED_ONLY = ("plain_jax_cudnn", "ep_hier_reference", "ep_hier_cuda", "jax_ep_fp
               "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb",
               "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24",
               "ep_cuda_wgrad_beside", "ep_cuda_wgrad_beside_side24", "ep_cuda_wgrad_beside_side12",
-              "ep_cuda_both_beside_side24",
+              "ep_cuda_both_beside_side24", "ep_cuda_shared_split_side24",
               "jax_ep_wgrad_beside_side24")
 
 
@@ -518,7 +523,8 @@ def ep_options(options: dict) -> moe.EPOptions:
     """The layer's EPOptions of a config (CONFIGS), for the training step and the decode step alike."""
     return moe.EPOptions(backend=options["backend"], kernel=KernelConfig(**options.get("kernel", {})),
                          **{k: options[k] for k in ("chunks", "dy_in_place", "dispatch_dtype", "gate_weights",
-                                                    "shared_beside", "weight_grad_beside") if k in options})
+                                                    "shared_beside", "shared_split", "weight_grad_beside")
+                            if k in options})
 
 
 def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):

@@ -88,7 +88,7 @@ EP_OPTIONS_KINDS = {**{name: EP_CONFIG_KINDS[name] for name in ("capacity", "dis
                                                                  "checked")},
                     "expert_alignment": "int?", "chunks": "int", "dy_in_place": "bool",
                     "gate_weights": ("auto", "combine", "experts"), "shared_beside": "bool",
-                    "weight_grad_beside": "bool"}
+                    "shared_split": "bool", "weight_grad_beside": "bool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +157,12 @@ class EPOptions:
         expert's GEMMs wait for), 26.09 against 26.51 on 24 SMs; decode 6.11 against 6.04. What it is for,
         combine's backward at EP2 / EP4 (0.6 / 1.2 ms as combine_bwd on 2026-11-28, at about dispatch's time
         as the broadcast), needs 2 and 4 GPUs to measure.
+      shared_split: with shared_beside, the throughput path splits the shared expert as DeepSeek-V3 overlaps
+        it: its gate|up half (two GEMMs and SwiGLU) beside the first dispatch and its down GEMM beside the
+        last combine, so that each of the step's four exchanges has shared-expert work beside it (backward:
+        dispatch's backward beside the gate|up half's, combine's backward beside the down GEMM's). The same
+        values and gradients. Not with weight_grad_beside (both take dispatch's backward); the decode path
+        keeps shared_beside's form. False (default). Not yet timed (needs 2 and 4 GPUs to mean anything).
       weight_grad_beside: the throughput path's backward runs dispatch's backward (a combine of the rows'
         gradient) on jax_ep's side stream beside the gate|up GEMM's weight gradient, which nothing of it
         needs (``jax_ep.overlap.chain``: dispatch and the gate|up GEMM as one custom_vjp whose backward
@@ -186,11 +192,18 @@ class EPOptions:
     dy_in_place: bool = True
     gate_weights: str = "auto"
     shared_beside: bool = False
+    shared_split: bool = False
     weight_grad_beside: bool = False
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)
         check_kernel("EPOptions", self.kernel)
+        if self.shared_split and not self.shared_beside:
+            raise EPValueError("EPOptions.shared_split=True splits the shared expert beside the exchanges: "
+                               "it needs shared_beside=True, got shared_beside=False")
+        if self.shared_split and self.weight_grad_beside:
+            raise EPValueError("EPOptions.shared_split=True and weight_grad_beside=True both put work beside "
+                               "dispatch's backward: choose one")
         # EPConfig's checks across fields, with placeholder sizes (the layer's sizes are checked when
         # its EPConfig is made, at trace time)
         self.ep_config(num_experts=1, num_topk=1, hidden=FP8_BLOCK, max_tokens_per_rank=1, axis_name="ep")
@@ -859,6 +872,10 @@ class MoE(nnx.Module):
         gradient. Returns (out, rows per local expert,
         pairs dropped, the shared expert's output or None)."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
+        # EPOptions.shared_split: the shared expert's gate|up half beside the first dispatch, its down GEMM
+        # beside the last combine (else all of it beside the last combine)
+        split = shared is not None and self.ep.shared_split
+        shared_h = []
         in_experts = self.gate_weights == "experts"
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
                     else _HierarchicalExchange(cfg, self.node_axis))
@@ -887,6 +904,12 @@ class MoE(nnx.Module):
             args = (x_[t], idx_[t], wts_[t])
             if self.ep.weight_grad_beside:   # dispatch's backward beside the GEMM's weight gradient
                 return overlap.chain(dispatch, args, gate_up, (w_gate_up, gate_up_q))
+            if split and t == 0:
+                tokens, (w_gate, w_up, _) = shared
+                with overlap.beside(_shared_gate_up, tokens, w_gate, w_up) as work:
+                    received = dispatch(*args)
+                shared_h.append(work.result)
+                return received, None
             return dispatch(*args), None
 
         def experts_and_back(sent, last):
@@ -900,7 +923,9 @@ class MoE(nnx.Module):
             with jax.named_scope(SCOPES["combine"]):
                 if not (last and shared):
                     return exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts), None
-                with overlap.beside(_shared_expert, *shared) as work:
+                fn, fn_args = ((_shared_down, (shared_h[0], shared[1][2])) if split
+                               else (_shared_expert, shared))
+                with overlap.beside(fn, *fn_args) as work:
                     out = exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts)
                 return out, work.result
 
@@ -1218,7 +1243,23 @@ def _shared_expert(tokens, weights):
         return swiglu_ffn(tokens, *weights)
 
 
+def _shared_gate_up(tokens, w_gate, w_up):
+    """The shared expert's first half (EPOptions.shared_split), in its scope."""
+    with jax.named_scope(SCOPES["shared"]):
+        return swiglu_hidden(tokens, w_gate, w_up)
+
+
+def _shared_down(h, w_down):
+    """The shared expert's down GEMM (EPOptions.shared_split), in its scope."""
+    with jax.named_scope(SCOPES["shared"]):
+        return h @ w_down.astype(h.dtype)
+
+
+def swiglu_hidden(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """The dense SwiGLU FFN's hidden activations in x's dtype: silu(x @ w_gate) * (x @ w_up)."""
+    return jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
+
+
 def swiglu_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """The dense SwiGLU FFN in x's dtype: silu(x @ w_gate) * (x @ w_up) @ w_down."""
-    h = jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
-    return h @ w_down.astype(x.dtype)
+    return swiglu_hidden(x, w_gate, w_up) @ w_down.astype(x.dtype)

@@ -861,15 +861,28 @@ def test_shared_expert_beside_an_exchange_gives_the_same_step_and_decode(axes):
         layer, y, g_model, g_x = _shared_layer_step(mesh, x, 6, False, **ep)
         return y, g_model, g_x, nnx.jit(lambda m, x: m(x, decode=True))(layer, x)
 
-    (y1, g1, gx1, dec1), (y2, g2, gx2, dec2) = run(), run(shared_beside=True)
-    np.testing.assert_allclose(np.asarray(dec2), np.asarray(dec1), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(gx2), np.asarray(gx1), rtol=1e-6, atol=1e-6)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.state(g2, nnx.Param)),
-                            jax.tree.leaves(nnx.state(g1, nnx.Param)), strict=True):
-        assert np.abs(np.asarray(b)).max() > 0, jax.tree_util.keystr(path)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+    y1, g1, gx1, dec1 = run()
+    # EPOptions(shared_split=True): its gate|up half beside the first dispatch, its down GEMM beside the
+    # last combine
+    for options in (dict(shared_beside=True), dict(shared_beside=True, shared_split=True)):
+        y2, g2, gx2, dec2 = run(**options)
+        np.testing.assert_allclose(np.asarray(dec2), np.asarray(dec1), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(gx2), np.asarray(gx1), rtol=1e-6, atol=1e-6)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.state(g2, nnx.Param)),
+                                jax.tree.leaves(nnx.state(g1, nnx.Param)), strict=True):
+            assert np.abs(np.asarray(b)).max() > 0, jax.tree_util.keystr(path)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{options} {jax.tree_util.keystr(path)}")
+
+
+def test_shared_split_needs_shared_beside_and_refuses_weight_grad_beside():
+    with pytest.raises(EPValueError, match="shared_split=True .* needs shared_beside=True"):
+        EPOptions(shared_split=True)
+    with pytest.raises(EPValueError, match="shared_split=True and weight_grad_beside=True"):
+        EPOptions(shared_beside=True, shared_split=True, weight_grad_beside=True)
+    with pytest.raises(ValueError, match="shared_split must be a bool"):
+        EPOptions(shared_beside=True, shared_split="yes")
 
 
 @pytest.mark.parametrize("form", ["bf16", "fp8_wire_cached", "fp8_gate_weights_in_combine", "bf16_node_axis"])

@@ -289,6 +289,15 @@ def test_the_shared_expert_beside_combine_puts_combine_and_its_backward_on_the_s
                                   "combine", "slot_values")]
 
 
+def test_the_shared_expert_split_puts_all_four_exchanges_on_the_side_stream(cuda_lowering):
+    """EPOptions(shared_split=True): dispatch beside the shared expert's gate|up half, combine beside its
+    down GEMM, and in the backward combine's backward and dispatch's backward beside theirs: each of the
+    step's four exchanges a side twin followed by a join, in one program order."""
+    assert _layer_step_calls(KernelConfig(), shared_beside=True, shared_split=True) == [
+        f"jax_ep_{op}" for op in ("dispatch_side", "side_join", "combine_side", "side_join", "broadcast_side",
+                                  "side_join", "combine_side", "side_join", "slot_values")]
+
+
 def test_dispatch_backward_beside_the_weight_gradient_goes_on_the_side_stream(cuda_lowering):
     """EPOptions(weight_grad_beside=True): dispatch's backward (its combine of the rows' gradient) lowers
     to the side twin followed by a join, in one program order with the other calls, and the gate|up
@@ -692,8 +701,9 @@ def test_beside_runs_the_work_after_the_block_where_no_call_takes_it():
         pass
 
 
-@pytest.mark.parametrize("option", ["shared_beside", "weight_grad_beside"])
-def test_side_joins_return_a_token_with_elements(cuda_lowering, option):
+@pytest.mark.parametrize("options", [dict(shared_beside=True), dict(weight_grad_beside=True),
+                                     dict(shared_beside=True, shared_split=True)])
+def test_side_joins_return_a_token_with_elements(cuda_lowering, options):
     """Every jax_ep_side_join of the layer step returns a token of at least one element: readers of a
     side call's results are ordered after the join only through it, and XLA replaces a zero-element
     value by a constant, which orders nothing (one H200, 2026-12-02: with an int32[0] token XLA's
@@ -701,7 +711,7 @@ def test_side_joins_return_a_token_with_elements(cuda_lowering, option):
     schedule, gpu_helpers.assert_side_results_read_after_join)."""
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(_cuda_layer(**{option: True}), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(_cuda_layer(**options), nnx.Param, ...)
 
     def step(params, x):
         return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(x, update_stats=False)
