@@ -245,6 +245,7 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
     step_out, decode_out = {}, {}
     with jax.default_matmul_precision("highest"):
         for name, options in {"plain": {}, "shared_beside": {"shared_beside": True},
+                              "shared_split": {"shared_beside": True, "shared_split": True},
                               "weight_grad_beside": {"weight_grad_beside": True}}.items():
             graphdef, rest, tree, names, expert, host, stacked = _per_rank_layer(ranks, backend, **options)
             layer_of = functools.partial(_merged, graphdef, rest, tree, expert)
@@ -291,7 +292,7 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
         checks.append((f"d {n}", g if ex else g[0], np.asarray(wa)[e] if ex else np.asarray(wm)))
     for what, g, w in checks:
         _assert_close(g, w, 1e-4, f"process {me} layer step {what}")
-    for name in ("shared_beside", "weight_grad_beside"):
+    for name in ("shared_beside", "shared_split", "weight_grad_beside"):
         for i, (a, b) in enumerate(zip(jax.tree.leaves(step_out["plain"]), jax.tree.leaves(step_out[name]),
                                        strict=True)):
             _assert_close(b, a, 1e-5, f"process {me} layer step {name} vs plain, output {i}")
