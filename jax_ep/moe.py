@@ -867,10 +867,11 @@ class MoE(nnx.Module):
                             chunks: int, fp8_weights: ExpertFP8Weights | None = None, shared=None):
         """dispatch -> gate|up GEMM, SwiGLU, down GEMM -> combine, per chunk of the tokens (EPOptions.chunks),
         chunk i+1 dispatched before chunk i's experts run. shared: (tokens, weights) of the shared expert,
-        run beside the last combine (EPOptions.shared_beside). With EPOptions.weight_grad_beside each chunk's
-        dispatch and gate|up GEMM are one ``overlap.chain``: dispatch's backward beside the GEMM's weight
-        gradient. Returns (out, rows per local expert,
-        pairs dropped, the shared expert's output or None)."""
+        run beside the last combine (EPOptions.shared_beside), or its gate|up half beside the first dispatch
+        and its down GEMM beside the last combine (EPOptions.shared_split). With
+        EPOptions.weight_grad_beside each chunk's dispatch and gate|up GEMM are one ``overlap.chain``:
+        dispatch's backward beside the GEMM's weight gradient. Returns (out, rows per local expert, pairs
+        dropped, the shared expert's output or None)."""
         x_, idx_, wts_ = (jnp.split(a, chunks) for a in (x, topk_idx, topk_weights))
         # EPOptions.shared_split: the shared expert's gate|up half beside the first dispatch, its down GEMM
         # beside the last combine (else all of it beside the last combine)
