@@ -84,6 +84,7 @@ import operator
 import re
 import tempfile
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -198,9 +199,12 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
                                               kernel=dict(side_num_sms=24)),
            # the shared expert split as DeepSeek-V3 overlaps it (EPOptions.shared_split): its gate|up half
            # beside the first dispatch, its down GEMM beside the last combine, each exchange's backward
-           # beside theirs; the side calls on 24 SMs, the exchanges in series on every SM
+           # beside theirs; the side calls on 24 SMs, the exchanges in series on every SM; and, like for
+           # like, the whole shared expert beside the last combine with the same SMs
            "ep_cuda_shared_split_side24": dict(backend="cuda", gemm="auto", shared_beside=True,
-                                               shared_split=True, kernel=dict(side_num_sms=24))}
+                                               shared_split=True, kernel=dict(side_num_sms=24)),
+           "ep_cuda_shared_beside_side24": dict(backend="cuda", gemm="auto", shared_beside=True,
+                                                kernel=dict(side_num_sms=24))}
 # ... and the step compiled without XLA's command buffers (an async region inside one runs in series,
 # openxla/xla#48900): the forms that can overlap there, and the serial baseline timed the same way
 for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
@@ -216,7 +220,7 @@ NAMED_ONLY = ("plain_jax_cudnn", "ep_hier_reference", "ep_hier_cuda", "jax_ep_fp
               "ep_cuda_async_mb2_free24_nocb", "ep_cuda_async_mb2_chunked_free24_nocb",
               "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24",
               "ep_cuda_wgrad_beside", "ep_cuda_wgrad_beside_side24", "ep_cuda_wgrad_beside_side12",
-              "ep_cuda_both_beside_side24", "ep_cuda_shared_split_side24",
+              "ep_cuda_both_beside_side24", "ep_cuda_shared_split_side24", "ep_cuda_shared_beside_side24",
               "jax_ep_wgrad_beside_side24")
 
 
@@ -314,13 +318,15 @@ def weight_floor_bytes(config: str, weight_bytes: int) -> int | None:
 
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
                         iters: int, repeats: int, gemm_dtype: str | None = None, fp8_cached: bool = False,
-                        sustain_s: float | tuple[float, ...] = 0.0) -> float | tuple[float, ...] | None:
+                        sustain_s: float | tuple[float, ...] = 0.0,
+                        compiler_options: dict | None = None) -> float | tuple[float, ...] | None:
     """The layer's expert block alone (gate|up GEMM, SwiGLU, down GEMM; forward and backward) on one
     device, on a dispatch-like buffer: `capacity` rows of which `rows` are spread over the local experts
     (mildly uneven), each expert padded to the alignment the layer asks of dispatch. `gemm_dtype` is the
     MoE layer's (None: bf16 GEMMs; "float8_e4m3fn": jax_ep.gemm_fp8.fp8_grouped_matmul as the layer uses
     it; ``fp8_cached``: with the weights quantised beforehand, MoE.quantize_weights' way). None if it fails
-    (e.g. lax.ragged_dot out of memory). ``sustain_s``: best_of's (a tuple gives one time per setting)."""
+    (e.g. lax.ragged_dot out of memory). ``sustain_s``: best_of's (a tuple gives one time per setting).
+    ``compiler_options``: XLA's, as the config's step is compiled with (e.g. the cuDNN ragged-dot fusion)."""
     from jax_ep.gemm import preferred_alignment
 
     rng = np.random.default_rng(0)
@@ -346,7 +352,8 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
 
     try:
         fp8 = jax.jit(moe.quantize_expert_weights)(w1, w2) if fp8_cached else None
-        return best_of(experts, x, w1, w2, g, fp8, iters=iters, repeats=repeats, sustain_s=sustain_s)
+        timed = experts.lower(x, w1, w2, g, fp8).compile(compiler_options) if compiler_options else experts
+        return best_of(timed, x, w1, w2, g, fp8, iters=iters, repeats=repeats, sustain_s=sustain_s)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a result
         print(f"  expert block alone ({gemm}): {type(e).__name__}: {str(e)[:160]}", flush=True)
         return None
@@ -441,6 +448,9 @@ def last_steps(events: list, calls: int, iters: int, start=lambda e: e.start_ns)
     the same share of the list). ``start``: an event's start time."""
     if calls <= iters:
         return events
+    if len(events) % calls:   # a step's events missing (e.g. the profiler's buffer full): said, not hidden
+        warnings.warn(f"last_steps: {len(events)} events over {calls} steps do not divide: the last {iters} "
+                      "steps' share of them is counted", stacklevel=2)
     events = sorted(events, key=start)
     return events[len(events) - round(len(events) * iters / calls):]
 
@@ -857,7 +867,7 @@ def _main(args, save) -> list[dict]:
     wanted = [c for c in wanted if c not in skipped]
     for name in [n for n in names if n in DECODE_SHAPES]:
         # the einsum is the plain-JAX baseline; the hierarchical path has no decode ops
-        for config in [c for c in wanted if c != "plain_jax" and "nodes" not in CONFIGS[c]]:
+        for config in [c for c in wanted if c not in PLAIN_JAX and "nodes" not in CONFIGS[c]]:
             r = bench_decode(mesh, LAYER_PRESETS[name], config, args.iters, args.repeats,
                              SHARED_FFN.get(name, 0), sustain)
             r.update(shape=name, device=device, date=today, sustain_s=sustain)
@@ -895,7 +905,8 @@ def _main(args, save) -> list[dict]:
             with clocks.collect() as gemm_clocks:
                 seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
                                               args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"),
-                                              CONFIGS[config].get("fp8_cached", False), sustain)
+                                              CONFIGS[config].get("fp8_cached", False), sustain,
+                                              CONFIGS[config].get("compiler_options"))
             r.setdefault("clocks", {}).update(gemm=gemm_clocks.summary(), roofline=roof_clocks.summary())
             gemm_ms = None if seconds is None else 1e3 * seconds
             floor = weight_floor_bytes(config, moved_weight_bytes)

@@ -192,8 +192,8 @@ class EPOptions:
     dy_in_place: bool = True
     gate_weights: str = "auto"
     shared_beside: bool = False
-    shared_split: bool = False
     weight_grad_beside: bool = False
+    shared_split: bool = False   # last: a field added later leaves the positional order as it was
 
     def __post_init__(self):
         check_options("EPOptions", self, EP_OPTIONS_KINDS)

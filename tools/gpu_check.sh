@@ -60,8 +60,9 @@
 #                 overlap   issue 38's A/B of the side-stream overlaps, DeepSeek-V3 shape with its shared
 #                           expert (deepseek_shared), sustained: the shared expert beside combine
 #                           (shared_beside, all SMs and 24) and dispatch's backward beside the gate|up
-#                           weight gradient (weight_grad_beside, 12 and 24 side SMs), and the shared expert
-#                           split beside all four exchanges (shared_split, 24 side SMs), against their plain forms
+#                           weight gradient (weight_grad_beside, 12 and 24 side SMs), the shared expert
+#                           beside combine and split beside all four exchanges (shared_split), both with
+#                           24 side SMs, against their plain forms
 #                 gate      issue 38's A/B of the gate weights in the experts (the default "auto" on the
 #                           flat exchange: combine's backward at dispatch's bytes) against in combine,
 #                           bf16 and cached FP8, DeepSeek-V3 shape, sustained
@@ -480,7 +481,7 @@ if [ -n "${SWEEP:-}" ]; then
       layer) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes mid,deepseek
                   --layer-configs ep_reference,ep_cuda,jax_ep) ;;
       overlap) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes deepseek_shared --iters 10 --repeats 3
-                    --sustain 2 --layer-configs jax_ep,jax_ep_shared_beside,ep_cuda,ep_cuda_sms24,ep_cuda_shared_beside_sms24,ep_cuda_wgrad_beside_side12,ep_cuda_wgrad_beside_side24,ep_cuda_shared_split_side24) ;;
+                    --sustain 2 --layer-configs jax_ep,jax_ep_shared_beside,ep_cuda,ep_cuda_sms24,ep_cuda_shared_beside_sms24,ep_cuda_wgrad_beside_side12,ep_cuda_wgrad_beside_side24,ep_cuda_shared_beside_side24,ep_cuda_shared_split_side24) ;;
       gate) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes deepseek --iters 10 --repeats 3 --sustain 2
                  --layer-configs jax_ep,jax_ep_gate_in_combine,jax_ep_fp8_cached,jax_ep_fp8_cached_gate_in_combine) ;;
       pull) cmd=("$PY" -m benchmarks --preset deepseek --tokens 4096 --backends cuda --num-sms 24,131

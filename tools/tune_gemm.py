@@ -215,14 +215,16 @@ def tokamax_ragged_dot():
 
 
 # XLA's own lowerings of lax.ragged_dot a plain-JAX user can switch on, as peers: (compiler options, JAX
-# config flag, a string the compiled HLO holds when the lowering took the call). At its defaults XLA
-# expands a ragged dot into a dense dot over every group (G times the FLOPs; out of memory at DeepSeek-V3
-# shapes), which is not timed here. The cuDNN fusion takes the row-ragged passes (forward, dx) from cuDNN
-# 9.22 on (XLA's kMinCudnnVersionForRaggedDotFusion) and expands the weight gradient unless that XLA and
-# cuDNN fuse it too; the Pallas-Triton lowering exists where jax ships jax._src.lax.pallas_lowerings.
+# config flag, a string or strings the compiled HLO holds when the lowering took the call). At its defaults
+# XLA expands a ragged dot into a dense dot over every group (G times the FLOPs; out of memory at
+# DeepSeek-V3 shapes), which is not timed here. The cuDNN fusion takes the row-ragged passes (forward, dx)
+# from cuDNN 9.22 on (XLA's kMinCudnnVersionForRaggedDotFusion) and expands the weight gradient unless that
+# XLA and cuDNN fuse it too; the Pallas-Triton lowering exists where jax ships jax._src.lax.pallas_lowerings.
 XLA_LOWERINGS = {
     "xla_cudnn": ({"xla_gpu_experimental_use_ragged_dot_fusion": True}, None, "__cudnn$fusion"),
-    "xla_pallas_triton": ({}, "jax_ragged_dot_use_gpu_pallas_triton_lowering", "xla.gpu.triton"),
+    # (Pallas-Triton's custom call: __gpu$xla.gpu.triton up to jaxlib 0.10.2, triton_kernel_call_ffi after)
+    "xla_pallas_triton": ({}, "jax_ragged_dot_use_gpu_pallas_triton_lowering",
+                          ("xla.gpu.triton", "triton_kernel_call")),
 }
 
 
@@ -260,7 +262,8 @@ def time_xla_lowerings(x, w, dy, gs, flops: float, lowerings=None) -> dict:
                 finally:
                     if flag:
                         jax.config.update(flag, previous)
-                if mark is not None and mark not in compiled.as_text():
+                marks = (mark,) if isinstance(mark, str) else mark
+                if marks is not None and not any(m in compiled.as_text() for m in marks):
                     rec[name][pass_name] = dict(taken=False, note=f"no {mark!r} in the compiled HLO: XLA's "
                                                 "dense expansion (G times the FLOPs), not timed")
                     continue
