@@ -138,7 +138,7 @@ def sampling(read: Callable[[], tuple[list[float], list[float]]] | None = None,
 
 @contextlib.contextmanager
 def collect() -> Iterator[Collector]:
-    """Gathers the windows ``mark``ed inside the block (by ``best_of`` and the layer split's ``profiled``)."""
+    """Gathers the windows ``mark``ed inside the block (by ``best_of`` and ``layer.profiled_steps``)."""
     collector = Collector(_SAMPLER)
     _COLLECTORS.append(collector)
     try:

@@ -424,22 +424,30 @@ def hlo_scopes(compiled_text: str, scopes=None) -> dict[str, str]:
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
-def profiled(call, iters: int, sustain_s: float = 0.0):
-    """The jax.profiler trace (ProfileData) of `iters` back-to-back `call()`s. ``sustain_s``: first, inside
-    the trace, chains of `iters` calls for that long, so that the last `iters` run at the clocks of
-    sustained load rather than at the burst clock the profiler's start-up pause leaves (session 62: 1830
-    MHz against a sustained step's 1365); the trace then holds those calls too (``last_steps``)."""
+def profiled(call, iters: int):
+    """The jax.profiler trace (ProfileData) of `iters` back-to-back `call()`s."""
+    return profiled_steps(call, iters)[0]
+
+
+def profiled_steps(call, iters: int, sustain_s: float = 0.0):
+    """(the jax.profiler trace, how many calls it holds) of `iters` back-to-back `call()`s. ``sustain_s``:
+    first, inside the trace, chains of `iters` calls for that long, so that the last `iters` run at the
+    clocks of sustained load rather than at the burst clock the profiler's start-up pause leaves (session
+    62: 1830 MHz against a sustained step's 1365); ``last_steps`` keeps the last `iters` calls' events."""
+    calls = iters
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             end = time.perf_counter() + sustain_s
             while time.perf_counter() < end:
                 jax.block_until_ready([call() for _ in range(iters)][-1])
+                calls += iters
             out, start = None, time.perf_counter()
             for _ in range(iters):
                 out = call()
             jax.block_until_ready(out)
             clocks.mark(start, time.perf_counter())   # the clock the split ran at
-        return jax.profiler.ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
+        files = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
+        return jax.profiler.ProfileData.from_file(files[0]), calls
 
 
 def last_steps(events: list, calls: int, iters: int, start=lambda e: e.start_ns) -> list:
@@ -459,7 +467,7 @@ def split_by_scope(compiled, args, iters: int,
                    sustain_s: float = 0.0) -> tuple[dict[str, float], float] | None:
     """Device ms per step on device 0, attributed to the layer's named scopes, and the step's device span
     (first kernel start to last kernel end over the chain, per step); GPU only. ``sustain_s``: the chain
-    profiled after that long of back-to-back steps (``profiled``), only its last `iters` steps counted.
+    profiled after that long of back-to-back steps (``profiled_steps``), only its last `iters` steps counted.
 
     Each GPU event of a profiled chain of steps is matched to its HLO instruction (event name or the
     event's stats), whose op_name metadata carries the jax name scopes; unmatched time is "rest".
@@ -470,14 +478,7 @@ def split_by_scope(compiled, args, iters: int,
         return None
     scopes = hlo_scopes(compiled.as_text())
     jax.block_until_ready(compiled(*args))
-    calls = 0
-
-    def call():
-        nonlocal calls
-        calls += 1
-        return compiled(*args)
-
-    data = profiled(call, iters, sustain_s)
+    data, calls = profiled_steps(lambda: compiled(*args), iters, sustain_s)
     split = {name: 0.0 for name in (*moe.SCOPES, "rest")}
     first, last = float("inf"), 0.0
     events = [event for plane in data.planes if plane.name == "/device:GPU:0" for line in plane.lines
@@ -508,7 +509,7 @@ def kernel_overlap_ms(data, iters: int, device: str = "/device:GPU:0",
     long kernels ran beside another. Intervals rather than stream lines, since inside a CUDA graph (XLA's
     command buffers) an async stream's kernels may be reported on the graph's launch stream (one line on
     one H200, 2026-12-01) and still run beside the compute stream's. ``calls``: the trace holds that many
-    steps (``profiled`` with sustain_s), of which the last `iters` count (``last_steps``)."""
+    steps (``profiled_steps`` with sustain_s), of which the last `iters` count (``last_steps``)."""
     kernels = [(start, end) for start, end, _, _ in last_steps(kernel_events(data, device), calls or iters,
                                                                iters, start=lambda e: e[0])]
     union_ns, reach = 0, None
@@ -628,13 +629,14 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         record["command_buffers"] = CONFIGS[config].get("command_buffers", True)
         # XLA options of the whole step (a plain-JAX user's switch): the step compiled with them
         xla_options = CONFIGS[config].get("compiler_options", {})
-        timed = step.lower(*args).compile(xla_options) if xla_options else step
+        kernel_by_kernel = profile or not record["command_buffers"]
+        lowered = step.lower(*args) if xla_options or kernel_by_kernel else None
+        timed = lowered.compile(xla_options) if xla_options else step
         if xla_options:
             record["compiler_options"] = xla_options
             record["cudnn_fusions"] = timed.as_text().count("__cudnn$fusion")
         # the step kernel by kernel: what a _nocb config times and what the profile splits
-        no_cb = step.lower(*args).compile({**NO_COMMAND_BUFFERS, **xla_options}) \
-            if profile or not record["command_buffers"] else None
+        no_cb = lowered.compile({**NO_COMMAND_BUFFERS, **xla_options}) if kernel_by_kernel else None
         with clocks.collect() as step_clocks:
             record["step_ms"] = 1e3 * best_of(timed if record["command_buffers"] else no_cb, *args,
                                               iters=iters, repeats=repeats, sustain_s=sustain_s) \

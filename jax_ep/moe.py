@@ -876,7 +876,6 @@ class MoE(nnx.Module):
         # EPOptions.shared_split: the shared expert's gate|up half beside the first dispatch, its down GEMM
         # beside the last combine (else all of it beside the last combine)
         split = shared is not None and self.ep.shared_split
-        shared_h = []
         in_experts = self.gate_weights == "experts"
         exchange = (_FlatExchange(cfg, rank_mask, self.ep.dy_in_place) if self.node_axis is None
                     else _HierarchicalExchange(cfg, self.node_axis))
@@ -905,12 +904,6 @@ class MoE(nnx.Module):
             args = (x_[t], idx_[t], wts_[t])
             if self.ep.weight_grad_beside:   # dispatch's backward beside the GEMM's weight gradient
                 return overlap.chain(dispatch, args, gate_up, (w_gate_up, gate_up_q))
-            if split and t == 0:
-                tokens, (w_gate, w_up, _) = shared
-                with overlap.beside(_shared_gate_up, tokens, w_gate, w_up) as work:
-                    received = dispatch(*args)
-                shared_h.append(work.result)
-                return received, None
             return dispatch(*args), None
 
         def experts_and_back(sent, last):
@@ -924,13 +917,18 @@ class MoE(nnx.Module):
             with jax.named_scope(SCOPES["combine"]):
                 if not (last and shared):
                     return exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts), None
-                fn, fn_args = ((_shared_down, (shared_h[0], shared[1][2])) if split
+                fn, fn_args = ((_shared_down, (shared_first.result, shared[1][2])) if split
                                else (_shared_expert, shared))
                 with overlap.beside(fn, *fn_args) as work:
                     out = exchange.combine(y.astype(x.dtype), d.handle, weighted=not in_experts)
                 return out, work.result
 
-        sent, outs = [send(0)], []
+        if split:   # the shared expert's gate|up half beside the first dispatch
+            with overlap.beside(_shared_gate_up, shared[0], *shared[1][:2]) as shared_first:
+                sent = [send(0)]
+        else:
+            sent = [send(0)]
+        outs = []
         for t in range(chunks):
             if t + 1 < chunks:   # the next chunk's exchange before this chunk's GEMMs (program order)
                 sent.append(send(t + 1))

@@ -115,9 +115,9 @@ def test_profiled_chain_carries_its_clock():
 
 
 def test_profiled_chain_after_sustained_load_marks_only_its_timed_steps():
-    """profiled with sustain_s: the trace first holds that long of back-to-back calls, and the window the
-    split's clock is read from covers only the last `iters` calls (a fake NVML reading 1830 MHz in the burst
-    and 1365 once sustained); last_steps keeps those steps' events."""
+    """profiled_steps with sustain_s: the trace first holds that long of back-to-back calls (and says how
+    many), and the window the split's clock is read from covers only the last `iters` calls (a fake NVML
+    reading 1830 MHz in the burst and 1365 once sustained); last_steps keeps those steps' events."""
     import types
 
     from benchmarks import clocks
@@ -136,8 +136,9 @@ def test_profiled_chain_after_sustained_load_marks_only_its_timed_steps():
     sustained_at[0] = time.perf_counter() + 0.1     # the fake clock drops when the sustain window ends
     with clocks.sampling(read=gpus, period_s=0.0005):
         with clocks.collect() as c:
-            bench_layer.profiled(call, 3, sustain_s=0.1)
+            _, counted = bench_layer.profiled_steps(call, 3, sustain_s=0.1)
     assert len(calls) >= 3 + 3 and (len(calls) - 3) % 3 == 0        # chains of 3 for 0.1 s, then the 3 timed
+    assert counted == len(calls)                                     # what last_steps divides by
     assert c.summary()["sm_mhz"] == [1365.0, 1375.0]
     events = [types.SimpleNamespace(start_ns=t) for t in (9, 1, 5, 3, 7, 2, 8, 4, 6, 10)]
     assert [e.start_ns for e in bench_layer.last_steps(events, 5, 2)] == [7, 8, 9, 10]

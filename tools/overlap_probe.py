@@ -28,10 +28,10 @@ XLA put the exchange's start and done and which stream each kernel ran on. ``--x
 option to every compile (e.g. ``xla_gpu_enable_latency_hiding_scheduler=true``). ``--side`` runs "both"
 through ``jax_ep.overlap.beside`` (the dispatch on jax_ep's side stream; the GEMM between its fork and join).
 
-``--sustain S`` times each program after S seconds of back-to-back calls and profiles it after as long inside
-the trace (``benchmarks.layer.best_of`` / ``profiled``), and prints the SM clock and power NVML saw while the
-timed calls ran: under sustained load an H200 sits at its 700 W cap, where an exchange's bytes and a GEMM on
-fewer SMs change the clock the GEMM gets (session 62).
+``--sustain S`` times each program after S seconds of back-to-back calls and profiles it after as long
+inside the trace (``benchmarks.layer.best_of`` / ``profiled_steps``), and prints the SM clock and power NVML
+saw while the timed calls ran: under sustained load an H200 sits at its 700 W cap, where an exchange's bytes
+and a GEMM on fewer SMs change the clock the GEMM gets (session 62).
 
 ``--small`` shrinks every size (for a check of the tool, on CPU too: ``--gemm ragged``, the reference
 exchange; nothing runs beside anything there).
@@ -59,7 +59,7 @@ from benchmarks.layer import (  # noqa: E402
     expert_group_sizes,
     kernel_events,
     kernel_overlap_ms,
-    profiled,
+    profiled_steps,
 )
 from benchmarks.ops import routing_inputs, seconds_arg  # noqa: E402
 from jax_ep import dispatch, grouped_matmul, overlap  # noqa: E402
@@ -176,22 +176,16 @@ def main(argv=None) -> dict:
             with clocks.collect() as seen:
                 wall_ms = 1e3 * best_of(compiled, *fn_args, iters=args.iters, repeats=args.repeats,
                                         sustain_s=args.sustain)
-            calls = []
-
-            def call(compiled=compiled, fn_args=fn_args, calls=calls):
-                calls.append(None)
-                return compiled(*fn_args)
-
-            data = profiled(call, args.iters, args.sustain)
+            data, calls = profiled_steps(lambda compiled=compiled, fn_args=fn_args: compiled(*fn_args),
+                                         args.iters, args.sustain)
             # the trace holds the sustaining calls too: only the last --iters calls' kernels are counted
-            summed, union = kernel_overlap_ms(data, args.iters, calls=len(calls))
+            summed, union = kernel_overlap_ms(data, args.iters, calls=calls)
             if args.dump:
                 (args.dump / f"{name}.hlo.txt").write_text(compiled.as_text())
                 (args.dump / f"{name}.kernels.txt").write_text(kernel_timeline(data))
-            result[name] = dict(wall_ms=round(wall_ms, 3), kernels_ms=round(summed, 3),
-                                busy_ms=round(union, 3), beside_ms=round(summed - union, 3),
-                                clocks=seen.summary())
             clock = seen.summary()
+            result[name] = dict(wall_ms=round(wall_ms, 3), kernels_ms=round(summed, 3),
+                                busy_ms=round(union, 3), beside_ms=round(summed - union, 3), clocks=clock)
             print(f"{name:8s} wall {wall_ms:8.3f} ms   kernels {summed:8.3f} ms   some kernel running "
                   f"{union:8.3f} ms   beside another {summed - union:6.3f} ms"
                   + (f"   {clock['sm_mhz'][0]:.0f} MHz, {clock['power_w'][0]:.0f} W" if clock else ""))
