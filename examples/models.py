@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_ep import remat
 from jax_ep.balancing import BalancingConfig
 from jax_ep.gating import RouterConfig
 from jax_ep.moe import EPOptions, MoE
@@ -47,6 +48,9 @@ class LMConfig:
     aux_loss_alpha: float = 0.0
     backend: str = "auto"
     dispatch_dtype: str | None = None
+    # each block rematerialised in the backward (nnx.remat), keeping dispatch's results
+    # (jax_ep.remat.policy(): the rerun holds no exchange)
+    remat: bool = False
 
 
 class Block(nnx.Module):
@@ -101,7 +105,10 @@ class MoETransformerLM(nnx.Module):
         x = self.embed(tokens)
         mask = nnx.make_causal_mask(tokens)
         for block in self.blocks:
-            x = block(x, mask)
+            if self.cfg.remat:
+                x = nnx.remat(lambda block, x, mask: block(x, mask), policy=remat.policy())(block, x, mask)
+            else:
+                x = block(x, mask)
         return self.embed.attend(self.norm(x))
 
     def moe_layers(self) -> list[MoE]:

@@ -85,6 +85,9 @@ def parse_args(argv):
     parser.add_argument("--bias-rate", type=float, default=1e-2,
                         help="bias update rate of the balanced run (softmax scores of 16 experts: ~0.06)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--remat", action="store_true",
+                        help="rematerialise each block in the backward (nnx.remat), keeping dispatch's "
+                             "results (jax_ep.remat.policy(): no exchange runs again)")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="save each run's model and optimizer at the end (Orbax, DIR/<run>, replaced "
                              "if there)")
@@ -317,7 +320,7 @@ def main(argv=None) -> dict:
     devices = jax.devices()[:data * ep]                 # every process's devices
     mesh = Mesh(np.array(devices).reshape(data, ep), ("data", "ep"))
     cfg = LMConfig(num_experts=args.experts, num_layers=args.layers, backend=args.backend,
-                   moe_dtype=gpu_moe_dtype())
+                   moe_dtype=gpu_moe_dtype(), remat=args.remat)
     tokens = args.batch * args.seq
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(f"train_moe: {len(devices)} x {devices[0].platform} devices{processes}, mesh data x ep = {data} x "

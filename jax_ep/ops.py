@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import backends, overlap, types, vma
+from jax_ep import backends, overlap, remat, types, vma
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.fp8 import dequantize_fp8
@@ -294,7 +294,9 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
-    return implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
+    # named for jax.checkpoint policies (jax_ep.remat): a rematerialised block may keep them
+    return remat.named(implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg,
+                                                                rank_mask=rank_mask), remat.DISPATCH)
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
@@ -321,7 +323,8 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 # dispatch_straight_through's: the FP8 wire's rows dequantised, their cotangent taken as the rows'
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _dispatch_st(x, topk_idx, topk_weights, rank_mask, cfg):
-    out = _dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
+    # named here too: inside this rule's forward _dispatch is a call of its own, its names hidden
+    out = remat.named(_dispatch(x, topk_idx, topk_weights, rank_mask, cfg), remat.DISPATCH)
     return out, dequantize_fp8(out.x, out.scales, x.dtype)
 
 
@@ -358,8 +361,8 @@ def _unit_weights(handle: types.Handle) -> types.Handle:
 # ---- combine: custom_vjp --------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
-    return implementation("combine", cfg, y.dtype)(y, handle if weighted else _unit_weights(handle), cfg,
-                                                   rank_mask=rank_mask)
+    return remat.named(implementation("combine", cfg, y.dtype)(
+        y, handle if weighted else _unit_weights(handle), cfg, rank_mask=rank_mask), remat.COMBINE)
 
 
 def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
@@ -443,7 +446,7 @@ def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfi
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
     impl = implementation("dispatch_rank_major", cfg, x.dtype)
-    return impl(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
+    return remat.named(impl(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask), remat.DISPATCH)
 
 
 def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
@@ -470,7 +473,8 @@ _dispatch_rank_major.defvjp(_dispatch_rank_major_fwd, _dispatch_rank_major_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _combine_rank_major(y, handle, rank_mask, cfg):
-    return implementation("combine_rank_major", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
+    combined = implementation("combine_rank_major", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
+    return remat.named(combined, remat.COMBINE)
 
 
 def _combine_rank_major_fwd(y, handle, rank_mask, cfg):

@@ -35,11 +35,12 @@ def finished(tmp_path_factory):
         "train_moe": [sys.executable, str(ROOT / "examples" / "train_moe.py"), *TRAIN_ARGS,
                       "--out", str(tmp / "out"), "--save", str(tmp / "ckpt")],
         "demo": [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "6"],
-        # the same training as 2 processes x 4 CPU devices (jax.distributed, gloo collectives)
+        # the same training as 2 processes x 4 CPU devices (jax.distributed, gloo collectives), its
+        # blocks rematerialised (--remat)
         "train_moe_2proc": [sys.executable, "-m", "jax_ep.launch", "--nproc", "2",
                             "--local-devices-per-process", "4", "--timeout", "540",
                             str(ROOT / "examples" / "train_moe.py"), *TRAIN_ARGS,
-                            "--out", str(tmp / "out_2proc")],
+                            "--out", str(tmp / "out_2proc"), "--remat"],
     }
     # the launched run on CPU devices, on GPU machines too
     return tmp, run_logged(commands, tmp, cwd=tmp, env=env, wait_s=600,
@@ -173,7 +174,8 @@ def test_train_moe_plot_readable(tmp_path):
 @pytest.mark.slow
 def test_train_moe_two_processes(finished):
     """Launched as 2 processes, train_moe builds its mesh over both processes' devices, process 0 alone
-    prints and writes, and the training is the one of a single process."""
+    prints and writes, and the training, its blocks rematerialised (--remat), is the one of a single
+    process without."""
     tmp, results = finished
     code, log = results["train_moe_2proc"]
     assert code == 0, log
@@ -185,6 +187,7 @@ def test_train_moe_two_processes(finished):
     one = json.loads((tmp / "out" / "metrics.json").read_text())
     two = json.loads((tmp / "out_2proc" / "metrics.json").read_text())
     assert two["config"]["devices"] == "8 x cpu" and two["config"]["mesh"] == [2, 4]
+    assert two["config"]["model"]["remat"] and not one["config"]["model"]["remat"]
     if one["config"]["devices"] != "8 x cpu":
         pytest.skip(f"the single-process run used {one['config']['devices']}: nothing to compare on CPU")
     one, two = one["runs"], two["runs"]

@@ -266,6 +266,41 @@ def test_gradients_match_the_flat_ops(nodes, local):
     assert np.all(grad_h[1][unused] == 0)
 
 
+def test_rematerialised_hierarchical_ops_keep_both_stages_by_name():
+    """dispatch_hierarchical -> combine_hierarchical in a rematerialised loss that reads combine's output
+    (the reference's all_to_alls counted in the compiled program): with no policy the backward runs both
+    stages of each again; keeping jax_ep.remat.NAMES (both stages are named dispatches and combines)
+    runs none again; the gradients are the plain step's."""
+    from jax_ep import remat
+
+    nodes, local = 2, 2
+    rng = np.random.default_rng(13)
+    cfg = hier_cfg(nodes, local)
+    x, idx, w = random_inputs(rng, nodes * local, cfg.num_experts)
+
+    def loss(x, i, w):
+        d = jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")
+        out = jax_ep.combine_hierarchical(jnp.tanh(d.x), d.handle, cfg, "node")
+        return jnp.sum(out * out)
+
+    def program(policy):
+        inner = loss if policy is None else jax.checkpoint(loss, policy=None if policy == "none" else policy)
+
+        def body(x, i, w):
+            value, grads = jax.value_and_grad(inner, argnums=(0, 2))(x[0], i[0], w[0])
+            return jax.tree.map(lambda v: v[None], (value, grads))
+        spec = P(GROUP)
+        step = jax.jit(jax.shard_map(body, mesh=mesh2d(nodes, local), in_specs=(spec,) * 3, out_specs=spec))
+        return step(x, idx, w), step.lower(x, idx, w).compile().as_text().count(" all-to-all(")
+
+    (plain, n_plain), (bare, n_bare), (kept, n_kept) = (program(p) for p in (None, "none",
+                                                                            remat.policy(save=remat.NAMES)))
+    assert n_bare > n_plain and n_kept == n_plain, (n_plain, n_bare, n_kept)
+    for got, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain), strict=True):
+        assert np.any(np.asarray(want) != 0)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def assert_gradients_match_flat(cfg, nodes, local, x, idx, w, rng):
     """jax.grad in x and the gate weights through dispatch_hierarchical -> a row-wise "expert" ->
     combine_hierarchical, against the flat ops over the same N*L ranks; returns the hierarchical ones."""

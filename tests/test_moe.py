@@ -448,6 +448,35 @@ def test_tiny_lm_trains():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+def test_a_tiny_lm_with_rematerialised_blocks_trains_as_without():
+    """LMConfig(remat=True): each block under nnx.remat with jax_ep.remat.policy(); the same losses, bias
+    balancing and expert loads over three optimiser steps as the plain model."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    batch = jnp.asarray(np.random.default_rng(5).integers(0, 16, (8, 17)), jnp.int32)
+
+    def train(remat):
+        cfg = LMConfig(hidden=32, num_heads=2, num_layers=2, ffn_hidden=32, num_experts=8,
+                       backend="reference", bias_update_rate=1e-2, remat=remat)
+        model = MoETransformerLM(cfg, rngs=nnx.Rngs(0), mesh=mesh)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, batch):
+            loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+
+        losses = [float(step(model, optimizer, batch)) for _ in range(3)]
+        return losses, [np.asarray(m.last_load[...]) for m in model.moe_layers()], \
+            [np.asarray(m.expert_bias[...]) for m in model.moe_layers()]
+
+    plain, kept = train(False), train(True)
+    np.testing.assert_allclose(kept[0], plain[0], rtol=1e-5)
+    assert plain[0][-1] < plain[0][0]
+    for a, b in zip(kept[1] + kept[2], plain[1] + plain[2], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Expert placement (EPLB replicas) in the layer
 # ---------------------------------------------------------------------------------------------------------
@@ -982,3 +1011,62 @@ def test_gemm_num_sms_reaches_every_expert_gemm_and_changes_no_result(monkeypatc
         with pytest.raises((ValueError, TypeError),
                            match=f"MoE: gemm_num_sms must be None or a positive int, got {bad!r}"):
             make_layer(mesh, gemm_num_sms=bad)
+
+
+def _all_to_alls(step, *args) -> int:
+    return jax.jit(step).lower(*args).compile().as_text().count(" all-to-all(")
+
+
+@pytest.mark.parametrize("policy", ["save", "offload"])
+def test_a_rematerialised_layer_keeps_dispatch_by_the_exchange_policy(policy):
+    """nnx.remat around the layer (a user's rematerialised block): the same step, loss, gradients and
+    statistics as without it; without a policy its backward runs dispatch's exchange again (more
+    all_to_alls in the compiled step), with jax_ep.remat.policy() it keeps dispatch's results (saved,
+    or offloaded to host memory and back) and runs exactly the exchanges of the plain step."""
+    from jax_ep import remat
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    x, target = random_tokens(41), random_tokens(42)
+    keep = remat.policy() if policy == "save" else remat.policy(save=(), offload=(remat.DISPATCH,))
+
+    def run(wrap):
+        layer = make_layer(mesh, seed=11, shared_ffn_hidden=8)
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def step(params, rest, x):
+            m = nnx.merge(graphdef, params, rest)
+
+            def loss(m, x):
+                y = wrap(lambda m, x: x + m(x))(m, x)   # the residual block, rematerialised by wrap
+                return jnp.mean((y - target) ** 2)
+            value, grads = nnx.value_and_grad(loss, argnums=(0, 1))(m, x)
+            return value, nnx.state(m, ...), grads
+
+        value, state, grads = jax.jit(step)(params, rest, x)
+        return value, state, grads, _all_to_alls(step, params, rest, x)
+
+    plain = run(lambda f: f)
+    bare = run(nnx.remat)
+    kept = run(lambda f: nnx.remat(f, policy=keep))
+    assert bare[3] > plain[3], (bare[3], plain[3])        # dispatch again in the backward
+    assert kept[3] == plain[3], (kept[3], plain[3])
+    assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(plain[2]))   # every gradient
+    assert int(plain[1]["last_load"][...].sum()) == x.shape[0] * x.shape[1] * TOPK
+    for other in (bare, kept):
+        np.testing.assert_allclose(float(other[0]), float(plain[0]), rtol=1e-6)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((other[1], other[2])),
+                                jax.tree.leaves((plain[1], plain[2])), strict=True):
+            if np.issubdtype(np.asarray(b).dtype, np.inexact):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7,
+                                           err_msg=jax.tree_util.keystr(path))
+            else:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), jax.tree_util.keystr(path))
+
+
+def test_remat_policy_refuses_unknown_names_and_a_name_both_saved_and_offloaded():
+    from jax_ep import remat
+    with pytest.raises(EPValueError, match="save must be a sequence of"):
+        remat.policy(save="jax_ep.dispatch")
+    with pytest.raises(EPValueError, match="offload must be a sequence of"):
+        remat.policy(offload=("dispatch",))
+    with pytest.raises(EPValueError, match="both saved and offloaded"):
+        remat.policy(save=remat.NAMES, offload=(remat.COMBINE,))

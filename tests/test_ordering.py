@@ -12,6 +12,7 @@ while processes 0-2 ran slot_values.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import cuda_backend, ordering, runtime
 from jax_ep.config import EPConfig, KernelConfig
+from jax_ep.errors import EPUnsupportedError
 
 R, T, H, E, K = 4, 16, 128, 8, 2
 
@@ -251,21 +253,38 @@ def _cuda_layer(shared_beside: bool = False, kernel: KernelConfig | None = None,
                    param_dtype=jnp.bfloat16, shared_ffn_hidden=H if shared_beside else 0)
 
 
-def _layer_step_calls(kernel, shared_beside: bool = False, **ep) -> list[str]:
-    """The EP calls of the MoE layer's training step (one chain in program order: assert_one_chain);
-    shared_beside: with a shared expert beside the last combine (EPOptions.shared_beside)."""
+def _layer_step(kernel, shared_beside: bool = False, remat=None, **ep):
+    """(the MoE layer's training step, its params, its input x). shared_beside: with a shared expert
+    beside the last combine (EPOptions.shared_beside); remat: None, else the residual block x + layer(x)
+    rematerialised with that jax.checkpoint policy ("none": none)."""
     from flax import nnx
 
     layer = _cuda_layer(shared_beside, kernel, **ep)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def step(params, x):
+        def block(params, x):
+            return x + nnx.merge(graphdef, params, rest)(x, update_stats=False)
+        if remat is not None:
+            block = jax.checkpoint(block, policy=None if remat == "none" else remat)
+
         def loss(params, x):
-            out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
-            return jnp.mean(out.astype(jnp.float32) ** 2)
+            return jnp.mean(block(params, x).astype(jnp.float32) ** 2)
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
-    return assert_one_chain(step, params, _inputs()[0], what="MoE layer step")
+    return step, params, _inputs()[0]
+
+
+def _layer_step_calls(kernel, shared_beside: bool = False, **ep) -> list[str]:
+    """The EP calls of the MoE layer's training step (_layer_step; one chain in program order:
+    assert_one_chain)."""
+    return assert_one_chain(*_layer_step(kernel, shared_beside, **ep), what="MoE layer step")
+
+
+def _lowered_calls(fn, *args) -> list[str]:
+    """The jax_ep custom calls of fn's lowered program, in the order of its text."""
+    flow = Dataflow(_lowered(fn, *args))
+    return [flow.name(c) for c in flow.calls]
 
 
 # combine's backward: the in-place broadcast with the gate weights in the experts (EPOptions.gate_weights
@@ -277,6 +296,66 @@ LAYER_STEP_OPS = ["dispatch", "combine", "broadcast", "combine", "slot_values"]
 def test_the_moe_layer_training_step_issues_its_ep_calls_in_one_order(cuda_lowering, gate_weights, backward):
     assert _layer_step_calls(KernelConfig(), gate_weights=gate_weights) == [
         f"jax_ep_{op}" for op in ("dispatch", "combine", backward, "combine", "slot_values")]
+
+
+@pytest.mark.parametrize("processes", ["one", "several"])
+@pytest.mark.parametrize("wire", [None, "float8_e4m3fn"])
+def test_a_rematerialised_layer_runs_dispatch_again_unless_the_exchange_policy_keeps_it(
+        cuda_lowering, monkeypatch, processes, wire):
+    """The layer in a rematerialised residual block. In one process (no ordering effect) with no policy
+    its backward runs dispatch again; jax_ep.remat.policy() keeps dispatch's results (the FP8 wire's
+    e4m3 rows and scales: their dequantised copy is rebuilt without an exchange), alone, beside another
+    policy or offloaded, so the step issues the plain step's calls (keeping combine's output too changes
+    nothing: the block's backward does not read it). With several processes the calls carry the ordered
+    effect, whose results JAX always keeps (it never runs an effect twice): the plain calls, in one
+    order, with or without a policy; offloading them is refused there (jax cannot lower host offload
+    beside ordered effects)."""
+    from jax_ep import remat
+
+    several = processes == "several"
+    if several:   # one chain in program order
+        calls = functools.partial(assert_one_chain, what="rematerialised MoE layer step")
+    else:         # no effect: the calls in the lowered program's order
+        monkeypatch.setattr(ordering, "needed", _NEEDED)
+        calls = _lowered_calls
+    plain = [f"jax_ep_{op}" for op in LAYER_STEP_OPS]
+    assert calls(*_layer_step(KernelConfig(), remat="none", dispatch_dtype=wire)) == (
+        plain if several else plain[:2] + ["jax_ep_dispatch"] + plain[2:])
+    offload = remat.policy(save=(), offload=(remat.DISPATCH,))
+    for policy in (remat.policy(), remat.policy(base=jax.checkpoint_policies.dots_saveable),
+                   remat.policy(save=remat.NAMES)) + (() if several else (offload,)):
+        assert calls(*_layer_step(KernelConfig(), remat=policy, dispatch_dtype=wire)) == plain
+    if several:   # JAX keeps the effect's results on the device and cannot lower host offload beside it
+        with pytest.raises(EPUnsupportedError, match=r"host offload .* needs one process"):
+            calls(*_layer_step(KernelConfig(), remat=offload, dispatch_dtype=wire))
+
+
+@pytest.mark.parametrize("program", ["expert_major", "rank_major"])
+def test_rematerialised_ops_keep_their_results_by_name(cuda_lowering, monkeypatch, program):
+    """dispatch and combine (expert- and rank-major) in a rematerialised loss that reads combine's
+    output (one process, no effect): with no policy the backward runs both again; saving
+    jax_ep.remat.DISPATCH keeps dispatch (combine runs again); saving both NAMES runs neither again."""
+    from jax_ep import remat
+
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    x, idx, wts, w = _inputs()
+    loss = PROGRAMS[program](_cfg())
+
+    def calls(policy):
+        inner = loss if policy is None else jax.checkpoint(loss, policy=None if policy == "none" else policy)
+        # the loss's value too: with jax.grad alone the forward's own run is dead, only its rerun is left
+        step = jax.shard_map(jax.value_and_grad(inner, argnums=(0, 2, 3)), mesh=_mesh(), in_specs=P("ep"),
+                             out_specs=(P(), P("ep")), check_vma=False)
+        return _lowered_calls(step, x, idx, wts, w)
+
+    dispatch, combine = (("jax_ep_dispatch", "jax_ep_combine") if program == "expert_major" else
+                         ("jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major"))
+    plain = calls(None)
+    assert plain.count(dispatch) == 1 and plain.count(combine) >= 1, plain
+    again = calls("none")
+    assert sorted(again) == sorted(plain + [dispatch, combine]), (again, plain)
+    assert sorted(calls(remat.policy())) == sorted(plain + [combine])
+    assert sorted(calls(remat.policy(save=remat.NAMES))) == sorted(plain)
 
 
 @pytest.mark.parametrize("gate_weights, backward", [("auto", "broadcast"), ("combine", "combine_bwd")])

@@ -350,6 +350,31 @@ def test_moe_layer_shared_expert_split_beside_all_four_exchanges_gives_the_same_
                                             "combine_side"), rtol=1e-3)
 
 
+def test_moe_layer_rematerialised_with_the_exchange_policy_runs_no_exchange_again(ep_order):
+    """The layer under jax.checkpoint on the GPUs: with jax_ep.remat.policy() the compiled step holds the
+    plain step's EP calls (dispatch's results kept; one process without it runs dispatch again, with
+    the ordering effect JAX keeps them anyway) and its loss and gradients are the plain step's, within
+    rounding (the rerun's GEMMs may fuse differently)."""
+    from jax_ep import remat
+    from jax_ep.moe import EPOptions
+
+    def program(policy):
+        return layer_program(19, wrt_x=True, remat=policy, ep=EPOptions(backend="cuda"))
+
+    plain, bare, kept = program(None), program("none"), program(remat.policy())
+    hlo = [step.lower(*args).compile().as_text() for step, args in (plain, bare, kept)]
+    count = [h.count('"jax_ep_dispatch"') for h in hlo]
+    assert count[0] == 1 and count[2] == 1 and count[1] == (1 if ep_order else 2), count
+    (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, kept))
+    pairs = [("loss", l1, l2), ("d x", gx1, gx2)] + [
+        (jax.tree_util.keystr(path), a, b) for (path, a), (_, b) in
+        zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree_util.tree_leaves_with_path(g2), strict=True)]
+    for name, a, b in pairs:
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a.astype(np.float32)).max() > 0, name
+        assert rel_err(b, a) <= 1e-3, f"{name}: relative difference {rel_err(b, a):.3g}"
+
+
 def _assert_beside_same_step(plain, beside, side_targets, rtol: float | None = None) -> list[str]:
     """The two layer programs (layer_program(..., wrt_x=True)): the second holds each of `side_targets`
     as often as listed and a join per side call, in a schedule that reads no side call's results before
@@ -384,9 +409,10 @@ def layer_step(seed: int, **kw):
     return step(*args)
 
 
-def layer_program(seed: int, wrt_x: bool = False, **kw):
+def layer_program(seed: int, wrt_x: bool = False, remat=None, **kw):
     """(the jitted step, its arguments) of layer_step; wrt_x: the step differentiates the tokens too
-    (arguments (params, x), gradients (params', x's))."""
+    (arguments (params, x), gradients (params', x's)); remat: None, else the layer rematerialised with
+    that jax.checkpoint policy ("none": none)."""
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     hidden, ffn, experts, topk, tokens = 256, 384, 8 * mesh.size, 4, 512
     x = jax.device_put(jax.random.normal(jax.random.key(seed), (mesh.size * tokens, hidden), jnp.bfloat16),
@@ -395,9 +421,13 @@ def layer_program(seed: int, wrt_x: bool = False, **kw):
                 param_dtype=jnp.bfloat16, **kw)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
+    def layer(params, x):
+        return nnx.merge(graphdef, params, rest)(x, update_stats=False)
+    if remat is not None:
+        layer = jax.checkpoint(layer, policy=None if remat == "none" else remat)
+
     def loss(params, x):
-        out = nnx.merge(graphdef, params, rest)(x, update_stats=False)
-        return jnp.mean(out.astype(jnp.float32) ** 2)
+        return jnp.mean(layer(params, x).astype(jnp.float32) ** 2)
     if wrt_x:
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x)
     return jax.jit(jax.value_and_grad(loss)), (params, x)
