@@ -49,7 +49,8 @@ class LMConfig:
     backend: str = "auto"
     dispatch_dtype: str | None = None
     # each block rematerialised in the backward (nnx.remat), keeping dispatch's results
-    # (jax_ep.remat.policy(): the rerun holds no exchange)
+    # (jax_ep.remat.policy(): the rerun holds no exchange), its MoE without EPOptions.dy_in_place (whose
+    # buffer, the down GEMM's output, the rerun would compute again)
     remat: bool = False
 
 
@@ -62,7 +63,8 @@ class Block(nnx.Module):
         routing = RouterConfig(cfg.num_experts, cfg.num_topk, score_func=cfg.score_func,
                                num_groups=cfg.num_groups, topk_groups=cfg.topk_groups)
         self.moe = MoE(cfg.hidden, cfg.ffn_hidden, routing, rngs=rngs, mesh=mesh, axis_name=axis_name,
-                       ep=EPOptions(backend=cfg.backend, dispatch_dtype=cfg.dispatch_dtype),
+                       ep=EPOptions(backend=cfg.backend, dispatch_dtype=cfg.dispatch_dtype,
+                                    dy_in_place=not cfg.remat),
                        balancing=BalancingConfig(cfg.bias_update_rate, cfg.aux_loss_alpha),
                        shared_ffn_hidden=cfg.shared_ffn_hidden, dtype=cfg.moe_dtype)
 

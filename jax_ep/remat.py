@@ -10,10 +10,14 @@ reads the layer's output). The ops name their results with ``jax.ad_checkpoint.c
   ``dispatch_hierarchical``; the FP8 wire's e4m3 rows and scales, not their dequantised copy, which the
   backward rebuilds without an exchange).
 - ``COMBINE``: every combine's output (``combine``, ``combine_rank_major``, ``combine_hierarchical``).
+- ``GATE_UP``: the MoE layer's gate|up grouped GEMM output [C, 2F] (``moe.expert_block`` and the layer's
+  throughput path): kept with dispatch's results, the rerun holds no GEMM either (SwiGLU alone).
 
 ``policy()`` builds a ``jax.checkpoint`` policy that keeps them (or moves them to host memory) beside
 whatever another policy keeps. Keeping dispatch's results costs their bytes until the backward: the
-rows [C, H] at the capacity C (``EPConfig.capacity``), about C / T times the block's input. With several
+rows [C, H] at the capacity C (``EPConfig.capacity``), about C / T times the block's input. The layer's
+combine writes its backward into the down GEMM's output buffer (``EPOptions.dy_in_place``, the
+default), so a rerun computes that GEMM again unless ``dy_in_place=False``. With several
 processes the EP calls carry an ordered effect (``jax_ep.ordering``), and JAX never runs an effect again:
 it keeps their results with or without a policy (offloading them is refused there)."""
 
@@ -28,7 +32,8 @@ from jax_ep.errors import EPUnsupportedError, EPValueError
 
 DISPATCH = "jax_ep.dispatch"
 COMBINE = "jax_ep.combine"
-NAMES = (DISPATCH, COMBINE)
+GATE_UP = "jax_ep.gate_up"
+NAMES = (DISPATCH, COMBINE, GATE_UP)
 
 
 def named(tree, name: str):

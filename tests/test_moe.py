@@ -1017,19 +1017,22 @@ def _all_to_alls(step, *args) -> int:
     return jax.jit(step).lower(*args).compile().as_text().count(" all-to-all(")
 
 
-@pytest.mark.parametrize("policy", ["save", "offload"])
+@pytest.mark.parametrize("policy", ["save", "offload", "gate_up"])
 def test_a_rematerialised_layer_keeps_dispatch_by_the_exchange_policy(policy):
     """nnx.remat around the layer (a user's rematerialised block): the same step, loss, gradients and
     statistics as without it; without a policy its backward runs dispatch's exchange again (more
     all_to_alls in the compiled step), with jax_ep.remat.policy() it keeps dispatch's results (saved,
-    or offloaded to host memory and back) and runs exactly the exchanges of the plain step."""
+    or offloaded to host memory and back; "gate_up": with the gate|up GEMM's output, and
+    dy_in_place=False) and runs exactly the exchanges of the plain step."""
     from jax_ep import remat
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     x, target = random_tokens(41), random_tokens(42)
-    keep = remat.policy() if policy == "save" else remat.policy(save=(), offload=(remat.DISPATCH,))
+    keep = {"save": remat.policy(), "offload": remat.policy(save=(), offload=(remat.DISPATCH,)),
+            "gate_up": remat.policy(save=(remat.DISPATCH, remat.GATE_UP))}[policy]
+    ep = dict(dy_in_place=False) if policy == "gate_up" else None
 
     def run(wrap):
-        layer = make_layer(mesh, seed=11, shared_ffn_hidden=8)
+        layer = make_layer(mesh, seed=11, shared_ffn_hidden=8, ep=ep)
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def step(params, rest, x):

@@ -330,6 +330,28 @@ def test_a_rematerialised_layer_runs_dispatch_again_unless_the_exchange_policy_k
             calls(*_layer_step(KernelConfig(), remat=offload, dispatch_dtype=wire))
 
 
+@pytest.mark.parametrize("wire", [None, "float8_e4m3fn"])
+def test_a_rematerialised_layer_reruns_only_the_gemms_whose_outputs_it_does_not_keep(
+        cuda_lowering, monkeypatch, wire):
+    """The grouped GEMMs (here chlo.ragged_dot: no Hopper kernel on this lowering) of the rematerialised
+    layer's step, one process: the plain step has 6 (two forward, two input and two weight gradients).
+    Without a policy, or keeping dispatch's results only, the rerun holds both forward GEMMs: the
+    gate|up GEMM's output feeds SwiGLU's backward, the down GEMM's is the buffer combine's backward
+    writes into (EPOptions.dy_in_place). Keeping remat.GATE_UP too leaves the down GEMM; with
+    dy_in_place=False too, none."""
+    from jax_ep import remat
+
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+
+    def gemms(policy, **ep):
+        module = _lowered(*_layer_step(KernelConfig(), remat=policy, dispatch_dtype=wire, **ep))
+        return sum(o.name == "chlo.ragged_dot" for o in _walk(module.operation))
+
+    kept = remat.policy(save=(remat.DISPATCH, remat.GATE_UP))
+    assert [gemms(None), gemms("none"), gemms(remat.policy()), gemms(kept), gemms(kept, dy_in_place=False),
+            gemms("none", dy_in_place=False)] == [6, 8, 8, 7, 6, 7]
+
+
 @pytest.mark.parametrize("program", ["expert_major", "rank_major"])
 def test_rematerialised_ops_keep_their_results_by_name(cuda_lowering, monkeypatch, program):
     """dispatch and combine (expert- and rank-major) in a rematerialised loss that reads combine's
