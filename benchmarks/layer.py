@@ -204,7 +204,14 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            "ep_cuda_shared_split_side24": dict(backend="cuda", gemm="auto", shared_beside=True,
                                                shared_split=True, kernel=dict(side_num_sms=24)),
            "ep_cuda_shared_beside_side24": dict(backend="cuda", gemm="auto", shared_beside=True,
-                                                kernel=dict(side_num_sms=24))}
+                                                kernel=dict(side_num_sms=24)),
+           # the layer rematerialised (jax.checkpoint, as inside a rematerialised block; remat_policy):
+           # nothing kept (the backward reruns dispatch's exchange), dispatch's results kept
+           # (jax_ep.remat.policy()), and the gate|up GEMM's output too with combine's backward not in
+           # place (no GEMM in the rerun)
+           "jax_ep_remat": dict(backend="auto", gemm="auto", remat="none"),
+           "jax_ep_remat_dispatch": dict(backend="auto", gemm="auto", remat="dispatch"),
+           "jax_ep_remat_gate_up": dict(backend="auto", gemm="auto", remat="gate_up", dy_in_place=False)}
 # ... and the step compiled without XLA's command buffers (an async region inside one runs in series,
 # openxla/xla#48900): the forms that can overlap there, and the serial baseline timed the same way
 for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
@@ -221,7 +228,7 @@ NAMED_ONLY = ("plain_jax_cudnn", "ep_hier_reference", "ep_hier_cuda", "jax_ep_fp
               "jax_ep_shared_beside", "ep_cuda_shared_beside", "ep_cuda_sms24", "ep_cuda_shared_beside_sms24",
               "ep_cuda_wgrad_beside", "ep_cuda_wgrad_beside_side24", "ep_cuda_wgrad_beside_side12",
               "ep_cuda_both_beside_side24", "ep_cuda_shared_split_side24", "ep_cuda_shared_beside_side24",
-              "jax_ep_wgrad_beside_side24")
+              "jax_ep_wgrad_beside_side24", "jax_ep_remat", "jax_ep_remat_dispatch", "jax_ep_remat_gate_up")
 
 
 def best_of(fn, *args, iters: int, repeats: int, chain: bool = False,
@@ -580,20 +587,36 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     return layer, inputs
 
 
-def training_step(graphdef, rest):
+def remat_policy(name: str | None):
+    """The jax.checkpoint policy of a config's ``remat`` (None: the layer is not rematerialised): "none"
+    (JAX's default, nothing kept: the backward reruns the forward, dispatch's exchange included),
+    "dispatch" (``jax_ep.remat.policy()``: dispatch's results kept), "gate_up" (and the gate|up GEMM's
+    output)."""
+    from jax_ep import remat
+
+    return {None: None, "none": None, "dispatch": remat.policy(),
+            "gate_up": remat.policy(save=(remat.DISPATCH, remat.GATE_UP))}[name]
+
+
+def training_step(graphdef, rest, remat: str | None = None):
     """(step, quantise) of a layer split as nnx.split(layer, nnx.Param, ...): step(params, x, fp8=None)
     is one jitted training step (loss, gradients of the parameters and of x) with cached FP8 weights
     when given; x a tuple of micro-batches: their losses summed, as gradient accumulation does, in one
     program (each micro-batch's work free to run beside the others'). quantise(params) makes the FP8
-    weights (MoE.quantize_weights, once per optimiser step)."""
+    weights (MoE.quantize_weights, once per optimiser step). remat: the layer under jax.checkpoint with
+    ``remat_policy(remat)``, as a rematerialised block runs it (None: not)."""
+    def layer(params, xb, fp8):
+        return nnx.merge(graphdef, params, rest)(xb, update_stats=False, fp8_weights=fp8)
+    if remat is not None:
+        layer = jax.checkpoint(layer, policy=remat_policy(remat))
+
     @jax.jit
     def step(params, x, fp8=None):
         # d x too: inside a model the layer's input gradient feeds the layers below (without it XLA
         # drops the backward of dispatch and the expert GEMM feeding it)
         def loss(params, x):
-            model = nnx.merge(graphdef, params, rest)
             return functools.reduce(operator.add, (
-                jnp.mean(model(xb, update_stats=False, fp8_weights=fp8).astype(jnp.float32) ** 2)
+                jnp.mean(layer(params, xb, fp8).astype(jnp.float32) ** 2)
                 for xb in (x if isinstance(x, tuple) else (x,))))
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
@@ -614,7 +637,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     except ValueError as e:  # a config this machine cannot form (e.g. GPUs not a multiple of nodes)
         return dict(record, gemm="", step_ms=None, split_ms=None, error=str(e))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    step, quantise = training_step(graphdef, rest)
+    step, quantise = training_step(graphdef, rest, CONFIGS[config].get("remat"))
     record["gemm"] = layer_gemm_plans(layer, mesh, x[0] if isinstance(x, tuple) else x)
     record["ep_ops"] = layer_ep_plans(layer, tokens, ("dispatch", "combine"))
     record["gate_weights"] = layer.gate_weights   # "auto" resolved: "experts" flat, "combine" with nodes

@@ -292,6 +292,36 @@ def test_dy_zeroed_config_builds_the_layer_without_dy_in_place():
     assert "jax_ep_dy_zeroed" in layer.NAMED_ONLY
 
 
+def test_remat_configs_time_the_rematerialised_step_with_the_plain_steps_values(tmp_path):
+    """jax_ep_remat*: the layer under jax.checkpoint with each policy (benchmarks.layer.remat_policy), the
+    plain step's loss and gradients (every form reruns the forward's arithmetic as it was; one layer
+    without dy_in_place for all, which changes no value); the layer benchmark runs them (named only)
+    and records each as a moe_layer step."""
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from benchmarks import layer
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    shape = layer.LAYER_PRESETS["small"]
+    built, x = layer.layer_and_tokens(mesh, shape, "jax_ep_dy_zeroed")
+    graphdef, params, rest = nnx.split(built, nnx.Param, ...)
+    want = layer.training_step(graphdef, rest)[0](params, x)
+    for config in ("jax_ep_remat", "jax_ep_remat_dispatch", "jax_ep_remat_gate_up"):
+        assert config in layer.NAMED_ONLY
+        got = layer.training_step(graphdef, rest, layer.CONFIGS[config]["remat"])[0](params, x)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert np.abs(np.asarray(b, np.float32)).max() > 0
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5,
+                                       atol=1e-6, err_msg=config)
+    assert not layer.CONFIGS["jax_ep_remat_gate_up"]["dy_in_place"]
+    records = bench.main(["--layer", "--layer-shapes", "small", "--layer-configs",
+                          "jax_ep,jax_ep_remat_dispatch", "--iters", "1", "--repeats", "1",
+                          "--out", str(tmp_path / "remat.json")])
+    assert [r["config"] for r in records] == ["jax_ep", "jax_ep_remat_dispatch"]
+    assert all(r["op"] == "moe_layer" and r["step_ms"] > 0 for r in records)
+
+
 def test_layer_config_with_xla_swiglu():
     """jax_ep_xla_swiglu (named only): the defaults with MoE(swiglu_backend="xla"); jax_ep keeps "auto"."""
     from jax.sharding import Mesh

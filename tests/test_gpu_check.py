@@ -592,16 +592,18 @@ def test_skip_build_leaves_pip_out(tmp_path, skip):
 
 
 def test_issue38_ab_parts_name_known_layer_configs(tmp_path):
-    """SWEEP=overlap,gate,decode: one layer benchmark each (the training steps sustained), whose shape
-    and configs exist in benchmarks.layer (a renamed config would otherwise fail on the GPU machine);
-    decode times a decode shape with a shared expert, beside and not."""
+    """SWEEP=overlap,gate,decode,remat: one layer benchmark each (the training steps sustained), whose
+    shape and configs exist in benchmarks.layer (a renamed config would otherwise fail on the GPU
+    machine); decode times a decode shape with a shared expert, beside and not; remat the three
+    rematerialised forms beside the plain step."""
     from benchmarks import layer
 
-    rc, output, out, calls = run_check(tmp_path, gpus=2, SWEEP="overlap,gate,decode")
+    parts = ("overlap", "gate", "decode", "remat")
+    rc, output, out, calls = run_check(tmp_path, gpus=2, SWEEP=",".join(parts))
     assert rc == 0, output
     sweeps = [c for c in calls if "benchmarks" in c]
-    assert len(sweeps) == 3, sweeps
-    for part, call in zip(("overlap", "gate", "decode"), sweeps, strict=True):
+    assert len(sweeps) == len(parts), sweeps
+    for part, call in zip(parts, sweeps, strict=True):
         args = call.split()
         assert "--layer" in args and f"{out}/sweep_{part}.json" in call
         assert ("--sustain" in args) == (part != "decode")
@@ -610,6 +612,9 @@ def test_issue38_ab_parts_name_known_layer_configs(tmp_path):
             assert shape in layer.DECODE_SHAPES and shape in layer.SHARED_FFN, shape
             configs = set(args[args.index("--layer-configs") + 1].split(","))
             assert {"jax_ep", "jax_ep_shared_beside"} <= configs, configs
+        if part == "remat":
+            configs = args[args.index("--layer-configs") + 1].split(",")
+            assert configs[0] == "jax_ep" and all(layer.CONFIGS[c].get("remat") for c in configs[1:])
         shape = args[args.index("--layer-shapes") + 1]
         assert shape in layer.LAYER_PRESETS, shape
         configs = args[args.index("--layer-configs") + 1].split(",")

@@ -73,6 +73,10 @@
 #                 decode    issue 38 item 4: the decode forward (DeepSeek-V3, 128 tokens per rank, its shared
 #                           expert) with the shared expert beside ll_dispatch_send on jax_ep's side stream
 #                           (shared_beside) against the fused ll_dispatch; with SWEEP=ll's times of the ops
+#                 remat     the layer rematerialised (jax.checkpoint) without a policy (dispatch's exchange
+#                           rerun in the backward), keeping dispatch's results (jax_ep.remat.policy()) and
+#                           the gate|up GEMM's output too (dy_in_place off), against the plain step;
+#                           DeepSeek-V3 shape, sustained
 #                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
 #                        2 or more GPUs)
 #               SWEEP_EP=2,4 runs each part but pg once per EP size, on the first N GPUs
@@ -488,9 +492,11 @@ if [ -n "${SWEEP:-}" ]; then
                  --pull both --profile --iters 10 --repeats 3) ;;
       decode) cmd=("$PY" -m benchmarks --layer --layer-shapes deepseek_decode_shared --iters 10 --repeats 3
                    --layer-configs jax_ep,jax_ep_shared_beside,ep_cuda,ep_cuda_shared_beside) ;;
+      remat) cmd=("$PY" -m benchmarks --layer --profile --layer-shapes deepseek --iters 10 --repeats 3 --sustain 2
+                  --layer-configs jax_ep,jax_ep_remat,jax_ep_remat_dispatch,jax_ep_remat_gate_up) ;;
       pg) cmd=(env JAX_EP_TEST_EP_RANKS="$gpus" "$PY" -m jax_ep.launch --nproc "$gpus"
                --timeout $((lim > 30 ? lim - 10 : 20)) tests/gpu/process_group_worker.py) ;;
-      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, overlap, gate, pull, decode, pg)" | tee -a "$OUT/summary.txt"
+      *) echo "gpu_check: unknown SWEEP part '$part' (em, rm, ll, layer, overlap, gate, pull, decode, remat, pg)" | tee -a "$OUT/summary.txt"
          status=1; continue ;;
     esac
     if [ "$part" = pg ] && [ "$gpus" -lt 2 ]; then  # one process alone is process model 1
