@@ -42,7 +42,11 @@ chunks (``EPOptions(chunks=2)``: micro-batch 1's dispatch issued before micro-ba
 ``step_ms`` is the step's time per micro-batch (``micro_batches`` in the record). The same three with
 ``_nocb`` time the step compiled without XLA's command buffers (``command_buffers`` in the record):
 inside a command buffer an async region runs in series with the rest (openxla/xla#48900), so only there
-can the async forms hide anything.
+can the async forms hide anything. ``jax_ep_remat``, ``jax_ep_remat_dispatch`` and ``jax_ep_remat_gate_up``
+(only when named): the layer under ``jax.checkpoint`` (as in a rematerialised block) without a policy
+(its backward reruns dispatch's exchange), with ``jax_ep.remat.policy()`` (dispatch's results kept), and
+with the gate|up GEMM's output kept too and ``dy_in_place=False`` (no grouped GEMM in the rerun);
+``checkpoint`` in the config, ``checkpoint_policy``.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as plain
 dense dots of the same shapes on one device, timed in the same run. ``weight_floor_ms`` is the memory side
 of it: the bytes of weights a step must move per rank (W: the local experts' bf16 weights,
@@ -205,13 +209,14 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
                                                shared_split=True, kernel=dict(side_num_sms=24)),
            "ep_cuda_shared_beside_side24": dict(backend="cuda", gemm="auto", shared_beside=True,
                                                 kernel=dict(side_num_sms=24)),
-           # the layer rematerialised (jax.checkpoint, as inside a rematerialised block; remat_policy):
+           # the layer rematerialised (jax.checkpoint, as inside a rematerialised block; checkpoint_policy):
            # nothing kept (the backward reruns dispatch's exchange), dispatch's results kept
            # (jax_ep.remat.policy()), and the gate|up GEMM's output too with combine's backward not in
            # place (no GEMM in the rerun)
-           "jax_ep_remat": dict(backend="auto", gemm="auto", remat="none"),
-           "jax_ep_remat_dispatch": dict(backend="auto", gemm="auto", remat="dispatch"),
-           "jax_ep_remat_gate_up": dict(backend="auto", gemm="auto", remat="gate_up", dy_in_place=False)}
+           "jax_ep_remat": dict(backend="auto", gemm="auto", checkpoint="no_policy"),
+           "jax_ep_remat_dispatch": dict(backend="auto", gemm="auto", checkpoint="dispatch"),
+           "jax_ep_remat_gate_up": dict(backend="auto", gemm="auto", checkpoint="gate_up",
+                                        dy_in_place=False)}
 # ... and the step compiled without XLA's command buffers (an async region inside one runs in series,
 # openxla/xla#48900): the forms that can overlap there, and the serial baseline timed the same way
 for _name in ("jax_ep_mb2", "ep_cuda_async_mb2_free24", "ep_cuda_async_mb2_chunked_free24"):
@@ -587,28 +592,27 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     return layer, inputs
 
 
-def remat_policy(name: str | None):
-    """The jax.checkpoint policy of a config's ``remat`` (None: the layer is not rematerialised): "none"
-    (JAX's default, nothing kept: the backward reruns the forward, dispatch's exchange included),
-    "dispatch" (``jax_ep.remat.policy()``: dispatch's results kept), "gate_up" (and the gate|up GEMM's
-    output)."""
+def checkpoint_policy(name: str):
+    """The jax.checkpoint policy of a config's ``checkpoint``: "no_policy" (JAX's default, nothing kept:
+    the backward reruns the forward, dispatch's exchange included), "dispatch" (``jax_ep.remat.policy()``:
+    dispatch's results kept), "gate_up" (and the gate|up GEMM's output)."""
     from jax_ep import remat
 
-    return {None: None, "none": None, "dispatch": remat.policy(),
+    return {"no_policy": None, "dispatch": remat.policy(),
             "gate_up": remat.policy(save=(remat.DISPATCH, remat.GATE_UP))}[name]
 
 
-def training_step(graphdef, rest, remat: str | None = None):
+def training_step(graphdef, rest, checkpoint: str | None = None):
     """(step, quantise) of a layer split as nnx.split(layer, nnx.Param, ...): step(params, x, fp8=None)
     is one jitted training step (loss, gradients of the parameters and of x) with cached FP8 weights
     when given; x a tuple of micro-batches: their losses summed, as gradient accumulation does, in one
     program (each micro-batch's work free to run beside the others'). quantise(params) makes the FP8
-    weights (MoE.quantize_weights, once per optimiser step). remat: the layer under jax.checkpoint with
-    ``remat_policy(remat)``, as a rematerialised block runs it (None: not)."""
+    weights (MoE.quantize_weights, once per optimiser step). checkpoint: None, else the layer under
+    jax.checkpoint with ``checkpoint_policy(checkpoint)``, as a rematerialised block runs it."""
     def layer(params, xb, fp8):
         return nnx.merge(graphdef, params, rest)(xb, update_stats=False, fp8_weights=fp8)
-    if remat is not None:
-        layer = jax.checkpoint(layer, policy=remat_policy(remat))
+    if checkpoint is not None:
+        layer = jax.checkpoint(layer, policy=checkpoint_policy(checkpoint))
 
     @jax.jit
     def step(params, x, fp8=None):
@@ -637,7 +641,7 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
     except ValueError as e:  # a config this machine cannot form (e.g. GPUs not a multiple of nodes)
         return dict(record, gemm="", step_ms=None, split_ms=None, error=str(e))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    step, quantise = training_step(graphdef, rest, CONFIGS[config].get("remat"))
+    step, quantise = training_step(graphdef, rest, CONFIGS[config].get("checkpoint"))
     record["gemm"] = layer_gemm_plans(layer, mesh, x[0] if isinstance(x, tuple) else x)
     record["ep_ops"] = layer_ep_plans(layer, tokens, ("dispatch", "combine"))
     record["gate_weights"] = layer.gate_weights   # "auto" resolved: "experts" flat, "combine" with nodes

@@ -468,7 +468,8 @@ def _call(op: str, out_types, *args, kernel: KernelConfig | None = None, aliases
             attrs = {**attrs, "num_sms": np.int64(kernel.side_num_sms)}
         name = runtime.target(op, "side")
         call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)
-        outputs = ordering.ordered_call(lambda *a: call(*a, **attrs), *args, name=name)
+        # kept: never rerun by jax.checkpoint (a rerun would have no join), in one process too
+        outputs = ordering.kept_call(lambda *a: call(*a, **attrs), *args, name=name)
         # A side effect, or XLA drops it where nothing reads its token (overlap.JOIN_TOKEN says why the
         # token is not zero-sized).
         join = jax.ffi.ffi_call(runtime.target("side_join"), overlap.JOIN_TOKEN, vmap_method="sequential",
@@ -477,7 +478,7 @@ def _call(op: str, out_types, *args, kernel: KernelConfig | None = None, aliases
         # join keeps the operands alive, but not an aliased one: its buffer is a result's (a later use
         # of the operand would make XLA copy it before the call)
         kept = [a for i, a in enumerate(args) if i not in (aliases or {})]
-        return overlap.run_beside(work, outputs, kept, lambda *kept: ordering.ordered_call(
+        return overlap.run_beside(work, outputs, kept, lambda *kept: ordering.kept_call(
             join, *kept, name="jax_ep_side_join"))
     name = runtime.target(op, "uncaptured" if stream is not None else None)
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", input_output_aliases=aliases)

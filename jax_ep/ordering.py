@@ -25,7 +25,9 @@ When: only where several processes compile (``jax.process_count() > 1``: process
 several hosts). One process compiles one SPMD program for all of its devices, so every device runs the
 same schedule and the same sequence of programs; the calls are then issued without the effect
 (``needed``). Such a process must launch its EP programs from one thread, as the programs' order on
-every device then is the order in which that thread launches them.
+every device then is the order in which that thread launches them. Calls on jax_ep's side stream and
+their joins are bound with ``kept_call``: with the effect where it is needed, else with the unordered
+``EP_ISSUE`` alone, so that ``jax.checkpoint`` keeps their results instead of rerunning them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Callable
 import jax
 from jax import tree_util
 from jax._src import core, effects
+from jax._src.ffi import FfiEffect
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir.dialects import hlo
@@ -53,10 +56,11 @@ EP_ORDER = EPOrderEffect()
 
 
 class EPIssueEffect(effects.Effect):
-    """An unordered companion of EP_ORDER, for one reason: jax 0.10-0.11's ahead-of-time path
-    (``jit(f).lower(...).compile()``) installs its C++ fast path for an executable with ordered but
-    without unordered effects, and that path omits the runtime token: the second call of the compiled
-    function fails ("Execution supplied 1 arguments but compiled program expected 2", seen on
+    """An unordered companion of EP_ORDER (and, alone, the effect of ``kept_call`` in one process: a call
+    JAX never reruns under ``jax.checkpoint``). Beside EP_ORDER for one reason: jax 0.10-0.11's
+    ahead-of-time path (``jit(f).lower(...).compile()``) installs its C++ fast path for an executable
+    with ordered but without unordered effects, and that path omits the runtime token: the second call
+    of the compiled function fails ("Execution supplied 1 arguments but compiled program expected 2", seen on
     2x H200 with jax 0.11.2 and on CPU with 0.10.2). With an unordered effect too, every call takes
     the Python path, which passes the token (jit's own fast path is already off for ordered effects)."""
 
@@ -96,6 +100,19 @@ def ordered_call(fun: Callable, *args, name: str):
     process (``needed()`` false) it is ``fun(*args)`` itself."""
     if not needed():
         return fun(*args)
+    return _bind(fun, args, name, ordered=True)
+
+
+def kept_call(fun: Callable, *args, name: str):
+    """``fun(*args)`` as an EP call that JAX never runs twice: ``jax.checkpoint`` keeps its results for
+    the backward instead of rerunning it (JAX never reruns an effect). ``ordered_call``'s with several
+    processes; in one process bound with the unordered ``EP_ISSUE`` alone (no order, no runtime
+    token). What jax_ep's side-stream calls and their joins are (``jax_ep.overlap``): rerun in a
+    rematerialised backward without its join, a side call's results would be read before it ends."""
+    return _bind(fun, args, name, ordered=needed())
+
+
+def _bind(fun: Callable, args: tuple, name: str, *, ordered: bool):
     flat_args, in_tree = tree_util.tree_flatten(args)
     out_tree = []
 
@@ -106,7 +123,7 @@ def ordered_call(fun: Callable, *args, name: str):
         return flat_out
 
     closed = _trace(flat_fun, flat_args)
-    outs = ep_call_p.bind(*flat_args, jaxpr=closed, name=name)
+    outs = ep_call_p.bind(*flat_args, jaxpr=closed, name=name, ordered=ordered)
     return tree_util.tree_unflatten(out_tree[0], outs)
 
 
@@ -126,24 +143,29 @@ def _debug_info(fun, args):
     return api_util.debug_info("jax_ep.ordered_call", fun, args, {})
 
 
-def _abstract_eval(*avals, jaxpr: core.ClosedJaxpr, name: str):
+def _abstract_eval(*avals, jaxpr: core.ClosedJaxpr, name: str, ordered: bool):
     del avals, name
-    return jaxpr.out_avals, {EP_ORDER, EP_ISSUE, *jaxpr.effects}
+    # not a custom call's FFI effect (the side join's has_side_effect, which keeps it in XLA's
+    # program): jax.checkpoint refuses that effect, and EP_ISSUE keeps the call in the jaxpr instead
+    inner = {e for e in jaxpr.effects if not isinstance(e, FfiEffect)}
+    return jaxpr.out_avals, {EP_ISSUE, *inner} | ({EP_ORDER} if ordered else set())
 
 
 ep_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _impl(*args, jaxpr: core.ClosedJaxpr, name: str):
+def _impl(*args, jaxpr: core.ClosedJaxpr, name: str, ordered: bool):
     """Outside jit: run it as a jitted function (JAX threads the runtime token)."""
-    return jax.jit(lambda *a: ep_call_p.bind(*a, jaxpr=jaxpr, name=name))(*args)
+    return jax.jit(lambda *a: ep_call_p.bind(*a, jaxpr=jaxpr, name=name, ordered=ordered))(*args)
 
 
 ep_call_p.def_impl(_impl)
 
 
-def _lowering(ctx: mlir.LoweringRuleContext, *args, jaxpr: core.ClosedJaxpr, name: str):
+def _lowering(ctx: mlir.LoweringRuleContext, *args, jaxpr: core.ClosedJaxpr, name: str, ordered: bool):
     del name
+    if not ordered:   # kept_call in one process: the call itself
+        return mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
     token = ctx.tokens_in.get(EP_ORDER)
     flat_args, tree = mlir.ir_tree_registry.flatten(args)
     before = hlo.OptimizationBarrierOp([token, *flat_args])  # the operands wait for the token
@@ -162,18 +184,19 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args, jaxpr: core.ClosedJaxpr, nam
 mlir.register_lowering(ep_call_p, _lowering)
 
 
-def _batching(args, dims, *, jaxpr: core.ClosedJaxpr, name: str):
-    """vmap: one ordered call of the vmapped body (its custom calls batch as they declare)."""
+def _batching(args, dims, *, jaxpr: core.ClosedJaxpr, name: str, ordered: bool):
+    """vmap: one call of the vmapped body, bound as the call was (its custom calls batch as they
+    declare)."""
     fun = jax.vmap(core.jaxpr_as_fun(jaxpr), in_axes=tuple(dims), out_axes=0)
-    outs = ordered_call(fun, *args, name=name)
+    outs = _bind(fun, tuple(args), name, ordered=ordered)
     return outs, [0] * len(outs)
 
 
 batching.primitive_batchers[ep_call_p] = _batching
 
 
-def _jvp(primals, tangents, *, jaxpr: core.ClosedJaxpr, name: str):
-    del primals, tangents, jaxpr
+def _jvp(primals, tangents, *, jaxpr: core.ClosedJaxpr, name: str, ordered: bool):
+    del primals, tangents, jaxpr, ordered
     raise EPUnsupportedError(
         f"jax_ep: {name} has no derivative rule of its own: differentiate through the jax_ep op that "
         "issued it (dispatch, combine, their rank-major forms); the low-latency ops are forward-only")
@@ -191,7 +214,8 @@ def ep_calls(jaxpr) -> list[str]:
         j = getattr(j, "jaxpr", j)
         for eqn in j.eqns:
             if eqn.primitive is ep_call_p:
-                found.append(eqn.params["name"])
+                if eqn.params["ordered"]:   # (kept_call's in one process is not)
+                    found.append(eqn.params["name"])
                 continue
             for sub in core.jaxprs_in_params(eqn.params):
                 walk(sub)

@@ -21,13 +21,14 @@ latency-hiding scheduler or a scheduling group (one H200, 2026-12-02: ``tools/ov
 docs/benchmarks.md session 43). Here the order is data, which every XLA schedule keeps.
 
 Where it applies: the public ops ``dispatch``, ``combine``, ``ll_dispatch_send`` and ``ll_combine_send``
-called inside the block at the block's own trace level (e.g. both inside one ``shard_map`` body). Not
-differentiated, the block runs the op's forward function itself, so that fn is traced at the level it
-was written (inside the op's ``custom_vjp`` its result could not leave). Differentiated (``jax.grad`` of
-a function holding the block), the op and fn become one ``custom_vjp`` (``_differentiated``): the
-forward runs the op beside fn's forward, the backward runs the op's backward (dispatch's combine,
-combine's combine_bwd, or broadcast when unweighted) beside fn's backward; the same values and
-gradients. fn should leave the exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with
+called inside the block at the block's own trace level (e.g. both inside one ``shard_map`` body). The op
+and fn become one ``custom_vjp`` (``_differentiated``): not differentiated, its function runs the op's
+forward function beside fn; differentiated (now, or later: ``jax.checkpoint``, a ``lax.scan`` body or a
+``jit`` under ``grad`` trace the block before AD sees it), the forward runs the op beside fn's forward,
+the backward runs the op's backward (dispatch's combine, combine's combine_bwd, or broadcast when
+unweighted) beside fn's backward; the same values and gradients. The side call and its join are bound
+with ``ordering.kept_call``: ``jax.checkpoint`` never reruns them (a rerun would have no join).
+fn should leave the exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with
 ``KernelConfig(num_sms=...)`` for the exchange): a persistent GEMM on every SM leaves it none. In one
 process EP calls carry no ordering effect, so a side call's operands are ordered after the previous EP
 call traced at the same level and the next one's after its join (``after_previous``; a differentiated
@@ -55,7 +56,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
-from jax._src.interpreters import ad
 
 from jax_ep import vma
 
@@ -112,46 +112,55 @@ def claim() -> Beside | None:
 
 
 def primal(op):
-    """What a public op calls for its ``custom_vjp`` ``op``: the op itself; inside an open block its
-    forward function (``op.fun``), so that its call is traced at the block's level and can take the
-    work; differentiated inside an open block, ``_differentiated``: the op and fn as one custom_vjp."""
+    """What a public op calls for its ``custom_vjp`` ``op``: the op itself; inside an open block
+    ``_differentiated``: the op and fn as one custom_vjp, whose own forward (not differentiated) and
+    rules (differentiated) each run the op beside fn. Always that, not by the trace: a block traced
+    without AD may still be differentiated later (inside ``jax.checkpoint``, a ``lax.scan`` body or a
+    ``jit`` under ``grad``, the function is staged to a jaxpr first), and its side call must then have
+    a derivative (session 64: ``jax_ep_combine_side`` "cannot be differentiated" under remat)."""
     work = claim()
     if work is None:
         return op
-    if isinstance(core.trace_ctx.trace, (ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace))):
-        if not isinstance(op, jax.custom_vjp):
-            return op      # a forward-only op: its own error says so
-        return functools.partial(_differentiated, op, work)
-    return op.fun
+    return functools.partial(_differentiated, op, work)
 
 
 def _differentiated(op, work: Beside, *args):
     """``op(*args)`` and the block's ``fn(*work.args)`` as one custom_vjp, so that both directions
-    overlap: its forward runs the op's forward rule in a block of its own beside fn's forward
-    (``jax.vjp(fn)``), its backward runs the op's backward rule (e.g. dispatch's combine) beside fn's
-    backward. Each rule opens its block at its own trace level, where the op's kernels are traced.
-    Sets ``work.result`` and ``work.overlapped``; returns the op's outputs."""
+    overlap: not differentiated, its function runs the op's forward function (``op.fun``) in a block of
+    its own beside fn; differentiated, its forward rule runs the op's forward rule beside fn's forward
+    (``jax.vjp(fn)``) and its backward rule the op's backward rule (e.g. dispatch's combine) beside fn's
+    backward. Each opens its block at its own trace level, where the op's kernels are traced: that may
+    be a jaxpr of its own (a custom_vjp stages its function so), so the op's operands are ordered here,
+    at the caller's level, after the EP calls traced since the last join, as a side call's are, and
+    its outputs (which come out of the join) order the calls after it. Sets ``work.result`` and
+    ``work.overlapped``; returns the op's outputs."""
     work.taken = True
     leaves, tree = jax.tree.flatten(args)
     live = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
-    def run_op(*values):
+    def run(fun, *values):
         full = list(leaves)
         for i, value in zip(live, values, strict=True):
             full[i] = value
-        return op(*jax.tree.unflatten(tree, full))
+        return fun(*jax.tree.unflatten(tree, full))
 
-    fwd_block = []
+    run_op = functools.partial(run, op)
+    blocks = []
     fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(work.args)]   # (_summed_to)
 
     @jax.custom_vjp
     def both(op_in, fn_in):
-        return run_op(*op_in), work.fn(*fn_in)
+        # op.fun: its call traced at this block's level takes the work (the op's custom_vjp would
+        # stage it a level below)
+        with _block(work.fn, fn_in) as inner:
+            out = run(op.fun, *op_in)
+        blocks.append(inner)
+        return out, inner.result
 
     def fwd(op_in, fn_in):
         with _block(lambda *a: jax.vjp(work.fn, *a), fn_in) as inner:
             out, op_vjp = jax.vjp(run_op, *op_in)
-        fwd_block.append(inner)
+        blocks.append(inner)
         fn_out, fn_vjp = inner.result
         # the join's token: the backward's side call is ordered after it (the backward is traced
         # elsewhere, e.g. in the transposed shard_map's body, where after_previous cannot see it)
@@ -167,8 +176,13 @@ def _differentiated(op, work: Beside, *args):
         return tuple(op_cts), _summed_to(inner.result, fn_axes)
 
     both.defvjp(fwd, bwd)
-    out, work.result = both(tuple(leaves[i] for i in live), tuple(work.args))
-    work.overlapped = bool(fwd_block) and fwd_block[0].overlapped
+    op_in = after_previous(tuple(leaves[i] for i in live), side=True)
+    out, work.result = both(op_in, tuple(work.args))
+    # the block that ran now (the function's or, differentiated here, the forward rule's; a rule
+    # traced later runs as that function did)
+    work.overlapped = bool(blocks) and blocks[0].overlapped
+    if work.overlapped:
+        record(out, side=True)
     return out
 
 

@@ -3,31 +3,38 @@
 A rematerialised block runs its forward again in the backward to rebuild what the backward reads, and
 an MoE layer's backward reads dispatch's results (the rows, for the expert GEMMs' weight gradients, and
 the handle, for every backward exchange): without a policy that keeps them, the block's backward runs
-dispatch again, one exchange more per layer and step (and combine again where the block's backward
-reads the layer's output). The ops name their results with ``jax.ad_checkpoint.checkpoint_name``:
+dispatch again, one exchange more per layer and step (two on the hierarchical path; and combine again
+where the block's backward reads the layer's output). The ops name their results with
+``jax.ad_checkpoint.checkpoint_name``:
 
 - ``DISPATCH``: every dispatch's results (``dispatch``, ``dispatch_rank_major``, both stages of
   ``dispatch_hierarchical``; the FP8 wire's e4m3 rows and scales, not their dequantised copy, which the
   backward rebuilds without an exchange).
 - ``COMBINE``: every combine's output (``combine``, ``combine_rank_major``, ``combine_hierarchical``).
 - ``GATE_UP``: the MoE layer's gate|up grouped GEMM output [C, 2F] (``moe.expert_block`` and the layer's
-  throughput path): kept with dispatch's results, the rerun holds no GEMM either (SwiGLU alone).
+  throughput path).
 
-``policy()`` builds a ``jax.checkpoint`` policy that keeps them (or moves them to host memory) beside
-whatever another policy keeps. Keeping dispatch's results costs their bytes until the backward: the
-rows [C, H] at the capacity C (``EPConfig.capacity``), about C / T times the block's input. The layer's
-combine writes its backward into the down GEMM's output buffer (``EPOptions.dy_in_place``, the
-default), so a rerun computes that GEMM again unless ``dy_in_place=False``. With several
+``policy()`` builds a ``jax.checkpoint`` policy that keeps the named results (or moves them to host
+memory) beside what another policy keeps. Keeping dispatch's results costs their bytes until the
+backward: the rows [C, H] at the capacity C (``EPConfig.capacity``), about C / T times the block's
+input. What the layer's rerun then holds besides the router (docs/api.md): both grouped GEMMs' forwards
+with ``policy()`` (the gate|up GEMM's output feeds SwiGLU's backward; the down GEMM's is the buffer
+combine's backward writes into, ``EPOptions.dy_in_place``, the default, or what the weighted combine's
+backward reads, ``gate_weights="combine"``); none with ``GATE_UP`` kept too, ``dy_in_place=False`` and
+the gate weights in the experts. Checked mode's checks (``EPConfig.checked``) rerun. With several
 processes the EP calls carry an ordered effect (``jax_ep.ordering``), and JAX never runs an effect again:
-it keeps their results with or without a policy (offloading them is refused there)."""
+it keeps their results with or without a policy, and host offload is refused there. Calls on jax_ep's
+side stream are never rerun in one process either (``ordering.kept_call``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 import jax
+from jax._src.interpreters import partial_eval as pe
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_ep import ordering
 from jax_ep.errors import EPUnsupportedError, EPValueError
 
 DISPATCH = "jax_ep.dispatch"
@@ -43,10 +50,11 @@ def named(tree, name: str):
 
 def policy(save: Sequence[str] = (DISPATCH,), *, offload: Sequence[str] = (), base: Callable | None = None,
            offload_src: str = "device", offload_dst: str = "pinned_host") -> Callable:
-    """A ``jax.checkpoint`` policy: the exchanges' results named in ``save`` are kept for the backward,
-    those in ``offload`` are moved to ``offload_dst`` memory and back (``save_and_offload_only_these_
-    names``), and with ``base`` (another policy, e.g. ``jax.checkpoint_policies.dots_saveable``) whatever
-    it keeps is kept too. The default keeps dispatch's results: the backward runs no exchange again.
+    """A ``jax.checkpoint`` policy: the results named in ``save`` are kept for the backward, those in
+    ``offload`` are moved to ``offload_dst`` memory and back (JAX's
+    ``save_and_offload_only_these_names``), and with ``base`` (another policy, e.g.
+    ``jax.checkpoint_policies.dots_saveable``) what it keeps or offloads is kept or offloaded too. The
+    default keeps dispatch's results: the backward runs no exchange again.
 
     Example: ``nnx.remat(block, policy=jax_ep.remat.policy())``."""
     for what, names in (("save", save), ("offload", offload)):
@@ -55,30 +63,21 @@ def policy(save: Sequence[str] = (DISPATCH,), *, offload: Sequence[str] = (), ba
     if set(save) & set(offload):
         raise EPValueError(f"jax_ep.remat.policy: {sorted(set(save) & set(offload))} both saved and "
                            "offloaded")
-    cp = jax.checkpoint_policies
-    if offload:
-        ours = _one_process_only(cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=list(save), names_which_can_be_offloaded=list(offload),
-            offload_src=offload_src, offload_dst=offload_dst), offload)
-    else:
-        ours = cp.save_only_these_names(*save)
-    return ours if base is None else cp.save_from_both_policies(ours, base)
-
-
-def _one_process_only(offloading: Callable, offload) -> Callable:
-    """The offloading policy, refused (when a name it would offload is met) where the EP calls carry
-    the ordering effect (several processes, ``jax_ep.ordering``): JAX keeps an effect's results on the
-    device anyway (it never runs an effect twice), and jax 0.10-0.11 fails to lower host offload in a
-    program with ordered effects (a ValueError from safe_zip in mlir.lower_jaxpr_to_fun)."""
-    from jax_ep import ordering
+    ours = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(save), names_which_can_be_offloaded=list(offload),
+        offload_src=offload_src, offload_dst=offload_dst)
 
     def policy_fn(prim, *args, **params):
-        decision = offloading(prim, *args, **params)
-        if params.get("name") in offload and ordering.needed():
+        # JAX's save_from_both_policies takes boolean policies only (not an offloading one): its OR here
+        decision = pe.ensure_enum(ours(prim, *args, **params))
+        if isinstance(decision, pe.RecomputeType) and base is not None:
+            decision = pe.ensure_enum(base(prim, *args, **params))
+        if isinstance(decision, pe.Offloadable) and ordering.needed():
             raise EPUnsupportedError(
-                f"jax_ep.remat.policy(offload={tuple(offload)}): host offload of the exchanges' results "
-                "needs one process; with several processes the EP calls carry an ordered effect, whose "
-                "results JAX keeps on the device without a policy, and jax cannot lower host offload "
-                "beside ordered effects. Use remat.policy() (or no policy) there")
+                f"jax_ep.remat.policy: host offload (offload={tuple(offload)}, or base's) needs one "
+                "process: with several processes the EP calls carry an ordered effect (jax_ep.ordering), "
+                "and jax 0.10-0.11 cannot lower host offload in a program with ordered effects (the EP "
+                "calls' own results are kept on the device there without any policy: JAX never reruns "
+                "an effect). Save instead (remat.policy(save=...))")
         return decision
     return policy_fn

@@ -293,7 +293,7 @@ def test_dy_zeroed_config_builds_the_layer_without_dy_in_place():
 
 
 def test_remat_configs_time_the_rematerialised_step_with_the_plain_steps_values(tmp_path):
-    """jax_ep_remat*: the layer under jax.checkpoint with each policy (benchmarks.layer.remat_policy), the
+    """jax_ep_remat*: the layer under jax.checkpoint with each policy (layer.checkpoint_policy), the
     plain step's loss and gradients (every form reruns the forward's arithmetic as it was; one layer
     without dy_in_place for all, which changes no value); the layer benchmark runs them (named only)
     and records each as a moe_layer step."""
@@ -309,7 +309,7 @@ def test_remat_configs_time_the_rematerialised_step_with_the_plain_steps_values(
     want = layer.training_step(graphdef, rest)[0](params, x)
     for config in ("jax_ep_remat", "jax_ep_remat_dispatch", "jax_ep_remat_gate_up"):
         assert config in layer.NAMED_ONLY
-        got = layer.training_step(graphdef, rest, layer.CONFIGS[config]["remat"])[0](params, x)
+        got = layer.training_step(graphdef, rest, layer.CONFIGS[config]["checkpoint"])[0](params, x)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert np.abs(np.asarray(b, np.float32)).max() > 0
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5,

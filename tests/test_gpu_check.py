@@ -614,7 +614,7 @@ def test_issue38_ab_parts_name_known_layer_configs(tmp_path):
             assert {"jax_ep", "jax_ep_shared_beside"} <= configs, configs
         if part == "remat":
             configs = args[args.index("--layer-configs") + 1].split(",")
-            assert configs[0] == "jax_ep" and all(layer.CONFIGS[c].get("remat") for c in configs[1:])
+            assert configs[0] == "jax_ep" and all(layer.CONFIGS[c].get("checkpoint") for c in configs[1:])
         shape = args[args.index("--layer-shapes") + 1]
         assert shape in layer.LAYER_PRESETS, shape
         configs = args[args.index("--layer-configs") + 1].split(",")

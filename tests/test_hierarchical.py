@@ -284,7 +284,8 @@ def test_rematerialised_hierarchical_ops_keep_both_stages_by_name():
         return jnp.sum(out * out)
 
     def program(policy):
-        inner = loss if policy is None else jax.checkpoint(loss, policy=None if policy == "none" else policy)
+        inner = loss if policy is None else jax.checkpoint(
+            loss, policy=None if policy == "no_policy" else policy)
 
         def body(x, i, w):
             value, grads = jax.value_and_grad(inner, argnums=(0, 2))(x[0], i[0], w[0])
@@ -293,7 +294,7 @@ def test_rematerialised_hierarchical_ops_keep_both_stages_by_name():
         step = jax.jit(jax.shard_map(body, mesh=mesh2d(nodes, local), in_specs=(spec,) * 3, out_specs=spec))
         return step(x, idx, w), step.lower(x, idx, w).compile().as_text().count(" all-to-all(")
 
-    (plain, n_plain), (bare, n_bare), (kept, n_kept) = (program(p) for p in (None, "none",
+    (plain, n_plain), (bare, n_bare), (kept, n_kept) = (program(p) for p in (None, "no_policy",
                                                                             remat.policy(save=remat.NAMES)))
     assert n_bare > n_plain and n_kept == n_plain, (n_plain, n_bare, n_kept)
     for got, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain), strict=True):

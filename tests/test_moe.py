@@ -450,7 +450,8 @@ def test_tiny_lm_trains():
 
 def test_a_tiny_lm_with_rematerialised_blocks_trains_as_without():
     """LMConfig(remat=True): each block under nnx.remat with jax_ep.remat.policy(); the same losses, bias
-    balancing and expert loads over three optimiser steps as the plain model."""
+    balancing and expert loads over three SGD steps as the plain model (SGD: an update proportional to
+    the gradient, so rounding differences stay rounding differences)."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     batch = jnp.asarray(np.random.default_rng(5).integers(0, 16, (8, 17)), jnp.int32)
 
@@ -458,7 +459,7 @@ def test_a_tiny_lm_with_rematerialised_blocks_trains_as_without():
         cfg = LMConfig(hidden=32, num_heads=2, num_layers=2, ffn_hidden=32, num_experts=8,
                        backend="reference", bias_update_rate=1e-2, remat=remat)
         model = MoETransformerLM(cfg, rngs=nnx.Rngs(0), mesh=mesh)
-        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
 
         @nnx.jit
         def step(model, optimizer, batch):

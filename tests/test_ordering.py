@@ -253,10 +253,10 @@ def _cuda_layer(shared_beside: bool = False, kernel: KernelConfig | None = None,
                    param_dtype=jnp.bfloat16, shared_ffn_hidden=H if shared_beside else 0)
 
 
-def _layer_step(kernel, shared_beside: bool = False, remat=None, **ep):
+def _layer_step(kernel, shared_beside: bool = False, checkpoint=None, **ep):
     """(the MoE layer's training step, its params, its input x). shared_beside: with a shared expert
     beside the last combine (EPOptions.shared_beside); remat: None, else the residual block x + layer(x)
-    rematerialised with that jax.checkpoint policy ("none": none)."""
+    rematerialised: checkpoint None, else jax.checkpoint with that policy ("no_policy": none)."""
     from flax import nnx
 
     layer = _cuda_layer(shared_beside, kernel, **ep)
@@ -265,8 +265,8 @@ def _layer_step(kernel, shared_beside: bool = False, remat=None, **ep):
     def step(params, x):
         def block(params, x):
             return x + nnx.merge(graphdef, params, rest)(x, update_stats=False)
-        if remat is not None:
-            block = jax.checkpoint(block, policy=None if remat == "none" else remat)
+        if checkpoint is not None:
+            block = jax.checkpoint(block, policy=None if checkpoint == "no_policy" else checkpoint)
 
         def loss(params, x):
             return jnp.mean(block(params, x).astype(jnp.float32) ** 2)
@@ -319,15 +319,51 @@ def test_a_rematerialised_layer_runs_dispatch_again_unless_the_exchange_policy_k
         monkeypatch.setattr(ordering, "needed", _NEEDED)
         calls = _lowered_calls
     plain = [f"jax_ep_{op}" for op in LAYER_STEP_OPS]
-    assert calls(*_layer_step(KernelConfig(), remat="none", dispatch_dtype=wire)) == (
+    assert calls(*_layer_step(KernelConfig(), checkpoint="no_policy", dispatch_dtype=wire)) == (
         plain if several else plain[:2] + ["jax_ep_dispatch"] + plain[2:])
     offload = remat.policy(save=(), offload=(remat.DISPATCH,))
+    offload_beside_dots = remat.policy(save=(), offload=(remat.DISPATCH,),
+                                       base=jax.checkpoint_policies.dots_saveable)
     for policy in (remat.policy(), remat.policy(base=jax.checkpoint_policies.dots_saveable),
-                   remat.policy(save=remat.NAMES)) + (() if several else (offload,)):
-        assert calls(*_layer_step(KernelConfig(), remat=policy, dispatch_dtype=wire)) == plain
+                   remat.policy(save=remat.NAMES)) + (() if several else (offload, offload_beside_dots)):
+        assert calls(*_layer_step(KernelConfig(), checkpoint=policy, dispatch_dtype=wire)) == plain
     if several:   # JAX keeps the effect's results on the device and cannot lower host offload beside it
-        with pytest.raises(EPUnsupportedError, match=r"host offload .* needs one process"):
-            calls(*_layer_step(KernelConfig(), remat=offload, dispatch_dtype=wire))
+        for policy in (offload, remat.policy(base=jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+                "device", "pinned_host"))):
+            with pytest.raises(EPUnsupportedError, match=r"host offload .* needs one process"):
+                calls(*_layer_step(KernelConfig(), checkpoint=policy, dispatch_dtype=wire))
+    else:         # the kept rows really go to host memory and back
+        assert "pinned_host" not in str(_lowered(*_layer_step(KernelConfig(), checkpoint=remat.policy(),
+                                                               dispatch_dtype=wire)))
+        for policy in (offload, offload_beside_dots):
+            assert "pinned_host" in str(_lowered(*_layer_step(KernelConfig(), checkpoint=policy,
+                                                               dispatch_dtype=wire)))
+
+
+@pytest.mark.parametrize("processes", ["one", "several"])
+@pytest.mark.parametrize("overlap", ["shared_beside", "shared_split", "weight_grad_beside"])
+def test_a_rematerialised_layer_keeps_its_side_stream_calls(cuda_lowering, monkeypatch, processes, overlap):
+    """The layer's side-stream overlaps (EPOptions.shared_beside, shared_split, weight_grad_beside) in a
+    rematerialised block: they lower (a side call traced without AD inside jax.checkpoint still has a
+    derivative: overlap.primal), the side calls and joins are never rerun (ordering.kept_call: a rerun
+    would have no join), and with remat.policy() the step issues the plain step's calls; with no policy
+    in one process the rerun holds the plain dispatch where it is not a side call."""
+    from jax_ep import remat
+
+    several = processes == "several"
+    if several:
+        calls = functools.partial(assert_one_chain, what="rematerialised MoE layer step")
+    else:
+        monkeypatch.setattr(ordering, "needed", _NEEDED)
+        calls = _lowered_calls
+    ep = dict(shared_beside=overlap != "weight_grad_beside", shared_split=overlap == "shared_split",
+              weight_grad_beside=overlap == "weight_grad_beside")
+    kernel = KernelConfig(side_num_sms=24)
+    plain = calls(*_layer_step(kernel, **ep))
+    assert any(name.endswith("_side") for name in plain), plain
+    assert calls(*_layer_step(kernel, checkpoint=remat.policy(), **ep)) == plain
+    rerun = [] if several or overlap == "shared_split" else ["jax_ep_dispatch"]
+    assert sorted(calls(*_layer_step(kernel, checkpoint="no_policy", **ep))) == sorted(plain + rerun)
 
 
 @pytest.mark.parametrize("wire", [None, "float8_e4m3fn"])
@@ -344,12 +380,12 @@ def test_a_rematerialised_layer_reruns_only_the_gemms_whose_outputs_it_does_not_
     monkeypatch.setattr(ordering, "needed", _NEEDED)
 
     def gemms(policy, **ep):
-        module = _lowered(*_layer_step(KernelConfig(), remat=policy, dispatch_dtype=wire, **ep))
+        module = _lowered(*_layer_step(KernelConfig(), checkpoint=policy, dispatch_dtype=wire, **ep))
         return sum(o.name == "chlo.ragged_dot" for o in _walk(module.operation))
 
     kept = remat.policy(save=(remat.DISPATCH, remat.GATE_UP))
-    assert [gemms(None), gemms("none"), gemms(remat.policy()), gemms(kept), gemms(kept, dy_in_place=False),
-            gemms("none", dy_in_place=False)] == [6, 8, 8, 7, 6, 7]
+    assert [gemms(None), gemms("no_policy"), gemms(remat.policy()), gemms(kept),
+            gemms(kept, dy_in_place=False), gemms("no_policy", dy_in_place=False)] == [6, 8, 8, 7, 6, 7]
 
 
 @pytest.mark.parametrize("program", ["expert_major", "rank_major"])
@@ -364,7 +400,8 @@ def test_rematerialised_ops_keep_their_results_by_name(cuda_lowering, monkeypatc
     loss = PROGRAMS[program](_cfg())
 
     def calls(policy):
-        inner = loss if policy is None else jax.checkpoint(loss, policy=None if policy == "none" else policy)
+        inner = loss if policy is None else jax.checkpoint(
+            loss, policy=None if policy == "no_policy" else policy)
         # the loss's value too: with jax.grad alone the forward's own run is dead, only its rerun is left
         step = jax.shard_map(jax.value_and_grad(inner, argnums=(0, 2, 3)), mesh=_mesh(), in_specs=P("ep"),
                              out_specs=(P(), P("ep")), check_vma=False)
@@ -374,7 +411,7 @@ def test_rematerialised_ops_keep_their_results_by_name(cuda_lowering, monkeypatc
                          ("jax_ep_dispatch_rank_major", "jax_ep_combine_rank_major"))
     plain = calls(None)
     assert plain.count(dispatch) == 1 and plain.count(combine) >= 1, plain
-    again = calls("none")
+    again = calls("no_policy")
     assert sorted(again) == sorted(plain + [dispatch, combine]), (again, plain)
     assert sorted(calls(remat.policy())) == sorted(plain + [combine])
     assert sorted(calls(remat.policy(save=remat.NAMES))) == sorted(plain)

@@ -359,12 +359,38 @@ def test_moe_layer_rematerialised_with_the_exchange_policy_runs_no_exchange_agai
     from jax_ep.moe import EPOptions
 
     def program(policy):
-        return layer_program(19, wrt_x=True, remat=policy, ep=EPOptions(backend="cuda"))
+        return layer_program(19, wrt_x=True, checkpoint=policy, ep=EPOptions(backend="cuda"))
 
-    plain, bare, kept = program(None), program("none"), program(remat.policy())
+    plain, bare, kept = program(None), program("no_policy"), program(remat.policy())
     hlo = [step.lower(*args).compile().as_text() for step, args in (plain, bare, kept)]
     count = [h.count('"jax_ep_dispatch"') for h in hlo]
     assert count[0] == 1 and count[2] == 1 and count[1] == (1 if ep_order else 2), count
+    (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, kept))
+    pairs = [("loss", l1, l2), ("d x", gx1, gx2)] + [
+        (jax.tree_util.keystr(path), a, b) for (path, a), (_, b) in
+        zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree_util.tree_leaves_with_path(g2), strict=True)]
+    for name, a, b in pairs:
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a.astype(np.float32)).max() > 0, name
+        assert rel_err(b, a) <= 1e-3, f"{name}: relative difference {rel_err(b, a):.3g}"
+
+
+def test_moe_layer_rematerialised_with_its_shared_expert_split_keeps_the_side_calls(ep_order):
+    """EPOptions(shared_split=True) in a layer under jax.checkpoint with jax_ep.remat.policy() on the
+    GPUs: the compiled step holds the side calls and joins of the plain split step, once each (never
+    rerun: ordering.kept_call), reads no side call's results before its join, and gives its loss and
+    gradients within rounding."""
+    from jax_ep import remat
+    from jax_ep.moe import EPOptions
+
+    ep = EPOptions(backend="cuda", shared_beside=True, shared_split=True,
+                   kernel=jax_ep.KernelConfig(side_num_sms=24))
+    plain = layer_program(23, wrt_x=True, shared_ffn_hidden=256, ep=ep)
+    kept = layer_program(23, wrt_x=True, shared_ffn_hidden=256, ep=ep, checkpoint=remat.policy())
+    hlo = [step.lower(*args).compile().as_text() for step, args in (plain, kept)]
+    for target in ("dispatch_side", "combine_side", "broadcast_side", "side_join"):
+        assert hlo[1].count(f'"jax_ep_{target}"') == hlo[0].count(f'"jax_ep_{target}"') > 0, target
+    assert_side_results_read_after_join(hlo[1], "rematerialised")
     (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, kept))
     pairs = [("loss", l1, l2), ("d x", gx1, gx2)] + [
         (jax.tree_util.keystr(path), a, b) for (path, a), (_, b) in
@@ -409,10 +435,10 @@ def layer_step(seed: int, **kw):
     return step(*args)
 
 
-def layer_program(seed: int, wrt_x: bool = False, remat=None, **kw):
+def layer_program(seed: int, wrt_x: bool = False, checkpoint=None, **kw):
     """(the jitted step, its arguments) of layer_step; wrt_x: the step differentiates the tokens too
-    (arguments (params, x), gradients (params', x's)); remat: None, else the layer rematerialised with
-    that jax.checkpoint policy ("none": none)."""
+    (arguments (params, x), gradients (params', x's)); checkpoint: None, else the layer under
+    jax.checkpoint with that policy ("no_policy": none)."""
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     hidden, ffn, experts, topk, tokens = 256, 384, 8 * mesh.size, 4, 512
     x = jax.device_put(jax.random.normal(jax.random.key(seed), (mesh.size * tokens, hidden), jnp.bfloat16),
@@ -423,8 +449,8 @@ def layer_program(seed: int, wrt_x: bool = False, remat=None, **kw):
 
     def layer(params, x):
         return nnx.merge(graphdef, params, rest)(x, update_stats=False)
-    if remat is not None:
-        layer = jax.checkpoint(layer, policy=None if remat == "none" else remat)
+    if checkpoint is not None:
+        layer = jax.checkpoint(layer, policy=None if checkpoint == "no_policy" else checkpoint)
 
     def loss(params, x):
         return jnp.mean(layer(params, x).astype(jnp.float32) ** 2)
