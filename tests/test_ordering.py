@@ -366,6 +366,31 @@ def test_a_rematerialised_layer_keeps_its_side_stream_calls(cuda_lowering, monke
     assert sorted(calls(*_layer_step(kernel, checkpoint="no_policy", **ep))) == sorted(plain + rerun)
 
 
+@pytest.mark.parametrize("overlap", ["shared_beside", "shared_split"])
+def test_layers_scanned_under_grad_keep_their_side_stream_calls(cuda_lowering, overlap):
+    """Two layers as a lax.scan over stacked parameters, differentiated: the scan traces its body before
+    AD sees it, and the side calls there still have a derivative (overlap.primal) and lower, once in
+    the loop body."""
+    from flax import nnx
+
+    layer = _cuda_layer(True, KernelConfig(side_num_sms=24), shared_split=overlap == "shared_split")
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+
+    def step(stacked, x):
+        def loss(stacked, x):
+            def body(x, p):
+                return x + nnx.merge(graphdef, p, rest)(x, update_stats=False), None
+            return jnp.mean(jax.lax.scan(body, x, stacked)[0].astype(jnp.float32) ** 2)
+        return jax.value_and_grad(loss, argnums=(0, 1))(stacked, x)
+
+    joins = 4 if overlap == "shared_split" else 2
+    names = ordering.ep_calls(jax.make_jaxpr(step)(stacked, _inputs()[0]))   # in program order
+    assert names.count("jax_ep_side_join") == joins, names
+    text = str(_lowered(step, stacked, _inputs()[0]))   # (a loop: Dataflow does not follow it)
+    assert "stablehlo.while" in text and text.count("stablehlo.custom_call @jax_ep_side_join(") == joins
+
+
 @pytest.mark.parametrize("wire", [None, "float8_e4m3fn"])
 def test_a_rematerialised_layer_reruns_only_the_gemms_whose_outputs_it_does_not_keep(
         cuda_lowering, monkeypatch, wire):
