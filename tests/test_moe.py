@@ -3,6 +3,7 @@ on 1-D and 2-D (data x ep) meshes, with gradients, with and without an expert pl
 trains with falling loss."""
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -476,6 +477,49 @@ def test_a_tiny_lm_with_rematerialised_blocks_trains_as_without():
     assert plain[0][-1] < plain[0][0]
     for a, b in zip(kept[1] + kept[2], plain[1] + plain[2], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_layers_stacked_with_nnx_vmap_and_scanned_give_the_loop_bit_for_bit():
+    """Three layers made by nnx.vmap (their parameters stacked; partition metadata with the layer axis)
+    and run by nnx.scan inside a residual stream, as models scan their blocks: the loss, every
+    parameter's gradient and each layer's expert loads are those of the same three layers in a Python
+    loop, bit for bit."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    layers_n = 3
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def make(key):
+        return make_layer(mesh, seed=key, shared_ffn_hidden=8)
+
+    layers = make(jax.random.split(jax.random.key(3), layers_n))
+    graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+    singles = nnx.List([nnx.merge(graphdef, *jax.tree.map(operator.itemgetter(i), (params, rest)))
+                        for i in range(layers_n)])
+    x = random_tokens(43)
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def forward(layer, x):
+        return x + layer(x)
+
+    scanned = nnx.jit(lambda layers, x: nnx.value_and_grad(lambda m: jnp.mean(forward(m, x) ** 2))(layers))
+
+    def loop_loss(singles, x):
+        for layer in singles:
+            x = x + layer(x)
+        return jnp.mean(x ** 2)
+
+    looped = nnx.jit(lambda singles, x: nnx.value_and_grad(loop_loss)(singles, x))
+    (l1, g1), (l2, g2) = scanned(layers, x), looped(singles, x)
+    assert float(l1) == float(l2)
+    g1, g2 = nnx.state(g1, nnx.Param), nnx.state(g2, nnx.Param)
+    for name in ("router", "w_gate_up", "w_down"):
+        want = np.stack([np.asarray(g2[i][name][...]) for i in range(layers_n)])
+        assert np.abs(want).max() > 0, name
+        np.testing.assert_array_equal(np.asarray(g1[name][...]), want, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(layers.last_load[...]),
+                                  np.stack([np.asarray(m.last_load[...]) for m in singles]))
+    # the experts over the EP axis, the layer axis whole on each device
+    assert layers.w_gate_up[...].sharding.spec in (P(None, "ep"), P(None, "ep", None, None))
 
 
 # ---------------------------------------------------------------------------------------------------------
