@@ -230,8 +230,9 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
     (every token runs its chosen experts). Training step: the loss, output and d x of this rank's tokens,
     the gradients of this rank's experts (from every rank's tokens) and of the router and shared expert
     (from this rank's tokens), within 1e-4 of the dense norm; the shared expert beside combine and
-    dispatch's backward beside the weight gradient (jax_ep's side stream on 24 SMs) within 1e-5 of the
-    plain step (XLA fuses and autotunes their dots per program: bits may differ). Decode forward (the
+    dispatch's backward beside the weight gradient (jax_ep's side stream on 24 SMs), and the split shared
+    expert in a layer under jax.checkpoint (jax_ep.remat.policy()), within 1e-5 of the plain step (XLA
+    fuses and autotunes their dots per program: bits may differ). Decode forward (the
     low-latency ops; the wire and the routed output in bfloat16): within 1e-2 of the dense output, and
     with the shared expert beside ll_dispatch_send within 1e-5 of it. (backend "reference" runs the
     same check on CPU devices in one process, as rank 0.)"""
@@ -246,13 +247,22 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
     with jax.default_matmul_precision("highest"):
         for name, options in {"plain": {}, "shared_beside": {"shared_beside": True},
                               "shared_split": {"shared_beside": True, "shared_split": True},
-                              "weight_grad_beside": {"weight_grad_beside": True}}.items():
+                              "weight_grad_beside": {"weight_grad_beside": True},
+                              # the split under jax.checkpoint (its side calls never rerun)
+                              "shared_split_remat": {"shared_beside": True, "shared_split": True}}.items():
             graphdef, rest, tree, names, expert, host, stacked = _per_rank_layer(ranks, backend, **options)
             layer_of = functools.partial(_merged, graphdef, rest, tree, expert)
 
-            def body(leaves, x, ct, layer_of=layer_of):
+            def run(leaves, x, layer_of=layer_of):
+                return layer_of(leaves)(x, update_stats=False)
+            if name.endswith("_remat"):
+                from jax_ep import remat
+
+                run = jax.checkpoint(run, policy=remat.policy())
+
+            def body(leaves, x, ct, run=run):
                 def loss(leaves, x):
-                    out = layer_of(leaves)(x, update_stats=False)
+                    out = run(leaves, x)
                     return jnp.sum(out * ct), out
 
                 (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(leaves, x)
@@ -262,7 +272,7 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
             poison_device_memory(jax.local_devices(), 128 << 20)
             value, out, (grads, gx) = local(step(put_global(mesh, *stacked), *put_global(mesh, x, ct)))
             step_out[name] = (value, out, gx, grads)
-            if name != "weight_grad_beside":   # (a training option)
+            if name not in ("weight_grad_beside", "shared_split_remat"):   # (training options)
                 def decode(leaves, xd, layer_of=layer_of):
                     return layer_of(leaves)(xd, decode=True, update_stats=False)
 
@@ -292,7 +302,7 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
         checks.append((f"d {n}", g if ex else g[0], np.asarray(wa)[e] if ex else np.asarray(wm)))
     for what, g, w in checks:
         _assert_close(g, w, 1e-4, f"process {me} layer step {what}")
-    for name in ("shared_beside", "shared_split", "weight_grad_beside"):
+    for name in ("shared_beside", "shared_split", "weight_grad_beside", "shared_split_remat"):
         for i, (a, b) in enumerate(zip(jax.tree.leaves(step_out["plain"]), jax.tree.leaves(step_out[name]),
                                        strict=True)):
             _assert_close(b, a, 1e-5, f"process {me} layer step {name} vs plain, output {i}")
@@ -300,7 +310,7 @@ def check_layer(mesh, me, backend: str = "cuda") -> int:
     _assert_close(decode_out["shared_beside"], decode_out["plain"], 1e-5,
                   f"process {me} decode shared_beside vs plain")
     print(f"process {me}: layer OK ({len(checks)} arrays of the step and the decode output against the "
-          "dense layer; the step's two overlaps and decode's one within rounding)", flush=True)
+          "dense layer; the step's overlaps, rematerialised too, and decode's within rounding)", flush=True)
     return 4
 
 
