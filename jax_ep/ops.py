@@ -547,7 +547,8 @@ def _forward_only_op(op: str, cfg_argnum: int):
 
     def wrap(fn):
         wrapped = jax.custom_vjp(fn, nondiff_argnums=(cfg_argnum,))
-        wrapped.defvjp(lambda *args: (wrapped(*args), None), bwd)
+        # .fun: its call traced at the rule's level (where an open overlap block can take it)
+        wrapped.defvjp(lambda *args: (wrapped.fun(*args), None), bwd)
         return wrapped
     return wrap
 

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
+from jax._src.interpreters import ad
 
 from jax_ep import vma
 
@@ -129,14 +130,19 @@ def _differentiated(op, work: Beside, *args):
     overlap: not differentiated, its function runs the op's forward function (``op.fun``) in a block of
     its own beside fn; differentiated, its forward rule runs the op's forward rule beside fn's forward
     (``jax.vjp(fn)``) and its backward rule the op's backward rule (e.g. dispatch's combine) beside fn's
-    backward. Each opens its block at its own trace level, where the op's kernels are traced: that may
-    be a jaxpr of its own (a custom_vjp stages its function so), so the op's operands are ordered here,
-    at the caller's level, after the EP calls traced since the last join, as a side call's are, and
-    its outputs (which come out of the join) order the calls after it. Sets ``work.result`` and
-    ``work.overlapped``; returns the op's outputs."""
+    backward. Each opens its block at its own trace level, where the op's kernels are traced. Under AD
+    now, the forward rule runs at this level (its side call ordered here, as before 2026-12-04).
+    Otherwise the function is staged to a jaxpr of its own, where this level's calls are not seen: the
+    op's operands are then ordered here after the EP calls since the last join, as a side call's are,
+    and the join's token comes out to order the calls after it (both through ``_ordered``, which AD
+    passes straight through: a differentiated barrier would tie cotangents together). Sets
+    ``work.result`` and ``work.overlapped``; returns the op's outputs."""
     work.taken = True
     leaves, tree = jax.tree.flatten(args)
     live = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    # fn's arguments: its arrays go through the custom_vjp, anything else (e.g. an axis) is closed over
+    fn_leaves, fn_tree = jax.tree.flatten(work.args)
+    fn_live = [i for i, leaf in enumerate(fn_leaves) if isinstance(leaf, jax.Array)]
 
     def run(fun, *values):
         full = list(leaves)
@@ -144,46 +150,92 @@ def _differentiated(op, work: Beside, *args):
             full[i] = value
         return fun(*jax.tree.unflatten(tree, full))
 
+    def fn(*values):
+        full = list(fn_leaves)
+        for i, value in zip(fn_live, values, strict=True):
+            full[i] = value
+        return work.fn(*jax.tree.unflatten(fn_tree, full))
+
     run_op = functools.partial(run, op)
     blocks = []
-    fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(work.args)]   # (_summed_to)
+    fn_axes = [vma.varying_axes(fn_leaves[i]) for i in fn_live]   # (_summed_to)
+
+    def token_out():
+        """The join's token where the block's call went on the side stream, else a stand-in (the
+        custom_vjp's outputs have one structure)."""
+        token = last_join()
+        return jnp.zeros(JOIN_TOKEN.shape, JOIN_TOKEN.dtype) if token is None else token
 
     @jax.custom_vjp
     def both(op_in, fn_in):
         # op.fun: its call traced at this block's level takes the work (the op's custom_vjp would
         # stage it a level below)
-        with _block(work.fn, fn_in) as inner:
+        with _block(fn, fn_in) as inner:
             out = run(op.fun, *op_in)
         blocks.append(inner)
-        return out, inner.result
+        return out, inner.result, token_out()
 
     def fwd(op_in, fn_in):
-        with _block(lambda *a: jax.vjp(work.fn, *a), fn_in) as inner:
+        with _block(lambda *a: jax.vjp(fn, *a), fn_in) as inner:
             out, op_vjp = jax.vjp(run_op, *op_in)
         blocks.append(inner)
         fn_out, fn_vjp = inner.result
         # the join's token: the backward's side call is ordered after it (the backward is traced
         # elsewhere, e.g. in the transposed shard_map's body, where after_previous cannot see it)
-        return (out, fn_out), (op_vjp, fn_vjp, last_join())
+        token = last_join()
+        return (out, fn_out, token_out()), (op_vjp, fn_vjp, token)
 
     def bwd(res, cts):
         op_vjp, fn_vjp, token = res
-        ct_out, ct_fn = cts
+        ct_out, ct_fn, _ = cts
         if token is not None:
-            record(token, side=True)
+            record(token, side=True, keep_calls=True)
         with _block(fn_vjp, (ct_fn,)) as inner:
             op_cts = op_vjp(ct_out)
         return tuple(op_cts), _summed_to(inner.result, fn_axes)
 
     both.defvjp(fwd, bwd)
-    op_in = after_previous(tuple(leaves[i] for i in live), side=True)
-    out, work.result = both(op_in, tuple(work.args))
+    op_in = tuple(leaves[i] for i in live)
+    fn_in = tuple(fn_leaves[i] for i in fn_live)
+    ad_now = isinstance(core.trace_ctx.trace, _AD_TRACES)
+    if ad_now:   # the forward rule runs here: its side call and join are ordered and recorded here
+        out, result, _ = both(op_in, fn_in)
+    else:
+        before = _before_side_call()
+        out, result, token = both(_ordered(op_in, before) if before else op_in, fn_in)
     # the block that ran now (the function's or, differentiated here, the forward rule's; a rule
     # traced later runs as that function did)
     work.overlapped = bool(blocks) and blocks[0].overlapped
-    if work.overlapped:
-        record(out, side=True)
+    if work.overlapped and not ad_now:
+        # the token tied to the outputs (kept alive by them) marks the join for the calls after it
+        out, result = _ordered((out, result), [token])
+        record(token, side=True)
+    work.result = result
     return out
+
+
+# the traces of AD (jax.grad, jax.vjp, jax.jvp), under which a custom_vjp runs its forward rule at once
+_AD_TRACES = tuple({ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace)})
+
+
+@jax.custom_jvp
+def _ordered(args, after):
+    """``args`` after the values ``after`` (an optimization_barrier); differentiated, tangents pass
+    straight through: the barrier orders the forward's calls, and its transpose would tie unrelated
+    cotangents together (making gradients nobody asked for live, e.g. a dispatch's gate-weight
+    exchange)."""
+    args, _ = lax.optimization_barrier((args, after))
+    return args
+
+
+def _ordered_jvp(primals, tangents):
+    args, after = primals
+    return _ordered(args, after), tangents[0]
+
+
+# symbolic zeros: an argument nobody differentiates keeps a zero tangent that AD can drop (instantiated,
+# it would make its cotangent live, e.g. the gate weights' exchange where only d x is asked for)
+_ordered.defjvp(_ordered_jvp, symbolic_zeros=True)
 
 
 def chain(op: Callable, op_args: tuple, fn: Callable, fn_args: tuple):
@@ -248,52 +300,69 @@ def run_beside(work: Beside, outputs, inputs, join: Callable):
     return outputs
 
 
-# Per trace: the EP calls traced there since the last side call's join (the results of each), and
-# whether the entry is that join's token alone. Weakly held: a trace that ended drops out, and a call
-# none of whose results is still referenced is dropped from the program (nothing reads them), so it
-# needs no order.
+# Per trace: (the last side call's join, or None; the EP calls traced there since that join), each as
+# weak references to its results. Weakly held: a trace that ended drops out, and a call none of whose
+# results is still referenced is dropped from the program (nothing reads them), so it needs no order.
 _since: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def record(outputs, side: bool = False) -> None:
-    """Note an EP call's results among the last of its trace (cuda_backend._call and ``in_order``, every
-    call; run_beside the join's token with ``side``, which starts a new list)."""
+def record(outputs, side: bool = False, keep_calls: bool = False) -> None:
+    """Note an EP call's results at its trace (cuda_backend._call and ``in_order``, every call); with
+    ``side``, a join's token (run_beside, _differentiated), which becomes the trace's last join and
+    clears the calls before it (the join is after them: its side call was ordered after them), unless
+    ``keep_calls`` (a backward rule noting its forward's join, traced before this trace's calls)."""
     # (not a zero-element one, e.g. dispatch's absent scales: XLA makes it a constant, which orders nothing)
     leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array) and a.size > 0]
     trace = core.trace_ctx.trace
     if not leaves or isinstance(trace, core.EvalTrace):   # run eagerly: each call in program order
         return
-    calls, joined = _since.get(trace, ((), False))
-    kept = () if side or joined else tuple(c for c in calls if any(ref() is not None for ref in c))
-    _since[trace] = ((*kept, tuple(weakref.ref(a) for a in leaves)), side)
+    join, calls = _since.get(trace, (None, ()))
+    refs = tuple(weakref.ref(a) for a in leaves)
+    calls = tuple(c for c in calls if any(ref() is not None for ref in c))
+    if side:
+        _since[trace] = (refs, calls if keep_calls else ())
+    else:
+        _since[trace] = (join, (*calls, refs))
 
 
-def _since_join() -> tuple[list, bool]:
-    """(one live result of each call recorded at this trace since the last join, whether it is that
-    join's token)."""
-    calls, joined = _since.get(core.trace_ctx.trace, ((), False))
-    live = [next((v for v in (ref() for ref in call) if v is not None), None) for call in calls]
-    return [v for v in live if v is not None], joined
+def _live(refs) -> list:
+    """One live value of a recorded call (or join), or none."""
+    value = next((v for v in (ref() for ref in refs or ()) if v is not None), None)
+    return [] if value is None else [value]
+
+
+def _since_join() -> tuple[list, list]:
+    """(the last join's token if still live, one live result of each call recorded since) at this
+    trace."""
+    join, calls = _since.get(core.trace_ctx.trace, (None, ()))
+    return _live(join), [v for c in calls for v in _live(c)]
 
 
 def last_join():
     """The token of the last side call's join if it is the last EP call traced at this level, else None."""
-    values, joined = _since_join()
-    return values[0] if joined and values else None
+    join, calls = _since_join()
+    return join[0] if join and not calls else None
+
+
+def _before_side_call() -> list:
+    """What a side call traced at this level is ordered after: the last join and every call since."""
+    join, calls = _since_join()
+    return join + calls
 
 
 def after_previous(args, side: bool):
-    """``args`` ordered after the EP calls traced at this level since the last join, where this call is
-    a side call, or after that join, where the previous call was one. Why: in one process EP calls carry
-    no ordering effect (jax_ep.ordering) and two calls on one stream run in order whatever XLA
-    schedules, but a side call runs beside XLA's stream: a plain EP call that XLA scheduled between its
-    fork and its join would use the same buffers at once. (Calls of other traces, e.g. another jitted
-    function, are not ordered here; several processes order every call through the effect.)"""
-    values, joined = _since_join()
-    if not values or not (side or joined):
-        return args
-    args, _ = lax.optimization_barrier((args, values))
-    return args
+    """``args`` ordered after the last join traced at this level, and, where this call is a side call,
+    after every EP call traced there since. Why: in one process EP calls carry no ordering effect
+    (jax_ep.ordering) and two calls on one stream run in order whatever XLA schedules, but a side call
+    runs beside XLA's stream: a plain EP call that XLA scheduled between its fork and its join would use
+    the same buffers at once (every plain call after a join, not only the first: XLA may schedule two
+    independent ones either way). What it costs: a call traced before a side call runs even where its
+    results end up unused (e.g. in a backward that asks for d x only, the gate weights' exchange,
+    ``slot_values``, traced beside it). (Calls of other traces, e.g. another jitted function, are not
+    ordered here; several processes order every call through the effect.)"""
+    join, calls = _since_join()
+    values = join + calls if side else join
+    return _ordered(args, values) if values else args
 
 
 def in_order(op: Callable) -> Callable:
@@ -309,10 +378,10 @@ def in_order(op: Callable) -> Callable:
             leaves[i] = value
         args, kwargs = jax.tree.unflatten(tree, leaves)
         trace = core.trace_ctx.trace
-        before = _since.get(trace)
+        before = _since.get(trace, (None, ()))[0]
         out = op(*args, **kwargs)
-        now = _since.get(trace)
-        if now is before or not now[1]:   # a side call recorded its join: that orders what follows
+        join = _since.get(trace, (None, ()))[0]
+        if join is None or join is before:   # else a side call recorded its join: that orders what follows
             record(out)
         return out
 

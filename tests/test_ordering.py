@@ -136,6 +136,7 @@ class Dataflow:
         from jax._src.lib.mlir import ir
 
         self.ir = ir
+        self.module = module   # held: its ops die with it (a freed module's ops crashed MLIR's bindings)
         top = module.operation
         self.funcs = {str(f.attributes["sym_name"]).strip('"'): f for f in _walk(top)
                       if f.name == "func.func"}
@@ -563,6 +564,72 @@ def test_one_process_orders_a_side_call_after_every_call_since_the_last_join(cud
     assert 0 not in flow.ancestors(flow.calls[1])   # the plain calls themselves stay unordered
 
 
+def assert_nothing_beside_a_side_call(flow: Dataflow, what: str) -> None:
+    """No EP call of the lowered program can run while a side call runs (between the side call and its
+    join; on the same buffers): every other call is an ancestor of the side call or depends on its join
+    (the first join depending on it)."""
+    names = [flow.name(c) for c in flow.calls]
+    deps = [flow.ancestors(c) for c in flow.calls]
+    for s, name in enumerate(names):
+        if not name.endswith("_side"):
+            continue
+        joins = [j for j, n in enumerate(names) if n == "jax_ep_side_join" and s in deps[j]]
+        assert joins, (what, name)
+        join = min(joins, key=lambda j: len(deps[j]))
+        for c in range(len(names)):
+            if c not in (s, join):
+                assert c in deps[s] or join in deps[c], (
+                    f"{what}: {names[c]} (call {c}) may run beside {name} (call {s}): {names}")
+
+
+@pytest.mark.parametrize("differentiated", [False, True])
+def test_one_process_orders_every_call_after_a_join_and_the_backward_side_call_after_its_plain_calls(
+        cuda_lowering, monkeypatch, differentiated):
+    """combine beside other work whose results are dropped (only the work's result read), then two
+    independent dispatches: both wait for the join (not only the first; XLA may schedule two
+    independent calls either way), forward and, differentiated in x only, backward (the backward's side
+    call after the plain backward calls before it)."""
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    from jax_ep import overlap
+
+    cfg = _cfg()
+
+    def body(x, idx, wts):
+        d1 = jax_ep.dispatch(x, idx, wts, cfg)
+        with overlap.beside(jnp.sin, x.astype(jnp.float32)) as work:
+            jax_ep.combine(d1.x, d1.handle, cfg)            # its results dropped
+        d3 = jax_ep.dispatch(x * 3, idx, wts, cfg)
+        d4 = jax_ep.dispatch(x * 5, idx, wts, cfg)
+        total = sum(jnp.sum(a.astype(jnp.float32)) for a in (d3.x, d4.x, work.result))
+        return jax.lax.psum(total, "ep")
+
+    x, idx, wts, _ = _inputs()
+    fn = jax.shard_map(body, mesh=_mesh(), in_specs=P("ep"), out_specs=P())
+    if differentiated:
+        fn = jax.grad(fn)
+    flow = Dataflow(_lowered(fn, x, idx, wts))
+    names = [flow.name(c) for c in flow.calls]
+    assert names.count("jax_ep_combine_side") == 1 and names.count("jax_ep_dispatch") == 3, names
+    assert_nothing_beside_a_side_call(flow, "dispatch beside dropped work")
+
+
+@pytest.mark.parametrize("checkpoint", [None, "policy", "no_policy"])
+@pytest.mark.parametrize("overlap", ["shared_beside", "shared_split", "weight_grad_beside"])
+def test_one_process_runs_no_ep_call_beside_a_layer_side_call(cuda_lowering, monkeypatch, overlap,
+                                                              checkpoint):
+    """The layer's training step with each side-stream overlap, plain and rematerialised, in one
+    process: no EP call can run between a side call and its join."""
+    from jax_ep import remat
+
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    ep = dict(shared_beside=overlap != "weight_grad_beside", shared_split=overlap == "shared_split",
+              weight_grad_beside=overlap == "weight_grad_beside")
+    policy = {None: None, "policy": remat.policy(), "no_policy": "no_policy"}[checkpoint]
+    flow = Dataflow(_lowered(*_layer_step(KernelConfig(side_num_sms=24), checkpoint=policy, **ep)))
+    assert any(flow.name(c).endswith("_side") for c in flow.calls)
+    assert_nothing_beside_a_side_call(flow, f"{overlap}, checkpoint {checkpoint}")
+
+
 def test_a_call_whose_results_are_dropped_leaves_the_list():
     """A call none of whose results is referenced any more is dropped from its trace's list at the next
     record (it is dropped from the program too: no order needed), so the list of a long program does not
@@ -577,7 +644,7 @@ def test_a_call_whose_results_are_dropped_leaves_the_list():
         kept = jax_ep.dispatch(x, idx, wts, cfg)
         for _ in range(4):
             jax_ep.dispatch(x, idx, wts, cfg)       # results dropped at once
-            lengths.append(len(overlap._since[jax._src.core.trace_ctx.trace][0]))
+            lengths.append(len(overlap._since[jax._src.core.trace_ctx.trace][1]))
         return kept.x
 
     jax.make_jaxpr(jax.shard_map(body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep")))(x, idx, wts)
