@@ -441,6 +441,7 @@ def _call(op: str, out_types, *args, kernel: KernelConfig | None = None, aliases
     with independent work on the compute stream; None: on the compute stream, in program order. Inside
     ``jax_ep.overlap``'s block, on jax_ep's side stream on ``side_num_sms`` SMs.
     ``aliases``: ffi_call's input_output_aliases {operand: result} (one buffer for both)."""
+    overlap.check_not_beside(op)
     kernel = kernel or KernelConfig()
     stream = kernel.async_stream
     # What the call site will reserve when instantiated (xla_ffi/: handler_util.h DataOpInstantiate,

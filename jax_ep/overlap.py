@@ -30,10 +30,15 @@ unweighted) beside fn's backward; the same values and gradients. The side call a
 with ``ordering.kept_call``: ``jax.checkpoint`` never reruns them (a rerun would have no join).
 fn should leave the exchange SMs (e.g. ``grouped_matmul(num_sms=...)`` with
 ``KernelConfig(num_sms=...)`` for the exchange): a persistent GEMM on every SM leaves it none. In one
-process EP calls carry no ordering effect, so a side call's operands are ordered after the previous EP
-call traced at the same level and the next one's after its join (``after_previous``; a differentiated
-call's backward side call after its forward's join, whose token it keeps as a residual); an EP call
-traced elsewhere (another jitted function) must depend on the block's results. When no call takes the
+process EP calls carry no ordering effect, so a side call's operands are ordered after every EP call
+traced at the same level since the last join, and every later call's after its join (``after_previous``;
+a differentiated
+call's backward side call after its forward's join, whose token it keeps as a residual, and the
+backward's calls traced before it). Not ordered against a side call: EP calls of other traces, i.e.
+another jitted function or ``shard_map`` (e.g. a second, independent MoE layer in one step), calls
+outside a ``jax.checkpoint`` holding the block, and forward calls that the backward does not depend
+on: they must depend on the block's results (or run with several processes, whose ordered effect
+orders every call). An EP call inside fn is refused (``check_not_beside``). When no call takes the
 work (the reference backend, an op without a side twin, ``KernelConfig.async_stream`` set),
 ``fn(*args)`` runs at the block's end, after everything in it, and ``work.overlapped`` is False.
 
@@ -58,7 +63,8 @@ from jax import lax
 from jax._src import core
 from jax._src.interpreters import ad
 
-from jax_ep import vma
+from jax_ep import ordering, vma
+from jax_ep.errors import EPUnsupportedError
 
 _pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
 
@@ -130,13 +136,13 @@ def _differentiated(op, work: Beside, *args):
     overlap: not differentiated, its function runs the op's forward function (``op.fun``) in a block of
     its own beside fn; differentiated, its forward rule runs the op's forward rule beside fn's forward
     (``jax.vjp(fn)``) and its backward rule the op's backward rule (e.g. dispatch's combine) beside fn's
-    backward. Each opens its block at its own trace level, where the op's kernels are traced. Under AD
-    now, the forward rule runs at this level (its side call ordered here, as before 2026-12-04).
-    Otherwise the function is staged to a jaxpr of its own, where this level's calls are not seen: the
-    op's operands are then ordered here after the EP calls since the last join, as a side call's are,
-    and the join's token comes out to order the calls after it (both through ``_ordered``, which AD
-    passes straight through: a differentiated barrier would tie cotangents together). Sets
-    ``work.result`` and ``work.overlapped``; returns the op's outputs."""
+    backward. Each opens its block at its own trace level, where the op's kernels are traced: a jaxpr of
+    its own where the function is staged (a custom_vjp stages it so; so does AD for a call whose inputs
+    all have zero tangents), where this level's calls are not seen. So the op's operands are ordered
+    here after the EP calls since the last join, as a side call's are, and the join's token comes out to
+    order the calls after it (both through ``_ordered``, which AD passes straight through: a
+    differentiated barrier would tie cotangents together). Sets ``work.result`` and
+    ``work.overlapped``; returns the op's outputs."""
     work.taken = True
     leaves, tree = jax.tree.flatten(args)
     live = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
@@ -197,25 +203,17 @@ def _differentiated(op, work: Beside, *args):
     both.defvjp(fwd, bwd)
     op_in = tuple(leaves[i] for i in live)
     fn_in = tuple(fn_leaves[i] for i in fn_live)
-    ad_now = isinstance(core.trace_ctx.trace, _AD_TRACES)
-    if ad_now:   # the forward rule runs here: its side call and join are ordered and recorded here
-        out, result, _ = both(op_in, fn_in)
-    else:
-        before = _before_side_call()
-        out, result, token = both(_ordered(op_in, before) if before else op_in, fn_in)
+    before = _before_side_call()
+    out, result, token = both(_ordered(op_in, before) if before else op_in, fn_in)
     # the block that ran now (the function's or, differentiated here, the forward rule's; a rule
     # traced later runs as that function did)
     work.overlapped = bool(blocks) and blocks[0].overlapped
-    if work.overlapped and not ad_now:
+    if work.overlapped and not ordering.needed():
         # the token tied to the outputs (kept alive by them) marks the join for the calls after it
         out, result = _ordered((out, result), [token])
         record(token, side=True)
     work.result = result
     return out
-
-
-# the traces of AD (jax.grad, jax.vjp, jax.jvp), under which a custom_vjp runs its forward rule at once
-_AD_TRACES = tuple({ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace)})
 
 
 @jax.custom_jvp
@@ -284,6 +282,21 @@ def _add_cotangents(a, b):
     return a if a.dtype == jax.dtypes.float0 else a + b.astype(a.dtype)
 
 
+# set while fn is traced beside a side call (run_beside): an EP call there would run between the side
+# call and its join, on the same buffers (check_not_beside)
+_beside_a_side_call: contextvars.ContextVar[bool] = contextvars.ContextVar("jax_ep_beside", default=False)
+
+
+def check_not_beside(op: str) -> None:
+    """Refuses an EP call traced inside the work of a block whose exchange is on the side stream
+    (cuda_backend._call, every CUDA call)."""
+    if _beside_a_side_call.get():
+        raise EPUnsupportedError(
+            f"jax_ep.{op}: called inside the work of jax_ep.overlap.beside, which runs while the block's "
+            "exchange is on jax_ep's side stream; the two would use the same EP buffers at once: call it "
+            "before or after the block")
+
+
 def run_beside(work: Beside, outputs, inputs, join: Callable):
     """After a side call: ``work.fn`` ordered after it, then ``join(*buffers)`` (the jax_ep_side_join
     custom call, returning a token), then the call's outputs and fn's result ordered after the join.
@@ -291,7 +304,11 @@ def run_beside(work: Beside, outputs, inputs, join: Callable):
     work.taken = work.overlapped = True
     first = jax.tree.leaves(outputs)[0]
     args, _ = lax.optimization_barrier((work.args, first))
-    result = work.fn(*args)
+    reset = _beside_a_side_call.set(True)
+    try:
+        result = work.fn(*args)
+    finally:
+        _beside_a_side_call.reset(reset)
     kept = [a for a in jax.tree.leaves((inputs, outputs, result)) if isinstance(a, jax.Array)]
     token = join(*kept)
     outputs, result, _ = lax.optimization_barrier((outputs, result, token))
@@ -312,7 +329,7 @@ def record(outputs, side: bool = False, keep_calls: bool = False) -> None:
     clears the calls before it (the join is after them: its side call was ordered after them), unless
     ``keep_calls`` (a backward rule noting its forward's join, traced before this trace's calls)."""
     # (not a zero-element one, e.g. dispatch's absent scales: XLA makes it a constant, which orders nothing)
-    leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array) and a.size > 0]
+    leaves = [_primal(a) for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array) and a.size > 0]
     trace = core.trace_ctx.trace
     if not leaves or isinstance(trace, core.EvalTrace):   # run eagerly: each call in program order
         return
@@ -320,9 +337,21 @@ def record(outputs, side: bool = False, keep_calls: bool = False) -> None:
     refs = tuple(weakref.ref(a) for a in leaves)
     calls = tuple(c for c in calls if any(ref() is not None for ref in c))
     if side:
-        _since[trace] = (refs, calls if keep_calls else ())
+        # keep_calls: the calls since and this trace's own join, both traced before the rule's calls
+        _since[trace] = (refs, ((*calls, join) if join else calls) if keep_calls else ())
     else:
         _since[trace] = (join, (*calls, refs))
+
+
+def _primal(a):
+    """An AD tracer's primal value (a weak reference to the tracer would die while its primal, which the
+    program keeps, lives on)."""
+    while isinstance(a, _AD_TRACERS):
+        a = a.primal
+    return a
+
+
+_AD_TRACERS = tuple({ad.JVPTracer, getattr(ad, "LinearizeTracer", ad.JVPTracer)})
 
 
 def _live(refs) -> list:
@@ -345,7 +374,10 @@ def last_join():
 
 
 def _before_side_call() -> list:
-    """What a side call traced at this level is ordered after: the last join and every call since."""
+    """What a side call traced at this level is ordered after: the last join and every call since (none
+    where the ordered effect orders every call)."""
+    if ordering.needed():
+        return []
     join, calls = _since_join()
     return join + calls
 
@@ -360,6 +392,8 @@ def after_previous(args, side: bool):
     results end up unused (e.g. in a backward that asks for d x only, the gate weights' exchange,
     ``slot_values``, traced beside it). (Calls of other traces, e.g. another jitted function, are not
     ordered here; several processes order every call through the effect.)"""
+    if ordering.needed():   # the ordered effect orders every EP call already (and keeps dead ones dead)
+        return args
     join, calls = _since_join()
     values = join + calls if side else join
     return _ordered(args, values) if values else args

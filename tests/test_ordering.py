@@ -613,6 +613,65 @@ def test_one_process_orders_every_call_after_a_join_and_the_backward_side_call_a
     assert_nothing_beside_a_side_call(flow, "dispatch beside dropped work")
 
 
+def _total(*arrays):
+    return jax.lax.psum(sum(jnp.sum(a.astype(jnp.float32)) for a in arrays), "ep")
+
+
+@pytest.mark.parametrize("case", ["two_blocks", "unrelated_grad", "stopped_before"])
+def test_one_process_runs_no_ep_call_beside_a_side_call_in_differentiated_programs(
+        cuda_lowering, monkeypatch, case):
+    """Counterexamples of a review (2026-12-04), one process, differentiated: two independent blocks (the
+    second block's backward keeps the first's join), a block whose inputs carry no tangent (grad in an
+    unrelated argument: AD stages the block's custom_vjp into a jaxpr of its own), and a dispatch of
+    stopped gradients before a block: no EP call can run between a side call and its join. (Not after
+    the block: the backward is traced apart from the forward, and a forward call it does not depend on
+    is not ordered against its side call; overlap's module doc says which calls are not.)"""
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    from jax_ep import overlap
+
+    cfg = _cfg()
+    sg = jax.lax.stop_gradient
+
+    def body(a, x, idx, wts):
+        d1 = jax_ep.dispatch(x, idx, wts, cfg)
+        d0 = jax_ep.dispatch(sg(x) * 2, idx, sg(wts), cfg) if case == "stopped_before" else None
+        with overlap.beside(jnp.sin, x.astype(jnp.float32)) as w1:
+            c1 = jax_ep.combine(d1.x, d1.handle, cfg)
+        parts = [c1, w1.result] + ([d0.x] if d0 is not None else [])
+        if case == "two_blocks":
+            d2 = jax_ep.dispatch(x * 2, idx, wts, cfg)
+            with overlap.beside(jnp.cos, x.astype(jnp.float32)) as w2:
+                parts += [jax_ep.combine(d2.x, d2.handle, cfg), w2.result]
+        if case == "unrelated_grad":
+            parts += [jax_ep.dispatch(x * a, idx, wts, cfg).x, jax_ep.dispatch(x * 5, idx, wts, cfg).x]
+        return _total(*parts)
+
+    x, idx, wts, _ = _inputs()
+    fn = jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P("ep"), P("ep"), P("ep")), out_specs=P())
+    fn = jax.value_and_grad(fn, argnums=0 if case == "unrelated_grad" else 1)
+    flow = Dataflow(_lowered(fn, jnp.ones((), jnp.bfloat16), x, idx, wts))
+    assert_nothing_beside_a_side_call(flow, case)
+
+
+def test_an_ep_call_inside_the_work_beside_a_side_call_is_refused(cuda_lowering):
+    """fn of a block runs while the block's exchange is on the side stream: an EP call there would use
+    the same buffers at once, and is refused where it is traced."""
+    from jax_ep import overlap
+    from jax_ep.errors import EPUnsupportedError
+
+    cfg = _cfg()
+
+    def body(x, idx, wts):
+        d1 = jax_ep.dispatch(x, idx, wts, cfg)
+        with overlap.beside(lambda y: jax_ep.dispatch(y, idx, wts, cfg).x, x * 2) as work:
+            out = jax_ep.combine(d1.x, d1.handle, cfg)
+        return out, work.result
+
+    fn = jax.shard_map(body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(EPUnsupportedError, match="inside the work of jax_ep.overlap.beside"):
+        _lowered(fn, *_inputs()[:3])
+
+
 @pytest.mark.parametrize("checkpoint", [None, "policy", "no_policy"])
 @pytest.mark.parametrize("overlap", ["shared_beside", "shared_split", "weight_grad_beside"])
 def test_one_process_runs_no_ep_call_beside_a_layer_side_call(cuda_lowering, monkeypatch, overlap,
