@@ -431,6 +431,14 @@ def test_layer_configuration():
                                   np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS)))
 
 
+@nnx.jit
+def _lm_step(model, optimizer, batch):
+    """One optimiser step of the example LM on next-token loss; its loss."""
+    loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
 @pytest.mark.slow
 def test_tiny_lm_trains():
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
@@ -439,13 +447,7 @@ def test_tiny_lm_trains():
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 16, (8, 17)), jnp.int32)  # 16 symbols
 
-    @nnx.jit
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-
-    losses = [float(step(model, optimizer, batch)) for _ in range(8)]
+    losses = [float(_lm_step(model, optimizer, batch)) for _ in range(8)]
     assert losses[-1] < 0.8 * losses[0], losses
 
 
@@ -462,13 +464,7 @@ def test_a_tiny_lm_with_rematerialised_blocks_trains_as_without():
         model = MoETransformerLM(cfg, rngs=nnx.Rngs(0), mesh=mesh)
         optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
 
-        @nnx.jit
-        def step(model, optimizer, batch):
-            loss, grads = nnx.value_and_grad(next_token_loss)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, batch)) for _ in range(3)]
+        losses = [float(_lm_step(model, optimizer, batch)) for _ in range(3)]
         return losses, [np.asarray(m.last_load[...]) for m in model.moe_layers()], \
             [np.asarray(m.expert_bias[...]) for m in model.moe_layers()]
 

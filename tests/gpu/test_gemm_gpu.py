@@ -365,14 +365,7 @@ def test_moe_layer_rematerialised_with_the_exchange_policy_runs_no_exchange_agai
     hlo = [step.lower(*args).compile().as_text() for step, args in (plain, bare, kept)]
     count = [h.count('"jax_ep_dispatch"') for h in hlo]
     assert count[0] == 1 and count[2] == 1 and count[1] == (1 if ep_order else 2), count
-    (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, kept))
-    pairs = [("loss", l1, l2), ("d x", gx1, gx2)] + [
-        (jax.tree_util.keystr(path), a, b) for (path, a), (_, b) in
-        zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree_util.tree_leaves_with_path(g2), strict=True)]
-    for name, a, b in pairs:
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.abs(a.astype(np.float32)).max() > 0, name
-        assert rel_err(b, a) <= 1e-3, f"{name}: relative difference {rel_err(b, a):.3g}"
+    _assert_same_step_values(plain, kept, rtol=1e-3)
 
 
 def test_moe_layer_rematerialised_with_its_shared_expert_split_keeps_the_side_calls(ep_order):
@@ -391,14 +384,7 @@ def test_moe_layer_rematerialised_with_its_shared_expert_split_keeps_the_side_ca
     for target in ("dispatch_side", "combine_side", "broadcast_side", "side_join"):
         assert hlo[1].count(f'"jax_ep_{target}"') == hlo[0].count(f'"jax_ep_{target}"') > 0, target
     assert_side_results_read_after_join(hlo[1], "rematerialised")
-    (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, kept))
-    pairs = [("loss", l1, l2), ("d x", gx1, gx2)] + [
-        (jax.tree_util.keystr(path), a, b) for (path, a), (_, b) in
-        zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree_util.tree_leaves_with_path(g2), strict=True)]
-    for name, a, b in pairs:
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.abs(a.astype(np.float32)).max() > 0, name
-        assert rel_err(b, a) <= 1e-3, f"{name}: relative difference {rel_err(b, a):.3g}"
+    _assert_same_step_values(plain, kept, rtol=1e-3)
 
 
 def _assert_beside_same_step(plain, beside, side_targets, rtol: float | None = None) -> list[str]:
@@ -412,7 +398,14 @@ def _assert_beside_same_step(plain, beside, side_targets, rtol: float | None = N
         assert hlo[1].count(f'"jax_ep_{target}"') == side_targets.count(target), target
     assert hlo[1].count('"jax_ep_side_join"') == len(side_targets)
     assert_side_results_read_after_join(hlo[1], "beside")
-    (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, beside))
+    _assert_same_step_values(plain, beside, rtol)
+    return hlo
+
+
+def _assert_same_step_values(plain, other, rtol: float | None = None) -> None:
+    """The two layer programs' (layer_program(..., wrt_x=True)) loss and gradients (every parameter's,
+    the tokens'), each nonzero: the same bits, or with `rtol` each within rtol of the first's norm."""
+    (l1, (g1, gx1)), (l2, (g2, gx2)) = (step(*args) for step, args in (plain, other))
     leaves1, leaves2 = (jax.tree_util.tree_leaves_with_path(g) for g in (g1, g2))
     assert np.isfinite(float(l1)) and len(leaves1) == len(leaves2) >= 3
     pairs = [("loss", l1, l2), ("d x", gx1, gx2)] + [
@@ -425,7 +418,6 @@ def _assert_beside_same_step(plain, beside, side_targets, rtol: float | None = N
         else:
             err = rel_err(b, a)
             assert err <= rtol, f"{name}: relative difference {err:.3g} > {rtol}"
-    return hlo
 
 
 def layer_step(seed: int, **kw):
