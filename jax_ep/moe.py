@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -897,8 +898,8 @@ class MoE(nnx.Module):
                 scales = getattr(d, "scales", None)
                 rows_fp8 = None if scales is None or self.gemm_dtype is None else (d.x, scales)
                 gemms.check(fp8_weights, rows_fp8)
-                return remat.named(gemms.matmul(rows, w, d.group_sizes, quantized, rows_fp8, dw_num_sms),
-                                   remat.GATE_UP)
+                rows_out = gemms.matmul(rows, w, d.group_sizes, quantized, rows_fp8, dw_num_sms)
+                return checkpoint_name(rows_out, remat.GATE_UP)   # (jax_ep.remat)
 
         def send(t):
             """Chunk t dispatched: (dispatch's result, its gate|up GEMM's where run with it, else None)."""
@@ -1086,7 +1087,7 @@ def expert_block(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group
     gemms = _ExpertGEMMs(gemm, gemm_dtype, fp8_weight_grad, gemm_num_sms)
     gemms.check(fp8_weights, rows_fp8)
     gate_up_q, down_q = (None, None) if fp8_weights is None else fp8_weights
-    gate_up = remat.named(gemms.matmul(rows, w_gate_up, group_sizes, gate_up_q, rows_fp8), remat.GATE_UP)
+    gate_up = checkpoint_name(gemms.matmul(rows, w_gate_up, group_sizes, gate_up_q, rows_fp8), remat.GATE_UP)
     return gemms.down(gate_up, w_down, group_sizes, down_q, swiglu_backend, row_weights)
 
 

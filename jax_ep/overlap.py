@@ -166,10 +166,9 @@ def _differentiated(op, work: Beside, *args):
     blocks = []
     fn_axes = [vma.varying_axes(fn_leaves[i]) for i in fn_live]   # (_summed_to)
 
-    def token_out():
-        """The join's token where the block's call went on the side stream, else a stand-in (the
-        custom_vjp's outputs have one structure)."""
-        token = last_join()
+    def token_out(token):
+        """The join's token (last_join()) where the block's call went on the side stream, else a
+        stand-in (the custom_vjp's outputs have one structure)."""
         return jnp.zeros(JOIN_TOKEN.shape, JOIN_TOKEN.dtype) if token is None else token
 
     @jax.custom_vjp
@@ -179,7 +178,7 @@ def _differentiated(op, work: Beside, *args):
         with _block(fn, fn_in) as inner:
             out = run(op.fun, *op_in)
         blocks.append(inner)
-        return out, inner.result, token_out()
+        return out, inner.result, token_out(last_join())
 
     def fwd(op_in, fn_in):
         with _block(lambda *a: jax.vjp(fn, *a), fn_in) as inner:
@@ -189,7 +188,7 @@ def _differentiated(op, work: Beside, *args):
         # the join's token: the backward's side call is ordered after it (the backward is traced
         # elsewhere, e.g. in the transposed shard_map's body, where after_previous cannot see it)
         token = last_join()
-        return (out, fn_out, token_out()), (op_vjp, fn_vjp, token)
+        return (out, fn_out, token_out(token)), (op_vjp, fn_vjp, token)
 
     def bwd(res, cts):
         op_vjp, fn_vjp, token = res

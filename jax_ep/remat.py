@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 from jax._src.interpreters import partial_eval as pe
-from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import ordering
 from jax_ep.errors import EPUnsupportedError, EPValueError
@@ -41,11 +40,6 @@ DISPATCH = "jax_ep.dispatch"
 COMBINE = "jax_ep.combine"
 GATE_UP = "jax_ep.gate_up"
 NAMES = (DISPATCH, COMBINE, GATE_UP)
-
-
-def named(tree, name: str):
-    """tree's arrays named ``name`` for checkpoint policies (the same values)."""
-    return checkpoint_name(tree, name)
 
 
 def policy(save: Sequence[str] = (DISPATCH,), *, offload: Sequence[str] = (), base: Callable | None = None,
