@@ -98,7 +98,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import clocks
-from jax_ep import moe
+from jax_ep import moe, remat
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.gating import RouterConfig
 
@@ -596,8 +596,6 @@ def checkpoint_policy(name: str):
     """The jax.checkpoint policy of a config's ``checkpoint``: "no_policy" (JAX's default, nothing kept:
     the backward reruns the forward, dispatch's exchange included), "dispatch" (``jax_ep.remat.policy()``:
     dispatch's results kept), "gate_up" (and the gate|up GEMM's output)."""
-    from jax_ep import remat
-
     return {"no_policy": None, "dispatch": remat.policy(),
             "gate_up": remat.policy(save=(remat.DISPATCH, remat.GATE_UP))}[name]
 
