@@ -721,7 +721,10 @@ class MoE(nnx.Module):
                 in_specs=(batch, P(), experts, experts, P(), P(), P(),
                           None if fp8_weights is None else experts, None if shared is None else (batch, P())),
                 out_specs=(batch, MoEStats(P(), P(), P(), P()), batch))
-            out, stats, shared_out = body(routed, *params, fp8_weights, shared)
+            # ordered as one EP call against the layer's other calls in this trace (overlap.region):
+            # with a side-stream overlap, another call's EP calls could run beside its side calls
+            side = beside or self.ep.weight_grad_beside
+            out, stats, shared_out = overlap.region(body, routed, *params, fp8_weights, shared, side=side)
         out = out.astype(x.dtype)
         if self.shared is not None:
             if shared_out is None:

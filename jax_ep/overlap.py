@@ -34,12 +34,14 @@ process EP calls carry no ordering effect, so a side call's operands are ordered
 traced at the same level since the last join, and every later call's after its join (``after_previous``;
 a differentiated
 call's backward side call after its forward's join, whose token it keeps as a residual, and the
-backward's calls traced before it). Not ordered against a side call: EP calls of other traces, i.e.
-another jitted function or ``shard_map`` (e.g. a second, independent MoE layer in one step), calls
-outside a ``jax.checkpoint`` holding the block, and forward calls that the backward does not depend
-on: they must depend on the block's results (or run with several processes, whose ordered effect
-orders every call). An EP call inside fn is refused (``check_not_beside``). When no call takes the
-work (the reference backend, an op without a side twin, ``KernelConfig.async_stream`` set),
+backward's calls traced before it). A ``shard_map`` holding EP calls is a trace of its own: the MoE
+layer orders its call as one at its caller's level (``region``: two calls of a layer in one step, e.g.
+on two micro-batches, run one after the other, forward and backward). Not ordered against a side call:
+EP calls of other traces, i.e. another jitted function or a ``shard_map`` of your own (wrap it with
+``region``), calls outside a ``jax.checkpoint`` holding the block, and forward calls that the backward
+does not depend on: they must depend on the block's results (or run with several processes, whose
+ordered effect orders every call). An EP call inside fn is refused (``check_not_beside``). When no
+call takes the work (the reference backend, an op without a side twin, ``KernelConfig.async_stream`` set),
 ``fn(*args)`` runs at the block's end, after everything in it, and ``work.overlapped`` is False.
 
 ``chain(op, op_args, fn, fn_args)``: for work that needs the op's result (dispatch, then the gate|up
@@ -390,12 +392,97 @@ def after_previous(args, side: bool):
     independent ones either way). What it costs: a call traced before a side call runs even where its
     results end up unused (e.g. in a backward that asks for d x only, the gate weights' exchange,
     ``slot_values``, traced beside it). (Calls of other traces, e.g. another jitted function, are not
-    ordered here; several processes order every call through the effect.)"""
+    ordered here, a ``region`` is; several processes order every call through the effect.)"""
     if ordering.needed():   # the ordered effect orders every EP call already (and keeps dead ones dead)
         return args
     join, calls = _since_join()
     values = join + calls if side else join
     return _ordered(args, values) if values else args
+
+
+def region(fn: Callable, *args, side: bool):
+    """``fn(*args)``, whose EP calls are traced a level below this one (the MoE layer's ``shard_map``),
+    ordered here as one EP call, forward and backward; with ``side`` (fn holds side calls) as one side
+    call and its join: after every EP call and region traced here since the last join, and everything
+    traced here after it after all of its outputs. Why: in one process a side call is ordered only
+    against the calls of its own trace, and two independent regions (e.g. one layer on two micro-batches
+    whose losses are summed in one step) would let XLA schedule one region's EP calls between the
+    other's side call and its join, on the same buffers. The backward: fn's output cotangents pass
+    ``after_previous`` where the backward is traced, and its input cotangents are recorded there (with
+    ``side``: all of them together, so none is read before the region's last join; what it costs: an
+    input cotangent nobody asks for, e.g. d x of a layer fed by data, is computed). Not ordered: regions
+    or calls of yet other traces (e.g. a region inside a ``jax.checkpoint`` against one outside it).
+    Several processes: ``fn(*args)`` (the ordered effect orders every call)."""
+    if ordering.needed():
+        return fn(*args)
+    leaves, tree = jax.tree.flatten(args)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    for i, value in zip(arrays, after_previous([leaves[i] for i in arrays], side), strict=True):
+        leaves[i] = value
+    leaves = _on_inexact(leaves, lambda values: _recorded_backward(values, side))
+    out = fn(*jax.tree.unflatten(tree, leaves))
+    out_leaves, out_tree = jax.tree.flatten(out)
+    out_leaves = _on_inexact(out_leaves, lambda values: _ordered_backward(values, side))
+    if side:   # one barrier: any output stands for all of them (each after the region's last join)
+        out_leaves = _ordered(out_leaves, [])
+    out = jax.tree.unflatten(out_tree, out_leaves)
+    record(out, side=side)
+    return out
+
+
+def _on_inexact(leaves: list, fun: Callable) -> list:
+    """``leaves`` with ``fun`` applied to its floating-point arrays (a tuple in, a tuple out): the values
+    with cotangents."""
+    picked = [i for i, leaf in enumerate(leaves)
+              if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    leaves = list(leaves)
+    for i, value in zip(picked, fun(tuple(leaves[i] for i in picked)) if picked else (), strict=True):
+        leaves[i] = value
+    return leaves
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ordered_backward(values: tuple, side: bool) -> tuple:
+    """``values`` (a region's outputs); differentiated, their cotangents pass ``after_previous`` where the
+    backward is traced: the region's backward starts after the last join there (and, with ``side``,
+    after every EP call since)."""
+    return values
+
+
+def _ordered_backward_fwd(values, side):
+    return values, None
+
+
+def _ordered_backward_bwd(side, _, cts):
+    return (tuple(after_previous(list(cts), side)),)
+
+
+_ordered_backward.defvjp(_ordered_backward_fwd, _ordered_backward_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _recorded_backward(values: tuple, side: bool) -> tuple:
+    """``values`` (a region's inputs); differentiated, their cotangents (the region's backward's results)
+    are recorded where the backward is traced: with ``side`` all at once as a join, else each as a call
+    (whichever region's backward is traced next is ordered against all of them)."""
+    return values
+
+
+def _recorded_backward_fwd(values, side):
+    return values, None
+
+
+def _recorded_backward_bwd(side, _, cts):
+    if side:   # (keep_calls: whatever was traced here meanwhile stays ordered before later side calls)
+        cts = lax.optimization_barrier(cts)
+        record(cts, side=True, keep_calls=True)
+    else:
+        for ct in cts:
+            record(ct)
+    return (cts,)
+
+
+_recorded_backward.defvjp(_recorded_backward_fwd, _recorded_backward_bwd)
 
 
 def in_order(op: Callable) -> Callable:

@@ -130,7 +130,8 @@ class Dataflow:
     what these programs contain: func.call (followed per call site; from inside a function, out through
     its one call site), sdy.manual_computation (block
     argument i is operand i, result i is the terminator's operand i), ops whose regions are scalar
-    functions (reduce, sort, scatter); a loop or branch is refused."""
+    functions (reduce, sort, scatter), branches (case, if: a result depends on the index and on what
+    each branch returns); a loop is refused."""
 
     def __init__(self, module):
         from jax._src.lib.mlir import ir
@@ -202,7 +203,13 @@ class Dataflow:
         if op.name == "sdy.manual_computation":
             ret = list(op.regions[0].blocks[0].operations)[-1].operation
             return [(ret.operands[value.result_number], sites)]
-        if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+        if op.name in ("stablehlo.case", "stablehlo.if"):
+            # a branch's result: the index and what each branch returns (its ops read values of the
+            # enclosing block directly; its regions take no arguments)
+            rets = [list(r.blocks[0].operations)[-1].operation for r in op.regions]
+            return [(v, sites) for v in op.operands] + [(ret.operands[value.result_number], sites)
+                                                        for ret in rets]
+        if op.name == "stablehlo.while":
             raise AssertionError(f"unhandled control flow {op.name}")
         # any other op (a reduce's or sort's region is a scalar function of its operands): its results
         # depend on its operands
@@ -687,6 +694,55 @@ def test_one_process_runs_no_ep_call_beside_a_layer_side_call(cuda_lowering, mon
     flow = Dataflow(_lowered(*_layer_step(KernelConfig(side_num_sms=24), checkpoint=policy, **ep)))
     assert any(flow.name(c).endswith("_side") for c in flow.calls)
     assert_nothing_beside_a_side_call(flow, f"{overlap}, checkpoint {checkpoint}")
+
+
+def _layers_loss(layers):
+    """(loss, params): the layers (one each, or one layer listed twice) on two independent micro-batches
+    of _inputs()' tokens in one step, their losses summed: each call's shard_map is a trace of its own."""
+    from flax import nnx
+
+    splits = [nnx.split(m, nnx.Param, ...) for m in layers]
+
+    def loss(params, x):
+        total = 0.0
+        for (graphdef, _, rest), p, half in zip(splits, params, jnp.split(x, 2), strict=True):
+            out = nnx.merge(graphdef, p, rest)(jnp.concatenate([half, half]), update_stats=False)
+            total = total + jnp.mean(out.astype(jnp.float32) ** 2)
+        return total
+
+    return loss, [s[1] for s in splits]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("overlap", ["shared_beside", "shared_split", "weight_grad_beside"])
+def test_one_process_runs_no_ep_call_of_another_layer_call_beside_a_side_call(
+        cuda_lowering, monkeypatch, overlap, grad):
+    """One layer with a side-stream overlap on two micro-batches in one step (gradient accumulation
+    by summed losses): each call is a shard_map of its own, where the other's calls are not seen; the
+    layer orders its call as one region at its caller's level (overlap.region), forward and backward.
+    Before 2026-12-05 the second call's dispatch could run beside the first's side call."""
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    ep = dict(shared_split=overlap == "shared_split", weight_grad_beside=overlap == "weight_grad_beside")
+    layer = _cuda_layer(overlap != "weight_grad_beside", KernelConfig(side_num_sms=24), **ep)
+    loss, params = _layers_loss([layer, layer])
+    flow = Dataflow(_lowered(jax.value_and_grad(loss) if grad else loss, params, _inputs()[0]))
+    sides = any(flow.name(c).endswith("_side") for c in flow.calls)
+    assert sides == (grad or overlap != "weight_grad_beside")   # weight_grad_beside: in the backward only
+    assert_nothing_beside_a_side_call(flow, f"{overlap}, grad {grad}")
+
+
+@pytest.mark.parametrize("side_first", [False, True])
+def test_one_process_orders_a_plain_layer_against_a_layer_with_side_calls(cuda_lowering, monkeypatch,
+                                                                         side_first):
+    """A layer without overlaps and one with the shared expert split beside its exchanges, on two
+    micro-batches in one differentiated step, in either order: no EP call of the plain layer can run
+    beside a side call of the other, forward or backward (each backward traced after the other's)."""
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    side = _cuda_layer(True, KernelConfig(side_num_sms=24), shared_split=True)
+    plain = _cuda_layer(False, KernelConfig())
+    loss, params = _layers_loss([side, plain] if side_first else [plain, side])
+    flow = Dataflow(_lowered(jax.value_and_grad(loss), params, _inputs()[0]))
+    assert_nothing_beside_a_side_call(flow, f"side first {side_first}")
 
 
 def test_a_call_whose_results_are_dropped_leaves_the_list():
