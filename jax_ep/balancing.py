@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,9 @@ def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, 
                            f"{scores.shape[:-1]}")
     num_topk = topk_idx.shape[-1]
     if sequence_length is not None:
+        if isinstance(sequence_length, bool) or not isinstance(sequence_length, numbers.Integral) \
+                or sequence_length < 1:
+            raise EPValueError(f"sequence_length must be None or a positive int, got {sequence_length!r}")
         if scores.ndim != 2 or scores.shape[0] % sequence_length:
             raise EPValueError(f"sequence_length={sequence_length} needs scores of shape [T, E] with T a "
                                f"multiple of it, got scores.shape={scores.shape}")

@@ -97,6 +97,7 @@ def layer_config(layer: MoE) -> dict[str, Any]:
     """The fields ``restore`` compares (``CHECKED_FIELDS``): they fix the parameter shapes and the math."""
     routing = dataclasses.asdict(layer.routing)
     routing.pop("ep_size")       # the layer sets it to its EP size
+    routing["topk_groups"] = layer.routing.groups_per_token   # None and num_groups: the same routing
     shared = 0 if layer.shared is None else int(layer.shared.w_gate.shape[1])
     return {"hidden": int(layer.hidden), "ffn_hidden": int(layer.ffn_hidden), "shared_ffn_hidden": shared,
             **{f"routing.{k}": v for k, v in routing.items()},

@@ -215,7 +215,8 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
       num_groups: contiguous expert groups for the hierarchical policy (default num_nodes); must be a
         multiple of num_nodes. Each node receives num_groups / num_nodes whole groups.
       max_replicas: fixed width of `logical_to_physical` (keeps jitted shapes stable across re-plans);
-        default the largest replica count of this plan.
+        default the largest replica count of this plan. Applies to the layout returned (the plan, or the
+        contiguous layout where the plan is not better); EPValueError where neither fits.
 
     Returns:
       the Placement; deterministic for equal inputs.
@@ -225,6 +226,8 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
     _check_positive_int("num_ranks", num_ranks)
     _check_positive_int("slots_per_rank", slots_per_rank)
     _check_positive_int("num_nodes", num_nodes)
+    if max_replicas is not None:
+        _check_positive_int("max_replicas", max_replicas)
     num_groups = num_nodes if num_groups is None else num_groups
     _check_positive_int("num_groups", num_groups)
     if num_ranks * slots_per_rank < num_experts:
@@ -263,16 +266,28 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
             physical_to_logical[rank * slots_per_rank:(rank + 1) * slots_per_rank] = \
                 replica_expert[rank_in_node == local_rank]
     planned = _placement_from_slots(_sort_within_ranks(physical_to_logical, slots_per_rank), num_experts,
-                                    num_ranks, slots_per_rank, max_replicas)
-
+                                    num_ranks, slots_per_rank, None)
+    candidates = [planned]
     if num_experts % num_ranks == 0:
         # The contiguous layout is valid in both modes (groups and nodes are contiguous): keep it unless the
         # plan is strictly better, so re-planning balanced loads never moves weights around.
-        identity = identity_placement(num_experts, num_ranks, slots_per_rank, loads, max_replicas)
+        identity = identity_placement(num_experts, num_ranks, slots_per_rank, loads)
         tol = _REL_TOL * max(float(loads.sum()), 1e-300)
         if rank_loads(planned, loads).max() >= rank_loads(identity, loads).max() - tol:
-            return identity
-    return planned
+            candidates = [identity, planned]
+        else:
+            candidates = [planned, identity]
+    if max_replicas is None:
+        return candidates[0]
+    # the width applies to the layout returned: the preferred one, else the other if only it fits
+    for candidate in candidates:
+        if int(candidate.replica_counts.max()) <= max_replicas:
+            return _placement_from_slots(candidate.physical_to_logical, num_experts, num_ranks,
+                                         slots_per_rank, max_replicas)
+    widths = " and ".join(str(int(c.replica_counts.max())) for c in candidates)
+    raise EPValueError(f"max_replicas={max_replicas} is smaller than the replicas this plan gives one expert "
+                       f"({widths}, the {'candidates' if len(candidates) > 1 else 'plan'}): pass at least "
+                       f"{min(int(c.replica_counts.max()) for c in candidates)}")
 
 
 # ---------------------------------------------------------------------------------------------------------

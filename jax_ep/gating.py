@@ -76,7 +76,7 @@ class RouterConfig:
       normalize_topk: renormalise the K chosen scores to sum to 1 before scaling.
       routed_scaling_factor: multiplies the final weights (DeepSeek-V3 uses 2.5 with sigmoid scores).
       num_groups: G contiguous expert groups for group-limited routing (1 = no groups).
-      topk_groups: groups each token may use; defaults to num_groups (no limit).
+      topk_groups: groups each token may use; None (default): every group, no limit (`groups_per_token`).
       max_ranks_per_token: EP ranks one token may reach (None = no cap; a value >= ep_size is no cap).
       ep_size: EP ranks the experts are spread over, contiguously (expert e on rank e // (E // ep_size));
         only the rank and node caps use it. The MoE layer sets it to its EP size.
@@ -125,9 +125,10 @@ class RouterConfig:
         if self.num_experts % self.ep_size:
             raise EPValueError(f"RouterConfig.num_experts={self.num_experts} is not divisible by "
                                f"ep_size={self.ep_size}")
-        if self.topk_groups is None:
-            object.__setattr__(self, "topk_groups", self.num_groups)
-        if not _is_int(self.topk_groups) or not 1 <= self.topk_groups <= self.num_groups:
+        # None stays None (groups_per_token resolves it): written in here, dataclasses.replace with another
+        # num_groups would keep the old value and limit the groups silently
+        if self.topk_groups is not None and (not _is_int(self.topk_groups)
+                                             or not 1 <= self.topk_groups <= self.num_groups):
             raise EPValueError(
                 f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
                 f"got {self.topk_groups!r}")
@@ -180,8 +181,13 @@ class RouterConfig:
         return self.num_experts // self.num_nodes
 
     @property
+    def groups_per_token(self) -> int:
+        """The groups each token may use: ``topk_groups``, or every group where it is None."""
+        return self.num_groups if self.topk_groups is None else self.topk_groups
+
+    @property
     def group_limited(self) -> bool:
-        return self.topk_groups < self.num_groups
+        return self.groups_per_token < self.num_groups
 
     @property
     def rank_limited(self) -> bool:
@@ -222,7 +228,7 @@ class RouterConfig:
         """The active limits, coarsest unit first (one code path for groups, nodes and ranks)."""
         stages = []
         if self.group_limited:
-            stages.append(_Limit("group", self.num_groups, self.topk_groups, self.experts_per_group,
+            stages.append(_Limit("group", self.num_groups, self.groups_per_token, self.experts_per_group,
                                  min(GROUP_SCORE_TOPN, self.experts_per_group),
                                  f"topk_groups={self.topk_groups} of num_groups={self.num_groups}"))
         if self.node_limited:

@@ -171,3 +171,6 @@ def test_aux_loss_errors():
         sequence_aux_loss(jnp.ones((6, 4)), jnp.zeros((6, 1), jnp.int32), 4, 1.0, sequence_length=4)
     with pytest.raises(ValueError, match="must agree on the token axes"):
         sequence_aux_loss(jnp.ones((6, 4)), jnp.zeros((5, 1), jnp.int32), 4, 1.0)
+    for bad in (0, -5, 2.0, True):
+        with pytest.raises(ValueError, match=f"sequence_length must be None or a positive int, got {bad!r}"):
+            sequence_aux_loss(jnp.ones((6, 4)), jnp.zeros((6, 1), jnp.int32), 4, 1.0, sequence_length=bad)

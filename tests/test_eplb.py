@@ -120,8 +120,30 @@ def test_max_replicas_fixes_the_table_width():
     placement = plan_placement(loads, 2, 4, max_replicas=6)
     assert placement.logical_to_physical.shape == (4, 6)
     check_consistent(placement, 4, 2, 4)
-    with pytest.raises(ValueError, match="max_replicas=2 is smaller than the 5 replicas"):
+    with pytest.raises(ValueError, match=r"max_replicas=2 is smaller than the replicas this plan gives one "
+                       r"expert \(5 and 3, the candidates\): pass at least 3"):
         plan_placement(loads, 2, 4, max_replicas=2)
+    with pytest.raises(ValueError, match="max_replicas must be a positive int, got 0"):
+        plan_placement(loads, 2, 4, max_replicas=0)
+
+
+@pytest.mark.parametrize("loads, identity", [([5, 0, 0, 0, 10, 10, 10, 10], False),
+                                             ([6, 0, 0, 0, 2, 2, 2, 0], True)])
+def test_max_replicas_applies_to_the_layout_returned(loads, identity):
+    """The width is checked on the layout plan_placement returns, not on the candidate it drops (before
+    2026-12-05 a width that fit the result raised where the other candidate was wider: the contiguous
+    layout of the first loads needs 5 replicas, the better plan 3; the plan of the second needs 6, the
+    contiguous layout it keeps 5)."""
+    loads = np.asarray(loads, float)
+    free = plan_placement(loads, 2, 8)
+    assert np.array_equal(free.physical_to_logical, identity_placement(8, 2, 8, loads).physical_to_logical) \
+        == identity
+    width = free.logical_to_physical.shape[1]
+    for max_replicas in (width, width + 2):
+        fixed = plan_placement(loads, 2, 8, max_replicas=max_replicas)
+        assert fixed.logical_to_physical.shape == (8, max_replicas)
+        np.testing.assert_array_equal(fixed.physical_to_logical, free.physical_to_logical)
+        check_consistent(fixed, 8, 2, 8)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -38,9 +38,9 @@ def ref_allowed_experts(selection, cfg):
     """The set of experts one token may choose from: coarsest limit first, then the finer ones."""
     allowed = set(range(cfg.num_experts))
     stages = []
-    if cfg.topk_groups < cfg.num_groups:
+    if cfg.groups_per_token < cfg.num_groups:
         per_group = cfg.num_experts // cfg.num_groups
-        stages.append((per_group, cfg.topk_groups, min(2, per_group)))
+        stages.append((per_group, cfg.groups_per_token, min(2, per_group)))
     num_nodes = ref_num_nodes(cfg)
     if cfg.max_nodes_per_token is not None and cfg.max_nodes_per_token < num_nodes:
         per_node = cfg.num_experts // num_nodes
@@ -283,7 +283,7 @@ def test_node_cap_with_rank_cap_and_groups(extra):
     assert max(len(set(row)) for row in nodes.tolist()) <= cfg.max_nodes_per_token
     if cfg.max_ranks_per_token is not None:
         assert max(len(set(row)) for row in (idx // (64 // ep)).tolist()) <= cfg.max_ranks_per_token
-    assert max(len(set(row)) for row in (idx // (64 // cfg.num_groups)).tolist()) <= cfg.topk_groups
+    assert max(len(set(row)) for row in (idx // (64 // cfg.num_groups)).tolist()) <= cfg.groups_per_token
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -378,9 +378,11 @@ def test_config_errors_name_the_field(kwargs, message):
 
 def test_config_defaults_and_hashable():
     cfg = RouterConfig(num_experts=8, num_topk=2, num_groups=4)
-    assert cfg.topk_groups == 4 and not cfg.group_limited and not cfg.rank_limited
-    assert cfg == RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=4)
-    assert hash(cfg) == hash(RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=4))
+    assert cfg.topk_groups is None and cfg.groups_per_token == 4
+    assert not cfg.group_limited and not cfg.rank_limited
+    assert cfg == RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=None)
+    assert hash(cfg) == hash(RouterConfig(num_experts=8, num_topk=2, num_groups=4))
+    assert not RouterConfig(num_experts=8, num_topk=2, num_groups=4, topk_groups=4).group_limited
     assert not RouterConfig(num_experts=8, num_topk=2, ep_size=2, max_ranks_per_token=4).rank_limited
     assert cfg.ranks_per_node is None and cfg.max_nodes_per_token is None and cfg.num_nodes == 1
     node_cfg = RouterConfig(num_experts=256, num_topk=8, ep_size=64, ranks_per_node=8, max_nodes_per_token=4)
@@ -401,3 +403,19 @@ def test_route_shape_errors():
 def test_expert_to_rank_keeps_unused_slots():
     idx = jnp.array([[0, 7, -1], [3, 4, 5]], jnp.int32)
     np.testing.assert_array_equal(expert_to_rank(idx, 8, 4), [[0, 3, -1], [1, 2, 2]])
+
+
+def test_replacing_num_groups_keeps_the_default_of_no_group_limit():
+    """topk_groups None stays None (groups_per_token resolves it): dataclasses.replace with another
+    num_groups routes as a fresh config (before 2026-12-05 the old default, 1, was written in and
+    limited every token to one group silently)."""
+    base = RouterConfig(num_experts=64, num_topk=8, score_func="sigmoid")
+    replaced = dataclasses.replace(base, num_groups=8)
+    fresh = RouterConfig(num_experts=64, num_topk=8, score_func="sigmoid", num_groups=8)
+    assert replaced == fresh and replaced.groups_per_token == 8 and not replaced.group_limited
+    logits = jax.random.normal(jax.random.key(1), (16, 64))
+    idx = np.asarray(route(logits, replaced).topk_idx)
+    np.testing.assert_array_equal(idx, np.asarray(route(logits, fresh).topk_idx))
+    assert max(len(set(row)) for row in (idx // 8).tolist()) > 1
+    limited = dataclasses.replace(fresh, topk_groups=2)
+    assert limited.groups_per_token == 2 and limited.group_limited
