@@ -189,6 +189,11 @@ def implementation(op: str, cfg: EPConfig, dtype=None):
     return OPS[op].implementation(cfg, ep_size(cfg, op), dtype)
 
 
+def _axes(cfg: EPConfig) -> tuple:
+    """The EP mesh axes of cfg, as a tuple."""
+    return tuple(cfg.axis_name) if isinstance(cfg.axis_name, (tuple, list)) else (cfg.axis_name,)
+
+
 def ep_size(cfg: EPConfig, op: str) -> int:
     """The size of the EP axis; a clear error outside shard_map."""
     if not isinstance(cfg, EPConfig):
@@ -257,8 +262,9 @@ def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with
     rank_mask = check_rank_mask(rank_mask, size, "dispatch")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
-    # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
-    x, topk_weights, _ = vma.vary_jointly(x, topk_weights, topk_idx)
+    # as one primitive would: an input invariant over the mesh gets its cotangent summed over it (the EP
+    # axis included: the op's results vary over it, so do the cotangents its backward returns)
+    x, topk_weights, _ = vma.vary_jointly(vma.vary_also(x, _axes(cfg)), topk_weights, topk_idx)
     out = custom(x, topk_idx, topk_weights, rank_mask, cfg)
     d, rows = out if with_rows else (out, None)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
@@ -288,8 +294,8 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
     rank_mask = check_rank_mask(rank_mask, size, "combine")
-    return overlap.primal(_combine)(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg, empty_rows_zero,
-                                    weighted)
+    y = vma.vary_also(vma.vary_as(y, handle.src_index), _axes(cfg))
+    return overlap.primal(_combine)(y, handle, rank_mask, cfg, empty_rows_zero, weighted)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
@@ -308,7 +314,9 @@ def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
 
 
 def _dispatch_residuals(out, x, topk_idx, rank_mask):
-    dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
+    # residuals must be arrays: carries x's dtype and mesh typing (topk_weights varies alike:
+    # _checked_dispatch)
+    dtype_token = vma.vary_like(jnp.zeros((0,), x.dtype), x)
     return out.handle, dtype_token, topk_idx, rank_mask
 
 
@@ -350,6 +358,7 @@ def _dispatch_transpose(cfg, residuals, d_rows, d_row_weights):
         d_rows, _unit_weights(handle), cfg, rank_mask=rank_mask).astype(dtype)
     # a masked slot is DROPPED in the handle: it has no row, its weight's gradient is 0
     d_topk_weights = implementation("slot_values", cfg)(d_row_weights, handle, cfg, rank_mask=rank_mask)
+    dx, d_topk_weights = (vma.typed_like(ct, dtype_token) for ct in (dx, d_topk_weights))
     return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 
@@ -369,7 +378,7 @@ def _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
 def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
     # y itself only where the backward reads it (weighted) or writes into its buffer (in place); else
     # its dtype alone, so that the forward's [C, H] rows are not held until the backward for nothing
-    kept = y if weighted or empty_rows_zero else jnp.zeros((0,), y.dtype)
+    kept = y if weighted or empty_rows_zero else vma.vary_like(jnp.zeros((0,), y.dtype), y)
     out = _combine.fun(y, handle, rank_mask, cfg, empty_rows_zero, weighted)   # .fun: as _dispatch_fwd
     return out, (kept, handle, rank_mask)
 
@@ -388,6 +397,7 @@ def _combine_bwd(cfg, empty_rows_zero, weighted, residuals, g):
         dy = implementation("broadcast_in_place" if empty_rows_zero else "broadcast", cfg, y.dtype)(
             g.astype(y.dtype), handle, cfg, rank_mask=rank_mask, into=y if empty_rows_zero else None)
         d_row_weights = jnp.zeros_like(handle.row_weights)
+    dy, d_row_weights = vma.typed_like(dy, y), vma.typed_like(d_row_weights, handle.row_weights)
     d_handle = types.Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
                             float0_like(handle.is_token_in_rank), d_row_weights)
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)
@@ -425,8 +435,8 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     rank_mask = check_rank_mask(rank_mask, size, "dispatch_rank_major")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch_rank_major")
-    # as one primitive would: an input invariant over the mesh gets its cotangent summed over it
-    x, topk_weights, _ = vma.vary_jointly(x, topk_weights, topk_idx)
+    # as one primitive would (dispatch's comment)
+    x, topk_weights, _ = vma.vary_jointly(vma.vary_also(x, _axes(cfg)), topk_weights, topk_idx)
     return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
@@ -441,7 +451,8 @@ def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfi
     size = ep_size(cfg, "combine_rank_major")
     check_combine_rank_major_args(y, handle, cfg, size)
     rank_mask = check_rank_mask(rank_mask, size, "combine_rank_major")
-    return _combine_rank_major(vma.vary_as(y, handle.src_index), handle, rank_mask, cfg)
+    return _combine_rank_major(vma.vary_also(vma.vary_as(y, handle.src_index), _axes(cfg)), handle,
+                               rank_mask, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -452,7 +463,7 @@ def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
 
 def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
     out = _dispatch_rank_major.fun(x, topk_idx, topk_weights, rank_mask, cfg)   # .fun: as _dispatch_fwd
-    dtype_token = jnp.zeros((0,), x.dtype)  # residuals must be arrays: carries x's dtype
+    dtype_token = vma.vary_like(jnp.zeros((0,), x.dtype), x)  # as _dispatch_residuals'
     return out, (out.handle, out.topk_idx, dtype_token, topk_idx, rank_mask)
 
 
@@ -466,6 +477,7 @@ def _dispatch_rank_major_bwd(cfg, residuals, ct):
     # each (token, slot) weight lives on one rank's row: the rank sum adds zeros only, exactly
     d_weights = jnp.where(row_ids >= 0, ct.topk_weights.astype(jnp.float32), 0.0)
     d_topk_weights = combine_impl(d_weights, handle, cfg)
+    dx, d_topk_weights = (vma.typed_like(ct, dtype_token) for ct in (dx, d_topk_weights))
     return dx, float0_like(topk_idx), d_topk_weights, None if rank_mask is None else float0_like(rank_mask)
 
 
@@ -479,13 +491,14 @@ def _combine_rank_major(y, handle, rank_mask, cfg):
 
 
 def _combine_rank_major_fwd(y, handle, rank_mask, cfg):
-    return _combine_rank_major.fun(y, handle, rank_mask, cfg), (handle, jnp.zeros((0,), y.dtype), rank_mask)
+    dtype_token = vma.vary_like(jnp.zeros((0,), y.dtype), y)   # y's dtype and mesh typing
+    return _combine_rank_major.fun(y, handle, rank_mask, cfg), (handle, dtype_token, rank_mask)
 
 
 def _combine_rank_major_bwd(cfg, residuals, g):
     handle, dtype_token, rank_mask = residuals
     broadcast = implementation("broadcast_rank_major", cfg, g.dtype)
-    dy = broadcast(g, handle, cfg, rank_mask=rank_mask).astype(dtype_token.dtype)
+    dy = vma.typed_like(broadcast(g, handle, cfg, rank_mask=rank_mask).astype(dtype_token.dtype), dtype_token)
     return (dy, types.RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank)),
             None if rank_mask is None else float0_like(rank_mask))
 

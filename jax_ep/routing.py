@@ -62,13 +62,28 @@ def live(rank_mask: jax.Array | None, axis_name: str, ep_size: int) -> jax.Array
     return rank_mask & rank_mask[lax.axis_index(axis_name)]
 
 
+def _goes_nowhere(topk_idx: jax.Array, cfg: EPConfig, rank_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the sanitised ids, [T, K] bool: the pairs rank_mask sends nowhere)."""
+    ep_size = lax.axis_size(cfg.axis_name)
+    clean = sanitize_topk(topk_idx, cfg.num_experts)
+    dest_rank, _ = destinations(clean, cfg.num_experts, ep_size)
+    reached = live(rank_mask, cfg.axis_name, ep_size)
+    return clean, (dest_rank >= 0) & ~reached[jnp.maximum(dest_rank, 0)]
+
+
 def masked_pairs(topk_idx: jax.Array, cfg: EPConfig, rank_mask: jax.Array | None) -> jax.Array:
     """int32: this rank's own (token, expert) pairs that go nowhere under rank_mask (every one on a
     masked rank, those to masked ranks' experts on an active one; 0 without a mask). dispatch counts
     them in this rank's num_dropped."""
     if rank_mask is None:
         return jnp.zeros((), jnp.int32)
-    ep_size = lax.axis_size(cfg.axis_name)
-    dest_rank, _ = destinations(sanitize_topk(topk_idx, cfg.num_experts), cfg.num_experts, ep_size)
-    reached = live(rank_mask, cfg.axis_name, ep_size)
-    return jnp.sum((dest_rank >= 0) & ~reached[jnp.maximum(dest_rank, 0)], dtype=jnp.int32)
+    return jnp.sum(_goes_nowhere(topk_idx, cfg, rank_mask)[1], dtype=jnp.int32)
+
+
+def reached_topk(topk_idx: jax.Array, cfg: EPConfig, rank_mask: jax.Array | None) -> jax.Array:
+    """topk_idx with -1 in the slots rank_mask sends nowhere (``masked_pairs``'): the pairs that reach
+    a rank (topk_idx itself without a mask)."""
+    if rank_mask is None:
+        return topk_idx
+    clean, nowhere = _goes_nowhere(topk_idx, cfg, rank_mask)
+    return jnp.where(nowhere, -1, clean)

@@ -17,7 +17,7 @@ from jax import lax
 from jax_ep import types
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
-from jax_ep.routing import layout_of, masked_pairs
+from jax_ep.routing import layout_of, masked_pairs, reached_topk
 
 
 def _shape_of(a) -> tuple:
@@ -291,9 +291,11 @@ def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op:
     return topk_idx + zero
 
 
-def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int) -> jax.Array:
-    """The capacity no rank drops a row with: max over ranks of the rows it receives, each expert's
-    count rounded up to cfg.expert_alignment (as group_sizes are). The same on every rank."""
+def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None) -> jax.Array:
+    """The capacity no rank drops a row with: max over ranks of the rows it receives (from the pairs
+    that reach a rank under rank_mask), each expert's count rounded up to cfg.expert_alignment (as
+    group_sizes are). The same on every rank."""
+    topk_idx = reached_topk(topk_idx, cfg, rank_mask)
     per_expert = lax.psum(layout_of(topk_idx, cfg.num_experts, ep_size).num_tokens_per_expert,
                           cfg.axis_name)
     align = cfg.expert_alignment
@@ -313,7 +315,7 @@ def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_m
     dropped = out.num_dropped - masked_pairs(topk_idx, cfg, rank_mask)
     group = cfg.axis_name if outer_axis is None else (outer_axis, cfg.axis_name)
     total = lax.psum(dropped, group)
-    needed = capacity_needed(topk_idx, cfg, ep_size)
+    needed = capacity_needed(topk_idx, cfg, ep_size, rank_mask)
     if outer_axis is not None:
         needed = lax.pmax(needed, outer_axis)
 

@@ -21,7 +21,11 @@ def varying_axes(x) -> tuple:
 
 
 def vary_over(outputs, axes: tuple):
-    """Type `outputs` as varying over `axes` (their transpose sums over those axes)."""
+    """Type `outputs` as varying over `axes` (their transpose sums over those axes); axes that are not
+    manual axes of the current mesh are left out (e.g. a ``jax.vmap`` axis name: nothing to type)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = () if mesh.empty else mesh.manual_axes
+    axes = tuple(a for a in axes if a in manual)
     if not axes:
         return outputs
     if hasattr(jax.lax, "pcast"):
@@ -70,3 +74,12 @@ def sum_to(cotangent, like_axes: tuple):
     (varying over ``like_axes``) does not, as the transpose of the cast that made it varying would."""
     extra = tuple(a for a in varying_axes(cotangent) if a not in like_axes)
     return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
+def typed_like(cotangent, primal):
+    """A custom_vjp backward's cotangent typed exactly as its primal (or a residual typed like it):
+    cast to vary over the primal's axes it lacks, summed over those the primal does not vary over. The
+    kernels' and reference's results need not carry the primal's type (e.g. at zero tokens per rank,
+    where rows come from zero-size constants, typed invariant)."""
+    axes = varying_axes(primal)
+    return sum_to(vary_also(cotangent, axes), axes)

@@ -484,6 +484,74 @@ def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
 
 
 # ---- FP8 -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_inputs_replicated_over_the_ep_axis_get_their_gradient_summed_over_it(layout):
+    """x, topk_idx and topk_weights replicated over the EP axis (every rank dispatches the same tokens):
+    their gradient is the sum over ranks of the gradients the ranks' copies get passed sharded (before
+    2026-12-05 the backward's cotangents came back varying over the axis and JAX refused them)."""
+    from helpers import mesh
+    from jax.sharding import PartitionSpec as P
+
+    ep_size = 4
+    rng = np.random.default_rng(421)
+    x, w, idx, expert_w, g = _inputs(rng, ep_size)
+    x, w, idx = x[0], w[0], idx[0]
+    local = E // ep_size
+    expert_w = expert_w.reshape(ep_size, local, H, HO)
+
+    def rank_loss(x, idx, w, ew, g):
+        if layout == "expert_major":
+            d = jax_ep.dispatch(x, idx, w, CFG)
+            y = jax.lax.ragged_dot(d.x, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST)
+            out = jax_ep.combine(y, d.handle, CFG)
+        else:
+            d = jax_ep.dispatch_rank_major(x, idx, w, CFG)
+            per_slot = jnp.einsum("rh,rkho->rko", d.x, ew[jnp.maximum(d.topk_idx, 0)],
+                                  precision=jax.lax.Precision.HIGHEST)
+            y = jnp.sum(jnp.where(d.topk_idx[..., None] >= 0, d.topk_weights[..., None] * per_slot, 0.0), 1)
+            out = jax_ep.combine_rank_major(y, d.handle, CFG)
+        return jnp.sum(out * g)[None]
+
+    def total(specs):
+        f = jax.shard_map(lambda x, idx, w, ew, g: rank_loss(x, idx, w, ew[0], g[0]), mesh=mesh(ep_size),
+                          in_specs=specs, out_specs=P("ep"))
+        return jax.jit(jax.grad(lambda x, w, *a: jnp.sum(f(x, a[0], w, *a[1:])), argnums=(0, 1)))
+
+    replicated = total((P(), P(), P(), P("ep"), P("ep")))(x, w, idx, expert_w, g)
+    tiled = [np.repeat(a[None], ep_size, 0) for a in (x, w, idx)]
+    sharded = total((P("ep"),) * 5)(tiled[0].reshape(-1, H), tiled[1].reshape(-1, K),
+                                      tiled[2].reshape(-1, K), expert_w, g)
+    for got, want, what in zip(replicated, sharded, ("d x", "d topk_weights"), strict=True):
+        want = np.asarray(want).reshape(ep_size, T, -1).sum(0)
+        assert np.abs(want).max() > 0
+        assert_close_f(np.asarray(got), want, 1e-5, what)
+
+
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_zero_tokens_per_rank_with_a_rank_mask_differentiate(layout):
+    """T = 0 (a supported size) under a rank mask: the gradients come out, empty, instead of JAX refusing
+    cotangents typed unlike their primals (zero-size values are constants to JAX)."""
+    ep_size = 4
+    cfg = CFG   # at most T tokens per rank, none passed
+    mask = jnp.asarray([1, 0, 1, 1], jnp.int32)
+
+    def loss(x, w, idx):
+        if layout == "expert_major":
+            d = jax_ep.dispatch(x, idx, w, cfg, rank_mask=mask)
+            out = jax_ep.combine(d.x * 2.0, d.handle, cfg, rank_mask=mask)
+        else:
+            d = jax_ep.dispatch_rank_major(x, idx, w, cfg, rank_mask=mask)
+            y = d.x * jnp.sum(d.topk_weights, axis=1, keepdims=True)
+            out = jax_ep.combine_rank_major(y, d.handle, cfg, rank_mask=mask)
+        return jnp.sum(out)[None]
+
+    f = per_rank(loss, ep_size, jit=False)
+    x = jnp.zeros((ep_size, 0, H), jnp.float32)
+    w, idx = jnp.zeros((ep_size, 0, K), jnp.float32), jnp.zeros((ep_size, 0, K), jnp.int32)
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w, idx)), argnums=(0, 1)))(x, w)
+    assert dx.shape == (ep_size, 0, H) and dw.shape == (ep_size, 0, K)
+
+
 def test_fp8_dispatch_backward_not_implemented():
     ep_size = 2
     cfg = make_cfg(num_experts=E, num_topk=K, hidden=128, max_tokens_per_rank=T,

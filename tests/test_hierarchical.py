@@ -266,6 +266,23 @@ def test_gradients_match_the_flat_ops(nodes, local):
     assert np.all(grad_h[1][unused] == 0)
 
 
+def test_zero_tokens_per_gpu_differentiate():
+    """T = 0 through both stages under jax.grad: empty gradients, not cotangents typed unlike their
+    primals (before 2026-12-05 JAX refused d x: the zero-size rows are constants, typed invariant)."""
+    nodes, local = 2, 2
+    cfg = hier_cfg(nodes, local)
+    ranks = nodes * local
+    x = np.zeros((ranks, 0, H), np.float32)
+    idx, w = np.zeros((ranks, 0, K), np.int32), np.zeros((ranks, 0, K), np.float32)
+
+    def loss(x, w, idx):
+        d = jax_ep.dispatch_hierarchical(x, idx, w, cfg, node_axis="node")
+        return jnp.sum(jax_ep.combine_hierarchical(d.x * 2.0, d.handle, cfg, node_axis="node"))
+
+    dx, dw = run(lambda x, i, w: jax.grad(loss, argnums=(0, 1))(x, w, i), nodes, local, x, idx, w)
+    assert dx.shape == (ranks, 0, H) and dw.shape == (ranks, 0, K)
+
+
 def test_rematerialised_hierarchical_ops_keep_both_stages_by_name():
     """dispatch_hierarchical -> combine_hierarchical in a rematerialised loss that reads combine's output
     (the reference's all_to_alls counted in the compiled program): with no policy the backward runs both

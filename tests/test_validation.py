@@ -338,6 +338,35 @@ def test_checked_mode_names_the_capacity_needed(align):
     np.testing.assert_array_equal(dropped, [0, 0])
 
 
+def test_checked_mode_names_the_capacity_needed_under_a_rank_mask():
+    """With a rank mask the capacity needed counts only the pairs that reach a rank (active source,
+    active destination): it passes, one less fails (before 2026-12-05 the masked pairs were counted)."""
+    ep_size = 4
+    rng = np.random.default_rng(418)
+    x, w = random_inputs(rng, ep_size, T, H, K)
+    idx = _valid_idx(rng, ep_size)
+    idx[2, :, 0] = 0   # skew: more rows for rank 0's experts, some from a masked source
+    idx[1, :, 1] = 1
+    mask = np.array([1, 0, 1, 1], np.int32)
+
+    def fn(cfg):
+        return per_rank(lambda x, idx, w: jax_ep.dispatch(x, idx, w, cfg, rank_mask=jnp.asarray(mask)).x,
+                        ep_size)
+
+    def needed(cfg):
+        try:
+            _run(fn(cfg), x, idx, w)
+        except jax_ep.EPValueError as e:
+            return int(re.search(r"capacity needed: (\d+)", str(e)).group(1))
+        return None
+
+    big = CHECKED.replace(capacity=ep_size * T * K)
+    assert needed(big) is None
+    least = next(c for c in range(1, ep_size * T * K + 1) if needed(big.replace(capacity=c)) is None)
+    assert needed(big.replace(capacity=least - 1)) == least
+    assert needed(big.replace(capacity=1)) == least
+
+
 @pytest.mark.parametrize("used", ["x", "group_sizes", "src_index", "combine"])
 def test_checked_mode_check_runs_whatever_output_is_used(used):
     """The checks are tied to every output: using any one of them runs them (no dead-code removal)."""
