@@ -124,6 +124,14 @@ def _layer_record(layer: MoE) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------------------
+def _refuse_masked(model, what: str) -> None:
+    """A rank mask is runtime fault state, never saved: save and restore refuse a layer that has one."""
+    masked = [k for k, m in moe_layers(model).items() if m.rank_mask is not None]
+    if masked:
+        raise EPValueError(f"jax_ep.checkpoint.{what}: MoE layer(s) {masked} have a rank mask (runtime fault "
+                           "state, not saved); call layer.clear_rank_mask() first")
+
+
 def save(path, model, optimizer=None, *, overwrite: bool = False) -> str:
     """Writes ``model`` (and ``optimizer``) to the directory ``path`` with Orbax; returns its absolute path.
 
@@ -131,10 +139,7 @@ def save(path, model, optimizer=None, *, overwrite: bool = False) -> str:
     the metadata). ``overwrite=True`` replaces an existing checkpoint; otherwise an existing ``path`` is
     an error. Returns once the checkpoint is complete on disk.
     """
-    masked = [k for k, m in moe_layers(model).items() if m.rank_mask is not None]
-    if masked:
-        raise EPValueError(f"jax_ep.checkpoint.save: MoE layer(s) {masked} have a rank mask (runtime fault "
-                           "state, not saved); call layer.clear_rank_mask() first")
+    _refuse_masked(model, "save")
     ocp = _orbax()
     path = _abs_path(path)
     record = {"format": FORMAT, "jax_ep_version": _version(), "optimizer": optimizer is not None,
@@ -207,6 +212,7 @@ def restore(path, model, optimizer=None, *, mesh: Mesh | None = None, placement:
     if placement not in PLACEMENT_MODES:
         raise EPValueError(f"jax_ep.checkpoint.restore: placement must be one of {PLACEMENT_MODES}, "
                            f"got {placement!r}")
+    _refuse_masked(model, "restore")
     ocp = _orbax()
     path = _abs_path(path)
     record = read_record(path)

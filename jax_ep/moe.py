@@ -356,7 +356,7 @@ class MoE(nnx.Module):
         own ``shard_map``.
       axis_name: the mesh axis the experts are sharded over (the EP axis).
       batch_axes: mesh axes the tokens are sharded over (default: every axis of the mesh, e.g. data x ep;
-        with ``mesh=None``, ``(axis_name,)``). Statistics are summed over them.
+        with ``mesh=None``, ``(axis_name,)``); the EP axes among them. Statistics are summed over them.
       ep: dispatch/combine options (``EPOptions``: capacity, expert alignment, dispatch dtype, backend,
         checked mode, CUDA kernel configuration). None: ``EPOptions()``.
       balancing: ``jax_ep.balancing.BalancingConfig`` (aux-loss-free bias update rate, sequence-wise aux
@@ -418,8 +418,9 @@ class MoE(nnx.Module):
         (``E / ep_size`` experts, ``PartitionSpec(axis_name)``), or all E of them (``PartitionSpec()``)
         when the layer has a placement.
 
-    A leading ``[B, S]`` of x makes each sequence of S tokens one sequence of the aux loss; a 1-D token
-    list is one sequence per rank.
+    A leading ``[B, S]`` of x makes each sequence of S tokens one sequence of the aux loss (each token
+    shard must then hold whole sequences: B a multiple of the shards); a 1-D token list is one sequence
+    per rank.
 
     Decoding: ``layer(x, decode=True)`` computes the same function with ``jax_ep.ll_dispatch`` /
     ``ll_combine`` (low-latency mode: fixed slots per (local expert, source rank), no layout pass, no
@@ -482,6 +483,8 @@ class MoE(nnx.Module):
         # tokens are split over every mesh axis by default (data x ep); experts over the EP axis only
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None else (axis_name,))
+        if mesh is not None and batch_axes is not None:
+            self._check_batch_axes(batch_axes, mesh)
         self.gemm, self.gemm_dtype, self.fp8_weight_grad = gemm, gemm_dtype, fp8_weight_grad
         self.swiglu_backend, self.gemm_num_sms = swiglu_backend, gemm_num_sms
         self.dtype = None if dtype is None else jnp.dtype(dtype)
@@ -518,6 +521,20 @@ class MoE(nnx.Module):
             # them to the mesh again (measured: 35 of a 57 ms DeepSeek-V3 layer step on 2x H200).
             state = nnx.state(self)
             nnx.update(self, jax.tree.map(self._on_mesh, state, nnx.get_partition_spec(state)))
+
+    def _check_batch_axes(self, batch_axes, mesh: Mesh) -> None:
+        """batch_axes: axes of the mesh, the EP axes among them (each EP rank holds its own tokens; the
+        statistics are summed over these axes)."""
+        if isinstance(batch_axes, str) or not all(isinstance(a, str) for a in batch_axes):
+            raise EPTypeError(f"MoE: batch_axes must be a tuple of mesh axis names, got {batch_axes!r}")
+        unknown = [a for a in batch_axes if a not in mesh.axis_names]
+        if unknown:
+            raise EPValueError(f"MoE: batch_axes={tuple(batch_axes)!r} names {unknown}, not axes of the mesh "
+                               f"{mesh.axis_names}")
+        missing = [a for a in (self.axis_name, self.node_axis) if a is not None and a not in batch_axes]
+        if missing:
+            raise EPValueError(f"MoE: batch_axes={tuple(batch_axes)!r} must include the EP axes {missing}: "
+                               "each EP rank routes its own tokens")
 
     def _on_mesh(self, value, spec=None):
         """``value`` placed on the layer's mesh with ``spec`` (a global array on every process)."""
@@ -694,6 +711,8 @@ class MoE(nnx.Module):
             update_stats = not decode
         if x.shape[-1] != self.hidden:
             raise EPValueError(f"MoE: x has hidden size {x.shape[-1]}, the layer expects {self.hidden}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise EPValueError(f"MoE: x must be floating point, got {x.dtype}")
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden)
         routed = tokens if self.dtype is None else tokens.astype(self.dtype)
@@ -703,12 +722,13 @@ class MoE(nnx.Module):
         # the shared expert inside the per-rank function, to run beside the last combine (EPOptions)
         beside = self.shared is not None and self.ep.shared_beside
         shared = (tokens, self.shared.weights()) if beside else None
+        shards = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
+        self._check_sequences(x.shape, tokens.shape[0], shards, seq_len)
         if self.mesh is None:
             out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, seq_len=seq_len,
                                                     decode=decode)
         else:
             batch = P(self.batch_axes)
-            shards = int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
             if tokens.shape[0] % shards:
                 raise EPValueError(
                     f"MoE: x has {tokens.shape[0]} tokens (shape {tuple(x.shape)}), which do not split "
@@ -734,6 +754,19 @@ class MoE(nnx.Module):
         if update_stats:
             self._record(stats)
         return out.reshape(*lead, self.hidden)
+
+    def _check_sequences(self, shape, num_tokens: int, shards: int, seq_len: int | None) -> None:
+        """The sequence-wise aux loss takes each shard's tokens as whole sequences of seq_len."""
+        if not self.balancing.aux_loss_alpha or seq_len is None or num_tokens % shards:
+            return   # (tokens that do not split over the shards: the caller says so)
+        per_shard = num_tokens // shards
+        if per_shard % seq_len:
+            raise EPValueError(
+                f"MoE: x of shape {tuple(shape)} puts {per_shard} tokens on each of {shards} token shards, "
+                f"not whole sequences of {seq_len}: the sequence-wise aux loss (balancing.aux_loss_alpha="
+                f"{self.balancing.aux_loss_alpha}) needs each sequence on one shard; pass a batch of whole "
+                f"sequences per shard (B a multiple of {shards}), or x as [tokens, hidden] (each shard's "
+                "tokens one sequence)")
 
     @property
     def aux_loss(self) -> jax.Array:
@@ -783,7 +816,12 @@ class MoE(nnx.Module):
                   shared=None, *, seq_len, decode=False):
         """The layer on this rank's tokens: (out, MoEStats, the shared expert's output or None). shared:
         (tokens, the shared expert's weights) to compute it here, beside the last combine, or None."""
-        ep_size = lax.axis_size(self.ep_axes)
+        try:
+            ep_size = lax.axis_size(self.ep_axes)
+        except NameError as e:
+            raise EPValueError(f"MoE: axis_name={self.axis_name!r}" + (
+                "" if self.node_axis is None else f" (node_axis={self.node_axis!r})") + " is not bound here: "
+                "built without a mesh, the layer must be called inside a shard_map over it") from e
         rank = lax.axis_index(self.ep_axes)  # node-major on the hierarchical path
         if decode and self.node_axis is not None:
             raise EPUnsupportedError(_NO_HIERARCHICAL_DECODE)

@@ -179,6 +179,50 @@ def test_moe_experts_that_do_not_divide_inside_own_shard_map():
         f(jnp.ones((8, 16)))
 
 
+@pytest.mark.parametrize("batch_axes, match", [
+    (("dp",), r"batch_axes=\('dp',\) names \['dp'\], not axes of the mesh"),
+    (("data",), r"batch_axes=\('data',\) must include the EP axes \['ep'\]"),
+    ("ep", r"batch_axes must be a tuple of mesh axis names, got 'ep'")])
+def test_moe_batch_axes_are_checked_where_the_layer_is_built(batch_axes, match):
+    """Before 2026-12-05: a KeyError at the first call, or JAX's shard_map error."""
+    mesh = Mesh(np.array(jax.devices()[:2 * R]).reshape(2, R), ("data", "ep"))
+    error = jax_ep.EPTypeError if isinstance(batch_axes, str) else jax_ep.EPValueError
+    with pytest.raises(error, match=match):
+        MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), mesh=mesh, batch_axes=batch_axes,
+            ep=EPOptions(backend="reference"))
+
+
+def test_moe_without_a_mesh_outside_a_shard_map_over_its_axis_names_it():
+    """Before 2026-12-05: JAX's NameError (unbound axis name)."""
+    layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), axis_name="expert", ep=EPOptions(backend="reference"))
+    f = jax.shard_map(lambda x: layer(x), mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(jax_ep.EPValueError, match=r"MoE: axis_name='expert' is not bound here"):
+        f(jnp.ones((8, 16)))
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_moe_integer_tokens_are_refused_by_the_layer(decode):
+    """Before 2026-12-05: dispatch's error (an op the user did not call), or JAX's TypeError on decode."""
+    layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), mesh=_mesh(), ep=EPOptions(backend="reference"))
+    with pytest.raises(jax_ep.EPValueError, match="MoE: x must be floating point, got int32"):
+        layer(jnp.ones((8, 16), jnp.int32), decode=decode)
+
+
+def test_moe_aux_loss_sequences_split_over_shards_name_the_shape():
+    """The sequence-wise aux loss needs whole sequences per token shard: [B, S, H] whose sequences span
+    shards is refused naming x's shape (before 2026-12-05: sequence_aux_loss's error about its own
+    arguments); whole sequences per shard run."""
+    from jax_ep.balancing import BalancingConfig
+
+    layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), mesh=_mesh(), ep=EPOptions(backend="reference"),
+                balancing=BalancingConfig(aux_loss_alpha=0.01))
+    x = jax.random.normal(jax.random.key(0), (R, 4, 16))
+    assert layer(x).shape == x.shape and float(layer.aux_loss) > 0
+    with pytest.raises(jax_ep.EPValueError, match=r"x of shape \(2, 8, 16\) puts 4 tokens on each of 4 token "
+                                                  r"shards, not whole sequences of 8"):
+        layer(x.reshape(2, 8, 16))
+
+
 @pytest.mark.slow
 def test_moe_tokens_that_do_not_split_over_the_mesh_name_the_count():
     """Before: a shard_map error naming '<lambda>'."""

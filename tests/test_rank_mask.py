@@ -622,13 +622,23 @@ def test_moe_layer_rank_mask():
             on_cuda(x)
 
 
-def test_checkpoint_save_refuses_a_rank_mask(tmp_path):
+def test_checkpoint_save_and_restore_refuse_a_rank_mask(tmp_path):
+    """The mask is runtime fault state, never saved: save refuses a masked layer, and so does restore
+    into one (before 2026-12-05 restore blamed the checkpoint: "'rank_mask' is in the model, not in the
+    checkpoint")."""
     import jax_ep.checkpoint as ckpt
 
     layer = _layer(2)
     layer.set_rank_mask([True, False])
-    with pytest.raises(ValueError, match=r"rank mask .*clear_rank_mask\(\) first"):
+    with pytest.raises(ValueError, match=r"checkpoint.save: .*rank mask .*clear_rank_mask\(\) first"):
         ckpt.save(tmp_path / "ckpt", layer)
+    layer.clear_rank_mask()
+    ckpt.save(tmp_path / "ckpt", layer)
+    layer.set_rank_mask([True, False])
+    with pytest.raises(ValueError, match=r"checkpoint.restore: .*rank mask .*clear_rank_mask\(\) first"):
+        ckpt.restore(tmp_path / "ckpt", layer)
+    layer.clear_rank_mask()
+    ckpt.restore(tmp_path / "ckpt", layer)
 
 
 @pytest.mark.parametrize("flags, processes, hazard", [
