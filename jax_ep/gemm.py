@@ -67,7 +67,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
 
     Args:
       x: [M, K] rows, grouped consecutively (bfloat16/float16 for the GPU kernel).
-      w: [G, K, N] one matrix per group, same dtype as x.
+      w: [G, K, N] one matrix per group (same dtype as x for the GPU kernels).
       group_sizes: [G] int32 rows per group; rows past their sum come out as zeros.
       backend: "auto", "mosaic_gpu" (raise if the kernel cannot run here) or "ragged_dot".
       zero_tail: False leaves the rows past sum(group_sizes) of the output, and of the gradient of x,
@@ -80,7 +80,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
         ``KernelConfig.async_stream`` run beside the GEMMs only on SMs the GEMMs leave free.
       dw_num_sms: the SMs of the weight-gradient pass's kernels; None (default): ``num_sms``. E.g. fewer
         for the pass that runs beside an exchange (``jax_ep.overlap.chain``).
-    Returns: [M, N] in x's dtype (float32 accumulation).
+    Returns: [M, N] in x's dtype where x and w share it, else in the dtype they promote to (as
+    ``lax.ragged_dot``); float32 accumulation.
     """
     _check_args(x, w, group_sizes, backend)
     if not isinstance(zero_tail, bool):
@@ -94,8 +95,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
 def explain(x, w, group_sizes=None, *, backend: str = "auto") -> dict[str, Plan]:
     """Which implementation each pass (forward, dx, dw) would take for these shapes/dtypes, and why.
     x and w may be arrays or jax.ShapeDtypeStruct."""
-    if group_sizes is not None:
-        _check_args(x, w, group_sizes, backend)
+    _check_args(x, w, group_sizes, backend)
     return dict(zip(PASSES, _plans(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, backend), strict=True))
 
 
@@ -103,13 +103,28 @@ def preferred_alignment(x, w, *, backend: str = "auto") -> int:
     """The group-size alignment to ask of dispatch (``EPConfig.expert_alignment``) for rows feeding
     this GEMM: ROW_ALIGNMENT where the forward pass runs the Mosaic GPU kernel, else 1 (no padding).
     x and w may be arrays or jax.ShapeDtypeStruct."""
+    _check_args(x, w, None, backend)
     forward = _plans(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, backend)[0]
     return ROW_ALIGNMENT if forward.impl == "mosaic_gpu" else 1
 
 
-def _check_args(x, w, group_sizes, backend: str) -> None:
+def check_backend(backend, op: str = "grouped_matmul", name: str = "backend") -> None:
+    """backend is one of BACKENDS (every entry point: an unknown name would plan as "auto")."""
     if backend not in BACKENDS:
-        raise EPValueError(f"grouped_matmul: backend must be one of {BACKENDS}, got {backend!r}")
+        raise EPValueError(f"{op}: {name} must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_group_sizes(group_sizes, num_groups: int, op: str = "grouped_matmul") -> None:
+    """group_sizes: [G] integer, one per group of the weights."""
+    if getattr(group_sizes, "shape", None) != (num_groups,):
+        raise EPValueError(f"{op}: group_sizes must have shape ({num_groups},) (one per group "
+                           f"of w), got {getattr(group_sizes, 'shape', None)}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise EPValueError(f"{op}: group_sizes must be integer, got dtype {group_sizes.dtype}")
+
+
+def _check_args(x, w, group_sizes, backend: str) -> None:
+    check_backend(backend)
     if getattr(x, "ndim", None) != 2:
         raise EPValueError(f"grouped_matmul: x must be 2-D [M, K], got shape {getattr(x, 'shape', None)}")
     if getattr(w, "ndim", None) != 3:
@@ -117,11 +132,8 @@ def _check_args(x, w, group_sizes, backend: str) -> None:
     if w.shape[1] != x.shape[1]:
         raise EPValueError(f"grouped_matmul: x has K={x.shape[1]} but w has K={w.shape[1]} "
                            f"(x {x.shape}, w {w.shape})")
-    if getattr(group_sizes, "shape", None) != (w.shape[0],):
-        raise EPValueError(f"grouped_matmul: group_sizes must have shape ({w.shape[0]},) (one per group "
-                           f"of w), got {getattr(group_sizes, 'shape', None)}")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise EPValueError(f"grouped_matmul: group_sizes must be integer, got dtype {group_sizes.dtype}")
+    if group_sizes is not None:
+        check_group_sizes(group_sizes, w.shape[0])
 
 
 # ---- choosing an implementation -------------------------------------------------------------------
@@ -247,7 +259,9 @@ def _grouped_matmul_fwd(x, w, group_sizes, plans, zero_tail):
 
 def _grouped_matmul_bwd(plans, zero_tail, residuals, dy):
     x, w, group_sizes = residuals
-    dy = dy.astype(x.dtype)
+    # the output's dtype (lax.ragged_dot's: x's and w's promoted), so a float32 w's gradient is not rounded
+    # through x's bfloat16
+    dy = dy.astype(jnp.result_type(x.dtype, w.dtype))
     dx = _forward(dy, w, group_sizes, plans[1], transpose_rhs=True, zero_tail=zero_tail)
     dw = _weight_gradient(x, dy, group_sizes, plans[2])
     return dx.astype(x.dtype), dw.astype(w.dtype), float0_like(group_sizes)
@@ -270,6 +284,7 @@ def weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, back
     """``dw[g] = x[rows of g].T @ dy[rows of g]`` ([G, K, N] in x's dtype, zeros for empty groups, rows
     past the groups never read into a sum): grouped_matmul's weight gradient on its own (the FP8 GEMM's
     backward uses it, with its caller's ``num_sms``)."""
+    check_backend(backend, "weight_gradient")
     g = group_sizes.shape[0]
     w_shape = (g, x.shape[1], dy.shape[1])
     plan = _plans(x.shape, w_shape, x.dtype, dy.dtype, backend, num_sms)[2]

@@ -38,7 +38,14 @@ from jax import lax
 from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels, check_option
 from jax_ep.errors import EPTypeError, EPValueError
 from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, as_stored, dequantize_fp8, fp8_scales, quantize_fp8, to_e4m3
-from jax_ep.gemm import GROUP_MAJOR, _kernel_platform, tuned_entry, weight_gradient
+from jax_ep.gemm import (
+    GROUP_MAJOR,
+    _kernel_platform,
+    check_backend,
+    check_group_sizes,
+    tuned_entry,
+    weight_gradient,
+)
 from jax_ep.validation import float0_like
 from jax_ep.vma import shape_like, vary_as, vary_jointly
 
@@ -344,6 +351,8 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
         # the rounding that made a bf16 dy: half the scales differed on one H200, 2026-11-29)
         x = as_stored(x)
         xf = x.astype(jnp.float32) if x_scales is None else dequantize_fp8(x, x_scales)
+        if m == 0:   # nothing to gather from (every block is then empty: zeros)
+            xf = jnp.zeros((1, c), jnp.float32)
         blocks = jnp.where(valid[:, :, None], xf[jnp.where(valid, rows, 0)], 0.0)    # [P/128, 128, C]
         inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=1), FP8_GEMM_MIN_AMAX)
         q = to_e4m3(blocks * inv_scale[:, None, :])
@@ -629,6 +638,8 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
         raise EPValueError(f"fp8_grouped_matmul: x [M, K] and w [G, K, N] must share K, got x {x.shape}, "
                            f"w {w.shape}")
     check_fp8_channels("fp8_grouped_matmul", K=k, N=n)
+    check_group_sizes(group_sizes, w.shape[0], "fp8_grouped_matmul")
+    check_backend(gemm, "fp8_grouped_matmul", "gemm")
     backend = fp8_backend(k, n, backend)
     if quantized is not None:
         _check_quantized(quantized, w, backend)

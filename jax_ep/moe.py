@@ -1148,6 +1148,9 @@ class _ExpertGEMMs:
     num_sms: int | None = None
 
     def check(self, fp8_weights, rows_fp8) -> None:
+        if self.gemm_dtype not in GEMM_DTYPES:   # (MoE checks its own where it is built)
+            raise EPValueError(f"expert_block: gemm_dtype must be one of {GEMM_DTYPES}, got "
+                               f"{self.gemm_dtype!r}")
         if rows_fp8 is not None and self.gemm_dtype is None:
             raise EPValueError("expert_block: rows_fp8 needs gemm_dtype='float8_e4m3fn'")
         if self.gemm_dtype is None and (fp8_weights is not None or self.fp8_weight_grad):

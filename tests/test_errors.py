@@ -163,6 +163,16 @@ def test_moe_bad_arguments(kw, error, field):
         MoE(**args)
 
 
+@pytest.mark.parametrize("gemm_dtype", ["bfloat16", "float8_e5m2", "fp8"])
+def test_expert_block_names_a_gemm_dtype_it_does_not_take(gemm_dtype):
+    """Before 2026-12-05 any gemm_dtype but None ran both GEMMs in FP8 (e4m3) silently."""
+    from jax_ep.moe import expert_block
+
+    rows, w1, w2 = jnp.ones((8, 128)), jnp.ones((2, 128, 256)), jnp.ones((2, 128, 128))
+    with pytest.raises(jax_ep.EPValueError, match=f"expert_block: gemm_dtype must be one of .*{gemm_dtype}"):
+        expert_block(rows, w1, w2, jnp.array([4, 4], jnp.int32), gemm_dtype=gemm_dtype)
+
+
 def test_moe_experts_that_do_not_divide_over_the_mesh_name_num_experts():
     """Before: JAX's IndivisibleError, not naming num_experts."""
     with pytest.raises(jax_ep.EPValueError, match=r"routing\.num_experts=6 is not divisible by the EP size"):

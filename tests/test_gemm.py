@@ -75,6 +75,34 @@ def test_argument_errors_name_the_argument():
         grouped_matmul(x, w, jnp.array([4.0, 4.0]))
     with pytest.raises(ValueError, match="backend must be one of"):
         grouped_matmul(x, w, gs, backend="cublas")
+    # every entry point checks the backend name (an unknown one planned as "auto" before 2026-12-05)
+    from jax_ep.gemm import preferred_alignment, weight_gradient
+
+    for call in (lambda: explain(x, w, backend="cublas"), lambda: preferred_alignment(x, w, backend="cublas"),
+                 lambda: weight_gradient(x, jnp.ones((8, 3)), gs, backend="cublas")):
+        with pytest.raises(ValueError, match="backend must be one of .*got 'cublas'"):
+            call()
+    with pytest.raises(ValueError, match="x has K=4 but w has K=5"):
+        explain(x, jnp.ones((2, 5, 3)))
+
+
+def test_mixed_dtypes_follow_ragged_dot():
+    """x bfloat16 and w float32: the output in the promoted dtype and w's gradient at float32 precision,
+    as lax.ragged_dot's (before 2026-12-05 d y was rounded to bfloat16 first)."""
+    k = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(k[0], (24, 16), jnp.bfloat16)
+    w = jax.random.normal(k[1], (3, 16, 8), jnp.float32)
+    gs = jnp.array([10, 0, 9], jnp.int32)
+    g = jax.random.normal(k[2], (24, 8), jnp.float32)
+    assert grouped_matmul(x, w, gs).dtype == jax.lax.ragged_dot(x, w, gs).dtype == jnp.float32
+
+    def grads(f):
+        return jax.grad(lambda x, w: jnp.sum(f(x, w, gs) * g), argnums=(0, 1))(x, w)
+
+    got, want = grads(grouped_matmul), grads(jax.lax.ragged_dot)
+    assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=1e-2)
 
 
 def test_explain_says_why_the_kernel_is_not_used():

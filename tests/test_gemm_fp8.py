@@ -110,6 +110,26 @@ def test_argument_errors_name_the_argument():
         quantize_weight_blocks(jnp.ones((1, 100, 128)))
     with pytest.raises(EPValueError, match="must share K"):
         grouped_matmul_fp8(xq[:, :128], xs[:, :1], wq, ws, gs)
+    # the trainable form checks group_sizes and the bf16 weight gradient's backend as grouped_matmul does
+    x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    with pytest.raises(EPValueError, match=r"fp8_grouped_matmul: group_sizes must have shape"):
+        gemm_fp8.fp8_grouped_matmul(x, w, gs[:-1])
+    with pytest.raises(EPValueError, match="fp8_grouped_matmul: group_sizes must be integer"):
+        gemm_fp8.fp8_grouped_matmul(x, w, gs.astype(jnp.float32))
+    with pytest.raises(EPValueError, match="fp8_grouped_matmul: gemm must be one of .*got 'reference'"):
+        gemm_fp8.fp8_grouped_matmul(x, w, gs, gemm="reference")
+
+
+@pytest.mark.parametrize("weight_grad", ["bf16", "fp8"])
+def test_no_rows_give_zero_weight_gradients(weight_grad):
+    """A buffer of 0 rows (every group empty): zero weight gradients in both forms (the FP8 one's
+    quantiser gathered from the empty rows before 2026-12-05)."""
+    x = jnp.ones((0, 128), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (2, 128, 128), jnp.bfloat16)
+    gs = jnp.zeros((2,), jnp.int32)
+    dw = jax.grad(lambda w: gemm_fp8.fp8_grouped_matmul(x, w, gs, weight_grad=weight_grad)
+                  .astype(jnp.float32).sum())(w)
+    assert dw.shape == w.shape and not np.any(np.asarray(dw, np.float32))
 
 
 @pytest.mark.parametrize("kernel", [(False, 64, 4), (True, 64, 4), (True, 128, 3), (True, 64, 4, 2, 1),
