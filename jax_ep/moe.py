@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import eplb, overlap, remat
+from jax_ep import backends, eplb, overlap, remat
 from jax_ep.balancing import BalancingConfig, sequence_aux_loss, update_bias
 from jax_ep.config import (
     EP_CONFIG_KINDS,
@@ -743,8 +743,8 @@ class MoE(nnx.Module):
                 out_specs=(batch, MoEStats(P(), P(), P(), P()), batch))
             # ordered as one EP call against the layer's other calls in this trace (overlap.region):
             # with a side-stream overlap, another call's EP calls could run beside its side calls
-            side = beside or self.ep.weight_grad_beside
-            out, stats, shared_out = overlap.region(body, routed, *params, fp8_weights, shared, side=side)
+            out, stats, shared_out = overlap.region(body, routed, *params, fp8_weights, shared,
+                                                    side=self._side_calls(beside))
         out = out.astype(x.dtype)
         if self.shared is not None:
             if shared_out is None:
@@ -754,6 +754,18 @@ class MoE(nnx.Module):
         if update_stats:
             self._record(stats)
         return out.reshape(*lead, self.hidden)
+
+    def _side_calls(self, beside: bool) -> bool:
+        """Whether a call of the layer may put EP calls on jax_ep's side stream: an overlap asked for
+        (beside: the shared expert's), where the CUDA backend can take the ops (named, or "auto" on GPUs)
+        and not on XLA's async stream. Else its region is a plain call (overlap.region: the backward
+        then computes no input gradient nobody asks for, and second-order gradients of the reference
+        path stay differentiable)."""
+        if not (beside or self.ep.weight_grad_beside) or self.ep.kernel.async_stream is not None:
+            return False
+        if self.ep.backend == "auto":
+            return self.mesh is not None and self.mesh.devices.flat[0].platform == "gpu"
+        return self.ep.backend != backends.REFERENCE
 
     def _check_sequences(self, shape, num_tokens: int, shards: int, seq_len: int | None) -> None:
         """The sequence-wise aux loss takes each shard's tokens as whole sequences of seq_len."""

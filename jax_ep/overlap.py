@@ -36,13 +36,15 @@ a differentiated
 call's backward side call after its forward's join, whose token it keeps as a residual, and the
 backward's calls traced before it). A ``shard_map`` holding EP calls is a trace of its own: the MoE
 layer orders its call as one at its caller's level (``region``: two calls of a layer in one step, e.g.
-on two micro-batches, run one after the other, forward and backward). Not ordered against a side call:
-EP calls of other traces, i.e. another jitted function or a ``shard_map`` of your own (wrap it with
-``region``), calls outside a ``jax.checkpoint`` holding the block, and forward calls that the backward
-does not depend on: they must depend on the block's results (or run with several processes, whose
-ordered effect orders every call). An EP call inside fn is refused (``check_not_beside``). When no
-call takes the work (the reference backend, an op without a side twin, ``KernelConfig.async_stream`` set),
-``fn(*args)`` runs at the block's end, after everything in it, and ``work.overlapped`` is False.
+on two micro-batches, run one after the other, forward and backward). The level is the trace that
+stages the calls (``_level``: AD's traces are not levels of their own). Not ordered against a side
+call: EP calls of other traces, i.e. another jitted function, a ``shard_map`` of your own or a
+``jax.checkpoint`` of its own (wrap such a call with ``region``), and the forward calls a
+``jax.checkpoint`` reruns in its backward (copied, not traced again): they must depend on the block's
+results (or run with several processes, whose ordered effect orders every call). An EP call inside
+fn is refused (``check_not_beside``). When no call takes the work (the reference backend, an op without
+a side twin, ``KernelConfig.async_stream`` set), ``fn(*args)`` runs at the block's end, after everything
+in it, and ``work.overlapped`` is False.
 
 ``chain(op, op_args, fn, fn_args)``: for work that needs the op's result (dispatch, then the gate|up
 GEMM): in series forward; the backward runs the op's backward beside the part of fn's backward the op's
@@ -331,7 +333,7 @@ def record(outputs, side: bool = False, keep_calls: bool = False) -> None:
     ``keep_calls`` (a backward rule noting its forward's join, traced before this trace's calls)."""
     # (not a zero-element one, e.g. dispatch's absent scales: XLA makes it a constant, which orders nothing)
     leaves = [_primal(a) for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array) and a.size > 0]
-    trace = core.trace_ctx.trace
+    trace = _level()
     if not leaves or isinstance(trace, core.EvalTrace):   # run eagerly: each call in program order
         return
     join, calls = _since.get(trace, (None, ()))
@@ -342,6 +344,21 @@ def record(outputs, side: bool = False, keep_calls: bool = False) -> None:
         _since[trace] = (refs, ((*calls, join) if join else calls) if keep_calls else ())
     else:
         _since[trace] = (join, (*calls, refs))
+
+
+def _level():
+    """The trace EP calls are recorded at: the current one, out of AD's traces (JVP, linearize) to the
+    trace that stages them. A differentiated function's forward runs under an AD trace of its own while
+    its backward, and the calls around the ``jax.grad``, are traced at the staging trace: keyed by the AD
+    trace, a forward call the backward does not read (or a call outside the grad in the same jit) was
+    ordered against nothing there. The recorded values are primals (``_primal``), which live there."""
+    trace = core.trace_ctx.trace
+    while isinstance(trace, _AD_TRACES):
+        trace = trace.parent_trace
+    return trace
+
+
+_AD_TRACES = tuple({ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace)})
 
 
 def _primal(a):
@@ -364,7 +381,7 @@ def _live(refs) -> list:
 def _since_join() -> tuple[list, list]:
     """(the last join's token if still live, one live result of each call recorded since) at this
     trace."""
-    join, calls = _since.get(core.trace_ctx.trace, (None, ()))
+    join, calls = _since.get(_level(), (None, ()))
     return _live(join), [v for c in calls for v in _live(c)]
 
 
@@ -497,7 +514,7 @@ def in_order(op: Callable) -> Callable:
         for i, value in zip(arrays, after_previous([leaves[i] for i in arrays], side=False), strict=True):
             leaves[i] = value
         args, kwargs = jax.tree.unflatten(tree, leaves)
-        trace = core.trace_ctx.trace
+        trace = _level()
         before = _since.get(trace, (None, ()))[0]
         out = op(*args, **kwargs)
         join = _since.get(trace, (None, ()))[0]

@@ -946,6 +946,29 @@ def test_shared_expert_beside_an_exchange_gives_the_same_step_and_decode(axes):
                                        err_msg=f"{options} {jax.tree_util.keystr(path)}")
 
 
+@pytest.mark.parametrize("ep", [dict(shared_beside=True), dict(weight_grad_beside=True)])
+def test_an_overlap_on_the_reference_path_keeps_second_order_gradients(ep):
+    """Where no side call can run (the reference backend) the layer's call is a plain region
+    (MoE._side_calls): second-order gradients in x stay what they are without the option (before
+    2026-12-05 the side region's barrier over every input cotangent made them fail: ragged_dot has no
+    transpose of its weight gradient)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    x = random_tokens(41, batch=4, seq=4)
+
+    def second_order(**options):
+        layer = make_layer(mesh, ep=options, shared_ffn_hidden=8 if "shared_beside" in ep else 0)
+        graphdef, state = nnx.split(layer)
+
+        def loss(x):
+            return jnp.sum(nnx.merge(graphdef, state)(x, update_stats=False) ** 2)
+
+        return jax.jit(jax.grad(lambda x: jnp.sum(jax.grad(loss)(x) ** 2)))(x)
+
+    got, plain = second_order(**ep), second_order()
+    assert np.abs(np.asarray(plain)).max() > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-5, atol=1e-6)
+
+
 def test_shared_split_needs_shared_beside_and_refuses_weight_grad_beside():
     with pytest.raises(EPValueError, match="shared_split=True .* needs shared_beside=True"):
         EPOptions(shared_split=True)

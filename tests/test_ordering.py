@@ -696,9 +696,11 @@ def test_one_process_runs_no_ep_call_beside_a_layer_side_call(cuda_lowering, mon
     assert_nothing_beside_a_side_call(flow, f"{overlap}, checkpoint {checkpoint}")
 
 
-def _layers_loss(layers):
+def _layers_loss(layers, linear: bool = False, wrap=None):
     """(loss, params): the layers (one each, or one layer listed twice) on two independent micro-batches
-    of _inputs()' tokens in one step, their losses summed: each call's shard_map is a trace of its own."""
+    of _inputs()' tokens in one step, their losses summed: each call's shard_map is a trace of its own.
+    linear: each loss the output's sum (the backward then reads none of the forward's results); wrap:
+    applied to each call (params, tokens) -> output."""
     from flax import nnx
 
     splits = [nnx.split(m, nnx.Param, ...) for m in layers]
@@ -706,8 +708,10 @@ def _layers_loss(layers):
     def loss(params, x):
         total = 0.0
         for (graphdef, _, rest), p, half in zip(splits, params, jnp.split(x, 2), strict=True):
-            out = nnx.merge(graphdef, p, rest)(jnp.concatenate([half, half]), update_stats=False)
-            total = total + jnp.mean(out.astype(jnp.float32) ** 2)
+            def call(p, h, graphdef=graphdef, rest=rest):
+                return nnx.merge(graphdef, p, rest)(h, update_stats=False)
+            out = (call if wrap is None else wrap(call))(p, jnp.concatenate([half, half])).astype(jnp.float32)
+            total = total + (jnp.sum(out) if linear else jnp.mean(out ** 2))
         return total
 
     return loss, [s[1] for s in splits]
@@ -743,6 +747,67 @@ def test_one_process_orders_a_plain_layer_against_a_layer_with_side_calls(cuda_l
     loss, params = _layers_loss([side, plain] if side_first else [plain, side])
     flow = Dataflow(_lowered(jax.value_and_grad(loss), params, _inputs()[0]))
     assert_nothing_beside_a_side_call(flow, f"side first {side_first}")
+
+
+_OVERLAPS = {"shared_beside": dict(shared_beside=True),
+             "weight_grad_beside": dict(weight_grad_beside=True)}
+
+
+@pytest.mark.parametrize("case", ["linear_same_layer", "linear_then_plain", "has_aux", "outside_the_grad"])
+@pytest.mark.parametrize("overlap", sorted(_OVERLAPS))
+def test_one_process_orders_calls_the_backward_does_not_read(cuda_lowering, monkeypatch, overlap, case):
+    """Forward calls the backward does not read (a linear loss; the second call's output only as aux; a
+    call outside the grad in the same jit) are ordered at the trace that stages them, where the backward
+    is traced: the forward's AD trace is not a level of its own (overlap._level; before 2026-12-05 each
+    of these let an EP call run beside a side call in one process)."""
+    from flax import nnx
+
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    layer = _cuda_layer(kernel=KernelConfig(side_num_sms=24), **_OVERLAPS[overlap])
+    x = _inputs()[0]
+    if case in ("linear_same_layer", "linear_then_plain"):
+        layers = [layer, layer] if case == "linear_same_layer" else [layer, _cuda_layer()]
+        loss, params = _layers_loss(layers, linear=True)
+        fn, args = jax.value_and_grad(loss), (params, x)
+    else:
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        plain_graphdef, plain_params, plain_rest = nnx.split(_cuda_layer(), nnx.Param, ...)
+
+        def loss(p, a, b):
+            y = nnx.merge(graphdef, p, rest)(a, update_stats=False)
+            aux = nnx.merge(graphdef, p, rest)(b, update_stats=False) if case == "has_aux" else None
+            return jnp.mean(y.astype(jnp.float32) ** 2), aux
+
+        def step(p, q, x):
+            a, b = (jnp.concatenate([h, h]) for h in jnp.split(x, 2))
+            outside = None   # a plain layer's call before the grad, in the same jit
+            if case == "outside_the_grad":
+                outside = nnx.merge(plain_graphdef, q, plain_rest)(b, update_stats=False)
+            (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(p, a, b)
+            return value, aux, grads, outside
+
+        fn, args = step, (params, plain_params, x)
+    flow = Dataflow(_lowered(fn, *args))
+    assert any(flow.name(c).endswith("_side") for c in flow.calls)
+    assert_nothing_beside_a_side_call(flow, f"{overlap}, {case}")
+
+
+@pytest.mark.parametrize("overlap", sorted(_OVERLAPS))
+def test_one_process_orders_checkpointed_layer_calls_wrapped_in_a_region(cuda_lowering, monkeypatch, overlap):
+    """Each call under jax.checkpoint of its own is a trace of its own, which the layer's region cannot
+    leave; wrapped in overlap.region (docs/api.md) the checkpointed calls are ordered too."""
+    from jax_ep import overlap as ov
+    from jax_ep import remat
+
+    monkeypatch.setattr(ordering, "needed", _NEEDED)
+    layer = _cuda_layer(kernel=KernelConfig(side_num_sms=24), **_OVERLAPS[overlap])
+
+    def wrap(call):
+        return lambda p, h: ov.region(jax.checkpoint(call, policy=remat.policy()), p, h, side=True)
+
+    loss, params = _layers_loss([layer, layer], wrap=wrap)
+    flow = Dataflow(_lowered(jax.value_and_grad(loss), params, _inputs()[0]))
+    assert_nothing_beside_a_side_call(flow, overlap)
 
 
 def test_a_call_whose_results_are_dropped_leaves_the_list():
