@@ -41,7 +41,10 @@ def _time(record) -> float | None:
 
 def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     """{(op, layout): points} of the records of one run: cuda and reference records of the same op,
-    layout, dtype, shape and EP size pair up into a point; unpaired records are ignored."""
+    layout, dtype, shape and EP size pair up into a point; unpaired records are ignored. Of cuda records
+    at several SM counts (``--num-sms``) the one on the most SMs stands for the kernels (KernelConfig's
+    default takes every SM); two records of one backend at one SM count are an error (before 2026-12-05
+    the last one in the file won)."""
     keyed = {}
     for r in records:
         # only the ops that have an implementation choice (not e.g. the ll_round_trip composite)
@@ -50,7 +53,13 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
                 and r["op"] in OPS and _default_transport(r)):
             key = (r["op"], r.get("layout", "expert_major"), r["dtype"], r["tokens_per_rank"], r["hidden"],
                    r["topk"], r["num_experts"], r["ep_size"])
-            keyed.setdefault(key, {})[r["backend"]] = r
+            pair = keyed.setdefault(key, {})
+            held = pair.get(r["backend"])
+            if held is not None and held.get("num_sms") == r.get("num_sms"):
+                raise ValueError(f"two {r['backend']} records of {key} on {r.get('num_sms')} SMs: pass each "
+                                 "run's records once")
+            if held is None or (r.get("num_sms") or 0) > (held.get("num_sms") or 0):
+                pair[r["backend"]] = r
     points = collections.defaultdict(list)
     for (op, layout, dtype, tokens, hidden, topk, experts, ep_size), pair in sorted(keyed.items()):
         if len(pair) != 2:
@@ -196,6 +205,13 @@ def layer_vetoes(layer_records: list[dict]) -> dict[str, str]:
     return vetoes
 
 
+def layer_compared(layer_records: list[dict]) -> set[str]:
+    """The EP sizes where a layer shape was measured with the EP kernels and with the reference ops."""
+    steps = _layer_steps(layer_records)
+    return {str(ep) for (shape, config, ep) in steps
+            if config == "ep_cuda" and (shape, "ep_reference", ep) in steps}
+
+
 def layer_preferences(layer_records: list[dict]) -> tuple[dict[str, dict], set[str]]:
     """({EP size: {"tokens": from how many tokens per rank the layer wants the kernels, "why": ...}},
     {EP sizes where a layer shape measured the kernels slower than auto's choice: no preference})."""
@@ -238,9 +254,10 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
         table["measured_on"] = measured_on(_op_points(table["ops"])
                                            + [p for entry in pull.values() for p in entry["points"]])
     vetoes = layer_vetoes(layer_records or [])
-    # a veto of an EP size this run did not measure again stays
-    for ep, why in (old or {}).get("vetoed", {}).items():
-        if ep not in measured:
+    # a veto stays until a layer run measures the EP kernels' step again at that EP size (op timings cannot
+    # show the in-step effect; before 2026-12-05 an ops-only run lifted it and a layer-only run kept it)
+    for ep, why in (prior or {}).get("vetoed", {}).items():
+        if ep not in layer_compared(layer_records or []):
             vetoes.setdefault(ep, why)
     prefers, against = layer_preferences(layer_records or [])
     # a preference stays until a layer run measures the kernels slower there (see the docstring)

@@ -48,7 +48,9 @@ can the async forms hide anything. ``jax_ep_remat``, ``jax_ep_remat_dispatch`` a
 with the gate|up GEMM's output kept too and ``dy_in_place=False`` (no grouped GEMM in the rerun);
 ``checkpoint`` in the config, ``checkpoint_policy``.
 The roofline is the step's expert-GEMM FLOPs (3 GEMMs, forward + 2 backward, real rows only) run as plain
-dense dots of the same shapes on one device, timed in the same run. ``weight_floor_ms`` is the memory side
+dense bf16 dots of the same shapes on one device, timed in the same run; the FP8 configs are compared with
+it too (a bf16 roofline: with FP8 forward and input-gradient GEMMs the step's own roofline is lower, about
+2/3 of it, so their ``roofline_ratio`` reads low). ``weight_floor_ms`` is the memory side
 of it: the bytes of weights a step must move per rank (W: the local experts' bf16 weights,
 ``expert_weight_bytes``, and the shared expert's: read by the forward and by the input gradient, their
 gradient written once; 2W for cached FP8 weights; ``weight_floor_bytes``) over the read bandwidth measured
@@ -129,10 +131,12 @@ CONFIGS = {"jax_ep": dict(backend="auto", gemm="auto"),
            # the kernels as async ops on XLA stream 1, overlapping independent work (KernelConfig)
            "ep_cuda_async": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1)),
            "ep_cuda_async_48": dict(backend="cuda", gemm="auto", kernel=dict(async_stream=1, num_sms=48)),
-           "plain_jax": dict(backend="reference", gemm="ragged_dot"),
+           # (XLA's SwiGLU: jax_ep's Triton kernels are not what a plain-JAX user has; before 2026-12-05 the
+           # plain-JAX configs took them on Hopper)
+           "plain_jax": dict(backend="reference", gemm="ragged_dot", swiglu_backend="xla"),
            # the same with the step compiled as a plain-JAX user can switch XLA's cuDNN ragged-dot fusion on
            # (cuDNN >= 9.22 on the GPU; the record counts the fusions XLA made: 0 = its dense expansion)
-           "plain_jax_cudnn": dict(backend="reference", gemm="ragged_dot",
+           "plain_jax_cudnn": dict(backend="reference", gemm="ragged_dot", swiglu_backend="xla",
                                    compiler_options={"xla_gpu_experimental_use_ragged_dot_fusion": True}),
            # hierarchical dispatch / combine (MoE(node_axis=...)): the local GPUs taken as `nodes` nodes
            # of (GPUs / nodes) each; the node hop runs over the same NVLink (peer access), not a network
@@ -328,17 +332,30 @@ def weight_floor_bytes(config: str, weight_bytes: int) -> int | None:
     return (weight_bytes if fp8 else 2 * weight_bytes) + weight_bytes // options.get("micro_batches", 1)
 
 
+def block_options(options: dict) -> dict:
+    """The expert block's options of a config (CONFIGS) besides its GEMM backend and dtype: what its layer
+    passes to moe.expert_block (its SwiGLU, FP8 weight gradient, the GEMMs' SMs)."""
+    block = {k: options[k] for k in ("fp8_weight_grad", "swiglu_backend") if k in options}
+    if "gemm_free_sms" in options:
+        from jax_ep.gemm_mgpu import _num_sms
+
+        block["gemm_num_sms"] = _num_sms() - options["gemm_free_sms"]
+    return block
+
+
 def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, capacity: int, gemm: str,
                         iters: int, repeats: int, gemm_dtype: str | None = None, fp8_cached: bool = False,
                         sustain_s: float | tuple[float, ...] = 0.0,
-                        compiler_options: dict | None = None) -> float | tuple[float, ...] | None:
+                        compiler_options: dict | None = None,
+                        block: dict | None = None) -> float | tuple[float, ...] | None:
     """The layer's expert block alone (gate|up GEMM, SwiGLU, down GEMM; forward and backward) on one
     device, on a dispatch-like buffer: `capacity` rows of which `rows` are spread over the local experts
     (mildly uneven), each expert padded to the alignment the layer asks of dispatch. `gemm_dtype` is the
     MoE layer's (None: bf16 GEMMs; "float8_e4m3fn": jax_ep.gemm_fp8.fp8_grouped_matmul as the layer uses
     it; ``fp8_cached``: with the weights quantised beforehand, MoE.quantize_weights' way). None if it fails
     (e.g. lax.ragged_dot out of memory). ``sustain_s``: best_of's (a tuple gives one time per setting).
-    ``compiler_options``: XLA's, as the config's step is compiled with (e.g. the cuDNN ragged-dot fusion)."""
+    ``compiler_options``: XLA's, as the config's step is compiled with (e.g. the cuDNN ragged-dot fusion).
+    ``block``: more of moe.expert_block's options, the config's (``block_options``)."""
     from jax_ep.gemm import preferred_alignment
 
     rng = np.random.default_rng(0)
@@ -358,7 +375,8 @@ def expert_gemm_seconds(rows: int, hidden: int, ffn: int, local_experts: int, ca
     @jax.jit
     def experts(x, w1, w2, g, fp8=None):
         def f(x, w1, w2):
-            return moe.expert_block(x, w1, w2, group_sizes, gemm=gemm, gemm_dtype=gemm_dtype, fp8_weights=fp8)
+            return moe.expert_block(x, w1, w2, group_sizes, gemm=gemm, gemm_dtype=gemm_dtype, fp8_weights=fp8,
+                                    **(block or {}))
         out, vjp = jax.vjp(f, x, w1, w2)
         return out, vjp(g)
 
@@ -451,7 +469,10 @@ def profiled_steps(call, iters: int, sustain_s: float = 0.0):
         with jax.profiler.trace(log_dir):
             end = time.perf_counter() + sustain_s
             while time.perf_counter() < end:
-                jax.block_until_ready([call() for _ in range(iters)][-1])
+                out = None   # one step's outputs alive at a time (a list of them held every step's)
+                for _ in range(iters):
+                    out = call()
+                jax.block_until_ready(out)
                 calls += iters
             out, start = None, time.perf_counter()
             for _ in range(iters):
@@ -669,9 +690,12 @@ def bench_layer(mesh: Mesh, shape, config: str, iters: int, repeats: int, profil
         record["clocks"] = dict(step=step_clocks.summary())
         split = None
         if profile:
-            with clocks.collect() as split_clocks:
-                split = split_by_scope(no_cb, args, iters, sustain_s)
-            record["clocks"]["split"] = split_clocks.summary()
+            try:   # its own failure: it keeps the step time measured above (and says nothing of the peer)
+                with clocks.collect() as split_clocks:
+                    split = split_by_scope(no_cb, args, iters, sustain_s)
+                record["clocks"]["split"] = split_clocks.summary()
+            except Exception as e:
+                record["split_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         record["split_ms"], record["device_step_ms"] = split or (None, None)
         record["ep_hidden_ms"] = None if split is None else hidden_ep_ms(*split)
     except Exception as e:  # e.g. XLA's ragged_dot lowering running out of memory: a result, not a crash
@@ -933,12 +957,13 @@ def _main(args, save) -> list[dict]:
                 seconds = expert_gemm_seconds(rows, hidden, ffn, local, capacity, CONFIGS[config]["gemm"],
                                               args.iters, args.repeats, CONFIGS[config].get("gemm_dtype"),
                                               CONFIGS[config].get("fp8_cached", False), sustain,
-                                              CONFIGS[config].get("compiler_options"))
+                                              CONFIGS[config].get("compiler_options"),
+                                              block_options(CONFIGS[config]))
             r.setdefault("clocks", {}).update(gemm=gemm_clocks.summary(), roofline=roof_clocks.summary())
             gemm_ms = None if seconds is None else 1e3 * seconds
             floor = weight_floor_bytes(config, moved_weight_bytes)
             r.update(shape=name, roofline_ms=roof, gemm_flops=gemm_flops, gemm_ms=gemm_ms,
-                     expert_weight_bytes=weight_bytes, read_gbps=read_gbps,
+                     expert_weight_bytes=weight_bytes, read_gbps=read_gbps, weight_floor_bytes=floor,
                      weight_floor_ms=None if floor is None else floor / read_gbps / 1e6,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
                      roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,

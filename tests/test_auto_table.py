@@ -178,7 +178,14 @@ def test_writer_keeps_other_ep_sizes_and_vetoes_per_ep_size(tmp_path):
     assert set(table["vetoed"]) == {"1"} and "EP1" in table["vetoed"]["1"]
     assert {p["ep_size"] for p in dispatch["points"]} == {1, 2}
     assert table["measured_on"] == {"1": ["1x GPU (2026-11-24)"], "2": ["2x GPU (2026-11-24)"]}
-    table = writer.write(ep1, path)                                  # the EP1 veto goes with a new EP1 run
+    # an ops-only rerun says nothing of the step: the veto stays (before 2026-12-05 it went)
+    table = writer.write(ep1, path)
+    assert set(table["vetoed"]) == {"1"}
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"]["1"] is None
+    # a layer run that measures the kernels' step no slower at EP1 lifts it
+    faster = [dict(op="moe_layer", shape="mid", config=c, ep_size=1, step_ms=ms)
+              for c, ms in (("ep_cuda", 5.9), ("ep_reference", 6.0))]
+    table = writer.write(ep1, path, layer_records=faster)
     assert "vetoed" not in table and table["ops"]["dispatch"]["expert_major"]["min_tokens"]["1"] == 0
     table = writer.write(ep1, path, replace=True)                    # only this run's EP size
     assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"1": 0}
@@ -406,3 +413,18 @@ def test_explain_is_the_choice_the_op_makes(monkeypatch):
     monkeypatch.setattr(runtime, "available", lambda: (True, ""))
     monkeypatch.setattr(auto_table, "kernel_faster", lambda *a: False)
     assert "did not measure faster" in agree("combine_bwd", "reference")
+
+
+def test_points_take_the_kernels_on_the_most_sms_and_refuse_duplicates():
+    """Of cuda records at several SM counts (--num-sms) the one on the most SMs (the default) decides,
+    whatever the file's order (before 2026-12-05 the last record won); a duplicate is an error."""
+    from benchmarks import auto_table as writer
+
+    ref = _record("dispatch", "reference", 4096, 300.0, 2)
+    all_sms = _record("dispatch", "cuda", 4096, 200.0, 2, num_sms=132)
+    few = _record("dispatch", "cuda", 4096, 500.0, 2, num_sms=24)
+    for records in ([ref, all_sms, few], [few, all_sms, ref]):
+        (point,) = writer.points_of(records)[("dispatch", "expert_major")]
+        assert point["kernel_us"] == 200.0 and point["reference_us"] == 300.0
+    with pytest.raises(ValueError, match="two cuda records .* on 132 SMs"):
+        writer.points_of([ref, all_sms, dict(all_sms)])

@@ -148,6 +148,38 @@ def test_profiled_chain_after_sustained_load_marks_only_its_timed_steps():
     assert bench_layer.last_steps(events, 2, 2) == events
 
 
+def test_profiled_steps_under_sustained_load_hold_one_steps_outputs_at_a_time():
+    """The sustained chains keep one call's outputs alive at a time, as best_of does (before 2026-12-05
+    they held a whole chain's: every step's gradients, 225 GB of DeepSeek-V3's at EP1)."""
+    step = jax.jit(lambda a: a * 2)
+    a = jnp.ones((1 << 18,), jnp.float32)   # 1 MiB per output
+    peak = [0]
+
+    def call():
+        out = step(a)
+        peak[0] = max(peak[0], sum(x.nbytes for x in jax.live_arrays()) - a.nbytes)
+        return out
+
+    jax.block_until_ready(call())
+    peak[0] = 0
+    bench_layer.profiled_steps(call, 8, sustain_s=0.3)
+    assert peak[0] <= 3 * a.nbytes, peak[0] / a.nbytes
+
+
+def test_the_expert_block_alone_runs_with_its_configs_options(monkeypatch):
+    """gemm_ms times the config's own expert block: its SwiGLU, FP8 weight gradient and GEMM SMs (before
+    2026-12-05 every config's was the default block)."""
+    from jax_ep import gemm_mgpu
+
+    monkeypatch.setattr(gemm_mgpu, "_num_sms", lambda: 132)
+    assert bench_layer.block_options(bench_layer.CONFIGS["jax_ep"]) == {}
+    assert bench_layer.block_options(bench_layer.CONFIGS["jax_ep_xla_swiglu"]) == {"swiglu_backend": "xla"}
+    assert bench_layer.block_options(bench_layer.CONFIGS["jax_ep_fp8_cached_dw8"])["fp8_weight_grad"] is True
+    assert bench_layer.block_options(bench_layer.CONFIGS["ep_cuda_async_mb2_free24"]) == {"gemm_num_sms": 108}
+    # the plain-JAX peers run XLA's SwiGLU, not jax_ep's kernels
+    assert all(bench_layer.CONFIGS[c]["swiglu_backend"] == "xla" for c in bench_layer.PLAIN_JAX)
+
+
 def test_layer_table_keeps_long_names_and_failures_apart(capsys):
     """Columns widen to their longest entry: a preset name longer than the default width and "out of
     memory" in the step column stay separate fields, and every field lines up under its header."""

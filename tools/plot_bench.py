@@ -26,17 +26,20 @@ def plot_layer(records, dst: str) -> None:
         # linear scale (stacked parts), cut above the fastest step so that it stays readable
         fastest = min((r["step_ms"] for r in rows if r["step_ms"]), default=1.0)
         top = 2.2 * max(fastest, rows[0]["roofline_ms"])
-        labels = []
+        labels, drawn = [], set()
         for i, r in enumerate(rows):
             labels.append(f"{r['config']}\n({r['gemm']})")
             if r["step_ms"] is None:
                 ax.text(i, 0, "failed\n(" + r.get("error", "")[:30] + ")", ha="center", fontsize=7)
                 continue
-            split = r["split_ms"] or {"rest": r["step_ms"]}
+            # without a profile (--profile) the whole step is one bar: wall-clock time
+            split = r["split_ms"] or {"wall step (no profile)": r["step_ms"]}
             bottom = 0.0
-            for j, part in enumerate(parts):
+            for j, part in enumerate(parts if r["split_ms"] else tuple(split)):
                 value = split.get(part, 0.0)
-                ax.bar(i, value, bottom=bottom, color=f"C{j}", label=part if i == 0 else None)
+                ax.bar(i, value, bottom=bottom, color=f"C{j}" if r["split_ms"] else "0.6",
+                       label=part if part not in drawn else None)
+                drawn.add(part)
                 bottom += value
             ax.text(i, min(bottom, top), f"{r['step_ms']:.1f} ms" + (" (off scale)" if bottom > top else ""),
                     ha="center", va="bottom", fontsize=8)
@@ -44,7 +47,9 @@ def plot_layer(records, dst: str) -> None:
                    label=f"roofline {rows[0]['roofline_ms']:.2f} ms")
         ax.set_xticks(range(len(rows)), labels, fontsize=8)
         ax.set_ylim(0, top * 1.08)
-        ax.set_ylabel("ms per training step (device 0, from the profile)")
+        kinds = {bool(r["split_ms"]) for r in rows if r["step_ms"] is not None}
+        ax.set_ylabel("ms per step " + ("(device 0, profile)" if kinds == {True} else "(wall clock)"
+                                        if kinds == {False} else "(profile, else wall)"))
         r0 = rows[0]
         ax.set_title(f"{shape}: hidden {r0['hidden']}, ffn {r0['ffn_hidden']}, {r0['num_experts']} experts, "
                      f"top-{r0['topk']}, {r0['tokens_per_rank']} tok/rank", fontsize=8)
@@ -92,13 +97,14 @@ def plot_ops(records, dst: str) -> None:
             # jax_ep's rank-major ops (python -m benchmarks --rank-major) join their expert-major panel
             panel = [r for r in records if r["op"] in (op, f"{op}_rank_major")
                      and (r["hidden"], r["topk"], r["num_experts"]) == (hidden, topk, experts)]
-            lines = list(dict.fromkeys((r["backend"], r.get("layout", "expert_major"), r["dtype"])
-                                       for r in panel))
-            for i, (backend, layout, dtype) in enumerate(lines):
-                rows = [r for r in panel if (r["backend"], r.get("layout", "expert_major"), r["dtype"]) ==
-                        (backend, layout, dtype)]
+            def line_of(r):   # one line per backend, layout, dtype and rows pushed / pulled
+                return (r["backend"], r.get("layout", "expert_major"), r["dtype"], r.get("pull"))
+
+            lines = list(dict.fromkeys(line_of(r) for r in panel))
+            for i, (backend, layout, dtype, pull) in enumerate(lines):
+                rows = [r for r in panel if line_of(r) == (backend, layout, dtype, pull)]
                 short = {"float8_e4m3fn": "fp8", "bfloat16": "bf16"}.get(dtype, dtype)
-                label = f"{backend} {layout} {short}"
+                label = f"{backend} {layout} {short}" + ("" if pull is None else " pull" if pull else " push")
                 if not rows[0].get("measured", True):
                     for r in rows:
                         ax.plot(r["tokens_per_rank"], r["us"], "*", ms=14,
@@ -112,9 +118,10 @@ def plot_ops(records, dst: str) -> None:
                 device = [device_us(points[t], records) for t in tokens]
                 use_device = all(d is not None for d in device)
                 values = device if use_device else [points[t]["us"] for t in tokens]
+                on = "" if default is None else f", {default} SMs"
                 ax.plot(tokens, values, marker=MARKERS.get(backend, "x"),
                         ls="--" if layout == "rank_major" else "-", color=f"C{i}",
-                        label=f"{label} ({'device' if use_device else 'wall'})")
+                        label=f"{label} ({'device' if use_device else 'wall'}{on})")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("tokens per rank")
@@ -131,8 +138,10 @@ def plot_ops(records, dst: str) -> None:
 
 def main(src: str, dst: str) -> None:
     records = json.load(open(src))
-    if records and records[0]["op"] == "moe_layer":
-        return plot_layer(records, dst)
+    # a --layer file: its training-step records (decode records, written first, are not steps)
+    steps = [r for r in records if r.get("op") == "moe_layer"]
+    if steps:
+        return plot_layer(steps, dst)
     return plot_ops(records, dst)
 
 
