@@ -69,22 +69,26 @@ CHECK_SEED = 1234           # the batch of windows --save and --restore measure 
 CHECK_FILE = "train_moe.json"
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, each option with its default."""
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (two runs)")
     parser.add_argument("--out", default="train_moe_out", help="directory for metrics.json and the plot")
     parser.add_argument("--mesh", default=None,
-                        help="data,ep sizes, e.g. 2,4 (default: 1,<all devices>)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+                        help="data,ep sizes, e.g. 2,4 (None: 1,<all devices>)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
+                        help="EPConfig.backend of the EP ops")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (each with a MoE FFN)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
     parser.add_argument("--bias-rate", type=float, default=1e-2,
                         help="bias update rate of the balanced run (softmax scores of 16 experts: ~0.06)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="parameter and data seed")
     parser.add_argument("--remat", action="store_true",
                         help="rematerialise each block in the backward (nnx.remat), keeping dispatch's "
                              "results (jax_ep.remat.policy(): no exchange runs again)")
@@ -95,6 +99,14 @@ def parse_args(argv):
                         help="start each run from the checkpoint --save wrote (any mesh of this run); give "
                              "this run its own --out, or it replaces the outputs there")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
+    if args.seq < 1:
+        parser.error(f"--seq must be at least 1, got {args.seq}")
+    if args.experts < 1:
+        parser.error(f"--experts must be at least 1, got {args.experts}")
+    if args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
 
     num_devices = len(jax.devices())
     if args.mesh is None:

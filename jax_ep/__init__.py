@@ -48,6 +48,7 @@ from jax_ep.validation import ep_errors, run_checked
 
 __version__ = "0.1.0"
 
+
 __all__ = [
     "CheckpointMismatchError",
     "DeviceFaultError",
@@ -92,6 +93,12 @@ __all__ = [
 ]
 
 
+# submodules a user reaches as attributes after `import jax_ep` (jax_ep.moe.MoE, jax_ep.gating.RouterConfig,
+# ...), imported on first use: importing them here would load Flax and Orbax for every op user
+_SUBMODULES = ("balancing", "checkpoint", "devices", "distributed", "eplb", "gating", "moe", "overlap",
+               "remat", "routing", "swiglu")
+
+
 def __getattr__(name: str):
     # jax_ep.DeviceMemoryError is the CUDA extension's class when it is built (jax_ep.runtime loads
     # it; not at import: loading the extension is left to the programs that use it).
@@ -99,4 +106,8 @@ def __getattr__(name: str):
         from jax_ep.runtime import DeviceMemoryError
 
         return DeviceMemoryError
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"jax_ep.{name}")
     raise AttributeError(f"module 'jax_ep' has no attribute {name!r}")

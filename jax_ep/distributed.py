@@ -127,8 +127,45 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # pragma: no cover - depends on the JAX version
         pass
+    address = coordinator_address or os.environ.get(ENV_COORDINATOR)
+    if address and process_id not in (None, 0):
+        _wait_for_coordinator(address, process_id, initialization_timeout,
+                              "coordinator_address" if coordinator_address else ENV_COORDINATOR)
     jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
                                initialization_timeout=initialization_timeout, **kwargs)
+
+
+COORDINATOR_NOTE_S = 30.0   # after this long a waiting process says what it waits for
+
+
+def _wait_for_coordinator(address: str, process_id: int, timeout_s: float, source: str) -> None:
+    """Waits (at most timeout_s) until process 0's coordinator at ``address`` accepts a connection. Why:
+    JAX waits as long, silently, and then aborts the process (a fatal log, not an exception) blaming
+    "another task"; here a wrong or unreachable address is an EPTimeoutError naming it."""
+    import socket
+    import sys
+    import time
+
+    host, _, port = address.rpartition(":")
+    start = time.monotonic()
+    noted = False
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                return
+        except (OSError, ValueError) as e:
+            error = e
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise EPTimeoutError(
+                f"jax_ep.distributed.initialize: process {process_id} found no coordinator at {address!r} "
+                f"({source}) within {timeout_s:.0f} s ({type(error).__name__}: {error}): process 0 did not "
+                "start, or the address is not process 0's")
+        if not noted and waited >= COORDINATOR_NOTE_S:
+            print(f"jax_ep: process {process_id} is waiting for the coordinator at {address} ({source}); "
+                  f"gives up after {timeout_s:.0f} s", file=sys.stderr, flush=True)
+            noted = True
+        time.sleep(0.5)
 
 
 def _client():

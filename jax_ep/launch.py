@@ -2,7 +2,7 @@
 
     python -m jax_ep.launch --nproc N [--coordinator HOST:PORT] [--local-devices-per-process K]
                             [--local-device-ids auto|none|I,J,...] [--share-gpus] [--timeout S]
-                            [--verbose] script.py [args...]
+                            [--grace S] [--verbose] script.py [args...]
 
 Starts N processes of ``python script.py args...``. Process i gets the environment that
 ``jax_ep.distributed.initialize()`` reads: ``JAX_COORDINATOR_ADDRESS`` (default: a free port on
@@ -120,6 +120,14 @@ def _coordinator(value: str) -> str:
     ok = bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
     if not ok:
         raise argparse.ArgumentTypeError(f"must be HOST:PORT with a port in 1..65535, got {value!r}")
+    # every process runs on this host, process 0's coordinator too: HOST must be one of its addresses
+    # (else process 0 cannot listen there and the others wait for it until JAX aborts them)
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
+            probe.bind((host.strip("[]"), 0))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"HOST of {value!r} is not an address of this host ({e}); the "
+                                         "launcher starts every process here") from None
     return value
 
 

@@ -252,6 +252,29 @@ def test_decode_moe_help_and_bad_arguments():
     assert bad.returncode == 2 and "--batch 3 must be a positive multiple of the device count" in bad.stderr
 
 
+@pytest.mark.parametrize("script, argv, message", [
+    ("demo.py", ["--steps", "0"], "--steps must be at least 2, got 0"),
+    ("demo.py", ["--seq", "0"], "--seq must be at least 1, got 0"),
+    ("train_moe.py", ["--layers", "0"], "--layers must be at least 1, got 0"),
+    ("train_moe.py", ["--batch", "-8"], "--batch must be at least 1, got -8"),
+])
+def test_examples_name_a_bad_size_and_list_their_defaults(script, argv, message):
+    """A size below 1 is a usage error naming the option (before 2026-12-05: an IndexError, numpy's
+    error or an EPConfig field's); --help gives every option's default."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    path = str(ROOT / "examples" / script)
+    bad = subprocess.run([sys.executable, path, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-500:]
+    help_text = subprocess.run([sys.executable, path, "--help"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=120).stdout
+    entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
+               for entry in re.split(r"\n  (?=-)", help_text.split("options:")[1])[1:]}
+    for flag in ("--steps", "--batch", "--seq", "--lr", "--backend"):
+        assert "(default: " in entries[flag], entries[flag]
+
+
 @pytest.mark.slow
 def test_train_moe_restore_on_four_devices(finished):
     """train_moe --save DIR on 8 devices (mesh data x ep = 2 x 4), then --restore DIR in a process of 4

@@ -269,6 +269,9 @@ def test_launcher_keeps_the_users_faulthandler_setting(monkeypatch):
     (["--nproc", "2", "--coordinator", "nohost", "SCRIPT"],
      "argument --coordinator: must be HOST:PORT with a port in 1..65535, got 'nohost'"),
     (["--nproc", "2", "--coordinator", "h:70000", "SCRIPT"], "argument --coordinator: must be HOST:PORT"),
+    # every process runs here: HOST must be this host's (TEST-NET-1 is nobody's)
+    (["--nproc", "2", "--coordinator", "192.0.2.1:45000", "SCRIPT"],
+     "argument --coordinator: HOST of '192.0.2.1:45000' is not an address of this host"),
     (["--nproc", "2", "--local-devices-per-process", "-1", "SCRIPT"],
      "argument --local-devices-per-process: must be a positive integer, got '-1'"),
     (["--nproc", "2", "--local-device-ids", "0,x", "SCRIPT"],
@@ -306,11 +309,11 @@ def test_launcher_devices(monkeypatch):
     with pytest.raises(SystemExit, match="needs 4 GPUs, this host has 3"):
         launch.process_envs(args, gpus=3)
     explicit = launch.parse_args(["--nproc", "2", "--local-device-ids", "6,7,4,5",
-                                  "--local-devices-per-process", "2", "--coordinator", "node0:1234",
+                                  "--local-devices-per-process", "2", "--coordinator", "localhost:1234",
                                   __file__])
     envs = launch.process_envs(explicit, gpus=0)
     assert [env[dist.ENV_LOCAL_DEVICE_IDS] for env in envs] == ["6,7", "4,5"]
-    assert {env[dist.ENV_COORDINATOR] for env in envs} == {"node0:1234"}
+    assert {env[dist.ENV_COORDINATOR] for env in envs} == {"localhost:1234"}
     none = launch.parse_args(["--nproc", "2", "--local-device-ids", "none", __file__])
     assert all(dist.ENV_LOCAL_DEVICE_IDS not in env for env in launch.process_envs(none, gpus=8))
 
@@ -511,6 +514,24 @@ def no_launch_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(dist, "_detected_cluster", lambda only=None: None)
     return monkeypatch
+
+
+def test_a_process_waits_for_the_coordinator_within_a_bound_and_names_it():
+    """A process other than 0 waits for process 0's coordinator to listen, at most the initialisation
+    timeout, and then raises EPTimeoutError naming the address and where it came from (JAX waits as long
+    silently and then aborts the process blaming "another task")."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(dist.EPTimeoutError, match=rf"process 1 found no coordinator at '127.0.0.1:{port}' "
+                                                  r"\(JAX_COORDINATOR_ADDRESS\) within 1 s"):
+        dist._wait_for_coordinator(f"127.0.0.1:{port}", 1, 1.0, dist.ENV_COORDINATOR)
+    assert time.monotonic() - start < 10
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        dist._wait_for_coordinator(f"127.0.0.1:{listening.getsockname()[1]}", 1, 5.0, "coordinator_address")
 
 
 def test_distributed_not_initialised():

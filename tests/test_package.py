@@ -59,3 +59,18 @@ def test_library_holds_no_benchmark_or_demo():
     for path in ("benchmarks/__main__.py", "benchmarks/ops.py", "benchmarks/layer.py",
                  "benchmarks/baselines.py", "examples/demo.py", "examples/models.py"):
         assert (ROOT / path).is_file(), path
+
+
+def test_submodules_are_attributes_of_the_package():
+    """After `import jax_ep` alone, jax_ep.moe.MoE, jax_ep.gating.RouterConfig, ... resolve (imported on
+    first use), as the README's layer line writes them (before 2026-12-05: AttributeError); a name that
+    is no submodule still raises AttributeError."""
+    import pytest
+
+    for name in jax_ep._SUBMODULES:
+        assert getattr(jax_ep, name).__name__ == f"jax_ep.{name}"
+    assert jax_ep.moe.MoE and jax_ep.gating.RouterConfig and jax_ep.remat.policy
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        jax_ep.nothing  # noqa: B018
+    with pytest.raises(jax_ep.EPValueError, match="count must be a positive int, got 0"):
+        jax_ep.devices.use_virtual_cpu_devices(0)
