@@ -251,7 +251,7 @@ ALL_SMS = 1 << 16
 TRANSPORT_LOAD_STORE, TRANSPORT_PUT, TRANSPORT_PULL = 0, 1, 2  # EPAttrs::transport: cuda/fingerprint.h
 
 
-def _transport(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None) -> int:
+def _transport(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None, masked: bool = False) -> int:
     """How the call site reaches its peers (``KernelConfig.transport``): NVLink loads / stores, or
     NVSHMEM puts + signals (cuda/remote_rank_major.cu), which only the rank-major ops have.
     "auto" takes puts when, in process model 2, some process of the job cannot be reached by
@@ -261,7 +261,7 @@ def _transport(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None) 
     broadcast kernel that computes, has none). ``blocks``: the call's (``call_blocks``; None:
     num_sms's)."""
     transport = _peer_transport(op, cfg)
-    choice = pull_choice(op, cfg, ep_size, blocks)
+    choice = pull_choice(op, cfg, ep_size, blocks, masked)
     if choice is None or not choice[0]:
         return transport
     if transport == TRANSPORT_LOAD_STORE:
@@ -285,7 +285,8 @@ def pulls(op: str, cfg: EPConfig, ep_size: int) -> bool:
     return _transport(op, cfg, ep_size) == TRANSPORT_PULL
 
 
-def pull_choice(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None) -> tuple[bool, str] | None:
+def pull_choice(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None,
+                masked: bool = False) -> tuple[bool, str] | None:
     """(whether ``op``'s kernels take their pull form over loads / stores, why), from
     ``KernelConfig.dispatch_pull`` / ``broadcast_pull``; None: the op has none (combine, combine_bwd,
     ...). A knob left None: where the auto table measured the pulled kernels at least as fast at
@@ -295,6 +296,15 @@ def pull_choice(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None)
     if knob is None:
         return None
     setting = getattr(cfg.kernel, knob)
+    if masked:
+        # a rank masked in this call is not waited for at the start, yet may still be pulling the previous
+        # call's rows from this rank's staging, which the pulled form rewrites (pushed rows land in the
+        # reader's own buffer)
+        if setting:
+            raise EPUnsupportedError(f"jax_ep: {op} with a rank_mask and KernelConfig({knob}=True): the "
+                                     "pull form is not safe when the mask changes between calls; leave it "
+                                     "None")
+        return False, f"KernelConfig.{knob}: pushed with a rank_mask"
     if setting is not None:
         return setting, f"KernelConfig.{knob}={setting}"
     if cfg.shrink:
@@ -402,7 +412,7 @@ def _warn_shard_autotuning() -> None:
 
 def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int, hidden: int = 0,
            row_bytes: int = 0, scale_bytes: int = 0, capacity: int = 0, num_experts: int = 0,
-           num_topk: int | None = None) -> dict:
+           num_topk: int | None = None, masked: bool = False) -> dict:
     """The handlers' EPAttrs (xla_ffi/handlers.h): every data op gets the same fields; those it does
     not use are 0. The sizes fix the communication-buffer layout at instantiation. A rank-major op
     takes the knobs of the expert-major op whose kernels it runs; num_topk: cfg's unless given."""
@@ -410,7 +420,7 @@ def _attrs(op: str, cfg: EPConfig, ep_size: int, axis_slot: int, num_tokens: int
     if cfg.shrink:
         _warn_shard_autotuning()
     rank_major = op in _RANK_MAJOR_OPS
-    transport = _transport(op, cfg, ep_size, call_blocks(op, kernel) if pull_knob(op) else None)
+    transport = _transport(op, cfg, ep_size, call_blocks(op, kernel) if pull_knob(op) else None, masked)
     data_kernel = _data_kernel(op)
     op = _KERNEL_OF.get(op, op)
     # the handlers clamp num_sms to the device's SMs - 1: None (all of them) passes a bound above any GPU
@@ -519,7 +529,8 @@ def _dispatch_call(op: str, x: jax.Array, topk_idx: jax.Array, topk_weights: jax
                     **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
                              row_bytes=hidden * rows.dtype.itemsize,
                              scale_bytes=4 * cfg.num_scale_blocks if fp8 else 0,
-                             capacity=rows.shape[0], num_experts=cfg.num_experts))
+                             capacity=rows.shape[0], num_experts=cfg.num_experts,
+                             masked=rank_mask is not None))
     rows, scales, *rest = _vary_all(outputs, axis, x, topk_idx, topk_weights)
     return rows, scales if fp8 else None, rest
 
@@ -567,7 +578,8 @@ def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.
                    kept, _mask_operand(rank_mask, ep_size), rank, group, kernel=cfg.kernel,
                    aliases=None if into is None else {4: 0},
                    **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
-                            row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0]))
+                            row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0],
+                            masked=rank_mask is not None))
     return _vary_all(result, axis, g, handle.token_rows, handle.src_index,
                      *(() if into is None else (into,)))
 
@@ -656,7 +668,8 @@ def _rank_major_rows(op: str, rows: jax.Array, handle: types.RankMajorHandle, cf
                       kernel=cfg.kernel,
                       **_attrs(op, cfg, ep_size, axis_slot, tokens, hidden,
                                row_bytes=hidden * rows.dtype.itemsize,
-                               capacity=0 if combining else out.shape[0], num_topk=1))
+                               capacity=0 if combining else out.shape[0], num_topk=1,
+                               masked=rank_mask is not None))
     return _vary_all(result[:, :width], axis, rows, *handle)
 
 

@@ -47,7 +47,7 @@ from jax import lax
 
 from jax_ep import ops, overlap
 from jax_ep.config import FP8_BLOCK, EPConfig
-from jax_ep.errors import EPValueError
+from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.types import Handle, RankMajorHandle
 from jax_ep.validation import (
     check_dispatch_args,
@@ -120,8 +120,15 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
     backend = cfg.backend
     if backend != "reference" and _directory_slots_collide(node_axis, cfg.axis_name, backend, op):
         backend = "reference"  # "auto" only; "cuda" raised
+    # Both stages push their rows: a pulled stage would rewrite its own staging while a peer of the
+    # other stage, which its start barrier does not wait for, may still read it (one buffer per device)
+    pulled = [k for k in ("dispatch_pull", "broadcast_pull") if getattr(cfg.kernel, k)]
+    if pulled:
+        raise EPUnsupportedError(f"jax_ep.{op}: KernelConfig({pulled[0]}=True) with the hierarchical ops: "
+                                 "the pull form is not safe across the two stages' groups; leave it None")
+    kernel = cfg.kernel.replace(dispatch_pull=False, broadcast_pull=False)
     # the checks that need values run here over the whole group (both axes), not per stage
-    node_cfg = cfg.replace(axis_name=node_axis, checked=False, backend=backend)
+    node_cfg = cfg.replace(axis_name=node_axis, checked=False, backend=backend, kernel=kernel)
     # The local axis stays inside a node (the mesh's contract): its ops reach their peers by NVLink
     # loads / stores even in a job that spans nodes; the node hop keeps cfg's transport ("auto":
     # NVSHMEM puts when a process of the job is on another node, "put": forced).
@@ -130,7 +137,7 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
     local_cfg = cfg.replace(num_experts=cfg.num_experts // nodes,
                             num_topk=min(cfg.num_topk, cfg.num_experts // nodes),
                             max_tokens_per_rank=nodes * cfg.max_tokens_per_rank, checked=False,
-                            backend=backend, kernel=cfg.kernel.replace(transport="load_store"))
+                            backend=backend, kernel=kernel.replace(transport="load_store"))
     return node_cfg, local_cfg
 
 

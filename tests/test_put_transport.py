@@ -212,3 +212,33 @@ def test_pull_left_to_auto_asks_at_the_blocks_the_call_gets(job, monkeypatch):
     with overlap.beside(lambda: None):
         cuda_backend._attrs("dispatch", side, 4, 1, 16, hidden=128, row_bytes=256, capacity=64, num_experts=8)
     assert asked == [40, 12]
+
+
+def test_a_masked_call_pushes_its_rows(job, monkeypatch):
+    """A call with a rank_mask pushes its rows (KernelConfig.*_pull None: whatever the table says;
+    True: refused naming the op): a rank masked in this call is not waited for at its start, yet may
+    still be pulling the previous call's rows from the staging the pulled form rewrites. The
+    hierarchical ops push in both stages (a stage's barrier does not wait for the other stage's group)
+    and refuse an explicit pull."""
+    from jax_ep import auto_table, hierarchical
+
+    monkeypatch.setattr(auto_table, "pull_faster", lambda *a: True)
+    job("local_peers", [])
+    auto = EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16)
+    for op in ("dispatch", "dispatch_rank_major", "broadcast", "broadcast_rank_major"):
+        assert cuda_backend._transport(op, auto, 4) == cuda_backend.TRANSPORT_PULL
+        assert cuda_backend._transport(op, auto, 4, masked=True) == cuda_backend.TRANSPORT_LOAD_STORE
+    with pytest.raises(NotImplementedError, match=r"dispatch with a rank_mask and KernelConfig\(dispatch_"):
+        cuda_backend._transport("dispatch", pulled("load_store"), 4, masked=True)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "local"))
+    staged = jax.shard_map(lambda: hierarchical.stage_configs(pulled("load_store").replace(axis_name="local"),
+                                                              "node", "dispatch") and jnp.zeros(()),
+                           mesh=mesh, in_specs=(), out_specs=P())
+    with pytest.raises(NotImplementedError, match=r"KernelConfig\(dispatch_pull=True\) with the hierarch"):
+        jax.make_jaxpr(staged)()
