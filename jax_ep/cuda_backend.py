@@ -243,7 +243,8 @@ def _vary_all(outputs, axis_name: str, *inputs):
     the join's token, is cast over the others only)."""
     axes = {axis_name}
     for x in inputs:
-        axes.update(varying_axes(x))
+        if x is not None:   # (a handle's absent rank_mask)
+            axes.update(varying_axes(x))
     return jax.tree.map(lambda out: vary_also(out, axes), outputs)
 
 
@@ -543,8 +544,9 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     out = types.dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
     rows, scales, (group_sizes, counts, dropped, *handle, active) = _dispatch_call(
         "dispatch", x, topk_idx, topk_weights, cfg, out.x, out.scales,
-        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle, out.rank_mask), rank_mask)
-    return types.Dispatched(rows, scales, group_sizes, counts, dropped, types.Handle(*handle), active)
+        (out.group_sizes, out.expert_counts, out.num_dropped, *out.handle[:4], out.rank_mask), rank_mask)
+    handle = types.Handle(*handle, rank_mask=None if rank_mask is None else active)
+    return types.Dispatched(rows, scales, group_sizes, counts, dropped, handle, active)
 
 
 def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
@@ -630,10 +632,12 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     out = types.rank_major_dispatch_types(x.shape[0], x.dtype, cfg, lax.axis_size(cfg.axis_name))
     rows, scales, (ids, weights, per_rank, per_expert, src_index, in_rank) = _dispatch_call(
         "dispatch_rank_major", x, topk_idx, topk_weights, cfg, out.x, out.scales,
-        (out.topk_idx, out.topk_weights, out.num_tokens_per_rank, out.num_tokens_per_expert, *out.handle),
-        rank_mask)
+        (out.topk_idx, out.topk_weights, out.num_tokens_per_rank, out.num_tokens_per_expert,
+         *out.handle[:2]), rank_mask)
+    mask = None if rank_mask is None else _vary_all(_mask_operand(rank_mask, lax.axis_size(cfg.axis_name)),
+                                                    cfg.axis_name, x)
     return types.RankMajorDispatched(rows, scales, ids, weights, per_rank, per_expert,
-                                     types.RankMajorHandle(src_index, in_rank))
+                                     types.RankMajorHandle(src_index, in_rank, mask))
 
 
 def _slot_rows_type(handle: types.RankMajorHandle) -> jax.ShapeDtypeStruct:

@@ -194,6 +194,18 @@ def _axes(cfg: EPConfig) -> tuple:
     return tuple(cfg.axis_name) if isinstance(cfg.axis_name, (tuple, list)) else (cfg.axis_name,)
 
 
+def handle_mask(rank_mask: jax.Array | None, handle) -> jax.Array | None:
+    """The mask an op of a dispatch's handle runs with: its own ANDed with the dispatch's
+    (``handle.rank_mask``). A rank the dispatch masked holds no rows of the call: let in by the op's mask
+    it would give back nothing, and the CUDA kernels' sources would add the partial sums its staging held
+    from an earlier call (kernel emulator, 2026-12-05); the reference's result is the same either way."""
+    if handle.rank_mask is None:
+        return rank_mask
+    if rank_mask is None:
+        return handle.rank_mask
+    return ((rank_mask != 0) & (handle.rank_mask != 0)).astype(jnp.int32)
+
+
 def ep_size(cfg: EPConfig, op: str) -> int:
     """The size of the EP axis; a clear error outside shard_map."""
     if not isinstance(cfg, EPConfig):
@@ -293,7 +305,7 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
             raise EPTypeError(f"combine: {name} must be a bool, got {flag!r}")
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
-    rank_mask = check_rank_mask(rank_mask, size, "combine")
+    rank_mask = handle_mask(check_rank_mask(rank_mask, size, "combine"), handle)
     y = vma.vary_also(vma.vary_as(y, handle.src_index), _axes(cfg))
     return overlap.primal(_combine)(y, handle, rank_mask, cfg, empty_rows_zero, weighted)
 
@@ -399,7 +411,8 @@ def _combine_bwd(cfg, empty_rows_zero, weighted, residuals, g):
         d_row_weights = jnp.zeros_like(handle.row_weights)
     dy, d_row_weights = vma.typed_like(dy, y), vma.typed_like(d_row_weights, handle.row_weights)
     d_handle = types.Handle(float0_like(handle.src_index), float0_like(handle.token_rows),
-                            float0_like(handle.is_token_in_rank), d_row_weights)
+                            float0_like(handle.is_token_in_rank), d_row_weights,
+                            None if handle.rank_mask is None else float0_like(handle.rank_mask))
     return dy, d_handle, None if rank_mask is None else float0_like(rank_mask)
 
 
@@ -450,7 +463,7 @@ def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfi
     ranks linked to this one (every active rank if it is active, itself only if masked)."""
     size = ep_size(cfg, "combine_rank_major")
     check_combine_rank_major_args(y, handle, cfg, size)
-    rank_mask = check_rank_mask(rank_mask, size, "combine_rank_major")
+    rank_mask = handle_mask(check_rank_mask(rank_mask, size, "combine_rank_major"), handle)
     return _combine_rank_major(vma.vary_also(vma.vary_as(y, handle.src_index), _axes(cfg)), handle,
                                rank_mask, cfg)
 
@@ -499,7 +512,8 @@ def _combine_rank_major_bwd(cfg, residuals, g):
     handle, dtype_token, rank_mask = residuals
     broadcast = implementation("broadcast_rank_major", cfg, g.dtype)
     dy = vma.typed_like(broadcast(g, handle, cfg, rank_mask=rank_mask).astype(dtype_token.dtype), dtype_token)
-    return (dy, types.RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank)),
+    return (dy, types.RankMajorHandle(float0_like(handle.src_index), float0_like(handle.is_token_in_rank),
+                                      None if handle.rank_mask is None else float0_like(handle.rank_mask)),
             None if rank_mask is None else float0_like(rank_mask))
 
 

@@ -208,7 +208,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
 
     rows = take_rows(recv_x, src_index)
     row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
-    handle = types.Handle(src_index, token_rows, is_token_in_rank, row_weights)
+    handle = types.Handle(src_index, token_rows, is_token_in_rank, row_weights,
+                          None if rank_mask is None else routing.active(rank_mask, ep_size).astype(jnp.int32))
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + routing.masked_pairs(topk_idx, cfg, rank_mask)
     return types.Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle,
                             routing.active(rank_mask, ep_size).astype(jnp.int32))
@@ -352,8 +353,9 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     per_rank = jnp.sum(present_i.reshape(ep_size, num_tokens), axis=1, dtype=jnp.int32)
     per_expert = jnp.sum(recv_expert[:, :, None] == jnp.arange(local_experts)[None, None, :],
                          axis=(0, 1), dtype=jnp.int32)
+    mask = None if rank_mask is None else routing.active(rank_mask, ep_size).astype(jnp.int32)
     return types.RankMajorDispatched(rows, row_scales, row_ids.astype(jnp.int32), row_weights, per_rank,
-                                     per_expert, types.RankMajorHandle(src_index, is_token_in_rank))
+                                     per_expert, types.RankMajorHandle(src_index, is_token_in_rank, mask))
 
 
 def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfig,

@@ -40,6 +40,9 @@ class Handle(NamedTuple):
                                  # NOT_ROUTED / DROPPED
     is_token_in_rank: jax.Array  # [T, R] bool: source side, token t was sent to rank r
     row_weights: jax.Array       # [C] float32: gate weight of each receive row (0 for empty rows)
+    # [R] int32: the rank_mask the dispatch ran with (1 active), None when it had none; the ops of the
+    # handle AND theirs with it (ops.handle_mask): a rank the dispatch masked has no rows to give back
+    rank_mask: jax.Array | None = None
 
 
 class Dispatched(NamedTuple):
@@ -70,6 +73,7 @@ class RankMajorHandle(NamedTuple):
     src_index: jax.Array         # [R*T] int32: source slot n = src_rank*T + src_token of each row,
                                  # or EMPTY_ROW (rows past the last received token)
     is_token_in_rank: jax.Array  # [T, R] bool: source side, token t was sent to rank r
+    rank_mask: jax.Array | None = None   # as Handle.rank_mask
 
 
 class RankMajorDispatched(NamedTuple):

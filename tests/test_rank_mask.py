@@ -47,7 +47,18 @@ def _cfg(**kw):
     return make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, **kw)
 
 
+def _without_dispatch_masks(tree):
+    """tree with its handles' rank_mask (the dispatch's, kept for the ops of the handle) left out: a
+    masked call's handle has it, an unmasked one's not."""
+    from jax_ep.types import Handle, RankMajorHandle
+
+    kinds = (Handle, RankMajorHandle)
+    return jax.tree.map(lambda h: h._replace(rank_mask=None) if isinstance(h, kinds) else h, tree,
+                        is_leaf=lambda h: isinstance(h, kinds))
+
+
 def _assert_tree_bits_equal(got, want, what):
+    got, want = _without_dispatch_masks(got), _without_dispatch_masks(want)
     got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(got_leaves) == len(want_leaves), what
     for i, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
@@ -658,3 +669,39 @@ def test_shrink_over_processes_warns_of_sharded_autotuning(flags, processes, haz
     assert (why is not None) == hazard, why
     if why:
         assert "--xla_gpu_shard_autotuning=false" in why and "shrink=True" in why
+
+
+@pytest.mark.parametrize("combine_mask", [None, [1, 1, 1, 1], [1, 1, 0, 1]])
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_the_ops_of_a_handle_run_with_the_dispatchs_mask_too(monkeypatch, combine_mask, layout):
+    """A masked dispatch's handle carries its mask and the ops of the handle AND theirs with it
+    (ops.handle_mask), so no backend is asked to take partial sums from a rank the dispatch masked: on
+    the CUDA kernels that rank's staging still held an earlier call's (kernel emulator, 2026-12-05). The
+    reference's values are the same either way; what the backend receives is checked here (the spy
+    writes the mask it got into row 0 of its output)."""
+    ep_size = 4
+    cfg = _cfg()
+    dispatch_mask = jnp.asarray([1, 0, 1, 1], jnp.int32)
+    name = "combine" if layout == "expert_major" else "combine_rank_major"
+    real = getattr(reference, name)
+
+    def spy(y, handle, cfg, rank_mask=None, **kw):
+        out = real(y, handle, cfg, rank_mask=rank_mask, **kw)
+        got = jnp.full((ep_size,), -1) if rank_mask is None else rank_mask
+        return jnp.zeros_like(out).at[0, :ep_size].set(got.astype(out.dtype))
+
+    monkeypatch.setattr(reference, name, spy)
+    rng = np.random.default_rng(431)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg)
+    mask = None if combine_mask is None else jnp.asarray(combine_mask, jnp.int32)
+
+    def body(x, idx, w):
+        if layout == "expert_major":
+            d = jax_ep.dispatch(x, idx, w, cfg, rank_mask=dispatch_mask)
+            return jax_ep.combine(d.x, d.handle, cfg, rank_mask=mask)
+        d = jax_ep.dispatch_rank_major(x, idx, w, cfg, rank_mask=dispatch_mask)
+        return jax_ep.combine_rank_major(d.x, d.handle, cfg, rank_mask=mask)
+
+    got = np.asarray(per_rank(body, ep_size)(x, idx, w))[0, 0, :ep_size]
+    want = np.asarray(dispatch_mask) & (1 if combine_mask is None else np.asarray(combine_mask))
+    np.testing.assert_array_equal(got, want)
