@@ -93,10 +93,8 @@ __all__ = [
 ]
 
 
-# submodules a user reaches as attributes after `import jax_ep` (jax_ep.moe.MoE, jax_ep.gating.RouterConfig,
-# ...), imported on first use: importing them here would load Flax and Orbax for every op user
-_SUBMODULES = ("balancing", "checkpoint", "devices", "distributed", "eplb", "gating", "moe", "overlap",
-               "remat", "routing", "swiglu")
+# submodules are attributes after `import jax_ep` (jax_ep.moe.MoE, jax_ep.runtime.rank_masks, ...),
+# imported on first use: importing them all here would load Flax and Orbax for every op user
 
 
 def __getattr__(name: str):
@@ -106,8 +104,9 @@ def __getattr__(name: str):
         from jax_ep.runtime import DeviceMemoryError
 
         return DeviceMemoryError
-    if name in _SUBMODULES:
-        import importlib
+    import importlib
+    import importlib.util
 
+    if not name.startswith("_") and importlib.util.find_spec(f"jax_ep.{name}") is not None:
         return importlib.import_module(f"jax_ep.{name}")
     raise AttributeError(f"module 'jax_ep' has no attribute {name!r}")

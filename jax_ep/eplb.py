@@ -216,7 +216,8 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
         multiple of num_nodes. Each node receives num_groups / num_nodes whole groups.
       max_replicas: fixed width of `logical_to_physical` (keeps jitted shapes stable across re-plans);
         default the largest replica count of this plan. Applies to the layout returned (the plan, or the
-        contiguous layout where the plan is not better); EPValueError where neither fits.
+        contiguous layout where the plan is not better, or then the plan if only it fits); EPValueError
+        where a better plan does not fit (never silently the unbalanced contiguous layout).
 
     Returns:
       the Placement; deterministic for equal inputs.
@@ -274,12 +275,12 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
         identity = identity_placement(num_experts, num_ranks, slots_per_rank, loads)
         tol = _REL_TOL * max(float(loads.sum()), 1e-300)
         if rank_loads(planned, loads).max() >= rank_loads(identity, loads).max() - tol:
+            # the plan is no better: the contiguous layout, or the plan where only the plan fits
             candidates = [identity, planned]
-        else:
-            candidates = [planned, identity]
     if max_replicas is None:
         return candidates[0]
-    # the width applies to the layout returned: the preferred one, else the other if only it fits
+    # the width applies to the layout returned (a better plan that does not fit is an error, never
+    # silently the contiguous layout)
     for candidate in candidates:
         if int(candidate.replica_counts.max()) <= max_replicas:
             return _placement_from_slots(candidate.physical_to_logical, num_experts, num_ranks,

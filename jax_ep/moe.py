@@ -763,8 +763,9 @@ class MoE(nnx.Module):
         path stay differentiable)."""
         if not (beside or self.ep.weight_grad_beside) or self.ep.kernel.async_stream is not None:
             return False
-        if self.ep.backend == "auto":
-            return self.mesh is not None and self.mesh.devices.flat[0].platform == "gpu"
+        if self.ep.backend == "auto":   # on GPUs where the CUDA backend runs here
+            return (self.mesh is not None and self.mesh.devices.flat[0].platform == "gpu"
+                    and backends.get("cuda").available()[0])
         return self.ep.backend != backends.REFERENCE
 
     def _check_sequences(self, shape, num_tokens: int, shards: int, seq_len: int | None) -> None:
@@ -958,7 +959,14 @@ class MoE(nnx.Module):
             """Chunk t dispatched: (dispatch's result, its gate|up GEMM's where run with it, else None)."""
             args = (x_[t], idx_[t], wts_[t])
             if self.ep.weight_grad_beside:   # dispatch's backward beside the GEMM's weight gradient
-                return overlap.chain(dispatch, args, gate_up, (w_gate_up, gate_up_q))
+                # the rank mask an operand of the chain's custom_vjp, not closed over (a tracer closed over
+                # escaped under jax.checkpoint)
+                def masked_dispatch(x, idx, wts, mask):
+                    with jax.named_scope(SCOPES["dispatch"]):
+                        ex = exchange if mask is None else dataclasses.replace(exchange, rank_mask=mask)
+                        return ex.dispatch(x, idx, wts)
+                return overlap.chain(masked_dispatch, (*args, getattr(exchange, "rank_mask", None)), gate_up,
+                                     (w_gate_up, gate_up_q))
             return dispatch(*args), None
 
         def experts_and_back(sent, last):

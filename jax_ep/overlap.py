@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
+from jax._src.ad_util import SymbolicZero
 from jax._src.interpreters import ad
 
 from jax_ep import ordering, vma
@@ -231,7 +232,16 @@ def _ordered(args, after):
 
 def _ordered_jvp(primals, tangents):
     args, after = primals
-    return _ordered(args, after), tangents[0]
+    out = _ordered(args, after)
+    # an integer value's tangent (float0) typed as its output (e.g. a rank mask varying over the EP axis:
+    # an untyped float0 was refused) as a symbolic zero; the others pass straight through
+    return out, jax.tree.map(
+        lambda t, o: SymbolicZero.from_primal_value(o) if _no_tangent(t) else t, tangents[0], out,
+        is_leaf=lambda t: isinstance(t, SymbolicZero))
+
+
+def _no_tangent(t) -> bool:
+    return isinstance(t, SymbolicZero) or getattr(t, "dtype", None) == jax.dtypes.float0
 
 
 # symbolic zeros: an argument nobody differentiates keeps a zero tangent that AD can drop (instantiated,

@@ -120,9 +120,12 @@ def test_max_replicas_fixes_the_table_width():
     placement = plan_placement(loads, 2, 4, max_replicas=6)
     assert placement.logical_to_physical.shape == (4, 6)
     check_consistent(placement, 4, 2, 4)
-    with pytest.raises(ValueError, match=r"max_replicas=2 is smaller than the replicas this plan gives one "
-                       r"expert \(5 and 3, the candidates\): pass at least 3"):
-        plan_placement(loads, 2, 4, max_replicas=2)
+    # the plan (5 replicas of the hot expert) beats the contiguous layout (3): a width below the plan's is
+    # an error, not the unbalanced contiguous layout that would fit
+    for narrow in (2, 3, 4):
+        with pytest.raises(ValueError, match=rf"max_replicas={narrow} is smaller than the replicas this plan "
+                                             r"gives one expert \(5, the plan\): pass at least 5"):
+            plan_placement(loads, 2, 4, max_replicas=narrow)
     with pytest.raises(ValueError, match="max_replicas must be a positive int, got 0"):
         plan_placement(loads, 2, 4, max_replicas=0)
 

@@ -969,6 +969,39 @@ def test_an_overlap_on_the_reference_path_keeps_second_order_gradients(ep):
     np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("ep", [dict(shared_beside=True), dict(weight_grad_beside=True)])
+def test_an_overlap_with_a_rank_mask_differentiates_plain_and_rematerialised(ep):
+    """A layer with a rank mask and a side-stream overlap option (reference path) gives the plain layer's
+    loss and input gradient under jax.grad, also under jax.checkpoint with remat.policy() (before
+    2026-12-05: shared_beside failed on the mask's untyped float0 tangent, weight_grad_beside under
+    remat on the mask closed over by overlap.chain's custom_vjp, a tracer that escaped)."""
+    from jax_ep import remat
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    x = random_tokens(43, batch=4, seq=4)
+
+    def step(options, rematerialised):
+        layer = make_layer(mesh, ep=options, shared_ffn_hidden=8)
+        layer.set_rank_mask(jnp.asarray([1, 0, 1, 1]))
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def loss(params, x):
+            def f(params, x):
+                return nnx.merge(graphdef, params, rest)(x, update_stats=False)
+            if rematerialised:
+                f = jax.checkpoint(f, policy=remat.policy())
+            return jnp.sum(f(params, x) ** 2)
+
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=1))(params, x)
+        return float(value), np.asarray(grads)
+
+    want = step({}, False)
+    for rematerialised in (False, True):
+        got = step(ep, rematerialised)
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
 def test_shared_split_needs_shared_beside_and_refuses_weight_grad_beside():
     with pytest.raises(EPValueError, match="shared_split=True .* needs shared_beside=True"):
         EPOptions(shared_split=True)
