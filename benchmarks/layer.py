@@ -339,6 +339,7 @@ def block_options(options: dict) -> dict:
     if "gemm_free_sms" in options:
         from jax_ep.gemm_mgpu import _num_sms
 
+        # the grid the grouped GEMMs take by default is every SM (132 off a GPU): leave that many free
         block["gemm_num_sms"] = _num_sms() - options["gemm_free_sms"]
     return block
 
@@ -583,10 +584,6 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
     of the GPU's SMs free (MoE(gemm_num_sms=...))."""
     hidden, ffn, experts, topk, tokens = shape
     ep, options = mesh.size, CONFIGS[config]
-    if "gemm_free_sms" in options:
-        from jax_ep.gemm_mgpu import _num_sms
-
-        gemm_sms = _num_sms()   # the grid the grouped GEMMs take by default: every SM (132 off a GPU)
     layout = dict(mesh=mesh, axis_name=mesh.axis_names[0])
     if "nodes" in options:
         nodes = options["nodes"]
@@ -597,10 +594,8 @@ def layer_and_tokens(mesh: Mesh, shape, config: str, shared_ffn: int = 0):
                       axis_name="local", node_axis="node")
     layer = moe.MoE(hidden, ffn, RouterConfig(experts, topk), rngs=nnx.Rngs(0), **layout,
                     ep=ep_options(options), gemm=options["gemm"], param_dtype=jnp.bfloat16,
-                    shared_ffn_hidden=shared_ffn,
-                    gemm_num_sms=gemm_sms - options["gemm_free_sms"] if "gemm_free_sms" in options else None,
-                    **{k: options[k] for k in ("gemm_dtype", "fp8_weight_grad", "swiglu_backend")
-                       if k in options})
+                    shared_ffn_hidden=shared_ffn, gemm_dtype=options.get("gemm_dtype"),
+                    **block_options(options))
     sharding = NamedSharding(layer.mesh, P(layer.batch_axes))
     micro_batches = options.get("micro_batches", 1)
     inputs = tuple(jax.device_put(jax.random.normal(jax.random.key(1 + b), (ep * tokens, hidden),

@@ -189,9 +189,23 @@ def implementation(op: str, cfg: EPConfig, dtype=None):
     return OPS[op].implementation(cfg, ep_size(cfg, op), dtype)
 
 
-def _axes(cfg: EPConfig) -> tuple:
-    """The EP mesh axes of cfg, as a tuple."""
-    return tuple(cfg.axis_name) if isinstance(cfg.axis_name, (tuple, list)) else (cfg.axis_name,)
+def _typed_inputs(x, topk_weights, topk_idx, cfg: EPConfig):
+    """(x, topk_weights) of a dispatch, typed as one primitive would type its operands: an input invariant
+    over the mesh gets its cotangent summed over it, the EP axis included (the op's results vary over it,
+    and so do the cotangents its backward returns)."""
+    x, topk_weights, _ = vma.vary_jointly(vma.vary_also(x, (cfg.axis_name,)), topk_weights, topk_idx)
+    return x, topk_weights
+
+
+def _typed_rows(y, handle, cfg: EPConfig):
+    """A combine's rows y typed as its handle and the EP axis (``_typed_inputs``)."""
+    return vma.vary_also(vma.vary_as(y, handle.src_index), (cfg.axis_name,))
+
+
+def _type_token(x):
+    """A zero-size array carrying x's dtype and mesh typing: custom_vjp residuals must be arrays, and the
+    backward types its cotangents by it (``vma.typed_like``)."""
+    return vma.vary_like(jnp.zeros((0,), x.dtype), x)
 
 
 def handle_mask(rank_mask: jax.Array | None, handle) -> jax.Array | None:
@@ -274,9 +288,7 @@ def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with
     rank_mask = check_rank_mask(rank_mask, size, "dispatch")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
-    # as one primitive would: an input invariant over the mesh gets its cotangent summed over it (the EP
-    # axis included: the op's results vary over it, so do the cotangents its backward returns)
-    x, topk_weights, _ = vma.vary_jointly(vma.vary_also(x, _axes(cfg)), topk_weights, topk_idx)
+    x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     out = custom(x, topk_idx, topk_weights, rank_mask, cfg)
     d, rows = out if with_rows else (out, None)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
@@ -306,8 +318,8 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg)
     rank_mask = handle_mask(check_rank_mask(rank_mask, size, "combine"), handle)
-    y = vma.vary_also(vma.vary_as(y, handle.src_index), _axes(cfg))
-    return overlap.primal(_combine)(y, handle, rank_mask, cfg, empty_rows_zero, weighted)
+    return overlap.primal(_combine)(_typed_rows(y, handle, cfg), handle, rank_mask, cfg, empty_rows_zero,
+                                    weighted)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
@@ -326,10 +338,8 @@ def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
 
 
 def _dispatch_residuals(out, x, topk_idx, rank_mask):
-    # residuals must be arrays: carries x's dtype and mesh typing (topk_weights varies alike:
-    # _checked_dispatch)
-    dtype_token = vma.vary_like(jnp.zeros((0,), x.dtype), x)
-    return out.handle, dtype_token, topk_idx, rank_mask
+    # (topk_weights is typed as x: _typed_inputs)
+    return out.handle, _type_token(x), topk_idx, rank_mask
 
 
 def _dispatch_bwd(cfg, residuals, ct):
@@ -390,7 +400,7 @@ def _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
 def _combine_fwd(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
     # y itself only where the backward reads it (weighted) or writes into its buffer (in place); else
     # its dtype alone, so that the forward's [C, H] rows are not held until the backward for nothing
-    kept = y if weighted or empty_rows_zero else vma.vary_like(jnp.zeros((0,), y.dtype), y)
+    kept = y if weighted or empty_rows_zero else _type_token(y)
     out = _combine.fun(y, handle, rank_mask, cfg, empty_rows_zero, weighted)   # .fun: as _dispatch_fwd
     return out, (kept, handle, rank_mask)
 
@@ -448,8 +458,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     rank_mask = check_rank_mask(rank_mask, size, "dispatch_rank_major")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch_rank_major")
-    # as one primitive would (dispatch's comment)
-    x, topk_weights, _ = vma.vary_jointly(vma.vary_also(x, _axes(cfg)), topk_weights, topk_idx)
+    x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
@@ -464,8 +473,7 @@ def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfi
     size = ep_size(cfg, "combine_rank_major")
     check_combine_rank_major_args(y, handle, cfg, size)
     rank_mask = handle_mask(check_rank_mask(rank_mask, size, "combine_rank_major"), handle)
-    return _combine_rank_major(vma.vary_also(vma.vary_as(y, handle.src_index), _axes(cfg)), handle,
-                               rank_mask, cfg)
+    return _combine_rank_major(_typed_rows(y, handle, cfg), handle, rank_mask, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -476,8 +484,7 @@ def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
 
 def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
     out = _dispatch_rank_major.fun(x, topk_idx, topk_weights, rank_mask, cfg)   # .fun: as _dispatch_fwd
-    dtype_token = vma.vary_like(jnp.zeros((0,), x.dtype), x)  # as _dispatch_residuals'
-    return out, (out.handle, out.topk_idx, dtype_token, topk_idx, rank_mask)
+    return out, (out.handle, out.topk_idx, _type_token(x), topk_idx, rank_mask)
 
 
 def _dispatch_rank_major_bwd(cfg, residuals, ct):
@@ -504,8 +511,7 @@ def _combine_rank_major(y, handle, rank_mask, cfg):
 
 
 def _combine_rank_major_fwd(y, handle, rank_mask, cfg):
-    dtype_token = vma.vary_like(jnp.zeros((0,), y.dtype), y)   # y's dtype and mesh typing
-    return _combine_rank_major.fun(y, handle, rank_mask, cfg), (handle, dtype_token, rank_mask)
+    return _combine_rank_major.fun(y, handle, rank_mask, cfg), (handle, _type_token(y), rank_mask)
 
 
 def _combine_rank_major_bwd(cfg, residuals, g):

@@ -442,64 +442,53 @@ def region(fn: Callable, *args, side: bool):
     Several processes: ``fn(*args)`` (the ordered effect orders every call)."""
     if ordering.needed():
         return fn(*args)
-    leaves, tree = jax.tree.flatten(args)
-    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    for i, value in zip(arrays, after_previous([leaves[i] for i in arrays], side), strict=True):
-        leaves[i] = value
-    leaves = _on_inexact(leaves, lambda values: _recorded_backward(values, side))
-    out = fn(*jax.tree.unflatten(tree, leaves))
-    out_leaves, out_tree = jax.tree.flatten(out)
-    out_leaves = _on_inexact(out_leaves, lambda values: _ordered_backward(values, side))
+    args = _map_leaves(args, _is_array, lambda values: after_previous(list(values), side))
+    args = _map_leaves(args, _has_tangent, lambda values: _on_backward(values, "record", side))
+    out = fn(*args)
+    out = _map_leaves(out, _has_tangent, lambda values: _on_backward(values, "order", side))
     if side:   # one barrier: any output stands for all of them (each after the region's last join)
-        out_leaves = _ordered(out_leaves, [])
-    out = jax.tree.unflatten(out_tree, out_leaves)
+        out = _map_leaves(out, _is_array, lambda values: _ordered(values, []))
     record(out, side=side)
     return out
 
 
-def _on_inexact(leaves: list, fun: Callable) -> list:
-    """``leaves`` with ``fun`` applied to its floating-point arrays (a tuple in, a tuple out): the values
-    with cotangents."""
-    picked = [i for i, leaf in enumerate(leaves)
-              if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    leaves = list(leaves)
-    for i, value in zip(picked, fun(tuple(leaves[i] for i in picked)) if picked else (), strict=True):
-        leaves[i] = value
-    return leaves
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, jax.Array)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _ordered_backward(values: tuple, side: bool) -> tuple:
-    """``values`` (a region's outputs); differentiated, their cotangents pass ``after_previous`` where the
-    backward is traced: the region's backward starts after the last join there (and, with ``side``,
-    after every EP call since)."""
-    return values
+def _has_tangent(leaf) -> bool:
+    """A floating-point array: a value with a cotangent."""
+    return _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
-def _ordered_backward_fwd(values, side):
-    return values, None
+def _map_leaves(tree, pick: Callable, fun: Callable):
+    """``tree`` with the leaves ``pick`` accepts replaced by ``fun`` of them (a sequence in, one of the
+    same length out)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    picked = [i for i, leaf in enumerate(leaves) if pick(leaf)]
+    if picked:
+        for i, value in zip(picked, fun(tuple(leaves[i] for i in picked)), strict=True):
+            leaves[i] = value
+    return jax.tree.unflatten(treedef, leaves)
 
 
-def _ordered_backward_bwd(side, _, cts):
-    return (tuple(after_previous(list(cts), side)),)
-
-
-_ordered_backward.defvjp(_ordered_backward_fwd, _ordered_backward_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _recorded_backward(values: tuple, side: bool) -> tuple:
-    """``values`` (a region's inputs); differentiated, their cotangents (the region's backward's results)
-    are recorded where the backward is traced: with ``side`` all at once as a join, else each as a call
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _on_backward(values: tuple, action: str, side: bool) -> tuple:
+    """``values`` (a region's inputs or outputs); differentiated, their cotangents, where the backward is
+    traced: ``"order"`` (the outputs') pass ``after_previous``, so the region's backward starts after the
+    last join there (and, with ``side``, after every EP call since); ``"record"`` (the inputs', the
+    region's backward's results) are recorded: with ``side`` all at once as a join, else each as a call
     (whichever region's backward is traced next is ordered against all of them)."""
     return values
 
 
-def _recorded_backward_fwd(values, side):
+def _on_backward_fwd(values, action, side):
     return values, None
 
 
-def _recorded_backward_bwd(side, _, cts):
+def _on_backward_bwd(action, side, _, cts):
+    if action == "order":
+        return (tuple(after_previous(list(cts), side)),)
     if side:   # (keep_calls: whatever was traced here meanwhile stays ordered before later side calls)
         cts = lax.optimization_barrier(cts)
         record(cts, side=True, keep_calls=True)
@@ -509,7 +498,7 @@ def _recorded_backward_bwd(side, _, cts):
     return (cts,)
 
 
-_recorded_backward.defvjp(_recorded_backward_fwd, _recorded_backward_bwd)
+_on_backward.defvjp(_on_backward_fwd, _on_backward_bwd)
 
 
 def in_order(op: Callable) -> Callable:
@@ -519,11 +508,8 @@ def in_order(op: Callable) -> Callable:
 
     @functools.wraps(op)
     def ordered(*args, **kwargs):
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-        for i, value in zip(arrays, after_previous([leaves[i] for i in arrays], side=False), strict=True):
-            leaves[i] = value
-        args, kwargs = jax.tree.unflatten(tree, leaves)
+        args, kwargs = _map_leaves((args, kwargs), _is_array, lambda values: after_previous(list(values),
+                                                                                          side=False))
         trace = _level()
         before = _since.get(trace, (None, ()))[0]
         out = op(*args, **kwargs)
