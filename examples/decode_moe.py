@@ -34,12 +34,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import (
+    HelpFormatter,
     LMConfig,
     MoETransformerLM,
     batches,
     build_training,
     corpus_bytes,
     gpu_moe_dtype,
+    require_at_least,
     shard_model,
     timed_steps,
 )
@@ -50,10 +52,6 @@ from jax_ep.ops import OPS, ll_combine, ll_dispatch
 
 PREFILL_OPS = ("layout", "dispatch", "combine")
 DECODE_OPS = ("ll_dispatch", "ll_combine")
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
 
 
 def parse_args(argv, num_devices: int):
@@ -84,11 +82,9 @@ def parse_args(argv, num_devices: int):
     if args.experts < 1 or args.experts % num_devices:
         parser.error(f"--experts {args.experts} must be a positive multiple of the device count "
                      f"{num_devices}")
-    for name in ("prompt_len", "steps", "layers", "hidden", "ffn_hidden", "repeats", "topk"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.train_steps < 0:
-        parser.error(f"--train-steps must be at least 0, got {args.train_steps}")
+    require_at_least(parser, args, ("prompt_len", "steps", "layers", "hidden", "ffn_hidden", "repeats",
+                                    "topk"))
+    require_at_least(parser, args, ("train_steps",), minimum=0)
     if args.topk > args.experts:
         parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
     if args.dispatch_dtype == "float8_e4m3fn" and args.hidden % 128:

@@ -20,11 +20,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import (
+    HelpFormatter,
     LMConfig,
     batches,
     build_training,
     corpus_bytes,
     gpu_moe_dtype,
+    require_at_least,
     say,
     timed_steps,
     warm_median,
@@ -99,12 +101,8 @@ def resolved_backends(cfg: EPConfig, ep_size: int, dtype=None) -> dict[str, str]
     return out
 
 
-class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, each option with its default."""
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="training steps")
     parser.add_argument("--batch", type=int, default=32, help="sequences per step (global)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
@@ -112,12 +110,8 @@ def main(argv=None) -> None:
                         help="EPConfig.backend of the EP ops")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
     args = parser.parse_args(argv)
-    if args.steps < 2:   # the demo compares the first loss with the last
-        parser.error(f"--steps must be at least 2, got {args.steps}")
-    if args.batch < 1:
-        parser.error(f"--batch must be at least 1, got {args.batch}")
-    if args.seq < 1:
-        parser.error(f"--seq must be at least 1, got {args.seq}")
+    require_at_least(parser, args, ("steps",), minimum=2)   # the demo compares the first loss with the last
+    require_at_least(parser, args, ("batch", "seq"))
 
     if jax_ep.distributed.launched_by():   # one of several processes: join them (jax.distributed)
         jax_ep.distributed.initialize()

@@ -9,6 +9,7 @@ low-latency ops)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import pathlib
 import time
@@ -224,3 +225,15 @@ def batches(data: np.ndarray, batch: int, seq_len: int, seed: int = 0):
     while True:
         starts = rng.integers(0, len(data) - seq_len - 1, batch)
         yield np.stack([data[s:s + seq_len + 1] for s in starts])
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The examples' --help: the module docstring as written, each option with its default."""
+
+
+def require_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, names,
+                     minimum: int = 1) -> None:
+    """A usage error (exit 2) naming the first of the options ``names`` (attribute names) below minimum."""
+    for name in names:
+        if getattr(args, name) < minimum:
+            parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(args, name)}")

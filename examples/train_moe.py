@@ -47,12 +47,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import (
+    HelpFormatter,
     LMConfig,
     batches,
     build_training,
     corpus_bytes,
     gpu_moe_dtype,
     next_token_loss,
+    require_at_least,
     say,
     timed_steps,
     warm_median,
@@ -69,12 +71,8 @@ CHECK_SEED = 1234           # the batch of windows --save and --restore measure 
 CHECK_FILE = "train_moe.json"
 
 
-class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, each option with its default."""
-
-
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (two runs)")
     parser.add_argument("--out", default="train_moe_out", help="directory for metrics.json and the plot")
     parser.add_argument("--mesh", default=None,
@@ -99,14 +97,7 @@ def parse_args(argv):
                         help="start each run from the checkpoint --save wrote (any mesh of this run); give "
                              "this run its own --out, or it replaces the outputs there")
     args = parser.parse_args(argv)
-    if args.batch < 1:
-        parser.error(f"--batch must be at least 1, got {args.batch}")
-    if args.seq < 1:
-        parser.error(f"--seq must be at least 1, got {args.seq}")
-    if args.experts < 1:
-        parser.error(f"--experts must be at least 1, got {args.experts}")
-    if args.layers < 1:
-        parser.error(f"--layers must be at least 1, got {args.layers}")
+    require_at_least(parser, args, ("batch", "seq", "experts", "layers"))
 
     num_devices = len(jax.devices())
     if args.mesh is None:
@@ -128,8 +119,7 @@ def parse_args(argv):
         parser.error(f"--batch {args.batch} must be a multiple of the mesh size {data * ep}")
     if args.experts % ep:
         parser.error(f"--experts {args.experts} must be a multiple of the EP size {ep}")
-    if args.steps < 2:
-        parser.error("--steps must be at least 2")
+    require_at_least(parser, args, ("steps",), minimum=2)   # the two runs' first and last losses
     return args
 
 

@@ -156,16 +156,10 @@ def _differentiated(op, work: Beside, *args):
     fn_live = [i for i, leaf in enumerate(fn_leaves) if isinstance(leaf, jax.Array)]
 
     def run(fun, *values):
-        full = list(leaves)
-        for i, value in zip(live, values, strict=True):
-            full[i] = value
-        return fun(*jax.tree.unflatten(tree, full))
+        return fun(*jax.tree.unflatten(tree, _refill(leaves, live, values)))
 
     def fn(*values):
-        full = list(fn_leaves)
-        for i, value in zip(fn_live, values, strict=True):
-            full[i] = value
-        return work.fn(*jax.tree.unflatten(fn_tree, full))
+        return work.fn(*jax.tree.unflatten(fn_tree, _refill(fn_leaves, fn_live, values)))
 
     run_op = functools.partial(run, op)
     blocks = []
@@ -467,9 +461,16 @@ def _map_leaves(tree, pick: Callable, fun: Callable):
     leaves, treedef = jax.tree.flatten(tree)
     picked = [i for i, leaf in enumerate(leaves) if pick(leaf)]
     if picked:
-        for i, value in zip(picked, fun(tuple(leaves[i] for i in picked)), strict=True):
-            leaves[i] = value
+        leaves = _refill(leaves, picked, fun(tuple(leaves[i] for i in picked)))
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _refill(leaves: list, picked: list, values) -> list:
+    """A copy of ``leaves`` with ``values`` at the indices ``picked``."""
+    full = list(leaves)
+    for i, value in zip(picked, values, strict=True):
+        full[i] = value
+    return full
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -247,6 +247,12 @@ def test_lowered_ep_calls_form_one_chain_in_program_order(cuda_lowering, program
     assert_one_chain(_grad_program(PROGRAMS[program](_cfg())), *_inputs(), what=program)
 
 
+# the layer's side-stream overlaps, by name: their EPOptions
+OVERLAPS = {"shared_beside": dict(shared_beside=True),
+            "shared_split": dict(shared_beside=True, shared_split=True),
+            "weight_grad_beside": dict(weight_grad_beside=True)}
+
+
 def _cuda_layer(shared_beside: bool = False, kernel: KernelConfig | None = None, **ep):
     """A small bf16 MoE layer on the 'cuda' backend over _mesh() (a shared expert with shared_beside;
     ep: more EPOptions)."""
@@ -364,8 +370,7 @@ def test_a_rematerialised_layer_keeps_its_side_stream_calls(cuda_lowering, monke
     else:
         monkeypatch.setattr(ordering, "needed", _NEEDED)
         calls = _lowered_calls
-    ep = dict(shared_beside=overlap != "weight_grad_beside", shared_split=overlap == "shared_split",
-              weight_grad_beside=overlap == "weight_grad_beside")
+    ep = OVERLAPS[overlap]
     kernel = KernelConfig(side_num_sms=24)
     plain = calls(*_layer_step(kernel, **ep))
     assert any(name.endswith("_side") for name in plain), plain
@@ -688,10 +693,9 @@ def test_one_process_runs_no_ep_call_beside_a_layer_side_call(cuda_lowering, mon
     from jax_ep import remat
 
     monkeypatch.setattr(ordering, "needed", _NEEDED)
-    ep = dict(shared_beside=overlap != "weight_grad_beside", shared_split=overlap == "shared_split",
-              weight_grad_beside=overlap == "weight_grad_beside")
     policy = {None: None, "policy": remat.policy(), "no_policy": "no_policy"}[checkpoint]
-    flow = Dataflow(_lowered(*_layer_step(KernelConfig(side_num_sms=24), checkpoint=policy, **ep)))
+    flow = Dataflow(_lowered(*_layer_step(KernelConfig(side_num_sms=24), checkpoint=policy,
+                                          **OVERLAPS[overlap])))
     assert any(flow.name(c).endswith("_side") for c in flow.calls)
     assert_nothing_beside_a_side_call(flow, f"{overlap}, checkpoint {checkpoint}")
 
@@ -726,8 +730,7 @@ def test_one_process_runs_no_ep_call_of_another_layer_call_beside_a_side_call(
     layer orders its call as one region at its caller's level (overlap.region), forward and backward.
     Before 2026-12-05 the second call's dispatch could run beside the first's side call."""
     monkeypatch.setattr(ordering, "needed", _NEEDED)
-    ep = dict(shared_split=overlap == "shared_split", weight_grad_beside=overlap == "weight_grad_beside")
-    layer = _cuda_layer(overlap != "weight_grad_beside", KernelConfig(side_num_sms=24), **ep)
+    layer = _cuda_layer(kernel=KernelConfig(side_num_sms=24), **OVERLAPS[overlap])
     loss, params = _layers_loss([layer, layer])
     flow = Dataflow(_lowered(jax.value_and_grad(loss) if grad else loss, params, _inputs()[0]))
     sides = any(flow.name(c).endswith("_side") for c in flow.calls)
@@ -749,12 +752,8 @@ def test_one_process_orders_a_plain_layer_against_a_layer_with_side_calls(cuda_l
     assert_nothing_beside_a_side_call(flow, f"side first {side_first}")
 
 
-_OVERLAPS = {"shared_beside": dict(shared_beside=True),
-             "weight_grad_beside": dict(weight_grad_beside=True)}
-
-
 @pytest.mark.parametrize("case", ["linear_same_layer", "linear_then_plain", "has_aux", "outside_the_grad"])
-@pytest.mark.parametrize("overlap", sorted(_OVERLAPS))
+@pytest.mark.parametrize("overlap", ["shared_beside", "weight_grad_beside"])
 def test_one_process_orders_calls_the_backward_does_not_read(cuda_lowering, monkeypatch, overlap, case):
     """Forward calls the backward does not read (a linear loss; the second call's output only as aux; a
     call outside the grad in the same jit) are ordered at the trace that stages them, where the backward
@@ -763,7 +762,7 @@ def test_one_process_orders_calls_the_backward_does_not_read(cuda_lowering, monk
     from flax import nnx
 
     monkeypatch.setattr(ordering, "needed", _NEEDED)
-    layer = _cuda_layer(kernel=KernelConfig(side_num_sms=24), **_OVERLAPS[overlap])
+    layer = _cuda_layer(kernel=KernelConfig(side_num_sms=24), **OVERLAPS[overlap])
     x = _inputs()[0]
     if case in ("linear_same_layer", "linear_then_plain"):
         layers = [layer, layer] if case == "linear_same_layer" else [layer, _cuda_layer()]
@@ -792,7 +791,7 @@ def test_one_process_orders_calls_the_backward_does_not_read(cuda_lowering, monk
     assert_nothing_beside_a_side_call(flow, f"{overlap}, {case}")
 
 
-@pytest.mark.parametrize("overlap", sorted(_OVERLAPS))
+@pytest.mark.parametrize("overlap", ["shared_beside", "weight_grad_beside"])
 def test_one_process_orders_checkpointed_layer_calls_wrapped_in_a_region(cuda_lowering, monkeypatch, overlap):
     """Each call under jax.checkpoint of its own is a trace of its own, which the layer's region cannot
     leave; wrapped in overlap.region (docs/api.md) the checkpointed calls are ordered too."""
@@ -800,7 +799,7 @@ def test_one_process_orders_checkpointed_layer_calls_wrapped_in_a_region(cuda_lo
     from jax_ep import remat
 
     monkeypatch.setattr(ordering, "needed", _NEEDED)
-    layer = _cuda_layer(kernel=KernelConfig(side_num_sms=24), **_OVERLAPS[overlap])
+    layer = _cuda_layer(kernel=KernelConfig(side_num_sms=24), **OVERLAPS[overlap])
 
     def wrap(call):
         return lambda p, h: ov.region(jax.checkpoint(call, policy=remat.policy()), p, h, side=True)
