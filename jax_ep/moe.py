@@ -864,6 +864,9 @@ class MoE(nnx.Module):
             fp8_weights = jax.tree.map(lambda a: a[slot_expert], fp8_weights)
         w_in = jax.ShapeDtypeStruct((local_slots, *w_gate_up.shape[1:]), x.dtype)
         chunks = 1 if decode else self.ep.chunks
+        if not x.shape[0]:
+            raise EPValueError(f"MoE: x has no tokens on a rank (per-rank shape {tuple(x.shape)}); the layer "
+                               "needs at least one token per rank")
         if x.shape[0] % chunks:
             raise EPValueError(f"MoE: EPOptions.chunks={chunks} must divide the tokens per rank, got "
                                f"{x.shape[0]}")

@@ -274,7 +274,10 @@ def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op:
     The count is summed over the EP group so that every rank raises (a rank left waiting in a
     collective would hang instead)."""
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    local_first = jnp.where(jnp.any(bad), topk_idx.reshape(-1)[jnp.argmax(bad.reshape(-1))], 0)
+    if topk_idx.size:
+        local_first = jnp.where(jnp.any(bad), topk_idx.reshape(-1)[jnp.argmax(bad.reshape(-1))], 0)
+    else:  # no tokens on this rank (argmax of nothing is an error)
+        local_first = jnp.zeros((), topk_idx.dtype)
     num_bad = lax.psum(jnp.sum(bad, dtype=jnp.int32), axis_name)
     # the bad value of the lowest rank that has one
     rank = lax.axis_index(axis_name)

@@ -243,14 +243,29 @@ def test_ll_all_unused_and_one_expert(ep_size):
     assert_bits_equal(d.x[-1, -1], x.reshape(-1, H), "one expert: every token in order")
 
 
+@pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("ep_size", [1, 2])
-def test_ll_zero_tokens(ep_size):
+def test_ll_zero_tokens(ep_size, checked):
+    """T = 0 on every rank: empty outputs, also in checked mode (its id check took an argmax of
+    nothing before 2026-12-05). The expert outputs are the dispatched rows. Two programs: in checked
+    mode, one returning both the counts and combine's zero-size output fails in XLA's Shardy lowering
+    ("expected ... produced by a xla.sdy.GlobalToLocalShape"), with every input zero-size; not jax_ep's."""
+    cfg = FP8.replace(checked=checked)
     x = np.zeros((ep_size, 0, H), ml_dtypes.bfloat16)
     idx, w = np.zeros((ep_size, 0, K), np.int32), np.zeros((ep_size, 0, K), np.float32)
-    y = np.zeros((ep_size, E // ep_size, 0, H), ml_dtypes.bfloat16)
-    d, c = to_numpy(ll_fn(ep_size, FP8)(x, idx, w, y))
-    assert d.x.shape == (ep_size, E // ep_size, 0, H) and d.scales.shape == (ep_size, E // ep_size, 0, 2)
-    assert (d.counts == 0).all()
+
+    def dispatched(x, idx, w):
+        d = jax_ep.ll_dispatch(x, idx, w, cfg)
+        return d.x, d.scales, d.counts
+
+    def combined(x, idx, w):
+        d = jax_ep.ll_dispatch(x, idx, w, cfg)
+        return jax_ep.ll_combine(d.x.astype(jnp.bfloat16), d.handle, cfg)
+
+    dx, scales, counts = to_numpy(jax_ep.run_checked(per_rank(dispatched, ep_size), x, idx, w))
+    c = to_numpy(jax_ep.run_checked(per_rank(combined, ep_size), x, idx, w))
+    assert dx.shape == (ep_size, E // ep_size, 0, H) and scales.shape == (ep_size, E // ep_size, 0, 2)
+    assert (counts == 0).all()
     assert c.shape == (ep_size, 0, H) and c.dtype == ml_dtypes.bfloat16
 
 

@@ -363,6 +363,16 @@ def test_wrong_expert_shard_inside_shard_map_is_an_error():
         jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("ep")), out_specs=P("ep")))(state, x)
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_empty_batch_is_an_error_naming_x(decode):
+    """No tokens on a rank: an error naming x and its per-rank shape (it blamed
+    EPConfig.max_tokens_per_rank, which the layer sets, before 2026-12-05)."""
+    layer = make_layer(Mesh(np.array(jax.devices()[:4]), ("ep",)))
+    x = jnp.zeros((0, 1, HIDDEN), jnp.float32)
+    with pytest.raises(EPValueError, match=r"MoE: x has no tokens on a rank \(per-rank shape \(0, "):
+        nnx.jit(lambda m, x: m(x, decode=decode))(layer, x)
+
+
 def test_bias_balancing_and_aux_loss_state():
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     layer = make_layer(mesh, balancing=BalancingConfig(bias_update_rate=0.01, aux_loss_alpha=0.1))

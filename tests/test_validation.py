@@ -263,6 +263,15 @@ def test_checked_mode_passes_on_valid_input():
     assert (dropped == 0).all()
 
 
+def test_checked_mode_with_no_tokens_on_a_rank():
+    """T = 0 tokens per rank in checked mode: empty rows and zero counts (the id check took an argmax of
+    nothing before 2026-12-05), and a bad id on the other call still named."""
+    x = np.zeros((R, 0, H), np.float32)
+    idx, w = np.zeros((R, 0, K), np.int32), np.zeros((R, 0, K), np.float32)
+    rows, dropped, per_expert = _run(checked_fn(CHECKED), x, idx, w)
+    assert rows.shape[0] == R and not rows[:, :0].size and (dropped == 0).all() and (per_expert == 0).all()
+
+
 @pytest.mark.parametrize("bad,count", [(E, 1), (E + 3, 2), (-2, 1), (-(2**31), 3), (2**31 - 1, 1)])
 def test_checked_mode_rejects_out_of_range_ids(bad, count):
     """Bad ids on every rank (each rank raises; see test_checked_mode_error_on_one_rank_only for the
