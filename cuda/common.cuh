@@ -229,8 +229,8 @@ static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kin
            static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else if (kind == kFaultLLInFlight) {
     printf("jax_ep: op %d on device %d (rank %d): low-latency double-buffering rule %d broken "
-           "(call %llu, found %llu): at most two two-phase calls of an op in flight, each "
-           "received once, no other EP op in between but low-latency calls of the same shape; "
+           "(call %llu, found %llu): receive a sent call n before the op's call n + 2 (fused or "
+           "sent), each once, no other EP op in between but low-latency calls of the same shape; "
            "trapping.\n",
            op_id, tables.device_ordinal, rank, waited_ordinal,
            static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));

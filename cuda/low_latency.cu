@@ -1138,7 +1138,8 @@ cudaError_t launch_ll_dispatch(const LLDispatchLaunch& p, cudaStream_t stream) {
 cudaError_t launch_ll_combine(const LLCombineLaunch& p, cudaStream_t stream) {
   const uint64_t shared =
       ll_shared_bytes(false, p.c.num_ranks, p.c.num_tokens, p.c.num_experts);
-  if (!ll_ok(p.c) || (p.c.mode != kLLSend && p.dest_rank == nullptr) ||
+  // (T = 0: XLA gives a zero-size dest_rank no storage)
+  if (!ll_ok(p.c) || (p.c.mode != kLLSend && p.c.num_tokens > 0 && p.dest_rank == nullptr) ||
       shared == 0 || shared > kLLMaxSharedBytes) {
     return cudaErrorInvalidValue;
   }

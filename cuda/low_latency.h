@@ -6,8 +6,9 @@
 // Every op runs fused (one kernel: send, then receive) or in two phases (a send kernel that returns
 // once its writes are issued, and a receive kernel that waits and copies out; the send's call
 // token, a small device array, carries the call to the receive). The receive regions of each op are
-// double-buffered: call n of an op (counted per EP group on the device) uses half n % 2, so at most
-// two two-phase calls of an op may be in flight (sent, not yet received); the kernels check it.
+// double-buffered: call n of an op (counted per EP group on the device, fused calls included) uses
+// half n % 2, so a sent call must be received before the op's call n + 2, fused or sent; the kernels
+// check it.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -55,13 +55,7 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
     if ep_size > limits["max_ranks"]:
         return f"EP size {ep_size} exceeds {limits['max_ranks']}"
     if op in _LL_OPS:
-        if cfg.hidden % limits["row_alignment"]:
-            return f"hidden={cfg.hidden} must be a multiple of {limits['row_alignment']}"
-        if op == "ll_combine" and dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
-            return f"y must be bfloat16, got dtype {jnp.dtype(dtype)}"
-        if op == "ll_dispatch" and dtype is not None and jnp.dtype(dtype) not in _ROW_DTYPES:
-            return f"x must be bfloat16 or float32, got dtype {jnp.dtype(dtype)}"
-        return None
+        return _ll_unsupported(op, cfg, ep_size, dtype, limits)
     if op == "slot_values":
         return None
     if cfg.num_experts > limits["max_experts"]:
@@ -78,16 +72,54 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
     return None
 
 
+def _ll_unsupported(op: str, cfg: EPConfig, ep_size: int, dtype, limits: dict) -> str | None:
+    """``unsupported`` for the low-latency ops (what xla_ffi/low_latency.cc's LLInstantiate refuses)."""
+    if cfg.hidden % limits["row_alignment"]:
+        return f"hidden={cfg.hidden} must be a multiple of {limits['row_alignment']}"
+    if cfg.num_experts > limits["max_experts"]:
+        return f"num_experts={cfg.num_experts} exceeds {limits['max_experts']}"
+    tokens = cfg.max_tokens_per_rank
+    if tokens > limits["ll_max_tokens"]:
+        return (f"max_tokens_per_rank={tokens} exceeds the low-latency kernels' {limits['ll_max_tokens']}; "
+                "use dispatch / combine")
+    shared = runtime.extension().ll_shared_bytes(op.startswith("ll_dispatch"), ep_size, tokens,
+                                                 cfg.num_experts)
+    if shared > limits["ll_max_shared_bytes"]:
+        return (f"num_experts={cfg.num_experts} x max_tokens_per_rank={tokens} need a routing table of "
+                f"{shared} bytes of shared memory, beyond the low-latency kernels' "
+                f"{limits['ll_max_shared_bytes']}; use dispatch / combine")
+    if op.startswith("ll_combine") and dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+        return f"y must be bfloat16, got dtype {jnp.dtype(dtype)}"
+    if op.startswith("ll_dispatch") and dtype is not None and jnp.dtype(dtype) not in _ROW_DTYPES:
+        return f"x must be bfloat16 or float32, got dtype {jnp.dtype(dtype)}"
+    return None
+
+
 def comm_bytes(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16) -> int:
-    """Communication-buffer bytes (per GPU) the CUDA ops of ``cfg`` need at most on an EP group of
-    ``ep_size``, for tokens / expert outputs / gradients of ``dtype``: what their instantiation
-    reserves (same layout function, ``jax_ep._C.comm_bytes``). Pass it to
-    ``jax_ep.runtime.ensure_initialized`` to size the buffers once up front."""
+    """Communication-buffer bytes (per GPU) the CUDA throughput ops of ``cfg`` (dispatch, combine,
+    their rank-major forms and backward) need at most on an EP group of ``ep_size``, for tokens /
+    expert outputs / gradients of ``dtype``: what their instantiation reserves (same layout function,
+    ``jax_ep._C.comm_bytes``). The low-latency ops need ``ll_comm_bytes``. Pass the largest of a
+    program's to ``jax_ep.runtime.ensure_initialized`` to size the buffers once up front."""
     runtime.register_targets()
     wire = max(cfg.wire_dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     scales = 4 * cfg.num_scale_blocks if cfg.dispatch_dtype == "float8_e4m3fn" else 0
     return int(runtime.extension().comm_bytes(ep_size, cfg.max_tokens_per_rank, cfg.num_topk,
                                               cfg.num_experts, cfg.hidden * wire, scales))
+
+
+def ll_comm_bytes(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16) -> int:
+    """``comm_bytes`` for the low-latency ops (ll_dispatch, ll_combine and their two-phase forms) with
+    tokens of ``dtype``: their instantiation's reservation (``jax_ep._C.ll_comm_bytes``), larger than
+    the throughput ops' at the same sizes (two halves of returned rows, T x K each)."""
+    runtime.register_targets()
+    native = runtime.extension()
+    sizes = (ep_size, cfg.max_tokens_per_rank, cfg.num_topk, cfg.num_experts)
+    wire = cfg.wire_dtype(dtype)
+    scales = 4 * cfg.num_scale_blocks if wire == jnp.float8_e4m3fn else 0
+    # as the call sites reserve: _ll_dispatch_attrs; ll_combine bfloat16 rows, no scales
+    return int(max(native.ll_comm_bytes(*sizes, cfg.hidden, cfg.hidden * wire.itemsize, scales),
+                   native.ll_comm_bytes(*sizes, cfg.hidden, cfg.hidden * 2, 0)))
 
 
 def layout(topk_idx: jax.Array, cfg: EPConfig) -> types.Layout:
@@ -739,6 +771,8 @@ def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
     mask = _ll_mask_operand(rank_mask, ep_size)
+    if not tokens:
+        return _vary_all(jnp.zeros(out.shape, out.dtype), axis, y, *handle, mask)
     result = _call("ll_combine", out, y, handle.src_slot, handle.topk_weights, handle.dest_rank, mask,
                    rank, group,
                    **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
@@ -797,16 +831,24 @@ def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.L
 
 def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
                     rank_mask: jax.Array | None = None) -> types.LLCombinePending:
-    """ll_combine's send phase: every filled slot's row is on its way back when it returns."""
+    """ll_combine's send phase: every filled slot's row is on its way back when it returns.
+
+    With T = 0 tokens (a static size, the same on every rank) no rank has a row to move: ll_combine,
+    its send and its receive issue no call. XLA would drop a call whose results are all empty (the
+    receive's, the fused op's: ZeroSizedHloElimination) but not a send whose token something else
+    keeps (jax_ep.overlap's join), which would leave the send's half in flight."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
     tokens, hidden = handle.topk_weights.shape[0], cfg.hidden
     rank, group, axis_slot = _group_of(axis)
     mask = _ll_mask_operand(rank_mask, ep_size)
-    token = _call("ll_combine_send", _LL_TOKEN, y, handle.src_slot, mask, rank, group,
-                  kernel=cfg.kernel,
-                  **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
-                           row_bytes=hidden * 2, num_experts=cfg.num_experts))
+    if not tokens:
+        token = jnp.zeros(_LL_TOKEN.shape, _LL_TOKEN.dtype)
+    else:
+        token = _call("ll_combine_send", _LL_TOKEN, y, handle.src_slot, mask, rank, group,
+                      kernel=cfg.kernel,
+                      **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,
+                               row_bytes=hidden * 2, num_experts=cfg.num_experts))
     # the receive reads this rank's own rows from y (they are not copied): y travels with the call
     return types.LLCombinePending(_vary_all(token, axis, y, handle.src_slot, mask), handle.topk_weights,
                                   handle.dest_rank, y=y)
@@ -818,6 +860,9 @@ def ll_combine_recv(pending: types.LLCombinePending, cfg: EPConfig) -> jax.Array
     ep_size = lax.axis_size(axis)
     tokens, hidden = pending.topk_weights.shape[0], cfg.hidden
     rank, group, axis_slot = _group_of(axis)
+    if not tokens:
+        return _vary_all(jnp.zeros((0, hidden), jnp.bfloat16), axis, pending.token, pending.y,
+                         pending.topk_weights, pending.dest_rank)
     result = _call("ll_combine_recv", jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16),
                    pending.token, pending.y, pending.topk_weights, pending.dest_rank, rank, group,
                    **_attrs("ll_combine", cfg, ep_size, axis_slot, tokens, hidden,

@@ -635,10 +635,10 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     """First phase of ll_dispatch: issues the writes of this rank's tokens and returns at once (on
     the CUDA backend nothing waits for the data). Run independent work (attention, a shared expert),
     then ``ll_dispatch_recv(pending, cfg)``: together they equal ``ll_dispatch(x, topk_idx,
-    topk_weights, cfg)``. Receive each pending value exactly once; at most two sends of ll_dispatch
-    may be pending at a time, and no other EP op but low-latency calls of the same shape may run
-    while one is (docs/api.md). rank_mask as for ll_dispatch (the receive serves the send's).
-    Forward-only."""
+    topk_weights, cfg)``. Receive each pending value exactly once, and before the op's call two
+    later (fused or sent: every ll_dispatch call counts); no other EP op but low-latency calls of the
+    same shape may run while one is in flight (docs/api.md). rank_mask as for ll_dispatch (the
+    receive serves the send's). Forward-only."""
     size = ep_size(cfg, "ll_dispatch_send")
     check_ll_dispatch_args(x, topk_idx, topk_weights, cfg, op="ll_dispatch_send")
     rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch_send")

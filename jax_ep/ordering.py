@@ -80,7 +80,10 @@ for _set in ("ordered_effects", "shardable_ordered_effects", "lowerable_effects"
         getattr(effects, _set).add_type(EPIssueEffect)
 # A call whose results are unused may still be removed (e.g. the backward of dispatch when nothing needs
 # d x): JAX's dead-code elimination runs on the jaxpr, which is the same in every process, so every
-# process removes the same calls. (XLA never removes one: the token uses its results.)
+# process removes the same calls. (XLA does not remove one whose results the token uses, except a call
+# whose results are all zero-size, which its ZeroSizedHloElimination replaces by constants: the same
+# static shapes in every process, so the same calls everywhere; cuda_backend issues no low-latency combine
+# at T = 0.)
 pe.dceable_effects.add_type(EPOrderEffect)
 pe.dceable_effects.add_type(EPIssueEffect)
 

@@ -162,7 +162,7 @@ def _require_available() -> None:
 def limits() -> dict:
     """The kernels' limits as the extension defines them (``jax_ep._C.LIMITS``: max_topk,
     layout_max_topk, max_experts, max_ranks, max_groups, directory_axes, data_warps, row_alignment,
-    fp8_block, fp8_min_amax)."""
+    fp8_block, fp8_min_amax, ll_max_tokens, ll_max_shared_bytes)."""
     _require_available()
     return dict(_C.LIMITS)
 

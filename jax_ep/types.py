@@ -124,7 +124,7 @@ class LLDispatched(NamedTuple):
 class LLDispatchPending:
     """What ll_dispatch_send hands to ll_dispatch_recv (a pytree of arrays; ``backend``, static, names
     the backend whose receive takes it: the send's, jax_ep.backends). Pass it on unchanged and receive
-    it exactly once; at most two sends of an op may be pending at a time (see docs/api.md)."""
+    it exactly once, before the op's call two later (fused or sent; see docs/api.md)."""
 
     token: jax.Array               # [4] uint32: the call (backend="cuda"); zeros on the reference path
     # the handle's slots as the send keeps them (its rank mask; the receive also drops the pairs of a

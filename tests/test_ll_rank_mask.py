@@ -218,6 +218,29 @@ def test_cuda_backend_lowers_the_mask_and_shrink(monkeypatch):
         assert "shrink = 1" in line, line
 
 
+def test_cuda_ll_combine_issues_no_call_without_tokens(monkeypatch):
+    """T = 0 (on every rank: a static size): ll_combine, its send and its receive issue no custom call
+    (XLA removes the receive, whose results are all empty, but not a send something else keeps, whose
+    half would stay in flight); the dispatches still run (their counts are not empty)."""
+    lower_cuda_here(monkeypatch, stub_extension=True)
+    ep_size = 2
+    cfg = BF16.replace(backend="cuda")
+
+    def body(x, idx, w):
+        d = jax_ep.ll_dispatch(x, idx, w, cfg)
+        pending = jax_ep.ll_combine_send(d.x, d.handle, cfg)
+        return jax_ep.ll_combine(d.x, d.handle, cfg), jax_ep.ll_combine_recv(pending, cfg), pending.token
+
+    for tokens, combines in ((0, []), (3, ["jax_ep_ll_combine", "jax_ep_ll_combine_recv",
+                                           "jax_ep_ll_combine_send"])):
+        x = np.zeros((ep_size, tokens, H), ml_dtypes.bfloat16)
+        idx, w = np.zeros((ep_size, tokens, K), np.int32), np.zeros((ep_size, tokens, K), np.float32)
+        text = per_rank(body, ep_size).lower(x, idx, w).as_text()
+        calls = sorted({line.split("@")[1].split("(")[0] for line in text.splitlines()
+                        if "stablehlo.custom_call @jax_ep" in line})
+        assert calls == sorted(["jax_ep_ll_dispatch", *combines]), (tokens, calls)
+
+
 def test_cuda_ll_dispatch_is_only_its_custom_call(monkeypatch):
     """backend='cuda': the kernels write the handle's topk_weights, dest_rank and num_dropped, so
     ll_dispatch (fused, and send + recv) lowers to its custom calls and nothing that computes them

@@ -169,7 +169,8 @@ def test_limits_come_from_the_extension():
     assert native.LIMITS == {"max_topk": 32, "layout_max_topk": 64, "max_experts": 8192,
                              "max_ranks": 32, "max_groups": 64, "directory_axes": 4, "data_warps": 16,
                              "row_alignment": 8, "fp8_block": 128,
-                             "fp8_min_amax": float(np.float32(1e-4))}
+                             "fp8_min_amax": float(np.float32(1e-4)), "ll_max_tokens": 65535,
+                             "ll_max_shared_bytes": 200 * 1024}
     # the FP8 row format is one fact: the kernels' scale block and amax floor are the reference's
     from jax_ep.config import FP8_BLOCK
     from jax_ep.fp8 import FP8_MIN_AMAX
@@ -208,6 +209,49 @@ def test_kernel_support_is_decided_from_the_limits(monkeypatch):
     monkeypatch.setattr(runtime, "limits", lambda: {**STUB_LIMITS, "max_topk": 4})
     for op in ("ll_dispatch", "ll_combine", "dispatch"):
         assert "num_topk=8 exceeds 4" in cuda_backend.unsupported(op, cfg, 4), op
+
+
+def test_low_latency_support_follows_the_instantiation_limits(monkeypatch):
+    """The low-latency kernels' token count, routing-table shared memory and expert count are refused at
+    trace time (backend='auto' then takes the reference), not by XLA's instantiation of the call."""
+    from jax_ep import EPConfig
+
+    native = runtime.extension()
+    if native is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    monkeypatch.setattr(runtime, "limits", lambda: dict(native.LIMITS))   # (no GPU here)
+    cfg = EPConfig(num_experts=256, num_topk=8, hidden=7168, max_tokens_per_rank=128)
+    for op in ("ll_dispatch", "ll_combine"):
+        assert cuda_backend.unsupported(op, cfg, 16, "bfloat16") is None, op
+    # 256 experts x ceil(8192 / 32) words: 262,656 bytes of shared memory (dispatch's table only)
+    big = cfg.replace(max_tokens_per_rank=8192)
+    assert native.ll_shared_bytes(True, 16, 8192, 256) == 262656
+    assert "routing table of 262656 bytes" in cuda_backend.unsupported("ll_dispatch", big, 16, "bfloat16")
+    assert cuda_backend.unsupported("ll_combine", big, 16, "bfloat16") is None
+    assert "max_tokens_per_rank=70000 exceeds the low-latency kernels' 65535" in cuda_backend.unsupported(
+        "ll_combine", EPConfig(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=70000), 2)
+    assert "num_experts=16384 exceeds 8192" in cuda_backend.unsupported(
+        "ll_combine", cfg.replace(num_experts=16384), 8)
+
+
+def test_ll_comm_bytes_is_what_a_low_latency_call_site_reserves(monkeypatch):
+    """cuda_backend.ll_comm_bytes (docs/api.md: what to reserve up front for decode) is what a
+    low-latency call site reserves, ~10x the throughput ops' comm_bytes at a decode shape (which
+    comm_bytes gave for them before 2026-12-05)."""
+    from jax_ep import EPConfig
+
+    native = runtime.extension()
+    if native is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    for wire in ("bfloat16", "float8_e4m3fn"):
+        cfg = EPConfig(num_experts=288, num_topk=8, hidden=7168, max_tokens_per_rank=128, dispatch_dtype=wire)
+        need = cuda_backend.ll_comm_bytes(cfg, 2)
+        attrs = cuda_backend._ll_dispatch_attrs(cfg, 2, 0, 128, cfg.wire_dtype(jnp.bfloat16))
+        sizes = [int(attrs[k]) for k in ("num_ranks", "num_tokens", "num_topk", "num_experts")]
+        ll = native.ll_comm_bytes(*sizes, 7168, int(attrs["row_bytes"]), int(attrs["scale_bytes"]))
+        assert need == max(ll, native.ll_comm_bytes(*sizes, 7168, 7168 * 2, 0)), wire
+        assert need > 5 * cuda_backend.comm_bytes(cfg, 2), wire
 
 
 def test_group_slots_put_the_ep_axis_last():

@@ -278,7 +278,8 @@ std::string DeviceMemoryMessage(const DeviceMemoryReport& report) {
     }
   }
   m += "\n  * make the buffer smaller: it grows with EPConfig.max_tokens_per_rank x hidden x the EP "
-       "size (jax_ep.cuda_backend.comm_bytes(cfg, ep_size) is a config's need); lower "
+       "size (jax_ep.cuda_backend.comm_bytes(cfg, ep_size) is a config's need, ll_comm_bytes "
+       "for the low-latency ops); lower "
        "max_tokens_per_rank, e.g. by splitting the batch.";
   return m;
 }

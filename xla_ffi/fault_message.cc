@@ -41,8 +41,8 @@ std::string LLInFlightMessage(const std::string& where, int what, uint64_t expec
   switch (what) {
     case kLLFaultTooMany:
       return where + "call " + Str(expected) + " would overwrite the receive buffer of call " +
-             Str(observed) + ", sent in two phases and not received yet: at most 2 two-phase "
-             "calls of an op may be in flight (receive call n before sending call n + 2).";
+             Str(observed) + ", sent in two phases and not received yet: receive call n of an op "
+             "before its call n + 2, fused or sent (every call of the op counts).";
     case kLLFaultShape:
       return where + "a low-latency call of another shape ran while two-phase low-latency calls "
              "were in flight (sent, not received), or a receive got the pending value of a send of "

@@ -240,7 +240,19 @@ NB_MODULE(_C, m) {
   limits["row_alignment"] = jax_ep::kRowAlignment;
   limits["fp8_block"] = jax_ep::kFp8Block;
   limits["fp8_min_amax"] = jax_ep::kFp8MinAmax;
+  // the low-latency kernels: tokens per rank (16-bit counts) and their dynamic shared memory
+  limits["ll_max_tokens"] = jax_ep::kLLMaxTokens;
+  limits["ll_max_shared_bytes"] = jax_ep::kLLMaxSharedBytes;
   m.attr("LIMITS") = limits;
+
+  m.def(
+      "ll_shared_bytes",
+      [](bool dispatch, int64_t num_ranks, int64_t num_tokens, int64_t num_experts) {
+        return jax_ep::ll_shared_bytes(dispatch, num_ranks, num_tokens, num_experts);
+      },
+      "dispatch"_a, "num_ranks"_a, "num_tokens"_a, "num_experts"_a,
+      "Dynamic shared memory of a low-latency kernel (dispatch: with its expert x token routing "
+      "table), 0 where the sizes are out of range; it must not exceed LIMITS['ll_max_shared_bytes'].");
 
   m.def(
       "comm_bytes",

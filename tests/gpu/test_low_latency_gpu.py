@@ -314,15 +314,15 @@ _THREE_IN_FLIGHT_CHILD = ep_step_child("""
 
 
 def test_ll_third_send_in_flight_is_a_clear_error(cuda_backend, mesh):
-    """At most two two-phase calls of an op in flight: the third send faults on the device before it
-    writes anything (never a silent overwrite), with a message saying the rule."""
+    """A sent call must be received before the op's call n + 2: the third send faults on the device
+    before it writes anything (never a silent overwrite), with a message saying the rule."""
     faults, stdout = faults_of_child(_THREE_IN_FLIGHT_CHILD)
     assert faults, stdout[-4000:]
     for fault in faults:
         assert fault["kind"] == "ll_in_flight" and fault["op"] == "ll_dispatch", fault
         assert (fault["expected"], fault["observed"]) == (3, 1), fault
-        assert "at most 2 two-phase calls" in fault["message"], fault
-    assert "CHECK_ERRORS=" in stdout and "at most 2 two-phase calls" in stdout, stdout[-4000:]
+        assert "receive call n of an op before its call n + 2" in fault["message"], fault
+    assert "CHECK_ERRORS=" in stdout and "before its call n + 2" in stdout, stdout[-4000:]
 
 
 _THROUGHPUT_IN_FLIGHT_CHILD = ep_step_child("""
