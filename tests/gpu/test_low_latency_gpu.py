@@ -165,6 +165,52 @@ def assert_ll_equal(got, want, two, x, tokens, topk, what):
     assert_bits_equal(two_out, got_out, f"{what} two-phase combine")
 
 
+def test_ll_zero_tokens_then_calls_with_tokens_match_the_reference(cuda_backend, mesh):
+    """T = 0 on every rank, fused and two-phase (no combine call is issued: XLA would drop a call whose
+    results are all empty; 2026-12-05), then calls with tokens: nothing left in flight, no fault, the
+    reference's bits. (One output kind per program: with every input zero-size, JAX's Shardy lowering
+    refuses some programs returning both the counts and an empty combine output.)"""
+    tokens, hidden, topk, experts, _, _, wire = CASES["one_token"]
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens,
+              dispatch_dtype=wire)
+    cfg = _cfg("cuda", **kw)
+
+    def fused(counts):
+        def body(x, idx, w):
+            d = jax_ep.ll_dispatch(x, idx, w, cfg)
+            return d.counts[None] if counts else jax_ep.ll_combine(d.x, d.handle, cfg)[None]
+        return body
+
+    def two_phase(counts):
+        def body(x, idx, w):
+            d = jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, cfg), cfg)
+            if counts:
+                return d.counts[None]
+            return jax_ep.ll_combine_recv(jax_ep.ll_combine_send(d.x, d.handle, cfg), cfg)[None]
+        return body
+
+    empty = (np.zeros((0, hidden), ml_dtypes.bfloat16), np.zeros((0, topk), np.int32),
+             np.zeros((0, topk), np.float32))
+    args = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in empty]
+    for make in (fused, two_phase):
+        for counts in (True, False):
+            fn = jax.jit(jax.shard_map(make(counts), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+            got = np.asarray(fn(*args))
+            if counts:
+                assert got.shape == (R, experts // R, R) and (got == 0).all(), (make.__name__, got)
+            else:
+                assert got.shape == (R, 0, hidden), (make.__name__, got.shape)
+    assert not jax_ep.runtime.faults()
+    rng = np.random.default_rng(7)
+    for call in range(2):
+        x, idx, w, y = ll_case_inputs(rng, "one_token", R)
+        args = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (x, idx, w, y)]
+        want = jax.tree.map(np.asarray, round_trip_fn(mesh, _cfg("reference", **kw))(*args))
+        got = jax.tree.map(np.asarray, round_trip_fn(mesh, cfg)(*args))
+        two = jax.tree.map(np.asarray, two_phase_fn(mesh, cfg)(*args))
+        assert_ll_equal(got, want, two, x, tokens, topk, f"after T = 0, call {call}")
+
+
 def test_ll_two_calls_in_flight(cuda_backend, mesh):
     """Two sends of each op before their receives (both halves of the double buffer in use): each
     receive gets its own call's data, as two fused calls do."""
