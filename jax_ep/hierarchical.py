@@ -50,6 +50,7 @@ from jax_ep.config import FP8_BLOCK, EPConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
 from jax_ep.types import Handle, RankMajorHandle
 from jax_ep.validation import (
+    check_combine_args,
     check_dispatch_args,
     check_handle,
     check_no_drops,
@@ -122,6 +123,9 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
         backend = "reference"  # "auto" only; "cuda" raised
     # Both stages push their rows: a pulled stage would rewrite its own staging while a peer of the
     # other stage, which its start barrier does not wait for, may still read it (one buffer per device)
+    if cfg.shrink:  # a lost GPU would drop its stage-1 group's rows for its whole node, uncounted
+        raise EPUnsupportedError(f"jax_ep.{op}: EPConfig(shrink=True) with the hierarchical ops: rank "
+                                 "masking is not built for the two-stage composition; leave shrink False")
     pulled = [k for k in ("dispatch_pull", "broadcast_pull") if getattr(cfg.kernel, k)]
     if pulled:
         raise EPUnsupportedError(f"jax_ep.{op}: KernelConfig({pulled[0]}=True) with the hierarchical ops: "
@@ -312,6 +316,7 @@ def combine_hierarchical(y: jax.Array, handle: HierarchicalHandle, cfg: EPConfig
     op = "combine_hierarchical"
     check_handle(handle, HierarchicalHandle, f"jax_ep.{op}", "dispatch_hierarchical")
     node_cfg, local_cfg = stage_configs(cfg, node_axis, op)
+    check_combine_args(y, handle.local, local_cfg, op=f"jax_ep.{op}")
     per_node = ops.combine(y, handle.local, local_cfg)        # [N*T, H']: one row per (token, node)
     return ops.combine_rank_major(per_node, handle.node, node_cfg)
 

@@ -18,6 +18,7 @@ from jax_ep import types
 from jax_ep.config import EPConfig
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.routing import layout_of, masked_pairs, reached_topk
+from jax_ep.vma import vary_also
 
 
 def _shape_of(a) -> tuple:
@@ -95,13 +96,15 @@ def check_handle(handle, kind: type, op: str, producer: str) -> None:
                       f"{type(handle).__name__}{hint}")
 
 
-def check_combine_args(y, handle, cfg: EPConfig) -> None:
-    check_handle(handle, types.Handle, "combine", "dispatch")
+def check_combine_args(y, handle, cfg: EPConfig, op: str = "combine") -> None:
+    """combine (``op``: the caller, e.g. combine_hierarchical, whose stage 2 is a combine): y
+    [capacity, H'] of a float dtype (not FP8) for the Handle of a dispatch."""
+    check_handle(handle, types.Handle, op, "dispatch")
     capacity = handle.src_index.shape[0]
     if getattr(y, "ndim", None) != 2 or y.shape[0] != capacity:
-        raise EPValueError(f"combine: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
+        raise EPValueError(f"{op}: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
     if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
-        raise EPValueError(f"combine: y must be float32/bfloat16/float16, got dtype {y.dtype}")
+        raise EPValueError(f"{op}: y must be float32/bfloat16/float16, got dtype {y.dtype}")
 
 
 def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
@@ -316,8 +319,9 @@ def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_m
     totals span it too."""
     capacity = cfg.resolved_capacity(ep_size)
     dropped = out.num_dropped - masked_pairs(topk_idx, cfg, rank_mask)
-    group = cfg.axis_name if outer_axis is None else (outer_axis, cfg.axis_name)
-    total = lax.psum(dropped, group)
+    group = (cfg.axis_name,) if outer_axis is None else (outer_axis, cfg.axis_name)
+    # typed over the whole group: with no tokens a count may vary over the local axis only
+    total = lax.psum(vary_also(dropped, group), group)
     needed = capacity_needed(topk_idx, cfg, ep_size, rank_mask)
     if outer_axis is not None:
         needed = lax.pmax(needed, outer_axis)

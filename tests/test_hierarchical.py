@@ -428,6 +428,12 @@ def test_checked_mode_and_drop_accounting():
                                                   rf"\[-1, {cfg.num_experts}\).*first bad value "
                                                   rf"{cfg.num_experts + 5}"):
         jax_ep.run_checked(lambda: run(f(cfg), nodes, local, x, bad, w))
+    # no tokens: nothing dropped, no error (the stage-2 count varied over the local axis only, and the
+    # check's sum over both axes failed to trace before 2026-12-05)
+    empty = (np.zeros((ranks, 0, H), np.float32), np.zeros((ranks, 0, K), np.int32),
+             np.zeros((ranks, 0, K), np.float32))
+    counts, dropped = jax_ep.run_checked(lambda: run(f(cfg), nodes, local, *empty))
+    assert counts.sum() == 0 and dropped.sum() == 0
 
 
 @parametrize_slow_tail("nodes,local", [(2, 4), (4, 2)])
@@ -487,6 +493,16 @@ def test_argument_errors():
         run(lambda x, i, w: jax_ep.combine_hierarchical(
             x, jax_ep.dispatch_hierarchical(x, i, w, cfg, "node").handle.local, cfg, "node"),
             nodes, local, x, idx, w)
+    # y is checked against the handle naming combine_hierarchical (it named the stage's combine)
+    for bad_y, match in ((lambda d: d.x[1:], r"jax_ep.combine_hierarchical: y must have shape \[capacity="),
+                         (lambda d: d.x.astype(jnp.int32), "jax_ep.combine_hierarchical: y must be float")):
+        with pytest.raises(ValueError, match=match):
+            run(lambda x, i, w, bad_y=bad_y: jax_ep.combine_hierarchical(
+                bad_y(d := jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")), d.handle, cfg, "node"),
+                nodes, local, x, idx, w)
+    # shrink mode is rank masking, not built for the composition: refused, not lowered
+    with pytest.raises(NotImplementedError, match=r"dispatch_hierarchical: EPConfig\(shrink=True\)"):
+        call(cfg.replace(shrink=True))
 
 
 # ---- FP8 ------------------------------------------------------------------------------------------
