@@ -105,17 +105,28 @@ def imbalance(load: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------
 # Aux-loss-free balancing
 # ---------------------------------------------------------------------------------------------------------
-def update_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
+def update_bias(bias: jax.Array, expert_load: jax.Array, rate: float, active: jax.Array | None = None
+                ) -> jax.Array:
     """bias + rate * sign(mean(load) - load): raise the bias of underloaded experts, lower overloaded ones.
 
     Use the global load (sum over data/EP ranks, e.g. `expert_counts(..., axis_name=...)`) so every rank
-    applies the same update. Returns float32; no gradient flows through it.
+    applies the same update. ``active`` (bool [E], optional): the experts the call could reach (e.g. not
+    on a masked rank); the others keep their bias and stay out of the mean (their load of 0 is no
+    underload: raising their bias would send ever more picks to where they are dropped). Returns
+    float32; no gradient flows through it.
     """
     if bias.shape != expert_load.shape or bias.ndim != 1:
         raise EPValueError(f"bias.shape={bias.shape} and expert_load.shape={expert_load.shape} must be the "
                            "same [E]")
+    if active is not None and active.shape != bias.shape:
+        raise EPValueError(f"active.shape={active.shape} must be bias.shape={bias.shape}")
     load = jax.lax.stop_gradient(expert_load).astype(jnp.float32)
-    step = jnp.sign(load.mean() - load)
+    if active is None:
+        step = jnp.sign(load.mean() - load)
+    else:
+        active = active.astype(bool)
+        mean = jnp.sum(jnp.where(active, load, 0.0)) / jnp.maximum(jnp.sum(active), 1)
+        step = jnp.where(active, jnp.sign(mean - load), 0.0)
     return jax.lax.stop_gradient(bias).astype(jnp.float32) + jnp.float32(rate) * step
 
 

@@ -822,8 +822,26 @@ class MoE(nnx.Module):
         self.last_dropped[...] = stats.num_dropped
         self.last_aux_loss[...] = stats.aux_loss
         if self.balancing.bias_update_rate:
-            self.expert_bias[...] = update_bias(self.expert_bias[...], stats.expert_load.astype(jnp.float32),
-                                                self.balancing.bias_update_rate)
+            load, reachable = stats.expert_load.astype(jnp.float32), None
+            if self.rank_mask is not None:
+                # a masked rank's slots receive nothing: its experts keep their bias, and an expert with
+                # a replica there counts as loaded as its reachable replicas show (else the bias would
+                # send ever more picks to where they are dropped)
+                share = self._reachable_share()
+                reachable = share > 0
+                load = jnp.where(reachable, load / jnp.where(reachable, share, 1.0), 0.0)
+            self.expert_bias[...] = update_bias(self.expert_bias[...], load, self.balancing.bias_update_rate,
+                                                reachable)
+
+    def _reachable_share(self) -> jax.Array:
+        """float32 [E]: each expert's share of slots on unmasked ranks (its replicas', with a placement)."""
+        active = self.rank_mask[...].astype(jnp.float32)
+        if self.physical_to_logical is None:
+            return jnp.repeat(active, self.num_experts // active.shape[0])
+        p2l = self.physical_to_logical[...]
+        slots = jnp.repeat(active, p2l.shape[0] // active.shape[0])
+        reached = jnp.zeros((self.num_experts,), jnp.float32).at[p2l].add(slots)
+        return reached / jnp.zeros((self.num_experts,), jnp.float32).at[p2l].add(1.0)
 
     def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None,
                   shared=None, *, seq_len, decode=False):

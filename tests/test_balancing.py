@@ -88,6 +88,11 @@ def test_update_bias_direction():
     assert new.dtype == jnp.float32
     with pytest.raises(ValueError, match="must be the same"):
         update_bias(bias, jnp.ones(5), 0.01)
+    # experts out of reach (a masked rank's) keep their bias and stay out of the mean (active mean 25)
+    active = jnp.array([True, True, True, True, False, True])
+    new = update_bias(bias, load, 0.01, active)
+    np.testing.assert_allclose(np.asarray(new) - np.asarray(bias), [0.01, -0.01, 0.01, 0.01, 0, -0.01],
+                               atol=1e-7)
 
 
 def test_bias_updates_balance_a_skewed_router():
