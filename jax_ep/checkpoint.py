@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import eplb
-from jax_ep.errors import CheckpointMismatchError, EPValueError
+from jax_ep.errors import CheckpointMismatchError, EPUnsupportedError, EPValueError
 from jax_ep.moe import MoE
 
 FORMAT = 1                    # version of the "jax_ep" JSON record
@@ -259,6 +259,14 @@ def _check_layers(path: str, saved: dict, layers: dict[str, MoE]) -> None:
             if have.get(field) != want.get(field):
                 problems.append(f"MoE layer {key!r}: {field} is {have.get(field)!r} in the checkpoint, "
                                 f"{want.get(field)!r} in the model")
+        # the rank and node caps limit routing by the contiguous layout of the EP size: another size
+        # routes differently (not the saved function)
+        caps = [f for f in ("routing.max_ranks_per_token", "routing.max_nodes_per_token") if want.get(f)]
+        saved_size, ep_size = saved[key].get("ep_size"), _ep_size(layers[key])
+        if caps and None not in (saved_size, ep_size) and saved_size != ep_size:
+            problems.append(f"MoE layer {key!r}: {caps[0]}={want[caps[0]]} routes by the layout of the EP "
+                            f"size, {saved_size} in the checkpoint, {ep_size} in the model (the restored "
+                            f"layer would route differently); restore on EP size {saved_size}")
     _raise_problems(path, "model", problems)
 
 
@@ -358,16 +366,27 @@ def _set_placement(layer: MoE, placement: eplb.Placement | None) -> None:
 def _placement_action(path: str, key: str, layer: MoE, saved: dict | None, mode: str) -> str:
     """What happens to a layer's placement: "none" (saved without one), "keep", "replan" or "drop"."""
     ep_size = _ep_size(layer)
+    if saved is not None and layer.expert_bias[...].ndim > 1:
+        raise EPUnsupportedError(f"checkpoint {path}: MoE layer {key!r} is stacked (nnx.vmap) and has an "
+                                 "expert placement: restoring placements of stacked layers is not built")
     if saved is None:
-        return "none"
-    if ep_size is None or saved["num_ranks"] == ep_size:
+        action = "none"
+    elif ep_size is None or saved["num_ranks"] == ep_size:
         return "keep"
-    if mode == "error":
+    elif mode == "error":
         raise CheckpointMismatchError(
             f"checkpoint {path}: MoE layer {key!r} has an expert placement for {saved['num_ranks']} EP "
             f"ranks, the model's EP axis {layer.axis_name!r} has {ep_size} (restore with placement="
             "'replan' or 'drop')")
-    return mode
+    else:
+        action = mode
+    if action in ("none", "drop") and ep_size is not None and layer.num_experts % ep_size:
+        raise CheckpointMismatchError(
+            f"checkpoint {path}: MoE layer {key!r} would have no expert placement, and its "
+            f"num_experts={layer.num_experts} do not divide over the model's EP size {ep_size}"
+            + (" (restore with placement='replan')" if saved is not None else
+               " (saved without a placement: restore on an EP size dividing num_experts)"))
+    return action
 
 
 def _restore_placement(layer: MoE, saved: dict | None, node: dict, action: str, mesh: Mesh | None) -> None:
@@ -393,7 +412,7 @@ def _restore_placement(layer: MoE, saved: dict | None, node: dict, action: str, 
     # per-slot statistics describe the saved slots: kept with them, else they restart from zero
     keep_slots = action in ("none", "keep")
     for name in SLOT_STATS:
-        value = stats[name]
-        if not keep_slots or value.shape != (layer.num_slots,):
-            value = jnp.zeros((layer.num_slots,), value.dtype)
+        value = stats[name]   # [..., slots]: stacked layers (nnx.vmap) lead with their layer axis
+        if not keep_slots or value.shape[-1] != layer.num_slots:
+            value = jnp.zeros((*value.shape[:-1], layer.num_slots), value.dtype)
         node[name] = value if mesh is None else jax.device_put(value, NamedSharding(mesh, P()))

@@ -63,6 +63,41 @@ class Placement:
 # ---------------------------------------------------------------------------------------------------------
 # Validation helpers
 # ---------------------------------------------------------------------------------------------------------
+def check_placement(placement: Placement, owner: str = "placement") -> None:
+    """A placement's tables agree (on the host, where they are concrete: a jitted function's traced
+    placement is skipped): physical_to_logical [num_ranks * slots_per_rank] ids in [0, E), every expert
+    in at least one slot, replica_counts its bincount, logical_to_physical each expert's slots ascending,
+    -1 padded. An EPValueError names the table and the value otherwise."""
+    tables = (placement.physical_to_logical, placement.replica_counts, placement.logical_to_physical)
+    if any(isinstance(t, jax.core.Tracer) for t in tables):
+        return
+    p2l, counts, l2p = (np.asarray(t) for t in tables)
+    experts, slots = counts.shape[0] if counts.ndim == 1 else -1, placement.num_slots
+    if counts.ndim != 1 or not experts:
+        raise EPValueError(f"{owner}.replica_counts must be a non-empty 1-D array [E], got shape "
+                           f"{counts.shape}")
+    if p2l.shape != (slots,):
+        raise EPValueError(f"{owner}.physical_to_logical must have shape [{slots}] (num_ranks="
+                           f"{placement.num_ranks} x slots_per_rank={placement.slots_per_rank}), got "
+                           f"{p2l.shape}")
+    bad = (p2l < 0) | (p2l >= experts)
+    if bad.any():
+        raise EPValueError(f"{owner}.physical_to_logical holds ids outside [0, {experts}): "
+                           f"{p2l[bad][:4].tolist()} at slots {np.flatnonzero(bad)[:4].tolist()}")
+    held = np.bincount(p2l, minlength=experts)
+    if not held.all():
+        raise EPValueError(f"{owner}: experts {np.flatnonzero(held == 0)[:8].tolist()} have no slot "
+                           "(every expert needs at least one replica)")
+    if not np.array_equal(counts, held):
+        raise EPValueError(f"{owner}.replica_counts {counts[:8].tolist()}... is not the slots per expert of "
+                           f"physical_to_logical {held[:8].tolist()}...")
+    want = _placement_from_slots(p2l, experts, placement.num_ranks, placement.slots_per_rank,
+                                 l2p.shape[1] if l2p.ndim == 2 else None).logical_to_physical
+    if l2p.shape != want.shape or not np.array_equal(l2p, want):
+        raise EPValueError(f"{owner}.logical_to_physical (shape {l2p.shape}) is not each expert's slots of "
+                           f"physical_to_logical, ascending and -1 padded (shape {want.shape})")
+
+
 def _check_positive_int(name: str, value) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise EPValueError(f"{name} must be a positive int, got {value!r}")

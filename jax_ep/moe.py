@@ -474,9 +474,6 @@ class MoE(nnx.Module):
             self._check_node_axis(node_axis, axis_name, mesh, routing, decode)
             if ep.gate_weights == "experts":
                 raise EPValueError(_no_hierarchical_gate_weights(node_axis))
-        if mesh is not None and placement is None:
-            ep_size = mesh.shape[axis_name] * (1 if node_axis is None else mesh.shape[node_axis])
-            _check_experts_divide(routing.num_experts, ep_size, axis_name, node_axis)
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.routing, self.ep, self.balancing = routing, ep, balancing
         self.mesh, self.axis_name, self.node_axis = mesh, axis_name, node_axis
@@ -616,6 +613,8 @@ class MoE(nnx.Module):
 
     def _set_placement_tables(self, placement: eplb.Placement | None) -> None:
         if placement is None:
+            if self.mesh is not None:   # (set_placement(None), a restore dropping it: checked there too)
+                _check_experts_divide(self.num_experts, self.mesh_ep_size, self.axis_name, self.node_axis)
             # data, not static: a later set_placement puts variables here (NNX refuses variables in an
             # attribute it recorded as static)
             self.physical_to_logical = nnx.data(None)
@@ -629,6 +628,7 @@ class MoE(nnx.Module):
         if placement.num_experts != self.num_experts:
             raise EPValueError(f"MoE: the placement is for {placement.num_experts} experts, the layer has "
                                f"{self.num_experts}")
+        eplb.check_placement(placement, "MoE: placement")
         if self.node_axis is not None:
             raise EPUnsupportedError("MoE: node_axis (hierarchical dispatch) with an expert placement "
                                      "is not built; use placement=None or node_axis=None")

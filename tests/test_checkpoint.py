@@ -36,10 +36,10 @@ ULPS = 64     # tolerance across EP sizes, in float32 ulps of the output's large
 class Net(nnx.Module):
     """A non-MoE layer in front of an MoE layer (shared expert, bias balancing)."""
 
-    def __init__(self, mesh, *, seed=0, hidden=HIDDEN, experts=EXPERTS, topk=TOPK, placement=None):
+    def __init__(self, mesh, *, seed=0, hidden=HIDDEN, experts=EXPERTS, topk=TOPK, placement=None, **routing):
         rngs = nnx.Rngs(seed)
         self.proj = nnx.Linear(hidden, hidden, rngs=rngs)
-        self.moe = MoE(hidden, FFN, RouterConfig(experts, topk), rngs=rngs, mesh=mesh,
+        self.moe = MoE(hidden, FFN, RouterConfig(experts, topk, **routing), rngs=rngs, mesh=mesh,
                        ep=EPOptions(backend="reference"), balancing=BalancingConfig(bias_update_rate=0.05),
                        shared_ffn_hidden=SHARED, placement=placement)
 
@@ -277,6 +277,56 @@ def test_mismatch_errors_name_field_and_values(tmp_path):
     with pytest.raises(ckpt.CheckpointMismatchError):
         ckpt.restore(path, fresh, nnx.Optimizer(fresh, optax.sgd(1.0), wrt=nnx.Param))
     assert_trees_equal(nnx.state(fresh), before)
+
+
+def test_restore_refuses_a_layer_that_would_compute_otherwise(tmp_path):
+    """Restores that would give another function are errors naming the layer (before 2026-12-05 they
+    succeeded): a rank cap (routing by the EP size's layout) on another EP size; no placement where the
+    experts do not divide over the EP size (the first call failed in shard_map)."""
+    mesh4, mesh8 = make_mesh(4), make_mesh(8)
+    path = ckpt.save(tmp_path / "cap", Net(mesh8, max_ranks_per_token=2))
+    ckpt.restore(path, Net(mesh8, max_ranks_per_token=2))
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"MoE layer 'moe': routing.max_ranks_per_token=2 "
+                                                           r"routes by the layout of the EP size, 8 in the "
+                                                           r"checkpoint, 4 in the model"):
+        ckpt.restore(path, Net(mesh4, max_ranks_per_token=2))
+    path = ckpt.save(tmp_path / "twelve", Net(mesh4, experts=12))
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"MoE layer 'moe' would have no expert placement, "
+                                                           r"and its num_experts=12 do not divide over the "
+                                                           r"model's EP size 8"):
+        ckpt.restore(path, Net(mesh8, experts=12, placement=eplb.plan_placement(np.ones(12), 8, 2)))
+
+
+def test_stacked_layers_restore_with_their_statistics(tmp_path):
+    """MoE layers stacked with nnx.vmap (a scanned model): the per-slot statistics keep their layer axis
+    (before 2026-12-05 restore replaced them by zeros [E] and the model no longer ran); a placement on
+    stacked layers is refused."""
+    mesh = make_mesh(4)
+
+    def stacked(seed, placement=None):
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(key):
+            return MoE(HIDDEN, FFN, RouterConfig(EXPERTS, TOPK), rngs=nnx.Rngs(key), mesh=mesh,
+                       ep=EPOptions(backend="reference"), placement=placement)
+        return make(jax.random.split(jax.random.key(seed), 2))
+
+    @nnx.jit
+    def run(layers, x):
+        return nnx.scan(lambda layer, x: x + layer(x, update_stats=False), in_axes=(0, nnx.Carry),
+                        out_axes=nnx.Carry)(layers, x)
+
+    rng = np.random.default_rng(fresh_seed())
+    saved = stacked(0)
+    x = tokens(rng, mesh)
+    want = run(saved, x)
+    path = ckpt.save(tmp_path / "stacked", saved)
+    restored = stacked(7)
+    ckpt.restore(path, restored)
+    assert restored.total_slot_load[...].shape == (2, EXPERTS)
+    np.testing.assert_array_equal(np.asarray(run(restored, x)), np.asarray(want))
+    path = ckpt.save(tmp_path / "placed", stacked(0, eplb.identity_placement(EXPERTS, 4)))
+    with pytest.raises(NotImplementedError, match="is stacked .* and has an expert placement"):
+        ckpt.restore(path, stacked(7, eplb.identity_placement(EXPERTS, 4)))
 
 
 def test_orbax_is_optional(monkeypatch):

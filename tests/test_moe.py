@@ -621,6 +621,29 @@ def test_placement_errors():
         make_layer(mesh, placement=hot_expert_placement(2, slots_per_rank=6))
     with pytest.raises(ValueError, match="the placement is for 4 experts, the layer has 8"):
         make_layer(mesh, placement=eplb.plan_placement(np.ones(4), 4, 2))
+    # tables that disagree are named (before 2026-12-05 accepted: an expert without a slot lost its
+    # picks uncounted, a short table failed in a broadcast)
+    good = eplb.plan_placement(np.arange(1.0, 9.0), 4, 3)
+    p2l = np.asarray(good.physical_to_logical).copy()
+    p2l[p2l == 0] = 1
+    counts = np.bincount(p2l, minlength=8).astype(np.int32)
+    no_slot = eplb.Placement(p2l, counts, good.logical_to_physical, 4, 3)
+    with pytest.raises(ValueError, match=r"MoE: placement: experts \[0\] have no slot"):
+        make_layer(mesh, placement=no_slot)
+    short = eplb.Placement(np.asarray(good.physical_to_logical)[:-1], good.replica_counts,
+                           good.logical_to_physical, 4, 3)
+    with pytest.raises(ValueError, match=r"MoE: placement.physical_to_logical must have shape \[12\]"):
+        make_layer(mesh, placement=short)
+    stale = eplb.Placement(good.physical_to_logical, good.replica_counts,
+                           np.asarray(good.logical_to_physical)[::-1], 4, 3)
+    with pytest.raises(ValueError, match=r"MoE: placement.logical_to_physical .* is not each expert's slots"):
+        make_layer(mesh, placement=stale)
+    # dropping the placement where the experts do not divide over the EP size: the constructor's error
+    mesh8 = Mesh(np.array(jax.devices()[:8]), ("ep",))
+    twelve = MoE(HIDDEN, FFN, RouterConfig(12, TOPK), rngs=nnx.Rngs(0), mesh=mesh8,
+                 ep=EPOptions(backend="reference"), placement=eplb.plan_placement(np.ones(12), 8, 2))
+    with pytest.raises(ValueError, match="routing.num_experts=12 is not divisible by the EP size 8"):
+        twelve.set_placement(None)
     layer = make_layer(None, placement=hot_expert_placement(4))
     graphdef, state = nnx.split(layer)
     specs = jax.tree.map(lambda _: P(), nnx.state(layer))
