@@ -259,15 +259,30 @@ def _check_layers(path: str, saved: dict, layers: dict[str, MoE]) -> None:
             if have.get(field) != want.get(field):
                 problems.append(f"MoE layer {key!r}: {field} is {have.get(field)!r} in the checkpoint, "
                                 f"{want.get(field)!r} in the model")
-        # the rank and node caps limit routing by the contiguous layout of the EP size: another size
-        # routes differently (not the saved function)
-        caps = [f for f in ("routing.max_ranks_per_token", "routing.max_nodes_per_token") if want.get(f)]
-        saved_size, ep_size = saved[key].get("ep_size"), _ep_size(layers[key])
-        if caps and None not in (saved_size, ep_size) and saved_size != ep_size:
-            problems.append(f"MoE layer {key!r}: {caps[0]}={want[caps[0]]} routes by the layout of the EP "
-                            f"size, {saved_size} in the checkpoint, {ep_size} in the model (the restored "
-                            f"layer would route differently); restore on EP size {saved_size}")
+        # the rank and node caps limit routing by the contiguous layout of the EP size and its nodes:
+        # where they cut, another layout routes differently (not the saved function)
+        routing, saved_size, ep_size = layers[key].routing, saved[key].get("ep_size"), _ep_size(layers[key])
+        capped = routing.max_ranks_per_token is not None or routing.max_nodes_per_token is not None
+        if capped and None not in (saved_size, ep_size):
+            was = _capped_layout(routing, saved_size, have.get("routing.ranks_per_node"))
+            now = _capped_layout(routing, ep_size, routing.ranks_per_node)
+            if was != now:
+                caps = (f"max_ranks_per_token={routing.max_ranks_per_token}, "
+                        f"max_nodes_per_token={routing.max_nodes_per_token}")
+                problems.append(f"MoE layer {key!r}: its rank / node caps ({caps}) route by the EP layout, "
+                                f"{was} (EP size, nodes) in the checkpoint, {now} in the model: the restored "
+                                "layer would route differently")
     _raise_problems(path, "model", problems)
+
+
+def _capped_layout(routing, ep_size: int, ranks_per_node) -> tuple:
+    """What the rank and node caps route by (gating.RouterConfig.rank_limited / node_limited): the EP size
+    where the rank cap cuts, the node count where the node cap does (None where a cap is no cap)."""
+    try:
+        r = dataclasses.replace(routing, ep_size=ep_size, ranks_per_node=ranks_per_node)
+    except EPValueError:
+        return ("invalid", ep_size, ranks_per_node)
+    return (r.ep_size if r.rank_limited else None, r.num_nodes if r.node_limited else None)
 
 
 def _raise_problems(path: str, what: str, problems: list[str]) -> None:

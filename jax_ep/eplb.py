@@ -72,6 +72,10 @@ def check_placement(placement: Placement, owner: str = "placement") -> None:
     if any(isinstance(t, jax.core.Tracer) for t in tables):
         return
     p2l, counts, l2p = (np.asarray(t) for t in tables)
+    names = ("physical_to_logical", "replica_counts", "logical_to_physical")
+    for name, table in zip(names, (p2l, counts, l2p), strict=True):
+        if not np.issubdtype(table.dtype, np.integer):
+            raise EPValueError(f"{owner}.{name} must hold integers, got dtype {table.dtype}")
     experts, slots = counts.shape[0] if counts.ndim == 1 else -1, placement.num_slots
     if counts.ndim != 1 or not experts:
         raise EPValueError(f"{owner}.replica_counts must be a non-empty 1-D array [E], got shape "
@@ -91,11 +95,16 @@ def check_placement(placement: Placement, owner: str = "placement") -> None:
     if not np.array_equal(counts, held):
         raise EPValueError(f"{owner}.replica_counts {counts[:8].tolist()}... is not the slots per expert of "
                            f"physical_to_logical {held[:8].tolist()}...")
+    if l2p.ndim != 2 or l2p.shape[0] != experts or l2p.shape[1] < held.max():
+        raise EPValueError(f"{owner}.logical_to_physical must have shape [{experts}, >= {held.max()}] (the "
+                           f"most replicas of an expert), got {l2p.shape}")
     want = _placement_from_slots(p2l, experts, placement.num_ranks, placement.slots_per_rank,
-                                 l2p.shape[1] if l2p.ndim == 2 else None).logical_to_physical
-    if l2p.shape != want.shape or not np.array_equal(l2p, want):
-        raise EPValueError(f"{owner}.logical_to_physical (shape {l2p.shape}) is not each expert's slots of "
-                           f"physical_to_logical, ascending and -1 padded (shape {want.shape})")
+                                 l2p.shape[1]).logical_to_physical
+    wrong = np.flatnonzero((l2p != want).any(axis=1))
+    if wrong.size:
+        e = int(wrong[0])
+        raise EPValueError(f"{owner}.logical_to_physical[{e}] is {l2p[e].tolist()}, expert {e}'s slots of "
+                           f"physical_to_logical are {want[e].tolist()} (ascending, -1 padded)")
 
 
 def _check_positive_int(name: str, value) -> None:

@@ -123,7 +123,8 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
         backend = "reference"  # "auto" only; "cuda" raised
     # Both stages push their rows: a pulled stage would rewrite its own staging while a peer of the
     # other stage, which its start barrier does not wait for, may still read it (one buffer per device)
-    if cfg.shrink:  # a lost GPU would drop its stage-1 group's rows for its whole node, uncounted
+    if cfg.shrink and cfg.backend != "reference":  # (the kernels' mode) a lost GPU would drop its
+        # stage-1 group's rows for its whole node, uncounted
         raise EPUnsupportedError(f"jax_ep.{op}: EPConfig(shrink=True) with the hierarchical ops: rank "
                                  "masking is not built for the two-stage composition; leave shrink False")
     pulled = [k for k in ("dispatch_pull", "broadcast_pull") if getattr(cfg.kernel, k)]

@@ -841,7 +841,7 @@ class MoE(nnx.Module):
         p2l = self.physical_to_logical[...]
         slots = jnp.repeat(active, p2l.shape[0] // active.shape[0])
         reached = jnp.zeros((self.num_experts,), jnp.float32).at[p2l].add(slots)
-        return reached / jnp.zeros((self.num_experts,), jnp.float32).at[p2l].add(1.0)
+        return reached / self.replica_counts[...].astype(jnp.float32)
 
     def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None,
                   shared=None, *, seq_len, decode=False):

@@ -349,7 +349,8 @@ def reserve(buffer_bytes: int) -> None:
 def ensure_initialized(buffer_bytes: int) -> None:
     """Makes every local GPU's communication buffer at least ``buffer_bytes`` now (the ops reserve
     what they need when XLA instantiates them; this only sizes the buffers up front, e.g. to
-    ``cuda_backend.comm_bytes(cfg, ep_size)`` of the largest config, so that no later instantiation
+    ``cuda_backend.comm_bytes(cfg, ep_size)`` of the largest config, ``ll_comm_bytes`` for the
+    low-latency ops, so that no later instantiation
     has to grow them: growing synchronises every GPU). Raises DeviceMemoryError when they do not fit
     in a GPU's free memory."""
     register_targets()

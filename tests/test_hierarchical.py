@@ -500,9 +500,11 @@ def test_argument_errors():
             run(lambda x, i, w, bad_y=bad_y: jax_ep.combine_hierarchical(
                 bad_y(d := jax_ep.dispatch_hierarchical(x, i, w, cfg, "node")), d.handle, cfg, "node"),
                 nodes, local, x, idx, w)
-    # shrink mode is rank masking, not built for the composition: refused, not lowered
+    # shrink mode (the kernels' rank masking) is not built for the composition: refused, not lowered,
+    # wherever the kernels may run; the reference has no shrink mode and runs as ever
     with pytest.raises(NotImplementedError, match=r"dispatch_hierarchical: EPConfig\(shrink=True\)"):
-        call(cfg.replace(shrink=True))
+        call(cfg.replace(shrink=True, backend="auto"))
+    call(cfg.replace(shrink=True, backend="reference"))
 
 
 # ---- FP8 ------------------------------------------------------------------------------------------

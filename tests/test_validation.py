@@ -265,7 +265,7 @@ def test_checked_mode_passes_on_valid_input():
 
 def test_checked_mode_with_no_tokens_on_a_rank():
     """T = 0 tokens per rank in checked mode: empty rows and zero counts (the id check took an argmax of
-    nothing before 2026-12-05), and a bad id on the other call still named."""
+    nothing before 2026-12-05)."""
     x = np.zeros((R, 0, H), np.float32)
     idx, w = np.zeros((R, 0, K), np.int32), np.zeros((R, 0, K), np.float32)
     rows, dropped, per_expert = _run(checked_fn(CHECKED), x, idx, w)
