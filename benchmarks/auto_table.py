@@ -192,24 +192,21 @@ def _layer_steps(layer_records: list[dict]) -> dict[tuple[str, str, int], dict]:
             if r.get("op") != "moe_layer_decode" and r.get("step_ms")}
 
 
-def layer_vetoes(layer_records: list[dict]) -> dict[str, str]:
-    """{EP size: why the layer benchmark vetoes the communicating kernels there}."""
+def layer_vetoes(layer_records: list[dict]) -> tuple[dict[str, str], set[str]]:
+    """({EP size: why the layer benchmark vetoes the communicating kernels there}, {EP sizes where a layer
+    shape was measured with the EP kernels and with the reference ops})."""
     steps = {key: r["step_ms"] for key, r in _layer_steps(layer_records).items()}
-    vetoes = {}
+    vetoes, compared = {}, set()
     for (shape, config, ep_size), cuda_ms in sorted(steps.items()):
         reference_ms = steps.get((shape, "ep_reference", ep_size))
-        if config == "ep_cuda" and cuda_ms and reference_ms and cuda_ms > reference_ms * (1 + LAYER_TIE):
+        if config != "ep_cuda" or reference_ms is None:
+            continue
+        compared.add(str(ep_size))
+        if cuda_ms > reference_ms * (1 + LAYER_TIE):
             vetoes.setdefault(str(ep_size), (
                 f"layer step {shape}, EP{ep_size}: {cuda_ms:.2f} ms with the EP kernels (ep_cuda) > "
                 f"{reference_ms:.2f} ms with the reference EP ops (ep_reference)"))
-    return vetoes
-
-
-def layer_compared(layer_records: list[dict]) -> set[str]:
-    """The EP sizes where a layer shape was measured with the EP kernels and with the reference ops."""
-    steps = _layer_steps(layer_records)
-    return {str(ep) for (shape, config, ep) in steps
-            if config == "ep_cuda" and (shape, "ep_reference", ep) in steps}
+    return vetoes, compared
 
 
 def layer_preferences(layer_records: list[dict]) -> tuple[dict[str, dict], set[str]]:
@@ -253,11 +250,11 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
         table["pull"] = pull
         table["measured_on"] = measured_on(_op_points(table["ops"])
                                            + [p for entry in pull.values() for p in entry["points"]])
-    vetoes = layer_vetoes(layer_records or [])
+    vetoes, compared = layer_vetoes(layer_records or [])
     # a veto stays until a layer run measures the EP kernels' step again at that EP size (op timings cannot
     # show the in-step effect; before 2026-12-05 an ops-only run lifted it and a layer-only run kept it)
     for ep, why in (prior or {}).get("vetoed", {}).items():
-        if ep not in layer_compared(layer_records or []):
+        if ep not in compared:
             vetoes.setdefault(ep, why)
     prefers, against = layer_preferences(layer_records or [])
     # a preference stays until a layer run measures the kernels slower there (see the docstring)

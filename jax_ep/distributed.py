@@ -129,8 +129,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         pass
     address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     if address and process_id not in (None, 0):
-        _wait_for_coordinator(address, process_id, initialization_timeout,
-                              "coordinator_address" if coordinator_address else ENV_COORDINATOR)
+        waited = _wait_for_coordinator(address, process_id, initialization_timeout,
+                                       "coordinator_address" if coordinator_address else ENV_COORDINATOR)
+        initialization_timeout = max(1, int(initialization_timeout - waited))   # one bound for both waits
     jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
                                initialization_timeout=initialization_timeout, **kwargs)
 
@@ -138,21 +139,28 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 COORDINATOR_NOTE_S = 30.0   # after this long a waiting process says what it waits for
 
 
-def _wait_for_coordinator(address: str, process_id: int, timeout_s: float, source: str) -> None:
-    """Waits (at most timeout_s) until process 0's coordinator at ``address`` accepts a connection. Why:
+def host_port(address: str) -> tuple[str, str]:
+    """(host, port) of a coordinator address "HOST:PORT" (an IPv6 host in brackets or not)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _wait_for_coordinator(address: str, process_id: int, timeout_s: float, source: str) -> float:
+    """Waits (at most timeout_s) until process 0's coordinator at ``address`` accepts a connection;
+    returns the seconds waited. Why:
     JAX waits as long, silently, and then aborts the process (a fatal log, not an exception) blaming
     "another task"; here a wrong or unreachable address is an EPTimeoutError naming it."""
     import socket
     import sys
     import time
 
-    host, _, port = address.rpartition(":")
+    host, port = host_port(address)
     start = time.monotonic()
     noted = False
     while True:
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
-                return
+            with socket.create_connection((host, int(port)), timeout=2.0):
+                return time.monotonic() - start
         except (OSError, ValueError) as e:
             error = e
         waited = time.monotonic() - start

@@ -121,12 +121,13 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
     backend = cfg.backend
     if backend != "reference" and _directory_slots_collide(node_axis, cfg.axis_name, backend, op):
         backend = "reference"  # "auto" only; "cuda" raised
-    # Both stages push their rows: a pulled stage would rewrite its own staging while a peer of the
-    # other stage, which its start barrier does not wait for, may still read it (one buffer per device)
-    if cfg.shrink and cfg.backend != "reference":  # (the kernels' mode) a lost GPU would drop its
-        # stage-1 group's rows for its whole node, uncounted
+    # shrink is the kernels' mode: a lost GPU would drop its stage-1 group's rows for its whole node,
+    # uncounted
+    if cfg.shrink and cfg.backend != "reference":
         raise EPUnsupportedError(f"jax_ep.{op}: EPConfig(shrink=True) with the hierarchical ops: rank "
                                  "masking is not built for the two-stage composition; leave shrink False")
+    # Both stages push their rows: a pulled stage would rewrite its own staging while a peer of the
+    # other stage, which its start barrier does not wait for, may still read it (one buffer per device)
     pulled = [k for k in ("dispatch_pull", "broadcast_pull") if getattr(cfg.kernel, k)]
     if pulled:
         raise EPUnsupportedError(f"jax_ep.{op}: KernelConfig({pulled[0]}=True) with the hierarchical ops: "

@@ -79,6 +79,7 @@ from jax_ep.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     LAUNCHER,
+    host_port,
 )
 from jax_ep.mps import mps_unavailable
 
@@ -116,15 +117,15 @@ def _non_negative_float(value: str) -> float:
 
 
 def _coordinator(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    ok = bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    host, port = host_port(value)
+    ok = bool(":" in value and host and port.isdigit() and 0 < int(port) < 65536)
     if not ok:
         raise argparse.ArgumentTypeError(f"must be HOST:PORT with a port in 1..65535, got {value!r}")
     # every process runs on this host, process 0's coordinator too: HOST must be one of its addresses
     # (else process 0 cannot listen there and the others wait for it until JAX aborts them)
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
-            probe.bind((host.strip("[]"), 0))
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
     except OSError as e:
         raise argparse.ArgumentTypeError(f"HOST of {value!r} is not an address of this host ({e}); the "
                                          "launcher starts every process here") from None

@@ -362,7 +362,7 @@ def _level():
     return trace
 
 
-_AD_TRACES = tuple({ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace)})
+_AD_TRACES = (ad.JVPTrace, getattr(ad, "LinearizeTrace", ad.JVPTrace))
 
 
 def _primal(a):

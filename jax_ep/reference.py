@@ -208,11 +208,12 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
 
     rows = take_rows(recv_x, src_index)
     row_scales = None if recv_scales is None else take_rows(recv_scales, src_index)
+    active = routing.active(rank_mask, ep_size).astype(jnp.int32)
     handle = types.Handle(src_index, token_rows, is_token_in_rank, row_weights,
-                          None if rank_mask is None else routing.active(rank_mask, ep_size).astype(jnp.int32))
+                          None if rank_mask is None else active)
     num_dropped = jnp.sum(counts - kept).astype(jnp.int32) + routing.masked_pairs(topk_idx, cfg, rank_mask)
     return types.Dispatched(rows, row_scales, group_sizes, kept.astype(jnp.int32), num_dropped, handle,
-                            routing.active(rank_mask, ep_size).astype(jnp.int32))
+                            active)
 
 
 def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None
