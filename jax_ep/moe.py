@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import backends, eplb, overlap, remat
-from jax_ep.balancing import BalancingConfig, sequence_aux_loss, update_bias
+from jax_ep.balancing import BalancingConfig, expert_counts, sequence_aux_loss, update_bias
 from jax_ep.config import (
     EP_CONFIG_KINDS,
     FP8_BLOCK,
@@ -253,11 +253,12 @@ def quantize_expert_weights(w_gate_up: jax.Array, w_down: jax.Array, dtype=None)
 
 
 class MoEStats(NamedTuple):
-    expert_load: jax.Array   # [E] int32 rows each logical expert received this call (all ranks, all replicas)
+    expert_load: jax.Array   # [E] int32 tokens the router sent to each logical expert this call (all token
+    #                          shards; before capacity drops and rank masks: the demand: balancing, EPLB)
     num_dropped: jax.Array   # [] int32 rows dropped for lack of capacity (all ranks)
     aux_loss: jax.Array      # [] float32 sequence-wise auxiliary loss (0 when disabled)
-    slot_load: jax.Array     # [num_slots] int32 rows each physical slot received (= expert_load without
-    #                          a placement)
+    slot_load: jax.Array     # [num_slots] int32 rows each physical slot received (after drops; summed over
+    #                          replicas, = expert_load when nothing is dropped)
 
 
 def _check_experts_divide(num_experts: int, ep_size: int, axis_name: str, node_axis: str | None) -> None:
@@ -403,9 +404,11 @@ class MoE(nnx.Module):
     Parameters: ``router [H, E]``, ``w_gate_up [E, H, 2 * ffn_hidden]`` (gate columns, then up columns),
     ``w_down [E, ffn_hidden, H]`` (experts sharded over ``axis_name`` at rest), ``shared`` (or None).
     State (non-trainable ``nnx.Variable``s, updated by each call unless ``update_stats=False``):
-    ``expert_bias [E]`` (the balancing bias), ``last_load`` / ``total_load [E]`` (rows per logical expert
-    in the last call / summed over calls), ``last_slot_load`` / ``total_slot_load [num_slots]`` (per
-    physical slot), ``last_dropped`` (rows dropped for capacity, and pairs a rank mask sends nowhere),
+    ``expert_bias [E]`` (the balancing bias), ``last_load`` / ``total_load [E]`` (tokens the router sent
+    to each logical expert, before capacity drops and rank masks: the demand that bias balancing and
+    ``eplb.plan_placement`` take; in the last call / summed over calls), ``last_slot_load`` /
+    ``total_slot_load [num_slots]`` (rows each physical slot received, after drops), ``last_dropped``
+    (rows dropped for capacity, and pairs a rank mask sends nowhere),
     ``last_aux_loss`` (also ``aux_loss``).
 
     Calling: ``layer(x)`` with ``x [..., H]`` returns ``[..., H]`` in x's dtype: for each token the
@@ -822,26 +825,20 @@ class MoE(nnx.Module):
         self.last_dropped[...] = stats.num_dropped
         self.last_aux_loss[...] = stats.aux_loss
         if self.balancing.bias_update_rate:
-            load, reachable = stats.expert_load.astype(jnp.float32), None
-            if self.rank_mask is not None:
-                # a masked rank's slots receive nothing: its experts keep their bias, and an expert with
-                # a replica there counts as loaded as its reachable replicas show (else the bias would
-                # send ever more picks to where they are dropped)
-                share = self._reachable_share()
-                reachable = share > 0
-                load = jnp.where(reachable, load / jnp.where(reachable, share, 1.0), 0.0)
-            self.expert_bias[...] = update_bias(self.expert_bias[...], load, self.balancing.bias_update_rate,
-                                                reachable)
+            # the routed load (demand), not the rows received: a capacity drop or a rank mask must not
+            # read as underload (the bias would send ever more picks to where they are dropped)
+            reachable = None if self.rank_mask is None else self._reachable()
+            self.expert_bias[...] = update_bias(self.expert_bias[...], stats.expert_load,
+                                                self.balancing.bias_update_rate, reachable)
 
-    def _reachable_share(self) -> jax.Array:
-        """float32 [E]: each expert's share of slots on unmasked ranks (its replicas', with a placement)."""
-        active = self.rank_mask[...].astype(jnp.float32)
+    def _reachable(self) -> jax.Array:
+        """bool [E]: the experts with a slot on an unmasked rank; the others keep their bias."""
+        active = self.rank_mask[...].astype(bool)
         if self.physical_to_logical is None:
             return jnp.repeat(active, self.num_experts // active.shape[0])
         p2l = self.physical_to_logical[...]
         slots = jnp.repeat(active, p2l.shape[0] // active.shape[0])
-        reached = jnp.zeros((self.num_experts,), jnp.float32).at[p2l].add(slots)
-        return reached / self.replica_counts[...].astype(jnp.float32)
+        return jnp.zeros((self.num_experts,), bool).at[p2l].max(slots)
 
     def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None,
                   shared=None, *, seq_len, decode=False):
@@ -917,20 +914,19 @@ class MoE(nnx.Module):
                 topk_idx = eplb.apply_placement(topk_idx, placement, token_ids)
 
         if decode:
-            out, expert_counts, num_dropped, shared_out = self._experts_low_latency(
+            out, received, num_dropped, shared_out = self._experts_low_latency(
                 x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, fp8_weights, shared)
         else:
-            out, expert_counts, num_dropped, shared_out = self._experts_throughput(
+            out, received, num_dropped, shared_out = self._experts_throughput(
                 x, topk_idx, routing.topk_weights, w_gate_up, w_down, cfg, rank_mask, chunks, fp8_weights,
                 shared)
 
-        # statistics: every rank's counts placed at its slots, summed over all token shards; logical
-        # loads sum the replicas of each expert
+        # statistics, summed over all token shards: the rows every rank's slots received (after drops),
+        # and the router's picks per logical expert (the demand)
         my_slots = rank * local_slots + jnp.arange(local_slots)
-        placed = jnp.zeros((num_slots,), jnp.int32).at[my_slots].set(expert_counts)
+        placed = jnp.zeros((num_slots,), jnp.int32).at[my_slots].set(received)
         slot_load = lax.psum(placed, self.batch_axes)
-        load = slot_load if placement is None else jnp.zeros((self.num_experts,), jnp.int32).at[
-            placement.physical_to_logical].add(slot_load)
+        load = expert_counts(routing.topk_idx, self.num_experts, axis_name=self.batch_axes)
         dropped = lax.psum(num_dropped, self.batch_axes)
         aux = jnp.zeros((), jnp.float32)
         if self.balancing.aux_loss_alpha:
@@ -1018,9 +1014,9 @@ class MoE(nnx.Module):
                 sent.append(send(t + 1))
             outs.append(experts_and_back(sent[t], t + 1 == chunks))
         out = jnp.concatenate([o for o, _ in outs])   # (one operand: XLA drops the concatenate)
-        expert_counts = sum(d.expert_counts for (d, _), _ in sent)
+        received = sum(d.expert_counts for (d, _), _ in sent)
         num_dropped = sum(d.num_dropped for (d, _), _ in sent)
-        return out, expert_counts, num_dropped, outs[-1][1]
+        return out, received, num_dropped, outs[-1][1]
 
     @property
     def gate_weights(self) -> str:

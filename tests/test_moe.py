@@ -1030,6 +1030,33 @@ def test_bias_balancing_leaves_a_masked_ranks_experts_alone(placement):
     assert dropped[-1] <= 1.25 * dropped[0], dropped
 
 
+@pytest.mark.parametrize("placement", [False, True])
+def test_bias_balancing_counts_the_routed_load_not_the_rows_left_after_drops(placement):
+    """Under a capacity that drops rows, the loads (and the bias update) are the router's picks: two hot
+    experts on rank 0 both get their bias lowered. Before 2026-12-05 the layer counted the rows received,
+    where the rank's last expert lost its rows to the capacity, read as underloaded and was raised."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    kw = dict(placement=eplb.plan_placement(np.ones(EXPERTS), 4, 2)) if placement else {}
+    layer = make_layer(mesh, routing=dict(score_func="sigmoid"), ep=dict(capacity=8, expert_alignment=1),
+                       balancing=BalancingConfig(bias_update_rate=0.01), **kw)
+    hot = np.asarray(layer.physical_to_logical[...])[:2] if placement else np.arange(2)   # rank 0's slots
+    layer.expert_bias[...] = jnp.zeros(EXPERTS).at[hot[0]].set(1.0).at[hot[1]].set(0.9)  # picked by all
+    bias = np.asarray(layer.expert_bias[...])
+    x = random_tokens(45)
+    nnx.jit(lambda m, x: m(x))(layer, x)
+    routing = gating.route(x.reshape(-1, HIDDEN) @ layer.router[...], layer.routing, jnp.asarray(bias))
+    routed = np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS))
+    assert (routed[hot] == x.shape[0] * x.shape[1]).all()
+    assert int(layer.last_dropped[...]) > 0                        # the capacity cut rank 0's rows
+    np.testing.assert_array_equal(np.asarray(layer.last_load[...]), routed)
+    slot_load = np.asarray(layer.last_slot_load[...])
+    assert slot_load.sum() + int(layer.last_dropped[...]) == routed.sum()
+    assert slot_load[:2].sum() == 8                                 # rank 0 received only its capacity
+    step = np.asarray(layer.expert_bias[...]) - bias
+    np.testing.assert_allclose(step, 0.01 * np.sign(routed.mean() - routed), atol=1e-7)
+    assert (step[hot] < 0).all()
+
+
 @pytest.mark.parametrize("ep", [dict(shared_beside=True), dict(weight_grad_beside=True)])
 def test_an_overlap_with_a_rank_mask_differentiates_plain_and_rematerialised(ep):
     """A layer with a rank mask and a side-stream overlap option (reference path) gives the plain layer's

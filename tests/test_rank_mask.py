@@ -601,8 +601,9 @@ def test_moe_layer_rank_mask():
     by_rank = got.reshape(ep_size, -1, H)
     assert not np.any(by_rank[~mask]) and np.any(by_rank[mask]), "masked ranks' tokens"
     assert int(layer.last_dropped[...]) == dropped > 0
-    load = np.asarray(layer.last_load[...]).reshape(ep_size, -1)
-    assert not np.any(load[~mask]) and np.all(load.sum() + dropped == x.shape[0] * x.shape[1] * 2)
+    received = np.asarray(layer.last_slot_load[...]).reshape(ep_size, -1)
+    assert not np.any(received[~mask]) and received.sum() + dropped == x.shape[0] * x.shape[1] * 2
+    assert int(layer.last_load[...].sum()) == x.shape[0] * x.shape[1] * 2   # the router's picks, all of them
 
     # gradients flow (masked experts get none)
     def loss(m, x):
