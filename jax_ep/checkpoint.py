@@ -98,6 +98,8 @@ def layer_config(layer: MoE) -> dict[str, Any]:
     routing = dataclasses.asdict(layer.routing)
     routing.pop("ep_size")       # the layer sets it to its EP size
     routing["topk_groups"] = layer.routing.groups_per_token   # None and num_groups: the same routing
+    if not layer.routing.group_limited:
+        routing["group_score"] = _FIELD_DEFAULTS["routing.group_score"]   # no limit: no group score
     shared = 0 if layer.shared is None else int(layer.shared.w_gate.shape[1])
     return {"hidden": int(layer.hidden), "ffn_hidden": int(layer.ffn_hidden), "shared_ffn_hidden": shared,
             **{f"routing.{k}": v for k, v in routing.items()},
@@ -107,7 +109,10 @@ def layer_config(layer: MoE) -> dict[str, Any]:
 CHECKED_FIELDS = ("hidden", "ffn_hidden", "shared_ffn_hidden",
                   "routing.num_experts", "routing.num_topk", "routing.score_func", "routing.normalize_topk",
                   "routing.routed_scaling_factor", "routing.num_groups", "routing.topk_groups",
-                  "routing.max_ranks_per_token", "routing.max_nodes_per_token", "dtype")
+                  "routing.group_score", "routing.max_ranks_per_token", "routing.max_nodes_per_token",
+                  "dtype")
+# fields added after checkpoints were written: an older checkpoint has the value they had before them
+_FIELD_DEFAULTS = {"routing.group_score": "top2_sum"}
 
 
 def _layer_record(layer: MoE) -> dict[str, Any]:
@@ -256,8 +261,9 @@ def _check_layers(path: str, saved: dict, layers: dict[str, MoE]) -> None:
     for key in sorted(set(saved) & set(layers)):
         have, want = saved[key]["config"], layer_config(layers[key])
         for field in CHECKED_FIELDS:
-            if have.get(field) != want.get(field):
-                problems.append(f"MoE layer {key!r}: {field} is {have.get(field)!r} in the checkpoint, "
+            saved_value = have.get(field, _FIELD_DEFAULTS.get(field))
+            if saved_value != want.get(field):
+                problems.append(f"MoE layer {key!r}: {field} is {saved_value!r} in the checkpoint, "
                                 f"{want.get(field)!r} in the model")
         # the rank and node caps limit routing by the contiguous layout of the EP size and its nodes:
         # where they cut, another layout routes differently (not the saved function)

@@ -7,7 +7,9 @@ It follows DeepSeek-V3:
 * the experts are *selected* on `scores + bias` (the bias of auxiliary-loss-free balancing, see
   `jax_ep.balancing.update_bias`), but the *weights* are the unbiased scores of the chosen experts;
 * group-limited routing: the experts form `num_groups` contiguous groups; each token keeps only the
-  `topk_groups` groups with the highest group score (sum of the group's top-2 selection scores);
+  `topk_groups` groups with the highest group score (`group_score`: the sum of the group's top-2
+  selection scores, DeepSeek-V3, or the best one, DeepSeek-V2's rule and DeepSeek's reference `Gate`
+  without a bias);
 * node cap (DeepSeek-V3's node-limited routing): EP rank r lives on node r // ranks_per_node; each token
   keeps only the `max_nodes_per_token` nodes with the highest node score (sum of the node's
   top-ceil(K / max_nodes_per_token) selection scores), so a token crosses the inter-node network to at
@@ -35,8 +37,9 @@ import jax.numpy as jnp
 from jax_ep.errors import EPValueError
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-# DeepSeek-V3 scores a group by the sum of its two best experts (robust to one outlier expert).
-GROUP_SCORE_TOPN = 2
+# A group's score: DeepSeek-V3 sums its two best experts (robust to one outlier expert); DeepSeek-V2 (and
+# DeepSeek's reference Gate when it has no bias) takes the best one.
+GROUP_SCORES = {"top2_sum": 2, "max": 1}
 # Guards the renormalisation against an all-underflowed sigmoid row (as DeepSeek's reference code).
 _NORM_EPS = 1e-20
 
@@ -77,6 +80,8 @@ class RouterConfig:
       routed_scaling_factor: multiplies the final weights (DeepSeek-V3 uses 2.5 with sigmoid scores).
       num_groups: G contiguous expert groups for group-limited routing (1 = no groups).
       topk_groups: groups each token may use; None (default): every group, no limit (`groups_per_token`).
+      group_score: how a group is scored for `topk_groups`: "top2_sum" (default, DeepSeek-V3: the sum of
+        its two best selection scores) or "max" (DeepSeek-V2: its best one).
       max_ranks_per_token: EP ranks one token may reach (None = no cap; a value >= ep_size is no cap).
       ep_size: EP ranks the experts are spread over, contiguously (expert e on rank e // (E // ep_size));
         only the rank and node caps use it. The MoE layer sets it to its EP size.
@@ -96,6 +101,7 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     num_groups: int = 1
     topk_groups: int | None = None
+    group_score: str = "top2_sum"
     max_ranks_per_token: int | None = None
     ep_size: int = 1
     ranks_per_node: int | None = None
@@ -132,6 +138,9 @@ class RouterConfig:
             raise EPValueError(
                 f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
                 f"got {self.topk_groups!r}")
+        if self.group_score not in GROUP_SCORES:
+            raise EPValueError(f"RouterConfig.group_score must be one of {tuple(GROUP_SCORES)}, got "
+                               f"{self.group_score!r}")
         for name in ("max_ranks_per_token", "ranks_per_node", "max_nodes_per_token"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
@@ -229,7 +238,7 @@ class RouterConfig:
         stages = []
         if self.group_limited:
             stages.append(_Limit("group", self.num_groups, self.groups_per_token, self.experts_per_group,
-                                 min(GROUP_SCORE_TOPN, self.experts_per_group),
+                                 min(GROUP_SCORES[self.group_score], self.experts_per_group),
                                  f"topk_groups={self.topk_groups} of num_groups={self.num_groups}"))
         if self.node_limited:
             stages.append(_Limit("node", self.num_nodes, self.max_nodes_per_token, self.experts_per_node,

@@ -279,6 +279,25 @@ def test_mismatch_errors_name_field_and_values(tmp_path):
     assert_trees_equal(nnx.state(fresh), before)
 
 
+def test_group_score_is_checked_where_it_routes(tmp_path):
+    """RouterConfig.group_score (added 2026-12-05) is a checked field where a group limit uses it; a record
+    written before it existed has the rule of then ("top2_sum")."""
+    mesh4 = make_mesh(4)
+    groups = dict(num_groups=4, topk_groups=2)
+    path = ckpt.save(tmp_path / "ckpt", Net(mesh4, **groups))
+    with pytest.raises(ckpt.CheckpointMismatchError,
+                       match=r"MoE layer 'moe': routing.group_score is 'top2_sum' in the checkpoint, 'max'"):
+        ckpt.restore(path, Net(mesh4, group_score="max", **groups))
+    record = ckpt.read_record(path)["moe_layers"]
+    del record["moe"]["config"]["routing.group_score"]              # as an older checkpoint's record
+    ckpt._check_layers(path, record, ckpt.moe_layers(Net(mesh4, **groups)))
+    with pytest.raises(ckpt.CheckpointMismatchError, match="routing.group_score"):
+        ckpt._check_layers(path, record, ckpt.moe_layers(Net(mesh4, group_score="max", **groups)))
+    # without a group limit no group is scored: the rule does not matter
+    path = ckpt.save(tmp_path / "nolimit", Net(mesh4))
+    ckpt.restore(path, Net(mesh4, group_score="max"))
+
+
 def test_restore_refuses_a_layer_that_would_compute_otherwise(tmp_path):
     """Restores that would give another function are errors naming the layer (before 2026-12-05 they
     succeeded): a rank cap (routing by the EP size's layout) on another EP size; no placement where the

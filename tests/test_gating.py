@@ -40,7 +40,8 @@ def ref_allowed_experts(selection, cfg):
     stages = []
     if cfg.groups_per_token < cfg.num_groups:
         per_group = cfg.num_experts // cfg.num_groups
-        stages.append((per_group, cfg.groups_per_token, min(2, per_group)))
+        stages.append((per_group, cfg.groups_per_token, min(2 if cfg.group_score == "top2_sum" else 1,
+                                                            per_group)))
     num_nodes = ref_num_nodes(cfg)
     if cfg.max_nodes_per_token is not None and cfg.max_nodes_per_token < num_nodes:
         per_node = cfg.num_experts // num_nodes
@@ -155,6 +156,54 @@ def test_group_limited_matches_reference(num_groups, topk_groups, num_topk):
     for t in range(40):
         kept = set(np.argsort(-group_score[t], kind="stable")[:topk_groups].tolist())
         assert {int(e) // per_group for e in np.asarray(out.topk_idx[t])} <= kept
+
+
+def deepseek_gate(logits, bias, num_groups, topk_groups, topk, score_func, route_scale):
+    """A transcription of DeepSeek's reference Gate.forward (DeepSeek-V3 repo, inference/model.py): the
+    group score is the top-2 sum with a bias, the best score without one; softmax weights are not
+    renormalised, sigmoid ones are."""
+    scores = np_scores(logits, score_func).astype(np.float32)
+    original = scores
+    if bias is not None:
+        scores = scores + bias
+    per_group = scores.reshape(len(scores), num_groups, -1)
+    group_scores = per_group.max(-1) if bias is None else np.sort(per_group, -1)[..., -2:].sum(-1)
+    kept = np.argsort(-group_scores, -1, kind="stable")[:, :topk_groups]
+    mask = np.ones_like(group_scores, bool)
+    np.put_along_axis(mask, kept, False, -1)
+    scores = np.where(np.repeat(mask, per_group.shape[-1], -1), -np.inf, scores)
+    idx = np.argsort(-scores, -1, kind="stable")[:, :topk]
+    weights = np.take_along_axis(original, idx, -1)
+    if score_func == "sigmoid":
+        weights = weights / weights.sum(-1, keepdims=True)
+    return idx, weights * route_scale
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_group_scores_match_deepseeks_gate(with_bias):
+    """DeepSeek-V3 (sigmoid, bias: group score "top2_sum") and DeepSeek-V2 (softmax, no bias: "max", the
+    reference Gate's rule without a bias; before 2026-12-05 jax_ep had only the first) pick the experts
+    DeepSeek's Gate picks, with its weights."""
+    rng = np.random.default_rng(31)
+    if with_bias:
+        cfg = RouterConfig(64, 8, score_func="sigmoid", routed_scaling_factor=2.5, num_groups=8,
+                           topk_groups=4)
+        bias = rng.normal(scale=0.1, size=64).astype(np.float32)
+    else:
+        cfg = RouterConfig(64, 6, score_func="softmax", normalize_topk=False, routed_scaling_factor=16.0,
+                           num_groups=8, topk_groups=3, group_score="max")
+        bias = None
+    logits = random_logits(rng, 256, 64)
+    out = check_against_reference(logits, cfg, None if bias is None else jnp.asarray(bias))
+    idx, weights = deepseek_gate(np.asarray(logits), bias, cfg.num_groups, cfg.topk_groups, cfg.num_topk,
+                                 cfg.score_func, cfg.routed_scaling_factor)
+    np.testing.assert_array_equal(np.sort(np.asarray(out.topk_idx), -1), np.sort(idx, -1))
+    order = np.argsort(np.asarray(out.topk_idx), -1)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(out.topk_weights), order, -1),
+                               np.take_along_axis(weights, np.argsort(idx, -1), -1), rtol=2e-5, atol=1e-6)
+    other = dataclasses.replace(cfg, group_score="top2_sum" if cfg.group_score == "max" else "max")
+    changed = np.asarray(route_jit(logits, other, None if bias is None else jnp.asarray(bias)).topk_idx)
+    assert (np.sort(changed, -1) != np.sort(idx, -1)).any(), "the two group scores pick alike here"
 
 
 @parametrize_slow_tail("ep_size,max_ranks,num_topk", [(8, 2, 4), (4, 1, 3), (8, 4, 8), (16, 3, 5)])
@@ -341,6 +390,8 @@ def test_gradients_flow_to_logits(cfg):
     (dict(num_experts=8, num_topk=2, num_groups=3), "num_experts=8 is not divisible by num_groups=3"),
     (dict(num_experts=8, num_topk=2, ep_size=3), "num_experts=8 is not divisible by ep_size=3"),
     (dict(num_experts=8, num_topk=2, num_groups=4, topk_groups=5), "topk_groups must be an int in"),
+    (dict(num_experts=8, num_topk=2, num_groups=4, group_score="sum"),
+     r"group_score must be one of \('top2_sum', 'max'\), got 'sum'"),
     (dict(num_experts=8, num_topk=5, num_groups=4, topk_groups=2), "num_topk=5 exceeds the 4 experts"),
     (dict(num_experts=8, num_topk=3, ep_size=4, max_ranks_per_token=1), "num_topk=3 exceeds the 2 experts"),
     (dict(num_experts=8, num_topk=2, ep_size=4, max_ranks_per_token=0), "max_ranks_per_token must be None"),
