@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 
 import jax
 
+from jax_ep.config import check_option
 from jax_ep.errors import EPRuntimeError, EPTimeoutError, EPValueError
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -105,11 +107,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     across processes use gloo unless ``jax_cpu_collectives_implementation`` is set. Does nothing
     when jax.distributed is already initialised.
 
-    Raises ValueError naming the variable for a malformed launcher environment, RuntimeError when
-    nothing says how many processes there are (not launched, no cluster detected).
+    Raises ValueError naming the variable for a malformed launcher environment, a malformed coordinator
+    address, a process id out of range or a timeout that is not a positive int of seconds; RuntimeError
+    when nothing says how many processes there are (not launched, no cluster detected).
     """
     if jax.distributed.is_initialized():
         return
+    check_option("jax_ep.distributed.initialize:", "initialization_timeout", initialization_timeout, "int")
     launched = _launch_env()
     if launched is not None:
         if coordinator_address is None and not os.environ.get(ENV_COORDINATOR):
@@ -127,10 +131,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # pragma: no cover - depends on the JAX version
         pass
+    check_option("jax_ep.distributed.initialize:", "num_processes", num_processes, "int?")
+    check_option("jax_ep.distributed.initialize:", "process_id", process_id, "int?", minimum=0)
+    if None not in (num_processes, process_id) and process_id >= num_processes:
+        raise EPValueError(f"jax_ep.distributed.initialize: process_id={process_id} is not below "
+                           f"num_processes={num_processes}")
     address = coordinator_address or os.environ.get(ENV_COORDINATOR)
+    source = "coordinator_address" if coordinator_address else ENV_COORDINATOR
+    if address:
+        host_port(address, source)   # a malformed address is an error now, not after the wait below
     if address and process_id not in (None, 0):
-        waited = _wait_for_coordinator(address, process_id, initialization_timeout,
-                                       "coordinator_address" if coordinator_address else ENV_COORDINATOR)
+        waited = _wait_for_coordinator(address, process_id, initialization_timeout, source)
         initialization_timeout = max(1, int(initialization_timeout - waited))   # one bound for both waits
     jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
                                initialization_timeout=initialization_timeout, **kwargs)
@@ -139,10 +150,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 COORDINATOR_NOTE_S = 30.0   # after this long a waiting process says what it waits for
 
 
-def host_port(address: str) -> tuple[str, str]:
-    """(host, port) of a coordinator address "HOST:PORT" (an IPv6 host in brackets or not)."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), port
+def host_port(address: str, source: str = "the coordinator address") -> tuple[str, int]:
+    """(host, port) of a coordinator address "HOST:PORT" (an IPv6 host in brackets or not); an
+    EPValueError naming ``source`` (where the address came from) when it is not one."""
+    host, _, port = str(address).rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EPValueError(f"jax_ep: {source}={address!r} is not HOST:PORT (a port in 1..65535)")
+    return host, int(port)
 
 
 def _wait_for_coordinator(address: str, process_id: int, timeout_s: float, source: str) -> float:
@@ -152,16 +167,15 @@ def _wait_for_coordinator(address: str, process_id: int, timeout_s: float, sourc
     "another task"; here a wrong or unreachable address is an EPTimeoutError naming it."""
     import socket
     import sys
-    import time
 
     host, port = host_port(address)
     start = time.monotonic()
     noted = False
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=2.0):
+            with socket.create_connection((host, port), timeout=2.0):
                 return time.monotonic() - start
-        except (OSError, ValueError) as e:
+        except OSError as e:
             error = e
         waited = time.monotonic() - start
         if waited >= timeout_s:
@@ -198,8 +212,11 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def _missing(what: str, timeout_s: float, error: Exception) -> EPTimeoutError:
-    """The error of a wait that did not complete, naming the processes JAX sees as absent."""
+def _missing(what: str, timeout_s: float, error: Exception,
+             waited: float) -> EPTimeoutError | EPRuntimeError:
+    """The error of a wait that did not complete, naming the processes JAX sees as absent: an
+    EPTimeoutError where the wait ran out (JAX's DEADLINE_EXCEEDED), else an EPRuntimeError with JAX's
+    error (e.g. the coordinator gone), not called a timeout."""
     found: list[str] = []
 
     def query() -> None:
@@ -217,8 +234,11 @@ def _missing(what: str, timeout_s: float, error: Exception) -> EPTimeoutError:
     asking.start()
     asking.join(LIVENESS_WAIT_S)
     absent = found[0] if found else ""
-    return EPTimeoutError(f"jax_ep: process {jax.process_index()} waited {timeout_s:g} s for {what} "
-                          f"and gave up{absent} ({error})")
+    if "DEADLINE_EXCEEDED" in str(error) or waited >= timeout_s:
+        return EPTimeoutError(f"jax_ep: process {jax.process_index()} waited {timeout_s:g} s for {what} "
+                              f"and gave up{absent} ({error})")
+    return EPRuntimeError(f"jax_ep: process {jax.process_index()} stopped waiting for {what} after "
+                          f"{waited:.1f} s of {timeout_s:g}{absent}: {type(error).__name__}: {error}")
 
 
 def kv_set_bytes(key: str, value: bytes) -> None:
@@ -230,19 +250,21 @@ def kv_get_bytes(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, writer: str 
     """The value another process published under ``key``; TimeoutError after ``timeout_s``
     naming the key and ``writer`` (who was expected to publish it)."""
     client = _client()   # not initialised: its RuntimeError, not a timeout
+    start = time.monotonic()
     try:
         return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
     except Exception as e:  # JAX raises XlaRuntimeError (DEADLINE_EXCEEDED) on timeout
         who = f" from {writer}" if writer else ""
-        raise _missing(f"key {key!r}{who}", timeout_s, e) from e
+        raise _missing(f"key {key!r}{who}", timeout_s, e, time.monotonic() - start) from e
 
 
 def barrier(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Waits until every process reaches the barrier ``name``; TimeoutError naming it (and the
     processes JAX sees as dead) after ``timeout_s``."""
     client = _client()
+    start = time.monotonic()
     try:
         client.wait_at_barrier(name, int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - re-raised with the barrier's name
         raise _missing(f"barrier {name!r} (all {jax.process_count()} processes)", timeout_s,
-                       e) from e
+                       e, time.monotonic() - start) from e

@@ -81,6 +81,7 @@ from jax_ep.distributed import (
     LAUNCHER,
     host_port,
 )
+from jax_ep.errors import EPValueError
 from jax_ep.mps import mps_unavailable
 
 PREFIX = LAUNCHER + ":"
@@ -117,10 +118,11 @@ def _non_negative_float(value: str) -> float:
 
 
 def _coordinator(value: str) -> str:
-    host, port = host_port(value)
-    ok = bool(":" in value and host and port.isdigit() and 0 < int(port) < 65536)
-    if not ok:
-        raise argparse.ArgumentTypeError(f"must be HOST:PORT with a port in 1..65535, got {value!r}")
+    try:
+        host, _ = host_port(value)
+    except EPValueError:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT with a port in 1..65535, got {value!r}"
+                                         ) from None
     # every process runs on this host, process 0's coordinator too: HOST must be one of its addresses
     # (else process 0 cannot listen there and the others wait for it until JAX aborts them)
     try:

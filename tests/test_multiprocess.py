@@ -23,6 +23,7 @@ from helpers import assert_bits_equal, run_logged
 import jax_ep.distributed as dist
 from jax_ep import launch
 from jax_ep import mps as mps_probe
+from jax_ep.errors import EPRuntimeError, EPTypeError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
@@ -539,6 +540,50 @@ def test_distributed_not_initialised():
     for call in (lambda: dist.kv_set_bytes("k", b"v"), lambda: dist.kv_get_bytes("k", 1.0),
                  lambda: dist.barrier("b", 1.0)):
         with pytest.raises(RuntimeError, match="jax.distributed is not initialised.*jax_ep.launch"):
+            call()
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(coordinator_address="localhost"), dist.EPValueError,
+     r"coordinator_address='localhost' is not HOST:PORT \(a port in 1..65535\)"),
+    (dict(coordinator_address="127.0.0.1:70000"), dist.EPValueError, "is not HOST:PORT"),
+    (dict(process_id=5), dist.EPValueError, "process_id=5 is not below num_processes=2"),
+    (dict(process_id=-1), dist.EPValueError, "process_id must be None or an int >= 0, got -1"),
+    (dict(initialization_timeout="10"), EPTypeError,
+     r"initialization_timeout must be a positive int, got '10' \(str\)"),
+    (dict(initialization_timeout=0), dist.EPValueError, "initialization_timeout must be a positive int"),
+])
+def test_distributed_initialize_refuses_bad_arguments_at_once(no_launch_env, kwargs, error, message):
+    """A malformed address, a process id out of range or a bad timeout: an error at once (before
+    2026-12-05 process 1 waited out the whole timeout for 'localhost', then blamed process 0)."""
+    args = dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=1, initialization_timeout=60)
+    start = time.monotonic()
+    with pytest.raises(error, match=message):
+        dist.initialize(**{**args, **kwargs})
+    assert time.monotonic() - start < 5 and not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("failure,error,message", [
+    ("DEADLINE_EXCEEDED: Barrier timed out", dist.EPTimeoutError, r"waited 30 s for {what}.* and gave up"),
+    ("UNAVAILABLE: failed to connect to the coordinator", EPRuntimeError,
+     r"stopped waiting for {what}.* after \d+\.\d s of 30: RuntimeError: UNAVAILABLE"),
+])
+def test_a_failed_wait_is_called_a_timeout_only_when_it_timed_out(monkeypatch, failure, error, message):
+    """kv_get_bytes and barrier: JAX's deadline is an EPTimeoutError; another failure (raised at once) is
+    an EPRuntimeError with JAX's error (before 2026-12-05 every failure read 'waited 120 s ... gave up')."""
+    class Client:
+        def blocking_key_value_get_bytes(self, key, timeout_ms):
+            raise RuntimeError(failure)
+
+        wait_at_barrier = blocking_key_value_get_bytes
+
+        def get_live_nodes(self, ids):
+            raise RuntimeError("no liveness here")
+
+    monkeypatch.setattr(dist, "_client", Client)
+    for call, what in ((lambda: dist.kv_get_bytes("k", 30.0), "key 'k'"),
+                       (lambda: dist.barrier("b", 30.0), "barrier 'b'")):
+        with pytest.raises(error, match=message.format(what=what)):
             call()
 
 
