@@ -3,6 +3,7 @@
 from jax_ep.config import EPConfig, KernelConfig
 from jax_ep.errors import (
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     DeviceFaultError,
     EPError,
     EPRuntimeError,
@@ -51,6 +52,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "DeviceFaultError",
     "DeviceMemoryError",
     "EPConfig",

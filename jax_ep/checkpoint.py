@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import eplb
-from jax_ep.errors import CheckpointMismatchError, EPUnsupportedError, EPValueError
+from jax_ep.errors import CheckpointMismatchError, CheckpointNotFoundError, EPUnsupportedError, EPValueError
 from jax_ep.moe import MoE
 
 FORMAT = 1                    # version of the "jax_ep" JSON record
@@ -169,7 +169,7 @@ def read_record(path) -> dict[str, Any]:
     ocp = _orbax()
     path = _abs_path(path)
     if not os.path.isdir(path) and "://" not in path:
-        raise FileNotFoundError(f"jax_ep.checkpoint: no checkpoint at {path}")
+        raise CheckpointNotFoundError(f"jax_ep.checkpoint: no checkpoint at {path}")
     with _checkpointer(ocp) as checkpointer:
         record = checkpointer.restore(path, ocp.args.Composite(jax_ep=ocp.args.JsonRestore()))["jax_ep"]
     if not isinstance(record, dict) or record.get("format") != FORMAT:

@@ -20,6 +20,13 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def type_name(value) -> str:
+    """``value``'s type as an error message names it: ``str``, but ``numpy.bool`` (whose __name__ is
+    ``bool`` too: "must be a bool, got np.True_ (bool)" read as a contradiction)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 # ---- option checks: the one place the fields of EPConfig, KernelConfig, EPOptions and MoE's
 # arguments are checked. A field's kind: "int" (an int, not a bool/float/str, >= minimum), "int?"
 # (the same or None), "bool" (True or False only), "name" (a non-empty str), "name?", "backend" ("auto"
@@ -42,11 +49,11 @@ def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
     if kind == "bool":
         if not isinstance(value, bool):
             raise EPTypeError(f"{what} must be {none}a bool, got {value!r} "
-                              f"({type(value).__name__})")
+                              f"({type_name(value)})")
     elif kind == "int":
         noun = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         if not _is_int(value):
-            raise EPTypeError(f"{what} must be {none}{noun}, got {value!r} ({type(value).__name__})")
+            raise EPTypeError(f"{what} must be {none}{noun}, got {value!r} ({type_name(value)})")
         if value < minimum:
             raise EPValueError(f"{what} must be {none}{noun}, got {value!r}")
     elif kind == "backend":  # "auto" or a registered backend (jax_ep.backends)
@@ -57,7 +64,7 @@ def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
             raise EPValueError(f"{what} must be one of {allowed}, got {value!r}")
     elif kind == "name":
         if not isinstance(value, str):
-            raise EPTypeError(f"{what} must be {none}a non-empty str, got {value!r} ({type(value).__name__})")
+            raise EPTypeError(f"{what} must be {none}a non-empty str, got {value!r} ({type_name(value)})")
         if not value:
             raise EPValueError(f"{what} must be {none}a non-empty str, got {value!r}")
     else:  # pragma: no cover - a kind this module does not define
@@ -83,7 +90,7 @@ def check_fp8_channels(owner: str, **sizes: int) -> None:
 def check_kernel(owner: str, value) -> None:
     if not isinstance(value, KernelConfig):
         raise EPTypeError(f"{owner}.kernel must be a KernelConfig (jax_ep.KernelConfig), got {value!r} "
-                          f"({type(value).__name__})")
+                          f"({type_name(value)})")
 
 
 TRANSPORTS = ("auto", "load_store", "put")

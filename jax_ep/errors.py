@@ -65,6 +65,10 @@ class CheckpointMismatchError(EPValueError):
     """The checkpoint does not fit the model (or optimizer) it is restored into."""
 
 
+class CheckpointNotFoundError(EPError, FileNotFoundError):
+    """``jax_ep.checkpoint`` found no checkpoint at the path it was given."""
+
+
 def adopt(cls: type, builtin: type) -> type:
     """``cls`` (an exception class made outside this module, with ``builtin`` as its base) made a
     subclass of EPError, keeping ``builtin``: the extension's DeviceMemoryError."""
@@ -74,7 +78,7 @@ def adopt(cls: type, builtin: type) -> type:
 
 
 ERRORS = (EPError, EPValueError, EPTypeError, EPUnsupportedError, EPRuntimeError, EPTimeoutError,
-          DeviceFaultError, DeviceMemoryError, CheckpointMismatchError)
+          DeviceFaultError, DeviceMemoryError, CheckpointMismatchError, CheckpointNotFoundError)
 
 for _cls in ERRORS:
     _cls.__module__ = "jax_ep"  # shown as jax_ep.EPValueError etc., the names users catch

@@ -84,8 +84,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
     ``lax.ragged_dot``); float32 accumulation.
     """
     _check_args(x, w, group_sizes, backend)
-    if not isinstance(zero_tail, bool):
-        raise EPValueError(f"grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
+    check_option("grouped_matmul:", "zero_tail", zero_tail, "bool")
     check_option("grouped_matmul:", "num_sms", num_sms, "int?")
     check_option("grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
     plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend, num_sms, dw_num_sms)

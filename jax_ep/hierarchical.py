@@ -46,8 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep import ops, overlap
-from jax_ep.config import FP8_BLOCK, EPConfig
-from jax_ep.errors import EPUnsupportedError, EPValueError
+from jax_ep.config import FP8_BLOCK, EPConfig, check_option
+from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.types import Handle, RankMajorHandle
 from jax_ep.validation import (
     check_combine_args,
@@ -107,8 +107,9 @@ def stage_configs(cfg: EPConfig, node_axis: str, op: str = "dispatch_hierarchica
     the N*L ranks: each GPU receives the same (token, expert) pairs as there. With FP8 both keep
     cfg's dispatch_dtype: stage 1 quantises; stage 2's dispatch runs on packed rows
     (``_packed_config``), its combine on the expert outputs as ever."""
-    if not isinstance(node_axis, str) or not node_axis:
-        raise EPValueError(f"jax_ep.{op}: node_axis must be a non-empty str (a mesh axis), got {node_axis!r}")
+    if not isinstance(cfg, EPConfig):
+        raise EPTypeError(f"jax_ep.{op}: cfg must be a jax_ep.EPConfig, got {type(cfg).__name__}")
+    check_option(f"jax_ep.{op}:", "node_axis", node_axis, "name")
     if node_axis == cfg.axis_name:
         raise EPValueError(f"jax_ep.{op}: node_axis={node_axis!r} must differ from cfg.axis_name "
                            f"{cfg.axis_name!r} (the local axis)")

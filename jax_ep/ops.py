@@ -27,7 +27,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import backends, overlap, remat, types, vma
-from jax_ep.config import EPConfig
+from jax_ep.config import EPConfig, check_option
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.fp8 import dequantize_fp8
 from jax_ep.validation import (
@@ -176,7 +176,11 @@ def explain(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16, ops=None) -> dict[s
     kernel cannot run."""
     if not isinstance(cfg, EPConfig):
         raise EPTypeError(f"jax_ep.explain: cfg must be a jax_ep.EPConfig, got {type(cfg).__name__}")
+    check_option("jax_ep.explain:", "ep_size", ep_size, "int")
     cfg.check_ep_size(ep_size)
+    if isinstance(ops, str):
+        raise EPTypeError(f"jax_ep.explain: ops must be a sequence of op names, got the str {ops!r} "
+                          f"(e.g. ops=[{ops!r}])")
     names = list(OPS) if ops is None else list(ops)
     unknown = [name for name in names if name not in OPS]
     if unknown:
@@ -612,7 +616,7 @@ def _ll_recv_impl(op: str, pending):
 
 def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if not isinstance(pending, kind):
-        raise EPValueError(f"jax_ep.{op}: expected the {kind.__name__} of the matching _send, got "
+        raise EPTypeError(f"jax_ep.{op}: expected the {kind.__name__} of the matching _send, got "
                            f"{type(pending).__name__}")
     weights = pending.topk_weights
     if getattr(weights, "ndim", None) != 2 or weights.shape[1] != cfg.num_topk:

@@ -69,7 +69,7 @@ from jax._src.ad_util import SymbolicZero
 from jax._src.interpreters import ad
 
 from jax_ep import ordering, vma
-from jax_ep.errors import EPUnsupportedError
+from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 
 _pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
 
@@ -92,9 +92,9 @@ class Beside:
 def beside(fn: Callable, *args):
     """Run ``fn(*args)`` beside the first EP call of the block that has a side twin (module doc)."""
     if not callable(fn):
-        raise TypeError(f"jax_ep.overlap.beside: fn must be callable, got {type(fn).__name__}")
+        raise EPTypeError(f"jax_ep.overlap.beside: fn must be callable, got {type(fn).__name__}")
     if _pending.get() is not None:
-        raise ValueError("jax_ep.overlap.beside: blocks do not nest (one side stream per device)")
+        raise EPValueError("jax_ep.overlap.beside: blocks do not nest (one side stream per device)")
     with _block(fn, args) as work:
         yield work
 

@@ -30,7 +30,7 @@ R = 4
     (jax_ep.EPUnsupportedError, NotImplementedError), (jax_ep.EPRuntimeError, RuntimeError),
     (jax_ep.EPTimeoutError, TimeoutError), (jax_ep.DeviceFaultError, RuntimeError),
     (jax_ep.DeviceMemoryError, RuntimeError), (runtime.DeviceMemoryError, RuntimeError),
-    (jax_ep.CheckpointMismatchError, ValueError)])
+    (jax_ep.CheckpointMismatchError, ValueError), (jax_ep.CheckpointNotFoundError, FileNotFoundError)])
 def test_every_error_class_is_an_ep_error_and_keeps_its_builtin_base(cls, builtin):
     assert issubclass(cls, jax_ep.EPError) and issubclass(cls, builtin)
     with pytest.raises(jax_ep.EPError):
@@ -44,6 +44,40 @@ def test_error_classes_are_exported_under_one_name():
         value = getattr(jax_ep, name)
         if isinstance(value, type) and issubclass(value, BaseException):
             assert issubclass(value, jax_ep.EPError), name
+
+
+# raised on purpose yet not EPErrors: an internal invariant, a module's missing attribute, an optional
+# dependency's import, the launcher's command-line parsing and exit
+NOT_EP_ERRORS = {"AssertionError", "AttributeError", "ImportError", "SystemExit",
+                 "argparse.ArgumentTypeError"}
+
+
+def test_every_error_the_library_raises_on_purpose_is_an_ep_error():
+    """Every ``raise Name(...)`` in jax_ep/ names an EPError class (or a helper returning one, checked
+    by its return annotation); before 2026-12-05 overlap.beside raised a TypeError and a ValueError and the
+    checkpoint a FileNotFoundError outside the family."""
+    import ast
+    import pathlib
+
+    ep_errors = {cls.__name__ for cls in jax_ep.errors.ERRORS}
+    trees = {path: ast.parse(path.read_text())
+             for path in sorted(pathlib.Path(jax_ep.__file__).parent.rglob("*.py"))}
+    returns = {f.name: ast.unparse(f.returns) for tree in trees.values() for f in ast.walk(tree)
+               if isinstance(f, ast.FunctionDef) and f.returns is not None}
+    wrong = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            name = ast.unparse(exc).removeprefix("errors.")
+            if isinstance(node.exc, ast.Name):
+                continue                                  # re-raising a caught exception
+            if name in returns:                           # a helper that builds the error
+                name = returns[name]
+            if not all(part.strip() in ep_errors | NOT_EP_ERRORS for part in name.split("|")):
+                wrong.append(f"{path.name}:{node.lineno} raises {ast.unparse(exc)}")
+    assert not wrong, wrong
 
 
 def _mesh(n=R):
@@ -80,6 +114,31 @@ def test_dispatch_wrong_inputs_raise_ep_errors(change):
         cfg = {"num_experts": 8}
     with pytest.raises(jax_ep.EPError):
         _sharded(lambda a, b, c: jax_ep.dispatch(a, b, c, cfg).x, x, idx, w)
+
+
+def test_wrong_types_are_ep_type_errors_naming_the_argument():
+    """Found by a review (2026-12-05): these raised EPValueError, AttributeError or ZeroDivisionError, or
+    took the wrong value silently (explain on -2 GPUs, ops="dispatch" read letter by letter)."""
+    cases = [
+        (lambda: jax_ep.EPConfig(**{**CFG.__dict__, "checked": np.True_}),
+         r"EPConfig.checked must be a bool, got np.True_ \(numpy.bool\)"),
+        (lambda: jax_ep.explain(CFG, 2.0), r"explain: ep_size must be a positive int, got 2.0 \(float\)"),
+        (lambda: jax_ep.explain(CFG, True), r"explain: ep_size must be a positive int, got True"),
+        (lambda: jax_ep.explain(CFG, 2, ops="dispatch"), r"ops must be a sequence of op names, got the str"),
+        (lambda: _sharded(lambda *_: jax_ep.ll_dispatch_recv(None, CFG).x, *_inputs()),
+         r"ll_dispatch_recv: expected the LLDispatchPending"),
+        (lambda: jax_ep.dispatch_hierarchical(*_inputs(), CFG, ("node",)),
+         r"dispatch_hierarchical: node_axis must be a non-empty str, got \('node',\) \(tuple\)"),
+        (lambda: jax_ep.dispatch_hierarchical(*_inputs(), {"num_experts": 8}, "node"),
+         r"dispatch_hierarchical: cfg must be a jax_ep.EPConfig, got dict"),
+        (lambda: jax_ep.grouped_matmul(jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32),
+                                       zero_tail=0), r"zero_tail must be a bool, got 0 \(int\)"),
+    ]
+    for call, message in cases:
+        with pytest.raises(jax_ep.EPTypeError, match=message):
+            call()
+    with pytest.raises(jax_ep.EPValueError, match=r"explain: ep_size must be a positive int, got -2"):
+        jax_ep.explain(CFG, -2)
 
 
 @pytest.mark.parametrize("handle, expected", [
