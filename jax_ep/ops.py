@@ -320,7 +320,7 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
         if not isinstance(flag, bool):
             raise EPTypeError(f"combine: {name} must be a bool, got {flag!r}")
     size = ep_size(cfg, "combine")
-    check_combine_args(y, handle, cfg)
+    check_combine_args(y, handle, cfg, ep_size=size)
     rank_mask = handle_mask(check_rank_mask(rank_mask, size, "combine"), handle)
     return overlap.primal(_combine)(_typed_rows(y, handle, cfg), handle, rank_mask, cfg, empty_rows_zero,
                                     weighted)

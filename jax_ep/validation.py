@@ -96,11 +96,32 @@ def check_handle(handle, kind: type, op: str, producer: str) -> None:
                       f"{type(handle).__name__}{hint}")
 
 
-def check_combine_args(y, handle, cfg: EPConfig, op: str = "combine") -> None:
+def check_combine_args(y, handle, cfg: EPConfig, op: str = "combine", ep_size: int | None = None) -> None:
     """combine (``op``: the caller, e.g. combine_hierarchical, whose stage 2 is a combine): y
-    [capacity, H'] of a float dtype (not FP8) for the Handle of a dispatch."""
+    [capacity, H'] of a float dtype (not FP8) for the Handle of a dispatch, its fields of the shapes and
+    dtypes dispatch gives them (a user may ``_replace`` one; the reference would read a short
+    row_weights as zeros); with ``ep_size`` the EP-sized ones too."""
     check_handle(handle, types.Handle, op, "dispatch")
-    capacity = handle.src_index.shape[0]
+    src_index = handle.src_index
+    if getattr(src_index, "ndim", None) != 1 or src_index.dtype != jnp.int32:
+        raise EPValueError(f"{op}: handle.src_index must be int32 [capacity], got "
+                           f"{getattr(src_index, 'dtype', None)}{_shape_of(src_index)}")
+    capacity = src_index.shape[0]
+    fields = {"row_weights": (jnp.float32, (capacity,), "[capacity]")}
+    in_rank = handle.is_token_in_rank
+    if getattr(in_rank, "ndim", None) != 2 or in_rank.dtype != jnp.bool_:
+        raise EPValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, EP size], got "
+                           f"{getattr(in_rank, 'dtype', None)}{_shape_of(in_rank)}")
+    if ep_size is not None:
+        tokens = in_rank.shape[0]
+        fields["is_token_in_rank"] = (jnp.bool_, (tokens, ep_size), f"[tokens, {ep_size}] (EP size)")
+        fields["token_rows"] = (jnp.int32, (ep_size * tokens, cfg.num_topk),
+                                f"[{ep_size} x {tokens}, {cfg.num_topk}] (EP size x tokens, num_topk)")
+    for name, (dtype, shape, what) in fields.items():
+        value = getattr(handle, name)
+        if _shape_of(value) != shape or getattr(value, "dtype", None) != dtype:
+            raise EPValueError(f"{op}: handle.{name} must be {jnp.dtype(dtype).name} {what}, got "
+                               f"{getattr(value, 'dtype', None)}{_shape_of(value)}")
     if getattr(y, "ndim", None) != 2 or y.shape[0] != capacity:
         raise EPValueError(f"{op}: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
     if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:

@@ -141,6 +141,27 @@ def test_wrong_types_are_ep_type_errors_naming_the_argument():
         jax_ep.explain(CFG, -2)
 
 
+@pytest.mark.parametrize("field, change, expected", [
+    ("row_weights", lambda a: a[:3], r"handle.row_weights must be float32 \[capacity\], got float32\(3,\)"),
+    ("row_weights", lambda a: a.astype(jnp.bfloat16), r"handle.row_weights must be float32 \[capacity\]"),
+    ("src_index", lambda a: a.astype(jnp.float32), r"src_index must be int32 \[capacity\], got float32"),
+    ("token_rows", lambda a: a.astype(jnp.int8), r"handle.token_rows must be int32 \[4 x 4, 2\]"),
+    ("token_rows", lambda a: a[:, :1], r"handle.token_rows must be int32 \[4 x 4, 2\] .* got int32\(16, 1\)"),
+    ("is_token_in_rank", lambda a: a[:, :2], r"handle.is_token_in_rank must be bool \[tokens, 4\]"),
+])
+def test_combine_checks_the_handles_fields(field, change, expected):
+    """A handle with a field of another shape or dtype (``handle._replace(row_weights=...)`` is how a
+    user feeds their own weights) is an error naming the field; before 2026-12-05 the reference read a
+    short row_weights as zeros (a wrong output, no error) and the CUDA handler failed at run time."""
+    def body(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, CFG)
+        handle = d.handle._replace(**{field: change(getattr(d.handle, field))})
+        return jax_ep.combine(d.x, handle, CFG)
+
+    with pytest.raises(jax_ep.EPValueError, match=expected):
+        _sharded(body, *_inputs())
+
+
 @pytest.mark.parametrize("handle, expected", [
     ("rank_major", r"combine: handle must be the Handle of dispatch.*RankMajorHandle.*combine_rank_major"),
     ("tuple", r"combine: handle must be the Handle of dispatch.*got tuple"),
