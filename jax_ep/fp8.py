@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
+from jax_ep.errors import EPValueError
 
 # amax floors: both keep the scale finite for all-zero blocks.
 FP8_MIN_AMAX = 1e-4        # the dispatch wire's (DeepEP's clamp; the CUDA kernels' 1e-4f): activations
@@ -62,7 +63,20 @@ def fp8_scales(amax: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Arr
 
 
 def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Inverse of quantize_fp8 (up to e4m3 rounding)."""
-    c, h = q.shape
-    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=1)[:, :h]
+    """Inverse of quantize_fp8 (up to e4m3 rounding): rows q [..., H] float8_e4m3fn with their float32
+    scales [..., ceil(H/128)] (the same leading dims: a dispatch's [C, H], a low-latency dispatch's
+    [E_local, slots, H]) -> [..., H] in ``dtype``. For inference and for rows whose gradient is not
+    taken: differentiated, q's cotangent is rounded to e4m3 (training takes the FP8 wire through
+    ``jax_ep.ops.dispatch_straight_through`` and the FP8 GEMMs' own gradients)."""
+    if getattr(q, "dtype", None) != jnp.float8_e4m3fn or getattr(q, "ndim", 0) < 1:
+        raise EPValueError(f"dequantize_fp8: q must be float8_e4m3fn rows [..., H], got "
+                           f"{getattr(q, 'dtype', type(q).__name__)}{tuple(getattr(q, 'shape', ()))}")
+    h = q.shape[-1]
+    want = (*q.shape[:-1], -(-h // FP8_BLOCK))
+    if tuple(getattr(scales, "shape", ())) != want or scales.dtype != jnp.float32:
+        raise EPValueError(f"dequantize_fp8: scales must be float32 {list(want)} (one per row and "
+                           f"{FP8_BLOCK} channels of q {list(q.shape)}), got "
+                           f"{getattr(scales, 'dtype', type(scales).__name__)}"
+                           f"{list(getattr(scales, 'shape', ()))}")
+    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=-1)[..., :h]
     return (q.astype(jnp.float32) * per_channel).astype(dtype)

@@ -549,9 +549,13 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     """
     if backend not in BACKENDS:
         raise EPValueError(f"grouped_matmul_fp8: backend must be one of {BACKENDS}, got {backend!r}")
-    for name, a in (("xq", xq), ("wq", wq)):
-        if a.dtype != jnp.float8_e4m3fn:
-            raise EPValueError(f"grouped_matmul_fp8: {name} must be float8_e4m3fn, got {a.dtype}")
+    for name, a, ndim in (("xq", xq, 2), ("wq", wq, 3)):
+        if a.dtype != jnp.float8_e4m3fn or a.ndim != ndim:
+            raise EPValueError(f"grouped_matmul_fp8: {name} must be float8_e4m3fn of {ndim} dims, got "
+                               f"{a.dtype}{tuple(a.shape)}")
+    for name, a in (("x_scales", x_scales), ("w_scales", w_scales)):
+        if a.dtype != jnp.float32:
+            raise EPValueError(f"grouped_matmul_fp8: {name} must be float32, got {a.dtype}")
     m, k = xq.shape
     g = wq.shape[0]
     kw, n = (wq.shape[2], wq.shape[1]) if transpose_w else wq.shape[1:]
@@ -628,15 +632,18 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     ``dw_num_sms``: the weight-gradient pass's instead, where given (``jax_ep.grouped_matmul``'s)."""
     check_option("fp8_grouped_matmul:", "num_sms", num_sms, "int?")
     check_option("fp8_grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
-    if not isinstance(zero_tail, bool):
-        raise EPValueError(f"fp8_grouped_matmul: zero_tail must be a bool, got {zero_tail!r}")
+    check_option("fp8_grouped_matmul:", "zero_tail", zero_tail, "bool")
     if weight_grad not in WEIGHT_GRADIENTS:
         raise EPValueError(f"fp8_grouped_matmul: weight_grad must be one of {WEIGHT_GRADIENTS}, got "
                            f"{weight_grad!r}")
-    k, n = w.shape[1], w.shape[2]
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != k:
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise EPValueError(f"fp8_grouped_matmul: x [M, K] and w [G, K, N] must share K, got x {x.shape}, "
                            f"w {w.shape}")
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype == jnp.float8_e4m3fn:
+            raise EPValueError(f"fp8_grouped_matmul: {name} must be bfloat16/float32/float16 (the call "
+                               f"quantises it), got {a.dtype}")
+    k, n = w.shape[1], w.shape[2]
     check_fp8_channels("fp8_grouped_matmul", K=k, N=n)
     check_group_sizes(group_sizes, w.shape[0], "fp8_grouped_matmul")
     check_backend(gemm, "fp8_grouped_matmul", "gemm")
@@ -647,11 +654,12 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
                                  for a in quantized))
     if x_fp8 is not None:
         xq, xs = x_fp8
-        if xq.dtype != jnp.float8_e4m3fn or xq.shape != x.shape or xs.shape != (x.shape[0], k // FP8_BLOCK):
+        if xq.dtype != jnp.float8_e4m3fn or xq.shape != x.shape or xs.shape != (x.shape[0], k // FP8_BLOCK) \
+                or xs.dtype != jnp.float32:
             raise EPValueError(f"fp8_grouped_matmul: x_fp8 must be (float8_e4m3fn {x.shape}, float32 "
                                f"{(x.shape[0], k // FP8_BLOCK)}) for x {x.shape}, got "
                                f"({xq.dtype} {xq.shape}, {xs.dtype} {xs.shape})")
-        x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w, group_sizes) for a in (xq, xs.astype(jnp.float32)))
+        x_fp8 = tuple(vary_as(lax.stop_gradient(a), x, w, group_sizes) for a in (xq, xs))
     return _fp8_matmul(*vary_jointly(x, w, group_sizes), quantized, x_fp8, backend, gemm, weight_grad,
                        zero_tail, num_sms, num_sms if dw_num_sms is None else dw_num_sms)
 

@@ -1041,7 +1041,8 @@ class MoE(nnx.Module):
     def _fp8_wire_by_default(self, decode: bool) -> bool:
         """EPOptions.dispatch_dtype None with the FP8 expert GEMMs on the throughput path's flat exchange:
         the FP8 wire, whose e4m3 rows the gate|up GEMM takes as they came (the bf16 wire's loss and
-        gradients bit for bit with bf16 tokens, half the dispatch bytes, no quantisation of the gate|up
+        gradients bit for bit with bf16 tokens whose 128-channel blocks have amax 0 or >= 1e-4, the
+        wire's floor; half the dispatch bytes, no quantisation of the gate|up
         GEMM's input: measured faster on 2 H200s, 2026-11-30, docs/benchmarks.md session 29). Not for
         decode (its FP8 wire measured 16% slower) nor node_axis (forward-only FP8 wire there)."""
         return (self.ep.dispatch_dtype is None and self.gemm_dtype == "float8_e4m3fn" and not decode

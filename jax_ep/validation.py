@@ -74,9 +74,13 @@ def check_rank_mask(rank_mask, ep_size: int, op: str):
 
 def fp8_forward_only(op: str) -> EPUnsupportedError:
     """The error of differentiating an FP8 dispatch (``op``: its public name): the wire is forward-only."""
+    # only the expert-major dispatch has a form that trains with the FP8 wire
+    trains = ("to train with the FP8 wire use jax_ep.ops.dispatch_straight_through (the e4m3 rows for the "
+              "FP8 GEMM and a dequantised copy whose gradient goes through the dispatch), or "
+              if op == "dispatch" else "")
     return EPUnsupportedError(
         f"jax_ep: {op} with dispatch_dtype='float8_e4m3fn' is forward-only (inference and prefill); "
-        "differentiate through a bfloat16 dispatch instead")
+        f"{trains}differentiate through a bfloat16 dispatch")
 
 
 def check_handle(handle, kind: type, op: str, producer: str) -> None:

@@ -51,6 +51,46 @@ def test_reference_is_the_blockwise_definition(seed):
     assert np.all(np.asarray(out)[sizes.sum():] == 0)                 # rows past the groups: zeros
 
 
+def test_dequantize_fp8_checks_its_scales_and_takes_leading_dims():
+    """Found by a review (2026-12-05): scales [1, 2] for 4 rows were broadcast (three rows scaled by the
+    first's), extra scale columns dropped, int scales taken, 3-D (low-latency) rows an unpack error."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 4, 200)) * rng.uniform(0.1, 100, (2, 4, 1)), jnp.float32)
+    q, s = quantize_fp8(x.reshape(8, 200))
+    q3, s3 = q.reshape(2, 4, 200), s.reshape(2, 4, 2)
+    np.testing.assert_array_equal(np.asarray(dequantize_fp8(q3, s3)).reshape(8, 200),
+                                  np.asarray(dequantize_fp8(q, s)))
+    err = np.abs(np.asarray(dequantize_fp8(q3, s3)) - np.asarray(x))
+    assert (err <= np.abs(np.asarray(x)) / 16 + np.asarray(s3).repeat(128, -1)[..., :200] / 2 ** 7).all()
+    for qq, ss, message in (
+            (q, s[:1], r"scales must be float32 \[8, 2\] .* got float32\[1, 2\]"),
+            (q, jnp.concatenate([s, s], 1), r"got float32\[8, 4\]"),
+            (q, s.astype(jnp.int32), r"got int32\[8, 2\]"),
+            (q.astype(jnp.float32), s, r"q must be float8_e4m3fn rows \[..., H\], got float32")):
+        with pytest.raises(EPValueError, match=message):
+            dequantize_fp8(qq, ss)
+
+
+def test_fp8_gemms_check_dtypes_and_dims_before_reading_them():
+    """Found by a review (2026-12-05): int32 scales gave an all-zero output, int x an int32 one, a 2-D w
+    an IndexError."""
+    x, w, sizes = case(0, m=16, k=128, n=128, g=2)
+    sizes = np.array([8, 8], np.int32)
+    xq, xs = quantize_fp8(jnp.asarray(x))
+    wq, ws = quantize_weight_blocks(jnp.asarray(w))
+    with pytest.raises(EPValueError, match="w_scales must be float32, got int32"):
+        grouped_matmul_fp8(xq, xs, wq, ws.astype(jnp.int32), jnp.asarray(sizes))
+    with pytest.raises(EPValueError, match=r"wq must be float8_e4m3fn of 3 dims, got .*\(128, 128\)"):
+        grouped_matmul_fp8(xq, xs, wq[0], ws, jnp.asarray(sizes))
+    fp8 = gemm_fp8.fp8_grouped_matmul
+    with pytest.raises(EPValueError, match="x must be bfloat16/float32/float16 .* got int32"):
+        fp8(jnp.asarray(x).astype(jnp.int32), jnp.asarray(w), jnp.asarray(sizes))
+    with pytest.raises(EPValueError, match=r"x \[M, K\] and w \[G, K, N\] must share K"):
+        fp8(jnp.asarray(x), jnp.asarray(w)[0], jnp.asarray(sizes))
+    with pytest.raises(EPValueError, match="x_fp8 must be"):
+        fp8(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), x_fp8=(xq, xs.astype(jnp.int32)))
+
+
 def test_weight_blocks_quantise_each_128_block_to_its_own_scale():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((2, 256, 384)).astype(np.float32)
