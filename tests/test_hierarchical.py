@@ -641,7 +641,7 @@ def test_fp8_is_forward_only():
             run(lambda *a, argnum=argnum: jax.grad(per_gpu, argnums=argnum)(*a), nodes, local, x, idx, w)
     flat_cfg = cfg.replace(axis_name="ep")   # the flat op's error, for the same call
     with pytest.raises(NotImplementedError, match=r"jax_ep: dispatch with dispatch_dtype='float8_e4m3fn' is "
-                                                  r"forward-only \(inference and prefill\); differentiate"):
+                                                  r"forward-only \(inference and prefill\); to train"):
         run_flat(lambda x, i, w: jax.grad(lambda x: jnp.sum(jax_ep.dequantize_fp8(
             *(lambda d: (d.x, d.scales))(jax_ep.dispatch(x, i, w, flat_cfg)))))(x), nodes * local, x, idx, w)
 
