@@ -734,7 +734,8 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
         parser.add_argument("--sustain", default=0.0, type=seconds_arg,
                             help="seconds of back-to-back calls before each timing, so that it sees the "
                                  "clocks of sustained load (an H200 at its power limit settles 25-33%% below "
-                                 "its boost clock within a second; default 0: a burst after compiling)")
+                                 "its boost clock within a second, its GEMMs then 15-18%% slower; default 0: "
+                                 "a burst after compiling)")
     elif mode == "low_latency":
         parser.add_argument("--low-latency", action="store_true", required=True,
                             help="time the low-latency (decode) ops (this mode)")
