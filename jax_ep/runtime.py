@@ -32,6 +32,7 @@ import ctypes
 import functools
 import json
 import os
+import re
 import threading
 import zlib
 
@@ -75,6 +76,9 @@ _collective_calls = 0  # process model 2: collective set-up calls made by this p
 # Process model 2: how long a process waits for the others at a collective set-up step (they may
 # still be compiling) before it raises, naming the processes that did not arrive.
 BOOTSTRAP_TIMEOUT_S = 120.0
+TIMEOUT_ENV = "JAX_EP_TIMEOUT_S"   # the bound of every device-side wait (xla_ffi/runtime.cc reads it)
+_TIMEOUT_TEXT = re.compile(r"[+]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
 # Process model 2: what a GPU must keep free beyond what NVSHMEM's heap would take in a set-up step,
 # or the step is refused on every process. cudaMemGetInfo's free memory is not all one allocation
 # can get, and the step allocates beside the heap: the driver's bookkeeping for the new physical
@@ -167,11 +171,21 @@ def limits() -> dict:
     return dict(_C.LIMITS)
 
 
+def check_timeout_env() -> None:
+    """JAX_EP_TIMEOUT_S, where set, is a number of seconds in (0, 1e6] (the extension's rule): an
+    EPValueError naming the variable here, not a bare ValueError from inside the extension's set-up."""
+    text = os.environ.get(TIMEOUT_ENV, "")
+    if text and not (_TIMEOUT_TEXT.fullmatch(text) and 0 < float(text) <= 1e6):
+        raise errors.EPValueError(f"jax_ep: {TIMEOUT_ENV} must be a positive number of seconds (at most "
+                                  f"1e6), got {text!r}")
+
+
 def register_targets() -> None:
     """Registers every FFI target (and the ops' state type) with XLA, platform CUDA, once per
     process, and hands the runtime the local GPUs (peer access, device tables). Cheap when done."""
     global _registered
     _require_available()
+    check_timeout_env()
     with _lock:
         if not _registered:
             jax.ffi.register_ffi_type(STATE_TYPE, _C.state_type(), platform="CUDA")

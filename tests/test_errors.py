@@ -141,6 +141,19 @@ def test_wrong_types_are_ep_type_errors_naming_the_argument():
         jax_ep.explain(CFG, -2)
 
 
+def test_a_malformed_device_wait_timeout_is_an_ep_value_error_naming_the_variable(monkeypatch):
+    """JAX_EP_TIMEOUT_S is checked before the extension's set-up (which raised a bare ValueError from
+    C++, 2026-12-05), with the extension's rule: seconds in (0, 1e6]."""
+    for good in ("10", "2.5", ".5", "1e3", "+4"):
+        monkeypatch.setenv("JAX_EP_TIMEOUT_S", good)
+        runtime.check_timeout_env()
+    for bad in ("ten", "0", "-1", "1e7", "nan", "inf", "1_0", " 10"):
+        monkeypatch.setenv("JAX_EP_TIMEOUT_S", bad)
+        with pytest.raises(jax_ep.EPValueError, match=rf"JAX_EP_TIMEOUT_S must be a positive number of "
+                                                       rf"seconds \(at most 1e6\), got '{bad}'"):
+            runtime.check_timeout_env()
+
+
 @pytest.mark.parametrize("field, change, expected", [
     ("row_weights", lambda a: a[:3], r"handle.row_weights must be float32 \[capacity\], got float32\(3,\)"),
     ("row_weights", lambda a: a.astype(jnp.bfloat16), r"handle.row_weights must be float32 \[capacity\]"),
