@@ -226,7 +226,8 @@ __device__ __forceinline__ void broadcast_receive(const BroadcastArgs& a, const 
   const CommLayout& L = a.layout;
   const int64_t T = a.T;
   const int lane = d.lane;
-  const int n_zero = (a.C + kZeroRows - 1) / kZeroRows;
+  // widened: C + kZeroRows - 1 wraps in int32 near C = 2^31
+  const int n_zero = static_cast<int>((static_cast<int64_t>(a.C) + kZeroRows - 1) / kZeroRows);
   constexpr bool kSliced = kRows == Rows::kCopy;  // (combine_bwd: whole rows, see the top)
   // combine_bwd: `parts` items per chunk, part j taking rows j kBackwardRows .. + kBackwardRows - 1
   // of each token's rows here (in slot order), so that a token's rows run on several warps at once

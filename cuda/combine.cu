@@ -497,9 +497,11 @@ __global__ void __launch_bounds__(kDataThreads, 1)
 __global__ void __launch_bounds__(256)
     rank_major_rows_kernel(const int32_t* __restrict__ src_index, int32_t n,
                            int32_t* __restrict__ slot_rows) {
-  for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+  // int64 index: i + the grid's stride would wrap in int32 for n near 2^31
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
     const int32_t slot = __ldg(src_index + i);
-    if (slot >= 0 && slot < n) slot_rows[slot] = i;  // (a handle of dispatch_rank_major: unique)
+    if (slot >= 0 && slot < n) slot_rows[slot] = static_cast<int32_t>(i);  // (dispatch_rank_major's: unique)
   }
 }
 

@@ -214,7 +214,7 @@ __device__ __forceinline__ void prep_block(DeviceState* state, const CommLayout&
   // rank-major with K a multiple of 4 (slot_rank rows of 16-byte multiples; the buffer's tables are
   // 256-byte aligned): a token's slot ranks are written as vectors
   const bool vector_slots = rank_major && K % 4 == 0;
-  const int tiles = (T + kPrepThreads - 1) / kPrepThreads;
+  const int tiles = static_cast<int>((static_cast<int64_t>(T) + kPrepThreads - 1) / kPrepThreads);
   const auto load_tile = [&](int tile, int32_t(&raw)[kSlots]) {
     const int t = tile * kPrepThreads + threadIdx.x;
     load_raw_ids<kSlots>(topk_idx + static_cast<int64_t>(t < T ? t : 0) * K, t < T ? K : 0, raw);
@@ -909,7 +909,8 @@ __device__ __forceinline__ void dispatch_receive(const MainArgs& a, const DataWa
                                                  TmaWarp& tma) {
   const CommLayout& L = a.layout;
   const int local_experts = a.num_experts / d.R;
-  const int n_tail = (a.capacity + kTailRows - 1) / kTailRows;
+  // widened: capacity + kTailRows - 1 wraps in int32 from C = 2^31 - 8191 (CheckAttrs admits C < 2^31)
+  const int n_tail = static_cast<int>((static_cast<int64_t>(a.capacity) + kTailRows - 1) / kTailRows);
   const int n_chunk_items = chunk_items(L, true) * d.R;  // own items, then (item, other rank)
   const int total_rows = d.info->total_rows;
   for (;;) {
@@ -1004,7 +1005,7 @@ template <int kConv, bool kTma>
 __device__ __forceinline__ void dispatch_rank_major_receive(const MainArgs& a, const DataWarp& d,
                                                             TmaWarp& tma) {
   const CommLayout& L = a.layout;
-  const int n_empty = static_cast<int>((a.capacity + kEmptyRows - 1) / kEmptyRows);
+  const int n_empty = static_cast<int>((static_cast<int64_t>(a.capacity) + kEmptyRows - 1) / kEmptyRows);
   const int n_chunk_items = chunk_items(L, true) * d.R;  // own items, then (item, other rank)
   const int total_rows = d.info->total_rows;
   for (;;) {

@@ -34,6 +34,11 @@ inline constexpr int kSliceBytes = 1536;
 inline constexpr int kMaxTopk = 32;
 // Largest number of experts (the notify kernel keeps a count per expert in shared memory).
 inline constexpr int kMaxExperts = 8192;
+// Most rows of a data op's arrays: the receive capacity C and the R*T source slots (the handle's
+// src_index / token_rows hold them as int32).
+inline constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
+// Widest row in elements (row bytes and element offsets stay far below 2^31).
+inline constexpr int64_t kMaxHidden = (int64_t{1} << 28) - 1;
 // Warps of a data-kernel block (dispatch, combine, broadcast): the senders take 1..kBlockWarps-1.
 inline constexpr int kBlockWarps = 16;
 // Elements a row's width must be a multiple of (rows move as 16-byte vectors).

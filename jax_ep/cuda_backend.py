@@ -48,6 +48,7 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
             return f"num_topk={cfg.num_topk} exceeds {limits['layout_max_topk']}"
         return None
     pads_rows = op in ("combine_rank_major", "broadcast_rank_major")  # any width (_pad_rows)
+    rank_major = op in _RANK_MAJOR_OPS
     op = _KERNEL_OF.get(op, op)
     assert op in _DATA_OPS + _LL_OPS, op
     if cfg.num_topk > limits["max_topk"]:
@@ -60,6 +61,14 @@ def unsupported(op: str, cfg: EPConfig, ep_size: int, dtype=None) -> str | None:
         return None
     if cfg.num_experts > limits["max_experts"]:
         return f"num_experts={cfg.num_experts} exceeds {limits['max_experts']}"
+    if cfg.hidden > limits["max_hidden"]:
+        return f"hidden={cfg.hidden} exceeds {limits['max_hidden']}"
+    # the handle's src_index / token_rows are int32: the R*T source slots and the capacity must fit
+    sources = ep_size * cfg.max_tokens_per_rank
+    rows = sources if rank_major else cfg.resolved_capacity(ep_size)
+    if max(sources, rows) > limits["max_rows"]:
+        return (f"{'EP size x max_tokens_per_rank' if sources >= rows else 'the capacity'} = "
+                f"{max(sources, rows)} rows exceeds the kernels' {limits['max_rows']} (int32 row indices)")
     if cfg.hidden % limits["row_alignment"] and not pads_rows:
         return (f"hidden={cfg.hidden} must be a multiple of {limits['row_alignment']} "
                 "(16-byte vectors)")

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 AXIS = "ep"
 # jax_ep._C.LIMITS of a build, for tests that lower backend='cuda' without one (lower_cuda_here)
 STUB_LIMITS = {"max_topk": 32, "layout_max_topk": 64, "max_experts": 8192, "max_ranks": 32, "max_groups": 64,
-               "directory_axes": 4, "data_warps": 16, "row_alignment": 8}
+               "directory_axes": 4, "data_warps": 16, "row_alignment": 8, "max_rows": 2 ** 31 - 1,
+               "max_hidden": 2 ** 28 - 1}
 
 
 def lower_cuda_here(monkeypatch, *, stub_extension: bool) -> None:

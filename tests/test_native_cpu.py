@@ -170,7 +170,8 @@ def test_limits_come_from_the_extension():
                              "max_ranks": 32, "max_groups": 64, "directory_axes": 4, "data_warps": 16,
                              "row_alignment": 8, "fp8_block": 128,
                              "fp8_min_amax": float(np.float32(1e-4)), "ll_max_tokens": 65535,
-                             "ll_max_shared_bytes": 200 * 1024}
+                             "ll_max_shared_bytes": 200 * 1024, "max_rows": 2 ** 31 - 1,
+                             "max_hidden": 2 ** 28 - 1}
     # the FP8 row format is one fact: the kernels' scale block and amax floor are the reference's
     from jax_ep.config import FP8_BLOCK
     from jax_ep.fp8 import FP8_MIN_AMAX
@@ -203,6 +204,19 @@ def test_kernel_support_is_decided_from_the_limits(monkeypatch):
     assert "dispatch_send_warps=16" in cuda_backend.unsupported(
         "dispatch", cfg.replace(kernel=KernelConfig(dispatch_send_warps=16)), 4)
     assert "float16" in cuda_backend.unsupported("broadcast", cfg, 4, "float16")
+    # int32 row indices (found by a review, 2026-12-05: the dispatch receivers' tail count wrapped at
+    # C = 2^31 - 8191, leaving every row unwritten, and only an instantiate-time check refused more)
+    huge = EPConfig(num_experts=2, num_topk=1, hidden=8, max_tokens_per_rank=1024, capacity=2147475457)
+    assert cuda_backend.unsupported("dispatch", huge, 2) is None
+    assert "the capacity = 2147483648 rows exceeds the kernels' 2147483647 (int32 row indices)" in \
+        cuda_backend.unsupported("dispatch", huge.replace(capacity=2 ** 31), 2)
+    wide = cfg.replace(num_experts=8, max_tokens_per_rank=2 ** 30, capacity=8)
+    assert "EP size x max_tokens_per_rank = 2147483648 rows exceeds" in cuda_backend.unsupported(
+        "dispatch_rank_major", wide, 2)
+    assert "EP size x max_tokens_per_rank" in cuda_backend.unsupported("combine", wide, 2)
+    assert cuda_backend.unsupported("combine", wide, 1) is None
+    assert "hidden=268435456 exceeds 268435455" in cuda_backend.unsupported(
+        "combine", cfg.replace(hidden=2 ** 28), 4)
     # the low-latency kernels' top-k and EP-size limits are the same limits (a warp lane per slot)
     assert "num_topk=40 exceeds 32" in cuda_backend.unsupported("ll_dispatch", cfg.replace(num_topk=40), 4)
     assert "EP size 64 exceeds 32" in cuda_backend.unsupported("ll_combine", cfg, 64)

@@ -102,11 +102,11 @@ ffi::ErrorOr<std::unique_ptr<OpState>> MakeState(const char* op, const EPAttrs& 
 // the user's config, so a failure here is a bug, reported before anything runs.
 ffi::Error CheckAttrs(const char* op, const EPAttrs& a) {
   if (a.num_ranks < 1 || a.num_ranks > kMaxGroupRanks || a.num_topk < 1 || a.num_topk > kMaxTopk ||
-      a.num_tokens < 0 || a.num_ranks * a.num_tokens >= (int64_t{1} << 31) || a.axis_slot < 0 ||
+      a.num_tokens < 0 || a.num_ranks * a.num_tokens > kMaxRows || a.axis_slot < 0 ||
       a.axis_slot >= kDirectoryAxes || a.num_sms < 1 || a.send_warps < 1 ||
       a.send_warps >= kBlockWarps || a.num_experts < 0 || a.num_experts > kMaxExperts ||
-      a.hidden < 0 || a.hidden % kRowAlignment != 0 || a.hidden >= (int64_t{1} << 28) ||
-      a.capacity < 0 || a.capacity >= (int64_t{1} << 31) || a.row_bytes < 0 || a.scale_bytes < 0) {
+      a.hidden < 0 || a.hidden % kRowAlignment != 0 || a.hidden > kMaxHidden || a.capacity < 0 ||
+      a.capacity > kMaxRows || a.row_bytes < 0 || a.scale_bytes < 0) {
     return Invalid(op, "attributes out of range: R=" + std::to_string(a.num_ranks) + " T=" +
                            std::to_string(a.num_tokens) + " K=" + std::to_string(a.num_topk) +
                            " E=" + std::to_string(a.num_experts) + " H=" +

@@ -238,6 +238,8 @@ NB_MODULE(_C, m) {
   limits["directory_axes"] = jax_ep::kDirectoryAxes;
   limits["data_warps"] = jax_ep::kBlockWarps;
   limits["row_alignment"] = jax_ep::kRowAlignment;
+  limits["max_rows"] = jax_ep::kMaxRows;      // capacity and EP size x tokens (int32 handle fields)
+  limits["max_hidden"] = jax_ep::kMaxHidden;
   limits["fp8_block"] = jax_ep::kFp8Block;
   limits["fp8_min_amax"] = jax_ep::kFp8MinAmax;
   // the low-latency kernels: tokens per rank (16-bit counts) and their dynamic shared memory
