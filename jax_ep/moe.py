@@ -261,6 +261,13 @@ class MoEStats(NamedTuple):
     #                          replicas, = expert_load when nothing is dropped)
 
 
+def _manual_axes() -> tuple:
+    """The mesh axes of the enclosing shard_map (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = getattr(mesh, "manual_axes", ())
+    return tuple(manual)
+
+
 def _check_experts_divide(num_experts: int, ep_size: int, axis_name: str, node_axis: str | None) -> None:
     """Without a placement each EP rank holds num_experts / ep_size experts."""
     if num_experts % ep_size:
@@ -357,7 +364,8 @@ class MoE(nnx.Module):
         own ``shard_map``.
       axis_name: the mesh axis the experts are sharded over (the EP axis).
       batch_axes: mesh axes the tokens are sharded over (default: every axis of the mesh, e.g. data x ep;
-        with ``mesh=None``, ``(axis_name,)``); the EP axes among them. Statistics are summed over them.
+        with ``mesh=None``, ``(axis_name,)``: name every axis of your shard_map the tokens are split over,
+        else an error); the EP axes among them. Statistics are summed over them.
       ep: dispatch/combine options (``EPOptions``: capacity, expert alignment, dispatch dtype, backend,
         checked mode, CUDA kernel configuration). None: ``EPOptions()``.
       balancing: ``jax_ep.balancing.BalancingConfig`` (aux-loss-free bias update rate, sequence-wise aux
@@ -728,9 +736,23 @@ class MoE(nnx.Module):
         shards = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
         self._check_sequences(x.shape, tokens.shape[0], shards, seq_len)
         if self.mesh is None:
+            # the statistics sum over batch_axes: tokens that vary over another axis would be left out
+            missing = [a for a in varying_axes(tokens) if a not in self.batch_axes]
+            if missing:
+                raise EPValueError(
+                    f"MoE: x varies over the mesh axes {missing} of your shard_map, not among batch_axes="
+                    f"{self.batch_axes}: the loads, the bias update and the aux loss would count one "
+                    f"shard's tokens; build the layer with batch_axes naming every axis the tokens are "
+                    f"split over, e.g. batch_axes={tuple(missing) + tuple(self.batch_axes)}")
             out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, seq_len=seq_len,
                                                     decode=decode)
         else:
+            manual = _manual_axes()
+            if manual:
+                raise EPValueError(
+                    f"MoE: the layer was built with mesh= and enters shard_map itself, but it is called "
+                    f"inside a shard_map over {manual}: build it with mesh=None to call it there (on this "
+                    "rank's tokens and expert shard), or call it outside")
             batch = P(self.batch_axes)
             if tokens.shape[0] % shards:
                 raise EPValueError(
@@ -786,7 +808,8 @@ class MoE(nnx.Module):
 
     @property
     def aux_loss(self) -> jax.Array:
-        """Sequence-wise auxiliary balance loss of the last call (0 unless balancing.aux_loss_alpha > 0).
+        """Sequence-wise auxiliary balance loss of the last call that recorded statistics (0 unless
+        balancing.aux_loss_alpha > 0; a call with update_stats=False leaves it as it was, a constant).
         Add it to the training loss to use it instead of (or with) bias balancing."""
         return self.last_aux_loss[...]
 

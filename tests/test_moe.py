@@ -350,6 +350,38 @@ def test_inside_user_shard_map():
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
+def test_layer_calls_in_the_wrong_shard_map_name_the_fix():
+    """Found by a review (2026-12-05): a mesh=None layer on tokens split over an axis its batch_axes leave
+    out counted one shard's loads (silently without check_vma; JAX's out_specs error with it); a layer
+    built with mesh= called inside a shard_map failed with JAX's mesh mismatch."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "ep"))
+    x = random_tokens(46).reshape(-1, HIDDEN)
+
+    def run(layer):
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        specs = jax.tree.map(lambda _: P(), params)
+        for name in ("w_gate_up", "w_down"):
+            specs[name] = P("ep")
+
+        def body(params, x):
+            return nnx.merge(graphdef, params, rest)(x, update_stats=False)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(("data", "ep"))),
+                                     out_specs=P(("data", "ep"))))(params, x)
+
+    with pytest.raises(EPValueError, match=r"x varies over the mesh axes \['data'\] of your shard_map, not "
+                                           r"among batch_axes=\('ep',\).* batch_axes=\('data', 'ep'\)"):
+        run(make_layer(None))
+    expected = nnx.jit(lambda m, x: m(x, update_stats=False))(make_layer(mesh), x)
+    np.testing.assert_allclose(np.asarray(run(make_layer(None, batch_axes=("data", "ep")))),
+                               np.asarray(expected), rtol=1e-5, atol=1e-6)
+    layer = make_layer(mesh)
+    with pytest.raises(EPValueError, match=r"built with mesh= and enters shard_map itself, but it is called "
+                                           r"inside a shard_map over \('data', 'ep'\): build it with"):
+        jax.shard_map(lambda x: layer(x, update_stats=False), mesh=mesh, in_specs=P(("data", "ep")),
+                      out_specs=P(("data", "ep")))(x)
+
+
 def test_wrong_expert_shard_inside_shard_map_is_an_error():
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     layer = make_layer(None)
