@@ -364,7 +364,7 @@ class MoE(nnx.Module):
         own ``shard_map``.
       axis_name: the mesh axis the experts are sharded over (the EP axis).
       batch_axes: mesh axes the tokens are sharded over (default: every axis of the mesh, e.g. data x ep;
-        with ``mesh=None``, ``(axis_name,)``: name every axis of your shard_map the tokens are split over,
+        with ``mesh=None``, the EP axes: name every axis of your shard_map the tokens are split over,
         else an error); the EP axes among them. Statistics are summed over them.
       ep: dispatch/combine options (``EPOptions``: capacity, expert alignment, dispatch dtype, backend,
         checked mode, CUDA kernel configuration). None: ``EPOptions()``.
@@ -490,7 +490,8 @@ class MoE(nnx.Module):
         self.mesh, self.axis_name, self.node_axis = mesh, axis_name, node_axis
         # tokens are split over every mesh axis by default (data x ep); experts over the EP axis only
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
-            tuple(mesh.axis_names) if mesh is not None else (axis_name,))
+            tuple(mesh.axis_names) if mesh is not None
+            else (axis_name,) if node_axis is None else (node_axis, axis_name))
         if mesh is not None and batch_axes is not None:
             self._check_batch_axes(batch_axes, mesh)
         self.gemm, self.gemm_dtype, self.fp8_weight_grad = gemm, gemm_dtype, fp8_weight_grad

@@ -755,6 +755,35 @@ def test_layer_matches_the_flat_layer(nodes, local):
     assert load_h.sum() == x.shape[0] * 3
 
 
+def test_layer_without_a_mesh_sums_its_statistics_over_both_axes():
+    """MoE(mesh=None, node_axis=...) inside the caller's shard_map over (node, local): batch_axes default to
+    both EP axes (before 2026-12-05 the local one only: the loads counted one node's tokens), the loads
+    equal the layer built with the mesh."""
+    _, hier = layer_pair(2, 2)
+    mesh = hier.mesh
+    routing = hier.routing
+    per_rank = moe.MoE(H, 8, routing, rngs=nnx.Rngs(0), axis_name="local", node_axis="node",
+                       ep=moe.EPOptions(backend="reference"))
+    assert per_rank.batch_axes == GROUP
+    x = jax.random.normal(jax.random.key(7), (4 * 2 * T, H), jnp.float32)
+    graphdef, params, rest = nnx.split(per_rank, nnx.Param, ...)
+    specs = jax.tree.map(lambda _: P(), params)
+    for name in ("w_gate_up", "w_down"):
+        specs[name] = P(GROUP)
+
+    def body(params, rest, x):
+        layer = nnx.merge(graphdef, params, rest)
+        out = layer(x)
+        return out, nnx.state(layer, nnx.Not(nnx.Param))
+
+    out, state = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(GROUP)),
+                                       out_specs=(P(GROUP), P())))(params, rest, x)
+    out_h = nnx.jit(lambda m, x: m(x))(hier, jax.device_put(x, NamedSharding(mesh, P(GROUP))))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_h), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state["last_load"][...]), np.asarray(hier.last_load[...]))
+    assert int(np.asarray(state["last_load"][...]).sum()) == x.shape[0] * K
+
+
 @pytest.mark.slow
 @parametrize_slow_tail("nodes,local", [(2, 4), (2, 1)])
 def test_layer_fp8_forward_matches_the_flat_fp8_layer(nodes, local):
