@@ -703,7 +703,8 @@ class MoE(nnx.Module):
 
     # ---------------------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, decode: bool | None = None,
-                 update_stats: bool | None = None, fp8_weights: ExpertFP8Weights | None = None) -> jax.Array:
+                 update_stats: bool | None = None, fp8_weights: ExpertFP8Weights | None = None,
+                 token_mask: jax.Array | None = None) -> jax.Array:
         """x: [..., hidden] (global if the layer has a mesh, this rank's tokens otherwise) -> [..., hidden]
         in x's dtype.
 
@@ -715,7 +716,10 @@ class MoE(nnx.Module):
         of quantising them in this call: the same result, gradients included (they flow to the bfloat16
         weights), without the per-call quantisation. On the decode path they put the expert GEMMs in FP8
         (half the weight bytes each step reads); without them decode runs its GEMMs in the compute dtype
-        (quantising the weights every step would read more than it saves)."""
+        (quantising the weights every step would read more than it saves). ``token_mask``: bool
+        ``x.shape[:-1]``, False for padding tokens: they go to no routed expert (no exchange, no capacity;
+        their routed output is 0, the shared expert's still added) and count in no statistic (loads,
+        bias update, aux loss)."""
         decode = self.decode if decode is None else bool(decode)
         if fp8_weights is not None:
             self._check_fp8_weights(fp8_weights)
@@ -727,6 +731,12 @@ class MoE(nnx.Module):
             raise EPValueError(f"MoE: x must be floating point, got {x.dtype}")
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden)
+        if token_mask is not None:
+            if getattr(token_mask, "shape", None) != lead or getattr(token_mask, "dtype", None) != jnp.bool_:
+                raise EPValueError(f"MoE: token_mask must be bool of x's token shape {lead}, got "
+                                   f"{getattr(token_mask, 'dtype', type(token_mask).__name__)}"
+                                   f"{tuple(getattr(token_mask, 'shape', ()))}")
+            token_mask = token_mask.reshape(-1)
         routed = tokens if self.dtype is None else tokens.astype(self.dtype)
         seq_len = lead[-1] if len(lead) >= 2 else None  # None: this rank's tokens are one sequence
         params = (self.router[...], self.w_gate_up[...], self.w_down[...], self.expert_bias[...],
@@ -745,8 +755,8 @@ class MoE(nnx.Module):
                     f"{self.batch_axes}: the loads, the bias update and the aux loss would count one "
                     f"shard's tokens; build the layer with batch_axes naming every axis the tokens are "
                     f"split over, e.g. batch_axes={tuple(missing) + tuple(self.batch_axes)}")
-            out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, seq_len=seq_len,
-                                                    decode=decode)
+            out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, token_mask,
+                                                    seq_len=seq_len, decode=decode)
         else:
             manual = _manual_axes()
             if manual:
@@ -765,11 +775,12 @@ class MoE(nnx.Module):
             body = jax.shard_map(
                 lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode), mesh=self.mesh,
                 in_specs=(batch, P(), experts, experts, P(), P(), P(),
-                          None if fp8_weights is None else experts, None if shared is None else (batch, P())),
+                          None if fp8_weights is None else experts, None if shared is None else (batch, P()),
+                          None if token_mask is None else batch),
                 out_specs=(batch, MoEStats(P(), P(), P(), P()), batch))
             # ordered as one EP call against the layer's other calls in this trace (overlap.region):
             # with a side-stream overlap, another call's EP calls could run beside its side calls
-            out, stats, shared_out = overlap.region(body, routed, *params, fp8_weights, shared,
+            out, stats, shared_out = overlap.region(body, routed, *params, fp8_weights, shared, token_mask,
                                                     side=self._side_calls(beside))
         out = out.astype(x.dtype)
         if self.shared is not None:
@@ -865,7 +876,7 @@ class MoE(nnx.Module):
         return jnp.zeros((self.num_experts,), bool).at[p2l].max(slots)
 
     def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None,
-                  shared=None, *, seq_len, decode=False):
+                  shared=None, token_mask=None, *, seq_len, decode=False):
         """The layer on this rank's tokens: (out, MoEStats, the shared expert's output or None). shared:
         (tokens, the shared expert's weights) to compute it here, beside the last combine, or None."""
         try:
@@ -930,6 +941,10 @@ class MoE(nnx.Module):
         with jax.named_scope(SCOPES["router"]):
             logits = router_logits(x, router)
             routing = route(logits, router_cfg, lax.stop_gradient(bias))
+            if token_mask is not None:   # padding: unused slots (-1) in every op and statistic
+                routing = routing._replace(
+                    topk_idx=jnp.where(token_mask[:, None], routing.topk_idx, -1),
+                    topk_weights=jnp.where(token_mask[:, None], routing.topk_weights, 0.0))
             topk_idx = routing.topk_idx
             if placement is not None:
                 # global token ids, so the replica choice does not repeat on every token shard
@@ -955,7 +970,8 @@ class MoE(nnx.Module):
         aux = jnp.zeros((), jnp.float32)
         if self.balancing.aux_loss_alpha:
             aux = sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
-                                    self.balancing.aux_loss_alpha, sequence_length=seq_len)
+                                    self.balancing.aux_loss_alpha, token_mask=token_mask,
+                                    sequence_length=seq_len)
             aux = lax.pmean(aux, self.batch_axes)
         return out, MoEStats(load, dropped, aux, slot_load), shared_out
 

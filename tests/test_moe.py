@@ -350,6 +350,41 @@ def test_inside_user_shard_map():
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_padding_tokens_go_nowhere_and_count_in_no_statistic(decode):
+    """layer(x, token_mask=m): a padding token (False) gets routed output 0 and no routed gradient, and is
+    left out of the loads, the bias update and the aux loss; the other tokens' outputs are the unmasked
+    call's (worst-case capacity: nothing dropped either way)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "ep"))
+    layer = make_layer(mesh, balancing=BalancingConfig(bias_update_rate=0.01, aux_loss_alpha=0.1))
+    x = random_tokens(47)                                             # [8, 4, H]
+    mask = np.random.default_rng(47).random(x.shape[:2]) < 0.6
+    mask[0] = False                                                   # one sequence all padding
+    step = nnx.jit(lambda m, x, k: m(x, token_mask=k, decode=decode, update_stats=True))
+    plain = np.asarray(nnx.jit(lambda m, x: m(x, decode=decode, update_stats=False))(layer, x))
+    bias = np.asarray(layer.expert_bias[...])
+    out = np.asarray(step(layer, x, jnp.asarray(mask)))
+    np.testing.assert_array_equal(out[~mask], 0.0)
+    np.testing.assert_allclose(out[mask], plain[mask], rtol=1e-6, atol=1e-7)
+    routing = gating.route(x.reshape(-1, HIDDEN) @ layer.router[...], layer.routing, jnp.asarray(bias))
+    idx = np.where(mask.reshape(-1, 1), np.asarray(routing.topk_idx), -1)
+    loads = np.asarray(balancing.expert_counts(jnp.asarray(idx), EXPERTS))
+    np.testing.assert_array_equal(np.asarray(layer.last_load[...]), loads)
+    assert loads.sum() == mask.sum() * TOPK
+    np.testing.assert_allclose(np.asarray(layer.expert_bias[...]) - bias,
+                               0.01 * np.sign(loads.mean() - loads), atol=1e-7)
+    if not decode:
+        want = balancing.sequence_aux_loss(routing.scores.reshape(8, 4, EXPERTS), jnp.asarray(idx).reshape(
+            8, 4, TOPK), EXPERTS, 0.1, token_mask=jnp.asarray(mask))
+        np.testing.assert_allclose(float(layer.aux_loss), float(want), rtol=1e-5)
+        grad = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x, token_mask=jnp.asarray(mask),
+                                                       update_stats=False) ** 2), argnums=1))(layer, x)
+        assert not np.asarray(grad)[~mask].any() and np.asarray(grad)[mask].any()
+    with pytest.raises(EPValueError, match=r"token_mask must be bool of x's token shape \(8, 4\), got "
+                                           r"float32\(8, 4\)"):
+        step(layer, x, jnp.asarray(mask, jnp.float32))
+
+
 def test_layer_calls_in_the_wrong_shard_map_name_the_fix():
     """Found by a review (2026-12-05): a mesh=None layer on tokens split over an axis its batch_axes leave
     out counted one shard's loads (silently without check_vma; JAX's out_specs error with it); a layer
