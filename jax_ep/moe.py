@@ -747,14 +747,6 @@ class MoE(nnx.Module):
         shards = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
         self._check_sequences(x.shape, tokens.shape[0], shards, seq_len)
         if self.mesh is None:
-            # the statistics sum over batch_axes: tokens that vary over another axis would be left out
-            missing = [a for a in varying_axes(tokens) if a not in self.batch_axes]
-            if missing:
-                raise EPValueError(
-                    f"MoE: x varies over the mesh axes {missing} of your shard_map, not among batch_axes="
-                    f"{self.batch_axes}: the loads, the bias update and the aux loss would count one "
-                    f"shard's tokens; build the layer with batch_axes naming every axis the tokens are "
-                    f"split over, e.g. batch_axes={tuple(missing) + tuple(self.batch_axes)}")
             out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, token_mask,
                                                     seq_len=seq_len, decode=decode)
         else:
@@ -886,6 +878,14 @@ class MoE(nnx.Module):
                 "" if self.node_axis is None else f" (node_axis={self.node_axis!r})") + " is not bound here: "
                 "built without a mesh, the layer must be called inside a shard_map over it") from e
         rank = lax.axis_index(self.ep_axes)  # node-major on the hierarchical path
+        # the statistics sum over batch_axes: tokens that vary over another axis would be left out
+        missing = [a for a in varying_axes(x) if a not in self.batch_axes]
+        if missing:
+            raise EPValueError(
+                f"MoE: x varies over the mesh axes {missing} of your shard_map, not among batch_axes="
+                f"{self.batch_axes}: the loads, the bias update and the aux loss would count one "
+                f"shard's tokens; build the layer with batch_axes naming every axis the tokens are "
+                f"split over, e.g. batch_axes={tuple(missing) + tuple(self.batch_axes)}")
         if decode and self.node_axis is not None:
             raise EPUnsupportedError(_NO_HIERARCHICAL_DECODE)
         if rank_mask is not None:
