@@ -56,6 +56,14 @@ of it: the bytes of weights a step must move per rank (W: the local experts' bf1
 gradient written once; 2W for cached FP8 weights; ``weight_floor_bytes``) over the read bandwidth measured
 at the start of the run (``read_gbps``: a lower bound, as writes are no faster). With few rows per expert
 (DeepSeek-V3 at EP1: 128) it exceeds the dense dots' time, and the step cannot reach the roofline.
+The read is timed after at least ``READ_SUSTAIN_S`` of back-to-back reads on a GPU whatever ``--sustain``
+says (``read_sustain_s``): a burst read 3.29 TB/s where sustained reads gave 4.05-4.17 on one H200
+(2026-12-05), which would put a floor 23% above what the hardware does. ``roofline_flops`` adds the
+shared expert's dots to ``gemm_flops`` (the roofline times both), ``roofline_tflops`` is their rate in
+the roofline's dots, and ``spec_ratio`` the step against the same FLOPs at the device's published dense
+bf16 peak (``SPEC_BF16_TFLOPS``, where known): the dots' measured rate moves with the clocks (613-761
+TF/s on one H200 across runs), the spec does not. Each expert's rows are padded to the GEMM's alignment
+in the step, not in the roofline (real rows only).
 ``gemm_ms`` is the layer's expert block (both grouped GEMMs and SwiGLU, forward and backward) timed alone
 on one device at the per-rank shapes; ``gemm_tflops`` the expert-GEMM FLOPs over it. ``split_ms`` sums
 the device time of the GPU events of device 0 (all streams, so overlapping streams add up) by the layer's
@@ -306,6 +314,16 @@ def roofline_seconds(rows: int, hidden: int, ffn: int, dtype, iters: int, repeat
         return out, vjp(g)
 
     return best_of(dense_step, x, w1, w2, g, iters=iters, repeats=repeats, sustain_s=sustain_s)
+
+
+READ_SUSTAIN_S = 1.0   # the read bandwidth's sustained warm-up on a GPU (the weight floor's divisor)
+# dense bf16 tensor-core peaks as published (TF/s, no sparsity), by the start of jax's device_kind
+SPEC_BF16_TFLOPS = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4}
+
+
+def spec_tflops(device_kind: str) -> float | None:
+    """The published dense bf16 peak of a device kind (SPEC_BF16_TFLOPS), None where unknown."""
+    return next((v for k, v in SPEC_BF16_TFLOPS.items() if device_kind.startswith(k)), None)
 
 
 def read_bytes_per_second(nbytes: int, iters: int, repeats: int, sustain_s: float = 0.0) -> float:
@@ -753,7 +771,11 @@ def bench_decode(mesh: Mesh, shape, config: str, iters: int, repeats: int, share
                                                                options["gemm"], iters, repeats,
                                                                bool(options.get("fp8_cached")), sustain_s)
     record.setdefault("clocks", {})["experts"] = experts_clocks.summary()
-    record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes)
+    fp8 = bool(options.get("fp8_cached"))
+    local = experts // ep
+    scale_bytes = 4 * local * 3 * (hidden // 128) * (ffn // 128) if fp8 else 0   # one float32 per 128 x 128
+    record.update(experts_ms=1e3 * grouped, experts_einsum_ms=1e3 * einsum, expert_weight_bytes=weight_bytes,
+                  experts_read_bytes=weight_bytes // 2 + scale_bytes if fp8 else weight_bytes)
     return record
 
 
@@ -898,6 +920,7 @@ def _main(args, save) -> list[dict]:
     names = args.layer_shapes.split(",") if args.layer_shapes else (
         ["small"] if platform == "cpu" else ["mid", "deepseek"])
     device = f"{len(devices)}x {devices[0].device_kind}"
+    spec = spec_tflops(devices[0].device_kind) if platform == "gpu" else None
     today = datetime.date.today().isoformat()
     sustain = getattr(args, "sustain", 0.0)
     records = []
@@ -937,14 +960,16 @@ def _main(args, save) -> list[dict]:
                 roof += 1e3 * roofline_seconds(tokens, hidden, shared_ffn, jnp.bfloat16, args.iters,
                                                args.repeats, sustain)
         gemm_flops = 3 * 3 * 2 * rows * hidden * ffn    # 3 GEMMs x (forward + 2 backward)
+        roofline_flops = gemm_flops + 3 * 3 * 2 * tokens * hidden * shared_ffn   # + the shared expert's
         local = experts // mesh.size
         # w1 [H, 2F] and w2 [F, H] in bf16: the local experts' (as decode's records count them), and with the
         # shared expert's for the floor, which moves both
         weight_bytes = local * ffn * 3 * hidden * 2
         moved_weight_bytes = weight_bytes + shared_ffn * 3 * hidden * 2
         if read_gbps is None:   # once per run: the memory roof (2 GiB on a GPU: well past the L2)
+            read_sustain = max(sustain, READ_SUSTAIN_S) if platform == "gpu" else sustain
             read_gbps = read_bytes_per_second(2 << 30 if platform == "gpu" else 64 << 20, args.iters,
-                                              args.repeats, sustain) / 1e9
+                                              args.repeats, read_sustain) / 1e9
         capacity = EPConfig(experts, topk, hidden, tokens).worst_case_capacity(mesh.size)  # before alignment
         for config in wanted:
             r = bench_layer(mesh, shape, config, args.iters, args.repeats, args.profile, shared_ffn, sustain)
@@ -962,7 +987,10 @@ def _main(args, save) -> list[dict]:
                      weight_floor_ms=None if floor is None else floor / read_gbps / 1e6,
                      gemm_tflops=None if not gemm_ms else gemm_flops / gemm_ms / 1e9,
                      roofline_ratio=None if r["step_ms"] is None else r["step_ms"] / roof,
-                     device=device, date=today, sustain_s=sustain)
+                     roofline_flops=roofline_flops, roofline_tflops=roofline_flops / roof / 1e9,
+                     spec_tflops=spec, spec_ratio=None if r["step_ms"] is None or spec is None
+                     else r["step_ms"] / (roofline_flops / spec / 1e9),
+                     read_sustain_s=read_sustain, device=device, date=today, sustain_s=sustain)
             records.append(r)
             save(records)
             print(f"  {name} {config}: {r['step_ms'] if r['step_ms'] is None else round(r['step_ms'], 2)} ms"

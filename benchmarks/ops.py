@@ -43,8 +43,11 @@ table and the records also carry DeepEP V1's published figures for it (2x H200, 
 
 Bytes: ``logical`` counts one copy of each token's row per destination rank (self included) — what the
 op delivers; ``wire`` counts only the copies that leave the rank (what must cross NVLink). Both are
-per rank. ``pct_of_peak`` compares wire GB/s with a device-to-device copy measured at the start of the
-same run (GPUs only).
+per rank. ``logical_gbps`` / ``wire_gbps`` divide by the wall time of a call (``us``, the median, launch
+and host included); ``wire_gbps_device`` by its profiled device time (``device_us``, ``--profile``): the
+kernels' own rate, the one to set beside device times and NVLink (before 2026-12-05 the tables printed
+wall-time GB/s beside device µs). ``pct_of_peak`` compares wire GB/s with a device-to-device copy
+measured at the start of the same run (GPUs only), ``pct_of_peak_device`` the device rate.
 """
 
 from __future__ import annotations
@@ -390,7 +393,7 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                        for r in range(ep_size)]
     pairs = np.mean([lay.sum() for lay in per_rank_layout])
     remote = np.mean([lay.sum() - lay[r] for r, lay in enumerate(per_rank_layout)])
-    row_bytes = {"dispatch": hidden * BYTES[dtype] + (4 * hidden // 128 if dtype != "bfloat16" else 0),
+    row_bytes = {"dispatch": hidden * BYTES[dtype] + (4 * -(-hidden // 128) if dtype != "bfloat16" else 0),
                  "combine": hidden * 2}
     row_bytes.update(broadcast=hidden * 2, combine_bwd=hidden * 2, broadcast_in_place=hidden * 2,
                      combine_bwd_in_place=hidden * 2, layout=None, slot_values=None)
@@ -419,6 +422,8 @@ def bench_shape(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repe
                             ep_size=ep_size, us=1e6 * seconds, device_us=device_us.get(op),
                             logical_gbps=None if moved is None else pairs * moved / seconds / 1e9,
                             wire_gbps=None if moved is None else remote * moved / seconds / 1e9,
+                            wire_gbps_device=None if moved is None or not device_us.get(op)
+                            else remote * moved / device_us[op] / 1e3,
                             num_sms=num_sms, measured=True))
         if num_sms is not None:  # the CUDA kernels ran: whether they pulled their rows, and the setting
             records[-1].update(pull_fields(names.get(op, op), dispatch_op, cfg, ep_size))
@@ -650,14 +655,16 @@ def print_table(records) -> None:
         return "" if value is None else format(value, fmt)
 
     print(f"{'op':21}{'backend':23}{'layout':13}{'dtype':14}{'T/rank':>7}{'H':>6}{'K':>3}{'E':>5}{'EP':>4}"
-          f"{'SMs':>5}{'us':>11}{'device us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}")
+          f"{'SMs':>5}{'us':>11}{'device us':>11}{'logical GB/s':>14}{'wire GB/s':>11}{'% peak':>8}"
+          f"{'dev wire GB/s':>15}{'% peak':>8}")
     for r in records:
         backend = r["backend"] + (" (pull)" if r.get("pull") else "")
         print(f"{r['op']:21}{backend:23}{r['layout']:13}{r['dtype']:14}{r['tokens_per_rank']:>7}"
               f"{r['hidden']:>6}{r['topk']:>3}{r['num_experts']:>5}{r['ep_size']:>4}"
               f"{num(r['num_sms'], 'd'):>5}"
               f"{r['us']:>11.1f}{num(r.get('device_us'), '.1f'):>11}{gbps(r['logical_gbps']):>14}"
-              f"{gbps(r['wire_gbps']):>11}{num(r['pct_of_peak'], '.0f'):>8}")
+              f"{gbps(r['wire_gbps']):>11}{num(r['pct_of_peak'], '.0f'):>8}"
+              f"{gbps(r.get('wire_gbps_device')):>15}{num(r.get('pct_of_peak_device'), '.0f'):>8}")
     if any(not r["measured"] for r in records):
         print(f"{PUBLISHED_BACKEND}: DeepEP V1's figures as published (2x H200, 24 SMs, rank-major output), "
               "not measured in this run")
@@ -926,7 +933,9 @@ def main(argv=None) -> list[dict]:
                 for r in recs:
                     r.update(device=device_name, date=today, peer_copy_gbps=peak,
                              pct_of_peak=None if peak is None or r["wire_gbps"] is None
-                             else 100 * r["wire_gbps"] / peak)
+                             else 100 * r["wire_gbps"] / peak,
+                             pct_of_peak_device=None if peak is None or not r.get("wire_gbps_device")
+                             else 100 * r["wire_gbps_device"] / peak)
                 records.extend(recs)
                 write_records(records, args.out, quiet=True)
     records.extend(published_records(shapes, dtypes))

@@ -215,7 +215,7 @@ def _live_row_blocks(block, name, live_rows, operands, per_row, outputs, interpr
 def quantize_rows_fits(shape) -> bool:
     """Whether quantize_gemm_rows' kernel takes rows of this [M, K] shape (and Pallas addresses them)."""
     m, k = shape
-    return k % FP8_BLOCK == 0 and m % QUANTIZE_ROWS == 0 and _pallas_indexes(m * k)
+    return m > 0 and k % FP8_BLOCK == 0 and m % QUANTIZE_ROWS == 0 and _pallas_indexes(m * k)
 
 
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -454,7 +454,12 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     if not _dw_kernel_fits(c, n):
         raise EPValueError(f"fp8_weight_gradient: the Hopper kernel needs N % {2 * FP8_BLOCK} == 0 and "
                            f"C % 64 == 0, got C={c}, N={n}")
-    operands = quantize_weight_gradient_operands(x, dy, group_sizes, x_scales=x_scales, backend="pallas")
+    # the Triton quantiser where Pallas addresses both operands and their padded copies, else XLA's (the
+    # same layout and bits, which the kernel reads alike)
+    p = padded_block_rows(m, group_sizes.shape[0])
+    fits = all(_pallas_indexes(m * width) and _pallas_indexes(width * p) for width in (c, n))
+    operands = quantize_weight_gradient_operands(x, dy, group_sizes, x_scales=x_scales,
+                                                 backend="pallas" if fits else "reference")
     dw = weight_gradient_kernel(operands, m, kernel=kernel, out_dtype=out_dtype, num_sms=num_sms)
     return vary_as(dw, x, dy)   # a kernel's result is typed invariant; it is per rank
 

@@ -165,6 +165,12 @@ def kernel_unfit(shape, tiling: Tiling = TILING) -> str:
     """'' when the Pallas kernels take a gate|up buffer of this [M, 2F] shape, else why not."""
     m, width = shape
     f = width // 2
+    for name in ("rows", "cols"):   # Triton blocks are powers of 2
+        size = getattr(tiling, name)
+        if size < 1 or size & (size - 1):
+            return f"Tiling.{name}={size} is not a power of 2"
+    if m == 0 or f == 0:            # (a grid of no programs)
+        return f"gate_up {tuple(shape)} has no elements"
     if m % tiling.rows:
         return f"its rows M={m} are not a multiple of {tiling.rows}"
     if f % 64:

@@ -91,6 +91,28 @@ def test_fp8_gemms_check_dtypes_and_dims_before_reading_them():
         fp8(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), x_fp8=(xq, xs.astype(jnp.int32)))
 
 
+def test_fp8_weight_gradient_quantises_with_xla_where_pallas_cannot_address_the_rows(monkeypatch):
+    """Found by a review (2026-12-05): with rows of 2**31 <= M * C <= 2**32 one-byte elements the FP8 weight
+    gradient raised (quantize_rows_t's Triton kernel cannot address them) where the other Pallas users
+    fall back to XLA's quantiser; traced for the Hopper path here (GPU-only checks bypassed)."""
+    from jax_ep import gemm as gemm_mod
+
+    monkeypatch.setattr(gemm_fp8, "_kernel_platform", lambda: "")
+    monkeypatch.setattr(gemm_mod, "_kernel_platform", lambda: "")
+    S = jax.ShapeDtypeStruct
+    c, n, g = 7168, 512, 4
+    assert not gemm_fp8.quantize_rows_fits((300032, c)) and gemm_fp8.quantize_rows_fits((0 + 2048, c))
+    assert not gemm_fp8.quantize_rows_fits((0, c))
+    for m in (2048, 300032):
+
+        def loss(x, w, gs):
+            out = gemm_fp8.fp8_grouped_matmul(x, w, gs, backend="mosaic_gpu", weight_grad="fp8")
+            return jnp.sum(out.astype(jnp.float32))
+
+        jax.jit(jax.grad(loss, argnums=(0, 1))).trace(S((m, c), jnp.bfloat16), S((g, c, n), jnp.bfloat16),
+                                                     S((g,), jnp.int32))
+
+
 def test_weight_blocks_quantise_each_128_block_to_its_own_scale():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((2, 256, 384)).astype(np.float32)

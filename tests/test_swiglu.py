@@ -118,6 +118,11 @@ def test_arguments_it_refuses_name_the_value():
         swiglu(jnp.ones((64, 128)), 3, row_scale=jnp.ones((64,), jnp.bfloat16))
     assert kernel_unfit((128, 2 * 96)) == "its half width F=96 is not a multiple of 64"
     assert kernel_unfit((128, 256)) == ""
+    # found by a review (2026-12-05): no rows was taken (a grid of no programs; interpret mode failed),
+    # and a tiling Triton refuses only at lowering
+    assert kernel_unfit((0, 256)) == "gate_up (0, 256) has no elements"
+    assert kernel_unfit((96, 256), Tiling(rows=48)) == "Tiling.rows=48 is not a power of 2"
+    assert kernel_unfit((128, 384), Tiling(cols=96)) == "Tiling.cols=96 is not a power of 2"
 
 
 def test_the_expert_block_with_the_pallas_swiglu_matches_xla(monkeypatch):
