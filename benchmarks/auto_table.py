@@ -168,10 +168,16 @@ def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) ->
             continue
         pts.sort(key=lambda p: (p["ep_size"], p["tokens"], p["dtype"], p["num_experts"]))
         sizes = sorted({p["ep_size"] for p in pts})
-        ops.setdefault(op, {})[layout] = {
+        entry = ops.setdefault(op, {})[layout] = {
             "min_tokens": {str(e): auto_table.min_tokens([p for p in pts if p["ep_size"] == e])
                            for e in sizes},
             "points": pts}
+        dtypes = sorted({p["dtype"] for p in pts})
+        if len(dtypes) > 1:   # a decision per wire dtype, at the EP sizes that dtype was measured on
+            entry["min_tokens_by_dtype"] = {
+                d: {str(e): auto_table.min_tokens(mine) for e in sizes
+                    if (mine := [p for p in pts if p["ep_size"] == e and p["dtype"] == d])}
+                for d in dtypes}
     return {
         "written_by": "python -m benchmarks.auto_table",
         "date": datetime.date.today().isoformat(),
@@ -233,11 +239,13 @@ def layer_preferences(layer_records: list[dict]) -> tuple[dict[str, dict], set[s
 
 
 def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
-          layer_records: list[dict] | None = None, replace: bool = False) -> dict:
+          layer_records: list[dict] | None = None, replace: bool = False, rederive: bool = False) -> dict:
+    """The table from a run's records (see the module docstring); ``rederive``: no records, the table's
+    own points decided again (after a change of the rule), its vetoes and preferences kept."""
     points = points_of(records)
     pulled = pull_points_of(records)
     measured = {str(p["ep_size"]) for pts in points.values() for p in pts}
-    if not measured and not pulled and not layer_records:
+    if not measured and not pulled and not layer_records and not rederive:
         raise ValueError("no op has both a cuda and a reference record, nor a pushed and a pulled one: "
                          "nothing to decide")
     prior = json.loads(path.read_text()) if path.exists() else None
@@ -268,15 +276,26 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
         table["layer_prefers"] = prefers
     for op, layouts in table["ops"].items():
         for entry in layouts.values():
+            # the layer's word applies to every decision of the entry: pooled and per wire dtype
+            by_dtype = entry.get("min_tokens_by_dtype", {})
             for ep in set(entry["min_tokens"]) & set(vetoes):
                 if op != "layout":
                     entry.setdefault("min_tokens_ops", {})[ep] = entry["min_tokens"][ep]
                     entry["min_tokens"][ep] = None
+                    for decisions in by_dtype.values():
+                        if ep in decisions:
+                            decisions[ep] = None
             for ep in set(entry["min_tokens"]) & set(prefers):
-                decision, tokens = entry["min_tokens"][ep], prefers[ep]["tokens"]
-                if op in LAYER_OPS and (decision is None or decision > tokens):
+                tokens = prefers[ep]["tokens"]
+                if op not in LAYER_OPS:
+                    continue
+                decision = entry["min_tokens"][ep]
+                if decision is None or decision > tokens:
                     entry.setdefault("min_tokens_ops", {})[ep] = decision
                     entry["min_tokens"][ep] = tokens
+                for decisions in by_dtype.values():
+                    if ep in decisions and (decisions[ep] is None or decisions[ep] > tokens):
+                        decisions[ep] = tokens
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
 
@@ -292,12 +311,14 @@ def main(argv=None) -> None:
     parser.add_argument("--layer", help="records of python -m benchmarks --layer")
     parser.add_argument("--replace", action="store_true",
                         help="drop the table's points of EP sizes this run did not measure")
+    parser.add_argument("--rederive", action="store_true",
+                        help="no records: decide the table's own points again (after a change of the rule)")
     parser.add_argument("--table", default=str(auto_table.TABLE_FILE),
                         help="the table to update (default: the shipped one, jax_ep/auto_table.json); "
                              "a copy elsewhere shows a run's decisions without changing it")
     args = parser.parse_args(argv)
-    if not args.ops and not args.layer:
-        parser.error("give op record files, --layer, or both")
+    if not args.ops and not args.layer and not args.rederive:
+        parser.error("give op record files, --layer, or both (or --rederive)")
     if args.replace and not args.ops:
         parser.error("--replace drops the table's points: it needs op record files")
     records = [r for f in args.ops for r in json.loads(pathlib.Path(f).read_text())]
@@ -305,11 +326,14 @@ def main(argv=None) -> None:
     path = pathlib.Path(args.table)
     if path != auto_table.TABLE_FILE and not path.exists() and auto_table.TABLE_FILE.exists():
         path.write_text(auto_table.TABLE_FILE.read_text())   # a copy of the shipped table, updated
-    table = write(records, path, layer_records=layer, replace=args.replace)
+    table = write(records, path, layer_records=layer, replace=args.replace, rederive=args.rederive)
     for op, layouts in table["ops"].items():
         for layout, entry in layouts.items():
             for ep, tokens in entry["min_tokens"].items():
                 print(f"{op} {layout} EP{ep}: kernel from {tokens} tokens per rank")
+            for dtype, decisions in entry.get("min_tokens_by_dtype", {}).items():
+                for ep, tokens in decisions.items():
+                    print(f"{op} {layout} EP{ep} {dtype}: kernel from {tokens} tokens per rank")
     for knob, entry in table.get("pull", {}).items():
         for ep, by_sms in entry["min_tokens"].items():
             for sms, tokens in by_sms.items():

@@ -5,7 +5,11 @@ The table is written from benchmark records (``python -m benchmarks.auto_table o
 bench_layer.json``), never by hand: for every op and output layout, the device time of the kernel and
 of the reference at each measured shape, token count and EP size, and the decisions derived from them
 per measured EP size, ``min_tokens``: the kernel is taken from that many tokens per rank up (0:
-always; null: never). A layer step measured slower with the kernels vetoes the communicating ones at
+always; null: never); where an op was measured with rows of several wire dtypes (the dispatch ops:
+bf16 and FP8), ``min_tokens_by_dtype`` holds the same decision per wire dtype, which a call of that
+dtype takes (before 2026-12-05 one decision pooled both: the FP8 rank-major dispatch, 1.6-2x faster than
+the reference from 512 tokens on one GPU, was never taken because of one bf16 point 3% slower). A
+layer step measured slower with the kernels vetoes the communicating ones at
 that EP size ("vetoed" says why); one measured faster with every kernel than with this table's choice
 takes the layer ops' kernels from its tokens per rank up ("layer_prefers" says why). A call on an EP
 size the table has no decision for takes that of the nearest measured multi-GPU size (the largest
@@ -72,17 +76,22 @@ def decided_by(op: str, layout: str, ep_size: int) -> str:
     return op if decision_ep_size(sorted(_decisions(op, layout)), ep_size) is not None else plain
 
 
-def _decisions(op: str, layout: str) -> dict[int, int | None]:
-    """{measured EP size: min_tokens} of `op`'s own entry ({} when it has none)."""
+def _decisions(op: str, layout: str, wire_dtype: str | None = None) -> dict[int, int | None]:
+    """{measured EP size: min_tokens} of `op`'s own entry ({} when it has none); those of its rows of
+    ``wire_dtype`` where the entry has points of several wire dtypes (``min_tokens_by_dtype``)."""
     entry = table().get("ops", {}).get(op, {}).get(layout)
-    return {} if entry is None else {int(k): v for k, v in entry["min_tokens"].items()}
+    if entry is None:
+        return {}
+    decisions = entry.get("min_tokens_by_dtype", {}).get(wire_dtype, entry["min_tokens"])
+    return {int(k): v for k, v in decisions.items()}
 
 
-def kernel_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
+def kernel_faster(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: str | None = None) -> bool:
     """Whether the kernel of `op` measured faster than the reference at `tokens` tokens per rank on
     `ep_size` GPUs (or the EP size whose decision stands for it: decision_ep_size; the entry of
-    decided_by)."""
-    decisions = _decisions(decided_by(op, layout, ep_size), layout)
+    decided_by), with rows of ``wire_dtype`` on the wire where the table decided per wire dtype (the
+    dispatch ops' bf16 and FP8 rows: one kernel can win at one and lose at the other), else over all."""
+    decisions = _decisions(decided_by(op, layout, ep_size), layout, wire_dtype)
     size = decision_ep_size(sorted(decisions), ep_size)
     return size is not None and decisions[size] is not None and tokens >= decisions[size]
 

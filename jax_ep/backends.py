@@ -91,8 +91,9 @@ class Backend:
       available: () -> (usable, why not): whether it can run in this process.
       unsupported: (op, cfg, ep_size, dtype) -> why its kernel of ``op`` cannot run that call (None
         when it can).
-      faster: (op, layout, tokens per rank, ep_size) -> whether 'auto' takes it for that call (its
-        kernel measured faster than the reference, ``jax_ep.auto_table``); None: 'auto' never does.
+      faster: (op, layout, tokens per rank, ep_size, wire_dtype) -> whether 'auto' takes it for that
+        call (its kernel measured faster than the reference, ``jax_ep.auto_table``; ``wire_dtype``: the
+        rows' dtype on the wire, a name as "bfloat16"); None: 'auto' never does.
         ``op`` is the op's name, for a form of another op (``jax_ep.ops.Op.form_of``) the form's;
         ``unsupported`` and ``form`` get the name of the function that runs it (``Op.function``).
       form: (op, cfg, ep_size) -> how its kernel of ``op`` runs that call where it has a choice (the
@@ -104,7 +105,7 @@ class Backend:
     platforms: tuple[str, ...] = ()
     available: Callable[[], tuple[bool, str]] = _can_run_anywhere
     unsupported: Callable[..., str | None] = _supports_everything
-    faster: Callable[[str, str, int, int], bool] | None = None
+    faster: Callable[[str, str, int, int, str], bool] | None = None
     form: Callable[..., str | None] = _no_form
 
     def functions(self):
@@ -138,10 +139,10 @@ def _cuda_unsupported(op: str, cfg: EPConfig, ep_size: int, dtype) -> str | None
     return cuda_backend.unsupported(op, cfg, ep_size, dtype)
 
 
-def _cuda_faster(op: str, layout: str, tokens: int, ep_size: int) -> bool:
+def _cuda_faster(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: str) -> bool:
     from jax_ep import auto_table
 
-    return auto_table.kernel_faster(op, layout, tokens, ep_size)
+    return auto_table.kernel_faster(op, layout, tokens, ep_size, wire_dtype)
 
 
 def _cuda_form(op: str, cfg: EPConfig, ep_size: int) -> str | None:

@@ -152,9 +152,47 @@ def test_decision_ep_size(measured, ep_size, want):
 
 
 def _record(op, backend, tokens, us, ep_size, **kw):
-    return dict(op=op, backend=backend, layout="expert_major", dtype="bfloat16", tokens_per_rank=tokens,
-                hidden=256, topk=2, num_experts=8, ep_size=ep_size, device_us=us,
-                device=f"{ep_size}x GPU", date="2026-11-24", **kw)
+    return dict(dict(op=op, backend=backend, layout="expert_major", dtype="bfloat16", tokens_per_rank=tokens,
+                     hidden=256, topk=2, num_experts=8, ep_size=ep_size, device_us=us,
+                     device=f"{ep_size}x GPU", date="2026-11-24"), **kw)
+
+
+def test_the_dispatch_ops_are_decided_per_wire_dtype(monkeypatch, tmp_path):
+    """An op measured with bf16 and FP8 rows gets a decision per wire dtype (min_tokens_by_dtype), which
+    a call of that dtype takes; others take the pooled one. Before 2026-12-05 one decision pooled both:
+    the shipped table never took the FP8 rank-major dispatch on one GPU (1.6-2x faster than the reference
+    from 512 tokens) because of one bf16 point 3% slower. A layer veto or preference applies to both."""
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    fp8 = dict(dtype="float8_e4m3fn")
+    ep1 = [_record("dispatch", "cuda", 512, 10.0, 1), _record("dispatch", "reference", 512, 20.0, 1),
+           _record("dispatch", "cuda", 8192, 99.0, 1), _record("dispatch", "reference", 8192, 96.0, 1),
+           _record("dispatch", "cuda", 512, 10.0, 1, **fp8),
+           _record("dispatch", "reference", 512, 20.0, 1, **fp8),
+           _record("dispatch", "cuda", 8192, 50.0, 1, **fp8),
+           _record("dispatch", "reference", 8192, 100.0, 1, **fp8)]
+    table = writer.write(ep1, path)
+    entry = table["ops"]["dispatch"]["expert_major"]
+    assert entry["min_tokens"] == {"1": None}
+    assert entry["min_tokens_by_dtype"] == {"bfloat16": {"1": None}, "float8_e4m3fn": {"1": 0}}
+    monkeypatch.setattr(auto_table, "TABLE_FILE", path)
+    auto_table.table.cache_clear()
+    try:
+        assert auto_table.kernel_faster("dispatch", "expert_major", 8192, 1, "float8_e4m3fn")
+        assert not auto_table.kernel_faster("dispatch", "expert_major", 8192, 1, "bfloat16")
+        assert not auto_table.kernel_faster("dispatch", "expert_major", 8192, 1, "float32")   # pooled
+        assert not auto_table.kernel_faster("dispatch", "expert_major", 8192, 1)
+        cfg = _cfg().replace(max_tokens_per_rank=8192)
+        assert OPS["dispatch"].kernel_by_default(cfg.replace(dispatch_dtype="float8_e4m3fn"), 1)
+        assert not OPS["dispatch"].kernel_by_default(cfg, 1)
+    finally:
+        auto_table.table.cache_clear()
+    layer = [dict(op="moe_layer", shape="mid", config=c, ep_size=1, step_ms=ms)
+             for c, ms in (("ep_cuda", 7.0), ("ep_reference", 6.0))]
+    table = writer.write(ep1, path, layer_records=layer)      # vetoed: every decision
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens_by_dtype"]["float8_e4m3fn"] == {"1": None}
+    assert writer.write([], path, rederive=True)["vetoed"]     # kept when the points are decided again
 
 
 def test_writer_keeps_other_ep_sizes_and_vetoes_per_ep_size(tmp_path):

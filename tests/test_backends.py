@@ -68,7 +68,7 @@ def test_auto_takes_a_measured_backend_that_runs_on_the_platform_of_the_call(mir
     calls, _ = mirror
     faster = {"dispatch"}
     backends.register(backends.Backend("mirror", "mirror_backend", platforms=("cpu",),
-                                       faster=lambda op, layout, tokens, ep: op in faster))
+                                       faster=lambda op, layout, tokens, ep, dtype: op in faster))
     cfg = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="auto")
     plans = jax_ep.explain(cfg, 2, ops=["dispatch", "combine"])
     assert plans["dispatch"].impl == "mirror", plans
@@ -82,7 +82,7 @@ def test_auto_takes_a_measured_backend_that_runs_on_the_platform_of_the_call(mir
     assert calls == {"dispatch": 2}, calls  # combine ran on the reference
     faster.add("combine")
     backends.register(backends.Backend("mirror", "mirror_backend", platforms=("tpu",),
-                                       faster=lambda op, layout, tokens, ep: True))
+                                       faster=lambda op, layout, tokens, ep, dtype: True))
     assert "mirror: the platform of the call is 'cpu', not 'tpu'" in \
         jax_ep.explain(cfg, 2, ops=["combine"])["combine"].reason
 
