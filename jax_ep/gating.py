@@ -80,8 +80,6 @@ class RouterConfig:
       routed_scaling_factor: multiplies the final weights (DeepSeek-V3 uses 2.5 with sigmoid scores).
       num_groups: G contiguous expert groups for group-limited routing (1 = no groups).
       topk_groups: groups each token may use; None (default): every group, no limit (`groups_per_token`).
-      group_score: how a group is scored for `topk_groups`: "top2_sum" (default, DeepSeek-V3: the sum of
-        its two best selection scores) or "max" (DeepSeek-V2: its best one).
       max_ranks_per_token: EP ranks one token may reach (None = no cap; a value >= ep_size is no cap).
       ep_size: EP ranks the experts are spread over, contiguously (expert e on rank e // (E // ep_size));
         only the rank and node caps use it. The MoE layer sets it to its EP size.
@@ -92,6 +90,8 @@ class RouterConfig:
         cap uses it.
       max_nodes_per_token: nodes one token may reach (DeepSeek-V3's node-limited routing; None = no cap;
         a value >= the number of nodes, ep_size / ranks_per_node, is no cap). Needs ranks_per_node.
+      group_score: how a group is scored for `topk_groups`: "top2_sum" (default, DeepSeek-V3: the sum of
+        its two best selection scores) or "max" (DeepSeek-V2: its best one).
     """
 
     num_experts: int
@@ -101,11 +101,11 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     num_groups: int = 1
     topk_groups: int | None = None
-    group_score: str = "top2_sum"
     max_ranks_per_token: int | None = None
     ep_size: int = 1
     ranks_per_node: int | None = None
     max_nodes_per_token: int | None = None
+    group_score: str = "top2_sum"   # last: added 2026-12-05, positional arguments keep their meaning
 
     def __post_init__(self):
         for name in ("num_experts", "num_topk", "num_groups", "ep_size"):

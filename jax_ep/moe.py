@@ -364,8 +364,10 @@ class MoE(nnx.Module):
         own ``shard_map``.
       axis_name: the mesh axis the experts are sharded over (the EP axis).
       batch_axes: mesh axes the tokens are sharded over (default: every axis of the mesh, e.g. data x ep;
-        with ``mesh=None``, the EP axes: name every axis of your shard_map the tokens are split over,
-        else an error); the EP axes among them. Statistics are summed over them.
+        with ``mesh=None``, the EP axes: name every other axis of your shard_map the tokens are split
+        over, or the statistics count one shard's tokens; not one they are replicated over, e.g. all-gathered
+        for sequence parallelism, nor a pipeline axis); the EP axes among them. Statistics are summed over
+        them.
       ep: dispatch/combine options (``EPOptions``: capacity, expert alignment, dispatch dtype, backend,
         checked mode, CUDA kernel configuration). None: ``EPOptions()``.
       balancing: ``jax_ep.balancing.BalancingConfig`` (aux-loss-free bias update rate, sequence-wise aux
@@ -878,14 +880,6 @@ class MoE(nnx.Module):
                 "" if self.node_axis is None else f" (node_axis={self.node_axis!r})") + " is not bound here: "
                 "built without a mesh, the layer must be called inside a shard_map over it") from e
         rank = lax.axis_index(self.ep_axes)  # node-major on the hierarchical path
-        # the statistics sum over batch_axes: tokens that vary over another axis would be left out
-        missing = [a for a in varying_axes(x) if a not in self.batch_axes]
-        if missing:
-            raise EPValueError(
-                f"MoE: x varies over the mesh axes {missing} of your shard_map, not among batch_axes="
-                f"{self.batch_axes}: the loads, the bias update and the aux loss would count one "
-                f"shard's tokens; build the layer with batch_axes naming every axis the tokens are "
-                f"split over, e.g. batch_axes={tuple(missing) + tuple(self.batch_axes)}")
         if decode and self.node_axis is not None:
             raise EPUnsupportedError(_NO_HIERARCHICAL_DECODE)
         if rank_mask is not None:

@@ -73,11 +73,19 @@ class Op:
         """The name of the backend function that runs it (``jax_ep.backends.Functions``)."""
         return self.form_of or self.name
 
+    def wire_dtype(self, cfg: EPConfig, dtype=None) -> str:
+        """The dtype name of this op's rows on the wire, which the auto table decides the dispatch ops by:
+        a dispatch's ``cfg.wire_dtype`` of its rows (``dtype``; None: bfloat16, the benchmark's), every
+        other op's rows as they are."""
+        rows = jnp.bfloat16 if dtype is None else dtype
+        return (cfg.wire_dtype(rows) if self.function.startswith(("dispatch", "ll_dispatch"))
+                else jnp.dtype(rows)).name
+
     def kernel_by_default(self, cfg: EPConfig, ep_size: int, dtype=None) -> bool:
         """A backend's kernel of it measured faster than the reference at cfg's tokens per rank on
         `ep_size` GPUs with cfg's wire rows (``jax_ep.auto_table``, written by the benchmark)."""
         return any(backend.faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size,
-                                  wire_dtype(cfg, dtype))
+                                  self.wire_dtype(cfg, dtype))
                    for backend in backends.measured())
 
     def plan(self, cfg: EPConfig, ep_size: int, dtype=None) -> OpPlan:
@@ -118,7 +126,7 @@ class Op:
         if not backend.implements(self.function):
             return f"this version of jax_ep has no {backend.name} kernel for it"
         if not backend.faster(self.name, self.layout, cfg.max_tokens_per_rank, ep_size,
-                              wire_dtype(cfg, dtype)):
+                              self.wire_dtype(cfg, dtype)):
             stands_in = "" if self.form_of is None else f"; its row, else {self.form_of}'s"
             return (f"its kernel did not measure faster than the reference at {cfg.max_tokens_per_rank} "
                     f"tokens per rank on {ep_size} GPUs (jax_ep/auto_table.json, layout {self.layout!r}"
@@ -168,14 +176,6 @@ OPS = {op.name: op for op in (
 # a form runs a plain op's backend function and falls back on its table row (one step, same layout)
 assert all(OPS[op.form_of].form_of is None and OPS[op.form_of].layout == op.layout
            for op in OPS.values() if op.form_of is not None)
-
-
-def wire_dtype(cfg: EPConfig, dtype=None) -> str:
-    """The dtype name of a call's rows on the wire: cfg.dispatch_dtype, else the rows' (``dtype``; None:
-    bfloat16, the benchmark's). The auto table decides the dispatch ops per wire dtype."""
-    if cfg.dispatch_dtype is not None:
-        return cfg.dispatch_dtype
-    return "bfloat16" if dtype is None else jnp.dtype(dtype).name
 
 
 def explain(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16, ops=None) -> dict[str, OpPlan]:

@@ -31,6 +31,7 @@ import atexit
 import ctypes
 import functools
 import json
+import math
 import os
 import re
 import threading
@@ -166,16 +167,26 @@ def _require_available() -> None:
 def limits() -> dict:
     """The kernels' limits as the extension defines them (``jax_ep._C.LIMITS``: max_topk,
     layout_max_topk, max_experts, max_ranks, max_groups, directory_axes, data_warps, row_alignment,
-    fp8_block, fp8_min_amax, ll_max_tokens, ll_max_shared_bytes)."""
+    fp8_block, fp8_min_amax, ll_max_tokens, ll_max_shared_bytes, max_rows, max_hidden)."""
     _require_available()
     return dict(_C.LIMITS)
+
+
+def _seconds(text: str) -> float:
+    """A number as C's strtod reads all of ``text`` (decimal or hexadecimal), NaN where it does not."""
+    if _TIMEOUT_TEXT.fullmatch(text):
+        return float(text)
+    try:
+        return float.fromhex(text) if text.lstrip("+-")[:2].lower() == "0x" else math.nan
+    except ValueError:
+        return math.nan
 
 
 def check_timeout_env() -> None:
     """JAX_EP_TIMEOUT_S, where set, is a number of seconds in (0, 1e6] (the extension's rule): an
     EPValueError naming the variable here, not a bare ValueError from inside the extension's set-up."""
     text = os.environ.get(TIMEOUT_ENV, "")
-    if text and not (_TIMEOUT_TEXT.fullmatch(text) and 0 < float(text) <= 1e6):
+    if text and not 0 < _seconds(text.lstrip()) <= 1e6:
         raise errors.EPValueError(f"jax_ep: {TIMEOUT_ENV} must be a positive number of seconds (at most "
                                   f"1e6), got {text!r}")
 

@@ -477,9 +477,9 @@ def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
     assert set(_backward_calls(cfg, weighted=False)) == {"jax_ep_combine", "jax_ep_broadcast"}
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep: op != "combine_bwd")
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep, *_: op != "combine_bwd")
     assert set(_backward_calls(cfg.replace(backend="auto"))) == {"jax_ep_combine"}
-    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep: True)
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep, *_: True)
     assert set(_backward_calls(cfg.replace(backend="auto"))) == {"jax_ep_combine", "jax_ep_combine_bwd"}
 
 

@@ -386,9 +386,9 @@ def test_padding_tokens_go_nowhere_and_count_in_no_statistic(decode):
 
 
 def test_layer_calls_in_the_wrong_shard_map_name_the_fix():
-    """Found by a review (2026-12-05): a mesh=None layer on tokens split over an axis its batch_axes leave
-    out counted one shard's loads (silently without check_vma; JAX's out_specs error with it); a layer
-    built with mesh= called inside a shard_map failed with JAX's mesh mismatch."""
+    """Found by a review (2026-12-05): a layer built with mesh= called inside a shard_map failed with JAX's
+    mesh mismatch. A mesh=None layer inside a data x ep shard_map gives the global layer's output with
+    batch_axes naming both (not checked: all-gathered tokens are typed varying too)."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "ep"))
     x = random_tokens(46).reshape(-1, HIDDEN)
 
@@ -404,9 +404,6 @@ def test_layer_calls_in_the_wrong_shard_map_name_the_fix():
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(("data", "ep"))),
                                      out_specs=P(("data", "ep"))))(params, x)
 
-    with pytest.raises(EPValueError, match=r"x varies over the mesh axes \['data'\] of your shard_map, not "
-                                           r"among batch_axes=\('ep',\).* batch_axes=\('data', 'ep'\)"):
-        run(make_layer(None))
     expected = nnx.jit(lambda m, x: m(x, update_stats=False))(make_layer(mesh), x)
     np.testing.assert_allclose(np.asarray(run(make_layer(None, batch_axes=("data", "ep")))),
                                np.asarray(expected), rtol=1e-5, atol=1e-6)

@@ -300,7 +300,10 @@ def test_backends():
         assert set(auto_table.table()["ops"][name]["rank_major"]["min_tokens"]) == {"1", "2"}
         for tokens in (128, 4096):
             cfg = BASE.replace(backend="auto", max_tokens_per_rank=tokens)
-            assert op.kernel_by_default(cfg, 2) == auto_table.kernel_faster(name, "rank_major", tokens, 2)
+            for dtype in ("bfloat16", "float8_e4m3fn"):   # decided per wire dtype
+                wire = cfg.replace(hidden=128, dispatch_dtype=dtype)
+                assert op.kernel_by_default(wire, 2) == auto_table.kernel_faster(
+                    name, "rank_major", tokens, 2, dtype)
         assert op.implementation(BASE.replace(backend="auto"), 2) is getattr(reference, name)
         assert op.implementation(BASE.replace(backend="reference"), 2) is getattr(reference, name)
 

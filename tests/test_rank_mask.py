@@ -374,7 +374,7 @@ def test_auto_picks_as_without_a_mask(monkeypatch):
         for backend in (reference, cuda_backend):
             assert "rank_mask" in inspect.signature(getattr(backend, function)).parameters, (backend, name)
         for wins in (True, False):
-            monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep, w=wins: w)
+            monkeypatch.setattr(auto_table, "kernel_faster", lambda op, layout, tokens, ep, dtype, w=wins: w)
             want = getattr(cuda_backend if wins else reference, function)
             assert ops.OPS[name].implementation(_cfg(backend="auto"), ep_size) is want, (name, wins)
 
