@@ -265,8 +265,9 @@ def test_decode_with_rank_mask(shape, axes, mask, wire):
     keep = active[experts_on_rank[idx]] & active[shard_rank][:, None, None]
     nnx.jit(lambda m, x: m(x, decode=True, update_stats=True))(layer, x)
     assert int(layer.last_dropped[...]) == int((~keep).sum()) > 0
-    load = np.asarray(layer.last_load[...])
-    assert load.sum() == keep.sum() and not np.any(load[~active[experts_on_rank]])
+    received = np.asarray(layer.last_slot_load[...])   # rows received; last_load: every pick (demand)
+    assert received.sum() == keep.sum() and not np.any(received[~active[experts_on_rank]])
+    assert int(layer.last_load[...].sum()) == keep.size
 
 
 # ---------------------------------------------------------------------------------------------------------
