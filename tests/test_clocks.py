@@ -48,6 +48,24 @@ def test_collectors_nest_and_each_gets_the_windows_marked_inside_it():
     assert outer.summary()["samples"] > inner.summary()["samples"] > 0
 
 
+def test_a_window_without_samples_takes_the_nearest():
+    """A window shorter than the sampling period gets the sample nearest it, marked (samples 0,
+    nearest_ms); before 2026-12-05 its summary was None (a test under load saw it)."""
+    gpus = FakeGPUs(1300.0)
+    with clocks.sampling(read=gpus, period_s=0.05) as sampler:
+        time.sleep(0.01)
+        with clocks.collect() as c:
+            now = time.perf_counter()
+            c.windows.append((now, now + 1e-6))          # no sample can fall in it
+        summary = c.summary()
+        assert summary["sm_mhz"][0] == 1300.0 and summary["samples"] == 0
+        assert 0 <= summary["nearest_ms"] <= 250
+        far = time.perf_counter() + 10.0
+        c.windows[:] = [(far, far + 1e-6)]
+        assert c.summary() is None                       # nothing within clocks.NEAREST_S
+    assert sampler is not None
+
+
 def test_nested_sampling_keeps_the_outer_sampler():
     gpus = FakeGPUs(1400.0)
     with clocks.sampling(read=gpus, period_s=0.001) as outer:
