@@ -26,7 +26,7 @@ from jax.experimental import compute_on as _compute_on
 from jax_ep import auto_table, ordering, overlap, routing, runtime, types
 from jax_ep.config import PULL_KNOBS, EPConfig, KernelConfig
 from jax_ep.errors import EPUnsupportedError, EPValueError
-from jax_ep.vma import vary_also, vary_like, vary_over, varying_axes
+from jax_ep.vma import manual_axes, vary_also, vary_like, vary_over, varying_axes
 
 _ROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _DATA_OPS = ("dispatch", "combine", "broadcast", "slot_values")
@@ -253,7 +253,7 @@ def _group_of(axis_name: str) -> tuple[jax.Array, jax.Array, int]:
     the directory slot of the EP axis name."""
     mesh = jax.sharding.get_abstract_mesh()
     names = tuple(getattr(mesh, "axis_names", ()) or ())
-    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    manual = set(manual_axes())
     if names and axis_name in names and manual and axis_name not in manual:
         raise EPValueError(f"jax_ep: the EP axis {axis_name!r} must be a manual axis of the enclosing "
                            "shard_map")

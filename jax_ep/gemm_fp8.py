@@ -325,6 +325,11 @@ def row_blocks(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     return info, source
 
 
+def rows_t_fits(m: int, c: int, g: int) -> bool:
+    """Whether quantize_rows_t's Triton kernel addresses rows [M, C] of G groups and their padded copy."""
+    return _pallas_indexes(m * c) and _pallas_indexes(c * padded_block_rows(m, g))
+
+
 def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array | None = None,
                     backend: str = "reference", interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -359,7 +364,7 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
         return q.transpose(2, 0, 1).reshape(c, p), scales, info
     if backend != "pallas":
         raise EPValueError(f"quantize_rows_t: backend must be 'reference' or 'pallas', got {backend!r}")
-    if not (_pallas_indexes(m * c) and _pallas_indexes(c * p)):
+    if not rows_t_fits(m, c, g):
         raise EPValueError(f"quantize_rows_t: backend='pallas' cannot address x {x.shape} / its padded copy "
                            f"[{c}, {p}] (see _pallas_indexes); use backend='reference'")
     from jax.experimental import pallas as pl
@@ -454,10 +459,9 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     if not _dw_kernel_fits(c, n):
         raise EPValueError(f"fp8_weight_gradient: the Hopper kernel needs N % {2 * FP8_BLOCK} == 0 and "
                            f"C % 64 == 0, got C={c}, N={n}")
-    # the Triton quantiser where Pallas addresses both operands and their padded copies, else XLA's (the
-    # same layout and bits, which the kernel reads alike)
-    p = padded_block_rows(m, group_sizes.shape[0])
-    fits = all(_pallas_indexes(m * width) and _pallas_indexes(width * p) for width in (c, n))
+    # the Triton quantiser where Pallas addresses both operands, else XLA's (the same layout and bits,
+    # which the kernel reads alike)
+    fits = all(rows_t_fits(m, width, group_sizes.shape[0]) for width in (c, n))
     operands = quantize_weight_gradient_operands(x, dy, group_sizes, x_scales=x_scales,
                                                  backend="pallas" if fits else "reference")
     dw = weight_gradient_kernel(operands, m, kernel=kernel, out_dtype=out_dtype, num_sms=num_sms)

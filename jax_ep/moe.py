@@ -67,7 +67,7 @@ from jax_ep.ops import (
 from jax_ep.swiglu import BACKENDS as SWIGLU_BACKENDS
 from jax_ep.swiglu import resolve as swiglu_resolve
 from jax_ep.swiglu import swiglu, swiglu_rows_fp8
-from jax_ep.vma import sum_to, vary_also, varying_axes
+from jax_ep.vma import manual_axes, sum_to, vary_also, varying_axes
 
 GEMM_DTYPES = (None, "float8_e4m3fn")  # MoE(gemm_dtype=...): the expert GEMMs' operand dtype (None: compute)
 
@@ -259,13 +259,6 @@ class MoEStats(NamedTuple):
     aux_loss: jax.Array      # [] float32 sequence-wise auxiliary loss (0 when disabled)
     slot_load: jax.Array     # [num_slots] int32 rows each physical slot received (after drops; summed over
     #                          replicas, = expert_load when nothing is dropped)
-
-
-def _manual_axes() -> tuple:
-    """The mesh axes of the enclosing shard_map (empty outside one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = getattr(mesh, "manual_axes", ())
-    return tuple(manual)
 
 
 def _check_experts_divide(num_experts: int, ep_size: int, axis_name: str, node_axis: str | None) -> None:
@@ -752,7 +745,7 @@ class MoE(nnx.Module):
             out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, token_mask,
                                                     seq_len=seq_len, decode=decode)
         else:
-            manual = _manual_axes()
+            manual = manual_axes()
             if manual:
                 raise EPValueError(
                     f"MoE: the layer was built with mesh= and enters shard_map itself, but it is called "

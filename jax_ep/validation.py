@@ -113,12 +113,13 @@ def check_combine_args(y, handle, cfg: EPConfig, op: str = "combine", ep_size: i
     capacity = src_index.shape[0]
     fields = {"row_weights": (jnp.float32, (capacity,), "[capacity]")}
     in_rank = handle.is_token_in_rank
-    if getattr(in_rank, "ndim", None) != 2 or in_rank.dtype != jnp.bool_:
-        raise EPValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, EP size], got "
+    if (getattr(in_rank, "ndim", None) != 2 or in_rank.dtype != jnp.bool_
+            or ep_size not in (None, in_rank.shape[1])):
+        raise EPValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, "
+                           f"{'EP size' if ep_size is None else ep_size}], got "
                            f"{getattr(in_rank, 'dtype', None)}{_shape_of(in_rank)}")
     if ep_size is not None:
         tokens = in_rank.shape[0]
-        fields["is_token_in_rank"] = (jnp.bool_, (tokens, ep_size), f"[tokens, {ep_size}] (EP size)")
         fields["token_rows"] = (jnp.int32, (ep_size * tokens, cfg.num_topk),
                                 f"[{ep_size} x {tokens}, {cfg.num_topk}] (EP size x tokens, num_topk)")
     for name, (dtype, shape, what) in fields.items():

@@ -20,11 +20,16 @@ def varying_axes(x) -> tuple:
     return ()
 
 
+def manual_axes() -> tuple:
+    """The manual mesh axes of the enclosing shard_map (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(getattr(mesh, "manual_axes", ()) or ())
+
+
 def vary_over(outputs, axes: tuple):
     """Type `outputs` as varying over `axes` (their transpose sums over those axes); axes that are not
     manual axes of the current mesh are left out (e.g. a ``jax.vmap`` axis name: nothing to type)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = () if mesh.empty else mesh.manual_axes
+    manual = manual_axes()
     axes = tuple(a for a in axes if a in manual)
     if not axes:
         return outputs
