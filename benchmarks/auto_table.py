@@ -276,26 +276,24 @@ def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
         table["layer_prefers"] = prefers
     for op, layouts in table["ops"].items():
         for entry in layouts.values():
-            # the layer's word applies to every decision of the entry: pooled and per wire dtype
-            by_dtype = entry.get("min_tokens_by_dtype", {})
+            # the layer's word applies to every decision of the entry: pooled and per wire dtype (the
+            # pooled one's own decision kept in min_tokens_ops where it changes)
+            decisions = [entry["min_tokens"], *entry.get("min_tokens_by_dtype", {}).values()]
             for ep in set(entry["min_tokens"]) & set(vetoes):
                 if op != "layout":
                     entry.setdefault("min_tokens_ops", {})[ep] = entry["min_tokens"][ep]
-                    entry["min_tokens"][ep] = None
-                    for decisions in by_dtype.values():
-                        if ep in decisions:
-                            decisions[ep] = None
+                    for d in decisions:
+                        if ep in d:
+                            d[ep] = None
             for ep in set(entry["min_tokens"]) & set(prefers):
-                tokens = prefers[ep]["tokens"]
+                tokens, pooled = prefers[ep]["tokens"], entry["min_tokens"][ep]
                 if op not in LAYER_OPS:
                     continue
-                decision = entry["min_tokens"][ep]
-                if decision is None or decision > tokens:
-                    entry.setdefault("min_tokens_ops", {})[ep] = decision
-                    entry["min_tokens"][ep] = tokens
-                for decisions in by_dtype.values():
-                    if ep in decisions and (decisions[ep] is None or decisions[ep] > tokens):
-                        decisions[ep] = tokens
+                if pooled is None or pooled > tokens:
+                    entry.setdefault("min_tokens_ops", {})[ep] = pooled
+                for d in decisions:
+                    if ep in d and (d[ep] is None or d[ep] > tokens):
+                        d[ep] = tokens
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
 
