@@ -667,3 +667,62 @@ def test_sweep_at_several_ep_sizes_in_one_call(tmp_path):
     assert rc != 0
     assert "sweep pull at EP4: not run (SWEEP_EP takes 1..2 GPUs, and not the pg part)" in output
     assert "sweep pg at EP2: not run" in output and "sweep pull_ep2: rc=0" in output
+
+
+# ---- the 2026-12-05 review's fixes: the records ------------------------------------------------------
+def test_a_part_with_every_test_skipped_fails(tmp_path):
+    rc, output, out, _ = run_suite(tmp_path, 2, junit_xml(0, 0, skipped=3), GPU_SUITE="m1b")
+    assert rc == 1, output
+    summary = (out / "summary.txt").read_text()
+    assert "part m1b: 0 passed, 0 failed, 0 errors, 3 skipped (none passed)" in summary, summary
+    assert "gpu suite m1b: rc=1" in summary
+
+
+def test_records_keep_skipped_ids_with_reasons_and_the_deselected_count(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text(junit_xml(1, 0).replace(
+        "</testsuite>", '<testcase classname="tests.gpu.test_x_gpu" name="test_s" time="0">'
+        '<skipped type="pytest.skip" message="needs 4 GPUs">x.py:3: needs 4 GPUs</skipped></testcase>'
+        "</testsuite>"))
+    log = tmp_path / "log"
+    log.write_text("collecting ... collected 10 items / 3 deselected / 7 selected\n" + CUT_LOG)
+    counts = rec.part_counts(xml, log, 0)
+    assert counts["skipped_ids"] == {"tests/gpu/test_x_gpu.py::test_s": "needs 4 GPUs"}, counts
+    assert (counts["collected"], counts["deselected"]) == (10, 3)
+    from_log = rec.part_counts(None, log, 124)   # no XML: the reasons pytest -v printed
+    assert from_log["skipped_ids"] == {"tests/gpu/test_rank_major_gpu.py::test_b": "needs 4 GPUs"}, from_log
+
+
+COLLECTION_ERROR = ('<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="1" time="0.7">'
+                    '<testcase classname="" name="tests.gpu.test_x_gpu" time="0.000">'
+                    '<error message="collection failure">ImportError</error></testcase>'
+                    '</testsuite></testsuites>')
+
+
+def test_a_collection_error_has_a_test_id_and_marks_the_part_incomplete(tmp_path):
+    log = "ERROR tests/gpu/test_x_gpu.py\n!!!!!!!!!! Interrupted: 1 error during collection !!!!!!!!!!\n"
+    rc, output, out, _ = run_suite(tmp_path, 2, COLLECTION_ERROR, log=log, pytest_rc=2, GPU_SUITE="m1c")
+    assert rc == 1, output
+    part = json.loads((out / "gpu_tests_stubx2_ep2_pm1.json").read_text())["parts"]["m1c"]
+    assert part["failed_ids"] == ["tests/gpu/test_x_gpu.py"] and part["errors"] == 1, part
+    assert list(part["file_seconds"]) == ["tests/gpu/test_x_gpu.py"], part
+    assert part["incomplete"] and part["note"] == "interrupted: 1 error during collection", part
+    assert "(interrupted: 1 error during collection)" in (out / "summary.txt").read_text()
+
+
+def test_a_part_that_did_not_start_or_collected_nothing_says_so_and_fails(tmp_path):
+    """An import or usage error (rc 4, no XML) was recorded as "cut in None"; rc 5 (no tests collected)
+    as a pass of 0 tests."""
+    rc, output, out, _ = run_suite(tmp_path, 2, None, log="ERROR: usage\n", pytest_rc=4, GPU_SUITE="m1b")
+    assert rc == 1, output
+    part = json.loads((out / "gpu_tests_stubx2_ep2_pm1.json").read_text())["parts"]["m1b"]
+    assert part["incomplete"] and part["note"] == "did not start (rc 4)" and "cut_in" not in part, part
+    summary = (out / "summary.txt").read_text()
+    assert "(did not start (rc 4))" in summary and "cut in" not in summary, summary
+    (tmp_path / "none").mkdir()
+    empty = '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="0" time="0.5"/></testsuites>'
+    rc, output, out, _ = run_suite(tmp_path / "none", 2, empty, log="collected 3 items / 3 deselected\n",
+                                   pytest_rc=5, GPU_SUITE="m1b")
+    assert rc == 1, output
+    part = json.loads((out / "gpu_tests_stubx2_ep2_pm1.json").read_text())["parts"]["m1b"]
+    assert part["note"] == "no tests collected (rc 5)" and part["deselected"] == 3, part

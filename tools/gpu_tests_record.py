@@ -6,17 +6,21 @@ process model), merged across parts run in separate device calls.
         --record OUT/gpu_tests_h200x4_ep4_pm1.json
     python tools/gpu_tests_record.py --merge OUT/gpu_tests_*.json --into docs/benchmarks
 
-The record (op "gpu_tests") holds each part's counts, failing test ids (pytest node ids), duration,
-seconds per test file, commit, date and command, and the totals over its parts; running a part again
-replaces that part's entry. ``--repeat`` numbers the part instead (``pgrep_off`` -> ``pgrep_off_3`` after
-``_1`` and ``_2``), so that repeated runs accumulate; the record's ``repeats`` counts them per setting.
-A part cut short (``--rc`` 124/137: timeout; or no JUnit XML) is ``incomplete`` and names the test it was
-cut in (``cut_in``, from pytest -v's ``--log``); with no XML its counts come from that log.
-``--record`` may be an existing record: it is read and updated. ``--merge`` folds records (e.g. those a
-device call returned) into the records of the same name under ``--into``. Exits 1 when the part has
-failures or errors or was cut. The commit is ``$GIT_COMMIT`` when set (the GPU machine's copy of the tree
-may carry a stale .git or none), else ``git rev-parse HEAD`` with "+changes" when the tracked files
-differ from it, else "unknown".
+The record (op "gpu_tests") holds each part's counts, failing test ids (pytest node ids), skipped test
+ids with their reasons (``skipped_ids``), the collected / deselected counts when the log shows them,
+duration, seconds per test file, commit, date and command, and the totals over its parts; running a
+part again replaces that part's entry. ``--repeat`` numbers the part instead (``pgrep_off`` ->
+``pgrep_off_3`` after ``_1`` and ``_2``), so that repeated runs accumulate; the record's ``repeats``
+counts them per setting. A part cut short (``--rc`` 124/137: timeout; or no JUnit XML) is ``incomplete``
+and names the test it was cut in (``cut_in``, from pytest -v's ``--log``); with no XML its counts come
+from that log. A part that did not start (another rc and no XML: an import or usage error) or that
+pytest interrupted (a collection error: "Interrupted:" in the log) is ``incomplete`` too, saying so in
+``note``. ``--record`` may be an existing record: it is read and updated. ``--merge`` folds records
+(e.g. those a device call returned) into the records of the same name under ``--into``. Exits 1 when
+the part has failures or errors, was cut, did not start, ended with an rc other than 0, or passed no
+test (one whose every test skipped, e.g. without the CUDA extension, is no pass). The commit is
+``$GIT_COMMIT`` when set (the GPU machine's copy of the tree may carry a stale .git or none), else
+``git rev-parse HEAD`` with "+changes" when the tracked files differ from it, else "unknown".
 """
 
 from __future__ import annotations
@@ -35,14 +39,21 @@ COUNTS = ("passed", "failed", "errors", "skipped")
 TIMEOUT_RCS = (124, 137)
 # pytest -v: "tests/gpu/test_x_gpu.py::test_y[a-b] PASSED    [ 10%]"; a test still running when the
 # run was cut has its id and nothing after it
-LOG_OUTCOME = re.compile(r"^(\S+\.py::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: .*)?$")
+LOG_OUTCOME = re.compile(r"^(\S+\.py::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: (.*))?$")
+# the reason pytest -v prints after SKIPPED, before the progress: "SKIPPED (needs 4 GPUs)     [  3%]"
+LOG_REASON = re.compile(r"^\((.*)\)(?:\s+\[\s*\d+%\])?$")
+# "collected 422 items / 3 deselected / 419 selected"
+LOG_COLLECTED = re.compile(r"collected (\d+) items?(?: / (\d+) deselected)?")
 LOG_START = re.compile(r"^(\S+\.py::\S.*?)\s*$")
 REPEAT = re.compile(r"^(.*)_(\d+)$")
 
 
 def node_id(case: ET.Element) -> str:
     """pytest's node id of a JUnit testcase: classname tests.gpu.test_x_gpu[.Class] ->
-    tests/gpu/test_x_gpu.py[::Class]::name."""
+    tests/gpu/test_x_gpu.py[::Class]::name. A collection error has no classname and the module as its name
+    (tests.gpu.test_x_gpu -> tests/gpu/test_x_gpu.py)."""
+    if not case.get("classname"):
+        return case.get("name", "").replace(".", "/") + ".py"
     parts = case.get("classname", "").split(".")
     module = (i + 1 for i, p in enumerate(parts) if p.startswith("test_") or p.endswith("_test"))
     split = next(module, len(parts))
@@ -51,12 +62,13 @@ def node_id(case: ET.Element) -> str:
 
 
 def empty_counts() -> dict:
-    return {**{name: 0 for name in COUNTS}, "failed_ids": [], "duration_s": 0.0, "file_seconds": {}}
+    return {**{name: 0 for name in COUNTS}, "failed_ids": [], "skipped_ids": {}, "duration_s": 0.0,
+            "file_seconds": {}}
 
 
 def junit_counts(path: str | Path) -> dict:
-    """passed / failed / errors / skipped, the failing test ids, the duration and the seconds per test
-    file of a JUnit XML file."""
+    """passed / failed / errors / skipped, the failing test ids, the skipped ones with their reasons, the
+    duration and the seconds per test file of a JUnit XML file."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     result = empty_counts()
@@ -75,8 +87,9 @@ def junit_counts(path: str | Path) -> dict:
             elif case.find("error") is not None:
                 result["errors"] += 1
                 result["failed_ids"].append(test_id)
-            elif case.find("skipped") is not None:
+            elif (skip := case.find("skipped")) is not None:
                 result["skipped"] += 1
+                result["skipped_ids"][test_id] = skip.get("message", "")
             else:
                 result["passed"] += 1
     result["duration_s"] = round(result["duration_s"], 1)
@@ -84,9 +97,10 @@ def junit_counts(path: str | Path) -> dict:
     return result
 
 
-def log_outcomes(path: str | Path) -> tuple[dict[str, str], str | None]:
+def log_outcomes(path: str | Path,
+                 reasons: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
     """From a pytest -v log: each test's last outcome, and the test that started last without one (the
-    one a cut ended), or None."""
+    one a cut ended), or None. `reasons` gets the skipped tests' reasons."""
     outcomes: dict[str, str] = {}
     started: list[str] = []
     for line in Path(path).read_text(errors="replace").splitlines():
@@ -94,28 +108,49 @@ def log_outcomes(path: str | Path) -> tuple[dict[str, str], str | None]:
             test, outcome = m.group(1), m.group(2)
             # a teardown error comes after PASSED: the test counts as an error
             outcomes[test] = "ERROR" if outcomes.get(test) == "ERROR" else outcome
+            if outcome == "SKIPPED" and reasons is not None:
+                reason = LOG_REASON.match((m.group(3) or "").strip())
+                reasons[test] = reason.group(1) if reason else ""
         elif m := LOG_START.match(line):
             started.append(m.group(1))
     cut = next((t for t in reversed(started) if t not in outcomes), None)
     return outcomes, cut
 
 
+def log_collected(path: str | Path) -> dict:
+    """pytest's "collected N items / M deselected" as {"collected": N, "deselected": M}, or {}; and
+    "interrupted": pytest's reason when it stopped the run (a collection error)."""
+    result: dict = {}
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if "collected" not in result and (m := LOG_COLLECTED.search(line)):
+            result["collected"] = int(m.group(1))
+            result["deselected"] = int(m.group(2) or 0)
+        if "Interrupted: " in line and line.lstrip().startswith("!"):
+            result["interrupted"] = line.split("Interrupted: ", 1)[1].strip(" !")
+    return result
+
+
 def log_counts(path: str | Path) -> dict:
     """junit_counts' fields from a pytest -v log (when the JUnit XML is missing)."""
     result = empty_counts()
-    outcomes, _ = log_outcomes(path)
+    reasons: dict[str, str] = {}
+    outcomes, _ = log_outcomes(path, reasons)
     for test, outcome in outcomes.items():
         key = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors"}.get(outcome,
                                                                                                  "skipped")
         result[key] += 1
         if key in ("failed", "errors"):
             result["failed_ids"].append(test)
+        elif key == "skipped":
+            result["skipped_ids"][test] = reasons.get(test, outcome.lower())
     return result
 
 
 def part_counts(junit: str | Path | None, log: str | Path | None = None, rc: int | None = None) -> dict:
     """A part's counts: from the JUnit XML when there is one, else from the log; a timeout's rc or a
-    missing XML marks it incomplete, naming the test it was cut in when the log shows it."""
+    missing XML marks it incomplete, naming the test it was cut in when the log shows it (a part with
+    another rc and no XML did not start: "note" says so); pytest's own interruption (a collection error)
+    marks it incomplete too. The log's collected / deselected counts are added when it has them."""
     have_xml = junit is not None and Path(junit).is_file() and Path(junit).stat().st_size > 0
     have_log = log is not None and Path(log).is_file()
     if have_xml:
@@ -127,10 +162,40 @@ def part_counts(junit: str | Path | None, log: str | Path | None = None, rc: int
         counts = log_counts(log) if have_log else empty_counts()
     if rc is not None:
         counts["rc"] = rc
-    if not have_xml or rc in TIMEOUT_RCS:
+    collected = log_collected(log) if have_log else {}
+    interrupted = collected.pop("interrupted", None)
+    counts.update(collected)
+    if not have_xml and rc not in (None, 0, *TIMEOUT_RCS):
+        counts["incomplete"] = True
+        counts["note"] = f"did not start (rc {rc})"
+    elif not have_xml or rc in TIMEOUT_RCS:
         counts["incomplete"] = True
         counts["cut_in"] = log_outcomes(log)[1] if have_log else None
+    elif interrupted:
+        counts["incomplete"] = True
+        counts["note"] = f"interrupted: {interrupted}"
+    if rc == 5 and "note" not in counts:
+        counts["note"] = "no tests collected (rc 5)"
     return counts
+
+
+def failure(part: dict) -> str | None:
+    """Why the part fails beyond its failing tests (which its counts show), or None."""
+    if part.get("note"):
+        return part["note"]
+    if part.get("incomplete"):
+        return f"cut in {part.get('cut_in')}"
+    if part.get("failed") or part.get("errors"):
+        return None
+    if part.get("rc") not in (None, 0):
+        return f"rc {part['rc']}"
+    if not part.get("passed"):
+        return "none passed"
+    return None
+
+
+def fails(part: dict) -> bool:
+    return bool(part.get("failed") or part.get("errors") or failure(part))
 
 
 TOOLS = Path(__file__).resolve().parent
@@ -176,8 +241,7 @@ def summarize(record: dict) -> dict:
         if m:
             r = repeats.setdefault(f"shard_autotuning_{m.group(1)}", {"runs": 0, "passed": 0, "failed": 0})
             r["runs"] += 1
-            bad = p.get("failed", 0) + p.get("errors", 0) > 0 or p.get("incomplete", False)
-            r["failed" if bad else "passed"] += 1
+            r["failed" if fails(p) else "passed"] += 1
     if repeats:
         record["repeats"] = dict(sorted(repeats.items()))
     else:
@@ -295,10 +359,10 @@ def main(argv=None) -> int:
     name = record.pop("last_part")
     write(path, record)
     part = record["parts"][name]
-    cut = f" (cut in {part.get('cut_in')})" if part.get("incomplete") else ""
+    why = failure(part)
     print(f"gpu_tests_record: {path}: part {name}: " + ", ".join(f"{part[n]} {n}" for n in COUNTS)
-          + f"{cut}; record totals: {totals(record)}")
-    return 1 if part["failed"] or part["errors"] or part.get("incomplete") else 0
+          + (f" ({why})" if why else "") + f"; record totals: {totals(record)}")
+    return 1 if fails(part) else 0
 
 
 if __name__ == "__main__":
