@@ -46,10 +46,11 @@ fi
 """
 
 
-def run_check(tmp_path: Path, gpus: int, _stub: str | None = None,
+def run_check(tmp_path: Path, gpus: int, _stub: str | None = None, _script: Path = SCRIPT,
               **env) -> tuple[int, str, Path, list[str]]:
     """Runs the script with stubs; returns (exit code, output, $OUT, the stub interpreter's calls).
-    _stub: the stub interpreter's script (default: log the arguments)."""
+    _stub: the stub interpreter's script (default: log the arguments); _script: the script (a copy in
+    another tree); an env value None removes the variable (the SKIP_* ones are 1 unless given)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     listing = "".join(f"echo 'GPU {i}: stub'; " for i in range(gpus))
@@ -67,9 +68,11 @@ def run_check(tmp_path: Path, gpus: int, _stub: str | None = None,
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     out = tmp_path / "out"
+    skips = {"SKIP_BENCH": "1", "SKIP_LAYER": "1", "SKIP_TESTS": "1"}
     full_env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
-                    PYTHON=str(bin_dir / "py"), SKIP_BENCH="1", SKIP_LAYER="1", SKIP_TESTS="1", **env)
-    proc = subprocess.run(["bash", str(SCRIPT)], env=full_env, capture_output=True, text=True, timeout=120)
+                    PYTHON=str(bin_dir / "py"), **{**skips, **env})
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    proc = subprocess.run(["bash", str(_script)], env=full_env, capture_output=True, text=True, timeout=120)
     lines = calls.read_text().splitlines() if calls.exists() else []
     return proc.returncode, proc.stdout + proc.stderr, out, lines
 
@@ -103,13 +106,16 @@ def test_unknown_part_and_pg_on_one_gpu_fail_by_name(tmp_path):
 
 
 def test_deadline_skips_what_it_leaves_no_time_for(tmp_path):
-    # DEADLINE=30 leaves under 20 s for any step: every part is skipped, says so, and fails the run
-    rc, output, out, calls = run_check(tmp_path, gpus=2, SWEEP="em,ll", DEADLINE="30")
+    # DEADLINE=30 leaves under 20 s for any step: every part is skipped, says "not run (DEADLINE)" in
+    # summary.txt, and fails the run
+    rc, output, out, calls = run_check(tmp_path, gpus=2, SWEEP="em,ll", DEADLINE="30", SKIP_BUILD="1")
     assert rc == 1, output
     assert not any("benchmarks" in c for c in calls), calls
+    summary = (out / "summary.txt").read_text()
     for part in ("em", "ll"):
         assert "SKIPPED: DEADLINE (30 s) reached" in (out / f"sweep_{part}.log").read_text()
-        assert f"sweep {part}: rc=124" in (out / "summary.txt").read_text()
+        assert f"sweep {part}: not run (DEADLINE) in" in summary, summary
+    assert "SKIPPED: DEADLINE (30 s) reached, not run (DEADLINE): " in summary, summary
 
 
 def test_tar_out_leaves_the_summary_and_one_archive(tmp_path):
@@ -242,7 +248,8 @@ def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytes
     stub = textwrap.dedent(f"""\
         #!/bin/bash
         echo "JAX_EP_TEST_SHARD_AUTOTUNING=${{JAX_EP_TEST_SHARD_AUTOTUNING:-}} \
-        JAX_EP_TEST_PG_CHECKS=${{JAX_EP_TEST_PG_CHECKS:-}} $*" >> {calls_file}
+        JAX_EP_TEST_PG_CHECKS=${{JAX_EP_TEST_PG_CHECKS:-}} \
+        CVD=${{CUDA_VISIBLE_DEVICES-unset}} $*" >> {calls_file}
         if [[ "$*" == *gpu_tests_record.py* ]]; then exec {sys.executable} "$@"; fi
         if [[ "$*" == *"-m pytest"* ]]; then
           for a in "$@"; do
@@ -266,7 +273,7 @@ def files_of(run: str) -> set[str]:
     return {a for a in run.split() if a.startswith("tests/gpu/")}
 
 
-GPU_FILES = {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*_gpu.py")}
+GPU_FILES = {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
 PG_FILES = {f for f in GPU_FILES if "mark.process_group" in (ROOT / f).read_text()}
 
 
@@ -375,11 +382,12 @@ def test_part_counts_xml_of_a_cut_run_is_incomplete(tmp_path):
 
 
 def test_gpu_suite_deadline_skips_a_part_without_recording_it(tmp_path):
-    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a", DEADLINE="30")
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a", DEADLINE="30",
+                                       SKIP_BUILD="1")
     assert rc == 1, output
     assert not pytest_runs(calls)
     assert not list(out.glob("gpu_tests_*.json"))
-    assert "gpu suite m1a: rc=124" in (out / "summary.txt").read_text()
+    assert "gpu suite m1a: not run (DEADLINE) in" in (out / "summary.txt").read_text()
 
 
 PGREP_TEST = "test_process_per_gpu_matches_reference"
@@ -537,7 +545,9 @@ def test_gemm_peers_installs_tokamax_then_times_the_layer_shapes_without_tuning(
 
 
 def test_gemm_runs_its_gpu_tests_then_tunes_with_the_block_and_returns_the_table(tmp_path):
-    rc, output, out, calls = run_check(tmp_path, gpus=1, GEMM="1", GEMM_SHAPES="dsv3", GEMM_KERNELS="ws")
+    # (TAR_OUT=0: its files stay in $OUT, more than the 8 that would tar them)
+    rc, output, out, calls = run_check(tmp_path, gpus=1, GEMM="1", GEMM_SHAPES="dsv3", GEMM_KERNELS="ws",
+                                       TAR_OUT="0")
     assert rc == 0, output
     tests = [c for c in calls if "tests/gpu/test_gemm_gpu.py" in c]
     tune = [c for c in calls if "tune_gemm.py" in c]
@@ -669,13 +679,195 @@ def test_sweep_at_several_ep_sizes_in_one_call(tmp_path):
     assert "sweep pg at EP2: not run" in output and "sweep pull_ep2: rc=0" in output
 
 
-# ---- the 2026-12-05 review's fixes: the records ------------------------------------------------------
+# ---- the 2026-12-05 review's fixes ----------------------------------------------------------------------
+@pytest.mark.parametrize("var", ["GPU_SUITE_ARGS", "PYTEST_ARGS", "SHARE_PYTEST_ARGS", "SHARE_BENCH_ARGS"])
+def test_args_that_do_not_parse_stop_the_call_before_the_build(tmp_path, var):
+    """An unbalanced quote made the eval fail: GPU_SUITE_ARGS then dropped the whole GPU_SUITE block under
+    set -u and PYTEST_ARGS ran the full suite without them, both saying OK."""
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a", SHARE_GPU="1",
+                                       SKIP_TESTS="0", **{var: '-k "dispatch'})
+    assert rc == 2, output
+    assert not calls, calls   # nothing ran, the build included
+    summary = (out / "summary.txt").read_text()
+    assert f"""gpu_check: {var}='-k "dispatch' does not parse as a shell line""" in summary, summary
+    assert "gpu_check: FAILED" in summary and "OK" not in summary
+
+
+@pytest.mark.parametrize("setting", ["DEADLINE=abc", "DEADLINE=585.5", "GPU_SUITE_RANKS=abc",
+                                     "GPU_SUITE_RANKS=0", "SWEEP_PART_TIMEOUT=9m", "PG_REPEATS=-1",
+                                     "BUILD_TIMEOUT=1e3", "SWEEP_EP=2;4"])
+def test_numbers_are_checked_before_anything_runs(tmp_path, setting):
+    var, value = setting.split("=")
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a", **{var: value})
+    assert rc == 2, output
+    assert not calls, calls
+    summary = (out / "summary.txt").read_text()
+    assert f"gpu_check: {var}" in summary and "nothing ran" in summary, summary
+
+
+def test_runtime_probe_failure_fails_the_call(tmp_path):
+    """The runtime probe, run for real by this interpreter on a machine without a GPU: the CUDA backend is
+    unavailable, which must fail the call and say so (every GPU test would skip, the call said OK)."""
+    calls_file = tmp_path / "calls.txt"
+    stub = STUB_HEAD + textwrap.dedent(f"""\
+        echo "$*" >> {calls_file}
+        if [ "$1" = - ]; then exec {sys.executable} -; fi
+        """)
+    rc, output, out, _ = run_check(tmp_path, gpus=1, _stub=stub, SKIP_BUILD="1")
+    assert rc == 1, output
+    summary = (out / "summary.txt").read_text()
+    assert "runtime: CUDA backend unavailable" in summary and "available: (False, " in summary, summary
+    assert "gpu_check: FAILED" in summary
+
+
 def test_a_part_with_every_test_skipped_fails(tmp_path):
     rc, output, out, _ = run_suite(tmp_path, 2, junit_xml(0, 0, skipped=3), GPU_SUITE="m1b")
     assert rc == 1, output
     summary = (out / "summary.txt").read_text()
     assert "part m1b: 0 passed, 0 failed, 0 errors, 3 skipped (none passed)" in summary, summary
     assert "gpu suite m1b: rc=1" in summary
+
+
+def test_out_is_tarred_when_more_than_8_files_would_be_left(tmp_path):
+    """The device returns at most 8 files of $OUT, its choice which: a GPU_SUITE call left 10-12, and the
+    record could be among those lost. Unless TAR_OUT says otherwise, more than 8 tar all but summary.txt
+    and the records; fewer stay as they are."""
+    rc, output, out, _ = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a,m1b,m1c,pga")
+    assert rc == 0, output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_check.tar.gz", "gpu_tests_stubx2_ep2_pm1.json", "gpu_tests_stubx2_ep2_pm2.json", "summary.txt"]
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert {"gpu_suite_m1c_ep2.xml", "build.log"} <= set(tar.getnames())
+    (tmp_path / "few").mkdir()
+    rc, output, out, _ = run_suite(tmp_path / "few", 2, junit_xml(1, 0), GPU_SUITE="m1b")
+    assert rc == 0 and not (out / "gpu_check.tar.gz").exists() and len(list(out.iterdir())) <= 8
+
+
+def test_gpu_suite_ranks_restrict_the_visible_gpus_of_model_1(tmp_path):
+    """GPU_SUITE_RANKS=1 on 4 GPUs: the model-1 part sees GPU 0 only (tests that take every visible GPU ran
+    at EP4 in an "ep1" record) and its record says 1 GPU; process model 2 keeps every GPU."""
+    rc, output, out, calls = run_suite(tmp_path, 4, junit_xml(1, 0), GPU_SUITE="m1g,pga", GPU_SUITE_RANKS="2")
+    assert rc == 0, output
+    m1g, pga = pytest_runs(calls)
+    assert m1g.split()[2] == "CVD=0,1" and "--ep-ranks 2" in m1g, m1g
+    assert pga.split()[2] == "CVD=unset" and "--processes 2" in pga, pga
+    pm1 = json.loads((out / "gpu_tests_stubx2_ep2_pm1.json").read_text())
+    assert pm1["device"] == "2x NVIDIA STUB" and pm1["ep_size"] == 2
+    assert json.loads((out / "gpu_tests_stubx4_ep2_pm2.json").read_text())["device"] == "4x NVIDIA STUB"
+
+
+def test_gpu_count_honours_cuda_visible_devices(tmp_path):
+    """nvidia-smi lists every GPU whatever CUDA_VISIBLE_DEVICES says: CUDA_VISIBLE_DEVICES=1 on 2 GPUs ran
+    --ep-ranks 2 on one GPU, recorded as 2 GPUs. Now the count is the caller's list, and the first N of it
+    are the ones a part takes (a sweep's EP sizes too)."""
+    rc, output, out, calls = run_suite(tmp_path, 4, junit_xml(1, 0), GPU_SUITE="m1a,pga",
+                                       CUDA_VISIBLE_DEVICES="3,1,2")
+    assert rc == 0, output
+    m1a, pga = pytest_runs(calls)
+    assert m1a.split()[2] == "CVD=3,1,2" and "--ep-ranks 3" in m1a, m1a
+    assert pga.split()[2] == "CVD=3,1,2" and "--processes 3" in pga, pga
+    assert json.loads((out / "gpu_tests_stubx3_ep3_pm1.json").read_text())["device"] == "3x NVIDIA STUB"
+    (tmp_path / "one").mkdir()
+    rc, output, out, calls = run_suite(tmp_path / "one", 4, junit_xml(1, 0), GPU_SUITE="m1a",
+                                       CUDA_VISIBLE_DEVICES="2,3", GPU_SUITE_RANKS="1")
+    assert rc == 0 and pytest_runs(calls)[0].split()[2] == "CVD=2", calls
+    assert (out / "gpu_tests_stubx1_ep1_pm1.json").exists()
+    (tmp_path / "sweep").mkdir()
+    rc, output, out, calls = run_suite(tmp_path / "sweep", 4, None, SWEEP="ll", SWEEP_EP="2",
+                                       CUDA_VISIBLE_DEVICES="2,3")
+    assert rc == 0 and [c.split()[2] for c in calls if "benchmarks" in c] == ["CVD=2,3"], calls
+
+
+@pytest.mark.parametrize("gpus, cvd", [(0, None), (2, "")])
+def test_gpu_suite_with_no_gpu_listed_fails_by_name(tmp_path, gpus, cvd):
+    rc, output, out, calls = run_suite(tmp_path, gpus, junit_xml(0, 0, skipped=1), GPU_SUITE="m1a,m1b",
+                                       CUDA_VISIBLE_DEVICES=cvd)
+    assert rc == 1, output
+    assert not pytest_runs(calls) and not list(out.glob("gpu_tests_*.json")), calls
+    assert "gpu suite m1a,m1b: not run: no GPU listed" in (out / "summary.txt").read_text()
+
+
+def test_build_is_bounded_and_its_failure_names_what_did_not_run(tmp_path):
+    """The pip install had no bound (a hang ate the call; the device kills it at 600 s with nothing
+    returned): BUILD_TIMEOUT, within DEADLINE. A failed build names the parts and sweeps not run."""
+    calls_file = tmp_path / "calls.txt"
+    stub = STUB_HEAD + textwrap.dedent(f"""\
+        echo "$*" >> {calls_file}
+        if [[ "$*" == *"pip install"* ]]; then sleep 60 & wait $!; fi
+        """)
+    rc, output, out, _ = run_check(tmp_path, gpus=2, _stub=stub, BUILD_TIMEOUT="1", GPU_SUITE="m1a,pga",
+                                   SWEEP="em")
+    assert rc == 1, output
+    summary = (out / "summary.txt").read_text()
+    assert "BUILD FAILED" in summary, summary
+    for line in ("gpu suite m1a: not run (build failed)", "gpu suite pga: not run (build failed)",
+                 "sweep em: not run (build failed)"):
+        assert line in summary, summary
+    (tmp_path / "dl").mkdir()
+    rc, output, out, calls = run_check(tmp_path / "dl", gpus=2, DEADLINE="30", GPU_SUITE="m1a")
+    assert rc == 1 and not [c for c in calls if "pip" in c], calls
+    summary = (out / "summary.txt").read_text()
+    assert "not run (DEADLINE): env -u PYTHONPATH" in summary and "m1a: not run (build failed)" in summary
+
+
+def test_deadline_bounds_the_probes_ncu_and_helpers(tmp_path):
+    """Under DEADLINE nothing runs past it: the probes, ncu (fixed timeouts of 300 / 240 s, 3 NCU jobs of
+    240 s each in a 600 s call), the layer plot and the tokamax install were unbounded; each step says
+    "not run (DEADLINE)" in summary.txt."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ncu").write_text(f"#!/bin/bash\necho \"ncu $*\" >> {tmp_path / 'calls.txt'}\n")
+    rc, output, out, calls = run_check(tmp_path, gpus=2, DEADLINE="30", SKIP_BUILD="1", NCU="1", GEMM_NCU="1",
+                                       GEMM_PEERS="1", SKIP_BENCH="0", SKIP_LAYER="0", PG_BENCH="1")
+    assert rc == 1, output
+    assert calls == [], calls
+    summary = (out / "summary.txt").read_text()
+    for step in ("bench", "layer bench", "gemm peers", "process model 2 bench"):
+        assert f"{step}: not run (DEADLINE)" in summary, summary
+
+
+def test_every_slow_step_is_bounded():
+    """The steps that can hang (a wedged GPU, a build, ncu) all go through bounded_run (DEADLINE-aware)."""
+    text = SCRIPT.read_text()
+    for pattern in ("-m pip install --no-build", "ncu --clock-control", "ncu --import", "tools/plot_bench.py",
+                    "benchmarks.auto_table", "gemm_peers.sh install", "runtime.faults()",
+                    "mps-control -d; then", '"$PY" - 2>&1', "import jax, jaxlib"):
+        lines = [line for line in text.splitlines() if pattern in line and not line.lstrip().startswith("#")]
+        assert lines and all("bounded_run" in line for line in lines), (pattern, lines)
+
+
+def test_pytest_steps_are_cut_with_sigint_so_they_write_their_xml(tmp_path):
+    """After SIGTERM pytest writes no JUnit XML: the full-suite step and SHARE_GPU's per-file runs cut with
+    SIGINT (as GPU_SUITE's parts), then SIGKILL."""
+    stub = STUB_HEAD + textwrap.dedent("""\
+        if [[ "$*" == *"-m pytest"* ]]; then
+          for a in "$@"; do case $a in --junitxml=*) xml=${a#--junitxml=};; esac; done
+          trap 'echo "<testsuites/>" > "$xml"; kill $!; exit 2' INT
+          sleep 30 & wait $!
+        fi
+        """)
+    rc, output, out, _ = run_check(tmp_path, gpus=1, _stub=stub, SKIP_TESTS="0", TESTS_TIMEOUT="1",
+                                   SHARE_GPU="1", SHARE_FILES="rank_mask", SHARE_FILE_TIMEOUT="1",
+                                   MPS_PIPE_DIR=str(tmp_path / "mps"), TAR_OUT="0")
+    assert rc == 1, output
+    assert (out / "gpu-tests.xml").read_text() == "<testsuites/>\n"
+    assert (out / "gpu-tests-shared_test_rank_mask_gpu.xml").read_text() == "<testsuites/>\n"
+
+
+@pytest.mark.parametrize("what", ["SWEEP", "GPU_SUITE"])
+def test_sweep_and_gpu_suite_skip_the_default_runs_unless_asked(tmp_path, what):
+    """SWEEP=em,... with no SKIP_* first ran the full GPU suite, the benchmark and the layer benchmark
+    (3000 s each) before the sweep; now they default to skipped, and an explicit 0 still runs them."""
+    value = {"SWEEP": "ll", "GPU_SUITE": "m1b"}[what]
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), SKIP_TESTS=None, SKIP_BENCH=None,
+                                       SKIP_LAYER=None, **{what: value})
+    assert rc == 0, output
+    assert not [c for c in calls if "-m gpu tests/gpu" in c or f"{out}/bench" in c], calls
+    (tmp_path / "b").mkdir()
+    rc, output, out, calls = run_suite(tmp_path / "b", 2, junit_xml(1, 0), SKIP_TESTS=None, SKIP_BENCH="0",
+                                       SKIP_LAYER=None, **{what: value})
+    assert [c for c in calls if f"--out {out}/bench.json" in c], calls
+    assert not [c for c in calls if "-m gpu tests/gpu" in c or f"{out}/bench_layer" in c], calls
 
 
 def test_records_keep_skipped_ids_with_reasons_and_the_deselected_count(tmp_path):
@@ -726,3 +918,35 @@ def test_a_part_that_did_not_start_or_collected_nothing_says_so_and_fails(tmp_pa
     assert rc == 1, output
     part = json.loads((out / "gpu_tests_stubx2_ep2_pm1.json").read_text())["parts"]["m1b"]
     assert part["note"] == "no tests collected (rc 5)" and part["deselected"] == 3, part
+
+
+def test_share_gpu_default_files_are_those_with_process_model_2_tests(tmp_path):
+    rc, output, out, calls = run_check(tmp_path, gpus=1, SHARE_GPU="1", MPS_PIPE_DIR=str(tmp_path / "mps"))
+    assert rc == 0, output
+    runs = [c for c in calls if "pytest" in c]
+    assert {f for run in runs for f in files_of(run)} == PG_FILES and len(runs) == len(PG_FILES), runs
+
+
+def test_m1c_takes_any_new_test_file_and_the_help_names_its_files(tmp_path):
+    """A test file not named test_*_gpu.py was collected by pytest but run by no part."""
+    tree = tmp_path / "tree"
+    (tree / "tools").mkdir(parents=True)
+    (tree / "tests" / "gpu").mkdir(parents=True)
+    for tool in ("gpu_check.sh", "gpu_tests_record.py"):
+        (tree / "tools" / tool).write_text((ROOT / "tools" / tool).read_text())
+    for name in ("test_dispatch_gpu.py", "test_gemm_gpu.py", "test_rank_major_gpu.py", "test_router_gpu.py",
+                 "test_new.py"):
+        (tree / "tests" / "gpu" / name).write_text("")
+    rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), _script=tree / "tools" / "gpu_check.sh",
+                                       GPU_SUITE="m1c")
+    assert rc == 0, output
+    assert files_of(pytest_runs(calls)[0]) == {"tests/gpu/test_router_gpu.py", "tests/gpu/test_new.py"}
+    # the help's m1c line names every file of m1c
+    help_text = SCRIPT.read_text().split("#                 m1c")[1].split("#                 pga")[0]
+    others = ("dispatch", "layout", "peer_smoke", "gemm", "rank_major",
+              "process_group", "hierarchical", "put_transport")   # the last three have no model-1 test
+    m1c = GPU_FILES - {f"tests/gpu/test_{n}_gpu.py" for n in others}
+    for f in m1c:
+        assert Path(f).stem.removeprefix("test_").split("_")[0] in help_text, (f, help_text)
+    header = SCRIPT.read_text().split("set -uo pipefail")[0]
+    assert "pg is refused with SWEEP_EP" in header and "but pg once per EP size" not in header

@@ -7,6 +7,7 @@
 #      PYTHON  interpreter with jax[cuda], nanobind, scikit-build-core, cmake, ninja, pytest
 #      PYTEST_ARGS  extra pytest arguments, split like a shell line (e.g. '-k "smoke or async" -x')
 #      SKIP_TESTS=1 skips the GPU tests; TESTS_TIMEOUT their limit in seconds (default 3000)
+#      BUILD_TIMEOUT  the build's limit in seconds (default 420; within DEADLINE too)
 #      SHARE_GPU=1 then runs the process-model-2 tests (marker process_group) as 2 processes on GPU 0
 #               (N with SHARE_PYTEST_ARGS='--processes N'; SHARE_FILES=a,b only tests/gpu/test_{a,b}_gpu.py)
 #               under CUDA MPS (pytest --share-gpu; for one-GPU machines: without it they skip there):
@@ -79,13 +80,17 @@
 #                           DeepSeek-V3 shape, sustained
 #                 pg     process model 2: one process per local GPU (tests/gpu/process_group_worker.py;
 #                        2 or more GPUs)
-#               SWEEP_EP=2,4 runs each part but pg once per EP size, on the first N GPUs
-#               (CUDA_VISIBLE_DEVICES; records and logs $OUT/sweep_<part>_ep<N>.*): EP2 and EP4 in one call.
+#               SWEEP_EP=2,4 runs each part once per EP size, on the first N visible GPUs
+#               (CUDA_VISIBLE_DEVICES; records and logs $OUT/sweep_<part>_ep<N>.*): EP2 and EP4 in one call;
+#               pg is refused with SWEEP_EP (it takes every GPU: run it in a call without SWEEP_EP).
 #               em and rm take SWEEP_PRESETS (default deepseek,sparse) and SWEEP_TOKENS (default
 #               128,512,2048,4096,8192); every part runs with --profile. SWEEP_PART_TIMEOUT bounds each
-#               (default 900 s). Use SKIP_BENCH=1 SKIP_LAYER=1 with it, unless the default runs are wanted too.
+#               (default 900 s). With SWEEP (or GPU_SUITE), SKIP_TESTS, SKIP_BENCH and SKIP_LAYER default
+#               to 1 (set them to 0 for those runs too).
 #      GPU_SUITE=PARTS  the GPU test suite in parts that each fit one 10-minute device call (comma-separated,
-#               run in the order given; GPU_SUITE_RANKS=N ranks on N separate GPUs, default all GPUs):
+#               run in the order given; GPU_SUITE_RANKS=N ranks on N separate GPUs, default all visible GPUs;
+#               the model-1 parts see only the first N (CUDA_VISIBLE_DEVICES), so a record's device is
+#               "Nx <gpu>" for them; with no GPU listed the suite is not run and the call fails):
 #                 m1a    model 1 (--ep-ranks N, -m "gpu and not process_group"): dispatch, layout, peer_smoke
 #                 m1g    model 1: gemm, all but the FP8 tests and the kernel-config sweeps
 #                        (-k "not fp8 and not (each_config or ring_weight_gradient)")
@@ -93,7 +98,8 @@
 #                        ring_weight_gradient)")
 #                 m1h    model 1: gemm, the FP8 tests (-k fp8)
 #                 m1b    model 1: rank_major
-#                 m1c    model 1: low_latency, rank_mask, throughput/ll shrink, fingerprint, device_memory
+#                 m1c    model 1: low_latency, rank_mask, throughput/ll shrink, fingerprint, device_memory,
+#                        router, swiglu (every file the other model-1 parts leave)
 #                 pga    process model 2 (--processes N, -m "gpu and process_group"): process_group,
 #                        hierarchical
 #                 pgb    process model 2: put_transport, fingerprint, rank_mask, throughput/ll shrink,
@@ -110,16 +116,18 @@
 #               (pytest still writes the JUnit XML of the tests done); GPU_SUITE_ARGS extra pytest arguments
 #               (e.g. -k); JUnit XML and -v log under $OUT (gpu_suite_<part>_ep<N>.{xml,log}), then
 #               tools/gpu_tests_record.py adds the part to $OUT/gpu_tests_<gpu>x<count>_ep<N>_pm<1|2>.json
-#               (counts, failing ids, seconds per file; a cut part is "incomplete" and names the test it
-#               was cut in). GIT_COMMIT names the commit when the machine's .git is stale or absent. Fold the
+#               (counts, failing ids, skipped ids with their reasons, seconds per file; a cut part is
+#               "incomplete" and names the test it was cut in; a part with none passed fails).
+#               GIT_COMMIT names the commit when the machine's .git is stale or absent. Fold the
 #               records a call returns into docs/benchmarks/ with tools/gpu_tests_record.py --merge FILES
-#               --into docs/benchmarks (TAR_OUT leaves the records out of the tarball). Use SKIP_TESTS=1
-#               SKIP_BENCH=1 SKIP_LAYER=1 with it.
+#               --into docs/benchmarks (the tarball leaves the records out).
 #      DEADLINE=S  every bounded step ends by S seconds after the start (a step with less than 20 s left
-#               is skipped and says so): for a machine whose calls are cut off at a fixed time
+#               is skipped and says "not run (DEADLINE)" in summary.txt): for a machine whose calls are cut
+#               off at a fixed time. It and the other numbers above are checked to be whole seconds / counts,
+#               and the *ARGS split like a shell line to parse, before anything runs (else the call fails).
 #      TAR_OUT=1  at the end, everything under $OUT but summary.txt and the gpu_tests_*.json records
-#               goes into $OUT/gpu_check.tar.gz
-#               (machines that return only a few files)
+#               goes into $OUT/gpu_check.tar.gz (machines that return only a few files: 8 on the device
+#               machines); unset, that happens when more than 8 files would be left; TAR_OUT=0 never
 #      SKIP_BUILD=1  no pip install (an earlier run built this tree): for two runs at once, one per GPU
 #               (CUDA_VISIBLE_DEVICES, OUT apart), where two installs of one tree race and one fails
 set -uo pipefail
@@ -129,6 +137,37 @@ OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY="${PYTHON:-python3}"
+: >"$OUT/summary.txt"
+
+# The settings, checked before anything runs: a number that is not one broke the arithmetic (every part
+# then "cut in None"), and an *ARGS that did not parse dropped the user's arguments or, under set -u, the
+# whole GPU_SUITE block, with the call still saying OK (review of 2026-12-05).
+bad_settings=0
+setting_error() { echo "gpu_check: $*" | tee -a "$OUT/summary.txt"; bad_settings=1; }
+for var in DEADLINE BUILD_TIMEOUT TESTS_TIMEOUT BENCH_TIMEOUT SHARE_FILE_TIMEOUT SHARE_TIMEOUT SHARE_BENCH \
+           GEMM_TUNE_TIMEOUT SWEEP_PART_TIMEOUT GPU_SUITE_RANKS GPU_SUITE_PART_TIMEOUT PG_REPEATS PG_RUN_S; do
+  [ -z "${!var:-}" ] || [[ ${!var} =~ ^[0-9]+$ ]] || setting_error "$var='${!var}' is not a whole number"
+done
+[ "${GPU_SUITE_RANKS:-1}" != 0 ] || setting_error "GPU_SUITE_RANKS=0: needs 1 or more"
+[ -z "${SWEEP_EP:-}" ] || [[ $SWEEP_EP =~ ^[0-9]+(,[0-9]+)*$ ]] \
+  || setting_error "SWEEP_EP='$SWEEP_EP' is not comma-separated whole numbers"
+# parse_args ARRAY VALUE: VALUE split like a shell line (quotes work: '-k "a or b"') into ARRAY
+parse_args() {
+  eval "$1=($2)" 2>/dev/null || setting_error "$3='$2' does not parse as a shell line (unbalanced quote?)"
+}
+parse_args pytest_args "${PYTEST_ARGS:-}" PYTEST_ARGS
+parse_args share_args "${SHARE_PYTEST_ARGS:-}" SHARE_PYTEST_ARGS
+parse_args bench_args "${SHARE_BENCH_ARGS:---bench-sms 16 --bench-pull both --bench-dtypes bfloat16 --bench-no-profile}" \
+  SHARE_BENCH_ARGS
+parse_args suite_args "${GPU_SUITE_ARGS:-}" GPU_SUITE_ARGS
+if [ $bad_settings = 1 ]; then
+  echo "gpu_check: FAILED (settings above; nothing ran)" | tee -a "$OUT/summary.txt"
+  exit 2
+fi
+# SWEEP and GPU_SUITE each fit one 10-minute call: the 3000 s default runs before them would eat it
+if [ -n "${SWEEP:-}${GPU_SUITE:-}" ]; then
+  SKIP_TESTS=${SKIP_TESTS:-1} SKIP_BENCH=${SKIP_BENCH:-1} SKIP_LAYER=${SKIP_LAYER:-1}
+fi
 
 # NVLink multicast stays off on these machines (NCCL and NVSHMEM).
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
@@ -150,22 +189,41 @@ bounded() {
   fi
   echo "$lim"
 }
-# bounded_run LIMIT CMD...: CMD under timeout; when DEADLINE leaves no time, skipped (rc 124)
+# bounded_run [--int] LIMIT CMD...: CMD under timeout; when DEADLINE leaves no time, skipped (rc 124,
+# not_run=1, and a line in summary.txt). --int: cut with SIGINT, then SIGKILL 10 s later, so that pytest
+# still writes its JUnit XML (after SIGTERM it writes none).
 bounded_run() {
-  local lim
+  local lim sig=(-k 5)
+  if [ "$1" = --int ]; then sig=(-s INT -k 10); shift; fi
   lim=$(bounded "$1")
   shift
+  not_run=0
   if [ "$lim" = 0 ]; then
-    echo "SKIPPED: DEADLINE ($DEADLINE s) reached: $*"
+    not_run=1
+    echo "SKIPPED: DEADLINE ($DEADLINE s) reached, not run (DEADLINE): $*" | tee -a "$OUT/summary.txt"
     return 124
   fi
-  timeout -k 5 "$lim" "$@"
+  timeout "${sig[@]}" "$lim" "$@"
 }
+# rc_text RC: "rc=RC", or "not run (DEADLINE)" when the last bounded_run was skipped for the deadline
+rc_text() { if [ "${not_run:-0}" = 1 ]; then echo "not run (DEADLINE)"; else echo "rc=$1"; fi; }
+# visible_gpus: gpu_ids, the GPUs CUDA will see (nvidia-smi lists every GPU, whatever
+# CUDA_VISIBLE_DEVICES says), and gpus, their count
+visible_gpus() {
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    IFS=',' read -r -a gpu_ids <<<"$CUDA_VISIBLE_DEVICES"
+  else
+    read -r -a gpu_ids <<<"$(nvidia-smi -L 2>/dev/null | sed -nE 's/^GPU ([0-9]+):.*/\1/p' | tr '\n' ' ')"
+  fi
+  gpus=${#gpu_ids[@]}
+}
+# first_gpus N: the first N visible GPUs, for CUDA_VISIBLE_DEVICES
+first_gpus() { local IFS=,; echo "${gpu_ids[*]:0:$1}"; }
 
-step "environment" | tee "$OUT/summary.txt"
+step "environment" | tee -a "$OUT/summary.txt"
 {
   nvidia-smi -L || true
-  "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" || true
+  bounded_run 120 "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" || true
   nvcc --version | tail -1 || true
   env | grep -E '^(NCCL_NVLS_ENABLE|NVSHMEM_DISABLE_NVLS|XLA_PYTHON_CLIENT_MEM_FRACTION|XLA_FLAGS|JAX_EP_)' || true
 } 2>&1 | tee -a "$OUT/summary.txt"
@@ -180,7 +238,12 @@ else
   start=$SECONDS
   # (without PYTHONPATH: with the repository root on it, pip's build backend failed to import on the
   # GPU machine, 2026-11-30: "Cannot import 'scikit_build_core.build'")
-  pip_install() { env -u PYTHONPATH "$PY" -m pip install --no-build-isolation --no-deps -e . "$@" >"$OUT/build.log" 2>&1; }
+  # bounded: a first build on a fresh machine, or a hang, would otherwise eat the call (the device kills it
+  # at 600 s: no summary line, no tarball)
+  pip_install() {
+    bounded_run "${BUILD_TIMEOUT:-420}" env -u PYTHONPATH "$PY" -m pip install --no-build-isolation --no-deps -e . \
+      "$@" >"$OUT/build.log" 2>&1
+  }
   if ! pip_install; then
     if grep -q externally-managed-environment "$OUT/build.log"; then
       pip_install --break-system-packages || status=1
@@ -191,13 +254,20 @@ else
   if [ $status -ne 0 ]; then
     tail -40 "$OUT/build.log"
     echo "gpu_check: BUILD FAILED (log: $OUT/build.log)" | tee -a "$OUT/summary.txt"
+    # what the call was for, by name: otherwise nothing says these parts did not run
+    IFS=',' read -r -a parts <<<"${GPU_SUITE:-}"
+    for part in "${parts[@]}"; do echo "gpu suite $part: not run (build failed)"; done | tee -a "$OUT/summary.txt"
+    IFS=',' read -r -a parts <<<"${SWEEP:-}"
+    for part in "${parts[@]}"; do echo "sweep $part: not run (build failed)"; done | tee -a "$OUT/summary.txt"
     exit 1
   fi
   echo "built in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 fi
 
 step "runtime"
-"$PY" - 2>&1 <<'PYEOF' | tee "$OUT/runtime.txt"
+bounded_run 120 "$PY" - 2>&1 <<'PYEOF' | tee "$OUT/runtime.txt"
+import sys
+
 from jax_ep import runtime
 
 native = runtime.extension()
@@ -208,20 +278,29 @@ if native is not None and runtime.available()[0]:
     ordinals = runtime.local_gpu_ordinals()
     print("local GPU ordinals:", ordinals)
     print("peer access matrix:", native.peer_access_matrix(ordinals))
+sys.exit(0 if native is not None and runtime.available()[0] else 3)
 PYEOF
+# without the extension or a CUDA backend every GPU test skips (the cuda_backend fixture): that is no pass
+runtime_rc=${PIPESTATUS[0]}
+if [ "$runtime_rc" -ne 0 ]; then
+  { if [ "$runtime_rc" = 3 ]; then echo "runtime: CUDA backend unavailable ($OUT/runtime.txt):"
+    else echo "runtime: the probe failed (rc=$runtime_rc; $OUT/runtime.txt)"; fi
+    grep -E "^(extension|available):" "$OUT/runtime.txt"; } | tee -a "$OUT/summary.txt"
+  status=1
+fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step "GPU tests: pytest -m gpu tests/gpu"
 start=$SECONDS
-# PYTEST_ARGS is split like a shell line, so quotes work: PYTEST_ARGS='-k "a or b"'
-eval "pytest_args=(${PYTEST_ARGS:-})"
-bounded_run "${TESTS_TIMEOUT:-3000}" "$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
+# PYTEST_ARGS: split at the start (parse_args)
+bounded_run --int "${TESTS_TIMEOUT:-3000}" "$PY" -m pytest -m gpu tests/gpu -v -rs --durations=10 --junitxml="$OUT/gpu-tests.xml" \
   "${pytest_args[@]}" >"$OUT/gpu-tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/gpu-tests.log"
-echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests.log)" | tee -a "$OUT/summary.txt"
+echo "gpu tests: $(rc_text $tests_rc) in $((SECONDS - start)) s (log: $OUT/gpu-tests.log)" | tee -a "$OUT/summary.txt"
 [ $tests_rc -eq 0 ] || status=1
-"$PY" -c "from jax_ep import runtime; print('device faults:', runtime.faults())" 2>&1 | tee -a "$OUT/summary.txt"
+bounded_run 120 "$PY" -c "from jax_ep import runtime; print('device faults:', runtime.faults())" 2>&1 \
+  | tee -a "$OUT/summary.txt"
 fi
 
 if [ "${SHARE_GPU:-0}" = 1 ]; then
@@ -236,7 +315,8 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
   # which took 2-3 s a call, up to ~12 calls a run)
   mps_down() { "$PY" -c 'import runpy; runpy.run_path("jax_ep/mps.py", run_name="__main__")'; }
   stop_mps() {   # and wait for it to go, so that the next start does not meet a daemon shutting down
-    echo quit | nvidia-cuda-mps-control
+    # not skipped for DEADLINE: a daemon left running would serve the warm machine's next call
+    echo quit | timeout -k 5 30 nvidia-cuda-mps-control
     for _ in $(seq 10); do mps_down >/dev/null && return; sleep 0.5; done
     echo "gpu_check: CUDA MPS still answers after quit"
   }
@@ -246,7 +326,7 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
   else
     echo "CUDA MPS: $why; starting it"
     rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"   # a stopped daemon's socket (nothing answers there)
-    if nvidia-cuda-mps-control -d; then
+    if bounded_run 60 nvidia-cuda-mps-control -d; then
       started_mps=1
       trap stop_mps EXIT   # stopped even if this script is interrupted
       for _ in $(seq 10); do mps_down >/dev/null || break; sleep 0.5; done
@@ -256,7 +336,6 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     echo "gpu_check: could not start CUDA MPS ($why; nvidia-cuda-mps-control -d; logs in $CUDA_MPS_LOG_DIRECTORY)" | tee -a "$OUT/summary.txt"
     status=1
   else
-    eval "share_args=(${SHARE_PYTEST_ARGS:-})"
     # one pytest per file, each bounded: a hang costs its own file's results, not the others' (their
     # output would be lost with the killed pytest)
     : >"$OUT/gpu-tests-shared.log"
@@ -266,12 +345,12 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     elif [ -n "${SHARE_FILES:-}" ]; then
       share_files=$(echo "$SHARE_FILES" | tr ',' '\n' | sed 's|.*|tests/gpu/test_&_gpu.py|')
     else
-      share_files=$(grep -l "process_group" tests/gpu/test_*.py)
+      share_files=$(grep -l "mark.process_group" tests/gpu/test_*.py)   # files with process-model-2 tests
     fi
     for file in $share_files; do
       echo "---- $file" >>"$OUT/gpu-tests-shared.log"
       # JUnit XML per file: without it tools/gpu_tests_record.py counts from the log and marks the run incomplete
-      bounded_run "${SHARE_FILE_TIMEOUT:-540}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
+      bounded_run --int "${SHARE_FILE_TIMEOUT:-540}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
         --durations=5 --junitxml="$OUT/gpu-tests-shared_$(basename "$file" .py).xml" "${share_args[@]}" \
         >>"$OUT/gpu-tests-shared.log" 2>&1
       rc=$?
@@ -287,14 +366,13 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     [ $share_rc -eq 0 ] || status=1
     if [ -n "${SHARE_BENCH:-}" ]; then
       start=$SECONDS
-      eval "bench_args=(${SHARE_BENCH_ARGS:---bench-sms 16 --bench-pull both --bench-dtypes bfloat16 --bench-no-profile})"
       # N processes share the GPU: each preallocating 0.6 of it leaves no room (session 53 lost a run to it)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${user_mem_fraction:-0.2} bounded_run "${SHARE_FILE_TIMEOUT:-540}" \
         "$PY" -m jax_ep.launch --nproc "$SHARE_BENCH" --share-gpus tests/gpu/process_group_worker.py \
         --bench "$OUT/share_bench.json" "${bench_args[@]}" >"$OUT/share_bench.log" 2>&1
       rc=$?
       grep -E "bench |Error" "$OUT/share_bench.log" | cut -c1-200 | head -40
-      echo "process-model-2 benchmark, $SHARE_BENCH processes on one GPU (MPS): rc=$rc in $((SECONDS - start)) s" \
+      echo "process-model-2 benchmark, $SHARE_BENCH processes on one GPU (MPS): $(rc_text $rc) in $((SECONDS - start)) s" \
         "(log: $OUT/share_bench.log)" | tee -a "$OUT/summary.txt"
       [ $rc -eq 0 ] || status=1
     fi
@@ -313,7 +391,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ -f benchmarks/ops.py ]; then
   bounded_run "${BENCH_TIMEOUT:-3000}" "$PY" -m benchmarks --out "$OUT/bench.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   bench_rc=$?
   tail -60 "$OUT/bench.log"
-  echo "bench: rc=$bench_rc in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
+  echo "bench: $(rc_text $bench_rc) in $((SECONDS - start)) s (log: $OUT/bench.log)" | tee -a "$OUT/summary.txt"
   [ $bench_rc -eq 0 ] || status=1
 fi
 
@@ -323,9 +401,11 @@ if [ "${SKIP_LAYER:-0}" != 1 ]; then
   # shellcheck disable=SC2086
   bounded_run 3000 "$PY" -m benchmarks --layer --profile --out "$OUT/bench_layer.json" ${LAYER_ARGS:-} >"$OUT/bench_layer.log" 2>&1
   layer_rc=$?
+  layer_said=$(rc_text $layer_rc)
   tail -12 "$OUT/bench_layer.log"
-  "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" || layer_rc=1
-  echo "layer bench: rc=$layer_rc in $((SECONDS - start)) s (log: $OUT/bench_layer.log)" | tee -a "$OUT/summary.txt"
+  bounded_run 60 "$PY" tools/plot_bench.py "$OUT/bench_layer.json" "$OUT/bench_layer.png" \
+    || { [ $layer_rc -ne 0 ] || layer_said="rc=1 (plot)"; layer_rc=1; }
+  echo "layer bench: $layer_said in $((SECONDS - start)) s (log: $OUT/bench_layer.log)" | tee -a "$OUT/summary.txt"
   [ $layer_rc -eq 0 ] || status=1
 fi
 
@@ -337,7 +417,7 @@ if [ "${GEMM:-0}" = 1 ]; then
   if [[ $gemm_steps == *,tests,* ]]; then
     k_filter=()
     [ -n "${GEMM_TEST_K:-}" ] && k_filter=(-k "$GEMM_TEST_K")
-    bounded_run 400 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gemm_gpu.py "${k_filter[@]}" \
+    bounded_run --int 400 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gemm_gpu.py "${k_filter[@]}" \
       --junitxml="$OUT/gemm_tests.xml" >"$OUT/gemm_tests.log" 2>&1 || gemm_rc=1
     tail -3 "$OUT/gemm_tests.log"
   fi
@@ -369,14 +449,14 @@ if [ "${GEMM_PEERS:-0}" = 1 ]; then
   step "grouped GEMM vs tokamax vs dense dot: tools/tune_gemm.py --compare"
   start=$SECONDS
   peers_dir="${TMPDIR:-/tmp}/jax_ep_gemm_peers"
-  PYTHON="$PY" bash tools/gemm_peers.sh install "$peers_dir" >"$OUT/gemm_peers_install.log" 2>&1 \
+  PYTHON="$PY" bounded_run 120 bash tools/gemm_peers.sh install "$peers_dir" >"$OUT/gemm_peers_install.log" 2>&1 \
     || echo "tokamax not installed (log: $OUT/gemm_peers_install.log)"
   PYTHONPATH="$peers_dir:${PYTHONPATH:-}" bounded_run 900 "$PY" tools/tune_gemm.py \
     --shapes "${GEMM_PEERS_SHAPES:-layers}" --passes "" --compare --out "${TMPDIR:-/tmp}/gemm_configs_peers.json" \
     --report "$OUT/gemm_peers.json" >"$OUT/gemm_peers.log" 2>&1
   peers_rc=$?
   grep -E "^peers|dense bf16" "$OUT/gemm_peers.log"
-  echo "gemm peers: rc=$peers_rc in $((SECONDS - start)) s (log: $OUT/gemm_peers.log)" | tee -a "$OUT/summary.txt"
+  echo "gemm peers: $(rc_text $peers_rc) in $((SECONDS - start)) s (log: $OUT/gemm_peers.log)" | tee -a "$OUT/summary.txt"
   [ $peers_rc -eq 0 ] || status=1
 fi
 
@@ -387,7 +467,7 @@ if [ "${PG_BENCH:-0}" = 1 ]; then
     --bench "$OUT/bench_pg.json" >"$OUT/pg_bench.log" 2>&1
   pg_rc=$?
   grep -E "bench|OK" "$OUT/pg_bench.log"
-  echo "process model 2 bench: rc=$pg_rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  echo "process model 2 bench: $(rc_text $pg_rc) in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
   [ $pg_rc -eq 0 ] || { status=1; tail -40 "$OUT/pg_bench.log"; }
 fi
 
@@ -396,9 +476,9 @@ fi
 ncu_pages() {
   local base=$1 view
   shift
-  ncu --import "$base.ncu-rep" --page details --print-units base >"$base.txt" 2>&1
+  bounded_run 120 ncu --import "$base.ncu-rep" --page details --print-units base >"$base.txt" 2>&1
   for view in "$@"; do
-    ncu --import "$base.ncu-rep" --page source --csv --print-source "$view" >"$base.source_$view.csv" 2>&1 || true
+    bounded_run 120 ncu --import "$base.ncu-rep" --page source --csv --print-source "$view" >"$base.source_$view.csv" 2>&1 || true
   done
 }
 
@@ -414,7 +494,7 @@ if [ "${GEMM_NCU:-0}" = 1 ]; then
     # the 5 warm-up launches skipped, then one launch of each kernel (tools/gemm_ncu.py --print-order);
     # SourceCounters: stall reasons per instruction
     # shellcheck disable=SC2086
-    timeout 300 ncu --clock-control none ${NCU_SECTIONS:-$NCU_DEFAULT_SECTIONS} --section SourceCounters \
+    bounded_run 300 ncu --clock-control none ${NCU_SECTIONS:-$NCU_DEFAULT_SECTIONS} --section SourceCounters \
       -k regex:mosaic --launch-skip 5 --launch-count 5 -f -o "$OUT/gemm_ncu/$shape" \
       "$PY" tools/gemm_ncu.py --shape "$shape" >"$OUT/gemm_ncu/$shape.log" 2>&1
     gemm_ncu_rc=$?
@@ -443,7 +523,7 @@ if [ "${NCU:-0}" = 1 ]; then
   for job in "${jobs[@]}"; do
     IFS='|' read -r name k1 k2 k3 count extra <<<"$job"
     # shellcheck disable=SC2086
-    timeout 240 ncu --clock-control none $sections -k "regex:${k1}|${k2}|${k3}" --launch-count "$count" \
+    bounded_run 240 ncu --clock-control none $sections -k "regex:${k1}|${k2}|${k3}" --launch-count "$count" \
       -f -o "$OUT/ncu/$name" "$PY" tools/ep_tune.py --splits 6:8:1 --iters 1 --repeats 1 $extra \
       ${NCU_ARGS:-} >"$OUT/ncu/$name.log" 2>&1
     ncu_rc=$?
@@ -459,7 +539,7 @@ if [ "${NCU:-0}" = 1 ]; then
 fi
 
 if [ -n "${SWEEP:-}" ]; then
-  gpus=$(nvidia-smi -L | grep -c "^GPU")
+  visible_gpus
   tokens="--tokens ${SWEEP_TOKENS:-128,512,2048,4096,8192}"
   presets="--preset ${SWEEP_PRESETS:-deepseek,sparse}"
   timing="--profile --iters 5 --repeats 2"
@@ -476,7 +556,7 @@ if [ -n "${SWEEP:-}" ]; then
         echo "sweep $part at EP$ep: not run (SWEEP_EP takes 1..$gpus GPUs, and not the pg part)" | tee -a "$OUT/summary.txt"
         status=1; continue
       fi
-      visible=(env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ep - 1)))")
+      visible=(env CUDA_VISIBLE_DEVICES="$(first_gpus "$ep")")
     fi
     case $part in
       em) cmd=("$PY" -m benchmarks $presets $tokens $timing --backends cuda,dense,reference,ragged) ;;
@@ -511,23 +591,31 @@ if [ -n "${SWEEP:-}" ]; then
     if [ "$part" = pg ]; then grep -E "worker OK|FAILED|Error" "$OUT/sweep_$name.log" | cut -c1-300
     else tail -30 "$OUT/sweep_$name.log"; fi
     if [ "$part" = pull ] && [ $rc -eq 0 ]; then  # the decisions it implies, on a copy of the table
-      "$PY" -m benchmarks.auto_table "$OUT/sweep_$name.json" --table "$OUT/auto_table_pull.json" 2>&1 \
+      bounded_run 60 "$PY" -m benchmarks.auto_table "$OUT/sweep_$name.json" --table "$OUT/auto_table_pull.json" 2>&1 \
         | grep -E "pull|Error" | tee -a "$OUT/summary.txt"
     fi
-    echo "sweep $name: rc=$rc in $((SECONDS - start)) s (log: $OUT/sweep_$name.log)" | tee -a "$OUT/summary.txt"
+    echo "sweep $name: $(rc_text $rc) in $((SECONDS - start)) s (log: $OUT/sweep_$name.log)" | tee -a "$OUT/summary.txt"
     [ $rc -eq 0 ] || status=1
    done
   done
 fi
 
 if [ -n "${GPU_SUITE:-}" ]; then
-  gpus=$(nvidia-smi -L | grep -c "^GPU")
+  visible_gpus
+  if [ "$gpus" -lt 1 ]; then   # else every part ran at --ep-ranks 0, recorded as "0x NVIDIA"
+    echo "gpu suite ${GPU_SUITE}: not run: no GPU listed (nvidia-smi -L, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})" \
+      | tee -a "$OUT/summary.txt"
+    status=1
+    GPU_SUITE=""
+  fi
+fi
+if [ -n "${GPU_SUITE:-}" ]; then
   ranks="${GPU_SUITE_RANKS:-$gpus}"
-  name=$(nvidia-smi -L | head -1 | sed -E 's/^GPU 0: (NVIDIA )?([^ (]+).*/\2/' | tr 'A-Z' 'a-z')
-  device="${gpus}x NVIDIA $(echo "$name" | tr 'a-z' 'A-Z')"
-  eval "suite_args=(${GPU_SUITE_ARGS:-})"
+  # the name of the first visible GPU (when CUDA_VISIBLE_DEVICES names it by ordinal)
+  name=$( (nvidia-smi -L | grep -m1 "^GPU ${gpu_ids[0]}:" || nvidia-smi -L | head -1) \
+    | sed -E 's/^GPU [0-9]+: (NVIDIA )?([^ (]+).*/\2/' | tr 'A-Z' 'a-z')
   # the groups: m1c and pgb take every file the others leave, so a new test file is never left out
-  all_files=$(ls tests/gpu/test_*_gpu.py)
+  all_files=$(ls tests/gpu/test_*.py)
   pg_files=$(grep -l "mark.process_group" $all_files)
   m1a="tests/gpu/test_dispatch_gpu.py tests/gpu/test_layout_gpu.py tests/gpu/test_peer_smoke_gpu.py"
   # the GEMM file alone took over 8 minutes at EP2 (2026-11-29): two parts, split by -k
@@ -564,15 +652,19 @@ if [ -n "${GPU_SUITE:-}" ]; then
       fi
     done
     [ -z "$k" ] || extra+=(-k "$k")
-    timeout -s INT -k 10 "$lim" "$PY" -m pytest "$@" -v -rs --durations=10 --junitxml="$xml" "${extra[@]}" \
+    timeout -s INT -k 10 "$lim" "${part_env[@]}" "$PY" -m pytest "$@" -v -rs --durations=10 --junitxml="$xml" "${extra[@]}" \
       >>"$OUT/gpu_suite_$tag.log" 2>&1
     rc=$?
   }
-  # record PART TAG MODEL COMMAND [--repeat]: the part's XML and log into the record; 1 if it failed or was cut
+  # record PART TAG MODEL COMMAND [--repeat]: the part's XML and log into the record; 1 if it failed or was cut.
+  # The GPU count is what the part saw: model 1 the first $ranks GPUs, model 2 every visible one.
   record() {
+    local count=$gpus
+    [ "$3" = 2 ] || count=$ranks
     "$PY" tools/gpu_tests_record.py --junit "$OUT/gpu_suite_$2.xml" --log "$OUT/gpu_suite_$2.log" --rc "$rc" \
-      --part "$1" --ep-size "$ranks" --process-model "$3" --device "$device" \
-      --record "$OUT/gpu_tests_${name}x${gpus}_ep${ranks}_pm$3.json" --command "$4" "${@:5}" | tee -a "$OUT/summary.txt"
+      --part "$1" --ep-size "$ranks" --process-model "$3" --device "${count}x NVIDIA $(echo "$name" | tr 'a-z' 'A-Z')" \
+      --record "$OUT/gpu_tests_${name}x${count}_ep${ranks}_pm$3.json" --command "$4" "${@:5}" \
+      | tee -a "$OUT/summary.txt"
     return "${PIPESTATUS[0]}"
   }
   IFS=',' read -r -a parts <<<"$GPU_SUITE"
@@ -598,9 +690,14 @@ if [ -n "${GPU_SUITE:-}" ]; then
       echo "gpu suite $part: not run: $ranks ranks on $gpus GPUs" | tee -a "$OUT/summary.txt"
       status=1; continue
     fi
+    # model 1 sees only the GPUs it runs on: the GEMM layer, peer_smoke, shrink, rank_mask and fingerprint
+    # tests take every visible GPU, so GPU_SUITE_RANKS=1 on 4 GPUs ran them at EP4 in an "ep1" record
+    part_env=()
+    [ "$model" = 2 ] || part_env=(env CUDA_VISIBLE_DEVICES="$(first_gpus "$ranks")")
     step "gpu suite $part (process model $model, $ranks ranks on separate GPUs): $files"
     start=$SECONDS
     part_rc=0
+    part_said=""
     if [ "$part" = pgrep ]; then
       IFS=',' read -r -a settings <<<"${PG_AUTOTUNING:-off,on}"
       for autotuning in "${settings[@]}"; do
@@ -640,19 +737,24 @@ if [ -n "${GPU_SUITE:-}" ]; then
       tail -15 "$OUT/gpu_suite_$tag.log"
       if [ $ran = 0 ]; then
         part_rc=124   # not run: nothing to record (an empty entry would replace an earlier run's)
+        part_said="not run (DEADLINE)"
       else
         record "$part" "$tag" "$model" "pytest ${args[*]} $files${part_k:+ -k '$part_k'} ${GPU_SUITE_ARGS:-}" \
           || part_rc=1
       fi
     fi
-    echo "gpu suite $part: rc=$part_rc in $((SECONDS - start)) s (log: $OUT/gpu_suite_${part}_ep${ranks}.log)" \
+    echo "gpu suite $part: ${part_said:-rc=$part_rc} in $((SECONDS - start)) s (log: $OUT/gpu_suite_${part}_ep${ranks}.log)" \
       | tee -a "$OUT/summary.txt"
     [ $part_rc -eq 0 ] || status=1
   done
 fi
 
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT)" | tee -a "$OUT/summary.txt"
-if [ "${TAR_OUT:-0}" = 1 ]; then
+# the device machines return at most 8 files of $OUT, their choice which: unless TAR_OUT says, tar when
+# more would be left, so that summary.txt and the records are sure to come back
+tar_out=${TAR_OUT:-}
+[ -n "$tar_out" ] || { [ "$(find "$OUT" -mindepth 1 ! -type d | wc -l)" -gt 8 ] && tar_out=1; }
+if [ "$tar_out" = 1 ]; then
   # the gpu_tests records stay out of it: they are what a GPU_SUITE call returns
   keep=(! -name summary.txt ! -name gpu_check.tar.gz ! -name 'gpu_tests_*.json')
   (cd "$OUT" && find . -mindepth 1 -maxdepth 1 "${keep[@]}" -printf '%P\n' | tar -czf gpu_check.tar.gz -T - \
