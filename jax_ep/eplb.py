@@ -112,30 +112,44 @@ def _check_positive_int(name: str, value) -> None:
         raise EPValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _as_loads(loads) -> np.ndarray:
-    loads = np.asarray(loads, dtype=np.float64)
+def _as_loads(loads, name: str = "loads") -> np.ndarray:
+    try:
+        loads = np.asarray(loads, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise EPValueError(f"{name} must be numbers, got {type(loads).__name__}: {e}") from e
     if loads.ndim != 1 or loads.size == 0:
-        raise EPValueError(f"loads must be a non-empty 1-D array [num_experts], got shape {loads.shape}")
-    if not np.all(np.isfinite(loads)) or np.any(loads < 0):
-        raise EPValueError(f"loads must be finite and non-negative, got min={loads.min()!r}, "
-                           f"max={loads.max()!r}")
+        raise EPValueError(f"{name} must be a non-empty 1-D array [num_experts], got shape {loads.shape}")
+    bad = np.flatnonzero(~np.isfinite(loads) | (loads < 0))
+    if bad.size:
+        raise EPValueError(f"{name} must be finite and non-negative, got {loads[bad[:4]].tolist()} at "
+                           f"{bad[:4].tolist()}" + (f" ({bad.size} entries)" if bad.size > 4 else ""))
     return loads
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Building blocks (host-side, NumPy)
 # ---------------------------------------------------------------------------------------------------------
-def replicate_experts(loads: np.ndarray, num_slots: int) -> np.ndarray:
-    """Replica count per expert ([E] int64, sum = num_slots): each extra slot to the largest load per replica.
+def replicate_experts(loads: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
+    """Replica count per expert ([E] int64, sum = num_slots): each extra slot to the largest load per replica
+    among the experts below `max_replicas` replicas (no cap by default).
 
     Ties go to the expert with fewer replicas, then the lower id (so equal or zero loads spread round-robin).
     """
     loads = _as_loads(loads)
+    _check_positive_int("num_slots", num_slots)
     if num_slots < loads.size:
         raise EPValueError(f"num_slots={num_slots} is smaller than the {loads.size} experts to place")
+    if max_replicas is not None:
+        _check_positive_int("max_replicas", max_replicas)
+        if loads.size * max_replicas < num_slots:
+            raise EPValueError(f"max_replicas={max_replicas} is too small: {loads.size} experts with at most "
+                               f"{max_replicas} replicas each fill {loads.size * max_replicas} of the "
+                               f"{num_slots} slots; pass at least {-(-num_slots // loads.size)}")
     counts = np.ones(loads.size, dtype=np.int64)
     for _ in range(num_slots - loads.size):
         per_replica = loads / counts
+        if max_replicas is not None:
+            per_replica = np.where(counts < max_replicas, per_replica, -np.inf)
         best = per_replica == per_replica.max()
         fewest = np.where(best, counts, np.iinfo(np.int64).max)
         counts[int(np.argmin(fewest))] += 1   # argmin returns the lowest index among equals
@@ -149,7 +163,8 @@ def balanced_packing(item_loads: np.ndarray, num_packs: int) -> np.ndarray:
     ties), then swaps between the heaviest pack and another while the swap lowers the heavier of the two.
     Returns pack index per item ([n] int64).
     """
-    item_loads = np.asarray(item_loads, dtype=np.float64)
+    item_loads = _as_loads(item_loads, "item_loads")
+    _check_positive_int("num_packs", num_packs)
     num_items = item_loads.size
     if num_items % num_packs:
         raise EPValueError(f"{num_items} items cannot be split evenly into {num_packs} packs")
@@ -242,7 +257,7 @@ def identity_placement(num_experts: int, num_ranks: int, slots_per_rank: int | N
     slots = []
     for rank in range(num_ranks):
         own = np.arange(rank * native, (rank + 1) * native)
-        counts = replicate_experts(loads[own], slots_per_rank)
+        counts = replicate_experts(loads[own], slots_per_rank, max_replicas)
         slots.append(np.repeat(own, counts))
     return _placement_from_slots(np.concatenate(slots), num_experts, num_ranks, slots_per_rank, max_replicas)
 
@@ -256,12 +271,13 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
       num_ranks: EP ranks (R).
       slots_per_rank: physical expert slots per rank (S); R * S >= E. R * S - E replicas are created.
       num_nodes: > 1 selects the hierarchical policy: R ranks form num_nodes equal nodes.
-      num_groups: contiguous expert groups for the hierarchical policy (default num_nodes); must be a
-        multiple of num_nodes. Each node receives num_groups / num_nodes whole groups.
+      num_groups: contiguous expert groups for the hierarchical policy, needed with num_nodes > 1 (e.g.
+        the router's RouterConfig.num_groups); a multiple of num_nodes. Each node receives
+        num_groups / num_nodes whole groups.
       max_replicas: fixed width of `logical_to_physical` (keeps jitted shapes stable across re-plans);
-        default the largest replica count of this plan. Applies to the layout returned (the plan, or the
-        contiguous layout where the plan is not better, or then the plan if only it fits); EPValueError
-        where a better plan does not fit (never silently the unbalanced contiguous layout).
+        default the largest replica count of this plan. The plan gives no expert more replicas than this
+        (hotter loads re-plan within the width); EPValueError where the node's experts with this many
+        replicas each cannot fill its slots.
 
     Returns:
       the Placement; deterministic for equal inputs.
@@ -273,13 +289,18 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
     _check_positive_int("num_nodes", num_nodes)
     if max_replicas is not None:
         _check_positive_int("max_replicas", max_replicas)
-    num_groups = num_nodes if num_groups is None else num_groups
-    _check_positive_int("num_groups", num_groups)
     if num_ranks * slots_per_rank < num_experts:
         raise EPValueError(f"num_ranks * slots_per_rank = {num_ranks} * {slots_per_rank} slots cannot hold "
                            f"{num_experts} experts")
     if num_ranks % num_nodes:
         raise EPValueError(f"num_ranks={num_ranks} is not divisible by num_nodes={num_nodes}")
+    if num_groups is None:
+        if num_nodes > 1:   # as DeepSeek's EPLB: no default that silently stops balancing between nodes
+            raise EPValueError(f"plan_placement: num_nodes={num_nodes} needs num_groups (e.g. the router's "
+                               "RouterConfig.num_groups, a multiple of num_nodes): with one group per node "
+                               "each node keeps a fixed block of experts and no load moves between nodes")
+        num_groups = 1
+    _check_positive_int("num_groups", num_groups)
     if num_experts % num_groups:
         raise EPValueError(f"num_experts={num_experts} is not divisible by num_groups={num_groups}")
     if num_groups % num_nodes:
@@ -301,7 +322,7 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
         node_groups = np.flatnonzero(node_of_group == node)                  # ascending group ids
         experts = (node_groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
         # Step 2: replicas within the node.
-        counts = replicate_experts(loads[experts], slots_per_node)
+        counts = replicate_experts(loads[experts], slots_per_node, max_replicas)
         replica_expert = np.repeat(experts, counts)
         replica_load = np.repeat(loads[experts] / counts, counts)
         # Step 3: replicas onto the node's ranks, equal slot counts.
@@ -311,28 +332,17 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
             physical_to_logical[rank * slots_per_rank:(rank + 1) * slots_per_rank] = \
                 replica_expert[rank_in_node == local_rank]
     planned = _placement_from_slots(_sort_within_ranks(physical_to_logical, slots_per_rank), num_experts,
-                                    num_ranks, slots_per_rank, None)
-    candidates = [planned]
-    if num_experts % num_ranks == 0:
-        # The contiguous layout is valid in both modes (groups and nodes are contiguous): keep it unless the
-        # plan is strictly better, so re-planning balanced loads never moves weights around.
-        identity = identity_placement(num_experts, num_ranks, slots_per_rank, loads)
-        tol = _REL_TOL * max(float(loads.sum()), 1e-300)
-        if rank_loads(planned, loads).max() >= rank_loads(identity, loads).max() - tol:
-            # the plan is no better: the contiguous layout, or the plan where only the plan fits
-            candidates = [identity, planned]
-    if max_replicas is None:
-        return candidates[0]
-    # the width applies to the layout returned (a better plan that does not fit is an error, never
-    # silently the contiguous layout)
-    for candidate in candidates:
-        if int(candidate.replica_counts.max()) <= max_replicas:
-            return _placement_from_slots(candidate.physical_to_logical, num_experts, num_ranks,
-                                         slots_per_rank, max_replicas)
-    widths = " and ".join(str(int(c.replica_counts.max())) for c in candidates)
-    raise EPValueError(f"max_replicas={max_replicas} is smaller than the replicas this plan gives one expert "
-                       f"({widths}, the {'candidates' if len(candidates) > 1 else 'plan'}): pass at least "
-                       f"{min(int(c.replica_counts.max()) for c in candidates)}")
+                                    num_ranks, slots_per_rank, max_replicas)
+    # The contiguous layout is valid in both modes (groups and nodes are contiguous): keep it unless the
+    # plan is strictly better, so re-planning balanced loads never moves weights around. Under a width
+    # its rank's own experts may not fill the rank's extra slots: then the plan.
+    native = num_experts // num_ranks
+    if num_experts % num_ranks or (max_replicas is not None and native * max_replicas < slots_per_rank):
+        return planned
+    identity = identity_placement(num_experts, num_ranks, slots_per_rank, loads, max_replicas)
+    tol = _REL_TOL * max(float(loads.sum()), 1e-300)
+    return identity if rank_loads(planned, loads).max() >= rank_loads(identity, loads).max() - tol \
+        else planned
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -350,13 +360,20 @@ def rank_loads(placement: Placement, loads) -> np.ndarray:
 
 
 def apply_placement(topk_idx: jax.Array, placement: Placement,
-                    token_ids: jax.Array | None = None) -> jax.Array:
-    """Maps logical expert ids to physical slots: [..., K] int32, -1 stays -1. Works under jit.
+                    token_ids: jax.Array | None = None, slot_active: jax.Array | None = None) -> jax.Array:
+    """Maps logical expert ids to physical slots: [..., K] int32. Works under jit.
 
     Token t sends its pick of expert e to replica (token_ids[t] mod replica_counts[e]) of e, so an expert's
     tokens are split evenly over its replicas. token_ids defaults to the row index over the leading axes
     (arange over the flattened tokens); pass global ids (e.g. rank * T + arange(T)) for a spread that does
     not repeat on every rank. Physical slot s lives on rank s // slots_per_rank.
+
+    slot_active: optional [num_slots] bool (e.g. a rank mask repeated over each rank's slots): picks go
+    only to an expert's active replicas, split evenly over them; an expert with none keeps the split over
+    all (those picks are dropped by the exchange, as without replicas).
+
+    Ids that name no expert stay invalid, so dispatch treats them as it does without a placement (unused
+    slots; an error in checked mode): a negative id is passed through, an id >= E becomes num_slots.
     """
     topk_idx = jnp.asarray(topk_idx)
     token_shape = topk_idx.shape[:-1]
@@ -367,13 +384,24 @@ def apply_placement(topk_idx: jax.Array, placement: Placement,
         raise EPValueError(f"token_ids.shape={token_ids.shape} must equal topk_idx.shape[:-1]={token_shape}")
     counts = jnp.asarray(placement.replica_counts, jnp.int32)
     table = jnp.asarray(placement.logical_to_physical, jnp.int32)
-    unused = topk_idx < 0
+    num_experts, num_slots = table.shape[0], placement.num_slots
+    if slot_active is not None:
+        slot_active = jnp.asarray(slot_active)
+        if slot_active.shape != (num_slots,):
+            raise EPValueError(f"slot_active.shape={slot_active.shape} must be (num_slots,)=({num_slots},)")
+        live = (table >= 0) & (slot_active[jnp.maximum(table, 0)] != 0)
+        # each expert's active replicas first (stable: ascending slots); with none the row is unchanged
+        table = jnp.take_along_axis(table, jnp.argsort(~live, axis=1, stable=True), axis=1)
+        live_counts = live.sum(axis=1, dtype=jnp.int32)
+        counts = jnp.where(live_counts > 0, live_counts, counts)
+    unused = (topk_idx < 0) | (topk_idx >= num_experts)
     logical = jnp.where(unused, 0, topk_idx)
     replica = jnp.remainder(token_ids[..., None].astype(jnp.int32), counts[logical])
     physical = table[logical, replica]
-    return jnp.where(unused, -1, physical).astype(jnp.int32)
+    return jnp.where(unused, jnp.where(topk_idx < 0, topk_idx, num_slots), physical).astype(jnp.int32)
 
 
 def physical_to_rank(physical_idx: jax.Array, placement: Placement) -> jax.Array:
-    """EP rank of each physical slot id; -1 stays -1."""
-    return jnp.where(physical_idx < 0, -1, physical_idx // placement.slots_per_rank).astype(jnp.int32)
+    """EP rank of each physical slot id; -1 for an id that names no slot (< 0 or >= num_slots)."""
+    invalid = (physical_idx < 0) | (physical_idx >= placement.num_slots)
+    return jnp.where(invalid, -1, physical_idx // placement.slots_per_rank).astype(jnp.int32)

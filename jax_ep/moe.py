@@ -664,9 +664,10 @@ class MoE(nnx.Module):
     def set_rank_mask(self, mask) -> None:
         """Mask EP ranks (outside jit): ``mask`` [R] bool or integer, nonzero = active. A masked rank
         sends and receives nothing: its tokens get no routed-expert output, its experts no rows.
-        Routing is unchanged; slots that go nowhere (a masked rank's tokens, experts on masked ranks)
-        are dropped (their gate weights are lost, as with capacity drops; counted in
-        ``last_dropped``). Any backend, the throughput and the decode path (docs/api.md, "Rank masking").
+        Routing is unchanged; slots that go nowhere (a masked rank's tokens, experts on masked ranks;
+        with a placement, experts with no replica on an active rank) are dropped (their gate weights
+        are lost, as with capacity drops; counted in ``last_dropped``). Any backend, the throughput and
+        the decode path (docs/api.md, "Rank masking").
         Setting a mask on a layer without one (or clearing it) recompiles the step; changing its
         values does not."""
         if self.node_axis is not None:
@@ -937,7 +938,9 @@ class MoE(nnx.Module):
                 # global token ids, so the replica choice does not repeat on every token shard
                 shard = lax.axis_index(self.batch_axes)
                 token_ids = shard * x.shape[0] + jnp.arange(x.shape[0], dtype=jnp.int32)
-                topk_idx = eplb.apply_placement(topk_idx, placement, token_ids)
+                # under a rank mask, an expert's picks go to its replicas on active ranks
+                slot_active = None if rank_mask is None else jnp.repeat(rank_mask, placement.slots_per_rank)
+                topk_idx = eplb.apply_placement(topk_idx, placement, token_ids, slot_active)
 
         if decode:
             out, received, num_dropped, shared_out = self._experts_low_latency(

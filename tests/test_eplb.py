@@ -15,6 +15,7 @@ from jax_ep.eplb import (
     rank_loads,
     replicate_experts,
 )
+from jax_ep.errors import EPValueError
 
 
 def check_consistent(placement, num_experts, num_ranks, slots_per_rank):
@@ -115,19 +116,43 @@ def test_replication_helps_on_skewed_loads():
     assert with_extra < 0.8 * plain
 
 
-def test_max_replicas_fixes_the_table_width():
+def test_max_replicas_fixes_the_table_width_and_the_plan_stays_within_it():
+    """A width below the free plan's replica count plans within it (before 2026-12-05 an EPValueError:
+    the docs' fixed-width re-plan failed as soon as the loads got hotter than at the first plan)."""
     loads = np.array([50.0, 1, 1, 1])
     placement = plan_placement(loads, 2, 4, max_replicas=6)
     assert placement.logical_to_physical.shape == (4, 6)
     check_consistent(placement, 4, 2, 4)
-    # the plan (5 replicas of the hot expert) beats the contiguous layout (3): a width below the plan's is
-    # an error, not the unbalanced contiguous layout that would fit
+    assert placement.replica_counts.tolist() == [5, 1, 1, 1]    # the free plan: 5 replicas of the hot one
     for narrow in (2, 3, 4):
-        with pytest.raises(ValueError, match=rf"max_replicas={narrow} is smaller than the replicas this plan "
-                                             r"gives one expert \(5, the plan\): pass at least 5"):
-            plan_placement(loads, 2, 4, max_replicas=narrow)
+        capped = plan_placement(loads, 2, 4, max_replicas=narrow)
+        check_consistent(capped, 4, 2, 4)
+        assert capped.logical_to_physical.shape == (4, narrow)
+        assert capped.replica_counts.max() <= narrow
+        assert rank_loads(capped, loads).max() < rank_loads(identity_placement(4, 2, 4, loads, narrow),
+                                                             loads).max() or narrow == 2
+    with pytest.raises(ValueError, match=r"max_replicas=1 is too small: 4 experts with at most 1 replicas "
+                                         r"each fill 4 of the 8 slots; pass at least 2"):
+        plan_placement(loads, 2, 4, max_replicas=1)
     with pytest.raises(ValueError, match="max_replicas must be a positive int, got 0"):
         plan_placement(loads, 2, 4, max_replicas=0)
+
+
+def test_a_hotter_replan_fits_the_first_plans_width():
+    """The docs' workflow: plan once, keep its width for re-plans (no recompile). An expert that gets 30x
+    hotter re-plans within the width, within 5% of the best such a plan can do."""
+    rng = np.random.default_rng(68)
+    loads = rng.lognormal(0, 2.0, 256)
+    width = int(plan_placement(loads, 32, 9).replica_counts.max())     # 7
+    hotter = loads.copy()
+    hotter[17] *= 30
+    assert int(plan_placement(hotter, 32, 9).replica_counts.max()) > width      # the free plan is wider
+    replan = plan_placement(hotter, 32, 9, max_replicas=width)
+    check_consistent(replan, 256, 32, 9)
+    assert replan.logical_to_physical.shape == (256, width)
+    per_rank = rank_loads(replan, hotter)
+    floor = max(per_rank.mean(), hotter.max() / width)     # no plan within the width does better
+    assert per_rank.max() < 1.05 * floor, (per_rank.max(), floor)
 
 
 @pytest.mark.parametrize("loads, identity", [([5, 0, 0, 0, 10, 10, 10, 10], False),
@@ -243,12 +268,71 @@ def test_apply_placement_with_leading_dims_and_traced_placement():
     ((np.ones(8), 4, 2), dict(num_nodes=3), "num_ranks=4 is not divisible by num_nodes=3"),
     ((np.ones(8), 4, 2), dict(num_nodes=2, num_groups=3), "num_experts=8 is not divisible by num_groups=3"),
     ((np.ones(8), 4, 2), dict(num_nodes=4, num_groups=2), "num_groups=2 is not a multiple of num_nodes=4"),
-    ((np.array([1.0, -1, 1, 1]), 2, 2), {}, "loads must be finite and non-negative"),
+    ((np.array([1.0, -1, 1, 1]), 2, 2), {}, r"loads must be finite and non-negative, got \[-1.0\] at \[1\]"),
+    ((np.array([1.0, 1, np.nan, 1]), 2, 2), {}, r"non-negative, got \[nan\] at \[2\]"),
+    ((["a", "b"], 2, 1), {}, "loads must be numbers, got list"),
     ((np.ones((2, 4)), 2, 2), {}, "loads must be a non-empty 1-D array"),
+    # no default that stops balancing between nodes (one fixed block of experts per node)
+    ((np.ones(8), 4, 2), dict(num_nodes=2), "num_nodes=2 needs num_groups"),
 ])
 def test_plan_errors(args, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(EPValueError, match=message):
         plan_placement(*args, **kwargs)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: balanced_packing(np.ones(4), 0), "num_packs must be a positive int, got 0"),
+    (lambda: balanced_packing(np.ones((2, 2)), 2), "item_loads must be a non-empty 1-D array"),
+    (lambda: balanced_packing(np.array([1.0, np.nan]), 1), r"item_loads must be finite and non-negative"),
+    (lambda: replicate_experts(np.ones(4), 5.0), "num_slots must be a positive int, got 5.0"),
+    (lambda: replicate_experts(np.ones(4), 9, max_replicas=2), r"max_replicas=2 is too small.*at least 3"),
+])
+def test_building_block_errors_name_the_argument(call, message):
+    """Before 2026-12-05: ZeroDivisionError, IndexError, TypeError, and NaN loads packed silently."""
+    with pytest.raises(EPValueError, match=message):
+        call()
+
+
+def test_replicate_experts_respects_max_replicas():
+    np.testing.assert_array_equal(replicate_experts(np.array([100.0, 1, 1]), 7, max_replicas=3), [3, 2, 2])
+    np.testing.assert_array_equal(replicate_experts(np.array([100.0, 1, 1]), 7), [5, 1, 1])
+
+
+def test_apply_placement_keeps_ids_that_name_no_expert_invalid():
+    """An id >= E stays an id dispatch drops (or reports in checked mode), as without a placement: before
+    2026-12-05 JAX's clamped gather made it a pick of expert E - 1. Negative ids pass through."""
+    placement = plan_placement(np.array([5.0, 1, 1, 3]), 2, 3)
+    idx = jnp.array([[0, 4], [3, 7], [-1, -3]], jnp.int32)
+    got = np.asarray(apply_placement(idx, placement))
+    assert got[:, 1].tolist() == [6, 6, -3] and got[2, 0] == -1     # 6 = num_slots: no slot
+    assert np.asarray(placement.physical_to_logical)[got[:2, 0]].tolist() == [0, 3]
+    ranks = np.asarray(physical_to_rank(jnp.asarray(got), placement))
+    assert ranks.tolist() == [[got[0, 0] // 3, -1], [got[1, 0] // 3, -1], [-1, -1]]
+
+
+def test_apply_placement_sends_picks_only_to_active_replicas():
+    """slot_active (a rank mask over the slots): an expert's picks are split over its active replicas;
+    an expert with none keeps its split (the exchange drops those picks). Before 2026-12-05 the layer sent
+    1/c of a c-replica expert's picks to a masked rank's replica, where they were dropped."""
+    placement = plan_placement(np.array([40.0, 1, 1, 1, 1, 1, 1, 1]), 4, 3)     # expert 0: 5 replicas
+    p2l = np.asarray(placement.physical_to_logical)
+    slot_active = np.repeat([True, True, True, False], 3)
+    idx = jnp.asarray(np.repeat(np.arange(8), 40)[:, None], jnp.int32)
+    got = np.asarray(jax.jit(apply_placement)(idx, placement, None, jnp.asarray(slot_active)))[:, 0]
+    np.testing.assert_array_equal(p2l[got], np.asarray(idx)[:, 0])              # still the picked expert
+    for expert in range(8):
+        slots = got[np.asarray(idx)[:, 0] == expert]
+        live = [s for s in placement.logical_to_physical[expert] if s >= 0 and slot_active[s]]
+        if live:
+            assert set(slots.tolist()) == set(live)                             # active replicas only,
+            assert np.ptp(np.bincount(slots, minlength=12)[live]) <= 1          # evenly
+        else:
+            np.testing.assert_array_equal(got[np.asarray(idx)[:, 0] == expert],
+                                          np.asarray(apply_placement(idx, placement))[np.asarray(idx)[:, 0]
+                                                                                        == expert, 0])
+    assert any(not slot_active[s] for s in placement.logical_to_physical[0] if s >= 0)   # the case arises
+    with pytest.raises(EPValueError, match=r"slot_active.shape=\(4,\) must be \(num_slots,\)=\(12,\)"):
+        apply_placement(idx, placement, slot_active=jnp.ones(4, bool))
 
 
 def test_apply_placement_token_ids_shape_error():

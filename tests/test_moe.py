@@ -623,6 +623,41 @@ def test_placement_replicas_receive_tokens_and_match_dense(shape, axes):
     assert int(layer.last_dropped[...]) == 0
 
 
+def test_a_rank_mask_sends_a_replicated_experts_picks_to_its_active_replicas():
+    """Under a rank mask, a pick of an expert with a replica on an active rank reaches one: only the masked
+    rank's own tokens' picks and experts with every replica masked are dropped. Before 2026-12-05 the
+    layer split the picks over all replicas, so those sent to the masked rank's replica were dropped."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    placement = hot_expert_placement(4)
+    hot_ranks = np.asarray(placement.logical_to_physical[HOT, :placement.replica_counts[HOT]]) // 3
+    masked = int(hot_ranks[0])
+    assert (hot_ranks != masked).any()                          # HOT has replicas elsewhere too
+    layer = make_layer(mesh, placement=placement, routing=dict(score_func="sigmoid"))
+    layer.expert_bias[...] = jnp.zeros(EXPERTS).at[HOT].set(1.0)          # every token picks HOT
+    active = np.arange(4) != masked
+    layer.set_rank_mask(active)
+    x = random_tokens(7)
+    out = np.asarray(nnx.jit(lambda m, x: m(x))(layer, x)).reshape(4, -1, HIDDEN)
+    tokens = x.reshape(-1, HIDDEN)
+    routing = gating.route(tokens @ layer.router[...], layer.routing, layer.expert_bias[...])
+    idx = np.asarray(routing.topk_idx)
+    p2l = np.asarray(placement.physical_to_logical)
+    reachable = np.zeros(EXPERTS, bool)
+    np.logical_or.at(reachable, p2l, np.repeat(active, 3))
+    source = np.repeat(active, tokens.shape[0] // 4)
+    keep = source[:, None] & reachable[idx]
+    assert int(layer.last_dropped[...]) == int(np.sum(~keep))
+    slot_load = np.asarray(layer.last_slot_load[...]).reshape(4, 3)
+    assert not slot_load[masked].any() and slot_load.sum() == keep.sum()
+    # the outputs: the dense layer on the kept picks (the masked rank's tokens get none)
+    gate, up = jnp.split(jnp.einsum("th,ehf->tef", tokens, layer.w_gate_up[...]), 2, axis=2)
+    y = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, layer.w_down[...])
+    picked = jnp.take_along_axis(y, routing.topk_idx[:, :, None], axis=1)
+    want = jnp.sum(jnp.where(keep[:, :, None], picked * routing.topk_weights[:, :, None], 0.0), axis=1)
+    np.testing.assert_allclose(out.reshape(-1, HIDDEN), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not out[masked].any() and keep[source][:, 0].all()   # HOT (slot 0 of each pick) always kept
+
+
 def test_placement_inside_user_shard_map_and_replan():
     """mesh=None with a placement: every rank gets all logical experts' weights and gathers its slots;
     set_placement re-plans without touching the parameters, and without recompiling for equal sizes."""
