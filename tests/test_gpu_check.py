@@ -47,13 +47,14 @@ fi
 
 
 def run_check(tmp_path: Path, gpus: int, _stub: str | None = None, _script: Path = SCRIPT,
-              **env) -> tuple[int, str, Path, list[str]]:
+              _smi_pause: float = 0, **env) -> tuple[int, str, Path, list[str]]:
     """Runs the script with stubs; returns (exit code, output, $OUT, the stub interpreter's calls).
     _stub: the stub interpreter's script (default: log the arguments); _script: the script (a copy in
-    another tree); an env value None removes the variable (the SKIP_* ones are 1 unless given)."""
+    another tree); _smi_pause: seconds nvidia-smi -L pauses after each GPU's line; an env value None removes
+    the variable (the SKIP_* ones are 1 unless given)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    listing = "".join(f"echo 'GPU {i}: stub'; " for i in range(gpus))
+    listing = "".join(f"echo 'GPU {i}: stub'; sleep {_smi_pause}; " for i in range(gpus))
     smi = f'#!/bin/bash\n[ "$1" = -L ] && {{ {listing}exit 0; }}\necho stub-smi\n'
     (bin_dir / "nvidia-smi").write_text(smi)
     calls = tmp_path / "calls.txt"
@@ -236,7 +237,8 @@ def test_record_commit_says_when_the_tree_is_not_its_head(tmp_path, monkeypatch)
     assert rec.commit(tmp_path) == "abc123"
 
 
-def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytest_rc: int = 0, **env):
+def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytest_rc: int = 0,
+              smi_pause: float = 0, **env):
     """run_check with a stub interpreter that, as pytest, writes `junit` wherever it is asked for JUnit XML
     (none when None), prints `log` and exits `pytest_rc`, and runs tools/gpu_tests_record.py for real."""
     if junit is not None:
@@ -260,7 +262,7 @@ def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytes
         fi
         echo "stub python $*"
         """)
-    rc, output, out, _ = run_check(tmp_path, gpus=gpus, _stub=stub, **env)
+    rc, output, out, _ = run_check(tmp_path, gpus=gpus, _stub=stub, _smi_pause=smi_pause, **env)
     calls = calls_file.read_text().splitlines() if calls_file.exists() else []
     return rc, output, out, calls
 
@@ -950,3 +952,12 @@ def test_m1c_takes_any_new_test_file_and_the_help_names_its_files(tmp_path):
         assert Path(f).stem.removeprefix("test_").split("_")[0] in help_text, (f, help_text)
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
     assert "pg is refused with SWEEP_EP" in header and "but pg once per EP size" not in header
+
+
+def test_the_gpu_name_is_read_once_when_nvidia_smi_lists_slowly(tmp_path):
+    """Picking the first visible GPU's line with grep -m1 broke nvidia-smi's pipe before its next line; under
+    pipefail the fallback then printed the name a second time, and the record's file name had a newline."""
+    rc, output, out, _ = run_suite(tmp_path, 3, junit_xml(1, 0), smi_pause=0.3, GPU_SUITE="m1b",
+                                   CUDA_VISIBLE_DEVICES="0,1")
+    assert rc == 0, output
+    assert [p.name for p in out.glob("gpu_tests_*.json")] == ["gpu_tests_stubx2_ep2_pm1.json"], output

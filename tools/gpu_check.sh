@@ -611,9 +611,12 @@ if [ -n "${GPU_SUITE:-}" ]; then
 fi
 if [ -n "${GPU_SUITE:-}" ]; then
   ranks="${GPU_SUITE_RANKS:-$gpus}"
-  # the name of the first visible GPU (when CUDA_VISIBLE_DEVICES names it by ordinal)
-  name=$( (nvidia-smi -L | grep -m1 "^GPU ${gpu_ids[0]}:" || nvidia-smi -L | head -1) \
-    | sed -E 's/^GPU [0-9]+: (NVIDIA )?([^ (]+).*/\2/' | tr 'A-Z' 'a-z')
+  # the name of the first visible GPU (when CUDA_VISIBLE_DEVICES names it by ordinal), else of GPU 0. One
+  # pass over the listing: "grep -m1 || head -1" under pipefail printed the name twice when grep's early
+  # exit broke nvidia-smi's pipe
+  name=$(nvidia-smi -L | sed -nE "s/^GPU ([0-9]+): (NVIDIA )?([^ (]+).*/\1 \3/p" \
+    | awk -v want="${gpu_ids[0]}" 'NR == 1 {first = $2} $1 == want {print $2; found = 1; exit}
+                                   END {if (!found) print first}' | tr 'A-Z' 'a-z')
   # the groups: m1c and pgb take every file the others leave, so a new test file is never left out
   all_files=$(ls tests/gpu/test_*.py)
   pg_files=$(grep -l "mark.process_group" $all_files)
