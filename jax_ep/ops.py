@@ -617,7 +617,7 @@ def _ll_combine(y, handle, rank_mask, cfg):
 def _ll_send_impl(op: str, cfg: EPConfig, dtype):
     name = OPS[op].plan(cfg, ep_size(cfg, op), dtype).impl
     send = backends.get(name).function(f"{op}_send")
-    return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name)
+    return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name, cfg=cfg)
 
 
 def _ll_recv_impl(op: str, pending):
@@ -641,6 +641,19 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if pending.backend not in backends.names():
         raise EPValueError(f"jax_ep.{op}: pending.backend={pending.backend!r} names no backend "
                            f"{backends.names()}: pass the pending value of the matching _send unchanged")
+    sent = pending.cfg
+    if sent is not None:   # a receive with another layout read the rows as other experts' (silently)
+        differ = [f.name for f in dataclasses.fields(cfg) if f.name not in _RECV_MAY_DIFFER
+                  and getattr(cfg, f.name) != getattr(sent, f.name)]
+        if differ:
+            raise EPValueError(f"jax_ep.{op}: cfg differs from the _send's in " + ", ".join(
+                f"{n}={getattr(cfg, n)!r} (the send's {getattr(sent, n)!r})" for n in differ)
+                + ": receive with the cfg of the send")
+
+
+# what a receive's cfg may set otherwise than its send's: the send chose the backend; checks and kernel
+# tuning do not change what the rows mean
+_RECV_MAY_DIFFER = ("backend", "checked", "kernel")
 
 
 @overlap.in_order

@@ -119,7 +119,7 @@ class LLDispatched(NamedTuple):
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["token", "topk_weights", "dest_rank", "num_dropped", "x", "topk_idx",
                                 "rank_mask"],
-                   meta_fields=["backend"])
+                   meta_fields=["backend", "cfg"])
 @dataclasses.dataclass(frozen=True)
 class LLDispatchPending:
     """What ll_dispatch_send hands to ll_dispatch_recv (a pytree of arrays; ``backend``, static, names
@@ -136,11 +136,12 @@ class LLDispatchPending:
     topk_idx: jax.Array | None = None
     rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
     backend: str | None = dataclasses.field(default=None, kw_only=True)  # the send's (jax_ep.ops sets it)
+    cfg: EPConfig | None = dataclasses.field(default=None, kw_only=True)  # the send's: the receive checks it
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["token", "topk_weights", "dest_rank", "y", "src_slot", "rank_mask"],
-                   meta_fields=["backend"])
+                   meta_fields=["backend", "cfg"])
 @dataclasses.dataclass(frozen=True)
 class LLCombinePending:
     """What ll_combine_send hands to ll_combine_recv (a pytree of arrays; ``backend`` static); same
@@ -153,6 +154,7 @@ class LLCombinePending:
     src_slot: jax.Array | None = None  # reference path only: the handle's slots
     rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
     backend: str | None = dataclasses.field(default=None, kw_only=True)  # the send's (jax_ep.ops sets it)
+    cfg: EPConfig | None = dataclasses.field(default=None, kw_only=True)  # the send's: the receive checks it
 
 
 # ---- output types of each op (the backends' contract) ----------------------------------------------

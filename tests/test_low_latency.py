@@ -557,6 +557,23 @@ def test_ll_two_phase_pending_types_and_errors():
     with pytest.raises(ValueError, match=r"ll_combine_recv: pending.backend=None names no backend"):
         per_rank(lambda x, idx, w: jax_ep.ll_combine_recv(jax_ep.LLCombinePending(
             jnp.zeros((4,), jnp.uint32), w, idx, y=x), cfg), ep_size)(x, idx, w)
+    # a receive with another cfg than its send's (before 2026-12-05: the rows read as other experts', or
+    # a bf16 receive of FP8 rows)
+    for other, word in ((cfg.replace(num_experts=2 * cfg.num_experts), "num_experts"),
+                        (cfg.replace(dispatch_dtype="float8_e4m3fn"), "dispatch_dtype")):
+        with pytest.raises(ValueError, match=rf"ll_dispatch_recv: cfg differs from the _send's in {word}="):
+            per_rank(lambda x, idx, w, other=other: jax_ep.ll_dispatch_recv(
+                jax_ep.ll_dispatch_send(x, idx, w, cfg), other).x, ep_size)(x, idx, w)
+
+    def combine_other(x, idx, w):
+        d = jax_ep.ll_dispatch(x, idx, w, cfg)
+        return jax_ep.ll_combine_recv(jax_ep.ll_combine_send(d.x, d.handle, cfg),
+                                      cfg.replace(max_tokens_per_rank=2 * tokens))
+    with pytest.raises(ValueError, match=r"ll_combine_recv: cfg differs .* in max_tokens_per_rank="):
+        per_rank(combine_other, ep_size)(x, idx, w)
+    checked = cfg.replace(checked=True)     # checks and kernel tuning may differ
+    per_rank(lambda x, idx, w: jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, cfg), checked).x,
+             ep_size)(x, idx, w)
     with pytest.raises(ValueError, match=r"ll_dispatch_send: x must be bfloat16 or float32"):
         per_rank(lambda x, idx, w: jax_ep.ll_dispatch_send(x.astype(jnp.float16), idx, w, cfg).token,
                  ep_size)(x, idx, w)
