@@ -92,9 +92,13 @@ class Block(nnx.Module):
 
     def decode_step(self, x, *, low_latency: bool = True):
         """One new token per sequence, x [B, 1, H]: attention over the cache (which it extends by this
-        position), then the MoE layer on the low-latency ops (``low_latency=False``: the throughput ops)."""
+        position), then the MoE layer on the low-latency ops (``low_latency=False``: the throughput ops).
+        Past the cache's max_length the result is NaN: Flax would overwrite its last position and give
+        wrong values without a word."""
+        full = self.attn.cache_index[...] >= self.attn.cached_key.shape[1]
         x = x + self.attn(self.attn_norm(x), decode=True)
-        return x + self.moe(self.ffn_norm(x), decode=low_latency, update_stats=False)
+        x = x + self.moe(self.ffn_norm(x), decode=low_latency, update_stats=False)
+        return jnp.where(full, jnp.nan, x)
 
 
 class MoETransformerLM(nnx.Module):
@@ -143,7 +147,8 @@ class MoETransformerLM(nnx.Module):
     def decode_step(self, tokens: jax.Array, *, low_latency: bool = True) -> jax.Array:
         """Logits [B, 1, vocab] of one new token per sequence, tokens [B, 1], at the cache's position (then
         one further). The MoE layers run jax_ep's low-latency ops (``low_latency=False``: the throughput
-        ops, as in training: the same logits as ``__call__`` on the whole sequence, to float32 rounding)."""
+        ops, as in training: the same logits as ``__call__`` on the whole sequence, to float32 rounding).
+        NaN once the cache's max_length positions are used up (``init_cache``)."""
         x = self.embed(tokens)
         for block in self.blocks:
             x = block.decode_step(x, low_latency=low_latency)

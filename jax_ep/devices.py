@@ -13,13 +13,15 @@ def use_virtual_cpu_devices(count: int = 8) -> None:
 
     Call it before the first device query; afterwards (JAX already running, e.g. under pytest) the
     devices stay as they are. ``JAX_NUM_CPU_DEVICES`` in the environment wins (``python -m
-    jax_ep.launch`` sets it to the devices of each process)."""
+    jax_ep.launch`` sets it to the devices of each process), and so does
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         from jax_ep.errors import EPValueError
 
         raise EPValueError(f"use_virtual_cpu_devices: count must be a positive int, got {count!r}")
-    if os.environ.get("JAX_NUM_CPU_DEVICES"):
-        return
+    if os.environ.get("JAX_NUM_CPU_DEVICES") or \
+            "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return   # the user's count (jax_num_cpu_devices would override the XLA flag)
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # backends already initialised

@@ -716,6 +716,8 @@ class MoE(nnx.Module):
         ``x.shape[:-1]``, False for padding tokens: they go to no routed expert (no exchange, no capacity;
         their routed output is 0, the shared expert's still added) and count in no statistic (loads,
         bias update, aux loss)."""
+        check_option("MoE:", "decode", decode, "bool?")   # bool("False") is True
+        check_option("MoE:", "update_stats", update_stats, "bool?")
         decode = self.decode if decode is None else bool(decode)
         if fp8_weights is not None:
             self._check_fp8_weights(fp8_weights)
@@ -741,10 +743,11 @@ class MoE(nnx.Module):
         beside = self.shared is not None and self.ep.shared_beside
         shared = (tokens, self.shared.weights()) if beside else None
         shards = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
-        self._check_sequences(x.shape, tokens.shape[0], shards, seq_len)
+        if update_stats:   # the aux loss is computed only to be recorded
+            self._check_sequences(x.shape, tokens.shape[0], shards, seq_len)
         if self.mesh is None:
             out, stats, shared_out = self._per_rank(routed, *params, fp8_weights, shared, token_mask,
-                                                    seq_len=seq_len, decode=decode)
+                                                    seq_len=seq_len, decode=decode, aux=update_stats)
         else:
             manual = manual_axes()
             if manual:
@@ -761,7 +764,8 @@ class MoE(nnx.Module):
             # with a placement every rank gathers its slots' weights from all logical experts
             experts = P(self.ep_axes) if self.placement is None else P()
             body = jax.shard_map(
-                lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode), mesh=self.mesh,
+                lambda *a: self._per_rank(*a, seq_len=seq_len, decode=decode, aux=update_stats),
+                mesh=self.mesh,
                 in_specs=(batch, P(), experts, experts, P(), P(), P(),
                           None if fp8_weights is None else experts, None if shared is None else (batch, P()),
                           None if token_mask is None else batch),
@@ -864,7 +868,7 @@ class MoE(nnx.Module):
         return jnp.zeros((self.num_experts,), bool).at[p2l].max(slots)
 
     def _per_rank(self, x, router, w_gate_up, w_down, bias, placement, rank_mask, fp8_weights=None,
-                  shared=None, token_mask=None, *, seq_len, decode=False):
+                  shared=None, token_mask=None, *, seq_len, decode=False, aux=True):
         """The layer on this rank's tokens: (out, MoEStats, the shared expert's output or None). shared:
         (tokens, the shared expert's weights) to compute it here, beside the last combine, or None."""
         try:
@@ -957,13 +961,13 @@ class MoE(nnx.Module):
         slot_load = lax.psum(placed, self.batch_axes)
         load = expert_counts(routing.topk_idx, self.num_experts, axis_name=self.batch_axes)
         dropped = lax.psum(num_dropped, self.batch_axes)
-        aux = jnp.zeros((), jnp.float32)
-        if self.balancing.aux_loss_alpha:
-            aux = sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
+        aux_loss = jnp.zeros((), jnp.float32)
+        if self.balancing.aux_loss_alpha and aux:
+            aux_loss = sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
                                     self.balancing.aux_loss_alpha, token_mask=token_mask,
                                     sequence_length=seq_len)
-            aux = lax.pmean(aux, self.batch_axes)
-        return out, MoEStats(load, dropped, aux, slot_load), shared_out
+            aux_loss = lax.pmean(aux_loss, self.batch_axes)
+        return out, MoEStats(load, dropped, aux_loss, slot_load), shared_out
 
     def _experts_throughput(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig, rank_mask,
                             chunks: int, fp8_weights: ExpertFP8Weights | None = None, shared=None):

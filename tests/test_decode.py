@@ -202,6 +202,26 @@ def test_decode_state_view_and_gradient():
         nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, decode=True))))(layer)
 
 
+def test_call_flags_are_bools_and_a_call_without_statistics_needs_no_whole_sequences():
+    """decode= and update_stats= are checked (before 2026-12-05 bool("False") ran the decode path and
+    recorded statistics); a call that records nothing computes no aux loss, so it does not ask for whole
+    sequences per shard (speculative decoding: 2 sequences x 4 draft tokens on 4 ranks was refused)."""
+    from jax_ep.errors import EPTypeError
+
+    mesh = make_mesh((4,), ("ep",))
+    layer = make_layer(mesh, seed=3, balancing=jax_ep.balancing.BalancingConfig(aux_loss_alpha=0.01))
+    for name in ("decode", "update_stats"):
+        with pytest.raises(EPTypeError, match=rf"MoE: {name} must be None or a bool, got 'False' \(str\)"):
+            layer(fresh_tokens(np.random.default_rng(1), 8), **{name: "False"})
+    x = fresh_tokens(np.random.default_rng(2), 2, seq=4)          # sequences straddle the 4 ranks
+    flat = np.asarray(layer(x.reshape(8, HIDDEN), decode=True))
+    np.testing.assert_array_equal(np.asarray(layer(x, decode=True)).reshape(8, HIDDEN), flat)
+    np.testing.assert_array_equal(np.asarray(layer(x, update_stats=False)).reshape(8, HIDDEN),
+                                  np.asarray(layer(x.reshape(8, HIDDEN), update_stats=False)))
+    with pytest.raises(ValueError, match="not whole sequences of 4"):   # recording it still asks
+        layer(x)
+
+
 def test_decode_inside_user_shard_map():
     """mesh=None: decode on this rank's tokens and expert shard inside the caller's shard_map equals the
     layer with a mesh."""
@@ -314,9 +334,23 @@ def test_kv_cache_decode_matches_full_forward(shape, axes):
         np.testing.assert_array_equal(np.asarray(token), np.argmax(want, -1))
     assert int(model.blocks[0].attn.cache_index[...]) == prompt_len + steps
     assert np.mean(agree) >= 0.9, np.mean(agree)
-
     with pytest.raises(ValueError, match="does not fit the cache"):
         model.prefill(jnp.zeros((batch, prompt_len + steps + 1), jnp.int32))
+
+
+def test_decode_step_past_the_cache_gives_nan():
+    """A decode step past init_cache's max_length gives NaN logits (before 2026-12-05 Flax overwrote the
+    cache's last position: wrong logits, no word); the last step that fits is finite."""
+    mesh = make_mesh((2,), ("ep",))
+    cfg = LMConfig(hidden=16, num_heads=2, num_layers=1, ffn_hidden=16, num_experts=4, backend="reference")
+    model = MoETransformerLM(cfg, rngs=nnx.Rngs(1), mesh=mesh)
+    shard_model(model, mesh)
+    prompts = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab, (2, 3)), jnp.int32)
+    model.init_cache(2, 4, mesh=mesh)
+    nnx.jit(lambda m, t: m.prefill(t))(model, prompts)
+    step = nnx.jit(lambda m, t: m.decode_step(t[:, None], low_latency=False))
+    assert np.isfinite(np.asarray(step(model, prompts[:, 0]))).all()     # position 3: the last one
+    assert np.isnan(np.asarray(step(model, prompts[:, 1]))).all()        # position 4: past the cache
 
 
 def random_counts(seed):

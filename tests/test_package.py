@@ -75,3 +75,21 @@ def test_submodules_are_attributes_of_the_package():
         jax_ep.nothing  # noqa: B018
     with pytest.raises(jax_ep.EPValueError, match="count must be a positive int, got 0"):
         jax_ep.devices.use_virtual_cpu_devices(0)
+
+
+def test_virtual_cpu_devices_leave_a_device_count_the_user_set():
+    """XLA_FLAGS=--xla_force_host_platform_device_count=N and JAX_NUM_CPU_DEVICES win over
+    use_virtual_cpu_devices()'s 8 (before 2026-12-05 the XLA flag was overridden: 8 devices for 4)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import jax_ep.devices, jax; jax_ep.devices.use_virtual_cpu_devices(); "
+            "print(len(jax.devices('cpu')))")
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    for extra, want in (({}, "8"), ({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, "4"),
+                        ({"JAX_NUM_CPU_DEVICES": "3"}, "3")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**base, "JAX_PLATFORMS": "cpu", **extra})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-1] == want, (extra, out.stdout)
