@@ -6,10 +6,11 @@
         received = jax_ep.dispatch(next_x, next_idx, next_weights, cfg)   # cfg.backend "cuda"
     out = work.result        # expert_gemm(rows, w, group_sizes)
 
-The first EP call traced inside the block whose op has a side twin (dispatch, combine, broadcast,
-combine_bwd, slot_values, the low-latency sends, the rank-major ops: xla_ffi/handlers.h,
-JAX_EP_ASYNC_TARGETS) enqueues its kernels on jax_ep's side stream of the device, after everything XLA
-enqueued before it. ``fn(*args)`` is traced right after that call and ordered after it (its operands
+The first call of a public op that takes a block (dispatch, combine, ll_dispatch_send, ll_combine_send:
+"Where it applies" below) traced inside it enqueues its kernels on jax_ep's side stream of the device,
+after everything XLA enqueued before it. (More targets have side twins, xla_ffi/handlers.h
+JAX_EP_ASYNC_TARGETS: the backward ops, used by the backward rules here; the rank-major ops in a block
+run as plain calls.) ``fn(*args)`` is traced right after that call and ordered after it (its operands
 pass an ``optimization_barrier`` with the call's results), so XLA's stream runs fn's kernels while the
 side stream runs the exchange; then ``jax_ep_side_join`` makes XLA's stream wait for the side stream.
 The call's results and ``work.result`` come out of a barrier with the join's token: nothing reads them
@@ -69,6 +70,7 @@ from jax._src.ad_util import SymbolicZero
 from jax._src.interpreters import ad
 
 from jax_ep import ordering, vma
+from jax_ep.config import type_name
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 
 _pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
@@ -92,7 +94,7 @@ class Beside:
 def beside(fn: Callable, *args):
     """Run ``fn(*args)`` beside the first EP call of the block that has a side twin (module doc)."""
     if not callable(fn):
-        raise EPTypeError(f"jax_ep.overlap.beside: fn must be callable, got {type(fn).__name__}")
+        raise EPTypeError(f"jax_ep.overlap.beside: fn must be callable, got {type_name(fn)}")
     if _pending.get() is not None:
         raise EPValueError("jax_ep.overlap.beside: blocks do not nest (one side stream per device)")
     with _block(fn, args) as work:
@@ -252,6 +254,13 @@ def chain(op: Callable, op_args: tuple, fn: Callable, fn_args: tuple):
     op_args and fn_args: pytrees whose arrays are all the arrays op and fn read (a custom_vjp takes
     them as its operands). fn's backward is traced twice, once for each part; XLA drops the dead half of
     each (the weight gradient from the first, the input gradient from the second)."""
+    for name, value in (("op", op), ("fn", fn)):
+        if not callable(value):
+            raise EPTypeError(f"overlap.chain: {name} must be callable, got {type_name(value)}")
+    for name, value in (("op_args", op_args), ("fn_args", fn_args)):
+        if not isinstance(value, (tuple, list)):   # tuple(array) would split it into rows
+            raise EPTypeError(f"overlap.chain: {name} must be a tuple (or list) of arguments, got "
+                              f"{type_name(value)}")
     fn_axes = [vma.varying_axes(a) for a in jax.tree.leaves(fn_args)]   # (_summed_to)
 
     @jax.custom_vjp
@@ -434,6 +443,10 @@ def region(fn: Callable, *args, side: bool):
     input cotangent nobody asks for, e.g. d x of a layer fed by data, is computed). Not ordered: regions
     or calls of yet other traces (e.g. a region inside a ``jax.checkpoint`` against one outside it).
     Several processes: ``fn(*args)`` (the ordered effect orders every call)."""
+    if not callable(fn):
+        raise EPTypeError(f"overlap.region: fn must be callable, got {type_name(fn)}")
+    if not isinstance(side, bool):
+        raise EPTypeError(f"overlap.region: side must be a bool, got {side!r} ({type_name(side)})")
     if ordering.needed():
         return fn(*args)
     args = _map_leaves(args, _is_array, lambda values: after_previous(list(values), side))

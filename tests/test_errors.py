@@ -366,3 +366,20 @@ def test_checked_failure_outside_run_checked_is_one_traceback_without_atexit_noi
     assert err.count("first bad value 99") == 1, err[-3000:]
     assert err.rstrip().splitlines()[-1].startswith(
         "EPValueError: jax_ep.dispatch: topk_idx has 1 ids outside [-1, 8)"), err[-3000:]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x: jax_ep.overlap.chain(jnp.sin, x, jnp.add, ()),
+     r"overlap.chain: op_args must be a tuple \(or list\) of arguments, got jaxlib.*ArrayImpl"),
+    (lambda x: jax_ep.overlap.chain(3, (x,), jnp.add, ()), "overlap.chain: op must be callable, got int"),
+    (lambda x: jax_ep.overlap.chain(jnp.sin, (x,), "add", ()), "overlap.chain: fn must be callable, got str"),
+    (lambda x: jax_ep.overlap.region(jnp.sin, x, side="yes"),
+     r"overlap.region: side must be a bool, got 'yes'"),
+    (lambda x: jax_ep.overlap.region(None, x, side=False),
+     "overlap.region: fn must be callable, got NoneType"),
+])
+def test_overlap_chain_and_region_check_their_arguments(call, message):
+    """Before 2026-12-05: an array for op_args split into rows (a bare TypeError far away), side="yes"
+    was taken as True."""
+    with pytest.raises(jax_ep.EPTypeError, match=message):
+        call(jnp.ones((3, 2)))

@@ -226,6 +226,34 @@ _HLO_REF = re.compile(r"(?<![=\w])%([\w.\-]+)")
 _HLO_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=(%[\w.\-]+)")
 
 
+def scheduled_ep_calls(hlo: str) -> list[str]:
+    """The jax_ep custom-call targets of a compiled program (compiled.as_text()) in XLA's schedule: the
+    entry computation's instructions in order, a computation an instruction calls (a fusion, a command
+    buffer, a call) expanded where it is called."""
+    head, entry = hlo.split("\nENTRY ", 1)
+    computations = {}
+    for block in head.split("\n\n"):
+        m = re.search(r"^(?:%)?([\w.\-]+) ", block.strip())
+        if m:
+            computations["%" + m.group(1)] = block
+
+    def walk(text: str, depth: int) -> list[str]:
+        found = []
+        for m in map(_HLO_LINE.match, text.splitlines()):
+            if not m:
+                continue
+            rest = m.group(2)
+            target = re.search(r'custom_call_target="(jax_ep_\w+)"', rest)
+            if target:
+                found.append(target.group(1))
+            for callee in _HLO_CALLS.findall(rest):
+                if callee in computations and depth < 8:
+                    found += walk(computations[callee], depth + 1)
+        return found
+
+    return walk(entry, 0)
+
+
 def assert_side_results_read_after_join(hlo: str, what: str) -> None:
     """In the compiled (scheduled) program `hlo` (compiled.as_text()), nothing on XLA's stream reads a side
     call's results between the call and its jax_ep_side_join: until the join they are being written on

@@ -30,6 +30,7 @@ from gpu_helpers import (
     needs_two_ranks,
     poison_device_memory,
     random_normal,
+    scheduled_ep_calls,
 )
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -368,6 +369,23 @@ def test_gradients_match_reference(cuda_backend, mesh):
         rel = np.linalg.norm(g - r) / (np.linalg.norm(r) + 1e-30)
         print(f"{name}: relative error {rel:.3g}")
         assert rel < 1e-2, f"{name}: relative error {rel:.3g}"
+
+
+def test_the_gpu_schedule_keeps_independent_ep_calls_in_program_order(cuda_backend, mesh, monkeypatch):
+    """With the order on (several processes compile: ordering.needed), XLA's GPU schedule issues the EP
+    calls of the gradient program in program order, though dispatch's backward issues two that do not
+    depend on each other (combine for d x, slot_values for d topk_weights). The optimization barriers
+    that carry the order are removed by XLA after it schedules (on CPU they are removed before, and
+    the order is lost: review of 2026-12-05); this fails if a jax release moves that pass."""
+    from jax_ep import ordering
+
+    monkeypatch.setattr(ordering, "needed", lambda: True)
+    kw, (x, idx, w, wexp, ct) = grad_case(9, 128, 1024, 4, 16, "messy")
+    args = put(mesh, x, w, wexp, idx, ct)
+    fn = gradient_fn(mesh, _cfg("cuda", **kw))
+    expected = ordering.ep_calls(jax.make_jaxpr(fn)(*args))
+    assert "jax_ep_slot_values" in expected and expected.count("jax_ep_combine") >= 2, expected
+    assert scheduled_ep_calls(fn.lower(*args).compile().as_text()) == expected
 
 
 @functools.cache
