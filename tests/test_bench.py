@@ -519,7 +519,9 @@ def test_best_of_sustains_the_load_before_timing(chain):
     start = time.perf_counter()
     best_of(fn, one, one, iters=3, repeats=2, chain=chain, sustain_s=0.05)
     assert time.perf_counter() - start >= 0.05
-    assert len(calls) >= 1 + 0.05 / 0.002 * 0.5 + 3 * 2 and (len(calls) - 1) % 3 == 0
+    # at least one sustaining chain (the elapsed time above says they ran for S; a count of calls per S
+    # failed on loaded CI machines, where a 2 ms sleep can take 25)
+    assert len(calls) >= 1 + 3 + 3 * 2 and (len(calls) - 1) % 3 == 0
     # chained: each call got the previous call's output, through the sustaining chains too
     assert calls == (list(range(1, len(calls) + 1)) if chain else [1.0] * len(calls))
 

@@ -55,7 +55,7 @@ def test_kernel_emulator_smoke(tmp_path):
         "ll_run.py": [sys.executable, str(ROOT / "tools" / "kernel_emulator" / "ll_run.py"), "--quick",
                       "--driver", str(tmp_path / "ll_driver")],
     }
-    results = run_logged(commands, tmp_path, cwd=ROOT, wait_s=900)
+    results = run_logged(commands, tmp_path, cwd=ROOT, wait_s=600)   # under pytest's 900 s faulthandler
     for name, (code, log) in results.items():
         assert code == 0, f"{' '.join(commands[name])} failed (rc={code}):\n{log[-6000:]}"
     outs = {name: log for name, (_, log) in results.items()}

@@ -464,7 +464,7 @@ def _run_scripts(modes):
         [sys.executable, "-c", _ONE_RANK_SCRIPT, case, BACKEND, mode], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for case in ("ids", "capacity") for mode in modes}
     results = {}
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + 120   # two jax start-ups on a loaded machine
     for key, proc in procs.items():
         try:
             out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
