@@ -617,7 +617,10 @@ def _ll_combine(y, handle, rank_mask, cfg):
 def _ll_send_impl(op: str, cfg: EPConfig, dtype):
     name = OPS[op].plan(cfg, ep_size(cfg, op), dtype).impl
     send = backends.get(name).function(f"{op}_send")
-    return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name, cfg=cfg)
+    # the cfg as the receive checks it: without the fields it may set otherwise, so that a scan carrying
+    # pending values of sends with other checks or kernel tuning keeps one pytree structure
+    sent = cfg.replace(**{f: EPConfig.__dataclass_fields__[f].default for f in _RECV_MAY_DIFFER})
+    return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name, cfg=sent)
 
 
 def _ll_recv_impl(op: str, pending):

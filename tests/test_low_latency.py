@@ -574,6 +574,13 @@ def test_ll_two_phase_pending_types_and_errors():
     checked = cfg.replace(checked=True)     # checks and kernel tuning may differ
     per_rank(lambda x, idx, w: jax_ep.ll_dispatch_recv(jax_ep.ll_dispatch_send(x, idx, w, cfg), checked).x,
              ep_size)(x, idx, w)
+
+    def structures(x, idx, w):   # ... and keep the pending's pytree structure (a scan carry's)
+        tuned = checked.replace(kernel=jax_ep.KernelConfig(num_sms=8))
+        a, b = (jax_ep.ll_dispatch_send(x, idx, w, c) for c in (cfg, tuned))
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        return a.token
+    per_rank(structures, ep_size)(x, idx, w)
     with pytest.raises(ValueError, match=r"ll_dispatch_send: x must be bfloat16 or float32"):
         per_rank(lambda x, idx, w: jax_ep.ll_dispatch_send(x.astype(jnp.float16), idx, w, cfg).token,
                  ep_size)(x, idx, w)
