@@ -129,6 +129,11 @@ def _as_loads(loads, name: str = "loads") -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------
 # Building blocks (host-side, NumPy)
 # ---------------------------------------------------------------------------------------------------------
+def _width_fills(num_experts: int, num_slots: int, max_replicas: int | None) -> bool:
+    """Whether num_experts with at most max_replicas replicas each (None: no cap) can fill num_slots."""
+    return max_replicas is None or num_experts * max_replicas >= num_slots
+
+
 def replicate_experts(loads: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
     """Replica count per expert ([E] int64, sum = num_slots): each extra slot to the largest load per replica
     among the experts below `max_replicas` replicas (no cap by default).
@@ -141,7 +146,7 @@ def replicate_experts(loads: np.ndarray, num_slots: int, max_replicas: int | Non
         raise EPValueError(f"num_slots={num_slots} is smaller than the {loads.size} experts to place")
     if max_replicas is not None:
         _check_positive_int("max_replicas", max_replicas)
-        if loads.size * max_replicas < num_slots:
+        if not _width_fills(loads.size, num_slots, max_replicas):
             raise EPValueError(f"max_replicas={max_replicas} is too small: {loads.size} experts with at most "
                                f"{max_replicas} replicas each fill {loads.size * max_replicas} of the "
                                f"{num_slots} slots; pass at least {-(-num_slots // loads.size)}")
@@ -337,7 +342,7 @@ def plan_placement(loads, num_ranks: int, slots_per_rank: int, *, num_nodes: int
     # plan is strictly better, so re-planning balanced loads never moves weights around. Under a width
     # its rank's own experts may not fill the rank's extra slots: then the plan.
     native = num_experts // num_ranks
-    if num_experts % num_ranks or (max_replicas is not None and native * max_replicas < slots_per_rank):
+    if num_experts % num_ranks or not _width_fills(native, slots_per_rank, max_replicas):
         return planned
     identity = identity_placement(num_experts, num_ranks, slots_per_rank, loads, max_replicas)
     tol = _REL_TOL * max(float(loads.sum()), 1e-300)

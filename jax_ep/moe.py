@@ -716,9 +716,7 @@ class MoE(nnx.Module):
         ``x.shape[:-1]``, False for padding tokens: they go to no routed expert (no exchange, no capacity;
         their routed output is 0, the shared expert's still added) and count in no statistic (loads,
         bias update, aux loss)."""
-        # a NumPy bool (e.g. from a config file) is a bool; "False" is not (bool("False") is True)
-        decode, update_stats = (bool(v) if isinstance(v, np.bool_) else v for v in (decode, update_stats))
-        check_option("MoE:", "decode", decode, "bool?")
+        check_option("MoE:", "decode", decode, "bool?")   # as MoE(decode=...): bool("False") is True
         check_option("MoE:", "update_stats", update_stats, "bool?")
         decode = self.decode if decode is None else bool(decode)
         if fp8_weights is not None:

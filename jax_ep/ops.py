@@ -27,7 +27,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import backends, overlap, remat, types, vma
-from jax_ep.config import EPConfig, check_option
+from jax_ep.config import EPConfig, KernelConfig, check_option
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.fp8 import dequantize_fp8
 from jax_ep.validation import (
@@ -617,10 +617,16 @@ def _ll_combine(y, handle, rank_mask, cfg):
 def _ll_send_impl(op: str, cfg: EPConfig, dtype):
     name = OPS[op].plan(cfg, ep_size(cfg, op), dtype).impl
     send = backends.get(name).function(f"{op}_send")
-    # the cfg as the receive checks it: without the fields it may set otherwise, so that a scan carrying
-    # pending values of sends with other checks or kernel tuning keeps one pytree structure
-    sent = cfg.replace(**{f: EPConfig.__dataclass_fields__[f].default for f in _RECV_MAY_DIFFER})
+    sent = _as_sent(cfg)
     return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name, cfg=sent)
+
+
+def _as_sent(cfg: EPConfig) -> EPConfig:
+    """The cfg as a pending value carries it and its receive compares it: the fields a receive may set
+    otherwise than its send at their defaults (the send chose the backend; checks and kernel tuning do not
+    change what the rows mean), so that a scan carrying pending values of sends that differ only there
+    keeps one pytree structure."""
+    return cfg.replace(backend="auto", checked=False, kernel=KernelConfig())
 
 
 def _ll_recv_impl(op: str, pending):
@@ -644,19 +650,12 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if pending.backend not in backends.names():
         raise EPValueError(f"jax_ep.{op}: pending.backend={pending.backend!r} names no backend "
                            f"{backends.names()}: pass the pending value of the matching _send unchanged")
-    sent = pending.cfg
-    if sent is not None:   # a receive with another layout read the rows as other experts' (silently)
-        differ = [f.name for f in dataclasses.fields(cfg) if f.name not in _RECV_MAY_DIFFER
-                  and getattr(cfg, f.name) != getattr(sent, f.name)]
-        if differ:
-            raise EPValueError(f"jax_ep.{op}: cfg differs from the _send's in " + ", ".join(
-                f"{n}={getattr(cfg, n)!r} (the send's {getattr(sent, n)!r})" for n in differ)
-                + ": receive with the cfg of the send")
-
-
-# what a receive's cfg may set otherwise than its send's: the send chose the backend; checks and kernel
-# tuning do not change what the rows mean
-_RECV_MAY_DIFFER = ("backend", "checked", "kernel")
+    sent, got = pending.cfg, _as_sent(cfg)
+    if sent is not None and sent != got:   # another layout read the rows as other experts' (silently)
+        differ = [f.name for f in dataclasses.fields(got) if getattr(got, f.name) != getattr(sent, f.name)]
+        raise EPValueError(f"jax_ep.{op}: cfg differs from the _send's in " + ", ".join(
+            f"{n}={getattr(got, n)!r} (the send's {getattr(sent, n)!r})" for n in differ)
+            + ": receive with the cfg of the send")
 
 
 @overlap.in_order

@@ -226,16 +226,23 @@ _HLO_REF = re.compile(r"(?<![=\w])%([\w.\-]+)")
 _HLO_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=(%[\w.\-]+)")
 
 
-def scheduled_ep_calls(hlo: str) -> list[str]:
-    """The jax_ep custom-call targets of a compiled program (compiled.as_text()) in XLA's schedule: the
-    entry computation's instructions in order, a computation an instruction calls (a fusion, a command
-    buffer, a call) expanded where it is called."""
+def _hlo_computations(hlo: str) -> tuple[str, dict[str, str]]:
+    """A compiled module's text (compiled.as_text()) as (the entry computation's text, {"%name": the text
+    of each other computation}: the fusions, command buffers and calls its instructions name)."""
     head, entry = hlo.split("\nENTRY ", 1)
     computations = {}
     for block in head.split("\n\n"):
         m = re.search(r"^(?:%)?([\w.\-]+) ", block.strip())
         if m:
             computations["%" + m.group(1)] = block
+    return entry, computations
+
+
+def scheduled_ep_calls(hlo: str) -> list[str]:
+    """The jax_ep custom-call targets of a compiled program (compiled.as_text()) in XLA's schedule: the
+    entry computation's instructions in order, a computation an instruction calls (a fusion, a command
+    buffer, a call) expanded where it is called."""
+    entry, computations = _hlo_computations(hlo)
 
     def walk(text: str, depth: int) -> list[str]:
         found = []
@@ -263,12 +270,7 @@ def assert_side_results_read_after_join(hlo: str, what: str) -> None:
     join of a side call is the first join after it; a custom call XLA wrapped in a fusion (its dynamic
     slice fusions) counts as the call. (Found necessary on one H200, 2026-12-02: with a zero-sized join
     token XLA scheduled the group sizes' prefix sum before the join.)"""
-    head, entry = hlo.split("\nENTRY ", 1)
-    computations = {}   # name -> body text, for the fusions that wrap a custom call
-    for block in head.split("\n\n"):
-        m = re.search(r"^(?:%)?([\w.\-]+) ", block.strip())
-        if m:
-            computations["%" + m.group(1)] = block
+    entry, computations = _hlo_computations(hlo)
 
     def calls_target(rest: str, pattern: str) -> bool:
         texts = [rest] + [computations.get(c, "") for c in _HLO_CALLS.findall(rest)]
