@@ -129,10 +129,11 @@ def test_tar_out_leaves_the_summary_and_one_archive(tmp_path):
 
 
 def test_share_gpu_runs_the_chosen_files_with_the_process_count(tmp_path):
-    rc, output, out, calls = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="rank_mask,ll_shrink",
-                                       SHARE_PYTEST_ARGS="--processes 4", MPS_PIPE_DIR=str(tmp_path / "mps"))
+    rc, output, out, calls = run_suite(tmp_path, 1, junit_xml(1, 0), SHARE_GPU="1",
+                                       SHARE_FILES="rank_mask,ll_shrink", SHARE_PYTEST_ARGS="--processes 4",
+                                       MPS_PIPE_DIR=str(tmp_path / "mps"))
     assert rc == 0, output
-    runs = [c for c in calls if "pytest" in c]
+    runs = [c for c in calls if "-m pytest" in c]
     assert len(runs) == 2, runs
     for run, name in zip(runs, ("rank_mask", "ll_shrink"), strict=True):
         assert f"tests/gpu/test_{name}_gpu.py" in run and "--share-gpu" in run and "--processes 4" in run
@@ -176,7 +177,7 @@ def test_share_gpu_restarts_mps_when_only_a_stopped_daemons_socket_is_left(tmp_p
     it. A daemon that answers is used and left running."""
     pipe = tmp_path / "mps"
     for run in (1, 2):
-        rc, output, out, _ = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="rank_mask",
+        rc, output, out, _ = run_suite(tmp_path, 1, junit_xml(1, 0), SHARE_GPU="1", SHARE_FILES="rank_mask",
                                        MPS_PIPE_DIR=str(pipe))
         assert rc == 0, output
         assert (pipe / "control").exists() and not (pipe / "daemon.pid").exists()   # stopped, socket left
@@ -189,7 +190,7 @@ def test_share_gpu_restarts_mps_when_only_a_stopped_daemons_socket_is_left(tmp_p
     (pipe / "control").unlink()
     subprocess.run([control, "-d"], env=env, check=True)
     try:
-        rc, output, out, _ = run_check(tmp_path, gpus=1, SHARE_GPU="1", SHARE_FILES="rank_mask",
+        rc, output, out, _ = run_suite(tmp_path, 1, junit_xml(1, 0), SHARE_GPU="1", SHARE_FILES="rank_mask",
                                        MPS_PIPE_DIR=str(pipe))
         assert rc == 0 and "CUDA MPS already running" in output, output
         assert (pipe / "daemon.pid").exists() and (pipe / "commands").read_text() == "quit\n" * 2, output
@@ -247,8 +248,7 @@ def run_suite(tmp_path: Path, gpus: int, junit: str | None, log: str = "", pytes
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     calls_file, junit_file = tmp_path / "calls.txt", tmp_path / "junit.xml"
-    stub = textwrap.dedent(f"""\
-        #!/bin/bash
+    stub = STUB_HEAD + textwrap.dedent(f"""\
         echo "JAX_EP_TEST_SHARD_AUTOTUNING=${{JAX_EP_TEST_SHARD_AUTOTUNING:-}} \
         JAX_EP_TEST_PG_CHECKS=${{JAX_EP_TEST_PG_CHECKS:-}} \
         CVD=${{CUDA_VISIBLE_DEVICES-unset}} $*" >> {calls_file}
@@ -923,10 +923,23 @@ def test_a_part_that_did_not_start_or_collected_nothing_says_so_and_fails(tmp_pa
 
 
 def test_share_gpu_default_files_are_those_with_process_model_2_tests(tmp_path):
-    rc, output, out, calls = run_check(tmp_path, gpus=1, SHARE_GPU="1", MPS_PIPE_DIR=str(tmp_path / "mps"))
+    rc, output, out, calls = run_suite(tmp_path, 1, junit_xml(1, 0), SHARE_GPU="1",
+                                       MPS_PIPE_DIR=str(tmp_path / "mps"))
     assert rc == 0, output
-    runs = [c for c in calls if "pytest" in c]
+    runs = [c for c in calls if "-m pytest" in c]
     assert {f for run in runs for f in files_of(run)} == PG_FILES and len(runs) == len(PG_FILES), runs
+
+
+@pytest.mark.parametrize("junit", [junit_xml(0, 0, skipped=3), None], ids=["all_skipped", "no_xml"])
+def test_share_gpu_with_no_test_passed_fails(tmp_path, junit):
+    """Every process-model-2 test skipped under MPS (e.g. no extension), or none collected / no XML
+    written, said OK."""
+    rc, output, out, _ = run_suite(tmp_path, 1, junit, SHARE_GPU="1", SHARE_FILES="rank_mask,ll_shrink",
+                                   MPS_PIPE_DIR=str(tmp_path / "mps"))
+    assert rc == 1, output
+    summary = (out / "summary.txt").read_text()
+    assert "process-model-2 tests on one GPU (MPS): no test passed (all skipped or none collected)" in summary
+    assert "rc=1 in" in summary and "gpu_check: FAILED" in summary, summary
 
 
 def test_m1c_takes_any_new_test_file_and_the_help_names_its_files(tmp_path):

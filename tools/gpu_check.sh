@@ -15,7 +15,8 @@
 #               $OUT/mps_log) unless one is running there, and stops it after; one pytest per test file
 #               (SHARE_FILE_TIMEOUT each, default 540 s: process_group took 345 s on 2026-12-03; SHARE_TIMEOUT
 #               in all, default 2400; JUnit XML $OUT/gpu-tests-shared_<file>.xml each, for
-#               tools/gpu_tests_record.py --junit); SHARE_PYTEST_ARGS extra pytest arguments. Runs with
+#               tools/gpu_tests_record.py --junit; none passed over all files fails the call); SHARE_PYTEST_ARGS
+#               extra pytest arguments. Runs with
 #               SKIP_TESTS=1 too. Timings under MPS are not those of separate GPUs.
 #               SHARE_FILES=none: no tests. SHARE_BENCH=N then times the process-model-2 benchmark with N
 #               processes on GPU 0 (tests/gpu/process_group_worker.py --bench $OUT/share_bench.json plus
@@ -347,11 +348,14 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
     else
       share_files=$(grep -l "mark.process_group" tests/gpu/test_*.py)   # files with process-model-2 tests
     fi
+    share_xmls=()
     for file in $share_files; do
       echo "---- $file" >>"$OUT/gpu-tests-shared.log"
+      share_xmls+=("$OUT/gpu-tests-shared_$(basename "$file" .py).xml")
+      rm -f "${share_xmls[-1]}"
       # JUnit XML per file: without it tools/gpu_tests_record.py counts from the log and marks the run incomplete
       bounded_run --int "${SHARE_FILE_TIMEOUT:-540}" "$PY" -m pytest -m "gpu and process_group" --share-gpu "$file" -v -rs \
-        --durations=5 --junitxml="$OUT/gpu-tests-shared_$(basename "$file" .py).xml" "${share_args[@]}" \
+        --durations=5 --junitxml="${share_xmls[-1]}" "${share_args[@]}" \
         >>"$OUT/gpu-tests-shared.log" 2>&1
       rc=$?
       [ $rc -eq 5 ] && rc=0   # no test of the marker in that file
@@ -360,6 +364,16 @@ if [ "${SHARE_GPU:-0}" = 1 ]; then
       [ $((SECONDS - start)) -lt "${SHARE_TIMEOUT:-2400}" ] || { echo "SHARE_TIMEOUT reached"; share_rc=124; break; }
     done
     if [ -n "$share_files" ]; then
+      # every test skipped (e.g. no extension, no MPS for the processes) or none collected is no pass
+      share_passed=$("$PY" tools/gpu_tests_record.py --passed "${share_xmls[@]}") || share_passed=""
+      if ! [[ $share_passed =~ ^[0-9]+$ ]]; then
+        echo "gpu_check: could not count the passed tests of ${share_xmls[*]}: $share_passed" | tee -a "$OUT/summary.txt"
+        share_rc=1
+      elif [ "$share_passed" = 0 ] && [ $share_rc -eq 0 ]; then
+        echo "process-model-2 tests on one GPU (MPS): no test passed (all skipped or none collected)" \
+          | tee -a "$OUT/summary.txt"
+        share_rc=1
+      fi
       tail -25 "$OUT/gpu-tests-shared.log"
       echo "process-model-2 tests on one GPU (MPS): rc=$share_rc in $((SECONDS - start)) s (log: $OUT/gpu-tests-shared.log)" | tee -a "$OUT/summary.txt"
     fi

@@ -21,6 +21,7 @@ the part has failures or errors, was cut, did not start, ended with an rc other 
 test (one whose every test skipped, e.g. without the CUDA extension, is no pass). The commit is
 ``$GIT_COMMIT`` when set (the GPU machine's copy of the tree may carry a stale .git or none), else
 ``git rev-parse HEAD`` with "+changes" when the tracked files differ from it, else "unknown".
+``--passed XML...`` prints how many tests those files passed in all (gpu_check.sh's SHARE_GPU check).
 """
 
 from __future__ import annotations
@@ -332,7 +333,12 @@ def main(argv=None) -> int:
     parser.add_argument("--command", default="", help="the command that ran the part")
     parser.add_argument("--merge", nargs="+", metavar="RECORD", help="records to fold into --into")
     parser.add_argument("--into", help="folder of the records to update (e.g. docs/benchmarks)")
+    parser.add_argument("--passed", nargs="*", metavar="JUNIT",
+                        help="print how many tests these JUnit XML files passed in all (missing files: 0)")
     args = parser.parse_args(argv)
+    if args.passed is not None:
+        print(sum(junit_counts(p)["passed"] for p in args.passed if Path(p).is_file()))
+        return 0
     if args.merge:
         if not args.into:
             parser.error("--merge needs --into")
