@@ -189,6 +189,20 @@ __device__ __forceinline__ bool poll_flag(const uint64_t* flag, Done done, const
   return done(v);
 }
 
+// The op's name as the host's fault messages give it (xla_ffi/fault_message.cc OpName), so that a
+// printed line reads like the record's text ("jax_ep: dispatch on GPU 1 (rank 1) ...").
+static __device__ __noinline__ const char* fault_op_name(int32_t op_id) {
+  switch (op_id) {
+#define JAX_EP_DEVICE_OP_NAME(Name, name, id) \
+  case id:                                    \
+    return #name;
+    JAX_EP_FAULT_OPS(JAX_EP_DEVICE_OP_NAME)
+#undef JAX_EP_DEVICE_OP_NAME
+    default:
+      return "unknown op";
+  }
+}
+
 // Records the first fault of this device in host-mapped pinned memory (the host can read it even
 // after the trap has killed the context) and prints a message naming op and ranks; the caller traps
 // (record_fault_and_trap, or every thread of a block after a barrier, see cuda/fingerprint.cuh).
@@ -216,34 +230,33 @@ static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kin
     __threadfence_system();
   }
   if (kind == kFaultTimeout) {
-    printf("jax_ep: op %d on device %d (rank %d) timed out after %lld ns waiting for rank %d "
-           "(device %d): expected epoch %llu, saw %llu. A peer did not issue the same EP call; "
-           "trapping.\n",
-           op_id, tables.device_ordinal, rank, static_cast<long long>(elapsed_ns), waited_rank,
+    printf("jax_ep: %s on GPU %d (rank %d) timed out after %lld ns waiting for rank %d "
+           "(GPU or process %d): expected %llu, saw %llu; trapping (the fault record says more).\n",
+           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<long long>(elapsed_ns), waited_rank,
            waited_ordinal, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
   } else if (kind == kFaultMismatch) {
-    printf("jax_ep: op %d on device %d (rank %d): rank %d (device %d) runs a call that does not "
+    printf("jax_ep: %s on GPU %d (rank %d): rank %d (GPU or process %d) runs a call that does not "
            "match: fingerprint field %d is %llu here, %llu there; trapping.\n",
-           op_id, tables.device_ordinal, rank, waited_rank, waited_ordinal, field,
+           fault_op_name(op_id), tables.device_ordinal, rank, waited_rank, waited_ordinal, field,
            static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else if (kind == kFaultLLInFlight) {
-    printf("jax_ep: op %d on device %d (rank %d): low-latency double-buffering rule %d broken "
+    printf("jax_ep: %s on GPU %d (rank %d): low-latency double-buffering rule %d broken "
            "(call %llu, found %llu): receive a sent call n before the op's call n + 2 (fused or "
            "sent), each once, no other EP op in between but low-latency calls of the same shape; "
            "trapping.\n",
-           op_id, tables.device_ordinal, rank, waited_ordinal,
+           fault_op_name(op_id), tables.device_ordinal, rank, waited_ordinal,
            static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else if (kind == kFaultBadArgument) {
-    printf("jax_ep: op %d on device %d got rank %d (group size %llu) / group %llu out of range; "
+    printf("jax_ep: %s on GPU %d got rank %d (group size %llu) / group %llu out of range; "
            "trapping.\n",
-           op_id, tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
+           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
   } else {
-    printf("jax_ep: op %d on device %d (rank %d) ran with a stale runtime: needs %llu bytes of "
+    printf("jax_ep: %s on GPU %d (rank %d) ran with a stale runtime: needs %llu bytes of "
            "communication buffer, %llu available (shutdown() called, or the buffer is too "
            "small); trapping.\n",
-           op_id, tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
+           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
   }
 }

@@ -34,7 +34,9 @@ import json
 import math
 import os
 import re
+import sys
 import threading
+import time
 import zlib
 
 import jax
@@ -78,6 +80,11 @@ _collective_calls = 0  # process model 2: collective set-up calls made by this p
 # still be compiling) before it raises, naming the processes that did not arrive.
 BOOTSTRAP_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "JAX_EP_TIMEOUT_S"   # the bound of every device-side wait (xla_ffi/runtime.cc reads it)
+# How often the fault watcher (report_faults) reads the records: a trap surfaces as XLA's generic CUDA
+# error in the user's code, and the process may exit soon after it
+FAULT_POLL_S = 0.2
+_reported: set = set()   # the fault records report_faults has printed
+_watching = False
 _TIMEOUT_TEXT = re.compile(r"[+]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 # Process model 2: what a GPU must keep free beyond what NVSHMEM's heap would take in a set-up step,
@@ -204,6 +211,7 @@ def register_targets() -> None:
             for name, stages in _C.ffi_handlers().items():
                 jax.ffi.register_ffi_target(name, stages, platform="CUDA")
             _registered = True
+            watch_faults()
         if not _C.managed_devices():
             if process_model() == "process_per_gpu":
                 _init_process_group(0)
@@ -348,6 +356,7 @@ def unreachable_processes() -> list[int]:
 def _finalize_process_group() -> None:
     """At exit, process model 2: frees the symmetric buffers and finalises NVSHMEM, after a bounded
     barrier (NVSHMEM's finalize is collective and would wait forever for a dead process)."""
+    _report_quietly()   # registered after watch_faults' own report, so run before it: before the barrier
     try:
         distributed.barrier("jax_ep/nvshmem_finalize", timeout_s=60)
         jax.clear_caches()  # compiled EP calls hold the runtime
@@ -400,6 +409,63 @@ def shutdown() -> None:
 def faults() -> list[dict]:
     """Device-side faults recorded by jax_ep kernels, one dict per GPU that faulted."""
     return [] if _C is None else list(_C.faults())
+
+
+def report_faults(stream=None) -> list[str]:
+    """Prints each device-side fault record not printed yet, once, to ``stream`` (default stderr) as
+    "jax_ep device fault: <its message>" (naming the op, this GPU's rank and the rank it waited for or
+    disagreed with); returns the messages printed. A kernel that records a fault traps, and the user
+    then sees only XLA's generic CUDA error (e.g. CUDA_ERROR_LAUNCH_FAILED) from the next
+    synchronising call: ``watch_faults`` calls this every FAULT_POLL_S seconds, at an uncaught
+    exception and at exit. The records are in pinned host memory: readable after the trap."""
+    new = []
+    for fault in faults():
+        key = (fault["device_ordinal"], fault["message"])
+        with _lock:
+            if key in _reported:
+                continue
+            _reported.add(key)
+        new.append(fault["message"])
+    out = sys.stderr if stream is None else stream
+    for message in new:
+        print(f"jax_ep device fault: {message}", file=out, flush=True)
+    return new
+
+
+def watch_faults() -> None:
+    """Makes device-side faults visible without the user asking (idempotent; register_targets calls
+    it): a daemon thread prints new fault records (``report_faults``) every FAULT_POLL_S seconds, and
+    an uncaught exception and the process's exit print those not printed yet. Under
+    ``python -m jax_ep.launch`` a failed process's summary lists them (``failure_report``)."""
+    global _watching
+    with _lock:
+        if _watching:
+            return
+        _watching = True
+
+    def poll():
+        while True:
+            time.sleep(FAULT_POLL_S)
+            try:
+                report_faults()
+            except Exception:  # noqa: BLE001 - a report must never take the process down
+                return
+
+    threading.Thread(target=poll, name="jax_ep-fault-watch", daemon=True).start()
+    atexit.register(_report_quietly)
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        _report_quietly()
+        previous(*exc_info)
+    sys.excepthook = hook
+
+
+def _report_quietly() -> None:
+    try:
+        report_faults()
+    except Exception:  # noqa: BLE001 - at exit / in the excepthook: never mask the real error
+        pass
 
 
 def axis_slot(axis_name: str) -> int:

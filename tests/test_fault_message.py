@@ -79,7 +79,9 @@ def test_discovery_timeout_says_how_far_behind_the_peer_is():
     assert text.startswith("jax_ep: dispatch on GPU 0 (rank 0) timed out after 2.0")
     assert "waiting for rank 1 (GPU not known yet: group discovery) to enter this call" in text
     assert "rank 1 has entered 4 (it is 1 call behind: it has not issued this call" in text
-    assert "Every rank must issue the same EP calls in the same order." in text
+    assert text.endswith("Every rank must issue the same EP calls in the same order; a rank that is alive "
+                         "but busy on its host longer than the bound (compiling, writing a checkpoint) looks "
+                         "the same: raise JAX_EP_TIMEOUT_S.")
     # other waits keep the epoch wording
     text = message("timeout", "combine", expected=5, observed=3, elapsed_s=1.0)
     assert "waiting for rank 1 (GPU 1): it expected barrier epoch 5 and saw 3." in text
@@ -102,3 +104,82 @@ def test_unknown_names_are_refused():
 
 def test_faults_lists_no_fault_on_a_machine_without_one():
     assert runtime.faults() == []
+
+
+# ---- the records reach the user: jax_ep.runtime.report_faults / watch_faults --------------------------
+class _FakeExtension:
+    """Stands in for jax_ep._C's fault records (no GPU here): ``records`` as _C.faults() gives them."""
+
+    def __init__(self):
+        self.records = []
+
+    def faults(self):
+        return list(self.records)
+
+
+def _record(ordinal, op="dispatch"):
+    text = message("timeout", op, rank=ordinal, peer=3, peer_slot=3, expected=2, observed=1)
+    return {"device_ordinal": ordinal, "op": op, "kind": "timeout", "message": text}
+
+
+@pytest.fixture
+def fake_records(monkeypatch):
+    fake = _FakeExtension()
+    monkeypatch.setattr(runtime, "_C", fake)
+    monkeypatch.setattr(runtime, "_reported", set())
+    return fake
+
+
+def test_report_faults_prints_each_record_once_in_the_launchers_fault_form(fake_records):
+    """A trap surfaces as XLA's generic CUDA error; the record naming op and ranks was printed by nothing
+    (2026-11-28, process model 2 on 4 GPUs: "a device fault and nothing useful")."""
+    import io
+
+    from jax_ep import failure_report
+
+    out = io.StringIO()
+    assert runtime.report_faults(out) == [] and out.getvalue() == ""
+    fake_records.records = [_record(1)]
+    (printed,) = runtime.report_faults(out)
+    assert runtime.report_faults(out) == []   # once
+    fake_records.records = [_record(1), _record(2, "combine")]
+    assert runtime.report_faults(out) == [_record(2, "combine")["message"]]
+    lines = out.getvalue().splitlines()
+    second = _record(2, "combine")["message"]
+    assert lines == [f"jax_ep device fault: {printed}", f"jax_ep device fault: {second}"]
+    assert lines[0].startswith("jax_ep device fault: jax_ep: dispatch on GPU 1 (rank 1) timed out")
+    assert "raise JAX_EP_TIMEOUT_S" in lines[0]
+    # what python -m jax_ep.launch summarises for a failed process: its fault records and their op
+    output = ["Traceback (most recent call last):", *lines,
+              "jaxlib._jax.XlaRuntimeError: INTERNAL: CUDA_ERROR_LAUNCH_FAILED"]
+    summary = failure_report.report("\n".join(output), process=1)
+    assert "jax_ep: dispatch on GPU 1 (rank 1)" in summary and "none printed" not in summary, summary
+
+
+def test_watch_faults_prints_new_records_while_running_and_at_an_uncaught_exception(fake_records, monkeypatch,
+                                                                                     capsys):
+    import sys
+    import time
+
+    registered = []
+    monkeypatch.setattr(runtime, "_watching", False)
+    monkeypatch.setattr(runtime, "FAULT_POLL_S", 0.01)
+    monkeypatch.setattr(runtime.atexit, "register", registered.append)
+    previous = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: previous.append(exc))
+    runtime.watch_faults()
+    runtime.watch_faults()   # idempotent: one thread, one hook
+    assert registered == [runtime._report_quietly]
+    fake_records.records = [_record(0)]
+    deadline = time.monotonic() + 10
+    while "dispatch on GPU 0" not in capsys.readouterr().err:
+        assert time.monotonic() < deadline, "the watcher printed nothing in 10 s"
+        time.sleep(0.01)
+    monkeypatch.setattr(runtime, "FAULT_POLL_S", 3600.0)   # the thread's next poll is the hook's
+    time.sleep(0.05)
+    fake_records.records = [_record(0), _record(1, "combine_bwd")]
+    error = RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
+    sys.excepthook(RuntimeError, error, None)
+    err = capsys.readouterr().err
+    assert "jax_ep device fault: jax_ep: combine_bwd on GPU 1" in err and "GPU 0" not in err, err
+    assert previous == [(RuntimeError, error, None)]   # the user's hook still runs, after

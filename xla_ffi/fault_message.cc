@@ -145,7 +145,9 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
         text += ": it expected barrier epoch " + Str(r.expected) + " and saw " + Str(r.observed) +
                 ".";
       }
-      return text + " Every rank must issue the same EP calls in the same order.";
+      return text + " Every rank must issue the same EP calls in the same order; a rank that is "
+                    "alive but busy on its host longer than the bound (compiling, writing a "
+                    "checkpoint) looks the same: raise JAX_EP_TIMEOUT_S.";
     }
     case kFaultMismatch:
       if (r.field == kFieldSequence) {

@@ -42,8 +42,11 @@ std::vector<HandlerStats> GetHandlerStats() {
 }
 
 ffi::Error CudaError(cudaError_t status, const std::string& op) {
+  // after a kernel's trap every later CUDA call fails with the sticky error: name what the records say
+  const std::string records = Runtime::Get().FaultMessagesIfFree();
   return ffi::Error::Internal("jax_ep: " + op + ": " + cudaGetErrorName(status) + " (" +
-                              cudaGetErrorString(status) + ")");
+                              cudaGetErrorString(status) + ")" +
+                              (records.empty() ? "" : "; device fault records:" + records));
 }
 
 // Counts the call, and whether `stream` is being captured into a CUDA graph right now

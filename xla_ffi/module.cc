@@ -312,7 +312,8 @@ NB_MODULE(_C, m) {
       "Manage these local GPUs: communication buffer of >= buffer_bytes each, peer access "
       "between all pairs, device-side peer tables. Idempotent; grows buffers only if needed "
       "(synchronising every managed GPU first). Raises RuntimeError naming the GPU pair when "
-      "peer access is impossible. Reads JAX_EP_TIMEOUT_S (seconds, default 10).");
+      "peer access is impossible. Reads JAX_EP_TIMEOUT_S (seconds, default 10; process model 2: "
+      "100).");
 
   m.def(
       "check_buffer_fits",
@@ -462,10 +463,15 @@ NB_MODULE(_C, m) {
   m.def(
       "faults",
       [] {
-        nb::list faults;
-        for (const auto& fault : jax_ep::Runtime::Get().Faults()) {
-          faults.append(FaultToDict(fault));
+        std::vector<jax_ep::FaultInfo> found;
+        {
+          // the runtime's lock may be held by a set-up that synchronises the GPUs: wait for it
+          // without the GIL (jax_ep.runtime's fault watcher calls this from a thread of its own)
+          nb::gil_scoped_release release;
+          found = jax_ep::Runtime::Get().Faults();
         }
+        nb::list faults;
+        for (const auto& fault : found) faults.append(FaultToDict(fault));
         return faults;
       },
       "Device-side faults recorded by kernels (timeouts, mismatches, stale runtime, ...), one dict "

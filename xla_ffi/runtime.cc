@@ -30,7 +30,6 @@ FaultRecord CopyFaultRecord(const volatile FaultRecord& record) {
   return copy;
 }
 
-constexpr double kDefaultTimeoutSeconds = 10.0;
 constexpr uint64_t kBufferGranularity = 2ull << 20;  // round buffers up to 2 MiB
 
 // The size a buffer of `have` bytes grows to when `wanted` are asked for (never shrinks; at least
@@ -100,10 +99,10 @@ void SynchronizeDevices(const std::vector<int>& ordinals) {
 
 }  // namespace
 
-uint64_t TimeoutNsFromEnv() {
+uint64_t TimeoutNsFromEnv(double default_seconds) {
   const char* text = std::getenv("JAX_EP_TIMEOUT_S");
   if (text == nullptr || *text == '\0') {
-    return static_cast<uint64_t>(kDefaultTimeoutSeconds * 1e9);
+    return static_cast<uint64_t>(default_seconds * 1e9);
   }
   char* end = nullptr;
   errno = 0;
@@ -301,7 +300,7 @@ void Runtime::Init(const std::vector<int>& requested, uint64_t buffer_bytes) {
       }
     }
   }
-  const uint64_t timeout_ns = TimeoutNsFromEnv();
+  const uint64_t timeout_ns = TimeoutNsFromEnv(kDefaultTimeoutSeconds);
   const uint64_t old_bytes = comm_bytes_.load(std::memory_order_acquire);
   const uint64_t target_bytes = BufferTarget(old_bytes, buffer_bytes);
 
@@ -455,7 +454,7 @@ void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_i
                              " of " + std::to_string(num_processes) + " on GPU " +
                              std::to_string(ordinal));
   }
-  const uint64_t timeout_ns = TimeoutNsFromEnv();
+  const uint64_t timeout_ns = TimeoutNsFromEnv(kProcessGroupTimeoutSeconds);
   const uint64_t target = BufferTarget(CommBytes(), buffer_bytes);
   const bool first = Model() == ProcessModel::kNone;
   // Decided by sizes only, which agree on every process (the rebuild is collective).
@@ -653,6 +652,18 @@ void Runtime::ClearRankMasks(int axis_slot, int group) const {
 
 std::vector<FaultInfo> Runtime::Faults() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  return FaultsLocked();
+}
+
+std::string Runtime::FaultMessagesIfFree() const {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return "";
+  std::string text;
+  for (const FaultInfo& fault : FaultsLocked()) text += "\n" + fault.message;
+  return text;
+}
+
+std::vector<FaultInfo> Runtime::FaultsLocked() const {
   std::vector<FaultInfo> faults;
   if (fault_records_ == nullptr) return faults;
   for (int ordinal = 0; ordinal < kMaxDevices; ++ordinal) {

@@ -146,6 +146,9 @@ class Runtime {
   std::vector<int> ReachablePes() const;
   double TimeoutSeconds() const;
   std::vector<FaultInfo> Faults() const;
+  // The fault records' messages, one per line, for an error text: "" when there are none or the
+  // runtime's lock is held (an error path must not wait on a set-up that may be the one failing).
+  std::string FaultMessagesIfFree() const;
   // The persistent rank masks of every managed device (one entry per masked rank); synchronises
   // the devices first. ClearRankMasks: clears those of axis slot `axis_slot` / group `group` (-1:
   // every one) on every managed device, after synchronising them (call it between steps).
@@ -161,6 +164,8 @@ class Runtime {
   // Sets the fields every table of `ordinal` carries (its fault record, its ordinal) and copies the
   // tables into the device's state. The caller holds mutex_ and has selected the device.
   void UploadTables(int ordinal, int slot, DeviceTables tables);
+  // The recorded faults. The caller holds mutex_.
+  std::vector<FaultInfo> FaultsLocked() const;
   // Creates the pinned fault records once. The caller holds mutex_.
   void EnsureFaultRecords();
   // Creates the side stream of `ordinal` once. The caller holds mutex_ and has selected the device.
@@ -189,7 +194,12 @@ class Runtime {
   std::atomic<bool> reachable_[kMaxDevices];
 };
 
-// Timeout of every device-side spin-wait, from JAX_EP_TIMEOUT_S (seconds, default 10).
-uint64_t TimeoutNsFromEnv();
+// Timeout of every device-side spin-wait, from JAX_EP_TIMEOUT_S (seconds), else the process model's
+// default: 10 s with one process driving every GPU (one host enqueues every rank's call), 100 s with
+// a process per GPU, where each process enqueues its own and a rank whose host is busy (compiling,
+// writing a checkpoint) would otherwise make its peers fault (DeepEP bounds its waits at ~100 s).
+constexpr double kDefaultTimeoutSeconds = 10.0;
+constexpr double kProcessGroupTimeoutSeconds = 100.0;
+uint64_t TimeoutNsFromEnv(double default_seconds);
 
 }  // namespace jax_ep
