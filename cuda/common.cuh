@@ -266,9 +266,10 @@ static __device__ __noinline__ void record_fault_and_trap(DeviceState* state, in
                                                           int32_t waited_rank,
                                                           int32_t waited_ordinal,
                                                           uint64_t expected, uint64_t observed,
-                                                          int64_t elapsed_ns) {
+                                                          int64_t elapsed_ns,
+                                                          int32_t field = kFieldNone) {
   record_fault(state, kind, op_id, rank, waited_rank, waited_ordinal, expected, observed,
-               elapsed_ns, kFieldNone);
+               elapsed_ns, field);
   __trap();
 }
 

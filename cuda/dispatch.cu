@@ -475,7 +475,7 @@ __device__ __forceinline__ void wait_prep_blocks(DeviceState* state, uint64_t bl
       if (!poll_flag(done, [blocks, seen](uint64_t v) { return v >= blocks || v > seen; }, bound,
                      &observed, &elapsed)) {
         record_fault_and_trap(state, kFaultTimeout, op_id, rank, rank, state->tables.slot, blocks,
-                              observed, static_cast<int64_t>(elapsed));
+                              observed, static_cast<int64_t>(elapsed), kFieldPrepBlocks);
       }
       if (observed >= blocks) break;
       seen = observed;

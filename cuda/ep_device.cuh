@@ -212,8 +212,11 @@ static __device__ __noinline__ void wait_flag_equal(const uint64_t* flag, uint64
   uint64_t observed, elapsed;
   if (!poll_flag(flag, [expected](uint64_t v) { return v == expected; },
                  PollBound{state->tables.timeout_ns, 256}, &observed, &elapsed)) {
+    // a value of another group key is no epoch of this group (the buffer reused by another call site)
+    const bool foreign = ((observed ^ expected) & 0xffff) != 0;
     record_fault_and_trap(state, kFaultTimeout, op_id, rank, waited_rank, waited_ordinal,
-                          expected >> 16, observed >> 16, static_cast<int64_t>(elapsed));
+                          expected >> 16, foreign ? 0 : observed >> 16,
+                          static_cast<int64_t>(elapsed), foreign ? kFieldForeignFlag : kFieldNone);
   }
   fence_acquire_sys();
 }

@@ -74,7 +74,7 @@ static __device__ __noinline__ bool peer_call_differs(DeviceState* state, int ax
       start = now;
     } else if (now - start > state->tables.timeout_ns) {
       record_fault(state, kFaultTimeout, fp.op, rank, peer, peer_ordinal, epoch, oldest,
-                   static_cast<int64_t>(now - start), kFieldSequence);
+                   static_cast<int64_t>(now - start), kFieldFingerprintWords);
       return true;
     }
   }

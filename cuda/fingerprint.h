@@ -51,6 +51,15 @@ enum FingerprintField : int32_t {
   // directory entry is more than one call ahead. A kFaultTimeout of group discovery carries it
   // too: expected / observed are then this rank's call and the last call the peer entered.
   kFieldSequence = 11,
+  // Record-only, timeouts: this device's own prep blocks did not all arrive (expected / observed:
+  // the blocks; nothing of a peer's is late: the GPU did not schedule them), and a peer's fingerprint
+  // words of this call did not all arrive after its directory entry did (observed: the oldest word's
+  // call).
+  kFieldPrepBlocks = 12,
+  kFieldFingerprintWords = 13,
+  // Record-only, timeouts of a data flag: the flag held no value of this EP group (another call site's
+  // data since the buffer was reused, or nothing yet), so `observed` means nothing.
+  kFieldForeignFlag = 14,
 };
 inline constexpr int kFingerprintWords = 10;
 

@@ -87,6 +87,26 @@ def test_discovery_timeout_says_how_far_behind_the_peer_is():
     assert "waiting for rank 1 (GPU 1): it expected barrier epoch 5 and saw 3." in text
 
 
+def test_timeouts_that_are_no_peers_lateness_say_what_they_are():
+    """Found by a review (2026-12-05): a dispatch whose own prep blocks never ran named itself as the rank
+    waited for, with block counts as "barrier epochs", and advised issuing the same EP calls; a peer whose
+    configuration words lagged its entry read as "1 call behind"; a data flag holding another call
+    site's rows printed them as an epoch."""
+    text = message("timeout", "dispatch", rank=1, peer=1, peer_slot=1, expected=131, observed=64,
+                   elapsed_s=40.0, field="prep_blocks")
+    assert text.startswith("jax_ep: dispatch on GPU 1 (rank 1): timed out after 40.0")
+    assert "waiting for its own prep blocks: 64 of 131 ran. No peer is late" in text
+    assert "epoch" not in text and "same EP calls" not in text
+    text = message("timeout", "combine", rank=0, peer=3, peer_slot=3, expected=7, observed=6,
+                   elapsed_s=10.0, field="fingerprint_words")
+    assert "reading the configuration of rank 3 (GPU 3) for EP call 7: its entry for this call " in text
+    assert "still held those of call 6" in text and "behind" not in text
+    text = message("timeout", "dispatch", rank=0, peer=2, peer_slot=2, expected=9, observed=0,
+                   elapsed_s=10.0, field="foreign_flag")
+    assert "waiting for rank 2 (GPU 2): it expected the flag of its call 9 and found none of this EP " in text
+    assert "saw" not in text
+
+
 def test_other_kinds_keep_their_texts():
     assert "call 3 would overwrite the receive buffer of call 1" in message(
         "ll_in_flight", "ll_dispatch", peer=-1, peer_slot=1, expected=3, observed=1)

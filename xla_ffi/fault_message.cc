@@ -112,6 +112,12 @@ const char* FingerprintFieldName(int32_t field) {
       return "transport";
     case kFieldSequence:
       return "call_sequence";
+    case kFieldPrepBlocks:
+      return "prep_blocks";
+    case kFieldFingerprintWords:
+      return "fingerprint_words";
+    case kFieldForeignFlag:
+      return "foreign_flag";
     default:
       return "";
   }
@@ -129,6 +135,20 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
                            : "GPU " + std::to_string(r.waited_ordinal);
   switch (r.kind) {
     case kFaultTimeout: {
+      if (r.field == kFieldPrepBlocks) {
+        return where + "timed out after " + std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) +
+               " s waiting for its own prep blocks: " + Str(r.observed) + " of " + Str(r.expected) +
+               " ran. No peer is late: this GPU did not schedule the call's blocks (another kernel "
+               "holding its SMs, e.g. a process sharing the GPU, or KernelConfig.num_sms above what "
+               "it can run at once).";
+      }
+      if (r.field == kFieldFingerprintWords) {
+        return where + "timed out after " + std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) +
+               " s reading the configuration of " + peer + " (" + peer_device + ") for EP call " +
+               Str(r.expected) + ": its entry for this call arrived but its configuration words "
+               "still held those of call " + Str(r.observed) + " (the peer died or its GPU was "
+               "reset while publishing them). Nothing was exchanged.";
+      }
       std::string text = "jax_ep: " + op + " on GPU " + std::to_string(r.device_ordinal) + " (" +
                          me + ") timed out after " +
                          std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) +
@@ -141,6 +161,9 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
                 (behind == 1 ? " call" : " calls") + " behind: it has not issued this call, or "
                 "issued fewer EP calls before it; a rank that is behind looks like a slow one "
                 "until the timeout).";
+      } else if (r.field == kFieldForeignFlag) {
+        text += ": it expected the flag of its call " + Str(r.expected) + " and found none of this "
+                "EP group there (nothing yet, or another call site's data).";
       } else {
         text += ": it expected barrier epoch " + Str(r.expected) + " and saw " + Str(r.observed) +
                 ".";
