@@ -25,7 +25,15 @@ def run_case(case: str, timeout_env: str = "30"):
         # recorded their fault. At 4 processes on one H100 the first case did not finish in 120 s
         # (2026-11-24); on separate GPUs each process has its own context.
         pytest.skip("more than 2 processes sharing a GPU: one process's trap ends the others (MPS)")
-    assert_workers_ok(WORKER, f"fingerprint_worker OK {case} process {{p}}", (case,), timeout_env=timeout_env)
+    results = assert_workers_ok(WORKER, f"fingerprint_worker OK {case} process {{p}}", (case,),
+                                timeout_env=timeout_env)
+    # the user sees each record without asking: jax_ep's fault watcher prints it on stderr
+    for p, (_, out) in enumerate(results):
+        if case == "behind" and p != 1:   # its one call matched process 1's first: no fault
+            assert "jax_ep device fault:" not in out, out[-4000:]
+            continue
+        op = "ll_dispatch" if case == "op" and p == 1 else "dispatch"
+        assert f"jax_ep device fault: jax_ep: {op} on GPU" in out, f"process {p}:\n{out[-4000:]}"
 
 
 @pytest.mark.process_group
