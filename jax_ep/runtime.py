@@ -76,6 +76,7 @@ STATE_TYPE = "jax_ep_op_state"  # the FFI state type of the communicating ops (i
 _lock = threading.Lock()
 _registered = False
 _collective_calls = 0  # process model 2: collective set-up calls made by this process
+_release_calls = 0     # process model 2: collective releases (shutdown, the teardown at exit) made by it
 # Process model 2: how long a process waits for the others at a collective set-up step (they may
 # still be compiling) before it raises, naming the processes that did not arrive.
 BOOTSTRAP_TIMEOUT_S = 120.0
@@ -358,8 +359,8 @@ def _finalize_process_group() -> None:
     barrier (NVSHMEM's finalize is collective and would wait forever for a dead process)."""
     _report_quietly()   # registered after watch_faults' own report, so run before it: before the barrier
     try:
-        distributed.barrier("jax_ep/nvshmem_finalize", timeout_s=60)
         jax.clear_caches()  # compiled EP calls hold the runtime
+        _agree_to_release("process model 2 teardown", 60)   # the bounded barrier, and every process frees
         _C.finalize_process_group()
     except Exception as e:  # noqa: BLE001 - at exit: report, never hang or mask the exit status
         print(f"jax_ep: process model 2 teardown skipped: {e}")
@@ -399,11 +400,36 @@ def shutdown() -> None:
     """Frees the communication buffers (after synchronising the GPUs). Refuses, with a RuntimeError,
     while compiled computations that use EP ops are alive (they hold the runtime): delete them and
     call ``jax.clear_caches()`` first. The next instantiation sets the runtime up again. In process
-    model 2 it is collective: call it on every process."""
+    model 2 it is collective: call it on every process; every process refuses together when one
+    would (``_agree_to_release``), and a process that does not call it within BOOTSTRAP_TIMEOUT_S
+    makes the others raise naming it."""
     if _C is None:
         return
     with _lock:
+        if _C.process_group()["model"] == "process_per_gpu":
+            _agree_to_release("shutdown()", BOOTSTRAP_TIMEOUT_S)
         _C.shutdown()
+
+
+def _agree_to_release(what: str, timeout: float) -> None:
+    """Process model 2, collective, before the symmetric buffers are freed (NVSHMEM's free and barrier
+    wait for every process, without a bound): every process publishes how many instantiated EP call
+    sites hold its runtime and reads every count; all raise the same EPRuntimeError when one holds
+    any (a process refusing alone left the others in NVSHMEM's free forever), and a process that
+    does not publish within ``timeout`` makes the others raise naming it."""
+    global _release_calls
+    me, count = jax.process_index(), jax.process_count()
+    key = f"jax_ep/release/{_release_calls}"
+    _release_calls += 1
+    distributed.kv_set_bytes(f"{key}/{me}", str(int(_C.runtime_holders())).encode())
+    held = {p: int(distributed.kv_get_bytes(f"{key}/{p}", timeout, writer=f"process {p}"))
+            for p in range(count)}
+    holding = {p: n for p, n in held.items() if n > 0}
+    if holding:
+        raise errors.EPRuntimeError(
+            f"jax_ep: {what} refused on every process: instantiated EP call sites of live executables "
+            "hold the runtime on " + ", ".join(f"process {p} ({n})" for p, n in holding.items())
+            + ". Delete the jitted functions that use EP ops and call jax.clear_caches() there first.")
 
 
 def faults() -> list[dict]:

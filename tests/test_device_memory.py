@@ -406,3 +406,56 @@ def test_plan_reads_the_heap_shape_as_nvshmem_would(monkeypatch):
     monkeypatch.setenv("NVSHMEM_HEAP_KIND", "sysmem")
     sysmem = native.plan_process_group(64 * MiB)
     assert not sysmem["heap_on_device"] and sysmem["heap_bytes"] == 0
+
+
+class FakeRelease(FakeGroup):
+    """FakeGroup with the runtime's holders count and a shutdown that records itself."""
+
+    def __init__(self, holders):
+        super().__init__([80 * GiB] * len(holders), 80 * GiB)
+        self.holders, self.freed = holders, []
+
+    def runtime_holders(self):
+        return self.holders[self.me]
+
+    def shutdown(self):
+        self.freed.append(self.me)
+
+
+def shutdown_as(monkeypatch, group, process):
+    group.me = process
+    monkeypatch.setattr(runtime, "_C", group)
+    monkeypatch.setattr(runtime, "_release_calls", 0)
+    monkeypatch.setattr(runtime.jax, "process_index", lambda: process)
+    monkeypatch.setattr(runtime.jax, "process_count", lambda: len(group.holders))
+    monkeypatch.setattr(runtime.distributed, "kv_set_bytes", group.kv_set_bytes)
+    monkeypatch.setattr(runtime.distributed, "kv_get_bytes", group.kv_get_bytes)
+    try:
+        runtime.shutdown()
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return e
+    return None
+
+
+def test_process_model_2_shutdown_refuses_on_every_process_when_one_holds_the_runtime(monkeypatch):
+    """Found by a review (2026-12-05): each process decided alone, so one refusing (a live executable)
+    left the others in NVSHMEM's collective free, unbounded. Now every process publishes its holders
+    first: all refuse together, naming the process; none frees."""
+    group = FakeRelease([0, 2])
+    group.store["jax_ep/release/0/1"] = b"2"   # process 1 ran ahead
+    for process in (0, 1):
+        error = shutdown_as(monkeypatch, group, process)
+        assert isinstance(error, runtime.errors.EPRuntimeError), error
+        assert "shutdown() refused on every process" in str(error) and "process 1 (2)" in str(error)
+        assert "process 0" not in str(error)
+    assert group.freed == []
+
+
+def test_process_model_2_shutdown_frees_when_every_process_agrees_and_names_one_that_never_comes(monkeypatch):
+    group = FakeRelease([0, 0])
+    group.store["jax_ep/release/0/1"] = b"0"
+    assert shutdown_as(monkeypatch, group, 0) is None and group.freed == [0]
+    late = FakeRelease([0, 0])   # process 1 never calls shutdown(): a bounded wait, naming it
+    error = shutdown_as(monkeypatch, late, 0)
+    assert isinstance(error, TimeoutError) and "from process 1" in str(error), error
+    assert late.freed == []

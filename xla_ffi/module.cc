@@ -382,6 +382,11 @@ NB_MODULE(_C, m) {
       "jax_ep initialised it.");
 
   m.def(
+      "runtime_holders", [] { return jax_ep::Runtime::Holders(); },
+      "How many instantiated EP call sites of live executables hold the runtime (shutdown and the "
+      "process model 2 teardown refuse while any does).");
+
+  m.def(
       "process_group",
       [] {
         const jax_ep::Runtime& runtime = jax_ep::Runtime::Get();

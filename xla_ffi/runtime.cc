@@ -544,7 +544,7 @@ void Runtime::RebuildProcessGroupBuffer(uint64_t bytes, uint64_t timeout_ns) {
 void Runtime::FinalizeProcessGroup() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (Model() != ProcessModel::kProcessPerGpu) return;
-  if (Holder().use_count() > 1) {
+  if (Holders() > 0) {
     throw std::runtime_error("jax_ep: finalize refused: instantiated EP call sites of live "
                              "executables hold the runtime");
   }
@@ -573,7 +573,7 @@ void Runtime::UploadTables(int ordinal, int slot, DeviceTables tables) {
 
 void Runtime::Shutdown() {
   std::lock_guard<std::mutex> lock(mutex_);
-  const long holders = Holder().use_count() - 1;
+  const long holders = Holders();
   if (holders > 0) {
     throw std::runtime_error(
         "jax_ep: shutdown() refused: " + std::to_string(holders) + " instantiated EP call "

@@ -146,6 +146,9 @@ class Runtime {
   std::vector<int> ReachablePes() const;
   double TimeoutSeconds() const;
   std::vector<FaultInfo> Faults() const;
+  // How many instantiated EP call sites (their FFI states) hold the runtime: Shutdown and
+  // FinalizeProcessGroup refuse while any does.
+  static long Holders() { return Holder().use_count() - 1; }
   // The fault records' messages, one per line, for an error text: "" when there are none or the
   // runtime's lock is held (an error path must not wait on a set-up that may be the one failing).
   std::string FaultMessagesIfFree() const;
