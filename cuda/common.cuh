@@ -232,8 +232,8 @@ static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kin
   if (kind == kFaultTimeout) {
     printf("jax_ep: %s on GPU %d (rank %d) timed out after %lld ns waiting for rank %d "
            "(GPU or process %d): expected %llu, saw %llu; trapping (the fault record says more).\n",
-           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<long long>(elapsed_ns), waited_rank,
-           waited_ordinal, static_cast<unsigned long long>(expected),
+           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<long long>(elapsed_ns),
+           waited_rank, waited_ordinal, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
   } else if (kind == kFaultMismatch) {
     printf("jax_ep: %s on GPU %d (rank %d): rank %d (GPU or process %d) runs a call that does not "
@@ -250,14 +250,14 @@ static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kin
   } else if (kind == kFaultBadArgument) {
     printf("jax_ep: %s on GPU %d got rank %d (group size %llu) / group %llu out of range; "
            "trapping.\n",
-           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
-           static_cast<unsigned long long>(observed));
+           fault_op_name(op_id), tables.device_ordinal, rank,
+           static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else {
     printf("jax_ep: %s on GPU %d (rank %d) ran with a stale runtime: needs %llu bytes of "
            "communication buffer, %llu available (shutdown() called, or the buffer is too "
            "small); trapping.\n",
-           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<unsigned long long>(expected),
-           static_cast<unsigned long long>(observed));
+           fault_op_name(op_id), tables.device_ordinal, rank,
+           static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   }
 }
 
