@@ -204,8 +204,11 @@ static __device__ __noinline__ const char* fault_op_name(int32_t op_id) {
 }
 
 // Records the first fault of this device in host-mapped pinned memory (the host can read it even
-// after the trap has killed the context) and prints a message naming op and ranks; the caller traps
-// (record_fault_and_trap, or every thread of a block after a barrier, see cuda/fingerprint.cuh).
+// after the trap has killed the context; jax_ep.runtime's fault watcher prints its text) and prints
+// one line naming op and ranks, from the thread that claimed the record only (every waiting thread
+// of the call may get here), prefixed "jax_ep kernel:" (not the record text's "jax_ep: <op> on
+// GPU", which jax_ep.failure_report collects: a line per thread crowded the record out). The caller
+// traps (record_fault_and_trap, or every thread of a block after a barrier, see cuda/fingerprint.cuh).
 // noinline: keeps the cold path out of the registers of the spin loops.
 static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kind, int32_t op_id,
                                                  int32_t rank, int32_t waited_rank,
@@ -213,7 +216,8 @@ static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kin
                                                  uint64_t observed, int64_t elapsed_ns,
                                                  int32_t field) {
   const DeviceTables& tables = state->tables;
-  if (atomicCAS(&state->sync.fault_claimed, 0, 1) == 0 && tables.fault_record != nullptr) {
+  if (atomicCAS(&state->sync.fault_claimed, 0, 1) != 0) return;  // not the device's first fault
+  if (tables.fault_record != nullptr) {
     volatile FaultRecord* record = tables.fault_record;
     record->kind = kind;
     record->op_id = op_id;
@@ -229,31 +233,36 @@ static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kin
     record->valid = 1;
     __threadfence_system();
   }
-  if (kind == kFaultTimeout) {
-    printf("jax_ep: %s on GPU %d (rank %d) timed out after %lld ns waiting for rank %d "
+  if (kind == kFaultTimeout && field == kFieldPrepBlocks) {
+    printf("jax_ep kernel: %s on GPU %d (rank %d) timed out after %lld ns waiting for its own prep "
+           "blocks (%llu of %llu ran): the GPU did not schedule them; trapping.\n",
+           fault_op_name(op_id), tables.device_ordinal, rank, static_cast<long long>(elapsed_ns),
+           static_cast<unsigned long long>(observed), static_cast<unsigned long long>(expected));
+  } else if (kind == kFaultTimeout) {
+    printf("jax_ep kernel: %s on GPU %d (rank %d) timed out after %lld ns waiting for rank %d "
            "(GPU or process %d): expected %llu, saw %llu; trapping (the fault record says more).\n",
            fault_op_name(op_id), tables.device_ordinal, rank, static_cast<long long>(elapsed_ns),
            waited_rank, waited_ordinal, static_cast<unsigned long long>(expected),
            static_cast<unsigned long long>(observed));
   } else if (kind == kFaultMismatch) {
-    printf("jax_ep: %s on GPU %d (rank %d): rank %d (GPU or process %d) runs a call that does not "
-           "match: fingerprint field %d is %llu here, %llu there; trapping.\n",
+    printf("jax_ep kernel: %s on GPU %d (rank %d): rank %d (GPU or process %d) runs a call that "
+           "does not match: fingerprint field %d is %llu here, %llu there; trapping.\n",
            fault_op_name(op_id), tables.device_ordinal, rank, waited_rank, waited_ordinal, field,
            static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else if (kind == kFaultLLInFlight) {
-    printf("jax_ep: %s on GPU %d (rank %d): low-latency double-buffering rule %d broken "
+    printf("jax_ep kernel: %s on GPU %d (rank %d): low-latency double-buffering rule %d broken "
            "(call %llu, found %llu): receive a sent call n before the op's call n + 2 (fused or "
            "sent), each once, no other EP op in between but low-latency calls of the same shape; "
            "trapping.\n",
            fault_op_name(op_id), tables.device_ordinal, rank, waited_ordinal,
            static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else if (kind == kFaultBadArgument) {
-    printf("jax_ep: %s on GPU %d got rank %d (group size %llu) / group %llu out of range; "
+    printf("jax_ep kernel: %s on GPU %d got rank %d (group size %llu) / group %llu out of range; "
            "trapping.\n",
            fault_op_name(op_id), tables.device_ordinal, rank,
            static_cast<unsigned long long>(expected), static_cast<unsigned long long>(observed));
   } else {
-    printf("jax_ep: %s on GPU %d (rank %d) ran with a stale runtime: needs %llu bytes of "
+    printf("jax_ep kernel: %s on GPU %d (rank %d) ran with a stale runtime: needs %llu bytes of "
            "communication buffer, %llu available (shutdown() called, or the buffer is too "
            "small); trapping.\n",
            fault_op_name(op_id), tables.device_ordinal, rank,

@@ -36,7 +36,6 @@ import os
 import re
 import sys
 import threading
-import time
 import zlib
 
 import jax
@@ -76,7 +75,7 @@ STATE_TYPE = "jax_ep_op_state"  # the FFI state type of the communicating ops (i
 _lock = threading.Lock()
 _registered = False
 _collective_calls = 0  # process model 2: collective set-up calls made by this process
-_release_calls = 0     # process model 2: collective releases (shutdown, the teardown at exit) made by it
+_release_calls: dict = {}   # process model 2: collective releases made by this process, per action
 # Process model 2: how long a process waits for the others at a collective set-up step (they may
 # still be compiling) before it raises, naming the processes that did not arrive.
 BOOTSTRAP_TIMEOUT_S = 120.0
@@ -84,8 +83,10 @@ TIMEOUT_ENV = "JAX_EP_TIMEOUT_S"   # the bound of every device-side wait (xla_ff
 # How often the fault watcher (report_faults) reads the records: a trap surfaces as XLA's generic CUDA
 # error in the user's code, and the process may exit soon after it
 FAULT_POLL_S = 0.2
+_report_lock = threading.Lock()   # not _lock: a report must not wait behind a set-up (which may hang)
 _reported: set = set()   # the fault records report_faults has printed
-_watching = False
+_watcher: threading.Thread | None = None
+_stop_watching = threading.Event()
 _TIMEOUT_TEXT = re.compile(r"[+]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 # Process model 2: what a GPU must keep free beyond what NVSHMEM's heap would take in a set-up step,
@@ -281,21 +282,28 @@ def _heap_room_error(verdicts: list[dict], env: dict[str, str] | None = None) ->
         heap_granularity=head["granularity"])
 
 
+def _exchange(key: str, value: bytes, timeout: float) -> list[bytes]:
+    """Process model 2: publishes this process's ``value`` under ``key`` and returns every process's,
+    in process order; a process that does not publish within ``timeout`` raises TimeoutError naming
+    it (``distributed.kv_get_bytes``)."""
+    me, count = jax.process_index(), jax.process_count()
+    distributed.kv_set_bytes(f"{key}/{me}", value)
+    return [distributed.kv_get_bytes(f"{key}/{p}", timeout, writer=f"process {p}") for p in range(count)]
+
+
 def _check_room(key: str, wanted: int, timeout: float) -> None:
     """Process model 2, collective, before NVSHMEM is asked for anything: every process publishes
     whether what the step would allocate on its GPU fits there (``_room_verdict``), reads every
     verdict, and every process raises the same DeviceMemoryError when one lacks room. NVSHMEM 3.4.5
     does not return NULL from nvshmem_malloc when its heap cannot grow: its job dies."""
-    me, count = jax.process_index(), jax.process_count()
+    me = jax.process_index()
     try:
         gpu = local_gpu_ordinals()[0]
         free, total = _C.memory_info(gpu)
         verdict = _room_verdict(me, gpu, _C.plan_process_group(wanted), free, total)
     except Exception as e:  # noqa: BLE001 - published, so that no process waits for this one
         verdict = {"process": me, "error": f"{type(e).__name__}: {e}"}
-    distributed.kv_set_bytes(f"{key}/room/{me}", json.dumps(verdict).encode())
-    verdicts = [json.loads(distributed.kv_get_bytes(f"{key}/room/{p}", timeout, writer=f"process {p}"))
-                for p in range(count)]
+    verdicts = [json.loads(v) for v in _exchange(f"{key}/room", json.dumps(verdict).encode(), timeout)]
     failed = [v for v in verdicts if "error" in v]
     if failed:
         raise errors.EPRuntimeError(
@@ -320,9 +328,7 @@ def _init_process_group(buffer_bytes: int) -> None:
     _collective_calls += 1
     key = f"jax_ep/process_group/{call}"
     timeout = BOOTSTRAP_TIMEOUT_S
-    distributed.kv_set_bytes(f"{key}/bytes/{me}", str(int(buffer_bytes)).encode())
-    wanted = max(int(distributed.kv_get_bytes(f"{key}/bytes/{p}", timeout, writer=f"process {p}"))
-                 for p in range(count))
+    wanted = max(int(v) for v in _exchange(f"{key}/bytes", str(int(buffer_bytes)).encode(), timeout))
     _check_room(key, wanted, timeout)
     first = _C.process_group()["model"] == "none"
     unique_id = b""
@@ -360,7 +366,7 @@ def _finalize_process_group() -> None:
     _report_quietly()   # registered after watch_faults' own report, so run before it: before the barrier
     try:
         jax.clear_caches()  # compiled EP calls hold the runtime
-        _agree_to_release("process model 2 teardown", 60)   # the bounded barrier, and every process frees
+        _agree_to_release("teardown", 60)   # the bounded barrier: every process frees, or none
         _C.finalize_process_group()
     except Exception as e:  # noqa: BLE001 - at exit: report, never hang or mask the exit status
         print(f"jax_ep: process model 2 teardown skipped: {e}")
@@ -407,27 +413,29 @@ def shutdown() -> None:
         return
     with _lock:
         if _C.process_group()["model"] == "process_per_gpu":
-            _agree_to_release("shutdown()", BOOTSTRAP_TIMEOUT_S)
+            _agree_to_release("shutdown", BOOTSTRAP_TIMEOUT_S)
         _C.shutdown()
 
 
-def _agree_to_release(what: str, timeout: float) -> None:
+def _agree_to_release(action: str, timeout: float) -> None:
     """Process model 2, collective, before the symmetric buffers are freed (NVSHMEM's free and barrier
     wait for every process, without a bound): every process publishes how many instantiated EP call
-    sites hold its runtime and reads every count; all raise the same EPRuntimeError when one holds
-    any (a process refusing alone left the others in NVSHMEM's free forever), and a process that
-    does not publish within ``timeout`` makes the others raise naming it."""
-    global _release_calls
+    sites hold its runtime, then waits at a bounded barrier, then reads every count. All raise the same
+    EPRuntimeError when one holds any (a process refusing alone left the others in NVSHMEM's free
+    forever); a process that does not come within ``timeout`` (or comes after it) makes the barrier
+    fail on every process, naming it. ``action`` ("shutdown", "teardown": the one at exit) keys the
+    agreement with a count of its own: a process's shutdown() never pairs with another's teardown."""
+    call = _release_calls[action] = _release_calls.get(action, -1) + 1
+    key = f"jax_ep/release/{action}/{call}"
     me, count = jax.process_index(), jax.process_count()
-    key = f"jax_ep/release/{_release_calls}"
-    _release_calls += 1
     distributed.kv_set_bytes(f"{key}/{me}", str(int(_C.runtime_holders())).encode())
+    distributed.barrier(f"{key}/agreed", timeout)
     held = {p: int(distributed.kv_get_bytes(f"{key}/{p}", timeout, writer=f"process {p}"))
             for p in range(count)}
     holding = {p: n for p, n in held.items() if n > 0}
     if holding:
         raise errors.EPRuntimeError(
-            f"jax_ep: {what} refused on every process: instantiated EP call sites of live executables "
+            f"jax_ep: {action} refused on every process: instantiated EP call sites of live executables "
             "hold the runtime on " + ", ".join(f"process {p} ({n})" for p, n in holding.items())
             + ". Delete the jitted functions that use EP ops and call jax.clear_caches() there first.")
 
@@ -444,17 +452,15 @@ def report_faults(stream=None) -> list[str]:
     then sees only XLA's generic CUDA error (e.g. CUDA_ERROR_LAUNCH_FAILED) from the next
     synchronising call: ``watch_faults`` calls this every FAULT_POLL_S seconds, at an uncaught
     exception and at exit. The records are in pinned host memory: readable after the trap."""
-    new = []
-    for fault in faults():
-        key = (fault["device_ordinal"], fault["message"])
-        with _lock:
-            if key in _reported:
-                continue
-            _reported.add(key)
-        new.append(fault["message"])
     out = sys.stderr if stream is None else stream
-    for message in new:
-        print(f"jax_ep device fault: {message}", file=out, flush=True)
+    new = []
+    with _report_lock:   # marked and printed together: an exit's report cannot skip one half-done
+        for fault in faults():
+            key = (fault["device_ordinal"], fault["message"])
+            if key not in _reported:
+                _reported.add(key)
+                new.append(fault["message"])
+                print(f"jax_ep device fault: {fault['message']}", file=out, flush=True)
     return new
 
 
@@ -463,28 +469,36 @@ def watch_faults() -> None:
     it): a daemon thread prints new fault records (``report_faults``) every FAULT_POLL_S seconds, and
     an uncaught exception and the process's exit print those not printed yet. Under
     ``python -m jax_ep.launch`` a failed process's summary lists them (``failure_report``)."""
-    global _watching
-    with _lock:
-        if _watching:
+    global _watcher
+    with _report_lock:
+        if _watcher is not None:
             return
-        _watching = True
-
-    def poll():
-        while True:
-            time.sleep(FAULT_POLL_S)
-            try:
-                report_faults()
-            except Exception:  # noqa: BLE001 - a report must never take the process down
-                return
-
-    threading.Thread(target=poll, name="jax_ep-fault-watch", daemon=True).start()
-    atexit.register(_report_quietly)
+        _watcher = threading.Thread(target=_poll_faults, name="jax_ep-fault-watch", daemon=True)
+        _watcher.start()
+    atexit.register(_stop_watching_and_report)
     previous = sys.excepthook
 
     def hook(*exc_info):
         _report_quietly()
         previous(*exc_info)
     sys.excepthook = hook
+
+
+def _poll_faults() -> None:
+    while not _stop_watching.wait(FAULT_POLL_S):
+        try:
+            report_faults()
+        except Exception:  # noqa: BLE001 - a report must never take the process down
+            return
+
+
+def _stop_watching_and_report() -> None:
+    """At exit: the watcher stops (no thread inside the extension while the interpreter finalises),
+    then the records not printed yet are."""
+    _stop_watching.set()
+    if _watcher is not None:
+        _watcher.join(timeout=5)
+    _report_quietly()
 
 
 def _report_quietly() -> None:

@@ -8,6 +8,11 @@ tests/gpu/test_fingerprint_gpu.py on GPUs."""
 
 from __future__ import annotations
 
+import io
+import sys
+import threading
+import time
+
 import pytest
 
 from jax_ep import runtime
@@ -128,13 +133,23 @@ def test_faults_lists_no_fault_on_a_machine_without_one():
 
 # ---- the records reach the user: jax_ep.runtime.report_faults / watch_faults --------------------------
 class _FakeExtension:
-    """Stands in for jax_ep._C's fault records (no GPU here): ``records`` as _C.faults() gives them."""
+    """Stands in for jax_ep._C (no GPU here): ``records`` as _C.faults() gives them, and what
+    register_targets asks of it."""
 
     def __init__(self):
         self.records = []
 
     def faults(self):
         return list(self.records)
+
+    def state_type(self):
+        return None
+
+    def ffi_handlers(self):
+        return {}
+
+    def managed_devices(self):
+        return [0]   # set up already: register_targets asks nothing more
 
 
 def _record(ordinal, op="dispatch"):
@@ -144,17 +159,23 @@ def _record(ordinal, op="dispatch"):
 
 @pytest.fixture
 def fake_records(monkeypatch):
+    """A fake extension, and a fresh fault watcher that the test's end stops."""
     fake = _FakeExtension()
     monkeypatch.setattr(runtime, "_C", fake)
     monkeypatch.setattr(runtime, "_reported", set())
-    return fake
+    monkeypatch.setattr(runtime, "_watcher", None)
+    monkeypatch.setattr(runtime, "_stop_watching", threading.Event())
+    monkeypatch.setattr(runtime.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)   # restored after the test
+    yield fake
+    runtime._stop_watching.set()
+    if runtime._watcher is not None:
+        runtime._watcher.join(10)
 
 
 def test_report_faults_prints_each_record_once_in_the_launchers_fault_form(fake_records):
     """A trap surfaces as XLA's generic CUDA error; the record naming op and ranks was printed by nothing
     (2026-11-28, process model 2 on 4 GPUs: "a device fault and nothing useful")."""
-    import io
-
     from jax_ep import failure_report
 
     out = io.StringIO()
@@ -178,28 +199,43 @@ def test_report_faults_prints_each_record_once_in_the_launchers_fault_form(fake_
 
 def test_watch_faults_prints_new_records_while_running_and_at_an_uncaught_exception(fake_records, monkeypatch,
                                                                                      capsys):
-    import sys
-    import time
-
     registered = []
-    monkeypatch.setattr(runtime, "_watching", False)
     monkeypatch.setattr(runtime, "FAULT_POLL_S", 0.01)
     monkeypatch.setattr(runtime.atexit, "register", registered.append)
     previous = []
     monkeypatch.setattr(sys, "excepthook", lambda *exc: previous.append(exc))
     runtime.watch_faults()
+    watcher = runtime._watcher
     runtime.watch_faults()   # idempotent: one thread, one hook
-    assert registered == [runtime._report_quietly]
+    assert runtime._watcher is watcher and registered == [runtime._stop_watching_and_report]
     fake_records.records = [_record(0)]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while "dispatch on GPU 0" not in capsys.readouterr().err:
-        assert time.monotonic() < deadline, "the watcher printed nothing in 10 s"
+        assert time.monotonic() < deadline, "the watcher printed nothing in 30 s"
         time.sleep(0.01)
-    monkeypatch.setattr(runtime, "FAULT_POLL_S", 3600.0)   # the thread's next poll is the hook's
-    time.sleep(0.05)
+    runtime._stop_watching.set()   # the thread ends: what follows is the hook's and the exit's
+    watcher.join(10)
+    assert not watcher.is_alive()
     fake_records.records = [_record(0), _record(1, "combine_bwd")]
     error = RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
     sys.excepthook(RuntimeError, error, None)
     err = capsys.readouterr().err
     assert "jax_ep device fault: jax_ep: combine_bwd on GPU 1" in err and "GPU 0" not in err, err
     assert previous == [(RuntimeError, error, None)]   # the user's hook still runs, after
+    fake_records.records.append(_record(2, "combine"))
+    runtime._stop_watching_and_report()   # at exit
+    assert capsys.readouterr().err == f"jax_ep device fault: {_record(2, 'combine')['message']}\n"
+
+
+def test_register_targets_starts_the_watcher_without_deadlocking(fake_records, monkeypatch):
+    """Found by a review (2026-12-05): register_targets called watch_faults under runtime._lock, which
+    watch_faults took again: the first EP trace on a GPU hung."""
+    monkeypatch.setattr(runtime, "_registered", False)
+    monkeypatch.setattr(runtime, "_require_available", lambda: None)
+    monkeypatch.setattr(runtime.jax.ffi, "register_ffi_type", lambda *a, **k: None)
+    monkeypatch.setattr(runtime.jax.ffi, "register_ffi_target", lambda *a, **k: None)
+    done = threading.Thread(target=runtime.register_targets, daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive(), "register_targets deadlocked"
+    assert runtime._registered and runtime._watcher is not None and runtime._watcher.is_alive()

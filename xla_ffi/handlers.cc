@@ -43,7 +43,7 @@ std::vector<HandlerStats> GetHandlerStats() {
 
 ffi::Error CudaError(cudaError_t status, const std::string& op) {
   // after a kernel's trap every later CUDA call fails with the sticky error: name what the records say
-  const std::string records = Runtime::Get().FaultMessagesIfFree();
+  const std::string records = Runtime::Get().FaultMessages();
   return ffi::Error::Internal("jax_ep: " + op + ": " + cudaGetErrorName(status) + " (" +
                               cudaGetErrorString(status) + ")" +
                               (records.empty() ? "" : "; device fault records:" + records));

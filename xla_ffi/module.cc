@@ -468,15 +468,10 @@ NB_MODULE(_C, m) {
   m.def(
       "faults",
       [] {
-        std::vector<jax_ep::FaultInfo> found;
-        {
-          // the runtime's lock may be held by a set-up that synchronises the GPUs: wait for it
-          // without the GIL (jax_ep.runtime's fault watcher calls this from a thread of its own)
-          nb::gil_scoped_release release;
-          found = jax_ep::Runtime::Get().Faults();
-        }
+        // lock-free and quick: keeps the GIL (a thread of jax_ep.runtime's fault watcher calls it;
+        // one that released the GIL could be ended inside the call at the interpreter's exit)
         nb::list faults;
-        for (const auto& fault : found) faults.append(FaultToDict(fault));
+        for (const auto& fault : jax_ep::Runtime::Get().Faults()) faults.append(FaultToDict(fault));
         return faults;
       },
       "Device-side faults recorded by kernels (timeouts, mismatches, stale runtime, ...), one dict "

@@ -418,13 +418,13 @@ void Runtime::EnsureSideStream(int ordinal) {
 }
 
 void Runtime::EnsureFaultRecords() {
-  if (fault_records_ != nullptr) return;
+  if (fault_records_.load(std::memory_order_acquire) != nullptr) return;
   void* records = nullptr;
   // Portable: one allocation visible to every device; mapped: kernels write it directly.
   JAX_EP_CUDA_THROW(cudaHostAlloc(&records, sizeof(FaultRecord) * kMaxDevices,
                                   cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(records, 0, sizeof(FaultRecord) * kMaxDevices);
-  fault_records_ = static_cast<FaultRecord*>(records);
+  fault_records_.store(static_cast<FaultRecord*>(records), std::memory_order_release);
 }
 
 void Runtime::InitProcessGroup(int ordinal, const std::vector<uint8_t>& unique_id, int process,
@@ -563,7 +563,7 @@ void Runtime::FinalizeProcessGroup() {
 
 void Runtime::UploadTables(int ordinal, int slot, DeviceTables tables) {
   void* record_on_device = nullptr;
-  JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_[ordinal], 0));
+  JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_.load(std::memory_order_acquire)[ordinal], 0));
   tables.fault_record = static_cast<FaultRecord*>(record_on_device);
   tables.device_ordinal = ordinal;
   tables.slot = slot;
@@ -650,25 +650,19 @@ void Runtime::ClearRankMasks(int axis_slot, int group) const {
   }
 }
 
-std::vector<FaultInfo> Runtime::Faults() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return FaultsLocked();
-}
-
-std::string Runtime::FaultMessagesIfFree() const {
-  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
-  if (!lock.owns_lock()) return "";
+std::string Runtime::FaultMessages() const {
   std::string text;
-  for (const FaultInfo& fault : FaultsLocked()) text += "\n" + fault.message;
+  for (const FaultInfo& fault : Faults()) text += "\n" + fault.message;
   return text;
 }
 
-std::vector<FaultInfo> Runtime::FaultsLocked() const {
+std::vector<FaultInfo> Runtime::Faults() const {
   std::vector<FaultInfo> faults;
-  if (fault_records_ == nullptr) return faults;
+  const FaultRecord* records = fault_records_.load(std::memory_order_acquire);
+  if (records == nullptr) return faults;
   for (int ordinal = 0; ordinal < kMaxDevices; ++ordinal) {
     // volatile: written by the GPU behind the compiler's back.
-    const volatile FaultRecord& record = fault_records_[ordinal];
+    const volatile FaultRecord& record = records[ordinal];
     if (record.valid == 0) continue;
     FaultInfo info;
     info.record = CopyFaultRecord(record);

@@ -145,13 +145,13 @@ class Runtime {
   int NumPes() const { return num_pes_; }
   std::vector<int> ReachablePes() const;
   double TimeoutSeconds() const;
+  // The recorded faults. Lock-free (pinned host memory, readable after a trap killed the context).
   std::vector<FaultInfo> Faults() const;
   // How many instantiated EP call sites (their FFI states) hold the runtime: Shutdown and
   // FinalizeProcessGroup refuse while any does.
   static long Holders() { return Holder().use_count() - 1; }
-  // The fault records' messages, one per line, for an error text: "" when there are none or the
-  // runtime's lock is held (an error path must not wait on a set-up that may be the one failing).
-  std::string FaultMessagesIfFree() const;
+  // The fault records' messages, each on a line of its own ("" when there are none).
+  std::string FaultMessages() const;
   // The persistent rank masks of every managed device (one entry per masked rank); synchronises
   // the devices first. ClearRankMasks: clears those of axis slot `axis_slot` / group `group` (-1:
   // every one) on every managed device, after synchronising them (call it between steps).
@@ -167,8 +167,6 @@ class Runtime {
   // Sets the fields every table of `ordinal` carries (its fault record, its ordinal) and copies the
   // tables into the device's state. The caller holds mutex_ and has selected the device.
   void UploadTables(int ordinal, int slot, DeviceTables tables);
-  // The recorded faults. The caller holds mutex_.
-  std::vector<FaultInfo> FaultsLocked() const;
   // Creates the pinned fault records once. The caller holds mutex_.
   void EnsureFaultRecords();
   // Creates the side stream of `ordinal` once. The caller holds mutex_ and has selected the device.
@@ -186,7 +184,9 @@ class Runtime {
   std::atomic<const SideStream*> side_[kMaxDevices];
   uint8_t* comm_buffers_[kMaxDevices] = {};
   bool peer_enabled_[kMaxDevices][kMaxDevices] = {};
-  FaultRecord* fault_records_ = nullptr;  // host view, kMaxDevices records, never freed
+  // host view, kMaxDevices records, set once (EnsureFaultRecords) and never freed: Faults() reads
+  // them without mutex_ (a reader must not wait on a set-up that may be the one failing)
+  std::atomic<FaultRecord*> fault_records_{nullptr};
   uint64_t timeout_ns_ = 0;
   std::atomic<ProcessModel> model_{ProcessModel::kNone};
   std::atomic<int> slot_[kMaxDevices];
