@@ -93,7 +93,7 @@ def check(case: str, me: int, mesh) -> str:
         return f"process {me} returned after {time.monotonic() - start:.1f} s"
     faults = wait_for_faults(2 * timeout_s + 30)
     elapsed = time.monotonic() - start
-    time.sleep(3 + 5 * runtime.FAULT_POLL_S)   # the fault watcher prints it (the test reads it) before os._exit
+    time.sleep(3 + 5 * runtime.FAULT_POLL_S)   # the watcher prints it (the test reads it) before os._exit
     if case == "behind":
         assert faults, f"no fault after {elapsed:.1f} s ({outcome})"
         f = faults[0]
