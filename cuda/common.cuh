@@ -216,7 +216,17 @@ static __device__ __noinline__ void record_fault(DeviceState* state, int32_t kin
                                                  uint64_t observed, int64_t elapsed_ns,
                                                  int32_t field) {
   const DeviceTables& tables = state->tables;
-  if (atomicCAS(&state->sync.fault_claimed, 0, 1) != 0) return;  // not the device's first fault
+  if (atomicCAS(&state->sync.fault_claimed, 0, 1) != 0) {  // not the device's first fault
+    // the thread that claimed it may still be writing the record: our caller's trap would end it
+    // there, and the host would find no record. Give it up to 1 ms (a cold path).
+    if (tables.fault_record != nullptr) {
+      const volatile FaultRecord* record = tables.fault_record;  // volatile: reread each poll
+      const uint64_t start = global_timer_ns();
+      while (record->valid == 0 && global_timer_ns() - start < 1000000) {
+      }
+    }
+    return;
+  }
   if (tables.fault_record != nullptr) {
     volatile FaultRecord* record = tables.fault_record;
     record->kind = kind;

@@ -76,6 +76,7 @@ _lock = threading.Lock()
 _registered = False
 _collective_calls = 0  # process model 2: collective set-up calls made by this process
 _release_calls: dict = {}   # process model 2: collective releases made by this process, per action
+_release_broken: dict = {}  # action -> why its agreement failed: later calls would pair with wrong peers
 # Process model 2: how long a process waits for the others at a collective set-up step (they may
 # still be compiling) before it raises, naming the processes that did not arrive.
 BOOTSTRAP_TIMEOUT_S = 120.0
@@ -424,14 +425,24 @@ def _agree_to_release(action: str, timeout: float) -> None:
     EPRuntimeError when one holds any (a process refusing alone left the others in NVSHMEM's free
     forever); a process that does not come within ``timeout`` (or comes after it) makes the barrier
     fail on every process, naming it. ``action`` ("shutdown", "teardown": the one at exit) keys the
-    agreement with a count of its own: a process's shutdown() never pairs with another's teardown."""
+    agreement with a count of its own: a process's shutdown() never pairs with another's teardown.
+    After an agreement failed (a process did not come), the processes' counts of that action may differ
+    for good: every later call of it raises, saying to restart."""
+    if action in _release_broken:
+        raise errors.EPRuntimeError(
+            f"jax_ep: {action} refused: an earlier {action} did not agree on every process "
+            f"({_release_broken[action]}), so the processes' {action} calls are out of step; restart them")
     call = _release_calls[action] = _release_calls.get(action, -1) + 1
     key = f"jax_ep/release/{action}/{call}"
     me, count = jax.process_index(), jax.process_count()
-    distributed.kv_set_bytes(f"{key}/{me}", str(int(_C.runtime_holders())).encode())
-    distributed.barrier(f"{key}/agreed", timeout)
-    held = {p: int(distributed.kv_get_bytes(f"{key}/{p}", timeout, writer=f"process {p}"))
-            for p in range(count)}
+    try:
+        distributed.kv_set_bytes(f"{key}/{me}", str(int(_C.runtime_holders())).encode())
+        distributed.barrier(f"{key}/agreed", timeout)
+        held = {p: int(distributed.kv_get_bytes(f"{key}/{p}", timeout, writer=f"process {p}"))
+                for p in range(count)}
+    except Exception as e:
+        _release_broken[action] = f"{type(e).__name__}: {e}"
+        raise
     holding = {p: n for p, n in held.items() if n > 0}
     if holding:
         raise errors.EPRuntimeError(

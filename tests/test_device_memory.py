@@ -428,10 +428,12 @@ class FakeRelease(FakeGroup):
         return []
 
 
-def shutdown_as(monkeypatch, group, process, call=runtime.shutdown):
+def shutdown_as(monkeypatch, group, process, call=runtime.shutdown, fresh=True):
     group.me = process
     monkeypatch.setattr(runtime, "_C", group)
-    monkeypatch.setattr(runtime, "_release_calls", {})
+    if fresh:
+        monkeypatch.setattr(runtime, "_release_calls", {})
+        monkeypatch.setattr(runtime, "_release_broken", {})
     monkeypatch.setattr(runtime.jax, "process_index", lambda: process)
     monkeypatch.setattr(runtime.jax, "process_count", lambda: len(group.holders))
     monkeypatch.setattr(runtime.distributed, "kv_set_bytes", group.kv_set_bytes)
@@ -469,10 +471,16 @@ def test_process_model_2_shutdown_frees_when_every_process_agrees_and_names_one_
     group = FakeRelease([0, 0])
     group.store["jax_ep/release/shutdown/0/1"] = b"0"
     assert shutdown_as(monkeypatch, group, 0) is None and group.freed == [0]
+    group.store["jax_ep/release/shutdown/1/1"] = b"0"   # a second shutdown(): the next agreement
+    assert shutdown_as(monkeypatch, group, 0, fresh=False) is None and group.freed == [0, 0]
+    assert "jax_ep/release/shutdown/1/0" in group.store   # its own key: the count advanced
     late = FakeRelease([0, 0])   # process 1 never calls shutdown(): a bounded barrier, naming it
     error = shutdown_as(monkeypatch, late, 0)
     assert isinstance(error, TimeoutError) and "processes [1] did not arrive" in str(error), error
     assert late.freed == []
+    # the processes' shutdown() counts may now differ for good: a later call says so, not a wrong pairing
+    error = shutdown_as(monkeypatch, late, 0, fresh=False)
+    assert isinstance(error, runtime.errors.EPRuntimeError) and "out of step; restart" in str(error), error
     # process 1's teardown at exit is an agreement of its own: it does not pair with process 0's
     # shutdown() (the review's case: process 1 finalised NVSHMEM while process 0 freed, both collective)
     shutdown_as(monkeypatch, late, 1, call=runtime._finalize_process_group)

@@ -227,10 +227,23 @@ def test_watch_faults_prints_new_records_while_running_and_at_an_uncaught_except
     assert capsys.readouterr().err == f"jax_ep device fault: {_record(2, 'combine')['message']}\n"
 
 
+def test_the_exit_stops_a_running_watcher_before_its_last_report(fake_records, monkeypatch, capsys):
+    """No watcher thread may be inside the extension while the interpreter finalises."""
+    monkeypatch.setattr(runtime, "FAULT_POLL_S", 0.01)
+    runtime.watch_faults()
+    watcher = runtime._watcher
+    assert watcher.is_alive()
+    fake_records.records = [_record(3)]
+    runtime._stop_watching_and_report()
+    assert not watcher.is_alive()
+    assert capsys.readouterr().err.count("dispatch on GPU 3") == 1
+
+
 def test_register_targets_starts_the_watcher_without_deadlocking(fake_records, monkeypatch):
     """Found by a review (2026-12-05): register_targets called watch_faults under runtime._lock, which
     watch_faults took again: the first EP trace on a GPU hung."""
     monkeypatch.setattr(runtime, "_registered", False)
+    monkeypatch.setattr(runtime, "_lock", threading.Lock())   # a deadlock here must not hang later tests
     monkeypatch.setattr(runtime, "_require_available", lambda: None)
     monkeypatch.setattr(runtime.jax.ffi, "register_ffi_type", lambda *a, **k: None)
     monkeypatch.setattr(runtime.jax.ffi, "register_ffi_target", lambda *a, **k: None)

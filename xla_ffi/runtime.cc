@@ -563,7 +563,8 @@ void Runtime::FinalizeProcessGroup() {
 
 void Runtime::UploadTables(int ordinal, int slot, DeviceTables tables) {
   void* record_on_device = nullptr;
-  JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &fault_records_.load(std::memory_order_acquire)[ordinal], 0));
+  FaultRecord* records = fault_records_.load(std::memory_order_acquire);
+  JAX_EP_CUDA_THROW(cudaHostGetDevicePointer(&record_on_device, &records[ordinal], 0));
   tables.fault_record = static_cast<FaultRecord*>(record_on_device);
   tables.device_ordinal = ordinal;
   tables.slot = slot;
