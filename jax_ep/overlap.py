@@ -70,7 +70,7 @@ from jax._src.ad_util import SymbolicZero
 from jax._src.interpreters import ad
 
 from jax_ep import ordering, vma
-from jax_ep.config import type_name
+from jax_ep.config import check_option, type_name
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 
 _pending: contextvars.ContextVar[Beside | None] = contextvars.ContextVar("jax_ep_overlap", default=None)
@@ -445,8 +445,7 @@ def region(fn: Callable, *args, side: bool):
     Several processes: ``fn(*args)`` (the ordered effect orders every call)."""
     if not callable(fn):
         raise EPTypeError(f"overlap.region: fn must be callable, got {type_name(fn)}")
-    if not isinstance(side, bool):
-        raise EPTypeError(f"overlap.region: side must be a bool, got {side!r} ({type_name(side)})")
+    check_option("overlap.region:", "side", side, "bool")
     if ordering.needed():
         return fn(*args)
     args = _map_leaves(args, _is_array, lambda values: after_previous(list(values), side))

@@ -283,12 +283,16 @@ def _heap_room_error(verdicts: list[dict], env: dict[str, str] | None = None) ->
         heap_granularity=head["granularity"])
 
 
-def _exchange(key: str, value: bytes, timeout: float) -> list[bytes]:
+def _exchange(key: str, value: bytes, timeout: float, barrier: bool = False) -> list[bytes]:
     """Process model 2: publishes this process's ``value`` under ``key`` and returns every process's,
     in process order; a process that does not publish within ``timeout`` raises TimeoutError naming
-    it (``distributed.kv_get_bytes``)."""
+    it (``distributed.kv_get_bytes``). ``barrier``: every process meets at a bounded barrier after
+    publishing, so that one arriving after the others gave up fails too (a read alone would find
+    every value published)."""
     me, count = jax.process_index(), jax.process_count()
     distributed.kv_set_bytes(f"{key}/{me}", value)
+    if barrier:
+        distributed.barrier(f"{key}/agreed", timeout)
     return [distributed.kv_get_bytes(f"{key}/{p}", timeout, writer=f"process {p}") for p in range(count)]
 
 
@@ -433,17 +437,13 @@ def _agree_to_release(action: str, timeout: float) -> None:
             f"jax_ep: {action} refused: an earlier {action} did not agree on every process "
             f"({_release_broken[action]}), so the processes' {action} calls are out of step; restart them")
     call = _release_calls[action] = _release_calls.get(action, -1) + 1
-    key = f"jax_ep/release/{action}/{call}"
-    me, count = jax.process_index(), jax.process_count()
     try:
-        distributed.kv_set_bytes(f"{key}/{me}", str(int(_C.runtime_holders())).encode())
-        distributed.barrier(f"{key}/agreed", timeout)
-        held = {p: int(distributed.kv_get_bytes(f"{key}/{p}", timeout, writer=f"process {p}"))
-                for p in range(count)}
+        held = _exchange(f"jax_ep/release/{action}/{call}", str(int(_C.runtime_holders())).encode(), timeout,
+                         barrier=True)
     except Exception as e:
         _release_broken[action] = f"{type(e).__name__}: {e}"
         raise
-    holding = {p: n for p, n in held.items() if n > 0}
+    holding = {p: int(n) for p, n in enumerate(held) if int(n) > 0}
     if holding:
         raise errors.EPRuntimeError(
             f"jax_ep: {action} refused on every process: instantiated EP call sites of live executables "

@@ -135,24 +135,22 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
                            : "GPU " + std::to_string(r.waited_ordinal);
   switch (r.kind) {
     case kFaultTimeout: {
+      const std::string elapsed = std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) + " s";
       if (r.field == kFieldPrepBlocks) {
-        return where + "timed out after " + std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) +
-               " s waiting for its own prep blocks: " + Str(r.observed) + " of " + Str(r.expected) +
-               " ran. No peer is late: this GPU did not schedule the call's blocks (another kernel "
+        return where + "timed out after " + elapsed + " waiting for its own prep blocks: " +
+               Str(r.observed) + " of " + Str(r.expected) + " ran. No peer is late: this GPU did not schedule the call's blocks (another kernel "
                "holding its SMs, e.g. a process sharing the GPU, or KernelConfig.num_sms above what "
                "it can run at once).";
       }
       if (r.field == kFieldFingerprintWords) {
-        return where + "timed out after " + std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) +
-               " s reading the configuration of " + peer + " (" + peer_device + ") for EP call " +
-               Str(r.expected) + ": its entry for this call arrived but its configuration words "
+        return where + "timed out after " + elapsed + " reading the configuration of " + peer +
+               " (" + peer_device + ") for EP call " + Str(r.expected) + ": its entry for this call arrived but its configuration words "
                "still held those of call " + Str(r.observed) + " (the peer died or its GPU was "
                "reset while publishing them). Nothing was exchanged.";
       }
       std::string text = "jax_ep: " + op + " on GPU " + std::to_string(r.device_ordinal) + " (" +
-                         me + ") timed out after " +
-                         std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) +
-                         " s waiting for " + peer + " (" + peer_device + ")";
+                         me + ") timed out after " + elapsed + " waiting for " + peer + " (" +
+                         peer_device + ")";
       if (r.field == kFieldSequence && r.observed < r.expected) {
         // group discovery: the peer's call count in the group stayed below this call's
         const uint64_t behind = r.expected - r.observed;
