@@ -149,13 +149,24 @@ def save(path, model, optimizer=None, *, overwrite: bool = False) -> str:
     path = _abs_path(path)
     record = {"format": FORMAT, "jax_ep_version": _version(), "optimizer": optimizer is not None,
               "moe_layers": {k: _layer_record(m) for k, m in moe_layers(model).items()}}
-    items = {"model": ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
-             "jax_ep": ocp.args.JsonSave(record)}
+    items = {"model": ocp.args.StandardSave(_pure(model)), "jax_ep": ocp.args.JsonSave(record)}
     if optimizer is not None:
-        items["optimizer"] = ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(optimizer)))
+        items["optimizer"] = ocp.args.StandardSave(_pure(optimizer))
     with _checkpointer(ocp) as checkpointer:
         checkpointer.save(path, ocp.args.Composite(**items), force=overwrite)
     return path
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _pure(node) -> dict:
+    """``nnx.state(node)`` as a pure dict, typed PRNG keys (``nnx.Rngs`` state, e.g. of ``nnx.Dropout``)
+    as their key data (uint32 [..., 2] for threefry): what Orbax can store; ``restore`` wraps them
+    again with the model's key type."""
+    return jax.tree.map(lambda v: jax.random.key_data(v) if _is_key(v.dtype) else v,
+                        nnx.to_pure_dict(nnx.state(node)))
 
 
 def _version() -> str:
@@ -205,9 +216,12 @@ def restore(path, model, optimizer=None, *, mesh: Mesh | None = None, placement:
     * saved with a placement for another number of ranks, ``placement="replan"`` (default): a new one is
       planned from the saved ``total_load`` with ``eplb.plan_placement(total_load, R, S)``, ``S =
       ceil(saved slots / R)`` slots per rank (the same slot count when it divides evenly, e.g. 8 x 3 ->
-      4 x 6); ``"drop"``: no placement; ``"error"``: ``CheckpointMismatchError``. The per-slot statistics
-      (``last_slot_load``, ``total_slot_load``) describe the old slots and restart from zero; the
-      per-expert ones (``last_load``, ``total_load``) and the bias are restored.
+      4 x 6); ``"error"``: ``CheckpointMismatchError``.
+    * ``placement="drop"``: no placement, whatever was saved (e.g. into a layer that takes none).
+
+    Where the placement changes, the per-slot statistics (``last_slot_load``, ``total_slot_load``)
+    describe the old slots and restart from zero; the per-expert ones (``last_load``, ``total_load``) and
+    the bias are restored. Every layer's new placement is made and checked before any layer changes.
 
     A placement never changes the math (every replica gathers the same logical expert weights), so the
     restored model computes what the saved one did: bit for bit on the same EP size; on another EP size
@@ -239,17 +253,43 @@ def restore(path, model, optimizer=None, *, mesh: Mesh | None = None, placement:
         restored = checkpointer.restore(
             path, ocp.args.Composite(**{k: ocp.args.StandardRestore(t) for k, t in targets.items()}))
 
-    model_state = restored["model"]
+    model_state = _wrap_keys(restored["model"], model)
     paths = _layer_paths(model)
+    # every layer's new placement made and checked before any layer changes: a refusal leaves the
+    # model as it was
+    plans = {}
     for key, layer in layers.items():
         node = model_state
         for part in paths[key]:
             node = node[part]
-        _restore_placement(layer, record["moe_layers"][key]["placement"], node, actions[key], mesh)
+        new = _new_placement(layer, record["moe_layers"][key]["placement"], node, actions[key])
+        try:
+            layer.check_placement(new)
+        except (EPValueError, EPUnsupportedError) as e:
+            raise type(e)(f"checkpoint {path}: MoE layer {key!r} cannot take its restored expert placement: "
+                          f"{e} (restore with placement='drop' to restore the layer without it)") from e
+        plans[key] = (node, new)
+    for key, layer in layers.items():
+        node, new = plans[key]
+        _restore_placement(layer, new, node, actions[key], mesh)
     nnx.update(model, model_state)
     if optimizer is not None:
-        nnx.update(optimizer, restored["optimizer"])
+        nnx.update(optimizer, _wrap_keys(restored["optimizer"], optimizer))
     return record
+
+
+def _wrap_keys(tree: dict, node) -> dict:
+    """The restored ``tree`` with the key data of ``node``'s typed PRNG keys wrapped in their key type."""
+    keys = {_key(p): v.dtype for p, v in _flatten(nnx.to_pure_dict(nnx.state(node))).items()
+            if _is_key(v.dtype)}
+
+    def wrap(path, value):
+        if isinstance(value, dict):
+            return {k: wrap((*path, k), v) for k, v in value.items()}
+        dtype = keys.get(_key(path))
+        return value if dtype is None else jax.random.wrap_key_data(value, dtype=dtype)
+
+    return wrap((), tree) if keys else tree
 
 
 def _check_layers(path: str, saved: dict, layers: dict[str, MoE]) -> None:
@@ -347,7 +387,8 @@ def _target_tree(path: str, item: str, saved_tree: dict, node, mesh: Mesh | None
             continue
         else:
             want = mine[key]
-            want_shape, want_dtype = tuple(want.shape), jnp.dtype(want.dtype)
+            stored = jax.eval_shape(jax.random.key_data, want) if _is_key(want.dtype) else want  # as saved
+            want_shape, want_dtype = tuple(stored.shape), jnp.dtype(stored.dtype)
             if shape != want_shape:
                 problems.append(f"{item} array {key!r}: shape {shape} in the checkpoint, {want_shape} in "
                                 "the model")
@@ -387,11 +428,13 @@ def _set_placement(layer: MoE, placement: eplb.Placement | None) -> None:
 def _placement_action(path: str, key: str, layer: MoE, saved: dict | None, mode: str) -> str:
     """What happens to a layer's placement: "none" (saved without one), "keep", "replan" or "drop"."""
     ep_size = _ep_size(layer)
-    if saved is not None and layer.expert_bias[...].ndim > 1:
+    if saved is not None and len(layer.expert_bias.shape) > 1:   # (.shape: the model may be abstract)
         raise EPUnsupportedError(f"checkpoint {path}: MoE layer {key!r} is stacked (nnx.vmap) and has an "
                                  "expert placement: restoring placements of stacked layers is not built")
     if saved is None:
         action = "none"
+    elif mode == "drop":
+        action = "drop"
     elif ep_size is None or saved["num_ranks"] == ep_size:
         return "keep"
     elif mode == "error":
@@ -410,22 +453,29 @@ def _placement_action(path: str, key: str, layer: MoE, saved: dict | None, mode:
     return action
 
 
-def _restore_placement(layer: MoE, saved: dict | None, node: dict, action: str, mesh: Mesh | None) -> None:
-    """Sets the layer's placement (``action``) and leaves in ``node`` (its restored state) what its
-    placement tables and per-slot statistics become."""
-    tables = {name: node.pop(name, None) for name in PLACEMENT_TABLES}
-    stats = {name: node.pop(name) for name in SLOT_STATS}
+def _new_placement(layer: MoE, saved: dict | None, node: dict, action: str) -> eplb.Placement | None:
+    """The layer's placement after the restore (``action``), from its restored state ``node``."""
     if action in ("none", "drop"):
-        _set_placement(layer, None)
-    elif action == "keep":
-        _set_placement(layer, eplb.Placement(
-            np.asarray(tables["physical_to_logical"]), np.asarray(tables["replica_counts"]),
-            np.asarray(tables["logical_to_physical"]), saved["num_ranks"], saved["slots_per_rank"]))
-    else:   # replan: as many slots as saved (or the next multiple of the new EP size)
-        ep_size = _ep_size(layer)
-        slots = saved["num_ranks"] * saved["slots_per_rank"]
-        total_load = np.asarray(node["total_load"], np.float64)
-        _set_placement(layer, eplb.plan_placement(total_load, ep_size, math.ceil(slots / ep_size)))
+        return None
+    if action == "keep":
+        return eplb.Placement(
+            np.asarray(node["physical_to_logical"]), np.asarray(node["replica_counts"]),
+            np.asarray(node["logical_to_physical"]), saved["num_ranks"], saved["slots_per_rank"])
+    # replan: as many slots as saved (or the next multiple of the new EP size)
+    ep_size = _ep_size(layer)
+    slots = saved["num_ranks"] * saved["slots_per_rank"]
+    total_load = np.asarray(node["total_load"], np.float64)
+    return eplb.plan_placement(total_load, ep_size, math.ceil(slots / ep_size))
+
+
+def _restore_placement(layer: MoE, placement: eplb.Placement | None, node: dict, action: str,
+                       mesh: Mesh | None) -> None:
+    """Sets the layer's placement (made by ``_new_placement``) and leaves in ``node`` (its restored
+    state) what its placement tables and per-slot statistics become."""
+    for name in PLACEMENT_TABLES:
+        node.pop(name, None)
+    stats = {name: node.pop(name) for name in SLOT_STATS}
+    _set_placement(layer, placement)
     for name in PLACEMENT_TABLES:     # set_placement made them (replicated over the mesh)
         variable = getattr(layer, name)
         if variable is not None:

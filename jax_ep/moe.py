@@ -605,7 +605,7 @@ class MoE(nnx.Module):
     def num_slots(self) -> int:
         """Physical expert slots the dispatch runs over (num_experts without a placement)."""
         return self.num_experts if self.physical_to_logical is None else int(
-            self.physical_to_logical[...].shape[0])
+            self.physical_to_logical.shape[0])   # .shape: an abstract layer (nnx.eval_shape) has no values
 
     def set_placement(self, placement: eplb.Placement | None) -> None:
         """Re-plan (outside jit), e.g. `eplb.plan_placement(layer.total_load[...], R, S, max_replicas=M)`.
@@ -618,16 +618,12 @@ class MoE(nnx.Module):
         if self.num_slots != old_slots:
             self._reset_slot_stats()
 
-    def _set_placement_tables(self, placement: eplb.Placement | None) -> None:
+    def check_placement(self, placement: eplb.Placement | None) -> None:
+        """Raises what ``set_placement(placement)`` would raise; changes nothing (a caller setting the
+        placements of several layers checks them all first)."""
         if placement is None:
             if self.mesh is not None:   # (set_placement(None), a restore dropping it: checked there too)
                 _check_experts_divide(self.num_experts, self.mesh_ep_size, self.axis_name, self.node_axis)
-            # data, not static: a later set_placement puts variables here (NNX refuses variables in an
-            # attribute it recorded as static)
-            self.physical_to_logical = nnx.data(None)
-            self.logical_to_physical = nnx.data(None)
-            self.replica_counts = nnx.data(None)
-            self.placement_ranks = self.slots_per_rank = None
             return
         if not isinstance(placement, eplb.Placement):
             raise EPValueError(f"MoE: placement must be a jax_ep.eplb.Placement or None, got "
@@ -641,6 +637,17 @@ class MoE(nnx.Module):
                                      "is not built; use placement=None or node_axis=None")
         if self.mesh is not None:
             self._check_placement_ranks(placement, self.mesh.shape[self.axis_name])
+
+    def _set_placement_tables(self, placement: eplb.Placement | None) -> None:
+        self.check_placement(placement)
+        if placement is None:
+            # data, not static: a later set_placement puts variables here (NNX refuses variables in an
+            # attribute it recorded as static)
+            self.physical_to_logical = nnx.data(None)
+            self.logical_to_physical = nnx.data(None)
+            self.replica_counts = nnx.data(None)
+            self.placement_ranks = self.slots_per_rank = None
+            return
         # replicated over the mesh, as a jitted step returns them: re-planning then does not recompile
         put = (lambda a: jnp.asarray(a, jnp.int32)) if self.mesh is None else (
             lambda a: self._on_mesh(jnp.asarray(a, jnp.int32)))

@@ -243,6 +243,78 @@ def test_restore_into_abstract_model(tmp_path):
     assert_close_ulps(forward(abstract, x4), forward(net, x8), "abstract restore")
 
 
+def test_restore_into_abstract_model_with_a_placement(tmp_path):
+    """An abstract model restores a checkpoint that holds an expert placement, kept (same EP size, the
+    abstract layer built with or without one) or re-planned (before 2026-12-05: TypeError, the
+    restore read the abstract bias's and placement table's values)."""
+    mesh8, mesh4 = make_mesh(8), make_mesh(4)
+    saved = eplb.identity_placement(EXPERTS, 8, 3)
+    net = Net(mesh8, placement=saved)
+    path = ckpt.save(tmp_path / "ckpt", net)
+    for mesh, placement, want in ((mesh8, None, (8, 3)), (mesh8, saved, (8, 3)), (mesh4, None, (4, 6))):
+        abstract = nnx.eval_shape(lambda m=mesh, p=placement: Net(m, seed=7, placement=p))
+        ckpt.restore(path, abstract, mesh=mesh)
+        got = abstract.moe.placement
+        assert (got.num_ranks, got.slots_per_rank) == want
+        assert abstract.moe.last_slot_load[...].shape == (want[0] * want[1],)
+        assert_trees_equal(nnx.state(abstract, nnx.Param), nnx.state(net, nnx.Param))
+        if want == (8, 3):
+            np.testing.assert_array_equal(np.asarray(got.physical_to_logical), saved.physical_to_logical)
+
+
+def test_a_model_with_rng_state_restores_its_keys(tmp_path):
+    """A model that keeps nnx.Rngs state (nnx.Dropout(rngs=...)): its typed PRNG keys are saved as key
+    data and restored as keys of the model's type (before 2026-12-05 the restore raised a TypeError
+    naming no array)."""
+    mesh = make_mesh(4)
+
+    class WithDropout(nnx.Module):
+        def __init__(self, seed):
+            rngs = nnx.Rngs(seed, dropout=seed + 1)
+            self.net = Net(mesh, seed=seed)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    seed = fresh_seed() % 1000
+    net = WithDropout(seed)
+    net.drop(jnp.ones((4,)))            # the stream moves on: count 1
+    path = ckpt.save(tmp_path / "ckpt", net)
+    other = WithDropout(seed + 1)
+    ckpt.restore(path, other)
+    key = other.drop.rngs.key[...]
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(net.drop.rngs.key[...]))
+    assert int(other.drop.rngs.count[...]) == 1
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((8,)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(other.drop(x)), np.asarray(net.drop(x)))
+
+
+def test_a_refused_placement_leaves_every_layer_as_it_was(tmp_path):
+    """A restore that refuses one layer's placement after the arrays were read (a hierarchical layer
+    takes none) changes no layer, and the error names the checkpoint's layer and placement='drop'
+    (before 2026-12-05 the layers before it already had their new placement)."""
+
+    class Two(nnx.Module):
+        def __init__(self, mesh, seed, placement=None, node_axis=None):
+            rngs = nnx.Rngs(seed)
+            self.a = MoE(HIDDEN, FFN, RouterConfig(EXPERTS, TOPK), rngs=rngs, mesh=mesh,
+                         ep=EPOptions(backend="reference"), placement=placement)
+            self.b = MoE(HIDDEN, FFN, RouterConfig(EXPERTS, TOPK), rngs=rngs, mesh=mesh,
+                         ep=EPOptions(backend="reference"), placement=placement, node_axis=node_axis)
+
+    require_devices(8)
+    path = ckpt.save(tmp_path / "ckpt", Two(make_mesh(8), 0, eplb.identity_placement(EXPERTS, 8, 3)))
+    mesh2x4 = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("node", "ep"))
+    other = Two(mesh2x4, 5, node_axis="node")
+    before = host(nnx.state(other))
+    with pytest.raises(NotImplementedError, match=r"MoE layer 'b' cannot take its restored expert placement: "
+                                                  r".*node_axis.*placement='drop'"):
+        ckpt.restore(path, other)
+    assert other.a.placement is None and other.b.placement is None
+    assert_trees_equal(nnx.state(other), before)
+    ckpt.restore(path, other, placement="drop")
+    assert other.a.placement is None and other.a.last_slot_load[...].shape == (EXPERTS,)
+
+
 # ---------------------------------------------------------------------------------------------------------
 def test_mismatch_errors_name_field_and_values(tmp_path):
     mesh4 = make_mesh(4)
