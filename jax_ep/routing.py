@@ -51,6 +51,7 @@ def linked(rank_mask: jax.Array, axis_name: str) -> jax.Array:
     """[R] bool: the ranks this rank exchanges data with under rank_mask (the kernels'
     OpInfo::linked): every active rank if this one is active, only itself if it is masked."""
     me = lax.axis_index(axis_name)
+    rank_mask = active(rank_mask, rank_mask.shape[0])   # an integer mask: nonzero, not its bits
     return jnp.where(rank_mask[me], rank_mask, jnp.arange(rank_mask.shape[0]) == me)
 
 
@@ -59,6 +60,7 @@ def live(rank_mask: jax.Array | None, axis_name: str, ep_size: int) -> jax.Array
     active, none if it is masked (all of them without a mask)."""
     if rank_mask is None:
         return jnp.ones((ep_size,), bool)
+    rank_mask = active(rank_mask, ep_size)   # an integer mask: nonzero, not its bits (2 & ~2 is 0)
     return rank_mask & rank_mask[lax.axis_index(axis_name)]
 
 

@@ -133,17 +133,24 @@ def test_masked_dispatch_matches_the_model_and_accounts_for_every_pair(ep_size, 
 
 
 def test_masked_pairs_counts_the_pairs_that_go_nowhere():
+    """Also with an integer mask of values other than 1 (nonzero = active, as the ops take it; before
+    2026-12-05 masked_pairs and reached_topk combined its bits: [2, 0, 6, 0] sent every pair nowhere)."""
     ep_size, mask = 4, (True, False, True, False)
     rng = np.random.default_rng(11)
     cfg = _cfg()
     x, idx, w = random_tokens(rng, ep_size, T, cfg)
     fn = per_rank(lambda i, m: routing.masked_pairs(i, cfg, m)[None], ep_size)
-    got = np.asarray(fn(idx, _tiled(mask, ep_size))).reshape(-1)
+    reached = per_rank(lambda i, m: routing.reached_topk(i, cfg, m), ep_size)
     pairs = _pairs(idx, ep_size)
     m = np.asarray(mask)
-    np.testing.assert_array_equal(got, [pairs[r].sum() if not m[r] else pairs[r][~m].sum()
-                                        for r in range(ep_size)])
-    assert got.min() > 0
+    want = [pairs[r].sum() if not m[r] else pairs[r][~m].sum() for r in range(ep_size)]
+    want_reached = np.asarray(reached(idx, _tiled(mask, ep_size)))
+    for given in (mask, np.array([2, 0, 6, 0], np.int32)):
+        got = np.asarray(fn(idx, _tiled(given, ep_size))).reshape(-1)
+        np.testing.assert_array_equal(got, want, err_msg=f"mask {given}")
+        np.testing.assert_array_equal(np.asarray(reached(idx, _tiled(given, ep_size))), want_reached,
+                                      err_msg=f"mask {given}")
+    assert min(want) > 0 and (want_reached == -1).sum() >= sum(want)
 
 
 def _combine_fn(ep_size, cfg, masked_dispatch, masked_combine):
