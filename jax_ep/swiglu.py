@@ -71,10 +71,11 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
     kernels: per column block, summed).
     Differentiable in gate_up. ``tiling``: the kernels' blocks (``TILING``, tuned on an H200)."""
     check_option("swiglu:", "backend", backend, BACKENDS)
-    m, width = gate_up.shape
-    if width % 2:
-        raise EPValueError(f"swiglu: gate_up must have an even width (gate and up side by side), got "
-                           f"{gate_up.shape}")
+    if jnp.ndim(gate_up) != 2 or jnp.shape(gate_up)[1] % 2:
+        raise EPValueError(f"swiglu: gate_up must be [M, 2F], an even width (gate and up side by side), got "
+                           f"{jnp.shape(gate_up)}")
+    m = gate_up.shape[0]
+    _check_live_rows("swiglu", live_rows)
     _check_row_scale("swiglu", row_scale, m)
     backend = resolve(gate_up.shape, backend, tiling)
     if backend == "xla":
@@ -94,10 +95,23 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
     return _swiglu(gate_up, live, row_scale, interpret, tiling)
 
 
+def _check_live_rows(what: str, live_rows) -> None:
+    """Checked on every backend, though "xla" ignores it: a call that runs off Hopper runs on it too."""
+    shape, dtype = jnp.shape(live_rows), getattr(live_rows, "dtype", type(live_rows))
+    if shape not in ((), (1,)) or not jnp.issubdtype(dtype, jnp.integer):
+        name = getattr(live_rows, "dtype", type(live_rows).__name__)
+        raise EPValueError(f"{what}: live_rows must be an integer scalar (the rows that hold rows, "
+                           f"sum(group_sizes)), got {name} of shape {shape}")
+
+
 def _check_row_scale(what: str, row_scale, m: int) -> None:
-    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+    if row_scale is None:
+        return
+    array = hasattr(row_scale, "shape") and hasattr(row_scale, "dtype")
+    if not array or row_scale.shape != (m,) or row_scale.dtype != jnp.float32:
+        got = f"{row_scale.dtype} {row_scale.shape}" if array else type(row_scale).__name__
         raise EPValueError(f"{what}: row_scale must be float32 [{m}] (one per row of gate_up), got "
-                           f"{row_scale.dtype} {row_scale.shape}")
+                           f"{got}")
 
 
 def _check_gpu(what: str, interpret: bool, hint: str = "") -> None:
@@ -130,6 +144,7 @@ def swiglu_rows_fp8(gate_up: jax.Array, live_rows: jax.Array, *, row_scale: jax.
                            f"{QUANTIZE_ROWS} == 0 and the e4m3 rows addressable by Pallas, got "
                            f"{gate_up.shape}")
     m, f = gate_up.shape[0], gate_up.shape[1] // 2
+    _check_live_rows("swiglu_rows_fp8", live_rows)
     _check_row_scale("swiglu_rows_fp8", row_scale, m)
     _check_gpu("swiglu_rows_fp8", interpret)
     tiling = Tiling(QUANTIZE_ROWS, FP8_BLOCK, ROWS_FP8_WARPS)  # the quantiser's: a scale per row per block

@@ -1,6 +1,8 @@
 """jax_ep.swiglu on CPU: the Pallas kernels (interpret mode) against XLA's silu(gate) * up, forward and
 gradient, over the live rows; their Triton lowering for CUDA; the arguments it refuses."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +118,18 @@ def test_arguments_it_refuses_name_the_value():
     with pytest.raises(EPValueError, match=r"row_scale must be float32 \[64\] \(one per row of gate_up\), "
                                            r"got bfloat16 \(64,\)"):
         swiglu(jnp.ones((64, 128)), 3, row_scale=jnp.ones((64,), jnp.bfloat16))
+    # found by a review (2026-12-05): a bare unpacking error; a list row_scale an AttributeError; a
+    # live_rows of group sizes ignored by "xla" (what auto runs off Hopper) and a TypeError on Hopper
+    for shape in ((2, 64, 128), (64,)):
+        with pytest.raises(EPValueError, match=rf"gate_up must be \[M, 2F\].*got {re.escape(str(shape))}"):
+            swiglu(jnp.ones(shape), 3)
+    with pytest.raises(EPValueError, match=r"row_scale must be float32 \[64\] .*got list"):
+        swiglu(jnp.ones((64, 128)), 3, row_scale=[1.0] * 64)
+    for live, got in ((jnp.array([4, 4, 4, 4]), r"int32 of shape \(4,\)"), (10.7, r"float of shape \(\)")):
+        for backend in ("xla", "pallas"):
+            with pytest.raises(EPValueError, match=rf"live_rows must be an integer scalar .*got {got}"):
+                swiglu(jnp.ones((64, 128)), live, backend=backend, interpret=True)
+    assert swiglu(jnp.ones((64, 128)), jnp.int32(3)).shape == (64, 64)
     assert kernel_unfit((128, 2 * 96)) == "its half width F=96 is not a multiple of 64"
     assert kernel_unfit((128, 256)) == ""
     # found by a review (2026-12-05): no rows was taken (a grid of no programs; interpret mode failed),
