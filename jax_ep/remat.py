@@ -42,15 +42,18 @@ GATE_UP = "jax_ep.gate_up"
 NAMES = (DISPATCH, COMBINE, GATE_UP)
 
 
-def policy(save: Sequence[str] = (DISPATCH,), *, offload: Sequence[str] = (), base: Callable | None = None,
+def policy(save: Sequence[str] | None = None, *, offload: Sequence[str] = (), base: Callable | None = None,
            offload_src: str = "device", offload_dst: str = "pinned_host") -> Callable:
     """A ``jax.checkpoint`` policy: the results named in ``save`` are kept for the backward, those in
     ``offload`` are moved to ``offload_dst`` memory and back (JAX's
     ``save_and_offload_only_these_names``), and with ``base`` (another policy, e.g.
     ``jax.checkpoint_policies.dots_saveable``) what it keeps or offloads is kept or offloaded too. The
-    default keeps dispatch's results: the backward runs no exchange again.
+    default (``save=None``) keeps dispatch's results, unless ``offload`` names them: the backward runs
+    no exchange again.
 
     Example: ``nnx.remat(block, policy=jax_ep.remat.policy())``."""
+    if save is None:
+        save = () if not isinstance(offload, str) and DISPATCH in offload else (DISPATCH,)
     for what, names in (("save", save), ("offload", offload)):
         if isinstance(names, str) or any(n not in NAMES for n in names):
             raise EPValueError(f"jax_ep.remat.policy: {what} must be a sequence of {NAMES}, got {names!r}")

@@ -1311,7 +1311,7 @@ def test_a_rematerialised_layer_keeps_dispatch_by_the_exchange_policy(policy):
     from jax_ep import remat
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     x, target = random_tokens(41), random_tokens(42)
-    keep = {"save": remat.policy(), "offload": remat.policy(save=(), offload=(remat.DISPATCH,)),
+    keep = {"save": remat.policy(), "offload": remat.policy(offload=(remat.DISPATCH,)),
             "gate_up": remat.policy(save=(remat.DISPATCH, remat.GATE_UP))}[policy]
     ep = dict(dy_in_place=False) if policy == "gate_up" else None
 
@@ -1357,3 +1357,9 @@ def test_remat_policy_refuses_unknown_names_and_a_name_both_saved_and_offloaded(
         remat.policy(offload=("dispatch",))
     with pytest.raises(EPValueError, match="both saved and offloaded"):
         remat.policy(save=remat.NAMES, offload=(remat.COMBINE,))
+    with pytest.raises(EPValueError, match="both saved and offloaded"):
+        remat.policy(save=(remat.DISPATCH,), offload=(remat.DISPATCH,))
+    # the default save leaves out what offload names (found by a review, 2026-12-05: this call raised
+    # "both saved and offloaded" though nothing was passed as save)
+    remat.policy(offload=(remat.DISPATCH,))
+    remat.policy(offload=(remat.COMBINE,))
