@@ -217,12 +217,14 @@ def test_call_flags_are_bools_and_a_call_without_statistics_needs_no_whole_seque
     with pytest.raises(EPTypeError, match=r"MoE: decode must be None or a bool, got np.True_ \(numpy.bool\)"):
         layer(fresh_tokens(np.random.default_rng(1), 8), decode=np.True_)
     x = fresh_tokens(np.random.default_rng(2), 2, seq=4)          # sequences straddle the 4 ranks
-    flat = np.asarray(layer(x.reshape(8, HIDDEN), decode=True))
-    np.testing.assert_array_equal(np.asarray(layer(x, decode=True)).reshape(8, HIDDEN), flat)
-    np.testing.assert_array_equal(np.asarray(layer(x, update_stats=False)).reshape(8, HIDDEN),
-                                  np.asarray(layer(x.reshape(8, HIDDEN), update_stats=False)))
+    # jitted: eager calls of the layer compiled each op on its own (about a minute on CI's CPUs)
+    run = nnx.jit(lambda m, x, **flags: m(x, **flags), static_argnames=("decode", "update_stats"))
+    flat = np.asarray(run(layer, x.reshape(8, HIDDEN), decode=True))
+    np.testing.assert_array_equal(np.asarray(run(layer, x, decode=True)).reshape(8, HIDDEN), flat)
+    np.testing.assert_array_equal(np.asarray(run(layer, x, update_stats=False)).reshape(8, HIDDEN),
+                                  np.asarray(run(layer, x.reshape(8, HIDDEN), update_stats=False)))
     with pytest.raises(ValueError, match="not whole sequences of 4"):   # recording it still asks
-        layer(x)
+        run(layer, x)
 
 
 def test_decode_inside_user_shard_map():
