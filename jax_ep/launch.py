@@ -37,23 +37,26 @@ Every line a process writes (stdout and stderr) is printed with the prefix ``[pI
 connection messages (``[Gloo] Rank N is connected to M peer ranks ...``: jax.distributed's CPU
 collectives print one per rank and communicator, ~23 lines for 2 processes of examples/train_moe.py):
 the launcher leaves them out (``failure_report.is_transport_chatter``) and says how many, unless
-``--verbose``. SIGINT and
+``--verbose``. When the launcher's stdout or stderr is closed (``... | head``), what would go there is
+dropped and the run goes on (the processes' output is still read: none blocks on a full pipe). SIGINT and
 SIGTERM are passed on to the processes. When one process fails (non-zero exit or killed by a signal),
 the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the launcher exits with the failed
-process's code (128 + signal for a signal), naming it. A failed run (a process failed, or
-``--timeout``) ends with a line giving every process's exit code (``exit codes: p0=1 p1=-15``;
-``exit_codes()`` reads it back) and, for each process that did not exit 0, a summary of its output
-(``jax_ep.failure_report``): the failing check (its first traceback's exception), the jax_ep fault
-records it printed, its first CUDA / XLA error line, the EP op running, how many lines of XLA's
-teardown errors (after a device fault) were left out, then its last lines without them. ``--timeout``
-bounds the whole run (exit code 124); a run that reaches it prints where each process was: the
-processes run with ``PYTHONFAULTHANDLER=1`` (unless that variable is set already), so the SIGABRT the
-launcher sends them first makes each print the Python stack of every thread (``faulthandler``) on its
-stderr, prefixed ``[pI]``; after min(``--grace``, 5) seconds the processes still running get SIGTERM,
-then SIGKILL after ``--grace``. Before the SIGABRT the launcher sets the processes' core file size
-limit to 0 (Linux), so the abort leaves no core file (processes they started keep theirs). Only
-``--timeout`` sends SIGABRT: a failed process and SIGINT/SIGTERM stop the others with SIGTERM as
-above. The exit code is 0 when every process exits 0.
+process's code (128 + signal for a signal), naming it. Each process starts a process group of its own,
+and the launcher signals whole groups: what a process started (unless it left the group) gets the
+signals too, also after that process exited, and SIGKILL when the launcher exits. A failed run (a
+process failed, or ``--timeout``) ends with a line giving every process's exit code
+(``exit codes: p0=1 p1=-15``; ``exit_codes()`` reads it back) and, for each process that did not exit
+0, a summary of its output (``jax_ep.failure_report``): the failing check (its first traceback's
+exception), the jax_ep fault records it printed, its first CUDA / XLA error line, the EP op running, how
+many lines of XLA's teardown errors (after a device fault) were left out, then its last lines without
+them. ``--timeout`` bounds the whole run (exit code 124); a run that reaches it prints where each
+process was: the processes run with ``PYTHONFAULTHANDLER=1`` (unless that variable is set already), so
+the SIGABRT the launcher sends them first makes each print the Python stack of every thread
+(``faulthandler``) on its stderr, prefixed ``[pI]``; after min(``--grace``, 5) seconds the processes
+still running get SIGTERM, then SIGKILL after ``--grace``. Before the SIGABRT the launcher sets the
+processes' core file size limit to 0 (Linux), so the abort leaves no core file (processes they started
+keep theirs). Only ``--timeout`` sends SIGABRT: a failed process and SIGINT/SIGTERM stop the others with
+SIGTERM as above. The exit code is 0 when every process exits 0.
 """
 
 from __future__ import annotations
@@ -306,13 +309,39 @@ class Launcher:
         self.digests = [failure_report.OutputDigest(SUMMARY_TAIL_LINES) for _ in envs]
         self.digest_locks = [threading.Lock() for _ in envs]   # stdout's and stderr's threads feed one
         self.chatter = 0      # gloo connection messages left out (without --verbose)
+        self.closed_fds: set[int] = set()     # the launcher's streams found closed (_write)
+        self.empty_groups: set[int] = set()   # process groups found empty after their process exited
+        self.signal_said = False               # wait() has said which signal the launcher got
+
+    def _write(self, stream, data) -> bool:
+        """Writes ``data`` to ``stream`` (self.lock held). A stream whose reader is gone (``| head``)
+        raises BrokenPipeError: it is pointed at /dev/null, so the launcher's later writes and Python's
+        flush at exit go nowhere instead of failing. True when that happened just now."""
+        try:
+            stream.write(data)
+            stream.flush()
+            return False
+        except BlockingIOError:   # a non-blocking stream, full for now: this line may be lost, not the rest
+            return False
+        except OSError:
+            pass
+        with contextlib.suppress(OSError, ValueError):   # ValueError: no file descriptor (then writes
+            fd = stream.fileno()                          # keep failing, and are dropped here)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+            if fd not in self.closed_fds:
+                self.closed_fds.add(fd)
+                return True
+        return False
 
     def say(self, message: str) -> None:
         with self.lock:
-            sys.stderr.write(f"{PREFIX} {message}\n")
-            sys.stderr.flush()
+            self._write(sys.stderr, f"{PREFIX} {message}\n")
 
-    def _pump(self, index: int, pipe, out) -> None:
+    def _pump(self, index: int, pipe, out, name: str) -> None:
+        """Prints process ``index``'s output from ``pipe`` to ``out`` (the launcher's stream ``name``)
+        until the process and what it started close the pipe, also after ``out`` is found closed."""
         prefix = f"[p{index}] ".encode()
         verbose = getattr(self.args, "verbose", False)
         for line in iter(pipe.readline, b""):
@@ -322,8 +351,9 @@ class Launcher:
                 if chatter and not verbose:
                     self.chatter += 1
                     continue
-                out.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
-                out.flush()
+                closed = self._write(out, prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
+            if closed:
+                self.say(f"the launcher's {name} is closed: what the processes print there is dropped")
             if not chatter:   # the failure summary's tail: what the process said, not gloo's handshakes
                 with self.digest_locks[index]:
                     self.digests[index].feed(text, stream=out)
@@ -338,20 +368,30 @@ class Launcher:
                 start_new_session=True,   # a terminal's Ctrl-C reaches the launcher, which passes it on
                 preexec_fn=setup))
         for i, proc in enumerate(self.procs):
-            for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                thread = threading.Thread(target=self._pump, args=(i, pipe, out), daemon=True)
+            for pipe, out, name in ((proc.stdout, sys.stdout.buffer, "stdout"),
+                                    (proc.stderr, sys.stderr.buffer, "stderr")):
+                thread = threading.Thread(target=self._pump, args=(i, pipe, out, name), daemon=True)
                 thread.start()
                 self.threads.append(thread)
 
     def send(self, sig: int) -> None:
-        """Sends ``sig`` to every running process (and what it started: its process group)."""
+        """Sends ``sig`` to the process group of every process: the process and what it started, which
+        may outlive it, so also after the process exited. A group found empty then is left alone from
+        there on: its id (the process's pid) is free for another process (sig 0 just looks). Safe in a
+        signal handler: no locks (``returncode``, not ``poll()``)."""
         for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, sig)
+            if proc.pid in self.empty_groups:
+                continue
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                if proc.returncode is not None:   # the id stays taken while the process is not reaped
+                    self.empty_groups.add(proc.pid)
+            except PermissionError:   # every process left in the group is another user's (setuid)
+                pass
 
     def abort(self) -> None:
-        """SIGABRT to every running process (and its process group): faulthandler prints each Python
+        """SIGABRT to every process group (send): faulthandler prints each Python
         thread's stack. Core files off first, for these processes only: the abort is no crash."""
         for proc in self.procs:
             if proc.poll() is None:
@@ -361,18 +401,27 @@ class Launcher:
         self.send(signal.SIGABRT)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Sends ``sig`` now and SIGKILL ``--grace`` seconds later to the processes still running."""
+        """Sends ``sig`` to the process groups now (send), and SIGKILL ``--grace`` seconds later while a
+        process still runs (wait())."""
         self.send(sig)
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.args.grace
 
     def on_signal(self, sig: int, frame) -> None:
+        """SIGINT / SIGTERM: passed on to the process groups; wait() says so. Nothing printed here: the
+        handler runs on the main thread, which may be inside say() holding self.lock (e.g. blocked on a
+        full stderr), so taking the lock here would wait for itself forever."""
         if self.signal is not None:       # a second Ctrl-C: no more waiting
             self.send(signal.SIGKILL)
             return
         self.signal = sig
-        self.say(f"got {signal.Signals(sig).name}, passing it on to the processes")
         self.stop(sig)
+
+    def _say_signal(self) -> None:
+        """Says which signal the launcher got (once): on_signal does not print."""
+        if self.signal is not None and not self.signal_said:
+            self.signal_said = True
+            self.say(f"got {signal.Signals(self.signal).name}, passing it on to the processes")
 
     def wait(self) -> int:
         """Waits for the processes; returns the launcher's exit code."""
@@ -381,7 +430,9 @@ class Launcher:
         timed_out = killed = False
         abort_deadline: float | None = None           # --timeout: SIGTERM after the stacks are printed
         while True:
+            self._say_signal()
             codes = [proc.poll() for proc in self.procs]
+            self.send(0)     # finds the groups that emptied after their process exited (their ids get free)
             running = [i for i, code in enumerate(codes) if code is None]
             if not running:
                 break
@@ -416,6 +467,7 @@ class Launcher:
         if failed is None:                  # the first failure found after the loop (same poll)
             failed = next(((i, p.returncode) for i, p in enumerate(self.procs) if p.returncode), None)
         if self.signal is not None:
+            self._say_signal()              # one that came after the last poll
             return 128 + self.signal
         if timed_out or failed is not None:
             self.summarize()
@@ -439,8 +491,7 @@ class Launcher:
                 blocks.append(self.digests[i].report(i, f"pid {self.procs[i].pid}, {describe(code)}",
                                                      tail_chars=3000))
         with self.lock:
-            sys.stderr.write(f"{PREFIX} " + "\n".join(blocks) + "\n")
-            sys.stderr.flush()
+            self._write(sys.stderr, f"{PREFIX} " + "\n".join(blocks) + "\n")
 
 
 def exit_codes(output: str) -> dict[int, int]:
@@ -479,7 +530,7 @@ def main(argv=None) -> int:
         launcher.start()
         return launcher.wait()
     finally:
-        launcher.send(signal.SIGKILL)     # nothing outlives the launcher (no-op when all have exited)
+        launcher.send(signal.SIGKILL)     # nothing outlives the launcher: what the processes started too
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

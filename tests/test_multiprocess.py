@@ -4,8 +4,12 @@ same computation in one process; the launcher (python -m jax_ep.launch) and jax_
 Every subprocess wait is bounded (a hang fails the test, naming what hung, with the logs).
 """
 
+import contextlib
 import os
 import pathlib
+import platform
+import re
+import select
 import shutil
 import signal
 import socket
@@ -256,6 +260,141 @@ def test_launcher_timeout_prints_stacks(tmp_path):
     assert "SIGABRT to processes [0, 1]" in proc.stderr, proc.stderr
     if plain_core_files():
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("core")]
+
+
+@pytest.mark.parametrize("closed", [("stdout",), ("stdout", "stderr")], ids=["stdout", "stdout_stderr"])
+def test_launcher_goes_on_when_its_output_is_closed(tmp_path, closed):
+    """The launcher's reader goes away (``python -m jax_ep.launch ... | head -1``): what would go there is
+    dropped, but the processes' output is still read (a process printing more than a pipe holds is not
+    blocked), and the launcher ends with the run's exit code: no hang, no BrokenPipeError."""
+    child = script(tmp_path, "chatty.py", """
+        import sys
+        for i in range(10000):       # ~0.5 MB on each stream: far more than a pipe holds
+            print("out", i, "x" * 40)
+            print("err", i, "y" * 40, file=sys.stderr)
+        print("all printed", file=sys.stderr)
+        sys.exit(3)
+        """)
+    proc = subprocess.Popen(launch_cmd("--nproc", "1", child), env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert select.select([proc.stderr], [], [], 60)[0], "the launcher said nothing within 60 s"
+        assert proc.stderr.readline().startswith(launch.PREFIX.encode())   # it started
+        for name in closed:
+            getattr(proc, name).close()
+        _, stderr = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher still runs 45 s after its {' and '.join(closed)} closed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 3, proc.returncode
+    if "stderr" not in closed:
+        text = stderr.decode()
+        assert "[p0] all printed" in text and "failed: process 0 exited with code 3" in text, text[-3000:]
+        assert "the launcher's stdout is closed" in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_launcher_stops_what_an_exited_process_started(tmp_path, code):
+    """Processes that started a process of their own and exited (code 0, or 3: failed): the launcher's
+    signals go to their process groups, so what they started does not outlive the launcher."""
+    child = script(tmp_path, "parent.py", f"""
+        import os, pathlib, subprocess, sys, time
+        sleeper = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        folder, me = pathlib.Path({str(tmp_path)!r}), os.environ["JAX_EP_PROCESS_ID"]
+        (folder / ("sleeper" + me)).write_text(str(sleeper.pid))
+        while not all((folder / f"sleeper{{i}}").exists() for i in range(2)):   # both started theirs
+            time.sleep(0.01)
+        sys.exit({code})
+        """)
+    files = [tmp_path / "sleeper0", tmp_path / "sleeper1"]
+    try:
+        proc = subprocess.run(launch_cmd("--nproc", "2", "--grace", "5", child), capture_output=True,
+                              text=True, timeout=60, env=child_env())
+        assert proc.returncode == code, (proc.returncode, proc.stderr)
+        pids = [int(f.read_text()) for f in files]
+        deadline = time.monotonic() + 10    # SIGKILL: gone at once (the wait: a loaded machine)
+        while any(alive(pid, "sleep") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if alive(pid, "sleep")], "a process's child outlived the launcher"
+    finally:
+        for f in files:
+            if f.exists() and alive(int(f.read_text()), "sleep"):
+                os.kill(int(f.read_text()), signal.SIGKILL)
+
+
+def blocked_writing(pid: int, fd: int) -> bool | None:
+    """Is the main thread of process `pid` blocked in write(2) to `fd`? None: this host cannot tell (reads
+    /proc/PID/syscall, Linux x86-64 / aarch64)."""
+    number = {"x86_64": 1, "aarch64": 64}.get(platform.machine())
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return None
+    return None if number is None else fields[:2] == [str(number), hex(fd)]
+
+
+def test_launcher_signal_while_writing_to_a_full_stderr(tmp_path):
+    """SIGTERM comes while the launcher's main thread is blocked writing to its full stderr (holding the
+    lock of the launcher's output): the signal still reaches the processes, and once its stderr is read
+    the launcher says so and exits 128 + SIGTERM (the handler used to print, taking that lock: forever)."""
+    child = script(tmp_path, "go_child.py", f"""
+        import os, pathlib, sys, time
+        folder, me = pathlib.Path({str(tmp_path)!r}), os.environ["JAX_EP_PROCESS_ID"]
+        (folder / ("ready" + me)).write_text(str(os.getpid()))
+        if me == "1":
+            while not (folder / "go").exists():
+                time.sleep(0.01)
+            sys.exit(3)
+        time.sleep(600)
+        """)
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(launch_cmd("--nproc", "2", "--grace", "5", child), env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=write_end)
+    # a file description of our own to fill the pipe (O_NONBLOCK on write_end's would be the launcher's too)
+    filler = os.open(f"/proc/self/fd/{write_end}", os.O_WRONLY | os.O_NONBLOCK)
+    os.close(write_end)
+    got = b""
+    try:
+        wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])   # the launcher's first line is written
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(filler, b"x" * 64)
+        os.close(filler)
+        filler = None
+        (tmp_path / "go").write_text("")     # process 1 fails: the launcher says so, blocked on the pipe
+        deadline = time.monotonic() + 30
+        while not blocked_writing(proc.pid, 2):
+            if blocked_writing(proc.pid, 2) is None:
+                time.sleep(3)        # cannot look: time enough to find the failure and block
+                break
+            assert time.monotonic() < deadline, "the launcher did not block on its stderr within 30 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)                # the handler runs inside the blocked write
+        deadline = time.monotonic() + 20
+        while select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            got += chunk
+        else:
+            pytest.fail("the launcher did not close its stderr within 20 s of it being read: "
+                        + re.sub(rb"x{64,}", b"", got).decode()[-2000:])
+        proc.wait(timeout=30)
+    finally:
+        os.close(read_end)
+        if filler is not None:
+            os.close(filler)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    text = re.sub(rb"x{64,}", b"", got).decode()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, text)
+    assert "got SIGTERM, passing it on" in text, text
+    assert not alive(int((tmp_path / "ready0").read_text()), "go_child.py"), "process 0 still runs"
 
 
 def test_launcher_keeps_the_users_faulthandler_setting(monkeypatch):
