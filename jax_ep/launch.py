@@ -528,6 +528,8 @@ def main(argv=None) -> int:
     previous = {sig: signal.signal(sig, launcher.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         launcher.start()
+        if launcher.signal is not None:   # it came during start(): the processes started after it
+            launcher.send(launcher.signal)
         return launcher.wait()
     finally:
         launcher.send(signal.SIGKILL)     # nothing outlives the launcher: what the processes started too

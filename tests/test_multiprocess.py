@@ -325,6 +325,31 @@ def test_launcher_stops_what_an_exited_process_started(tmp_path, code):
                 os.kill(int(f.read_text()), signal.SIGKILL)
 
 
+def test_a_signal_during_start_reaches_every_process(tmp_path, monkeypatch):
+    """SIGTERM while the launcher starts its processes (here: right after the first): the processes
+    started after it get it too, not only SIGKILL --grace seconds later."""
+    child = script(tmp_path, "sleeper.py", "import time\ntime.sleep(120)\n")
+    started = []
+
+    def popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)   # the launcher's handler, on this (the main) thread
+        return proc
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    try:
+        assert launch.main(["--nproc", "2", "--grace", "60", child]) == 128 + signal.SIGTERM
+        assert [p.returncode for p in started] == [-signal.SIGTERM, -signal.SIGTERM]
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def blocked_writing(pid: int, fd: int) -> bool | None:
     """Is the main thread of process `pid` blocked in write(2) to `fd`? None: this host cannot tell (reads
     /proc/PID/syscall, Linux x86-64 / aarch64)."""
