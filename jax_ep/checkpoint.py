@@ -265,9 +265,14 @@ def restore(path, model, optimizer=None, *, mesh: Mesh | None = None, placement:
         new = _new_placement(layer, record["moe_layers"][key]["placement"], node, actions[key])
         try:
             layer.check_placement(new)
-        except (EPValueError, EPUnsupportedError) as e:
-            raise type(e)(f"checkpoint {path}: MoE layer {key!r} cannot take its restored expert placement: "
-                          f"{e} (restore with placement='drop' to restore the layer without it)") from e
+        except EPUnsupportedError as e:
+            raise EPUnsupportedError(f"checkpoint {path}: MoE layer {key!r} cannot take its restored expert "
+                                     f"placement: {e} (restore with placement='drop' to restore the layer "
+                                     "without it)") from e
+        except EPValueError as e:
+            raise CheckpointMismatchError(f"checkpoint {path}: MoE layer {key!r} cannot take its restored "
+                                          f"expert placement: {e} (restore with placement='drop' to restore "
+                                          "the layer without it)") from e
         plans[key] = (node, new)
     for key, layer in layers.items():
         node, new = plans[key]

@@ -296,15 +296,18 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
     if logits.shape[-1] != cfg.num_experts:
         raise EPValueError(f"logits.shape[-1]={logits.shape[-1]} does not match "
                            f"RouterConfig.num_experts={cfg.num_experts} (logits.shape={logits.shape})")
-    if bias is not None and bias.shape != (cfg.num_experts,):
-        raise EPValueError(f"bias must have shape ({cfg.num_experts},), got {bias.shape}")
+    if bias is not None and jnp.shape(bias) != (cfg.num_experts,):
+        raise EPValueError(f"bias must have shape ({cfg.num_experts},), got {jnp.shape(bias)}")
     lead_shape = logits.shape[:-1]
     scores = expert_scores(logits.reshape(-1, cfg.num_experts), cfg.score_func)   # [T, E]
 
     # Selection is piecewise constant in the logits: keep it out of the gradient on purpose.
     selection = jax.lax.stop_gradient(scores)
     if bias is not None:
-        selection = selection + jax.lax.stop_gradient(bias.astype(jnp.float32))
+        selection = selection + jax.lax.stop_gradient(jnp.asarray(bias, jnp.float32))
+    # a NaN score ranks first (as torch.topk ranks it; lax.top_k ranks sigmoid's negative NaN last, so
+    # a NaN logit went unpicked and the NaN never reached the output): chosen, its weight NaN
+    selection = jnp.where(jnp.isnan(selection), jnp.inf, selection)
     for limit in cfg._limit_stages():
         selection = _keep_top_units(selection, limit.num_units, limit.units_kept, limit.score_topn)
     _, topk_idx = jax.lax.top_k(selection, cfg.num_topk)                       # [T, K]

@@ -324,6 +324,8 @@ def router_grads_split(x: jax.Array, router: jax.Array, g: jax.Array, parts: int
     blocks summed."""
     if parts not in (2, 3):
         raise EPValueError(f"router_grads_split: parts must be 2 or 3, got {parts!r}")
+    x_shape = x.shape   # [..., H] tokens (router_logits takes any leading shape): as [T, H] here
+    x, g = x.reshape(-1, x_shape[-1]), g.reshape(-1, g.shape[-1])
     split, rest = [], g
     for _ in range(parts):
         # a part rounded by reduce_precision, which XLA never folds away as it may a convert round trip
@@ -337,7 +339,7 @@ def router_grads_split(x: jax.Array, router: jax.Array, g: jax.Array, parts: int
     dr = dr.reshape(dr.shape[0], parts, e).sum(axis=1)                                # [H, E]
     # typed as their primals inside shard_map: a replicated router's gradient summed over the ranks
     return tuple(sum_to(vary_also(d, varying_axes(p)), varying_axes(p)).astype(p.dtype)
-                 for d, p in ((dx, x), (dr, router)))
+                 for d, p in ((dx.reshape(x_shape), x), (dr, router)))
 
 
 class MoE(nnx.Module):
@@ -496,6 +498,8 @@ class MoE(nnx.Module):
 
         self._set_placement_tables(placement)
         self.rank_mask = nnx.data(None)  # None: every rank active (set_rank_mask / clear_rank_mask)
+        if mesh is not None:
+            self._router_config(self.mesh_ep_size, placement is not None, mesh.shape[axis_name])
 
         num_experts = routing.num_experts
         init = nnx.initializers.lecun_normal()
@@ -926,16 +930,7 @@ class MoE(nnx.Module):
                 jax.ShapeDtypeStruct((1, self.hidden), x.dtype), w_in, backend=self.gemm))
         if self._fp8_wire_by_default(decode):
             cfg = cfg.replace(dispatch_dtype="float8_e4m3fn")
-        if self.routing.ep_size not in (1, ep_size):
-            raise EPValueError(f"MoE: routing.ep_size={self.routing.ep_size}, but the mesh axis "
-                               f"{self.axis_name!r} has {ep_size} ranks; leave it at 1 (the layer sets it)")
-        # ep_size only matters for the rank and node caps, which assume the contiguous logical layout
-        capped = placement is None or self.routing.max_ranks_per_token is not None \
-            or self.routing.max_nodes_per_token is not None
-        router_cfg = dataclasses.replace(self.routing, ep_size=ep_size if capped else 1)
-        if self.node_axis is not None:
-            router_cfg = dataclasses.replace(router_cfg, ep_size=ep_size,
-                                             ranks_per_node=self._ranks_per_node())
+        router_cfg = self._router_config(ep_size, placement is not None, lax.axis_size(self.axis_name))
         # named scopes: the layer benchmark splits the step's device time by them (SCOPES)
         with jax.named_scope(SCOPES["router"]):
             logits = router_logits(x, router)
@@ -1089,9 +1084,24 @@ class MoE(nnx.Module):
         return (self.ep.dispatch_dtype is None and self.gemm_dtype == "float8_e4m3fn" and not decode
                 and self.node_axis is None)
 
-    def _ranks_per_node(self) -> int:
-        """Inside shard_map: the local axis's size, which routing.ranks_per_node must match."""
-        local = lax.axis_size(self.axis_name)
+    def _router_config(self, ep_size: int, placed: bool, local: int) -> RouterConfig:
+        """The RouterConfig the layer routes with on ``ep_size`` ranks, ``local`` of them on the axis_name
+        axis (a node's ranks with a node_axis); RouterConfig checks it. At construction on a mesh (a
+        routing the mesh's EP size cannot take is an error there, not at the first call) and per call."""
+        if self.routing.ep_size not in (1, ep_size):
+            raise EPValueError(f"MoE: routing.ep_size={self.routing.ep_size}, but the mesh axis "
+                               f"{self.axis_name!r} has {ep_size} ranks; leave it at 1 (the layer sets it)")
+        # ep_size only matters for the rank and node caps, which assume the contiguous logical layout
+        capped = not placed or self.routing.max_ranks_per_token is not None \
+            or self.routing.max_nodes_per_token is not None
+        router_cfg = dataclasses.replace(self.routing, ep_size=ep_size if capped else 1)
+        if self.node_axis is not None:
+            router_cfg = dataclasses.replace(router_cfg, ep_size=ep_size,
+                                             ranks_per_node=self._ranks_per_node(local))
+        return router_cfg
+
+    def _ranks_per_node(self, local: int) -> int:
+        """The local axis's size (``local``), which routing.ranks_per_node must match."""
         if self.routing.ranks_per_node not in (None, local):
             raise EPValueError(f"MoE: routing.ranks_per_node={self.routing.ranks_per_node}, but with "
                                f"node_axis={self.node_axis!r} a node is the mesh axis {self.axis_name!r} of "

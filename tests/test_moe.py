@@ -174,6 +174,13 @@ def test_router_grads_split_are_the_float32_gradients_in_bf16_parts(parts):
         np.testing.assert_allclose(a, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
     with pytest.raises(EPValueError, match="parts must be 2 or 3"):
         router_grads_split(x, router, g, 1)
+    # tokens with leading dims (router_logits takes [..., H]; found by a review, 2026-12-05: x.T of a
+    # [B, S, H] x reversed every axis, a TypeError in the backward on GPUs only)
+    lead = jax.jit(router_grads_split, static_argnums=3)(x.reshape(4, 64, 1024), router,
+                                                        g.reshape(4, 64, 64), parts)
+    assert lead[0].shape == (4, 64, 1024)
+    for a, b in zip(lead, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32).reshape(b.shape), np.asarray(b, np.float32))
 
     def grads(x, router):
         with jax.default_matmul_precision("highest" if parts == 3 else None):  # the forward call only
@@ -503,6 +510,12 @@ def test_layer_configuration():
     assert np.all(ranks == ranks[:, :1])
     np.testing.assert_array_equal(np.asarray(capped.last_load[...]),
                                   np.asarray(balancing.expert_counts(routing.topk_idx, EXPERTS)))
+    # a routing the mesh's EP size cannot take is refused when the layer is built (found by a review,
+    # 2026-12-05: at the first call, naming an ep_size the user never set)
+    with pytest.raises(ValueError, match=rf"num_topk={EXPERTS // 4 + 1} exceeds the {EXPERTS // 4} .* "
+                                         r"max_ranks_per_token=1 of ep_size=4"):
+        MoE(HIDDEN, FFN, RouterConfig(EXPERTS, EXPERTS // 4 + 1, max_ranks_per_token=1), rngs=nnx.Rngs(0),
+            mesh=mesh)
 
 
 @nnx.jit
