@@ -412,13 +412,21 @@ def _rank_blocks_to_experts(a: jax.Array, local: int) -> jax.Array:
     return jnp.swapaxes(a, 0, 1).reshape((local, ep_size * tokens) + a.shape[3:])
 
 
+@jax.custom_jvp
 def _rounded(products: jax.Array, runtime_zero: jax.Array) -> jax.Array:
     """The float32 products as stored, so that a later addition cannot fuse with the multiplication
     into a fused multiply-add (XLA:CPU and XLA:GPU contract a*b + c within a fusion, and drop an
     optimization_barrier or a no-op reduce_precision in between). OR-ing the bits with a zero known
-    only at run time keeps the multiply and the add apart."""
+    only at run time keeps the multiply and the add apart. Differentiable as the identity it is (a
+    bit cast has no derivative for JAX: the second-order gradients through combine's backward, whose
+    gate-weight gradient is a row_dot, were zero)."""
     bits = lax.bitcast_convert_type(products, jnp.int32) | runtime_zero.astype(jnp.int32)
     return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@_rounded.defjvp
+def _rounded_jvp(primals, tangents):
+    return _rounded(*primals), tangents[0]
 
 
 def ll_dest_rank(idx: jax.Array, active: jax.Array, local: int, me: jax.Array) -> jax.Array:

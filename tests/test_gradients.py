@@ -121,6 +121,35 @@ def test_check_grads_moe_with_drops_and_alignment():
                 atol=1e-2, rtol=1e-2, eps=1e-3)
 
 
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_second_order_gradients_match_dense(ep_size):
+    """Reverse over reverse through dispatch, the expert GEMM and the weighted combine equals the dense
+    MoE's: the gradient in (x, topk_weights) of <d x, u> + <d topk_weights, v>. Found by a review
+    (2026-12-05): the reference backend's combine backward computes d topk_weights as a row dot product
+    whose products pass a bit cast (the kernels' order, no FMA), which JAX does not differentiate: every
+    term through d topk_weights was exactly 0, silently."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    x, w, idx, expert_w, g = _inputs(rng, ep_size)
+    f = per_rank(_moe_per_rank(CFG), ep_size, jit=False)
+    ew = expert_w.reshape(ep_size, E // ep_size, H, HO)
+    m = model_for(CFG, x, idx, w)
+    mask = m.kept.astype(np.float32)
+    clean = np.maximum(m.sanitized, 0).astype(np.int32)
+    u, v = rng.standard_normal(x.shape).astype(np.float32), rng.standard_normal(w.shape).astype(np.float32)
+
+    def second(out):
+        def inner(x, w):
+            dx, dw = jax.grad(lambda x, w: jnp.sum(out(x, w) * g), argnums=(0, 1))(x, w)
+            return jnp.sum(dx * u) + jnp.sum(dw * v * mask)   # unused / dropped slots: no pair to compare
+        return to_numpy(jax.jit(jax.grad(inner, argnums=(0, 1)))(x, w))
+
+    got = second(lambda x, w: f(x, idx, w, ew))
+    want = second(lambda x, w: dense_moe_jax(x, w, expert_w, clean, mask))
+    assert np.abs(want[1]).max() > 0 and np.abs(want[0]).max() > 0
+    assert_close_f(got[0], want[0], 1e-4, "second order, x")
+    assert_close_f(got[1] * mask, want[1] * mask, 1e-4, "second order, topk_weights")
+
+
 # ---- against a dense implementation ---------------------------------------------------------------
 @parametrize_slow_tail("ep_size", [1, 2, 4], fast=(1,))
 def test_grads_match_dense(ep_size):
