@@ -29,6 +29,9 @@ def check_layout_args(topk_idx, cfg: EPConfig) -> None:
     if getattr(topk_idx, "ndim", None) != 2 or topk_idx.shape[1] != cfg.num_topk:
         raise EPValueError(f"get_dispatch_layout: topk_idx must have shape [tokens, {cfg.num_topk}], "
                            f"got {getattr(topk_idx, 'shape', None)}")
+    if topk_idx.shape[0] > cfg.max_tokens_per_rank:   # as dispatch refuses them
+        raise EPValueError(f"get_dispatch_layout: topk_idx has {topk_idx.shape[0]} tokens on this rank, more "
+                           f"than cfg.max_tokens_per_rank={cfg.max_tokens_per_rank}")
     if topk_idx.dtype != jnp.int32:
         raise EPValueError(f"get_dispatch_layout: topk_idx must be int32, got dtype {topk_idx.dtype}")
 
@@ -57,17 +60,18 @@ def check_dispatch_args(x, topk_idx, topk_weights, cfg: EPConfig, op: str = "dis
         raise EPValueError(f"{op}: topk_weights must be float32, got dtype {topk_weights.dtype}")
 
 
-def check_rank_mask(rank_mask, ep_size: int, op: str):
-    """None, or the mask as bool[ep_size] (nonzero: active). Static checks: shape and dtype."""
+def check_rank_mask(rank_mask, ep_size: int, op: str, name: str = "rank_mask"):
+    """None, or the mask as bool[ep_size] (nonzero: active). Static checks: shape and dtype. ``name``:
+    the argument (or a handle's field, "handle.rank_mask") the mask came from."""
     if rank_mask is None:
         return None
     if not hasattr(rank_mask, "dtype"):
         rank_mask = jnp.asarray(rank_mask)
     if _shape_of(rank_mask) != (ep_size,):
-        raise EPValueError(f"{op}: rank_mask must have shape [{ep_size}] (one flag per rank of the EP axis), "
+        raise EPValueError(f"{op}: {name} must have shape [{ep_size}] (one flag per rank of the EP axis), "
                            f"got {_shape_of(rank_mask)}")
     if not (rank_mask.dtype == jnp.bool_ or jnp.issubdtype(rank_mask.dtype, jnp.integer)):
-        raise EPValueError(f"{op}: rank_mask must be bool or integer (nonzero: active), got dtype "
+        raise EPValueError(f"{op}: {name} must be bool or integer (nonzero: active), got dtype "
                            f"{rank_mask.dtype}")
     return rank_mask if rank_mask.dtype == jnp.bool_ else rank_mask != 0
 
@@ -118,6 +122,7 @@ def check_combine_args(y, handle, cfg: EPConfig, op: str = "combine", ep_size: i
         raise EPValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, "
                            f"{'EP size' if ep_size is None else ep_size}], got "
                            f"{getattr(in_rank, 'dtype', None)}{_shape_of(in_rank)}")
+    check_rank_mask(handle.rank_mask, in_rank.shape[1], op, "handle.rank_mask")
     if ep_size is not None:
         tokens = in_rank.shape[0]
         fields["token_rows"] = (jnp.int32, (ep_size * tokens, cfg.num_topk),
@@ -145,6 +150,7 @@ def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
     if getattr(in_rank, "ndim", None) != 2 or in_rank.shape[1] != ep_size or in_rank.dtype != jnp.bool_:
         raise EPValueError(f"{op}: handle.is_token_in_rank must be bool [tokens, {ep_size}] (EP size), got "
                            f"{getattr(in_rank, 'dtype', None)}{_shape_of(in_rank)}")
+    check_rank_mask(getattr(handle, "rank_mask", None), ep_size, op, "handle.rank_mask")
     rows = ep_size * in_rank.shape[0]
     if _shape_of(src_index) != (rows,) or src_index.dtype != jnp.int32:
         raise EPValueError(f"{op}: handle.src_index must be int32 [{rows}] (EP size x tokens), got "

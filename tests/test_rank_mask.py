@@ -359,6 +359,23 @@ def test_invalid_masks_name_the_argument(bad, what):
     with pytest.raises(ValueError, match="combine: " + what):
         per_rank(run_combine, ep_size)(x, idx, w)
 
+    # a handle whose mask was replaced (found by a review, 2026-12-05: a raw JAX broadcasting error, and
+    # a float mask was taken)
+    def run_handle(x, i, w):
+        d = jax_ep.dispatch(x, i, w, cfg)
+        return jax_ep.combine(d.x, d.handle._replace(rank_mask=jnp.asarray(bad)), cfg)
+
+    in_handle = what.replace("rank_mask", "handle.rank_mask")
+    with pytest.raises(jax_ep.EPValueError, match="combine: " + in_handle):
+        per_rank(run_handle, ep_size)(x, idx, w)
+
+    def run_rank_major(x, i, w):
+        d = jax_ep.dispatch_rank_major(x, i, w, cfg)
+        return jax_ep.combine_rank_major(d.x, d.handle._replace(rank_mask=jnp.asarray(bad)), cfg)
+
+    with pytest.raises(jax_ep.EPValueError, match="combine_rank_major: " + in_handle):
+        per_rank(run_rank_major, ep_size)(x, idx, w)
+
 
 DATA_OPS = [name for name in ops.OPS if name != "layout"]  # every op but layout takes a rank mask
 # the backend functions they run (the in-place forms run their plain op's)

@@ -157,10 +157,13 @@ def test_combine_bad_y(bad_y, match):
 @pytest.mark.parametrize("case,match", [
     ("shape", r"topk_idx must have shape \[tokens, 3\].*\(6, 2\)"),
     ("dtype", r"topk_idx must be int32.*float32"),
+    # as dispatch refuses them (found by a review, 2026-12-05: the layout took them)
+    ("tokens", rf"topk_idx has {2 * T} tokens on this rank, more than cfg.max_tokens_per_rank={T}"),
 ])
 def test_layout_bad_arguments(case, match):
     idx = random_routing(np.random.default_rng(406), R, T, K, E)
-    idx = idx[:, :, :2] if case == "shape" else idx.astype(np.float32)
+    idx = {"shape": idx[:, :, :2], "dtype": idx.astype(np.float32),
+           "tokens": np.concatenate([idx, idx], axis=1)}[case]
     with pytest.raises(ValueError, match=match):
         per_rank(lambda i: jax_ep.get_dispatch_layout(i, CFG), R)(idx)
 
