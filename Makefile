@@ -10,7 +10,8 @@ EXT_STATUS := import jax_ep.runtime as r; e = r.extension_error(); print(('jax_e
 
 .PHONY: demo test test-slow test-all lint install
 install: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml constraints.txt CMakeLists.txt
+# the native sources too: an edit under cuda/ or xla_ffi/ rebuilds the extension the tests import
+$(VENV)/.installed: pyproject.toml constraints.txt CMakeLists.txt $(wildcard cuda/* xla_ffi/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'

@@ -924,7 +924,7 @@ def _main(args, save) -> list[dict]:
     today = datetime.date.today().isoformat()
     sustain = getattr(args, "sustain", 0.0)
     records = []
-    # the hierarchical configs only when named: they time the same layer on the same GPUs another way
+    # NAMED_ONLY configs only when named: they time the same layer on the same GPUs another way
     wanted = args.layer_configs.split(",") if getattr(args, "layer_configs", None) else [
         c for c in CONFIGS if c not in NAMED_ONLY]
     unknown = sorted(set(wanted) - set(CONFIGS))
