@@ -299,9 +299,18 @@ def _router_logits_bf16_fwd(x, router, precision):
     return _logits(x, router), (x, router)
 
 
+# the jax_default_matmul_precision spellings that ask for float32 products (JAX's names and the
+# algorithm names of at least float32's precision): three bf16 parts of the gradient, else two
+_FLOAT32_PRECISIONS = ("highest", "float32", "f32_f32_f32", "bf16_bf16_f32_x6", "bf16_bf16_f32_x9")
+
+
+def _router_parts(precision) -> int:
+    return 3 if str(precision).lower() in _FLOAT32_PRECISIONS else 2
+
+
 def _router_logits_bf16_bwd(precision, res, g):
     x, router = res
-    parts = 3 if str(precision).lower() in ("highest", "float32") else 2
+    parts = _router_parts(precision)
     with jax.default_matmul_precision(precision):   # the forward's, for JAX's backward elsewhere
         return lax.platform_dependent(g, cuda=lambda g: router_grads_split(x, router, g, parts),
                                       default=lambda g: jax.vjp(_logits, x, router)[1](g))

@@ -174,6 +174,10 @@ def test_router_grads_split_are_the_float32_gradients_in_bf16_parts(parts):
         np.testing.assert_allclose(a, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
     with pytest.raises(EPValueError, match="parts must be 2 or 3"):
         router_grads_split(x, router, g, 1)
+    # every spelling of float32 products (found by a review, 2026-12-05: "F32_F32_F32" got two parts)
+    from jax_ep.moe import _router_parts
+    assert [_router_parts(p) for p in ("highest", "float32", "F32_F32_F32", "BF16_BF16_F32_X9", None,
+                                       "bfloat16", "tensorfloat32", "default")] == [3] * 4 + [2] * 4
     # tokens with leading dims (router_logits takes [..., H]; found by a review, 2026-12-05: x.T of a
     # [B, S, H] x reversed every axis, a TypeError in the backward on GPUs only)
     lead = jax.jit(router_grads_split, static_argnums=3)(x.reshape(4, 64, 1024), router,
