@@ -595,6 +595,7 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
     """``jax_ep.reference.combine`` on NVLink kernels (same float32 summation order). Per-rank."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
+    width, y = y.shape[1], _pad_rows(y, "combine")
     out = types.combine_types(y, handle, ep_size)
     tokens, hidden = out.shape
     rank, group, axis_slot = _group_of(axis)
@@ -602,7 +603,7 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
                    _mask_operand(rank_mask, ep_size), rank, group, kernel=cfg.kernel,
                    **_attrs("combine", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * y.dtype.itemsize))
-    return _vary_all(result, axis, y, *handle)
+    return _vary_all(result[:, :width], axis, y, *handle)
 
 
 def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Array | None = None,
@@ -612,6 +613,8 @@ def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.
     sees one buffer), so that only the token rows are written. Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
+    width, g = g.shape[1], _pad_rows(g, "broadcast")
+    into = None if into is None else _pad_rows(into)
     out = types.broadcast_types(g, handle)
     tokens, hidden = g.shape
     rank, group, axis_slot = _group_of(axis)
@@ -623,7 +626,7 @@ def broadcast(g: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.
                    **_attrs("broadcast", cfg, ep_size, axis_slot, tokens, hidden,
                             row_bytes=hidden * g.dtype.itemsize, capacity=out.shape[0],
                             masked=rank_mask is not None))
-    return _vary_all(result, axis, g, handle.token_rows, handle.src_index,
+    return _vary_all(result[:, :width], axis, g, handle.token_rows, handle.src_index,
                      *(() if into is None else (into,)))
 
 
@@ -637,6 +640,7 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: types.Handle, cfg: EPConfig,
     Per-rank view."""
     axis = cfg.axis_name
     ep_size = lax.axis_size(axis)
+    width, g, y = y.shape[1], _pad_rows(g, "combine_bwd"), _pad_rows(y)   # zero columns: zero products
     dy_type, drw_type = types.combine_bwd_types(y, handle)
     tokens, hidden = g.shape
     rank, group, axis_slot = _group_of(axis)
@@ -646,7 +650,7 @@ def combine_bwd(g: jax.Array, y: jax.Array, handle: types.Handle, cfg: EPConfig,
         kernel=cfg.kernel, aliases={1: 0} if empty_rows_from_y else None,
         **_attrs("combine_bwd", cfg, ep_size, axis_slot, tokens, hidden, row_bytes=hidden * y.dtype.itemsize,
                  capacity=y.shape[0]))
-    return _vary_all((dy, d_row_weights), axis, g, y, *handle)
+    return _vary_all((dy[:, :width], d_row_weights), axis, g, y, *handle)
 
 
 def slot_values(values: jax.Array, handle: types.Handle, cfg: EPConfig,
@@ -687,10 +691,16 @@ def _slot_rows_type(handle: types.RankMajorHandle) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(handle.src_index.shape, jnp.int32)
 
 
-def _pad_rows(a: jax.Array) -> jax.Array:
-    """Rows widened with zero columns to the kernels' 16-byte multiple (8 elements): the rank-major
-    backward passes combine [R*T, K] gate-weight cotangents, any K."""
-    pad = -a.shape[1] % runtime.limits()["row_alignment"]
+def _pad_rows(a: jax.Array, op: str | None = None) -> jax.Array:
+    """Rows widened with zero columns to the kernels' 16-byte multiple (8 elements), cut off after: the
+    rank-major backward passes combine [R*T, K] gate-weight cotangents, any K, and combine's rows [C, H']
+    may have any width (``unsupported`` checks cfg.hidden, x's). ``op``: the rows' width is checked
+    against the kernels' limit, naming it (the handler would refuse it when XLA instantiates the call)."""
+    limits = runtime.limits()
+    pad = -a.shape[1] % limits["row_alignment"]
+    if op is not None and a.shape[1] + pad > limits["max_hidden"]:
+        raise EPValueError(f"jax_ep.{op} (cuda backend): rows of width {a.shape[1]} exceed the kernels' "
+                           f"{limits['max_hidden']}; use backend='reference'")
     return jnp.pad(a, ((0, 0), (0, pad))) if pad else a
 
 

@@ -449,8 +449,9 @@ def test_unweighted_combine_sums_the_rows_and_its_backward_is_their_broadcast(ep
         jax_ep.combine(jnp.zeros((4, 8)), None, cfg, weighted=0)
 
 
-def _backward_calls(cfg, ep_size=2, empty_rows_zero=False, weighted=True) -> dict:
-    """{custom call target: [its lines]} of jax.grad through combine (over a reference dispatch)."""
+def _backward_calls(cfg, ep_size=2, empty_rows_zero=False, weighted=True, width=None) -> dict:
+    """{custom call target: [its lines]} of jax.grad through combine (over a reference dispatch);
+    ``width``: the rows' (cfg.hidden by default)."""
     ref = cfg.replace(backend="reference")
 
     def body(x, idx, w, y):
@@ -461,13 +462,31 @@ def _backward_calls(cfg, ep_size=2, empty_rows_zero=False, weighted=True) -> dic
 
     rng = np.random.default_rng(5)
     x, idx, w = random_tokens(rng, ep_size, T, cfg)
-    y = jnp.ones((ep_size, cfg.resolved_capacity(ep_size), cfg.hidden), jnp.bfloat16)
+    y = jnp.ones((ep_size, cfg.resolved_capacity(ep_size), width or cfg.hidden), jnp.bfloat16)
     text = per_rank(body, ep_size).lower(x, idx, w, y).as_text()
     calls = {}
     for line in text.splitlines():
         if "stablehlo.custom_call @jax_ep" in line:
             calls.setdefault(line.split("@")[1].split("(")[0], []).append(line)
     return calls
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_cuda_combine_takes_rows_of_any_width(monkeypatch, weighted):
+    """combine's rows y [C, H'] may have any width (the docs' expert outputs): on the cuda backend they
+    are widened with zero columns to the kernels' 8 and cut back, in combine, combine_bwd and broadcast
+    (found by a review, 2026-12-05: the width went to the kernels as it was, which refuse a width not a
+    multiple of 8 when XLA instantiates the call; unsupported() checks cfg.hidden, x's width)."""
+    lower_cuda_here(monkeypatch, stub_extension=False)
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="cuda")
+    calls = _backward_calls(cfg, weighted=weighted, width=13)
+    backward = "jax_ep_combine_bwd" if weighted else "jax_ep_broadcast"
+    assert set(calls) == {"jax_ep_combine", backward}, calls
+    capacity = cfg.resolved_capacity(2)
+    for name, lines in calls.items():
+        [line] = lines
+        assert "hidden = 16 " in line and "row_bytes = 32 " in line and "x13x" not in line, (name, line)
+    assert f"(tensor<{capacity}x16xbf16>" in calls["jax_ep_combine"][0]
 
 
 def test_cuda_combine_backward_is_one_fused_call(monkeypatch):
