@@ -474,6 +474,42 @@ def test_combine_backward_fused_matches_reference(cuda_backend, mesh, y_dtype, m
     assert np.isnan(dy.reshape(R, -1, hidden)[src < 0]).all() == empty_rows_zero
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+def test_combine_of_rows_of_any_width_matches_reference(cuda_backend, mesh, weighted):
+    """Expert outputs y [C, H'] narrower than x and of a width that is not a multiple of 8: the cuda
+    backend widens them with zero columns to the kernels' 8 and cuts the results back (2026-12-05;
+    before, XLA refused the call when it instantiated it). combine, its fused backward (weighted) or
+    the broadcast kernel (unweighted): bit-exact against the reference over poisoned memory."""
+    tokens, hidden, topk, experts, width = 96, 256, 4, 8, 100
+    kw = dict(num_experts=experts, num_topk=topk, hidden=hidden, max_tokens_per_rank=tokens)
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    x, idx, w = inputs(rng, tokens, hidden, topk, experts, "messy")
+    capacity = _cfg("cuda", **kw).resolved_capacity(R)
+    y = random_normal(rng, (R * capacity, width), jnp.bfloat16)
+    g = random_normal(rng, (R * tokens, width), jnp.bfloat16)
+    args = put(mesh, x, idx, w, y, g)
+
+    def run(backend):
+        cfg = _cfg(backend, **kw)
+
+        def body(x, idx, w, y, g):
+            d = jax_ep.dispatch(x, idx, w, cfg.replace(backend="reference"))
+            y = jnp.where((d.handle.src_index >= 0)[:, None], y, 0).astype(y.dtype)
+            out, vjp = jax.vjp(lambda y, rw: jax_ep.combine(y, d.handle._replace(row_weights=rw), cfg,
+                                                            weighted=weighted), y, d.handle.row_weights)
+            return (out, *vjp(g))
+
+        return to_np(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(*args))
+
+    want = run("reference")
+    poison_device_memory(mesh.devices.flat, 128 << 20)
+    got = run("cuda")
+    assert got[0].shape == (R * tokens, width) and got[1].shape == (R * capacity, width)
+    for name, a, b in zip(("out", "d y", "d row_weights"), got, want, strict=True):
+        assert_bits_equal(a, b, name)
+    assert np.any(got[0]) and np.any(got[1])
+
+
 @pytest.mark.parametrize("pull", [False, True], ids=["pushed", "pulled"])
 @pytest.mark.parametrize("empty_rows_zero", [False, True], ids=["zeroed", "in_y"])
 @pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
