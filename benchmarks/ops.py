@@ -737,9 +737,9 @@ def build_parser(mode: str = "ops") -> argparse.ArgumentParser:
                                  "(default: mid,deepseek on GPUs, small on CPU)")
         parser.add_argument("--layer-configs", default=None, type=_names(list(bench_layer.CONFIGS)),
                             help=f"comma-separated layer configurations {list(bench_layer.CONFIGS)} "
-                                 "(default: jax_ep, ep_reference, ep_cuda*, plain_jax: those the platform "
-                                 "runs; the others (FP8, hierarchical, overlap, remat, chunk and micro-batch "
-                                 "forms) only when named)")
+                                 "(default: jax_ep, ep_reference, ep_cuda, ep_cuda_async, ep_cuda_async_48, "
+                                 "plain_jax: those the platform runs; the others (FP8, hierarchical, "
+                                 "overlap, fewer SMs, remat, chunk and micro-batch forms) only when named)")
         parser.add_argument("--sustain", default=0.0, type=seconds_arg,
                             help="seconds of back-to-back calls before each timing, so that it sees the "
                                  "clocks of sustained load (an H200 at its power limit settles 25-33%% below "

@@ -323,8 +323,10 @@ class Launcher:
             return False
         except BlockingIOError:   # a non-blocking stream, full for now: this line may be lost, not the rest
             return False
-        except OSError:
+        except (BrokenPipeError, ConnectionResetError):   # the reader is gone for good
             pass
+        except OSError:   # e.g. a full disk for now: this line is lost, the stream stays
+            return False
         with contextlib.suppress(OSError, ValueError):   # ValueError: no file descriptor (then writes
             fd = stream.fileno()                          # keep failing, and are dropped here)
             devnull = os.open(os.devnull, os.O_WRONLY)
@@ -532,6 +534,7 @@ def main(argv=None) -> int:
             launcher.send(launcher.signal)
         return launcher.wait()
     finally:
+        launcher.send(0)                  # groups emptied since the last poll: their ids may be reused
         launcher.send(signal.SIGKILL)     # nothing outlives the launcher: what the processes started too
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -286,6 +286,15 @@ def test_a_model_with_rng_state_restores_its_keys(tmp_path):
     assert int(other.drop.rngs.count[...]) == 1
     x = jnp.asarray(np.random.default_rng(seed).standard_normal((8,)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(other.drop(x)), np.asarray(net.drop(x)))
+    # a checkpoint written before 2026-12-05 (typed keys as Orbax saves them) restores too
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt, "_pure", lambda node: nnx.to_pure_dict(nnx.state(node)))
+        old = ckpt.save(tmp_path / "old", net)
+    again = WithDropout(seed + 2)
+    ckpt.restore(old, again)
+    np.testing.assert_array_equal(jax.random.key_data(again.drop.rngs.key[...]),
+                                  jax.random.key_data(net.drop.rngs.key[...]))
 
 
 def test_a_refused_placement_leaves_every_layer_as_it_was(tmp_path):
@@ -421,6 +430,10 @@ def test_stacked_layers_restore_with_their_statistics(tmp_path):
     path = ckpt.save(tmp_path / "placed", stacked(0, eplb.identity_placement(EXPERTS, 4)))
     with pytest.raises(NotImplementedError, match="is stacked .* and has an expert placement"):
         ckpt.restore(path, stacked(7, eplb.identity_placement(EXPERTS, 4)))
+    # placement="drop": nothing of the placement to restore (refused too before 2026-12-05)
+    dropped = stacked(7)
+    ckpt.restore(path, dropped, placement="drop")
+    assert dropped.placement is None and dropped.total_slot_load[...].shape == (2, EXPERTS)
 
 
 def test_orbax_is_optional(monkeypatch):
