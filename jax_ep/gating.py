@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep.errors import EPValueError
 
@@ -296,8 +297,8 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
     if logits.shape[-1] != cfg.num_experts:
         raise EPValueError(f"logits.shape[-1]={logits.shape[-1]} does not match "
                            f"RouterConfig.num_experts={cfg.num_experts} (logits.shape={logits.shape})")
-    if bias is not None and jnp.shape(bias) != (cfg.num_experts,):
-        raise EPValueError(f"bias must have shape ({cfg.num_experts},), got {jnp.shape(bias)}")
+    if bias is not None and np.shape(bias) != (cfg.num_experts,):
+        raise EPValueError(f"bias must have shape ({cfg.num_experts},), got {np.shape(bias)}")
     lead_shape = logits.shape[:-1]
     scores = expert_scores(logits.reshape(-1, cfg.num_experts), cfg.score_func)   # [T, E]
 

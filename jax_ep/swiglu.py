@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_ep.config import FP8_BLOCK, check_option
@@ -71,9 +72,9 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
     kernels: per column block, summed).
     Differentiable in gate_up. ``tiling``: the kernels' blocks (``TILING``, tuned on an H200)."""
     check_option("swiglu:", "backend", backend, BACKENDS)
-    if jnp.ndim(gate_up) != 2 or jnp.shape(gate_up)[1] % 2:
+    if np.ndim(gate_up) != 2 or np.shape(gate_up)[1] % 2:
         raise EPValueError(f"swiglu: gate_up must be [M, 2F], an even width (gate and up side by side), got "
-                           f"{jnp.shape(gate_up)}")
+                           f"{np.shape(gate_up)}")
     m = gate_up.shape[0]
     _check_live_rows("swiglu", live_rows)
     _check_row_scale("swiglu", row_scale, m)
@@ -97,7 +98,7 @@ def swiglu(gate_up: jax.Array, live_rows: jax.Array, *, backend: str = "auto", i
 
 def _check_live_rows(what: str, live_rows) -> None:
     """Checked on every backend, though "xla" ignores it: a call that runs off Hopper runs on it too."""
-    shape, dtype = jnp.shape(live_rows), getattr(live_rows, "dtype", type(live_rows))
+    shape, dtype = np.shape(live_rows), getattr(live_rows, "dtype", type(live_rows))
     if shape not in ((), (1,)) or not jnp.issubdtype(dtype, jnp.integer):
         name = getattr(live_rows, "dtype", type(live_rows).__name__)
         raise EPValueError(f"{what}: live_rows must be an integer scalar (the rows that hold rows, "

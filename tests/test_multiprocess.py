@@ -338,6 +338,7 @@ def test_launcher_stops_what_an_exited_process_started(tmp_path, code):
                 os.kill(int(f.read_text()), signal.SIGKILL)
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")   # the launcher forks, here in pytest's process
 def test_a_signal_during_start_reaches_every_process(tmp_path, monkeypatch):
     """SIGTERM while the launcher starts its processes (here: right after the first): the processes
     started after it get it too, not only SIGKILL --grace seconds later."""
