@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -633,6 +634,22 @@ def _ll_recv_impl(op: str, pending):
     return backends.get(pending.backend).function(f"{op}_recv")
 
 
+# per trace, the pending values received there (their tokens, weakly): a second receive of one is an
+# error on every backend, as the kernels make it one at run time on GPUs (the reference would run it, so
+# a program written on CPU failed only on GPUs). Keyed by trace: a branch of lax.cond or another trace
+# of the same function receives on its own.
+_received: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _note_received(pending, op: str) -> None:
+    trace = jax._src.core.trace_ctx.trace
+    refs = [r for r in _received.get(trace, ()) if r() is not None]
+    if any(r() is pending.token for r in refs):
+        raise EPValueError(f"jax_ep.{op}: this pending value was received already: receive each pending "
+                           "value exactly once (docs/api.md, the two-phase low-latency ops)")
+    _received[trace] = [*refs, weakref.ref(pending.token)]
+
+
 def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
     if not isinstance(pending, kind):
         raise EPTypeError(f"jax_ep.{op}: expected the {kind.__name__} of the matching _send, got "
@@ -656,6 +673,7 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
         raise EPValueError(f"jax_ep.{op}: cfg differs from the _send's in " + ", ".join(
             f"{n}={getattr(got, n)!r} (the send's {getattr(sent, n)!r})" for n in differ)
             + ": receive with the cfg of the send")
+    _note_received(pending, op)   # last: a receive refused above did not receive
 
 
 @overlap.in_order

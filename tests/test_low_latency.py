@@ -26,6 +26,7 @@ from helpers import (
     random_routing,
     to_numpy,
 )
+from jax import lax
 
 import jax_ep
 from jax_ep import auto_table, ops
@@ -586,6 +587,38 @@ def test_ll_two_phase_pending_types_and_errors():
                  ep_size)(x, idx, w)
     with pytest.raises(ValueError, match=r"ll_dispatch_send must run inside shard_map"):
         jax_ep.ll_dispatch_send(jnp.asarray(x[0]), jnp.asarray(idx[0]), jnp.asarray(w[0]), cfg)
+
+
+def test_ll_a_pending_received_twice_is_an_error_on_every_backend():
+    """Receiving one pending value twice is an error at trace time on the reference backend too (the
+    kernels make it one at run time on GPUs; found by a review, 2026-12-05: a program written on CPU
+    failed only on GPUs). A pending received in each branch of lax.cond (one runs) is no error."""
+    ep_size, tokens, cfg = 2, 4, BF16
+    x, idx, w = tokens_for(np.random.default_rng(7300), ep_size, tokens)
+
+    def twice(x, idx, w):
+        p = jax_ep.ll_dispatch_send(x, idx, w, cfg)
+        return jax_ep.ll_dispatch_recv(p, cfg).x + jax_ep.ll_dispatch_recv(p, cfg).x
+
+    with pytest.raises(jax_ep.EPValueError, match=r"ll_dispatch_recv: this pending value was received "
+                                                   r"already: receive each pending value exactly once"):
+        per_rank(twice, ep_size)(x, idx, w)
+
+    def combine_twice(x, idx, w):
+        d = jax_ep.ll_dispatch(x, idx, w, cfg)
+        q = jax_ep.ll_combine_send(d.x, d.handle, cfg)
+        return jax_ep.ll_combine_recv(q, cfg) + jax_ep.ll_combine_recv(q, cfg)
+
+    with pytest.raises(jax_ep.EPValueError, match=r"ll_combine_recv: this pending value was received"):
+        per_rank(combine_twice, ep_size)(x, idx, w)
+
+    def branches(x, idx, w):
+        p = jax_ep.ll_dispatch_send(x, idx, w, cfg)
+        return lax.cond(jnp.sum(w) > 0, lambda: jax_ep.ll_dispatch_recv(p, cfg).x,
+                        lambda: 2 * jax_ep.ll_dispatch_recv(p, cfg).x)
+
+    once = per_rank(lambda x, idx, w: jax_ep.ll_dispatch(x, idx, w, cfg).x, ep_size)(x, idx, w)
+    assert_bits_equal(to_numpy(per_rank(branches, ep_size)(x, idx, w)), to_numpy(once), "cond's receive")
 
 
 def test_ll_two_phase_grad_raises_naming_the_op():
