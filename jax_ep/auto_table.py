@@ -96,6 +96,25 @@ def kernel_faster(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: s
     return size is not None and decisions[size] is not None and tokens >= decisions[size]
 
 
+def why_taken(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: str | None = None) -> str:
+    """What made the table take `op`'s kernel (``kernel_faster`` true) for ``jax_ep.explain``: from how
+    many tokens per rank, which entry and measured EP size decided, and whether the op alone measured
+    faster or the MoE layer's step did with it (``layer_prefers``: ``min_tokens_ops`` is the op's own)."""
+    name = decided_by(op, layout, ep_size)
+    decisions = _decisions(name, layout, wire_dtype)
+    size = decision_ep_size(sorted(decisions), ep_size)
+    entry = table()["ops"][name][layout]
+    alone = entry.get("min_tokens_ops", {}).get(str(size), decisions[size])
+    what = ("the op measured faster than the reference" if alone is not None and tokens >= alone
+            else "the MoE layer's step measured faster with it, the op alone slower (layer_prefers)")
+    gpus = f"{size} GPU{'s' if size != 1 else ''}"
+    start = "at every token count" if decisions[size] == 0 else f"from {decisions[size]} tokens per rank"
+    return (f"the auto table takes its kernel {start} ("
+            + (f"{name}'s entry, " if name != op else "")
+            + f"measured on {gpus}" + (f", standing in for {ep_size}" if size != ep_size else "")
+            + f"): {what}")
+
+
 def min_tokens(points: list[dict]) -> int | None:
     """The decision from measured points ({"tokens", "kernel_us", "reference_us"}, any shapes, one EP
     size): the smallest measured token count from which the kernel is at least as fast at every

@@ -98,6 +98,8 @@ class Backend:
         ``unsupported`` and ``form`` get the name of the function that runs it (``Op.function``).
       form: (op, cfg, ep_size) -> how its kernel of ``op`` runs that call where it has a choice (the
         end of ``jax_ep.explain``'s reason), or None.
+      why_faster: ``faster``'s arguments -> what made 'auto' take it (``jax_ep.explain``'s reason), or
+        None: "its kernel measured faster".
     """
 
     name: str
@@ -107,6 +109,7 @@ class Backend:
     unsupported: Callable[..., str | None] = _supports_everything
     faster: Callable[[str, str, int, int, str], bool] | None = None
     form: Callable[..., str | None] = _no_form
+    why_faster: Callable[[str, str, int, int, str], str] | None = None
 
     def functions(self):
         return importlib.import_module(self.module)
@@ -143,6 +146,12 @@ def _cuda_faster(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: st
     from jax_ep import auto_table
 
     return auto_table.kernel_faster(op, layout, tokens, ep_size, wire_dtype)
+
+
+def _cuda_why_faster(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: str) -> str:
+    from jax_ep import auto_table
+
+    return auto_table.why_taken(op, layout, tokens, ep_size, wire_dtype)
 
 
 def _cuda_form(op: str, cfg: EPConfig, ep_size: int) -> str | None:
@@ -206,4 +215,5 @@ def platform() -> str:
 
 register(Backend(REFERENCE, "jax_ep.reference"))
 register(Backend("cuda", "jax_ep.cuda_backend", platforms=("gpu", "cuda"), available=_cuda_available,
-                 unsupported=_cuda_unsupported, faster=_cuda_faster, form=_cuda_form))
+                 unsupported=_cuda_unsupported, faster=_cuda_faster, form=_cuda_form,
+                 why_faster=_cuda_why_faster))

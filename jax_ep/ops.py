@@ -111,9 +111,10 @@ class Op:
         for backend in candidates:
             reason = self._why_auto_skips(backend, cfg, ep_size, dtype)
             if reason is None:
-                return self._taken(backend, cfg, ep_size, (
-                    f"backend='auto': its kernel measured faster at {cfg.max_tokens_per_rank} tokens per "
-                    f"rank on {ep_size} GPUs and runs here"))
+                args = (self.name, self.layout, cfg.max_tokens_per_rank, ep_size, self.wire_dtype(cfg, dtype))
+                why = (backend.why_faster(*args) if backend.why_faster is not None
+                       else f"its kernel measured faster at {cfg.max_tokens_per_rank} tokens per rank")
+                return self._taken(backend, cfg, ep_size, f"backend='auto': {why}, and it runs here")
             reasons.append(reason if len(candidates) == 1 else f"{backend.name}: {reason}")
         if not reasons:
             reasons.append("no backend but the reference is registered")

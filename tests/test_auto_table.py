@@ -302,6 +302,34 @@ def check_pull_section(table: dict) -> None:
                 assert decision == auto_table.min_tokens(mine), (knob, ep, sms)
 
 
+def test_why_taken_says_what_decided(monkeypatch, tmp_path):
+    """explain's reason for a kernel 'auto' takes: from how many tokens, which entry and measured EP size
+    decided, and whether the op alone or the layer step measured faster (found by a review, 2026-12-05:
+    it said "measured faster at T tokens per rank on R GPUs" for EP sizes never measured, for a form
+    decided by its plain op's entry, and for a kernel the layer step preferred though it lost alone)."""
+    path = tmp_path / "auto_table.json"
+    path.write_text(json.dumps({"ops": {
+        "slot_values": {"expert_major": {"min_tokens": {"2": 4096}, "min_tokens_ops": {"2": None}}},
+        "broadcast": {"expert_major": {"min_tokens": {"2": 2048}}},
+        "dispatch": {"expert_major": {"min_tokens": {"1": 512, "2": 0}}}}}))
+    monkeypatch.setattr(auto_table, "TABLE_FILE", path)
+    auto_table.table.cache_clear()
+    try:
+        why = auto_table.why_taken
+        assert why("slot_values", "expert_major", 4096, 8) == (
+            "the auto table takes its kernel from 4096 tokens per rank (measured on 2 GPUs, standing in for "
+            "8): the MoE layer's step measured faster with it, the op alone slower (layer_prefers)")
+        assert why("broadcast_in_place", "expert_major", 4096, 2) == (
+            "the auto table takes its kernel from 2048 tokens per rank (broadcast's entry, measured on 2 "
+            "GPUs): the op measured faster than the reference")
+        assert why("dispatch", "expert_major", 512, 1).endswith("(measured on 1 GPU): the op measured "
+                                                                "faster than the reference")
+        assert why("dispatch", "expert_major", 8, 2).startswith("the auto table takes its kernel at every "
+                                                                "token count (measured on 2 GPUs)")
+    finally:
+        auto_table.table.cache_clear()
+
+
 def test_pull_lookup(monkeypatch, tmp_path):
     """Section "pull": per knob, EP size and SM count, from how many tokens per rank the kernels pull
     their rows; a call takes the nearest measured SM count at its EP size's decision, never on one GPU."""
@@ -440,7 +468,9 @@ def test_explain_is_the_choice_the_op_makes(monkeypatch):
         assert plan.impl == impl and chosen is getattr(cuda_backend if impl == "cuda" else reference, name)
         return plan.reason
 
-    assert "measured faster at 4096 tokens per rank on 2 GPUs and runs here" in agree("dispatch", "cuda")
+    assert "the auto table takes its kernel" in agree("dispatch", "cuda")
+    assert "(measured on 2 GPUs): the op measured faster than the reference, and it runs here" in \
+        agree("dispatch", "cuda")
     monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: "num_topk=8 exceeds 4")
     assert agree("dispatch", "reference").endswith("does not support this call: num_topk=8 exceeds 4")
     with pytest.raises(jax_ep.EPValueError, match="num_topk=8 exceeds 4"):
