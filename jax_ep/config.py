@@ -193,6 +193,11 @@ class KernelConfig:
 
     def __post_init__(self):
         check_options("KernelConfig", self, KERNEL_CONFIG_KINDS)
+        pulled = [k for k in PULL_KNOBS.values() if getattr(self, k) is True]
+        if self.transport == "put" and pulled:   # (under "auto", where a call resolves to puts: at its trace)
+            raise EPUnsupportedError(
+                f"KernelConfig(transport='put') with {pulled[0]}=True: pulling reads the peers' staging by "
+                "NVLink loads, which NVSHMEM puts do not give; use one of them")
 
     def send_warps(self, op: str) -> int:
         return getattr(self, f"{op}_send_warps")
@@ -249,6 +254,10 @@ class EPConfig:
                 f"EPConfig(shrink=True) with KernelConfig({pulled[0]}=True) is not built: a receiver "
                 "the sender gave up on could still be reading its staging when the sender's next call "
                 "rewrites it; use one of them")
+        if self.shrink and self.kernel.transport == "put":
+            raise EPUnsupportedError(
+                "EPConfig(shrink=True) with KernelConfig(transport='put') is not built: the put kernels "
+                "have no shrink mode (and the other ops no put transport); use one of them")
         if self.num_topk > self.num_experts:
             raise EPValueError(f"EPConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
         if self.capacity is not None:
@@ -261,6 +270,7 @@ class EPConfig:
 
     # ---- derived sizes (ep_size is the size of the mesh axis, known inside shard_map) ----
     def check_ep_size(self, ep_size: int) -> None:
+        check_option("EPConfig", "ep_size", ep_size, "int")
         if self.num_experts % ep_size:
             raise EPValueError(f"num_experts={self.num_experts} is not divisible by the EP size "
                                f"{ep_size} (mesh axis {self.axis_name!r})")
