@@ -59,32 +59,40 @@ def communication_time(mesh: Mesh, cfg: LMConfig, tokens_per_rank: int, backend:
 
     Tokens are split over every mesh axis (e.g. data x ep) and dispatched over the "ep" axis.
     """
+    return median_time(*communication_program(mesh, cfg, tokens_per_rank, backend))
+
+
+def communication_program(mesh: Mesh, cfg: LMConfig, tokens_per_rank: int, backend: str):
+    """(the jitted exchanges of communication_time, its inputs)."""
     axes = tuple(mesh.axis_names)
     ep = EPConfig(num_experts=cfg.num_experts, num_topk=cfg.num_topk, hidden=cfg.hidden,
                   max_tokens_per_rank=tokens_per_rank, backend=backend,
                   dispatch_dtype=cfg.dispatch_dtype)
 
     def one_layer(x, idx, w):
-        # combine as the MoE layer runs it by default (gate weights in the experts: unweighted, its
-        # backward a broadcast into y's buffer; the weights' gradient still goes through slot_values)
+        # as the MoE layer runs it by default: the gate weights applied to the rows in the experts
+        # (their gradient through slot_values), combine unweighted (its backward a broadcast into y's
+        # buffer)
         d = dispatch(x, idx, w, ep)
-        y = d.x.astype(x.dtype)
-        return jnp.sum(combine(y, d.handle, ep, weighted=False, empty_rows_zero=True) ** 2)
+        y = (d.x.astype(jnp.float32) * d.handle.row_weights[:, None]).astype(x.dtype)
+        return combine(y, d.handle, ep, weighted=False, empty_rows_zero=True)
 
     def all_layers(x, idx, w):
-        total = 0.0
-        for _ in range(cfg.num_layers):
-            total = total + one_layer(x, idx, w)
-        return jax.lax.psum(total, axes)
+        # chained, each layer with a routing of its own, as in the model: identical independent calls
+        # would be merged by XLA into one layer's exchange (before 2026-12-05 every layer was timed as one)
+        for layer in range(cfg.num_layers):
+            x = one_layer(x, idx[layer], w[layer])
+        return jax.lax.psum(jnp.sum(x ** 2), axes)
 
     grad = jax.jit(jax.shard_map(jax.grad(all_layers, argnums=(0, 2)), mesh=mesh,
-                                 in_specs=(P(axes), P(axes), P(axes)), out_specs=(P(axes), P(axes))))
+                                 in_specs=(P(axes), P(None, axes), P(None, axes)),
+                                 out_specs=(P(axes), P(None, axes))))
     rng = np.random.default_rng(0)
-    n = tokens_per_rank * mesh.size
+    n, layers = tokens_per_rank * mesh.size, cfg.num_layers
     x = rng.standard_normal((n, cfg.hidden)).astype(np.float32)
-    idx = np.argsort(rng.random((n, cfg.num_experts)), axis=1)[:, :cfg.num_topk].astype(np.int32)
-    w = rng.random((n, cfg.num_topk)).astype(np.float32)
-    return median_time(grad, x, idx, w)
+    idx = np.argsort(rng.random((layers, n, cfg.num_experts)), axis=2)[..., :cfg.num_topk].astype(np.int32)
+    w = rng.random((layers, n, cfg.num_topk)).astype(np.float32)
+    return grad, x, idx, w
 
 
 def resolved_backends(cfg: EPConfig, ep_size: int, dtype=None) -> dict[str, str]:

@@ -19,7 +19,8 @@ Checkpoints (``jax_ep.checkpoint``, Orbax): ``--save DIR`` writes each run's mod
 end (DIR/no_balancing, DIR/bias_balancing) and the loss of each on a fixed check batch
 (DIR/train_moe.json); ``--restore DIR`` starts each run from them, on the devices and mesh of this run
 (another EP size works: the expert weights are resharded, placements re-planned), and prints the
-restored model's loss on the same check batch beside the saved one (equal to float32 rounding).
+restored model's loss on the same check batch beside the saved one (equal to float32 rounding). The
+data stream is not restored: the restored run draws its batches from the first again, steps from 0.
 Give the restoring run its own --out (the default, train_moe_out, is the saving run's folder):
 
     python examples/train_moe.py --mesh 2,4 --save ckpt

@@ -128,6 +128,28 @@ def test_demo_resolved_backends():
             assert impl.startswith("unavailable: ") and reason in impl, (op, impl)
 
 
+def test_demo_times_every_layers_exchange():
+    """communication_time's program runs one exchange per MoE layer, as the model's step does (found by a
+    review, 2026-12-05: its layers were identical independent calls, which XLA merged into one layer's:
+    the printed dispatch+combine time was one layer's whatever the depth)."""
+    import dataclasses
+
+    import demo
+    import jax
+    import models
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+
+    def all_to_alls(layers):
+        cfg = dataclasses.replace(models.LMConfig(), num_layers=layers)
+        fn, *args = demo.communication_program(mesh, cfg, 16, "reference")
+        return fn.lower(*args).compile().as_text().count(" all-to-all(")
+
+    one, two = all_to_alls(1), all_to_alls(2)
+    assert one > 0 and two == 2 * one, (one, two)
+
+
 def _fake_metrics(steps=20, layers=1, experts=16):
     """metrics.json as train_moe writes it: two runs with the same losses, two backends."""
     rng = np.random.default_rng(0)
