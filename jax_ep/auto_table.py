@@ -104,9 +104,13 @@ def why_taken(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: str |
     decisions = _decisions(name, layout, wire_dtype)
     size = decision_ep_size(sorted(decisions), ep_size)
     entry = table()["ops"][name][layout]
-    alone = entry.get("min_tokens_ops", {}).get(str(size), decisions[size])
-    what = ("the op measured faster than the reference" if alone is not None and tokens >= alone
-            else "the MoE layer's step measured faster with it, the op alone slower (layer_prefers)")
+    if wire_dtype in entry.get("min_tokens_by_dtype", {}):
+        # the op-alone decisions (min_tokens_ops) are pooled over the wire dtypes: they say nothing here
+        what = "it measured faster than the reference, alone or in the MoE layer's step"
+    else:
+        alone = entry.get("min_tokens_ops", {}).get(str(size), decisions[size])
+        what = ("the op measured faster than the reference" if alone is not None and tokens >= alone
+                else "the MoE layer's step measured faster with it, the op alone slower (layer_prefers)")
     gpus = f"{size} GPU{'s' if size != 1 else ''}"
     start = "at every token count" if decisions[size] == 0 else f"from {decisions[size]} tokens per rank"
     return (f"the auto table takes its kernel {start} ("

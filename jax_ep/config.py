@@ -270,7 +270,7 @@ class EPConfig:
 
     # ---- derived sizes (ep_size is the size of the mesh axis, known inside shard_map) ----
     def check_ep_size(self, ep_size: int) -> None:
-        check_option("EPConfig", "ep_size", ep_size, "int")
+        check_option("EPConfig's methods:", "ep_size (the EP axis's size)", ep_size, "int")
         if self.num_experts % ep_size:
             raise EPValueError(f"num_experts={self.num_experts} is not divisible by the EP size "
                                f"{ep_size} (mesh axis {self.axis_name!r})")

@@ -131,7 +131,8 @@ class Op:
                               self.wire_dtype(cfg, dtype)):
             stands_in = "" if self.form_of is None else f"; its row, else {self.form_of}'s"
             return (f"its kernel did not measure faster than the reference at {cfg.max_tokens_per_rank} "
-                    f"tokens per rank on {ep_size} GPUs (jax_ep/auto_table.json, layout {self.layout!r}"
+                    f"tokens per rank on {ep_size} GPU{'s' if ep_size != 1 else ''} (jax_ep/auto_table.json, "
+                    f"layout {self.layout!r}"
                     f"{stands_in})")
         here = backends.platform()
         if not backend.runs_on(here):
@@ -642,13 +643,24 @@ def _ll_recv_impl(op: str, pending):
 _received: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _note_received(pending, op: str) -> None:
-    trace = jax._src.core.trace_ctx.trace
-    refs = [r for r in _received.get(trace, ()) if r() is not None]
-    if any(r() is pending.token for r in refs):
-        raise EPValueError(f"jax_ep.{op}: this pending value was received already: receive each pending "
-                           "value exactly once (docs/api.md, the two-phase low-latency ops)")
-    _received[trace] = [*refs, weakref.ref(pending.token)]
+def _receive_once(op: str):
+    """Around a receive, outside ``overlap.in_order`` (which may pass the pending's token on as a new
+    value): refuses a pending whose token this trace received already; notes it once the receive (its
+    checks) went through, so a refused receive did not receive."""
+    def wrap(receive):
+        @functools.wraps(receive)
+        def once(pending, cfg):
+            trace = jax._src.core.trace_ctx.trace
+            refs = [r for r in _received.get(trace, ()) if r() is not None]
+            token = getattr(pending, "token", None)
+            if token is not None and any(r() is token for r in refs):
+                raise EPValueError(f"jax_ep.{op}: this pending value was received already: receive each "
+                                   "pending value exactly once (docs/api.md, the two-phase low-latency ops)")
+            out = receive(pending, cfg)
+            _received[trace] = [*refs, weakref.ref(token)]
+            return out
+        return once
+    return wrap
 
 
 def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
@@ -674,7 +686,6 @@ def _check_pending(pending, kind, op: str, cfg: EPConfig) -> None:
         raise EPValueError(f"jax_ep.{op}: cfg differs from the _send's in " + ", ".join(
             f"{n}={getattr(got, n)!r} (the send's {getattr(sent, n)!r})" for n in differ)
             + ": receive with the cfg of the send")
-    _note_received(pending, op)   # last: a receive refused above did not receive
 
 
 @overlap.in_order
@@ -695,6 +706,7 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     return overlap.primal(_ll_dispatch_send)(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
+@_receive_once("ll_dispatch_recv")
 @overlap.in_order
 def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.LLDispatched:
     """Second phase of ll_dispatch: waits for the tokens routed to this rank's experts and returns
@@ -716,6 +728,7 @@ def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     return overlap.primal(_ll_combine_send)(y, handle, rank_mask, cfg)
 
 
+@_receive_once("ll_combine_recv")
 @overlap.in_order
 def ll_combine_recv(pending: types.LLCombinePending, cfg: EPConfig) -> jax.Array:
     """Second phase of ll_combine: waits for this rank's rows and returns ``ll_combine``'s [T, H]

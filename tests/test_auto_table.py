@@ -311,7 +311,10 @@ def test_why_taken_says_what_decided(monkeypatch, tmp_path):
     path.write_text(json.dumps({"ops": {
         "slot_values": {"expert_major": {"min_tokens": {"2": 4096}, "min_tokens_ops": {"2": None}}},
         "broadcast": {"expert_major": {"min_tokens": {"2": 2048}}},
-        "dispatch": {"expert_major": {"min_tokens": {"1": 512, "2": 0}}}}}))
+        "dispatch": {"expert_major": {"min_tokens": {"1": 512, "2": 0}}},
+        "dispatch_rank_major": {"rank_major": {  # decided per wire dtype; min_tokens_ops pooled
+            "min_tokens": {"2": 4096}, "min_tokens_ops": {"2": None},
+            "min_tokens_by_dtype": {"bfloat16": {"2": 0}, "float8_e4m3fn": {"2": 4096}}}}}}))
     monkeypatch.setattr(auto_table, "TABLE_FILE", path)
     auto_table.table.cache_clear()
     try:
@@ -326,6 +329,9 @@ def test_why_taken_says_what_decided(monkeypatch, tmp_path):
                                                                 "faster than the reference")
         assert why("dispatch", "expert_major", 8, 2).startswith("the auto table takes its kernel at every "
                                                                 "token count (measured on 2 GPUs)")
+        # a decision per wire dtype: the pooled op-alone decision says nothing about it
+        assert why("dispatch_rank_major", "rank_major", 1024, 2, "bfloat16").endswith(
+            "(measured on 2 GPUs): it measured faster than the reference, alone or in the MoE layer's step")
     finally:
         auto_table.table.cache_clear()
 
@@ -469,8 +475,8 @@ def test_explain_is_the_choice_the_op_makes(monkeypatch):
         return plan.reason
 
     assert "the auto table takes its kernel" in agree("dispatch", "cuda")
-    assert "(measured on 2 GPUs): the op measured faster than the reference, and it runs here" in \
-        agree("dispatch", "cuda")
+    assert "(measured on 2 GPUs): it measured faster than the reference, alone or in the MoE layer's step, " \
+        "and it runs here" in agree("dispatch", "cuda")   # (the shipped dispatch is decided per wire dtype)
     monkeypatch.setattr(cuda_backend, "unsupported", lambda *a: "num_topk=8 exceeds 4")
     assert agree("dispatch", "reference").endswith("does not support this call: num_topk=8 exceeds 4")
     with pytest.raises(jax_ep.EPValueError, match="num_topk=8 exceeds 4"):

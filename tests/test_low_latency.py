@@ -612,6 +612,14 @@ def test_ll_a_pending_received_twice_is_an_error_on_every_backend():
     with pytest.raises(jax_ep.EPValueError, match=r"ll_combine_recv: this pending value was received"):
         per_rank(combine_twice, ep_size)(x, idx, w)
 
+    def twice_after_a_side_region(x, idx, w):   # the ops' ordering passes the token on as a new value
+        p = jax_ep.ll_dispatch_send(x, idx, w, cfg)
+        z = jax_ep.overlap.region(lambda v: v * 2, x, side=True)
+        return jax_ep.ll_dispatch_recv(p, cfg).x + jax_ep.ll_dispatch_recv(p, cfg).x + z.astype(x.dtype)
+
+    with pytest.raises(jax_ep.EPValueError, match=r"ll_dispatch_recv: this pending value was received"):
+        per_rank(twice_after_a_side_region, ep_size)(x, idx, w)
+
     def branches(x, idx, w):
         p = jax_ep.ll_dispatch_send(x, idx, w, cfg)
         return lax.cond(jnp.sum(w) > 0, lambda: jax_ep.ll_dispatch_recv(p, cfg).x,
