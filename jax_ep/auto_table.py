@@ -96,6 +96,11 @@ def kernel_faster(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: s
     return size is not None and decisions[size] is not None and tokens >= decisions[size]
 
 
+def gpus(n: int) -> str:
+    """"1 GPU", "2 GPUs": the EP size in the reasons ``jax_ep.explain`` gives."""
+    return f"{n} GPU{'s' if n != 1 else ''}"
+
+
 def why_taken(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: str | None = None) -> str:
     """What made the table take `op`'s kernel (``kernel_faster`` true) for ``jax_ep.explain``: from how
     many tokens per rank, which entry and measured EP size decided, and whether the op alone measured
@@ -111,11 +116,10 @@ def why_taken(op: str, layout: str, tokens: int, ep_size: int, wire_dtype: str |
         alone = entry.get("min_tokens_ops", {}).get(str(size), decisions[size])
         what = ("the op measured faster than the reference" if alone is not None and tokens >= alone
                 else "the MoE layer's step measured faster with it, the op alone slower (layer_prefers)")
-    gpus = f"{size} GPU{'s' if size != 1 else ''}"
     start = "at every token count" if decisions[size] == 0 else f"from {decisions[size]} tokens per rank"
     return (f"the auto table takes its kernel {start} ("
             + (f"{name}'s entry, " if name != op else "")
-            + f"measured on {gpus}" + (f", standing in for {ep_size}" if size != ep_size else "")
+            + f"measured on {gpus(size)}" + (f", standing in for {ep_size}" if size != ep_size else "")
             + f"): {what}")
 
 

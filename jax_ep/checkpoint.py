@@ -265,14 +265,12 @@ def restore(path, model, optimizer=None, *, mesh: Mesh | None = None, placement:
         new = _new_placement(layer, record["moe_layers"][key]["placement"], node, actions[key])
         try:
             layer.check_placement(new)
-        except EPUnsupportedError as e:
-            raise EPUnsupportedError(f"checkpoint {path}: MoE layer {key!r} cannot take its restored expert "
-                                     f"placement: {e} (restore with placement='drop' to restore the layer "
-                                     "without it)") from e
-        except EPValueError as e:
-            raise CheckpointMismatchError(f"checkpoint {path}: MoE layer {key!r} cannot take its restored "
-                                          f"expert placement: {e} (restore with placement='drop' to restore "
-                                          "the layer without it)") from e
+        except (EPUnsupportedError, EPValueError) as e:
+            refused = (f"checkpoint {path}: MoE layer {key!r} cannot take its restored expert placement: {e} "
+                       "(restore with placement='drop' to restore the layer without it)")
+            if isinstance(e, EPUnsupportedError):
+                raise EPUnsupportedError(refused) from e
+            raise CheckpointMismatchError(refused) from e
         plans[key] = (node, new)
     for key, layer in layers.items():
         node, new = plans[key]

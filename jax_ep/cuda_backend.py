@@ -356,9 +356,8 @@ def pull_choice(op: str, cfg: EPConfig, ep_size: int, blocks: int | None = None,
     faster = auto_table.pull_faster(knob, tokens, ep_size, blocks)
     verdict = "measured" if faster else "has not measured"
     on = "every SM but one" if blocks == ALL_SMS else f"{blocks} blocks"
-    gpus = f"{ep_size} GPU{'s' if ep_size != 1 else ''}"
     return faster, (f"KernelConfig.{knob}=None: the auto table {verdict} the pulled kernels at least as "
-                    f"fast at {tokens} tokens per rank on {gpus} with {on}")
+                    f"fast at {tokens} tokens per rank on {auto_table.gpus(ep_size)} with {on}")
 
 
 def kernel_blocks(kernel: KernelConfig, side: bool = False) -> int:

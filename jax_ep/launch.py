@@ -309,7 +309,6 @@ class Launcher:
         self.digests = [failure_report.OutputDigest(SUMMARY_TAIL_LINES) for _ in envs]
         self.digest_locks = [threading.Lock() for _ in envs]   # stdout's and stderr's threads feed one
         self.chatter = 0      # gloo connection messages left out (without --verbose)
-        self.closed_fds: set[int] = set()     # the launcher's streams found closed (_write)
         self.empty_groups: set[int] = set()   # process groups found empty after their process exited
         self.signal_said = False               # wait() has said which signal the launcher got
 
@@ -327,14 +326,12 @@ class Launcher:
             pass
         except OSError:   # e.g. a full disk for now: this line is lost, the stream stays
             return False
+        # once redirected, the stream's writes succeed: this is reached once per stream
         with contextlib.suppress(OSError, ValueError):   # ValueError: no file descriptor (then writes
-            fd = stream.fileno()                          # keep failing, and are dropped here)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
+            devnull = os.open(os.devnull, os.O_WRONLY)   # keep failing, and are dropped here)
+            os.dup2(devnull, stream.fileno())
             os.close(devnull)
-            if fd not in self.closed_fds:
-                self.closed_fds.add(fd)
-                return True
+            return True
         return False
 
     def say(self, message: str) -> None:

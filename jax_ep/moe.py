@@ -1104,18 +1104,14 @@ class MoE(nnx.Module):
         capped = not placed or self.routing.max_ranks_per_token is not None \
             or self.routing.max_nodes_per_token is not None
         router_cfg = dataclasses.replace(self.routing, ep_size=ep_size if capped else 1)
-        if self.node_axis is not None:
-            router_cfg = dataclasses.replace(router_cfg, ep_size=ep_size,
-                                             ranks_per_node=self._ranks_per_node(local))
+        if self.node_axis is not None:   # a node is the local axis: routing.ranks_per_node must match it
+            if self.routing.ranks_per_node not in (None, local):
+                raise EPValueError(f"MoE: routing.ranks_per_node={self.routing.ranks_per_node}, but with "
+                                   f"node_axis={self.node_axis!r} a node is the mesh axis "
+                                   f"{self.axis_name!r} of {local} ranks; set ranks_per_node={local} "
+                                   "(or None)")
+            router_cfg = dataclasses.replace(router_cfg, ep_size=ep_size, ranks_per_node=local)
         return router_cfg
-
-    def _ranks_per_node(self, local: int) -> int:
-        """The local axis's size (``local``), which routing.ranks_per_node must match."""
-        if self.routing.ranks_per_node not in (None, local):
-            raise EPValueError(f"MoE: routing.ranks_per_node={self.routing.ranks_per_node}, but with "
-                               f"node_axis={self.node_axis!r} a node is the mesh axis {self.axis_name!r} of "
-                               f"{local} ranks; set ranks_per_node={local} (or None)")
-        return local
 
     def _experts_low_latency(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig,
                              rank_mask=None, fp8_weights=None, shared=None):

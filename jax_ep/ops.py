@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_ep import backends, overlap, remat, types, vma
+from jax_ep import auto_table, backends, overlap, remat, types, vma
 from jax_ep.config import EPConfig, KernelConfig, check_option
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.fp8 import dequantize_fp8
@@ -131,9 +131,8 @@ class Op:
                               self.wire_dtype(cfg, dtype)):
             stands_in = "" if self.form_of is None else f"; its row, else {self.form_of}'s"
             return (f"its kernel did not measure faster than the reference at {cfg.max_tokens_per_rank} "
-                    f"tokens per rank on {ep_size} GPU{'s' if ep_size != 1 else ''} (jax_ep/auto_table.json, "
-                    f"layout {self.layout!r}"
-                    f"{stands_in})")
+                    f"tokens per rank on {auto_table.gpus(ep_size)} (jax_ep/auto_table.json, layout "
+                    f"{self.layout!r}{stands_in})")
         here = backends.platform()
         if not backend.runs_on(here):
             return f"the platform of the call is {here!r}, not {backend.platforms[0]!r}"

@@ -100,9 +100,8 @@ def _check_live_rows(what: str, live_rows) -> None:
     """Checked on every backend, though "xla" ignores it: a call that runs off Hopper runs on it too."""
     shape, dtype = np.shape(live_rows), getattr(live_rows, "dtype", type(live_rows))
     if shape not in ((), (1,)) or not jnp.issubdtype(dtype, jnp.integer):
-        name = getattr(live_rows, "dtype", type(live_rows).__name__)
         raise EPValueError(f"{what}: live_rows must be an integer scalar (the rows that hold rows, "
-                           f"sum(group_sizes)), got {name} of shape {shape}")
+                           f"sum(group_sizes)), got {getattr(dtype, '__name__', dtype)} of shape {shape}")
 
 
 def _check_row_scale(what: str, row_scale, m: int) -> None:

@@ -138,13 +138,15 @@ std::string FaultMessage(const FaultRecord& r, bool per_process) {
       const std::string elapsed = std::to_string(static_cast<double>(r.elapsed_ns) * 1e-9) + " s";
       if (r.field == kFieldPrepBlocks) {
         return where + "timed out after " + elapsed + " waiting for its own prep blocks: " +
-               Str(r.observed) + " of " + Str(r.expected) + " ran. No peer is late: this GPU did not schedule the call's blocks (another kernel "
+               Str(r.observed) + " of " + Str(r.expected) +
+               " ran. No peer is late: this GPU did not schedule the call's blocks (another kernel "
                "holding its SMs, e.g. a process sharing the GPU, or KernelConfig.num_sms above what "
                "it can run at once).";
       }
       if (r.field == kFieldFingerprintWords) {
         return where + "timed out after " + elapsed + " reading the configuration of " + peer +
-               " (" + peer_device + ") for EP call " + Str(r.expected) + ": its entry for this call arrived but its configuration words "
+               " (" + peer_device + ") for EP call " + Str(r.expected) +
+               ": its entry for this call arrived but its configuration words "
                "still held those of call " + Str(r.observed) + " (the peer died or its GPU was "
                "reset while publishing them). Nothing was exchanged.";
       }
