@@ -30,8 +30,9 @@ def type_name(value) -> str:
 # ---- option checks: the one place the fields of EPConfig, KernelConfig, EPOptions and MoE's
 # arguments are checked. A field's kind: "int" (an int, not a bool/float/str, >= minimum), "int?"
 # (the same or None), "bool" (True or False only), "name" (a non-empty str), "name?", "backend" ("auto"
-# or a registered backend's name), or a tuple of allowed values. A wrong type raises EPTypeError, a
-# wrong value of the right type EPValueError; both name the owner, the field and the value.
+# or a registered backend's name), "seconds" (a positive finite int or float), or a tuple of allowed
+# values. A wrong type raises EPTypeError, a wrong value of the right type EPValueError; both name the
+# owner, the field and the value.
 def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
     """Raises EPTypeError / EPValueError unless ``value`` is of ``kind`` (above)."""
     what = f"{owner}.{name}" if not owner.endswith(":") else f"{owner} {name}"
@@ -56,6 +57,12 @@ def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
             raise EPTypeError(f"{what} must be {none}{noun}, got {value!r} ({type_name(value)})")
         if value < minimum:
             raise EPValueError(f"{what} must be {none}{noun}, got {value!r}")
+    elif kind == "seconds":  # a positive finite number of seconds (a wait's bound)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EPTypeError(f"{what} must be {none}a positive number of seconds, got {value!r} "
+                              f"({type_name(value)})")
+        if not 0 < value < math.inf:
+            raise EPValueError(f"{what} must be {none}a positive finite number of seconds, got {value!r}")
     elif kind == "backend":  # "auto" or a registered backend (jax_ep.backends)
         from jax_ep import backends
 

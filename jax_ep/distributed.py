@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jax_ep.config import check_option
+from jax_ep.config import _is_int, check_option
 from jax_ep.errors import EPRuntimeError, EPTimeoutError, EPValueError
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -85,13 +85,27 @@ def _detected_cluster(only: tuple[str, ...] | None = None) -> tuple[str, int] | 
     return None
 
 
+def _open_mpi_5() -> int | None:
+    """The process count of an Open MPI 5 (PRRTE) mpirun job, which JAX's Open MPI detection misses (it
+    reads OMPI_MCA_orte_hnp_uri, which only Open MPI < 5 sets); None when not such a job."""
+    if "OMPI_MCA_orte_hnp_uri" in os.environ:
+        return None
+    try:
+        return int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+
+
 def launched_by() -> str | None:
-    """Who started this process as one of several: ``"jax_ep.launch"``, ``"slurm"`` or ``"ompi"``
-    (Open MPI's mpirun) when that job has more than one process, or None (a single process: no need
-    for ``initialize()``). Reads environment variables only (JAX's SLURM and Open MPI detection)."""
+    """Who started this process: ``"jax_ep.launch"`` (any ``--nproc``), or ``"slurm"`` or ``"ompi"``
+    (Open MPI's mpirun, 5 included) when that job has more than one process; else None (a single
+    process: no need for ``initialize()``). Reads environment variables only (JAX's SLURM and Open
+    MPI detection)."""
     if _launch_env() is not None:
         return LAUNCHER
     cluster = _detected_cluster(only=("slurm", "ompi"))
+    if cluster is None and (_open_mpi_5() or 0) > 1:
+        return "ompi"   # so that initialize() says what JAX lacks, not each rank running alone
     return cluster[0] if cluster is not None and cluster[1] > 1 else None
 
 
@@ -108,8 +122,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     when jax.distributed is already initialised.
 
     Raises ValueError naming the variable for a malformed launcher environment, a malformed coordinator
-    address, a process id out of range or a timeout that is not a positive int of seconds; RuntimeError
-    when nothing says how many processes there are (not launched, no cluster detected).
+    address or local device ids, a process id out of range or a timeout that is not a positive int of
+    seconds; RuntimeError when JAX already computed (no process would find its coordinator) or nothing
+    says how many processes there are (not launched, no cluster detected).
     """
     if jax.distributed.is_initialized():
         return
@@ -121,11 +136,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                f"{ENV_COORDINATOR} is not (python -m {LAUNCHER} sets all three)")
         num_processes = launched[0] if num_processes is None else num_processes
         process_id = launched[1] if process_id is None else process_id
-    elif None in (coordinator_address, num_processes, process_id) and _detected_cluster() is None:
+    elif (None in (coordinator_address or os.environ.get(ENV_COORDINATOR), num_processes, process_id)
+          and not kwargs.get("cluster_detection_method") and _detected_cluster() is None):
+        mpi5 = (" This is an Open MPI 5 mpirun job, which JAX's detection does not know (it knows Open MPI "
+                "< 5): pass cluster_detection_method='mpi4py' (needs mpi4py) or the three arguments."
+                if _open_mpi_5() is not None else "")
         raise EPRuntimeError(
             "jax_ep.distributed.initialize: no multi-process environment: not started by "
             f"`python -m {LAUNCHER}` ({ENV_NUM_PROCESSES} is unset) and JAX detects no cluster "
-            "(SLURM, Open MPI, ...); pass coordinator_address, num_processes and process_id")
+            "(SLURM, Open MPI, ...); pass coordinator_address, num_processes and process_id" + mpi5)
     try:
         if jax.config.jax_cpu_collectives_implementation is None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -136,10 +155,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if None not in (num_processes, process_id) and process_id >= num_processes:
         raise EPValueError(f"jax_ep.distributed.initialize: process_id={process_id} is not below "
                            f"num_processes={num_processes}")
+    local_device_ids = _local_device_ids(local_device_ids)
     address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     source = "coordinator_address" if coordinator_address else ENV_COORDINATOR
     if address:
         host_port(address, source)   # a malformed address is an error now, not after the wait below
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        # before the coordinator wait below: process 0 fails the same way at once (JAX's error), so the
+        # others would wait the whole timeout for a coordinator it never starts, and blame it
+        raise EPRuntimeError("jax_ep.distributed.initialize: JAX already ran a computation or listed its "
+                             "devices in this process: call initialize() before any other JAX call")
     if address and process_id not in (None, 0):
         waited = _wait_for_coordinator(address, process_id, initialization_timeout, source)
         initialization_timeout = max(1, int(initialization_timeout - waited))   # one bound for both waits
@@ -147,16 +173,42 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                initialization_timeout=initialization_timeout, **kwargs)
 
 
+def _local_device_ids(ids) -> int | list[int] | None:
+    """``local_device_ids`` checked, or the launcher's JAX_LOCAL_DEVICE_IDS parsed and checked when it is
+    None (JAX would parse the variable with a bare int() error, and take a str argument character by
+    character); an EPValueError names the argument or variable and its value."""
+    given, source = ids, "local_device_ids"
+    if ids is None:
+        given, source = os.environ.get(ENV_LOCAL_DEVICE_IDS), ENV_LOCAL_DEVICE_IDS
+        if given is None:
+            return None
+        try:
+            ids = [int(i) for i in given.split(",")]
+        except ValueError:
+            ids = None
+    elif _is_int(ids):
+        ids = [ids]
+    elif isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        ids = None
+    if not ids or any(not _is_int(i) or i < 0 for i in ids):
+        raise EPValueError(f"jax_ep.distributed.initialize: {source}={given!r} is not a device ordinal or a "
+                           + ("comma-separated list of them (e.g. '0,1')" if source == ENV_LOCAL_DEVICE_IDS
+                              else "list of them (ints >= 0)"))
+    return list(ids)
+
+
 COORDINATOR_NOTE_S = 30.0   # after this long a waiting process says what it waits for
 
 
 def host_port(address: str, source: str = "the coordinator address") -> tuple[str, int]:
-    """(host, port) of a coordinator address "HOST:PORT" (an IPv6 host in brackets or not); an
-    EPValueError naming ``source`` (where the address came from) when it is not one."""
+    """(host, port) of a coordinator address "HOST:PORT" (an IPv6 host in brackets, as gRPC reads it:
+    "[::1]:1234"); an EPValueError naming ``source`` (where the address came from) when it is not one."""
     host, _, port = str(address).rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EPValueError(f"jax_ep: {source}={address!r} is not HOST:PORT (a port in 1..65535)")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or (":" in host and not bracketed):
+        raise EPValueError(f"jax_ep: {source}={address!r} is not HOST:PORT (a port in 1..65535; an IPv6 "
+                           "host in brackets: [HOST]:PORT)")
     return host, int(port)
 
 
@@ -249,6 +301,7 @@ def kv_set_bytes(key: str, value: bytes) -> None:
 def kv_get_bytes(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, writer: str = "") -> bytes:
     """The value another process published under ``key``; TimeoutError after ``timeout_s``
     naming the key and ``writer`` (who was expected to publish it)."""
+    check_option("jax_ep.distributed.kv_get_bytes:", "timeout_s", timeout_s, "seconds")
     client = _client()   # not initialised: its RuntimeError, not a timeout
     start = time.monotonic()
     try:
@@ -261,6 +314,7 @@ def kv_get_bytes(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, writer: str 
 def barrier(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Waits until every process reaches the barrier ``name``; TimeoutError naming it (and the
     processes JAX sees as dead) after ``timeout_s``."""
+    check_option("jax_ep.distributed.barrier:", "timeout_s", timeout_s, "seconds")
     client = _client()
     start = time.monotonic()
     try:

@@ -340,12 +340,13 @@ def _init_process_group(buffer_bytes: int) -> None:
     if first:
         if me == 0:
             unique_id = _C.nvshmem_unique_id()
-            distributed.kv_set_bytes("jax_ep/nvshmem_unique_id", unique_id)
+            distributed.kv_set_bytes(f"{key}/nvshmem_unique_id", unique_id)
         else:
-            unique_id = distributed.kv_get_bytes("jax_ep/nvshmem_unique_id", timeout,
-                                                 writer="process 0")
-        # NVSHMEM's own bootstrap waits without a bound: enter it only once every process is here.
-        distributed.barrier("jax_ep/nvshmem_init", timeout)
+            unique_id = distributed.kv_get_bytes(f"{key}/nvshmem_unique_id", timeout, writer="process 0")
+        # NVSHMEM's own bootstrap waits without a bound: enter it only once every process is here. The
+        # keys are this call's: a bootstrap that failed (a barrier run out while a peer still compiled)
+        # is retried by the next set-up under new keys (JAX's store refuses to write a key twice).
+        distributed.barrier(f"{key}/nvshmem_init", timeout)
     _C.init_process_group(local_gpu_ordinals()[0], unique_id, me, count, wanted)
     if first:
         atexit.register(_finalize_process_group)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 
 import pytest
 
@@ -486,3 +487,30 @@ def test_process_model_2_shutdown_frees_when_every_process_agrees_and_names_one_
     shutdown_as(monkeypatch, late, 1, call=runtime._finalize_process_group)
     assert late.freed == [] and late.finalized == []
     assert "teardown skipped" in capsys.readouterr().out
+
+
+def test_a_failed_first_bootstrap_is_retried_under_new_keys(monkeypatch):
+    """Process model 2: NVSHMEM's first init failing (or its barrier running out while a peer compiles)
+    leaves process 0's unique id in JAX's store, which refuses to write a key twice; the next set-up
+    publishes under that call's own keys and reaches NVSHMEM again (before 2026-12-05 it died with
+    JAX's raw ALREADY_EXISTS on the fixed key 'jax_ep/nvshmem_unique_id')."""
+    class FirstInitFails(FakeGroup):
+        def process_group(self):
+            return {"model": "none"}
+
+        def init_process_group(self, *args):
+            super().init_process_group(*args)
+            if self.nvshmem_calls.count("init_process_group") == 1:
+                raise RuntimeError("nvshmem init failed")
+
+        def kv_set_bytes(self, key, value):
+            if key in self.store:
+                raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists")
+            super().kv_set_bytes(key, value)
+
+    group = FirstInitFails([80 * GiB])
+    error = run_as(monkeypatch, group, 0, MiB)
+    assert isinstance(error, RuntimeError) and "nvshmem init failed" in str(error)
+    monkeypatch.setattr(runtime, "atexit", types.SimpleNamespace(register=lambda f: None))
+    runtime._init_process_group(MiB)    # the next traced EP op's set-up: call 1
+    assert group.nvshmem_calls == ["nvshmem_unique_id", "init_process_group"] * 2

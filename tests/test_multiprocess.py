@@ -725,13 +725,21 @@ def test_distributed_not_initialised():
 
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(coordinator_address="localhost"), dist.EPValueError,
-     r"coordinator_address='localhost' is not HOST:PORT \(a port in 1..65535\)"),
+     r"coordinator_address='localhost' is not HOST:PORT \(a port in 1..65535;"),
     (dict(coordinator_address="127.0.0.1:70000"), dist.EPValueError, "is not HOST:PORT"),
     (dict(process_id=5), dist.EPValueError, "process_id=5 is not below num_processes=2"),
     (dict(process_id=-1), dist.EPValueError, "process_id must be None or an int >= 0, got -1"),
     (dict(initialization_timeout="10"), EPTypeError,
      r"initialization_timeout must be a positive int, got '10' \(str\)"),
     (dict(initialization_timeout=0), dist.EPValueError, "initialization_timeout must be a positive int"),
+    (dict(coordinator_address="fd00::2"), dist.EPValueError,
+     r"'fd00::2' is not HOST:PORT .*an IPv6 host in brackets"),    # was host 'fd00:', port 2
+    (dict(local_device_ids="0,1"), dist.EPValueError,
+     r"local_device_ids='0,1' is not a device ordinal or a list of them"),   # was GPUs '0,,,1'
+    (dict(local_device_ids=[0, -1]), dist.EPValueError, r"local_device_ids=\[0, -1\] is not a device"),
+    # JAX already computed (it has in this test process): JAX would refuse process 0 at once, so process
+    # 1 waited the whole timeout for a coordinator process 0 never started (here 60 s), then blamed it
+    ({}, EPRuntimeError, "JAX already ran a computation .* call initialize\\(\\) before any other JAX call"),
 ])
 def test_distributed_initialize_refuses_bad_arguments_at_once(no_launch_env, kwargs, error, message):
     """A malformed address, a process id out of range or a bad timeout: an error at once (before
@@ -784,6 +792,35 @@ def test_distributed_launched_by(no_launch_env):
     assert dist.launched_by() == "jax_ep.launch"
 
 
+def test_open_mpi_5_is_launched(no_launch_env):
+    """Open MPI 5 (PRRTE) sets no OMPI_MCA_orte_hnp_uri, so JAX's detection misses it: each rank of
+    `if launched_by(): initialize()` ran alone before 2026-12-05; now initialize() says why."""
+    no_launch_env.delenv("OMPI_MCA_orte_hnp_uri", raising=False)
+    no_launch_env.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert dist.launched_by() == "ompi"
+    no_launch_env.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    assert dist.launched_by() is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_processes=2, process_id=1),
+                                    dict(cluster_detection_method="mpi4py")])
+def test_initialize_takes_the_address_variable_and_a_detection_method(no_launch_env, kwargs):
+    """JAX_COORDINATOR_ADDRESS with the two counts as arguments, or a detection method JAX runs only on
+    request (mpi4py), is a multi-process environment (both were refused as 'no multi-process environment'
+    before 2026-12-05); here they reach the next check (JAX already computed in this test process)."""
+    no_launch_env.setenv(dist.ENV_COORDINATOR, "127.0.0.1:1")
+    with pytest.raises(EPRuntimeError, match="JAX already ran a computation"):
+        dist.initialize(**kwargs)
+
+
+@pytest.mark.parametrize("timeout_s,error", [(-1, dist.EPValueError), (float("inf"), dist.EPValueError),
+                                             ("10", EPTypeError)])
+def test_key_value_waits_check_their_timeout(timeout_s, error):
+    for call in (dist.kv_get_bytes, dist.barrier):
+        with pytest.raises(error, match=rf"jax_ep.distributed.{call.__name__}: timeout_s must be a positive"):
+            call("k", timeout_s)
+
+
 @pytest.mark.parametrize("env,error,message", [
     ({"JAX_EP_NUM_PROCESSES": "two", "JAX_EP_PROCESS_ID": "0"}, ValueError,
      "JAX_EP_NUM_PROCESSES must be an integer, got 'two'"),
@@ -795,6 +832,12 @@ def test_distributed_launched_by(no_launch_env):
     ({"JAX_EP_NUM_PROCESSES": "0", "JAX_EP_PROCESS_ID": "0"}, ValueError, "must be at least 1, got 0"),
     ({"JAX_EP_NUM_PROCESSES": "2", "JAX_EP_PROCESS_ID": "0"}, ValueError, "JAX_COORDINATOR_ADDRESS is not"),
     ({}, RuntimeError, "no multi-process environment: not started by `python -m jax_ep.launch`"),
+    ({"JAX_EP_NUM_PROCESSES": "2", "JAX_EP_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1",
+      "JAX_LOCAL_DEVICE_IDS": "0;1"}, ValueError,
+     r"JAX_LOCAL_DEVICE_IDS='0;1' is not a device ordinal or a comma-separated list of them"),
+    # Open MPI 5's mpirun, which JAX's detection misses (it reads OMPI_MCA_orte_hnp_uri, gone in 5)
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, RuntimeError,
+     "This is an Open MPI 5 mpirun job.*cluster_detection_method='mpi4py'"),
 ])
 def test_distributed_initialize_errors(no_launch_env, env, error, message):
     for name, value in env.items():
