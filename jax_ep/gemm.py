@@ -88,7 +88,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
     check_option("grouped_matmul:", "num_sms", num_sms, "int?")
     check_option("grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
     plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend, num_sms, dw_num_sms)
-    return _grouped_matmul(*vary_jointly(x, w, group_sizes), plans, zero_tail)
+    return _grouped_matmul(*vary_jointly(x, w, int32_sizes(group_sizes)), plans, zero_tail)
 
 
 def explain(x, w, group_sizes=None, *, backend: str = "auto") -> dict[str, Plan]:
@@ -120,6 +120,13 @@ def check_group_sizes(group_sizes, num_groups: int, op: str = "grouped_matmul") 
                            f"of w), got {getattr(group_sizes, 'shape', None)}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise EPValueError(f"{op}: group_sizes must be integer, got dtype {group_sizes.dtype}")
+
+
+def int32_sizes(group_sizes: jax.Array) -> jax.Array:
+    """group_sizes as every backend reads them: int32 (lax.ragged_dot sums the sizes in their own dtype,
+    so int8 sizes of 100 wrapped around; the kernels cast), negative sizes as 0 (as the kernels' tile
+    schedule takes them; lax.ragged_dot's running sum went back rows)."""
+    return jnp.maximum(group_sizes.astype(jnp.int32), 0)
 
 
 def _check_args(x, w, group_sizes, backend: str) -> None:
@@ -187,10 +194,26 @@ def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str, num_sms: int | None
     return tuple(plans)
 
 
+def rows_reason(m: int) -> str:
+    """Why the Hopper kernels (bf16 and FP8) cannot take M rows ('' if they can): the rows' TMA tiles are
+    8 rows tall (gemm_mgpu.ROW_ALIGN) and the FP8 kernels read the row scales M-minor (16-byte strides),
+    so M must be a positive multiple of 8 (Mosaic refused to build the kernel otherwise, e.g. for the
+    layer's rows at a capacity of 100; M=0 raised a math domain error)."""
+    from jax_ep.gemm_mgpu import ROW_ALIGN
+
+    if m == 0:
+        return "there are no rows (M=0)"
+    if m % ROW_ALIGN:
+        return f"M={m} rows is not a multiple of {ROW_ALIGN} (the kernels' row tiling)"
+    return ""
+
+
 def _shape_reason(name: str, m: int, k: int, n: int) -> str:
     """Why the kernel cannot take this pass's shape ('' if it can). The kernels step K by 64 and tile
     the output by multiples of 64."""
     # forward: [M, K] @ [K, N]; dx: [M, N] @ [N, K]; dw: [M, K].T @ [M, N] -> [K, N]
+    if rows_reason(m):
+        return rows_reason(m)
     if name == "dw":
         return "" if k % 64 == 0 and n % 64 == 0 else (
             f"K={k} and N={n} must be multiples of 64 for the weight-gradient kernel")
@@ -218,7 +241,7 @@ def tuned_entry(name: str, m: int, k: int, n: int, g: int) -> tuple | None:
     tuned = [(key, cfg) for key, cfg in _tuned().items() if key[0] == name and key[2:4] == (k, n)]
     if not tuned:
         return None
-    return min(tuned, key=lambda kv: (abs(kv[0][1] - m) / m + abs(kv[0][4] - g) / g))[1]
+    return min(tuned, key=lambda kv: (abs(kv[0][1] - m) / max(m, 1) + abs(kv[0][4] - g) / max(g, 1)))[1]
 
 
 def block_config(name: str, m: int, k: int, n: int, g: int):
@@ -284,10 +307,15 @@ def weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, back
     past the groups never read into a sum): grouped_matmul's weight gradient on its own (the FP8 GEMM's
     backward uses it, with its caller's ``num_sms``)."""
     check_backend(backend, "weight_gradient")
-    g = group_sizes.shape[0]
+    check_option("weight_gradient:", "num_sms", num_sms, "int?")
+    if getattr(x, "ndim", None) != 2 or getattr(dy, "ndim", None) != 2 or x.shape[0] != dy.shape[0]:
+        raise EPValueError(f"weight_gradient: x [M, K] and dy [M, N] must be 2-D with the same rows, got x "
+                           f"{getattr(x, 'shape', None)}, dy {getattr(dy, 'shape', None)}")
+    g = getattr(group_sizes, "shape", (None,))[0]
+    check_group_sizes(group_sizes, g, "weight_gradient")
     w_shape = (g, x.shape[1], dy.shape[1])
     plan = _plans(x.shape, w_shape, x.dtype, dy.dtype, backend, num_sms)[2]
-    return _weight_gradient(*vary_jointly(x, dy, group_sizes), plan).astype(x.dtype)
+    return _weight_gradient(*vary_jointly(x, dy, int32_sizes(group_sizes)), plan).astype(x.dtype)
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

@@ -43,6 +43,8 @@ from jax_ep.gemm import (
     _kernel_platform,
     check_backend,
     check_group_sizes,
+    int32_sizes,
+    rows_reason,
     tuned_entry,
     weight_gradient,
 )
@@ -453,6 +455,12 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     check_fp8_channels("fp8_weight_gradient", K=c, N=n)
     if backend not in BACKENDS:
         raise EPValueError(f"fp8_weight_gradient: backend must be one of {BACKENDS}, got {backend!r}")
+    check_group_sizes(group_sizes, getattr(group_sizes, "shape", (None,))[0], "fp8_weight_gradient")
+    group_sizes = int32_sizes(group_sizes)
+    check_option("fp8_weight_gradient:", "num_sms", num_sms, "int?")
+    if backend == "mosaic_gpu" and rows_reason(m):
+        raise EPValueError(f"fp8_weight_gradient: backend='mosaic_gpu' cannot take x {tuple(x.shape)}: "
+                           f"{rows_reason(m)}")
     if backend == "reference":
         return weight_gradient_of_quantized(*quantize_weight_gradient_operands(
             x, dy, group_sizes, x_scales=x_scales)).astype(out_dtype)
@@ -572,6 +580,12 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         raise EPValueError(f"grouped_matmul_fp8: x {xq.shape} and w {wq.shape} (transpose_w={transpose_w}) "
                            "must share K")
     check_fp8_channels("grouped_matmul_fp8", K=k, N=n)
+    check_group_sizes(group_sizes, g, "grouped_matmul_fp8")
+    group_sizes = int32_sizes(group_sizes)
+    check_option("grouped_matmul_fp8:", "num_sms", num_sms, "int?")
+    if backend == "mosaic_gpu" and rows_reason(m):
+        raise EPValueError(f"grouped_matmul_fp8: backend='mosaic_gpu' cannot take xq {tuple(xq.shape)}: "
+                           f"{rows_reason(m)}")
     ws = jnp.swapaxes(w_scales, 1, 2) if transpose_w else w_scales     # [G, K/128 contracted, N/128]
     if x_scales.shape != (m, k // FP8_BLOCK) or ws.shape != (g, k // FP8_BLOCK, n // FP8_BLOCK):
         raise EPValueError(f"grouped_matmul_fp8: scales {x_scales.shape} / {w_scales.shape} do not match "
@@ -598,13 +612,15 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     return vary_as(out, xq, x_scales, wq, w_scales)  # a kernel's result is typed invariant; it is per rank
 
 
-def fp8_backend(k: int, n: int, backend: str = "auto") -> str:
-    """Where the FP8 GEMM of a [*, k] @ [g, k, n] product runs: "mosaic_gpu" on a Hopper GPU with k and n
-    multiples of 128, else "reference" (backend "auto"); an explicit backend is checked."""
+def fp8_backend(k: int, n: int, backend: str = "auto", m: int | None = None) -> str:
+    """Where the FP8 GEMM of a [m, k] @ [g, k, n] product runs: "mosaic_gpu" on a Hopper GPU with k and n
+    multiples of 128 (and m rows it can tile, where given: gemm.rows_reason), else "reference" (backend
+    "auto"); an explicit backend is checked."""
     if backend not in ("auto", *BACKENDS):
         raise EPValueError(f"fp8 grouped GEMM: backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     why = _kernel_platform() or ("" if k % FP8_BLOCK == 0 and n % FP8_BLOCK == 0 else
                                  f"K={k} and N={n} are not multiples of {FP8_BLOCK}")
+    why = why or ("" if m is None else rows_reason(m))
     if backend == "mosaic_gpu" and why:
         raise EPValueError(f"fp8 grouped GEMM: backend='mosaic_gpu' cannot run here: {why}")
     return backend if backend != "auto" else ("reference" if why else "mosaic_gpu")
@@ -655,8 +671,9 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
     k, n = w.shape[1], w.shape[2]
     check_fp8_channels("fp8_grouped_matmul", K=k, N=n)
     check_group_sizes(group_sizes, w.shape[0], "fp8_grouped_matmul")
+    group_sizes = int32_sizes(group_sizes)
     check_backend(gemm, "fp8_grouped_matmul", "gemm")
-    backend = fp8_backend(k, n, backend)
+    backend = fp8_backend(k, n, backend, x.shape[0])
     if quantized is not None:
         _check_quantized(quantized, w, backend)
         quantized = FP8Weights(*(None if a is None else vary_as(lax.stop_gradient(a), x, w)
@@ -682,7 +699,7 @@ def _live_rows_backend(shape, backend: str) -> str:
 def live_rows_quantiser(x_shape, w_shape, backend: str = "auto") -> str:
     """The quantiser fp8_grouped_matmul(x, w, backend=backend) takes for rows x it quantises itself:
     "pallas" (quantize_gemm_rows' live-row kernel, beside the Hopper GEMMs) or "reference"."""
-    return _live_rows_backend(tuple(x_shape), fp8_backend(w_shape[1], w_shape[2], backend))
+    return _live_rows_backend(tuple(x_shape), fp8_backend(w_shape[1], w_shape[2], backend, x_shape[0]))
 
 
 def _quantize_live_rows(x, group_sizes, backend):

@@ -756,3 +756,88 @@ def test_num_sms_sizes_every_pass_grid_and_is_checked(monkeypatch):
         with pytest.raises(error, match=f"grouped_matmul: num_sms must be None or a positive int, "
                                         f"got {bad!r}"):
             grouped_matmul(xs, ws, jnp.array([32, 32], jnp.int32), num_sms=bad)
+
+
+@pytest.mark.parametrize("m,kernel", [(96, True), (104, True), (8, True), (5, False), (100, False),
+                                      (257, False), (0, False)])
+def test_rows_the_hopper_kernels_cannot_tile_take_the_fallback(monkeypatch, m, kernel):
+    """M rows not a multiple of 8, or none: the Hopper kernels' TMA row tiles cannot take them (Mosaic
+    refused to build the kernel: e.g. the layer's rows at EPOptions(capacity=100); M=0 raised 'math
+    domain error'), so auto takes lax.ragged_dot / the FP8 reference for every pass and
+    explain says why; lowered for CUDA here, with Hopper stood in for."""
+    from jax_ep import gemm, gemm_fp8
+
+    monkeypatch.setattr(gemm, "_kernel_platform", lambda: "")
+    monkeypatch.setattr(gemm_fp8, "_kernel_platform", lambda: "")
+    x = jax.ShapeDtypeStruct((m, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((2,), jnp.int32)
+    plans = explain(x, w)
+    assert [p.impl for p in plans.values()] == ["mosaic_gpu" if kernel else "ragged_dot"] * 3
+    if not kernel:
+        assert all(f"M={m} rows is not a multiple of 8" in p.reason or "no rows (M=0)" in p.reason
+                   for p in plans.values()), plans
+    assert gemm_fp8.fp8_backend(256, 256, m=m) == ("mosaic_gpu" if kernel else "reference")
+    for fn in (grouped_matmul, gemm_fp8.fp8_grouped_matmul):
+        def loss(x, w, gs, fn=fn):
+            return jnp.sum(fn(x, w, gs).astype(jnp.float32))
+        text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("mosaic_gpu" in text) == kernel, fn.__name__
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int16, jnp.int64])
+def test_group_sizes_of_any_integer_dtype_give_the_int32_result(dtype):
+    """lax.ragged_dot sums the sizes in their own dtype: int8 sizes [100, 100, 100] wrapped around and
+    gave rows of the wrong groups (0.8 relative error); every entry point reads them as int32."""
+    from jax_ep import gemm, gemm_fp8
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((304, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 128, 128)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((304, 128)), jnp.float32)
+    sizes = np.array([100, 100, 100])
+    with jax.enable_x64(dtype == jnp.int64):
+        gs, gs32 = jnp.asarray(sizes, dtype), jnp.asarray(sizes, jnp.int32)
+        np.testing.assert_allclose(grouped_matmul(x, w, gs), dense_reference(x, w, sizes), rtol=2e-5,
+                                   atol=2e-4)
+        assert np.array_equal(gemm.weight_gradient(x, dy, gs), gemm.weight_gradient(x, dy, gs32))
+        assert np.array_equal(gemm_fp8.fp8_grouped_matmul(x, w, gs), gemm_fp8.fp8_grouped_matmul(x, w, gs32))
+
+
+def test_negative_group_sizes_count_as_empty_groups():
+    """A negative size: the kernels' tile schedule takes it as 0, lax.ragged_dot's running sum went back
+    rows (the two backends differed on 10 rows); every backend now reads it as 0."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 64, 64)), jnp.float32)
+    out = grouped_matmul(x, w, jnp.array([-5, 40, 10], jnp.int32))
+    np.testing.assert_allclose(out, dense_reference(x, w, [0, 40, 10]), rtol=2e-5, atol=2e-4)
+
+
+def test_every_gemm_entry_point_checks_num_sms_rows_and_group_sizes():
+    """weight_gradient, grouped_matmul_fp8 and fp8_weight_gradient took num_sms=-1 (a grid of -1 SMs on
+    a GPU) and failed deep in JAX on mismatched rows or group sizes, naming no argument."""
+    from jax_ep import gemm, gemm_fp8
+    from jax_ep.errors import EPValueError
+
+    x, dy = jnp.ones((16, 128), jnp.bfloat16), jnp.ones((16, 128), jnp.bfloat16)
+    gs = jnp.array([8, 8], jnp.int32)
+    xq, xs = gemm_fp8.quantize_fp8(x)
+    wq, ws = gemm_fp8.quantize_weight_blocks(jnp.ones((2, 128, 128), jnp.bfloat16))
+    calls = {
+        "weight_gradient": lambda **k: gemm.weight_gradient(**{"x": x, "dy": dy, "group_sizes": gs, **k}),
+        "fp8_weight_gradient": lambda **k: gemm_fp8.fp8_weight_gradient(
+            **{"x": x, "dy": dy, "group_sizes": gs, **k}),
+        "grouped_matmul_fp8": lambda **k: gemm_fp8.grouped_matmul_fp8(
+            xq, xs, wq, ws, **{"group_sizes": gs, **k}),
+    }
+    for op, call in calls.items():
+        with pytest.raises(EPValueError, match=f"{op}: num_sms must be None or a positive int, got -1"):
+            call(num_sms=-1)
+        with pytest.raises(EPValueError, match=f"{op}: group_sizes must be integer, got dtype float32"):
+            call(group_sizes=gs.astype(jnp.float32))
+    with pytest.raises(EPValueError, match=r"grouped_matmul_fp8: group_sizes must have shape \(2,\)"):
+        calls["grouped_matmul_fp8"](group_sizes=jnp.array([8, 4, 4], jnp.int32))
+    with pytest.raises(EPValueError, match=r"weight_gradient: x \[M, K\] and dy \[M, N\] must be 2-D with "
+                                           r"the same rows, got x \(16, 128\), dy \(12, 128\)"):
+        gemm.weight_gradient(x, dy[:12], gs)
