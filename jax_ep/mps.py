@@ -30,7 +30,18 @@ def mps_unavailable(pipe: pathlib.Path | None = None) -> str | None:
         mode = pipe.stat().st_mode
     except FileNotFoundError:
         return f"no control pipe {pipe}"
+    except OSError as e:   # its folder is a file, or another user's: no daemon this process can use
+        return f"cannot read the control pipe {pipe} ({e.strerror or e})"
     stale = "a stopped daemon left it behind"
+
+    def refused(what: str, e: OSError) -> str:
+        # a stopped daemon's leftover answers ECONNREFUSED / ENXIO; EACCES is a live daemon's pipe that
+        # this user may not use (another user's daemon), not a stopped one
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return (f"its control {what} {pipe} is not accessible to this user ({e.strerror}; owned by uid "
+                    f"{pipe.stat().st_uid}, this process runs as uid {os.getuid()})")
+        failure = "refuses connections" if what == "socket" else "has no reader"
+        return f"its control {what} {pipe} {failure} ({e.strerror or e}): {stale}"
     if stat.S_ISSOCK(mode):   # CUDA 13's daemon: a UNIX socket
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5.0)
@@ -42,18 +53,21 @@ def mps_unavailable(pipe: pathlib.Path | None = None) -> str | None:
                 # file has none bound (ECONNREFUSED). Nothing is sent to the daemon either way.
                 if e.errno == errno.EPROTOTYPE:
                     return None
-                return f"its control socket {pipe} refuses connections ({e.strerror or e}): {stale}"
+                return refused("socket", e)
         return None
     if stat.S_ISFIFO(mode):   # a named pipe, held open for reading while its daemon runs
         try:
             os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
         except OSError as e:
-            return f"its control pipe {pipe} has no reader ({e.strerror or e}): {stale}"
+            return refused("pipe", e)
         return None
     return f"{pipe} is neither a socket nor a named pipe"
 
 
 if __name__ == "__main__":
-    why = mps_unavailable()
+    try:
+        why = mps_unavailable()
+    except Exception as e:  # noqa: BLE001 - an uncaught error exits 1, which reads as "a daemon answers"
+        why = f"the MPS check failed: {type(e).__name__}: {e}"
     print(why or "")
     sys.exit(why is None)

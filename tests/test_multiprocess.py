@@ -5,6 +5,7 @@ Every subprocess wait is bounded (a hang fails the test, naming what hung, with 
 """
 
 import contextlib
+import errno
 import os
 import pathlib
 import platform
@@ -582,6 +583,31 @@ def test_mps_probe_run_by_path_imports_no_jax_and_exits_by_the_answer(mps):
     mps.start()
     code, out = ask()
     assert code == 1 and out == "\nimported: []\n", (code, out)
+
+
+def test_an_unreadable_control_pipe_is_no_daemon_and_the_probe_says_why(mps, monkeypatch):
+    """CUDA_MPS_PIPE_DIRECTORY naming a file (or another user's 0700 folder): stat raised
+    NotADirectoryError / PermissionError out of mps_unavailable, and the probe by path exited 1 on it,
+    which tools/gpu_check.sh reads as 'a daemon answers' (then ran the shared-GPU tests without MPS).
+    A live daemon's pipe this user may not open is not blamed on a stopped daemon."""
+    not_a_folder = mps.pipe.with_name("file")
+    not_a_folder.write_text("")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(not_a_folder))
+    assert mps_probe.mps_unavailable() == (f"cannot read the control pipe {not_a_folder / 'control'} "
+                                           "(Not a directory)")
+    probe = f"import runpy; runpy.run_path({str(ROOT / 'jax_ep' / 'mps.py')!r}, run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "cannot read the control pipe" in proc.stdout, proc
+    fifo = mps.pipe.with_name("fifo")
+    os.mkfifo(fifo)
+
+    def denied(path, flags, *args):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(mps_probe.os, "open", denied)
+    why = mps_probe.mps_unavailable(fifo)
+    assert why.startswith(f"its control pipe {fifo} is not accessible to this user (Permission denied; "
+                          "owned by uid ") and "stopped daemon" not in why, why
 
 
 @pytest.mark.parametrize("mps", ["SOCK_SEQPACKET", "SOCK_DGRAM"], indirect=True)
