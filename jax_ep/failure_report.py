@@ -58,7 +58,8 @@ _CUDA_XLA_ERROR = re.compile(r"CUDA_ERROR_\w+|cudaError\w*|\bCUDA error\b|\bINTE
 _FAULT = re.compile(r"jax_ep: ([a-z][a-z0-9_]*) on GPU \d+")
 _MISMATCHED_OP = re.compile(r"op is \w+ on rank \d+ and \w+ on rank \d+")
 _CUSTOM_CALL = re.compile(r"\bjax_ep_([a-z][a-z0-9_]*)\b")
-_NOT_AN_OP = {"op_state"}
+_NOT_AN_OP = {"op_state", "side_join"}
+_TARGET_VARIANT = re.compile(r"_(?:uncaptured|side)$")   # runtime.target's variants of one op
 _WORKER_REPORT = re.compile(r"\bcheck \S+ failed\b")
 
 # gloo's connection messages (jax.distributed's CPU collectives: one per rank and communicator, ~23 lines for
@@ -71,6 +72,7 @@ _GLOO_PIECES = re.compile(r"(?:\[Gloo\] Rank|is connected to|peer ranks\.|Expect
 _GLOO_WORDS = ("[Gloo] Rank", "connected peer ranks", "is connected to")
 
 ITEM_CHARS = 400            # each line of the summary at most
+FAULT_CHARS = 1000          # a fault record at most: the longest (~530) end with their advice
 MAX_FAULTS = 3              # distinct fault records shown (the rest counted)
 
 
@@ -162,6 +164,16 @@ class _TracebackReader:
         self.exceptions: list[str] = []
         self.state = "out"          # out, frames, after (an exception line), chained, done
         self.continuation = 0       # lines of a message that starts on the line after the exception's
+        self.embedded = False       # the exception's message holds a traceback (a JAX callback's)
+
+    def _exception(self, text: str) -> None:
+        self.exceptions.append(_short(text))
+        self.state, self.continuation = "after", 3 if text.rstrip().endswith(":") else 0
+        # "JaxRuntimeError: ... CpuCallback error calling callback: Traceback (most recent call last):",
+        # then the callback's frames and its exception (checked mode's "EPValueError: <message>")
+        self.embedded = text.rstrip().endswith(_TRACEBACK)
+        if self.embedded:
+            self.continuation = 0
 
     def feed(self, text: str) -> None:
         state = self.state
@@ -170,17 +182,20 @@ class _TracebackReader:
         if text.startswith(_TRACEBACK):
             self.state = "done" if state == "after" else "frames"   # after: another, unchained one
         elif state == "frames":
-            if text.strip() and not text[:1].isspace():
-                self.exceptions.append(_short(text))
-                self.state, self.continuation = "after", 3 if text.rstrip().endswith(":") else 0
+            # other threads' lines between the frames: XLA's absl log, the fault watcher's records
+            if text.strip() and not text[:1].isspace() and not _ABSL.match(text) \
+                    and not text.startswith("jax_ep device fault:"):
+                self._exception(text)
         elif state in ("after", "chained"):
             if text.startswith(_CHAINED):
                 self.state = "chained"
+            elif state == "after" and self.embedded and _EXCEPTION.match(text):
+                self._exception(text)       # the embedded traceback's exception
             elif state == "after" and self.continuation and text.strip() and not _ABSL.match(text):
                 self.continuation -= 1      # numpy.testing's messages start on the next line
                 self.exceptions[-1] = _short(self.exceptions[-1] + " | " + text.strip())
-            elif state == "after" and text.strip():
-                self.state = "done"
+            # other lines after an exception (its message's further lines, the embedded traceback's
+            # frames) are skipped: a chained exception may follow; an unchained traceback ends it
 
 
 class OutputDigest:
@@ -222,7 +237,7 @@ class OutputDigest:
         if self.first_error is None and _CUDA_XLA_ERROR.search(text):
             self.first_error = _short(text)
         if self.call_op is None and _CUDA_XLA_ERROR.search(text):
-            ops = [m for m in _CUSTOM_CALL.findall(text) if m not in _NOT_AN_OP]
+            ops = [_TARGET_VARIANT.sub("", m) for m in _CUSTOM_CALL.findall(text) if m not in _NOT_AN_OP]
             self.call_op = ops[0] if ops else None
         if noise:
             return
@@ -292,7 +307,7 @@ class OutputDigest:
         lines += ["  " + c for c in check[1:]]
         if self.faults:
             lines.append("jax_ep fault records:")
-            lines += ["  " + _short(f) for f in self.faults]
+            lines += ["  " + _short(f, FAULT_CHARS) for f in self.faults]
             if self.more_faults:
                 lines.append(f"  ({self.more_faults} more)")
         else:
@@ -313,7 +328,7 @@ class OutputDigest:
             tail_chars = max(1000, total_chars - len(summary) - 150)
         kept: list[str] = []
         size = 0
-        for line in reversed(self.tail):
+        for line in reversed(list(self.tail)):   # a copy: the launcher's pump threads may still feed
             if size + len(line) + 1 > tail_chars and kept:
                 break
             kept.append(line[-tail_chars:])

@@ -313,3 +313,69 @@ def test_gpu_harness_prints_each_processes_summary_first(gpu_helpers, tmp_path):
             assert_summary_first(shown, p, f"AssertionError: process {p} h7168",
                                  fault_record(p, (p + 1) % n)["message"], "slot_values")
 
+
+
+CHECKED_MODE_FAILURE = """\
+Traceback (most recent call last):
+  File "train.py", line 14, in <module>
+  File "/venv/jax/_src/array.py", line 647, in _value
+jax.errors.JaxRuntimeError: INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):
+  File "/venv/jax/_src/callback.py", line 816, in _wrapped_callback
+  File "/work/jax_ep/validation.py", line 295, in callback
+EPValueError: jax_ep.dispatch: topk_idx has 1 ids outside [-1, 8) across the EP group; first bad value 99
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "train.py", line 16, in <module>
+RuntimeError: training step 3 failed
+"""
+
+
+def test_a_checked_mode_failure_names_its_message_and_the_exception_raised_from_it():
+    """JAX's error of a checked-mode check holds the callback's traceback, then 'EPValueError: <message>'
+    (docs/api.md): the summary showed the JaxRuntimeError with three of the callback's 'File' lines and
+    never the message; and the message's further lines ended the reader, dropping what was raised from it."""
+    check = failure_report.digest(CHECKED_MODE_FAILURE).failing_check()
+    assert check == ["EPValueError: jax_ep.dispatch: topk_idx has 1 ids outside [-1, 8) across the EP group; "
+                     "first bad value 99", "RuntimeError: training step 3 failed"], check
+    alone = CHECKED_MODE_FAILURE.split("\n\nThe above")[0]
+    assert failure_report.digest(alone).failing_check()[-1].startswith("EPValueError: jax_ep.dispatch: ")
+    several = ("Traceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n"
+               "jax_ep.DeviceFaultError: 2 jax_ep device faults:\njax_ep: dispatch on GPU 0 timed out\n"
+               "jax_ep: dispatch on GPU 1 timed out\nthird line\nfourth line\n\n"
+               "During handling of the above exception, another exception occurred:\n\n"
+               "Traceback (most recent call last):\n  File \"a.py\", line 3, in <module>\nSystemExit: 3\n")
+    assert failure_report.digest(several).failing_check()[-1] == "SystemExit: 3"
+
+
+def test_other_threads_lines_between_the_frames_are_not_the_exception():
+    """XLA's absl log line (another replica's failure) or the fault watcher's record printed between a
+    traceback's frames was taken as the exception, and the real one dropped."""
+    xla = ("E1128 12:34:56.789012  812345 pjrt_stream_executor_client.cc:2850] Execution of replica 1 "
+           "failed: INTERNAL: CUDA error")
+    for other in (xla, "jax_ep device fault: jax_ep: dispatch on GPU 1 timed out"):
+        text = "\n".join(["Traceback (most recent call last):", '  File "/w/train.py", line 88, in <module>',
+                          other, "    loss = step(params, batch)",
+                          "jaxlib._jax.XlaRuntimeError: INTERNAL: CUDA error: CUDA_ERROR_LAUNCH_FAILED"])
+        check = failure_report.digest(text).failing_check()
+        assert check == ["jaxlib._jax.XlaRuntimeError: INTERNAL: CUDA error: CUDA_ERROR_LAUNCH_FAILED"], check
+
+
+@pytest.mark.parametrize("target,op", [("jax_ep_combine_uncaptured", "combine"),
+                                       ("jax_ep_dispatch_side", "dispatch"), ("jax_ep_side_join", None)])
+def test_a_target_variant_names_its_op(target, op):
+    """runtime.target's variants (an op on XLA's async stream or on jax_ep's side stream) named ops
+    'combine_uncaptured' / 'dispatch_side', and the side stream's join 'side_join'."""
+    text = f"jaxlib._jax.XlaRuntimeError: INTERNAL: custom call '{target}' failed: CUDA_ERROR_ILLEGAL_ADDRESS"
+    named = failure_report.digest(text).op()
+    assert (named or "").split(" (")[0] == (op or ""), named
+
+
+def test_a_long_fault_record_keeps_its_advice():
+    """The longest fault records (~530 characters: a group-discovery timeout) end with their advice,
+    which the summary's 400-character cut removed."""
+    record = ("jax_ep: dispatch on GPU 1 (rank 1 of 2) timed out after 100 s waiting for "
+              + "the peers' group discovery, " * 16 + "raise JAX_EP_TIMEOUT_S.")
+    assert len(record) > 500
+    assert record in failure_report.digest(f"jax_ep device fault: {record}").summary(0)
