@@ -24,6 +24,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep.errors import EPValueError
 
@@ -45,10 +46,19 @@ class BalancingConfig:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
+            # numbers.Real: NumPy's float32 / int64 scalars too (float32 was refused as not a number)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value) or value < 0:
                 raise EPValueError(
                     f"BalancingConfig.{field.name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, field.name, float(value))   # one type in the hash and the jit cache
+
+
+def _check_token_mask(token_mask) -> None:
+    """token_mask is bool (an int mask's bits were and-ed with the slots' validity: [2, 1, 0] counted the
+    last token only; a float mask failed in JAX's bitwise_and naming no argument)."""
+    if token_mask is not None and token_mask.dtype != jnp.bool_:
+        raise EPValueError(f"token_mask must be bool (False for padding tokens), got {token_mask.dtype}")
 
 
 def _check_num_experts(name: str, array: jax.Array, num_experts: int) -> None:
@@ -74,6 +84,7 @@ def expert_counts(topk_idx: jax.Array, num_experts: int, *, token_mask: jax.Arra
         if token_mask.shape != topk_idx.shape[:-1]:
             raise EPValueError(f"token_mask.shape={token_mask.shape} must equal topk_idx.shape[:-1]="
                                f"{topk_idx.shape[:-1]}")
+        _check_token_mask(token_mask)
         valid = valid & token_mask[..., None]
     # Integer scatter-add: exact and order-independent (deterministic), no [T, K, E] one-hot in memory.
     # Invalid slots are sent out of bounds and dropped.
@@ -135,7 +146,8 @@ def update_bias(bias: jax.Array, expert_load: jax.Array, rate: float, active: ja
 # ---------------------------------------------------------------------------------------------------------
 def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, alpha: float, *,
                       token_mask: jax.Array | None = None, sequence_length: int | None = None) -> jax.Array:
-    """DeepSeek-V3's sequence-wise balance loss (formula in the module docstring), averaged over sequences.
+    """DeepSeek-V3's sequence-wise balance loss (formula in the module docstring), averaged over the
+    sequences that hold a token (a sequence of padding only counts in no statistic).
 
     Args:
       scores: [B, S, E] router scores (softmax or sigmoid, before any bias); [S, E] is one sequence, or
@@ -149,6 +161,17 @@ def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, 
     Returns:
       scalar float32 loss; differentiable with respect to scores.
     """
+    total, sequences = sequence_aux_terms(scores, topk_idx, num_experts, alpha, token_mask=token_mask,
+                                          sequence_length=sequence_length)
+    return total / jnp.maximum(sequences, 1.0)
+
+
+def sequence_aux_terms(scores: jax.Array, topk_idx: jax.Array, num_experts: int, alpha: float, *,
+                       token_mask: jax.Array | None = None,
+                       sequence_length: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the sum of ``sequence_aux_loss``'s per-sequence losses, the number of sequences that hold a token),
+    float32 scalars: what shards of the tokens add up (psum both, then divide) for the loss over all of
+    them. Arguments as ``sequence_aux_loss``'s."""
     _check_num_experts("scores", scores, num_experts)
     if scores.shape[:-1] != topk_idx.shape[:-1]:
         raise EPValueError(
@@ -157,6 +180,7 @@ def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, 
     if token_mask is not None and token_mask.shape != scores.shape[:-1]:
         raise EPValueError(f"token_mask.shape={token_mask.shape} must equal scores.shape[:-1]="
                            f"{scores.shape[:-1]}")
+    _check_token_mask(token_mask)
     num_topk = topk_idx.shape[-1]
     if sequence_length is not None:
         if isinstance(sequence_length, bool) or not isinstance(sequence_length, numbers.Integral) \
@@ -193,4 +217,8 @@ def sequence_aux_loss(scores: jax.Array, topk_idx: jax.Array, num_experts: int, 
 
     normalised = scores / jnp.maximum(scores.sum(axis=-1, keepdims=True), 1e-20)
     p = (normalised * mask[..., None]).sum(axis=1) / num_tokens[:, None]                   # [B, E]
-    return jnp.float32(alpha) * jnp.mean(jnp.sum(f * p, axis=-1))
+    per_sequence = jnp.sum(f * p, axis=-1)                                                 # [B]
+    # a sequence of padding only is no sequence: counting it (as 0) scaled the loss down by real / all
+    holds = mask.sum(axis=-1) > 0
+    return (jnp.float32(alpha) * jnp.sum(jnp.where(holds, per_sequence, 0.0)),
+            jnp.sum(holds, dtype=jnp.float32))

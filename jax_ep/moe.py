@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import backends, eplb, overlap, remat
-from jax_ep.balancing import BalancingConfig, expert_counts, sequence_aux_loss, update_bias
+from jax_ep.balancing import BalancingConfig, expert_counts, sequence_aux_terms, update_bias
 from jax_ep.config import (
     EP_CONFIG_KINDS,
     FP8_BLOCK,
@@ -974,10 +974,12 @@ class MoE(nnx.Module):
         dropped = lax.psum(num_dropped, self.batch_axes)
         aux_loss = jnp.zeros((), jnp.float32)
         if self.balancing.aux_loss_alpha and aux:
-            aux_loss = sequence_aux_loss(routing.scores, routing.topk_idx, self.num_experts,
-                                    self.balancing.aux_loss_alpha, token_mask=token_mask,
-                                    sequence_length=seq_len)
-            aux_loss = lax.pmean(aux_loss, self.batch_axes)
+            # summed over the shards, then divided by the sequences that hold a token (a shard's mean
+            # averaged over shards weighed a shard of padding sequences as much as a full one)
+            total, sequences = lax.psum(sequence_aux_terms(
+                routing.scores, routing.topk_idx, self.num_experts, self.balancing.aux_loss_alpha,
+                token_mask=token_mask, sequence_length=seq_len), self.batch_axes)
+            aux_loss = total / jnp.maximum(sequences, 1.0)
         return out, MoEStats(load, dropped, aux_loss, slot_load), shared_out
 
     def _experts_throughput(self, x, topk_idx, topk_weights, w_gate_up, w_down, cfg: EPConfig, rank_mask,

@@ -16,6 +16,7 @@ from jax_ep.balancing import (
     sequence_aux_loss,
     update_bias,
 )
+from jax_ep.errors import EPValueError
 from jax_ep.gating import RouterConfig, route
 
 
@@ -129,8 +130,9 @@ def np_sequence_aux_loss(scores, idx, num_experts, alpha, mask=None):
                 chosen[e] += 1
         f = num_experts / (idx.shape[-1] * num_tokens) * chosen
         p = (scores[b, keep] / scores[b, keep].sum(-1, keepdims=True)).sum(0) / num_tokens
-        losses.append(alpha * (f * p).sum())
-    return np.mean(losses)
+        if keep.any():   # a sequence of padding only counts in no statistic
+            losses.append(alpha * (f * p).sum())
+    return np.mean(losses) if losses else 0.0
 
 
 def test_aux_loss_hand_computed():
@@ -179,3 +181,42 @@ def test_aux_loss_errors():
     for bad in (0, -5, 2.0, True):
         with pytest.raises(ValueError, match=f"sequence_length must be None or a positive int, got {bad!r}"):
             sequence_aux_loss(jnp.ones((6, 4)), jnp.zeros((6, 1), jnp.int32), 4, 1.0, sequence_length=bad)
+
+
+def test_sequences_of_padding_only_leave_the_aux_loss_unchanged():
+    """A sequence with no real token counted as a sequence of loss 0: padding a batch with empty
+    sequences scaled the loss and its gradient down by real / all (docs/api.md: padding counts in no
+    statistic)."""
+    rng = np.random.default_rng(31)
+    scores = jax.nn.softmax(jnp.asarray(rng.standard_normal((4, 6, 8)), jnp.float32))
+    idx = jax.lax.top_k(scores, 2)[1]
+    mask = jnp.asarray(rng.random((4, 6)) < 0.7).at[:, 0].set(True)
+    real = sequence_aux_loss(scores, idx, 8, 1e-2, token_mask=mask)
+    padded = sequence_aux_loss(jnp.concatenate([scores, scores]), jnp.concatenate([idx, idx]), 8, 1e-2,
+                               token_mask=jnp.concatenate([mask, jnp.zeros_like(mask)]))
+    np.testing.assert_allclose(padded, real, rtol=1e-6)
+    np.testing.assert_allclose(real, np_sequence_aux_loss(np.asarray(scores), np.asarray(idx), 8, 1e-2,
+                                                          np.asarray(mask)), rtol=1e-5)
+    assert float(sequence_aux_loss(scores, idx, 8, 1e-2, token_mask=jnp.zeros_like(mask))) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32])
+def test_a_token_mask_that_is_not_bool_is_refused_naming_it(dtype):
+    """An int mask [2, 1, 0] was and-ed bit by bit with the slots' validity (it counted the last token
+    only); a float mask failed in JAX's bitwise_and naming no argument."""
+    idx = jnp.zeros((3, 1), jnp.int32)
+    mask = jnp.asarray([2, 1, 0], dtype)
+    with pytest.raises(EPValueError, match=f"token_mask must be bool .*got {jnp.dtype(dtype)}"):
+        expert_counts(idx, 4, token_mask=mask)
+    with pytest.raises(EPValueError, match=f"token_mask must be bool .*got {jnp.dtype(dtype)}"):
+        sequence_aux_loss(jnp.ones((3, 4)), idx, 4, 1.0, token_mask=mask)
+
+
+def test_balancing_config_takes_numpy_scalars():
+    """np.float32(1e-3) was refused as 'not a finite number'; every real number is stored as a float."""
+    config = BalancingConfig(bias_update_rate=np.float32(1e-3), aux_loss_alpha=np.int64(0))
+    assert type(config.bias_update_rate) is float and config.aux_loss_alpha == 0.0
+    assert config == BalancingConfig(bias_update_rate=float(np.float32(1e-3)))
+    for bad in (np.bool_(True), np.float32("nan"), -1):
+        with pytest.raises(EPValueError, match="bias_update_rate must be a finite number >= 0"):
+            BalancingConfig(bias_update_rate=bad)

@@ -361,6 +361,22 @@ def test_inside_user_shard_map():
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
+def test_sequences_of_padding_only_leave_the_layer_aux_loss_unchanged():
+    """4 sequences, then the same 4 with 4 sequences of padding only (on other token shards): the layer's
+    aux loss is the same (it was halved: each shard's mean over its sequences, averaged over the shards,
+    counted an empty sequence as one of loss 0)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    layer = make_layer(mesh, balancing=BalancingConfig(aux_loss_alpha=0.1))
+    x = random_tokens(5, batch=4, seq=4)
+    nnx.jit(lambda m, x: m(x))(layer, x)
+    real = float(layer.aux_loss)
+    padded = jnp.concatenate([x, jnp.asarray(np.random.default_rng(6).standard_normal(x.shape), x.dtype)])
+    mask = jnp.concatenate([jnp.ones((4, 4), bool), jnp.zeros((4, 4), bool)])
+    nnx.jit(lambda m, x, k: m(x, token_mask=k))(layer, padded, mask)
+    assert real > 0
+    np.testing.assert_allclose(float(layer.aux_loss), real, rtol=1e-5)
+
+
 @pytest.mark.parametrize("decode", [False, True])
 def test_padding_tokens_go_nowhere_and_count_in_no_statistic(decode):
     """layer(x, token_mask=m): a padding token (False) gets routed output 0 and no routed gradient, and is
