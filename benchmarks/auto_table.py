@@ -3,8 +3,12 @@ and output layout, the device time of the CUDA kernel and of the reference at ev
 count and EP size measured, and the decision ``jax_ep.auto_table.min_tokens`` derives from them for
 each EP size; and from runs with ``--pull both`` on separate GPUs, where the dispatch and broadcast
 kernels pull their rows (section "pull": per EP size and SM count, pushed against pulled, the same
-rule). A run replaces the points of the EP sizes it measured and keeps the table's others
-(``--replace``: only this run's), so a one-GPU run and a two-GPU run each keep their own decisions.
+rule). A run replaces the points of each op, layout, wire dtype and EP size it measured and keeps the
+table's others (``--replace``: only this run's), so a one-GPU run and a two-GPU run, or a
+``--rank-major`` run and an expert-major one, or a bf16 run and an FP8 one, each keep their points.
+Several record files are several runs: where two measured the same point (combine, timed in the
+first pass of each ``--dtypes`` split), the later file's measurement is taken, as running the tool on
+each file in turn would; the same file twice is refused.
 
 The op times are not the last word: users feel the MoE layer's step. Given the layer benchmark's
 records too, a layer shape where the step with the EP kernels (``ep_cuda``) is slower than with the
@@ -56,8 +60,8 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
             pair = keyed.setdefault(key, {})
             held = pair.get(r["backend"])
             if held is not None and held.get("num_sms") == r.get("num_sms"):
-                raise ValueError(f"two {r['backend']} records of {key} on {r.get('num_sms')} SMs: pass each "
-                                 "run's records once")
+                raise ValueError(f"two {r['backend']} records of {key} on {r.get('num_sms')} SMs in one "
+                                 "run's records: pass each run's records once (runs as files)")
             if held is None or (r.get("num_sms") or 0) > (held.get("num_sms") or 0):
                 pair[r["backend"]] = r
     points = collections.defaultdict(list)
@@ -69,6 +73,31 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
             kernel_us=round(_time(pair["cuda"]), 1), reference_us=round(_time(pair["reference"]), 1),
             device=pair["cuda"].get("device"), date=pair["cuda"].get("date")))
     return points
+
+
+def points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[tuple[str, str], list[dict]], list[str]]:
+    """(points, notes) of several runs' records ({file: records}, in the order given): each file's
+    points (points_of; a duplicate inside one file is an error naming it), a point that a later file
+    measured again taken from the later file (two runs split by ``--dtypes`` both time combine: before
+    2026-12-06 passing them together was refused); notes say which points were taken from which file."""
+    merged, source, notes = {}, {}, []
+    for name, records in runs.items():
+        try:
+            points = points_of(records)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}" if name else str(e)) from None
+        for (op, layout), pts in points.items():
+            for p in pts:
+                key = (op, layout, p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
+                       p["ep_size"])
+                if key in merged:
+                    notes.append(f"{op} {layout} {p['dtype']} EP{p['ep_size']} {p['tokens']} tokens per "
+                                 f"rank: measured in {source[key]} and {name}; {name}'s taken")
+                merged[key], source[key] = p, name
+    points = collections.defaultdict(list)
+    for key, p in sorted(merged.items()):
+        points[key[:2]].append(p)
+    return points, notes
 
 
 def _default_transport(record) -> bool:
@@ -157,11 +186,12 @@ def measured_on(points: list[dict]) -> dict[str, list[str]]:
 
 def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) -> dict:
     """The table from the points of one run (points_of; extended in place), keeping `old`'s points of
-    the EP sizes the run did not measure (any op)."""
-    measured = {p["ep_size"] for pts in points.values() for p in pts}
+    each op and layout at the wire dtypes and EP sizes the run did not measure for it (before
+    2026-12-06 a run measuring one op at an EP size dropped every other op's points there)."""
     for op, layouts in (old or {}).get("ops", {}).items():
         for layout, entry in layouts.items():
-            points[(op, layout)] += [p for p in entry["points"] if p["ep_size"] not in measured]
+            measured = {(p["dtype"], p["ep_size"]) for p in points.get((op, layout), [])}
+            points[(op, layout)] += [p for p in entry["points"] if (p["dtype"], p["ep_size"]) not in measured]
     ops = {}
     for (op, layout), pts in sorted(points.items()):
         if not pts:
@@ -238,12 +268,14 @@ def layer_preferences(layer_records: list[dict]) -> tuple[dict[str, dict], set[s
     return prefers, against
 
 
-def write(records: list[dict], path: pathlib.Path = auto_table.TABLE_FILE,
+def write(records: list[dict] | dict[str, list[dict]], path: pathlib.Path = auto_table.TABLE_FILE,
           layer_records: list[dict] | None = None, replace: bool = False, rederive: bool = False) -> dict:
-    """The table from a run's records (see the module docstring); ``rederive``: no records, the table's
-    own points decided again (after a change of the rule), its vetoes and preferences kept."""
-    points = points_of(records)
-    pulled = pull_points_of(records)
+    """The table from a run's records, or several runs' ({file: records}, points_of_runs; see the module
+    docstring); ``rederive``: no records, the table's own points decided again (after a change of the
+    rule), its vetoes and preferences kept."""
+    runs = records if isinstance(records, dict) else {None: records}
+    points, _ = points_of_runs(runs)
+    pulled = pull_points_of([r for run in runs.values() for r in run])
     measured = {str(p["ep_size"]) for pts in points.values() for p in pts}
     if not measured and not pulled and not layer_records and not rederive:
         raise ValueError("no op has both a cuda and a reference record, nor a pushed and a pulled one: "
@@ -308,7 +340,8 @@ def main(argv=None) -> None:
                         "on the shipped table")
     parser.add_argument("--layer", help="records of python -m benchmarks --layer")
     parser.add_argument("--replace", action="store_true",
-                        help="drop the table's points of EP sizes this run did not measure")
+                        help="drop the table's points this run did not measure (default: keep those of "
+                             "the ops, layouts, wire dtypes and EP sizes it did not measure)")
     parser.add_argument("--rederive", action="store_true",
                         help="no records: decide the table's own points again (after a change of the rule)")
     parser.add_argument("--table", default=str(auto_table.TABLE_FILE),
@@ -319,12 +352,18 @@ def main(argv=None) -> None:
         parser.error("give op record files, --layer, or both (or --rederive)")
     if args.replace and not args.ops:
         parser.error("--replace drops the table's points: it needs op record files")
-    records = [r for f in args.ops for r in json.loads(pathlib.Path(f).read_text())]
+    runs = {}
+    for f in args.ops:
+        if pathlib.Path(f).resolve() in {pathlib.Path(g).resolve() for g in runs}:
+            parser.error(f"ops: {f} given twice: pass each run's records once")
+        runs[f] = json.loads(pathlib.Path(f).read_text())
     layer = json.loads(pathlib.Path(args.layer).read_text()) if args.layer else None
     path = pathlib.Path(args.table)
     if path != auto_table.TABLE_FILE and not path.exists() and auto_table.TABLE_FILE.exists():
         path.write_text(auto_table.TABLE_FILE.read_text())   # a copy of the shipped table, updated
-    table = write(records, path, layer_records=layer, replace=args.replace, rederive=args.rederive)
+    table = write(runs, path, layer_records=layer, replace=args.replace, rederive=args.rederive)
+    for note in points_of_runs(runs)[1]:
+        print(note)
     for op, layouts in table["ops"].items():
         for layout, entry in layouts.items():
             for ep, tokens in entry["min_tokens"].items():

@@ -502,3 +502,47 @@ def test_points_take_the_kernels_on_the_most_sms_and_refuse_duplicates():
         assert point["kernel_us"] == 200.0 and point["reference_us"] == 300.0
     with pytest.raises(ValueError, match="two cuda records .* on 132 SMs"):
         writer.points_of([ref, all_sms, dict(all_sms)])
+
+
+def test_writer_keeps_the_points_of_the_ops_and_dtypes_a_run_did_not_measure(tmp_path, capsys):
+    """A run replaces only the (op, layout, wire dtype, EP size) it measured: a --rank-major run keeps
+    the expert-major ops' EP2 decisions, an FP8-only run the bf16 ones (before 2026-12-06 both went).
+    Two runs passed as two files are two runs: a point both measured (combine, timed in the first pass
+    of each --dtypes split) is the later file's; a duplicate inside one file, or one file twice, is refused
+    by name."""
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    fp8 = dict(dtype="float8_e4m3fn")
+    expert_major = [_record("dispatch", "cuda", 4096, 100.0, 2),
+                    _record("dispatch", "reference", 4096, 300.0, 2),
+                    _record("combine", "cuda", 4096, 100.0, 2),
+                    _record("combine", "reference", 4096, 90.0, 2)]
+    writer.write(expert_major, path)
+    rank_major = [dict(_record("dispatch_rank_major", b, 4096, us, 2), layout="rank_major")
+                  for b, us in (("cuda", 50.0), ("reference", 90.0))]
+    table = writer.write(rank_major, path)
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens"] == {"2": 0}
+    assert table["ops"]["combine"]["expert_major"]["min_tokens"] == {"2": None}
+    assert table["ops"]["dispatch_rank_major"]["rank_major"]["min_tokens"] == {"2": 0}
+    # a bf16-only run then an FP8-only run of the same shape: each dtype keeps its decision
+    fp8_run = [_record("dispatch", "cuda", 4096, 300.0, 2, **fp8),
+               _record("dispatch", "reference", 4096, 200.0, 2, **fp8),
+               _record("combine", "cuda", 4096, 80.0, 2), _record("combine", "reference", 4096, 90.0, 2)]
+    dispatch = writer.write(fp8_run, path)["ops"]["dispatch"]["expert_major"]
+    assert dispatch["min_tokens_by_dtype"] == {"bfloat16": {"2": 0}, "float8_e4m3fn": {"2": None}}
+    # the two runs as two files, together: not refused; combine from the later file
+    (tmp_path / "bf16.json").write_text(json.dumps(expert_major))
+    (tmp_path / "fp8.json").write_text(json.dumps(fp8_run))
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text("{}")      # not a copy of the shipped table
+    writer.main([str(tmp_path / "bf16.json"), str(tmp_path / "fp8.json"), "--table", str(fresh)])
+    assert "measured in " + str(tmp_path / "bf16.json") in capsys.readouterr().out
+    table = json.loads(fresh.read_text())
+    assert table["ops"]["combine"]["expert_major"]["min_tokens"]["2"] == 0      # fp8.json's 80 < 90
+    assert table["ops"]["dispatch"]["expert_major"]["min_tokens_by_dtype"]["float8_e4m3fn"]["2"] is None
+    with pytest.raises(SystemExit):
+        writer.main([str(tmp_path / "bf16.json"), str(tmp_path / "bf16.json"), "--table", str(fresh)])
+    assert "bf16.json given twice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="twice.json: two cuda records"):
+        writer.write({"twice.json": expert_major + expert_major[:1]}, path)
