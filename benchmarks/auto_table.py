@@ -297,8 +297,10 @@ def write(records: list[dict] | dict[str, list[dict]], path: pathlib.Path = auto
         if ep not in compared:
             vetoes.setdefault(ep, why)
     prefers, against = layer_preferences(layer_records or [])
-    # a preference stays until a layer run measures the kernels slower there (see the docstring)
-    for ep, pref in (old or {}).get("layer_prefers", {}).items():
+    # a preference stays until a layer run measures the kernels slower there (see the docstring), as a
+    # veto does: read from the table before this run, --replace or not (before 2026-12-06 --replace
+    # dropped the preferences and kept the vetoes)
+    for ep, pref in (prior or {}).get("layer_prefers", {}).items():
         if ep not in against:
             prefers.setdefault(ep, pref)
     prefers = {ep: pref for ep, pref in prefers.items() if ep not in vetoes}

@@ -546,3 +546,21 @@ def test_writer_keeps_the_points_of_the_ops_and_dtypes_a_run_did_not_measure(tmp
     assert "bf16.json given twice" in capsys.readouterr().err
     with pytest.raises(ValueError, match="twice.json: two cuda records"):
         writer.write({"twice.json": expert_major + expert_major[:1]}, path)
+
+
+def test_replace_keeps_the_layers_preferences_as_it_keeps_its_vetoes(tmp_path):
+    """--replace drops the table's op points, not the layer's word: a preference stays until a layer run
+    measures the kernels slower, as a veto does (before 2026-12-06 --replace dropped the preferences)."""
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    ops = [_record("slot_values", "cuda", 2048, 30.0, 4), _record("slot_values", "reference", 2048, 20.0, 4),
+           _record("combine", "cuda", 2048, 30.0, 8), _record("combine", "reference", 2048, 20.0, 8)]
+    layer = [dict(op="moe_layer", shape="mid", config=c, ep_size=ep, step_ms=ms, tokens_per_rank=2048)
+             for ep, c, ms in ((4, "ep_cuda", 9.0), (4, "jax_ep", 10.0),
+                               (8, "ep_cuda", 9.0), (8, "ep_reference", 8.0))]
+    table = writer.write(ops, path, layer_records=layer)
+    assert set(table["layer_prefers"]) == {"4"} and set(table["vetoed"]) == {"8"}
+    table = writer.write(ops, path, replace=True)
+    assert set(table["layer_prefers"]) == {"4"} and set(table["vetoed"]) == {"8"}
+    assert table["ops"]["slot_values"]["expert_major"]["min_tokens"] == {"4": 2048}
