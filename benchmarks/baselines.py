@@ -39,6 +39,8 @@ def _exclusive_cumsum(x):
 
 def ragged_dispatch(x, topk_idx, topk_weights, num_experts: int, axis_name: str):
     ep_size = lax.axis_size(axis_name)
+    if num_experts % ep_size:   # the experts past the last whole rank would be no rank's: pairs dropped
+        raise ValueError(f"num_experts={num_experts} is not divisible by the EP size {ep_size}")
     me = lax.axis_index(axis_name)
     local_experts = num_experts // ep_size
     tokens, topk = topk_idx.shape
@@ -111,6 +113,8 @@ def dense_dispatch(x, topk_idx, topk_weights, num_experts: int, axis_name: str,
     ``dtype``: the rows' dtype on the wire (None: x's); ``"float8_e4m3fn"`` quantises at the source
     (jax_ep's per-token, per-128-channel rule, float32 scales)."""
     ep_size = lax.axis_size(axis_name)
+    if num_experts % ep_size:   # the experts past the last whole rank would be no rank's: pairs dropped
+        raise ValueError(f"num_experts={num_experts} is not divisible by the EP size {ep_size}")
     local = num_experts // ep_size
     tokens, _ = topk_idx.shape
     dest = jnp.where(topk_idx >= 0, topk_idx // local, -1)                      # [T, K]

@@ -247,10 +247,14 @@ def measure_copy_peak(devices, nbytes: int = 1 << 30) -> float | None:
 
 
 def resolve_shapes(preset: str, platform: str, tokens: str | None = None, hidden: int | None = None,
-                   topk: int | None = None, experts: int | None = None) -> list[tuple[int, int, int, int]]:
+                   topk: int | None = None, experts: int | None = None, ep_size: int | None = None
+                   ) -> list[tuple[int, int, int, int]]:
     """The (tokens per rank, hidden, top-k, experts) shapes of a run. ``preset``: "auto" (small on CPU,
     deepseek and sparse on GPUs) or comma-separated preset names; ``tokens`` (comma-separated) replaces
-    the tokens of every preset shape; hidden/topk/experts override theirs. Duplicates are run once."""
+    the tokens of every preset shape; hidden/topk/experts override theirs. Duplicates are run once.
+    ``ep_size``: refuse (ValueError naming the option or preset) the experts it does not divide and a
+    top-k above the experts, which jax_ep refuses while the dense baseline ran them (before 2026-12-06:
+    silently dropping the pairs of the experts past the last whole rank, or a broadcasting error)."""
     if preset == "auto":
         names = ["small"] if platform == "cpu" else ["deepseek", "sparse"]
     else:
@@ -258,6 +262,16 @@ def resolve_shapes(preset: str, platform: str, tokens: str | None = None, hidden
         unknown = [n for n in names if n not in PRESETS]
         if unknown:
             raise ValueError(f"unknown preset(s) {unknown}; choose from {sorted(PRESETS)} or auto")
+    for name in names:
+        for _, _, k, e in PRESETS[name]:
+            k_from = f"--topk {topk}" if topk else f"preset {name}'s top-{k}"
+            e_from = f"--experts {experts}" if experts else f"preset {name}'s {e} experts"
+            k, e = topk or k, experts or e
+            if ep_size and e % ep_size:
+                raise ValueError(f"{e_from}: not divisible by the EP size {ep_size} (the devices); give "
+                                 f"--experts a multiple of {ep_size}")
+            if k > e:
+                raise ValueError(f"{k_from} exceeds {e_from}: each token picks top-k distinct experts")
     shapes = [shape for name in names for shape in PRESETS[name]]
     if tokens:
         shapes = [(int(t), h, k, e) for _, h, k, e in shapes for t in tokens.split(",")]
@@ -865,7 +879,8 @@ def main(argv=None) -> list[dict]:
     platform = devices[0].platform
     mesh = Mesh(np.array(devices), ("ep",))
     try:
-        shapes = resolve_shapes(args.preset, platform, args.tokens, args.hidden, args.topk, args.experts)
+        shapes = resolve_shapes(args.preset, platform, args.tokens, args.hidden, args.topk, args.experts,
+                                None if args.low_latency else len(devices))   # low-latency: its own shape
     except ValueError as e:
         build_parser(args.mode).error(str(e))
     preset = args.preset if args.preset != "auto" else ("small" if platform == "cpu" else "deepseek,sparse")

@@ -612,6 +612,13 @@ def test_each_mode_help_lists_its_own_options(capsys):
     (["--experts", "0"], "argument --experts: must be a positive integer, got '0'"),
     (["--num-sms", "0"], "argument --num-sms: must be comma-separated positive integers"),
     (["--pull", "sometimes"], "argument --pull: invalid choice: 'sometimes'"),
+    # shapes jax_ep refuses, which the dense baseline ran (dropping pairs; a broadcasting error)
+    (["--experts", "12", "--backends", "dense", "--tokens", "8", "--iters", "1", "--repeats", "1"],
+     "error: --experts 12: not divisible by the EP size 8 (the devices); give --experts a multiple of 8"),
+    (["--preset", "sparse", "--topk", "9", "--backends", "dense", "--tokens", "8", "--iters", "1",
+      "--repeats", "1"], "error: --topk 9 exceeds preset sparse's 8 experts"),
+    (["--topk", "16", "--experts", "8", "--backends", "dense", "--tokens", "8", "--iters", "1",
+      "--repeats", "1"], "error: --topk 16 exceeds --experts 8"),
     (["--layer", "--iters", "0"], "argument --iters: must be a positive integer, got '0'"),
     (["--layer", "--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
     (["--layer", "--layer-shapes", "nope"], "argument --layer-shapes: unknown 'nope'"),
@@ -896,6 +903,21 @@ def test_dense_round_trip_matches_reference_combine(dtype, rtol):
     exact = x.astype(np.float64) * gain[..., None]
     assert_close_f(got, exact, rtol, "dense vs exact")
     assert (got[:, :2] == 0).all()   # unrouted tokens come back as zeros
+
+
+def test_the_baselines_refuse_experts_the_ep_size_does_not_divide():
+    """Before 2026-12-06 dense_dispatch silently dropped every pair of the experts past the last whole
+    rank (6 experts on 4 ranks: experts 4 and 5 were no rank's)."""
+    from helpers import per_rank
+
+    from benchmarks import baselines
+
+    x, idx, w = _dense_inputs(2, jnp.dtype("bfloat16"))
+    for fn in (baselines.dense_dispatch, baselines.ragged_dispatch):
+        with pytest.raises(ValueError, match="num_experts=6 is not divisible by the EP size 4"):
+            per_rank(lambda x, i, w, fn=fn: fn(x, i, w, 6, "ep").x, 4)(x[:4], idx[:4] % 6, w[:4])
+    with pytest.raises(ValueError, match="preset sparse's 8 experts: not divisible by the EP size 16"):
+        bench.resolve_shapes("sparse", "gpu", ep_size=16)
 
 
 def test_resolve_shapes_sweeps_every_preset():
