@@ -520,6 +520,22 @@ def test_merge_folds_two_calls_records_into_one(tmp_path):
         rec.main(["--merge", str(other), "--into", str(docs)])
 
 
+def test_merge_numbers_any_parts_repeats():
+    """--repeat numbers any part; merge gives another run's numbered repeat the next free number for
+    every part, not only pgrep_on/off (before 2026-12-06 two calls' decode_layer_1 overwrote each other)."""
+    calls = [rec.update(None, "decode_layer", counts, commit_id="c", date=date, repeat=True, **KW)
+             for counts, date in ((A, "2026-11-28T10:00:00+00:00"), (B, "2026-11-28T11:00:00+00:00"))]
+    merged = rec.merge(rec.merge(None, calls[0]), calls[1])
+    assert sorted(merged["parts"]) == ["decode_layer_1", "decode_layer_2"]
+    assert (merged["passed"], merged["failed"]) == (12, 1)
+    assert rec.merge(merged, calls[1]) == merged                # the same call's record again: no change
+    # a part of another name is still replaced by the later run
+    later = rec.update(None, "m1a", B, commit_id="c", date="2026-11-28T12:00:00+00:00", **KW)
+    earlier = rec.update(None, "m1a", A, commit_id="c", date="2026-11-28T09:00:00+00:00", **KW)
+    merged = rec.merge(rec.merge(None, earlier), later)
+    assert list(merged["parts"]) == ["m1a"] and merged["passed"] == 7
+
+
 def test_junit_ids_are_pytest_node_ids():
     case = ET.fromstring('<testcase classname="tests.gpu.test_a_gpu.TestX" name="test_y[bf16-2]"/>')
     assert rec.node_id(case) == "tests/gpu/test_a_gpu.py::TestX::test_y[bf16-2]"
