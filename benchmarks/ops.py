@@ -916,11 +916,14 @@ def main(argv=None) -> list[dict]:
                                 tokens_per_rank=128, ep_size=2, us=us, device_us=us, measured=False,
                                 **LL_SHAPE))
         for r in records:
-            print(f"{r['op']:14s} {r['backend']:24s} {r['dtype']:14s} T={r['tokens_per_rank']:4d} "
-                  f"{r['us']:9.1f} us  device {r.get('device_us') or 0:9.1f} us"
-                  + (f"  per layer: serial {r['us_serial']:.1f}, shared expert {r['us_shared']:.1f}, "
-                     f"dispatch in the step {r['dispatch_in_step_us']:.1f}: {r['hidden_us']:.1f} us hidden"
-                     if r["op"] == "ll_overlap" else ""))
+            # the device time blank where not profiled, as print_table leaves it (not "device 0.0 us")
+            device = "" if r.get("device_us") is None else f"device {r['device_us']:9.1f} us"
+            line = (f"{r['op']:14s} {r['backend']:24s} {r['dtype']:14s} T={r['tokens_per_rank']:4d} "
+                    f"{r['us']:9.1f} us  {device:19s}"
+                    + (f"  per layer: serial {r['us_serial']:.1f}, shared expert {r['us_shared']:.1f}, "
+                       f"dispatch in the step {r['dispatch_in_step_us']:.1f}: {r['hidden_us']:.1f} us hidden"
+                       if r["op"] == "ll_overlap" else ""))
+            print(line.rstrip())
         write_records(records, args.out)
         check_outcome(sum(r["measured"] for r in records), failed, args.out)
         return records

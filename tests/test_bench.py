@@ -675,6 +675,23 @@ def test_bench_exits_1_when_nothing_was_measured(tmp_path, capsys):
         assert not [r for r in json.loads(out.read_text()) if r.get("measured", True)], argv
 
 
+def test_low_latency_table_leaves_the_device_time_blank_where_not_profiled(tmp_path, monkeypatch, capsys):
+    """As the ops table does (before 2026-12-06 it printed "device 0.0 us" without --profile)."""
+    def fake(mesh, backend, dtype, tokens, hidden, topk, experts, *args):
+        return [dict(op="ll_dispatch", backend=backend, layout="fixed_slots", dtype=dtype,
+                     tokens_per_rank=tokens, hidden=hidden, topk=topk, num_experts=experts, ep_size=8,
+                     us=12.5, device_us=None, measured=True)]
+
+    monkeypatch.setattr(bench, "bench_low_latency", fake)
+    bench.main(["--low-latency", "--backends", "reference", "--dtypes", "bfloat16", "--tokens", "1",
+                "--iters", "1", "--repeats", "1", "--out", str(tmp_path / "ll.json")])
+    out = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in out if x.startswith("ll_dispatch    reference")]
+    assert line.endswith("12.5 us") and "device" not in line, line
+    published = [x for x in out if x.startswith(("ll_dispatch", "ll_combine")) and "reference" not in x]
+    assert published and all("device" in x for x in published), out   # DeepEP's: device times
+
+
 def test_bench_exits_1_when_a_point_failed(tmp_path, monkeypatch, capsys):
     """A requested point that raises is printed as FAILED, the others' records are written, and the run
     exits 1 naming it; in every mode."""
