@@ -897,7 +897,9 @@ def print_table(records: list[dict]) -> None:
         split = "" if not r["split_ms"] else "/".join(f"{v:.2f}" for v in r["split_ms"].values()) + (
             f"; {r['ep_hidden_ms']:.2f} / {r['split_ms']['dispatch'] + r['split_ms']['combine']:.2f}")
         ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
-        tflops = "" if r["gemm_tflops"] is None else f"{r['gemm_tflops']:.0f}"
+        # 4 significant figures, as the ops table's GB/s (a CPU run's GEMMs do well under 1 TF/s: not "0")
+        tflops = "" if r["gemm_tflops"] is None else (
+            f"{r['gemm_tflops']:.4g}" if abs(r["gemm_tflops"]) < 1000 else f"{r['gemm_tflops']:.0f}")
         gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
         floor_ms = "" if r["weight_floor_ms"] is None else f"{r['weight_floor_ms']:.2f}"
         ep_ops = r.get("ep_ops", "")

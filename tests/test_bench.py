@@ -216,6 +216,17 @@ def test_layer_table_keeps_long_names_and_failures_apart(capsys):
         assert line.index("12.71") + 5 == header.index("roofline") + len("roofline")
 
 
+def test_layer_table_gives_gemm_tflops_four_significant_figures(capsys):
+    """A CPU run's GEMMs do well under 1 TF/s: before 2026-12-06 the table printed 0 (.0f)."""
+    def record(tflops):
+        return dict(op="moe_layer", shape="small", config="jax_ep", gemm="ragged_dot", ep_ops="reference",
+                    ep_size=8, step_ms=5.0, roofline_ms=1.0, weight_floor_ms=None, roofline_ratio=5.0,
+                    gemm_tflops=tflops, gemm_ms=2.0, split_ms=None, clocks=None)
+    bench_layer.print_table([record(0.012345), record(712.34), record(1234.5)])
+    rows = capsys.readouterr().out.splitlines()[1:4]
+    assert [row.split()[9] for row in rows] == ["0.01235", "712.3", "1234"], rows
+
+
 def test_plain_jax_cudnn_compiles_the_step_with_its_xla_option_and_the_table_takes_the_faster_peer(capsys):
     """plain_jax_cudnn (named only): the plain-JAX step compiled with XLA's cuDNN ragged-dot fusion on; the
     record names the option and counts the fusions XLA made (none on the CPU: XLA's dense expansion), and
