@@ -354,17 +354,41 @@ def main(argv=None) -> None:
         parser.error("give op record files, --layer, or both (or --rederive)")
     if args.replace and not args.ops:
         parser.error("--replace drops the table's points: it needs op record files")
+
+    def load(option: str, f: str) -> list[dict]:
+        """The records of file `f`, or a parser error naming the option and the file (not a traceback)."""
+        try:
+            records = json.loads(pathlib.Path(f).read_text())
+        except (OSError, ValueError) as e:
+            parser.error(f"{option} {f}: {e}")
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            parser.error(f"{option} {f}: not a JSON list of benchmark records")
+        return records
+
     runs = {}
     for f in args.ops:
         if pathlib.Path(f).resolve() in {pathlib.Path(g).resolve() for g in runs}:
             parser.error(f"ops: {f} given twice: pass each run's records once")
-        runs[f] = json.loads(pathlib.Path(f).read_text())
-    layer = json.loads(pathlib.Path(args.layer).read_text()) if args.layer else None
+        runs[f] = load("ops", f)
+        if any("backend" not in r for r in runs[f]):
+            parser.error(f"ops {f}: records without a backend, not those of python -m benchmarks (the layer "
+                         "benchmark's records go to --layer)")
+    layer = load("--layer", args.layer) if args.layer else None
     path = pathlib.Path(args.table)
-    if path != auto_table.TABLE_FILE and not path.exists() and auto_table.TABLE_FILE.exists():
+    try:
+        notes = points_of_runs(runs)[1]
+    except ValueError as e:   # a duplicate inside one file (the message names it)
+        parser.error(f"ops {e}")
+    copied = path != auto_table.TABLE_FILE and not path.exists() and auto_table.TABLE_FILE.exists()
+    if copied:
         path.write_text(auto_table.TABLE_FILE.read_text())   # a copy of the shipped table, updated
-    table = write(runs, path, layer_records=layer, replace=args.replace, rederive=args.rederive)
-    for note in points_of_runs(runs)[1]:
+    try:
+        table = write(runs, path, layer_records=layer, replace=args.replace, rederive=args.rederive)
+    except ValueError as e:   # e.g. no cuda and reference pair: nothing to decide
+        if copied:
+            path.unlink()     # no copy left behind that this run did not update
+        parser.error(f"ops {' '.join(args.ops)}: {e}" if args.ops else str(e))
+    for note in notes:
         print(note)
     for op, layouts in table["ops"].items():
         for layout, entry in layouts.items():

@@ -564,3 +564,31 @@ def test_replace_keeps_the_layers_preferences_as_it_keeps_its_vetoes(tmp_path):
     table = writer.write(ops, path, replace=True)
     assert set(table["layer_prefers"]) == {"4"} and set(table["vetoed"]) == {"8"}
     assert table["ops"]["slot_values"]["expert_major"]["min_tokens"] == {"4": 2048}
+
+
+def test_cli_refuses_unusable_record_files_by_name(tmp_path, capsys):
+    """A missing or unreadable file, the layer's records given as op records, and records without a cuda
+    and reference pair are parser errors naming the option and the file (before 2026-12-06: tracebacks),
+    and leave no copy of the shipped table behind."""
+    from benchmarks import auto_table as writer
+
+    table = tmp_path / "copy.json"
+    cuda_only = tmp_path / "cuda_only.json"
+    cuda_only.write_text(json.dumps([_record("dispatch", "cuda", 128, 10.0, 1)]))
+    layer = tmp_path / "layer.json"
+    layer.write_text(json.dumps([dict(op="moe_layer", shape="small", config="jax_ep", ep_size=1,
+                                      step_ms=2.0)]))
+    broken = tmp_path / "broken.json"
+    broken.write_text("[{")
+    missing = tmp_path / "missing.json"
+    for argv, message in (
+            ([str(missing)], f"error: ops {missing}: [Errno 2] No such file or directory"),
+            ([str(broken)], f"error: ops {broken}: Expecting property name"),
+            ([str(layer)], f"error: ops {layer}: records without a backend"),
+            (["--layer", str(missing)], f"error: --layer {missing}: [Errno 2]"),
+            ([str(cuda_only)], f"error: ops {cuda_only}: no op has both a cuda and a reference record")):
+        with pytest.raises(SystemExit) as exc:
+            writer.main([*argv, "--table", str(table)])
+        assert exc.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+        assert not table.exists(), argv
