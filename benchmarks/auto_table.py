@@ -3,12 +3,13 @@ and output layout, the device time of the CUDA kernel and of the reference at ev
 count and EP size measured, and the decision ``jax_ep.auto_table.min_tokens`` derives from them for
 each EP size; and from runs with ``--pull both`` on separate GPUs, where the dispatch and broadcast
 kernels pull their rows (section "pull": per EP size and SM count, pushed against pulled, the same
-rule). A run replaces the points of each op, layout, wire dtype and EP size it measured and keeps the
-table's others (``--replace``: only this run's), so a one-GPU run and a two-GPU run, or a
-``--rank-major`` run and an expert-major one, or a bf16 run and an FP8 one, each keep their points.
-Several record files are several runs: where two measured the same point (combine, timed in the
-first pass of each ``--dtypes`` split), the later file's measurement is taken, as running the tool on
-each file in turn would; the same file twice is refused.
+rule). A run replaces the points of each op, layout, wire dtype and EP size it measured (in section
+"pull": and SM count) and keeps the table's others (``--replace``: only this run's), so a one-GPU run
+and a two-GPU run, or a ``--rank-major`` run and an expert-major one, or a bf16 run and an FP8 one,
+each keep their points. Several record files are several runs: where two measured the same point
+(combine, timed in the first pass of each ``--dtypes`` split; a pushed and pulled pair alike), the
+later file's measurement is taken, as running the tool on each file in turn would; the same file
+twice is refused.
 
 The op times are not the last word: users feel the MoE layer's step. Given the layer benchmark's
 records too, a layer shape where the step with the EP kernels (``ep_cuda``) is slower than with the
@@ -131,7 +132,8 @@ def pull_points_of(records: list[dict]) -> dict[str, list[dict]]:
                str(r.get("device")), str(r.get("process_model")))
         pair = keyed.setdefault(key, {})
         if r["pull_setting"] in pair:
-            raise ValueError(f"two {r['pull_setting']} records of {key}: pass each run's records once")
+            raise ValueError(f"two {r['pull_setting']} records of {key} in one run's records: pass each "
+                             "run's records once (runs as files)")
         pair[r["pull_setting"]] = r
     points = collections.defaultdict(list)
     for (knob, op, _, dtype, tokens, hidden, topk, experts, ep_size, sms, *_), pair in sorted(
@@ -142,25 +144,70 @@ def pull_points_of(records: list[dict]) -> dict[str, list[dict]]:
                 ep_size=ep_size, num_sms=sms, push_us=round(_time(pair["push"]), 1),
                 pull_us=round(_time(pair["pull"]), 1), device=pair["pull"].get("device"),
                 date=pair["pull"].get("date")))
-    in_place = {(p["ep_size"], p["num_sms"]) for p in points["broadcast_pull"]
-                if p["op"] == "broadcast_in_place"}
-    points["broadcast_pull"] = [p for p in points["broadcast_pull"]
-                                if p["op"] != "broadcast" or (p["ep_size"], p["num_sms"]) not in in_place]
+    points["broadcast_pull"] = _in_place_decides(points["broadcast_pull"])
     return {knob: pts for knob, pts in points.items() if pts}
 
 
+def _in_place_decides(points: list[dict]) -> list[dict]:
+    """broadcast_pull's points less plain broadcast's at each EP size and SM count where the in-place
+    form was measured (PULL_OPS says why); applied again wherever points of several runs meet."""
+    in_place = {(p["ep_size"], p["num_sms"]) for p in points if p["op"] == "broadcast_in_place"}
+    return [p for p in points if p["op"] != "broadcast" or (p["ep_size"], p["num_sms"]) not in in_place]
+
+
+def pull_points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[str, list[dict]], list[str]]:
+    """(points, notes) of several runs' records ({file: records}, in the order given), as points_of_runs
+    for the backends: each file's pull points (pull_points_of; a duplicate inside one file is an error
+    naming it), a point that a later file measured again taken from the later file (before 2026-12-06
+    every file's records were pooled and such a pair was refused without naming the files)."""
+    merged, source, notes = {}, {}, []
+    for name, records in runs.items():
+        try:
+            points = pull_points_of(records)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}" if name else str(e)) from None
+        mine = collections.defaultdict(list)   # a list: one run's points may differ in send warps or device
+        for knob, pts in points.items():
+            for p in pts:
+                mine[(knob, p["op"], p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
+                      p["ep_size"], p["num_sms"])].append(p)
+        for key, pts in mine.items():
+            if key in merged:
+                notes.append(f"{key[0]} {key[1]} {key[2]} EP{key[7]} {key[8]} SMs {key[3]} tokens per rank: "
+                             f"measured in {source[key]} and {name}; {name}'s taken")
+            merged[key], source[key] = pts, name
+    points = collections.defaultdict(list)
+    for key, pts in sorted(merged.items(), key=lambda item: str(item[0])):
+        points[key[0]] += pts
+    # one file's plain broadcast may meet another's in-place form
+    points["broadcast_pull"] = _in_place_decides(points["broadcast_pull"])
+    return {knob: pts for knob, pts in points.items() if pts}, notes
+
+
+def _replaced_with(point: dict) -> tuple:
+    """What a run's pull point replaces of the table's: the points of its op, wire dtype, EP size and SM
+    count (every shape and token count), as build does per op, layout, dtype and EP size."""
+    return point["op"], point["dtype"], point["ep_size"], point["num_sms"]
+
+
 def build_pull(points: dict[str, list[dict]], old: dict | None = None) -> dict:
-    """The table's "pull" section from one run's pull points (pull_points_of), keeping `old`'s points
-    of each knob at the EP sizes the run did not measure for it: per knob, per EP size and SM count the
-    decision
+    """The table's "pull" section from a run's pull points (pull_points_of[_runs]), keeping `old`'s points
+    of each knob at the (op, wire dtype, EP size, SM count) the run did not measure for it (before
+    2026-12-06: at the EP sizes it did not measure, so a --rank-major run dropped the expert-major
+    dispatch's points there): per knob, per EP size and SM count the decision
     ``auto_table.min_tokens`` takes with the pushed kernel in the reference's place (pulled from that
-    many tokens per rank up; null: never)."""
+    many tokens per rank up; null: never). Plain broadcast's points, old or new, give way to the
+    in-place form's at an EP size and SM count where either run measured it."""
     merged = {knob: list(pts) for knob, pts in points.items()}
     for knob, entry in (old or {}).get("pull", {}).items():
-        measured = {p["ep_size"] for p in points.get(knob, [])}
-        merged.setdefault(knob, []).extend(p for p in entry["points"] if p["ep_size"] not in measured)
+        measured = {_replaced_with(p) for p in points.get(knob, [])}
+        merged.setdefault(knob, []).extend(p for p in entry["points"] if _replaced_with(p) not in measured)
+    if "broadcast_pull" in merged:   # an old plain broadcast may meet this run's in-place form, or vice versa
+        merged["broadcast_pull"] = _in_place_decides(merged["broadcast_pull"])
     section = {}
     for knob, pts in sorted(merged.items()):
+        if not pts:
+            continue
         pts.sort(key=lambda p: (p["ep_size"], p["num_sms"], p["tokens"], p["op"], p["dtype"]))
         decisions = {}
         for ep, sms in sorted({(p["ep_size"], p["num_sms"]) for p in pts}):
@@ -275,7 +322,7 @@ def write(records: list[dict] | dict[str, list[dict]], path: pathlib.Path = auto
     rule), its vetoes and preferences kept."""
     runs = records if isinstance(records, dict) else {None: records}
     points, _ = points_of_runs(runs)
-    pulled = pull_points_of([r for run in runs.values() for r in run])
+    pulled, _ = pull_points_of_runs(runs)
     measured = {str(p["ep_size"]) for pts in points.values() for p in pts}
     if not measured and not pulled and not layer_records and not rederive:
         raise ValueError("no op has both a cuda and a reference record, nor a pushed and a pulled one: "
@@ -343,7 +390,8 @@ def main(argv=None) -> None:
     parser.add_argument("--layer", help="records of python -m benchmarks --layer")
     parser.add_argument("--replace", action="store_true",
                         help="drop the table's points this run did not measure (default: keep those of "
-                             "the ops, layouts, wire dtypes and EP sizes it did not measure)")
+                             "the ops, layouts, wire dtypes and EP sizes, and pull SM counts, it did not "
+                             "measure)")
     parser.add_argument("--rederive", action="store_true",
                         help="no records: decide the table's own points again (after a change of the rule)")
     parser.add_argument("--table", default=str(auto_table.TABLE_FILE),
@@ -376,7 +424,7 @@ def main(argv=None) -> None:
     layer = load("--layer", args.layer) if args.layer else None
     path = pathlib.Path(args.table)
     try:
-        notes = points_of_runs(runs)[1]
+        notes = points_of_runs(runs)[1] + pull_points_of_runs(runs)[1]
     except ValueError as e:   # a duplicate inside one file (the message names it)
         parser.error(f"ops {e}")
     copied = path != auto_table.TABLE_FILE and not path.exists() and auto_table.TABLE_FILE.exists()

@@ -592,3 +592,59 @@ def test_cli_refuses_unusable_record_files_by_name(tmp_path, capsys):
         assert exc.value.code == 2, argv
         assert message in capsys.readouterr().err, argv
         assert not table.exists(), argv
+
+
+def test_pull_writer_keeps_the_points_of_the_ops_and_sm_counts_a_run_did_not_measure(tmp_path, capsys):
+    """Section "pull" as the backends' (found 2026-12-06: it kept old points only at EP sizes a run did
+    not measure, so `--rank-major --pull both` dropped the expert-major dispatch's points there): a run
+    replaces the (op, wire dtype, EP size, SM count) it measured; broadcast's in-place form decides over
+    the plain op whichever run measured which; two files are two runs (a pair both measured is the later
+    file's, printed), a duplicate inside one file is refused naming it."""
+    from benchmarks import auto_table as writer
+
+    path = tmp_path / "auto_table.json"
+    expert_major = [_pull_record("dispatch", "push", 500.0, ep_size=2),
+                    _pull_record("dispatch", "pull", 450.0, ep_size=2),
+                    _pull_record("broadcast_in_place", "push", 500.0, ep_size=2),
+                    _pull_record("broadcast_in_place", "pull", 460.0, ep_size=2)]
+    writer.write(expert_major, path)
+    rank_major = [_pull_record("dispatch_rank_major", s, us, ep_size=2, layout="rank_major")
+                  for s, us in (("push", 300.0), ("pull", 400.0))]
+    table = writer.write(rank_major, path)
+    dispatch = table["pull"]["dispatch_pull"]
+    assert sorted(p["op"] for p in dispatch["points"]) == ["dispatch", "dispatch_rank_major"]
+    assert dispatch["min_tokens"] == {"2": {"24": None}}          # the rank-major form loses: one of two
+    assert [p["op"] for p in table["pull"]["broadcast_pull"]["points"]] == ["broadcast_in_place"]
+    # another SM count and another wire dtype keep the 24-SM bf16 points
+    fp8_131 = [_pull_record("dispatch", s, us, ep_size=2, sms=131, dtype="float8_e4m3fn")
+               for s, us in (("push", 200.0), ("pull", 190.0))]
+    table = writer.write(fp8_131, path)
+    assert table["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None, "131": 0}}
+    assert len(table["pull"]["dispatch_pull"]["points"]) == 3
+    # a later run of the plain broadcast alone: the table's in-place points still decide
+    plain = [_pull_record("broadcast", s, us, ep_size=2) for s, us in (("push", 100.0), ("pull", 900.0))]
+    table = writer.write(plain, path)
+    assert [p["op"] for p in table["pull"]["broadcast_pull"]["points"]] == ["broadcast_in_place"]
+    assert table["pull"]["broadcast_pull"]["min_tokens"] == {"2": {"24": 0}}
+    check_pull_section(table)
+    # two runs' files, together: not refused; the pair both measured is the later file's
+    later = [_pull_record("dispatch", "push", 500.0, ep_size=2),
+             _pull_record("dispatch", "pull", 550.0, ep_size=2)]
+    (tmp_path / "first.json").write_text(json.dumps(expert_major))
+    (tmp_path / "later.json").write_text(json.dumps(later + plain))
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text("{}")      # not a copy of the shipped table
+    writer.main([str(tmp_path / "first.json"), str(tmp_path / "later.json"), "--table", str(fresh)])
+    assert (f"dispatch_pull dispatch bfloat16 EP2 24 SMs 4096 tokens per rank: measured in "
+            f"{tmp_path / 'first.json'} and {tmp_path / 'later.json'}") in capsys.readouterr().out
+    table = json.loads(fresh.read_text())
+    assert [p["pull_us"] for p in table["pull"]["dispatch_pull"]["points"]] == [550.0]
+    assert table["pull"]["dispatch_pull"]["min_tokens"] == {"2": {"24": None}}
+    # the later file's plain broadcast gives way to the earlier one's in-place form
+    assert [p["op"] for p in table["pull"]["broadcast_pull"]["points"]] == ["broadcast_in_place"]
+    with pytest.raises(ValueError, match="twice.json: two push records .* in one run's records"):
+        writer.write({"twice.json": later + later[:1]}, path)
+    (tmp_path / "twice.json").write_text(json.dumps(later + later[:1]))
+    with pytest.raises(SystemExit):
+        writer.main([str(tmp_path / "twice.json"), "--table", str(fresh)])
+    assert f"ops {tmp_path / 'twice.json'}: two push records" in capsys.readouterr().err
