@@ -837,12 +837,13 @@ def decode_experts_seconds(hidden: int, ffn: int, experts: int, topk: int, token
 
 
 def layer_gemm_plans(layer, mesh, x) -> str:
-    """"mosaic_gpu" / "ragged_dot" (or "mixed") for the layer's expert GEMMs at this shape (the choice
-    depends on the widths and dtypes, not on the number of rows)."""
-    from jax_ep.gemm import explain
+    """"mosaic_gpu" / "ragged_dot" (or "mixed") for the layer's expert GEMMs at this shape: the choice at
+    the widths and dtypes, for rows as dispatch gives them where the kernel runs (a multiple of
+    gemm.ROW_ALIGNMENT; the kernels refuse only row counts the layer does not make then)."""
+    from jax_ep.gemm import ROW_ALIGNMENT, explain
 
     local = layer.num_experts // mesh.size
-    rows = x.shape[0]
+    rows = ROW_ALIGNMENT
     shapes = [((rows, layer.hidden), (local, layer.hidden, 2 * layer.ffn_hidden)),
               ((rows, layer.ffn_hidden), (local, layer.ffn_hidden, layer.hidden))]
     impls = {plan.impl for xs, ws in shapes

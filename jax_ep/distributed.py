@@ -180,7 +180,7 @@ def _local_device_ids(ids) -> int | list[int] | None:
     given, source = ids, "local_device_ids"
     if ids is None:
         given, source = os.environ.get(ENV_LOCAL_DEVICE_IDS), ENV_LOCAL_DEVICE_IDS
-        if given is None:
+        if not given:   # unset or empty: JAX reads an empty value as unset too
             return None
         try:
             ids = [int(i) for i in given.split(",")]

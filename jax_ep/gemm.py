@@ -103,7 +103,9 @@ def preferred_alignment(x, w, *, backend: str = "auto") -> int:
     this GEMM: ROW_ALIGNMENT where the forward pass runs the Mosaic GPU kernel, else 1 (no padding).
     x and w may be arrays or jax.ShapeDtypeStruct."""
     _check_args(x, w, None, backend)
-    forward = _plans(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, backend)[0]
+    # x's rows do not decide: the alignment asked for makes them a multiple of it (the MoE layer asks
+    # with a stand-in of one row)
+    forward = _plans((ROW_ALIGNMENT, x.shape[1]), tuple(w.shape), x.dtype, w.dtype, backend)[0]
     return ROW_ALIGNMENT if forward.impl == "mosaic_gpu" else 1
 
 
@@ -194,17 +196,20 @@ def _plans(x_shape, w_shape, x_dtype, w_dtype, backend: str, num_sms: int | None
     return tuple(plans)
 
 
-def rows_reason(m: int) -> str:
-    """Why the Hopper kernels (bf16 and FP8) cannot take M rows ('' if they can): the rows' TMA tiles are
-    8 rows tall (gemm_mgpu.ROW_ALIGN) and the FP8 kernels read the row scales M-minor (16-byte strides),
-    so M must be a positive multiple of 8 (Mosaic refused to build the kernel otherwise, e.g. for the
-    layer's rows at a capacity of 100; M=0 raised a math domain error)."""
+def rows_reason(m: int, fp8: bool = False) -> str:
+    """Why the Hopper kernels cannot take M rows ('' if they can). The rows' TMA tiles are 8 rows tall
+    (gemm_mgpu.ROW_ALIGN): above 8 rows, M must be a multiple of 8 (Mosaic refused to build the kernel
+    otherwise, e.g. for the layer's rows at a capacity of 100); the FP8 kernels read the row scales
+    M-minor, in 16-byte strides, so M must be a multiple of 4 there too; M=0 raised a math domain
+    error."""
     from jax_ep.gemm_mgpu import ROW_ALIGN
 
     if m == 0:
         return "there are no rows (M=0)"
-    if m % ROW_ALIGN:
+    if m > ROW_ALIGN and m % ROW_ALIGN:
         return f"M={m} rows is not a multiple of {ROW_ALIGN} (the kernels' row tiling)"
+    if fp8 and m % 4:
+        return f"M={m} rows is not a multiple of 4 (the FP8 kernels' row scales, 16-byte strides)"
     return ""
 
 

@@ -758,13 +758,16 @@ def test_num_sms_sizes_every_pass_grid_and_is_checked(monkeypatch):
             grouped_matmul(xs, ws, jnp.array([32, 32], jnp.int32), num_sms=bad)
 
 
-@pytest.mark.parametrize("m,kernel", [(96, True), (104, True), (8, True), (5, False), (100, False),
-                                      (257, False), (0, False)])
-def test_rows_the_hopper_kernels_cannot_tile_take_the_fallback(monkeypatch, m, kernel):
-    """M rows not a multiple of 8, or none: the Hopper kernels' TMA row tiles cannot take them (Mosaic
-    refused to build the kernel: e.g. the layer's rows at EPOptions(capacity=100); M=0 raised 'math
-    domain error'), so auto takes lax.ragged_dot / the FP8 reference for every pass and
-    explain says why; lowered for CUDA here, with Hopper stood in for."""
+@pytest.mark.parametrize("m,kernel,fp8_kernel", [(96, True, True), (104, True, True), (8, True, True),
+                                                 (4, True, True), (5, True, False), (1, True, False),
+                                                 (100, False, False), (257, False, False), (0, False, False)])
+def test_rows_the_hopper_kernels_cannot_tile_take_the_fallback(monkeypatch, m, kernel, fp8_kernel):
+    """Above 8 rows, M not a multiple of 8 (the rows' TMA tiles), or for FP8 not a multiple of 4 (its row
+    scales, M-minor in 16-byte strides), or no rows: the kernels cannot take them (Mosaic refused to build
+    them: e.g. the layer's rows at EPOptions(capacity=100); M=0 raised 'math domain error'), so auto
+    takes lax.ragged_dot / the FP8 reference for every pass and explain says why; lowered for CUDA
+    here, with Hopper stood in for. The alignment the layer asks of dispatch does not depend on the rows
+    it asks with (64: the layer asks with one row)."""
     from jax_ep import gemm, gemm_fp8
 
     monkeypatch.setattr(gemm, "_kernel_platform", lambda: "")
@@ -777,12 +780,38 @@ def test_rows_the_hopper_kernels_cannot_tile_take_the_fallback(monkeypatch, m, k
     if not kernel:
         assert all(f"M={m} rows is not a multiple of 8" in p.reason or "no rows (M=0)" in p.reason
                    for p in plans.values()), plans
-    assert gemm_fp8.fp8_backend(256, 256, m=m) == ("mosaic_gpu" if kernel else "reference")
+    assert gemm_fp8.fp8_backend(256, 256, m=m) == ("mosaic_gpu" if fp8_kernel else "reference")
+    assert gemm.preferred_alignment(x, w) == gemm.ROW_ALIGNMENT
+    # both build (the FP8 GEMM's bf16 weight gradient may be a kernel where its FP8 passes are not)
     for fn in (grouped_matmul, gemm_fp8.fp8_grouped_matmul):
         def loss(x, w, gs, fn=fn):
             return jnp.sum(fn(x, w, gs).astype(jnp.float32))
         text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
-        assert ("mosaic_gpu" in text) == kernel, fn.__name__
+        if fn is grouped_matmul:
+            assert ("mosaic_gpu" in text) == kernel
+
+
+@pytest.mark.parametrize("layer_gemm", ["auto", "mosaic_gpu"])
+def test_the_layer_asks_dispatch_for_the_kernels_alignment(monkeypatch, layer_gemm):
+    """MoE asks preferred_alignment with a stand-in of one row: a rule on the rows turned the Hopper
+    kernel's 64-row alignment into 1 (gemm="auto"), and made gemm="mosaic_gpu" raise on every call
+    (found by the review of the rows rule, 2026-12-05). Traced with Hopper stood in for."""
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from jax_ep import gemm, moe
+    from jax_ep.gating import RouterConfig
+    from jax_ep.moe import EPOptions, MoE
+
+    monkeypatch.setattr(gemm, "_kernel_platform", lambda: "")
+    asked = []
+    monkeypatch.setattr(moe, "preferred_alignment",
+                        lambda *a, **k: asked.append(gemm.preferred_alignment(*a, **k)) or asked[-1])
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    layer = MoE(64, 128, RouterConfig(8, 2), rngs=nnx.Rngs(0), mesh=mesh, gemm=layer_gemm,
+                ep=EPOptions(backend="reference"), dtype=jnp.bfloat16)
+    nnx.eval_shape(lambda m, x: m(x, update_stats=False), layer, jnp.zeros((2, 8, 64), jnp.bfloat16))
+    assert asked == [gemm.ROW_ALIGNMENT]
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int16, jnp.int64])

@@ -770,6 +770,7 @@ def test_distributed_not_initialised():
 def test_distributed_initialize_refuses_bad_arguments_at_once(no_launch_env, kwargs, error, message):
     """A malformed address, a process id out of range or a bad timeout: an error at once (before
     2026-12-05 process 1 waited out the whole timeout for 'localhost', then blamed process 0)."""
+    jax.devices()   # JAX has started in this test process (the last case's premise)
     args = dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=1, initialization_timeout=60)
     start = time.monotonic()
     with pytest.raises(error, match=message):
@@ -835,8 +836,21 @@ def test_initialize_takes_the_address_variable_and_a_detection_method(no_launch_
     request (mpi4py), is a multi-process environment (both were refused as 'no multi-process environment'
     before 2026-12-05); here they reach the next check (JAX already computed in this test process)."""
     no_launch_env.setenv(dist.ENV_COORDINATOR, "127.0.0.1:1")
+    jax.devices()   # JAX has started in this test process
     with pytest.raises(EPRuntimeError, match="JAX already ran a computation"):
-        dist.initialize(**kwargs)
+        dist.initialize(**kwargs, initialization_timeout=10)
+
+
+def test_an_empty_local_device_ids_variable_is_unset(no_launch_env):
+    """JAX reads JAX_LOCAL_DEVICE_IDS='' as unset; the launcher copies the environment into each process,
+    so an exported empty value is not an error (the check of the variable refused it, review 2026-12-05):
+    the call reaches the next check (JAX already computed in this test process)."""
+    for name, value in ((dist.ENV_NUM_PROCESSES, "2"), (dist.ENV_PROCESS_ID, "1"),
+                        (dist.ENV_COORDINATOR, "127.0.0.1:1"), (dist.ENV_LOCAL_DEVICE_IDS, "")):
+        no_launch_env.setenv(name, value)
+    jax.devices()   # JAX has started in this test process
+    with pytest.raises(EPRuntimeError, match="JAX already ran a computation"):
+        dist.initialize(initialization_timeout=10)
 
 
 @pytest.mark.parametrize("timeout_s,error", [(-1, dist.EPValueError), (float("inf"), dist.EPValueError),
