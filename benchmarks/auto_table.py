@@ -8,8 +8,8 @@ rule). A run replaces the points of each op, layout, wire dtype and EP size it m
 and a two-GPU run, or a ``--rank-major`` run and an expert-major one, or a bf16 run and an FP8 one,
 each keep their points. Several record files are several runs: where two measured the same point
 (combine, timed in the first pass of each ``--dtypes`` split; a pushed and pulled pair alike), the
-later file's measurement is taken, as running the tool on each file in turn would; the same file
-twice is refused.
+later file's measurement is taken (running the tool on each file in turn differs: a run replaces every
+point of an op, layout, dtype and EP size it measured, at any shape); the same file twice is refused.
 
 The op times are not the last word: users feel the MoE layer's step. Given the layer benchmark's
 records too, a layer shape where the step with the EP kernels (``ep_cuda``) is slower than with the
@@ -80,7 +80,7 @@ def points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[tuple[str, 
     """(points, notes) of several runs' records ({file: records}, in the order given): each file's
     points (points_of; a duplicate inside one file is an error naming it), a point that a later file
     measured again taken from the later file (two runs split by ``--dtypes`` both time combine: before
-    2026-12-06 passing them together was refused); notes say which points were taken from which file."""
+    2026-12-05 passing them together was refused); notes say which points were taken from which file."""
     merged, source, notes = {}, {}, []
     for name, records in runs.items():
         try:
@@ -158,7 +158,7 @@ def _in_place_decides(points: list[dict]) -> list[dict]:
 def pull_points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[str, list[dict]], list[str]]:
     """(points, notes) of several runs' records ({file: records}, in the order given), as points_of_runs
     for the backends: each file's pull points (pull_points_of; a duplicate inside one file is an error
-    naming it), a point that a later file measured again taken from the later file (before 2026-12-06
+    naming it), a point that a later file measured again taken from the later file (before 2026-12-05
     every file's records were pooled and such a pair was refused without naming the files)."""
     merged, source, notes = {}, {}, []
     for name, records in runs.items():
@@ -193,7 +193,7 @@ def _replaced_with(point: dict) -> tuple:
 def build_pull(points: dict[str, list[dict]], old: dict | None = None) -> dict:
     """The table's "pull" section from a run's pull points (pull_points_of[_runs]), keeping `old`'s points
     of each knob at the (op, wire dtype, EP size, SM count) the run did not measure for it (before
-    2026-12-06: at the EP sizes it did not measure, so a --rank-major run dropped the expert-major
+    2026-12-05: at the EP sizes it did not measure, so a --rank-major run dropped the expert-major
     dispatch's points there): per knob, per EP size and SM count the decision
     ``auto_table.min_tokens`` takes with the pushed kernel in the reference's place (pulled from that
     many tokens per rank up; null: never). Plain broadcast's points, old or new, give way to the
@@ -234,7 +234,7 @@ def measured_on(points: list[dict]) -> dict[str, list[str]]:
 def build(points: dict[tuple[str, str], list[dict]], old: dict | None = None) -> dict:
     """The table from the points of one run (points_of; extended in place), keeping `old`'s points of
     each op and layout at the wire dtypes and EP sizes the run did not measure for it (before
-    2026-12-06 a run measuring one op at an EP size dropped every other op's points there)."""
+    2026-12-05 a run measuring one op at an EP size dropped every other op's points there)."""
     for op, layouts in (old or {}).get("ops", {}).items():
         for layout, entry in layouts.items():
             measured = {(p["dtype"], p["ep_size"]) for p in points.get((op, layout), [])}
@@ -345,7 +345,7 @@ def write(records: list[dict] | dict[str, list[dict]], path: pathlib.Path = auto
             vetoes.setdefault(ep, why)
     prefers, against = layer_preferences(layer_records or [])
     # a preference stays until a layer run measures the kernels slower there (see the docstring), as a
-    # veto does: read from the table before this run, --replace or not (before 2026-12-06 --replace
+    # veto does: read from the table before this run, --replace or not (before 2026-12-05 --replace
     # dropped the preferences and kept the vetoes)
     for ep, pref in (prior or {}).get("layer_prefers", {}).items():
         if ep not in against:

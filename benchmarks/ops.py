@@ -253,7 +253,7 @@ def resolve_shapes(preset: str, platform: str, tokens: str | None = None, hidden
     deepseek and sparse on GPUs) or comma-separated preset names; ``tokens`` (comma-separated) replaces
     the tokens of every preset shape; hidden/topk/experts override theirs. Duplicates are run once.
     ``ep_size``: refuse (ValueError naming the option or preset) the experts it does not divide and a
-    top-k above the experts, which jax_ep refuses while the dense baseline ran them (before 2026-12-06:
+    top-k above the experts, which jax_ep refuses while the dense baseline ran them (before 2026-12-05:
     silently dropping the pairs of the experts past the last whole rank, or a broadcasting error)."""
     if preset == "auto":
         names = ["small"] if platform == "cpu" else ["deepseek", "sparse"]
@@ -458,8 +458,9 @@ DEEPEP_V1_LL = {"ll_dispatch": 28.6, "ll_combine": 39.8, "ll_round_trip": 72.1}
 
 
 def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters, repeats, rng,
-                      profile=False) -> list[dict]:
-    """Records of ll_dispatch (``dtype`` on the wire), ll_combine (bf16) and their round trip."""
+                      profile=False, combine=True) -> list[dict]:
+    """Records of ll_dispatch (``dtype`` on the wire), ll_combine (bf16; ``combine``: timed in this pass)
+    and their round trip."""
     n = tokens * mesh.size
     spec = P("ep")
     x = jax.device_put(rng.standard_normal((n, hidden)).astype(np.float32).astype(jnp.bfloat16),
@@ -494,6 +495,8 @@ def bench_low_latency(mesh, backend, dtype, tokens, hidden, topk, experts, iters
     c_fn = jax.shard_map(lambda y, h: ll_combine(y, h, cfg), mesh=mesh, in_specs=spec, out_specs=spec)
     timed = {"ll_dispatch": (d_fn, (x, idx, w)), "ll_combine": (c_fn, (y, handle)),
              "ll_round_trip": (rt_fn, (x, idx, w, y)), "ll_two_phase": (two_fn, (x, idx, w, y))}
+    if not combine:
+        del timed["ll_combine"]
     records = []
     on_gpu = mesh.devices.flat[0].platform == "gpu"
     for op, (fn, args) in timed.items():
@@ -895,13 +898,18 @@ def main(argv=None) -> list[dict]:
     records = []
     failed = []   # the requested points that raised: the run exits 1 (check_outcome)
     if args.low_latency:
+        ll_dtypes = args.dtypes.split(",")
+        # ll_combine (bf16 whatever the dispatch's wire) once per run, as the ops' combine: a second
+        # record of it in one run's file is refused by benchmarks.auto_table
+        combine_dtype = "bfloat16" if "bfloat16" in ll_dtypes else ll_dtypes[0]
         for backend in _backends(args.backends.split(","), platform):
-            for dtype in args.dtypes.split(","):
+            for dtype in ll_dtypes:
                 for tokens in [int(t) for t in args.tokens.split(",")]:
                     try:
                         recs = bench_low_latency(mesh, backend, dtype, tokens, LL_SHAPE["hidden"],
                                                  LL_SHAPE["topk"], LL_SHAPE["experts"], args.iters,
-                                                 args.repeats, rng, args.profile)
+                                                 args.repeats, rng, args.profile,
+                                                 combine=dtype == combine_dtype)
                     except Exception as e:  # one failing backend must not hide the others' numbers
                         print(f"FAILED {backend} {dtype} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
                         failed.append(f"{backend} {dtype} T={tokens}: {type(e).__name__}")

@@ -506,7 +506,7 @@ def test_points_take_the_kernels_on_the_most_sms_and_refuse_duplicates():
 
 def test_writer_keeps_the_points_of_the_ops_and_dtypes_a_run_did_not_measure(tmp_path, capsys):
     """A run replaces only the (op, layout, wire dtype, EP size) it measured: a --rank-major run keeps
-    the expert-major ops' EP2 decisions, an FP8-only run the bf16 ones (before 2026-12-06 both went).
+    the expert-major ops' EP2 decisions, an FP8-only run the bf16 ones (before 2026-12-05 both went).
     Two runs passed as two files are two runs: a point both measured (combine, timed in the first pass
     of each --dtypes split) is the later file's; a duplicate inside one file, or one file twice, is refused
     by name."""
@@ -550,7 +550,7 @@ def test_writer_keeps_the_points_of_the_ops_and_dtypes_a_run_did_not_measure(tmp
 
 def test_replace_keeps_the_layers_preferences_as_it_keeps_its_vetoes(tmp_path):
     """--replace drops the table's op points, not the layer's word: a preference stays until a layer run
-    measures the kernels slower, as a veto does (before 2026-12-06 --replace dropped the preferences)."""
+    measures the kernels slower, as a veto does (before 2026-12-05 --replace dropped the preferences)."""
     from benchmarks import auto_table as writer
 
     path = tmp_path / "auto_table.json"
@@ -568,7 +568,7 @@ def test_replace_keeps_the_layers_preferences_as_it_keeps_its_vetoes(tmp_path):
 
 def test_cli_refuses_unusable_record_files_by_name(tmp_path, capsys):
     """A missing or unreadable file, the layer's records given as op records, and records without a cuda
-    and reference pair are parser errors naming the option and the file (before 2026-12-06: tracebacks),
+    and reference pair are parser errors naming the option and the file (before 2026-12-05: tracebacks),
     and leave no copy of the shipped table behind."""
     from benchmarks import auto_table as writer
 
@@ -595,7 +595,7 @@ def test_cli_refuses_unusable_record_files_by_name(tmp_path, capsys):
 
 
 def test_pull_writer_keeps_the_points_of_the_ops_and_sm_counts_a_run_did_not_measure(tmp_path, capsys):
-    """Section "pull" as the backends' (found 2026-12-06: it kept old points only at EP sizes a run did
+    """Section "pull" as the backends' (found 2026-12-05: it kept old points only at EP sizes a run did
     not measure, so `--rank-major --pull both` dropped the expert-major dispatch's points there): a run
     replaces the (op, wire dtype, EP size, SM count) it measured; broadcast's in-place form decides over
     the plain op whichever run measured which; two files are two runs (a pair both measured is the later

@@ -169,7 +169,7 @@ def test_profiled_steps_under_sustained_load_hold_one_steps_outputs_at_a_time():
 def test_best_of_chain_compiles_the_chained_call_before_timing():
     """best_of(chain=True) warms up the chained call too: its first argument, the previous call's output,
     may have another signature than the one given (here a host array; in the decode benchmark the
-    dispatch's slots), and before 2026-12-06 that compile fell in the first timed chain (--repeats 1:
+    dispatch's slots), and before 2026-12-05 that compile fell in the first timed chain (--repeats 1:
     decode experts_ms was the compile)."""
     step = jax.jit(lambda a, b: a * b, donate_argnums=0)
     executables = []
@@ -217,7 +217,7 @@ def test_layer_table_keeps_long_names_and_failures_apart(capsys):
 
 
 def test_layer_table_gives_gemm_tflops_four_significant_figures(capsys):
-    """A CPU run's GEMMs do well under 1 TF/s: before 2026-12-06 the table printed 0 (.0f)."""
+    """A CPU run's GEMMs do well under 1 TF/s: before 2026-12-05 the table printed 0 (.0f)."""
     def record(tflops):
         return dict(op="moe_layer", shape="small", config="jax_ep", gemm="ragged_dot", ep_ops="reference",
                     ep_size=8, step_ms=5.0, roofline_ms=1.0, weight_floor_ms=None, roofline_ratio=5.0,
@@ -687,8 +687,8 @@ def test_bench_exits_1_when_nothing_was_measured(tmp_path, capsys):
 
 
 def test_low_latency_table_leaves_the_device_time_blank_where_not_profiled(tmp_path, monkeypatch, capsys):
-    """As the ops table does (before 2026-12-06 it printed "device 0.0 us" without --profile)."""
-    def fake(mesh, backend, dtype, tokens, hidden, topk, experts, *args):
+    """As the ops table does (before 2026-12-05 it printed "device 0.0 us" without --profile)."""
+    def fake(mesh, backend, dtype, tokens, hidden, topk, experts, *args, **kwargs):
         return [dict(op="ll_dispatch", backend=backend, layout="fixed_slots", dtype=dtype,
                      tokens_per_rank=tokens, hidden=hidden, topk=topk, num_experts=experts, ep_size=8,
                      us=12.5, device_us=None, measured=True)]
@@ -701,6 +701,32 @@ def test_low_latency_table_leaves_the_device_time_blank_where_not_profiled(tmp_p
     assert line.endswith("12.5 us") and "device" not in line, line
     published = [x for x in out if x.startswith(("ll_dispatch", "ll_combine")) and "reference" not in x]
     assert published and all("device" in x for x in published), out   # DeepEP's: device times
+
+
+def test_low_latency_run_times_ll_combine_once_and_its_file_feeds_the_auto_table(tmp_path, monkeypatch):
+    """ll_combine is bf16 whatever the dispatch's wire: the default --dtypes bfloat16,float8_e4m3fn timed it
+    in both passes, and benchmarks.auto_table refused the run's own file (two reference records of one
+    point in one run), so the documented `python -m benchmarks.auto_table <records>` failed on it."""
+    from benchmarks import auto_table as writer
+
+    passes = []
+    real = bench.bench_low_latency
+
+    def spy(mesh, backend, dtype, tokens, *args, **kwargs):
+        passes.append((dtype, kwargs.get("combine", True)))
+        return real(mesh, backend, dtype, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "bench_low_latency", spy)
+    out = tmp_path / "ll.json"
+    bench.main(["--low-latency", "--backends", "reference", "--tokens", "1", "--iters", "1", "--repeats", "1",
+                "--out", str(out)])
+    assert passes == [("bfloat16", True), ("float8_e4m3fn", False)]
+    records = [r for r in json.loads(out.read_text()) if r["backend"] == "reference"]
+    assert sorted(r["dtype"] for r in records if r["op"] == "ll_dispatch") == ["bfloat16", "float8_e4m3fn"]
+    assert [r["dtype"] for r in records if r["op"] == "ll_combine"] == ["bfloat16"]
+    cuda = [dict(r, backend="cuda", us=r["us"] / 2) for r in records]
+    points = writer.points_of(records + cuda)            # refused before: two records of one point
+    assert [p["dtype"] for p in points[("ll_combine", "fixed_slots")]] == ["bfloat16"]
 
 
 def test_bench_exits_1_when_a_point_failed(tmp_path, monkeypatch, capsys):
@@ -934,7 +960,7 @@ def test_dense_round_trip_matches_reference_combine(dtype, rtol):
 
 
 def test_the_baselines_refuse_experts_the_ep_size_does_not_divide():
-    """Before 2026-12-06 dense_dispatch silently dropped every pair of the experts past the last whole
+    """Before 2026-12-05 dense_dispatch silently dropped every pair of the experts past the last whole
     rank (6 experts on 4 ranks: experts 4 and 5 were no rank's)."""
     from helpers import per_rank
 

@@ -522,7 +522,7 @@ def test_merge_folds_two_calls_records_into_one(tmp_path):
 
 def test_merge_numbers_any_parts_repeats():
     """--repeat numbers any part; merge gives another run's numbered repeat the next free number for
-    every part, not only pgrep_on/off (before 2026-12-06 two calls' decode_layer_1 overwrote each other)."""
+    every part, not only pgrep_on/off (before 2026-12-05 two calls' decode_layer_1 overwrote each other)."""
     calls = [rec.update(None, "decode_layer", counts, commit_id="c", date=date, repeat=True, **KW)
              for counts, date in ((A, "2026-11-28T10:00:00+00:00"), (B, "2026-11-28T11:00:00+00:00"))]
     merged = rec.merge(rec.merge(None, calls[0]), calls[1])

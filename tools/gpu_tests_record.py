@@ -293,7 +293,7 @@ def merge(into: dict | None, other: dict) -> dict:
         m = REPEAT.match(name)
         if old is None or same_run:
             parts[name] = part
-        elif m:   # any --repeat part, not only pgrep_on/off (before 2026-12-06 others overwrote each other)
+        elif m:   # any --repeat part, not only pgrep_on/off (before 2026-12-05 others overwrote each other)
             if not any((p["commit"], p["date"]) == (part["commit"], part["date"])
                        for n, p in parts.items() if (r := REPEAT.match(n)) and r.group(1) == m.group(1)):
                 parts[next_repeat(parts, m.group(1))] = part
