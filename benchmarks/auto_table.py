@@ -76,6 +76,14 @@ def points_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return points
 
 
+def _of_file(points_of_one_run, name: str | None, records: list[dict]):
+    """``points_of_one_run(records)`` of the file ``name``; its error names the file."""
+    try:
+        return points_of_one_run(records)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}" if name else str(e)) from None
+
+
 def points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[tuple[str, str], list[dict]], list[str]]:
     """(points, notes) of several runs' records ({file: records}, in the order given): each file's
     points (points_of; a duplicate inside one file is an error naming it), a point that a later file
@@ -83,11 +91,7 @@ def points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[tuple[str, 
     2026-12-05 passing them together was refused); notes say which points were taken from which file."""
     merged, source, notes = {}, {}, []
     for name, records in runs.items():
-        try:
-            points = points_of(records)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}" if name else str(e)) from None
-        for (op, layout), pts in points.items():
+        for (op, layout), pts in _of_file(points_of, name, records).items():
             for p in pts:
                 key = (op, layout, p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
                        p["ep_size"])
@@ -162,12 +166,8 @@ def pull_points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[str, l
     every file's records were pooled and such a pair was refused without naming the files)."""
     merged, source, notes = {}, {}, []
     for name, records in runs.items():
-        try:
-            points = pull_points_of(records)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}" if name else str(e)) from None
         mine = collections.defaultdict(list)   # a list: one run's points may differ in send warps or device
-        for knob, pts in points.items():
+        for knob, pts in _of_file(pull_points_of, name, records).items():
             for p in pts:
                 mine[(knob, p["op"], p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
                       p["ep_size"], p["num_sms"])].append(p)
