@@ -293,22 +293,26 @@ def dispatch_straight_through(x: jax.Array, topk_idx: jax.Array, topk_weights: j
     if cfg.dispatch_dtype != "float8_e4m3fn":
         raise EPValueError(f"dispatch_straight_through: cfg.dispatch_dtype must be 'float8_e4m3fn', got "
                            f"{cfg.dispatch_dtype!r} (use dispatch)")
-    return _checked_dispatch(_dispatch_st, x, topk_idx, topk_weights, cfg, rank_mask, with_rows=True)
+    return _checked_dispatch(_dispatch_st, x, topk_idx, topk_weights, cfg, rank_mask, with_rows=True,
+                             op="dispatch_straight_through")
 
 
-def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with_rows=False):
+def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with_rows=False,
+                      op="dispatch"):
     """dispatch's checks and input typing around its custom_vjp ``custom``, which returns the Dispatched
-    (``with_rows``: and its dequantised rows)."""
-    size = ep_size(cfg, "dispatch")
-    check_dispatch_args(x, topk_idx, topk_weights, cfg)
-    rank_mask = check_rank_mask(rank_mask, size, "dispatch")
+    (``with_rows``: and its dequantised rows); errors name ``op``."""
+    size = ep_size(cfg, op)
+    check_dispatch_args(x, topk_idx, topk_weights, cfg, op=op)
+    rank_mask = check_rank_mask(rank_mask, size, op)
     if cfg.checked:
-        topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch")
+        topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, op)
     x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     out = custom(x, topk_idx, topk_weights, rank_mask, cfg)
     d, rows = out if with_rows else (out, None)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
-        d = check_no_drops(d, topk_idx, cfg, size, d.rank_mask != 0)
+        # the rows tied too: a caller that reads only them (an FP8 GEMM) ran no check
+        checked = check_no_drops(d, topk_idx, cfg, size, d.rank_mask != 0, op=op, also=rows)
+        d, rows = checked if with_rows else (checked, None)
     return (d, rows) if with_rows else d
 
 

@@ -134,8 +134,9 @@ def check_combine_args(y, handle, cfg: EPConfig, op: str = "combine", ep_size: i
                                f"{getattr(value, 'dtype', None)}{_shape_of(value)}")
     if getattr(y, "ndim", None) != 2 or y.shape[0] != capacity:
         raise EPValueError(f"{op}: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
-    if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
-        raise EPValueError(f"{op}: y must be float32/bfloat16/float16, got dtype {y.dtype}")
+    if jnp.dtype(y.dtype) not in COMBINE_Y_DTYPES:
+        raise EPValueError(f"{op}: y must be float32/bfloat16/float16 (float64 with x64), got dtype "
+                           f"{y.dtype}")
 
 
 def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
@@ -158,11 +159,15 @@ def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
     if getattr(y, "ndim", None) != 2 or y.shape[0] != rows:
         raise EPValueError(f"{op}: y must have shape [{rows}, hidden] (one row per dispatched row: EP size "
                            f"{ep_size} x {in_rank.shape[0]} tokens), got {_shape_of(y)}")
-    if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
-        raise EPValueError(f"{op}: y must be float32/bfloat16/float16, got dtype {y.dtype}")
+    if jnp.dtype(y.dtype) not in COMBINE_Y_DTYPES:
+        raise EPValueError(f"{op}: y must be float32/bfloat16/float16 (float64 with x64), got dtype "
+                           f"{y.dtype}")
 
 
 LL_X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# combine's rows (float64: the reference path under jax_enable_x64, as dispatch's x): the other FP8 /
+# FP4 kinds were let through to the reference, which combined in them, while the kernels refuse them
+COMBINE_Y_DTYPES = tuple(map(jnp.dtype, ("float32", "bfloat16", "float16", "float64")))
 LL_WIRE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
 
 
@@ -325,7 +330,9 @@ def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op:
                     f"the EP group (-1 marks an unused slot); first bad value {int(first_value)}")
         return None
 
-    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), topk_idx.dtype), num_bad, first)
+    # vmap_method: the op runs under jax.vmap unchecked, so checked too (one check per element)
+    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), topk_idx.dtype), num_bad, first,
+                             vmap_method="sequential")
     return topk_idx + zero
 
 
@@ -342,9 +349,10 @@ def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=
 
 
 def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None, *,
-                   outer_axis: str | None = None, op: str = "dispatch"):
+                   outer_axis: str | None = None, op: str = "dispatch", also=None):
     """Checked mode: capacity overflow is an error naming the rows dropped (summed over the EP group,
-    so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check.
+    so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check;
+    with ``also`` (more outputs of the op: dispatch_straight_through's rows), (out, also), both tied.
     Pairs that a rank mask sends nowhere (counted in their source's num_dropped,
     ``routing.masked_pairs``) are no error: only capacity drops are. ``outer_axis``: a further mesh
     axis of the EP group (the node axis of jax_ep.hierarchical, whose stage 2 is this dispatch): the
@@ -366,8 +374,9 @@ def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_m
                     "); set EPConfig.capacity to at least that, or None for the worst case")
         return None
 
-    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), total, needed)
-    return tie(zero, out)
+    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), total, needed,
+                             vmap_method="sequential")
+    return tie(zero, out) if also is None else tie(zero, (out, also))
 
 
 def float0_like(a) -> np.ndarray:

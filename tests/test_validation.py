@@ -397,6 +397,59 @@ def test_checked_mode_check_runs_whatever_output_is_used(used):
         _run(per_rank(f, R), x, idx, w)
 
 
+def test_checked_straight_through_dispatch_checks_when_only_its_rows_are_used():
+    """dispatch_straight_through's check of capacity drops was tied to its Dispatched only: a caller
+    reading only the dequantised rows (as an FP8 GEMM does) ran no check, and the drops went unreported;
+    its errors named 'dispatch'."""
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=128, max_tokens_per_rank=T, checked=True, capacity=4,
+                   dispatch_dtype="float8_e4m3fn")
+    rng = np.random.default_rng(419)
+    x, w = random_inputs(rng, R, T, 128, K)
+    idx = np.full((R, T, K), -1, np.int32)
+    idx[:, :, 0] = 0
+    rows_only = per_rank(lambda x, i, w: jax_ep.ops.dispatch_straight_through(x, i, w, cfg)[1], R)
+    with pytest.raises(jax_ep.EPValueError, match=r"jax_ep.dispatch_straight_through: EPConfig.capacity=4 "
+                                                  r"is too small: 8 rows dropped"):
+        _run(rows_only, x, idx, w)
+
+
+def test_checked_ops_run_under_vmap_as_unchecked_ones_do():
+    """The checks' callbacks had no vmap_method: jax.vmap of a checked dispatch / layout failed with
+    JAX's NotImplementedError while the unchecked ops ran; each element is checked."""
+    rng = np.random.default_rng(420)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = _valid_idx(rng)
+
+    def batched(cfg):
+        def f(x, i, w):
+            two = lambda a: jnp.stack([a, a])
+            return jax.vmap(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg).x)(two(x), two(i), two(w))
+        return per_rank(f, R)
+
+    np.testing.assert_array_equal(_run(batched(CHECKED), x, idx, w), to_numpy(batched(CFG)(x, idx, w)))
+    bad = idx.copy()
+    bad[1, 0, 0] = E
+    with pytest.raises(jax_ep.EPValueError, match=f"first bad value {E}"):
+        _run(batched(CHECKED), x, bad, w)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e5m2", "float8_e4m3fnuz", "float4_e2m1fn"])
+def test_combine_refuses_the_y_dtypes_it_names_no_kernel_for(dtype):
+    """combine / combine_rank_major said 'float32/bfloat16/float16' but let every float but e4m3 through
+    to the reference, which combined in it (the kernels refuse them)."""
+    rng = np.random.default_rng(421)
+    x, w = random_inputs(rng, R, T, H, K)
+    idx = _valid_idx(rng)
+
+    def f(x, i, w):
+        d = jax_ep.dispatch(x, i, w, CFG)
+        return jax_ep.combine(d.x.astype(dtype), d.handle, CFG)
+
+    message = rf"combine: y must be float32/bfloat16/float16 \(float64 with x64\), got dtype {dtype}"
+    with pytest.raises(jax_ep.EPValueError, match=message):
+        per_rank(f, R)(x, idx, w)
+
+
 def test_checked_mode_only_costs_when_on():
     """No callback, no extra op in the unchecked program; the checked one has the callbacks."""
     rng = np.random.default_rng(418)
