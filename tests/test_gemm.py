@@ -5,6 +5,7 @@ Mosaic GPU's interpret mode (the GPU tests cover the compiled kernels and the tr
 import argparse
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -870,3 +871,37 @@ def test_every_gemm_entry_point_checks_num_sms_rows_and_group_sizes():
     with pytest.raises(EPValueError, match=r"weight_gradient: x \[M, K\] and dy \[M, N\] must be 2-D with "
                                            r"the same rows, got x \(16, 128\), dy \(12, 128\)"):
         gemm.weight_gradient(x, dy[:12], gs)
+
+
+def test_tune_gemm_refuses_unknown_names_and_fails_on_a_wrong_result(monkeypatch, tmp_path, capsys):
+    """tools/tune_gemm.py: --passes fwd was swept as the weight gradient and stored under 'fwd', --block
+    with an unknown name raised a KeyError after the whole sweep, and a best config whose result was wrong
+    was left out of the table but the run exited 0, so tools/gpu_check.sh said OK. Kernels stubbed here:
+    a forward kernel that returns zeros."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "tune_gemm.py"
+    spec = importlib.util.spec_from_file_location("tune_gemm", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    out = tmp_path / "table.json"
+    for argv, word in ((["--passes", "fwd"], "--passes: unknown ['fwd']"),
+                       (["--block", "deepseek"], "--block: unknown ['deepseek']")):
+        with pytest.raises(SystemExit) as exc:
+            tune.main(["--out", str(out), *argv])
+        assert exc.value.code == 2 and word in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown pass 'fwd'"):
+        tune.run_pass("fwd", None, None, None, None, None)
+    monkeypatch.setitem(tune.SHAPES, "issue", [(256, 256, 128, 256, 2, 1)])
+    monkeypatch.setattr(tune, "dense_ceiling", lambda rng: 1.0)
+    monkeypatch.setattr(tune, "best_of", lambda f, *a, sustain_s=0.0, **k: (jax.block_until_ready(f(*a)),
+                                                                             (1e-3,))[1])
+    monkeypatch.setattr(tune.mgpu, "config_schedule", lambda gs, m, cfg: (None, 0))
+    monkeypatch.setattr(tune.mgpu, "ragged_dot", lambda x, w, *a, **k: jnp.zeros((x.shape[0], w.shape[2]),
+                                                                                  x.dtype))
+    with pytest.raises(SystemExit) as exc:
+        tune.main(["--shapes", "issue", "--passes", "forward", "--kernels", "classic", "--quick",
+                   "--out", str(out)])
+    assert "forward M=256 K=128 N=256 G=2" in str(exc.value.code) and "WRONG RESULT" in str(exc.value.code)
+    assert json.loads(out.read_text())["configs"] == []

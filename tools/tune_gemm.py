@@ -176,7 +176,9 @@ def run_pass(name, cfg, x, w, dy, gs, num_sms=None):
     if name == "dx":
         sched, nt = mgpu.config_schedule(gs, x.shape[0], cfg)
         return mgpu.ragged_dot(dy, w, sched, nt, config=cfg, transpose_rhs=True, num_sms=num_sms)
-    return mgpu.transposed_ragged_dot(x, dy, gs, config=cfg, num_sms=num_sms)
+    if name == "dw":
+        return mgpu.transposed_ragged_dot(x, dy, gs, config=cfg, num_sms=num_sms)
+    raise ValueError(f"run_pass: unknown pass {name!r} (forward, dx, dw)")
 
 
 def check(name, out, x, w, dy, gs_host) -> float:
@@ -522,12 +524,20 @@ def main(argv=None):
     unknown = [mode for mode in args.kernels.split(",") if mode not in SWEEPS]
     if unknown:
         parser.error(f"--kernels: unknown {unknown}; known: {', '.join(SWEEPS)}")
+    # before the sweep: an unknown pass was swept as the weight gradient and stored under its name, an
+    # unknown block raised a KeyError after the whole sweep
+    for option, names, known in (("--passes", args.passes, ("forward", "dx", "dw")),
+                                 ("--block", args.block, BLOCKS)):
+        unknown = [name for name in names.split(",") if name and name not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {unknown}; known: {', '.join(known)}")
     shapes = SHAPES[args.shapes] if args.shapes != "all" else SHAPES["issue"] + SHAPES["layers"]
     device = jax.devices()[0].device_kind
     rng = np.random.default_rng(0)
     out_path = pathlib.Path(args.out)
     table = json.loads(out_path.read_text())["configs"] if out_path.exists() else []
     report = []
+    failures = []   # passes whose best config gave a wrong result or that no config ran: the exit status
 
     def save():  # after every shape and pass: a sweep cut by a time limit keeps what it measured
         table.sort(key=lambda e: (e["pass"], e["k"], e["n"], e["m"]))
@@ -580,6 +590,7 @@ def main(argv=None):
                              else (list(cfg.astuple()), [round(v * 1e3, 4) for v in timed]))
             if not results:
                 print(f"{name} M={m} K={k} N={n} G={g}: no config ran", flush=True)
+                failures.append(f"{name} M={m} K={k} N={n} G={g}: no config ran")
                 continue
             times = {c: t for t, c in results}
             if incumbent and incumbent[0] in times:
@@ -612,6 +623,8 @@ def main(argv=None):
                   flush=True)
             if err > 2e-2:
                 print(f"  WRONG RESULT: relative error {err}", flush=True)
+                failures.append(f"{name} M={m} K={k} N={n} G={g} {cfg.astuple()}: WRONG RESULT, relative "
+                                f"error {err:.3g}")
                 continue
             table = [e for e in table if (e["pass"], e["m"], e["k"], e["n"], e["g"]) != (name, m, k, n, g)]
             table.append({"pass": name, "m": m, "k": k, "n": n, "g": g, "config": list(cfg.astuple()),
@@ -624,6 +637,8 @@ def main(argv=None):
         report += time_blocks(args.block.split(","), fp8=args.fp8, sustain_s=args.sustain)
     if args.report:
         pathlib.Path(args.report).write_text(json.dumps(report, indent=1))
+    if failures:   # the table keeps what was right; the run fails (tools/gpu_check.sh reads the status)
+        sys.exit("tune_gemm: " + "; ".join(failures))
 
 
 if __name__ == "__main__":
