@@ -712,9 +712,12 @@ def test_args_that_do_not_parse_stop_the_call_before_the_build(tmp_path, var):
     assert "gpu_check: FAILED" in summary and "OK" not in summary
 
 
+# TESTS_TIMEOUT=0 / GPU_SUITE_PART_TIMEOUT=0: the step was skipped "(DEADLINE)" with DEADLINE unset;
+# TAR_OUT=yes: never tarred; SHARE_BENCH without SHARE_GPU=1: nothing ran, OK (review of 2026-12-05)
 @pytest.mark.parametrize("setting", ["DEADLINE=abc", "DEADLINE=585.5", "GPU_SUITE_RANKS=abc",
                                      "GPU_SUITE_RANKS=0", "SWEEP_PART_TIMEOUT=9m", "PG_REPEATS=-1",
-                                     "BUILD_TIMEOUT=1e3", "SWEEP_EP=2;4"])
+                                     "BUILD_TIMEOUT=1e3", "SWEEP_EP=2;4", "TESTS_TIMEOUT=0",
+                                     "GPU_SUITE_PART_TIMEOUT=0", "TAR_OUT=yes", "SHARE_BENCH=1"])
 def test_numbers_are_checked_before_anything_runs(tmp_path, setting):
     var, value = setting.split("=")
     rc, output, out, calls = run_suite(tmp_path, 2, junit_xml(1, 0), GPU_SUITE="m1a", **{var: value})

@@ -150,6 +150,19 @@ for var in DEADLINE BUILD_TIMEOUT TESTS_TIMEOUT BENCH_TIMEOUT SHARE_FILE_TIMEOUT
   [ -z "${!var:-}" ] || [[ ${!var} =~ ^[0-9]+$ ]] || setting_error "$var='${!var}' is not a whole number"
 done
 [ "${GPU_SUITE_RANKS:-1}" != 0 ] || setting_error "GPU_SUITE_RANKS=0: needs 1 or more"
+# a limit of 0 skipped its step, blamed on DEADLINE (unset: set -u then stopped the script)
+for var in DEADLINE BUILD_TIMEOUT TESTS_TIMEOUT BENCH_TIMEOUT SHARE_FILE_TIMEOUT SHARE_TIMEOUT \
+           GEMM_TUNE_TIMEOUT SWEEP_PART_TIMEOUT GPU_SUITE_PART_TIMEOUT; do
+  [ "${!var:-1}" != 0 ] || setting_error "$var=0: a limit needs 1 or more seconds"
+done
+# any other value read as "never tar": the device machine brings back 8 files, summary.txt maybe not
+[ -z "${TAR_OUT:-}" ] || [[ $TAR_OUT =~ ^[01]$ ]] || setting_error "TAR_OUT='$TAR_OUT' must be 0 or 1"
+# the shared-GPU settings do something only with SHARE_GPU=1 (a call with them alone said OK, ran nothing)
+if [ "${SHARE_GPU:-0}" != 1 ]; then
+  for var in SHARE_BENCH SHARE_FILES SHARE_PYTEST_ARGS; do
+    [ -z "${!var:-}" ] || setting_error "$var is set but SHARE_GPU is not 1: it would do nothing"
+  done
+fi
 [ -z "${SWEEP_EP:-}" ] || [[ $SWEEP_EP =~ ^[0-9]+(,[0-9]+)*$ ]] \
   || setting_error "SWEEP_EP='$SWEEP_EP' is not comma-separated whole numbers"
 # parse_args ARRAY VALUE: VALUE split like a shell line (quotes work: '-k "a or b"') into ARRAY
