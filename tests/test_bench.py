@@ -413,6 +413,33 @@ def test_gate_in_combine_configs_build_the_layer_with_gate_weights_in_combine():
         assert built[base].gemm_dtype == built[config].gemm_dtype and config in layer.NAMED_ONLY
 
 
+@pytest.mark.parametrize("argv,word", [(["--iters", "0"], "--iters: must be a positive integer, got '0'"),
+                                       (["--rounds", "0"], "--rounds: must be a positive integer"),
+                                       (["--experts", "0"], "--experts: must be a positive integer"),
+                                       (["--sustain", "-1"], "--sustain: must be a number of seconds"),
+                                       (["jax_ep"], "configs: each once")])
+def test_layer_ab_and_profile_layer_refuse_counts_that_break_them(argv, word, capsys):
+    """tools/layer_ab.py --iters 0 divided by zero, --rounds 0 wrote a NaN mean, --experts 0 took the
+    preset's count, --sustain -1 went through, a config named twice put both copies' timings in one
+    record; tools/profile_layer.py --iters 0 raised a NameError (review of 2026-12-05)."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    tools = pathlib.Path(__file__).resolve().parents[1] / "tools"
+    spec = importlib.util.spec_from_file_location("layer_ab", tools / "layer_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["small", "jax_ep", *argv])
+    assert exc.value.code == 2 and word in capsys.readouterr().err
+    if argv[0] in ("--iters", "--experts"):
+        proc = subprocess.run([sys.executable, str(tools / "profile_layer.py"), "small", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and word in proc.stderr, proc.stderr
+
+
 def test_layer_ab_times_each_config_in_alternating_rounds(tmp_path, monkeypatch):
     """tools/layer_ab.py: every configuration compiled once and timed once per round, the order flipped
     every other round, one record each with its rounds and their mean."""

@@ -24,6 +24,8 @@ from jax.sharding import Mesh
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks import layer as bench_layer  # noqa: E402
+from benchmarks.ops import seconds_arg  # noqa: E402
+from jax_ep.launch import positive_int  # noqa: E402
 
 
 def main(argv=None) -> list[dict]:
@@ -31,13 +33,17 @@ def main(argv=None) -> list[dict]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", choices=sorted(bench_layer.LAYER_PRESETS))
     parser.add_argument("configs", nargs="+", choices=sorted(bench_layer.CONFIGS))
-    parser.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--sustain", type=float, default=1.0, help="seconds of steps before each timing")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--experts", type=positive_int, default=None,
+                        help="override the preset's expert count")
+    parser.add_argument("--rounds", type=positive_int, default=4)
+    parser.add_argument("--sustain", type=seconds_arg, default=1.0,
+                        help="seconds of steps before each timing")
+    parser.add_argument("--iters", type=positive_int, default=10)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if len(set(args.configs)) < len(args.configs):   # one record would hold both copies' timings
+        parser.error(f"configs: each once, got {args.configs}")
     hidden, ffn, experts, topk, tokens = bench_layer.LAYER_PRESETS[args.shape]
     experts = args.experts or experts
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))

@@ -29,13 +29,14 @@ from jax.sharding import Mesh
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks import layer as bench_layer  # noqa: E402
+from jax_ep.launch import positive_int  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("shape", nargs="?", default="mid", choices=sorted(bench_layer.LAYER_PRESETS))
 parser.add_argument("config", nargs="?", default="jax_ep", choices=sorted(bench_layer.CONFIGS))
-parser.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
-parser.add_argument("--top", type=int, default=40, help="kernels listed (default 40)")
-parser.add_argument("--iters", type=int, default=5, help="profiled steps (default 5)")
+parser.add_argument("--experts", type=positive_int, default=None, help="override the preset's expert count")
+parser.add_argument("--top", type=positive_int, default=40, help="kernels listed (default 40)")
+parser.add_argument("--iters", type=positive_int, default=5, help="profiled steps (default 5)")
 parser.add_argument("--hlo", default=None, help="write the compiled HLO text here")
 parser.add_argument("--decode", action="store_true", help="profile a decode preset's forward")
 parser.add_argument("--ordered", action="store_true",
