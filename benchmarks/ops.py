@@ -897,13 +897,13 @@ def main(argv=None) -> list[dict]:
     rng = np.random.default_rng(0)
     records = []
     failed = []   # the requested points that raised: the run exits 1 (check_outcome)
+    dtypes = args.dtypes.split(",")
+    # combine / ll_combine (bf16 whatever the dispatch's wire) are timed in one pass: a second record of
+    # one in a run's file is refused by benchmarks.auto_table
+    combine_dtype = "bfloat16" if "bfloat16" in dtypes else dtypes[0]
     if args.low_latency:
-        ll_dtypes = args.dtypes.split(",")
-        # ll_combine (bf16 whatever the dispatch's wire) once per run, as the ops' combine: a second
-        # record of it in one run's file is refused by benchmarks.auto_table
-        combine_dtype = "bfloat16" if "bfloat16" in ll_dtypes else ll_dtypes[0]
         for backend in _backends(args.backends.split(","), platform):
-            for dtype in ll_dtypes:
+            for dtype in dtypes:
                 for tokens in [int(t) for t in args.tokens.split(",")]:
                     try:
                         recs = bench_low_latency(mesh, backend, dtype, tokens, LL_SHAPE["hidden"],
@@ -935,8 +935,6 @@ def main(argv=None) -> list[dict]:
         write_records(records, args.out)
         check_outcome(sum(r["measured"] for r in records), failed, args.out)
         return records
-    dtypes = args.dtypes.split(",")
-    combine_dtype = "bfloat16" if "bfloat16" in dtypes else dtypes[0]   # combine is timed in this pass
     for backend in _backends(args.backends.split(","), platform):
         for dtype in dtypes:
             if backend == "ragged" and dtype != "bfloat16":

@@ -24,7 +24,6 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_ep.errors import EPValueError
 
@@ -46,8 +45,9 @@ class BalancingConfig:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            # numbers.Real: NumPy's float32 / int64 scalars too (float32 was refused as not a number)
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+            # numbers.Real: NumPy's float32 / int64 scalars too (float32 was refused as not a number);
+            # np.bool_ is not one
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
                     or not math.isfinite(value) or value < 0:
                 raise EPValueError(
                     f"BalancingConfig.{field.name} must be a finite number >= 0, got {value!r}")

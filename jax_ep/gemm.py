@@ -217,8 +217,8 @@ def _shape_reason(name: str, m: int, k: int, n: int) -> str:
     """Why the kernel cannot take this pass's shape ('' if it can). The kernels step K by 64 and tile
     the output by multiples of 64."""
     # forward: [M, K] @ [K, N]; dx: [M, N] @ [N, K]; dw: [M, K].T @ [M, N] -> [K, N]
-    if rows_reason(m):
-        return rows_reason(m)
+    if why := rows_reason(m):
+        return why
     if name == "dw":
         return "" if k % 64 == 0 and n % 64 == 0 else (
             f"K={k} and N={n} must be multiples of 64 for the weight-gradient kernel")

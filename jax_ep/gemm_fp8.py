@@ -458,9 +458,8 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     check_group_sizes(group_sizes, getattr(group_sizes, "shape", (None,))[0], "fp8_weight_gradient")
     group_sizes = int32_sizes(group_sizes)
     check_option("fp8_weight_gradient:", "num_sms", num_sms, "int?")
-    if backend == "mosaic_gpu" and rows_reason(m, fp8=True):
-        raise EPValueError(f"fp8_weight_gradient: backend='mosaic_gpu' cannot take x {tuple(x.shape)}: "
-                           f"{rows_reason(m, fp8=True)}")
+    if backend == "mosaic_gpu" and (why := rows_reason(m, fp8=True)):
+        raise EPValueError(f"fp8_weight_gradient: backend='mosaic_gpu' cannot take x {tuple(x.shape)}: {why}")
     if backend == "reference":
         return weight_gradient_of_quantized(*quantize_weight_gradient_operands(
             x, dy, group_sizes, x_scales=x_scales)).astype(out_dtype)
@@ -583,9 +582,9 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     check_group_sizes(group_sizes, g, "grouped_matmul_fp8")
     group_sizes = int32_sizes(group_sizes)
     check_option("grouped_matmul_fp8:", "num_sms", num_sms, "int?")
-    if backend == "mosaic_gpu" and rows_reason(m, fp8=True):
+    if backend == "mosaic_gpu" and (why := rows_reason(m, fp8=True)):
         raise EPValueError(f"grouped_matmul_fp8: backend='mosaic_gpu' cannot take xq {tuple(xq.shape)}: "
-                           f"{rows_reason(m, fp8=True)}")
+                           f"{why}")
     ws = jnp.swapaxes(w_scales, 1, 2) if transpose_w else w_scales     # [G, K/128 contracted, N/128]
     if x_scales.shape != (m, k // FP8_BLOCK) or ws.shape != (g, k // FP8_BLOCK, n // FP8_BLOCK):
         raise EPValueError(f"grouped_matmul_fp8: scales {x_scales.shape} / {w_scales.shape} do not match "

@@ -308,12 +308,11 @@ def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, op)
     x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     out = custom(x, topk_idx, topk_weights, rank_mask, cfg)
-    d, rows = out if with_rows else (out, None)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
-        # the rows tied too: a caller that reads only them (an FP8 GEMM) ran no check
-        checked = check_no_drops(d, topk_idx, cfg, size, d.rank_mask != 0, op=op, also=rows)
-        d, rows = checked if with_rows else (checked, None)
-    return (d, rows) if with_rows else d
+        d = out[0] if with_rows else out
+        # every output tied: a caller that reads only the rows (an FP8 GEMM) ran no check
+        out = check_no_drops(d, topk_idx, cfg, size, d.rank_mask != 0, op=op, tied=out)
+    return out
 
 
 @overlap.in_order

@@ -349,10 +349,10 @@ def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=
 
 
 def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None, *,
-                   outer_axis: str | None = None, op: str = "dispatch", also=None):
+                   outer_axis: str | None = None, op: str = "dispatch", tied=None):
     """Checked mode: capacity overflow is an error naming the rows dropped (summed over the EP group,
-    so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check;
-    with ``also`` (more outputs of the op: dispatch_straight_through's rows), (out, also), both tied.
+    so that every rank raises) and the capacity needed. Returns out (Dispatched), tied to the check, or
+    ``tied`` (every output of the op: dispatch_straight_through's (Dispatched, rows)), tied to it.
     Pairs that a rank mask sends nowhere (counted in their source's num_dropped,
     ``routing.masked_pairs``) are no error: only capacity drops are. ``outer_axis``: a further mesh
     axis of the EP group (the node axis of jax_ep.hierarchical, whose stage 2 is this dispatch): the
@@ -376,7 +376,7 @@ def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_m
 
     zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), total, needed,
                              vmap_method="sequential")
-    return tie(zero, out) if also is None else tie(zero, (out, also))
+    return tie(zero, out if tied is None else tied)
 
 
 def float0_like(a) -> np.ndarray:

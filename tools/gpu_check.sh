@@ -148,13 +148,11 @@ setting_error() { echo "gpu_check: $*" | tee -a "$OUT/summary.txt"; bad_settings
 for var in DEADLINE BUILD_TIMEOUT TESTS_TIMEOUT BENCH_TIMEOUT SHARE_FILE_TIMEOUT SHARE_TIMEOUT SHARE_BENCH \
            GEMM_TUNE_TIMEOUT SWEEP_PART_TIMEOUT GPU_SUITE_RANKS GPU_SUITE_PART_TIMEOUT PG_REPEATS PG_RUN_S; do
   [ -z "${!var:-}" ] || [[ ${!var} =~ ^[0-9]+$ ]] || setting_error "$var='${!var}' is not a whole number"
+  # a limit of 0 skipped its step, blamed on DEADLINE (unset: set -u then stopped the script)
+  [[ $var != DEADLINE && $var != *_TIMEOUT ]] || [ "${!var:-1}" != 0 ] \
+    || setting_error "$var=0: a limit needs 1 or more seconds"
 done
 [ "${GPU_SUITE_RANKS:-1}" != 0 ] || setting_error "GPU_SUITE_RANKS=0: needs 1 or more"
-# a limit of 0 skipped its step, blamed on DEADLINE (unset: set -u then stopped the script)
-for var in DEADLINE BUILD_TIMEOUT TESTS_TIMEOUT BENCH_TIMEOUT SHARE_FILE_TIMEOUT SHARE_TIMEOUT \
-           GEMM_TUNE_TIMEOUT SWEEP_PART_TIMEOUT GPU_SUITE_PART_TIMEOUT; do
-  [ "${!var:-1}" != 0 ] || setting_error "$var=0: a limit needs 1 or more seconds"
-done
 # any other value read as "never tar": the device machine brings back 8 files, summary.txt maybe not
 [ -z "${TAR_OUT:-}" ] || [[ $TAR_OUT =~ ^[01]$ ]] || setting_error "TAR_OUT='$TAR_OUT' must be 0 or 1"
 # the shared-GPU settings do something only with SHARE_GPU=1 (a call with them alone said OK, ran nothing)
