@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -66,7 +67,8 @@ class Routing(NamedTuple):
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # numbers.Integral: NumPy's int64 scalars too (np.int64(8) was refused as "not a positive int")
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +115,19 @@ class RouterConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise EPValueError(f"RouterConfig.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))   # one type in the hash and the jit cache
         if self.score_func not in SCORE_FUNCS:
             raise EPValueError(
                 f"RouterConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
-        if not isinstance(self.normalize_topk, bool):
+        if not isinstance(self.normalize_topk, (bool, np.bool_)):
             raise EPValueError(f"RouterConfig.normalize_topk must be a bool, got {self.normalize_topk!r}")
+        object.__setattr__(self, "normalize_topk", bool(self.normalize_topk))
         factor = self.routed_scaling_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
-                or factor <= 0:
+        if isinstance(factor, (bool, np.bool_)) or not isinstance(factor, numbers.Real) \
+                or not math.isfinite(factor) or factor <= 0:
             raise EPValueError(f"RouterConfig.routed_scaling_factor must be a positive finite number, "
                                f"got {factor!r}")
+        object.__setattr__(self, "routed_scaling_factor", float(factor))
         if self.num_topk > self.num_experts:
             raise EPValueError(
                 f"RouterConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
@@ -139,6 +144,8 @@ class RouterConfig:
             raise EPValueError(
                 f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
                 f"got {self.topk_groups!r}")
+        if self.topk_groups is not None:
+            object.__setattr__(self, "topk_groups", int(self.topk_groups))
         if self.group_score not in GROUP_SCORES:
             raise EPValueError(f"RouterConfig.group_score must be one of {tuple(GROUP_SCORES)}, got "
                                f"{self.group_score!r}")
@@ -146,6 +153,8 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise EPValueError(f"RouterConfig.{name} must be None or a positive int, got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, int(value))
         if self.max_nodes_per_token is not None and self.ranks_per_node is None:
             raise EPValueError(f"RouterConfig.max_nodes_per_token={self.max_nodes_per_token} needs "
                                "ranks_per_node (EP ranks per node, e.g. jax.local_device_count())")
@@ -276,10 +285,29 @@ def _keep_top_units(selection: jax.Array, num_units: int, units_kept: int, score
     num_tokens, num_experts = selection.shape
     per_unit = selection.reshape(num_tokens, num_units, num_experts // num_units)
     unit_scores = jax.lax.top_k(per_unit, score_topn)[0].sum(axis=-1)          # [T, U]
+    # +inf (a NaN logit) beside a -inf bias sums to NaN, which lax.top_k ranks last: the NaN went unpicked
+    unit_scores = jnp.where(jnp.isnan(unit_scores), jnp.inf, unit_scores)
     _, kept_units = jax.lax.top_k(unit_scores, units_kept)                      # [T, kept]
     unit_mask = jnp.any(kept_units[:, :, None] == jnp.arange(num_units), axis=1)  # [T, U]
     expert_mask = jnp.repeat(unit_mask, num_experts // num_units, axis=1)       # [T, E]
     return jnp.where(expert_mask, selection, -jnp.inf)
+
+
+@jax.custom_jvp
+def _normalise(weights: jax.Array) -> jax.Array:
+    """weights / their sum over the last axis (+ a tiny epsilon: K scores that all underflow give 0)."""
+    return weights / (weights.sum(axis=-1, keepdims=True) + _NORM_EPS)
+
+
+@_normalise.defjvp
+def _normalise_jvp(primals, tangents):
+    # JAX's own rule for the division squares the sum: below ~1e-19 (sigmoid of K logits under ~-47) that
+    # underflows to 0 and the router's gradient became inf or NaN. (dw - out * sum(dw)) / sum is the same
+    # derivative with the sum to the first power only.
+    (weights,), (dweights,) = primals, tangents
+    total = weights.sum(axis=-1, keepdims=True) + _NORM_EPS
+    out = weights / total
+    return out, (dweights - out * dweights.sum(axis=-1, keepdims=True)) / total
 
 
 def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -> Routing:
@@ -294,6 +322,9 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
     Returns:
       Routing(topk_idx [..., K] int32, topk_weights [..., K] float32, scores [..., E] float32).
     """
+    if np.ndim(logits) < 1:
+        raise EPValueError(f"logits must be [..., E={cfg.num_experts}], got a scalar "
+                           f"(shape {np.shape(logits)})")
     if logits.shape[-1] != cfg.num_experts:
         raise EPValueError(f"logits.shape[-1]={logits.shape[-1]} does not match "
                            f"RouterConfig.num_experts={cfg.num_experts} (logits.shape={logits.shape})")
@@ -315,7 +346,7 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
 
     weights = jnp.take_along_axis(scores, topk_idx, axis=-1)
     if cfg.normalize_topk:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + _NORM_EPS)
+        weights = _normalise(weights)
     weights = weights * jnp.float32(cfg.routed_scaling_factor)
 
     k = cfg.num_topk
@@ -326,6 +357,9 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
 
 def expert_to_rank(topk_idx: jax.Array, num_experts: int, ep_size: int) -> jax.Array:
     """EP rank of each chosen expert under the contiguous layout; -1 (unused slot) stays -1."""
+    for name, value in (("num_experts", num_experts), ("ep_size", ep_size)):
+        if not _is_int(value) or value < 1:
+            raise EPValueError(f"expert_to_rank: {name} must be a positive int, got {value!r}")
     if num_experts % ep_size:
         raise EPValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     ranks = topk_idx // (num_experts // ep_size)

@@ -489,3 +489,91 @@ def test_replacing_num_groups_keeps_the_default_of_no_group_limit():
     assert max(len(set(row)) for row in (idx // 8).tolist()) > 1
     limited = dataclasses.replace(fresh, topk_groups=2)
     assert limited.groups_per_token == 2 and limited.group_limited
+
+
+def test_a_nan_logit_beside_a_minus_inf_bias_in_its_group_is_still_chosen():
+    """A group holding a NaN logit (+inf selection) and a -inf bias scored +inf + -inf = NaN, which
+    lax.top_k ranks last: the group was dropped and the NaN silently never reached the weights (found by a
+    review, 2026-12-05). The NaN group ranks first, as DeepSeek's torch.topk ranks it."""
+    cfg = RouterConfig(8, 2, "sigmoid", num_groups=4, topk_groups=2)
+    logits = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 30))), (3, 8))
+    logits = logits.at[:, 0].set(jnp.nan)
+    bias = jnp.zeros(8).at[1].set(-jnp.inf)   # expert 1, in expert 0's group, disabled
+    r = route(logits, cfg, bias)
+    idx = np.asarray(r.topk_idx)
+    assert (idx[:, 0] == 0).all() and (idx != 1).all(), idx
+    assert np.isnan(np.asarray(r.topk_weights)).any(axis=1).all()
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_router_gradient_is_finite_and_right_when_the_chosen_scores_underflow(score_func):
+    """Normalising K chosen sigmoid scores whose sum is below ~1e-19 (logits under ~-47) gave an inf or
+    NaN gradient: JAX's rule for the division squares the sum, which flushes to 0 (found by a review,
+    2026-12-05: logits ~-50 gave [-inf, -inf], ~-88 NaN; one such token made 64 of the 256 router-weight
+    gradient entries non-finite). Checked against float64 finite differences of the documented formula."""
+    rng = np.random.default_rng()
+    cfg = RouterConfig(8, 2, score_func)
+    coef = rng.uniform(0.5, 2.0, size=(2,))
+    for level in (-50.0, -90.0):
+        x = np.full((1, 8), level) + rng.uniform(0.0, 3.0, size=(1, 8))
+        if score_func == "softmax":   # softmax's scores never underflow together: a spread row instead
+            x = rng.normal(size=(1, 8)) * 30.0
+        x32 = jnp.asarray(x, jnp.float32)
+        g = np.asarray(jax.grad(lambda x: (route(x, cfg).topk_weights * coef).sum())(x32))
+        assert np.isfinite(g).all(), (level, g)
+        idx = np.asarray(route(x32, cfg).topk_idx)[0]
+
+        def ref(x64, idx=idx):
+            s = np_scores(x64, score_func)[0, idx]
+            return ((s / (s.sum() + 1e-20)) * coef).sum()
+        fd = np.zeros(8)
+        for e in range(8):
+            h = 1e-4
+            p, m = x.copy(), x.copy()
+            p[0, e] += h
+            m[0, e] -= h
+            fd[e] = (ref(p) - ref(m)) / (2 * h)
+        np.testing.assert_allclose(g[0], fd, rtol=2e-3, atol=1e-6)
+
+    # one outlier token among random ones: every router-weight gradient entry finite, and the others'
+    # gradient the same as without it
+    x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(32, 8)) * 0.1, jnp.float32)
+    x_out = x.at[3].set(-jnp.sign(w.sum(1)) * 400.0)
+    weigh = jnp.arange(1.0, 3.0)
+    mask = jnp.ones(16).at[3].set(0.0)
+
+    def loss(w, x, mask):
+        return ((route(x @ w, cfg).topk_weights @ weigh) * mask).sum()
+    g_out = np.asarray(jax.grad(loss)(w, x_out, mask))
+    assert np.isfinite(g_out).all()
+    np.testing.assert_allclose(g_out, np.asarray(jax.grad(loss)(w, x, mask)), rtol=1e-5, atol=1e-7)
+
+
+def test_router_config_takes_numpy_scalars_as_python_numbers():
+    """NumPy scalars (a config read from an array, a checkpoint) were refused with a message that
+    contradicted itself ("must be a positive finite number, got np.float32(2.5)"; found by a review,
+    2026-12-05). They are stored as Python numbers: the same hash and jit cache entry."""
+    cfg = RouterConfig(np.int64(8), np.int32(2), "sigmoid", np.bool_(True), np.float32(2.5), np.int64(4),
+                       np.int64(2))
+    plain = RouterConfig(8, 2, "sigmoid", True, 2.5, 4, 2)
+    assert cfg == plain and hash(cfg) == hash(plain)
+    assert type(cfg.num_experts) is int and type(cfg.routed_scaling_factor) is float
+    assert type(cfg.normalize_topk) is bool and type(cfg.topk_groups) is int
+    with pytest.raises(ValueError, match=r"num_topk must be a positive int, got np.float64\(2.0\)"):
+        RouterConfig(8, np.float64(2.0))
+    with pytest.raises(ValueError, match="routed_scaling_factor must be a positive finite number"):
+        RouterConfig(8, 2, routed_scaling_factor=np.bool_(True))
+
+
+def test_route_and_expert_to_rank_name_bad_shapes_and_sizes():
+    """A scalar logits array raised a bare IndexError; expert_to_rank with ep_size 0 a ZeroDivisionError,
+    and with -1 it silently marked expert 7 unused (found by a review, 2026-12-05)."""
+    with pytest.raises(ValueError, match=r"logits must be \[\.\.\., E=8\], got a scalar"):
+        route(jnp.zeros(()), RouterConfig(8, 2))
+    idx = jnp.array([[0, 7, -1]], jnp.int32)
+    for ep_size in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=f"ep_size must be a positive int, got {ep_size!r}"):
+            expert_to_rank(idx, 8, ep_size)
+    with pytest.raises(ValueError, match="num_experts must be a positive int, got 0"):
+        expert_to_rank(idx, 0, 1)
