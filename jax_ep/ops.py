@@ -40,9 +40,11 @@ from jax_ep.validation import (
     check_ll_dispatch_args,
     check_no_drops,
     check_rank_mask,
+    check_rank_mask_agrees,
     check_topk_values,
     float0_like,
     fp8_forward_only,
+    tie,
 )
 
 
@@ -306,6 +308,7 @@ def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with
     rank_mask = check_rank_mask(rank_mask, size, op)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, op)
+        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, op)
     x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     out = custom(x, topk_idx, topk_weights, rank_mask, cfg)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
@@ -336,9 +339,20 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
             raise EPTypeError(f"combine: {name} must be a bool, got {flag!r}")
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg, ep_size=size)
-    rank_mask = handle_mask(check_rank_mask(rank_mask, size, "combine"), handle)
+    rank_mask = check_rank_mask(rank_mask, size, "combine")
+    if cfg.checked:
+        y = _mask_agrees(y, rank_mask, cfg, "combine")
+    rank_mask = handle_mask(rank_mask, handle)
     return overlap.primal(_combine)(_typed_rows(y, handle, cfg), handle, rank_mask, cfg, empty_rows_zero,
                                     weighted)
+
+
+def _mask_agrees(tied, rank_mask, cfg: EPConfig, op: str):
+    """``tied`` made to depend on checked mode's check that rank_mask is the same on every rank (no
+    check without a mask)."""
+    if rank_mask is None:
+        return tied
+    return tie(check_rank_mask_agrees(rank_mask, cfg.axis_name, op), tied)
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
@@ -477,6 +491,7 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     rank_mask = check_rank_mask(rank_mask, size, "dispatch_rank_major")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch_rank_major")
+        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, "dispatch_rank_major")
     x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
@@ -491,7 +506,10 @@ def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfi
     ranks linked to this one (every active rank if it is active, itself only if masked)."""
     size = ep_size(cfg, "combine_rank_major")
     check_combine_rank_major_args(y, handle, cfg, size)
-    rank_mask = handle_mask(check_rank_mask(rank_mask, size, "combine_rank_major"), handle)
+    rank_mask = check_rank_mask(rank_mask, size, "combine_rank_major")
+    if cfg.checked:
+        y = _mask_agrees(y, rank_mask, cfg, "combine_rank_major")
+    rank_mask = handle_mask(rank_mask, handle)
     return _combine_rank_major(_typed_rows(y, handle, cfg), handle, rank_mask, cfg)
 
 
@@ -572,6 +590,7 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
     rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch")
+        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, "ll_dispatch")
     return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
@@ -587,6 +606,8 @@ def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     size = ep_size(cfg, "ll_combine")
     check_ll_combine_args(y, handle, cfg, size)
     rank_mask = check_rank_mask(rank_mask, size, "ll_combine")
+    if cfg.checked:
+        y = _mask_agrees(y, rank_mask, cfg, "ll_combine")
     return _ll_combine(y, handle, rank_mask, cfg)
 
 
@@ -705,6 +726,7 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch_send")
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch_send")
+        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, "ll_dispatch_send")
     return overlap.primal(_ll_dispatch_send)(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
@@ -727,6 +749,8 @@ def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     size = ep_size(cfg, "ll_combine_send")
     check_ll_combine_args(y, handle, cfg, size, op="ll_combine_send")
     rank_mask = check_rank_mask(rank_mask, size, "ll_combine_send")
+    if cfg.checked:
+        y = _mask_agrees(y, rank_mask, cfg, "ll_combine_send")
     return overlap.primal(_ll_combine_send)(y, handle, rank_mask, cfg)
 
 

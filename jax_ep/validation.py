@@ -309,6 +309,24 @@ def tie(zero: jax.Array, out):
     return jax.tree.map(lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a)), out)
 
 
+def check_rank_mask_agrees(rank_mask: jax.Array, axis_name: str, op: str) -> jax.Array:
+    """Checked mode: ``rank_mask`` (bool [R]) must be the same on every rank of the EP group. Returns a
+    zero int32 scalar tied to the check. Ranks that disagree wait for different peers (on the kernels a
+    timeout) or send rows a peer does not take (on the reference path the pairs went nowhere silently)."""
+    flags = rank_mask.astype(jnp.int32)
+    lowest, highest = lax.pmin(flags, axis_name), lax.pmax(flags, axis_name)
+
+    def message(lowest, highest):
+        differ = np.flatnonzero(lowest != highest)
+        if differ.size:
+            return (f"jax_ep.{op}: rank_mask differs between the ranks of the EP group (it must be the same "
+                    f"on every rank): the flags of ranks {differ.tolist()} are 1 on some ranks, 0 on others")
+        return None
+
+    return jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), lowest, highest,
+                             vmap_method="sequential")
+
+
 def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op: str) -> jax.Array:
     """Checked mode: every id must be -1 or in [0, num_experts). Returns topk_idx, tied to the check.
     The count is summed over the EP group so that every rank raises (a rank left waiting in a

@@ -304,3 +304,26 @@ def test_moe_decode_passes_the_mask_to_the_cuda_ops(monkeypatch):
     assert seen.keys() == {"ll_dispatch", "ll_combine"} and all(m is not None for m in seen.values())
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_ep_ll_" in line]
     assert len(calls) == 2, calls  # ll_dispatch and ll_combine, lowered with the mask operand
+
+
+@pytest.mark.parametrize("two_phase", [False, True], ids=["one_call", "two_phase"])
+@pytest.mark.parametrize("which", ["dispatch", "combine"])
+def test_checked_mode_refuses_a_mask_that_differs_between_ranks(which, two_phase):
+    """Checked mode: each low-latency op's rank_mask must be the same on every rank (nothing checked it
+    before 2026-12-05; found by a review)."""
+    ep_size, tokens = 4, 8
+    rng = np.random.default_rng()
+    x, idx, w = inputs(rng, ep_size, tokens, "bfloat16")
+    idx = np.where((idx >= 0) & (idx < E), idx, -1).astype(np.int32)   # checked mode refuses the others
+    y = rng.standard_normal((ep_size, E // ep_size, ep_size * tokens, H)).astype(ml_dtypes.bfloat16)
+    agreed = np.tile(np.array([1, 0, 1, 1], np.int32), (ep_size, 1))
+    differ = agreed.copy()
+    flag = int(rng.integers(ep_size))
+    differ[int(rng.integers(ep_size)), flag] ^= 1
+    fn = masked_fn(ep_size, BF16.replace(checked=True), two_phase)
+    masks = (differ, agreed) if which == "dispatch" else (agreed, differ)
+    op = f"ll_{which}" + ("_send" if two_phase else "")
+    with pytest.raises(Exception, match=rf"jax_ep\.{op}: rank_mask differs between the ranks of the EP "
+                       rf"group.*ranks \[{flag}\]"):
+        jax_ep.run_checked(fn, x, idx, w, y, *masks)
+    jax_ep.run_checked(fn, x, idx, w, y, agreed, agreed)

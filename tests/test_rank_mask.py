@@ -335,6 +335,38 @@ def test_checked_mode_takes_the_mask_the_call_ran_with(monkeypatch):
     assert pairs[0, 1] > 0
 
 
+@pytest.mark.parametrize("op", ["dispatch", "combine", "dispatch_rank_major", "combine_rank_major"])
+def test_checked_mode_refuses_a_mask_that_differs_between_ranks(op):
+    """Checked mode: rank_mask must be the same on every rank. Before 2026-12-05 nothing checked it: the
+    reference path sent pairs a peer did not take (gone silently), the kernels waited for different peers
+    (found by a review). Each op checks its own mask argument: the others get the agreed one."""
+    ep_size = 4
+    rng = np.random.default_rng()
+    cfg = _cfg(checked=True)
+    x, idx, w = random_tokens(rng, ep_size, T, cfg, routing=functools.partial(
+        random_routing, p_out_of_range=0.0))
+    agreed = _tiled([True, True, False, True], ep_size)
+    differ = agreed.copy()
+    bad_rank = int(rng.integers(ep_size))
+    flag = int(rng.integers(ep_size))
+    differ[bad_rank, flag] = not differ[bad_rank, flag]   # one rank's view of one flag
+    rank_major = op.endswith("rank_major")
+
+    def body(x, i, w, m_dispatch, m_combine):
+        dispatch = jax_ep.dispatch_rank_major if rank_major else jax_ep.dispatch
+        combine = jax_ep.combine_rank_major if rank_major else jax_ep.combine
+        d = dispatch(x, i, w, cfg, rank_mask=m_dispatch)
+        y = jnp.ones(d.x.shape[:1] + (8,), jnp.float32) * rng.normal()
+        return combine(y, d.handle, cfg, rank_mask=m_combine)
+
+    fn = per_rank(body, ep_size)
+    masks = (differ, agreed) if op.startswith("dispatch") else (agreed, differ)
+    with pytest.raises(Exception, match=rf"jax_ep\.{op}: rank_mask differs between the ranks of the EP group"
+                       rf".*ranks \[{flag}\]"):
+        jax_ep.run_checked(fn, x, idx, w, *masks)
+    jax_ep.run_checked(fn, x, idx, w, agreed, agreed)   # the same mask everywhere: no error
+
+
 @pytest.mark.parametrize("bad,what", [
     (np.ones(3, bool), r"rank_mask must have shape \[2\]"),
     (np.ones((2, 1), bool), r"rank_mask must have shape \[2\]"),
