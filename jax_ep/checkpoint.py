@@ -182,11 +182,29 @@ def read_record(path) -> dict[str, Any]:
     if not os.path.isdir(path) and "://" not in path:
         raise CheckpointNotFoundError(f"jax_ep.checkpoint: no checkpoint at {path}")
     with _checkpointer(ocp) as checkpointer:
-        record = checkpointer.restore(path, ocp.args.Composite(jax_ep=ocp.args.JsonRestore()))["jax_ep"]
+        try:
+            record = checkpointer.restore(path, ocp.args.Composite(jax_ep=ocp.args.JsonRestore()))["jax_ep"]
+        except KeyError as e:   # Orbax: 'Item "jax_ep" was not found in the checkpoint. Available items: ...'
+            raise CheckpointMismatchError(_not_ours(path, e)) from e
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise CheckpointMismatchError(f"checkpoint {path}: not a jax_ep checkpoint of format {FORMAT} "
                                       f"(record: {record!r:.200})")
     return record
+
+
+def _not_ours(path: str, error: KeyError) -> str:
+    """The message for a directory without a jax_ep record: what it holds, and any subdirectory that is a
+    jax_ep checkpoint (a parent directory given instead of the run's)."""
+    if "://" in path:
+        return f"checkpoint {path}: not a jax_ep checkpoint (no 'jax_ep' record; Orbax: {error})"
+    items = sorted(os.listdir(path))
+    shown = f"{items[:20]}" + (f" and {len(items) - 20} more" if len(items) > 20 else "")   # e.g. step dirs
+    shown = shown if items else "nothing"
+    message = f"checkpoint {path}: not a jax_ep checkpoint (no 'jax_ep' record; it holds {shown})"
+    inner = [os.path.join(path, name) for name in items if os.path.isdir(os.path.join(path, name, "jax_ep"))]
+    if inner:
+        message += f"; these subdirectories are jax_ep checkpoints: {inner[:5]}"
+    return message
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -360,6 +360,33 @@ def test_mismatch_errors_name_field_and_values(tmp_path):
     assert_trees_equal(nnx.state(fresh), before)
 
 
+def test_a_directory_that_is_not_a_jax_ep_checkpoint_is_a_mismatch(tmp_path):
+    """An empty directory, a parent directory of a checkpoint (train_moe's DIR instead of DIR/<run>) and
+    a plain Orbax checkpoint: CheckpointMismatchError saying so, listing what the directory holds and
+    naming a subdirectory that is a jax_ep checkpoint (before 2026-12-05: Orbax's KeyError 'Item
+    "jax_ep" was not found', which examples/train_moe.py did not catch)."""
+    import orbax.checkpoint as ocp
+
+    mesh4 = make_mesh(4)
+    net = Net(mesh4)
+    (tmp_path / "empty").mkdir()
+    run = ckpt.save(tmp_path / "parent" / "run1", net)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(str(tmp_path / "plain"), {"w": jnp.ones(3)})
+    for name, holds in (("empty", "it holds nothing"), ("parent", "it holds ['run1']"),
+                        ("plain", "it holds [")):
+        path = str(tmp_path / name)
+        for args in ((path,), (path, net)):
+            with pytest.raises(ckpt.CheckpointMismatchError) as err:
+                (ckpt.read_record if len(args) == 1 else ckpt.restore)(*args)
+            message = str(err.value)
+            assert f"checkpoint {path}: not a jax_ep checkpoint" in message and holds in message, message
+            assert (run in message) == (name == "parent"), message
+    assert ckpt.read_record(run)["moe_layers"].keys() == {"moe"}
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="no checkpoint at"):
+        ckpt.read_record(tmp_path / "missing")
+
+
 def test_group_score_is_checked_where_it_routes(tmp_path):
     """RouterConfig.group_score (added 2026-12-05) is a checked field where a group limit uses it; a record
     written before it existed has the rule of then ("top2_sum")."""
