@@ -218,7 +218,8 @@ def restore(path, model, optimizer=None, *, mesh: Mesh | None = None, placement:
     is read with ``NamedSharding(mesh, spec)``, ``spec`` from the variable's sharding metadata (expert
     weights and their optimizer moments over the EP axis, the rest replicated). ``mesh`` defaults to the
     MoE layers' mesh; with none (layers called inside your own ``shard_map``), each array keeps the
-    sharding of the model's current one.
+    sharding of the model's current one. A ``mesh`` given where the layers have one must be theirs (same
+    devices and axis sizes), else ``EPValueError``.
 
     Checked before any array is read: the same MoE layers (by path), each with the same configuration
     (``CHECKED_FIELDS``), and every array of the same shape and dtype; otherwise
@@ -361,13 +362,31 @@ def _raise_problems(path: str, what: str, problems: list[str]) -> None:
         raise CheckpointMismatchError(f"checkpoint {path} does not fit the {what}:\n  {lines}")
 
 
+def _same_mesh(a: Mesh, b: Mesh) -> bool:
+    return a.shape == b.shape and np.array_equal(a.device_ids, b.device_ids)
+
+
+def _describe_mesh(mesh: Mesh, other: Mesh) -> str:
+    """The mesh's axis sizes; its devices too where the axis sizes do not tell it from ``other``."""
+    sizes = dict(mesh.shape)
+    return f"{sizes} on devices {mesh.device_ids.tolist()}" if mesh.shape == other.shape else str(sizes)
+
+
 def _target_mesh(mesh: Mesh | None, layers: dict[str, MoE]) -> Mesh | None:
+    # a layer keeps its own mesh (and its placement is planned for that EP size): arrays read onto
+    # another mesh would leave it with weights on other devices, failing at its next call
+    for key, layer in layers.items():
+        if mesh is not None and layer.mesh is not None and not _same_mesh(mesh, layer.mesh):
+            raise EPValueError(f"jax_ep.checkpoint.restore: mesh={_describe_mesh(mesh, layer.mesh)} is not "
+                               f"MoE layer {key!r}'s mesh {_describe_mesh(layer.mesh, mesh)}: pass the "
+                               "layers' mesh (or none), or build the model on the mesh to restore onto")
     if mesh is not None:
         return mesh
-    meshes = {id(m.mesh): m.mesh for m in layers.values() if m.mesh is not None}
-    if len(meshes) > 1:
-        raise EPValueError("jax_ep.checkpoint.restore: the MoE layers have different meshes; pass mesh=")
-    return next(iter(meshes.values()), None)
+    meshes = [m.mesh for m in layers.values() if m.mesh is not None]
+    if any(not _same_mesh(m, meshes[0]) for m in meshes):
+        raise EPValueError("jax_ep.checkpoint.restore: the MoE layers have different meshes "
+                           f"{[dict(m.shape) for m in meshes]}: restore reads every array onto one mesh")
+    return meshes[0] if meshes else None
 
 
 def _placement_paths(layers: dict[str, MoE]) -> set[str]:

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep.checkpoint as ckpt
 from jax_ep import eplb
 from jax_ep.balancing import BalancingConfig
+from jax_ep.errors import EPValueError
 from jax_ep.gating import RouterConfig
 from jax_ep.moe import EPOptions, ExpertBias, ExpertLoad, MoE
 
@@ -385,6 +386,32 @@ def test_a_directory_that_is_not_a_jax_ep_checkpoint_is_a_mismatch(tmp_path):
     assert ckpt.read_record(run)["moe_layers"].keys() == {"moe"}
     with pytest.raises(ckpt.CheckpointNotFoundError, match="no checkpoint at"):
         ckpt.read_record(tmp_path / "missing")
+
+
+def test_a_mesh_other_than_the_layers_is_refused(tmp_path):
+    """restore(mesh=M) with M not the MoE layers' mesh (other axis sizes, or the same sizes on other
+    devices): EPValueError naming both, the model left as it was (before 2026-12-05 accepted: the
+    weights landed on M, the placement was re-planned for the layer's own EP size and its next call
+    failed with JAX's 'incompatible devices'). An equal mesh made anew is the layers' mesh."""
+    require_devices(8)
+    mesh4 = make_mesh(4)
+    path = ckpt.save(tmp_path / "ckpt", Net(make_mesh(8), seed=fresh_seed() % 1000,
+                                            placement=eplb.identity_placement(EXPERTS, 8, 3)))
+    net = Net(mesh4, seed=3)
+    before = host(nnx.state(net))
+    other_devices = Mesh(np.array(jax.devices()[4:8]), ("ep",))
+    for mesh, match in ((make_mesh(2), r"mesh=\{'ep': 2\} is not MoE layer 'moe''s mesh \{'ep': 4\}"),
+                        (other_devices, r"mesh=\{'ep': 4\} on devices \[4, 5, 6, 7\] is not MoE layer "
+                                        r"'moe''s mesh \{'ep': 4\} on devices \[0, 1, 2, 3\]")):
+        with pytest.raises(EPValueError, match=match):
+            ckpt.restore(path, net, mesh=mesh)
+        assert_trees_equal(nnx.state(net), before)
+        assert net.moe.placement is None
+    ckpt.restore(path, net, mesh=Mesh(np.array(jax.devices()[:4]), ("ep",)))
+    assert (net.moe.placement.num_ranks, net.moe.placement.slots_per_rank) == (4, 6)
+    assert net.moe.w_down[...].sharding.mesh.shape == mesh4.shape
+    x = jax.device_put(jnp.ones((8, HIDDEN)), NamedSharding(mesh4, P("ep")))
+    assert np.isfinite(np.asarray(forward(net, x))).all()
 
 
 def test_group_score_is_checked_where_it_routes(tmp_path):
