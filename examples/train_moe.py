@@ -18,8 +18,9 @@ rest of the step.
 Checkpoints (``jax_ep.checkpoint``, Orbax): ``--save DIR`` writes each run's model and optimizer at the
 end (DIR/no_balancing, DIR/bias_balancing) and the loss of each on a fixed check batch
 (DIR/train_moe.json); ``--restore DIR`` starts each run from them, on the devices and mesh of this run
-(another EP size works: the expert weights are resharded, placements re-planned), and prints the
-restored model's loss on the same check batch beside the saved one (equal to float32 rounding). The
+(another EP size works: the expert weights are resharded; the example's MoE layers have no expert
+placement, which jax_ep.checkpoint would re-plan for the new EP size), and prints the restored model's
+loss on the same check batch beside the saved one (equal to float32 rounding). The
 data stream is not restored: the restored run draws its batches from the first again, steps from 0.
 Give the restoring run its own --out (the default, train_moe_out, is the saving run's folder):
 
