@@ -35,8 +35,18 @@ def _fail_unless_exists(ctx, path, what):
 def _find_python(ctx):
     for var in ("JAX_EP_PYTHON", "PYTHON_BIN_PATH"):
         value = ctx.os.environ.get(var, "")
-        if value:
-            return value
+        if not value:
+            continue
+        if "/" not in value:  # a bare name: the one on PATH
+            python = ctx.which(value)
+            if python == None:
+                fail("jax_ep_local_deps: %s=%s is not on PATH" % (var, value))
+            return str(python)
+        if not value.startswith("/"):
+            # ctx.execute runs it from this repository's directory, where a relative path is wrong.
+            fail("jax_ep_local_deps: %s=%s is a relative path; give an absolute one " % (var, value) +
+                 "(tools/bazel_build.sh makes JAX_EP_PYTHON absolute)")
+        return value
     python = ctx.which("python3")
     if python == None:
         fail("jax_ep_local_deps: no python3 on PATH; set JAX_EP_PYTHON to the interpreter " +

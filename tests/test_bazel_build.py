@@ -1,0 +1,68 @@
+"""tools/bazel_build.sh's handling of JAX_EP_PYTHON, with a stub `bazel` first on PATH that logs what
+it was given: nothing is built, and CI machines without bazel run it the same way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tools" / "bazel_build.sh"
+
+
+def run_script(tmp_path: Path, python: str, cwd: Path) -> tuple[int, str, Path]:
+    """Runs the script from `cwd` with JAX_EP_PYTHON=`python`; returns (exit code, output, the stub
+    bazel's log: one line per call, the JAX_EP_PYTHON it saw)."""
+    bin_dir = tmp_path / "stub_bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "bazel_calls.txt"
+    stub = bin_dir / "bazel"
+    stub.write_text(f'#!/bin/bash\necho "JAX_EP_PYTHON=$JAX_EP_PYTHON" >> {log}\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", JAX_EP_PYTHON=python)
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr, log
+
+
+@pytest.mark.parametrize("kind", ["missing", "not_executable", "directory"])
+def test_bad_python_is_named_before_bazel_runs(tmp_path, kind):
+    target = tmp_path / "venv" / "bin" / "python"
+    if kind != "missing":
+        target.parent.mkdir(parents=True)
+        if kind == "not_executable":
+            target.write_text("#!/bin/sh\n")
+            target.chmod(0o644)
+        else:
+            target.mkdir()
+    value = "venv/bin/python"  # relative to the caller's directory, tmp_path
+    rc, output, log = run_script(tmp_path, value, cwd=tmp_path)
+    assert rc == 1, output
+    assert f"JAX_EP_PYTHON={value} is not an executable file" in output, output
+    assert not log.exists(), log.read_text()
+
+
+def test_bare_name_not_on_path_is_named(tmp_path):
+    rc, output, log = run_script(tmp_path, "no_such_python_jax_ep", cwd=tmp_path)
+    assert rc == 1, output
+    assert "JAX_EP_PYTHON=no_such_python_jax_ep is not an executable file" in output, output
+    assert not log.exists(), log.read_text()
+
+
+@pytest.mark.skipif(not Path("/usr/share/bazel/rules/cc").is_dir()
+                    or not Path("/usr/share/bazel/platforms").is_dir(),
+                    reason="Debian's bazel rules are not installed (the script stops before bazel)")
+def test_relative_python_reaches_bazel_absolute(tmp_path):
+    # bazel's repository rule runs the interpreter from its external directory: the script must hand
+    # it the path the caller meant, made absolute against the caller's directory (not the repo root)
+    caller = tmp_path / "caller"
+    target = caller / "venv" / "bin" / "python"
+    target.parent.mkdir(parents=True)
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    rc, output, log = run_script(tmp_path, "venv/bin/python", cwd=caller)
+    assert rc == 0, output
+    assert log.read_text().splitlines() == [f"JAX_EP_PYTHON={target}"]
