@@ -15,6 +15,7 @@ NVCC_FLAGS = [
     "-std=c++17",
     "-O3",
     "-DNDEBUG",
+    "-lineinfo",  # as CMake: source lines for profilers (ncu's source view)
     "-Xcompiler=-fPIC,-fvisibility=hidden,-Wall,-Wextra",
     "-I.",  # the execroot: sources include "cuda/..." like the CMake build
 ]

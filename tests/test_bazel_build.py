@@ -3,7 +3,9 @@ it was given: nothing is built, and CI machines without bazel run it the same wa
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -66,3 +68,42 @@ def test_relative_python_reaches_bazel_absolute(tmp_path):
     rc, output, log = run_script(tmp_path, "venv/bin/python", cwd=caller)
     assert rc == 0, output
     assert log.read_text().splitlines() == [f"JAX_EP_PYTHON={target}"]
+
+
+def _split_nvcc(flags: list[str]) -> set[str]:
+    """One entry per flag, -Xcompiler=a,b split into -Xcompiler=a and -Xcompiler=b."""
+    out = set()
+    for flag in flags:
+        if flag.startswith("-Xcompiler="):
+            out.update(f"-Xcompiler={f}" for f in flag.removeprefix("-Xcompiler=").split(","))
+        else:
+            out.add(flag)
+    return out
+
+
+def _bzl_lists(path: Path, names: set[str]) -> dict[str, list[str]]:
+    """The top-level list literals `names` of a .bzl file (Starlark parses as Python here)."""
+    tree = ast.parse(path.read_text())
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id in names}
+
+
+def test_bazel_nvcc_flags_match_cmake():
+    # docs/native.md: the bazel genrules use the same nvcc flags as CMake. CMake's come from each
+    # kernel library's target_compile_options (its gencode variable's default substituted) plus what
+    # CMake derives from target properties and the Release build type (the `derived` set below).
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    defaults = {var: value.replace(";", " ")
+                for var, value in re.findall(r'set\((JAX_EP_\w*GENCODE)\s+"([^"]*)"', cmake)}
+    options = re.findall(r"\$<\$<COMPILE_LANGUAGE:CUDA>:\$\{(JAX_EP_\w*GENCODE)\}([^>]*)>", cmake)
+    assert {var for var, _ in options} == {"JAX_EP_CUDA_GENCODE", "JAX_EP_RDC_GENCODE"}, options
+    bazel_gencode = {"JAX_EP_CUDA_GENCODE": "CUDA_GENCODE", "JAX_EP_RDC_GENCODE": "RDC_GENCODE"}
+    bzl = _bzl_lists(ROOT / "bazel" / "cuda.bzl", {"NVCC_FLAGS", *bazel_gencode.values()})
+    # CUDA_STANDARD 17, Release (-O3 -DNDEBUG), POSITION_INDEPENDENT_CODE, CUDA_VISIBILITY_PRESET hidden,
+    # and the include directory PROJECT_SOURCE_DIR (bazel: the execroot)
+    derived = {"-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden", "-I."}
+    for var, rest in options:
+        want = _split_nvcc((defaults[var] + " " + rest).split()) | derived
+        got = _split_nvcc(bzl["NVCC_FLAGS"] + bzl[bazel_gencode[var]])
+        assert got == want, (var, sorted(got - want), sorted(want - got))
