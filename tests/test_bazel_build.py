@@ -107,3 +107,25 @@ def test_bazel_nvcc_flags_match_cmake():
         want = _split_nvcc((defaults[var] + " " + rest).split()) | derived
         got = _split_nvcc(bzl["NVCC_FLAGS"] + bzl[bazel_gencode[var]])
         assert got == want, (var, sorted(got - want), sorted(want - got))
+
+
+def test_native_md_says_what_the_bazel_build_compiles_against():
+    # The bazel build takes jaxlib's FFI headers and the NVSHMEM wheel from JAX_EP_PYTHON's environment
+    # (bazel/local_deps.bzl), not pip's [build-system] pins: docs/native.md names those pins, which
+    # constraints.txt (the make install venv) must repeat for its "the headers and NVSHMEM pip used"
+    # to hold; and it names the function telling which _C a process uses.
+    build_requires = re.search(r"^requires = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(),
+                               re.S | re.M).group(1)
+    constraints = (ROOT / "constraints.txt").read_text().splitlines()
+    native = " ".join((ROOT / "docs" / "native.md").read_text().split())
+    for package in ("jaxlib", "nvidia-nvshmem-cu13"):
+        pin = re.search(rf'"{package}==([\w.]+)', build_requires).group(1)
+        assert f"{package}=={pin}" in constraints, (package, pin)
+        assert pin in native, (package, pin)
+    bzl = (ROOT / "bazel" / "local_deps.bzl").read_text()
+    assert "jax.ffi.include_dir()" in bzl and "import nvidia.nvshmem" in bzl
+    assert "It builds against `JAX_EP_PYTHON`'s environment, not the pip build's pins" in native
+    runtime = ast.parse((ROOT / "jax_ep" / "runtime.py").read_text())
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "extension" for n in runtime.body)
+    assert "`jax_ep.runtime.extension().__file__` tells which `_C` jax_ep uses" in native
+    assert 'spec_from_file_location("jax_ep._C", "bazel-bin/jax_ep/_C.so")' in native
