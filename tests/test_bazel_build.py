@@ -124,8 +124,6 @@ def test_native_md_says_what_the_bazel_build_compiles_against():
         assert pin in native, (package, pin)
     bzl = (ROOT / "bazel" / "local_deps.bzl").read_text()
     assert "jax.ffi.include_dir()" in bzl and "import nvidia.nvshmem" in bzl
-    assert "It builds against `JAX_EP_PYTHON`'s environment, not the pip build's pins" in native
     runtime = ast.parse((ROOT / "jax_ep" / "runtime.py").read_text())
     assert any(isinstance(n, ast.FunctionDef) and n.name == "extension" for n in runtime.body)
-    assert "`jax_ep.runtime.extension().__file__` tells which `_C` jax_ep uses" in native
-    assert 'spec_from_file_location("jax_ep._C", "bazel-bin/jax_ep/_C.so")' in native
+    assert "jax_ep.runtime.extension().__file__" in native
