@@ -72,7 +72,9 @@ def _check_num_experts(name: str, array: jax.Array, num_experts: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 def expert_counts(topk_idx: jax.Array, num_experts: int, *, token_mask: jax.Array | None = None,
                   axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
-    """Tokens routed to each expert: [E] int32 from topk_idx [..., K] (-1 = unused slot, not counted).
+    """Tokens routed to each expert: [E] int32 from topk_idx [..., K]. An id outside [0, E) is an unused
+    slot (-1 by convention) and not counted, as dispatch reads it (docs/api.md, "Sanitising"; checked
+    mode's dispatch refuses ids other than -1 there).
 
     token_mask: optional [...] bool, False for padding tokens (not counted).
     axis_name: mesh axis (or axes) to sum over inside shard_map/pmap, so every rank sees the global load.
