@@ -207,6 +207,9 @@ def sequence_aux_terms(scores: jax.Array, topk_idx: jax.Array, num_experts: int,
     mask = (jnp.ones(scores.shape[:-1], jnp.float32) if token_mask is None
             else token_mask.astype(jnp.float32))                                  # [B, S]
     num_tokens = jnp.maximum(mask.sum(axis=-1), 1.0)                              # [B] guards empty sequences
+    # padding tokens' scores out before any arithmetic: NaN * 0 is NaN (a NaN in padding made the loss and
+    # the router's gradient NaN); a where on the input passes them a zero gradient, not NaN
+    scores = jnp.where(mask[..., None] > 0, scores, 0.0)
 
     # Selections per (sequence, expert) by scatter-add: whole numbers, so the float sum is exact in any
     # order. Unused slots (-1) and padding tokens are sent out of bounds and dropped.

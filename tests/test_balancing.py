@@ -200,6 +200,23 @@ def test_sequences_of_padding_only_leave_the_aux_loss_unchanged():
     assert float(sequence_aux_loss(scores, idx, 8, 1e-2, token_mask=jnp.zeros_like(mask))) == 0.0
 
 
+def test_nan_in_padding_tokens_leaves_the_aux_loss_and_its_gradient_finite():
+    """Padding is in no statistic: NaN scores in padding tokens (uninitialised rows) made the loss NaN,
+    NaN * 0 in the masked mean, and the gradient NaN (found by a review, 2026-12-05). Same loss and
+    gradient as with finite padding."""
+    rng = np.random.default_rng()
+    scores = jax.nn.softmax(jnp.asarray(rng.standard_normal((3, 7, 8)), jnp.float32))
+    idx = jax.lax.top_k(scores, 2)[1]
+    mask = jnp.asarray(rng.random((3, 7)) < 0.6).at[:, 0].set(True).at[:, -1].set(False)
+    poisoned = jnp.where(mask[..., None], scores, jnp.nan)
+    loss = lambda s: sequence_aux_loss(s, idx, 8, 1e-2, token_mask=mask)   # noqa: E731
+    np.testing.assert_allclose(loss(poisoned), loss(scores), rtol=1e-6)
+    g_poisoned, g = np.asarray(jax.grad(loss)(poisoned)), np.asarray(jax.grad(loss)(scores))
+    assert np.isfinite(g_poisoned).all()
+    np.testing.assert_allclose(g_poisoned, g, rtol=1e-6, atol=1e-9)
+    assert (g[~np.asarray(mask)] == 0).all() and np.abs(g).sum() > 0
+
+
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32])
 def test_a_token_mask_that_is_not_bool_is_refused_naming_it(dtype):
     """An int mask [2, 1, 0] was and-ed bit by bit with the slots' validity (it counted the last token
