@@ -5,12 +5,15 @@ kernels by an ulp in some scales and one e4m3 step in ~0.1% of the values: tests
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
-from jax_ep.errors import EPValueError
+from jax_ep.errors import EPUnsupportedError, EPValueError
 
 # amax floors: both keep the scale finite for all-zero blocks.
 FP8_MIN_AMAX = 1e-4        # the dispatch wire's (DeepEP's clamp; the CUDA kernels' 1e-4f): activations
@@ -23,12 +26,15 @@ FP8_GEMM_MIN_AMAX = 1e-30
 
 def quantize_fp8(x: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Array, jax.Array]:
     """Per-token, per-128-channel e4m3 quantisation: scale = amax / 448, q = x * (448 / amax), amax
-    floored at ``min_amax`` (the wire's FP8_MIN_AMAX; the GEMMs pass FP8_GEMM_MIN_AMAX)."""
+    floored at ``min_amax`` (the wire's FP8_MIN_AMAX; the GEMMs pass FP8_GEMM_MIN_AMAX). x as stored
+    (``as_stored``) and NaN left out of amax (``abs_for_amax``), as the kernels read it."""
+    if getattr(x, "ndim", None) != 2:
+        raise EPValueError(f"quantize_fp8: x must be rows [T, H], got shape {tuple(getattr(x, 'shape', ()))}")
     t, h = x.shape
     blocks = -(-h // FP8_BLOCK)
-    xf = x.astype(jnp.float32)
+    xf = as_stored(x).astype(jnp.float32)
     padded = jnp.pad(xf, ((0, 0), (0, blocks * FP8_BLOCK - h))).reshape(t, blocks, FP8_BLOCK)
-    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(padded), axis=2), min_amax)
+    inv_scale, scales = fp8_scales(jnp.max(abs_for_amax(padded), axis=2), min_amax)
     q = (padded * inv_scale[:, :, None]).reshape(t, blocks * FP8_BLOCK)[:, :h]
     return to_e4m3(q), scales
 
@@ -39,6 +45,14 @@ def as_stored(y: jax.Array) -> jax.Array:
     again; the documented combine and its gradients use the rounded y, as the kernels do, and a
     reference quantiser must see the values a kernel reads from memory."""
     return lax.optimization_barrier(y)
+
+
+def abs_for_amax(x: jax.Array) -> jax.Array:
+    """|x| with NaN as 0, the operand of an amax: the CUDA wire (fmaxf) and the Triton quantisers
+    (maxnumf) leave NaN out of a block's amax, so only the NaN channel is NaN. XLA's max propagated it
+    (the whole block NaN) or, on the CPU, lost it to -inf in some positions (the amax floor then; the
+    block's finite values overflowed to NaN)."""
+    return jnp.where(jnp.isnan(x), 0.0, jnp.abs(x))
 
 
 def to_e4m3(x: jax.Array) -> jax.Array:
@@ -67,9 +81,10 @@ def fp8_scales(amax: jax.Array, min_amax: float = FP8_MIN_AMAX) -> tuple[jax.Arr
 def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Inverse of quantize_fp8 (up to e4m3 rounding): rows q [..., H] float8_e4m3fn with their float32
     scales [..., ceil(H/128)] (the same leading dims: a dispatch's [C, H], a low-latency dispatch's
-    [E_local, slots, H]) -> [..., H] in ``dtype``. For inference and for rows whose gradient is not
-    taken: differentiated, q's cotangent is rounded to e4m3 (training takes the FP8 wire through
-    ``jax_ep.ops.dispatch_straight_through`` and the FP8 GEMMs' own gradients)."""
+    [E_local, slots, H]) -> [..., H] in ``dtype``. Differentiable in the scales, not in q: an e4m3
+    cotangent would be rounded to 3 mantissa bits and overflow to NaN above 448, so jax.grad through q
+    raises (training takes the FP8 wire through ``jax_ep.ops.dispatch_straight_through`` and the FP8
+    GEMMs' own gradients)."""
     if getattr(q, "dtype", None) != jnp.float8_e4m3fn or getattr(q, "ndim", 0) < 1:
         raise EPValueError(f"dequantize_fp8: q must be float8_e4m3fn rows [..., H], got "
                            f"{getattr(q, 'dtype', type(q).__name__)}{tuple(getattr(q, 'shape', ()))}")
@@ -80,5 +95,40 @@ def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Ar
                            f"{FP8_BLOCK} channels of q {list(q.shape)}), got "
                            f"{getattr(scales, 'dtype', type(scales).__name__)}"
                            f"{list(getattr(scales, 'shape', ()))}")
-    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=-1)[..., :h]
+    return _dequantize_in_scales(q, scales, jnp.dtype(dtype))
+
+
+def dequantize_rows(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """dequantize_fp8 unchecked and without its guard, for jax_ep's own callers: the FP8 dispatches'
+    rows (their own backward names the FP8 wire's error) and the FP8 GEMMs (inside their custom_vjps)."""
+    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=-1)[..., :q.shape[-1]]
     return (q.astype(jnp.float32) * per_channel).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dequantize_in_scales(q, scales, dtype):
+    return dequantize_rows(q, scales, dtype)
+
+
+def _dequantize_fwd(q, scales, dtype):
+    if q.perturbed:   # a rounded cotangent, NaN above 448 (found by a review, 2026-12-05)
+        raise EPUnsupportedError(
+            "jax_ep.dequantize_fp8 is not differentiable in q (float8_e4m3fn: its cotangent would be rounded "
+            "to 3 mantissa bits and overflow to NaN above 448). The FP8 wire of dispatch is forward-only: to "
+            "train with it use jax_ep.ops.dispatch_straight_through; a straight-through estimate of "
+            "quantize_fp8 is x + lax.stop_gradient(dequantize_fp8(*quantize_fp8(lax.stop_gradient(x))) - x); "
+            "or take q as a constant (lax.stop_gradient(q))")
+    return dequantize_rows(q.value, scales.value, dtype), q.value
+
+
+def _dequantize_bwd(dtype, q, ct):
+    if isinstance(ct, SymbolicZero):
+        return None, None
+    h = q.shape[-1]
+    blocks = -(-h // FP8_BLOCK)
+    per_channel = ct.astype(jnp.float32) * q.astype(jnp.float32)
+    padded = jnp.pad(per_channel, [(0, 0)] * (q.ndim - 1) + [(0, blocks * FP8_BLOCK - h)])
+    return None, padded.reshape(*q.shape[:-1], blocks, FP8_BLOCK).sum(axis=-1)
+
+
+_dequantize_in_scales.defvjp(_dequantize_fwd, _dequantize_bwd, symbolic_zeros=True)

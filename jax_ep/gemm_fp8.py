@@ -37,7 +37,15 @@ from jax import lax
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX, check_fp8_channels, check_option
 from jax_ep.errors import EPTypeError, EPValueError
-from jax_ep.fp8 import FP8_GEMM_MIN_AMAX, as_stored, dequantize_fp8, fp8_scales, quantize_fp8, to_e4m3
+from jax_ep.fp8 import (
+    FP8_GEMM_MIN_AMAX,
+    abs_for_amax,
+    as_stored,
+    dequantize_rows,
+    fp8_scales,
+    quantize_fp8,
+    to_e4m3,
+)
 from jax_ep.gemm import (
     GROUP_MAJOR,
     _kernel_platform,
@@ -169,7 +177,7 @@ def dequantize_gemm_rows(xq: jax.Array, x_scales: jax.Array, live_rows: jax.Arra
     starting below live_rows, the rest left unwritten."""
     m, k = xq.shape
     if backend == "reference":
-        return dequantize_fp8(xq, x_scales, dtype)
+        return dequantize_rows(xq, x_scales, dtype)
     if backend != "pallas" or not quantize_rows_fits(xq.shape):
         raise EPValueError(f"dequantize_gemm_rows: backend must be 'reference' or 'pallas' (rows [M, K] with "
                            f"K % {FP8_BLOCK} == 0 and M % {QUANTIZE_ROWS} == 0), got backend={backend!r}, "
@@ -226,7 +234,7 @@ def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     g, k, n = w.shape
     check_fp8_channels("quantize_weight_blocks", K=k, N=n)
     blocks = w.astype(jnp.float32).reshape(g, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
-    inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=(2, 4)), FP8_GEMM_MIN_AMAX)
+    inv_scale, scales = fp8_scales(jnp.max(abs_for_amax(blocks), axis=(2, 4)), FP8_GEMM_MIN_AMAX)
     q = blocks * inv_scale[:, :, None, :, None]
     return to_e4m3(q.reshape(g, k, n)), scales
 
@@ -357,11 +365,11 @@ def quantize_rows_t(x: jax.Array, group_sizes: jax.Array, *, x_scales: jax.Array
         # the rows as stored, as the Triton quantiser reads them (excess precision could otherwise skip
         # the rounding that made a bf16 dy: half the scales differed on one H200, 2026-11-29)
         x = as_stored(x)
-        xf = x.astype(jnp.float32) if x_scales is None else dequantize_fp8(x, x_scales)
+        xf = x.astype(jnp.float32) if x_scales is None else dequantize_rows(x, x_scales)
         if m == 0:   # nothing to gather from (every block is then empty: zeros)
             xf = jnp.zeros((1, c), jnp.float32)
         blocks = jnp.where(valid[:, :, None], xf[jnp.where(valid, rows, 0)], 0.0)    # [P/128, 128, C]
-        inv_scale, scales = fp8_scales(jnp.max(jnp.abs(blocks), axis=1), FP8_GEMM_MIN_AMAX)
+        inv_scale, scales = fp8_scales(jnp.max(abs_for_amax(blocks), axis=1), FP8_GEMM_MIN_AMAX)
         q = to_e4m3(blocks * inv_scale[:, None, :])
         return q.transpose(2, 0, 1).reshape(c, p), scales, info
     if backend != "pallas":
@@ -590,7 +598,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         raise EPValueError(f"grouped_matmul_fp8: scales {x_scales.shape} / {w_scales.shape} do not match "
                            f"x {xq.shape} and w {wq.shape} in blocks of {FP8_BLOCK}")
     if backend == "reference":
-        x = dequantize_fp8(xq, x_scales)
+        x = dequantize_rows(xq, x_scales)
         w = dequantize_weight_blocks(wq, w_scales)
         w = jnp.swapaxes(w, 1, 2) if transpose_w else w
         out = lax.ragged_dot(x, w, group_sizes, precision=lax.Precision.HIGHEST,

@@ -49,7 +49,7 @@ from jax_ep.config import (
     check_options,
 )
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
-from jax_ep.fp8 import dequantize_fp8
+from jax_ep.fp8 import dequantize_rows
 from jax_ep.gating import RouterConfig, route
 from jax_ep.gemm import BACKENDS as GEMM_BACKENDS
 from jax_ep.gemm import grouped_matmul, preferred_alignment
@@ -1188,7 +1188,7 @@ class _HierarchicalExchange:
         """(Dispatched, its rows in x's dtype; an FP8 wire's dequantised: forward-only here)."""
         d = dispatch_hierarchical(x, topk_idx, topk_weights, self.cfg, self.node_axis)
         scales = getattr(d, "scales", None)
-        return d, d.x.astype(x.dtype) if scales is None else dequantize_fp8(d.x, scales, x.dtype)
+        return d, d.x.astype(x.dtype) if scales is None else dequantize_rows(d.x, scales, x.dtype)
 
     def combine(self, y, handle, weighted=True):
         if not weighted:
@@ -1322,7 +1322,7 @@ def slot_experts(slots: jax.Array, scales: jax.Array | None, counts: jax.Array, 
     # with the FP8 GEMMs the wire's FP8 rows go in as they came (their dequantised copy is then unused:
     # XLA drops it)
     rows_fp8 = None if scales is None or fp8_weights is None else (rows, scales)
-    rows = rows.astype(dtype) if scales is None else dequantize_fp8(rows, scales, dtype)
+    rows = rows.astype(dtype) if scales is None else dequantize_rows(rows, scales, dtype)
     gate, up = jnp.split(matmul(rows, w_gate_up.astype(dtype), gate_up_q, rows_fp8), 2, axis=1)
     y = matmul(jax.nn.silu(gate) * up, w_down.astype(dtype), down_q)
     # back into the slots ll_combine reads; it never reads the others (NaN allowed), so a bfloat16

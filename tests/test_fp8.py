@@ -1,0 +1,96 @@
+"""FP8 numerics (jax_ep.fp8): what the reference quantiser reads (the stored values, NaN left out of the
+amax, as the kernels), and dequantize_fp8's gradients. Findings of a review, 2026-12-05."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import make_cfg, per_rank
+
+import jax_ep
+from jax_ep.fp8 import FP8_BLOCK, FP8_MAX, quantize_fp8
+
+R, T, H, E, K = 2, 16, 256, 8, 2
+
+
+def _bytes(a):
+    return np.asarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("op", ["dispatch", "ll_dispatch"])
+def test_fp8_dispatch_quantises_the_tokens_as_stored(op):
+    """x = a * b computed in bf16 in the same jit as the FP8 dispatch: XLA's excess precision handed the
+    reference quantiser the float32 product, not the bf16 token the CUDA wire reads (324 of 32768 e4m3
+    bytes and 122 of 256 scales differed from the dispatch of the stored tokens)."""
+    rng = np.random.default_rng()
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="reference",
+                   dispatch_dtype="float8_e4m3fn")
+    a, b = (jnp.asarray(rng.standard_normal((R, T, H)), jnp.bfloat16) for _ in range(2))
+    idx = jnp.asarray(np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(R)]),
+                      jnp.int32)
+    w = jnp.asarray(rng.random((R, T, K)), jnp.float32)
+    fn = getattr(jax_ep, op)
+    fused = per_rank(lambda a, b, i, w: fn(a * b, i, w, cfg), R)(a, b, idx, w)
+    stored = per_rank(lambda x, i, w: fn(x, i, w, cfg), R)(jax.jit(jnp.multiply)(a, b), idx, w)
+    np.testing.assert_array_equal(_bytes(fused.x), _bytes(stored.x))
+    np.testing.assert_array_equal(np.asarray(fused.scales), np.asarray(stored.scales))
+
+
+@pytest.mark.parametrize("channel", [3, 127, 200])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_nan_is_left_out_of_the_amax_as_the_kernels_do(channel, batch):
+    """The CUDA wire (fmaxf) and the Triton quantisers (maxnumf) leave NaN out of a block's amax: only
+    the NaN channel is NaN. XLA's max made the whole block NaN for a token alone, a finite scale in a
+    batch of 64, and with the NaN in channel 127 the amax floor (the block's values overflowed to NaN)."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((batch, H)).astype(np.float32)
+    x[0, channel] = np.nan
+    q, scales = quantize_fp8(jnp.asarray(x))
+    block = channel // FP8_BLOCK
+    finite = np.delete(x[0, block * FP8_BLOCK:(block + 1) * FP8_BLOCK], channel % FP8_BLOCK)
+    assert float(scales[0, block]) == np.float32(np.abs(finite).max()) / np.float32(FP8_MAX)
+    row = np.asarray(q[0].astype(jnp.float32))
+    assert np.isnan(row[channel]) and np.isfinite(np.delete(row, channel)).all()
+    clean, clean_scales = quantize_fp8(jnp.asarray(np.where(np.isnan(x), 0.0, x)))
+    keep = np.ones(H, bool)
+    keep[channel] = False
+    np.testing.assert_array_equal(_bytes(q[0])[keep], _bytes(clean[0])[keep])
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(clean_scales))
+
+
+def test_quantize_fp8_names_a_wrong_shape():
+    for shape in [(H,), (2, 3, H)]:
+        message = f"quantize_fp8: x must be rows [T, H], got shape {shape}"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            quantize_fp8(jnp.ones(shape))
+
+
+def test_dequantize_fp8_is_differentiable_in_the_scales_and_refuses_q():
+    """Differentiated through q, dequantize_fp8(*quantize_fp8(x)) gave NaN gradients (an e4m3 cotangent
+    overflows above 448; |x|~300 with loss 1000*sum: 256 of 256 NaN) or a rounded one (0.89-1.15 where
+    straight-through is 1). Now q refuses; the scales' gradient is exact."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((4, 200)) * 300, jnp.float32)
+    q, scales = quantize_fp8(x)
+    with pytest.raises(NotImplementedError, match=r"dequantize_fp8 is not differentiable in q"):
+        jax.grad(lambda x: (1000 * jax_ep.dequantize_fp8(*quantize_fp8(x))).sum())(x)
+    coef = jnp.asarray(rng.standard_normal((4, 200)), jnp.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        def loss(s, dtype=dtype):
+            return (jax_ep.dequantize_fp8(q, s, dtype).astype(jnp.float32) * coef).sum()
+        got = jax.grad(loss)(scales)
+        deq = np.asarray(q.astype(jnp.float32)) * np.asarray(coef)
+        want = np.stack([deq[:, :128].sum(1), deq[:, 128:].sum(1)], axis=1)
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol * np.abs(want).max())
+    # the forward is what it was, and a straight-through estimate as the message writes it works
+    np.testing.assert_array_equal(
+        np.asarray(jax_ep.dequantize_fp8(q, scales)),
+        np.asarray(q.astype(jnp.float32)) * np.repeat(np.asarray(scales), 128, axis=1)[:, :200])
+    sg = jax.lax.stop_gradient
+    st = jax.grad(lambda x: (x + sg(jax_ep.dequantize_fp8(*quantize_fp8(sg(x))) - x)).sum())(x)
+    np.testing.assert_array_equal(np.asarray(st), np.ones(x.shape, np.float32))
