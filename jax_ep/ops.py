@@ -204,7 +204,22 @@ def explain(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16, ops=None) -> dict[s
 
 def implementation(op: str, cfg: EPConfig, dtype=None):
     """The function ``cfg.backend`` runs for ``op`` (inside shard_map over cfg.axis_name)."""
-    return OPS[op].implementation(cfg, ep_size(cfg, op), dtype)
+    return backends.get(_backend_here(op, cfg, dtype)).function(OPS[op].function)
+
+
+def _backend_here(op: str, cfg: EPConfig, dtype) -> str:
+    """The backend ``plan`` picks for ``op``, where the call runs: a kernel needs one device per rank, so
+    an EP axis that no enclosing shard_map makes manual (a ``jax.vmap`` axis) takes the reference with
+    "auto" and is an error with a named backend. It lowered to one sequential call per rank on one device,
+    each waiting for peers that start only after it ends (found by a review, 2026-12-05)."""
+    name = OPS[op].plan(cfg, ep_size(cfg, op), dtype).impl
+    if name == backends.REFERENCE or cfg.axis_name in vma.manual_axes():
+        return name
+    if cfg.backend == "auto":
+        return backends.REFERENCE
+    raise EPValueError(f"jax_ep.{op} (backend={cfg.backend!r}): the EP axis {cfg.axis_name!r} is not a "
+                       "manual axis of an enclosing shard_map (a jax.vmap axis?): the kernels need one "
+                       "device per rank; run the op in shard_map over the mesh, or use backend='reference'")
 
 
 def _typed_inputs(x, topk_weights, topk_idx, cfg: EPConfig):
@@ -254,11 +269,11 @@ def ep_size(cfg: EPConfig, op: str) -> int:
 # ---- public ops -----------------------------------------------------------------------------------
 def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> types.Layout:
     """Tokens of this rank per destination rank and per expert, and token->rank membership."""
-    size = ep_size(cfg, "get_dispatch_layout")
+    ep_size(cfg, "get_dispatch_layout")
     check_layout_args(topk_idx, cfg)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "get_dispatch_layout")
-    return OPS["layout"].implementation(cfg, size)(topk_idx, cfg)
+    return implementation("layout", cfg)(topk_idx, cfg)
 
 
 @overlap.in_order
@@ -645,7 +660,7 @@ def _ll_combine(y, handle, rank_mask, cfg):
 # The backend is chosen once, at the send (as for the fused op); the receive runs the same backend's
 # second phase, named by the pending value (pending.backend).
 def _ll_send_impl(op: str, cfg: EPConfig, dtype):
-    name = OPS[op].plan(cfg, ep_size(cfg, op), dtype).impl
+    name = _backend_here(op, cfg, dtype)
     send = backends.get(name).function(f"{op}_send")
     sent = _as_sent(cfg)
     return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name, cfg=sent)

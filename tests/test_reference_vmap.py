@@ -269,3 +269,40 @@ def test_hierarchical_gradients(shape):
     # the worker compares the gradients only: the loss value is a float32 sum with heavy cancellation,
     # whose order differs between the two programs (seen: 3.26 vs 3.57, terms in the hundreds)
     assert_same_bits(lambda *a: grads(*a)[1:], shape, x, w, idx, ct, close={0, 1}, steps=2, axes=hw.GROUP)
+
+
+def test_kernels_under_vmap_are_refused_or_leave_auto_on_the_reference(monkeypatch):
+    """A kernel needs one device per rank: under jax.vmap(axis_name=cfg.axis_name) backend='cuda' lowered
+    to one sequential FFI call per rank on one device, each waiting for peers that start only after it
+    ends (a timeout, then a trap; found by a review, 2026-12-05). Now it is refused when traced, and
+    'auto', where the table picks the kernel, takes the reference there. Under shard_map: the kernels."""
+    from helpers import lower_cuda_here
+
+    from jax_ep import auto_table
+
+    lower_cuda_here(monkeypatch, stub_extension=True)
+    monkeypatch.setattr(auto_table, "kernel_faster", lambda *a: True)
+    ranks, tokens, hidden, experts, topk = 2, 8, 64, 8, 2
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((ranks, tokens, hidden)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)])
+                                for _ in range(ranks)]), jnp.int32)
+    w = jnp.asarray(rng.random((ranks, tokens, topk)), jnp.float32)
+
+    def body_of(backend):
+        c = jax_ep.EPConfig(axis_name=AXIS, num_experts=experts, num_topk=topk, hidden=hidden,
+                            max_tokens_per_rank=tokens, backend=backend)
+
+        def body(x, i, w):
+            d = jax_ep.dispatch(x, i, w, c)
+            return jax_ep.combine(d.x, d.handle, c)
+        return body
+
+    refused = r"jax_ep\.dispatch \(backend='cuda'\): the EP axis 'ep' is not a manual axis of an enclosing"
+    with np.testing.assert_raises_regex(ValueError, refused):
+        jax.jit(jax.vmap(body_of("cuda"), axis_name=AXIS)).lower(x, idx, w)
+    vmapped = jax.jit(jax.vmap(body_of("auto"), axis_name=AXIS)).lower(x, idx, w).as_text()
+    assert "custom_call @jax_ep" not in vmapped
+    auto = body_of("auto")
+    sharded = by_shard_map(lambda x, i, w: auto(x[0], i[0], w[0])[None], ranks).lower(x, idx, w).as_text()
+    assert "custom_call @jax_ep_dispatch" in sharded and "custom_call @jax_ep_combine" in sharded
