@@ -5,12 +5,9 @@ kernels by an ulp in some scales and one e4m3 step in ~0.1% of the values: tests
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 
 from jax_ep.config import FP8_BLOCK, FP8_MAX
 from jax_ep.errors import EPUnsupportedError, EPValueError
@@ -95,40 +92,30 @@ def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Ar
                            f"{FP8_BLOCK} channels of q {list(q.shape)}), got "
                            f"{getattr(scales, 'dtype', type(scales).__name__)}"
                            f"{list(getattr(scales, 'shape', ()))}")
-    return _dequantize_in_scales(q, scales, jnp.dtype(dtype))
+    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=-1)[..., :h]
+    return (_widen_constant(q) * per_channel).astype(dtype)
 
 
 def dequantize_rows(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
     """dequantize_fp8 unchecked and without its guard, for jax_ep's own callers: the FP8 dispatches'
-    rows (their own backward names the FP8 wire's error) and the FP8 GEMMs (inside their custom_vjps)."""
+    rows (their own rules name the FP8 wire's error) and the FP8 GEMMs (inside their custom_vjps)."""
     per_channel = jnp.repeat(scales, FP8_BLOCK, axis=-1)[..., :q.shape[-1]]
     return (q.astype(jnp.float32) * per_channel).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dequantize_in_scales(q, scales, dtype):
-    return dequantize_rows(q, scales, dtype)
+@jax.custom_jvp
+def _widen_constant(q: jax.Array) -> jax.Array:
+    """q (e4m3) in float32; differentiated in q, an error (its rule runs only where q has a tangent)."""
+    return q.astype(jnp.float32)
 
 
-def _dequantize_fwd(q, scales, dtype):
-    if q.perturbed:   # a rounded cotangent, NaN above 448 (found by a review, 2026-12-05)
-        raise EPUnsupportedError(
-            "jax_ep.dequantize_fp8 is not differentiable in q (float8_e4m3fn: its cotangent would be rounded "
-            "to 3 mantissa bits and overflow to NaN above 448). The FP8 wire of dispatch is forward-only: to "
-            "train with it use jax_ep.ops.dispatch_straight_through; a straight-through estimate of "
-            "quantize_fp8 is x + lax.stop_gradient(dequantize_fp8(*quantize_fp8(lax.stop_gradient(x))) - x); "
-            "or take q as a constant (lax.stop_gradient(q))")
-    return dequantize_rows(q.value, scales.value, dtype), q.value
-
-
-def _dequantize_bwd(dtype, q, ct):
-    if isinstance(ct, SymbolicZero):
-        return None, None
-    h = q.shape[-1]
-    blocks = -(-h // FP8_BLOCK)
-    per_channel = ct.astype(jnp.float32) * q.astype(jnp.float32)
-    padded = jnp.pad(per_channel, [(0, 0)] * (q.ndim - 1) + [(0, blocks * FP8_BLOCK - h)])
-    return None, padded.reshape(*q.shape[:-1], blocks, FP8_BLOCK).sum(axis=-1)
-
-
-_dequantize_in_scales.defvjp(_dequantize_fwd, _dequantize_bwd, symbolic_zeros=True)
+@_widen_constant.defjvp
+def _widen_constant_jvp(primals, tangents):
+    # a rounded cotangent, NaN above 448 (found by a review, 2026-12-05). A custom_jvp, not a custom_vjp
+    # with symbolic zeros: JAX cannot differentiate those in an eager shard_map
+    raise EPUnsupportedError(
+        "jax_ep.dequantize_fp8 is not differentiable in q (float8_e4m3fn: its cotangent would be rounded "
+        "to 3 mantissa bits and overflow to NaN above 448). The FP8 wire of dispatch is forward-only: to "
+        "train with it use jax_ep.ops.dispatch_straight_through; a straight-through estimate of "
+        "quantize_fp8 is x + lax.stop_gradient(dequantize_fp8(*quantize_fp8(lax.stop_gradient(x))) - x); "
+        "or take q as a constant (lax.stop_gradient(q))")

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_ep import auto_table, backends, overlap, remat, types, vma
 from jax_ep.config import EPConfig, KernelConfig, check_option
 from jax_ep.errors import EPRuntimeError, EPTypeError, EPUnsupportedError, EPValueError
-from jax_ep.fp8 import dequantize_fp8
+from jax_ep.fp8 import dequantize_rows
 from jax_ep.validation import (
     check_combine_args,
     check_combine_rank_major_args,
@@ -406,7 +406,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 def _dispatch_st(x, topk_idx, topk_weights, rank_mask, cfg):
     # named here too: inside this rule's forward _dispatch is a call of its own, its names hidden
     out = checkpoint_name(_dispatch(x, topk_idx, topk_weights, rank_mask, cfg), remat.DISPATCH)
-    return out, dequantize_fp8(out.x, out.scales, x.dtype)
+    return out, dequantize_rows(out.x, out.scales, x.dtype)
 
 
 def _dispatch_st_fwd(x, topk_idx, topk_weights, rank_mask, cfg):

@@ -94,3 +94,18 @@ def test_dequantize_fp8_is_differentiable_in_the_scales_and_refuses_q():
     sg = jax.lax.stop_gradient
     st = jax.grad(lambda x: (x + sg(jax_ep.dequantize_fp8(*quantize_fp8(sg(x))) - x)).sum())(x)
     np.testing.assert_array_equal(np.asarray(st), np.ones(x.shape, np.float32))
+
+
+def test_dequantize_fp8_differentiates_in_the_scales_in_an_eager_shard_map():
+    """Not jitted, inside shard_map: the guard on q must not stop the scales' gradient (a custom_vjp with
+    symbolic zeros raised JAX's "not implemented with shard_map" there)."""
+    rng = np.random.default_rng()
+    q, scales = quantize_fp8(jnp.asarray(rng.standard_normal((R * 4, H)), jnp.float32))
+    coef = jnp.asarray(rng.standard_normal((R * 4, H)), jnp.float32)
+
+    def loss(s):
+        per = per_rank(lambda q, s, c: (jax_ep.dequantize_fp8(q, s) * c).sum(), R, jit=False)
+        return per(q.reshape(R, 4, H), s.reshape(R, 4, -1), coef.reshape(R, 4, H)).sum()
+    got = np.asarray(jax.grad(loss)(scales))
+    deq = np.asarray(q.astype(jnp.float32)) * np.asarray(coef)
+    np.testing.assert_allclose(got, deq.reshape(R * 4, -1, FP8_BLOCK).sum(-1), rtol=1e-5, atol=1e-4)
