@@ -34,10 +34,11 @@ REFERENCE = "reference"  # the backend that defines the semantics; 'auto' falls 
 
 class Functions(Protocol):
     """What a backend's module implements: one function per op. Per-rank views, inside shard_map over
-    cfg.axis_name. Every op but layout takes ``rank_mask`` (the ops always pass it, None without a
-    mask). A backend may leave an op out ('auto' then takes another for it; naming the backend for
-    it is an error). The two-phase low-latency ops come in pairs: a backend's ``*_recv`` takes the
-    pending value of its own ``*_send`` (the value names the backend, ``pending.backend``)."""
+    cfg.axis_name. Every op but layout and the ``*_recv`` halves (the send's mask comes with the pending
+    value) takes ``rank_mask`` (the ops always pass it, None without a mask). A backend may leave an op
+    out ('auto' then takes another for it; naming the backend for it is an error). The two-phase
+    low-latency ops come in pairs: a backend's ``*_recv`` takes the pending value of its own ``*_send``
+    (the value names the backend, ``pending.backend``)."""
 
     def layout(self, topk_idx: jax.Array, cfg: EPConfig) -> t.Layout: ...
     def dispatch(self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,

@@ -147,6 +147,9 @@ def save(path, model, optimizer=None, *, overwrite: bool = False) -> str:
     _refuse_masked(model, "save")
     ocp = _orbax()
     path = _abs_path(path)
+    if not overwrite and "://" not in path and os.path.exists(path):   # Orbax's ValueError named no way out
+        raise EPValueError(f"jax_ep.checkpoint.save: {path} already exists; pass overwrite=True to replace "
+                           "it")
     record = {"format": FORMAT, "jax_ep_version": _version(), "optimizer": optimizer is not None,
               "moe_layers": {k: _layer_record(m) for k, m in moe_layers(model).items()}}
     items = {"model": ocp.args.StandardSave(_pure(model)), "jax_ep": ocp.args.JsonSave(record)}

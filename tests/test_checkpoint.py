@@ -388,6 +388,18 @@ def test_a_directory_that_is_not_a_jax_ep_checkpoint_is_a_mismatch(tmp_path):
         ckpt.read_record(tmp_path / "missing")
 
 
+def test_saving_onto_an_existing_checkpoint_names_overwrite(tmp_path):
+    """An existing path is an EPValueError naming it and overwrite=True (was Orbax's plain ValueError
+    'Destination ... already exists', not an EPError; found by a review, 2026-12-05); overwrite=True
+    replaces it."""
+    net = Net(make_mesh(2))
+    path = ckpt.save(tmp_path / "ck", net)
+    with pytest.raises(EPValueError, match=f"{path} already exists; pass overwrite=True"):
+        ckpt.save(tmp_path / "ck", net)
+    assert ckpt.save(tmp_path / "ck", net, overwrite=True) == path
+    assert ckpt.read_record(path)["moe_layers"].keys() == {"moe"}
+
+
 def test_a_mesh_other_than_the_layers_is_refused(tmp_path):
     """restore(mesh=M) with M not the MoE layers' mesh (other axis sizes, or the same sizes on other
     devices): EPValueError naming both, the model left as it was (before 2026-12-05 accepted: the
