@@ -370,8 +370,8 @@ class MoE(nnx.Module):
       batch_axes: mesh axes the tokens are sharded over (default: every axis of the mesh, e.g. data x ep;
         with ``mesh=None``, the EP axes: name every other axis of your shard_map the tokens are split
         over, or the statistics count one shard's tokens; not one they are replicated over, e.g. all-gathered
-        for sequence parallelism, nor a pipeline axis); the EP axes among them. Statistics are summed over
-        them.
+        for sequence parallelism, nor a pipeline axis); a tuple, the EP axes among them (checked with
+        ``mesh=None`` too). Statistics are summed over them.
       ep: dispatch/combine options (``EPOptions``: capacity, expert alignment, dispatch dtype, backend,
         checked mode, CUDA kernel configuration). None: ``EPOptions()``.
       balancing: ``jax_ep.balancing.BalancingConfig`` (aux-loss-free bias update rate, sequence-wise aux
@@ -495,11 +495,11 @@ class MoE(nnx.Module):
         self.routing, self.ep, self.balancing = routing, ep, balancing
         self.mesh, self.axis_name, self.node_axis = mesh, axis_name, node_axis
         # tokens are split over every mesh axis by default (data x ep); experts over the EP axis only
-        self.batch_axes = tuple(batch_axes) if batch_axes is not None else (
+        if batch_axes is not None:   # with mesh=None too: one without the EP axes counted one rank's tokens
+            batch_axes = self._check_batch_axes(batch_axes, mesh)
+        self.batch_axes = batch_axes if batch_axes is not None else (
             tuple(mesh.axis_names) if mesh is not None
             else (axis_name,) if node_axis is None else (node_axis, axis_name))
-        if mesh is not None and batch_axes is not None:
-            self._check_batch_axes(batch_axes, mesh)
         self.gemm, self.gemm_dtype, self.fp8_weight_grad = gemm, gemm_dtype, fp8_weight_grad
         self.swiglu_backend, self.gemm_num_sms = swiglu_backend, gemm_num_sms
         self.dtype = None if dtype is None else jnp.dtype(dtype)
@@ -539,12 +539,15 @@ class MoE(nnx.Module):
             state = nnx.state(self)
             nnx.update(self, jax.tree.map(self._on_mesh, state, nnx.get_partition_spec(state)))
 
-    def _check_batch_axes(self, batch_axes, mesh: Mesh) -> None:
-        """batch_axes: axes of the mesh, the EP axes among them (each EP rank holds its own tokens; the
-        statistics are summed over these axes)."""
-        if isinstance(batch_axes, str) or not all(isinstance(a, str) for a in batch_axes):
+    def _check_batch_axes(self, batch_axes, mesh: Mesh | None) -> tuple[str, ...]:
+        """batch_axes as a tuple: axes of the mesh (with ``mesh=None`` not checkable here), the EP axes
+        among them (each EP rank holds its own tokens; the statistics are summed over these axes)."""
+        # a str is refused, not split: tuple("data") is ('d', 'a', 't', 'a')
+        if isinstance(batch_axes, str) or not isinstance(batch_axes, (tuple, list)) \
+                or not all(isinstance(a, str) for a in batch_axes):
             raise EPTypeError(f"MoE: batch_axes must be a tuple of mesh axis names, got {batch_axes!r}")
-        unknown = [a for a in batch_axes if a not in mesh.axis_names]
+        batch_axes = tuple(batch_axes)
+        unknown = [] if mesh is None else [a for a in batch_axes if a not in mesh.axis_names]
         if unknown:
             raise EPValueError(f"MoE: batch_axes={tuple(batch_axes)!r} names {unknown}, not axes of the mesh "
                                f"{mesh.axis_names}")
@@ -552,6 +555,7 @@ class MoE(nnx.Module):
         if missing:
             raise EPValueError(f"MoE: batch_axes={tuple(batch_axes)!r} must include the EP axes {missing}: "
                                "each EP rank routes its own tokens")
+        return batch_axes
 
     def _on_mesh(self, value, spec=None):
         """``value`` placed on the layer's mesh with ``spec`` (a global array on every process)."""

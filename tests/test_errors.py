@@ -295,6 +295,44 @@ def test_moe_batch_axes_are_checked_where_the_layer_is_built(batch_axes, match):
             ep=EPOptions(backend="reference"))
 
 
+@pytest.mark.parametrize("batch_axes, extra, error, match", [
+    (("data",), {}, jax_ep.EPValueError, r"batch_axes=\('data',\) must include the EP axes \['ep'\]"),
+    (("ep",), {"node_axis": "node"}, jax_ep.EPValueError,
+     r"batch_axes=\('ep',\) must include the EP axes \['node'\]"),
+    ("data", {}, jax_ep.EPTypeError, r"batch_axes must be a tuple of mesh axis names, got 'data'"),
+    (("data", 0), {}, jax_ep.EPTypeError, r"batch_axes must be a tuple of mesh axis names")])
+def test_moe_batch_axes_are_checked_without_a_mesh(batch_axes, extra, error, match):
+    """Before: with mesh=None batch_axes went unchecked. ("data",) inside a data x ep shard_map made the
+    loads, the bias update and the aux loss count one EP rank's tokens (last_load summed to 16 of 64);
+    "data" was stored as ('d', 'a', 't', 'a') and the first call raised JAX's "unbound axis name: d"."""
+    with pytest.raises(error, match=match):
+        MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), batch_axes=batch_axes, ep=EPOptions(backend="reference"),
+            **extra)
+
+
+def test_moe_batch_axes_without_a_mesh_count_every_token():
+    """The accepted form (a list too, stored as a tuple): the loads of all tokens of a data x ep shard_map."""
+    layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), batch_axes=["data", "ep"],
+                ep=EPOptions(backend="reference"))
+    assert layer.batch_axes == ("data", "ep")
+    mesh = Mesh(np.array(jax.devices()[:2 * R]).reshape(2, R), ("data", "ep"))
+    graphdef, state = nnx.split(layer)
+    specs = jax.tree.map(lambda _: P(), state)
+    for name in ("w_gate_up", "w_down"):
+        specs[name] = jax.tree.map(lambda _: P("ep"), state[name])
+
+    def body(x, state):
+        per_rank = nnx.merge(graphdef, state)
+        per_rank(x)
+        return per_rank.last_load[...]
+
+    tokens = 8 * 2 * R
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (tokens, 16))
+    load = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(("data", "ep")), specs), out_specs=P(),
+                                 check_vma=False))(x, state)
+    assert int(load.sum()) == tokens * ROUTING.num_topk
+
+
 def test_moe_without_a_mesh_outside_a_shard_map_over_its_axis_names_it():
     """Before 2026-12-05: JAX's NameError (unbound axis name)."""
     layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), axis_name="expert", ep=EPOptions(backend="reference"))
