@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+
+import numpy as np
 
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 
@@ -16,8 +19,13 @@ FP8_BLOCK = 128  # channels per FP8 scale (per token, per 128 channels)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # numbers.Integral: NumPy's integer scalars too (np.int64(16) was refused as "not a positive int")
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
 def type_name(value) -> str:
@@ -32,17 +40,18 @@ def type_name(value) -> str:
 # (the same or None), "bool" (True or False only), "name" (a non-empty str), "name?", "backend" ("auto"
 # or a registered backend's name), "seconds" (a positive finite int or float), or a tuple of allowed
 # values. A wrong type raises EPTypeError, a wrong value of the right type EPValueError; both name the
-# owner, the field and the value.
-def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
-    """Raises EPTypeError / EPValueError unless ``value`` is of ``kind`` (above)."""
+# owner, the field and the value. NumPy's integer and float scalars count as ints and numbers.
+def check_option(owner: str, name: str, value, kind, minimum: int = 1):
+    """Raises EPTypeError / EPValueError unless ``value`` is of ``kind`` (above); returns ``value``, an
+    int or number as a Python int / float (one type in the configs' hashes and the jit caches)."""
     what = f"{owner}.{name}" if not owner.endswith(":") else f"{owner} {name}"
     if isinstance(kind, tuple):
         if not any(value is v or (type(value) is type(v) and value == v) for v in kind):
             raise EPValueError(f"{what} must be one of {kind}, got {value!r}")
-        return
+        return value
     if kind.endswith("?"):
         if value is None:
-            return
+            return None
         kind = kind[:-1]
         none = "None or "
     else:
@@ -57,12 +66,14 @@ def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
             raise EPTypeError(f"{what} must be {none}{noun}, got {value!r} ({type_name(value)})")
         if value < minimum:
             raise EPValueError(f"{what} must be {none}{noun}, got {value!r}")
+        return int(value)
     elif kind == "seconds":  # a positive finite number of seconds (a wait's bound)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if _is_bool(value) or not isinstance(value, numbers.Real):
             raise EPTypeError(f"{what} must be {none}a positive number of seconds, got {value!r} "
                               f"({type_name(value)})")
         if not 0 < value < math.inf:
             raise EPValueError(f"{what} must be {none}a positive finite number of seconds, got {value!r}")
+        return int(value) if _is_int(value) else float(value)
     elif kind == "backend":  # "auto" or a registered backend (jax_ep.backends)
         from jax_ep import backends
 
@@ -76,12 +87,17 @@ def check_option(owner: str, name: str, value, kind, minimum: int = 1) -> None:
             raise EPValueError(f"{what} must be {none}a non-empty str, got {value!r}")
     else:  # pragma: no cover - a kind this module does not define
         raise AssertionError(kind)
+    return value
 
 
 def check_options(owner: str, obj, kinds: dict) -> None:
-    """``check_option`` for each field of ``obj`` named in ``kinds``."""
+    """``check_option`` for each field of ``obj`` (a frozen dataclass) named in ``kinds``; a NumPy int or
+    number is stored as the Python one (np.int64(64) and 64 the same config, hash and jit cache key)."""
     for name, kind in kinds.items():
-        check_option(owner, name, getattr(obj, name), kind)
+        value = getattr(obj, name)
+        checked = check_option(owner, name, value, kind)
+        if checked is not value:
+            object.__setattr__(obj, name, checked)
 
 
 def check_fp8_channels(owner: str, **sizes: int) -> None:

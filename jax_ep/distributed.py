@@ -128,7 +128,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """
     if jax.distributed.is_initialized():
         return
-    check_option("jax_ep.distributed.initialize:", "initialization_timeout", initialization_timeout, "int")
+    initialization_timeout = check_option("jax_ep.distributed.initialize:", "initialization_timeout",
+                                          initialization_timeout, "int")
     launched = _launch_env()
     if launched is not None:
         if coordinator_address is None and not os.environ.get(ENV_COORDINATOR):
@@ -150,8 +151,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # pragma: no cover - depends on the JAX version
         pass
-    check_option("jax_ep.distributed.initialize:", "num_processes", num_processes, "int?")
-    check_option("jax_ep.distributed.initialize:", "process_id", process_id, "int?", minimum=0)
+    num_processes = check_option("jax_ep.distributed.initialize:", "num_processes", num_processes, "int?")
+    process_id = check_option("jax_ep.distributed.initialize:", "process_id", process_id, "int?", minimum=0)
     if None not in (num_processes, process_id) and process_id >= num_processes:
         raise EPValueError(f"jax_ep.distributed.initialize: process_id={process_id} is not below "
                            f"num_processes={num_processes}")
@@ -194,7 +195,7 @@ def _local_device_ids(ids) -> int | list[int] | None:
         raise EPValueError(f"jax_ep.distributed.initialize: {source}={given!r} is not a device ordinal or a "
                            + ("comma-separated list of them (e.g. '0,1')" if source == ENV_LOCAL_DEVICE_IDS
                               else "list of them (ints >= 0)"))
-    return list(ids)
+    return [int(i) for i in ids]   # NumPy ints pass _is_int; JAX gets Python ints
 
 
 COORDINATOR_NOTE_S = 30.0   # after this long a waiting process says what it waits for
@@ -301,7 +302,7 @@ def kv_set_bytes(key: str, value: bytes) -> None:
 def kv_get_bytes(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, writer: str = "") -> bytes:
     """The value another process published under ``key``; TimeoutError after ``timeout_s``
     naming the key and ``writer`` (who was expected to publish it)."""
-    check_option("jax_ep.distributed.kv_get_bytes:", "timeout_s", timeout_s, "seconds")
+    timeout_s = check_option("jax_ep.distributed.kv_get_bytes:", "timeout_s", timeout_s, "seconds")
     client = _client()   # not initialised: its RuntimeError, not a timeout
     start = time.monotonic()
     try:
@@ -314,7 +315,7 @@ def kv_get_bytes(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, writer: str 
 def barrier(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Waits until every process reaches the barrier ``name``; TimeoutError naming it (and the
     processes JAX sees as dead) after ``timeout_s``."""
-    check_option("jax_ep.distributed.barrier:", "timeout_s", timeout_s, "seconds")
+    timeout_s = check_option("jax_ep.distributed.barrier:", "timeout_s", timeout_s, "seconds")
     client = _client()
     start = time.monotonic()
     try:

@@ -85,8 +85,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
     """
     _check_args(x, w, group_sizes, backend)
     check_option("grouped_matmul:", "zero_tail", zero_tail, "bool")
-    check_option("grouped_matmul:", "num_sms", num_sms, "int?")
-    check_option("grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
+    num_sms = check_option("grouped_matmul:", "num_sms", num_sms, "int?")
+    dw_num_sms = check_option("grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
     plans = _plans(x.shape, w.shape, x.dtype, w.dtype, backend, num_sms, dw_num_sms)
     return _grouped_matmul(*vary_jointly(x, w, int32_sizes(group_sizes)), plans, zero_tail)
 
@@ -312,7 +312,7 @@ def weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, back
     past the groups never read into a sum): grouped_matmul's weight gradient on its own (the FP8 GEMM's
     backward uses it, with its caller's ``num_sms``)."""
     check_backend(backend, "weight_gradient")
-    check_option("weight_gradient:", "num_sms", num_sms, "int?")
+    num_sms = check_option("weight_gradient:", "num_sms", num_sms, "int?")
     if getattr(x, "ndim", None) != 2 or getattr(dy, "ndim", None) != 2 or x.shape[0] != dy.shape[0]:
         raise EPValueError(f"weight_gradient: x [M, K] and dy [M, N] must be 2-D with the same rows, got x "
                            f"{getattr(x, 'shape', None)}, dy {getattr(dy, 'shape', None)}")

@@ -465,7 +465,7 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
         raise EPValueError(f"fp8_weight_gradient: backend must be one of {BACKENDS}, got {backend!r}")
     check_group_sizes(group_sizes, getattr(group_sizes, "shape", (None,))[0], "fp8_weight_gradient")
     group_sizes = int32_sizes(group_sizes)
-    check_option("fp8_weight_gradient:", "num_sms", num_sms, "int?")
+    num_sms = check_option("fp8_weight_gradient:", "num_sms", num_sms, "int?")
     if backend == "mosaic_gpu" and (why := rows_reason(m, fp8=True)):
         raise EPValueError(f"fp8_weight_gradient: backend='mosaic_gpu' cannot take x {tuple(x.shape)}: {why}")
     if backend == "reference":
@@ -589,7 +589,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
     check_fp8_channels("grouped_matmul_fp8", K=k, N=n)
     check_group_sizes(group_sizes, g, "grouped_matmul_fp8")
     group_sizes = int32_sizes(group_sizes)
-    check_option("grouped_matmul_fp8:", "num_sms", num_sms, "int?")
+    num_sms = check_option("grouped_matmul_fp8:", "num_sms", num_sms, "int?")
     if backend == "mosaic_gpu" and (why := rows_reason(m, fp8=True)):
         raise EPValueError(f"grouped_matmul_fp8: backend='mosaic_gpu' cannot take xq {tuple(xq.shape)}: "
                            f"{why}")
@@ -662,8 +662,8 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
 
     ``num_sms``: the SMs every kernel of the three passes takes (``jax_ep.grouped_matmul``'s);
     ``dw_num_sms``: the weight-gradient pass's instead, where given (``jax_ep.grouped_matmul``'s)."""
-    check_option("fp8_grouped_matmul:", "num_sms", num_sms, "int?")
-    check_option("fp8_grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
+    num_sms = check_option("fp8_grouped_matmul:", "num_sms", num_sms, "int?")
+    dw_num_sms = check_option("fp8_grouped_matmul:", "dw_num_sms", dw_num_sms, "int?")
     check_option("fp8_grouped_matmul:", "zero_tail", zero_tail, "bool")
     if weight_grad not in WEIGHT_GRADIENTS:
         raise EPValueError(f"fp8_grouped_matmul: weight_grad must be one of {WEIGHT_GRADIENTS}, got "

@@ -474,6 +474,9 @@ class MoE(nnx.Module):
                                            ("swiglu_backend", swiglu_backend, SWIGLU_BACKENDS, 1),
                                            ("gemm_num_sms", gemm_num_sms, "int?", 1)):
             check_option("MoE:", name, value, kind, minimum)
+        # stored as Python ints (a NumPy int is accepted): the same static shapes and jit cache keys
+        hidden, ffn_hidden, shared_ffn_hidden = int(hidden), int(ffn_hidden), int(shared_ffn_hidden)
+        gemm_num_sms = None if gemm_num_sms is None else int(gemm_num_sms)
         if gemm_dtype not in GEMM_DTYPES:
             raise EPValueError(f"MoE: gemm_dtype must be one of {GEMM_DTYPES}, got {gemm_dtype!r}")
         if fp8_weight_grad and gemm_dtype is None:

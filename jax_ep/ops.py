@@ -190,7 +190,7 @@ def explain(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16, ops=None) -> dict[s
     kernel cannot run."""
     if not isinstance(cfg, EPConfig):
         raise EPTypeError(f"jax_ep.explain: cfg must be a jax_ep.EPConfig, got {type(cfg).__name__}")
-    check_option("jax_ep.explain:", "ep_size", ep_size, "int")
+    ep_size = check_option("jax_ep.explain:", "ep_size", ep_size, "int")
     cfg.check_ep_size(ep_size)
     if isinstance(ops, str):
         raise EPTypeError(f"jax_ep.explain: ops must be a sequence of op names, got the str {ops!r} "

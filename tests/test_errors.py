@@ -4,6 +4,7 @@ option types checked once (bools are bools, ints are ints)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -237,6 +238,59 @@ def test_kernel_config_bad_values_and_types(kw, error, field):
 def test_ep_options_bad_values_and_types(kw, error, field):
     with pytest.raises(error, match=field):
         EPOptions(**kw)
+
+
+def test_configs_take_numpy_ints_as_python_ints():
+    """Before: config's int check was isinstance(value, int): EPOptions(capacity=np.int64(64)) and
+    MoE(hidden=np.int64(16)) were refused as not positive ints (RouterConfig took them). Stored as Python
+    ints: the same config, hash and jit cache entry as the Python ints give."""
+    from jax_ep.config import check_option
+
+    rng = np.random.default_rng()
+    e, k, h, t = (int(v) for v in rng.integers(2, 9, size=4) * (8, 1, 16, 4))
+    ints = (np.int64, np.int32, np.uint16)
+    cfg = jax_ep.EPConfig(ints[0](e), ints[1](k), ints[2](h), np.int8(t), capacity=np.int64(2 * t),
+                          expert_alignment=np.uint8(2), kernel=jax_ep.KernelConfig(num_sms=np.int64(8),
+                                                                                    async_stream=np.int16(1)))
+    plain = jax_ep.EPConfig(e, k, h, t, capacity=2 * t, expert_alignment=2,
+                            kernel=jax_ep.KernelConfig(num_sms=8, async_stream=1))
+    assert cfg == plain and hash(cfg) == hash(plain)
+    for obj in (cfg, cfg.kernel):
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            assert not isinstance(value, np.generic), (field.name, value)
+    options = EPOptions(capacity=np.int64(64), expert_alignment=np.int32(4), chunks=np.int64(2))
+    assert options == EPOptions(capacity=64, expert_alignment=4, chunks=2)
+    assert (type(options.capacity), type(options.expert_alignment), type(options.chunks)) == (int, int, int)
+    traces = []
+    f = jax.jit(lambda x, cfg: traces.append(cfg) or x + cfg.hidden, static_argnums=1)
+    f(jnp.ones(2), plain), f(jnp.ones(2), cfg)
+    assert len(traces) == 1
+    assert type(check_option("f:", "timeout_s", np.float32(2.5), "seconds")) is float
+    assert type(check_option("f:", "timeout_s", np.int64(3), "seconds")) is int
+    # still refused: NumPy bools and floats where an int is meant
+    for value in (np.True_, np.float64(8.0)):
+        with pytest.raises(jax_ep.EPTypeError, match=r"EPConfig\.num_experts must be a positive int"):
+            jax_ep.EPConfig(value, 2, 16, 4)
+    with pytest.raises(jax_ep.EPTypeError, match=r"timeout_s must be a positive number of seconds"):
+        check_option("f:", "timeout_s", np.False_, "seconds")
+
+
+def test_moe_takes_numpy_sizes():
+    """MoE(hidden=np.int64(16)) raised "MoE: hidden must be a positive int, got np.int64(16)"; now the
+    same layer as the Python ints make (its sizes Python ints), the same output."""
+    seed = int(np.random.randint(1 << 30))
+    routing = RouterConfig(num_experts=8, num_topk=2)
+    ep = EPOptions(backend="reference")
+    mesh = _mesh()
+    numpy_sizes = MoE(np.int64(16), np.int32(8), routing, rngs=nnx.Rngs(seed), mesh=mesh, ep=ep,
+                      shared_ffn_hidden=np.int64(8), gemm_num_sms=np.int64(4))
+    plain = MoE(16, 8, routing, rngs=nnx.Rngs(seed), mesh=mesh, ep=ep, shared_ffn_hidden=8, gemm_num_sms=4)
+    sizes = (numpy_sizes.hidden, numpy_sizes.ffn_hidden, numpy_sizes.gemm_num_sms)
+    assert tuple(map(type, sizes)) == (int,) * 3
+    x = jax.random.normal(jax.random.key(seed), (8 * R, 16))
+    run = nnx.jit(lambda layer, x: layer(x))
+    np.testing.assert_array_equal(np.asarray(run(numpy_sizes, x)), np.asarray(run(plain, x)))
 
 
 ROUTING = RouterConfig(num_experts=8, num_topk=2)
