@@ -47,6 +47,7 @@ from jax_ep.config import (
     check_kernel,
     check_option,
     check_options,
+    type_name,
 )
 from jax_ep.errors import EPTypeError, EPUnsupportedError, EPValueError
 from jax_ep.fp8 import dequantize_rows
@@ -351,6 +352,18 @@ def router_grads_split(x: jax.Array, router: jax.Array, g: jax.Array, parts: int
                  for d, p in ((dx.reshape(x_shape), x), (dr, router)))
 
 
+def _float_dtype(name: str, value) -> np.dtype:
+    """MoE's ``name`` (dtype / param_dtype) as a floating dtype, or an error naming it and the value."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise EPTypeError(f"MoE: {name} must be a floating dtype (e.g. jnp.bfloat16 or 'float32'), got "
+                          f"{value!r} ({type_name(value)})") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise EPValueError(f"MoE: {name} must be a floating dtype, got {dtype}")
+    return dtype
+
+
 class MoE(nnx.Module):
     """Mixture-of-Experts FFN layer with expert parallelism (Flax NNX).
 
@@ -404,7 +417,7 @@ class MoE(nnx.Module):
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
         Hopper kernels.
-      param_dtype: dtype of the parameters.
+      param_dtype: dtype of the parameters (a floating dtype).
       decode: the default of ``__call__``'s ``decode``: False, the throughput ops (training, prefill);
         True, the low-latency ops (decode steps, forward only). ``nnx.view(model, decode=True)`` sets it
         (``set_view``), as it sets ``nnx.MultiHeadAttention``'s.
@@ -461,6 +474,11 @@ class MoE(nnx.Module):
                  gemm_num_sms: int | None = None):
         ep = EPOptions() if ep is None else ep
         balancing = BalancingConfig() if balancing is None else balancing
+        # here, not where they are first used (numpy's TypeError, jax.random's, an AttributeError, or a
+        # call that blamed x for an int compute dtype)
+        if not isinstance(rngs, nnx.Rngs):
+            raise EPTypeError(f"MoE: rngs must be a flax.nnx.Rngs, got {rngs!r} ({type_name(rngs)})")
+        param_dtype = _float_dtype("param_dtype", param_dtype)
         for name, value, kind in (("routing", routing, RouterConfig), ("ep", ep, EPOptions),
                                   ("balancing", balancing, BalancingConfig)):
             if not isinstance(value, kind):
@@ -505,7 +523,7 @@ class MoE(nnx.Module):
             else (axis_name,) if node_axis is None else (node_axis, axis_name))
         self.gemm, self.gemm_dtype, self.fp8_weight_grad = gemm, gemm_dtype, fp8_weight_grad
         self.swiglu_backend, self.gemm_num_sms = swiglu_backend, gemm_num_sms
-        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        self.dtype = None if dtype is None else _float_dtype("dtype", dtype)
         self.decode = bool(decode)
 
         self._set_placement_tables(placement)

@@ -303,7 +303,14 @@ ROUTING = RouterConfig(num_experts=8, num_topk=2)
     ({"shared_ffn_hidden": -1}, jax_ep.EPValueError, "MoE: shared_ffn_hidden"),
     ({"gemm": "cublas"}, jax_ep.EPValueError, "MoE: gemm"),
     ({"axis_name": 0}, jax_ep.EPTypeError, "MoE: axis_name"),
-    ({"ep": {"backend": "reference"}}, jax_ep.EPTypeError, "MoE: ep must be")])
+    ({"ep": {"backend": "reference"}}, jax_ep.EPTypeError, "MoE: ep must be"),
+    # before: numpy's TypeError, jax.random's "must be a float dtype", an AttributeError, and an int
+    # compute dtype accepted (its first call blamed x)
+    ({"dtype": "fp32"}, jax_ep.EPTypeError, r"MoE: dtype must be a floating dtype .*got 'fp32'"),
+    ({"dtype": jnp.int32}, jax_ep.EPValueError, "MoE: dtype must be a floating dtype, got int32"),
+    ({"param_dtype": jnp.int32}, jax_ep.EPValueError, "MoE: param_dtype must be a floating dtype, got int32"),
+    ({"param_dtype": "fp32"}, jax_ep.EPTypeError, "MoE: param_dtype must be a floating dtype"),
+    ({"rngs": 0}, jax_ep.EPTypeError, r"MoE: rngs must be a flax.nnx.Rngs, got 0 \(int\)")])
 def test_moe_bad_arguments(kw, error, field):
     args = dict(hidden=16, ffn_hidden=8, routing=ROUTING, rngs=nnx.Rngs(0)) | kw
     with pytest.raises(error, match=field):
