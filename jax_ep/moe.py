@@ -739,8 +739,9 @@ class MoE(nnx.Module):
     def set_view(self, decode: bool | None = None) -> None:
         """``nnx.view(model, decode=True)`` / ``nnx.view(model, decode=False)``: the default path of
         ``__call__`` (the low-latency ops for decode steps, or the throughput ops)."""
+        check_option("MoE:", "decode", decode, "bool?")   # as MoE(decode=...): bool("False") is True
         if decode is not None:
-            self.decode = bool(decode)
+            self.decode = decode
 
     # ---------------------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, decode: bool | None = None,

@@ -317,6 +317,17 @@ def test_moe_bad_arguments(kw, error, field):
         MoE(**args)
 
 
+@pytest.mark.parametrize("decode", ["False", 0, 1, np.True_])
+def test_moe_view_refuses_a_decode_that_is_not_a_bool(decode):
+    """Before: set_view took bool(decode), so nnx.view(layer, decode="False") switched the layer to the
+    decode path (MoE(decode="False") and layer(x, decode="False") refuse it)."""
+    layer = MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), ep=EPOptions(backend="reference"))
+    with pytest.raises(jax_ep.EPTypeError, match=rf"MoE: decode must be None or a bool, got {decode!r}"):
+        nnx.view(layer, decode=decode)
+    assert layer.decode is False
+    assert nnx.view(layer, decode=True).decode is True
+
+
 @pytest.mark.parametrize("gemm_dtype", ["bfloat16", "float8_e5m2", "fp8"])
 def test_expert_block_names_a_gemm_dtype_it_does_not_take(gemm_dtype):
     """Before 2026-12-05 any gemm_dtype but None ran both GEMMs in FP8 (e4m3) silently."""
