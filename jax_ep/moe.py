@@ -416,7 +416,9 @@ class MoE(nnx.Module):
         beside those calls (``KernelConfig``'s async_stream), so today this only costs GEMM speed.
       dtype: compute dtype of the routed experts: tokens are cast to it for dispatch and the expert GEMMs,
         the output back to x's dtype (None: x's dtype). "bfloat16" puts a float32 model's experts on the
-        Hopper kernels.
+        Hopper kernels. The router takes the cast tokens too (its logits stay float32), as DeepSeek-V3's
+        gate takes the bf16 activations: with "bfloat16" on a float32 model some tokens pick other experts
+        than the float32 router on x would. The shared expert takes x as given.
       param_dtype: dtype of the parameters (a floating dtype).
       decode: the default of ``__call__``'s ``decode``: False, the throughput ops (training, prefill);
         True, the low-latency ops (decode steps, forward only). ``nnx.view(model, decode=True)`` sets it

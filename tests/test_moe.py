@@ -806,6 +806,21 @@ def test_compute_dtype_and_gemm_choice():
         kernel_layer(x, update_stats=False)
 
 
+def test_compute_dtype_rounds_the_routers_input():
+    """MoE(dtype="bfloat16") routes the bf16-rounded tokens (float32 logits), as DeepSeek-V3's gate takes
+    the bf16 activations (the docs say so): the loads are those of the router on bf16(x)."""
+    from jax_ep.moe import router_logits
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    x = random_tokens(int(np.random.randint(1 << 30)), batch=256).reshape(-1, HIDDEN)   # 1024 tokens
+    layer = make_layer(mesh, dtype="bfloat16")
+    nnx.jit(lambda m, x: m(x))(layer, x)
+    logits = router_logits(x.astype(jnp.bfloat16), layer.router[...])
+    picked = np.asarray(gating.route(logits, RouterConfig(EXPERTS, TOPK)).topk_idx)
+    np.testing.assert_array_equal(np.asarray(layer.last_load[...]),
+                                  np.bincount(picked.reshape(-1), minlength=EXPERTS))
+
+
 def test_fp8_expert_gemms_stay_within_fp8_error_of_the_bf16_layer():
     """gemm_dtype="float8_e4m3fn": both expert GEMMs in FP8 (jax_ep.gemm_fp8: rows per 128 channels,
     weights per 128 x 128 block; dx in FP8, dw in bf16). Same parameters as the bf16 layer: output and the
