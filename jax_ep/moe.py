@@ -510,6 +510,11 @@ class MoE(nnx.Module):
             raise EPTypeError(f"MoE: mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
         if mesh is not None and axis_name not in mesh.axis_names:
             raise EPValueError(f"MoE: axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        if mesh is not None and manual_axes():   # JAX's "pspec ... contains a manual axes" named no way out
+            raise EPValueError(
+                f"MoE: built with mesh= inside a shard_map over {manual_axes()}: a layer with a mesh enters "
+                "shard_map itself; build it with mesh=None to call it there (on this rank's tokens and "
+                "expert shard), or build it outside")
         if node_axis is not None:
             self._check_node_axis(node_axis, axis_name, mesh, routing, decode)
             if ep.gate_weights == "experts":

@@ -328,6 +328,23 @@ def test_moe_view_refuses_a_decode_that_is_not_a_bool(decode):
     assert nnx.view(layer, decode=True).decode is True
 
 
+def test_moe_built_with_a_mesh_inside_a_shard_map_says_to_build_it_without():
+    """MoE(mesh=...) built inside a shard_map body raised JAX's "pspec ... contains a manual axes" (a
+    layer called there says to build it with mesh=None; found by a review, 2026-12-05)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+
+    def body(x):
+        MoE(16, 8, ROUTING, rngs=nnx.Rngs(0), mesh=mesh, ep=EPOptions(backend="reference"))
+        return x
+
+    with pytest.raises(jax_ep.EPValueError, match=r"MoE: built with mesh= inside a shard_map over \('ep',\)"
+                       r".*build it with mesh=None"):
+        jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(jnp.ones((2, 4)))
+
+
 @pytest.mark.parametrize("gemm_dtype", ["bfloat16", "float8_e5m2", "fp8"])
 def test_expert_block_names_a_gemm_dtype_it_does_not_take(gemm_dtype):
     """Before 2026-12-05 any gemm_dtype but None ran both GEMMs in FP8 (e4m3) silently."""
