@@ -858,8 +858,8 @@ __device__ __forceinline__ uint2 pack_fp8x8(const float f[8]) {
 
 // FP8 e4m3 of one 128-channel block held by 128 / kN aligned consecutive lanes, kN elements each
 // (consecutive channels): amax = max(max|x|, kFp8MinAmax) over the block, q = e4m3(x * (448 / amax)),
-// scale = amax / 448; bit-exact with jax_ep.reference.quantize_fp8 for NaN-free x (fmaxf drops a
-// NaN from the amax, jnp.max keeps it). Writes this lane's kN bytes to fp8 (8 per uint2, element
+// scale = amax / 448; bit-exact with jax_ep.fp8.quantize_fp8 (fmaxf leaves a NaN out of the amax, as
+// its abs_for_amax does: only the NaN channel is NaN). Writes this lane's kN bytes to fp8 (8 per uint2, element
 // order) and returns the block's scale. Every lane of the warp calls it, converged, in a
 // one-dimensional thread block (the lane is threadIdx.x & 31; kN = 8: lanes 0-15 and 16-31 are the
 // two blocks); the exchanges stay inside a block's lanes.

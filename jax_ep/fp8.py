@@ -79,8 +79,8 @@ def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Ar
     """Inverse of quantize_fp8 (up to e4m3 rounding): rows q [..., H] float8_e4m3fn with their float32
     scales [..., ceil(H/128)] (the same leading dims: a dispatch's [C, H], a low-latency dispatch's
     [E_local, slots, H]) -> [..., H] in ``dtype``. Differentiable in the scales, not in q: an e4m3
-    cotangent would be rounded to 3 mantissa bits and overflow to NaN above 448, so jax.grad through q
-    raises (training takes the FP8 wire through ``jax_ep.ops.dispatch_straight_through`` and the FP8
+    cotangent would be rounded to 3 mantissa bits and overflow to NaN above 448, so a gradient that
+    reaches q raises (training takes the FP8 wire through ``jax_ep.ops.dispatch_straight_through`` and the FP8
     GEMMs' own gradients)."""
     if getattr(q, "dtype", None) != jnp.float8_e4m3fn or getattr(q, "ndim", 0) < 1:
         raise EPValueError(f"dequantize_fp8: q must be float8_e4m3fn rows [..., H], got "
@@ -103,19 +103,27 @@ def dequantize_rows(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.A
     return (q.astype(jnp.float32) * per_channel).astype(dtype)
 
 
-@jax.custom_jvp
+@jax.custom_vjp
 def _widen_constant(q: jax.Array) -> jax.Array:
-    """q (e4m3) in float32; differentiated in q, an error (its rule runs only where q has a tangent)."""
+    """q (e4m3) in float32; a gradient through q, an error. A custom_vjp whose backward raises: it runs
+    only where a cotangent reaches q (a metric of the rows under value_and_grad(has_aux=True) or behind
+    a stop_gradient is fine). Not a custom_jvp (its rule ran wherever q had a tangent, used or not), nor
+    symbolic zeros (JAX cannot differentiate those in an eager shard_map)."""
     return q.astype(jnp.float32)
 
 
-@_widen_constant.defjvp
-def _widen_constant_jvp(primals, tangents):
-    # a rounded cotangent, NaN above 448 (found by a review, 2026-12-05). A custom_jvp, not a custom_vjp
-    # with symbolic zeros: JAX cannot differentiate those in an eager shard_map
+def _widen_constant_fwd(q):
+    return q.astype(jnp.float32), None
+
+
+def _widen_constant_bwd(residuals, ct):
+    # a rounded cotangent, NaN above 448 (found by a review, 2026-12-05)
     raise EPUnsupportedError(
         "jax_ep.dequantize_fp8 is not differentiable in q (float8_e4m3fn: its cotangent would be rounded "
         "to 3 mantissa bits and overflow to NaN above 448). The FP8 wire of dispatch is forward-only: to "
         "train with it use jax_ep.ops.dispatch_straight_through; a straight-through estimate of "
         "quantize_fp8 is x + lax.stop_gradient(dequantize_fp8(*quantize_fp8(lax.stop_gradient(x))) - x); "
         "or take q as a constant (lax.stop_gradient(q))")
+
+
+_widen_constant.defvjp(_widen_constant_fwd, _widen_constant_bwd)

@@ -298,8 +298,7 @@ def _fp8_stages(x, topk_idx, topk_weights, node_cfg: EPConfig, local_cfg: EPConf
 
 
 def _fp8_stages_fwd(x, topk_idx, topk_weights, node_cfg, local_cfg):
-    # in the forward already, as ops._dispatch_fwd: the FP8 stages are never differentiated
-    raise fp8_forward_only("dispatch_hierarchical")
+    return _fp8_stages(x, topk_idx, topk_weights, node_cfg, local_cfg), None
 
 
 def _fp8_stages_bwd(node_cfg, local_cfg, residuals, ct):

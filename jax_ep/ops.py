@@ -213,7 +213,8 @@ def _backend_here(op: str, cfg: EPConfig, dtype) -> str:
     "auto" and is an error with a named backend. It lowered to one sequential call per rank on one device,
     each waiting for peers that start only after it ends (found by a review, 2026-12-05)."""
     name = OPS[op].plan(cfg, ep_size(cfg, op), dtype).impl
-    if name == backends.REFERENCE or cfg.axis_name in vma.manual_axes():
+    # a backend for every platform is pure JAX (the reference): it runs under vmap as under shard_map
+    if not backends.get(name).platforms or cfg.axis_name in vma.manual_axes():
         return name
     if cfg.backend == "auto":
         return backends.REFERENCE
@@ -379,8 +380,6 @@ def _dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
-    if cfg.dispatch_dtype == "float8_e4m3fn":   # here already: a dequantize_fp8 of the rows, differentiated,
-        raise fp8_forward_only("dispatch")       # raised its own error before this op's backward ran
     # .fun, not the custom_vjp: called here it would stage its primal into a jaxpr of its own, a trace
     # level below this rule's (where jax_ep.overlap's block of a differentiated call waits for it)
     out = _dispatch.fun(x, topk_idx, topk_weights, rank_mask, cfg)
@@ -537,8 +536,6 @@ def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
 
 
 def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
-    if cfg.dispatch_dtype == "float8_e4m3fn":   # as _dispatch_fwd
-        raise fp8_forward_only("dispatch_rank_major")
     out = _dispatch_rank_major.fun(x, topk_idx, topk_weights, rank_mask, cfg)   # .fun: as _dispatch_fwd
     return out, (out.handle, out.topk_idx, _type_token(x), topk_idx, rank_mask)
 

@@ -141,3 +141,24 @@ def test_register_refuses_what_is_not_a_backend():
     with pytest.raises(jax_ep.EPValueError,
                        match=r"no backend 'nope'; the backends are \('reference', 'cuda'\)"):
         backends.get("nope")
+
+
+def test_a_pure_jax_backend_runs_under_vmap_of_the_ep_axis(mirror):
+    """A backend for every platform (no ``platforms``) is pure JAX: under jax.vmap(axis_name=...) it runs
+    as the reference does; only a device backend is refused there (the first form of that refusal
+    refused every backend but the reference; found by a review, 2026-12-05)."""
+    calls, _ = mirror
+    backends.register(backends.Backend("mirror", "mirror_backend"))
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="mirror")
+    x, idx, w = random_tokens(np.random.default_rng(), 2, T, cfg)
+
+    def f(cfg):
+        def body(x, idx, w):
+            d = jax_ep.dispatch(x, idx, w, cfg)
+            return jax_ep.combine(d.x * 2.0, d.handle, cfg)
+        return jax.vmap(body, axis_name=cfg.axis_name)
+
+    got = to_numpy(f(cfg)(x, idx, w))
+    assert calls == {"dispatch": 1, "combine": 1}, calls
+    assert np.abs(got).max() > 0
+    assert_bits_equal(got, to_numpy(f(cfg.replace(backend="reference"))(x, idx, w)), "mirror vs reference")

@@ -109,3 +109,29 @@ def test_dequantize_fp8_differentiates_in_the_scales_in_an_eager_shard_map():
     got = np.asarray(jax.grad(loss)(scales))
     deq = np.asarray(q.astype(jnp.float32)) * np.asarray(coef)
     np.testing.assert_allclose(got, deq.reshape(R * 4, -1, FP8_BLOCK).sum(-1), rtol=1e-5, atol=1e-4)
+
+
+def test_fp8_rows_used_outside_the_gradient_do_not_raise():
+    """Only a gradient that reaches the e4m3 rows raises (dispatch's backward, dequantize_fp8's guard):
+    an FP8 dispatch, or dequantize_fp8 of its rows, as a metric under value_and_grad(has_aux=True) or
+    behind a stop_gradient, with x carrying a tangent, runs (the forward-rule raises of d164f46 refused
+    these; found by a review, 2026-12-05)."""
+    rng = np.random.default_rng()
+    cfg = make_cfg(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T, backend="reference",
+                   dispatch_dtype="float8_e4m3fn")
+    x = jnp.asarray(rng.standard_normal((R, T, H)), jnp.float32)
+    idx = jnp.asarray(np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(R)]),
+                      jnp.int32)
+    w = jnp.asarray(rng.random((R, T, K)), jnp.float32)
+    rows = per_rank(lambda x, i, w: (lambda d: jax_ep.dequantize_fp8(d.x, d.scales))(
+        jax_ep.dispatch(x, i, w, cfg)), R)
+
+    def loss(x):
+        return (x ** 2).sum(), rows(x, idx, w).sum()
+    (value, metric), g = jax.value_and_grad(loss, has_aux=True)(x)
+    np.testing.assert_array_equal(np.asarray(g), 2 * np.asarray(x))
+    assert np.isfinite(float(metric)) and float(metric) == float(rows(x, idx, w).sum())
+    g = jax.grad(lambda x: (x ** 2).sum() + jax.lax.stop_gradient(rows(x, idx, w).sum()))(x)
+    np.testing.assert_array_equal(np.asarray(g), 2 * np.asarray(x))
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        jax.grad(lambda x: rows(x, idx, w).sum())(x)
