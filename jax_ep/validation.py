@@ -389,7 +389,8 @@ def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_m
             return (f"jax_ep.{op}: EPConfig.capacity={capacity} is too small: {int(dropped)} rows "
                     f"dropped across the EP group; capacity needed: {int(needed)} (the most rows a rank "
                     f"receives, each expert's count rounded up to expert_alignment={cfg.expert_alignment}"
-                    "); set EPConfig.capacity to at least that, or None for the worst case")
+                    "); set EPConfig.capacity (the MoE layer's EPOptions.capacity) to at least that, or "
+                    "None for the worst case")
         return None
 
     zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), total, needed,

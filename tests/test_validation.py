@@ -321,7 +321,9 @@ def test_checked_mode_capacity_too_small():
     idx[:, :, 1] = 4
     assert [r.num_dropped for r in model_for(cfg, x, idx, w).ranks] == [8, 8]
     with pytest.raises(jax_ep.EPValueError, match=r"^jax_ep\.dispatch: EPConfig\.capacity=4 is too small: 16 "
-                                                  r"rows dropped across the EP group; capacity needed: 12 "):
+                                                  r"rows dropped across the EP group; capacity needed: 12 .*"
+                                                  r"set EPConfig\.capacity \(the MoE layer's "
+                                                  r"EPOptions\.capacity\) to at least that"):
         _run(checked_fn(cfg), x, idx, w)
     # the same config passes when everything fits
     idx_ok = np.full((R, T, K), -1, np.int32)
