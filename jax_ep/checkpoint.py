@@ -365,10 +365,6 @@ def _raise_problems(path: str, what: str, problems: list[str]) -> None:
         raise CheckpointMismatchError(f"checkpoint {path} does not fit the {what}:\n  {lines}")
 
 
-def _same_mesh(a: Mesh, b: Mesh) -> bool:
-    return a.shape == b.shape and np.array_equal(a.device_ids, b.device_ids)
-
-
 def _describe_mesh(mesh: Mesh, other: Mesh) -> str:
     """The mesh's axis sizes; its devices too where the axis sizes do not tell it from ``other``."""
     sizes = dict(mesh.shape)
@@ -379,17 +375,18 @@ def _target_mesh(mesh: Mesh | None, layers: dict[str, MoE]) -> Mesh | None:
     # a layer keeps its own mesh (and its placement is planned for that EP size): arrays read onto
     # another mesh would leave it with weights on other devices, failing at its next call
     for key, layer in layers.items():
-        if mesh is not None and layer.mesh is not None and not _same_mesh(mesh, layer.mesh):
+        if mesh is not None and layer.mesh is not None and mesh is not layer.mesh:   # JAX interns meshes
             raise EPValueError(f"jax_ep.checkpoint.restore: mesh={_describe_mesh(mesh, layer.mesh)} is not "
                                f"MoE layer {key!r}'s mesh {_describe_mesh(layer.mesh, mesh)}: pass the "
                                "layers' mesh (or none), or build the model on the mesh to restore onto")
     if mesh is not None:
         return mesh
-    meshes = [m.mesh for m in layers.values() if m.mesh is not None]
-    if any(not _same_mesh(m, meshes[0]) for m in meshes):
+    meshes = {id(m.mesh): m.mesh for m in layers.values() if m.mesh is not None}
+    if len(meshes) > 1:
         raise EPValueError("jax_ep.checkpoint.restore: the MoE layers have different meshes "
-                           f"{[dict(m.shape) for m in meshes]}: restore reads every array onto one mesh")
-    return meshes[0] if meshes else None
+                           f"{[dict(m.shape) for m in meshes.values()]}: restore reads every array onto one "
+                           "mesh")
+    return next(iter(meshes.values()), None)
 
 
 def _placement_paths(layers: dict[str, MoE]) -> set[str]:

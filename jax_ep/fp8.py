@@ -80,8 +80,8 @@ def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Ar
     scales [..., ceil(H/128)] (the same leading dims: a dispatch's [C, H], a low-latency dispatch's
     [E_local, slots, H]) -> [..., H] in ``dtype``. Differentiable in the scales, not in q: an e4m3
     cotangent would be rounded to 3 mantissa bits and overflow to NaN above 448, so a gradient that
-    reaches q raises (training takes the FP8 wire through ``jax_ep.ops.dispatch_straight_through`` and the FP8
-    GEMMs' own gradients)."""
+    reaches q raises (training takes the FP8 wire through ``jax_ep.ops.dispatch_straight_through``
+    and the FP8 GEMMs' own gradients)."""
     if getattr(q, "dtype", None) != jnp.float8_e4m3fn or getattr(q, "ndim", 0) < 1:
         raise EPValueError(f"dequantize_fp8: q must be float8_e4m3fn rows [..., H], got "
                            f"{getattr(q, 'dtype', type(q).__name__)}{tuple(getattr(q, 'shape', ()))}")
@@ -92,8 +92,7 @@ def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Ar
                            f"{FP8_BLOCK} channels of q {list(q.shape)}), got "
                            f"{getattr(scales, 'dtype', type(scales).__name__)}"
                            f"{list(getattr(scales, 'shape', ()))}")
-    per_channel = jnp.repeat(scales, FP8_BLOCK, axis=-1)[..., :h]
-    return (_widen_constant(q) * per_channel).astype(dtype)
+    return dequantize_rows(_constant_rows(q), scales, dtype)
 
 
 def dequantize_rows(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -104,19 +103,19 @@ def dequantize_rows(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.A
 
 
 @jax.custom_vjp
-def _widen_constant(q: jax.Array) -> jax.Array:
-    """q (e4m3) in float32; a gradient through q, an error. A custom_vjp whose backward raises: it runs
-    only where a cotangent reaches q (a metric of the rows under value_and_grad(has_aux=True) or behind
-    a stop_gradient is fine). Not a custom_jvp (its rule ran wherever q had a tangent, used or not), nor
+def _constant_rows(q: jax.Array) -> jax.Array:
+    """q itself; a gradient that reaches it, an error. A custom_vjp whose backward raises: it runs only
+    where a cotangent reaches q (a metric of the rows under value_and_grad(has_aux=True) or behind a
+    stop_gradient is fine). Not a custom_jvp (its rule ran wherever q had a tangent, used or not), nor
     symbolic zeros (JAX cannot differentiate those in an eager shard_map)."""
-    return q.astype(jnp.float32)
+    return q
 
 
-def _widen_constant_fwd(q):
-    return q.astype(jnp.float32), None
+def _constant_rows_fwd(q):
+    return q, None
 
 
-def _widen_constant_bwd(residuals, ct):
+def _constant_rows_bwd(residuals, ct):
     # a rounded cotangent, NaN above 448 (found by a review, 2026-12-05)
     raise EPUnsupportedError(
         "jax_ep.dequantize_fp8 is not differentiable in q (float8_e4m3fn: its cotangent would be rounded "
@@ -126,4 +125,4 @@ def _widen_constant_bwd(residuals, ct):
         "or take q as a constant (lax.stop_gradient(q))")
 
 
-_widen_constant.defvjp(_widen_constant_fwd, _widen_constant_bwd)
+_constant_rows.defvjp(_constant_rows_fwd, _constant_rows_bwd)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.config import _is_int, check_option
 from jax_ep.errors import EPValueError
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -64,11 +65,6 @@ class Routing(NamedTuple):
     topk_idx: jax.Array      # [T, K] int32 chosen experts, best first (by selection score)
     topk_weights: jax.Array  # [T, K] float32 gate weights of the chosen experts (bias never included)
     scores: jax.Array        # [T, E] float32 softmax/sigmoid scores (no bias); feed to the aux loss
-
-
-def _is_int(value) -> bool:
-    # numbers.Integral: NumPy's int64 scalars too (np.int64(8) was refused as "not a positive int")
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,19 +111,16 @@ class RouterConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise EPValueError(f"RouterConfig.{name} must be a positive int, got {value!r}")
-            object.__setattr__(self, name, int(value))   # one type in the hash and the jit cache
         if self.score_func not in SCORE_FUNCS:
             raise EPValueError(
                 f"RouterConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
         if not isinstance(self.normalize_topk, (bool, np.bool_)):
             raise EPValueError(f"RouterConfig.normalize_topk must be a bool, got {self.normalize_topk!r}")
-        object.__setattr__(self, "normalize_topk", bool(self.normalize_topk))
         factor = self.routed_scaling_factor
         if isinstance(factor, (bool, np.bool_)) or not isinstance(factor, numbers.Real) \
                 or not math.isfinite(factor) or factor <= 0:
             raise EPValueError(f"RouterConfig.routed_scaling_factor must be a positive finite number, "
                                f"got {factor!r}")
-        object.__setattr__(self, "routed_scaling_factor", float(factor))
         if self.num_topk > self.num_experts:
             raise EPValueError(
                 f"RouterConfig.num_topk={self.num_topk} exceeds num_experts={self.num_experts}")
@@ -144,8 +137,6 @@ class RouterConfig:
             raise EPValueError(
                 f"RouterConfig.topk_groups must be an int in [1, num_groups={self.num_groups}], "
                 f"got {self.topk_groups!r}")
-        if self.topk_groups is not None:
-            object.__setattr__(self, "topk_groups", int(self.topk_groups))
         if self.group_score not in GROUP_SCORES:
             raise EPValueError(f"RouterConfig.group_score must be one of {tuple(GROUP_SCORES)}, got "
                                f"{self.group_score!r}")
@@ -153,8 +144,6 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise EPValueError(f"RouterConfig.{name} must be None or a positive int, got {value!r}")
-            if value is not None:
-                object.__setattr__(self, name, int(value))
         if self.max_nodes_per_token is not None and self.ranks_per_node is None:
             raise EPValueError(f"RouterConfig.max_nodes_per_token={self.max_nodes_per_token} needs "
                                "ranks_per_node (EP ranks per node, e.g. jax.local_device_count())")
@@ -178,6 +167,11 @@ class RouterConfig:
             raise EPValueError(
                 f"RouterConfig.num_topk={self.num_topk} exceeds the {available} experts a token can still "
                 f"reach with {' and '.join(limit.fields for limit in limits)}")
+        # valid: NumPy numbers stored as Python ones (one type in the hash and the jit cache)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, np.generic):
+                object.__setattr__(self, field.name, value.item())
 
     # ---- derived sizes ----
     @property
@@ -357,9 +351,8 @@ def route(logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None = None) -
 
 def expert_to_rank(topk_idx: jax.Array, num_experts: int, ep_size: int) -> jax.Array:
     """EP rank of each chosen expert under the contiguous layout; -1 (unused slot) stays -1."""
-    for name, value in (("num_experts", num_experts), ("ep_size", ep_size)):
-        if not _is_int(value) or value < 1:
-            raise EPValueError(f"expert_to_rank: {name} must be a positive int, got {value!r}")
+    num_experts = check_option("expert_to_rank:", "num_experts", num_experts, "int")
+    ep_size = check_option("expert_to_rank:", "ep_size", ep_size, "int")
     if num_experts % ep_size:
         raise EPValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     ranks = topk_idx // (num_experts // ep_size)

@@ -485,18 +485,18 @@ class MoE(nnx.Module):
                                   ("balancing", balancing, BalancingConfig)):
             if not isinstance(value, kind):
                 raise EPTypeError(f"MoE: {name} must be a {kind.__module__}.{kind.__name__}, got {value!r}")
-        for name, value, kind, minimum in (("hidden", hidden, "int", 1), ("ffn_hidden", ffn_hidden, "int", 1),
-                                           ("shared_ffn_hidden", shared_ffn_hidden, "int", 0),
-                                           ("axis_name", axis_name, "name", 1),
+        # check_option's Python ints (a NumPy int is accepted): the same static shapes and jit cache keys
+        hidden, ffn_hidden, shared_ffn_hidden = (
+            check_option("MoE:", name, value, "int", minimum) for name, value, minimum in (
+                ("hidden", hidden, 1), ("ffn_hidden", ffn_hidden, 1),
+                ("shared_ffn_hidden", shared_ffn_hidden, 0)))
+        for name, value, kind, minimum in (("axis_name", axis_name, "name", 1),
                                            ("node_axis", node_axis, "name?", 1),
                                            ("gemm", gemm, GEMM_BACKENDS, 1), ("decode", decode, "bool", 1),
                                            ("fp8_weight_grad", fp8_weight_grad, "bool", 1),
-                                           ("swiglu_backend", swiglu_backend, SWIGLU_BACKENDS, 1),
-                                           ("gemm_num_sms", gemm_num_sms, "int?", 1)):
+                                           ("swiglu_backend", swiglu_backend, SWIGLU_BACKENDS, 1)):
             check_option("MoE:", name, value, kind, minimum)
-        # stored as Python ints (a NumPy int is accepted): the same static shapes and jit cache keys
-        hidden, ffn_hidden, shared_ffn_hidden = int(hidden), int(ffn_hidden), int(shared_ffn_hidden)
-        gemm_num_sms = None if gemm_num_sms is None else int(gemm_num_sms)
+        gemm_num_sms = check_option("MoE:", "gemm_num_sms", gemm_num_sms, "int?")
         if gemm_dtype not in GEMM_DTYPES:
             raise EPValueError(f"MoE: gemm_dtype must be one of {GEMM_DTYPES}, got {gemm_dtype!r}")
         if fp8_weight_grad and gemm_dtype is None:

@@ -321,10 +321,9 @@ def _checked_dispatch(custom, x, topk_idx, topk_weights, cfg, rank_mask, *, with
     (``with_rows``: and its dequantised rows); errors name ``op``."""
     size = ep_size(cfg, op)
     check_dispatch_args(x, topk_idx, topk_weights, cfg, op=op)
-    rank_mask = check_rank_mask(rank_mask, size, op)
+    rank_mask, topk_idx = _checked_mask(rank_mask, size, cfg, op, topk_idx)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, op)
-        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, op)
     x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     out = custom(x, topk_idx, topk_weights, rank_mask, cfg)
     if cfg.checked:  # the mask the call ran with (the persistent one ANDed in, on 'cuda')
@@ -355,20 +354,19 @@ def combine(y: jax.Array, handle: types.Handle, cfg: EPConfig, rank_mask: jax.Ar
             raise EPTypeError(f"combine: {name} must be a bool, got {flag!r}")
     size = ep_size(cfg, "combine")
     check_combine_args(y, handle, cfg, ep_size=size)
-    rank_mask = check_rank_mask(rank_mask, size, "combine")
-    if cfg.checked:
-        y = _mask_agrees(y, rank_mask, cfg, "combine")
+    rank_mask, y = _checked_mask(rank_mask, size, cfg, "combine", y)
     rank_mask = handle_mask(rank_mask, handle)
     return overlap.primal(_combine)(_typed_rows(y, handle, cfg), handle, rank_mask, cfg, empty_rows_zero,
                                     weighted)
 
 
-def _mask_agrees(tied, rank_mask, cfg: EPConfig, op: str):
-    """``tied`` made to depend on checked mode's check that rank_mask is the same on every rank (no
-    check without a mask)."""
-    if rank_mask is None:
-        return tied
-    return tie(check_rank_mask_agrees(rank_mask, cfg.axis_name, op), tied)
+def _checked_mask(rank_mask, size: int, cfg: EPConfig, op: str, tied):
+    """(check_rank_mask's mask, ``tied``): in checked mode ``tied`` made to depend on the check that the
+    mask is the same on every rank."""
+    rank_mask = check_rank_mask(rank_mask, size, op)
+    if cfg.checked and rank_mask is not None:
+        tied = tie(check_rank_mask_agrees(rank_mask, cfg.axis_name, op), tied)
+    return rank_mask, tied
 
 
 # ---- dispatch: custom_vjp -------------------------------------------------------------------------
@@ -504,10 +502,9 @@ def dispatch_rank_major(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     """
     size = ep_size(cfg, "dispatch_rank_major")
     check_dispatch_args(x, topk_idx, topk_weights, cfg, op="dispatch_rank_major")
-    rank_mask = check_rank_mask(rank_mask, size, "dispatch_rank_major")
+    rank_mask, topk_idx = _checked_mask(rank_mask, size, cfg, "dispatch_rank_major", topk_idx)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "dispatch_rank_major")
-        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, "dispatch_rank_major")
     x, topk_weights = _typed_inputs(x, topk_weights, topk_idx, cfg)
     return _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg)
 
@@ -522,9 +519,7 @@ def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfi
     ranks linked to this one (every active rank if it is active, itself only if masked)."""
     size = ep_size(cfg, "combine_rank_major")
     check_combine_rank_major_args(y, handle, cfg, size)
-    rank_mask = check_rank_mask(rank_mask, size, "combine_rank_major")
-    if cfg.checked:
-        y = _mask_agrees(y, rank_mask, cfg, "combine_rank_major")
+    rank_mask, y = _checked_mask(rank_mask, size, cfg, "combine_rank_major", y)
     rank_mask = handle_mask(rank_mask, handle)
     return _combine_rank_major(_typed_rows(y, handle, cfg), handle, rank_mask, cfg)
 
@@ -603,10 +598,9 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
     """
     size = ep_size(cfg, "ll_dispatch")
     check_ll_dispatch_args(x, topk_idx, topk_weights, cfg)
-    rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch")
+    rank_mask, topk_idx = _checked_mask(rank_mask, size, cfg, "ll_dispatch", topk_idx)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch")
-        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, "ll_dispatch")
     return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
@@ -621,9 +615,7 @@ def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     NotImplementedError."""
     size = ep_size(cfg, "ll_combine")
     check_ll_combine_args(y, handle, cfg, size)
-    rank_mask = check_rank_mask(rank_mask, size, "ll_combine")
-    if cfg.checked:
-        y = _mask_agrees(y, rank_mask, cfg, "ll_combine")
+    rank_mask, y = _checked_mask(rank_mask, size, cfg, "ll_combine", y)
     return _ll_combine(y, handle, rank_mask, cfg)
 
 
@@ -739,10 +731,9 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     receive serves the send's). Forward-only."""
     size = ep_size(cfg, "ll_dispatch_send")
     check_ll_dispatch_args(x, topk_idx, topk_weights, cfg, op="ll_dispatch_send")
-    rank_mask = check_rank_mask(rank_mask, size, "ll_dispatch_send")
+    rank_mask, topk_idx = _checked_mask(rank_mask, size, cfg, "ll_dispatch_send", topk_idx)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch_send")
-        topk_idx = _mask_agrees(topk_idx, rank_mask, cfg, "ll_dispatch_send")
     return overlap.primal(_ll_dispatch_send)(x, topk_idx, topk_weights, rank_mask, cfg)
 
 
@@ -764,9 +755,7 @@ def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     rank_mask)``. Same rules as ll_dispatch_send. Forward-only."""
     size = ep_size(cfg, "ll_combine_send")
     check_ll_combine_args(y, handle, cfg, size, op="ll_combine_send")
-    rank_mask = check_rank_mask(rank_mask, size, "ll_combine_send")
-    if cfg.checked:
-        y = _mask_agrees(y, rank_mask, cfg, "ll_combine_send")
+    rank_mask, y = _checked_mask(rank_mask, size, cfg, "ll_combine_send", y)
     return overlap.primal(_ll_combine_send)(y, handle, rank_mask, cfg)
 
 
