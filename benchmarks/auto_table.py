@@ -148,13 +148,13 @@ def pull_points_of(records: list[dict]) -> dict[str, list[dict]]:
                 ep_size=ep_size, num_sms=sms, push_us=round(_time(pair["push"]), 1),
                 pull_us=round(_time(pair["pull"]), 1), device=pair["pull"].get("device"),
                 date=pair["pull"].get("date")))
-    points["broadcast_pull"] = _in_place_decides(points["broadcast_pull"])
     return {knob: pts for knob, pts in points.items() if pts}
 
 
 def _in_place_decides(points: list[dict]) -> list[dict]:
     """broadcast_pull's points less plain broadcast's at each EP size and SM count where the in-place
-    form was measured (PULL_OPS says why); applied again wherever points of several runs meet."""
+    form was measured (PULL_OPS says why); applied once, in build_pull, where every run's points and
+    the table's meet."""
     in_place = {(p["ep_size"], p["num_sms"]) for p in points if p["op"] == "broadcast_in_place"}
     return [p for p in points if p["op"] != "broadcast" or (p["ep_size"], p["num_sms"]) not in in_place]
 
@@ -179,8 +179,6 @@ def pull_points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[str, l
     points = collections.defaultdict(list)
     for key, pts in sorted(merged.items(), key=lambda item: str(item[0])):
         points[key[0]] += pts
-    # one file's plain broadcast may meet another's in-place form
-    points["broadcast_pull"] = _in_place_decides(points["broadcast_pull"])
     return {knob: pts for knob, pts in points.items() if pts}, notes
 
 
@@ -202,7 +200,7 @@ def build_pull(points: dict[str, list[dict]], old: dict | None = None) -> dict:
     for knob, entry in (old or {}).get("pull", {}).items():
         measured = {_replaced_with(p) for p in points.get(knob, [])}
         merged.setdefault(knob, []).extend(p for p in entry["points"] if _replaced_with(p) not in measured)
-    if "broadcast_pull" in merged:   # an old plain broadcast may meet this run's in-place form, or vice versa
+    if "broadcast_pull" in merged:   # a plain broadcast of any run or of the table meets any in-place form
         merged["broadcast_pull"] = _in_place_decides(merged["broadcast_pull"])
     section = {}
     for knob, pts in sorted(merged.items()):

@@ -880,6 +880,8 @@ def clock_note(record: dict) -> str:
 
 def print_table(records: list[dict]) -> None:
     """The layer records' table: one line per (shape, config), then the EP ops' long explanations."""
+    from benchmarks.ops import gbps as four_digits  # here: benchmarks.ops imports this module
+
     base = {(r["shape"], r["config"]): r["step_ms"] for r in records}
     rows = [r for r in records if r["op"] == "moe_layer"]
     steps = [("out of memory" if r.get("peer_out_of_memory") else "failed") if r["step_ms"] is None
@@ -899,8 +901,7 @@ def print_table(records: list[dict]) -> None:
             f"; {r['ep_hidden_ms']:.2f} / {r['split_ms']['dispatch'] + r['split_ms']['combine']:.2f}")
         ratio = "" if r["roofline_ratio"] is None else f"{r['roofline_ratio']:.2f}"
         # 4 significant figures, as the ops table's GB/s (a CPU run's GEMMs do well under 1 TF/s: not "0")
-        tflops = "" if r["gemm_tflops"] is None else (
-            f"{r['gemm_tflops']:.4g}" if abs(r["gemm_tflops"]) < 1000 else f"{r['gemm_tflops']:.0f}")
+        tflops = four_digits(r["gemm_tflops"])
         gemm_ms = "" if r["gemm_ms"] is None else f"{r['gemm_ms']:.2f}"
         floor_ms = "" if r["weight_floor_ms"] is None else f"{r['weight_floor_ms']:.2f}"
         ep_ops = r.get("ep_ops", "")

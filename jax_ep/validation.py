@@ -134,9 +134,7 @@ def check_combine_args(y, handle, cfg: EPConfig, op: str = "combine", ep_size: i
                                f"{getattr(value, 'dtype', None)}{_shape_of(value)}")
     if getattr(y, "ndim", None) != 2 or y.shape[0] != capacity:
         raise EPValueError(f"{op}: y must have shape [capacity={capacity}, hidden], got {_shape_of(y)}")
-    if jnp.dtype(y.dtype) not in COMBINE_Y_DTYPES:
-        raise EPValueError(f"{op}: y must be float32/bfloat16/float16 (float64 with x64), got dtype "
-                           f"{y.dtype}")
+    _check_combine_y_dtype(y, op)
 
 
 def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
@@ -159,6 +157,10 @@ def check_combine_rank_major_args(y, handle, cfg: EPConfig, ep_size: int,
     if getattr(y, "ndim", None) != 2 or y.shape[0] != rows:
         raise EPValueError(f"{op}: y must have shape [{rows}, hidden] (one row per dispatched row: EP size "
                            f"{ep_size} x {in_rank.shape[0]} tokens), got {_shape_of(y)}")
+    _check_combine_y_dtype(y, op)
+
+
+def _check_combine_y_dtype(y, op: str) -> None:
     if jnp.dtype(y.dtype) not in COMBINE_Y_DTYPES:
         raise EPValueError(f"{op}: y must be float32/bfloat16/float16 (float64 with x64), got dtype "
                            f"{y.dtype}")
@@ -293,14 +295,17 @@ def run_checked(fn, *args, **kwargs):
         return jax.block_until_ready(fn(*args, **kwargs))
 
 
-def _fail_if(message_fn, result_dtype=jnp.int32):
-    def callback(*values):
-        message = message_fn(*(np.asarray(v) for v in values))
+def _host_check(message_fn, *values, dtype=jnp.int32) -> jax.Array:
+    """A zero scalar of ``dtype`` from a host callback that raises EPValueError(message_fn(*values)) where
+    that is a message (None: the check passed). Sequential under jax.vmap: a checked op runs there as an
+    unchecked one does (one check per element)."""
+    def callback(*arrays):
+        message = message_fn(*(np.asarray(a) for a in arrays))
         if message is not None:
             raise EPValueError(message)
-        return np.zeros((), result_dtype)
+        return np.zeros((), dtype)
 
-    return callback
+    return jax.pure_callback(callback, jax.ShapeDtypeStruct((), dtype), *values, vmap_method="sequential")
 
 
 def tie(zero: jax.Array, out):
@@ -323,8 +328,7 @@ def check_rank_mask_agrees(rank_mask: jax.Array, axis_name: str, op: str) -> jax
                     f"on every rank): the flags of ranks {differ.tolist()} are 1 on some ranks, 0 on others")
         return None
 
-    return jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), lowest, highest,
-                             vmap_method="sequential")
+    return _host_check(message, lowest, highest)
 
 
 def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op: str) -> jax.Array:
@@ -348,10 +352,7 @@ def check_topk_values(topk_idx: jax.Array, num_experts: int, axis_name: str, op:
                     f"the EP group (-1 marks an unused slot); first bad value {int(first_value)}")
         return None
 
-    # vmap_method: the op runs under jax.vmap unchecked, so checked too (one check per element)
-    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), topk_idx.dtype), num_bad, first,
-                             vmap_method="sequential")
-    return topk_idx + zero
+    return topk_idx + _host_check(message, num_bad, first, dtype=topk_idx.dtype)
 
 
 def capacity_needed(topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_mask=None) -> jax.Array:
@@ -393,8 +394,7 @@ def check_no_drops(out, topk_idx: jax.Array, cfg: EPConfig, ep_size: int, rank_m
                     "None for the worst case")
         return None
 
-    zero = jax.pure_callback(_fail_if(message), jax.ShapeDtypeStruct((), jnp.int32), total, needed,
-                             vmap_method="sequential")
+    zero = _host_check(message, total, needed)
     return tie(zero, out if tied is None else tied)
 
 

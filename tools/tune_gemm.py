@@ -37,7 +37,7 @@ from benchmarks.layer import expert_group_sizes  # noqa: E402
 from benchmarks.ops import seconds_arg  # noqa: E402
 from jax_ep import gemm_mgpu as mgpu  # noqa: E402
 from jax_ep.errors import EPValueError  # noqa: E402
-from jax_ep.gemm import GROUP_MAJOR, _tuned, tuned_entry  # noqa: E402
+from jax_ep.gemm import GROUP_MAJOR, PASSES, _tuned, tuned_entry  # noqa: E402
 
 best_of = functools.partial(_best_of, iters=10, repeats=3)
 CONFIG_FILE = pathlib.Path(mgpu.__file__).with_name("gemm_configs.json")
@@ -526,7 +526,7 @@ def main(argv=None):
         parser.error(f"--kernels: unknown {unknown}; known: {', '.join(SWEEPS)}")
     # before the sweep: an unknown pass was swept as the weight gradient and stored under its name, an
     # unknown block raised a KeyError after the whole sweep
-    for option, names, known in (("--passes", args.passes, ("forward", "dx", "dw")),
+    for option, names, known in (("--passes", args.passes, PASSES),
                                  ("--block", args.block, BLOCKS)):
         unknown = [name for name in names.split(",") if name and name not in known]
         if unknown:
