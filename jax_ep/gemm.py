@@ -115,13 +115,15 @@ def check_backend(backend, op: str = "grouped_matmul", name: str = "backend") ->
         raise EPValueError(f"{op}: {name} must be one of {BACKENDS}, got {backend!r}")
 
 
-def check_group_sizes(group_sizes, num_groups: int, op: str = "grouped_matmul") -> None:
-    """group_sizes: [G] integer, one per group of the weights."""
+def check_group_sizes(group_sizes, num_groups: int, op: str = "grouped_matmul") -> jax.Array:
+    """group_sizes: [G] integer, one per group of the weights; returns them as every backend reads them
+    (``int32_sizes``)."""
     if getattr(group_sizes, "shape", None) != (num_groups,):
         raise EPValueError(f"{op}: group_sizes must have shape ({num_groups},) (one per group "
                            f"of w), got {getattr(group_sizes, 'shape', None)}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise EPValueError(f"{op}: group_sizes must be integer, got dtype {group_sizes.dtype}")
+    return int32_sizes(group_sizes)
 
 
 def int32_sizes(group_sizes: jax.Array) -> jax.Array:
@@ -317,10 +319,10 @@ def weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, back
         raise EPValueError(f"weight_gradient: x [M, K] and dy [M, N] must be 2-D with the same rows, got x "
                            f"{getattr(x, 'shape', None)}, dy {getattr(dy, 'shape', None)}")
     g = getattr(group_sizes, "shape", (None,))[0]
-    check_group_sizes(group_sizes, g, "weight_gradient")
+    group_sizes = check_group_sizes(group_sizes, g, "weight_gradient")
     w_shape = (g, x.shape[1], dy.shape[1])
     plan = _plans(x.shape, w_shape, x.dtype, dy.dtype, backend, num_sms)[2]
-    return _weight_gradient(*vary_jointly(x, dy, int32_sizes(group_sizes)), plan).astype(x.dtype)
+    return _weight_gradient(*vary_jointly(x, dy, group_sizes), plan).astype(x.dtype)
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

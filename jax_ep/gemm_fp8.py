@@ -51,7 +51,6 @@ from jax_ep.gemm import (
     _kernel_platform,
     check_backend,
     check_group_sizes,
-    int32_sizes,
     rows_reason,
     tuned_entry,
     weight_gradient,
@@ -463,8 +462,8 @@ def fp8_weight_gradient(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     check_fp8_channels("fp8_weight_gradient", K=c, N=n)
     if backend not in BACKENDS:
         raise EPValueError(f"fp8_weight_gradient: backend must be one of {BACKENDS}, got {backend!r}")
-    check_group_sizes(group_sizes, getattr(group_sizes, "shape", (None,))[0], "fp8_weight_gradient")
-    group_sizes = int32_sizes(group_sizes)
+    group_sizes = check_group_sizes(group_sizes, getattr(group_sizes, "shape", (None,))[0],
+                                    "fp8_weight_gradient")
     num_sms = check_option("fp8_weight_gradient:", "num_sms", num_sms, "int?")
     if backend == "mosaic_gpu" and (why := rows_reason(m, fp8=True)):
         raise EPValueError(f"fp8_weight_gradient: backend='mosaic_gpu' cannot take x {tuple(x.shape)}: {why}")
@@ -587,8 +586,7 @@ def grouped_matmul_fp8(xq: jax.Array, x_scales: jax.Array, wq: jax.Array, w_scal
         raise EPValueError(f"grouped_matmul_fp8: x {xq.shape} and w {wq.shape} (transpose_w={transpose_w}) "
                            "must share K")
     check_fp8_channels("grouped_matmul_fp8", K=k, N=n)
-    check_group_sizes(group_sizes, g, "grouped_matmul_fp8")
-    group_sizes = int32_sizes(group_sizes)
+    group_sizes = check_group_sizes(group_sizes, g, "grouped_matmul_fp8")
     num_sms = check_option("grouped_matmul_fp8:", "num_sms", num_sms, "int?")
     if backend == "mosaic_gpu" and (why := rows_reason(m, fp8=True)):
         raise EPValueError(f"grouped_matmul_fp8: backend='mosaic_gpu' cannot take xq {tuple(xq.shape)}: "
@@ -677,8 +675,7 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, ba
                                f"quantises it), got {a.dtype}")
     k, n = w.shape[1], w.shape[2]
     check_fp8_channels("fp8_grouped_matmul", K=k, N=n)
-    check_group_sizes(group_sizes, w.shape[0], "fp8_grouped_matmul")
-    group_sizes = int32_sizes(group_sizes)
+    group_sizes = check_group_sizes(group_sizes, w.shape[0], "fp8_grouped_matmul")
     check_backend(gemm, "fp8_grouped_matmul", "gemm")
     backend = fp8_backend(k, n, backend, x.shape[0])
     if quantized is not None:
