@@ -89,20 +89,32 @@ def points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[tuple[str, 
     points (points_of; a duplicate inside one file is an error naming it), a point that a later file
     measured again taken from the later file (two runs split by ``--dtypes`` both time combine: before
     2026-12-05 passing them together was refused); notes say which points were taken from which file."""
+    merged, notes = _merge_runs(
+        runs, points_of,
+        lambda group, p: (*group, p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
+                          p["ep_size"]),
+        lambda k: f"{k[0]} {k[1]} {k[2]} EP{k[7]} {k[3]} tokens per rank")
+    points = collections.defaultdict(list)
+    for key, pts in sorted(merged.items()):
+        points[key[:2]] += pts
+    return points, notes
+
+
+def _merge_runs(runs: dict[str | None, list[dict]], of_one_run, key_of, describe) -> tuple[dict, list[str]]:
+    """({key: points}, notes) of several runs' records ({file: records}, in the order given): each file's
+    points (``of_one_run``, its errors naming the file) under ``key_of(group, point)``, a key a later file
+    measured again taken from the later file; a note (``describe(key)``) says which file's was taken."""
     merged, source, notes = {}, {}, []
     for name, records in runs.items():
-        for (op, layout), pts in _of_file(points_of, name, records).items():
+        mine = collections.defaultdict(list)   # a list: one run's pull points may differ in send warps
+        for group, pts in _of_file(of_one_run, name, records).items():
             for p in pts:
-                key = (op, layout, p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
-                       p["ep_size"])
-                if key in merged:
-                    notes.append(f"{op} {layout} {p['dtype']} EP{p['ep_size']} {p['tokens']} tokens per "
-                                 f"rank: measured in {source[key]} and {name}; {name}'s taken")
-                merged[key], source[key] = p, name
-    points = collections.defaultdict(list)
-    for key, p in sorted(merged.items()):
-        points[key[:2]].append(p)
-    return points, notes
+                mine[key_of(group, p)].append(p)
+        for key, pts in mine.items():
+            if key in merged:
+                notes.append(f"{describe(key)}: measured in {source[key]} and {name}; {name}'s taken")
+            merged[key], source[key] = pts, name
+    return merged, notes
 
 
 def _default_transport(record) -> bool:
@@ -164,18 +176,11 @@ def pull_points_of_runs(runs: dict[str | None, list[dict]]) -> tuple[dict[str, l
     for the backends: each file's pull points (pull_points_of; a duplicate inside one file is an error
     naming it), a point that a later file measured again taken from the later file (before 2026-12-05
     every file's records were pooled and such a pair was refused without naming the files)."""
-    merged, source, notes = {}, {}, []
-    for name, records in runs.items():
-        mine = collections.defaultdict(list)   # a list: one run's points may differ in send warps or device
-        for knob, pts in _of_file(pull_points_of, name, records).items():
-            for p in pts:
-                mine[(knob, p["op"], p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
-                      p["ep_size"], p["num_sms"])].append(p)
-        for key, pts in mine.items():
-            if key in merged:
-                notes.append(f"{key[0]} {key[1]} {key[2]} EP{key[7]} {key[8]} SMs {key[3]} tokens per rank: "
-                             f"measured in {source[key]} and {name}; {name}'s taken")
-            merged[key], source[key] = pts, name
+    merged, notes = _merge_runs(
+        runs, pull_points_of,
+        lambda knob, p: (knob, p["op"], p["dtype"], p["tokens"], p["hidden"], p["topk"], p["num_experts"],
+                         p["ep_size"], p["num_sms"]),
+        lambda k: f"{k[0]} {k[1]} {k[2]} EP{k[7]} {k[8]} SMs {k[3]} tokens per rank")
     points = collections.defaultdict(list)
     for key, pts in sorted(merged.items(), key=lambda item: str(item[0])):
         points[key[0]] += pts
