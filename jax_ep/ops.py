@@ -601,7 +601,14 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
     rank_mask, topk_idx = _checked_mask(rank_mask, size, cfg, "ll_dispatch", topk_idx)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch")
-    return _ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg)
+    return _masked_ll_handle(_ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg))
+
+
+def _masked_ll_handle(out: types.LLDispatched) -> types.LLDispatched:
+    """The handle carries the ranks that took part, as Handle.rank_mask does: ll_combine called without
+    the dispatch's mask waited, on the GPU, for a rank the dispatch masked (its discovery counts every
+    rank of its own mask; found by a review, 2026-12-06)."""
+    return out._replace(handle=out.handle._replace(rank_mask=out.rank_mask))
 
 
 @overlap.in_order
@@ -616,7 +623,7 @@ def ll_combine(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     size = ep_size(cfg, "ll_combine")
     check_ll_combine_args(y, handle, cfg, size)
     rank_mask, y = _checked_mask(rank_mask, size, cfg, "ll_combine", y)
-    return _ll_combine(y, handle, rank_mask, cfg)
+    return _ll_combine(y, handle, handle_mask(rank_mask, handle), cfg)
 
 
 def _forward_only_op(op: str, cfg_argnum: int):
@@ -744,7 +751,7 @@ def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.L
     ``ll_dispatch``'s result (same bits). Forward-only."""
     ep_size(cfg, "ll_dispatch_recv")
     _check_pending(pending, types.LLDispatchPending, "ll_dispatch_recv", cfg)
-    return _ll_dispatch_recv(pending, cfg)
+    return _masked_ll_handle(_ll_dispatch_recv(pending, cfg))
 
 
 @overlap.in_order
@@ -756,7 +763,7 @@ def ll_combine_send(y: jax.Array, handle: types.LLHandle, cfg: EPConfig,
     size = ep_size(cfg, "ll_combine_send")
     check_ll_combine_args(y, handle, cfg, size, op="ll_combine_send")
     rank_mask, y = _checked_mask(rank_mask, size, cfg, "ll_combine_send", y)
-    return overlap.primal(_ll_combine_send)(y, handle, rank_mask, cfg)
+    return overlap.primal(_ll_combine_send)(y, handle, handle_mask(rank_mask, handle), cfg)
 
 
 @_receive_once("ll_combine_recv")

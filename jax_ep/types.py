@@ -101,6 +101,8 @@ class LLHandle(NamedTuple):
                              # unused or the slot was dropped (ll_combine skips every weight-0 slot)
     dest_rank: jax.Array     # [T, K] int32: the rank each top-k slot went to, -1 where unused or
                              # dropped (its rank masked); ll_combine skips slots of masked ranks
+    rank_mask: jax.Array | None = None   # [R] int32: the ranks that took part in the dispatch
+                                         # (LLDispatched.rank_mask); ll_combine ANDs its mask with it
 
 
 class LLDispatched(NamedTuple):

@@ -209,6 +209,7 @@ def check_ll_combine_args(y, handle, cfg: EPConfig, ep_size: int, op: str = "ll_
     if _shape_of(dest_rank) != weights.shape or dest_rank.dtype != jnp.int32:
         raise EPValueError(f"{op}: handle.dest_rank must be int32 {weights.shape} (as topk_weights), got "
                            f"{getattr(dest_rank, 'dtype', None)}{_shape_of(dest_rank)}")
+    check_rank_mask(getattr(handle, "rank_mask", None), ep_size, op, "handle.rank_mask")
     expected = slots + (cfg.hidden,)
     if _shape_of(y) != expected:
         raise EPValueError(f"{op}: y must have shape {expected} (E_local, R*T, cfg.hidden), "

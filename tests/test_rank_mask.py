@@ -437,7 +437,8 @@ def test_auto_picks_as_without_a_mask(monkeypatch):
 
 def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
     """The ops pass rank_mask= to every data op's implementation, forward and backward, None without
-    a mask (one signature for every backend: jax_ep.backends.Functions)."""
+    a mask (one signature for every backend: jax_ep.backends.Functions); ll_combine is passed its
+    dispatch's (LLHandle.rank_mask, the ranks that took part: all of them here)."""
     seen, depth = {}, [0]
 
     def spy(name, fn):
@@ -472,7 +473,8 @@ def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
     # broadcast is combine's backward's transport: the ops call combine_bwd (the kernel or the whole
     # reference backward, which calls broadcast itself with the mask it was given)
     assert sorted(seen) == sorted(name for name in DATA_FUNCTIONS if name != "broadcast")
-    assert all(mask is None for masks in seen.values() for mask in masks), seen
+    assert all(mask is None for name, masks in seen.items() if name != "ll_combine" for mask in masks), seen
+    assert seen["ll_combine"] and all(mask is not None for mask in seen["ll_combine"]), seen
 
 
 def test_auto_without_a_gpu_runs_the_reference():
@@ -729,25 +731,33 @@ def test_shrink_over_processes_warns_of_sharded_autotuning(flags, processes, haz
 
 
 @pytest.mark.parametrize("combine_mask", [None, [1, 1, 1, 1], [1, 1, 0, 1]])
-@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major", "low_latency", "low_latency_sent"])
 def test_the_ops_of_a_handle_run_with_the_dispatchs_mask_too(monkeypatch, combine_mask, layout):
     """A masked dispatch's handle carries its mask and the ops of the handle AND theirs with it
     (ops.handle_mask), so no backend is asked to take partial sums from a rank the dispatch masked: on
     the CUDA kernels that rank's staging still held an earlier call's (kernel emulator, 2026-12-05). The
     reference's values are the same either way; what the backend receives is checked here (the spy
-    writes the mask it got into row 0 of its output)."""
+    writes the mask it got into row 0 of its output). The low-latency handle had no mask: ll_combine
+    without the dispatch's waited on the GPU for the rank the dispatch masked (found by a review,
+    2026-12-06)."""
     ep_size = 4
     cfg = _cfg()
     dispatch_mask = jnp.asarray([1, 0, 1, 1], jnp.int32)
-    name = "combine" if layout == "expert_major" else "combine_rank_major"
+    name = {"expert_major": "combine", "rank_major": "combine_rank_major", "low_latency": "ll_combine",
+            "low_latency_sent": "ll_combine_recv"}[layout]
     real = getattr(reference, name)
 
-    def spy(y, handle, cfg, rank_mask=None, **kw):
-        out = real(y, handle, cfg, rank_mask=rank_mask, **kw)
+    def written(out, rank_mask):
         got = jnp.full((ep_size,), -1) if rank_mask is None else rank_mask
         return jnp.zeros_like(out).at[0, :ep_size].set(got.astype(out.dtype))
 
-    monkeypatch.setattr(reference, name, spy)
+    def spy(y, handle, cfg, rank_mask=None, **kw):
+        return written(real(y, handle, cfg, rank_mask=rank_mask, **kw), rank_mask)
+
+    def spy_recv(pending, cfg):   # the reference's pending keeps the send's mask
+        return written(real(pending, cfg), pending.rank_mask)
+
+    monkeypatch.setattr(reference, name, spy_recv if layout == "low_latency_sent" else spy)
     rng = np.random.default_rng(431)
     x, idx, w = random_tokens(rng, ep_size, T, cfg)
     mask = None if combine_mask is None else jnp.asarray(combine_mask, jnp.int32)
@@ -756,8 +766,13 @@ def test_the_ops_of_a_handle_run_with_the_dispatchs_mask_too(monkeypatch, combin
         if layout == "expert_major":
             d = jax_ep.dispatch(x, idx, w, cfg, rank_mask=dispatch_mask)
             return jax_ep.combine(d.x, d.handle, cfg, rank_mask=mask)
-        d = jax_ep.dispatch_rank_major(x, idx, w, cfg, rank_mask=dispatch_mask)
-        return jax_ep.combine_rank_major(d.x, d.handle, cfg, rank_mask=mask)
+        if layout == "rank_major":
+            d = jax_ep.dispatch_rank_major(x, idx, w, cfg, rank_mask=dispatch_mask)
+            return jax_ep.combine_rank_major(d.x, d.handle, cfg, rank_mask=mask)
+        d = jax_ep.ll_dispatch(x.astype(jnp.bfloat16), idx, w, cfg, rank_mask=dispatch_mask)
+        if layout == "low_latency":
+            return jax_ep.ll_combine(d.x, d.handle, cfg, rank_mask=mask)
+        return jax_ep.ll_combine_recv(jax_ep.ll_combine_send(d.x, d.handle, cfg, rank_mask=mask), cfg)
 
     got = np.asarray(per_rank(body, ep_size)(x, idx, w))[0, 0, :ep_size]
     want = np.asarray(dispatch_mask) & (1 if combine_mask is None else np.asarray(combine_mask))
