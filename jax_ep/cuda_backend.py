@@ -110,10 +110,13 @@ def comm_bytes(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16) -> int:
     expert outputs / gradients of ``dtype``: what their instantiation reserves (same layout function,
     ``jax_ep._C.comm_bytes``). The low-latency ops need ``ll_comm_bytes``. Pass the largest of a
     program's to ``jax_ep.runtime.ensure_initialized`` to size the buffers once up front."""
-    runtime.register_targets()
+    # the extension's layout arithmetic only: register_targets would set up the runtime, a collective
+    # in process model 2 (one process asking the size waited 120 s, then put every later set-up out of
+    # step; found by a review, 2026-12-06)
+    native = runtime.built_extension("jax_ep.cuda_backend.comm_bytes")
     wire = max(cfg.wire_dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     scales = 4 * cfg.num_scale_blocks if cfg.dispatch_dtype == "float8_e4m3fn" else 0
-    return int(runtime.extension().comm_bytes(ep_size, cfg.max_tokens_per_rank, cfg.num_topk,
+    return int(native.comm_bytes(ep_size, cfg.max_tokens_per_rank, cfg.num_topk,
                                               cfg.num_experts, cfg.hidden * wire, scales))
 
 
@@ -121,8 +124,7 @@ def ll_comm_bytes(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16) -> int:
     """``comm_bytes`` for the low-latency ops (ll_dispatch, ll_combine and their two-phase forms) with
     tokens of ``dtype``: their instantiation's reservation (``jax_ep._C.ll_comm_bytes``), larger than
     the throughput ops' at the same sizes (two halves of returned rows, T x K each)."""
-    runtime.register_targets()
-    native = runtime.extension()
+    native = runtime.built_extension("jax_ep.cuda_backend.ll_comm_bytes")   # as comm_bytes
     sizes = (ep_size, cfg.max_tokens_per_rank, cfg.num_topk, cfg.num_experts)
     wire = cfg.wire_dtype(dtype)
     scales = 4 * cfg.num_scale_blocks if wire == jnp.float8_e4m3fn else 0

@@ -15,10 +15,9 @@ def use_virtual_cpu_devices(count: int = 8) -> None:
     devices stay as they are. ``JAX_NUM_CPU_DEVICES`` in the environment wins (``python -m
     jax_ep.launch`` sets it to the devices of each process), and so does
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N``."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        from jax_ep.errors import EPValueError
+    from jax_ep.config import check_option
 
-        raise EPValueError(f"use_virtual_cpu_devices: count must be a positive int, got {count!r}")
+    count = check_option("use_virtual_cpu_devices:", "count", count, "int")   # NumPy ints too
     if os.environ.get("JAX_NUM_CPU_DEVICES") or \
             "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return   # the user's count (jax_num_cpu_devices would override the XLA flag)

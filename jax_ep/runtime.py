@@ -41,6 +41,7 @@ import zlib
 import jax
 
 from jax_ep import distributed, errors
+from jax_ep.config import check_option
 
 
 def _load_nvshmem() -> str | None:
@@ -114,6 +115,15 @@ else:  # pragma: no cover - depends on the build
 
 def extension():
     """The ``jax_ep._C`` module, or None when it was not built."""
+    return _C
+
+
+def built_extension(what: str):
+    """``jax_ep._C`` for its pure helpers (sizes, limits' arithmetic), which need no GPU and set nothing
+    up; an EPRuntimeError naming ``what`` when it was not built."""
+    if _C is None:
+        raise errors.EPRuntimeError(f"{what} needs the CUDA extension jax_ep._C, which is not built "
+                                    f"({_IMPORT_ERROR})")
     return _C
 
 
@@ -400,12 +410,14 @@ def ensure_initialized(buffer_bytes: int) -> None:
     low-latency ops, so that no later instantiation
     has to grow them: growing synchronises every GPU). Raises DeviceMemoryError when they do not fit
     in a GPU's free memory."""
+    buffer_bytes = check_option("jax_ep.runtime.ensure_initialized:", "buffer_bytes", buffer_bytes, "int",
+                                minimum=0)
     register_targets()
     with _lock:
         if _C.process_group()["model"] == "process_per_gpu":
-            _init_process_group(max(int(buffer_bytes), 0))  # collective: call it on every process
+            _init_process_group(buffer_bytes)  # collective: call it on every process
         else:
-            _C.init(local_gpu_ordinals(), max(int(buffer_bytes), 0))
+            _C.init(local_gpu_ordinals(), buffer_bytes)
 
 
 def shutdown() -> None:

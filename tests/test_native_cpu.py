@@ -3,12 +3,15 @@ CUDA, exports a handler capsule per FFI target, and the runtime reports why it i
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import STUB_LIMITS
 
+import jax_ep
 from jax_ep import cuda_backend, runtime
 
 
@@ -266,6 +269,36 @@ def test_ll_comm_bytes_is_what_a_low_latency_call_site_reserves(monkeypatch):
         ll = native.ll_comm_bytes(*sizes, 7168, int(attrs["row_bytes"]), int(attrs["scale_bytes"]))
         assert need == max(ll, native.ll_comm_bytes(*sizes, 7168, 7168 * 2, 0)), wire
         assert need > 5 * cuda_backend.comm_bytes(cfg, 2), wire
+
+
+def test_comm_bytes_need_only_the_extension(monkeypatch):
+    """comm_bytes / ll_comm_bytes are the extension's layout arithmetic: they work without a GPU and set
+    nothing up. Before 2026-12-06 they set up the runtime (register_targets), a collective in process
+    model 2: one process asking the size waited 120 s for the others, then every later set-up was out of
+    step (found by a review)."""
+    from jax_ep import EPConfig
+
+    if runtime.extension() is None:
+        pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
+
+    def refuse():
+        raise AssertionError("register_targets called")
+    monkeypatch.setattr(runtime, "register_targets", refuse)
+    cfg = EPConfig(num_experts=64, num_topk=4, hidden=2048, max_tokens_per_rank=256)
+    sizes = (4, 256, 4, 64)
+    assert cuda_backend.comm_bytes(cfg, 4) == runtime.extension().comm_bytes(*sizes, 2048 * 2, 0) > 0
+    assert cuda_backend.ll_comm_bytes(cfg, 4) == runtime.extension().ll_comm_bytes(*sizes, 2048, 2048 * 2, 0)
+
+
+def test_ensure_initialized_names_a_bad_buffer_size(monkeypatch):
+    """buffer_bytes is checked first (a negative size became 0 and a string gave int()'s bare error;
+    found by a review, 2026-12-06)."""
+    monkeypatch.setattr(runtime, "register_targets", lambda: pytest.fail("reached the set-up"))
+    for bad, error in ((-1 << 30, jax_ep.EPValueError), ("1GiB", jax_ep.EPTypeError),
+                       (None, jax_ep.EPTypeError), (True, jax_ep.EPTypeError), (2.5e9, jax_ep.EPTypeError)):
+        with pytest.raises(error, match=rf"jax_ep.runtime.ensure_initialized: buffer_bytes must be an int "
+                                        rf">= 0, got {re.escape(repr(bad))}"):
+            runtime.ensure_initialized(bad)
 
 
 def test_group_slots_put_the_ep_axis_last():

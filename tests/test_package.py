@@ -8,6 +8,9 @@ import pkgutil
 import subprocess
 import sys
 
+import jax
+import numpy as np
+
 import jax_ep
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -75,6 +78,10 @@ def test_submodules_are_attributes_of_the_package():
         jax_ep.nothing  # noqa: B018
     with pytest.raises(jax_ep.EPValueError, match="count must be a positive int, got 0"):
         jax_ep.devices.use_virtual_cpu_devices(0)
+    # a wrong type is an EPTypeError, and a NumPy int is an int (an EPValueError before 2026-12-06)
+    with pytest.raises(jax_ep.EPTypeError, match=r"count must be a positive int, got 2\.0 \(float\)"):
+        jax_ep.devices.use_virtual_cpu_devices(2.0)
+    jax_ep.devices.use_virtual_cpu_devices(np.int64(len(jax.devices())))   # JAX is running: no change
 
 
 def test_virtual_cpu_devices_leave_a_device_count_the_user_set():
