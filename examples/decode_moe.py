@@ -87,6 +87,9 @@ def parse_args(argv, num_devices: int):
     require_at_least(parser, args, ("train_steps",), minimum=0)
     if args.topk > args.experts:
         parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.hidden % LMConfig.num_heads:   # (Flax's error about a "memory dimension" before 2026-12-06)
+        parser.error(f"--hidden {args.hidden} must be a multiple of the attention heads, "
+                     f"{LMConfig.num_heads}")
     if args.dispatch_dtype == "float8_e4m3fn" and args.hidden % 128:
         parser.error(f"--dispatch-dtype float8_e4m3fn needs --hidden a multiple of 128, got {args.hidden}")
     return args

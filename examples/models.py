@@ -95,6 +95,8 @@ class Block(nnx.Module):
         position), then the MoE layer on the low-latency ops (``low_latency=False``: the throughput ops).
         Past the cache's max_length the result is NaN: Flax would overwrite its last position and give
         wrong values without a word."""
+        if self.attn.cached_key is None:
+            raise ValueError("decode_step: the key/value cache is not initialised; call init_cache first")
         full = self.attn.cache_index[...] >= self.attn.cached_key.shape[1]
         x = x + self.attn(self.attn_norm(x), decode=True)
         x = x + self.moe(self.ffn_norm(x), decode=low_latency, update_stats=False)
@@ -122,12 +124,14 @@ class MoETransformerLM(nnx.Module):
         return [block.moe for block in self.blocks]
 
     # ---- decoding with a key/value cache ----------------------------------------------------------
-    def init_cache(self, batch: int, max_length: int, *, mesh: Mesh | None = None, dtype=jnp.float32) -> None:
+    def init_cache(self, batch: int, max_length: int, *, mesh: Mesh | None = None) -> None:
         """An empty key/value cache [batch, max_length, heads, head_dim] in every attention layer (Flax's
-        ``MultiHeadAttention.init_cache``), split over every axis of ``mesh`` along the batch, as the
-        tokens are (None: where JAX puts it)."""
+        ``MultiHeadAttention.init_cache``, float32 as the attention computes: its decode mode writes its
+        keys as they are, so a cache of another dtype failed at the first decode step, and the dtype
+        argument this took until 2026-12-06 is gone), split over every axis of ``mesh`` along the batch, as
+        the tokens are (None: where JAX puts it)."""
         for block in self.blocks:
-            block.attn.init_cache((batch, max_length, self.cfg.hidden), dtype)
+            block.attn.init_cache((batch, max_length, self.cfg.hidden), jnp.float32)
             if mesh is not None:
                 attn = block.attn
                 batch_split = NamedSharding(mesh, P(tuple(mesh.axis_names)))

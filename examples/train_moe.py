@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import time
 
@@ -121,6 +122,10 @@ def parse_args(argv):
         parser.error(f"--batch {args.batch} must be a multiple of the mesh size {data * ep}")
     if args.experts % ep:
         parser.error(f"--experts {args.experts} must be a multiple of the EP size {ep}")
+    if args.experts < LMConfig.num_topk:   # (an EPValueError of RouterConfig's before 2026-12-06)
+        parser.error(f"--experts {args.experts} must be at least the experts per token, {LMConfig.num_topk}")
+    if not math.isfinite(args.bias_rate) or args.bias_rate < 0:   # (found after the first run had trained)
+        parser.error(f"--bias-rate must be a finite number >= 0, got {args.bias_rate}")
     require_at_least(parser, args, ("steps",), minimum=2)   # the two runs' first and last losses
     return args
 

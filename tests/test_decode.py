@@ -343,6 +343,20 @@ def test_kv_cache_decode_matches_full_forward(shape, axes):
         model.prefill(jnp.zeros((batch, prompt_len + steps + 1), jnp.int32))
 
 
+def test_decode_step_without_a_cache_says_so():
+    """decode_step before init_cache names the missing cache, as prefill does (before 2026-12-06:
+    "'NoneType' object is not subscriptable"; found by a review), and init_cache takes no dtype (a cache
+    of any other dtype than the attention's float32 failed at the first decode step)."""
+    cfg = LMConfig(hidden=16, num_heads=2, num_layers=1, ffn_hidden=16, num_experts=4, backend="reference")
+    model = MoETransformerLM(cfg, rngs=nnx.Rngs(1), mesh=make_mesh((2,), ("ep",)))
+    x = jnp.asarray(np.random.default_rng().standard_normal((2, 1, cfg.hidden)), jnp.float32)
+    with pytest.raises(ValueError, match="decode_step: the key/value cache is not initialised; call "
+                                         "init_cache first"):
+        model.blocks[0].decode_step(x)
+    with pytest.raises(TypeError, match="dtype"):
+        model.init_cache(2, 4, dtype=jnp.bfloat16)
+
+
 def test_decode_step_past_the_cache_gives_nan():
     """A decode step past init_cache's max_length gives NaN logits (before 2026-12-05 Flax overwrote the
     cache's last position: wrong logits, no word); the last step that fits is finite."""

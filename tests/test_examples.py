@@ -279,6 +279,13 @@ def test_decode_moe_help_and_bad_arguments():
     ("demo.py", ["--seq", "0"], "--seq must be at least 1, got 0"),
     ("train_moe.py", ["--layers", "0"], "--layers must be at least 1, got 0"),
     ("train_moe.py", ["--batch", "-8"], "--batch must be at least 1, got -8"),
+    # below: an EPValueError of an internal field, or Flax's error, exit 1 (the bias rate's after the
+    # first run had trained) before 2026-12-06
+    ("train_moe.py", ["--bias-rate", "-1"], "--bias-rate must be a finite number >= 0, got -1.0"),
+    ("train_moe.py", ["--bias-rate", "nan"], "--bias-rate must be a finite number >= 0, got nan"),
+    ("train_moe.py", ["--experts", "1", "--mesh", "1,1"],
+     "--experts 1 must be at least the experts per token, 2"),
+    ("decode_moe.py", ["--hidden", "66"], "--hidden 66 must be a multiple of the attention heads, 4"),
 ])
 def test_examples_name_a_bad_size_and_list_their_defaults(script, argv, message):
     """A size below 1 is a usage error naming the option (before 2026-12-05: an IndexError, numpy's
@@ -293,7 +300,8 @@ def test_examples_name_a_bad_size_and_list_their_defaults(script, argv, message)
                                text=True, timeout=120).stdout
     entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
                for entry in re.split(r"\n  (?=-)", help_text.split("options:")[1])[1:]}
-    for flag in ("--steps", "--batch", "--seq", "--lr", "--backend"):
+    shared = ("--steps", "--batch", "--backend") + (() if script == "decode_moe.py" else ("--seq", "--lr"))
+    for flag in shared:
         assert "(default: " in entries[flag], entries[flag]
 
 
