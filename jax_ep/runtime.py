@@ -561,8 +561,13 @@ def clear_rank_masks(axis_name: str | None = None, group: int | None = None) -> 
     after synchronising them: the next EP calls wait for those ranks again. Call it on every rank
     of the group, between steps, once the masked rank is back in step (it must have run the same
     EP calls; otherwise the next call fails naming it, see docs/api.md)."""
+    if group is not None:   # (the runtime took a negative group as every group, one past the last as none)
+        group = check_option("jax_ep.runtime.clear_rank_masks:", "group", group, "int", minimum=0)
     if _C is None:
         return
+    if group is not None and group >= _C.LIMITS["max_groups"]:
+        raise errors.EPValueError(f"jax_ep.runtime.clear_rank_masks: group must be below the runtime's "
+                                  f"max_groups {_C.LIMITS['max_groups']}, got {group}")
     _C.clear_rank_masks(-1 if axis_name is None else axis_slot(axis_name), -1 if group is None else group)
 
 

@@ -440,8 +440,15 @@ NB_MODULE(_C, m) {
   m.def(
       "rank_masks",
       [] {
+        std::vector<jax_ep::RankMaskInfo> infos;
+        {
+          // synchronises every managed GPU: a kernel waiting for a peer would hold Python (the fault
+          // watcher too) up to its timeout
+          nb::gil_scoped_release release;
+          infos = jax_ep::Runtime::Get().RankMasks();
+        }
         nb::list masks;
-        for (const auto& info : jax_ep::Runtime::Get().RankMasks()) {
+        for (const auto& info : infos) {
           nb::dict entry;
           entry["device_ordinal"] = info.device_ordinal;
           entry["axis_slot"] = info.axis_slot;
@@ -460,7 +467,10 @@ NB_MODULE(_C, m) {
       "('discovery' / 'receive'), epoch. Synchronises the GPUs first.");
   m.def(
       "clear_rank_masks",
-      [](int axis_slot, int group) { jax_ep::Runtime::Get().ClearRankMasks(axis_slot, group); },
+      [](int axis_slot, int group) {
+        nb::gil_scoped_release release;  // synchronises every managed GPU (as rank_masks)
+        jax_ep::Runtime::Get().ClearRankMasks(axis_slot, group);
+      },
       "axis_slot"_a = -1, "group"_a = -1,
       "Clears the persistent rank masks of one axis slot / group (-1: all) on every managed GPU, "
       "after synchronising them.");
