@@ -15,10 +15,6 @@ from __future__ import annotations
 class EPError(Exception):
     """Base of every error jax_ep raises on purpose."""
 
-    # No instance layout of its own (no __weakref__ slot): a class made elsewhere with a built-in base
-    # (the extension's DeviceMemoryError, a RuntimeError) can then take it as a base (``adopt``).
-    __slots__ = ()
-
 
 class EPValueError(EPError, ValueError):
     """A wrong argument or option value (shape, dtype, size, a config field out of range), raised
@@ -57,8 +53,9 @@ class DeviceFaultError(EPError, RuntimeError):
 class DeviceMemoryError(EPError, RuntimeError):
     """A jax_ep buffer (communication buffer, device state, NVSHMEM symmetric heap) does not fit in
     a GPU's free memory beside XLA's preallocation. The GPU stays usable. When the CUDA extension is
-    built, ``jax_ep.runtime.DeviceMemoryError`` is the extension's class (raised from C++), made a
-    subclass of EPError too (``adopt``); this one stands in for it otherwise."""
+    built, ``jax_ep.runtime.DeviceMemoryError`` is the extension's class (raised from C++), a subclass
+    of this one, so that either name catches it (``except jax_ep.errors.DeviceMemoryError`` missed it
+    before 2026-12-06); this one stands in for it otherwise."""
 
 
 class CheckpointMismatchError(EPValueError):
@@ -67,14 +64,6 @@ class CheckpointMismatchError(EPValueError):
 
 class CheckpointNotFoundError(EPError, FileNotFoundError):
     """``jax_ep.checkpoint`` found no checkpoint at the path it was given."""
-
-
-def adopt(cls: type, builtin: type) -> type:
-    """``cls`` (an exception class made outside this module, with ``builtin`` as its base) made a
-    subclass of EPError, keeping ``builtin``: the extension's DeviceMemoryError."""
-    if not issubclass(cls, EPError):
-        cls.__bases__ = (EPError, builtin)
-    return cls
 
 
 ERRORS = (EPError, EPValueError, EPTypeError, EPUnsupportedError, EPRuntimeError, EPTimeoutError,

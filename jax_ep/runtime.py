@@ -106,9 +106,9 @@ DeviceFaultError = errors.DeviceFaultError
 
 if _C is not None:
     # A jax_ep buffer (communication buffer, device state, NVSHMEM symmetric heap) does not fit in a
-    # GPU's free memory beside XLA's preallocation; raised by the extension (a RuntimeError, made a
-    # jax_ep.EPError too). The GPU stays usable.
-    DeviceMemoryError = errors.adopt(_C.DeviceMemoryError, RuntimeError)
+    # GPU's free memory beside XLA's preallocation; raised by the extension, a subclass of
+    # errors.DeviceMemoryError (an EPError and a RuntimeError; xla_ffi/module.cc). The GPU stays usable.
+    DeviceMemoryError = _C.DeviceMemoryError
 else:  # pragma: no cover - depends on the build
     DeviceMemoryError = errors.DeviceMemoryError
 

@@ -40,6 +40,10 @@ def test_every_error_class_is_an_ep_error_and_keeps_its_builtin_base(cls, builti
 
 def test_error_classes_are_exported_under_one_name():
     assert jax_ep.DeviceMemoryError is runtime.DeviceMemoryError
+    # the extension's class is one of jax_ep.errors' too: either name catches what C++ raises
+    # (``except jax_ep.errors.DeviceMemoryError`` missed it before 2026-12-06; found by a review)
+    with pytest.raises(jax_ep.errors.DeviceMemoryError, match="no room"):
+        raise runtime.DeviceMemoryError("no room")
     assert runtime.DeviceFaultError is jax_ep.DeviceFaultError
     for name in jax_ep.__all__:
         value = getattr(jax_ep, name)

@@ -84,8 +84,10 @@ NB_MODULE(_C, m) {
   m.attr("MAX_DEVICES") = jax_ep::kMaxDevices;
 
   // Raised (by init, init_process_group, check_buffer_fits) when jax_ep's GPU memory does not fit
-  // beside XLA's; re-exported as jax_ep.runtime.DeviceMemoryError.
-  nb::exception<jax_ep::DeviceMemoryError>(m, "DeviceMemoryError", PyExc_RuntimeError);
+  // beside XLA's; re-exported as jax_ep.runtime.DeviceMemoryError. A subclass of
+  // jax_ep.errors.DeviceMemoryError (an EPError and a RuntimeError), so that either name catches it.
+  nb::object memory_error_base = nb::module_::import_("jax_ep.errors").attr("DeviceMemoryError");
+  nb::exception<jax_ep::DeviceMemoryError>(m, "DeviceMemoryError", memory_error_base.ptr());
 
   m.def(
       "device_memory_message",
