@@ -601,14 +601,15 @@ def ll_dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg:
     rank_mask, topk_idx = _checked_mask(rank_mask, size, cfg, "ll_dispatch", topk_idx)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch")
-    return _masked_ll_handle(_ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg))
+    return _masked_ll_handle(_ll_dispatch(x, topk_idx, topk_weights, rank_mask, cfg), rank_mask is not None)
 
 
-def _masked_ll_handle(out: types.LLDispatched) -> types.LLDispatched:
-    """The handle carries the ranks that took part, as Handle.rank_mask does: ll_combine called without
-    the dispatch's mask waited, on the GPU, for a rank the dispatch masked (its discovery counts every
-    rank of its own mask; found by a review, 2026-12-06)."""
-    return out._replace(handle=out.handle._replace(rank_mask=out.rank_mask))
+def _masked_ll_handle(out: types.LLDispatched, masked: bool) -> types.LLDispatched:
+    """A masked dispatch's handle carries the ranks that took part, as Handle.rank_mask does: ll_combine
+    called without the dispatch's mask waited, on the GPU, for a rank the dispatch masked (its discovery
+    counts every rank of its own mask; found by a review, 2026-12-06). None without a mask (the handle's
+    pytree as before: a scan carry of a hand-built handle; shrink mode's persistent mask is the kernels')."""
+    return out._replace(handle=out.handle._replace(rank_mask=out.rank_mask)) if masked else out
 
 
 @overlap.in_order
@@ -659,7 +660,11 @@ def _ll_send_impl(op: str, cfg: EPConfig, dtype):
     name = _backend_here(op, cfg, dtype)
     send = backends.get(name).function(f"{op}_send")
     sent = _as_sent(cfg)
-    return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name, cfg=sent)
+
+    def call(*args, rank_mask=None):
+        masked = {"masked": rank_mask is not None} if op == "ll_dispatch" else {}
+        return dataclasses.replace(send(*args, rank_mask=rank_mask), backend=name, cfg=sent, **masked)
+    return call
 
 
 def _as_sent(cfg: EPConfig) -> EPConfig:
@@ -751,7 +756,7 @@ def ll_dispatch_recv(pending: types.LLDispatchPending, cfg: EPConfig) -> types.L
     ``ll_dispatch``'s result (same bits). Forward-only."""
     ep_size(cfg, "ll_dispatch_recv")
     _check_pending(pending, types.LLDispatchPending, "ll_dispatch_recv", cfg)
-    return _masked_ll_handle(_ll_dispatch_recv(pending, cfg))
+    return _masked_ll_handle(_ll_dispatch_recv(pending, cfg), pending.masked)
 
 
 @overlap.in_order

@@ -101,8 +101,9 @@ class LLHandle(NamedTuple):
                              # unused or the slot was dropped (ll_combine skips every weight-0 slot)
     dest_rank: jax.Array     # [T, K] int32: the rank each top-k slot went to, -1 where unused or
                              # dropped (its rank masked); ll_combine skips slots of masked ranks
-    rank_mask: jax.Array | None = None   # [R] int32: the ranks that took part in the dispatch
-                                         # (LLDispatched.rank_mask); ll_combine ANDs its mask with it
+    rank_mask: jax.Array | None = None   # [R] int32: the ranks that took part in a masked dispatch
+                                         # (LLDispatched.rank_mask), None without a mask (as
+                                         # Handle.rank_mask); ll_combine ANDs its mask with it
 
 
 class LLDispatched(NamedTuple):
@@ -121,7 +122,7 @@ class LLDispatched(NamedTuple):
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["token", "topk_weights", "dest_rank", "num_dropped", "x", "topk_idx",
                                 "rank_mask"],
-                   meta_fields=["backend", "cfg"])
+                   meta_fields=["backend", "cfg", "masked"])
 @dataclasses.dataclass(frozen=True)
 class LLDispatchPending:
     """What ll_dispatch_send hands to ll_dispatch_recv (a pytree of arrays; ``backend``, static, names
@@ -139,6 +140,8 @@ class LLDispatchPending:
     rank_mask: jax.Array | None = None  # reference path only: the send's mask (bool [R])
     backend: str | None = dataclasses.field(default=None, kw_only=True)  # the send's (jax_ep.ops sets it)
     cfg: EPConfig | None = dataclasses.field(default=None, kw_only=True)  # the send's: the receive checks it
+    # the send had a rank_mask (static; jax_ep.ops sets it): the received handle carries the mask then
+    masked: bool = dataclasses.field(default=False, kw_only=True)
 
 
 @functools.partial(jax.tree_util.register_dataclass,

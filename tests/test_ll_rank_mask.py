@@ -142,6 +142,10 @@ def test_ll_all_active_mask_is_no_mask():
     want = to_numpy(per_rank(plain, ep_size)(x, idx, w, y))
     ones = np.ones(ep_size, np.int32)
     got = run(ep_size, "float8_e4m3fn", False, x, idx, w, y, ones, ones)
+    # a masked dispatch's handle carries its mask (all ones here), an unmasked one's none
+    np.testing.assert_array_equal(got[0].handle.rank_mask, np.ones((ep_size, ep_size), np.int32))
+    assert want[0].handle.rank_mask is None
+    got = (got[0]._replace(handle=got[0].handle._replace(rank_mask=None)), got[1])
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_bits_equal(np.asarray(a), np.asarray(b), "all-active mask vs no mask")
     assert (want[0].num_dropped == 0).all() and (want[0].rank_mask == 1).all()

@@ -437,8 +437,8 @@ def test_auto_picks_as_without_a_mask(monkeypatch):
 
 def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
     """The ops pass rank_mask= to every data op's implementation, forward and backward, None without
-    a mask (one signature for every backend: jax_ep.backends.Functions); ll_combine is passed its
-    dispatch's (LLHandle.rank_mask, the ranks that took part: all of them here)."""
+    a mask (one signature for every backend: jax_ep.backends.Functions); an unmasked dispatch's handle
+    has none (LLHandle.rank_mask None, its pytree that of a handle built by hand)."""
     seen, depth = {}, [0]
 
     def spy(name, fn):
@@ -473,8 +473,7 @@ def test_every_data_op_is_passed_its_rank_mask(monkeypatch):
     # broadcast is combine's backward's transport: the ops call combine_bwd (the kernel or the whole
     # reference backward, which calls broadcast itself with the mask it was given)
     assert sorted(seen) == sorted(name for name in DATA_FUNCTIONS if name != "broadcast")
-    assert all(mask is None for name, masks in seen.items() if name != "ll_combine" for mask in masks), seen
-    assert seen["ll_combine"] and all(mask is not None for mask in seen["ll_combine"]), seen
+    assert all(mask is None for masks in seen.values() for mask in masks), seen
 
 
 def test_auto_without_a_gpu_runs_the_reference():
@@ -769,9 +768,11 @@ def test_the_ops_of_a_handle_run_with_the_dispatchs_mask_too(monkeypatch, combin
         if layout == "rank_major":
             d = jax_ep.dispatch_rank_major(x, idx, w, cfg, rank_mask=dispatch_mask)
             return jax_ep.combine_rank_major(d.x, d.handle, cfg, rank_mask=mask)
-        d = jax_ep.ll_dispatch(x.astype(jnp.bfloat16), idx, w, cfg, rank_mask=dispatch_mask)
         if layout == "low_latency":
+            d = jax_ep.ll_dispatch(x.astype(jnp.bfloat16), idx, w, cfg, rank_mask=dispatch_mask)
             return jax_ep.ll_combine(d.x, d.handle, cfg, rank_mask=mask)
+        sent = jax_ep.ll_dispatch_send(x.astype(jnp.bfloat16), idx, w, cfg, rank_mask=dispatch_mask)
+        d = jax_ep.ll_dispatch_recv(sent, cfg)
         return jax_ep.ll_combine_recv(jax_ep.ll_combine_send(d.x, d.handle, cfg, rank_mask=mask), cfg)
 
     got = np.asarray(per_rank(body, ep_size)(x, idx, w))[0, 0, :ep_size]
