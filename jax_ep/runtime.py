@@ -546,6 +546,7 @@ def rank_masks(axis_name: str | None = None, group: int | None = None) -> list[d
     ``epoch`` (that call's number in the group). Every later EP call of the group on that GPU
     treats ``masked_rank`` as masked until ``clear_rank_masks``. ``axis_name`` / ``group``: only that
     EP axis / group. Synchronises the GPUs; call it outside jit (between steps)."""
+    group = _checked_group("rank_masks", group)
     if _C is None:
         return []
     found = list(_C.rank_masks())
@@ -556,18 +557,27 @@ def rank_masks(axis_name: str | None = None, group: int | None = None) -> list[d
     return found
 
 
+def _checked_group(op: str, group):
+    """None or an EP group's index, an int in [0, max_groups): the runtime took a negative group as every
+    group and one past the last as none, and rank_masks found nothing for either (found by a review,
+    2026-12-06)."""
+    if group is None:
+        return None
+    group = check_option(f"jax_ep.runtime.{op}:", "group", group, "int", minimum=0)
+    if _C is not None and group >= _C.LIMITS["max_groups"]:
+        raise errors.EPValueError(f"jax_ep.runtime.{op}: group must be below the runtime's max_groups "
+                                  f"{_C.LIMITS['max_groups']}, got {group}")
+    return group
+
+
 def clear_rank_masks(axis_name: str | None = None, group: int | None = None) -> None:
     """Clears the persistent rank masks (all, or of one EP axis / group) on this process's GPUs,
     after synchronising them: the next EP calls wait for those ranks again. Call it on every rank
     of the group, between steps, once the masked rank is back in step (it must have run the same
     EP calls; otherwise the next call fails naming it, see docs/api.md)."""
-    if group is not None:   # (the runtime took a negative group as every group, one past the last as none)
-        group = check_option("jax_ep.runtime.clear_rank_masks:", "group", group, "int", minimum=0)
+    group = _checked_group("clear_rank_masks", group)
     if _C is None:
         return
-    if group is not None and group >= _C.LIMITS["max_groups"]:
-        raise errors.EPValueError(f"jax_ep.runtime.clear_rank_masks: group must be below the runtime's "
-                                  f"max_groups {_C.LIMITS['max_groups']}, got {group}")
     _C.clear_rank_masks(-1 if axis_name is None else axis_slot(axis_name), -1 if group is None else group)
 
 

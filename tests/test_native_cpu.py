@@ -301,20 +301,23 @@ def test_ensure_initialized_names_a_bad_buffer_size(monkeypatch):
             runtime.ensure_initialized(bad)
 
 
-def test_clear_rank_masks_names_a_bad_group():
+@pytest.mark.parametrize("op", ["clear_rank_masks", "rank_masks"])
+def test_rank_mask_queries_name_a_bad_group(op):
     """group is an int in [0, max_groups) (the runtime took a negative one as every group and one past
-    the last as none, without a word; found by a review, 2026-12-06)."""
-    with pytest.raises(jax_ep.EPValueError, match=r"clear_rank_masks: group must be an int >= 0, got -1"):
-        runtime.clear_rank_masks(group=-1)
-    with pytest.raises(jax_ep.EPTypeError, match=r"clear_rank_masks: group must be an int >= 0, got '0'"):
-        runtime.clear_rank_masks(group="0")
+    the last as none, without a word, and rank_masks found no mask for either; found by a review,
+    2026-12-06)."""
+    call = getattr(runtime, op)
+    with pytest.raises(jax_ep.EPValueError, match=rf"{op}: group must be an int >= 0, got -1"):
+        call(group=-1)
+    with pytest.raises(jax_ep.EPTypeError, match=rf"{op}: group must be an int >= 0, got '0'"):
+        call(group="0")
     if runtime.extension() is None:
         pytest.skip(f"jax_ep._C not built: {runtime.extension_error()}")
     most = runtime.extension().LIMITS["max_groups"]
-    with pytest.raises(jax_ep.EPValueError, match=rf"group must be below the runtime's max_groups {most}, "
-                                                  rf"got {most}"):
-        runtime.clear_rank_masks(group=most)
-    runtime.clear_rank_masks(group=np.int64(most - 1))   # no GPU managed here: nothing to clear
+    with pytest.raises(jax_ep.EPValueError, match=rf"{op}: group must be below the runtime's max_groups "
+                                                  rf"{most}, got {most}"):
+        call(group=most)
+    call(group=np.int64(most - 1))   # no GPU managed here: nothing to clear or find
 
 
 def test_group_slots_put_the_ep_axis_last():
