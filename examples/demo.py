@@ -27,6 +27,7 @@ from models import (
     corpus_bytes,
     gpu_moe_dtype,
     require_at_least,
+    require_finite,
     say,
     timed_steps,
     warm_median,
@@ -120,6 +121,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     require_at_least(parser, args, ("steps",), minimum=2)   # the demo compares the first loss with the last
     require_at_least(parser, args, ("batch", "seq"))
+    require_finite(parser, args, ("lr",), positive=True)
 
     if jax_ep.distributed.launched_by():   # one of several processes: join them (jax.distributed)
         jax_ep.distributed.initialize()

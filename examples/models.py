@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
 import time
 
@@ -246,3 +247,14 @@ def require_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     for name in names:
         if getattr(args, name) < minimum:
             parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(args, name)}")
+
+
+def require_finite(parser: argparse.ArgumentParser, args: argparse.Namespace, names, *,
+                   positive: bool) -> None:
+    """A usage error naming the first of the float options ``names`` that is not finite and > 0
+    (``positive``) or >= 0: a NaN learning rate trained to NaN losses and exited 0."""
+    for name in names:
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number {'>' if positive else '>='} 0, "
+                         f"got {value}")

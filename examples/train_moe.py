@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import pathlib
 import time
 
@@ -58,6 +57,7 @@ from models import (
     gpu_moe_dtype,
     next_token_loss,
     require_at_least,
+    require_finite,
     say,
     timed_steps,
     warm_median,
@@ -124,8 +124,8 @@ def parse_args(argv):
         parser.error(f"--experts {args.experts} must be a multiple of the EP size {ep}")
     if args.experts < LMConfig.num_topk:   # (an EPValueError of RouterConfig's before 2026-12-06)
         parser.error(f"--experts {args.experts} must be at least the experts per token, {LMConfig.num_topk}")
-    if not math.isfinite(args.bias_rate) or args.bias_rate < 0:   # (found after the first run had trained)
-        parser.error(f"--bias-rate must be a finite number >= 0, got {args.bias_rate}")
+    require_finite(parser, args, ("lr",), positive=True)
+    require_finite(parser, args, ("bias_rate",), positive=False)   # (found after the first run had trained)
     require_at_least(parser, args, ("steps",), minimum=2)   # the two runs' first and last losses
     return args
 

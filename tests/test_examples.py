@@ -283,6 +283,8 @@ def test_decode_moe_help_and_bad_arguments():
     # first run had trained) before 2026-12-06
     ("train_moe.py", ["--bias-rate", "-1"], "--bias-rate must be a finite number >= 0, got -1.0"),
     ("train_moe.py", ["--bias-rate", "nan"], "--bias-rate must be a finite number >= 0, got nan"),
+    ("train_moe.py", ["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    ("demo.py", ["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
     ("train_moe.py", ["--experts", "1", "--mesh", "1,1"],
      "--experts 1 must be at least the experts per token, 2"),
     ("decode_moe.py", ["--hidden", "66"], "--hidden 66 must be a multiple of the attention heads, 4"),
