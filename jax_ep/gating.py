@@ -43,8 +43,6 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 # A group's score: DeepSeek-V3 sums its two best experts (robust to one outlier expert); DeepSeek-V2 (and
 # DeepSeek's reference Gate when it has no bias) takes the best one.
 GROUP_SCORES = {"top2_sum": 2, "max": 1}
-# Guards the renormalisation against an all-underflowed sigmoid row (as DeepSeek's reference code).
-_NORM_EPS = 1e-20
 
 
 # One limit of `route`: keep the `units_kept` best of `num_units` contiguous units of `unit_size` experts,
@@ -287,10 +285,18 @@ def _keep_top_units(selection: jax.Array, num_units: int, units_kept: int, score
     return jnp.where(expert_mask, selection, -jnp.inf)
 
 
+def _nonzero_sum(weights: jax.Array) -> jax.Array:
+    """The sum over the last axis, 1 where it is 0 (scores that all underflow stay 0). An epsilon added to
+    it (1e-20 until 2026-12-06) made rows of tiny sigmoid scores sum to less than 1: K=1 at logits ~-46
+    gave the weight 0.63 and the router a gradient (found by a fuzzer against DeepSeek's Gate)."""
+    total = weights.sum(axis=-1, keepdims=True)
+    return jnp.where(total > 0, total, 1.0)
+
+
 @jax.custom_jvp
 def _normalise(weights: jax.Array) -> jax.Array:
-    """weights / their sum over the last axis (+ a tiny epsilon: K scores that all underflow give 0)."""
-    return weights / (weights.sum(axis=-1, keepdims=True) + _NORM_EPS)
+    """weights / their sum over the last axis (rows that sum to 0 stay 0), as DeepSeek-V3's Gate."""
+    return weights / _nonzero_sum(weights)
 
 
 @_normalise.defjvp
@@ -299,7 +305,7 @@ def _normalise_jvp(primals, tangents):
     # underflows to 0 and the router's gradient became inf or NaN. (dw - out * sum(dw)) / sum is the same
     # derivative with the sum to the first power only.
     (weights,), (dweights,) = primals, tangents
-    total = weights.sum(axis=-1, keepdims=True) + _NORM_EPS
+    total = _nonzero_sum(weights)
     out = weights / total
     return out, (dweights - out * dweights.sum(axis=-1, keepdims=True)) / total
 
