@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep.errors import EPValueError
+from jax_ep.gating import _normalise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +45,25 @@ class BalancingConfig:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            # numbers.Real: NumPy's float32 / int64 scalars too (float32 was refused as not a number);
-            # np.bool_ is not one
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                    or not math.isfinite(value) or value < 0:
-                raise EPValueError(
-                    f"BalancingConfig.{field.name} must be a finite number >= 0, got {value!r}")
-            object.__setattr__(self, field.name, float(value))   # one type in the hash and the jit cache
+            # one type in the hash and the jit cache
+            object.__setattr__(self, field.name, _finite_rate(f"BalancingConfig.{field.name}",
+                                                              getattr(self, field.name)))
+
+
+def _finite_rate(what: str, value) -> float:
+    """A rate or coefficient given as a number: finite and >= 0, as a Python float. numbers.Real: NumPy's
+    float32 / int64 scalars too (float32 was refused as not a number); np.bool_ is not one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value < 0:
+        raise EPValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _checked_rate(what: str, value):
+    """``_finite_rate`` of a number given to a function; an array (traced, e.g. a schedule) as it is. A NaN
+    rate made every bias NaN (then every token picked experts 0 and 1), a negative one reversed the
+    balancing, a NaN alpha made the loss NaN, without a word (found by a fuzzer, 2026-12-06)."""
+    return value if isinstance(value, jax.Array) else _finite_rate(what, value)
 
 
 def _check_token_mask(token_mask) -> None:
@@ -128,6 +140,7 @@ def update_bias(bias: jax.Array, expert_load: jax.Array, rate: float, active: ja
     underload: raising their bias would send ever more picks to where they are dropped). Returns
     float32; no gradient flows through it.
     """
+    rate = _checked_rate("update_bias: rate", rate)
     if bias.shape != expert_load.shape or bias.ndim != 1:
         raise EPValueError(f"bias.shape={bias.shape} and expert_load.shape={expert_load.shape} must be the "
                            "same [E]")
@@ -175,6 +188,7 @@ def sequence_aux_terms(scores: jax.Array, topk_idx: jax.Array, num_experts: int,
     float32 scalars: what shards of the tokens add up (psum both, then divide) for the loss over all of
     them. Arguments as ``sequence_aux_loss``'s."""
     _check_num_experts("scores", scores, num_experts)
+    alpha = _checked_rate("sequence_aux_loss: alpha", alpha)
     if scores.shape[:-1] != topk_idx.shape[:-1]:
         raise EPValueError(
             f"scores.shape={scores.shape} and topk_idx.shape={topk_idx.shape} must agree on the "
@@ -220,7 +234,7 @@ def sequence_aux_terms(scores: jax.Array, topk_idx: jax.Array, num_experts: int,
     chosen = jnp.zeros((num_seq, num_experts), jnp.float32).at[seq_of_slot, target].add(1.0, mode="drop")
     f = num_experts / (num_topk * num_tokens[:, None]) * chosen                            # [B, E]
 
-    normalised = scores / jnp.maximum(scores.sum(axis=-1, keepdims=True), 1e-20)
+    normalised = _normalise(scores)   # the router's normalisation (a row of tiny sigmoid scores sums to 1)
     p = (normalised * mask[..., None]).sum(axis=1) / num_tokens[:, None]                   # [B, E]
     per_sequence = jnp.sum(f * p, axis=-1)                                                 # [B]
     # a sequence of padding only is no sequence: counting it (as 0) scaled the loss down by real / all

@@ -1,6 +1,7 @@
 """Load balancing helpers (jax_ep.balancing) against hand computations and NumPy references."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,25 @@ def test_update_bias_direction():
     new = update_bias(bias, load, 0.01, active)
     np.testing.assert_allclose(np.asarray(new) - np.asarray(bias), [0.01, -0.01, 0.01, 0.01, 0, -0.01],
                                atol=1e-7)
+
+
+def test_rates_given_as_numbers_are_checked():
+    """update_bias's rate and the aux loss's alpha, as numbers, are finite and >= 0 as BalancingConfig's
+    (a NaN rate made every bias NaN, then every token picked experts 0 and 1; a negative one reversed the
+    balancing; a NaN alpha made the loss NaN; found by a fuzzer, 2026-12-06). A traced rate is taken."""
+    rng = np.random.default_rng()
+    bias = jnp.asarray(rng.normal(size=4), jnp.float32)
+    load = jnp.array([10, 0, 5, 5], jnp.int32)
+    for bad in (float("nan"), -0.1, np.float32("inf"), True):
+        with pytest.raises(EPValueError, match=rf"update_bias: rate must be a finite number >= 0, got "
+                                               rf"{re.escape(repr(bad))}"):
+            update_bias(bias, load, bad)
+    scores = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32))
+    idx = jnp.asarray(rng.integers(0, 4, size=(2, 3, 1)), jnp.int32)
+    with pytest.raises(EPValueError, match=r"sequence_aux_loss: alpha must be a finite number >= 0, got nan"):
+        sequence_aux_loss(scores, idx, 4, float("nan"))
+    stepped = jax.jit(update_bias)(bias, load, jnp.float32(0.25))
+    np.testing.assert_allclose(np.asarray(stepped - bias), [-0.25, 0.25, 0.0, 0.0], atol=1e-6)
 
 
 def test_bias_updates_balance_a_skewed_router():
