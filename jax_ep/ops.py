@@ -25,7 +25,6 @@ import weakref
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import auto_table, backends, overlap, remat, types, vma
 from jax_ep.config import EPConfig, KernelConfig, check_option
@@ -374,7 +373,7 @@ def _checked_mask(rank_mask, size: int, cfg: EPConfig, op: str, tied):
 def _dispatch(x, topk_idx, topk_weights, rank_mask, cfg):
     # named for jax.checkpoint policies (jax_ep.remat): a rematerialised block may keep them
     out = implementation("dispatch", cfg, x.dtype)(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask)
-    return checkpoint_name(out, remat.DISPATCH)
+    return remat.named(out, remat.DISPATCH)
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
@@ -402,7 +401,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _dispatch_st(x, topk_idx, topk_weights, rank_mask, cfg):
     # named here too: inside this rule's forward _dispatch is a call of its own, its names hidden
-    out = checkpoint_name(_dispatch(x, topk_idx, topk_weights, rank_mask, cfg), remat.DISPATCH)
+    out = remat.named(_dispatch(x, topk_idx, topk_weights, rank_mask, cfg), remat.DISPATCH)
     return out, dequantize_rows(out.x, out.scales, x.dtype)
 
 
@@ -440,7 +439,7 @@ def _unit_weights(handle: types.Handle) -> types.Handle:
 # ---- combine: custom_vjp --------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _combine(y, handle, rank_mask, cfg, empty_rows_zero, weighted):
-    return checkpoint_name(implementation("combine", cfg, y.dtype)(
+    return remat.named(implementation("combine", cfg, y.dtype)(
         y, handle if weighted else _unit_weights(handle), cfg, rank_mask=rank_mask), remat.COMBINE)
 
 
@@ -527,7 +526,7 @@ def combine_rank_major(y: jax.Array, handle: types.RankMajorHandle, cfg: EPConfi
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _dispatch_rank_major(x, topk_idx, topk_weights, rank_mask, cfg):
     impl = implementation("dispatch_rank_major", cfg, x.dtype)
-    return checkpoint_name(impl(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask), remat.DISPATCH)
+    return remat.named(impl(x, topk_idx, topk_weights, cfg, rank_mask=rank_mask), remat.DISPATCH)
 
 
 def _dispatch_rank_major_fwd(x, topk_idx, topk_weights, rank_mask, cfg):
@@ -555,7 +554,7 @@ _dispatch_rank_major.defvjp(_dispatch_rank_major_fwd, _dispatch_rank_major_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _combine_rank_major(y, handle, rank_mask, cfg):
     combined = implementation("combine_rank_major", cfg, y.dtype)(y, handle, cfg, rank_mask=rank_mask)
-    return checkpoint_name(combined, remat.COMBINE)
+    return remat.named(combined, remat.COMBINE)
 
 
 def _combine_rank_major_fwd(y, handle, rank_mask, cfg):

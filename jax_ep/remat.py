@@ -31,7 +31,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax._src.interpreters import partial_eval as pe
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import ordering
 from jax_ep.errors import EPUnsupportedError, EPValueError
@@ -40,6 +43,19 @@ DISPATCH = "jax_ep.dispatch"
 COMBINE = "jax_ep.combine"
 GATE_UP = "jax_ep.gate_up"
 NAMES = (DISPATCH, COMBINE, GATE_UP)
+
+
+def named(tree, name: str):
+    """``checkpoint_name`` of a pytree of results, an FP8 array named as its bits (uint8): an e4m3 array a
+    policy kept came back as garbage in the backward of a jax.checkpoint inside shard_map (the FP8 wire's
+    rows: NaN outputs and gradients with ``policy()``, none without a policy; jax 0.10.2 on the CPU, found
+    by a fuzzer, 2026-12-06; the cause inside JAX is not pinned down), while its bits come back whole."""
+    def one(leaf):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.dtype(leaf.dtype).itemsize == 1:
+            return lax.bitcast_convert_type(checkpoint_name(lax.bitcast_convert_type(leaf, jnp.uint8), name),
+                                            leaf.dtype)
+        return checkpoint_name(leaf, name)
+    return jax.tree.map(one, tree)
 
 
 def policy(save: Sequence[str] | None = None, *, offload: Sequence[str] = (), base: Callable | None = None,

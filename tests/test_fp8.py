@@ -145,3 +145,34 @@ def test_fp8_rows_used_outside_the_gradient_do_not_raise():
     np.testing.assert_array_equal(np.asarray(g), 2 * np.asarray(x))
     with pytest.raises(NotImplementedError, match="forward-only"):
         jax.grad(lambda x: rows(x, idx, w).sum())(x)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_fp8_wire_under_a_remat_policy_inside_shard_map(ep_size):
+    """The FP8 wire's rows kept by jax_ep.remat.policy() in a jax.checkpoint inside shard_map came back as
+    garbage: NaN values and gradients where no policy, or plain jax.checkpoint, gave the right ones (found
+    by a fuzzer of the MoE layer, 2026-12-06). The ops now name an FP8 array as its bits
+    (jax_ep.remat.named). Only the live rows (below the groups' sum) enter the loss."""
+    rng = np.random.default_rng()
+    tokens, hidden, experts = 3, 128, 2 * ep_size
+    cfg = jax_ep.EPConfig(experts, 1, hidden, tokens, dispatch_dtype="float8_e4m3fn", backend="reference")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:ep_size]), ("ep",))
+    x = jnp.asarray(rng.normal(size=(ep_size * tokens, hidden)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, experts, size=(ep_size * tokens, 1)), jnp.int32)
+    w = jnp.ones((ep_size * tokens, 1), jnp.float32)
+
+    def loss(x, idx, w):
+        d, rows = jax_ep.ops.dispatch_straight_through(x, idx, w, cfg)
+        live = jnp.arange(rows.shape[0]) < jnp.sum(d.group_sizes)
+        return jnp.sum(jnp.where(live[:, None], rows * rows, 0.0))
+
+    results = []
+    for policy in (None, jax_ep.remat.policy()):
+        body = jax.shard_map(lambda *a, p=policy: jax.lax.psum(jax.checkpoint(loss, policy=p)(*a), "ep"),
+                             mesh=mesh, in_specs=(jax.sharding.PartitionSpec("ep"),) * 3,
+                             out_specs=jax.sharding.PartitionSpec())
+        value, dx = jax.jit(jax.value_and_grad(body))(x, idx, w)
+        assert np.isfinite(float(value)) and np.isfinite(np.asarray(dx)).all(), policy
+        results.append((float(value), np.asarray(dx)))
+    assert results[0][0] == results[1][0] > 0
+    np.testing.assert_array_equal(results[0][1], results[1][1])
