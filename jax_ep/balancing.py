@@ -24,6 +24,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep.errors import EPValueError
 from jax_ep.gating import _normalise
@@ -60,10 +61,11 @@ def _finite_rate(what: str, value) -> float:
 
 
 def _checked_rate(what: str, value):
-    """``_finite_rate`` of a number given to a function; an array (traced, e.g. a schedule) as it is. A NaN
+    """``_finite_rate`` of a number given to a function; an array (traced, e.g. a schedule; or NumPy's) as it
+    is. A NaN
     rate made every bias NaN (then every token picked experts 0 and 1), a negative one reversed the
     balancing, a NaN alpha made the loss NaN, without a word (found by a fuzzer, 2026-12-06)."""
-    return value if isinstance(value, jax.Array) else _finite_rate(what, value)
+    return value if isinstance(value, (jax.Array, np.ndarray)) else _finite_rate(what, value)
 
 
 def _check_token_mask(token_mask) -> None:

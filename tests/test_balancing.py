@@ -114,6 +114,7 @@ def test_rates_given_as_numbers_are_checked():
         sequence_aux_loss(scores, idx, 4, float("nan"))
     stepped = jax.jit(update_bias)(bias, load, jnp.float32(0.25))
     np.testing.assert_allclose(np.asarray(stepped - bias), [-0.25, 0.25, 0.0, 0.0], atol=1e-6)
+    np.testing.assert_array_equal(update_bias(bias, load, np.asarray(0.25)), stepped)   # a NumPy array
 
 
 def test_bias_updates_balance_a_skewed_router():
