@@ -116,8 +116,8 @@ def comm_bytes(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16) -> int:
     native = runtime.built_extension("jax_ep.cuda_backend.comm_bytes")
     wire = max(cfg.wire_dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     scales = 4 * cfg.num_scale_blocks if cfg.dispatch_dtype == "float8_e4m3fn" else 0
-    return int(native.comm_bytes(ep_size, cfg.max_tokens_per_rank, cfg.num_topk,
-                                              cfg.num_experts, cfg.hidden * wire, scales))
+    return int(native.comm_bytes(ep_size, cfg.max_tokens_per_rank, cfg.num_topk, cfg.num_experts,
+                                 cfg.hidden * wire, scales))
 
 
 def ll_comm_bytes(cfg: EPConfig, ep_size: int, dtype=jnp.bfloat16) -> int:

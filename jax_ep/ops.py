@@ -659,11 +659,7 @@ def _ll_send_impl(op: str, cfg: EPConfig, dtype):
     name = _backend_here(op, cfg, dtype)
     send = backends.get(name).function(f"{op}_send")
     sent = _as_sent(cfg)
-
-    def call(*args, rank_mask=None):
-        masked = {"masked": rank_mask is not None} if op == "ll_dispatch" else {}
-        return dataclasses.replace(send(*args, rank_mask=rank_mask), backend=name, cfg=sent, **masked)
-    return call
+    return lambda *args, **kwargs: dataclasses.replace(send(*args, **kwargs), backend=name, cfg=sent)
 
 
 def _as_sent(cfg: EPConfig) -> EPConfig:
@@ -745,7 +741,8 @@ def ll_dispatch_send(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
     rank_mask, topk_idx = _checked_mask(rank_mask, size, cfg, "ll_dispatch_send", topk_idx)
     if cfg.checked:
         topk_idx = check_topk_values(topk_idx, cfg.num_experts, cfg.axis_name, "ll_dispatch_send")
-    return overlap.primal(_ll_dispatch_send)(x, topk_idx, topk_weights, rank_mask, cfg)
+    pending = overlap.primal(_ll_dispatch_send)(x, topk_idx, topk_weights, rank_mask, cfg)
+    return dataclasses.replace(pending, masked=rank_mask is not None)   # (for the receive's handle)
 
 
 @_receive_once("ll_dispatch_recv")
